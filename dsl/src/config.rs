@@ -1,0 +1,539 @@
+//! Model dimensions: one section per layer kind (shared/spec/params.md),
+//! read from TOML model files or taken from a built-in preset.
+
+use crate::diagnostic::{Code, Diagnostic};
+use crate::pattern::{LayerKind, Pattern};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A model: its pattern and the dimensions of every layer kind it uses.
+///
+/// A model file is this struct in TOML:
+///
+/// ```toml
+/// pattern = "M[*E]M[*E]"
+/// hidden_size = 64
+/// vocab_size = 256
+///
+/// [attention]
+/// num_heads = 4
+/// num_kv_groups = 2
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The layer pattern (pattern.md), sugar allowed.
+    pub pattern: String,
+    /// h.
+    pub hidden_size: usize,
+    /// V before padding; the embedding has `padded_vocab_size()` rows.
+    pub vocab_size: usize,
+    /// Share the input embedding with the output layer (no `output_layer.weight`).
+    #[serde(default)]
+    pub tie_embeddings: bool,
+    /// Standard deviation of the normal initialisation (layers.md).
+    #[serde(default = "default_init_std")]
+    pub init_std: f32,
+    /// Tokens per sequence used for activation sizes and by `train`.
+    #[serde(default = "default_seq_length")]
+    pub seq_length: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dsa: Option<DsaConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gdn: Option<GdnConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mamba: Option<MambaConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp: Option<MlpConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+    #[serde(default)]
+    pub mtp: MtpConfig,
+}
+
+/// `*`: grouped-query attention.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionConfig {
+    /// a.
+    pub num_heads: usize,
+    /// g: key/value groups (g = a is multi-head attention, g = 1 multi-query).
+    pub num_kv_groups: usize,
+    /// c; defaults to h / a.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// RMSNorm on each query and key head.
+    #[serde(default)]
+    pub qk_norm: bool,
+    #[serde(default)]
+    pub position: Position,
+    #[serde(default = "default_rope_base")]
+    pub rope_base: f32,
+}
+
+/// Position information in attention. Nemotron-H and Megatron's hybrid
+/// default use none: the Mamba layers carry order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Position {
+    #[default]
+    None,
+    Rope,
+}
+
+/// `+` (and the MLA part of `D`): multi-latent attention.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlaConfig {
+    /// a.
+    pub num_heads: usize,
+    /// qr; without it queries are projected directly from the hidden state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q_lora_rank: Option<usize>,
+    /// kr.
+    pub kv_lora_rank: usize,
+    /// dn.
+    pub qk_head_dim: usize,
+    /// dr.
+    pub qk_rope_head_dim: usize,
+    /// dv.
+    pub v_head_dim: usize,
+    /// RMSNorm on the compressed query and key/value (the LoRA norms).
+    #[serde(default = "yes")]
+    pub qk_norm: bool,
+    #[serde(default = "default_rope_base")]
+    pub rope_base: f32,
+}
+
+/// `D`: the DSA indexer; the rest of the layer takes `[mla]`'s dimensions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DsaConfig {
+    /// ni.
+    pub index_heads: usize,
+    /// di.
+    pub index_head_dim: usize,
+    /// Keys each query attends to.
+    pub index_topk: usize,
+}
+
+/// `G`: gated delta net.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GdnConfig {
+    /// Hk.
+    pub key_heads: usize,
+    /// Hv.
+    pub value_heads: usize,
+    /// dk.
+    pub key_head_dim: usize,
+    /// dv'.
+    pub value_head_dim: usize,
+    /// kg.
+    #[serde(default = "default_conv_kernel")]
+    pub conv_kernel: usize,
+}
+
+/// `M`: Mamba-2.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MambaConfig {
+    /// H.
+    pub num_heads: usize,
+    /// P.
+    pub head_dim: usize,
+    /// G.
+    pub num_groups: usize,
+    /// N.
+    pub state_size: usize,
+    #[serde(default = "default_conv_kernel")]
+    pub conv_kernel: usize,
+    /// d_in, when a config states it: must equal H x P.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inner_size: Option<usize>,
+    /// Chunk length of the chunked (SSD) scan; any value gives the same maths.
+    #[serde(default = "default_chunk_size")]
+    pub chunk_size: usize,
+}
+
+/// `-`: dense MLP.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlpConfig {
+    /// F.
+    pub ffn_hidden_size: usize,
+    #[serde(default)]
+    pub activation: Activation,
+}
+
+/// `E`: mixture of experts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    /// E.
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Fe.
+    pub ffn_hidden_size: usize,
+    /// Fs: one shared expert of this width, when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_expert_ffn_hidden_size: Option<usize>,
+    #[serde(default)]
+    pub activation: Activation,
+    #[serde(default)]
+    pub score_function: ScoreFunction,
+    /// Switch-style load-balancing loss coefficient; 0 disables it.
+    #[serde(default = "default_aux_loss_coeff")]
+    pub aux_loss_coeff: f32,
+    /// An f32 per-expert bias added to scores for selection only (a buffer,
+    /// never a parameter).
+    #[serde(default)]
+    pub expert_bias: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// relu(x)^2, as Nemotron-H (u = 1).
+    #[default]
+    SquaredRelu,
+    Gelu,
+    /// silu(gate) * up (u = 2).
+    Swiglu,
+}
+
+impl Activation {
+    /// u: rows of fc1 per hidden unit.
+    pub const fn fc1_factor(self) -> usize {
+        match self {
+            Activation::Swiglu => 2,
+            _ => 1,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoreFunction {
+    #[default]
+    Softmax,
+    Sigmoid,
+}
+
+/// Multi-token prediction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MtpConfig {
+    /// Factor on the depth-averaged MTP loss.
+    #[serde(default = "default_mtp_loss_scale")]
+    pub loss_scale: f32,
+}
+
+impl Default for MtpConfig {
+    fn default() -> Self {
+        MtpConfig {
+            loss_scale: default_mtp_loss_scale(),
+        }
+    }
+}
+
+fn default_init_std() -> f32 {
+    0.02
+}
+fn default_seq_length() -> usize {
+    4096
+}
+fn default_rope_base() -> f32 {
+    10_000.0
+}
+fn default_conv_kernel() -> usize {
+    4
+}
+fn default_chunk_size() -> usize {
+    128
+}
+fn default_aux_loss_coeff() -> f32 {
+    1e-2
+}
+fn default_mtp_loss_scale() -> f32 {
+    0.1
+}
+fn yes() -> bool {
+    true
+}
+
+/// Reading a model file failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read model file {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("model file {path} is not a valid model:\n{message}")]
+    Toml { path: String, message: String },
+    #[error("unknown preset `{0}`; the presets are: {presets}", presets = PRESET_NAMES.join(", "))]
+    UnknownPreset(String),
+}
+
+/// Built-in presets, by name.
+pub const PRESET_NAMES: [&str; 3] = ["tiny", "nemotron-nano-9b-v2", "nemotron-3-nano-30b-a3b"];
+
+const TINY: &str = include_str!("../presets/tiny.toml");
+const NEMOTRON_NANO_9B_V2: &str = include_str!("../presets/nemotron-nano-9b-v2.toml");
+const NEMOTRON_3_NANO_30B_A3B: &str = include_str!("../presets/nemotron-3-nano-30b-a3b.toml");
+
+impl ModelConfig {
+    /// A built-in preset. The presets are TOML files shipped with the crate, so
+    /// a user can copy one as the start of a model file.
+    pub fn preset(name: &str) -> Result<ModelConfig, ConfigError> {
+        let text = ModelConfig::preset_source(name).ok_or_else(|| ConfigError::UnknownPreset(name.to_string()))?;
+        ModelConfig::from_toml(text, &format!("<preset {name}>"))
+    }
+
+    /// The TOML text of a built-in preset.
+    pub fn preset_source(name: &str) -> Option<&'static str> {
+        match name {
+            "tiny" => Some(TINY),
+            "nemotron-nano-9b-v2" => Some(NEMOTRON_NANO_9B_V2),
+            "nemotron-3-nano-30b-a3b" => Some(NEMOTRON_3_NANO_30B_A3B),
+            _ => None,
+        }
+    }
+
+    /// Parses a model from TOML; `origin` names the text in errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<ModelConfig, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Toml {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })
+    }
+
+    pub fn from_file(path: &Path) -> Result<ModelConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        ModelConfig::from_toml(&text, &path.display().to_string())
+    }
+
+    /// V rounded up to a multiple of 128.
+    pub fn padded_vocab_size(&self) -> usize {
+        self.vocab_size.div_ceil(128) * 128
+    }
+
+    /// c for `*` layers.
+    pub fn attention_head_dim(&self) -> Option<usize> {
+        let a = self.attention.as_ref()?;
+        a.head_dim.or_else(|| self.hidden_size.checked_div(a.num_heads))
+    }
+
+    /// Whether the config has the section a layer kind needs.
+    pub fn has_dimensions_for(&self, kind: LayerKind) -> bool {
+        match kind {
+            LayerKind::Mamba => self.mamba.is_some(),
+            LayerKind::Attention => self.attention.is_some(),
+            LayerKind::Mla => self.mla.is_some(),
+            LayerKind::Dsa => self.mla.is_some() && self.dsa.is_some(),
+            LayerKind::GatedDeltaNet => self.gdn.is_some(),
+            LayerKind::Mlp => self.mlp.is_some(),
+            LayerKind::Moe => self.moe.is_some(),
+        }
+    }
+
+    /// H025 and H026: dimensions that cannot build the layers `pattern` uses.
+    /// Sections the pattern does not use are checked too (a preset must be
+    /// sound for any pattern), but only when present.
+    pub fn check(&self, pattern: &Pattern) -> Vec<Diagnostic> {
+        let mut out = Vec::new();
+        for kind in pattern.kinds() {
+            if !self.has_dimensions_for(kind) {
+                let section = match kind {
+                    LayerKind::Dsa if self.mla.is_none() => "[mla] and [dsa]",
+                    LayerKind::Dsa => "[dsa]",
+                    _ => kind_section(kind),
+                };
+                let first = pattern
+                    .layers()
+                    .chain(pattern.mtp_depths.iter().flat_map(|d| &d.layers))
+                    .find(|l| l.kind == kind);
+                let mut d = Diagnostic::new(
+                    Code::H026,
+                    format!("the pattern uses `{}` ({}) but the model has no {section} section", kind, kind.name()),
+                )
+                .label("no dimensions for this kind")
+                .help(format!("add {section} to the model file, or use the `tiny` preset, which has every kind"));
+                if let Some(layer) = first {
+                    d = d.at(layer.span);
+                }
+                out.push(d);
+            }
+        }
+        self.check_dimensions(&mut out);
+        out
+    }
+
+    fn check_dimensions(&self, out: &mut Vec<Diagnostic>) {
+        let mut bad = |message: String, help: &str| {
+            out.push(Diagnostic::new(Code::H025, message).help(help));
+        };
+        let positive = |name: &str, value: usize, bad: &mut dyn FnMut(String, &str)| {
+            if value == 0 {
+                bad(format!("`{name}` is 0"), "every size must be at least 1");
+            }
+        };
+        positive("hidden_size", self.hidden_size, &mut bad);
+        positive("vocab_size", self.vocab_size, &mut bad);
+        positive("seq_length", self.seq_length, &mut bad);
+        if !(self.init_std.is_finite() && self.init_std > 0.0) {
+            bad(format!("`init_std` is {}", self.init_std), "use a small positive number such as 0.02");
+        }
+        if let Some(a) = &self.attention {
+            positive("attention.num_heads", a.num_heads, &mut bad);
+            positive("attention.num_kv_groups", a.num_kv_groups, &mut bad);
+            if a.num_kv_groups > 0 && a.num_heads % a.num_kv_groups != 0 {
+                bad(
+                    format!(
+                        "`attention.num_kv_groups = {}` does not divide `attention.num_heads = {}`",
+                        a.num_kv_groups, a.num_heads
+                    ),
+                    "each KV group serves a whole number of query heads: pick a divisor of num_heads",
+                );
+            }
+            match a.head_dim {
+                Some(0) => bad("`attention.head_dim` is 0".into(), "every size must be at least 1"),
+                Some(_) => {}
+                None if a.num_heads > 0 && self.hidden_size % a.num_heads != 0 => bad(
+                    format!(
+                        "`attention.num_heads = {}` does not divide `hidden_size = {}`",
+                        a.num_heads, self.hidden_size
+                    ),
+                    "set `attention.head_dim` explicitly, or pick a head count that divides hidden_size",
+                ),
+                None => {}
+            }
+            if a.position == Position::Rope && self.attention_head_dim().is_some_and(|c| c % 2 != 0) {
+                bad(
+                    format!("rotary embeddings need an even head dim; attention head dim is {}", self.attention_head_dim().unwrap_or(0)),
+                    "use an even head_dim, or `position = \"none\"`",
+                );
+            }
+        }
+        if let Some(m) = &self.mla {
+            positive("mla.num_heads", m.num_heads, &mut bad);
+            positive("mla.kv_lora_rank", m.kv_lora_rank, &mut bad);
+            positive("mla.qk_head_dim", m.qk_head_dim, &mut bad);
+            positive("mla.qk_rope_head_dim", m.qk_rope_head_dim, &mut bad);
+            positive("mla.v_head_dim", m.v_head_dim, &mut bad);
+            if m.q_lora_rank == Some(0) {
+                bad("`mla.q_lora_rank` is 0".into(), "leave it out to project queries directly, or make it at least 1");
+            }
+            if m.qk_rope_head_dim % 2 != 0 {
+                bad(
+                    format!("`mla.qk_rope_head_dim = {}` is odd", m.qk_rope_head_dim),
+                    "rotary embeddings rotate pairs of channels: use an even size",
+                );
+            }
+        }
+        if let Some(d) = &self.dsa {
+            positive("dsa.index_heads", d.index_heads, &mut bad);
+            positive("dsa.index_head_dim", d.index_head_dim, &mut bad);
+            positive("dsa.index_topk", d.index_topk, &mut bad);
+            if self.mla.as_ref().is_some_and(|m| m.q_lora_rank.is_none()) {
+                bad(
+                    "DSA needs `mla.q_lora_rank`: its indexer reads the compressed query".into(),
+                    "set `q_lora_rank` in [mla]",
+                );
+            }
+        }
+        if let Some(g) = &self.gdn {
+            positive("gdn.key_heads", g.key_heads, &mut bad);
+            positive("gdn.value_heads", g.value_heads, &mut bad);
+            positive("gdn.key_head_dim", g.key_head_dim, &mut bad);
+            positive("gdn.value_head_dim", g.value_head_dim, &mut bad);
+            positive("gdn.conv_kernel", g.conv_kernel, &mut bad);
+            if g.key_heads > 0 && g.value_heads % g.key_heads != 0 {
+                bad(
+                    format!(
+                        "`gdn.key_heads = {}` does not divide `gdn.value_heads = {}`",
+                        g.key_heads, g.value_heads
+                    ),
+                    "each key head serves a whole number of value heads",
+                );
+            }
+        }
+        if let Some(m) = &self.mamba {
+            positive("mamba.num_heads", m.num_heads, &mut bad);
+            positive("mamba.head_dim", m.head_dim, &mut bad);
+            positive("mamba.num_groups", m.num_groups, &mut bad);
+            positive("mamba.state_size", m.state_size, &mut bad);
+            positive("mamba.conv_kernel", m.conv_kernel, &mut bad);
+            positive("mamba.chunk_size", m.chunk_size, &mut bad);
+            if m.num_groups > 0 && m.num_heads % m.num_groups != 0 {
+                bad(
+                    format!(
+                        "`mamba.num_groups = {}` does not divide `mamba.num_heads = {}`",
+                        m.num_groups, m.num_heads
+                    ),
+                    "head i reads group i / (H/G): pick a divisor of num_heads",
+                );
+            }
+            if let Some(inner) = m.inner_size
+                && inner != m.num_heads * m.head_dim
+            {
+                bad(
+                    format!(
+                        "`mamba.inner_size = {inner}` but num_heads x head_dim = {} x {} = {}",
+                        m.num_heads,
+                        m.head_dim,
+                        m.num_heads * m.head_dim
+                    ),
+                    "d_in is H x P: drop inner_size, or make the three agree",
+                );
+            }
+            if m.num_groups > 0 && (m.num_heads * m.head_dim) % m.num_groups != 0 {
+                bad(
+                    format!("Mamba inner size {} does not split into {} norm groups", m.num_heads * m.head_dim, m.num_groups),
+                    "the gated norm normalises d_in / G channels per group",
+                );
+            }
+        }
+        if let Some(m) = &self.mlp {
+            positive("mlp.ffn_hidden_size", m.ffn_hidden_size, &mut bad);
+        }
+        if let Some(m) = &self.moe {
+            positive("moe.num_experts", m.num_experts, &mut bad);
+            positive("moe.top_k", m.top_k, &mut bad);
+            positive("moe.ffn_hidden_size", m.ffn_hidden_size, &mut bad);
+            if m.shared_expert_ffn_hidden_size == Some(0) {
+                bad("`moe.shared_expert_ffn_hidden_size` is 0".into(), "leave it out for no shared expert");
+            }
+            if m.top_k > m.num_experts {
+                bad(
+                    format!("`moe.top_k = {}` is above `moe.num_experts = {}`", m.top_k, m.num_experts),
+                    "each token picks top_k distinct experts: use top_k <= num_experts",
+                );
+            }
+            if !(m.aux_loss_coeff.is_finite() && m.aux_loss_coeff >= 0.0) {
+                bad(format!("`moe.aux_loss_coeff` is {}", m.aux_loss_coeff), "use 0 (off) or a small positive number");
+            }
+        }
+        if !(self.mtp.loss_scale.is_finite() && self.mtp.loss_scale >= 0.0) {
+            bad(format!("`mtp.loss_scale` is {}", self.mtp.loss_scale), "use a non-negative number such as 0.1");
+        }
+    }
+}
+
+/// The TOML section holding a kind's dimensions.
+pub fn kind_section(kind: LayerKind) -> &'static str {
+    match kind {
+        LayerKind::Mamba => "[mamba]",
+        LayerKind::Attention => "[attention]",
+        LayerKind::Mla => "[mla]",
+        LayerKind::Dsa => "[dsa]",
+        LayerKind::GatedDeltaNet => "[gdn]",
+        LayerKind::Mlp => "[mlp]",
+        LayerKind::Moe => "[moe]",
+    }
+}

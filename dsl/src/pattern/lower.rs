@@ -1,0 +1,559 @@
+//! From the tolerant parse tree to the expanded syntax tree.
+//!
+//! Lowering runs in two steps. First the parse tree becomes a compact tree in
+//! which repeats are still counts, and every error node of the grammar becomes
+//! a diagnostic. Then, if the expansion fits the layer budget, the repeats are
+//! unrolled into a [`Pattern`]. Counting before unrolling is what keeps
+//! `(M{100000}){100000}` an error instead of an out-of-memory.
+
+use super::{Group, Item, Layer, LayerKind, MAX_EXPANDED_LAYERS, MAX_REPEAT, MtpDepth, Pattern, Segment};
+use crate::diagnostic::{Code, Diagnostic};
+use crate::span::{LineCol, Span};
+use pest::Parser;
+use pest::iterators::Pair;
+
+#[derive(pest_derive::Parser)]
+#[grammar = "pattern/grammar.pest"]
+struct PatternParser;
+
+/// A pattern before its repeats are unrolled.
+enum Node {
+    Layer(Layer),
+    Group { span: Span, members: Vec<(Layer, usize)> },
+    Repeat { body: Vec<Node>, times: usize },
+}
+
+impl Node {
+    /// Physical layers this node expands to (saturating: a count, not memory).
+    fn size(&self) -> usize {
+        match self {
+            Node::Layer(_) => 1,
+            Node::Group { members, .. } => members.iter().map(|(_, n)| *n).fold(0, usize::saturating_add),
+            Node::Repeat { body, times } => body.iter().map(Node::size).fold(0, usize::saturating_add).saturating_mul(*times),
+        }
+    }
+}
+
+/// Where an item is being read: the rules for brackets and `|` differ.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Main,
+    Mtp,
+}
+
+struct Lowering<'s> {
+    source: &'s str,
+    diagnostics: Vec<Diagnostic>,
+    /// Unclosed `[`s not yet matched with a later stray `]`. The first stray
+    /// `]` after an unclosed group is taken as its intended closer (as in
+    /// `[M|E]`) and not reported a second time.
+    unmatched_unclosed: usize,
+    /// The same for an unclosed `(` and a later stray `)`.
+    unmatched_unclosed_paren: usize,
+}
+
+/// Parses `source` into an expanded pattern plus the diagnostics of its
+/// syntax (H001-H005, H011, H012). The pattern holds everything that could
+/// be read, so the semantic rules can still run on it and report their own
+/// independent errors.
+pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
+    let mut cx = Lowering {
+        source,
+        diagnostics: Vec::new(),
+        unmatched_unclosed: 0,
+        unmatched_unclosed_paren: 0,
+    };
+    let empty = Pattern {
+        segments: Vec::new(),
+        mtp_depths: Vec::new(),
+    };
+    let root = match PatternParser::parse(Rule::pattern, source) {
+        Ok(mut pairs) => pairs.next(),
+        Err(error) => {
+            // The grammar accepts every input (a property test holds it to
+            // that); should it ever not, report rather than panic.
+            let at = match error.location {
+                pest::error::InputLocation::Pos(p) => p,
+                pest::error::InputLocation::Span((s, _)) => s,
+            };
+            cx.diagnostics.push(
+                Diagnostic::new(Code::H001, "the pattern could not be read here")
+                    .at(Span::new(at, (at + 1).min(source.len())))
+                    .help("please report this pattern: every input should parse"),
+            );
+            None
+        }
+    };
+    let Some(root) = root else {
+        return (empty, cx.diagnostics);
+    };
+
+    let mut segments = Vec::new();
+    let mut depths = Vec::new();
+    for pair in root.into_inner() {
+        match pair.as_rule() {
+            Rule::main => {
+                for part in pair.into_inner() {
+                    if part.as_rule() == Rule::segment {
+                        let span = span_of(&part);
+                        segments.push((span, cx.items(part.into_inner(), Place::Main)));
+                    }
+                }
+            }
+            Rule::mtp_depth => {
+                let span = span_of(&pair);
+                let mut nodes = Vec::new();
+                for part in pair.into_inner() {
+                    match part.as_rule() {
+                        Rule::mtp_open => {}
+                        Rule::mtp_pipe => cx.push(
+                            Diagnostic::new(Code::H011, "`|` inside a multi-token-prediction depth")
+                                .at(span_of(&part))
+                                .label("pipeline boundaries belong to the main pattern")
+                                .help("MTP depths run on the last pipeline stage; remove the `|`"),
+                        ),
+                        Rule::item => nodes.extend(cx.item(part, Place::Mtp)),
+                        _ => {}
+                    }
+                }
+                depths.push((span, nodes));
+            }
+            _ => {}
+        }
+    }
+
+    let total = segments
+        .iter()
+        .flat_map(|(_, nodes)| nodes)
+        .chain(depths.iter().flat_map(|(_, nodes)| nodes))
+        .map(Node::size)
+        .fold(0, usize::saturating_add);
+    if total > MAX_EXPANDED_LAYERS {
+        cx.push(
+            Diagnostic::new(
+                Code::H012,
+                format!("the pattern expands to {total} layers, over the limit of {MAX_EXPANDED_LAYERS}"),
+            )
+            .at(Span::new(0, source.len()))
+            .label("expands too far")
+            .help("use smaller repeat counts"),
+        );
+        return (empty, cx.diagnostics);
+    }
+
+    let pattern = Pattern {
+        segments: segments
+            .into_iter()
+            .map(|(span, nodes)| Segment {
+                items: expand(&nodes),
+                span,
+            })
+            .collect(),
+        mtp_depths: depths
+            .into_iter()
+            .map(|(span, nodes)| MtpDepth {
+                layers: expand(&nodes).iter().flat_map(|i| i.layers().to_vec()).collect(),
+                span,
+            })
+            .collect(),
+    };
+    (drop_empty_mtp(pattern), cx.diagnostics)
+}
+
+/// `main/` and `main//` mean no MTP. Depths that differ (an empty one among
+/// real ones included) are kept for the H010 rule.
+fn drop_empty_mtp(mut pattern: Pattern) -> Pattern {
+    if pattern.mtp_depths.iter().all(|d| d.layers.is_empty()) {
+        pattern.mtp_depths.clear();
+    }
+    pattern
+}
+
+fn expand(nodes: &[Node]) -> Vec<Item> {
+    let mut out = Vec::new();
+    expand_into(nodes, &mut out);
+    out
+}
+
+fn expand_into(nodes: &[Node], out: &mut Vec<Item>) {
+    for node in nodes {
+        match node {
+            Node::Layer(layer) => out.push(Item::Layer(*layer)),
+            Node::Group { span, members } => out.push(Item::Group(Group {
+                span: *span,
+                members: members
+                    .iter()
+                    .flat_map(|(layer, n)| std::iter::repeat_n(*layer, *n))
+                    .collect(),
+            })),
+            Node::Repeat { body, times } => {
+                let start = out.len();
+                expand_into(body, out);
+                let once = out.len() - start;
+                for _ in 1..*times {
+                    out.extend_from_within(start..start + once);
+                }
+            }
+        }
+    }
+}
+
+fn span_of(pair: &Pair<'_, Rule>) -> Span {
+    let s = pair.as_span();
+    Span::new(s.start(), s.end())
+}
+
+impl Lowering<'_> {
+    fn push(&mut self, diagnostic: Diagnostic) {
+        self.diagnostics.push(diagnostic);
+    }
+
+    fn at(&self, offset: usize) -> LineCol {
+        LineCol::of(self.source, offset)
+    }
+
+    fn items<'i>(&mut self, pairs: impl Iterator<Item = Pair<'i, Rule>>, place: Place) -> Vec<Node> {
+        let mut nodes = Vec::new();
+        for pair in pairs {
+            if matches!(pair.as_rule(), Rule::item | Rule::block_item) {
+                nodes.extend(self.item(pair, place));
+            }
+        }
+        nodes
+    }
+
+    /// One `item` / `block_item`: an atom and its optional count.
+    fn item(&mut self, pair: Pair<'_, Rule>, place: Place) -> Option<Node> {
+        let mut inner = pair.into_inner();
+        let atom = inner.next()?;
+        let count = inner.next();
+        let atom_span = span_of(&atom);
+        let node = match atom.as_rule() {
+            Rule::layer => Some(Node::Layer(layer_of(&atom))),
+            Rule::group => self.group(atom, place),
+            Rule::repeat_block => {
+                let (body, closed) = self.repeat_block(atom);
+                if closed && count.is_none() {
+                    self.push(
+                        Diagnostic::new(Code::H012, "a parenthesised block needs a repeat count")
+                            .at(atom_span)
+                            .label("no `{N}` after this block")
+                            .help("write the count after the block, e.g. `(M[*E]){4}`, or drop the parentheses"),
+                    );
+                }
+                Some(Node::Repeat { body, times: 1 })
+            }
+            Rule::stray | Rule::block_stray => {
+                self.stray(atom, place);
+                None
+            }
+            _ => None,
+        };
+        match (node, count) {
+            (Some(node), Some(count)) => {
+                let times = self.count(count, &node)?;
+                Some(match node {
+                    Node::Repeat { body, .. } => Node::Repeat { body, times },
+                    node => Node::Repeat { body: vec![node], times },
+                })
+            }
+            (node, Some(count)) => {
+                // The atom was an error; still check the count itself.
+                let _ = self.count_value(&count);
+                node
+            }
+            (node, None) => node,
+        }
+    }
+
+    fn group(&mut self, pair: Pair<'_, Rule>, place: Place) -> Option<Node> {
+        let span = span_of(&pair);
+        let mut open = span;
+        let mut members = Vec::new();
+        let mut saw_member = false;
+        let mut closed = false;
+        let mut end = span.end;
+        for part in pair.into_inner() {
+            match part.as_rule() {
+                Rule::group_open => open = span_of(&part),
+                Rule::group_close => closed = true,
+                Rule::unclosed => end = span_of(&part).start,
+                Rule::member => {
+                    saw_member = true;
+                    if let Some(member) = self.member(part, open) {
+                        members.push(member);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if !closed {
+            self.unmatched_unclosed += 1;
+            let (before, why) = match self.source[end..].chars().next() {
+                Some('|') => (
+                    format!("the `|` at {}", self.at(end)),
+                    "a group cannot span two pipeline segments",
+                ),
+                Some('/') => (
+                    format!("the `/` at {}", self.at(end)),
+                    "a group cannot run into a multi-token-prediction depth",
+                ),
+                Some(')') => (
+                    format!("the `)` at {}", self.at(end)),
+                    "a group cannot cross the end of a repeat block",
+                ),
+                _ => ("the end of the pattern".to_string(), "every `[` needs a `]`"),
+            };
+            self.push(
+                Diagnostic::new(Code::H002, format!("unclosed group: this `[` has no `]` before {before}"))
+                    .at(open)
+                    .label("opened here")
+                    .help(format!("{why}; close the group before it")),
+            );
+        } else if !saw_member {
+            self.push(
+                Diagnostic::new(Code::H004, "empty group")
+                    .at(span)
+                    .label("a group needs at least one layer")
+                    .help("remove the brackets, or put the layers to group inside them"),
+            );
+        }
+        if place == Place::Mtp {
+            self.push(
+                Diagnostic::new(Code::H011, "brackets inside a multi-token-prediction depth")
+                    .at(open)
+                    .label("groups belong to the main pattern")
+                    .help("an MTP depth is a plain run of layers; remove the brackets"),
+            );
+            // Keep the members as plain layers so the depth can still be
+            // compared with the others (H010) without a cascade.
+            let body = members.into_iter().map(|(layer, n)| Node::Repeat { body: vec![Node::Layer(layer)], times: n }).collect();
+            return Some(Node::Repeat { body, times: 1 });
+        }
+        if members.is_empty() {
+            return None;
+        }
+        Some(Node::Group { span, members })
+    }
+
+    /// One member of a group: a layer and how many copies of it.
+    fn member(&mut self, pair: Pair<'_, Rule>, outer_open: Span) -> Option<(Layer, usize)> {
+        let mut inner = pair.into_inner();
+        let atom = inner.next()?;
+        let count = inner.next();
+        let layer = match atom.as_rule() {
+            Rule::layer => Some(layer_of(&atom)),
+            Rule::group => {
+                let inner_open = Span::new(span_of(&atom).start, span_of(&atom).start + 1);
+                self.push(
+                    Diagnostic::new(
+                        Code::H005,
+                        format!("nested group: a `[` inside the group opened at {}", self.at(outer_open.start)),
+                    )
+                    .at(inner_open)
+                    .label("groups cannot contain groups")
+                    .help("a group is one flat stack: remove the inner brackets, or close the outer group first"),
+                );
+                // Read the inner group for its own mistakes, then drop it.
+                let _ = self.group(atom, Place::Main);
+                None
+            }
+            Rule::paren_in_group => {
+                for inner in atom.clone().into_inner() {
+                    // Report what is wrong inside too; the members are dropped.
+                    let _ = self.member(inner, outer_open);
+                }
+                self.push(
+                    Diagnostic::new(Code::H012, "a repeat block `( ){N}` inside a group")
+                        .at(span_of(&atom))
+                        .label("not allowed inside `[ ]`")
+                        .help("repeat single members (`[M{2}E]`) or repeat the whole group (`[ME]{2}`)"),
+                );
+                None
+            }
+            Rule::stray_in_group => {
+                self.stray(atom, Place::Main);
+                None
+            }
+            _ => None,
+        };
+        let times = match count {
+            Some(count) => self.count_value(&count)?,
+            None => 1,
+        };
+        layer.map(|layer| (layer, times))
+    }
+
+    /// The block's items, and whether it was closed.
+    fn repeat_block(&mut self, pair: Pair<'_, Rule>) -> (Vec<Node>, bool) {
+        let mut open = span_of(&pair);
+        let mut body = Vec::new();
+        let mut closed = true;
+        for part in pair.into_inner() {
+            match part.as_rule() {
+                Rule::paren_open => open = span_of(&part),
+                Rule::block_item => body.extend(self.item(part, Place::Main)),
+                Rule::unclosed_paren => {
+                    closed = false;
+                    self.unmatched_unclosed_paren += 1;
+                    let end = span_of(&part).start;
+                    let before = match self.source[end..].chars().next() {
+                        Some(c) => format!("the `{c}` at {}", self.at(end)),
+                        None => "the end of the pattern".to_string(),
+                    };
+                    self.push(
+                        Diagnostic::new(Code::H012, format!("unclosed repeat block: this `(` has no `)` before {before}"))
+                            .at(open)
+                            .label("opened here")
+                            .help("a repeat block stays inside one segment: close it with `){N}` before `|` or `/`"),
+                    );
+                }
+                _ => {}
+            }
+        }
+        (body, closed)
+    }
+
+    /// A count after an atom; checks the expansion stays in budget.
+    fn count(&mut self, pair: Pair<'_, Rule>, node: &Node) -> Option<usize> {
+        let span = span_of(&pair);
+        let times = self.count_value(&pair)?;
+        let size = node.size().saturating_mul(times);
+        if size > MAX_EXPANDED_LAYERS {
+            self.push(
+                Diagnostic::new(
+                    Code::H012,
+                    format!("this repeat expands to {size} layers, over the limit of {MAX_EXPANDED_LAYERS}"),
+                )
+                .at(span)
+                .label("too many layers")
+                .help("use a smaller count"),
+            );
+            return None;
+        }
+        Some(times)
+    }
+
+    /// The number inside `{...}`, or a diagnostic for a malformed count.
+    fn count_value(&mut self, pair: &Pair<'_, Rule>) -> Option<usize> {
+        let span = span_of(pair);
+        let mut text = String::new();
+        let mut closed = false;
+        for part in pair.clone().into_inner() {
+            match part.as_rule() {
+                Rule::count_char => text.push_str(part.as_str()),
+                Rule::count_close => closed = true,
+                _ => {}
+            }
+        }
+        let problem = if !closed {
+            Some(format!("unclosed repeat count `{{{text}`"))
+        } else if text.is_empty() {
+            Some("empty repeat count `{}`".to_string())
+        } else if !text.bytes().all(|b| b.is_ascii_digit()) {
+            Some(format!("repeat count `{text}` is not a whole number"))
+        } else {
+            match text.parse::<usize>() {
+                Ok(0) => Some("repeat count 0: a repeat writes at least one copy".to_string()),
+                Ok(n) if n <= MAX_REPEAT => return Some(n),
+                _ => Some(format!("repeat count {text} is over the limit of {MAX_REPEAT}")),
+            }
+        };
+        self.push(
+            Diagnostic::new(Code::H012, problem.unwrap_or_default())
+                .at(span)
+                .label("malformed repeat")
+                .help(format!("write a count from 1 to {MAX_REPEAT} in braces right after an item, e.g. `M{{4}}` or `(M[*E]){{2}}`")),
+        );
+        None
+    }
+
+    fn stray(&mut self, pair: Pair<'_, Rule>, place: Place) {
+        let Some(inner) = pair.into_inner().next() else {
+            return;
+        };
+        let span = span_of(&inner);
+        match inner.as_rule() {
+            Rule::stray_close => {
+                if self.unmatched_unclosed > 0 {
+                    // Already reported as its group's H002.
+                    self.unmatched_unclosed -= 1;
+                } else if place == Place::Mtp {
+                    self.push(
+                        Diagnostic::new(Code::H011, "`]` inside a multi-token-prediction depth")
+                            .at(span)
+                            .label("brackets belong to the main pattern")
+                            .help("an MTP depth is a plain run of layers; remove the `]`"),
+                    );
+                } else {
+                    self.push(
+                        Diagnostic::new(Code::H003, "`]` closes nothing")
+                            .at(span)
+                            .label("no group is open here")
+                            .help("remove the `]`, or add the `[` where the group should start"),
+                    );
+                }
+            }
+            Rule::stray_paren if self.unmatched_unclosed_paren > 0 => {
+                // Already reported as its block's unclosed `(`.
+                self.unmatched_unclosed_paren -= 1;
+            }
+            Rule::stray_paren => self.push(
+                Diagnostic::new(Code::H012, "`)` closes no repeat block")
+                    .at(span)
+                    .label("no `(` is open here")
+                    .help("remove the `)`, or add the `(` where the repeated run starts: `(M*){2}`"),
+            ),
+            Rule::stray_count => self.push(
+                Diagnostic::new(Code::H012, format!("repeat count `{}` with nothing to repeat", inner.as_str().trim()))
+                    .at(span)
+                    .label("nothing before this count")
+                    .help("a count follows the item it repeats: `M{4}`, `[*E]{2}`, `(M*){3}`"),
+            ),
+            Rule::unknown => self.unknown(inner.as_str(), span),
+            _ => {}
+        }
+    }
+
+    fn unknown(&mut self, text: &str, span: Span) {
+        let c = text.chars().next().unwrap_or('?');
+        let (message, help) = match suggestion(c) {
+            Some((symbol, why)) => (
+                format!("unknown layer symbol `{}`", c.escape_debug()),
+                format!("did you mean `{symbol}` ({why})?"),
+            ),
+            None if c.is_ascii_digit() => (
+                format!("unexpected digit `{c}`"),
+                "a repeat count goes in braces after the item: `M{3}`".to_string(),
+            ),
+            None => (
+                format!("unknown layer symbol `{}`", c.escape_debug()),
+                "layer symbols are M * + D G - E; structure is [ ] | / and ( ){N}".to_string(),
+            ),
+        };
+        self.push(Diagnostic::new(Code::H001, message).at(span).label("not a layer symbol").help(help));
+    }
+}
+
+fn layer_of(pair: &Pair<'_, Rule>) -> Layer {
+    let symbol = pair.as_str().chars().next().unwrap_or('M');
+    Layer {
+        // The grammar's `layer` rule matches exactly the seven symbols.
+        kind: LayerKind::from_symbol(symbol).unwrap_or(LayerKind::Mamba),
+        span: span_of(pair),
+    }
+}
+
+/// The symbol a user most likely meant, and why.
+fn suggestion(c: char) -> Option<(char, &'static str)> {
+    Some(match c {
+        'm' => ('M', "Mamba; symbols are case-sensitive"),
+        'e' => ('E', "mixture of experts; symbols are case-sensitive"),
+        'd' => ('D', "DeepSeek sparse attention; symbols are case-sensitive"),
+        'g' => ('G', "gated delta net; symbols are case-sensitive"),
+        'x' | 'X' | 'a' | 'A' | '×' | '∗' => ('*', "self-attention"),
+        '_' | '=' | '~' | '–' | '—' | '−' => ('-', "dense MLP"),
+        'l' | 'L' => ('+', "multi-latent attention"),
+        _ => return None,
+    })
+}

@@ -1,0 +1,174 @@
+//! The semantic rules of a pattern (H006-H010): what a well-formed syntax tree
+//! may still get wrong about groups, attention families and MTP depths.
+
+use super::{Group, Layer, LayerKind, Namespace, Pattern};
+use crate::diagnostic::{Code, Diagnostic};
+
+pub(super) fn check(pattern: &Pattern) -> Vec<Diagnostic> {
+    let mut out = Vec::new();
+    for item in pattern.items() {
+        if let super::Item::Group(group) = item {
+            check_group(group, &mut out);
+        }
+    }
+    check_attention_families(pattern, &mut out);
+    check_mtp_depths(pattern, &mut out);
+    out
+}
+
+/// H006, H007, H008. Each member gets at most one of them, in that order of
+/// precedence, so one misplaced terminal is one error.
+fn check_group(group: &Group, out: &mut Vec<Diagnostic>) {
+    let last = group.members.len() - 1;
+    let mut flagged = vec![false; group.members.len()];
+    for (i, member) in group.members.iter().enumerate() {
+        if i == last {
+            continue;
+        }
+        match member.kind {
+            LayerKind::Moe => {
+                flagged[i] = true;
+                out.push(
+                    Diagnostic::new(Code::H006, "`E` is not the last layer of its group")
+                        .at(member.span)
+                        .label("a MoE layer ends its group")
+                        .help(format!(
+                            "move the `E` to the end (`[{}E]`) or split the group after it",
+                            symbols_without(&group.members, i)
+                        )),
+                );
+            }
+            LayerKind::Mlp => {
+                flagged[i] = true;
+                let terminal_after = group.members[i + 1..].iter().any(|m| m.kind.is_terminal());
+                let message = if terminal_after {
+                    "a group with two terminals (`-` and a later `-` or `E`)"
+                } else {
+                    "`-` is not the last layer of its group"
+                };
+                out.push(
+                    Diagnostic::new(Code::H007, message)
+                        .at(member.span)
+                        .label("a dense MLP ends its group")
+                        .help(if terminal_after {
+                            "a group has at most one terminal (`-` or `E`): split the group, e.g. `[-][*E]`".to_string()
+                        } else {
+                            format!("move the `-` to the end: `[{}-]`", symbols_without(&group.members, i))
+                        }),
+                );
+            }
+            _ => {}
+        }
+    }
+    // Terminals are covered above: two of them always put one before the end.
+    for namespace in [Namespace::Mixer, Namespace::SelfAttention] {
+        let mut first: Option<&Layer> = None;
+        for (i, member) in group.members.iter().enumerate() {
+            if member.kind.namespace() != namespace {
+                continue;
+            }
+            match first {
+                None => first = Some(member),
+                Some(first) if !flagged[i] => {
+                    let prefix = match namespace {
+                        Namespace::Mixer => "mixer.",
+                        _ => "self_attention.",
+                    };
+                    out.push(
+                        Diagnostic::new(
+                            Code::H008,
+                            format!(
+                                "`{}` and `{}` in one group both publish checkpoint keys under `decoder.layers.L.{prefix}`",
+                                first.kind, member.kind
+                            ),
+                        )
+                        .at(member.span)
+                        .label("collides with an earlier member")
+                        .help("a group flattens into one checkpoint layer: put these layers in separate groups, e.g. `[*][*E]`"),
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+    }
+}
+
+/// The group's symbols with member `skip` left out, for help text.
+fn symbols_without(members: &[Layer], skip: usize) -> String {
+    members
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != skip)
+        .map(|(_, m)| m.kind.symbol())
+        .collect()
+}
+
+/// H009: `*` together with `+` or `D` anywhere in the model.
+fn check_attention_families(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
+    let all = pattern
+        .layers()
+        .chain(pattern.mtp_depths.iter().flat_map(|d| &d.layers));
+    let mut gqa: Option<&Layer> = None;
+    let mut latent: Option<&Layer> = None;
+    for layer in all {
+        let (mine, other) = match layer.kind {
+            LayerKind::Attention => (&mut gqa, latent),
+            LayerKind::Mla | LayerKind::Dsa => (&mut latent, gqa),
+            _ => continue,
+        };
+        if mine.is_none() {
+            *mine = Some(layer);
+            if let Some(other) = other {
+                out.push(
+                    Diagnostic::new(
+                        Code::H009,
+                        format!(
+                            "`{}` ({}) in a model that already uses `{}` ({})",
+                            layer.kind,
+                            layer.kind.name(),
+                            other.kind,
+                            other.kind.name()
+                        ),
+                    )
+                    .at(layer.span)
+                    .label("second attention family")
+                    .help("a model uses either GQA attention `*` or MLA-style attention (`+`, `D`), not both"),
+                );
+                return;
+            }
+        }
+    }
+}
+
+/// H010: every MTP depth equal to the first.
+fn check_mtp_depths(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
+    let Some(first) = pattern.mtp_depths.first() else {
+        return;
+    };
+    let symbols = |layers: &[Layer]| layers.iter().map(|l| l.kind.symbol()).collect::<String>();
+    let reference = symbols(&first.layers);
+    for (d, depth) in pattern.mtp_depths.iter().enumerate().skip(1) {
+        let this = symbols(&depth.layers);
+        if this != reference {
+            let shown = |s: &str| if s.is_empty() { "nothing".to_string() } else { format!("`{s}`") };
+            out.push(
+                Diagnostic::new(
+                    Code::H010,
+                    format!(
+                        "MTP depth {} is {} but depth 1 is {}",
+                        d + 1,
+                        shown(&this),
+                        shown(&reference)
+                    ),
+                )
+                .at(depth.span)
+                .label("differs from the first depth")
+                .help(if this.is_empty() {
+                    "remove the trailing `/`, or repeat the depth's layers after it".to_string()
+                } else {
+                    format!("every depth is built from one pattern: write `/{reference}` for each depth")
+                }),
+            );
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! hybridgen facade (in progress)
