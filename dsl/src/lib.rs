@@ -16,3 +16,6 @@ pub mod config;
 pub mod params;
 
 pub use config::ModelConfig;
+pub mod plan;
+
+pub use plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};

@@ -1,0 +1,250 @@
+//! The parallel layout a plan is made for, and the pipeline stages it cuts
+//! the model into (H020-H023).
+
+use crate::config::ModelConfig;
+use crate::diagnostic::{Code, Diagnostic};
+use crate::pattern::{LayerKind, Pattern};
+use crate::span::Span;
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// How the model is spread over ranks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParallelLayout {
+    /// Data-parallel size: dense buckets are sharded over this many ranks.
+    pub dp: usize,
+    /// Expert-parallel size: each MoE layer's experts are split over this many
+    /// ranks; expert buckets are sharded over the other `dp / ep`.
+    pub ep: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Physical layers on the first pipeline stage, when not an even split.
+    pub first_stage_layers: Option<usize>,
+    /// Physical layers on the last pipeline stage, when not an even split.
+    pub last_stage_layers: Option<usize>,
+}
+
+impl Default for ParallelLayout {
+    fn default() -> Self {
+        ParallelLayout {
+            dp: 1,
+            ep: 1,
+            pp: 1,
+            first_stage_layers: None,
+            last_stage_layers: None,
+        }
+    }
+}
+
+impl ParallelLayout {
+    pub fn new(dp: usize, ep: usize) -> Self {
+        ParallelLayout {
+            dp,
+            ep,
+            ..ParallelLayout::default()
+        }
+    }
+
+    /// The expert-data-parallel size: ranks an expert's shard group spans.
+    pub fn expert_dp(&self) -> usize {
+        (self.dp / self.ep.max(1)).max(1)
+    }
+
+    /// H023 (and H021/H022 for the explicit stage counts): sizes that cannot
+    /// work for this model, independent of where the pipeline cuts fall.
+    pub(crate) fn check(&self, model: &ModelConfig, pattern: &Pattern) -> Vec<Diagnostic> {
+        let mut out = Vec::new();
+        for (name, value) in [("dp", self.dp), ("ep", self.ep), ("pp", self.pp)] {
+            if value == 0 {
+                out.push(
+                    Diagnostic::new(Code::H023, format!("--{name} is 0"))
+                        .help("every parallel size is at least 1 (1 means no parallelism of that kind)"),
+                );
+            }
+        }
+        if self.dp == 0 || self.ep == 0 || self.pp == 0 {
+            return out;
+        }
+        if self.dp % self.ep != 0 {
+            out.push(
+                Diagnostic::new(
+                    Code::H023,
+                    format!("data-parallel size {} is not a multiple of expert-parallel size {}", self.dp, self.ep),
+                )
+                .help("expert parameters are sharded over dp / ep ranks: pick an ep that divides dp"),
+            );
+        }
+        if pattern.kinds().contains(&LayerKind::Moe)
+            && let Some(moe) = &model.moe
+            && moe.num_experts % self.ep != 0
+        {
+            out.push(
+                Diagnostic::new(
+                    Code::H023,
+                    format!("{} experts do not split over expert-parallel size {}", moe.num_experts, self.ep),
+                )
+                .help("each EP rank holds num_experts / ep experts: pick an ep that divides num_experts"),
+            );
+        }
+        out
+    }
+}
+
+/// One (virtual) pipeline stage: the physical and logical layers it builds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Stage {
+    pub pp_rank: usize,
+    pub vp_stage: usize,
+    /// Physical decoder layers `[start, end)`.
+    pub layers: Range<usize>,
+    /// Logical decoder layers `[start, end)`.
+    pub logical: Range<usize>,
+    /// Whether the MTP depths live here (the last pipeline rank's last stage).
+    pub has_mtp: bool,
+}
+
+/// Cuts the decoder into stages, or says why it cannot (H020-H022).
+pub(crate) fn stages(pattern: &Pattern, layout: &ParallelLayout) -> Result<Vec<Stage>, Vec<Diagnostic>> {
+    let pp = layout.pp.max(1);
+    let explicit = layout.first_stage_layers.is_some() || layout.last_stage_layers.is_some();
+    // Physical and logical offsets at every item boundary.
+    let mut item_starts = Vec::with_capacity(pattern.logical_count() + 1);
+    let mut physical = 0;
+    for item in pattern.items() {
+        item_starts.push(physical);
+        physical += item.layers().len();
+    }
+    item_starts.push(physical);
+
+    let mut stages = Vec::new();
+    if pattern.has_pipeline_segments() {
+        if explicit {
+            return Err(vec![
+                Diagnostic::new(
+                    Code::H022,
+                    "the pattern places stage boundaries with `|` and the layout also gives first/last stage layer counts",
+                )
+                .help("drop --first-stage-layers/--last-stage-layers, or remove the `|`s and let the counts decide"),
+            ]);
+        }
+        let segments = pattern.segments.len();
+        if segments % pp != 0 {
+            return Err(vec![
+                Diagnostic::new(
+                    Code::H020,
+                    format!("{segments} pipeline segments do not divide over {pp} pipeline stages"),
+                )
+                .at(pattern.segments.last().map_or(Span::default(), |s| s.span))
+                .help(format!(
+                    "segment s runs on pipeline rank s % pp: use a multiple of {pp} segments (empty segments are allowed), or change --pp"
+                )),
+            ]);
+        }
+        let (mut layer, mut logical) = (0, 0);
+        for (s, segment) in pattern.segments.iter().enumerate() {
+            let count: usize = segment.items.iter().map(|i| i.layers().len()).sum();
+            stages.push(Stage {
+                pp_rank: s % pp,
+                vp_stage: s / pp,
+                layers: layer..layer + count,
+                logical: logical..logical + segment.items.len(),
+                has_mtp: false,
+            });
+            layer += count;
+            logical += segment.items.len();
+        }
+    } else {
+        let sizes = stage_sizes(physical, layout)?;
+        let mut start = 0;
+        for (rank, size) in sizes.into_iter().enumerate() {
+            let end = start + size;
+            let first_item = item_starts.binary_search(&start);
+            let last_item = item_starts.binary_search(&end);
+            let (Ok(first), Ok(last)) = (first_item, last_item) else {
+                // A boundary falls inside a group.
+                let cut = if first_item.is_err() { start } else { end };
+                let item = item_starts.partition_point(|&p| p <= cut) - 1;
+                let group = pattern.items().nth(item).map(|i| i.span());
+                let mut d = Diagnostic::new(
+                    Code::H021,
+                    format!("the boundary before physical layer {cut} of an even split over {pp} stages cuts a group"),
+                )
+                .label("this group would span two stages")
+                .help("a group is built on one stage: place the boundaries yourself with `|` around groups");
+                if let Some(span) = group {
+                    d = d.at(span);
+                }
+                return Err(vec![d]);
+            };
+            stages.push(Stage {
+                pp_rank: rank,
+                vp_stage: 0,
+                layers: start..end,
+                logical: first..last,
+                has_mtp: false,
+            });
+            start = end;
+        }
+    }
+    // MTP lives with the last pipeline rank's last virtual stage.
+    if let Some(last) = stages
+        .iter_mut()
+        .filter(|s| s.pp_rank == pp - 1)
+        .max_by_key(|s| s.vp_stage)
+    {
+        last.has_mtp = true;
+    }
+    Ok(stages)
+}
+
+/// Physical layers per stage without `|`: explicit first/last counts, the
+/// rest split evenly (H021).
+fn stage_sizes(physical: usize, layout: &ParallelLayout) -> Result<Vec<usize>, Vec<Diagnostic>> {
+    let pp = layout.pp.max(1);
+    let first = layout.first_stage_layers;
+    let last = layout.last_stage_layers;
+    if pp == 1 {
+        if first.is_some() || last.is_some() {
+            return Err(vec![
+                Diagnostic::new(Code::H021, "first/last stage layer counts need more than one pipeline stage")
+                    .help("drop the stage counts, or set --pp above 1"),
+            ]);
+        }
+        return Ok(vec![physical]);
+    }
+    let fixed = first.unwrap_or(0) + last.unwrap_or(0);
+    let free_stages = pp - usize::from(first.is_some()) - usize::from(last.is_some());
+    if fixed > physical {
+        return Err(vec![Diagnostic::new(
+            Code::H021,
+            format!("first/last stage layer counts ({fixed} layers) exceed the model's {physical} physical layers"),
+        )
+        .help("lower the stage counts")]);
+    }
+    let rest = physical - fixed;
+    let even = if free_stages == 0 {
+        if rest != 0 {
+            return Err(vec![Diagnostic::new(
+                Code::H021,
+                format!("with pp {pp}, the first and last stage counts must cover all {physical} layers; {rest} are left over"),
+            )
+            .help("raise the stage counts, or set --pp higher")]);
+        }
+        0
+    } else if rest % free_stages != 0 {
+        return Err(vec![Diagnostic::new(
+            Code::H021,
+            format!("{rest} physical layers do not split evenly over {free_stages} pipeline stages"),
+        )
+        .help("change --pp or the stage counts, or place boundaries yourself with `|`")]);
+    } else {
+        rest / free_stages
+    };
+    Ok((0..pp)
+        .map(|rank| match (rank, first, last) {
+            (0, Some(f), _) => f,
+            (r, _, Some(l)) if r == pp - 1 => l,
+            _ => even,
+        })
+        .collect())
+}

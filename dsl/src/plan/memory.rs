@@ -1,0 +1,65 @@
+//! Per-rank memory of ZeRO-3 training, from the static layout.
+
+use super::{Bucket, FsdpUnit};
+use serde::Serialize;
+
+/// Bytes one rank holds for parameters, gradients and optimizer state under
+/// ZeRO-3 (activations not included: they depend on batch and sequence).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MemoryEstimate {
+    /// Units the schedule keeps gathered at once: in the overlap schedule a
+    /// forward unit and a backward unit, each with its prefetch (4); in the
+    /// plain one a unit and its prefetch (2).
+    pub live_units: usize,
+    /// bf16 shards of every bucket.
+    pub param_shards: u64,
+    /// f32 master copies of the shards.
+    pub master_weights: u64,
+    /// f32 gradient shards (accumulated over micro-batches).
+    pub grad_shards: u64,
+    /// Adam's two f32 moments per shard element.
+    pub optimizer_states: u64,
+    /// The fixed pool of unsharded buffers: bf16 parameters of the
+    /// `live_units` largest units, plus bf16 gradients of the two largest
+    /// (the unit in backward and the one whose reduce-scatter is in flight).
+    pub unit_pool: u64,
+    /// Non-unit buckets, gathered once per step and never released: bf16
+    /// parameters and gradients.
+    pub non_unit: u64,
+    pub total: u64,
+}
+
+impl MemoryEstimate {
+    pub(crate) fn of(units: &[FsdpUnit], buckets: &[Bucket], live_units: usize) -> MemoryEstimate {
+        let mut shard_elems = 0u64;
+        let mut non_unit_elems = 0u64;
+        for bucket in buckets {
+            shard_elems += bucket.shard_numel() as u64;
+            if bucket.unit.is_none() {
+                non_unit_elems += bucket.padded_numel() as u64;
+            }
+        }
+        let mut unit_elems: Vec<u64> = units
+            .iter()
+            .map(|u| u.buckets.iter().map(|&b| buckets[b].padded_numel() as u64).sum())
+            .collect();
+        unit_elems.sort_unstable_by(|a, b| b.cmp(a));
+        let largest = |n: usize| unit_elems.iter().take(n).sum::<u64>();
+        let param_shards = 2 * shard_elems;
+        let master_weights = 4 * shard_elems;
+        let grad_shards = 4 * shard_elems;
+        let optimizer_states = 8 * shard_elems;
+        let unit_pool = 2 * largest(live_units) + 2 * largest(2);
+        let non_unit = 2 * 2 * non_unit_elems;
+        MemoryEstimate {
+            live_units,
+            param_shards,
+            master_weights,
+            grad_shards,
+            optimizer_states,
+            unit_pool,
+            non_unit,
+            total: param_shards + master_weights + grad_shards + optimizer_states + unit_pool + non_unit,
+        }
+    }
+}
