@@ -270,7 +270,10 @@ fn yes() -> bool {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read model file {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("model file {path} is not a valid model:\n{message}")]
     Toml { path: String, message: String },
     #[error("unknown preset `{0}`; the presets are: {presets}", presets = PRESET_NAMES.join(", "))]
@@ -288,7 +291,8 @@ impl ModelConfig {
     /// A built-in preset. The presets are TOML files shipped with the crate, so
     /// a user can copy one as the start of a model file.
     pub fn preset(name: &str) -> Result<ModelConfig, ConfigError> {
-        let text = ModelConfig::preset_source(name).ok_or_else(|| ConfigError::UnknownPreset(name.to_string()))?;
+        let text = ModelConfig::preset_source(name)
+            .ok_or_else(|| ConfigError::UnknownPreset(name.to_string()))?;
         ModelConfig::from_toml(text, &format!("<preset {name}>"))
     }
 
@@ -326,7 +330,8 @@ impl ModelConfig {
     /// c for `*` layers.
     pub fn attention_head_dim(&self) -> Option<usize> {
         let a = self.attention.as_ref()?;
-        a.head_dim.or_else(|| self.hidden_size.checked_div(a.num_heads))
+        a.head_dim
+            .or_else(|| self.hidden_size.checked_div(a.num_heads))
     }
 
     /// Whether the config has the section a layer kind needs.
@@ -387,7 +392,10 @@ impl ModelConfig {
         positive("vocab_size", self.vocab_size, &mut bad);
         positive("seq_length", self.seq_length, &mut bad);
         if !(self.init_std.is_finite() && self.init_std > 0.0) {
-            bad(format!("`init_std` is {}", self.init_std), "use a small positive number such as 0.02");
+            bad(
+                format!("`init_std` is {}", self.init_std),
+                "use a small positive number such as 0.02",
+            );
         }
         if let Some(a) = &self.attention {
             positive("attention.num_heads", a.num_heads, &mut bad);
@@ -402,7 +410,10 @@ impl ModelConfig {
                 );
             }
             match a.head_dim {
-                Some(0) => bad("`attention.head_dim` is 0".into(), "every size must be at least 1"),
+                Some(0) => bad(
+                    "`attention.head_dim` is 0".into(),
+                    "every size must be at least 1",
+                ),
                 Some(_) => {}
                 None if a.num_heads > 0 && self.hidden_size % a.num_heads != 0 => bad(
                     format!(
@@ -413,9 +424,13 @@ impl ModelConfig {
                 ),
                 None => {}
             }
-            if a.position == Position::Rope && self.attention_head_dim().is_some_and(|c| c % 2 != 0) {
+            if a.position == Position::Rope && self.attention_head_dim().is_some_and(|c| c % 2 != 0)
+            {
                 bad(
-                    format!("rotary embeddings need an even head dim; attention head dim is {}", self.attention_head_dim().unwrap_or(0)),
+                    format!(
+                        "rotary embeddings need an even head dim; attention head dim is {}",
+                        self.attention_head_dim().unwrap_or(0)
+                    ),
                     "use an even head_dim, or `position = \"none\"`",
                 );
             }
@@ -427,7 +442,10 @@ impl ModelConfig {
             positive("mla.qk_rope_head_dim", m.qk_rope_head_dim, &mut bad);
             positive("mla.v_head_dim", m.v_head_dim, &mut bad);
             if m.q_lora_rank == Some(0) {
-                bad("`mla.q_lora_rank` is 0".into(), "leave it out to project queries directly, or make it at least 1");
+                bad(
+                    "`mla.q_lora_rank` is 0".into(),
+                    "leave it out to project queries directly, or make it at least 1",
+                );
             }
             if m.qk_rope_head_dim % 2 != 0 {
                 bad(
@@ -494,7 +512,11 @@ impl ModelConfig {
             }
             if m.num_groups > 0 && (m.num_heads * m.head_dim) % m.num_groups != 0 {
                 bad(
-                    format!("Mamba inner size {} does not split into {} norm groups", m.num_heads * m.head_dim, m.num_groups),
+                    format!(
+                        "Mamba inner size {} does not split into {} norm groups",
+                        m.num_heads * m.head_dim,
+                        m.num_groups
+                    ),
                     "the gated norm normalises d_in / G channels per group",
                 );
             }
@@ -507,20 +529,32 @@ impl ModelConfig {
             positive("moe.top_k", m.top_k, &mut bad);
             positive("moe.ffn_hidden_size", m.ffn_hidden_size, &mut bad);
             if m.shared_expert_ffn_hidden_size == Some(0) {
-                bad("`moe.shared_expert_ffn_hidden_size` is 0".into(), "leave it out for no shared expert");
+                bad(
+                    "`moe.shared_expert_ffn_hidden_size` is 0".into(),
+                    "leave it out for no shared expert",
+                );
             }
             if m.top_k > m.num_experts {
                 bad(
-                    format!("`moe.top_k = {}` is above `moe.num_experts = {}`", m.top_k, m.num_experts),
+                    format!(
+                        "`moe.top_k = {}` is above `moe.num_experts = {}`",
+                        m.top_k, m.num_experts
+                    ),
                     "each token picks top_k distinct experts: use top_k <= num_experts",
                 );
             }
             if !(m.aux_loss_coeff.is_finite() && m.aux_loss_coeff >= 0.0) {
-                bad(format!("`moe.aux_loss_coeff` is {}", m.aux_loss_coeff), "use 0 (off) or a small positive number");
+                bad(
+                    format!("`moe.aux_loss_coeff` is {}", m.aux_loss_coeff),
+                    "use 0 (off) or a small positive number",
+                );
             }
         }
         if !(self.mtp.loss_scale.is_finite() && self.mtp.loss_scale >= 0.0) {
-            bad(format!("`mtp.loss_scale` is {}", self.mtp.loss_scale), "use a non-negative number such as 0.1");
+            bad(
+                format!("`mtp.loss_scale` is {}", self.mtp.loss_scale),
+                "use a non-negative number such as 0.1",
+            );
         }
     }
 }

@@ -335,7 +335,10 @@ impl Diagnostic {
             );
         }
         if !self.help.is_empty() {
-            let pad = " ".repeat(self.span.map_or(0, |s| s.line_col(source).line.to_string().len()));
+            let pad = " ".repeat(
+                self.span
+                    .map_or(0, |s| s.line_col(source).line.to_string().len()),
+            );
             out += &format!("{pad} = help: {}\n", self.help);
         }
         out
@@ -385,7 +388,11 @@ pub struct Diagnostics {
 }
 
 impl Diagnostics {
-    pub fn new(source: impl Into<String>, origin: impl Into<String>, items: Vec<Diagnostic>) -> Self {
+    pub fn new(
+        source: impl Into<String>,
+        origin: impl Into<String>,
+        items: Vec<Diagnostic>,
+    ) -> Self {
         Diagnostics {
             source: source.into(),
             origin: origin.into(),

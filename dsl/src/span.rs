@@ -3,7 +3,9 @@
 use serde::{Deserialize, Serialize};
 
 /// A half-open byte range `[start, end)` into the text a value was parsed from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub struct Span {
     pub start: usize,
     pub end: usize,

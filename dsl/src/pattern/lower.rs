@@ -6,7 +6,9 @@
 //! unrolled into a [`Pattern`]. Counting before unrolling is what keeps
 //! `(M{100000}){100000}` an error instead of an out-of-memory.
 
-use super::{Group, Item, Layer, LayerKind, MAX_EXPANDED_LAYERS, MAX_REPEAT, MtpDepth, Pattern, Segment};
+use super::{
+    Group, Item, Layer, LayerKind, MAX_EXPANDED_LAYERS, MAX_REPEAT, MtpDepth, Pattern, Segment,
+};
 use crate::diagnostic::{Code, Diagnostic};
 use crate::span::{LineCol, Span};
 use pest::Parser;
@@ -19,8 +21,14 @@ struct PatternParser;
 /// A pattern before its repeats are unrolled.
 enum Node {
     Layer(Layer),
-    Group { span: Span, members: Vec<(Layer, usize)> },
-    Repeat { body: Vec<Node>, times: usize },
+    Group {
+        span: Span,
+        members: Vec<(Layer, usize)>,
+    },
+    Repeat {
+        body: Vec<Node>,
+        times: usize,
+    },
 }
 
 impl Node {
@@ -28,8 +36,15 @@ impl Node {
     fn size(&self) -> usize {
         match self {
             Node::Layer(_) => 1,
-            Node::Group { members, .. } => members.iter().map(|(_, n)| *n).fold(0, usize::saturating_add),
-            Node::Repeat { body, times } => body.iter().map(Node::size).fold(0, usize::saturating_add).saturating_mul(*times),
+            Node::Group { members, .. } => members
+                .iter()
+                .map(|(_, n)| *n)
+                .fold(0, usize::saturating_add),
+            Node::Repeat { body, times } => body
+                .iter()
+                .map(Node::size)
+                .fold(0, usize::saturating_add)
+                .saturating_mul(*times),
         }
     }
 }
@@ -107,10 +122,13 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
                     match part.as_rule() {
                         Rule::mtp_open => {}
                         Rule::mtp_pipe => cx.push(
-                            Diagnostic::new(Code::H011, "`|` inside a multi-token-prediction depth")
-                                .at(span_of(&part))
-                                .label("pipeline boundaries belong to the main pattern")
-                                .help("MTP depths run on the last pipeline stage; remove the `|`"),
+                            Diagnostic::new(
+                                Code::H011,
+                                "`|` inside a multi-token-prediction depth",
+                            )
+                            .at(span_of(&part))
+                            .label("pipeline boundaries belong to the main pattern")
+                            .help("MTP depths run on the last pipeline stage; remove the `|`"),
                         ),
                         Rule::item => nodes.extend(cx.item(part, Place::Mtp)),
                         _ => {}
@@ -132,7 +150,9 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
         cx.push(
             Diagnostic::new(
                 Code::H012,
-                format!("the pattern expands to {total} layers, over the limit of {MAX_EXPANDED_LAYERS}"),
+                format!(
+                    "the pattern expands to {total} layers, over the limit of {MAX_EXPANDED_LAYERS}"
+                ),
             )
             .at(Span::new(0, source.len()))
             .label("expands too far")
@@ -152,7 +172,10 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
         mtp_depths: depths
             .into_iter()
             .map(|(span, nodes)| MtpDepth {
-                layers: expand(&nodes).iter().flat_map(|i| i.layers().to_vec()).collect(),
+                layers: expand(&nodes)
+                    .iter()
+                    .flat_map(|i| i.layers().to_vec())
+                    .collect(),
                 span,
             })
             .collect(),
@@ -212,7 +235,11 @@ impl Lowering<'_> {
         LineCol::of(self.source, offset)
     }
 
-    fn items<'i>(&mut self, pairs: impl Iterator<Item = Pair<'i, Rule>>, place: Place) -> Vec<Node> {
+    fn items<'i>(
+        &mut self,
+        pairs: impl Iterator<Item = Pair<'i, Rule>>,
+        place: Place,
+    ) -> Vec<Node> {
         let mut nodes = Vec::new();
         for pair in pairs {
             if matches!(pair.as_rule(), Rule::item | Rule::block_item) {
@@ -254,7 +281,10 @@ impl Lowering<'_> {
                 let times = self.count(count, &node)?;
                 Some(match node {
                     Node::Repeat { body, .. } => Node::Repeat { body, times },
-                    node => Node::Repeat { body: vec![node], times },
+                    node => Node::Repeat {
+                        body: vec![node],
+                        times,
+                    },
                 })
             }
             (node, Some(count)) => {
@@ -302,13 +332,19 @@ impl Lowering<'_> {
                     format!("the `)` at {}", self.at(end)),
                     "a group cannot cross the end of a repeat block",
                 ),
-                _ => ("the end of the pattern".to_string(), "every `[` needs a `]`"),
+                _ => (
+                    "the end of the pattern".to_string(),
+                    "every `[` needs a `]`",
+                ),
             };
             self.push(
-                Diagnostic::new(Code::H002, format!("unclosed group: this `[` has no `]` before {before}"))
-                    .at(open)
-                    .label("opened here")
-                    .help(format!("{why}; close the group before it")),
+                Diagnostic::new(
+                    Code::H002,
+                    format!("unclosed group: this `[` has no `]` before {before}"),
+                )
+                .at(open)
+                .label("opened here")
+                .help(format!("{why}; close the group before it")),
             );
         } else if !saw_member {
             self.push(
@@ -327,7 +363,13 @@ impl Lowering<'_> {
             );
             // Keep the members as plain layers so the depth can still be
             // compared with the others (H010) without a cascade.
-            let body = members.into_iter().map(|(layer, n)| Node::Repeat { body: vec![Node::Layer(layer)], times: n }).collect();
+            let body = members
+                .into_iter()
+                .map(|(layer, n)| Node::Repeat {
+                    body: vec![Node::Layer(layer)],
+                    times: n,
+                })
+                .collect();
             return Some(Node::Repeat { body, times: 1 });
         }
         if members.is_empty() {
@@ -456,7 +498,9 @@ impl Lowering<'_> {
             match text.parse::<usize>() {
                 Ok(0) => Some("repeat count 0: a repeat writes at least one copy".to_string()),
                 Ok(n) if n <= MAX_REPEAT => return Some(n),
-                _ => Some(format!("repeat count {text} is over the limit of {MAX_REPEAT}")),
+                _ => Some(format!(
+                    "repeat count {text} is over the limit of {MAX_REPEAT}"
+                )),
             }
         };
         self.push(
@@ -502,13 +546,21 @@ impl Lowering<'_> {
                 Diagnostic::new(Code::H012, "`)` closes no repeat block")
                     .at(span)
                     .label("no `(` is open here")
-                    .help("remove the `)`, or add the `(` where the repeated run starts: `(M*){2}`"),
+                    .help(
+                        "remove the `)`, or add the `(` where the repeated run starts: `(M*){2}`",
+                    ),
             ),
             Rule::stray_count => self.push(
-                Diagnostic::new(Code::H012, format!("repeat count `{}` with nothing to repeat", inner.as_str().trim()))
-                    .at(span)
-                    .label("nothing before this count")
-                    .help("a count follows the item it repeats: `M{4}`, `[*E]{2}`, `(M*){3}`"),
+                Diagnostic::new(
+                    Code::H012,
+                    format!(
+                        "repeat count `{}` with nothing to repeat",
+                        inner.as_str().trim()
+                    ),
+                )
+                .at(span)
+                .label("nothing before this count")
+                .help("a count follows the item it repeats: `M{4}`, `[*E]{2}`, `(M*){3}`"),
             ),
             Rule::unknown => self.unknown(inner.as_str(), span),
             _ => {}
@@ -531,7 +583,12 @@ impl Lowering<'_> {
                 "layer symbols are M * + D G - E; structure is [ ] | / and ( ){N}".to_string(),
             ),
         };
-        self.push(Diagnostic::new(Code::H001, message).at(span).label("not a layer symbol").help(help));
+        self.push(
+            Diagnostic::new(Code::H001, message)
+                .at(span)
+                .label("not a layer symbol")
+                .help(help),
+        );
     }
 }
 

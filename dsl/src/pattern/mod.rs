@@ -254,7 +254,11 @@ impl Pattern {
     pub fn kinds(&self) -> Vec<LayerKind> {
         let used = |kind: LayerKind| {
             self.layers().any(|l| l.kind == kind)
-                || self.mtp_depths.iter().flat_map(|d| &d.layers).any(|l| l.kind == kind)
+                || self
+                    .mtp_depths
+                    .iter()
+                    .flat_map(|d| &d.layers)
+                    .any(|l| l.kind == kind)
         };
         LayerKind::ALL.into_iter().filter(|&k| used(k)).collect()
     }

@@ -150,7 +150,13 @@ fn check_mtp_depths(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
     for (d, depth) in pattern.mtp_depths.iter().enumerate().skip(1) {
         let this = symbols(&depth.layers);
         if this != reference {
-            let shown = |s: &str| if s.is_empty() { "nothing".to_string() } else { format!("`{s}`") };
+            let shown = |s: &str| {
+                if s.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    format!("`{s}`")
+                }
+            };
             out.push(
                 Diagnostic::new(
                     Code::H010,
@@ -166,7 +172,9 @@ fn check_mtp_depths(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
                 .help(if this.is_empty() {
                     "remove the trailing `/`, or repeat the depth's layers after it".to_string()
                 } else {
-                    format!("every depth is built from one pattern: write `/{reference}` for each depth")
+                    format!(
+                        "every depth is built from one pattern: write `/{reference}` for each depth"
+                    )
                 }),
             );
         }

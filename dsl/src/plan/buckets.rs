@@ -6,6 +6,7 @@
 //! `const fn`s of `W`.
 
 use serde::Serialize;
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// Every parameter starts at a multiple of this many elements.
@@ -54,7 +55,8 @@ pub const fn shard_range(end: usize, world: usize, rank: usize) -> Range<usize> 
     rank * s..(rank + 1) * s
 }
 
-/// One bucket of a plan.
+/// One bucket of a plan: its static layout. Only the shard-group size `W`
+/// is missing, so the padded length and shards are functions of it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Bucket {
     /// Forward order; reduce-scatters of a unit are issued in id order.
@@ -65,40 +67,39 @@ pub struct Bucket {
     /// Expert buckets are sharded over the expert-data-parallel group.
     pub expert: bool,
     /// Indices into [`Plan::params`](super::Plan::params), in offset order.
-    pub params: Vec<usize>,
+    pub params: Cow<'static, [usize]>,
     /// Elements of parameters (no alignment gaps, no padding).
     pub numel: usize,
     /// One past the last parameter's last element (alignment gaps included).
     pub end: usize,
-    /// Ranks the bucket is sharded over in this plan (`W`).
-    pub world: usize,
     /// Megatron's padding unit: lcm of the parameters' row sizes
     /// (`shape[1:].numel()`); `None` if it overflows 64 bits.
     pub megatron_row_lcm: Option<u64>,
 }
 
 impl Bucket {
-    pub fn padded_numel(&self) -> usize {
-        padded_numel(self.end, self.world)
+    /// Padded length when sharded over `world` ranks.
+    pub const fn padded_numel(&self, world: usize) -> usize {
+        padded_numel(self.end, world)
     }
 
-    pub fn shard_numel(&self) -> usize {
-        shard_numel(self.end, self.world)
+    pub const fn shard_numel(&self, world: usize) -> usize {
+        shard_numel(self.end, world)
     }
 
-    pub fn shard_range(&self, rank: usize) -> Range<usize> {
-        shard_range(self.end, self.world, rank)
+    pub const fn shard_range(&self, world: usize, rank: usize) -> Range<usize> {
+        shard_range(self.end, world, rank)
     }
 
     /// Elements of padding and alignment gaps in our layout.
-    pub fn padding(&self) -> usize {
-        self.padded_numel() - self.numel
+    pub const fn padding(&self, world: usize) -> usize {
+        self.padded_numel(world) - self.numel
     }
 
     /// What Megatron's FSDP rule would pad this bucket to: parameters packed
     /// back to back, the total rounded up to a multiple of `W x lcm(rows)`.
-    pub fn megatron_padded_numel(&self) -> Option<u64> {
-        let unit = self.megatron_row_lcm?.checked_mul(self.world as u64)?;
+    pub fn megatron_padded_numel(&self, world: usize) -> Option<u64> {
+        let unit = self.megatron_row_lcm?.checked_mul(world as u64)?;
         Some((self.numel as u64).div_ceil(unit).checked_mul(unit)?)
     }
 }

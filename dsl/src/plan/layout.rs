@@ -56,10 +56,9 @@ impl ParallelLayout {
         let mut out = Vec::new();
         for (name, value) in [("dp", self.dp), ("ep", self.ep), ("pp", self.pp)] {
             if value == 0 {
-                out.push(
-                    Diagnostic::new(Code::H023, format!("--{name} is 0"))
-                        .help("every parallel size is at least 1 (1 means no parallelism of that kind)"),
-                );
+                out.push(Diagnostic::new(Code::H023, format!("--{name} is 0")).help(
+                    "every parallel size is at least 1 (1 means no parallelism of that kind)",
+                ));
             }
         }
         if self.dp == 0 || self.ep == 0 || self.pp == 0 {
@@ -69,9 +68,14 @@ impl ParallelLayout {
             out.push(
                 Diagnostic::new(
                     Code::H023,
-                    format!("data-parallel size {} is not a multiple of expert-parallel size {}", self.dp, self.ep),
+                    format!(
+                        "data-parallel size {} is not a multiple of expert-parallel size {}",
+                        self.dp, self.ep
+                    ),
                 )
-                .help("expert parameters are sharded over dp / ep ranks: pick an ep that divides dp"),
+                .help(
+                    "expert parameters are sharded over dp / ep ranks: pick an ep that divides dp",
+                ),
             );
         }
         if pattern.kinds().contains(&LayerKind::Moe)
@@ -104,7 +108,10 @@ pub struct Stage {
 }
 
 /// Cuts the decoder into stages, or says why it cannot (H020-H022).
-pub(crate) fn stages(pattern: &Pattern, layout: &ParallelLayout) -> Result<Vec<Stage>, Vec<Diagnostic>> {
+pub(crate) fn stages(
+    pattern: &Pattern,
+    layout: &ParallelLayout,
+) -> Result<Vec<Stage>, Vec<Diagnostic>> {
     let pp = layout.pp.max(1);
     let explicit = layout.first_stage_layers.is_some() || layout.last_stage_layers.is_some();
     // Physical and logical offsets at every item boundary.
@@ -206,8 +213,11 @@ fn stage_sizes(physical: usize, layout: &ParallelLayout) -> Result<Vec<usize>, V
     if pp == 1 {
         if first.is_some() || last.is_some() {
             return Err(vec![
-                Diagnostic::new(Code::H021, "first/last stage layer counts need more than one pipeline stage")
-                    .help("drop the stage counts, or set --pp above 1"),
+                Diagnostic::new(
+                    Code::H021,
+                    "first/last stage layer counts need more than one pipeline stage",
+                )
+                .help("drop the stage counts, or set --pp above 1"),
             ]);
         }
         return Ok(vec![physical]);
@@ -232,11 +242,15 @@ fn stage_sizes(physical: usize, layout: &ParallelLayout) -> Result<Vec<usize>, V
         }
         0
     } else if rest % free_stages != 0 {
-        return Err(vec![Diagnostic::new(
-            Code::H021,
-            format!("{rest} physical layers do not split evenly over {free_stages} pipeline stages"),
-        )
-        .help("change --pp or the stage counts, or place boundaries yourself with `|`")]);
+        return Err(vec![
+            Diagnostic::new(
+                Code::H021,
+                format!(
+                    "{rest} physical layers do not split evenly over {free_stages} pipeline stages"
+                ),
+            )
+            .help("change --pp or the stage counts, or place boundaries yourself with `|`"),
+        ]);
     } else {
         rest / free_stages
     };

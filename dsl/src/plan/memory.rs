@@ -1,6 +1,6 @@
 //! Per-rank memory of ZeRO-3 training, from the static layout.
 
-use super::{Bucket, FsdpUnit};
+use super::{Bucket, FsdpUnit, ParallelLayout};
 use serde::Serialize;
 
 /// Bytes one rank holds for parameters, gradients and optimizer state under
@@ -30,18 +30,35 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
-    pub(crate) fn of(units: &[FsdpUnit], buckets: &[Bucket], live_units: usize) -> MemoryEstimate {
+    pub(crate) fn of(
+        units: &[FsdpUnit],
+        buckets: &[Bucket],
+        layout: &ParallelLayout,
+        live_units: usize,
+    ) -> MemoryEstimate {
+        let world = |b: &Bucket| {
+            if b.expert {
+                layout.expert_dp()
+            } else {
+                layout.dp.max(1)
+            }
+        };
         let mut shard_elems = 0u64;
         let mut non_unit_elems = 0u64;
         for bucket in buckets {
-            shard_elems += bucket.shard_numel() as u64;
+            shard_elems += bucket.shard_numel(world(bucket)) as u64;
             if bucket.unit.is_none() {
-                non_unit_elems += bucket.padded_numel() as u64;
+                non_unit_elems += bucket.padded_numel(world(bucket)) as u64;
             }
         }
         let mut unit_elems: Vec<u64> = units
             .iter()
-            .map(|u| u.buckets.iter().map(|&b| buckets[b].padded_numel() as u64).sum())
+            .map(|u| {
+                u.buckets
+                    .iter()
+                    .map(|&b| buckets[b].padded_numel(world(&buckets[b])) as u64)
+                    .sum()
+            })
             .collect();
         unit_elems.sort_unstable_by(|a, b| b.cmp(a));
         let largest = |n: usize| unit_elems.iter().take(n).sum::<u64>();
@@ -59,7 +76,12 @@ impl MemoryEstimate {
             optimizer_states,
             unit_pool,
             non_unit,
-            total: param_shards + master_weights + grad_shards + optimizer_states + unit_pool + non_unit,
+            total: param_shards
+                + master_weights
+                + grad_shards
+                + optimizer_states
+                + unit_pool
+                + non_unit,
         }
     }
 }

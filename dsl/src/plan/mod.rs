@@ -9,11 +9,12 @@ mod schedule;
 mod units;
 
 pub use buckets::{
-    Bucket, DEFAULT_NON_UNIT_BUCKET_CAP, DType, PARAM_ALIGN, SHARD_ALIGN, padded_numel, round_up, shard_numel, shard_range,
+    Bucket, DEFAULT_NON_UNIT_BUCKET_CAP, DType, PARAM_ALIGN, SHARD_ALIGN, padded_numel, round_up,
+    shard_numel, shard_range,
 };
 pub use layout::{ParallelLayout, Stage};
 pub use memory::MemoryEstimate;
-pub use schedule::{LaneKind, LayerRef, Op, SchedulePlan, ScheduleNode, Slot};
+pub use schedule::{LaneKind, LayerRef, Op, ScheduleNode, SchedulePlan, Slot};
 pub use units::{FsdpUnit, Module, ModuleKind, UnitFilter, UnitKind, UnitShape};
 
 use crate::config::ModelConfig;
@@ -21,8 +22,8 @@ use crate::diagnostic::{Diagnostic, Diagnostics};
 use crate::params::{ParamDef, layer_params};
 use crate::pattern::{Item, LayerKind, Pattern};
 use serde::Serialize;
+use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// Choices the planner takes besides the model and the layout.
 #[derive(Clone, Debug)]
@@ -88,7 +89,10 @@ pub struct MtpLayerInfo {
 
 impl MtpLayerInfo {
     pub fn path(&self) -> String {
-        format!("mtp.layers.{}.mtp_model_layer.layers.{}", self.depth, self.index)
+        format!(
+            "mtp.layers.{}.mtp_model_layer.layers.{}",
+            self.depth, self.index
+        )
     }
 }
 
@@ -120,29 +124,16 @@ pub enum Owner {
 }
 
 /// One parameter as one rank holds it (experts by local index), placed in
-/// its bucket.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// its bucket. Its name and shape live in [`Plan::param_defs`], shared by
+/// every layer of a kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Param {
     pub owner: Owner,
-    /// Name, shape and expert-ness relative to the owner.
-    pub def: Arc<ParamDef>,
+    /// Index into [`Plan::param_defs`].
+    pub def: usize,
     pub bucket: usize,
     /// Element offset inside the bucket (a multiple of 64).
     pub offset: usize,
-}
-
-impl Param {
-    pub fn numel(&self) -> usize {
-        self.def.numel()
-    }
-
-    pub fn shape(&self) -> &[usize] {
-        &self.def.shape
-    }
-
-    pub fn is_expert(&self) -> bool {
-        self.def.expert
-    }
 }
 
 /// A validated plan. Built by [`Plan::new`]; everything in it is derived from
@@ -159,15 +150,18 @@ pub struct Plan {
     pub mtp_layers: Vec<Vec<MtpLayerInfo>>,
     pub stages: Vec<Stage>,
     /// One rank's parameters in model (`named_parameters()`) order.
-    pub params: Vec<Param>,
+    pub params: Cow<'static, [Param]>,
+    /// Names (relative to their owner), shapes and expert-ness, one entry per
+    /// distinct definition.
+    pub param_defs: Cow<'static, [ParamDef]>,
     /// Parameters of the whole model, every expert counted.
     pub total_params: u64,
     /// Parameters one token passes through: all but the input embedding and
     /// the unchosen experts.
     pub active_params: u64,
-    pub units: Vec<FsdpUnit>,
+    pub units: Cow<'static, [FsdpUnit]>,
     /// Every bucket, indexed by id (forward order).
-    pub buckets: Vec<Bucket>,
+    pub buckets: Cow<'static, [Bucket]>,
     pub schedule: SchedulePlan,
     /// ZeRO-3 memory per rank under the overlap schedule.
     pub memory: MemoryEstimate,
@@ -196,7 +190,11 @@ impl Plan {
     }
 
     /// Plans an already parsed pattern (it replaces `model.pattern`).
-    pub fn from_pattern(model: &ModelConfig, pattern: Pattern, options: &PlanOptions) -> Result<Plan, Diagnostics> {
+    pub fn from_pattern(
+        model: &ModelConfig,
+        pattern: Pattern,
+        options: &PlanOptions,
+    ) -> Result<Plan, Diagnostics> {
         let mut model = model.clone();
         let source = std::mem::take(&mut model.pattern);
         let fail = |items: Vec<Diagnostic>| Diagnostics::new(source.clone(), "pattern", items);
@@ -210,23 +208,43 @@ impl Plan {
         Ok(Builder::new(model, pattern, options, stages).build())
     }
 
+    /// The definition (relative name, shape) of a parameter.
+    pub fn def(&self, param: &Param) -> &ParamDef {
+        &self.param_defs[param.def]
+    }
+
     /// Full state-dict name of a parameter (rank-local expert index).
     pub fn param_name(&self, param: &Param) -> String {
-        format!("{}{}", self.owner_prefix(param.owner, false), param.def.name)
+        format!(
+            "{}{}",
+            self.owner_prefix(param.owner, false),
+            self.def(param).name
+        )
+    }
+
+    /// Ranks bucket `bucket` is sharded over: the data-parallel group for
+    /// dense buckets, the expert-data-parallel group for expert buckets.
+    pub fn bucket_world(&self, bucket: &Bucket) -> usize {
+        if bucket.expert {
+            self.layout.expert_dp()
+        } else {
+            self.layout.dp.max(1)
+        }
     }
 
     /// Checkpoint key of a parameter: groups flattened, `final_layernorm` for
     /// patterns with brackets, and an expert's global index for EP rank
     /// `ep_rank` (`r * E/ep + j`).
     pub fn checkpoint_key(&self, param: &Param, ep_rank: usize) -> String {
-        let name = match param.def.local_expert {
+        let def = self.def(param);
+        let name = match def.local_expert {
             Some(j) => {
                 let local = self.local_experts();
                 let global = ep_rank * local + j;
-                let stem = param.def.name.trim_end_matches(|c: char| c.is_ascii_digit());
+                let stem = def.name.trim_end_matches(|c: char| c.is_ascii_digit());
                 format!("{stem}{global}")
             }
-            None => param.def.name.clone(),
+            None => def.name.to_string(),
         };
         format!("{}{name}", self.owner_prefix(param.owner, true))
     }
@@ -236,8 +254,12 @@ impl Plan {
             Owner::Embedding => "embedding.word_embeddings.".to_string(),
             Owner::Layer(LayerRef::Decoder(i)) if checkpoint => self.layers[i].checkpoint_prefix(),
             Owner::Layer(LayerRef::Decoder(i)) => format!("{}.", self.layers[i].path()),
-            Owner::Layer(LayerRef::Mtp { depth, index }) => format!("{}.", self.mtp_layers[depth][index].path()),
-            Owner::FinalNorm if checkpoint && self.pattern.has_groups() => "decoder.final_layernorm.".to_string(),
+            Owner::Layer(LayerRef::Mtp { depth, index }) => {
+                format!("{}.", self.mtp_layers[depth][index].path())
+            }
+            Owner::FinalNorm if checkpoint && self.pattern.has_groups() => {
+                "decoder.final_layernorm.".to_string()
+            }
             Owner::FinalNorm => "decoder.final_norm.".to_string(),
             Owner::MtpBlock(d) => format!("mtp.layers.{d}."),
             Owner::OutputLayer => "output_layer.".to_string(),
@@ -246,7 +268,10 @@ impl Plan {
 
     /// Experts each EP rank holds.
     pub fn local_experts(&self) -> usize {
-        self.model.moe.as_ref().map_or(0, |m| m.num_experts / self.layout.ep.max(1))
+        self.model
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.num_experts / self.layout.ep.max(1))
     }
 
     pub fn physical_layers(&self) -> usize {
@@ -272,7 +297,11 @@ impl Plan {
 
     /// Parameters owned by `owner`, in order (indices into `params`).
     pub fn params_of(&self, owner: Owner) -> impl Iterator<Item = usize> + '_ {
-        self.params.iter().enumerate().filter(move |(_, p)| p.owner == owner).map(|(i, _)| i)
+        self.params
+            .iter()
+            .enumerate()
+            .filter(move |(_, p)| p.owner == owner)
+            .map(|(i, _)| i)
     }
 }
 
@@ -282,28 +311,64 @@ struct Builder<'o> {
     pattern: Pattern,
     options: &'o PlanOptions,
     stages: Vec<Stage>,
-    /// Parameter definitions per layer kind, built once and shared.
-    defs: HashMap<LayerKind, Vec<Arc<ParamDef>>>,
+    /// The definition table: every layer kind's parameters (built once and
+    /// shared by all layers of the kind), then the model-level ones.
+    defs: Vec<ParamDef>,
+    kind_defs: HashMap<LayerKind, std::ops::Range<usize>>,
+}
+
+/// Model-level definitions, appended after the layer kinds' in the table.
+#[derive(Clone, Copy)]
+enum ModelDef {
+    Embedding,
+    FinalNorm,
+    MtpEnorm,
+    MtpHnorm,
+    MtpEhProj,
+    MtpFinalNorm,
+    Output,
 }
 
 impl<'o> Builder<'o> {
-    fn new(model: ModelConfig, pattern: Pattern, options: &'o PlanOptions, stages: Vec<Stage>) -> Self {
-        let local = model.moe.as_ref().map_or(0, |m| m.num_experts / options.layout.ep.max(1));
-        let defs = pattern
-            .kinds()
-            .into_iter()
-            .map(|kind| {
-                let defs = layer_params(kind, &model, local).into_iter().map(Arc::new).collect();
-                (kind, defs)
-            })
-            .collect();
+    fn new(
+        model: ModelConfig,
+        pattern: Pattern,
+        options: &'o PlanOptions,
+        stages: Vec<Stage>,
+    ) -> Self {
+        let local = model
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.num_experts / options.layout.ep.max(1));
+        let mut defs = Vec::new();
+        let mut kind_defs = HashMap::new();
+        for kind in pattern.kinds() {
+            let start = defs.len();
+            defs.extend(layer_params(kind, &model, local));
+            kind_defs.insert(kind, start..defs.len());
+        }
+        let (h, vocab) = (model.hidden_size, model.padded_vocab_size());
+        defs.extend([
+            ParamDef::new("weight", &[vocab, h]),
+            ParamDef::new("weight", &[h]),
+            ParamDef::new("enorm.weight", &[h]),
+            ParamDef::new("hnorm.weight", &[h]),
+            ParamDef::new("eh_proj.weight", &[h, 2 * h]),
+            ParamDef::new("final_layernorm.weight", &[h]),
+            ParamDef::new("weight", &[vocab, h]),
+        ]);
         Builder {
             model,
             pattern,
             options,
             stages,
             defs,
+            kind_defs,
         }
+    }
+
+    fn model_def(&self, def: ModelDef) -> usize {
+        self.defs.len() - 7 + def as usize
     }
 
     fn build(self) -> Plan {
@@ -317,22 +382,30 @@ impl<'o> Builder<'o> {
                 d.layers
                     .iter()
                     .enumerate()
-                    .map(|(index, l)| MtpLayerInfo { depth, index, kind: l.kind })
+                    .map(|(index, l)| MtpLayerInfo {
+                        depth,
+                        index,
+                        kind: l.kind,
+                    })
                     .collect()
             })
             .collect();
-        let (mut params, param_unit, units) = self.params_and_units(&layers, &logical_layers, &mtp_layers);
+        let (mut params, param_unit, mut units) =
+            self.params_and_units(&layers, &logical_layers, &mtp_layers);
         let buckets = self.buckets(&mut params, &param_unit);
-        let mut units = units;
+        let mut unit_buckets = vec![Vec::new(); units.len()];
         for bucket in &buckets {
             if let Some(u) = bucket.unit {
-                units[u].buckets.push(bucket.id);
+                unit_buckets[u].push(bucket.id);
             }
+        }
+        for (unit, ids) in units.iter_mut().zip(unit_buckets) {
+            unit.buckets = Cow::Owned(ids);
         }
         let schedule = self.schedule(&logical_layers, &layers, &mtp_layers, &units);
         let (total_params, active_params) = self.totals();
-        let memory = MemoryEstimate::of(&units, &buckets, 4);
-        let memory_plain = MemoryEstimate::of(&units, &buckets, 2);
+        let memory = MemoryEstimate::of(&units, &buckets, &self.options.layout, 4);
+        let memory_plain = MemoryEstimate::of(&units, &buckets, &self.options.layout, 2);
         Plan {
             model: self.model,
             pattern: self.pattern,
@@ -342,11 +415,12 @@ impl<'o> Builder<'o> {
             logical_layers,
             mtp_layers,
             stages: self.stages,
-            params,
+            params: Cow::Owned(params),
+            param_defs: Cow::Owned(self.defs),
             total_params,
             active_params,
-            units,
-            buckets,
+            units: Cow::Owned(units),
+            buckets: Cow::Owned(buckets),
             schedule,
             memory,
             memory_plain,
@@ -357,6 +431,7 @@ impl<'o> Builder<'o> {
         let mut layers = Vec::with_capacity(self.pattern.physical_count());
         let mut logical = Vec::with_capacity(self.pattern.logical_count());
         let mut groups = 0;
+        let mut stage = 0;
         for (l, item) in self.pattern.items().enumerate() {
             let start = layers.len();
             let group = item.is_group().then(|| {
@@ -365,7 +440,9 @@ impl<'o> Builder<'o> {
             });
             for (j, layer) in item.layers().iter().enumerate() {
                 let index = layers.len();
-                let stage = self.stages.iter().position(|s| s.layers.contains(&index)).unwrap_or(0);
+                while stage + 1 < self.stages.len() && !self.stages[stage].layers.contains(&index) {
+                    stage += 1;
+                }
                 layers.push(LayerInfo {
                     index,
                     kind: layer.kind,
@@ -393,159 +470,107 @@ impl<'o> Builder<'o> {
         logical: &[LogicalLayer],
         mtp: &[Vec<MtpLayerInfo>],
     ) -> (Vec<Param>, Vec<Option<usize>>, Vec<FsdpUnit>) {
-        let filter = &self.options.unit_filter;
-        let h = self.model.hidden_size;
-        let vocab = self.model.padded_vocab_size();
-        let mut params = Vec::new();
-        let mut param_unit = Vec::new();
-        let mut units: Vec<FsdpUnit> = Vec::new();
-        let mut push = |params: &mut Vec<Param>, owner: Owner, def: Arc<ParamDef>, unit: Option<usize>| {
-            params.push(Param {
-                owner,
-                def,
-                bucket: 0,
-                offset: 0,
-            });
-            param_unit.push(unit);
-        };
-        let own = |name: &str, shape: &[usize]| {
-            Arc::new(ParamDef {
-                name: name.to_string(),
-                shape: shape.to_vec(),
-                expert: false,
-                local_expert: None,
-            })
-        };
-        let leaf_unit = |units: &mut Vec<FsdpUnit>, path: &str, kind: ModuleKind| {
-            let module = Module {
-                path,
-                kind,
-                layer_kinds: &[],
-            };
-            filter.is_unit(&module).then(|| {
-                units.push(FsdpUnit {
-                    index: units.len(),
-                    name: path.to_string(),
-                    shape: UnitShape::Layer,
-                    layers: Vec::new(),
-                    mtp_depth: None,
-                    buckets: Vec::new(),
-                });
-                units.len() - 1
-            })
+        let mut walk = UnitWalk {
+            filter: &self.options.unit_filter,
+            params: Vec::new(),
+            param_unit: Vec::new(),
+            units: Vec::new(),
         };
 
-        let unit = leaf_unit(&mut units, "embedding", ModuleKind::Embedding);
-        push(&mut params, Owner::Embedding, own("weight", &[vocab, h]), unit);
+        let unit = walk.leaf("embedding", ModuleKind::Embedding);
+        walk.push(Owner::Embedding, self.model_def(ModelDef::Embedding), unit);
 
-        let mut kinds_buf = Vec::new();
+        let mut kinds = Vec::new();
         for item in logical {
-            kinds_buf.clear();
-            kinds_buf.extend(item.layers.clone().map(|i| layers[i].kind));
-            let path = item.path();
-            let module = Module {
-                path: &path,
-                kind: if item.is_group { ModuleKind::Group } else { ModuleKind::Layer },
-                layer_kinds: &kinds_buf,
+            kinds.clear();
+            kinds.extend(item.layers.clone().map(|i| layers[i].kind));
+            let (kind, shape) = if item.is_group {
+                (ModuleKind::Group, UnitShape::Group)
+            } else {
+                (ModuleKind::Layer, UnitShape::Layer)
             };
-            let unit = filter.is_unit(&module).then(|| {
-                units.push(FsdpUnit {
-                    index: units.len(),
-                    name: path.clone(),
-                    shape: if item.is_group { UnitShape::Group } else { UnitShape::Layer },
-                    layers: item.layers.clone().collect(),
-                    mtp_depth: None,
-                    buckets: Vec::new(),
-                });
-                units.len() - 1
-            });
+            let unit = walk.candidate(
+                item.path(),
+                kind,
+                &kinds,
+                shape,
+                item.layers.clone().collect(),
+                None,
+            );
             for i in item.layers.clone() {
-                for def in &self.defs[&layers[i].kind] {
-                    push(&mut params, Owner::Layer(LayerRef::Decoder(i)), def.clone(), unit);
+                for def in self.kind_defs[&layers[i].kind].clone() {
+                    walk.push(Owner::Layer(LayerRef::Decoder(i)), def, unit);
                 }
             }
         }
 
-        let unit = leaf_unit(&mut units, "decoder.final_norm", ModuleKind::FinalNorm);
-        push(&mut params, Owner::FinalNorm, own("weight", &[h]), unit);
+        let unit = walk.leaf("decoder.final_norm", ModuleKind::FinalNorm);
+        walk.push(Owner::FinalNorm, self.model_def(ModelDef::FinalNorm), unit);
 
         for (d, depth) in mtp.iter().enumerate() {
-            let path = format!("mtp.layers.{d}");
-            kinds_buf.clear();
-            kinds_buf.extend(depth.iter().map(|l| l.kind));
-            let module = Module {
-                path: &path,
-                kind: ModuleKind::MtpDepth,
-                layer_kinds: &kinds_buf,
-            };
-            let depth_unit = filter.is_unit(&module).then(|| {
-                units.push(FsdpUnit {
-                    index: units.len(),
-                    name: path.clone(),
-                    shape: UnitShape::Mtp,
-                    layers: Vec::new(),
-                    mtp_depth: Some(d),
-                    buckets: Vec::new(),
-                });
-                units.len() - 1
-            });
-            for (name, shape) in [("enorm.weight", vec![h]), ("hnorm.weight", vec![h]), ("eh_proj.weight", vec![h, 2 * h])] {
-                push(&mut params, Owner::MtpBlock(d), own(name, &shape), depth_unit);
+            kinds.clear();
+            kinds.extend(depth.iter().map(|l| l.kind));
+            let depth_unit = walk.candidate(
+                format!("mtp.layers.{d}"),
+                ModuleKind::MtpDepth,
+                &kinds,
+                UnitShape::Mtp,
+                Vec::new(),
+                Some(d),
+            );
+            for def in [ModelDef::MtpEnorm, ModelDef::MtpHnorm, ModelDef::MtpEhProj] {
+                walk.push(Owner::MtpBlock(d), self.model_def(def), depth_unit);
             }
             for layer in depth {
+                // Outermost match wins: a depth's layers are asked only when
+                // the depth itself is not a unit.
                 let unit = depth_unit.or_else(|| {
-                    let path = layer.path();
-                    let module = Module {
-                        path: &path,
-                        kind: ModuleKind::Layer,
-                        layer_kinds: std::slice::from_ref(&layer.kind),
-                    };
-                    filter.is_unit(&module).then(|| {
-                        units.push(FsdpUnit {
-                            index: units.len(),
-                            name: path.clone(),
-                            shape: UnitShape::Layer,
-                            layers: Vec::new(),
-                            mtp_depth: Some(d),
-                            buckets: Vec::new(),
-                        });
-                        units.len() - 1
-                    })
+                    walk.candidate(
+                        layer.path(),
+                        ModuleKind::Layer,
+                        std::slice::from_ref(&layer.kind),
+                        UnitShape::Layer,
+                        Vec::new(),
+                        Some(d),
+                    )
                 });
-                for def in &self.defs[&layer.kind] {
-                    push(
-                        &mut params,
-                        Owner::Layer(LayerRef::Mtp { depth: d, index: layer.index }),
-                        def.clone(),
-                        unit,
-                    );
+                let owner = Owner::Layer(LayerRef::Mtp {
+                    depth: d,
+                    index: layer.index,
+                });
+                for def in self.kind_defs[&layer.kind].clone() {
+                    walk.push(owner, def, unit);
                 }
             }
-            push(&mut params, Owner::MtpBlock(d), own("final_layernorm.weight", &[h]), depth_unit);
+            walk.push(
+                Owner::MtpBlock(d),
+                self.model_def(ModelDef::MtpFinalNorm),
+                depth_unit,
+            );
         }
 
         if !self.model.tie_embeddings {
-            let unit = leaf_unit(&mut units, "output_layer", ModuleKind::OutputLayer);
-            push(&mut params, Owner::OutputLayer, own("weight", &[vocab, h]), unit);
+            let unit = walk.leaf("output_layer", ModuleKind::OutputLayer);
+            walk.push(Owner::OutputLayer, self.model_def(ModelDef::Output), unit);
         }
-        (params, param_unit, units)
+        (walk.params, walk.param_unit, walk.units)
     }
 
     /// Groups parameters into buckets by (unit, dtype, dense/expert) in
     /// parameter order, splits non-unit buckets at the cap, and lays out
     /// offsets (64-aligned) in each.
     fn buckets(&self, params: &mut [Param], param_unit: &[Option<usize>]) -> Vec<Bucket> {
-        let layout = &self.options.layout;
         let cap = self.options.non_unit_bucket_cap.max(1);
         let mut buckets: Vec<Bucket> = Vec::new();
-        // (unit, expert) -> open bucket. Units' parameters are contiguous, so
-        // a unit's buckets are created together, in forward order.
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        // (unit, expert) -> open bucket. A unit's parameters are contiguous,
+        // so its buckets are created together, in forward order.
         let mut open: HashMap<(Option<usize>, bool), usize> = HashMap::new();
         for (i, param) in params.iter_mut().enumerate() {
+            let def = &self.defs[param.def];
             let unit = param_unit[i];
-            let expert = param.def.expert;
-            let numel = param.numel();
-            let key = (unit, expert);
+            let numel = def.numel();
+            let key = (unit, def.expert);
             let reuse = open.get(&key).copied().filter(|&b| {
                 // Non-unit buckets close at the size cap.
                 unit.is_some() || buckets[b].numel == 0 || buckets[b].numel + numel <= cap
@@ -558,13 +583,13 @@ impl<'o> Builder<'o> {
                         id,
                         unit,
                         dtype: DType::Bf16,
-                        expert,
-                        params: Vec::new(),
+                        expert: def.expert,
+                        params: Cow::Borrowed(&[]),
                         numel: 0,
                         end: 0,
-                        world: if expert { layout.expert_dp() } else { layout.dp.max(1) },
                         megatron_row_lcm: Some(1),
                     });
+                    members.push(Vec::new());
                     open.insert(key, id);
                     id
                 }
@@ -573,12 +598,15 @@ impl<'o> Builder<'o> {
             let offset = round_up(bucket.end, PARAM_ALIGN);
             param.bucket = b;
             param.offset = offset;
-            bucket.params.push(i);
+            members[b].push(i);
             bucket.numel += numel;
             bucket.end = offset + numel;
             bucket.megatron_row_lcm = bucket
                 .megatron_row_lcm
-                .and_then(|l| buckets::lcm(l, param.def.row_numel() as u64));
+                .and_then(|l| buckets::lcm(l, def.row_numel() as u64));
+        }
+        for (bucket, ids) in buckets.iter_mut().zip(members) {
+            bucket.params = Cow::Owned(ids);
         }
         buckets
     }
@@ -590,58 +618,91 @@ impl<'o> Builder<'o> {
         mtp: &[Vec<MtpLayerInfo>],
         units: &[FsdpUnit],
     ) -> SchedulePlan {
-        let unit_of_path: HashMap<&str, usize> = units.iter().map(|u| (u.name.as_str(), u.index)).collect();
-        let mut nodes = Vec::with_capacity(logical.len() + mtp.iter().map(Vec::len).sum::<usize>() + 1);
+        let unit_of_path: HashMap<&str, usize> =
+            units.iter().map(|u| (u.name.as_ref(), u.index)).collect();
+        let mut nodes =
+            Vec::with_capacity(logical.len() + mtp.iter().map(Vec::len).sum::<usize>() + 1);
         for item in logical {
             let path = item.path();
-            let members: Vec<LayerRef> = item.layers.clone().map(LayerRef::Decoder).collect();
-            nodes.push(node(nodes.len(), path.clone(), Some(item.index), None, unit_of_path.get(path.as_str()).copied(), members, |r| match r {
-                LayerRef::Decoder(i) => layers[i].kind,
-                LayerRef::Mtp { .. } => LayerKind::Mamba,
-            }));
+            let unit = unit_of_path.get(path.as_str()).copied();
+            let members = item
+                .layers
+                .clone()
+                .map(|i| (LayerRef::Decoder(i), layers[i].kind))
+                .collect();
+            nodes.push(node(
+                nodes.len(),
+                path,
+                Some(item.index),
+                None,
+                unit,
+                members,
+            ));
         }
         if nodes.is_empty() {
             // No decoder layers: one empty node still carries the embedding,
             // the final norm and the head, so every model has the same chain.
-            nodes.push(node(0, "decoder".to_string(), None, None, None, Vec::new(), |_| LayerKind::Mamba));
+            nodes.push(node(0, "decoder".to_string(), None, None, None, Vec::new()));
         }
         nodes[0].embed = true;
         let last_decoder = nodes.len() - 1;
         nodes[last_decoder].final_norm = true;
-        nodes[last_decoder].heads.push(None);
+        nodes[last_decoder].heads.to_mut().push(None);
         for (d, depth) in mtp.iter().enumerate() {
-            let depth_unit = unit_of_path.get(format!("mtp.layers.{d}").as_str()).copied();
+            let depth_unit = unit_of_path
+                .get(format!("mtp.layers.{d}").as_str())
+                .copied();
             let first = nodes.len();
             for layer in depth {
                 let path = layer.path();
                 let unit = depth_unit.or_else(|| unit_of_path.get(path.as_str()).copied());
-                let refs = vec![LayerRef::Mtp { depth: d, index: layer.index }];
-                nodes.push(node(nodes.len(), path, None, Some(d), unit, refs, |_| layer.kind));
+                let member = vec![(
+                    LayerRef::Mtp {
+                        depth: d,
+                        index: layer.index,
+                    },
+                    layer.kind,
+                )];
+                nodes.push(node(nodes.len(), path, None, Some(d), unit, member));
             }
             nodes[first].mtp_enter = Some(d);
             let last = nodes.len() - 1;
-            nodes[last].heads.push(Some(d));
+            nodes[last].heads.to_mut().push(Some(d));
         }
-        SchedulePlan { nodes }
+        SchedulePlan {
+            nodes: Cow::Owned(nodes),
+        }
     }
 
     fn totals(&self) -> (u64, u64) {
         let h = self.model.hidden_size as u64;
         let vocab = self.model.padded_vocab_size() as u64;
         let embedding = vocab * h;
-        let output = if self.model.tie_embeddings { 0 } else { vocab * h };
+        let output = if self.model.tie_embeddings {
+            0
+        } else {
+            vocab * h
+        };
         let moe = self.model.moe.as_ref();
         let experts = moe.map_or(0, |m| m.num_experts);
         let per_expert = moe.map_or(0, |m| {
             let fc1 = m.activation.fc1_factor() * m.ffn_hidden_size * self.model.hidden_size;
             (fc1 + m.ffn_hidden_size * self.model.hidden_size) as u64
         });
-        let unchosen = moe.map_or(0, |m| (m.num_experts - m.top_k.min(m.num_experts)) as u64) * per_expert;
+        let unchosen =
+            moe.map_or(0, |m| (m.num_experts - m.top_k.min(m.num_experts)) as u64) * per_expert;
         let layer_total = |kind: LayerKind| -> u64 {
-            layer_params(kind, &self.model, experts).iter().map(|p| p.numel() as u64).sum()
+            layer_params(kind, &self.model, experts)
+                .iter()
+                .map(|p| p.numel() as u64)
+                .sum()
         };
         let mut counts: HashMap<LayerKind, u64> = HashMap::new();
-        for layer in self.pattern.layers().chain(self.pattern.mtp_depths.iter().flat_map(|d| &d.layers)) {
+        for layer in self
+            .pattern
+            .layers()
+            .chain(self.pattern.mtp_depths.iter().flat_map(|d| &d.layers))
+        {
             *counts.entry(layer.kind).or_default() += 1;
         }
         let mtp_blocks = self.pattern.mtp_depths.len() as u64 * (3 * h + 2 * h * h);
@@ -657,31 +718,93 @@ impl<'o> Builder<'o> {
     }
 }
 
+/// The top-down walk of the module tree that asks the unit filter about each
+/// candidate and records which unit every parameter lands in.
+struct UnitWalk<'f> {
+    filter: &'f UnitFilter,
+    params: Vec<Param>,
+    param_unit: Vec<Option<usize>>,
+    units: Vec<FsdpUnit>,
+}
+
+impl UnitWalk<'_> {
+    fn push(&mut self, owner: Owner, def: usize, unit: Option<usize>) {
+        self.params.push(Param {
+            owner,
+            def,
+            bucket: 0,
+            offset: 0,
+        });
+        self.param_unit.push(unit);
+    }
+
+    /// Asks the filter about a module; makes it a unit if it matches.
+    fn candidate(
+        &mut self,
+        path: String,
+        kind: ModuleKind,
+        layer_kinds: &[LayerKind],
+        shape: UnitShape,
+        layers: Vec<usize>,
+        mtp_depth: Option<usize>,
+    ) -> Option<usize> {
+        let module = Module {
+            path: &path,
+            kind,
+            layer_kinds,
+        };
+        if !self.filter.is_unit(&module) {
+            return None;
+        }
+        let index = self.units.len();
+        self.units.push(FsdpUnit {
+            index,
+            name: Cow::Owned(path),
+            shape,
+            layers: Cow::Owned(layers),
+            mtp_depth,
+            buckets: Cow::Borrowed(&[]),
+        });
+        Some(index)
+    }
+
+    /// A leaf module with no layers inside (embedding, final norm, output).
+    fn leaf(&mut self, path: &str, kind: ModuleKind) -> Option<usize> {
+        self.candidate(
+            path.to_string(),
+            kind,
+            &[],
+            UnitShape::Layer,
+            Vec::new(),
+            None,
+        )
+    }
+}
+
 fn node(
     index: usize,
     name: String,
     logical: Option<usize>,
     mtp_depth: Option<usize>,
     unit: Option<usize>,
-    members: Vec<LayerRef>,
-    kind_of: impl Fn(LayerRef) -> LayerKind,
+    members: Vec<(LayerRef, LayerKind)>,
 ) -> ScheduleNode {
-    let terminal = members.last().copied().map(|l| (l, kind_of(l))).filter(|(_, k)| k.is_terminal());
-    let pre_layers = match terminal {
-        Some(_) => members[..members.len() - 1].to_vec(),
-        None => members,
-    };
+    let terminal = members
+        .last()
+        .copied()
+        .filter(|(_, kind)| kind.is_terminal());
+    let pre = &members[..members.len() - usize::from(terminal.is_some())];
     ScheduleNode {
         index,
-        name,
+        name: Cow::Owned(name),
         logical,
         mtp_depth,
         unit,
-        pre_layers,
+        pre_layers: pre.iter().map(|(layer, _)| *layer).collect(),
         terminal,
         embed: false,
         mtp_enter: None,
         final_norm: false,
-        heads: Vec::new(),
+        heads: Cow::Borrowed(&[]),
     }
 }

@@ -5,6 +5,7 @@
 
 use crate::pattern::LayerKind;
 use serde::Serialize;
+use std::borrow::Cow;
 
 /// The five pieces a logical layer is cut into, in forward order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -27,7 +28,13 @@ pub enum LaneKind {
 }
 
 impl Slot {
-    pub const ALL: [Slot; 5] = [Slot::PreDispatch, Slot::Dispatch, Slot::Mlp, Slot::Combine, Slot::MtpPostProcess];
+    pub const ALL: [Slot; 5] = [
+        Slot::PreDispatch,
+        Slot::Dispatch,
+        Slot::Mlp,
+        Slot::Combine,
+        Slot::MtpPostProcess,
+    ];
 
     pub const fn lane(self) -> LaneKind {
         match self {
@@ -90,14 +97,14 @@ pub enum Op {
 pub struct ScheduleNode {
     pub index: usize,
     /// Module path of the logical layer.
-    pub name: String,
+    pub name: Cow<'static, str>,
     /// Logical decoder index, for decoder nodes.
     pub logical: Option<usize>,
     pub mtp_depth: Option<usize>,
     /// The FSDP unit whose parameters this node computes with, if any.
     pub unit: Option<usize>,
     /// Members before the terminal (all members if there is none).
-    pub pre_layers: Vec<LayerRef>,
+    pub pre_layers: Cow<'static, [LayerRef]>,
     /// The last member if it is `-` or `E`.
     pub terminal: Option<(LayerRef, LayerKind)>,
     /// Extra work this node carries: the embedding, an MTP depth's entry, the
@@ -105,14 +112,16 @@ pub struct ScheduleNode {
     pub embed: bool,
     pub mtp_enter: Option<usize>,
     pub final_norm: bool,
-    pub heads: Vec<Option<usize>>,
+    pub heads: Cow<'static, [Option<usize>]>,
 }
 
 impl ScheduleNode {
     /// The forward work of `slot`, in order; empty for a no-op slot.
     pub fn ops(&self, slot: Slot) -> Vec<Op> {
         let mut ops = Vec::new();
-        let terminal = self.terminal.map(|(layer, kind)| (layer, kind == LayerKind::Moe));
+        let terminal = self
+            .terminal
+            .map(|(layer, kind)| (layer, kind == LayerKind::Moe));
         match slot {
             Slot::PreDispatch => {
                 if self.embed {
@@ -165,5 +174,5 @@ impl ScheduleNode {
 /// The whole forward chain. Backward runs it in reverse.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SchedulePlan {
-    pub nodes: Vec<ScheduleNode>,
+    pub nodes: Cow<'static, [ScheduleNode]>,
 }

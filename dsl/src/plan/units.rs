@@ -8,6 +8,7 @@
 use crate::diagnostic::{Code, Diagnostic};
 use crate::pattern::LayerKind;
 use serde::Serialize;
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -86,7 +87,9 @@ pub struct UnitFilter {
 
 impl fmt::Debug for UnitFilter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UnitFilter").field("rule", &self.description).finish()
+        f.debug_struct("UnitFilter")
+            .field("rule", &self.description)
+            .finish()
     }
 }
 
@@ -96,7 +99,10 @@ impl Default for UnitFilter {
     fn default() -> Self {
         UnitFilter {
             predicate: Arc::new(|m: &Module<'_>| {
-                matches!(m.kind, ModuleKind::Group | ModuleKind::Layer | ModuleKind::MtpDepth)
+                matches!(
+                    m.kind,
+                    ModuleKind::Group | ModuleKind::Layer | ModuleKind::MtpDepth
+                )
             }),
             description: "default: every group, ungrouped layer and MTP depth".to_string(),
         }
@@ -110,14 +116,20 @@ impl UnitFilter {
         let list = kinds.to_vec();
         let description = format!(
             "kinds: {}",
-            kinds.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+            kinds
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         );
         UnitFilter {
             predicate: Arc::new(move |m: &Module<'_>| {
                 let listed = |k: &LayerKind| list.contains(&UnitKind::Layer(*k));
                 match m.kind {
                     ModuleKind::Layer => m.layer_kinds.iter().any(listed),
-                    ModuleKind::Group => list.contains(&UnitKind::Group) || m.layer_kinds.iter().any(listed),
+                    ModuleKind::Group => {
+                        list.contains(&UnitKind::Group) || m.layer_kinds.iter().any(listed)
+                    }
                     ModuleKind::MtpDepth => list.contains(&UnitKind::Mtp),
                     _ => false,
                 }
@@ -143,7 +155,10 @@ impl UnitFilter {
     }
 
     /// A custom predicate; `description` says what it selects, for reports.
-    pub fn predicate(description: impl Into<String>, f: impl Fn(&Module<'_>) -> bool + Send + Sync + 'static) -> Self {
+    pub fn predicate(
+        description: impl Into<String>,
+        f: impl Fn(&Module<'_>) -> bool + Send + Sync + 'static,
+    ) -> Self {
         UnitFilter {
             predicate: Arc::new(f),
             description: description.into(),
@@ -152,7 +167,10 @@ impl UnitFilter {
 
     /// The one way to build a filter from optional user input: the default
     /// when neither is given, and an error when both are (H027).
-    pub fn from_options(kinds: Option<&[UnitKind]>, predicate: Option<UnitFilter>) -> Result<Self, Diagnostic> {
+    pub fn from_options(
+        kinds: Option<&[UnitKind]>,
+        predicate: Option<UnitFilter>,
+    ) -> Result<Self, Diagnostic> {
         match (kinds, predicate) {
             (Some(_), Some(_)) => Err(Diagnostic::new(
                 Code::H027,
@@ -192,14 +210,14 @@ pub enum UnitShape {
 pub struct FsdpUnit {
     pub index: usize,
     /// Module path (`decoder.layers.1`, `mtp.layers.0`).
-    pub name: String,
+    pub name: Cow<'static, str>,
     pub shape: UnitShape,
     /// Physical decoder layers in the unit (empty for MTP units).
-    pub layers: Vec<usize>,
+    pub layers: Cow<'static, [usize]>,
     /// The MTP depth, for a unit inside one.
     pub mtp_depth: Option<usize>,
     /// Bucket ids, in issue order.
-    pub buckets: Vec<usize>,
+    pub buckets: Cow<'static, [usize]>,
 }
 
 #[cfg(test)]
@@ -219,8 +237,14 @@ mod tests {
         let f = UnitFilter::parse_kinds("E, mtp").unwrap();
         assert!(f.is_unit(&module(ModuleKind::Layer, &[LayerKind::Moe])));
         assert!(!f.is_unit(&module(ModuleKind::Layer, &[LayerKind::Mamba])));
-        assert!(f.is_unit(&module(ModuleKind::Group, &[LayerKind::Attention, LayerKind::Moe])));
-        assert!(!f.is_unit(&module(ModuleKind::Group, &[LayerKind::Attention, LayerKind::Mlp])));
+        assert!(f.is_unit(&module(
+            ModuleKind::Group,
+            &[LayerKind::Attention, LayerKind::Moe]
+        )));
+        assert!(!f.is_unit(&module(
+            ModuleKind::Group,
+            &[LayerKind::Attention, LayerKind::Mlp]
+        )));
         assert!(f.is_unit(&module(ModuleKind::MtpDepth, &[])));
         assert!(!f.is_unit(&module(ModuleKind::Embedding, &[])));
     }
@@ -230,6 +254,9 @@ mod tests {
         let custom = UnitFilter::predicate("groups", |m| m.kind == ModuleKind::Group);
         let err = UnitFilter::from_options(Some(&[UnitKind::Group]), Some(custom)).unwrap_err();
         assert_eq!(err.code, Code::H027);
-        assert_eq!(UnitFilter::parse_kinds("group,Q").unwrap_err().code, Code::H027);
+        assert_eq!(
+            UnitFilter::parse_kinds("group,Q").unwrap_err().code,
+            Code::H027
+        );
     }
 }

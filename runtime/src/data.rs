@@ -1,0 +1,1 @@
+//! Training data: a synthetic stream with a known entropy floor, or a file read as bytes.

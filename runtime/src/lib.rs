@@ -1,0 +1,20 @@
+//! # hybridgen-runtime
+//!
+//! The training runtime for plans made by `hybridgen-dsl`. One design, two
+//! backends: the CPU backend here (tests, CI, laptops, the embedded default)
+//! and CUDA behind the same traits.
+
+pub mod backend;
+pub mod collective;
+pub mod cpu;
+pub mod data;
+pub mod error;
+pub mod lane;
+pub mod launch;
+pub mod layers;
+pub mod trace;
+
+pub use backend::{Backend, Precision};
+pub use collective::Collective;
+pub use error::{Result, RuntimeError};
+pub use lane::{Event, Label, Lane, Work};

@@ -1,0 +1,1 @@
+//! A Chrome-trace (Perfetto) recorder: one track per rank and lane.

@@ -1,0 +1,3 @@
+fn main() {
+    println!("hybridgen: command line in progress");
+}
