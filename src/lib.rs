@@ -18,3 +18,6 @@ pub use hybridgen_dsl::{
     Code, Diagnostic, Diagnostics, ModelConfig, ParallelLayout, Pattern, Plan, PlanOptions,
     UnitFilter,
 };
+
+#[doc(hidden)]
+pub mod cli;

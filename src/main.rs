@@ -1,3 +1,5 @@
-fn main() {
-    println!("hybridgen: command line in progress");
+//! The `hybridgen` command line.
+
+fn main() -> std::process::ExitCode {
+    hybridgen::cli::run(std::env::args_os())
 }
