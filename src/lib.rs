@@ -19,5 +19,14 @@ pub use hybridgen_dsl::{
     UnitFilter,
 };
 
+pub use hybridgen_dsl::codegen::StaticModel;
+pub use hybridgen_macros::model;
+
+pub mod build;
+
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
+
 #[doc(hidden)]
 pub mod cli;

@@ -17,5 +17,6 @@ pub mod params;
 
 pub use config::ModelConfig;
 pub mod plan;
+pub mod codegen;
 
 pub use plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};

@@ -1,0 +1,114 @@
+//! The code generator behind `hybridgen::model!` and `hybridgen::build`:
+//! a model declaration in, a Rust module of `const` plan tables and typed
+//! layer structs out. Plain functions over `TokenStream`s, so the macro, the
+//! command line and build scripts share them and tests need no compiler.
+//!
+//! Stages, one module each, in the order serde_derive taught us:
+//! - [`ast`]: read the declaration's tokens (`pub struct Name { field: value, ... }`);
+//! - [`fields`]: give the fields meaning (typed schema, preset + overrides);
+//! - [`validate`]: plan with the one planner, every diagnostic at its span;
+//! - [`generate`]: emit the module; [`stub`]: its stand-in on errors;
+//! - [`build_script`]: the same module from model files, for `build.rs`;
+//! - [`static_model`]: the types the generated module is made of.
+//!
+//! Errors are collected ([`errors::Errors`]) and reported together; an
+//! invalid declaration expands to its `compile_error!`s plus a stub module
+//! with the same names, so one mistake does not cascade.
+
+pub mod ast;
+pub mod build_script;
+pub mod errors;
+pub mod fields;
+pub mod generate;
+pub mod static_model;
+pub mod stub;
+pub mod validate;
+
+use crate::pattern::Pattern;
+use ast::ModelDecl;
+use errors::Errors;
+use generate::ModelSpec;
+use proc_macro2::TokenStream;
+
+pub use static_model::{LayerHandle, SlotTable, StaticModel};
+
+/// Expands a `model!` invocation. `Err` only when the input is not a model
+/// declaration at all (nothing to name a stub after); every other mistake
+/// comes back as `compile_error!`s plus a stub module in `Ok`.
+pub fn expand(input: TokenStream) -> syn::Result<TokenStream> {
+    let decl: ModelDecl = syn::parse2(input)?;
+    Ok(expand_decl(&decl, &facade_path()))
+}
+
+/// The path generated code reaches the library through.
+pub fn facade_path() -> syn::Path {
+    syn::parse_quote!(::hybridgen)
+}
+
+/// Expands a parsed declaration; `krate` is the facade crate's path.
+pub fn expand_decl(decl: &ModelDecl, krate: &syn::Path) -> TokenStream {
+    let mut errors = Errors::default();
+    let spec = spec_of(decl, krate, &mut errors);
+    let (resolved, spans) = fields::resolve(decl, &mut errors);
+    let plan = match &resolved {
+        Some(resolved) => validate::plan(resolved, &spans, &mut errors),
+        None => {
+            validate::check_pattern_only(&spans, &mut errors);
+            None
+        }
+    };
+    match (plan, &resolved) {
+        (Some(plan), Some(resolved)) if errors.is_empty() => {
+            generate::generate(&spec, resolved, &plan)
+        }
+        (plan, _) => {
+            let pattern = match plan {
+                Some(plan) => Some(plan.pattern),
+                None => resolved
+                    .as_ref()
+                    .map(|r| r.config.pattern.clone())
+                    .or_else(|| spans.pattern.as_ref().map(syn::LitStr::value))
+                    .and_then(|source| Pattern::parse(&source).ok()),
+            };
+            let mut out = errors.to_compile_errors();
+            out.extend(stub::stub(&spec, pattern.as_ref()));
+            out
+        }
+    }
+}
+
+/// Names and attributes of the generated items, checking that the model's
+/// name leaves room for the names generated beside it.
+fn spec_of(decl: &ModelDecl, krate: &syn::Path, errors: &mut Errors) -> ModelSpec {
+    let name = decl.name.to_string();
+    let generated = ["Layer", "MtpDepth"].iter().any(|prefix| {
+        name.strip_prefix(prefix)
+            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if generated {
+        errors.push(
+            decl.name.span(),
+            format!(
+                "`{name}` is the name of a generated layer struct\n  help: name the model after what it is, e.g. `NemotronNano`"
+            ),
+        );
+    }
+    let (docs, forwarded) = decl
+        .attrs
+        .iter()
+        .cloned()
+        .partition(|attr| attr.path().is_ident("doc"));
+    ModelSpec {
+        name: decl.name.clone(),
+        module: syn::parse_str::<proc_macro2::Ident>(&generate::module_name(&name))
+            .map(|mut module| {
+                module.set_span(decl.name.span());
+                module
+            })
+            .unwrap_or_else(|_| proc_macro2::Ident::new("model", decl.name.span())),
+        vis: decl.vis.clone(),
+        docs,
+        forwarded,
+        krate: krate.clone(),
+    }
+}

@@ -1,0 +1,174 @@
+//! The module emitted next to the `compile_error!`s of an invalid
+//! declaration: the same names with the same types, so code that uses the
+//! model reports nothing further and the user sees the real mistakes only.
+//!
+//! When the pattern itself is valid the layer structs are known and are
+//! emitted too; otherwise the model struct has no layer fields.
+
+use super::generate::{ModelSpec, kind_tokens, member_fields};
+use crate::pattern::{LayerKind, Pattern};
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote};
+
+pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
+    let name = &spec.name;
+    let docs = &spec.docs;
+    let mut layer_structs = TokenStream::new();
+    let mut fields = Vec::new();
+    let mut types = Vec::new();
+    if let Some(pattern) = pattern {
+        for (i, item) in pattern.items().enumerate() {
+            let kinds: Vec<LayerKind> = item.layers().iter().map(|l| l.kind).collect();
+            let ty = format_ident!("Layer{i}");
+            layer_structs.extend(layer_struct(&ty, &kinds));
+            fields.push(format_ident!("layer_{i}"));
+            types.push(ty);
+        }
+        for (d, depth) in pattern.mtp_depths.iter().enumerate() {
+            let kinds: Vec<LayerKind> = depth.layers.iter().map(|l| l.kind).collect();
+            let ty = format_ident!("MtpDepth{d}");
+            layer_structs.extend(layer_struct(&ty, &kinds));
+            fields.push(format_ident!("mtp_{d}"));
+            types.push(ty);
+        }
+    }
+    let unreachable = quote!(::core::unreachable!("the model declaration has errors"));
+    let body = quote! {
+        pub const NAME: &str = "";
+        pub const PATTERN: &str = "";
+        pub const CANONICAL_PATTERN: &str = "";
+        pub const PHYSICAL_LAYERS: usize = 0;
+        pub const LOGICAL_LAYERS: usize = 0;
+        pub const MTP_DEPTHS: usize = 0;
+        pub const EP: usize = 1;
+        pub const PP: usize = 1;
+        pub const FIRST_STAGE_LAYERS: ::core::option::Option<usize> = ::core::option::Option::None;
+        pub const LAST_STAGE_LAYERS: ::core::option::Option<usize> = ::core::option::Option::None;
+        pub const LOCAL_EXPERTS: usize = 0;
+        pub const TOTAL_PARAMS: u64 = 0;
+        pub const ACTIVE_PARAMS: u64 = 0;
+        pub const NON_UNIT_BUCKET_CAP: usize = 0;
+        pub const UNIT_KINDS: ::core::option::Option<&[__plan::UnitKind]> = ::core::option::Option::None;
+        pub const PARAM_DEFS: &[__dsl::params::ParamDef] = &[];
+        pub const PARAMS: &[__plan::Param] = &[];
+        pub const PARAM_NAMES: &[&str] = &[];
+        pub const UNITS: &[__plan::FsdpUnit] = &[];
+        pub const BUCKETS: &[__plan::Bucket] = &[];
+        pub const fn padded_numel(bucket: usize, world: usize) -> usize {
+            let _ = (bucket, world);
+            0
+        }
+        pub const fn shard_range(bucket: usize, world: usize, rank: usize) -> ::core::ops::Range<usize> {
+            let _ = (bucket, world, rank);
+            0..0
+        }
+        pub const STAGES: &[__plan::Stage] = &[];
+        pub const SCHEDULE: __plan::SchedulePlan = __plan::SchedulePlan { nodes: __Cow::Borrowed(&[]) };
+        pub const SLOT_TABLES: &[__model::SlotTable] = &[];
+        pub const UNIT_FILTER_RULE: &str = "";
+        pub fn is_unit(module: &__plan::Module<'_>) -> bool {
+            let _ = module;
+            #unreachable
+        }
+        pub fn unit_of_path(path: &str) -> ::core::option::Option<usize> {
+            let _ = path;
+            #unreachable
+        }
+        pub fn is_unit_path(path: &str) -> bool {
+            let _ = path;
+            #unreachable
+        }
+        pub fn unit_filter() -> __plan::UnitFilter {
+            #unreachable
+        }
+
+        #layer_structs
+
+        #(#docs)*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub struct #name {
+            #(pub #fields: #types,)*
+        }
+
+        impl #name {
+            pub const fn new() -> Self {
+                #name { #(#fields: #types::NEW,)* }
+            }
+            pub fn config() -> __dsl::ModelConfig {
+                #unreachable
+            }
+            pub fn layout(dp: usize) -> __plan::ParallelLayout {
+                let _ = dp;
+                #unreachable
+            }
+            pub fn plan_options(layout: &__plan::ParallelLayout) -> __plan::PlanOptions {
+                let _ = layout;
+                #unreachable
+            }
+            pub fn plan(layout: &__plan::ParallelLayout) -> ::core::result::Result<__plan::Plan, __dsl::Diagnostics> {
+                let _ = layout;
+                #unreachable
+            }
+        }
+
+        impl ::core::default::Default for #name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl __model::StaticModel for #name {
+            const NAME: &'static str = NAME;
+            const PATTERN: &'static str = PATTERN;
+            const CANONICAL_PATTERN: &'static str = CANONICAL_PATTERN;
+            const EP: usize = EP;
+            const PP: usize = PP;
+            const PARAM_DEFS: &'static [__dsl::params::ParamDef] = PARAM_DEFS;
+            const PARAMS: &'static [__plan::Param] = PARAMS;
+            const PARAM_NAMES: &'static [&'static str] = PARAM_NAMES;
+            const UNITS: &'static [__plan::FsdpUnit] = UNITS;
+            const BUCKETS: &'static [__plan::Bucket] = BUCKETS;
+            const STAGES: &'static [__plan::Stage] = STAGES;
+            const SCHEDULE: __plan::SchedulePlan = SCHEDULE;
+            const SLOT_TABLES: &'static [__model::SlotTable] = SLOT_TABLES;
+            fn config() -> __dsl::ModelConfig {
+                Self::config()
+            }
+            fn unit_filter() -> __plan::UnitFilter {
+                unit_filter()
+            }
+            fn plan_options(layout: &__plan::ParallelLayout) -> __plan::PlanOptions {
+                Self::plan_options(layout)
+            }
+            fn plan(layout: &__plan::ParallelLayout) -> ::core::result::Result<__plan::Plan, __dsl::Diagnostics> {
+                Self::plan(layout)
+            }
+        }
+    };
+    spec.wrap(body)
+}
+
+/// A layer struct with the real field names and placeholder handles.
+fn layer_struct(name: &proc_macro2::Ident, kinds: &[LayerKind]) -> TokenStream {
+    let fields = member_fields(kinds);
+    let handles = kinds.iter().map(|&kind| {
+        let kind = kind_tokens(kind);
+        quote! {
+            __model::LayerHandle { layer: __plan::LayerRef::Decoder(0), kind: #kind, path: "", first_param: 0, end_param: 0 }
+        }
+    });
+    quote! {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub struct #name {
+            #(pub #fields: __model::LayerHandle,)*
+        }
+        impl #name {
+            pub const PATH: &str = "";
+            pub const INDEX: usize = 0;
+            pub const UNIT: ::core::option::Option<usize> = ::core::option::Option::None;
+            pub const NODE: usize = 0;
+            pub const SLOTS: __model::SlotTable = __model::SlotTable::EMPTY;
+            pub const NEW: Self = #name { #(#fields: #handles,)* };
+        }
+    }
+}
