@@ -1,1 +1,891 @@
-//! Training data: a synthetic stream with a known entropy floor, or a file read as bytes.
+//! Training data: a synthetic stream with a known entropy floor, or a file
+//! read as bytes.
+//!
+//! - [`MarkovChain`]: a seeded sparse Markov chain over the vocabulary. Each
+//!   token has a few successors with fixed probabilities; its entropy rate
+//!   (computed exactly from the stationary distribution) is the lowest loss
+//!   any model can reach, so "the loss went down to X" can be compared with
+//!   [`MarkovChain::entropy_floor`]. Windows start in the stationary
+//!   distribution, so every position of every window has that floor.
+//! - [`ByteFile`]: a file's bytes as tokens 0..256.
+//!
+//! A [`Batch`] is a function of (seed, step, data-parallel rank, micro-batch)
+//! alone ([`BatchKey`]): resuming at step k reproduces exactly the batches
+//! of an uninterrupted run, and every rank sees different data. Each row is
+//! a window of `seq + 1 + lookahead` tokens: inputs, next-token targets, and
+//! `lookahead` more tokens for multi-token-prediction depths.
+
+use crate::error::{Result, RuntimeError};
+use std::path::Path;
+use std::sync::Arc;
+
+// ---- random numbers -----------------------------------------------------
+
+/// SplitMix64: turns any 64-bit seed into well-mixed state (Steele, Lea,
+/// Flood 2014). Used to seed [`Xoshiro256`] and to hash batch keys.
+#[derive(Clone, Debug)]
+pub struct SplitMix64 {
+    state: u64,
+}
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64 { state: seed }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix64(self.state)
+    }
+}
+
+/// SplitMix64's output function: a bijection on u64 with good avalanche.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// xoshiro256** (Blackman, Vigna 2018): a small, fast generator with a
+/// 2^256 - 1 period; the same seed gives the same numbers on every machine.
+#[derive(Clone, Debug)]
+pub struct Xoshiro256 {
+    s: [u64; 4],
+}
+
+impl Xoshiro256 {
+    pub fn seed_from_u64(seed: u64) -> Self {
+        let mut sm = SplitMix64::new(seed);
+        let s = [sm.next_u64(), sm.next_u64(), sm.next_u64(), sm.next_u64()];
+        // SplitMix64 never yields four zeros in a row, the one bad state.
+        Xoshiro256 { s }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in [0, n) without modulo bias (Lemire's method); 0 for n = 0.
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            return 0;
+        }
+        let threshold = n.wrapping_neg() % n;
+        loop {
+            let product = u128::from(self.next_u64()) * u128::from(n);
+            if (product as u64) >= threshold {
+                return (product >> 64) as u64;
+            }
+        }
+    }
+}
+
+// ---- batches ------------------------------------------------------------
+
+/// Everything a batch depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BatchKey {
+    pub seed: u64,
+    /// The optimizer step (0-based).
+    pub step: u64,
+    /// This rank's index in the data-parallel group.
+    pub dp_rank: usize,
+    /// The micro-batch within the step.
+    pub micro_batch: usize,
+}
+
+impl BatchKey {
+    /// The seed of row `row` of this batch: each row has its own stream, so
+    /// rows do not depend on one another or on the batch size before them.
+    fn row_seed(&self, row: usize) -> u64 {
+        let mut h = mix64(self.seed ^ 0x6879_6272_6964_6765); // "hybridge"
+        for part in [
+            self.step,
+            self.dp_rank as u64,
+            self.micro_batch as u64,
+            row as u64,
+        ] {
+            h = mix64(h.wrapping_add(0x9E37_79B9_7F4A_7C15) ^ part);
+        }
+        h
+    }
+}
+
+/// The shape of a batch: `batch` rows of `seq` inputs, with `lookahead`
+/// extra target tokens for MTP depths (depth d predicts `d + 1` ahead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BatchShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub lookahead: usize,
+}
+
+impl BatchShape {
+    pub fn new(batch: usize, seq: usize, lookahead: usize) -> Self {
+        BatchShape {
+            batch,
+            seq,
+            lookahead,
+        }
+    }
+
+    /// Tokens per row: `seq + 1 + lookahead`.
+    pub fn window(&self) -> usize {
+        self.seq + 1 + self.lookahead
+    }
+
+    fn validate(&self) -> Result<usize> {
+        if self.batch == 0 || self.seq == 0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "a batch needs at least one row and one position (got batch {} x seq {})",
+                self.batch, self.seq
+            )));
+        }
+        self.seq
+            .checked_add(1 + self.lookahead)
+            .and_then(|w| w.checked_mul(self.batch))
+            .ok_or_else(|| {
+                RuntimeError::InvalidArgument(format!(
+                    "a batch of {} x ({} + 1 + {}) tokens does not fit in memory",
+                    self.batch, self.seq, self.lookahead
+                ))
+            })
+    }
+}
+
+/// `batch` token windows, row-major (`[batch, seq + 1 + lookahead]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    shape: BatchShape,
+    tokens: Vec<u32>,
+}
+
+impl Batch {
+    pub fn shape(&self) -> BatchShape {
+        self.shape
+    }
+
+    /// All windows, row after row.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    fn row(&self, row: usize) -> Result<&[u32]> {
+        let w = self.shape.window();
+        self.tokens.get(row * w..(row + 1) * w).ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!(
+                "row {row} is out of range for a batch of {} rows",
+                self.shape.batch
+            ))
+        })
+    }
+
+    /// The `seq` input tokens of `row`.
+    pub fn inputs(&self, row: usize) -> Result<&[u32]> {
+        Ok(&self.row(row)?[..self.shape.seq])
+    }
+
+    /// The `seq` targets of `row` at `depth`: depth 0 is the next token,
+    /// depth d (an MTP depth) the token `d + 1` ahead.
+    pub fn targets(&self, row: usize, depth: usize) -> Result<&[u32]> {
+        if depth > self.shape.lookahead {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "targets at depth {depth} need a lookahead of {depth} tokens, but the batch \
+                 was made with lookahead {} (set it to the number of MTP depths)",
+                self.shape.lookahead
+            )));
+        }
+        Ok(&self.row(row)?[1 + depth..1 + depth + self.shape.seq])
+    }
+
+    /// Every row's inputs, concatenated (`[batch * seq]`).
+    pub fn all_inputs(&self) -> Vec<u32> {
+        self.tokens
+            .chunks_exact(self.shape.window())
+            .flat_map(|w| &w[..self.shape.seq])
+            .copied()
+            .collect()
+    }
+
+    /// Every row's targets at `depth`, concatenated (`[batch * seq]`).
+    pub fn all_targets(&self, depth: usize) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(self.shape.batch * self.shape.seq);
+        for row in 0..self.shape.batch {
+            out.extend_from_slice(self.targets(row, depth)?);
+        }
+        Ok(out)
+    }
+}
+
+// ---- the Markov chain ---------------------------------------------------
+
+/// A sparse Markov chain over tokens `0..vocab` with an exactly known
+/// entropy rate.
+#[derive(Clone, Debug)]
+pub struct MarkovChain {
+    vocab: usize,
+    /// Row `t`'s successors are `next[offsets[t]..offsets[t + 1]]`.
+    offsets: Vec<usize>,
+    next: Vec<u32>,
+    prob: Vec<f64>,
+    /// Running sums of `prob` within each row, for sampling.
+    cumulative: Vec<f64>,
+    stationary: Vec<f64>,
+    stationary_cumulative: Vec<f64>,
+    entropy_rate: f64,
+}
+
+/// Power iteration stops when successive distributions differ by less than
+/// this in L1 norm.
+const STATIONARY_TOLERANCE: f64 = 1e-13;
+const STATIONARY_MAX_ITERATIONS: usize = 100_000;
+
+impl MarkovChain {
+    /// A random chain: every token gets `branching` distinct successors
+    /// (one of them always the next token id, so every token is reachable
+    /// from every other) with fixed, decreasing-on-average probabilities.
+    pub fn random(vocab: usize, branching: usize, seed: u64) -> Result<Self> {
+        if vocab < 2 || vocab > u32::MAX as usize {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "a synthetic Markov stream needs a vocabulary of 2 to {} tokens (got {vocab})",
+                u32::MAX
+            )));
+        }
+        if branching == 0 || branching > vocab {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "each token needs 1 to {vocab} successors (the vocabulary size); got \
+                 branching {branching}"
+            )));
+        }
+        let mut rng = Xoshiro256::seed_from_u64(seed ^ 0x6d61_726b_6f76); // "markov"
+        let mut rows = Vec::with_capacity(vocab);
+        for token in 0..vocab {
+            let mut successors = vec![((token + 1) % vocab) as u32];
+            while successors.len() < branching {
+                let candidate = rng.below(vocab as u64) as u32;
+                if !successors.contains(&candidate) {
+                    successors.push(candidate);
+                }
+            }
+            // Shuffle so the ring successor is not always the likeliest.
+            for i in (1..successors.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                successors.swap(i, j);
+            }
+            let weights: Vec<f64> = (0..branching)
+                .map(|j| (0.5 + rng.next_f64()) / (j + 1) as f64)
+                .collect();
+            let total: f64 = weights.iter().sum();
+            rows.push(
+                successors
+                    .into_iter()
+                    .zip(weights)
+                    .map(|(s, w)| (s, w / total))
+                    .collect(),
+            );
+        }
+        Self::from_transitions(rows)
+    }
+
+    /// A chain from explicit transition rows: `rows[t]` lists `(successor,
+    /// probability)` pairs of token `t`, summing to 1. The chain must be
+    /// irreducible (every token reachable from every other), so that its
+    /// stationary distribution and entropy rate are unique.
+    pub fn from_transitions(rows: Vec<Vec<(u32, f64)>>) -> Result<Self> {
+        let vocab = rows.len();
+        if vocab == 0 {
+            return Err(RuntimeError::InvalidArgument(
+                "a Markov chain needs at least one token".into(),
+            ));
+        }
+        let mut offsets = Vec::with_capacity(vocab + 1);
+        let mut next = Vec::new();
+        let mut prob = Vec::new();
+        let mut cumulative = Vec::new();
+        offsets.push(0);
+        for (token, row) in rows.iter().enumerate() {
+            let mut sum = 0.0;
+            for (i, &(succ, p)) in row.iter().enumerate() {
+                if succ as usize >= vocab {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "token {token} has successor {succ}, outside the vocabulary of {vocab}"
+                    )));
+                }
+                if !p.is_finite() || p <= 0.0 {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "token {token} -> {succ} has probability {p}; give only successors \
+                         with probabilities above 0"
+                    )));
+                }
+                if row[..i].iter().any(|(s, _)| *s == succ) {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "token {token} lists successor {succ} twice"
+                    )));
+                }
+                sum += p;
+                next.push(succ);
+                prob.push(p);
+                cumulative.push(sum);
+            }
+            if row.is_empty() || (sum - 1.0).abs() > 1e-9 {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "the probabilities of token {token}'s successors add up to {sum}, not 1"
+                )));
+            }
+            // Guard sampling against rounding: the last successor takes
+            // whatever is left.
+            if let Some(last) = cumulative.last_mut() {
+                *last = f64::INFINITY;
+            }
+            offsets.push(next.len());
+        }
+        let mut chain = MarkovChain {
+            vocab,
+            offsets,
+            next,
+            prob,
+            cumulative,
+            stationary: Vec::new(),
+            stationary_cumulative: Vec::new(),
+            entropy_rate: 0.0,
+        };
+        chain.check_irreducible()?;
+        chain.stationary = chain.stationary_distribution()?;
+        let mut running = 0.0;
+        chain.stationary_cumulative = chain
+            .stationary
+            .iter()
+            .map(|p| {
+                running += p;
+                running
+            })
+            .collect();
+        if let Some(last) = chain.stationary_cumulative.last_mut() {
+            *last = f64::INFINITY;
+        }
+        chain.entropy_rate = (0..vocab)
+            .map(|t| {
+                let row: f64 = chain.row(t).map(|(_, p)| -p * p.ln()).sum();
+                chain.stationary[t] * row
+            })
+            .sum();
+        Ok(chain)
+    }
+
+    fn row(&self, token: usize) -> impl Iterator<Item = (u32, f64)> + '_ {
+        let range = self.offsets[token]..self.offsets[token + 1];
+        self.next[range.clone()]
+            .iter()
+            .copied()
+            .zip(self.prob[range].iter().copied())
+    }
+
+    /// Fails unless every token reaches token 0 and token 0 reaches every
+    /// token (then every token reaches every other).
+    fn check_irreducible(&self) -> Result<()> {
+        let mut reverse = vec![Vec::new(); self.vocab];
+        for t in 0..self.vocab {
+            for (s, _) in self.row(t) {
+                reverse[s as usize].push(t as u32);
+            }
+        }
+        for (direction, edges) in [("reached from", None), ("reach", Some(&reverse))] {
+            let mut seen = vec![false; self.vocab];
+            let mut stack = vec![0usize];
+            seen[0] = true;
+            while let Some(t) = stack.pop() {
+                let neighbours: Vec<u32> = match edges {
+                    None => self.row(t).map(|(s, _)| s).collect(),
+                    Some(reverse) => reverse[t].clone(),
+                };
+                for s in neighbours {
+                    if !seen[s as usize] {
+                        seen[s as usize] = true;
+                        stack.push(s as usize);
+                    }
+                }
+            }
+            if let Some(token) = seen.iter().position(|s| !s) {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "the Markov chain is not irreducible: token {token} cannot {direction} \
+                     token 0, so its entropy rate depends on where it starts"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The stationary distribution by power iteration on the lazy chain
+    /// `(I + P) / 2`, which has the same stationary distribution as `P` but
+    /// converges even when `P` is periodic. Starts from uniform, which is
+    /// already stationary for doubly stochastic chains.
+    fn stationary_distribution(&self) -> Result<Vec<f64>> {
+        let mut pi = vec![1.0 / self.vocab as f64; self.vocab];
+        let mut next = vec![0.0; self.vocab];
+        let mut change = f64::INFINITY;
+        for _ in 0..STATIONARY_MAX_ITERATIONS {
+            for (n, p) in next.iter_mut().zip(&pi) {
+                *n = 0.5 * p;
+            }
+            for (t, &mass) in pi.iter().enumerate() {
+                for (s, p) in self.row(t) {
+                    next[s as usize] += 0.5 * mass * p;
+                }
+            }
+            let total: f64 = next.iter().sum();
+            change = 0.0;
+            for (p, n) in pi.iter_mut().zip(&next) {
+                let v = n / total;
+                change += (v - *p).abs();
+                *p = v;
+            }
+            if change < STATIONARY_TOLERANCE {
+                return Ok(pi);
+            }
+        }
+        Err(RuntimeError::Numeric(format!(
+            "the stationary distribution of the {}-token Markov chain did not converge in \
+             {STATIONARY_MAX_ITERATIONS} iterations (last change {change:e}); give tokens more \
+             successors",
+            self.vocab
+        )))
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The chain's entropy rate `-sum_i pi_i sum_j P_ij ln P_ij` in nats
+    /// per token: the expected loss of the best possible model.
+    pub fn entropy_floor(&self) -> f64 {
+        self.entropy_rate
+    }
+
+    pub fn stationary(&self) -> &[f64] {
+        &self.stationary
+    }
+
+    /// Token `token`'s successors and their probabilities.
+    pub fn successors(&self, token: u32) -> Vec<(u32, f64)> {
+        if (token as usize) < self.vocab {
+            self.row(token as usize).collect()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn sample_next(&self, token: u32, rng: &mut Xoshiro256) -> u32 {
+        let range = self.offsets[token as usize]..self.offsets[token as usize + 1];
+        let u = rng.next_f64();
+        let i = self.cumulative[range.clone()].partition_point(|c| *c <= u);
+        self.next[range.start + i]
+    }
+
+    /// Fills `out` with a walk that starts in the stationary distribution.
+    fn sample_window(&self, rng: &mut Xoshiro256, out: &mut [u32]) {
+        let u = rng.next_f64();
+        let mut token = self.stationary_cumulative.partition_point(|c| *c <= u) as u32;
+        for slot in out {
+            *slot = token;
+            token = self.sample_next(token, rng);
+        }
+    }
+}
+
+// ---- a file of bytes ----------------------------------------------------
+
+/// A file's bytes as tokens 0..256; windows start at random offsets.
+#[derive(Clone, Debug)]
+pub struct ByteFile {
+    name: String,
+    bytes: Arc<[u8]>,
+}
+
+/// Tokens a byte file produces.
+pub const BYTE_VOCAB: usize = 256;
+
+impl ByteFile {
+    /// Reads `path` for a model whose vocabulary has `vocab` tokens.
+    pub fn open(path: &Path, vocab: usize) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| RuntimeError::io(path.display(), e))?;
+        Self::from_bytes(path.display().to_string(), bytes, vocab)
+    }
+
+    /// Bytes already in memory; `name` is used in messages.
+    pub fn from_bytes(name: impl Into<String>, bytes: Vec<u8>, vocab: usize) -> Result<Self> {
+        let name = name.into();
+        if vocab < BYTE_VOCAB {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{name}: a file is read as bytes (tokens 0..256), but the model's vocabulary \
+                 has only {vocab} tokens; use vocab_size >= 256"
+            )));
+        }
+        if bytes.is_empty() {
+            return Err(RuntimeError::io(
+                &name,
+                "the file is empty; give a text file to train on",
+            ));
+        }
+        Ok(ByteFile {
+            name,
+            bytes: bytes.into(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    fn sample_window(&self, rng: &mut Xoshiro256, out: &mut [u32]) {
+        let starts = (self.bytes.len() - out.len() + 1) as u64;
+        let start = rng.below(starts) as usize;
+        for (t, b) in out.iter_mut().zip(&self.bytes[start..]) {
+            *t = u32::from(*b);
+        }
+    }
+}
+
+// ---- the source ---------------------------------------------------------
+
+/// Where training tokens come from.
+#[derive(Clone, Debug)]
+pub enum DataSource {
+    Markov(MarkovChain),
+    Bytes(ByteFile),
+}
+
+impl DataSource {
+    /// Tokens produced lie in `0..vocab()`.
+    pub fn vocab(&self) -> usize {
+        match self {
+            DataSource::Markov(chain) => chain.vocab(),
+            DataSource::Bytes(_) => BYTE_VOCAB,
+        }
+    }
+
+    /// The lowest achievable loss in nats per token, when known.
+    pub fn entropy_floor(&self) -> Option<f64> {
+        match self {
+            DataSource::Markov(chain) => Some(chain.entropy_floor()),
+            DataSource::Bytes(_) => None,
+        }
+    }
+
+    /// One line for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            DataSource::Markov(chain) => format!(
+                "synthetic Markov stream over {} tokens (entropy floor {:.4} nats/token)",
+                chain.vocab(),
+                chain.entropy_floor()
+            ),
+            DataSource::Bytes(file) => format!("{} ({} bytes)", file.name, file.len()),
+        }
+    }
+
+    /// The batch for `key`: the same key always gives the same tokens.
+    pub fn batch(&self, key: BatchKey, shape: BatchShape) -> Result<Batch> {
+        let total = shape.validate()?;
+        let window = shape.window();
+        if let DataSource::Bytes(file) = self
+            && file.len() < window
+        {
+            return Err(RuntimeError::io(
+                &file.name,
+                format!(
+                    "the file has {} bytes but one training window needs {window} (seq {} + 1 \
+                     target + {} MTP lookahead); use a longer file or a shorter sequence",
+                    file.len(),
+                    shape.seq,
+                    shape.lookahead
+                ),
+            ));
+        }
+        let mut tokens = vec![0u32; total];
+        for (row, out) in tokens.chunks_exact_mut(window).enumerate() {
+            let mut rng = Xoshiro256::seed_from_u64(key.row_seed(row));
+            match self {
+                DataSource::Markov(chain) => chain.sample_window(&mut rng, out),
+                DataSource::Bytes(file) => file.sample_window(&mut rng, out),
+            }
+        }
+        Ok(Batch { shape, tokens })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn key(step: u64, dp_rank: usize, micro_batch: usize) -> BatchKey {
+        BatchKey {
+            seed: 7,
+            step,
+            dp_rank,
+            micro_batch,
+        }
+    }
+
+    fn binary_entropy(p: f64) -> f64 {
+        -(p * p.ln() + (1.0 - p) * (1.0 - p).ln())
+    }
+
+    #[test]
+    fn splitmix_and_xoshiro_match_reference_values() {
+        // Reference outputs of the published C implementations.
+        let mut sm = SplitMix64::new(0);
+        assert_eq!(sm.next_u64(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(sm.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+        let mut x = Xoshiro256 { s: [1, 2, 3, 4] };
+        assert_eq!(x.next_u64(), 11520);
+        assert_eq!(x.next_u64(), 0);
+        assert_eq!(x.next_u64(), 1509978240);
+        assert_eq!(x.next_u64(), 1215971899390074240);
+    }
+
+    #[test]
+    fn below_and_f64_stay_in_range() {
+        let mut rng = Xoshiro256::seed_from_u64(1);
+        let mut seen = [false; 7];
+        for _ in 0..1000 {
+            let v = rng.below(7);
+            assert!(v < 7);
+            seen[v as usize] = true;
+            let f = rng.next_f64();
+            assert!((0.0..1.0).contains(&f));
+        }
+        assert!(seen.iter().all(|s| *s));
+        assert_eq!(rng.below(0), 0);
+    }
+
+    #[test]
+    fn two_state_chain_entropy_matches_the_hand_computation() {
+        // P = [[1/2, 1/2], [1/4, 3/4]]: pi = (1/3, 2/3),
+        // H = 1/3 ln 2 + 2/3 h(1/4).
+        let chain = MarkovChain::from_transitions(vec![
+            vec![(0, 0.5), (1, 0.5)],
+            vec![(0, 0.25), (1, 0.75)],
+        ])
+        .unwrap();
+        let pi = chain.stationary();
+        assert!((pi[0] - 1.0 / 3.0).abs() < 1e-12, "{pi:?}");
+        assert!((pi[1] - 2.0 / 3.0).abs() < 1e-12, "{pi:?}");
+        let expected = std::f64::consts::LN_2 / 3.0 + 2.0 / 3.0 * binary_entropy(0.25);
+        assert!((chain.entropy_floor() - expected).abs() < 1e-12);
+    }
+
+    #[test]
+    fn periodic_and_deterministic_chains() {
+        // A 3-cycle is periodic: the lazy iteration still finds pi = 1/3.
+        let cycle =
+            MarkovChain::from_transitions(vec![vec![(1, 1.0)], vec![(2, 1.0)], vec![(0, 1.0)]])
+                .unwrap();
+        assert_eq!(cycle.entropy_floor(), 0.0);
+        assert!(
+            cycle
+                .stationary()
+                .iter()
+                .all(|p| (p - 1.0 / 3.0).abs() < 1e-12)
+        );
+        // Bipartite 0 <-> {1, 2}: pi = (1/2, 1/4, 1/4), H = 1/2 ln 2.
+        let star = MarkovChain::from_transitions(vec![
+            vec![(1, 0.5), (2, 0.5)],
+            vec![(0, 1.0)],
+            vec![(0, 1.0)],
+        ])
+        .unwrap();
+        assert!((star.stationary()[0] - 0.5).abs() < 1e-12);
+        assert!((star.entropy_floor() - 0.5 * std::f64::consts::LN_2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn bad_chains_are_refused() {
+        let err = |rows: Vec<Vec<(u32, f64)>>| {
+            MarkovChain::from_transitions(rows).unwrap_err().to_string()
+        };
+        assert!(err(vec![]).contains("at least one token"));
+        assert!(err(vec![vec![(0, 0.5)]]).contains("add up to 0.5"));
+        assert!(err(vec![vec![(3, 1.0)]]).contains("outside the vocabulary"));
+        assert!(err(vec![vec![(0, 1.5), (0, -0.5)]]).contains("probability -0.5"));
+        assert!(err(vec![vec![(0, 0.5), (0, 0.5)]]).contains("twice"));
+        assert!(err(vec![vec![], vec![(0, 1.0)]]).contains("token 0's successors"));
+        // 1 -> 1 forever: token 0 is never reached again.
+        assert!(err(vec![vec![(1, 1.0)], vec![(1, 1.0)]]).contains("not irreducible: token 1"));
+        assert!(MarkovChain::random(1, 1, 0).is_err());
+        assert!(MarkovChain::random(8, 9, 0).is_err());
+        assert!(MarkovChain::random(8, 0, 0).is_err());
+    }
+
+    #[test]
+    fn random_chain_floor_matches_sampled_loss() {
+        let chain = MarkovChain::random(64, 4, 3).unwrap();
+        let floor = chain.entropy_floor();
+        assert!(floor > 0.3 && floor < 4f64.ln(), "{floor}");
+        let source = DataSource::Markov(chain.clone());
+        // The average log-loss of the true model over sampled transitions
+        // estimates the entropy rate (deterministic seed: no flakiness).
+        let mut total = 0.0;
+        let mut count = 0usize;
+        let mut first_counts = vec![0usize; 64];
+        for step in 0..40 {
+            let batch = source
+                .batch(key(step, 0, 0), BatchShape::new(16, 128, 0))
+                .unwrap();
+            for row in batch.tokens().chunks_exact(129) {
+                first_counts[row[0] as usize] += 1;
+                for pair in row.windows(2) {
+                    let p = chain
+                        .successors(pair[0])
+                        .iter()
+                        .find(|(s, _)| *s == pair[1])
+                        .map(|(_, p)| *p)
+                        .expect("sampled a transition the chain does not have");
+                    total -= p.ln();
+                    count += 1;
+                }
+            }
+        }
+        let estimate = total / count as f64;
+        assert!((estimate - floor).abs() < 0.02, "{estimate} vs {floor}");
+        assert_eq!(first_counts.iter().sum::<usize>(), 640);
+    }
+
+    #[test]
+    fn batches_depend_on_the_key_alone() {
+        let source = DataSource::Markov(MarkovChain::random(32, 3, 11).unwrap());
+        let shape = BatchShape::new(4, 16, 2);
+        let a = source.batch(key(5, 1, 2), shape).unwrap();
+        // Resuming: an unrelated earlier batch does not change this one.
+        let _ = source.batch(key(4, 1, 2), shape).unwrap();
+        let b = source.batch(key(5, 1, 2), shape).unwrap();
+        assert_eq!(a, b);
+        let distinct: HashSet<Vec<u32>> = [
+            key(5, 1, 2),
+            key(6, 1, 2),
+            key(5, 0, 2),
+            key(5, 1, 3),
+            BatchKey {
+                seed: 8,
+                ..key(5, 1, 2)
+            },
+        ]
+        .iter()
+        .map(|k| source.batch(*k, shape).unwrap().tokens().to_vec())
+        .collect();
+        assert_eq!(distinct.len(), 5);
+        // A row does not depend on how many rows come before or after it.
+        let bigger = source
+            .batch(key(5, 1, 2), BatchShape::new(6, 16, 2))
+            .unwrap();
+        assert_eq!(&bigger.tokens()[..a.tokens().len()], a.tokens());
+    }
+
+    #[test]
+    fn inputs_and_targets_are_shifted_views() {
+        let source = DataSource::Markov(MarkovChain::random(16, 2, 1).unwrap());
+        let batch = source
+            .batch(key(0, 0, 0), BatchShape::new(2, 5, 1))
+            .unwrap();
+        assert_eq!(batch.tokens().len(), 2 * 7);
+        for row in 0..2 {
+            let w = &batch.tokens()[row * 7..(row + 1) * 7];
+            assert_eq!(batch.inputs(row).unwrap(), &w[..5]);
+            assert_eq!(batch.targets(row, 0).unwrap(), &w[1..6]);
+            assert_eq!(batch.targets(row, 1).unwrap(), &w[2..7]);
+        }
+        assert!(
+            batch
+                .targets(0, 2)
+                .unwrap_err()
+                .to_string()
+                .contains("lookahead 1")
+        );
+        assert!(batch.inputs(2).is_err());
+        assert_eq!(batch.all_inputs().len(), 10);
+        assert_eq!(
+            &batch.all_targets(1).unwrap()[5..],
+            batch.targets(1, 1).unwrap()
+        );
+        assert!(batch.tokens().iter().all(|t| *t < 16));
+        assert!(
+            source
+                .batch(key(0, 0, 0), BatchShape::new(0, 5, 0))
+                .is_err()
+        );
+        assert!(
+            source
+                .batch(key(0, 0, 0), BatchShape::new(2, 0, 0))
+                .is_err()
+        );
+        assert!(
+            source
+                .batch(key(0, 0, 0), BatchShape::new(usize::MAX, 2, 0))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn byte_file_windows_and_errors() {
+        let text: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let source = DataSource::Bytes(ByteFile::from_bytes("t.txt", text.clone(), 256).unwrap());
+        assert_eq!(source.vocab(), 256);
+        assert_eq!(source.entropy_floor(), None);
+        let batch = source
+            .batch(key(3, 0, 0), BatchShape::new(3, 20, 1))
+            .unwrap();
+        for row in batch.tokens().chunks_exact(22) {
+            // Windows are contiguous runs of the file.
+            let start = text.iter().position(|b| u32::from(*b) == row[0]).unwrap();
+            for (i, t) in row.iter().enumerate() {
+                assert_eq!(*t, u32::from(text[(start + i) % 256]));
+            }
+        }
+        assert_eq!(
+            batch,
+            source
+                .batch(key(3, 0, 0), BatchShape::new(3, 20, 1))
+                .unwrap()
+        );
+        // Exactly one window fits.
+        let exact = DataSource::Bytes(ByteFile::from_bytes("e", vec![1, 2, 3, 4], 300).unwrap());
+        let b = exact.batch(key(0, 0, 0), BatchShape::new(2, 3, 0)).unwrap();
+        assert_eq!(b.tokens(), &[1, 2, 3, 4, 1, 2, 3, 4]);
+        let short = exact
+            .batch(key(0, 0, 0), BatchShape::new(1, 3, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            short.contains("e: the file has 4 bytes but one training window needs 5"),
+            "{short}"
+        );
+
+        let empty = ByteFile::from_bytes("empty.txt", vec![], 256)
+            .unwrap_err()
+            .to_string();
+        assert!(empty.contains("empty.txt: the file is empty"), "{empty}");
+        let small = ByteFile::from_bytes("t", vec![1], 128)
+            .unwrap_err()
+            .to_string();
+        assert!(small.contains("only 128 tokens"), "{small}");
+        let missing = ByteFile::open(Path::new("/nonexistent/corpus.txt"), 256).unwrap_err();
+        assert!(missing.to_string().starts_with("/nonexistent/corpus.txt:"));
+    }
+}

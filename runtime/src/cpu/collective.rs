@@ -1,1 +1,968 @@
-//! CPU collectives: ranks as threads of one process, exchanging through shared memory with sums in rank order.
+//! CPU collectives: ranks as threads of one process, exchanging through
+//! shared memory with sums in rank order.
+//!
+//! A [`CpuWorld`] is the shared state of N thread ranks; each rank takes its
+//! [`CpuComm`] and calls collectives on it. Every call is one *round* of its
+//! group, numbered by a per-group sequence number: each rank deposits its
+//! contribution (an owned copy) into the round, waits on a condition variable
+//! until every rank has deposited, takes shared references to all
+//! contributions, and computes its own output from them outside the lock.
+//! Nothing is written into another rank's memory, so there is no unsafe code
+//! and no second synchronisation point per call.
+//!
+//! Sums run strictly in rank order (`((x0 + x1) + x2) + ...` per element),
+//! so every rank gets the same bits on every run.
+//!
+//! Faults end in errors, never hangs: a rank that calls a different
+//! collective (or a different size) than its peers, a rank that does not
+//! arrive within the timeout, a rank whose communicator is dropped (its
+//! thread ended or panicked) and a rank that calls [`CpuComm::abort`] all
+//! make the waiting ranks fail with an error naming that rank. One lock and
+//! one condition variable serve a world and every group split from it, so an
+//! abort wakes ranks blocked in any group.
+
+use crate::collective::Collective;
+use crate::cpu::CpuBackend;
+use crate::error::{Result, RuntimeError};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// How long a rank waits for its peers to join a collective by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Which collective a call is; with its size, what every rank must agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpKind {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    /// The second round of an all-reduce: gathering the reduced chunks.
+    AllReduceGather,
+    AllToAll,
+    AllToAllCounts,
+    AllGatherHost,
+    Barrier,
+    Split,
+}
+
+impl OpKind {
+    fn name(self) -> &'static str {
+        match self {
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::AllReduceGather => "all_reduce (gather phase)",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::AllToAllCounts => "all_to_all_counts",
+            OpKind::AllGatherHost => "all_gather_host",
+            OpKind::Barrier => "barrier",
+            OpKind::Split => "split",
+        }
+    }
+}
+
+/// One collective call of one rank: what, how big, and its sequence number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Call {
+    kind: OpKind,
+    /// Elements every rank must agree on (per-rank shard for all_gather,
+    /// whole buffer otherwise); `None` when sizes may differ per rank.
+    elements: Option<usize>,
+    seq: u64,
+}
+
+impl Call {
+    fn agrees_with(&self, other: &Call) -> bool {
+        self.kind == other.kind && self.elements == other.elements
+    }
+}
+
+impl fmt::Display for Call {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} #{}", self.kind.name(), self.seq)?;
+        match (self.kind, self.elements) {
+            (OpKind::AllGather, Some(n)) => write!(f, " ({n} elements per rank)"),
+            (_, Some(n)) => write!(f, " ({n} elements)"),
+            (_, None) => Ok(()),
+        }
+    }
+}
+
+/// What one rank deposits into a round (or what a round's finisher made).
+#[derive(Debug)]
+enum Payload {
+    Empty,
+    Floats(Vec<f32>),
+    AllToAll {
+        data: Vec<f32>,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    },
+    Counts(Vec<Vec<usize>>),
+    Host(Vec<f64>),
+    Color(usize),
+    /// The groups a split made: (color, group id, world ranks).
+    Groups(Vec<(usize, u64, Arc<[usize]>)>),
+}
+
+#[derive(Debug)]
+struct Round {
+    /// The first depositor's call; everyone else must agree with it.
+    call: Call,
+    first: usize,
+    contributions: Vec<Option<Arc<Payload>>>,
+    arrived: usize,
+    taken: usize,
+    /// Made once, under the lock, by the first rank to see the round full.
+    result: Option<Arc<Payload>>,
+}
+
+#[derive(Debug)]
+struct Group {
+    /// World ranks, in group-rank order.
+    members: Arc<[usize]>,
+    name: Arc<str>,
+    rounds: BTreeMap<u64, Round>,
+    /// Whether each rank's communicator has been handed out / dropped.
+    taken: Vec<bool>,
+    departed: Vec<bool>,
+    /// Set when the group can no longer agree on its sequence of calls
+    /// (mismatch, timeout, invalid arguments); every later call fails.
+    broken: Option<RuntimeError>,
+}
+
+impl Group {
+    fn new(members: Arc<[usize]>, name: Arc<str>, taken: bool) -> Self {
+        let n = members.len();
+        Group {
+            members,
+            name,
+            rounds: BTreeMap::new(),
+            taken: vec![taken; n],
+            departed: vec![false; n],
+            broken: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct FamilyState {
+    /// The first abort: (world rank, reason).
+    aborted: Option<(usize, String)>,
+    groups: HashMap<u64, Group>,
+    next_group: u64,
+}
+
+/// A world and every group split from it.
+#[derive(Debug)]
+struct Family {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<FamilyState>,
+    /// Signalled whenever a round fills, a group breaks, a rank departs or
+    /// the family aborts.
+    changed: Condvar,
+}
+
+impl Family {
+    fn lock(&self) -> MutexGuard<'_, FamilyState> {
+        // Nothing panics while holding this lock (no user code runs under
+        // it), so a poisoned lock still holds consistent state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn abort(&self, world_rank: usize, reason: &str) {
+        let mut state = self.lock();
+        if state.aborted.is_none() {
+            state.aborted = Some((world_rank, reason.to_string()));
+        }
+        drop(state);
+        self.changed.notify_all();
+    }
+}
+
+const WORLD_GROUP: u64 = 0;
+
+/// Shared state of `size` thread ranks in one process. Cloning shares it.
+#[derive(Clone, Debug)]
+pub struct CpuWorld {
+    family: Arc<Family>,
+}
+
+impl CpuWorld {
+    /// A world of `size` ranks with the default timeout.
+    pub fn new(size: usize) -> Result<Self> {
+        Self::with_timeout(size, DEFAULT_TIMEOUT)
+    }
+
+    /// A world of `size` ranks whose collectives wait at most `timeout` for
+    /// every rank to join (groups split from it inherit the timeout).
+    pub fn with_timeout(size: usize, timeout: Duration) -> Result<Self> {
+        if size == 0 {
+            return Err(RuntimeError::InvalidArgument(
+                "a CPU world needs at least one rank (got size 0)".into(),
+            ));
+        }
+        let members: Arc<[usize]> = (0..size).collect();
+        let mut groups = HashMap::new();
+        groups.insert(WORLD_GROUP, Group::new(members, Arc::from("world"), false));
+        Ok(CpuWorld {
+            family: Arc::new(Family {
+                size,
+                timeout,
+                state: Mutex::new(FamilyState {
+                    aborted: None,
+                    groups,
+                    next_group: WORLD_GROUP + 1,
+                }),
+                changed: Condvar::new(),
+            }),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.family.size
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.family.timeout
+    }
+
+    /// Rank `rank`'s communicator. Each rank's communicator can be taken
+    /// once: two handles for one rank would number their calls apart.
+    pub fn comm(&self, rank: usize) -> Result<CpuComm> {
+        let size = self.family.size;
+        if rank >= size {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "rank {rank} is out of range for a world of {size} ranks"
+            )));
+        }
+        let mut state = self.family.lock();
+        let group = state
+            .groups
+            .get_mut(&WORLD_GROUP)
+            .ok_or_else(|| RuntimeError::InvalidArgument("the world group is gone".into()))?;
+        if group.taken[rank] {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "rank {rank}'s communicator was already taken from this world; take each \
+                 rank's once and use CpuComm::split for more"
+            )));
+        }
+        group.taken[rank] = true;
+        let members = group.members.clone();
+        let name = group.name.clone();
+        drop(state);
+        Ok(CpuComm::new(
+            self.family.clone(),
+            WORLD_GROUP,
+            rank,
+            members,
+            name,
+        ))
+    }
+
+    /// Every rank's communicator, in rank order.
+    pub fn comms(&self) -> Result<Vec<CpuComm>> {
+        (0..self.family.size).map(|r| self.comm(r)).collect()
+    }
+
+    /// Fails every collective of this world and its groups, now and later,
+    /// with "rank `rank`: aborted: `reason`" (for a driver that saw a rank
+    /// die).
+    pub fn abort(&self, rank: usize, reason: &str) {
+        self.family.abort(rank, reason);
+    }
+
+    /// The first abort, if any: (world rank, reason).
+    pub fn aborted(&self) -> Option<(usize, String)> {
+        self.family.lock().aborted.clone()
+    }
+}
+
+/// One rank's handle on a group. Calls on one communicator must not overlap
+/// (give each lane its own, via [`CpuComm::split`]); an overlapping call is
+/// refused instead of corrupting the sequence.
+#[derive(Debug)]
+pub struct CpuComm {
+    family: Arc<Family>,
+    group: u64,
+    rank: usize,
+    members: Arc<[usize]>,
+    group_name: Arc<str>,
+    next_seq: AtomicU64,
+    in_call: AtomicBool,
+}
+
+/// Clears the in-call flag when a call ends, however it ends.
+struct InCall<'a>(&'a AtomicBool);
+
+impl Drop for InCall<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// What a finished round gives a rank: every contribution, in group-rank
+/// order, and the finisher's result if the call has one.
+struct Exchanged {
+    contributions: Vec<Arc<Payload>>,
+    result: Option<Arc<Payload>>,
+}
+
+type Finisher<'a> = &'a dyn Fn(&mut FamilyState, &[Arc<Payload>]) -> Payload;
+
+fn floats(payload: &Payload) -> &[f32] {
+    match payload {
+        Payload::Floats(v) => v,
+        Payload::AllToAll { data, .. } => data,
+        _ => &[],
+    }
+}
+
+/// `[start, end)` of chunk `index` when `len` elements are cut into `parts`
+/// chunks whose sizes differ by at most one (the larger ones first).
+fn chunk(len: usize, parts: usize, index: usize) -> (usize, usize) {
+    let base = len / parts;
+    let extra = len % parts;
+    let start = index * base + index.min(extra);
+    let size = base + usize::from(index < extra);
+    (start, start + size)
+}
+
+impl CpuComm {
+    fn new(
+        family: Arc<Family>,
+        group: u64,
+        rank: usize,
+        members: Arc<[usize]>,
+        group_name: Arc<str>,
+    ) -> Self {
+        CpuComm {
+            family,
+            group,
+            rank,
+            members,
+            group_name,
+            next_seq: AtomicU64::new(1),
+            in_call: AtomicBool::new(false),
+        }
+    }
+
+    /// This rank's index in the world the group was split from.
+    pub fn world_rank(&self) -> usize {
+        self.members[self.rank]
+    }
+
+    /// World ranks of the group's members, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// `world` or `group of ranks [..]`.
+    pub fn group_name(&self) -> &str {
+        &self.group_name
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.family.timeout
+    }
+
+    /// Makes every collective of every group of this world fail, now and
+    /// later, with "rank N: aborted: `reason`". Call it when this rank fails,
+    /// so its peers stop promptly instead of waiting for the timeout.
+    pub fn abort(&self, reason: &str) {
+        self.family.abort(self.world_rank(), reason);
+    }
+
+    /// Collective: every rank of the group calls it; ranks that pass the
+    /// same `color` form a new group, ordered by their rank in this group.
+    /// E.g. with 4 ranks and EP = 2: `split(rank / 2)` gives the
+    /// expert-parallel groups {0,1}, {2,3}; `split(rank % 2)` the
+    /// expert-data-parallel groups {0,2}, {1,3}; `split(0)` a duplicate of
+    /// this group (a communicator for another lane).
+    pub fn split(&self, color: usize) -> Result<CpuComm> {
+        let (_in_call, call) = self.begin(OpKind::Split, None)?;
+        let parent_name = self.group_name.clone();
+        let finisher = move |state: &mut FamilyState, contributions: &[Arc<Payload>]| {
+            let colors: Vec<usize> = contributions
+                .iter()
+                .map(|p| match **p {
+                    Payload::Color(c) => c,
+                    _ => usize::MAX,
+                })
+                .collect();
+            let members_of_parent = self.members.clone();
+            let distinct: BTreeSet<usize> = colors.iter().copied().collect();
+            let mut groups = Vec::new();
+            for color in distinct {
+                let members: Arc<[usize]> = colors
+                    .iter()
+                    .zip(members_of_parent.iter())
+                    .filter(|(c, _)| **c == color)
+                    .map(|(_, world)| *world)
+                    .collect();
+                let id = state.next_group;
+                state.next_group += 1;
+                let name: Arc<str> = if members.len() == members_of_parent.len() {
+                    Arc::from(format!("copy of {parent_name}"))
+                } else {
+                    Arc::from(format!("group of ranks {:?}", &*members))
+                };
+                state
+                    .groups
+                    .insert(id, Group::new(members.clone(), name, true));
+                groups.push((color, id, members));
+            }
+            Payload::Groups(groups)
+        };
+        let exchanged = self.exchange(&call, Payload::Color(color), Some(&finisher))?;
+        let groups = match exchanged.result.as_deref() {
+            Some(Payload::Groups(groups)) => groups,
+            _ => return Err(self.internal(&call, "the split made no groups")),
+        };
+        let (_, id, members) = groups
+            .iter()
+            .find(|(c, _, _)| *c == color)
+            .ok_or_else(|| self.internal(&call, "no group for this rank's color"))?;
+        let me = self.world_rank();
+        let rank = members
+            .iter()
+            .position(|w| *w == me)
+            .ok_or_else(|| self.internal(&call, "this rank is missing from its new group"))?;
+        let name = self
+            .family
+            .lock()
+            .groups
+            .get(id)
+            .map(|g| g.name.clone())
+            .unwrap_or_else(|| Arc::from("group"));
+        Ok(CpuComm::new(
+            self.family.clone(),
+            *id,
+            rank,
+            members.clone(),
+            name,
+        ))
+    }
+
+    fn internal(&self, call: &Call, what: &str) -> RuntimeError {
+        RuntimeError::Peer {
+            rank: self.world_rank(),
+            message: format!("internal error in {call} on {}: {what}", self.group_name),
+        }
+    }
+
+    /// Numbers the call and marks the communicator busy.
+    fn begin(&self, kind: OpKind, elements: Option<usize>) -> Result<(InCall<'_>, Call)> {
+        if self.in_call.swap(true, Ordering::Acquire) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "rank {} called {} on {} while another collective on the same communicator \
+                 was in flight; calls on one communicator must be ordered (give each lane \
+                 its own communicator with CpuComm::split)",
+                self.world_rank(),
+                kind.name(),
+                self.group_name
+            )));
+        }
+        let guard = InCall(&self.in_call);
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        Ok((
+            guard,
+            Call {
+                kind,
+                elements,
+                seq,
+            },
+        ))
+    }
+
+    /// Refuses a call whose arguments are wrong on this rank, and breaks
+    /// the group so peers waiting in the same call fail now instead of at
+    /// the timeout.
+    fn reject(&self, call: &Call, problem: String) -> RuntimeError {
+        let mut state = self.family.lock();
+        if let Some(group) = state.groups.get_mut(&self.group)
+            && group.broken.is_none()
+        {
+            group.broken = Some(RuntimeError::Peer {
+                rank: self.world_rank(),
+                message: format!(
+                    "called {call} on {} with invalid arguments: {problem}",
+                    self.group_name
+                ),
+            });
+        }
+        drop(state);
+        self.family.changed.notify_all();
+        RuntimeError::InvalidArgument(format!(
+            "rank {}: {call} on {}: {problem}",
+            self.world_rank(),
+            self.group_name
+        ))
+    }
+
+    fn aborted_error(&self, call: &Call, rank: usize, reason: &str) -> RuntimeError {
+        RuntimeError::Peer {
+            rank,
+            message: format!(
+                "aborted: {reason} (rank {} was in {call} on {})",
+                self.world_rank(),
+                self.group_name
+            ),
+        }
+    }
+
+    /// Deposits `payload` as this rank's part of round `call.seq` and waits
+    /// until every rank of the group has deposited, or fails.
+    fn exchange(
+        &self,
+        call: &Call,
+        payload: Payload,
+        finisher: Option<Finisher<'_>>,
+    ) -> Result<Exchanged> {
+        let n = self.members.len();
+        let deadline = Instant::now() + self.family.timeout;
+        let mut state = self.family.lock();
+        if let Some((rank, reason)) = &state.aborted {
+            return Err(self.aborted_error(call, *rank, reason));
+        }
+        let group = state
+            .groups
+            .get_mut(&self.group)
+            .ok_or_else(|| self.internal(call, "the group is gone"))?;
+        if let Some(error) = &group.broken {
+            return Err(error.clone());
+        }
+        let round = group.rounds.entry(call.seq).or_insert_with(|| Round {
+            call: call.clone(),
+            first: self.rank,
+            contributions: vec![None; n],
+            arrived: 0,
+            taken: 0,
+            result: None,
+        });
+        if !round.call.agrees_with(call) {
+            let error = RuntimeError::Peer {
+                rank: self.world_rank(),
+                message: format!(
+                    "called {call} but rank {} called {} on {}: every rank of a group must \
+                     issue the same collectives, with the same sizes, in the same order",
+                    group.members[round.first], round.call, group.name
+                ),
+            };
+            group.broken = Some(error.clone());
+            drop(state);
+            self.family.changed.notify_all();
+            return Err(error);
+        }
+        round.contributions[self.rank] = Some(Arc::new(payload));
+        round.arrived += 1;
+        if round.arrived == n {
+            self.family.changed.notify_all();
+        }
+        loop {
+            if let Some((rank, reason)) = &state.aborted {
+                return Err(self.aborted_error(call, *rank, reason));
+            }
+            let group = state
+                .groups
+                .get_mut(&self.group)
+                .ok_or_else(|| self.internal(call, "the group is gone"))?;
+            let round = group
+                .rounds
+                .get_mut(&call.seq)
+                .ok_or_else(|| self.internal(call, "the round is gone"))?;
+            if round.arrived == n {
+                let contributions: Vec<Arc<Payload>> =
+                    round.contributions.iter().flatten().cloned().collect();
+                if let Some(finish) = finisher
+                    && round.result.is_none()
+                {
+                    let made = Arc::new(finish(&mut state, &contributions));
+                    let group = state
+                        .groups
+                        .get_mut(&self.group)
+                        .ok_or_else(|| self.internal(call, "the group is gone"))?;
+                    if let Some(round) = group.rounds.get_mut(&call.seq) {
+                        round.result = Some(made);
+                    }
+                }
+                let group = state
+                    .groups
+                    .get_mut(&self.group)
+                    .ok_or_else(|| self.internal(call, "the group is gone"))?;
+                let round = group
+                    .rounds
+                    .get_mut(&call.seq)
+                    .ok_or_else(|| self.internal(call, "the round is gone"))?;
+                let result = round.result.clone();
+                round.taken += 1;
+                if round.taken == n {
+                    group.rounds.remove(&call.seq);
+                }
+                return Ok(Exchanged {
+                    contributions,
+                    result,
+                });
+            }
+            if let Some(error) = &group.broken {
+                return Err(error.clone());
+            }
+            let missing: Vec<usize> = (0..n)
+                .filter(|r| round.contributions[*r].is_none())
+                .collect();
+            if let Some(gone) = missing.iter().find(|r| group.departed[**r]) {
+                return Err(RuntimeError::Peer {
+                    rank: group.members[*gone],
+                    message: format!(
+                        "left {} before joining {call}: its communicator was dropped (its \
+                         thread ended or panicked)",
+                        group.name
+                    ),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing_world: Vec<usize> = missing.iter().map(|r| group.members[*r]).collect();
+                let others = if missing_world.len() > 1 {
+                    format!(" (ranks {missing_world:?} are all missing)")
+                } else {
+                    String::new()
+                };
+                let error = RuntimeError::Peer {
+                    rank: missing_world.first().copied().unwrap_or(0),
+                    message: format!(
+                        "did not join {call} on {} within {:?}: it may have died or \
+                         stalled{others}; rank {} gave up waiting",
+                        group.name,
+                        self.family.timeout,
+                        self.world_rank()
+                    ),
+                };
+                group.broken = Some(error.clone());
+                drop(state);
+                self.family.changed.notify_all();
+                return Err(error);
+            }
+            state = self
+                .family
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Checks that every rank's all_to_all counts agree pairwise: what rank
+    /// i sends to rank j is what rank j expects from rank i. Every rank runs
+    /// the same check over the same data, so all fail alike.
+    fn check_all_to_all(&self, call: &Call, contributions: &[Arc<Payload>]) -> Result<()> {
+        for (i, sender) in contributions.iter().enumerate() {
+            let Payload::AllToAll { send_counts, .. } = &**sender else {
+                return Err(self.internal(call, "a rank deposited no all_to_all data"));
+            };
+            for (j, receiver) in contributions.iter().enumerate() {
+                let Payload::AllToAll { recv_counts, .. } = &**receiver else {
+                    return Err(self.internal(call, "a rank deposited no all_to_all data"));
+                };
+                if send_counts[j] != recv_counts[i] {
+                    return Err(RuntimeError::Peer {
+                        rank: self.members[i],
+                        message: format!(
+                            "sends {} elements to rank {} in {call} on {}, but rank {} expects \
+                             recv_counts[{i}] = {}; exchange the counts first \
+                             (all_to_all_counts) so both sides agree",
+                            send_counts[j],
+                            self.members[j],
+                            self.group_name,
+                            self.members[j],
+                            recv_counts[i]
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CpuComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.family.abort(
+                self.world_rank(),
+                "its thread panicked while holding this communicator",
+            );
+        }
+        let mut state = self.family.lock();
+        let emptied = match state.groups.get_mut(&self.group) {
+            Some(group) => {
+                group.departed[self.rank] = true;
+                group.departed.iter().all(|d| *d)
+            }
+            None => false,
+        };
+        if emptied {
+            state.groups.remove(&self.group);
+        }
+        drop(state);
+        self.family.changed.notify_all();
+    }
+}
+
+impl Collective<CpuBackend> for CpuComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_gather(&self, shard: &[f32], full: &mut [f32]) -> Result<()> {
+        let n = self.members.len();
+        let (_in_call, call) = self.begin(OpKind::AllGather, Some(shard.len()))?;
+        if full.len() != shard.len() * n {
+            return Err(self.reject(
+                &call,
+                format!(
+                    "the output holds {} elements but {n} ranks x {} shard elements = {}",
+                    full.len(),
+                    shard.len(),
+                    shard.len() * n
+                ),
+            ));
+        }
+        let exchanged = self.exchange(&call, Payload::Floats(shard.to_vec()), None)?;
+        if !shard.is_empty() {
+            for (out, part) in full
+                .chunks_exact_mut(shard.len())
+                .zip(&exchanged.contributions)
+            {
+                out.copy_from_slice(floats(part));
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, full: &[f32], shard: &mut [f32]) -> Result<()> {
+        let n = self.members.len();
+        let (_in_call, call) = self.begin(OpKind::ReduceScatter, Some(full.len()))?;
+        if full.len() != shard.len() * n {
+            return Err(self.reject(
+                &call,
+                format!(
+                    "the input holds {} elements but {n} ranks x {} shard elements = {}",
+                    full.len(),
+                    shard.len(),
+                    shard.len() * n
+                ),
+            ));
+        }
+        let exchanged = self.exchange(&call, Payload::Floats(full.to_vec()), None)?;
+        let range = self.rank * shard.len()..(self.rank + 1) * shard.len();
+        sum_in_rank_order(&exchanged.contributions, range, shard);
+        Ok(())
+    }
+
+    fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
+        let n = self.members.len();
+        let len = buf.len();
+        let (_in_call, call) = self.begin(OpKind::AllReduce, Some(len))?;
+        // Round 1: everyone deposits the whole buffer; rank r sums chunk r.
+        // Round 2: everyone gathers the summed chunks. Each element is still
+        // summed in rank order, by exactly one rank, so all ranks agree.
+        let exchanged = self.exchange(&call, Payload::Floats(buf.to_vec()), None)?;
+        let (start, end) = chunk(len, n, self.rank);
+        let mut mine = vec![0.0f32; end - start];
+        sum_in_rank_order(&exchanged.contributions, start..end, &mut mine);
+        drop(exchanged);
+        let gather = Call {
+            kind: OpKind::AllReduceGather,
+            elements: Some(len),
+            seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+        };
+        let gathered = self.exchange(&gather, Payload::Floats(mine), None)?;
+        for (r, part) in gathered.contributions.iter().enumerate() {
+            let (start, end) = chunk(len, n, r);
+            buf[start..end].copy_from_slice(floats(part));
+        }
+        Ok(())
+    }
+
+    fn all_to_all(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let n = self.members.len();
+        let (_in_call, call) = self.begin(OpKind::AllToAll, None)?;
+        for (what, counts, buffer) in [
+            ("send", send_counts, send.len()),
+            ("recv", recv_counts, recv.len()),
+        ] {
+            if counts.len() != n {
+                return Err(self.reject(
+                    &call,
+                    format!(
+                        "{what}_counts has {} entries but the group has {n} ranks",
+                        counts.len()
+                    ),
+                ));
+            }
+            let total: usize = counts.iter().sum();
+            if total != buffer {
+                return Err(self.reject(
+                    &call,
+                    format!(
+                        "{what}_counts add up to {total} but the {what} buffer holds {buffer} \
+                         elements"
+                    ),
+                ));
+            }
+        }
+        let payload = Payload::AllToAll {
+            data: send.to_vec(),
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+        };
+        let exchanged = self.exchange(&call, payload, None)?;
+        self.check_all_to_all(&call, &exchanged.contributions)?;
+        let mut at = 0;
+        for (i, sender) in exchanged.contributions.iter().enumerate() {
+            if let Payload::AllToAll {
+                data, send_counts, ..
+            } = &**sender
+            {
+                let offset: usize = send_counts[..self.rank].iter().sum();
+                let count = recv_counts[i];
+                recv[at..at + count].copy_from_slice(&data[offset..offset + count]);
+                at += count;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_to_all_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>> {
+        let n = self.members.len();
+        let (_in_call, call) = self.begin(OpKind::AllToAllCounts, None)?;
+        if send.len() != n {
+            return Err(self.reject(
+                &call,
+                format!(
+                    "{} count vectors were given but the group has {n} ranks (one per \
+                     destination)",
+                    send.len()
+                ),
+            ));
+        }
+        let exchanged = self.exchange(&call, Payload::Counts(send.to_vec()), None)?;
+        exchanged
+            .contributions
+            .iter()
+            .map(|p| match &**p {
+                Payload::Counts(counts) => Ok(counts[self.rank].clone()),
+                _ => Err(self.internal(&call, "a rank deposited no counts")),
+            })
+            .collect()
+    }
+
+    fn all_gather_host(&self, values: &[f64]) -> Result<Vec<Vec<f64>>> {
+        let (_in_call, call) = self.begin(OpKind::AllGatherHost, None)?;
+        let exchanged = self.exchange(&call, Payload::Host(values.to_vec()), None)?;
+        exchanged
+            .contributions
+            .iter()
+            .map(|p| match &**p {
+                Payload::Host(values) => Ok(values.clone()),
+                _ => Err(self.internal(&call, "a rank deposited no values")),
+            })
+            .collect()
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let (_in_call, call) = self.begin(OpKind::Barrier, None)?;
+        self.exchange(&call, Payload::Empty, None).map(|_| ())
+    }
+}
+
+/// `out[k] = ((c0[range][k] + c1[range][k]) + c2[range][k]) + ...`.
+fn sum_in_rank_order(
+    contributions: &[Arc<Payload>],
+    range: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let mut parts = contributions.iter().map(|p| &floats(p)[range.clone()]);
+    if let Some(first) = parts.next() {
+        out.copy_from_slice(first);
+    }
+    for part in parts {
+        for (o, x) in out.iter_mut().zip(part) {
+            *o += *x;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_once() {
+        for len in 0..12 {
+            for parts in 1..5 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let (s, e) = chunk(len, parts, i);
+                    assert_eq!(s, next);
+                    assert!(e - s <= len / parts + 1);
+                    next = e;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    #[test]
+    fn call_descriptions() {
+        let call = Call {
+            kind: OpKind::AllGather,
+            elements: Some(1024),
+            seq: 12,
+        };
+        assert_eq!(call.to_string(), "all_gather #12 (1024 elements per rank)");
+        let a2a = Call {
+            kind: OpKind::AllToAll,
+            elements: None,
+            seq: 3,
+        };
+        assert_eq!(a2a.to_string(), "all_to_all #3");
+        assert!(!call.agrees_with(&a2a));
+    }
+
+    #[test]
+    fn world_of_zero_ranks_and_double_take_are_errors() {
+        assert!(CpuWorld::new(0).is_err());
+        let world = CpuWorld::new(2).unwrap();
+        let _c0 = world.comm(0).unwrap();
+        assert!(
+            world
+                .comm(0)
+                .unwrap_err()
+                .to_string()
+                .contains("already taken")
+        );
+        assert!(
+            world
+                .comm(2)
+                .unwrap_err()
+                .to_string()
+                .contains("out of range")
+        );
+    }
+}
