@@ -12,6 +12,7 @@ pub mod error;
 pub mod lane;
 pub mod launch;
 pub mod layers;
+pub mod schedule;
 pub mod trace;
 
 pub use backend::{Backend, Precision};

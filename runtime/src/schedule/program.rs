@@ -1,0 +1,520 @@
+//! A schedule as data: the exact order in which one rank issues the work of
+//! one optimizer step. The executor walks a [`Program`] and turns each
+//! instruction into lane work; keeping the order here, as plain data, lets the
+//! interleave of shared/spec/ep-overlap.md be tested without running a model,
+//! and lets the buffer pool be sized by a dry run before any memory is
+//! touched.
+//!
+//! Both schedules run the same pieces of work with the same inputs; only the
+//! order across micro-batches differs. That is what makes the overlap
+//! schedule bit-identical to the plain one.
+
+use hybridgen_dsl::plan::{SchedulePlan, ScheduleNode, Slot};
+
+/// The pieces of one node's backward, in the order they run. Input-gradient
+/// and weight-gradient work are separate pieces, so weight gradients can be
+/// delayed to give the comm lane more compute to hide under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackwardPiece {
+    /// Output heads (and final norms) backward.
+    PostProcess,
+    /// The combine all-to-all, backward (comm lane).
+    Combine,
+    /// The mlp slot's input gradients.
+    Mlp,
+    /// The mlp slot's weight gradients.
+    MlpWeights,
+    /// The dispatch all-to-all, backward (comm lane).
+    Dispatch,
+    /// The pre-dispatch slot's input gradients.
+    PreDispatch,
+    /// The pre-dispatch slot's weight gradients.
+    PreDispatchWeights,
+}
+
+impl BackwardPiece {
+    /// The forward slot this piece differentiates.
+    pub const fn slot(self) -> Slot {
+        match self {
+            BackwardPiece::PostProcess => Slot::MtpPostProcess,
+            BackwardPiece::Combine => Slot::Combine,
+            BackwardPiece::Mlp | BackwardPiece::MlpWeights => Slot::Mlp,
+            BackwardPiece::Dispatch => Slot::Dispatch,
+            BackwardPiece::PreDispatch | BackwardPiece::PreDispatchWeights => Slot::PreDispatch,
+        }
+    }
+
+    pub const fn is_weight_gradient(self) -> bool {
+        matches!(self, BackwardPiece::MlpWeights | BackwardPiece::PreDispatchWeights)
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            BackwardPiece::PostProcess => "post-process bwd",
+            BackwardPiece::Combine => "combine bwd",
+            BackwardPiece::Mlp => "mlp bwd",
+            BackwardPiece::MlpWeights => "mlp wgrad",
+            BackwardPiece::Dispatch => "dispatch bwd",
+            BackwardPiece::PreDispatch => "pre-dispatch bwd",
+            BackwardPiece::PreDispatchWeights => "pre-dispatch wgrad",
+        }
+    }
+}
+
+/// One instruction of a program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Instr {
+    /// One more user of a unit's parameters: make them resident (all-gather
+    /// them unless they still are).
+    Acquire { unit: usize },
+    /// Take a zeroed gradient buffer for a unit about to run backward.
+    GradBuffer { unit: usize },
+    /// One forward slot of one node for one micro-batch.
+    Forward { mb: usize, node: usize, slot: Slot },
+    /// One backward piece of one node for one micro-batch.
+    Backward { mb: usize, node: usize, piece: BackwardPiece },
+    /// Reduce-scatter the unit's gradients of micro-batch `mb` into the owned
+    /// shard (accumulating over micro-batches) and free its gradient buffer.
+    Reduce { unit: usize, mb: usize },
+    /// The unit's parameters are no longer needed by issued work. The data
+    /// stays resident until its buffer is reused (lazy release), so a unit
+    /// needed again soon is not gathered twice.
+    Release { unit: usize },
+}
+
+/// Which schedule a program follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// Forward then backward per micro-batch, no overlap.
+    Plain,
+    /// Combined 1F1B: the forward of micro-batch k interleaved with the
+    /// backward of micro-batch k-1, communication of one hidden under the
+    /// computation of the other.
+    #[default]
+    Overlap,
+}
+
+/// One optimizer step's issue order on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Program {
+    pub instrs: Vec<Instr>,
+    /// The most units resident (acquired and not yet released) at once.
+    pub max_resident_units: usize,
+    /// The most gradient buffers in use at once.
+    pub max_grad_buffers: usize,
+}
+
+/// Which slots and pieces of a node do any work.
+#[derive(Clone, Copy)]
+struct NodeShape {
+    slots: [bool; 5],
+    backward: [bool; 7],
+}
+
+const PIECES: [BackwardPiece; 7] = [
+    BackwardPiece::PostProcess,
+    BackwardPiece::Combine,
+    BackwardPiece::Mlp,
+    BackwardPiece::MlpWeights,
+    BackwardPiece::Dispatch,
+    BackwardPiece::PreDispatch,
+    BackwardPiece::PreDispatchWeights,
+];
+
+impl NodeShape {
+    fn of(node: &ScheduleNode) -> NodeShape {
+        let slots = Slot::ALL.map(|s| !node.ops(s).is_empty());
+        let has = |s: Slot| slots[Slot::ALL.iter().position(|&x| x == s).unwrap_or(0)];
+        let backward = PIECES.map(|p| has(p.slot()));
+        NodeShape { slots, backward }
+    }
+
+    fn forward_slots(self) -> impl Iterator<Item = Slot> {
+        Slot::ALL.into_iter().zip(self.slots).filter(|&(_, on)| on).map(|(s, _)| s)
+    }
+
+    fn has_backward(self, piece: BackwardPiece) -> bool {
+        self.backward[PIECES.iter().position(|&p| p == piece).unwrap_or(0)]
+    }
+}
+
+/// Builds a step's program for `micro_batches` micro-batches.
+pub fn build(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) -> Program {
+    let nodes = &schedule.nodes;
+    let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
+    let mut b = ProgramBuilder::new(nodes.iter().map(|n| n.unit).collect(), shapes);
+    match kind {
+        ScheduleKind::Plain => {
+            for mb in 0..micro_batches {
+                b.forward_all(mb);
+                b.backward_all(mb);
+            }
+        }
+        ScheduleKind::Overlap => {
+            if micro_batches > 0 {
+                b.forward_all(0);
+                for k in 1..micro_batches {
+                    b.combined(k, k - 1);
+                }
+                b.backward_all(micro_batches - 1);
+            }
+        }
+    }
+    b.finish()
+}
+
+/// Tracks which units are acquired, so acquires, prefetches and releases
+/// land where the FSDP lifecycle (shared/spec/fsdp.md) puts them.
+struct ProgramBuilder {
+    units: Vec<Option<usize>>,
+    shapes: Vec<NodeShape>,
+    instrs: Vec<Instr>,
+    /// Reference counts of acquired units (forward and backward users).
+    refs: std::collections::HashMap<usize, usize>,
+    grads_in_use: usize,
+    max_resident: usize,
+    max_grads: usize,
+}
+
+impl ProgramBuilder {
+    fn new(units: Vec<Option<usize>>, shapes: Vec<NodeShape>) -> Self {
+        ProgramBuilder {
+            units,
+            shapes,
+            instrs: Vec::new(),
+            refs: Default::default(),
+            grads_in_use: 0,
+            max_resident: 0,
+            max_grads: 0,
+        }
+    }
+
+    fn finish(self) -> Program {
+        Program {
+            instrs: self.instrs,
+            max_resident_units: self.max_resident,
+            max_grad_buffers: self.max_grads,
+        }
+    }
+
+    fn acquire(&mut self, unit: usize) {
+        *self.refs.entry(unit).or_default() += 1;
+        self.max_resident = self.max_resident.max(self.refs.len());
+        self.instrs.push(Instr::Acquire { unit });
+    }
+
+    fn grad_buffer(&mut self, unit: usize) {
+        self.grads_in_use += 1;
+        self.max_grads = self.max_grads.max(self.grads_in_use);
+        self.instrs.push(Instr::GradBuffer { unit });
+    }
+
+    fn release(&mut self, unit: usize) {
+        if let Some(n) = self.refs.get_mut(&unit) {
+            *n -= 1;
+            if *n == 0 {
+                self.refs.remove(&unit);
+            }
+        }
+        self.instrs.push(Instr::Release { unit });
+    }
+
+    fn reduce(&mut self, unit: usize, mb: usize) {
+        self.grads_in_use = self.grads_in_use.saturating_sub(1);
+        self.instrs.push(Instr::Reduce { unit, mb });
+    }
+
+    /// Whether node `i` starts a new unit in forward order (an MTP depth's
+    /// nodes share one).
+    fn starts_unit(&self, i: usize) -> Option<usize> {
+        let unit = self.units[i]?;
+        (i == 0 || self.units[i - 1] != Some(unit)).then_some(unit)
+    }
+
+    /// Whether node `i` is the last of its unit in forward order.
+    fn ends_unit(&self, i: usize) -> Option<usize> {
+        let unit = self.units[i]?;
+        (i + 1 == self.units.len() || self.units[i + 1] != Some(unit)).then_some(unit)
+    }
+
+    /// The next unit after node `i` in forward order, for prefetching.
+    fn next_unit_forward(&self, i: usize) -> Option<(usize, usize)> {
+        let current = self.units[i];
+        (i + 1..self.units.len()).find_map(|j| match self.units[j] {
+            Some(u) if Some(u) != current => Some((j, u)),
+            _ => None,
+        })
+    }
+
+    /// The next unit before node `i` in backward order, for prefetching.
+    fn next_unit_backward(&self, i: usize) -> Option<(usize, usize)> {
+        let current = self.units[i];
+        (0..i).rev().find_map(|j| match self.units[j] {
+            Some(u) if Some(u) != current => Some((j, u)),
+            _ => None,
+        })
+    }
+
+    /// Acquires for the forward of node `i`: its unit (if it starts one) and
+    /// a prefetch of the next. A unit prefetched earlier is not acquired
+    /// twice.
+    fn forward_acquires(&mut self, i: usize, prefetched: &mut Option<usize>) {
+        if let Some(unit) = self.starts_unit(i)
+            && *prefetched != Some(unit)
+        {
+            self.acquire(unit);
+        }
+        *prefetched = None;
+        if self.ends_unit(i).is_some()
+            && let Some((_, next)) = self.next_unit_forward(i)
+        {
+            self.acquire(next);
+            *prefetched = Some(next);
+        }
+    }
+
+    /// Acquires for the backward of node `i` (reverse order): the unit with
+    /// a gradient buffer when node `i` is the unit's last node, and a
+    /// prefetch of the unit before it.
+    fn backward_acquires(&mut self, i: usize, prefetched: &mut Option<usize>) {
+        if let Some(unit) = self.ends_unit(i) {
+            // A prefetched unit's reference is handed over to this use.
+            if *prefetched != Some(unit) {
+                self.acquire(unit);
+            }
+            self.grad_buffer(unit);
+        }
+        *prefetched = None;
+        if self.starts_unit(i).is_some()
+            && let Some((_, next)) = self.next_unit_backward(i)
+        {
+            self.acquire(next);
+            *prefetched = Some(next);
+        }
+    }
+
+    fn forward_node(&mut self, mb: usize, i: usize) {
+        for slot in self.shapes[i].forward_slots() {
+            self.instrs.push(Instr::Forward { mb, node: i, slot });
+        }
+    }
+
+    fn forward_done(&mut self, i: usize) {
+        if let Some(unit) = self.ends_unit(i) {
+            self.release(unit);
+        }
+    }
+
+    fn backward_piece(&mut self, mb: usize, i: usize, piece: BackwardPiece) {
+        if self.shapes[i].has_backward(piece) {
+            self.instrs.push(Instr::Backward { mb, node: i, piece });
+        }
+    }
+
+    fn backward_done(&mut self, mb: usize, i: usize) {
+        if let Some(unit) = self.starts_unit(i) {
+            self.reduce(unit, mb);
+            self.release(unit);
+        }
+    }
+
+    fn forward_all(&mut self, mb: usize) {
+        let mut prefetched = None;
+        for i in 0..self.units.len() {
+            self.forward_acquires(i, &mut prefetched);
+            self.forward_node(mb, i);
+            self.forward_done(i);
+        }
+        if let Some(unit) = prefetched {
+            self.release(unit);
+        }
+    }
+
+    fn backward_all(&mut self, mb: usize) {
+        let mut prefetched = None;
+        for i in (0..self.units.len()).rev() {
+            self.backward_acquires(i, &mut prefetched);
+            for piece in PIECES {
+                self.backward_piece(mb, i, piece);
+            }
+            self.backward_done(mb, i);
+        }
+        if let Some(unit) = prefetched {
+            self.release(unit);
+        }
+    }
+
+    /// Forward of micro-batch `f` combined with backward of micro-batch `b`,
+    /// layer by layer: forward node i with backward node L-1-i, in the issue
+    /// order of ep-overlap.md.
+    fn combined(&mut self, f: usize, b: usize) {
+        use BackwardPiece as P;
+        let n = self.units.len();
+        let (mut f_pre, mut b_pre) = (None, None);
+        for i in 0..n {
+            let j = n - 1 - i;
+            self.forward_acquires(i, &mut f_pre);
+            self.backward_acquires(j, &mut b_pre);
+            let fwd = |s: &mut Self, slot: Slot| {
+                if s.shapes[i].slots[Slot::ALL.iter().position(|&x| x == slot).unwrap_or(0)] {
+                    s.instrs.push(Instr::Forward { mb: f, node: i, slot });
+                }
+            };
+            // 1. b: post-process bwd; b: combine bwd (comm) || 2
+            self.backward_piece(b, j, P::PostProcess);
+            self.backward_piece(b, j, P::Combine);
+            // 2. f: pre-dispatch
+            fwd(self, Slot::PreDispatch);
+            // 3. b: mlp bwd || 4
+            self.backward_piece(b, j, P::Mlp);
+            // 4. f: dispatch (comm)
+            fwd(self, Slot::Dispatch);
+            // 5. b: mlp wgrad; b: dispatch bwd (comm) || 6
+            self.backward_piece(b, j, P::MlpWeights);
+            self.backward_piece(b, j, P::Dispatch);
+            // 6. f: mlp
+            fwd(self, Slot::Mlp);
+            // 7. f: combine (comm) || 8
+            fwd(self, Slot::Combine);
+            // 8. b: pre-dispatch bwd
+            self.backward_piece(b, j, P::PreDispatch);
+            // 9. f: mtp post-process
+            fwd(self, Slot::MtpPostProcess);
+            // 10. b: pre-dispatch wgrad
+            self.backward_piece(b, j, P::PreDispatchWeights);
+            self.forward_done(i);
+            self.backward_done(b, j);
+        }
+        for unit in [f_pre, b_pre].into_iter().flatten() {
+            self.release(unit);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hybridgen_dsl::{ModelConfig, Plan, PlanOptions};
+
+    fn plan(pattern: &str) -> Plan {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = pattern.to_string();
+        Plan::new(&model, &PlanOptions::default()).unwrap()
+    }
+
+    /// Every micro-batch runs every non-empty slot and piece exactly once,
+    /// forward before backward, whatever the schedule.
+    fn check_complete(plan: &Plan, program: &Program, micro_batches: usize) {
+        for mb in 0..micro_batches {
+            for (i, node) in plan.schedule.nodes.iter().enumerate() {
+                let shape = NodeShape::of(node);
+                for slot in shape.forward_slots() {
+                    let n = program.instrs.iter().filter(|&&x| x == Instr::Forward { mb, node: i, slot }).count();
+                    assert_eq!(n, 1, "mb {mb} node {i} {slot:?}");
+                }
+            }
+            let first_bwd = program.instrs.iter().position(|x| matches!(x, Instr::Backward { mb: m, .. } if *m == mb));
+            let last_fwd = program.instrs.iter().rposition(|x| matches!(x, Instr::Forward { mb: m, .. } if *m == mb));
+            assert!(last_fwd < first_bwd, "mb {mb}: backward before forward ended");
+        }
+        // References balance, work only touches acquired units, and every
+        // unit gets one gradient buffer and one reduce per micro-batch.
+        let mut refs = vec![0usize; plan.units.len()];
+        let mut grads = vec![0usize; plan.units.len()];
+        for instr in &program.instrs {
+            match *instr {
+                Instr::Acquire { unit } => refs[unit] += 1,
+                Instr::Release { unit } => {
+                    assert!(refs[unit] > 0, "release of unit {unit} without acquire");
+                    refs[unit] -= 1;
+                }
+                Instr::GradBuffer { unit } => {
+                    assert!(refs[unit] > 0, "gradient buffer for unresident unit {unit}");
+                    grads[unit] += 1;
+                }
+                Instr::Reduce { unit, .. } => {
+                    assert!(grads[unit] > 0, "reduce of unit {unit} without gradient buffer");
+                    grads[unit] -= 1;
+                }
+                Instr::Forward { node, .. } | Instr::Backward { node, .. } => {
+                    if let Some(unit) = plan.schedule.nodes[node].unit {
+                        assert!(refs[unit] > 0, "node {node} runs with unit {unit} not acquired");
+                    }
+                }
+            }
+        }
+        assert!(refs.iter().all(|&r| r == 0), "unbalanced references {refs:?}");
+        assert!(grads.iter().all(|&g| g == 0), "gradient buffers left {grads:?}");
+        let reduces = program.instrs.iter().filter(|x| matches!(x, Instr::Reduce { .. })).count();
+        assert_eq!(reduces, plan.units.len() * micro_batches);
+    }
+
+    #[test]
+    fn both_schedules_run_everything_once() {
+        for pattern in ["[*E][*E]", "M[*E]M-[*E]", "[M*E][M*E]/*E", "M-"] {
+            let plan = plan(pattern);
+            for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
+                for n in [1, 2, 4] {
+                    let program = build(&plan.schedule, n, kind);
+                    check_complete(&plan, &program, n);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn overlap_interleaves_forward_and_backward_as_the_spec_orders() {
+        let plan = plan("[*E][*E]");
+        let program = build(&plan.schedule, 2, ScheduleKind::Overlap);
+        let work: Vec<String> = program
+            .instrs
+            .iter()
+            .filter_map(|x| match *x {
+                Instr::Forward { mb: 1, node, slot } => Some(format!("f{node} {}", slot.name())),
+                Instr::Backward { mb: 0, node, piece } => Some(format!("b{node} {}", piece.name())),
+                _ => None,
+            })
+            .collect();
+        // Node 0 forward (mb 1) paired with node 1 backward (mb 0), then
+        // node 1 forward with node 0 backward. Node 1 holds the head.
+        let expected = [
+            "b1 post-process bwd",
+            "b1 combine bwd",
+            "f0 pre-dispatch",
+            "b1 mlp bwd",
+            "f0 dispatch",
+            "b1 mlp wgrad",
+            "b1 dispatch bwd",
+            "f0 mlp",
+            "f0 combine",
+            "b1 pre-dispatch bwd",
+            "b1 pre-dispatch wgrad",
+            "b0 combine bwd",
+            "f1 pre-dispatch",
+            "b0 mlp bwd",
+            "f1 dispatch",
+            "b0 mlp wgrad",
+            "b0 dispatch bwd",
+            "f1 mlp",
+            "f1 combine",
+            "b0 pre-dispatch bwd",
+            "f1 mtp post-process",
+            "b0 pre-dispatch wgrad",
+        ];
+        assert_eq!(work, expected);
+    }
+
+    #[test]
+    fn pool_needs_are_bounded() {
+        let plan = plan("[*E][*E][*E][*E][*E][*E]");
+        let plain = build(&plan.schedule, 4, ScheduleKind::Plain);
+        let overlap = build(&plan.schedule, 4, ScheduleKind::Overlap);
+        // A unit and its prefetch; the overlap schedule runs a forward and a
+        // backward unit, each with its prefetch.
+        assert!(plain.max_resident_units <= 2, "{}", plain.max_resident_units);
+        assert!(overlap.max_resident_units <= 4, "{}", overlap.max_resident_units);
+        assert_eq!(plain.max_grad_buffers, 1);
+        assert!(overlap.max_grad_buffers <= 2);
+    }
+}
