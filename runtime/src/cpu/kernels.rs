@@ -1,1 +1,36 @@
-//! f32 reference kernels: deterministic loops, each next to the maths it computes.
+//! f32 reference kernels: deterministic loops, each next to the maths it
+//! computes (the maths is documented on the [`Backend`](crate::Backend)
+//! method each one implements) and, in its tests, next to a naive reference.
+//!
+//! Every kernel validates view lengths against its dimensions first, so a
+//! bad size from a caller is an `InvalidArgument` error, never a panic; the
+//! loops after that index within the checked bounds. Loop orders are fixed
+//! and no kernel uses threads, so equal inputs give equal bits.
+
+mod activation;
+mod attention;
+mod check;
+mod conv;
+mod dense;
+mod lookup;
+mod moe;
+mod norm;
+mod optim;
+mod rotary;
+mod scan;
+
+pub use activation::{silu_mul_backward, silu_mul_forward, unary_backward, unary_forward};
+pub use attention::{attention_backward, attention_forward};
+pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
+pub use dense::{axpy, column_sum, copy_cols, matmul, scale};
+pub use lookup::{
+    cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_forward,
+};
+pub use moe::{
+    gather_rows, moe_route_backward, moe_route_forward, moe_unpermute, moe_unpermute_backward,
+    scatter_rows,
+};
+pub use norm::{rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward};
+pub use optim::{adam_update, sgd_update, sum_squares_blocks};
+pub use rotary::{rotary_backward, rotary_forward};
+pub use scan::{ssd_scan_backward, ssd_scan_forward};

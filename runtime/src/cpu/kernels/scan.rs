@@ -1,0 +1,478 @@
+//! The Mamba-2 selective scan, evaluated sequentially per (sequence, head).
+//!
+//! Forward keeps only the state at the start of every chunk; backward walks
+//! the chunks in reverse, recomputes the chunk's states from its saved start
+//! (the same operations in the same order, so the same bits), and runs the
+//! reverse recurrence of the state gradient `G_t = dy_t C_t^T + a_{t+1} G_{t+1}`.
+
+use super::check;
+use crate::backend::{ScanDims, ScanGrads, ScanInputs};
+use crate::error::Result;
+
+/// `log(1 + exp(x))`, linear above 20 as PyTorch's default threshold.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// The derivative of [`softplus`].
+fn softplus_derivative(x: f32) -> f32 {
+    if x > 20.0 {
+        1.0
+    } else {
+        1.0 / (1.0 + (-x).exp())
+    }
+}
+
+/// Checks every view; returns `(rows, chunks per sequence)`.
+fn validate(kernel: &str, dims: ScanDims, inputs: &ScanInputs<&[f32]>) -> Result<(usize, usize)> {
+    let rows = dims.tokens.rows()?;
+    check::ensure(
+        dims.heads > 0 && dims.groups > 0 && dims.heads % dims.groups == 0,
+        || {
+            format!(
+                "{kernel}: {} groups do not divide {} heads",
+                dims.groups, dims.heads
+            )
+        },
+    )?;
+    check::ensure(dims.chunk > 0, || {
+        format!("{kernel}: the chunk length is 0")
+    })?;
+    let width = check::product(kernel, &[dims.heads, dims.head_dim])?
+        .checked_add(check::product(kernel, &[2, dims.groups, dims.state])?)
+        .ok_or_else(|| {
+            crate::RuntimeError::InvalidArgument(format!("{kernel}: width overflows"))
+        })?;
+    check::len(
+        kernel,
+        "xbc",
+        inputs.xbc.len(),
+        check::product(kernel, &[rows, width])?,
+    )?;
+    check::len(
+        kernel,
+        "dt",
+        inputs.dt.len(),
+        check::product(kernel, &[rows, dims.heads])?,
+    )?;
+    check::len(kernel, "dt_bias", inputs.dt_bias.len(), dims.heads)?;
+    check::len(kernel, "a_log", inputs.a_log.len(), dims.heads)?;
+    check::len(kernel, "d", inputs.d.len(), dims.heads)?;
+    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
+    check::product(
+        kernel,
+        &[
+            dims.tokens.batch,
+            chunks,
+            dims.heads,
+            dims.head_dim,
+            dims.state,
+        ],
+    )?;
+    Ok((rows, chunks))
+}
+
+/// Where one head's pieces live in a row of `xbc`.
+struct Layout {
+    width: usize,
+    d_inner: usize,
+    heads: usize,
+    p: usize,
+    n: usize,
+    groups: usize,
+    heads_per_group: usize,
+}
+
+impl Layout {
+    fn new(dims: ScanDims) -> Self {
+        Layout {
+            width: dims.xbc_width(),
+            d_inner: dims.heads * dims.head_dim,
+            heads: dims.heads,
+            p: dims.head_dim,
+            n: dims.state,
+            groups: dims.groups,
+            heads_per_group: dims.heads / dims.groups,
+        }
+    }
+    fn x(&self, h: usize) -> usize {
+        h * self.p
+    }
+    fn b(&self, h: usize) -> usize {
+        self.d_inner + (h / self.heads_per_group) * self.n
+    }
+    fn c(&self, h: usize) -> usize {
+        self.d_inner + (self.groups + h / self.heads_per_group) * self.n
+    }
+}
+
+/// One step of the recurrence on the state: `S = decay S + dt x B^T`.
+fn step_state(state: &mut [f32], decay: f32, dt: f32, x: &[f32], b: &[f32], n: usize) {
+    for (s_row, &xp) in state.chunks_exact_mut(n).zip(x) {
+        let dx = dt * xp;
+        for (s, &bn) in s_row.iter_mut().zip(b) {
+            *s = decay * *s + dx * bn;
+        }
+    }
+}
+
+pub fn ssd_scan_forward(
+    inputs: ScanInputs<&[f32]>,
+    y: &mut [f32],
+    states: &mut [f32],
+    dims: ScanDims,
+) -> Result<()> {
+    let kn = "ssd_scan_forward";
+    let (rows, chunks) = validate(kn, dims, &inputs)?;
+    let l = Layout::new(dims);
+    check::len(kn, "y", y.len(), rows * l.d_inner)?;
+    check::len(kn, "states", states.len(), dims.states_len())?;
+    let (seq, pn) = (dims.tokens.seq, l.p * l.n);
+    if pn == 0 {
+        y.fill(0.0);
+        return Ok(());
+    }
+    let mut state = vec![0.0f32; pn];
+    for b in 0..dims.tokens.batch {
+        for h in 0..l.heads {
+            let a = -inputs.a_log[h].exp();
+            let skip = inputs.d[h];
+            state.fill(0.0);
+            for t in 0..seq {
+                if t % dims.chunk == 0 {
+                    let at = ((b * chunks + t / dims.chunk) * l.heads + h) * pn;
+                    states[at..at + pn].copy_from_slice(&state);
+                }
+                let r = b * seq + t;
+                let row = &inputs.xbc[r * l.width..][..l.width];
+                let (x, bv, cv) = (
+                    &row[l.x(h)..][..l.p],
+                    &row[l.b(h)..][..l.n],
+                    &row[l.c(h)..][..l.n],
+                );
+                let dt = softplus(inputs.dt[r * l.heads + h] + inputs.dt_bias[h]);
+                step_state(&mut state, (dt * a).exp(), dt, x, bv, l.n);
+                let out = &mut y[r * l.d_inner + l.x(h)..][..l.p];
+                for ((o, s_row), &xp) in out.iter_mut().zip(state.chunks_exact(l.n)).zip(x) {
+                    let mut acc = 0.0f32;
+                    for (s, c) in s_row.iter().zip(cv) {
+                        acc += s * c;
+                    }
+                    *o = acc + skip * xp;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn ssd_scan_backward(
+    inputs: ScanInputs<&[f32]>,
+    states: &[f32],
+    dy: &[f32],
+    grads: ScanGrads<&mut [f32]>,
+    dims: ScanDims,
+) -> Result<()> {
+    let kn = "ssd_scan_backward";
+    let (rows, chunks) = validate(kn, dims, &inputs)?;
+    let l = Layout::new(dims);
+    check::len(kn, "states", states.len(), dims.states_len())?;
+    check::len(kn, "dy", dy.len(), rows * l.d_inner)?;
+    check::len(kn, "grads.xbc", grads.xbc.len(), inputs.xbc.len())?;
+    check::len(kn, "grads.dt", grads.dt.len(), inputs.dt.len())?;
+    check::len(kn, "grads.a_log", grads.a_log.len(), l.heads)?;
+    check::len(kn, "grads.d", grads.d.len(), l.heads)?;
+    let ScanGrads {
+        xbc: dxbc,
+        dt: ddt,
+        a_log: da_log,
+        d: dd,
+    } = grads;
+    dxbc.fill(0.0);
+    ddt.fill(0.0);
+    let (seq, pn) = (dims.tokens.seq, l.p * l.n);
+    if pn == 0 || seq == 0 {
+        return Ok(());
+    }
+    let chunk = dims.chunk.min(seq);
+    // States after each step of the current chunk, and the state gradient.
+    let mut history = vec![0.0f32; chunk * pn];
+    let mut g = vec![0.0f32; pn];
+    let mut gb = vec![0.0f32; l.p];
+    for b in 0..dims.tokens.batch {
+        for h in 0..l.heads {
+            let a = -inputs.a_log[h].exp();
+            let skip = inputs.d[h];
+            let (mut d_a, mut d_skip) = (0.0f32, 0.0f32);
+            g.fill(0.0);
+            for c in (0..chunks).rev() {
+                let start = &states[((b * chunks + c) * l.heads + h) * pn..][..pn];
+                let (t0, t1) = (c * dims.chunk, ((c + 1) * dims.chunk).min(seq));
+                for t in t0..t1 {
+                    let r = b * seq + t;
+                    let row = &inputs.xbc[r * l.width..][..l.width];
+                    let dt = softplus(inputs.dt[r * l.heads + h] + inputs.dt_bias[h]);
+                    let (prev, cur) = history.split_at_mut((t - t0) * pn);
+                    let cur = &mut cur[..pn];
+                    cur.copy_from_slice(if t == t0 {
+                        start
+                    } else {
+                        &prev[(t - t0 - 1) * pn..]
+                    });
+                    step_state(
+                        cur,
+                        (dt * a).exp(),
+                        dt,
+                        &row[l.x(h)..][..l.p],
+                        &row[l.b(h)..][..l.n],
+                        l.n,
+                    );
+                }
+                for t in (t0..t1).rev() {
+                    let r = b * seq + t;
+                    let row = &inputs.xbc[r * l.width..][..l.width];
+                    let (x, bv, cv) = (
+                        &row[l.x(h)..][..l.p],
+                        &row[l.b(h)..][..l.n],
+                        &row[l.c(h)..][..l.n],
+                    );
+                    let raw = inputs.dt[r * l.heads + h] + inputs.dt_bias[h];
+                    let dt = softplus(raw);
+                    let decay = (dt * a).exp();
+                    let s_t = &history[(t - t0) * pn..][..pn];
+                    let s_prev = if t == t0 {
+                        start
+                    } else {
+                        &history[(t - t0 - 1) * pn..][..pn]
+                    };
+                    let dyr = &dy[r * l.d_inner + l.x(h)..][..l.p];
+                    let drow = &mut dxbc[r * l.width..][..l.width];
+                    // G_t += dy_t C_t^T; dC_t += S_t^T dy_t.
+                    {
+                        let dc = &mut drow[l.c(h)..][..l.n];
+                        for ((g_row, s_row), &dyp) in
+                            g.chunks_exact_mut(l.n).zip(s_t.chunks_exact(l.n)).zip(dyr)
+                        {
+                            for (((gv, &sv), &cn), dcn) in
+                                g_row.iter_mut().zip(s_row).zip(cv).zip(dc.iter_mut())
+                            {
+                                *gv += dyp * cn;
+                                *dcn += sv * dyp;
+                            }
+                        }
+                    }
+                    // (G B)_p, d decay = <G, S_{t-1}>, dB += dt G^T x.
+                    let mut d_decay = 0.0f32;
+                    {
+                        let db = &mut drow[l.b(h)..][..l.n];
+                        for (((g_row, sp_row), &xp), gbp) in g
+                            .chunks_exact(l.n)
+                            .zip(s_prev.chunks_exact(l.n))
+                            .zip(x)
+                            .zip(gb.iter_mut())
+                        {
+                            let mut acc = 0.0f32;
+                            for (((&gv, &sv), &bn), dbn) in
+                                g_row.iter().zip(sp_row).zip(bv).zip(db.iter_mut())
+                            {
+                                acc += gv * bn;
+                                d_decay += gv * sv;
+                                *dbn += dt * gv * xp;
+                            }
+                            *gbp = acc;
+                        }
+                    }
+                    // dx = D dy + dt (G B); d dt = x . (G B) + d decay * decay * A.
+                    let mut d_dt = 0.0f32;
+                    {
+                        let dx = &mut drow[l.x(h)..][..l.p];
+                        for (((dxp, &gbp), &dyp), &xp) in dx.iter_mut().zip(&gb).zip(dyr).zip(x) {
+                            *dxp = skip * dyp + dt * gbp;
+                            d_dt += xp * gbp;
+                            d_skip += dyp * xp;
+                        }
+                    }
+                    d_dt += d_decay * decay * a;
+                    d_a += d_decay * decay * dt;
+                    ddt[r * l.heads + h] = d_dt * softplus_derivative(raw);
+                    for gv in g.iter_mut() {
+                        *gv *= decay;
+                    }
+                }
+            }
+            // A = -exp(A_log): dA/dA_log = A.
+            da_log[h] += d_a * a;
+            dd[h] += d_skip;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Tokens;
+
+    fn data(n: usize, seed: f32, amp: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| amp * (i as f32 * 0.71 + seed).sin())
+            .collect()
+    }
+
+    struct Case {
+        dims: ScanDims,
+        xbc: Vec<f32>,
+        dt: Vec<f32>,
+        dt_bias: Vec<f32>,
+        a_log: Vec<f32>,
+        d: Vec<f32>,
+    }
+
+    fn case(chunk: usize) -> Case {
+        let dims = ScanDims {
+            tokens: Tokens::new(2, 5),
+            heads: 4,
+            head_dim: 3,
+            groups: 2,
+            state: 2,
+            chunk,
+        };
+        let rows = 10;
+        Case {
+            dims,
+            xbc: data(rows * dims.xbc_width(), 0.3, 1.0),
+            dt: data(rows * 4, 1.7, 1.0),
+            dt_bias: data(4, 0.5, 0.5),
+            a_log: data(4, 2.2, 0.8),
+            d: data(4, 0.9, 1.0),
+        }
+    }
+
+    fn inputs(c: &Case) -> ScanInputs<&[f32]> {
+        ScanInputs {
+            xbc: &c.xbc,
+            dt: &c.dt,
+            dt_bias: &c.dt_bias,
+            a_log: &c.a_log,
+            d: &c.d,
+        }
+    }
+
+    /// The recurrence of layers.md, in f64, one (sequence, head) at a time.
+    fn reference(c: &Case) -> Vec<f64> {
+        let dims = c.dims;
+        let l = Layout::new(dims);
+        let seq = dims.tokens.seq;
+        let mut y = vec![0.0; dims.tokens.batch * seq * l.d_inner];
+        for b in 0..dims.tokens.batch {
+            for h in 0..l.heads {
+                let mut s = vec![0.0f64; l.p * l.n];
+                let a = -(c.a_log[h] as f64).exp();
+                for t in 0..seq {
+                    let r = b * seq + t;
+                    let row = &c.xbc[r * l.width..];
+                    let raw = (c.dt[r * l.heads + h] + c.dt_bias[h]) as f64;
+                    let dt = raw.exp().ln_1p();
+                    for p in 0..l.p {
+                        let mut acc = 0.0;
+                        for n in 0..l.n {
+                            let v = &mut s[p * l.n + n];
+                            *v = (dt * a).exp() * *v
+                                + dt * row[l.x(h) + p] as f64 * row[l.b(h) + n] as f64;
+                            acc += *v * row[l.c(h) + n] as f64;
+                        }
+                        y[r * l.d_inner + l.x(h) + p] =
+                            acc + c.d[h] as f64 * row[l.x(h) + p] as f64;
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    fn run(c: &Case) -> (Vec<f32>, Vec<f32>) {
+        let mut y = vec![0.0; 10 * 12];
+        let mut states = vec![0.0; c.dims.states_len()];
+        ssd_scan_forward(inputs(c), &mut y, &mut states, c.dims).unwrap();
+        (y, states)
+    }
+
+    #[test]
+    fn forward_matches_the_recurrence() {
+        let c = case(2);
+        let (y, _) = run(&c);
+        for (a, b) in y.iter().zip(reference(&c)) {
+            assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences_and_is_chunk_independent() {
+        let dy = data(120, 4.4, 1.0);
+        let mut results = Vec::new();
+        for chunk in [1, 2, 3, 5, 8] {
+            let c = case(chunk);
+            let (y, states) = run(&c);
+            let mut gx = vec![0.0; c.xbc.len()];
+            let mut gdt = vec![0.0; c.dt.len()];
+            let (mut ga, mut gd) = (vec![0.0; 4], vec![0.0; 4]);
+            let grads = ScanGrads {
+                xbc: &mut gx[..],
+                dt: &mut gdt[..],
+                a_log: &mut ga[..],
+                d: &mut gd[..],
+            };
+            ssd_scan_backward(inputs(&c), &states, &dy, grads, c.dims).unwrap();
+            results.push((y, gx, gdt, ga, gd));
+        }
+        for r in &results[1..] {
+            assert!(r == &results[0], "the chunk length changed the bits");
+        }
+        let (_, gx, gdt, ga, gd) = &results[0];
+        let c = case(3);
+        let loss = |c: &Case| -> f64 {
+            reference(c)
+                .iter()
+                .zip(&dy)
+                .map(|(y, d)| y * *d as f64)
+                .sum()
+        };
+        let h = 1e-3f32;
+        let fd = |field: fn(&mut Case) -> &mut Vec<f32>, i: usize| -> f64 {
+            let mut plus = case(3);
+            field(&mut plus)[i] += h;
+            let mut minus = case(3);
+            field(&mut minus)[i] -= h;
+            (loss(&plus) - loss(&minus)) / (2.0 * h as f64)
+        };
+        let close = |got: f32, want: f64, what: &str| {
+            assert!(
+                (got as f64 - want).abs() < 2e-3 * (1.0 + want.abs()),
+                "{what}: {got} vs {want}"
+            );
+        };
+        for i in 0..c.xbc.len() {
+            close(gx[i], fd(|c| &mut c.xbc, i), &format!("xbc[{i}]"));
+        }
+        for i in 0..c.dt.len() {
+            close(gdt[i], fd(|c| &mut c.dt, i), &format!("dt[{i}]"));
+        }
+        for i in 0..4 {
+            close(ga[i], fd(|c| &mut c.a_log, i), &format!("a_log[{i}]"));
+            close(gd[i], fd(|c| &mut c.d, i), &format!("d[{i}]"));
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let mut c = case(2);
+        c.dims.groups = 3;
+        let mut y = vec![0.0; 120];
+        let mut states = vec![0.0; 1000];
+        assert!(ssd_scan_forward(inputs(&c), &mut y, &mut states, c.dims).is_err());
+        let c = case(2);
+        assert!(ssd_scan_forward(inputs(&c), &mut y, &mut states, c.dims).is_err());
+        let mut states = vec![0.0; c.dims.states_len()];
+        assert!(ssd_scan_forward(inputs(&c), &mut y[..119], &mut states, c.dims).is_err());
+    }
+}
