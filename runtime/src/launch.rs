@@ -1034,6 +1034,141 @@ mod tests {
         assert_eq!(first_slurm_host("bad]"), None);
     }
 
+    /// A port nothing listens on right now.
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    const PATIENT: Duration = Duration::from_secs(20);
+
+    #[test]
+    fn rendezvous_hands_the_payload_to_every_rank() {
+        let server = RendezvousServer::bind("127.0.0.1", 0, 4).unwrap();
+        let port = server.local_addr().unwrap().port();
+        let id: Vec<u8> = (0..128u8).collect();
+        let got = std::thread::scope(|s| {
+            let clients: Vec<_> = (1..4)
+                .map(|rank| s.spawn(move || fetch_payload("127.0.0.1", port, rank, 4, PATIENT)))
+                .collect();
+            server.serve(&id, PATIENT).unwrap();
+            clients
+                .into_iter()
+                .map(|c| c.join().unwrap().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(got, vec![id.clone(), id.clone(), id]);
+    }
+
+    #[test]
+    fn ranks_retry_until_rank_0_listens() {
+        let port = free_port();
+        let info = |rank| RankInfo {
+            rank,
+            world_size: 3,
+            local_rank: rank,
+            local_world_size: 3,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            launcher: Launcher::Torchrun,
+        };
+        let got = std::thread::scope(|s| {
+            let clients: Vec<_> = (1..3)
+                .map(|rank| {
+                    s.spawn(move || rendezvous(&info(rank), || Ok(b"unused".to_vec()), PATIENT))
+                })
+                .collect();
+            // The clients are (most likely) already retrying against a
+            // closed port; the order does not matter for correctness.
+            std::thread::sleep(Duration::from_millis(50));
+            let mine = rendezvous(&info(0), || Ok(b"nccl-id".to_vec()), PATIENT).unwrap();
+            let mut all = vec![mine];
+            all.extend(clients.into_iter().map(|c| c.join().unwrap().unwrap()));
+            all
+        });
+        assert!(got.iter().all(|p| p == b"nccl-id"), "{got:?}");
+    }
+
+    #[test]
+    fn a_rank_gives_up_naming_the_address() {
+        let port = free_port();
+        let err = fetch_payload("127.0.0.1", port, 2, 4, Duration::from_millis(200))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("rendezvous at 127.0.0.1:{port}")),
+            "{err}"
+        );
+        assert!(
+            err.contains("rank 2 could not get the payload from rank 0"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn rank_0_gives_up_naming_the_missing_ranks() {
+        let server = RendezvousServer::bind("127.0.0.1", 0, 3).unwrap();
+        let port = server.local_addr().unwrap().port();
+        let err = std::thread::scope(|s| {
+            let one = s.spawn(move || fetch_payload("127.0.0.1", port, 1, 3, PATIENT));
+            let err = server.serve(b"id", Duration::from_millis(300)).unwrap_err();
+            assert_eq!(one.join().unwrap().unwrap(), b"id");
+            err
+        });
+        let RuntimeError::Peer { rank, message } = &err else {
+            panic!("expected a peer error, got {err}");
+        };
+        assert_eq!(*rank, 2);
+        assert!(
+            message.contains("rank 2 did not connect within"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn contradicting_settings_fail_both_sides() {
+        let server = RendezvousServer::bind("127.0.0.1", 0, 2).unwrap();
+        let port = server.local_addr().unwrap().port();
+        let (server_err, client_err) = std::thread::scope(|s| {
+            let client = s.spawn(move || fetch_payload("127.0.0.1", port, 1, 8, PATIENT));
+            let server_err = server.serve(b"id", PATIENT).unwrap_err().to_string();
+            (server_err, client.join().unwrap().unwrap_err().to_string())
+        });
+        assert!(
+            server_err.contains("rank 1 has a world size of 8 but rank 0 has 2"),
+            "{server_err}"
+        );
+        assert!(client_err.contains("rank 0 refused rank 1"), "{client_err}");
+        let busy = RendezvousServer::bind("127.0.0.1", 0, 2).unwrap();
+        let taken = busy.local_addr().unwrap().port();
+        let err = RendezvousServer::bind("127.0.0.1", taken, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rank 0 cannot listen"), "{err}");
+        let big = RendezvousServer::bind("127.0.0.1", 0, 2).unwrap();
+        assert!(big.serve(&vec![0; MAX_PAYLOAD + 1], PATIENT).is_err());
+    }
+
+    #[test]
+    fn a_stray_connection_does_not_stop_the_rendezvous() {
+        let server = RendezvousServer::bind("127.0.0.1", 0, 2).unwrap();
+        let port = server.local_addr().unwrap().port();
+        std::thread::scope(|s| {
+            let stray = s.spawn(move || {
+                let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                stream.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+                let mut rest = Vec::new();
+                let _ = stream.read_to_end(&mut rest);
+                fetch_payload("127.0.0.1", port, 1, 2, PATIENT)
+            });
+            server.serve(b"id", PATIENT).unwrap();
+            assert_eq!(stray.join().unwrap().unwrap(), b"id");
+        });
+    }
+
     #[test]
     fn tasks_per_node_expansion() {
         assert_eq!(

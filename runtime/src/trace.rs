@@ -263,11 +263,14 @@ impl RankStats {
     }
 }
 
+/// A time interval `[start, end)` since the epoch.
+type Interval = (Duration, Duration);
+
 /// Sorted, disjoint intervals covering the given ones.
-fn union(mut intervals: Vec<(Duration, Duration)>) -> Vec<(Duration, Duration)> {
+fn union(mut intervals: Vec<Interval>) -> Vec<Interval> {
     intervals.retain(|(s, e)| e > s);
     intervals.sort();
-    let mut merged: Vec<(Duration, Duration)> = Vec::with_capacity(intervals.len());
+    let mut merged: Vec<Interval> = Vec::with_capacity(intervals.len());
     for (s, e) in intervals {
         match merged.last_mut() {
             Some(last) if s <= last.1 => last.1 = last.1.max(e),
@@ -277,12 +280,12 @@ fn union(mut intervals: Vec<(Duration, Duration)>) -> Vec<(Duration, Duration)> 
     merged
 }
 
-fn total(intervals: &[(Duration, Duration)]) -> Duration {
+fn total(intervals: &[Interval]) -> Duration {
     intervals.iter().map(|(s, e)| *e - *s).sum()
 }
 
 /// Total length of the intersection of two sorted disjoint interval lists.
-fn intersection(a: &[(Duration, Duration)], b: &[(Duration, Duration)]) -> Duration {
+fn intersection(a: &[Interval], b: &[Interval]) -> Duration {
     let (mut i, mut j) = (0, 0);
     let mut sum = Duration::ZERO;
     while i < a.len() && j < b.len() {
@@ -302,7 +305,7 @@ fn intersection(a: &[(Duration, Duration)], b: &[(Duration, Duration)]) -> Durat
 
 /// Busy and hidden time for every rank that has spans, in rank order.
 pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
-    let mut by_rank: BTreeMap<usize, BTreeMap<&str, Vec<(Duration, Duration)>>> = BTreeMap::new();
+    let mut by_rank: BTreeMap<usize, BTreeMap<&str, Vec<Interval>>> = BTreeMap::new();
     for span in spans {
         by_rank
             .entry(span.rank)
@@ -316,7 +319,7 @@ pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
         .map(|(rank, lanes)| {
             let first = lanes.values().flatten().map(|i| i.0).min();
             let last = lanes.values().flatten().map(|i| i.1).max();
-            let merged: BTreeMap<&str, Vec<(Duration, Duration)>> = lanes
+            let merged: BTreeMap<&str, Vec<Interval>> = lanes
                 .into_iter()
                 .map(|(lane, intervals)| (lane, union(intervals)))
                 .collect();

@@ -564,9 +564,8 @@ impl CpuComm {
             self.family.changed.notify_all();
         }
         loop {
-            if let Some((rank, reason)) = &state.aborted {
-                return Err(self.aborted_error(call, *rank, reason));
-            }
+            // A round that is already complete holds valid data even if an
+            // abort came after it; one that is not fails on abort.
             let group = state
                 .groups
                 .get_mut(&self.group)
@@ -608,6 +607,17 @@ impl CpuComm {
                     result,
                 });
             }
+            if let Some((rank, reason)) = &state.aborted {
+                return Err(self.aborted_error(call, *rank, reason));
+            }
+            let group = state
+                .groups
+                .get_mut(&self.group)
+                .ok_or_else(|| self.internal(call, "the group is gone"))?;
+            let round = group
+                .rounds
+                .get_mut(&call.seq)
+                .ok_or_else(|| self.internal(call, "the round is gone"))?;
             if let Some(error) = &group.broken {
                 return Err(error.clone());
             }
@@ -943,6 +953,24 @@ mod tests {
         };
         assert_eq!(a2a.to_string(), "all_to_all #3");
         assert!(!call.agrees_with(&a2a));
+    }
+
+    #[test]
+    fn overlapping_calls_on_one_communicator_are_refused() {
+        let world = CpuWorld::new(1).unwrap();
+        let comm = world.comm(0).unwrap();
+        // As if another thread were inside a collective on this handle.
+        comm.in_call.store(true, Ordering::SeqCst);
+        let err = comm.barrier().unwrap_err().to_string();
+        assert!(
+            err.contains("rank 0 called barrier on world while another collective"),
+            "{err}"
+        );
+        comm.in_call.store(false, Ordering::SeqCst);
+        // The refused call took no sequence number: the next call is #1.
+        assert_eq!(comm.next_seq.load(Ordering::SeqCst), 1);
+        comm.barrier().unwrap();
+        assert!(!comm.in_call.load(Ordering::SeqCst));
     }
 
     #[test]

@@ -213,9 +213,11 @@ impl CpuEvent {
 }
 
 impl Event for CpuEvent {
-    /// Waits at most the submitting lane's wait timeout.
+    /// Waits at most twice the submitting lane's wait timeout: long enough
+    /// for the work's own wait on a stalled dependency to give up first and
+    /// report which dependency stalled.
     fn wait(&self) -> Result<()> {
-        self.wait_timeout(self.state.wait_timeout)
+        self.wait_timeout(self.state.wait_timeout.saturating_mul(2))
     }
 
     fn is_complete(&self) -> bool {
@@ -228,8 +230,8 @@ impl Event for CpuEvent {
 pub struct LaneConfig {
     /// The rank the lane belongs to (for traces and thread names).
     pub rank: usize,
-    /// How long work (and [`Event::wait`] on its events) waits for a
-    /// dependency before failing.
+    /// How long work waits for its dependencies before failing ([`Event::wait`]
+    /// on its event waits twice as long).
     pub wait_timeout: Duration,
     /// Where to record one span per work item that runs.
     pub trace: Option<Arc<TraceRecorder>>,
@@ -614,7 +616,10 @@ mod tests {
             }),
         );
         let err = event.wait().unwrap_err().to_string();
-        assert!(err.contains("`slow all_gather` did not complete"), "{err}");
+        assert!(
+            err.contains("`slow all_gather` did not complete within 100ms"),
+            "{err}"
+        );
         tx.send(()).unwrap();
         lane.synchronize().unwrap();
     }
