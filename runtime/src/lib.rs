@@ -5,14 +5,19 @@
 //! and CUDA behind the same traits.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod collective;
 pub mod cpu;
 pub mod data;
+pub mod device;
 pub mod error;
+pub mod fsdp;
 pub mod lane;
 pub mod launch;
 pub mod layers;
+pub mod optimizer;
 pub mod schedule;
+pub mod shared;
 pub mod trace;
 
 pub use backend::{Backend, Precision};

@@ -1,0 +1,652 @@
+//! The FSDP engine (shared/spec/fsdp.md): ZeRO-3 and `no_shard`, driven by
+//! the plan's static bucket layout.
+//!
+//! Each rank keeps, per bucket, its shard of the f32 master weights, of the
+//! compute-precision parameters that get all-gathered, and of the f32
+//! gradients accumulated over micro-batches. A unit's full parameters exist
+//! only in a fixed pool of buffers sized by a dry run of the schedule; a
+//! release is lazy (the data stays until its buffer is reused, least
+//! recently released first), so a unit needed again soon is not gathered
+//! twice. Non-unit buckets are gathered once per step and never released;
+//! their gradients accumulate over the step and are reduced at its end.
+//!
+//! `no_shard` keeps every bucket whole on every rank and all-reduces
+//! gradients where ZeRO-3 reduce-scatters them. Both sum over ranks in rank
+//! order and accumulate over micro-batches in the same order, and the
+//! optimizer is element-wise, so the two give the same bits.
+
+use crate::backend::{Backend, Precision};
+use crate::collective::Collective;
+use crate::device::{Buf, Device, EventOf, RankContext};
+use crate::error::{Result, RuntimeError};
+use crate::lane::{Label, Lane};
+use crate::shared::{Shared, lock, shared};
+use hybridgen_dsl::Plan;
+use hybridgen_dsl::plan::{Bucket, LaneKind};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// How parameters, gradients and optimizer state are spread over ranks.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Sharding {
+    /// Plain data parallelism: everything whole on every rank, gradients
+    /// all-reduced.
+    NoShard,
+    /// ZeRO-3 (`optim_grads_params`): parameters, gradients and optimizer
+    /// state sharded; units gathered before use and released after.
+    #[default]
+    Zero3,
+}
+
+/// What a rank keeps of one bucket between steps.
+pub struct ShardState<B: Backend> {
+    /// f32 master weights of the owned elements.
+    pub master: B::Buf,
+    /// The same in compute precision: what all-gathers send.
+    pub param: B::Buf,
+    /// f32 gradients of the owned elements, summed over micro-batches.
+    pub grad: B::Buf,
+}
+
+/// One buffer of the unit pool.
+struct ParamSlot<D: Device> {
+    buf: Shared<Buf<D>>,
+    /// The unit whose parameters it holds (valid or being gathered).
+    holder: Option<usize>,
+    /// The last work on each lane (compute, comm) that read it: a new
+    /// gather waits for them. Lanes are FIFO, so the newest use per lane
+    /// covers the older ones.
+    last_uses: [Option<EventOf<D>>; 2],
+    /// When it was last released, for least-recently-released reuse.
+    released_at: u64,
+}
+
+struct GradSlot<D: Device> {
+    buf: Shared<Buf<D>>,
+    busy: bool,
+    /// The reduce that last read it; the next user waits for it.
+    free_after: Option<EventOf<D>>,
+}
+
+/// Where a unit's parameters are.
+struct Residency<D: Device> {
+    slot: Option<usize>,
+    refs: usize,
+    /// Completes when the unit's parameters are in its slot.
+    ready: Option<EventOf<D>>,
+    grad_slot: Option<usize>,
+    /// Completes when the unit's gradient buffer is zeroed.
+    grad_ready: Option<EventOf<D>>,
+}
+
+/// A unit's (or the non-unit) parameter or gradient buffer, with the event
+/// that must complete before work reads or writes it.
+pub struct BufferAccess<D: Device> {
+    pub buf: Shared<Buf<D>>,
+    pub ready: Option<EventOf<D>>,
+}
+
+/// The engine of one rank.
+pub struct FsdpEngine<D: Device> {
+    plan: Arc<Plan>,
+    sharding: Sharding,
+    /// Per bucket id.
+    shards: Vec<Shared<ShardState<D::Backend>>>,
+    /// Per bucket: where its region starts inside its unit's pool buffer
+    /// (or inside the non-unit buffer), and its length.
+    regions: Vec<Range<usize>>,
+    param_slots: Vec<ParamSlot<D>>,
+    grad_slots: Vec<GradSlot<D>>,
+    units: Vec<Residency<D>>,
+    non_unit_params: Shared<Buf<D>>,
+    non_unit_grads: Shared<Buf<D>>,
+    /// Completes when the non-unit parameters are gathered for this step.
+    non_unit_ready: Option<EventOf<D>>,
+    /// Reduce-scatter output before it is added to a shard (comm lane only).
+    scratch: Shared<Buf<D>>,
+    clock: u64,
+}
+
+impl<D: Device> FsdpEngine<D> {
+    /// Builds the engine: allocates shards, the unit pool (`resident_units`
+    /// parameter buffers and `grad_buffers` gradient buffers, from the
+    /// schedule's dry run) and the non-unit buffers, and fills the master
+    /// weights from `init`, which writes a whole parameter (by index into
+    /// `plan.params`). Every rank initialises every parameter it holds the
+    /// same way, so sharding never changes the initial values.
+    pub fn new(
+        plan: Arc<Plan>,
+        sharding: Sharding,
+        rank: &RankContext<D>,
+        resident_units: usize,
+        grad_buffers: usize,
+        init: &dyn Fn(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<Self> {
+        let backend = &rank.backend;
+        let world_of = |b: &Bucket| match sharding {
+            Sharding::NoShard => 1,
+            Sharding::Zero3 => plan.bucket_world(b),
+        };
+        let rank_in = |b: &Bucket| match sharding {
+            Sharding::NoShard => 0,
+            Sharding::Zero3 if b.expert => rank.edp_rank(),
+            Sharding::Zero3 => rank.rank,
+        };
+
+        // Regions: unit buckets back to back inside their unit's buffer,
+        // non-unit buckets back to back inside the non-unit buffer.
+        let mut regions = vec![0..0; plan.buckets.len()];
+        let mut unit_len = vec![0usize; plan.units.len()];
+        let mut non_unit_len = 0usize;
+        for b in plan.buckets.iter() {
+            let len = b.padded_numel(world_of(b));
+            let end = match b.unit {
+                Some(u) => &mut unit_len[u],
+                None => &mut non_unit_len,
+            };
+            regions[b.id] = *end..*end + len;
+            *end += len;
+        }
+
+        let mut shards = Vec::with_capacity(plan.buckets.len());
+        let mut max_shard = 0;
+        let mut full = Vec::new();
+        for b in plan.buckets.iter() {
+            let world = world_of(b);
+            let shard_range = b.shard_range(world, rank_in(b));
+            max_shard = max_shard.max(shard_range.len());
+            full.clear();
+            full.resize(b.padded_numel(world), 0.0);
+            for &p in b.params.iter() {
+                let param = &plan.params[p];
+                let numel = plan.def(param).numel();
+                init(p, &mut full[param.offset..param.offset + numel])?;
+            }
+            let host = &full[shard_range.clone()];
+            let mut master = backend.alloc(host.len(), Precision::F32)?;
+            backend.upload(host, backend.view_mut(&mut master)?)?;
+            let mut param = backend.alloc(host.len(), Precision::Compute)?;
+            backend.upload(host, backend.view_mut(&mut param)?)?;
+            let grad = backend.alloc(host.len(), Precision::F32)?;
+            shards.push(shared(ShardState {
+                master,
+                param,
+                grad,
+            }));
+        }
+
+        let slot_len = unit_len.iter().copied().max().unwrap_or(0);
+        let slots = match sharding {
+            // Every unit keeps its own buffer for the whole run.
+            Sharding::NoShard => plan.units.len(),
+            Sharding::Zero3 => resident_units.min(plan.units.len()),
+        };
+        let mut param_slots = Vec::with_capacity(slots);
+        for i in 0..slots {
+            let len = if sharding == Sharding::NoShard {
+                unit_len[i]
+            } else {
+                slot_len
+            };
+            param_slots.push(ParamSlot {
+                buf: shared(backend.alloc(len, Precision::Compute)?),
+                holder: (sharding == Sharding::NoShard).then_some(i),
+                last_uses: [None, None],
+                released_at: 0,
+            });
+        }
+        let mut grad_slots = Vec::new();
+        for _ in 0..grad_buffers.max(1).min(plan.units.len().max(1)) {
+            grad_slots.push(GradSlot {
+                buf: shared(backend.alloc(slot_len, Precision::Compute)?),
+                busy: false,
+                free_after: None,
+            });
+        }
+        let units = (0..plan.units.len())
+            .map(|u| Residency {
+                slot: (sharding == Sharding::NoShard).then_some(u),
+                refs: 0,
+                ready: None,
+                grad_slot: None,
+                grad_ready: None,
+            })
+            .collect();
+        Ok(FsdpEngine {
+            non_unit_params: shared(backend.alloc(non_unit_len, Precision::Compute)?),
+            non_unit_grads: shared(backend.alloc(non_unit_len, Precision::Compute)?),
+            non_unit_ready: None,
+            scratch: shared(backend.alloc(max_shard, Precision::F32)?),
+            plan,
+            sharding,
+            shards,
+            regions,
+            param_slots,
+            grad_slots,
+            units,
+            clock: 0,
+        })
+    }
+
+    pub fn sharding(&self) -> Sharding {
+        self.sharding
+    }
+
+    /// Per bucket id, the rank's shard state (for the optimizer and
+    /// checkpoints).
+    pub fn shards(&self) -> &[Shared<ShardState<D::Backend>>] {
+        &self.shards
+    }
+
+    /// Ranks a bucket is sharded over under this engine's sharding.
+    pub fn world_of(&self, bucket: &Bucket) -> usize {
+        match self.sharding {
+            Sharding::NoShard => 1,
+            Sharding::Zero3 => self.plan.bucket_world(bucket),
+        }
+    }
+
+    /// Where parameter `p` lives inside its holder buffer (its unit's pool
+    /// buffer, or the non-unit buffer).
+    pub fn param_range(&self, p: usize) -> Range<usize> {
+        let param = &self.plan.params[p];
+        let start = self.regions[param.bucket].start + param.offset;
+        start..start + self.plan.def(param).numel()
+    }
+
+    /// Starts a step: the optimizer changed every parameter, so pool
+    /// buffers are stale (ZeRO-3) or refreshed from the master weights
+    /// (`no_shard`); non-unit parameters are gathered and every gradient
+    /// accumulator zeroed.
+    pub fn begin_step(&mut self, rank: &RankContext<D>) -> Result<()> {
+        for u in &mut self.units {
+            u.ready = None;
+            u.grad_ready = None;
+            if self.sharding == Sharding::Zero3 {
+                u.slot = None;
+            }
+        }
+        for slot in &mut self.param_slots {
+            if self.sharding == Sharding::Zero3 {
+                slot.holder = None;
+            }
+        }
+        // Zero the gradient accumulators (shards and the non-unit buffer).
+        let shards: Vec<_> = self.shards.clone();
+        let grads = self.non_unit_grads.clone();
+        let backend = rank.backend.clone();
+        let zeroed = rank.compute.submit(
+            Label::new("zero gradients", "optimizer"),
+            &[],
+            Box::new(move || {
+                for shard in &shards {
+                    let mut shard = lock(shard, "a gradient shard")?;
+                    backend.fill(backend.view_mut(&mut shard.grad)?, 0.0)?;
+                }
+                let mut grads = lock(&grads, "the non-unit gradients")?;
+                backend.fill(backend.view_mut(&mut grads)?, 0.0)
+            }),
+        );
+        match self.sharding {
+            Sharding::Zero3 => {
+                let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
+                let ready = self.gather(
+                    rank,
+                    &buckets,
+                    self.non_unit_params.clone(),
+                    &[zeroed],
+                    "gather non-unit",
+                )?;
+                self.non_unit_ready = Some(ready);
+            }
+            Sharding::NoShard => {
+                // Refresh every whole-bucket copy from its master.
+                let mut refreshed = Vec::new();
+                for u in 0..self.units.len() {
+                    let buckets: Vec<usize> = self.plan.units[u].buckets.to_vec();
+                    let buf = self.param_slots[u].buf.clone();
+                    let event = self.copy_params(rank, &buckets, buf, &zeroed, "refresh unit")?;
+                    self.units[u].ready = Some(event.clone());
+                    refreshed.push(event);
+                }
+                let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
+                let event = self.copy_params(
+                    rank,
+                    &buckets,
+                    self.non_unit_params.clone(),
+                    &zeroed,
+                    "refresh non-unit",
+                )?;
+                self.non_unit_ready = Some(event);
+            }
+        }
+        Ok(())
+    }
+
+    /// The comm-lane work that all-gathers `buckets` into `dest` (at their
+    /// regions), after `after`.
+    fn gather(
+        &self,
+        rank: &RankContext<D>,
+        buckets: &[usize],
+        dest: Shared<Buf<D>>,
+        after: &[EventOf<D>],
+        what: &str,
+    ) -> Result<EventOf<D>> {
+        let jobs: Vec<(Shared<ShardState<D::Backend>>, Range<usize>, Arc<D::Comm>)> = buckets
+            .iter()
+            .map(|&b| {
+                let comm = if self.plan.buckets[b].expert {
+                    rank.edp.clone()
+                } else {
+                    rank.dp.clone()
+                };
+                (self.shards[b].clone(), self.regions[b].clone(), comm)
+            })
+            .collect();
+        let backend = rank.backend.clone();
+        Ok(rank.comm.submit(
+            Label::new(what.to_string(), "gather"),
+            after,
+            Box::new(move || {
+                let mut full = lock(&dest, "a unit's parameters")?;
+                for (shard, region, comm) in &jobs {
+                    let shard = lock(shard, "a parameter shard")?;
+                    let src = backend.view(&shard.param)?;
+                    comm.all_gather(src, backend.slice_mut(&mut full, region.clone())?)?;
+                }
+                Ok(())
+            }),
+        ))
+    }
+
+    /// `no_shard`: copies whole buckets from their masters into `dest`.
+    fn copy_params(
+        &self,
+        rank: &RankContext<D>,
+        buckets: &[usize],
+        dest: Shared<Buf<D>>,
+        after: &EventOf<D>,
+        what: &str,
+    ) -> Result<EventOf<D>> {
+        let jobs: Vec<_> = buckets
+            .iter()
+            .map(|&b| (self.shards[b].clone(), self.regions[b].clone()))
+            .collect();
+        let backend = rank.backend.clone();
+        Ok(rank.compute.submit(
+            Label::new(what.to_string(), "gather"),
+            std::slice::from_ref(after),
+            Box::new(move || {
+                let mut full = lock(&dest, "a unit's parameters")?;
+                for (shard, region) in &jobs {
+                    let shard = lock(shard, "a parameter shard")?;
+                    backend.copy(
+                        backend.view(&shard.param)?,
+                        backend.slice_mut(&mut full, region.clone())?,
+                    )?;
+                }
+                Ok(())
+            }),
+        ))
+    }
+
+    /// One more user of `unit`: gathers it into a free pool buffer unless it
+    /// is still resident.
+    pub fn acquire(&mut self, unit: usize, rank: &RankContext<D>) -> Result<()> {
+        self.units[unit].refs += 1;
+        if self.units[unit].slot.is_some() {
+            return Ok(());
+        }
+        // Reuse the least recently released free buffer.
+        let free =
+            |s: &ParamSlot<D>, units: &[Residency<D>]| s.holder.is_none_or(|h| units[h].refs == 0);
+        let slot = (0..self.param_slots.len())
+            .filter(|&i| free(&self.param_slots[i], &self.units))
+            .min_by_key(|&i| (self.param_slots[i].holder.is_some(), self.param_slots[i].released_at))
+            .ok_or_else(|| {
+                RuntimeError::InvalidArgument(format!(
+                    "the unit pool ({} buffers) is exhausted gathering unit {unit}; the schedule's dry run should have sized it",
+                    self.param_slots.len()
+                ))
+            })?;
+        if let Some(previous) = self.param_slots[slot].holder.take() {
+            self.units[previous].slot = None;
+            self.units[previous].ready = None;
+        }
+        let after: Vec<_> = std::mem::take(&mut self.param_slots[slot].last_uses)
+            .into_iter()
+            .flatten()
+            .collect();
+        let buckets = self.plan.units[unit].buckets.to_vec();
+        let dest = self.param_slots[slot].buf.clone();
+        let ready = self.gather(
+            rank,
+            &buckets,
+            dest,
+            &after,
+            &format!("gather {}", self.plan.units[unit].name),
+        )?;
+        self.param_slots[slot].holder = Some(unit);
+        self.units[unit].slot = Some(slot);
+        self.units[unit].ready = Some(ready);
+        Ok(())
+    }
+
+    /// One user of `unit` is done issuing work. The data stays until its
+    /// buffer is needed for another unit.
+    pub fn release(&mut self, unit: usize) {
+        let u = &mut self.units[unit];
+        u.refs = u.refs.saturating_sub(1);
+        if u.refs == 0
+            && let Some(slot) = u.slot
+        {
+            self.clock += 1;
+            self.param_slots[slot].released_at = self.clock;
+        }
+    }
+
+    /// Records work that read `unit`'s parameters, so the buffer is not
+    /// overwritten before it ran.
+    pub fn note_use(&mut self, unit: Option<usize>, lane: LaneKind, event: &EventOf<D>) {
+        let Some(slot) = unit.and_then(|u| self.units[u].slot) else {
+            return;
+        };
+        let index = match lane {
+            LaneKind::Compute => 0,
+            LaneKind::Comm => 1,
+        };
+        self.param_slots[slot].last_uses[index] = Some(event.clone());
+    }
+
+    /// A zeroed gradient buffer for `unit`'s backward.
+    pub fn grad_buffer(&mut self, unit: usize, rank: &RankContext<D>) -> Result<()> {
+        let slot = self
+            .grad_slots
+            .iter()
+            .position(|s| !s.busy)
+            .ok_or_else(|| {
+                RuntimeError::InvalidArgument(format!(
+                    "all {} gradient buffers are in use taking one for unit {unit}; the schedule's dry run should have sized them",
+                    self.grad_slots.len()
+                ))
+            })?;
+        let grad_slot = &mut self.grad_slots[slot];
+        grad_slot.busy = true;
+        let after: Vec<_> = grad_slot.free_after.take().into_iter().collect();
+        let buf = grad_slot.buf.clone();
+        let backend = rank.backend.clone();
+        let zeroed = rank.compute.submit(
+            Label::new(
+                format!("zero grads {}", self.plan.units[unit].name),
+                "reduce",
+            ),
+            &after,
+            Box::new(move || {
+                let mut buf = lock(&buf, "a gradient buffer")?;
+                backend.fill(backend.view_mut(&mut buf)?, 0.0)
+            }),
+        );
+        self.units[unit].grad_slot = Some(slot);
+        self.units[unit].grad_ready = Some(zeroed);
+        Ok(())
+    }
+
+    /// Reduces `unit`'s gradients of one micro-batch into the owned shards
+    /// (reduce-scatter, or all-reduce under `no_shard`, then `+=`), bucket
+    /// by bucket in id order, after `after`; frees the gradient buffer.
+    pub fn reduce(
+        &mut self,
+        unit: usize,
+        rank: &RankContext<D>,
+        after: &[EventOf<D>],
+    ) -> Result<EventOf<D>> {
+        let slot = self.units[unit].grad_slot.take().ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!(
+                "unit {unit} is reduced without a gradient buffer"
+            ))
+        })?;
+        self.units[unit].grad_ready = None;
+        let buckets = self.plan.units[unit].buckets.to_vec();
+        let event = self.reduce_into_shards(
+            rank,
+            &buckets,
+            self.grad_slots[slot].buf.clone(),
+            after,
+            &format!("reduce {}", self.plan.units[unit].name),
+        )?;
+        let grad_slot = &mut self.grad_slots[slot];
+        grad_slot.busy = false;
+        grad_slot.free_after = Some(event.clone());
+        Ok(event)
+    }
+
+    /// Ends a step's backward: reduces the non-unit gradients, accumulated
+    /// over every micro-batch, into their shards.
+    pub fn reduce_non_unit(
+        &mut self,
+        rank: &RankContext<D>,
+        after: &[EventOf<D>],
+    ) -> Result<EventOf<D>> {
+        let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
+        self.reduce_into_shards(
+            rank,
+            &buckets,
+            self.non_unit_grads.clone(),
+            after,
+            "reduce non-unit",
+        )
+    }
+
+    fn reduce_into_shards(
+        &self,
+        rank: &RankContext<D>,
+        buckets: &[usize],
+        source: Shared<Buf<D>>,
+        after: &[EventOf<D>],
+        what: &str,
+    ) -> Result<EventOf<D>> {
+        let jobs: Vec<(Shared<ShardState<D::Backend>>, Range<usize>, Arc<D::Comm>)> = buckets
+            .iter()
+            .map(|&b| {
+                let comm = if self.plan.buckets[b].expert {
+                    rank.edp.clone()
+                } else {
+                    rank.dp.clone()
+                };
+                (self.shards[b].clone(), self.regions[b].clone(), comm)
+            })
+            .collect();
+        let backend = rank.backend.clone();
+        let scratch = self.scratch.clone();
+        let sharding = self.sharding;
+        Ok(rank.comm.submit(
+            Label::new(what.to_string(), "reduce"),
+            after,
+            Box::new(move || {
+                let mut full = lock(&source, "a gradient buffer")?;
+                let mut scratch = lock(&scratch, "the reduce scratch buffer")?;
+                for (shard, region, comm) in &jobs {
+                    let mut shard = lock(shard, "a gradient shard")?;
+                    let len = backend.buf_len(&shard.grad);
+                    match sharding {
+                        Sharding::Zero3 => {
+                            let src = backend.slice(&full, region.clone())?;
+                            comm.reduce_scatter(src, backend.slice_mut(&mut scratch, 0..len)?)?;
+                            let summed = backend.slice(&scratch, 0..len)?;
+                            backend.axpy(1.0, summed, backend.view_mut(&mut shard.grad)?)?;
+                        }
+                        Sharding::NoShard => {
+                            comm.all_reduce(backend.slice_mut(&mut full, region.clone())?)?;
+                            let summed = backend.slice(&full, region.clone())?;
+                            backend.axpy(1.0, summed, backend.view_mut(&mut shard.grad)?)?;
+                        }
+                    }
+                }
+                Ok(())
+            }),
+        ))
+    }
+
+    /// The parameters `unit`'s work reads (`None`: the non-unit buffer).
+    pub fn params(&self, unit: Option<usize>) -> Result<BufferAccess<D>> {
+        match unit {
+            None => Ok(BufferAccess {
+                buf: self.non_unit_params.clone(),
+                ready: self.non_unit_ready.clone(),
+            }),
+            Some(u) => {
+                let r = &self.units[u];
+                let slot = r.slot.ok_or_else(|| {
+                    RuntimeError::InvalidArgument(format!(
+                        "unit {} ({}) is used without being acquired",
+                        u, self.plan.units[u].name
+                    ))
+                })?;
+                Ok(BufferAccess {
+                    buf: self.param_slots[slot].buf.clone(),
+                    ready: r.ready.clone(),
+                })
+            }
+        }
+    }
+
+    /// The gradient buffer `unit`'s backward accumulates into (`None`: the
+    /// non-unit buffer, accumulated over the whole step).
+    pub fn grads(&self, unit: Option<usize>) -> Result<BufferAccess<D>> {
+        match unit {
+            None => Ok(BufferAccess {
+                buf: self.non_unit_grads.clone(),
+                ready: None,
+            }),
+            Some(u) => {
+                let r = &self.units[u];
+                let slot = r.grad_slot.ok_or_else(|| {
+                    RuntimeError::InvalidArgument(format!(
+                        "unit {} ({}) runs backward without a gradient buffer",
+                        u, self.plan.units[u].name
+                    ))
+                })?;
+                Ok(BufferAccess {
+                    buf: self.grad_slots[slot].buf.clone(),
+                    ready: r.grad_ready.clone(),
+                })
+            }
+        }
+    }
+
+    /// The elements of bucket `b` this rank owns, in bucket coordinates.
+    pub fn owned_range(&self, b: usize, rank: &RankContext<D>) -> Range<usize> {
+        let bucket = &self.plan.buckets[b];
+        let world = self.world_of(bucket);
+        let r = match self.sharding {
+            Sharding::NoShard => 0,
+            Sharding::Zero3 if bucket.expert => rank.edp_rank(),
+            Sharding::Zero3 => rank.rank,
+        };
+        bucket.shard_range(world, r)
+    }
+}
