@@ -15,6 +15,7 @@
 //! a window of `seq + 1 + lookahead` tokens: inputs, next-token targets, and
 //! `lookahead` more tokens for multi-token-prediction depths.
 
+use crate::backend::Tokens;
 use crate::error::{Result, RuntimeError};
 use std::path::Path;
 use std::sync::Arc;
@@ -178,6 +179,11 @@ impl Batch {
         self.shape
     }
 
+    /// The rows the inputs and targets fill: `batch` sequences of `seq`.
+    pub fn dims(&self) -> Tokens {
+        Tokens::new(self.shape.batch, self.shape.seq)
+    }
+
     /// All windows, row after row.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
@@ -211,7 +217,8 @@ impl Batch {
         Ok(&self.row(row)?[1 + depth..1 + depth + self.shape.seq])
     }
 
-    /// Every row's inputs, concatenated (`[batch * seq]`).
+    /// Every row's inputs, concatenated (`[batch * seq]`, token `t` of row
+    /// `b` at `b * seq + t`, the layout of [`Tokens`]).
     pub fn all_inputs(&self) -> Vec<u32> {
         self.tokens
             .chunks_exact(self.shape.window())
@@ -820,6 +827,7 @@ mod tests {
         );
         assert!(batch.inputs(2).is_err());
         assert_eq!(batch.all_inputs().len(), 10);
+        assert_eq!(batch.dims().rows().unwrap(), 10);
         assert_eq!(
             &batch.all_targets(1).unwrap()[5..],
             batch.targets(1, 1).unwrap()

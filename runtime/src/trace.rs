@@ -247,14 +247,10 @@ pub struct RankStats {
 }
 
 impl RankStats {
-    /// `hidden / comm_busy`; 1.0 when the comm lane was never busy (nothing
-    /// was left exposed).
-    pub fn hidden_fraction(&self) -> f64 {
-        if self.comm_busy.is_zero() {
-            1.0
-        } else {
-            self.hidden.as_secs_f64() / self.comm_busy.as_secs_f64()
-        }
+    /// `hidden / comm_busy`; `None` when the comm lane was never busy.
+    pub fn hidden_fraction(&self) -> Option<f64> {
+        (!self.comm_busy.is_zero())
+            .then(|| self.hidden.as_secs_f64() / self.comm_busy.as_secs_f64())
     }
 
     /// Comm busy time not hidden under compute.
@@ -372,7 +368,7 @@ mod tests {
         assert_eq!(s.hidden, ms(10));
         assert_eq!(s.exposed(), ms(10));
         assert_eq!(s.wall, ms(30));
-        assert!((s.hidden_fraction() - 0.5).abs() < 1e-12);
+        assert_eq!(s.hidden_fraction(), Some(0.5));
         assert_eq!(s.busy["compute"], ms(20));
         assert_eq!(s.busy["comm"], ms(20));
     }
@@ -391,19 +387,19 @@ mod tests {
         assert_eq!(stats.len(), 2);
         assert_eq!(stats[0].rank, 0);
         assert_eq!(stats[0].comm_busy, Duration::ZERO);
-        assert_eq!(stats[0].hidden_fraction(), 1.0);
+        assert_eq!(stats[0].hidden_fraction(), None);
         assert_eq!(stats[1].comm_busy, ms(20));
         assert_eq!(stats[1].hidden, ms(2));
-        assert!((stats[1].hidden_fraction() - 0.1).abs() < 1e-12);
+        assert!((stats[1].hidden_fraction().unwrap() - 0.1).abs() < 1e-12);
     }
 
     #[test]
     fn fully_hidden_and_fully_exposed() {
         let hidden = rank_stats(&[span(0, COMPUTE_LANE, 0, 50), span(0, COMM_LANE, 10, 20)]);
-        assert_eq!(hidden[0].hidden_fraction(), 1.0);
+        assert_eq!(hidden[0].hidden_fraction(), Some(1.0));
         let exposed = rank_stats(&[span(0, COMPUTE_LANE, 0, 10), span(0, COMM_LANE, 10, 20)]);
         assert_eq!(exposed[0].hidden, Duration::ZERO);
-        assert_eq!(exposed[0].hidden_fraction(), 0.0);
+        assert_eq!(exposed[0].hidden_fraction(), Some(0.0));
     }
 
     #[test]

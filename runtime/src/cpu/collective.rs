@@ -72,6 +72,8 @@ struct Call {
     /// whole buffer otherwise); `None` when sizes may differ per rank.
     elements: Option<usize>,
     seq: u64,
+    /// Rounds within one call (all_reduce has two); shares the call's `seq`.
+    phase: u8,
 }
 
 impl Call {
@@ -125,7 +127,8 @@ struct Group {
     /// World ranks, in group-rank order.
     members: Arc<[usize]>,
     name: Arc<str>,
-    rounds: BTreeMap<u64, Round>,
+    /// Open rounds by (sequence number, phase).
+    rounds: BTreeMap<(u64, u8), Round>,
     /// Whether each rank's communicator has been handed out / dropped.
     taken: Vec<bool>,
     departed: Vec<bool>,
@@ -241,10 +244,11 @@ impl CpuWorld {
             )));
         }
         let mut state = self.family.lock();
-        let group = state
-            .groups
-            .get_mut(&WORLD_GROUP)
-            .ok_or_else(|| RuntimeError::InvalidArgument("the world group is gone".into()))?;
+        let group = state.groups.get_mut(&WORLD_GROUP).ok_or_else(|| {
+            RuntimeError::InvalidArgument(
+                "every communicator of this world was taken and dropped; make a new world".into(),
+            )
+        })?;
         if group.taken[rank] {
             return Err(RuntimeError::InvalidArgument(format!(
                 "rank {rank}'s communicator was already taken from this world; take each \
@@ -475,6 +479,7 @@ impl CpuComm {
                 kind,
                 elements,
                 seq,
+                phase: 0,
             },
         ))
     }
@@ -536,14 +541,17 @@ impl CpuComm {
         if let Some(error) = &group.broken {
             return Err(error.clone());
         }
-        let round = group.rounds.entry(call.seq).or_insert_with(|| Round {
-            call: call.clone(),
-            first: self.rank,
-            contributions: vec![None; n],
-            arrived: 0,
-            taken: 0,
-            result: None,
-        });
+        let round = group
+            .rounds
+            .entry((call.seq, call.phase))
+            .or_insert_with(|| Round {
+                call: call.clone(),
+                first: self.rank,
+                contributions: vec![None; n],
+                arrived: 0,
+                taken: 0,
+                result: None,
+            });
         if !round.call.agrees_with(call) {
             let error = RuntimeError::Peer {
                 rank: self.world_rank(),
@@ -572,7 +580,7 @@ impl CpuComm {
                 .ok_or_else(|| self.internal(call, "the group is gone"))?;
             let round = group
                 .rounds
-                .get_mut(&call.seq)
+                .get_mut(&(call.seq, call.phase))
                 .ok_or_else(|| self.internal(call, "the round is gone"))?;
             if round.arrived == n {
                 let contributions: Vec<Arc<Payload>> =
@@ -585,7 +593,7 @@ impl CpuComm {
                         .groups
                         .get_mut(&self.group)
                         .ok_or_else(|| self.internal(call, "the group is gone"))?;
-                    if let Some(round) = group.rounds.get_mut(&call.seq) {
+                    if let Some(round) = group.rounds.get_mut(&(call.seq, call.phase)) {
                         round.result = Some(made);
                     }
                 }
@@ -595,12 +603,12 @@ impl CpuComm {
                     .ok_or_else(|| self.internal(call, "the group is gone"))?;
                 let round = group
                     .rounds
-                    .get_mut(&call.seq)
+                    .get_mut(&(call.seq, call.phase))
                     .ok_or_else(|| self.internal(call, "the round is gone"))?;
                 let result = round.result.clone();
                 round.taken += 1;
                 if round.taken == n {
-                    group.rounds.remove(&call.seq);
+                    group.rounds.remove(&(call.seq, call.phase));
                 }
                 return Ok(Exchanged {
                     contributions,
@@ -616,7 +624,7 @@ impl CpuComm {
                 .ok_or_else(|| self.internal(call, "the group is gone"))?;
             let round = group
                 .rounds
-                .get_mut(&call.seq)
+                .get_mut(&(call.seq, call.phase))
                 .ok_or_else(|| self.internal(call, "the round is gone"))?;
             if let Some(error) = &group.broken {
                 return Err(error.clone());
@@ -792,8 +800,8 @@ impl Collective<CpuBackend> for CpuComm {
         drop(exchanged);
         let gather = Call {
             kind: OpKind::AllReduceGather,
-            elements: Some(len),
-            seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+            phase: 1,
+            ..call.clone()
         };
         let gathered = self.exchange(&gather, Payload::Floats(mine), None)?;
         for (r, part) in gathered.contributions.iter().enumerate() {
@@ -944,12 +952,14 @@ mod tests {
             kind: OpKind::AllGather,
             elements: Some(1024),
             seq: 12,
+            phase: 0,
         };
         assert_eq!(call.to_string(), "all_gather #12 (1024 elements per rank)");
         let a2a = Call {
             kind: OpKind::AllToAll,
             elements: None,
             seq: 3,
+            phase: 0,
         };
         assert_eq!(a2a.to_string(), "all_to_all #3");
         assert!(!call.agrees_with(&a2a));
