@@ -415,7 +415,7 @@ impl ModelConfig {
                     "every size must be at least 1",
                 ),
                 Some(_) => {}
-                None if a.num_heads > 0 && self.hidden_size % a.num_heads != 0 => bad(
+                None if a.num_heads > 0 && !self.hidden_size.is_multiple_of(a.num_heads) => bad(
                     format!(
                         "`attention.num_heads = {}` does not divide `hidden_size = {}`",
                         a.num_heads, self.hidden_size

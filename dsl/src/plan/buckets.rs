@@ -100,7 +100,7 @@ impl Bucket {
     /// back to back, the total rounded up to a multiple of `W x lcm(rows)`.
     pub fn megatron_padded_numel(&self, world: usize) -> Option<u64> {
         let unit = self.megatron_row_lcm?.checked_mul(world as u64)?;
-        Some((self.numel as u64).div_ceil(unit).checked_mul(unit)?)
+        (self.numel as u64).div_ceil(unit).checked_mul(unit)
     }
 }
 

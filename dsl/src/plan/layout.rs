@@ -64,7 +64,7 @@ impl ParallelLayout {
         if self.dp == 0 || self.ep == 0 || self.pp == 0 {
             return out;
         }
-        if self.dp % self.ep != 0 {
+        if !self.dp.is_multiple_of(self.ep) {
             out.push(
                 Diagnostic::new(
                     Code::H023,
@@ -135,7 +135,7 @@ pub(crate) fn stages(
             ]);
         }
         let segments = pattern.segments.len();
-        if segments % pp != 0 {
+        if !segments.is_multiple_of(pp) {
             return Err(vec![
                 Diagnostic::new(
                     Code::H020,
@@ -241,7 +241,7 @@ fn stage_sizes(physical: usize, layout: &ParallelLayout) -> Result<Vec<usize>, V
             .help("raise the stage counts, or set --pp higher")]);
         }
         0
-    } else if rest % free_stages != 0 {
+    } else if !rest.is_multiple_of(free_stages) {
         return Err(vec![
             Diagnostic::new(
                 Code::H021,
