@@ -607,8 +607,10 @@ impl DataSource {
         }
     }
 
-    /// The batch for `key`: the same key always gives the same tokens.
-    pub fn batch(&self, key: BatchKey, shape: BatchShape) -> Result<Batch> {
+    /// Checks that batches of `shape` can be made (call it while validating
+    /// the configuration, before any device memory is touched); returns the
+    /// tokens per batch.
+    pub fn check_shape(&self, shape: BatchShape) -> Result<usize> {
         let total = shape.validate()?;
         let window = shape.window();
         if let DataSource::Bytes(file) = self
@@ -625,6 +627,13 @@ impl DataSource {
                 ),
             ));
         }
+        Ok(total)
+    }
+
+    /// The batch for `key`: the same key always gives the same tokens.
+    pub fn batch(&self, key: BatchKey, shape: BatchShape) -> Result<Batch> {
+        let total = self.check_shape(shape)?;
+        let window = shape.window();
         let mut tokens = vec![0u32; total];
         for (row, out) in tokens.chunks_exact_mut(window).enumerate() {
             let mut rng = Xoshiro256::seed_from_u64(key.row_seed(row));
@@ -876,6 +885,7 @@ mod tests {
         let exact = DataSource::Bytes(ByteFile::from_bytes("e", vec![1, 2, 3, 4], 300).unwrap());
         let b = exact.batch(key(0, 0, 0), BatchShape::new(2, 3, 0)).unwrap();
         assert_eq!(b.tokens(), &[1, 2, 3, 4, 1, 2, 3, 4]);
+        assert_eq!(exact.check_shape(BatchShape::new(2, 3, 0)).unwrap(), 8);
         let short = exact
             .batch(key(0, 0, 0), BatchShape::new(1, 3, 1))
             .unwrap_err()

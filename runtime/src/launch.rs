@@ -303,13 +303,13 @@ fn expand_tasks_per_node(name: &str, value: &str) -> Result<Vec<usize>> {
 }
 
 /// Processes SLURM runs on this node.
-fn slurm_local_world_size(env: &EnvVars, world_size: usize) -> Result<usize> {
+fn slurm_local_world_size(env: &EnvVars, world_size: usize) -> Result<(&'static str, usize)> {
     if let Some(n) = parse_count(
         env,
         "SLURM_NTASKS_PER_NODE",
         "a positive integer (tasks per node)",
     )? {
-        return Ok(n);
+        return Ok(("SLURM_NTASKS_PER_NODE", n));
     }
     for name in ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"] {
         let Some(value) = env.get(name) else {
@@ -317,7 +317,7 @@ fn slurm_local_world_size(env: &EnvVars, world_size: usize) -> Result<usize> {
         };
         let counts = expand_tasks_per_node(name, value)?;
         if counts.iter().all(|c| *c == counts[0]) {
-            return Ok(counts[0]);
+            return Ok((name, counts[0]));
         }
         let node = parse_count(
             env,
@@ -330,7 +330,7 @@ fn slurm_local_world_size(env: &EnvVars, world_size: usize) -> Result<usize> {
                      (which node this is) is not set"
             ))
         })?;
-        return counts.get(node).copied().ok_or_else(|| {
+        return counts.get(node).map(|n| (name, *n)).ok_or_else(|| {
             env_error(format!(
                 "SLURM_NODEID={node} is out of range for {name}={value:?} ({} nodes)",
                 counts.len()
@@ -342,7 +342,7 @@ fn slurm_local_world_size(env: &EnvVars, world_size: usize) -> Result<usize> {
         "SLURM_NNODES",
         "a positive integer (nodes in the step)",
     )? {
-        Some(1) => Ok(world_size),
+        Some(1) => Ok(("SLURM_NNODES", world_size)),
         _ => Err(env_error(
             "cannot tell how many tasks run on this node: none of SLURM_NTASKS_PER_NODE, \
              SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set (launch with srun, or \
@@ -416,14 +416,9 @@ fn discover_slurm(env: &EnvVars) -> Result<RankInfo> {
         "SLURM_LOCALID",
         "SLURM",
     )?;
-    let local_world_size = slurm_local_world_size(env, world_size)?;
+    let (local_world_var, local_world_size) = slurm_local_world_size(env, world_size)?;
     check_ranks(
-        [
-            "SLURM_PROCID",
-            world_var,
-            "SLURM_LOCALID",
-            "SLURM_NTASKS_PER_NODE",
-        ],
+        ["SLURM_PROCID", world_var, "SLURM_LOCALID", local_world_var],
         rank,
         world_size,
         local_rank,
@@ -979,6 +974,9 @@ mod tests {
         let mut e = slurm();
         e.set("SLURM_PROCID", "9");
         assert!(err(&e).contains("SLURM_PROCID=9 is out of range: SLURM_NTASKS=8"));
+        let mut e = slurm();
+        e.set("SLURM_LOCALID", "4");
+        assert!(err(&e).contains("SLURM_LOCALID=4 is out of range: SLURM_STEP_TASKS_PER_NODE=4"));
         let mut e = slurm();
         e.set("SLURM_STEP_TASKS_PER_NODE", "4(y2)");
         assert!(err(&e).contains("SLURM_STEP_TASKS_PER_NODE=\"4(y2)\" is not valid"));
