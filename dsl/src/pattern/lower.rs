@@ -111,7 +111,11 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
                 for part in pair.into_inner() {
                     if part.as_rule() == Rule::segment {
                         let span = span_of(&part);
-                        segments.push((span, cx.items(part.into_inner(), Place::Main)));
+                        let mut nodes = Vec::new();
+                        for item in part.into_inner() {
+                            cx.item(item, Place::Main, &mut nodes);
+                        }
+                        segments.push((span, nodes));
                     }
                 }
             }
@@ -130,7 +134,7 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
                             .label("pipeline boundaries belong to the main pattern")
                             .help("MTP depths run on the last pipeline stage; remove the `|`"),
                         ),
-                        Rule::item => nodes.extend(cx.item(part, Place::Mtp)),
+                        Rule::item => cx.item(part, Place::Mtp, &mut nodes),
                         _ => {}
                     }
                 }
@@ -235,28 +239,23 @@ impl Lowering<'_> {
         LineCol::of(self.source, offset)
     }
 
-    fn items<'i>(
-        &mut self,
-        pairs: impl Iterator<Item = Pair<'i, Rule>>,
-        place: Place,
-    ) -> Vec<Node> {
-        let mut nodes = Vec::new();
-        for pair in pairs {
-            if matches!(pair.as_rule(), Rule::item | Rule::block_item) {
-                nodes.extend(self.item(pair, place));
-            }
-        }
-        nodes
-    }
-
-    /// One `item` / `block_item`: an atom and its optional count.
-    fn item(&mut self, pair: Pair<'_, Rule>, place: Place) -> Option<Node> {
+    /// One `item` / `block_item`: an atom and its optional count, appended
+    /// to `out`.
+    fn item(&mut self, pair: Pair<'_, Rule>, place: Place, out: &mut Vec<Node>) {
         let mut inner = pair.into_inner();
-        let atom = inner.next()?;
+        let Some(atom) = inner.next() else {
+            return;
+        };
         let count = inner.next();
         let atom_span = span_of(&atom);
         let node = match atom.as_rule() {
-            Rule::layer => Some(Node::Layer(layer_of(&atom))),
+            Rule::layers => {
+                // A count repeats the run's last layer only: `MM{3}` is `MMMM`.
+                let mut run = layers_of(&atom);
+                let last = run.next_back();
+                out.extend(run.map(Node::Layer));
+                last.map(Node::Layer)
+            }
             Rule::group => self.group(atom, place),
             Rule::repeat_block => {
                 let (body, closed) = self.repeat_block(atom);
@@ -276,9 +275,11 @@ impl Lowering<'_> {
             }
             _ => None,
         };
-        match (node, count) {
+        let node = match (node, count) {
             (Some(node), Some(count)) => {
-                let times = self.count(count, &node)?;
+                let Some(times) = self.count(count, &node) else {
+                    return;
+                };
                 Some(match node {
                     Node::Repeat { body, .. } => Node::Repeat { body, times },
                     node => Node::Repeat {
@@ -293,7 +294,8 @@ impl Lowering<'_> {
                 node
             }
             (node, None) => node,
-        }
+        };
+        out.extend(node);
     }
 
     fn group(&mut self, pair: Pair<'_, Rule>, place: Place) -> Option<Node> {
@@ -310,9 +312,7 @@ impl Lowering<'_> {
                 Rule::unclosed => end = span_of(&part).start,
                 Rule::member => {
                     saw_member = true;
-                    if let Some(member) = self.member(part, open) {
-                        members.push(member);
-                    }
+                    self.member(part, open, &mut members);
                 }
                 _ => {}
             }
@@ -378,13 +378,22 @@ impl Lowering<'_> {
         Some(Node::Group { span, members })
     }
 
-    /// One member of a group: a layer and how many copies of it.
-    fn member(&mut self, pair: Pair<'_, Rule>, outer_open: Span) -> Option<(Layer, usize)> {
+    /// One `member` of a group: its layers and how many copies of each,
+    /// appended to `out`.
+    fn member(&mut self, pair: Pair<'_, Rule>, outer_open: Span, out: &mut Vec<(Layer, usize)>) {
         let mut inner = pair.into_inner();
-        let atom = inner.next()?;
+        let Some(atom) = inner.next() else {
+            return;
+        };
         let count = inner.next();
         let layer = match atom.as_rule() {
-            Rule::layer => Some(layer_of(&atom)),
+            Rule::layers => {
+                // A count repeats the run's last layer only.
+                let mut run = layers_of(&atom);
+                let last = run.next_back();
+                out.extend(run.map(|layer| (layer, 1)));
+                last
+            }
             Rule::group => {
                 let inner_open = Span::new(span_of(&atom).start, span_of(&atom).start + 1);
                 self.push(
@@ -401,9 +410,10 @@ impl Lowering<'_> {
                 None
             }
             Rule::paren_in_group => {
+                let mut dropped = Vec::new();
                 for inner in atom.clone().into_inner() {
                     // Report what is wrong inside too; the members are dropped.
-                    let _ = self.member(inner, outer_open);
+                    self.member(inner, outer_open, &mut dropped);
                 }
                 self.push(
                     Diagnostic::new(Code::H012, "a repeat block `( ){N}` inside a group")
@@ -420,10 +430,13 @@ impl Lowering<'_> {
             _ => None,
         };
         let times = match count {
-            Some(count) => self.count_value(&count)?,
+            Some(count) => match self.count_value(&count) {
+                Some(times) => times,
+                None => return,
+            },
             None => 1,
         };
-        layer.map(|layer| (layer, times))
+        out.extend(layer.map(|layer| (layer, times)));
     }
 
     /// The block's items, and whether it was closed.
@@ -434,7 +447,7 @@ impl Lowering<'_> {
         for part in pair.into_inner() {
             match part.as_rule() {
                 Rule::paren_open => open = span_of(&part),
-                Rule::block_item => body.extend(self.item(part, Place::Main)),
+                Rule::block_item => self.item(part, Place::Main, &mut body),
                 Rule::unclosed_paren => {
                     closed = false;
                     self.unmatched_unclosed_paren += 1;
@@ -592,13 +605,14 @@ impl Lowering<'_> {
     }
 }
 
-fn layer_of(pair: &Pair<'_, Rule>) -> Layer {
-    let symbol = pair.as_str().chars().next().unwrap_or('M');
-    Layer {
-        // The grammar's `layer` rule matches exactly the seven symbols.
+/// The layers of a `layers` run, one per symbol.
+fn layers_of<'p>(pair: &Pair<'p, Rule>) -> impl DoubleEndedIterator<Item = Layer> + 'p {
+    let start = pair.as_span().start();
+    pair.as_str().char_indices().map(move |(i, symbol)| Layer {
+        // The grammar's `layers` rule matches exactly the seven symbols.
         kind: LayerKind::from_symbol(symbol).unwrap_or(LayerKind::Mamba),
-        span: span_of(pair),
-    }
+        span: Span::new(start + i, start + i + symbol.len_utf8()),
+    })
 }
 
 /// The symbol a user most likely meant, and why.
