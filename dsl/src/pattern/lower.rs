@@ -82,6 +82,10 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
         segments: Vec::new(),
         mtp_depths: Vec::new(),
     };
+    if let Some(too_deep) = check_nesting(source, MAX_NESTING) {
+        cx.diagnostics.push(too_deep);
+        return (empty, cx.diagnostics);
+    }
     let root = match PatternParser::parse(Rule::pattern, source) {
         Ok(mut pairs) => pairs.next(),
         Err(error) => {
@@ -194,6 +198,79 @@ fn drop_empty_mtp(mut pattern: Pattern) -> Pattern {
         pattern.mtp_depths.clear();
     }
     pattern
+}
+
+/// How deep `[` and `(` may nest. The parser and the lowering recurse once
+/// per level, so without a bound a long run of `(` overflows the stack (an
+/// abort, not an error). Real patterns nest two or three levels, and twenty
+/// nested repeats of two already pass [`MAX_EXPANDED_LAYERS`].
+pub(super) const MAX_NESTING: usize = 64;
+
+/// Follows the grammar's nesting of groups and blocks over the structure
+/// characters alone (counts and symbols never nest) and reports the first
+/// opener past `limit` levels.
+fn check_nesting(source: &str, limit: usize) -> Option<Diagnostic> {
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Open {
+        /// `[`: ends at its `]`, or unclosed at `)`, `|`, `/` or the end.
+        Group,
+        /// `(` outside a group: ends at its `)`, or unclosed at `|`, `/` or
+        /// the end; a `]` inside it is a stray.
+        Block,
+        /// `(` inside a group: ends at its `)`, or before a `]`, `|` or `/`.
+        ParenInGroup,
+    }
+    let mut stack: Vec<Open> = Vec::new();
+    for (at, c) in source.char_indices() {
+        match c {
+            '[' => stack.push(Open::Group),
+            '(' => stack.push(match stack.last() {
+                Some(Open::Group | Open::ParenInGroup) => Open::ParenInGroup,
+                _ => Open::Block,
+            }),
+            ']' => {
+                while let Some(&top) = stack.last() {
+                    match top {
+                        Open::Block => break,
+                        Open::Group => {
+                            stack.pop();
+                            break;
+                        }
+                        Open::ParenInGroup => {
+                            stack.pop();
+                        }
+                    }
+                }
+            }
+            ')' => {
+                while let Some(top) = stack.pop() {
+                    if top != Open::Group {
+                        break;
+                    }
+                }
+            }
+            '|' | '/' => stack.clear(),
+            _ => continue,
+        }
+        if stack.len() > limit {
+            let in_group = stack[..stack.len() - 1].iter().any(|&o| o != Open::Block);
+            let (code, what) = if c == '[' && in_group {
+                (Code::H005, "nested group")
+            } else {
+                (Code::H012, "repeat blocks")
+            };
+            return Some(
+                Diagnostic::new(
+                    code,
+                    format!("{what}: brackets and parentheses nest more than {limit} levels deep here"),
+                )
+                .at(Span::new(at, at + 1))
+                .label("too deep")
+                .help("a group holds plain layers, and a few levels of `( ){N}` reach any size: flatten the nesting"),
+            );
+        }
+    }
+    None
 }
 
 fn expand(nodes: &[Node]) -> Vec<Item> {
@@ -627,4 +704,62 @@ fn suggestion(c: char) -> Option<(char, &'static str)> {
         'l' | 'L' => ('+', "multi-latent attention"),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// How deep groups and blocks nest in the parse tree itself.
+    fn tree_depth(pair: Pair<'_, Rule>) -> usize {
+        let here = usize::from(matches!(
+            pair.as_rule(),
+            Rule::group | Rule::repeat_block | Rule::paren_in_group
+        ));
+        here + pair.into_inner().map(tree_depth).max().unwrap_or(0)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// The nesting check follows the grammar exactly: it fires at a limit
+        /// precisely when the parse tree nests deeper than that limit.
+        #[test]
+        fn nesting_check_agrees_with_the_parse_tree(
+            source in "[\\[\\]()|/M{}2 ]{0,40}",
+            limit in 0usize..6,
+        ) {
+            let root = PatternParser::parse(Rule::pattern, &source)
+                .expect("the grammar accepts every input")
+                .next()
+                .expect("one pattern");
+            let depth = tree_depth(root);
+            prop_assert_eq!(check_nesting(&source, limit).is_some(), depth > limit, "depth {}", depth);
+        }
+    }
+
+    #[test]
+    fn deep_nesting_is_an_error_not_a_stack_overflow() {
+        for (source, code, column) in [
+            ("(".repeat(100_000), Code::H012, MAX_NESTING + 1),
+            ("[".repeat(100_000), Code::H005, MAX_NESTING + 1),
+            ("(M".repeat(100_000), Code::H012, 2 * MAX_NESTING + 1),
+            (
+                format!("{}[", "(".repeat(MAX_NESTING)),
+                Code::H012,
+                MAX_NESTING + 1,
+            ),
+        ] {
+            let (_, diagnostics) = lower(&source);
+            let found: Vec<_> = diagnostics
+                .iter()
+                .map(|d| (d.code, d.position(&source).map(|p| p.column)))
+                .collect();
+            assert_eq!(found, [(code, Some(column))]);
+        }
+        // At the limit itself the pattern is read as usual.
+        let source = format!("{}M{}", "(".repeat(MAX_NESTING), "){2}".repeat(MAX_NESTING));
+        assert!(check_nesting(&source, MAX_NESTING).is_none());
+    }
 }
