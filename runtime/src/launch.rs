@@ -717,7 +717,7 @@ fn fetch_once(
         )));
     }
     let len = read_u32(&header[5..9]);
-    if len > MAX_PAYLOAD.max(64 * 1024) {
+    if len > MAX_PAYLOAD {
         return Err(Attempt::Refused(format!(
             "rank 0 announced a {len}-byte payload, more than the {MAX_PAYLOAD}-byte limit"
         )));

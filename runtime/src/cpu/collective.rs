@@ -534,10 +534,7 @@ impl CpuComm {
         if let Some((rank, reason)) = &state.aborted {
             return Err(self.aborted_error(call, *rank, reason));
         }
-        let group = state
-            .groups
-            .get_mut(&self.group)
-            .ok_or_else(|| self.internal(call, "the group is gone"))?;
+        let group = self.group_mut(&mut state, call)?;
         if let Some(error) = &group.broken {
             return Err(error.clone());
         }
@@ -574,61 +571,20 @@ impl CpuComm {
         loop {
             // A round that is already complete holds valid data even if an
             // abort came after it; one that is not fails on abort.
-            let group = state
-                .groups
-                .get_mut(&self.group)
-                .ok_or_else(|| self.internal(call, "the group is gone"))?;
-            let round = group
-                .rounds
-                .get_mut(&(call.seq, call.phase))
-                .ok_or_else(|| self.internal(call, "the round is gone"))?;
+            let round = self.round_mut(&mut state, call)?;
             if round.arrived == n {
-                let contributions: Vec<Arc<Payload>> =
-                    round.contributions.iter().flatten().cloned().collect();
-                if let Some(finish) = finisher
-                    && round.result.is_none()
-                {
-                    let made = Arc::new(finish(&mut state, &contributions));
-                    let group = state
-                        .groups
-                        .get_mut(&self.group)
-                        .ok_or_else(|| self.internal(call, "the group is gone"))?;
-                    if let Some(round) = group.rounds.get_mut(&(call.seq, call.phase)) {
-                        round.result = Some(made);
-                    }
-                }
-                let group = state
-                    .groups
-                    .get_mut(&self.group)
-                    .ok_or_else(|| self.internal(call, "the group is gone"))?;
-                let round = group
-                    .rounds
-                    .get_mut(&(call.seq, call.phase))
-                    .ok_or_else(|| self.internal(call, "the round is gone"))?;
-                let result = round.result.clone();
-                round.taken += 1;
-                if round.taken == n {
-                    group.rounds.remove(&(call.seq, call.phase));
-                }
-                return Ok(Exchanged {
-                    contributions,
-                    result,
-                });
+                return self.take(&mut state, call, finisher);
             }
             if let Some((rank, reason)) = &state.aborted {
                 return Err(self.aborted_error(call, *rank, reason));
             }
-            let group = state
-                .groups
-                .get_mut(&self.group)
-                .ok_or_else(|| self.internal(call, "the group is gone"))?;
-            let round = group
-                .rounds
-                .get_mut(&(call.seq, call.phase))
-                .ok_or_else(|| self.internal(call, "the round is gone"))?;
+            let group = self.group_mut(&mut state, call)?;
             if let Some(error) = &group.broken {
                 return Err(error.clone());
             }
+            let Some(round) = group.rounds.get(&(call.seq, call.phase)) else {
+                return Err(self.internal(call, "the round is gone"));
+            };
             let missing: Vec<usize> = (0..n)
                 .filter(|r| round.contributions[*r].is_none())
                 .collect();
@@ -672,6 +628,55 @@ impl CpuComm {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
+    }
+
+    fn group_mut<'s>(&self, state: &'s mut FamilyState, call: &Call) -> Result<&'s mut Group> {
+        state
+            .groups
+            .get_mut(&self.group)
+            .ok_or_else(|| self.internal(call, "the group is gone"))
+    }
+
+    fn round_mut<'s>(&self, state: &'s mut FamilyState, call: &Call) -> Result<&'s mut Round> {
+        self.group_mut(state, call)?
+            .rounds
+            .get_mut(&(call.seq, call.phase))
+            .ok_or_else(|| self.internal(call, "the round is gone"))
+    }
+
+    /// Takes this rank's view of a complete round (making the finisher's
+    /// result first if nobody has); the last rank to take closes the round.
+    fn take(
+        &self,
+        state: &mut FamilyState,
+        call: &Call,
+        finisher: Option<Finisher<'_>>,
+    ) -> Result<Exchanged> {
+        let round = self.round_mut(state, call)?;
+        let contributions: Vec<Arc<Payload>> =
+            round.contributions.iter().flatten().cloned().collect();
+        if let Some(finish) = finisher
+            && round.result.is_none()
+        {
+            let made = Arc::new(finish(state, &contributions));
+            self.round_mut(state, call)?.result = Some(made);
+        }
+        let n = self.members.len();
+        let group = self.group_mut(state, call)?;
+        let key = (call.seq, call.phase);
+        let round = group
+            .rounds
+            .get_mut(&key)
+            .ok_or_else(|| self.internal(call, "the round is gone"))?;
+        let result = round.result.clone();
+        round.taken += 1;
+        if round.taken == n {
+            group.rounds.remove(&key);
+        }
+        Ok(Exchanged {
+            contributions,
+            result,
+        })
     }
 
     /// Checks that every rank's all_to_all counts agree pairwise: what rank
