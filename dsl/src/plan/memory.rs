@@ -30,12 +30,14 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
-    pub(crate) fn of(
+    /// The estimate for each of `live_units` (one pass over the buckets
+    /// serves them all).
+    pub(crate) fn of<const N: usize>(
         units: &[FsdpUnit],
         buckets: &[Bucket],
         layout: &ParallelLayout,
-        live_units: usize,
-    ) -> MemoryEstimate {
+        live_units: [usize; N],
+    ) -> [MemoryEstimate; N] {
         let world = |b: &Bucket| {
             if b.expert {
                 layout.expert_dp()
@@ -45,43 +47,52 @@ impl MemoryEstimate {
         };
         let mut shard_elems = 0u64;
         let mut non_unit_elems = 0u64;
+        let mut padded = Vec::with_capacity(buckets.len());
         for bucket in buckets {
-            shard_elems += bucket.shard_numel(world(bucket)) as u64;
+            let world = world(bucket);
+            let elems = bucket.padded_numel(world);
+            padded.push(elems as u64);
+            shard_elems += (elems / world) as u64;
             if bucket.unit.is_none() {
-                non_unit_elems += bucket.padded_numel(world(bucket)) as u64;
+                non_unit_elems += elems as u64;
             }
         }
-        let mut unit_elems: Vec<u64> = units
-            .iter()
-            .map(|u| {
-                u.buckets
-                    .iter()
-                    .map(|&b| buckets[b].padded_numel(world(&buckets[b])) as u64)
-                    .sum()
-            })
-            .collect();
-        unit_elems.sort_unstable_by(|a, b| b.cmp(a));
-        let largest = |n: usize| unit_elems.iter().take(n).sum::<u64>();
-        let param_shards = 2 * shard_elems;
-        let master_weights = 4 * shard_elems;
-        let grad_shards = 4 * shard_elems;
-        let optimizer_states = 8 * shard_elems;
-        let unit_pool = 2 * largest(live_units) + 2 * largest(2);
-        let non_unit = 2 * 2 * non_unit_elems;
-        MemoryEstimate {
-            live_units,
-            param_shards,
-            master_weights,
-            grad_shards,
-            optimizer_states,
-            unit_pool,
-            non_unit,
-            total: param_shards
-                + master_weights
-                + grad_shards
-                + optimizer_states
-                + unit_pool
-                + non_unit,
+        // The sizes of the largest units, largest first: one pass that keeps
+        // a short sorted list, not a sort of every unit.
+        let keep = live_units.into_iter().max().unwrap_or(0).max(2);
+        let mut top: Vec<u64> = Vec::with_capacity(keep + 1);
+        for unit in units {
+            let elems: u64 = unit.buckets.iter().map(|&b| padded[b]).sum();
+            if top.len() == keep && top.last().is_some_and(|&smallest| smallest >= elems) {
+                continue;
+            }
+            let at = top.partition_point(|&e| e >= elems);
+            top.insert(at, elems);
+            top.truncate(keep);
         }
+        let largest = |n: usize| top.iter().take(n).sum::<u64>();
+        live_units.map(|live_units| {
+            let param_shards = 2 * shard_elems;
+            let master_weights = 4 * shard_elems;
+            let grad_shards = 4 * shard_elems;
+            let optimizer_states = 8 * shard_elems;
+            let unit_pool = 2 * largest(live_units) + 2 * largest(2);
+            let non_unit = 2 * 2 * non_unit_elems;
+            MemoryEstimate {
+                live_units,
+                param_shards,
+                master_weights,
+                grad_shards,
+                optimizer_states,
+                unit_pool,
+                non_unit,
+                total: param_shards
+                    + master_weights
+                    + grad_shards
+                    + optimizer_states
+                    + unit_pool
+                    + non_unit,
+            }
+        })
     }
 }

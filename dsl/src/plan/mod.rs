@@ -23,7 +23,6 @@ use crate::params::{ParamDef, layer_params};
 use crate::pattern::{Item, LayerKind, Pattern};
 use serde::Serialize;
 use std::borrow::Cow;
-use std::collections::HashMap;
 
 /// Choices the planner takes besides the model and the layout.
 #[derive(Clone, Debug)]
@@ -66,16 +65,20 @@ impl LayerInfo {
     /// State-dict path: `decoder.layers.L` or, in a group,
     /// `decoder.layers.L.layers.j`.
     pub fn path(&self) -> String {
-        match self.member {
-            Some(j) => format!("decoder.layers.{}.layers.{j}", self.logical),
-            None => format!("decoder.layers.{}", self.logical),
+        let mut path = decoder_layer_path(self.logical);
+        if let Some(j) = self.member {
+            path.push_str(".layers.");
+            push_number(&mut path, j);
         }
+        path
     }
 
     /// Checkpoint prefix: groups flatten, so every member publishes under
     /// `decoder.layers.L.`.
     pub fn checkpoint_prefix(&self) -> String {
-        format!("decoder.layers.{}.", self.logical)
+        let mut prefix = decoder_layer_path(self.logical);
+        prefix.push('.');
+        prefix
     }
 }
 
@@ -107,8 +110,32 @@ pub struct LogicalLayer {
 
 impl LogicalLayer {
     pub fn path(&self) -> String {
-        format!("decoder.layers.{}", self.index)
+        decoder_layer_path(self.index)
     }
+}
+
+/// `decoder.layers.{index}`. Written by hand rather than with `format!`: a
+/// 100,000-layer plan builds several of these per layer.
+fn decoder_layer_path(index: usize) -> String {
+    let mut path = String::with_capacity(32);
+    path.push_str("decoder.layers.");
+    push_number(&mut path, index);
+    path
+}
+
+/// Appends `n` in decimal.
+fn push_number(out: &mut String, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
 }
 
 /// Who owns a parameter.
@@ -314,7 +341,8 @@ struct Builder<'o> {
     /// The definition table: every layer kind's parameters (built once and
     /// shared by all layers of the kind), then the model-level ones.
     defs: Vec<ParamDef>,
-    kind_defs: HashMap<LayerKind, std::ops::Range<usize>>,
+    /// Per layer kind (indexed by `LayerKind as usize`), its definitions.
+    kind_defs: [std::ops::Range<usize>; LayerKind::ALL.len()],
 }
 
 /// Model-level definitions, appended after the layer kinds' in the table.
@@ -341,11 +369,11 @@ impl<'o> Builder<'o> {
             .as_ref()
             .map_or(0, |m| m.num_experts / options.layout.ep.max(1));
         let mut defs = Vec::new();
-        let mut kind_defs = HashMap::new();
+        let mut kind_defs: [std::ops::Range<usize>; LayerKind::ALL.len()] = Default::default();
         for kind in pattern.kinds() {
             let start = defs.len();
             defs.extend(layer_params(kind, &model, local));
-            kind_defs.insert(kind, start..defs.len());
+            kind_defs[kind as usize] = start..defs.len();
         }
         let (h, vocab) = (model.hidden_size, model.padded_vocab_size());
         defs.extend([
@@ -390,10 +418,21 @@ impl<'o> Builder<'o> {
                     .collect()
             })
             .collect();
-        let (mut params, param_unit, mut units) =
-            self.params_and_units(&layers, &logical_layers, &mtp_layers);
-        let buckets = self.buckets(&mut params, &param_unit);
-        let mut unit_buckets = vec![Vec::new(); units.len()];
+        let UnitWalk {
+            params,
+            mut units,
+            item_unit,
+            mtp_unit,
+            buckets,
+            ..
+        } = self.params_and_units(&layers, &logical_layers, &mtp_layers);
+        let buckets = buckets.finish();
+        let mut counts = vec![0usize; units.len()];
+        for unit in buckets.iter().filter_map(|b| b.unit) {
+            counts[unit] += 1;
+        }
+        let mut unit_buckets: Vec<Vec<usize>> =
+            counts.into_iter().map(Vec::with_capacity).collect();
         for bucket in &buckets {
             if let Some(u) = bucket.unit {
                 unit_buckets[u].push(bucket.id);
@@ -402,10 +441,10 @@ impl<'o> Builder<'o> {
         for (unit, ids) in units.iter_mut().zip(unit_buckets) {
             unit.buckets = Cow::Owned(ids);
         }
-        let schedule = self.schedule(&logical_layers, &layers, &mtp_layers, &units);
+        let schedule = self.schedule(&logical_layers, &layers, &mtp_layers, &item_unit, &mtp_unit);
         let (total_params, active_params) = self.totals();
-        let memory = MemoryEstimate::of(&units, &buckets, &self.options.layout, 4);
-        let memory_plain = MemoryEstimate::of(&units, &buckets, &self.options.layout, 2);
+        let [memory, memory_plain] =
+            MemoryEstimate::of(&units, &buckets, &self.options.layout, [4, 2]);
         Plan {
             model: self.model,
             pattern: self.pattern,
@@ -469,12 +508,35 @@ impl<'o> Builder<'o> {
         layers: &[LayerInfo],
         logical: &[LogicalLayer],
         mtp: &[Vec<MtpLayerInfo>],
-    ) -> (Vec<Param>, Vec<Option<usize>>, Vec<FsdpUnit>) {
+    ) -> UnitWalk<'_> {
+        let defs_of = |kind: LayerKind| self.kind_defs[kind as usize].len();
+        let count = 3
+            + layers.iter().map(|l| defs_of(l.kind)).sum::<usize>()
+            + mtp
+                .iter()
+                .map(|depth| 4 + depth.iter().map(|l| defs_of(l.kind)).sum::<usize>())
+                .sum::<usize>();
+        // Dense and expert definitions per layer kind: how many parameters a
+        // unit will put in each of its buckets, to size them up front.
+        let mut per_kind = [[0usize; 2]; LayerKind::ALL.len()];
+        for kind in LayerKind::ALL {
+            for def in &self.defs[self.kind_defs[kind as usize].clone()] {
+                per_kind[kind as usize][usize::from(def.expert)] += 1;
+            }
+        }
+        let sizes = |kinds: &mut dyn Iterator<Item = LayerKind>, extra: usize| {
+            kinds.fold([extra, 0], |[dense, expert], kind| {
+                let [d, e] = per_kind[kind as usize];
+                [dense + d, expert + e]
+            })
+        };
         let mut walk = UnitWalk {
             filter: &self.options.unit_filter,
-            params: Vec::new(),
-            param_unit: Vec::new(),
-            units: Vec::new(),
+            params: Vec::with_capacity(count),
+            units: Vec::with_capacity(logical.len() + mtp.len()),
+            item_unit: Vec::with_capacity(logical.len()),
+            mtp_unit: Vec::with_capacity(mtp.len()),
+            buckets: BucketLayout::new(&self.defs, self.options.non_unit_bucket_cap),
         };
 
         let unit = walk.leaf("embedding", ModuleKind::Embedding);
@@ -489,16 +551,11 @@ impl<'o> Builder<'o> {
             } else {
                 (ModuleKind::Layer, UnitShape::Layer)
             };
-            let unit = walk.candidate(
-                item.path(),
-                kind,
-                &kinds,
-                shape,
-                item.layers.clone().collect(),
-                None,
-            );
+            let unit = walk.candidate(item.path(), kind, &kinds, shape, item.layers.clone(), None);
+            walk.item_unit.push(unit);
+            walk.buckets.expect = sizes(&mut kinds.iter().copied(), 0);
             for i in item.layers.clone() {
-                for def in self.kind_defs[&layers[i].kind].clone() {
+                for def in self.kind_defs[layers[i].kind as usize].clone() {
                     walk.push(Owner::Layer(LayerRef::Decoder(i)), def, unit);
                 }
             }
@@ -515,12 +572,14 @@ impl<'o> Builder<'o> {
                 ModuleKind::MtpDepth,
                 &kinds,
                 UnitShape::Mtp,
-                Vec::new(),
+                0..0,
                 Some(d),
             );
+            walk.buckets.expect = sizes(&mut kinds.iter().copied(), 4);
             for def in [ModelDef::MtpEnorm, ModelDef::MtpHnorm, ModelDef::MtpEhProj] {
                 walk.push(Owner::MtpBlock(d), self.model_def(def), depth_unit);
             }
+            let mut layer_units = Vec::with_capacity(depth.len());
             for layer in depth {
                 // Outermost match wins: a depth's layers are asked only when
                 // the depth itself is not a unit.
@@ -530,18 +589,23 @@ impl<'o> Builder<'o> {
                         ModuleKind::Layer,
                         std::slice::from_ref(&layer.kind),
                         UnitShape::Layer,
-                        Vec::new(),
+                        0..0,
                         Some(d),
                     )
                 });
+                layer_units.push(unit);
+                if depth_unit.is_none() {
+                    walk.buckets.expect = sizes(&mut std::iter::once(layer.kind), 0);
+                }
                 let owner = Owner::Layer(LayerRef::Mtp {
                     depth: d,
                     index: layer.index,
                 });
-                for def in self.kind_defs[&layer.kind].clone() {
+                for def in self.kind_defs[layer.kind as usize].clone() {
                     walk.push(owner, def, unit);
                 }
             }
+            walk.mtp_unit.push(layer_units);
             walk.push(
                 Owner::MtpBlock(d),
                 self.model_def(ModelDef::MtpFinalNorm),
@@ -553,62 +617,7 @@ impl<'o> Builder<'o> {
             let unit = walk.leaf("output_layer", ModuleKind::OutputLayer);
             walk.push(Owner::OutputLayer, self.model_def(ModelDef::Output), unit);
         }
-        (walk.params, walk.param_unit, walk.units)
-    }
-
-    /// Groups parameters into buckets by (unit, dtype, dense/expert) in
-    /// parameter order, splits non-unit buckets at the cap, and lays out
-    /// offsets (64-aligned) in each.
-    fn buckets(&self, params: &mut [Param], param_unit: &[Option<usize>]) -> Vec<Bucket> {
-        let cap = self.options.non_unit_bucket_cap.max(1);
-        let mut buckets: Vec<Bucket> = Vec::new();
-        let mut members: Vec<Vec<usize>> = Vec::new();
-        // (unit, expert) -> open bucket. A unit's parameters are contiguous,
-        // so its buckets are created together, in forward order.
-        let mut open: HashMap<(Option<usize>, bool), usize> = HashMap::new();
-        for (i, param) in params.iter_mut().enumerate() {
-            let def = &self.defs[param.def];
-            let unit = param_unit[i];
-            let numel = def.numel();
-            let key = (unit, def.expert);
-            let reuse = open.get(&key).copied().filter(|&b| {
-                // Non-unit buckets close at the size cap.
-                unit.is_some() || buckets[b].numel == 0 || buckets[b].numel + numel <= cap
-            });
-            let b = match reuse {
-                Some(b) => b,
-                None => {
-                    let id = buckets.len();
-                    buckets.push(Bucket {
-                        id,
-                        unit,
-                        dtype: DType::Bf16,
-                        expert: def.expert,
-                        params: Cow::Borrowed(&[]),
-                        numel: 0,
-                        end: 0,
-                        megatron_row_lcm: Some(1),
-                    });
-                    members.push(Vec::new());
-                    open.insert(key, id);
-                    id
-                }
-            };
-            let bucket = &mut buckets[b];
-            let offset = round_up(bucket.end, PARAM_ALIGN);
-            param.bucket = b;
-            param.offset = offset;
-            members[b].push(i);
-            bucket.numel += numel;
-            bucket.end = offset + numel;
-            bucket.megatron_row_lcm = bucket
-                .megatron_row_lcm
-                .and_then(|l| buckets::lcm(l, def.row_numel() as u64));
-        }
-        for (bucket, ids) in buckets.iter_mut().zip(members) {
-            bucket.params = Cow::Owned(ids);
-        }
-        buckets
+        walk
     }
 
     fn schedule(
@@ -616,54 +625,71 @@ impl<'o> Builder<'o> {
         logical: &[LogicalLayer],
         layers: &[LayerInfo],
         mtp: &[Vec<MtpLayerInfo>],
-        units: &[FsdpUnit],
+        item_unit: &[Option<usize>],
+        mtp_unit: &[Vec<Option<usize>>],
     ) -> SchedulePlan {
-        let unit_of_path: HashMap<&str, usize> =
-            units.iter().map(|u| (u.name.as_ref(), u.index)).collect();
         let mut nodes =
             Vec::with_capacity(logical.len() + mtp.iter().map(Vec::len).sum::<usize>() + 1);
-        for item in logical {
-            let path = item.path();
-            let unit = unit_of_path.get(path.as_str()).copied();
-            let members = item
+        for (item, &unit) in logical.iter().zip(item_unit) {
+            let last_kind = item.layers.clone().last().map(|i| layers[i].kind);
+            // Sized to leave out a terminal, so a lone `-` or `E` allocates nothing.
+            let pre =
+                item.layers.len() - usize::from(last_kind.is_some_and(LayerKind::is_terminal));
+            let mut members = Vec::with_capacity(pre);
+            members.extend(item.layers.clone().take(pre).map(LayerRef::Decoder));
+            let terminal = item
                 .layers
                 .clone()
-                .map(|i| (LayerRef::Decoder(i), layers[i].kind))
-                .collect();
+                .nth(pre)
+                .map(|i| (LayerRef::Decoder(i), layers[i].kind));
             nodes.push(node(
                 nodes.len(),
-                path,
+                item.path(),
                 Some(item.index),
                 None,
                 unit,
                 members,
+                terminal,
             ));
         }
         if nodes.is_empty() {
             // No decoder layers: one empty node still carries the embedding,
             // the final norm and the head, so every model has the same chain.
-            nodes.push(node(0, "decoder".to_string(), None, None, None, Vec::new()));
+            nodes.push(node(
+                0,
+                "decoder".to_string(),
+                None,
+                None,
+                None,
+                Vec::new(),
+                None,
+            ));
         }
         nodes[0].embed = true;
         let last_decoder = nodes.len() - 1;
         nodes[last_decoder].final_norm = true;
         nodes[last_decoder].heads.to_mut().push(None);
-        for (d, depth) in mtp.iter().enumerate() {
-            let depth_unit = unit_of_path
-                .get(format!("mtp.layers.{d}").as_str())
-                .copied();
+        for ((d, depth), units) in mtp.iter().enumerate().zip(mtp_unit) {
             let first = nodes.len();
-            for layer in depth {
-                let path = layer.path();
-                let unit = depth_unit.or_else(|| unit_of_path.get(path.as_str()).copied());
-                let member = vec![(
-                    LayerRef::Mtp {
-                        depth: d,
-                        index: layer.index,
-                    },
-                    layer.kind,
-                )];
-                nodes.push(node(nodes.len(), path, None, Some(d), unit, member));
+            for (layer, &unit) in depth.iter().zip(units) {
+                let this = LayerRef::Mtp {
+                    depth: d,
+                    index: layer.index,
+                };
+                let (pre, terminal) = if layer.kind.is_terminal() {
+                    (Vec::new(), Some((this, layer.kind)))
+                } else {
+                    (vec![this], None)
+                };
+                nodes.push(node(
+                    nodes.len(),
+                    layer.path(),
+                    None,
+                    Some(d),
+                    unit,
+                    pre,
+                    terminal,
+                ));
             }
             nodes[first].mtp_enter = Some(d);
             let last = nodes.len() - 1;
@@ -697,18 +723,22 @@ impl<'o> Builder<'o> {
                 .map(|p| p.numel() as u64)
                 .sum()
         };
-        let mut counts: HashMap<LayerKind, u64> = HashMap::new();
+        let mut counts = [0u64; LayerKind::ALL.len()];
         for layer in self
             .pattern
             .layers()
             .chain(self.pattern.mtp_depths.iter().flat_map(|d| &d.layers))
         {
-            *counts.entry(layer.kind).or_default() += 1;
+            counts[layer.kind as usize] += 1;
         }
         let mtp_blocks = self.pattern.mtp_depths.len() as u64 * (3 * h + 2 * h * h);
         let mut total = embedding + h + mtp_blocks + output;
         let mut inactive = embedding;
-        for (&kind, &n) in &counts {
+        for kind in LayerKind::ALL {
+            let n = counts[kind as usize];
+            if n == 0 {
+                continue;
+            }
             total += n * layer_total(kind);
             if kind == LayerKind::Moe {
                 inactive += n * unchosen;
@@ -719,23 +749,28 @@ impl<'o> Builder<'o> {
 }
 
 /// The top-down walk of the module tree that asks the unit filter about each
-/// candidate and records which unit every parameter lands in.
+/// candidate and places every parameter in a bucket of its unit as it goes.
 struct UnitWalk<'f> {
     filter: &'f UnitFilter,
     params: Vec<Param>,
-    param_unit: Vec<Option<usize>>,
     units: Vec<FsdpUnit>,
+    /// The unit of each logical decoder layer, if it is one.
+    item_unit: Vec<Option<usize>>,
+    /// Per MTP depth, the unit each of its layers computes with (the depth's,
+    /// or the layer's own).
+    mtp_unit: Vec<Vec<Option<usize>>>,
+    buckets: BucketLayout,
 }
 
 impl UnitWalk<'_> {
     fn push(&mut self, owner: Owner, def: usize, unit: Option<usize>) {
+        let (bucket, offset) = self.buckets.place(self.params.len(), def, unit);
         self.params.push(Param {
             owner,
             def,
-            bucket: 0,
-            offset: 0,
+            bucket,
+            offset,
         });
-        self.param_unit.push(unit);
     }
 
     /// Asks the filter about a module; makes it a unit if it matches.
@@ -745,7 +780,7 @@ impl UnitWalk<'_> {
         kind: ModuleKind,
         layer_kinds: &[LayerKind],
         shape: UnitShape,
-        layers: Vec<usize>,
+        layers: std::ops::Range<usize>,
         mtp_depth: Option<usize>,
     ) -> Option<usize> {
         let module = Module {
@@ -757,11 +792,12 @@ impl UnitWalk<'_> {
             return None;
         }
         let index = self.units.len();
+        self.buckets.open.push([None, None]);
         self.units.push(FsdpUnit {
             index,
             name: Cow::Owned(path),
             shape,
-            layers: Cow::Owned(layers),
+            layers: Cow::Owned(layers.collect()),
             mtp_depth,
             buckets: Cow::Borrowed(&[]),
         });
@@ -770,37 +806,120 @@ impl UnitWalk<'_> {
 
     /// A leaf module with no layers inside (embedding, final norm, output).
     fn leaf(&mut self, path: &str, kind: ModuleKind) -> Option<usize> {
-        self.candidate(
-            path.to_string(),
-            kind,
-            &[],
-            UnitShape::Layer,
-            Vec::new(),
-            None,
-        )
+        self.candidate(path.to_string(), kind, &[], UnitShape::Layer, 0..0, None)
     }
 }
 
+/// Buckets as parameters arrive in model order: grouped by (unit, dtype,
+/// dense/expert), non-unit buckets split at the size cap, every parameter at
+/// a 64-aligned offset.
+struct BucketLayout {
+    buckets: Vec<Bucket>,
+    /// The open bucket of each (unit, dense/expert): row 0 for non-unit
+    /// parameters, row u + 1 for unit u. A unit's parameters are contiguous,
+    /// so its buckets are created together, in forward order.
+    open: Vec<[Option<usize>; 2]>,
+    cap: usize,
+    /// Per definition: elements, elements per row, and whether it is an
+    /// expert weight (computed once, not per parameter).
+    defs: Vec<(usize, u64, bool)>,
+    /// Each bucket's parameters (indices into the plan's parameters).
+    members: Vec<Vec<usize>>,
+    /// Parameters the walk expects the current unit to put in its dense and
+    /// expert buckets: the capacity a new unit bucket is created with.
+    expect: [usize; 2],
+}
+
+impl BucketLayout {
+    fn new(defs: &[ParamDef], cap: usize) -> Self {
+        BucketLayout {
+            buckets: Vec::new(),
+            open: vec![[None, None]],
+            cap: cap.max(1),
+            defs: defs
+                .iter()
+                .map(|d| (d.numel(), d.row_numel() as u64, d.expert))
+                .collect(),
+            members: Vec::new(),
+            expect: [0, 0],
+        }
+    }
+
+    /// The buckets, each with its parameters.
+    fn finish(self) -> Vec<Bucket> {
+        let mut buckets = self.buckets;
+        for (bucket, ids) in buckets.iter_mut().zip(self.members) {
+            bucket.params = Cow::Owned(ids);
+        }
+        buckets
+    }
+
+    /// The bucket and offset of parameter `param`, of definition `def`.
+    fn place(&mut self, param: usize, def: usize, unit: Option<usize>) -> (usize, usize) {
+        let (numel, row, expert) = self.defs[def];
+        let buckets = &mut self.buckets;
+        let slot = &mut self.open[unit.map_or(0, |u| u + 1)][usize::from(expert)];
+        let reuse = slot.filter(|&b| {
+            // Non-unit buckets close at the size cap.
+            unit.is_some() || buckets[b].numel == 0 || buckets[b].numel + numel <= self.cap
+        });
+        let b = match reuse {
+            Some(b) => b,
+            None => {
+                let id = buckets.len();
+                buckets.push(Bucket {
+                    id,
+                    unit,
+                    dtype: DType::Bf16,
+                    expert,
+                    params: Cow::Borrowed(&[]),
+                    numel: 0,
+                    end: 0,
+                    megatron_row_lcm: Some(1),
+                });
+                *slot = Some(id);
+                self.members.push(match unit {
+                    Some(_) => Vec::with_capacity(self.expect[usize::from(expert)]),
+                    None => Vec::new(),
+                });
+                id
+            }
+        };
+        self.members[b].push(param);
+        let bucket = &mut buckets[b];
+        let offset = round_up(bucket.end, PARAM_ALIGN);
+        bucket.numel += numel;
+        bucket.end = offset + numel;
+        bucket.megatron_row_lcm = match bucket.megatron_row_lcm {
+            // The common cases without a gcd: a bucket's first parameter, and
+            // a row size the lcm already covers.
+            Some(1) => Some(row),
+            Some(l) if l % row == 0 => Some(l),
+            l => l.and_then(|l| buckets::lcm(l, row)),
+        };
+        (b, offset)
+    }
+}
+
+/// One schedule node: `pre_layers` are the logical layer's members before its
+/// terminal (all of them if it has none), `terminal` its last member if that
+/// is `-` or `E`.
 fn node(
     index: usize,
     name: String,
     logical: Option<usize>,
     mtp_depth: Option<usize>,
     unit: Option<usize>,
-    members: Vec<(LayerRef, LayerKind)>,
+    pre_layers: Vec<LayerRef>,
+    terminal: Option<(LayerRef, LayerKind)>,
 ) -> ScheduleNode {
-    let terminal = members
-        .last()
-        .copied()
-        .filter(|(_, kind)| kind.is_terminal());
-    let pre = &members[..members.len() - usize::from(terminal.is_some())];
     ScheduleNode {
         index,
         name: Cow::Owned(name),
         logical,
         mtp_depth,
         unit,
-        pre_layers: pre.iter().map(|(layer, _)| *layer).collect(),
+        pre_layers: Cow::Owned(pre_layers),
         terminal,
         embed: false,
         mtp_enter: None,
