@@ -302,7 +302,15 @@ pub fn resolve(decl: &ModelDecl, errors: &mut Errors) -> (Option<Resolved>, Fiel
         None => toml::Table::new(),
     };
     let merged = merge(base, table);
-    check_required(&merged, decl, &spans, errors);
+    // With an unknown preset, every key it would have given is "missing":
+    // one error about the preset says it all.
+    let preset_failed = decl
+        .fields
+        .iter()
+        .any(|f| f.name == "preset" && spans.preset.is_none());
+    if !preset_failed {
+        check_required(&merged, decl, &spans, errors);
+    }
     if errors.len() > before {
         return (None, spans);
     }

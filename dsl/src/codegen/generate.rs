@@ -45,9 +45,20 @@ impl ModelSpec {
             #[allow(unused_imports)]
             use #krate::__private::dsl as __dsl;
             #[allow(unused_imports)]
+            use #krate::__private::dsl::LayerKind as __Kind;
+            #[allow(unused_imports)]
             use #krate::__private::dsl::plan as __plan;
             #[allow(unused_imports)]
+            use #krate::__private::dsl::plan::{LayerRef as __Ref, Op as __Op, Owner as __Owner};
+            #[allow(unused_imports)]
             use #krate::__private::dsl::codegen::static_model as __model;
+            #[allow(unused_imports)]
+            use #krate::__private::dsl::codegen::static_model::build_const::{
+                bucket as __bucket, decoder_layer as __decoder_layer,
+                decoder_param as __decoder_param, mtp_layer as __mtp_layer,
+                mtp_param as __mtp_param, node as __node, param as __param,
+                param_def as __param_def, slots as __slots, unit as __unit,
+            };
             #[allow(unused_imports)]
             use #krate::__private::Cow as __Cow;
         }
@@ -120,13 +131,15 @@ fn lit(n: usize) -> Literal {
     Literal::usize_unsuffixed(n)
 }
 
+/// `Some(n)` / `None`: the prelude's names, which a generated module (a
+/// fresh scope holding only generated items) always sees.
 fn opt(n: Option<usize>) -> TokenStream {
     match n {
         Some(n) => {
             let n = lit(n);
-            quote!(::core::option::Option::Some(#n))
+            quote!(Some(#n))
         }
-        None => quote!(::core::option::Option::None),
+        None => quote!(None),
     }
 }
 
@@ -147,73 +160,73 @@ pub(super) fn kind_tokens(kind: LayerKind) -> TokenStream {
         },
         Span::call_site(),
     );
-    quote!(__dsl::LayerKind::#variant)
+    quote!(__Kind::#variant)
 }
 
 fn layer_ref(layer: LayerRef) -> TokenStream {
     match layer {
         LayerRef::Decoder(i) => {
             let i = lit(i);
-            quote!(__plan::LayerRef::Decoder(#i))
+            quote!(__Ref::Decoder(#i))
         }
         LayerRef::Mtp { depth, index } => {
             let (depth, index) = (lit(depth), lit(index));
-            quote!(__plan::LayerRef::Mtp { depth: #depth, index: #index })
+            quote!(__Ref::Mtp { depth: #depth, index: #index })
         }
     }
 }
 
 fn owner(owner: Owner) -> TokenStream {
     match owner {
-        Owner::Embedding => quote!(__plan::Owner::Embedding),
+        Owner::Embedding => quote!(__Owner::Embedding),
         Owner::Layer(layer) => {
             let layer = layer_ref(layer);
-            quote!(__plan::Owner::Layer(#layer))
+            quote!(__Owner::Layer(#layer))
         }
-        Owner::FinalNorm => quote!(__plan::Owner::FinalNorm),
+        Owner::FinalNorm => quote!(__Owner::FinalNorm),
         Owner::MtpBlock(d) => {
             let d = lit(d);
-            quote!(__plan::Owner::MtpBlock(#d))
+            quote!(__Owner::MtpBlock(#d))
         }
-        Owner::OutputLayer => quote!(__plan::Owner::OutputLayer),
+        Owner::OutputLayer => quote!(__Owner::OutputLayer),
     }
 }
 
 fn op(op: Op) -> TokenStream {
     match op {
-        Op::Embed => quote!(__plan::Op::Embed),
+        Op::Embed => quote!(__Op::Embed),
         Op::MtpEnter(d) => {
             let d = lit(d);
-            quote!(__plan::Op::MtpEnter(#d))
+            quote!(__Op::MtpEnter(#d))
         }
         Op::Layer(l) => {
             let l = layer_ref(l);
-            quote!(__plan::Op::Layer(#l))
+            quote!(__Op::Layer(#l))
         }
         Op::MoePrepare(l) => {
             let l = layer_ref(l);
-            quote!(__plan::Op::MoePrepare(#l))
+            quote!(__Op::MoePrepare(#l))
         }
         Op::MoeDispatch(l) => {
             let l = layer_ref(l);
-            quote!(__plan::Op::MoeDispatch(#l))
+            quote!(__Op::MoeDispatch(#l))
         }
         Op::MoeExperts(l) => {
             let l = layer_ref(l);
-            quote!(__plan::Op::MoeExperts(#l))
+            quote!(__Op::MoeExperts(#l))
         }
         Op::MoeCombine(l) => {
             let l = layer_ref(l);
-            quote!(__plan::Op::MoeCombine(#l))
+            quote!(__Op::MoeCombine(#l))
         }
         Op::Mlp(l) => {
             let l = layer_ref(l);
-            quote!(__plan::Op::Mlp(#l))
+            quote!(__Op::Mlp(#l))
         }
-        Op::FinalNorm => quote!(__plan::Op::FinalNorm),
+        Op::FinalNorm => quote!(__Op::FinalNorm),
         Op::Head(d) => {
             let d = opt(d);
-            quote!(__plan::Op::Head(#d))
+            quote!(__Op::Head(#d))
         }
     }
 }
@@ -341,32 +354,39 @@ impl<'p> Tables<'p> {
             let shape = usizes(&def.shape);
             let expert = def.expert;
             let local = opt(def.local_expert);
-            quote! {
-                __dsl::params::ParamDef {
-                    name: __Cow::Borrowed(#name),
-                    shape: __Cow::Borrowed(#shape),
-                    expert: #expert,
-                    local_expert: #local,
-                }
-            }
+            quote!(__param_def(#name, #shape, #expert, #local))
         });
         quote! {
             /// Parameter definitions: name relative to the owner, full shape,
-            /// expert-ness. Every layer of a kind shares its definitions.
+            /// expert-ness, local expert index. Every layer of a kind shares
+            /// its definitions.
             pub const PARAM_DEFS: &[__dsl::params::ParamDef] = &[#(#defs),*];
         }
     }
 
     fn params(&self) -> TokenStream {
         let params = self.plan.params.iter().map(|p: &Param| {
-            let owner = owner(p.owner);
             let (def, bucket, offset) = (lit(p.def), lit(p.bucket), lit(p.offset));
-            quote!(__plan::Param { owner: #owner, def: #def, bucket: #bucket, offset: #offset })
+            match p.owner {
+                Owner::Layer(LayerRef::Decoder(layer)) => {
+                    let layer = lit(layer);
+                    quote!(__decoder_param(#layer, #def, #bucket, #offset))
+                }
+                Owner::Layer(LayerRef::Mtp { depth, index }) => {
+                    let (depth, index) = (lit(depth), lit(index));
+                    quote!(__mtp_param(#depth, #index, #def, #bucket, #offset))
+                }
+                other => {
+                    let owner = owner(other);
+                    quote!(__param(#owner, #def, #bucket, #offset))
+                }
+            }
         });
         let names = self.plan.params.iter().map(|p| self.plan.param_name(p));
         quote! {
-            /// One rank's parameters in model (`named_parameters()`) order,
-            /// each with its definition, bucket and offset (a multiple of 64).
+            /// One rank's parameters in model (`named_parameters()`) order:
+            /// owner, definition (index into `PARAM_DEFS`), bucket, and offset
+            /// in the bucket (a multiple of 64).
             pub const PARAMS: &[__plan::Param] = &[#(#params),*];
             /// The full state-dict name of each entry of `PARAMS`.
             pub const PARAM_NAMES: &[&str] = &[#(#names),*];
@@ -385,16 +405,7 @@ impl<'p> Tables<'p> {
             let layers = usizes(&u.layers);
             let depth = opt(u.mtp_depth);
             let buckets = usizes(&u.buckets);
-            quote! {
-                __plan::FsdpUnit {
-                    index: #index,
-                    name: __Cow::Borrowed(#name),
-                    shape: #shape,
-                    layers: __Cow::Borrowed(#layers),
-                    mtp_depth: #depth,
-                    buckets: __Cow::Borrowed(#buckets),
-                }
-            }
+            quote!(__unit(#index, #name, #shape, #layers, #depth, #buckets))
         });
         quote! {
             /// FSDP units in forward order, as the unit filter picked them.
@@ -411,25 +422,16 @@ impl<'p> Tables<'p> {
             let lcm = match b.megatron_row_lcm {
                 Some(l) => {
                     let l = Literal::u64_unsuffixed(l);
-                    quote!(::core::option::Option::Some(#l))
+                    quote!(Some(#l))
                 }
-                None => quote!(::core::option::Option::None),
+                None => quote!(None),
             };
-            quote! {
-                __plan::Bucket {
-                    id: #id,
-                    unit: #unit,
-                    dtype: __plan::DType::Bf16,
-                    expert: #expert,
-                    params: __Cow::Borrowed(#params),
-                    numel: #numel,
-                    end: #end,
-                    megatron_row_lcm: #lcm,
-                }
-            }
+            quote!(__bucket(#id, #unit, #expert, #params, #numel, #end, #lcm))
         });
         quote! {
-            /// Every bucket by id (forward order). Offsets are fixed; the
+            /// Every bucket by id (forward order): id, unit, expert-ness,
+            /// parameters (indices into `PARAMS`), elements, end of the last
+            /// parameter, Megatron's padding unit. Offsets are fixed; the
             /// padded length and shard ranges are `const fn`s of the shard
             /// group size `W`: `BUCKETS[b].padded_numel(W)`,
             /// `BUCKETS[b].shard_range(W, rank)`.
@@ -466,16 +468,18 @@ impl<'p> Tables<'p> {
     fn schedule(&self) -> TokenStream {
         let nodes = self.plan.schedule.nodes.iter().map(node);
         let tables = self.plan.schedule.nodes.iter().map(|n| {
-            let [pre, dispatch, mlp, combine, post] = Slot::ALL.map(|slot| slice(n.ops(slot).into_iter().map(op)));
-            quote! {
-                __model::SlotTable { pre_dispatch: #pre, dispatch: #dispatch, mlp: #mlp, combine: #combine, mtp_post_process: #post }
-            }
+            let [pre, dispatch, mlp, combine, post] =
+                Slot::ALL.map(|slot| slice(n.ops(slot).into_iter().map(op)));
+            quote!(__slots(#pre, #dispatch, #mlp, #combine, #post))
         });
         quote! {
             /// The overlap schedule's forward chain: one node per logical
-            /// layer, then one per MTP layer.
+            /// layer, then one per MTP layer (index, module path, logical
+            /// index, MTP depth, unit, pre-layers, terminal, embedding, MTP
+            /// entry, final norm, heads).
             pub const SCHEDULE: __plan::SchedulePlan = __plan::SchedulePlan { nodes: __Cow::Borrowed(&[#(#nodes),*]) };
-            /// Each schedule node's five slots, as `const` data.
+            /// Each schedule node's five slots (pre-dispatch, dispatch, mlp,
+            /// combine, MTP post-process), as `const` data.
             pub const SLOT_TABLES: &[__model::SlotTable] = &[#(#tables),*];
         }
     }
@@ -599,29 +603,15 @@ fn node(n: &ScheduleNode) -> TokenStream {
     let terminal = match n.terminal {
         Some((layer, kind)) => {
             let (layer, kind) = (layer_ref(layer), kind_tokens(kind));
-            quote!(::core::option::Option::Some((#layer, #kind)))
+            quote!(Some((#layer, #kind)))
         }
-        None => quote!(::core::option::Option::None),
+        None => quote!(None),
     };
     let embed = n.embed;
     let enter = opt(n.mtp_enter);
     let final_norm = n.final_norm;
     let heads = slice(n.heads.iter().map(|&h| opt(h)));
-    quote! {
-        __plan::ScheduleNode {
-            index: #index,
-            name: __Cow::Borrowed(#name),
-            logical: #logical,
-            mtp_depth: #depth,
-            unit: #unit,
-            pre_layers: __Cow::Borrowed(#pre),
-            terminal: #terminal,
-            embed: #embed,
-            mtp_enter: #enter,
-            final_norm: #final_norm,
-            heads: __Cow::Borrowed(#heads),
-        }
-    }
+    quote!(__node(#index, #name, #logical, #depth, #unit, #pre, #terminal, #embed, #enter, #final_norm, #heads))
 }
 
 /// One physical layer inside a layer struct.
@@ -670,12 +660,18 @@ fn layer_struct(
         ))
     });
     let handles = members.iter().map(|m| {
-        let layer = layer_ref(m.layer);
         let kind = kind_tokens(m.kind);
         let path = m.path.as_str();
         let (first, end) = (lit(m.first), lit(m.end));
-        quote! {
-            __model::LayerHandle { layer: #layer, kind: #kind, path: #path, first_param: #first, end_param: #end }
+        match m.layer {
+            LayerRef::Decoder(layer) => {
+                let layer = lit(layer);
+                quote!(__decoder_layer(#layer, #kind, #path, #first, #end))
+            }
+            LayerRef::Mtp { depth, index } => {
+                let (depth, index) = (lit(depth), lit(index));
+                quote!(__mtp_layer(#depth, #index, #kind, #path, #first, #end))
+            }
         }
     });
     let (index, node, unit) = (lit(index), lit(node), opt(unit));
@@ -690,16 +686,14 @@ fn layer_struct(
             #(#field_defs,)*
         }
 
+        // The constants are documented once, on the model struct, rather
+        // than on each of what may be thousands of layer structs.
+        #[allow(missing_docs)]
         impl #name {
-            /// Module path.
             pub const PATH: &str = #path;
-            /// Logical index (or MTP depth).
             pub const INDEX: usize = #index;
-            /// The FSDP unit this module is, if any.
             pub const UNIT: ::core::option::Option<usize> = #unit;
-            /// Its node in `SCHEDULE`.
             pub const NODE: usize = #node;
-            /// The overlap schedule's five slots for this module.
             pub const SLOTS: __model::SlotTable = SLOT_TABLES[#node];
             pub const NEW: Self = #name { #(#fields: #handles,)* };
         }
@@ -753,7 +747,7 @@ fn unit_filter(plan: &Plan, resolved: &Resolved) -> TokenStream {
     let arms = plan.units.iter().map(|u| {
         let name = u.name.as_ref();
         let index = lit(u.index);
-        quote!(#name => ::core::option::Option::Some(#index))
+        quote!(#name => Some(#index))
     });
     quote! {
         /// The unit filter's rule, in words.
@@ -818,6 +812,14 @@ fn model_struct(spec: &ModelSpec, plan: &Plan) -> TokenStream {
         #(#docs)*
         ///
         #summary
+        ///
+        /// Each field is a layer struct (`LayerN` per logical layer,
+        /// `MtpDepthN` per MTP depth) whose fields name its members by kind
+        /// and hold their [`LayerHandle`](__model::LayerHandle)s. Each layer
+        /// struct has the constants `PATH` (module path), `INDEX` (logical
+        /// index or MTP depth), `UNIT` (its FSDP unit, if any), `NODE` (its
+        /// node in `SCHEDULE`), `SLOTS` (its overlap-schedule slot table) and
+        /// `NEW` (its value).
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub struct #name {
             #(#field_docs pub #fields: #types,)*
@@ -875,6 +877,8 @@ fn model_struct(spec: &ModelSpec, plan: &Plan) -> TokenStream {
             const CANONICAL_PATTERN: &'static str = CANONICAL_PATTERN;
             const EP: usize = EP;
             const PP: usize = PP;
+            const UNIT_KINDS: ::core::option::Option<&'static [__plan::UnitKind]> = UNIT_KINDS;
+            const NON_UNIT_BUCKET_CAP: usize = NON_UNIT_BUCKET_CAP;
             const PARAM_DEFS: &'static [__dsl::params::ParamDef] = PARAM_DEFS;
             const PARAMS: &'static [__plan::Param] = PARAMS;
             const PARAM_NAMES: &'static [&'static str] = PARAM_NAMES;

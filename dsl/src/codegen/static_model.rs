@@ -13,7 +13,7 @@ use crate::params::ParamDef;
 use crate::pattern::LayerKind;
 use crate::plan::{
     Bucket, FsdpUnit, LayerRef, Op, ParallelLayout, Param, Plan, PlanOptions, SchedulePlan, Slot,
-    Stage, UnitFilter,
+    Stage, UnitFilter, UnitKind,
 };
 use std::ops::Range;
 
@@ -88,6 +88,10 @@ pub trait StaticModel {
     const EP: usize;
     /// The pipeline-parallel size the stages were planned for.
     const PP: usize;
+    /// The declared FSDP unit kinds; `None` is the planner's default rule.
+    const UNIT_KINDS: Option<&'static [UnitKind]>;
+    /// Size cap of non-unit buckets, in elements.
+    const NON_UNIT_BUCKET_CAP: usize;
     /// Names (relative to their owner), shapes and expert-ness.
     const PARAM_DEFS: &'static [ParamDef];
     /// One rank's parameters in model order, each placed in its bucket.
@@ -161,4 +165,179 @@ pub fn plan_declared(
         ));
     }
     Plan::new(config, options)
+}
+
+/// Constructors the generated tables are written with. They build the
+/// planner's own types, field for field; generated code calls them rather
+/// than spelling out struct literals because a 1,000-layer model has tens
+/// of thousands of entries and every token costs expansion time.
+pub mod build_const {
+    use crate::params::ParamDef;
+    use crate::pattern::LayerKind;
+    use crate::plan::{Bucket, DType, FsdpUnit, LayerRef, Owner, Param, ScheduleNode, UnitShape};
+    use std::borrow::Cow;
+
+    pub const fn param_def(
+        name: &'static str,
+        shape: &'static [usize],
+        expert: bool,
+        local_expert: Option<usize>,
+    ) -> ParamDef {
+        ParamDef {
+            name: Cow::Borrowed(name),
+            shape: Cow::Borrowed(shape),
+            expert,
+            local_expert,
+        }
+    }
+
+    pub const fn param(owner: Owner, def: usize, bucket: usize, offset: usize) -> Param {
+        Param {
+            owner,
+            def,
+            bucket,
+            offset,
+        }
+    }
+
+    /// A parameter of decoder layer `layer`.
+    pub const fn decoder_param(layer: usize, def: usize, bucket: usize, offset: usize) -> Param {
+        param(Owner::Layer(LayerRef::Decoder(layer)), def, bucket, offset)
+    }
+
+    /// A parameter of layer `index` of MTP depth `depth`.
+    pub const fn mtp_param(
+        depth: usize,
+        index: usize,
+        def: usize,
+        bucket: usize,
+        offset: usize,
+    ) -> Param {
+        param(
+            Owner::Layer(LayerRef::Mtp { depth, index }),
+            def,
+            bucket,
+            offset,
+        )
+    }
+
+    pub const fn unit(
+        index: usize,
+        name: &'static str,
+        shape: UnitShape,
+        layers: &'static [usize],
+        mtp_depth: Option<usize>,
+        buckets: &'static [usize],
+    ) -> FsdpUnit {
+        FsdpUnit {
+            index,
+            name: Cow::Borrowed(name),
+            shape,
+            layers: Cow::Borrowed(layers),
+            mtp_depth,
+            buckets: Cow::Borrowed(buckets),
+        }
+    }
+
+    /// A bf16 bucket (the only dtype buckets have).
+    pub const fn bucket(
+        id: usize,
+        unit: Option<usize>,
+        expert: bool,
+        params: &'static [usize],
+        numel: usize,
+        end: usize,
+        megatron_row_lcm: Option<u64>,
+    ) -> Bucket {
+        Bucket {
+            id,
+            unit,
+            dtype: DType::Bf16,
+            expert,
+            params: Cow::Borrowed(params),
+            numel,
+            end,
+            megatron_row_lcm,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub const fn node(
+        index: usize,
+        name: &'static str,
+        logical: Option<usize>,
+        mtp_depth: Option<usize>,
+        unit: Option<usize>,
+        pre_layers: &'static [LayerRef],
+        terminal: Option<(LayerRef, LayerKind)>,
+        embed: bool,
+        mtp_enter: Option<usize>,
+        final_norm: bool,
+        heads: &'static [Option<usize>],
+    ) -> ScheduleNode {
+        ScheduleNode {
+            index,
+            name: Cow::Borrowed(name),
+            logical,
+            mtp_depth,
+            unit,
+            pre_layers: Cow::Borrowed(pre_layers),
+            terminal,
+            embed,
+            mtp_enter,
+            final_norm,
+            heads: Cow::Borrowed(heads),
+        }
+    }
+
+    /// The handle of decoder layer `layer`.
+    pub const fn decoder_layer(
+        layer: usize,
+        kind: LayerKind,
+        path: &'static str,
+        first_param: usize,
+        end_param: usize,
+    ) -> super::LayerHandle {
+        super::LayerHandle {
+            layer: LayerRef::Decoder(layer),
+            kind,
+            path,
+            first_param,
+            end_param,
+        }
+    }
+
+    /// The handle of layer `index` of MTP depth `depth`.
+    pub const fn mtp_layer(
+        depth: usize,
+        index: usize,
+        kind: LayerKind,
+        path: &'static str,
+        first_param: usize,
+        end_param: usize,
+    ) -> super::LayerHandle {
+        super::LayerHandle {
+            layer: LayerRef::Mtp { depth, index },
+            kind,
+            path,
+            first_param,
+            end_param,
+        }
+    }
+
+    pub const fn slots(
+        pre_dispatch: &'static [crate::plan::Op],
+        dispatch: &'static [crate::plan::Op],
+        mlp: &'static [crate::plan::Op],
+        combine: &'static [crate::plan::Op],
+        mtp_post_process: &'static [crate::plan::Op],
+    ) -> super::SlotTable {
+        super::SlotTable {
+            pre_dispatch,
+            dispatch,
+            mlp,
+            combine,
+            mtp_post_process,
+        }
+    }
 }

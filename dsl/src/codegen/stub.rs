@@ -123,6 +123,8 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
             const CANONICAL_PATTERN: &'static str = CANONICAL_PATTERN;
             const EP: usize = EP;
             const PP: usize = PP;
+            const UNIT_KINDS: ::core::option::Option<&'static [__plan::UnitKind]> = UNIT_KINDS;
+            const NON_UNIT_BUCKET_CAP: usize = NON_UNIT_BUCKET_CAP;
             const PARAM_DEFS: &'static [__dsl::params::ParamDef] = PARAM_DEFS;
             const PARAMS: &'static [__plan::Param] = PARAMS;
             const PARAM_NAMES: &'static [&'static str] = PARAM_NAMES;

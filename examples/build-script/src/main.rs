@@ -39,14 +39,20 @@ fn main() {
     // a run-time number, and the padding is a `const fn` of it.
     const WORLD: usize = 4;
     for bucket in hybrid_moe::BUCKETS {
+        // Expert buckets are sharded over the expert-data-parallel group.
+        let world = if bucket.expert {
+            WORLD / hybrid_moe::EP
+        } else {
+            WORLD
+        };
         println!(
-            "bucket {:>2} unit {:?} expert {:<5} {:>6} elements -> padded {:>6} over {WORLD} ranks, rank 1 owns {:?}",
+            "bucket {:>2} unit {:?} expert {:<5} {:>6} elements -> padded {:>6} over {world} ranks, rank 1 owns {:?}",
             bucket.id,
             bucket.unit,
             bucket.expert,
             bucket.numel,
-            bucket.padded_numel(WORLD),
-            bucket.shard_range(WORLD, 1),
+            bucket.padded_numel(world),
+            bucket.shard_range(world, 1),
         );
     }
 

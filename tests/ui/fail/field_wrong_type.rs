@@ -1,0 +1,15 @@
+// field wrong type: the error points at the culprit and carries its code.
+hybridgen::model! {
+    pub struct Model {
+        preset: "tiny",
+        pattern: "M*",
+        hidden_size: "64",
+        attention: { position: ropes },
+    }
+}
+
+fn main() {
+    // The stub module keeps uses of the model free of follow-up errors.
+    let _ = Model::new();
+    let _ = model::BUCKETS.len();
+}

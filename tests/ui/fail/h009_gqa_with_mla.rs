@@ -1,0 +1,13 @@
+// h009 gqa with mla: the error points at the culprit and carries its code.
+hybridgen::model! {
+    pub struct Model {
+        preset: "tiny",
+        pattern: "M*M+",
+    }
+}
+
+fn main() {
+    // The stub module keeps uses of the model free of follow-up errors.
+    let _ = Model::new();
+    let _ = model::BUCKETS.len();
+}

@@ -1,0 +1,14 @@
+// h023 experts vs ep: the error points at the culprit and carries its code.
+hybridgen::model! {
+    pub struct Model {
+        preset: "tiny",
+        pattern: "M*E",
+        ep: 3,
+    }
+}
+
+fn main() {
+    // The stub module keeps uses of the model free of follow-up errors.
+    let _ = Model::new();
+    let _ = model::BUCKETS.len();
+}

@@ -1,0 +1,15 @@
+// h027 kinds and filter: the error points at the culprit and carries its code.
+hybridgen::model! {
+    pub struct Model {
+        preset: "tiny",
+        pattern: "M[*E]",
+        unit_kinds: ["E"],
+        unit_filter: my_filter,
+    }
+}
+
+fn main() {
+    // The stub module keeps uses of the model free of follow-up errors.
+    let _ = Model::new();
+    let _ = model::BUCKETS.len();
+}
