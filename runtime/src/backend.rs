@@ -89,6 +89,14 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::SliceMut<'b>>
     where
         'a: 'b;
+    /// A read-only view with a shorter lifetime. Generic code needs it where
+    /// views of different lifetimes meet in one struct (e.g. weights and
+    /// activations in [`ScanInputs`]): lifetimes of associated types do not
+    /// shorten implicitly.
+    fn shorten<'a, 'b>(&self, slice: Self::Slice<'a>) -> Self::Slice<'b>
+    where
+        'a: 'b,
+        Self: 'a;
     /// Reborrows a writable view for a shorter lifetime (`&mut *slice`).
     fn reborrow_mut<'a, 'b>(&self, slice: &'b mut Self::SliceMut<'a>) -> Self::SliceMut<'b>
     where

@@ -133,6 +133,14 @@ impl Backend for CpuBackend {
             .ok_or_else(|| out_of_bounds("subslice", &range, len))
     }
 
+    fn shorten<'a, 'b>(&self, slice: &'a [f32]) -> &'b [f32]
+    where
+        'a: 'b,
+        Self: 'a,
+    {
+        slice
+    }
+
     fn reborrow_mut<'a, 'b>(&self, slice: &'b mut &'a mut [f32]) -> &'b mut [f32]
     where
         'a: 'b,

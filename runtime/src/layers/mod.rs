@@ -1,1 +1,433 @@
-//! Layers with hand-written forward, input-gradient and weight-gradient backward (shared/spec/layers.md).
+//! Layers with hand-written forward, input-gradient and weight-gradient
+//! backward (shared/spec/layers.md), written once against [`Backend`].
+//!
+//! Conventions every layer follows (the schedules rely on them):
+//! - Activations of a micro-batch are `[rows, h]` row-major, `rows = batch *
+//!   seq` ([`Tokens`]); causal ops restart at every sequence.
+//! - Weights arrive as a list of read-only views in exactly
+//!   `layer_params(kind, config, local_experts)` order; weight gradients as a
+//!   list of writable views in the same order, and backward **accumulates**
+//!   into them (they sum over micro-batches).
+//! - `forward` reads the residual stream `x` and adds the layer's output in
+//!   place (`x += f(x)`), returning what backward needs (a `...Saved` value).
+//!   `backward_input` consumes it, turns `dx` = dL/d(x after) in place into
+//!   dL/d(x before) (`dx += J^T dx`), and returns what the weight gradient
+//!   needs (a `...Wgrad` value). `backward_weight` consumes that and may run
+//!   any time later ("delayed wgrad"): it only reads its own saved buffers, so
+//!   the bits are the same whenever it runs.
+//! - Everything is deterministic: fixed loop orders, no reductions whose
+//!   order varies.
+
+pub mod attention;
+pub mod embedding;
+pub mod head;
+pub mod init;
+pub mod mamba;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
+pub mod mtp;
+pub mod norm;
+
+pub use crate::backend::Tokens;
+pub use attention::{AttentionLayer, AttentionSaved, AttentionWgrad};
+pub use embedding::Embedding;
+pub use head::{Head, HeadForward, HeadSaved, HeadWgrad};
+pub use init::{InitScale, ParamInit, global_expert_name, init_param, init_param_range};
+
+pub use mamba::{MambaLayer, MambaSaved, MambaWgrad};
+pub use mla::{MlaLayer, MlaSaved, MlaWgrad};
+pub use mlp::{MlpLayer, MlpSaved, MlpWgrad};
+pub use moe::{
+    CollectiveExchange, ExpertExchange, LocalExchange, MoeCombineBackward, MoeCombineGrad,
+    MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeLayer, MoePrepareWgrad, MoePrepared,
+    MoeRouting, MoeSaved, MoeWgrad,
+};
+
+pub use mtp::{MtpEntry, MtpSaved, MtpWgrad};
+pub use norm::{FinalNorm, NormSaved, NormWgrad, RMS_NORM_EPS};
+
+use crate::backend::{Backend, Precision};
+use crate::error::{Result, RuntimeError};
+use hybridgen_dsl::LayerKind;
+use hybridgen_dsl::ModelConfig;
+use hybridgen_dsl::params::ParamDef;
+use std::ops::Range;
+
+/// One decoder (or MTP) layer of any kind the runtime trains. The schedule
+/// holds one per physical layer and calls it per micro-batch, keeping the
+/// returned [`LayerSaved`] / [`LayerWgrad`] per (micro-batch, layer).
+///
+/// `E` layers also expose their stages ([`LayerImpl::as_moe`]) for the
+/// overlap schedule, which runs the all-to-alls between them; the whole-layer
+/// calls here run those stages with a [`LocalExchange`] (expert parallelism
+/// 1).
+#[derive(Clone, Debug)]
+pub enum LayerImpl {
+    Mamba(MambaLayer),
+    Attention(AttentionLayer),
+    Mla(MlaLayer),
+    Mlp(MlpLayer),
+    Moe(MoeLayer),
+}
+
+/// What a layer's forward kept for its backward, per micro-batch.
+pub enum LayerSaved<B: Backend> {
+    Mamba(MambaSaved<B>),
+    Attention(AttentionSaved<B>),
+    Mla(MlaSaved<B>),
+    Mlp(MlpSaved<B>),
+    Moe(MoeSaved<B>),
+}
+
+/// What a layer's input-gradient backward kept for its weight gradient.
+pub enum LayerWgrad<B: Backend> {
+    Mamba(MambaWgrad<B>),
+    Attention(AttentionWgrad<B>),
+    Mla(MlaWgrad<B>),
+    Mlp(MlpWgrad<B>),
+    Moe(MoeWgrad<B>),
+}
+
+impl<B: Backend> LayerSaved<B> {
+    /// The MoE load-balancing loss of this forward (already multiplied by its
+    /// coefficient); 0 for other kinds.
+    pub fn aux_loss(&self) -> f64 {
+        match self {
+            LayerSaved::Moe(saved) => saved.aux_loss(),
+            _ => 0.0,
+        }
+    }
+}
+
+impl LayerImpl {
+    /// The layer for `kind` under `config`. `local_experts` is the number of
+    /// experts this rank holds (`E / ep`) for `E`, ignored otherwise. `G` and
+    /// `D` are refused with `Unsupported`; a missing config section or
+    /// inconsistent dimensions with `InvalidArgument`.
+    pub fn new(kind: LayerKind, config: &ModelConfig, local_experts: usize) -> Result<Self> {
+        Ok(match kind {
+            LayerKind::Mamba => LayerImpl::Mamba(MambaLayer::new(config)?),
+            LayerKind::Attention => LayerImpl::Attention(AttentionLayer::new(config)?),
+            LayerKind::Mla => LayerImpl::Mla(MlaLayer::new(config)?),
+            LayerKind::Mlp => LayerImpl::Mlp(MlpLayer::new(config)?),
+            LayerKind::Moe => LayerImpl::Moe(MoeLayer::new(config, local_experts)?),
+            LayerKind::GatedDeltaNet => {
+                return Err(RuntimeError::Unsupported(
+                    "`G` (gated delta net) is not supported by this runtime yet; plans cover \
+                     it, training does not"
+                        .into(),
+                ));
+            }
+            LayerKind::Dsa => {
+                return Err(RuntimeError::Unsupported(
+                    "`D` (DeepSeek sparse attention) is not supported by this runtime yet; \
+                     plans cover it, training does not"
+                        .into(),
+                ));
+            }
+        })
+    }
+
+    pub fn kind(&self) -> LayerKind {
+        match self {
+            LayerImpl::Mamba(_) => LayerKind::Mamba,
+            LayerImpl::Attention(_) => LayerKind::Attention,
+            LayerImpl::Mla(_) => LayerKind::Mla,
+            LayerImpl::Mlp(_) => LayerKind::Mlp,
+            LayerImpl::Moe(_) => LayerKind::Moe,
+        }
+    }
+
+    /// The parameters, in the order weights and gradients are passed.
+    pub fn params(&self) -> &[ParamDef] {
+        match self {
+            LayerImpl::Mamba(l) => l.params(),
+            LayerImpl::Attention(l) => l.params(),
+            LayerImpl::Mla(l) => l.params(),
+            LayerImpl::Mlp(l) => l.params(),
+            LayerImpl::Moe(l) => l.params(),
+        }
+    }
+
+    /// The MoE layer, for the staged calls of the overlap schedule.
+    pub fn as_moe(&self) -> Option<&MoeLayer> {
+        match self {
+            LayerImpl::Moe(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub fn as_moe_mut(&mut self) -> Option<&mut MoeLayer> {
+        match self {
+            LayerImpl::Moe(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// `x += layer(x)` for one micro-batch.
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        x: B::SliceMut<'_>,
+        tokens: Tokens,
+    ) -> Result<LayerSaved<B>> {
+        Ok(match self {
+            LayerImpl::Mamba(l) => LayerSaved::Mamba(l.forward(b, weights, x, tokens)?),
+            LayerImpl::Attention(l) => LayerSaved::Attention(l.forward(b, weights, x, tokens)?),
+            LayerImpl::Mla(l) => LayerSaved::Mla(l.forward(b, weights, x, tokens)?),
+            LayerImpl::Mlp(l) => LayerSaved::Mlp(l.forward(b, weights, x, tokens)?),
+            LayerImpl::Moe(l) => {
+                LayerSaved::Moe(l.forward_with(b, weights, x, tokens, &LocalExchange)?)
+            }
+        })
+    }
+
+    /// `dx += J^T dx`. `aux_loss_scale` multiplies the gradient of an `E`
+    /// layer's load-balancing loss (pass the scale used for the cross-entropy
+    /// gradients); other kinds ignore it.
+    pub fn backward_input<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        saved: LayerSaved<B>,
+        dx: B::SliceMut<'_>,
+        aux_loss_scale: f32,
+    ) -> Result<LayerWgrad<B>> {
+        Ok(match (self, saved) {
+            (LayerImpl::Mamba(l), LayerSaved::Mamba(s)) => {
+                LayerWgrad::Mamba(l.backward_input(b, weights, s, dx)?)
+            }
+            (LayerImpl::Attention(l), LayerSaved::Attention(s)) => {
+                LayerWgrad::Attention(l.backward_input(b, weights, s, dx)?)
+            }
+            (LayerImpl::Mla(l), LayerSaved::Mla(s)) => {
+                LayerWgrad::Mla(l.backward_input(b, weights, s, dx)?)
+            }
+            (LayerImpl::Mlp(l), LayerSaved::Mlp(s)) => {
+                LayerWgrad::Mlp(l.backward_input(b, weights, s, dx)?)
+            }
+            (LayerImpl::Moe(l), LayerSaved::Moe(s)) => LayerWgrad::Moe(l.backward_input_with(
+                b,
+                weights,
+                s,
+                dx,
+                aux_loss_scale,
+                &LocalExchange,
+            )?),
+            (layer, _) => return Err(mismatch(layer.kind(), "saved state")),
+        })
+    }
+
+    /// Accumulates the weight gradients into `grads`.
+    pub fn backward_weight<B: Backend>(
+        &self,
+        b: &B,
+        wgrad: LayerWgrad<B>,
+        grads: &mut [B::SliceMut<'_>],
+    ) -> Result<()> {
+        match (self, wgrad) {
+            (LayerImpl::Mamba(l), LayerWgrad::Mamba(w)) => l.backward_weight(b, w, grads),
+            (LayerImpl::Attention(l), LayerWgrad::Attention(w)) => l.backward_weight(b, w, grads),
+            (LayerImpl::Mla(l), LayerWgrad::Mla(w)) => l.backward_weight(b, w, grads),
+            (LayerImpl::Mlp(l), LayerWgrad::Mlp(w)) => l.backward_weight(b, w, grads),
+            (LayerImpl::Moe(l), LayerWgrad::Moe(w)) => l.backward_weight_with(b, w, grads),
+            (layer, _) => Err(mismatch(layer.kind(), "weight-gradient state")),
+        }
+    }
+}
+
+fn mismatch(kind: LayerKind, what: &str) -> RuntimeError {
+    RuntimeError::InvalidArgument(format!(
+        "the {what} passed to a `{}` layer belongs to another layer kind",
+        kind.symbol()
+    ))
+}
+
+// ---- helpers shared by the layers -------------------------------------------
+
+/// A config section a layer needs, or an error naming it.
+pub(crate) fn section<'c, T>(section: &'c Option<T>, kind: LayerKind, name: &str) -> Result<&'c T> {
+    section.as_ref().ok_or_else(|| {
+        RuntimeError::InvalidArgument(format!(
+            "a `{}` ({}) layer needs the model's [{name}] section",
+            kind.symbol(),
+            kind.name()
+        ))
+    })
+}
+
+/// A dimension that must be at least 1.
+pub(crate) fn positive(what: &str, value: usize) -> Result<usize> {
+    if value == 0 {
+        Err(RuntimeError::InvalidArgument(format!("{what} is 0")))
+    } else {
+        Ok(value)
+    }
+}
+
+/// Checks a weight list against a layer's parameter definitions.
+pub(crate) fn check_weights<B: Backend>(
+    b: &B,
+    layer: &str,
+    defs: &[ParamDef],
+    weights: &[B::Slice<'_>],
+) -> Result<()> {
+    check_views(
+        layer,
+        "weights",
+        defs,
+        weights.iter().map(|w| b.slice_len(*w)),
+    )
+}
+
+/// Checks a gradient list against a layer's parameter definitions.
+pub(crate) fn check_grads<B: Backend>(
+    b: &B,
+    layer: &str,
+    defs: &[ParamDef],
+    grads: &[B::SliceMut<'_>],
+) -> Result<()> {
+    check_views(
+        layer,
+        "gradients",
+        defs,
+        grads.iter().map(|g| b.slice_len(b.as_slice(g))),
+    )
+}
+
+fn check_views(
+    layer: &str,
+    what: &str,
+    defs: &[ParamDef],
+    lens: impl ExactSizeIterator<Item = usize>,
+) -> Result<()> {
+    if lens.len() != defs.len() {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "{layer}: {} {what} given, the layer has {} parameters",
+            lens.len(),
+            defs.len()
+        )));
+    }
+    for (len, def) in lens.zip(defs) {
+        if len != def.numel() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{layer}: {what} for `{}` have {len} elements, its shape {:?} has {}",
+                def.name,
+                def.shape,
+                def.numel()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Weight `i` of a checked list.
+pub(crate) fn weight<'w, B: Backend>(weights: &[B::Slice<'w>], i: usize) -> Result<B::Slice<'w>> {
+    weights.get(i).copied().ok_or_else(|| {
+        RuntimeError::InvalidArgument(format!("weight {i} is missing from the list"))
+    })
+}
+
+/// Rows `rows` of a row-major `[_, width]` weight (a block of a fused
+/// projection).
+pub(crate) fn weight_rows<'w, B: Backend>(
+    b: &B,
+    w: B::Slice<'w>,
+    width: usize,
+    rows: Range<usize>,
+) -> Result<B::Slice<'w>> {
+    b.subslice(w, rows.start * width..rows.end * width)
+}
+
+/// Gradient `i` of a checked list, reborrowed.
+pub(crate) fn grad<'g, 'a: 'g, B: Backend>(
+    b: &B,
+    grads: &'g mut [B::SliceMut<'a>],
+    i: usize,
+) -> Result<B::SliceMut<'g>> {
+    let g = grads.get_mut(i).ok_or_else(|| {
+        RuntimeError::InvalidArgument(format!("gradient {i} is missing from the list"))
+    })?;
+    Ok(b.reborrow_mut(g))
+}
+
+/// Rows `rows` of gradient `i` (`[_, width]`).
+pub(crate) fn grad_rows<'g, 'a: 'g, B: Backend>(
+    b: &B,
+    grads: &'g mut [B::SliceMut<'a>],
+    i: usize,
+    width: usize,
+    rows: Range<usize>,
+) -> Result<B::SliceMut<'g>> {
+    let g = grads.get_mut(i).ok_or_else(|| {
+        RuntimeError::InvalidArgument(format!("gradient {i} is missing from the list"))
+    })?;
+    b.subslice_mut(g, rows.start * width..rows.end * width)
+}
+
+/// Gradients `i < j` of a checked list, both reborrowed.
+pub(crate) fn grad_pair<'g, 'a: 'g, B: Backend>(
+    b: &B,
+    grads: &'g mut [B::SliceMut<'a>],
+    i: usize,
+    j: usize,
+) -> Result<(B::SliceMut<'g>, B::SliceMut<'g>)> {
+    let (lo, hi) = grads
+        .split_at_mut_checked(j)
+        .filter(|_| i < j)
+        .ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("gradients {i} and {j} are not in the list"))
+        })?;
+    Ok((grad(b, lo, i)?, grad(b, hi, 0)?))
+}
+
+/// `got == want` for a view named `what`.
+pub(crate) fn check_len(layer: &str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidArgument(format!(
+            "{layer}: `{what}` has {got} elements, expected {want}"
+        )))
+    }
+}
+
+/// A zeroed activation buffer.
+pub(crate) fn zeros<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
+    b.alloc(len, Precision::Compute)
+}
+
+/// A zeroed f32 buffer (router, loss, scan parameters' gradients).
+pub(crate) fn zeros_f32<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
+    b.alloc(len, Precision::F32)
+}
+
+/// A new buffer holding a copy of `src`.
+pub(crate) fn copy_of<B: Backend>(b: &B, src: B::Slice<'_>) -> Result<B::Buf> {
+    let mut buf = zeros(b, b.slice_len(src))?;
+    b.copy(src, b.view_mut(&mut buf)?)?;
+    Ok(buf)
+}
+
+/// Checks that `x` is `[rows, width]` for `tokens`; returns `rows`.
+pub(crate) fn check_rows(
+    layer: &str,
+    what: &str,
+    len: usize,
+    tokens: Tokens,
+    width: usize,
+) -> Result<usize> {
+    let rows = tokens.rows()?;
+    let want = rows.checked_mul(width).ok_or_else(|| {
+        RuntimeError::InvalidArgument(format!("{layer}: {rows} rows of {width} overflow"))
+    })?;
+    if len != want {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "{layer}: `{what}` has {len} elements, expected {} x {} = {want} for {} sequences of {}",
+            rows, width, tokens.batch, tokens.seq
+        )));
+    }
+    Ok(rows)
+}

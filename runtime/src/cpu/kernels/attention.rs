@@ -11,12 +11,15 @@ use crate::error::Result;
 /// Checks every view; returns `rows`.
 fn validate(kernel: &str, dims: AttentionDims, inputs: &AttentionInputs<&[f32]>) -> Result<usize> {
     let rows = dims.tokens.rows()?;
-    check::ensure(dims.kv_heads > 0 && dims.heads % dims.kv_heads == 0, || {
-        format!(
-            "{kernel}: {} KV heads do not divide {} heads",
-            dims.kv_heads, dims.heads
-        )
-    })?;
+    check::ensure(
+        dims.kv_heads > 0 && dims.heads.is_multiple_of(dims.kv_heads),
+        || {
+            format!(
+                "{kernel}: {} KV heads do not divide {} heads",
+                dims.kv_heads, dims.heads
+            )
+        },
+    )?;
     check::len(
         kernel,
         "q",

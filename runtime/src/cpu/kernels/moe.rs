@@ -90,8 +90,8 @@ pub fn moe_route_forward(
         for slot in sel.iter_mut() {
             let key = |e: usize| scores[e] + expert_bias.map_or(0.0, |b| b[e]);
             let mut best = taken.iter().position(|t| !t).unwrap_or(0);
-            for e in best + 1..e_n {
-                if !taken[e] && key(e) > key(best) {
+            for (e, &t) in taken.iter().enumerate().skip(best + 1) {
+                if !t && key(e) > key(best) {
                     best = e;
                 }
             }
@@ -195,7 +195,7 @@ pub fn gather_rows(src: &[f32], index: &[u32], dst: &mut [f32], width: usize) ->
     if width == 0 {
         return Ok(());
     }
-    check::ensure(src.len() % width == 0, || {
+    check::ensure(src.len().is_multiple_of(width), || {
         format!("{kn}: source of {} is not rows of {width}", src.len())
     })?;
     let n = src.len() / width;
@@ -222,7 +222,7 @@ pub fn scatter_rows(src: &[f32], index: &[u32], dst: &mut [f32], width: usize) -
     if width == 0 {
         return Ok(());
     }
-    check::ensure(dst.len() % width == 0, || {
+    check::ensure(dst.len().is_multiple_of(width), || {
         format!("{kn}: destination of {} is not rows of {width}", dst.len())
     })?;
     let n = dst.len() / width;

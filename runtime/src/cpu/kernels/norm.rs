@@ -6,12 +6,15 @@ use crate::error::Result;
 
 /// Checks the views and returns the group size.
 fn validate(kernel: &str, dims: NormDims, x: usize, rstd: usize) -> Result<usize> {
-    check::ensure(dims.groups > 0 && dims.dim % dims.groups == 0, || {
-        format!(
-            "{kernel}: {} groups do not divide dim {}",
-            dims.groups, dims.dim
-        )
-    })?;
+    check::ensure(
+        dims.groups > 0 && dims.dim.is_multiple_of(dims.groups),
+        || {
+            format!(
+                "{kernel}: {} groups do not divide dim {}",
+                dims.groups, dims.dim
+            )
+        },
+    )?;
     check::len(
         kernel,
         "x",
@@ -121,7 +124,7 @@ mod tests {
 
     fn data(n: usize, seed: f32) -> Vec<f32> {
         (0..n)
-            .map(|i| ((i as f32 * 0.37 + seed).sin() * 1.3))
+            .map(|i| (i as f32 * 0.37 + seed).sin() * 1.3)
             .collect()
     }
 

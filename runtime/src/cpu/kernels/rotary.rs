@@ -6,7 +6,7 @@ use crate::backend::RotaryDims;
 use crate::error::Result;
 
 fn validate(kernel: &str, x: usize, dims: RotaryDims) -> Result<()> {
-    check::ensure(dims.dim % 2 == 0, || {
+    check::ensure(dims.dim.is_multiple_of(2), || {
         format!("{kernel}: rotary dim {} is odd", dims.dim)
     })?;
     check::ensure(dims.offset + dims.dim <= dims.head_stride, || {

@@ -27,7 +27,7 @@ fn softplus_derivative(x: f32) -> f32 {
 fn validate(kernel: &str, dims: ScanDims, inputs: &ScanInputs<&[f32]>) -> Result<(usize, usize)> {
     let rows = dims.tokens.rows()?;
     check::ensure(
-        dims.heads > 0 && dims.groups > 0 && dims.heads % dims.groups == 0,
+        dims.heads > 0 && dims.groups > 0 && dims.heads.is_multiple_of(dims.groups),
         || {
             format!(
                 "{kernel}: {} groups do not divide {} heads",
@@ -429,7 +429,6 @@ mod tests {
             assert!(r == &results[0], "the chunk length changed the bits");
         }
         let (_, gx, gdt, ga, gd) = &results[0];
-        let c = case(3);
         let loss = |c: &Case| -> f64 {
             reference(c)
                 .iter()
@@ -451,11 +450,11 @@ mod tests {
                 "{what}: {got} vs {want}"
             );
         };
-        for i in 0..c.xbc.len() {
-            close(gx[i], fd(|c| &mut c.xbc, i), &format!("xbc[{i}]"));
+        for (i, &g) in gx.iter().enumerate() {
+            close(g, fd(|c| &mut c.xbc, i), &format!("xbc[{i}]"));
         }
-        for i in 0..c.dt.len() {
-            close(gdt[i], fd(|c| &mut c.dt, i), &format!("dt[{i}]"));
+        for (i, &g) in gdt.iter().enumerate() {
+            close(g, fd(|c| &mut c.dt, i), &format!("dt[{i}]"));
         }
         for i in 0..4 {
             close(ga[i], fd(|c| &mut c.a_log, i), &format!("a_log[{i}]"));

@@ -1,0 +1,429 @@
+//! `*`: grouped-query self-attention (layers.md `*`), with optional qk-norm
+//! and optional rotary embeddings.
+
+use super::norm::RmsNorm;
+use super::{
+    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, positive, section,
+    weight, zeros, zeros_f32,
+};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims};
+use crate::error::{Result, RuntimeError};
+use hybridgen_dsl::LayerKind;
+use hybridgen_dsl::ModelConfig;
+use hybridgen_dsl::config::Position;
+use hybridgen_dsl::params::{ParamDef, layer_params};
+
+/// Parameter indices (params.md order).
+const PROJ: usize = 0;
+const QKV_NORM: usize = 1;
+const QKV: usize = 2;
+const Q_NORM: usize = 3;
+const K_NORM: usize = 4;
+
+/// `*`: `x += Attn(split(RMSNorm(x) W_qkv^T)) W_proj^T`.
+#[derive(Clone, Debug)]
+pub struct AttentionLayer {
+    hidden: usize,
+    heads: usize,
+    groups: usize,
+    head_dim: usize,
+    qk_norm: bool,
+    rope_base: Option<f32>,
+    params: Vec<ParamDef>,
+}
+
+/// Pre-norm queries and keys with their norms' `rstd` (qk-norm only).
+struct QkNormSaved<B: Backend> {
+    q_pre: B::Buf,
+    rstd_q: B::Buf,
+    k_pre: B::Buf,
+    rstd_k: B::Buf,
+}
+
+/// What [`AttentionLayer::forward`] keeps.
+pub struct AttentionSaved<B: Backend> {
+    tokens: Tokens,
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    u: B::Buf,
+    qk_norm: Option<QkNormSaved<B>>,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    o: B::Buf,
+    lse: B::Buf,
+}
+
+/// The qk-norm part of [`AttentionWgrad`].
+struct QkNormWgrad<B: Backend> {
+    saved: QkNormSaved<B>,
+    dq: B::Buf,
+    dk: B::Buf,
+}
+
+/// What [`AttentionLayer::backward_input`] keeps.
+pub struct AttentionWgrad<B: Backend> {
+    tokens: Tokens,
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    u: B::Buf,
+    d_u: B::Buf,
+    d_qkv: B::Buf,
+    d_out: B::Buf,
+    o: B::Buf,
+    qk_norm: Option<QkNormWgrad<B>>,
+}
+
+impl AttentionLayer {
+    pub fn new(config: &ModelConfig) -> Result<Self> {
+        let a = section(&config.attention, LayerKind::Attention, "attention")?;
+        let heads = positive("attention.num_heads", a.num_heads)?;
+        let groups = positive("attention.num_kv_groups", a.num_kv_groups)?;
+        if heads % groups != 0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "attention.num_kv_groups = {groups} does not divide attention.num_heads = {heads}"
+            )));
+        }
+        let head_dim = positive(
+            "the attention head dim",
+            config.attention_head_dim().unwrap_or(0),
+        )?;
+        let rope_base = match a.position {
+            Position::None => None,
+            Position::Rope if head_dim % 2 == 0 => Some(a.rope_base),
+            Position::Rope => {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "rotary embeddings need an even head dim; attention head dim is {head_dim}"
+                )));
+            }
+        };
+        Ok(AttentionLayer {
+            hidden: positive("hidden_size", config.hidden_size)?,
+            heads,
+            groups,
+            head_dim,
+            qk_norm: a.qk_norm,
+            rope_base,
+            params: layer_params(LayerKind::Attention, config, 0),
+        })
+    }
+
+    pub fn params(&self) -> &[ParamDef] {
+        &self.params
+    }
+
+    fn qkv_width(&self) -> usize {
+        self.head_dim * (self.heads + 2 * self.groups)
+    }
+
+    /// The column blocks of one KV group in a `qkv` row, and where each goes:
+    /// `(src_offset, dst_offset, cols)` for q, k, v.
+    fn group_blocks(&self, j: usize) -> [(usize, usize, usize); 3] {
+        let c = self.head_dim;
+        let per_group = self.heads / self.groups;
+        let start = j * (per_group + 2) * c;
+        [
+            (start, j * per_group * c, per_group * c),
+            (start + per_group * c, j * c, c),
+            (start + (per_group + 1) * c, j * c, c),
+        ]
+    }
+
+    fn rotary(&self, tokens: Tokens, heads: usize) -> Option<RotaryDims> {
+        self.rope_base.map(|base| RotaryDims {
+            tokens,
+            heads,
+            head_stride: self.head_dim,
+            offset: 0,
+            dim: self.head_dim,
+            base,
+        })
+    }
+
+    fn attention_dims(&self, tokens: Tokens) -> AttentionDims {
+        AttentionDims {
+            tokens,
+            heads: self.heads,
+            kv_heads: self.groups,
+            qk_dim: self.head_dim,
+            v_dim: self.head_dim,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        }
+    }
+
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        mut x: B::SliceMut<'_>,
+        tokens: Tokens,
+    ) -> Result<AttentionSaved<B>> {
+        let name = "`*` layer";
+        check_weights(b, name, &self.params, weights)?;
+        let rows = check_rows(name, "x", b.slice_len(b.as_slice(&x)), tokens, self.hidden)?;
+        let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
+        let w = |i| weight::<B>(weights, i);
+        let x_in = copy_of(b, b.as_slice(&x))?;
+        let (u, rstd_in) = RmsNorm::plain(h).forward(b, w(QKV_NORM)?, b.view(&x_in)?, rows)?;
+        let width = self.qkv_width();
+        let mut qkv = zeros(b, rows * width)?;
+        b.matmul(
+            b.view(&u)?,
+            w(QKV)?,
+            b.view_mut(&mut qkv)?,
+            MatmulDims::linear(rows, h, width),
+        )?;
+        let mut q = zeros(b, rows * heads * c)?;
+        let mut k = zeros(b, rows * groups * c)?;
+        let mut v = zeros(b, rows * groups * c)?;
+        for j in 0..groups {
+            let strides = [heads * c, groups * c, groups * c];
+            for ((src_offset, dst_offset, cols), (dst, dst_stride)) in self
+                .group_blocks(j)
+                .into_iter()
+                .zip([&mut q, &mut k, &mut v].into_iter().zip(strides))
+            {
+                let dims = CopyCols {
+                    rows,
+                    cols,
+                    src_stride: width,
+                    src_offset,
+                    dst_stride,
+                    dst_offset,
+                    accumulate: false,
+                };
+                b.copy_cols(b.view(&qkv)?, b.view_mut(dst)?, dims)?;
+            }
+        }
+        drop(qkv);
+        let qk_norm = if self.qk_norm {
+            let norm = RmsNorm::plain(c);
+            let (qn, rstd_q) = norm.forward(b, w(Q_NORM)?, b.view(&q)?, rows * heads)?;
+            let (kn, rstd_k) = norm.forward(b, w(K_NORM)?, b.view(&k)?, rows * groups)?;
+            let q_pre = std::mem::replace(&mut q, qn);
+            let k_pre = std::mem::replace(&mut k, kn);
+            Some(QkNormSaved {
+                q_pre,
+                rstd_q,
+                k_pre,
+                rstd_k,
+            })
+        } else {
+            None
+        };
+        if let (Some(rq), Some(rk)) = (self.rotary(tokens, heads), self.rotary(tokens, groups)) {
+            b.rotary_forward(b.view_mut(&mut q)?, rq)?;
+            b.rotary_forward(b.view_mut(&mut k)?, rk)?;
+        }
+        let mut o = zeros(b, rows * heads * c)?;
+        let mut lse = zeros_f32(b, rows * heads)?;
+        let inputs = AttentionInputs {
+            q: b.view(&q)?,
+            k: b.view(&k)?,
+            v: b.view(&v)?,
+        };
+        b.attention_forward(
+            inputs,
+            b.view_mut(&mut o)?,
+            b.view_mut(&mut lse)?,
+            self.attention_dims(tokens),
+        )?;
+        let mut out = MatmulDims::linear(rows, heads * c, h);
+        out.accumulate = true;
+        b.matmul(b.view(&o)?, w(PROJ)?, b.reborrow_mut(&mut x), out)?;
+        Ok(AttentionSaved {
+            tokens,
+            x_in,
+            rstd_in,
+            u,
+            qk_norm,
+            q,
+            k,
+            v,
+            o,
+            lse,
+        })
+    }
+
+    pub fn backward_input<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        s: AttentionSaved<B>,
+        mut dx: B::SliceMut<'_>,
+    ) -> Result<AttentionWgrad<B>> {
+        let name = "`*` layer backward";
+        check_weights(b, name, &self.params, weights)?;
+        let tokens = s.tokens;
+        let rows = tokens.rows()?;
+        check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
+        let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
+        let w = |i| weight::<B>(weights, i);
+        let d_out = copy_of(b, b.as_slice(&dx))?;
+        let mut d_o = zeros(b, rows * heads * c)?;
+        b.matmul(
+            b.view(&d_out)?,
+            w(PROJ)?,
+            b.view_mut(&mut d_o)?,
+            MatmulDims::linear_input_grad(rows, heads * c, h, false),
+        )?;
+        let mut dq = zeros(b, rows * heads * c)?;
+        let mut dk = zeros(b, rows * groups * c)?;
+        let mut dv = zeros(b, rows * groups * c)?;
+        let inputs = AttentionInputs {
+            q: b.view(&s.q)?,
+            k: b.view(&s.k)?,
+            v: b.view(&s.v)?,
+        };
+        let grads = AttentionInputs {
+            q: b.view_mut(&mut dq)?,
+            k: b.view_mut(&mut dk)?,
+            v: b.view_mut(&mut dv)?,
+        };
+        b.attention_backward(
+            inputs,
+            b.view(&s.o)?,
+            b.view(&s.lse)?,
+            b.view(&d_o)?,
+            grads,
+            self.attention_dims(tokens),
+        )?;
+        if let (Some(rq), Some(rk)) = (self.rotary(tokens, heads), self.rotary(tokens, groups)) {
+            b.rotary_backward(b.view_mut(&mut dq)?, rq)?;
+            b.rotary_backward(b.view_mut(&mut dk)?, rk)?;
+        }
+        // Through qk-norm: dq/dk become gradients of the pre-norm q/k.
+        let qk_norm = match s.qk_norm {
+            Some(qs) => {
+                let norm = RmsNorm::plain(c);
+                let mut dq_pre = zeros(b, rows * heads * c)?;
+                let mut dk_pre = zeros(b, rows * groups * c)?;
+                norm.backward_input(
+                    b,
+                    w(Q_NORM)?,
+                    &qs.q_pre,
+                    &qs.rstd_q,
+                    b.view(&dq)?,
+                    b.view_mut(&mut dq_pre)?,
+                    rows * heads,
+                )?;
+                norm.backward_input(
+                    b,
+                    w(K_NORM)?,
+                    &qs.k_pre,
+                    &qs.rstd_k,
+                    b.view(&dk)?,
+                    b.view_mut(&mut dk_pre)?,
+                    rows * groups,
+                )?;
+                let dq_normed = std::mem::replace(&mut dq, dq_pre);
+                let dk_normed = std::mem::replace(&mut dk, dk_pre);
+                Some(QkNormWgrad {
+                    saved: qs,
+                    dq: dq_normed,
+                    dk: dk_normed,
+                })
+            }
+            None => None,
+        };
+        let width = self.qkv_width();
+        let mut d_qkv = zeros(b, rows * width)?;
+        for j in 0..groups {
+            let strides = [heads * c, groups * c, groups * c];
+            for ((dst_offset, src_offset, cols), (src, src_stride)) in self
+                .group_blocks(j)
+                .into_iter()
+                .zip([&dq, &dk, &dv].into_iter().zip(strides))
+            {
+                let dims = CopyCols {
+                    rows,
+                    cols,
+                    src_stride,
+                    src_offset,
+                    dst_stride: width,
+                    dst_offset,
+                    accumulate: false,
+                };
+                b.copy_cols(b.view(src)?, b.view_mut(&mut d_qkv)?, dims)?;
+            }
+        }
+        let mut d_u = zeros(b, rows * h)?;
+        b.matmul(
+            b.view(&d_qkv)?,
+            w(QKV)?,
+            b.view_mut(&mut d_u)?,
+            MatmulDims::linear_input_grad(rows, h, width, false),
+        )?;
+        RmsNorm::plain(h).backward_input(
+            b,
+            w(QKV_NORM)?,
+            &s.x_in,
+            &s.rstd_in,
+            b.view(&d_u)?,
+            b.reborrow_mut(&mut dx),
+            rows,
+        )?;
+        Ok(AttentionWgrad {
+            tokens,
+            x_in: s.x_in,
+            rstd_in: s.rstd_in,
+            u: s.u,
+            d_u,
+            d_qkv,
+            d_out,
+            o: s.o,
+            qk_norm,
+        })
+    }
+
+    pub fn backward_weight<B: Backend>(
+        &self,
+        b: &B,
+        g: AttentionWgrad<B>,
+        grads: &mut [B::SliceMut<'_>],
+    ) -> Result<()> {
+        check_grads(b, "`*` layer", &self.params, grads)?;
+        let rows = g.tokens.rows()?;
+        let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
+        b.matmul(
+            b.view(&g.d_out)?,
+            b.view(&g.o)?,
+            grad(b, grads, PROJ)?,
+            MatmulDims::linear_weight_grad(rows, heads * c, h),
+        )?;
+        RmsNorm::plain(h).backward_weight(
+            b,
+            &g.x_in,
+            &g.rstd_in,
+            &g.d_u,
+            grad(b, grads, QKV_NORM)?,
+            rows,
+        )?;
+        b.matmul(
+            b.view(&g.d_qkv)?,
+            b.view(&g.u)?,
+            grad(b, grads, QKV)?,
+            MatmulDims::linear_weight_grad(rows, h, self.qkv_width()),
+        )?;
+        if let Some(qk) = g.qk_norm {
+            let norm = RmsNorm::plain(c);
+            norm.backward_weight(
+                b,
+                &qk.saved.q_pre,
+                &qk.saved.rstd_q,
+                &qk.dq,
+                grad(b, grads, Q_NORM)?,
+                rows * heads,
+            )?;
+            norm.backward_weight(
+                b,
+                &qk.saved.k_pre,
+                &qk.saved.rstd_k,
+                &qk.dk,
+                grad(b, grads, K_NORM)?,
+                rows * groups,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,71 @@
+//! The token embedding (`embedding.word_embeddings.weight`, `[V, h]` with V
+//! padded to a multiple of 128): a row gather, and a scatter-add backward in
+//! row order.
+
+use super::{check_len, positive};
+use crate::backend::{Backend, LookupDims};
+use crate::error::Result;
+use hybridgen_dsl::ModelConfig;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Embedding {
+    vocab: usize,
+    hidden: usize,
+}
+
+impl Embedding {
+    /// The embedding of `config`: `padded_vocab_size() x hidden_size`.
+    pub fn new(config: &ModelConfig) -> Result<Self> {
+        Ok(Embedding {
+            vocab: positive("the vocabulary size", config.padded_vocab_size())?,
+            hidden: positive("hidden_size", config.hidden_size)?,
+        })
+    }
+
+    /// Rows of the table (the padded vocabulary).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn dims(&self) -> LookupDims {
+        LookupDims {
+            vocab: self.vocab,
+            hidden: self.hidden,
+        }
+    }
+
+    /// `out[r] = table[ids[r]]`; `out` is `[ids.len(), h]`. Ids are host
+    /// values (the CUDA backend uploads them).
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        table: B::Slice<'_>,
+        ids: &[u32],
+        out: B::SliceMut<'_>,
+    ) -> Result<()> {
+        check_len(
+            "embedding",
+            "out",
+            b.slice_len(b.as_slice(&out)),
+            ids.len() * self.hidden,
+        )?;
+        b.embedding_forward(table, ids, out, self.dims())
+    }
+
+    /// `dtable[ids[r]] += dout[r]` in row order (accumulates over calls).
+    pub fn backward<B: Backend>(
+        &self,
+        b: &B,
+        dout: B::Slice<'_>,
+        ids: &[u32],
+        dtable: B::SliceMut<'_>,
+    ) -> Result<()> {
+        check_len(
+            "embedding backward",
+            "dout",
+            b.slice_len(dout),
+            ids.len() * self.hidden,
+        )?;
+        b.embedding_backward(dout, ids, dtable, self.dims())
+    }
+}

@@ -1,0 +1,345 @@
+//! Parameter initialisation (layers.md): every value is a function of
+//! `(seed, full parameter name, element index)` only, through a small
+//! counter-based generator (splitmix64, Box–Muller for normals). So a
+//! parameter gets the same values however it is later sharded, and expert
+//! weights, keyed by their **global** expert name, agree across EP layouts.
+//!
+//! | parameter | values |
+//! | --- | --- |
+//! | norms (`*norm*.weight`, `layer_norm_weight`), Mamba `D` | 1 |
+//! | biases (`conv1d_bias`) | 0 |
+//! | `A_log` | `log(U(1, 16))` |
+//! | `dt_bias` | `softplus^-1(dt0)`, `dt0` log-uniform in [1e-3, 0.1] (floor 1e-4) |
+//! | `linear_proj`, `out_proj`, `linear_fc2` (experts and shared too) | normal(0, std / sqrt(2 * layers)) |
+//! | everything else | normal(0, std) |
+
+use crate::error::{Result, RuntimeError};
+use hybridgen_dsl::ModelConfig;
+use hybridgen_dsl::params::ParamDef;
+
+/// The scales the rules need: `init_std` and the number of decoder layers
+/// the output projections are scaled by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct InitScale {
+    pub std: f32,
+    pub num_layers: usize,
+}
+
+impl InitScale {
+    /// `config.init_std` with `num_layers` physical decoder layers.
+    pub fn new(config: &ModelConfig, num_layers: usize) -> Self {
+        InitScale {
+            std: config.init_std,
+            num_layers,
+        }
+    }
+
+    /// `std / sqrt(2 * layers)`, Megatron's scaled init for output projections.
+    pub fn output_std(&self) -> f32 {
+        (self.std as f64 / (2.0 * self.num_layers.max(1) as f64).sqrt()) as f32
+    }
+}
+
+/// How a parameter is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ParamInit {
+    Normal {
+        std: f32,
+    },
+    Ones,
+    Zeros,
+    /// `log(U(1, 16))`.
+    MambaALog,
+    /// `softplus^-1(dt0)`, `dt0` log-uniform in [1e-3, 0.1].
+    MambaDtBias,
+}
+
+impl ParamInit {
+    /// The rule for a parameter, from its full name.
+    pub fn for_name(full_name: &str, scale: &InitScale) -> ParamInit {
+        let mut parts = full_name.rsplit('.');
+        let last = parts.next().unwrap_or_default();
+        let owner = parts.next().unwrap_or_default();
+        match last {
+            "A_log" => return ParamInit::MambaALog,
+            "dt_bias" => return ParamInit::MambaDtBias,
+            "D" => return ParamInit::Ones,
+            "layer_norm_weight" => return ParamInit::Ones,
+            "bias" | "conv1d_bias" => return ParamInit::Zeros,
+            _ => {}
+        }
+        if last.starts_with("weight") {
+            if owner.contains("norm") {
+                return ParamInit::Ones;
+            }
+            if matches!(owner, "linear_proj" | "out_proj" | "linear_fc2") {
+                return ParamInit::Normal {
+                    std: scale.output_std(),
+                };
+            }
+        }
+        ParamInit::Normal { std: scale.std }
+    }
+}
+
+/// Fills `out` (the whole parameter, `def.numel()` values) for `full_name`
+/// (for an expert weight, its global name: see [`global_expert_name`]).
+pub fn init_param(
+    seed: u64,
+    full_name: &str,
+    def: &ParamDef,
+    scale: &InitScale,
+    out: &mut [f32],
+) -> Result<()> {
+    if out.len() != def.numel() {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "init of `{full_name}`: {} values for shape {:?} ({} elements)",
+            out.len(),
+            def.shape,
+            def.numel()
+        )));
+    }
+    init_param_range(seed, full_name, def, scale, 0, out)
+}
+
+/// Fills `out` with elements `[offset, offset + out.len())` of the parameter,
+/// the same values [`init_param`] puts there (for filling a shard directly).
+pub fn init_param_range(
+    seed: u64,
+    full_name: &str,
+    def: &ParamDef,
+    scale: &InitScale,
+    offset: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    if offset
+        .checked_add(out.len())
+        .is_none_or(|end| end > def.numel())
+    {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "init of `{full_name}`: elements {offset}..{} are outside its {} elements",
+            offset.saturating_add(out.len()),
+            def.numel()
+        )));
+    }
+    let rule = ParamInit::for_name(full_name, scale);
+    let stream = Stream::new(seed, full_name);
+    for (i, v) in out.iter_mut().enumerate() {
+        let index = (offset + i) as u64;
+        *v = match rule {
+            ParamInit::Normal { std } => (std as f64 * stream.normal(index)) as f32,
+            ParamInit::Ones => 1.0,
+            ParamInit::Zeros => 0.0,
+            ParamInit::MambaALog => (1.0 + 15.0 * stream.uniform(index)).ln() as f32,
+            ParamInit::MambaDtBias => {
+                let (lo, hi) = (1e-3f64.ln(), 0.1f64.ln());
+                let dt = (lo + stream.uniform(index) * (hi - lo)).exp().max(1e-4);
+                // softplus^-1(y) = y + log(1 - exp(-y)).
+                (dt + (-(-dt).exp_m1()).ln()) as f32
+            }
+        };
+    }
+    Ok(())
+}
+
+/// The global name of a rank-local expert weight: `...weight{j}` on EP rank
+/// `ep_rank` holding `local_experts` experts is `...weight{ep_rank * L + j}`.
+/// Names without `.experts.` are returned unchanged.
+pub fn global_expert_name(
+    local_name: &str,
+    ep_rank: usize,
+    local_experts: usize,
+) -> Result<String> {
+    if !local_name.contains(".experts.") {
+        return Ok(local_name.to_string());
+    }
+    let stem = local_name.trim_end_matches(|c: char| c.is_ascii_digit());
+    let j: usize = local_name[stem.len()..].parse().map_err(|_| {
+        RuntimeError::InvalidArgument(format!("expert weight `{local_name}` has no expert index"))
+    })?;
+    if j >= local_experts {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "expert weight `{local_name}`: index {j} but {local_experts} local experts"
+        )));
+    }
+    Ok(format!("{stem}{}", ep_rank * local_experts + j))
+}
+
+/// The splitmix64 finaliser.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// A counter-based stream of random values, keyed by (seed, name): value `i`
+/// is `mix(key + (i + 1) * gamma)`, splitmix64's sequence, computable at any
+/// index.
+struct Stream {
+    key: u64,
+}
+
+impl Stream {
+    fn new(seed: u64, name: &str) -> Self {
+        let mut key = mix(seed.wrapping_add(GAMMA));
+        for byte in name.bytes() {
+            key = mix(key ^ u64::from(byte)).wrapping_add(GAMMA);
+        }
+        Stream { key }
+    }
+
+    fn bits(&self, counter: u64) -> u64 {
+        mix(self
+            .key
+            .wrapping_add(counter.wrapping_add(1).wrapping_mul(GAMMA)))
+    }
+
+    /// Uniform in (0, 1), never 0 (Box–Muller takes its log).
+    fn uniform(&self, counter: u64) -> f64 {
+        ((self.bits(counter) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// Standard normal: Box–Muller on the pair `(2p, 2p + 1)` of uniforms,
+    /// cosine for even elements, sine for odd.
+    fn normal(&self, index: u64) -> f64 {
+        let pair = index / 2;
+        let radius = (-2.0 * self.uniform(2 * pair).ln()).sqrt();
+        let angle = std::f64::consts::TAU * self.uniform(2 * pair + 1);
+        if index.is_multiple_of(2) {
+            radius * angle.cos()
+        } else {
+            radius * angle.sin()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scale() -> InitScale {
+        InitScale {
+            std: 0.02,
+            num_layers: 8,
+        }
+    }
+
+    #[test]
+    fn rules_follow_the_names() {
+        let s = scale();
+        let out = ParamInit::Normal { std: 0.02 / 4.0 };
+        for (name, want) in [
+            ("decoder.layers.0.mixer.A_log", ParamInit::MambaALog),
+            ("decoder.layers.0.mixer.dt_bias", ParamInit::MambaDtBias),
+            ("decoder.layers.0.mixer.D", ParamInit::Ones),
+            ("decoder.layers.0.mixer.conv1d_bias", ParamInit::Zeros),
+            (
+                "decoder.layers.0.mixer.conv1d_weight",
+                ParamInit::Normal { std: 0.02 },
+            ),
+            (
+                "decoder.layers.0.mixer.in_proj.layer_norm_weight",
+                ParamInit::Ones,
+            ),
+            ("decoder.layers.0.mixer.norm.weight", ParamInit::Ones),
+            ("decoder.layers.0.mixer.out_proj.weight", out),
+            ("decoder.layers.1.self_attention.linear_proj.weight", out),
+            (
+                "decoder.layers.1.self_attention.q_layernorm.weight",
+                ParamInit::Ones,
+            ),
+            ("decoder.layers.2.mlp.linear_fc2.weight", out),
+            ("decoder.layers.2.mlp.experts.linear_fc2.weight7", out),
+            ("decoder.layers.2.mlp.shared_experts.linear_fc2.weight", out),
+            (
+                "decoder.layers.2.mlp.experts.linear_fc1.weight7",
+                ParamInit::Normal { std: 0.02 },
+            ),
+            ("decoder.layers.2.pre_mlp_layernorm.weight", ParamInit::Ones),
+            ("decoder.final_norm.weight", ParamInit::Ones),
+            ("mtp.layers.0.enorm.weight", ParamInit::Ones),
+            (
+                "mtp.layers.0.eh_proj.weight",
+                ParamInit::Normal { std: 0.02 },
+            ),
+            (
+                "embedding.word_embeddings.weight",
+                ParamInit::Normal { std: 0.02 },
+            ),
+            ("output_layer.weight", ParamInit::Normal { std: 0.02 }),
+        ] {
+            assert_eq!(ParamInit::for_name(name, &s), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn values_depend_on_seed_and_name_only_and_ranges_agree_with_the_whole() {
+        let def = ParamDef::new("weight", &[64, 33]);
+        let name = "decoder.layers.0.mlp.linear_fc1.weight";
+        let mut a = vec![0.0; def.numel()];
+        let mut b = vec![0.0; def.numel()];
+        init_param(7, name, &def, &scale(), &mut a).unwrap();
+        init_param(7, name, &def, &scale(), &mut b).unwrap();
+        assert_eq!(a, b);
+        let mut shard = vec![0.0; 301];
+        init_param_range(7, name, &def, &scale(), 999, &mut shard).unwrap();
+        assert_eq!(&shard[..], &a[999..1300]);
+        init_param(8, name, &def, &scale(), &mut b).unwrap();
+        assert_ne!(a, b);
+        init_param(
+            7,
+            "decoder.layers.1.mlp.linear_fc1.weight",
+            &def,
+            &scale(),
+            &mut b,
+        )
+        .unwrap();
+        assert_ne!(a, b);
+        assert!(init_param_range(7, name, &def, &scale(), 2000, &mut shard).is_err());
+        assert!(init_param(7, name, &def, &scale(), &mut shard).is_err());
+    }
+
+    #[test]
+    fn normals_have_the_requested_moments() {
+        let def = ParamDef::new("weight", &[100_000]);
+        let mut v = vec![0.0; def.numel()];
+        init_param(1, "x.weight", &def, &scale(), &mut v).unwrap();
+        let n = v.len() as f64;
+        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        assert!(mean.abs() < 3e-4, "mean {mean}");
+        assert!((var.sqrt() - 0.02).abs() < 3e-4, "std {}", var.sqrt());
+    }
+
+    #[test]
+    fn mamba_parameters_fall_in_their_ranges() {
+        let def = ParamDef::new("dt_bias", &[1000]);
+        let mut dt = vec![0.0; 1000];
+        init_param(3, "decoder.layers.0.mixer.dt_bias", &def, &scale(), &mut dt).unwrap();
+        for &b in &dt {
+            let softplus = (b as f64).exp().ln_1p();
+            assert!((1e-3 - 1e-6..=0.1 + 1e-6).contains(&softplus), "{softplus}");
+        }
+        let mut a = vec![0.0; 1000];
+        init_param(3, "decoder.layers.0.mixer.A_log", &def, &scale(), &mut a).unwrap();
+        assert!(a.iter().all(|&v| (0.0..=16f32.ln()).contains(&v)));
+        assert!(a.iter().any(|&v| v > 2.0) && a.iter().any(|&v| v < 1.0));
+    }
+
+    #[test]
+    fn global_expert_names_offset_by_the_rank() {
+        let n = "decoder.layers.1.mlp.experts.linear_fc1.weight1";
+        assert_eq!(
+            global_expert_name(n, 2, 4).unwrap(),
+            "decoder.layers.1.mlp.experts.linear_fc1.weight9"
+        );
+        assert_eq!(
+            global_expert_name("output_layer.weight", 3, 4).unwrap(),
+            "output_layer.weight"
+        );
+        assert!(global_expert_name(n, 0, 1).is_err());
+        assert!(global_expert_name("a.experts.weight", 0, 1).is_err());
+    }
+}

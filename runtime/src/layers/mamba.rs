@@ -1,0 +1,408 @@
+//! `M`: the Mamba-2 mixer (layers.md `M`), with the scan evaluated
+//! sequentially per head and the state kept only at chunk starts.
+
+use super::norm::RmsNorm;
+use super::{
+    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, grad_rows,
+    positive, section, weight, weight_rows, zeros, zeros_f32,
+};
+use crate::backend::{Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Unary};
+use crate::error::{Result, RuntimeError};
+use hybridgen_dsl::LayerKind;
+use hybridgen_dsl::ModelConfig;
+use hybridgen_dsl::params::{ParamDef, layer_params};
+
+/// Parameter indices (params.md order).
+const CONV_W: usize = 0;
+const CONV_B: usize = 1;
+const DT_BIAS: usize = 2;
+const A_LOG: usize = 3;
+const D_SKIP: usize = 4;
+const IN_NORM: usize = 5;
+const IN_PROJ: usize = 6;
+const OUT_NORM: usize = 7;
+const OUT_PROJ: usize = 8;
+
+/// `M`: `x += W_out GatedNorm(Scan(SiLU(Conv(xBC))) * silu(z))` on
+/// `[z | xBC | dt] = RMSNorm(x) W_in^T`.
+#[derive(Clone, Debug)]
+pub struct MambaLayer {
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+    groups: usize,
+    state: usize,
+    conv_kernel: usize,
+    chunk: usize,
+    params: Vec<ParamDef>,
+}
+
+/// What [`MambaLayer::forward`] keeps.
+pub struct MambaSaved<B: Backend> {
+    tokens: Tokens,
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    u: B::Buf,
+    z: B::Buf,
+    xbc_in: B::Buf,
+    xbc_conv: B::Buf,
+    xbc: B::Buf,
+    dt: B::Buf,
+    states: B::Buf,
+    y: B::Buf,
+    gated: B::Buf,
+    rstd_gated: B::Buf,
+    normed: B::Buf,
+}
+
+/// What [`MambaLayer::backward_input`] keeps.
+pub struct MambaWgrad<B: Backend> {
+    tokens: Tokens,
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    u: B::Buf,
+    d_u: B::Buf,
+    d_z: B::Buf,
+    xbc_in: B::Buf,
+    d_xbc_in: B::Buf,
+    d_xbc_conv: B::Buf,
+    d_dt: B::Buf,
+    d_a_log: B::Buf,
+    d_skip: B::Buf,
+    gated: B::Buf,
+    rstd_gated: B::Buf,
+    d_normed: B::Buf,
+    normed: B::Buf,
+    d_out: B::Buf,
+}
+
+impl MambaLayer {
+    pub fn new(config: &ModelConfig) -> Result<Self> {
+        let m = section(&config.mamba, LayerKind::Mamba, "mamba")?;
+        let heads = positive("mamba.num_heads", m.num_heads)?;
+        let groups = positive("mamba.num_groups", m.num_groups)?;
+        if heads % groups != 0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "mamba.num_groups = {groups} does not divide mamba.num_heads = {heads}"
+            )));
+        }
+        Ok(MambaLayer {
+            hidden: positive("hidden_size", config.hidden_size)?,
+            heads,
+            head_dim: positive("mamba.head_dim", m.head_dim)?,
+            groups,
+            state: positive("mamba.state_size", m.state_size)?,
+            conv_kernel: positive("mamba.conv_kernel", m.conv_kernel)?,
+            chunk: positive("mamba.chunk_size", m.chunk_size)?,
+            params: layer_params(LayerKind::Mamba, config, 0),
+        })
+    }
+
+    pub fn params(&self) -> &[ParamDef] {
+        &self.params
+    }
+
+    fn d_inner(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Conv channels: `x | B | C`.
+    fn conv_dim(&self) -> usize {
+        self.d_inner() + 2 * self.groups * self.state
+    }
+
+    fn in_norm(&self) -> RmsNorm {
+        RmsNorm::plain(self.hidden)
+    }
+
+    fn gated_norm(&self) -> RmsNorm {
+        RmsNorm::grouped(self.d_inner(), self.groups)
+    }
+
+    fn conv_dims(&self, tokens: Tokens) -> ConvDims {
+        ConvDims {
+            tokens,
+            channels: self.conv_dim(),
+            kernel: self.conv_kernel,
+        }
+    }
+
+    fn scan_dims(&self, tokens: Tokens) -> ScanDims {
+        ScanDims {
+            tokens,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            groups: self.groups,
+            state: self.state,
+            chunk: self.chunk,
+        }
+    }
+
+    /// Row blocks of `in_proj`: z, xBC, dt.
+    fn proj_blocks(&self) -> [std::ops::Range<usize>; 3] {
+        let (d, c) = (self.d_inner(), self.conv_dim());
+        [0..d, d..d + c, d + c..d + c + self.heads]
+    }
+
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        mut x: B::SliceMut<'_>,
+        tokens: Tokens,
+    ) -> Result<MambaSaved<B>> {
+        let name = "`M` layer";
+        check_weights(b, name, &self.params, weights)?;
+        let rows = check_rows(name, "x", b.slice_len(b.as_slice(&x)), tokens, self.hidden)?;
+        let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
+        let w = |i| weight::<B>(weights, i);
+        let x_in = copy_of(b, b.as_slice(&x))?;
+        let (u, rstd_in) = self
+            .in_norm()
+            .forward(b, w(IN_NORM)?, b.view(&x_in)?, rows)?;
+        // One fused projection, computed per row block so each output is contiguous.
+        let [bz, bxbc, bdt] = self.proj_blocks();
+        let mut z = zeros(b, rows * d)?;
+        let mut xbc_in = zeros(b, rows * c)?;
+        let mut dt = zeros(b, rows * heads)?;
+        for (block, out, width) in [
+            (bz, &mut z, d),
+            (bxbc, &mut xbc_in, c),
+            (bdt, &mut dt, heads),
+        ] {
+            let wb = weight_rows(b, w(IN_PROJ)?, h, block)?;
+            b.matmul(
+                b.view(&u)?,
+                wb,
+                b.view_mut(out)?,
+                MatmulDims::linear(rows, h, width),
+            )?;
+        }
+        let mut xbc_conv = zeros(b, rows * c)?;
+        b.conv1d_forward(
+            b.view(&xbc_in)?,
+            w(CONV_W)?,
+            w(CONV_B)?,
+            b.view_mut(&mut xbc_conv)?,
+            self.conv_dims(tokens),
+        )?;
+        let mut xbc = zeros(b, rows * c)?;
+        b.unary_forward(Unary::Silu, b.view(&xbc_conv)?, b.view_mut(&mut xbc)?)?;
+        let scan = self.scan_dims(tokens);
+        let mut y = zeros(b, rows * d)?;
+        let mut states = zeros_f32(b, scan.states_len())?;
+        let inputs = ScanInputs {
+            xbc: b.view(&xbc)?,
+            dt: b.view(&dt)?,
+            dt_bias: b.shorten(w(DT_BIAS)?),
+            a_log: b.shorten(w(A_LOG)?),
+            d: b.shorten(w(D_SKIP)?),
+        };
+        b.ssd_scan_forward(inputs, b.view_mut(&mut y)?, b.view_mut(&mut states)?, scan)?;
+        let mut gated = zeros(b, rows * d)?;
+        b.silu_mul_forward(b.view(&z)?, b.view(&y)?, b.view_mut(&mut gated)?)?;
+        let (normed, rstd_gated) =
+            self.gated_norm()
+                .forward(b, w(OUT_NORM)?, b.view(&gated)?, rows)?;
+        let mut out = MatmulDims::linear(rows, d, h);
+        out.accumulate = true;
+        b.matmul(b.view(&normed)?, w(OUT_PROJ)?, b.reborrow_mut(&mut x), out)?;
+        Ok(MambaSaved {
+            tokens,
+            x_in,
+            rstd_in,
+            u,
+            z,
+            xbc_in,
+            xbc_conv,
+            xbc,
+            dt,
+            states,
+            y,
+            gated,
+            rstd_gated,
+            normed,
+        })
+    }
+
+    pub fn backward_input<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        s: MambaSaved<B>,
+        mut dx: B::SliceMut<'_>,
+    ) -> Result<MambaWgrad<B>> {
+        let name = "`M` layer backward";
+        check_weights(b, name, &self.params, weights)?;
+        let tokens = s.tokens;
+        let rows = tokens.rows()?;
+        check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
+        let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
+        let w = |i| weight::<B>(weights, i);
+        let d_out = copy_of(b, b.as_slice(&dx))?;
+        let mut d_normed = zeros(b, rows * d)?;
+        b.matmul(
+            b.view(&d_out)?,
+            w(OUT_PROJ)?,
+            b.view_mut(&mut d_normed)?,
+            MatmulDims::linear_input_grad(rows, d, h, false),
+        )?;
+        let mut d_gated = zeros(b, rows * d)?;
+        self.gated_norm().backward_input(
+            b,
+            w(OUT_NORM)?,
+            &s.gated,
+            &s.rstd_gated,
+            b.view(&d_normed)?,
+            b.view_mut(&mut d_gated)?,
+            rows,
+        )?;
+        let mut d_z = zeros(b, rows * d)?;
+        let mut d_y = zeros(b, rows * d)?;
+        b.silu_mul_backward(
+            b.view(&s.z)?,
+            b.view(&s.y)?,
+            b.view(&d_gated)?,
+            b.view_mut(&mut d_z)?,
+            b.view_mut(&mut d_y)?,
+        )?;
+        let mut d_xbc = zeros(b, rows * c)?;
+        let mut d_dt = zeros(b, rows * heads)?;
+        let mut d_a_log = zeros_f32(b, heads)?;
+        let mut d_skip = zeros_f32(b, heads)?;
+        let inputs = ScanInputs {
+            xbc: b.view(&s.xbc)?,
+            dt: b.view(&s.dt)?,
+            dt_bias: b.shorten(w(DT_BIAS)?),
+            a_log: b.shorten(w(A_LOG)?),
+            d: b.shorten(w(D_SKIP)?),
+        };
+        let grads = ScanGrads {
+            xbc: b.view_mut(&mut d_xbc)?,
+            dt: b.view_mut(&mut d_dt)?,
+            a_log: b.view_mut(&mut d_a_log)?,
+            d: b.view_mut(&mut d_skip)?,
+        };
+        b.ssd_scan_backward(
+            inputs,
+            b.view(&s.states)?,
+            b.view(&d_y)?,
+            grads,
+            self.scan_dims(tokens),
+        )?;
+        let mut d_xbc_conv = zeros(b, rows * c)?;
+        b.unary_backward(
+            Unary::Silu,
+            b.view(&s.xbc_conv)?,
+            b.view(&d_xbc)?,
+            b.view_mut(&mut d_xbc_conv)?,
+        )?;
+        let mut d_xbc_in = zeros(b, rows * c)?;
+        b.conv1d_backward_input(
+            b.view(&d_xbc_conv)?,
+            w(CONV_W)?,
+            b.view_mut(&mut d_xbc_in)?,
+            self.conv_dims(tokens),
+        )?;
+        let mut d_u = zeros(b, rows * h)?;
+        let [bz, bxbc, bdt] = self.proj_blocks();
+        for (i, (block, grad_out, width)) in
+            [(bz, &d_z, d), (bxbc, &d_xbc_in, c), (bdt, &d_dt, heads)]
+                .into_iter()
+                .enumerate()
+        {
+            let wb = weight_rows(b, w(IN_PROJ)?, h, block)?;
+            b.matmul(
+                b.view(grad_out)?,
+                wb,
+                b.view_mut(&mut d_u)?,
+                MatmulDims::linear_input_grad(rows, h, width, i > 0),
+            )?;
+        }
+        self.in_norm().backward_input(
+            b,
+            w(IN_NORM)?,
+            &s.x_in,
+            &s.rstd_in,
+            b.view(&d_u)?,
+            b.reborrow_mut(&mut dx),
+            rows,
+        )?;
+        Ok(MambaWgrad {
+            tokens,
+            x_in: s.x_in,
+            rstd_in: s.rstd_in,
+            u: s.u,
+            d_u,
+            d_z,
+            xbc_in: s.xbc_in,
+            d_xbc_in,
+            d_xbc_conv,
+            d_dt,
+            d_a_log,
+            d_skip,
+            gated: s.gated,
+            rstd_gated: s.rstd_gated,
+            d_normed,
+            normed: s.normed,
+            d_out,
+        })
+    }
+
+    pub fn backward_weight<B: Backend>(
+        &self,
+        b: &B,
+        g: MambaWgrad<B>,
+        grads: &mut [B::SliceMut<'_>],
+    ) -> Result<()> {
+        check_grads(b, "`M` layer", &self.params, grads)?;
+        let rows = g.tokens.rows()?;
+        let (h, d, heads) = (self.hidden, self.d_inner(), self.heads);
+        {
+            let (dw, dbias) = grad_pair(b, grads, CONV_W, CONV_B)?;
+            b.conv1d_backward_weight(
+                b.view(&g.d_xbc_conv)?,
+                b.view(&g.xbc_in)?,
+                dw,
+                dbias,
+                self.conv_dims(g.tokens),
+            )?;
+        }
+        b.column_sum(b.view(&g.d_dt)?, grad(b, grads, DT_BIAS)?, rows, heads)?;
+        b.axpy(1.0, b.view(&g.d_a_log)?, grad(b, grads, A_LOG)?)?;
+        b.axpy(1.0, b.view(&g.d_skip)?, grad(b, grads, D_SKIP)?)?;
+        self.in_norm().backward_weight(
+            b,
+            &g.x_in,
+            &g.rstd_in,
+            &g.d_u,
+            grad(b, grads, IN_NORM)?,
+            rows,
+        )?;
+        let [bz, bxbc, bdt] = self.proj_blocks();
+        for (block, grad_out) in [(bz, &g.d_z), (bxbc, &g.d_xbc_in), (bdt, &g.d_dt)] {
+            let width = block.len();
+            let dw = grad_rows(b, grads, IN_PROJ, h, block)?;
+            b.matmul(
+                b.view(grad_out)?,
+                b.view(&g.u)?,
+                dw,
+                MatmulDims::linear_weight_grad(rows, h, width),
+            )?;
+        }
+        self.gated_norm().backward_weight(
+            b,
+            &g.gated,
+            &g.rstd_gated,
+            &g.d_normed,
+            grad(b, grads, OUT_NORM)?,
+            rows,
+        )?;
+        b.matmul(
+            b.view(&g.d_out)?,
+            b.view(&g.normed)?,
+            grad(b, grads, OUT_PROJ)?,
+            MatmulDims::linear_weight_grad(rows, d, h),
+        )
+    }
+}

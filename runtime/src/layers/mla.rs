@@ -1,0 +1,665 @@
+//! `+`: multi-latent attention (layers.md `+`, DeepSeek-V2/V3 style): LoRA
+//! queries (or a direct projection), a compressed key/value latent with a
+//! shared rotary key, optional RMSNorm on both latents.
+
+use super::norm::RmsNorm;
+use super::{
+    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_rows, positive,
+    section, weight, weight_rows, zeros, zeros_f32,
+};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims};
+use crate::error::{Result, RuntimeError};
+use hybridgen_dsl::LayerKind;
+use hybridgen_dsl::ModelConfig;
+use hybridgen_dsl::params::{ParamDef, layer_params};
+
+/// Where each parameter sits in the list (it depends on `q_lora_rank` and
+/// qk-norm, params.md).
+#[derive(Clone, Copy, Debug)]
+struct Indices {
+    in_norm: usize,
+    proj: usize,
+    /// `linear_q_down_proj` (with q LoRA).
+    q_down: Option<usize>,
+    q_norm: Option<usize>,
+    /// `linear_q_up_proj`, or `linear_q_proj` without q LoRA.
+    q_up: usize,
+    kv_down: usize,
+    kv_norm: Option<usize>,
+    kv_up: usize,
+}
+
+impl Indices {
+    fn new(q_lora: bool, qk_norm: bool) -> Self {
+        let mut next = 2;
+        let mut take = |present: bool| {
+            present.then(|| {
+                next += 1;
+                next - 1
+            })
+        };
+        let q_down = take(q_lora);
+        let q_norm = take(q_lora && qk_norm);
+        let q_up = take(true).unwrap_or_default();
+        let kv_down = take(true).unwrap_or_default();
+        let kv_norm = take(qk_norm);
+        let kv_up = take(true).unwrap_or_default();
+        Indices {
+            in_norm: 0,
+            proj: 1,
+            q_down,
+            q_norm,
+            q_up,
+            kv_down,
+            kv_norm,
+            kv_up,
+        }
+    }
+}
+
+/// `+`: `x += Attn(q, [k_nope | rope(k_rope)], v) W_proj^T`.
+#[derive(Clone, Debug)]
+pub struct MlaLayer {
+    hidden: usize,
+    heads: usize,
+    q_rank: Option<usize>,
+    kv_rank: usize,
+    nope_dim: usize,
+    rope_dim: usize,
+    v_dim: usize,
+    rope_base: f32,
+    at: Indices,
+    params: Vec<ParamDef>,
+}
+
+/// A LoRA latent (`cq` or `c`) as the up projection reads it.
+struct Latent<B: Backend> {
+    /// The down projection's output and its norm's `rstd`, with qk-norm.
+    norm: Option<(B::Buf, B::Buf)>,
+    /// The normed latent (the raw one without qk-norm).
+    out: B::Buf,
+}
+
+/// The gradients of a [`Latent`].
+struct LatentGrad<B: Backend> {
+    /// W.r.t. `out`.
+    d_out: B::Buf,
+    /// W.r.t. the raw latent, when a norm sits between (else `d_out`).
+    d_raw: Option<B::Buf>,
+}
+
+impl<B: Backend> LatentGrad<B> {
+    fn d_raw(&self) -> &B::Buf {
+        self.d_raw.as_ref().unwrap_or(&self.d_out)
+    }
+}
+
+impl<B: Backend> Latent<B> {
+    fn new(
+        b: &B,
+        raw: B::Buf,
+        norm_weight: Option<B::Slice<'_>>,
+        dim: usize,
+        rows: usize,
+    ) -> Result<Self> {
+        Ok(match norm_weight {
+            Some(w) => {
+                let (out, rstd) = RmsNorm::plain(dim).forward(b, w, b.view(&raw)?, rows)?;
+                Latent {
+                    norm: Some((raw, rstd)),
+                    out,
+                }
+            }
+            None => Latent {
+                norm: None,
+                out: raw,
+            },
+        })
+    }
+
+    fn backward_input(
+        &self,
+        b: &B,
+        norm_weight: Option<B::Slice<'_>>,
+        d_out: B::Buf,
+        dim: usize,
+        rows: usize,
+    ) -> Result<LatentGrad<B>> {
+        let d_raw = match (&self.norm, norm_weight) {
+            (Some((raw, rstd)), Some(w)) => {
+                let mut d_raw = zeros(b, rows * dim)?;
+                RmsNorm::plain(dim).backward_input(
+                    b,
+                    w,
+                    raw,
+                    rstd,
+                    b.view(&d_out)?,
+                    b.view_mut(&mut d_raw)?,
+                    rows,
+                )?;
+                Some(d_raw)
+            }
+            _ => None,
+        };
+        Ok(LatentGrad { d_out, d_raw })
+    }
+
+    fn backward_weight(
+        &self,
+        b: &B,
+        g: &LatentGrad<B>,
+        dw: B::SliceMut<'_>,
+        dim: usize,
+        rows: usize,
+    ) -> Result<()> {
+        match &self.norm {
+            Some((raw, rstd)) => {
+                RmsNorm::plain(dim).backward_weight(b, raw, rstd, &g.d_out, dw, rows)
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// What [`MlaLayer::forward`] keeps.
+pub struct MlaSaved<B: Backend> {
+    tokens: Tokens,
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    u: B::Buf,
+    cq: Option<Latent<B>>,
+    ckv: Latent<B>,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    o: B::Buf,
+    lse: B::Buf,
+}
+
+/// What [`MlaLayer::backward_input`] keeps.
+pub struct MlaWgrad<B: Backend> {
+    tokens: Tokens,
+    x_in: B::Buf,
+    rstd_in: B::Buf,
+    u: B::Buf,
+    d_u: B::Buf,
+    d_out: B::Buf,
+    o: B::Buf,
+    dq: B::Buf,
+    cq: Option<(Latent<B>, LatentGrad<B>)>,
+    ckv: Latent<B>,
+    d_ckv: LatentGrad<B>,
+    d_k_rope: B::Buf,
+    d_kv: B::Buf,
+}
+
+impl MlaLayer {
+    pub fn new(config: &ModelConfig) -> Result<Self> {
+        let m = section(&config.mla, LayerKind::Mla, "mla")?;
+        let rope_dim = positive("mla.qk_rope_head_dim", m.qk_rope_head_dim)?;
+        if rope_dim % 2 != 0 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "mla.qk_rope_head_dim = {rope_dim} is odd; rotary embeddings rotate pairs"
+            )));
+        }
+        if let Some(qr) = m.q_lora_rank {
+            positive("mla.q_lora_rank", qr)?;
+        }
+        Ok(MlaLayer {
+            hidden: positive("hidden_size", config.hidden_size)?,
+            heads: positive("mla.num_heads", m.num_heads)?,
+            q_rank: m.q_lora_rank,
+            kv_rank: positive("mla.kv_lora_rank", m.kv_lora_rank)?,
+            nope_dim: positive("mla.qk_head_dim", m.qk_head_dim)?,
+            rope_dim,
+            v_dim: positive("mla.v_head_dim", m.v_head_dim)?,
+            rope_base: m.rope_base,
+            at: Indices::new(m.q_lora_rank.is_some(), m.qk_norm),
+            params: layer_params(LayerKind::Mla, config, 0),
+        })
+    }
+
+    pub fn params(&self) -> &[ParamDef] {
+        &self.params
+    }
+
+    /// Per-head query/key width `dn + dr`.
+    fn qk_dim(&self) -> usize {
+        self.nope_dim + self.rope_dim
+    }
+
+    fn rotary(
+        &self,
+        tokens: Tokens,
+        heads: usize,
+        head_stride: usize,
+        offset: usize,
+    ) -> RotaryDims {
+        RotaryDims {
+            tokens,
+            heads,
+            head_stride,
+            offset,
+            dim: self.rope_dim,
+            base: self.rope_base,
+        }
+    }
+
+    fn attention_dims(&self, tokens: Tokens) -> AttentionDims {
+        AttentionDims {
+            tokens,
+            heads: self.heads,
+            kv_heads: self.heads,
+            qk_dim: self.qk_dim(),
+            v_dim: self.v_dim,
+            scale: 1.0 / (self.qk_dim() as f32).sqrt(),
+        }
+    }
+
+    /// Per head `i`: the column copies between `kv` `[a, dn + dv]`, `k`
+    /// `[a, dn + dr]`, `v` `[a, dv]` and `k_rope` `[dr]`, as
+    /// (nope: kv -> k, v: kv -> v, rope: k_rope -> k).
+    fn head_copies(&self, rows: usize, i: usize) -> [CopyCols; 3] {
+        let (a, dn, dr, dv) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
+        let copy = |cols, src_stride, src_offset, dst_stride, dst_offset| CopyCols {
+            rows,
+            cols,
+            src_stride,
+            src_offset,
+            dst_stride,
+            dst_offset,
+            accumulate: false,
+        };
+        [
+            copy(
+                dn,
+                a * (dn + dv),
+                i * (dn + dv),
+                a * (dn + dr),
+                i * (dn + dr),
+            ),
+            copy(dv, a * (dn + dv), i * (dn + dv) + dn, a * dv, i * dv),
+            copy(dr, dr, 0, a * (dn + dr), i * (dn + dr) + dn),
+        ]
+    }
+
+    /// The reverse of a [`CopyCols`].
+    fn reverse(c: CopyCols, accumulate: bool) -> CopyCols {
+        CopyCols {
+            src_stride: c.dst_stride,
+            src_offset: c.dst_offset,
+            dst_stride: c.src_stride,
+            dst_offset: c.src_offset,
+            accumulate,
+            ..c
+        }
+    }
+
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        mut x: B::SliceMut<'_>,
+        tokens: Tokens,
+    ) -> Result<MlaSaved<B>> {
+        let name = "`+` layer";
+        check_weights(b, name, &self.params, weights)?;
+        let rows = check_rows(name, "x", b.slice_len(b.as_slice(&x)), tokens, self.hidden)?;
+        let (h, a, kr, dr, dv) = (
+            self.hidden,
+            self.heads,
+            self.kv_rank,
+            self.rope_dim,
+            self.v_dim,
+        );
+        let dqk = self.qk_dim();
+        let w = |i| weight::<B>(weights, i);
+        let opt = |i: Option<usize>| i.map(w).transpose();
+        let x_in = copy_of(b, b.as_slice(&x))?;
+        let (u, rstd_in) =
+            RmsNorm::plain(h).forward(b, w(self.at.in_norm)?, b.view(&x_in)?, rows)?;
+        // Queries.
+        let mut q = zeros(b, rows * a * dqk)?;
+        let cq = match (self.q_rank, self.at.q_down) {
+            (Some(qr), Some(q_down)) => {
+                let mut raw = zeros(b, rows * qr)?;
+                b.matmul(
+                    b.view(&u)?,
+                    w(q_down)?,
+                    b.view_mut(&mut raw)?,
+                    MatmulDims::linear(rows, h, qr),
+                )?;
+                let latent = Latent::new(b, raw, opt(self.at.q_norm)?, qr, rows)?;
+                b.matmul(
+                    b.view(&latent.out)?,
+                    w(self.at.q_up)?,
+                    b.view_mut(&mut q)?,
+                    MatmulDims::linear(rows, qr, a * dqk),
+                )?;
+                Some(latent)
+            }
+            _ => {
+                b.matmul(
+                    b.view(&u)?,
+                    w(self.at.q_up)?,
+                    b.view_mut(&mut q)?,
+                    MatmulDims::linear(rows, h, a * dqk),
+                )?;
+                None
+            }
+        };
+        // Keys and values: the latent c and the shared rotary key.
+        let mut c_raw = zeros(b, rows * kr)?;
+        let mut k_rope = zeros(b, rows * dr)?;
+        b.matmul(
+            b.view(&u)?,
+            weight_rows(b, w(self.at.kv_down)?, h, 0..kr)?,
+            b.view_mut(&mut c_raw)?,
+            MatmulDims::linear(rows, h, kr),
+        )?;
+        b.matmul(
+            b.view(&u)?,
+            weight_rows(b, w(self.at.kv_down)?, h, kr..kr + dr)?,
+            b.view_mut(&mut k_rope)?,
+            MatmulDims::linear(rows, h, dr),
+        )?;
+        let ckv = Latent::new(b, c_raw, opt(self.at.kv_norm)?, kr, rows)?;
+        let kv_width = a * (self.nope_dim + dv);
+        let mut kv = zeros(b, rows * kv_width)?;
+        b.matmul(
+            b.view(&ckv.out)?,
+            w(self.at.kv_up)?,
+            b.view_mut(&mut kv)?,
+            MatmulDims::linear(rows, kr, kv_width),
+        )?;
+        b.rotary_forward(
+            b.view_mut(&mut q)?,
+            self.rotary(tokens, a, dqk, self.nope_dim),
+        )?;
+        b.rotary_forward(b.view_mut(&mut k_rope)?, self.rotary(tokens, 1, dr, 0))?;
+        let mut k = zeros(b, rows * a * dqk)?;
+        let mut v = zeros(b, rows * a * dv)?;
+        for i in 0..a {
+            let [nope, vv, rope] = self.head_copies(rows, i);
+            b.copy_cols(b.view(&kv)?, b.view_mut(&mut k)?, nope)?;
+            b.copy_cols(b.view(&kv)?, b.view_mut(&mut v)?, vv)?;
+            b.copy_cols(b.view(&k_rope)?, b.view_mut(&mut k)?, rope)?;
+        }
+        drop((kv, k_rope));
+        let mut o = zeros(b, rows * a * dv)?;
+        let mut lse = zeros_f32(b, rows * a)?;
+        let inputs = AttentionInputs {
+            q: b.view(&q)?,
+            k: b.view(&k)?,
+            v: b.view(&v)?,
+        };
+        b.attention_forward(
+            inputs,
+            b.view_mut(&mut o)?,
+            b.view_mut(&mut lse)?,
+            self.attention_dims(tokens),
+        )?;
+        let mut out = MatmulDims::linear(rows, a * dv, h);
+        out.accumulate = true;
+        b.matmul(b.view(&o)?, w(self.at.proj)?, b.reborrow_mut(&mut x), out)?;
+        Ok(MlaSaved {
+            tokens,
+            x_in,
+            rstd_in,
+            u,
+            cq,
+            ckv,
+            q,
+            k,
+            v,
+            o,
+            lse,
+        })
+    }
+
+    pub fn backward_input<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[B::Slice<'_>],
+        s: MlaSaved<B>,
+        mut dx: B::SliceMut<'_>,
+    ) -> Result<MlaWgrad<B>> {
+        let name = "`+` layer backward";
+        check_weights(b, name, &self.params, weights)?;
+        let tokens = s.tokens;
+        let rows = tokens.rows()?;
+        check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
+        let (h, a, kr, dr, dv) = (
+            self.hidden,
+            self.heads,
+            self.kv_rank,
+            self.rope_dim,
+            self.v_dim,
+        );
+        let dqk = self.qk_dim();
+        let w = |i| weight::<B>(weights, i);
+        let opt = |i: Option<usize>| i.map(w).transpose();
+        let d_out = copy_of(b, b.as_slice(&dx))?;
+        let mut d_o = zeros(b, rows * a * dv)?;
+        b.matmul(
+            b.view(&d_out)?,
+            w(self.at.proj)?,
+            b.view_mut(&mut d_o)?,
+            MatmulDims::linear_input_grad(rows, a * dv, h, false),
+        )?;
+        let mut dq = zeros(b, rows * a * dqk)?;
+        let mut dk = zeros(b, rows * a * dqk)?;
+        let mut d_v = zeros(b, rows * a * dv)?;
+        let inputs = AttentionInputs {
+            q: b.view(&s.q)?,
+            k: b.view(&s.k)?,
+            v: b.view(&s.v)?,
+        };
+        let grads = AttentionInputs {
+            q: b.view_mut(&mut dq)?,
+            k: b.view_mut(&mut dk)?,
+            v: b.view_mut(&mut d_v)?,
+        };
+        b.attention_backward(
+            inputs,
+            b.view(&s.o)?,
+            b.view(&s.lse)?,
+            b.view(&d_o)?,
+            grads,
+            self.attention_dims(tokens),
+        )?;
+        // Back through the split: k_rope is shared, so its gradient sums the heads in order.
+        let kv_width = a * (self.nope_dim + dv);
+        let mut d_kv = zeros(b, rows * kv_width)?;
+        let mut d_k_rope = zeros(b, rows * dr)?;
+        for i in 0..a {
+            let [nope, vv, rope] = self.head_copies(rows, i);
+            b.copy_cols(
+                b.view(&dk)?,
+                b.view_mut(&mut d_kv)?,
+                Self::reverse(nope, false),
+            )?;
+            b.copy_cols(
+                b.view(&d_v)?,
+                b.view_mut(&mut d_kv)?,
+                Self::reverse(vv, false),
+            )?;
+            b.copy_cols(
+                b.view(&dk)?,
+                b.view_mut(&mut d_k_rope)?,
+                Self::reverse(rope, true),
+            )?;
+        }
+        drop((dk, d_v));
+        b.rotary_backward(
+            b.view_mut(&mut dq)?,
+            self.rotary(tokens, a, dqk, self.nope_dim),
+        )?;
+        b.rotary_backward(b.view_mut(&mut d_k_rope)?, self.rotary(tokens, 1, dr, 0))?;
+        // Key/value path into d_u.
+        let mut d_c = zeros(b, rows * kr)?;
+        b.matmul(
+            b.view(&d_kv)?,
+            w(self.at.kv_up)?,
+            b.view_mut(&mut d_c)?,
+            MatmulDims::linear_input_grad(rows, kr, kv_width, false),
+        )?;
+        let d_ckv = s
+            .ckv
+            .backward_input(b, opt(self.at.kv_norm)?, d_c, kr, rows)?;
+        let mut d_u = zeros(b, rows * h)?;
+        b.matmul(
+            b.view(d_ckv.d_raw())?,
+            weight_rows(b, w(self.at.kv_down)?, h, 0..kr)?,
+            b.view_mut(&mut d_u)?,
+            MatmulDims::linear_input_grad(rows, h, kr, false),
+        )?;
+        b.matmul(
+            b.view(&d_k_rope)?,
+            weight_rows(b, w(self.at.kv_down)?, h, kr..kr + dr)?,
+            b.view_mut(&mut d_u)?,
+            MatmulDims::linear_input_grad(rows, h, dr, true),
+        )?;
+        // Query path into d_u.
+        let cq = match (s.cq, self.q_rank, self.at.q_down) {
+            (Some(latent), Some(qr), Some(q_down)) => {
+                let mut d_cq = zeros(b, rows * qr)?;
+                b.matmul(
+                    b.view(&dq)?,
+                    w(self.at.q_up)?,
+                    b.view_mut(&mut d_cq)?,
+                    MatmulDims::linear_input_grad(rows, qr, a * dqk, false),
+                )?;
+                let g = latent.backward_input(b, opt(self.at.q_norm)?, d_cq, qr, rows)?;
+                b.matmul(
+                    b.view(g.d_raw())?,
+                    w(q_down)?,
+                    b.view_mut(&mut d_u)?,
+                    MatmulDims::linear_input_grad(rows, h, qr, true),
+                )?;
+                Some((latent, g))
+            }
+            (None, None, _) => {
+                b.matmul(
+                    b.view(&dq)?,
+                    w(self.at.q_up)?,
+                    b.view_mut(&mut d_u)?,
+                    MatmulDims::linear_input_grad(rows, h, a * dqk, true),
+                )?;
+                None
+            }
+            _ => {
+                return Err(RuntimeError::InvalidArgument(
+                    "`+` layer backward: the saved state does not match the layer's q LoRA setting"
+                        .into(),
+                ));
+            }
+        };
+        RmsNorm::plain(h).backward_input(
+            b,
+            w(self.at.in_norm)?,
+            &s.x_in,
+            &s.rstd_in,
+            b.view(&d_u)?,
+            b.reborrow_mut(&mut dx),
+            rows,
+        )?;
+        Ok(MlaWgrad {
+            tokens,
+            x_in: s.x_in,
+            rstd_in: s.rstd_in,
+            u: s.u,
+            d_u,
+            d_out,
+            o: s.o,
+            dq,
+            cq,
+            ckv: s.ckv,
+            d_ckv,
+            d_k_rope,
+            d_kv,
+        })
+    }
+
+    pub fn backward_weight<B: Backend>(
+        &self,
+        b: &B,
+        g: MlaWgrad<B>,
+        grads: &mut [B::SliceMut<'_>],
+    ) -> Result<()> {
+        check_grads(b, "`+` layer", &self.params, grads)?;
+        let rows = g.tokens.rows()?;
+        let (h, a, kr, dr, dv) = (
+            self.hidden,
+            self.heads,
+            self.kv_rank,
+            self.rope_dim,
+            self.v_dim,
+        );
+        let dqk = self.qk_dim();
+        RmsNorm::plain(h).backward_weight(
+            b,
+            &g.x_in,
+            &g.rstd_in,
+            &g.d_u,
+            grad(b, grads, self.at.in_norm)?,
+            rows,
+        )?;
+        b.matmul(
+            b.view(&g.d_out)?,
+            b.view(&g.o)?,
+            grad(b, grads, self.at.proj)?,
+            MatmulDims::linear_weight_grad(rows, a * dv, h),
+        )?;
+        match (&g.cq, self.q_rank, self.at.q_down) {
+            (Some((latent, lg)), Some(qr), Some(q_down)) => {
+                b.matmul(
+                    b.view(lg.d_raw())?,
+                    b.view(&g.u)?,
+                    grad(b, grads, q_down)?,
+                    MatmulDims::linear_weight_grad(rows, h, qr),
+                )?;
+                if let Some(i) = self.at.q_norm {
+                    latent.backward_weight(b, lg, grad(b, grads, i)?, qr, rows)?;
+                }
+                b.matmul(
+                    b.view(&g.dq)?,
+                    b.view(&latent.out)?,
+                    grad(b, grads, self.at.q_up)?,
+                    MatmulDims::linear_weight_grad(rows, qr, a * dqk),
+                )?;
+            }
+            _ => {
+                b.matmul(
+                    b.view(&g.dq)?,
+                    b.view(&g.u)?,
+                    grad(b, grads, self.at.q_up)?,
+                    MatmulDims::linear_weight_grad(rows, h, a * dqk),
+                )?;
+            }
+        }
+        b.matmul(
+            b.view(g.d_ckv.d_raw())?,
+            b.view(&g.u)?,
+            grad_rows(b, grads, self.at.kv_down, h, 0..kr)?,
+            MatmulDims::linear_weight_grad(rows, h, kr),
+        )?;
+        b.matmul(
+            b.view(&g.d_k_rope)?,
+            b.view(&g.u)?,
+            grad_rows(b, grads, self.at.kv_down, h, kr..kr + dr)?,
+            MatmulDims::linear_weight_grad(rows, h, dr),
+        )?;
+        if let Some(i) = self.at.kv_norm {
+            g.ckv
+                .backward_weight(b, &g.d_ckv, grad(b, grads, i)?, kr, rows)?;
+        }
+        let kv_width = a * (self.nope_dim + dv);
+        b.matmul(
+            b.view(&g.d_kv)?,
+            b.view(&g.ckv.out)?,
+            grad(b, grads, self.at.kv_up)?,
+            MatmulDims::linear_weight_grad(rows, kr, kv_width),
+        )
+    }
+}

@@ -1,0 +1,184 @@
+//! RMSNorm as layers use it (fused in front of a projection, Mamba's grouped
+//! gated norm, qk-norm), and the standalone final norm of the decoder and of
+//! each MTP depth.
+
+use super::{Tokens, check_rows, copy_of, zeros, zeros_f32};
+use crate::backend::{Backend, NormDims};
+use crate::error::{Result, RuntimeError};
+
+/// The epsilon of every RMSNorm (layers.md).
+pub const RMS_NORM_EPS: f32 = 1e-5;
+
+/// RMSNorm over `dim` channels cut into `groups` groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RmsNorm {
+    pub dim: usize,
+    pub groups: usize,
+}
+
+impl RmsNorm {
+    pub fn plain(dim: usize) -> Self {
+        RmsNorm { dim, groups: 1 }
+    }
+
+    pub fn grouped(dim: usize, groups: usize) -> Self {
+        RmsNorm { dim, groups }
+    }
+
+    fn dims(&self, rows: usize) -> NormDims {
+        NormDims {
+            rows,
+            dim: self.dim,
+            groups: self.groups,
+            eps: RMS_NORM_EPS,
+        }
+    }
+
+    /// `(y, rstd)` for `x` `[rows, dim]`.
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        weight: B::Slice<'_>,
+        x: B::Slice<'_>,
+        rows: usize,
+    ) -> Result<(B::Buf, B::Buf)> {
+        let mut y = zeros(b, b.slice_len(x))?;
+        let mut rstd = zeros_f32(b, rows.saturating_mul(self.groups))?;
+        b.rmsnorm_forward(
+            x,
+            weight,
+            b.view_mut(&mut y)?,
+            b.view_mut(&mut rstd)?,
+            self.dims(rows),
+        )?;
+        Ok((y, rstd))
+    }
+
+    /// `dx += J^T dy`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_input<B: Backend>(
+        &self,
+        b: &B,
+        weight: B::Slice<'_>,
+        x: &B::Buf,
+        rstd: &B::Buf,
+        dy: B::Slice<'_>,
+        dx: B::SliceMut<'_>,
+        rows: usize,
+    ) -> Result<()> {
+        b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, self.dims(rows))
+    }
+
+    /// `dw += sum_rows dy * x * rstd`.
+    pub fn backward_weight<B: Backend>(
+        &self,
+        b: &B,
+        x: &B::Buf,
+        rstd: &B::Buf,
+        dy: &B::Buf,
+        dw: B::SliceMut<'_>,
+        rows: usize,
+    ) -> Result<()> {
+        b.rmsnorm_backward_weight(b.view(dy)?, b.view(x)?, b.view(rstd)?, dw, self.dims(rows))
+    }
+}
+
+/// The decoder's final norm (`decoder.final_norm.weight`), or an MTP depth's
+/// `final_layernorm`: `y = RMSNorm(x)` into a new buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FinalNorm {
+    norm: RmsNorm,
+}
+
+/// What [`FinalNorm::forward`] keeps.
+pub struct NormSaved<B: Backend> {
+    rows: usize,
+    x: B::Buf,
+    rstd: B::Buf,
+}
+
+/// What [`FinalNorm::backward_input`] keeps.
+pub struct NormWgrad<B: Backend> {
+    rows: usize,
+    x: B::Buf,
+    rstd: B::Buf,
+    dy: B::Buf,
+}
+
+impl FinalNorm {
+    pub fn new(hidden: usize) -> Result<Self> {
+        super::positive("the hidden size", hidden)?;
+        Ok(FinalNorm {
+            norm: RmsNorm::plain(hidden),
+        })
+    }
+
+    fn check_weight(&self, len: usize) -> Result<()> {
+        if len == self.norm.dim {
+            Ok(())
+        } else {
+            Err(RuntimeError::InvalidArgument(format!(
+                "final norm: the weight has {len} elements, expected {}",
+                self.norm.dim
+            )))
+        }
+    }
+
+    /// `y = RMSNorm(x)` for `x` `[rows, h]`; returns `y` and the saved state.
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        weight: B::Slice<'_>,
+        x: B::Slice<'_>,
+        tokens: Tokens,
+    ) -> Result<(B::Buf, NormSaved<B>)> {
+        self.check_weight(b.slice_len(weight))?;
+        let rows = check_rows("final norm", "x", b.slice_len(x), tokens, self.norm.dim)?;
+        let (y, rstd) = self.norm.forward(b, weight, x, rows)?;
+        let x = copy_of(b, x)?;
+        Ok((y, NormSaved { rows, x, rstd }))
+    }
+
+    /// `dx += J^T dy` (`dy` = dL/dy summed over every consumer of `y`).
+    pub fn backward_input<B: Backend>(
+        &self,
+        b: &B,
+        weight: B::Slice<'_>,
+        saved: NormSaved<B>,
+        dy: B::Slice<'_>,
+        dx: B::SliceMut<'_>,
+    ) -> Result<NormWgrad<B>> {
+        self.check_weight(b.slice_len(weight))?;
+        let len = saved.rows * self.norm.dim;
+        for (what, got) in [
+            ("dy", b.slice_len(dy)),
+            ("dx", b.slice_len(b.as_slice(&dx))),
+        ] {
+            if got != len {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "final norm backward: `{what}` has {got} elements, expected {len}"
+                )));
+            }
+        }
+        self.norm
+            .backward_input(b, weight, &saved.x, &saved.rstd, dy, dx, saved.rows)?;
+        Ok(NormWgrad {
+            rows: saved.rows,
+            x: saved.x,
+            rstd: saved.rstd,
+            dy: copy_of(b, dy)?,
+        })
+    }
+
+    /// `dw += ...` for the norm weight.
+    pub fn backward_weight<B: Backend>(
+        &self,
+        b: &B,
+        wgrad: NormWgrad<B>,
+        dw: B::SliceMut<'_>,
+    ) -> Result<()> {
+        self.check_weight(b.slice_len(b.as_slice(&dw)))?;
+        self.norm
+            .backward_weight(b, &wgrad.x, &wgrad.rstd, &wgrad.dy, dw, wgrad.rows)
+    }
+}
