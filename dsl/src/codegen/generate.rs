@@ -83,6 +83,7 @@ impl ModelSpec {
                 #body
             }
             #(#forwarded)*
+            #[allow(unused_imports)]
             #vis use #module::#name;
         }
     }
