@@ -274,7 +274,10 @@ fn check_nesting(source: &str, limit: usize) -> Option<Diagnostic> {
 }
 
 fn expand(nodes: &[Node]) -> Vec<Item> {
-    let mut out = Vec::new();
+    // Every item has at least one layer, so the layer count (within budget,
+    // checked before expanding) bounds the item count.
+    let layers = nodes.iter().map(Node::size).fold(0, usize::saturating_add);
+    let mut out = Vec::with_capacity(layers);
     expand_into(nodes, &mut out);
     out
 }

@@ -1,6 +1,6 @@
 //! Per-rank memory of ZeRO-3 training, from the static layout.
 
-use super::{Bucket, FsdpUnit, ParallelLayout};
+use super::{Bucket, FsdpUnit, ParallelLayout, SHARD_ALIGN};
 use serde::Serialize;
 
 /// Bytes one rank holds for parameters, gradients and optimizer state under
@@ -49,12 +49,15 @@ impl MemoryEstimate {
         let mut non_unit_elems = 0u64;
         let mut padded = Vec::with_capacity(buckets.len());
         for bucket in buckets {
-            let world = world(bucket);
-            let elems = bucket.padded_numel(world);
-            padded.push(elems as u64);
-            shard_elems += (elems / world) as u64;
+            // One division: the padded length is `blocks * world * 128` and
+            // each rank's shard `blocks * 128`.
+            let world = world(bucket) as u64;
+            let blocks = (bucket.end as u64).div_ceil(world * SHARD_ALIGN as u64);
+            let elems = blocks * world * SHARD_ALIGN as u64;
+            padded.push(elems);
+            shard_elems += blocks * SHARD_ALIGN as u64;
             if bucket.unit.is_none() {
-                non_unit_elems += elems as u64;
+                non_unit_elems += elems;
             }
         }
         // The sizes of the largest units, largest first: one pass that keeps

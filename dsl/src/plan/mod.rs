@@ -65,20 +65,13 @@ impl LayerInfo {
     /// State-dict path: `decoder.layers.L` or, in a group,
     /// `decoder.layers.L.layers.j`.
     pub fn path(&self) -> String {
-        let mut path = decoder_layer_path(self.logical);
-        if let Some(j) = self.member {
-            path.push_str(".layers.");
-            push_number(&mut path, j);
-        }
-        path
+        decoder_layer_path(self.logical, self.member, "")
     }
 
     /// Checkpoint prefix: groups flatten, so every member publishes under
     /// `decoder.layers.L.`.
     pub fn checkpoint_prefix(&self) -> String {
-        let mut prefix = decoder_layer_path(self.logical);
-        prefix.push('.');
-        prefix
+        decoder_layer_path(self.logical, None, ".")
     }
 }
 
@@ -110,32 +103,31 @@ pub struct LogicalLayer {
 
 impl LogicalLayer {
     pub fn path(&self) -> String {
-        decoder_layer_path(self.index)
+        decoder_layer_path(self.index, None, "")
     }
 }
 
-/// `decoder.layers.{index}`. Written by hand rather than with `format!`: a
-/// 100,000-layer plan builds several of these per layer.
-fn decoder_layer_path(index: usize) -> String {
-    let mut path = String::with_capacity(32);
+/// `decoder.layers.{index}`, then `.layers.{member}` for a group member, then
+/// `suffix`. Written by hand rather than with `format!`: a 100,000-layer plan
+/// builds several of these per layer.
+fn decoder_layer_path(index: usize, member: Option<usize>, suffix: &str) -> String {
+    let mut path = String::with_capacity(48);
     path.push_str("decoder.layers.");
     push_number(&mut path, index);
+    if let Some(j) = member {
+        path.push_str(".layers.");
+        push_number(&mut path, j);
+    }
+    path.push_str(suffix);
     path
 }
 
 /// Appends `n` in decimal.
-fn push_number(out: &mut String, mut n: usize) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
+fn push_number(out: &mut String, n: usize) {
+    if n >= 10 {
+        push_number(out, n / 10);
     }
-    out.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
+    out.push(char::from(b'0' + (n % 10) as u8));
 }
 
 /// Who owns a parameter.
@@ -426,18 +418,7 @@ impl<'o> Builder<'o> {
             buckets,
             ..
         } = self.params_and_units(&layers, &logical_layers, &mtp_layers);
-        let buckets = buckets.finish();
-        let mut counts = vec![0usize; units.len()];
-        for unit in buckets.iter().filter_map(|b| b.unit) {
-            counts[unit] += 1;
-        }
-        let mut unit_buckets: Vec<Vec<usize>> =
-            counts.into_iter().map(Vec::with_capacity).collect();
-        for bucket in &buckets {
-            if let Some(u) = bucket.unit {
-                unit_buckets[u].push(bucket.id);
-            }
-        }
+        let (buckets, unit_buckets) = buckets.finish();
         for (unit, ids) in units.iter_mut().zip(unit_buckets) {
             unit.buckets = Cow::Owned(ids);
         }
@@ -530,13 +511,16 @@ impl<'o> Builder<'o> {
                 [dense + d, expert + e]
             })
         };
+        // Modules the filter is asked about, at most: the embedding, final
+        // norm and output layer, each logical layer, each MTP depth and layer.
+        let candidates = 3 + logical.len() + mtp.iter().map(|d| 1 + d.len()).sum::<usize>();
         let mut walk = UnitWalk {
             filter: &self.options.unit_filter,
             params: Vec::with_capacity(count),
-            units: Vec::with_capacity(logical.len() + mtp.len()),
+            units: Vec::with_capacity(candidates),
             item_unit: Vec::with_capacity(logical.len()),
             mtp_unit: Vec::with_capacity(mtp.len()),
-            buckets: BucketLayout::new(&self.defs, self.options.non_unit_bucket_cap),
+            buckets: BucketLayout::new(&self.defs, self.options.non_unit_bucket_cap, candidates),
         };
 
         let unit = walk.leaf("embedding", ModuleKind::Embedding);
@@ -793,6 +777,8 @@ impl UnitWalk<'_> {
         }
         let index = self.units.len();
         self.buckets.open.push([None, None]);
+        // At most a dense and an expert bucket (one dtype; units are not capped).
+        self.buckets.unit_buckets.push(Vec::with_capacity(2));
         self.units.push(FsdpUnit {
             index,
             name: Cow::Owned(path),
@@ -825,33 +811,41 @@ struct BucketLayout {
     defs: Vec<(usize, u64, bool)>,
     /// Each bucket's parameters (indices into the plan's parameters).
     members: Vec<Vec<usize>>,
+    /// Each unit's buckets, in id order.
+    unit_buckets: Vec<Vec<usize>>,
     /// Parameters the walk expects the current unit to put in its dense and
     /// expert buckets: the capacity a new unit bucket is created with.
     expect: [usize; 2],
 }
 
 impl BucketLayout {
-    fn new(defs: &[ParamDef], cap: usize) -> Self {
+    /// `units` is how many units the walk may create at most: a unit has at
+    /// most two buckets (dense and expert), which sizes the tables up front.
+    fn new(defs: &[ParamDef], cap: usize, units: usize) -> Self {
+        let mut open = Vec::with_capacity(units + 1);
+        open.push([None, None]);
+        let buckets = 2 * units + 8;
         BucketLayout {
-            buckets: Vec::new(),
-            open: vec![[None, None]],
+            buckets: Vec::with_capacity(buckets),
+            open,
             cap: cap.max(1),
             defs: defs
                 .iter()
                 .map(|d| (d.numel(), d.row_numel() as u64, d.expert))
                 .collect(),
-            members: Vec::new(),
+            members: Vec::with_capacity(buckets),
+            unit_buckets: Vec::with_capacity(units),
             expect: [0, 0],
         }
     }
 
-    /// The buckets, each with its parameters.
-    fn finish(self) -> Vec<Bucket> {
+    /// The buckets, each with its parameters, and each unit's buckets.
+    fn finish(self) -> (Vec<Bucket>, Vec<Vec<usize>>) {
         let mut buckets = self.buckets;
         for (bucket, ids) in buckets.iter_mut().zip(self.members) {
             bucket.params = Cow::Owned(ids);
         }
-        buckets
+        (buckets, self.unit_buckets)
     }
 
     /// The bucket and offset of parameter `param`, of definition `def`.
@@ -879,7 +873,10 @@ impl BucketLayout {
                 });
                 *slot = Some(id);
                 self.members.push(match unit {
-                    Some(_) => Vec::with_capacity(self.expect[usize::from(expert)]),
+                    Some(u) => {
+                        self.unit_buckets[u].push(id);
+                        Vec::with_capacity(self.expect[usize::from(expert)])
+                    }
                     None => Vec::new(),
                 });
                 id
