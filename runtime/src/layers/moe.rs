@@ -98,6 +98,11 @@ impl<B: Backend> MoeRouting<B> {
     pub fn expert_counts(&self) -> &[usize] {
         &self.counts
     }
+
+    /// `[T, k]`: each token's experts (global indices), best first.
+    pub fn selected(&self) -> &[u32] {
+        &self.selected
+    }
 }
 
 /// What [`MoeLayer::prepare`] produces.
@@ -143,6 +148,10 @@ pub struct MoeCombined<B: Backend> {
 impl<B: Backend> MoeCombined<B> {
     pub fn aux_loss(&self) -> f64 {
         self.routing.aux_loss
+    }
+
+    pub fn routing(&self) -> &MoeRouting<B> {
+        &self.routing
     }
 }
 
@@ -191,6 +200,10 @@ pub struct MoeSaved<B: Backend> {
 impl<B: Backend> MoeSaved<B> {
     pub fn aux_loss(&self) -> f64 {
         self.combined.aux_loss()
+    }
+
+    pub fn routing(&self) -> &MoeRouting<B> {
+        &self.combined.routing
     }
 }
 

@@ -1,0 +1,1068 @@
+//! Gradient checks of every layer kind, MoE stage and model-level op against
+//! central finite differences of the forward, plus the properties the
+//! schedules rely on: delayed weight gradients give the same bits as
+//! immediate ones, equal inputs give equal bits, and an expert-parallel MoE
+//! (two thread ranks exchanging through `CollectiveExchange`) computes what
+//! one rank holding every expert computes.
+//!
+//! Checks are directional (`<grad, v>` against `(L(p + e v) - L(p - e v)) / 2e`
+//! for random unit `v`) plus a few coordinates per tensor, on small
+//! dimensions so the suite stays fast in debug builds.
+
+use hybridgen_dsl::params::ParamDef;
+use hybridgen_dsl::{LayerKind, ModelConfig};
+use hybridgen_runtime::RuntimeError;
+use hybridgen_runtime::backend::{IGNORE_TARGET, Tokens};
+use hybridgen_runtime::cpu::CpuBackend;
+use hybridgen_runtime::cpu::collective::CpuWorld;
+use hybridgen_runtime::layers::{
+    CollectiveExchange, Embedding, FinalNorm, Head, LayerImpl, LayerSaved, LocalExchange, MoeLayer,
+    MtpEntry,
+};
+
+const B: CpuBackend = CpuBackend;
+
+// ---- test data ------------------------------------------------------------------
+
+/// splitmix64: deterministic test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f64 {
+        (-2.0 * self.uniform().ln()).sqrt() * (std::f64::consts::TAU * self.uniform()).cos()
+    }
+
+    fn normals(&mut self, n: usize, std: f64, mean: f64) -> Vec<f32> {
+        (0..n)
+            .map(|_| (mean + std * self.normal()) as f32)
+            .collect()
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// A model with hidden size 8 and the given sections.
+fn config(sections: &str) -> ModelConfig {
+    let text =
+        format!("pattern = \"M\"\nhidden_size = 8\nvocab_size = 20\nseq_length = 5\n{sections}");
+    ModelConfig::from_toml(&text, "test").expect("test config")
+}
+
+/// Weights with well-conditioned values for each kind of parameter.
+fn test_weights(defs: &[ParamDef], rng: &mut Rng) -> Vec<Vec<f32>> {
+    defs.iter()
+        .map(|d| {
+            let n = d.numel();
+            let name = d.name.as_ref();
+            let fan_in = *d.shape.last().unwrap_or(&1) as f64;
+            if name.ends_with("A_log") {
+                (0..n)
+                    .map(|_| (1.0 + 3.0 * rng.uniform()).ln() as f32)
+                    .collect()
+            } else if name.ends_with("dt_bias") {
+                rng.normals(n, 0.3, -1.0)
+            } else if name.ends_with(".D") || name.contains("norm") {
+                rng.normals(n, 0.2, 1.0)
+            } else if name.ends_with("bias") {
+                rng.normals(n, 0.1, 0.0)
+            } else if name.contains("router") {
+                // Spread the logits so small perturbations never flip a top-k.
+                rng.normals(n, 3.0 / fan_in.sqrt(), 0.0)
+            } else {
+                rng.normals(n, 1.0 / fan_in.sqrt(), 0.0)
+            }
+        })
+        .collect()
+}
+
+fn views(weights: &[Vec<f32>]) -> Vec<&[f32]> {
+    weights.iter().map(|w| &w[..]).collect()
+}
+
+fn zeros_like(weights: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    weights.iter().map(|w| vec![0.0; w.len()]).collect()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+// ---- the finite-difference harness ------------------------------------------------
+
+/// Checks `analytic` = dL/dp at `point` against central differences of
+/// `loss` (Richardson-extrapolated over steps `e` and `e/2`, which cancels
+/// the third-derivative error): along three random unit vectors, and at a
+/// few coordinates (the first and last element always among them).
+///
+/// A directional derivative can be small by cancellation while its terms
+/// are not, so directions also allow an error of 1e-3 times `|grad|`.
+fn check_gradient(
+    what: &str,
+    analytic: &[f32],
+    point: &[f32],
+    loss: &dyn Fn(&[f32]) -> f64,
+    rng: &mut Rng,
+) {
+    assert_eq!(analytic.len(), point.len(), "{what}: gradient size");
+    let n = point.len();
+    let grad_norm = analytic
+        .iter()
+        .map(|g| (*g as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let central = |v: &[f64], eps: f64| {
+        let plus: Vec<f32> = point
+            .iter()
+            .zip(v)
+            .map(|(p, d)| (*p as f64 + eps * d) as f32)
+            .collect();
+        let minus: Vec<f32> = point
+            .iter()
+            .zip(v)
+            .map(|(p, d)| (*p as f64 - eps * d) as f32)
+            .collect();
+        (loss(&plus) - loss(&minus)) / (2.0 * eps)
+    };
+    let probe = |v: &[f64], label: String, slack: f64| {
+        let fd = (4.0 * central(v, 5e-3) - central(v, 1e-2)) / 3.0;
+        let an: f64 = analytic.iter().zip(v).map(|(g, d)| *g as f64 * d).sum();
+        assert!(
+            (fd - an).abs() <= 1e-3 + slack + 2e-2 * fd.abs().max(an.abs()),
+            "{what} {label}: analytic {an:.6e} vs finite difference {fd:.6e} (|grad| {grad_norm:.3e})"
+        );
+    };
+    for d in 0..3 {
+        let mut v: Vec<f64> = (0..n).map(|_| rng.normal()).collect();
+        let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        v.iter_mut().for_each(|x| *x /= norm);
+        probe(&v, format!("direction {d}"), 1e-3 * grad_norm);
+    }
+    let mut coords = vec![0, n - 1];
+    coords.extend((0..3).map(|_| rng.below(n)));
+    for i in coords {
+        let mut v = vec![0.0; n];
+        v[i] = 1.0;
+        probe(&v, format!("element {i}"), 0.0);
+    }
+}
+
+/// One layer with weights, an input and a random probe of its output.
+struct LayerCase {
+    name: String,
+    layer: LayerImpl,
+    tokens: Tokens,
+    weights: Vec<Vec<f32>>,
+    x: Vec<f32>,
+    probe: Vec<f32>,
+    aux_scale: f32,
+}
+
+impl LayerCase {
+    fn new(name: &str, kind: LayerKind, config: &ModelConfig, tokens: Tokens, seed: u64) -> Self {
+        let experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
+        let layer = LayerImpl::new(kind, config, experts).expect("layer");
+        let mut rng = Rng(seed);
+        let weights = test_weights(layer.params(), &mut rng);
+        let n = tokens.batch * tokens.seq * config.hidden_size;
+        LayerCase {
+            name: name.to_string(),
+            layer,
+            tokens,
+            weights,
+            x: rng.normals(n, 1.0, 0.0),
+            probe: rng.normals(n, 1.0, 0.0),
+            aux_scale: 0.7,
+        }
+    }
+
+    /// `L = probe . (x_out - x) + aux_scale * aux_loss`, and the routing when
+    /// the layer is `E` (so a check can insist it did not change).
+    fn loss(&self, weights: &[Vec<f32>], x: &[f32]) -> (f64, Vec<u32>) {
+        let mut out = x.to_vec();
+        let saved = self
+            .layer
+            .forward(&B, &views(weights), &mut out[..], self.tokens)
+            .expect("forward");
+        let delta: f64 = self
+            .probe
+            .iter()
+            .zip(out.iter().zip(x))
+            .map(|(r, (o, i))| *r as f64 * (*o as f64 - *i as f64))
+            .sum();
+        let routing = match &saved {
+            LayerSaved::Moe(s) => s.routing().selected().to_vec(),
+            _ => Vec::new(),
+        };
+        (delta + self.aux_scale as f64 * saved.aux_loss(), routing)
+    }
+
+    /// `(x_out, dL/dx minus the identity part, weight gradients)`.
+    fn gradients(&self, weights: &[Vec<f32>], x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
+        let w = views(weights);
+        let mut out = x.to_vec();
+        let saved = self
+            .layer
+            .forward(&B, &w, &mut out[..], self.tokens)
+            .expect("forward");
+        let mut dx = self.probe.clone();
+        let wgrad = self
+            .layer
+            .backward_input(&B, &w, saved, &mut dx[..], self.aux_scale)
+            .expect("backward_input");
+        let mut grads = zeros_like(weights);
+        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+        self.layer
+            .backward_weight(&B, wgrad, &mut g)
+            .expect("backward_weight");
+        let jt: Vec<f32> = dx.iter().zip(&self.probe).map(|(d, r)| d - r).collect();
+        (out, jt, grads)
+    }
+
+    fn check(&self) {
+        let (_, dx, grads) = self.gradients(&self.weights, &self.x);
+        let (_, routing) = self.loss(&self.weights, &self.x);
+        let mut rng = Rng(99);
+        // Which experts each token uses must not change (their order may:
+        // near-equal scores only reorder a sum).
+        let k = self.layer.as_moe().map_or(1, MoeLayer::top_k);
+        let sets = |r: &[u32]| -> Vec<Vec<u32>> {
+            r.chunks(k)
+                .map(|c| {
+                    let mut c = c.to_vec();
+                    c.sort_unstable();
+                    c
+                })
+                .collect()
+        };
+        let base = sets(&routing);
+        let stable = |r: &[u32]| {
+            assert!(
+                sets(r) == base,
+                "{}: a perturbation changed the routing",
+                self.name
+            )
+        };
+        check_gradient(
+            &format!("{} dx", self.name),
+            &dx,
+            &self.x,
+            &|x| {
+                let (l, r) = self.loss(&self.weights, x);
+                stable(&r);
+                l
+            },
+            &mut rng,
+        );
+        for (i, (def, g)) in self.layer.params().iter().zip(&grads).enumerate() {
+            check_gradient(
+                &format!("{} d[{}]", self.name, def.name),
+                g,
+                &self.weights[i],
+                &|p| {
+                    let mut w = self.weights.clone();
+                    w[i] = p.to_vec();
+                    let (l, r) = self.loss(&w, &self.x);
+                    stable(&r);
+                    l
+                },
+                &mut rng,
+            );
+        }
+    }
+}
+
+const TWO_SEQUENCES: Tokens = Tokens { batch: 2, seq: 5 };
+
+// ---- per-kind gradient checks --------------------------------------------------------
+
+const MAMBA: &str = "[mamba]\nnum_heads = 4\nhead_dim = 2\nnum_groups = 2\nstate_size = 3\n";
+
+#[test]
+fn mamba_gradients_with_several_sequences_and_chunk_lengths() {
+    for (chunk, groups) in [(2, 2), (16, 1), (1, 4)] {
+        let c = config(&format!(
+            "[mamba]\nnum_heads = 4\nhead_dim = 2\nnum_groups = {groups}\nstate_size = 3\nchunk_size = {chunk}\n"
+        ));
+        let name = format!("M chunk {chunk} groups {groups}");
+        LayerCase::new(
+            &name,
+            LayerKind::Mamba,
+            &c,
+            TWO_SEQUENCES,
+            11 + chunk as u64,
+        )
+        .check();
+    }
+    let three = Tokens { batch: 3, seq: 3 };
+    LayerCase::new(
+        "M three short sequences",
+        LayerKind::Mamba,
+        &config(MAMBA),
+        three,
+        5,
+    )
+    .check();
+}
+
+fn attention(groups: usize, qk_norm: bool, rope: bool) -> ModelConfig {
+    let position = if rope { "rope" } else { "none" };
+    config(&format!(
+        "[attention]\nnum_heads = 4\nnum_kv_groups = {groups}\nhead_dim = 4\nqk_norm = {qk_norm}\nposition = \"{position}\"\n"
+    ))
+}
+
+#[test]
+fn attention_gradients_with_and_without_rope_qk_norm_and_grouping() {
+    for (groups, qk_norm, rope) in [
+        (2, false, false),
+        (2, true, true),
+        (1, false, true),
+        (4, true, false),
+    ] {
+        let name = format!("* g={groups} qk_norm={qk_norm} rope={rope}");
+        LayerCase::new(
+            &name,
+            LayerKind::Attention,
+            &attention(groups, qk_norm, rope),
+            TWO_SEQUENCES,
+            21,
+        )
+        .check();
+    }
+}
+
+fn mla(q_lora: bool, qk_norm: bool) -> ModelConfig {
+    let q = if q_lora { "q_lora_rank = 6\n" } else { "" };
+    config(&format!(
+        "[mla]\nnum_heads = 2\n{q}kv_lora_rank = 5\nqk_head_dim = 3\nqk_rope_head_dim = 2\nv_head_dim = 3\nqk_norm = {qk_norm}\n"
+    ))
+}
+
+#[test]
+fn mla_gradients_with_and_without_q_lora_and_latent_norms() {
+    for (q_lora, qk_norm) in [(true, true), (false, true), (true, false), (false, false)] {
+        let name = format!("+ q_lora={q_lora} qk_norm={qk_norm}");
+        LayerCase::new(
+            &name,
+            LayerKind::Mla,
+            &mla(q_lora, qk_norm),
+            TWO_SEQUENCES,
+            31,
+        )
+        .check();
+    }
+}
+
+#[test]
+fn mlp_gradients_for_every_activation() {
+    for act in ["squared_relu", "gelu", "swiglu"] {
+        let c = config(&format!(
+            "[mlp]\nffn_hidden_size = 6\nactivation = \"{act}\"\n"
+        ));
+        LayerCase::new(&format!("- {act}"), LayerKind::Mlp, &c, TWO_SEQUENCES, 41).check();
+    }
+}
+
+fn moe(score: &str, top_k: usize, shared: bool, bias: bool, activation: &str) -> ModelConfig {
+    let shared = if shared {
+        "shared_expert_ffn_hidden_size = 5\n"
+    } else {
+        ""
+    };
+    config(&format!(
+        "[moe]\nnum_experts = 4\ntop_k = {top_k}\nffn_hidden_size = 6\n{shared}score_function = \"{score}\"\n\
+         aux_loss_coeff = 0.1\nexpert_bias = {bias}\nactivation = \"{activation}\"\n"
+    ))
+}
+
+#[test]
+fn moe_gradients_for_scores_top_k_shared_expert_and_bias() {
+    let cases = [
+        ("softmax", 2, true, false, "squared_relu"),
+        ("sigmoid", 2, false, false, "gelu"),
+        ("softmax", 1, false, true, "swiglu"),
+        ("sigmoid", 3, true, true, "squared_relu"),
+    ];
+    for (score, k, shared, bias, act) in cases {
+        let c = moe(score, k, shared, bias, act);
+        let name = format!("E {score} k={k} shared={shared} bias={bias} {act}");
+        let mut case = LayerCase::new(&name, LayerKind::Moe, &c, TWO_SEQUENCES, 51);
+        if bias {
+            let layer = match &mut case.layer {
+                LayerImpl::Moe(l) => l,
+                _ => unreachable!(),
+            };
+            layer
+                .set_expert_bias(&[0.05, -0.1, 0.2, 0.0])
+                .expect("bias");
+        }
+        case.check();
+    }
+}
+
+#[test]
+fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
+    let c = moe("softmax", 2, false, false, "gelu");
+    let case = LayerCase::new("E aux", LayerKind::Moe, &c, TWO_SEQUENCES, 52);
+    let moe = case.layer.as_moe().expect("moe");
+    let w = views(&case.weights);
+    let prepared = moe
+        .prepare(&B, &w, &case.x, TWO_SEQUENCES)
+        .expect("prepare");
+    // Recompute coeff * E * sum f_i P_i from the routing and the router.
+    let (t, e, k) = (10usize, 4usize, 2usize);
+    let mut probs_sum = vec![0.0f64; e];
+    for row in 0..t {
+        let xr = &case.x[row * 8..row * 8 + 8];
+        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 8.0;
+        let u: Vec<f64> = xr
+            .iter()
+            .zip(&case.weights[0])
+            .map(|(v, g)| *v as f64 / (ms + 1e-5).sqrt() * *g as f64)
+            .collect();
+        let z: Vec<f64> = (0..e)
+            .map(|i| {
+                (0..8)
+                    .map(|j| u[j] * case.weights[1][i * 8 + j] as f64)
+                    .sum()
+            })
+            .collect();
+        let m = z.iter().cloned().fold(f64::MIN, f64::max);
+        let s: f64 = z.iter().map(|v| (v - m).exp()).sum();
+        for i in 0..e {
+            probs_sum[i] += (z[i] - m).exp() / s;
+        }
+    }
+    let counts = prepared.routing.expert_counts();
+    assert_eq!(counts.iter().sum::<usize>(), t * k);
+    let want: f64 = 0.1
+        * e as f64
+        * (0..e)
+            .map(|i| counts[i] as f64 / (t * k) as f64 * probs_sum[i] / t as f64)
+            .sum::<f64>();
+    assert!(
+        (prepared.aux_loss - want).abs() < 1e-6 * want.max(1.0),
+        "{} vs {want}",
+        prepared.aux_loss
+    );
+    let off =
+        config("[moe]\nnum_experts = 4\ntop_k = 2\nffn_hidden_size = 6\naux_loss_coeff = 0.0\n");
+    let layer = MoeLayer::new(&off, 4).expect("layer");
+    let prepared = layer
+        .prepare(&B, &w, &case.x, TWO_SEQUENCES)
+        .expect("prepare");
+    assert_eq!(prepared.aux_loss, 0.0);
+}
+
+// ---- model-level ops ------------------------------------------------------------------
+
+#[test]
+fn embedding_gradient() {
+    let c = config("");
+    let emb = Embedding::new(&c).expect("embedding");
+    let mut rng = Rng(61);
+    let table = rng.normals(128 * 8, 1.0, 0.0);
+    let ids = [3u32, 17, 3, 0, 127, 9];
+    let probe = rng.normals(6 * 8, 1.0, 0.0);
+    let loss = |t: &[f32]| {
+        let mut out = vec![0.0; 48];
+        emb.forward(&B, t, &ids, &mut out[..]).expect("forward");
+        dot(&probe, &out)
+    };
+    let mut grad = vec![0.0; table.len()];
+    emb.backward(&B, &probe, &ids, &mut grad[..])
+        .expect("backward");
+    check_gradient("embedding", &grad, &table, &loss, &mut rng);
+    // Rows of id 3 sum both of its tokens' gradients.
+    for j in 0..8 {
+        assert_eq!(grad[3 * 8 + j], probe[j] + probe[16 + j]);
+    }
+    let mut out = [0.0f32; 48];
+    assert!(matches!(
+        emb.forward(&B, &table, &[128, 0, 0, 0, 0, 0], &mut out[..]),
+        Err(RuntimeError::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn final_norm_gradients() {
+    let norm = FinalNorm::new(8).expect("norm");
+    let mut rng = Rng(71);
+    let w = rng.normals(8, 0.2, 1.0);
+    let x = rng.normals(80, 1.5, 0.3);
+    let probe = rng.normals(80, 1.0, 0.0);
+    let loss = |w: &[f32], x: &[f32]| {
+        let (y, _) = norm.forward(&B, w, x, TWO_SEQUENCES).expect("forward");
+        dot(&probe, &y)
+    };
+    let (_, saved) = norm.forward(&B, &w, &x, TWO_SEQUENCES).expect("forward");
+    let mut dx = vec![0.0; 80];
+    let wgrad = norm
+        .backward_input(&B, &w, saved, &probe, &mut dx[..])
+        .expect("backward");
+    let mut dw = vec![0.0; 8];
+    norm.backward_weight(&B, wgrad, &mut dw[..]).expect("wgrad");
+    check_gradient("final norm dx", &dx, &x, &|x| loss(&w, x), &mut rng);
+    check_gradient("final norm dw", &dw, &w, &|w| loss(w, &x), &mut rng);
+}
+
+fn targets_with_masks() -> Vec<u32> {
+    vec![
+        1,
+        5,
+        127,
+        IGNORE_TARGET,
+        0,
+        19,
+        5,
+        2,
+        IGNORE_TARGET,
+        IGNORE_TARGET,
+    ]
+}
+
+#[test]
+fn head_gradients_with_masked_positions() {
+    let c = config("");
+    let head = Head::new(&c).expect("head");
+    let mut rng = Rng(81);
+    let w = rng.normals(128 * 8, 0.5, 0.0);
+    let h = rng.normals(80, 1.0, 0.0);
+    let targets = targets_with_masks();
+    let scale = 1.0 / 7.0;
+    let loss = |w: &[f32], h: &[f32]| {
+        let f = head.forward(&B, w, h, &targets).expect("forward");
+        assert_eq!(f.count, 7);
+        scale * f.loss_sum
+    };
+    let f = head.forward(&B, &w, &h, &targets).expect("forward");
+    let mut dh = vec![0.0; 80];
+    let wgrad = head
+        .backward_input(&B, &w, f.saved, scale as f32, &mut dh[..])
+        .expect("backward");
+    let mut dw = vec![0.0; w.len()];
+    head.backward_weight(&B, wgrad, &mut dw[..]).expect("wgrad");
+    check_gradient("head dh", &dh, &h, &|h| loss(&w, h), &mut rng);
+    check_gradient("head dW", &dw, &w, &|w| loss(w, &h), &mut rng);
+    // Masked rows get no gradient.
+    assert!(dh[24..32].iter().chain(&dh[64..80]).all(|&v| v == 0.0));
+    // The loss is the mean cross-entropy of the unmasked rows.
+    let f = head.forward(&B, &w, &h, &targets).expect("forward");
+    let mut want = 0.0f64;
+    for (r, &t) in targets.iter().enumerate() {
+        if t == IGNORE_TARGET {
+            continue;
+        }
+        let logits: Vec<f64> = (0..128)
+            .map(|v| {
+                (0..8)
+                    .map(|j| h[r * 8 + j] as f64 * w[v * 8 + j] as f64)
+                    .sum()
+            })
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+        want += lse - logits[t as usize];
+    }
+    assert!(
+        (f.loss_sum - want).abs() < 1e-4 * want,
+        "{} vs {want}",
+        f.loss_sum
+    );
+}
+
+/// Tied embeddings: the table feeds the embedding and the head, and both
+/// gradients accumulate into one buffer.
+#[test]
+fn tied_embedding_and_head_gradients_accumulate_into_one_table() {
+    let c = config("");
+    let (emb, head, norm) = (
+        Embedding::new(&c).expect("e"),
+        Head::new(&c).expect("h"),
+        FinalNorm::new(8).expect("n"),
+    );
+    let mut rng = Rng(91);
+    let table = rng.normals(128 * 8, 0.5, 0.0);
+    let norm_w = rng.normals(8, 0.2, 1.0);
+    let ids: Vec<u32> = (0..10).map(|i| (i * 13 % 128) as u32).collect();
+    let targets = targets_with_masks();
+    let loss = |t: &[f32]| {
+        let mut x = vec![0.0; 80];
+        emb.forward(&B, t, &ids, &mut x[..]).expect("embed");
+        let (y, _) = norm.forward(&B, &norm_w, &x, TWO_SEQUENCES).expect("norm");
+        head.forward(&B, t, &y, &targets).expect("head").loss_sum
+    };
+    let mut x = vec![0.0; 80];
+    emb.forward(&B, &table, &ids, &mut x[..]).expect("embed");
+    let (y, norm_saved) = norm.forward(&B, &norm_w, &x, TWO_SEQUENCES).expect("norm");
+    let f = head.forward(&B, &table, &y, &targets).expect("head");
+    let mut dy = vec![0.0; 80];
+    let head_wgrad = head
+        .backward_input(&B, &table, f.saved, 1.0, &mut dy[..])
+        .expect("head backward");
+    let mut dx = vec![0.0; 80];
+    let norm_wgrad = norm
+        .backward_input(&B, &norm_w, norm_saved, &dy, &mut dx[..])
+        .expect("norm backward");
+    let mut d_table = vec![0.0; table.len()];
+    head.backward_weight(&B, head_wgrad, &mut d_table[..])
+        .expect("head wgrad");
+    emb.backward(&B, &dx, &ids, &mut d_table[..])
+        .expect("embedding backward");
+    let mut d_norm = [0.0f32; 8];
+    norm.backward_weight(&B, norm_wgrad, &mut d_norm[..])
+        .expect("norm wgrad");
+    check_gradient("tied table", &d_table, &table, &loss, &mut rng);
+}
+
+#[test]
+fn mtp_entry_gradients() {
+    let c = config("");
+    let entry = MtpEntry::new(&c).expect("mtp");
+    let mut rng = Rng(101);
+    let weights = test_weights(entry.params(), &mut rng);
+    let emb = rng.normals(80, 1.0, 0.0);
+    let h_prev = rng.normals(80, 1.0, 0.2);
+    let probe = rng.normals(80, 1.0, 0.0);
+    let loss = |w: &[Vec<f32>], e: &[f32], hp: &[f32]| {
+        let (out, _) = entry.forward(&B, &views(w), e, hp).expect("forward");
+        dot(&probe, &out)
+    };
+    let (_, saved) = entry
+        .forward(&B, &views(&weights), &emb, &h_prev)
+        .expect("forward");
+    let (mut d_emb, mut d_h) = (vec![0.0; 80], vec![0.0; 80]);
+    let wgrad = entry
+        .backward_input(
+            &B,
+            &views(&weights),
+            saved,
+            &probe,
+            &mut d_emb[..],
+            &mut d_h[..],
+        )
+        .expect("backward");
+    let mut grads = zeros_like(&weights);
+    let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+    entry.backward_weight(&B, wgrad, &mut g).expect("wgrad");
+    check_gradient(
+        "mtp d_emb",
+        &d_emb,
+        &emb,
+        &|e| loss(&weights, e, &h_prev),
+        &mut rng,
+    );
+    check_gradient(
+        "mtp d_h_prev",
+        &d_h,
+        &h_prev,
+        &|hp| loss(&weights, &emb, hp),
+        &mut rng,
+    );
+    for (i, def) in entry.params().iter().enumerate() {
+        let eval = |p: &[f32]| {
+            let mut w = weights.clone();
+            w[i] = p.to_vec();
+            loss(&w, &emb, &h_prev)
+        };
+        check_gradient(
+            &format!("mtp d[{}]", def.name),
+            &grads[i],
+            &weights[i],
+            &eval,
+            &mut rng,
+        );
+    }
+}
+
+// ---- schedule properties ------------------------------------------------------------
+
+fn every_kind() -> Vec<LayerCase> {
+    vec![
+        LayerCase::new(
+            "M",
+            LayerKind::Mamba,
+            &config(&format!("{MAMBA}chunk_size = 2\n")),
+            TWO_SEQUENCES,
+            1,
+        ),
+        LayerCase::new(
+            "*",
+            LayerKind::Attention,
+            &attention(2, true, true),
+            TWO_SEQUENCES,
+            2,
+        ),
+        LayerCase::new("+", LayerKind::Mla, &mla(true, true), TWO_SEQUENCES, 3),
+        LayerCase::new(
+            "-",
+            LayerKind::Mlp,
+            &config("[mlp]\nffn_hidden_size = 6\nactivation = \"swiglu\"\n"),
+            TWO_SEQUENCES,
+            4,
+        ),
+        LayerCase::new(
+            "E",
+            LayerKind::Moe,
+            &moe("softmax", 2, true, false, "squared_relu"),
+            TWO_SEQUENCES,
+            5,
+        ),
+    ]
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Weight gradients computed right after `backward_input`, and after
+/// another micro-batch's whole forward and backward ran in between, are the
+/// same bits; running everything twice gives the same bits too.
+#[test]
+fn delayed_weight_gradients_and_repeated_runs_are_bit_identical() {
+    for case in every_kind() {
+        let w = views(&case.weights);
+        let other_x: Vec<f32> = case.x.iter().map(|v| v * 0.5 - 0.25).collect();
+        let run = |delayed: bool| {
+            let mut out = case.x.clone();
+            let saved = case
+                .layer
+                .forward(&B, &w, &mut out[..], case.tokens)
+                .expect("forward");
+            let mut dx = case.probe.clone();
+            let wgrad = case
+                .layer
+                .backward_input(&B, &w, saved, &mut dx[..], 0.3)
+                .expect("backward");
+            let mut grads = zeros_like(&case.weights);
+            let mut other = zeros_like(&case.weights);
+            if delayed {
+                let mut x2 = other_x.clone();
+                let s2 = case
+                    .layer
+                    .forward(&B, &w, &mut x2[..], case.tokens)
+                    .expect("forward 2");
+                let mut d2 = case.probe.clone();
+                let wg2 = case
+                    .layer
+                    .backward_input(&B, &w, s2, &mut d2[..], 0.3)
+                    .expect("backward 2");
+                let mut g2: Vec<&mut [f32]> = other.iter_mut().map(|g| &mut g[..]).collect();
+                case.layer
+                    .backward_weight(&B, wg2, &mut g2)
+                    .expect("wgrad 2");
+            }
+            let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+            case.layer
+                .backward_weight(&B, wgrad, &mut g)
+                .expect("wgrad");
+            let grad_bits: Vec<Vec<u32>> = grads.iter().map(|g| bits(g)).collect();
+            (bits(&out), bits(&dx), grad_bits)
+        };
+        let immediate = run(false);
+        assert!(
+            immediate.2.iter().all(|g| g.iter().any(|&b| b != 0)),
+            "{}: a gradient is all zero",
+            case.name
+        );
+        assert!(
+            immediate == run(true),
+            "{}: delayed wgrad changed the bits",
+            case.name
+        );
+        assert!(
+            immediate == run(false),
+            "{}: a repeated run changed the bits",
+            case.name
+        );
+    }
+}
+
+#[test]
+fn gradients_accumulate_over_micro_batches() {
+    let case = &every_kind()[0];
+    let w = views(&case.weights);
+    let mut grads = zeros_like(&case.weights);
+    let once = case.gradients(&case.weights, &case.x).2;
+    for _ in 0..2 {
+        let mut out = case.x.clone();
+        let saved = case
+            .layer
+            .forward(&B, &w, &mut out[..], case.tokens)
+            .expect("forward");
+        let mut dx = case.probe.clone();
+        let wgrad = case
+            .layer
+            .backward_input(&B, &w, saved, &mut dx[..], 0.0)
+            .expect("backward");
+        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+        case.layer
+            .backward_weight(&B, wgrad, &mut g)
+            .expect("wgrad");
+    }
+    // Accumulating adds each micro-batch's terms into the running sum in a
+    // fixed order, so two equal micro-batches give twice one up to rounding.
+    for (two, one) in grads.iter().zip(&once) {
+        for (t, o) in two.iter().zip(one) {
+            assert!(
+                (t - 2.0 * o).abs() <= 1e-5 * (1.0 + o.abs()),
+                "{t} vs 2 x {o}"
+            );
+        }
+    }
+}
+
+// ---- expert parallelism ---------------------------------------------------------------
+
+/// One rank's output, input gradient and weight gradients.
+type RankResult = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>);
+
+/// Rank `r`'s weight list (local experts `r*L..r*L+L`) cut from the full one.
+fn rank_weights(
+    full: &[Vec<f32>],
+    experts: usize,
+    local: usize,
+    rank: usize,
+    shared: bool,
+) -> Vec<Vec<f32>> {
+    let mut w = vec![full[0].clone(), full[1].clone()];
+    for j in 0..local {
+        w.push(full[2 + rank * local + j].clone());
+    }
+    for j in 0..local {
+        w.push(full[2 + experts + rank * local + j].clone());
+    }
+    if shared {
+        w.extend(full[2 + 2 * experts..].iter().cloned());
+    }
+    w
+}
+
+/// Two thread ranks, two experts each, exchanging through the CPU
+/// collective, compute bit for bit what one rank with all four experts
+/// computes on both ranks' tokens: outputs, input gradients and expert
+/// gradients (the dense gradients are per-rank partial sums).
+#[test]
+fn expert_parallel_moe_through_collectives_matches_one_rank() {
+    for shared in [false, true] {
+        let shared_line = if shared {
+            "shared_expert_ffn_hidden_size = 5\n"
+        } else {
+            ""
+        };
+        let c = config(&format!(
+            "[moe]\nnum_experts = 4\ntop_k = 2\nffn_hidden_size = 6\n{shared_line}aux_loss_coeff = 0.0\n"
+        ));
+        let full = MoeLayer::new(&c, 4).expect("full");
+        let mut rng = Rng(7);
+        let weights = test_weights(full.params(), &mut rng);
+        let per_rank = Tokens { batch: 2, seq: 4 };
+        let xs = [rng.normals(64, 1.0, 0.0), rng.normals(64, 1.0, 0.0)];
+        let probes = [rng.normals(64, 1.0, 0.0), rng.normals(64, 1.0, 0.0)];
+
+        // One rank, all experts, both ranks' tokens as one micro-batch.
+        let x_all: Vec<f32> = xs.concat();
+        let mut out_all = x_all.clone();
+        let w_all = views(&weights);
+        let saved = full
+            .forward_with(
+                &B,
+                &w_all,
+                &mut out_all[..],
+                Tokens { batch: 4, seq: 4 },
+                &LocalExchange,
+            )
+            .expect("forward");
+        let mut dx_all = probes.concat();
+        let wgrad = full
+            .backward_input_with(&B, &w_all, saved, &mut dx_all[..], 1.0, &LocalExchange)
+            .expect("backward");
+        let mut g_all = zeros_like(&weights);
+        let mut g: Vec<&mut [f32]> = g_all.iter_mut().map(|g| &mut g[..]).collect();
+        full.backward_weight_with(&B, wgrad, &mut g).expect("wgrad");
+
+        let world = CpuWorld::new(2).expect("world");
+        let comms = world.comms().expect("comms");
+        let results: Vec<RankResult> = std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (c, xs, probes, weights) = (&c, &xs, &probes, &weights);
+                    scope.spawn(move || {
+                        let layer = MoeLayer::new(c, 2).expect("rank layer");
+                        let w_rank = rank_weights(weights, 4, 2, rank, shared);
+                        let w = views(&w_rank);
+                        let exchange = CollectiveExchange { collective: &comm };
+                        let mut x = xs[rank].clone();
+                        let saved = layer
+                            .forward_with(&B, &w, &mut x[..], per_rank, &exchange)
+                            .expect("forward");
+                        let mut dx = probes[rank].clone();
+                        let wgrad = layer
+                            .backward_input_with(&B, &w, saved, &mut dx[..], 1.0, &exchange)
+                            .expect("backward");
+                        let mut grads = zeros_like(&w_rank);
+                        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+                        layer
+                            .backward_weight_with(&B, wgrad, &mut g)
+                            .expect("wgrad");
+                        (x, dx, grads)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
+        });
+        for (rank, (x, dx, grads)) in results.iter().enumerate() {
+            assert_eq!(
+                bits(x),
+                bits(&out_all[rank * 64..rank * 64 + 64]),
+                "shared={shared} rank {rank}: outputs"
+            );
+            assert_eq!(
+                bits(dx),
+                bits(&dx_all[rank * 64..rank * 64 + 64]),
+                "shared={shared} rank {rank}: dx"
+            );
+            for j in 0..2 {
+                let e = rank * 2 + j;
+                assert_eq!(
+                    bits(&grads[2 + j]),
+                    bits(&g_all[2 + e]),
+                    "fc1 of expert {e}"
+                );
+                assert_eq!(
+                    bits(&grads[4 + j]),
+                    bits(&g_all[6 + e]),
+                    "fc2 of expert {e}"
+                );
+            }
+        }
+        // Dense parameters: the two ranks' partial gradients sum to the full one.
+        let dense: Vec<usize> = [0, 1]
+            .into_iter()
+            .chain(if shared { vec![6, 7] } else { vec![] })
+            .collect();
+        for i in dense {
+            let fi = if i >= 6 { i + 4 } else { i };
+            for (k, want) in g_all[fi].iter().enumerate() {
+                let got = results[0].2[i][k] + results[1].2[i][k];
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "dense param {fi}[{k}]: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+// ---- refusals and bad input -------------------------------------------------------------
+
+#[test]
+fn gated_delta_net_and_dsa_are_refused_at_construction() {
+    let c = config(
+        "[gdn]\nkey_heads = 1\nvalue_heads = 2\nkey_head_dim = 4\nvalue_head_dim = 4\n\
+         [mla]\nnum_heads = 2\nq_lora_rank = 4\nkv_lora_rank = 4\nqk_head_dim = 2\nqk_rope_head_dim = 2\nv_head_dim = 2\n\
+         [dsa]\nindex_heads = 1\nindex_head_dim = 2\nindex_topk = 2\n",
+    );
+    match LayerImpl::new(LayerKind::GatedDeltaNet, &c, 0) {
+        Err(RuntimeError::Unsupported(m)) => {
+            assert_eq!(
+                m,
+                "`G` (gated delta net) is not supported by this runtime yet; plans cover it, training does not"
+            )
+        }
+        other => panic!("G: {:?}", other.map(|l| l.kind())),
+    }
+    assert!(
+        matches!(LayerImpl::new(LayerKind::Dsa, &c, 0), Err(RuntimeError::Unsupported(m)) if m.starts_with("`D`"))
+    );
+    assert!(
+        matches!(LayerImpl::new(LayerKind::Mamba, &c, 0), Err(RuntimeError::InvalidArgument(m)) if m.contains("[mamba]"))
+    );
+}
+
+#[test]
+fn bad_sizes_are_errors_not_panics() {
+    for case in every_kind() {
+        let w = views(&case.weights);
+        let mut x = case.x.clone();
+        let short = &w[..w.len() - 1];
+        assert!(
+            matches!(
+                case.layer.forward(&B, short, &mut x[..], case.tokens),
+                Err(RuntimeError::InvalidArgument(_))
+            ),
+            "{}",
+            case.name
+        );
+        let mut bad = case.weights.clone();
+        bad[1].pop();
+        assert!(
+            case.layer
+                .forward(&B, &views(&bad), &mut x[..], case.tokens)
+                .is_err(),
+            "{}",
+            case.name
+        );
+        assert!(
+            case.layer
+                .forward(&B, &w, &mut x[..7], case.tokens)
+                .is_err(),
+            "{}",
+            case.name
+        );
+        let saved = case
+            .layer
+            .forward(&B, &w, &mut x[..], case.tokens)
+            .expect("forward");
+        let mut dx = case.probe.clone();
+        assert!(
+            case.layer
+                .backward_input(&B, &w, saved, &mut dx[..3], 1.0)
+                .is_err(),
+            "{}",
+            case.name
+        );
+        let saved = case
+            .layer
+            .forward(&B, &w, &mut x[..], case.tokens)
+            .expect("forward");
+        let wgrad = case
+            .layer
+            .backward_input(&B, &w, saved, &mut dx[..], 1.0)
+            .expect("backward");
+        let mut grads = zeros_like(&case.weights);
+        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+        g.pop();
+        assert!(
+            case.layer.backward_weight(&B, wgrad, &mut g).is_err(),
+            "{}",
+            case.name
+        );
+    }
+    let c = moe("softmax", 2, false, false, "gelu");
+    assert!(MoeLayer::new(&c, 3).is_err());
+    let mut layer = MoeLayer::new(&c, 4).expect("layer");
+    assert!(
+        layer.set_expert_bias(&[0.0; 4]).is_err(),
+        "no bias configured"
+    );
+}
