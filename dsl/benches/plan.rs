@@ -99,7 +99,10 @@ fn main() {
         }
     }
     if missed.is_empty() {
-        println!("every 100,000-layer case is under {} ms", TARGET.as_millis());
+        println!(
+            "every 100,000-layer case is under {} ms",
+            TARGET.as_millis()
+        );
     } else {
         println!(
             "over the {} ms target: {}",

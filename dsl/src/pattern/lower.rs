@@ -67,11 +67,22 @@ struct Lowering<'s> {
     unmatched_unclosed_paren: usize,
 }
 
+/// A pattern as far as it could be read, and what reading it found.
+pub(super) struct Lowered {
+    /// Everything that could be read, so the semantic rules can still run on
+    /// it and report their own independent errors.
+    pub pattern: Pattern,
+    /// The syntax diagnostics (H001-H005, H011, H012).
+    pub diagnostics: Vec<Diagnostic>,
+    /// Per MTP depth of `pattern`: whether a syntax error dropped some of its
+    /// layers (an unknown symbol, a malformed repeat, a nested group), so
+    /// comparing it with the other depths (H010) would report a cascade.
+    pub lossy_depths: Vec<bool>,
+}
+
 /// Parses `source` into an expanded pattern plus the diagnostics of its
-/// syntax (H001-H005, H011, H012). The pattern holds everything that could
-/// be read, so the semantic rules can still run on it and report their own
-/// independent errors.
-pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
+/// syntax.
+pub(super) fn lower(source: &str) -> Lowered {
     let mut cx = Lowering {
         source,
         diagnostics: Vec::new(),
@@ -84,7 +95,11 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
     };
     if let Some(too_deep) = check_nesting(source, MAX_NESTING) {
         cx.diagnostics.push(too_deep);
-        return (empty, cx.diagnostics);
+        return Lowered {
+            pattern: empty,
+            diagnostics: cx.diagnostics,
+            lossy_depths: Vec::new(),
+        };
     }
     let root = match PatternParser::parse(Rule::pattern, source) {
         Ok(mut pairs) => pairs.next(),
@@ -104,7 +119,11 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
         }
     };
     let Some(root) = root else {
-        return (empty, cx.diagnostics);
+        return Lowered {
+            pattern: empty,
+            diagnostics: cx.diagnostics,
+            lossy_depths: Vec::new(),
+        };
     };
 
     let mut segments = Vec::new();
@@ -125,6 +144,7 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
             }
             Rule::mtp_depth => {
                 let span = span_of(&pair);
+                let before = cx.diagnostics.len();
                 let mut nodes = Vec::new();
                 for part in pair.into_inner() {
                     match part.as_rule() {
@@ -142,7 +162,10 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
                         _ => {}
                     }
                 }
-                depths.push((span, nodes));
+                let lossy = cx.diagnostics[before..]
+                    .iter()
+                    .any(|d| matches!(d.code, Code::H001 | Code::H005 | Code::H012));
+                depths.push((span, nodes, lossy));
             }
             _ => {}
         }
@@ -151,7 +174,7 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
     let total = segments
         .iter()
         .flat_map(|(_, nodes)| nodes)
-        .chain(depths.iter().flat_map(|(_, nodes)| nodes))
+        .chain(depths.iter().flat_map(|(_, nodes, _)| nodes))
         .map(Node::size)
         .fold(0, usize::saturating_add);
     if total > MAX_EXPANDED_LAYERS {
@@ -166,9 +189,14 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
             .label("expands too far")
             .help("use smaller repeat counts"),
         );
-        return (empty, cx.diagnostics);
+        return Lowered {
+            pattern: empty,
+            diagnostics: cx.diagnostics,
+            lossy_depths: Vec::new(),
+        };
     }
 
+    let lossy_depths = depths.iter().map(|&(_, _, lossy)| lossy).collect();
     let pattern = Pattern {
         segments: segments
             .into_iter()
@@ -179,7 +207,7 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
             .collect(),
         mtp_depths: depths
             .into_iter()
-            .map(|(span, nodes)| MtpDepth {
+            .map(|(span, nodes, _)| MtpDepth {
                 layers: expand(&nodes)
                     .iter()
                     .flat_map(|i| i.layers().to_vec())
@@ -188,16 +216,22 @@ pub(super) fn lower(source: &str) -> (Pattern, Vec<Diagnostic>) {
             })
             .collect(),
     };
-    (drop_empty_mtp(pattern), cx.diagnostics)
+    let (pattern, lossy_depths) = drop_empty_mtp(pattern, lossy_depths);
+    Lowered {
+        pattern,
+        diagnostics: cx.diagnostics,
+        lossy_depths,
+    }
 }
 
 /// `main/` and `main//` mean no MTP. Depths that differ (an empty one among
 /// real ones included) are kept for the H010 rule.
-fn drop_empty_mtp(mut pattern: Pattern) -> Pattern {
+fn drop_empty_mtp(mut pattern: Pattern, mut lossy: Vec<bool>) -> (Pattern, Vec<bool>) {
     if pattern.mtp_depths.iter().all(|d| d.layers.is_empty()) {
         pattern.mtp_depths.clear();
+        lossy.clear();
     }
-    pattern
+    (pattern, lossy)
 }
 
 /// How deep `[` and `(` may nest. The parser and the lowering recurse once
@@ -754,7 +788,7 @@ mod tests {
                 MAX_NESTING + 1,
             ),
         ] {
-            let (_, diagnostics) = lower(&source);
+            let diagnostics = lower(&source).diagnostics;
             let found: Vec<_> = diagnostics
                 .iter()
                 .map(|d| (d.code, d.position(&source).map(|p| p.column)))

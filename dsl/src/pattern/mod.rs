@@ -209,8 +209,12 @@ pub const MAX_EXPANDED_LAYERS: usize = 1_000_000;
 impl Pattern {
     /// Parses and validates a pattern, reporting every independent mistake.
     pub fn parse(source: &str) -> Result<Pattern, Diagnostics> {
-        let (pattern, mut diagnostics) = lower::lower(source);
-        diagnostics.extend(rules::check(&pattern));
+        let lower::Lowered {
+            pattern,
+            mut diagnostics,
+            lossy_depths,
+        } = lower::lower(source);
+        diagnostics.extend(rules::check(&pattern, &lossy_depths));
         // A repeat copies a mistake; report each culprit once.
         diagnostics.sort_by_key(|d| (d.span.map(|s| (s.start, s.end)), d.code));
         diagnostics.dedup_by(|a, b| a.code == b.code && a.span == b.span);

@@ -4,7 +4,9 @@
 use super::{Group, Layer, LayerKind, Namespace, Pattern};
 use crate::diagnostic::{Code, Diagnostic};
 
-pub(super) fn check(pattern: &Pattern) -> Vec<Diagnostic> {
+/// `lossy_depths` marks the MTP depths a syntax error already took layers
+/// from: they are left out of the H010 comparison.
+pub(super) fn check(pattern: &Pattern, lossy_depths: &[bool]) -> Vec<Diagnostic> {
     let mut out = Vec::new();
     for item in pattern.items() {
         if let super::Item::Group(group) = item {
@@ -12,7 +14,7 @@ pub(super) fn check(pattern: &Pattern) -> Vec<Diagnostic> {
         }
     }
     check_attention_families(pattern, &mut out);
-    check_mtp_depths(pattern, &mut out);
+    check_mtp_depths(pattern, lossy_depths, &mut out);
     out
 }
 
@@ -140,14 +142,21 @@ fn check_attention_families(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
     }
 }
 
-/// H010: every MTP depth equal to the first.
-fn check_mtp_depths(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
-    let Some(first) = pattern.mtp_depths.first() else {
+/// H010: every MTP depth equal to the first. A depth that lost layers to a
+/// syntax error is not compared (its error is already reported); the first
+/// intact depth is the reference.
+fn check_mtp_depths(pattern: &Pattern, lossy_depths: &[bool], out: &mut Vec<Diagnostic>) {
+    let mut intact = pattern
+        .mtp_depths
+        .iter()
+        .enumerate()
+        .filter(|&(d, _)| !lossy_depths.get(d).copied().unwrap_or(false));
+    let Some((r, first)) = intact.next() else {
         return;
     };
     let symbols = |layers: &[Layer]| layers.iter().map(|l| l.kind.symbol()).collect::<String>();
     let reference = symbols(&first.layers);
-    for (d, depth) in pattern.mtp_depths.iter().enumerate().skip(1) {
+    for (d, depth) in intact {
         let this = symbols(&depth.layers);
         if this != reference {
             let shown = |s: &str| {
@@ -161,9 +170,10 @@ fn check_mtp_depths(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
                 Diagnostic::new(
                     Code::H010,
                     format!(
-                        "MTP depth {} is {} but depth 1 is {}",
+                        "MTP depth {} is {} but depth {} is {}",
                         d + 1,
                         shown(&this),
+                        r + 1,
                         shown(&reference)
                     ),
                 )
