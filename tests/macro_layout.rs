@@ -144,7 +144,14 @@ fn layer_structs_point_at_their_parameters() {
         }
         assert!(!handle.params().is_empty());
     }
-    assert_eq!(mixed::Layer1::SLOTS, mixed::SLOT_TABLES[1]);
+    assert_eq!(model.layer_1.slots(), mixed::SLOT_TABLES[1]);
+    assert_eq!(model.layer_4.module.path, "decoder.layers.4");
+    let with_mtp = WithMtp::new();
+    assert_eq!(with_mtp.mtp_1.module.path, "mtp.layers.1");
+    assert_eq!(
+        with_mtp.mtp_1.attention.path,
+        "mtp.layers.1.mtp_model_layer.layers.0"
+    );
 }
 
 #[test]

@@ -8,18 +8,16 @@
 //! `__`-prefixed names so it cannot collide with the model's own names.
 
 use super::fields::Resolved;
+use super::layer_structs::{ModelShape, kind_tokens};
+use super::tables::tables;
 use crate::config::{
     Activation, AttentionConfig, DsaConfig, GdnConfig, MambaConfig, MlaConfig, MlpConfig,
     ModelConfig, MoeConfig, MtpConfig, Position, ScoreFunction,
 };
-use crate::params::ParamDef;
 use crate::pattern::LayerKind;
-use crate::plan::{
-    Bucket, FsdpUnit, LayerRef, Op, Owner, Param, Plan, ScheduleNode, Slot, Stage, UnitKind,
-    UnitShape,
-};
-use proc_macro2::{Ident, Literal, Span, TokenStream};
-use quote::{format_ident, quote};
+use crate::plan::{Plan, UnitKind};
+use proc_macro2::{Ident, Literal, TokenStream};
+use quote::quote;
 use syn::{Attribute, Visibility};
 
 /// Who the generated module is for: the names and attributes the user
@@ -49,16 +47,11 @@ impl ModelSpec {
             #[allow(unused_imports)]
             use #krate::__private::dsl::plan as __plan;
             #[allow(unused_imports)]
-            use #krate::__private::dsl::plan::{LayerRef as __Ref, Op as __Op, Owner as __Owner};
-            #[allow(unused_imports)]
             use #krate::__private::dsl::codegen::static_model as __model;
             #[allow(unused_imports)]
-            use #krate::__private::dsl::codegen::static_model::build_const::{
-                bucket as __bucket, decoder_layer as __decoder_layer,
-                decoder_param as __decoder_param, mtp_layer as __mtp_layer,
-                mtp_param as __mtp_param, node as __node, param as __param,
-                param_def as __param_def, slots as __slots, unit as __unit,
-            };
+            use #krate::__private::dsl::codegen::rows as __rows;
+            #[allow(unused_imports)]
+            use #krate::__private::dsl::codegen::static_model::param_def as __param_def;
             #[allow(unused_imports)]
             use #krate::__private::Cow as __Cow;
         }
@@ -113,18 +106,13 @@ pub fn module_name(name: &str) -> String {
 
 /// The whole generated output for a planned model.
 pub fn generate(spec: &ModelSpec, resolved: &Resolved, plan: &Plan) -> TokenStream {
-    let tables = Tables::new(plan);
+    let shape = ModelShape::of(&plan.pattern);
     let mut body = TokenStream::new();
     body.extend(constants(spec, resolved, plan));
-    body.extend(tables.param_defs());
-    body.extend(tables.params());
-    body.extend(tables.units());
-    body.extend(tables.buckets());
-    body.extend(tables.stages());
-    body.extend(tables.schedule());
+    body.extend(tables(plan));
     body.extend(unit_filter(plan, resolved));
-    body.extend(tables.layer_structs());
-    body.extend(model_struct(spec, plan));
+    body.extend(shape.structs());
+    body.extend(model_struct(spec, plan, &shape));
     spec.wrap(body)
 }
 
@@ -146,102 +134,6 @@ fn opt(n: Option<usize>) -> TokenStream {
 
 fn doc(text: &str) -> TokenStream {
     quote!(#[doc = #text])
-}
-
-pub(super) fn kind_tokens(kind: LayerKind) -> TokenStream {
-    let variant = Ident::new(
-        match kind {
-            LayerKind::Mamba => "Mamba",
-            LayerKind::Attention => "Attention",
-            LayerKind::Mla => "Mla",
-            LayerKind::Dsa => "Dsa",
-            LayerKind::GatedDeltaNet => "GatedDeltaNet",
-            LayerKind::Mlp => "Mlp",
-            LayerKind::Moe => "Moe",
-        },
-        Span::call_site(),
-    );
-    quote!(__Kind::#variant)
-}
-
-fn layer_ref(layer: LayerRef) -> TokenStream {
-    match layer {
-        LayerRef::Decoder(i) => {
-            let i = lit(i);
-            quote!(__Ref::Decoder(#i))
-        }
-        LayerRef::Mtp { depth, index } => {
-            let (depth, index) = (lit(depth), lit(index));
-            quote!(__Ref::Mtp { depth: #depth, index: #index })
-        }
-    }
-}
-
-fn owner(owner: Owner) -> TokenStream {
-    match owner {
-        Owner::Embedding => quote!(__Owner::Embedding),
-        Owner::Layer(layer) => {
-            let layer = layer_ref(layer);
-            quote!(__Owner::Layer(#layer))
-        }
-        Owner::FinalNorm => quote!(__Owner::FinalNorm),
-        Owner::MtpBlock(d) => {
-            let d = lit(d);
-            quote!(__Owner::MtpBlock(#d))
-        }
-        Owner::OutputLayer => quote!(__Owner::OutputLayer),
-    }
-}
-
-fn op(op: Op) -> TokenStream {
-    match op {
-        Op::Embed => quote!(__Op::Embed),
-        Op::MtpEnter(d) => {
-            let d = lit(d);
-            quote!(__Op::MtpEnter(#d))
-        }
-        Op::Layer(l) => {
-            let l = layer_ref(l);
-            quote!(__Op::Layer(#l))
-        }
-        Op::MoePrepare(l) => {
-            let l = layer_ref(l);
-            quote!(__Op::MoePrepare(#l))
-        }
-        Op::MoeDispatch(l) => {
-            let l = layer_ref(l);
-            quote!(__Op::MoeDispatch(#l))
-        }
-        Op::MoeExperts(l) => {
-            let l = layer_ref(l);
-            quote!(__Op::MoeExperts(#l))
-        }
-        Op::MoeCombine(l) => {
-            let l = layer_ref(l);
-            quote!(__Op::MoeCombine(#l))
-        }
-        Op::Mlp(l) => {
-            let l = layer_ref(l);
-            quote!(__Op::Mlp(#l))
-        }
-        Op::FinalNorm => quote!(__Op::FinalNorm),
-        Op::Head(d) => {
-            let d = opt(d);
-            quote!(__Op::Head(#d))
-        }
-    }
-}
-
-fn slice(items: impl IntoIterator<Item = TokenStream>) -> TokenStream {
-    let items = items.into_iter();
-    quote!(&[#(#items),*])
-}
-
-fn usizes(items: &[usize]) -> TokenStream {
-    slice(items.iter().map(|&n| {
-        let n = lit(n);
-        quote!(#n)
-    }))
 }
 
 /// Model-wide facts.
@@ -302,402 +194,6 @@ fn constants(spec: &ModelSpec, resolved: &Resolved, plan: &Plan) -> TokenStream 
         pub const NON_UNIT_BUCKET_CAP: usize = #cap;
         /// The declared FSDP unit kinds; `None` is the default rule.
         pub const UNIT_KINDS: ::core::option::Option<&[__plan::UnitKind]> = #unit_kinds;
-    }
-}
-
-/// The plan's tables and the per-layer indexes derived from them in one pass.
-struct Tables<'p> {
-    plan: &'p Plan,
-    /// `[first, end)` into `params` per decoder layer, and per MTP layer.
-    decoder_params: Vec<(usize, usize)>,
-    mtp_params: Vec<Vec<(usize, usize)>>,
-}
-
-impl<'p> Tables<'p> {
-    fn new(plan: &'p Plan) -> Self {
-        let mut decoder_params = vec![(0, 0); plan.layers.len()];
-        let mut mtp_params: Vec<Vec<(usize, usize)>> = plan
-            .mtp_layers
-            .iter()
-            .map(|d| vec![(0, 0); d.len()])
-            .collect();
-        let record = |range: &mut (usize, usize), i: usize| {
-            if range.1 == 0 {
-                range.0 = i;
-            }
-            range.1 = i + 1;
-        };
-        for (i, param) in plan.params.iter().enumerate() {
-            match param.owner {
-                Owner::Layer(LayerRef::Decoder(l)) => {
-                    if let Some(range) = decoder_params.get_mut(l) {
-                        record(range, i);
-                    }
-                }
-                Owner::Layer(LayerRef::Mtp { depth, index }) => {
-                    if let Some(range) = mtp_params.get_mut(depth).and_then(|d| d.get_mut(index)) {
-                        record(range, i);
-                    }
-                }
-                _ => {}
-            }
-        }
-        Tables {
-            plan,
-            decoder_params,
-            mtp_params,
-        }
-    }
-
-    fn param_defs(&self) -> TokenStream {
-        let defs = self.plan.param_defs.iter().map(|def: &ParamDef| {
-            let name = def.name.as_ref();
-            let shape = usizes(&def.shape);
-            let expert = def.expert;
-            let local = opt(def.local_expert);
-            quote!(__param_def(#name, #shape, #expert, #local))
-        });
-        quote! {
-            /// Parameter definitions: name relative to the owner, full shape,
-            /// expert-ness, local expert index. Every layer of a kind shares
-            /// its definitions.
-            pub const PARAM_DEFS: &[__dsl::params::ParamDef] = &[#(#defs),*];
-        }
-    }
-
-    fn params(&self) -> TokenStream {
-        let params = self.plan.params.iter().map(|p: &Param| {
-            let (def, bucket, offset) = (lit(p.def), lit(p.bucket), lit(p.offset));
-            match p.owner {
-                Owner::Layer(LayerRef::Decoder(layer)) => {
-                    let layer = lit(layer);
-                    quote!(__decoder_param(#layer, #def, #bucket, #offset))
-                }
-                Owner::Layer(LayerRef::Mtp { depth, index }) => {
-                    let (depth, index) = (lit(depth), lit(index));
-                    quote!(__mtp_param(#depth, #index, #def, #bucket, #offset))
-                }
-                other => {
-                    let owner = owner(other);
-                    quote!(__param(#owner, #def, #bucket, #offset))
-                }
-            }
-        });
-        let names = self.plan.params.iter().map(|p| self.plan.param_name(p));
-        quote! {
-            /// One rank's parameters in model (`named_parameters()`) order:
-            /// owner, definition (index into `PARAM_DEFS`), bucket, and offset
-            /// in the bucket (a multiple of 64).
-            pub const PARAMS: &[__plan::Param] = &[#(#params),*];
-            /// The full state-dict name of each entry of `PARAMS`.
-            pub const PARAM_NAMES: &[&str] = &[#(#names),*];
-        }
-    }
-
-    fn units(&self) -> TokenStream {
-        let units = self.plan.units.iter().map(|u: &FsdpUnit| {
-            let index = lit(u.index);
-            let name = u.name.as_ref();
-            let shape = match u.shape {
-                UnitShape::Group => quote!(__plan::UnitShape::Group),
-                UnitShape::Layer => quote!(__plan::UnitShape::Layer),
-                UnitShape::Mtp => quote!(__plan::UnitShape::Mtp),
-            };
-            let layers = usizes(&u.layers);
-            let depth = opt(u.mtp_depth);
-            let buckets = usizes(&u.buckets);
-            quote!(__unit(#index, #name, #shape, #layers, #depth, #buckets))
-        });
-        quote! {
-            /// FSDP units in forward order, as the unit filter picked them.
-            pub const UNITS: &[__plan::FsdpUnit] = &[#(#units),*];
-        }
-    }
-
-    fn buckets(&self) -> TokenStream {
-        let buckets = self.plan.buckets.iter().map(|b: &Bucket| {
-            let (id, numel, end) = (lit(b.id), lit(b.numel), lit(b.end));
-            let unit = opt(b.unit);
-            let expert = b.expert;
-            let params = usizes(&b.params);
-            let lcm = match b.megatron_row_lcm {
-                Some(l) => {
-                    let l = Literal::u64_unsuffixed(l);
-                    quote!(Some(#l))
-                }
-                None => quote!(None),
-            };
-            quote!(__bucket(#id, #unit, #expert, #params, #numel, #end, #lcm))
-        });
-        quote! {
-            /// Every bucket by id (forward order): id, unit, expert-ness,
-            /// parameters (indices into `PARAMS`), elements, end of the last
-            /// parameter, Megatron's padding unit. Offsets are fixed; the
-            /// padded length and shard ranges are `const fn`s of the shard
-            /// group size `W`: `BUCKETS[b].padded_numel(W)`,
-            /// `BUCKETS[b].shard_range(W, rank)`.
-            pub const BUCKETS: &[__plan::Bucket] = &[#(#buckets),*];
-
-            /// Bucket `bucket`'s padded length when sharded over `world` ranks.
-            pub const fn padded_numel(bucket: usize, world: usize) -> usize {
-                BUCKETS[bucket].padded_numel(world)
-            }
-
-            /// The elements of bucket `bucket` that rank `rank` of `world` owns.
-            pub const fn shard_range(bucket: usize, world: usize, rank: usize) -> ::core::ops::Range<usize> {
-                BUCKETS[bucket].shard_range(world, rank)
-            }
-        }
-    }
-
-    fn stages(&self) -> TokenStream {
-        let stages = self.plan.stages.iter().map(|s: &Stage| {
-            let (rank, vp) = (lit(s.pp_rank), lit(s.vp_stage));
-            let (l0, l1) = (lit(s.layers.start), lit(s.layers.end));
-            let (g0, g1) = (lit(s.logical.start), lit(s.logical.end));
-            let mtp = s.has_mtp;
-            quote! {
-                __plan::Stage { pp_rank: #rank, vp_stage: #vp, layers: #l0..#l1, logical: #g0..#g1, has_mtp: #mtp }
-            }
-        });
-        quote! {
-            /// Pipeline stages for `PP` ranks.
-            pub const STAGES: &[__plan::Stage] = &[#(#stages),*];
-        }
-    }
-
-    fn schedule(&self) -> TokenStream {
-        let nodes = self.plan.schedule.nodes.iter().map(node);
-        let tables = self.plan.schedule.nodes.iter().map(|n| {
-            let [pre, dispatch, mlp, combine, post] =
-                Slot::ALL.map(|slot| slice(n.ops(slot).into_iter().map(op)));
-            quote!(__slots(#pre, #dispatch, #mlp, #combine, #post))
-        });
-        quote! {
-            /// The overlap schedule's forward chain: one node per logical
-            /// layer, then one per MTP layer (index, module path, logical
-            /// index, MTP depth, unit, pre-layers, terminal, embedding, MTP
-            /// entry, final norm, heads).
-            pub const SCHEDULE: __plan::SchedulePlan = __plan::SchedulePlan { nodes: __Cow::Borrowed(&[#(#nodes),*]) };
-            /// Each schedule node's five slots (pre-dispatch, dispatch, mlp,
-            /// combine, MTP post-process), as `const` data.
-            pub const SLOT_TABLES: &[__model::SlotTable] = &[#(#tables),*];
-        }
-    }
-
-    /// A struct per logical layer and per MTP depth; a group's fields name
-    /// its members by kind.
-    fn layer_structs(&self) -> TokenStream {
-        let plan = self.plan;
-        let mut out = TokenStream::new();
-        let unit_of = |path: &str| plan.units.iter().position(|u| u.name == path);
-        let mut node_of_logical = vec![0; plan.logical_layers.len()];
-        let mut node_of_mtp = vec![None; plan.mtp_depths()];
-        for node in plan.schedule.nodes.iter() {
-            if let Some(l) = node.logical
-                && let Some(slot) = node_of_logical.get_mut(l)
-            {
-                *slot = node.index;
-            }
-            if let Some(d) = node.mtp_depth
-                && let Some(slot) = node_of_mtp.get_mut(d)
-                && slot.is_none()
-            {
-                *slot = Some(node.index);
-            }
-        }
-        let units_by_path: std::collections::HashMap<&str, usize> = plan
-            .units
-            .iter()
-            .map(|u| (u.name.as_ref(), u.index))
-            .collect();
-        for logical in &plan.logical_layers {
-            let path = logical.path();
-            let members: Vec<Member> = logical
-                .layers
-                .clone()
-                .map(|i| {
-                    let info = &plan.layers[i];
-                    let (first, end) = self.decoder_params[i];
-                    Member {
-                        layer: LayerRef::Decoder(i),
-                        kind: info.kind,
-                        path: info.path(),
-                        first,
-                        end,
-                    }
-                })
-                .collect();
-            let symbols: String = members.iter().map(|m| m.kind.symbol()).collect();
-            let what = if logical.is_group {
-                format!("group `[{symbols}]`")
-            } else {
-                format!(
-                    "`{symbols}` ({})",
-                    members.first().map_or("", |m| m.kind.name())
-                )
-            };
-            let unit = units_by_path.get(path.as_str()).copied();
-            let description = format!(
-                "`{path}`: {what}, physical layers {}..{}{}.",
-                logical.layers.start,
-                logical.layers.end,
-                unit.map_or(String::from(", in no FSDP unit"), |u| format!(
-                    ", FSDP unit {u}"
-                ))
-            );
-            out.extend(layer_struct(
-                &format_ident!("Layer{}", logical.index),
-                &description,
-                &path,
-                logical.index,
-                unit,
-                node_of_logical.get(logical.index).copied().unwrap_or(0),
-                &members,
-            ));
-        }
-        for (d, depth) in plan.mtp_layers.iter().enumerate() {
-            let path = format!("mtp.layers.{d}");
-            let members: Vec<Member> = depth
-                .iter()
-                .map(|l| {
-                    let (first, end) = self.mtp_params[d][l.index];
-                    Member {
-                        layer: LayerRef::Mtp {
-                            depth: d,
-                            index: l.index,
-                        },
-                        kind: l.kind,
-                        path: l.path(),
-                        first,
-                        end,
-                    }
-                })
-                .collect();
-            let symbols: String = members.iter().map(|m| m.kind.symbol()).collect();
-            let unit = unit_of(&path);
-            let description = format!(
-                "`{path}`: multi-token-prediction depth {d}, `{symbols}`{}.",
-                unit.map_or(String::new(), |u| format!(", FSDP unit {u}"))
-            );
-            out.extend(layer_struct(
-                &format_ident!("MtpDepth{d}"),
-                &description,
-                &path,
-                d,
-                unit,
-                node_of_mtp[d].unwrap_or(0),
-                &members,
-            ));
-        }
-        out
-    }
-}
-
-fn node(n: &ScheduleNode) -> TokenStream {
-    let index = lit(n.index);
-    let name = n.name.as_ref();
-    let logical = opt(n.logical);
-    let depth = opt(n.mtp_depth);
-    let unit = opt(n.unit);
-    let pre = slice(n.pre_layers.iter().map(|&l| layer_ref(l)));
-    let terminal = match n.terminal {
-        Some((layer, kind)) => {
-            let (layer, kind) = (layer_ref(layer), kind_tokens(kind));
-            quote!(Some((#layer, #kind)))
-        }
-        None => quote!(None),
-    };
-    let embed = n.embed;
-    let enter = opt(n.mtp_enter);
-    let final_norm = n.final_norm;
-    let heads = slice(n.heads.iter().map(|&h| opt(h)));
-    quote!(__node(#index, #name, #logical, #depth, #unit, #pre, #terminal, #embed, #enter, #final_norm, #heads))
-}
-
-/// One physical layer inside a layer struct.
-pub(super) struct Member {
-    pub layer: LayerRef,
-    pub kind: LayerKind,
-    pub path: String,
-    pub first: usize,
-    pub end: usize,
-}
-
-/// Field names by kind (`mamba`, `attention`, `moe`); a kind that appears
-/// more than once (possible in MTP depths: `/MM`) is numbered by position.
-pub(super) fn member_fields(kinds: &[LayerKind]) -> Vec<Ident> {
-    kinds
-        .iter()
-        .enumerate()
-        .map(|(j, kind)| {
-            if kinds.iter().filter(|k| *k == kind).count() > 1 {
-                format_ident!("{}_{}", kind.ident(), j)
-            } else {
-                format_ident!("{}", kind.ident())
-            }
-        })
-        .collect()
-}
-
-fn layer_struct(
-    name: &Ident,
-    description: &str,
-    path: &str,
-    index: usize,
-    unit: Option<usize>,
-    node: usize,
-    members: &[Member],
-) -> TokenStream {
-    let description = doc(description);
-    let kinds: Vec<LayerKind> = members.iter().map(|m| m.kind).collect();
-    let fields = member_fields(&kinds);
-    let field_docs = members.iter().map(|m| {
-        doc(&format!(
-            "`{}`: {} ({})",
-            m.path,
-            m.kind.symbol(),
-            m.kind.name()
-        ))
-    });
-    let handles = members.iter().map(|m| {
-        let kind = kind_tokens(m.kind);
-        let path = m.path.as_str();
-        let (first, end) = (lit(m.first), lit(m.end));
-        match m.layer {
-            LayerRef::Decoder(layer) => {
-                let layer = lit(layer);
-                quote!(__decoder_layer(#layer, #kind, #path, #first, #end))
-            }
-            LayerRef::Mtp { depth, index } => {
-                let (depth, index) = (lit(depth), lit(index));
-                quote!(__mtp_layer(#depth, #index, #kind, #path, #first, #end))
-            }
-        }
-    });
-    let (index, node, unit) = (lit(index), lit(node), opt(unit));
-    let field_defs = fields
-        .iter()
-        .zip(field_docs)
-        .map(|(field, doc)| quote!(#doc pub #field: __model::LayerHandle));
-    quote! {
-        #description
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub struct #name {
-            #(#field_defs,)*
-        }
-
-        // The constants are documented once, on the model struct, rather
-        // than on each of what may be thousands of layer structs.
-        #[allow(missing_docs)]
-        impl #name {
-            pub const PATH: &str = #path;
-            pub const INDEX: usize = #index;
-            pub const UNIT: ::core::option::Option<usize> = #unit;
-            pub const NODE: usize = #node;
-            pub const SLOTS: __model::SlotTable = SLOT_TABLES[#node];
-            pub const NEW: Self = #name { #(#fields: #handles,)* };
-        }
     }
 }
 
@@ -781,22 +277,10 @@ fn unit_filter(plan: &Plan, resolved: &Resolved) -> TokenStream {
     }
 }
 
-fn model_struct(spec: &ModelSpec, plan: &Plan) -> TokenStream {
+fn model_struct(spec: &ModelSpec, plan: &Plan, shape: &ModelShape) -> TokenStream {
     let name = &spec.name;
     let docs = &spec.docs;
-    let mut fields = Vec::new();
-    let mut types = Vec::new();
-    let mut field_docs = Vec::new();
-    for logical in &plan.logical_layers {
-        fields.push(format_ident!("layer_{}", logical.index));
-        types.push(format_ident!("Layer{}", logical.index));
-        field_docs.push(doc(&format!("`{}`", logical.path())));
-    }
-    for d in 0..plan.mtp_depths() {
-        fields.push(format_ident!("mtp_{d}"));
-        types.push(format_ident!("MtpDepth{d}"));
-        field_docs.push(doc(&format!("`mtp.layers.{d}`")));
-    }
+    let (fields, values) = shape.model_fields();
     let summary = doc(&format!(
         "Pattern `{}`: {} physical / {} logical layers, {} MTP depths, {} FSDP units, {} buckets; {} parameters ({} active).",
         plan.pattern.canonical(),
@@ -814,22 +298,21 @@ fn model_struct(spec: &ModelSpec, plan: &Plan) -> TokenStream {
         ///
         #summary
         ///
-        /// Each field is a layer struct (`LayerN` per logical layer,
-        /// `MtpDepthN` per MTP depth) whose fields name its members by kind
-        /// and hold their [`LayerHandle`](__model::LayerHandle)s. Each layer
-        /// struct has the constants `PATH` (module path), `INDEX` (logical
-        /// index or MTP depth), `UNIT` (its FSDP unit, if any), `NODE` (its
-        /// node in `SCHEDULE`), `SLOTS` (its overlap-schedule slot table) and
-        /// `NEW` (its value).
+        /// Field `layer_i` is logical layer `i` (`decoder.layers.i`), typed
+        /// by its shape: `MambaLayer`, `AttentionMoeGroup`, ... whose fields
+        /// name the members by kind; `mtp_d` is MTP depth `d`. Each holds its
+        /// members' [`LayerHandle`](__model::LayerHandle)s (kind, path,
+        /// parameters in `PARAMS`) and its module entry (path, FSDP unit,
+        /// schedule node); `slots()` is its overlap-schedule slot table.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub struct #name {
-            #(#field_docs pub #fields: #types,)*
+            #fields
         }
 
         impl #name {
-            /// The model's layers, each with its parameters' place in `PARAMS`.
+            /// The model's layers, read from the tables.
             pub const fn new() -> Self {
-                #name { #(#fields: #types::NEW,)* }
+                #name { #values }
             }
 
             /// The model dimensions the tables were planned from.
@@ -1107,12 +590,5 @@ mod tests {
         assert_eq!(module_name("HTTPServer"), "http_server");
         assert_eq!(module_name("Mod"), "mod_model");
         assert_eq!(module_name("Self_"), "self_");
-    }
-
-    #[test]
-    fn repeated_kinds_are_numbered() {
-        let names = member_fields(&[LayerKind::Mamba, LayerKind::Mamba, LayerKind::Moe]);
-        let names: Vec<String> = names.iter().map(ToString::to_string).collect();
-        assert_eq!(names, ["mamba_0", "mamba_1", "moe"]);
     }
 }

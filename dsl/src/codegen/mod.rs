@@ -7,7 +7,9 @@
 //! - [`ast`]: read the declaration's tokens (`pub struct Name { field: value, ... }`);
 //! - [`fields`]: give the fields meaning (typed schema, preset + overrides);
 //! - [`validate`]: plan with the one planner, every diagnostic at its span;
-//! - [`generate`]: emit the module; [`stub`]: its stand-in on errors;
+//! - [`generate`]: emit the module, with [`tables`] (the plan as `const`
+//!   tables, large ones in the compact [`rows`] form) and [`layer_structs`]
+//!   (the typed layers); [`stub`]: its stand-in on errors;
 //! - [`build_script`]: the same module from model files, for `build.rs`;
 //! - [`static_model`]: the types the generated module is made of.
 //!
@@ -20,8 +22,11 @@ pub mod build_script;
 pub mod errors;
 pub mod fields;
 pub mod generate;
+pub mod layer_structs;
+pub mod rows;
 pub mod static_model;
 pub mod stub;
+pub mod tables;
 pub mod validate;
 
 use crate::pattern::Pattern;
@@ -48,7 +53,7 @@ pub fn facade_path() -> syn::Path {
 /// Expands a parsed declaration; `krate` is the facade crate's path.
 pub fn expand_decl(decl: &ModelDecl, krate: &syn::Path) -> TokenStream {
     let mut errors = Errors::default();
-    let spec = spec_of(decl, krate, &mut errors);
+    let spec = spec_of(decl, krate);
     let (resolved, spans) = fields::resolve(decl, &mut errors);
     let plan = match &resolved {
         Some(resolved) => validate::plan(resolved, &spans, &mut errors),
@@ -57,6 +62,9 @@ pub fn expand_decl(decl: &ModelDecl, krate: &syn::Path) -> TokenStream {
             None
         }
     };
+    if let Some(plan) = &plan {
+        check_generated_names(decl, &plan.pattern, &mut errors);
+    }
     match (plan, &resolved) {
         (Some(plan), Some(resolved)) if errors.is_empty() => {
             generate::generate(&spec, resolved, &plan)
@@ -77,22 +85,23 @@ pub fn expand_decl(decl: &ModelDecl, krate: &syn::Path) -> TokenStream {
     }
 }
 
-/// Names and attributes of the generated items, checking that the model's
-/// name leaves room for the names generated beside it.
-fn spec_of(decl: &ModelDecl, krate: &syn::Path, errors: &mut Errors) -> ModelSpec {
+/// The model struct shares its module with the generated layer structs.
+fn check_generated_names(decl: &ModelDecl, pattern: &Pattern, errors: &mut Errors) {
     let name = decl.name.to_string();
-    let generated = ["Layer", "MtpDepth"].iter().any(|prefix| {
-        name.strip_prefix(prefix)
-            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()))
-    });
-    if generated {
+    let shape = layer_structs::ModelShape::of(pattern);
+    if shape.type_names().any(|generated| generated == name) {
         errors.push(
             decl.name.span(),
             format!(
-                "`{name}` is the name of a generated layer struct\n  help: name the model after what it is, e.g. `NemotronNano`"
+                "`{name}` is also the name of a layer struct generated for this pattern\n  help: name the model after what it is, e.g. `NemotronNano`"
             ),
         );
     }
+}
+
+/// Names and attributes of the generated items.
+fn spec_of(decl: &ModelDecl, krate: &syn::Path) -> ModelSpec {
+    let name = decl.name.to_string();
     let (docs, forwarded) = decl
         .attrs
         .iter()

@@ -5,33 +5,22 @@
 //! When the pattern itself is valid the layer structs are known and are
 //! emitted too; otherwise the model struct has no layer fields.
 
-use super::generate::{ModelSpec, kind_tokens, member_fields};
-use crate::pattern::{LayerKind, Pattern};
+use super::generate::ModelSpec;
+use super::layer_structs::ModelShape;
+use crate::pattern::Pattern;
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::quote;
 
 pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
     let name = &spec.name;
     let docs = &spec.docs;
-    let mut layer_structs = TokenStream::new();
-    let mut fields = Vec::new();
-    let mut types = Vec::new();
-    if let Some(pattern) = pattern {
-        for (i, item) in pattern.items().enumerate() {
-            let kinds: Vec<LayerKind> = item.layers().iter().map(|l| l.kind).collect();
-            let ty = format_ident!("Layer{i}");
-            layer_structs.extend(layer_struct(&ty, &kinds));
-            fields.push(format_ident!("layer_{i}"));
-            types.push(ty);
+    let (layer_structs, fields) = match pattern {
+        Some(pattern) => {
+            let shape = ModelShape::of(pattern);
+            (shape.structs(), shape.model_fields().0)
         }
-        for (d, depth) in pattern.mtp_depths.iter().enumerate() {
-            let kinds: Vec<LayerKind> = depth.layers.iter().map(|l| l.kind).collect();
-            let ty = format_ident!("MtpDepth{d}");
-            layer_structs.extend(layer_struct(&ty, &kinds));
-            fields.push(format_ident!("mtp_{d}"));
-            types.push(ty);
-        }
-    }
+        None => Default::default(),
+    };
     let unreachable = quote!(::core::unreachable!("the model declaration has errors"));
     let body = quote! {
         pub const NAME: &str = "";
@@ -52,7 +41,6 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
         pub const PARAM_DEFS: &[__dsl::params::ParamDef] = &[];
         pub const PARAMS: &[__plan::Param] = &[];
         pub const PARAM_NAMES: &[&str] = &[];
-        pub const UNITS: &[__plan::FsdpUnit] = &[];
         pub const BUCKETS: &[__plan::Bucket] = &[];
         pub const fn padded_numel(bucket: usize, world: usize) -> usize {
             let _ = (bucket, world);
@@ -62,9 +50,12 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
             let _ = (bucket, world, rank);
             0..0
         }
+        pub const UNITS: &[__plan::FsdpUnit] = &[];
         pub const STAGES: &[__plan::Stage] = &[];
         pub const SCHEDULE: __plan::SchedulePlan = __plan::SchedulePlan { nodes: __Cow::Borrowed(&[]) };
         pub const SLOT_TABLES: &[__model::SlotTable] = &[];
+        pub const LAYER_HANDLES: &[__model::LayerHandle] = &[];
+        pub const MODULES: &[__rows::ModuleEntry] = &[];
         pub const UNIT_FILTER_RULE: &str = "";
         pub fn is_unit(module: &__plan::Module<'_>) -> bool {
             let _ = module;
@@ -87,12 +78,13 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
         #(#docs)*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub struct #name {
-            #(pub #fields: #types,)*
+            #fields
         }
 
         impl #name {
             pub const fn new() -> Self {
-                #name { #(#fields: #types::NEW,)* }
+                // Not a `const` value: a stub model is never evaluated.
+                #unreachable
             }
             pub fn config() -> __dsl::ModelConfig {
                 #unreachable
@@ -148,29 +140,4 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
         }
     };
     spec.wrap(body)
-}
-
-/// A layer struct with the real field names and placeholder handles.
-fn layer_struct(name: &proc_macro2::Ident, kinds: &[LayerKind]) -> TokenStream {
-    let fields = member_fields(kinds);
-    let handles = kinds.iter().map(|&kind| {
-        let kind = kind_tokens(kind);
-        quote! {
-            __model::LayerHandle { layer: __plan::LayerRef::Decoder(0), kind: #kind, path: "", first_param: 0, end_param: 0 }
-        }
-    });
-    quote! {
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub struct #name {
-            #(pub #fields: __model::LayerHandle,)*
-        }
-        impl #name {
-            pub const PATH: &str = "";
-            pub const INDEX: usize = 0;
-            pub const UNIT: ::core::option::Option<usize> = ::core::option::Option::None;
-            pub const NODE: usize = 0;
-            pub const SLOTS: __model::SlotTable = __model::SlotTable::EMPTY;
-            pub const NEW: Self = #name { #(#fields: #handles,)* };
-        }
-    }
 }

@@ -18,21 +18,18 @@ fn main() {
         hybrid_moe::TOTAL_PARAMS,
     );
 
-    // Typed layers: the group `[*E]` at logical index 1 names its members.
-    let group = model.layer_1;
+    // Typed layers: the group `[*E]` at logical index 1 is an
+    // `AttentionMoeGroup` whose fields name its members.
+    let group: hybrid_moe::AttentionMoeGroup = model.layer_1;
     println!(
         "{} (unit {:?}): attention params {:?}, MoE params {:?}",
-        hybrid_moe::Layer1::PATH,
-        hybrid_moe::Layer1::UNIT,
+        group.module.path,
+        group.module.unit,
         group.attention.params(),
         group.moe.params(),
     );
     for slot in Slot::ALL {
-        println!(
-            "  {:>16}: {:?}",
-            slot.name(),
-            hybrid_moe::Layer1::SLOTS.ops(slot)
-        );
+        println!("  {:>16}: {:?}", slot.name(), group.slots().ops(slot));
     }
 
     // Bucket layouts are fixed at build time; only the shard-group size is

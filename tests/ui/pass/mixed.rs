@@ -9,7 +9,11 @@ hybridgen::model! {
 fn main() {
     assert_eq!(mixed::UNITS.len(), 4);
     assert_eq!(mixed::LOCAL_EXPERTS, 2);
-    assert_eq!(mixed::Layer1::PATH, "decoder.layers.1");
-    assert_eq!(mixed::Layer1::UNIT, Some(1));
-    assert_eq!(Mixed::new().layer_0.mamba.kind, hybridgen::dsl::LayerKind::Mamba);
+    let model = Mixed::new();
+    // Layers are typed by shape: `M` is a `MambaLayer`, `[*E]` an `AttentionMoeGroup`.
+    let group: mixed::AttentionMoeGroup = model.layer_1;
+    assert_eq!(group.module.path, "decoder.layers.1");
+    assert_eq!(group.module.unit, Some(1));
+    let mamba: mixed::MambaLayer = model.layer_0;
+    assert_eq!(mamba.mamba.kind, hybridgen::dsl::LayerKind::Mamba);
 }

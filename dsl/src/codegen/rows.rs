@@ -1,0 +1,718 @@
+//! The compact text form of the generated `const` tables, and the `const fn`s
+//! that read it back into the planner's own types at compile time.
+//!
+//! A 1,000-layer model has tens of thousands of table entries. Written as
+//! Rust expressions they cost a macro hundreds of thousands of tokens to
+//! build (and the compiler as many to parse); written as one string literal
+//! per table they cost one token, and `rustc` decodes them once while
+//! evaluating the `const`s. The decoded values are ordinary `Param`s,
+//! `Bucket`s, `FsdpUnit`s, ... (tests compare them to the run-time plan).
+//!
+//! The format: whole numbers in decimal, `-` for `None`, fields separated by
+//! a space and rows by a newline (readers accept any separator). Strings
+//! are lines of their own table. Codes:
+//! - layer kind: its index in [`LayerKind::ALL`] (`M * + D G - E` = 0..6);
+//! - layer: `0 i` decoder layer `i`, `1 d j` layer `j` of MTP depth `d`;
+//! - owner: `0` embedding, `1 i` decoder layer, `2 d j` MTP layer, `3` final
+//!   norm, `4 d` MTP depth `d`'s own parameters, `5` output layer;
+//! - unit shape: `0` group, `1` layer, `2` MTP depth;
+//! - op: `0` embed, `1 d` MTP enter, `2..=7 layer` layer / MoE prepare /
+//!   dispatch / experts / combine / MLP, `8` final norm, `9 d?` head.
+//!
+//! Table rows:
+//! - params: `owner def bucket offset`;
+//! - buckets: `unit? expert numel end lcm? count` (the next `count` entries
+//!   of the bucket lists are its parameters);
+//! - units: `path shape layer_count mtp_depth? bucket_count` (layers, then
+//!   buckets, from the unit lists);
+//! - schedule nodes: `path logical? mtp_depth? unit? pre_count terminal
+//!   embed mtp_enter? final_norm head_count`, terminal `-` or `kind layer`
+//!   (pre-layers from the layer list, heads from the head list);
+//! - slot tables: the op counts of the five slots (ops from the op list);
+//! - layer handles: `layer kind path first_param end_param`;
+//! - modules (logical layers, then MTP depths): `path unit? node first_handle`.
+//!
+//! Readers index past the end of a malformed table, which is a compile
+//! error in a `const`; the generator writes what they read (round-trip tests
+//! below), so that cannot happen to generated code.
+
+use super::static_model::{LayerHandle, SlotTable};
+use crate::pattern::LayerKind;
+use crate::plan::{Bucket, DType, FsdpUnit, LayerRef, Op, Owner, Param, ScheduleNode, UnitShape};
+use std::borrow::Cow;
+
+/// One module of the tree the typed layer structs are read from: a logical
+/// layer or an MTP depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ModuleEntry {
+    /// Module path (`decoder.layers.3`, `mtp.layers.0`).
+    pub path: &'static str,
+    /// The FSDP unit the module is, if any.
+    pub unit: Option<usize>,
+    /// Its first node in the schedule.
+    pub node: usize,
+    /// Index of its first member's [`LayerHandle`]; members are consecutive.
+    pub first_handle: usize,
+}
+
+/// A read position in a table's text.
+#[derive(Clone, Copy)]
+struct Reader {
+    bytes: &'static [u8],
+    at: usize,
+}
+
+impl Reader {
+    const fn new(text: &'static str) -> Reader {
+        Reader {
+            bytes: text.as_bytes(),
+            at: 0,
+        }
+    }
+
+    const fn skip_separators(&mut self) {
+        while self.at < self.bytes.len()
+            && !self.bytes[self.at].is_ascii_digit()
+            && self.bytes[self.at] != b'-'
+        {
+            self.at += 1;
+        }
+    }
+
+    const fn u64(&mut self) -> u64 {
+        self.skip_separators();
+        let mut n: u64 = 0;
+        while self.at < self.bytes.len() && self.bytes[self.at].is_ascii_digit() {
+            n = n * 10 + (self.bytes[self.at] - b'0') as u64;
+            self.at += 1;
+        }
+        n
+    }
+
+    const fn number(&mut self) -> usize {
+        self.u64() as usize
+    }
+
+    /// Consumes a `-` (None) if one comes next.
+    const fn none(&mut self) -> bool {
+        self.skip_separators();
+        if self.at < self.bytes.len() && self.bytes[self.at] == b'-' {
+            self.at += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    const fn option(&mut self) -> Option<usize> {
+        if self.none() {
+            None
+        } else {
+            Some(self.number())
+        }
+    }
+
+    const fn option_u64(&mut self) -> Option<u64> {
+        if self.none() { None } else { Some(self.u64()) }
+    }
+
+    const fn flag(&mut self) -> bool {
+        self.number() != 0
+    }
+
+    const fn kind(&mut self) -> LayerKind {
+        LayerKind::ALL[self.number()]
+    }
+
+    const fn layer(&mut self) -> LayerRef {
+        match self.number() {
+            0 => LayerRef::Decoder(self.number()),
+            _ => {
+                let depth = self.number();
+                LayerRef::Mtp {
+                    depth,
+                    index: self.number(),
+                }
+            }
+        }
+    }
+
+    const fn owner(&mut self) -> Owner {
+        match self.number() {
+            0 => Owner::Embedding,
+            1 => Owner::Layer(LayerRef::Decoder(self.number())),
+            2 => {
+                let depth = self.number();
+                Owner::Layer(LayerRef::Mtp {
+                    depth,
+                    index: self.number(),
+                })
+            }
+            3 => Owner::FinalNorm,
+            4 => Owner::MtpBlock(self.number()),
+            _ => Owner::OutputLayer,
+        }
+    }
+
+    const fn op(&mut self) -> Op {
+        match self.number() {
+            0 => Op::Embed,
+            1 => Op::MtpEnter(self.number()),
+            2 => Op::Layer(self.layer()),
+            3 => Op::MoePrepare(self.layer()),
+            4 => Op::MoeDispatch(self.layer()),
+            5 => Op::MoeExperts(self.layer()),
+            6 => Op::MoeCombine(self.layer()),
+            7 => Op::Mlp(self.layer()),
+            8 => Op::FinalNorm,
+            _ => Op::Head(self.option()),
+        }
+    }
+}
+
+/// `list[at..at + count]`, in a `const`.
+const fn window<T>(list: &'static [T], at: usize, count: usize) -> &'static [T] {
+    let (_, rest) = list.split_at(at);
+    let (window, _) = rest.split_at(count);
+    window
+}
+
+/// The table's `N` lines.
+pub const fn lines<const N: usize>(text: &'static str) -> [&'static str; N] {
+    let bytes = text.as_bytes();
+    let mut out = [""; N];
+    let (mut start, mut i) = (0, 0);
+    while i < N {
+        let mut end = start;
+        while end < bytes.len() && bytes[end] != b'\n' {
+            end += 1;
+        }
+        out[i] = match core::str::from_utf8(window(bytes, start, end - start)) {
+            Ok(line) => line,
+            Err(_) => panic!("a generated table line is not UTF-8"),
+        };
+        start = end + 1;
+        i += 1;
+    }
+    out
+}
+
+pub const fn numbers<const N: usize>(text: &'static str) -> [usize; N] {
+    let mut r = Reader::new(text);
+    let mut out = [0; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = r.number();
+        i += 1;
+    }
+    out
+}
+
+pub const fn options<const N: usize>(text: &'static str) -> [Option<usize>; N] {
+    let mut r = Reader::new(text);
+    let mut out = [None; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = r.option();
+        i += 1;
+    }
+    out
+}
+
+pub const fn layers<const N: usize>(text: &'static str) -> [LayerRef; N] {
+    let mut r = Reader::new(text);
+    let mut out = [LayerRef::Decoder(0); N];
+    let mut i = 0;
+    while i < N {
+        out[i] = r.layer();
+        i += 1;
+    }
+    out
+}
+
+pub const fn ops<const N: usize>(text: &'static str) -> [Op; N] {
+    let mut r = Reader::new(text);
+    let mut out = [Op::Embed; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = r.op();
+        i += 1;
+    }
+    out
+}
+
+pub const fn params<const N: usize>(text: &'static str) -> [Param; N] {
+    let mut r = Reader::new(text);
+    let mut out = [Param {
+        owner: Owner::Embedding,
+        def: 0,
+        bucket: 0,
+        offset: 0,
+    }; N];
+    let mut i = 0;
+    while i < N {
+        let owner = r.owner();
+        out[i] = Param {
+            owner,
+            def: r.number(),
+            bucket: r.number(),
+            offset: r.number(),
+        };
+        i += 1;
+    }
+    out
+}
+
+pub const fn buckets<const N: usize>(text: &'static str, lists: &'static [usize]) -> [Bucket; N] {
+    let mut r = Reader::new(text);
+    let mut out = [const {
+        Bucket {
+            id: 0,
+            unit: None,
+            dtype: DType::Bf16,
+            expert: false,
+            params: Cow::Borrowed(&[]),
+            numel: 0,
+            end: 0,
+            megatron_row_lcm: None,
+        }
+    }; N];
+    let (mut i, mut at) = (0, 0);
+    while i < N {
+        let unit = r.option();
+        let expert = r.flag();
+        let numel = r.number();
+        let end = r.number();
+        let megatron_row_lcm = r.option_u64();
+        let count = r.number();
+        let bucket = Bucket {
+            id: i,
+            unit,
+            dtype: DType::Bf16,
+            expert,
+            params: Cow::Borrowed(window(lists, at, count)),
+            numel,
+            end,
+            megatron_row_lcm,
+        };
+        // Assignment would drop the placeholder, which a `const fn` cannot.
+        core::mem::forget(core::mem::replace(&mut out[i], bucket));
+        at += count;
+        i += 1;
+    }
+    out
+}
+
+pub const fn units<const N: usize>(
+    text: &'static str,
+    paths: &'static [&'static str],
+    lists: &'static [usize],
+) -> [FsdpUnit; N] {
+    let mut r = Reader::new(text);
+    let mut out = [const {
+        FsdpUnit {
+            index: 0,
+            name: Cow::Borrowed(""),
+            shape: UnitShape::Layer,
+            layers: Cow::Borrowed(&[]),
+            mtp_depth: None,
+            buckets: Cow::Borrowed(&[]),
+        }
+    }; N];
+    let (mut i, mut at) = (0, 0);
+    while i < N {
+        let name = paths[r.number()];
+        let shape = match r.number() {
+            0 => UnitShape::Group,
+            1 => UnitShape::Layer,
+            _ => UnitShape::Mtp,
+        };
+        let layer_count = r.number();
+        let mtp_depth = r.option();
+        let bucket_count = r.number();
+        let layers = window(lists, at, layer_count);
+        let buckets = window(lists, at + layer_count, bucket_count);
+        let unit = FsdpUnit {
+            index: i,
+            name: Cow::Borrowed(name),
+            shape,
+            layers: Cow::Borrowed(layers),
+            mtp_depth,
+            buckets: Cow::Borrowed(buckets),
+        };
+        core::mem::forget(core::mem::replace(&mut out[i], unit));
+        at += layer_count + bucket_count;
+        i += 1;
+    }
+    out
+}
+
+pub const fn nodes<const N: usize>(
+    text: &'static str,
+    paths: &'static [&'static str],
+    layers: &'static [LayerRef],
+    heads: &'static [Option<usize>],
+) -> [ScheduleNode; N] {
+    let mut r = Reader::new(text);
+    let mut out = [const {
+        ScheduleNode {
+            index: 0,
+            name: Cow::Borrowed(""),
+            logical: None,
+            mtp_depth: None,
+            unit: None,
+            pre_layers: Cow::Borrowed(&[]),
+            terminal: None,
+            embed: false,
+            mtp_enter: None,
+            final_norm: false,
+            heads: Cow::Borrowed(&[]),
+        }
+    }; N];
+    let (mut i, mut at_layer, mut at_head) = (0, 0, 0);
+    while i < N {
+        let name = paths[r.number()];
+        let logical = r.option();
+        let mtp_depth = r.option();
+        let unit = r.option();
+        let pre_count = r.number();
+        let terminal = if r.none() {
+            None
+        } else {
+            let kind = r.kind();
+            Some((r.layer(), kind))
+        };
+        let embed = r.flag();
+        let mtp_enter = r.option();
+        let final_norm = r.flag();
+        let head_count = r.number();
+        let node = ScheduleNode {
+            index: i,
+            name: Cow::Borrowed(name),
+            logical,
+            mtp_depth,
+            unit,
+            pre_layers: Cow::Borrowed(window(layers, at_layer, pre_count)),
+            terminal,
+            embed,
+            mtp_enter,
+            final_norm,
+            heads: Cow::Borrowed(window(heads, at_head, head_count)),
+        };
+        core::mem::forget(core::mem::replace(&mut out[i], node));
+        at_layer += pre_count;
+        at_head += head_count;
+        i += 1;
+    }
+    out
+}
+
+pub const fn slot_tables<const N: usize>(text: &'static str, ops: &'static [Op]) -> [SlotTable; N] {
+    let mut r = Reader::new(text);
+    let mut out = [SlotTable::EMPTY; N];
+    let (mut i, mut at) = (0, 0);
+    while i < N {
+        let counts = [r.number(), r.number(), r.number(), r.number(), r.number()];
+        let mut slots: [&'static [Op]; 5] = [&[]; 5];
+        let mut s = 0;
+        while s < 5 {
+            slots[s] = window(ops, at, counts[s]);
+            at += counts[s];
+            s += 1;
+        }
+        out[i] = SlotTable {
+            pre_dispatch: slots[0],
+            dispatch: slots[1],
+            mlp: slots[2],
+            combine: slots[3],
+            mtp_post_process: slots[4],
+        };
+        i += 1;
+    }
+    out
+}
+
+pub const fn handles<const N: usize>(
+    text: &'static str,
+    paths: &'static [&'static str],
+) -> [LayerHandle; N] {
+    let mut r = Reader::new(text);
+    let mut out = [LayerHandle {
+        layer: LayerRef::Decoder(0),
+        kind: LayerKind::Mamba,
+        path: "",
+        first_param: 0,
+        end_param: 0,
+    }; N];
+    let mut i = 0;
+    while i < N {
+        let layer = r.layer();
+        let kind = r.kind();
+        out[i] = LayerHandle {
+            layer,
+            kind,
+            path: paths[r.number()],
+            first_param: r.number(),
+            end_param: r.number(),
+        };
+        i += 1;
+    }
+    out
+}
+
+pub const fn modules<const N: usize>(
+    text: &'static str,
+    paths: &'static [&'static str],
+) -> [ModuleEntry; N] {
+    let mut r = Reader::new(text);
+    let mut out = [ModuleEntry {
+        path: "",
+        unit: None,
+        node: 0,
+        first_handle: 0,
+    }; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = ModuleEntry {
+            path: paths[r.number()],
+            unit: r.option(),
+            node: r.number(),
+            first_handle: r.number(),
+        };
+        i += 1;
+    }
+    out
+}
+
+/// Writes tables in the form the readers above read.
+#[derive(Default)]
+pub struct Writer {
+    pub text: String,
+}
+
+impl Writer {
+    pub fn new() -> Self {
+        Writer::default()
+    }
+
+    fn separate(&mut self) {
+        if !self.text.is_empty() && !self.text.ends_with('\n') {
+            self.text.push(' ');
+        }
+    }
+
+    pub fn number(&mut self, n: impl Into<u64>) {
+        self.separate();
+        // Formatting by hand: a large model writes hundreds of thousands of
+        // numbers, and `fmt` machinery costs several times this.
+        let mut n: u64 = n.into();
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        for &d in &digits[at..] {
+            self.text.push(d as char);
+        }
+    }
+
+    pub fn index(&mut self, n: usize) {
+        self.number(n as u64);
+    }
+
+    pub fn none(&mut self) {
+        self.separate();
+        self.text.push('-');
+    }
+
+    pub fn option(&mut self, n: Option<impl Into<u64>>) {
+        match n {
+            Some(n) => self.number(n),
+            None => self.none(),
+        }
+    }
+
+    pub fn flag(&mut self, b: bool) {
+        self.number(u8::from(b));
+    }
+
+    pub fn index_option(&mut self, n: Option<usize>) {
+        self.option(n.map(|n| n as u64));
+    }
+
+    pub fn end_row(&mut self) {
+        self.text.push('\n');
+    }
+
+    pub fn kind(&mut self, kind: LayerKind) {
+        let code = LayerKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
+        self.index(code);
+    }
+
+    pub fn layer(&mut self, layer: LayerRef) {
+        match layer {
+            LayerRef::Decoder(i) => {
+                self.number(0u8);
+                self.index(i);
+            }
+            LayerRef::Mtp { depth, index } => {
+                self.number(1u8);
+                self.index(depth);
+                self.index(index);
+            }
+        }
+    }
+
+    pub fn owner(&mut self, owner: Owner) {
+        match owner {
+            Owner::Embedding => self.number(0u8),
+            Owner::Layer(LayerRef::Decoder(i)) => {
+                self.number(1u8);
+                self.index(i);
+            }
+            Owner::Layer(LayerRef::Mtp { depth, index }) => {
+                self.number(2u8);
+                self.index(depth);
+                self.index(index);
+            }
+            Owner::FinalNorm => self.number(3u8),
+            Owner::MtpBlock(d) => {
+                self.number(4u8);
+                self.index(d);
+            }
+            Owner::OutputLayer => self.number(5u8),
+        }
+    }
+
+    pub fn op(&mut self, op: Op) {
+        let layer = |w: &mut Writer, code: u8, layer: LayerRef| {
+            w.number(code);
+            w.layer(layer);
+        };
+        match op {
+            Op::Embed => self.number(0u8),
+            Op::MtpEnter(d) => {
+                self.number(1u8);
+                self.index(d);
+            }
+            Op::Layer(l) => layer(self, 2, l),
+            Op::MoePrepare(l) => layer(self, 3, l),
+            Op::MoeDispatch(l) => layer(self, 4, l),
+            Op::MoeExperts(l) => layer(self, 5, l),
+            Op::MoeCombine(l) => layer(self, 6, l),
+            Op::Mlp(l) => layer(self, 7, l),
+            Op::FinalNorm => self.number(8u8),
+            Op::Head(d) => {
+                self.number(9u8);
+                self.index_option(d);
+            }
+        }
+    }
+
+    pub fn unit_shape(&mut self, shape: UnitShape) {
+        self.number(match shape {
+            UnitShape::Group => 0u8,
+            UnitShape::Layer => 1,
+            UnitShape::Mtp => 2,
+        });
+    }
+
+    /// The text with its last newline dropped.
+    pub fn finish(mut self) -> String {
+        if self.text.ends_with('\n') {
+            self.text.pop();
+        }
+        self.text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leak(text: String) -> &'static str {
+        Box::leak(text.into_boxed_str())
+    }
+
+    #[test]
+    fn every_code_round_trips() {
+        let all_ops = [
+            Op::Embed,
+            Op::MtpEnter(3),
+            Op::Layer(LayerRef::Decoder(12)),
+            Op::MoePrepare(LayerRef::Mtp { depth: 1, index: 2 }),
+            Op::MoeDispatch(LayerRef::Decoder(0)),
+            Op::MoeExperts(LayerRef::Decoder(7)),
+            Op::MoeCombine(LayerRef::Decoder(7)),
+            Op::Mlp(LayerRef::Mtp { depth: 0, index: 0 }),
+            Op::FinalNorm,
+            Op::Head(None),
+            Op::Head(Some(4)),
+        ];
+        let mut w = Writer::new();
+        for op in all_ops {
+            w.op(op);
+            w.end_row();
+        }
+        assert_eq!(ops::<11>(leak(w.finish())), all_ops);
+
+        let owners = [
+            Owner::Embedding,
+            Owner::Layer(LayerRef::Decoder(5)),
+            Owner::Layer(LayerRef::Mtp { depth: 2, index: 1 }),
+            Owner::FinalNorm,
+            Owner::MtpBlock(1),
+            Owner::OutputLayer,
+        ];
+        let mut w = Writer::new();
+        for (i, owner) in owners.into_iter().enumerate() {
+            w.owner(owner);
+            w.index(i);
+            w.index(i * 2);
+            w.index(i * 640);
+            w.end_row();
+        }
+        let params = params::<6>(leak(w.finish()));
+        for (i, (param, owner)) in params.iter().zip(owners).enumerate() {
+            assert_eq!(
+                *param,
+                Param {
+                    owner,
+                    def: i,
+                    bucket: i * 2,
+                    offset: i * 640
+                }
+            );
+        }
+
+        let mut w = Writer::new();
+        for kind in LayerKind::ALL {
+            w.kind(kind);
+        }
+        let mut r = Reader::new(leak(w.finish()));
+        for kind in LayerKind::ALL {
+            assert_eq!(r.kind(), kind);
+        }
+        assert_eq!(options::<3>("4 - 0"), [Some(4), None, Some(0)]);
+        assert_eq!(lines::<3>("a.b\n\nc"), ["a.b", "", "c"]);
+    }
+
+    #[test]
+    fn lists_are_cut_into_consecutive_windows() {
+        static LISTS: [usize; 5] = [0, 1, 2, 3, 4];
+        let buckets = buckets::<2>("- 0 10 64 1 2\n3 1 7 7 - 3", &LISTS);
+        assert_eq!(buckets[0].params.as_ref(), &[0, 1]);
+        assert_eq!(buckets[0].unit, None);
+        assert_eq!(buckets[0].megatron_row_lcm, Some(1));
+        assert_eq!(buckets[1].params.as_ref(), &[2, 3, 4]);
+        assert_eq!(buckets[1].unit, Some(3));
+        assert!(buckets[1].expert);
+        assert_eq!(buckets[1].megatron_row_lcm, None);
+        assert_eq!(buckets[1].id, 1);
+    }
+}
