@@ -196,19 +196,24 @@ impl Plan {
         let pattern = match Pattern::parse(source) {
             Ok(pattern) => pattern,
             Err(mut diagnostics) => {
-                // Dimension errors are independent of the pattern's.
+                // Dimension and layout errors are independent of the pattern's.
                 let empty = Pattern {
                     segments: Vec::new(),
                     mtp_depths: Vec::new(),
                 };
                 diagnostics.items.extend(model.check(&empty));
+                diagnostics
+                    .items
+                    .extend(options.layout.check(model, &empty));
                 return Err(diagnostics);
             }
         };
         Plan::from_pattern(model, pattern, options)
     }
 
-    /// Plans an already parsed pattern (it replaces `model.pattern`).
+    /// Plans an already parsed pattern instead of parsing `model.pattern`.
+    /// Diagnostics point into `model.pattern`, so it should be the text
+    /// `pattern` was parsed from; the plan keeps both.
     pub fn from_pattern(
         model: &ModelConfig,
         pattern: Pattern,
@@ -219,10 +224,20 @@ impl Plan {
         let fail = |items: Vec<Diagnostic>| Diagnostics::new(source.clone(), "pattern", items);
         let mut problems = model.check(&pattern);
         problems.extend(options.layout.check(&model, &pattern));
+        // Where the stages fall depends only on the pattern and pp, so its
+        // errors are reported with the others (unless pp is 0, reported above).
+        let stages = match layout::stages(&pattern, &options.layout) {
+            Ok(stages) => stages,
+            Err(cuts) => {
+                if options.layout.pp > 0 {
+                    problems.extend(cuts);
+                }
+                Vec::new()
+            }
+        };
         if !problems.is_empty() {
             return Err(fail(problems));
         }
-        let stages = layout::stages(&pattern, &options.layout).map_err(fail)?;
         model.pattern = source;
         Ok(Builder::new(model, pattern, options, stages).build())
     }
