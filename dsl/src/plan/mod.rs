@@ -176,7 +176,8 @@ pub struct Plan {
     /// Parameters of the whole model, every expert counted.
     pub total_params: u64,
     /// Parameters one token passes through: all but the input embedding and
-    /// the unchosen experts.
+    /// the unchosen experts. With tied embeddings the one matrix is also the
+    /// output layer, which every token passes through, so it counts.
     pub active_params: u64,
     pub units: Cow<'static, [FsdpUnit]>,
     /// Every bucket, indexed by id (forward order).
@@ -732,7 +733,13 @@ impl<'o> Builder<'o> {
         }
         let mtp_blocks = self.pattern.mtp_depths.len() as u64 * (3 * h + 2 * h * h);
         let mut total = embedding + h + mtp_blocks + output;
-        let mut inactive = embedding;
+        // The input embedding is a lookup, not compute; tied, the same matrix
+        // is the output layer (params.md: active counts the output layer).
+        let mut inactive = if self.model.tie_embeddings {
+            0
+        } else {
+            embedding
+        };
         for kind in LayerKind::ALL {
             let n = counts[kind as usize];
             if n == 0 {
