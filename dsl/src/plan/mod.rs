@@ -176,8 +176,7 @@ pub struct Plan {
     /// Parameters of the whole model, every expert counted.
     pub total_params: u64,
     /// Parameters one token passes through: all but the input embedding and
-    /// the unchosen experts. With tied embeddings the one matrix is also the
-    /// output layer, which every token passes through, so it counts.
+    /// the unchosen experts.
     pub active_params: u64,
     pub units: Cow<'static, [FsdpUnit]>,
     /// Every bucket, indexed by id (forward order).
@@ -733,13 +732,7 @@ impl<'o> Builder<'o> {
         }
         let mtp_blocks = self.pattern.mtp_depths.len() as u64 * (3 * h + 2 * h * h);
         let mut total = embedding + h + mtp_blocks + output;
-        // The input embedding is a lookup, not compute; tied, the same matrix
-        // is the output layer (params.md: active counts the output layer).
-        let mut inactive = if self.model.tie_embeddings {
-            0
-        } else {
-            embedding
-        };
+        let mut inactive = embedding;
         for kind in LayerKind::ALL {
             let n = counts[kind as usize];
             if n == 0 {
