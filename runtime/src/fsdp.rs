@@ -20,7 +20,7 @@ use crate::collective::Collective;
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::lane::{Label, Lane};
-use crate::shared::{Shared, lock, shared};
+use crate::shared::{Shared, SharedRw, lock, shared, shared_rw, write};
 use hybridgen_dsl::Plan;
 use hybridgen_dsl::plan::{Bucket, LaneKind};
 use std::ops::Range;
@@ -53,7 +53,7 @@ pub struct ShardState<B: Backend> {
 
 /// One buffer of the unit pool.
 struct ParamSlot<D: Device> {
-    buf: Shared<Buf<D>>,
+    buf: SharedRw<Buf<D>>,
     /// The unit whose parameters it holds (valid or being gathered).
     holder: Option<usize>,
     /// The last work on each lane (compute, comm) that read it: a new
@@ -84,10 +84,15 @@ struct Residency<D: Device> {
 
 /// A unit's (or the non-unit) parameter or gradient buffer, with the event
 /// that must complete before work reads or writes it.
-pub struct BufferAccess<D: Device> {
-    pub buf: Shared<Buf<D>>,
+pub struct BufferAccess<D: Device, T> {
+    pub buf: T,
     pub ready: Option<EventOf<D>>,
 }
+
+/// Parameters: read by many lane works at once.
+pub type ParamAccess<D> = BufferAccess<D, SharedRw<Buf<D>>>;
+/// Gradients: written by one lane work at a time.
+pub type GradAccess<D> = BufferAccess<D, Shared<Buf<D>>>;
 
 /// The engine of one rank.
 pub struct FsdpEngine<D: Device> {
@@ -101,7 +106,7 @@ pub struct FsdpEngine<D: Device> {
     param_slots: Vec<ParamSlot<D>>,
     grad_slots: Vec<GradSlot<D>>,
     units: Vec<Residency<D>>,
-    non_unit_params: Shared<Buf<D>>,
+    non_unit_params: SharedRw<Buf<D>>,
     non_unit_grads: Shared<Buf<D>>,
     /// Completes when the non-unit parameters are gathered for this step.
     non_unit_ready: Option<EventOf<D>>,
@@ -192,7 +197,7 @@ impl<D: Device> FsdpEngine<D> {
                 slot_len
             };
             param_slots.push(ParamSlot {
-                buf: shared(backend.alloc(len, Precision::Compute)?),
+                buf: shared_rw(backend.alloc(len, Precision::Compute)?),
                 holder: (sharding == Sharding::NoShard).then_some(i),
                 last_uses: [None, None],
                 released_at: 0,
@@ -216,7 +221,7 @@ impl<D: Device> FsdpEngine<D> {
             })
             .collect();
         Ok(FsdpEngine {
-            non_unit_params: shared(backend.alloc(non_unit_len, Precision::Compute)?),
+            non_unit_params: shared_rw(backend.alloc(non_unit_len, Precision::Compute)?),
             non_unit_grads: shared(backend.alloc(non_unit_len, Precision::Compute)?),
             non_unit_ready: None,
             scratch: shared(backend.alloc(max_shard, Precision::F32)?),
@@ -332,7 +337,7 @@ impl<D: Device> FsdpEngine<D> {
         &self,
         rank: &RankContext<D>,
         buckets: &[usize],
-        dest: Shared<Buf<D>>,
+        dest: SharedRw<Buf<D>>,
         after: &[EventOf<D>],
         what: &str,
     ) -> Result<EventOf<D>> {
@@ -352,7 +357,7 @@ impl<D: Device> FsdpEngine<D> {
             Label::new(what.to_string(), "gather"),
             after,
             Box::new(move || {
-                let mut full = lock(&dest, "a unit's parameters")?;
+                let mut full = write(&dest, "a unit's parameters")?;
                 for (shard, region, comm) in &jobs {
                     let shard = lock(shard, "a parameter shard")?;
                     let src = backend.view(&shard.param)?;
@@ -368,7 +373,7 @@ impl<D: Device> FsdpEngine<D> {
         &self,
         rank: &RankContext<D>,
         buckets: &[usize],
-        dest: Shared<Buf<D>>,
+        dest: SharedRw<Buf<D>>,
         after: &EventOf<D>,
         what: &str,
     ) -> Result<EventOf<D>> {
@@ -381,7 +386,7 @@ impl<D: Device> FsdpEngine<D> {
             Label::new(what.to_string(), "gather"),
             std::slice::from_ref(after),
             Box::new(move || {
-                let mut full = lock(&dest, "a unit's parameters")?;
+                let mut full = write(&dest, "a unit's parameters")?;
                 for (shard, region) in &jobs {
                     let shard = lock(shard, "a parameter shard")?;
                     backend.copy(
@@ -592,7 +597,7 @@ impl<D: Device> FsdpEngine<D> {
     }
 
     /// The parameters `unit`'s work reads (`None`: the non-unit buffer).
-    pub fn params(&self, unit: Option<usize>) -> Result<BufferAccess<D>> {
+    pub fn params(&self, unit: Option<usize>) -> Result<ParamAccess<D>> {
         match unit {
             None => Ok(BufferAccess {
                 buf: self.non_unit_params.clone(),
@@ -616,7 +621,7 @@ impl<D: Device> FsdpEngine<D> {
 
     /// The gradient buffer `unit`'s backward accumulates into (`None`: the
     /// non-unit buffer, accumulated over the whole step).
-    pub fn grads(&self, unit: Option<usize>) -> Result<BufferAccess<D>> {
+    pub fn grads(&self, unit: Option<usize>) -> Result<GradAccess<D>> {
         match unit {
             None => Ok(BufferAccess {
                 buf: self.non_unit_grads.clone(),

@@ -15,10 +15,12 @@ pub mod fsdp;
 pub mod lane;
 pub mod launch;
 pub mod layers;
+pub mod model;
 pub mod optimizer;
 pub mod schedule;
 pub mod shared;
 pub mod trace;
+pub mod train;
 
 pub use backend::{Backend, Precision};
 pub use collective::Collective;

@@ -15,9 +15,34 @@ pub fn shared<T>(value: T) -> Shared<T> {
 /// Locks `value`; a lock poisoned by a panicking lane becomes an error
 /// naming `what` instead of a second panic.
 pub fn lock<'a, T>(value: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
-    value.lock().map_err(|_| {
-        RuntimeError::Numeric(format!(
-            "{what} was left in an unknown state by work that panicked; the run cannot continue"
-        ))
-    })
+    value.lock().map_err(|_| poisoned(what))
+}
+
+/// A value many lane works read at once (parameter buffers: the compute
+/// lane's layers and the comm lane's combine both read them) and only a
+/// gather writes.
+pub type SharedRw<T> = Arc<std::sync::RwLock<T>>;
+
+pub fn shared_rw<T>(value: T) -> SharedRw<T> {
+    Arc::new(std::sync::RwLock::new(value))
+}
+
+pub fn read<'a, T>(
+    value: &'a std::sync::RwLock<T>,
+    what: &str,
+) -> Result<std::sync::RwLockReadGuard<'a, T>> {
+    value.read().map_err(|_| poisoned(what))
+}
+
+pub fn write<'a, T>(
+    value: &'a std::sync::RwLock<T>,
+    what: &str,
+) -> Result<std::sync::RwLockWriteGuard<'a, T>> {
+    value.write().map_err(|_| poisoned(what))
+}
+
+fn poisoned(what: &str) -> RuntimeError {
+    RuntimeError::Numeric(format!(
+        "{what} was left in an unknown state by work that panicked; the run cannot continue"
+    ))
 }

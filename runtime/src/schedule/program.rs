@@ -9,7 +9,7 @@
 //! order across micro-batches differs. That is what makes the overlap
 //! schedule bit-identical to the plain one.
 
-use hybridgen_dsl::plan::{SchedulePlan, ScheduleNode, Slot};
+use hybridgen_dsl::plan::{ScheduleNode, SchedulePlan, Slot};
 
 /// The pieces of one node's backward, in the order they run. Input-gradient
 /// and weight-gradient work are separate pieces, so weight gradients can be
@@ -45,7 +45,10 @@ impl BackwardPiece {
     }
 
     pub const fn is_weight_gradient(self) -> bool {
-        matches!(self, BackwardPiece::MlpWeights | BackwardPiece::PreDispatchWeights)
+        matches!(
+            self,
+            BackwardPiece::MlpWeights | BackwardPiece::PreDispatchWeights
+        )
     }
 
     pub const fn name(self) -> &'static str {
@@ -72,7 +75,11 @@ pub enum Instr {
     /// One forward slot of one node for one micro-batch.
     Forward { mb: usize, node: usize, slot: Slot },
     /// One backward piece of one node for one micro-batch.
-    Backward { mb: usize, node: usize, piece: BackwardPiece },
+    Backward {
+        mb: usize,
+        node: usize,
+        piece: BackwardPiece,
+    },
     /// Reduce-scatter the unit's gradients of micro-batch `mb` into the owned
     /// shard (accumulating over micro-batches) and free its gradient buffer.
     Reduce { unit: usize, mb: usize },
@@ -83,7 +90,9 @@ pub enum Instr {
 }
 
 /// Which schedule a program follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
     /// Forward then backward per micro-batch, no overlap.
@@ -131,7 +140,11 @@ impl NodeShape {
     }
 
     fn forward_slots(self) -> impl Iterator<Item = Slot> {
-        Slot::ALL.into_iter().zip(self.slots).filter(|&(_, on)| on).map(|(s, _)| s)
+        Slot::ALL
+            .into_iter()
+            .zip(self.slots)
+            .filter(|&(_, on)| on)
+            .map(|(s, _)| s)
     }
 
     fn has_backward(self, piece: BackwardPiece) -> bool {
@@ -358,7 +371,11 @@ impl ProgramBuilder {
             self.backward_acquires(j, &mut b_pre);
             let fwd = |s: &mut Self, slot: Slot| {
                 if s.shapes[i].slots[Slot::ALL.iter().position(|&x| x == slot).unwrap_or(0)] {
-                    s.instrs.push(Instr::Forward { mb: f, node: i, slot });
+                    s.instrs.push(Instr::Forward {
+                        mb: f,
+                        node: i,
+                        slot,
+                    });
                 }
             };
             // 1. b: post-process bwd; b: combine bwd (comm) || 2
@@ -410,13 +427,26 @@ mod tests {
             for (i, node) in plan.schedule.nodes.iter().enumerate() {
                 let shape = NodeShape::of(node);
                 for slot in shape.forward_slots() {
-                    let n = program.instrs.iter().filter(|&&x| x == Instr::Forward { mb, node: i, slot }).count();
+                    let n = program
+                        .instrs
+                        .iter()
+                        .filter(|&&x| x == Instr::Forward { mb, node: i, slot })
+                        .count();
                     assert_eq!(n, 1, "mb {mb} node {i} {slot:?}");
                 }
             }
-            let first_bwd = program.instrs.iter().position(|x| matches!(x, Instr::Backward { mb: m, .. } if *m == mb));
-            let last_fwd = program.instrs.iter().rposition(|x| matches!(x, Instr::Forward { mb: m, .. } if *m == mb));
-            assert!(last_fwd < first_bwd, "mb {mb}: backward before forward ended");
+            let first_bwd = program
+                .instrs
+                .iter()
+                .position(|x| matches!(x, Instr::Backward { mb: m, .. } if *m == mb));
+            let last_fwd = program
+                .instrs
+                .iter()
+                .rposition(|x| matches!(x, Instr::Forward { mb: m, .. } if *m == mb));
+            assert!(
+                last_fwd < first_bwd,
+                "mb {mb}: backward before forward ended"
+            );
         }
         // References balance, work only touches acquired units, and every
         // unit gets one gradient buffer and one reduce per micro-batch.
@@ -434,19 +464,35 @@ mod tests {
                     grads[unit] += 1;
                 }
                 Instr::Reduce { unit, .. } => {
-                    assert!(grads[unit] > 0, "reduce of unit {unit} without gradient buffer");
+                    assert!(
+                        grads[unit] > 0,
+                        "reduce of unit {unit} without gradient buffer"
+                    );
                     grads[unit] -= 1;
                 }
                 Instr::Forward { node, .. } | Instr::Backward { node, .. } => {
                     if let Some(unit) = plan.schedule.nodes[node].unit {
-                        assert!(refs[unit] > 0, "node {node} runs with unit {unit} not acquired");
+                        assert!(
+                            refs[unit] > 0,
+                            "node {node} runs with unit {unit} not acquired"
+                        );
                     }
                 }
             }
         }
-        assert!(refs.iter().all(|&r| r == 0), "unbalanced references {refs:?}");
-        assert!(grads.iter().all(|&g| g == 0), "gradient buffers left {grads:?}");
-        let reduces = program.instrs.iter().filter(|x| matches!(x, Instr::Reduce { .. })).count();
+        assert!(
+            refs.iter().all(|&r| r == 0),
+            "unbalanced references {refs:?}"
+        );
+        assert!(
+            grads.iter().all(|&g| g == 0),
+            "gradient buffers left {grads:?}"
+        );
+        let reduces = program
+            .instrs
+            .iter()
+            .filter(|x| matches!(x, Instr::Reduce { .. }))
+            .count();
         assert_eq!(reduces, plan.units.len() * micro_batches);
     }
 
@@ -512,8 +558,16 @@ mod tests {
         let overlap = build(&plan.schedule, 4, ScheduleKind::Overlap);
         // A unit and its prefetch; the overlap schedule runs a forward and a
         // backward unit, each with its prefetch.
-        assert!(plain.max_resident_units <= 2, "{}", plain.max_resident_units);
-        assert!(overlap.max_resident_units <= 4, "{}", overlap.max_resident_units);
+        assert!(
+            plain.max_resident_units <= 2,
+            "{}",
+            plain.max_resident_units
+        );
+        assert!(
+            overlap.max_resident_units <= 4,
+            "{}",
+            overlap.max_resident_units
+        );
         assert_eq!(plain.max_grad_buffers, 1);
         assert!(overlap.max_grad_buffers <= 2);
     }

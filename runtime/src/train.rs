@@ -1,0 +1,586 @@
+//! Training: the main job. Plans the model, checks everything that can be
+//! checked before any memory is touched, starts one thread rank per
+//! data-parallel rank (each with a compute and a comm lane), and runs the
+//! steps: batches, the schedule's program, the optimizer, losses, traces and
+//! checkpoints.
+
+use crate::backend::Tokens;
+use crate::checkpoint;
+use crate::collective::Collective;
+use crate::cpu::CpuBackend;
+use crate::cpu::collective::CpuWorld;
+use crate::cpu::lane::{CpuLane, LaneConfig};
+use crate::data::{BatchKey, BatchShape, ByteFile, DataSource, MarkovChain};
+use crate::device::{Cpu, Device, RankContext};
+use crate::error::{Result, RuntimeError};
+use crate::fsdp::{FsdpEngine, Sharding};
+use crate::model::ModelRuntime;
+use crate::optimizer::{Optimizer, OptimizerConfig};
+use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, build, run_step};
+use crate::shared::lock;
+use crate::trace::TraceRecorder;
+use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// Where tokens come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataChoice {
+    /// A seeded sparse Markov chain over the model's vocabulary, with a
+    /// known entropy floor.
+    Synthetic,
+    /// A file read as bytes (tokens 0..256).
+    File(PathBuf),
+}
+
+/// Everything a training run needs.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    /// Data-parallel thread ranks.
+    pub ranks: usize,
+    /// Expert-parallel size (divides `ranks`).
+    pub ep: usize,
+    pub micro_batches: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch_size: usize,
+    /// Tokens per sequence (defaults to the model's `seq_length`).
+    pub seq_length: usize,
+    /// Steps to run in this invocation.
+    pub steps: u64,
+    pub schedule: ScheduleKind,
+    pub sharding: Sharding,
+    pub data: DataChoice,
+    pub seed: u64,
+    pub optimizer: OptimizerConfig,
+    pub unit_filter: UnitFilter,
+    /// Save a checkpoint here at the end (and every `save_every` steps).
+    pub save: Option<PathBuf>,
+    pub save_every: Option<u64>,
+    pub resume: Option<PathBuf>,
+    /// Write a Chrome trace of every lane here.
+    pub trace: Option<PathBuf>,
+    /// How long a rank waits for its peers before giving up.
+    pub timeout: Duration,
+}
+
+impl TrainConfig {
+    /// The defaults of `hybridgen train` for `model`: two thread ranks,
+    /// expert parallelism 2 when the model has MoE layers, the overlap
+    /// schedule, ZeRO-3, synthetic data.
+    pub fn new(model: ModelConfig) -> Self {
+        let seq_length = model.seq_length;
+        TrainConfig {
+            model,
+            ranks: 2,
+            ep: 2,
+            micro_batches: 4,
+            micro_batch_size: 4,
+            seq_length,
+            steps: 120,
+            schedule: ScheduleKind::Overlap,
+            sharding: Sharding::Zero3,
+            data: DataChoice::Synthetic,
+            seed: 0,
+            optimizer: OptimizerConfig::default(),
+            unit_filter: UnitFilter::default(),
+            save: None,
+            save_every: None,
+            resume: None,
+            trace: None,
+            timeout: crate::cpu::collective::DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Tokens one step trains on, over all ranks.
+    pub fn tokens_per_step(&self) -> u64 {
+        (self.ranks * self.micro_batches * self.micro_batch_size * self.seq_length) as u64
+    }
+}
+
+/// One step's results, the same on every rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// 1-based step number (continuing a resumed run's count).
+    pub step: u64,
+    /// Main cross-entropy, mean over every token of the step (nats).
+    pub loss: f64,
+    /// Mean MTP cross-entropy over depths, when the model has MTP.
+    pub mtp_loss: Option<f64>,
+    /// MoE load-balancing loss, mean over micro-batches and ranks.
+    pub aux_loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub elapsed: Duration,
+}
+
+/// The closing summary of a run.
+#[derive(Clone, Debug)]
+pub struct TrainSummary {
+    pub steps: u64,
+    /// The step count after the run (includes a resumed checkpoint's).
+    pub last_step: u64,
+    pub first_loss: Option<f64>,
+    pub final_loss: Option<f64>,
+    pub entropy_floor: Option<f64>,
+    pub data: String,
+    pub tokens: u64,
+    pub wall: Duration,
+    pub tokens_per_second: f64,
+    pub mean_step_time: Duration,
+    /// Comm-lane busy time summed over ranks, and how much of it overlapped
+    /// compute.
+    pub comm_busy: Duration,
+    pub comm_hidden: Duration,
+    /// A hash of every final parameter's bits, in plan order (experts of
+    /// every EP rank included): equal hashes mean equal parameters.
+    pub param_hash: u64,
+    pub resumed_from: Option<u64>,
+    pub saved_to: Option<PathBuf>,
+    pub trace: Option<PathBuf>,
+}
+
+impl TrainSummary {
+    /// The share of comm-lane time hidden under compute.
+    pub fn hidden_fraction(&self) -> Option<f64> {
+        (!self.comm_busy.is_zero())
+            .then(|| self.comm_hidden.as_secs_f64() / self.comm_busy.as_secs_f64())
+    }
+}
+
+/// The plan and data a run will use, or why the run cannot start. Nothing
+/// is allocated on any device before this passes.
+pub struct Prepared {
+    pub plan: Arc<Plan>,
+    pub data: DataSource,
+    pub resume_step: Option<u64>,
+}
+
+/// Checks a configuration completely before any work starts.
+pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
+    let refuse = |m: String| Err(RuntimeError::Unsupported(m));
+    if config.ranks == 0 {
+        return refuse("--ranks must be at least 1".into());
+    }
+    if config.ep == 0 || config.ranks % config.ep != 0 {
+        return refuse(format!(
+            "--ranks {} is not divisible by --ep {}: expert-parallel groups are sets of ep consecutive ranks",
+            config.ranks, config.ep
+        ));
+    }
+    if config.micro_batches == 0 || config.micro_batch_size == 0 || config.seq_length == 0 {
+        return refuse(format!(
+            "micro-batches ({}), micro-batch size ({}) and sequence length ({}) must all be at least 1",
+            config.micro_batches, config.micro_batch_size, config.seq_length
+        ));
+    }
+    config.optimizer.validate()?;
+    let options = PlanOptions {
+        layout: ParallelLayout::new(config.ranks, config.ep),
+        unit_filter: config.unit_filter.clone(),
+        ..PlanOptions::default()
+    };
+    let plan =
+        Plan::new(&config.model, &options).map_err(|d| RuntimeError::Unsupported(d.to_string()))?;
+    if plan.stages.len() > 1 {
+        return refuse("this runtime trains without pipeline parallelism; plan with --pp 1".into());
+    }
+    let plan = Arc::new(plan);
+    // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
+    ModelRuntime::new(plan.clone())?;
+    let data = match &config.data {
+        DataChoice::Synthetic => DataSource::Markov(MarkovChain::random(
+            config.model.vocab_size,
+            4,
+            config.seed ^ 0xDA7A,
+        )?),
+        DataChoice::File(path) => DataSource::Bytes(ByteFile::open(path, config.model.vocab_size)?),
+    };
+    if data.vocab() > config.model.vocab_size {
+        return refuse(format!(
+            "the data has {} distinct tokens but the model's vocabulary is {}",
+            data.vocab(),
+            config.model.vocab_size
+        ));
+    }
+    data.check_shape(batch_shape(config, &plan))?;
+    let resume_step = match &config.resume {
+        Some(dir) => Some(checkpoint::read_index(dir, &plan)?.step),
+        None => None,
+    };
+    if let Some(dir) = &config.save {
+        let parent = dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        if !parent.is_dir() {
+            return refuse(format!(
+                "cannot save to {}: {} is not a directory",
+                dir.display(),
+                parent.display()
+            ));
+        }
+    }
+    if config.save_every == Some(0) {
+        return refuse("--save-every must be at least 1".into());
+    }
+    Ok(Prepared {
+        plan,
+        data,
+        resume_step,
+    })
+}
+
+fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
+    BatchShape::new(
+        config.micro_batch_size,
+        config.seq_length,
+        plan.mtp_depths(),
+    )
+}
+
+/// Trains on the CPU with `config.ranks` thread ranks. `on_step` sees every
+/// step's report as it completes.
+pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
+    let prepared = prepare(config)?;
+    let recorder = Arc::new(TraceRecorder::new());
+    let world = CpuWorld::with_timeout(config.ranks, config.timeout)?;
+    let (reports, received) = mpsc::channel::<StepReport>();
+    let started = Instant::now();
+    let outcomes: Vec<Result<Option<u64>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..config.ranks)
+            .map(|r| {
+                let world = world.clone();
+                let recorder = recorder.clone();
+                let reports = reports.clone();
+                let prepared = &prepared;
+                std::thread::Builder::new()
+                    .name(format!("rank-{r}"))
+                    .spawn_scoped(scope, move || {
+                        let result = run_rank(config, prepared, &world, r, recorder, reports);
+                        if let Err(e) = &result {
+                            world.abort(r, &e.to_string());
+                        }
+                        result
+                    })
+            })
+            .collect();
+        drop(reports);
+        for report in received.iter() {
+            on_step(&report);
+        }
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| match h {
+                Ok(handle) => handle.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Peer {
+                        rank: r,
+                        message: "panicked".into(),
+                    })
+                }),
+                Err(e) => Err(RuntimeError::Unsupported(format!(
+                    "cannot start rank {r}: {e}"
+                ))),
+            })
+            .collect()
+    });
+    let wall = started.elapsed();
+    // The root cause: a rank's own failure rather than its peers' reports of it.
+    let mut hash = None;
+    let mut first_error: Option<RuntimeError> = None;
+    for outcome in outcomes {
+        match outcome {
+            Ok(h) => hash = hash.or(h),
+            Err(e) => {
+                let is_peer = matches!(e, RuntimeError::Peer { .. });
+                if first_error
+                    .as_ref()
+                    .is_none_or(|f| matches!(f, RuntimeError::Peer { .. }) && !is_peer)
+                {
+                    first_error = Some(e);
+                }
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let param_hash = hash
+        .ok_or_else(|| RuntimeError::InvalidArgument("rank 0 returned no parameter hash".into()))?;
+    if let Some(path) = &config.trace {
+        recorder.write_chrome_trace(path)?;
+    }
+    let stats = recorder.stats();
+    let comm_busy = stats.iter().map(|s| s.comm_busy).sum();
+    let comm_hidden = stats.iter().map(|s| s.hidden).sum();
+    let tokens = config.tokens_per_step() * config.steps;
+    let wall_s = wall.as_secs_f64().max(1e-9);
+    Ok(TrainSummary {
+        steps: config.steps,
+        last_step: prepared.resume_step.unwrap_or(0) + config.steps,
+        first_loss: None,
+        final_loss: None,
+        entropy_floor: prepared.data.entropy_floor(),
+        data: prepared.data.describe(),
+        tokens,
+        wall,
+        tokens_per_second: tokens as f64 / wall_s,
+        mean_step_time: wall / config.steps.max(1) as u32,
+        comm_busy,
+        comm_hidden,
+        param_hash,
+        resumed_from: prepared.resume_step,
+        saved_to: config.save.clone(),
+        trace: config.trace.clone(),
+    })
+}
+
+/// One thread rank's whole run. Returns the parameter hash on rank 0.
+fn run_rank(
+    config: &TrainConfig,
+    prepared: &Prepared,
+    world: &CpuWorld,
+    r: usize,
+    recorder: Arc<TraceRecorder>,
+    reports: mpsc::Sender<StepReport>,
+) -> Result<Option<u64>> {
+    let ep = config.ep;
+    let comm = world.comm(r)?;
+    let ep_group = comm.split(r / ep)?;
+    let edp = comm.split(r % ep)?;
+    let host = comm.split(0)?;
+    let lanes = LaneConfig::default()
+        .rank(r)
+        .wait_timeout(config.timeout * 2)
+        .trace(recorder);
+    let rank = RankContext::<Cpu> {
+        rank: r,
+        world: config.ranks,
+        ep,
+        backend: Arc::new(CpuBackend),
+        compute: Arc::new(CpuLane::with_config("compute", lanes.clone())?),
+        comm: Arc::new(CpuLane::with_config("comm", lanes)?),
+        dp: Arc::new(comm),
+        ep_group: Arc::new(ep_group),
+        edp: Arc::new(edp),
+        host: Arc::new(host),
+    };
+    let plan = prepared.plan.clone();
+    let model = Arc::new(ModelRuntime::new(plan.clone())?);
+    let program = build(&plan.schedule, config.micro_batches, config.schedule);
+    let ep_rank = rank.ep_rank();
+    let mut engine = FsdpEngine::new(
+        plan.clone(),
+        config.sharding,
+        &rank,
+        program.max_resident_units,
+        program.max_grad_buffers,
+        &|p, out| model.init_param(config.seed, p, ep_rank, out),
+    )?;
+    let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
+    let mut step = 0;
+    if let Some(dir) = &config.resume {
+        step = checkpoint::load(dir, &plan, &engine, &mut optimizer, &rank)?.step;
+    }
+    let ranges = (0..plan.params.len())
+        .map(|p| engine.param_range(p))
+        .collect();
+    let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
+    let cx = Arc::new(StepContext::<Cpu> {
+        backend: rank.backend.clone(),
+        model: model.clone(),
+        ep_group: rank.ep_group.clone(),
+        ranges: Arc::new(ranges),
+        tokens,
+        mb_weight: 1.0 / (config.micro_batches * config.ranks) as f32,
+    });
+    let shape = batch_shape(config, &plan);
+    for _ in 0..config.steps {
+        let started = Instant::now();
+        let micro_batches = (0..config.micro_batches)
+            .map(|mb| {
+                let key = BatchKey {
+                    seed: config.seed,
+                    step,
+                    dp_rank: r,
+                    micro_batch: mb,
+                };
+                let batch = prepared.data.batch(key, shape)?;
+                let depths = plan.mtp_depths();
+                Ok(MicroBatchTokens {
+                    inputs: batch.all_inputs(),
+                    targets: (0..=depths)
+                        .map(|d| batch.all_targets(d))
+                        .collect::<Result<_>>()?,
+                    mtp_inputs: (0..depths)
+                        .map(|d| batch.all_targets(d))
+                        .collect::<Result<_>>()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let losses = run_step(&program, &cx, &mut engine, &rank, micro_batches)?;
+        let grad_norm = optimizer.step(&engine, &rank)?;
+        step += 1;
+        // Every rank's sums, added in rank order: the same bits everywhere.
+        let mut mine = vec![losses.main.0, losses.main.1 as f64, losses.aux];
+        for (sum, count) in &losses.mtp {
+            mine.push(*sum);
+            mine.push(*count as f64);
+        }
+        let all = rank.host.all_gather_host(&mine)?;
+        let total = |i: usize| {
+            all.iter()
+                .map(|v| v.get(i).copied().unwrap_or(0.0))
+                .fold(0.0, |a, b| a + b)
+        };
+        let loss = total(0) / total(1).max(1.0);
+        if !loss.is_finite() {
+            return Err(RuntimeError::Numeric(format!(
+                "the loss is {loss} at step {step}: training diverged"
+            )));
+        }
+        let depths = plan.mtp_depths();
+        let mtp_loss = (depths > 0).then(|| {
+            (0..depths)
+                .map(|d| total(3 + 2 * d) / total(4 + 2 * d).max(1.0))
+                .sum::<f64>()
+                / depths as f64
+        });
+        if r == 0 {
+            // The receiver only goes away when the caller stopped listening.
+            let _ = reports.send(StepReport {
+                step,
+                loss,
+                mtp_loss,
+                aux_loss: total(2) / (config.micro_batches * config.ranks) as f64,
+                grad_norm,
+                elapsed: started.elapsed(),
+            });
+        }
+        if let (Some(dir), Some(every)) = (&config.save, config.save_every)
+            && step % every == 0
+        {
+            checkpoint::save(
+                dir,
+                step,
+                config.seed,
+                run_info(config),
+                &plan,
+                &engine,
+                &optimizer,
+                &rank,
+            )?;
+        }
+    }
+    if let Some(dir) = &config.save
+        && config.save_every.is_none_or(|every| step % every != 0)
+    {
+        checkpoint::save(
+            dir,
+            step,
+            config.seed,
+            run_info(config),
+            &plan,
+            &engine,
+            &optimizer,
+            &rank,
+        )?;
+    }
+    param_hash(&plan, &engine, &rank)
+}
+
+/// The run's settings as recorded in checkpoints (for people).
+fn run_info(config: &TrainConfig) -> serde_json::Value {
+    serde_json::json!({
+        "ranks": config.ranks,
+        "ep": config.ep,
+        "micro_batches": config.micro_batches,
+        "micro_batch_size": config.micro_batch_size,
+        "seq_length": config.seq_length,
+        "schedule": config.schedule,
+        "sharding": config.sharding,
+        "data": match &config.data { DataChoice::Synthetic => "synthetic".to_string(), DataChoice::File(p) => p.display().to_string() },
+        "optimizer": config.optimizer,
+    })
+}
+
+/// FNV-1a over every parameter's bits in plan order, experts once per EP
+/// rank. Collective; the hash is returned on rank 0.
+fn param_hash<D: Device>(
+    plan: &Plan,
+    engine: &FsdpEngine<D>,
+    rank: &RankContext<D>,
+) -> Result<Option<u64>> {
+    use crate::backend::Backend;
+    let backend = &rank.backend;
+    let mut mine = Vec::new();
+    for shard in engine.shards() {
+        let shard = lock(shard, "a parameter shard")?;
+        let mut host = vec![0.0f32; backend.buf_len(&shard.master)];
+        backend.download(backend.view(&shard.master)?, &mut host)?;
+        mine.extend(host.iter().map(|&v| f64::from(v)));
+    }
+    let all = rank.host.all_gather_host(&mine)?;
+    if rank.rank != 0 {
+        return Ok(None);
+    }
+    // Each rank's shards, bucket after bucket.
+    let lens: Vec<usize> = plan
+        .buckets
+        .iter()
+        .map(|b| b.shard_numel(engine.world_of(b)))
+        .collect();
+    let starts: Vec<usize> = lens
+        .iter()
+        .scan(0, |at, &l| {
+            let s = *at;
+            *at += l;
+            Some(s)
+        })
+        .collect();
+    let ep = rank.ep.max(1);
+    let edp = rank.edp_size();
+    // The whole bucket `b` as EP rank `e` holds it.
+    let whole = |b: usize, e: usize| -> Vec<f64> {
+        let expert = plan.buckets[b].expert;
+        let holders: Vec<usize> = match (engine.sharding(), expert) {
+            (Sharding::NoShard, false) => vec![0],
+            (Sharding::NoShard, true) => vec![e],
+            (Sharding::Zero3, false) => (0..rank.world).collect(),
+            (Sharding::Zero3, true) => (0..edp).map(|q| q * ep + e).collect(),
+        };
+        holders
+            .into_iter()
+            .flat_map(|r| all[r][starts[b]..starts[b] + lens[b]].to_vec())
+            .collect()
+    };
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bits: u32| {
+        for byte in bits.to_le_bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    let mut wholes: std::collections::HashMap<(usize, usize), Vec<f64>> =
+        std::collections::HashMap::new();
+    for param in plan.params.iter() {
+        let numel = plan.def(param).numel();
+        let copies = if plan.buckets[param.bucket].expert {
+            ep
+        } else {
+            1
+        };
+        for e in 0..copies {
+            let full = wholes
+                .entry((param.bucket, e))
+                .or_insert_with(|| whole(param.bucket, e));
+            for &v in &full[param.offset..param.offset + numel] {
+                eat((v as f32).to_bits());
+            }
+        }
+    }
+    Ok(Some(hash))
+}
