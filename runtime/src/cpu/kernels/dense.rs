@@ -31,9 +31,10 @@ pub(crate) fn axpy_row(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `C (+)= op(A) op(B)`. Loop orders keep the innermost loop on contiguous
-/// memory: i-k-j for `A B`, row dot products for `A B^T`, rank-1 row
-/// updates for `A^T B`.
+/// `C (+)= op(A) op(B)`. Loop orders keep the innermost loop a contiguous
+/// row update (it vectorises): i-k-j for `A B` and, after transposing B into
+/// a scratch buffer, for `A B^T`; rank-1 row updates for `A^T B`. Every
+/// element sums its k terms in order `p = 0, 1, ...` onto C.
 pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<()> {
     let MatmulDims { m, n, k, .. } = dims;
     let k_name = "matmul";
@@ -55,9 +56,17 @@ pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<(
             }
         }
         (false, true) => {
+            // Row dot products do not vectorise as well as row updates:
+            // transpose B once (n*k, small next to m*n*k) and run i-k-j.
+            let mut bt = vec![0.0f32; k * n];
+            for (j, b_row) in b.chunks_exact(k).enumerate() {
+                for (p, &v) in b_row.iter().enumerate() {
+                    bt[p * n + j] = v;
+                }
+            }
             for (a_row, c_row) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)) {
-                for (c_ij, b_row) in c_row.iter_mut().zip(b.chunks_exact(k)) {
-                    *c_ij += dot(a_row, b_row);
+                for (&a_ip, bt_row) in a_row.iter().zip(bt.chunks_exact(n)) {
+                    axpy_row(a_ip, bt_row, c_row);
                 }
             }
         }
