@@ -430,6 +430,14 @@ fn one_mistake_is_one_error() {
         ("[M/E]", &[(Code::H002, "1:1")]),
         // An unclosed block does not also make its `)` a stray.
         ("(M|*){2}", &[(Code::H012, "1:1")]),
+        // A `)` in a group outside any block is a stray, not also the end
+        // of the group: the `]` still closes it.
+        ("[M)E]", &[(Code::H012, "1:3")]),
+        ("[[M)E]]", &[(Code::H005, "1:2"), (Code::H012, "1:4")]),
+        // ...and when it is the `)` of a block cut short by `|`, nothing more.
+        ("(M|[E)]", &[(Code::H012, "1:1")]),
+        // A group without `]` inside a block still ends at the block's `)`.
+        ("([M){2}", &[(Code::H002, "1:2")]),
         // A repeat copies a mistake; it is reported once.
         ("[EM]{3}", &[(Code::H006, "1:2")]),
         ("(M*M+){2}", &[(Code::H009, "1:5")]),

@@ -246,8 +246,11 @@ pub(super) const MAX_NESTING: usize = 64;
 fn check_nesting(source: &str, limit: usize) -> Option<Diagnostic> {
     #[derive(Clone, Copy, PartialEq, Eq)]
     enum Open {
-        /// `[`: ends at its `]`, or unclosed at `)`, `|`, `/` or the end.
+        /// `[` outside any block: ends at its `]`, or unclosed at `|`, `/`
+        /// or the end; a `)` inside it is a stray.
         Group,
+        /// `[` inside a block: as a group, but also unclosed at a `)`.
+        BlockGroup,
         /// `(` outside a group: ends at its `)`, or unclosed at `|`, `/` or
         /// the end; a `]` inside it is a stray.
         Block,
@@ -257,16 +260,19 @@ fn check_nesting(source: &str, limit: usize) -> Option<Diagnostic> {
     let mut stack: Vec<Open> = Vec::new();
     for (at, c) in source.char_indices() {
         match c {
-            '[' => stack.push(Open::Group),
+            '[' => stack.push(match stack.last() {
+                None | Some(Open::Group) => Open::Group,
+                Some(_) => Open::BlockGroup,
+            }),
             '(' => stack.push(match stack.last() {
-                Some(Open::Group | Open::ParenInGroup) => Open::ParenInGroup,
+                Some(Open::Group | Open::BlockGroup | Open::ParenInGroup) => Open::ParenInGroup,
                 _ => Open::Block,
             }),
             ']' => {
                 while let Some(&top) = stack.last() {
                     match top {
                         Open::Block => break,
-                        Open::Group => {
+                        Open::Group | Open::BlockGroup => {
                             stack.pop();
                             break;
                         }
@@ -277,9 +283,16 @@ fn check_nesting(source: &str, limit: usize) -> Option<Diagnostic> {
                 }
             }
             ')' => {
-                while let Some(top) = stack.pop() {
-                    if top != Open::Group {
-                        break;
+                while let Some(&top) = stack.last() {
+                    match top {
+                        Open::Group => break,
+                        Open::BlockGroup => {
+                            stack.pop();
+                        }
+                        Open::Block | Open::ParenInGroup => {
+                            stack.pop();
+                            break;
+                        }
                     }
                 }
             }
@@ -370,7 +383,7 @@ impl Lowering<'_> {
                 out.extend(run.map(Node::Layer));
                 last.map(Node::Layer)
             }
-            Rule::group => self.group(atom, place),
+            Rule::group | Rule::block_group => self.group(atom, place),
             Rule::repeat_block => {
                 let (body, closed) = self.repeat_block(atom);
                 if closed && count.is_none() {
@@ -423,8 +436,9 @@ impl Lowering<'_> {
             match part.as_rule() {
                 Rule::group_open => open = span_of(&part),
                 Rule::group_close => closed = true,
-                Rule::unclosed => end = span_of(&part).start,
-                Rule::member => {
+                Rule::unclosed | Rule::block_unclosed => end = span_of(&part).start,
+                Rule::stray_paren => self.stray_paren(span_of(&part)),
+                Rule::member | Rule::block_member => {
                     saw_member = true;
                     self.member(part, open, &mut members);
                 }
@@ -508,7 +522,7 @@ impl Lowering<'_> {
                 out.extend(run.map(|layer| (layer, 1)));
                 last
             }
-            Rule::group => {
+            Rule::group | Rule::block_group => {
                 let inner_open = Span::new(span_of(&atom).start, span_of(&atom).start + 1);
                 self.push(
                     Diagnostic::new(
@@ -665,18 +679,7 @@ impl Lowering<'_> {
                     );
                 }
             }
-            Rule::stray_paren if self.unmatched_unclosed_paren > 0 => {
-                // Already reported as its block's unclosed `(`.
-                self.unmatched_unclosed_paren -= 1;
-            }
-            Rule::stray_paren => self.push(
-                Diagnostic::new(Code::H012, "`)` closes no repeat block")
-                    .at(span)
-                    .label("no `(` is open here")
-                    .help(
-                        "remove the `)`, or add the `(` where the repeated run starts: `(M*){2}`",
-                    ),
-            ),
+            Rule::stray_paren => self.stray_paren(span),
             Rule::stray_count => self.push(
                 Diagnostic::new(
                     Code::H012,
@@ -692,6 +695,21 @@ impl Lowering<'_> {
             Rule::unknown => self.unknown(inner.as_str(), span),
             _ => {}
         }
+    }
+
+    /// A `)` with no block open, at the top of a segment or in a group.
+    fn stray_paren(&mut self, span: Span) {
+        if self.unmatched_unclosed_paren > 0 {
+            // Already reported as its block's unclosed `(`.
+            self.unmatched_unclosed_paren -= 1;
+            return;
+        }
+        self.push(
+            Diagnostic::new(Code::H012, "`)` closes no repeat block")
+                .at(span)
+                .label("no `(` is open here")
+                .help("remove the `)`, or add the `(` where the repeated run starts: `(M*){2}`"),
+        );
     }
 
     fn unknown(&mut self, text: &str, span: Span) {
@@ -752,7 +770,7 @@ mod tests {
     fn tree_depth(pair: Pair<'_, Rule>) -> usize {
         let here = usize::from(matches!(
             pair.as_rule(),
-            Rule::group | Rule::repeat_block | Rule::paren_in_group
+            Rule::group | Rule::block_group | Rule::repeat_block | Rule::paren_in_group
         ));
         here + pair.into_inner().map(tree_depth).max().unwrap_or(0)
     }
