@@ -197,7 +197,14 @@ fn layer_struct(
     let field_docs = kinds
         .iter()
         .map(|k| format!("The `{}` member ({}).", k.symbol(), k.name()));
-    let offsets = (0..kinds.len()).map(proc_macro2::Literal::usize_unsuffixed);
+    let handles = (0..kinds.len()).map(|j| {
+        if j == 0 {
+            quote!(LAYER_HANDLES[module.first_handle])
+        } else {
+            let j = proc_macro2::Literal::usize_unsuffixed(j);
+            quote!(LAYER_HANDLES[module.first_handle + #j])
+        }
+    });
     let kind_list = kinds.iter().map(|&k| kind_tokens(k));
     quote! {
         #[doc = #description]
@@ -225,7 +232,7 @@ fn layer_struct(
                 #name {
                     index,
                     module,
-                    #(#fields: LAYER_HANDLES[module.first_handle + #offsets],)*
+                    #(#fields: #handles,)*
                 }
             }
 

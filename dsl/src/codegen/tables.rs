@@ -56,16 +56,18 @@ impl Paths {
     }
 }
 
-/// `[first, end)` into `params` for each layer handle, in handle order:
-/// decoder layers, then each MTP depth's layers.
-fn param_ranges(plan: &Plan) -> (Vec<(usize, usize)>, Vec<Vec<(usize, usize)>>) {
+/// `[first, end)` into `params`.
+type ParamRange = (usize, usize);
+
+/// Each decoder layer's parameter range, and each MTP depth's layers'.
+fn param_ranges(plan: &Plan) -> (Vec<ParamRange>, Vec<Vec<ParamRange>>) {
     let mut decoder = vec![(0, 0); plan.layers.len()];
-    let mut mtp: Vec<Vec<(usize, usize)>> = plan
+    let mut mtp: Vec<Vec<ParamRange>> = plan
         .mtp_layers
         .iter()
         .map(|d| vec![(0, 0); d.len()])
         .collect();
-    let record = |range: &mut (usize, usize), i: usize| {
+    let record = |range: &mut ParamRange, i: usize| {
         if range.1 == 0 {
             range.0 = i;
         }
