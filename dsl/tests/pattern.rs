@@ -438,6 +438,10 @@ fn one_mistake_is_one_error() {
         ("(M|[E)]", &[(Code::H012, "1:1")]),
         // A group without `]` inside a block still ends at the block's `)`.
         ("([M){2}", &[(Code::H002, "1:2")]),
+        // An unclosed group's extent is a guess: the group rules are not
+        // applied to it, so a missing `]` is not also H006/H008.
+        ("(M[*E*){4}|[*E]", &[(Code::H002, "1:3")]),
+        ("[**E", &[(Code::H002, "1:1")]),
         // A repeat copies a mistake; it is reported once.
         ("[EM]{3}", &[(Code::H006, "1:2")]),
         ("(M*M+){2}", &[(Code::H009, "1:5")]),

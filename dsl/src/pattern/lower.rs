@@ -489,8 +489,12 @@ impl Lowering<'_> {
                     .label("groups belong to the main pattern")
                     .help("an MTP depth is a plain run of layers; remove the brackets"),
             );
-            // Keep the members as plain layers so the depth can still be
-            // compared with the others (H010) without a cascade.
+        }
+        if place == Place::Mtp || !closed {
+            // Keep the members as plain layers: an MTP depth can still be
+            // compared with the others (H010), and an unclosed group, whose
+            // extent is a guess, is not held to the group rules (H006-H008),
+            // which would only report the missing `]` again.
             let body = members
                 .into_iter()
                 .map(|(layer, n)| Node::Repeat {
