@@ -20,6 +20,7 @@ use hybridgen_dsl::plan::{
 };
 use hybridgen_dsl::{Code, ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use std::collections::HashSet;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 const HANDMADE: &str = r#"
@@ -780,16 +781,11 @@ fn handmade_totals() {
 
 // ---- pipeline stages ---------------------------------------------------------------------------
 
-/// `(pp_rank, vp_stage, layers, logical, has_mtp)` of every stage.
-fn stages(
-    p: &Plan,
-) -> Vec<(
-    usize,
-    usize,
-    std::ops::Range<usize>,
-    std::ops::Range<usize>,
-    bool,
-)> {
+/// `(pp_rank, vp_stage, layers, logical, has_mtp)` of a stage.
+type StageRow = (usize, usize, Range<usize>, Range<usize>, bool);
+
+/// Every stage as a [`StageRow`].
+fn stages(p: &Plan) -> Vec<StageRow> {
     p.stages
         .iter()
         .map(|s| {

@@ -204,7 +204,7 @@ fn sugar_items(items: &[Item], dice: &mut Dice, out: &mut String) {
     // The whole run as `( period ){k}` when it is a repetition.
     if !items.is_empty() && dice.coin() {
         for period in 1..=items.len() {
-            if items.len() % period == 0
+            if items.len().is_multiple_of(period)
                 && items
                     .iter()
                     .enumerate()
