@@ -329,7 +329,7 @@ impl Diagnostic {
             out += &format!("{} | {}\n", at.line, line_text);
             out += &format!(
                 "{pad} | {}{} {}\n",
-                " ".repeat(at.column - 1),
+                caret_indent(line_text, at),
                 "^".repeat(caret_width(source, span, line_text, at)),
                 self.label
             );
@@ -354,7 +354,7 @@ impl Diagnostic {
             let line_text = source.lines().nth(at.line - 1).unwrap_or("");
             out += &format!(
                 "\n  at {at}:\n    {line_text}\n    {}{} {}",
-                " ".repeat(at.column - 1),
+                caret_indent(line_text, at),
                 "^".repeat(caret_width(source, span, line_text, at)),
                 self.label
             );
@@ -364,6 +364,17 @@ impl Diagnostic {
         }
         out
     }
+}
+
+/// White space up to the caret's column: a tab where the line has a tab, so
+/// the caret lines up in a terminal whatever its tab width.
+fn caret_indent(line_text: &str, at: LineCol) -> String {
+    line_text
+        .chars()
+        .chain(std::iter::repeat(' '))
+        .take(at.column - 1)
+        .map(|c| if c == '\t' { '\t' } else { ' ' })
+        .collect()
 }
 
 /// Carets under the span's characters, at least one, not past the line end.

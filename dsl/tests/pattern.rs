@@ -689,6 +689,22 @@ fn renders_wide_spans_and_two_digit_lines() {
 }
 
 #[test]
+fn carets_line_up_under_tabs() {
+    // The caret line copies the tabs before the culprit, so it lines up in a
+    // terminal whatever the tab width.
+    let d = Pattern::parse("\tM\t[EM]").unwrap_err();
+    assert_eq!(
+        d.to_string(),
+        "error[H006]: `E` is not the last layer of its group\n \
+         --> pattern:1:5\n  \
+         |\n\
+         1 | \tM\t[EM]\n  \
+         | \t \t ^ a MoE layer ends its group\n  \
+         = help: move the `E` to the end (`[ME]`) or split the group after it\n"
+    );
+}
+
+#[test]
 fn renders_inline_for_compile_errors() {
     let d = Pattern::parse("M[EM]").unwrap_err();
     assert_eq!(
