@@ -328,7 +328,7 @@ pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Resu
         tokens,
         wall,
         tokens_per_second: tokens as f64 / wall_s,
-        mean_step_time: wall / config.steps.max(1) as u32,
+        mean_step_time: wall.div_f64(config.steps.max(1) as f64),
         comm_busy,
         comm_hidden,
         param_hash,

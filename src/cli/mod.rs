@@ -10,6 +10,7 @@ mod explain;
 mod human;
 mod plan;
 mod preset;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -41,6 +42,9 @@ enum Command {
     Explain(explain::ExplainArgs),
     /// List the built-in presets, or print one as a model file to start from.
     Preset(preset::PresetArgs),
+    /// Train a model (default: the `tiny` preset, synthetic data, 2 CPU
+    /// thread ranks, expert parallelism 2, the overlap schedule, ZeRO-3).
+    Train(Box<train::TrainArgs>),
 }
 
 /// Why a command failed.
@@ -83,6 +87,7 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
         Command::Plan(args) => plan::run(&args),
         Command::Explain(args) => explain::run(&args),
         Command::Preset(args) => preset::run(&args),
+        Command::Train(args) => train::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

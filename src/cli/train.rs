@@ -1,0 +1,371 @@
+//! `hybridgen train`: the main job. With no flags it trains the `tiny`
+//! preset on synthetic data on the CPU with two thread ranks, expert
+//! parallelism 2 and the overlap schedule.
+
+use super::{Failure, human};
+use hybridgen_dsl::plan::UnitFilter;
+use hybridgen_runtime::RuntimeError;
+use hybridgen_runtime::fsdp::Sharding;
+use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
+use hybridgen_runtime::schedule::ScheduleKind;
+use hybridgen_runtime::train::{DataChoice, StepReport, TrainConfig, TrainSummary, train};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct TrainArgs {
+    /// A built-in preset (`hybridgen preset` lists them).
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "tiny",
+        conflicts_with = "model"
+    )]
+    preset: String,
+    /// A model file (TOML) instead of a preset.
+    #[arg(long, value_name = "FILE")]
+    model: Option<PathBuf>,
+    /// Train this pattern with the preset's (or model file's) dimensions.
+    #[arg(long, value_name = "P")]
+    pattern: Option<String>,
+    /// Data-parallel ranks (CPU: threads of this process).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    ranks: u32,
+    /// Expert-parallel size; must divide --ranks.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    ep: u32,
+    /// Micro-batches per step (per rank).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    micro_batches: u32,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    micro_batch_size: u32,
+    /// Tokens per sequence [default: the model's seq_length].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    seq_len: Option<u32>,
+    /// Optimizer steps to run (a resumed run continues the step count).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// `overlap`: combined 1F1B with expert-parallel overlap; `plain`:
+    /// forward then backward per micro-batch.
+    #[arg(long, value_enum, default_value = "overlap")]
+    schedule: ScheduleArg,
+    /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
+    /// plain data parallelism (no_shard).
+    #[arg(long, value_parser = ["0", "3"], default_value = "3")]
+    zero: String,
+    /// `synthetic` (a Markov stream with a known entropy floor) or a file
+    /// path (bytes as tokens).
+    #[arg(long, value_name = "synthetic|FILE", default_value = "synthetic")]
+    data: String,
+    /// Seed of initialisation and data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "adam")]
+    optimizer: OptimizerArg,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    /// Linear warm-up steps.
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
+    /// Decoupled weight decay (matrices only).
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Clip gradients to this global norm; 0 turns clipping off.
+    #[arg(long, default_value_t = 1.0)]
+    clip_grad: f32,
+    /// FSDP units by kind instead of the default rule (see `hybridgen plan --help`).
+    #[arg(long, value_name = "KINDS")]
+    units: Option<String>,
+    /// Save a checkpoint to DIR at the end of the run.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Also save every N steps.
+    #[arg(long, value_name = "N", requires = "save")]
+    save_every: Option<u64>,
+    /// Resume from a checkpoint written by --save.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Write a Chrome trace (open in Perfetto or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Print a loss line every N steps (text format).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: u64,
+    /// Seconds a rank waits for its peers before reporting them stalled.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    timeout: u64,
+    /// `text`: progress bar, loss lines and a summary; `json`: one JSON
+    /// object per step on stdout, then a summary object.
+    #[arg(long, value_enum, default_value = "text")]
+    format: FormatArg,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum ScheduleArg {
+    Overlap,
+    Plain,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum OptimizerArg {
+    Adam,
+    Sgd,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum FormatArg {
+    Text,
+    Json,
+}
+
+pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
+    let config = config(args)?;
+    let text = args.format == FormatArg::Text;
+    if text {
+        super::emit(&format!(
+            "training {} ({}) on {} thread ranks, ep {}, {} schedule, ZeRO-{}, {} steps of {} tokens\n",
+            config.model.pattern,
+            args.model.as_ref().map_or_else(
+                || format!("preset {}", args.preset),
+                |p| p.display().to_string()
+            ),
+            config.ranks,
+            config.ep,
+            match config.schedule {
+                ScheduleKind::Overlap => "overlap",
+                ScheduleKind::Plain => "plain",
+            },
+            if config.sharding == Sharding::Zero3 {
+                3
+            } else {
+                0
+            },
+            config.steps,
+            config.tokens_per_step(),
+        ))?;
+    }
+    let bar = if text && std::io::stderr().is_terminal() {
+        let bar = ProgressBar::with_draw_target(Some(config.steps), ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  loss {msg}  [{elapsed} < {eta}]",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        Some(bar)
+    } else {
+        None
+    };
+    let mut first = None;
+    let mut last = None;
+    let mut output_error = None;
+    let mut on_step = |report: &StepReport| {
+        first.get_or_insert(report.loss);
+        last = Some(report.loss);
+        let line = if text {
+            if let Some(bar) = &bar {
+                bar.set_message(format!("{:.4}", report.loss));
+                bar.inc(1);
+            }
+            let due = report.step % args.log_every == 0 || report.step == config.steps;
+            due.then(|| {
+                let mut line = format!(
+                    "step {:>5}  loss {:.4}  grad norm {:.3}  {:.0} ms",
+                    report.step,
+                    report.loss,
+                    report.grad_norm,
+                    report.elapsed.as_secs_f64() * 1e3
+                );
+                if let Some(mtp) = report.mtp_loss {
+                    line += &format!("  mtp {mtp:.4}");
+                }
+                if report.aux_loss != 0.0 {
+                    line += &format!("  aux {:.4}", report.aux_loss);
+                }
+                line
+            })
+        } else {
+            // Shortest round-trip formatting: equal strings mean equal bits.
+            Some(
+                json!({
+                    "step": report.step,
+                    "loss": report.loss,
+                    "mtp_loss": report.mtp_loss,
+                    "aux_loss": report.aux_loss,
+                    "grad_norm": report.grad_norm,
+                    "step_ms": report.elapsed.as_secs_f64() * 1e3,
+                })
+                .to_string(),
+            )
+        };
+        if let Some(line) = line {
+            let written = match &bar {
+                Some(bar) => {
+                    bar.println(&line);
+                    Ok(())
+                }
+                None => super::emit(&format!("{line}\n")),
+            };
+            if let Err(e) = written {
+                output_error.get_or_insert(e);
+            }
+        }
+    };
+    let result = train(&config, &mut on_step);
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
+    }
+    if let Some(e) = output_error {
+        return Err(e);
+    }
+    let summary = result.map_err(|e| Failure::Message(runtime_message(&e)))?;
+    if text {
+        super::emit(&summary_text(&summary, first, last))
+    } else {
+        super::emit(&format!("{}\n", summary_json(&summary, last)))
+    }
+}
+
+/// Builds the run's configuration from the flags, refusing what cannot work
+/// before anything starts.
+fn config(args: &TrainArgs) -> Result<TrainConfig, Failure> {
+    let mut model = super::plan::resolve_model(
+        args.pattern.as_deref(),
+        args.model.as_ref(),
+        Some(&args.preset),
+    )?;
+    if args.model.is_some() && args.pattern.is_some() {
+        model.pattern = args.pattern.clone().unwrap_or_default();
+    }
+    let mut config = TrainConfig::new(model);
+    config.ranks = args.ranks as usize;
+    config.ep = args.ep as usize;
+    config.micro_batches = args.micro_batches as usize;
+    config.micro_batch_size = args.micro_batch_size as usize;
+    if let Some(seq) = args.seq_len {
+        config.seq_length = seq as usize;
+    }
+    config.steps = args.steps;
+    config.schedule = match args.schedule {
+        ScheduleArg::Overlap => ScheduleKind::Overlap,
+        ScheduleArg::Plain => ScheduleKind::Plain,
+    };
+    config.sharding = if args.zero == "0" {
+        Sharding::NoShard
+    } else {
+        Sharding::Zero3
+    };
+    config.data = match args.data.as_str() {
+        "synthetic" => DataChoice::Synthetic,
+        path => DataChoice::File(PathBuf::from(path)),
+    };
+    config.seed = args.seed;
+    config.optimizer = OptimizerConfig {
+        kind: match args.optimizer {
+            OptimizerArg::Adam => OptimizerKind::Adam,
+            OptimizerArg::Sgd => OptimizerKind::Sgd,
+        },
+        lr: args.lr,
+        warmup_steps: args.warmup,
+        weight_decay: args.weight_decay,
+        clip_grad: (args.clip_grad > 0.0).then_some(args.clip_grad),
+        ..OptimizerConfig::default()
+    };
+    if let Some(kinds) = &args.units {
+        config.unit_filter = UnitFilter::parse_kinds(kinds)
+            .map_err(|d| Failure::Message(format!("--units: {}. {}", d.message, d.help)))?;
+    }
+    config.save = args.save.clone();
+    config.save_every = args.save_every;
+    config.resume = args.resume.clone();
+    config.trace = args.trace.clone();
+    config.timeout = Duration::from_secs(args.timeout);
+    Ok(config)
+}
+
+fn runtime_message(error: &RuntimeError) -> String {
+    match error {
+        RuntimeError::Unsupported(m) => format!("cannot train this configuration:\n{m}"),
+        other => other.to_string(),
+    }
+}
+
+fn summary_text(s: &TrainSummary, first: Option<f64>, last: Option<f64>) -> String {
+    let mut out = String::from("\nsummary\n");
+    if let (Some(first), Some(last)) = (first, last) {
+        out += &format!("  loss            {first:.4} -> {last:.4}");
+        if let Some(floor) = s.entropy_floor {
+            out += &format!("  (data entropy floor {floor:.4})");
+        }
+        out += "\n";
+    }
+    out += &format!("  data            {}\n", s.data);
+    out += &format!(
+        "  throughput      {} tokens/s  ({} tokens in {:.1} s)\n",
+        human::count(s.tokens_per_second as u64),
+        human::count(s.tokens),
+        s.wall.as_secs_f64()
+    );
+    out += &format!(
+        "  step time       {:.0} ms\n",
+        s.mean_step_time.as_secs_f64() * 1e3
+    );
+    out += &format!(
+        "  comm lane       {:.2} s busy over all ranks, {:.2} s hidden under compute ({})\n",
+        s.comm_busy.as_secs_f64(),
+        s.comm_hidden.as_secs_f64(),
+        s.hidden_fraction()
+            .map_or("no communication".to_string(), |f| format!(
+                "{:.0}% hidden",
+                f * 100.0
+            ))
+    );
+    out += &format!("  parameters      hash {:016x}\n", s.param_hash);
+    if let Some(step) = s.resumed_from {
+        out += &format!(
+            "  resumed         from step {step}, now at step {}\n",
+            s.last_step
+        );
+    }
+    if let Some(dir) = &s.saved_to {
+        out += &format!(
+            "  checkpoint      {} (step {})\n",
+            dir.display(),
+            s.last_step
+        );
+    }
+    if let Some(path) = &s.trace {
+        out += &format!(
+            "  trace           {} (open in https://ui.perfetto.dev)\n",
+            path.display()
+        );
+    }
+    out
+}
+
+fn summary_json(s: &TrainSummary, last: Option<f64>) -> serde_json::Value {
+    json!({
+        "summary": {
+            "steps": s.steps,
+            "last_step": s.last_step,
+            "final_loss": last,
+            "entropy_floor": s.entropy_floor,
+            "tokens": s.tokens,
+            "wall_s": s.wall.as_secs_f64(),
+            "tokens_per_s": s.tokens_per_second,
+            "step_ms": s.mean_step_time.as_secs_f64() * 1e3,
+            "comm_busy_s": s.comm_busy.as_secs_f64(),
+            "comm_hidden_s": s.comm_hidden.as_secs_f64(),
+            "hidden_fraction": s.hidden_fraction(),
+            "param_hash": format!("{:016x}", s.param_hash),
+            "resumed_from": s.resumed_from,
+            "checkpoint": s.saved_to.as_ref().map(|p| p.display().to_string()),
+            "trace": s.trace.as_ref().map(|p| p.display().to_string()),
+        }
+    })
+}
