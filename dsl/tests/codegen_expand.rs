@@ -1,0 +1,241 @@
+//! `expand` as the macro sees it: `TokenStream` in, `TokenStream` out, no
+//! compiler. Every pattern code comes back as a `compile_error!` carrying
+//! the code plus a stub module with the same names as a valid expansion,
+//! and no input makes it panic.
+
+use hybridgen_dsl::codegen::expand;
+use proc_macro2::TokenStream;
+use proptest::prelude::*;
+use quote::quote;
+use std::collections::BTreeSet;
+
+fn expand_str(fields: &str) -> TokenStream {
+    let input: TokenStream = format!("pub struct Model {{ {fields} }}")
+        .parse()
+        .expect("test input tokenizes");
+    expand(input).expect("a model declaration")
+}
+
+/// The `compile_error!` messages of an expansion.
+fn errors(output: &TokenStream) -> Vec<String> {
+    let file: syn::File = syn::parse2(output.clone()).expect("output parses");
+    file.items
+        .iter()
+        .filter_map(|item| match item {
+            syn::Item::Macro(m)
+                if m.mac
+                    .path
+                    .segments
+                    .last()
+                    .is_some_and(|s| s.ident == "compile_error") =>
+            {
+                let lit: syn::LitStr = syn::parse2(m.mac.tokens.clone()).ok()?;
+                Some(lit.value())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// The names a module defines (items and associated items of the model
+/// struct), to compare a stub with a real expansion.
+fn names(output: &TokenStream) -> BTreeSet<String> {
+    let file: syn::File = syn::parse2(output.clone()).expect("output parses");
+    let mut names = BTreeSet::new();
+    for item in &file.items {
+        if let syn::Item::Mod(module) = item {
+            for item in module.content.iter().flat_map(|(_, items)| items) {
+                match item {
+                    syn::Item::Const(c) if !c.ident.to_string().starts_with("__") => {
+                        names.insert(c.ident.to_string());
+                    }
+                    syn::Item::Fn(f) => {
+                        names.insert(format!("fn {}", f.sig.ident));
+                    }
+                    syn::Item::Struct(s) => {
+                        names.insert(format!("struct {}", s.ident));
+                        for field in &s.fields {
+                            if let Some(ident) = &field.ident {
+                                names.insert(format!("{}.{ident}", s.ident));
+                            }
+                        }
+                    }
+                    syn::Item::Impl(i) if i.trait_.is_none() => {
+                        for item in &i.items {
+                            match item {
+                                syn::ImplItem::Fn(f) => {
+                                    names.insert(format!("impl fn {}", f.sig.ident));
+                                }
+                                syn::ImplItem::Const(c) => {
+                                    names.insert(format!("impl const {}", c.ident));
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn every_pattern_code_is_a_compile_error_with_its_code() {
+    for (code, pattern) in [
+        ("H001", "M*x"),
+        ("H002", "M[*E"),
+        ("H003", "M*]"),
+        ("H004", "M[]"),
+        ("H005", "M[[M]]"),
+        ("H006", "[E*]"),
+        ("H007", "[-*]"),
+        ("H008", "[MM]"),
+        ("H009", "M*M+"),
+        ("H010", "M*/ME/M"),
+        ("H011", "M*/[ME]"),
+        ("H012", "M{0}"),
+    ] {
+        let output = expand_str(&format!("preset: \"tiny\", pattern: \"{pattern}\""));
+        let errors = errors(&output);
+        assert_eq!(errors.len(), 1, "{pattern}: {errors:?}");
+        assert!(
+            errors[0].starts_with(&format!("[{code}]")),
+            "{pattern}: {}",
+            errors[0]
+        );
+        assert!(
+            errors[0].contains(&format!("\n    {pattern}\n")),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            names(&output).contains("struct Model"),
+            "{pattern}: no stub"
+        );
+    }
+}
+
+/// A stub has every name of a real expansion of the same pattern, so code
+/// written against the model compiles on (and fails only at the real
+/// mistake).
+#[test]
+fn the_stub_has_the_names_of_the_real_module() {
+    let valid = expand_str("preset: \"tiny\", pattern: \"M[*E]-/*E\"");
+    assert!(errors(&valid).is_empty());
+    let broken = expand_str("preset: \"tiny\", pattern: \"M[*E]-/*E\", hidden_size: 0");
+    assert_eq!(errors(&broken).len(), 1, "{:?}", errors(&broken));
+    let (valid, broken) = (names(&valid), names(&broken));
+    let missing: Vec<&String> = valid.difference(&broken).collect();
+    assert!(missing.is_empty(), "the stub lacks {missing:?}");
+}
+
+#[test]
+fn a_model_named_like_a_layer_struct_is_refused() {
+    let output = expand(quote! { struct MambaLayer { preset: "tiny", pattern: "M*" } }).unwrap();
+    let errors = errors(&output);
+    assert_eq!(errors.len(), 1);
+    assert!(
+        errors[0].contains("also the name of a layer struct"),
+        "{}",
+        errors[0]
+    );
+}
+
+#[test]
+fn not_a_declaration_is_an_error_not_a_panic() {
+    for input in [
+        quote!(),
+        quote!(
+            fn x() {}
+        ),
+        quote!(struct),
+        quote!(struct M { a: }),
+        quote!(struct M ( )),
+        quote!(struct M { a: 1 } trailing),
+    ] {
+        assert!(expand(input).is_err());
+    }
+}
+
+fn value() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[0-9]{1,25}".prop_map(|s| s),
+        "-[0-9]{1,3}".prop_map(|s| s),
+        "[0-9]{1,3}\\.[0-9]{1,3}".prop_map(|s| s),
+        Just("true".to_string()),
+        Just("none".to_string()),
+        "[a-z_]{1,8}".prop_map(|s| s),
+        "\"[ -~]{0,12}\"".prop_map(|s| s.replace('\\', "")),
+        Just("{ num_heads: 0 }".to_string()),
+        Just("[\"E\", \"group\"]".to_string()),
+        Just("[1, x]".to_string()),
+    ]
+}
+
+fn key() -> impl Strategy<Value = &'static str> {
+    prop::sample::select(vec![
+        "pattern",
+        "preset",
+        "hidden_size",
+        "vocab_size",
+        "init_std",
+        "seq_length",
+        "tie_embeddings",
+        "attention",
+        "mamba",
+        "moe",
+        "mlp",
+        "mtp",
+        "ep",
+        "pp",
+        "first_stage_layers",
+        "last_stage_layers",
+        "unit_kinds",
+        "unit_filter",
+        "non_unit_bucket_cap",
+        "bogus",
+    ])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Arbitrary patterns (bytes of the pattern alphabet and beyond) over a
+    /// preset: never a panic, always either a module or errors plus a stub.
+    #[test]
+    fn arbitrary_patterns_never_panic(pattern in "[-M*+DGE\\[\\]|/(){}0-9 xq]{0,24}") {
+        let output = expand_str(&format!("preset: \"tiny\", pattern: \"{pattern}\""));
+        prop_assert!(names(&output).contains("struct Model"));
+    }
+
+    /// Arbitrary fields and values: never a panic.
+    #[test]
+    fn arbitrary_fields_never_panic(fields in prop::collection::vec((key(), value()), 0..6)) {
+        let text: Vec<String> = fields.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        let input = format!("pub struct Model {{ {} }}", text.join(", "));
+        if let Ok(tokens) = input.parse::<TokenStream>() {
+            if let Ok(output) = expand(tokens) {
+                prop_assert!(names(&output).contains("struct Model"));
+            }
+        }
+    }
+}
+
+/// Absurd sizes are a dimension problem, not a crash of the compiler.
+#[test]
+fn huge_dimensions_do_not_panic() {
+    for fields in [
+        "preset: \"tiny\", hidden_size: 4000000000000000000",
+        "preset: \"tiny\", vocab_size: 9223372036854775807",
+        "preset: \"tiny\", pattern: \"E\", moe: { num_experts: 4000000000000, top_k: 1 }",
+        "preset: \"tiny\", mamba: { num_heads: 4294967296, head_dim: 4294967296 }",
+        "preset: \"tiny\", ep: 9223372036854775807",
+        "preset: \"tiny\", pp: 0",
+        "preset: \"tiny\", non_unit_bucket_cap: 0",
+    ] {
+        let output = expand_str(fields);
+        assert!(names(&output).contains("struct Model"), "{fields}");
+    }
+}
