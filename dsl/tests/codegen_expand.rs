@@ -215,10 +215,10 @@ proptest! {
     fn arbitrary_fields_never_panic(fields in prop::collection::vec((key(), value()), 0..6)) {
         let text: Vec<String> = fields.iter().map(|(k, v)| format!("{k}: {v}")).collect();
         let input = format!("pub struct Model {{ {} }}", text.join(", "));
-        if let Ok(tokens) = input.parse::<TokenStream>() {
-            if let Ok(output) = expand(tokens) {
-                prop_assert!(names(&output).contains("struct Model"));
-            }
+        if let Ok(tokens) = input.parse::<TokenStream>()
+            && let Ok(output) = expand(tokens)
+        {
+            prop_assert!(names(&output).contains("struct Model"));
         }
     }
 }
