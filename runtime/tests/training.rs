@@ -226,3 +226,50 @@ fn converges_to_near_the_entropy_floor() {
         "loss {last} is below the floor {floor}: the data leaks"
     );
 }
+
+/// The units the FSDP engine gathered in a run, from its trace.
+fn gathered_units(pattern: &str) -> std::collections::BTreeSet<String> {
+    let path = std::env::temp_dir().join(format!(
+        "hybridgen-units-{}-{}.json",
+        std::process::id(),
+        pattern.replace(['[', ']', '*', '|', '/'], "_")
+    ));
+    with(pattern, |c| {
+        c.steps = 1;
+        c.trace = Some(path.clone());
+    });
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .filter_map(|name| name.strip_prefix("gather decoder.layers."))
+        .map(|unit| format!("decoder.layers.{unit}"))
+        .collect()
+}
+
+#[test]
+fn units_are_grouped_mixed_and_ungrouped_as_fsdp_md_says() {
+    let set = |names: &[&str]| names.iter().map(|s| s.to_string()).collect();
+    // Grouped: 2 units. Mixed: 4. Ungrouped: 3. Never a group's member alone.
+    assert_eq!(
+        gathered_units("[*E][*E]"),
+        set(&["decoder.layers.0", "decoder.layers.1"])
+    );
+    assert_eq!(
+        gathered_units("M[*E]M[*E]"),
+        set(&[
+            "decoder.layers.0",
+            "decoder.layers.1",
+            "decoder.layers.2",
+            "decoder.layers.3"
+        ])
+    );
+    assert_eq!(
+        gathered_units("M*E"),
+        set(&["decoder.layers.0", "decoder.layers.1", "decoder.layers.2"])
+    );
+}
