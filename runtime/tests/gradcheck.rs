@@ -1066,3 +1066,19 @@ fn bad_sizes_are_errors_not_panics() {
         "no bias configured"
     );
 }
+
+/// The schedule keeps layers shared across lane threads and moves saved
+/// state between them.
+#[test]
+fn layers_and_saved_state_cross_threads() {
+    fn shared<T: Send + Sync>() {}
+    fn moved<T: Send>() {}
+    shared::<LayerImpl>();
+    shared::<MoeLayer>();
+    moved::<LayerSaved<CpuBackend>>();
+    moved::<hybridgen_runtime::layers::LayerWgrad<CpuBackend>>();
+    moved::<hybridgen_runtime::layers::MoePrepared<CpuBackend>>();
+    moved::<hybridgen_runtime::layers::MoeExpertsSaved<CpuBackend>>();
+    moved::<hybridgen_runtime::layers::MoeCombineBackward<CpuBackend>>();
+    moved::<hybridgen_runtime::layers::HeadSaved<CpuBackend>>();
+}
