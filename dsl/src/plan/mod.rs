@@ -111,7 +111,13 @@ impl LogicalLayer {
 /// `suffix`. Written by hand rather than with `format!`: a 100,000-layer plan
 /// builds several of these per layer.
 fn decoder_layer_path(index: usize, member: Option<usize>, suffix: &str) -> String {
-    let mut path = String::with_capacity(48);
+    // Sized exactly: a plan holds two of these per logical layer.
+    let digits = |n: usize| n.checked_ilog10().map_or(1, |d| d as usize + 1);
+    let len = "decoder.layers.".len()
+        + digits(index)
+        + member.map_or(0, |j| ".layers.".len() + digits(j))
+        + suffix.len();
+    let mut path = String::with_capacity(len);
     path.push_str("decoder.layers.");
     push_number(&mut path, index);
     if let Some(j) = member {
