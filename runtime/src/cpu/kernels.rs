@@ -33,4 +33,4 @@ pub use moe::{
 pub use norm::{rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward};
 pub use optim::{adam_update, sgd_update, sum_squares_blocks};
 pub use rotary::{rotary_backward, rotary_forward};
-pub use scan::{ssd_scan_backward, ssd_scan_forward};
+pub use scan::{ssd_scan_backward, ssd_scan_forward, ssd_scan_forward_chunked};

@@ -166,6 +166,99 @@ pub fn ssd_scan_forward(
     Ok(())
 }
 
+/// The same forward in the chunked "SSD" form (Mamba-2's
+/// state-space duality): per chunk of `L` steps with start state `S0` and
+/// cumulative log-decay `c_t = sum_{s<=t} dt_s A` inside the chunk,
+/// `y_t = exp(c_t) S0 C_t + sum_{s<=t} exp(c_t - c_s) dt_s (C_t . B_s) x_s + D x_t`
+/// (a causally masked `C B^T` matmul), and the next chunk's start state
+/// `exp(c_L) S0 + sum_s exp(c_L - c_s) dt_s x_s B_s^T`. It writes the same
+/// chunk-start `states` (so [`ssd_scan_backward`] works on its output) and
+/// agrees with [`ssd_scan_forward`] to rounding: the reference for a GPU
+/// kernel that evaluates the scan this way. The CPU backend uses the
+/// sequential form.
+pub fn ssd_scan_forward_chunked(
+    inputs: ScanInputs<&[f32]>,
+    y: &mut [f32],
+    states: &mut [f32],
+    dims: ScanDims,
+) -> Result<()> {
+    let kn = "ssd_scan_forward_chunked";
+    let (rows, chunks) = validate(kn, dims, &inputs)?;
+    let l = Layout::new(dims);
+    check::len(kn, "y", y.len(), rows * l.d_inner)?;
+    check::len(kn, "states", states.len(), dims.states_len())?;
+    let (seq, pn) = (dims.tokens.seq, l.p * l.n);
+    if pn == 0 || seq == 0 {
+        y.fill(0.0);
+        states.fill(0.0);
+        return Ok(());
+    }
+    let chunk = dims.chunk.min(seq);
+    let mut state = vec![0.0f32; pn];
+    let mut log_decay = vec![0.0f32; chunk];
+    let mut dts = vec![0.0f32; chunk];
+    for b in 0..dims.tokens.batch {
+        for h in 0..l.heads {
+            let a = -inputs.a_log[h].exp();
+            let skip = inputs.d[h];
+            state.fill(0.0);
+            for c in 0..chunks {
+                let at = ((b * chunks + c) * l.heads + h) * pn;
+                states[at..at + pn].copy_from_slice(&state);
+                let (t0, t1) = (c * dims.chunk, ((c + 1) * dims.chunk).min(seq));
+                let row = |t: usize| &inputs.xbc[(b * seq + t) * l.width..][..l.width];
+                let mut cum = 0.0f32;
+                for t in t0..t1 {
+                    let dt = softplus(inputs.dt[(b * seq + t) * l.heads + h] + inputs.dt_bias[h]);
+                    cum += dt * a;
+                    log_decay[t - t0] = cum;
+                    dts[t - t0] = dt;
+                }
+                // Outputs: the start state's contribution plus the masked intra-chunk matmul.
+                for t in t0..t1 {
+                    let (xt, ct) = (&row(t)[l.x(h)..][..l.p], &row(t)[l.c(h)..][..l.n]);
+                    let out = &mut y[(b * seq + t) * l.d_inner + l.x(h)..][..l.p];
+                    let carry = log_decay[t - t0].exp();
+                    for ((o, s_row), &xp) in out.iter_mut().zip(state.chunks_exact(l.n)).zip(xt) {
+                        let mut acc = 0.0f32;
+                        for (s, cn) in s_row.iter().zip(ct) {
+                            acc += s * cn;
+                        }
+                        *o = carry * acc + skip * xp;
+                    }
+                    for s in t0..=t {
+                        let (xs, bs) = (&row(s)[l.x(h)..][..l.p], &row(s)[l.b(h)..][..l.n]);
+                        let mut cb = 0.0f32;
+                        for (cn, bn) in ct.iter().zip(bs) {
+                            cb += cn * bn;
+                        }
+                        let w = (log_decay[t - t0] - log_decay[s - t0]).exp() * dts[s - t0] * cb;
+                        for (o, &xp) in out.iter_mut().zip(xs) {
+                            *o += w * xp;
+                        }
+                    }
+                }
+                // The next chunk's start state.
+                let last = log_decay[t1 - 1 - t0];
+                let carry = last.exp();
+                for v in state.iter_mut() {
+                    *v *= carry;
+                }
+                for s in t0..t1 {
+                    let (xs, bs) = (&row(s)[l.x(h)..][..l.p], &row(s)[l.b(h)..][..l.n]);
+                    let w = (last - log_decay[s - t0]).exp() * dts[s - t0];
+                    for (s_row, &xp) in state.chunks_exact_mut(l.n).zip(xs) {
+                        for (v, &bn) in s_row.iter_mut().zip(bs) {
+                            *v += w * xp * bn;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn ssd_scan_backward(
     inputs: ScanInputs<&[f32]>,
     states: &[f32],
@@ -459,6 +552,23 @@ mod tests {
         for i in 0..4 {
             close(ga[i], fd(|c| &mut c.a_log, i), &format!("a_log[{i}]"));
             close(gd[i], fd(|c| &mut c.d, i), &format!("d[{i}]"));
+        }
+    }
+
+    #[test]
+    fn chunked_form_agrees_with_the_sequential_scan() {
+        for chunk in [1, 2, 3, 5, 8] {
+            let c = case(chunk);
+            let (y, states) = run(&c);
+            let mut y2 = vec![0.0; y.len()];
+            let mut states2 = vec![0.0; states.len()];
+            ssd_scan_forward_chunked(inputs(&c), &mut y2, &mut states2, c.dims).unwrap();
+            for (a, b) in y.iter().zip(&y2).chain(states.iter().zip(&states2)) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + a.abs()),
+                    "chunk {chunk}: {a} vs {b}"
+                );
+            }
         }
     }
 
