@@ -256,15 +256,19 @@ impl Pattern {
 
     /// Every layer kind the pattern uses, MTP included, in symbol-table order.
     pub fn kinds(&self) -> Vec<LayerKind> {
-        let used = |kind: LayerKind| {
-            self.layers().any(|l| l.kind == kind)
-                || self
-                    .mtp_depths
-                    .iter()
-                    .flat_map(|d| &d.layers)
-                    .any(|l| l.kind == kind)
-        };
-        LayerKind::ALL.into_iter().filter(|&k| used(k)).collect()
+        // One pass over the layers (not one per kind): planners call this on
+        // patterns of 100,000 layers.
+        let mut used = [false; LayerKind::ALL.len()];
+        for layer in self
+            .layers()
+            .chain(self.mtp_depths.iter().flat_map(|d| &d.layers))
+        {
+            used[layer.kind as usize] = true;
+        }
+        LayerKind::ALL
+            .into_iter()
+            .filter(|&k| used[k as usize])
+            .collect()
     }
 
     /// Whether any group appears in the main pattern (decides `final_layernorm`
