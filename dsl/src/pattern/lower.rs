@@ -110,9 +110,14 @@ pub(super) fn lower(source: &str) -> Lowered {
                 pest::error::InputLocation::Pos(p) => p,
                 pest::error::InputLocation::Span((s, _)) => s,
             };
+            // The character there, whole (the span must end on a boundary).
+            let end = source
+                .get(at..)
+                .and_then(|rest| rest.chars().next())
+                .map_or(at, |c| at + c.len_utf8());
             cx.diagnostics.push(
                 Diagnostic::new(Code::H001, "the pattern could not be read here")
-                    .at(Span::new(at, (at + 1).min(source.len())))
+                    .at(Span::new(at, end))
                     .help("please report this pattern: every input should parse"),
             );
             None
