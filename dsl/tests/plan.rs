@@ -752,6 +752,14 @@ fn nemotron_totals_match_the_spec() {
     // With ep 1 one rank holds every parameter.
     let held: u64 = moe.params.iter().map(|x| moe.def(x).numel() as u64).sum();
     assert_eq!(held, moe.total_params);
+    // The preset routes with an expert bias: an f32 buffer, never a
+    // parameter, so never in a bucket (params.md).
+    assert!(moe.model.moe.as_ref().unwrap().expert_bias);
+    assert!(
+        moe.params
+            .iter()
+            .all(|x| !moe.param_name(x).contains("expert_bias"))
+    );
 }
 
 #[test]
