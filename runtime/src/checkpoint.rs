@@ -154,13 +154,21 @@ fn names(key: &str) -> [String; 3] {
     ]
 }
 
-/// Writes a checkpoint of the state after `step` steps into `dir`. Every
-/// rank calls it (it synchronises them).
+/// What a checkpoint records besides tensors.
+#[derive(Clone, Debug)]
+pub struct CheckpointMeta {
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub seed: u64,
+    /// The run's settings, for people.
+    pub run: serde_json::Value,
+}
+
+/// Writes a checkpoint of the state after `meta.step` steps into `dir`.
+/// Every rank calls it (it synchronises them).
 pub fn save<D: Device>(
     dir: &Path,
-    step: u64,
-    seed: u64,
-    run: serde_json::Value,
+    meta: &CheckpointMeta,
     plan: &Plan,
     engine: &FsdpEngine<D>,
     optimizer: &Optimizer<D>,
@@ -230,15 +238,15 @@ pub fn save<D: Device>(
         let index = CheckpointIndex {
             format: FORMAT.to_string(),
             version: VERSION,
-            step,
-            seed,
+            step: meta.step,
+            seed: meta.seed,
             pattern: plan.pattern.canonical(),
             model: plan.model.clone(),
             ranks: rank.world,
             ep,
             sharding: engine.sharding(),
             optimizer: optimizer.config().kind,
-            run,
+            run: meta.run.clone(),
             tensors: entries,
         };
         let text = serde_json::to_string_pretty(&index).map_err(|e| RuntimeError::io(INDEX, e))?;

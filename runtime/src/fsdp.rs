@@ -82,6 +82,14 @@ struct Residency<D: Device> {
     grad_ready: Option<EventOf<D>>,
 }
 
+/// One bucket's part of a gather or a reduce: the rank's shard, the
+/// bucket's region in the full buffer, and the group it is sharded over.
+struct BucketJob<D: Device> {
+    shard: Shared<ShardState<D::Backend>>,
+    region: Range<usize>,
+    comm: Arc<D::Comm>,
+}
+
 /// A unit's (or the non-unit) parameter or gradient buffer, with the event
 /// that must complete before work reads or writes it.
 pub struct BufferAccess<D: Device, T> {
@@ -189,20 +197,21 @@ impl<D: Device> FsdpEngine<D> {
             Sharding::NoShard => plan.units.len(),
             Sharding::Zero3 => resident_units.min(plan.units.len()),
         };
-        let mut param_slots = Vec::with_capacity(slots);
-        for i in 0..slots {
-            let len = if sharding == Sharding::NoShard {
-                unit_len[i]
-            } else {
-                slot_len
-            };
-            param_slots.push(ParamSlot {
-                buf: shared_rw(backend.alloc(len, Precision::Compute)?),
-                holder: (sharding == Sharding::NoShard).then_some(i),
-                last_uses: [None, None],
-                released_at: 0,
-            });
-        }
+        let param_slots = (0..slots)
+            .map(|i| {
+                // `no_shard`: slot i is unit i's for the whole run.
+                let (len, holder) = match sharding {
+                    Sharding::NoShard => (unit_len[i], Some(i)),
+                    Sharding::Zero3 => (slot_len, None),
+                };
+                Ok(ParamSlot {
+                    buf: shared_rw(backend.alloc(len, Precision::Compute)?),
+                    holder,
+                    last_uses: [None, None],
+                    released_at: 0,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut grad_slots = Vec::new();
         for _ in 0..grad_buffers.max(1).min(plan.units.len().max(1)) {
             grad_slots.push(GradSlot {
@@ -341,24 +350,19 @@ impl<D: Device> FsdpEngine<D> {
         after: &[EventOf<D>],
         what: &str,
     ) -> Result<EventOf<D>> {
-        let jobs: Vec<(Shared<ShardState<D::Backend>>, Range<usize>, Arc<D::Comm>)> = buckets
-            .iter()
-            .map(|&b| {
-                let comm = if self.plan.buckets[b].expert {
-                    rank.edp.clone()
-                } else {
-                    rank.dp.clone()
-                };
-                (self.shards[b].clone(), self.regions[b].clone(), comm)
-            })
-            .collect();
+        let jobs = self.bucket_jobs(rank, buckets);
         let backend = rank.backend.clone();
         Ok(rank.comm.submit(
             Label::new(what.to_string(), "gather"),
             after,
             Box::new(move || {
                 let mut full = write(&dest, "a unit's parameters")?;
-                for (shard, region, comm) in &jobs {
+                for BucketJob {
+                    shard,
+                    region,
+                    comm,
+                } in &jobs
+                {
                     let shard = lock(shard, "a parameter shard")?;
                     let src = backend.view(&shard.param)?;
                     comm.all_gather(src, backend.slice_mut(&mut full, region.clone())?)?;
@@ -366,6 +370,21 @@ impl<D: Device> FsdpEngine<D> {
                 Ok(())
             }),
         ))
+    }
+
+    fn bucket_jobs(&self, rank: &RankContext<D>, buckets: &[usize]) -> Vec<BucketJob<D>> {
+        buckets
+            .iter()
+            .map(|&b| BucketJob {
+                shard: self.shards[b].clone(),
+                region: self.regions[b].clone(),
+                comm: if self.plan.buckets[b].expert {
+                    rank.edp.clone()
+                } else {
+                    rank.dp.clone()
+                },
+            })
+            .collect()
     }
 
     /// `no_shard`: copies whole buckets from their masters into `dest`.
@@ -554,17 +573,7 @@ impl<D: Device> FsdpEngine<D> {
         after: &[EventOf<D>],
         what: &str,
     ) -> Result<EventOf<D>> {
-        let jobs: Vec<(Shared<ShardState<D::Backend>>, Range<usize>, Arc<D::Comm>)> = buckets
-            .iter()
-            .map(|&b| {
-                let comm = if self.plan.buckets[b].expert {
-                    rank.edp.clone()
-                } else {
-                    rank.dp.clone()
-                };
-                (self.shards[b].clone(), self.regions[b].clone(), comm)
-            })
-            .collect();
+        let jobs = self.bucket_jobs(rank, buckets);
         let backend = rank.backend.clone();
         let scratch = self.scratch.clone();
         let sharding = self.sharding;
@@ -574,7 +583,12 @@ impl<D: Device> FsdpEngine<D> {
             Box::new(move || {
                 let mut full = lock(&source, "a gradient buffer")?;
                 let mut scratch = lock(&scratch, "the reduce scratch buffer")?;
-                for (shard, region, comm) in &jobs {
+                for BucketJob {
+                    shard,
+                    region,
+                    comm,
+                } in &jobs
+                {
                     let mut shard = lock(shard, "a gradient shard")?;
                     let len = backend.buf_len(&shard.grad);
                     match sharding {

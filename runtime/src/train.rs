@@ -164,7 +164,7 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
     if config.ranks == 0 {
         return refuse("--ranks must be at least 1".into());
     }
-    if config.ep == 0 || config.ranks % config.ep != 0 {
+    if config.ep == 0 || !config.ranks.is_multiple_of(config.ep) {
         return refuse(format!(
             "--ranks {} is not divisible by --ep {}: expert-parallel groups are sets of ep consecutive ranks",
             config.ranks, config.ep
@@ -398,6 +398,11 @@ fn run_rank(
         mb_weight: 1.0 / (config.micro_batches * config.ranks) as f32,
     });
     let shape = batch_shape(config, &plan);
+    let meta = |step| checkpoint::CheckpointMeta {
+        step,
+        seed: config.seed,
+        run: run_info(config),
+    };
     for _ in 0..config.steps {
         let started = Instant::now();
         let micro_batches = (0..config.micro_batches)
@@ -463,31 +468,13 @@ fn run_rank(
         if let (Some(dir), Some(every)) = (&config.save, config.save_every)
             && step % every == 0
         {
-            checkpoint::save(
-                dir,
-                step,
-                config.seed,
-                run_info(config),
-                &plan,
-                &engine,
-                &optimizer,
-                &rank,
-            )?;
+            checkpoint::save(dir, &meta(step), &plan, &engine, &optimizer, &rank)?;
         }
     }
     if let Some(dir) = &config.save
         && config.save_every.is_none_or(|every| step % every != 0)
     {
-        checkpoint::save(
-            dir,
-            step,
-            config.seed,
-            run_info(config),
-            &plan,
-            &engine,
-            &optimizer,
-            &rank,
-        )?;
+        checkpoint::save(dir, &meta(step), &plan, &engine, &optimizer, &rank)?;
     }
     param_hash(&plan, &engine, &rank)
 }
