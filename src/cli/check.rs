@@ -6,6 +6,8 @@ use hybridgen_dsl::Pattern;
 #[derive(clap::Args, Debug)]
 pub(crate) struct CheckArgs {
     /// The layer pattern, e.g. 'M[*E]M[*E]' (quote it: * and | mean something to the shell).
+    /// Patterns may start with `-` (a dense MLP layer).
+    #[arg(allow_hyphen_values = true)]
     pattern: String,
 }
 

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 pub(crate) struct PlanArgs {
     /// The layer pattern, e.g. 'M[*E]M[*E]'. Without --model or --preset it
     /// takes the `tiny` preset's dimensions (which cover every layer kind).
-    #[arg(conflicts_with = "model")]
+    #[arg(conflicts_with = "model", allow_hyphen_values = true)]
     pattern: Option<String>,
     /// A model file (TOML: `pattern` plus dimensions; see `hybridgen preset tiny`).
     #[arg(long, value_name = "FILE", conflicts_with = "preset")]

@@ -29,7 +29,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     model: Option<PathBuf>,
     /// Train this pattern with the preset's (or model file's) dimensions.
-    #[arg(long, value_name = "P")]
+    #[arg(long, value_name = "P", allow_hyphen_values = true)]
     pattern: Option<String>,
     /// Data-parallel ranks (CPU: threads of this process).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]

@@ -1,0 +1,260 @@
+//! The `hybridgen` command line as a user runs it: exit codes (0 ok, 1
+//! invalid input, 2 usage errors), what goes to stdout and stderr, the JSON
+//! contracts, and no panic on any input.
+
+use proptest::prelude::*;
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn hybridgen(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hybridgen"))
+        .args(args)
+        .output()
+        .expect("the hybridgen binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn check_accepts_a_valid_pattern_with_a_summary() {
+    let out = hybridgen(&["check", "M[M*]-"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(
+        stdout(&out),
+        "ok: 4 physical layers, 3 logical, 1 group, 0 MTP depths; canonical: M[M*]-\n"
+    );
+    let out = hybridgen(&["check", "(M [*E]){2} | - / *E"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        stdout(&out).contains("canonical: M[*E]M[*E]|-/*E"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn check_reports_every_error_with_code_and_column() {
+    let out = hybridgen(&["check", "M[[M]]x[-E]"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).is_empty());
+    let err = stderr(&out);
+    for (code, at) in [("H005", "1:3"), ("H001", "1:7"), ("H007", "1:9")] {
+        assert!(
+            err.contains(&format!("error[{code}]")),
+            "{code} missing:\n{err}"
+        );
+        assert!(
+            err.contains(&format!("pattern:{at}")),
+            "{at} missing:\n{err}"
+        );
+    }
+    assert!(err.contains("3 errors"));
+}
+
+#[test]
+fn explain_describes_codes_and_refuses_unknown_ones() {
+    let out = hybridgen(&["explain", "H008"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        stdout(&out).starts_with("H008: two members of a group publish the same checkpoint names")
+    );
+    let out = hybridgen(&["explain", "H999"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("not a hybridgen error code"));
+}
+
+#[test]
+fn plan_json_is_one_document_with_the_documented_fields() {
+    let out = hybridgen(&[
+        "plan",
+        "M[*E]M[*E]",
+        "--dp",
+        "4",
+        "--ep",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let plan: Value = serde_json::from_str(&stdout(&out)).expect("one JSON document");
+    assert_eq!(plan["physical_layers"], 6);
+    assert_eq!(plan["logical_layers"], 4);
+    assert_eq!(plan["mtp_depths"], 0);
+    let layers = plan["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 6);
+    assert_eq!(layers[2]["path"], "decoder.layers.1.layers.1");
+    assert_eq!(layers[2]["symbol"], "E");
+    assert_eq!(layers[2]["group"], 0);
+    assert_eq!(layers[2]["logical"], 1);
+    assert_eq!(layers[2]["layer_number"], 3);
+    assert_eq!(layers[0]["group"], Value::Null);
+    let units = plan["units"].as_array().unwrap();
+    assert_eq!(units.len(), 4);
+    assert_eq!(units[1]["name"], "decoder.layers.1");
+    assert_eq!(units[1]["kind"], "group");
+    assert_eq!(units[1]["layers"], serde_json::json!([1, 2]));
+    // The group's expert bucket: 4 experts over ep 2 leaves 2 local ones,
+    // sharded over dp / ep = 2 ranks.
+    let expert = units[1]["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["expert"] == true)
+        .expect("an expert bucket");
+    assert_eq!(expert["world"], 2);
+    let names: Vec<&str> = expert["params"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"decoder.layers.1.layers.1.mlp.experts.linear_fc1.weight1"));
+    assert!(!names.iter().any(|n| n.ends_with("weight2")), "{names:?}");
+    let padded = expert["padded_numel"].as_u64().unwrap();
+    assert_eq!(padded % (2 * 128), 0);
+    assert_eq!(expert["shard_numel"].as_u64().unwrap() * 2, padded);
+    assert!(!plan["non_unit_buckets"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn plan_totals_match_the_published_models() {
+    for (preset, total) in [
+        ("nemotron-nano-9b-v2", 8_888_227_328u64),
+        ("nemotron-3-nano-30b-a3b", 31_577_937_344),
+    ] {
+        let out = hybridgen(&["plan", "--preset", preset, "--format", "json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let plan: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(plan["total_params"], total, "{preset}");
+    }
+}
+
+#[test]
+fn plan_text_shows_units_buckets_padding_and_memory() {
+    let out = hybridgen(&["plan", "[*E][*E]", "--dp", "2", "--ep", "2"]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = stdout(&out);
+    for needle in [
+        "FSDP units (2)",
+        "buckets (5",
+        "megatron pad",
+        "memory per rank, ZeRO-3",
+        "Adam moments",
+    ] {
+        assert!(text.contains(needle), "`{needle}` missing:\n{text}");
+    }
+}
+
+#[test]
+fn plan_refuses_impossible_layouts_with_codes() {
+    let out = hybridgen(&["plan", "[*E]", "--dp", "3", "--ep", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("error[H023]"), "{}", stderr(&out));
+    let out = hybridgen(&["plan", "M*|M*|M*", "--pp", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("error[H020]"));
+    let out = hybridgen(&["plan", "[*E]", "--units", "E,banana"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("H027"));
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in [
+        &["plan", "--dp", "0"][..],
+        &["plan", "M*", "--model", "x.toml"],
+        &["plan", "M*", "--format", "yaml"],
+        &["check"],
+        &["frobnicate"],
+        &["train", "--zero", "2"],
+    ] {
+        let out = hybridgen(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn missing_model_files_and_presets_are_invalid_input() {
+    let out = hybridgen(&["plan", "--model", "/nonexistent/model.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("cannot read model file"));
+    let out = hybridgen(&["plan", "--preset", "gpt-5"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("the presets are: tiny"));
+}
+
+#[test]
+fn train_json_prints_a_line_per_step_and_a_summary() {
+    let out = hybridgen(&[
+        "train",
+        "--pattern",
+        "[*E][*E]",
+        "--steps",
+        "3",
+        "--micro-batches",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let lines: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 4);
+    for (i, line) in lines[..3].iter().enumerate() {
+        assert_eq!(line["step"], i as u64 + 1);
+        assert!(line["loss"].as_f64().unwrap() > 0.0);
+    }
+    let summary = &lines[3]["summary"];
+    assert_eq!(summary["param_hash"].as_str().unwrap().len(), 16);
+    assert!(summary["tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn train_refuses_bad_layouts_before_starting() {
+    let out = hybridgen(&["train", "--ranks", "3", "--ep", "2", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stdout(&out).is_empty(), "no step may run");
+    assert!(
+        stderr(&out).contains("not divisible by --ep 2"),
+        "{}",
+        stderr(&out)
+    );
+    let out = hybridgen(&[
+        "train",
+        "--pattern",
+        "M[GE]",
+        "--ep",
+        "1",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("`G` (gated delta net) is not supported"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    /// Any text is either a valid pattern or invalid input: never a crash.
+    #[test]
+    fn check_never_panics(text in "[\\[\\]()|/{}0-9M*+DGE\\-x é]{0,24}") {
+        let out = hybridgen(&["check", &text]);
+        prop_assert!(matches!(out.status.code(), Some(0) | Some(1)), "{:?}: {}", text, stderr(&out));
+    }
+}
