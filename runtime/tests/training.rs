@@ -273,3 +273,32 @@ fn units_are_grouped_mixed_and_ungrouped_as_fsdp_md_says() {
         set(&["decoder.layers.0", "decoder.layers.1", "decoder.layers.2"])
     );
 }
+
+#[test]
+fn a_failing_rank_stops_the_others_with_the_root_cause() {
+    let dir = std::env::temp_dir().join(format!("hybridgen-fault-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    with("[*E][*E]", |c| {
+        c.steps = 1;
+        c.save = Some(dir.clone());
+    });
+    // Rank 1's pieces are gone: rank 1 fails while loading, rank 0 loads
+    // and waits in its first collective until rank 1's abort reaches it.
+    std::fs::remove_file(dir.join("rank-00001.safetensors")).unwrap();
+    let mut c = config("[*E][*E]");
+    c.steps = 1;
+    c.resume = Some(dir.clone());
+    c.timeout = std::time::Duration::from_secs(600);
+    let started = std::time::Instant::now();
+    let err = train(&c, &mut |_| panic!("no step may complete")).unwrap_err();
+    let _ = std::fs::remove_dir_all(&dir);
+    let message = err.to_string();
+    assert!(message.contains("rank-00001.safetensors"), "{message}");
+    assert!(
+        !matches!(err, RuntimeError::Peer { .. }),
+        "the root cause, not a peer's report: {message}"
+    );
+    // Far below the 600 s collective timeout: the abort, not a timeout,
+    // stopped rank 0.
+    assert!(started.elapsed() < std::time::Duration::from_secs(300));
+}
