@@ -132,13 +132,14 @@ fn text(plan: &Plan) -> String {
         let _ = writeln!(out, "\npipeline stages ({})", plan.stages.len());
         let _ = writeln!(out, "  pp rank  vp stage  layers      logical");
         for s in &plan.stages {
+            let layers = format!("{}..{}", s.layers.start, s.layers.end);
             let _ = writeln!(
                 out,
-                "  {:<8} {:<9} {:<11} {}{}",
+                "  {:<8} {:<9} {layers:<11} {}..{}{}",
                 s.pp_rank,
                 s.vp_stage,
-                format!("{}..{}", s.layers.start, s.layers.end),
-                format!("{}..{}", s.logical.start, s.logical.end),
+                s.logical.start,
+                s.logical.end,
                 if s.has_mtp { "  + MTP" } else { "" }
             );
         }

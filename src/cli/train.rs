@@ -172,7 +172,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
                 bar.set_message(format!("{:.4}", report.loss));
                 bar.inc(1);
             }
-            let due = report.step % args.log_every == 0 || report.step == config.steps;
+            let due = report.step.is_multiple_of(args.log_every) || report.step == config.steps;
             due.then(|| {
                 let mut line = format!(
                     "step {:>5}  loss {:.4}  grad norm {:.3}  {:.0} ms",
