@@ -304,7 +304,9 @@ fn model_struct(spec: &ModelSpec, plan: &Plan, shape: &ModelShape) -> TokenStrea
         /// members' [`LayerHandle`](__model::LayerHandle)s (kind, path,
         /// parameters in `PARAMS`) and its module entry (path, FSDP unit,
         /// schedule node); `slots()` is its overlap-schedule slot table.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        // No `PartialEq`/`Hash`: derived for thousands of fields they nest
+        // that many `&&`s, which overflows the compiler's stack.
+        #[derive(Clone, Copy, Debug)]
         pub struct #name {
             #fields
         }

@@ -10,19 +10,21 @@
 //!
 //! The format: whole numbers in decimal, `-` for `None`, fields separated by
 //! a space and rows by a newline (readers accept any separator). Strings
-//! are lines of their own table. Codes:
+//! are Rust string literals in arrays of their own (`PARAM_NAMES`,
+//! `__PATHS`), referred to by index. Codes:
 //! - layer kind: its index in [`LayerKind::ALL`] (`M * + D G - E` = 0..6);
 //! - layer: `0 i` decoder layer `i`, `1 d j` layer `j` of MTP depth `d`;
-//! - owner: `0` embedding, `1 i` decoder layer, `2 d j` MTP layer, `3` final
-//!   norm, `4 d` MTP depth `d`'s own parameters, `5` output layer;
+//! - owner: `0 0 0` embedding, `1 i 0` decoder layer, `2 d j` MTP layer,
+//!   `3 0 0` final norm, `4 d 0` MTP depth `d`'s own parameters, `5 0 0`
+//!   output layer;
 //! - unit shape: `0` group, `1` layer, `2` MTP depth;
 //! - op: `0` embed, `1 d` MTP enter, `2..=7 layer` layer / MoE prepare /
 //!   dispatch / experts / combine / MLP, `8` final norm, `9 d?` head.
 //!
 //! Table rows:
-//! - params: `owner def bucket offset`;
+//! - params: number arrays, not text (see [`params`]);
 //! - buckets: `unit? expert numel end lcm? count` (the next `count` entries
-//!   of the bucket lists are its parameters);
+//!   of [`bucket_members`] are its parameters);
 //! - units: `path shape layer_count mtp_depth? bucket_count` (layers, then
 //!   buckets, from the unit lists);
 //! - schedule nodes: `path logical? mtp_depth? unit? pre_count terminal
@@ -70,22 +72,35 @@ impl Reader {
         }
     }
 
+    // The readers run in the compiler's `const` interpreter, where every
+    // call and every statement costs: hence the hand-inlined loops, with no
+    // method calls per byte.
+
     const fn skip_separators(&mut self) {
-        while self.at < self.bytes.len()
-            && !self.bytes[self.at].is_ascii_digit()
-            && self.bytes[self.at] != b'-'
-        {
-            self.at += 1;
+        let (bytes, mut at) = (self.bytes, self.at);
+        while at < bytes.len() {
+            let b = bytes[at];
+            if (b >= b'0' && b <= b'9') || b == b'-' {
+                break;
+            }
+            at += 1;
         }
+        self.at = at;
     }
 
     const fn u64(&mut self) -> u64 {
         self.skip_separators();
+        let (bytes, mut at) = (self.bytes, self.at);
         let mut n: u64 = 0;
-        while self.at < self.bytes.len() && self.bytes[self.at].is_ascii_digit() {
-            n = n * 10 + (self.bytes[self.at] - b'0') as u64;
-            self.at += 1;
+        while at < bytes.len() {
+            let b = bytes[at];
+            if b < b'0' || b > b'9' {
+                break;
+            }
+            n = n * 10 + (b - b'0') as u64;
+            at += 1;
         }
+        self.at = at;
         n
     }
 
@@ -137,23 +152,6 @@ impl Reader {
         }
     }
 
-    const fn owner(&mut self) -> Owner {
-        match self.number() {
-            0 => Owner::Embedding,
-            1 => Owner::Layer(LayerRef::Decoder(self.number())),
-            2 => {
-                let depth = self.number();
-                Owner::Layer(LayerRef::Mtp {
-                    depth,
-                    index: self.number(),
-                })
-            }
-            3 => Owner::FinalNorm,
-            4 => Owner::MtpBlock(self.number()),
-            _ => Owner::OutputLayer,
-        }
-    }
-
     const fn op(&mut self) -> Op {
         match self.number() {
             0 => Op::Embed,
@@ -175,26 +173,6 @@ const fn window<T>(list: &'static [T], at: usize, count: usize) -> &'static [T] 
     let (_, rest) = list.split_at(at);
     let (window, _) = rest.split_at(count);
     window
-}
-
-/// The table's `N` lines.
-pub const fn lines<const N: usize>(text: &'static str) -> [&'static str; N] {
-    let bytes = text.as_bytes();
-    let mut out = [""; N];
-    let (mut start, mut i) = (0, 0);
-    while i < N {
-        let mut end = start;
-        while end < bytes.len() && bytes[end] != b'\n' {
-            end += 1;
-        }
-        out[i] = match core::str::from_utf8(window(bytes, start, end - start)) {
-            Ok(line) => line,
-            Err(_) => panic!("a generated table line is not UTF-8"),
-        };
-        start = end + 1;
-        i += 1;
-    }
-    out
 }
 
 pub const fn numbers<const N: usize>(text: &'static str) -> [usize; N] {
@@ -241,26 +219,107 @@ pub const fn ops<const N: usize>(text: &'static str) -> [Op; N] {
     out
 }
 
-pub const fn params<const N: usize>(text: &'static str) -> [Param; N] {
-    let mut r = Reader::new(text);
+/// The owner a parameter run names with three numbers (`tag x y`, the
+/// owner codes above, unused numbers 0).
+const fn owner_of(tag: usize, x: usize, y: usize) -> Owner {
+    match tag {
+        0 => Owner::Embedding,
+        1 => Owner::Layer(LayerRef::Decoder(x)),
+        2 => Owner::Layer(LayerRef::Mtp { depth: x, index: y }),
+        3 => Owner::FinalNorm,
+        4 => Owner::MtpBlock(x),
+        _ => Owner::OutputLayer,
+    }
+}
+
+/// The parameters, from runs and offsets: plain number arrays rather than
+/// text, because this is the largest table (every expert of every MoE layer)
+/// and the `const` interpreter reads an array element many times faster
+/// than it parses a number from text. A run is six numbers, `tag x y
+/// first_def count bucket`: `count` parameters of one owner with
+/// consecutive definitions in one bucket; `offsets` has one entry per
+/// parameter.
+pub const fn params<const N: usize>(runs: &[usize], offsets: &[usize]) -> [Param; N] {
     let mut out = [Param {
         owner: Owner::Embedding,
         def: 0,
         bucket: 0,
         offset: 0,
     }; N];
+    let (mut i, mut run) = (0, 0);
+    while run + 6 <= runs.len() {
+        let owner = owner_of(runs[run], runs[run + 1], runs[run + 2]);
+        let (first_def, count, bucket) = (runs[run + 3], runs[run + 4], runs[run + 5]);
+        let mut k = 0;
+        while k < count {
+            out[i] = Param {
+                owner,
+                def: first_def + k,
+                bucket,
+                offset: offsets[i],
+            };
+            i += 1;
+            k += 1;
+        }
+        run += 6;
+    }
+    out
+}
+
+/// Each bucket's parameters (indices into `params`), bucket after bucket,
+/// in parameter order (which is offset order): the lists `BUCKETS` cut
+/// into windows, derived from `PARAMS` instead of written out.
+pub const fn bucket_members<const N: usize, const B: usize>(params: &[Param]) -> [usize; N] {
+    let mut start = [0; B];
     let mut i = 0;
-    while i < N {
-        let owner = r.owner();
-        out[i] = Param {
-            owner,
-            def: r.number(),
-            bucket: r.number(),
-            offset: r.number(),
-        };
+    while i < params.len() {
+        if params[i].bucket + 1 < B {
+            start[params[i].bucket + 1] += 1;
+        }
+        i += 1;
+    }
+    let mut b = 1;
+    while b < B {
+        start[b] += start[b - 1];
+        b += 1;
+    }
+    let mut out = [0; N];
+    i = 0;
+    while i < params.len() {
+        let bucket = params[i].bucket;
+        out[start[bucket]] = i;
+        start[bucket] += 1;
         i += 1;
     }
     out
+}
+
+/// Writes the parameter runs and offsets [`params`] reads.
+pub fn param_runs(params: &[Param]) -> (Vec<usize>, Vec<usize>) {
+    let owner_numbers = |owner: Owner| match owner {
+        Owner::Embedding => [0, 0, 0],
+        Owner::Layer(LayerRef::Decoder(i)) => [1, i, 0],
+        Owner::Layer(LayerRef::Mtp { depth, index }) => [2, depth, index],
+        Owner::FinalNorm => [3, 0, 0],
+        Owner::MtpBlock(d) => [4, d, 0],
+        Owner::OutputLayer => [5, 0, 0],
+    };
+    let mut runs: Vec<usize> = Vec::new();
+    let mut offsets = Vec::with_capacity(params.len());
+    let mut open: Option<(Owner, usize, usize)> = None; // owner, next def, bucket
+    for p in params {
+        let continues = open == Some((p.owner, p.def, p.bucket));
+        if continues {
+            let len = runs.len();
+            runs[len - 2] += 1;
+        } else {
+            runs.extend(owner_numbers(p.owner));
+            runs.extend([p.def, 1, p.bucket]);
+        }
+        open = Some((p.owner, p.def + 1, p.bucket));
+        offsets.push(p.offset);
+    }
+    (runs, offsets)
 }
 
 pub const fn buckets<const N: usize>(text: &'static str, lists: &'static [usize]) -> [Bucket; N] {
@@ -568,27 +627,6 @@ impl Writer {
         }
     }
 
-    pub fn owner(&mut self, owner: Owner) {
-        match owner {
-            Owner::Embedding => self.number(0u8),
-            Owner::Layer(LayerRef::Decoder(i)) => {
-                self.number(1u8);
-                self.index(i);
-            }
-            Owner::Layer(LayerRef::Mtp { depth, index }) => {
-                self.number(2u8);
-                self.index(depth);
-                self.index(index);
-            }
-            Owner::FinalNorm => self.number(3u8),
-            Owner::MtpBlock(d) => {
-                self.number(4u8);
-                self.index(d);
-            }
-            Owner::OutputLayer => self.number(5u8),
-        }
-    }
-
     pub fn op(&mut self, op: Op) {
         let layer = |w: &mut Writer, code: u8, layer: LayerRef| {
             w.number(code);
@@ -639,6 +677,10 @@ mod tests {
         Box::leak(text.into_boxed_str())
     }
 
+    fn leak_slice(items: Vec<usize>) -> &'static [usize] {
+        Box::leak(items.into_boxed_slice())
+    }
+
     #[test]
     fn every_code_round_trips() {
         let all_ops = [
@@ -669,26 +711,26 @@ mod tests {
             Owner::MtpBlock(1),
             Owner::OutputLayer,
         ];
-        let mut w = Writer::new();
+        // Runs break at a new owner, a gap in definitions or a new bucket.
+        let mut params = Vec::new();
         for (i, owner) in owners.into_iter().enumerate() {
-            w.owner(owner);
-            w.index(i);
-            w.index(i * 2);
-            w.index(i * 640);
-            w.end_row();
-        }
-        let params = params::<6>(leak(w.finish()));
-        for (i, (param, owner)) in params.iter().zip(owners).enumerate() {
-            assert_eq!(
-                *param,
-                Param {
+            for k in 0..3 {
+                params.push(Param {
                     owner,
-                    def: i,
-                    bucket: i * 2,
-                    offset: i * 640
-                }
-            );
+                    def: i * 10 + k + usize::from(k == 2),
+                    bucket: i + usize::from(k == 1),
+                    offset: params.len() * 64,
+                });
+            }
         }
+        let (runs, offsets) = param_runs(&params);
+        assert_eq!(runs.len() / 6, owners.len() * 3);
+        let decoded = super::params::<18>(leak_slice(runs), leak_slice(offsets));
+        assert_eq!(decoded.as_slice(), params.as_slice());
+        let members = bucket_members::<18, 7>(&decoded);
+        let mut expected: Vec<usize> = (0..18).collect();
+        expected.sort_by_key(|&i| (params[i].bucket, i));
+        assert_eq!(members.as_slice(), expected.as_slice());
 
         let mut w = Writer::new();
         for kind in LayerKind::ALL {
@@ -699,7 +741,6 @@ mod tests {
             assert_eq!(r.kind(), kind);
         }
         assert_eq!(options::<3>("4 - 0"), [Some(4), None, Some(0)]);
-        assert_eq!(lines::<3>("a.b\n\nc"), ["a.b", "", "c"]);
     }
 
     #[test]

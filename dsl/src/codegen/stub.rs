@@ -77,7 +77,9 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
         #layer_structs
 
         #(#docs)*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        // No `PartialEq`/`Hash`: derived for thousands of fields they nest
+        // that many `&&`s, which overflows the compiler's stack.
+        #[derive(Clone, Copy, Debug)]
         pub struct #name {
             #fields
         }

@@ -3,7 +3,7 @@
 //! by `const fn`s while the compiler evaluates the constants; the small,
 //! shared ones (parameter definitions, stages) as plain expressions.
 
-use super::rows::Writer;
+use super::rows::{Writer, param_runs};
 use crate::params::ParamDef;
 use crate::plan::{LayerRef, Owner, Plan, Slot, Stage};
 use proc_macro2::{Literal, TokenStream};
@@ -35,6 +35,22 @@ fn text(text: &str) -> Literal {
         return literal;
     }
     Literal::string(text)
+}
+
+/// `"a", "b", ...`: string literals are constants the compiler interns as
+/// it parses them, with nothing for the `const` interpreter to do.
+fn strings(items: &[String]) -> TokenStream {
+    let mut out = TokenStream::new();
+    for item in items {
+        out.extend([
+            proc_macro2::TokenTree::Literal(text(item)),
+            proc_macro2::TokenTree::Punct(proc_macro2::Punct::new(
+                ',',
+                proc_macro2::Spacing::Alone,
+            )),
+        ]);
+    }
+    out
 }
 
 /// Module paths, interned: tables refer to a path by its line in `__PATHS`.
@@ -102,11 +118,10 @@ pub fn tables(plan: &Plan) -> TokenStream {
     out.extend(stages(&plan.stages));
     out.extend(schedule(plan, &mut paths));
     out.extend(layers(plan, &mut paths));
-    let count = lit(paths.lines.len());
-    let text = text(&paths.lines.join("\n"));
+    let paths = strings(&paths.lines);
     out.extend(quote! {
-        /// Module paths, one a line; the tables refer to them by line.
-        const __PATHS: &[&str] = &__rows::lines::<#count>(#text);
+        /// Module paths; the tables refer to them by index.
+        const __PATHS: &[&str] = &[#paths];
     });
     out
 }
@@ -127,38 +142,44 @@ fn param_defs(defs: &[ParamDef]) -> TokenStream {
     }
 }
 
-fn params(plan: &Plan) -> TokenStream {
-    let mut rows = Writer::new();
-    let mut names = String::new();
-    for (i, p) in plan.params.iter().enumerate() {
-        rows.owner(p.owner);
-        rows.index(p.def);
-        rows.index(p.bucket);
-        rows.index(p.offset);
-        rows.end_row();
-        if i > 0 {
-            names.push('\n');
-        }
-        names.push_str(&plan.param_name(p));
+/// `1, 2, 3,`: a number array's elements.
+fn numbers(items: &[usize]) -> TokenStream {
+    let mut out = TokenStream::new();
+    for &n in items {
+        out.extend([
+            proc_macro2::TokenTree::Literal(lit(n)),
+            proc_macro2::TokenTree::Punct(proc_macro2::Punct::new(
+                ',',
+                proc_macro2::Spacing::Alone,
+            )),
+        ]);
     }
+    out
+}
+
+fn params(plan: &Plan) -> TokenStream {
+    let names: Vec<String> = plan.params.iter().map(|p| plan.param_name(p)).collect();
+    let (runs, offsets) = param_runs(&plan.params);
     let count = lit(plan.params.len());
-    let (rows, names) = (text(&rows.finish()), text(&names));
+    let (runs, offsets, names) = (numbers(&runs), numbers(&offsets), strings(&names));
     quote! {
+        /// Parameter runs: `owner (3 numbers), first definition, count,
+        /// bucket` for consecutive parameters of one owner and bucket.
+        const __PARAM_RUNS: &[usize] = &[#runs];
+        /// Each parameter's offset in its bucket (a multiple of 64).
+        const __PARAM_OFFSETS: &[usize] = &[#offsets];
         /// One rank's parameters in model (`named_parameters()`) order:
         /// owner, definition (index into `PARAM_DEFS`), bucket, and offset in
         /// the bucket (a multiple of 64).
         #[allow(long_running_const_eval)]
-        pub const PARAMS: &[__plan::Param] = &__rows::params::<#count>(#rows);
+        pub const PARAMS: &[__plan::Param] = &__rows::params::<#count>(__PARAM_RUNS, __PARAM_OFFSETS);
         /// The full state-dict name of each entry of `PARAMS`.
-        #[allow(long_running_const_eval)]
-        pub const PARAM_NAMES: &[&str] = &__rows::lines::<#count>(#names);
+        pub const PARAM_NAMES: &[&str] = &[#names];
     }
 }
 
 fn buckets(plan: &Plan) -> TokenStream {
     let mut rows = Writer::new();
-    let mut lists = Writer::new();
-    let mut list_len = 0;
     for b in plan.buckets.iter() {
         rows.index_option(b.unit);
         rows.flag(b.expert);
@@ -167,22 +188,19 @@ fn buckets(plan: &Plan) -> TokenStream {
         rows.option(b.megatron_row_lcm);
         rows.index(b.params.len());
         rows.end_row();
-        for &p in b.params.iter() {
-            lists.index(p);
-        }
-        lists.end_row();
-        list_len += b.params.len();
     }
-    let (count, list_len) = (lit(plan.buckets.len()), lit(list_len));
-    let (rows, lists) = (text(&rows.finish()), text(&lists.finish()));
+    let (count, params) = (lit(plan.buckets.len()), lit(plan.params.len()));
+    let rows = text(&rows.finish());
     quote! {
-        /// Each bucket's parameters (indices into `PARAMS`), bucket after bucket.
-        const __BUCKET_PARAMS: &[usize] = &__rows::numbers::<#list_len>(#lists);
+        /// Each bucket's parameters (indices into `PARAMS`), bucket after
+        /// bucket, derived from `PARAMS`.
+        #[allow(long_running_const_eval)]
+        const __BUCKET_PARAMS: &[usize] = &__rows::bucket_members::<#params, #count>(PARAMS);
         /// Every bucket by id (forward order): unit, expert-ness, elements,
-        /// end of the last parameter, Megatron's padding unit. Offsets are
-        /// fixed; the padded length and shard ranges are `const fn`s of the
-        /// shard group size `W`: `BUCKETS[b].padded_numel(W)`,
-        /// `BUCKETS[b].shard_range(W, rank)`.
+        /// end of the last parameter, Megatron's padding unit, parameter
+        /// count. Offsets are fixed; the padded length and shard ranges are
+        /// `const fn`s of the shard group size `W`:
+        /// `BUCKETS[b].padded_numel(W)`, `BUCKETS[b].shard_range(W, rank)`.
         #[allow(long_running_const_eval)]
         pub const BUCKETS: &[__plan::Bucket] = &__rows::buckets::<#count>(#rows, __BUCKET_PARAMS);
 
