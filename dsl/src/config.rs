@@ -280,6 +280,14 @@ pub enum ConfigError {
     UnknownPreset(String),
 }
 
+/// The largest dimension (hidden size, heads, widths, vocabulary...) a
+/// model may have; with it, no shape arithmetic can overflow.
+pub const MAX_DIMENSION: usize = 1 << 24;
+/// The most experts a MoE layer may have.
+pub const MAX_EXPERTS: usize = 1 << 16;
+/// The most elements a whole model may have.
+pub const MAX_MODEL_ELEMENTS: u128 = 1 << 53;
+
 /// Built-in presets, by name.
 pub const PRESET_NAMES: [&str; 3] = ["tiny", "nemotron-nano-9b-v2", "nemotron-3-nano-30b-a3b"];
 
@@ -324,7 +332,7 @@ impl ModelConfig {
 
     /// V rounded up to a multiple of 128.
     pub fn padded_vocab_size(&self) -> usize {
-        self.vocab_size.div_ceil(128) * 128
+        self.vocab_size.div_ceil(128).saturating_mul(128)
     }
 
     /// c for `*` layers.
@@ -375,8 +383,143 @@ impl ModelConfig {
                 out.push(d);
             }
         }
+        let before = out.len();
         self.check_dimensions(&mut out);
+        self.check_limits(&mut out);
+        // Only sizes that passed can be multiplied out safely.
+        if out[before..].is_empty() {
+            self.check_total(pattern, &mut out);
+        }
         out
+    }
+
+    /// Every size field present, by its TOML name.
+    fn sizes(&self) -> Vec<(&'static str, usize)> {
+        let mut sizes = vec![
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("seq_length", self.seq_length),
+        ];
+        if let Some(a) = &self.attention {
+            sizes.extend([
+                ("attention.num_heads", a.num_heads),
+                ("attention.num_kv_groups", a.num_kv_groups),
+            ]);
+            sizes.extend(a.head_dim.map(|d| ("attention.head_dim", d)));
+        }
+        if let Some(m) = &self.mla {
+            sizes.extend([
+                ("mla.num_heads", m.num_heads),
+                ("mla.kv_lora_rank", m.kv_lora_rank),
+                ("mla.qk_head_dim", m.qk_head_dim),
+                ("mla.qk_rope_head_dim", m.qk_rope_head_dim),
+                ("mla.v_head_dim", m.v_head_dim),
+            ]);
+            sizes.extend(m.q_lora_rank.map(|r| ("mla.q_lora_rank", r)));
+        }
+        if let Some(d) = &self.dsa {
+            sizes.extend([
+                ("dsa.index_heads", d.index_heads),
+                ("dsa.index_head_dim", d.index_head_dim),
+                ("dsa.index_topk", d.index_topk),
+            ]);
+        }
+        if let Some(g) = &self.gdn {
+            sizes.extend([
+                ("gdn.key_heads", g.key_heads),
+                ("gdn.value_heads", g.value_heads),
+                ("gdn.key_head_dim", g.key_head_dim),
+                ("gdn.value_head_dim", g.value_head_dim),
+                ("gdn.conv_kernel", g.conv_kernel),
+            ]);
+        }
+        if let Some(m) = &self.mamba {
+            sizes.extend([
+                ("mamba.num_heads", m.num_heads),
+                ("mamba.head_dim", m.head_dim),
+                ("mamba.num_groups", m.num_groups),
+                ("mamba.state_size", m.state_size),
+                ("mamba.conv_kernel", m.conv_kernel),
+                ("mamba.chunk_size", m.chunk_size),
+            ]);
+            sizes.extend(m.inner_size.map(|d| ("mamba.inner_size", d)));
+        }
+        if let Some(m) = &self.mlp {
+            sizes.push(("mlp.ffn_hidden_size", m.ffn_hidden_size));
+        }
+        if let Some(m) = &self.moe {
+            sizes.extend([
+                ("moe.top_k", m.top_k),
+                ("moe.ffn_hidden_size", m.ffn_hidden_size),
+            ]);
+            sizes.extend(
+                m.shared_expert_ffn_hidden_size
+                    .map(|f| ("moe.shared_expert_ffn_hidden_size", f)),
+            );
+        }
+        sizes
+    }
+
+    /// Sizes beyond any real model, which would overflow the planner's
+    /// arithmetic (a typo like `hidden_size = 40960000000`).
+    fn check_limits(&self, out: &mut Vec<Diagnostic>) {
+        for (name, value) in self.sizes() {
+            if value > MAX_DIMENSION {
+                out.push(
+                    Diagnostic::new(
+                        Code::H025,
+                        format!("`{name} = {value}` is over the limit of {MAX_DIMENSION}"),
+                    )
+                    .help("every dimension is at most 2^24; is there a typo?"),
+                );
+            }
+        }
+        if let Some(m) = &self.moe
+            && m.num_experts > MAX_EXPERTS
+        {
+            out.push(
+                Diagnostic::new(
+                    Code::H025,
+                    format!(
+                        "`moe.num_experts = {}` is over the limit of {MAX_EXPERTS}",
+                        m.num_experts
+                    ),
+                )
+                .help("a MoE layer has at most 65536 experts; is there a typo?"),
+            );
+        }
+    }
+
+    /// The whole model's elements, counted without overflow: at most 2^53,
+    /// so every offset and total the planner computes fits.
+    fn check_total(&self, pattern: &Pattern, out: &mut Vec<Diagnostic>) {
+        let experts = self.moe.as_ref().map_or(0, |m| m.num_experts);
+        let layer_elements = |kind: LayerKind| -> u128 {
+            crate::params::layer_params(kind, self, experts)
+                .iter()
+                .map(|p| p.shape.iter().map(|&d| d as u128).product::<u128>())
+                .sum()
+        };
+        let h = self.hidden_size as u128;
+        let mut total = 2 * self.padded_vocab_size() as u128 * h;
+        for kind in pattern.kinds() {
+            let count = pattern
+                .layers()
+                .chain(pattern.mtp_depths.iter().flat_map(|d| &d.layers))
+                .filter(|l| l.kind == kind)
+                .count() as u128;
+            total = total.saturating_add(count.saturating_mul(layer_elements(kind)));
+        }
+        total = total.saturating_add(pattern.mtp_depths.len() as u128 * (3 * h + 2 * h * h));
+        if total > MAX_MODEL_ELEMENTS {
+            out.push(
+                Diagnostic::new(
+                    Code::H025,
+                    format!("the model would have {total} parameters, over the limit of 2^53"),
+                )
+                .help("lower the dimensions or the number of layers; is there a typo?"),
+            );
+        }
     }
 
     fn check_dimensions(&self, out: &mut Vec<Diagnostic>) {
@@ -498,23 +641,23 @@ impl ModelConfig {
                 );
             }
             if let Some(inner) = m.inner_size
-                && inner != m.num_heads * m.head_dim
+                && inner != m.num_heads.saturating_mul(m.head_dim)
             {
                 bad(
                     format!(
                         "`mamba.inner_size = {inner}` but num_heads x head_dim = {} x {} = {}",
                         m.num_heads,
                         m.head_dim,
-                        m.num_heads * m.head_dim
+                        m.num_heads.saturating_mul(m.head_dim)
                     ),
                     "d_in is H x P: drop inner_size, or make the three agree",
                 );
             }
-            if m.num_groups > 0 && (m.num_heads * m.head_dim) % m.num_groups != 0 {
+            if m.num_groups > 0 && (m.num_heads.saturating_mul(m.head_dim)) % m.num_groups != 0 {
                 bad(
                     format!(
                         "Mamba inner size {} does not split into {} norm groups",
-                        m.num_heads * m.head_dim,
+                        m.num_heads.saturating_mul(m.head_dim),
                         m.num_groups
                     ),
                     "the gated norm normalises d_in / G channels per group",

@@ -16,7 +16,7 @@ pub mod config;
 pub mod params;
 
 pub use config::ModelConfig;
-pub mod plan;
 pub mod codegen;
+pub mod plan;
 
 pub use plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};

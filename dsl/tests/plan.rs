@@ -1176,3 +1176,46 @@ fn memory_estimate_arithmetic() {
     assert_eq!(plain.unit_pool, 2 * 1536 + 2 * 1536);
     assert_eq!(plain.total, 52_224);
 }
+
+/// Sizes from a typo must be refused with a code, not overflow the planner.
+#[test]
+fn absurd_dimensions_are_refused_not_overflowed() {
+    use hybridgen_dsl::{Code, ModelConfig, Plan, PlanOptions};
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.pattern = "M[*E]-".into();
+    model.hidden_size = 1_000_000_000_000_000_000;
+    let err = Plan::new(&model, &PlanOptions::default()).unwrap_err();
+    assert!(err.codes().contains(&Code::H025), "{err}");
+    assert!(
+        err.to_string()
+            .contains("hidden_size = 1000000000000000000"),
+        "{err}"
+    );
+
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.moe.as_mut().unwrap().num_experts = 1 << 40;
+    let err = Plan::new(&model, &PlanOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("moe.num_experts"), "{err}");
+
+    // Every dimension in range, but the product is not.
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.pattern = "-{1000}".into();
+    model.hidden_size = 1 << 24;
+    model.mlp.as_mut().unwrap().ffn_hidden_size = 1 << 24;
+    let err = Plan::new(&model, &PlanOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("over the limit of 2^53"), "{err}");
+}
+
+#[test]
+fn overflowing_products_in_checks_do_not_panic() {
+    use hybridgen_dsl::{Code, ModelConfig, Plan, PlanOptions};
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.pattern = "M".into();
+    let mamba = model.mamba.as_mut().unwrap();
+    mamba.num_heads = usize::MAX / 2;
+    mamba.head_dim = usize::MAX / 2;
+    mamba.inner_size = Some(7);
+    model.vocab_size = usize::MAX;
+    let err = Plan::new(&model, &PlanOptions::default()).unwrap_err();
+    assert!(err.codes().iter().all(|&c| c == Code::H025), "{err}");
+}

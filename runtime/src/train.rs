@@ -25,6 +25,11 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// The most tokens one micro-batch may hold on one rank: activations are
+/// kept per micro-batch, and a typo should be an error, not an
+/// out-of-memory abort.
+pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 22;
+
 /// Where tokens come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DataChoice {
@@ -96,7 +101,14 @@ impl TrainConfig {
 
     /// Tokens one step trains on, over all ranks.
     pub fn tokens_per_step(&self) -> u64 {
-        (self.ranks * self.micro_batches * self.micro_batch_size * self.seq_length) as u64
+        [
+            self.ranks,
+            self.micro_batches,
+            self.micro_batch_size,
+            self.seq_length,
+        ]
+        .into_iter()
+        .fold(1u64, |n, x| n.saturating_mul(x as u64))
     }
 }
 
@@ -176,6 +188,14 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
             config.micro_batches, config.micro_batch_size, config.seq_length
         ));
     }
+    let rows = config.micro_batch_size.saturating_mul(config.seq_length);
+    if rows > MAX_MICRO_BATCH_TOKENS {
+        return refuse(format!(
+            "a micro-batch of {} sequences x {} tokens is {rows} tokens, over the limit of {MAX_MICRO_BATCH_TOKENS} per rank; \
+             use more micro-batches of fewer tokens",
+            config.micro_batch_size, config.seq_length
+        ));
+    }
     config.optimizer.validate()?;
     let options = PlanOptions {
         layout: ParallelLayout::new(config.ranks, config.ep),
@@ -245,6 +265,16 @@ fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
 /// step's report as it completes.
 pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     let prepared = prepare(config)?;
+    train_prepared(config, &prepared, on_step)
+}
+
+/// [`train`] with the checks of [`prepare`] already done (for callers that
+/// report a configuration before running it).
+pub fn train_prepared(
+    config: &TrainConfig,
+    prepared: &Prepared,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<TrainSummary> {
     let recorder = Arc::new(TraceRecorder::new());
     let world = CpuWorld::with_timeout(config.ranks, config.timeout)?;
     let (reports, received) = mpsc::channel::<StepReport>();
@@ -255,7 +285,6 @@ pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Resu
                 let world = world.clone();
                 let recorder = recorder.clone();
                 let reports = reports.clone();
-                let prepared = &prepared;
                 std::thread::Builder::new()
                     .name(format!("rank-{r}"))
                     .spawn_scoped(scope, move || {

@@ -8,7 +8,9 @@ use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
 use hybridgen_runtime::schedule::ScheduleKind;
-use hybridgen_runtime::train::{DataChoice, StepReport, TrainConfig, TrainSummary, train};
+use hybridgen_runtime::train::{
+    DataChoice, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
+};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 use std::io::IsTerminal;
@@ -125,6 +127,8 @@ enum FormatArg {
 
 pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
     let config = config(args)?;
+    // Everything is checked before anything is printed or allocated.
+    let prepared = prepare(&config).map_err(|e| Failure::Message(runtime_message(&e)))?;
     let text = args.format == FormatArg::Text;
     if text {
         super::emit(&format!(
@@ -216,7 +220,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
             }
         }
     };
-    let result = train(&config, &mut on_step);
+    let result = train_prepared(&config, &prepared, &mut on_step);
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
