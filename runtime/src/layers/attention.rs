@@ -3,8 +3,8 @@
 
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, positive, section,
-    weight, zeros, zeros_f32,
+    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
+    positive, section, weight, zeros,
 };
 use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims};
 use crate::error::{Result, RuntimeError};
@@ -215,22 +215,18 @@ impl AttentionLayer {
             b.rotary_forward(b.view_mut(&mut q)?, rq)?;
             b.rotary_forward(b.view_mut(&mut k)?, rk)?;
         }
-        let mut o = zeros(b, rows * heads * c)?;
-        let mut lse = zeros_f32(b, rows * heads)?;
-        let inputs = AttentionInputs {
-            q: b.view(&q)?,
-            k: b.view(&k)?,
-            v: b.view(&v)?,
-        };
-        b.attention_forward(
-            inputs,
-            b.view_mut(&mut o)?,
-            b.view_mut(&mut lse)?,
+        let (o, lse) = core_attention::forward(
+            b,
+            AttentionInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+            },
+            w(PROJ)?,
+            b.reborrow_mut(&mut x),
             self.attention_dims(tokens),
+            h,
         )?;
-        let mut out = MatmulDims::linear(rows, heads * c, h);
-        out.accumulate = true;
-        b.matmul(b.view(&o)?, w(PROJ)?, b.reborrow_mut(&mut x), out)?;
         Ok(AttentionSaved {
             tokens,
             x_in,
@@ -260,33 +256,20 @@ impl AttentionLayer {
         let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
         let w = |i| weight::<B>(weights, i);
         let d_out = copy_of(b, b.as_slice(&dx))?;
-        let mut d_o = zeros(b, rows * heads * c)?;
-        b.matmul(
-            b.view(&d_out)?,
+        let saved = core_attention::Saved {
+            q: &s.q,
+            k: &s.k,
+            v: &s.v,
+            o: &s.o,
+            lse: &s.lse,
+        };
+        let (mut dq, mut dk, dv) = core_attention::backward_input(
+            b,
+            saved,
             w(PROJ)?,
-            b.view_mut(&mut d_o)?,
-            MatmulDims::linear_input_grad(rows, heads * c, h, false),
-        )?;
-        let mut dq = zeros(b, rows * heads * c)?;
-        let mut dk = zeros(b, rows * groups * c)?;
-        let mut dv = zeros(b, rows * groups * c)?;
-        let inputs = AttentionInputs {
-            q: b.view(&s.q)?,
-            k: b.view(&s.k)?,
-            v: b.view(&s.v)?,
-        };
-        let grads = AttentionInputs {
-            q: b.view_mut(&mut dq)?,
-            k: b.view_mut(&mut dk)?,
-            v: b.view_mut(&mut dv)?,
-        };
-        b.attention_backward(
-            inputs,
-            b.view(&s.o)?,
-            b.view(&s.lse)?,
-            b.view(&d_o)?,
-            grads,
+            &d_out,
             self.attention_dims(tokens),
+            h,
         )?;
         if let (Some(rq), Some(rk)) = (self.rotary(tokens, heads), self.rotary(tokens, groups)) {
             b.rotary_backward(b.view_mut(&mut dq)?, rq)?;
@@ -385,11 +368,13 @@ impl AttentionLayer {
         check_grads(b, "`*` layer", &self.params, grads)?;
         let rows = g.tokens.rows()?;
         let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
-        b.matmul(
-            b.view(&g.d_out)?,
-            b.view(&g.o)?,
+        core_attention::proj_weight_grad(
+            b,
+            &g.d_out,
+            &g.o,
             grad(b, grads, PROJ)?,
-            MatmulDims::linear_weight_grad(rows, heads * c, h),
+            self.attention_dims(g.tokens),
+            h,
         )?;
         RmsNorm::plain(h).backward_weight(
             b,

@@ -4,8 +4,8 @@
 
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_rows, positive,
-    section, weight, weight_rows, zeros, zeros_f32,
+    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
+    grad_rows, positive, section, weight, weight_rows, zeros,
 };
 use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims};
 use crate::error::{Result, RuntimeError};
@@ -386,22 +386,18 @@ impl MlaLayer {
             b.copy_cols(b.view(&k_rope)?, b.view_mut(&mut k)?, rope)?;
         }
         drop((kv, k_rope));
-        let mut o = zeros(b, rows * a * dv)?;
-        let mut lse = zeros_f32(b, rows * a)?;
-        let inputs = AttentionInputs {
-            q: b.view(&q)?,
-            k: b.view(&k)?,
-            v: b.view(&v)?,
-        };
-        b.attention_forward(
-            inputs,
-            b.view_mut(&mut o)?,
-            b.view_mut(&mut lse)?,
+        let (o, lse) = core_attention::forward(
+            b,
+            AttentionInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+            },
+            w(self.at.proj)?,
+            b.reborrow_mut(&mut x),
             self.attention_dims(tokens),
+            h,
         )?;
-        let mut out = MatmulDims::linear(rows, a * dv, h);
-        out.accumulate = true;
-        b.matmul(b.view(&o)?, w(self.at.proj)?, b.reborrow_mut(&mut x), out)?;
         Ok(MlaSaved {
             tokens,
             x_in,
@@ -440,33 +436,20 @@ impl MlaLayer {
         let w = |i| weight::<B>(weights, i);
         let opt = |i: Option<usize>| i.map(w).transpose();
         let d_out = copy_of(b, b.as_slice(&dx))?;
-        let mut d_o = zeros(b, rows * a * dv)?;
-        b.matmul(
-            b.view(&d_out)?,
+        let saved = core_attention::Saved {
+            q: &s.q,
+            k: &s.k,
+            v: &s.v,
+            o: &s.o,
+            lse: &s.lse,
+        };
+        let (mut dq, dk, d_v) = core_attention::backward_input(
+            b,
+            saved,
             w(self.at.proj)?,
-            b.view_mut(&mut d_o)?,
-            MatmulDims::linear_input_grad(rows, a * dv, h, false),
-        )?;
-        let mut dq = zeros(b, rows * a * dqk)?;
-        let mut dk = zeros(b, rows * a * dqk)?;
-        let mut d_v = zeros(b, rows * a * dv)?;
-        let inputs = AttentionInputs {
-            q: b.view(&s.q)?,
-            k: b.view(&s.k)?,
-            v: b.view(&s.v)?,
-        };
-        let grads = AttentionInputs {
-            q: b.view_mut(&mut dq)?,
-            k: b.view_mut(&mut dk)?,
-            v: b.view_mut(&mut d_v)?,
-        };
-        b.attention_backward(
-            inputs,
-            b.view(&s.o)?,
-            b.view(&s.lse)?,
-            b.view(&d_o)?,
-            grads,
+            &d_out,
             self.attention_dims(tokens),
+            h,
         )?;
         // Back through the split: k_rope is shared, so its gradient sums the heads in order.
         let kv_width = a * (self.nope_dim + dv);
@@ -605,11 +588,13 @@ impl MlaLayer {
             grad(b, grads, self.at.in_norm)?,
             rows,
         )?;
-        b.matmul(
-            b.view(&g.d_out)?,
-            b.view(&g.o)?,
+        core_attention::proj_weight_grad(
+            b,
+            &g.d_out,
+            &g.o,
             grad(b, grads, self.at.proj)?,
-            MatmulDims::linear_weight_grad(rows, a * dv, h),
+            self.attention_dims(g.tokens),
+            h,
         )?;
         match (&g.cq, self.q_rank, self.at.q_down) {
             (Some((latent, lg)), Some(qr), Some(q_down)) => {

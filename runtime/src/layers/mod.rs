@@ -19,6 +19,7 @@
 //!   order varies.
 
 pub mod attention;
+mod core_attention;
 pub mod embedding;
 pub mod head;
 pub mod init;
