@@ -11,7 +11,7 @@ use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{TrainConfig, train};
 
 fn main() {
-    let runs = 3;
+    let runs = 5;
     println!(
         "{:<14} {:<8} {:>12} {:>10} {:>8}",
         "pattern", "schedule", "tokens/s", "step ms", "hidden"
@@ -22,7 +22,7 @@ fn main() {
             let mut model = ModelConfig::preset("tiny").expect("preset");
             model.pattern = pattern.to_string();
             let mut config = TrainConfig::new(model);
-            config.steps = 12;
+            config.steps = 24;
             config.schedule = kind;
             // Median of a few runs.
             let mut results: Vec<(f64, f64, f64)> = (0..runs)
