@@ -293,6 +293,7 @@ fn model_struct(spec: &ModelSpec, plan: &Plan, shape: &ModelShape) -> TokenStrea
         plan.active_params
     ));
     let config = config_tokens(&plan.model);
+    let model_traits = model_traits(name);
     quote! {
         #(#docs)*
         ///
@@ -351,42 +352,7 @@ fn model_struct(spec: &ModelSpec, plan: &Plan, shape: &ModelShape) -> TokenStrea
             }
         }
 
-        impl ::core::default::Default for #name {
-            fn default() -> Self {
-                Self::new()
-            }
-        }
-
-        impl __model::StaticModel for #name {
-            const NAME: &'static str = NAME;
-            const PATTERN: &'static str = PATTERN;
-            const CANONICAL_PATTERN: &'static str = CANONICAL_PATTERN;
-            const EP: usize = EP;
-            const PP: usize = PP;
-            const UNIT_KINDS: ::core::option::Option<&'static [__plan::UnitKind]> = UNIT_KINDS;
-            const NON_UNIT_BUCKET_CAP: usize = NON_UNIT_BUCKET_CAP;
-            const PARAM_DEFS: &'static [__dsl::params::ParamDef] = PARAM_DEFS;
-            const PARAMS: &'static [__plan::Param] = PARAMS;
-            const PARAM_NAMES: &'static [&'static str] = PARAM_NAMES;
-            const UNITS: &'static [__plan::FsdpUnit] = UNITS;
-            const BUCKETS: &'static [__plan::Bucket] = BUCKETS;
-            const STAGES: &'static [__plan::Stage] = STAGES;
-            const SCHEDULE: __plan::SchedulePlan = SCHEDULE;
-            const SLOT_TABLES: &'static [__model::SlotTable] = SLOT_TABLES;
-
-            fn config() -> __dsl::ModelConfig {
-                Self::config()
-            }
-            fn unit_filter() -> __plan::UnitFilter {
-                unit_filter()
-            }
-            fn plan_options(layout: &__plan::ParallelLayout) -> __plan::PlanOptions {
-                Self::plan_options(layout)
-            }
-            fn plan(layout: &__plan::ParallelLayout) -> ::core::result::Result<__plan::Plan, __dsl::Diagnostics> {
-                Self::plan(layout)
-            }
-        }
+        #model_traits
     }
 }
 
@@ -592,5 +558,48 @@ mod tests {
         assert_eq!(module_name("HTTPServer"), "http_server");
         assert_eq!(module_name("Mod"), "mod_model");
         assert_eq!(module_name("Self_"), "self_");
+    }
+}
+
+/// The trait impls of a model struct, the same for a real module and for the
+/// stub emitted on errors (whose inherent items they forward to).
+pub(super) fn model_traits(name: &syn::Ident) -> TokenStream {
+    quote! {
+        impl ::core::default::Default for #name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl __model::StaticModel for #name {
+            const NAME: &'static str = NAME;
+            const PATTERN: &'static str = PATTERN;
+            const CANONICAL_PATTERN: &'static str = CANONICAL_PATTERN;
+            const EP: usize = EP;
+            const PP: usize = PP;
+            const UNIT_KINDS: ::core::option::Option<&'static [__plan::UnitKind]> = UNIT_KINDS;
+            const NON_UNIT_BUCKET_CAP: usize = NON_UNIT_BUCKET_CAP;
+            const PARAM_DEFS: &'static [__dsl::params::ParamDef] = PARAM_DEFS;
+            const PARAMS: &'static [__plan::Param] = PARAMS;
+            const PARAM_NAMES: &'static [&'static str] = PARAM_NAMES;
+            const UNITS: &'static [__plan::FsdpUnit] = UNITS;
+            const BUCKETS: &'static [__plan::Bucket] = BUCKETS;
+            const STAGES: &'static [__plan::Stage] = STAGES;
+            const SCHEDULE: __plan::SchedulePlan = SCHEDULE;
+            const SLOT_TABLES: &'static [__model::SlotTable] = SLOT_TABLES;
+
+            fn config() -> __dsl::ModelConfig {
+                Self::config()
+            }
+            fn unit_filter() -> __plan::UnitFilter {
+                unit_filter()
+            }
+            fn plan_options(layout: &__plan::ParallelLayout) -> __plan::PlanOptions {
+                Self::plan_options(layout)
+            }
+            fn plan(layout: &__plan::ParallelLayout) -> ::core::result::Result<__plan::Plan, __dsl::Diagnostics> {
+                Self::plan(layout)
+            }
+        }
     }
 }

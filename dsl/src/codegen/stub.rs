@@ -23,6 +23,7 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
     };
     // A literal `panic!` is allowed in the `const fn new()`; stubs never run.
     let unreachable = quote!(::core::panic!("the model declaration has errors"));
+    let model_traits = super::generate::model_traits(name);
     let body = quote! {
         pub const NAME: &str = "";
         pub const PATTERN: &str = "";
@@ -106,41 +107,7 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
             }
         }
 
-        impl ::core::default::Default for #name {
-            fn default() -> Self {
-                Self::new()
-            }
-        }
-
-        impl __model::StaticModel for #name {
-            const NAME: &'static str = NAME;
-            const PATTERN: &'static str = PATTERN;
-            const CANONICAL_PATTERN: &'static str = CANONICAL_PATTERN;
-            const EP: usize = EP;
-            const PP: usize = PP;
-            const UNIT_KINDS: ::core::option::Option<&'static [__plan::UnitKind]> = UNIT_KINDS;
-            const NON_UNIT_BUCKET_CAP: usize = NON_UNIT_BUCKET_CAP;
-            const PARAM_DEFS: &'static [__dsl::params::ParamDef] = PARAM_DEFS;
-            const PARAMS: &'static [__plan::Param] = PARAMS;
-            const PARAM_NAMES: &'static [&'static str] = PARAM_NAMES;
-            const UNITS: &'static [__plan::FsdpUnit] = UNITS;
-            const BUCKETS: &'static [__plan::Bucket] = BUCKETS;
-            const STAGES: &'static [__plan::Stage] = STAGES;
-            const SCHEDULE: __plan::SchedulePlan = SCHEDULE;
-            const SLOT_TABLES: &'static [__model::SlotTable] = SLOT_TABLES;
-            fn config() -> __dsl::ModelConfig {
-                Self::config()
-            }
-            fn unit_filter() -> __plan::UnitFilter {
-                unit_filter()
-            }
-            fn plan_options(layout: &__plan::ParallelLayout) -> __plan::PlanOptions {
-                Self::plan_options(layout)
-            }
-            fn plan(layout: &__plan::ParallelLayout) -> ::core::result::Result<__plan::Plan, __dsl::Diagnostics> {
-                Self::plan(layout)
-            }
-        }
+        #model_traits
     };
     spec.wrap(body)
 }
