@@ -546,21 +546,6 @@ fn config_tokens(c: &ModelConfig) -> TokenStream {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn module_names_are_snake_case() {
-        assert_eq!(module_name("Tiny"), "tiny");
-        assert_eq!(module_name("NemotronNano9bV2"), "nemotron_nano9b_v2");
-        assert_eq!(module_name("MoEModel"), "mo_e_model");
-        assert_eq!(module_name("HTTPServer"), "http_server");
-        assert_eq!(module_name("Mod"), "mod_model");
-        assert_eq!(module_name("Self_"), "self_");
-    }
-}
-
 /// The trait impls of a model struct, the same for a real module and for the
 /// stub emitted on errors (whose inherent items they forward to).
 pub(super) fn model_traits(name: &syn::Ident) -> TokenStream {
@@ -601,5 +586,20 @@ pub(super) fn model_traits(name: &syn::Ident) -> TokenStream {
                 Self::plan(layout)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn module_names_are_snake_case() {
+        assert_eq!(module_name("Tiny"), "tiny");
+        assert_eq!(module_name("NemotronNano9bV2"), "nemotron_nano9b_v2");
+        assert_eq!(module_name("MoEModel"), "mo_e_model");
+        assert_eq!(module_name("HTTPServer"), "http_server");
+        assert_eq!(module_name("Mod"), "mod_model");
+        assert_eq!(module_name("Self_"), "self_");
     }
 }
