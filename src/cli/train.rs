@@ -69,16 +69,16 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_enum, default_value = "adam")]
     optimizer: OptimizerArg,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
     lr: f32,
     /// Linear warm-up steps.
     #[arg(long, default_value_t = 0)]
     warmup: u64,
     /// Decoupled weight decay (matrices only).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     weight_decay: f32,
     /// Clip gradients to this global norm; 0 turns clipping off.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     clip_grad: f32,
     /// FSDP units by kind instead of the default rule (see `hybridgen plan --help`).
     #[arg(long, value_name = "KINDS")]
