@@ -17,7 +17,7 @@ use crate::backend::Backend;
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
-use crate::fsdp::{FsdpEngine, Sharding};
+use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::optimizer::{Optimizer, OptimizerKind};
 use crate::shared::lock;
 use hybridgen_dsl::{ModelConfig, Plan};
@@ -82,38 +82,20 @@ fn rank_file(rank: usize) -> String {
     format!("rank-{rank:05}.safetensors")
 }
 
-/// The group rank of world rank `r` for bucket kind `expert`.
-fn group_rank(sharding: Sharding, expert: bool, r: usize, ep: usize) -> usize {
-    match sharding {
-        Sharding::NoShard => 0,
-        Sharding::Zero3 if expert => r / ep,
-        Sharding::Zero3 => r,
-    }
+/// Whether world rank `r` writes the bucket kind at all: the ranks holding
+/// an EP rank's copy of a bucket write it (under `no_shard`, only the first
+/// of each group, since every rank holds whole buckets).
+fn writes(layout: &ShardLayout, expert: bool, r: usize) -> bool {
+    layout.holders(expert, r % layout.ep.max(1)).contains(&r)
 }
 
-/// Whether world rank `r` writes the bucket kind at all: under `no_shard`
-/// every rank holds whole buckets, and the first of each group writes them.
-fn writes(sharding: Sharding, expert: bool, r: usize, ep: usize) -> bool {
-    match sharding {
-        Sharding::Zero3 => true,
-        Sharding::NoShard if expert => r / ep == 0,
-        Sharding::NoShard => r == 0,
-    }
-}
-
-/// The pieces world rank `r` owns (computable for any rank, so rank 0 can
-/// write the whole index without asking the others).
-fn owned_pieces(plan: &Plan, sharding: Sharding, r: usize, ep: usize) -> Vec<(usize, OwnedPiece)> {
+/// The pieces world rank `r` holds: what it loads. Computable for any
+/// rank, so rank 0 can write the whole index without asking the others.
+fn held_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
+    let ep = layout.ep.max(1);
     let mut out = Vec::new();
     for bucket in plan.buckets.iter() {
-        if !writes(sharding, bucket.expert, r, ep) {
-            continue;
-        }
-        let world = match sharding {
-            Sharding::NoShard => 1,
-            Sharding::Zero3 => plan.bucket_world(bucket),
-        };
-        let owned = bucket.shard_range(world, group_rank(sharding, bucket.expert, r, ep));
+        let owned = layout.owned_range(plan, bucket, r);
         for &p in bucket.params.iter() {
             let param = &plan.params[p];
             let span = param.offset..param.offset + plan.def(param).numel();
@@ -132,6 +114,14 @@ fn owned_pieces(plan: &Plan, sharding: Sharding, r: usize, ep: usize) -> Vec<(us
         }
     }
     out
+}
+
+/// The pieces world rank `r` writes: those it holds, once per copy.
+fn written_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
+    held_pieces(plan, layout, r)
+        .into_iter()
+        .filter(|(b, _)| writes(layout, plan.buckets[*b].expert, r))
+        .collect()
 }
 
 fn to_bytes(values: &[f32]) -> Vec<u8> {
@@ -187,7 +177,7 @@ pub fn save<D: Device>(
     let backend = &rank.backend;
     let ep = rank.ep.max(1);
     let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
-    for (b, piece) in owned_pieces(plan, engine.sharding(), rank.rank, ep) {
+    for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
         let shard = lock(&engine.shards()[b], "a parameter shard")?;
         let state = lock(&optimizer.states()[b], "optimizer state")?;
         let [p, m, v] = names(&piece.key);
@@ -219,7 +209,7 @@ pub fn save<D: Device>(
     if rank.rank == 0 {
         let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
         for r in 0..rank.world {
-            for (_, piece) in owned_pieces(plan, engine.sharding(), r, ep) {
+            for (_, piece) in written_pieces(plan, &engine.layout(), r) {
                 let shape = plan.def(&plan.params[piece.param]).shape.to_vec();
                 entries
                     .entry(piece.key)
@@ -340,11 +330,7 @@ pub fn load<D: Device>(
     }
     let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     let backend = &rank.backend;
-    let ep = rank.ep.max(1);
-    for (b, piece) in owned_pieces(plan, engine.sharding(), rank.rank, ep)
-        .into_iter()
-        .chain(missing_non_writer_pieces(plan, engine, rank))
-    {
+    for (b, piece) in held_pieces(plan, &engine.layout(), rank.rank) {
         let entry = index.tensors.get(&piece.key).ok_or_else(|| {
             RuntimeError::io(
                 dir.join(INDEX).display(),
@@ -375,37 +361,6 @@ pub fn load<D: Device>(
     }
     optimizer.set_steps(index.step);
     Ok(index)
-}
-
-/// Under `no_shard`, ranks that do not write a bucket still hold it whole
-/// and must load it too.
-fn missing_non_writer_pieces<D: Device>(
-    plan: &Plan,
-    engine: &FsdpEngine<D>,
-    rank: &RankContext<D>,
-) -> Vec<(usize, OwnedPiece)> {
-    let ep = rank.ep.max(1);
-    if engine.sharding() != Sharding::NoShard {
-        return Vec::new();
-    }
-    // The writer of each bucket kind has the same whole-bucket pieces.
-    let writer = |expert: bool| if expert { rank.rank % ep } else { 0 };
-    let mine = |expert: bool| writes(Sharding::NoShard, expert, rank.rank, ep);
-    owned_pieces(plan, Sharding::NoShard, writer(false), ep)
-        .into_iter()
-        .filter(|(b, _)| !plan.buckets[*b].expert && !mine(false))
-        .chain(
-            owned_pieces(plan, Sharding::NoShard, writer(true), ep)
-                .into_iter()
-                .filter(|(b, _)| plan.buckets[*b].expert && !mine(true)),
-        )
-        .map(|(b, mut piece)| {
-            // Same experts as this rank: the writer shares its EP index.
-            let param = &plan.params[piece.param];
-            piece.key = plan.checkpoint_key(param, rank.rank % ep);
-            (b, piece)
-        })
-        .collect()
 }
 
 /// Elements `want` of tensor `name` (one of a key's three), assembled from

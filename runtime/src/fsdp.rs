@@ -41,6 +41,58 @@ pub enum Sharding {
     Zero3,
 }
 
+/// Where the pieces of every bucket live: the one rule the engine, the
+/// optimizer's norm, checkpoints and the parameter hash all follow. Ranks are
+/// laid out as [`RankContext`] says: EP rank `r % ep`, EDP rank `r / ep`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardLayout {
+    pub sharding: Sharding,
+    /// Data-parallel ranks.
+    pub world: usize,
+    pub ep: usize,
+}
+
+impl ShardLayout {
+    /// Ranks one copy of `bucket` is cut into (1: kept whole).
+    pub fn group_size(&self, plan: &Plan, bucket: &Bucket) -> usize {
+        match self.sharding {
+            Sharding::NoShard => 1,
+            Sharding::Zero3 => plan.bucket_world(bucket),
+        }
+    }
+
+    /// Which piece of its bucket world rank `r` holds.
+    pub fn group_rank(&self, expert: bool, r: usize) -> usize {
+        match self.sharding {
+            Sharding::NoShard => 0,
+            Sharding::Zero3 if expert => r / self.ep.max(1),
+            Sharding::Zero3 => r,
+        }
+    }
+
+    /// The world ranks whose pieces, in order, make up the copy of a bucket
+    /// that EP rank `e` holds (expert buckets differ per EP rank; dense ones
+    /// do not, pass `e = 0`). Under `no_shard` that is one rank, the first
+    /// holding it whole.
+    pub fn holders(&self, expert: bool, e: usize) -> Vec<usize> {
+        let ep = self.ep.max(1);
+        match (self.sharding, expert) {
+            (Sharding::NoShard, false) => vec![0],
+            (Sharding::NoShard, true) => vec![e],
+            (Sharding::Zero3, false) => (0..self.world).collect(),
+            (Sharding::Zero3, true) => (0..self.world / ep).map(|q| q * ep + e).collect(),
+        }
+    }
+
+    /// The elements of `bucket` world rank `r` holds, in bucket coordinates.
+    pub fn owned_range(&self, plan: &Plan, bucket: &Bucket, r: usize) -> Range<usize> {
+        bucket.shard_range(
+            self.group_size(plan, bucket),
+            self.group_rank(bucket.expert, r),
+        )
+    }
+}
+
 /// What a rank keeps of one bucket between steps.
 pub struct ShardState<B: Backend> {
     /// f32 master weights of the owned elements.
@@ -105,6 +157,7 @@ pub type GradAccess<D> = BufferAccess<D, Shared<Buf<D>>>;
 /// The engine of one rank.
 pub struct FsdpEngine<D: Device> {
     plan: Arc<Plan>,
+    layout: ShardLayout,
     sharding: Sharding,
     /// Per bucket id.
     shards: Vec<Shared<ShardState<D::Backend>>>,
@@ -139,15 +192,12 @@ impl<D: Device> FsdpEngine<D> {
         init: &dyn Fn(usize, &mut [f32]) -> Result<()>,
     ) -> Result<Self> {
         let backend = &rank.backend;
-        let world_of = |b: &Bucket| match sharding {
-            Sharding::NoShard => 1,
-            Sharding::Zero3 => plan.bucket_world(b),
+        let layout = ShardLayout {
+            sharding,
+            world: rank.world,
+            ep: rank.ep,
         };
-        let rank_in = |b: &Bucket| match sharding {
-            Sharding::NoShard => 0,
-            Sharding::Zero3 if b.expert => rank.edp_rank(),
-            Sharding::Zero3 => rank.rank,
-        };
+        let world_of = |b: &Bucket| layout.group_size(&plan, b);
 
         // Regions: unit buckets back to back inside their unit's buffer,
         // non-unit buckets back to back inside the non-unit buffer.
@@ -169,7 +219,7 @@ impl<D: Device> FsdpEngine<D> {
         let mut full = Vec::new();
         for b in plan.buckets.iter() {
             let world = world_of(b);
-            let shard_range = b.shard_range(world, rank_in(b));
+            let shard_range = layout.owned_range(&plan, b, rank.rank);
             max_shard = max_shard.max(shard_range.len());
             full.clear();
             full.resize(b.padded_numel(world), 0.0);
@@ -235,6 +285,7 @@ impl<D: Device> FsdpEngine<D> {
             non_unit_ready: None,
             scratch: shared(backend.alloc(max_shard, Precision::F32)?),
             plan,
+            layout,
             sharding,
             shards,
             regions,
@@ -249,6 +300,11 @@ impl<D: Device> FsdpEngine<D> {
         self.sharding
     }
 
+    /// Where every bucket's pieces live.
+    pub fn layout(&self) -> ShardLayout {
+        self.layout
+    }
+
     /// Per bucket id, the rank's shard state (for the optimizer and
     /// checkpoints).
     pub fn shards(&self) -> &[Shared<ShardState<D::Backend>>] {
@@ -257,10 +313,7 @@ impl<D: Device> FsdpEngine<D> {
 
     /// Ranks a bucket is sharded over under this engine's sharding.
     pub fn world_of(&self, bucket: &Bucket) -> usize {
-        match self.sharding {
-            Sharding::NoShard => 1,
-            Sharding::Zero3 => self.plan.bucket_world(bucket),
-        }
+        self.layout.group_size(&self.plan, bucket)
     }
 
     /// Where parameter `p` lives inside its holder buffer (its unit's pool
@@ -659,13 +712,56 @@ impl<D: Device> FsdpEngine<D> {
 
     /// The elements of bucket `b` this rank owns, in bucket coordinates.
     pub fn owned_range(&self, b: usize, rank: &RankContext<D>) -> Range<usize> {
-        let bucket = &self.plan.buckets[b];
-        let world = self.world_of(bucket);
-        let r = match self.sharding {
-            Sharding::NoShard => 0,
-            Sharding::Zero3 if bucket.expert => rank.edp_rank(),
-            Sharding::Zero3 => rank.rank,
-        };
-        bucket.shard_range(world, r)
+        self.layout
+            .owned_range(&self.plan, &self.plan.buckets[b], rank.rank)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
+
+    /// For every sharding and layout: each copy of a bucket is made of its
+    /// holders' pieces, which tile `[0, padded)` in order, and every rank
+    /// holds exactly one piece of every copy it belongs to.
+    #[test]
+    fn holders_pieces_tile_every_bucket() {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "M[*E]-".into();
+        for (world, ep) in [(1, 1), (2, 1), (2, 2), (4, 2), (8, 4)] {
+            let options = PlanOptions {
+                layout: ParallelLayout::new(world, ep),
+                ..PlanOptions::default()
+            };
+            let plan = Plan::new(&model, &options).unwrap();
+            for sharding in [Sharding::NoShard, Sharding::Zero3] {
+                let layout = ShardLayout {
+                    sharding,
+                    world,
+                    ep,
+                };
+                for bucket in plan.buckets.iter() {
+                    let padded = bucket.padded_numel(layout.group_size(&plan, bucket));
+                    let copies = if bucket.expert { ep } else { 1 };
+                    for e in 0..copies {
+                        let mut at = 0;
+                        for r in layout.holders(bucket.expert, e) {
+                            if bucket.expert {
+                                assert_eq!(r % ep, e, "rank {r} holds EP rank {e}'s experts");
+                            }
+                            let piece = layout.owned_range(&plan, bucket, r);
+                            assert_eq!(
+                                piece.start, at,
+                                "{sharding:?} world {world} ep {ep} bucket {}",
+                                bucket.id
+                            );
+                            at = piece.end;
+                        }
+                        assert_eq!(at, padded);
+                    }
+                }
+            }
+        }
     }
 }

@@ -11,7 +11,7 @@ use crate::backend::{AdamStep, Backend, NORM_BLOCK, Precision, SgdStep};
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
-use crate::fsdp::{FsdpEngine, Sharding};
+use crate::fsdp::FsdpEngine;
 use crate::lane::{Event, Label, Lane};
 use crate::shared::{Shared, lock, shared};
 use hybridgen_dsl::Plan;
@@ -227,44 +227,25 @@ impl<D: Device> Optimizer<D> {
             starts.push(at);
             at += blocks_of(b);
         }
-        let ep = rank.ep.max(1);
-        let edp = rank.edp_size();
         let mut total = 0.0f64;
-        let mut add = |r: usize, b: usize| -> Result<()> {
-            let partials = all
-                .get(r)
-                .and_then(|v| v.get(starts[b]..starts[b] + blocks_of(b)))
-                .ok_or_else(|| RuntimeError::Peer {
-                    rank: r,
-                    message: "sent gradient-norm partials of the wrong length".into(),
-                })?;
-            for x in partials {
-                total += x;
-            }
-            Ok(())
-        };
         // Canonical order: buckets by id; within a bucket, its blocks in
-        // bucket order (shards in group-rank order); expert buckets once per
-        // EP rank, since each holds different experts.
+        // bucket order (pieces in group order); expert buckets once per EP
+        // rank, since each holds different experts.
+        let layout = engine.layout();
         for bucket in self.plan.buckets.iter() {
             let b = bucket.id;
-            match (engine.sharding(), bucket.expert) {
-                (Sharding::NoShard, false) => add(0, b)?,
-                (Sharding::NoShard, true) => {
-                    for e in 0..ep {
-                        add(e, b)?;
-                    }
-                }
-                (Sharding::Zero3, false) => {
-                    for r in 0..rank.world {
-                        add(r, b)?;
-                    }
-                }
-                (Sharding::Zero3, true) => {
-                    for e in 0..ep {
-                        for q in 0..edp {
-                            add(q * ep + e, b)?;
-                        }
+            let copies = if bucket.expert { rank.ep.max(1) } else { 1 };
+            for e in 0..copies {
+                for r in layout.holders(bucket.expert, e) {
+                    let partials = all
+                        .get(r)
+                        .and_then(|v| v.get(starts[b]..starts[b] + blocks_of(b)))
+                        .ok_or_else(|| RuntimeError::Peer {
+                            rank: r,
+                            message: "sent gradient-norm partials of the wrong length".into(),
+                        })?;
+                    for x in partials {
+                        total += x;
                     }
                 }
             }

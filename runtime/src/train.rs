@@ -558,17 +558,11 @@ fn param_hash<D: Device>(
         })
         .collect();
     let ep = rank.ep.max(1);
-    let edp = rank.edp_size();
+    let layout = engine.layout();
     // The whole bucket `b` as EP rank `e` holds it.
     let whole = |b: usize, e: usize| -> Vec<f64> {
-        let expert = plan.buckets[b].expert;
-        let holders: Vec<usize> = match (engine.sharding(), expert) {
-            (Sharding::NoShard, false) => vec![0],
-            (Sharding::NoShard, true) => vec![e],
-            (Sharding::Zero3, false) => (0..rank.world).collect(),
-            (Sharding::Zero3, true) => (0..edp).map(|q| q * ep + e).collect(),
-        };
-        holders
+        layout
+            .holders(plan.buckets[b].expert, e)
             .into_iter()
             .flat_map(|r| all[r][starts[b]..starts[b] + lens[b]].to_vec())
             .collect()
