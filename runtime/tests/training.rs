@@ -86,12 +86,12 @@ fn multi_token_prediction_trains_and_keeps_parity() {
     let overlap = with("[M*E][M*E]/*E", |_| {});
     let plain = with("[M*E][M*E]/*E", |c| c.schedule = ScheduleKind::Plain);
     assert_eq!(overlap, plain);
-    // MTP changes the parameters (its loss flows into the shared layers).
+    // Before the first update MTP only adds a head: the main loss is the
+    // MTP-free model's, bit for bit (same data, same initial values). After
+    // it, MTP's gradient has flowed into the shared layers.
     let without = with("[M*E][M*E]", |_| {});
-    assert_ne!(
-        overlap.0,
-        without.0.iter().map(|&x| x ^ 1).collect::<Vec<_>>()
-    );
+    assert_eq!(overlap.0[0], without.0[0]);
+    assert_ne!(overlap.0[1..], without.0[1..]);
     assert_ne!(overlap.1, without.1);
 }
 
@@ -107,9 +107,9 @@ fn a_group_changes_no_maths() {
 }
 
 #[test]
-fn expert_parallelism_is_not_a_no_op() {
-    // Guard against a parity test passing because nothing differs at all:
-    // another seed gives other bits.
+fn another_seed_gives_other_bits() {
+    // Guards the parity tests against passing because nothing they compare
+    // depends on anything: another seed gives other losses and parameters.
     let a = with("[*E][*E]", |_| {});
     let b = with("[*E][*E]", |c| c.seed = 1);
     assert_ne!(a.1, b.1);
