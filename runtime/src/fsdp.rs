@@ -158,7 +158,6 @@ pub type GradAccess<D> = BufferAccess<D, Shared<Buf<D>>>;
 pub struct FsdpEngine<D: Device> {
     plan: Arc<Plan>,
     layout: ShardLayout,
-    sharding: Sharding,
     /// Per bucket id.
     shards: Vec<Shared<ShardState<D::Backend>>>,
     /// Per bucket: where its region starts inside its unit's pool buffer
@@ -286,7 +285,6 @@ impl<D: Device> FsdpEngine<D> {
             scratch: shared(backend.alloc(max_shard, Precision::F32)?),
             plan,
             layout,
-            sharding,
             shards,
             regions,
             param_slots,
@@ -297,7 +295,7 @@ impl<D: Device> FsdpEngine<D> {
     }
 
     pub fn sharding(&self) -> Sharding {
-        self.sharding
+        self.layout.sharding
     }
 
     /// Where every bucket's pieces live.
@@ -332,12 +330,12 @@ impl<D: Device> FsdpEngine<D> {
         for u in &mut self.units {
             u.ready = None;
             u.grad_ready = None;
-            if self.sharding == Sharding::Zero3 {
+            if self.layout.sharding == Sharding::Zero3 {
                 u.slot = None;
             }
         }
         for slot in &mut self.param_slots {
-            if self.sharding == Sharding::Zero3 {
+            if self.layout.sharding == Sharding::Zero3 {
                 slot.holder = None;
             }
         }
@@ -357,7 +355,7 @@ impl<D: Device> FsdpEngine<D> {
                 backend.fill(backend.view_mut(&mut grads)?, 0.0)
             }),
         );
-        match self.sharding {
+        match self.layout.sharding {
             Sharding::Zero3 => {
                 let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
                 let ready = self.gather(
@@ -629,7 +627,7 @@ impl<D: Device> FsdpEngine<D> {
         let jobs = self.bucket_jobs(rank, buckets);
         let backend = rank.backend.clone();
         let scratch = self.scratch.clone();
-        let sharding = self.sharding;
+        let sharding = self.layout.sharding;
         Ok(rank.comm.submit(
             Label::new(what.to_string(), "reduce"),
             after,

@@ -278,6 +278,7 @@ pub fn train_prepared(
     let recorder = Arc::new(TraceRecorder::new());
     let world = CpuWorld::with_timeout(config.ranks, config.timeout)?;
     let (reports, received) = mpsc::channel::<StepReport>();
+    let (mut first_loss, mut final_loss) = (None, None);
     let started = Instant::now();
     let outcomes: Vec<Result<Option<u64>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..config.ranks)
@@ -298,6 +299,8 @@ pub fn train_prepared(
             .collect();
         drop(reports);
         for report in received.iter() {
+            first_loss.get_or_insert(report.loss);
+            final_loss = Some(report.loss);
             on_step(&report);
         }
         handles
@@ -350,8 +353,8 @@ pub fn train_prepared(
     Ok(TrainSummary {
         steps: config.steps,
         last_step: prepared.resume_step.unwrap_or(0) + config.steps,
-        first_loss: None,
-        final_loss: None,
+        first_loss,
+        final_loss,
         entropy_floor: prepared.data.entropy_floor(),
         data: prepared.data.describe(),
         tokens,

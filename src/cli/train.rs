@@ -165,12 +165,8 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
     } else {
         None
     };
-    let mut first = None;
-    let mut last = None;
     let mut output_error = None;
     let mut on_step = |report: &StepReport| {
-        first.get_or_insert(report.loss);
-        last = Some(report.loss);
         let line = if text {
             if let Some(bar) = &bar {
                 bar.set_message(format!("{:.4}", report.loss));
@@ -229,23 +225,20 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
     }
     let summary = result.map_err(|e| Failure::Message(runtime_message(&e)))?;
     if text {
-        super::emit(&summary_text(&summary, first, last))
+        super::emit(&summary_text(&summary))
     } else {
-        super::emit(&format!("{}\n", summary_json(&summary, last)))
+        super::emit(&format!("{}\n", summary_json(&summary)))
     }
 }
 
 /// Builds the run's configuration from the flags, refusing what cannot work
 /// before anything starts.
 fn config(args: &TrainArgs) -> Result<TrainConfig, Failure> {
-    let mut model = super::plan::resolve_model(
+    let model = super::plan::resolve_model(
         args.pattern.as_deref(),
         args.model.as_ref(),
         Some(&args.preset),
     )?;
-    if args.model.is_some() && args.pattern.is_some() {
-        model.pattern = args.pattern.clone().unwrap_or_default();
-    }
     let mut config = TrainConfig::new(model);
     config.ranks = args.ranks as usize;
     config.ep = args.ep as usize;
@@ -299,9 +292,9 @@ fn runtime_message(error: &RuntimeError) -> String {
     }
 }
 
-fn summary_text(s: &TrainSummary, first: Option<f64>, last: Option<f64>) -> String {
+fn summary_text(s: &TrainSummary) -> String {
     let mut out = String::from("\nsummary\n");
-    if let (Some(first), Some(last)) = (first, last) {
+    if let (Some(first), Some(last)) = (s.first_loss, s.final_loss) {
         out += &format!("  loss            {first:.4} -> {last:.4}");
         if let Some(floor) = s.entropy_floor {
             out += &format!("  (data entropy floor {floor:.4})");
@@ -352,12 +345,12 @@ fn summary_text(s: &TrainSummary, first: Option<f64>, last: Option<f64>) -> Stri
     out
 }
 
-fn summary_json(s: &TrainSummary, last: Option<f64>) -> serde_json::Value {
+fn summary_json(s: &TrainSummary) -> serde_json::Value {
     json!({
         "summary": {
             "steps": s.steps,
             "last_step": s.last_step,
-            "final_loss": last,
+            "final_loss": s.final_loss,
             "entropy_floor": s.entropy_floor,
             "tokens": s.tokens,
             "wall_s": s.wall.as_secs_f64(),
