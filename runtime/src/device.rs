@@ -59,12 +59,4 @@ impl<D: Device> RankContext<D> {
     pub fn ep_rank(&self) -> usize {
         self.rank % self.ep.max(1)
     }
-
-    pub fn edp_rank(&self) -> usize {
-        self.rank / self.ep.max(1)
-    }
-
-    pub fn edp_size(&self) -> usize {
-        self.world / self.ep.max(1)
-    }
 }
