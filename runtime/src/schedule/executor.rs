@@ -217,7 +217,7 @@ pub fn run_step<D: Device>(
                     "forward",
                 )
                 .micro_batch(mb);
-                let work = forward_work(cx.clone(), node.clone(), slot, states[mb].clone(), params);
+                let work = forward_work(cx.clone(), node.index, slot, states[mb].clone(), params);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
                 chain[mb] = Some(event);
@@ -242,7 +242,7 @@ pub fn run_step<D: Device>(
                 };
                 let work = backward_work(
                     cx.clone(),
-                    node.clone(),
+                    node.index,
                     piece,
                     states[mb].clone(),
                     params,
@@ -491,7 +491,7 @@ fn moe_layer(model: &ModelRuntime, layer: LayerRef) -> Result<&MoeLayer> {
 
 fn forward_work<D: Device>(
     cx: Arc<StepContext<D>>,
-    node: ScheduleNode,
+    node: usize,
     slot: Slot,
     state: Shared<MicroBatch<D::Backend>>,
     params: ParamBuffers<D>,
@@ -499,7 +499,7 @@ fn forward_work<D: Device>(
     Box::new(move || {
         let mut mb = lock(&state, "a micro-batch")?;
         let weights = Weights::lock(&cx, &params)?;
-        for op in node.ops(slot) {
+        for op in cx.model.plan.schedule.nodes[node].ops(slot) {
             forward_op(&cx, op, &mut mb, &weights)?;
         }
         Ok(())
@@ -508,7 +508,7 @@ fn forward_work<D: Device>(
 
 fn backward_work<D: Device>(
     cx: Arc<StepContext<D>>,
-    node: ScheduleNode,
+    node: usize,
     piece: BackwardPiece,
     state: Shared<MicroBatch<D::Backend>>,
     params: ParamBuffers<D>,
@@ -523,7 +523,7 @@ fn backward_work<D: Device>(
             LaneKind::Compute => Some(Grads::lock(&cx, &grads)?),
             LaneKind::Comm => None,
         };
-        let mut ops = node.ops(piece.slot());
+        let mut ops = cx.model.plan.schedule.nodes[node].ops(piece.slot());
         ops.reverse();
         for op in ops {
             backward_op(&cx, op, piece, &mut mb, &weights, grads.as_mut())?;
