@@ -1,12 +1,21 @@
 //! The `Backend` trait: device memory and the kernels layers need
 //! (shared/spec/runtime.md). Layers, the FSDP engine and the optimizer are
-//! written once against it; the CPU backend (f32, deterministic loops) is the
-//! reference the CUDA backend (bf16 storage, f32 accumulation, cuBLAS, NVRTC)
-//! is checked against.
+//! written once against it; the CPU backend (deterministic loops, bf16
+//! storage emulated exactly) is the reference the CUDA backend (cuBLAS,
+//! NVRTC) is checked against.
 //!
-//! Kernels run on the lane whose worker thread calls them (CUDA: the stream
-//! bound to that lane's host thread). Every kernel is deterministic: the same
+//! A backend value is bound to one lane: its kernels run on that lane's
+//! queue (CUDA: its stream), in the order they are called. Lane work
+//! receives its lane's backend ([`crate::lane::Work`]); nothing depends on
+//! which thread happens to run it. Every kernel is deterministic: the same
 //! inputs give the same bits, whatever else runs.
+//!
+//! Every kernel states the dtypes it takes (see each method; the rules are
+//! [`DTypeRule`]s) and refuses others with an error naming the kernel, the
+//! argument and the dtypes. Floating-point kernels compute in f32 whatever
+//! their storage (bf16 inputs are widened, bf16 outputs rounded once, at the
+//! store), so a bf16 run rounds at the same points on every backend.
+//! Converting between dtypes is [`Backend::cast`], never a side effect.
 //!
 //! The kernels are at the granularity llm.c uses (a matmul with transpose and
 //! accumulate flags, a norm forward and its two backwards, ...): small enough
@@ -14,101 +23,123 @@
 //! coarse enough that a layer is a dozen calls.
 
 use crate::error::{Result, RuntimeError};
+pub use crate::view::{DType, DTypeRule, DeviceBuffer, Scalar, View, ViewMut};
 use hybridgen_dsl::config::ScoreFunction;
 use std::ops::Range;
 
-/// How a buffer stores its elements. The CPU keeps everything in f32; the
-/// CUDA backend keeps `Compute` buffers (parameters, activations) in bf16 and
-/// `F32` buffers (master weights, gradient shards, optimizer moments) in f32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// A read-only view of one of `B`'s buffers.
+pub type Slice<'a, B> = View<'a, <B as Backend>::Buf>;
+/// A writable view of one of `B`'s buffers.
+pub type SliceMut<'a, B> = ViewMut<'a, <B as Backend>::Buf>;
+
+/// The precision a run trains in (Megatron's mixed precision): which dtype
+/// parameters and activations are stored in. Master weights, gradient
+/// accumulation, gradient shards and optimizer state are f32 either way.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum Precision {
-    Compute,
+    /// Everything in f32: the checking mode, and the CPU default.
+    #[default]
     F32,
+    /// Parameters and activations in bf16, computing in f32.
+    Bf16,
 }
 
-/// Device memory and kernels.
+impl Precision {
+    /// The storage type of parameters and activations.
+    pub const fn compute_dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+        }
+    }
+}
+
+/// Device memory and kernels, bound to one lane.
 pub trait Backend: Send + Sync + 'static {
-    /// One device allocation: a flat array of elements.
-    type Buf: Send + Sync + 'static;
-    /// A read-only view of part of a buffer (`&[f32]` on the CPU).
-    type Slice<'a>: Copy + Send
-    where
-        Self: 'a;
-    /// A writable view of part of a buffer (`&mut [f32]` on the CPU).
-    type SliceMut<'a>: Send
-    where
-        Self: 'a;
+    /// One device allocation.
+    type Buf: DeviceBuffer;
 
     /// A short name (`cpu`, `cuda:0`).
     fn name(&self) -> String;
 
+    /// What parameters and activations are stored in (bf16 or f32).
+    fn compute_dtype(&self) -> DType;
+
     // ---- memory -----------------------------------------------------------
 
-    /// A zero-filled buffer of `len` elements.
-    fn alloc(&self, len: usize, precision: Precision) -> Result<Self::Buf>;
-    fn buf_len(&self, buf: &Self::Buf) -> usize;
+    /// A zero-filled buffer of `len` elements of `dtype`.
+    fn alloc(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
+    /// Host to device; `T` must be the view's dtype.
+    fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()>;
+    /// Device to host; `T` must be the view's dtype. Waits for the lane's
+    /// work so far: a host read is a synchronisation point, which is why the
+    /// runtime makes as few as the schedule allows.
+    fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()>;
+    /// `dst = src`, both of one dtype.
+    fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()>;
+    /// `dst = src` converted (bf16, f32 or f64 either side), rounding to
+    /// nearest even when narrowing.
+    fn cast(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()>;
+    /// Every element of a float view set to `value` (rounded to its dtype).
+    fn fill(&self, dst: SliceMut<'_, Self>, value: f32) -> Result<()>;
+    /// Every element of a view of any dtype set to zero.
+    fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()>;
+
+    // ---- views --------------------------------------------------------------
+    // Views are backend-independent handles (`crate::view`); these provided
+    // methods spell the common moves the way layers read best.
+
+    fn buf_len(&self, buf: &Self::Buf) -> usize {
+        buf.len()
+    }
     /// `buf[range]`; an error (not a panic) when the range is out of bounds.
-    fn slice<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Result<Self::Slice<'a>>;
-    fn slice_mut<'a>(
-        &self,
-        buf: &'a mut Self::Buf,
-        range: Range<usize>,
-    ) -> Result<Self::SliceMut<'a>>;
+    fn slice<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Result<Slice<'a, Self>> {
+        View::of(buf, range)
+    }
+    fn slice_mut<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Result<SliceMut<'a, Self>> {
+        ViewMut::of(buf, range)
+    }
     /// Splits a writable view in two at `mid`, as `split_at_mut` does.
     fn split_mut<'a>(
         &self,
-        slice: Self::SliceMut<'a>,
+        slice: SliceMut<'a, Self>,
         mid: usize,
-    ) -> Result<(Self::SliceMut<'a>, Self::SliceMut<'a>)>
-    where
-        Self: 'a;
+    ) -> Result<(SliceMut<'a, Self>, SliceMut<'a, Self>)> {
+        slice.split_at(mid)
+    }
     /// Reborrows a writable view as a read-only one.
-    fn as_slice<'a, 'b>(&self, slice: &'b Self::SliceMut<'a>) -> Self::Slice<'b>
-    where
-        'a: 'b;
-    fn slice_len(&self, slice: Self::Slice<'_>) -> usize;
-    fn upload(&self, src: &[f32], dst: Self::SliceMut<'_>) -> Result<()>;
-    fn download(&self, src: Self::Slice<'_>, dst: &mut [f32]) -> Result<()>;
-    fn copy(&self, src: Self::Slice<'_>, dst: Self::SliceMut<'_>) -> Result<()>;
-    fn fill(&self, dst: Self::SliceMut<'_>, value: f32) -> Result<()>;
-
-    // ---- views --------------------------------------------------------------
-    // Layers are written once against this trait, so they take sub-views of
-    // views (a weight's row block, one expert's rows) and reborrow writable
-    // views to pass them on.
-
+    fn as_slice<'b>(&self, slice: &'b SliceMut<'_, Self>) -> Slice<'b, Self> {
+        slice.as_view()
+    }
+    fn slice_len(&self, slice: Slice<'_, Self>) -> usize {
+        slice.len()
+    }
     /// `slice[range]` of a read-only view; an error when out of bounds.
-    fn subslice<'a>(&self, slice: Self::Slice<'a>, range: Range<usize>) -> Result<Self::Slice<'a>>
-    where
-        Self: 'a;
-    /// `slice[range]` of a writable view, borrowed for `'b`.
-    fn subslice_mut<'a, 'b>(
+    fn subslice<'a>(&self, slice: Slice<'a, Self>, range: Range<usize>) -> Result<Slice<'a, Self>> {
+        slice.slice(range)
+    }
+    /// `slice[range]` of a writable view, borrowed from it.
+    fn subslice_mut<'b>(
         &self,
-        slice: &'b mut Self::SliceMut<'a>,
+        slice: &'b mut SliceMut<'_, Self>,
         range: Range<usize>,
-    ) -> Result<Self::SliceMut<'b>>
-    where
-        'a: 'b;
-    /// A read-only view with a shorter lifetime. Generic code needs it where
-    /// views of different lifetimes meet in one struct (e.g. weights and
-    /// activations in [`ScanInputs`]): lifetimes of associated types do not
-    /// shorten implicitly.
-    fn shorten<'a, 'b>(&self, slice: Self::Slice<'a>) -> Self::Slice<'b>
-    where
-        'a: 'b,
-        Self: 'a;
-    /// Reborrows a writable view for a shorter lifetime (`&mut *slice`).
-    fn reborrow_mut<'a, 'b>(&self, slice: &'b mut Self::SliceMut<'a>) -> Self::SliceMut<'b>
-    where
-        'a: 'b;
+    ) -> Result<SliceMut<'b, Self>> {
+        slice.slice_mut(range)
+    }
+    /// Reborrows a writable view for a shorter lifetime.
+    fn reborrow_mut<'b>(&self, slice: &'b mut SliceMut<'_, Self>) -> SliceMut<'b, Self> {
+        slice.reborrow()
+    }
     /// The whole buffer as a read-only view.
-    fn view<'a>(&self, buf: &'a Self::Buf) -> Result<Self::Slice<'a>> {
-        self.slice(buf, 0..self.buf_len(buf))
+    fn view<'a>(&self, buf: &'a Self::Buf) -> Result<Slice<'a, Self>> {
+        Ok(View::whole(buf))
     }
     /// The whole buffer as a writable view.
-    fn view_mut<'a>(&self, buf: &'a mut Self::Buf) -> Result<Self::SliceMut<'a>> {
-        let len = self.buf_len(buf);
-        self.slice_mut(buf, 0..len)
+    fn view_mut<'a>(&self, buf: &'a Self::Buf) -> Result<SliceMut<'a, Self>> {
+        Ok(ViewMut::whole(buf))
     }
 
     // ---- kernels: dense algebra ---------------------------------------------
@@ -127,17 +158,17 @@ pub trait Backend: Send + Sync + 'static {
     /// (`a_trans`, accumulate); see [`MatmulDims::linear`] and friends.
     fn matmul(
         &self,
-        a: Self::Slice<'_>,
-        b: Self::Slice<'_>,
-        c: Self::SliceMut<'_>,
+        a: Slice<'_, Self>,
+        b: Slice<'_, Self>,
+        c: SliceMut<'_, Self>,
         dims: MatmulDims,
     ) -> Result<()>;
 
     /// `y += alpha x`.
-    fn axpy(&self, alpha: f32, x: Self::Slice<'_>, y: Self::SliceMut<'_>) -> Result<()>;
+    fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()>;
 
     /// `x *= alpha`.
-    fn scale(&self, x: Self::SliceMut<'_>, alpha: f32) -> Result<()>;
+    fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()>;
 
     /// A strided 2-D copy of a block of columns (cudaMemcpy2D): for every row
     /// `r < rows` and column `j < cols`,
@@ -146,8 +177,8 @@ pub trait Backend: Send + Sync + 'static {
     /// `[q | k | v]` rows per KV group.
     fn copy_cols(
         &self,
-        src: Self::Slice<'_>,
-        dst: Self::SliceMut<'_>,
+        src: Slice<'_, Self>,
+        dst: SliceMut<'_, Self>,
         dims: CopyCols,
     ) -> Result<()>;
 
@@ -155,8 +186,8 @@ pub trait Backend: Send + Sync + 'static {
     /// order (a bias gradient).
     fn column_sum(
         &self,
-        x: Self::Slice<'_>,
-        out: Self::SliceMut<'_>,
+        x: Slice<'_, Self>,
+        out: SliceMut<'_, Self>,
         rows: usize,
         cols: usize,
     ) -> Result<()>;
@@ -171,10 +202,10 @@ pub trait Backend: Send + Sync + 'static {
     /// (kept for backward). Computed in f32.
     fn rmsnorm_forward(
         &self,
-        x: Self::Slice<'_>,
-        weight: Self::Slice<'_>,
-        y: Self::SliceMut<'_>,
-        rstd: Self::SliceMut<'_>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        rstd: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()>;
 
@@ -183,11 +214,11 @@ pub trait Backend: Send + Sync + 'static {
     /// `dx += rstd * g - x * rstd^3 * mean(g * x)`.
     fn rmsnorm_backward_input(
         &self,
-        dy: Self::Slice<'_>,
-        x: Self::Slice<'_>,
-        weight: Self::Slice<'_>,
-        rstd: Self::Slice<'_>,
-        dx: Self::SliceMut<'_>,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()>;
 
@@ -195,42 +226,42 @@ pub trait Backend: Send + Sync + 'static {
     /// order: `dw[j] += sum_r dy[r, j] * x[r, j] * rstd[r, group(j)]`.
     fn rmsnorm_backward_weight(
         &self,
-        dy: Self::Slice<'_>,
-        x: Self::Slice<'_>,
-        rstd: Self::Slice<'_>,
-        dw: Self::SliceMut<'_>,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dw: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()>;
 
     /// `y = f(x)` element-wise for `op` (see [`Unary`]).
-    fn unary_forward(&self, op: Unary, x: Self::Slice<'_>, y: Self::SliceMut<'_>) -> Result<()>;
+    fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()>;
 
     /// `dx = dy * f'(x)` element-wise (overwrites `dx`).
     fn unary_backward(
         &self,
         op: Unary,
-        x: Self::Slice<'_>,
-        dy: Self::Slice<'_>,
-        dx: Self::SliceMut<'_>,
+        x: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
     ) -> Result<()>;
 
     /// `y = silu(gate) * up` element-wise: SwiGLU, and Mamba's `y * silu(z)`.
     fn silu_mul_forward(
         &self,
-        gate: Self::Slice<'_>,
-        up: Self::Slice<'_>,
-        y: Self::SliceMut<'_>,
+        gate: Slice<'_, Self>,
+        up: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
     ) -> Result<()>;
 
     /// Gradients of [`Backend::silu_mul_forward`] (overwritten):
     /// `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`.
     fn silu_mul_backward(
         &self,
-        gate: Self::Slice<'_>,
-        up: Self::Slice<'_>,
-        dy: Self::Slice<'_>,
-        dgate: Self::SliceMut<'_>,
-        dup: Self::SliceMut<'_>,
+        gate: Slice<'_, Self>,
+        up: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        dgate: SliceMut<'_, Self>,
+        dup: SliceMut<'_, Self>,
     ) -> Result<()>;
 
     // ---- kernels: Mamba ------------------------------------------------------
@@ -241,10 +272,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `K-1`, truncated). `x`, `y` `[rows, channels]`, `w` `[channels, K]`.
     fn conv1d_forward(
         &self,
-        x: Self::Slice<'_>,
-        weight: Self::Slice<'_>,
-        bias: Self::Slice<'_>,
-        y: Self::SliceMut<'_>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        bias: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()>;
 
@@ -252,9 +283,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `dx[s, c] = sum_j w[c, j] * dy[s + (K-1) - j, c]` within the sequence.
     fn conv1d_backward_input(
         &self,
-        dy: Self::Slice<'_>,
-        weight: Self::Slice<'_>,
-        dx: Self::SliceMut<'_>,
+        dy: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()>;
 
@@ -263,10 +294,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `dbias[c] += sum_t dy[t, c]`.
     fn conv1d_backward_weight(
         &self,
-        dy: Self::Slice<'_>,
-        x: Self::Slice<'_>,
-        dw: Self::SliceMut<'_>,
-        dbias: Self::SliceMut<'_>,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        dw: SliceMut<'_, Self>,
+        dbias: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()>;
 
@@ -281,9 +312,9 @@ pub trait Backend: Send + Sync + 'static {
     /// can recompute inside a chunk instead of keeping every step's state.
     fn ssd_scan_forward(
         &self,
-        inputs: ScanInputs<Self::Slice<'_>>,
-        y: Self::SliceMut<'_>,
-        states: Self::SliceMut<'_>,
+        inputs: ScanInputs<Slice<'_, Self>>,
+        y: SliceMut<'_, Self>,
+        states: SliceMut<'_, Self>,
         dims: ScanDims,
     ) -> Result<()>;
 
@@ -293,10 +324,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `dt_bias` gradient is the column sum of `grads.dt`.
     fn ssd_scan_backward(
         &self,
-        inputs: ScanInputs<Self::Slice<'_>>,
-        states: Self::Slice<'_>,
-        dy: Self::Slice<'_>,
-        grads: ScanGrads<Self::SliceMut<'_>>,
+        inputs: ScanInputs<Slice<'_, Self>>,
+        states: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        grads: ScanGrads<SliceMut<'_, Self>>,
         dims: ScanDims,
     ) -> Result<()>;
 
@@ -311,9 +342,9 @@ pub trait Backend: Send + Sync + 'static {
     /// so backward recomputes the probabilities instead of keeping them.
     fn attention_forward(
         &self,
-        inputs: AttentionInputs<Self::Slice<'_>>,
-        out: Self::SliceMut<'_>,
-        lse: Self::SliceMut<'_>,
+        inputs: AttentionInputs<Slice<'_, Self>>,
+        out: SliceMut<'_, Self>,
+        lse: SliceMut<'_, Self>,
         dims: AttentionDims,
     ) -> Result<()>;
 
@@ -324,11 +355,11 @@ pub trait Backend: Send + Sync + 'static {
     /// `dv_u = sum_t p_tu dout_t` (sums over the query heads of a group).
     fn attention_backward(
         &self,
-        inputs: AttentionInputs<Self::Slice<'_>>,
-        out: Self::Slice<'_>,
-        lse: Self::Slice<'_>,
-        dout: Self::Slice<'_>,
-        grads: AttentionInputs<Self::SliceMut<'_>>,
+        inputs: AttentionInputs<Slice<'_, Self>>,
+        out: Slice<'_, Self>,
+        lse: Slice<'_, Self>,
+        dout: Slice<'_, Self>,
+        grads: AttentionInputs<SliceMut<'_, Self>>,
         dims: AttentionDims,
     ) -> Result<()>;
 
@@ -337,11 +368,11 @@ pub trait Backend: Send + Sync + 'static {
     /// position `t` = the row's index inside its sequence. For `i < dim/2`,
     /// `theta = t * base^(-2i/dim)`, `(a, b) = (x[i], x[i + dim/2])` becomes
     /// `(a cos - b sin, b cos + a sin)`.
-    fn rotary_forward(&self, x: Self::SliceMut<'_>, dims: RotaryDims) -> Result<()>;
+    fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()>;
 
     /// Backward of [`Backend::rotary_forward`], in place: the inverse rotation
     /// `(da, db) <- (da cos + db sin, db cos - da sin)`.
-    fn rotary_backward(&self, dx: Self::SliceMut<'_>, dims: RotaryDims) -> Result<()>;
+    fn rotary_backward(&self, dx: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()>;
 
     // ---- kernels: embedding and loss -------------------------------------------
 
@@ -349,9 +380,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `[ids.len(), hidden]`. An id at or past `vocab` is an error.
     fn embedding_forward(
         &self,
-        table: Self::Slice<'_>,
+        table: Slice<'_, Self>,
         ids: &[u32],
-        out: Self::SliceMut<'_>,
+        out: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()>;
 
@@ -359,9 +390,9 @@ pub trait Backend: Send + Sync + 'static {
     /// backend sorts rows by id and sums each id's rows in row order).
     fn embedding_backward(
         &self,
-        dout: Self::Slice<'_>,
+        dout: Slice<'_, Self>,
         ids: &[u32],
-        dtable: Self::SliceMut<'_>,
+        dtable: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()>;
 
@@ -370,9 +401,9 @@ pub trait Backend: Send + Sync + 'static {
     /// - logits_r[targets[r]]`, or 0 where `targets[r] == IGNORE_TARGET`.
     fn cross_entropy_forward(
         &self,
-        logits: Self::SliceMut<'_>,
+        logits: SliceMut<'_, Self>,
         targets: &[u32],
-        losses: Self::SliceMut<'_>,
+        losses: SliceMut<'_, Self>,
         dims: LossDims,
     ) -> Result<()>;
 
@@ -381,7 +412,7 @@ pub trait Backend: Send + Sync + 'static {
     /// `scale * (p - onehot(target))`, and rows with an ignored target 0.
     fn cross_entropy_backward(
         &self,
-        probs: Self::SliceMut<'_>,
+        probs: SliceMut<'_, Self>,
         targets: &[u32],
         scale: f32,
         dims: LossDims,
@@ -400,9 +431,9 @@ pub trait Backend: Send + Sync + 'static {
     /// backend downloads it: the host needs the counts for the all-to-all).
     fn moe_route_forward(
         &self,
-        logits: Self::Slice<'_>,
+        logits: Slice<'_, Self>,
         expert_bias: Option<&[f32]>,
-        out: RouteOutputs<Self::SliceMut<'_>>,
+        out: RouteOutputs<SliceMut<'_, Self>>,
         selected: &mut [u32],
         dims: RouteDims,
     ) -> Result<()>;
@@ -414,20 +445,20 @@ pub trait Backend: Send + Sync + 'static {
     /// plus `aux_grad` through the softmax.
     fn moe_route_backward(
         &self,
-        saved: RouterScores<Self::Slice<'_>>,
+        saved: RouterScores<Slice<'_, Self>>,
         selected: &[u32],
-        d_weights: Self::Slice<'_>,
+        d_weights: Slice<'_, Self>,
         aux_grad: &[f32],
-        d_logits: Self::SliceMut<'_>,
+        d_logits: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()>;
 
     /// `dst[i] = src[index[i]]` for rows of `width` elements.
     fn gather_rows(
         &self,
-        src: Self::Slice<'_>,
+        src: Slice<'_, Self>,
         index: &[u32],
-        dst: Self::SliceMut<'_>,
+        dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()>;
 
@@ -435,9 +466,9 @@ pub trait Backend: Send + Sync + 'static {
     /// distinct (a permutation), which the CPU backend checks.
     fn scatter_rows(
         &self,
-        src: Self::Slice<'_>,
+        src: Slice<'_, Self>,
         index: &[u32],
-        dst: Self::SliceMut<'_>,
+        dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()>;
 
@@ -447,10 +478,10 @@ pub trait Backend: Send + Sync + 'static {
     /// gradients this way).
     fn moe_unpermute(
         &self,
-        rows: Self::Slice<'_>,
-        weights: Option<Self::Slice<'_>>,
+        rows: Slice<'_, Self>,
+        weights: Option<Slice<'_, Self>>,
         positions: &[u32],
-        out: Self::SliceMut<'_>,
+        out: SliceMut<'_, Self>,
         dims: UnpermuteDims,
     ) -> Result<()>;
 
@@ -459,11 +490,11 @@ pub trait Backend: Send + Sync + 'static {
     /// `grads.weights` (`d w[t, j] = dout[t] . rows[positions[t*k+j]]`).
     fn moe_unpermute_backward(
         &self,
-        dout: Self::Slice<'_>,
-        rows: Self::Slice<'_>,
-        weights: Self::Slice<'_>,
+        dout: Slice<'_, Self>,
+        rows: Slice<'_, Self>,
+        weights: Slice<'_, Self>,
         positions: &[u32],
-        grads: UnpermuteGrads<Self::SliceMut<'_>>,
+        grads: UnpermuteGrads<SliceMut<'_, Self>>,
         dims: UnpermuteDims,
     ) -> Result<()>;
 
@@ -474,10 +505,10 @@ pub trait Backend: Send + Sync + 'static {
     /// `v = b2 v + (1-b2) g^2`; `p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
     fn adam_update(
         &self,
-        param: Self::SliceMut<'_>,
-        grad: Self::Slice<'_>,
-        m: Self::SliceMut<'_>,
-        v: Self::SliceMut<'_>,
+        param: SliceMut<'_, Self>,
+        grad: Slice<'_, Self>,
+        m: SliceMut<'_, Self>,
+        v: SliceMut<'_, Self>,
         step: AdamStep,
     ) -> Result<()>;
 
@@ -486,9 +517,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `momentum` must be `Some` exactly when `step.momentum != 0`.
     fn sgd_update(
         &self,
-        param: Self::SliceMut<'_>,
-        grad: Self::Slice<'_>,
-        momentum: Option<Self::SliceMut<'_>>,
+        param: SliceMut<'_, Self>,
+        grad: Slice<'_, Self>,
+        momentum: Option<SliceMut<'_, Self>>,
         step: SgdStep,
     ) -> Result<()>;
 
@@ -497,7 +528,7 @@ pub trait Backend: Send + Sync + 'static {
     /// the gradient norm's partials, independent of how a buffer is sharded
     /// as long as shards start on a block boundary. `out` is a host slice of
     /// `ceil(len / NORM_BLOCK)` values (the CUDA backend downloads them).
-    fn sum_squares_blocks(&self, x: Self::Slice<'_>, out: &mut [f64]) -> Result<()>;
+    fn sum_squares_blocks(&self, x: Slice<'_, Self>, out: &mut [f64]) -> Result<()>;
 }
 
 // ---- kernel dimensions ------------------------------------------------------

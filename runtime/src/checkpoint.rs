@@ -19,7 +19,6 @@ use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::optimizer::{Optimizer, OptimizerKind};
-use crate::shared::lock;
 use hybridgen_dsl::{ModelConfig, Plan};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
@@ -178,8 +177,8 @@ pub fn save<D: Device>(
     let ep = rank.ep.max(1);
     let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
     for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
-        let shard = lock(&engine.shards()[b], "a parameter shard")?;
-        let state = lock(&optimizer.states()[b], "optimizer state")?;
+        let shard = &engine.shards()[b];
+        let state = &optimizer.states()[b];
         let [p, m, v] = names(&piece.key);
         let read = |buf: &<D::Backend as Backend>::Buf| -> Result<Vec<u8>> {
             let mut host = vec![0.0f32; piece.in_shard.len()];
@@ -337,16 +336,14 @@ pub fn load<D: Device>(
                 format!("no tensor `{}` in the checkpoint", piece.key),
             )
         })?;
-        let mut shard_guard = lock(&engine.shards()[b], "a parameter shard")?;
-        let mut state_guard = lock(&optimizer.states()[b], "optimizer state")?;
-        let (shard, state) = (&mut *shard_guard, &mut *state_guard);
+        let (shard, state) = (&engine.shards()[b], &optimizer.states()[b]);
         let [p, m, v] = names(&piece.key);
-        let targets: [(&str, Option<&mut <D::Backend as Backend>::Buf>); 3] = [
-            (&p, Some(&mut shard.master)),
-            (&m, Some(&mut state.exp_avg)),
+        let targets: [(&str, Option<&<D::Backend as Backend>::Buf>); 3] = [
+            (&p, Some(&shard.master)),
+            (&m, Some(&state.exp_avg)),
             (
                 &v,
-                (index.optimizer == OptimizerKind::Adam).then_some(&mut state.exp_avg_sq),
+                (index.optimizer == OptimizerKind::Adam).then_some(&state.exp_avg_sq),
             ),
         ];
         for (name, target) in targets {
@@ -354,9 +351,9 @@ pub fn load<D: Device>(
             let values = assemble(dir, entry, name, &piece.elements, &mut files)?;
             backend.upload(&values, backend.slice_mut(target, piece.in_shard.clone())?)?;
         }
-        backend.copy(
+        backend.cast(
             backend.slice(&shard.master, piece.in_shard.clone())?,
-            backend.slice_mut(&mut shard.param, piece.in_shard.clone())?,
+            backend.slice_mut(&shard.param, piece.in_shard.clone())?,
         )?;
     }
     optimizer.set_steps(index.step);

@@ -1,14 +1,21 @@
 //! Collectives (shared/spec/runtime.md): all-gather, reduce-scatter,
-//! all-reduce, variable-size all-to-all and barrier, each called from the
-//! lane it runs on. CPU: ranks are threads of one process exchanging through
-//! shared memory with a fixed reduction order (sums in rank order 0..size),
-//! so results are deterministic. CUDA: NCCL, one process per GPU.
+//! all-reduce, variable-size all-to-all, barrier and split, each called from
+//! the lane it runs on. CPU: ranks are threads of one process exchanging
+//! through shared memory. CUDA: NCCL, one process (or one thread) per GPU.
+//!
+//! What every implementation promises is determinism: the same inputs and
+//! sizes give the same bits on every run. The order in which ranks'
+//! contributions are summed is the implementation's own (the CPU sums in
+//! rank order, NCCL in the order its ring or tree gives), so two *different*
+//! sequences of collectives over the same data, such as ZeRO-3's
+//! reduce-scatters and `no_shard`'s all-reduces, agree bit for bit on the
+//! CPU only; on GPUs they agree to a tolerance, and tests say so.
 //!
 //! Every rank of a group must call the same collectives in the same order;
 //! an implementation detects a mismatch or a rank that stalls past its
 //! timeout and fails with an error naming the rank, rather than hanging.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Slice, SliceMut};
 use crate::error::Result;
 
 /// One communicator: a group of ranks.
@@ -18,27 +25,28 @@ pub trait Collective<B: Backend>: Send + Sync {
     /// Ranks in the group.
     fn size(&self) -> usize;
 
-    /// Every rank contributes `shard` (S elements); `full` (S x size
-    /// elements) receives all shards in rank order.
-    fn all_gather(&self, shard: B::Slice<'_>, full: B::SliceMut<'_>) -> Result<()>;
+    /// Every rank contributes `shard` (S elements of any dtype, the same on
+    /// every rank); `full` (S x size elements of that dtype) receives all
+    /// shards in rank order.
+    fn all_gather(&self, shard: Slice<'_, B>, full: SliceMut<'_, B>) -> Result<()>;
 
-    /// Every rank contributes `full` (S x size elements); they are summed
-    /// element-wise in rank order 0..size, and rank r receives elements
-    /// `[r*S, (r+1)*S)` of the sum in `shard`.
-    fn reduce_scatter(&self, full: B::Slice<'_>, shard: B::SliceMut<'_>) -> Result<()>;
+    /// Every rank contributes `full` (S x size f32 elements: gradients are
+    /// reduced in f32); they are summed element-wise, and rank r receives
+    /// elements `[r*S, (r+1)*S)` of the sum in `shard`.
+    fn reduce_scatter(&self, full: Slice<'_, B>, shard: SliceMut<'_, B>) -> Result<()>;
 
-    /// Element-wise sum in rank order 0..size; every rank gets the result.
-    fn all_reduce(&self, buf: B::SliceMut<'_>) -> Result<()>;
+    /// Element-wise sum of f32 buffers; every rank gets the result.
+    fn all_reduce(&self, buf: SliceMut<'_, B>) -> Result<()>;
 
-    /// Variable-size all-to-all. `send` is cut into `size` consecutive
+    /// Variable-size all-to-all of one dtype. `send` is cut into `size` consecutive
     /// segments of `send_counts[j]` elements, segment j going to rank j.
     /// `recv` receives, in rank order, `recv_counts[i]` elements from rank i.
     /// Counts must agree pairwise (see [`Collective::all_to_all_counts`]).
     fn all_to_all(
         &self,
-        send: B::Slice<'_>,
+        send: Slice<'_, B>,
         send_counts: &[usize],
-        recv: B::SliceMut<'_>,
+        recv: SliceMut<'_, B>,
         recv_counts: &[usize],
     ) -> Result<()>;
 
@@ -52,4 +60,12 @@ pub trait Collective<B: Backend>: Send + Sync {
 
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+
+    /// Collective: every rank of the group calls it; ranks that pass the
+    /// same `color` form a new group, ordered by their rank in this group
+    /// (NCCL: `ncclCommSplit`). `split(0)` everywhere duplicates the group,
+    /// which gives another lane a communicator of its own.
+    fn split(&self, color: usize) -> Result<Self>
+    where
+        Self: Sized;
 }

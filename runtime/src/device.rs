@@ -12,7 +12,7 @@ use std::sync::Arc;
 /// The types of one platform.
 pub trait Device: Send + Sync + 'static {
     type Backend: Backend;
-    type Lane: Lane + 'static;
+    type Lane: Lane<Backend = Self::Backend> + 'static;
     type Comm: Collective<Self::Backend> + 'static;
 }
 

@@ -3,7 +3,19 @@
 //!
 //! Each rank keeps, per bucket, its shard of the f32 master weights, of the
 //! compute-precision parameters that get all-gathered, and of the f32
-//! gradients accumulated over micro-batches. A unit's full parameters exist
+//! gradients accumulated over micro-batches.
+//!
+//! Buffer dtypes follow Megatron's mixed precision (`--bf16` with its
+//! default fp32 `main_grad`): what all-gathers move and layers read is in
+//! the compute dtype (bf16, or f32 under `--precision f32`); every gradient
+//! buffer is f32, because gradients are accumulated over micro-batches and
+//! reduce-scattered in f32 and never rounded to bf16 on the way:
+//!
+//! | buffer | dtype |
+//! | --- | --- |
+//! | shard master weights, shard gradients, reduce scratch | f32 |
+//! | shard parameters (gather source), unit pool, non-unit parameters | compute |
+//! | unit gradient buffers, non-unit gradients (wgrad GEMMs accumulate here) | f32 | A unit's full parameters exist
 //! only in a fixed pool of buffers sized by a dry run of the schedule; a
 //! release is lazy (the data stays until its buffer is reused, least
 //! recently released first), so a unit needed again soon is not gathered
@@ -15,12 +27,12 @@
 //! order and accumulate over micro-batches in the same order, and the
 //! optimizer is element-wise, so the two give the same bits.
 
-use crate::backend::{Backend, Precision};
+use crate::backend::Backend;
+use crate::view::DType;
 use crate::collective::Collective;
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::lane::{Label, Lane};
-use crate::shared::{Shared, SharedRw, lock, shared, shared_rw, write};
 use hybridgen_dsl::Plan;
 use hybridgen_dsl::plan::{Bucket, LaneKind};
 use std::ops::Range;
@@ -93,11 +105,12 @@ impl ShardLayout {
     }
 }
 
-/// What a rank keeps of one bucket between steps.
+/// What a rank keeps of one bucket between steps. Lane work and the
+/// driver share it; lanes and events order their accesses.
 pub struct ShardState<B: Backend> {
     /// f32 master weights of the owned elements.
     pub master: B::Buf,
-    /// The same in compute precision: what all-gathers send.
+    /// The same in the compute dtype: what all-gathers send.
     pub param: B::Buf,
     /// f32 gradients of the owned elements, summed over micro-batches.
     pub grad: B::Buf,
@@ -105,7 +118,7 @@ pub struct ShardState<B: Backend> {
 
 /// One buffer of the unit pool.
 struct ParamSlot<D: Device> {
-    buf: SharedRw<Buf<D>>,
+    buf: Arc<Buf<D>>,
     /// The unit whose parameters it holds (valid or being gathered).
     holder: Option<usize>,
     /// The last work on each lane (compute, comm) that read it: a new
@@ -117,7 +130,7 @@ struct ParamSlot<D: Device> {
 }
 
 struct GradSlot<D: Device> {
-    buf: Shared<Buf<D>>,
+    buf: Arc<Buf<D>>,
     busy: bool,
     /// The reduce that last read it; the next user waits for it.
     free_after: Option<EventOf<D>>,
@@ -137,7 +150,7 @@ struct Residency<D: Device> {
 /// One bucket's part of a gather or a reduce: the rank's shard, the
 /// bucket's region in the full buffer, and the group it is sharded over.
 struct BucketJob<D: Device> {
-    shard: Shared<ShardState<D::Backend>>,
+    shard: Arc<ShardState<D::Backend>>,
     region: Range<usize>,
     comm: Arc<D::Comm>,
 }
@@ -149,29 +162,29 @@ pub struct BufferAccess<D: Device, T> {
     pub ready: Option<EventOf<D>>,
 }
 
-/// Parameters: read by many lane works at once.
-pub type ParamAccess<D> = BufferAccess<D, SharedRw<Buf<D>>>;
-/// Gradients: written by one lane work at a time.
-pub type GradAccess<D> = BufferAccess<D, Shared<Buf<D>>>;
+/// A unit's parameters (read by many lane works at once).
+pub type ParamAccess<D> = BufferAccess<D, Arc<Buf<D>>>;
+/// A unit's gradients (written by one lane work at a time).
+pub type GradAccess<D> = BufferAccess<D, Arc<Buf<D>>>;
 
 /// The engine of one rank.
 pub struct FsdpEngine<D: Device> {
     plan: Arc<Plan>,
     layout: ShardLayout,
     /// Per bucket id.
-    shards: Vec<Shared<ShardState<D::Backend>>>,
+    shards: Vec<Arc<ShardState<D::Backend>>>,
     /// Per bucket: where its region starts inside its unit's pool buffer
     /// (or inside the non-unit buffer), and its length.
     regions: Vec<Range<usize>>,
     param_slots: Vec<ParamSlot<D>>,
     grad_slots: Vec<GradSlot<D>>,
     units: Vec<Residency<D>>,
-    non_unit_params: SharedRw<Buf<D>>,
-    non_unit_grads: Shared<Buf<D>>,
+    non_unit_params: Arc<Buf<D>>,
+    non_unit_grads: Arc<Buf<D>>,
     /// Completes when the non-unit parameters are gathered for this step.
     non_unit_ready: Option<EventOf<D>>,
     /// Reduce-scatter output before it is added to a shard (comm lane only).
-    scratch: Shared<Buf<D>>,
+    scratch: Arc<Buf<D>>,
     clock: u64,
 }
 
@@ -191,6 +204,7 @@ impl<D: Device> FsdpEngine<D> {
         init: &dyn Fn(usize, &mut [f32]) -> Result<()>,
     ) -> Result<Self> {
         let backend = &rank.backend;
+        let compute = backend.compute_dtype();
         let layout = ShardLayout {
             sharding,
             world: rank.world,
@@ -228,12 +242,12 @@ impl<D: Device> FsdpEngine<D> {
                 init(p, &mut full[param.offset..param.offset + numel])?;
             }
             let host = &full[shard_range.clone()];
-            let mut master = backend.alloc(host.len(), Precision::F32)?;
-            backend.upload(host, backend.view_mut(&mut master)?)?;
-            let mut param = backend.alloc(host.len(), Precision::Compute)?;
-            backend.upload(host, backend.view_mut(&mut param)?)?;
-            let grad = backend.alloc(host.len(), Precision::F32)?;
-            shards.push(shared(ShardState {
+            let master = backend.alloc(host.len(), DType::F32)?;
+            backend.upload(host, backend.view_mut(&master)?)?;
+            let param = backend.alloc(host.len(), compute)?;
+            backend.cast(backend.view(&master)?, backend.view_mut(&param)?)?;
+            let grad = backend.alloc(host.len(), DType::F32)?;
+            shards.push(Arc::new(ShardState {
                 master,
                 param,
                 grad,
@@ -254,7 +268,7 @@ impl<D: Device> FsdpEngine<D> {
                     Sharding::Zero3 => (slot_len, None),
                 };
                 Ok(ParamSlot {
-                    buf: shared_rw(backend.alloc(len, Precision::Compute)?),
+                    buf: Arc::new(backend.alloc(len, compute)?),
                     holder,
                     last_uses: [None, None],
                     released_at: 0,
@@ -264,7 +278,7 @@ impl<D: Device> FsdpEngine<D> {
         let mut grad_slots = Vec::new();
         for _ in 0..grad_buffers.max(1).min(plan.units.len().max(1)) {
             grad_slots.push(GradSlot {
-                buf: shared(backend.alloc(slot_len, Precision::Compute)?),
+                buf: Arc::new(backend.alloc(slot_len, DType::F32)?),
                 busy: false,
                 free_after: None,
             });
@@ -279,10 +293,10 @@ impl<D: Device> FsdpEngine<D> {
             })
             .collect();
         Ok(FsdpEngine {
-            non_unit_params: shared_rw(backend.alloc(non_unit_len, Precision::Compute)?),
-            non_unit_grads: shared(backend.alloc(non_unit_len, Precision::Compute)?),
+            non_unit_params: Arc::new(backend.alloc(non_unit_len, compute)?),
+            non_unit_grads: Arc::new(backend.alloc(non_unit_len, DType::F32)?),
             non_unit_ready: None,
-            scratch: shared(backend.alloc(max_shard, Precision::F32)?),
+            scratch: Arc::new(backend.alloc(max_shard, DType::F32)?),
             plan,
             layout,
             shards,
@@ -305,7 +319,7 @@ impl<D: Device> FsdpEngine<D> {
 
     /// Per bucket id, the rank's shard state (for the optimizer and
     /// checkpoints).
-    pub fn shards(&self) -> &[Shared<ShardState<D::Backend>>] {
+    pub fn shards(&self) -> &[Arc<ShardState<D::Backend>>] {
         &self.shards
     }
 
@@ -342,17 +356,14 @@ impl<D: Device> FsdpEngine<D> {
         // Zero the gradient accumulators (shards and the non-unit buffer).
         let shards: Vec<_> = self.shards.clone();
         let grads = self.non_unit_grads.clone();
-        let backend = rank.backend.clone();
         let zeroed = rank.compute.submit(
             Label::new("zero gradients", "optimizer"),
             &[],
-            Box::new(move || {
+            Box::new(move |b: &D::Backend| {
                 for shard in &shards {
-                    let mut shard = lock(shard, "a gradient shard")?;
-                    backend.fill(backend.view_mut(&mut shard.grad)?, 0.0)?;
+                    b.zero(b.view_mut(&shard.grad)?)?;
                 }
-                let mut grads = lock(&grads, "the non-unit gradients")?;
-                backend.fill(backend.view_mut(&mut grads)?, 0.0)
+                b.zero(b.view_mut(&grads)?)
             }),
         );
         match self.layout.sharding {
@@ -397,26 +408,22 @@ impl<D: Device> FsdpEngine<D> {
         &self,
         rank: &RankContext<D>,
         buckets: &[usize],
-        dest: SharedRw<Buf<D>>,
+        dest: Arc<Buf<D>>,
         after: &[EventOf<D>],
         what: &str,
     ) -> Result<EventOf<D>> {
         let jobs = self.bucket_jobs(rank, buckets);
-        let backend = rank.backend.clone();
         Ok(rank.comm.submit(
             Label::new(what.to_string(), "gather"),
             after,
-            Box::new(move || {
-                let mut full = write(&dest, "a unit's parameters")?;
+            Box::new(move |b: &D::Backend| {
                 for BucketJob {
                     shard,
                     region,
                     comm,
                 } in &jobs
                 {
-                    let shard = lock(shard, "a parameter shard")?;
-                    let src = backend.view(&shard.param)?;
-                    comm.all_gather(src, backend.slice_mut(&mut full, region.clone())?)?;
+                    comm.all_gather(b.view(&shard.param)?, b.slice_mut(&dest, region.clone())?)?;
                 }
                 Ok(())
             }),
@@ -443,7 +450,7 @@ impl<D: Device> FsdpEngine<D> {
         &self,
         rank: &RankContext<D>,
         buckets: &[usize],
-        dest: SharedRw<Buf<D>>,
+        dest: Arc<Buf<D>>,
         after: &EventOf<D>,
         what: &str,
     ) -> Result<EventOf<D>> {
@@ -451,18 +458,12 @@ impl<D: Device> FsdpEngine<D> {
             .iter()
             .map(|&b| (self.shards[b].clone(), self.regions[b].clone()))
             .collect();
-        let backend = rank.backend.clone();
         Ok(rank.compute.submit(
             Label::new(what.to_string(), "gather"),
             std::slice::from_ref(after),
-            Box::new(move || {
-                let mut full = write(&dest, "a unit's parameters")?;
+            Box::new(move |b: &D::Backend| {
                 for (shard, region) in &jobs {
-                    let shard = lock(shard, "a parameter shard")?;
-                    backend.copy(
-                        backend.view(&shard.param)?,
-                        backend.slice_mut(&mut full, region.clone())?,
-                    )?;
+                    b.copy(b.view(&shard.param)?, b.slice_mut(&dest, region.clone())?)?;
                 }
                 Ok(())
             }),
@@ -553,17 +554,13 @@ impl<D: Device> FsdpEngine<D> {
         grad_slot.busy = true;
         let after: Vec<_> = grad_slot.free_after.take().into_iter().collect();
         let buf = grad_slot.buf.clone();
-        let backend = rank.backend.clone();
         let zeroed = rank.compute.submit(
             Label::new(
                 format!("zero grads {}", self.plan.units[unit].name),
                 "reduce",
             ),
             &after,
-            Box::new(move || {
-                let mut buf = lock(&buf, "a gradient buffer")?;
-                backend.fill(backend.view_mut(&mut buf)?, 0.0)
-            }),
+            Box::new(move |b: &D::Backend| b.zero(b.view_mut(&buf)?)),
         );
         self.units[unit].grad_slot = Some(slot);
         self.units[unit].grad_ready = Some(zeroed);
@@ -620,39 +617,34 @@ impl<D: Device> FsdpEngine<D> {
         &self,
         rank: &RankContext<D>,
         buckets: &[usize],
-        source: Shared<Buf<D>>,
+        source: Arc<Buf<D>>,
         after: &[EventOf<D>],
         what: &str,
     ) -> Result<EventOf<D>> {
         let jobs = self.bucket_jobs(rank, buckets);
-        let backend = rank.backend.clone();
         let scratch = self.scratch.clone();
         let sharding = self.layout.sharding;
         Ok(rank.comm.submit(
             Label::new(what.to_string(), "reduce"),
             after,
-            Box::new(move || {
-                let mut full = lock(&source, "a gradient buffer")?;
-                let mut scratch = lock(&scratch, "the reduce scratch buffer")?;
+            Box::new(move |b: &D::Backend| {
                 for BucketJob {
                     shard,
                     region,
                     comm,
                 } in &jobs
                 {
-                    let mut shard = lock(shard, "a gradient shard")?;
-                    let len = backend.buf_len(&shard.grad);
+                    let len = b.buf_len(&shard.grad);
                     match sharding {
                         Sharding::Zero3 => {
-                            let src = backend.slice(&full, region.clone())?;
-                            comm.reduce_scatter(src, backend.slice_mut(&mut scratch, 0..len)?)?;
-                            let summed = backend.slice(&scratch, 0..len)?;
-                            backend.axpy(1.0, summed, backend.view_mut(&mut shard.grad)?)?;
+                            let src = b.slice(&source, region.clone())?;
+                            comm.reduce_scatter(src, b.slice_mut(&scratch, 0..len)?)?;
+                            b.axpy(1.0, b.slice(&scratch, 0..len)?, b.view_mut(&shard.grad)?)?;
                         }
                         Sharding::NoShard => {
-                            comm.all_reduce(backend.slice_mut(&mut full, region.clone())?)?;
-                            let summed = backend.slice(&full, region.clone())?;
-                            backend.axpy(1.0, summed, backend.view_mut(&mut shard.grad)?)?;
+                            comm.all_reduce(b.slice_mut(&source, region.clone())?)?;
+                            let summed = b.slice(&source, region.clone())?;
+                            b.axpy(1.0, summed, b.view_mut(&shard.grad)?)?;
                         }
                     }
                 }

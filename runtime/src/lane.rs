@@ -4,12 +4,14 @@
 //! flag with a condition variable. The schedules are written once against
 //! these traits, so the CPU run really overlaps too.
 
+use crate::backend::Backend;
 use crate::error::Result;
 use std::borrow::Cow;
 
-/// A unit of lane work. It runs on the lane's worker thread; kernels and
-/// collectives it calls run on that lane.
-pub type Work = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
+/// A unit of lane work. It receives the lane's backend (on a GPU, bound to
+/// the lane's stream) and launches its kernels there; where it runs on the
+/// host is the lane's business.
+pub type Work<B> = Box<dyn FnOnce(&B) -> Result<()> + Send + 'static>;
 
 /// What a piece of lane work is, for traces and error messages.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,15 +52,21 @@ pub trait Event: Clone + Send + Sync + 'static {
 /// An ordered queue of work.
 pub trait Lane: Send + Sync {
     type Event: Event;
+    /// The device the lane's work runs on.
+    type Backend: Backend;
 
     /// The lane's name (`compute`, `comm`), for traces and errors.
     fn name(&self) -> &str;
+
+    /// The device, bound to this lane: what [`Work`] receives.
+    fn backend(&self) -> &Self::Backend;
 
     /// Queues `work` behind everything already queued on this lane; it starts
     /// once every event in `after` has completed. Returns an event that
     /// completes when the work has run. If a dependency failed, the work is
     /// skipped and the returned event carries that failure.
-    fn submit(&self, label: Label, after: &[Self::Event], work: Work) -> Self::Event;
+    fn submit(&self, label: Label, after: &[Self::Event], work: Work<Self::Backend>)
+        -> Self::Event;
 
     /// Waits until everything queued so far has run; the first error wins.
     fn synchronize(&self) -> Result<()>;

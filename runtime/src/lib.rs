@@ -21,6 +21,7 @@ pub mod schedule;
 pub mod shared;
 pub mod trace;
 pub mod train;
+pub mod view;
 
 pub use backend::{Backend, Precision};
 pub use collective::Collective;

@@ -7,13 +7,13 @@
 //! the partials are summed in one canonical order on every rank. ZeRO-3 and
 //! `no_shard` therefore clip by the same bits, which the parity tests need.
 
-use crate::backend::{AdamStep, Backend, NORM_BLOCK, Precision, SgdStep};
+use crate::backend::{AdamStep, Backend, NORM_BLOCK, SgdStep};
+use crate::view::DType;
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
 use crate::lane::{Event, Label, Lane};
-use crate::shared::{Shared, lock, shared};
 use hybridgen_dsl::Plan;
 use std::ops::Range;
 use std::sync::Arc;
@@ -130,7 +130,7 @@ pub struct Optimizer<D: Device> {
     plan: Arc<Plan>,
     /// Steps taken (the next is `steps + 1`).
     steps: u64,
-    states: Vec<Shared<MomentState<D::Backend>>>,
+    states: Vec<Arc<MomentState<D::Backend>>>,
     segments: Vec<Vec<Segment>>,
 }
 
@@ -153,9 +153,9 @@ impl<D: Device> Optimizer<D> {
             } else {
                 0
             };
-            states.push(shared(MomentState {
-                exp_avg: backend.alloc(len, Precision::F32)?,
-                exp_avg_sq: backend.alloc(second, Precision::F32)?,
+            states.push(Arc::new(MomentState {
+                exp_avg: backend.alloc(len, DType::F32)?,
+                exp_avg_sq: backend.alloc(second, DType::F32)?,
             }));
             let mut runs = Vec::new();
             for &p in bucket.params.iter() {
@@ -196,7 +196,7 @@ impl<D: Device> Optimizer<D> {
     }
 
     /// Per bucket, the moment buffers (for checkpoints).
-    pub fn states(&self) -> &[Shared<MomentState<D::Backend>>] {
+    pub fn states(&self) -> &[Arc<MomentState<D::Backend>>] {
         &self.states
     }
 
@@ -207,7 +207,6 @@ impl<D: Device> Optimizer<D> {
         // This rank's block partials, bucket after bucket.
         let mut mine = Vec::new();
         for shard in engine.shards() {
-            let shard = lock(shard, "a gradient shard")?;
             let len = backend.buf_len(&shard.grad);
             let mut blocks = vec![0.0f64; len.div_ceil(NORM_BLOCK)];
             backend.sum_squares_blocks(backend.view(&shard.grad)?, &mut blocks)?;
@@ -279,29 +278,24 @@ impl<D: Device> Optimizer<D> {
             .zip(self.states.iter().cloned())
             .zip(self.segments.iter().cloned())
             .collect();
-        let backend = rank.backend.clone();
         let done = rank.compute.submit(
             Label::new(format!("optimizer step {step}"), "optimizer"),
             &[],
-            Box::new(move || {
+            Box::new(move |backend: &D::Backend| {
                 for ((shard, state), segments) in &jobs {
-                    let mut shard = lock(shard, "a parameter shard")?;
-                    let mut state = lock(state, "optimizer state")?;
-                    let shard = &mut *shard;
-                    let state = &mut *state;
                     if let Some(scale) = clip {
-                        backend.scale(backend.view_mut(&mut shard.grad)?, scale)?;
+                        backend.scale(backend.view_mut(&shard.grad)?, scale)?;
                     }
                     for seg in segments {
                         let wd = if seg.decay { config.weight_decay } else { 0.0 };
-                        let param = backend.slice_mut(&mut shard.master, seg.range.clone())?;
+                        let param = backend.slice_mut(&shard.master, seg.range.clone())?;
                         let grad = backend.slice(&shard.grad, seg.range.clone())?;
                         match config.kind {
                             OptimizerKind::Adam => backend.adam_update(
                                 param,
                                 grad,
-                                backend.slice_mut(&mut state.exp_avg, seg.range.clone())?,
-                                backend.slice_mut(&mut state.exp_avg_sq, seg.range.clone())?,
+                                backend.slice_mut(&state.exp_avg, seg.range.clone())?,
+                                backend.slice_mut(&state.exp_avg_sq, seg.range.clone())?,
                                 AdamStep {
                                     lr,
                                     beta1: config.beta1,
@@ -313,7 +307,7 @@ impl<D: Device> Optimizer<D> {
                             )?,
                             OptimizerKind::Sgd => {
                                 let momentum = if config.momentum != 0.0 {
-                                    Some(backend.slice_mut(&mut state.exp_avg, seg.range.clone())?)
+                                    Some(backend.slice_mut(&state.exp_avg, seg.range.clone())?)
                                 } else {
                                     None
                                 };
@@ -330,10 +324,7 @@ impl<D: Device> Optimizer<D> {
                             }
                         }
                     }
-                    backend.copy(
-                        backend.view(&shard.master)?,
-                        backend.view_mut(&mut shard.param)?,
-                    )?;
+                    backend.cast(backend.view(&shard.master)?, backend.view_mut(&shard.param)?)?;
                 }
                 Ok(())
             }),

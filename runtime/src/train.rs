@@ -4,7 +4,7 @@
 //! steps: batches, the schedule's program, the optimizer, losses, traces and
 //! checkpoints.
 
-use crate::backend::Tokens;
+use crate::backend::{Precision, Tokens};
 use crate::checkpoint;
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
@@ -17,7 +17,6 @@ use crate::fsdp::{FsdpEngine, Sharding};
 use crate::model::ModelRuntime;
 use crate::optimizer::{Optimizer, OptimizerConfig};
 use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, build, run_step};
-use crate::shared::lock;
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use std::path::PathBuf;
@@ -57,6 +56,9 @@ pub struct TrainConfig {
     pub steps: u64,
     pub schedule: ScheduleKind,
     pub sharding: Sharding,
+    /// Parameters and activations in bf16 or f32 (master weights, gradients
+    /// and optimizer state are f32 either way).
+    pub precision: Precision,
     pub data: DataChoice,
     pub seed: u64,
     pub optimizer: OptimizerConfig,
@@ -87,6 +89,7 @@ impl TrainConfig {
             steps: 120,
             schedule: ScheduleKind::Overlap,
             sharding: Sharding::Zero3,
+            precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
             optimizer: OptimizerConfig::default(),
@@ -384,7 +387,9 @@ fn run_rank(
     let ep_group = comm.split(r / ep)?;
     let edp = comm.split(r % ep)?;
     let host = comm.split(0)?;
+    let device = CpuBackend::new(config.precision);
     let lanes = LaneConfig::default()
+        .device(device.clone())
         .rank(r)
         .wait_timeout(config.timeout * 2)
         .trace(recorder);
@@ -392,7 +397,7 @@ fn run_rank(
         rank: r,
         world: config.ranks,
         ep,
-        backend: Arc::new(CpuBackend),
+        backend: Arc::new(device),
         compute: Arc::new(CpuLane::with_config("compute", lanes.clone())?),
         comm: Arc::new(CpuLane::with_config("comm", lanes)?),
         dp: Arc::new(comm),
@@ -537,7 +542,6 @@ fn param_hash<D: Device>(
     let backend = &rank.backend;
     let mut mine = Vec::new();
     for shard in engine.shards() {
-        let shard = lock(shard, "a parameter shard")?;
         let mut host = vec![0.0f32; backend.buf_len(&shard.master)];
         backend.download(backend.view(&shard.master)?, &mut host)?;
         mine.extend(host.iter().map(|&v| f64::from(v)));

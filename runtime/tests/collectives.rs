@@ -4,9 +4,76 @@
 //! rank, abort). No test asserts on elapsed time; the short timeouts only
 //! bound the timeout tests.
 
+use hybridgen_runtime::backend::Backend;
+use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
+use hybridgen_runtime::view::{DType, View, ViewMut};
 use hybridgen_runtime::{Collective, CpuComm, CpuLane, CpuWorld, Event, Label, Lane, RuntimeError};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The collectives on host slices: upload, call, download. The collectives
+/// move device buffers; these tests reason about values.
+trait HostCollective {
+    fn gather(&self, shard: &[f32], full: &mut [f32]) -> hybridgen_runtime::Result<()>;
+    fn scatter(&self, full: &[f32], shard: &mut [f32]) -> hybridgen_runtime::Result<()>;
+    fn reduce(&self, buf: &mut [f32]) -> hybridgen_runtime::Result<()>;
+    fn a2a(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> hybridgen_runtime::Result<()>;
+}
+
+fn up(values: &[f32]) -> CpuBuf {
+    let dev = CpuBackend::default();
+    let buf = dev.alloc(values.len(), DType::F32).unwrap();
+    dev.upload(values, ViewMut::whole(&buf)).unwrap();
+    buf
+}
+
+fn down(buf: &CpuBuf, out: &mut [f32]) {
+    CpuBackend::default()
+        .download(View::whole(buf), out)
+        .unwrap();
+}
+
+impl<C: Collective<CpuBackend>> HostCollective for C {
+    fn gather(&self, shard: &[f32], full: &mut [f32]) -> hybridgen_runtime::Result<()> {
+        let (s, f) = (up(shard), up(full));
+        self.all_gather(View::whole(&s), ViewMut::whole(&f))?;
+        down(&f, full);
+        Ok(())
+    }
+
+    fn scatter(&self, full: &[f32], shard: &mut [f32]) -> hybridgen_runtime::Result<()> {
+        let (f, s) = (up(full), up(shard));
+        self.reduce_scatter(View::whole(&f), ViewMut::whole(&s))?;
+        down(&s, shard);
+        Ok(())
+    }
+
+    fn reduce(&self, buf: &mut [f32]) -> hybridgen_runtime::Result<()> {
+        let b = up(buf);
+        self.all_reduce(ViewMut::whole(&b))?;
+        down(&b, buf);
+        Ok(())
+    }
+
+    fn a2a(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> hybridgen_runtime::Result<()> {
+        let (s, r) = (up(send), up(recv));
+        self.all_to_all(View::whole(&s), send_counts, ViewMut::whole(&r), recv_counts)?;
+        down(&r, recv);
+        Ok(())
+    }
+}
 
 /// Generous: a correct test never waits this long; a broken one fails
 /// instead of hanging.
@@ -62,7 +129,7 @@ fn all_gather_for_1_to_4_ranks() {
             let results = run_ranks(size, PATIENT, |comm| {
                 let shard = values(comm.rank(), shard_len, 1);
                 let mut full = vec![f32::NAN; shard_len * size];
-                comm.all_gather(&shard, &mut full).unwrap();
+                comm.gather(&shard, &mut full).unwrap();
                 full
             });
             let expected: Vec<f32> = (0..size).flat_map(|r| values(r, shard_len, 1)).collect();
@@ -84,7 +151,7 @@ fn reduce_scatter_sums_in_rank_order() {
             let results = run_ranks(size, PATIENT, |comm| {
                 let full = values(comm.rank(), shard_len * size, 2);
                 let mut shard = vec![f32::NAN; shard_len];
-                comm.reduce_scatter(&full, &mut shard).unwrap();
+                comm.scatter(&full, &mut shard).unwrap();
                 shard
             });
             let parts: Vec<Vec<f32>> = (0..size).map(|r| values(r, shard_len * size, 2)).collect();
@@ -114,7 +181,7 @@ fn all_reduce_is_bit_identical_across_ranks_and_runs() {
             let run = || {
                 run_ranks(size, PATIENT, |comm| {
                     let mut buf = values(comm.rank(), len, 3);
-                    comm.all_reduce(&mut buf).unwrap();
+                    comm.reduce(&mut buf).unwrap();
                     bits(&buf)
                 })
             };
@@ -166,7 +233,7 @@ fn all_to_all_with_uneven_and_zero_counts() {
                 })
                 .collect();
             let mut recv = vec![f32::NAN; recv_counts.iter().sum()];
-            comm.all_to_all(&send, &counts, &mut recv, &recv_counts)
+            comm.a2a(&send, &counts, &mut recv, &recv_counts)
                 .unwrap();
             (recv_counts, recv)
         });
@@ -200,7 +267,7 @@ fn many_calls_in_a_row_stay_in_step() {
         let mut total = 0.0f32;
         for i in 0..200 {
             let mut buf = vec![(comm.rank() + i) as f32; 3];
-            comm.all_reduce(&mut buf).unwrap();
+            comm.reduce(&mut buf).unwrap();
             total += buf[0];
         }
         total
@@ -217,11 +284,11 @@ fn subgroups_for_expert_and_expert_data_parallelism() {
         let edp = world.split(rank % 2).unwrap();
         let copy = world.split(0).unwrap();
         let mut in_ep = vec![rank as f32 + 1.0];
-        ep.all_reduce(&mut in_ep).unwrap();
+        ep.reduce(&mut in_ep).unwrap();
         let mut in_edp = vec![f32::NAN; 2];
-        edp.all_gather(&[rank as f32], &mut in_edp).unwrap();
+        edp.gather(&[rank as f32], &mut in_edp).unwrap();
         let mut in_copy = vec![1.0f32];
-        copy.all_reduce(&mut in_copy).unwrap();
+        copy.reduce(&mut in_copy).unwrap();
         (
             ep.members().to_vec(),
             ep.rank(),
@@ -254,9 +321,9 @@ fn collectives_run_on_a_comm_lane() {
         let event = lane.submit(
             Label::new("all_gather bucket 0", "gather"),
             &[],
-            Box::new(move || {
+            Box::new(move |_: &CpuBackend| {
                 let shard = [c.rank() as f32, 10.0 + c.rank() as f32];
-                c.all_gather(&shard, &mut o.lock().unwrap())
+                c.gather(&shard, &mut o.lock().unwrap())
             }),
         );
         event.wait().unwrap();
@@ -281,22 +348,22 @@ fn a_different_collective_is_reported_with_both_calls() {
         comm.barrier().unwrap();
         if comm.rank() == 0 {
             let mut full = vec![0.0; 8];
-            comm.all_gather(&[1.0; 4], &mut full)
+            comm.gather(&[1.0; 4], &mut full)
         } else {
             let mut shard = vec![0.0; 4];
-            comm.reduce_scatter(&[1.0; 8], &mut shard)
+            comm.scatter(&[1.0; 8], &mut shard)
         }
     });
     for result in results {
         let err = result.unwrap_err().to_string();
         // Whichever rank arrived second is named as the one that deviated.
         let rank0_second = err.starts_with(
-            "rank 0: called all_gather #2 (4 elements per rank) but \
-                                            rank 1 called reduce_scatter #2 (8 elements)",
+            "rank 0: called all_gather #2 (4 f32 elements per rank) but \
+                                            rank 1 called reduce_scatter #2 (8 f32 elements)",
         );
         let rank1_second = err.starts_with(
-            "rank 1: called reduce_scatter #2 (8 elements) but \
-                                            rank 0 called all_gather #2 (4 elements per rank)",
+            "rank 1: called reduce_scatter #2 (8 f32 elements) but \
+                                            rank 0 called all_gather #2 (4 f32 elements per rank)",
         );
         assert!(rank0_second || rank1_second, "{err}");
         assert!(err.contains("on world"), "{err}");
@@ -307,14 +374,14 @@ fn a_different_collective_is_reported_with_both_calls() {
 fn a_different_size_is_reported() {
     let results = run_ranks(3, PATIENT, |comm| {
         let mut buf = vec![0.0; if comm.rank() == 2 { 5 } else { 4 }];
-        comm.all_reduce(&mut buf)
+        comm.reduce(&mut buf)
     });
     // The ranks that agree may all have arrived first or not: everyone
     // fails, and every error names the all_reduce sizes.
     for result in results {
         let err = result.unwrap_err().to_string();
-        assert!(err.contains("all_reduce #1 (5 elements)"), "{err}");
-        assert!(err.contains("all_reduce #1 (4 elements)"), "{err}");
+        assert!(err.contains("all_reduce #1 (5 f32 elements)"), "{err}");
+        assert!(err.contains("all_reduce #1 (4 f32 elements)"), "{err}");
     }
 }
 
@@ -329,7 +396,7 @@ fn inconsistent_all_to_all_counts_fail_on_every_rank() {
         };
         let send = vec![0.0; send_counts.iter().sum()];
         let mut recv = vec![0.0; recv_counts.iter().sum()];
-        comm.all_to_all(&send, &send_counts, &mut recv, &recv_counts)
+        comm.a2a(&send, &send_counts, &mut recv, &recv_counts)
     });
     for result in results {
         let (rank, message) = peer_error(result);
@@ -348,15 +415,15 @@ fn inconsistent_all_to_all_counts_fail_on_every_rank() {
 fn invalid_arguments_on_one_rank_fail_its_peers_quickly() {
     let results = run_ranks(3, PATIENT, |comm| {
         let mut full = vec![0.0; if comm.rank() == 1 { 5 } else { 6 }];
-        comm.all_gather(&[1.0, 2.0], &mut full)
+        comm.gather(&[1.0, 2.0], &mut full)
     });
     let own = results[1].as_ref().unwrap_err().to_string();
-    assert!(own.contains("invalid argument: rank 1: all_gather #1 (2 elements per rank) on world: the output holds 5 elements"), "{own}");
+    assert!(own.contains("invalid argument: rank 1: all_gather #1 (2 f32 elements per rank) on world: the output holds 5 f32 elements"), "{own}");
     for rank in [0, 2] {
         let message = results[rank].as_ref().unwrap_err().to_string();
         assert!(
             message.starts_with(
-                "rank 1: called all_gather #1 (2 elements per rank) on world with invalid arguments"
+                "rank 1: called all_gather #1 (2 f32 elements per rank) on world with invalid arguments"
             ),
             "{message}"
         );
@@ -438,7 +505,7 @@ fn abort_wakes_blocked_ranks_in_every_group() {
             // Ranks 0 and 2 block in groups that rank 1 / rank 3 never join.
             0 => {
                 let mut out = vec![0.0; 2];
-                ep.all_gather(&[1.0], &mut out).map(|_| ())
+                ep.gather(&[1.0], &mut out).map(|_| ())
             }
             2 => world.barrier(),
             1 => {
@@ -448,7 +515,7 @@ fn abort_wakes_blocked_ranks_in_every_group() {
             }
             _ => {
                 let mut out = vec![0.0; 2];
-                ep.all_gather(&[1.0], &mut out).map(|_| ())
+                ep.gather(&[1.0], &mut out).map(|_| ())
             }
         }
     });

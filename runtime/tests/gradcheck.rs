@@ -12,15 +12,97 @@
 use hybridgen_dsl::params::ParamDef;
 use hybridgen_dsl::{LayerKind, ModelConfig};
 use hybridgen_runtime::RuntimeError;
-use hybridgen_runtime::backend::{IGNORE_TARGET, Tokens};
-use hybridgen_runtime::cpu::CpuBackend;
+use hybridgen_runtime::backend::{Backend, IGNORE_TARGET, Tokens};
 use hybridgen_runtime::cpu::collective::CpuWorld;
+use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::layers::{
-    CollectiveExchange, Embedding, FinalNorm, Head, LayerImpl, LayerSaved, LocalExchange, MoeLayer,
-    MtpEntry,
+    CollectiveExchange, Embedding, FinalNorm, Head, LayerImpl, LayerSaved, LayerWgrad,
+    LocalExchange, MoeLayer, MtpEntry,
 };
+use hybridgen_runtime::view::{DType, DeviceBuffer, View, ViewMut};
+use std::sync::LazyLock;
 
-const B: CpuBackend = CpuBackend;
+static DEVICE: LazyLock<CpuBackend> = LazyLock::new(CpuBackend::default);
+
+fn dev() -> &'static CpuBackend {
+    &DEVICE
+}
+
+// ---- host <-> device ---------------------------------------------------------------
+
+/// An f32 device buffer holding `values`.
+fn up(values: &[f32]) -> CpuBuf {
+    let buf = dev().alloc(values.len(), DType::F32).expect("alloc");
+    dev().upload(values, ViewMut::whole(&buf)).expect("upload");
+    buf
+}
+
+fn down(buf: &CpuBuf) -> Vec<f32> {
+    let mut out = vec![0.0; buf.len()];
+    dev().download(View::whole(buf), &mut out).expect("download");
+    out
+}
+
+fn ups(values: &[Vec<f32>]) -> Vec<CpuBuf> {
+    values.iter().map(|v| up(v)).collect()
+}
+
+fn views(bufs: &[CpuBuf]) -> Vec<View<'_, CpuBuf>> {
+    bufs.iter().map(View::whole).collect()
+}
+
+fn views_mut(bufs: &[CpuBuf]) -> Vec<ViewMut<'_, CpuBuf>> {
+    bufs.iter().map(ViewMut::whole).collect()
+}
+
+fn vm(buf: &CpuBuf) -> ViewMut<'_, CpuBuf> {
+    ViewMut::whole(buf)
+}
+
+fn v(buf: &CpuBuf) -> View<'_, CpuBuf> {
+    View::whole(buf)
+}
+
+/// `x + layer(x)` and the saved state.
+fn layer_forward(
+    layer: &LayerImpl,
+    weights: &[Vec<f32>],
+    x: &[f32],
+    tokens: Tokens,
+) -> hybridgen_runtime::Result<(Vec<f32>, LayerSaved<CpuBackend>)> {
+    let w = ups(weights);
+    let out = up(x);
+    let saved = layer.forward(dev(), &views(&w), vm(&out), tokens)?;
+    Ok((down(&out), saved))
+}
+
+/// `dx + J^T dx` and the weight-gradient state.
+fn layer_backward_input(
+    layer: &LayerImpl,
+    weights: &[Vec<f32>],
+    saved: LayerSaved<CpuBackend>,
+    dx: &[f32],
+    aux_scale: f32,
+) -> hybridgen_runtime::Result<(Vec<f32>, LayerWgrad<CpuBackend>)> {
+    let w = ups(weights);
+    let d = up(dx);
+    let wgrad = layer.backward_input(dev(), &views(&w), saved, vm(&d), aux_scale)?;
+    Ok((down(&d), wgrad))
+}
+
+/// Accumulates the weight gradients into `grads`.
+fn layer_backward_weight(
+    layer: &LayerImpl,
+    wgrad: LayerWgrad<CpuBackend>,
+    grads: &mut [Vec<f32>],
+) -> hybridgen_runtime::Result<()> {
+    let g = ups(grads);
+    layer.backward_weight(dev(), wgrad, &mut views_mut(&g))?;
+    for (host, buf) in grads.iter_mut().zip(&g) {
+        *host = down(buf);
+    }
+    Ok(())
+}
 
 // ---- test data ------------------------------------------------------------------
 
@@ -87,10 +169,6 @@ fn test_weights(defs: &[ParamDef], rng: &mut Rng) -> Vec<Vec<f32>> {
             }
         })
         .collect()
-}
-
-fn views(weights: &[Vec<f32>]) -> Vec<&[f32]> {
-    weights.iter().map(|w| &w[..]).collect()
 }
 
 fn zeros_like(weights: &[Vec<f32>]) -> Vec<Vec<f32>> {
@@ -192,11 +270,7 @@ impl LayerCase {
     /// `L = probe . (x_out - x) + aux_scale * aux_loss`, and the routing when
     /// the layer is `E` (so a check can insist it did not change).
     fn loss(&self, weights: &[Vec<f32>], x: &[f32]) -> (f64, Vec<u32>) {
-        let mut out = x.to_vec();
-        let saved = self
-            .layer
-            .forward(&B, &views(weights), &mut out[..], self.tokens)
-            .expect("forward");
+        let (out, saved) = layer_forward(&self.layer, weights, x, self.tokens).expect("forward");
         let delta: f64 = self
             .probe
             .iter()
@@ -212,22 +286,12 @@ impl LayerCase {
 
     /// `(x_out, dL/dx minus the identity part, weight gradients)`.
     fn gradients(&self, weights: &[Vec<f32>], x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
-        let w = views(weights);
-        let mut out = x.to_vec();
-        let saved = self
-            .layer
-            .forward(&B, &w, &mut out[..], self.tokens)
-            .expect("forward");
-        let mut dx = self.probe.clone();
-        let wgrad = self
-            .layer
-            .backward_input(&B, &w, saved, &mut dx[..], self.aux_scale)
-            .expect("backward_input");
+        let (out, saved) = layer_forward(&self.layer, weights, x, self.tokens).expect("forward");
+        let (dx, wgrad) =
+            layer_backward_input(&self.layer, weights, saved, &self.probe, self.aux_scale)
+                .expect("backward_input");
         let mut grads = zeros_like(weights);
-        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
-        self.layer
-            .backward_weight(&B, wgrad, &mut g)
-            .expect("backward_weight");
+        layer_backward_weight(&self.layer, wgrad, &mut grads).expect("backward_weight");
         let jt: Vec<f32> = dx.iter().zip(&self.probe).map(|(d, r)| d - r).collect();
         (out, jt, grads)
     }
@@ -419,9 +483,11 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let c = moe("softmax", 2, false, false, "gelu");
     let case = LayerCase::new("E aux", LayerKind::Moe, &c, TWO_SEQUENCES, 52);
     let moe = case.layer.as_moe().expect("moe");
-    let w = views(&case.weights);
+    let wb = ups(&case.weights);
+    let w = views(&wb);
+    let xb = up(&case.x);
     let prepared = moe
-        .prepare(&B, &w, &case.x, TWO_SEQUENCES)
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES)
         .expect("prepare");
     // Recompute coeff * E * sum f_i P_i from the routing and the router.
     let (t, e, k) = (10usize, 4usize, 2usize);
@@ -463,7 +529,7 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
         config("[moe]\nnum_experts = 4\ntop_k = 2\nffn_hidden_size = 6\naux_loss_coeff = 0.0\n");
     let layer = MoeLayer::new(&off, 4).expect("layer");
     let prepared = layer
-        .prepare(&B, &w, &case.x, TWO_SEQUENCES)
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES)
         .expect("prepare");
     assert_eq!(prepared.aux_loss, 0.0);
 }
@@ -479,21 +545,22 @@ fn embedding_gradient() {
     let ids = [3u32, 17, 3, 0, 127, 9];
     let probe = rng.normals(6 * 8, 1.0, 0.0);
     let loss = |t: &[f32]| {
-        let mut out = vec![0.0; 48];
-        emb.forward(&B, t, &ids, &mut out[..]).expect("forward");
-        dot(&probe, &out)
+        let (t, out) = (up(t), up(&[0.0; 48]));
+        emb.forward(dev(), v(&t), &ids, vm(&out)).expect("forward");
+        dot(&probe, &down(&out))
     };
-    let mut grad = vec![0.0; table.len()];
-    emb.backward(&B, &probe, &ids, &mut grad[..])
+    let grad = up(&vec![0.0; table.len()]);
+    emb.backward(dev(), v(&up(&probe)), &ids, vm(&grad))
         .expect("backward");
+    let grad = down(&grad);
     check_gradient("embedding", &grad, &table, &loss, &mut rng);
     // Rows of id 3 sum both of its tokens' gradients.
     for j in 0..8 {
         assert_eq!(grad[3 * 8 + j], probe[j] + probe[16 + j]);
     }
-    let mut out = [0.0f32; 48];
+    let out = up(&[0.0f32; 48]);
     assert!(matches!(
-        emb.forward(&B, &table, &[128, 0, 0, 0, 0, 0], &mut out[..]),
+        emb.forward(dev(), v(&up(&table)), &[128, 0, 0, 0, 0, 0], vm(&out)),
         Err(RuntimeError::InvalidArgument(_))
     ));
 }
@@ -506,16 +573,22 @@ fn final_norm_gradients() {
     let x = rng.normals(80, 1.5, 0.3);
     let probe = rng.normals(80, 1.0, 0.0);
     let loss = |w: &[f32], x: &[f32]| {
-        let (y, _) = norm.forward(&B, w, x, TWO_SEQUENCES).expect("forward");
-        dot(&probe, &y)
+        let (y, _) = norm
+            .forward(dev(), v(&up(w)), v(&up(x)), TWO_SEQUENCES)
+            .expect("forward");
+        dot(&probe, &down(&y))
     };
-    let (_, saved) = norm.forward(&B, &w, &x, TWO_SEQUENCES).expect("forward");
-    let mut dx = vec![0.0; 80];
+    let (wb, xb) = (up(&w), up(&x));
+    let (_, saved) = norm
+        .forward(dev(), v(&wb), v(&xb), TWO_SEQUENCES)
+        .expect("forward");
+    let dx = up(&[0.0; 80]);
     let wgrad = norm
-        .backward_input(&B, &w, saved, &probe, &mut dx[..])
+        .backward_input(dev(), v(&wb), saved, v(&up(&probe)), vm(&dx))
         .expect("backward");
-    let mut dw = vec![0.0; 8];
-    norm.backward_weight(&B, wgrad, &mut dw[..]).expect("wgrad");
+    let dw = up(&[0.0; 8]);
+    norm.backward_weight(dev(), wgrad, vm(&dw)).expect("wgrad");
+    let (dx, dw) = (down(&dx), down(&dw));
     check_gradient("final norm dx", &dx, &x, &|x| loss(&w, x), &mut rng);
     check_gradient("final norm dw", &dw, &w, &|w| loss(w, &x), &mut rng);
 }
@@ -545,23 +618,27 @@ fn head_gradients_with_masked_positions() {
     let targets = targets_with_masks();
     let scale = 1.0 / 7.0;
     let loss = |w: &[f32], h: &[f32]| {
-        let f = head.forward(&B, w, h, &targets).expect("forward");
+        let f = head
+            .forward(dev(), v(&up(w)), v(&up(h)), &targets)
+            .expect("forward");
         assert_eq!(f.count, 7);
         scale * f.loss_sum
     };
-    let f = head.forward(&B, &w, &h, &targets).expect("forward");
-    let mut dh = vec![0.0; 80];
+    let (wb, hb) = (up(&w), up(&h));
+    let f = head.forward(dev(), v(&wb), v(&hb), &targets).expect("forward");
+    let dh = up(&[0.0; 80]);
     let wgrad = head
-        .backward_input(&B, &w, f.saved, scale as f32, &mut dh[..])
+        .backward_input(dev(), v(&wb), f.saved, scale as f32, vm(&dh))
         .expect("backward");
-    let mut dw = vec![0.0; w.len()];
-    head.backward_weight(&B, wgrad, &mut dw[..]).expect("wgrad");
+    let dw = up(&vec![0.0; w.len()]);
+    head.backward_weight(dev(), wgrad, vm(&dw)).expect("wgrad");
+    let (dh, dw) = (down(&dh), down(&dw));
     check_gradient("head dh", &dh, &h, &|h| loss(&w, h), &mut rng);
     check_gradient("head dW", &dw, &w, &|w| loss(w, &h), &mut rng);
     // Masked rows get no gradient.
     assert!(dh[24..32].iter().chain(&dh[64..80]).all(|&v| v == 0.0));
     // The loss is the mean cross-entropy of the unmasked rows.
-    let f = head.forward(&B, &w, &h, &targets).expect("forward");
+    let f = head.forward(dev(), v(&wb), v(&hb), &targets).expect("forward");
     let mut want = 0.0f64;
     for (r, &t) in targets.iter().enumerate() {
         if t == IGNORE_TARGET {
@@ -600,32 +677,40 @@ fn tied_embedding_and_head_gradients_accumulate_into_one_table() {
     let norm_w = rng.normals(8, 0.2, 1.0);
     let ids: Vec<u32> = (0..10).map(|i| (i * 13 % 128) as u32).collect();
     let targets = targets_with_masks();
+    let norm_wb = up(&norm_w);
     let loss = |t: &[f32]| {
-        let mut x = vec![0.0; 80];
-        emb.forward(&B, t, &ids, &mut x[..]).expect("embed");
-        let (y, _) = norm.forward(&B, &norm_w, &x, TWO_SEQUENCES).expect("norm");
-        head.forward(&B, t, &y, &targets).expect("head").loss_sum
+        let (t, x) = (up(t), up(&[0.0; 80]));
+        emb.forward(dev(), v(&t), &ids, vm(&x)).expect("embed");
+        let (y, _) = norm
+            .forward(dev(), v(&norm_wb), v(&x), TWO_SEQUENCES)
+            .expect("norm");
+        head.forward(dev(), v(&t), v(&y), &targets)
+            .expect("head")
+            .loss_sum
     };
-    let mut x = vec![0.0; 80];
-    emb.forward(&B, &table, &ids, &mut x[..]).expect("embed");
-    let (y, norm_saved) = norm.forward(&B, &norm_w, &x, TWO_SEQUENCES).expect("norm");
-    let f = head.forward(&B, &table, &y, &targets).expect("head");
-    let mut dy = vec![0.0; 80];
+    let (tb, x) = (up(&table), up(&[0.0; 80]));
+    emb.forward(dev(), v(&tb), &ids, vm(&x)).expect("embed");
+    let (y, norm_saved) = norm
+        .forward(dev(), v(&norm_wb), v(&x), TWO_SEQUENCES)
+        .expect("norm");
+    let f = head.forward(dev(), v(&tb), v(&y), &targets).expect("head");
+    let dy = up(&[0.0; 80]);
     let head_wgrad = head
-        .backward_input(&B, &table, f.saved, 1.0, &mut dy[..])
+        .backward_input(dev(), v(&tb), f.saved, 1.0, vm(&dy))
         .expect("head backward");
-    let mut dx = vec![0.0; 80];
+    let dx = up(&[0.0; 80]);
     let norm_wgrad = norm
-        .backward_input(&B, &norm_w, norm_saved, &dy, &mut dx[..])
+        .backward_input(dev(), v(&norm_wb), norm_saved, v(&dy), vm(&dx))
         .expect("norm backward");
-    let mut d_table = vec![0.0; table.len()];
-    head.backward_weight(&B, head_wgrad, &mut d_table[..])
+    let d_table = up(&vec![0.0; table.len()]);
+    head.backward_weight(dev(), head_wgrad, vm(&d_table))
         .expect("head wgrad");
-    emb.backward(&B, &dx, &ids, &mut d_table[..])
+    emb.backward(dev(), v(&dx), &ids, vm(&d_table))
         .expect("embedding backward");
-    let mut d_norm = [0.0f32; 8];
-    norm.backward_weight(&B, norm_wgrad, &mut d_norm[..])
+    let d_norm = up(&[0.0f32; 8]);
+    norm.backward_weight(dev(), norm_wgrad, vm(&d_norm))
         .expect("norm wgrad");
+    let d_table = down(&d_table);
     check_gradient("tied table", &d_table, &table, &loss, &mut rng);
 }
 
@@ -639,26 +724,33 @@ fn mtp_entry_gradients() {
     let h_prev = rng.normals(80, 1.0, 0.2);
     let probe = rng.normals(80, 1.0, 0.0);
     let loss = |w: &[Vec<f32>], e: &[f32], hp: &[f32]| {
-        let (out, _) = entry.forward(&B, &views(w), e, hp).expect("forward");
-        dot(&probe, &out)
+        let wb = ups(w);
+        let (out, _) = entry
+            .forward(dev(), &views(&wb), v(&up(e)), v(&up(hp)))
+            .expect("forward");
+        dot(&probe, &down(&out))
     };
+    let wb = ups(&weights);
     let (_, saved) = entry
-        .forward(&B, &views(&weights), &emb, &h_prev)
+        .forward(dev(), &views(&wb), v(&up(&emb)), v(&up(&h_prev)))
         .expect("forward");
-    let (mut d_emb, mut d_h) = (vec![0.0; 80], vec![0.0; 80]);
+    let (d_emb, d_h) = (up(&[0.0; 80]), up(&[0.0; 80]));
     let wgrad = entry
         .backward_input(
-            &B,
-            &views(&weights),
+            dev(),
+            &views(&wb),
             saved,
-            &probe,
-            &mut d_emb[..],
-            &mut d_h[..],
+            v(&up(&probe)),
+            vm(&d_emb),
+            vm(&d_h),
         )
         .expect("backward");
-    let mut grads = zeros_like(&weights);
-    let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
-    entry.backward_weight(&B, wgrad, &mut g).expect("wgrad");
+    let gb = ups(&zeros_like(&weights));
+    entry
+        .backward_weight(dev(), wgrad, &mut views_mut(&gb))
+        .expect("wgrad");
+    let grads: Vec<Vec<f32>> = gb.iter().map(down).collect();
+    let (d_emb, d_h) = (down(&d_emb), down(&d_h));
     check_gradient(
         "mtp d_emb",
         &d_emb,
@@ -735,41 +827,23 @@ fn bits(v: &[f32]) -> Vec<u32> {
 #[test]
 fn delayed_weight_gradients_and_repeated_runs_are_bit_identical() {
     for case in every_kind() {
-        let w = views(&case.weights);
+        let w = &case.weights;
         let other_x: Vec<f32> = case.x.iter().map(|v| v * 0.5 - 0.25).collect();
         let run = |delayed: bool| {
-            let mut out = case.x.clone();
-            let saved = case
-                .layer
-                .forward(&B, &w, &mut out[..], case.tokens)
-                .expect("forward");
-            let mut dx = case.probe.clone();
-            let wgrad = case
-                .layer
-                .backward_input(&B, &w, saved, &mut dx[..], 0.3)
+            let (out, saved) =
+                layer_forward(&case.layer, w, &case.x, case.tokens).expect("forward");
+            let (dx, wgrad) = layer_backward_input(&case.layer, w, saved, &case.probe, 0.3)
                 .expect("backward");
             let mut grads = zeros_like(&case.weights);
             let mut other = zeros_like(&case.weights);
             if delayed {
-                let mut x2 = other_x.clone();
-                let s2 = case
-                    .layer
-                    .forward(&B, &w, &mut x2[..], case.tokens)
-                    .expect("forward 2");
-                let mut d2 = case.probe.clone();
-                let wg2 = case
-                    .layer
-                    .backward_input(&B, &w, s2, &mut d2[..], 0.3)
+                let (_, s2) =
+                    layer_forward(&case.layer, w, &other_x, case.tokens).expect("forward 2");
+                let (_, wg2) = layer_backward_input(&case.layer, w, s2, &case.probe, 0.3)
                     .expect("backward 2");
-                let mut g2: Vec<&mut [f32]> = other.iter_mut().map(|g| &mut g[..]).collect();
-                case.layer
-                    .backward_weight(&B, wg2, &mut g2)
-                    .expect("wgrad 2");
+                layer_backward_weight(&case.layer, wg2, &mut other).expect("wgrad 2");
             }
-            let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
-            case.layer
-                .backward_weight(&B, wgrad, &mut g)
-                .expect("wgrad");
+            layer_backward_weight(&case.layer, wgrad, &mut grads).expect("wgrad");
             let grad_bits: Vec<Vec<u32>> = grads.iter().map(|g| bits(g)).collect();
             (bits(&out), bits(&dx), grad_bits)
         };
@@ -795,24 +869,14 @@ fn delayed_weight_gradients_and_repeated_runs_are_bit_identical() {
 #[test]
 fn gradients_accumulate_over_micro_batches() {
     let case = &every_kind()[0];
-    let w = views(&case.weights);
+    let w = &case.weights;
     let mut grads = zeros_like(&case.weights);
     let once = case.gradients(&case.weights, &case.x).2;
     for _ in 0..2 {
-        let mut out = case.x.clone();
-        let saved = case
-            .layer
-            .forward(&B, &w, &mut out[..], case.tokens)
-            .expect("forward");
-        let mut dx = case.probe.clone();
-        let wgrad = case
-            .layer
-            .backward_input(&B, &w, saved, &mut dx[..], 0.0)
-            .expect("backward");
-        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
-        case.layer
-            .backward_weight(&B, wgrad, &mut g)
-            .expect("wgrad");
+        let (_, saved) = layer_forward(&case.layer, w, &case.x, case.tokens).expect("forward");
+        let (_, wgrad) =
+            layer_backward_input(&case.layer, w, saved, &case.probe, 0.0).expect("backward");
+        layer_backward_weight(&case.layer, wgrad, &mut grads).expect("wgrad");
     }
     // Accumulating adds each micro-batch's terms into the running sum in a
     // fixed order, so two equal micro-batches give twice one up to rounding.
@@ -875,25 +939,27 @@ fn expert_parallel_moe_through_collectives_matches_one_rank() {
         let probes = [rng.normals(64, 1.0, 0.0), rng.normals(64, 1.0, 0.0)];
 
         // One rank, all experts, both ranks' tokens as one micro-batch.
-        let x_all: Vec<f32> = xs.concat();
-        let mut out_all = x_all.clone();
-        let w_all = views(&weights);
+        let out_all = up(&xs.concat());
+        let wb_all = ups(&weights);
+        let w_all = views(&wb_all);
         let saved = full
             .forward_with(
-                &B,
+                dev(),
                 &w_all,
-                &mut out_all[..],
+                vm(&out_all),
                 Tokens { batch: 4, seq: 4 },
                 &LocalExchange,
             )
             .expect("forward");
-        let mut dx_all = probes.concat();
+        let dx_all = up(&probes.concat());
         let wgrad = full
-            .backward_input_with(&B, &w_all, saved, &mut dx_all[..], 1.0, &LocalExchange)
+            .backward_input_with(dev(), &w_all, saved, vm(&dx_all), 1.0, &LocalExchange)
             .expect("backward");
-        let mut g_all = zeros_like(&weights);
-        let mut g: Vec<&mut [f32]> = g_all.iter_mut().map(|g| &mut g[..]).collect();
-        full.backward_weight_with(&B, wgrad, &mut g).expect("wgrad");
+        let gb_all = ups(&zeros_like(&weights));
+        full.backward_weight_with(dev(), wgrad, &mut views_mut(&gb_all))
+            .expect("wgrad");
+        let (out_all, dx_all) = (down(&out_all), down(&dx_all));
+        let g_all: Vec<Vec<f32>> = gb_all.iter().map(down).collect();
 
         let world = CpuWorld::new(2).expect("world");
         let comms = world.comms().expect("comms");
@@ -906,22 +972,22 @@ fn expert_parallel_moe_through_collectives_matches_one_rank() {
                     scope.spawn(move || {
                         let layer = MoeLayer::new(c, 2).expect("rank layer");
                         let w_rank = rank_weights(weights, 4, 2, rank, shared);
-                        let w = views(&w_rank);
+                        let wb = ups(&w_rank);
+                        let w = views(&wb);
                         let exchange = CollectiveExchange { collective: &comm };
-                        let mut x = xs[rank].clone();
+                        let x = up(&xs[rank]);
                         let saved = layer
-                            .forward_with(&B, &w, &mut x[..], per_rank, &exchange)
+                            .forward_with(dev(), &w, vm(&x), per_rank, &exchange)
                             .expect("forward");
-                        let mut dx = probes[rank].clone();
+                        let dx = up(&probes[rank]);
                         let wgrad = layer
-                            .backward_input_with(&B, &w, saved, &mut dx[..], 1.0, &exchange)
+                            .backward_input_with(dev(), &w, saved, vm(&dx), 1.0, &exchange)
                             .expect("backward");
-                        let mut grads = zeros_like(&w_rank);
-                        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+                        let gb = ups(&zeros_like(&w_rank));
                         layer
-                            .backward_weight_with(&B, wgrad, &mut g)
+                            .backward_weight_with(dev(), wgrad, &mut views_mut(&gb))
                             .expect("wgrad");
-                        (x, dx, grads)
+                        (down(&x), down(&dx), gb.iter().map(down).collect())
                     })
                 })
                 .collect();
@@ -1002,12 +1068,13 @@ fn gated_delta_net_and_dsa_are_refused_at_construction() {
 #[test]
 fn bad_sizes_are_errors_not_panics() {
     for case in every_kind() {
-        let w = views(&case.weights);
-        let mut x = case.x.clone();
+        let wb = ups(&case.weights);
+        let w = views(&wb);
+        let x = up(&case.x);
         let short = &w[..w.len() - 1];
         assert!(
             matches!(
-                case.layer.forward(&B, short, &mut x[..], case.tokens),
+                case.layer.forward(dev(), short, vm(&x), case.tokens),
                 Err(RuntimeError::InvalidArgument(_))
             ),
             "{}",
@@ -1015,45 +1082,46 @@ fn bad_sizes_are_errors_not_panics() {
         );
         let mut bad = case.weights.clone();
         bad[1].pop();
+        let bad = ups(&bad);
         assert!(
             case.layer
-                .forward(&B, &views(&bad), &mut x[..], case.tokens)
+                .forward(dev(), &views(&bad), vm(&x), case.tokens)
                 .is_err(),
             "{}",
             case.name
         );
         assert!(
             case.layer
-                .forward(&B, &w, &mut x[..7], case.tokens)
+                .forward(dev(), &w, vm(&x).into_slice(0..7).unwrap(), case.tokens)
                 .is_err(),
             "{}",
             case.name
         );
         let saved = case
             .layer
-            .forward(&B, &w, &mut x[..], case.tokens)
+            .forward(dev(), &w, vm(&x), case.tokens)
             .expect("forward");
-        let mut dx = case.probe.clone();
+        let dx = up(&case.probe);
         assert!(
             case.layer
-                .backward_input(&B, &w, saved, &mut dx[..3], 1.0)
+                .backward_input(dev(), &w, saved, vm(&dx).into_slice(0..3).unwrap(), 1.0)
                 .is_err(),
             "{}",
             case.name
         );
         let saved = case
             .layer
-            .forward(&B, &w, &mut x[..], case.tokens)
+            .forward(dev(), &w, vm(&x), case.tokens)
             .expect("forward");
         let wgrad = case
             .layer
-            .backward_input(&B, &w, saved, &mut dx[..], 1.0)
+            .backward_input(dev(), &w, saved, vm(&dx), 1.0)
             .expect("backward");
-        let mut grads = zeros_like(&case.weights);
-        let mut g: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+        let gb = ups(&zeros_like(&case.weights));
+        let mut g = views_mut(&gb);
         g.pop();
         assert!(
-            case.layer.backward_weight(&B, wgrad, &mut g).is_err(),
+            case.layer.backward_weight(dev(), wgrad, &mut g).is_err(),
             "{}",
             case.name
         );

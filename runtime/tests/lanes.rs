@@ -2,6 +2,7 @@
 //! propagation, timeouts, panics, clean shutdown, and trace spans. No test
 //! asserts on elapsed time; the short timeouts only bound the timeout tests.
 
+use hybridgen_runtime::cpu::CpuBackend;
 use hybridgen_runtime::trace::{COMM_LANE, COMPUTE_LANE};
 use hybridgen_runtime::{
     CpuEvent, CpuLane, Event, Label, Lane, LaneConfig, RuntimeError, TraceRecorder,
@@ -60,7 +61,7 @@ fn two_lanes_run_at_the_same_time() {
     let e1 = compute.submit(
         label("gemm"),
         &[],
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             if a.wait(PATIENT) {
                 Ok(())
             } else {
@@ -73,7 +74,7 @@ fn two_lanes_run_at_the_same_time() {
     let e2 = comm.submit(
         label("all_gather"),
         &[],
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             if b.wait(PATIENT) {
                 Ok(())
             } else {
@@ -109,7 +110,7 @@ fn work_runs_in_submission_order() {
             lane.submit(
                 Label::new(format!("item {i}"), "test"),
                 &[],
-                Box::new(move || {
+                Box::new(move |_: &CpuBackend| {
                     order.lock().unwrap().push(i);
                     Ok(())
                 }),
@@ -131,7 +132,7 @@ fn work_waits_for_events_of_other_lanes() {
     let gather = comm.submit(
         label("gather"),
         &[],
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             gate.recv_timeout(PATIENT)
                 .map_err(|_| RuntimeError::Numeric("never released".into()))?;
             flag.store(true, Ordering::SeqCst);
@@ -142,7 +143,7 @@ fn work_waits_for_events_of_other_lanes() {
     let forward = compute.submit(
         label("forward"),
         std::slice::from_ref(&gather),
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             if saw.load(Ordering::SeqCst) {
                 Ok(())
             } else {
@@ -164,13 +165,13 @@ fn failures_propagate_naming_the_failed_work() {
     let dispatch = comm.submit(
         label("dispatch fwd layer 3"),
         &[],
-        Box::new(|| Err(RuntimeError::Numeric("bad routing".into()))),
+        Box::new(|_: &CpuBackend| Err(RuntimeError::Numeric("bad routing".into()))),
     );
     let r = ran.clone();
     let mlp = compute.submit(
         label("mlp fwd layer 3"),
         std::slice::from_ref(&dispatch),
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             r.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }),
@@ -179,7 +180,7 @@ fn failures_propagate_naming_the_failed_work() {
     let combine = comm.submit(
         label("combine fwd layer 3"),
         std::slice::from_ref(&mlp),
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             r.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }),
@@ -207,7 +208,7 @@ fn failures_propagate_naming_the_failed_work() {
     let loss = host.submit(
         label("loss"),
         std::slice::from_ref(&mlp),
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             r.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }),
@@ -220,7 +221,7 @@ fn failures_propagate_naming_the_failed_work() {
     assert_eq!(ran.load(Ordering::SeqCst), 0);
 
     // Later work on a lane whose earlier work failed is skipped too...
-    let later = compute.submit(label("pre-dispatch layer 4"), &[], Box::new(|| Ok(())));
+    let later = compute.submit(label("pre-dispatch layer 4"), &[], Box::new(|_: &CpuBackend| Ok(())));
     let later_err = later.wait().unwrap_err().to_string();
     assert!(
         later_err.contains("skipped `pre-dispatch layer 4`"),
@@ -232,7 +233,7 @@ fn failures_propagate_naming_the_failed_work() {
     assert!(first.contains("skipped `mlp fwd layer 3`"), "{first}");
     comm.synchronize().unwrap();
     compute.synchronize().unwrap();
-    let again = compute.submit(label("next step"), &[], Box::new(|| Ok(())));
+    let again = compute.submit(label("next step"), &[], Box::new(|_: &CpuBackend| Ok(())));
     again.wait().unwrap();
 }
 
@@ -248,7 +249,7 @@ fn a_stalled_dependency_times_out_naming_it() {
     let stalled = comm.submit(
         label("reduce_scatter bucket 7"),
         &[],
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             let _ = gate.recv_timeout(PATIENT);
             Ok(())
         }),
@@ -256,7 +257,7 @@ fn a_stalled_dependency_times_out_naming_it() {
     let waiting = compute.submit(
         label("optimizer step"),
         std::slice::from_ref(&stalled),
-        Box::new(|| Ok(())),
+        Box::new(|_: &CpuBackend| Ok(())),
     );
     let err = waiting.wait_timeout(PATIENT).unwrap_err().to_string();
     assert!(
@@ -274,7 +275,7 @@ fn a_panic_in_work_becomes_an_error() {
     let event = lane.submit(
         label("broken kernel"),
         &[],
-        Box::new(|| panic!("index out of bounds")),
+        Box::new(|_: &CpuBackend| panic!("index out of bounds")),
     );
     let err = event.wait().unwrap_err().to_string();
     assert_eq!(
@@ -283,7 +284,7 @@ fn a_panic_in_work_becomes_an_error() {
     );
     assert!(lane.synchronize().is_err());
     // The worker survived.
-    lane.submit(label("after"), &[], Box::new(|| Ok(())))
+    lane.submit(label("after"), &[], Box::new(|_: &CpuBackend| Ok(())))
         .wait()
         .unwrap();
 }
@@ -296,7 +297,7 @@ fn dropping_a_lane_runs_what_is_queued_then_stops() {
     lane.submit(
         label("first"),
         &[],
-        Box::new(move || {
+        Box::new(move |_: &CpuBackend| {
             let _ = gate.recv_timeout(PATIENT);
             Ok(())
         }),
@@ -307,7 +308,7 @@ fn dropping_a_lane_runs_what_is_queued_then_stops() {
             lane.submit(
                 label("queued"),
                 &[],
-                Box::new(move || {
+                Box::new(move |_: &CpuBackend| {
                     count.fetch_add(1, Ordering::SeqCst);
                     Ok(())
                 }),
@@ -327,6 +328,6 @@ fn many_lanes_come_and_go() {
     for i in 0..50 {
         let lane = CpuLane::with_config(COMPUTE_LANE, LaneConfig::default().rank(i)).unwrap();
         assert_eq!(lane.rank(), i);
-        lane.submit(label("w"), &[], Box::new(|| Ok(())));
+        lane.submit(label("w"), &[], Box::new(|_: &CpuBackend| Ok(())));
     }
 }

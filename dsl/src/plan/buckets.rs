@@ -18,18 +18,48 @@ pub const SHARD_ALIGN: usize = 128;
 /// (a larger parameter gets a bucket of its own).
 pub const DEFAULT_NON_UNIT_BUCKET_CAP: usize = 40_000_000;
 
-/// Storage type of a bucket's parameters.
+/// An element type: of a bucket's parameters in the plan (bf16 in mixed
+/// precision), and of every buffer the runtime allocates (f32 master weights
+/// and gradients, f64 accumulators, u32 token ids and routing indices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DType {
     Bf16,
+    F32,
+    F64,
+    U32,
 }
 
 impl DType {
+    pub const ALL: [DType; 4] = [DType::Bf16, DType::F32, DType::F64, DType::U32];
+
     pub const fn bytes(self) -> usize {
         match self {
             DType::Bf16 => 2,
+            DType::F32 | DType::U32 => 4,
+            DType::F64 => 8,
         }
+    }
+
+    /// Whether the type holds real numbers (kernels compute on them in f32
+    /// or f64); the others hold indices and counts.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::Bf16 | DType::F32 | DType::F64)
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::U32 => "u32",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

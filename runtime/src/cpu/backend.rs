@@ -1,25 +1,100 @@
-//! `impl Backend for CpuBackend`: memory as plain `Vec<f32>`, kernels as the
-//! loops in [`super::kernels`] (each method a one-line delegation, so the
-//! kernels stay plain functions on slices that tests call directly).
+//! `impl Backend for CpuBackend`: buffers in host memory ([`CpuBuf`]), and
+//! kernels as the f32 loops in [`super::kernels`]. Each method registers its
+//! views ([`KernelAccess`]: dtype rules and the hazard check), widens bf16
+//! inputs, runs the loop, and rounds bf16 outputs once when it stores them,
+//! which is where a GPU kernel rounds too. The loops stay plain functions on
+//! `f32` slices that tests call directly.
 
+use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
     AdamStep, AttentionDims, AttentionInputs, Backend, ConvDims, CopyCols, LookupDims, LossDims,
     MatmulDims, NormDims, Precision, RotaryDims, RouteDims, RouteOutputs, RouterScores, ScanDims,
-    ScanGrads, ScanInputs, SgdStep, Unary, UnpermuteDims, UnpermuteGrads,
+    ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
-use std::ops::Range;
+use crate::view::{DType, DTypeRule, Scalar, same_dtype};
+use half::bf16;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The CPU device. Stateless: every buffer is a `Vec<f32>`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
+/// What a CPU device has done, for tests that prove the step loop allocates
+/// nothing and reads back only what the schedule needs.
+#[derive(Debug, Default)]
+pub struct CpuCounters {
+    allocations: AtomicU64,
+    allocated_bytes: AtomicU64,
+    host_reads: AtomicU64,
+}
 
-fn out_of_bounds(what: &str, range: &Range<usize>, len: usize) -> RuntimeError {
-    RuntimeError::InvalidArgument(format!(
-        "{what} {}..{} is out of bounds for length {len}",
-        range.start, range.end
-    ))
+/// A snapshot of [`CpuCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuCounts {
+    /// Buffers allocated.
+    pub allocations: u64,
+    pub allocated_bytes: u64,
+    /// Downloads (device-to-host reads).
+    pub host_reads: u64,
+}
+
+impl std::ops::Sub for CpuCounts {
+    type Output = CpuCounts;
+    fn sub(self, earlier: CpuCounts) -> CpuCounts {
+        CpuCounts {
+            allocations: self.allocations - earlier.allocations,
+            allocated_bytes: self.allocated_bytes - earlier.allocated_bytes,
+            host_reads: self.host_reads - earlier.host_reads,
+        }
+    }
+}
+
+/// The CPU device, bound to one lane (whose name hazard errors carry).
+/// Clones share the device's counters.
+#[derive(Clone, Debug)]
+pub struct CpuBackend {
+    compute: DType,
+    lane: Arc<str>,
+    counters: Arc<CpuCounters>,
+}
+
+impl Default for CpuBackend {
+    /// f32 everywhere, not bound to a lane: tests and the CPU default.
+    fn default() -> Self {
+        CpuBackend::new(Precision::F32)
+    }
+}
+
+impl CpuBackend {
+    /// A device storing parameters and activations as `precision` says.
+    pub fn new(precision: Precision) -> Self {
+        CpuBackend {
+            compute: precision.compute_dtype(),
+            lane: Arc::from("host"),
+            counters: Arc::new(CpuCounters::default()),
+        }
+    }
+
+    /// The same device, bound to lane `lane`.
+    pub fn on_lane(&self, lane: &str) -> Self {
+        CpuBackend {
+            compute: self.compute,
+            lane: Arc::from(lane),
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Allocations and host reads so far, over every lane of this device.
+    pub fn counts(&self) -> CpuCounts {
+        CpuCounts {
+            allocations: self.counters.allocations.load(Ordering::Relaxed),
+            allocated_bytes: self.counters.allocated_bytes.load(Ordering::Relaxed),
+            host_reads: self.counters.host_reads.load(Ordering::Relaxed),
+        }
+    }
+
+    fn access(&self, kernel: &'static str) -> KernelAccess<'_> {
+        KernelAccess::new(kernel, &self.lane)
+    }
 }
 
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
@@ -33,403 +108,645 @@ fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
 }
 
 impl Backend for CpuBackend {
-    type Buf = Vec<f32>;
-    type Slice<'a> = &'a [f32];
-    type SliceMut<'a> = &'a mut [f32];
+    type Buf = CpuBuf;
 
     fn name(&self) -> String {
         "cpu".to_string()
     }
 
-    fn alloc(&self, len: usize, _precision: Precision) -> Result<Vec<f32>> {
-        Ok(vec![0.0; len])
+    fn compute_dtype(&self) -> DType {
+        self.compute
     }
 
-    fn buf_len(&self, buf: &Vec<f32>) -> usize {
-        buf.len()
+    fn alloc(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
+        let buf = CpuBuf::zeroed(len, dtype)?;
+        self.counters.allocations.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .allocated_bytes
+            .fetch_add((len * dtype.bytes()) as u64, Ordering::Relaxed);
+        Ok(buf)
     }
 
-    fn slice<'a>(&self, buf: &'a Vec<f32>, range: Range<usize>) -> Result<&'a [f32]> {
-        let len = buf.len();
-        buf.get(range.clone())
-            .ok_or_else(|| out_of_bounds("slice", &range, len))
-    }
-
-    fn slice_mut<'a>(&self, buf: &'a mut Vec<f32>, range: Range<usize>) -> Result<&'a mut [f32]> {
-        let len = buf.len();
-        buf.get_mut(range.clone())
-            .ok_or_else(|| out_of_bounds("slice", &range, len))
-    }
-
-    fn split_mut<'a>(
-        &self,
-        slice: &'a mut [f32],
-        mid: usize,
-    ) -> Result<(&'a mut [f32], &'a mut [f32])>
-    where
-        Self: 'a,
-    {
-        let len = slice.len();
-        slice
-            .split_at_mut_checked(mid)
-            .ok_or_else(|| out_of_bounds("split", &(mid..mid), len))
-    }
-
-    fn as_slice<'a, 'b>(&self, slice: &'b &'a mut [f32]) -> &'b [f32]
-    where
-        'a: 'b,
-    {
-        slice
-    }
-
-    fn slice_len(&self, slice: &[f32]) -> usize {
-        slice.len()
-    }
-
-    fn upload(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+    fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("upload");
+        let dst = k.typed_out::<T>("dst", dst)?;
         same_len("upload", src.len(), dst.len())?;
         dst.copy_from_slice(src);
         Ok(())
     }
 
-    fn download(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+    fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()> {
+        let k = self.access("download");
+        let src = k.typed_in::<T>("src", src)?;
         same_len("download", src.len(), dst.len())?;
         dst.copy_from_slice(src);
+        self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    fn copy(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+    fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("copy");
+        same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
+        let src = k.bytes_in(src)?;
+        let dst = k.bytes_out(dst)?;
         same_len("copy", src.len(), dst.len())?;
         dst.copy_from_slice(src);
         Ok(())
     }
 
-    fn fill(&self, dst: &mut [f32], value: f32) -> Result<()> {
-        dst.fill(value);
+    fn cast(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("cast");
+        same_len("cast", src.len(), dst.len())?;
+        match (src.dtype(), dst.dtype()) {
+            (DType::F64, DType::F64) => k
+                .typed_out::<f64>("dst", dst)?
+                .copy_from_slice(k.typed_in::<f64>("src", src)?),
+            (DType::F64, _) => {
+                let src = k.typed_in::<f64>("src", src)?;
+                let mut dst = k.f32_out("dst", dst)?;
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = *s as f32;
+                }
+            }
+            (_, DType::F64) => {
+                let src = k.f32_in("src", src)?;
+                let dst = k.typed_out::<f64>("dst", dst)?;
+                for (d, s) in dst.iter_mut().zip(src.iter()) {
+                    *d = f64::from(*s);
+                }
+            }
+            _ => {
+                let src = k.f32_in("src", src)?;
+                k.f32_out("dst", dst)?.copy_from_slice(&src);
+            }
+        }
         Ok(())
     }
 
-    fn subslice<'a>(&self, slice: &'a [f32], range: Range<usize>) -> Result<&'a [f32]>
-    where
-        Self: 'a,
-    {
-        let len = slice.len();
-        slice
-            .get(range.clone())
-            .ok_or_else(|| out_of_bounds("subslice", &range, len))
+    fn fill(&self, dst: SliceMut<'_, Self>, value: f32) -> Result<()> {
+        let k = self.access("fill");
+        if dst.dtype() == DType::F64 {
+            k.typed_out::<f64>("dst", dst)?.fill(f64::from(value));
+        } else {
+            k.f32_out("dst", dst)?.fill(value);
+        }
+        Ok(())
     }
 
-    fn subslice_mut<'a, 'b>(
+    fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("zero");
+        k.bytes_out(dst)?.fill(0);
+        Ok(())
+    }
+
+    fn matmul(
         &self,
-        slice: &'b mut &'a mut [f32],
-        range: Range<usize>,
-    ) -> Result<&'b mut [f32]>
-    where
-        'a: 'b,
-    {
-        let len = slice.len();
-        slice
-            .get_mut(range.clone())
-            .ok_or_else(|| out_of_bounds("subslice", &range, len))
+        a: Slice<'_, Self>,
+        b: Slice<'_, Self>,
+        c: SliceMut<'_, Self>,
+        dims: MatmulDims,
+    ) -> Result<()> {
+        let k = self.access("matmul");
+        same_dtype(k.kernel(), ("A", a.dtype()), ("B", b.dtype()))?;
+        let (a, b) = (k.f32_in("A", a)?, k.f32_in("B", b)?);
+        kernels::matmul(&a, &b, &mut k.f32_out("C", c)?, dims)
     }
 
-    fn shorten<'a, 'b>(&self, slice: &'a [f32]) -> &'b [f32]
-    where
-        'a: 'b,
-        Self: 'a,
-    {
-        slice
+    fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("axpy");
+        let x = k.f32_in("x", x)?;
+        kernels::axpy(alpha, &x, &mut k.f32_out("y", y)?)
     }
 
-    fn reborrow_mut<'a, 'b>(&self, slice: &'b mut &'a mut [f32]) -> &'b mut [f32]
-    where
-        'a: 'b,
-    {
-        slice
+    fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()> {
+        let k = self.access("scale");
+        kernels::scale(&mut k.f32_out("x", x)?, alpha)
     }
 
-    fn matmul(&self, a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<()> {
-        kernels::matmul(a, b, c, dims)
+    fn copy_cols(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>, dims: CopyCols) -> Result<()> {
+        let k = self.access("copy_cols");
+        same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
+        let src = k.f32_in("src", src)?;
+        kernels::copy_cols(&src, &mut k.f32_out("dst", dst)?, dims)
     }
 
-    fn axpy(&self, alpha: f32, x: &[f32], y: &mut [f32]) -> Result<()> {
-        kernels::axpy(alpha, x, y)
-    }
-
-    fn scale(&self, x: &mut [f32], alpha: f32) -> Result<()> {
-        kernels::scale(x, alpha)
-    }
-
-    fn copy_cols(&self, src: &[f32], dst: &mut [f32], dims: CopyCols) -> Result<()> {
-        kernels::copy_cols(src, dst, dims)
-    }
-
-    fn column_sum(&self, x: &[f32], out: &mut [f32], rows: usize, cols: usize) -> Result<()> {
-        kernels::column_sum(x, out, rows, cols)
+    fn column_sum(
+        &self,
+        x: Slice<'_, Self>,
+        out: SliceMut<'_, Self>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let k = self.access("column_sum");
+        let x = k.f32_in("x", x)?;
+        kernels::column_sum(&x, &mut k.f32_out("out", out)?, rows, cols)
     }
 
     fn rmsnorm_forward(
         &self,
-        x: &[f32],
-        weight: &[f32],
-        y: &mut [f32],
-        rstd: &mut [f32],
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        rstd: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
-        kernels::rmsnorm_forward(x, weight, y, rstd, dims)
+        let k = self.access("rmsnorm_forward");
+        let (x, w) = (k.f32_in("x", x)?, k.f32_in("weight", weight)?);
+        let rstd = k.typed_out::<f32>("rstd", rstd)?;
+        kernels::rmsnorm_forward(&x, &w, &mut k.f32_out("y", y)?, rstd, dims)
     }
 
     fn rmsnorm_backward_input(
         &self,
-        dy: &[f32],
-        x: &[f32],
-        weight: &[f32],
-        rstd: &[f32],
-        dx: &mut [f32],
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
-        kernels::rmsnorm_backward_input(dy, x, weight, rstd, dx, dims)
+        let k = self.access("rmsnorm_backward_input");
+        let (dy, x, w) = (
+            k.f32_in("dy", dy)?,
+            k.f32_in("x", x)?,
+            k.f32_in("weight", weight)?,
+        );
+        let rstd = k.typed_in::<f32>("rstd", rstd)?;
+        kernels::rmsnorm_backward_input(&dy, &x, &w, rstd, &mut k.f32_out("dx", dx)?, dims)
     }
 
     fn rmsnorm_backward_weight(
         &self,
-        dy: &[f32],
-        x: &[f32],
-        rstd: &[f32],
-        dw: &mut [f32],
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dw: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
-        kernels::rmsnorm_backward_weight(dy, x, rstd, dw, dims)
+        let k = self.access("rmsnorm_backward_weight");
+        let (dy, x) = (k.f32_in("dy", dy)?, k.f32_in("x", x)?);
+        let rstd = k.typed_in::<f32>("rstd", rstd)?;
+        kernels::rmsnorm_backward_weight(&dy, &x, rstd, &mut k.f32_out("dw", dw)?, dims)
     }
 
-    fn unary_forward(&self, op: Unary, x: &[f32], y: &mut [f32]) -> Result<()> {
-        kernels::unary_forward(op, x, y)
+    fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("unary_forward");
+        let x = k.f32_in("x", x)?;
+        kernels::unary_forward(op, &x, &mut k.f32_out("y", y)?)
     }
 
-    fn unary_backward(&self, op: Unary, x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
-        kernels::unary_backward(op, x, dy, dx)
+    fn unary_backward(
+        &self,
+        op: Unary,
+        x: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
+    ) -> Result<()> {
+        let k = self.access("unary_backward");
+        let (x, dy) = (k.f32_in("x", x)?, k.f32_in("dy", dy)?);
+        kernels::unary_backward(op, &x, &dy, &mut k.f32_out("dx", dx)?)
     }
 
-    fn silu_mul_forward(&self, gate: &[f32], up: &[f32], y: &mut [f32]) -> Result<()> {
-        kernels::silu_mul_forward(gate, up, y)
+    fn silu_mul_forward(
+        &self,
+        gate: Slice<'_, Self>,
+        up: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+    ) -> Result<()> {
+        let k = self.access("silu_mul_forward");
+        let (gate, up) = (k.f32_in("gate", gate)?, k.f32_in("up", up)?);
+        kernels::silu_mul_forward(&gate, &up, &mut k.f32_out("y", y)?)
     }
 
     fn silu_mul_backward(
         &self,
-        gate: &[f32],
-        up: &[f32],
-        dy: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
+        gate: Slice<'_, Self>,
+        up: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        dgate: SliceMut<'_, Self>,
+        dup: SliceMut<'_, Self>,
     ) -> Result<()> {
-        kernels::silu_mul_backward(gate, up, dy, dgate, dup)
+        let k = self.access("silu_mul_backward");
+        let (gate, up, dy) = (
+            k.f32_in("gate", gate)?,
+            k.f32_in("up", up)?,
+            k.f32_in("dy", dy)?,
+        );
+        kernels::silu_mul_backward(
+            &gate,
+            &up,
+            &dy,
+            &mut k.f32_out("dgate", dgate)?,
+            &mut k.f32_out("dup", dup)?,
+        )
     }
 
     fn conv1d_forward(
         &self,
-        x: &[f32],
-        weight: &[f32],
-        bias: &[f32],
-        y: &mut [f32],
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        bias: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()> {
-        kernels::conv1d_forward(x, weight, bias, y, dims)
+        let k = self.access("conv1d_forward");
+        let (x, w, bias) = (
+            k.f32_in("x", x)?,
+            k.f32_in("weight", weight)?,
+            k.f32_in("bias", bias)?,
+        );
+        kernels::conv1d_forward(&x, &w, &bias, &mut k.f32_out("y", y)?, dims)
     }
 
     fn conv1d_backward_input(
         &self,
-        dy: &[f32],
-        weight: &[f32],
-        dx: &mut [f32],
+        dy: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()> {
-        kernels::conv1d_backward_input(dy, weight, dx, dims)
+        let k = self.access("conv1d_backward_input");
+        let (dy, w) = (k.f32_in("dy", dy)?, k.f32_in("weight", weight)?);
+        kernels::conv1d_backward_input(&dy, &w, &mut k.f32_out("dx", dx)?, dims)
     }
 
     fn conv1d_backward_weight(
         &self,
-        dy: &[f32],
-        x: &[f32],
-        dw: &mut [f32],
-        dbias: &mut [f32],
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        dw: SliceMut<'_, Self>,
+        dbias: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()> {
-        kernels::conv1d_backward_weight(dy, x, dw, dbias, dims)
+        let k = self.access("conv1d_backward_weight");
+        let (dy, x) = (k.f32_in("dy", dy)?, k.f32_in("x", x)?);
+        kernels::conv1d_backward_weight(
+            &dy,
+            &x,
+            &mut k.f32_out("dw", dw)?,
+            &mut k.f32_out("dbias", dbias)?,
+            dims,
+        )
     }
 
     fn ssd_scan_forward(
         &self,
-        inputs: ScanInputs<&[f32]>,
-        y: &mut [f32],
-        states: &mut [f32],
+        inputs: ScanInputs<Slice<'_, Self>>,
+        y: SliceMut<'_, Self>,
+        states: SliceMut<'_, Self>,
         dims: ScanDims,
     ) -> Result<()> {
-        kernels::ssd_scan_forward(inputs, y, states, dims)
+        let k = self.access("ssd_scan_forward");
+        let (xbc, dt, dt_bias, a_log, d) = (
+            k.f32_in("xbc", inputs.xbc)?,
+            k.f32_in("dt", inputs.dt)?,
+            k.f32_in("dt_bias", inputs.dt_bias)?,
+            k.f32_in("a_log", inputs.a_log)?,
+            k.f32_in("d", inputs.d)?,
+        );
+        let states = k.typed_out::<f32>("states", states)?;
+        kernels::ssd_scan_forward(
+            ScanInputs {
+                xbc: &xbc,
+                dt: &dt,
+                dt_bias: &dt_bias,
+                a_log: &a_log,
+                d: &d,
+            },
+            &mut k.f32_out("y", y)?,
+            states,
+            dims,
+        )
     }
 
     fn ssd_scan_backward(
         &self,
-        inputs: ScanInputs<&[f32]>,
-        states: &[f32],
-        dy: &[f32],
-        grads: ScanGrads<&mut [f32]>,
+        inputs: ScanInputs<Slice<'_, Self>>,
+        states: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        grads: ScanGrads<SliceMut<'_, Self>>,
         dims: ScanDims,
     ) -> Result<()> {
-        kernels::ssd_scan_backward(inputs, states, dy, grads, dims)
+        let k = self.access("ssd_scan_backward");
+        let (xbc, dt, dt_bias, a_log, d) = (
+            k.f32_in("xbc", inputs.xbc)?,
+            k.f32_in("dt", inputs.dt)?,
+            k.f32_in("dt_bias", inputs.dt_bias)?,
+            k.f32_in("a_log", inputs.a_log)?,
+            k.f32_in("d", inputs.d)?,
+        );
+        let states = k.typed_in::<f32>("states", states)?;
+        let dy = k.f32_in("dy", dy)?;
+        kernels::ssd_scan_backward(
+            ScanInputs {
+                xbc: &xbc,
+                dt: &dt,
+                dt_bias: &dt_bias,
+                a_log: &a_log,
+                d: &d,
+            },
+            states,
+            &dy,
+            ScanGrads {
+                xbc: &mut k.f32_out("d_xbc", grads.xbc)?,
+                dt: &mut k.f32_out("d_dt", grads.dt)?,
+                a_log: &mut k.f32_out("d_a_log", grads.a_log)?,
+                d: &mut k.f32_out("d_d", grads.d)?,
+            },
+            dims,
+        )
     }
 
     fn attention_forward(
         &self,
-        inputs: AttentionInputs<&[f32]>,
-        out: &mut [f32],
-        lse: &mut [f32],
+        inputs: AttentionInputs<Slice<'_, Self>>,
+        out: SliceMut<'_, Self>,
+        lse: SliceMut<'_, Self>,
         dims: AttentionDims,
     ) -> Result<()> {
-        kernels::attention_forward(inputs, out, lse, dims)
+        let k = self.access("attention_forward");
+        let (q, kk, v) = (
+            k.f32_in("q", inputs.q)?,
+            k.f32_in("k", inputs.k)?,
+            k.f32_in("v", inputs.v)?,
+        );
+        let lse = k.typed_out::<f32>("lse", lse)?;
+        kernels::attention_forward(
+            AttentionInputs {
+                q: &q,
+                k: &kk,
+                v: &v,
+            },
+            &mut k.f32_out("out", out)?,
+            lse,
+            dims,
+        )
     }
 
     fn attention_backward(
         &self,
-        inputs: AttentionInputs<&[f32]>,
-        out: &[f32],
-        lse: &[f32],
-        dout: &[f32],
-        grads: AttentionInputs<&mut [f32]>,
+        inputs: AttentionInputs<Slice<'_, Self>>,
+        out: Slice<'_, Self>,
+        lse: Slice<'_, Self>,
+        dout: Slice<'_, Self>,
+        grads: AttentionInputs<SliceMut<'_, Self>>,
         dims: AttentionDims,
     ) -> Result<()> {
-        kernels::attention_backward(inputs, out, lse, dout, grads, dims)
+        let k = self.access("attention_backward");
+        let (q, kk, v) = (
+            k.f32_in("q", inputs.q)?,
+            k.f32_in("k", inputs.k)?,
+            k.f32_in("v", inputs.v)?,
+        );
+        let (out, dout) = (k.f32_in("out", out)?, k.f32_in("dout", dout)?);
+        let lse = k.typed_in::<f32>("lse", lse)?;
+        kernels::attention_backward(
+            AttentionInputs {
+                q: &q,
+                k: &kk,
+                v: &v,
+            },
+            &out,
+            lse,
+            &dout,
+            AttentionInputs {
+                q: &mut k.f32_out("dq", grads.q)?,
+                k: &mut k.f32_out("dk", grads.k)?,
+                v: &mut k.f32_out("dv", grads.v)?,
+            },
+            dims,
+        )
     }
 
-    fn rotary_forward(&self, x: &mut [f32], dims: RotaryDims) -> Result<()> {
-        kernels::rotary_forward(x, dims)
+    fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
+        let k = self.access("rotary_forward");
+        kernels::rotary_forward(&mut k.f32_out("x", x)?, dims)
     }
 
-    fn rotary_backward(&self, dx: &mut [f32], dims: RotaryDims) -> Result<()> {
-        kernels::rotary_backward(dx, dims)
+    fn rotary_backward(&self, dx: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
+        let k = self.access("rotary_backward");
+        kernels::rotary_backward(&mut k.f32_out("dx", dx)?, dims)
     }
 
     fn embedding_forward(
         &self,
-        table: &[f32],
+        table: Slice<'_, Self>,
         ids: &[u32],
-        out: &mut [f32],
+        out: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
-        kernels::embedding_forward(table, ids, out, dims)
+        let k = self.access("embedding_forward");
+        let table = k.f32_in("table", table)?;
+        kernels::embedding_forward(&table, ids, &mut k.f32_out("out", out)?, dims)
     }
 
     fn embedding_backward(
         &self,
-        dout: &[f32],
+        dout: Slice<'_, Self>,
         ids: &[u32],
-        dtable: &mut [f32],
+        dtable: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
-        kernels::embedding_backward(dout, ids, dtable, dims)
+        let k = self.access("embedding_backward");
+        let dout = k.f32_in("dout", dout)?;
+        kernels::embedding_backward(&dout, ids, &mut k.f32_out("dtable", dtable)?, dims)
     }
 
     fn cross_entropy_forward(
         &self,
-        logits: &mut [f32],
+        logits: SliceMut<'_, Self>,
         targets: &[u32],
-        losses: &mut [f32],
+        losses: SliceMut<'_, Self>,
         dims: LossDims,
     ) -> Result<()> {
-        kernels::cross_entropy_forward(logits, targets, losses, dims)
+        let k = self.access("cross_entropy_forward");
+        kernels::cross_entropy_forward(
+            k.typed_out::<f32>("logits", logits)?,
+            targets,
+            k.typed_out::<f32>("losses", losses)?,
+            dims,
+        )
     }
 
     fn cross_entropy_backward(
         &self,
-        probs: &mut [f32],
+        probs: SliceMut<'_, Self>,
         targets: &[u32],
         scale: f32,
         dims: LossDims,
     ) -> Result<()> {
-        kernels::cross_entropy_backward(probs, targets, scale, dims)
+        let k = self.access("cross_entropy_backward");
+        kernels::cross_entropy_backward(
+            k.typed_out::<f32>("probs", probs)?,
+            targets,
+            scale,
+            dims,
+        )
     }
 
     fn moe_route_forward(
         &self,
-        logits: &[f32],
+        logits: Slice<'_, Self>,
         expert_bias: Option<&[f32]>,
-        out: RouteOutputs<&mut [f32]>,
+        out: RouteOutputs<SliceMut<'_, Self>>,
         selected: &mut [u32],
         dims: RouteDims,
     ) -> Result<()> {
-        kernels::moe_route_forward(logits, expert_bias, out, selected, dims)
+        let k = self.access("moe_route_forward");
+        kernels::moe_route_forward(
+            k.typed_in::<f32>("logits", logits)?,
+            expert_bias,
+            RouteOutputs {
+                scores: k.typed_out::<f32>("scores", out.scores)?,
+                weights: k.typed_out::<f32>("weights", out.weights)?,
+                softmax_sum: k.typed_out::<f32>("softmax_sum", out.softmax_sum)?,
+            },
+            selected,
+            dims,
+        )
     }
 
     fn moe_route_backward(
         &self,
-        saved: RouterScores<&[f32]>,
+        saved: RouterScores<Slice<'_, Self>>,
         selected: &[u32],
-        d_weights: &[f32],
+        d_weights: Slice<'_, Self>,
         aux_grad: &[f32],
-        d_logits: &mut [f32],
+        d_logits: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()> {
-        kernels::moe_route_backward(saved, selected, d_weights, aux_grad, d_logits, dims)
+        let k = self.access("moe_route_backward");
+        kernels::moe_route_backward(
+            RouterScores {
+                logits: k.typed_in::<f32>("logits", saved.logits)?,
+                scores: k.typed_in::<f32>("scores", saved.scores)?,
+            },
+            selected,
+            k.typed_in::<f32>("d_weights", d_weights)?,
+            aux_grad,
+            k.typed_out::<f32>("d_logits", d_logits)?,
+            dims,
+        )
     }
 
-    fn gather_rows(&self, src: &[f32], index: &[u32], dst: &mut [f32], width: usize) -> Result<()> {
-        kernels::gather_rows(src, index, dst, width)
+    fn gather_rows(
+        &self,
+        src: Slice<'_, Self>,
+        index: &[u32],
+        dst: SliceMut<'_, Self>,
+        width: usize,
+    ) -> Result<()> {
+        let k = self.access("gather_rows");
+        same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
+        let src = k.f32_in("src", src)?;
+        kernels::gather_rows(&src, index, &mut k.f32_out("dst", dst)?, width)
     }
 
     fn scatter_rows(
         &self,
-        src: &[f32],
+        src: Slice<'_, Self>,
         index: &[u32],
-        dst: &mut [f32],
+        dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()> {
-        kernels::scatter_rows(src, index, dst, width)
+        let k = self.access("scatter_rows");
+        same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
+        let src = k.f32_in("src", src)?;
+        kernels::scatter_rows(&src, index, &mut k.f32_out("dst", dst)?, width)
     }
 
     fn moe_unpermute(
         &self,
-        rows: &[f32],
-        weights: Option<&[f32]>,
+        rows: Slice<'_, Self>,
+        weights: Option<Slice<'_, Self>>,
         positions: &[u32],
-        out: &mut [f32],
+        out: SliceMut<'_, Self>,
         dims: UnpermuteDims,
     ) -> Result<()> {
-        kernels::moe_unpermute(rows, weights, positions, out, dims)
+        let k = self.access("moe_unpermute");
+        let rows = k.f32_in("rows", rows)?;
+        let weights = weights
+            .map(|w| k.typed_in::<f32>("weights", w))
+            .transpose()?;
+        kernels::moe_unpermute(&rows, weights, positions, &mut k.f32_out("out", out)?, dims)
     }
 
     fn moe_unpermute_backward(
         &self,
-        dout: &[f32],
-        rows: &[f32],
-        weights: &[f32],
+        dout: Slice<'_, Self>,
+        rows: Slice<'_, Self>,
+        weights: Slice<'_, Self>,
         positions: &[u32],
-        grads: UnpermuteGrads<&mut [f32]>,
+        grads: UnpermuteGrads<SliceMut<'_, Self>>,
         dims: UnpermuteDims,
     ) -> Result<()> {
-        kernels::moe_unpermute_backward(dout, rows, weights, positions, grads, dims)
+        let k = self.access("moe_unpermute_backward");
+        let (dout, rows) = (k.f32_in("dout", dout)?, k.f32_in("rows", rows)?);
+        let weights = k.typed_in::<f32>("weights", weights)?;
+        kernels::moe_unpermute_backward(
+            &dout,
+            &rows,
+            weights,
+            positions,
+            UnpermuteGrads {
+                rows: &mut k.f32_out("d_rows", grads.rows)?,
+                weights: k.typed_out::<f32>("d_weights", grads.weights)?,
+            },
+            dims,
+        )
     }
 
     fn adam_update(
         &self,
-        param: &mut [f32],
-        grad: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        param: SliceMut<'_, Self>,
+        grad: Slice<'_, Self>,
+        m: SliceMut<'_, Self>,
+        v: SliceMut<'_, Self>,
         step: AdamStep,
     ) -> Result<()> {
-        kernels::adam_update(param, grad, m, v, step)
+        let k = self.access("adam_update");
+        kernels::adam_update(
+            k.typed_out::<f32>("param", param)?,
+            k.typed_in::<f32>("grad", grad)?,
+            k.typed_out::<f32>("m", m)?,
+            k.typed_out::<f32>("v", v)?,
+            step,
+        )
     }
 
     fn sgd_update(
         &self,
-        param: &mut [f32],
-        grad: &[f32],
-        momentum: Option<&mut [f32]>,
+        param: SliceMut<'_, Self>,
+        grad: Slice<'_, Self>,
+        momentum: Option<SliceMut<'_, Self>>,
         step: SgdStep,
     ) -> Result<()> {
-        kernels::sgd_update(param, grad, momentum, step)
+        let k = self.access("sgd_update");
+        let momentum = momentum
+            .map(|m| k.typed_out::<f32>("momentum", m))
+            .transpose()?;
+        kernels::sgd_update(
+            k.typed_out::<f32>("param", param)?,
+            k.typed_in::<f32>("grad", grad)?,
+            momentum,
+            step,
+        )
     }
 
-    fn sum_squares_blocks(&self, x: &[f32], out: &mut [f64]) -> Result<()> {
-        kernels::sum_squares_blocks(x, out)
+    fn sum_squares_blocks(&self, x: Slice<'_, Self>, out: &mut [f64]) -> Result<()> {
+        let k = self.access("sum_squares_blocks");
+        self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
+        kernels::sum_squares_blocks(k.typed_in::<f32>("x", x)?, out)
     }
 }
+
+/// Rounds f32 values to bf16 and back: what storing them in a bf16 buffer
+/// does (tests use it to build bf16 references).
+pub fn round_bf16(values: &mut [f32]) {
+    for v in values {
+        *v = bf16::from_f32(*v).to_f32();
+    }
+}
+
+#[allow(dead_code)]
+fn _rules_are_documented(_: DTypeRule) {}

@@ -21,8 +21,11 @@
 //! one condition variable serve a world and every group split from it, so an
 //! abort wakes ranks blocked in any group.
 
+use crate::backend::{Slice, SliceMut};
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
+use crate::cpu::buffer::KernelAccess;
+use crate::view::DType;
 use crate::error::{Result, RuntimeError};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -71,6 +74,8 @@ struct Call {
     /// Elements every rank must agree on (per-rank shard for all_gather,
     /// whole buffer otherwise); `None` when sizes may differ per rank.
     elements: Option<usize>,
+    /// The element type every rank must agree on, for data collectives.
+    dtype: Option<DType>,
     seq: u64,
     /// Rounds within one call (all_reduce has two); shares the call's `seq`.
     phase: u8,
@@ -78,16 +83,17 @@ struct Call {
 
 impl Call {
     fn agrees_with(&self, other: &Call) -> bool {
-        self.kind == other.kind && self.elements == other.elements
+        self.kind == other.kind && self.elements == other.elements && self.dtype == other.dtype
     }
 }
 
 impl fmt::Display for Call {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} #{}", self.kind.name(), self.seq)?;
+        let dtype = self.dtype.map(|d| format!("{d} ")).unwrap_or_default();
         match (self.kind, self.elements) {
-            (OpKind::AllGather, Some(n)) => write!(f, " ({n} elements per rank)"),
-            (_, Some(n)) => write!(f, " ({n} elements)"),
+            (OpKind::AllGather, Some(n)) => write!(f, " ({n} {dtype}elements per rank)"),
+            (_, Some(n)) => write!(f, " ({n} {dtype}elements)"),
             (_, None) => Ok(()),
         }
     }
@@ -98,8 +104,10 @@ impl fmt::Display for Call {
 enum Payload {
     Empty,
     Floats(Vec<f32>),
+    Bytes(Vec<u8>),
     AllToAll {
-        data: Vec<f32>,
+        /// The send buffer's bytes; counts are in elements.
+        data: Vec<u8>,
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
     },
@@ -321,7 +329,13 @@ type Finisher<'a> = &'a dyn Fn(&mut FamilyState, &[Arc<Payload>]) -> Payload;
 fn floats(payload: &Payload) -> &[f32] {
     match payload {
         Payload::Floats(v) => v,
-        Payload::AllToAll { data, .. } => data,
+        _ => &[],
+    }
+}
+
+fn bytes(payload: &Payload) -> &[u8] {
+    match payload {
+        Payload::Bytes(v) => v,
         _ => &[],
     }
 }
@@ -388,7 +402,7 @@ impl CpuComm {
     /// expert-data-parallel groups {0,2}, {1,3}; `split(0)` a duplicate of
     /// this group (a communicator for another lane).
     pub fn split(&self, color: usize) -> Result<CpuComm> {
-        let (_in_call, call) = self.begin(OpKind::Split, None)?;
+        let (_in_call, call) = self.begin(OpKind::Split, None, None)?;
         let parent_name = self.group_name.clone();
         let finisher = move |state: &mut FamilyState, contributions: &[Arc<Payload>]| {
             let colors: Vec<usize> = contributions
@@ -460,7 +474,12 @@ impl CpuComm {
     }
 
     /// Numbers the call and marks the communicator busy.
-    fn begin(&self, kind: OpKind, elements: Option<usize>) -> Result<(InCall<'_>, Call)> {
+    fn begin(
+        &self,
+        kind: OpKind,
+        elements: Option<usize>,
+        dtype: Option<DType>,
+    ) -> Result<(InCall<'_>, Call)> {
         if self.in_call.swap(true, Ordering::Acquire) {
             return Err(RuntimeError::InvalidArgument(format!(
                 "rank {} called {} on {} while another collective on the same communicator \
@@ -478,6 +497,7 @@ impl CpuComm {
             Call {
                 kind,
                 elements,
+                dtype,
                 seq,
                 phase: 0,
             },
@@ -745,35 +765,43 @@ impl Collective<CpuBackend> for CpuComm {
         self.members.len()
     }
 
-    fn all_gather(&self, shard: &[f32], full: &mut [f32]) -> Result<()> {
+    fn all_gather(&self, shard: Slice<'_, CpuBackend>, full: SliceMut<'_, CpuBackend>) -> Result<()> {
         let n = self.members.len();
-        let (_in_call, call) = self.begin(OpKind::AllGather, Some(shard.len()))?;
-        if full.len() != shard.len() * n {
+        let (_in_call, call) = self.begin(OpKind::AllGather, Some(shard.len()), Some(shard.dtype()))?;
+        if full.len() != shard.len() * n || full.dtype() != shard.dtype() {
             return Err(self.reject(
                 &call,
                 format!(
-                    "the output holds {} elements but {n} ranks x {} shard elements = {}",
+                    "the output holds {} {} elements but {n} ranks x {} shard elements of {} = {}",
                     full.len(),
+                    full.dtype(),
                     shard.len(),
+                    shard.dtype(),
                     shard.len() * n
                 ),
             ));
         }
-        let exchanged = self.exchange(&call, Payload::Floats(shard.to_vec()), None)?;
-        if !shard.is_empty() {
-            for (out, part) in full
-                .chunks_exact_mut(shard.len())
-                .zip(&exchanged.contributions)
-            {
-                out.copy_from_slice(floats(part));
+        let k = KernelAccess::new("all_gather", "comm");
+        let mine = k.bytes_in(shard)?.to_vec();
+        let exchanged = self.exchange(&call, Payload::Bytes(mine), None)?;
+        let full = k.bytes_out(full)?;
+        let size = full.len() / n.max(1);
+        if size > 0 {
+            for (out, part) in full.chunks_exact_mut(size).zip(&exchanged.contributions) {
+                out.copy_from_slice(bytes(part));
             }
         }
         Ok(())
     }
 
-    fn reduce_scatter(&self, full: &[f32], shard: &mut [f32]) -> Result<()> {
+    fn reduce_scatter(
+        &self,
+        full: Slice<'_, CpuBackend>,
+        shard: SliceMut<'_, CpuBackend>,
+    ) -> Result<()> {
         let n = self.members.len();
-        let (_in_call, call) = self.begin(OpKind::ReduceScatter, Some(full.len()))?;
+        let (_in_call, call) =
+            self.begin(OpKind::ReduceScatter, Some(full.len()), Some(full.dtype()))?;
         if full.len() != shard.len() * n {
             return Err(self.reject(
                 &call,
@@ -785,16 +813,23 @@ impl Collective<CpuBackend> for CpuComm {
                 ),
             ));
         }
-        let exchanged = self.exchange(&call, Payload::Floats(full.to_vec()), None)?;
+        let k = KernelAccess::new("reduce_scatter", "comm");
+        let mine = k.typed_in::<f32>("full", full).map_err(|e| self.reject(&call, e.to_string()))?;
+        let exchanged = self.exchange(&call, Payload::Floats(mine.to_vec()), None)?;
+        let shard = k.typed_out::<f32>("shard", shard)?;
         let range = self.rank * shard.len()..(self.rank + 1) * shard.len();
         sum_in_rank_order(&exchanged.contributions, range, shard);
         Ok(())
     }
 
-    fn all_reduce(&self, buf: &mut [f32]) -> Result<()> {
+    fn all_reduce(&self, buf: SliceMut<'_, CpuBackend>) -> Result<()> {
         let n = self.members.len();
         let len = buf.len();
-        let (_in_call, call) = self.begin(OpKind::AllReduce, Some(len))?;
+        let (_in_call, call) = self.begin(OpKind::AllReduce, Some(len), Some(buf.dtype()))?;
+        let k = KernelAccess::new("all_reduce", "comm");
+        let buf = k
+            .typed_out::<f32>("buf", buf)
+            .map_err(|e| self.reject(&call, e.to_string()))?;
         // Round 1: everyone deposits the whole buffer; rank r sums chunk r.
         // Round 2: everyone gathers the summed chunks. Each element is still
         // summed in rank order, by exactly one rank, so all ranks agree.
@@ -818,13 +853,19 @@ impl Collective<CpuBackend> for CpuComm {
 
     fn all_to_all(
         &self,
-        send: &[f32],
+        send: Slice<'_, CpuBackend>,
         send_counts: &[usize],
-        recv: &mut [f32],
+        recv: SliceMut<'_, CpuBackend>,
         recv_counts: &[usize],
     ) -> Result<()> {
         let n = self.members.len();
-        let (_in_call, call) = self.begin(OpKind::AllToAll, None)?;
+        let (_in_call, call) = self.begin(OpKind::AllToAll, None, Some(send.dtype()))?;
+        if send.dtype() != recv.dtype() {
+            return Err(self.reject(
+                &call,
+                format!("send is {} but recv is {}", send.dtype(), recv.dtype()),
+            ));
+        }
         for (what, counts, buffer) in [
             ("send", send_counts, send.len()),
             ("recv", recv_counts, recv.len()),
@@ -849,13 +890,16 @@ impl Collective<CpuBackend> for CpuComm {
                 ));
             }
         }
+        let size = send.dtype().bytes();
+        let k = KernelAccess::new("all_to_all", "comm");
         let payload = Payload::AllToAll {
-            data: send.to_vec(),
+            data: k.bytes_in(send)?.to_vec(),
             send_counts: send_counts.to_vec(),
             recv_counts: recv_counts.to_vec(),
         };
         let exchanged = self.exchange(&call, payload, None)?;
         self.check_all_to_all(&call, &exchanged.contributions)?;
+        let recv = k.bytes_out(recv)?;
         let mut at = 0;
         for (i, sender) in exchanged.contributions.iter().enumerate() {
             if let Payload::AllToAll {
@@ -864,7 +908,8 @@ impl Collective<CpuBackend> for CpuComm {
             {
                 let offset: usize = send_counts[..self.rank].iter().sum();
                 let count = recv_counts[i];
-                recv[at..at + count].copy_from_slice(&data[offset..offset + count]);
+                recv[at * size..(at + count) * size]
+                    .copy_from_slice(&data[offset * size..(offset + count) * size]);
                 at += count;
             }
         }
@@ -873,7 +918,7 @@ impl Collective<CpuBackend> for CpuComm {
 
     fn all_to_all_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>> {
         let n = self.members.len();
-        let (_in_call, call) = self.begin(OpKind::AllToAllCounts, None)?;
+        let (_in_call, call) = self.begin(OpKind::AllToAllCounts, None, None)?;
         if send.len() != n {
             return Err(self.reject(
                 &call,
@@ -896,7 +941,7 @@ impl Collective<CpuBackend> for CpuComm {
     }
 
     fn all_gather_host(&self, values: &[f64]) -> Result<Vec<Vec<f64>>> {
-        let (_in_call, call) = self.begin(OpKind::AllGatherHost, None)?;
+        let (_in_call, call) = self.begin(OpKind::AllGatherHost, None, None)?;
         let exchanged = self.exchange(&call, Payload::Host(values.to_vec()), None)?;
         exchanged
             .contributions
@@ -909,8 +954,12 @@ impl Collective<CpuBackend> for CpuComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        let (_in_call, call) = self.begin(OpKind::Barrier, None)?;
+        let (_in_call, call) = self.begin(OpKind::Barrier, None, None)?;
         self.exchange(&call, Payload::Empty, None).map(|_| ())
+    }
+
+    fn split(&self, color: usize) -> Result<CpuComm> {
+        CpuComm::split(self, color)
     }
 }
 
@@ -956,13 +1005,15 @@ mod tests {
         let call = Call {
             kind: OpKind::AllGather,
             elements: Some(1024),
+            dtype: Some(DType::F32),
             seq: 12,
             phase: 0,
         };
-        assert_eq!(call.to_string(), "all_gather #12 (1024 elements per rank)");
+        assert_eq!(call.to_string(), "all_gather #12 (1024 f32 elements per rank)");
         let a2a = Call {
             kind: OpKind::AllToAll,
             elements: None,
+            dtype: None,
             seq: 3,
             phase: 0,
         };

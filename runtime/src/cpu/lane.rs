@@ -16,6 +16,7 @@
 //! - A panic inside work is caught and becomes that work's error.
 //! - Dropping a lane runs what is still queued, then joins the thread.
 
+use super::CpuBackend;
 use crate::error::{Result, RuntimeError};
 use crate::lane::{Event, Label, Lane, Work};
 use crate::trace::TraceRecorder;
@@ -235,6 +236,9 @@ pub struct LaneConfig {
     pub wait_timeout: Duration,
     /// Where to record one span per work item that runs.
     pub trace: Option<Arc<TraceRecorder>>,
+    /// The device the lane's work runs kernels on; the lane binds it to
+    /// itself (its name appears in the device's hazard errors).
+    pub device: CpuBackend,
 }
 
 impl Default for LaneConfig {
@@ -243,6 +247,7 @@ impl Default for LaneConfig {
             rank: 0,
             wait_timeout: DEFAULT_WAIT_TIMEOUT,
             trace: None,
+            device: CpuBackend::default(),
         }
     }
 }
@@ -262,12 +267,17 @@ impl LaneConfig {
         self.trace = Some(recorder);
         self
     }
+
+    pub fn device(mut self, device: CpuBackend) -> Self {
+        self.device = device;
+        self
+    }
 }
 
 struct Job {
     label: Label,
     after: Vec<CpuEvent>,
-    work: Work,
+    work: Work<CpuBackend>,
     event: CpuEvent,
 }
 
@@ -297,6 +307,8 @@ struct LaneFailure {
 struct Shared {
     name: Arc<str>,
     config: LaneConfig,
+    /// `config.device` bound to this lane.
+    backend: CpuBackend,
     queue: Mutex<Queue>,
     /// Signals the worker: a job arrived or the lane is closing.
     work_ready: Condvar,
@@ -329,6 +341,7 @@ impl CpuLane {
     pub fn with_config(name: &str, config: LaneConfig) -> Result<Self> {
         let shared = Arc::new(Shared {
             name: Arc::from(name),
+            backend: config.device.on_lane(name),
             config,
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
@@ -365,12 +378,17 @@ impl CpuLane {
 
 impl Lane for CpuLane {
     type Event = CpuEvent;
+    type Backend = CpuBackend;
 
     fn name(&self) -> &str {
         &self.shared.name
     }
 
-    fn submit(&self, label: Label, after: &[CpuEvent], work: Work) -> CpuEvent {
+    fn backend(&self) -> &CpuBackend {
+        &self.shared.backend
+    }
+
+    fn submit(&self, label: Label, after: &[CpuEvent], work: Work<CpuBackend>) -> CpuEvent {
         let event = CpuEvent::pending(
             Arc::new(Origin {
                 lane: self.shared.name.clone(),
@@ -485,7 +503,7 @@ fn run_job(
     shared: &Shared,
     label: Label,
     after: Vec<CpuEvent>,
-    work: Work,
+    work: Work<CpuBackend>,
     lane_failure: Option<LaneFailure>,
 ) -> Status {
     let lane = shared.name.to_string();
@@ -538,7 +556,7 @@ fn run_job(
     }
     drop(after);
     let start = Instant::now();
-    let outcome = catch_unwind(AssertUnwindSafe(work));
+    let outcome = catch_unwind(AssertUnwindSafe(|| work(&shared.backend)));
     let end = Instant::now();
     if let Some(trace) = &shared.config.trace {
         trace.record_work(shared.config.rank, &shared.name, &label, start, end);
@@ -584,7 +602,7 @@ mod tests {
             Label::new("load batch", "host"),
             RuntimeError::Numeric("bad".into()),
         );
-        let event = lane.submit(Label::new("fwd", "forward"), &[failed], Box::new(|| Ok(())));
+        let event = lane.submit(Label::new("fwd", "forward"), &[failed], Box::new(|_: &CpuBackend| Ok(())));
         let err = event.wait().unwrap_err().to_string();
         assert!(err.contains("skipped `fwd`"), "{err}");
         assert!(
@@ -594,7 +612,7 @@ mod tests {
         // Skipping is reported by synchronize once; then the lane runs again.
         let sync = lane.synchronize().unwrap_err().to_string();
         assert!(sync.contains("skipped `fwd`"), "{sync}");
-        let again = lane.submit(Label::new("fwd 2", "forward"), &[], Box::new(|| Ok(())));
+        let again = lane.submit(Label::new("fwd 2", "forward"), &[], Box::new(|_: &CpuBackend| Ok(())));
         assert!(again.wait().is_ok());
         assert!(lane.synchronize().is_ok());
     }
@@ -610,7 +628,7 @@ mod tests {
         let event = lane.submit(
             Label::new("slow all_gather", "gather"),
             &[],
-            Box::new(move || {
+            Box::new(move |_: &CpuBackend| {
                 let _ = rx.recv_timeout(Duration::from_secs(10));
                 Ok(())
             }),

@@ -1,10 +1,12 @@
-//! The CPU backend: f32 storage, deterministic loops, a worker thread per
+//! The CPU backend: bf16 or f32 storage, deterministic f32 loops, a worker thread per
 //! lane, and ranks as threads of one process exchanging through shared
 //! memory. It is the reference every other backend is checked against.
 
 mod backend;
+mod buffer;
 pub mod collective;
 pub mod kernels;
 pub mod lane;
 
-pub use backend::CpuBackend;
+pub use backend::{CpuBackend, CpuCounts, round_bf16};
+pub use buffer::CpuBuf;

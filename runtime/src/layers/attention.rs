@@ -6,7 +6,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
     positive, section, weight, zeros,
 };
-use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -154,8 +154,8 @@ impl AttentionLayer {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        mut x: B::SliceMut<'_>,
+        weights: &[Slice<'_, B>],
+        mut x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<AttentionSaved<B>> {
         let name = "`*` layer";
@@ -244,9 +244,9 @@ impl AttentionLayer {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         s: AttentionSaved<B>,
-        mut dx: B::SliceMut<'_>,
+        mut dx: SliceMut<'_, B>,
     ) -> Result<AttentionWgrad<B>> {
         let name = "`*` layer backward";
         check_weights(b, name, &self.params, weights)?;
@@ -363,7 +363,7 @@ impl AttentionLayer {
         &self,
         b: &B,
         g: AttentionWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`*` layer", &self.params, grads)?;
         let rows = g.tokens.rows()?;

@@ -4,7 +4,7 @@
 //! they make q, k, v (and undo that in backward).
 
 use super::{check_len, zeros, zeros_f32};
-use crate::backend::{AttentionDims, AttentionInputs, Backend, MatmulDims};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 
 /// Elements of o (and of the projection's input): `rows x heads x v_dim`.
@@ -17,8 +17,8 @@ fn width(dims: &AttentionDims) -> usize {
 pub(crate) fn forward<B: Backend>(
     b: &B,
     qkv: AttentionInputs<&B::Buf>,
-    proj: B::Slice<'_>,
-    x: B::SliceMut<'_>,
+    proj: Slice<'_, B>,
+    x: SliceMut<'_, B>,
     dims: AttentionDims,
     hidden: usize,
 ) -> Result<(B::Buf, B::Buf)> {
@@ -51,7 +51,7 @@ pub(crate) struct Saved<'s, B: Backend> {
 pub(crate) fn backward_input<B: Backend>(
     b: &B,
     saved: Saved<'_, B>,
-    proj: B::Slice<'_>,
+    proj: Slice<'_, B>,
     d_out: &B::Buf,
     dims: AttentionDims,
     hidden: usize,
@@ -99,7 +99,7 @@ pub(crate) fn proj_weight_grad<B: Backend>(
     b: &B,
     d_out: &B::Buf,
     o: &B::Buf,
-    dw: B::SliceMut<'_>,
+    dw: SliceMut<'_, B>,
     dims: AttentionDims,
     hidden: usize,
 ) -> Result<()> {

@@ -3,7 +3,7 @@
 //! row order.
 
 use super::{check_len, positive};
-use crate::backend::{Backend, LookupDims};
+use crate::backend::{Backend, LookupDims, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
 
@@ -39,9 +39,9 @@ impl Embedding {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        table: B::Slice<'_>,
+        table: Slice<'_, B>,
         ids: &[u32],
-        out: B::SliceMut<'_>,
+        out: SliceMut<'_, B>,
     ) -> Result<()> {
         check_len(
             "embedding",
@@ -56,9 +56,9 @@ impl Embedding {
     pub fn backward<B: Backend>(
         &self,
         b: &B,
-        dout: B::Slice<'_>,
+        dout: Slice<'_, B>,
         ids: &[u32],
-        dtable: B::SliceMut<'_>,
+        dtable: SliceMut<'_, B>,
     ) -> Result<()> {
         check_len(
             "embedding backward",

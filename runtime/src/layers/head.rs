@@ -5,7 +5,7 @@
 //! backward) and nothing bigger.
 
 use super::{check_len, copy_of, positive, zeros_f32};
-use crate::backend::{Backend, IGNORE_TARGET, LossDims, MatmulDims};
+use crate::backend::{Backend, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
 
@@ -53,8 +53,8 @@ impl Head {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weight: B::Slice<'_>,
-        hidden_states: B::Slice<'_>,
+        weight: Slice<'_, B>,
+        hidden_states: Slice<'_, B>,
         targets: &[u32],
     ) -> Result<HeadForward<B>> {
         let (v, h, rows) = (self.vocab, self.hidden, targets.len());
@@ -107,10 +107,10 @@ impl Head {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weight: B::Slice<'_>,
+        weight: Slice<'_, B>,
         saved: HeadSaved<B>,
         grad_scale: f32,
-        dh: B::SliceMut<'_>,
+        dh: SliceMut<'_, B>,
     ) -> Result<HeadWgrad<B>> {
         let (v, h, rows) = (self.vocab, self.hidden, saved.rows);
         check_len("head backward", "weight", b.slice_len(weight), v * h)?;
@@ -142,7 +142,7 @@ impl Head {
         &self,
         b: &B,
         wgrad: HeadWgrad<B>,
-        dw: B::SliceMut<'_>,
+        dw: SliceMut<'_, B>,
     ) -> Result<()> {
         check_len(
             "head",

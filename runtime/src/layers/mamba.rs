@@ -6,7 +6,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, grad_rows,
     positive, section, weight, weight_rows, zeros, zeros_f32,
 };
-use crate::backend::{Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Unary};
+use crate::backend::{Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Unary, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -147,8 +147,8 @@ impl MambaLayer {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        mut x: B::SliceMut<'_>,
+        weights: &[Slice<'_, B>],
+        mut x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<MambaSaved<B>> {
         let name = "`M` layer";
@@ -194,9 +194,9 @@ impl MambaLayer {
         let inputs = ScanInputs {
             xbc: b.view(&xbc)?,
             dt: b.view(&dt)?,
-            dt_bias: b.shorten(w(DT_BIAS)?),
-            a_log: b.shorten(w(A_LOG)?),
-            d: b.shorten(w(D_SKIP)?),
+            dt_bias: w(DT_BIAS)?,
+            a_log: w(A_LOG)?,
+            d: w(D_SKIP)?,
         };
         b.ssd_scan_forward(inputs, b.view_mut(&mut y)?, b.view_mut(&mut states)?, scan)?;
         let mut gated = zeros(b, rows * d)?;
@@ -228,9 +228,9 @@ impl MambaLayer {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         s: MambaSaved<B>,
-        mut dx: B::SliceMut<'_>,
+        mut dx: SliceMut<'_, B>,
     ) -> Result<MambaWgrad<B>> {
         let name = "`M` layer backward";
         check_weights(b, name, &self.params, weights)?;
@@ -273,9 +273,9 @@ impl MambaLayer {
         let inputs = ScanInputs {
             xbc: b.view(&s.xbc)?,
             dt: b.view(&s.dt)?,
-            dt_bias: b.shorten(w(DT_BIAS)?),
-            a_log: b.shorten(w(A_LOG)?),
-            d: b.shorten(w(D_SKIP)?),
+            dt_bias: w(DT_BIAS)?,
+            a_log: w(A_LOG)?,
+            d: w(D_SKIP)?,
         };
         let grads = ScanGrads {
             xbc: b.view_mut(&mut d_xbc)?,
@@ -353,7 +353,7 @@ impl MambaLayer {
         &self,
         b: &B,
         g: MambaWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`M` layer", &self.params, grads)?;
         let rows = g.tokens.rows()?;

@@ -7,7 +7,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
     grad_rows, positive, section, weight, weight_rows, zeros,
 };
-use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -98,7 +98,7 @@ impl<B: Backend> Latent<B> {
     fn new(
         b: &B,
         raw: B::Buf,
-        norm_weight: Option<B::Slice<'_>>,
+        norm_weight: Option<Slice<'_, B>>,
         dim: usize,
         rows: usize,
     ) -> Result<Self> {
@@ -120,7 +120,7 @@ impl<B: Backend> Latent<B> {
     fn backward_input(
         &self,
         b: &B,
-        norm_weight: Option<B::Slice<'_>>,
+        norm_weight: Option<Slice<'_, B>>,
         d_out: B::Buf,
         dim: usize,
         rows: usize,
@@ -148,7 +148,7 @@ impl<B: Backend> Latent<B> {
         &self,
         b: &B,
         g: &LatentGrad<B>,
-        dw: B::SliceMut<'_>,
+        dw: SliceMut<'_, B>,
         dim: usize,
         rows: usize,
     ) -> Result<()> {
@@ -298,8 +298,8 @@ impl MlaLayer {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        mut x: B::SliceMut<'_>,
+        weights: &[Slice<'_, B>],
+        mut x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<MlaSaved<B>> {
         let name = "`+` layer";
@@ -416,9 +416,9 @@ impl MlaLayer {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         s: MlaSaved<B>,
-        mut dx: B::SliceMut<'_>,
+        mut dx: SliceMut<'_, B>,
     ) -> Result<MlaWgrad<B>> {
         let name = "`+` layer backward";
         check_weights(b, name, &self.params, weights)?;
@@ -568,7 +568,7 @@ impl MlaLayer {
         &self,
         b: &B,
         g: MlaWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`+` layer", &self.params, grads)?;
         let rows = g.tokens.rows()?;

@@ -6,7 +6,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, weight_rows, zeros,
 };
-use crate::backend::{Backend, MatmulDims, Unary};
+use crate::backend::{Backend, MatmulDims, Unary, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -50,11 +50,11 @@ impl Ffn {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        (w1, w2): (B::Slice<'_>, B::Slice<'_>),
-        u: B::Slice<'_>,
-        mut pre: B::SliceMut<'_>,
-        mut act: B::SliceMut<'_>,
-        out: B::SliceMut<'_>,
+        (w1, w2): (Slice<'_, B>, Slice<'_, B>),
+        u: Slice<'_, B>,
+        mut pre: SliceMut<'_, B>,
+        mut act: SliceMut<'_, B>,
+        out: SliceMut<'_, B>,
         n: usize,
         accumulate: bool,
     ) -> Result<()> {
@@ -93,11 +93,11 @@ impl Ffn {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        (w1, w2): (B::Slice<'_>, B::Slice<'_>),
-        pre: B::Slice<'_>,
-        d_out: B::Slice<'_>,
-        d_pre: B::SliceMut<'_>,
-        mut d_u: B::SliceMut<'_>,
+        (w1, w2): (Slice<'_, B>, Slice<'_, B>),
+        pre: Slice<'_, B>,
+        d_out: Slice<'_, B>,
+        d_pre: SliceMut<'_, B>,
+        mut d_u: SliceMut<'_, B>,
         n: usize,
         accumulate: bool,
     ) -> Result<()> {
@@ -154,11 +154,11 @@ impl Ffn {
     pub fn backward_weight<B: Backend>(
         &self,
         b: &B,
-        u: B::Slice<'_>,
-        act: B::Slice<'_>,
-        d_pre: B::Slice<'_>,
-        d_out: B::Slice<'_>,
-        (mut dw1, dw2): (B::SliceMut<'_>, B::SliceMut<'_>),
+        u: Slice<'_, B>,
+        act: Slice<'_, B>,
+        d_pre: Slice<'_, B>,
+        d_out: Slice<'_, B>,
+        (mut dw1, dw2): (SliceMut<'_, B>, SliceMut<'_, B>),
         n: usize,
     ) -> Result<()> {
         let (h, f) = (self.hidden, self.width);
@@ -243,8 +243,8 @@ impl MlpLayer {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        x: B::SliceMut<'_>,
+        weights: &[Slice<'_, B>],
+        x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<MlpSaved<B>> {
         check_weights(b, "`-` layer", &self.params, weights)?;
@@ -285,9 +285,9 @@ impl MlpLayer {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         saved: MlpSaved<B>,
-        mut dx: B::SliceMut<'_>,
+        mut dx: SliceMut<'_, B>,
     ) -> Result<MlpWgrad<B>> {
         check_weights(b, "`-` layer", &self.params, weights)?;
         let rows = saved.rows;
@@ -336,7 +336,7 @@ impl MlpLayer {
         &self,
         b: &B,
         wgrad: MlpWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`-` layer", &self.params, grads)?;
         let rows = wgrad.rows;

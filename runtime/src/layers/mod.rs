@@ -48,7 +48,7 @@ pub use moe::{
 pub use mtp::{MtpEntry, MtpSaved, MtpWgrad};
 pub use norm::{FinalNorm, NormSaved, NormWgrad, RMS_NORM_EPS};
 
-use crate::backend::{Backend, Precision};
+use crate::backend::{Backend, DType, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -170,8 +170,8 @@ impl LayerImpl {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        x: B::SliceMut<'_>,
+        weights: &[Slice<'_, B>],
+        x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<LayerSaved<B>> {
         Ok(match self {
@@ -191,9 +191,9 @@ impl LayerImpl {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         saved: LayerSaved<B>,
-        dx: B::SliceMut<'_>,
+        dx: SliceMut<'_, B>,
         aux_loss_scale: f32,
     ) -> Result<LayerWgrad<B>> {
         Ok(match (self, saved) {
@@ -226,7 +226,7 @@ impl LayerImpl {
         &self,
         b: &B,
         wgrad: LayerWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         match (self, wgrad) {
             (LayerImpl::Mamba(l), LayerWgrad::Mamba(w)) => l.backward_weight(b, w, grads),
@@ -273,7 +273,7 @@ pub(crate) fn check_weights<B: Backend>(
     b: &B,
     layer: &str,
     defs: &[ParamDef],
-    weights: &[B::Slice<'_>],
+    weights: &[Slice<'_, B>],
 ) -> Result<()> {
     check_views(
         layer,
@@ -288,7 +288,7 @@ pub(crate) fn check_grads<B: Backend>(
     b: &B,
     layer: &str,
     defs: &[ParamDef],
-    grads: &[B::SliceMut<'_>],
+    grads: &[SliceMut<'_, B>],
 ) -> Result<()> {
     check_views(
         layer,
@@ -325,7 +325,7 @@ fn check_views(
 }
 
 /// Weight `i` of a checked list.
-pub(crate) fn weight<'w, B: Backend>(weights: &[B::Slice<'w>], i: usize) -> Result<B::Slice<'w>> {
+pub(crate) fn weight<'w, B: Backend>(weights: &[Slice<'w, B>], i: usize) -> Result<Slice<'w, B>> {
     weights.get(i).copied().ok_or_else(|| {
         RuntimeError::InvalidArgument(format!("weight {i} is missing from the list"))
     })
@@ -335,19 +335,19 @@ pub(crate) fn weight<'w, B: Backend>(weights: &[B::Slice<'w>], i: usize) -> Resu
 /// projection).
 pub(crate) fn weight_rows<'w, B: Backend>(
     b: &B,
-    w: B::Slice<'w>,
+    w: Slice<'w, B>,
     width: usize,
     rows: Range<usize>,
-) -> Result<B::Slice<'w>> {
+) -> Result<Slice<'w, B>> {
     b.subslice(w, rows.start * width..rows.end * width)
 }
 
 /// Gradient `i` of a checked list, reborrowed.
 pub(crate) fn grad<'g, 'a: 'g, B: Backend>(
     b: &B,
-    grads: &'g mut [B::SliceMut<'a>],
+    grads: &'g mut [SliceMut<'a, B>],
     i: usize,
-) -> Result<B::SliceMut<'g>> {
+) -> Result<SliceMut<'g, B>> {
     let g = grads.get_mut(i).ok_or_else(|| {
         RuntimeError::InvalidArgument(format!("gradient {i} is missing from the list"))
     })?;
@@ -357,11 +357,11 @@ pub(crate) fn grad<'g, 'a: 'g, B: Backend>(
 /// Rows `rows` of gradient `i` (`[_, width]`).
 pub(crate) fn grad_rows<'g, 'a: 'g, B: Backend>(
     b: &B,
-    grads: &'g mut [B::SliceMut<'a>],
+    grads: &'g mut [SliceMut<'a, B>],
     i: usize,
     width: usize,
     rows: Range<usize>,
-) -> Result<B::SliceMut<'g>> {
+) -> Result<SliceMut<'g, B>> {
     let g = grads.get_mut(i).ok_or_else(|| {
         RuntimeError::InvalidArgument(format!("gradient {i} is missing from the list"))
     })?;
@@ -371,10 +371,10 @@ pub(crate) fn grad_rows<'g, 'a: 'g, B: Backend>(
 /// Gradients `i < j` of a checked list, both reborrowed.
 pub(crate) fn grad_pair<'g, 'a: 'g, B: Backend>(
     b: &B,
-    grads: &'g mut [B::SliceMut<'a>],
+    grads: &'g mut [SliceMut<'a, B>],
     i: usize,
     j: usize,
-) -> Result<(B::SliceMut<'g>, B::SliceMut<'g>)> {
+) -> Result<(SliceMut<'g, B>, SliceMut<'g, B>)> {
     let (lo, hi) = grads
         .split_at_mut_checked(j)
         .filter(|_| i < j)
@@ -397,16 +397,16 @@ pub(crate) fn check_len(layer: &str, what: &str, got: usize, want: usize) -> Res
 
 /// A zeroed activation buffer.
 pub(crate) fn zeros<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
-    b.alloc(len, Precision::Compute)
+    b.alloc(len, b.compute_dtype())
 }
 
 /// A zeroed f32 buffer (router, loss, scan parameters' gradients).
 pub(crate) fn zeros_f32<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
-    b.alloc(len, Precision::F32)
+    b.alloc(len, DType::F32)
 }
 
 /// A new buffer holding a copy of `src`.
-pub(crate) fn copy_of<B: Backend>(b: &B, src: B::Slice<'_>) -> Result<B::Buf> {
+pub(crate) fn copy_of<B: Backend>(b: &B, src: Slice<'_, B>) -> Result<B::Buf> {
     let mut buf = zeros(b, b.slice_len(src))?;
     b.copy(src, b.view_mut(&mut buf)?)?;
     Ok(buf)

@@ -34,9 +34,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, zeros, zeros_f32,
 };
-use crate::backend::{
-    Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, UnpermuteDims, UnpermuteGrads,
-};
+use crate::backend::{Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, UnpermuteDims, UnpermuteGrads, Slice, SliceMut};
 use crate::collective::Collective;
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -224,7 +222,7 @@ pub trait ExpertExchange<B: Backend> {
     fn exchange_rows(
         &self,
         b: &B,
-        send: B::Slice<'_>,
+        send: Slice<'_, B>,
         send_rows: &[usize],
         recv_rows: &[usize],
         width: usize,
@@ -251,7 +249,7 @@ impl<B: Backend> ExpertExchange<B> for LocalExchange {
     fn exchange_rows(
         &self,
         b: &B,
-        send: B::Slice<'_>,
+        send: Slice<'_, B>,
         send_rows: &[usize],
         recv_rows: &[usize],
         width: usize,
@@ -285,7 +283,7 @@ impl<B: Backend, C: Collective<B>> ExpertExchange<B> for CollectiveExchange<'_, 
     fn exchange_rows(
         &self,
         b: &B,
-        send: B::Slice<'_>,
+        send: Slice<'_, B>,
         send_rows: &[usize],
         recv_rows: &[usize],
         width: usize,
@@ -444,8 +442,8 @@ impl MoeLayer {
     pub fn prepare<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        x: B::Slice<'_>,
+        weights: &[Slice<'_, B>],
+        x: Slice<'_, B>,
         tokens: Tokens,
     ) -> Result<MoePrepared<B>> {
         let name = "`E` layer prepare";
@@ -607,10 +605,10 @@ impl MoeLayer {
     pub fn experts<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        recv: B::Slice<'_>,
+        weights: &[Slice<'_, B>],
+        recv: Slice<'_, B>,
         recv_counts: &[Vec<usize>],
-        mut out: B::SliceMut<'_>,
+        mut out: SliceMut<'_, B>,
     ) -> Result<MoeExpertsSaved<B>> {
         let name = "`E` layer experts";
         check_weights(b, name, &self.params, weights)?;
@@ -661,7 +659,7 @@ impl MoeLayer {
         b: &B,
         routing: MoeRouting<B>,
         returned: B::Buf,
-        mut x: B::SliceMut<'_>,
+        mut x: SliceMut<'_, B>,
     ) -> Result<MoeCombined<B>> {
         let name = "`E` layer combine";
         let (rows, h) = (routing.rows, self.hidden);
@@ -696,7 +694,7 @@ impl MoeLayer {
         &self,
         b: &B,
         combined: MoeCombined<B>,
-        dx: B::Slice<'_>,
+        dx: Slice<'_, B>,
     ) -> Result<MoeCombineBackward<B>> {
         let routing = combined.routing;
         let (rows, h, k) = (routing.rows, self.hidden, self.top_k);
@@ -740,10 +738,10 @@ impl MoeLayer {
     pub fn experts_backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         saved: MoeExpertsSaved<B>,
-        d_out: B::Slice<'_>,
-        mut d_in: B::SliceMut<'_>,
+        d_out: Slice<'_, B>,
+        mut d_in: SliceMut<'_, B>,
     ) -> Result<MoeExpertsWgrad<B>> {
         let name = "`E` layer experts backward";
         check_weights(b, name, &self.params, weights)?;
@@ -795,7 +793,7 @@ impl MoeLayer {
         &self,
         b: &B,
         g: MoeExpertsWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`E` layer experts", &self.params, grads)?;
         let (h, ffn) = (self.hidden, self.expert);
@@ -825,10 +823,10 @@ impl MoeLayer {
     pub fn prepare_backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         state: MoeCombineGrad<B>,
-        d_send: B::Slice<'_>,
-        mut dx: B::SliceMut<'_>,
+        d_send: Slice<'_, B>,
+        mut dx: SliceMut<'_, B>,
         loss_scale: f32,
     ) -> Result<MoePrepareWgrad<B>> {
         let name = "`E` layer prepare backward";
@@ -929,7 +927,7 @@ impl MoeLayer {
         &self,
         b: &B,
         g: MoePrepareWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`E` layer", &self.params, grads)?;
         let (rows, h) = (g.rows, self.hidden);
@@ -968,8 +966,8 @@ impl MoeLayer {
     pub fn forward_with<B: Backend, X: ExpertExchange<B>>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        mut x: B::SliceMut<'_>,
+        weights: &[Slice<'_, B>],
+        mut x: SliceMut<'_, B>,
         tokens: Tokens,
         exchange: &X,
     ) -> Result<MoeSaved<B>> {
@@ -1004,9 +1002,9 @@ impl MoeLayer {
     pub fn backward_input_with<B: Backend, X: ExpertExchange<B>>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         saved: MoeSaved<B>,
-        mut dx: B::SliceMut<'_>,
+        mut dx: SliceMut<'_, B>,
         loss_scale: f32,
         exchange: &X,
     ) -> Result<MoeWgrad<B>> {
@@ -1047,7 +1045,7 @@ impl MoeLayer {
         &self,
         b: &B,
         wgrad: MoeWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         self.experts_backward_weight(b, wgrad.experts, grads)?;
         self.prepare_backward_weight(b, wgrad.prepare, grads)

@@ -5,7 +5,7 @@
 
 use super::norm::RmsNorm;
 use super::{check_grads, check_len, check_weights, grad, positive, weight, zeros};
-use crate::backend::{Backend, CopyCols, MatmulDims};
+use crate::backend::{Backend, CopyCols, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
 use hybridgen_dsl::params::ParamDef;
@@ -87,9 +87,9 @@ impl MtpEntry {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
-        emb: B::Slice<'_>,
-        h_prev: B::Slice<'_>,
+        weights: &[Slice<'_, B>],
+        emb: Slice<'_, B>,
+        h_prev: Slice<'_, B>,
     ) -> Result<(B::Buf, MtpSaved<B>)> {
         check_weights(b, "MTP entry", &self.params, weights)?;
         let h = self.hidden;
@@ -132,11 +132,11 @@ impl MtpEntry {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weights: &[B::Slice<'_>],
+        weights: &[Slice<'_, B>],
         saved: MtpSaved<B>,
-        d_out: B::Slice<'_>,
-        d_emb: B::SliceMut<'_>,
-        d_h_prev: B::SliceMut<'_>,
+        d_out: Slice<'_, B>,
+        d_emb: SliceMut<'_, B>,
+        d_h_prev: SliceMut<'_, B>,
     ) -> Result<MtpWgrad<B>> {
         check_weights(b, "MTP entry backward", &self.params, weights)?;
         let (h, rows) = (self.hidden, saved.rows);
@@ -203,7 +203,7 @@ impl MtpEntry {
         &self,
         b: &B,
         g: MtpWgrad<B>,
-        grads: &mut [B::SliceMut<'_>],
+        grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "MTP entry", &self.params, grads)?;
         let (h, rows) = (self.hidden, g.rows);

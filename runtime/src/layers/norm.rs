@@ -3,7 +3,7 @@
 //! each MTP depth.
 
 use super::{Tokens, check_rows, copy_of, zeros, zeros_f32};
-use crate::backend::{Backend, NormDims};
+use crate::backend::{Backend, NormDims, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 
 /// The epsilon of every RMSNorm (layers.md).
@@ -38,8 +38,8 @@ impl RmsNorm {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weight: B::Slice<'_>,
-        x: B::Slice<'_>,
+        weight: Slice<'_, B>,
+        x: Slice<'_, B>,
         rows: usize,
     ) -> Result<(B::Buf, B::Buf)> {
         let mut y = zeros(b, b.slice_len(x))?;
@@ -59,11 +59,11 @@ impl RmsNorm {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weight: B::Slice<'_>,
+        weight: Slice<'_, B>,
         x: &B::Buf,
         rstd: &B::Buf,
-        dy: B::Slice<'_>,
-        dx: B::SliceMut<'_>,
+        dy: Slice<'_, B>,
+        dx: SliceMut<'_, B>,
         rows: usize,
     ) -> Result<()> {
         b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, self.dims(rows))
@@ -76,7 +76,7 @@ impl RmsNorm {
         x: &B::Buf,
         rstd: &B::Buf,
         dy: &B::Buf,
-        dw: B::SliceMut<'_>,
+        dw: SliceMut<'_, B>,
         rows: usize,
     ) -> Result<()> {
         b.rmsnorm_backward_weight(b.view(dy)?, b.view(x)?, b.view(rstd)?, dw, self.dims(rows))
@@ -128,8 +128,8 @@ impl FinalNorm {
     pub fn forward<B: Backend>(
         &self,
         b: &B,
-        weight: B::Slice<'_>,
-        x: B::Slice<'_>,
+        weight: Slice<'_, B>,
+        x: Slice<'_, B>,
         tokens: Tokens,
     ) -> Result<(B::Buf, NormSaved<B>)> {
         self.check_weight(b.slice_len(weight))?;
@@ -143,10 +143,10 @@ impl FinalNorm {
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
-        weight: B::Slice<'_>,
+        weight: Slice<'_, B>,
         saved: NormSaved<B>,
-        dy: B::Slice<'_>,
-        dx: B::SliceMut<'_>,
+        dy: Slice<'_, B>,
+        dx: SliceMut<'_, B>,
     ) -> Result<NormWgrad<B>> {
         self.check_weight(b.slice_len(weight))?;
         let len = saved.rows * self.norm.dim;
@@ -175,7 +175,7 @@ impl FinalNorm {
         &self,
         b: &B,
         wgrad: NormWgrad<B>,
-        dw: B::SliceMut<'_>,
+        dw: SliceMut<'_, B>,
     ) -> Result<()> {
         self.check_weight(b.slice_len(b.as_slice(&dw)))?;
         self.norm

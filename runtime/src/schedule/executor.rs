@@ -12,7 +12,7 @@
 //! the plain and the overlap schedules give the same bits.
 
 use super::program::{BackwardPiece, Instr, Program};
-use crate::backend::{Backend, Tokens};
+use crate::backend::{Backend, Tokens, Slice, SliceMut};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
@@ -23,11 +23,11 @@ use crate::layers::{
     MtpWgrad, NormSaved, NormWgrad,
 };
 use crate::model::ModelRuntime;
-use crate::shared::{Shared, SharedRw, lock, read, shared};
+use crate::shared::{Shared, lock, shared};
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, MutexGuard, RwLockReadGuard};
+use std::sync::Arc;
 
 /// The tokens of one micro-batch.
 #[derive(Clone, Debug)]
@@ -309,58 +309,52 @@ fn param_access<D: Device>(
 }
 
 struct ParamBuffers<D: Device> {
-    unit: Option<SharedRw<Buf<D>>>,
-    non_unit: SharedRw<Buf<D>>,
+    unit: Option<Arc<Buf<D>>>,
+    non_unit: Arc<Buf<D>>,
 }
 
 struct GradBuffers<D: Device> {
-    unit: Option<Shared<Buf<D>>>,
-    non_unit: Shared<Buf<D>>,
+    unit: Option<Arc<Buf<D>>>,
+    non_unit: Arc<Buf<D>>,
 }
 
-/// Locked parameters for the duration of one item.
+/// The parameters one item reads.
 struct Weights<'a, D: Device> {
     cx: &'a StepContext<D>,
-    unit: Option<RwLockReadGuard<'a, Buf<D>>>,
-    non_unit: RwLockReadGuard<'a, Buf<D>>,
+    b: &'a D::Backend,
+    unit: Option<&'a Buf<D>>,
+    non_unit: &'a Buf<D>,
 }
 
 impl<'a, D: Device> Weights<'a, D> {
-    fn lock(cx: &'a StepContext<D>, buffers: &'a ParamBuffers<D>) -> Result<Self> {
-        Ok(Weights {
+    fn new(cx: &'a StepContext<D>, b: &'a D::Backend, buffers: &'a ParamBuffers<D>) -> Self {
+        Weights {
             cx,
-            unit: buffers
-                .unit
-                .as_ref()
-                .map(|b| read(b, "a unit's parameters"))
-                .transpose()?,
-            non_unit: read(&buffers.non_unit, "the non-unit parameters")?,
-        })
+            b,
+            unit: buffers.unit.as_deref(),
+            non_unit: &buffers.non_unit,
+        }
     }
 
     /// The weights of `owner`, in its parameter order.
-    fn of(&self, owner: Owner) -> Result<Vec<<D::Backend as Backend>::Slice<'_>>> {
+    fn of(&self, owner: Owner) -> Result<Vec<Slice<'_, D::Backend>>> {
         let plan = &self.cx.model.plan;
-        let backend = &*self.cx.backend;
         self.cx
             .model
             .params_of(owner)
             .iter()
             .map(|&p| {
                 let buf: &Buf<D> = match plan.buckets[plan.params[p].bucket].unit {
-                    Some(_) => self
-                        .unit
-                        .as_deref()
-                        .ok_or_else(|| missing("a unit's parameters"))?,
-                    None => &self.non_unit,
+                    Some(_) => self.unit.ok_or_else(|| missing("a unit's parameters"))?,
+                    None => self.non_unit,
                 };
-                backend.slice(buf, self.cx.ranges[p].clone())
+                self.b.slice(buf, self.cx.ranges[p].clone())
             })
             .collect()
     }
 
     /// The output layer's weight (or, tied, the embedding's).
-    fn output(&self) -> Result<<D::Backend as Backend>::Slice<'_>> {
+    fn output(&self) -> Result<Slice<'_, D::Backend>> {
         let owner = if self.cx.model.plan.model.tie_embeddings {
             Owner::Embedding
         } else {
@@ -373,28 +367,26 @@ impl<'a, D: Device> Weights<'a, D> {
     }
 }
 
-/// Locked gradient buffers for the duration of one item.
+/// The gradient buffers one item writes.
 struct Grads<'a, D: Device> {
     cx: &'a StepContext<D>,
-    unit: Option<MutexGuard<'a, Buf<D>>>,
-    non_unit: MutexGuard<'a, Buf<D>>,
+    b: &'a D::Backend,
+    unit: Option<&'a Buf<D>>,
+    non_unit: &'a Buf<D>,
 }
 
 impl<'a, D: Device> Grads<'a, D> {
-    fn lock(cx: &'a StepContext<D>, buffers: &'a GradBuffers<D>) -> Result<Self> {
-        Ok(Grads {
+    fn new(cx: &'a StepContext<D>, b: &'a D::Backend, buffers: &'a GradBuffers<D>) -> Self {
+        Grads {
             cx,
-            unit: buffers
-                .unit
-                .as_ref()
-                .map(|b| lock(b, "a unit's gradients"))
-                .transpose()?,
-            non_unit: lock(&buffers.non_unit, "the non-unit gradients")?,
-        })
+            b,
+            unit: buffers.unit.as_deref(),
+            non_unit: &buffers.non_unit,
+        }
     }
 
     /// Writable views of `owner`'s gradients, in its parameter order.
-    fn of(&mut self, owner: Owner) -> Result<Vec<<D::Backend as Backend>::SliceMut<'_>>> {
+    fn of(&mut self, owner: Owner) -> Result<Vec<SliceMut<'_, D::Backend>>> {
         let plan = &self.cx.model.plan;
         let params = self.cx.model.params_of(owner);
         let in_unit = params
@@ -402,16 +394,14 @@ impl<'a, D: Device> Grads<'a, D> {
             .is_some_and(|&p| plan.buckets[plan.params[p].bucket].unit.is_some());
         let ranges: Vec<Range<usize>> = params.iter().map(|&p| self.cx.ranges[p].clone()).collect();
         let buf = if in_unit {
-            self.unit
-                .as_deref_mut()
-                .ok_or_else(|| missing("a unit's gradients"))?
+            self.unit.ok_or_else(|| missing("a unit's gradients"))?
         } else {
-            &mut *self.non_unit
+            self.non_unit
         };
-        views_mut(&*self.cx.backend, buf, &ranges)
+        views_mut(self.b, buf, &ranges)
     }
 
-    fn output(&mut self) -> Result<<D::Backend as Backend>::SliceMut<'_>> {
+    fn output(&mut self) -> Result<SliceMut<'_, D::Backend>> {
         let owner = if self.cx.model.plan.model.tie_embeddings {
             Owner::Embedding
         } else {
@@ -427,12 +417,12 @@ impl<'a, D: Device> Grads<'a, D> {
 /// Disjoint writable views of `ranges` of one buffer, in the order given.
 fn views_mut<'a, B: Backend>(
     b: &B,
-    buf: &'a mut B::Buf,
+    buf: &'a B::Buf,
     ranges: &[Range<usize>],
-) -> Result<Vec<B::SliceMut<'a>>> {
+) -> Result<Vec<SliceMut<'a, B>>> {
     let mut order: Vec<usize> = (0..ranges.len()).collect();
     order.sort_by_key(|&i| ranges[i].start);
-    let mut out: Vec<Option<B::SliceMut<'a>>> = (0..ranges.len()).map(|_| None).collect();
+    let mut out: Vec<Option<SliceMut<'a, B>>> = (0..ranges.len()).map(|_| None).collect();
     let mut rest = b.view_mut(buf)?;
     let mut consumed = 0;
     for i in order {
@@ -495,12 +485,12 @@ fn forward_work<D: Device>(
     slot: Slot,
     state: Shared<MicroBatch<D::Backend>>,
     params: ParamBuffers<D>,
-) -> crate::lane::Work {
-    Box::new(move || {
+) -> crate::lane::Work<D::Backend> {
+    Box::new(move |b: &D::Backend| {
         let mut mb = lock(&state, "a micro-batch")?;
-        let weights = Weights::lock(&cx, &params)?;
+        let weights = Weights::new(&cx, b, &params);
         for op in cx.model.plan.schedule.nodes[node].ops(slot) {
-            forward_op(&cx, op, &mut mb, &weights)?;
+            forward_op(&cx, b, op, &mut mb, &weights)?;
         }
         Ok(())
     })
@@ -513,20 +503,19 @@ fn backward_work<D: Device>(
     state: Shared<MicroBatch<D::Backend>>,
     params: ParamBuffers<D>,
     grads: GradBuffers<D>,
-) -> crate::lane::Work {
-    Box::new(move || {
+) -> crate::lane::Work<D::Backend> {
+    Box::new(move |b: &D::Backend| {
         let mut mb = lock(&state, "a micro-batch")?;
-        let weights = Weights::lock(&cx, &params)?;
-        // Comm-lane pieces write no weight gradients; locking the gradient
-        // buffers there would only serialise the lanes.
+        let weights = Weights::new(&cx, b, &params);
+        // Comm-lane pieces write no weight gradients.
         let mut grads = match piece.slot().lane() {
-            LaneKind::Compute => Some(Grads::lock(&cx, &grads)?),
+            LaneKind::Compute => Some(Grads::new(&cx, b, &grads)),
             LaneKind::Comm => None,
         };
         let mut ops = cx.model.plan.schedule.nodes[node].ops(piece.slot());
         ops.reverse();
         for op in ops {
-            backward_op(&cx, op, piece, &mut mb, &weights, grads.as_mut())?;
+            backward_op(&cx, b, op, piece, &mut mb, &weights, grads.as_mut())?;
         }
         // The final norm's input gradient may run on the comm lane (in a
         // combine); its weight gradient waits for this node's next
@@ -539,11 +528,9 @@ fn backward_work<D: Device>(
             let dw = dw
                 .first_mut()
                 .ok_or_else(|| missing("the final norm's gradient"))?;
-            cx.model.final_norm.backward_weight(
-                &*cx.backend,
-                wgrad,
-                cx.backend.reborrow_mut(dw),
-            )?;
+            cx.model
+                .final_norm
+                .backward_weight(b, wgrad, b.reborrow_mut(dw))?;
         }
         Ok(())
     })
@@ -551,18 +538,18 @@ fn backward_work<D: Device>(
 
 fn forward_op<D: Device>(
     cx: &StepContext<D>,
+    b: &D::Backend,
     op: Op,
     mb: &mut MicroBatch<D::Backend>,
     w: &Weights<'_, D>,
 ) -> Result<()> {
-    let b = &*cx.backend;
     let model = &*cx.model;
     let h = model.plan.model.hidden_size;
     let rows = cx.tokens.rows()?;
     match op {
         Op::Embed => {
             let table = w.of(Owner::Embedding)?;
-            let mut x = b.alloc(rows * h, crate::backend::Precision::Compute)?;
+            let mut x = b.alloc(rows * h, b.compute_dtype())?;
             model
                 .embedding
                 .forward(b, first(&table)?, &mb.tokens.inputs, b.view_mut(&mut x)?)?;
@@ -618,7 +605,7 @@ fn forward_op<D: Device>(
                 .get_mut(&layer)
                 .ok_or_else(|| missing("MoE routing"))?;
             let recv = take(&mut state.recv, "the received MoE rows")?;
-            let mut out = b.alloc(b.buf_len(&recv), crate::backend::Precision::Compute)?;
+            let mut out = b.alloc(b.buf_len(&recv), b.compute_dtype())?;
             let saved = moe.experts(
                 b,
                 &weights,
@@ -667,7 +654,7 @@ fn forward_op<D: Device>(
                 .mtp_inputs
                 .get(d)
                 .ok_or_else(|| missing("MTP inputs"))?;
-            let mut emb = b.alloc(rows * h, crate::backend::Precision::Compute)?;
+            let mut emb = b.alloc(rows * h, b.compute_dtype())?;
             model
                 .embedding
                 .forward(b, first(&table)?, ids, b.view_mut(&mut emb)?)?;
@@ -750,17 +737,18 @@ fn first<T: Copy>(list: &[T]) -> Result<T> {
 
 fn backward_op<D: Device>(
     cx: &StepContext<D>,
+    b: &D::Backend,
     op: Op,
     piece: BackwardPiece,
     mb: &mut MicroBatch<D::Backend>,
     w: &Weights<'_, D>,
     grads: Option<&mut Grads<'_, D>>,
 ) -> Result<()> {
-    let b = &*cx.backend;
+    
     let model = &*cx.model;
     let h = model.plan.model.hidden_size;
     let rows = cx.tokens.rows()?;
-    let zeros = || b.alloc(rows * h, crate::backend::Precision::Compute);
+    let zeros = || b.alloc(rows * h, b.compute_dtype());
     let weights_piece = piece.is_weight_gradient();
     let need_grads = || missing("gradient buffers on this lane");
     match op {
@@ -864,7 +852,7 @@ fn backward_op<D: Device>(
             let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
             let saved = take(&mut state.experts, "the experts' saved forward")?;
             let d_out = take(&mut state.d_expert_out, "the experts' output gradient")?;
-            let mut d_in = b.alloc(b.buf_len(&d_out), crate::backend::Precision::Compute)?;
+            let mut d_in = b.alloc(b.buf_len(&d_out), b.compute_dtype())?;
             let wgrad = moe_layer(model, layer)?.experts_backward_input(
                 b,
                 &weights,
