@@ -78,6 +78,29 @@ impl ModelRuntime {
         Ok(model)
     }
 
+    /// Physical layers, decoder and MTP depths together.
+    pub fn layer_count(&self) -> usize {
+        self.decoder.len() + self.mtp.iter().map(Vec::len).sum::<usize>()
+    }
+
+    /// A dense index of `layer` among [`Self::layer_count`]: the decoder's
+    /// layers first, then each MTP depth's.
+    pub fn layer_index(&self, layer: LayerRef) -> Result<usize> {
+        let index = match layer {
+            LayerRef::Decoder(i) => (i < self.decoder.len()).then_some(i),
+            LayerRef::Mtp { depth, index } => self.mtp.get(depth).and_then(|d| {
+                (index < d.len()).then(|| {
+                    self.decoder.len()
+                        + self.mtp[..depth].iter().map(Vec::len).sum::<usize>()
+                        + index
+                })
+            }),
+        };
+        index.ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("no layer {layer:?} in this model"))
+        })
+    }
+
     pub fn layer(&self, layer: LayerRef) -> Result<&LayerImpl> {
         match layer {
             LayerRef::Decoder(i) => self.decoder.get(i),

@@ -407,7 +407,7 @@ fn run_rank(
     };
     let plan = prepared.plan.clone();
     let model = Arc::new(ModelRuntime::new(plan.clone())?);
-    let program = build(&plan.schedule, config.micro_batches, config.schedule);
+    let program = build(&plan.schedule, config.micro_batches, config.schedule)?;
     let ep_rank = rank.ep_rank();
     let mut engine = FsdpEngine::new(
         plan.clone(),
@@ -427,7 +427,6 @@ fn run_rank(
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
     let cx = Arc::new(StepContext::<Cpu> {
-        backend: rank.backend.clone(),
         model: model.clone(),
         ep_group: rank.ep_group.clone(),
         ranges: Arc::new(ranges),
@@ -442,28 +441,26 @@ fn run_rank(
     };
     for _ in 0..config.steps {
         let started = Instant::now();
-        let micro_batches = (0..config.micro_batches)
-            .map(|mb| {
-                let key = BatchKey {
-                    seed: config.seed,
-                    step,
-                    dp_rank: r,
-                    micro_batch: mb,
-                };
-                let batch = prepared.data.batch(key, shape)?;
-                let depths = plan.mtp_depths();
-                Ok(MicroBatchTokens {
-                    inputs: batch.all_inputs(),
-                    targets: (0..=depths)
-                        .map(|d| batch.all_targets(d))
-                        .collect::<Result<_>>()?,
-                    mtp_inputs: (0..depths)
-                        .map(|d| batch.all_targets(d))
-                        .collect::<Result<_>>()?,
-                })
+        let depths = plan.mtp_depths();
+        let mut batch = |mb: usize| -> Result<MicroBatchTokens> {
+            let key = BatchKey {
+                seed: config.seed,
+                step,
+                dp_rank: r,
+                micro_batch: mb,
+            };
+            let batch = prepared.data.batch(key, shape)?;
+            Ok(MicroBatchTokens {
+                inputs: batch.all_inputs(),
+                targets: (0..=depths)
+                    .map(|d| batch.all_targets(d))
+                    .collect::<Result<_>>()?,
+                mtp_inputs: (0..depths)
+                    .map(|d| batch.all_targets(d))
+                    .collect::<Result<_>>()?,
             })
-            .collect::<Result<Vec<_>>>()?;
-        let losses = run_step(&program, &cx, &mut engine, &rank, micro_batches)?;
+        };
+        let losses = run_step(&program, &cx, &mut engine, &rank, &mut batch)?;
         let grad_norm = optimizer.step(&engine, &rank)?;
         step += 1;
         // Every rank's sums, added in rank order: the same bits everywhere.

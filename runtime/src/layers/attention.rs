@@ -6,7 +6,9 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
     positive, section, weight, zeros,
 };
-use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut};
+use crate::backend::{
+    AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut,
+};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -166,11 +168,11 @@ impl AttentionLayer {
         let x_in = copy_of(b, b.as_slice(&x))?;
         let (u, rstd_in) = RmsNorm::plain(h).forward(b, w(QKV_NORM)?, b.view(&x_in)?, rows)?;
         let width = self.qkv_width();
-        let mut qkv = zeros(b, rows * width)?;
+        let qkv = zeros(b, rows * width)?;
         b.matmul(
             b.view(&u)?,
             w(QKV)?,
-            b.view_mut(&mut qkv)?,
+            b.view_mut(&qkv)?,
             MatmulDims::linear(rows, h, width),
         )?;
         let mut q = zeros(b, rows * heads * c)?;
@@ -212,8 +214,8 @@ impl AttentionLayer {
             None
         };
         if let (Some(rq), Some(rk)) = (self.rotary(tokens, heads), self.rotary(tokens, groups)) {
-            b.rotary_forward(b.view_mut(&mut q)?, rq)?;
-            b.rotary_forward(b.view_mut(&mut k)?, rk)?;
+            b.rotary_forward(b.view_mut(&q)?, rq)?;
+            b.rotary_forward(b.view_mut(&k)?, rk)?;
         }
         let (o, lse) = core_attention::forward(
             b,
@@ -272,22 +274,22 @@ impl AttentionLayer {
             h,
         )?;
         if let (Some(rq), Some(rk)) = (self.rotary(tokens, heads), self.rotary(tokens, groups)) {
-            b.rotary_backward(b.view_mut(&mut dq)?, rq)?;
-            b.rotary_backward(b.view_mut(&mut dk)?, rk)?;
+            b.rotary_backward(b.view_mut(&dq)?, rq)?;
+            b.rotary_backward(b.view_mut(&dk)?, rk)?;
         }
         // Through qk-norm: dq/dk become gradients of the pre-norm q/k.
         let qk_norm = match s.qk_norm {
             Some(qs) => {
                 let norm = RmsNorm::plain(c);
-                let mut dq_pre = zeros(b, rows * heads * c)?;
-                let mut dk_pre = zeros(b, rows * groups * c)?;
+                let dq_pre = zeros(b, rows * heads * c)?;
+                let dk_pre = zeros(b, rows * groups * c)?;
                 norm.backward_input(
                     b,
                     w(Q_NORM)?,
                     &qs.q_pre,
                     &qs.rstd_q,
                     b.view(&dq)?,
-                    b.view_mut(&mut dq_pre)?,
+                    b.view_mut(&dq_pre)?,
                     rows * heads,
                 )?;
                 norm.backward_input(
@@ -296,7 +298,7 @@ impl AttentionLayer {
                     &qs.k_pre,
                     &qs.rstd_k,
                     b.view(&dk)?,
-                    b.view_mut(&mut dk_pre)?,
+                    b.view_mut(&dk_pre)?,
                     rows * groups,
                 )?;
                 let dq_normed = std::mem::replace(&mut dq, dq_pre);
@@ -310,7 +312,7 @@ impl AttentionLayer {
             None => None,
         };
         let width = self.qkv_width();
-        let mut d_qkv = zeros(b, rows * width)?;
+        let d_qkv = zeros(b, rows * width)?;
         for j in 0..groups {
             let strides = [heads * c, groups * c, groups * c];
             for ((dst_offset, src_offset, cols), (src, src_stride)) in self
@@ -327,14 +329,14 @@ impl AttentionLayer {
                     dst_offset,
                     accumulate: false,
                 };
-                b.copy_cols(b.view(src)?, b.view_mut(&mut d_qkv)?, dims)?;
+                b.copy_cols(b.view(src)?, b.view_mut(&d_qkv)?, dims)?;
             }
         }
-        let mut d_u = zeros(b, rows * h)?;
+        let d_u = zeros(b, rows * h)?;
         b.matmul(
             b.view(&d_qkv)?,
             w(QKV)?,
-            b.view_mut(&mut d_u)?,
+            b.view_mut(&d_u)?,
             MatmulDims::linear_input_grad(rows, h, width, false),
         )?;
         RmsNorm::plain(h).backward_input(

@@ -23,14 +23,14 @@ pub(crate) fn forward<B: Backend>(
     hidden: usize,
 ) -> Result<(B::Buf, B::Buf)> {
     let rows = dims.tokens.rows()?;
-    let mut o = zeros(b, rows * width(&dims))?;
-    let mut lse = zeros_f32(b, rows * dims.heads)?;
+    let o = zeros(b, rows * width(&dims))?;
+    let lse = zeros_f32(b, rows * dims.heads)?;
     let inputs = AttentionInputs {
         q: b.view(qkv.q)?,
         k: b.view(qkv.k)?,
         v: b.view(qkv.v)?,
     };
-    b.attention_forward(inputs, b.view_mut(&mut o)?, b.view_mut(&mut lse)?, dims)?;
+    b.attention_forward(inputs, b.view_mut(&o)?, b.view_mut(&lse)?, dims)?;
     let mut out = MatmulDims::linear(rows, width(&dims), hidden);
     out.accumulate = true;
     b.matmul(b.view(&o)?, proj, x, out)?;
@@ -63,25 +63,25 @@ pub(crate) fn backward_input<B: Backend>(
         b.buf_len(d_out),
         rows * hidden,
     )?;
-    let mut d_o = zeros(b, rows * width(&dims))?;
+    let d_o = zeros(b, rows * width(&dims))?;
     b.matmul(
         b.view(d_out)?,
         proj,
-        b.view_mut(&mut d_o)?,
+        b.view_mut(&d_o)?,
         MatmulDims::linear_input_grad(rows, width(&dims), hidden, false),
     )?;
-    let mut dq = zeros(b, rows * dims.heads * dims.qk_dim)?;
-    let mut dk = zeros(b, rows * dims.kv_heads * dims.qk_dim)?;
-    let mut dv = zeros(b, rows * dims.kv_heads * dims.v_dim)?;
+    let dq = zeros(b, rows * dims.heads * dims.qk_dim)?;
+    let dk = zeros(b, rows * dims.kv_heads * dims.qk_dim)?;
+    let dv = zeros(b, rows * dims.kv_heads * dims.v_dim)?;
     let inputs = AttentionInputs {
         q: b.view(saved.q)?,
         k: b.view(saved.k)?,
         v: b.view(saved.v)?,
     };
     let grads = AttentionInputs {
-        q: b.view_mut(&mut dq)?,
-        k: b.view_mut(&mut dk)?,
-        v: b.view_mut(&mut dv)?,
+        q: b.view_mut(&dq)?,
+        k: b.view_mut(&dk)?,
+        v: b.view_mut(&dv)?,
     };
     b.attention_backward(
         inputs,

@@ -65,21 +65,16 @@ impl Head {
             b.slice_len(hidden_states),
             rows * h,
         )?;
-        let mut probs = zeros_f32(b, rows * v)?;
+        let probs = zeros_f32(b, rows * v)?;
         b.matmul(
             hidden_states,
             weight,
-            b.view_mut(&mut probs)?,
+            b.view_mut(&probs)?,
             MatmulDims::linear(rows, h, v),
         )?;
-        let mut losses = zeros_f32(b, rows)?;
+        let losses = zeros_f32(b, rows)?;
         let dims = LossDims { rows, vocab: v };
-        b.cross_entropy_forward(
-            b.view_mut(&mut probs)?,
-            targets,
-            b.view_mut(&mut losses)?,
-            dims,
-        )?;
+        b.cross_entropy_forward(b.view_mut(&probs)?, targets, b.view_mut(&losses)?, dims)?;
         let mut host = vec![0.0f32; rows];
         b.download(b.view(&losses)?, &mut host)?;
         let mut loss_sum = 0.0f64;
@@ -120,9 +115,9 @@ impl Head {
             b.slice_len(b.as_slice(&dh)),
             rows * h,
         )?;
-        let mut d_logits = saved.probs;
+        let d_logits = saved.probs;
         let dims = LossDims { rows, vocab: v };
-        b.cross_entropy_backward(b.view_mut(&mut d_logits)?, &saved.targets, grad_scale, dims)?;
+        b.cross_entropy_backward(b.view_mut(&d_logits)?, &saved.targets, grad_scale, dims)?;
         b.matmul(
             b.view(&d_logits)?,
             weight,

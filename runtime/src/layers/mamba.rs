@@ -6,7 +6,9 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, grad_rows,
     positive, section, weight, weight_rows, zeros, zeros_f32,
 };
-use crate::backend::{Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Unary, Slice, SliceMut};
+use crate::backend::{
+    Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, SliceMut, Unary,
+};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -178,19 +180,19 @@ impl MambaLayer {
                 MatmulDims::linear(rows, h, width),
             )?;
         }
-        let mut xbc_conv = zeros(b, rows * c)?;
+        let xbc_conv = zeros(b, rows * c)?;
         b.conv1d_forward(
             b.view(&xbc_in)?,
             w(CONV_W)?,
             w(CONV_B)?,
-            b.view_mut(&mut xbc_conv)?,
+            b.view_mut(&xbc_conv)?,
             self.conv_dims(tokens),
         )?;
-        let mut xbc = zeros(b, rows * c)?;
-        b.unary_forward(Unary::Silu, b.view(&xbc_conv)?, b.view_mut(&mut xbc)?)?;
+        let xbc = zeros(b, rows * c)?;
+        b.unary_forward(Unary::Silu, b.view(&xbc_conv)?, b.view_mut(&xbc)?)?;
         let scan = self.scan_dims(tokens);
-        let mut y = zeros(b, rows * d)?;
-        let mut states = zeros_f32(b, scan.states_len())?;
+        let y = zeros(b, rows * d)?;
+        let states = zeros_f32(b, scan.states_len())?;
         let inputs = ScanInputs {
             xbc: b.view(&xbc)?,
             dt: b.view(&dt)?,
@@ -198,9 +200,9 @@ impl MambaLayer {
             a_log: w(A_LOG)?,
             d: w(D_SKIP)?,
         };
-        b.ssd_scan_forward(inputs, b.view_mut(&mut y)?, b.view_mut(&mut states)?, scan)?;
-        let mut gated = zeros(b, rows * d)?;
-        b.silu_mul_forward(b.view(&z)?, b.view(&y)?, b.view_mut(&mut gated)?)?;
+        b.ssd_scan_forward(inputs, b.view_mut(&y)?, b.view_mut(&states)?, scan)?;
+        let gated = zeros(b, rows * d)?;
+        b.silu_mul_forward(b.view(&z)?, b.view(&y)?, b.view_mut(&gated)?)?;
         let (normed, rstd_gated) =
             self.gated_norm()
                 .forward(b, w(OUT_NORM)?, b.view(&gated)?, rows)?;
@@ -240,36 +242,36 @@ impl MambaLayer {
         let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
         let w = |i| weight::<B>(weights, i);
         let d_out = copy_of(b, b.as_slice(&dx))?;
-        let mut d_normed = zeros(b, rows * d)?;
+        let d_normed = zeros(b, rows * d)?;
         b.matmul(
             b.view(&d_out)?,
             w(OUT_PROJ)?,
-            b.view_mut(&mut d_normed)?,
+            b.view_mut(&d_normed)?,
             MatmulDims::linear_input_grad(rows, d, h, false),
         )?;
-        let mut d_gated = zeros(b, rows * d)?;
+        let d_gated = zeros(b, rows * d)?;
         self.gated_norm().backward_input(
             b,
             w(OUT_NORM)?,
             &s.gated,
             &s.rstd_gated,
             b.view(&d_normed)?,
-            b.view_mut(&mut d_gated)?,
+            b.view_mut(&d_gated)?,
             rows,
         )?;
-        let mut d_z = zeros(b, rows * d)?;
-        let mut d_y = zeros(b, rows * d)?;
+        let d_z = zeros(b, rows * d)?;
+        let d_y = zeros(b, rows * d)?;
         b.silu_mul_backward(
             b.view(&s.z)?,
             b.view(&s.y)?,
             b.view(&d_gated)?,
-            b.view_mut(&mut d_z)?,
-            b.view_mut(&mut d_y)?,
+            b.view_mut(&d_z)?,
+            b.view_mut(&d_y)?,
         )?;
-        let mut d_xbc = zeros(b, rows * c)?;
-        let mut d_dt = zeros(b, rows * heads)?;
-        let mut d_a_log = zeros_f32(b, heads)?;
-        let mut d_skip = zeros_f32(b, heads)?;
+        let d_xbc = zeros(b, rows * c)?;
+        let d_dt = zeros(b, rows * heads)?;
+        let d_a_log = zeros_f32(b, heads)?;
+        let d_skip = zeros_f32(b, heads)?;
         let inputs = ScanInputs {
             xbc: b.view(&s.xbc)?,
             dt: b.view(&s.dt)?,
@@ -278,10 +280,10 @@ impl MambaLayer {
             d: w(D_SKIP)?,
         };
         let grads = ScanGrads {
-            xbc: b.view_mut(&mut d_xbc)?,
-            dt: b.view_mut(&mut d_dt)?,
-            a_log: b.view_mut(&mut d_a_log)?,
-            d: b.view_mut(&mut d_skip)?,
+            xbc: b.view_mut(&d_xbc)?,
+            dt: b.view_mut(&d_dt)?,
+            a_log: b.view_mut(&d_a_log)?,
+            d: b.view_mut(&d_skip)?,
         };
         b.ssd_scan_backward(
             inputs,
@@ -290,21 +292,21 @@ impl MambaLayer {
             grads,
             self.scan_dims(tokens),
         )?;
-        let mut d_xbc_conv = zeros(b, rows * c)?;
+        let d_xbc_conv = zeros(b, rows * c)?;
         b.unary_backward(
             Unary::Silu,
             b.view(&s.xbc_conv)?,
             b.view(&d_xbc)?,
-            b.view_mut(&mut d_xbc_conv)?,
+            b.view_mut(&d_xbc_conv)?,
         )?;
-        let mut d_xbc_in = zeros(b, rows * c)?;
+        let d_xbc_in = zeros(b, rows * c)?;
         b.conv1d_backward_input(
             b.view(&d_xbc_conv)?,
             w(CONV_W)?,
-            b.view_mut(&mut d_xbc_in)?,
+            b.view_mut(&d_xbc_in)?,
             self.conv_dims(tokens),
         )?;
-        let mut d_u = zeros(b, rows * h)?;
+        let d_u = zeros(b, rows * h)?;
         let [bz, bxbc, bdt] = self.proj_blocks();
         for (i, (block, grad_out, width)) in
             [(bz, &d_z, d), (bxbc, &d_xbc_in, c), (bdt, &d_dt, heads)]
@@ -315,7 +317,7 @@ impl MambaLayer {
             b.matmul(
                 b.view(grad_out)?,
                 wb,
-                b.view_mut(&mut d_u)?,
+                b.view_mut(&d_u)?,
                 MatmulDims::linear_input_grad(rows, h, width, i > 0),
             )?;
         }

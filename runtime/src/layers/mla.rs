@@ -7,7 +7,9 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
     grad_rows, positive, section, weight, weight_rows, zeros,
 };
-use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut};
+use crate::backend::{
+    AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut,
+};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -127,14 +129,14 @@ impl<B: Backend> Latent<B> {
     ) -> Result<LatentGrad<B>> {
         let d_raw = match (&self.norm, norm_weight) {
             (Some((raw, rstd)), Some(w)) => {
-                let mut d_raw = zeros(b, rows * dim)?;
+                let d_raw = zeros(b, rows * dim)?;
                 RmsNorm::plain(dim).backward_input(
                     b,
                     w,
                     raw,
                     rstd,
                     b.view(&d_out)?,
-                    b.view_mut(&mut d_raw)?,
+                    b.view_mut(&d_raw)?,
                     rows,
                 )?;
                 Some(d_raw)
@@ -319,21 +321,21 @@ impl MlaLayer {
         let (u, rstd_in) =
             RmsNorm::plain(h).forward(b, w(self.at.in_norm)?, b.view(&x_in)?, rows)?;
         // Queries.
-        let mut q = zeros(b, rows * a * dqk)?;
+        let q = zeros(b, rows * a * dqk)?;
         let cq = match (self.q_rank, self.at.q_down) {
             (Some(qr), Some(q_down)) => {
-                let mut raw = zeros(b, rows * qr)?;
+                let raw = zeros(b, rows * qr)?;
                 b.matmul(
                     b.view(&u)?,
                     w(q_down)?,
-                    b.view_mut(&mut raw)?,
+                    b.view_mut(&raw)?,
                     MatmulDims::linear(rows, h, qr),
                 )?;
                 let latent = Latent::new(b, raw, opt(self.at.q_norm)?, qr, rows)?;
                 b.matmul(
                     b.view(&latent.out)?,
                     w(self.at.q_up)?,
-                    b.view_mut(&mut q)?,
+                    b.view_mut(&q)?,
                     MatmulDims::linear(rows, qr, a * dqk),
                 )?;
                 Some(latent)
@@ -342,48 +344,45 @@ impl MlaLayer {
                 b.matmul(
                     b.view(&u)?,
                     w(self.at.q_up)?,
-                    b.view_mut(&mut q)?,
+                    b.view_mut(&q)?,
                     MatmulDims::linear(rows, h, a * dqk),
                 )?;
                 None
             }
         };
         // Keys and values: the latent c and the shared rotary key.
-        let mut c_raw = zeros(b, rows * kr)?;
-        let mut k_rope = zeros(b, rows * dr)?;
+        let c_raw = zeros(b, rows * kr)?;
+        let k_rope = zeros(b, rows * dr)?;
         b.matmul(
             b.view(&u)?,
             weight_rows(b, w(self.at.kv_down)?, h, 0..kr)?,
-            b.view_mut(&mut c_raw)?,
+            b.view_mut(&c_raw)?,
             MatmulDims::linear(rows, h, kr),
         )?;
         b.matmul(
             b.view(&u)?,
             weight_rows(b, w(self.at.kv_down)?, h, kr..kr + dr)?,
-            b.view_mut(&mut k_rope)?,
+            b.view_mut(&k_rope)?,
             MatmulDims::linear(rows, h, dr),
         )?;
         let ckv = Latent::new(b, c_raw, opt(self.at.kv_norm)?, kr, rows)?;
         let kv_width = a * (self.nope_dim + dv);
-        let mut kv = zeros(b, rows * kv_width)?;
+        let kv = zeros(b, rows * kv_width)?;
         b.matmul(
             b.view(&ckv.out)?,
             w(self.at.kv_up)?,
-            b.view_mut(&mut kv)?,
+            b.view_mut(&kv)?,
             MatmulDims::linear(rows, kr, kv_width),
         )?;
-        b.rotary_forward(
-            b.view_mut(&mut q)?,
-            self.rotary(tokens, a, dqk, self.nope_dim),
-        )?;
-        b.rotary_forward(b.view_mut(&mut k_rope)?, self.rotary(tokens, 1, dr, 0))?;
-        let mut k = zeros(b, rows * a * dqk)?;
-        let mut v = zeros(b, rows * a * dv)?;
+        b.rotary_forward(b.view_mut(&q)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
+        b.rotary_forward(b.view_mut(&k_rope)?, self.rotary(tokens, 1, dr, 0))?;
+        let k = zeros(b, rows * a * dqk)?;
+        let v = zeros(b, rows * a * dv)?;
         for i in 0..a {
             let [nope, vv, rope] = self.head_copies(rows, i);
-            b.copy_cols(b.view(&kv)?, b.view_mut(&mut k)?, nope)?;
-            b.copy_cols(b.view(&kv)?, b.view_mut(&mut v)?, vv)?;
-            b.copy_cols(b.view(&k_rope)?, b.view_mut(&mut k)?, rope)?;
+            b.copy_cols(b.view(&kv)?, b.view_mut(&k)?, nope)?;
+            b.copy_cols(b.view(&kv)?, b.view_mut(&v)?, vv)?;
+            b.copy_cols(b.view(&k_rope)?, b.view_mut(&k)?, rope)?;
         }
         drop((kv, k_rope));
         let (o, lse) = core_attention::forward(
@@ -443,7 +442,7 @@ impl MlaLayer {
             o: &s.o,
             lse: &s.lse,
         };
-        let (mut dq, dk, d_v) = core_attention::backward_input(
+        let (dq, dk, d_v) = core_attention::backward_input(
             b,
             saved,
             w(self.at.proj)?,
@@ -453,71 +452,60 @@ impl MlaLayer {
         )?;
         // Back through the split: k_rope is shared, so its gradient sums the heads in order.
         let kv_width = a * (self.nope_dim + dv);
-        let mut d_kv = zeros(b, rows * kv_width)?;
-        let mut d_k_rope = zeros(b, rows * dr)?;
+        let d_kv = zeros(b, rows * kv_width)?;
+        let d_k_rope = zeros(b, rows * dr)?;
         for i in 0..a {
             let [nope, vv, rope] = self.head_copies(rows, i);
+            b.copy_cols(b.view(&dk)?, b.view_mut(&d_kv)?, Self::reverse(nope, false))?;
+            b.copy_cols(b.view(&d_v)?, b.view_mut(&d_kv)?, Self::reverse(vv, false))?;
             b.copy_cols(
                 b.view(&dk)?,
-                b.view_mut(&mut d_kv)?,
-                Self::reverse(nope, false),
-            )?;
-            b.copy_cols(
-                b.view(&d_v)?,
-                b.view_mut(&mut d_kv)?,
-                Self::reverse(vv, false),
-            )?;
-            b.copy_cols(
-                b.view(&dk)?,
-                b.view_mut(&mut d_k_rope)?,
+                b.view_mut(&d_k_rope)?,
                 Self::reverse(rope, true),
             )?;
         }
         drop((dk, d_v));
-        b.rotary_backward(
-            b.view_mut(&mut dq)?,
-            self.rotary(tokens, a, dqk, self.nope_dim),
-        )?;
-        b.rotary_backward(b.view_mut(&mut d_k_rope)?, self.rotary(tokens, 1, dr, 0))?;
+        b.rotary_backward(b.view_mut(&dq)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
+        b.rotary_backward(b.view_mut(&d_k_rope)?, self.rotary(tokens, 1, dr, 0))?;
         // Key/value path into d_u.
-        let mut d_c = zeros(b, rows * kr)?;
+        let d_c = zeros(b, rows * kr)?;
         b.matmul(
             b.view(&d_kv)?,
             w(self.at.kv_up)?,
-            b.view_mut(&mut d_c)?,
+            b.view_mut(&d_c)?,
             MatmulDims::linear_input_grad(rows, kr, kv_width, false),
         )?;
         let d_ckv = s
             .ckv
             .backward_input(b, opt(self.at.kv_norm)?, d_c, kr, rows)?;
-        let mut d_u = zeros(b, rows * h)?;
+        let d_u = zeros(b, rows * h)?;
         b.matmul(
             b.view(d_ckv.d_raw())?,
             weight_rows(b, w(self.at.kv_down)?, h, 0..kr)?,
-            b.view_mut(&mut d_u)?,
+            b.view_mut(&d_u)?,
             MatmulDims::linear_input_grad(rows, h, kr, false),
         )?;
         b.matmul(
             b.view(&d_k_rope)?,
             weight_rows(b, w(self.at.kv_down)?, h, kr..kr + dr)?,
-            b.view_mut(&mut d_u)?,
+            b.view_mut(&d_u)?,
             MatmulDims::linear_input_grad(rows, h, dr, true),
         )?;
         // Query path into d_u.
         let cq = match (s.cq, self.q_rank, self.at.q_down) {
             (Some(latent), Some(qr), Some(q_down)) => {
-                let mut d_cq = zeros(b, rows * qr)?;
+                let d_cq = zeros(b, rows * qr)?;
                 b.matmul(
                     b.view(&dq)?,
                     w(self.at.q_up)?,
-                    b.view_mut(&mut d_cq)?,
+                    b.view_mut(&d_cq)?,
                     MatmulDims::linear_input_grad(rows, qr, a * dqk, false),
                 )?;
                 let g = latent.backward_input(b, opt(self.at.q_norm)?, d_cq, qr, rows)?;
                 b.matmul(
                     b.view(g.d_raw())?,
                     w(q_down)?,
-                    b.view_mut(&mut d_u)?,
+                    b.view_mut(&d_u)?,
                     MatmulDims::linear_input_grad(rows, h, qr, true),
                 )?;
                 Some((latent, g))
@@ -526,7 +514,7 @@ impl MlaLayer {
                 b.matmul(
                     b.view(&dq)?,
                     w(self.at.q_up)?,
-                    b.view_mut(&mut d_u)?,
+                    b.view_mut(&d_u)?,
                     MatmulDims::linear_input_grad(rows, h, a * dqk, true),
                 )?;
                 None

@@ -6,7 +6,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, weight_rows, zeros,
 };
-use crate::backend::{Backend, MatmulDims, Unary, Slice, SliceMut};
+use crate::backend::{Backend, MatmulDims, Slice, SliceMut, Unary};
 use crate::error::Result;
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
@@ -102,11 +102,11 @@ impl Ffn {
         accumulate: bool,
     ) -> Result<()> {
         let (h, f) = (self.hidden, self.width);
-        let mut d_act = zeros(b, self.act_len(n))?;
+        let d_act = zeros(b, self.act_len(n))?;
         b.matmul(
             d_out,
             w2,
-            b.view_mut(&mut d_act)?,
+            b.view_mut(&d_act)?,
             MatmulDims::linear_input_grad(n, f, h, false),
         )?;
         match self.unary() {
@@ -259,15 +259,15 @@ impl MlpLayer {
         let (u, rstd) =
             self.norm()
                 .forward(b, weight::<B>(weights, NORM)?, b.view(&x_in)?, rows)?;
-        let mut pre = zeros(b, self.ffn.pre_len(rows))?;
-        let mut act = zeros(b, self.ffn.act_len(rows))?;
+        let pre = zeros(b, self.ffn.pre_len(rows))?;
+        let act = zeros(b, self.ffn.act_len(rows))?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
         self.ffn.forward(
             b,
             w,
             b.view(&u)?,
-            b.view_mut(&mut pre)?,
-            b.view_mut(&mut act)?,
+            b.view_mut(&pre)?,
+            b.view_mut(&act)?,
             x,
             rows,
             true,
@@ -298,16 +298,16 @@ impl MlpLayer {
             rows * self.ffn.hidden,
         )?;
         let d_out = copy_of(b, b.as_slice(&dx))?;
-        let mut d_pre = zeros(b, self.ffn.pre_len(rows))?;
-        let mut d_u = zeros(b, rows * self.ffn.hidden)?;
+        let d_pre = zeros(b, self.ffn.pre_len(rows))?;
+        let d_u = zeros(b, rows * self.ffn.hidden)?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
         self.ffn.backward_input(
             b,
             w,
             b.view(&saved.pre)?,
             b.view(&d_out)?,
-            b.view_mut(&mut d_pre)?,
-            b.view_mut(&mut d_u)?,
+            b.view_mut(&d_pre)?,
+            b.view_mut(&d_u)?,
             rows,
             false,
         )?;

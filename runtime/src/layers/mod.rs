@@ -40,9 +40,9 @@ pub use mamba::{MambaLayer, MambaSaved, MambaWgrad};
 pub use mla::{MlaLayer, MlaSaved, MlaWgrad};
 pub use mlp::{MlpLayer, MlpSaved, MlpWgrad};
 pub use moe::{
-    CollectiveExchange, ExpertExchange, LocalExchange, MoeCombineBackward, MoeCombineGrad,
-    MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeLayer, MoePrepareWgrad, MoePrepared,
-    MoeRouting, MoeSaved, MoeWgrad,
+    CollectiveExchange, ExpertExchange, LocalExchange, MoeBackward, MoeCombineBackward,
+    MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeForward, MoeLayer,
+    MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
 };
 
 pub use mtp::{MtpEntry, MtpSaved, MtpWgrad};
@@ -407,8 +407,8 @@ pub(crate) fn zeros_f32<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
 
 /// A new buffer holding a copy of `src`.
 pub(crate) fn copy_of<B: Backend>(b: &B, src: Slice<'_, B>) -> Result<B::Buf> {
-    let mut buf = zeros(b, b.slice_len(src))?;
-    b.copy(src, b.view_mut(&mut buf)?)?;
+    let buf = zeros(b, b.slice_len(src))?;
+    b.copy(src, b.view_mut(&buf)?)?;
     Ok(buf)
 }
 

@@ -34,7 +34,10 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, zeros, zeros_f32,
 };
-use crate::backend::{Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, UnpermuteDims, UnpermuteGrads, Slice, SliceMut};
+use crate::backend::{
+    Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, Slice, SliceMut, UnpermuteDims,
+    UnpermuteGrads,
+};
 use crate::collective::Collective;
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -189,26 +192,181 @@ pub struct MoePrepareWgrad<B: Backend> {
 
 /// A whole forward run through an [`ExpertExchange`].
 pub struct MoeSaved<B: Backend> {
-    combined: MoeCombined<B>,
-    experts: MoeExpertsSaved<B>,
-    send_rows: Vec<usize>,
-    recv_rows: Vec<usize>,
+    stage: MoeStage<B>,
+    aux_loss: f64,
 }
 
 impl<B: Backend> MoeSaved<B> {
     pub fn aux_loss(&self) -> f64 {
-        self.combined.aux_loss()
+        self.aux_loss
     }
 
-    pub fn routing(&self) -> &MoeRouting<B> {
-        &self.combined.routing
+    /// The routing of the forward (for tests).
+    pub fn routing(&self) -> Option<&MoeRouting<B>> {
+        match &self.stage.flow {
+            MoeFlow::Combined { combined, .. } => Some(&combined.routing),
+            _ => None,
+        }
     }
 }
 
-/// A whole input-gradient backward run through an [`ExpertExchange`].
+/// A whole input-gradient backward run through an [`ExpertExchange`]: the
+/// weight gradients still to take.
 pub struct MoeWgrad<B: Backend> {
-    experts: MoeExpertsWgrad<B>,
-    prepare: MoePrepareWgrad<B>,
+    stage: MoeStage<B>,
+}
+
+/// The forward steps of an `E` layer, in the order they run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeForward {
+    /// Pre-dispatch slot: norm, router, shared expert, permutation.
+    Prepare,
+    /// The dispatch all-to-all (comm lane).
+    Dispatch,
+    /// Mlp slot: the local experts.
+    Experts,
+    /// The combine all-to-all and the weighted sum into the residual (comm
+    /// lane).
+    Combine,
+}
+
+impl MoeForward {
+    pub const ALL: [MoeForward; 4] = [
+        MoeForward::Prepare,
+        MoeForward::Dispatch,
+        MoeForward::Experts,
+        MoeForward::Combine,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            MoeForward::Prepare => "prepare",
+            MoeForward::Dispatch => "dispatch",
+            MoeForward::Experts => "experts",
+            MoeForward::Combine => "combine",
+        }
+    }
+}
+
+/// The backward steps of an `E` layer, in the order the schedules run them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeBackward {
+    Combine,
+    Experts,
+    ExpertsWeights,
+    Dispatch,
+    Prepare,
+    PrepareWeights,
+}
+
+impl MoeBackward {
+    fn name(self) -> &'static str {
+        match self {
+            MoeBackward::Combine => "combine backward",
+            MoeBackward::Experts => "experts backward",
+            MoeBackward::ExpertsWeights => "experts weight gradient",
+            MoeBackward::Dispatch => "dispatch backward",
+            MoeBackward::Prepare => "prepare backward",
+            MoeBackward::PrepareWeights => "prepare weight gradient",
+        }
+    }
+}
+
+/// Rows sent to and received from each EP rank by one micro-batch.
+struct ExchangeRows {
+    send: Vec<usize>,
+    recv: Vec<usize>,
+}
+
+/// Where one micro-batch of an `E` layer stands between the schedule's
+/// steps: each variant holds exactly what the next step needs, so a step
+/// run out of order is an error naming both steps, never a missing field.
+enum MoeFlow<B: Backend> {
+    Idle,
+    Prepared {
+        routing: MoeRouting<B>,
+        send: B::Buf,
+        counts: Vec<usize>,
+    },
+    Dispatched {
+        routing: MoeRouting<B>,
+        recv: B::Buf,
+        recv_counts: Vec<Vec<usize>>,
+        rows: ExchangeRows,
+    },
+    Computed {
+        routing: MoeRouting<B>,
+        out: B::Buf,
+        experts: MoeExpertsSaved<B>,
+        rows: ExchangeRows,
+    },
+    Combined {
+        combined: MoeCombined<B>,
+        experts: MoeExpertsSaved<B>,
+        rows: ExchangeRows,
+    },
+    CombineGrad {
+        state: MoeCombineGrad<B>,
+        d_out: B::Buf,
+        experts: MoeExpertsSaved<B>,
+        rows: ExchangeRows,
+    },
+    ExpertsGrad {
+        state: MoeCombineGrad<B>,
+        d_in: B::Buf,
+        rows: ExchangeRows,
+    },
+    DispatchGrad {
+        state: MoeCombineGrad<B>,
+        d_send: B::Buf,
+    },
+    PrepareGrad {
+        wgrad: MoePrepareWgrad<B>,
+    },
+}
+
+impl<B: Backend> MoeFlow<B> {
+    fn name(&self) -> &'static str {
+        match self {
+            MoeFlow::Idle => "no forward",
+            MoeFlow::Prepared { .. } => "prepare",
+            MoeFlow::Dispatched { .. } => "dispatch",
+            MoeFlow::Computed { .. } => "experts",
+            MoeFlow::Combined { .. } => "combine",
+            MoeFlow::CombineGrad { .. } => "combine backward",
+            MoeFlow::ExpertsGrad { .. } => "experts backward",
+            MoeFlow::DispatchGrad { .. } => "dispatch backward",
+            MoeFlow::PrepareGrad { .. } => "prepare backward",
+        }
+    }
+}
+
+/// One micro-batch's state in an `E` layer between steps: the data flow,
+/// and the experts' weight gradient, which may wait.
+pub struct MoeStage<B: Backend> {
+    flow: MoeFlow<B>,
+    experts_wgrad: Option<MoeExpertsWgrad<B>>,
+}
+
+impl<B: Backend> MoeStage<B> {
+    /// Before the forward (and after the last weight step).
+    pub fn idle() -> Self {
+        MoeStage {
+            flow: MoeFlow::Idle,
+            experts_wgrad: None,
+        }
+    }
+
+    /// Whether nothing of a micro-batch is left in the layer.
+    pub fn is_idle(&self) -> bool {
+        matches!(self.flow, MoeFlow::Idle) && self.experts_wgrad.is_none()
+    }
+}
+
+fn out_of_order(step: &str, after: &str) -> RuntimeError {
+    RuntimeError::InvalidArgument(format!(
+        "`E` layer: the {step} step cannot run after {after}; the schedule ran a step out of order"
+    ))
 }
 
 /// The all-to-alls around the experts, as the staged calls need them.
@@ -290,9 +448,9 @@ impl<B: Backend, C: Collective<B>> ExpertExchange<B> for CollectiveExchange<'_, 
     ) -> Result<B::Buf> {
         let send_counts: Vec<usize> = send_rows.iter().map(|r| r * width).collect();
         let recv_counts: Vec<usize> = recv_rows.iter().map(|r| r * width).collect();
-        let mut recv = zeros(b, recv_counts.iter().sum())?;
+        let recv = zeros(b, recv_counts.iter().sum())?;
         self.collective
-            .all_to_all(send, &send_counts, b.view_mut(&mut recv)?, &recv_counts)?;
+            .all_to_all(send, &send_counts, b.view_mut(&recv)?, &recv_counts)?;
         Ok(recv)
     }
 }
@@ -453,21 +611,21 @@ impl MoeLayer {
         let w = |i| weight::<B>(weights, i);
         let x_in = copy_of(b, x)?;
         let (u, rstd) = self.norm().forward(b, w(PRE_NORM)?, b.view(&x_in)?, rows)?;
-        let mut logits = zeros_f32(b, rows * e_n)?;
+        let logits = zeros_f32(b, rows * e_n)?;
         b.matmul(
             b.view(&u)?,
             w(ROUTER)?,
-            b.view_mut(&mut logits)?,
+            b.view_mut(&logits)?,
             MatmulDims::linear(rows, h, e_n),
         )?;
-        let mut scores = zeros_f32(b, rows * e_n)?;
-        let mut route_weights = zeros_f32(b, rows * k)?;
-        let mut softmax_sum = zeros_f32(b, e_n)?;
+        let scores = zeros_f32(b, rows * e_n)?;
+        let route_weights = zeros_f32(b, rows * k)?;
+        let softmax_sum = zeros_f32(b, e_n)?;
         let mut selected = vec![0u32; rows * k];
         let out = RouteOutputs {
-            scores: b.view_mut(&mut scores)?,
-            weights: b.view_mut(&mut route_weights)?,
-            softmax_sum: b.view_mut(&mut softmax_sum)?,
+            scores: b.view_mut(&scores)?,
+            weights: b.view_mut(&route_weights)?,
+            softmax_sum: b.view_mut(&softmax_sum)?,
         };
         b.moe_route_forward(
             b.view(&logits)?,
@@ -509,21 +667,21 @@ impl MoeLayer {
             send_tokens[*at] = row_index(slot / k)?;
             *at += 1;
         }
-        let mut send = zeros(b, rows * k * h)?;
-        b.gather_rows(b.view(&u)?, &send_tokens, b.view_mut(&mut send)?, h)?;
+        let send = zeros(b, rows * k * h)?;
+        b.gather_rows(b.view(&u)?, &send_tokens, b.view_mut(&send)?, h)?;
         let shared = match &self.shared {
             Some(ffn) => {
-                let mut pre = zeros(b, ffn.pre_len(rows))?;
-                let mut act = zeros(b, ffn.act_len(rows))?;
-                let mut out = zeros(b, rows * h)?;
+                let pre = zeros(b, ffn.pre_len(rows))?;
+                let act = zeros(b, ffn.act_len(rows))?;
+                let out = zeros(b, rows * h)?;
                 let i = self.shared_fc1();
                 ffn.forward(
                     b,
                     (w(i)?, w(i + 1)?),
                     b.view(&u)?,
-                    b.view_mut(&mut pre)?,
-                    b.view_mut(&mut act)?,
-                    b.view_mut(&mut out)?,
+                    b.view_mut(&pre)?,
+                    b.view_mut(&act)?,
+                    b.view_mut(&out)?,
                     rows,
                     false,
                 )?;
@@ -617,11 +775,11 @@ impl MoeLayer {
         let total = regroup.len();
         check_len(name, "recv", b.slice_len(recv), total * h)?;
         check_len(name, "out", b.slice_len(b.as_slice(&out)), total * h)?;
-        let mut input = zeros(b, total * h)?;
-        b.gather_rows(recv, &regroup, b.view_mut(&mut input)?, h)?;
-        let mut pre = zeros(b, ffn.pre_len(total))?;
-        let mut act = zeros(b, ffn.act_len(total))?;
-        let mut grouped = zeros(b, total * h)?;
+        let input = zeros(b, total * h)?;
+        b.gather_rows(recv, &regroup, b.view_mut(&input)?, h)?;
+        let pre = zeros(b, ffn.pre_len(total))?;
+        let act = zeros(b, ffn.act_len(total))?;
+        let grouped = zeros(b, total * h)?;
         let mut start = 0;
         for (j, &n) in expert_rows.iter().enumerate() {
             if n > 0 {
@@ -633,9 +791,9 @@ impl MoeLayer {
                         weight::<B>(weights, self.fc2(j))?,
                     ),
                     b.slice(&input, rows.start * h..rows.end * h)?,
-                    b.slice_mut(&mut pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
-                    b.slice_mut(&mut act, ffn.act_len(rows.start)..ffn.act_len(rows.end))?,
-                    b.slice_mut(&mut grouped, rows.start * h..rows.end * h)?,
+                    b.slice_mut(&pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
+                    b.slice_mut(&act, ffn.act_len(rows.start)..ffn.act_len(rows.end))?,
+                    b.slice_mut(&grouped, rows.start * h..rows.end * h)?,
                     n,
                     false,
                 )?;
@@ -670,16 +828,16 @@ impl MoeLayer {
             rows * self.top_k * h,
         )?;
         check_len(name, "x", b.slice_len(b.as_slice(&x)), rows * h)?;
-        let mut moe_out = zeros(b, rows * h)?;
+        let moe_out = zeros(b, rows * h)?;
         b.moe_unpermute(
             b.view(&returned)?,
             Some(b.view(&routing.weights)?),
             &routing.positions,
-            b.view_mut(&mut moe_out)?,
+            b.view_mut(&moe_out)?,
             self.unpermute_dims(rows),
         )?;
         if let Some(shared) = &routing.shared {
-            b.axpy(1.0, b.view(&shared.out)?, b.view_mut(&mut moe_out)?)?;
+            b.axpy(1.0, b.view(&shared.out)?, b.view_mut(&moe_out)?)?;
         }
         b.axpy(1.0, b.view(&moe_out)?, b.reborrow_mut(&mut x))?;
         Ok(MoeCombined { routing, returned })
@@ -704,11 +862,11 @@ impl MoeLayer {
             b.slice_len(dx),
             rows * h,
         )?;
-        let mut d_returned = zeros(b, rows * k * h)?;
-        let mut d_weights = zeros_f32(b, rows * k)?;
+        let d_returned = zeros(b, rows * k * h)?;
+        let d_weights = zeros_f32(b, rows * k)?;
         let grads = UnpermuteGrads {
-            rows: b.view_mut(&mut d_returned)?,
-            weights: b.view_mut(&mut d_weights)?,
+            rows: b.view_mut(&d_returned)?,
+            weights: b.view_mut(&d_weights)?,
         };
         b.moe_unpermute_backward(
             dx,
@@ -749,10 +907,10 @@ impl MoeLayer {
         let total = saved.regroup.len();
         check_len(name, "d_out", b.slice_len(d_out), total * h)?;
         check_len(name, "d_in", b.slice_len(b.as_slice(&d_in)), total * h)?;
-        let mut d_grouped = zeros(b, total * h)?;
-        b.gather_rows(d_out, &saved.regroup, b.view_mut(&mut d_grouped)?, h)?;
-        let mut d_pre = zeros(b, ffn.pre_len(total))?;
-        let mut d_in_grouped = zeros(b, total * h)?;
+        let d_grouped = zeros(b, total * h)?;
+        b.gather_rows(d_out, &saved.regroup, b.view_mut(&d_grouped)?, h)?;
+        let d_pre = zeros(b, ffn.pre_len(total))?;
+        let d_in_grouped = zeros(b, total * h)?;
         let mut start = 0;
         for (j, &n) in saved.expert_rows.iter().enumerate() {
             if n > 0 {
@@ -765,8 +923,8 @@ impl MoeLayer {
                     ),
                     b.slice(&saved.pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
                     b.slice(&d_grouped, rows.start * h..rows.end * h)?,
-                    b.slice_mut(&mut d_pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
-                    b.slice_mut(&mut d_in_grouped, rows.start * h..rows.end * h)?,
+                    b.slice_mut(&d_pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
+                    b.slice_mut(&d_in_grouped, rows.start * h..rows.end * h)?,
                     n,
                     false,
                 )?;
@@ -836,12 +994,12 @@ impl MoeLayer {
         check_len(name, "d_send", b.slice_len(d_send), rows * k * h)?;
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * h)?;
         let w = |i| weight::<B>(weights, i);
-        let mut d_u = zeros(b, rows * h)?;
+        let d_u = zeros(b, rows * h)?;
         b.moe_unpermute(
             d_send,
             None,
             &r.positions,
-            b.view_mut(&mut d_u)?,
+            b.view_mut(&d_u)?,
             self.unpermute_dims(rows),
         )?;
         // dL_aux/dp[t, e] = coeff * E * f_e / T, times the caller's scale.
@@ -857,7 +1015,7 @@ impl MoeLayer {
                 })
                 .collect()
         };
-        let mut d_logits = zeros_f32(b, rows * e_n)?;
+        let d_logits = zeros_f32(b, rows * e_n)?;
         b.moe_route_backward(
             RouterScores {
                 logits: b.view(&r.logits)?,
@@ -866,26 +1024,26 @@ impl MoeLayer {
             &r.selected,
             b.view(&state.d_weights)?,
             &aux_grad,
-            b.view_mut(&mut d_logits)?,
+            b.view_mut(&d_logits)?,
             self.route_dims(rows),
         )?;
         b.matmul(
             b.view(&d_logits)?,
             w(ROUTER)?,
-            b.view_mut(&mut d_u)?,
+            b.view_mut(&d_u)?,
             MatmulDims::linear_input_grad(rows, h, e_n, true),
         )?;
         let shared = match (&self.shared, r.shared, state.d_out) {
             (Some(ffn), Some(saved), Some(d_out)) => {
-                let mut d_pre = zeros(b, ffn.pre_len(rows))?;
+                let d_pre = zeros(b, ffn.pre_len(rows))?;
                 let i = self.shared_fc1();
                 ffn.backward_input(
                     b,
                     (w(i)?, w(i + 1)?),
                     b.view(&saved.pre)?,
                     b.view(&d_out)?,
-                    b.view_mut(&mut d_pre)?,
-                    b.view_mut(&mut d_u)?,
+                    b.view_mut(&d_pre)?,
+                    b.view_mut(&d_u)?,
                     rows,
                     true,
                 )?;
@@ -960,7 +1118,230 @@ impl MoeLayer {
         Ok(())
     }
 
-    // ---- every stage back to back -------------------------------------------------
+    // ---- the schedule's steps ----------------------------------------------------
+
+    /// Runs one forward step of one micro-batch: the schedule's slots call
+    /// these in order (prepare in pre-dispatch, dispatch and combine on the
+    /// comm lane, experts in the mlp slot). `x` is the residual stream: read
+    /// by `Prepare`, added into by `Combine`. Returns the new stage and the
+    /// load-balancing loss this step added (non-zero for `Prepare` only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_step<B: Backend, X: ExpertExchange<B>>(
+        &self,
+        step: MoeForward,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        stage: MoeStage<B>,
+        mut x: SliceMut<'_, B>,
+        tokens: Tokens,
+        exchange: &X,
+    ) -> Result<(MoeStage<B>, f64)> {
+        let h = self.hidden;
+        let MoeStage {
+            flow,
+            experts_wgrad,
+        } = stage;
+        let with = |flow| MoeStage {
+            flow,
+            experts_wgrad: None,
+        };
+        if experts_wgrad.is_some() {
+            return Err(out_of_order(
+                step.name(),
+                "a pending experts' weight gradient",
+            ));
+        }
+        Ok(match (step, flow) {
+            (MoeForward::Prepare, MoeFlow::Idle) => {
+                let prepared = self.prepare(b, weights, b.as_slice(&x), tokens)?;
+                let aux = prepared.aux_loss;
+                let flow = MoeFlow::Prepared {
+                    routing: prepared.routing,
+                    send: prepared.send,
+                    counts: prepared.send_counts,
+                };
+                (with(flow), aux)
+            }
+            (
+                MoeForward::Dispatch,
+                MoeFlow::Prepared {
+                    routing,
+                    send,
+                    counts,
+                },
+            ) => {
+                let send_counts = self.counts_per_rank(&counts)?;
+                let recv_counts = exchange.exchange_counts(&send_counts)?;
+                let rows = ExchangeRows {
+                    send: send_counts.iter().map(|c| c.iter().sum()).collect(),
+                    recv: recv_counts.iter().map(|c| c.iter().sum()).collect(),
+                };
+                let recv = exchange.exchange_rows(b, b.view(&send)?, &rows.send, &rows.recv, h)?;
+                let flow = MoeFlow::Dispatched {
+                    routing,
+                    recv,
+                    recv_counts,
+                    rows,
+                };
+                (with(flow), 0.0)
+            }
+            (
+                MoeForward::Experts,
+                MoeFlow::Dispatched {
+                    routing,
+                    recv,
+                    recv_counts,
+                    rows,
+                },
+            ) => {
+                let out = zeros(b, b.buf_len(&recv))?;
+                let experts =
+                    self.experts(b, weights, b.view(&recv)?, &recv_counts, b.view_mut(&out)?)?;
+                let flow = MoeFlow::Computed {
+                    routing,
+                    out,
+                    experts,
+                    rows,
+                };
+                (with(flow), 0.0)
+            }
+            (
+                MoeForward::Combine,
+                MoeFlow::Computed {
+                    routing,
+                    out,
+                    experts,
+                    rows,
+                },
+            ) => {
+                let returned =
+                    exchange.exchange_rows(b, b.view(&out)?, &rows.recv, &rows.send, h)?;
+                drop(out);
+                let combined = self.combine(b, routing, returned, b.reborrow_mut(&mut x))?;
+                let flow = MoeFlow::Combined {
+                    combined,
+                    experts,
+                    rows,
+                };
+                (with(flow), 0.0)
+            }
+            (step, flow) => return Err(out_of_order(step.name(), flow.name())),
+        })
+    }
+
+    /// Runs one backward step of one micro-batch. `dx` is the residual
+    /// stream's gradient (read by `Combine`, added into by `Prepare`);
+    /// `grads` are the layer's weight gradients, which only the two weight
+    /// steps write (they accumulate). The experts' weight step may run at any
+    /// point after `Experts`: the schedule runs it right away, the whole-layer
+    /// calls after everything else.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_step<B: Backend, X: ExpertExchange<B>>(
+        &self,
+        step: MoeBackward,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        stage: MoeStage<B>,
+        mut dx: SliceMut<'_, B>,
+        mut grads: Option<&mut [SliceMut<'_, B>]>,
+        loss_scale: f32,
+        exchange: &X,
+    ) -> Result<MoeStage<B>> {
+        let h = self.hidden;
+        let MoeStage {
+            flow,
+            mut experts_wgrad,
+        } = stage;
+        let mut need_grads = || {
+            grads
+                .take()
+                .ok_or_else(|| out_of_order(step.name(), "a step without gradient buffers"))
+        };
+        let flow = match (step, flow) {
+            (
+                MoeBackward::Combine,
+                MoeFlow::Combined {
+                    combined,
+                    experts,
+                    rows,
+                },
+            ) => {
+                let back = self.combine_backward(b, combined, b.as_slice(&dx))?;
+                let d_out = exchange.exchange_rows(
+                    b,
+                    b.view(&back.d_returned)?,
+                    &rows.send,
+                    &rows.recv,
+                    h,
+                )?;
+                MoeFlow::CombineGrad {
+                    state: back.state,
+                    d_out,
+                    experts,
+                    rows,
+                }
+            }
+            (
+                MoeBackward::Experts,
+                MoeFlow::CombineGrad {
+                    state,
+                    d_out,
+                    experts,
+                    rows,
+                },
+            ) => {
+                let d_in = zeros(b, b.buf_len(&d_out))?;
+                experts_wgrad = Some(self.experts_backward_input(
+                    b,
+                    weights,
+                    experts,
+                    b.view(&d_out)?,
+                    b.view_mut(&d_in)?,
+                )?);
+                MoeFlow::ExpertsGrad { state, d_in, rows }
+            }
+            (MoeBackward::ExpertsWeights, flow) => {
+                let wgrad = experts_wgrad
+                    .take()
+                    .ok_or_else(|| out_of_order(step.name(), flow.name()))?;
+                self.experts_backward_weight(b, wgrad, need_grads()?)?;
+                flow
+            }
+            (MoeBackward::Dispatch, MoeFlow::ExpertsGrad { state, d_in, rows }) => {
+                let d_send =
+                    exchange.exchange_rows(b, b.view(&d_in)?, &rows.recv, &rows.send, h)?;
+                MoeFlow::DispatchGrad { state, d_send }
+            }
+            (MoeBackward::Prepare, MoeFlow::DispatchGrad { state, d_send }) => {
+                let wgrad = self.prepare_backward_input(
+                    b,
+                    weights,
+                    state,
+                    b.view(&d_send)?,
+                    b.reborrow_mut(&mut dx),
+                    loss_scale,
+                )?;
+                MoeFlow::PrepareGrad { wgrad }
+            }
+            (MoeBackward::PrepareWeights, MoeFlow::PrepareGrad { wgrad }) => {
+                if experts_wgrad.is_some() {
+                    return Err(out_of_order(
+                        step.name(),
+                        "a pending experts' weight gradient",
+                    ));
+                }
+                self.prepare_backward_weight(b, wgrad, need_grads()?)?;
+                MoeFlow::Idle
+            }
+            (step, flow) => return Err(out_of_order(step.name(), flow.name())),
+        };
+        Ok(MoeStage {
+            flow,
+            experts_wgrad,
+        })
+    }
+
+    // ---- every step back to back ------------------------------------------------
 
     /// The whole forward, exchanging rows through `exchange`.
     pub fn forward_with<B: Backend, X: ExpertExchange<B>>(
@@ -971,34 +1352,26 @@ impl MoeLayer {
         tokens: Tokens,
         exchange: &X,
     ) -> Result<MoeSaved<B>> {
-        let prepared = self.prepare(b, weights, b.as_slice(&x), tokens)?;
-        let send_counts = self.counts_per_rank(&prepared.send_counts)?;
-        let recv_counts = exchange.exchange_counts(&send_counts)?;
-        let send_rows: Vec<usize> = send_counts.iter().map(|c| c.iter().sum()).collect();
-        let recv_rows: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum()).collect();
-        let h = self.hidden;
-        let recv = exchange.exchange_rows(b, b.view(&prepared.send)?, &send_rows, &recv_rows, h)?;
-        drop(prepared.send);
-        let mut out = zeros(b, b.buf_len(&recv))?;
-        let experts = self.experts(
-            b,
-            weights,
-            b.view(&recv)?,
-            &recv_counts,
-            b.view_mut(&mut out)?,
-        )?;
-        drop(recv);
-        let returned = exchange.exchange_rows(b, b.view(&out)?, &recv_rows, &send_rows, h)?;
-        let combined = self.combine(b, prepared.routing, returned, b.reborrow_mut(&mut x))?;
-        Ok(MoeSaved {
-            combined,
-            experts,
-            send_rows,
-            recv_rows,
-        })
+        let mut stage = MoeStage::idle();
+        let mut aux_loss = 0.0;
+        for step in MoeForward::ALL {
+            let (next, aux) = self.forward_step(
+                step,
+                b,
+                weights,
+                stage,
+                b.reborrow_mut(&mut x),
+                tokens,
+                exchange,
+            )?;
+            stage = next;
+            aux_loss += aux;
+        }
+        Ok(MoeSaved { stage, aux_loss })
     }
 
-    /// The whole input-gradient backward, exchanging rows through `exchange`.
+    /// The whole input-gradient backward, exchanging rows through `exchange`;
+    /// both weight gradients are left for [`MoeLayer::backward_weight_with`].
     pub fn backward_input_with<B: Backend, X: ExpertExchange<B>>(
         &self,
         b: &B,
@@ -1008,36 +1381,25 @@ impl MoeLayer {
         loss_scale: f32,
         exchange: &X,
     ) -> Result<MoeWgrad<B>> {
-        let h = self.hidden;
-        let combined = self.combine_backward(b, saved.combined, b.as_slice(&dx))?;
-        let d_out = exchange.exchange_rows(
-            b,
-            b.view(&combined.d_returned)?,
-            &saved.send_rows,
-            &saved.recv_rows,
-            h,
-        )?;
-        drop(combined.d_returned);
-        let mut d_in = zeros(b, b.buf_len(&d_out))?;
-        let experts = self.experts_backward_input(
-            b,
-            weights,
-            saved.experts,
-            b.view(&d_out)?,
-            b.view_mut(&mut d_in)?,
-        )?;
-        drop(d_out);
-        let d_send =
-            exchange.exchange_rows(b, b.view(&d_in)?, &saved.recv_rows, &saved.send_rows, h)?;
-        let prepare = self.prepare_backward_input(
-            b,
-            weights,
-            combined.state,
-            b.view(&d_send)?,
-            b.reborrow_mut(&mut dx),
-            loss_scale,
-        )?;
-        Ok(MoeWgrad { experts, prepare })
+        let mut stage = saved.stage;
+        for step in [
+            MoeBackward::Combine,
+            MoeBackward::Experts,
+            MoeBackward::Dispatch,
+            MoeBackward::Prepare,
+        ] {
+            stage = self.backward_step(
+                step,
+                b,
+                weights,
+                stage,
+                b.reborrow_mut(&mut dx),
+                None,
+                loss_scale,
+                exchange,
+            )?;
+        }
+        Ok(MoeWgrad { stage })
     }
 
     /// Both weight-gradient parts.
@@ -1047,7 +1409,22 @@ impl MoeLayer {
         wgrad: MoeWgrad<B>,
         grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
-        self.experts_backward_weight(b, wgrad.experts, grads)?;
-        self.prepare_backward_weight(b, wgrad.prepare, grads)
+        // The weight steps read no activations and exchange nothing; the
+        // residual gradient is not touched, so an empty view stands in.
+        let none = b.alloc(0, b.compute_dtype())?;
+        let mut stage = wgrad.stage;
+        for step in [MoeBackward::ExpertsWeights, MoeBackward::PrepareWeights] {
+            stage = self.backward_step(
+                step,
+                b,
+                &[],
+                stage,
+                b.view_mut(&none)?,
+                Some(&mut *grads),
+                0.0,
+                &LocalExchange,
+            )?;
+        }
+        Ok(())
     }
 }

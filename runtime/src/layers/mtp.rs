@@ -99,22 +99,14 @@ impl MtpEntry {
         let norm = RmsNorm::plain(h);
         let (en, rstd_e) = norm.forward(b, weight::<B>(weights, ENORM)?, emb, rows)?;
         let (hn, rstd_h) = norm.forward(b, weight::<B>(weights, HNORM)?, h_prev, rows)?;
-        let mut cat = zeros(b, rows * 2 * h)?;
-        b.copy_cols(
-            b.view(&en)?,
-            b.view_mut(&mut cat)?,
-            self.half(rows, 0, true),
-        )?;
-        b.copy_cols(
-            b.view(&hn)?,
-            b.view_mut(&mut cat)?,
-            self.half(rows, 1, true),
-        )?;
-        let mut out = zeros(b, rows * h)?;
+        let cat = zeros(b, rows * 2 * h)?;
+        b.copy_cols(b.view(&en)?, b.view_mut(&cat)?, self.half(rows, 0, true))?;
+        b.copy_cols(b.view(&hn)?, b.view_mut(&cat)?, self.half(rows, 1, true))?;
+        let out = zeros(b, rows * h)?;
         b.matmul(
             b.view(&cat)?,
             weight::<B>(weights, EH_PROJ)?,
-            b.view_mut(&mut out)?,
+            b.view_mut(&out)?,
             MatmulDims::linear(rows, 2 * h, h),
         )?;
         let saved = MtpSaved {
@@ -147,23 +139,23 @@ impl MtpEntry {
         ] {
             check_len("MTP entry backward", what, len, rows * h)?;
         }
-        let mut d_cat = zeros(b, rows * 2 * h)?;
+        let d_cat = zeros(b, rows * 2 * h)?;
         b.matmul(
             d_out,
             weight::<B>(weights, EH_PROJ)?,
-            b.view_mut(&mut d_cat)?,
+            b.view_mut(&d_cat)?,
             MatmulDims::linear_input_grad(rows, 2 * h, h, false),
         )?;
-        let mut d_en = zeros(b, rows * h)?;
-        let mut d_hn = zeros(b, rows * h)?;
+        let d_en = zeros(b, rows * h)?;
+        let d_hn = zeros(b, rows * h)?;
         b.copy_cols(
             b.view(&d_cat)?,
-            b.view_mut(&mut d_en)?,
+            b.view_mut(&d_en)?,
             self.half(rows, 0, false),
         )?;
         b.copy_cols(
             b.view(&d_cat)?,
-            b.view_mut(&mut d_hn)?,
+            b.view_mut(&d_hn)?,
             self.half(rows, 1, false),
         )?;
         let norm = RmsNorm::plain(h);

@@ -42,13 +42,13 @@ impl RmsNorm {
         x: Slice<'_, B>,
         rows: usize,
     ) -> Result<(B::Buf, B::Buf)> {
-        let mut y = zeros(b, b.slice_len(x))?;
-        let mut rstd = zeros_f32(b, rows.saturating_mul(self.groups))?;
+        let y = zeros(b, b.slice_len(x))?;
+        let rstd = zeros_f32(b, rows.saturating_mul(self.groups))?;
         b.rmsnorm_forward(
             x,
             weight,
-            b.view_mut(&mut y)?,
-            b.view_mut(&mut rstd)?,
+            b.view_mut(&y)?,
+            b.view_mut(&rstd)?,
             self.dims(rows),
         )?;
         Ok((y, rstd))

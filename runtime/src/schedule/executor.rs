@@ -1,61 +1,42 @@
 //! Runs one step's [`Program`] on a rank's lanes.
 //!
-//! Every forward slot and backward piece becomes one item of lane work. A
-//! micro-batch's items are chained by events, so they run in program order
-//! whatever lane they are on; items of different micro-batches on different
-//! lanes overlap. The FSDP engine is driven from the program's acquire,
-//! release and reduce instructions, and its events gate the work that reads
-//! or writes a unit's buffers.
+//! Every forward slot and backward piece becomes one item of lane work that
+//! receives its lane's backend. A micro-batch's items are chained by events,
+//! so they run in program order whatever lane they are on; items of
+//! different micro-batches on different lanes overlap. The FSDP engine is
+//! driven from the program's acquire, release and reduce instructions, and
+//! its events gate the work that reads or writes a unit's buffers. Nothing
+//! else orders anything: there are no host locks on device data.
 //!
-//! The maths of an item depends only on its micro-batch's state and the
-//! parameters, never on what ran before it on the other lane, which is why
-//! the plain and the overlap schedules give the same bits.
+//! The executor only dispatches `(node, slot)` to the ops the plan puts
+//! there; each op's handler takes the typed state its layer left for this
+//! micro-batch ([`super::state`]) and leaves the next one. The maths of an
+//! item depends only on its micro-batch's state and the parameters, never on
+//! what ran before it on the other lane, which is why the plain and the
+//! overlap schedules give the same bits.
 
 use super::program::{BackwardPiece, Instr, Program};
-use crate::backend::{Backend, Tokens, Slice, SliceMut};
+use super::state::{
+    Handoff, HeadState, LayerState, MicroBatch, MtpEntryState, NormState, StepLosses, Stream,
+};
+use crate::backend::{Backend, Slice, SliceMut, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
 use crate::lane::{Label, Lane};
-use crate::layers::{
-    CollectiveExchange, ExpertExchange, HeadSaved, LayerSaved, LayerWgrad, MoeCombineGrad,
-    MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeLayer, MoePrepareWgrad, MoeRouting, MtpSaved,
-    MtpWgrad, NormSaved, NormWgrad,
-};
+use crate::layers::{CollectiveExchange, MoeBackward, MoeForward, MoeLayer, MoeStage};
 use crate::model::ModelRuntime;
-use crate::shared::{Shared, lock, shared};
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-/// The tokens of one micro-batch.
-#[derive(Clone, Debug)]
-pub struct MicroBatchTokens {
-    /// `[batch * seq]` input ids.
-    pub inputs: Vec<u32>,
-    /// Per depth (0: the main head, d + 1: MTP depth d), `[batch * seq]`
-    /// target ids.
-    pub targets: Vec<Vec<u32>>,
-    /// Per MTP depth d, the ids embedded at its entry: position t holds
-    /// token t + d + 1.
-    pub mtp_inputs: Vec<Vec<u32>>,
-}
+pub use super::state::MicroBatchTokens;
 
-/// Loss sums of one step on one rank, in micro-batch order.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StepLosses {
-    /// Main cross-entropy: sum over tokens, and token count.
-    pub main: (f64, usize),
-    /// Per MTP depth: sum and count.
-    pub mtp: Vec<(f64, usize)>,
-    /// Sum of the MoE load-balancing losses over layers and micro-batches.
-    pub aux: f64,
-}
+/// A micro-batch's state, shared by the lane work that runs it.
+type SharedBatch<D> = Arc<Handoff<MicroBatch<<D as Device>::Backend>>>;
 
 /// What every item of one step shares, read-only.
 pub struct StepContext<D: Device> {
-    pub backend: Arc<D::Backend>,
     pub model: Arc<ModelRuntime>,
     pub ep_group: Arc<D::Comm>,
     /// Per parameter index: where it lies in its holder buffer.
@@ -66,140 +47,36 @@ pub struct StepContext<D: Device> {
     pub mb_weight: f32,
 }
 
-/// The staged state of one MoE layer for one micro-batch.
-struct MoeState<B: Backend> {
-    send: Option<B::Buf>,
-    send_counts: Vec<usize>,
-    routing: Option<MoeRouting<B>>,
-    recv: Option<B::Buf>,
-    recv_counts: Vec<Vec<usize>>,
-    send_rows: Vec<usize>,
-    recv_rows: Vec<usize>,
-    expert_out: Option<B::Buf>,
-    experts: Option<MoeExpertsSaved<B>>,
-    combined: Option<MoeCombined<B>>,
-    combine_grad: Option<MoeCombineGrad<B>>,
-    d_expert_out: Option<B::Buf>,
-    d_expert_in: Option<B::Buf>,
-    experts_wgrad: Option<MoeExpertsWgrad<B>>,
-    d_send: Option<B::Buf>,
-    prepare_wgrad: Option<MoePrepareWgrad<B>>,
-}
-
-impl<B: Backend> Default for MoeState<B> {
-    fn default() -> Self {
-        MoeState {
-            send: None,
-            send_counts: Vec::new(),
-            routing: None,
-            recv: None,
-            recv_counts: Vec::new(),
-            send_rows: Vec::new(),
-            recv_rows: Vec::new(),
-            expert_out: None,
-            experts: None,
-            combined: None,
-            combine_grad: None,
-            d_expert_out: None,
-            d_expert_in: None,
-            experts_wgrad: None,
-            d_send: None,
-            prepare_wgrad: None,
-        }
-    }
-}
-
-/// A head's state: forward, then its weight gradient.
-struct HeadState<B: Backend> {
-    saved: Option<HeadSaved<B>>,
-    count: usize,
-    /// An MTP depth's final norm, before its head.
-    norm: Option<NormSaved<B>>,
-}
-
-/// Everything one micro-batch carries through its forward and backward.
-pub(crate) struct MicroBatch<B: Backend> {
-    tokens: MicroBatchTokens,
-    /// The decoder's residual stream, then its gradient.
-    x: Option<B::Buf>,
-    dx: Option<B::Buf>,
-    /// The decoder output after its final norm, and its gradient (summed
-    /// over the main head and the first MTP depth).
-    h_final: Option<B::Buf>,
-    d_h_final: Option<B::Buf>,
-    final_norm: Option<NormSaved<B>>,
-    final_norm_wgrad: Option<NormWgrad<B>>,
-    /// Per MTP depth: residual stream, after final norm, and gradients.
-    mtp_x: Vec<Option<B::Buf>>,
-    mtp_h: Vec<Option<B::Buf>>,
-    d_mtp_x: Vec<Option<B::Buf>>,
-    d_mtp_h: Vec<Option<B::Buf>>,
-    mtp_entry: Vec<Option<MtpSaved<B>>>,
-    mtp_entry_wgrad: Vec<Option<(MtpWgrad<B>, B::Buf)>>,
-    saved: HashMap<LayerRef, LayerSaved<B>>,
-    wgrad: HashMap<LayerRef, LayerWgrad<B>>,
-    moe: HashMap<LayerRef, MoeState<B>>,
-    heads: HashMap<Option<usize>, HeadState<B>>,
-    losses: StepLosses,
-}
-
-impl<B: Backend> MicroBatch<B> {
-    pub(crate) fn new(tokens: MicroBatchTokens, depths: usize) -> Self {
-        let none = || (0..depths).map(|_| None).collect::<Vec<_>>();
-        MicroBatch {
-            tokens,
-            x: None,
-            dx: None,
-            h_final: None,
-            d_h_final: None,
-            final_norm: None,
-            final_norm_wgrad: None,
-            mtp_x: none(),
-            mtp_h: none(),
-            d_mtp_x: none(),
-            d_mtp_h: none(),
-            mtp_entry: (0..depths).map(|_| None).collect(),
-            mtp_entry_wgrad: (0..depths).map(|_| None).collect(),
-            saved: HashMap::new(),
-            wgrad: HashMap::new(),
-            moe: HashMap::new(),
-            heads: HashMap::new(),
-            losses: StepLosses {
-                mtp: vec![(0.0, 0); depths],
-                ..StepLosses::default()
-            },
-        }
-    }
-}
-
 fn missing(what: &str) -> RuntimeError {
     RuntimeError::InvalidArgument(format!(
         "schedule: {what} is missing; a piece of work ran out of order"
     ))
 }
 
-fn take<T>(slot: &mut Option<T>, what: &str) -> Result<T> {
-    slot.take().ok_or_else(|| missing(what))
-}
-
 /// Runs one step's program; returns this rank's loss sums once every lane
-/// has finished (the non-unit gradients reduced too).
+/// has finished (the non-unit gradients reduced too). `batch(mb)` makes
+/// micro-batch `mb`'s tokens; it is called when the micro-batch's first
+/// forward is issued, and the micro-batch's state is dropped once its last
+/// backward ran, so memory holds only the micro-batches the schedule keeps
+/// in flight.
 pub fn run_step<D: Device>(
     program: &Program,
     cx: &Arc<StepContext<D>>,
     engine: &mut FsdpEngine<D>,
     rank: &RankContext<D>,
-    micro_batches: Vec<MicroBatchTokens>,
+    batch: &mut dyn FnMut(usize) -> Result<MicroBatchTokens>,
 ) -> Result<StepLosses> {
     let plan = &cx.model.plan;
     let depths = plan.mtp_depths();
+    let layers = cx.model.layer_count();
     engine.begin_step(rank)?;
-    let states: Vec<Shared<MicroBatch<D::Backend>>> = micro_batches
-        .into_iter()
-        .map(|tokens| shared(MicroBatch::new(tokens, depths)))
-        .collect();
-    let mut chain: Vec<Option<EventOf<D>>> = vec![None; states.len()];
-    for instr in &program.instrs {
+    let micro_batches = program.micro_batches();
+    let mut states: Vec<Option<SharedBatch<D>>> = (0..micro_batches).map(|_| None).collect();
+    let mut chain: Vec<Option<EventOf<D>>> = vec![None; micro_batches];
+    let mut losses = StepLosses::new(depths);
+    // Finished micro-batches, in order, waiting to add their losses.
+    let mut finished: Vec<(SharedBatch<D>, EventOf<D>)> = Vec::new();
+    for (at, instr) in program.instrs().iter().enumerate() {
         match *instr {
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
             Instr::Release { unit } => engine.release(unit),
@@ -209,6 +86,15 @@ pub fn run_step<D: Device>(
                 engine.reduce(unit, rank, &after)?;
             }
             Instr::Forward { mb, node, slot } => {
+                let state = match &states[mb] {
+                    Some(state) => state.clone(),
+                    None => {
+                        let state =
+                            Arc::new(Handoff::new(MicroBatch::new(batch(mb)?, layers, depths)));
+                        states[mb] = Some(state.clone());
+                        state
+                    }
+                };
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = slot.lane();
                 let (after, params) = param_access(engine, node, &chain[mb])?;
@@ -217,12 +103,15 @@ pub fn run_step<D: Device>(
                     "forward",
                 )
                 .micro_batch(mb);
-                let work = forward_work(cx.clone(), node.index, slot, states[mb].clone(), params);
+                let work = forward_work(cx.clone(), node.index, slot, state, params);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
                 chain[mb] = Some(event);
             }
             Instr::Backward { mb, node, piece } => {
+                let state = states[mb]
+                    .clone()
+                    .ok_or_else(|| missing("a micro-batch's forward"))?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = piece.slot().lane();
                 let (mut after, params) = param_access(engine, node, &chain[mb])?;
@@ -240,39 +129,48 @@ pub fn run_step<D: Device>(
                     unit: node.unit.map(|_| grads.buf),
                     non_unit: non_unit_grads.buf,
                 };
-                let work = backward_work(
-                    cx.clone(),
-                    node.index,
-                    piece,
-                    states[mb].clone(),
-                    params,
-                    grads,
-                );
+                let work = backward_work(cx.clone(), node.index, piece, state, params, grads);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
-                chain[mb] = Some(event);
+                chain[mb] = Some(event.clone());
+                if program.last_of(mb) == Some(at)
+                    && let Some(state) = states[mb].take()
+                {
+                    finished.push((state, event));
+                }
             }
         }
+        // Collect finished micro-batches as they complete, so their memory
+        // goes back while later ones run.
+        collect_finished::<D>(&mut finished, &mut losses, false)?;
     }
     let all: Vec<_> = chain.into_iter().flatten().collect();
     engine.reduce_non_unit(rank, &all)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
-    let mut losses = StepLosses {
-        mtp: vec![(0.0, 0); depths],
-        ..StepLosses::default()
-    };
-    for state in &states {
-        let state = lock(state, "a micro-batch")?;
-        losses.main.0 += state.losses.main.0;
-        losses.main.1 += state.losses.main.1;
-        for (total, mine) in losses.mtp.iter_mut().zip(&state.losses.mtp) {
-            total.0 += mine.0;
-            total.1 += mine.1;
-        }
-        losses.aux += state.losses.aux;
-    }
+    collect_finished::<D>(&mut finished, &mut losses, true)?;
     Ok(losses)
+}
+
+/// Adds the losses of finished micro-batches, in micro-batch order, and
+/// drops their state; with `all`, waits for every one.
+fn collect_finished<D: Device>(
+    finished: &mut Vec<(SharedBatch<D>, EventOf<D>)>,
+    losses: &mut StepLosses,
+    all: bool,
+) -> Result<()> {
+    use crate::lane::Event;
+    while let Some((state, event)) = finished.first() {
+        if !all && !event.is_complete() {
+            break;
+        }
+        event.wait()?;
+        if let Some(mb) = state.take() {
+            losses.add(&mb.losses);
+        }
+        finished.remove(0);
+    }
+    Ok(())
 }
 
 fn lane<D: Device>(rank: &RankContext<D>, kind: LaneKind) -> &D::Lane {
@@ -318,130 +216,321 @@ struct GradBuffers<D: Device> {
     non_unit: Arc<Buf<D>>,
 }
 
-/// The parameters one item reads.
-struct Weights<'a, D: Device> {
+/// Views of the parameters (or gradients) of owners, in their order.
+struct Params<'a, D: Device> {
     cx: &'a StepContext<D>,
-    b: &'a D::Backend,
     unit: Option<&'a Buf<D>>,
     non_unit: &'a Buf<D>,
 }
 
-impl<'a, D: Device> Weights<'a, D> {
-    fn new(cx: &'a StepContext<D>, b: &'a D::Backend, buffers: &'a ParamBuffers<D>) -> Self {
-        Weights {
-            cx,
-            b,
-            unit: buffers.unit.as_deref(),
-            non_unit: &buffers.non_unit,
+impl<'a, D: Device> Params<'a, D> {
+    fn holder(&self, owner: Owner) -> Result<&'a Buf<D>> {
+        let plan = &self.cx.model.plan;
+        let in_unit = self
+            .cx
+            .model
+            .params_of(owner)
+            .first()
+            .is_some_and(|&p| plan.buckets[plan.params[p].bucket].unit.is_some());
+        if in_unit {
+            self.unit.ok_or_else(|| missing("a unit's buffers"))
+        } else {
+            Ok(self.non_unit)
+        }
+    }
+
+    fn output_owner(&self) -> Owner {
+        if self.cx.model.plan.model.tie_embeddings {
+            Owner::Embedding
+        } else {
+            Owner::OutputLayer
         }
     }
 
     /// The weights of `owner`, in its parameter order.
-    fn of(&self, owner: Owner) -> Result<Vec<Slice<'_, D::Backend>>> {
-        let plan = &self.cx.model.plan;
+    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
+        let buf = self.holder(owner)?;
         self.cx
             .model
             .params_of(owner)
             .iter()
-            .map(|&p| {
-                let buf: &Buf<D> = match plan.buckets[plan.params[p].bucket].unit {
-                    Some(_) => self.unit.ok_or_else(|| missing("a unit's parameters"))?,
-                    None => self.non_unit,
-                };
-                self.b.slice(buf, self.cx.ranges[p].clone())
-            })
+            .map(|&p| Slice::<D::Backend>::of(buf, self.cx.ranges[p].clone()))
             .collect()
     }
 
-    /// The output layer's weight (or, tied, the embedding's).
-    fn output(&self) -> Result<Slice<'_, D::Backend>> {
-        let owner = if self.cx.model.plan.model.tie_embeddings {
-            Owner::Embedding
-        } else {
-            Owner::OutputLayer
-        };
-        self.of(owner)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| missing("the output weight"))
-    }
-}
-
-/// The gradient buffers one item writes.
-struct Grads<'a, D: Device> {
-    cx: &'a StepContext<D>,
-    b: &'a D::Backend,
-    unit: Option<&'a Buf<D>>,
-    non_unit: &'a Buf<D>,
-}
-
-impl<'a, D: Device> Grads<'a, D> {
-    fn new(cx: &'a StepContext<D>, b: &'a D::Backend, buffers: &'a GradBuffers<D>) -> Self {
-        Grads {
-            cx,
-            b,
-            unit: buffers.unit.as_deref(),
-            non_unit: &buffers.non_unit,
-        }
+    fn weight(&self, owner: Owner, i: usize) -> Result<Slice<'a, D::Backend>> {
+        self.weights(owner)?
+            .get(i)
+            .copied()
+            .ok_or_else(|| missing("a weight"))
     }
 
     /// Writable views of `owner`'s gradients, in its parameter order.
-    fn of(&mut self, owner: Owner) -> Result<Vec<SliceMut<'_, D::Backend>>> {
-        let plan = &self.cx.model.plan;
-        let params = self.cx.model.params_of(owner);
-        let in_unit = params
-            .first()
-            .is_some_and(|&p| plan.buckets[plan.params[p].bucket].unit.is_some());
-        let ranges: Vec<Range<usize>> = params.iter().map(|&p| self.cx.ranges[p].clone()).collect();
-        let buf = if in_unit {
-            self.unit.ok_or_else(|| missing("a unit's gradients"))?
-        } else {
-            self.non_unit
-        };
-        views_mut(self.b, buf, &ranges)
+    fn grads(&self, owner: Owner) -> Result<Vec<SliceMut<'a, D::Backend>>> {
+        let buf = self.holder(owner)?;
+        self.cx
+            .model
+            .params_of(owner)
+            .iter()
+            .map(|&p| SliceMut::<D::Backend>::of(buf, self.cx.ranges[p].clone()))
+            .collect()
     }
 
-    fn output(&mut self) -> Result<SliceMut<'_, D::Backend>> {
-        let owner = if self.cx.model.plan.model.tie_embeddings {
-            Owner::Embedding
-        } else {
-            Owner::OutputLayer
-        };
-        self.of(owner)?
+    fn grad(&self, owner: Owner, i: usize) -> Result<SliceMut<'a, D::Backend>> {
+        self.grads(owner)?
             .into_iter()
-            .next()
-            .ok_or_else(|| missing("the output gradient"))
+            .nth(i)
+            .ok_or_else(|| missing("a gradient"))
     }
 }
 
-/// Disjoint writable views of `ranges` of one buffer, in the order given.
-fn views_mut<'a, B: Backend>(
-    b: &B,
-    buf: &'a B::Buf,
-    ranges: &[Range<usize>],
-) -> Result<Vec<SliceMut<'a, B>>> {
-    let mut order: Vec<usize> = (0..ranges.len()).collect();
-    order.sort_by_key(|&i| ranges[i].start);
-    let mut out: Vec<Option<SliceMut<'a, B>>> = (0..ranges.len()).map(|_| None).collect();
-    let mut rest = b.view_mut(buf)?;
-    let mut consumed = 0;
-    for i in order {
-        let range = &ranges[i];
-        if range.start < consumed {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "parameter ranges overlap at element {}",
-                range.start
-            )));
+fn moe_layer(model: &ModelRuntime, layer: LayerRef) -> Result<&MoeLayer> {
+    model
+        .layer(layer)?
+        .as_moe()
+        .ok_or_else(|| RuntimeError::InvalidArgument(format!("layer {layer:?} is not a MoE layer")))
+}
+
+/// The stream a layer of `layer`'s part (decoder or MTP depth) works on.
+fn stream_of<B: Backend>(mb: &mut MicroBatch<B>, layer: LayerRef) -> Result<&mut Stream<B>> {
+    let i = match layer {
+        LayerRef::Decoder(_) => 0,
+        LayerRef::Mtp { depth, .. } => depth + 1,
+    };
+    mb.streams.get_mut(i).ok_or_else(|| missing("an MTP depth"))
+}
+
+fn forward_work<D: Device>(
+    cx: Arc<StepContext<D>>,
+    node: usize,
+    slot: Slot,
+    state: Arc<Handoff<MicroBatch<D::Backend>>>,
+    params: ParamBuffers<D>,
+) -> crate::lane::Work<D::Backend> {
+    Box::new(move |b: &D::Backend| {
+        let weights = Params {
+            cx: &cx,
+            unit: params.unit.as_deref(),
+            non_unit: &params.non_unit,
+        };
+        state.with("a forward slot", |mb| {
+            for op in cx.model.plan.schedule.nodes[node].ops(slot) {
+                forward_op(&cx, b, op, mb, &weights)?;
+            }
+            Ok(())
+        })
+    })
+}
+
+fn backward_work<D: Device>(
+    cx: Arc<StepContext<D>>,
+    node: usize,
+    piece: BackwardPiece,
+    state: Arc<Handoff<MicroBatch<D::Backend>>>,
+    params: ParamBuffers<D>,
+    grads: GradBuffers<D>,
+) -> crate::lane::Work<D::Backend> {
+    Box::new(move |b: &D::Backend| {
+        let weights = Params {
+            cx: &cx,
+            unit: params.unit.as_deref(),
+            non_unit: &params.non_unit,
+        };
+        // Comm-lane pieces write no weight gradients.
+        let grads = match piece.slot().lane() {
+            LaneKind::Compute => Some(Params {
+                cx: &cx,
+                unit: grads.unit.as_deref(),
+                non_unit: &grads.non_unit,
+            }),
+            LaneKind::Comm => None,
+        };
+        state.with("a backward piece", |mb| {
+            let mut ops = cx.model.plan.schedule.nodes[node].ops(piece.slot());
+            ops.reverse();
+            for op in ops {
+                backward_op(&cx, b, op, piece, mb, &weights, grads.as_ref())?;
+            }
+            // The final norm's input gradient may run on the comm lane (in a
+            // combine); its weight gradient waits for this node's next
+            // compute-lane weight piece.
+            if piece.is_weight_gradient()
+                && let NormState::Wgrad(_) = &mb.final_norm
+                && let NormState::Wgrad(wgrad) =
+                    std::mem::replace(&mut mb.final_norm, NormState::Idle)
+            {
+                let grads = grads.as_ref().ok_or_else(|| missing("gradient buffers"))?;
+                cx.model
+                    .final_norm
+                    .backward_weight(b, wgrad, grads.grad(Owner::FinalNorm, 0)?)?;
+            }
+            Ok(())
+        })
+    })
+}
+
+fn forward_op<D: Device>(
+    cx: &StepContext<D>,
+    b: &D::Backend,
+    op: Op,
+    mb: &mut MicroBatch<D::Backend>,
+    w: &Params<'_, D>,
+) -> Result<()> {
+    let model = &*cx.model;
+    let h = model.plan.model.hidden_size;
+    let rows = cx.tokens.rows()?;
+    match op {
+        Op::Embed => {
+            let x = b.alloc(rows * h, b.compute_dtype())?;
+            model.embedding.forward(
+                b,
+                w.weight(Owner::Embedding, 0)?,
+                &mb.tokens.inputs,
+                b.view_mut(&x)?,
+            )?;
+            mb.streams[0].x = Some(x);
         }
-        let (_, tail) = b.split_mut(rest, range.start - consumed)?;
-        let (mine, tail) = b.split_mut(tail, range.len())?;
-        out[i] = Some(mine);
-        rest = tail;
-        consumed = range.end;
+        Op::Layer(layer) | Op::Mlp(layer) => {
+            let i = model.layer_index(layer)?;
+            let weights = w.weights(Owner::Layer(layer))?;
+            let x = stream_of(mb, layer)?
+                .x
+                .as_ref()
+                .ok_or_else(|| missing("the residual stream"))?;
+            let saved = model
+                .layer(layer)?
+                .forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
+            mb.layers[i] = LayerState::Saved(saved);
+        }
+        Op::MoePrepare(layer)
+        | Op::MoeDispatch(layer)
+        | Op::MoeExperts(layer)
+        | Op::MoeCombine(layer) => {
+            let step = match op {
+                Op::MoePrepare(_) => MoeForward::Prepare,
+                Op::MoeDispatch(_) => MoeForward::Dispatch,
+                Op::MoeExperts(_) => MoeForward::Experts,
+                _ => MoeForward::Combine,
+            };
+            let i = model.layer_index(layer)?;
+            let weights = w.weights(Owner::Layer(layer))?;
+            let stage = match std::mem::replace(&mut mb.layers[i], LayerState::Idle) {
+                LayerState::Idle => MoeStage::idle(),
+                LayerState::Moe(stage) => stage,
+                other => {
+                    return Err(missing(&format!(
+                        "a MoE layer's stage (found {})",
+                        other.name()
+                    )));
+                }
+            };
+            let x = stream_of(mb, layer)?
+                .x
+                .as_ref()
+                .ok_or_else(|| missing("the residual stream"))?;
+            let exchange = CollectiveExchange {
+                collective: &*cx.ep_group,
+            };
+            let (stage, aux) = moe_layer(model, layer)?.forward_step(
+                step,
+                b,
+                &weights,
+                stage,
+                b.view_mut(x)?,
+                cx.tokens,
+                &exchange,
+            )?;
+            mb.losses.aux += aux;
+            mb.layers[i] = LayerState::Moe(stage);
+        }
+        Op::FinalNorm => {
+            let stream = &mut mb.streams[0];
+            let x = stream
+                .x
+                .as_ref()
+                .ok_or_else(|| missing("the decoder output"))?;
+            let (y, saved) = model.final_norm.forward(
+                b,
+                w.weight(Owner::FinalNorm, 0)?,
+                b.view(x)?,
+                cx.tokens,
+            )?;
+            stream.h = Some(y);
+            mb.final_norm = NormState::Saved(saved);
+        }
+        Op::MtpEnter(d) => {
+            let ids = mb
+                .tokens
+                .mtp_inputs
+                .get(d)
+                .ok_or_else(|| missing("MTP inputs"))?;
+            let emb = b.alloc(rows * h, b.compute_dtype())?;
+            model
+                .embedding
+                .forward(b, w.weight(Owner::Embedding, 0)?, ids, b.view_mut(&emb)?)?;
+            let block = w.weights(Owner::MtpBlock(d))?;
+            let entry = block
+                .get(..3)
+                .ok_or_else(|| missing("the MTP entry weights"))?;
+            let h_prev = mb.streams[d]
+                .h
+                .as_ref()
+                .ok_or_else(|| missing("the previous depth's hidden states"))?;
+            let (out, saved) = model
+                .mtp_entry
+                .forward(b, entry, b.view(&emb)?, b.view(h_prev)?)?;
+            mb.streams[d + 1].x = Some(out);
+            mb.mtp_entries[d] = MtpEntryState::Saved(saved);
+        }
+        Op::Head(depth) => {
+            let index = depth.map_or(0, |d| d + 1);
+            let targets = mb
+                .tokens
+                .targets
+                .get(index)
+                .ok_or_else(|| missing("targets"))?;
+            let norm = match depth {
+                None => None,
+                Some(d) => {
+                    let stream = &mut mb.streams[d + 1];
+                    let x = stream
+                        .x
+                        .as_ref()
+                        .ok_or_else(|| missing("an MTP depth's output"))?;
+                    let (y, saved) = model.final_norm.forward(
+                        b,
+                        w.weight(Owner::MtpBlock(d), 3)?,
+                        b.view(x)?,
+                        cx.tokens,
+                    )?;
+                    stream.h = Some(y);
+                    Some(saved)
+                }
+            };
+            let hidden = mb.streams[index]
+                .h
+                .as_ref()
+                .ok_or_else(|| missing("a head's hidden states"))?;
+            let output = w.weight(w.output_owner(), 0)?;
+            let forward = model.head.forward(b, output, b.view(hidden)?, targets)?;
+            match depth {
+                None => {
+                    mb.losses.main.0 += forward.loss_sum;
+                    mb.losses.main.1 += forward.count;
+                }
+                Some(d) => {
+                    mb.losses.mtp[d].0 += forward.loss_sum;
+                    mb.losses.mtp[d].1 += forward.count;
+                }
+            }
+            mb.heads[index] = HeadState::Saved {
+                saved: forward.saved,
+                count: forward.count,
+                norm,
+            };
+        }
     }
-    out.into_iter()
-        .map(|v| v.ok_or_else(|| missing("a gradient view")))
-        .collect()
+    Ok(())
 }
 
 /// `slot += buf`, or `slot = buf` when empty.
@@ -455,335 +544,66 @@ fn add_into<B: Backend>(b: &B, slot: &mut Option<B::Buf>, buf: B::Buf) -> Result
     }
 }
 
-/// The residual stream (or its gradient) a layer reads and writes.
-fn stream<B: Backend>(mb: &mut MicroBatch<B>, layer: LayerRef, grad: bool) -> Result<&mut B::Buf> {
-    let slot = match (layer, grad) {
-        (LayerRef::Decoder(_), false) => &mut mb.x,
-        (LayerRef::Decoder(_), true) => &mut mb.dx,
-        (LayerRef::Mtp { depth, .. }, false) => mb
-            .mtp_x
-            .get_mut(depth)
-            .ok_or_else(|| missing("an MTP depth"))?,
-        (LayerRef::Mtp { depth, .. }, true) => mb
-            .d_mtp_x
-            .get_mut(depth)
-            .ok_or_else(|| missing("an MTP depth"))?,
-    };
-    slot.as_mut().ok_or_else(|| missing("the residual stream"))
-}
-
-fn moe_layer(model: &ModelRuntime, layer: LayerRef) -> Result<&MoeLayer> {
-    model
-        .layer(layer)?
-        .as_moe()
-        .ok_or_else(|| RuntimeError::InvalidArgument(format!("layer {layer:?} is not a MoE layer")))
-}
-
-fn forward_work<D: Device>(
-    cx: Arc<StepContext<D>>,
-    node: usize,
-    slot: Slot,
-    state: Shared<MicroBatch<D::Backend>>,
-    params: ParamBuffers<D>,
-) -> crate::lane::Work<D::Backend> {
-    Box::new(move |b: &D::Backend| {
-        let mut mb = lock(&state, "a micro-batch")?;
-        let weights = Weights::new(&cx, b, &params);
-        for op in cx.model.plan.schedule.nodes[node].ops(slot) {
-            forward_op(&cx, b, op, &mut mb, &weights)?;
-        }
-        Ok(())
-    })
-}
-
-fn backward_work<D: Device>(
-    cx: Arc<StepContext<D>>,
-    node: usize,
-    piece: BackwardPiece,
-    state: Shared<MicroBatch<D::Backend>>,
-    params: ParamBuffers<D>,
-    grads: GradBuffers<D>,
-) -> crate::lane::Work<D::Backend> {
-    Box::new(move |b: &D::Backend| {
-        let mut mb = lock(&state, "a micro-batch")?;
-        let weights = Weights::new(&cx, b, &params);
-        // Comm-lane pieces write no weight gradients.
-        let mut grads = match piece.slot().lane() {
-            LaneKind::Compute => Some(Grads::new(&cx, b, &grads)),
-            LaneKind::Comm => None,
-        };
-        let mut ops = cx.model.plan.schedule.nodes[node].ops(piece.slot());
-        ops.reverse();
-        for op in ops {
-            backward_op(&cx, b, op, piece, &mut mb, &weights, grads.as_mut())?;
-        }
-        // The final norm's input gradient may run on the comm lane (in a
-        // combine); its weight gradient waits for this node's next
-        // compute-lane weight piece.
-        if piece.is_weight_gradient()
-            && let Some(wgrad) = mb.final_norm_wgrad.take()
-        {
-            let grads = grads.as_mut().ok_or_else(|| missing("gradient buffers"))?;
-            let mut dw = grads.of(Owner::FinalNorm)?;
-            let dw = dw
-                .first_mut()
-                .ok_or_else(|| missing("the final norm's gradient"))?;
-            cx.model
-                .final_norm
-                .backward_weight(b, wgrad, b.reborrow_mut(dw))?;
-        }
-        Ok(())
-    })
-}
-
-fn forward_op<D: Device>(
-    cx: &StepContext<D>,
-    b: &D::Backend,
-    op: Op,
-    mb: &mut MicroBatch<D::Backend>,
-    w: &Weights<'_, D>,
-) -> Result<()> {
-    let model = &*cx.model;
-    let h = model.plan.model.hidden_size;
-    let rows = cx.tokens.rows()?;
-    match op {
-        Op::Embed => {
-            let table = w.of(Owner::Embedding)?;
-            let mut x = b.alloc(rows * h, b.compute_dtype())?;
-            model
-                .embedding
-                .forward(b, first(&table)?, &mb.tokens.inputs, b.view_mut(&mut x)?)?;
-            mb.x = Some(x);
-        }
-        Op::Layer(layer) | Op::Mlp(layer) => {
-            let weights = w.of(Owner::Layer(layer))?;
-            let x = stream(mb, layer, false)?;
-            let saved = model
-                .layer(layer)?
-                .forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
-            mb.saved.insert(layer, saved);
-        }
-        Op::MoePrepare(layer) => {
-            let weights = w.of(Owner::Layer(layer))?;
-            let x = stream(mb, layer, false)?;
-            let prepared = moe_layer(model, layer)?.prepare(b, &weights, b.view(x)?, cx.tokens)?;
-            mb.losses.aux += prepared.aux_loss;
-            let state = mb.moe.entry(layer).or_default();
-            state.send = Some(prepared.send);
-            state.send_counts = prepared.send_counts;
-            state.routing = Some(prepared.routing);
-        }
-        Op::MoeDispatch(layer) => {
-            let moe = moe_layer(model, layer)?;
-            let exchange = CollectiveExchange {
-                collective: &*cx.ep_group,
-            };
-            let state = mb
-                .moe
-                .get_mut(&layer)
-                .ok_or_else(|| missing("MoE routing"))?;
-            let send_counts = moe.counts_per_rank(&state.send_counts)?;
-            let recv_counts =
-                ExpertExchange::<D::Backend>::exchange_counts(&exchange, &send_counts)?;
-            state.send_rows = send_counts.iter().map(|c| c.iter().sum()).collect();
-            state.recv_rows = recv_counts.iter().map(|c| c.iter().sum()).collect();
-            let send = take(&mut state.send, "the MoE send buffer")?;
-            state.recv = Some(exchange.exchange_rows(
-                b,
-                b.view(&send)?,
-                &state.send_rows,
-                &state.recv_rows,
-                h,
-            )?);
-            state.recv_counts = recv_counts;
-        }
-        Op::MoeExperts(layer) => {
-            let weights = w.of(Owner::Layer(layer))?;
-            let moe = moe_layer(model, layer)?;
-            let state = mb
-                .moe
-                .get_mut(&layer)
-                .ok_or_else(|| missing("MoE routing"))?;
-            let recv = take(&mut state.recv, "the received MoE rows")?;
-            let mut out = b.alloc(b.buf_len(&recv), b.compute_dtype())?;
-            let saved = moe.experts(
-                b,
-                &weights,
-                b.view(&recv)?,
-                &state.recv_counts,
-                b.view_mut(&mut out)?,
-            )?;
-            state.experts = Some(saved);
-            state.expert_out = Some(out);
-        }
-        Op::MoeCombine(layer) => {
-            let moe = moe_layer(model, layer)?;
-            let exchange = CollectiveExchange {
-                collective: &*cx.ep_group,
-            };
-            let state = mb
-                .moe
-                .get_mut(&layer)
-                .ok_or_else(|| missing("MoE routing"))?;
-            let out = take(&mut state.expert_out, "the experts' output")?;
-            let returned =
-                exchange.exchange_rows(b, b.view(&out)?, &state.recv_rows, &state.send_rows, h)?;
-            drop(out);
-            let routing = take(&mut state.routing, "MoE routing")?;
-            let x = stream(mb, layer, false)?;
-            let combined = moe.combine(b, routing, returned, b.view_mut(x)?)?;
-            mb.moe
-                .get_mut(&layer)
-                .ok_or_else(|| missing("MoE routing"))?
-                .combined = Some(combined);
-        }
-        Op::FinalNorm => {
-            let weight = w.of(Owner::FinalNorm)?;
-            let x = mb.x.as_ref().ok_or_else(|| missing("the decoder output"))?;
-            let (y, saved) = model
-                .final_norm
-                .forward(b, first(&weight)?, b.view(x)?, cx.tokens)?;
-            mb.h_final = Some(y);
-            mb.final_norm = Some(saved);
-        }
-        Op::MtpEnter(d) => {
-            let block = w.of(Owner::MtpBlock(d))?;
-            let table = w.of(Owner::Embedding)?;
-            let ids = mb
-                .tokens
-                .mtp_inputs
-                .get(d)
-                .ok_or_else(|| missing("MTP inputs"))?;
-            let mut emb = b.alloc(rows * h, b.compute_dtype())?;
-            model
-                .embedding
-                .forward(b, first(&table)?, ids, b.view_mut(&mut emb)?)?;
-            let h_prev = if d == 0 {
-                mb.h_final.as_ref()
-            } else {
-                mb.mtp_h.get(d - 1).and_then(Option::as_ref)
-            }
-            .ok_or_else(|| missing("the previous depth's hidden states"))?;
-            let entry = block
-                .get(..3)
-                .ok_or_else(|| missing("the MTP entry weights"))?;
-            let (out, saved) = model
-                .mtp_entry
-                .forward(b, entry, b.view(&emb)?, b.view(h_prev)?)?;
-            mb.mtp_x[d] = Some(out);
-            mb.mtp_entry[d] = Some(saved);
-        }
-        Op::Head(depth) => {
-            let out_w = w.output()?;
-            let (hidden, targets, norm) = match depth {
-                None => (
-                    mb.h_final
-                        .as_ref()
-                        .ok_or_else(|| missing("the decoder output"))?,
-                    mb.tokens.targets.first(),
-                    None,
-                ),
-                Some(d) => {
-                    let block = w.of(Owner::MtpBlock(d))?;
-                    let x = mb
-                        .mtp_x
-                        .get(d)
-                        .and_then(Option::as_ref)
-                        .ok_or_else(|| missing("an MTP depth's output"))?;
-                    let (y, saved) = model.final_norm.forward(
-                        b,
-                        *block.get(3).ok_or_else(|| missing("an MTP final norm"))?,
-                        b.view(x)?,
-                        cx.tokens,
-                    )?;
-                    mb.mtp_h[d] = Some(y);
-                    (
-                        mb.mtp_h[d]
-                            .as_ref()
-                            .ok_or_else(|| missing("an MTP depth's output"))?,
-                        mb.tokens.targets.get(d + 1),
-                        Some(saved),
-                    )
-                }
-            };
-            let targets = targets.ok_or_else(|| missing("targets"))?;
-            let forward = model.head.forward(b, out_w, b.view(hidden)?, targets)?;
-            match depth {
-                None => {
-                    mb.losses.main.0 += forward.loss_sum;
-                    mb.losses.main.1 += forward.count;
-                }
-                Some(d) => {
-                    mb.losses.mtp[d].0 += forward.loss_sum;
-                    mb.losses.mtp[d].1 += forward.count;
-                }
-            }
-            mb.heads.insert(
-                depth,
-                HeadState {
-                    saved: Some(forward.saved),
-                    count: forward.count,
-                    norm,
-                },
-            );
-        }
-    }
-    Ok(())
-}
-
-fn first<T: Copy>(list: &[T]) -> Result<T> {
-    list.first().copied().ok_or_else(|| missing("a weight"))
-}
-
 fn backward_op<D: Device>(
     cx: &StepContext<D>,
     b: &D::Backend,
     op: Op,
     piece: BackwardPiece,
     mb: &mut MicroBatch<D::Backend>,
-    w: &Weights<'_, D>,
-    grads: Option<&mut Grads<'_, D>>,
+    w: &Params<'_, D>,
+    grads: Option<&Params<'_, D>>,
 ) -> Result<()> {
-    
     let model = &*cx.model;
     let h = model.plan.model.hidden_size;
     let rows = cx.tokens.rows()?;
     let zeros = || b.alloc(rows * h, b.compute_dtype());
     let weights_piece = piece.is_weight_gradient();
-    let need_grads = || missing("gradient buffers on this lane");
+    let grads = || grads.ok_or_else(|| missing("gradient buffers on this lane"));
     match op {
         // The embedding's backward is all weight gradient.
         Op::Embed if weights_piece => {
-            let grads = grads.ok_or_else(need_grads)?;
-            let dx = mb
+            let dx = mb.streams[0]
                 .dx
                 .as_ref()
                 .ok_or_else(|| missing("the input gradient"))?;
-            let mut table = grads.of(Owner::Embedding)?;
-            let table = table
-                .first_mut()
-                .ok_or_else(|| missing("the embedding gradient"))?;
-            model
-                .embedding
-                .backward(b, b.view(dx)?, &mb.tokens.inputs, b.reborrow_mut(table))?;
+            model.embedding.backward(
+                b,
+                b.view(dx)?,
+                &mb.tokens.inputs,
+                grads()?.grad(Owner::Embedding, 0)?,
+            )?;
         }
         Op::Embed => {}
         Op::Layer(layer) | Op::Mlp(layer) if weights_piece => {
-            let grads = grads.ok_or_else(need_grads)?;
-            let wgrad = mb
-                .wgrad
-                .remove(&layer)
-                .ok_or_else(|| missing("a layer's weight-gradient state"))?;
-            let mut g = grads.of(Owner::Layer(layer))?;
+            let i = model.layer_index(layer)?;
+            let wgrad = match std::mem::replace(&mut mb.layers[i], LayerState::Idle) {
+                LayerState::Wgrad(wgrad) => wgrad,
+                other => {
+                    return Err(missing(&format!(
+                        "a layer's weight-gradient state (found {})",
+                        other.name()
+                    )));
+                }
+            };
+            let mut g = grads()?.grads(Owner::Layer(layer))?;
             model.layer(layer)?.backward_weight(b, wgrad, &mut g)?;
         }
         Op::Layer(layer) | Op::Mlp(layer) => {
-            let weights = w.of(Owner::Layer(layer))?;
-            let saved = mb
-                .saved
-                .remove(&layer)
-                .ok_or_else(|| missing("a layer's saved forward"))?;
-            let dx = stream(mb, layer, true)?;
+            let i = model.layer_index(layer)?;
+            let saved = match std::mem::replace(&mut mb.layers[i], LayerState::Idle) {
+                LayerState::Saved(saved) => saved,
+                other => {
+                    return Err(missing(&format!(
+                        "a layer's saved forward (found {})",
+                        other.name()
+                    )));
+                }
+            };
+            let weights = w.weights(Owner::Layer(layer))?;
+            let dx = stream_of(mb, layer)?
+                .dx
+                .as_ref()
+                .ok_or_else(|| missing("the residual gradient"))?;
             let wgrad = model.layer(layer)?.backward_input(
                 b,
                 &weights,
@@ -791,231 +611,177 @@ fn backward_op<D: Device>(
                 b.view_mut(dx)?,
                 cx.mb_weight,
             )?;
-            mb.wgrad.insert(layer, wgrad);
+            mb.layers[i] = LayerState::Wgrad(wgrad);
         }
-        Op::MoePrepare(layer) if weights_piece => {
-            let grads = grads.ok_or_else(need_grads)?;
-            let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
-            let wgrad = take(
-                &mut state.prepare_wgrad,
-                "the MoE prepare weight-gradient state",
-            )?;
-            let mut g = grads.of(Owner::Layer(layer))?;
-            moe_layer(model, layer)?.prepare_backward_weight(b, wgrad, &mut g)?;
-            mb.moe.remove(&layer);
-        }
-        Op::MoePrepare(layer) => {
-            let weights = w.of(Owner::Layer(layer))?;
-            let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
-            let combine = take(&mut state.combine_grad, "the MoE combine gradient")?;
-            let d_send = take(&mut state.d_send, "the MoE dispatch gradient")?;
-            let dx = stream(mb, layer, true)?;
-            let wgrad = moe_layer(model, layer)?.prepare_backward_input(
+        Op::MoePrepare(layer)
+        | Op::MoeDispatch(layer)
+        | Op::MoeExperts(layer)
+        | Op::MoeCombine(layer) => {
+            let step = match (op, weights_piece) {
+                (Op::MoeCombine(_), _) => MoeBackward::Combine,
+                (Op::MoeExperts(_), false) => MoeBackward::Experts,
+                (Op::MoeExperts(_), true) => MoeBackward::ExpertsWeights,
+                (Op::MoeDispatch(_), _) => MoeBackward::Dispatch,
+                (_, false) => MoeBackward::Prepare,
+                (_, true) => MoeBackward::PrepareWeights,
+            };
+            let i = model.layer_index(layer)?;
+            let stage = match std::mem::replace(&mut mb.layers[i], LayerState::Idle) {
+                LayerState::Moe(stage) => stage,
+                other => {
+                    return Err(missing(&format!(
+                        "a MoE layer's stage (found {})",
+                        other.name()
+                    )));
+                }
+            };
+            let weights = w.weights(Owner::Layer(layer))?;
+            let mut g = if weights_piece {
+                Some(grads()?.grads(Owner::Layer(layer))?)
+            } else {
+                None
+            };
+            let dx = stream_of(mb, layer)?
+                .dx
+                .as_ref()
+                .ok_or_else(|| missing("the residual gradient"))?;
+            let exchange = CollectiveExchange {
+                collective: &*cx.ep_group,
+            };
+            let stage = moe_layer(model, layer)?.backward_step(
+                step,
                 b,
                 &weights,
-                combine,
-                b.view(&d_send)?,
+                stage,
                 b.view_mut(dx)?,
+                g.as_deref_mut(),
                 cx.mb_weight,
+                &exchange,
             )?;
-            mb.moe
-                .get_mut(&layer)
-                .ok_or_else(|| missing("MoE state"))?
-                .prepare_wgrad = Some(wgrad);
-        }
-        Op::MoeDispatch(layer) => {
-            let exchange = CollectiveExchange {
-                collective: &*cx.ep_group,
+            mb.layers[i] = if stage.is_idle() {
+                LayerState::Idle
+            } else {
+                LayerState::Moe(stage)
             };
-            let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
-            let d_in = take(&mut state.d_expert_in, "the experts' input gradient")?;
-            state.d_send = Some(exchange.exchange_rows(
-                b,
-                b.view(&d_in)?,
-                &state.recv_rows,
-                &state.send_rows,
-                h,
-            )?);
-        }
-        Op::MoeExperts(layer) if weights_piece => {
-            let grads = grads.ok_or_else(need_grads)?;
-            let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
-            let wgrad = take(
-                &mut state.experts_wgrad,
-                "the experts' weight-gradient state",
-            )?;
-            let mut g = grads.of(Owner::Layer(layer))?;
-            moe_layer(model, layer)?.experts_backward_weight(b, wgrad, &mut g)?;
-        }
-        Op::MoeExperts(layer) => {
-            let weights = w.of(Owner::Layer(layer))?;
-            let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
-            let saved = take(&mut state.experts, "the experts' saved forward")?;
-            let d_out = take(&mut state.d_expert_out, "the experts' output gradient")?;
-            let mut d_in = b.alloc(b.buf_len(&d_out), b.compute_dtype())?;
-            let wgrad = moe_layer(model, layer)?.experts_backward_input(
-                b,
-                &weights,
-                saved,
-                b.view(&d_out)?,
-                b.view_mut(&mut d_in)?,
-            )?;
-            state.experts_wgrad = Some(wgrad);
-            state.d_expert_in = Some(d_in);
-        }
-        Op::MoeCombine(layer) => {
-            let moe = moe_layer(model, layer)?;
-            let exchange = CollectiveExchange {
-                collective: &*cx.ep_group,
-            };
-            let combined = take(
-                &mut mb
-                    .moe
-                    .get_mut(&layer)
-                    .ok_or_else(|| missing("MoE state"))?
-                    .combined,
-                "the MoE combine state",
-            )?;
-            let backward = {
-                let dx = stream(mb, layer, true)?;
-                moe.combine_backward(b, combined, b.view(dx)?)?
-            };
-            let state = mb.moe.get_mut(&layer).ok_or_else(|| missing("MoE state"))?;
-            state.d_expert_out = Some(exchange.exchange_rows(
-                b,
-                b.view(&backward.d_returned)?,
-                &state.send_rows,
-                &state.recv_rows,
-                h,
-            )?);
-            state.combine_grad = Some(backward.state);
         }
         Op::FinalNorm if weights_piece => {}
         Op::FinalNorm => {
-            let weight = w.of(Owner::FinalNorm)?;
-            let saved = take(&mut mb.final_norm, "the final norm's saved forward")?;
-            let dy = mb
-                .d_h_final
+            let saved = match std::mem::replace(&mut mb.final_norm, NormState::Idle) {
+                NormState::Saved(saved) => saved,
+                _ => return Err(missing("the final norm's saved forward")),
+            };
+            let stream = &mut mb.streams[0];
+            let dy = stream
+                .dh
                 .as_ref()
                 .ok_or_else(|| missing("the decoder output gradient"))?;
-            let mut dx = zeros()?;
+            let dx = zeros()?;
             let wgrad = model.final_norm.backward_input(
                 b,
-                first(&weight)?,
+                w.weight(Owner::FinalNorm, 0)?,
                 saved,
                 b.view(dy)?,
-                b.view_mut(&mut dx)?,
+                b.view_mut(&dx)?,
             )?;
-            mb.dx = Some(dx);
-            mb.final_norm_wgrad = Some(wgrad);
+            stream.dx = Some(dx);
+            mb.final_norm = NormState::Wgrad(wgrad);
         }
         Op::MtpEnter(d) if weights_piece => {
-            let grads = grads.ok_or_else(need_grads)?;
-            let (wgrad, d_emb) = take(
-                &mut mb.mtp_entry_wgrad[d],
-                "the MTP entry's weight-gradient state",
-            )?;
-            {
-                let mut g = grads.of(Owner::MtpBlock(d))?;
-                let entry = g
-                    .get_mut(..3)
-                    .ok_or_else(|| missing("the MTP entry gradients"))?;
-                model.mtp_entry.backward_weight(b, wgrad, entry)?;
-            }
+            let (wgrad, d_emb) =
+                match std::mem::replace(&mut mb.mtp_entries[d], MtpEntryState::Idle) {
+                    MtpEntryState::Wgrad(wgrad, d_emb) => (wgrad, d_emb),
+                    _ => return Err(missing("the MTP entry's weight-gradient state")),
+                };
+            let g = grads()?;
+            let mut block = g.grads(Owner::MtpBlock(d))?;
+            let entry = block
+                .get_mut(..3)
+                .ok_or_else(|| missing("the MTP entry gradients"))?;
+            model.mtp_entry.backward_weight(b, wgrad, entry)?;
             let ids = mb
                 .tokens
                 .mtp_inputs
                 .get(d)
                 .ok_or_else(|| missing("MTP inputs"))?;
-            let mut table = grads.of(Owner::Embedding)?;
-            let table = table
-                .first_mut()
-                .ok_or_else(|| missing("the embedding gradient"))?;
             model
                 .embedding
-                .backward(b, b.view(&d_emb)?, ids, b.reborrow_mut(table))?;
+                .backward(b, b.view(&d_emb)?, ids, g.grad(Owner::Embedding, 0)?)?;
         }
         Op::MtpEnter(d) => {
-            let block = w.of(Owner::MtpBlock(d))?;
-            let saved = take(&mut mb.mtp_entry[d], "the MTP entry's saved forward")?;
-            let d_out = mb
-                .d_mtp_x
-                .get(d)
-                .and_then(Option::as_ref)
-                .ok_or_else(|| missing("an MTP depth's gradient"))?;
-            let mut d_emb = zeros()?;
-            let mut d_prev = zeros()?;
+            let saved = match std::mem::replace(&mut mb.mtp_entries[d], MtpEntryState::Idle) {
+                MtpEntryState::Saved(saved) => saved,
+                _ => return Err(missing("the MTP entry's saved forward")),
+            };
+            let block = w.weights(Owner::MtpBlock(d))?;
             let entry = block
                 .get(..3)
                 .ok_or_else(|| missing("the MTP entry weights"))?;
+            let d_out = mb.streams[d + 1]
+                .dx
+                .as_ref()
+                .ok_or_else(|| missing("an MTP depth's gradient"))?;
+            let (d_emb, d_prev) = (zeros()?, zeros()?);
             let wgrad = model.mtp_entry.backward_input(
                 b,
                 entry,
                 saved,
                 b.view(d_out)?,
-                b.view_mut(&mut d_emb)?,
-                b.view_mut(&mut d_prev)?,
+                b.view_mut(&d_emb)?,
+                b.view_mut(&d_prev)?,
             )?;
-            mb.mtp_entry_wgrad[d] = Some((wgrad, d_emb));
-            let target = if d == 0 {
-                &mut mb.d_h_final
-            } else {
-                &mut mb.d_mtp_h[d - 1]
-            };
-            add_into(b, target, d_prev)?;
+            mb.mtp_entries[d] = MtpEntryState::Wgrad(wgrad, d_emb);
+            add_into(b, &mut mb.streams[d].dh, d_prev)?;
         }
         Op::Head(depth) => {
             // Heads run in the post-process piece, input and weight
             // gradients together (their weights are outside units).
-            let grads = grads.ok_or_else(need_grads)?;
-            let out_w = w.output()?;
-            let mut state = mb
-                .heads
-                .remove(&depth)
-                .ok_or_else(|| missing("a head's saved forward"))?;
-            let saved = take(&mut state.saved, "a head's saved forward")?;
+            let g = grads()?;
+            let index = depth.map_or(0, |d| d + 1);
+            let (saved, count, norm) =
+                match std::mem::replace(&mut mb.heads[index], HeadState::Idle) {
+                    HeadState::Saved { saved, count, norm } => (saved, count, norm),
+                    HeadState::Idle => return Err(missing("a head's saved forward")),
+                };
             let depths = model.plan.mtp_depths().max(1) as f32;
             let weight = match depth {
                 None => cx.mb_weight,
                 Some(_) => cx.mb_weight * model.plan.model.mtp.loss_scale / depths,
             };
-            let scale = if state.count == 0 {
+            let scale = if count == 0 {
                 0.0
             } else {
-                weight / state.count as f32
+                weight / count as f32
             };
-            let mut dh = zeros()?;
-            let wgrad = model
-                .head
-                .backward_input(b, out_w, saved, scale, b.view_mut(&mut dh)?)?;
-            model.head.backward_weight(b, wgrad, grads.output()?)?;
-            match depth {
-                None => add_into(b, &mut mb.d_h_final, dh)?,
-                Some(d) => {
-                    add_into(b, &mut mb.d_mtp_h[d], dh)?;
-                    let block = w.of(Owner::MtpBlock(d))?;
-                    let norm = take(&mut state.norm, "an MTP final norm's saved forward")?;
-                    let dy = mb.d_mtp_h[d]
-                        .as_ref()
-                        .ok_or_else(|| missing("an MTP depth's output gradient"))?;
-                    let mut dx = zeros()?;
-                    let final_norm = *block.get(3).ok_or_else(|| missing("an MTP final norm"))?;
-                    let wgrad = model.final_norm.backward_input(
-                        b,
-                        final_norm,
-                        norm,
-                        b.view(dy)?,
-                        b.view_mut(&mut dx)?,
-                    )?;
-                    mb.d_mtp_x[d] = Some(dx);
-                    let mut g = grads.of(Owner::MtpBlock(d))?;
-                    let dw = g
-                        .get_mut(3)
-                        .ok_or_else(|| missing("an MTP final norm's gradient"))?;
-                    model
-                        .final_norm
-                        .backward_weight(b, wgrad, b.reborrow_mut(dw))?;
-                }
+            let dh = zeros()?;
+            let output = w.output_owner();
+            let wgrad = model.head.backward_input(
+                b,
+                w.weight(output, 0)?,
+                saved,
+                scale,
+                b.view_mut(&dh)?,
+            )?;
+            model.head.backward_weight(b, wgrad, g.grad(output, 0)?)?;
+            add_into(b, &mut mb.streams[index].dh, dh)?;
+            if let Some(d) = depth {
+                let norm = norm.ok_or_else(|| missing("an MTP final norm's saved forward"))?;
+                let stream = &mut mb.streams[d + 1];
+                let dy = stream
+                    .dh
+                    .as_ref()
+                    .ok_or_else(|| missing("an MTP depth's output gradient"))?;
+                let dx = zeros()?;
+                let wgrad = model.final_norm.backward_input(
+                    b,
+                    w.weight(Owner::MtpBlock(d), 3)?,
+                    norm,
+                    b.view(dy)?,
+                    b.view_mut(&dx)?,
+                )?;
+                stream.dx = Some(dx);
+                model
+                    .final_norm
+                    .backward_weight(b, wgrad, g.grad(Owner::MtpBlock(d), 3)?)?;
             }
         }
     }

@@ -3,6 +3,8 @@
 
 mod executor;
 mod program;
+mod state;
 
-pub use executor::{MicroBatchTokens, StepContext, StepLosses, run_step};
+pub use executor::{StepContext, run_step};
 pub use program::{BackwardPiece, Instr, Program, ScheduleKind, build};
+pub use state::{MicroBatchTokens, StepLosses};

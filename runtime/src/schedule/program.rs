@@ -104,14 +104,150 @@ pub enum ScheduleKind {
     Overlap,
 }
 
-/// One optimizer step's issue order on one rank.
+/// One optimizer step's issue order on one rank. Only [`build`] makes one,
+/// and it checks what it made ([`Program::check`]): every micro-batch runs
+/// every slot and piece of every node once, in order, forward before
+/// backward, on acquired units; so the executor never meets a piece whose
+/// inputs are not there yet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Program {
-    pub instrs: Vec<Instr>,
+    kind: ScheduleKind,
+    micro_batches: usize,
+    instrs: Vec<Instr>,
+    /// Per micro-batch, the index of its last instruction that runs work.
+    last: Vec<usize>,
     /// The most units resident (acquired and not yet released) at once.
     pub max_resident_units: usize,
     /// The most gradient buffers in use at once.
     pub max_grad_buffers: usize,
+}
+
+impl Program {
+    pub fn kind(&self) -> ScheduleKind {
+        self.kind
+    }
+
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// The instructions, in issue order.
+    pub fn instrs(&self) -> &[Instr] {
+        &self.instrs
+    }
+
+    /// Where micro-batch `mb`'s last piece of work is in [`Self::instrs`].
+    pub fn last_of(&self, mb: usize) -> Option<usize> {
+        self.last.get(mb).copied()
+    }
+
+    /// Checks the order rules the executor relies on (see the type's doc);
+    /// an error names the first instruction that breaks one.
+    pub fn check(&self, schedule: &SchedulePlan) -> Result<(), String> {
+        let nodes = &schedule.nodes;
+        let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
+        let units = nodes
+            .iter()
+            .filter_map(|n| n.unit)
+            .max()
+            .map_or(0, |u| u + 1);
+        // Per micro-batch: the next (node, step) expected, as a position in
+        // that micro-batch's sequence of work.
+        let sequence: Vec<(usize, Work)> = sequence_of(&shapes);
+        let mut next = vec![0usize; self.micro_batches];
+        let mut refs = vec![0usize; units];
+        let mut grads = vec![0usize; units];
+        for (at, instr) in self.instrs.iter().enumerate() {
+            let fail = |why: String| Err(format!("instruction {at} ({instr:?}): {why}"));
+            match *instr {
+                Instr::Acquire { unit } if unit < units => refs[unit] += 1,
+                Instr::Release { unit } if unit < units => {
+                    if refs[unit] == 0 {
+                        return fail("releases a unit that is not acquired".into());
+                    }
+                    refs[unit] -= 1;
+                }
+                Instr::GradBuffer { unit } if unit < units => {
+                    if refs[unit] == 0 {
+                        return fail(
+                            "takes a gradient buffer for a unit that is not acquired".into(),
+                        );
+                    }
+                    grads[unit] += 1;
+                }
+                Instr::Reduce { unit, .. } if unit < units => {
+                    if grads[unit] == 0 {
+                        return fail("reduces a unit without a gradient buffer".into());
+                    }
+                    grads[unit] -= 1;
+                }
+                Instr::Forward { mb, node, slot } if mb < self.micro_batches => {
+                    let want = sequence.get(next[mb]);
+                    if want != Some(&(node, Work::Forward(slot))) {
+                        return fail(format!("micro-batch {mb} expected {want:?} next"));
+                    }
+                    next[mb] += 1;
+                    if let Some(u) = nodes[node].unit
+                        && refs[u] == 0
+                    {
+                        return fail(format!("unit {u} is not acquired"));
+                    }
+                }
+                Instr::Backward { mb, node, piece } if mb < self.micro_batches => {
+                    let want = sequence.get(next[mb]);
+                    if want != Some(&(node, Work::Backward(piece))) {
+                        return fail(format!("micro-batch {mb} expected {want:?} next"));
+                    }
+                    next[mb] += 1;
+                    if let Some(u) = nodes[node].unit
+                        && (refs[u] == 0 || grads[u] == 0)
+                    {
+                        return fail(format!("unit {u} is not acquired with a gradient buffer"));
+                    }
+                }
+                _ => return fail("names a unit or micro-batch the step does not have".into()),
+            }
+        }
+        if let Some(mb) = next.iter().position(|&n| n != sequence.len()) {
+            return Err(format!(
+                "micro-batch {mb} ran {} of its {} pieces of work",
+                next[mb],
+                sequence.len()
+            ));
+        }
+        if refs.iter().any(|&r| r != 0) || grads.iter().any(|&g| g != 0) {
+            return Err(format!(
+                "acquires and releases do not balance: references {refs:?}, gradient buffers {grads:?}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One piece of work of one node for one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Work {
+    Forward(Slot),
+    Backward(BackwardPiece),
+}
+
+/// The order every micro-batch runs its work in, whatever the schedule:
+/// nodes forward with their slots in order, then nodes in reverse with
+/// their backward pieces in order.
+fn sequence_of(shapes: &[NodeShape]) -> Vec<(usize, Work)> {
+    let mut out = Vec::new();
+    for (i, shape) in shapes.iter().enumerate() {
+        out.extend(shape.forward_slots().map(|s| (i, Work::Forward(s))));
+    }
+    for (i, shape) in shapes.iter().enumerate().rev() {
+        out.extend(
+            PIECES
+                .iter()
+                .filter(|&&p| shape.has_backward(p))
+                .map(|&p| (i, Work::Backward(p))),
+        );
+    }
+    out
 }
 
 /// Which slots and pieces of a node do any work.
@@ -152,8 +288,22 @@ impl NodeShape {
     }
 }
 
-/// Builds a step's program for `micro_batches` micro-batches.
-pub fn build(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) -> Program {
+/// Builds a step's program for `micro_batches` micro-batches, and checks it.
+pub fn build(
+    schedule: &SchedulePlan,
+    micro_batches: usize,
+    kind: ScheduleKind,
+) -> crate::error::Result<Program> {
+    let program = layout(schedule, micro_batches, kind);
+    program.check(schedule).map_err(|why| {
+        crate::error::RuntimeError::InvalidArgument(format!(
+            "the {kind:?} schedule of {micro_batches} micro-batches is out of order: {why}"
+        ))
+    })?;
+    Ok(program)
+}
+
+fn layout(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) -> Program {
     let nodes = &schedule.nodes;
     let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
     let mut b = ProgramBuilder::new(nodes.iter().map(|n| n.unit).collect(), shapes);
@@ -174,7 +324,7 @@ pub fn build(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) 
             }
         }
     }
-    b.finish()
+    b.finish(kind, micro_batches)
 }
 
 /// Tracks which units are acquired, so acquires, prefetches and releases
@@ -203,9 +353,20 @@ impl ProgramBuilder {
         }
     }
 
-    fn finish(self) -> Program {
+    fn finish(self, kind: ScheduleKind, micro_batches: usize) -> Program {
+        let mut last = vec![0; micro_batches];
+        for (at, instr) in self.instrs.iter().enumerate() {
+            if let Instr::Forward { mb, .. } | Instr::Backward { mb, .. } = *instr
+                && let Some(l) = last.get_mut(mb)
+            {
+                *l = at;
+            }
+        }
         Program {
+            kind,
+            micro_batches,
             instrs: self.instrs,
+            last,
             max_resident_units: self.max_resident,
             max_grad_buffers: self.max_grads,
         }
@@ -502,7 +663,7 @@ mod tests {
             let plan = plan(pattern);
             for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
                 for n in [1, 2, 4] {
-                    let program = build(&plan.schedule, n, kind);
+                    let program = build(&plan.schedule, n, kind).unwrap();
                     check_complete(&plan, &program, n);
                 }
             }
@@ -512,7 +673,7 @@ mod tests {
     #[test]
     fn overlap_interleaves_forward_and_backward_as_the_spec_orders() {
         let plan = plan("[*E][*E]");
-        let program = build(&plan.schedule, 2, ScheduleKind::Overlap);
+        let program = build(&plan.schedule, 2, ScheduleKind::Overlap).unwrap();
         let work: Vec<String> = program
             .instrs
             .iter()
@@ -552,10 +713,50 @@ mod tests {
     }
 
     #[test]
+    fn out_of_order_programs_are_refused() {
+        let plan = plan("M[*E]-");
+        let good = build(&plan.schedule, 2, ScheduleKind::Overlap).unwrap();
+        let work: Vec<usize> = good
+            .instrs
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| matches!(x, Instr::Backward { mb: 0, .. }))
+            .map(|(i, _)| i)
+            .collect();
+        // Two backward pieces of one micro-batch swapped.
+        let mut swapped = good.clone();
+        swapped.instrs.swap(work[0], work[1]);
+        let err = swapped.check(&plan.schedule).unwrap_err();
+        assert!(err.contains("micro-batch 0 expected"), "{err}");
+        // A piece dropped.
+        let mut dropped = good.clone();
+        dropped.instrs.remove(work[2]);
+        assert!(dropped.check(&plan.schedule).is_err());
+        // Work on a unit that was released.
+        let mut released = good.clone();
+        let first_release = released
+            .instrs
+            .iter()
+            .position(|x| matches!(x, Instr::Release { .. }))
+            .unwrap();
+        let unit = match released.instrs[first_release] {
+            Instr::Release { unit } => unit,
+            _ => unreachable!(),
+        };
+        released.instrs.insert(0, Instr::Release { unit });
+        assert!(
+            released
+                .check(&plan.schedule)
+                .unwrap_err()
+                .contains("not acquired")
+        );
+    }
+
+    #[test]
     fn pool_needs_are_bounded() {
         let plan = plan("[*E][*E][*E][*E][*E][*E]");
-        let plain = build(&plan.schedule, 4, ScheduleKind::Plain);
-        let overlap = build(&plan.schedule, 4, ScheduleKind::Overlap);
+        let plain = build(&plan.schedule, 4, ScheduleKind::Plain).unwrap();
+        let overlap = build(&plan.schedule, 4, ScheduleKind::Overlap).unwrap();
         // A unit and its prefetch; the overlap schedule runs a forward and a
         // backward unit, each with its prefetch.
         assert!(
