@@ -57,8 +57,31 @@ impl Precision {
     }
 }
 
+/// What a device has done so far, over all its lanes: what tests use to
+/// prove that the step loop allocates nothing and reads back only what the
+/// schedule needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceStats {
+    /// Allocations the device had to make (a pool hit is not one).
+    pub allocations: u64,
+    pub allocated_bytes: u64,
+    /// Device-to-host reads.
+    pub host_reads: u64,
+}
+
+impl std::ops::Sub for DeviceStats {
+    type Output = DeviceStats;
+    fn sub(self, earlier: DeviceStats) -> DeviceStats {
+        DeviceStats {
+            allocations: self.allocations - earlier.allocations,
+            allocated_bytes: self.allocated_bytes - earlier.allocated_bytes,
+            host_reads: self.host_reads - earlier.host_reads,
+        }
+    }
+}
+
 /// Device memory and kernels, bound to one lane.
-pub trait Backend: Send + Sync + 'static {
+pub trait Backend: Clone + Send + Sync + 'static {
     /// One device allocation.
     type Buf: DeviceBuffer;
 
@@ -68,10 +91,20 @@ pub trait Backend: Send + Sync + 'static {
     /// What parameters and activations are stored in (bf16 or f32).
     fn compute_dtype(&self) -> DType;
 
+    /// Allocations and host reads so far, over every lane of the device.
+    fn stats(&self) -> DeviceStats;
+
     // ---- memory -----------------------------------------------------------
 
     /// A zero-filled buffer of `len` elements of `dtype`.
     fn alloc(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
+    /// This backend, allocating from arena `arena` instead. The executor
+    /// gives every micro-batch in flight an arena of its own: a micro-batch's
+    /// pieces of work run one after another, so the buffers an arena hands
+    /// out and takes back follow the same order in every step, and once a
+    /// step has run, the next ones allocate nothing. Arena 0 is where
+    /// everything else allocates (parameters, optimizer state).
+    fn in_arena(&self, arena: usize) -> Self;
     /// Host to device; `T` must be the view's dtype.
     fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()>;
     /// Device to host; `T` must be the view's dtype. Waits for the lane's

@@ -4,7 +4,7 @@
 //! steps: batches, the schedule's program, the optimizer, losses, traces and
 //! checkpoints.
 
-use crate::backend::{Precision, Tokens};
+use crate::backend::{Backend, DeviceStats, Precision, Tokens};
 use crate::checkpoint;
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
@@ -129,6 +129,8 @@ pub struct StepReport {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub elapsed: Duration,
+    /// Rank 0's device after the step: allocations and host reads so far.
+    pub device: DeviceStats,
 }
 
 /// The closing summary of a run.
@@ -497,6 +499,7 @@ fn run_rank(
                 aux_loss: total(2) / (config.micro_batches * config.ranks) as f64,
                 grad_norm,
                 elapsed: started.elapsed(),
+                device: rank.backend.stats(),
             });
         }
         if let (Some(dir), Some(every)) = (&config.save, config.save_every)

@@ -302,3 +302,30 @@ fn a_failing_rank_stops_the_others_with_the_root_cause() {
     // stopped rank 0.
     assert!(started.elapsed() < std::time::Duration::from_secs(300));
 }
+
+/// After the first step the device's pool holds every buffer a step needs:
+/// later steps allocate nothing, on either schedule, with MTP and MoE.
+#[test]
+fn steps_after_the_first_allocate_nothing() {
+    for (pattern, kind) in [
+        ("M*-M*-/*-", ScheduleKind::Overlap),
+        ("[M*E][M*E]/*E", ScheduleKind::Overlap),
+        ("M[*E]M-", ScheduleKind::Plain),
+    ] {
+        let mut c = config(pattern);
+        c.steps = 6;
+        c.schedule = kind;
+        let mut stats = Vec::new();
+        train(&c, &mut |r| stats.push(r.device)).unwrap_or_else(|e| panic!("{e}"));
+        assert!(stats[0].allocations > 0, "{pattern}: step 1 allocates");
+        for (i, s) in stats.iter().enumerate().skip(1) {
+            assert_eq!(
+                s.allocations,
+                stats[0].allocations,
+                "{pattern} {kind:?}: step {} allocated {} buffers",
+                i + 1,
+                s.allocations - stats[0].allocations
+            );
+        }
+    }
+}

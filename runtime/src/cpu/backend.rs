@@ -5,47 +5,27 @@
 //! which is where a GPU kernel rounds too. The loops stay plain functions on
 //! `f32` slices that tests call directly.
 
+use super::arena::CpuArena;
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamStep, AttentionDims, AttentionInputs, Backend, ConvDims, CopyCols, LookupDims, LossDims,
-    MatmulDims, NormDims, Precision, RotaryDims, RouteDims, RouteOutputs, RouterScores, ScanDims,
-    ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
+    AdamStep, AttentionDims, AttentionInputs, Backend, ConvDims, CopyCols, DeviceStats, LookupDims,
+    LossDims, MatmulDims, NormDims, Precision, RotaryDims, RouteDims, RouteOutputs, RouterScores,
+    ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims,
+    UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
-use crate::view::{DType, DTypeRule, Scalar, same_dtype};
+use crate::view::{DType, Scalar, same_dtype};
 use half::bf16;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
-/// What a CPU device has done, for tests that prove the step loop allocates
-/// nothing and reads back only what the schedule needs.
+/// What the CPU device has done ([`DeviceStats`]).
 #[derive(Debug, Default)]
 pub struct CpuCounters {
     allocations: AtomicU64,
     allocated_bytes: AtomicU64,
     host_reads: AtomicU64,
-}
-
-/// A snapshot of [`CpuCounters`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CpuCounts {
-    /// Buffers allocated.
-    pub allocations: u64,
-    pub allocated_bytes: u64,
-    /// Downloads (device-to-host reads).
-    pub host_reads: u64,
-}
-
-impl std::ops::Sub for CpuCounts {
-    type Output = CpuCounts;
-    fn sub(self, earlier: CpuCounts) -> CpuCounts {
-        CpuCounts {
-            allocations: self.allocations - earlier.allocations,
-            allocated_bytes: self.allocated_bytes - earlier.allocated_bytes,
-            host_reads: self.host_reads - earlier.host_reads,
-        }
-    }
 }
 
 /// The CPU device, bound to one lane (whose name hazard errors carry).
@@ -55,6 +35,10 @@ pub struct CpuBackend {
     compute: DType,
     lane: Arc<str>,
     counters: Arc<CpuCounters>,
+    /// Every arena, by number (made as they are asked for).
+    arenas: Arc<Mutex<Vec<Arc<CpuArena>>>>,
+    /// The arena this value allocates from.
+    arena: Arc<CpuArena>,
 }
 
 impl Default for CpuBackend {
@@ -67,10 +51,13 @@ impl Default for CpuBackend {
 impl CpuBackend {
     /// A device storing parameters and activations as `precision` says.
     pub fn new(precision: Precision) -> Self {
+        let arena = Arc::new(CpuArena::default());
         CpuBackend {
             compute: precision.compute_dtype(),
             lane: Arc::from("host"),
             counters: Arc::new(CpuCounters::default()),
+            arenas: Arc::new(Mutex::new(vec![arena.clone()])),
+            arena,
         }
     }
 
@@ -80,15 +67,8 @@ impl CpuBackend {
             compute: self.compute,
             lane: Arc::from(lane),
             counters: self.counters.clone(),
-        }
-    }
-
-    /// Allocations and host reads so far, over every lane of this device.
-    pub fn counts(&self) -> CpuCounts {
-        CpuCounts {
-            allocations: self.counters.allocations.load(Ordering::Relaxed),
-            allocated_bytes: self.counters.allocated_bytes.load(Ordering::Relaxed),
-            host_reads: self.counters.host_reads.load(Ordering::Relaxed),
+            arenas: self.arenas.clone(),
+            arena: self.arena.clone(),
         }
     }
 
@@ -118,13 +98,34 @@ impl Backend for CpuBackend {
         self.compute
     }
 
+    fn stats(&self) -> DeviceStats {
+        DeviceStats {
+            allocations: self.counters.allocations.load(Ordering::Relaxed),
+            allocated_bytes: self.counters.allocated_bytes.load(Ordering::Relaxed),
+            host_reads: self.counters.host_reads.load(Ordering::Relaxed),
+        }
+    }
+
     fn alloc(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
-        let buf = CpuBuf::zeroed(len, dtype)?;
-        self.counters.allocations.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .allocated_bytes
-            .fetch_add((len * dtype.bytes()) as u64, Ordering::Relaxed);
+        let (buf, grew) = CpuBuf::in_arena(&self.arena, len, dtype)?;
+        if grew {
+            self.counters.allocations.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .allocated_bytes
+                .fetch_add((len * dtype.bytes()) as u64, Ordering::Relaxed);
+        }
         Ok(buf)
+    }
+
+    fn in_arena(&self, arena: usize) -> Self {
+        let mut arenas = self.arenas.lock().unwrap_or_else(PoisonError::into_inner);
+        while arenas.len() <= arena {
+            arenas.push(Arc::new(CpuArena::default()));
+        }
+        CpuBackend {
+            arena: arenas[arena].clone(),
+            ..self.clone()
+        }
     }
 
     fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()> {
@@ -747,6 +748,3 @@ pub fn round_bf16(values: &mut [f32]) {
         *v = bf16::from_f32(*v).to_f32();
     }
 }
-
-#[allow(dead_code)]
-fn _rules_are_documented(_: DTypeRule) {}

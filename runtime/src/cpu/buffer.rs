@@ -13,13 +13,14 @@
 //! data; nothing ever waits here, so the check cannot hide a race by
 //! serialising it.
 
+use super::arena::{CpuArena, Region, Storage, new_storage, words_for};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, DeviceBuffer, View, ViewMut};
 use half::bf16;
 use std::cell::{RefCell, UnsafeCell};
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 static NEXT_TOKEN: AtomicU64 = AtomicU64::new(1);
@@ -40,8 +41,26 @@ pub struct CpuBuf {
     id: u64,
     dtype: DType,
     len: usize,
-    words: Box<[UnsafeCell<u64>]>,
+    memory: Memory,
     active: Mutex<Vec<Access>>,
+}
+
+/// Where a buffer's words are: its own allocation, or a region of an arena
+/// that takes it back when the buffer is dropped.
+enum Memory {
+    Own(Storage),
+    Arena {
+        arena: Arc<CpuArena>,
+        region: Region,
+    },
+}
+
+impl Drop for CpuBuf {
+    fn drop(&mut self) {
+        if let Memory::Arena { arena, region } = &self.memory {
+            arena.give(region);
+        }
+    }
 }
 
 // SAFETY: the words are only read or written through slices made by a
@@ -67,27 +86,38 @@ impl DeviceBuffer for CpuBuf {
 }
 
 impl CpuBuf {
-    /// A zero-filled buffer; an error (not an abort) when the host cannot
-    /// provide the memory.
+    /// A zero-filled buffer with memory of its own; an error (not an abort)
+    /// when the host cannot provide it.
     pub fn zeroed(len: usize, dtype: DType) -> Result<Self> {
-        let bytes = len.checked_mul(dtype.bytes()).ok_or_else(|| {
-            RuntimeError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
-        })?;
-        let words = bytes.div_ceil(8);
-        let mut storage: Vec<UnsafeCell<u64>> = Vec::new();
-        storage.try_reserve_exact(words).map_err(|_| {
-            RuntimeError::Numeric(format!(
-                "out of memory allocating {bytes} bytes ({len} x {dtype}) on the CPU"
-            ))
-        })?;
-        storage.resize_with(words, || UnsafeCell::new(0));
-        Ok(CpuBuf {
+        let words = words_for(len, dtype)?;
+        let storage = new_storage(words, || format!("{len} x {dtype}"))?;
+        Ok(CpuBuf::with_memory(Memory::Own(storage), len, dtype))
+    }
+
+    /// A zero-filled buffer in a region of `arena`, and whether the arena
+    /// had to grow for it.
+    pub(crate) fn in_arena(
+        arena: &Arc<CpuArena>,
+        len: usize,
+        dtype: DType,
+    ) -> Result<(Self, bool)> {
+        let words = words_for(len, dtype)?;
+        let (region, grew) = arena.take(words, || format!("{len} x {dtype}"))?;
+        let memory = Memory::Arena {
+            arena: arena.clone(),
+            region,
+        };
+        Ok((CpuBuf::with_memory(memory, len, dtype), grew))
+    }
+
+    fn with_memory(memory: Memory, len: usize, dtype: DType) -> Self {
+        CpuBuf {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             dtype,
             len,
-            words: storage.into_boxed_slice(),
+            memory,
             active: Mutex::new(Vec::new()),
-        })
+        }
     }
 
     /// A number naming this buffer in hazard messages.
@@ -96,9 +126,14 @@ impl CpuBuf {
     }
 
     fn base(&self) -> *mut u8 {
-        // `UnsafeCell<u64>` has the layout of `u64`; the cell makes writing
-        // through a pointer derived from `&self` legal.
-        UnsafeCell::raw_get(self.words.as_ptr()).cast::<u8>()
+        match &self.memory {
+            // `UnsafeCell<u64>` has the layout of `u64`; the cell makes
+            // writing through a pointer derived from `&self` legal.
+            Memory::Own(words) => UnsafeCell::raw_get(words.as_ptr()).cast::<u8>(),
+            // SAFETY: the region lies inside its segment, which outlives
+            // this buffer (the buffer holds the arena).
+            Memory::Arena { region, .. } => unsafe { region.base.add(region.offset).cast::<u8>() },
+        }
     }
 
     fn register(&self, access: Access) -> Result<()> {
@@ -421,6 +456,27 @@ mod tests {
         let a = KernelAccess::new("read", "compute");
         let values = a.f32_in("src", View::whole(&buf)).unwrap();
         assert_eq!(&*values, &[1.0, 3.0]);
+    }
+
+    #[test]
+    fn arena_buffers_come_back_zeroed_and_give_their_region_back() {
+        let arena = Arc::new(CpuArena::default());
+        let (a, grew) = CpuBuf::in_arena(&arena, 1000, DType::F32).unwrap();
+        assert!(grew);
+        {
+            let k = KernelAccess::new("fill", "compute");
+            k.f32_out("dst", ViewMut::whole(&a)).unwrap().fill(7.0);
+        }
+        drop(a);
+        let (b, grew) = CpuBuf::in_arena(&arena, 990, DType::F32).unwrap();
+        assert!(!grew);
+        let k = KernelAccess::new("read", "compute");
+        assert!(
+            k.f32_in("src", View::whole(&b))
+                .unwrap()
+                .iter()
+                .all(|&v| v == 0.0)
+        );
     }
 
     #[test]

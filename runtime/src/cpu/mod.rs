@@ -2,11 +2,12 @@
 //! lane, and ranks as threads of one process exchanging through shared
 //! memory. It is the reference every other backend is checked against.
 
+mod arena;
 mod backend;
 mod buffer;
 pub mod collective;
 pub mod kernels;
 pub mod lane;
 
-pub use backend::{CpuBackend, CpuCounts, round_bf16};
+pub use backend::{CpuBackend, round_bf16};
 pub use buffer::CpuBuf;

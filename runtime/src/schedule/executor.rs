@@ -28,7 +28,7 @@ use crate::layers::{CollectiveExchange, MoeBackward, MoeForward, MoeLayer, MoeSt
 use crate::model::ModelRuntime;
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 pub use super::state::MicroBatchTokens;
 
@@ -56,9 +56,14 @@ fn missing(what: &str) -> RuntimeError {
 /// Runs one step's program; returns this rank's loss sums once every lane
 /// has finished (the non-unit gradients reduced too). `batch(mb)` makes
 /// micro-batch `mb`'s tokens; it is called when the micro-batch's first
-/// forward is issued, and the micro-batch's state is dropped once its last
-/// backward ran, so memory holds only the micro-batches the schedule keeps
-/// in flight.
+/// forward is issued.
+///
+/// Memory: the micro-batches in flight at once ([`Program::in_flight`])
+/// each allocate from an arena of their own, and a micro-batch's last piece
+/// of work drops everything it still holds. Micro-batch `mb` only starts
+/// once `mb - in_flight`, the previous user of its arena, has finished, so
+/// every arena sees the same sequence of allocations in every step: after
+/// the first step, nothing is allocated.
 pub fn run_step<D: Device>(
     program: &Program,
     cx: &Arc<StepContext<D>>,
@@ -71,11 +76,11 @@ pub fn run_step<D: Device>(
     let layers = cx.model.layer_count();
     engine.begin_step(rank)?;
     let micro_batches = program.micro_batches();
+    let arenas = program.in_flight().max(1);
     let mut states: Vec<Option<SharedBatch<D>>> = (0..micro_batches).map(|_| None).collect();
     let mut chain: Vec<Option<EventOf<D>>> = vec![None; micro_batches];
-    let mut losses = StepLosses::new(depths);
-    // Finished micro-batches, in order, waiting to add their losses.
-    let mut finished: Vec<(SharedBatch<D>, EventOf<D>)> = Vec::new();
+    // Each micro-batch's losses, left by its last piece of work.
+    let results: Results = Arc::new(Mutex::new(vec![None; micro_batches]));
     for (at, instr) in program.instrs().iter().enumerate() {
         match *instr {
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
@@ -86,24 +91,36 @@ pub fn run_step<D: Device>(
                 engine.reduce(unit, rank, &after)?;
             }
             Instr::Forward { mb, node, slot } => {
+                let node = &plan.schedule.nodes[node];
+                let lane_kind = slot.lane();
+                let (mut after, params) = param_access(engine, node, &chain[mb])?;
                 let state = match &states[mb] {
                     Some(state) => state.clone(),
                     None => {
+                        // The arena's previous micro-batch must be done.
+                        if let Some(previous) = mb.checked_sub(arenas) {
+                            after.extend(chain[previous].clone());
+                        }
                         let state =
                             Arc::new(Handoff::new(MicroBatch::new(batch(mb)?, layers, depths)));
                         states[mb] = Some(state.clone());
                         state
                     }
                 };
-                let node = &plan.schedule.nodes[node];
-                let lane_kind = slot.lane();
-                let (after, params) = param_access(engine, node, &chain[mb])?;
                 let label = Label::new(
                     format!("fwd {} {} mb{mb}", slot.name(), node.name),
                     "forward",
                 )
                 .micro_batch(mb);
-                let work = forward_work(cx.clone(), node.index, slot, state, params);
+                let item = Item {
+                    cx: cx.clone(),
+                    node: node.index,
+                    arena: 1 + mb % arenas,
+                    state,
+                    params,
+                    end: None,
+                };
+                let work = forward_work(item, slot);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
                 chain[mb] = Some(event);
@@ -129,48 +146,69 @@ pub fn run_step<D: Device>(
                     unit: node.unit.map(|_| grads.buf),
                     non_unit: non_unit_grads.buf,
                 };
-                let work = backward_work(cx.clone(), node.index, piece, state, params, grads);
+                let last = program.last_of(mb) == Some(at);
+                if last {
+                    states[mb] = None;
+                }
+                let item = Item {
+                    cx: cx.clone(),
+                    node: node.index,
+                    arena: 1 + mb % arenas,
+                    state,
+                    params,
+                    end: last.then(|| (mb, results.clone())),
+                };
+                let work = backward_work(item, piece, grads);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
-                chain[mb] = Some(event.clone());
-                if program.last_of(mb) == Some(at)
-                    && let Some(state) = states[mb].take()
-                {
-                    finished.push((state, event));
-                }
+                chain[mb] = Some(event);
             }
         }
-        // Collect finished micro-batches as they complete, so their memory
-        // goes back while later ones run.
-        collect_finished::<D>(&mut finished, &mut losses, false)?;
     }
     let all: Vec<_> = chain.into_iter().flatten().collect();
     engine.reduce_non_unit(rank, &all)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
-    collect_finished::<D>(&mut finished, &mut losses, true)?;
+    let mut losses = StepLosses::new(depths);
+    let results = results.lock().unwrap_or_else(PoisonError::into_inner);
+    for (mb, result) in results.iter().enumerate() {
+        let result = result
+            .as_ref()
+            .ok_or_else(|| missing(&format!("micro-batch {mb}'s losses")))?;
+        losses.add(result);
+    }
     Ok(losses)
 }
 
-/// Adds the losses of finished micro-batches, in micro-batch order, and
-/// drops their state; with `all`, waits for every one.
-fn collect_finished<D: Device>(
-    finished: &mut Vec<(SharedBatch<D>, EventOf<D>)>,
-    losses: &mut StepLosses,
-    all: bool,
-) -> Result<()> {
-    use crate::lane::Event;
-    while let Some((state, event)) = finished.first() {
-        if !all && !event.is_complete() {
-            break;
+/// Every micro-batch's losses, left by its last piece of work.
+type Results = Arc<Mutex<Vec<Option<StepLosses>>>>;
+
+/// One piece of lane work's share of the step.
+struct Item<D: Device> {
+    cx: Arc<StepContext<D>>,
+    node: usize,
+    /// The micro-batch's arena.
+    arena: usize,
+    state: SharedBatch<D>,
+    params: ParamBuffers<D>,
+    /// For the micro-batch's last piece: where its losses go.
+    end: Option<(usize, Results)>,
+}
+
+impl<D: Device> Item<D> {
+    /// After the last piece of a micro-batch: drops what it still holds
+    /// (inside the work, so its arena takes it back in program order) and
+    /// leaves its losses.
+    fn finish(self) -> Result<()> {
+        if let Some((mb, results)) = self.end {
+            let state = self
+                .state
+                .take()
+                .ok_or_else(|| missing("a finished micro-batch's state"))?;
+            results.lock().unwrap_or_else(PoisonError::into_inner)[mb] = Some(state.losses);
         }
-        event.wait()?;
-        if let Some(mb) = state.take() {
-            losses.add(&mb.losses);
-        }
-        finished.remove(0);
+        Ok(())
     }
-    Ok(())
 }
 
 fn lane<D: Device>(rank: &RankContext<D>, kind: LaneKind) -> &D::Lane {
@@ -300,56 +338,52 @@ fn stream_of<B: Backend>(mb: &mut MicroBatch<B>, layer: LayerRef) -> Result<&mut
     mb.streams.get_mut(i).ok_or_else(|| missing("an MTP depth"))
 }
 
-fn forward_work<D: Device>(
-    cx: Arc<StepContext<D>>,
-    node: usize,
-    slot: Slot,
-    state: Arc<Handoff<MicroBatch<D::Backend>>>,
-    params: ParamBuffers<D>,
-) -> crate::lane::Work<D::Backend> {
-    Box::new(move |b: &D::Backend| {
+fn forward_work<D: Device>(item: Item<D>, slot: Slot) -> crate::lane::Work<D::Backend> {
+    Box::new(move |lane: &D::Backend| {
+        let b = &lane.in_arena(item.arena);
+        let cx = &*item.cx;
         let weights = Params {
-            cx: &cx,
-            unit: params.unit.as_deref(),
-            non_unit: &params.non_unit,
+            cx,
+            unit: item.params.unit.as_deref(),
+            non_unit: &item.params.non_unit,
         };
-        state.with("a forward slot", |mb| {
-            for op in cx.model.plan.schedule.nodes[node].ops(slot) {
-                forward_op(&cx, b, op, mb, &weights)?;
+        item.state.with("a forward slot", |mb| {
+            for op in cx.model.plan.schedule.nodes[item.node].ops(slot) {
+                forward_op(cx, b, op, mb, &weights)?;
             }
             Ok(())
-        })
+        })?;
+        item.finish()
     })
 }
 
 fn backward_work<D: Device>(
-    cx: Arc<StepContext<D>>,
-    node: usize,
+    item: Item<D>,
     piece: BackwardPiece,
-    state: Arc<Handoff<MicroBatch<D::Backend>>>,
-    params: ParamBuffers<D>,
     grads: GradBuffers<D>,
 ) -> crate::lane::Work<D::Backend> {
-    Box::new(move |b: &D::Backend| {
+    Box::new(move |lane: &D::Backend| {
+        let b = &lane.in_arena(item.arena);
+        let cx = &*item.cx;
         let weights = Params {
-            cx: &cx,
-            unit: params.unit.as_deref(),
-            non_unit: &params.non_unit,
+            cx,
+            unit: item.params.unit.as_deref(),
+            non_unit: &item.params.non_unit,
         };
         // Comm-lane pieces write no weight gradients.
         let grads = match piece.slot().lane() {
             LaneKind::Compute => Some(Params {
-                cx: &cx,
+                cx,
                 unit: grads.unit.as_deref(),
                 non_unit: &grads.non_unit,
             }),
             LaneKind::Comm => None,
         };
-        state.with("a backward piece", |mb| {
-            let mut ops = cx.model.plan.schedule.nodes[node].ops(piece.slot());
+        item.state.with("a backward piece", |mb| {
+            let mut ops = cx.model.plan.schedule.nodes[item.node].ops(piece.slot());
             ops.reverse();
             for op in ops {
-                backward_op(&cx, b, op, piece, mb, &weights, grads.as_ref())?;
+                backward_op(cx, b, op, piece, mb, &weights, grads.as_ref())?;
             }
             // The final norm's input gradient may run on the comm lane (in a
             // combine); its weight gradient waits for this node's next
@@ -365,7 +399,8 @@ fn backward_work<D: Device>(
                     .backward_weight(b, wgrad, grads.grad(Owner::FinalNorm, 0)?)?;
             }
             Ok(())
-        })
+        })?;
+        item.finish()
     })
 }
 

@@ -116,6 +116,8 @@ pub struct Program {
     instrs: Vec<Instr>,
     /// Per micro-batch, the index of its last instruction that runs work.
     last: Vec<usize>,
+    /// The most micro-batches between their first and last work at once.
+    in_flight: usize,
     /// The most units resident (acquired and not yet released) at once.
     pub max_resident_units: usize,
     /// The most gradient buffers in use at once.
@@ -139,6 +141,12 @@ impl Program {
     /// Where micro-batch `mb`'s last piece of work is in [`Self::instrs`].
     pub fn last_of(&self, mb: usize) -> Option<usize> {
         self.last.get(mb).copied()
+    }
+
+    /// The most micro-batches in flight at once (issued, not yet finished):
+    /// 1 for the plain schedule, 2 for the overlap one.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
     }
 
     /// Checks the order rules the executor relies on (see the type's doc);
@@ -354,19 +362,32 @@ impl ProgramBuilder {
     }
 
     fn finish(self, kind: ScheduleKind, micro_batches: usize) -> Program {
+        let mut first = vec![usize::MAX; micro_batches];
         let mut last = vec![0; micro_batches];
         for (at, instr) in self.instrs.iter().enumerate() {
             if let Instr::Forward { mb, .. } | Instr::Backward { mb, .. } = *instr
-                && let Some(l) = last.get_mut(mb)
+                && mb < micro_batches
             {
-                *l = at;
+                first[mb] = first[mb].min(at);
+                last[mb] = at;
             }
         }
+        // Micro-batches start in order, so the most in flight is the most
+        // that started before an earlier one finished.
+        let in_flight = (0..micro_batches)
+            .map(|mb| {
+                (mb..micro_batches)
+                    .take_while(|&n| first[n] <= last[mb])
+                    .count()
+            })
+            .max()
+            .unwrap_or(0);
         Program {
             kind,
             micro_batches,
             instrs: self.instrs,
             last,
+            in_flight,
             max_resident_units: self.max_resident,
             max_grad_buffers: self.max_grads,
         }
@@ -770,6 +791,7 @@ mod tests {
             overlap.max_resident_units
         );
         assert_eq!(plain.max_grad_buffers, 1);
+        assert_eq!((plain.in_flight(), overlap.in_flight()), (1, 2));
         assert!(overlap.max_grad_buffers <= 2);
     }
 }
