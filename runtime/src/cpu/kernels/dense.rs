@@ -33,14 +33,15 @@ pub(crate) fn axpy_row(alpha: f32, x: &[f32], y: &mut [f32]) {
 
 /// `C (+)= op(A) op(B)` through `matrixmultiply`'s sgemm: it packs panels of
 /// `op(A)` and `op(B)` into cache-sized blocks and runs a SIMD microkernel
-/// (chosen once per process from the CPU's features), reading the stored
-/// matrices through row and column strides, so a transposed operand is never
-/// copied. Its block sizes are compile-time constants and it runs on the
-/// calling thread (the crate's `threading` feature is off), so each element
-/// of `C` sums its `k` terms in an order fixed by `(m, n, k)` and the
-/// transposes alone: equal inputs give equal bits whatever other threads do.
-/// That order is not `p = 0, 1, ...` (blocks of `k` are added onto `C` in
-/// turn), so results differ from a naive loop by rounding.
+/// chosen from the CPU's features (AVX-512, FMA + AVX2, AVX, ...), reading
+/// the stored matrices through row and column strides, so a transposed
+/// operand is never copied. Its block sizes are compile-time constants and it
+/// runs on the calling thread (the crate's `threading` feature is off), so on
+/// one machine each element of `C` sums its `k` terms in an order fixed by
+/// `(m, n, k)` and the transposes alone: equal inputs give equal bits whatever
+/// other threads do. That order is not `p = 0, 1, ...` (blocks of `k` are
+/// added onto `C` in turn), so results differ from a naive loop by rounding,
+/// and a CPU with other SIMD features may round differently.
 pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<()> {
     let MatmulDims { m, n, k, .. } = dims;
     let k_name = "matmul";
