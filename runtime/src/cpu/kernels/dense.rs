@@ -31,64 +31,62 @@ pub(crate) fn axpy_row(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `C (+)= op(A) op(B)`. Loop orders keep the innermost loop a contiguous
-/// row update (it vectorises): i-k-j for `A B` and, after transposing B into
-/// a scratch buffer, for `A B^T`; rank-1 row updates for `A^T B`. Every
-/// element sums its k terms in order `p = 0, 1, ...` onto C.
+/// `C (+)= op(A) op(B)` through `matrixmultiply`'s sgemm: it packs panels of
+/// `op(A)` and `op(B)` into cache-sized blocks and runs a SIMD microkernel
+/// chosen from the CPU's features (AVX-512, FMA + AVX2, AVX, ...), reading
+/// the stored matrices through row and column strides, so a transposed
+/// operand is never copied. Its block sizes are compile-time constants and it
+/// runs on the calling thread (the crate's `threading` feature is off), so on
+/// one machine each element of `C` sums its `k` terms in an order fixed by
+/// `(m, n, k)` and the transposes alone: equal inputs give equal bits whatever
+/// other threads do. That order is not `p = 0, 1, ...` (blocks of `k` are
+/// added onto `C` in turn), so results differ from a naive loop by rounding,
+/// and a CPU with other SIMD features may round differently.
 pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<()> {
     let MatmulDims { m, n, k, .. } = dims;
     let k_name = "matmul";
     check::len(k_name, "A", a.len(), check::product(k_name, &[m, k])?)?;
     check::len(k_name, "B", b.len(), check::product(k_name, &[k, n])?)?;
     check::len(k_name, "C", c.len(), check::product(k_name, &[m, n])?)?;
-    if !dims.accumulate {
-        c.fill(0.0);
-    }
-    if m == 0 || n == 0 || k == 0 {
+    if m == 0 || n == 0 {
         return Ok(());
     }
-    match (dims.a_trans, dims.b_trans) {
-        (false, false) => {
-            for (a_row, c_row) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)) {
-                for (&a_ip, b_row) in a_row.iter().zip(b.chunks_exact(n)) {
-                    axpy_row(a_ip, b_row, c_row);
-                }
-            }
+    if k == 0 {
+        if !dims.accumulate {
+            c.fill(0.0);
         }
-        (false, true) => {
-            // Row dot products do not vectorise as well as row updates:
-            // transpose B once (n*k, small next to m*n*k) and run i-k-j.
-            let mut bt = vec![0.0f32; k * n];
-            for (j, b_row) in b.chunks_exact(k).enumerate() {
-                for (p, &v) in b_row.iter().enumerate() {
-                    bt[p * n + j] = v;
-                }
-            }
-            for (a_row, c_row) in a.chunks_exact(k).zip(c.chunks_exact_mut(n)) {
-                for (&a_ip, bt_row) in a_row.iter().zip(bt.chunks_exact(n)) {
-                    axpy_row(a_ip, bt_row, c_row);
-                }
-            }
-        }
-        (true, false) => {
-            for (a_col, b_row) in a.chunks_exact(m).zip(b.chunks_exact(n)) {
-                for (&a_pi, c_row) in a_col.iter().zip(c.chunks_exact_mut(n)) {
-                    axpy_row(a_pi, b_row, c_row);
-                }
-            }
-        }
-        (true, true) => {
-            // Rare (no layer uses it): A^T B^T, summing over p in order.
-            for (i, c_row) in c.chunks_exact_mut(n).enumerate() {
-                for (c_ij, b_row) in c_row.iter_mut().zip(b.chunks_exact(k)) {
-                    let mut sum = 0.0f32;
-                    for (p, &b_jp) in b_row.iter().enumerate() {
-                        sum += a[p * m + i] * b_jp;
-                    }
-                    *c_ij += sum;
-                }
-            }
-        }
+        return Ok(());
+    }
+    // Element strides (row, column) of op(A) `[m, k]` and op(B) `[k, n]` as
+    // stored. Every stride is at most a slice's length, and a slice never
+    // holds more than `isize::MAX` elements, so the conversions are exact.
+    let (rsa, csa) = if dims.a_trans { (1, m) } else { (k, 1) };
+    let (rsb, csb) = if dims.b_trans { (1, k) } else { (n, 1) };
+    let beta = if dims.accumulate { 1.0 } else { 0.0 };
+    // SAFETY: with the lengths checked above, every element sgemm reads,
+    // `a[i*rsa + p*csa]` and `b[p*rsb + j*csb]` for `i < m`, `p < k`,
+    // `j < n`, lies inside `a` and `b` (the largest offsets are `m*k - 1` and
+    // `k*n - 1`), and every element it writes, `c[i*n + j]`, inside `c`; the
+    // strides are nonzero for `C`, so its elements do not alias. `c` is a
+    // unique borrow, so it overlaps neither input. With `beta = 0` sgemm
+    // overwrites `C` without reading it (the contract's `C = op(A) op(B)`).
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            beta,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
     }
     Ok(())
 }
@@ -201,33 +199,159 @@ mod tests {
         c
     }
 
+    /// Uniform in `[-1, 1)` from a seeded xorshift64* stream.
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                let bits = state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
+                bits as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    fn all_dims(m: usize, n: usize, k: usize) -> impl Iterator<Item = MatmulDims> {
+        [false, true].into_iter().flat_map(move |a_trans| {
+            [false, true].into_iter().flat_map(move |b_trans| {
+                [false, true].into_iter().map(move |accumulate| MatmulDims {
+                    m,
+                    n,
+                    k,
+                    a_trans,
+                    b_trans,
+                    accumulate,
+                })
+            })
+        })
+    }
+
+    /// `sum_p |op(A)[i,p]| |op(B)[p,j]|` (+ `|C0[i,j]|` when accumulating):
+    /// the scale of every rounding error a summation order can make.
+    fn magnitude(a: &[f32], b: &[f32], c0: &[f32], d: MatmulDims) -> Vec<f64> {
+        let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<_>>();
+        reference(&abs(a), &abs(b), &abs(c0), d)
+    }
+
+    /// Sizes around the crate's blocking (a 8x8 microkernel, 64 rows, 256 of
+    /// `k`, 1024 columns per block) and the odd sizes that leave partial tiles.
+    /// Tolerance: 1e-5 of the element's magnitude (at most `k` ulps of
+    /// `k * 2^-24` relative for any summation order, far less in practice);
+    /// summation order differs from the definition's, so bits may not.
     #[test]
     fn matmul_matches_the_definition_for_every_transpose_and_accumulate() {
-        for (m, n, k) in [(3, 5, 4), (1, 9, 17), (7, 2, 1), (4, 4, 0)] {
-            for a_trans in [false, true] {
-                for b_trans in [false, true] {
-                    for accumulate in [false, true] {
-                        let d = MatmulDims {
-                            m,
-                            n,
-                            k,
-                            a_trans,
-                            b_trans,
-                            accumulate,
-                        };
-                        let a = pseudo(m * k, 1);
-                        let b = pseudo(k * n, 2);
-                        let c0 = pseudo(m * n, 3);
-                        let mut c = c0.clone();
-                        matmul(&a, &b, &mut c, d).unwrap();
-                        let want = reference(&a, &b, &c0, d);
-                        for (got, want) in c.iter().zip(&want) {
-                            assert!((*got as f64 - want).abs() < 1e-5, "{d:?}: {got} vs {want}");
-                        }
-                    }
+        let sizes = [
+            (3, 5, 4),
+            (1, 9, 17),
+            (7, 2, 1),
+            (1, 1, 1),
+            (3, 17, 64),
+            (17, 64, 3),
+            (64, 3, 17),
+            (129, 17, 64),
+            (17, 129, 129),
+            (65, 9, 300),
+            (2, 1030, 5),
+        ];
+        for (case, (m, n, k)) in sizes.into_iter().enumerate() {
+            for d in all_dims(m, n, k) {
+                let seed = 10 * case as u64;
+                let a = random(m * k, seed + 1);
+                let b = random(k * n, seed + 2);
+                let c0 = random(m * n, seed + 3);
+                let mut c = c0.clone();
+                matmul(&a, &b, &mut c, d).unwrap();
+                let want = reference(&a, &b, &c0, d);
+                let scale = magnitude(&a, &b, &c0, d);
+                for (idx, ((got, want), scale)) in c.iter().zip(&want).zip(&scale).enumerate() {
+                    let err = (*got as f64 - want).abs();
+                    assert!(
+                        err <= 1e-5 * scale,
+                        "{d:?} at {idx}: {got} vs {want} (error {err:e}, scale {scale})"
+                    );
                 }
             }
         }
+    }
+
+    #[test]
+    fn matmul_overwrites_without_reading_c_unless_accumulating() {
+        let (m, n, k) = (5, 11, 7);
+        for d in all_dims(m, n, k) {
+            let (a, b) = (random(m * k, 1), random(k * n, 2));
+            let mut c = vec![f32::NAN; m * n];
+            matmul(&a, &b, &mut c, d).unwrap();
+            assert_eq!(
+                c.iter().all(|v| v.is_finite()),
+                !d.accumulate,
+                "{d:?}: C = op(A) op(B) ignores C's old values, C += keeps them"
+            );
+        }
+    }
+
+    #[test]
+    fn matmul_with_an_empty_dimension() {
+        // k = 0: the product is zero, so C is zeroed or left as it was.
+        for d in all_dims(3, 4, 0) {
+            let mut c = vec![2.5; 12];
+            matmul(&[], &[], &mut c, d).unwrap();
+            let want = if d.accumulate { 2.5 } else { 0.0 };
+            assert!(c.iter().all(|&v| v == want), "{d:?}: {c:?}");
+        }
+        // m = 0 or n = 0: C is empty, and the other operand is still checked.
+        for d in all_dims(0, 4, 3) {
+            let b = random(12, 2);
+            matmul(&[], &b, &mut [], d).unwrap();
+            assert!(matmul(&[], &b[..11], &mut [], d).is_err());
+        }
+        for d in all_dims(4, 0, 3) {
+            let a = random(12, 1);
+            matmul(&a, &[], &mut [], d).unwrap();
+            assert!(matmul(&a[..11], &[], &mut [], d).is_err());
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Equal inputs give equal bits: on a second call, on another thread, and
+    /// while other threads run matmuls of other shapes at the same time.
+    #[test]
+    fn matmul_is_bit_repeatable_across_calls_and_threads() {
+        let run = |m: usize, n: usize, k: usize, seed: u64| -> Vec<Vec<u32>> {
+            all_dims(m, n, k)
+                .map(|d| {
+                    let (a, b) = (random(m * k, seed), random(k * n, seed + 1));
+                    let mut c = random(m * n, seed + 2);
+                    matmul(&a, &b, &mut c, d).unwrap();
+                    bits(&c)
+                })
+                .collect()
+        };
+        let (m, n, k) = (67, 131, 300);
+        let first = run(m, n, k, 7);
+        assert_eq!(run(m, n, k, 7), first, "a second call");
+        std::thread::scope(|scope| {
+            let noise: Vec<_> = (0..2u64)
+                .map(|t| {
+                    scope.spawn(move || {
+                        for round in 0..4 {
+                            run(33 + round, 9 + 40 * t as usize, 257, 100 + t);
+                        }
+                    })
+                })
+                .collect();
+            let beside = scope.spawn(|| (0..3).map(|_| run(m, n, k, 7)).collect::<Vec<_>>());
+            for got in beside.join().unwrap() {
+                assert_eq!(got, first, "on another thread, beside other matmuls");
+            }
+            for t in noise {
+                t.join().unwrap();
+            }
+        });
     }
 
     #[test]
