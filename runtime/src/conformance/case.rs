@@ -9,7 +9,7 @@ use super::reference::round_to;
 use super::report::{Check, CheckKind, Tolerance};
 use crate::backend::{Backend, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
-use crate::view::{DType, View, ViewMut};
+use crate::view::{DType, DeviceBuffer, View, ViewMut};
 use half::bf16;
 use std::fmt;
 use std::ops::{Index, Range};
@@ -330,6 +330,15 @@ impl Values {
     }
 }
 
+/// How a launch's arguments are set up: each one's dtype, length and
+/// initial values (fewer values than the length are padded).
+#[derive(Clone)]
+struct Setup {
+    dtypes: Vec<DType>,
+    lens: Vec<usize>,
+    stored: Vec<Vec<f64>>,
+}
+
 /// What one launch left behind.
 struct Observed {
     /// The view of every output argument (with its dtype), then every host
@@ -406,7 +415,7 @@ pub(crate) fn download_values<B: Backend>(dev: &B, src: Slice<'_, B>) -> Result<
 }
 
 /// Element-wise comparison of one output, folded into `check`.
-pub(crate) fn compare(check: &mut Check, name: &str, got: &[f64], want: &[f64], tol: Tolerance) {
+fn compare(check: &mut Check, name: &str, got: &[f64], want: &[f64], tol: Tolerance) {
     if got.len() != want.len() {
         check.problems.push(format!(
             "`{name}`: {} values read back, the reference has {}",
@@ -517,8 +526,13 @@ impl<B: Backend> Suite<'_, B> {
                 return check;
             }
         };
-        let first = self.observe(case, &dtypes, &stored, launch);
-        let second = self.observe(case, &dtypes, &stored, launch);
+        let setup = Setup {
+            lens: stored.iter().map(Vec::len).collect(),
+            dtypes,
+            stored,
+        };
+        let first = self.observe(case, &setup, launch);
+        let second = self.observe(case, &setup, launch);
         let (first, second) = match (first, second) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) => {
@@ -553,21 +567,15 @@ impl<B: Backend> Suite<'_, B> {
     }
 
     /// Allocates and uploads every argument inside its guards.
-    fn prepare(
-        &self,
-        case: &KernelCase,
-        dtypes: &[DType],
-        lens: &[usize],
-        stored: &[Vec<f64>],
-    ) -> Result<Bufs<B>> {
+    fn prepare(&self, case: &KernelCase, setup: &Setup) -> Result<Bufs<B>> {
         let mut entries = Vec::with_capacity(case.args.len());
         for (i, arg) in case.args.iter().enumerate() {
-            let len = lens[i];
-            let buf = self.device.alloc(len + 2 * GUARD, dtypes[i])?;
+            let len = setup.lens[i];
+            let buf = self.device.alloc(len + 2 * GUARD, setup.dtypes[i])?;
             let mut whole = Vec::with_capacity(len + 2 * GUARD);
             whole.extend(GUARD_VALUES);
             whole.extend(
-                stored[i]
+                setup.stored[i]
                     .iter()
                     .copied()
                     .chain(std::iter::repeat(0.5))
@@ -594,13 +602,11 @@ impl<B: Backend> Suite<'_, B> {
     fn observe(
         &self,
         case: &KernelCase,
-        dtypes: &[DType],
-        stored: &[Vec<f64>],
+        setup: &Setup,
         launch: &Launch<'_, B>,
     ) -> Result<Observed, String> {
-        let lens: Vec<usize> = stored.iter().map(Vec::len).collect();
         let bufs = self
-            .prepare(case, dtypes, &lens, stored)
+            .prepare(case, setup)
             .map_err(|e| format!("could not set up the arguments: {e}"))?;
         let host = self
             .launch_guarded(&bufs, launch)?
@@ -610,7 +616,8 @@ impl<B: Backend> Suite<'_, B> {
             bits: Vec::new(),
             problems: Vec::new(),
         };
-        for ((arg, (_, buf, range)), before) in case.args.iter().zip(&bufs.entries).zip(stored) {
+        let inputs = case.args.iter().zip(&bufs.entries).zip(&setup.stored);
+        for ((arg, (_, buf, range)), before) in inputs {
             let whole = download_values(self.device, View::whole(buf))
                 .map_err(|e| format!("could not read `{}` back: {e}", arg.name))?;
             observed.bits.extend(whole.iter().map(|v| v.to_bits()));
@@ -635,9 +642,7 @@ impl<B: Backend> Suite<'_, B> {
                     }
                 }
                 Role::Out | Role::InOut => {
-                    observed
-                        .outputs
-                        .push((arg.name, Some(buf_dtype(buf)), view));
+                    observed.outputs.push((arg.name, Some(buf.dtype()), view));
                 }
             }
         }
@@ -658,16 +663,20 @@ impl<B: Backend> Suite<'_, B> {
         let Some(stored) = self.refusal_values(case, &dtypes) else {
             return;
         };
-        let lens: Vec<usize> = stored.iter().map(Vec::len).collect();
+        let base = Setup {
+            dtypes: dtypes.clone(),
+            lens: stored.iter().map(Vec::len).collect(),
+            stored,
+        };
         for (i, arg) in case.args.iter().enumerate() {
             let bad = match arg.storage {
                 Storage::Float => DType::U32,
                 Storage::F32 => DType::Bf16,
             };
-            let mut d = dtypes.clone();
-            d[i] = bad;
+            let mut setup = base.clone();
+            setup.dtypes[i] = bad;
             let what = format!("`{}` given as {bad}", arg.name);
-            self.expect_refusal(case, &what, &d, &lens, &stored, &[arg.name], launch);
+            self.expect_refusal(case, &what, &setup, &[arg.name], launch);
         }
         for &(a, b) in &case.same_dtype {
             let (Some(ia), Some(ib)) = (case.position(a), case.position(b)) else {
@@ -678,16 +687,16 @@ impl<B: Backend> Suite<'_, B> {
             } else {
                 DType::F32
             };
-            let mut d = dtypes.clone();
-            d[ia] = other;
+            let mut setup = base.clone();
+            setup.dtypes[ia] = other;
             let what = format!("`{a}` {other} but `{b}` {}", dtypes[ib]);
-            self.expect_refusal(case, &what, &d, &lens, &stored, &[a, b], launch);
+            self.expect_refusal(case, &what, &setup, &[a, b], launch);
         }
         for (i, arg) in case.args.iter().enumerate().filter(|(_, a)| a.fixed_len) {
-            let mut l = lens.clone();
-            l[i] += 1;
+            let mut setup = base.clone();
+            setup.lens[i] += 1;
             let what = format!("`{}` one element too long", arg.name);
-            self.expect_refusal(case, &what, &dtypes, &l, &stored, &[], launch);
+            self.expect_refusal(case, &what, &setup, &[], launch);
         }
     }
 
@@ -708,8 +717,12 @@ impl<B: Backend> Suite<'_, B> {
         };
         let dtypes: Vec<DType> = case.args.iter().map(|a| a.dtype(layout)).collect();
         if let Some(stored) = self.refusal_values(case, &dtypes) {
-            let lens: Vec<usize> = stored.iter().map(Vec::len).collect();
-            self.expect_refusal(case, what, &dtypes, &lens, &stored, names, &launch);
+            let setup = Setup {
+                dtypes,
+                lens: stored.iter().map(Vec::len).collect(),
+                stored,
+            };
+            self.expect_refusal(case, what, &setup, names, &launch);
         }
     }
 
@@ -734,15 +747,13 @@ impl<B: Backend> Suite<'_, B> {
         &mut self,
         case: &KernelCase,
         what: &str,
-        dtypes: &[DType],
-        lens: &[usize],
-        stored: &[Vec<f64>],
+        setup: &Setup,
         names: &[&str],
         launch: &Launch<'_, B>,
     ) {
         let mut check = new_check(case.kernel, what.to_string(), CheckKind::Refusal);
         let outcome = self
-            .prepare(case, dtypes, lens, stored)
+            .prepare(case, setup)
             .map_err(|e| format!("could not set up the arguments: {e}"))
             .and_then(|bufs| self.launch_guarded(&bufs, launch));
         refusal_problems(&mut check, case.kernel, names, outcome);
@@ -773,10 +784,6 @@ impl<B: Backend> Suite<'_, B> {
     pub(crate) fn direct_check(&self, kernel: &'static str, case: String) -> Check {
         new_check(kernel, case, CheckKind::Values)
     }
-}
-
-fn buf_dtype<T: crate::view::DeviceBuffer>(buf: &T) -> DType {
-    buf.dtype()
 }
 
 fn refusal_problems(

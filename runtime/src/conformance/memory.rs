@@ -280,12 +280,10 @@ fn cast<B: Backend>(s: &mut Suite<'_, B>) {
                     .collect();
                 let got = download_values(dev, View::whole(&b))?;
                 let mut problems = exact("dst", &got, &want);
-                if let Some(p) = problems.first_mut() {
-                    if let Some(i) = (0..got.len()).find(|&i| !same_value(got[i], want[i])) {
-                        if (2..2 + src.len()).contains(&i) {
-                            p.push_str(&format!(" (from {:e})", src[i - 2]));
-                        }
-                    }
+                // Name the source value of the first wrong element.
+                let wrong = (2..2 + src.len()).find(|&i| !same_value(got[i], want[i]));
+                if let (Some(p), Some(i)) = (problems.first_mut(), wrong) {
+                    p.push_str(&format!(" (from {:e})", src[i - 2]));
                 }
                 Ok(problems)
             });
