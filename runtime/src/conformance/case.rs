@@ -61,8 +61,9 @@ pub(crate) enum Role {
 pub(crate) enum Storage {
     /// "bf16 or f32": the layout's dtype.
     Float,
-    /// f32 in every layout.
-    F32,
+    /// This dtype in every layout (f32 statistics and optimizer state; u32
+    /// index views once kernels take them on the device).
+    Exactly(DType),
 }
 
 /// Computes an argument from the others as stored.
@@ -86,7 +87,7 @@ struct Arg {
 impl Arg {
     fn dtype(&self, layout: Layout) -> DType {
         match (self.storage, self.role) {
-            (Storage::F32, _) => DType::F32,
+            (Storage::Exactly(d), _) => d,
             (Storage::Float, Role::In) => layout.input,
             (Storage::Float, _) => layout.output,
         }
@@ -233,7 +234,7 @@ impl KernelCase {
         name: &'static str,
         derive: impl Fn(&Values) -> Vec<f64> + 'static,
     ) -> Self {
-        self.derived(name, Storage::F32, Box::new(derive))
+        self.derived(name, Storage::Exactly(DType::F32), Box::new(derive))
     }
 
     /// A float input ("bf16 or f32").
@@ -241,21 +242,26 @@ impl KernelCase {
         self.arg(name, Role::In, Storage::Float, values)
     }
     pub fn input_f32(self, name: &'static str, values: Vec<f64>) -> Self {
-        self.arg(name, Role::In, Storage::F32, values)
+        self.arg(name, Role::In, Storage::Exactly(DType::F32), values)
     }
     /// A float output the kernel overwrites.
     pub fn output(self, name: &'static str, len: usize) -> Self {
         self.arg(name, Role::Out, Storage::Float, vec![f64::NAN; len])
     }
     pub fn output_f32(self, name: &'static str, len: usize) -> Self {
-        self.arg(name, Role::Out, Storage::F32, vec![f64::NAN; len])
+        self.arg(
+            name,
+            Role::Out,
+            Storage::Exactly(DType::F32),
+            vec![f64::NAN; len],
+        )
     }
     /// A float argument read and written (accumulated, or in place).
     pub fn inout(self, name: &'static str, values: Vec<f64>) -> Self {
         self.arg(name, Role::InOut, Storage::Float, values)
     }
     pub fn inout_f32(self, name: &'static str, values: Vec<f64>) -> Self {
-        self.arg(name, Role::InOut, Storage::F32, values)
+        self.arg(name, Role::InOut, Storage::Exactly(DType::F32), values)
     }
 
     /// `name` may have any length (no length refusal for it).
@@ -344,8 +350,9 @@ struct Observed {
     /// The view of every output argument (with its dtype), then every host
     /// output (no dtype).
     outputs: Vec<(&'static str, Option<DType>, Vec<f64>)>,
-    /// Every element read back, for the bit comparison of two runs.
-    bits: Vec<u64>,
+    /// Every buffer (guards included) and host output read back, by name,
+    /// for the bit comparison of two runs.
+    bits: Vec<(&'static str, Vec<u64>)>,
     /// Inputs or guards that changed.
     problems: Vec<String>,
 }
@@ -541,13 +548,13 @@ impl<B: Backend> Suite<'_, B> {
             }
         };
         check.problems.extend(first.problems.iter().cloned());
-        if let Some(i) = (0..first.bits.len().max(second.bits.len()))
-            .find(|&i| first.bits.get(i) != second.bits.get(i))
-        {
-            check.problems.push(format!(
-                "not bit-repeatable: two runs on the same inputs differ (element {i} of \
-                 everything read back)"
-            ));
+        for ((name, a), (_, b)) in first.bits.iter().zip(&second.bits) {
+            if let Some(i) = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {
+                check.problems.push(format!(
+                    "not bit-repeatable: `{name}` differs between two runs on the same inputs \
+                     (element {i} of its buffer)"
+                ));
+            }
         }
         for e in &expected {
             let Some((_, dtype, got)) = first.outputs.iter().find(|(n, _, _)| *n == e.name) else {
@@ -620,7 +627,9 @@ impl<B: Backend> Suite<'_, B> {
         for ((arg, (_, buf, range)), before) in inputs {
             let whole = download_values(self.device, View::whole(buf))
                 .map_err(|e| format!("could not read `{}` back: {e}", arg.name))?;
-            observed.bits.extend(whole.iter().map(|v| v.to_bits()));
+            observed
+                .bits
+                .push((arg.name, whole.iter().map(|v| v.to_bits()).collect()));
             let guards = whole[..range.start].iter().chain(&whole[range.end..]);
             if guards
                 .zip(GUARD_VALUES.iter().chain(&GUARD_VALUES))
@@ -647,7 +656,9 @@ impl<B: Backend> Suite<'_, B> {
             }
         }
         for (name, values) in host {
-            observed.bits.extend(values.iter().map(|v| v.to_bits()));
+            observed
+                .bits
+                .push((name, values.iter().map(|v| v.to_bits()).collect()));
             observed.outputs.push((name, None, values));
         }
         Ok(observed)
@@ -669,9 +680,12 @@ impl<B: Backend> Suite<'_, B> {
             stored,
         };
         for (i, arg) in case.args.iter().enumerate() {
+            // A float argument given indices; an exact one the nearest
+            // wrong type (f32 state as bf16, indices as f32).
             let bad = match arg.storage {
                 Storage::Float => DType::U32,
-                Storage::F32 => DType::Bf16,
+                Storage::Exactly(DType::F32) => DType::Bf16,
+                Storage::Exactly(_) => DType::F32,
             };
             let mut setup = base.clone();
             setup.dtypes[i] = bad;

@@ -21,7 +21,7 @@
 //! - **refusals** (on the first case of each kernel): every float argument
 //!   given as u32, every f32-only argument given as bf16, and every pair that
 //!   must share a dtype given two different ones, returns
-//!   [`RuntimeError::InvalidArgument`] naming the kernel and the argument;
+//!   [`InvalidArgument`](crate::RuntimeError::InvalidArgument) naming the kernel and the argument;
 //!   every argument one element too long returns `InvalidArgument` naming the
 //!   kernel; bad indices and dimensions likewise. A panic is a failure, never
 //!   an abort of the suite: every failing kernel shows in one run.
@@ -36,6 +36,12 @@
 //! Argument names in refusals are the ones the dtype errors use (`A`, `dq`,
 //! `d_xbc`, ...): they are part of the contract, so an error on any backend
 //! reads the same.
+//!
+//! **Adding a kernel** is local to its family's module: a `KernelCase` (`case.rs`)
+//! lists the arguments (role, storage, initial values, or values a forward
+//! would have saved), the reference returns the expected outputs, the launch
+//! calls the backend; layouts, repetition, guards and the derived refusals
+//! come from the argument list.
 
 mod activation;
 mod attention;
