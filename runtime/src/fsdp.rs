@@ -28,11 +28,11 @@
 //! optimizer is element-wise, so the two give the same bits.
 
 use crate::backend::Backend;
+use crate::view::DType;
 use crate::collective::Collective;
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::lane::{Label, Lane};
-use crate::view::DType;
 use hybridgen_dsl::Plan;
 use hybridgen_dsl::plan::{Bucket, LaneKind};
 use std::ops::Range;

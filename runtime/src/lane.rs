@@ -66,7 +66,7 @@ pub trait Lane: Send + Sync {
     /// completes when the work has run. If a dependency failed, the work is
     /// skipped and the returned event carries that failure.
     fn submit(&self, label: Label, after: &[Self::Event], work: Work<Self::Backend>)
-    -> Self::Event;
+        -> Self::Event;
 
     /// Waits until everything queued so far has run; the first error wins.
     fn synchronize(&self) -> Result<()>;

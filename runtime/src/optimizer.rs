@@ -8,12 +8,12 @@
 //! `no_shard` therefore clip by the same bits, which the parity tests need.
 
 use crate::backend::{AdamStep, Backend, NORM_BLOCK, SgdStep};
+use crate::view::DType;
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
 use crate::lane::{Event, Label, Lane};
-use crate::view::DType;
 use hybridgen_dsl::Plan;
 use std::ops::Range;
 use std::sync::Arc;
@@ -324,10 +324,7 @@ impl<D: Device> Optimizer<D> {
                             }
                         }
                     }
-                    backend.cast(
-                        backend.view(&shard.master)?,
-                        backend.view_mut(&shard.param)?,
-                    )?;
+                    backend.cast(backend.view(&shard.master)?, backend.view_mut(&shard.param)?)?;
                 }
                 Ok(())
             }),

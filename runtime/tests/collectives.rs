@@ -69,12 +69,7 @@ impl<C: Collective<CpuBackend>> HostCollective for C {
         recv_counts: &[usize],
     ) -> hybridgen_runtime::Result<()> {
         let (s, r) = (up(send), up(recv));
-        self.all_to_all(
-            View::whole(&s),
-            send_counts,
-            ViewMut::whole(&r),
-            recv_counts,
-        )?;
+        self.all_to_all(View::whole(&s), send_counts, ViewMut::whole(&r), recv_counts)?;
         down(&r, recv);
         Ok(())
     }
@@ -238,7 +233,8 @@ fn all_to_all_with_uneven_and_zero_counts() {
                 })
                 .collect();
             let mut recv = vec![f32::NAN; recv_counts.iter().sum()];
-            comm.a2a(&send, &counts, &mut recv, &recv_counts).unwrap();
+            comm.a2a(&send, &counts, &mut recv, &recv_counts)
+                .unwrap();
             (recv_counts, recv)
         });
         for (me, (recv_counts, recv)) in results.iter().enumerate() {

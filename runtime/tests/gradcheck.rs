@@ -39,9 +39,7 @@ fn up(values: &[f32]) -> CpuBuf {
 
 fn down(buf: &CpuBuf) -> Vec<f32> {
     let mut out = vec![0.0; buf.len()];
-    dev()
-        .download(View::whole(buf), &mut out)
-        .expect("download");
+    dev().download(View::whole(buf), &mut out).expect("download");
     out
 }
 
@@ -627,9 +625,7 @@ fn head_gradients_with_masked_positions() {
         scale * f.loss_sum
     };
     let (wb, hb) = (up(&w), up(&h));
-    let f = head
-        .forward(dev(), v(&wb), v(&hb), &targets)
-        .expect("forward");
+    let f = head.forward(dev(), v(&wb), v(&hb), &targets).expect("forward");
     let dh = up(&[0.0; 80]);
     let wgrad = head
         .backward_input(dev(), v(&wb), f.saved, scale as f32, vm(&dh))
@@ -642,9 +638,7 @@ fn head_gradients_with_masked_positions() {
     // Masked rows get no gradient.
     assert!(dh[24..32].iter().chain(&dh[64..80]).all(|&v| v == 0.0));
     // The loss is the mean cross-entropy of the unmasked rows.
-    let f = head
-        .forward(dev(), v(&wb), v(&hb), &targets)
-        .expect("forward");
+    let f = head.forward(dev(), v(&wb), v(&hb), &targets).expect("forward");
     let mut want = 0.0f64;
     for (r, &t) in targets.iter().enumerate() {
         if t == IGNORE_TARGET {
@@ -838,15 +832,15 @@ fn delayed_weight_gradients_and_repeated_runs_are_bit_identical() {
         let run = |delayed: bool| {
             let (out, saved) =
                 layer_forward(&case.layer, w, &case.x, case.tokens).expect("forward");
-            let (dx, wgrad) =
-                layer_backward_input(&case.layer, w, saved, &case.probe, 0.3).expect("backward");
+            let (dx, wgrad) = layer_backward_input(&case.layer, w, saved, &case.probe, 0.3)
+                .expect("backward");
             let mut grads = zeros_like(&case.weights);
             let mut other = zeros_like(&case.weights);
             if delayed {
                 let (_, s2) =
                     layer_forward(&case.layer, w, &other_x, case.tokens).expect("forward 2");
-                let (_, wg2) =
-                    layer_backward_input(&case.layer, w, s2, &case.probe, 0.3).expect("backward 2");
+                let (_, wg2) = layer_backward_input(&case.layer, w, s2, &case.probe, 0.3)
+                    .expect("backward 2");
                 layer_backward_weight(&case.layer, wg2, &mut other).expect("wgrad 2");
             }
             layer_backward_weight(&case.layer, wgrad, &mut grads).expect("wgrad");

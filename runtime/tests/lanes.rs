@@ -221,11 +221,7 @@ fn failures_propagate_naming_the_failed_work() {
     assert_eq!(ran.load(Ordering::SeqCst), 0);
 
     // Later work on a lane whose earlier work failed is skipped too...
-    let later = compute.submit(
-        label("pre-dispatch layer 4"),
-        &[],
-        Box::new(|_: &CpuBackend| Ok(())),
-    );
+    let later = compute.submit(label("pre-dispatch layer 4"), &[], Box::new(|_: &CpuBackend| Ok(())));
     let later_err = later.wait().unwrap_err().to_string();
     assert!(
         later_err.contains("skipped `pre-dispatch layer 4`"),

@@ -230,12 +230,7 @@ impl Backend for CpuBackend {
         kernels::scale(&mut k.f32_out("x", x)?, alpha)
     }
 
-    fn copy_cols(
-        &self,
-        src: Slice<'_, Self>,
-        dst: SliceMut<'_, Self>,
-        dims: CopyCols,
-    ) -> Result<()> {
+    fn copy_cols(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>, dims: CopyCols) -> Result<()> {
         let k = self.access("copy_cols");
         same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
         let src = k.f32_in("src", src)?;
@@ -588,7 +583,12 @@ impl Backend for CpuBackend {
         dims: LossDims,
     ) -> Result<()> {
         let k = self.access("cross_entropy_backward");
-        kernels::cross_entropy_backward(k.typed_out::<f32>("probs", probs)?, targets, scale, dims)
+        kernels::cross_entropy_backward(
+            k.typed_out::<f32>("probs", probs)?,
+            targets,
+            scale,
+            dims,
+        )
     }
 
     fn moe_route_forward(

@@ -428,9 +428,6 @@ mod tests {
         let buf = CpuBuf::zeroed(2, DType::U32).unwrap();
         let a = KernelAccess::new("matmul", "compute");
         let err = a.f32_in("A", View::whole(&buf)).err().unwrap().to_string();
-        assert_eq!(
-            err,
-            "invalid argument: kernel `matmul`: `A` is u32, but it takes bf16 or f32"
-        );
+        assert_eq!(err, "invalid argument: kernel `matmul`: `A` is u32, but it takes bf16 or f32");
     }
 }

@@ -25,8 +25,8 @@ use crate::backend::{Slice, SliceMut};
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
 use crate::cpu::buffer::KernelAccess;
-use crate::error::{Result, RuntimeError};
 use crate::view::DType;
+use crate::error::{Result, RuntimeError};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -765,14 +765,9 @@ impl Collective<CpuBackend> for CpuComm {
         self.members.len()
     }
 
-    fn all_gather(
-        &self,
-        shard: Slice<'_, CpuBackend>,
-        full: SliceMut<'_, CpuBackend>,
-    ) -> Result<()> {
+    fn all_gather(&self, shard: Slice<'_, CpuBackend>, full: SliceMut<'_, CpuBackend>) -> Result<()> {
         let n = self.members.len();
-        let (_in_call, call) =
-            self.begin(OpKind::AllGather, Some(shard.len()), Some(shard.dtype()))?;
+        let (_in_call, call) = self.begin(OpKind::AllGather, Some(shard.len()), Some(shard.dtype()))?;
         if full.len() != shard.len() * n || full.dtype() != shard.dtype() {
             return Err(self.reject(
                 &call,
@@ -819,9 +814,7 @@ impl Collective<CpuBackend> for CpuComm {
             ));
         }
         let k = KernelAccess::new("reduce_scatter", "comm");
-        let mine = k
-            .typed_in::<f32>("full", full)
-            .map_err(|e| self.reject(&call, e.to_string()))?;
+        let mine = k.typed_in::<f32>("full", full).map_err(|e| self.reject(&call, e.to_string()))?;
         let exchanged = self.exchange(&call, Payload::Floats(mine.to_vec()), None)?;
         let shard = k.typed_out::<f32>("shard", shard)?;
         let range = self.rank * shard.len()..(self.rank + 1) * shard.len();
@@ -1016,10 +1009,7 @@ mod tests {
             seq: 12,
             phase: 0,
         };
-        assert_eq!(
-            call.to_string(),
-            "all_gather #12 (1024 f32 elements per rank)"
-        );
+        assert_eq!(call.to_string(), "all_gather #12 (1024 f32 elements per rank)");
         let a2a = Call {
             kind: OpKind::AllToAll,
             elements: None,

@@ -602,11 +602,7 @@ mod tests {
             Label::new("load batch", "host"),
             RuntimeError::Numeric("bad".into()),
         );
-        let event = lane.submit(
-            Label::new("fwd", "forward"),
-            &[failed],
-            Box::new(|_: &CpuBackend| Ok(())),
-        );
+        let event = lane.submit(Label::new("fwd", "forward"), &[failed], Box::new(|_: &CpuBackend| Ok(())));
         let err = event.wait().unwrap_err().to_string();
         assert!(err.contains("skipped `fwd`"), "{err}");
         assert!(
@@ -616,11 +612,7 @@ mod tests {
         // Skipping is reported by synchronize once; then the lane runs again.
         let sync = lane.synchronize().unwrap_err().to_string();
         assert!(sync.contains("skipped `fwd`"), "{sync}");
-        let again = lane.submit(
-            Label::new("fwd 2", "forward"),
-            &[],
-            Box::new(|_: &CpuBackend| Ok(())),
-        );
+        let again = lane.submit(Label::new("fwd 2", "forward"), &[], Box::new(|_: &CpuBackend| Ok(())));
         assert!(again.wait().is_ok());
         assert!(lane.synchronize().is_ok());
     }

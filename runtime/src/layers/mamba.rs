@@ -6,9 +6,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, grad_rows,
     positive, section, weight, weight_rows, zeros, zeros_f32,
 };
-use crate::backend::{
-    Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, SliceMut, Unary,
-};
+use crate::backend::{Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Unary, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;

@@ -7,9 +7,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
     grad_rows, positive, section, weight, weight_rows, zeros,
 };
-use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut,
-};
+use crate::backend::{AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;

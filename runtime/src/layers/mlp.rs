@@ -6,7 +6,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, weight_rows, zeros,
 };
-use crate::backend::{Backend, MatmulDims, Slice, SliceMut, Unary};
+use crate::backend::{Backend, MatmulDims, Unary, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;

@@ -34,10 +34,7 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, zeros, zeros_f32,
 };
-use crate::backend::{
-    Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, Slice, SliceMut, UnpermuteDims,
-    UnpermuteGrads,
-};
+use crate::backend::{Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, UnpermuteDims, UnpermuteGrads, Slice, SliceMut};
 use crate::collective::Collective;
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;

@@ -12,7 +12,7 @@
 //! the plain and the overlap schedules give the same bits.
 
 use super::program::{BackwardPiece, Instr, Program};
-use crate::backend::{Backend, Slice, SliceMut, Tokens};
+use crate::backend::{Backend, Tokens, Slice, SliceMut};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
@@ -744,6 +744,7 @@ fn backward_op<D: Device>(
     w: &Weights<'_, D>,
     grads: Option<&mut Grads<'_, D>>,
 ) -> Result<()> {
+    
     let model = &*cx.model;
     let h = model.plan.model.hidden_size;
     let rows = cx.tokens.rows()?;
