@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod collective;
+pub mod conformance;
 pub mod cpu;
 pub mod data;
 pub mod device;

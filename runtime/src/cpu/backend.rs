@@ -162,6 +162,13 @@ impl Backend for CpuBackend {
             (DType::F64, DType::F64) => k
                 .typed_out::<f64>("dst", dst)?
                 .copy_from_slice(k.typed_in::<f64>("src", src)?),
+            (DType::F64, DType::Bf16) => {
+                let src = k.typed_in::<f64>("src", src)?;
+                let dst = k.typed_out::<bf16>("dst", dst)?;
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = bf16_from_f64(*s);
+                }
+            }
             (DType::F64, _) => {
                 let src = k.typed_in::<f64>("src", src)?;
                 let mut dst = k.f32_out("dst", dst)?;
@@ -739,6 +746,29 @@ impl Backend for CpuBackend {
         self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
         kernels::sum_squares_blocks(k.typed_in::<f32>("x", x)?, out)
     }
+}
+
+/// `v` rounded once to the nearest bf16, ties to even. Through f32 it would
+/// round twice (a value just above a bf16 tie can land on the tie in f32 and
+/// then round down), and `half`'s `bf16::from_f64` drops the low mantissa
+/// bits before rounding, so: round to f32 *to odd* (an inexact result keeps
+/// its last bit set, recording that bits were dropped; f32 keeps 16 more
+/// bits than bf16, so that sticky bit decides ties correctly), then to bf16.
+fn bf16_from_f64(v: f64) -> bf16 {
+    let nearest = v as f32;
+    let inexact = v.is_finite() && nearest.is_finite() && f64::from(nearest) != v;
+    let to_odd = if inexact && nearest.to_bits() & 1 == 0 {
+        // The other neighbour of `v` (one ulp towards it) is the odd one.
+        let bits = nearest.to_bits();
+        f32::from_bits(if f64::from(nearest).abs() < v.abs() {
+            bits + 1
+        } else {
+            bits - 1
+        })
+    } else {
+        nearest
+    };
+    bf16::from_f32(to_odd)
 }
 
 /// Rounds f32 values to bf16 and back: what storing them in a bf16 buffer

@@ -1,0 +1,140 @@
+//! RMSNorm, plain and grouped: forward, input gradient, weight gradient.
+
+use super::Suite;
+use super::case::{Expected, KernelCase};
+use super::dense::U;
+use super::reference as r;
+use crate::backend::{Backend, NormDims};
+
+pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
+    let shapes = [
+        (5, 24, 1),
+        (5, 24, 2),
+        (5, 24, 4),
+        (3, 130, 1),
+        (3, 130, 5),
+        (1, 1, 1),
+    ];
+    for (i, (rows, dim, groups)) in shapes.into_iter().enumerate() {
+        let dims = NormDims {
+            rows,
+            dim,
+            groups,
+            eps: 1e-5,
+        };
+        let name = format!("{rows} rows of {dim}, {groups} groups");
+        let x = s.rng.values(rows * dim, -2.0, 2.0);
+        let w = s.rng.values(dim, -2.0, 2.0);
+        let dy = s.rng.values(rows * dim, -2.0, 2.0);
+        let gs = (dim / groups) as f64;
+        // The backwards take `rstd` from the forward, as f32: give them the
+        // reference's, so each kernel is checked on its own (the reference
+        // backward uses the `rstd` given, as the kernel does).
+        let rstd = r::rmsnorm_forward(&x, &w, dims).1;
+        let refusals = i == 1;
+
+        let fwd = KernelCase::new("rmsnorm_forward", name.clone())
+            .input("x", x.clone())
+            .input("weight", w.clone())
+            .output("y", rows * dim)
+            .output_f32("rstd", rows * groups)
+            .tolerance(32.0 * U * gs.sqrt(), 32.0 * U);
+        let fwd = if refusals { fwd.with_refusals() } else { fwd };
+        if refusals {
+            let bad = NormDims {
+                groups: groups + 1,
+                ..dims
+            };
+            s.check_refusal(&fwd, "groups that do not divide dim", &[], |dev, b| {
+                dev.rmsnorm_forward(
+                    b.view("x")?,
+                    b.view("weight")?,
+                    b.view_mut("y")?,
+                    b.view_mut("rstd")?,
+                    bad,
+                )?;
+                Ok(vec![])
+            });
+        }
+        s.check_kernel(
+            fwd,
+            |x| {
+                let (y, rstd) = r::rmsnorm_forward(&x["x"], &x["weight"], dims);
+                vec![Expected::new("y", y), Expected::new("rstd", rstd)]
+            },
+            |dev, b| {
+                dev.rmsnorm_forward(
+                    b.view("x")?,
+                    b.view("weight")?,
+                    b.view_mut("y")?,
+                    b.view_mut("rstd")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+
+        let bwd = KernelCase::new("rmsnorm_backward_input", name.clone())
+            .input("dy", dy.clone())
+            .input("x", x.clone())
+            .input("weight", w.clone())
+            .input_f32("rstd", rstd.clone())
+            .inout("dx", s.rng.values(rows * dim, -2.0, 2.0))
+            .tolerance(64.0 * U * gs.sqrt(), 32.0 * U);
+        let bwd = if refusals { bwd.with_refusals() } else { bwd };
+        s.check_kernel(
+            bwd,
+            |x| {
+                let dx = r::rmsnorm_backward_input(
+                    &x["dy"],
+                    &x["x"],
+                    &x["weight"],
+                    &x["rstd"],
+                    &x["dx"],
+                    dims,
+                );
+                vec![Expected::new("dx", dx)]
+            },
+            |dev, b| {
+                dev.rmsnorm_backward_input(
+                    b.view("dy")?,
+                    b.view("x")?,
+                    b.view("weight")?,
+                    b.view("rstd")?,
+                    b.view_mut("dx")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+
+        let wgrad = KernelCase::new("rmsnorm_backward_weight", name)
+            .input("dy", dy)
+            .input("x", x.clone())
+            .input_f32("rstd", rstd)
+            .inout("dw", s.rng.values(dim, -2.0, 2.0))
+            .tolerance(32.0 * U * (rows as f64 + 1.0), 32.0 * U);
+        let wgrad = if refusals {
+            wgrad.with_refusals()
+        } else {
+            wgrad
+        };
+        s.check_kernel(
+            wgrad,
+            |x| {
+                let dw = r::rmsnorm_backward_weight(&x["dy"], &x["x"], &x["rstd"], &x["dw"], dims);
+                vec![Expected::new("dw", dw)]
+            },
+            |dev, b| {
+                dev.rmsnorm_backward_weight(
+                    b.view("dy")?,
+                    b.view("x")?,
+                    b.view("rstd")?,
+                    b.view_mut("dw")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+    }
+}
