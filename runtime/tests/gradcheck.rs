@@ -280,10 +280,15 @@ impl LayerCase {
             .map(|(r, (o, i))| *r as f64 * (*o as f64 - *i as f64))
             .sum();
         let routing = match &saved {
-            LayerSaved::Moe(s) => s.routing().expect("a finished forward").selected().to_vec(),
+            LayerSaved::Moe(s) => s
+                .routing()
+                .expect("a finished forward")
+                .selected(dev())
+                .expect("selected"),
             _ => Vec::new(),
         };
-        (delta + self.aux_scale as f64 * saved.aux_loss(), routing)
+        let aux = saved.aux_loss(dev()).expect("aux loss");
+        (delta + self.aux_scale as f64 * aux, routing)
     }
 
     /// `(x_out, dL/dx minus the identity part, weight gradients)`.
@@ -488,9 +493,18 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let wb = ups(&case.weights);
     let w = views(&wb);
     let xb = up(&case.x);
+    // The loss adds onto what the accumulator holds.
+    let aux = dev().alloc(1, DType::F64).expect("alloc");
+    dev().upload(&[0.25f64], vm(&aux)).expect("upload");
     let prepared = moe
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES)
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux))
         .expect("prepare");
+    let aux_loss = |buf: &CpuBuf| {
+        let mut value = [0.0f64];
+        dev().download(v(buf), &mut value).expect("download");
+        value[0]
+    };
+    let got = aux_loss(&aux) - 0.25;
     // Recompute coeff * E * sum f_i P_i from the routing and the router.
     let (t, e, k) = (10usize, 4usize, 2usize);
     let mut probs_sum = vec![0.0f64; e];
@@ -515,25 +529,28 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
             probs_sum[i] += (z[i] - m).exp() / s;
         }
     }
-    let counts = prepared.routing.expert_counts();
+    let counts = prepared.routing.expert_counts(dev()).expect("counts");
     assert_eq!(counts.iter().sum::<usize>(), t * k);
+    // The counts are the histogram of the selection.
+    let selected = prepared.routing.selected(dev()).expect("selected");
+    for (expert, &count) in counts.iter().enumerate() {
+        let chosen = selected.iter().filter(|&&s| s as usize == expert).count();
+        assert_eq!(count, chosen, "expert {expert}");
+    }
     let want: f64 = 0.1
         * e as f64
         * (0..e)
             .map(|i| counts[i] as f64 / (t * k) as f64 * probs_sum[i] / t as f64)
             .sum::<f64>();
-    assert!(
-        (prepared.aux_loss - want).abs() < 1e-6 * want.max(1.0),
-        "{} vs {want}",
-        prepared.aux_loss
-    );
+    assert!((got - want).abs() < 1e-6 * want.max(1.0), "{got} vs {want}");
     let off =
         config("[moe]\nnum_experts = 4\ntop_k = 2\nffn_hidden_size = 6\naux_loss_coeff = 0.0\n");
     let layer = MoeLayer::new(&off, 4).expect("layer");
-    let prepared = layer
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES)
+    let zero = dev().alloc(1, DType::F64).expect("alloc");
+    layer
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&zero))
         .expect("prepare");
-    assert_eq!(prepared.aux_loss, 0.0);
+    assert_eq!(aux_loss(&zero), 0.0);
 }
 
 // ---- model-level ops ------------------------------------------------------------------
