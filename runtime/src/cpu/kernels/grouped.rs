@@ -140,4 +140,139 @@ mod tests {
         assert!(err.contains("problems[1].C"), "{err}");
         assert_eq!(c0, [7.0; 4], "the good problem ran before the check");
     }
+
+    mod backend {
+        use crate::backend::{Backend, MatmulDims, MatmulProblem};
+        use crate::cpu::{CpuBackend, CpuBuf, round_bf16};
+        use crate::view::{DType, DeviceBuffer, View, ViewMut};
+
+        fn filled(b: &CpuBackend, values: &[f32], dtype: DType) -> CpuBuf {
+            let f = b.alloc(values.len(), DType::F32).unwrap();
+            b.upload(values, ViewMut::whole(&f)).unwrap();
+            let buf = b.alloc(values.len(), dtype).unwrap();
+            b.cast(View::whole(&f), ViewMut::whole(&buf)).unwrap();
+            buf
+        }
+
+        fn read(b: &CpuBackend, buf: &CpuBuf) -> Vec<f32> {
+            let f = b.alloc(buf.len(), DType::F32).unwrap();
+            b.cast(View::whole(buf), ViewMut::whole(&f)).unwrap();
+            let mut out = vec![0.0; buf.len()];
+            b.download(View::whole(&f), &mut out).unwrap();
+            out
+        }
+
+        const DIMS: MatmulDims = MatmulDims::linear(2, 3, 2);
+
+        #[test]
+        fn operands_of_mixed_dtypes_and_overlapping_outputs_are_refused() {
+            let b = CpuBackend::default();
+            let x = [0.5f32, -1.0, 0.25, 1.5, 0.75, -0.5];
+            let (a32, b32, a16) = (
+                filled(&b, &x, DType::F32),
+                filled(&b, &x, DType::F32),
+                filled(&b, &x, DType::Bf16),
+            );
+            let c = b.alloc(8, DType::F32).unwrap();
+            let c16 = b.alloc(4, DType::Bf16).unwrap();
+            let err = b
+                .grouped_matmul(vec![
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 0..4).unwrap(),
+                        dims: DIMS,
+                    },
+                    MatmulProblem {
+                        a: View::whole(&a16),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 4..8).unwrap(),
+                        dims: DIMS,
+                    },
+                ])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(
+                    "kernel `grouped_matmul`: `problems[0].A` is f32 but `problems[1].A` is bf16"
+                ),
+                "{err}"
+            );
+            let err = b
+                .grouped_matmul(vec![
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 0..4).unwrap(),
+                        dims: DIMS,
+                    },
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::whole(&c16),
+                        dims: DIMS,
+                    },
+                ])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("`problems[1].C` is bf16"), "{err}");
+            let u = b.alloc(6, DType::U32).unwrap();
+            let err = b
+                .grouped_matmul(vec![MatmulProblem {
+                    a: View::whole(&u),
+                    b: View::whole(&u),
+                    c: ViewMut::of(&c, 0..4).unwrap(),
+                    dims: DIMS,
+                }])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("`problems[0].A` is u32, but it takes bf16 or f32"),
+                "{err}"
+            );
+            let err = b
+                .grouped_matmul(vec![
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 0..4).unwrap(),
+                        dims: DIMS,
+                    },
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 2..6).unwrap(),
+                        dims: DIMS,
+                    },
+                ])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("aliases"), "{err}");
+        }
+
+        #[test]
+        fn bf16_outputs_are_the_f32_products_rounded_once() {
+            let b = CpuBackend::default();
+            // Representable in bf16; their products and sums are not.
+            let x = [1.0078125f32, -1.5, 0.25, 1.5, 0.75, -0.515625];
+            let y = [1.0078125f32, 0.5, -0.75, 0.125, 1.0, -1.5];
+            let (a16, b16) = (filled(&b, &x, DType::Bf16), filled(&b, &y, DType::Bf16));
+            let c16 = b.alloc(4, DType::Bf16).unwrap();
+            b.grouped_matmul(vec![MatmulProblem {
+                a: View::whole(&a16),
+                b: View::whole(&b16),
+                c: ViewMut::whole(&c16),
+                dims: DIMS,
+            }])
+            .unwrap();
+            let mut want = vec![0.0f32; 4];
+            super::super::matmul(&x, &y, &mut want, DIMS).unwrap();
+            round_bf16(&mut want);
+            assert_eq!(read(&b, &c16), want);
+            assert!(
+                b.grouped_matmul(Vec::new()).is_ok(),
+                "an empty group is a no-op"
+            );
+        }
+    }
 }

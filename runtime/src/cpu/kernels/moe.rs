@@ -890,6 +890,14 @@ mod tests {
             b.alloc(len, dtype).unwrap()
         }
 
+        fn w(buf: &CpuBuf) -> View<'_, CpuBuf> {
+            View::whole(buf)
+        }
+
+        fn m(buf: &CpuBuf) -> ViewMut<'_, CpuBuf> {
+            ViewMut::whole(buf)
+        }
+
         fn refused(result: crate::Result<()>, kernel: &str, arg: &str) {
             let err = result.unwrap_err().to_string();
             assert!(
@@ -908,8 +916,6 @@ mod tests {
             };
             let (u32s, f32s) = (buf(&b, 2, DType::U32), buf(&b, 2, DType::F32));
             let (f64s, bf16s) = (buf(&b, 1, DType::F64), buf(&b, 2, DType::Bf16));
-            let w = View::whole;
-            let m = ViewMut::whole;
             refused(
                 b.moe_expert_counts(w(&f32s), m(&u32s), slots),
                 "moe_expert_counts",
