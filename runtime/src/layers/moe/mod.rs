@@ -7,9 +7,9 @@
 //! ```
 //!
 //! - `prepare` (pre-dispatch slot): pre-MLP norm, the router
-//!   ([`routing`]: f32 logits, top-k, per-expert counts, the load-balancing
+//!   (`routing.rs`: f32 logits, top-k, per-expert counts, the load-balancing
 //!   loss added to the caller's device accumulator), the shared expert, and
-//!   the dispatch permutation ([`permutation`]): a send buffer of `T * k`
+//!   the dispatch permutation (`permutation.rs`): a send buffer of `T * k`
 //!   rows sorted by (global expert, token, k-slot). Global expert `e` lives
 //!   on EP rank `e / L` as local expert `e % L` (`L = E / ep`), so the buffer
 //!   is already cut into per-rank segments ([`MoeLayer::counts_per_rank`]).
@@ -20,7 +20,7 @@
 //!   (source rank, local expert, ...).
 //! - `experts` (mlp slot): regroups the received rows expert-major (then by
 //!   source rank) on the device, runs every local expert as grouped matmuls
-//!   ([`experts`]), and writes the outputs back in received order, ready to
+//!   (`experts.rs`), and writes the outputs back in received order, ready to
 //!   be sent back.
 //! - `combine` (comm lane): the rows come back; the combine unpermutes them,
 //!   weights them by the router weights, sums each token's k copies in k-slot
@@ -32,7 +32,7 @@
 //! buffer made by a kernel; the host only ever holds counts. Routing runs in
 //! f32 in every precision; the rows moved between tokens and experts are in
 //! the compute dtype. [`MoeLayer::forward_with`] and friends run every stage
-//! back to back with an [`ExpertExchange`] ([`exchange`]): a
+//! back to back with an [`ExpertExchange`] (`exchange.rs`): a
 //! [`LocalExchange`] (expert parallelism 1, a copy) or a
 //! [`CollectiveExchange`] over a communicator.
 
