@@ -179,9 +179,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     // Every kernel validates the lengths of its views against its dimensions
     // and returns `RuntimeError::InvalidArgument` on a mismatch. Views a
     // kernel writes must not be views a kernel reads (Rust's borrows enforce
-    // it on the CPU). Index inputs (token ids, permutations, routing) are host
-    // slices: the CUDA backend uploads them (they are small next to the rows
-    // they index); the host needs them anyway for all-to-all counts.
+    // it on the CPU). The MoE routing and permutation indices are `u32`
+    // device views (`DType::U32`), computed by kernels: the host reads only
+    // the per-expert counts the all-to-all needs. Token ids and targets are
+    // host slices the CUDA backend uploads.
 
     /// `C = op(A) op(B)`, or `C += op(A) op(B)` with `dims.accumulate`, with
     /// `op(A)` `[m, k]` and `op(B)` `[k, n]`, all row-major. `A` is stored
@@ -196,6 +197,16 @@ pub trait Backend: Clone + Send + Sync + 'static {
         c: SliceMut<'_, Self>,
         dims: MatmulDims,
     ) -> Result<()>;
+
+    /// Many independent [`Backend::matmul`]s as one launch (cuBLAS grouped
+    /// GEMM): each problem is exactly the matmul its dims describe, summed in
+    /// the same order, so grouping never changes a bit. Every `A` and `B` is
+    /// of one float dtype (bf16 or f32) and every `C` of one float dtype, as
+    /// one grouped GEMM call takes one type per operand; f32 accumulation.
+    /// The `C` views must be pairwise disjoint (the CPU backend refuses
+    /// overlapping ones) and none may overlap an `A` or `B`. The MoE experts
+    /// run each of their GEMMs this way over their row ranges.
+    fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()>;
 
     /// `y += alpha x`.
     fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()>;
@@ -452,6 +463,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> Result<()>;
 
     // ---- kernels: mixture of experts -------------------------------------------
+    // Routing state is f32 (logits, scores, weights, the softmax sums) and
+    // `u32` (selected experts, counts, permutations) in every precision; only
+    // the rows moved between tokens and experts are in the compute dtype.
 
     /// Router scoring and top-k selection (layers.md `E` step 2) on f32
     /// `logits` `[rows, E]`: `scores` = softmax or sigmoid of the logits;
@@ -460,47 +474,118 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// the lower index; `weights[r, j] = scores[r, sel_j] / sum_j scores[r, sel_j]`
     /// (with softmax this equals a softmax over the k selected logits);
     /// `softmax_sum[e] += sum_r softmax(logits_r)[e]`, rows in order, the
-    /// load-balancing loss's `T * P_e`. `selected` is a host slice (the CUDA
-    /// backend downloads it: the host needs the counts for the all-to-all).
+    /// load-balancing loss's `T * P_e`.
+    /// Dtypes: `logits`, `expert_bias` (`[E]`), `scores`, `weights`,
+    /// `softmax_sum` f32; `selected` u32.
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,
-        expert_bias: Option<&[f32]>,
+        expert_bias: Option<Slice<'_, Self>>,
         out: RouteOutputs<SliceMut<'_, Self>>,
-        selected: &mut [u32],
+        selected: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()>;
 
     /// Backward of the routing: from `d_weights` `[rows, k]` and the
     /// load-balancing term `aux_grad[e]` (= dLoss/d softmax(logits)[r, e],
-    /// the same for every row) writes `d_logits` `[rows, E]` (overwritten):
-    /// the gradient through the weight normalisation and the score function,
-    /// plus `aux_grad` through the softmax.
+    /// the same for every row; see [`Backend::moe_aux_loss_backward`]) writes
+    /// `d_logits` `[rows, E]` (overwritten): the gradient through the weight
+    /// normalisation and the score function, plus `aux_grad` through the
+    /// softmax. Dtypes: `selected` u32; everything else f32.
     fn moe_route_backward(
         &self,
         saved: RouterScores<Slice<'_, Self>>,
-        selected: &[u32],
+        selected: Slice<'_, Self>,
         d_weights: Slice<'_, Self>,
-        aux_grad: &[f32],
+        aux_grad: Slice<'_, Self>,
         d_logits: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()>;
 
-    /// `dst[i] = src[index[i]]` for rows of `width` elements.
+    /// The per-expert histogram of a routing: `counts[e]` = the number of
+    /// (token, k-slot) pairs of `selected` `[tokens, k]` that chose expert
+    /// `e` (overwritten, `[E]`). An expert index at or past `E` is an error.
+    /// Dtypes: u32 both.
+    fn moe_expert_counts(
+        &self,
+        selected: Slice<'_, Self>,
+        counts: SliceMut<'_, Self>,
+        slots: RoutedSlots,
+    ) -> Result<()>;
+
+    /// The dispatch permutation: a stable counting sort of the (token,
+    /// k-slot) pairs by expert, then token, then k-slot. With `start[e]` the
+    /// exclusive prefix sum of `counts` (from [`Backend::moe_expert_counts`]),
+    /// the pair `(t, j)` choosing expert `e` as its `i`-th pair in that order
+    /// goes to send row `start[e] + i`: `positions[t*k + j]` = that row and
+    /// `sources[row] = t` (the token whose normed input the row carries).
+    /// `counts` not matching `selected` is an error. Dtypes: u32 all.
+    fn moe_sort_by_expert(
+        &self,
+        selected: Slice<'_, Self>,
+        counts: Slice<'_, Self>,
+        out: ExpertOrder<SliceMut<'_, Self>>,
+        slots: RoutedSlots,
+    ) -> Result<()>;
+
+    /// The regroup after the dispatch all-to-all. Received rows arrive
+    /// ordered by (source rank, local expert): `recv_counts[i*L + j]` rows
+    /// from rank `i` for local expert `j`. Writes `order[g]` = the received
+    /// row at grouped position `g` of the expert-major order (local expert,
+    /// then source rank, then arrival), so each expert's rows are one
+    /// contiguous range. `order` has `sum(recv_counts)` elements. Dtypes: u32
+    /// both.
+    fn moe_expert_major_order(
+        &self,
+        recv_counts: Slice<'_, Self>,
+        order: SliceMut<'_, Self>,
+        dims: ReceivedDims,
+    ) -> Result<()>;
+
+    /// The switch load-balancing loss `coeff * E * sum_e f_e P_e`, with
+    /// `f_e = counts[e] / (T k)` and `P_e = softmax_sum[e] / T`, summed in
+    /// f64 in expert order, added to `loss[0]` (0 when `T = 0` or
+    /// `coeff = 0`). Dtypes: `counts` u32, `softmax_sum` f32, `loss` f64
+    /// (`[1]`, accumulated, so a step can sum every layer and micro-batch on
+    /// the device and read it once).
+    fn moe_aux_loss_forward(
+        &self,
+        counts: Slice<'_, Self>,
+        softmax_sum: Slice<'_, Self>,
+        loss: SliceMut<'_, Self>,
+        dims: AuxLossDims,
+    ) -> Result<()>;
+
+    /// The gradient of `scale` times [`Backend::moe_aux_loss_forward`]'s loss
+    /// with respect to each row's softmax (the counts held fixed):
+    /// `aux_grad[e] = coeff * E * (counts[e] / (T k)) / T * scale`, computed
+    /// in f64 and rounded once to f32 (overwritten; zeros when `T = 0`).
+    /// Dtypes: `counts` u32, `aux_grad` f32.
+    fn moe_aux_loss_backward(
+        &self,
+        counts: Slice<'_, Self>,
+        aux_grad: SliceMut<'_, Self>,
+        dims: AuxLossDims,
+        scale: f32,
+    ) -> Result<()>;
+
+    /// `dst[i] = src[index[i]]` for rows of `width` elements. Dtypes: `src`
+    /// and `dst` alike (bf16 or f32), `index` u32.
     fn gather_rows(
         &self,
         src: Slice<'_, Self>,
-        index: &[u32],
+        index: Slice<'_, Self>,
         dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()>;
 
     /// `dst[index[i]] = src[i]` for rows of `width` elements; `index` must be
-    /// distinct (a permutation), which the CPU backend checks.
+    /// distinct (a permutation), which the CPU backend checks. Dtypes: `src`
+    /// and `dst` alike (bf16 or f32), `index` u32.
     fn scatter_rows(
         &self,
         src: Slice<'_, Self>,
-        index: &[u32],
+        index: Slice<'_, Self>,
         dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()>;
@@ -508,12 +593,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// The MoE combine: `out[t] = sum_{j<k} w[t, j] * rows[positions[t*k + j]]`
     /// (overwritten), `j` in order; `weights` `[tokens, k]`, or all ones when
     /// `None` (the backward of the dispatch gather sums a token's k row
-    /// gradients this way).
+    /// gradients this way). Dtypes: `rows` and `out` bf16 or f32, `weights`
+    /// f32, `positions` u32.
     fn moe_unpermute(
         &self,
         rows: Slice<'_, Self>,
         weights: Option<Slice<'_, Self>>,
-        positions: &[u32],
+        positions: Slice<'_, Self>,
         out: SliceMut<'_, Self>,
         dims: UnpermuteDims,
     ) -> Result<()>;
@@ -521,12 +607,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// Backward of [`Backend::moe_unpermute`] with weights, overwriting
     /// `grads.rows` (`d rows[positions[t*k+j]] = w[t, j] * dout[t]`) and
     /// `grads.weights` (`d w[t, j] = dout[t] . rows[positions[t*k+j]]`).
+    /// Dtypes: `dout`, `rows`, `grads.rows` bf16 or f32; `weights` and
+    /// `grads.weights` f32; `positions` u32.
     fn moe_unpermute_backward(
         &self,
         dout: Slice<'_, Self>,
         rows: Slice<'_, Self>,
         weights: Slice<'_, Self>,
-        positions: &[u32],
+        positions: Slice<'_, Self>,
         grads: UnpermuteGrads<SliceMut<'_, Self>>,
         dims: UnpermuteDims,
     ) -> Result<()>;
@@ -803,11 +891,11 @@ pub struct RouteDims {
 /// What [`Backend::moe_route_forward`] writes besides the selection.
 #[derive(Debug)]
 pub struct RouteOutputs<M> {
-    /// `[rows, E]`.
+    /// `[rows, E]`, f32.
     pub scores: M,
-    /// `[rows, k]`.
+    /// `[rows, k]`, f32.
     pub weights: M,
-    /// `[E]`, accumulated.
+    /// `[E]`, f32, accumulated.
     pub softmax_sum: M,
 }
 
@@ -817,6 +905,53 @@ pub struct RouterScores<S> {
     pub logits: S,
     pub scores: S,
 }
+
+/// The (token, k-slot) pairs of one routing: `tokens * top_k` slots over
+/// `experts` experts (the histogram and the dispatch sort).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RoutedSlots {
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+}
+
+/// What [`Backend::moe_sort_by_expert`] writes, `[tokens * k]` each.
+#[derive(Debug)]
+pub struct ExpertOrder<M> {
+    /// `positions[t*k + j]`: the send row of token `t`'s k-slot `j`.
+    pub positions: M,
+    /// `sources[row]`: the token a send row carries.
+    pub sources: M,
+}
+
+/// The shape of the received-counts table of [`Backend::moe_expert_major_order`]:
+/// `ranks` source ranks by `local_experts` experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReceivedDims {
+    pub ranks: usize,
+    pub local_experts: usize,
+}
+
+/// Dimensions of the load-balancing loss kernels.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AuxLossDims {
+    pub slots: RoutedSlots,
+    /// The loss coefficient (`moe.aux_loss_coeff`).
+    pub coeff: f32,
+}
+
+/// One problem of [`Backend::grouped_matmul`]: `c (+)= op(a) op(b)` as
+/// [`Backend::matmul`] with `dims`.
+#[derive(Debug)]
+pub struct MatmulProblem<S, M> {
+    pub a: S,
+    pub b: S,
+    pub c: M,
+    pub dims: MatmulDims,
+}
+
+/// A [`MatmulProblem`] on `B`'s views.
+pub type GroupedMatmul<'a, B> = MatmulProblem<Slice<'a, B>, SliceMut<'a, B>>;
 
 /// Dimensions of the unpermute kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -280,10 +280,15 @@ impl LayerCase {
             .map(|(r, (o, i))| *r as f64 * (*o as f64 - *i as f64))
             .sum();
         let routing = match &saved {
-            LayerSaved::Moe(s) => s.routing().expect("a finished forward").selected().to_vec(),
+            LayerSaved::Moe(s) => s
+                .routing()
+                .expect("a finished forward")
+                .selected(dev())
+                .expect("selected"),
             _ => Vec::new(),
         };
-        (delta + self.aux_scale as f64 * saved.aux_loss(), routing)
+        let aux = saved.aux_loss(dev()).expect("aux loss");
+        (delta + self.aux_scale as f64 * aux, routing)
     }
 
     /// `(x_out, dL/dx minus the identity part, weight gradients)`.
@@ -488,9 +493,18 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let wb = ups(&case.weights);
     let w = views(&wb);
     let xb = up(&case.x);
+    // The loss adds onto what the accumulator holds.
+    let aux = dev().alloc(1, DType::F64).expect("alloc");
+    dev().upload(&[0.25f64], vm(&aux)).expect("upload");
     let prepared = moe
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES)
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux))
         .expect("prepare");
+    let aux_loss = |buf: &CpuBuf| {
+        let mut value = [0.0f64];
+        dev().download(v(buf), &mut value).expect("download");
+        value[0]
+    };
+    let got = aux_loss(&aux) - 0.25;
     // Recompute coeff * E * sum f_i P_i from the routing and the router.
     let (t, e, k) = (10usize, 4usize, 2usize);
     let mut probs_sum = vec![0.0f64; e];
@@ -515,25 +529,28 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
             probs_sum[i] += (z[i] - m).exp() / s;
         }
     }
-    let counts = prepared.routing.expert_counts();
+    let counts = prepared.routing.expert_counts(dev()).expect("counts");
     assert_eq!(counts.iter().sum::<usize>(), t * k);
+    // The counts are the histogram of the selection.
+    let selected = prepared.routing.selected(dev()).expect("selected");
+    for (expert, &count) in counts.iter().enumerate() {
+        let chosen = selected.iter().filter(|&&s| s as usize == expert).count();
+        assert_eq!(count, chosen, "expert {expert}");
+    }
     let want: f64 = 0.1
         * e as f64
         * (0..e)
             .map(|i| counts[i] as f64 / (t * k) as f64 * probs_sum[i] / t as f64)
             .sum::<f64>();
-    assert!(
-        (prepared.aux_loss - want).abs() < 1e-6 * want.max(1.0),
-        "{} vs {want}",
-        prepared.aux_loss
-    );
+    assert!((got - want).abs() < 1e-6 * want.max(1.0), "{got} vs {want}");
     let off =
         config("[moe]\nnum_experts = 4\ntop_k = 2\nffn_hidden_size = 6\naux_loss_coeff = 0.0\n");
     let layer = MoeLayer::new(&off, 4).expect("layer");
-    let prepared = layer
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES)
+    let zero = dev().alloc(1, DType::F64).expect("alloc");
+    layer
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&zero))
         .expect("prepare");
-    assert_eq!(prepared.aux_loss, 0.0);
+    assert_eq!(aux_loss(&zero), 0.0);
 }
 
 // ---- model-level ops ------------------------------------------------------------------
@@ -1041,6 +1058,225 @@ fn expert_parallel_moe_through_collectives_matches_one_rank() {
                     "dense param {fi}[{k}]: {got} vs {want}"
                 );
             }
+        }
+    }
+}
+
+// ---- host reads and precision ---------------------------------------------------------
+
+/// Host reads so far on `device`.
+fn host_reads(device: &CpuBackend) -> u64 {
+    device.counts().host_reads
+}
+
+/// The host reads exactly one thing per MoE layer and micro-batch, in the
+/// dispatch step: the per-expert counts the all-to-all needs. The routing,
+/// the permutation, the regroup and the load-balancing loss stay on the
+/// device (the loss adds onto one accumulator for every layer and
+/// micro-batch, read once); the backward reads nothing. Under expert
+/// parallelism 2 each rank reads once too.
+#[test]
+fn moe_reads_the_host_once_per_layer_and_micro_batch() {
+    use hybridgen_runtime::layers::{MoeBackward, MoeForward, MoeStage};
+    let configs = [
+        moe("softmax", 2, true, false, "swiglu"),
+        moe("sigmoid", 1, false, true, "gelu"),
+    ];
+    let layers: Vec<MoeLayer> = configs
+        .iter()
+        .map(|c| MoeLayer::new(c, 4).expect("layer"))
+        .collect();
+    let mut rng = Rng(17);
+    let weights: Vec<Vec<CpuBuf>> = layers
+        .iter()
+        .map(|l| ups(&test_weights(l.params(), &mut rng)))
+        .collect();
+    let inputs: Vec<Vec<f32>> = (0..2).map(|_| rng.normals(80, 1.0, 0.0)).collect();
+    // Each micro-batch's residual stream, through both layers in turn.
+    let micro_batches: Vec<CpuBuf> = inputs.iter().map(|x| up(x)).collect();
+    let device = CpuBackend::default();
+    let aux = device.alloc(1, DType::F64).expect("alloc");
+    let start = host_reads(&device);
+    let mut stages = Vec::new();
+    for x in &micro_batches {
+        for (layer, w) in layers.iter().zip(&weights) {
+            let mut stage = MoeStage::idle();
+            for step in MoeForward::ALL {
+                let before = host_reads(&device);
+                stage = layer
+                    .forward_step(
+                        step,
+                        &device,
+                        &views(w),
+                        stage,
+                        vm(x),
+                        vm(&aux),
+                        TWO_SEQUENCES,
+                        &LocalExchange,
+                    )
+                    .expect("forward step");
+                let want = u64::from(step == MoeForward::Dispatch);
+                assert_eq!(host_reads(&device) - before, want, "{step:?}");
+            }
+            stages.push(stage);
+        }
+    }
+    assert_eq!(host_reads(&device) - start, 4, "2 layers x 2 micro-batches");
+    // The backward, weight steps included, reads nothing.
+    let before = host_reads(&device);
+    for ((stage, layer), w) in stages
+        .into_iter()
+        .zip(layers.iter().cycle())
+        .zip(weights.iter().cycle())
+    {
+        let dx = up(&rng.normals(80, 1.0, 0.0));
+        let grads = ups(&zeros_like(&w.iter().map(down).collect::<Vec<_>>()));
+        let mut stage = stage;
+        for step in [
+            MoeBackward::Combine,
+            MoeBackward::Experts,
+            MoeBackward::ExpertsWeights,
+            MoeBackward::Dispatch,
+            MoeBackward::Prepare,
+            MoeBackward::PrepareWeights,
+        ] {
+            let mut g = views_mut(&grads);
+            stage = layer
+                .backward_step(
+                    step,
+                    &device,
+                    &views(w),
+                    stage,
+                    vm(&dx),
+                    Some(&mut g),
+                    1.0,
+                    &LocalExchange,
+                )
+                .expect("backward step");
+        }
+        assert!(stage.is_idle());
+    }
+    assert_eq!(host_reads(&device), before, "the backward read the host");
+    // One accumulator summed every layer's and micro-batch's loss in
+    // schedule order: the same bits as reading each and adding on the host.
+    let mut acc = 0.0f64;
+    for x in &inputs {
+        let x = up(x);
+        for (layer, w) in layers.iter().zip(&weights) {
+            let saved = layer
+                .forward_with(dev(), &views(w), vm(&x), TWO_SEQUENCES, &LocalExchange)
+                .expect("forward");
+            acc += saved.aux_loss(dev()).expect("aux loss");
+        }
+    }
+    let mut summed = [0.0f64];
+    device.download(v(&aux), &mut summed).expect("download");
+    assert!(acc > 0.0);
+    assert_eq!(summed[0].to_bits(), acc.to_bits(), "{} vs {acc}", summed[0]);
+
+    // Expert parallelism 2: one read per rank, in its dispatch.
+    let c = moe("softmax", 2, false, false, "gelu");
+    let world = CpuWorld::new(2).expect("world");
+    let comms = world.comms().expect("comms");
+    let full = test_weights(MoeLayer::new(&c, 4).expect("full").params(), &mut rng);
+    let xs = [rng.normals(80, 1.0, 0.0), rng.normals(80, 1.0, 0.0)];
+    std::thread::scope(|scope| {
+        for (rank, comm) in comms.into_iter().enumerate() {
+            let (c, full, xs) = (&c, &full, &xs);
+            scope.spawn(move || {
+                let layer = MoeLayer::new(c, 2).expect("rank layer");
+                let wb = ups(&rank_weights(full, 4, 2, rank, false));
+                let x = up(&xs[rank]);
+                let device = CpuBackend::default();
+                let exchange = CollectiveExchange { collective: &comm };
+                layer
+                    .forward_with(&device, &views(&wb), vm(&x), TWO_SEQUENCES, &exchange)
+                    .expect("forward");
+                assert_eq!(host_reads(&device), 1, "rank {rank}");
+            });
+        }
+    });
+}
+
+/// In bf16 the layer routes in f32 (logits, scores, weights), moves rows in
+/// bf16, rounds the router's logit gradient to bf16 explicitly before its
+/// GEMMs, and accumulates weight gradients in f32; it follows the f32 layer
+/// run on the same (bf16-representable) weights and inputs.
+#[test]
+fn moe_in_bf16_follows_the_f32_layer() {
+    use hybridgen_runtime::Precision;
+    use hybridgen_runtime::cpu::round_bf16;
+    let bf = CpuBackend::new(Precision::Bf16);
+    let to_bf16 = |values: &[f32]| {
+        let buf = bf.alloc(values.len(), DType::Bf16).expect("alloc");
+        bf.cast(v(&up(values)), vm(&buf)).expect("cast");
+        buf
+    };
+    let from_bf16 = |buf: &CpuBuf| {
+        let f = dev().alloc(buf.len(), DType::F32).expect("alloc");
+        dev().cast(v(buf), vm(&f)).expect("cast");
+        down(&f)
+    };
+    let rounded = |values: &[f32]| {
+        let mut values = values.to_vec();
+        round_bf16(&mut values);
+        values
+    };
+    for (score, k, shared, act) in [
+        ("softmax", 2, true, "swiglu"),
+        ("sigmoid", 3, false, "squared_relu"),
+    ] {
+        let c = moe(score, k, shared, false, act);
+        let layer = MoeLayer::new(&c, 4).expect("layer");
+        let mut rng = Rng(23);
+        let weights: Vec<Vec<f32>> = test_weights(layer.params(), &mut rng)
+            .iter()
+            .map(|w| rounded(w))
+            .collect();
+        let x = rounded(&rng.normals(80, 1.0, 0.0));
+        let probe = rounded(&rng.normals(80, 1.0, 0.0));
+        // One run per precision; gradients are f32 buffers in both.
+        let run = |b: &CpuBackend, w: &[CpuBuf], x: &CpuBuf, dx: &CpuBuf| {
+            let saved = layer
+                .forward_with(b, &views(w), vm(x), TWO_SEQUENCES, &LocalExchange)
+                .expect("forward");
+            let selected = saved.routing().expect("routing").selected(b).expect("sel");
+            let aux = saved.aux_loss(b).expect("aux");
+            let wgrad = layer
+                .backward_input_with(b, &views(w), saved, vm(dx), 0.5, &LocalExchange)
+                .expect("backward");
+            let grads = ups(&zeros_like(&weights));
+            layer
+                .backward_weight_with(b, wgrad, &mut views_mut(&grads))
+                .expect("weight gradient");
+            (selected, aux, grads.iter().map(down).collect::<Vec<_>>())
+        };
+        let (w32, x32, dx32) = (ups(&weights), up(&x), up(&probe));
+        let (sel32, aux32, g32) = run(dev(), &w32, &x32, &dx32);
+        let w16: Vec<CpuBuf> = weights.iter().map(|w| to_bf16(w)).collect();
+        let (x16, dx16) = (to_bf16(&x), to_bf16(&probe));
+        let (sel16, aux16, g16) = run(&bf, &w16, &x16, &dx16);
+        let name = format!("E {score} k={k} {act}");
+        assert_eq!(sel16, sel32, "{name}: the routing changed");
+        // The aux loss depends on the counts and the f32 softmax of logits
+        // from bf16 inputs: close, not equal.
+        assert!(
+            (aux16 - aux32).abs() <= 1e-2 * aux32,
+            "{name}: aux {aux16} vs {aux32}"
+        );
+        let close = |what: &str, got: &[f32], want: &[f32]| {
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 0.03 * scale + 1e-6,
+                    "{name}: {what}[{i}]: {g} vs {w} (scale {scale})"
+                );
+            }
+        };
+        close("output", &from_bf16(&x16), &down(&x32));
+        close("dx", &from_bf16(&dx16), &down(&dx32));
+        for (i, (g, w)) in g16.iter().zip(&g32).enumerate() {
+            close(&format!("grad {}", layer.params()[i].name), g, w);
         }
     }
 }

@@ -9,8 +9,10 @@ use super::arena::CpuArena;
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamStep, AttentionDims, AttentionInputs, Backend, ConvDims, CopyCols, DeviceStats, LookupDims,
-    LossDims, MatmulDims, NormDims, Precision, RotaryDims, RouteDims, RouteOutputs, RouterScores,
+    AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims, CopyCols,
+    DeviceStats, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims, MatmulProblem,
+    NormDims, Precision, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores,
     ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims,
     UnpermuteGrads,
 };
@@ -218,6 +220,39 @@ impl Backend for CpuBackend {
         same_dtype(k.kernel(), ("A", a.dtype()), ("B", b.dtype()))?;
         let (a, b) = (k.f32_in("A", a)?, k.f32_in("B", b)?);
         kernels::matmul(&a, &b, &mut k.f32_out("C", c)?, dims)
+    }
+
+    fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()> {
+        let k = self.access("grouped_matmul");
+        let (Some(ab), Some(c)) = (
+            problems.first().map(|p| ("problems[0].A", p.a.dtype())),
+            problems.first().map(|p| ("problems[0].C", p.c.dtype())),
+        ) else {
+            return Ok(());
+        };
+        // Registering every view before any loop runs is what refuses
+        // overlapping `C`s (an aliasing error of this one call).
+        let mut operands = Vec::with_capacity(problems.len());
+        for (i, p) in problems.into_iter().enumerate() {
+            let name = |operand: &str| format!("problems[{i}].{operand}");
+            same_dtype(k.kernel(), ab, (&name("A"), p.a.dtype()))?;
+            same_dtype(k.kernel(), ab, (&name("B"), p.b.dtype()))?;
+            same_dtype(k.kernel(), c, (&name("C"), p.c.dtype()))?;
+            let a = k.f32_in(&name("A"), p.a)?;
+            let b = k.f32_in(&name("B"), p.b)?;
+            let out = k.f32_out(&name("C"), p.c)?;
+            operands.push((a, b, out, p.dims));
+        }
+        let mut problems: Vec<MatmulProblem<&[f32], &mut [f32]>> = operands
+            .iter_mut()
+            .map(|(a, b, c, dims)| MatmulProblem {
+                a: &**a,
+                b: &**b,
+                c: &mut **c,
+                dims: *dims,
+            })
+            .collect();
+        kernels::grouped_matmul(&mut problems)
     }
 
     fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
@@ -595,12 +630,15 @@ impl Backend for CpuBackend {
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,
-        expert_bias: Option<&[f32]>,
+        expert_bias: Option<Slice<'_, Self>>,
         out: RouteOutputs<SliceMut<'_, Self>>,
-        selected: &mut [u32],
+        selected: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()> {
         let k = self.access("moe_route_forward");
+        let expert_bias = expert_bias
+            .map(|b| k.typed_in::<f32>("expert_bias", b))
+            .transpose()?;
         kernels::moe_route_forward(
             k.typed_in::<f32>("logits", logits)?,
             expert_bias,
@@ -609,7 +647,7 @@ impl Backend for CpuBackend {
                 weights: k.typed_out::<f32>("weights", out.weights)?,
                 softmax_sum: k.typed_out::<f32>("softmax_sum", out.softmax_sum)?,
             },
-            selected,
+            k.typed_out::<u32>("selected", selected)?,
             dims,
         )
     }
@@ -617,9 +655,9 @@ impl Backend for CpuBackend {
     fn moe_route_backward(
         &self,
         saved: RouterScores<Slice<'_, Self>>,
-        selected: &[u32],
+        selected: Slice<'_, Self>,
         d_weights: Slice<'_, Self>,
-        aux_grad: &[f32],
+        aux_grad: Slice<'_, Self>,
         d_logits: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()> {
@@ -629,23 +667,103 @@ impl Backend for CpuBackend {
                 logits: k.typed_in::<f32>("logits", saved.logits)?,
                 scores: k.typed_in::<f32>("scores", saved.scores)?,
             },
-            selected,
+            k.typed_in::<u32>("selected", selected)?,
             k.typed_in::<f32>("d_weights", d_weights)?,
-            aux_grad,
+            k.typed_in::<f32>("aux_grad", aux_grad)?,
             k.typed_out::<f32>("d_logits", d_logits)?,
             dims,
+        )
+    }
+
+    fn moe_expert_counts(
+        &self,
+        selected: Slice<'_, Self>,
+        counts: SliceMut<'_, Self>,
+        slots: RoutedSlots,
+    ) -> Result<()> {
+        let k = self.access("moe_expert_counts");
+        kernels::moe_expert_counts(
+            k.typed_in::<u32>("selected", selected)?,
+            k.typed_out::<u32>("counts", counts)?,
+            slots,
+        )
+    }
+
+    fn moe_sort_by_expert(
+        &self,
+        selected: Slice<'_, Self>,
+        counts: Slice<'_, Self>,
+        out: ExpertOrder<SliceMut<'_, Self>>,
+        slots: RoutedSlots,
+    ) -> Result<()> {
+        let k = self.access("moe_sort_by_expert");
+        kernels::moe_sort_by_expert(
+            k.typed_in::<u32>("selected", selected)?,
+            k.typed_in::<u32>("counts", counts)?,
+            ExpertOrder {
+                positions: k.typed_out::<u32>("positions", out.positions)?,
+                sources: k.typed_out::<u32>("sources", out.sources)?,
+            },
+            slots,
+        )
+    }
+
+    fn moe_expert_major_order(
+        &self,
+        recv_counts: Slice<'_, Self>,
+        order: SliceMut<'_, Self>,
+        dims: ReceivedDims,
+    ) -> Result<()> {
+        let k = self.access("moe_expert_major_order");
+        kernels::moe_expert_major_order(
+            k.typed_in::<u32>("recv_counts", recv_counts)?,
+            k.typed_out::<u32>("order", order)?,
+            dims,
+        )
+    }
+
+    fn moe_aux_loss_forward(
+        &self,
+        counts: Slice<'_, Self>,
+        softmax_sum: Slice<'_, Self>,
+        loss: SliceMut<'_, Self>,
+        dims: AuxLossDims,
+    ) -> Result<()> {
+        let k = self.access("moe_aux_loss_forward");
+        kernels::moe_aux_loss_forward(
+            k.typed_in::<u32>("counts", counts)?,
+            k.typed_in::<f32>("softmax_sum", softmax_sum)?,
+            k.typed_out::<f64>("loss", loss)?,
+            dims,
+        )
+    }
+
+    fn moe_aux_loss_backward(
+        &self,
+        counts: Slice<'_, Self>,
+        aux_grad: SliceMut<'_, Self>,
+        dims: AuxLossDims,
+        scale: f32,
+    ) -> Result<()> {
+        let k = self.access("moe_aux_loss_backward");
+        kernels::moe_aux_loss_backward(
+            k.typed_in::<u32>("counts", counts)?,
+            k.typed_out::<f32>("aux_grad", aux_grad)?,
+            dims,
+            scale,
         )
     }
 
     fn gather_rows(
         &self,
         src: Slice<'_, Self>,
-        index: &[u32],
+        index: Slice<'_, Self>,
         dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()> {
         let k = self.access("gather_rows");
         same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
+        let index = k.typed_in::<u32>("index", index)?;
         let src = k.f32_in("src", src)?;
         kernels::gather_rows(&src, index, &mut k.f32_out("dst", dst)?, width)
     }
@@ -653,12 +771,13 @@ impl Backend for CpuBackend {
     fn scatter_rows(
         &self,
         src: Slice<'_, Self>,
-        index: &[u32],
+        index: Slice<'_, Self>,
         dst: SliceMut<'_, Self>,
         width: usize,
     ) -> Result<()> {
         let k = self.access("scatter_rows");
         same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
+        let index = k.typed_in::<u32>("index", index)?;
         let src = k.f32_in("src", src)?;
         kernels::scatter_rows(&src, index, &mut k.f32_out("dst", dst)?, width)
     }
@@ -667,7 +786,7 @@ impl Backend for CpuBackend {
         &self,
         rows: Slice<'_, Self>,
         weights: Option<Slice<'_, Self>>,
-        positions: &[u32],
+        positions: Slice<'_, Self>,
         out: SliceMut<'_, Self>,
         dims: UnpermuteDims,
     ) -> Result<()> {
@@ -676,6 +795,7 @@ impl Backend for CpuBackend {
         let weights = weights
             .map(|w| k.typed_in::<f32>("weights", w))
             .transpose()?;
+        let positions = k.typed_in::<u32>("positions", positions)?;
         kernels::moe_unpermute(&rows, weights, positions, &mut k.f32_out("out", out)?, dims)
     }
 
@@ -684,13 +804,14 @@ impl Backend for CpuBackend {
         dout: Slice<'_, Self>,
         rows: Slice<'_, Self>,
         weights: Slice<'_, Self>,
-        positions: &[u32],
+        positions: Slice<'_, Self>,
         grads: UnpermuteGrads<SliceMut<'_, Self>>,
         dims: UnpermuteDims,
     ) -> Result<()> {
         let k = self.access("moe_unpermute_backward");
         let (dout, rows) = (k.f32_in("dout", dout)?, k.f32_in("rows", rows)?);
         let weights = k.typed_in::<f32>("weights", weights)?;
+        let positions = k.typed_in::<u32>("positions", positions)?;
         kernels::moe_unpermute_backward(
             &dout,
             &rows,

@@ -12,6 +12,7 @@ mod attention;
 mod check;
 mod conv;
 mod dense;
+mod grouped;
 mod lookup;
 mod moe;
 mod norm;
@@ -23,12 +24,14 @@ pub use activation::{silu_mul_backward, silu_mul_forward, unary_backward, unary_
 pub use attention::{attention_backward, attention_forward};
 pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
 pub use dense::{axpy, column_sum, copy_cols, matmul, scale};
+pub use grouped::grouped_matmul;
 pub use lookup::{
     cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_forward,
 };
 pub use moe::{
-    gather_rows, moe_route_backward, moe_route_forward, moe_unpermute, moe_unpermute_backward,
-    scatter_rows,
+    gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_expert_counts,
+    moe_expert_major_order, moe_route_backward, moe_route_forward, moe_sort_by_expert,
+    moe_unpermute, moe_unpermute_backward, scatter_rows,
 };
 pub use norm::{rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward};
 pub use optim::{adam_update, sgd_update, sum_squares_blocks};

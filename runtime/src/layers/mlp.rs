@@ -37,7 +37,8 @@ impl Ffn {
         n * self.width
     }
 
-    fn unary(&self) -> Option<Unary> {
+    /// The element-wise activation; `None` for SwiGLU (gated, two inputs).
+    pub fn unary(&self) -> Option<Unary> {
         match self.activation {
             Activation::SquaredRelu => Some(Unary::SquaredRelu),
             Activation::Gelu => Some(Unary::Gelu),

@@ -92,11 +92,12 @@ pub enum LayerWgrad<B: Backend> {
 
 impl<B: Backend> LayerSaved<B> {
     /// The MoE load-balancing loss of this forward (already multiplied by its
-    /// coefficient); 0 for other kinds.
-    pub fn aux_loss(&self) -> f64 {
+    /// coefficient), read back from the device (for tests); 0 for other
+    /// kinds.
+    pub fn aux_loss(&self, b: &B) -> Result<f64> {
         match self {
-            LayerSaved::Moe(saved) => saved.aux_loss(),
-            _ => 0.0,
+            LayerSaved::Moe(saved) => saved.aux_loss(b),
+            _ => Ok(0.0),
         }
     }
 }

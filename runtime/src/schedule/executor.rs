@@ -466,16 +466,25 @@ fn forward_op<D: Device>(
             let exchange = CollectiveExchange {
                 collective: &*cx.ep_group,
             };
-            let (stage, aux) = moe_layer(model, layer)?.forward_step(
+            // Until the step keeps one device accumulator for every layer and
+            // micro-batch, each step gets its own and `Prepare`'s (the only
+            // step that adds to it) is read back here.
+            let aux = b.alloc(1, crate::backend::DType::F64)?;
+            let stage = moe_layer(model, layer)?.forward_step(
                 step,
                 b,
                 &weights,
                 stage,
                 b.view_mut(x)?,
+                b.view_mut(&aux)?,
                 cx.tokens,
                 &exchange,
             )?;
-            mb.losses.aux += aux;
+            if step == MoeForward::Prepare {
+                let mut value = [0.0f64];
+                b.download(b.view(&aux)?, &mut value)?;
+                mb.losses.aux += value[0];
+            }
             mb.layers[i] = LayerState::Moe(stage);
         }
         Op::FinalNorm => {

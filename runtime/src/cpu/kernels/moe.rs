@@ -1,10 +1,15 @@
 //! Mixture-of-experts kernels: router scoring with top-k selection and its
-//! backward, row gathers/scatters for the permutation, and the weighted
-//! unpermute (combine) with its backward.
+//! backward, the per-expert histogram, the dispatch sort and the regroup
+//! after the all-to-all, the load-balancing loss and its gradient, row
+//! gathers/scatters, and the weighted unpermute (combine) with its backward.
+//! Index arguments are `u32` (device views of `DType::U32` in the backend).
 
 use super::check;
 use super::dense::{axpy_row, dot};
-use crate::backend::{RouteDims, RouteOutputs, RouterScores, UnpermuteDims, UnpermuteGrads};
+use crate::backend::{
+    AuxLossDims, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
+    UnpermuteDims, UnpermuteGrads,
+};
 use crate::error::Result;
 use hybridgen_dsl::config::ScoreFunction;
 
@@ -179,6 +184,178 @@ fn softmax_backward(p: &[f32], g: &[f32], dz: &mut [f32], accumulate: bool) {
         let v = p * (g - pg);
         if accumulate { *dz += v } else { *dz = v }
     }
+}
+
+/// `tokens * top_k` (with `top_k >= 1`), which must fit the u32 row
+/// indices the permutation holds.
+fn slot_count(kernel: &str, slots: RoutedSlots) -> Result<usize> {
+    check::ensure(slots.top_k >= 1, || format!("{kernel}: top-k is 0"))?;
+    let n = check::product(kernel, &[slots.tokens, slots.top_k])?;
+    check::ensure(u32::try_from(n).is_ok(), || {
+        format!("{kernel}: {n} routed slots overflow the u32 row indices")
+    })?;
+    Ok(n)
+}
+
+pub fn moe_expert_counts(selected: &[u32], counts: &mut [u32], slots: RoutedSlots) -> Result<()> {
+    let kn = "moe_expert_counts";
+    let n = slot_count(kn, slots)?;
+    check::len(kn, "selected", selected.len(), n)?;
+    check::len(kn, "counts", counts.len(), slots.experts)?;
+    counts.fill(0);
+    for &e in selected {
+        let e = check::index(kn, "selected expert", e, slots.experts)?;
+        // At most `n` slots, which fits u32 (checked above).
+        counts[e] += 1;
+    }
+    Ok(())
+}
+
+pub fn moe_sort_by_expert(
+    selected: &[u32],
+    counts: &[u32],
+    out: ExpertOrder<&mut [u32]>,
+    slots: RoutedSlots,
+) -> Result<()> {
+    let kn = "moe_sort_by_expert";
+    let n = slot_count(kn, slots)?;
+    check::len(kn, "selected", selected.len(), n)?;
+    check::len(kn, "counts", counts.len(), slots.experts)?;
+    check::len(kn, "positions", out.positions.len(), n)?;
+    check::len(kn, "sources", out.sources.len(), n)?;
+    let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+    check::ensure(total == n as u64, || {
+        format!("{kn}: the counts sum to {total}, but the routing has {n} slots")
+    })?;
+    // `next[e]`: the next free send row of expert e; `end[e]`: its end.
+    let mut next = Vec::with_capacity(counts.len());
+    let mut end = Vec::with_capacity(counts.len());
+    let mut at = 0usize;
+    for &c in counts {
+        next.push(at);
+        at += c as usize;
+        end.push(at);
+    }
+    for (slot, &e) in selected.iter().enumerate() {
+        let e = check::index(kn, "selected expert", e, slots.experts)?;
+        let row = next[e];
+        check::ensure(row < end[e], || {
+            format!(
+                "{kn}: expert {e} is selected more often than counts[{e}] = {} says",
+                counts[e]
+            )
+        })?;
+        // Both fit u32: `row < n` and `slot / k < tokens <= n`.
+        out.positions[slot] = row as u32;
+        out.sources[row] = (slot / slots.top_k) as u32;
+        next[e] += 1;
+    }
+    Ok(())
+}
+
+pub fn moe_expert_major_order(
+    recv_counts: &[u32],
+    order: &mut [u32],
+    dims: ReceivedDims,
+) -> Result<()> {
+    let kn = "moe_expert_major_order";
+    let l = dims.local_experts;
+    check::len(
+        kn,
+        "recv_counts",
+        recv_counts.len(),
+        check::product(kn, &[dims.ranks, l])?,
+    )?;
+    let total: u64 = recv_counts.iter().map(|&c| u64::from(c)).sum();
+    check::ensure(u32::try_from(total).is_ok(), || {
+        format!("{kn}: {total} received rows overflow the u32 row indices")
+    })?;
+    check::len(kn, "order", order.len(), total as usize)?;
+    if l == 0 {
+        return Ok(());
+    }
+    // `offsets[i*L + j]`: the first received row of (source rank i, expert j).
+    let mut offsets = Vec::with_capacity(recv_counts.len());
+    let mut at = 0u32;
+    for &c in recv_counts {
+        offsets.push(at);
+        at += c;
+    }
+    let mut g = 0usize;
+    for j in 0..l {
+        for i in 0..dims.ranks {
+            let (start, count) = (offsets[i * l + j], recv_counts[i * l + j]);
+            for row in start..start + count {
+                order[g] = row;
+                g += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn validate_aux(kernel: &str, counts: &[u32], dims: AuxLossDims) -> Result<()> {
+    check::len(kernel, "counts", counts.len(), dims.slots.experts)?;
+    check::ensure(dims.coeff.is_finite() && dims.coeff >= 0.0, || {
+        format!(
+            "{kernel}: the coefficient {} is not a finite value >= 0",
+            dims.coeff
+        )
+    })
+}
+
+pub fn moe_aux_loss_forward(
+    counts: &[u32],
+    softmax_sum: &[f32],
+    loss: &mut [f64],
+    dims: AuxLossDims,
+) -> Result<()> {
+    let kn = "moe_aux_loss_forward";
+    validate_aux(kn, counts, dims)?;
+    check::len(kn, "softmax_sum", softmax_sum.len(), dims.slots.experts)?;
+    check::len(kn, "loss", loss.len(), 1)?;
+    let RoutedSlots {
+        tokens,
+        top_k,
+        experts,
+    } = dims.slots;
+    if tokens == 0 || dims.coeff == 0.0 {
+        return Ok(());
+    }
+    let slots = (tokens * top_k) as f64;
+    let sum: f64 = counts
+        .iter()
+        .zip(softmax_sum)
+        .map(|(&c, &p)| (c as f64 / slots) * (p as f64 / tokens as f64))
+        .sum();
+    loss[0] += dims.coeff as f64 * experts as f64 * sum;
+    Ok(())
+}
+
+pub fn moe_aux_loss_backward(
+    counts: &[u32],
+    aux_grad: &mut [f32],
+    dims: AuxLossDims,
+    scale: f32,
+) -> Result<()> {
+    let kn = "moe_aux_loss_backward";
+    validate_aux(kn, counts, dims)?;
+    check::len(kn, "aux_grad", aux_grad.len(), dims.slots.experts)?;
+    let RoutedSlots {
+        tokens,
+        top_k,
+        experts,
+    } = dims.slots;
+    if tokens == 0 {
+        aux_grad.fill(0.0);
+        return Ok(());
+    }
+    let slots = (tokens * top_k) as f64;
+    for (g, &c) in aux_grad.iter_mut().zip(counts) {
+        *g = (dims.coeff as f64 * experts as f64 * (c as f64 / slots) / tokens as f64
+            * scale as f64) as f32;
+    }
+    Ok(())
 }
 
 pub fn gather_rows(src: &[f32], index: &[u32], dst: &mut [f32], width: usize) -> Result<()> {
@@ -474,5 +651,410 @@ mod tests {
         let mut sums = vec![0.0; 4];
         moe_unpermute(&src, None, &positions, &mut sums, dims).unwrap();
         assert_eq!(sums, [2.0 + 6.0, 3.0 + 7.0, 0.0 + 4.0, 1.0 + 5.0]);
+    }
+
+    // ---- routing bookkeeping against naive references ----------------------------
+
+    /// Deterministic order-one test data.
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: u32) -> u32 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 33) % u64::from(n)) as u32
+        }
+    }
+
+    /// A routing of `tokens` tokens: k distinct experts per token.
+    fn random_selection(rng: &mut Lcg, slots: RoutedSlots) -> Vec<u32> {
+        let mut sel = Vec::with_capacity(slots.tokens * slots.top_k);
+        for _ in 0..slots.tokens {
+            let mut row: Vec<u32> = Vec::new();
+            while row.len() < slots.top_k {
+                let e = rng.below(slots.experts as u32);
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            sel.extend(row);
+        }
+        sel
+    }
+
+    const SLOTS: [RoutedSlots; 4] = [
+        RoutedSlots {
+            tokens: 7,
+            top_k: 2,
+            experts: 4,
+        },
+        RoutedSlots {
+            tokens: 1,
+            top_k: 3,
+            experts: 3,
+        },
+        RoutedSlots {
+            tokens: 12,
+            top_k: 1,
+            experts: 5,
+        },
+        RoutedSlots {
+            tokens: 0,
+            top_k: 2,
+            experts: 4,
+        },
+    ];
+
+    #[test]
+    fn expert_counts_are_the_histogram_of_the_selection() {
+        let mut rng = Lcg(3);
+        for slots in SLOTS {
+            let sel = random_selection(&mut rng, slots);
+            let mut counts = vec![99u32; slots.experts];
+            moe_expert_counts(&sel, &mut counts, slots).unwrap();
+            let want: Vec<u32> = (0..slots.experts as u32)
+                .map(|e| sel.iter().filter(|&&s| s == e).count() as u32)
+                .collect();
+            assert_eq!(counts, want, "{slots:?}");
+        }
+        let slots = SLOTS[0];
+        let mut sel = random_selection(&mut rng, slots);
+        sel[5] = 4;
+        let err = moe_expert_counts(&sel, &mut [0; 4], slots)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("moe_expert_counts: selected expert 4"),
+            "{err}"
+        );
+        assert!(moe_expert_counts(&sel[1..], &mut [0; 4], slots).is_err());
+        let no_k = RoutedSlots { top_k: 0, ..slots };
+        assert!(moe_expert_counts(&[], &mut [0; 4], no_k).is_err());
+    }
+
+    #[test]
+    fn sort_by_expert_is_the_stable_sort_by_expert_token_slot() {
+        let mut rng = Lcg(5);
+        for slots in SLOTS {
+            let k = slots.top_k;
+            let sel = random_selection(&mut rng, slots);
+            let mut counts = vec![0u32; slots.experts];
+            moe_expert_counts(&sel, &mut counts, slots).unwrap();
+            let n = sel.len();
+            let (mut positions, mut sources) = (vec![0u32; n], vec![0u32; n]);
+            let out = ExpertOrder {
+                positions: &mut positions[..],
+                sources: &mut sources[..],
+            };
+            moe_sort_by_expert(&sel, &counts, out, slots).unwrap();
+            // Reference: the slot indices sorted by (expert, token, k-slot).
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&slot| (sel[slot], slot / k, slot % k));
+            for (row, &slot) in order.iter().enumerate() {
+                assert_eq!(positions[slot] as usize, row, "{slots:?} slot {slot}");
+                assert_eq!(sources[row] as usize, slot / k, "{slots:?} row {row}");
+            }
+        }
+        // Counts that do not describe the selection are refused.
+        let slots = SLOTS[0];
+        let sel = random_selection(&mut rng, slots);
+        let mut counts = vec![0u32; 4];
+        moe_expert_counts(&sel, &mut counts, slots).unwrap();
+        let (mut p, mut q) = (vec![0u32; 14], vec![0u32; 14]);
+        let mut moved = counts.clone();
+        let from = moved.iter().position(|&c| c > 0).unwrap();
+        moved[from] -= 1;
+        moved[(from + 1) % 4] += 1;
+        let out = ExpertOrder {
+            positions: &mut p[..],
+            sources: &mut q[..],
+        };
+        let err = moe_sort_by_expert(&sel, &moved, out, slots)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is selected more often than counts"), "{err}");
+        let mut short = counts.clone();
+        short[0] += 1;
+        let out = ExpertOrder {
+            positions: &mut p[..],
+            sources: &mut q[..],
+        };
+        let err = moe_sort_by_expert(&sel, &short, out, slots)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the counts sum to 15, but the routing has 14 slots"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn expert_major_order_groups_received_rows_by_expert_then_rank() {
+        let mut rng = Lcg(11);
+        for (ranks, l) in [(1, 4), (2, 2), (3, 1), (4, 3)] {
+            let counts: Vec<u32> = (0..ranks * l).map(|_| rng.below(4)).collect();
+            let total = counts.iter().sum::<u32>() as usize;
+            // Reference: label every received row (rank, expert, arrival),
+            // then sort the labels expert-major.
+            let mut labels = Vec::new();
+            for i in 0..ranks {
+                for j in 0..l {
+                    for a in 0..counts[i * l + j] {
+                        labels.push((j, i, a));
+                    }
+                }
+            }
+            let mut want: Vec<u32> = (0..total as u32).collect();
+            want.sort_by_key(|&row| labels[row as usize]);
+            let mut order = vec![0u32; total];
+            let dims = ReceivedDims {
+                ranks,
+                local_experts: l,
+            };
+            moe_expert_major_order(&counts, &mut order, dims).unwrap();
+            assert_eq!(order, want, "{ranks} ranks x {l} experts: {counts:?}");
+            let err = moe_expert_major_order(&counts, &mut vec![0; total + 1], dims)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("`order` has"), "{err}");
+        }
+    }
+
+    #[test]
+    fn aux_loss_and_its_gradient_match_the_switch_formula() {
+        let slots = SLOTS[0];
+        let (t, k, e) = (
+            slots.tokens as f64,
+            slots.top_k as f64,
+            slots.experts as f64,
+        );
+        let counts = [5u32, 0, 6, 3];
+        let sums = [1.75f32, 0.5, 3.25, 1.5];
+        let dims = AuxLossDims { slots, coeff: 0.1 };
+        let mut loss = [0.5f64];
+        moe_aux_loss_forward(&counts, &sums, &mut loss, dims).unwrap();
+        let want: f64 = 0.1f32 as f64
+            * e
+            * (0..4)
+                .map(|i| counts[i] as f64 / (t * k) * sums[i] as f64 / t)
+                .sum::<f64>();
+        assert!(
+            (loss[0] - 0.5 - want).abs() < 1e-12,
+            "{} vs {want}",
+            loss[0] - 0.5
+        );
+        let mut grad = [9.0f32; 4];
+        moe_aux_loss_backward(&counts, &mut grad, dims, 0.7).unwrap();
+        for i in 0..4 {
+            let want = 0.1f32 as f64 * e * counts[i] as f64 / (t * k) / t * 0.7f32 as f64;
+            assert!(
+                (grad[i] as f64 - want).abs() < 1e-7,
+                "[{i}] {} vs {want}",
+                grad[i]
+            );
+        }
+        // Off (coefficient 0) and empty micro-batches add nothing.
+        let off = AuxLossDims { coeff: 0.0, ..dims };
+        moe_aux_loss_forward(&counts, &sums, &mut loss, off).unwrap();
+        let empty = AuxLossDims {
+            slots: RoutedSlots { tokens: 0, ..slots },
+            ..dims
+        };
+        moe_aux_loss_forward(&counts, &sums, &mut loss, empty).unwrap();
+        assert!((loss[0] - 0.5 - want).abs() < 1e-12);
+        moe_aux_loss_backward(&counts, &mut grad, empty, 1.0).unwrap();
+        assert_eq!(grad, [0.0; 4]);
+        let bad = AuxLossDims {
+            coeff: f32::NAN,
+            ..dims
+        };
+        assert!(moe_aux_loss_forward(&counts, &sums, &mut loss, bad).is_err());
+        assert!(moe_aux_loss_forward(&counts[..3], &sums, &mut loss, dims).is_err());
+        assert!(moe_aux_loss_backward(&counts, &mut grad[..2], dims, 1.0).is_err());
+    }
+
+    // ---- the backend's dtype rules --------------------------------------------------
+
+    mod dtypes {
+        use crate::backend::{
+            AuxLossDims, Backend, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
+            RouterScores, UnpermuteDims,
+        };
+        use crate::cpu::{CpuBackend, CpuBuf};
+        use crate::view::{DType, View, ViewMut};
+        use hybridgen_dsl::config::ScoreFunction;
+
+        fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
+            b.alloc(len, dtype).unwrap()
+        }
+
+        fn w(buf: &CpuBuf) -> View<'_, CpuBuf> {
+            View::whole(buf)
+        }
+
+        fn m(buf: &CpuBuf) -> ViewMut<'_, CpuBuf> {
+            ViewMut::whole(buf)
+        }
+
+        fn refused(result: crate::Result<()>, kernel: &str, arg: &str) {
+            let err = result.unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("kernel `{kernel}`: `{arg}` is")),
+                "{kernel}/{arg}: {err}"
+            );
+        }
+
+        #[test]
+        fn index_arguments_must_be_u32_and_routing_state_f32() {
+            let b = CpuBackend::default();
+            let slots = RoutedSlots {
+                tokens: 2,
+                top_k: 1,
+                experts: 2,
+            };
+            let (u32s, f32s) = (buf(&b, 2, DType::U32), buf(&b, 2, DType::F32));
+            let (f64s, bf16s) = (buf(&b, 1, DType::F64), buf(&b, 2, DType::Bf16));
+            refused(
+                b.moe_expert_counts(w(&f32s), m(&u32s), slots),
+                "moe_expert_counts",
+                "selected",
+            );
+            refused(
+                b.moe_expert_counts(w(&u32s), m(&f32s), slots),
+                "moe_expert_counts",
+                "counts",
+            );
+            let (p, q) = (buf(&b, 2, DType::U32), buf(&b, 2, DType::F32));
+            let out = ExpertOrder {
+                positions: m(&p),
+                sources: m(&q),
+            };
+            refused(
+                b.moe_sort_by_expert(w(&u32s), w(&u32s), out, slots),
+                "moe_sort_by_expert",
+                "sources",
+            );
+            let dims = ReceivedDims {
+                ranks: 1,
+                local_experts: 2,
+            };
+            refused(
+                b.moe_expert_major_order(w(&bf16s), m(&u32s), dims),
+                "moe_expert_major_order",
+                "recv_counts",
+            );
+            let aux = AuxLossDims { slots, coeff: 0.1 };
+            refused(
+                b.moe_aux_loss_forward(w(&u32s), w(&f32s), m(&buf(&b, 1, DType::F32)), aux),
+                "moe_aux_loss_forward",
+                "loss",
+            );
+            refused(
+                b.moe_aux_loss_forward(w(&u32s), w(&bf16s), m(&f64s), aux),
+                "moe_aux_loss_forward",
+                "softmax_sum",
+            );
+            refused(
+                b.moe_aux_loss_backward(w(&u32s), m(&bf16s), aux, 1.0),
+                "moe_aux_loss_backward",
+                "aux_grad",
+            );
+            let rows = buf(&b, 4, DType::F32);
+            refused(
+                b.gather_rows(w(&rows), w(&f32s), m(&buf(&b, 4, DType::F32)), 2),
+                "gather_rows",
+                "index",
+            );
+            refused(
+                b.scatter_rows(w(&rows), w(&f32s), m(&buf(&b, 4, DType::F32)), 2),
+                "scatter_rows",
+                "index",
+            );
+            let err = b
+                .gather_rows(w(&rows), w(&u32s), m(&buf(&b, 4, DType::Bf16)), 2)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("`src` is f32 but `dst` is bf16"), "{err}");
+            let un = UnpermuteDims {
+                tokens: 2,
+                top_k: 1,
+                rows: 2,
+                width: 2,
+            };
+            refused(
+                b.moe_unpermute(
+                    w(&rows),
+                    Some(w(&f32s)),
+                    w(&f32s),
+                    m(&buf(&b, 4, DType::F32)),
+                    un,
+                ),
+                "moe_unpermute",
+                "positions",
+            );
+            refused(
+                b.moe_unpermute(
+                    w(&rows),
+                    Some(w(&bf16s)),
+                    w(&u32s),
+                    m(&buf(&b, 4, DType::F32)),
+                    un,
+                ),
+                "moe_unpermute",
+                "weights",
+            );
+            let route = RouteDims {
+                rows: 1,
+                experts: 2,
+                top_k: 1,
+                score: ScoreFunction::Softmax,
+            };
+            let scores = buf(&b, 2, DType::F32);
+            let (weights, sums) = (buf(&b, 1, DType::F32), buf(&b, 2, DType::F32));
+            let out = || RouteOutputs {
+                scores: m(&scores),
+                weights: m(&weights),
+                softmax_sum: m(&sums),
+            };
+            refused(
+                b.moe_route_forward(w(&f32s), None, out(), m(&buf(&b, 1, DType::F32)), route),
+                "moe_route_forward",
+                "selected",
+            );
+            refused(
+                b.moe_route_forward(w(&bf16s), None, out(), m(&buf(&b, 1, DType::U32)), route),
+                "moe_route_forward",
+                "logits",
+            );
+            refused(
+                b.moe_route_forward(
+                    w(&f32s),
+                    Some(w(&bf16s)),
+                    out(),
+                    m(&buf(&b, 1, DType::U32)),
+                    route,
+                ),
+                "moe_route_forward",
+                "expert_bias",
+            );
+            let saved = RouterScores {
+                logits: w(&f32s),
+                scores: w(&scores),
+            };
+            refused(
+                b.moe_route_backward(
+                    saved,
+                    w(&buf(&b, 1, DType::U32)),
+                    w(&weights),
+                    w(&bf16s),
+                    m(&buf(&b, 2, DType::F32)),
+                    route,
+                ),
+                "moe_route_backward",
+                "aux_grad",
+            );
+        }
     }
 }

@@ -6,27 +6,43 @@
 //! prepare_backward_input ◀── [a2a] ◀── experts_backward_input ◀── [a2a] ◀── combine_backward
 //! ```
 //!
-//! - `prepare` (pre-dispatch slot): pre-MLP norm, router in f32, top-k, the
-//!   load-balancing loss value, the shared expert, and the permutation: a
-//!   send buffer of `T * k` rows sorted by (global expert, token, k-slot),
-//!   with per-global-expert row counts. Global expert `e` lives on EP rank
-//!   `e / L` as local expert `e % L` (`L = E / ep`), so the buffer is already
-//!   cut into per-rank segments ([`MoeLayer::counts_per_rank`]).
-//! - The caller exchanges counts ([`crate::Collective::all_to_all_counts`])
-//!   and rows ([`crate::Collective::all_to_all`]); received rows are ordered
-//!   by (source rank, local expert, ...).
+//! - `prepare` (pre-dispatch slot): pre-MLP norm, the router
+//!   (`routing.rs`: f32 logits, top-k, per-expert counts, the load-balancing
+//!   loss added to the caller's device accumulator), the shared expert, and
+//!   the dispatch permutation (`permutation.rs`): a send buffer of `T * k`
+//!   rows sorted by (global expert, token, k-slot). Global expert `e` lives
+//!   on EP rank `e / L` as local expert `e % L` (`L = E / ep`), so the buffer
+//!   is already cut into per-rank segments ([`MoeLayer::counts_per_rank`]).
+//! - `dispatch` (comm lane): the host reads the `E` per-expert counts (the
+//!   layer's one host read per micro-batch: the all-to-all needs its sizes),
+//!   exchanges them ([`crate::Collective::all_to_all_counts`]) and the rows
+//!   ([`crate::Collective::all_to_all`]); received rows are ordered by
+//!   (source rank, local expert, ...).
 //! - `experts` (mlp slot): regroups the received rows expert-major (then by
-//!   source rank), runs each local expert's MLP, and writes the outputs back
-//!   in received order, ready to be sent back.
-//! - `combine` (combine slot): unpermutes the returned rows, weights them by
-//!   the router weights, sums each token's k copies in k-slot order, adds the
-//!   shared expert and adds the result into the residual.
+//!   source rank) on the device, runs every local expert as grouped matmuls
+//!   (`experts.rs`), and writes the outputs back in received order, ready to
+//!   be sent back.
+//! - `combine` (comm lane): the rows come back; the combine unpermutes them,
+//!   weights them by the router weights, sums each token's k copies in k-slot
+//!   order, adds the shared expert and adds the result into the residual.
 //!
 //! Backward mirrors it; the aux-loss gradient (scaled by the caller's loss
-//! scale) enters in `prepare_backward_input`. [`MoeLayer::forward_with`] and
-//! friends run every stage back to back with an [`ExpertExchange`]: a
+//! scale) enters in `prepare_backward_input`. Every routing index (the
+//! selection, the counts, the permutation, the regroup) is a u32 device
+//! buffer made by a kernel; the host only ever holds counts. Routing runs in
+//! f32 in every precision; the rows moved between tokens and experts are in
+//! the compute dtype. [`MoeLayer::forward_with`] and friends run every stage
+//! back to back with an [`ExpertExchange`] (`exchange.rs`): a
 //! [`LocalExchange`] (expert parallelism 1, a copy) or a
 //! [`CollectiveExchange`] over a communicator.
+
+mod exchange;
+mod experts;
+mod permutation;
+mod routing;
+
+pub use exchange::{CollectiveExchange, ExpertExchange, LocalExchange};
+pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
 
 use super::mlp::Ffn;
 use super::norm::RmsNorm;
@@ -34,16 +50,14 @@ use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
     section, weight, zeros, zeros_f32,
 };
-use crate::backend::{
-    Backend, MatmulDims, RouteDims, RouteOutputs, RouterScores, Slice, SliceMut, UnpermuteDims,
-    UnpermuteGrads,
-};
-use crate::collective::Collective;
+use crate::backend::{Backend, DType, Slice, SliceMut, UnpermuteGrads};
 use crate::error::{Result, RuntimeError};
+use exchange::ExchangeRows;
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
 use hybridgen_dsl::config::ScoreFunction;
 use hybridgen_dsl::params::{ParamDef, layer_params};
+use routing::RouterSaved;
 
 const PRE_NORM: usize = 0;
 const ROUTER: usize = 1;
@@ -76,33 +90,27 @@ pub struct MoeRouting<B: Backend> {
     x_in: B::Buf,
     rstd: B::Buf,
     u: B::Buf,
-    logits: B::Buf,
-    scores: B::Buf,
-    weights: B::Buf,
-    /// `[T, k]`: each token's experts, best first.
-    selected: Vec<u32>,
-    /// `[T, k]`: the send-buffer row of each (token, k-slot).
-    positions: Vec<u32>,
-    /// Rows per global expert.
-    counts: Vec<usize>,
-    aux_loss: f64,
+    router: RouterSaved<B>,
+    /// u32 `[T, k]`: the send-buffer row of each (token, k-slot).
+    positions: B::Buf,
     shared: Option<SharedSaved<B>>,
 }
 
 impl<B: Backend> MoeRouting<B> {
-    /// The load-balancing loss (with its coefficient) of this micro-batch.
-    pub fn aux_loss(&self) -> f64 {
-        self.aux_loss
+    /// Rows routed to each global expert, read back from the device: the
+    /// dispatch's one host read, and otherwise for tests and logs.
+    pub fn expert_counts(&self, b: &B) -> Result<Vec<usize>> {
+        let mut counts = vec![0u32; b.buf_len(&self.router.counts)];
+        b.download(b.view(&self.router.counts)?, &mut counts)?;
+        Ok(counts.into_iter().map(|c| c as usize).collect())
     }
 
-    /// Rows routed to each global expert (for expert-bias updates and logs).
-    pub fn expert_counts(&self) -> &[usize] {
-        &self.counts
-    }
-
-    /// `[T, k]`: each token's experts (global indices), best first.
-    pub fn selected(&self) -> &[u32] {
-        &self.selected
+    /// `[T, k]`: each token's experts (global indices), best first, read
+    /// back from the device (for tests).
+    pub fn selected(&self, b: &B) -> Result<Vec<u32>> {
+        let mut selected = vec![0u32; b.buf_len(&self.router.selected)];
+        b.download(b.view(&self.router.selected)?, &mut selected)?;
+        Ok(selected)
     }
 }
 
@@ -110,33 +118,10 @@ impl<B: Backend> MoeRouting<B> {
 pub struct MoePrepared<B: Backend> {
     /// `[T * k, h]` rows of the normed input sorted by (global expert, token,
     /// k-slot): the dispatch all-to-all's send buffer. Drop it once sent.
+    /// The rows per global expert are [`MoeRouting::expert_counts`].
     pub send: B::Buf,
-    /// Rows for each global expert, in expert order.
-    pub send_counts: Vec<usize>,
-    /// The load-balancing loss `coeff * E * sum_i f_i P_i` on these tokens.
-    pub aux_loss: f64,
     /// State for `combine` and the backward.
     pub routing: MoeRouting<B>,
-}
-
-/// What [`MoeLayer::experts`] keeps.
-pub struct MoeExpertsSaved<B: Backend> {
-    /// Rows per local expert.
-    expert_rows: Vec<usize>,
-    /// Grouped row -> received row.
-    regroup: Vec<u32>,
-    input: B::Buf,
-    pre: B::Buf,
-    act: B::Buf,
-}
-
-/// What [`MoeLayer::experts_backward_input`] keeps.
-pub struct MoeExpertsWgrad<B: Backend> {
-    expert_rows: Vec<usize>,
-    input: B::Buf,
-    act: B::Buf,
-    d_pre: B::Buf,
-    d_out: B::Buf,
 }
 
 /// What [`MoeLayer::combine`] keeps.
@@ -147,10 +132,6 @@ pub struct MoeCombined<B: Backend> {
 }
 
 impl<B: Backend> MoeCombined<B> {
-    pub fn aux_loss(&self) -> f64 {
-        self.routing.aux_loss
-    }
-
     pub fn routing(&self) -> &MoeRouting<B> {
         &self.routing
     }
@@ -167,6 +148,7 @@ pub struct MoeCombineBackward<B: Backend> {
 /// State from `combine_backward` to `prepare_backward_input`.
 pub struct MoeCombineGrad<B: Backend> {
     routing: MoeRouting<B>,
+    /// f32 `[T, k]`.
     d_weights: B::Buf,
     /// dL/d(layer output), for the shared expert.
     d_out: Option<B::Buf>,
@@ -186,6 +168,7 @@ pub struct MoePrepareWgrad<B: Backend> {
     rstd: B::Buf,
     u: B::Buf,
     d_u: B::Buf,
+    /// In the compute dtype.
     d_logits: B::Buf,
     shared: Option<SharedWgrad<B>>,
 }
@@ -193,12 +176,17 @@ pub struct MoePrepareWgrad<B: Backend> {
 /// A whole forward run through an [`ExpertExchange`].
 pub struct MoeSaved<B: Backend> {
     stage: MoeStage<B>,
-    aux_loss: f64,
+    /// f64 `[1]`: the load-balancing loss of the run.
+    aux_loss: B::Buf,
 }
 
 impl<B: Backend> MoeSaved<B> {
-    pub fn aux_loss(&self) -> f64 {
-        self.aux_loss
+    /// The load-balancing loss (with its coefficient), read back from the
+    /// device (for tests; the schedule accumulates it on the device).
+    pub fn aux_loss(&self, b: &B) -> Result<f64> {
+        let mut value = [0.0f64];
+        b.download(b.view(&self.aux_loss)?, &mut value)?;
+        Ok(value[0])
     }
 
     /// The routing of the forward (for tests).
@@ -272,12 +260,6 @@ impl MoeBackward {
     }
 }
 
-/// Rows sent to and received from each EP rank by one micro-batch.
-struct ExchangeRows {
-    send: Vec<usize>,
-    recv: Vec<usize>,
-}
-
 /// Where one micro-batch of an `E` layer stands between the schedule's
 /// steps: each variant holds exactly what the next step needs, so a step
 /// run out of order is an error naming both steps, never a missing field.
@@ -286,7 +268,6 @@ enum MoeFlow<B: Backend> {
     Prepared {
         routing: MoeRouting<B>,
         send: B::Buf,
-        counts: Vec<usize>,
     },
     Dispatched {
         routing: MoeRouting<B>,
@@ -367,92 +348,6 @@ fn out_of_order(step: &str, after: &str) -> RuntimeError {
     RuntimeError::InvalidArgument(format!(
         "`E` layer: the {step} step cannot run after {after}; the schedule ran a step out of order"
     ))
-}
-
-/// The all-to-alls around the experts, as the staged calls need them.
-pub trait ExpertExchange<B: Backend> {
-    /// `send[j]`: rows this rank sends to rank j, per local expert of rank j.
-    /// Returns, per source rank i, the rows it sends here per local expert.
-    fn exchange_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>>;
-
-    /// Sends `send_rows[j]` rows (of `width`) to rank j, in rank order, and
-    /// returns the `recv_rows[i]` rows received from each rank i, in rank order.
-    fn exchange_rows(
-        &self,
-        b: &B,
-        send: Slice<'_, B>,
-        send_rows: &[usize],
-        recv_rows: &[usize],
-        width: usize,
-    ) -> Result<B::Buf>;
-}
-
-/// The exchange of expert parallelism 1: every expert is local, so the rows
-/// stay and are copied.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LocalExchange;
-
-impl<B: Backend> ExpertExchange<B> for LocalExchange {
-    fn exchange_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>> {
-        if send.len() != 1 {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "the local expert exchange serves expert parallelism 1, not {}; use a \
-                 CollectiveExchange (or the staged calls) under expert parallelism",
-                send.len()
-            )));
-        }
-        Ok(send.to_vec())
-    }
-
-    fn exchange_rows(
-        &self,
-        b: &B,
-        send: Slice<'_, B>,
-        send_rows: &[usize],
-        recv_rows: &[usize],
-        width: usize,
-    ) -> Result<B::Buf> {
-        if send_rows != recv_rows || send_rows.len() != 1 {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "local expert exchange: sending {send_rows:?} rows but receiving {recv_rows:?}"
-            )));
-        }
-        check_len(
-            "local expert exchange",
-            "send",
-            b.slice_len(send),
-            send_rows[0] * width,
-        )?;
-        copy_of(b, send)
-    }
-}
-
-/// The exchange over an expert-parallel communicator: counts with
-/// [`Collective::all_to_all_counts`], rows with [`Collective::all_to_all`].
-pub struct CollectiveExchange<'c, C> {
-    pub collective: &'c C,
-}
-
-impl<B: Backend, C: Collective<B>> ExpertExchange<B> for CollectiveExchange<'_, C> {
-    fn exchange_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>> {
-        self.collective.all_to_all_counts(send)
-    }
-
-    fn exchange_rows(
-        &self,
-        b: &B,
-        send: Slice<'_, B>,
-        send_rows: &[usize],
-        recv_rows: &[usize],
-        width: usize,
-    ) -> Result<B::Buf> {
-        let send_counts: Vec<usize> = send_rows.iter().map(|r| r * width).collect();
-        let recv_counts: Vec<usize> = recv_rows.iter().map(|r| r * width).collect();
-        let recv = zeros(b, recv_counts.iter().sum())?;
-        self.collective
-            .all_to_all(send, &send_counts, b.view_mut(&recv)?, &recv_counts)?;
-        Ok(recv)
-    }
 }
 
 impl MoeLayer {
@@ -565,24 +460,6 @@ impl MoeLayer {
         RmsNorm::plain(self.hidden)
     }
 
-    fn route_dims(&self, rows: usize) -> RouteDims {
-        RouteDims {
-            rows,
-            experts: self.experts,
-            top_k: self.top_k,
-            score: self.score,
-        }
-    }
-
-    fn unpermute_dims(&self, tokens: usize) -> UnpermuteDims {
-        UnpermuteDims {
-            tokens,
-            top_k: self.top_k,
-            rows: tokens * self.top_k,
-            width: self.hidden,
-        }
-    }
-
     /// Cuts per-global-expert counts into per-EP-rank lists of per-local-
     /// expert counts (the shape `all_to_all_counts` sends).
     pub fn counts_per_rank(&self, per_expert: &[usize]) -> Result<Vec<Vec<usize>>> {
@@ -595,80 +472,32 @@ impl MoeLayer {
 
     // ---- forward stages ---------------------------------------------------------
 
-    /// Pre-dispatch: norm, routing, aux loss, shared expert, permutation.
-    /// Reads the residual `x` (the residual add happens in `combine`).
+    /// Pre-dispatch: norm, routing, shared expert, permutation. Reads the
+    /// residual `x` (the residual add happens in `combine`) and adds the
+    /// load-balancing loss to `aux_acc` (one f64, on the device).
     pub fn prepare<B: Backend>(
         &self,
         b: &B,
         weights: &[Slice<'_, B>],
         x: Slice<'_, B>,
         tokens: Tokens,
+        aux_acc: SliceMut<'_, B>,
     ) -> Result<MoePrepared<B>> {
         let name = "`E` layer prepare";
         check_weights(b, name, &self.params, weights)?;
         let rows = check_rows(name, "x", b.slice_len(x), tokens, self.hidden)?;
-        let (h, e_n, k) = (self.hidden, self.experts, self.top_k);
+        let h = self.hidden;
         let w = |i| weight::<B>(weights, i);
         let x_in = copy_of(b, x)?;
         let (u, rstd) = self.norm().forward(b, w(PRE_NORM)?, b.view(&x_in)?, rows)?;
-        let logits = zeros_f32(b, rows * e_n)?;
-        b.matmul(
+        let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc)?;
+        let (send, positions) = self.permute(
+            b,
+            b.view(&router.selected)?,
+            b.view(&router.counts)?,
             b.view(&u)?,
-            w(ROUTER)?,
-            b.view_mut(&logits)?,
-            MatmulDims::linear(rows, h, e_n),
+            rows,
         )?;
-        let scores = zeros_f32(b, rows * e_n)?;
-        let route_weights = zeros_f32(b, rows * k)?;
-        let softmax_sum = zeros_f32(b, e_n)?;
-        let mut selected = vec![0u32; rows * k];
-        let out = RouteOutputs {
-            scores: b.view_mut(&scores)?,
-            weights: b.view_mut(&route_weights)?,
-            softmax_sum: b.view_mut(&softmax_sum)?,
-        };
-        b.moe_route_forward(
-            b.view(&logits)?,
-            self.expert_bias.as_deref(),
-            out,
-            &mut selected,
-            self.route_dims(rows),
-        )?;
-        let mut probability_sums = vec![0.0f32; e_n];
-        b.download(b.view(&softmax_sum)?, &mut probability_sums)?;
-        let mut counts = vec![0usize; e_n];
-        for &e in &selected {
-            if let Some(c) = counts.get_mut(e as usize) {
-                *c += 1;
-            }
-        }
-        let aux_loss = self.aux_loss(&counts, &probability_sums, rows);
-        // Counting sort by expert; tokens and k-slots in order within one.
-        let mut next: Vec<usize> = counts
-            .iter()
-            .scan(0usize, |acc, &c| {
-                let start = *acc;
-                *acc += c;
-                Some(start)
-            })
-            .collect();
-        let mut positions = vec![0u32; rows * k];
-        let mut send_tokens = vec![0u32; rows * k];
-        let row_index = |r: usize| {
-            u32::try_from(r).map_err(|_| {
-                RuntimeError::InvalidArgument(format!("{name}: {r} rows overflow u32"))
-            })
-        };
-        for (slot, &e) in selected.iter().enumerate() {
-            let at = next.get_mut(e as usize).ok_or_else(|| {
-                RuntimeError::InvalidArgument(format!("{name}: routing picked expert {e} of {e_n}"))
-            })?;
-            positions[slot] = row_index(*at)?;
-            send_tokens[*at] = row_index(slot / k)?;
-            *at += 1;
-        }
-        let send = zeros(b, rows * k * h)?;
-        b.gather_rows(b.view(&u)?, &send_tokens, b.view_mut(&send)?, h)?;
         let shared = match &self.shared {
             Some(ffn) => {
                 let pre = zeros(b, ffn.pre_len(rows))?;
@@ -691,122 +520,15 @@ impl MoeLayer {
         };
         Ok(MoePrepared {
             send,
-            send_counts: counts.clone(),
-            aux_loss,
             routing: MoeRouting {
                 rows,
                 x_in,
                 rstd,
                 u,
-                logits,
-                scores,
-                weights: route_weights,
-                selected,
+                router,
                 positions,
-                counts,
-                aux_loss,
                 shared,
             },
-        })
-    }
-
-    /// `coeff * E * sum_i f_i P_i`, `f_i = counts_i / (T k)`,
-    /// `P_i = softmax_sum_i / T`, summed in f64 in expert order.
-    fn aux_loss(&self, counts: &[usize], probability_sums: &[f32], rows: usize) -> f64 {
-        if rows == 0 || self.aux_coeff == 0.0 {
-            return 0.0;
-        }
-        let slots = (rows * self.top_k) as f64;
-        let sum: f64 = counts
-            .iter()
-            .zip(probability_sums)
-            .map(|(&c, &p)| (c as f64 / slots) * (p as f64 / rows as f64))
-            .sum();
-        self.aux_coeff as f64 * self.experts as f64 * sum
-    }
-
-    /// Rows received from each source rank for each local expert -> the
-    /// grouped order (expert-major, then source rank): grouped row -> received row.
-    fn regroup(&self, recv_counts: &[Vec<usize>]) -> Result<(Vec<usize>, Vec<u32>)> {
-        let l = self.local_experts;
-        let mut starts = Vec::with_capacity(recv_counts.len());
-        let mut total = 0usize;
-        for (src, counts) in recv_counts.iter().enumerate() {
-            check_len(
-                "`E` layer experts",
-                &format!("recv_counts[{src}]"),
-                counts.len(),
-                l,
-            )?;
-            starts.push(total);
-            total += counts.iter().sum::<usize>();
-        }
-        let mut expert_rows = vec![0usize; l];
-        let mut regroup = Vec::with_capacity(total);
-        for (j, rows_j) in expert_rows.iter_mut().enumerate() {
-            for (counts, &start) in recv_counts.iter().zip(&starts) {
-                let offset = start + counts[..j].iter().sum::<usize>();
-                for r in offset..offset + counts[j] {
-                    regroup.push(u32::try_from(r).map_err(|_| {
-                        RuntimeError::InvalidArgument(format!("{r} received rows overflow u32"))
-                    })?);
-                }
-                *rows_j += counts[j];
-            }
-        }
-        Ok((expert_rows, regroup))
-    }
-
-    /// The mlp slot: runs the local experts on the received rows
-    /// (`recv_counts[i][j]` rows from source rank i for local expert j, in
-    /// that order) and writes their outputs to `out` in received order.
-    pub fn experts<B: Backend>(
-        &self,
-        b: &B,
-        weights: &[Slice<'_, B>],
-        recv: Slice<'_, B>,
-        recv_counts: &[Vec<usize>],
-        mut out: SliceMut<'_, B>,
-    ) -> Result<MoeExpertsSaved<B>> {
-        let name = "`E` layer experts";
-        check_weights(b, name, &self.params, weights)?;
-        let (expert_rows, regroup) = self.regroup(recv_counts)?;
-        let (h, ffn) = (self.hidden, self.expert);
-        let total = regroup.len();
-        check_len(name, "recv", b.slice_len(recv), total * h)?;
-        check_len(name, "out", b.slice_len(b.as_slice(&out)), total * h)?;
-        let input = zeros(b, total * h)?;
-        b.gather_rows(recv, &regroup, b.view_mut(&input)?, h)?;
-        let pre = zeros(b, ffn.pre_len(total))?;
-        let act = zeros(b, ffn.act_len(total))?;
-        let grouped = zeros(b, total * h)?;
-        let mut start = 0;
-        for (j, &n) in expert_rows.iter().enumerate() {
-            if n > 0 {
-                let rows = start..start + n;
-                ffn.forward(
-                    b,
-                    (
-                        weight::<B>(weights, self.fc1(j))?,
-                        weight::<B>(weights, self.fc2(j))?,
-                    ),
-                    b.slice(&input, rows.start * h..rows.end * h)?,
-                    b.slice_mut(&pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
-                    b.slice_mut(&act, ffn.act_len(rows.start)..ffn.act_len(rows.end))?,
-                    b.slice_mut(&grouped, rows.start * h..rows.end * h)?,
-                    n,
-                    false,
-                )?;
-            }
-            start += n;
-        }
-        b.scatter_rows(b.view(&grouped)?, &regroup, b.reborrow_mut(&mut out), h)?;
-        Ok(MoeExpertsSaved {
-            expert_rows,
-            regroup,
-            input,
-            pre,
-            act,
         })
     }
 
@@ -829,12 +551,13 @@ impl MoeLayer {
         )?;
         check_len(name, "x", b.slice_len(b.as_slice(&x)), rows * h)?;
         let moe_out = zeros(b, rows * h)?;
-        b.moe_unpermute(
+        self.unpermute(
+            b,
             b.view(&returned)?,
-            Some(b.view(&routing.weights)?),
-            &routing.positions,
+            b.view(&routing.router.weights)?,
+            b.view(&routing.positions)?,
             b.view_mut(&moe_out)?,
-            self.unpermute_dims(rows),
+            rows,
         )?;
         if let Some(shared) = &routing.shared {
             b.axpy(1.0, b.view(&shared.out)?, b.view_mut(&moe_out)?)?;
@@ -864,17 +587,17 @@ impl MoeLayer {
         )?;
         let d_returned = zeros(b, rows * k * h)?;
         let d_weights = zeros_f32(b, rows * k)?;
-        let grads = UnpermuteGrads {
-            rows: b.view_mut(&d_returned)?,
-            weights: b.view_mut(&d_weights)?,
-        };
-        b.moe_unpermute_backward(
+        self.unpermute_backward(
+            b,
             dx,
             b.view(&combined.returned)?,
-            b.view(&routing.weights)?,
-            &routing.positions,
-            grads,
-            self.unpermute_dims(rows),
+            b.view(&routing.router.weights)?,
+            b.view(&routing.positions)?,
+            UnpermuteGrads {
+                rows: b.view_mut(&d_returned)?,
+                weights: b.view_mut(&d_weights)?,
+            },
+            rows,
         )?;
         let d_out = match routing.shared {
             Some(_) => Some(copy_of(b, dx)?),
@@ -888,90 +611,6 @@ impl MoeLayer {
                 d_out,
             },
         })
-    }
-
-    /// Experts backward: `d_out` is the gradient of the experts' outputs in
-    /// received order; writes the gradient of their inputs to `d_in` (received
-    /// order), ready to be sent back.
-    pub fn experts_backward_input<B: Backend>(
-        &self,
-        b: &B,
-        weights: &[Slice<'_, B>],
-        saved: MoeExpertsSaved<B>,
-        d_out: Slice<'_, B>,
-        mut d_in: SliceMut<'_, B>,
-    ) -> Result<MoeExpertsWgrad<B>> {
-        let name = "`E` layer experts backward";
-        check_weights(b, name, &self.params, weights)?;
-        let (h, ffn) = (self.hidden, self.expert);
-        let total = saved.regroup.len();
-        check_len(name, "d_out", b.slice_len(d_out), total * h)?;
-        check_len(name, "d_in", b.slice_len(b.as_slice(&d_in)), total * h)?;
-        let d_grouped = zeros(b, total * h)?;
-        b.gather_rows(d_out, &saved.regroup, b.view_mut(&d_grouped)?, h)?;
-        let d_pre = zeros(b, ffn.pre_len(total))?;
-        let d_in_grouped = zeros(b, total * h)?;
-        let mut start = 0;
-        for (j, &n) in saved.expert_rows.iter().enumerate() {
-            if n > 0 {
-                let rows = start..start + n;
-                ffn.backward_input(
-                    b,
-                    (
-                        weight::<B>(weights, self.fc1(j))?,
-                        weight::<B>(weights, self.fc2(j))?,
-                    ),
-                    b.slice(&saved.pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
-                    b.slice(&d_grouped, rows.start * h..rows.end * h)?,
-                    b.slice_mut(&d_pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
-                    b.slice_mut(&d_in_grouped, rows.start * h..rows.end * h)?,
-                    n,
-                    false,
-                )?;
-            }
-            start += n;
-        }
-        b.scatter_rows(
-            b.view(&d_in_grouped)?,
-            &saved.regroup,
-            b.reborrow_mut(&mut d_in),
-            h,
-        )?;
-        Ok(MoeExpertsWgrad {
-            expert_rows: saved.expert_rows,
-            input: saved.input,
-            act: saved.act,
-            d_pre,
-            d_out: d_grouped,
-        })
-    }
-
-    /// Accumulates the local experts' weight gradients.
-    pub fn experts_backward_weight<B: Backend>(
-        &self,
-        b: &B,
-        g: MoeExpertsWgrad<B>,
-        grads: &mut [SliceMut<'_, B>],
-    ) -> Result<()> {
-        check_grads(b, "`E` layer experts", &self.params, grads)?;
-        let (h, ffn) = (self.hidden, self.expert);
-        let mut start = 0;
-        for (j, &n) in g.expert_rows.iter().enumerate() {
-            if n > 0 {
-                let rows = start..start + n;
-                ffn.backward_weight(
-                    b,
-                    b.slice(&g.input, rows.start * h..rows.end * h)?,
-                    b.slice(&g.act, ffn.act_len(rows.start)..ffn.act_len(rows.end))?,
-                    b.slice(&g.d_pre, ffn.pre_len(rows.start)..ffn.pre_len(rows.end))?,
-                    b.slice(&g.d_out, rows.start * h..rows.end * h)?,
-                    grad_pair(b, grads, self.fc1(j), self.fc2(j))?,
-                    n,
-                )?;
-            }
-            start += n;
-        }
-        Ok(())
     }
 
     /// Pre-dispatch backward: `d_send` is the gradient of the send rows (as
@@ -990,49 +629,15 @@ impl MoeLayer {
         let name = "`E` layer prepare backward";
         check_weights(b, name, &self.params, weights)?;
         let r = state.routing;
-        let (rows, h, e_n, k) = (r.rows, self.hidden, self.experts, self.top_k);
+        let (rows, h, k) = (r.rows, self.hidden, self.top_k);
         check_len(name, "d_send", b.slice_len(d_send), rows * k * h)?;
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * h)?;
         let w = |i| weight::<B>(weights, i);
         let d_u = zeros(b, rows * h)?;
-        b.moe_unpermute(
-            d_send,
-            None,
-            &r.positions,
-            b.view_mut(&d_u)?,
-            self.unpermute_dims(rows),
-        )?;
-        // dL_aux/dp[t, e] = coeff * E * f_e / T, times the caller's scale.
-        let aux_grad: Vec<f32> = if rows == 0 {
-            vec![0.0; e_n]
-        } else {
-            let slots = (rows * k) as f64;
-            r.counts
-                .iter()
-                .map(|&c| {
-                    (self.aux_coeff as f64 * e_n as f64 * (c as f64 / slots) / rows as f64
-                        * loss_scale as f64) as f32
-                })
-                .collect()
-        };
-        let d_logits = zeros_f32(b, rows * e_n)?;
-        b.moe_route_backward(
-            RouterScores {
-                logits: b.view(&r.logits)?,
-                scores: b.view(&r.scores)?,
-            },
-            &r.selected,
-            b.view(&state.d_weights)?,
-            &aux_grad,
-            b.view_mut(&d_logits)?,
-            self.route_dims(rows),
-        )?;
-        b.matmul(
-            b.view(&d_logits)?,
-            w(ROUTER)?,
-            b.view_mut(&d_u)?,
-            MatmulDims::linear_input_grad(rows, h, e_n, true),
-        )?;
+        self.permute_backward(b, d_send, b.view(&r.positions)?, b.view_mut(&d_u)?, rows)?;
+        let d_logits =
+            self.route_backward(b, &r.router, b.view(&state.d_weights)?, rows, loss_scale)?;
+        self.router_backward_input(b, w(ROUTER)?, b.view(&d_logits)?, b.view_mut(&d_u)?, rows)?;
         let shared = match (&self.shared, r.shared, state.d_out) {
             (Some(ffn), Some(saved), Some(d_out)) => {
                 let d_pre = zeros(b, ffn.pre_len(rows))?;
@@ -1088,7 +693,7 @@ impl MoeLayer {
         grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`E` layer", &self.params, grads)?;
-        let (rows, h) = (g.rows, self.hidden);
+        let rows = g.rows;
         self.norm().backward_weight(
             b,
             &g.x_in,
@@ -1097,11 +702,12 @@ impl MoeLayer {
             grad(b, grads, PRE_NORM)?,
             rows,
         )?;
-        b.matmul(
+        self.router_backward_weight(
+            b,
             b.view(&g.d_logits)?,
             b.view(&g.u)?,
             grad(b, grads, ROUTER)?,
-            MatmulDims::linear_weight_grad(rows, h, self.experts),
+            rows,
         )?;
         if let (Some(ffn), Some(s)) = (&self.shared, &g.shared) {
             let i = self.shared_fc1();
@@ -1123,8 +729,12 @@ impl MoeLayer {
     /// Runs one forward step of one micro-batch: the schedule's slots call
     /// these in order (prepare in pre-dispatch, dispatch and combine on the
     /// comm lane, experts in the mlp slot). `x` is the residual stream: read
-    /// by `Prepare`, added into by `Combine`. Returns the new stage and the
-    /// load-balancing loss this step added (non-zero for `Prepare` only).
+    /// by `Prepare`, added into by `Combine`. `aux_acc` (one f64 on the
+    /// device) receives the load-balancing loss: `Prepare` adds this layer's
+    /// and micro-batch's, the other steps leave it alone, so a caller can
+    /// sum every layer (and micro-batch) in one buffer and read it once.
+    /// `Dispatch` reads the `E` per-expert counts back to the host (the
+    /// all-to-all's sizes): the layer's only host read.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_step<B: Backend, X: ExpertExchange<B>>(
         &self,
@@ -1133,9 +743,10 @@ impl MoeLayer {
         weights: &[Slice<'_, B>],
         stage: MoeStage<B>,
         mut x: SliceMut<'_, B>,
+        aux_acc: SliceMut<'_, B>,
         tokens: Tokens,
         exchange: &X,
-    ) -> Result<(MoeStage<B>, f64)> {
+    ) -> Result<MoeStage<B>> {
         let h = self.hidden;
         let MoeStage {
             flow,
@@ -1153,23 +764,14 @@ impl MoeLayer {
         }
         Ok(match (step, flow) {
             (MoeForward::Prepare, MoeFlow::Idle) => {
-                let prepared = self.prepare(b, weights, b.as_slice(&x), tokens)?;
-                let aux = prepared.aux_loss;
-                let flow = MoeFlow::Prepared {
+                let prepared = self.prepare(b, weights, b.as_slice(&x), tokens, aux_acc)?;
+                with(MoeFlow::Prepared {
                     routing: prepared.routing,
                     send: prepared.send,
-                    counts: prepared.send_counts,
-                };
-                (with(flow), aux)
+                })
             }
-            (
-                MoeForward::Dispatch,
-                MoeFlow::Prepared {
-                    routing,
-                    send,
-                    counts,
-                },
-            ) => {
+            (MoeForward::Dispatch, MoeFlow::Prepared { routing, send }) => {
+                let counts = routing.expert_counts(b)?;
                 let send_counts = self.counts_per_rank(&counts)?;
                 let recv_counts = exchange.exchange_counts(&send_counts)?;
                 let rows = ExchangeRows {
@@ -1177,13 +779,12 @@ impl MoeLayer {
                     recv: recv_counts.iter().map(|c| c.iter().sum()).collect(),
                 };
                 let recv = exchange.exchange_rows(b, b.view(&send)?, &rows.send, &rows.recv, h)?;
-                let flow = MoeFlow::Dispatched {
+                with(MoeFlow::Dispatched {
                     routing,
                     recv,
                     recv_counts,
                     rows,
-                };
-                (with(flow), 0.0)
+                })
             }
             (
                 MoeForward::Experts,
@@ -1197,13 +798,12 @@ impl MoeLayer {
                 let out = zeros(b, b.buf_len(&recv))?;
                 let experts =
                     self.experts(b, weights, b.view(&recv)?, &recv_counts, b.view_mut(&out)?)?;
-                let flow = MoeFlow::Computed {
+                with(MoeFlow::Computed {
                     routing,
                     out,
                     experts,
                     rows,
-                };
-                (with(flow), 0.0)
+                })
             }
             (
                 MoeForward::Combine,
@@ -1218,12 +818,11 @@ impl MoeLayer {
                     exchange.exchange_rows(b, b.view(&out)?, &rows.recv, &rows.send, h)?;
                 drop(out);
                 let combined = self.combine(b, routing, returned, b.reborrow_mut(&mut x))?;
-                let flow = MoeFlow::Combined {
+                with(MoeFlow::Combined {
                     combined,
                     experts,
                     rows,
-                };
-                (with(flow), 0.0)
+                })
             }
             (step, flow) => return Err(out_of_order(step.name(), flow.name())),
         })
@@ -1343,7 +942,9 @@ impl MoeLayer {
 
     // ---- every step back to back ------------------------------------------------
 
-    /// The whole forward, exchanging rows through `exchange`.
+    /// The whole forward, exchanging rows through `exchange`; the
+    /// load-balancing loss stays on the device in the returned state
+    /// ([`MoeSaved::aux_loss`] reads it).
     pub fn forward_with<B: Backend, X: ExpertExchange<B>>(
         &self,
         b: &B,
@@ -1352,20 +953,19 @@ impl MoeLayer {
         tokens: Tokens,
         exchange: &X,
     ) -> Result<MoeSaved<B>> {
+        let aux_loss = b.alloc(1, DType::F64)?;
         let mut stage = MoeStage::idle();
-        let mut aux_loss = 0.0;
         for step in MoeForward::ALL {
-            let (next, aux) = self.forward_step(
+            stage = self.forward_step(
                 step,
                 b,
                 weights,
                 stage,
                 b.reborrow_mut(&mut x),
+                b.view_mut(&aux_loss)?,
                 tokens,
                 exchange,
             )?;
-            stage = next;
-            aux_loss += aux;
         }
         Ok(MoeSaved { stage, aux_loss })
     }

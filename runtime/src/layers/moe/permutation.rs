@@ -1,0 +1,192 @@
+//! Where each routed row goes. The dispatch permutation sorts a
+//! micro-batch's (token, k-slot) pairs by (global expert, token, k-slot) (a
+//! stable counting sort on the device) and gathers the normed input into
+//! that send order; the combine unpermutes the returned rows and sums each
+//! token's k copies with their weights. After the dispatch all-to-all, the
+//! received rows (ordered by source rank, then local expert) are regrouped
+//! expert-major so each local expert's rows are one contiguous range.
+//! Every index here is a u32 device buffer made by a kernel.
+
+use super::MoeLayer;
+use crate::backend::{
+    Backend, DType, ExpertOrder, ReceivedDims, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+};
+use crate::error::{Result, RuntimeError};
+use crate::layers::{check_len, zeros};
+
+impl MoeLayer {
+    fn unpermute_dims(&self, tokens: usize) -> UnpermuteDims {
+        UnpermuteDims {
+            tokens,
+            top_k: self.top_k,
+            rows: tokens * self.top_k,
+            width: self.hidden,
+        }
+    }
+
+    /// The dispatch: sorts the slots of `selected` by expert (`counts` from
+    /// the router) and gathers the rows of `u` into a `[T * k, h]` send
+    /// buffer in that order. Returns the send buffer and `positions`
+    /// (u32 `[T * k]`: the send row of each (token, k-slot)).
+    pub(super) fn permute<B: Backend>(
+        &self,
+        b: &B,
+        selected: Slice<'_, B>,
+        counts: Slice<'_, B>,
+        u: Slice<'_, B>,
+        rows: usize,
+    ) -> Result<(B::Buf, B::Buf)> {
+        let (h, k) = (self.hidden, self.top_k);
+        let positions = b.alloc(rows * k, DType::U32)?;
+        let sources = b.alloc(rows * k, DType::U32)?;
+        b.moe_sort_by_expert(
+            selected,
+            counts,
+            ExpertOrder {
+                positions: b.view_mut(&positions)?,
+                sources: b.view_mut(&sources)?,
+            },
+            self.routed_slots(rows),
+        )?;
+        let send = zeros(b, rows * k * h)?;
+        b.gather_rows(u, b.view(&sources)?, b.view_mut(&send)?, h)?;
+        Ok((send, positions))
+    }
+
+    /// Backward of the dispatch gather: `d_u = sum_j d_send[positions[t*k + j]]`
+    /// (overwritten), each token's k rows in k-slot order.
+    pub(super) fn permute_backward<B: Backend>(
+        &self,
+        b: &B,
+        d_send: Slice<'_, B>,
+        positions: Slice<'_, B>,
+        d_u: SliceMut<'_, B>,
+        rows: usize,
+    ) -> Result<()> {
+        b.moe_unpermute(d_send, None, positions, d_u, self.unpermute_dims(rows))
+    }
+
+    /// The combine: `out[t] = sum_j w[t, j] returned[positions[t*k + j]]`
+    /// (overwritten), `j` in order.
+    pub(super) fn unpermute<B: Backend>(
+        &self,
+        b: &B,
+        returned: Slice<'_, B>,
+        weights: Slice<'_, B>,
+        positions: Slice<'_, B>,
+        out: SliceMut<'_, B>,
+        rows: usize,
+    ) -> Result<()> {
+        b.moe_unpermute(
+            returned,
+            Some(weights),
+            positions,
+            out,
+            self.unpermute_dims(rows),
+        )
+    }
+
+    /// Backward of [`MoeLayer::unpermute`]: the returned rows' gradient (send
+    /// order) and the routing weights' gradient (f32), both overwritten.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn unpermute_backward<B: Backend>(
+        &self,
+        b: &B,
+        d_out: Slice<'_, B>,
+        returned: Slice<'_, B>,
+        weights: Slice<'_, B>,
+        positions: Slice<'_, B>,
+        grads: UnpermuteGrads<SliceMut<'_, B>>,
+        rows: usize,
+    ) -> Result<()> {
+        b.moe_unpermute_backward(
+            d_out,
+            returned,
+            weights,
+            positions,
+            grads,
+            self.unpermute_dims(rows),
+        )
+    }
+}
+
+/// The rows a rank received for its local experts, grouped expert-major.
+pub(super) struct ExpertGroups<B: Backend> {
+    /// Rows per local expert: the row ranges of the grouped order, in order.
+    rows: Vec<usize>,
+    /// u32 `[total]`: grouped row -> received row.
+    order: B::Buf,
+}
+
+impl<B: Backend> ExpertGroups<B> {
+    /// From the received counts (`recv_counts[i][j]`: rows from source rank
+    /// `i` for local expert `j`), which the host has from the counts
+    /// exchange: it uploads the small `[ranks, L]` table (no host read) and
+    /// the regroup itself runs on the device.
+    pub fn new(b: &B, recv_counts: &[Vec<usize>], local_experts: usize) -> Result<Self> {
+        let mut table = Vec::with_capacity(recv_counts.len() * local_experts);
+        let mut rows = vec![0usize; local_experts];
+        for (src, counts) in recv_counts.iter().enumerate() {
+            check_len(
+                "`E` layer experts",
+                &format!("recv_counts[{src}]"),
+                counts.len(),
+                local_experts,
+            )?;
+            for (j, &c) in counts.iter().enumerate() {
+                table.push(u32::try_from(c).map_err(|_| {
+                    RuntimeError::InvalidArgument(format!(
+                        "`E` layer experts: {c} rows from rank {src} for local expert {j} \
+                         overflow the u32 row indices"
+                    ))
+                })?);
+                rows[j] += c;
+            }
+        }
+        let total = rows.iter().sum();
+        let counts = b.alloc(table.len(), DType::U32)?;
+        b.upload(&table, b.view_mut(&counts)?)?;
+        let order = b.alloc(total, DType::U32)?;
+        b.moe_expert_major_order(
+            b.view(&counts)?,
+            b.view_mut(&order)?,
+            ReceivedDims {
+                ranks: recv_counts.len(),
+                local_experts,
+            },
+        )?;
+        Ok(ExpertGroups { rows, order })
+    }
+
+    /// Rows per local expert.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+
+    /// All received rows.
+    pub fn total(&self) -> usize {
+        self.rows.iter().sum()
+    }
+
+    /// `grouped[g] = received[order[g]]` for rows of `width`.
+    pub fn group(
+        &self,
+        b: &B,
+        received: Slice<'_, B>,
+        grouped: SliceMut<'_, B>,
+        width: usize,
+    ) -> Result<()> {
+        b.gather_rows(received, b.view(&self.order)?, grouped, width)
+    }
+
+    /// `received[order[g]] = grouped[g]`: back to received order.
+    pub fn ungroup(
+        &self,
+        b: &B,
+        grouped: Slice<'_, B>,
+        received: SliceMut<'_, B>,
+        width: usize,
+    ) -> Result<()> {
+        b.scatter_rows(grouped, b.view(&self.order)?, received, width)
+    }
+}
