@@ -129,6 +129,12 @@ pub struct StepReport {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub elapsed: Duration,
+    /// Device-to-host reads rank 0 made for the step (its forward, backward
+    /// and optimizer step): one per MoE layer and micro-batch (the
+    /// all-to-all's counts) and two at the step's end (the loss sums and the
+    /// gradient-norm partials). Every read waits for the device, so this is
+    /// a budget the runtime keeps.
+    pub host_reads: u64,
 }
 
 /// The closing summary of a run.
@@ -426,13 +432,14 @@ fn run_rank(
         .map(|p| engine.param_range(p))
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
-    let cx = Arc::new(StepContext::<Cpu> {
-        model: model.clone(),
-        ep_group: rank.ep_group.clone(),
-        ranges: Arc::new(ranges),
+    let cx = Arc::new(StepContext::<Cpu>::new(
+        model.clone(),
+        rank.ep_group.clone(),
+        Arc::new(ranges),
         tokens,
-        mb_weight: 1.0 / (config.micro_batches * config.ranks) as f32,
-    });
+        1.0 / (config.micro_batches * config.ranks) as f32,
+        &rank.backend,
+    )?);
     let shape = batch_shape(config, &plan);
     let meta = |step| checkpoint::CheckpointMeta {
         step,
@@ -441,6 +448,7 @@ fn run_rank(
     };
     for _ in 0..config.steps {
         let started = Instant::now();
+        let counted = rank.backend.counts();
         let depths = plan.mtp_depths();
         let mut batch = |mb: usize| -> Result<MicroBatchTokens> {
             let key = BatchKey {
@@ -462,6 +470,7 @@ fn run_rank(
         };
         let losses = run_step(&program, &cx, &mut engine, &rank, &mut batch)?;
         let grad_norm = optimizer.step(&engine, &rank)?;
+        let host_reads = (rank.backend.counts() - counted).host_reads;
         step += 1;
         // Every rank's sums, added in rank order: the same bits everywhere.
         let mut mine = vec![losses.main.0, losses.main.1 as f64, losses.aux];
@@ -497,6 +506,7 @@ fn run_rank(
                 aux_loss: total(2) / (config.micro_batches * config.ranks) as f64,
                 grad_norm,
                 elapsed: started.elapsed(),
+                host_reads,
             });
         }
         if let (Some(dir), Some(every)) = (&config.save, config.save_every)

@@ -17,9 +17,10 @@
 
 use super::program::{BackwardPiece, Instr, Program};
 use super::state::{
-    Handoff, HeadState, LayerState, MicroBatch, MtpEntryState, NormState, StepLosses, Stream,
+    Handoff, HeadState, LayerState, LossAccumulator, MicroBatch, MtpEntryState, NormState,
+    StepLosses, Stream,
 };
-use crate::backend::{Backend, Slice, SliceMut, Tokens};
+use crate::backend::{Backend, DType, Slice, SliceMut, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
@@ -45,6 +46,31 @@ pub struct StepContext<D: Device> {
     /// The weight of one micro-batch's mean loss in the step's loss:
     /// `1 / (micro-batches x data-parallel size)`.
     pub mb_weight: f32,
+    /// The step's loss sums on the device (zeroed by [`run_step`]).
+    pub losses: LossAccumulator<D::Backend>,
+}
+
+impl<D: Device> StepContext<D> {
+    /// What the steps of a run share; allocates the loss accumulator on
+    /// `backend`.
+    pub fn new(
+        model: Arc<ModelRuntime>,
+        ep_group: Arc<D::Comm>,
+        ranges: Arc<Vec<Range<usize>>>,
+        tokens: Tokens,
+        mb_weight: f32,
+        backend: &D::Backend,
+    ) -> Result<Self> {
+        let losses = LossAccumulator::new(backend, model.plan.mtp_depths())?;
+        Ok(StepContext {
+            model,
+            ep_group,
+            ranges,
+            tokens,
+            mb_weight,
+            losses,
+        })
+    }
 }
 
 fn missing(what: &str) -> RuntimeError {
@@ -58,7 +84,8 @@ fn missing(what: &str) -> RuntimeError {
 /// micro-batch `mb`'s tokens; it is called when the micro-batch's first
 /// forward is issued, and the micro-batch's state is dropped once its last
 /// backward ran, so memory holds only the micro-batches the schedule keeps
-/// in flight.
+/// in flight. The losses accumulate on the device ([`LossAccumulator`]) and
+/// are read once, at the end; the token counts come from the host's tokens.
 pub fn run_step<D: Device>(
     program: &Program,
     cx: &Arc<StepContext<D>>,
@@ -73,9 +100,18 @@ pub fn run_step<D: Device>(
     let micro_batches = program.micro_batches();
     let mut states: Vec<Option<SharedBatch<D>>> = (0..micro_batches).map(|_| None).collect();
     let mut chain: Vec<Option<EventOf<D>>> = vec![None; micro_batches];
-    let mut losses = StepLosses::new(depths);
-    // Finished micro-batches, in order, waiting to add their losses.
+    // Per head, the unmasked targets of the step's micro-batches.
+    let mut counts = vec![0usize; depths + 1];
+    // Finished micro-batches, in order, waiting to be dropped.
     let mut finished: Vec<(SharedBatch<D>, EventOf<D>)> = Vec::new();
+    // Before any head or MoE layer adds to them (the compute lane runs its
+    // work in issue order).
+    let sums = cx.clone();
+    rank.compute.submit(
+        Label::new("zero loss sums", "forward"),
+        &[],
+        Box::new(move |b: &D::Backend| b.zero(sums.losses.all())),
+    );
     for (at, instr) in program.instrs().iter().enumerate() {
         match *instr {
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
@@ -89,8 +125,11 @@ pub fn run_step<D: Device>(
                 let state = match &states[mb] {
                     Some(state) => state.clone(),
                     None => {
-                        let state =
-                            Arc::new(Handoff::new(MicroBatch::new(batch(mb)?, layers, depths)));
+                        let micro_batch = MicroBatch::new(batch(mb)?, layers, depths);
+                        for (total, n) in counts.iter_mut().zip(&micro_batch.counts) {
+                            *total += n;
+                        }
+                        let state = Arc::new(Handoff::new(micro_batch));
                         states[mb] = Some(state.clone());
                         state
                     }
@@ -140,23 +179,26 @@ pub fn run_step<D: Device>(
                 }
             }
         }
-        // Collect finished micro-batches as they complete, so their memory
+        // Drop finished micro-batches as they complete, so their memory
         // goes back while later ones run.
-        collect_finished::<D>(&mut finished, &mut losses, false)?;
+        drop_finished::<D>(&mut finished, false)?;
     }
     let all: Vec<_> = chain.into_iter().flatten().collect();
     engine.reduce_non_unit(rank, &all)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
-    collect_finished::<D>(&mut finished, &mut losses, true)?;
-    Ok(losses)
+    drop_finished::<D>(&mut finished, true)?;
+    // The step's one read of its losses.
+    let mut sums = vec![0.0f64; 2 + depths];
+    rank.backend
+        .download(cx.losses.all().as_view(), &mut sums)?;
+    Ok(LossAccumulator::<D::Backend>::losses(&sums, &counts))
 }
 
-/// Adds the losses of finished micro-batches, in micro-batch order, and
-/// drops their state; with `all`, waits for every one.
-fn collect_finished<D: Device>(
+/// Drops the state of finished micro-batches, in micro-batch order; with
+/// `all`, waits for every one.
+fn drop_finished<D: Device>(
     finished: &mut Vec<(SharedBatch<D>, EventOf<D>)>,
-    losses: &mut StepLosses,
     all: bool,
 ) -> Result<()> {
     use crate::lane::Event;
@@ -165,9 +207,7 @@ fn collect_finished<D: Device>(
             break;
         }
         event.wait()?;
-        if let Some(mb) = state.take() {
-            losses.add(&mb.losses);
-        }
+        drop(state.take());
         finished.remove(0);
     }
     Ok(())
@@ -314,6 +354,7 @@ fn forward_work<D: Device>(
             non_unit: &params.non_unit,
         };
         state.with("a forward slot", |mb| {
+            mb.upload_tokens(b)?;
             for op in cx.model.plan.schedule.nodes[node].ops(slot) {
                 forward_op(&cx, b, op, mb, &weights)?;
             }
@@ -385,7 +426,7 @@ fn forward_op<D: Device>(
             model.embedding.forward(
                 b,
                 w.weight(Owner::Embedding, 0)?,
-                &mb.tokens.inputs,
+                mb.ids()?.inputs()?,
                 b.view_mut(&x)?,
             )?;
             mb.streams[0].x = Some(x);
@@ -440,7 +481,7 @@ fn forward_op<D: Device>(
                 cx.tokens,
                 &exchange,
             )?;
-            mb.losses.aux += aux;
+            add_host_value(b, aux, cx.losses.aux()?)?;
             mb.layers[i] = LayerState::Moe(stage);
         }
         Op::FinalNorm => {
@@ -459,15 +500,13 @@ fn forward_op<D: Device>(
             mb.final_norm = NormState::Saved(saved);
         }
         Op::MtpEnter(d) => {
-            let ids = mb
-                .tokens
-                .mtp_inputs
-                .get(d)
-                .ok_or_else(|| missing("MTP inputs"))?;
             let emb = b.alloc(rows * h, b.compute_dtype())?;
-            model
-                .embedding
-                .forward(b, w.weight(Owner::Embedding, 0)?, ids, b.view_mut(&emb)?)?;
+            model.embedding.forward(
+                b,
+                w.weight(Owner::Embedding, 0)?,
+                mb.ids()?.mtp_inputs(d)?,
+                b.view_mut(&emb)?,
+            )?;
             let block = w.weights(Owner::MtpBlock(d))?;
             let entry = block
                 .get(..3)
@@ -484,11 +523,6 @@ fn forward_op<D: Device>(
         }
         Op::Head(depth) => {
             let index = depth.map_or(0, |d| d + 1);
-            let targets = mb
-                .tokens
-                .targets
-                .get(index)
-                .ok_or_else(|| missing("targets"))?;
             let norm = match depth {
                 None => None,
                 Some(d) => {
@@ -512,25 +546,27 @@ fn forward_op<D: Device>(
                 .as_ref()
                 .ok_or_else(|| missing("a head's hidden states"))?;
             let output = w.weight(w.output_owner(), 0)?;
-            let forward = model.head.forward(b, output, b.view(hidden)?, targets)?;
-            match depth {
-                None => {
-                    mb.losses.main.0 += forward.loss_sum;
-                    mb.losses.main.1 += forward.count;
-                }
-                Some(d) => {
-                    mb.losses.mtp[d].0 += forward.loss_sum;
-                    mb.losses.mtp[d].1 += forward.count;
-                }
-            }
-            mb.heads[index] = HeadState::Saved {
-                saved: forward.saved,
-                count: forward.count,
-                norm,
-            };
+            // Adds into the step's running sum on the compute lane, in
+            // forward issue order (see `LossAccumulator`).
+            let saved = model.head.forward(
+                b,
+                output,
+                b.view(hidden)?,
+                mb.ids()?.targets(index)?,
+                cx.losses.head(index)?,
+            )?;
+            mb.heads[index] = HeadState::Saved { saved, norm };
         }
     }
     Ok(())
+}
+
+/// `slot += value` for a value the host holds: the MoE aux loss, until
+/// `MoeLayer::forward_step` adds it on the device itself.
+fn add_host_value<B: Backend>(b: &B, value: f64, slot: SliceMut<'_, B>) -> Result<()> {
+    let scratch = b.alloc(1, DType::F64)?;
+    b.upload(&[value], b.view_mut(&scratch)?)?;
+    b.accumulate_sum(b.view(&scratch)?, slot)
 }
 
 /// `slot += buf`, or `slot = buf` when empty.
@@ -569,7 +605,7 @@ fn backward_op<D: Device>(
             model.embedding.backward(
                 b,
                 b.view(dx)?,
-                &mb.tokens.inputs,
+                mb.ids()?.inputs()?,
                 grads()?.grad(Owner::Embedding, 0)?,
             )?;
         }
@@ -698,14 +734,12 @@ fn backward_op<D: Device>(
                 .get_mut(..3)
                 .ok_or_else(|| missing("the MTP entry gradients"))?;
             model.mtp_entry.backward_weight(b, wgrad, entry)?;
-            let ids = mb
-                .tokens
-                .mtp_inputs
-                .get(d)
-                .ok_or_else(|| missing("MTP inputs"))?;
-            model
-                .embedding
-                .backward(b, b.view(&d_emb)?, ids, g.grad(Owner::Embedding, 0)?)?;
+            model.embedding.backward(
+                b,
+                b.view(&d_emb)?,
+                mb.ids()?.mtp_inputs(d)?,
+                g.grad(Owner::Embedding, 0)?,
+            )?;
         }
         Op::MtpEnter(d) => {
             let saved = match std::mem::replace(&mut mb.mtp_entries[d], MtpEntryState::Idle) {
@@ -737,11 +771,11 @@ fn backward_op<D: Device>(
             // gradients together (their weights are outside units).
             let g = grads()?;
             let index = depth.map_or(0, |d| d + 1);
-            let (saved, count, norm) =
-                match std::mem::replace(&mut mb.heads[index], HeadState::Idle) {
-                    HeadState::Saved { saved, count, norm } => (saved, count, norm),
-                    HeadState::Idle => return Err(missing("a head's saved forward")),
-                };
+            let (saved, norm) = match std::mem::replace(&mut mb.heads[index], HeadState::Idle) {
+                HeadState::Saved { saved, norm } => (saved, norm),
+                HeadState::Idle => return Err(missing("a head's saved forward")),
+            };
+            let count = mb.counts.get(index).copied().unwrap_or(0);
             let depths = model.plan.mtp_depths().max(1) as f32;
             let weight = match depth {
                 None => cx.mb_weight,
@@ -754,14 +788,15 @@ fn backward_op<D: Device>(
             };
             let dh = zeros()?;
             let output = w.output_owner();
-            let wgrad = model.head.backward_input(
+            model.head.backward(
                 b,
                 w.weight(output, 0)?,
                 saved,
+                mb.ids()?.targets(index)?,
                 scale,
                 b.view_mut(&dh)?,
+                g.grad(output, 0)?,
             )?;
-            model.head.backward_weight(b, wgrad, g.grad(output, 0)?)?;
             add_into(b, &mut mb.streams[index].dh, dh)?;
             if let Some(d) = depth {
                 let norm = norm.ok_or_else(|| missing("an MTP final norm's saved forward"))?;
