@@ -30,6 +30,7 @@ use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::lane::{Event, Label, Lane};
 use crate::view::DType;
 use hybridgen_dsl::Plan;
+use hybridgen_dsl::plan::Bucket;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -161,6 +162,45 @@ fn norm_pieces(layout: ShardLayout) -> ShardLayout {
     }
 }
 
+/// The elements of rank `r`'s shard of `bucket` (under `layout`) whose
+/// squares make its partial of the norm: its ZeRO-3 piece of the bucket, in
+/// shard coordinates, clipped to the shard (what lies past a `no_shard`
+/// buffer's end is padding).
+fn norm_piece(plan: &Plan, layout: ShardLayout, bucket: &Bucket, r: usize) -> Range<usize> {
+    let owned = layout.owned_range(plan, bucket, r);
+    let piece = norm_pieces(layout).owned_range(plan, bucket, r);
+    let start = piece.start.clamp(owned.start, owned.end);
+    let end = piece.end.clamp(owned.start, owned.end);
+    start - owned.start..end - owned.start
+}
+
+/// The elements of the shard `owned` (bucket coordinates) that weight decay
+/// applies to, as u32 `[start, end)` pairs in shard coordinates: the
+/// matrices (Megatron's rule; norms, biases and other 1-D parameters are
+/// not decayed).
+fn decayed_ranges(plan: &Plan, bucket: &Bucket, owned: Range<usize>) -> Result<Vec<u32>> {
+    let mut ranges = Vec::new();
+    for &p in bucket.params.iter() {
+        let param = &plan.params[p];
+        let def = plan.def(param);
+        let start = param.offset.max(owned.start);
+        let end = (param.offset + def.numel()).min(owned.end);
+        if start < end && def.shape.len() > 1 {
+            for at in [start - owned.start, end - owned.start] {
+                ranges.push(u32::try_from(at).map_err(|_| {
+                    RuntimeError::Unsupported(format!(
+                        "bucket {} has a shard of {} elements; the optimizer indexes shards \
+                         with 32 bits",
+                        bucket.id,
+                        owned.len()
+                    ))
+                })?);
+            }
+        }
+    }
+    Ok(ranges)
+}
+
 impl<D: Device> Optimizer<D> {
     pub fn new(
         config: OptimizerConfig,
@@ -170,7 +210,6 @@ impl<D: Device> Optimizer<D> {
     ) -> Result<Self> {
         config.validate()?;
         let backend = &rank.backend;
-        let pieces = norm_pieces(engine.layout());
         let mut states = Vec::new();
         let mut buckets = Vec::new();
         for bucket in plan.buckets.iter() {
@@ -185,35 +224,12 @@ impl<D: Device> Optimizer<D> {
                 exp_avg: backend.alloc(len, DType::F32)?,
                 exp_avg_sq: backend.alloc(second, DType::F32)?,
             }));
-            let mut decayed: Vec<u32> = Vec::new();
-            for &p in bucket.params.iter() {
-                let param = &plan.params[p];
-                let def = plan.def(param);
-                let span = param.offset..param.offset + def.numel();
-                let start = span.start.max(owned.start);
-                let end = span.end.min(owned.end);
-                // Megatron's rule: matrices decay; norms, biases and other
-                // 1-D parameters do not.
-                if start < end && def.shape.len() > 1 {
-                    for at in [start - owned.start, end - owned.start] {
-                        decayed.push(u32::try_from(at).map_err(|_| {
-                            RuntimeError::Unsupported(format!(
-                                "bucket {} has a shard of {len} elements; the optimizer indexes \
-                                 shards with 32 bits",
-                                bucket.id
-                            ))
-                        })?);
-                    }
-                }
-            }
+            let decayed = decayed_ranges(&plan, bucket, owned)?;
             let ranges = backend.alloc(decayed.len(), DType::U32)?;
             backend.upload(&decayed, backend.view_mut(&ranges)?)?;
-            let piece = pieces.owned_range(&plan, bucket, rank.rank);
-            let start = piece.start.clamp(owned.start, owned.end);
-            let end = piece.end.clamp(owned.start, owned.end);
             buckets.push(BucketLayout {
                 decayed: ranges,
-                norm_piece: start - owned.start..end - owned.start,
+                norm_piece: norm_piece(&plan, engine.layout(), bucket, rank.rank),
             });
         }
         Ok(Optimizer {
@@ -382,5 +398,106 @@ impl<D: Device> Optimizer<D> {
         );
         done.wait()?;
         Ok(norm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
+
+    fn plan(pattern: &str, ranks: usize, ep: usize) -> Plan {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = pattern.to_string();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(ranks, ep),
+            ..PlanOptions::default()
+        };
+        Plan::new(&model, &options).unwrap()
+    }
+
+    /// Every rank's norm partial covers the same elements of the bucket
+    /// under ZeRO-3 and `no_shard`, and the partials the canonical sum reads
+    /// cover each EP copy of every bucket exactly once.
+    #[test]
+    fn norm_pieces_are_the_zero3_shards_under_every_sharding() {
+        for (ranks, ep) in [(2, 1), (2, 2), (4, 2)] {
+            let plan = plan("[M*E][*E]-", ranks, ep);
+            let layout = |sharding| ShardLayout {
+                sharding,
+                world: ranks,
+                ep,
+            };
+            let (zero3, no_shard) = (layout(Sharding::Zero3), layout(Sharding::NoShard));
+            for bucket in plan.buckets.iter() {
+                for r in 0..ranks {
+                    // In bucket coordinates.
+                    let at = |l: ShardLayout| {
+                        let start = l.owned_range(&plan, bucket, r).start;
+                        let piece = norm_piece(&plan, l, bucket, r);
+                        start + piece.start..start + piece.end
+                    };
+                    let (a, b) = (at(zero3), at(no_shard));
+                    assert_eq!(a, zero3.owned_range(&plan, bucket, r));
+                    // `no_shard` holds the whole bucket padded to 128 only:
+                    // what lies past it is padding.
+                    let whole = no_shard.owned_range(&plan, bucket, r).end;
+                    assert_eq!(b, a.start.min(whole)..a.end.min(whole), "bucket {}", bucket.id);
+                }
+                for e in 0..if bucket.expert { ep } else { 1 } {
+                    let mut covered = 0;
+                    for r in zero3.holders(bucket.expert, e) {
+                        let piece = zero3.owned_range(&plan, bucket, r);
+                        assert_eq!(piece.start, covered, "pieces in order");
+                        covered = piece.end;
+                    }
+                    assert_eq!(covered, bucket.padded_numel(plan.bucket_world(bucket)));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_decay_covers_the_matrices_and_nothing_else() {
+        let plan = plan("[M*E]-", 2, 2);
+        let layout = ShardLayout {
+            sharding: Sharding::Zero3,
+            world: 2,
+            ep: 2,
+        };
+        let mut decayed_matrices = 0;
+        for bucket in plan.buckets.iter() {
+            let mut decayed = 0;
+            // One copy of the bucket (an expert bucket has one per EP rank).
+            for r in layout.holders(bucket.expert, 0) {
+                let owned = layout.owned_range(&plan, bucket, r);
+                let ranges = decayed_ranges(&plan, bucket, owned.clone()).unwrap();
+                let mut at = 0;
+                for pair in ranges.chunks(2) {
+                    let (start, end) = (pair[0] as usize + owned.start, pair[1] as usize + owned.start);
+                    assert!(at <= start && start < end, "ascending, disjoint, non-empty");
+                    at = end;
+                    decayed += end - start;
+                    // Inside one matrix.
+                    let p = bucket
+                        .params
+                        .iter()
+                        .map(|&p| &plan.params[p])
+                        .find(|p| p.offset <= start && end <= p.offset + plan.def(p).numel())
+                        .expect("a range inside one parameter");
+                    assert!(plan.def(p).shape.len() > 1, "{}", plan.param_name(p));
+                }
+            }
+            let matrices: usize = bucket
+                .params
+                .iter()
+                .map(|&p| plan.def(&plan.params[p]))
+                .filter(|d| d.shape.len() > 1)
+                .map(|d| d.numel())
+                .sum();
+            assert_eq!(decayed, matrices, "bucket {}", bucket.id);
+            decayed_matrices += matrices;
+        }
+        assert!(decayed_matrices > 0);
     }
 }
