@@ -598,8 +598,7 @@ pub trait Backend: Send + Sync + 'static {
     /// elements (the last may be shorter), each summed in f64 in index order
     /// from zero: the gradient norm's partial sums. `x` is f32 (gradients),
     /// `out` f64 with `ceil(len / piece)` elements; `piece` must be positive.
-    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>)
-    -> Result<()>;
+    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()>;
 }
 
 // ---- kernel dimensions ------------------------------------------------------

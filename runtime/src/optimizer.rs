@@ -278,7 +278,11 @@ impl<D: Device> Optimizer<D> {
                         continue;
                     }
                     let len = piece.len();
-                    b.sum_squares(b.slice(&shard.grad, piece)?, len, b.slice_mut(&out, i..i + 1)?)?;
+                    b.sum_squares(
+                        b.slice(&shard.grad, piece)?,
+                        len,
+                        b.slice_mut(&out, i..i + 1)?,
+                    )?;
                 }
                 Ok(())
             }),
@@ -442,7 +446,12 @@ mod tests {
                     // `no_shard` holds the whole bucket padded to 128 only:
                     // what lies past it is padding.
                     let whole = no_shard.owned_range(&plan, bucket, r).end;
-                    assert_eq!(b, a.start.min(whole)..a.end.min(whole), "bucket {}", bucket.id);
+                    assert_eq!(
+                        b,
+                        a.start.min(whole)..a.end.min(whole),
+                        "bucket {}",
+                        bucket.id
+                    );
                 }
                 for e in 0..if bucket.expert { ep } else { 1 } {
                     let mut covered = 0;
@@ -474,7 +483,10 @@ mod tests {
                 let ranges = decayed_ranges(&plan, bucket, owned.clone()).unwrap();
                 let mut at = 0;
                 for pair in ranges.chunks(2) {
-                    let (start, end) = (pair[0] as usize + owned.start, pair[1] as usize + owned.start);
+                    let (start, end) = (
+                        pair[0] as usize + owned.start,
+                        pair[1] as usize + owned.start,
+                    );
                     assert!(at <= start && start < end, "ascending, disjoint, non-empty");
                     at = end;
                     decayed += end - start;

@@ -55,7 +55,9 @@ fn ids(values: &[u32]) -> CpuBuf {
 /// One f64 on the device: a loss accumulator's slot.
 fn loss_slot(start: f64) -> CpuBuf {
     let buf = dev().alloc(1, DType::F64).expect("alloc");
-    dev().upload(&[start], ViewMut::whole(&buf)).expect("upload");
+    dev()
+        .upload(&[start], ViewMut::whole(&buf))
+        .expect("upload");
     buf
 }
 
@@ -585,7 +587,12 @@ fn embedding_gradient() {
     }
     let out = up(&[0.0f32; 48]);
     assert!(matches!(
-        emb.forward(dev(), v(&up(&table)), v(&ids(&[128, 0, 0, 0, 0, 0])), vm(&out)),
+        emb.forward(
+            dev(),
+            v(&up(&table)),
+            v(&ids(&[128, 0, 0, 0, 0, 0])),
+            vm(&out)
+        ),
         Err(RuntimeError::InvalidArgument(_))
     ));
     // Ids are u32 device views; one the wrong length is an error.
@@ -644,7 +651,13 @@ fn targets_with_masks() -> Vec<u32> {
 
 /// The head's loss sum (added to a slot starting at zero), and its `dh`
 /// and `dW` for `grad_scale`.
-fn head_run(head: &Head, w: &[f32], h: &[f32], targets: &[u32], scale: f32) -> (f64, Vec<f32>, Vec<f32>) {
+fn head_run(
+    head: &Head,
+    w: &[f32],
+    h: &[f32],
+    targets: &[u32],
+    scale: f32,
+) -> (f64, Vec<f32>, Vec<f32>) {
     let (wb, hb, tb) = (up(w), up(h), ids(targets));
     let sum = loss_slot(0.0);
     let saved = head
@@ -727,8 +740,14 @@ fn the_head_adds_into_its_loss_slot_and_refuses_bad_targets() {
     assert!(err.contains("target 128"), "{err}");
     // Targets are a u32 view of one id per row.
     assert!(
-        head.forward(dev(), v(&up(&w)), v(&up(&h)), v(&ids(&targets[..9])), vm(&sum))
-            .is_err()
+        head.forward(
+            dev(),
+            v(&up(&w)),
+            v(&up(&h)),
+            v(&ids(&targets[..9])),
+            vm(&sum)
+        )
+        .is_err()
     );
 }
 
@@ -761,7 +780,9 @@ fn head_chunks_change_no_bits_and_bound_the_logits() {
     };
     let (wb, hb) = (up_on(&w), up_on(&h));
     let tb = device.alloc(10, DType::U32).expect("alloc");
-    device.upload(&targets, ViewMut::whole(&tb)).expect("upload");
+    device
+        .upload(&targets, ViewMut::whole(&tb))
+        .expect("upload");
     let (sum, dh, dw) = (
         device.alloc(1, DType::F64).expect("alloc"),
         up_on(&[0.0; 80]),
@@ -827,8 +848,16 @@ fn tied_embedding_and_head_gradients_accumulate_into_one_table() {
         .forward(dev(), v(&tb), v(&y), v(&targets), vm(&sum))
         .expect("head");
     let (dy, d_table) = (up(&[0.0; 80]), up(&vec![0.0; table.len()]));
-    head.backward(dev(), v(&tb), saved, v(&targets), 1.0, vm(&dy), vm(&d_table))
-        .expect("head backward");
+    head.backward(
+        dev(),
+        v(&tb),
+        saved,
+        v(&targets),
+        1.0,
+        vm(&dy),
+        vm(&d_table),
+    )
+    .expect("head backward");
     let dx = up(&[0.0; 80]);
     let norm_wgrad = norm
         .backward_input(dev(), v(&norm_wb), norm_saved, v(&dy), vm(&dx))
@@ -915,7 +944,10 @@ fn mtp_entry_gradients() {
 #[test]
 fn mtp_entry_from_shifted_token_ids() {
     let c = config("");
-    let (entry, emb) = (MtpEntry::new(&c).expect("mtp"), Embedding::new(&c).expect("e"));
+    let (entry, emb) = (
+        MtpEntry::new(&c).expect("mtp"),
+        Embedding::new(&c).expect("e"),
+    );
     let mut rng = Rng(103);
     let weights = test_weights(entry.params(), &mut rng);
     let wb = ups(&weights);
@@ -925,7 +957,8 @@ fn mtp_entry_from_shifted_token_ids() {
     let probe = rng.normals(80, 1.0, 0.0);
     let forward = |t: &CpuBuf| {
         let e = up(&[0.0; 80]);
-        emb.forward(dev(), v(t), v(&shifted), vm(&e)).expect("embed");
+        emb.forward(dev(), v(t), v(&shifted), vm(&e))
+            .expect("embed");
         let (out, saved) = entry
             .forward(dev(), &views(&wb), v(&e), v(&h_prev))
             .expect("forward");
@@ -935,7 +968,14 @@ fn mtp_entry_from_shifted_token_ids() {
     let (_, saved) = forward(&up(&table));
     let (d_emb, d_h) = (up(&[0.0; 80]), up(&[0.0; 80]));
     entry
-        .backward_input(dev(), &views(&wb), saved, v(&up(&probe)), vm(&d_emb), vm(&d_h))
+        .backward_input(
+            dev(),
+            &views(&wb),
+            saved,
+            v(&up(&probe)),
+            vm(&d_emb),
+            vm(&d_h),
+        )
         .expect("backward");
     let d_table = up(&vec![0.0; table.len()]);
     emb.backward(dev(), v(&d_emb), v(&shifted), vm(&d_table))

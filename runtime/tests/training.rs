@@ -154,7 +154,10 @@ fn a_group_changes_no_maths() {
         for (x, y) in a.0.iter().zip(&b.0) {
             assert_eq!(x[..3], y[..3], "{grouped}");
             let (nx, ny) = (f64::from_bits(x[3]), f64::from_bits(y[3]));
-            assert!((nx - ny).abs() <= 1e-12 * nx, "{grouped}: norm {nx} vs {ny}");
+            assert!(
+                (nx - ny).abs() <= 1e-12 * nx,
+                "{grouped}: norm {nx} vs {ny}"
+            );
         }
     }
 }

@@ -255,7 +255,11 @@ impl Backend for CpuBackend {
         dims: QkvDims,
     ) -> Result<()> {
         let k = self.access("qkv_split");
-        for (arg, dtype) in [("q", out.q.dtype()), ("k", out.k.dtype()), ("v", out.v.dtype())] {
+        for (arg, dtype) in [
+            ("q", out.q.dtype()),
+            ("k", out.k.dtype()),
+            ("v", out.v.dtype()),
+        ] {
             same_dtype(k.kernel(), ("qkv", qkv.dtype()), (arg, dtype))?;
         }
         let qkv = k.f32_in("qkv", qkv)?;
@@ -894,13 +898,21 @@ mod tests {
             hidden: 2,
         };
         let table = buf(&b, 6, DType::F32);
-        b.upload(&[0.0f32, 1.0, 10.0, 11.0, 20.0, 21.0], ViewMut::whole(&table))
-            .unwrap();
+        b.upload(
+            &[0.0f32, 1.0, 10.0, 11.0, 20.0, 21.0],
+            ViewMut::whole(&table),
+        )
+        .unwrap();
         let ids = buf(&b, 2, DType::U32);
         b.upload(&[2u32, 0], ViewMut::whole(&ids)).unwrap();
         let out = buf(&b, 4, DType::F32);
-        b.embedding_forward(View::whole(&table), View::whole(&ids), ViewMut::whole(&out), dims)
-            .unwrap();
+        b.embedding_forward(
+            View::whole(&table),
+            View::whole(&ids),
+            ViewMut::whole(&out),
+            dims,
+        )
+        .unwrap();
         let mut host = [0.0f32; 4];
         b.download(View::whole(&out), &mut host).unwrap();
         assert_eq!(host, [20.0, 21.0, 0.0, 1.0]);
@@ -949,7 +961,12 @@ mod tests {
             "targets",
         );
         refused(
-            b.cross_entropy_backward(ViewMut::whole(&out), View::whole(&float_targets), 1.0, loss_dims),
+            b.cross_entropy_backward(
+                ViewMut::whole(&out),
+                View::whole(&float_targets),
+                1.0,
+                loss_dims,
+            ),
             "cross_entropy_backward",
             "targets",
         );
@@ -960,7 +977,11 @@ mod tests {
         let b = CpuBackend::default();
         let x = buf(&b, 3, DType::Bf16);
         b.upload(
-            &[bf16::from_f32(1.5), bf16::from_f32(-0.25), bf16::from_f32(2.0)],
+            &[
+                bf16::from_f32(1.5),
+                bf16::from_f32(-0.25),
+                bf16::from_f32(2.0),
+            ],
             ViewMut::whole(&x),
         )
         .unwrap();
@@ -983,7 +1004,10 @@ mod tests {
             "accumulate_sum",
             "out",
         );
-        assert!(b.accumulate_sum(View::whole(&x), ViewMut::whole(&acc)).is_err());
+        assert!(
+            b.accumulate_sum(View::whole(&x), ViewMut::whole(&acc))
+                .is_err()
+        );
     }
 
     #[test]
@@ -1006,7 +1030,8 @@ mod tests {
             k: ViewMut::whole(k),
             v: ViewMut::whole(v),
         };
-        b.qkv_split(View::whole(&qkv), out(&q, &k, &v), dims).unwrap();
+        b.qkv_split(View::whole(&qkv), out(&q, &k, &v), dims)
+            .unwrap();
         let joined = buf(&b, values.len(), DType::Bf16);
         let grads = AttentionInputs {
             q: View::whole(&q),
@@ -1024,7 +1049,11 @@ mod tests {
             "k",
         );
         let f32_joined = buf(&b, values.len(), DType::F32);
-        refused(b.qkv_join(grads, ViewMut::whole(&f32_joined), dims), "qkv_join", "dqkv");
+        refused(
+            b.qkv_join(grads, ViewMut::whole(&f32_joined), dims),
+            "qkv_join",
+            "dqkv",
+        );
         let mla = MlaKvDims {
             rows: 1,
             heads: 2,
@@ -1077,8 +1106,14 @@ mod tests {
         };
         let ranges = buf(&b, 2, DType::U32);
         b.upload(&[0u32, 4], ViewMut::whole(&ranges)).unwrap();
-        b.adam_update(ViewMut::whole(&p), View::whole(&g), moments(), View::whole(&ranges), step)
-            .unwrap();
+        b.adam_update(
+            ViewMut::whole(&p),
+            View::whole(&g),
+            moments(),
+            View::whole(&ranges),
+            step,
+        )
+        .unwrap();
         let float_ranges = buf(&b, 2, DType::F32);
         refused(
             b.adam_update(
@@ -1098,7 +1133,13 @@ mod tests {
             grad_scale: 1.0,
         };
         refused(
-            b.sgd_update(ViewMut::whole(&p), View::whole(&g), None, View::whole(&float_ranges), sgd),
+            b.sgd_update(
+                ViewMut::whole(&p),
+                View::whole(&g),
+                None,
+                View::whole(&float_ranges),
+                sgd,
+            ),
             "sgd_update",
             "decayed",
         );
@@ -1114,7 +1155,8 @@ mod tests {
             "sum_squares",
             "out",
         );
-        b.upload(&[1.0f32, 2.0, 3.0, 4.0], ViewMut::whole(&g)).unwrap();
+        b.upload(&[1.0f32, 2.0, 3.0, 4.0], ViewMut::whole(&g))
+            .unwrap();
         b.sum_squares(View::whole(&g), 2, ViewMut::whole(&partials))
             .unwrap();
         let mut host = [0.0f64; 2];

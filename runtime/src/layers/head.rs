@@ -87,7 +87,12 @@ impl Head {
         hidden_states: Slice<'_, B>,
         rows: usize,
     ) -> Result<()> {
-        check_len(name, "weight", b.slice_len(weight), self.vocab * self.hidden)?;
+        check_len(
+            name,
+            "weight",
+            b.slice_len(weight),
+            self.vocab * self.hidden,
+        )?;
         check_len(
             name,
             "hidden_states",

@@ -9,7 +9,7 @@ use std::ops::Range;
 /// Checks `decayed` (`[start, end)` pairs, ascending, disjoint, inside a
 /// shard of `len` elements) and returns the ranges.
 pub fn decayed_ranges(kernel: &str, decayed: &[u32], len: usize) -> Result<Vec<Range<usize>>> {
-    check::ensure(decayed.len() % 2 == 0, || {
+    check::ensure(decayed.len().is_multiple_of(2), || {
         format!(
             "{kernel}: `decayed` holds [start, end) pairs, but it has {} values",
             decayed.len()
@@ -136,7 +136,9 @@ pub fn sgd_update(
 
 pub fn sum_squares(x: &[f32], piece: usize, out: &mut [f64]) -> Result<()> {
     let kn = "sum_squares";
-    check::ensure(piece > 0, || format!("{kn}: pieces must hold at least one element"))?;
+    check::ensure(piece > 0, || {
+        format!("{kn}: pieces must hold at least one element")
+    })?;
     check::len(kn, "out", out.len(), x.len().div_ceil(piece))?;
     for (o, chunk) in out.iter_mut().zip(x.chunks(piece)) {
         let mut sum = 0.0f64;
@@ -196,7 +198,14 @@ mod tests {
     /// The element-wise definition, one element at a time, with the decay
     /// chosen per element and the gradient pre-scaled, as the optimizer did
     /// before one launch covered a bucket.
-    fn adam_reference(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], decay: &[bool], s: AdamStep) {
+    fn adam_reference(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        decay: &[bool],
+        s: AdamStep,
+    ) {
         let t = s.step as i32;
         let bc1 = (1.0 - (s.beta1 as f64).powi(t)) as f32;
         let bc2 = (1.0 - (s.beta2 as f64).powi(t)) as f32;
@@ -215,13 +224,21 @@ mod tests {
         let n = 40;
         let decayed = [3u32, 10, 10, 17, 25, 33];
         let decay: Vec<bool> = (0..n)
-            .map(|i| decayed.chunks(2).any(|r| (r[0] as usize..r[1] as usize).contains(&i)))
+            .map(|i| {
+                decayed
+                    .chunks(2)
+                    .any(|r| (r[0] as usize..r[1] as usize).contains(&i))
+            })
             .collect();
         for (step, scale) in [(1, 1.0), (2, 0.37), (7, 1.0)] {
             let s = adam(0.01, 0.1, scale, step);
             let (mut p, g) = (values(n, 1), values(n, 2));
-            let (mut m, mut v) = (values(n, 3), values(n, 4).iter().map(|x| x * x).collect::<Vec<f32>>());
-            let (mut p2, mut m2, mut v2): (Vec<f32>, Vec<f32>, Vec<f32>) = (p.clone(), m.clone(), v.clone());
+            let (mut m, mut v) = (
+                values(n, 3),
+                values(n, 4).iter().map(|x| x * x).collect::<Vec<f32>>(),
+            );
+            let (mut p2, mut m2, mut v2): (Vec<f32>, Vec<f32>, Vec<f32>) =
+                (p.clone(), m.clone(), v.clone());
             adam_update(&mut p, &g, &mut m, &mut v, &decayed, s).unwrap();
             adam_reference(&mut p2, &g, &mut m2, &mut v2, &decay, s);
             assert_eq!(bits(&p), bits(&p2));
@@ -241,10 +258,34 @@ mod tests {
         let scaled: Vec<f32> = g.iter().map(|x| x * s).collect();
         let (mut p1, mut m1, mut v1) = (values(16, 6), vec![0.1; 16], vec![0.2; 16]);
         let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
-        adam_update(&mut p1, &g, &mut m1, &mut v1, &[0, 16], adam(0.01, 0.1, s, 3)).unwrap();
-        adam_update(&mut p2, &scaled, &mut m2, &mut v2, &[0, 16], adam(0.01, 0.1, 1.0, 3)).unwrap();
-        assert_eq!((bits(&p1), bits(&m1), bits(&v1)), (bits(&p2), bits(&m2), bits(&v2)));
-        let sgd = |grad_scale| SgdStep { lr: 0.1, momentum: 0.9, weight_decay: 0.01, grad_scale };
+        adam_update(
+            &mut p1,
+            &g,
+            &mut m1,
+            &mut v1,
+            &[0, 16],
+            adam(0.01, 0.1, s, 3),
+        )
+        .unwrap();
+        adam_update(
+            &mut p2,
+            &scaled,
+            &mut m2,
+            &mut v2,
+            &[0, 16],
+            adam(0.01, 0.1, 1.0, 3),
+        )
+        .unwrap();
+        assert_eq!(
+            (bits(&p1), bits(&m1), bits(&v1)),
+            (bits(&p2), bits(&m2), bits(&v2))
+        );
+        let sgd = |grad_scale| SgdStep {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.01,
+            grad_scale,
+        };
         let (mut p1, mut b1) = (values(16, 7), vec![0.5; 16]);
         let (mut p2, mut b2) = (p1.clone(), b1.clone());
         sgd_update(&mut p1, &g, Some(&mut b1), &[2, 9], sgd(s)).unwrap();
@@ -260,13 +301,32 @@ mod tests {
         for decayed in [&[][..], &[0, 8][..]] {
             let (mut p, mut m, mut v) = (vec![0.0f32; n], vec![0.0; n], vec![0.0; n]);
             for step in 1..4 {
-                adam_update(&mut p, &g, &mut m, &mut v, decayed, adam(0.1, 0.5, 0.3, step)).unwrap();
+                adam_update(
+                    &mut p,
+                    &g,
+                    &mut m,
+                    &mut v,
+                    decayed,
+                    adam(0.1, 0.5, 0.3, step),
+                )
+                .unwrap();
             }
-            assert!(p.iter().chain(&m).chain(&v).all(|x| x.to_bits() == 0), "{p:?}");
+            assert!(
+                p.iter().chain(&m).chain(&v).all(|x| x.to_bits() == 0),
+                "{p:?}"
+            );
             let mut buf = vec![0.0f32; n];
-            let step = SgdStep { lr: 0.1, momentum: 0.9, weight_decay: 0.5, grad_scale: 0.3 };
+            let step = SgdStep {
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.5,
+                grad_scale: 0.3,
+            };
             sgd_update(&mut p, &g, Some(&mut buf), decayed, step).unwrap();
-            let plain = SgdStep { momentum: 0.0, ..step };
+            let plain = SgdStep {
+                momentum: 0.0,
+                ..step
+            };
             sgd_update(&mut p, &g, None, decayed, plain).unwrap();
             assert!(p.iter().chain(&buf).all(|x| x.to_bits() == 0), "{p:?}");
         }
@@ -278,8 +338,13 @@ mod tests {
         let (mut m, mut v) = (vec![0.0; 4], vec![0.0; 4]);
         let s = adam(0.1, 0.1, 1.0, 1);
         for bad in [&[0u32][..], &[0, 5][..], &[2, 1][..], &[0, 3, 2, 4][..]] {
-            let err = adam_update(&mut p, &g, &mut m, &mut v, bad, s).unwrap_err().to_string();
-            assert!(err.contains("adam_update") && err.contains("decayed"), "{err}");
+            let err = adam_update(&mut p, &g, &mut m, &mut v, bad, s)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("adam_update") && err.contains("decayed"),
+                "{err}"
+            );
         }
         adam_update(&mut p, &g, &mut m, &mut v, &[0, 2, 2, 4], s).unwrap();
     }

@@ -10,7 +10,12 @@ use crate::error::Result;
 fn check_qkv(kernel: &str, fused: usize, q: usize, k: usize, v: usize, d: QkvDims) -> Result<()> {
     let heads = check::product(kernel, &[d.groups, d.heads_per_group])?;
     let width = check::product(kernel, &[d.groups, d.heads_per_group + 2, d.head_dim])?;
-    check::len(kernel, "qkv", fused, check::product(kernel, &[d.rows, width])?)?;
+    check::len(
+        kernel,
+        "qkv",
+        fused,
+        check::product(kernel, &[d.rows, width])?,
+    )?;
     check::len(
         kernel,
         "q",
@@ -111,7 +116,14 @@ pub fn mla_kv_split(
     v: &mut [f32],
     dims: MlaKvDims,
 ) -> Result<()> {
-    let (kv_w, k_w, v_w) = check_mla("mla_kv_split", kv.len(), k_rope.len(), k.len(), v.len(), dims)?;
+    let (kv_w, k_w, v_w) = check_mla(
+        "mla_kv_split",
+        kv.len(),
+        k_rope.len(),
+        k.len(),
+        v.len(),
+        dims,
+    )?;
     let MlaKvDims {
         rows,
         heads,
@@ -249,13 +261,19 @@ mod tests {
         for r in 0..3 {
             for i in 0..4 {
                 for j in 0..dn {
-                    assert_eq!(k[(r * 4 + i) * (dn + dr) + j], kv[(r * 4 + i) * (dn + dv) + j]);
+                    assert_eq!(
+                        k[(r * 4 + i) * (dn + dr) + j],
+                        kv[(r * 4 + i) * (dn + dv) + j]
+                    );
                 }
                 for j in 0..dr {
                     assert_eq!(k[(r * 4 + i) * (dn + dr) + dn + j], k_rope[r * dr + j]);
                 }
                 for j in 0..dv {
-                    assert_eq!(v[(r * 4 + i) * dv + j], kv[(r * 4 + i) * (dn + dv) + dn + j]);
+                    assert_eq!(
+                        v[(r * 4 + i) * dv + j],
+                        kv[(r * 4 + i) * (dn + dv) + dn + j]
+                    );
                 }
             }
         }
@@ -266,10 +284,16 @@ mod tests {
         for r in 0..3 {
             for i in 0..4 {
                 for j in 0..dn {
-                    assert_eq!(d_kv[(r * 4 + i) * (dn + dv) + j], dk[(r * 4 + i) * (dn + dr) + j]);
+                    assert_eq!(
+                        d_kv[(r * 4 + i) * (dn + dv) + j],
+                        dk[(r * 4 + i) * (dn + dr) + j]
+                    );
                 }
                 for j in 0..dv {
-                    assert_eq!(d_kv[(r * 4 + i) * (dn + dv) + dn + j], dvv[(r * 4 + i) * dv + j]);
+                    assert_eq!(
+                        d_kv[(r * 4 + i) * (dn + dv) + dn + j],
+                        dvv[(r * 4 + i) * dv + j]
+                    );
                 }
             }
             for j in 0..dr {
