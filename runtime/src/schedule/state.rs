@@ -54,7 +54,9 @@ impl<B: Backend> TokenIds<B> {
             || parts.iter().any(|p| p.len() != rows)
         {
             return Err(RuntimeError::InvalidArgument(format!(
-                "a micro-batch's tokens must be {rows} inputs, {} target rows and {depths} MTP                  input rows of {rows} ids each; got {} target rows and {} MTP input rows of {:?} ids",
+                "a micro-batch's tokens must be {rows} inputs, {} target rows and {depths} MTP \
+                 input rows of {rows} ids each; got {} target rows and {} MTP input rows of \
+                 {:?} ids",
                 depths + 1,
                 tokens.targets.len(),
                 tokens.mtp_inputs.len(),
