@@ -67,15 +67,22 @@ pub struct DeviceStats {
     pub allocated_bytes: u64,
     /// Device-to-host reads.
     pub host_reads: u64,
+    /// Bytes of buffers alive now, and the most alive at once so far (both
+    /// summed over the device's arenas).
+    pub in_use_bytes: u64,
+    pub peak_in_use_bytes: u64,
 }
 
 impl std::ops::Sub for DeviceStats {
     type Output = DeviceStats;
+    /// The counts between two snapshots; the memory in use is the later
+    /// snapshot's (a peak has no difference).
     fn sub(self, earlier: DeviceStats) -> DeviceStats {
         DeviceStats {
             allocations: self.allocations - earlier.allocations,
             allocated_bytes: self.allocated_bytes - earlier.allocated_bytes,
             host_reads: self.host_reads - earlier.host_reads,
+            ..self
         }
     }
 }
@@ -178,11 +185,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
     // ---- kernels: dense algebra ---------------------------------------------
     // Every kernel validates the lengths of its views against its dimensions
     // and returns `RuntimeError::InvalidArgument` on a mismatch. Views a
-    // kernel writes must not be views a kernel reads (Rust's borrows enforce
-    // it on the CPU). The MoE routing and permutation indices are `u32`
-    // device views (`DType::U32`), computed by kernels: the host reads only
-    // the per-expert counts the all-to-all needs. Token ids and targets are
-    // host slices the CUDA backend uploads.
+    // kernel writes must not be views a kernel reads (the CPU backend checks
+    // it). Token ids and targets are `u32` device views, uploaded once per
+    // micro-batch; the MoE routing and permutation indices are `u32` device
+    // views computed by kernels: the host reads only the per-expert counts
+    // the all-to-all needs.
 
     /// `C = op(A) op(B)`, or `C += op(A) op(B)` with `dims.accumulate`, with
     /// `op(A)` `[m, k]` and `op(B)` `[k, n]`, all row-major. `A` is stored
@@ -217,8 +224,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A strided 2-D copy of a block of columns (cudaMemcpy2D): for every row
     /// `r < rows` and column `j < cols`,
     /// `dst[r*dst_stride + dst_offset + j] (+)= src[r*src_stride + src_offset + j]`
-    /// (`+=` with `accumulate`). Splits and joins column blocks, e.g. the GQA
-    /// `[q | k | v]` rows per KV group.
+    /// (`+=` with `accumulate`). Splits and joins column blocks, e.g. the MTP
+    /// entry's `[e | h]` rows. `src` and `dst` share a dtype (bf16 or f32).
     fn copy_cols(
         &self,
         src: Slice<'_, Self>,
@@ -235,6 +242,61 @@ pub trait Backend: Clone + Send + Sync + 'static {
         rows: usize,
         cols: usize,
     ) -> Result<()>;
+
+    /// The GQA split of the fused projection: each `qkv` row holds, per KV
+    /// group `g`, `[q heads of g | k_g | v_g]` (`heads_per_group + 2` heads of
+    /// `head_dim`); writes `q` `[rows, groups * heads_per_group, head_dim]`,
+    /// `k` and `v` `[rows, groups, head_dim]` (overwritten). One launch for
+    /// every group and head. All four views share a dtype (bf16 or f32);
+    /// values are copied exactly.
+    fn qkv_split(
+        &self,
+        qkv: Slice<'_, Self>,
+        out: AttentionInputs<SliceMut<'_, Self>>,
+        dims: QkvDims,
+    ) -> Result<()>;
+
+    /// The inverse of [`Backend::qkv_split`]: `dqkv` (overwritten) from `dq`,
+    /// `dk`, `dv`, in the fused layout.
+    fn qkv_join(
+        &self,
+        grads: AttentionInputs<Slice<'_, Self>>,
+        dqkv: SliceMut<'_, Self>,
+        dims: QkvDims,
+    ) -> Result<()>;
+
+    /// The MLA key/value split: each `kv` row holds, per head `i`,
+    /// `[k_nope_i (nope_dim) | v_i (v_dim)]`; `k_rope` `[rows, rope_dim]` is
+    /// shared by the heads. Writes `k` `[rows, heads, nope_dim + rope_dim]`
+    /// with `k_i = [k_nope_i | k_rope]` and `v` `[rows, heads, v_dim]`
+    /// (overwritten). All views share a dtype (bf16 or f32); exact copies.
+    fn mla_kv_split(
+        &self,
+        kv: Slice<'_, Self>,
+        k_rope: Slice<'_, Self>,
+        k: SliceMut<'_, Self>,
+        v: SliceMut<'_, Self>,
+        dims: MlaKvDims,
+    ) -> Result<()>;
+
+    /// The backward of [`Backend::mla_kv_split`] (both outputs overwritten):
+    /// `d_kv` in the fused layout from `dk`'s nope part and `dv`, and
+    /// `d_k_rope[r] = sum_i dk[r, i, rope part]`, heads in order from zero,
+    /// in f32 (one rounding at the store for bf16).
+    fn mla_kv_join(
+        &self,
+        dk: Slice<'_, Self>,
+        dv: Slice<'_, Self>,
+        d_kv: SliceMut<'_, Self>,
+        d_k_rope: SliceMut<'_, Self>,
+        dims: MlaKvDims,
+    ) -> Result<()>;
+
+    /// `out[0] += sum_i x[i]`: the sum taken in f64 in index order starting
+    /// from zero, then added to `out[0]`. `x` is bf16, f32 or f64; `out` is
+    /// one f64 (a slot of a loss accumulator). Losses accumulate on the
+    /// device this way and are read once per step.
+    fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()>;
 
     // ---- kernels: normalisation and activations -----------------------------
 
@@ -420,44 +482,51 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     // ---- kernels: embedding and loss -------------------------------------------
 
-    /// `out[r] = table[ids[r]]`: `table` `[vocab, hidden]`, `out`
-    /// `[ids.len(), hidden]`. An id at or past `vocab` is an error.
+    /// `out[r] = table[ids[r]]`: `table` `[vocab, hidden]` (bf16 or f32),
+    /// `ids` u32 `[rows]`, `out` `[rows, hidden]` of the table's dtype. An id
+    /// at or past `vocab` is an error, and nothing is written.
     fn embedding_forward(
         &self,
         table: Slice<'_, Self>,
-        ids: &[u32],
+        ids: Slice<'_, Self>,
         out: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()>;
 
     /// `dtable[ids[r]] += dout[r]`, rows in order (deterministic; the CUDA
     /// backend sorts rows by id and sums each id's rows in row order).
+    /// `dout` bf16 or f32, `ids` u32, `dtable` bf16 or f32 (f32 when it is a
+    /// gradient accumulator). A bad id is an error and nothing is added.
     fn embedding_backward(
         &self,
         dout: Slice<'_, Self>,
-        ids: &[u32],
+        ids: Slice<'_, Self>,
         dtable: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()>;
 
-    /// Softmax cross-entropy in f32, in place: `logits` `[rows, vocab]` becomes
-    /// the probabilities `softmax(logits)`; `losses[r] = logsumexp(logits_r)
-    /// - logits_r[targets[r]]`, or 0 where `targets[r] == IGNORE_TARGET`.
+    /// Softmax cross-entropy in f32, in place: `logits` f32 `[rows, vocab]`
+    /// becomes the probabilities `softmax(logits)`; `losses` f32 `[rows]`
+    /// gets `logsumexp(logits_r) - logits_r[targets[r]]`, or exactly 0 where
+    /// `targets[r] == IGNORE_TARGET`, so the plain sum of `losses` is the
+    /// masked sum. `targets` is u32 `[rows]`; a target at or past `vocab`
+    /// (other than [`IGNORE_TARGET`]) is an error.
     fn cross_entropy_forward(
         &self,
         logits: SliceMut<'_, Self>,
-        targets: &[u32],
+        targets: Slice<'_, Self>,
         losses: SliceMut<'_, Self>,
         dims: LossDims,
     ) -> Result<()>;
 
     /// Backward of [`Backend::cross_entropy_forward`] for loss `scale *
-    /// sum_r losses[r]`, in place: the probabilities become
+    /// sum_r losses[r]`, in place on f32 `probs` `[rows, vocab]`: they become
     /// `scale * (p - onehot(target))`, and rows with an ignored target 0.
+    /// `targets` is u32 `[rows]`.
     fn cross_entropy_backward(
         &self,
         probs: SliceMut<'_, Self>,
-        targets: &[u32],
+        targets: Slice<'_, Self>,
         scale: f32,
         dims: LossDims,
     ) -> Result<()>;
@@ -621,35 +690,44 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     // ---- kernels: optimizer -----------------------------------------------------
 
-    /// One AdamW step on a flat f32 shard (decoupled weight decay, as torch
-    /// `AdamW` and Megatron): `p -= lr * wd * p`; `m = b1 m + (1-b1) g`;
-    /// `v = b2 v + (1-b2) g^2`; `p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
+    /// One AdamW step over a whole bucket's f32 shard (decoupled weight
+    /// decay, as torch `AdamW` and Megatron), with `g = grad * grad_scale`
+    /// (the clipping factor, 1 without clipping) and `wd = weight_decay` on
+    /// the elements inside `decayed`, 0 elsewhere:
+    /// `p *= 1 - lr * wd`; `m = b1 m + (1-b1) g`; `v = b2 v + (1-b2) g^2`;
+    /// `p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
+    /// `decayed` is u32 `[2n]`: `n` element ranges `[start, end)` of the
+    /// shard, ascending and disjoint (the matrices; norms, biases and other
+    /// 1-D parameters are not decayed). Alignment gaps and padding hold zero
+    /// parameters and gradients, which stay zero (so do their moments).
     fn adam_update(
         &self,
         param: SliceMut<'_, Self>,
         grad: Slice<'_, Self>,
-        m: SliceMut<'_, Self>,
-        v: SliceMut<'_, Self>,
+        moments: AdamMoments<SliceMut<'_, Self>>,
+        decayed: Slice<'_, Self>,
         step: AdamStep,
     ) -> Result<()>;
 
-    /// One SGD step (torch semantics): `g' = g + wd * p`; with momentum `mu`,
-    /// `buf = mu * buf + g'` and `p -= lr * buf`, else `p -= lr * g'`.
-    /// `momentum` must be `Some` exactly when `step.momentum != 0`.
+    /// One SGD step over a whole bucket's f32 shard (torch semantics), with
+    /// `g = grad * grad_scale` and `wd` as in [`Backend::adam_update`]:
+    /// `g' = g + wd * p`; with momentum `mu`, `buf = mu * buf + g'` and
+    /// `p -= lr * buf`, else `p -= lr * g'`. `momentum` must be `Some`
+    /// exactly when `step.momentum != 0`.
     fn sgd_update(
         &self,
         param: SliceMut<'_, Self>,
         grad: Slice<'_, Self>,
         momentum: Option<SliceMut<'_, Self>>,
+        decayed: Slice<'_, Self>,
         step: SgdStep,
     ) -> Result<()>;
 
-    /// `out[b] = sum of x[i]^2` over block `b` of [`NORM_BLOCK`] elements
-    /// (the last block may be shorter), each block summed in f64 in order:
-    /// the gradient norm's partials, independent of how a buffer is sharded
-    /// as long as shards start on a block boundary. `out` is a host slice of
-    /// `ceil(len / NORM_BLOCK)` values (the CUDA backend downloads them).
-    fn sum_squares_blocks(&self, x: Slice<'_, Self>, out: &mut [f64]) -> Result<()>;
+    /// `out[i] = sum of x[j]^2` over piece `i` of `x`, pieces of `piece`
+    /// elements (the last may be shorter), each summed in f64 in index order
+    /// from zero: the gradient norm's partial sums. `x` is f32 (gradients),
+    /// `out` f64 with `ceil(len / piece)` elements; `piece` must be positive.
+    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()>;
 }
 
 // ---- kernel dimensions ------------------------------------------------------
@@ -970,6 +1048,41 @@ pub struct UnpermuteGrads<M> {
     pub weights: M,
 }
 
+/// Dimensions of [`Backend::qkv_split`] and [`Backend::qkv_join`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QkvDims {
+    pub rows: usize,
+    /// KV groups (key/value heads).
+    pub groups: usize,
+    /// Query heads per group.
+    pub heads_per_group: usize,
+    pub head_dim: usize,
+}
+
+impl QkvDims {
+    /// Elements of one fused `qkv` row.
+    pub const fn width(&self) -> usize {
+        self.groups * (self.heads_per_group + 2) * self.head_dim
+    }
+}
+
+/// Dimensions of [`Backend::mla_kv_split`] and [`Backend::mla_kv_join`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MlaKvDims {
+    pub rows: usize,
+    pub heads: usize,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+}
+
+/// Adam's two moment buffers of one shard (f32, the shard's length).
+#[derive(Debug)]
+pub struct AdamMoments<M> {
+    pub m: M,
+    pub v: M,
+}
+
 /// Hyper-parameters of one AdamW step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamStep {
@@ -977,7 +1090,10 @@ pub struct AdamStep {
     pub beta1: f32,
     pub beta2: f32,
     pub eps: f32,
+    /// Applied to the decayed ranges only.
     pub weight_decay: f32,
+    /// Multiplies every gradient first: the clipping factor, or 1.
+    pub grad_scale: f32,
     /// 1-based step count, for the bias corrections.
     pub step: u64,
 }
@@ -987,8 +1103,8 @@ pub struct AdamStep {
 pub struct SgdStep {
     pub lr: f32,
     pub momentum: f32,
+    /// Applied to the decayed ranges only.
     pub weight_decay: f32,
+    /// Multiplies every gradient first: the clipping factor, or 1.
+    pub grad_scale: f32,
 }
-
-/// Block size of [`Backend::sum_squares_blocks`].
-pub const NORM_BLOCK: usize = 128;

@@ -1,20 +1,36 @@
 //! The optimizer on shards: AdamW or SGD on each rank's f32 master shards,
 //! with gradient clipping by the global norm.
 //!
-//! The global norm is computed so that it does not depend on how buckets are
-//! sharded: every bucket is cut into 128-element blocks (shards always start
-//! on a block boundary), each block's sum of squares is taken in f64, and
-//! the partials are summed in one canonical order on every rank. ZeRO-3 and
-//! `no_shard` therefore clip by the same bits, which the parity tests need.
+//! The global norm does not depend on how buckets are sharded. Every bucket
+//! is cut into fixed pieces, its ZeRO-3 shards (`Bucket::shard_range` for
+//! the bucket's ZeRO-3 group), and under both ZeRO-3 and `no_shard` rank
+//! `r` computes the f64 sum of squares of the piece it would own under
+//! ZeRO-3: its own shard, or that piece of the whole bucket it holds (the
+//! part past its buffer is padding, zero either way). One kernel per bucket
+//! writes each rank's partial into one device buffer, read once; the host
+//! all-gathers one value per bucket and rank and sums them in one canonical
+//! order (buckets by id, pieces in order, expert buckets once per EP rank).
+//! ZeRO-3 and `no_shard` therefore clip by the same bits on the CPU, which
+//! the parity tests need (on GPUs, where the two reduce gradients through
+//! different collectives, equal gradients and so equal norms become a
+//! tolerance).
+//!
+//! The update is one launch per bucket: AdamW (or SGD) over the whole
+//! shard, with weight decay on the matrices' element ranges (an u32 device
+//! buffer made once) and the clipping factor folded in as a gradient scale,
+//! then one cast of the master shard to the compute-precision parameters.
+//! Alignment gaps and padding ride along: zero parameters with zero
+//! gradients stay zero under both optimizers.
 
-use crate::backend::{AdamStep, Backend, NORM_BLOCK, SgdStep};
+use crate::backend::{AdamMoments, AdamStep, Backend, SgdStep};
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
-use crate::fsdp::FsdpEngine;
+use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::lane::{Event, Label, Lane};
 use crate::view::DType;
 use hybridgen_dsl::Plan;
+use hybridgen_dsl::plan::Bucket;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -107,21 +123,22 @@ impl OptimizerConfig {
     }
 }
 
-/// A run of a shard the optimizer treats alike: one parameter's owned
-/// elements, decayed or not. Alignment gaps and padding are skipped (their
-/// gradients and values stay zero).
-#[derive(Clone, Debug)]
-struct Segment {
-    range: Range<usize>,
-    decay: bool,
-}
-
 /// Optimizer state of one bucket's shard.
 pub struct MomentState<B: Backend> {
     /// Adam's first moment, or SGD's momentum buffer.
     pub exp_avg: B::Buf,
     /// Adam's second moment (empty for SGD).
     pub exp_avg_sq: B::Buf,
+}
+
+/// What the optimizer keeps per bucket besides the moments.
+struct BucketLayout<B: Backend> {
+    /// u32 `[start, end)` pairs of the shard's elements that are decayed
+    /// (matrices), ascending.
+    decayed: B::Buf,
+    /// The elements of the shard whose squares make this rank's partial of
+    /// the norm (its ZeRO-3 piece, clipped to the shard).
+    norm_piece: Range<usize>,
 }
 
 /// The optimizer of one rank.
@@ -131,7 +148,57 @@ pub struct Optimizer<D: Device> {
     /// Steps taken (the next is `steps + 1`).
     steps: u64,
     states: Vec<Arc<MomentState<D::Backend>>>,
-    segments: Vec<Vec<Segment>>,
+    buckets: Arc<Vec<BucketLayout<D::Backend>>>,
+    /// f64, one per bucket: this rank's norm partials of the step.
+    norm_partials: Arc<<D::Backend as Backend>::Buf>,
+}
+
+/// The ZeRO-3 layout of `layout`'s ranks: where the norm's pieces are,
+/// whatever the run's sharding.
+fn norm_pieces(layout: ShardLayout) -> ShardLayout {
+    ShardLayout {
+        sharding: Sharding::Zero3,
+        ..layout
+    }
+}
+
+/// The elements of rank `r`'s shard of `bucket` (under `layout`) whose
+/// squares make its partial of the norm: its ZeRO-3 piece of the bucket, in
+/// shard coordinates, clipped to the shard (what lies past a `no_shard`
+/// buffer's end is padding).
+fn norm_piece(plan: &Plan, layout: ShardLayout, bucket: &Bucket, r: usize) -> Range<usize> {
+    let owned = layout.owned_range(plan, bucket, r);
+    let piece = norm_pieces(layout).owned_range(plan, bucket, r);
+    let start = piece.start.clamp(owned.start, owned.end);
+    let end = piece.end.clamp(owned.start, owned.end);
+    start - owned.start..end - owned.start
+}
+
+/// The elements of the shard `owned` (bucket coordinates) that weight decay
+/// applies to, as u32 `[start, end)` pairs in shard coordinates: the
+/// matrices (Megatron's rule; norms, biases and other 1-D parameters are
+/// not decayed).
+fn decayed_ranges(plan: &Plan, bucket: &Bucket, owned: Range<usize>) -> Result<Vec<u32>> {
+    let mut ranges = Vec::new();
+    for &p in bucket.params.iter() {
+        let param = &plan.params[p];
+        let def = plan.def(param);
+        let start = param.offset.max(owned.start);
+        let end = (param.offset + def.numel()).min(owned.end);
+        if start < end && def.shape.len() > 1 {
+            for at in [start - owned.start, end - owned.start] {
+                ranges.push(u32::try_from(at).map_err(|_| {
+                    RuntimeError::Unsupported(format!(
+                        "bucket {} has a shard of {} elements; the optimizer indexes shards \
+                         with 32 bits",
+                        bucket.id,
+                        owned.len()
+                    ))
+                })?);
+            }
+        }
+    }
+    Ok(ranges)
 }
 
 impl<D: Device> Optimizer<D> {
@@ -144,7 +211,7 @@ impl<D: Device> Optimizer<D> {
         config.validate()?;
         let backend = &rank.backend;
         let mut states = Vec::new();
-        let mut segments = Vec::new();
+        let mut buckets = Vec::new();
         for bucket in plan.buckets.iter() {
             let owned = engine.owned_range(bucket.id, rank);
             let len = owned.len();
@@ -157,28 +224,21 @@ impl<D: Device> Optimizer<D> {
                 exp_avg: backend.alloc(len, DType::F32)?,
                 exp_avg_sq: backend.alloc(second, DType::F32)?,
             }));
-            let mut runs = Vec::new();
-            for &p in bucket.params.iter() {
-                let param = &plan.params[p];
-                let def = plan.def(param);
-                let span = param.offset..param.offset + def.numel();
-                let start = span.start.max(owned.start);
-                let end = span.end.min(owned.end);
-                if start < end {
-                    runs.push(Segment {
-                        range: start - owned.start..end - owned.start,
-                        decay: def.shape.len() > 1,
-                    });
-                }
-            }
-            segments.push(runs);
+            let decayed = decayed_ranges(&plan, bucket, owned)?;
+            let ranges = backend.alloc(decayed.len(), DType::U32)?;
+            backend.upload(&decayed, backend.view_mut(&ranges)?)?;
+            buckets.push(BucketLayout {
+                decayed: ranges,
+                norm_piece: norm_piece(&plan, engine.layout(), bucket, rank.rank),
+            });
         }
         Ok(Optimizer {
             config,
+            norm_partials: Arc::new(backend.alloc(plan.buckets.len(), DType::F64)?),
             plan,
             steps: 0,
             states,
-            segments,
+            buckets: Arc::new(buckets),
         })
     }
 
@@ -200,52 +260,61 @@ impl<D: Device> Optimizer<D> {
         &self.states
     }
 
+    /// This rank's partials of the squared gradient norm, one per bucket in
+    /// id order (see the module doc), computed on the compute lane and read
+    /// once. Call after the step's reduces ran.
+    pub fn norm_partials(&self, engine: &FsdpEngine<D>, rank: &RankContext<D>) -> Result<Vec<f64>> {
+        let shards = engine.shards().to_vec();
+        let buckets = self.buckets.clone();
+        let out = self.norm_partials.clone();
+        let done = rank.compute.submit(
+            Label::new("gradient norm partials", "optimizer"),
+            &[],
+            Box::new(move |b: &D::Backend| {
+                b.zero(b.view_mut(&out)?)?;
+                for (i, (shard, bucket)) in shards.iter().zip(buckets.iter()).enumerate() {
+                    let piece = bucket.norm_piece.clone();
+                    if piece.is_empty() {
+                        continue;
+                    }
+                    let len = piece.len();
+                    b.sum_squares(
+                        b.slice(&shard.grad, piece)?,
+                        len,
+                        b.slice_mut(&out, i..i + 1)?,
+                    )?;
+                }
+                Ok(())
+            }),
+        );
+        done.wait()?;
+        let mut partials = vec![0.0f64; self.plan.buckets.len()];
+        rank.backend
+            .download(rank.backend.view(&self.norm_partials)?, &mut partials)?;
+        Ok(partials)
+    }
+
     /// The global L2 norm of the accumulated gradients, identical on every
     /// rank and under every sharding. Call after the step's reduces ran.
     pub fn grad_norm(&self, engine: &FsdpEngine<D>, rank: &RankContext<D>) -> Result<f64> {
-        let backend = &rank.backend;
-        // This rank's block partials, bucket after bucket.
-        let mut mine = Vec::new();
-        for shard in engine.shards() {
-            let len = backend.buf_len(&shard.grad);
-            let mut blocks = vec![0.0f64; len.div_ceil(NORM_BLOCK)];
-            backend.sum_squares_blocks(backend.view(&shard.grad)?, &mut blocks)?;
-            mine.extend(blocks);
-        }
+        let mine = self.norm_partials(engine, rank)?;
         let all = rank.host.all_gather_host(&mine)?;
-        // Where each rank's partials of each bucket start.
-        let blocks_of = |b: usize| {
-            let bucket = &self.plan.buckets[b];
-            bucket
-                .shard_numel(engine.world_of(bucket))
-                .div_ceil(NORM_BLOCK)
-        };
-        let mut starts = Vec::with_capacity(self.plan.buckets.len());
-        let mut at = 0;
-        for b in 0..self.plan.buckets.len() {
-            starts.push(at);
-            at += blocks_of(b);
-        }
+        let pieces = norm_pieces(engine.layout());
+        let buckets = self.plan.buckets.len();
         let mut total = 0.0f64;
-        // Canonical order: buckets by id; within a bucket, its blocks in
-        // bucket order (pieces in group order); expert buckets once per EP
-        // rank, since each holds different experts.
-        let layout = engine.layout();
         for bucket in self.plan.buckets.iter() {
-            let b = bucket.id;
             let copies = if bucket.expert { rank.ep.max(1) } else { 1 };
             for e in 0..copies {
-                for r in layout.holders(bucket.expert, e) {
-                    let partials = all
+                for r in pieces.holders(bucket.expert, e) {
+                    let partial = all
                         .get(r)
-                        .and_then(|v| v.get(starts[b]..starts[b] + blocks_of(b)))
+                        .filter(|v| v.len() == buckets)
+                        .map(|v| v[bucket.id])
                         .ok_or_else(|| RuntimeError::Peer {
                             rank: r,
                             message: "sent gradient-norm partials of the wrong length".into(),
                         })?;
-                    for x in partials {
-                        total += x;
-                    }
+                    total += partial;
                 }
             }
         }
@@ -263,65 +332,64 @@ impl<D: Device> Optimizer<D> {
                 self.steps + 1
             )));
         }
-        let clip = match self.config.clip_grad {
-            Some(max) if norm > f64::from(max) => Some((f64::from(max) / (norm + 1e-6)) as f32),
-            _ => None,
+        // Clipping multiplies every gradient by this before the update
+        // (exactly what scaling the gradient buffers first did).
+        let grad_scale = match self.config.clip_grad {
+            Some(max) if norm > f64::from(max) => (f64::from(max) / (norm + 1e-6)) as f32,
+            _ => 1.0,
         };
         self.steps += 1;
         let lr = self.config.lr_at(self.steps);
         let config = self.config.clone();
         let step = self.steps;
-        let jobs: Vec<_> = engine
-            .shards()
-            .iter()
-            .cloned()
-            .zip(self.states.iter().cloned())
-            .zip(self.segments.iter().cloned())
-            .collect();
+        let shards = engine.shards().to_vec();
+        let states = self.states.clone();
+        let buckets = self.buckets.clone();
         let done = rank.compute.submit(
             Label::new(format!("optimizer step {step}"), "optimizer"),
             &[],
             Box::new(move |backend: &D::Backend| {
-                for ((shard, state), segments) in &jobs {
-                    if let Some(scale) = clip {
-                        backend.scale(backend.view_mut(&shard.grad)?, scale)?;
-                    }
-                    for seg in segments {
-                        let wd = if seg.decay { config.weight_decay } else { 0.0 };
-                        let param = backend.slice_mut(&shard.master, seg.range.clone())?;
-                        let grad = backend.slice(&shard.grad, seg.range.clone())?;
-                        match config.kind {
-                            OptimizerKind::Adam => backend.adam_update(
+                for ((shard, state), bucket) in shards.iter().zip(&states).zip(buckets.iter()) {
+                    let param = backend.view_mut(&shard.master)?;
+                    let grad = backend.view(&shard.grad)?;
+                    let decayed = backend.view(&bucket.decayed)?;
+                    match config.kind {
+                        OptimizerKind::Adam => backend.adam_update(
+                            param,
+                            grad,
+                            AdamMoments {
+                                m: backend.view_mut(&state.exp_avg)?,
+                                v: backend.view_mut(&state.exp_avg_sq)?,
+                            },
+                            decayed,
+                            AdamStep {
+                                lr,
+                                beta1: config.beta1,
+                                beta2: config.beta2,
+                                eps: config.eps,
+                                weight_decay: config.weight_decay,
+                                grad_scale,
+                                step,
+                            },
+                        )?,
+                        OptimizerKind::Sgd => {
+                            let momentum = if config.momentum != 0.0 {
+                                Some(backend.view_mut(&state.exp_avg)?)
+                            } else {
+                                None
+                            };
+                            backend.sgd_update(
                                 param,
                                 grad,
-                                backend.slice_mut(&state.exp_avg, seg.range.clone())?,
-                                backend.slice_mut(&state.exp_avg_sq, seg.range.clone())?,
-                                AdamStep {
+                                momentum,
+                                decayed,
+                                SgdStep {
                                     lr,
-                                    beta1: config.beta1,
-                                    beta2: config.beta2,
-                                    eps: config.eps,
-                                    weight_decay: wd,
-                                    step,
+                                    momentum: config.momentum,
+                                    weight_decay: config.weight_decay,
+                                    grad_scale,
                                 },
-                            )?,
-                            OptimizerKind::Sgd => {
-                                let momentum = if config.momentum != 0.0 {
-                                    Some(backend.slice_mut(&state.exp_avg, seg.range.clone())?)
-                                } else {
-                                    None
-                                };
-                                backend.sgd_update(
-                                    param,
-                                    grad,
-                                    momentum,
-                                    SgdStep {
-                                        lr,
-                                        momentum: config.momentum,
-                                        weight_decay: wd,
-                                    },
-                                )?
-                            }
+                            )?
                         }
                     }
                     backend.cast(
@@ -334,5 +402,114 @@ impl<D: Device> Optimizer<D> {
         );
         done.wait()?;
         Ok(norm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
+
+    fn plan(pattern: &str, ranks: usize, ep: usize) -> Plan {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = pattern.to_string();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(ranks, ep),
+            ..PlanOptions::default()
+        };
+        Plan::new(&model, &options).unwrap()
+    }
+
+    /// Every rank's norm partial covers the same elements of the bucket
+    /// under ZeRO-3 and `no_shard`, and the partials the canonical sum reads
+    /// cover each EP copy of every bucket exactly once.
+    #[test]
+    fn norm_pieces_are_the_zero3_shards_under_every_sharding() {
+        for (ranks, ep) in [(2, 1), (2, 2), (4, 2)] {
+            let plan = plan("[M*E][*E]-", ranks, ep);
+            let layout = |sharding| ShardLayout {
+                sharding,
+                world: ranks,
+                ep,
+            };
+            let (zero3, no_shard) = (layout(Sharding::Zero3), layout(Sharding::NoShard));
+            for bucket in plan.buckets.iter() {
+                for r in 0..ranks {
+                    // In bucket coordinates.
+                    let at = |l: ShardLayout| {
+                        let start = l.owned_range(&plan, bucket, r).start;
+                        let piece = norm_piece(&plan, l, bucket, r);
+                        start + piece.start..start + piece.end
+                    };
+                    let (a, b) = (at(zero3), at(no_shard));
+                    assert_eq!(a, zero3.owned_range(&plan, bucket, r));
+                    // `no_shard` holds the whole bucket padded to 128 only:
+                    // what lies past it is padding.
+                    let whole = no_shard.owned_range(&plan, bucket, r).end;
+                    assert_eq!(
+                        b,
+                        a.start.min(whole)..a.end.min(whole),
+                        "bucket {}",
+                        bucket.id
+                    );
+                }
+                for e in 0..if bucket.expert { ep } else { 1 } {
+                    let mut covered = 0;
+                    for r in zero3.holders(bucket.expert, e) {
+                        let piece = zero3.owned_range(&plan, bucket, r);
+                        assert_eq!(piece.start, covered, "pieces in order");
+                        covered = piece.end;
+                    }
+                    assert_eq!(covered, bucket.padded_numel(plan.bucket_world(bucket)));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_decay_covers_the_matrices_and_nothing_else() {
+        let plan = plan("[M*E]-", 2, 2);
+        let layout = ShardLayout {
+            sharding: Sharding::Zero3,
+            world: 2,
+            ep: 2,
+        };
+        let mut decayed_matrices = 0;
+        for bucket in plan.buckets.iter() {
+            let mut decayed = 0;
+            // One copy of the bucket (an expert bucket has one per EP rank).
+            for r in layout.holders(bucket.expert, 0) {
+                let owned = layout.owned_range(&plan, bucket, r);
+                let ranges = decayed_ranges(&plan, bucket, owned.clone()).unwrap();
+                let mut at = 0;
+                for pair in ranges.chunks(2) {
+                    let (start, end) = (
+                        pair[0] as usize + owned.start,
+                        pair[1] as usize + owned.start,
+                    );
+                    assert!(at <= start && start < end, "ascending, disjoint, non-empty");
+                    at = end;
+                    decayed += end - start;
+                    // Inside one matrix.
+                    let p = bucket
+                        .params
+                        .iter()
+                        .map(|&p| &plan.params[p])
+                        .find(|p| p.offset <= start && end <= p.offset + plan.def(p).numel())
+                        .expect("a range inside one parameter");
+                    assert!(plan.def(p).shape.len() > 1, "{}", plan.param_name(p));
+                }
+            }
+            let matrices: usize = bucket
+                .params
+                .iter()
+                .map(|&p| plan.def(&plan.params[p]))
+                .filter(|d| d.shape.len() > 1)
+                .map(|d| d.numel())
+                .sum();
+            assert_eq!(decayed, matrices, "bucket {}", bucket.id);
+            decayed_matrices += matrices;
+        }
+        assert!(decayed_matrices > 0);
     }
 }

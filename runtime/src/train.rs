@@ -129,7 +129,11 @@ pub struct StepReport {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub elapsed: Duration,
-    /// Rank 0's device after the step: allocations and host reads so far.
+    /// What rank 0's device did for the step (its forward, backward and
+    /// optimizer step). Host reads: one per MoE layer and micro-batch (the
+    /// all-to-all's counts) and two at the step's end (the loss sums and the
+    /// gradient-norm partials); every read waits for the device, so this is
+    /// a budget the runtime keeps. Allocations: none after the first step.
     pub device: DeviceStats,
 }
 
@@ -428,13 +432,14 @@ fn run_rank(
         .map(|p| engine.param_range(p))
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
-    let cx = Arc::new(StepContext::<Cpu> {
-        model: model.clone(),
-        ep_group: rank.ep_group.clone(),
-        ranges: Arc::new(ranges),
+    let cx = Arc::new(StepContext::<Cpu>::new(
+        model.clone(),
+        rank.ep_group.clone(),
+        Arc::new(ranges),
         tokens,
-        mb_weight: 1.0 / (config.micro_batches * config.ranks) as f32,
-    });
+        1.0 / (config.micro_batches * config.ranks) as f32,
+        &rank.backend,
+    )?);
     let shape = batch_shape(config, &plan);
     let meta = |step| checkpoint::CheckpointMeta {
         step,
@@ -443,6 +448,7 @@ fn run_rank(
     };
     for _ in 0..config.steps {
         let started = Instant::now();
+        let counted = rank.backend.stats();
         let depths = plan.mtp_depths();
         let mut batch = |mb: usize| -> Result<MicroBatchTokens> {
             let key = BatchKey {
@@ -464,6 +470,7 @@ fn run_rank(
         };
         let losses = run_step(&program, &cx, &mut engine, &rank, &mut batch)?;
         let grad_norm = optimizer.step(&engine, &rank)?;
+        let device = rank.backend.stats() - counted;
         step += 1;
         // Every rank's sums, added in rank order: the same bits everywhere.
         let mut mine = vec![losses.main.0, losses.main.1 as f64, losses.aux];
@@ -499,7 +506,7 @@ fn run_rank(
                 aux_loss: total(2) / (config.micro_batches * config.ranks) as f64,
                 grad_norm,
                 elapsed: started.elapsed(),
-                device: rank.backend.stats(),
+                device,
             });
         }
         if let (Some(dir), Some(every)) = (&config.save, config.save_every)

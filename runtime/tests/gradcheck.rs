@@ -16,8 +16,8 @@ use hybridgen_runtime::backend::{Backend, IGNORE_TARGET, Tokens};
 use hybridgen_runtime::cpu::collective::CpuWorld;
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::layers::{
-    CollectiveExchange, Embedding, FinalNorm, Head, LayerImpl, LayerSaved, LayerWgrad,
-    LocalExchange, MoeLayer, MtpEntry,
+    CollectiveExchange, Embedding, FinalNorm, HEAD_CHUNK_ELEMENTS, Head, LayerImpl, LayerSaved,
+    LayerWgrad, LocalExchange, MoeLayer, MtpEntry, counted_targets,
 };
 use hybridgen_runtime::view::{DType, DeviceBuffer, View, ViewMut};
 use std::sync::LazyLock;
@@ -43,6 +43,30 @@ fn down(buf: &CpuBuf) -> Vec<f32> {
         .download(View::whole(buf), &mut out)
         .expect("download");
     out
+}
+
+/// A u32 device buffer of token ids (or targets).
+fn ids(values: &[u32]) -> CpuBuf {
+    let buf = dev().alloc(values.len(), DType::U32).expect("alloc");
+    dev().upload(values, ViewMut::whole(&buf)).expect("upload");
+    buf
+}
+
+/// One f64 on the device: a loss accumulator's slot.
+fn loss_slot(start: f64) -> CpuBuf {
+    let buf = dev().alloc(1, DType::F64).expect("alloc");
+    dev()
+        .upload(&[start], ViewMut::whole(&buf))
+        .expect("upload");
+    buf
+}
+
+fn down_f64(buf: &CpuBuf) -> f64 {
+    let mut out = [0.0f64];
+    dev()
+        .download(View::whole(buf), &mut out)
+        .expect("download");
+    out[0]
 }
 
 fn ups(values: &[Vec<f32>]) -> Vec<CpuBuf> {
@@ -561,15 +585,16 @@ fn embedding_gradient() {
     let emb = Embedding::new(&c).expect("embedding");
     let mut rng = Rng(61);
     let table = rng.normals(128 * 8, 1.0, 0.0);
-    let ids = [3u32, 17, 3, 0, 127, 9];
+    let token_ids = ids(&[3u32, 17, 3, 0, 127, 9]);
     let probe = rng.normals(6 * 8, 1.0, 0.0);
     let loss = |t: &[f32]| {
         let (t, out) = (up(t), up(&[0.0; 48]));
-        emb.forward(dev(), v(&t), &ids, vm(&out)).expect("forward");
+        emb.forward(dev(), v(&t), v(&token_ids), vm(&out))
+            .expect("forward");
         dot(&probe, &down(&out))
     };
     let grad = up(&vec![0.0; table.len()]);
-    emb.backward(dev(), v(&up(&probe)), &ids, vm(&grad))
+    emb.backward(dev(), v(&up(&probe)), v(&token_ids), vm(&grad))
         .expect("backward");
     let grad = down(&grad);
     check_gradient("embedding", &grad, &table, &loss, &mut rng);
@@ -579,9 +604,23 @@ fn embedding_gradient() {
     }
     let out = up(&[0.0f32; 48]);
     assert!(matches!(
-        emb.forward(dev(), v(&up(&table)), &[128, 0, 0, 0, 0, 0], vm(&out)),
+        emb.forward(
+            dev(),
+            v(&up(&table)),
+            v(&ids(&[128, 0, 0, 0, 0, 0])),
+            vm(&out)
+        ),
         Err(RuntimeError::InvalidArgument(_))
     ));
+    // Ids are u32 device views; one the wrong length is an error.
+    assert!(
+        emb.forward(dev(), v(&up(&table)), v(&up(&[0.0; 6])), vm(&out))
+            .is_err()
+    );
+    assert!(
+        emb.forward(dev(), v(&up(&table)), v(&ids(&[0; 5])), vm(&out))
+            .is_err()
+    );
 }
 
 #[test]
@@ -627,62 +666,171 @@ fn targets_with_masks() -> Vec<u32> {
     ]
 }
 
+/// The head's loss sum (added to a slot starting at zero), and its `dh`
+/// and `dW` for `grad_scale`.
+fn head_run(
+    head: &Head,
+    w: &[f32],
+    h: &[f32],
+    targets: &[u32],
+    scale: f32,
+) -> (f64, Vec<f32>, Vec<f32>) {
+    let (wb, hb, tb) = (up(w), up(h), ids(targets));
+    let sum = loss_slot(0.0);
+    let saved = head
+        .forward(dev(), v(&wb), v(&hb), v(&tb), vm(&sum))
+        .expect("forward");
+    let (dh, dw) = (up(&vec![0.0; h.len()]), up(&vec![0.0; w.len()]));
+    head.backward(dev(), v(&wb), saved, v(&tb), scale, vm(&dh), vm(&dw))
+        .expect("backward");
+    (down_f64(&sum), down(&dh), down(&dw))
+}
+
 #[test]
 fn head_gradients_with_masked_positions() {
     let c = config("");
-    let head = Head::new(&c).expect("head");
     let mut rng = Rng(81);
     let w = rng.normals(128 * 8, 0.5, 0.0);
     let h = rng.normals(80, 1.0, 0.0);
     let targets = targets_with_masks();
+    assert_eq!(counted_targets(&targets), 7);
     let scale = 1.0 / 7.0;
-    let loss = |w: &[f32], h: &[f32]| {
-        let f = head
-            .forward(dev(), v(&up(w)), v(&up(h)), &targets)
-            .expect("forward");
-        assert_eq!(f.count, 7);
-        scale * f.loss_sum
-    };
-    let (wb, hb) = (up(&w), up(&h));
-    let f = head
-        .forward(dev(), v(&wb), v(&hb), &targets)
-        .expect("forward");
-    let dh = up(&[0.0; 80]);
-    let wgrad = head
-        .backward_input(dev(), v(&wb), f.saved, scale as f32, vm(&dh))
-        .expect("backward");
-    let dw = up(&vec![0.0; w.len()]);
-    head.backward_weight(dev(), wgrad, vm(&dw)).expect("wgrad");
-    let (dh, dw) = (down(&dh), down(&dw));
-    check_gradient("head dh", &dh, &h, &|h| loss(&w, h), &mut rng);
-    check_gradient("head dW", &dw, &w, &|w| loss(w, &h), &mut rng);
-    // Masked rows get no gradient.
-    assert!(dh[24..32].iter().chain(&dh[64..80]).all(|&v| v == 0.0));
-    // The loss is the mean cross-entropy of the unmasked rows.
-    let f = head
-        .forward(dev(), v(&wb), v(&hb), &targets)
-        .expect("forward");
-    let mut want = 0.0f64;
-    for (r, &t) in targets.iter().enumerate() {
-        if t == IGNORE_TARGET {
-            continue;
+    // One chunk, and chunks that do not divide the rows.
+    for chunk in [10, 3] {
+        let head = Head::new(&c)
+            .and_then(|head| head.with_chunk_rows(chunk))
+            .expect("head");
+        let loss = |w: &[f32], h: &[f32]| {
+            let sum = loss_slot(0.0);
+            head.forward(dev(), v(&up(w)), v(&up(h)), v(&ids(&targets)), vm(&sum))
+                .expect("forward");
+            scale * down_f64(&sum)
+        };
+        let (loss_sum, dh, dw) = head_run(&head, &w, &h, &targets, scale as f32);
+        check_gradient("head dh", &dh, &h, &|h| loss(&w, h), &mut rng);
+        check_gradient("head dW", &dw, &w, &|w| loss(w, &h), &mut rng);
+        // Masked rows get no gradient.
+        assert!(dh[24..32].iter().chain(&dh[64..80]).all(|&v| v == 0.0));
+        // The loss is the sum of the unmasked rows' cross-entropies.
+        let mut want = 0.0f64;
+        for (r, &t) in targets.iter().enumerate() {
+            if t == IGNORE_TARGET {
+                continue;
+            }
+            let logits: Vec<f64> = (0..128)
+                .map(|v| {
+                    (0..8)
+                        .map(|j| h[r * 8 + j] as f64 * w[v * 8 + j] as f64)
+                        .sum()
+                })
+                .collect();
+            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+            want += lse - logits[t as usize];
         }
-        let logits: Vec<f64> = (0..128)
-            .map(|v| {
-                (0..8)
-                    .map(|j| h[r * 8 + j] as f64 * w[v * 8 + j] as f64)
-                    .sum()
-            })
-            .collect();
-        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
-        let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
-        want += lse - logits[t as usize];
+        assert!(
+            (loss_sum - want).abs() < 1e-4 * want,
+            "{loss_sum} vs {want}"
+        );
     }
+}
+
+#[test]
+fn the_head_adds_into_its_loss_slot_and_refuses_bad_targets() {
+    let c = config("");
+    let head = Head::new(&c).expect("head");
+    let mut rng = Rng(83);
+    let (w, h) = (rng.normals(128 * 8, 0.5, 0.0), rng.normals(80, 1.0, 0.0));
+    let targets = targets_with_masks();
+    let (alone, _, _) = head_run(&head, &w, &h, &targets, 1.0);
+    let sum = loss_slot(2.5);
+    head.forward(dev(), v(&up(&w)), v(&up(&h)), v(&ids(&targets)), vm(&sum))
+        .expect("forward");
+    assert_eq!(down_f64(&sum), 2.5 + alone);
+    let mut bad = targets.clone();
+    bad[4] = 128;
+    let err = head
+        .forward(dev(), v(&up(&w)), v(&up(&h)), v(&ids(&bad)), vm(&sum))
+        .err()
+        .expect("a target past the vocabulary")
+        .to_string();
+    assert!(err.contains("target 128"), "{err}");
+    // Targets are a u32 view of one id per row.
     assert!(
-        (f.loss_sum - want).abs() < 1e-4 * want,
-        "{} vs {want}",
-        f.loss_sum
+        head.forward(
+            dev(),
+            v(&up(&w)),
+            v(&up(&h)),
+            v(&ids(&targets[..9])),
+            vm(&sum)
+        )
+        .is_err()
     );
+}
+
+/// Chunking the head changes no bit of the loss and `dh` (rows are
+/// independent), `dW` only by rounding, and a chunk's logits are all it
+/// holds of `[rows, vocab]`.
+#[test]
+fn head_chunks_change_no_bits_and_bound_the_logits() {
+    let c = config("");
+    let mut rng = Rng(87);
+    let (w, h) = (rng.normals(128 * 8, 0.5, 0.0), rng.normals(80, 1.0, 0.0));
+    let targets = targets_with_masks();
+    let whole = Head::new(&c).expect("head");
+    assert!(whole.chunk_rows() >= 10);
+    let (l0, dh0, dw0) = head_run(&whole, &w, &h, &targets, 0.3);
+    for chunk in [1, 3, 4, 9] {
+        let head = whole.with_chunk_rows(chunk).expect("head");
+        let (l, dh, dw) = head_run(&head, &w, &h, &targets, 0.3);
+        assert_eq!(l.to_bits(), l0.to_bits(), "chunks of {chunk}");
+        assert_eq!(bits(&dh), bits(&dh0), "chunks of {chunk}");
+        // `dW` sums over rows: the matmul's blocking of the row sum depends
+        // on how many rows one call sees, so chunks change its rounding.
+        for (a, b) in dw.iter().zip(&dw0) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "chunks of {chunk}: {a} vs {b}"
+            );
+        }
+    }
+    // Forward and backward allocate one chunk of logits, not the matrix.
+    let device = CpuBackend::default();
+    let head = whole.with_chunk_rows(2).expect("head");
+    let up_on = |values: &[f32]| {
+        let buf = device.alloc(values.len(), DType::F32).expect("alloc");
+        device.upload(values, ViewMut::whole(&buf)).expect("upload");
+        buf
+    };
+    let (wb, hb) = (up_on(&w), up_on(&h));
+    let tb = device.alloc(10, DType::U32).expect("alloc");
+    device
+        .upload(&targets, ViewMut::whole(&tb))
+        .expect("upload");
+    let (sum, dh, dw) = (
+        device.alloc(1, DType::F64).expect("alloc"),
+        up_on(&[0.0; 80]),
+        up_on(&vec![0.0; w.len()]),
+    );
+    let before = device.stats().in_use_bytes;
+    let saved = head
+        .forward(&device, v(&wb), v(&hb), v(&tb), vm(&sum))
+        .expect("forward");
+    head.backward(&device, v(&wb), saved, v(&tb), 1.0, vm(&dh), vm(&dw))
+        .expect("backward");
+    let allocated = device.stats().peak_in_use_bytes - before;
+    let matrix = (10 * 128 * 4) as u64;
+    assert!(
+        allocated < matrix / 2,
+        "the head held {allocated} bytes at most; the whole logit matrix is {matrix}"
+    );
+    // A 131,072-token vocabulary runs in chunks of at most 64 MiB of logits.
+    let mut big = config("");
+    big.vocab_size = 131_072;
+    let head = Head::new(&big).expect("head");
+    assert_eq!(head.chunk_rows(), 128);
+    assert!(head.chunk_rows() * 131_072 <= HEAD_CHUNK_ELEMENTS);
+    assert_eq!(HEAD_CHUNK_ELEMENTS * 4, 64 << 20);
 }
 
 /// Tied embeddings: the table feeds the embedding and the head, and both
@@ -698,37 +846,47 @@ fn tied_embedding_and_head_gradients_accumulate_into_one_table() {
     let mut rng = Rng(91);
     let table = rng.normals(128 * 8, 0.5, 0.0);
     let norm_w = rng.normals(8, 0.2, 1.0);
-    let ids: Vec<u32> = (0..10).map(|i| (i * 13 % 128) as u32).collect();
-    let targets = targets_with_masks();
+    let token_ids = ids(&(0..10).map(|i| (i * 13 % 128) as u32).collect::<Vec<_>>());
+    let targets = ids(&targets_with_masks());
     let norm_wb = up(&norm_w);
     let loss = |t: &[f32]| {
         let (t, x) = (up(t), up(&[0.0; 80]));
-        emb.forward(dev(), v(&t), &ids, vm(&x)).expect("embed");
+        emb.forward(dev(), v(&t), v(&token_ids), vm(&x))
+            .expect("embed");
         let (y, _) = norm
             .forward(dev(), v(&norm_wb), v(&x), TWO_SEQUENCES)
             .expect("norm");
-        head.forward(dev(), v(&t), v(&y), &targets)
-            .expect("head")
-            .loss_sum
+        let sum = loss_slot(0.0);
+        head.forward(dev(), v(&t), v(&y), v(&targets), vm(&sum))
+            .expect("head");
+        down_f64(&sum)
     };
     let (tb, x) = (up(&table), up(&[0.0; 80]));
-    emb.forward(dev(), v(&tb), &ids, vm(&x)).expect("embed");
+    emb.forward(dev(), v(&tb), v(&token_ids), vm(&x))
+        .expect("embed");
     let (y, norm_saved) = norm
         .forward(dev(), v(&norm_wb), v(&x), TWO_SEQUENCES)
         .expect("norm");
-    let f = head.forward(dev(), v(&tb), v(&y), &targets).expect("head");
-    let dy = up(&[0.0; 80]);
-    let head_wgrad = head
-        .backward_input(dev(), v(&tb), f.saved, 1.0, vm(&dy))
-        .expect("head backward");
+    let sum = loss_slot(0.0);
+    let saved = head
+        .forward(dev(), v(&tb), v(&y), v(&targets), vm(&sum))
+        .expect("head");
+    let (dy, d_table) = (up(&[0.0; 80]), up(&vec![0.0; table.len()]));
+    head.backward(
+        dev(),
+        v(&tb),
+        saved,
+        v(&targets),
+        1.0,
+        vm(&dy),
+        vm(&d_table),
+    )
+    .expect("head backward");
     let dx = up(&[0.0; 80]);
     let norm_wgrad = norm
         .backward_input(dev(), v(&norm_wb), norm_saved, v(&dy), vm(&dx))
         .expect("norm backward");
-    let d_table = up(&vec![0.0; table.len()]);
-    head.backward_weight(dev(), head_wgrad, vm(&d_table))
-        .expect("head wgrad");
-    emb.backward(dev(), v(&dx), &ids, vm(&d_table))
+    emb.backward(dev(), v(&dx), v(&token_ids), vm(&d_table))
         .expect("embedding backward");
     let d_norm = up(&[0.0f32; 8]);
     norm.backward_weight(dev(), norm_wgrad, vm(&d_norm))
@@ -802,6 +960,54 @@ fn mtp_entry_gradients() {
             &mut rng,
         );
     }
+}
+
+/// An MTP depth's entry as the executor runs it: the shifted tokens
+/// embedded from a u32 view, and the entry's `d_emb` scattered back into the
+/// table with the same view.
+#[test]
+fn mtp_entry_from_shifted_token_ids() {
+    let c = config("");
+    let (entry, emb) = (
+        MtpEntry::new(&c).expect("mtp"),
+        Embedding::new(&c).expect("e"),
+    );
+    let mut rng = Rng(103);
+    let weights = test_weights(entry.params(), &mut rng);
+    let wb = ups(&weights);
+    let table = rng.normals(128 * 8, 1.0, 0.0);
+    let shifted = ids(&[5u32, 9, 9, 1, 127, 0, 3, 5, 60, 2]);
+    let h_prev = up(&rng.normals(80, 1.0, 0.2));
+    let probe = rng.normals(80, 1.0, 0.0);
+    let forward = |t: &CpuBuf| {
+        let e = up(&[0.0; 80]);
+        emb.forward(dev(), v(t), v(&shifted), vm(&e))
+            .expect("embed");
+        let (out, saved) = entry
+            .forward(dev(), &views(&wb), v(&e), v(&h_prev))
+            .expect("forward");
+        (out, saved)
+    };
+    let loss = |t: &[f32]| dot(&probe, &down(&forward(&up(t)).0));
+    let (_, saved) = forward(&up(&table));
+    let (d_emb, d_h) = (up(&[0.0; 80]), up(&[0.0; 80]));
+    entry
+        .backward_input(
+            dev(),
+            &views(&wb),
+            saved,
+            v(&up(&probe)),
+            vm(&d_emb),
+            vm(&d_h),
+        )
+        .expect("backward");
+    let d_table = up(&vec![0.0; table.len()]);
+    emb.backward(dev(), v(&d_emb), v(&shifted), vm(&d_table))
+        .expect("embedding backward");
+    let d_table = down(&d_table);
+    check_gradient("mtp d_table", &d_table, &table, &loss, &mut rng);
+    // Rows of tokens the depth never sees get nothing.
+    assert!(d_table[4 * 8..5 * 8].iter().all(|&g| g == 0.0));
 }
 
 // ---- schedule properties ------------------------------------------------------------
@@ -1066,7 +1272,7 @@ fn expert_parallel_moe_through_collectives_matches_one_rank() {
 
 /// Host reads so far on `device`.
 fn host_reads(device: &CpuBackend) -> u64 {
-    device.counts().host_reads
+    device.stats().host_reads
 }
 
 /// The host reads exactly one thing per MoE layer and micro-batch, in the

@@ -5,8 +5,8 @@
 //! high-order finite difference of the f64 forward.
 
 use crate::backend::{
-    AdamStep, AttentionDims, ConvDims, CopyCols, IGNORE_TARGET, MatmulDims, NORM_BLOCK, NormDims,
-    RotaryDims, ScanDims, SgdStep, Unary,
+    AdamStep, AttentionDims, ConvDims, CopyCols, IGNORE_TARGET, MatmulDims, NormDims, RotaryDims,
+    ScanDims, SgdStep, Unary,
 };
 use crate::view::DType;
 use hybridgen_dsl::config::ScoreFunction;
@@ -598,8 +598,9 @@ pub(crate) fn sgd(
     (param, new_buf)
 }
 
-pub(crate) fn sum_squares_blocks(x: &[f64]) -> Vec<f64> {
-    x.chunks(NORM_BLOCK)
+/// Sums of squares of consecutive pieces of `piece` elements.
+pub(crate) fn sum_squares(x: &[f64], piece: usize) -> Vec<f64> {
+    x.chunks(piece.max(1))
         .map(|b| b.iter().map(|v| v * v).sum())
         .collect()
 }

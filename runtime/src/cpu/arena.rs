@@ -69,6 +69,9 @@ unsafe impl Sync for Region {}
 #[derive(Default)]
 struct Free {
     segments: Vec<Storage>,
+    /// Words handed out and not yet taken back, and the most ever.
+    in_use: usize,
+    peak: usize,
     /// Free regions by (segment, offset) -> words.
     by_place: BTreeMap<(usize, usize), usize>,
     /// The same regions by size, for best fit.
@@ -133,6 +136,8 @@ impl CpuArena {
         };
         let (size, segment, offset) = fit;
         free.remove(segment, offset, size);
+        free.in_use += want;
+        free.peak = free.peak.max(free.in_use);
         if size > want {
             free.insert(segment, offset + want, size - want);
         }
@@ -157,6 +162,7 @@ impl CpuArena {
     pub(crate) fn give(&self, region: &Region) {
         let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
         let (segment, mut offset, mut words) = (region.segment, region.offset, region.words);
+        free.in_use -= words;
         if let Some((&(s, o), &w)) = free.by_place.range(..(segment, offset)).next_back()
             && s == segment
             && o + w == offset
@@ -170,6 +176,12 @@ impl CpuArena {
             words += w;
         }
         free.insert(segment, offset, words);
+    }
+
+    /// Words in use now, and the most in use at once so far.
+    pub fn use_words(&self) -> (usize, usize) {
+        let free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        (free.in_use, free.peak)
     }
 
     /// Words the arena holds, used or not.

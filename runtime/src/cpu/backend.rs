@@ -9,12 +9,11 @@ use super::arena::CpuArena;
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims, CopyCols,
-    DeviceStats, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims, MatmulProblem,
-    NormDims, Precision, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores,
-    ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims,
-    UnpermuteGrads,
+    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
+    CopyCols, DeviceStats, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
+    MatmulProblem, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
+    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
+    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Scalar, same_dtype};
@@ -101,10 +100,19 @@ impl Backend for CpuBackend {
     }
 
     fn stats(&self) -> DeviceStats {
+        let (in_use, peak) = self
+            .arenas
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|a| a.use_words())
+            .fold((0, 0), |(u, p), (a, b)| (u + a, p + b));
         DeviceStats {
             allocations: self.counters.allocations.load(Ordering::Relaxed),
             allocated_bytes: self.counters.allocated_bytes.load(Ordering::Relaxed),
             host_reads: self.counters.host_reads.load(Ordering::Relaxed),
+            in_use_bytes: 8 * in_use as u64,
+            peak_in_use_bytes: 8 * peak as u64,
         }
     }
 
@@ -288,6 +296,116 @@ impl Backend for CpuBackend {
         let k = self.access("column_sum");
         let x = k.f32_in("x", x)?;
         kernels::column_sum(&x, &mut k.f32_out("out", out)?, rows, cols)
+    }
+
+    fn qkv_split(
+        &self,
+        qkv: Slice<'_, Self>,
+        out: AttentionInputs<SliceMut<'_, Self>>,
+        dims: QkvDims,
+    ) -> Result<()> {
+        let k = self.access("qkv_split");
+        for (arg, dtype) in [
+            ("q", out.q.dtype()),
+            ("k", out.k.dtype()),
+            ("v", out.v.dtype()),
+        ] {
+            same_dtype(k.kernel(), ("qkv", qkv.dtype()), (arg, dtype))?;
+        }
+        let qkv = k.f32_in("qkv", qkv)?;
+        kernels::qkv_split(
+            &qkv,
+            &mut k.f32_out("q", out.q)?,
+            &mut k.f32_out("k", out.k)?,
+            &mut k.f32_out("v", out.v)?,
+            dims,
+        )
+    }
+
+    fn qkv_join(
+        &self,
+        grads: AttentionInputs<Slice<'_, Self>>,
+        dqkv: SliceMut<'_, Self>,
+        dims: QkvDims,
+    ) -> Result<()> {
+        let k = self.access("qkv_join");
+        for (arg, dtype) in [
+            ("dq", grads.q.dtype()),
+            ("dk", grads.k.dtype()),
+            ("dv", grads.v.dtype()),
+        ] {
+            same_dtype(k.kernel(), (arg, dtype), ("dqkv", dqkv.dtype()))?;
+        }
+        let (dq, dk, dv) = (
+            k.f32_in("dq", grads.q)?,
+            k.f32_in("dk", grads.k)?,
+            k.f32_in("dv", grads.v)?,
+        );
+        kernels::qkv_join(&dq, &dk, &dv, &mut k.f32_out("dqkv", dqkv)?, dims)
+    }
+
+    fn mla_kv_split(
+        &self,
+        kv: Slice<'_, Self>,
+        k_rope: Slice<'_, Self>,
+        k_out: SliceMut<'_, Self>,
+        v: SliceMut<'_, Self>,
+        dims: MlaKvDims,
+    ) -> Result<()> {
+        let k = self.access("mla_kv_split");
+        for (arg, dtype) in [
+            ("k_rope", k_rope.dtype()),
+            ("k", k_out.dtype()),
+            ("v", v.dtype()),
+        ] {
+            same_dtype(k.kernel(), ("kv", kv.dtype()), (arg, dtype))?;
+        }
+        let (kv, k_rope) = (k.f32_in("kv", kv)?, k.f32_in("k_rope", k_rope)?);
+        kernels::mla_kv_split(
+            &kv,
+            &k_rope,
+            &mut k.f32_out("k", k_out)?,
+            &mut k.f32_out("v", v)?,
+            dims,
+        )
+    }
+
+    fn mla_kv_join(
+        &self,
+        dk: Slice<'_, Self>,
+        dv: Slice<'_, Self>,
+        d_kv: SliceMut<'_, Self>,
+        d_k_rope: SliceMut<'_, Self>,
+        dims: MlaKvDims,
+    ) -> Result<()> {
+        let k = self.access("mla_kv_join");
+        for (arg, dtype) in [
+            ("dv", dv.dtype()),
+            ("d_kv", d_kv.dtype()),
+            ("d_k_rope", d_k_rope.dtype()),
+        ] {
+            same_dtype(k.kernel(), ("dk", dk.dtype()), (arg, dtype))?;
+        }
+        let (dk, dv) = (k.f32_in("dk", dk)?, k.f32_in("dv", dv)?);
+        kernels::mla_kv_join(
+            &dk,
+            &dv,
+            &mut k.f32_out("d_kv", d_kv)?,
+            &mut k.f32_out("d_k_rope", d_k_rope)?,
+            dims,
+        )
+    }
+
+    fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("accumulate_sum");
+        let out_values = k.typed_out::<f64>("out", out)?;
+        match x.dtype() {
+            DType::F64 => kernels::accumulate_sum(k.typed_in::<f64>("x", x)?, out_values),
+            DType::Bf16 | DType::F32 => kernels::accumulate_sum(&k.f32_in("x", x)?, out_values),
+            other => Err(RuntimeError::InvalidArgument(format!(
+                "kernel `accumulate_sum`: `x` is {other}, but it takes bf16, f32 or f64"
+            ))),
+        }
     }
 
     fn rmsnorm_forward(
@@ -579,35 +697,37 @@ impl Backend for CpuBackend {
     fn embedding_forward(
         &self,
         table: Slice<'_, Self>,
-        ids: &[u32],
+        ids: Slice<'_, Self>,
         out: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
         let k = self.access("embedding_forward");
-        let table = k.f32_in("table", table)?;
+        same_dtype(k.kernel(), ("table", table.dtype()), ("out", out.dtype()))?;
+        let (table, ids) = (k.f32_in("table", table)?, k.typed_in::<u32>("ids", ids)?);
         kernels::embedding_forward(&table, ids, &mut k.f32_out("out", out)?, dims)
     }
 
     fn embedding_backward(
         &self,
         dout: Slice<'_, Self>,
-        ids: &[u32],
+        ids: Slice<'_, Self>,
         dtable: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
         let k = self.access("embedding_backward");
-        let dout = k.f32_in("dout", dout)?;
+        let (dout, ids) = (k.f32_in("dout", dout)?, k.typed_in::<u32>("ids", ids)?);
         kernels::embedding_backward(&dout, ids, &mut k.f32_out("dtable", dtable)?, dims)
     }
 
     fn cross_entropy_forward(
         &self,
         logits: SliceMut<'_, Self>,
-        targets: &[u32],
+        targets: Slice<'_, Self>,
         losses: SliceMut<'_, Self>,
         dims: LossDims,
     ) -> Result<()> {
         let k = self.access("cross_entropy_forward");
+        let targets = k.typed_in::<u32>("targets", targets)?;
         kernels::cross_entropy_forward(
             k.typed_out::<f32>("logits", logits)?,
             targets,
@@ -619,11 +739,12 @@ impl Backend for CpuBackend {
     fn cross_entropy_backward(
         &self,
         probs: SliceMut<'_, Self>,
-        targets: &[u32],
+        targets: Slice<'_, Self>,
         scale: f32,
         dims: LossDims,
     ) -> Result<()> {
         let k = self.access("cross_entropy_backward");
+        let targets = k.typed_in::<u32>("targets", targets)?;
         kernels::cross_entropy_backward(k.typed_out::<f32>("probs", probs)?, targets, scale, dims)
     }
 
@@ -829,16 +950,17 @@ impl Backend for CpuBackend {
         &self,
         param: SliceMut<'_, Self>,
         grad: Slice<'_, Self>,
-        m: SliceMut<'_, Self>,
-        v: SliceMut<'_, Self>,
+        moments: AdamMoments<SliceMut<'_, Self>>,
+        decayed: Slice<'_, Self>,
         step: AdamStep,
     ) -> Result<()> {
         let k = self.access("adam_update");
         kernels::adam_update(
             k.typed_out::<f32>("param", param)?,
             k.typed_in::<f32>("grad", grad)?,
-            k.typed_out::<f32>("m", m)?,
-            k.typed_out::<f32>("v", v)?,
+            k.typed_out::<f32>("m", moments.m)?,
+            k.typed_out::<f32>("v", moments.v)?,
+            k.typed_in::<u32>("decayed", decayed)?,
             step,
         )
     }
@@ -848,6 +970,7 @@ impl Backend for CpuBackend {
         param: SliceMut<'_, Self>,
         grad: Slice<'_, Self>,
         momentum: Option<SliceMut<'_, Self>>,
+        decayed: Slice<'_, Self>,
         step: SgdStep,
     ) -> Result<()> {
         let k = self.access("sgd_update");
@@ -858,14 +981,18 @@ impl Backend for CpuBackend {
             k.typed_out::<f32>("param", param)?,
             k.typed_in::<f32>("grad", grad)?,
             momentum,
+            k.typed_in::<u32>("decayed", decayed)?,
             step,
         )
     }
 
-    fn sum_squares_blocks(&self, x: Slice<'_, Self>, out: &mut [f64]) -> Result<()> {
-        let k = self.access("sum_squares_blocks");
-        self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
-        kernels::sum_squares_blocks(k.typed_in::<f32>("x", x)?, out)
+    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
+        let k = self.access("sum_squares");
+        kernels::sum_squares(
+            k.typed_in::<f32>("x", x)?,
+            piece,
+            k.typed_out::<f64>("out", out)?,
+        )
     }
 }
 
@@ -897,5 +1024,299 @@ fn bf16_from_f64(v: f64) -> bf16 {
 pub fn round_bf16(values: &mut [f32]) {
     for v in values {
         *v = bf16::from_f32(*v).to_f32();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The wrappers' dtype rules for the kernels that take ids, losses and
+    //! optimizer state (the loops themselves are tested in `kernels`).
+    use super::*;
+    use crate::view::{View, ViewMut};
+
+    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
+        b.alloc(len, dtype).unwrap()
+    }
+
+    fn refused(result: Result<()>, kernel: &str, arg: &str) {
+        let err = result.unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn token_ids_and_targets_are_u32_device_views() {
+        let b = CpuBackend::default();
+        let dims = LookupDims {
+            vocab: 3,
+            hidden: 2,
+        };
+        let table = buf(&b, 6, DType::F32);
+        b.upload(
+            &[0.0f32, 1.0, 10.0, 11.0, 20.0, 21.0],
+            ViewMut::whole(&table),
+        )
+        .unwrap();
+        let ids = buf(&b, 2, DType::U32);
+        b.upload(&[2u32, 0], ViewMut::whole(&ids)).unwrap();
+        let out = buf(&b, 4, DType::F32);
+        b.embedding_forward(
+            View::whole(&table),
+            View::whole(&ids),
+            ViewMut::whole(&out),
+            dims,
+        )
+        .unwrap();
+        let mut host = [0.0f32; 4];
+        b.download(View::whole(&out), &mut host).unwrap();
+        assert_eq!(host, [20.0, 21.0, 0.0, 1.0]);
+        let float_ids = buf(&b, 2, DType::F32);
+        refused(
+            b.embedding_forward(
+                View::whole(&table),
+                View::whole(&float_ids),
+                ViewMut::whole(&out),
+                dims,
+            ),
+            "embedding_forward",
+            "ids",
+        );
+        refused(
+            b.embedding_backward(
+                View::whole(&out),
+                View::whole(&float_ids),
+                ViewMut::whole(&table),
+                dims,
+            ),
+            "embedding_backward",
+            "ids",
+        );
+        let bf16_out = buf(&b, 4, DType::Bf16);
+        refused(
+            b.embedding_forward(
+                View::whole(&table),
+                View::whole(&ids),
+                ViewMut::whole(&bf16_out),
+                dims,
+            ),
+            "embedding_forward",
+            "out",
+        );
+        let loss_dims = LossDims { rows: 2, vocab: 2 };
+        let (losses, float_targets) = (buf(&b, 2, DType::F32), buf(&b, 2, DType::F32));
+        refused(
+            b.cross_entropy_forward(
+                ViewMut::whole(&out),
+                View::whole(&float_targets),
+                ViewMut::whole(&losses),
+                loss_dims,
+            ),
+            "cross_entropy_forward",
+            "targets",
+        );
+        refused(
+            b.cross_entropy_backward(
+                ViewMut::whole(&out),
+                View::whole(&float_targets),
+                1.0,
+                loss_dims,
+            ),
+            "cross_entropy_backward",
+            "targets",
+        );
+    }
+
+    #[test]
+    fn accumulate_sum_takes_floats_into_one_f64() {
+        let b = CpuBackend::default();
+        let x = buf(&b, 3, DType::Bf16);
+        b.upload(
+            &[
+                bf16::from_f32(1.5),
+                bf16::from_f32(-0.25),
+                bf16::from_f32(2.0),
+            ],
+            ViewMut::whole(&x),
+        )
+        .unwrap();
+        let acc = buf(&b, 2, DType::F64);
+        b.upload(&[10.0f64, 7.0], ViewMut::whole(&acc)).unwrap();
+        b.accumulate_sum(View::whole(&x), ViewMut::of(&acc, 1..2).unwrap())
+            .unwrap();
+        let mut host = [0.0f64; 2];
+        b.download(View::whole(&acc), &mut host).unwrap();
+        assert_eq!(host, [10.0, 10.25]);
+        let ids = buf(&b, 3, DType::U32);
+        refused(
+            b.accumulate_sum(View::whole(&ids), ViewMut::of(&acc, 0..1).unwrap()),
+            "accumulate_sum",
+            "x",
+        );
+        let f32_out = buf(&b, 1, DType::F32);
+        refused(
+            b.accumulate_sum(View::whole(&x), ViewMut::whole(&f32_out)),
+            "accumulate_sum",
+            "out",
+        );
+        assert!(
+            b.accumulate_sum(View::whole(&x), ViewMut::whole(&acc))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn head_splits_copy_bf16_exactly_and_refuse_mixed_dtypes() {
+        let b = CpuBackend::new(Precision::Bf16);
+        let dims = QkvDims {
+            rows: 2,
+            groups: 2,
+            heads_per_group: 1,
+            head_dim: 2,
+        };
+        let values: Vec<bf16> = (0..dims.rows * dims.width())
+            .map(|i| bf16::from_f32(i as f32 * 0.3 - 1.7))
+            .collect();
+        let qkv = buf(&b, values.len(), DType::Bf16);
+        b.upload(&values, ViewMut::whole(&qkv)).unwrap();
+        let [q, k, v] = [0; 3].map(|_| buf(&b, 8, DType::Bf16));
+        let out = |q, k, v| AttentionInputs {
+            q: ViewMut::whole(q),
+            k: ViewMut::whole(k),
+            v: ViewMut::whole(v),
+        };
+        b.qkv_split(View::whole(&qkv), out(&q, &k, &v), dims)
+            .unwrap();
+        let joined = buf(&b, values.len(), DType::Bf16);
+        let grads = AttentionInputs {
+            q: View::whole(&q),
+            k: View::whole(&k),
+            v: View::whole(&v),
+        };
+        b.qkv_join(grads, ViewMut::whole(&joined), dims).unwrap();
+        let mut back = vec![bf16::ZERO; values.len()];
+        b.download(View::whole(&joined), &mut back).unwrap();
+        assert_eq!(back, values);
+        let f32_k = buf(&b, 8, DType::F32);
+        refused(
+            b.qkv_split(View::whole(&qkv), out(&q, &f32_k, &v), dims),
+            "qkv_split",
+            "k",
+        );
+        let f32_joined = buf(&b, values.len(), DType::F32);
+        refused(
+            b.qkv_join(grads, ViewMut::whole(&f32_joined), dims),
+            "qkv_join",
+            "dqkv",
+        );
+        let mla = MlaKvDims {
+            rows: 1,
+            heads: 2,
+            nope_dim: 1,
+            rope_dim: 2,
+            v_dim: 1,
+        };
+        let (kv, rope) = (buf(&b, 4, DType::Bf16), buf(&b, 2, DType::F32));
+        let (mk, mv) = (buf(&b, 6, DType::Bf16), buf(&b, 2, DType::Bf16));
+        refused(
+            b.mla_kv_split(
+                View::whole(&kv),
+                View::whole(&rope),
+                ViewMut::whole(&mk),
+                ViewMut::whole(&mv),
+                mla,
+            ),
+            "mla_kv_split",
+            "k_rope",
+        );
+        refused(
+            b.mla_kv_join(
+                View::whole(&mk),
+                View::whole(&mv),
+                ViewMut::whole(&kv),
+                ViewMut::whole(&rope),
+                mla,
+            ),
+            "mla_kv_join",
+            "d_k_rope",
+        );
+    }
+
+    #[test]
+    fn optimizer_kernels_take_f32_state_u32_ranges_and_an_f64_norm() {
+        let b = CpuBackend::default();
+        let [p, g, m, v] = [0; 4].map(|_| buf(&b, 4, DType::F32));
+        let step = AdamStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_scale: 1.0,
+            step: 1,
+        };
+        let moments = || AdamMoments {
+            m: ViewMut::whole(&m),
+            v: ViewMut::whole(&v),
+        };
+        let ranges = buf(&b, 2, DType::U32);
+        b.upload(&[0u32, 4], ViewMut::whole(&ranges)).unwrap();
+        b.adam_update(
+            ViewMut::whole(&p),
+            View::whole(&g),
+            moments(),
+            View::whole(&ranges),
+            step,
+        )
+        .unwrap();
+        let float_ranges = buf(&b, 2, DType::F32);
+        refused(
+            b.adam_update(
+                ViewMut::whole(&p),
+                View::whole(&g),
+                moments(),
+                View::whole(&float_ranges),
+                step,
+            ),
+            "adam_update",
+            "decayed",
+        );
+        let sgd = SgdStep {
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+            grad_scale: 1.0,
+        };
+        refused(
+            b.sgd_update(
+                ViewMut::whole(&p),
+                View::whole(&g),
+                None,
+                View::whole(&float_ranges),
+                sgd,
+            ),
+            "sgd_update",
+            "decayed",
+        );
+        let bf16_grad = buf(&b, 4, DType::Bf16);
+        let partials = buf(&b, 2, DType::F64);
+        refused(
+            b.sum_squares(View::whole(&bf16_grad), 2, ViewMut::whole(&partials)),
+            "sum_squares",
+            "x",
+        );
+        refused(
+            b.sum_squares(View::whole(&g), 2, ViewMut::whole(&float_ranges)),
+            "sum_squares",
+            "out",
+        );
+        b.upload(&[1.0f32, 2.0, 3.0, 4.0], ViewMut::whole(&g))
+            .unwrap();
+        b.sum_squares(View::whole(&g), 2, ViewMut::whole(&partials))
+            .unwrap();
+        let mut host = [0.0f64; 2];
+        b.download(View::whole(&partials), &mut host).unwrap();
+        assert_eq!(host, [5.0, 25.0]);
     }
 }

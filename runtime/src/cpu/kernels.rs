@@ -19,11 +19,12 @@ mod norm;
 mod optim;
 mod rotary;
 mod scan;
+mod split;
 
 pub use activation::{silu_mul_backward, silu_mul_forward, unary_backward, unary_forward};
 pub use attention::{attention_backward, attention_forward};
 pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
-pub use dense::{axpy, column_sum, copy_cols, matmul, scale};
+pub use dense::{accumulate_sum, axpy, column_sum, copy_cols, matmul, scale};
 pub use grouped::grouped_matmul;
 pub use lookup::{
     cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_forward,
@@ -34,6 +35,7 @@ pub use moe::{
     moe_unpermute, moe_unpermute_backward, scatter_rows,
 };
 pub use norm::{rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward};
-pub use optim::{adam_update, sgd_update, sum_squares_blocks};
+pub use optim::{adam_update, sgd_update, sum_squares};
 pub use rotary::{rotary_backward, rotary_forward};
 pub use scan::{ssd_scan_backward, ssd_scan_forward, ssd_scan_forward_chunked};
+pub use split::{mla_kv_join, mla_kv_split, qkv_join, qkv_split};

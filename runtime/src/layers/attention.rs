@@ -7,7 +7,7 @@ use super::{
     positive, section, weight, zeros,
 };
 use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut,
+    AttentionDims, AttentionInputs, Backend, MatmulDims, QkvDims, RotaryDims, Slice, SliceMut,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -118,17 +118,15 @@ impl AttentionLayer {
         self.head_dim * (self.heads + 2 * self.groups)
     }
 
-    /// The column blocks of one KV group in a `qkv` row, and where each goes:
-    /// `(src_offset, dst_offset, cols)` for q, k, v.
-    fn group_blocks(&self, j: usize) -> [(usize, usize, usize); 3] {
-        let c = self.head_dim;
-        let per_group = self.heads / self.groups;
-        let start = j * (per_group + 2) * c;
-        [
-            (start, j * per_group * c, per_group * c),
-            (start + per_group * c, j * c, c),
-            (start + (per_group + 1) * c, j * c, c),
-        ]
+    /// The fused projection's layout: per KV group, its query heads, its
+    /// key and its value.
+    fn qkv_dims(&self, rows: usize) -> QkvDims {
+        QkvDims {
+            rows,
+            groups: self.groups,
+            heads_per_group: self.heads / self.groups,
+            head_dim: self.head_dim,
+        }
     }
 
     fn rotary(&self, tokens: Tokens, heads: usize) -> Option<RotaryDims> {
@@ -177,26 +175,16 @@ impl AttentionLayer {
         )?;
         let mut q = zeros(b, rows * heads * c)?;
         let mut k = zeros(b, rows * groups * c)?;
-        let mut v = zeros(b, rows * groups * c)?;
-        for j in 0..groups {
-            let strides = [heads * c, groups * c, groups * c];
-            for ((src_offset, dst_offset, cols), (dst, dst_stride)) in self
-                .group_blocks(j)
-                .into_iter()
-                .zip([&mut q, &mut k, &mut v].into_iter().zip(strides))
-            {
-                let dims = CopyCols {
-                    rows,
-                    cols,
-                    src_stride: width,
-                    src_offset,
-                    dst_stride,
-                    dst_offset,
-                    accumulate: false,
-                };
-                b.copy_cols(b.view(&qkv)?, b.view_mut(dst)?, dims)?;
-            }
-        }
+        let v = zeros(b, rows * groups * c)?;
+        b.qkv_split(
+            b.view(&qkv)?,
+            AttentionInputs {
+                q: b.view_mut(&q)?,
+                k: b.view_mut(&k)?,
+                v: b.view_mut(&v)?,
+            },
+            self.qkv_dims(rows),
+        )?;
         drop(qkv);
         let qk_norm = if self.qk_norm {
             let norm = RmsNorm::plain(c);
@@ -313,25 +301,15 @@ impl AttentionLayer {
         };
         let width = self.qkv_width();
         let d_qkv = zeros(b, rows * width)?;
-        for j in 0..groups {
-            let strides = [heads * c, groups * c, groups * c];
-            for ((dst_offset, src_offset, cols), (src, src_stride)) in self
-                .group_blocks(j)
-                .into_iter()
-                .zip([&dq, &dk, &dv].into_iter().zip(strides))
-            {
-                let dims = CopyCols {
-                    rows,
-                    cols,
-                    src_stride,
-                    src_offset,
-                    dst_stride: width,
-                    dst_offset,
-                    accumulate: false,
-                };
-                b.copy_cols(b.view(src)?, b.view_mut(&d_qkv)?, dims)?;
-            }
-        }
+        b.qkv_join(
+            AttentionInputs {
+                q: b.view(&dq)?,
+                k: b.view(&dk)?,
+                v: b.view(&dv)?,
+            },
+            b.view_mut(&d_qkv)?,
+            self.qkv_dims(rows),
+        )?;
         let d_u = zeros(b, rows * h)?;
         b.matmul(
             b.view(&d_qkv)?,

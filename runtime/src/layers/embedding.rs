@@ -34,20 +34,20 @@ impl Embedding {
         }
     }
 
-    /// `out[r] = table[ids[r]]`; `out` is `[ids.len(), h]`. Ids are host
-    /// values (the CUDA backend uploads them).
+    /// `out[r] = table[ids[r]]`: `ids` is a u32 device view of `rows` token
+    /// ids, `out` `[rows, h]`.
     pub fn forward<B: Backend>(
         &self,
         b: &B,
         table: Slice<'_, B>,
-        ids: &[u32],
+        ids: Slice<'_, B>,
         out: SliceMut<'_, B>,
     ) -> Result<()> {
         check_len(
             "embedding",
             "out",
             b.slice_len(b.as_slice(&out)),
-            ids.len() * self.hidden,
+            b.slice_len(ids) * self.hidden,
         )?;
         b.embedding_forward(table, ids, out, self.dims())
     }
@@ -57,14 +57,14 @@ impl Embedding {
         &self,
         b: &B,
         dout: Slice<'_, B>,
-        ids: &[u32],
+        ids: Slice<'_, B>,
         dtable: SliceMut<'_, B>,
     ) -> Result<()> {
         check_len(
             "embedding backward",
             "dout",
             b.slice_len(dout),
-            ids.len() * self.hidden,
+            b.slice_len(ids) * self.hidden,
         )?;
         b.embedding_backward(dout, ids, dtable, self.dims())
     }

@@ -1,155 +1,229 @@
 //! The output head: `logits = h W^T` (W `[V, h]`, the output layer or the
 //! tied embedding) and softmax cross-entropy in f32 against targets, with
-//! [`IGNORE_TARGET`] masking positions past the end (MTP). Keeps one
-//! micro-batch's probabilities (turned into logit gradients in place by the
-//! backward) and nothing bigger.
+//! [`IGNORE_TARGET`] masking positions past the end (MTP).
+//!
+//! The head works on chunks of rows whose logits hold at most
+//! [`HEAD_CHUNK_ELEMENTS`] f32 values (64 MiB), so it never holds a
+//! `[tokens, vocab]` matrix for a whole micro-batch: a 131,072-token
+//! vocabulary at 16k tokens per micro-batch runs 128 rows at a time. The
+//! forward keeps only the hidden states; the backward recomputes each
+//! chunk's logits, turns them into logit gradients, and adds that chunk's
+//! `dh` and `dW` before the next chunk.
+//!
+//! Chunking changes no bit on the CPU: a row's logits, loss and `dh` depend
+//! on that row alone, and `dW` sums the rows onto the gradient in row order,
+//! chunk after chunk, exactly as one product over all rows does. A GPU GEMM
+//! may split its reduction differently for a chunk than for the whole; every
+//! schedule uses the same chunking, so they still agree bit for bit.
 
 use super::{check_len, copy_of, positive, zeros_f32};
-use crate::backend::{Backend, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
+use crate::backend::{Backend, DType, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
+use std::ops::Range;
+
+/// The most logits one chunk of the head holds (f32 values; 64 MiB).
+pub const HEAD_CHUNK_ELEMENTS: usize = 1 << 24;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Head {
     vocab: usize,
     hidden: usize,
+    /// Rows per chunk.
+    chunk_rows: usize,
 }
 
-/// What [`Head::forward`] returns.
-pub struct HeadForward<B: Backend> {
-    /// Sum of the per-token losses over unmasked targets (f64, row order).
-    pub loss_sum: f64,
-    /// Unmasked targets.
-    pub count: usize,
-    pub saved: HeadSaved<B>,
-}
-
-/// What [`Head::forward`] keeps.
+/// What [`Head::forward`] keeps: the hidden states, from which the backward
+/// recomputes the logits chunk by chunk.
 pub struct HeadSaved<B: Backend> {
     rows: usize,
     hidden_states: B::Buf,
-    probs: B::Buf,
-    targets: Vec<u32>,
 }
 
-/// What [`Head::backward_input`] keeps.
-pub struct HeadWgrad<B: Backend> {
-    rows: usize,
-    hidden_states: B::Buf,
-    d_logits: B::Buf,
+/// Targets that count towards the loss (not [`IGNORE_TARGET`]): the
+/// denominator of a mean loss, known on the host from the tokens.
+pub fn counted_targets(targets: &[u32]) -> usize {
+    targets.iter().filter(|&&t| t != IGNORE_TARGET).count()
 }
 
 impl Head {
-    /// The head of `config`: `padded_vocab_size() x hidden_size`.
+    /// The head of `config`: `padded_vocab_size() x hidden_size`, in chunks
+    /// of at most [`HEAD_CHUNK_ELEMENTS`] logits.
     pub fn new(config: &ModelConfig) -> Result<Self> {
+        let vocab = positive("the vocabulary size", config.padded_vocab_size())?;
         Ok(Head {
-            vocab: positive("the vocabulary size", config.padded_vocab_size())?,
+            vocab,
             hidden: positive("hidden_size", config.hidden_size)?,
+            chunk_rows: (HEAD_CHUNK_ELEMENTS / vocab).max(1),
         })
     }
 
-    /// Cross-entropy of `hidden_states` `[rows, h]` against `targets`
-    /// (`rows` values, [`IGNORE_TARGET`] for none).
+    /// The same head working `rows` rows at a time (at least 1).
+    pub fn with_chunk_rows(self, rows: usize) -> Result<Self> {
+        Ok(Head {
+            chunk_rows: positive("the head's chunk rows", rows)?,
+            ..self
+        })
+    }
+
+    /// Rows per chunk.
+    pub fn chunk_rows(&self) -> usize {
+        self.chunk_rows
+    }
+
+    /// The row ranges of the chunks of `rows` rows.
+    fn chunks(&self, rows: usize) -> impl Iterator<Item = Range<usize>> + use<> {
+        let step = self.chunk_rows;
+        (0..rows)
+            .step_by(step)
+            .map(move |start| start..(start + step).min(rows))
+    }
+
+    fn check<B: Backend>(
+        &self,
+        b: &B,
+        name: &str,
+        weight: Slice<'_, B>,
+        hidden_states: Slice<'_, B>,
+        rows: usize,
+    ) -> Result<()> {
+        check_len(
+            name,
+            "weight",
+            b.slice_len(weight),
+            self.vocab * self.hidden,
+        )?;
+        check_len(
+            name,
+            "hidden_states",
+            b.slice_len(hidden_states),
+            rows * self.hidden,
+        )
+    }
+
+    /// `logits[..n * V] = h[rows] W^T` for chunk `rows`, `n` its length.
+    fn chunk_logits<B: Backend>(
+        &self,
+        b: &B,
+        weight: Slice<'_, B>,
+        hidden_states: Slice<'_, B>,
+        logits: &B::Buf,
+        rows: &Range<usize>,
+    ) -> Result<()> {
+        let (v, h, n) = (self.vocab, self.hidden, rows.len());
+        b.matmul(
+            b.subslice(hidden_states, rows.start * h..rows.end * h)?,
+            weight,
+            b.slice_mut(logits, 0..n * v)?,
+            MatmulDims::linear(n, h, v),
+        )
+    }
+
+    /// Cross-entropy of `hidden_states` `[rows, h]` against `targets` (a u32
+    /// view of `rows` ids, [`IGNORE_TARGET`] for none): adds the sum of the
+    /// per-token losses (f64, rows in order; masked rows add nothing) to
+    /// `loss_sum`, one f64 on the device.
     pub fn forward<B: Backend>(
         &self,
         b: &B,
         weight: Slice<'_, B>,
         hidden_states: Slice<'_, B>,
-        targets: &[u32],
-    ) -> Result<HeadForward<B>> {
-        let (v, h, rows) = (self.vocab, self.hidden, targets.len());
-        check_len("head", "weight", b.slice_len(weight), v * h)?;
-        check_len(
-            "head",
-            "hidden_states",
-            b.slice_len(hidden_states),
-            rows * h,
-        )?;
-        let probs = zeros_f32(b, rows * v)?;
-        b.matmul(
-            hidden_states,
-            weight,
-            b.view_mut(&probs)?,
-            MatmulDims::linear(rows, h, v),
-        )?;
+        targets: Slice<'_, B>,
+        loss_sum: SliceMut<'_, B>,
+    ) -> Result<HeadSaved<B>> {
+        let rows = b.slice_len(targets);
+        self.check(b, "head", weight, hidden_states, rows)?;
+        let v = self.vocab;
+        let logits = zeros_f32(b, self.chunk_rows.min(rows) * v)?;
         let losses = zeros_f32(b, rows)?;
-        let dims = LossDims { rows, vocab: v };
-        b.cross_entropy_forward(b.view_mut(&probs)?, targets, b.view_mut(&losses)?, dims)?;
-        let mut host = vec![0.0f32; rows];
-        b.download(b.view(&losses)?, &mut host)?;
-        let mut loss_sum = 0.0f64;
-        let mut count = 0usize;
-        for (&loss, &t) in host.iter().zip(targets) {
-            if t != IGNORE_TARGET {
-                loss_sum += loss as f64;
-                count += 1;
-            }
+        for chunk in self.chunks(rows) {
+            self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
+            b.cross_entropy_forward(
+                b.slice_mut(&logits, 0..chunk.len() * v)?,
+                b.subslice(targets, chunk.clone())?,
+                b.slice_mut(&losses, chunk.clone())?,
+                LossDims {
+                    rows: chunk.len(),
+                    vocab: v,
+                },
+            )?;
         }
-        Ok(HeadForward {
-            loss_sum,
-            count,
-            saved: HeadSaved {
-                rows,
-                hidden_states: copy_of(b, hidden_states)?,
-                probs,
-                targets: targets.to_vec(),
-            },
+        b.accumulate_sum(b.view(&losses)?, loss_sum)?;
+        Ok(HeadSaved {
+            rows,
+            hidden_states: copy_of(b, hidden_states)?,
         })
     }
 
     /// For the loss `grad_scale * loss_sum` (e.g. `1 / tokens` for a mean):
-    /// `dh += dlogits W`.
-    pub fn backward_input<B: Backend>(
+    /// `dh += dlogits W` and `dW += dlogits^T h` (into the output layer's or,
+    /// tied, the embedding's gradient), chunk by chunk.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<B: Backend>(
         &self,
         b: &B,
         weight: Slice<'_, B>,
         saved: HeadSaved<B>,
+        targets: Slice<'_, B>,
         grad_scale: f32,
-        dh: SliceMut<'_, B>,
-    ) -> Result<HeadWgrad<B>> {
-        let (v, h, rows) = (self.vocab, self.hidden, saved.rows);
-        check_len("head backward", "weight", b.slice_len(weight), v * h)?;
-        check_len(
-            "head backward",
-            "dh",
-            b.slice_len(b.as_slice(&dh)),
-            rows * h,
-        )?;
-        let d_logits = saved.probs;
-        let dims = LossDims { rows, vocab: v };
-        b.cross_entropy_backward(b.view_mut(&d_logits)?, &saved.targets, grad_scale, dims)?;
-        b.matmul(
-            b.view(&d_logits)?,
-            weight,
-            dh,
-            MatmulDims::linear_input_grad(rows, h, v, true),
-        )?;
-        Ok(HeadWgrad {
-            rows,
-            hidden_states: saved.hidden_states,
-            d_logits,
-        })
-    }
-
-    /// `dW += dlogits^T h` (into the output layer's or, tied, the
-    /// embedding's gradient).
-    pub fn backward_weight<B: Backend>(
-        &self,
-        b: &B,
-        wgrad: HeadWgrad<B>,
-        dw: SliceMut<'_, B>,
+        mut dh: SliceMut<'_, B>,
+        mut dw: SliceMut<'_, B>,
     ) -> Result<()> {
-        check_len(
-            "head",
-            "dw",
-            b.slice_len(b.as_slice(&dw)),
-            self.vocab * self.hidden,
-        )?;
-        b.matmul(
-            b.view(&wgrad.d_logits)?,
-            b.view(&wgrad.hidden_states)?,
-            dw,
-            MatmulDims::linear_weight_grad(wgrad.rows, self.hidden, self.vocab),
-        )
+        let (v, h, rows) = (self.vocab, self.hidden, saved.rows);
+        let hidden_states = b.view(&saved.hidden_states)?;
+        let name = "head backward";
+        self.check(b, name, weight, hidden_states, rows)?;
+        check_len(name, "targets", b.slice_len(targets), rows)?;
+        check_len(name, "dh", b.slice_len(b.as_slice(&dh)), rows * h)?;
+        check_len(name, "dw", b.slice_len(b.as_slice(&dw)), v * h)?;
+        let chunk_rows = self.chunk_rows.min(rows);
+        let logits = zeros_f32(b, chunk_rows * v)?;
+        let losses = zeros_f32(b, chunk_rows)?;
+        // The GEMMs take operands of one dtype: in bf16 the logit gradients
+        // are rounded to bf16 for them, as Megatron's bf16 GEMMs do.
+        let compute = b.compute_dtype();
+        let narrowed = if compute == DType::F32 {
+            None
+        } else {
+            Some(b.alloc(chunk_rows * v, compute)?)
+        };
+        for chunk in self.chunks(rows) {
+            let n = chunk.len();
+            let dims = LossDims { rows: n, vocab: v };
+            let chunk_targets = b.subslice(targets, chunk.clone())?;
+            self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
+            b.cross_entropy_forward(
+                b.slice_mut(&logits, 0..n * v)?,
+                chunk_targets,
+                b.slice_mut(&losses, 0..n)?,
+                dims,
+            )?;
+            b.cross_entropy_backward(
+                b.slice_mut(&logits, 0..n * v)?,
+                chunk_targets,
+                grad_scale,
+                dims,
+            )?;
+            let d_logits = match &narrowed {
+                Some(buf) => {
+                    b.cast(b.slice(&logits, 0..n * v)?, b.slice_mut(buf, 0..n * v)?)?;
+                    b.slice(buf, 0..n * v)?
+                }
+                None => b.slice(&logits, 0..n * v)?,
+            };
+            b.matmul(
+                d_logits,
+                weight,
+                b.subslice_mut(&mut dh, chunk.start * h..chunk.end * h)?,
+                MatmulDims::linear_input_grad(n, h, v, true),
+            )?;
+            b.matmul(
+                d_logits,
+                b.subslice(hidden_states, chunk.start * h..chunk.end * h)?,
+                b.reborrow_mut(&mut dw),
+                MatmulDims::linear_weight_grad(n, h, v),
+            )?;
+        }
+        Ok(())
     }
 }

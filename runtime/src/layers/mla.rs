@@ -8,7 +8,7 @@ use super::{
     grad_rows, positive, section, weight, weight_rows, zeros,
 };
 use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, CopyCols, MatmulDims, RotaryDims, Slice, SliceMut,
+    AttentionDims, AttentionInputs, Backend, MatmulDims, MlaKvDims, RotaryDims, Slice, SliceMut,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -258,42 +258,15 @@ impl MlaLayer {
         }
     }
 
-    /// Per head `i`: the column copies between `kv` `[a, dn + dv]`, `k`
-    /// `[a, dn + dr]`, `v` `[a, dv]` and `k_rope` `[dr]`, as
-    /// (nope: kv -> k, v: kv -> v, rope: k_rope -> k).
-    fn head_copies(&self, rows: usize, i: usize) -> [CopyCols; 3] {
-        let (a, dn, dr, dv) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
-        let copy = |cols, src_stride, src_offset, dst_stride, dst_offset| CopyCols {
+    /// The layout of the up-projected `kv` rows (per head `[k_nope | v]`)
+    /// and of the shared rotary key.
+    fn kv_dims(&self, rows: usize) -> MlaKvDims {
+        MlaKvDims {
             rows,
-            cols,
-            src_stride,
-            src_offset,
-            dst_stride,
-            dst_offset,
-            accumulate: false,
-        };
-        [
-            copy(
-                dn,
-                a * (dn + dv),
-                i * (dn + dv),
-                a * (dn + dr),
-                i * (dn + dr),
-            ),
-            copy(dv, a * (dn + dv), i * (dn + dv) + dn, a * dv, i * dv),
-            copy(dr, dr, 0, a * (dn + dr), i * (dn + dr) + dn),
-        ]
-    }
-
-    /// The reverse of a [`CopyCols`].
-    fn reverse(c: CopyCols, accumulate: bool) -> CopyCols {
-        CopyCols {
-            src_stride: c.dst_stride,
-            src_offset: c.dst_offset,
-            dst_stride: c.src_stride,
-            dst_offset: c.src_offset,
-            accumulate,
-            ..c
+            heads: self.heads,
+            nope_dim: self.nope_dim,
+            rope_dim: self.rope_dim,
+            v_dim: self.v_dim,
         }
     }
 
@@ -378,12 +351,13 @@ impl MlaLayer {
         b.rotary_forward(b.view_mut(&k_rope)?, self.rotary(tokens, 1, dr, 0))?;
         let k = zeros(b, rows * a * dqk)?;
         let v = zeros(b, rows * a * dv)?;
-        for i in 0..a {
-            let [nope, vv, rope] = self.head_copies(rows, i);
-            b.copy_cols(b.view(&kv)?, b.view_mut(&k)?, nope)?;
-            b.copy_cols(b.view(&kv)?, b.view_mut(&v)?, vv)?;
-            b.copy_cols(b.view(&k_rope)?, b.view_mut(&k)?, rope)?;
-        }
+        b.mla_kv_split(
+            b.view(&kv)?,
+            b.view(&k_rope)?,
+            b.view_mut(&k)?,
+            b.view_mut(&v)?,
+            self.kv_dims(rows),
+        )?;
         drop((kv, k_rope));
         let (o, lse) = core_attention::forward(
             b,
@@ -454,16 +428,13 @@ impl MlaLayer {
         let kv_width = a * (self.nope_dim + dv);
         let d_kv = zeros(b, rows * kv_width)?;
         let d_k_rope = zeros(b, rows * dr)?;
-        for i in 0..a {
-            let [nope, vv, rope] = self.head_copies(rows, i);
-            b.copy_cols(b.view(&dk)?, b.view_mut(&d_kv)?, Self::reverse(nope, false))?;
-            b.copy_cols(b.view(&d_v)?, b.view_mut(&d_kv)?, Self::reverse(vv, false))?;
-            b.copy_cols(
-                b.view(&dk)?,
-                b.view_mut(&d_k_rope)?,
-                Self::reverse(rope, true),
-            )?;
-        }
+        b.mla_kv_join(
+            b.view(&dk)?,
+            b.view(&d_v)?,
+            b.view_mut(&d_kv)?,
+            b.view_mut(&d_k_rope)?,
+            self.kv_dims(rows),
+        )?;
         drop((dk, d_v));
         b.rotary_backward(b.view_mut(&dq)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
         b.rotary_backward(b.view_mut(&d_k_rope)?, self.rotary(tokens, 1, dr, 0))?;

@@ -33,7 +33,7 @@ pub mod norm;
 pub use crate::backend::Tokens;
 pub use attention::{AttentionLayer, AttentionSaved, AttentionWgrad};
 pub use embedding::Embedding;
-pub use head::{Head, HeadForward, HeadSaved, HeadWgrad};
+pub use head::{HEAD_CHUNK_ELEMENTS, Head, HeadSaved, counted_targets};
 pub use init::{InitScale, ParamInit, global_expert_name, init_param, init_param_range};
 
 pub use mamba::{MambaLayer, MambaSaved, MambaWgrad};

@@ -17,7 +17,8 @@
 
 use super::program::{BackwardPiece, Instr, Program};
 use super::state::{
-    Handoff, HeadState, LayerState, MicroBatch, MtpEntryState, NormState, StepLosses, Stream,
+    Handoff, HeadState, LayerState, LossAccumulator, MicroBatch, MtpEntryState, NormState,
+    StepLosses, Stream,
 };
 use crate::backend::{Backend, Slice, SliceMut, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
@@ -28,7 +29,7 @@ use crate::layers::{CollectiveExchange, MoeBackward, MoeForward, MoeLayer, MoeSt
 use crate::model::ModelRuntime;
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
 use std::ops::Range;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 pub use super::state::MicroBatchTokens;
 
@@ -45,6 +46,31 @@ pub struct StepContext<D: Device> {
     /// The weight of one micro-batch's mean loss in the step's loss:
     /// `1 / (micro-batches x data-parallel size)`.
     pub mb_weight: f32,
+    /// The step's loss sums on the device (zeroed by [`run_step`]).
+    pub losses: LossAccumulator<D::Backend>,
+}
+
+impl<D: Device> StepContext<D> {
+    /// What the steps of a run share; allocates the loss accumulator on
+    /// `backend`.
+    pub fn new(
+        model: Arc<ModelRuntime>,
+        ep_group: Arc<D::Comm>,
+        ranges: Arc<Vec<Range<usize>>>,
+        tokens: Tokens,
+        mb_weight: f32,
+        backend: &D::Backend,
+    ) -> Result<Self> {
+        let losses = LossAccumulator::new(backend, model.plan.mtp_depths())?;
+        Ok(StepContext {
+            model,
+            ep_group,
+            ranges,
+            tokens,
+            mb_weight,
+            losses,
+        })
+    }
 }
 
 fn missing(what: &str) -> RuntimeError {
@@ -56,7 +82,9 @@ fn missing(what: &str) -> RuntimeError {
 /// Runs one step's program; returns this rank's loss sums once every lane
 /// has finished (the non-unit gradients reduced too). `batch(mb)` makes
 /// micro-batch `mb`'s tokens; it is called when the micro-batch's first
-/// forward is issued.
+/// forward is issued. The losses accumulate on the device
+/// ([`LossAccumulator`]) and are read once, at the end; the token counts
+/// come from the host's tokens.
 ///
 /// Memory: the micro-batches in flight at once ([`Program::in_flight`])
 /// each allocate from an arena of their own, and a micro-batch's last piece
@@ -79,8 +107,16 @@ pub fn run_step<D: Device>(
     let arenas = program.in_flight().max(1);
     let mut states: Vec<Option<SharedBatch<D>>> = (0..micro_batches).map(|_| None).collect();
     let mut chain: Vec<Option<EventOf<D>>> = vec![None; micro_batches];
-    // Each micro-batch's losses, left by its last piece of work.
-    let results: Results = Arc::new(Mutex::new(vec![None; micro_batches]));
+    // Per head, the unmasked targets of the step's micro-batches.
+    let mut counts = vec![0usize; depths + 1];
+    // Before any head or MoE layer adds to them (the compute lane runs its
+    // work in issue order).
+    let sums = cx.clone();
+    rank.compute.submit(
+        Label::new("zero loss sums", "forward"),
+        &[],
+        Box::new(move |b: &D::Backend| b.zero(sums.losses.all())),
+    );
     for (at, instr) in program.instrs().iter().enumerate() {
         match *instr {
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
@@ -101,8 +137,11 @@ pub fn run_step<D: Device>(
                         if let Some(previous) = mb.checked_sub(arenas) {
                             after.extend(chain[previous].clone());
                         }
-                        let state =
-                            Arc::new(Handoff::new(MicroBatch::new(batch(mb)?, layers, depths)));
+                        let micro_batch = MicroBatch::new(batch(mb)?, layers, depths);
+                        for (total, n) in counts.iter_mut().zip(&micro_batch.counts) {
+                            *total += n;
+                        }
+                        let state = Arc::new(Handoff::new(micro_batch));
                         states[mb] = Some(state.clone());
                         state
                     }
@@ -118,7 +157,7 @@ pub fn run_step<D: Device>(
                     arena: 1 + mb % arenas,
                     state,
                     params,
-                    end: None,
+                    last: false,
                 };
                 let work = forward_work(item, slot);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
@@ -156,7 +195,7 @@ pub fn run_step<D: Device>(
                     arena: 1 + mb % arenas,
                     state,
                     params,
-                    end: last.then(|| (mb, results.clone())),
+                    last,
                 };
                 let work = backward_work(item, piece, grads);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
@@ -169,19 +208,12 @@ pub fn run_step<D: Device>(
     engine.reduce_non_unit(rank, &all)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
-    let mut losses = StepLosses::new(depths);
-    let results = results.lock().unwrap_or_else(PoisonError::into_inner);
-    for (mb, result) in results.iter().enumerate() {
-        let result = result
-            .as_ref()
-            .ok_or_else(|| missing(&format!("micro-batch {mb}'s losses")))?;
-        losses.add(result);
-    }
-    Ok(losses)
+    // The step's one read of its losses.
+    let mut sums = vec![0.0f64; 2 + depths];
+    rank.backend
+        .download(cx.losses.all().as_view(), &mut sums)?;
+    Ok(LossAccumulator::<D::Backend>::losses(&sums, &counts))
 }
-
-/// Every micro-batch's losses, left by its last piece of work.
-type Results = Arc<Mutex<Vec<Option<StepLosses>>>>;
 
 /// One piece of lane work's share of the step.
 struct Item<D: Device> {
@@ -191,21 +223,16 @@ struct Item<D: Device> {
     arena: usize,
     state: SharedBatch<D>,
     params: ParamBuffers<D>,
-    /// For the micro-batch's last piece: where its losses go.
-    end: Option<(usize, Results)>,
+    /// Whether this is the micro-batch's last piece of work.
+    last: bool,
 }
 
 impl<D: Device> Item<D> {
-    /// After the last piece of a micro-batch: drops what it still holds
-    /// (inside the work, so its arena takes it back in program order) and
-    /// leaves its losses.
+    /// After the last piece of a micro-batch: drops what it still holds,
+    /// inside the work, so its arena takes it back in program order.
     fn finish(self) -> Result<()> {
-        if let Some((mb, results)) = self.end {
-            let state = self
-                .state
-                .take()
-                .ok_or_else(|| missing("a finished micro-batch's state"))?;
-            results.lock().unwrap_or_else(PoisonError::into_inner)[mb] = Some(state.losses);
+        if self.last {
+            drop(self.state.take());
         }
         Ok(())
     }
@@ -348,6 +375,7 @@ fn forward_work<D: Device>(item: Item<D>, slot: Slot) -> crate::lane::Work<D::Ba
             non_unit: &item.params.non_unit,
         };
         item.state.with("a forward slot", |mb| {
+            mb.upload_tokens(b)?;
             for op in cx.model.plan.schedule.nodes[item.node].ops(slot) {
                 forward_op(cx, b, op, mb, &weights)?;
             }
@@ -420,7 +448,7 @@ fn forward_op<D: Device>(
             model.embedding.forward(
                 b,
                 w.weight(Owner::Embedding, 0)?,
-                &mb.tokens.inputs,
+                mb.ids()?.inputs()?,
                 b.view_mut(&x)?,
             )?;
             mb.streams[0].x = Some(x);
@@ -466,25 +494,19 @@ fn forward_op<D: Device>(
             let exchange = CollectiveExchange {
                 collective: &*cx.ep_group,
             };
-            // Until the step keeps one device accumulator for every layer and
-            // micro-batch, each step gets its own and `Prepare`'s (the only
-            // step that adds to it) is read back here.
-            let aux = b.alloc(1, crate::backend::DType::F64)?;
+            // `Prepare` adds the layer's load-balancing loss into the step's
+            // sum, on the compute lane, in forward issue order (see
+            // `LossAccumulator`).
             let stage = moe_layer(model, layer)?.forward_step(
                 step,
                 b,
                 &weights,
                 stage,
                 b.view_mut(x)?,
-                b.view_mut(&aux)?,
+                cx.losses.aux()?,
                 cx.tokens,
                 &exchange,
             )?;
-            if step == MoeForward::Prepare {
-                let mut value = [0.0f64];
-                b.download(b.view(&aux)?, &mut value)?;
-                mb.losses.aux += value[0];
-            }
             mb.layers[i] = LayerState::Moe(stage);
         }
         Op::FinalNorm => {
@@ -503,15 +525,13 @@ fn forward_op<D: Device>(
             mb.final_norm = NormState::Saved(saved);
         }
         Op::MtpEnter(d) => {
-            let ids = mb
-                .tokens
-                .mtp_inputs
-                .get(d)
-                .ok_or_else(|| missing("MTP inputs"))?;
             let emb = b.alloc(rows * h, b.compute_dtype())?;
-            model
-                .embedding
-                .forward(b, w.weight(Owner::Embedding, 0)?, ids, b.view_mut(&emb)?)?;
+            model.embedding.forward(
+                b,
+                w.weight(Owner::Embedding, 0)?,
+                mb.ids()?.mtp_inputs(d)?,
+                b.view_mut(&emb)?,
+            )?;
             let block = w.weights(Owner::MtpBlock(d))?;
             let entry = block
                 .get(..3)
@@ -528,11 +548,6 @@ fn forward_op<D: Device>(
         }
         Op::Head(depth) => {
             let index = depth.map_or(0, |d| d + 1);
-            let targets = mb
-                .tokens
-                .targets
-                .get(index)
-                .ok_or_else(|| missing("targets"))?;
             let norm = match depth {
                 None => None,
                 Some(d) => {
@@ -556,27 +571,23 @@ fn forward_op<D: Device>(
                 .as_ref()
                 .ok_or_else(|| missing("a head's hidden states"))?;
             let output = w.weight(w.output_owner(), 0)?;
-            let forward = model.head.forward(b, output, b.view(hidden)?, targets)?;
-            match depth {
-                None => {
-                    mb.losses.main.0 += forward.loss_sum;
-                    mb.losses.main.1 += forward.count;
-                }
-                Some(d) => {
-                    mb.losses.mtp[d].0 += forward.loss_sum;
-                    mb.losses.mtp[d].1 += forward.count;
-                }
-            }
-            mb.heads[index] = HeadState::Saved {
-                saved: forward.saved,
-                count: forward.count,
-                norm,
-            };
+            // Adds into the step's running sum on the compute lane, in
+            // forward issue order (see `LossAccumulator`).
+            let saved = model.head.forward(
+                b,
+                output,
+                b.view(hidden)?,
+                mb.ids()?.targets(index)?,
+                cx.losses.head(index)?,
+            )?;
+            mb.heads[index] = HeadState::Saved { saved, norm };
         }
     }
     Ok(())
 }
 
+/// `slot += value` for a value the host holds: the MoE aux loss, until
+/// `MoeLayer::forward_step` adds it on the device itself.
 /// `slot += buf`, or `slot = buf` when empty.
 fn add_into<B: Backend>(b: &B, slot: &mut Option<B::Buf>, buf: B::Buf) -> Result<()> {
     match slot {
@@ -613,7 +624,7 @@ fn backward_op<D: Device>(
             model.embedding.backward(
                 b,
                 b.view(dx)?,
-                &mb.tokens.inputs,
+                mb.ids()?.inputs()?,
                 grads()?.grad(Owner::Embedding, 0)?,
             )?;
         }
@@ -742,14 +753,12 @@ fn backward_op<D: Device>(
                 .get_mut(..3)
                 .ok_or_else(|| missing("the MTP entry gradients"))?;
             model.mtp_entry.backward_weight(b, wgrad, entry)?;
-            let ids = mb
-                .tokens
-                .mtp_inputs
-                .get(d)
-                .ok_or_else(|| missing("MTP inputs"))?;
-            model
-                .embedding
-                .backward(b, b.view(&d_emb)?, ids, g.grad(Owner::Embedding, 0)?)?;
+            model.embedding.backward(
+                b,
+                b.view(&d_emb)?,
+                mb.ids()?.mtp_inputs(d)?,
+                g.grad(Owner::Embedding, 0)?,
+            )?;
         }
         Op::MtpEnter(d) => {
             let saved = match std::mem::replace(&mut mb.mtp_entries[d], MtpEntryState::Idle) {
@@ -781,11 +790,11 @@ fn backward_op<D: Device>(
             // gradients together (their weights are outside units).
             let g = grads()?;
             let index = depth.map_or(0, |d| d + 1);
-            let (saved, count, norm) =
-                match std::mem::replace(&mut mb.heads[index], HeadState::Idle) {
-                    HeadState::Saved { saved, count, norm } => (saved, count, norm),
-                    HeadState::Idle => return Err(missing("a head's saved forward")),
-                };
+            let (saved, norm) = match std::mem::replace(&mut mb.heads[index], HeadState::Idle) {
+                HeadState::Saved { saved, norm } => (saved, norm),
+                HeadState::Idle => return Err(missing("a head's saved forward")),
+            };
+            let count = mb.counts.get(index).copied().unwrap_or(0);
             let depths = model.plan.mtp_depths().max(1) as f32;
             let weight = match depth {
                 None => cx.mb_weight,
@@ -798,14 +807,15 @@ fn backward_op<D: Device>(
             };
             let dh = zeros()?;
             let output = w.output_owner();
-            let wgrad = model.head.backward_input(
+            model.head.backward(
                 b,
                 w.weight(output, 0)?,
                 saved,
+                mb.ids()?.targets(index)?,
                 scale,
                 b.view_mut(&dh)?,
+                g.grad(output, 0)?,
             )?;
-            model.head.backward_weight(b, wgrad, g.grad(output, 0)?)?;
             add_into(b, &mut mb.streams[index].dh, dh)?;
             if let Some(d) = depth {
                 let norm = norm.ok_or_else(|| missing("an MTP final norm's saved forward"))?;

@@ -11,14 +11,15 @@
 //! schedule's events already order the pieces of one micro-batch, so the
 //! handoff is never contended; it only carries ownership across threads.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DType, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use crate::layers::{
     HeadSaved, LayerSaved, LayerWgrad, MoeStage, MtpSaved, MtpWgrad, NormSaved, NormWgrad,
+    counted_targets,
 };
 use std::sync::{Mutex, PoisonError};
 
-/// The tokens of one micro-batch.
+/// The tokens of one micro-batch, on the host.
 #[derive(Clone, Debug)]
 pub struct MicroBatchTokens {
     /// `[batch * seq]` input ids.
@@ -31,7 +32,64 @@ pub struct MicroBatchTokens {
     pub mtp_inputs: Vec<Vec<u32>>,
 }
 
-/// Loss sums of one step on one rank, in micro-batch order.
+/// A micro-batch's token ids on the device: one u32 buffer holding the
+/// inputs, the targets of every head and the MTP inputs, `rows` ids each,
+/// uploaded once by the micro-batch's first piece of work (on its lane).
+pub(crate) struct TokenIds<B: Backend> {
+    buf: B::Buf,
+    rows: usize,
+    depths: usize,
+}
+
+impl<B: Backend> TokenIds<B> {
+    fn upload(b: &B, tokens: &MicroBatchTokens, depths: usize) -> Result<Self> {
+        let rows = tokens.inputs.len();
+        let parts: Vec<&[u32]> = std::iter::once(&tokens.inputs)
+            .chain(&tokens.targets)
+            .chain(&tokens.mtp_inputs)
+            .map(Vec::as_slice)
+            .collect();
+        if tokens.targets.len() != depths + 1
+            || tokens.mtp_inputs.len() != depths
+            || parts.iter().any(|p| p.len() != rows)
+        {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "a micro-batch's tokens must be {rows} inputs, {} target rows and {depths} MTP \
+                 input rows of {rows} ids each; got {} target rows and {} MTP input rows of \
+                 {:?} ids",
+                depths + 1,
+                tokens.targets.len(),
+                tokens.mtp_inputs.len(),
+                parts.iter().map(|p| p.len()).collect::<Vec<_>>()
+            )));
+        }
+        let all = parts.concat();
+        let buf = b.alloc(all.len(), DType::U32)?;
+        b.upload(&all, b.view_mut(&buf)?)?;
+        Ok(TokenIds { buf, rows, depths })
+    }
+
+    fn part(&self, i: usize) -> Result<Slice<'_, B>> {
+        Slice::<B>::of(&self.buf, i * self.rows..(i + 1) * self.rows)
+    }
+
+    /// The input ids.
+    pub(crate) fn inputs(&self) -> Result<Slice<'_, B>> {
+        self.part(0)
+    }
+
+    /// Head `head`'s targets (0: the main head, d + 1: MTP depth d).
+    pub(crate) fn targets(&self, head: usize) -> Result<Slice<'_, B>> {
+        self.part(1 + head)
+    }
+
+    /// The ids MTP depth `d` embeds.
+    pub(crate) fn mtp_inputs(&self, d: usize) -> Result<Slice<'_, B>> {
+        self.part(2 + self.depths + d)
+    }
+}
+
+/// Loss sums of one step on one rank.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepLosses {
     /// Main cross-entropy: sum over tokens, and token count.
@@ -42,24 +100,72 @@ pub struct StepLosses {
     pub aux: f64,
 }
 
-impl StepLosses {
-    pub fn new(depths: usize) -> Self {
-        StepLosses {
-            mtp: vec![(0.0, 0); depths],
-            ..StepLosses::default()
+/// The step's loss sums on the device: one f64 slot per quantity (the main
+/// loss, the MoE aux loss, then each MTP depth's loss), zeroed when a step
+/// starts and read by the host once, when it ends. Token counts are not
+/// here: the host knows them from the tokens.
+///
+/// Each slot is a running f64 sum, so the order of the additions is part of
+/// the result. Every addition runs on the compute lane inside a forward
+/// slot (heads in the post-process slot, MoE aux losses in pre-dispatch),
+/// and both schedules issue every micro-batch's forward slots in micro-batch
+/// order, all of micro-batch k's before any of k + 1's; the lane runs its
+/// work in issue order. So the additions happen in one order, the same for
+/// the plain and the overlap schedule; `tests/training.rs` compares the
+/// reported losses bit for bit to hold this.
+pub struct LossAccumulator<B: Backend> {
+    buf: B::Buf,
+    depths: usize,
+}
+
+impl<B: Backend> LossAccumulator<B> {
+    const MAIN: usize = 0;
+    const AUX: usize = 1;
+
+    /// Slots for the main loss, the aux loss and `depths` MTP depths.
+    pub fn new(b: &B, depths: usize) -> Result<Self> {
+        Ok(LossAccumulator {
+            buf: b.alloc(2 + depths, DType::F64)?,
+            depths,
+        })
+    }
+
+    /// All the slots (to zero them, and to read them).
+    pub fn all(&self) -> SliceMut<'_, B> {
+        SliceMut::<B>::whole(&self.buf)
+    }
+
+    fn slot(&self, i: usize) -> Result<SliceMut<'_, B>> {
+        SliceMut::<B>::of(&self.buf, i..i + 1)
+    }
+
+    /// The slot of head `head` (0: the main head, d + 1: MTP depth d).
+    pub fn head(&self, head: usize) -> Result<SliceMut<'_, B>> {
+        match head {
+            0 => self.slot(Self::MAIN),
+            d if d <= self.depths => self.slot(Self::AUX + d),
+            _ => Err(RuntimeError::InvalidArgument(format!(
+                "loss accumulator: no head {head} (the model has {} MTP depths)",
+                self.depths
+            ))),
         }
     }
 
-    /// Adds another micro-batch's sums (in micro-batch order: the f64 sums
-    /// are then the same whatever order the lanes ran in).
-    pub fn add(&mut self, other: &StepLosses) {
-        self.main.0 += other.main.0;
-        self.main.1 += other.main.1;
-        for (total, mine) in self.mtp.iter_mut().zip(&other.mtp) {
-            total.0 += mine.0;
-            total.1 += mine.1;
+    /// The MoE load-balancing loss's slot.
+    pub fn aux(&self) -> Result<SliceMut<'_, B>> {
+        self.slot(Self::AUX)
+    }
+
+    /// The host copy of the slots, with the token counts, as loss sums.
+    pub fn losses(values: &[f64], counts: &[usize]) -> StepLosses {
+        let at = |i: usize| values.get(i).copied().unwrap_or(0.0);
+        let count = |i: usize| counts.get(i).copied().unwrap_or(0);
+        let depths = values.len().saturating_sub(2);
+        StepLosses {
+            main: (at(Self::MAIN), count(0)),
+            mtp: (0..depths).map(|d| (at(2 + d), count(d + 1))).collect(),
+            aux: at(Self::AUX),
         }
-        self.aux += other.aux;
     }
 }
 
@@ -126,13 +232,12 @@ pub(crate) enum MtpEntryState<B: Backend> {
     Wgrad(MtpWgrad<B>, B::Buf),
 }
 
-/// A head's state: its forward's cross-entropy state, how many targets it
-/// counted, and (MTP depths) the depth's final norm before it.
+/// A head's state: its forward's saved hidden states and (MTP depths) the
+/// depth's final norm before it.
 pub(crate) enum HeadState<B: Backend> {
     Idle,
     Saved {
         saved: HeadSaved<B>,
-        count: usize,
         norm: Option<NormSaved<B>>,
     },
 }
@@ -159,7 +264,12 @@ impl<B: Backend> Stream<B> {
 
 /// Everything one micro-batch carries through its forward and backward.
 pub(crate) struct MicroBatch<B: Backend> {
-    pub(crate) tokens: MicroBatchTokens,
+    /// The host tokens until the first piece of work uploads them.
+    tokens: Option<MicroBatchTokens>,
+    ids: Option<TokenIds<B>>,
+    depths: usize,
+    /// Per head (main, then each MTP depth): unmasked targets.
+    pub(crate) counts: Vec<usize>,
     /// The decoder's stream, then one per MTP depth.
     pub(crate) streams: Vec<Stream<B>>,
     /// Per physical layer: the decoder's, then every MTP depth's
@@ -170,19 +280,40 @@ pub(crate) struct MicroBatch<B: Backend> {
     pub(crate) mtp_entries: Vec<MtpEntryState<B>>,
     /// Per head: the main one, then one per MTP depth.
     pub(crate) heads: Vec<HeadState<B>>,
-    pub(crate) losses: StepLosses,
 }
 
 impl<B: Backend> MicroBatch<B> {
     pub(crate) fn new(tokens: MicroBatchTokens, layers: usize, depths: usize) -> Self {
         MicroBatch {
-            tokens,
+            counts: tokens.targets.iter().map(|t| counted_targets(t)).collect(),
+            tokens: Some(tokens),
+            ids: None,
+            depths,
             streams: (0..=depths).map(|_| Stream::new()).collect(),
             layers: (0..layers).map(|_| LayerState::Idle).collect(),
             final_norm: NormState::Idle,
             mtp_entries: (0..depths).map(|_| MtpEntryState::Idle).collect(),
             heads: (0..=depths).map(|_| HeadState::Idle).collect(),
-            losses: StepLosses::new(depths),
         }
+    }
+
+    /// Uploads the tokens on the first call (from the micro-batch's first
+    /// piece of work, so on a lane); later calls do nothing.
+    pub(crate) fn upload_tokens(&mut self, b: &B) -> Result<()> {
+        if let Some(tokens) = self.tokens.take() {
+            self.ids = Some(TokenIds::upload(b, &tokens, self.depths)?);
+        }
+        Ok(())
+    }
+
+    /// The token ids on the device.
+    pub(crate) fn ids(&self) -> Result<&TokenIds<B>> {
+        self.ids.as_ref().ok_or_else(|| {
+            RuntimeError::InvalidArgument(
+                "schedule: a micro-batch's token ids are not on the device; its first piece of \
+                 work did not run"
+                    .into(),
+            )
+        })
     }
 }

@@ -1,5 +1,6 @@
 //! Dense algebra: matmul with transpose and accumulate flags, axpy, scale,
-//! strided column copies, column sums.
+//! strided column copies, column sums, and the f64 sum of a view that loss
+//! accumulators are built from.
 
 use super::check;
 use crate::backend::{CopyCols, MatmulDims};
@@ -154,6 +155,16 @@ pub fn column_sum(x: &[f32], out: &mut [f32], rows: usize, cols: usize) -> Resul
     for row in x.chunks_exact(cols) {
         axpy_row(1.0, row, out);
     }
+    Ok(())
+}
+
+pub fn accumulate_sum<T: Copy + Into<f64>>(x: &[T], out: &mut [f64]) -> Result<()> {
+    check::len("accumulate_sum", "out", out.len(), 1)?;
+    let mut sum = 0.0f64;
+    for &v in x {
+        sum += v.into();
+    }
+    out[0] += sum;
     Ok(())
 }
 
@@ -456,6 +467,26 @@ mod tests {
             .is_err()
         );
         assert!(copy_cols(&src[..11], &mut dst, dims).is_err());
+    }
+
+    #[test]
+    fn accumulate_sum_adds_an_in_order_f64_sum() {
+        let x = pseudo(37, 8);
+        let mut out = [0.25f64];
+        accumulate_sum(&x, &mut out).unwrap();
+        let mut want = 0.0f64;
+        for &v in &x {
+            want += v as f64;
+        }
+        assert_eq!(out[0].to_bits(), (0.25 + want).to_bits());
+        // Summed from zero first, then added: not a running sum onto `out`.
+        // (At 1e16 the f64 spacing is 2: each 1 added alone would be lost.)
+        let mut out = [1e16f64];
+        accumulate_sum(&[1.0f32, 1.0, 1.0, 1.0], &mut out).unwrap();
+        assert_eq!(out[0], 1e16 + 4.0);
+        assert_ne!(out[0], 1e16);
+        accumulate_sum(&[0.5f64, 0.25], &mut out[..]).unwrap();
+        assert!(accumulate_sum(&x, &mut [0.0, 0.0]).is_err());
     }
 
     #[test]
