@@ -5,7 +5,7 @@
 //! checkpoints.
 
 use crate::backend::Tokens;
-use crate::checkpoint;
+use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
@@ -20,6 +20,7 @@ use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, build, run_st
 use crate::shared::lock;
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -53,7 +54,9 @@ pub struct TrainConfig {
     pub micro_batch_size: usize,
     /// Tokens per sequence (defaults to the model's `seq_length`).
     pub seq_length: usize,
-    /// Steps to run in this invocation.
+    /// Train until the step count reaches this: a resumed run continues
+    /// from its checkpoint's step, so a preempted job restarts with the
+    /// same configuration and ends where it would have.
     pub steps: u64,
     pub schedule: ScheduleKind,
     pub sharding: Sharding,
@@ -61,10 +64,18 @@ pub struct TrainConfig {
     pub seed: u64,
     pub optimizer: OptimizerConfig,
     pub unit_filter: UnitFilter,
-    /// Save a checkpoint here at the end (and every `save_every` steps).
+    /// The checkpoint root to save to, at the end (and every `save_every`
+    /// steps): one directory per step (`checkpoint::root`).
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
-    pub resume: Option<PathBuf>,
+    /// Keep only the newest N steps in the save root.
+    pub keep_last: Option<u64>,
+    pub resume: Option<ResumeFrom>,
+    /// Settings a resume takes from its checkpoint instead of from this
+    /// configuration (the CLI lists the flags the user left out). Every
+    /// other setting must agree with the checkpoint, except the layout,
+    /// which may change (checkpoints reshard).
+    pub from_checkpoint: BTreeSet<RunSetting>,
     /// Write a Chrome trace of every lane here.
     pub trace: Option<PathBuf>,
     /// How long a rank waits for its peers before giving up.
@@ -93,7 +104,9 @@ impl TrainConfig {
             unit_filter: UnitFilter::default(),
             save: None,
             save_every: None,
+            keep_last: None,
             resume: None,
+            from_checkpoint: BTreeSet::new(),
             trace: None,
             timeout: crate::cpu::collective::DEFAULT_TIMEOUT,
         }
@@ -150,6 +163,9 @@ pub struct TrainSummary {
     /// every EP rank included): equal hashes mean equal parameters.
     pub param_hash: u64,
     pub resumed_from: Option<u64>,
+    /// The checkpoint resumed: its step directory.
+    pub resumed_dir: Option<PathBuf>,
+    /// The last checkpoint saved: its step directory.
     pub saved_to: Option<PathBuf>,
     pub trace: Option<PathBuf>,
 }
@@ -165,13 +181,27 @@ impl TrainSummary {
 /// The plan and data a run will use, or why the run cannot start. Nothing
 /// is allocated on any device before this passes.
 pub struct Prepared {
+    /// The configuration to run: the given one, with what a resume takes
+    /// from its checkpoint.
+    pub config: TrainConfig,
     pub plan: Arc<Plan>,
     pub data: DataSource,
-    pub resume_step: Option<u64>,
+    /// The checkpoint resumed and the locked save root.
+    pub checkpoints: RunCheckpoints,
 }
 
-/// Checks a configuration completely before any work starts.
+impl Prepared {
+    pub fn resume_step(&self) -> Option<u64> {
+        self.checkpoints.resume.as_ref().map(|r| r.step())
+    }
+}
+
+/// Checks a configuration completely before any work starts. A resume's
+/// checkpoint is read first: the settings it supplies are checked like
+/// the rest. The save root is made and locked last.
 pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
+    let settled = checkpoint::settle(config)?;
+    let config = &settled.config;
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
     if config.ranks == 0 {
         return refuse("--ranks must be at least 1".into());
@@ -226,30 +256,15 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
         ));
     }
     data.check_shape(batch_shape(config, &plan))?;
-    let resume_step = match &config.resume {
-        Some(dir) => Some(checkpoint::read_index(dir, &plan)?.step),
-        None => None,
-    };
-    if let Some(dir) = &config.save {
-        let parent = dir
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        if !parent.is_dir() {
-            return refuse(format!(
-                "cannot save to {}: {} is not a directory",
-                dir.display(),
-                parent.display()
-            ));
-        }
-    }
     if config.save_every == Some(0) {
         return refuse("--save-every must be at least 1".into());
     }
+    let (config, checkpoints) = settled.open(&plan)?;
     Ok(Prepared {
+        config,
         plan,
         data,
-        resume_step,
+        checkpoints,
     })
 }
 
@@ -265,16 +280,16 @@ fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
 /// step's report as it completes.
 pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     let prepared = prepare(config)?;
-    train_prepared(config, &prepared, on_step)
+    train_prepared(&prepared, on_step)
 }
 
 /// [`train`] with the checks of [`prepare`] already done (for callers that
 /// report a configuration before running it).
 pub fn train_prepared(
-    config: &TrainConfig,
     prepared: &Prepared,
     on_step: &mut dyn FnMut(&StepReport),
 ) -> Result<TrainSummary> {
+    let config = &prepared.config;
     let recorder = Arc::new(TraceRecorder::new());
     let world = CpuWorld::with_timeout(config.ranks, config.timeout)?;
     let (reports, received) = mpsc::channel::<StepReport>();
@@ -348,11 +363,14 @@ pub fn train_prepared(
     let stats = recorder.stats();
     let comm_busy = stats.iter().map(|s| s.comm_busy).sum();
     let comm_hidden = stats.iter().map(|s| s.hidden).sum();
-    let tokens = config.tokens_per_step() * config.steps;
+    let start = prepared.resume_step().unwrap_or(0);
+    let (steps, last_step) = (config.steps.saturating_sub(start), start.max(config.steps));
+    let tokens = config.tokens_per_step() * steps;
     let wall_s = wall.as_secs_f64().max(1e-9);
+    let checkpoints = &prepared.checkpoints;
     Ok(TrainSummary {
-        steps: config.steps,
-        last_step: prepared.resume_step.unwrap_or(0) + config.steps,
+        steps,
+        last_step,
         first_loss,
         final_loss,
         entropy_floor: prepared.data.entropy_floor(),
@@ -360,12 +378,16 @@ pub fn train_prepared(
         tokens,
         wall,
         tokens_per_second: tokens as f64 / wall_s,
-        mean_step_time: wall.div_f64(config.steps.max(1) as f64),
+        mean_step_time: wall.div_f64(steps.max(1) as f64),
         comm_busy,
         comm_hidden,
         param_hash,
-        resumed_from: prepared.resume_step,
-        saved_to: config.save.clone(),
+        resumed_from: prepared.resume_step(),
+        resumed_dir: checkpoints.resume.as_ref().map(|r| r.dir.clone()),
+        saved_to: checkpoints
+            .save
+            .as_ref()
+            .map(|s| s.root.step_dir(last_step)),
         trace: config.trace.clone(),
     })
 }
@@ -414,8 +436,9 @@ fn run_rank(
     )?;
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
     let mut step = 0;
-    if let Some(dir) = &config.resume {
-        step = checkpoint::load(dir, &plan, &engine, &mut optimizer, &rank)?.step;
+    if let Some(resume) = &prepared.checkpoints.resume {
+        checkpoint::load(resume, &plan, &engine, &mut optimizer, &rank)?;
+        step = resume.step();
     }
     let ranges = (0..plan.params.len())
         .map(|p| engine.param_range(p))
@@ -430,12 +453,11 @@ fn run_rank(
         mb_weight: 1.0 / (config.micro_batches * config.ranks) as f32,
     });
     let shape = batch_shape(config, &plan);
-    let meta = |step| checkpoint::CheckpointMeta {
-        step,
-        seed: config.seed,
-        run: run_info(config),
-    };
-    for _ in 0..config.steps {
+    let save = prepared.checkpoints.save.as_ref();
+    // The newest step in the save root: the end of the run saves unless
+    // this step is there already.
+    let mut saved = save.and_then(|s| s.root.newest_at_open());
+    while step < config.steps {
         let started = Instant::now();
         let micro_batches = (0..config.micro_batches)
             .map(|mb| {
@@ -497,33 +519,19 @@ fn run_rank(
                 elapsed: started.elapsed(),
             });
         }
-        if let (Some(dir), Some(every)) = (&config.save, config.save_every)
+        if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            checkpoint::save(dir, &meta(step), &plan, &engine, &optimizer, &rank)?;
+            checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
+            saved = Some(step);
         }
     }
-    if let Some(dir) = &config.save
-        && config.save_every.is_none_or(|every| step % every != 0)
+    if let Some(save) = save
+        && saved != Some(step)
     {
-        checkpoint::save(dir, &meta(step), &plan, &engine, &optimizer, &rank)?;
+        checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
     }
     param_hash(&plan, &engine, &rank)
-}
-
-/// The run's settings as recorded in checkpoints (for people).
-fn run_info(config: &TrainConfig) -> serde_json::Value {
-    serde_json::json!({
-        "ranks": config.ranks,
-        "ep": config.ep,
-        "micro_batches": config.micro_batches,
-        "micro_batch_size": config.micro_batch_size,
-        "seq_length": config.seq_length,
-        "schedule": config.schedule,
-        "sharding": config.sharding,
-        "data": match &config.data { DataChoice::Synthetic => "synthetic".to_string(), DataChoice::File(p) => p.display().to_string() },
-        "optimizer": config.optimizer,
-    })
 }
 
 /// FNV-1a over every parameter's bits in plan order, experts once per EP
