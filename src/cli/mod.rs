@@ -12,7 +12,7 @@ mod plan;
 mod preset;
 mod train;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::ffi::OsString;
 use std::process::ExitCode;
 
@@ -73,8 +73,12 @@ pub(crate) fn emit(text: &str) -> Result<(), Failure> {
 
 /// Parses `args` and runs the command.
 pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitCode {
-    let cli = match Cli::try_parse_from(args) {
-        Ok(cli) => cli,
+    // The matches are kept: `train` asks which flags were given.
+    let parsed = Cli::command()
+        .try_get_matches_from(args)
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(err) => {
             // clap prints help and version to stdout (exit 0) and usage
             // errors to stderr (exit 2).
@@ -87,7 +91,7 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
         Command::Plan(args) => plan::run(&args),
         Command::Explain(args) => explain::run(&args),
         Command::Preset(args) => preset::run(&args),
-        Command::Train(args) => train::run(&args),
+        Command::Train(args) => train::run(&args, matches.subcommand_matches("train")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
