@@ -284,15 +284,21 @@ pub fn read_index(dir: &Path) -> Result<CheckpointIndex> {
             dir.display()
         ))
     })?;
+    let too_big = || {
+        err(format!(
+            "over {} MiB: not an index hybridgen wrote",
+            MAX_INDEX_BYTES >> 20
+        ))
+    };
+    if file.metadata().is_ok_and(|m| m.len() > MAX_INDEX_BYTES) {
+        return Err(too_big());
+    }
     let mut bytes = Vec::new();
     file.take(MAX_INDEX_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(|e| err(e.to_string()))?;
     if bytes.len() as u64 > MAX_INDEX_BYTES {
-        return Err(err(format!(
-            "over {} MiB: not an index hybridgen wrote",
-            MAX_INDEX_BYTES >> 20
-        )));
+        return Err(too_big());
     }
     let text = String::from_utf8(bytes)
         .map_err(|_| err("not UTF-8 text: the index is damaged".to_string()))?;
@@ -301,9 +307,9 @@ pub fn read_index(dir: &Path) -> Result<CheckpointIndex> {
     };
     if stored != hex(computed) {
         return Err(err(format!(
-            "checksum mismatch (the index records {stored}, its bytes give {}): the index is damaged; \
-             resume from another step of the checkpoint root (DIR/step-N)",
-            hex(computed)
+            "checksum mismatch (the index records {stored}, its bytes give {}): the index is damaged; {}",
+            hex(computed),
+            super::root::other_step_hint(dir)
         )));
     }
     let index: CheckpointIndex =

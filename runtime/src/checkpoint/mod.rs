@@ -381,7 +381,8 @@ pub fn save<D: Device>(
 
 /// Loads checkpoint `resume` into this rank's shards and optimizer state,
 /// whatever layout wrote it. Each file is checked against its size and
-/// checksum before anything is taken from it.
+/// checksum before anything is taken from it. Every rank calls it (it
+/// synchronises them).
 pub fn load<D: Device>(
     resume: &Resume,
     plan: &Plan,
@@ -430,7 +431,9 @@ pub fn load<D: Device>(
         )?;
     }
     optimizer.set_steps(index.step);
-    Ok(())
+    // Collective: a rank that fails to load stops its peers here, before
+    // any of them starts a step, so the error reported is the load's.
+    rank.host.barrier()
 }
 
 /// Checks checkpoint `dir` whole: its index, and every file's size and
@@ -452,7 +455,8 @@ fn read_checked(dir: &Path, name: &str, entry: &FileEntry) -> Result<Vec<u8>> {
         RuntimeError::io(
             path.display(),
             format!(
-                "{what}. The checkpoint is damaged: resume from another step of its root (DIR/step-N)"
+                "{what}. The checkpoint is damaged; {}",
+                root::other_step_hint(dir)
             ),
         )
     };

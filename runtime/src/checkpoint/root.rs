@@ -455,6 +455,22 @@ pub(crate) fn newest_checkpoint(dir: &Path, flag: &str) -> Result<Option<PathBuf
     }
 }
 
+/// What to do about damaged checkpoint `dir`: resume from the newest other
+/// complete step of its root, when there is one.
+pub(crate) fn other_step_hint(dir: &Path) -> String {
+    let this = step_of_dir(dir);
+    let root = dir.parent().filter(|p| p.join(ROOT_MARKER).is_file());
+    let other = root.and_then(|root| {
+        let steps = complete_steps(root).ok()?;
+        let step = steps.into_iter().rev().find(|&s| Some(s) != this)?;
+        Some(root.join(step_dir_name(step)))
+    });
+    match other {
+        Some(other) => format!("resume from another step: --resume {}", other.display()),
+        None => "no other complete step is beside it to resume from".to_string(),
+    }
+}
+
 /// The step a checkpoint directory's name says, when it is `step-N`.
 pub(crate) fn step_of_dir(dir: &Path) -> Option<u64> {
     let name = dir.file_name()?.to_str()?;

@@ -233,7 +233,7 @@ struct Settler<'a> {
 }
 
 impl Settler<'_> {
-    fn from_checkpoint(&self, setting: RunSetting) -> bool {
+    fn inherits(&self, setting: RunSetting) -> bool {
         self.config.from_checkpoint.contains(&setting)
     }
 
@@ -246,7 +246,7 @@ impl Settler<'_> {
         show: impl Fn(&T) -> String,
         field: impl Fn(&mut TrainConfig) -> &mut T,
     ) -> Result<()> {
-        let inherit = self.from_checkpoint(setting);
+        let inherit = self.inherits(setting);
         let mine = field(&mut self.config);
         if mine == theirs || (setting.is_layout() && !inherit) {
             return Ok(());
@@ -283,7 +283,7 @@ impl Settler<'_> {
 
     fn data(&mut self) -> Result<Option<DataRecord>> {
         let theirs = &self.index.run.data;
-        if self.from_checkpoint(RunSetting::Data) {
+        if self.inherits(RunSetting::Data) {
             let choice = match theirs {
                 DataRecord::Synthetic => DataChoice::Synthetic,
                 DataRecord::File { path, .. } => DataChoice::File(PathBuf::from(path)),
@@ -328,7 +328,7 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
         inherited: Vec::new(),
     };
     // The model is compared with the plan once it is made (`check_fits`).
-    if s.from_checkpoint(RunSetting::Model) && s.config.model != index.model {
+    if s.inherits(RunSetting::Model) && s.config.model != index.model {
         s.config.model = index.model.clone();
         s.inherited
             .push(format!("the model {}", index.model.pattern));
