@@ -285,3 +285,29 @@ fn settings_left_to_the_checkpoint_are_taken_from_it() {
     assert!(err.contains("--seed 0 contradicts"), "{err}");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+#[test]
+fn a_layout_left_out_is_the_checkpoints_where_it_fits() {
+    let root =
+        std::env::temp_dir().join(format!("hybridgen-ckpt-lib-{}-layout", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut c = config();
+    (c.ranks, c.ep) = (4, 4);
+    c.save = Some(root.clone());
+    train(&c, &mut |_| {}).unwrap();
+    // Only the layout left out: four ranks and ep 4 come from the checkpoint.
+    let mut c = config();
+    c.steps = 3;
+    c.resume = Some(ResumeFrom::Dir(root.clone()));
+    c.from_checkpoint = [RunSetting::Ranks, RunSetting::Ep].into();
+    let prepared = hybridgen_runtime::train::prepare(&c).unwrap();
+    assert_eq!((prepared.config.ranks, prepared.config.ep), (4, 4));
+    drop(prepared);
+    // Two ranks given: ep 4 cannot divide them, so this run's ep 2 stays.
+    c.ranks = 2;
+    c.from_checkpoint = [RunSetting::Ep].into();
+    let prepared = hybridgen_runtime::train::prepare(&c).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((prepared.config.ranks, prepared.config.ep), (2, 2));
+    drop(prepared);
+    let _ = std::fs::remove_dir_all(&root);
+}

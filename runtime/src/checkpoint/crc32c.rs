@@ -1,7 +1,6 @@
 //! CRC-32C (Castagnoli), the checksum of every checkpoint file: the one
 //! iSCSI, ext4 and most storage formats use, so `crc32c` tools can check a
-//! file by hand. Table-driven, eight bytes at a time (slice-by-8); a
-//! `static` table, since a `const` one is copied at every use.
+//! file by hand. Table-driven, eight bytes at a time (slice-by-8).
 
 /// The reflected Castagnoli polynomial.
 const POLY: u32 = 0x82F6_3B78;

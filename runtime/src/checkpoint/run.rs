@@ -414,7 +414,10 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
         |v| plain(v),
         |c| &mut c.ranks,
     )?;
-    s.setting(RunSetting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
+    // The checkpoint's ep only where it divides the ranks this run has.
+    if s.config.ranks.is_multiple_of(layout.ep) {
+        s.setting(RunSetting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
+    }
     s.setting(
         RunSetting::Sharding,
         &layout.sharding,
