@@ -104,7 +104,8 @@ pub(crate) struct TrainArgs {
     /// directory, or `auto`: the --save root's newest step when it has one,
     /// else a fresh start. Settings left out (seed, data, batch sizes,
     /// optimizer, layout, model) are the checkpoint's; a contradicting
-    /// flag is refused, except the layout flags (checkpoints reshard).
+    /// flag is refused, except the layout flags (checkpoints reshard). A
+    /// directory named `auto` is `./auto`.
     #[arg(long, value_name = "auto|DIR")]
     resume: Option<PathBuf>,
     /// Write a Chrome trace (open in Perfetto or chrome://tracing).
