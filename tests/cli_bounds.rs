@@ -103,16 +103,16 @@ fn a_ten_megabyte_pattern_in_a_model_file_gets_a_short_report() {
     assert_eq!(out.status.code(), Some(1));
     let err = stderr(&out);
     assert!(err.len() < 1_000, "{err}");
-    assert!(
-        err.contains("error[H012]: the pattern is 10000000 bytes long, over the limit of 4000000")
-    );
-    assert!(err.contains(" --> pattern:1:4000001\n"), "{err}");
+    assert!(err.contains(
+        "error[H012]: the pattern is 10000000 bytes long, over the limit of 1048576 (1 MiB)"
+    ));
+    assert!(err.contains(" --> pattern:1:1048577\n"), "{err}");
     // Read (white space is free), with an error at its far end: the line
-    // is cut to a window around it. 20 MB before.
+    // is cut to a window around it (2 MB before).
     let model = model_file(
         &dir,
         "spaces.toml",
-        &format!("{}x", " ".repeat(3_000_000)),
+        &format!("{}x", " ".repeat(1_000_000)),
         "",
     );
     let out = hybridgen(&["plan", "--model", &model]);

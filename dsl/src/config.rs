@@ -296,8 +296,10 @@ pub const MAX_EXPERTS: usize = 1 << 16;
 /// The most elements a whole model may have.
 pub const MAX_MODEL_ELEMENTS: u128 = 1 << 53;
 
-/// The largest model file read, in bytes (16 MiB): room for a pattern of
-/// [`MAX_PATTERN_BYTES`](crate::pattern::MAX_PATTERN_BYTES) and dimensions.
+/// The largest model file read, in bytes (16 MiB): far more than a model
+/// needs (a pattern has at most
+/// [`MAX_PATTERN_BYTES`](crate::pattern::MAX_PATTERN_BYTES)), and little
+/// enough to read at once.
 pub const MAX_MODEL_FILE_BYTES: u64 = 16 << 20;
 
 /// The text of the regular file at `path`, if it has at most `limit` bytes.

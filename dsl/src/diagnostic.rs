@@ -205,9 +205,9 @@ impl Code {
                 "Repeats are sugar: `X{N}` repeats one item (a layer or a group) and\n\
                  `( items ){N}` repeats a run of items, inside one segment. N is a\n\
                  whole number from 1 to 100000, and a pattern may expand to at most\n\
-                 1,000,000 layers and be at most 4,000,000 bytes long (a million\n\
-                 layers written out in full fit). A block `( ... )` needs its count,\n\
-                 and cannot appear inside a group or cross a `|` or `/`.\n\
+                 1,000,000 layers, and its text may be at most 1 MiB (1048576\n\
+                 bytes): write long runs with repeats. A block `( ... )` needs its\n\
+                 count, and cannot appear inside a group or cross a `|` or `/`.\n\
                  \nExamples: `(M[*E]){4}` is `M[*E]M[*E]M[*E]M[*E]`. `M{0}`, `M{x}`,\n\
                  `{3}M`, `(M*)` and `(M|*){2}` fail."
             }
@@ -578,19 +578,18 @@ impl fmt::Display for Diagnostics {
     /// more there are and the total.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let shown = &self.items[..self.items.len().min(Self::MAX_RENDERED)];
-        // One pass over the source serves every position.
-        let lines = shown
-            .iter()
-            .any(|d| d.span.is_some())
-            .then(|| LineIndex::new(&self.source));
+        // With several positions to find, one pass over the source serves
+        // them all.
+        let spanned = shown.iter().filter(|d| d.span.is_some()).count();
+        let lines = (spanned > 1).then(|| LineIndex::new(&self.source));
         for (i, diagnostic) in shown.iter().enumerate() {
             if i > 0 {
                 writeln!(f)?;
             }
-            let at = diagnostic
-                .span
-                .zip(lines.as_ref())
-                .map(|(span, lines)| lines.line_col(span.start));
+            let at = diagnostic.span.map(|span| match &lines {
+                Some(lines) => lines.line_col(span.start),
+                None => span.line_col(&self.source),
+            });
             write!(
                 f,
                 "{}",

@@ -112,13 +112,13 @@ pub(super) fn lower(source: &str) -> Lowered {
             Diagnostic::new(
                 Code::H012,
                 format!(
-                    "the pattern is {} bytes long, over the limit of {MAX_PATTERN_BYTES}",
+                    "the pattern is {} bytes long, over the limit of {MAX_PATTERN_BYTES} (1 MiB)",
                     source.len()
                 ),
             )
             .at(Span::new(cut, cut + next))
             .label("the pattern goes on past the limit here")
-            .help("a pattern of up to 1,000,000 layers fits in the limit; write long runs with repeats: `(M[*E]){1000}`"),
+            .help("write long runs with repeats: `(M[*E]){1000}` is 6,000 characters in 12"),
         );
         return Lowered {
             pattern: empty,

@@ -205,11 +205,12 @@ pub const MAX_REPEAT: usize = 100_000;
 /// ...and a whole pattern may expand to at most this many layers, so sugar
 /// like `(M{100000}){100000}` is an error rather than an out-of-memory.
 pub const MAX_EXPANDED_LAYERS: usize = 1_000_000;
-/// The longest pattern text, in bytes: four per layer of the largest
-/// pattern, so a million layers fit written out in full, groups and spaces
-/// included. Reading costs time and memory per byte (a 10 MB run of `]` is
-/// ten million errors), so longer text is refused before it is read.
-pub const MAX_PATTERN_BYTES: usize = 4 * MAX_EXPANDED_LAYERS;
+/// The longest pattern text, in bytes (1 MiB): far beyond any real
+/// pattern (repeats write long ones; a million layers written out as `M*M*...`
+/// fit). Reading costs time and memory per byte of text, a megabyte of
+/// mistakes being a million errors, so longer text is refused before it is
+/// read.
+pub const MAX_PATTERN_BYTES: usize = 1 << 20;
 
 impl Pattern {
     /// Parses and validates a pattern, reporting every independent mistake.
