@@ -8,7 +8,7 @@
 mod check;
 mod explain;
 mod human;
-mod plan;
+pub mod plan;
 mod preset;
 mod train;
 
