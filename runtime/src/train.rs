@@ -437,28 +437,28 @@ fn run_rank(
     };
     for _ in 0..config.steps {
         let started = Instant::now();
-        let micro_batches = (0..config.micro_batches)
-            .map(|mb| {
-                let key = BatchKey {
-                    seed: config.seed,
-                    step,
-                    dp_rank: r,
-                    micro_batch: mb,
-                };
-                let batch = prepared.data.batch(key, shape)?;
-                let depths = plan.mtp_depths();
-                Ok(MicroBatchTokens {
-                    inputs: batch.all_inputs(),
-                    targets: (0..=depths)
-                        .map(|d| batch.all_targets(d))
-                        .collect::<Result<_>>()?,
-                    mtp_inputs: (0..depths)
-                        .map(|d| batch.all_targets(d))
-                        .collect::<Result<_>>()?,
-                })
+        let depths = plan.mtp_depths();
+        // Each micro-batch's tokens are made when the schedule first needs
+        // them: memory does not grow with the number of micro-batches.
+        let mut micro_batch = |mb: usize| -> Result<MicroBatchTokens> {
+            let key = BatchKey {
+                seed: config.seed,
+                step,
+                dp_rank: r,
+                micro_batch: mb,
+            };
+            let batch = prepared.data.batch(key, shape)?;
+            Ok(MicroBatchTokens {
+                inputs: batch.all_inputs(),
+                targets: (0..=depths)
+                    .map(|d| batch.all_targets(d))
+                    .collect::<Result<_>>()?,
+                mtp_inputs: (0..depths)
+                    .map(|d| batch.all_targets(d))
+                    .collect::<Result<_>>()?,
             })
-            .collect::<Result<Vec<_>>>()?;
-        let losses = run_step(&program, &cx, &mut engine, &rank, micro_batches)?;
+        };
+        let losses = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         let grad_norm = optimizer.step(&engine, &rank)?;
         step += 1;
         // Every rank's sums, added in rank order: the same bits everywhere.
