@@ -43,13 +43,17 @@ pub enum RuntimeError {
     /// A numeric problem worth stopping for (a non-finite loss, ...).
     #[error("{0}")]
     Numeric(String),
-    /// A rank of a run failed: its root cause first, then what that made
-    /// other lanes and ranks report.
-    #[error("{}", describe_rank_failure(*rank, cause, stopped))]
+    /// Ranks of a run failed: the root cause first (with every rank that
+    /// failed of it on its own), then what it made other ranks report.
+    #[error("{}", describe_rank_failure(ranks, cause, others, stopped))]
     RankFailed {
-        rank: usize,
+        /// The ranks that failed with `cause` themselves (several when it
+        /// is global, like a diverged loss); the first found it first.
+        ranks: Vec<usize>,
         cause: Box<RuntimeError>,
-        /// The other ranks that stopped because of it.
+        /// Ranks that failed on their own of something else: (rank, why).
+        others: Vec<(usize, String)>,
+        /// Ranks that stopped because a peer failed.
         stopped: Vec<usize>,
     },
 }
@@ -100,9 +104,24 @@ impl RuntimeError {
     }
 }
 
-/// "rank R: <root cause>", then, summarised, what it made other work and
-/// ranks report: the root first, so it is the first thing a reader sees.
-fn describe_rank_failure(rank: usize, cause: &RuntimeError, stopped: &[usize]) -> String {
+fn rank_list(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match ranks {
+        [_] => format!("rank {}", list.join("")),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
+/// "rank R: <root cause>", then, summarised, what else failed and which
+/// ranks stopped because of it: the root first, so it is the first thing a
+/// reader sees.
+fn describe_rank_failure(
+    ranks: &[usize],
+    cause: &RuntimeError,
+    others: &[(usize, String)],
+    stopped: &[usize],
+) -> String {
+    let who = rank_list(ranks);
     let mut out = match cause {
         RuntimeError::Skipped {
             lane,
@@ -111,19 +130,18 @@ fn describe_rank_failure(rank: usize, cause: &RuntimeError, stopped: &[usize]) -
             root,
             ..
         } => format!(
-            "rank {rank}: {origin} failed: {}\n  because of it, the {lane} lane skipped `{work}` \
+            "{who}: {origin} failed: {}\n  because of it, the {lane} lane skipped `{work}` \
              and the work after it",
             root.root_cause()
         ),
-        other => format!("rank {rank}: {other}"),
+        other => format!("{who}: {other}"),
     };
-    match stopped {
-        [] => {}
-        [one] => out += &format!("\n  rank {one} stopped because of it"),
-        many => {
-            let list: Vec<String> = many.iter().map(usize::to_string).collect();
-            out += &format!("\n  ranks {} stopped because of it", list.join(", "));
-        }
+    for (rank, why) in others {
+        let first = why.lines().next().unwrap_or_default();
+        out += &format!("\n  rank {rank} also failed: {first}");
+    }
+    if !stopped.is_empty() {
+        out += &format!("\n  {} stopped because of it", rank_list(stopped));
     }
     out
 }
@@ -148,8 +166,9 @@ mod tests {
              mb1` on the comm lane, which failed: the loss is NaN at step 3"
         );
         let failed = RuntimeError::RankFailed {
-            rank: 1,
+            ranks: vec![1],
             cause: Box::new(skipped),
+            others: vec![(3, "disk full\nmore".into())],
             stopped: vec![0, 2],
         };
         let message = failed.to_string();
@@ -161,7 +180,8 @@ mod tests {
             "{message}"
         );
         assert!(
-            message.ends_with("ranks 0, 2 stopped because of it"),
+            message
+                .ends_with("\n  rank 3 also failed: disk full\n  ranks 0, 2 stopped because of it"),
             "{message}"
         );
         assert_eq!(failed.code(), "diverged");

@@ -114,6 +114,15 @@ impl OptimizerConfig {
     }
 }
 
+/// `value` as people write it: `0.003`, `1e30`.
+fn number(value: f32) -> String {
+    if value != 0.0 && !(1e-4..1e5).contains(&value.abs()) {
+        format!("{value:e}")
+    } else {
+        value.to_string()
+    }
+}
+
 /// A quantity of a step found non-finite: the first stops the run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum NonFinite {
@@ -327,16 +336,17 @@ impl<D: Device> Optimizer<D> {
             }
             (None, None) => out += "\n  the parameters and their gradients are finite",
         }
-        let lr = self.config.lr_at(step);
+        let lr = number(self.config.lr_at(step));
         let clipping = match self.config.clip_grad {
-            Some(c) => format!("gradient clipping at norm {c}"),
+            Some(c) => format!("gradient clipping at norm {}", number(c)),
             None => "no gradient clipping".to_string(),
         };
         out += &format!("\n  settings: learning rate {lr} at this step");
-        if lr != self.config.lr {
+        if self.config.lr_at(step) != self.config.lr {
             out += &format!(
                 " (peak {}, warm-up {} steps)",
-                self.config.lr, self.config.warmup_steps
+                number(self.config.lr),
+                self.config.warmup_steps
             );
         }
         out += &format!(", {clipping}");
@@ -504,5 +514,168 @@ impl<D: Device> Optimizer<D> {
         );
         done.wait()?;
         Ok(norm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuBackend;
+    use crate::cpu::collective::CpuWorld;
+    use crate::cpu::lane::CpuLane;
+    use crate::device::Cpu;
+    use crate::fsdp::Sharding;
+    use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
+
+    #[test]
+    fn validate_names_the_field_and_the_range() {
+        let refused = |edit: &dyn Fn(&mut OptimizerConfig)| {
+            let mut config = OptimizerConfig::default();
+            edit(&mut config);
+            config.validate().unwrap_err().to_string()
+        };
+        assert!(refused(&|c| c.lr = f32::NEG_INFINITY).contains("learning rate (lr) is -inf"));
+        assert!(refused(&|c| c.lr = 0.0).contains("above 0"));
+        assert!(refused(&|c| c.weight_decay = -0.1).contains("weight decay is -0.1"));
+        assert!(refused(&|c| c.weight_decay = f32::NAN).contains("weight decay is NaN"));
+        for clip in [f32::NAN, -1.0, 0.0, f32::INFINITY] {
+            let message = refused(&|c| c.clip_grad = Some(clip));
+            assert!(message.contains("gradient clip (clip_grad)"), "{message}");
+            assert!(message.contains("None to turn clipping off"), "{message}");
+        }
+        assert!(refused(&|c| c.beta1 = f32::NAN).contains("betas"));
+        let off = OptimizerConfig {
+            clip_grad: None,
+            ..OptimizerConfig::default()
+        };
+        off.validate().unwrap();
+    }
+
+    /// One rank of a tiny `*-` model whose parameter `poisoned` (if any) is
+    /// NaN, and its optimizer.
+    fn one_rank(
+        config: OptimizerConfig,
+        poisoned: Option<usize>,
+    ) -> (RankContext<Cpu>, FsdpEngine<Cpu>, Optimizer<Cpu>, Arc<Plan>) {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "*-".into();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(1, 1),
+            ..PlanOptions::default()
+        };
+        let plan = Arc::new(Plan::new(&model, &options).unwrap());
+        let world = CpuWorld::new(1).unwrap();
+        let comm = world.comm(0).unwrap();
+        let rank = RankContext::<Cpu> {
+            rank: 0,
+            world: 1,
+            ep: 1,
+            backend: Arc::new(CpuBackend),
+            compute: Arc::new(CpuLane::new("compute").unwrap()),
+            comm: Arc::new(CpuLane::new("comm").unwrap()),
+            ep_group: Arc::new(comm.split(0).unwrap()),
+            edp: Arc::new(comm.split(0).unwrap()),
+            host: Arc::new(comm.split(0).unwrap()),
+            dp: Arc::new(comm),
+        };
+        let init = |p: usize, out: &mut [f32]| {
+            out.fill(if Some(p) == poisoned { f32::NAN } else { 0.01 });
+            Ok(())
+        };
+        let engine = FsdpEngine::new(plan.clone(), Sharding::Zero3, &rank, 2, 1, &init).unwrap();
+        let optimizer = Optimizer::new(config, plan.clone(), &engine, &rank).unwrap();
+        (rank, engine, optimizer, plan)
+    }
+
+    #[test]
+    fn divergence_names_the_parameter_and_the_causes_that_fit() {
+        let explain = |config: OptimizerConfig,
+                       poisoned: Option<usize>,
+                       resumed: Option<u64>,
+                       updates: usize,
+                       quantity: NonFinite| {
+            let (rank, engine, mut optimizer, plan) = one_rank(config, poisoned);
+            if let Some(step) = resumed {
+                optimizer.set_steps(step);
+            }
+            for _ in 0..updates {
+                optimizer.step(&engine, &rank).unwrap();
+            }
+            let name = poisoned.map(|p| plan.param_name(&plan.params[p]));
+            let error = optimizer.divergence(&engine, &rank, quantity).unwrap();
+            assert!(matches!(error, RuntimeError::Numeric(_)));
+            (error.to_string(), name)
+        };
+        let clipped = OptimizerConfig::default();
+        let unclipped = OptimizerConfig {
+            clip_grad: None,
+            ..OptimizerConfig::default()
+        };
+        // Corrupt weights loaded from a checkpoint: the checkpoint, not the
+        // learning rate.
+        let (message, name) = explain(
+            clipped.clone(),
+            Some(3),
+            Some(5),
+            0,
+            NonFinite::Loss(f64::NAN),
+        );
+        assert!(
+            message.starts_with("training diverged at step 6: the loss is NaN"),
+            "{message}"
+        );
+        let name = name.unwrap();
+        assert!(
+            message.contains(&format!("the parameter {name} is already non-finite")),
+            "{message}"
+        );
+        assert!(
+            message.contains("resumed from a checkpoint of step 5"),
+            "{message}"
+        );
+        assert!(
+            message.contains("the checkpoint of step 5 holds non-finite weights"),
+            "{message}"
+        );
+        assert!(!message.contains("lower the learning rate"), "{message}");
+        // The first step of a fresh run: no update ran, the learning rate is
+        // not the cause.
+        let (message, _) = explain(
+            clipped.clone(),
+            None,
+            None,
+            0,
+            NonFinite::Loss(f64::INFINITY),
+        );
+        assert!(
+            message.contains("the learning rate is not the cause"),
+            "{message}"
+        );
+        assert!(
+            message.contains("the parameters and their gradients are finite"),
+            "{message}"
+        );
+        // After updates: the learning rate, with advice that fits clipping.
+        let (message, _) = explain(clipped, None, None, 2, NonFinite::GradNorm(f64::NAN));
+        assert!(
+            message.starts_with("training diverged at step 3: the gradient norm is NaN"),
+            "{message}"
+        );
+        assert!(message.contains("gradient clipping at norm 1"), "{message}");
+        assert!(
+            message.contains("clipping at 1 bounds the gradient"),
+            "{message}"
+        );
+        let (message, _) = explain(unclipped, None, Some(5), 1, NonFinite::MtpLoss(f64::NAN));
+        assert!(message.contains("the MTP loss is NaN"), "{message}");
+        assert!(message.contains("no gradient clipping"), "{message}");
+        assert!(
+            message.contains("turn gradient clipping on (--clip-grad 1)"),
+            "{message}"
+        );
+        assert!(
+            message.contains("earlier updates grew the weights"),
+            "{message}"
+        );
     }
 }

@@ -511,24 +511,30 @@ fn write_trace(
 }
 
 /// The error of a failed run: the first rank that failed on its own (not
-/// because a peer aborted), its root cause first, and which other ranks
-/// stopped because of it.
+/// because a peer aborted), its root cause first, with every rank that
+/// failed of the same cause; then the other failures, summarised.
 fn root_failure(failures: Vec<(usize, RuntimeError)>) -> Option<RuntimeError> {
     let own = |e: &RuntimeError| !matches!(e.root_cause(), RuntimeError::Peer { .. });
     let at = failures
         .iter()
         .position(|(_, e)| own(e))
         .or((!failures.is_empty()).then_some(0))?;
-    let stopped = failures
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != at)
-        .map(|(_, (r, _))| *r)
-        .collect();
-    let (rank, cause) = failures.into_iter().nth(at)?;
+    let root = failures[at].1.root_cause().to_string();
+    let (mut ranks, mut others, mut stopped) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (r, e)) in failures.iter().enumerate() {
+        if i == at || (own(e) && e.root_cause().to_string() == root) {
+            ranks.push(*r);
+        } else if own(e) {
+            others.push((*r, e.root_cause().to_string()));
+        } else {
+            stopped.push(*r);
+        }
+    }
+    let (_, cause) = failures.into_iter().nth(at)?;
     Some(RuntimeError::RankFailed {
-        rank,
+        ranks,
         cause: Box::new(cause),
+        others,
         stopped,
     })
 }

@@ -124,8 +124,14 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
             // errors to stderr (exit 2).
             let _ = err.print();
             if err.use_stderr() && wants_json(&args) {
+                // The first paragraph: what is wrong, without the usage hint.
                 let rendered = err.render().to_string();
-                let message = rendered.trim().trim_start_matches("error: ");
+                let message = rendered
+                    .trim()
+                    .trim_start_matches("error: ")
+                    .split("\n\n")
+                    .next()
+                    .unwrap_or_default();
                 let _ = emit(&error_object("usage", message));
             }
             return ExitCode::from(if err.use_stderr() { 2 } else { 0 });

@@ -133,7 +133,9 @@ fn float_in(value: &str, ok: impl Fn(f32) -> bool, range: &str) -> Result<f32, S
         .trim()
         .parse()
         .map_err(|_| format!("`{value}` is not a number; give {range}"))?;
-    if parsed.is_finite() && ok(parsed) {
+    if !parsed.is_finite() {
+        Err(format!("{parsed} is not a finite number; give {range}"))
+    } else if ok(parsed) {
         Ok(parsed)
     } else {
         Err(format!("{parsed} is out of range; give {range}"))
