@@ -369,6 +369,14 @@ pub struct MemoryNeed {
     pub activations: ActivationEstimate,
     /// Micro-batches the schedule keeps in flight per rank.
     pub live_micro_batches: usize,
+    /// Per rank, while a matrix product runs: the CPU kernels transpose the
+    /// weight of `x W^T` into a scratch copy; the largest weight (often the
+    /// output layer, `[vocab, hidden]`) sets it.
+    pub kernel_scratch: u64,
+    /// Per rank: threads, lanes, the model's layer descriptions, the
+    /// schedule and the engine's tables (about 1 MiB plus 2 KiB a layer,
+    /// measured on the CPU backend).
+    pub bookkeeping: u64,
     /// Per rank: state plus the larger of the live micro-batches'
     /// activations and the scratch (they are never needed at once).
     pub per_rank: u64,
@@ -385,10 +393,19 @@ impl MemoryNeed {
         state: StateEstimate,
         activations: ActivationEstimate,
         live_micro_batches: usize,
+        kernel_scratch: u64,
+        layers: usize,
         lower_bound: bool,
     ) -> Self {
-        let live = activations.total.saturating_mul(live_micro_batches as u64);
-        let per_rank = state.total.saturating_add(live.max(state.scratch));
+        let bookkeeping = (1u64 << 20).saturating_add((layers as u64).saturating_mul(2048));
+        let live = activations
+            .total
+            .saturating_mul(live_micro_batches as u64)
+            .saturating_add(kernel_scratch);
+        let per_rank = state
+            .total
+            .saturating_add(bookkeeping)
+            .saturating_add(live.max(state.scratch));
         MemoryNeed {
             ranks,
             per_rank,
@@ -396,6 +413,8 @@ impl MemoryNeed {
             state,
             activations,
             live_micro_batches,
+            kernel_scratch,
+            bookkeeping,
             lower_bound,
         }
     }
@@ -414,11 +433,14 @@ impl MemoryNeed {
             .map(|l| l.kind)
             .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind));
         let activations = activations(&plan.model, kinds, plan.mtp_depths(), tokens, sizes);
+        let largest = plan.param_defs.iter().map(|d| d.numel() as u64).max();
         Self::new(
             layout.ranks,
             state(plan, layout, sizes),
             activations,
             live_micro_batches,
+            largest.unwrap_or(0).saturating_mul(sizes.compute),
+            plan.layers.len() + plan.mtp_layers.iter().map(Vec::len).sum::<usize>(),
             false,
         )
     }
@@ -488,12 +510,15 @@ impl MemoryNeed {
             scratch: 0,
             total: shards.saturating_add(optimizer),
         };
+        let layers = kinds.len();
         let activations = activations(model, kinds, pattern.mtp_depth_count(), tokens, sizes);
         Some(Self::new(
             layout.ranks,
             state,
             activations,
             live_micro_batches,
+            0,
+            layers,
             true,
         ))
     }
@@ -512,7 +537,8 @@ impl MemoryNeed {
         let live = self
             .activations
             .total
-            .saturating_mul(self.live_micro_batches as u64);
+            .saturating_mul(self.live_micro_batches as u64)
+            .saturating_add(self.kernel_scratch);
         let mut out = format!(
             "this run needs {about} {} of memory, but {} is available ({})\n",
             bytes(self.total),
@@ -521,7 +547,8 @@ impl MemoryNeed {
         );
         out += &format!(
             "  per rank: {} = {} parameters, gradients and optimizer state + {} activations \
-             ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {})",
+             ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
+             kernel scratch {})",
             bytes(self.per_rank),
             bytes(self.state.total),
             bytes(live),
@@ -536,6 +563,7 @@ impl MemoryNeed {
             bytes(self.activations.heads),
             bytes(self.activations.streams),
             bytes(self.activations.working_set),
+            bytes(self.kernel_scratch),
         );
         if self.state.scratch > live {
             out += &format!(
