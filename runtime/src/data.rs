@@ -1074,40 +1074,40 @@ mod tests {
         let file = TempFile::new("golden", &bytes);
         let on_disk = DataSource::Bytes(ByteFile::open(&file.0, 256).unwrap());
         let in_memory = DataSource::Bytes(ByteFile::from_bytes("m", bytes, 256).unwrap());
-        let golden: [((u64, u64, usize, usize), BatchShape, u64, [u32; 8]); 4] = [
+        let at = |seed, step, dp_rank, micro_batch| BatchKey {
+            seed,
+            step,
+            dp_rank,
+            micro_batch,
+        };
+        let golden: [(BatchKey, BatchShape, u64, [u32; 8]); 4] = [
             (
-                (7, 0, 0, 0),
+                at(7, 0, 0, 0),
                 BatchShape::new(3, 20, 1),
                 0x7475_8657_c1f2_44a9,
                 [138, 70, 2, 190, 122, 53, 241, 173],
             ),
             (
-                (7, 5, 1, 2),
+                at(7, 5, 1, 2),
                 BatchShape::new(4, 64, 0),
                 0x0d1a_ec73_d127_98d9,
                 [245, 176, 108, 40, 228, 160, 91, 23],
             ),
             (
-                (123, 99, 3, 7),
+                at(123, 99, 3, 7),
                 BatchShape::new(2, 300, 2),
                 0x126c_41cb_5101_8061,
                 [102, 34, 222, 154, 86, 17, 205, 137],
             ),
             // One window of the whole file: offset 0 is the only start.
             (
-                (0, 0, 0, 0),
+                at(0, 0, 0, 0),
                 BatchShape::new(1, 4999, 0),
                 0xd826_f322_a2a2_051c,
                 [0, 187, 119, 51, 239, 171, 102, 34],
             ),
         ];
-        for ((seed, step, dp_rank, micro_batch), shape, hash, first) in golden {
-            let key = BatchKey {
-                seed,
-                step,
-                dp_rank,
-                micro_batch,
-            };
+        for (key, shape, hash, first) in golden {
             for source in [&on_disk, &in_memory] {
                 let batch = source.batch(key, shape).unwrap();
                 let mut h: u64 = 0xcbf2_9ce4_8422_2325;
