@@ -136,6 +136,18 @@ pub enum NonFinite {
     GradNorm(f64),
 }
 
+impl NonFinite {
+    /// The quantity's value.
+    pub fn value(self) -> f64 {
+        match self {
+            NonFinite::Loss(v)
+            | NonFinite::MtpLoss(v)
+            | NonFinite::AuxLoss(v)
+            | NonFinite::GradNorm(v) => v,
+        }
+    }
+}
+
 impl std::fmt::Display for NonFinite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -656,10 +656,7 @@ fn run_rank(
             NonFinite::AuxLoss(aux_loss),
         ]
         .into_iter()
-        .find(|q| match q {
-            NonFinite::Loss(v) | NonFinite::MtpLoss(v) | NonFinite::AuxLoss(v) => !v.is_finite(),
-            NonFinite::GradNorm(_) => false,
-        });
+        .find(|q| !q.value().is_finite());
         if let Some(quantity) = non_finite {
             return Err(optimizer.divergence(&engine, &rank, quantity)?);
         }

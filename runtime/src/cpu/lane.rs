@@ -615,6 +615,36 @@ mod tests {
     }
 
     #[test]
+    fn skipped_work_carries_the_root_cause_and_where_it_happened() {
+        let comm = CpuLane::new("comm").unwrap();
+        let compute = CpuLane::new("compute").unwrap();
+        let dispatch = comm.submit(
+            Label::new("dispatch mb0", "a2a"),
+            &[],
+            Box::new(|| Err(RuntimeError::Numeric("bad routing".into()))),
+        );
+        let mlp = compute.submit(
+            Label::new("mlp mb0", "forward"),
+            &[dispatch],
+            Box::new(|| Ok(())),
+        );
+        let later = compute.submit(Label::new("mlp mb1", "forward"), &[], Box::new(|| Ok(())));
+        for error in [mlp.wait().unwrap_err(), later.wait().unwrap_err()] {
+            assert!(matches!(error.root_cause(), RuntimeError::Numeric(m) if m == "bad routing"));
+            assert_eq!(error.code(), "diverged");
+            match error {
+                RuntimeError::Skipped { origin, .. } => {
+                    assert_eq!(origin, "`dispatch mb0` on the comm lane")
+                }
+                other => panic!("{other}"),
+            }
+        }
+        let reported = compute.synchronize().unwrap_err();
+        assert!(matches!(reported.root_cause(), RuntimeError::Numeric(_)));
+        assert!(comm.synchronize().is_err());
+    }
+
+    #[test]
     fn timeouts_too_long_for_the_clock_neither_panic_nor_hang() {
         // A worker that panicked computing its deadline would leave its work
         // unfinished and `synchronize` waiting forever.
