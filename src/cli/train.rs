@@ -12,7 +12,7 @@ use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
-    DataChoice, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
+    DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -73,17 +73,17 @@ pub(crate) struct TrainArgs {
     seed: u64,
     #[arg(long, value_enum, default_value = "adam")]
     optimizer: OptimizerArg,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
+    /// Peak learning rate (a finite number above 0).
+    #[arg(long, default_value_t = 3e-3, allow_hyphen_values = true, value_parser = learning_rate)]
     lr: f32,
     /// Linear warm-up steps.
     #[arg(long, default_value_t = 0)]
     warmup: u64,
-    /// Decoupled weight decay (matrices only).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// Decoupled weight decay (matrices only; 0 or above).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = weight_decay)]
     weight_decay: f32,
     /// Clip gradients to this global norm; 0 turns clipping off.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = clip_norm)]
     clip_grad: f32,
     /// FSDP units by kind instead of the default rule (see `hybridgen plan --help`).
     #[arg(long, value_name = "KINDS")]
@@ -114,11 +114,13 @@ pub(crate) struct TrainArgs {
     /// Print a loss line every N steps (text format).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
-    /// Seconds a rank waits for its peers before reporting them stalled.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds a rank waits for its peers before reporting them stalled (1
+    /// to 604800, a week).
+    #[arg(long, default_value_t = 60, allow_hyphen_values = true, value_parser = timeout_seconds)]
     timeout: u64,
     /// `text`: progress bar, loss lines and a summary; `json`: one JSON
-    /// object per step on stdout, then a summary object.
+    /// object per step on stdout, then a summary object, or on failure an
+    /// `{"error": {"code", "message"}}` object.
     #[arg(long, value_enum, default_value = "text")]
     format: FormatArg,
 }
@@ -141,12 +143,113 @@ enum FormatArg {
     Json,
 }
 
+/// Parses a float flag's value and checks it is finite and in range.
+fn float_in(value: &str, ok: impl Fn(f32) -> bool, range: &str) -> Result<f32, String> {
+    let parsed: f32 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{value}` is not a number; give {range}"))?;
+    if !parsed.is_finite() {
+        Err(format!("{parsed} is not a finite number; give {range}"))
+    } else if ok(parsed) {
+        Ok(parsed)
+    } else {
+        Err(format!("{parsed} is out of range; give {range}"))
+    }
+}
+
+fn learning_rate(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v > 0.0,
+        "a finite learning rate above 0 (e.g. 3e-3)",
+    )
+}
+
+fn weight_decay(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v >= 0.0,
+        "a finite decay of 0 or more (0 turns it off)",
+    )
+}
+
+fn clip_norm(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v >= 0.0,
+        "a finite norm above 0, or 0 to turn clipping off",
+    )
+}
+
+fn timeout_seconds(value: &str) -> Result<u64, String> {
+    let max = MAX_TIMEOUT.as_secs();
+    match value.trim().parse::<u64>() {
+        Ok(s) if (1..=max).contains(&s) => Ok(s),
+        _ => Err(format!(
+            "`{value}` is not a timeout; give whole seconds from 1 to {max} (a week)"
+        )),
+    }
+}
+
+/// The environment variable that overrides the memory the run may use.
+const MEMORY_VARIABLE: &str = "HYBRIDGEN_MEMORY_AVAILABLE";
+
+/// Bytes from `HYBRIDGEN_MEMORY_AVAILABLE`: a whole number with an optional
+/// binary suffix (`K`, `M`, `G`, `T`, optionally followed by `iB` or `B`).
+fn memory_override() -> Result<Option<u64>, String> {
+    let Some(raw) = std::env::var_os(MEMORY_VARIABLE) else {
+        return Ok(None);
+    };
+    let text = raw.to_string_lossy();
+    let bad = || {
+        format!(
+            "{MEMORY_VARIABLE}={text} is not a memory size; give bytes, or a number with K, M, \
+             G or T (e.g. 16G)"
+        )
+    };
+    let trimmed = text.trim();
+    let digits = trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(trimmed.len());
+    let (number, suffix) = trimmed.split_at(digits);
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let shift = match suffix
+        .trim()
+        .trim_end_matches("iB")
+        .trim_end_matches('B')
+        .to_ascii_uppercase()
+        .as_str()
+    {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(bad()),
+    };
+    number.checked_mul(1 << shift).map(Some).ok_or_else(bad)
+}
+
+/// The code of an error found before the run started.
+fn prepare_code(error: &RuntimeError) -> &'static str {
+    match error.code() {
+        code @ ("io" | "out_of_memory") => code,
+        _ => "invalid_config",
+    }
+}
+
 /// `matches`: the parsed command line, to tell the flags given from those
 /// left at their defaults.
 pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), Failure> {
-    let config = config(args, matches)?;
+    let json = args.format == FormatArg::Json;
+    let config = config(args, matches).map_err(|f| f.coded("invalid_config", json))?;
     // Everything is checked before anything is printed or allocated.
-    let prepared = prepare(&config).map_err(|e| Failure::Message(runtime_message(&e)))?;
+    let prepared = prepare(&config).map_err(|e| Failure::Coded {
+        code: prepare_code(&e),
+        message: runtime_message(&e),
+        json,
+    })?;
     let config = &prepared.config;
     let resume = prepared.checkpoints.resume.as_ref();
     let steps = config
@@ -268,9 +371,13 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         bar.finish_and_clear();
     }
     if let Some(e) = output_error {
-        return Err(e);
+        return Err(e.coded("io", json));
     }
-    let summary = result.map_err(|e| Failure::Message(runtime_message(&e)))?;
+    let summary = result.map_err(|e| Failure::Coded {
+        code: e.code(),
+        message: runtime_message(&e),
+        json,
+    })?;
     if text {
         super::emit(&summary_text(&summary))
     } else {
@@ -341,6 +448,11 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
     };
     config.data = match args.data.as_str() {
         "synthetic" => DataChoice::Synthetic,
+        "" => {
+            return Err(Failure::Message(
+                "--data is empty: give a file to train on, or `synthetic`".into(),
+            ));
+        }
         path => DataChoice::File(PathBuf::from(path)),
     };
     config.seed = args.seed;
@@ -372,6 +484,7 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
     config.from_checkpoint = left_out(matches);
     config.trace = args.trace.clone();
     config.timeout = Duration::from_secs(args.timeout);
+    config.memory_available = memory_override().map_err(Failure::Message)?;
     Ok(config)
 }
 

@@ -16,7 +16,7 @@ use crate::backend::{Backend, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
-use crate::lane::{Label, Lane};
+use crate::lane::{Event, Label, Lane};
 use crate::layers::{
     CollectiveExchange, ExpertExchange, HeadSaved, LayerSaved, LayerWgrad, MoeCombineGrad,
     MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeLayer, MoePrepareWgrad, MoeRouting, MtpSaved,
@@ -182,50 +182,107 @@ fn take<T>(slot: &mut Option<T>, what: &str) -> Result<T> {
     slot.take().ok_or_else(|| missing(what))
 }
 
+/// Micro-batches whose work is all issued but may still be running that the
+/// executor lets pile up before it waits for the oldest: enough to keep the
+/// lanes fed while it issues the next micro-batch, few enough that memory
+/// does not grow with the number of micro-batches.
+const RETIRED_IN_FLIGHT: usize = 1;
+
+/// A micro-batch the executor holds: its state, and the event of its latest
+/// work (each micro-batch's work is chained, so that event completing means
+/// all of it completed).
+struct InFlight<D: Device> {
+    state: Shared<MicroBatch<D::Backend>>,
+    last: Option<EventOf<D>>,
+}
+
 /// Runs one step's program; returns this rank's loss sums once every lane
 /// has finished (the non-unit gradients reduced too).
+///
+/// `micro_batch(mb)` makes micro-batch `mb`'s tokens; it is called when the
+/// program first issues work for `mb`, in micro-batch order. A micro-batch's
+/// state is dropped once its retired work has completed, and the executor
+/// waits for that before starting a new micro-batch when more than
+/// [`RETIRED_IN_FLIGHT`] are still running: memory stays that of the
+/// schedule's live micro-batches however many a step has.
 pub fn run_step<D: Device>(
     program: &Program,
     cx: &Arc<StepContext<D>>,
     engine: &mut FsdpEngine<D>,
     rank: &RankContext<D>,
-    micro_batches: Vec<MicroBatchTokens>,
+    micro_batch: &mut dyn FnMut(usize) -> Result<MicroBatchTokens>,
 ) -> Result<StepLosses> {
     let plan = &cx.model.plan;
     let depths = plan.mtp_depths();
     engine.begin_step(rank)?;
-    let states: Vec<Shared<MicroBatch<D::Backend>>> = micro_batches
-        .into_iter()
-        .map(|tokens| shared(MicroBatch::new(tokens, depths)))
-        .collect();
-    let mut chain: Vec<Option<EventOf<D>>> = vec![None; states.len()];
-    for instr in &program.instrs {
-        match *instr {
+    let mut losses = StepLosses {
+        mtp: vec![(0.0, 0); depths],
+        ..StepLosses::default()
+    };
+    let mut live: HashMap<usize, InFlight<D>> = HashMap::new();
+    let mut retired: std::collections::VecDeque<InFlight<D>> = Default::default();
+    let mut started = 0usize;
+    for instr in program.instrs() {
+        if let Some(mb) = instr.micro_batch()
+            && !live.contains_key(&mb)
+        {
+            if mb != started {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "schedule: micro-batch {mb} is issued after its retirement or out of order \
+                     (the next new one is {started})"
+                )));
+            }
+            while retired.len() > RETIRED_IN_FLIGHT {
+                if let Some(done) = retired.pop_front() {
+                    finish(done, &mut losses)?;
+                }
+            }
+            let tokens = micro_batch(mb)?;
+            live.insert(
+                mb,
+                InFlight {
+                    state: shared(MicroBatch::new(tokens, depths)),
+                    last: None,
+                },
+            );
+            started += 1;
+        }
+        let in_flight = |live: &mut HashMap<usize, InFlight<D>>, mb: usize| {
+            live.remove(&mb)
+                .ok_or_else(|| missing("a live micro-batch"))
+        };
+        match instr {
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
             Instr::Release { unit } => engine.release(unit),
             Instr::GradBuffer { unit } => engine.grad_buffer(unit, rank)?,
+            Instr::Retire { mb } => retired.push_back(in_flight(&mut live, mb)?),
             Instr::Reduce { unit, mb } => {
-                let after: Vec<_> = chain[mb].iter().cloned().collect();
+                let mine = in_flight(&mut live, mb)?;
+                let after: Vec<_> = mine.last.iter().cloned().collect();
+                live.insert(mb, mine);
                 engine.reduce(unit, rank, &after)?;
             }
             Instr::Forward { mb, node, slot } => {
+                let mut mine = in_flight(&mut live, mb)?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = slot.lane();
-                let (after, params) = param_access(engine, node, &chain[mb])?;
+                let (after, params) = param_access(engine, node, &mine.last)?;
                 let label = Label::new(
                     format!("fwd {} {} mb{mb}", slot.name(), node.name),
                     "forward",
                 )
                 .micro_batch(mb);
-                let work = forward_work(cx.clone(), node.index, slot, states[mb].clone(), params);
+                let work = forward_work(cx.clone(), node.index, slot, mine.state.clone(), params);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
-                chain[mb] = Some(event);
+                mine.last = Some(event);
+                live.insert(mb, mine);
             }
             Instr::Backward { mb, node, piece } => {
+                let mut mine = in_flight(&mut live, mb)?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = piece.slot().lane();
-                let (mut after, params) = param_access(engine, node, &chain[mb])?;
+                let (mut after, params) = param_access(engine, node, &mine.last)?;
                 let grads = engine.grads(node.unit)?;
                 let non_unit_grads = engine.grads(None)?;
                 after.extend(grads.ready.clone());
@@ -244,35 +301,46 @@ pub fn run_step<D: Device>(
                     cx.clone(),
                     node.index,
                     piece,
-                    states[mb].clone(),
+                    mine.state.clone(),
                     params,
                     grads,
                 );
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
-                chain[mb] = Some(event);
+                mine.last = Some(event);
+                live.insert(mb, mine);
             }
         }
     }
-    let all: Vec<_> = chain.into_iter().flatten().collect();
-    engine.reduce_non_unit(rank, &all)?;
+    if !live.is_empty() {
+        return Err(missing("the retirement of every micro-batch"));
+    }
+    let pending: Vec<_> = retired.iter().filter_map(|m| m.last.clone()).collect();
+    engine.reduce_non_unit(rank, &pending)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
-    let mut losses = StepLosses {
-        mtp: vec![(0.0, 0); depths],
-        ..StepLosses::default()
-    };
-    for state in &states {
-        let state = lock(state, "a micro-batch")?;
-        losses.main.0 += state.losses.main.0;
-        losses.main.1 += state.losses.main.1;
-        for (total, mine) in losses.mtp.iter_mut().zip(&state.losses.mtp) {
-            total.0 += mine.0;
-            total.1 += mine.1;
-        }
-        losses.aux += state.losses.aux;
+    for done in retired {
+        finish(done, &mut losses)?;
     }
     Ok(losses)
+}
+
+/// Waits for a retired micro-batch's work, adds its losses to the step's (in
+/// micro-batch order, so the sums' bits do not depend on timing) and drops
+/// its state.
+fn finish<D: Device>(done: InFlight<D>, losses: &mut StepLosses) -> Result<()> {
+    if let Some(event) = &done.last {
+        event.wait()?;
+    }
+    let state = lock(&done.state, "a micro-batch")?;
+    losses.main.0 += state.losses.main.0;
+    losses.main.1 += state.losses.main.1;
+    for (total, mine) in losses.mtp.iter_mut().zip(&state.losses.mtp) {
+        total.0 += mine.0;
+        total.1 += mine.1;
+    }
+    losses.aux += state.losses.aux;
+    Ok(())
 }
 
 fn lane<D: Device>(rank: &RankContext<D>, kind: LaneKind) -> &D::Lane {

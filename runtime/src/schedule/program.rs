@@ -87,6 +87,41 @@ pub enum Instr {
     /// stays resident until its buffer is reused (lazy release), so a unit
     /// needed again soon is not gathered twice.
     Release { unit: usize },
+    /// Every piece of micro-batch `mb`'s work has been issued: its state can
+    /// go once that work completes.
+    Retire { mb: usize },
+}
+
+impl Instr {
+    /// The instruction with its micro-batch moved on by `by`.
+    fn shifted(self, by: usize) -> Instr {
+        match self {
+            Instr::Forward { mb, node, slot } => Instr::Forward {
+                mb: mb + by,
+                node,
+                slot,
+            },
+            Instr::Backward { mb, node, piece } => Instr::Backward {
+                mb: mb + by,
+                node,
+                piece,
+            },
+            Instr::Reduce { unit, mb } => Instr::Reduce { unit, mb: mb + by },
+            Instr::Retire { mb } => Instr::Retire { mb: mb + by },
+            other => other,
+        }
+    }
+
+    /// The micro-batch the instruction works on, if any.
+    pub fn micro_batch(self) -> Option<usize> {
+        match self {
+            Instr::Forward { mb, .. }
+            | Instr::Backward { mb, .. }
+            | Instr::Reduce { mb, .. }
+            | Instr::Retire { mb } => Some(mb),
+            Instr::Acquire { .. } | Instr::GradBuffer { .. } | Instr::Release { .. } => None,
+        }
+    }
 }
 
 /// Which schedule a program follows.
@@ -105,13 +140,86 @@ pub enum ScheduleKind {
 }
 
 /// One optimizer step's issue order on one rank.
+///
+/// Stored compactly: both schedules repeat one stretch of instructions per
+/// micro-batch with only the micro-batch indices moving on, so a program is a
+/// few [`Block`]s whose size depends on the model, not on the number of
+/// micro-batches; [`Program::instrs`] expands them as the executor walks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Program {
-    pub instrs: Vec<Instr>,
+    blocks: Vec<Block>,
     /// The most units resident (acquired and not yet released) at once.
     pub max_resident_units: usize,
     /// The most gradient buffers in use at once.
     pub max_grad_buffers: usize,
+    /// The most micro-batches in flight at once (first forward issued, not
+    /// yet retired): what the executor keeps state for.
+    pub max_live_micro_batches: usize,
+}
+
+/// A stretch of instructions issued `repeats` times, the micro-batches of
+/// repeat `i` moved on by `first + i`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Block {
+    instrs: Vec<Instr>,
+    first: usize,
+    repeats: usize,
+}
+
+impl Block {
+    fn expand(&self, repeats: usize) -> impl Iterator<Item = Instr> + '_ {
+        (0..repeats).flat_map(move |i| {
+            self.instrs
+                .iter()
+                .map(move |instr| instr.shifted(self.first + i))
+        })
+    }
+}
+
+impl Program {
+    /// Every instruction, in issue order.
+    pub fn instrs(&self) -> impl Iterator<Item = Instr> + '_ {
+        self.blocks.iter().flat_map(|b| b.expand(b.repeats))
+    }
+
+    /// Instructions in the whole step.
+    pub fn len(&self) -> usize {
+        self.blocks
+            .iter()
+            .map(|b| b.instrs.len().saturating_mul(b.repeats))
+            .fold(0, usize::saturating_add)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Instructions held in memory (independent of the micro-batch count).
+    pub fn stored_len(&self) -> usize {
+        self.blocks.iter().map(|b| b.instrs.len()).sum()
+    }
+
+    /// The most micro-batches between their first instruction and their
+    /// retirement. Every repeat of a block has the same shape, so two
+    /// repeats of each show every transition there is.
+    fn live_micro_batches(blocks: &[Block]) -> usize {
+        let mut live = std::collections::BTreeSet::new();
+        let mut most = 0;
+        for instr in blocks.iter().flat_map(|b| b.expand(b.repeats.min(2))) {
+            match instr {
+                Instr::Retire { mb } => {
+                    live.remove(&mb);
+                }
+                other => {
+                    if let Some(mb) = other.micro_batch() {
+                        live.insert(mb);
+                        most = most.max(live.len());
+                    }
+                }
+            }
+        }
+        most
+    }
 }
 
 /// Which slots and pieces of a node do any work.
@@ -157,20 +265,27 @@ pub fn build(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) 
     let nodes = &schedule.nodes;
     let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
     let mut b = ProgramBuilder::new(nodes.iter().map(|n| n.unit).collect(), shapes);
+    // Each block is built once, for micro-batch 0 (and 1); the builder's
+    // counts of resident units and gradient buffers start every repeat from
+    // the same state (nothing acquired), so one pass gives their maxima.
     match kind {
         ScheduleKind::Plain => {
-            for mb in 0..micro_batches {
-                b.forward_all(mb);
-                b.backward_all(mb);
+            if micro_batches > 0 {
+                b.forward_all(0);
+                b.backward_all(0);
+                b.end_block(0, micro_batches);
             }
         }
         ScheduleKind::Overlap => {
             if micro_batches > 0 {
                 b.forward_all(0);
-                for k in 1..micro_batches {
-                    b.combined(k, k - 1);
+                b.end_block(0, 1);
+                if micro_batches > 1 {
+                    b.combined(1, 0);
+                    b.end_block(0, micro_batches - 1);
                 }
-                b.backward_all(micro_batches - 1);
+                b.backward_all(0);
+                b.end_block(micro_batches - 1, 1);
             }
         }
     }
@@ -182,6 +297,8 @@ pub fn build(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) 
 struct ProgramBuilder {
     units: Vec<Option<usize>>,
     shapes: Vec<NodeShape>,
+    blocks: Vec<Block>,
+    /// The block being built.
     instrs: Vec<Instr>,
     /// Reference counts of acquired units (forward and backward users).
     refs: std::collections::HashMap<usize, usize>,
@@ -195,6 +312,7 @@ impl ProgramBuilder {
         ProgramBuilder {
             units,
             shapes,
+            blocks: Vec::new(),
             instrs: Vec::new(),
             refs: Default::default(),
             grads_in_use: 0,
@@ -203,9 +321,20 @@ impl ProgramBuilder {
         }
     }
 
+    /// Closes the block built so far: issued `repeats` times from
+    /// micro-batch `first` on.
+    fn end_block(&mut self, first: usize, repeats: usize) {
+        self.blocks.push(Block {
+            instrs: std::mem::take(&mut self.instrs),
+            first,
+            repeats,
+        });
+    }
+
     fn finish(self) -> Program {
         Program {
-            instrs: self.instrs,
+            max_live_micro_batches: Program::live_micro_batches(&self.blocks),
+            blocks: self.blocks,
             max_resident_units: self.max_resident,
             max_grad_buffers: self.max_grads,
         }
@@ -356,6 +485,7 @@ impl ProgramBuilder {
         if let Some(unit) = prefetched {
             self.release(unit);
         }
+        self.instrs.push(Instr::Retire { mb });
     }
 
     /// Forward of micro-batch `f` combined with backward of micro-batch `b`,
@@ -406,6 +536,7 @@ impl ProgramBuilder {
         for unit in [f_pre, b_pre].into_iter().flatten() {
             self.release(unit);
         }
+        self.instrs.push(Instr::Retire { mb: b });
     }
 }
 
@@ -423,36 +554,44 @@ mod tests {
     /// Every micro-batch runs every non-empty slot and piece exactly once,
     /// forward before backward, whatever the schedule.
     fn check_complete(plan: &Plan, program: &Program, micro_batches: usize) {
+        let instrs: Vec<Instr> = program.instrs().collect();
+        assert_eq!(instrs.len(), program.len());
         for mb in 0..micro_batches {
             for (i, node) in plan.schedule.nodes.iter().enumerate() {
                 let shape = NodeShape::of(node);
                 for slot in shape.forward_slots() {
-                    let n = program
-                        .instrs
+                    let n = instrs
                         .iter()
                         .filter(|&&x| x == Instr::Forward { mb, node: i, slot })
                         .count();
                     assert_eq!(n, 1, "mb {mb} node {i} {slot:?}");
                 }
             }
-            let first_bwd = program
-                .instrs
+            let first_bwd = instrs
                 .iter()
                 .position(|x| matches!(x, Instr::Backward { mb: m, .. } if *m == mb));
-            let last_fwd = program
-                .instrs
+            let last_fwd = instrs
                 .iter()
                 .rposition(|x| matches!(x, Instr::Forward { mb: m, .. } if *m == mb));
             assert!(
                 last_fwd < first_bwd,
                 "mb {mb}: backward before forward ended"
             );
+            // Retired once, after its last piece of work.
+            let retired: Vec<usize> = (0..instrs.len())
+                .filter(|&i| instrs[i] == Instr::Retire { mb })
+                .collect();
+            assert_eq!(retired.len(), 1, "mb {mb} retired {retired:?}");
+            let last_work = instrs
+                .iter()
+                .rposition(|x| !matches!(x, Instr::Retire { .. }) && x.micro_batch() == Some(mb));
+            assert!(last_work < Some(retired[0]), "mb {mb} works after retiring");
         }
         // References balance, work only touches acquired units, and every
         // unit gets one gradient buffer and one reduce per micro-batch.
         let mut refs = vec![0usize; plan.units.len()];
         let mut grads = vec![0usize; plan.units.len()];
-        for instr in &program.instrs {
+        for instr in &instrs {
             match *instr {
                 Instr::Acquire { unit } => refs[unit] += 1,
                 Instr::Release { unit } => {
@@ -470,6 +609,7 @@ mod tests {
                     );
                     grads[unit] -= 1;
                 }
+                Instr::Retire { .. } => {}
                 Instr::Forward { node, .. } | Instr::Backward { node, .. } => {
                     if let Some(unit) = plan.schedule.nodes[node].unit {
                         assert!(
@@ -488,8 +628,7 @@ mod tests {
             grads.iter().all(|&g| g == 0),
             "gradient buffers left {grads:?}"
         );
-        let reduces = program
-            .instrs
+        let reduces = instrs
             .iter()
             .filter(|x| matches!(x, Instr::Reduce { .. }))
             .count();
@@ -514,9 +653,8 @@ mod tests {
         let plan = plan("[*E][*E]");
         let program = build(&plan.schedule, 2, ScheduleKind::Overlap);
         let work: Vec<String> = program
-            .instrs
-            .iter()
-            .filter_map(|x| match *x {
+            .instrs()
+            .filter_map(|x| match x {
                 Instr::Forward { mb: 1, node, slot } => Some(format!("f{node} {}", slot.name())),
                 Instr::Backward { mb: 0, node, piece } => Some(format!("b{node} {}", piece.name())),
                 _ => None,
@@ -549,6 +687,66 @@ mod tests {
             "b0 pre-dispatch wgrad",
         ];
         assert_eq!(work, expected);
+    }
+
+    /// The issue order as it was built before programs were stored in
+    /// blocks: every micro-batch's instructions one after another.
+    fn built_in_full(plan: &Plan, n: usize, kind: ScheduleKind) -> (Vec<Instr>, usize, usize) {
+        let nodes = &plan.schedule.nodes;
+        let mut b = ProgramBuilder::new(
+            nodes.iter().map(|n| n.unit).collect(),
+            nodes.iter().map(NodeShape::of).collect(),
+        );
+        match kind {
+            ScheduleKind::Plain => {
+                for mb in 0..n {
+                    b.forward_all(mb);
+                    b.backward_all(mb);
+                }
+            }
+            ScheduleKind::Overlap => {
+                b.forward_all(0);
+                for k in 1..n {
+                    b.combined(k, k - 1);
+                }
+                b.backward_all(n - 1);
+            }
+        }
+        (b.instrs, b.max_resident, b.max_grads)
+    }
+
+    #[test]
+    fn blocks_expand_to_the_full_issue_order_and_stay_small() {
+        for pattern in ["[*E][*E]", "M[*E]M-[*E]", "[M*E][M*E]/*E"] {
+            let plan = plan(pattern);
+            for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
+                for n in 1..6 {
+                    let program = build(&plan.schedule, n, kind);
+                    let (full, resident, grads) = built_in_full(&plan, n, kind);
+                    assert_eq!(
+                        program.instrs().collect::<Vec<_>>(),
+                        full,
+                        "{pattern} {kind:?} {n}"
+                    );
+                    assert_eq!(program.max_resident_units, resident);
+                    assert_eq!(program.max_grad_buffers, grads);
+                    let live = if kind == ScheduleKind::Overlap {
+                        n.min(2)
+                    } else {
+                        1
+                    };
+                    assert_eq!(program.max_live_micro_batches, live, "{kind:?} {n}");
+                }
+                // A million micro-batches: the stored program is the size of
+                // three's.
+                let small = build(&plan.schedule, 3, kind);
+                let huge = build(&plan.schedule, 1_000_000, kind);
+                assert_eq!(huge.stored_len(), small.stored_len());
+                assert!(huge.len() > 1_000_000 * (small.len() / 4), "{}", huge.len());
+                let many = build(&plan.schedule, 10_000, kind);
+                assert_eq!(many.instrs().last(), Some(Instr::Retire { mb: 9_999 }));
+            }
+        }
     }
 
     #[test]
