@@ -373,6 +373,11 @@ pub struct MemoryNeed {
     /// weight of `x W^T` into a scratch copy; the largest weight (often the
     /// output layer, `[vocab, hidden]`) sets it.
     pub kernel_scratch: u64,
+    /// Per rank: what the arenas of the micro-batches in flight may hold
+    /// beyond their activations. An arena grows by a quarter of its size
+    /// (at least 1 MiB) when no free region fits, so it can end a quarter
+    /// plus 1 MiB above its peak. Zero in a lower bound.
+    pub arena_headroom: u64,
     /// Per rank: threads, lanes, the model's layer descriptions, the
     /// schedule and the engine's tables (about 1 MiB plus 2 KiB a layer,
     /// measured on the CPU backend).
@@ -398,10 +403,18 @@ impl MemoryNeed {
         lower_bound: bool,
     ) -> Self {
         let bookkeeping = (1u64 << 20).saturating_add((layers as u64).saturating_mul(2048));
+        let arena_headroom = if lower_bound {
+            0
+        } else {
+            (activations.total / 4)
+                .saturating_add(1 << 20)
+                .saturating_mul(live_micro_batches as u64)
+        };
         let live = activations
             .total
             .saturating_mul(live_micro_batches as u64)
-            .saturating_add(kernel_scratch);
+            .saturating_add(kernel_scratch)
+            .saturating_add(arena_headroom);
         let per_rank = state
             .total
             .saturating_add(bookkeeping)
@@ -414,9 +427,20 @@ impl MemoryNeed {
             activations,
             live_micro_batches,
             kernel_scratch,
+            arena_headroom,
             bookkeeping,
             lower_bound,
         }
+    }
+
+    /// Per rank: the activations of the micro-batches in flight, with the
+    /// kernel scratch and the arenas' headroom.
+    fn live(&self) -> u64 {
+        self.activations
+            .total
+            .saturating_mul(self.live_micro_batches as u64)
+            .saturating_add(self.kernel_scratch)
+            .saturating_add(self.arena_headroom)
     }
 
     /// The full estimate for a planned run.
@@ -534,11 +558,7 @@ impl MemoryNeed {
         } else {
             "about"
         };
-        let live = self
-            .activations
-            .total
-            .saturating_mul(self.live_micro_batches as u64)
-            .saturating_add(self.kernel_scratch);
+        let live = self.live();
         let mut out = format!(
             "this run needs {about} {} of memory, but {} is available ({})\n",
             bytes(self.total),
@@ -548,7 +568,7 @@ impl MemoryNeed {
         out += &format!(
             "  per rank: {} = {} parameters, gradients and optimizer state + {} activations \
              ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
-             kernel scratch {})",
+             kernel scratch {}; arena headroom {})",
             bytes(self.per_rank),
             bytes(self.state.total),
             bytes(live),
@@ -564,6 +584,7 @@ impl MemoryNeed {
             bytes(self.activations.streams),
             bytes(self.activations.working_set),
             bytes(self.kernel_scratch),
+            bytes(self.arena_headroom),
         );
         if self.state.scratch > live {
             out += &format!(

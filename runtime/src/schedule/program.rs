@@ -941,11 +941,18 @@ mod tests {
         let swapped = edited(&good, |i| i.swap(work[0], work[1]));
         let err = swapped.check(&plan.schedule).unwrap_err();
         assert!(err.contains("micro-batch 0 expected"), "{err}");
-        // A piece dropped: the retirement comes with work left.
+        // A piece dropped: the one after it is out of order.
         let dropped = edited(&good, |i| {
             i.remove(work[2]);
         });
-        assert!(dropped.check(&plan.schedule).unwrap_err().contains("work left"));
+        let err = dropped.check(&plan.schedule).unwrap_err();
+        assert!(err.contains("micro-batch 0 expected"), "{err}");
+        // The last piece dropped: the retirement comes with work left.
+        let dropped = edited(&good, |i| {
+            i.remove(*work.last().unwrap());
+        });
+        let err = dropped.check(&plan.schedule).unwrap_err();
+        assert!(err.contains("work left"), "{err}");
         // Work on a unit that was released.
         let released = edited(&good, |i| {
             let unit = i
