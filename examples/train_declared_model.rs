@@ -16,21 +16,18 @@ hybridgen::model! {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut config = TrainConfig::new(Small::config());
-    config.ranks = 2;
-    config.ep = small::EP;
-    config.steps = 40;
-
-    // The runtime plans the model again at run time; it is the plan the
-    // build already laid out, bucket by bucket.
-    let plan = Small::plan(&Small::layout(config.ranks))?;
-    assert_eq!(plan.buckets.as_ref(), small::BUCKETS);
+    // The plan is the one the build laid out: `plan` assembles it from the
+    // generated `const` tables, and the runtime trains it as it is.
+    let plan = Small::plan(&Small::layout(2))?;
     println!(
-        "training `{}`: {} parameters in {} FSDP units",
+        "training `{}`: {} parameters in {} FSDP units, {} buckets",
         small::CANONICAL_PATTERN,
         small::TOTAL_PARAMS,
-        plan.units.len()
+        plan.units.len(),
+        plan.buckets.len()
     );
+    let mut config = TrainConfig::from_plan(plan);
+    config.steps = 40;
 
     let summary = train(&config, &mut |step| {
         if step.step % 10 == 0 {

@@ -7,6 +7,7 @@
 use hybridgen::dsl::LayerKind;
 use hybridgen::dsl::plan::{Module, ModuleKind, Slot};
 use hybridgen::{ParallelLayout, Plan, PlanOptions, StaticModel, UnitFilter};
+use std::borrow::Cow;
 
 hybridgen::model! { struct Grouped { preset: "tiny", pattern: "[*E][*E]", ep: 2 } }
 hybridgen::model! { struct Mixed { preset: "tiny", pattern: "M[*E]M-[*E]" } }
@@ -98,6 +99,47 @@ fn assert_agrees<M: StaticModel>() {
     assert_eq!(
         generated.buckets, plan.buckets,
         "{name}: generated filter buckets"
+    );
+    // `plan` is assembled from the tables, not planned again: the tables are
+    // borrowed as they are, and everything else equals the planner's plan.
+    for (what, borrowed) in [
+        ("params", matches!(generated.params, Cow::Borrowed(_))),
+        (
+            "param_defs",
+            matches!(generated.param_defs, Cow::Borrowed(_)),
+        ),
+        ("units", matches!(generated.units, Cow::Borrowed(_))),
+        ("buckets", matches!(generated.buckets, Cow::Borrowed(_))),
+        (
+            "schedule",
+            matches!(generated.schedule.nodes, Cow::Borrowed(_)),
+        ),
+    ] {
+        assert!(
+            borrowed,
+            "{name}: the generated plan's {what} are not the const table"
+        );
+    }
+    assert_eq!(generated.params, plan.params, "{name}: params");
+    assert_eq!(generated.param_defs, plan.param_defs, "{name}: defs");
+    assert_eq!(generated.schedule, plan.schedule, "{name}: schedule");
+    assert_eq!(generated.stages, plan.stages, "{name}: stages");
+    assert_eq!(generated.layers, plan.layers, "{name}: layers");
+    assert_eq!(
+        generated.logical_layers, plan.logical_layers,
+        "{name}: logical layers"
+    );
+    assert_eq!(generated.mtp_layers, plan.mtp_layers, "{name}: MTP layers");
+    assert_eq!(generated.model, plan.model, "{name}: model");
+    assert_eq!(
+        (generated.total_params, generated.active_params),
+        (plan.total_params, plan.active_params),
+        "{name}: totals"
+    );
+    assert_eq!(generated.memory, plan.memory, "{name}: memory");
+    assert_eq!(
+        generated.memory_plain, plan.memory_plain,
+        "{name}: memory (plain)"
     );
 }
 

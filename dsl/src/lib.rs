@@ -19,4 +19,4 @@ pub use config::ModelConfig;
 pub mod codegen;
 pub mod plan;
 
-pub use plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};
+pub use plan::{ParallelLayout, Plan, PlanOptions, PlanTables, UnitFilter};

@@ -17,6 +17,10 @@
 
 use crate::backend::{Backend, Slice, SliceMut};
 use crate::error::Result;
+use std::time::Duration;
+
+/// How long a rank waits for its peers to join a collective by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One communicator: a group of ranks.
 pub trait Collective<B: Backend>: Send + Sync {

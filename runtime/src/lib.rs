@@ -19,6 +19,7 @@ pub mod layers;
 pub mod memory;
 pub mod model;
 pub mod optimizer;
+pub mod platform;
 pub mod schedule;
 pub mod shared;
 pub mod trace;

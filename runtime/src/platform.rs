@@ -10,7 +10,6 @@
 //! driving every local GPU from a thread each.
 
 use crate::backend::Precision;
-use crate::collective::Collective;
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
 use crate::cpu::lane::{CpuLane, LaneConfig};
@@ -54,6 +53,23 @@ pub trait Platform: Sync {
 
     /// What the run uses, for people (`2 CPU thread ranks`).
     fn describe(&self) -> String;
+}
+
+/// Work written once for every platform: [`with_platform`] runs it on the
+/// one it makes. (A closure cannot be generic over the platform, so this
+/// trait stands for one.)
+pub trait OnPlatform {
+    type Output;
+
+    fn run<P: Platform>(self, platform: &P) -> Self::Output;
+}
+
+/// Makes the platform for a run of `ranks` ranks whose collectives give up
+/// after `timeout`, and runs `work` on it. The CPU's thread ranks are the
+/// only platform so far; the place where a GPU platform will be chosen.
+pub fn with_platform<W: OnPlatform>(ranks: usize, timeout: Duration, work: W) -> Result<W::Output> {
+    let platform = CpuPlatform::new(ranks, timeout)?;
+    Ok(work.run(&platform))
 }
 
 /// The CPU: every rank is a thread of this process, exchanging through

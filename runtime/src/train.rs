@@ -7,16 +7,14 @@
 use crate::backend::{Backend, DeviceStats, Precision, Tokens};
 use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
-use crate::cpu::CpuBackend;
-use crate::cpu::collective::CpuWorld;
-use crate::cpu::lane::{CpuLane, LaneConfig};
 use crate::data::{BatchKey, BatchShape, ByteFile, DataSource, MarkovChain};
-use crate::device::{Cpu, Device, RankContext};
+use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, Sharding};
 use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
 use crate::model::ModelRuntime;
 use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
+use crate::platform::{OnPlatform, Platform, RankSettings, with_platform};
 use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, build, run_step};
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
@@ -93,6 +91,12 @@ pub struct TrainConfig {
     /// available (Linux: `MemAvailable` or a lower cgroup limit; elsewhere
     /// no check).
     pub memory_available: Option<u64>,
+    /// A plan made at build time (a `model!` model's `plan`, assembled from
+    /// its `const` tables): the run takes it as it is instead of planning
+    /// `model` again. It must be `model`'s plan for `ranks` and `ep`; its
+    /// units are the ones trained, whatever `unit_filter` says.
+    /// [`TrainConfig::from_plan`] sets all of these from it.
+    pub plan: Option<Arc<Plan>>,
 }
 
 impl TrainConfig {
@@ -122,9 +126,26 @@ impl TrainConfig {
             resume: None,
             from_checkpoint: BTreeSet::new(),
             trace: None,
-            timeout: crate::cpu::collective::DEFAULT_TIMEOUT,
+            timeout: crate::collective::DEFAULT_TIMEOUT,
             memory_available: None,
+            plan: None,
         }
+    }
+
+    /// The defaults of [`TrainConfig::new`] for a plan made at build time:
+    /// its model, its data-parallel size as `ranks`, its `ep` and unit
+    /// filter, and the plan itself, trained as it is.
+    ///
+    /// ```ignore
+    /// let config = TrainConfig::from_plan(Small::plan(&Small::layout(2))?);
+    /// ```
+    pub fn from_plan(plan: Plan) -> Self {
+        let mut config = TrainConfig::new(plan.model.clone());
+        config.ranks = plan.layout.dp;
+        config.ep = plan.layout.ep;
+        config.unit_filter = plan.unit_filter.clone();
+        config.plan = Some(Arc::new(plan));
+        config
     }
 
     /// Tokens one step trains on, over all ranks.
@@ -285,17 +306,25 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
     {
         return Err(RuntimeError::OutOfMemory(refusal));
     }
-    let options = PlanOptions {
-        layout: ParallelLayout::new(config.ranks, config.ep),
-        unit_filter: config.unit_filter.clone(),
-        ..PlanOptions::default()
+    let plan = match &config.plan {
+        Some(plan) => {
+            check_given_plan(plan, config)?;
+            plan.clone()
+        }
+        None => {
+            let options = PlanOptions {
+                layout: ParallelLayout::new(config.ranks, config.ep),
+                unit_filter: config.unit_filter.clone(),
+                ..PlanOptions::default()
+            };
+            let plan = Plan::new(&config.model, &options)
+                .map_err(|d| RuntimeError::Unsupported(d.to_string()))?;
+            Arc::new(plan)
+        }
     };
-    let plan =
-        Plan::new(&config.model, &options).map_err(|d| RuntimeError::Unsupported(d.to_string()))?;
     if plan.stages.len() > 1 {
         return refuse("this runtime trains without pipeline parallelism; plan with --pp 1".into());
     }
-    let plan = Arc::new(plan);
     // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
     ModelRuntime::new(plan.clone())?;
     let memory = memory_need(config, &plan)?;
@@ -334,6 +363,38 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
         memory,
         trace_file,
     })
+}
+
+/// Refuses a plan given with the configuration that is not the plan of its
+/// model and layout: the run would train other shapes than it reports.
+fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
+    let mut wrong = Vec::new();
+    if plan.layout.dp != config.ranks {
+        wrong.push(format!(
+            "it was made for {} data-parallel ranks, the run has {}",
+            plan.layout.dp, config.ranks
+        ));
+    }
+    if plan.layout.ep != config.ep {
+        wrong.push(format!(
+            "it was made for ep = {}, the run has {}",
+            plan.layout.ep, config.ep
+        ));
+    }
+    if plan.model != config.model {
+        wrong.push(
+            "its model differs from the run's (a resumed checkpoint's model, or one changed after the plan was made)"
+                .into(),
+        );
+    }
+    if wrong.is_empty() {
+        return Ok(());
+    }
+    Err(RuntimeError::Unsupported(format!(
+        "the plan given with the configuration does not fit the run: {}; make the plan for the run's layout \
+         (a model! model's `plan(&Model::layout(ranks))`) or leave `plan` unset to plan at run time",
+        wrong.join("; ")
+    )))
 }
 
 /// What a run of `config` needs in memory, from its plan: state per rank,
@@ -411,8 +472,8 @@ fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
     )
 }
 
-/// Trains on the CPU with `config.ranks` thread ranks. `on_step` sees every
-/// step's report as it completes.
+/// Trains `config` on the platform it asks for (today: thread ranks on the
+/// CPU). `on_step` sees every step's report as it completes.
 pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     let prepared = prepare(config)?;
     train_prepared(&prepared, on_step)
@@ -425,31 +486,73 @@ pub fn train_prepared(
     on_step: &mut dyn FnMut(&StepReport),
 ) -> Result<TrainSummary> {
     let config = &prepared.config;
+    with_platform(config.ranks, config.timeout, TrainOn { prepared, on_step })?
+}
+
+/// [`train_on`] as work [`with_platform`] runs on the platform it makes.
+struct TrainOn<'a> {
+    prepared: &'a Prepared,
+    on_step: &'a mut dyn FnMut(&StepReport),
+}
+
+impl OnPlatform for TrainOn<'_> {
+    type Output = Result<TrainSummary>;
+
+    fn run<P: Platform>(self, platform: &P) -> Self::Output {
+        train_on(platform, self.prepared, self.on_step)
+    }
+}
+
+/// Trains a prepared run on `platform`'s ranks: a thread per local rank,
+/// each building its handles with [`Platform::rank`] and running every step.
+/// Reports come from rank 0 (when this process runs it).
+pub fn train_on<P: Platform>(
+    platform: &P,
+    prepared: &Prepared,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<TrainSummary> {
+    let config = &prepared.config;
+    if platform.world() != config.ranks {
+        return Err(RuntimeError::Unsupported(format!(
+            "the run has {} ranks but {} provides {}",
+            config.ranks,
+            platform.describe(),
+            platform.world()
+        )));
+    }
     // Without a trace file, spans are folded into the summary's figures as
     // they come: memory does not grow with the steps and micro-batches run.
     let recorder = Arc::new(match prepared.trace_file {
         Some(_) => TraceRecorder::new(),
         None => TraceRecorder::statistics_only(),
     });
-    let world = CpuWorld::with_timeout(config.ranks, config.timeout)?;
+    let settings = RankSettings {
+        ep: config.ep,
+        precision: config.precision,
+        timeout: config.timeout,
+        trace: recorder.clone(),
+    };
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss) = (None, None);
     let started = Instant::now();
-    let outcomes: Vec<Result<Option<u64>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..config.ranks)
+    let outcomes: Vec<(usize, Result<Option<u64>>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = platform
+            .local_ranks()
             .map(|r| {
-                let world = world.clone();
-                let recorder = recorder.clone();
                 let reports = reports.clone();
-                std::thread::Builder::new()
+                let settings = &settings;
+                let handle = std::thread::Builder::new()
                     .name(format!("rank-{r}"))
                     .spawn_scoped(scope, move || {
-                        let result = run_rank(config, prepared, &world, r, recorder, reports);
+                        let result = platform
+                            .rank(r, settings)
+                            .and_then(|rank| run_rank(config, prepared, rank, reports));
                         if let Err(e) = &result {
-                            world.abort(r, &e.to_string());
+                            platform.abort(r, &e.to_string());
                         }
                         result
-                    })
+                    });
+                (r, handle)
             })
             .collect();
         drop(reports);
@@ -460,17 +563,19 @@ pub fn train_prepared(
         }
         handles
             .into_iter()
-            .enumerate()
-            .map(|(r, h)| match h {
-                Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Peer {
-                        rank: r,
-                        message: "panicked".into(),
-                    })
-                }),
-                Err(e) => Err(RuntimeError::Unsupported(format!(
-                    "cannot start rank {r}: {e}"
-                ))),
+            .map(|(r, h)| {
+                let outcome = match h {
+                    Ok(handle) => handle.join().unwrap_or_else(|_| {
+                        Err(RuntimeError::Peer {
+                            rank: r,
+                            message: "panicked".into(),
+                        })
+                    }),
+                    Err(e) => Err(RuntimeError::Unsupported(format!(
+                        "cannot start rank {r}: {e}"
+                    ))),
+                };
+                (r, outcome)
             })
             .collect()
     });
@@ -482,7 +587,7 @@ pub fn train_prepared(
     };
     let mut hash = None;
     let mut failures = Vec::new();
-    for (r, outcome) in outcomes.into_iter().enumerate() {
+    for (r, outcome) in outcomes {
         match outcome {
             Ok(h) => hash = hash.or(h),
             Err(e) => failures.push((r, e)),
@@ -570,38 +675,15 @@ fn root_failure(failures: Vec<(usize, RuntimeError)>) -> Option<RuntimeError> {
     })
 }
 
-/// One thread rank's whole run. Returns the parameter hash on rank 0.
-fn run_rank(
+/// One rank's whole run, on the thread that drives it. Returns the
+/// parameter hash on rank 0.
+fn run_rank<D: Device>(
     config: &TrainConfig,
     prepared: &Prepared,
-    world: &CpuWorld,
-    r: usize,
-    recorder: Arc<TraceRecorder>,
+    rank: RankContext<D>,
     reports: mpsc::Sender<StepReport>,
 ) -> Result<Option<u64>> {
-    let ep = config.ep;
-    let comm = world.comm(r)?;
-    let ep_group = comm.split(r / ep)?;
-    let edp = comm.split(r % ep)?;
-    let host = comm.split(0)?;
-    let device = CpuBackend::new(config.precision);
-    let lanes = LaneConfig::default()
-        .device(device.clone())
-        .rank(r)
-        .wait_timeout(config.timeout.saturating_mul(2))
-        .trace(recorder);
-    let rank = RankContext::<Cpu> {
-        rank: r,
-        world: config.ranks,
-        ep,
-        backend: Arc::new(device),
-        compute: Arc::new(CpuLane::with_config("compute", lanes.clone())?),
-        comm: Arc::new(CpuLane::with_config("comm", lanes)?),
-        dp: Arc::new(comm),
-        ep_group: Arc::new(ep_group),
-        edp: Arc::new(edp),
-        host: Arc::new(host),
-    };
+    let r = rank.rank;
     let plan = prepared.plan.clone();
     let model = Arc::new(ModelRuntime::new(plan.clone())?);
     let program = build(&plan.schedule, config.micro_batches, config.schedule)?;
@@ -624,7 +706,7 @@ fn run_rank(
         .map(|p| engine.param_range(p))
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
-    let cx = Arc::new(StepContext::<Cpu>::new(
+    let cx = Arc::new(StepContext::<D>::new(
         model.clone(),
         rank.ep_group.clone(),
         Arc::new(ranges),

@@ -344,11 +344,20 @@ fn model_struct(spec: &ModelSpec, plan: &Plan, shape: &ModelShape) -> TokenStrea
                 }
             }
 
-            /// A run-time plan for `layout`, equal to the `const` tables; an
-            /// H023 error when `layout` differs from the declared `ep` or
-            /// pipeline split.
+            /// The plan for `layout`, assembled from the `const` tables
+            /// without planning again (the training runtime takes it as
+            /// is); an H023 error when `layout` differs from the declared
+            /// `ep` or pipeline split.
             pub fn plan(layout: &__plan::ParallelLayout) -> ::core::result::Result<__plan::Plan, __dsl::Diagnostics> {
-                __model::plan_declared(&Self::config(), &Self::plan_options(layout), &Self::layout(layout.dp))
+                let tables = __plan::PlanTables {
+                    params: PARAMS,
+                    param_defs: PARAM_DEFS,
+                    units: UNITS,
+                    buckets: BUCKETS,
+                    stages: STAGES,
+                    schedule: SCHEDULE,
+                };
+                __model::plan_declared(&Self::config(), &Self::plan_options(layout), &Self::layout(layout.dp), &tables)
             }
         }
 

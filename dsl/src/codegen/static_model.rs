@@ -12,8 +12,8 @@ use crate::diagnostic::Diagnostics;
 use crate::params::ParamDef;
 use crate::pattern::LayerKind;
 use crate::plan::{
-    Bucket, FsdpUnit, LayerRef, Op, ParallelLayout, Param, Plan, PlanOptions, SchedulePlan, Slot,
-    Stage, UnitFilter, UnitKind,
+    Bucket, FsdpUnit, LayerRef, Op, ParallelLayout, Param, Plan, PlanOptions, PlanTables,
+    SchedulePlan, Slot, Stage, UnitFilter, UnitKind,
 };
 use std::ops::Range;
 
@@ -112,19 +112,22 @@ pub trait StaticModel {
     /// The planner's options for `layout` (same filter and bucket cap as
     /// the static tables).
     fn plan_options(layout: &ParallelLayout) -> PlanOptions;
-    /// A run-time plan; equal to the static tables when `layout` has the
-    /// declared `ep` and pipeline sizes, an H023 error otherwise.
+    /// The plan for data-parallel size `layout.dp`, assembled from the
+    /// static tables without planning again; an H023 error when `layout`
+    /// differs from the declared `ep` or pipeline split.
     fn plan(layout: &ParallelLayout) -> Result<Plan, Diagnostics>;
 }
 
-/// Plans a generated model at run time. The static tables hold for one
-/// expert-parallel size and one pipeline split, so a `layout` that differs
-/// from the declared one in those is refused (H023) rather than planned into
-/// tables that disagree with the `const` ones.
+/// A generated model's plan for `options.layout`, assembled from its
+/// `const` tables ([`Plan::from_tables`]). The tables hold for one
+/// expert-parallel size and one pipeline split (the data-parallel size
+/// enters only through [`Bucket`]'s `const fn`s), so a layout that differs
+/// from the declared one in those is refused (H023).
 pub fn plan_declared(
     config: &ModelConfig,
     options: &PlanOptions,
     declared: &ParallelLayout,
+    tables: &PlanTables,
 ) -> Result<Plan, Diagnostics> {
     let given = &options.layout;
     let mut mismatches = Vec::new();
@@ -164,7 +167,7 @@ pub fn plan_declared(
             mismatches,
         ));
     }
-    Plan::new(config, options)
+    Plan::from_tables(config, options, tables)
 }
 
 /// A [`ParamDef`] in a `const`: what generated `PARAM_DEFS` tables are

@@ -218,6 +218,24 @@ impl Plan {
         Plan::from_pattern(model, pattern, options)
     }
 
+    /// The plan of a model planned at build time, assembled from its `const`
+    /// tables instead of planned again: the pattern is parsed and checked
+    /// against the layout as [`Plan::new`] does (the layer lists are read
+    /// off it), and the parameters, units, buckets, stages and schedule are
+    /// the tables themselves, borrowed. `tables` must come from planning
+    /// `model` with `options` at build time, as `model!` and
+    /// `hybridgen::build` emit them; what [`Plan::new`] would make is equal
+    /// (`dsl/tests/plan.rs` checks it).
+    pub fn from_tables(
+        model: &ModelConfig,
+        options: &PlanOptions,
+        tables: &PlanTables,
+    ) -> Result<Plan, Diagnostics> {
+        let pattern = Pattern::parse(&model.pattern)?;
+        let checked = Plan::checked(model, pattern, options)?;
+        Ok(checked.build_from(tables))
+    }
+
     /// Plans an already parsed pattern instead of parsing `model.pattern`.
     /// Diagnostics point into `model.pattern`, so it should be the text
     /// `pattern` was parsed from; the plan keeps both.
@@ -226,6 +244,16 @@ impl Plan {
         pattern: Pattern,
         options: &PlanOptions,
     ) -> Result<Plan, Diagnostics> {
+        Ok(Plan::checked(model, pattern, options)?.build())
+    }
+
+    /// Checks `pattern` with `model`'s dimensions and `options`' layout: a
+    /// builder that cannot fail, or every mistake found.
+    fn checked<'o>(
+        model: &ModelConfig,
+        pattern: Pattern,
+        options: &'o PlanOptions,
+    ) -> Result<Builder<'o>, Diagnostics> {
         let mut model = model.clone();
         let source = std::mem::take(&mut model.pattern);
         let fail = |items: Vec<Diagnostic>| Diagnostics::new(source.clone(), "pattern", items);
@@ -254,7 +282,7 @@ impl Plan {
             return Err(fail(problems));
         }
         model.pattern = source;
-        Ok(Builder::new(model, pattern, options, stages).build())
+        Ok(Builder::new(model, pattern, options, stages))
     }
 
     /// The definition (relative name, shape) of a parameter.
@@ -354,6 +382,18 @@ impl Plan {
     }
 }
 
+/// A plan's tables as `const` data: what `model!` and `hybridgen::build`
+/// emit, and [`Plan::from_tables`] assembles a plan from.
+#[derive(Clone, Debug)]
+pub struct PlanTables {
+    pub params: &'static [Param],
+    pub param_defs: &'static [ParamDef],
+    pub units: &'static [FsdpUnit],
+    pub buckets: &'static [Bucket],
+    pub stages: &'static [Stage],
+    pub schedule: SchedulePlan,
+}
+
 /// Assembles a plan from checked inputs; cannot fail.
 struct Builder<'o> {
     model: ModelConfig,
@@ -421,10 +461,37 @@ impl<'o> Builder<'o> {
         self.defs.len() - 7 + def as usize
     }
 
-    fn build(self) -> Plan {
+    /// The plan with the tables planned at build time instead of planned
+    /// here.
+    fn build_from(self, tables: &PlanTables) -> Plan {
         let (layers, logical_layers) = self.layers();
-        let mtp_layers: Vec<Vec<MtpLayerInfo>> = self
-            .pattern
+        let mtp_layers = self.mtp_layers();
+        let (total_params, active_params) = self.totals();
+        let [memory, memory_plain] =
+            MemoryEstimate::of(tables.units, tables.buckets, &self.options.layout, [4, 2]);
+        Plan {
+            model: self.model,
+            pattern: self.pattern,
+            layout: self.options.layout.clone(),
+            unit_filter: self.options.unit_filter.clone(),
+            layers,
+            logical_layers,
+            mtp_layers,
+            stages: tables.stages.to_vec(),
+            params: Cow::Borrowed(tables.params),
+            param_defs: Cow::Borrowed(tables.param_defs),
+            total_params,
+            active_params,
+            units: Cow::Borrowed(tables.units),
+            buckets: Cow::Borrowed(tables.buckets),
+            schedule: tables.schedule.clone(),
+            memory,
+            memory_plain,
+        }
+    }
+
+    fn mtp_layers(&self) -> Vec<Vec<MtpLayerInfo>> {
+        self.pattern
             .mtp_depths
             .iter()
             .enumerate()
@@ -439,7 +506,12 @@ impl<'o> Builder<'o> {
                     })
                     .collect()
             })
-            .collect();
+            .collect()
+    }
+
+    fn build(self) -> Plan {
+        let (layers, logical_layers) = self.layers();
+        let mtp_layers = self.mtp_layers();
         let UnitWalk {
             params,
             mut units,

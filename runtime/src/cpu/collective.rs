@@ -33,8 +33,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-/// How long a rank waits for its peers to join a collective by default.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::collective::DEFAULT_TIMEOUT;
 
 /// Which collective a call is; with its size, what every rank must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -654,7 +654,11 @@ mod tests {
             &[dispatch],
             Box::new(|_: &CpuBackend| Ok(())),
         );
-        let later = compute.submit(Label::new("mlp mb1", "forward"), &[], Box::new(|_: &CpuBackend| Ok(())));
+        let later = compute.submit(
+            Label::new("mlp mb1", "forward"),
+            &[],
+            Box::new(|_: &CpuBackend| Ok(())),
+        );
         for error in [mlp.wait().unwrap_err(), later.wait().unwrap_err()] {
             assert!(matches!(error.root_cause(), RuntimeError::Numeric(m) if m == "bad routing"));
             assert_eq!(error.code(), "diverged");
@@ -677,7 +681,11 @@ mod tests {
         let lane =
             CpuLane::with_config("compute", LaneConfig::default().wait_timeout(Duration::MAX))
                 .unwrap();
-        let first = lane.submit(Label::new("first", "forward"), &[], Box::new(|_: &CpuBackend| Ok(())));
+        let first = lane.submit(
+            Label::new("first", "forward"),
+            &[],
+            Box::new(|_: &CpuBackend| Ok(())),
+        );
         let second = lane.submit(
             Label::new("second", "forward"),
             std::slice::from_ref(&first),

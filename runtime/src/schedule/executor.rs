@@ -28,8 +28,8 @@ use crate::lane::{Event, Label, Lane};
 use crate::layers::{CollectiveExchange, MoeBackward, MoeForward, MoeLayer, MoeStage};
 use crate::model::ModelRuntime;
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
-use std::ops::Range;
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 
 pub use super::state::MicroBatchTokens;
@@ -166,7 +166,9 @@ pub fn run_step<D: Device>(
                 engine.reduce(unit, rank, &Vec::from_iter(last))?;
             }
             Instr::Forward { mb, node, slot } => {
-                let (state, last) = live.get_mut(&mb).ok_or_else(|| missing("a live micro-batch"))?;
+                let (state, last) = live
+                    .get_mut(&mb)
+                    .ok_or_else(|| missing("a live micro-batch"))?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = slot.lane();
                 let (mut after, params) = param_access(engine, node, last)?;
@@ -189,7 +191,9 @@ pub fn run_step<D: Device>(
                 *last = Some(event);
             }
             Instr::Backward { mb, node, piece } => {
-                let (state, last) = live.get_mut(&mb).ok_or_else(|| missing("a live micro-batch"))?;
+                let (state, last) = live
+                    .get_mut(&mb)
+                    .ok_or_else(|| missing("a live micro-batch"))?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = piece.slot().lane();
                 let (mut after, params) = param_access(engine, node, last)?;
@@ -220,7 +224,9 @@ pub fn run_step<D: Device>(
                 *last = Some(event);
             }
             Instr::Retire { mb } => {
-                let (state, last) = live.remove(&mb).ok_or_else(|| missing("a live micro-batch"))?;
+                let (state, last) = live
+                    .remove(&mb)
+                    .ok_or_else(|| missing("a live micro-batch"))?;
                 // Dropped inside lane work, after the micro-batch's last
                 // work, so its arena takes everything back in program order.
                 let event = rank.compute.submit(

@@ -964,10 +964,18 @@ mod tests {
                 .unwrap();
             i.insert(0, Instr::Release { unit });
         });
-        assert!(released.check(&plan.schedule).unwrap_err().contains("not acquired"));
+        assert!(
+            released
+                .check(&plan.schedule)
+                .unwrap_err()
+                .contains("not acquired")
+        );
         // Work after the retirement.
         let late = edited(&good, |i| {
-            let retire = i.iter().position(|x| *x == Instr::Retire { mb: 0 }).unwrap();
+            let retire = i
+                .iter()
+                .position(|x| *x == Instr::Retire { mb: 0 })
+                .unwrap();
             let last = i[..retire]
                 .iter()
                 .rposition(|x| matches!(x, Instr::Backward { mb: 0, .. }))
