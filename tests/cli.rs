@@ -225,7 +225,9 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
 fn train_refuses_bad_layouts_before_starting() {
     let out = hybridgen(&["train", "--ranks", "3", "--ep", "2", "--format", "json"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stdout(&out).is_empty(), "no step may run");
+    // No step ran: stdout is only the error object.
+    let error: Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+    assert_eq!(error["error"]["code"], "invalid_config");
     assert!(
         stderr(&out).contains("not divisible by --ep 2"),
         "{}",

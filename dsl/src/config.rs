@@ -274,6 +274,14 @@ pub enum ConfigError {
         path: String,
         source: std::io::Error,
     },
+    /// A directory, FIFO, device or socket: reading one could block forever
+    /// (a FIFO) or never end (`/dev/zero`).
+    #[error("cannot read model file {path}: it is {kind}, not a regular file")]
+    NotAFile { path: String, kind: &'static str },
+    #[error(
+        "cannot read model file {path}: it is larger than the limit of {limit} bytes; a model file is a short TOML text"
+    )]
+    TooLarge { path: String, limit: u64 },
     #[error("model file {path} is not a valid model:\n{message}")]
     Toml { path: String, message: String },
     #[error("unknown preset `{0}`; the presets are: {presets}", presets = PRESET_NAMES.join(", "))]
@@ -287,6 +295,96 @@ pub const MAX_DIMENSION: usize = 1 << 24;
 pub const MAX_EXPERTS: usize = 1 << 16;
 /// The most elements a whole model may have.
 pub const MAX_MODEL_ELEMENTS: u128 = 1 << 53;
+
+/// The largest model file read, in bytes (16 MiB): far more than a model
+/// needs (a pattern has at most
+/// [`MAX_PATTERN_BYTES`](crate::pattern::MAX_PATTERN_BYTES)), and little
+/// enough to read at once.
+pub const MAX_MODEL_FILE_BYTES: u64 = 16 << 20;
+
+/// The text of the regular file at `path`, if it has at most `limit` bytes.
+/// The file's type is checked before it is opened: opening a FIFO for
+/// reading blocks until a writer appears.
+fn read_text(path: &Path, limit: u64) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let shown = || path.display().to_string();
+    let io = |source| ConfigError::Io {
+        path: shown(),
+        source,
+    };
+    let not_a_file = |kind| ConfigError::NotAFile {
+        path: shown(),
+        kind,
+    };
+    if let Some(kind) = file_kind(&std::fs::metadata(path).map_err(io)?) {
+        return Err(not_a_file(kind));
+    }
+    let file = std::fs::File::open(path).map_err(io)?;
+    // Checked again on what was opened, in case the path changed since.
+    if let Some(kind) = file_kind(&file.metadata().map_err(io)?) {
+        return Err(not_a_file(kind));
+    }
+    // Read to one byte past the limit, not to the end: the size the
+    // metadata gave may have changed since.
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(ConfigError::TooLarge {
+            path: shown(),
+            limit,
+        });
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "it is not UTF-8 text (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ),
+        ))
+    })
+}
+
+/// What a path that is not a regular file is, in words; `None` for a
+/// regular file.
+fn file_kind(metadata: &std::fs::Metadata) -> Option<&'static str> {
+    let kind = metadata.file_type();
+    if kind.is_file() {
+        return None;
+    }
+    if kind.is_dir() {
+        return Some("a directory");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            return Some("a FIFO (named pipe)");
+        }
+        if kind.is_char_device() {
+            return Some("a character device");
+        }
+        if kind.is_block_device() {
+            return Some("a block device");
+        }
+        if kind.is_socket() {
+            return Some("a socket");
+        }
+    }
+    Some("a special file")
+}
+
+/// The TOML parser's message with every line cut to a few hundred
+/// characters: it quotes the offending line, which may be megabytes long.
+fn shorten_lines(message: &str) -> String {
+    message
+        .split('\n')
+        .map(|line| crate::diagnostic::shorten(line, 200))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
 
 /// Built-in presets, by name.
 pub const PRESET_NAMES: [&str; 3] = ["tiny", "nemotron-nano-9b-v2", "nemotron-3-nano-30b-a3b"];
@@ -318,15 +416,15 @@ impl ModelConfig {
     pub fn from_toml(text: &str, origin: &str) -> Result<ModelConfig, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Toml {
             path: origin.to_string(),
-            message: e.to_string(),
+            message: shorten_lines(&e.to_string()),
         })
     }
 
+    /// Reads a model file: a regular file of at most [`MAX_MODEL_FILE_BYTES`].
+    /// Anything else is refused before it is read, so a FIFO cannot block
+    /// and `/dev/zero` cannot fill the memory.
     pub fn from_file(path: &Path) -> Result<ModelConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = read_text(path, MAX_MODEL_FILE_BYTES)?;
         ModelConfig::from_toml(&text, &path.display().to_string())
     }
 
@@ -534,12 +632,6 @@ impl ModelConfig {
         positive("hidden_size", self.hidden_size, &mut bad);
         positive("vocab_size", self.vocab_size, &mut bad);
         positive("seq_length", self.seq_length, &mut bad);
-        if !(self.init_std.is_finite() && self.init_std > 0.0) {
-            bad(
-                format!("`init_std` is {}", self.init_std),
-                "use a small positive number such as 0.02",
-            );
-        }
         if let Some(a) = &self.attention {
             positive("attention.num_heads", a.num_heads, &mut bad);
             positive("attention.num_kv_groups", a.num_kv_groups, &mut bad);
@@ -686,18 +778,107 @@ impl ModelConfig {
                     "each token picks top_k distinct experts: use top_k <= num_experts",
                 );
             }
-            if !(m.aux_loss_coeff.is_finite() && m.aux_loss_coeff >= 0.0) {
+        }
+        for real in self.reals() {
+            if !real.range.contains(real.value) {
                 bad(
-                    format!("`moe.aux_loss_coeff` is {}", m.aux_loss_coeff),
-                    "use 0 (off) or a small positive number",
+                    format!(
+                        "`{} = {}` is not {}",
+                        real.name,
+                        real.value,
+                        real.range.describe()
+                    ),
+                    real.help,
                 );
             }
         }
-        if !(self.mtp.loss_scale.is_finite() && self.mtp.loss_scale >= 0.0) {
-            bad(
-                format!("`mtp.loss_scale` is {}", self.mtp.loss_scale),
-                "use a non-negative number such as 0.1",
-            );
+    }
+
+    /// Every real-valued field present, with the range it must lie in.
+    fn reals(&self) -> Vec<RealField> {
+        let field = |name, value, range, help| RealField {
+            name,
+            value,
+            range,
+            help,
+        };
+        let mut reals = vec![field(
+            "init_std",
+            self.init_std,
+            RealRange::Positive,
+            "the standard deviation of the initial weights: use a small positive number such as 0.02",
+        )];
+        let rope = "rotary frequencies are base^(-2i/d), falling with i only for a base above 1: use e.g. 10000";
+        if let Some(a) = &self.attention {
+            reals.push(field(
+                "attention.rope_base",
+                a.rope_base,
+                RealRange::AboveOne,
+                rope,
+            ));
+        }
+        if let Some(m) = &self.mla {
+            reals.push(field(
+                "mla.rope_base",
+                m.rope_base,
+                RealRange::AboveOne,
+                rope,
+            ));
+        }
+        if let Some(m) = &self.moe {
+            reals.push(field(
+                "moe.aux_loss_coeff",
+                m.aux_loss_coeff,
+                RealRange::NonNegative,
+                "the load-balancing loss's weight: use 0 (off) or a small positive number such as 0.01",
+            ));
+        }
+        reals.push(field(
+            "mtp.loss_scale",
+            self.mtp.loss_scale,
+            RealRange::NonNegative,
+            "the weight of the multi-token-prediction loss: use 0 (off) or a number such as 0.1",
+        ));
+        reals
+    }
+}
+
+/// One real-valued field of a model, for range checks.
+struct RealField {
+    /// The TOML name (`attention.rope_base`).
+    name: &'static str,
+    value: f32,
+    range: RealRange,
+    help: &'static str,
+}
+
+/// Where a real-valued field may lie. Every range is of finite numbers:
+/// TOML can write `nan` and `inf`, and either would poison training.
+#[derive(Clone, Copy)]
+enum RealRange {
+    /// Above 0.
+    Positive,
+    /// 0 or above.
+    NonNegative,
+    /// Above 1.
+    AboveOne,
+}
+
+impl RealRange {
+    fn contains(self, value: f32) -> bool {
+        value.is_finite()
+            && match self {
+                RealRange::Positive => value > 0.0,
+                RealRange::NonNegative => value >= 0.0,
+                RealRange::AboveOne => value > 1.0,
+            }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            RealRange::Positive => "a finite number above 0",
+            RealRange::NonNegative => "a finite number of at least 0",
+            RealRange::AboveOne => "a finite number above 1",
         }
     }
 }
@@ -712,5 +893,22 @@ pub fn kind_section(kind: LayerKind) -> &'static str {
         LayerKind::GatedDeltaNet => "[gdn]",
         LayerKind::Mlp => "[mlp]",
         LayerKind::Moe => "[moe]",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_are_read_up_to_the_limit_and_not_past_it() {
+        let dir = std::env::temp_dir().join(format!("hybridgen-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.toml");
+        std::fs::write(&path, "0123456789").unwrap();
+        assert_eq!(read_text(&path, 10).unwrap(), "0123456789");
+        let e = read_text(&path, 9).unwrap_err();
+        assert!(matches!(e, ConfigError::TooLarge { limit: 9, .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

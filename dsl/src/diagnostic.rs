@@ -2,7 +2,7 @@
 //! line. Rendered one way for a terminal (line:column and a caret) and another
 //! for `compile_error!` (the pattern with a caret under the culprit).
 
-use crate::span::{LineCol, Span};
+use crate::span::{LineCol, LineIndex, Span};
 use serde::Serialize;
 use std::fmt;
 
@@ -29,10 +29,11 @@ pub enum Code {
     H025,
     H026,
     H027,
+    H028,
 }
 
 impl Code {
-    pub const ALL: [Code; 19] = [
+    pub const ALL: [Code; 20] = [
         Code::H001,
         Code::H002,
         Code::H003,
@@ -52,6 +53,7 @@ impl Code {
         Code::H025,
         Code::H026,
         Code::H027,
+        Code::H028,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -75,6 +77,7 @@ impl Code {
             Code::H025 => "H025",
             Code::H026 => "H026",
             Code::H027 => "H027",
+            Code::H028 => "H028",
         }
     }
 
@@ -113,6 +116,7 @@ impl Code {
             Code::H025 => "model dimensions that cannot work",
             Code::H026 => "a layer kind without dimensions",
             Code::H027 => "ambiguous FSDP unit filter",
+            Code::H028 => "a model without layers",
         }
     }
 
@@ -201,8 +205,9 @@ impl Code {
                 "Repeats are sugar: `X{N}` repeats one item (a layer or a group) and\n\
                  `( items ){N}` repeats a run of items, inside one segment. N is a\n\
                  whole number from 1 to 100000, and a pattern may expand to at most\n\
-                 1,000,000 layers. A block `( ... )` needs its count, and cannot\n\
-                 appear inside a group or cross a `|` or `/`.\n\
+                 1,000,000 layers, and its text may be at most 1 MiB (1048576\n\
+                 bytes): write long runs with repeats. A block `( ... )` needs its\n\
+                 count, and cannot appear inside a group or cross a `|` or `/`.\n\
                  \nExamples: `(M[*E]){4}` is `M[*E]M[*E]M[*E]M[*E]`. `M{0}`, `M{x}`,\n\
                  `{3}M`, `(M*)` and `(M|*){2}` fail."
             }
@@ -240,7 +245,11 @@ impl Code {
                  must divide the heads, Mamba heads must divide into its groups and\n\
                  heads x head dim must equal the inner size when both are given,\n\
                  top-k cannot exceed the expert count, no size may be zero, rotary\n\
-                 dimensions must be even, DSA needs a q-LoRA rank."
+                 dimensions must be even, DSA needs a q-LoRA rank.\n\
+                 \nReal-valued fields must be finite numbers in range: `init_std` above\n\
+                 0, `rope_base` (attention and MLA) above 1, `moe.aux_loss_coeff` and\n\
+                 `mtp.loss_scale` at least 0. TOML can write `nan` and `inf`; neither\n\
+                 is accepted."
             }
             Code::H026 => {
                 "The pattern uses a layer kind whose section the model config does\n\
@@ -253,6 +262,16 @@ impl Code {
                  is shorthand for a filter, so giving both a kind list and a custom\n\
                  predicate is ambiguous. Kind names are the layer symbols\n\
                  (M * + D G - E), `group` and `mtp`."
+            }
+            Code::H028 => {
+                "A pattern with no layers at all (empty, or `|` or `/` alone) is valid, so\n\
+                 `hybridgen check` accepts it, but it describes a model of only the\n\
+                 embedding and the output layer: there is nothing to plan or train,\n\
+                 and an empty pattern is almost always an unset variable or a lost\n\
+                 argument. A model needs at least one layer, in the decoder or in a\n\
+                 multi-token-prediction depth (`/MM` has no decoder layers and plans).\n\
+                 \nExample: `hybridgen plan ''` fails. Fix: give the layers, e.g.\n\
+                 `M[*E]M[*E]`."
             }
         }
     }
@@ -317,75 +336,184 @@ impl Diagnostic {
     ///   |   ^ groups cannot contain groups
     ///   = help: ...
     /// ```
+    ///
+    /// A line longer than [`EXCERPT_WIDTH`] characters is shown as a window
+    /// around the culprit, `...` marking the cut sides.
     pub fn render(&self, source: &str, origin: &str) -> String {
-        let mut out = format!("error[{}]: {}\n", self.code, self.message);
-        if let Some(span) = self.span {
-            let at = span.line_col(source);
-            let line_text = source.lines().nth(at.line - 1).unwrap_or("");
-            let gutter = at.line.to_string().len();
-            let pad = " ".repeat(gutter);
-            out += &format!("{pad}--> {origin}:{at}\n");
+        self.render_at(source, origin, self.position(source))
+    }
+
+    /// [`Diagnostic::render`] with the culprit's position already known.
+    fn render_at(&self, source: &str, origin: &str, at: Option<LineCol>) -> String {
+        let mut out = format!("error[{}]: {}\n", self.code, bounded(&self.message));
+        let gutter = at.map_or(0, |at| at.line.to_string().len());
+        let pad = " ".repeat(gutter);
+        if let (Some(span), Some(at)) = (self.span, at) {
+            let excerpt = Excerpt::of(source, span, at);
+            out += &format!("{pad}--> {}:{at}\n", bounded(origin));
             out += &format!("{pad} |\n");
-            out += &format!("{} | {}\n", at.line, line_text);
+            out += &format!("{} | {}\n", at.line, excerpt.line());
             out += &format!(
                 "{pad} | {}{} {}\n",
-                caret_indent(line_text, at),
-                "^".repeat(caret_width(source, span, line_text, at)),
-                self.label
+                excerpt.caret_indent(),
+                "^".repeat(excerpt.carets),
+                bounded(&self.label)
             );
         }
         if !self.help.is_empty() {
-            let pad = " ".repeat(
-                self.span
-                    .map_or(0, |s| s.line_col(source).line.to_string().len()),
-            );
-            out += &format!("{pad} = help: {}\n", self.help);
+            out += &format!("{pad} = help: {}\n", bounded(&self.help));
         }
         out
     }
 
     /// The form for a `compile_error!` message, where only the message text
     /// reaches the user: the code, the pattern with a caret under the culprit,
-    /// and the help.
+    /// and the help. Long lines are cut around the culprit as in
+    /// [`Diagnostic::render`].
     pub fn render_inline(&self, source: &str) -> String {
-        let mut out = format!("[{}] {}", self.code, self.message);
+        let mut out = format!("[{}] {}", self.code, bounded(&self.message));
         if let Some(span) = self.span {
             let at = span.line_col(source);
-            let line_text = source.lines().nth(at.line - 1).unwrap_or("");
+            let excerpt = Excerpt::of(source, span, at);
             out += &format!(
-                "\n  at {at}:\n    {line_text}\n    {}{} {}",
-                caret_indent(line_text, at),
-                "^".repeat(caret_width(source, span, line_text, at)),
-                self.label
+                "\n  at {at}:\n    {}\n    {}{} {}",
+                excerpt.line(),
+                excerpt.caret_indent(),
+                "^".repeat(excerpt.carets),
+                bounded(&self.label)
             );
         }
         if !self.help.is_empty() {
-            out += &format!("\n  help: {}", self.help);
+            out += &format!("\n  help: {}", bounded(&self.help));
         }
         out
     }
 }
 
-/// White space up to the caret's column: a tab where the line has a tab, so
-/// the caret lines up in a terminal whatever its tab width.
-fn caret_indent(line_text: &str, at: LineCol) -> String {
-    line_text
-        .chars()
-        .chain(std::iter::repeat(' '))
-        .take(at.column - 1)
-        .map(|c| if c == '\t' { '\t' } else { ' ' })
-        .collect()
+/// The most characters of a source line a rendering shows: a longer line is
+/// cut to a window around the culprit, so a 10 MB one-line pattern still
+/// renders each error in a few lines of ordinary length.
+pub const EXCERPT_WIDTH: usize = 100;
+/// Characters kept before the culprit when a long line is cut.
+const EXCERPT_LEAD: usize = 40;
+/// The most characters of a message, label or help a rendering shows. Ours
+/// are short; the cap holds for any that quotes user input at length.
+const MAX_TEXT: usize = 500;
+
+/// `text`, or its first [`MAX_TEXT`] characters and `...`.
+fn bounded(text: &str) -> std::borrow::Cow<'_, str> {
+    shorten(text, MAX_TEXT)
 }
 
-/// Carets under the span's characters, at least one, not past the line end.
-fn caret_width(source: &str, span: Span, line_text: &str, at: LineCol) -> usize {
-    let end = span.end.min(source.len());
-    let start = span.start.min(end);
-    let chars = source
-        .get(start..end)
-        .map_or(1, |text| text.chars().take_while(|&c| c != '\n').count());
-    let room = line_text.chars().count().saturating_sub(at.column - 1);
-    chars.clamp(1, room.max(1))
+/// `text`, or its first `max` characters followed by `...`: for quoting user
+/// input (a repeat count, a run of symbols) in a message of bounded length.
+pub fn shorten(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}...", &text[..cut]).into(),
+        None => text.into(),
+    }
+}
+
+/// The part of the culprit's line a rendering shows: the whole line when it
+/// has at most [`EXCERPT_WIDTH`] characters, else a window of that many
+/// starting [`EXCERPT_LEAD`] characters before the culprit. Finding it reads
+/// only the window, never the whole line.
+struct Excerpt<'s> {
+    /// The shown characters (no line break).
+    text: &'s str,
+    /// The shown characters before the culprit.
+    lead: &'s str,
+    /// Whether the line goes on before / after the shown text.
+    cut_before: bool,
+    cut_after: bool,
+    /// Carets under the culprit: at least one, none past the shown text.
+    carets: usize,
+}
+
+impl<'s> Excerpt<'s> {
+    fn of(source: &'s str, span: Span, at: LineCol) -> Excerpt<'s> {
+        let mut start = span.start.min(source.len());
+        while !source.is_char_boundary(start) {
+            start -= 1;
+        }
+        // `at` says how many characters of the line precede the culprit.
+        let before = at.column - 1;
+        // The byte offset `n` characters before `start` (all on its line).
+        let back = |n: usize| {
+            source[..start]
+                .char_indices()
+                .rev()
+                .take(n)
+                .last()
+                .map_or(start, |(i, _)| i)
+        };
+        // From `from`, up to `n` characters of the line: where they end, and
+        // whether the line goes on after them. `\r\n` ends a line as `\n` does.
+        let ahead = |from: usize, n: usize| {
+            let rest = &source[from..];
+            for (k, (i, _)) in rest.char_indices().enumerate() {
+                if rest[i..].starts_with('\n') || rest[i..].starts_with("\r\n") {
+                    return (from + i, false);
+                }
+                if k == n {
+                    return (from + i, true);
+                }
+            }
+            (source.len(), false)
+        };
+        let whole_line = (before <= EXCERPT_WIDTH)
+            .then(|| {
+                let line_start = back(before);
+                let (end, more) = ahead(line_start, EXCERPT_WIDTH);
+                (!more).then_some((line_start, end))
+            })
+            .flatten();
+        let (from, end, cut_before, cut_after) = match whole_line {
+            Some((line_start, end)) => (line_start, end, false, false),
+            None => {
+                let lead = before.min(EXCERPT_LEAD);
+                let from = back(lead);
+                let (end, more) = ahead(from, EXCERPT_WIDTH);
+                (from, end, before > lead, more)
+            }
+        };
+        let text = &source[from..end];
+        let lead = &source[from..start.max(from).min(from + text.len())];
+        let room = text[lead.len()..].chars().count().max(1);
+        let culprit = source
+            .get(start..span.end.min(source.len()).max(start))
+            .map_or(1, |c| {
+                c.chars().take_while(|&c| c != '\n').take(room).count()
+            });
+        Excerpt {
+            text,
+            lead,
+            cut_before,
+            cut_after,
+            carets: culprit.clamp(1, room),
+        }
+    }
+
+    /// The shown line, `...` on the cut sides.
+    fn line(&self) -> String {
+        let mark = |cut: bool| if cut { "..." } else { "" };
+        format!(
+            "{}{}{}",
+            mark(self.cut_before),
+            self.text,
+            mark(self.cut_after)
+        )
+    }
+
+    /// White space up to the caret's column: a tab where the line has a tab,
+    /// so the caret lines up in a terminal whatever its tab width.
+    fn caret_indent(&self) -> String {
+        let dots = if self.cut_before { "   " } else { "" };
+        dots.chars()
+            .chain(self.lead.chars())
+            .map(|c| if c == '\t' { '\t' } else { ' ' })
+            .collect()
+    }
 }
 
 /// Every diagnostic of one input, with the text they point into, so the whole
@@ -395,20 +523,40 @@ pub struct Diagnostics {
     pub source: String,
     /// What the source is, for `--> origin:line:col` (e.g. `pattern`).
     pub origin: String,
+    /// The first [`Diagnostics::MAX_KEPT`] diagnostics found, in order.
     pub items: Vec<Diagnostic>,
+    /// Diagnostics found beyond `items`: counted, not kept.
+    pub omitted: usize,
 }
 
 impl Diagnostics {
+    /// The most diagnostics kept for one input. A 10 MB pattern can hold ten
+    /// million mistakes; keeping each would take gigabytes for a report
+    /// that shows the first [`Diagnostics::MAX_RENDERED`].
+    pub const MAX_KEPT: usize = 1000;
+    /// The most diagnostics a report renders; it counts the rest.
+    pub const MAX_RENDERED: usize = 50;
+
+    /// Keeps the first [`Diagnostics::MAX_KEPT`] of `items` and counts the
+    /// rest.
     pub fn new(
         source: impl Into<String>,
         origin: impl Into<String>,
-        items: Vec<Diagnostic>,
+        mut items: Vec<Diagnostic>,
     ) -> Self {
+        let omitted = items.len().saturating_sub(Self::MAX_KEPT);
+        items.truncate(Self::MAX_KEPT);
         Diagnostics {
             source: source.into(),
             origin: origin.into(),
             items,
+            omitted,
         }
+    }
+
+    /// Every diagnostic found, kept or not.
+    pub fn total(&self) -> usize {
+        self.items.len() + self.omitted
     }
 
     pub fn codes(&self) -> Vec<Code> {
@@ -417,30 +565,99 @@ impl Diagnostics {
 
     /// `(code, line:column)` of every diagnostic that points into the source.
     pub fn positions(&self) -> Vec<(Code, Option<LineCol>)> {
+        let lines = LineIndex::new(&self.source);
         self.items
             .iter()
-            .map(|d| (d.code, d.position(&self.source)))
+            .map(|d| (d.code, d.span.map(|s| lines.line_col(s.start))))
             .collect()
     }
 }
 
 impl fmt::Display for Diagnostics {
+    /// The first [`Diagnostics::MAX_RENDERED`] diagnostics, then how many
+    /// more there are and the total.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, diagnostic) in self.items.iter().enumerate() {
+        let shown = &self.items[..self.items.len().min(Self::MAX_RENDERED)];
+        // With several positions to find, one pass over the source serves
+        // them all.
+        let spanned = shown.iter().filter(|d| d.span.is_some()).count();
+        let lines = (spanned > 1).then(|| LineIndex::new(&self.source));
+        for (i, diagnostic) in shown.iter().enumerate() {
             if i > 0 {
                 writeln!(f)?;
             }
-            write!(f, "{}", diagnostic.render(&self.source, &self.origin))?;
+            let at = diagnostic.span.map(|span| match &lines {
+                Some(lines) => lines.line_col(span.start),
+                None => span.line_col(&self.source),
+            });
+            write!(
+                f,
+                "{}",
+                diagnostic.render_at(&self.source, &self.origin, at)
+            )?;
         }
-        let n = self.items.len();
-        if n > 1 {
-            write!(f, "\n{n} errors")?;
+        let total = self.total();
+        let hidden = total - shown.len();
+        if hidden > 0 {
+            let s = if hidden == 1 { "" } else { "s" };
+            write!(f, "\n... and {hidden} more error{s}")?;
+        }
+        if total > 1 {
+            write!(f, "\n{total} errors")?;
         }
         Ok(())
     }
 }
 
 impl std::error::Error for Diagnostics {}
+
+/// Diagnostics as a check finds them: every one counted, the first
+/// [`Diagnostics::MAX_KEPT`] kept. A diagnostic equal in code and place to
+/// the one found just before it is a copy (a repeat writes its culprit many
+/// times over) and is not counted again.
+#[derive(Clone, Debug, Default)]
+pub struct Findings {
+    kept: Vec<Diagnostic>,
+    omitted: usize,
+    last: Option<(Code, Option<Span>)>,
+}
+
+impl Findings {
+    pub fn push(&mut self, diagnostic: Diagnostic) {
+        let key = (diagnostic.code, diagnostic.span);
+        if self.last == Some(key) {
+            return;
+        }
+        self.last = Some(key);
+        if self.kept.len() < Diagnostics::MAX_KEPT {
+            self.kept.push(diagnostic);
+        } else {
+            self.omitted += 1;
+        }
+    }
+
+    /// How many were found, kept or not.
+    pub fn total(&self) -> usize {
+        self.kept.len() + self.omitted
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.total() == 0
+    }
+
+    /// The kept diagnostics, and how many more were found.
+    pub fn into_parts(self) -> (Vec<Diagnostic>, usize) {
+        (self.kept, self.omitted)
+    }
+}
+
+impl Extend<Diagnostic> for Findings {
+    fn extend<I: IntoIterator<Item = Diagnostic>>(&mut self, diagnostics: I) {
+        for diagnostic in diagnostics {
+            self.push(diagnostic);
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -55,8 +55,78 @@ impl LineCol {
         let before = &source[..offset];
         let line_start = before.rfind('\n').map_or(0, |i| i + 1);
         LineCol {
-            line: before.matches('\n').count() + 1,
+            line: before.bytes().filter(|&b| b == b'\n').count() + 1,
             column: before[line_start..].chars().count() + 1,
+        }
+    }
+}
+
+/// Line:column lookups into one text, each costing at most a few hundred
+/// bytes of scanning however long the text is. [`LineCol::of`] scans from the
+/// start, so asking it about every error of a long pattern (one per `]` of a
+/// 10 MB line) would take time quadratic in the text's length.
+#[derive(Clone, Debug)]
+pub struct LineIndex<'s> {
+    source: &'s str,
+    /// The position of the first character at or after every multiple of
+    /// [`LineIndex::STRIDE`] bytes: `(byte offset, position)`, ascending.
+    checkpoints: Vec<(usize, LineCol)>,
+}
+
+impl<'s> LineIndex<'s> {
+    /// Bytes between checkpoints: the most a lookup scans.
+    const STRIDE: usize = 256;
+
+    /// One pass over `source`.
+    pub fn new(source: &'s str) -> Self {
+        let mut checkpoints = Vec::with_capacity(source.len() / Self::STRIDE + 1);
+        let mut here = LineCol { line: 1, column: 1 };
+        let mut next = 0;
+        for (offset, c) in source.char_indices() {
+            if offset >= next {
+                checkpoints.push((offset, here));
+                next = (offset / Self::STRIDE + 1) * Self::STRIDE;
+            }
+            here = here.after(c);
+        }
+        LineIndex {
+            source,
+            checkpoints,
+        }
+    }
+
+    /// The same as [`LineCol::of`] on the indexed text.
+    pub fn line_col(&self, offset: usize) -> LineCol {
+        let source = self.source;
+        let mut offset = offset.min(source.len());
+        while !source.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let before = self.checkpoints.partition_point(|&(at, _)| at <= offset);
+        let (from, mut here) = match before.checked_sub(1) {
+            Some(i) => self.checkpoints[i],
+            None => (0, LineCol { line: 1, column: 1 }),
+        };
+        for c in source[from..offset].chars() {
+            here = here.after(c);
+        }
+        here
+    }
+}
+
+impl LineCol {
+    /// The position just after character `c` written here.
+    fn after(self, c: char) -> LineCol {
+        if c == '\n' {
+            LineCol {
+                line: self.line + 1,
+                column: 1,
+            }
+        } else {
+            LineCol {
+                line: self.line,
+                column: self.column + 1,
+            }
         }
     }
 }
@@ -82,5 +152,20 @@ mod tests {
         // Inside a multi-byte character: snaps back to its start.
         assert_eq!(LineCol::of(src, 2), LineCol { line: 1, column: 2 });
         assert_eq!(LineCol::of(src, 99), LineCol { line: 2, column: 3 });
+    }
+
+    proptest::proptest! {
+        /// The index answers exactly as the plain scan, at every offset
+        /// (inside characters and past the end included), across checkpoints.
+        #[test]
+        fn line_index_agrees_with_the_plain_scan(
+            source in "[a\n\té\u{1F600}]{0,40}|[M\n]{200,700}|[é\n]{100,400}",
+            offsets in proptest::collection::vec(0usize..1500, 1..20),
+        ) {
+            let index = LineIndex::new(&source);
+            for offset in offsets.into_iter().chain([0, source.len()]) {
+                proptest::prop_assert_eq!(index.line_col(offset), LineCol::of(&source, offset));
+            }
+        }
     }
 }

@@ -1136,19 +1136,14 @@ fn slots_of_an_empty_decoder() {
     assert_eq!(s[3][0], [Op::MtpEnter(1), Op::Layer(mtp(1, 0))]);
     assert_eq!(s[4][4], [Op::Head(Some(1))]);
     assert_eq!(unit_names(&p), ["mtp.layers.0", "mtp.layers.1"]);
-    // No layers at all.
-    let p = plan_default(&tiny(""));
-    assert_eq!(
-        slots(&p),
-        [[
-            vec![Op::Embed, Op::FinalNorm],
-            none(),
-            none(),
-            none(),
-            vec![Op::Head(None)]
-        ]]
-    );
-    assert!(p.units.is_empty());
+    // No layers at all is a valid pattern but not a model (H028).
+    for empty in ["", " ", "|", "/", "//"] {
+        assert_eq!(
+            codes(&tiny(empty), &PlanOptions::default()),
+            [Code::H028],
+            "{empty:?}"
+        );
+    }
 }
 
 // ---- memory -------------------------------------------------------------------------------------

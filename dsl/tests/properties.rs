@@ -546,6 +546,13 @@ proptest! {
             unit_filter,
             non_unit_bucket_cap: cap,
         };
+        let parsed = Pattern::parse(&model.pattern).unwrap();
+        if parsed.layers().next().is_none() && parsed.mtp_depths.is_empty() {
+            // No layers at all: not a model (H028), and nothing else wrong.
+            let codes = Plan::new(&model, &options).map(|_| ()).map_err(|d| d.codes());
+            prop_assert_eq!(codes, Err(vec![Code::H028]));
+            return Ok(());
+        }
         let plan = Plan::new(&model, &options)
             .map_err(|d| TestCaseError::fail(format!("{}:\n{d}", model.pattern)))?;
         check_plan(&plan, &ast, matches!(filter, FilterChoice::Default))?;

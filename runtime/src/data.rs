@@ -515,31 +515,107 @@ impl MarkovChain {
 // ---- a file of bytes ----------------------------------------------------
 
 /// A file's bytes as tokens 0..256; windows start at random offsets.
+///
+/// A file is never loaded whole: each window is read where it lies with one
+/// positioned read (`pread`), so a corpus of any size trains in the memory
+/// of one batch, and the page cache, not this process, keeps what is hot.
+/// Positioned reads rather than a memory map: no `unsafe` (a mapped file
+/// truncated by another process is undefined behaviour, a short read is an
+/// error), no dependency, and the same bytes.
 #[derive(Clone, Debug)]
 pub struct ByteFile {
     name: String,
-    bytes: Arc<[u8]>,
+    bytes: ByteStore,
+}
+
+/// Where a [`ByteFile`]'s bytes are.
+#[derive(Clone, Debug)]
+enum ByteStore {
+    /// Bytes handed over in memory ([`ByteFile::from_bytes`]).
+    Memory(Arc<[u8]>),
+    /// An open regular file and its length when it was opened.
+    File { file: Arc<std::fs::File>, len: u64 },
 }
 
 /// Tokens a byte file produces.
 pub const BYTE_VOCAB: usize = 256;
 
+/// What `metadata` says a path is, for refusing what is not a data file.
+fn kind_of(file_type: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if file_type.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if file_type.is_char_device() {
+            return "a character device";
+        }
+        if file_type.is_block_device() {
+            return "a block device";
+        }
+        if file_type.is_socket() {
+            return "a socket";
+        }
+    }
+    if file_type.is_dir() {
+        "a directory"
+    } else if file_type.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
 impl ByteFile {
-    /// Reads `path` for a model whose vocabulary has `vocab` tokens.
+    /// Opens `path` for a model whose vocabulary has `vocab` tokens. Only a
+    /// regular, non-empty file is accepted: a FIFO or a device would block or
+    /// never end, and is refused by name before it is opened.
     pub fn open(path: &Path, vocab: usize) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| RuntimeError::io(path.display(), e))?;
-        Self::from_bytes(path.display().to_string(), bytes, vocab)
+        let name = path.display().to_string();
+        if path.as_os_str().is_empty() {
+            return Err(RuntimeError::io(
+                "--data",
+                "the path is empty; give a file to train on, or `synthetic`",
+            ));
+        }
+        Self::check_vocab(&name, vocab)?;
+        let not_a_file = |kind: &str| {
+            RuntimeError::io(
+                &name,
+                format!("this is {kind}, not a data file; give a regular file of text"),
+            )
+        };
+        // `metadata` follows symlinks and never opens: a FIFO cannot block it.
+        let meta = std::fs::metadata(path).map_err(|e| RuntimeError::io(&name, e))?;
+        if !meta.is_file() {
+            return Err(not_a_file(kind_of(&meta.file_type())));
+        }
+        let file = std::fs::File::open(path).map_err(|e| RuntimeError::io(&name, e))?;
+        // The path may have been replaced between the two calls.
+        let meta = file.metadata().map_err(|e| RuntimeError::io(&name, e))?;
+        if !meta.is_file() {
+            return Err(not_a_file(kind_of(&meta.file_type())));
+        }
+        if meta.len() == 0 {
+            return Err(RuntimeError::io(
+                &name,
+                "the file is empty; give a text file to train on",
+            ));
+        }
+        Ok(ByteFile {
+            name,
+            bytes: ByteStore::File {
+                file: Arc::new(file),
+                len: meta.len(),
+            },
+        })
     }
 
     /// Bytes already in memory; `name` is used in messages.
     pub fn from_bytes(name: impl Into<String>, bytes: Vec<u8>, vocab: usize) -> Result<Self> {
         let name = name.into();
-        if vocab < BYTE_VOCAB {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "{name}: a file is read as bytes (tokens 0..256), but the model's vocabulary \
-                 has only {vocab} tokens; use vocab_size >= 256"
-            )));
-        }
+        Self::check_vocab(&name, vocab)?;
         if bytes.is_empty() {
             return Err(RuntimeError::io(
                 &name,
@@ -548,25 +624,87 @@ impl ByteFile {
         }
         Ok(ByteFile {
             name,
-            bytes: bytes.into(),
+            bytes: ByteStore::Memory(bytes.into()),
         })
     }
 
+    fn check_vocab(name: &str, vocab: usize) -> Result<()> {
+        if vocab < BYTE_VOCAB {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{name}: a file is read as bytes (tokens 0..256), but the model's vocabulary \
+                 has only {vocab} tokens; use vocab_size >= 256"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The file's length in bytes (saturating on 32-bit targets).
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        match &self.bytes {
+            ByteStore::Memory(bytes) => bytes.len(),
+            ByteStore::File { len, .. } => usize::try_from(*len).unwrap_or(usize::MAX),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.len() == 0
     }
 
-    fn sample_window(&self, rng: &mut Xoshiro256, out: &mut [u32]) {
-        let starts = (self.bytes.len() - out.len() + 1) as u64;
-        let start = rng.below(starts) as usize;
-        for (t, b) in out.iter_mut().zip(&self.bytes[start..]) {
-            *t = u32::from(*b);
+    /// Fills `out` with the window at a random offset (the file holds at
+    /// least `out.len()` bytes: [`DataSource::check_shape`]).
+    fn sample_window(&self, rng: &mut Xoshiro256, out: &mut [u32]) -> Result<()> {
+        let starts = (self.len() - out.len() + 1) as u64;
+        let start = rng.below(starts);
+        match &self.bytes {
+            ByteStore::Memory(bytes) => {
+                for (t, b) in out.iter_mut().zip(&bytes[start as usize..]) {
+                    *t = u32::from(*b);
+                }
+            }
+            ByteStore::File { file, .. } => {
+                let mut window = vec![0u8; out.len()];
+                read_exact_at(file, &mut window, start).map_err(|e| {
+                    let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        "the file shrank while training (was it overwritten?)".to_string()
+                    } else {
+                        e.to_string()
+                    };
+                    RuntimeError::io(
+                        &self.name,
+                        format!("cannot read {} bytes at offset {start}: {why}", out.len()),
+                    )
+                })?;
+                for (t, b) in out.iter_mut().zip(&window) {
+                    *t = u32::from(*b);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `buf.len()` bytes of `file` from `offset`, without moving a shared cursor
+/// (ranks read one file concurrently).
+#[cfg(unix)]
+fn read_exact_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+#[cfg(windows)]
+fn read_exact_at(file: &std::fs::File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+    use std::os::windows::fs::FileExt;
+    while !buf.is_empty() {
+        match file.seek_read(buf, offset) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
+    Ok(())
 }
 
 // ---- the source ---------------------------------------------------------
@@ -639,7 +777,7 @@ impl DataSource {
             let mut rng = Xoshiro256::seed_from_u64(key.row_seed(row));
             match self {
                 DataSource::Markov(chain) => chain.sample_window(&mut rng, out),
-                DataSource::Bytes(file) => file.sample_window(&mut rng, out),
+                DataSource::Bytes(file) => file.sample_window(&mut rng, out)?,
             }
         }
         Ok(Batch { shape, tokens })
@@ -905,5 +1043,126 @@ mod tests {
         assert!(small.contains("only 128 tokens"), "{small}");
         let missing = ByteFile::open(Path::new("/nonexistent/corpus.txt"), 256).unwrap_err();
         assert!(missing.to_string().starts_with("/nonexistent/corpus.txt:"));
+    }
+
+    /// A file of `bytes` under the temp dir, removed on drop.
+    struct TempFile(std::path::PathBuf);
+
+    impl TempFile {
+        fn new(tag: &str, bytes: &[u8]) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("hybridgen-data-{tag}-{}.bin", std::process::id()));
+            std::fs::write(&path, bytes).unwrap();
+            TempFile(path)
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn file_windows_are_bit_identical_to_the_whole_file_reader() {
+        // Golden values from the implementation that read the whole file into
+        // memory (before windows were read in place): FNV-1a of each batch's
+        // tokens and its first eight tokens.
+        let bytes: Vec<u8> = (0..5000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let file = TempFile::new("golden", &bytes);
+        let on_disk = DataSource::Bytes(ByteFile::open(&file.0, 256).unwrap());
+        let in_memory = DataSource::Bytes(ByteFile::from_bytes("m", bytes, 256).unwrap());
+        let at = |seed, step, dp_rank, micro_batch| BatchKey {
+            seed,
+            step,
+            dp_rank,
+            micro_batch,
+        };
+        let golden: [(BatchKey, BatchShape, u64, [u32; 8]); 4] = [
+            (
+                at(7, 0, 0, 0),
+                BatchShape::new(3, 20, 1),
+                0x7475_8657_c1f2_44a9,
+                [138, 70, 2, 190, 122, 53, 241, 173],
+            ),
+            (
+                at(7, 5, 1, 2),
+                BatchShape::new(4, 64, 0),
+                0x0d1a_ec73_d127_98d9,
+                [245, 176, 108, 40, 228, 160, 91, 23],
+            ),
+            (
+                at(123, 99, 3, 7),
+                BatchShape::new(2, 300, 2),
+                0x126c_41cb_5101_8061,
+                [102, 34, 222, 154, 86, 17, 205, 137],
+            ),
+            // One window of the whole file: offset 0 is the only start.
+            (
+                at(0, 0, 0, 0),
+                BatchShape::new(1, 4999, 0),
+                0xd826_f322_a2a2_051c,
+                [0, 187, 119, 51, 239, 171, 102, 34],
+            ),
+        ];
+        for (key, shape, hash, first) in golden {
+            for source in [&on_disk, &in_memory] {
+                let batch = source.batch(key, shape).unwrap();
+                let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+                for t in batch.tokens() {
+                    h ^= u64::from(*t);
+                    h = h.wrapping_mul(0x0100_0000_01b3);
+                }
+                assert_eq!(h, hash, "{key:?} {shape:?}");
+                assert_eq!(&batch.tokens()[..8], &first, "{key:?} {shape:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn only_regular_non_empty_files_are_data() {
+        let err = |path: &Path| ByteFile::open(path, 256).unwrap_err().to_string();
+        let dir = std::env::temp_dir();
+        let message = err(&dir);
+        assert!(
+            message.contains("this is a directory, not a data file"),
+            "{message}"
+        );
+        let empty = err(Path::new(""));
+        assert!(empty.contains("--data: the path is empty"), "{empty}");
+        let file = TempFile::new("empty", b"");
+        let message = err(&file.0);
+        assert!(message.contains("the file is empty"), "{message}");
+        #[cfg(unix)]
+        {
+            let message = err(Path::new("/dev/zero"));
+            assert_eq!(
+                message,
+                "/dev/zero: this is a character device, not a data file; give a regular \
+                 file of text"
+            );
+            let fifo = std::env::temp_dir().join(format!("hybridgen-fifo-{}", std::process::id()));
+            let _ = std::fs::remove_file(&fifo);
+            let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+            if made.is_ok_and(|s| s.success()) {
+                let message = err(&fifo);
+                let _ = std::fs::remove_file(&fifo);
+                assert!(message.contains("this is a FIFO (named pipe)"), "{message}");
+            }
+        }
+        // A file that shrinks under a run fails its next read by name.
+        let file = TempFile::new("shrinks", &[7u8; 64]);
+        let source = DataSource::Bytes(ByteFile::open(&file.0, 256).unwrap());
+        std::fs::write(&file.0, [7u8; 4]).unwrap();
+        let message = source
+            .batch(key(0, 0, 0), BatchShape::new(2, 30, 0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("the file shrank while training"),
+            "{message}"
+        );
     }
 }

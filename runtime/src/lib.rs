@@ -16,6 +16,7 @@ pub mod fsdp;
 pub mod lane;
 pub mod launch;
 pub mod layers;
+pub mod memory;
 pub mod model;
 pub mod optimizer;
 pub mod schedule;

@@ -78,12 +78,13 @@ impl Default for OptimizerConfig {
 }
 
 impl OptimizerConfig {
-    /// Refuses hyper-parameters that cannot train.
+    /// Refuses hyper-parameters that cannot train, naming the field and the
+    /// accepted range.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(RuntimeError::Unsupported(what));
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!(
-                "learning rate {} must be a positive number",
+                "the learning rate (lr) is {}; it must be a finite number above 0 (e.g. 3e-3)",
                 self.lr
             ));
         }
@@ -94,11 +95,14 @@ impl OptimizerConfig {
             ));
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return bad(format!("Adam eps {} must be positive", self.eps));
+            return bad(format!(
+                "Adam eps is {}; it must be a finite number above 0",
+                self.eps
+            ));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return bad(format!(
-                "weight decay {} must be 0 or positive",
+                "weight decay is {}; it must be a finite number, 0 or above",
                 self.weight_decay
             ));
         }
@@ -108,7 +112,10 @@ impl OptimizerConfig {
         if let Some(c) = self.clip_grad
             && !(c.is_finite() && c > 0.0)
         {
-            return bad(format!("gradient clip {c} must be positive (or off)"));
+            return bad(format!(
+                "the gradient clip (clip_grad) is {c}; it must be a finite norm above 0, or \
+                 None to turn clipping off"
+            ));
         }
         Ok(())
     }
@@ -119,6 +126,54 @@ impl OptimizerConfig {
             self.lr
         } else {
             self.lr * step as f32 / self.warmup_steps as f32
+        }
+    }
+}
+
+/// `value` as people write it: `0.003`, `1e30`.
+fn number(value: f32) -> String {
+    if value != 0.0 && !(1e-4..1e5).contains(&value.abs()) {
+        format!("{value:e}")
+    } else {
+        value.to_string()
+    }
+}
+
+/// A quantity of a step found non-finite: the first stops the run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NonFinite {
+    /// The main cross-entropy, mean over the step's tokens.
+    Loss(f64),
+    /// The mean MTP cross-entropy.
+    MtpLoss(f64),
+    /// The MoE load-balancing loss.
+    AuxLoss(f64),
+    /// The global gradient norm (the losses were finite).
+    GradNorm(f64),
+}
+
+impl NonFinite {
+    /// The quantity's value.
+    pub fn value(self) -> f64 {
+        match self {
+            NonFinite::Loss(v)
+            | NonFinite::MtpLoss(v)
+            | NonFinite::AuxLoss(v)
+            | NonFinite::GradNorm(v) => v,
+        }
+    }
+}
+
+impl std::fmt::Display for NonFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NonFinite::Loss(v) => write!(f, "the loss is {v}"),
+            NonFinite::MtpLoss(v) => write!(f, "the MTP loss is {v} (the main loss is finite)"),
+            NonFinite::AuxLoss(v) => write!(
+                f,
+                "the MoE load-balancing loss is {v} (the main loss is finite)"
+            ),
+            NonFinite::GradNorm(v) => write!(f, "the gradient norm is {v}"),
         }
     }
 }
@@ -147,6 +202,8 @@ pub struct Optimizer<D: Device> {
     plan: Arc<Plan>,
     /// Steps taken (the next is `steps + 1`).
     steps: u64,
+    /// The step count of the checkpoint this optimizer resumed from.
+    resumed_at: Option<u64>,
     states: Vec<Arc<MomentState<D::Backend>>>,
     buckets: Arc<Vec<BucketLayout<D::Backend>>>,
     /// f64, one per bucket: this rank's norm partials of the step.
@@ -237,6 +294,7 @@ impl<D: Device> Optimizer<D> {
             norm_partials: Arc::new(backend.alloc(plan.buckets.len(), DType::F64)?),
             plan,
             steps: 0,
+            resumed_at: None,
             states,
             buckets: Arc::new(buckets),
         })
@@ -253,6 +311,7 @@ impl<D: Device> Optimizer<D> {
     /// Resumes the step count (from a checkpoint).
     pub fn set_steps(&mut self, steps: u64) {
         self.steps = steps;
+        self.resumed_at = Some(steps);
     }
 
     /// Per bucket, the moment buffers (for checkpoints).
@@ -321,16 +380,142 @@ impl<D: Device> Optimizer<D> {
         Ok(total.sqrt())
     }
 
+    /// The error that stops a run whose step `steps + 1` produced the
+    /// non-finite `quantity`: names it, the first parameter whose value or
+    /// gradient is non-finite, the settings that matter (learning rate,
+    /// clipping, a resumed checkpoint), and the causes that fit them.
+    /// Collective: every rank calls it (the quantity is the same on every
+    /// rank) and gets the same message.
+    pub fn divergence(
+        &self,
+        engine: &FsdpEngine<D>,
+        rank: &RankContext<D>,
+        quantity: NonFinite,
+    ) -> Result<RuntimeError> {
+        let step = self.steps + 1;
+        let [bad_value, bad_grad] = self.first_non_finite(engine, rank)?;
+        let name = |at: Option<(usize, usize)>| {
+            at.map(|(b, element)| {
+                let bucket = &self.plan.buckets[b];
+                bucket
+                    .params
+                    .iter()
+                    .map(|&p| &self.plan.params[p])
+                    .find(|p| (p.offset..p.offset + self.plan.def(p).numel()).contains(&element))
+                    .map_or_else(|| format!("bucket {b}"), |p| self.plan.param_name(p))
+            })
+        };
+        let (bad_value, bad_grad) = (name(bad_value), name(bad_grad));
+        let mut out = format!("training diverged at step {step}: {quantity}",);
+        match (&bad_value, &bad_grad) {
+            (Some(p), _) => out += &format!("\n  the parameter {p} is already non-finite"),
+            (None, Some(p)) => {
+                out += &format!(
+                    "\n  the first non-finite gradient is {p}'s (the parameters are finite)"
+                )
+            }
+            (None, None) => out += "\n  the parameters and their gradients are finite",
+        }
+        let lr = number(self.config.lr_at(step));
+        let clipping = match self.config.clip_grad {
+            Some(c) => format!("gradient clipping at norm {}", number(c)),
+            None => "no gradient clipping".to_string(),
+        };
+        out += &format!("\n  settings: learning rate {lr} at this step");
+        if self.config.lr_at(step) != self.config.lr {
+            out += &format!(
+                " (peak {}, warm-up {} steps)",
+                number(self.config.lr),
+                self.config.warmup_steps
+            );
+        }
+        out += &format!(", {clipping}");
+        if let Some(at) = self.resumed_at {
+            out += &format!(", resumed from a checkpoint of step {at}");
+        }
+        // No update ran since the weights were made or loaded: the learning
+        // rate cannot be the cause.
+        let first_step = step == self.resumed_at.unwrap_or(0) + 1;
+        let lower_lr = match self.config.clip_grad {
+            None => format!(
+                "lower the learning rate (--lr, {lr} at this step), or turn gradient clipping \
+                 on (--clip-grad 1)"
+            ),
+            Some(c) => format!(
+                "lower the learning rate (--lr, {lr} at this step) or warm it up (--warmup): \
+                 clipping at {c} bounds the gradient, not how far each update moves the \
+                 weights"
+            ),
+        };
+        let cause = match (bad_value.is_some(), first_step, self.resumed_at) {
+            (true, true, Some(at)) => format!(
+                "the checkpoint of step {at} holds non-finite weights: it is corrupt or was \
+                 saved by a run that had already diverged; resume from an earlier checkpoint"
+            ),
+            (true, true, None) => "the initial weights are non-finite: check init_std and the \
+                 model's dimensions"
+                .to_string(),
+            (true, false, _) => format!("an earlier update wrote non-finite weights: {lower_lr}"),
+            (false, true, Some(at)) => format!(
+                "the weights loaded from the checkpoint of step {at} overflow this step: the \
+                 checkpoint may come from a run that was already diverging; resume from an \
+                 earlier checkpoint or lower the learning rate"
+            ),
+            (false, true, None) => "the first step overflows with the initial weights, before \
+                 any update (the learning rate is not the cause): check init_std, the model's \
+                 dimensions and the data"
+                .to_string(),
+            (false, false, _) => {
+                format!("earlier updates grew the weights until this step overflowed: {lower_lr}")
+            }
+        };
+        out += &format!("\n  likely cause: {cause}");
+        Ok(RuntimeError::Numeric(out))
+    }
+
+    /// The first (bucket, element of the bucket) whose master value, and the
+    /// first whose gradient, is non-finite, over every rank.
+    fn first_non_finite(
+        &self,
+        engine: &FsdpEngine<D>,
+        rank: &RankContext<D>,
+    ) -> Result<[Option<(usize, usize)>; 2]> {
+        let backend = &rank.backend;
+        // -1: none found on this rank.
+        let mut mine = [-1.0f64; 4];
+        let mut host: Vec<f32> = Vec::new();
+        for (b, shard) in engine.shards().iter().enumerate() {
+            let start = engine.owned_range(b, rank).start;
+            for (i, buf) in [&shard.master, &shard.grad].into_iter().enumerate() {
+                if mine[2 * i] >= 0.0 {
+                    continue;
+                }
+                host.clear();
+                host.resize(backend.buf_len(buf), 0.0);
+                backend.download(backend.view(buf)?, &mut host)?;
+                if let Some(at) = host.iter().position(|v| !v.is_finite()) {
+                    mine[2 * i] = b as f64;
+                    mine[2 * i + 1] = (start + at) as f64;
+                }
+            }
+        }
+        let all = rank.host.all_gather_host(&mine)?;
+        let first = |i: usize| {
+            all.iter()
+                .filter(|v| v.len() == 4 && v[2 * i] >= 0.0)
+                .map(|v| (v[2 * i] as usize, v[2 * i + 1] as usize))
+                .min()
+        };
+        Ok([first(0), first(1)])
+    }
+
     /// Clips (when configured) and takes one step on every shard, then
     /// refreshes the compute-precision copies. Returns the gradient norm
     /// before clipping.
     pub fn step(&mut self, engine: &FsdpEngine<D>, rank: &RankContext<D>) -> Result<f64> {
         let norm = self.grad_norm(engine, rank)?;
         if !norm.is_finite() {
-            return Err(RuntimeError::Numeric(format!(
-                "the gradient norm is {norm} at step {}: the loss diverged; lower the learning rate or enable clipping",
-                self.steps + 1
-            )));
+            return Err(self.divergence(engine, rank, NonFinite::GradNorm(norm))?);
         }
         // Clipping multiplies every gradient by this before the update
         // (exactly what scaling the gradient buffers first did).
@@ -408,6 +593,10 @@ impl<D: Device> Optimizer<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::CpuBackend;
+    use crate::cpu::collective::CpuWorld;
+    use crate::cpu::lane::CpuLane;
+    use crate::device::Cpu;
     use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
 
     fn plan(pattern: &str, ranks: usize, ep: usize) -> Plan {
@@ -511,5 +700,157 @@ mod tests {
             decayed_matrices += matrices;
         }
         assert!(decayed_matrices > 0);
+    }
+
+    #[test]
+    fn validate_names_the_field_and_the_range() {
+        let refused = |edit: &dyn Fn(&mut OptimizerConfig)| {
+            let mut config = OptimizerConfig::default();
+            edit(&mut config);
+            config.validate().unwrap_err().to_string()
+        };
+        assert!(refused(&|c| c.lr = f32::NEG_INFINITY).contains("learning rate (lr) is -inf"));
+        assert!(refused(&|c| c.lr = 0.0).contains("above 0"));
+        assert!(refused(&|c| c.weight_decay = -0.1).contains("weight decay is -0.1"));
+        assert!(refused(&|c| c.weight_decay = f32::NAN).contains("weight decay is NaN"));
+        for clip in [f32::NAN, -1.0, 0.0, f32::INFINITY] {
+            let message = refused(&|c| c.clip_grad = Some(clip));
+            assert!(message.contains("gradient clip (clip_grad)"), "{message}");
+            assert!(message.contains("None to turn clipping off"), "{message}");
+        }
+        assert!(refused(&|c| c.beta1 = f32::NAN).contains("betas"));
+        let off = OptimizerConfig {
+            clip_grad: None,
+            ..OptimizerConfig::default()
+        };
+        off.validate().unwrap();
+    }
+
+    /// One rank of a tiny `*-` model whose parameter `poisoned` (if any) is
+    /// NaN, and its optimizer.
+    fn one_rank(
+        config: OptimizerConfig,
+        poisoned: Option<usize>,
+    ) -> (RankContext<Cpu>, FsdpEngine<Cpu>, Optimizer<Cpu>, Arc<Plan>) {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "*-".into();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(1, 1),
+            ..PlanOptions::default()
+        };
+        let plan = Arc::new(Plan::new(&model, &options).unwrap());
+        let world = CpuWorld::new(1).unwrap();
+        let comm = world.comm(0).unwrap();
+        let rank = RankContext::<Cpu> {
+            rank: 0,
+            world: 1,
+            ep: 1,
+            backend: Arc::new(CpuBackend::default()),
+            compute: Arc::new(CpuLane::new("compute").unwrap()),
+            comm: Arc::new(CpuLane::new("comm").unwrap()),
+            ep_group: Arc::new(comm.split(0).unwrap()),
+            edp: Arc::new(comm.split(0).unwrap()),
+            host: Arc::new(comm.split(0).unwrap()),
+            dp: Arc::new(comm),
+        };
+        let init = |p: usize, out: &mut [f32]| {
+            out.fill(if Some(p) == poisoned { f32::NAN } else { 0.01 });
+            Ok(())
+        };
+        let engine = FsdpEngine::new(plan.clone(), Sharding::Zero3, &rank, 2, 1, &init).unwrap();
+        let optimizer = Optimizer::new(config, plan.clone(), &engine, &rank).unwrap();
+        (rank, engine, optimizer, plan)
+    }
+
+    #[test]
+    fn divergence_names_the_parameter_and_the_causes_that_fit() {
+        let explain = |config: OptimizerConfig,
+                       poisoned: Option<usize>,
+                       resumed: Option<u64>,
+                       updates: usize,
+                       quantity: NonFinite| {
+            let (rank, engine, mut optimizer, plan) = one_rank(config, poisoned);
+            if let Some(step) = resumed {
+                optimizer.set_steps(step);
+            }
+            for _ in 0..updates {
+                optimizer.step(&engine, &rank).unwrap();
+            }
+            let name = poisoned.map(|p| plan.param_name(&plan.params[p]));
+            let error = optimizer.divergence(&engine, &rank, quantity).unwrap();
+            assert!(matches!(error, RuntimeError::Numeric(_)));
+            (error.to_string(), name)
+        };
+        let clipped = OptimizerConfig::default();
+        let unclipped = OptimizerConfig {
+            clip_grad: None,
+            ..OptimizerConfig::default()
+        };
+        // Corrupt weights loaded from a checkpoint: the checkpoint, not the
+        // learning rate.
+        let (message, name) = explain(
+            clipped.clone(),
+            Some(3),
+            Some(5),
+            0,
+            NonFinite::Loss(f64::NAN),
+        );
+        assert!(
+            message.starts_with("training diverged at step 6: the loss is NaN"),
+            "{message}"
+        );
+        let name = name.unwrap();
+        assert!(
+            message.contains(&format!("the parameter {name} is already non-finite")),
+            "{message}"
+        );
+        assert!(
+            message.contains("resumed from a checkpoint of step 5"),
+            "{message}"
+        );
+        assert!(
+            message.contains("the checkpoint of step 5 holds non-finite weights"),
+            "{message}"
+        );
+        assert!(!message.contains("lower the learning rate"), "{message}");
+        // The first step of a fresh run: no update ran, the learning rate is
+        // not the cause.
+        let (message, _) = explain(
+            clipped.clone(),
+            None,
+            None,
+            0,
+            NonFinite::Loss(f64::INFINITY),
+        );
+        assert!(
+            message.contains("the learning rate is not the cause"),
+            "{message}"
+        );
+        assert!(
+            message.contains("the parameters and their gradients are finite"),
+            "{message}"
+        );
+        // After updates: the learning rate, with advice that fits clipping.
+        let (message, _) = explain(clipped, None, None, 2, NonFinite::GradNorm(f64::NAN));
+        assert!(
+            message.starts_with("training diverged at step 3: the gradient norm is NaN"),
+            "{message}"
+        );
+        assert!(message.contains("gradient clipping at norm 1"), "{message}");
+        assert!(
+            message.contains("clipping at 1 bounds the gradient"),
+            "{message}"
+        );
+        let (message, _) = explain(unclipped, None, Some(5), 1, NonFinite::MtpLoss(f64::NAN));
+        assert!(message.contains("the MTP loss is NaN"), "{message}");
+        assert!(message.contains("no gradient clipping"), "{message}");
+        assert!(
+            message.contains("turn gradient clipping on (--clip-grad 1)"),
+            "{message}"
+        );
+        assert!(
+            message.contains("earlier updates grew the weights"),
+            "{message}"
+        );
     }
 }

@@ -69,6 +69,9 @@ impl Span {
 pub struct TraceRecorder {
     epoch: Instant,
     spans: Mutex<Vec<Span>>,
+    /// Set by [`TraceRecorder::statistics_only`]: spans are folded into
+    /// these as they arrive and not kept.
+    running: Option<Mutex<RunningStats>>,
 }
 
 impl Default for TraceRecorder {
@@ -83,6 +86,18 @@ impl TraceRecorder {
         TraceRecorder {
             epoch: Instant::now(),
             spans: Mutex::new(Vec::new()),
+            running: None,
+        }
+    }
+
+    /// A recorder that keeps no spans, only what [`Self::stats`] reports,
+    /// computed as spans arrive: for runs that write no trace, so memory does
+    /// not grow with the work done. Exact for lanes that run one item at a
+    /// time and record in order (every [`crate::CpuLane`]).
+    pub fn statistics_only() -> Self {
+        TraceRecorder {
+            running: Some(Mutex::new(RunningStats::default())),
+            ..Self::new()
         }
     }
 
@@ -98,6 +113,13 @@ impl TraceRecorder {
 
     /// Adds a span.
     pub fn record(&self, span: Span) {
+        if let Some(running) = &self.running {
+            running
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .add(&span);
+            return;
+        }
         self.spans
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -151,7 +173,13 @@ impl TraceRecorder {
 
     /// Busy and hidden time per rank over the recorded spans.
     pub fn stats(&self) -> Vec<RankStats> {
-        rank_stats(&self.spans())
+        match &self.running {
+            Some(running) => running
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .stats(),
+            None => rank_stats(&self.spans()),
+        }
     }
 }
 
@@ -340,6 +368,73 @@ pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
         .collect()
 }
 
+/// [`rank_stats`] kept up to date span by span. Each lane's spans arrive in
+/// time order and do not overlap one another, so busy time is a sum, and a
+/// pair of compute and comm spans is intersected when the later of the two
+/// arrives; spans that no later span of the other lane can overlap are
+/// dropped, so memory stays that of the few in flight.
+#[derive(Debug, Default)]
+struct RunningStats {
+    ranks: BTreeMap<usize, RunningRank>,
+}
+
+#[derive(Debug, Default)]
+struct RunningRank {
+    busy: BTreeMap<String, Duration>,
+    first: Option<Duration>,
+    last: Option<Duration>,
+    hidden: Duration,
+    /// Compute and comm spans a later span of the other lane may overlap.
+    compute: std::collections::VecDeque<Interval>,
+    comm: std::collections::VecDeque<Interval>,
+}
+
+impl RunningStats {
+    fn add(&mut self, span: &Span) {
+        let rank = self.ranks.entry(span.rank).or_default();
+        *rank.busy.entry(span.lane.to_string()).or_default() += span.duration();
+        rank.first = Some(rank.first.map_or(span.start, |f| f.min(span.start)));
+        rank.last = Some(rank.last.map_or(span.end, |l| l.max(span.end)));
+        let (mine, theirs) = match span.lane.as_ref() {
+            COMPUTE_LANE => (&mut rank.compute, &mut rank.comm),
+            COMM_LANE => (&mut rank.comm, &mut rank.compute),
+            _ => return,
+        };
+        for other in theirs.iter() {
+            let start = span.start.max(other.0);
+            let end = span.end.min(other.1);
+            if end > start {
+                rank.hidden += end - start;
+            }
+        }
+        // Later spans of this lane start after this one ends.
+        theirs.retain(|other| other.1 > span.end);
+        if span.end > span.start {
+            mine.push_back((span.start, span.end));
+        }
+    }
+
+    fn stats(&self) -> Vec<RankStats> {
+        self.ranks
+            .iter()
+            .map(|(&rank, r)| {
+                let lane = |name: &str| r.busy.get(name).copied().unwrap_or_default();
+                RankStats {
+                    rank,
+                    busy: r.busy.clone(),
+                    compute_busy: lane(COMPUTE_LANE),
+                    comm_busy: lane(COMM_LANE),
+                    hidden: r.hidden,
+                    wall: match (r.first, r.last) {
+                        (Some(f), Some(l)) => l.saturating_sub(f),
+                        _ => Duration::ZERO,
+                    },
+                }
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,6 +486,33 @@ mod tests {
         assert_eq!(stats[1].comm_busy, ms(20));
         assert_eq!(stats[1].hidden, ms(2));
         assert!((stats[1].hidden_fraction().unwrap() - 0.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn running_statistics_equal_those_of_the_stored_spans() {
+        // Two ranks, each with a compute and a comm lane running one item at
+        // a time, recorded in the interleaved order the lanes finish in.
+        let mut rng = crate::data::Xoshiro256::seed_from_u64(5);
+        let mut spans = Vec::new();
+        for rank in 0..2 {
+            for lane in [COMPUTE_LANE, COMM_LANE] {
+                let mut at = 0;
+                for _ in 0..200 {
+                    let start = at + rng.below(7);
+                    let end = start + rng.below(9);
+                    spans.push(span(rank, lane, start, end));
+                    at = end;
+                }
+            }
+        }
+        spans.sort_by_key(|s| s.end);
+        let running = TraceRecorder::statistics_only();
+        for s in &spans {
+            running.record(s.clone());
+        }
+        assert!(running.spans().is_empty());
+        assert_eq!(running.stats(), rank_stats(&spans));
+        assert!(running.stats()[0].hidden > Duration::ZERO);
     }
 
     #[test]

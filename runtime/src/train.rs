@@ -5,7 +5,7 @@
 //! checkpoints.
 
 use crate::backend::{Backend, DeviceStats, Precision, Tokens};
-use crate::checkpoint;
+use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
@@ -14,11 +14,13 @@ use crate::data::{BatchKey, BatchShape, ByteFile, DataSource, MarkovChain};
 use crate::device::{Cpu, Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, Sharding};
+use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
 use crate::model::ModelRuntime;
-use crate::optimizer::{Optimizer, OptimizerConfig};
+use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
 use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, build, run_step};
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -28,6 +30,10 @@ use std::time::{Duration, Instant};
 /// kept per micro-batch, and a typo should be an error, not an
 /// out-of-memory abort.
 pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 22;
+
+/// The longest a rank may wait for its peers: a week. Longer is a typo, and
+/// `Instant + timeout` must stay far from overflowing.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Where tokens come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,7 +58,9 @@ pub struct TrainConfig {
     pub micro_batch_size: usize,
     /// Tokens per sequence (defaults to the model's `seq_length`).
     pub seq_length: usize,
-    /// Steps to run in this invocation.
+    /// Train until the step count reaches this: a resumed run continues
+    /// from its checkpoint's step, so a preempted job restarts with the
+    /// same configuration and ends where it would have.
     pub steps: u64,
     pub schedule: ScheduleKind,
     pub sharding: Sharding,
@@ -63,14 +71,28 @@ pub struct TrainConfig {
     pub seed: u64,
     pub optimizer: OptimizerConfig,
     pub unit_filter: UnitFilter,
-    /// Save a checkpoint here at the end (and every `save_every` steps).
+    /// The checkpoint root to save to, at the end (and every `save_every`
+    /// steps): one directory per step (`checkpoint::root`).
     pub save: Option<PathBuf>,
     pub save_every: Option<u64>,
-    pub resume: Option<PathBuf>,
+    /// Keep only the newest N steps in the save root.
+    pub keep_last: Option<u64>,
+    pub resume: Option<ResumeFrom>,
+    /// Settings a resume takes from its checkpoint instead of from this
+    /// configuration (the CLI lists the flags the user left out). Every
+    /// other setting must agree with the checkpoint, except the layout,
+    /// which may change (checkpoints reshard).
+    pub from_checkpoint: BTreeSet<RunSetting>,
     /// Write a Chrome trace of every lane here.
     pub trace: Option<PathBuf>,
-    /// How long a rank waits for its peers before giving up.
+    /// How long a rank waits for its peers before giving up (at most
+    /// [`MAX_TIMEOUT`]).
     pub timeout: Duration,
+    /// The memory this process may use, in bytes, for the check before
+    /// anything is allocated; `None`: what the operating system reports
+    /// available (Linux: `MemAvailable` or a lower cgroup limit; elsewhere
+    /// no check).
+    pub memory_available: Option<u64>,
 }
 
 impl TrainConfig {
@@ -96,9 +118,12 @@ impl TrainConfig {
             unit_filter: UnitFilter::default(),
             save: None,
             save_every: None,
+            keep_last: None,
             resume: None,
+            from_checkpoint: BTreeSet::new(),
             trace: None,
             timeout: crate::cpu::collective::DEFAULT_TIMEOUT,
+            memory_available: None,
         }
     }
 
@@ -159,6 +184,9 @@ pub struct TrainSummary {
     /// every EP rank included): equal hashes mean equal parameters.
     pub param_hash: u64,
     pub resumed_from: Option<u64>,
+    /// The checkpoint resumed: its step directory.
+    pub resumed_dir: Option<PathBuf>,
+    /// The last checkpoint saved: its step directory.
     pub saved_to: Option<PathBuf>,
     pub trace: Option<PathBuf>,
 }
@@ -174,13 +202,32 @@ impl TrainSummary {
 /// The plan and data a run will use, or why the run cannot start. Nothing
 /// is allocated on any device before this passes.
 pub struct Prepared {
+    /// The configuration to run: the given one, with what a resume takes
+    /// from its checkpoint.
+    pub config: TrainConfig,
     pub plan: Arc<Plan>,
     pub data: DataSource,
-    pub resume_step: Option<u64>,
+    /// The checkpoint resumed and the locked save root.
+    pub checkpoints: RunCheckpoints,
+    /// What the run needs in memory (checked against what is available).
+    pub memory: MemoryNeed,
+    /// The trace file, created (truncated) up front so a path that cannot be
+    /// written fails now rather than after the run.
+    trace_file: Option<std::fs::File>,
 }
 
-/// Checks a configuration completely before any work starts.
+impl Prepared {
+    pub fn resume_step(&self) -> Option<u64> {
+        self.checkpoints.resume.as_ref().map(|r| r.step())
+    }
+}
+
+/// Checks a configuration completely before any work starts. A resume's
+/// checkpoint is read first: the settings it supplies are checked like
+/// the rest. The save root is made and locked last.
 pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
+    let settled = checkpoint::settle(config)?;
+    let config = &settled.config;
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
     if config.ranks == 0 {
         return refuse("--ranks must be at least 1".into());
@@ -206,6 +253,38 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
         ));
     }
     config.optimizer.validate()?;
+    if config.timeout.is_zero() || config.timeout > MAX_TIMEOUT {
+        return refuse(format!(
+            "the peer timeout of {:?} must lie between 1 ms and {} s (a week)",
+            config.timeout,
+            MAX_TIMEOUT.as_secs()
+        ));
+    }
+    let available = match config.memory_available {
+        Some(bytes) => Some(AvailableMemory {
+            bytes,
+            source: "the configured limit".into(),
+        }),
+        None => crate::memory::available(),
+    };
+    // Planning 100,000 layers takes seconds: a bound from the pattern alone
+    // refuses what cannot fit first.
+    let schedule_live = match config.schedule {
+        ScheduleKind::Plain => 1,
+        ScheduleKind::Overlap => config.micro_batches.min(2),
+    };
+    if let Some(available) = &available
+        && let Some(need) = MemoryNeed::lower_bound(
+            &config.model,
+            state_layout(config, 0, 0),
+            Tokens::new(config.micro_batch_size, config.seq_length),
+            schedule_live,
+            ElementSizes::CPU,
+        )
+        && let Some(refusal) = need.check(available, &fit_hints(config))
+    {
+        return Err(RuntimeError::OutOfMemory(refusal));
+    }
     let options = PlanOptions {
         layout: ParallelLayout::new(config.ranks, config.ep),
         unit_filter: config.unit_filter.clone(),
@@ -219,6 +298,12 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
     let plan = Arc::new(plan);
     // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
     ModelRuntime::new(plan.clone())?;
+    let memory = memory_need(config, &plan)?;
+    if let Some(available) = &available
+        && let Some(refusal) = memory.check(available, &fit_hints(config))
+    {
+        return Err(RuntimeError::OutOfMemory(refusal));
+    }
     let data = match &config.data {
         DataChoice::Synthetic => DataSource::Markov(MarkovChain::random(
             config.model.vocab_size,
@@ -235,31 +320,87 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
         ));
     }
     data.check_shape(batch_shape(config, &plan))?;
-    let resume_step = match &config.resume {
-        Some(dir) => Some(checkpoint::read_index(dir, &plan)?.step),
-        None => None,
-    };
-    if let Some(dir) = &config.save {
-        let parent = dir
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        if !parent.is_dir() {
-            return refuse(format!(
-                "cannot save to {}: {} is not a directory",
-                dir.display(),
-                parent.display()
-            ));
-        }
-    }
     if config.save_every == Some(0) {
         return refuse("--save-every must be at least 1".into());
     }
+    // Last: the checks that write (the save root, the trace file).
+    let trace_file = config.trace.as_deref().map(open_trace).transpose()?;
+    let (config, checkpoints) = settled.open(&plan)?;
     Ok(Prepared {
+        config,
         plan,
         data,
-        resume_step,
+        checkpoints,
+        memory,
+        trace_file,
     })
+}
+
+/// What a run of `config` needs in memory, from its plan: state per rank,
+/// the activations of the micro-batches its schedule keeps in flight.
+pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
+    let program = build(&plan.schedule, config.micro_batches.min(3), config.schedule)?;
+    Ok(MemoryNeed::of_plan(
+        plan,
+        state_layout(config, program.max_resident_units, program.max_grad_buffers),
+        Tokens::new(config.micro_batch_size, config.seq_length),
+        program.in_flight(),
+        ElementSizes::CPU,
+    ))
+}
+
+fn state_layout(config: &TrainConfig, resident_units: usize, grad_buffers: usize) -> StateLayout {
+    StateLayout {
+        sharding: config.sharding,
+        ranks: config.ranks,
+        ep: config.ep,
+        optimizer: config.optimizer.kind,
+        resident_units,
+        grad_buffers,
+    }
+}
+
+fn fit_hints(config: &TrainConfig) -> FitHints {
+    FitHints {
+        micro_batch_size: config.micro_batch_size,
+        seq_length: config.seq_length,
+        sharding: config.sharding,
+        optimizer: config.optimizer.kind,
+    }
+}
+
+/// Creates (or truncates) the trace file at `path`, refusing a directory or
+/// a missing parent by name.
+fn open_trace(path: &std::path::Path) -> Result<std::fs::File> {
+    let name = path.display();
+    if path.as_os_str().is_empty() {
+        return Err(RuntimeError::io(
+            "--trace",
+            "the path is empty; give a file such as trace.json",
+        ));
+    }
+    if path.is_dir() {
+        return Err(RuntimeError::io(
+            &name,
+            "this is a directory; give a file path such as trace.json inside it",
+        ));
+    }
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !parent.is_dir() {
+        let why = if parent.exists() {
+            "is not a directory"
+        } else {
+            "does not exist"
+        };
+        return Err(RuntimeError::io(
+            &name,
+            format!("cannot write the trace here: {} {why}", parent.display()),
+        ));
+    }
+    std::fs::File::create(path).map_err(|e| RuntimeError::io(&name, e))
 }
 
 fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
@@ -274,17 +415,22 @@ fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
 /// step's report as it completes.
 pub fn train(config: &TrainConfig, on_step: &mut dyn FnMut(&StepReport)) -> Result<TrainSummary> {
     let prepared = prepare(config)?;
-    train_prepared(config, &prepared, on_step)
+    train_prepared(&prepared, on_step)
 }
 
 /// [`train`] with the checks of [`prepare`] already done (for callers that
 /// report a configuration before running it).
 pub fn train_prepared(
-    config: &TrainConfig,
     prepared: &Prepared,
     on_step: &mut dyn FnMut(&StepReport),
 ) -> Result<TrainSummary> {
-    let recorder = Arc::new(TraceRecorder::new());
+    let config = &prepared.config;
+    // Without a trace file, spans are folded into the summary's figures as
+    // they come: memory does not grow with the steps and micro-batches run.
+    let recorder = Arc::new(match prepared.trace_file {
+        Some(_) => TraceRecorder::new(),
+        None => TraceRecorder::statistics_only(),
+    });
     let world = CpuWorld::with_timeout(config.ranks, config.timeout)?;
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss) = (None, None);
@@ -329,39 +475,36 @@ pub fn train_prepared(
             .collect()
     });
     let wall = started.elapsed();
-    // The root cause: a rank's own failure rather than its peers' reports of it.
+    // The trace of what ran, even when the run failed: it shows where.
+    let traced = match (&prepared.trace_file, &config.trace) {
+        (Some(file), Some(path)) => write_trace(&recorder, file, path),
+        _ => Ok(()),
+    };
     let mut hash = None;
-    let mut first_error: Option<RuntimeError> = None;
-    for outcome in outcomes {
+    let mut failures = Vec::new();
+    for (r, outcome) in outcomes.into_iter().enumerate() {
         match outcome {
             Ok(h) => hash = hash.or(h),
-            Err(e) => {
-                let is_peer = matches!(e, RuntimeError::Peer { .. });
-                if first_error
-                    .as_ref()
-                    .is_none_or(|f| matches!(f, RuntimeError::Peer { .. }) && !is_peer)
-                {
-                    first_error = Some(e);
-                }
-            }
+            Err(e) => failures.push((r, e)),
         }
     }
-    if let Some(e) = first_error {
-        return Err(e);
+    if let Some(failure) = root_failure(failures) {
+        return Err(failure);
     }
+    traced?;
     let param_hash = hash
         .ok_or_else(|| RuntimeError::InvalidArgument("rank 0 returned no parameter hash".into()))?;
-    if let Some(path) = &config.trace {
-        recorder.write_chrome_trace(path)?;
-    }
     let stats = recorder.stats();
     let comm_busy = stats.iter().map(|s| s.comm_busy).sum();
     let comm_hidden = stats.iter().map(|s| s.hidden).sum();
-    let tokens = config.tokens_per_step() * config.steps;
+    let start = prepared.resume_step().unwrap_or(0);
+    let (steps, last_step) = (config.steps.saturating_sub(start), start.max(config.steps));
+    let tokens = config.tokens_per_step() * steps;
     let wall_s = wall.as_secs_f64().max(1e-9);
+    let checkpoints = &prepared.checkpoints;
     Ok(TrainSummary {
-        steps: config.steps,
-        last_step: prepared.resume_step.unwrap_or(0) + config.steps,
+        steps,
+        last_step,
         first_loss,
         final_loss,
         entropy_floor: prepared.data.entropy_floor(),
@@ -369,13 +512,61 @@ pub fn train_prepared(
         tokens,
         wall,
         tokens_per_second: tokens as f64 / wall_s,
-        mean_step_time: wall.div_f64(config.steps.max(1) as f64),
+        mean_step_time: wall.div_f64(steps.max(1) as f64),
         comm_busy,
         comm_hidden,
         param_hash,
-        resumed_from: prepared.resume_step,
-        saved_to: config.save.clone(),
+        resumed_from: prepared.resume_step(),
+        resumed_dir: checkpoints.resume.as_ref().map(|r| r.dir.clone()),
+        saved_to: checkpoints
+            .save
+            .as_ref()
+            .map(|s| s.root.step_dir(last_step)),
         trace: config.trace.clone(),
+    })
+}
+
+/// Writes the recorded spans as a Chrome trace into the file made by
+/// [`prepare`].
+fn write_trace(
+    recorder: &TraceRecorder,
+    file: &std::fs::File,
+    path: &std::path::Path,
+) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(file);
+    serde_json::to_writer(&mut out, &recorder.chrome_trace())
+        .map_err(std::io::Error::from)
+        .and_then(|()| out.flush())
+        .map_err(|e| RuntimeError::io(path.display(), e))
+}
+
+/// The error of a failed run: the first rank that failed on its own (not
+/// because a peer aborted), its root cause first, with every rank that
+/// failed of the same cause; then the other failures, summarised.
+fn root_failure(failures: Vec<(usize, RuntimeError)>) -> Option<RuntimeError> {
+    let own = |e: &RuntimeError| !matches!(e.root_cause(), RuntimeError::Peer { .. });
+    let at = failures
+        .iter()
+        .position(|(_, e)| own(e))
+        .or((!failures.is_empty()).then_some(0))?;
+    let root = failures[at].1.root_cause().to_string();
+    let (mut ranks, mut others, mut stopped) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (r, e)) in failures.iter().enumerate() {
+        if i == at || (own(e) && e.root_cause().to_string() == root) {
+            ranks.push(*r);
+        } else if own(e) {
+            others.push((*r, e.root_cause().to_string()));
+        } else {
+            stopped.push(*r);
+        }
+    }
+    let (_, cause) = failures.into_iter().nth(at)?;
+    Some(RuntimeError::RankFailed {
+        ranks,
+        cause: Box::new(cause),
+        others,
+        stopped,
     })
 }
 
@@ -397,7 +588,7 @@ fn run_rank(
     let lanes = LaneConfig::default()
         .device(device.clone())
         .rank(r)
-        .wait_timeout(config.timeout * 2)
+        .wait_timeout(config.timeout.saturating_mul(2))
         .trace(recorder);
     let rank = RankContext::<Cpu> {
         rank: r,
@@ -425,8 +616,9 @@ fn run_rank(
     )?;
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
     let mut step = 0;
-    if let Some(dir) = &config.resume {
-        step = checkpoint::load(dir, &plan, &engine, &mut optimizer, &rank)?.step;
+    if let Some(resume) = &prepared.checkpoints.resume {
+        checkpoint::load(resume, &plan, &engine, &mut optimizer, &rank)?;
+        step = resume.step();
     }
     let ranges = (0..plan.params.len())
         .map(|p| engine.param_range(p))
@@ -441,16 +633,17 @@ fn run_rank(
         &rank.backend,
     )?);
     let shape = batch_shape(config, &plan);
-    let meta = |step| checkpoint::CheckpointMeta {
-        step,
-        seed: config.seed,
-        run: run_info(config),
-    };
-    for _ in 0..config.steps {
+    let save = prepared.checkpoints.save.as_ref();
+    // The newest step in the save root: the end of the run saves unless
+    // this step is there already.
+    let mut saved = save.and_then(|s| s.root.newest_at_open());
+    while step < config.steps {
         let started = Instant::now();
         let counted = rank.backend.stats();
         let depths = plan.mtp_depths();
-        let mut batch = |mb: usize| -> Result<MicroBatchTokens> {
+        // Each micro-batch's tokens are made when the schedule first needs
+        // them: memory does not grow with the number of micro-batches.
+        let mut micro_batch = |mb: usize| -> Result<MicroBatchTokens> {
             let key = BatchKey {
                 seed: config.seed,
                 step,
@@ -468,10 +661,7 @@ fn run_rank(
                     .collect::<Result<_>>()?,
             })
         };
-        let losses = run_step(&program, &cx, &mut engine, &rank, &mut batch)?;
-        let grad_norm = optimizer.step(&engine, &rank)?;
-        let device = rank.backend.stats() - counted;
-        step += 1;
+        let losses = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         // Every rank's sums, added in rank order: the same bits everywhere.
         let mut mine = vec![losses.main.0, losses.main.1 as f64, losses.aux];
         for (sum, count) in &losses.mtp {
@@ -485,102 +675,67 @@ fn run_rank(
                 .fold(0.0, |a, b| a + b)
         };
         let loss = total(0) / total(1).max(1.0);
-        if !loss.is_finite() {
-            return Err(RuntimeError::Numeric(format!(
-                "the loss is {loss} at step {step}: training diverged"
-            )));
-        }
-        let depths = plan.mtp_depths();
         let mtp_loss = (depths > 0).then(|| {
             (0..depths)
                 .map(|d| total(3 + 2 * d) / total(4 + 2 * d).max(1.0))
                 .sum::<f64>()
                 / depths as f64
         });
+        let aux_loss = total(2) / (config.micro_batches * config.ranks) as f64;
+        // The losses are the same on every rank, so every rank stops here
+        // together, before an update from non-finite gradients.
+        let non_finite = [
+            NonFinite::Loss(loss),
+            NonFinite::MtpLoss(mtp_loss.unwrap_or(0.0)),
+            NonFinite::AuxLoss(aux_loss),
+        ]
+        .into_iter()
+        .find(|q| !q.value().is_finite());
+        if let Some(quantity) = non_finite {
+            return Err(optimizer.divergence(&engine, &rank, quantity)?);
+        }
+        let grad_norm = optimizer.step(&engine, &rank)?;
+        let device = rank.backend.stats() - counted;
+        step += 1;
         if r == 0 {
             // The receiver only goes away when the caller stopped listening.
             let _ = reports.send(StepReport {
                 step,
                 loss,
                 mtp_loss,
-                aux_loss: total(2) / (config.micro_batches * config.ranks) as f64,
+                aux_loss,
                 grad_norm,
                 elapsed: started.elapsed(),
                 device,
             });
         }
-        if let (Some(dir), Some(every)) = (&config.save, config.save_every)
+        if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            checkpoint::save(dir, &meta(step), &plan, &engine, &optimizer, &rank)?;
+            checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
+            saved = Some(step);
         }
     }
-    if let Some(dir) = &config.save
-        && config.save_every.is_none_or(|every| step % every != 0)
+    if let Some(save) = save
+        && saved != Some(step)
     {
-        checkpoint::save(dir, &meta(step), &plan, &engine, &optimizer, &rank)?;
+        checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
     }
     param_hash(&plan, &engine, &rank)
 }
 
-/// The run's settings as recorded in checkpoints (for people).
-fn run_info(config: &TrainConfig) -> serde_json::Value {
-    serde_json::json!({
-        "ranks": config.ranks,
-        "ep": config.ep,
-        "micro_batches": config.micro_batches,
-        "micro_batch_size": config.micro_batch_size,
-        "seq_length": config.seq_length,
-        "schedule": config.schedule,
-        "sharding": config.sharding,
-        "data": match &config.data { DataChoice::Synthetic => "synthetic".to_string(), DataChoice::File(p) => p.display().to_string() },
-        "optimizer": config.optimizer,
-    })
-}
-
 /// FNV-1a over every parameter's bits in plan order, experts once per EP
-/// rank. Collective; the hash is returned on rank 0.
+/// rank. Collective; the hash is returned on rank 0. Buckets are gathered
+/// one at a time, so the hash needs the memory of one bucket, not of the
+/// model.
 fn param_hash<D: Device>(
     plan: &Plan,
     engine: &FsdpEngine<D>,
     rank: &RankContext<D>,
 ) -> Result<Option<u64>> {
-    use crate::backend::Backend;
     let backend = &rank.backend;
-    let mut mine = Vec::new();
-    for shard in engine.shards() {
-        let mut host = vec![0.0f32; backend.buf_len(&shard.master)];
-        backend.download(backend.view(&shard.master)?, &mut host)?;
-        mine.extend(host.iter().map(|&v| f64::from(v)));
-    }
-    let all = rank.host.all_gather_host(&mine)?;
-    if rank.rank != 0 {
-        return Ok(None);
-    }
-    // Each rank's shards, bucket after bucket.
-    let lens: Vec<usize> = plan
-        .buckets
-        .iter()
-        .map(|b| b.shard_numel(engine.world_of(b)))
-        .collect();
-    let starts: Vec<usize> = lens
-        .iter()
-        .scan(0, |at, &l| {
-            let s = *at;
-            *at += l;
-            Some(s)
-        })
-        .collect();
     let ep = rank.ep.max(1);
     let layout = engine.layout();
-    // The whole bucket `b` as EP rank `e` holds it.
-    let whole = |b: usize, e: usize| -> Vec<f64> {
-        layout
-            .holders(plan.buckets[b].expert, e)
-            .into_iter()
-            .flat_map(|r| all[r][starts[b]..starts[b] + lens[b]].to_vec())
-            .collect()
-    };
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |bits: u32| {
         for byte in bits.to_le_bytes() {
@@ -588,23 +743,43 @@ fn param_hash<D: Device>(
             hash = hash.wrapping_mul(0x0100_0000_01b3);
         }
     };
-    let mut wholes: std::collections::HashMap<(usize, usize), Vec<f64>> =
-        std::collections::HashMap::new();
+    // Every rank's shard of the bucket in hand, by rank.
+    let mut gathered: Option<(usize, Vec<Vec<f64>>)> = None;
     for param in plan.params.iter() {
-        let numel = plan.def(param).numel();
-        let copies = if plan.buckets[param.bucket].expert {
-            ep
-        } else {
-            1
+        let b = param.bucket;
+        if gathered.as_ref().is_none_or(|(held, _)| *held != b) {
+            let shard = &engine.shards()[b];
+            let mut host = vec![0.0f32; backend.buf_len(&shard.master)];
+            backend.download(backend.view(&shard.master)?, &mut host)?;
+            let mine: Vec<f64> = host.iter().map(|&v| f64::from(v)).collect();
+            gathered = Some((b, rank.host.all_gather_host(&mine)?));
+        }
+        if rank.rank != 0 {
+            continue;
+        }
+        let Some((_, all)) = &gathered else {
+            continue;
         };
+        let bucket = &plan.buckets[b];
+        let piece = bucket.shard_numel(engine.world_of(bucket)).max(1);
+        let numel = plan.def(param).numel();
+        let copies = if bucket.expert { ep } else { 1 };
         for e in 0..copies {
-            let full = wholes
-                .entry((param.bucket, e))
-                .or_insert_with(|| whole(param.bucket, e));
-            for &v in &full[param.offset..param.offset + numel] {
-                eat((v as f32).to_bits());
+            // The whole bucket as EP rank `e` holds it is its holders'
+            // pieces one after another.
+            let holders = layout.holders(bucket.expert, e);
+            for i in param.offset..param.offset + numel {
+                let value = holders
+                    .get(i / piece)
+                    .and_then(|&r| all.get(r))
+                    .and_then(|v| v.get(i % piece))
+                    .ok_or_else(|| RuntimeError::Peer {
+                        rank: holders.get(i / piece).copied().unwrap_or(0),
+                        message: "sent a parameter shard of the wrong length for the hash".into(),
+                    })?;
+                eat((*value as f32).to_bits());
             }
         }
     }
-    Ok(Some(hash))
+    Ok((rank.rank == 0).then_some(hash))
 }

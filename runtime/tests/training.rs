@@ -5,6 +5,7 @@
 
 use hybridgen_dsl::ModelConfig;
 use hybridgen_runtime::RuntimeError;
+use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{TrainConfig, train};
@@ -37,7 +38,7 @@ fn run(config: &TrainConfig) -> Curve {
         ])
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(steps.len() as u64, config.steps);
+    assert_eq!(steps.len() as u64, summary.steps);
     (steps, summary.param_hash)
 }
 
@@ -185,9 +186,10 @@ fn resume_continues_the_same_curve() {
         c.steps = 2;
         c.save = Some(dir.clone());
     });
+    // `steps` is where the run ends: the resumed run trains steps 3 and 4.
     let second = with("[M*E]-[*E]", |c| {
-        c.steps = 2;
-        c.resume = Some(dir.clone());
+        c.steps = 4;
+        c.resume = Some(ResumeFrom::Dir(dir.clone()));
     });
     let _ = std::fs::remove_dir_all(&dir);
     let mut resumed = first.0;
@@ -206,17 +208,18 @@ fn a_checkpoint_loads_onto_another_layout() {
         c.save = Some(dir.clone());
     });
     // Written by ZeRO-3 on 4 ranks; loaded (zero further steps) by ZeRO-3 on
-    // 4 ranks, ZeRO-3 on 2, and no_shard on 2: the same parameters.
+    // 4 ranks, ZeRO-3 on 2, and no_shard on 2: the same parameters. The
+    // layout is the one setting a resume may change.
     for (ranks, sharding) in [
         (4, Sharding::Zero3),
         (2, Sharding::Zero3),
         (2, Sharding::NoShard),
     ] {
         let loaded = with("[*E][*E]", |c| {
-            c.steps = 0;
+            c.steps = 2;
             c.ranks = ranks;
             c.sharding = sharding;
-            c.resume = Some(dir.clone());
+            c.resume = Some(ResumeFrom::Dir(dir.clone()));
         });
         assert_eq!(loaded.1, saved.1, "{ranks} ranks, {sharding:?}");
     }
@@ -344,10 +347,10 @@ fn a_failing_rank_stops_the_others_with_the_root_cause() {
     });
     // Rank 1's pieces are gone: rank 1 fails while loading, rank 0 loads
     // and waits in its first collective until rank 1's abort reaches it.
-    std::fs::remove_file(dir.join("rank-00001.safetensors")).unwrap();
+    std::fs::remove_file(dir.join("step-000001/rank-00001.safetensors")).unwrap();
     let mut c = config("[*E][*E]");
-    c.steps = 1;
-    c.resume = Some(dir.clone());
+    c.steps = 2;
+    c.resume = Some(ResumeFrom::Dir(dir.clone()));
     c.timeout = std::time::Duration::from_secs(600);
     let started = std::time::Instant::now();
     let err = train(&c, &mut |_| panic!("no step may complete")).unwrap_err();

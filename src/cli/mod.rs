@@ -8,11 +8,11 @@
 mod check;
 mod explain;
 mod human;
-mod plan;
+pub mod plan;
 mod preset;
 mod train;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::ffi::OsString;
 use std::process::ExitCode;
 
@@ -54,6 +54,49 @@ pub(crate) enum Failure {
     Invalid,
     /// Invalid input with a message still to print: exit 1.
     Message(String),
+    /// A failure with a stable code (`hybridgen train`): the message goes to
+    /// stderr and, when `json`, stdout ends with `{"error": {"code",
+    /// "message"}}`. Exit 1.
+    Coded {
+        code: &'static str,
+        message: String,
+        json: bool,
+    },
+}
+
+impl Failure {
+    /// This failure with `code`, unless it has one already.
+    pub(crate) fn coded(self, code: &'static str, json: bool) -> Failure {
+        let message = match self {
+            Failure::Coded { .. } => return self,
+            Failure::Invalid => "invalid input (see the errors above)".to_string(),
+            Failure::Message(message) => message,
+        };
+        Failure::Coded {
+            code,
+            message,
+            json,
+        }
+    }
+}
+
+/// The last line of stdout when a `--format json` run fails.
+fn error_object(code: &str, message: &str) -> String {
+    format!(
+        "{}\n",
+        serde_json::json!({ "error": { "code": code, "message": message } })
+    )
+}
+
+/// Whether `args` ask `train` for JSON output, judged from the raw words
+/// (for usage errors, found before the flags parse).
+fn wants_json(args: &[OsString]) -> bool {
+    let words: Vec<&str> = args.iter().filter_map(|a| a.to_str()).collect();
+    words.contains(&"train")
+        && (words.contains(&"--format=json")
+            || words
+                .windows(2)
+                .any(|w| w[0] == "--format" && w[1] == "json"))
 }
 
 /// Writes command output to stdout. A reader that went away (`| head`) ends
@@ -73,12 +116,28 @@ pub(crate) fn emit(text: &str) -> Result<(), Failure> {
 
 /// Parses `args` and runs the command.
 pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitCode {
-    let cli = match Cli::try_parse_from(args) {
-        Ok(cli) => cli,
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    // The matches are kept: `train` asks which flags were given.
+    let parsed = Cli::command()
+        .try_get_matches_from(&args)
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(err) => {
             // clap prints help and version to stdout (exit 0) and usage
             // errors to stderr (exit 2).
             let _ = err.print();
+            if err.use_stderr() && wants_json(&args) {
+                // The first paragraph: what is wrong, without the usage hint.
+                let rendered = err.render().to_string();
+                let message = rendered
+                    .trim()
+                    .trim_start_matches("error: ")
+                    .split("\n\n")
+                    .next()
+                    .unwrap_or_default();
+                let _ = emit(&error_object("usage", message));
+            }
             return ExitCode::from(if err.use_stderr() { 2 } else { 0 });
         }
     };
@@ -87,13 +146,24 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
         Command::Plan(args) => plan::run(&args),
         Command::Explain(args) => explain::run(&args),
         Command::Preset(args) => preset::run(&args),
-        Command::Train(args) => train::run(&args),
+        Command::Train(args) => train::run(&args, matches.subcommand_matches("train")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Invalid) => ExitCode::from(1),
         Err(Failure::Message(message)) => {
             eprintln!("error: {message}");
+            ExitCode::from(1)
+        }
+        Err(Failure::Coded {
+            code,
+            message,
+            json,
+        }) => {
+            eprintln!("error: {message}");
+            if json {
+                let _ = emit(&error_object(code, &message));
+            }
             ExitCode::from(1)
         }
     }

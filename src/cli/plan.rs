@@ -2,10 +2,14 @@
 
 use super::{Failure, human};
 use hybridgen_dsl::config::ModelConfig;
-use hybridgen_dsl::plan::{Bucket, FsdpUnit, Slot, UnitFilter, UnitShape};
+use hybridgen_dsl::plan::{
+    Bucket, FsdpUnit, LayerInfo, MtpLayerInfo, ScheduleNode, Slot, Stage, UnitFilter, UnitShape,
+};
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
-use serde_json::{Value, json};
-use std::fmt::Write as _;
+use serde::Serialize;
+use serde::ser::{SerializeMap, SerializeStruct, Serializer};
+use std::io::{self, Write};
+use std::ops::Range;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -81,8 +85,20 @@ pub(crate) fn run(args: &PlanArgs) -> Result<(), Failure> {
         Failure::Invalid
     })?;
     match args.format {
-        Format::Text => super::emit(&text(&plan)),
-        Format::Json => super::emit(&format!("{}\n", json(&plan))),
+        Format::Text => emit_streamed(|out| write_text(&plan, out)),
+        Format::Json => emit_streamed(|out| write_json(&plan, out)),
+    }
+}
+
+/// Writes a report to stdout as it is produced, through a buffer: a plan of
+/// a million layers is hundreds of megabytes of report, never held whole. A
+/// reader that went away (`| head`) ends the output quietly.
+fn emit_streamed(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<(), Failure> {
+    let mut out = io::BufWriter::with_capacity(1 << 16, io::stdout().lock());
+    match write(&mut out).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(Failure::Message(format!("cannot write to stdout: {e}"))),
     }
 }
 
@@ -105,20 +121,19 @@ pub(crate) fn resolve_model(
     Ok(model)
 }
 
-/// The readable report.
-fn text(plan: &Plan) -> String {
-    let mut out = String::new();
+/// The readable report, written line by line.
+fn write_text(plan: &Plan, out: &mut dyn Write) -> io::Result<()> {
     let layout = &plan.layout;
-    let _ = writeln!(
+    writeln!(
         out,
         "plan for {}\n  layout: dp {}, ep {} (expert shards over dp/ep = {}), pp {}",
-        plan.pattern.canonical(),
+        plan.pattern,
         layout.dp,
         layout.ep,
         layout.expert_dp(),
         layout.pp
-    );
-    let _ = writeln!(
+    )?;
+    writeln!(
         out,
         "  {} physical layers, {} logical, {} MTP depths; {} parameters ({} active per token)",
         plan.physical_layers(),
@@ -126,14 +141,14 @@ fn text(plan: &Plan) -> String {
         plan.mtp_depths(),
         human::count(plan.total_params),
         human::count(plan.active_params)
-    );
-    let _ = writeln!(out, "  unit filter: {}", plan.unit_filter.description());
+    )?;
+    writeln!(out, "  unit filter: {}", plan.unit_filter.description())?;
     if plan.stages.len() > 1 {
-        let _ = writeln!(out, "\npipeline stages ({})", plan.stages.len());
-        let _ = writeln!(out, "  pp rank  vp stage  layers      logical");
+        writeln!(out, "\npipeline stages ({})", plan.stages.len())?;
+        writeln!(out, "  pp rank  vp stage  layers      logical")?;
         for s in &plan.stages {
             let layers = format!("{}..{}", s.layers.start, s.layers.end);
-            let _ = writeln!(
+            writeln!(
                 out,
                 "  {:<8} {:<9} {layers:<11} {}..{}{}",
                 s.pp_rank,
@@ -141,16 +156,16 @@ fn text(plan: &Plan) -> String {
                 s.logical.start,
                 s.logical.end,
                 if s.has_mtp { "  + MTP" } else { "" }
-            );
+            )?;
         }
     }
 
-    let _ = writeln!(out, "\nFSDP units ({})", plan.units.len());
-    let _ = writeln!(
+    writeln!(out, "\nFSDP units ({})", plan.units.len())?;
+    writeln!(
         out,
         "  {:<4} {:<34} {:<6} {:>8} {:>9} {:>10} {:>11}",
         "#", "unit", "kind", "layers", "params", "gathered", "shard/rank"
-    );
+    )?;
     for unit in plan.units.iter() {
         let buckets: Vec<&Bucket> = unit.buckets.iter().map(|&b| &plan.buckets[b]).collect();
         let numel: usize = buckets.iter().map(|b| b.numel).sum();
@@ -162,7 +177,7 @@ fn text(plan: &Plan) -> String {
             .iter()
             .map(|b| b.shard_numel(plan.bucket_world(b)))
             .sum();
-        let _ = writeln!(
+        writeln!(
             out,
             "  {:<4} {:<34} {:<6} {:>8} {:>9} {:>10} {:>11}",
             unit.index,
@@ -172,19 +187,19 @@ fn text(plan: &Plan) -> String {
             human::count(numel as u64),
             human::count(padded as u64),
             human::count(shard as u64)
-        );
+        )?;
     }
 
-    let _ = writeln!(
+    writeln!(
         out,
         "\nbuckets ({}; padding: ours vs Megatron's rule)",
         plan.buckets.len()
-    );
-    let _ = writeln!(
+    )?;
+    writeln!(
         out,
         "  {:<4} {:<6} {:<7} {:>3} {:>9} {:>9} {:>10} {:>10} {:>12}",
         "id", "unit", "kind", "W", "numel", "padded", "shard", "padding", "megatron pad"
-    );
+    )?;
     let (mut ours, mut theirs, mut theirs_known) = (0u64, 0u64, true);
     for b in plan.buckets.iter() {
         let w = plan.bucket_world(b);
@@ -197,7 +212,7 @@ fn text(plan: &Plan) -> String {
             Some(m) => theirs += m,
             None => theirs_known = false,
         }
-        let _ = writeln!(
+        writeln!(
             out,
             "  {:<4} {:<6} {:<7} {:>3} {:>9} {:>9} {:>10} {:>10} {:>12}",
             b.id,
@@ -209,9 +224,9 @@ fn text(plan: &Plan) -> String {
             human::count(b.shard_numel(w) as u64),
             human::count(padding),
             megatron.map_or("overflow".to_string(), human::count)
-        );
+        )?;
     }
-    let _ = writeln!(
+    writeln!(
         out,
         "  total padding: {} elements (Megatron's rule: {})",
         human::count(ours),
@@ -220,14 +235,14 @@ fn text(plan: &Plan) -> String {
         } else {
             "overflows 64 bits".to_string()
         }
-    );
+    )?;
 
     let m = &plan.memory;
-    let _ = writeln!(
+    writeln!(
         out,
         "\nmemory per rank, ZeRO-3 (overlap schedule: {} live units; plain: {})",
         m.live_units, plan.memory_plain.live_units
-    );
+    )?;
     for (what, bytes) in [
         ("parameter shards (bf16)", m.param_shards),
         ("master weights (f32)", m.master_weights),
@@ -236,16 +251,16 @@ fn text(plan: &Plan) -> String {
         ("unit pool (bf16, unsharded)", m.unit_pool),
         ("non-unit buckets (bf16)", m.non_unit),
     ] {
-        let _ = writeln!(out, "  {what:<30} {:>12}", human::bytes(bytes));
+        writeln!(out, "  {what:<30} {:>12}", human::bytes(bytes))?;
     }
-    let _ = writeln!(
+    writeln!(
         out,
         "  {:<30} {:>12}   (plain schedule: {}; activations not included)",
         "total",
         human::bytes(m.total),
         human::bytes(plan.memory_plain.total)
-    );
-    out
+    )?;
+    Ok(())
 }
 
 fn slot_key(slot: Slot) -> &'static str {
@@ -276,91 +291,283 @@ fn unit_layers(unit: &FsdpUnit) -> String {
     }
 }
 
-/// The JSON document (see README for the schema).
-fn json(plan: &Plan) -> Value {
-    let bucket = |b: &Bucket| {
+/// The JSON document (see README for the schema), serialized straight into
+/// `out`: beyond the plan itself, memory holds one layer's worth of it at a
+/// time, however many layers the plan has.
+///
+/// Every object's keys are in alphabetical order, as the document has always
+/// been written (it was once a `serde_json::Value`, whose maps sort); the
+/// views below list their fields in that order.
+pub fn write_json(plan: &Plan, out: &mut dyn Write) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, &PlanJson(plan))?;
+    out.write_all(b"\n")
+}
+
+/// A JSON array written from an iterator while it is serialized, never
+/// collected.
+struct Streamed<F>(F);
+
+impl<F, I> Serialize for Streamed<F>
+where
+    F: Fn() -> I,
+    I: IntoIterator,
+    I::Item: Serialize,
+{
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq((self.0)())
+    }
+}
+
+/// A value written through its `Display`, never collected into a `String`
+/// (the canonical pattern of a million layers is megabytes).
+struct Displayed<'a, T>(&'a T);
+
+impl<T: std::fmt::Display> Serialize for Displayed<'_, T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self.0)
+    }
+}
+
+struct PlanJson<'p>(&'p Plan);
+
+impl Serialize for PlanJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let plan = self.0;
+        let mut doc = serializer.serialize_struct("Plan", 16)?;
+        doc.serialize_field("active_params", &plan.active_params)?;
+        doc.serialize_field(
+            "layers",
+            &Streamed(|| plan.layers.iter().map(LayerJson::of)),
+        )?;
+        doc.serialize_field(
+            "layout",
+            &LayoutJson {
+                dp: plan.layout.dp,
+                ep: plan.layout.ep,
+                expert_dp: plan.layout.expert_dp(),
+                pp: plan.layout.pp,
+            },
+        )?;
+        doc.serialize_field("logical_layers", &plan.logical_layers.len())?;
+        // A few numbers each: through a `Value`, whose map sorts the keys.
+        let memory = |m| serde_json::to_value(m).map_err(serde::ser::Error::custom);
+        doc.serialize_field("memory", &memory(&plan.memory)?)?;
+        doc.serialize_field("memory_plain", &memory(&plan.memory_plain)?)?;
+        doc.serialize_field("mtp_depths", &plan.mtp_depths())?;
+        doc.serialize_field(
+            "mtp_layers",
+            &Streamed(|| plan.mtp_layers.iter().flatten().map(MtpLayerJson::of)),
+        )?;
+        doc.serialize_field(
+            "non_unit_buckets",
+            &Streamed(|| {
+                plan.non_unit_buckets()
+                    .map(|bucket| BucketJson { plan, bucket })
+            }),
+        )?;
+        doc.serialize_field("pattern", &Displayed(&plan.pattern))?;
+        doc.serialize_field("physical_layers", &plan.physical_layers())?;
+        doc.serialize_field(
+            "schedule",
+            &Streamed(|| plan.schedule.nodes.iter().map(NodeJson)),
+        )?;
+        doc.serialize_field(
+            "stages",
+            &Streamed(|| plan.stages.iter().map(StageJson::of)),
+        )?;
+        doc.serialize_field("total_params", &plan.total_params)?;
+        doc.serialize_field("unit_filter", plan.unit_filter.description())?;
+        doc.serialize_field(
+            "units",
+            &Streamed(|| plan.units.iter().map(|unit| UnitJson { plan, unit })),
+        )?;
+        doc.end()
+    }
+}
+
+#[derive(Serialize)]
+struct LayoutJson {
+    dp: usize,
+    ep: usize,
+    expert_dp: usize,
+    pp: usize,
+}
+
+#[derive(Serialize)]
+struct LayerJson {
+    checkpoint_prefix: String,
+    group: Option<usize>,
+    index: usize,
+    layer_number: usize,
+    logical: usize,
+    path: String,
+    stage: usize,
+    symbol: char,
+}
+
+impl LayerJson {
+    fn of(l: &LayerInfo) -> Self {
+        LayerJson {
+            checkpoint_prefix: l.checkpoint_prefix(),
+            group: l.group,
+            index: l.index,
+            layer_number: l.layer_number,
+            logical: l.logical,
+            path: l.path(),
+            stage: l.stage,
+            symbol: l.kind.symbol(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct MtpLayerJson {
+    depth: usize,
+    index: usize,
+    path: String,
+    symbol: char,
+}
+
+impl MtpLayerJson {
+    fn of(l: &MtpLayerInfo) -> Self {
+        MtpLayerJson {
+            depth: l.depth,
+            index: l.index,
+            path: l.path(),
+            symbol: l.kind.symbol(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct StageJson {
+    has_mtp: bool,
+    layers: RangeJson,
+    logical: RangeJson,
+    pp_rank: usize,
+    vp_stage: usize,
+}
+
+impl StageJson {
+    fn of(s: &Stage) -> Self {
+        StageJson {
+            has_mtp: s.has_mtp,
+            layers: RangeJson::of(&s.layers),
+            logical: RangeJson::of(&s.logical),
+            pp_rank: s.pp_rank,
+            vp_stage: s.vp_stage,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct RangeJson {
+    end: usize,
+    start: usize,
+}
+
+impl RangeJson {
+    fn of(r: &Range<usize>) -> Self {
+        RangeJson {
+            end: r.end,
+            start: r.start,
+        }
+    }
+}
+
+struct UnitJson<'p> {
+    plan: &'p Plan,
+    unit: &'p FsdpUnit,
+}
+
+impl Serialize for UnitJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let (plan, unit) = (self.plan, self.unit);
+        let mut json = serializer.serialize_struct("Unit", 5)?;
+        json.serialize_field(
+            "buckets",
+            &Streamed(|| {
+                unit.buckets.iter().map(|&b| BucketJson {
+                    plan,
+                    bucket: &plan.buckets[b],
+                })
+            }),
+        )?;
+        json.serialize_field("kind", &unit.shape)?;
+        json.serialize_field("layers", &unit.layers)?;
+        json.serialize_field("mtp_depth", &unit.mtp_depth)?;
+        json.serialize_field("name", &unit.name)?;
+        json.end()
+    }
+}
+
+struct BucketJson<'p> {
+    plan: &'p Plan,
+    bucket: &'p Bucket,
+}
+
+impl Serialize for BucketJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let (plan, b) = (self.plan, self.bucket);
         let w = plan.bucket_world(b);
-        json!({
-            "id": b.id,
-            "dtype": b.dtype,
-            "expert": b.expert,
-            "world": w,
-            "numel": b.numel,
-            "padded_numel": b.padded_numel(w),
-            "shard_numel": b.shard_numel(w),
-            "megatron_padded_numel": b.megatron_padded_numel(w),
-            "params": b.params.iter().map(|&i| {
-                let p = &plan.params[i];
-                json!({ "name": plan.param_name(p), "shape": plan.def(p).shape, "offset": p.offset })
-            }).collect::<Vec<_>>(),
-        })
-    };
-    let layers: Vec<Value> = plan
-        .layers
-        .iter()
-        .map(|l| {
-            json!({
-                "index": l.index,
-                "symbol": l.kind.symbol().to_string(),
-                "group": l.group,
-                "logical": l.logical,
-                "layer_number": l.layer_number,
-                "path": l.path(),
-                "checkpoint_prefix": l.checkpoint_prefix(),
-                "stage": l.stage,
-            })
-        })
-        .collect();
-    let mtp_layers: Vec<Value> = plan
-        .mtp_layers
-        .iter()
-        .flatten()
-        .map(|l| json!({ "depth": l.depth, "index": l.index, "symbol": l.kind.symbol().to_string(), "path": l.path() }))
-        .collect();
-    let units: Vec<Value> = plan
-        .units
-        .iter()
-        .map(|u| {
-            json!({
-                "name": u.name,
-                "kind": u.shape,
-                "layers": u.layers,
-                "mtp_depth": u.mtp_depth,
-                "buckets": u.buckets.iter().map(|&b| bucket(&plan.buckets[b])).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
-    let schedule: Vec<Value> = plan
-        .schedule
-        .nodes
-        .iter()
-        .map(|n| {
-            let slots: serde_json::Map<String, Value> = Slot::ALL
-                .iter()
-                .map(|&s| (slot_key(s).to_string(), json!(n.ops(s))))
-                .collect();
-            json!({ "node": n.index, "name": n.name, "unit": n.unit, "slots": slots })
-        })
-        .collect();
-    json!({
-        "pattern": plan.pattern.canonical(),
-        "layout": {
-            "dp": plan.layout.dp, "ep": plan.layout.ep, "pp": plan.layout.pp,
-            "expert_dp": plan.layout.expert_dp(),
-        },
-        "physical_layers": plan.physical_layers(),
-        "logical_layers": plan.logical_layers.len(),
-        "mtp_depths": plan.mtp_depths(),
-        "total_params": plan.total_params,
-        "active_params": plan.active_params,
-        "layers": layers,
-        "mtp_layers": mtp_layers,
-        "stages": plan.stages,
-        "unit_filter": plan.unit_filter.description(),
-        "units": units,
-        "non_unit_buckets": plan.non_unit_buckets().map(bucket).collect::<Vec<_>>(),
-        "memory": plan.memory,
-        "memory_plain": plan.memory_plain,
-        "schedule": schedule,
-    })
+        let mut json = serializer.serialize_struct("Bucket", 9)?;
+        json.serialize_field("dtype", &b.dtype)?;
+        json.serialize_field("expert", &b.expert)?;
+        json.serialize_field("id", &b.id)?;
+        json.serialize_field("megatron_padded_numel", &b.megatron_padded_numel(w))?;
+        json.serialize_field("numel", &b.numel)?;
+        json.serialize_field("padded_numel", &b.padded_numel(w))?;
+        json.serialize_field(
+            "params",
+            &Streamed(|| {
+                b.params.iter().map(|&i| {
+                    let p = &plan.params[i];
+                    ParamJson {
+                        name: plan.param_name(p),
+                        offset: p.offset,
+                        shape: &plan.def(p).shape,
+                    }
+                })
+            }),
+        )?;
+        json.serialize_field("shard_numel", &b.shard_numel(w))?;
+        json.serialize_field("world", &w)?;
+        json.end()
+    }
+}
+
+#[derive(Serialize)]
+struct ParamJson<'p> {
+    name: String,
+    offset: usize,
+    shape: &'p [usize],
+}
+
+struct NodeJson<'p>(&'p ScheduleNode);
+
+impl Serialize for NodeJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let n = self.0;
+        let mut json = serializer.serialize_struct("Node", 4)?;
+        json.serialize_field("name", &n.name)?;
+        json.serialize_field("node", &n.index)?;
+        json.serialize_field("slots", &SlotsJson(n))?;
+        json.serialize_field("unit", &n.unit)?;
+        json.end()
+    }
+}
+
+/// A node's slots by name, in the names' alphabetical order.
+struct SlotsJson<'p>(&'p ScheduleNode);
+
+impl Serialize for SlotsJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut slots = Slot::ALL;
+        slots.sort_by_key(|&slot| slot_key(slot));
+        let mut json = serializer.serialize_map(Some(slots.len()))?;
+        for slot in slots {
+            json.serialize_entry(slot_key(slot), &self.0.ops(slot))?;
+        }
+        json.end()
+    }
 }

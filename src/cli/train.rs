@@ -3,16 +3,20 @@
 //! parallelism 2 and the overlap schedule.
 
 use super::{Failure, human};
+use clap::ArgMatches;
+use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::RuntimeError;
+use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
-    DataChoice, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
+    DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
+use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -48,7 +52,8 @@ pub(crate) struct TrainArgs {
     /// Tokens per sequence [default: the model's seq_length].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     seq_len: Option<u32>,
-    /// Optimizer steps to run (a resumed run continues the step count).
+    /// Train until step N. A resumed run continues from its checkpoint's
+    /// step, so a restarted job ends where it would have.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
     /// `overlap`: combined 1F1B with expert-parallel overlap; `plain`:
@@ -68,29 +73,40 @@ pub(crate) struct TrainArgs {
     seed: u64,
     #[arg(long, value_enum, default_value = "adam")]
     optimizer: OptimizerArg,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
+    /// Peak learning rate (a finite number above 0).
+    #[arg(long, default_value_t = 3e-3, allow_hyphen_values = true, value_parser = learning_rate)]
     lr: f32,
     /// Linear warm-up steps.
     #[arg(long, default_value_t = 0)]
     warmup: u64,
-    /// Decoupled weight decay (matrices only).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// Decoupled weight decay (matrices only; 0 or above).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = weight_decay)]
     weight_decay: f32,
     /// Clip gradients to this global norm; 0 turns clipping off.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true, value_parser = clip_norm)]
     clip_grad: f32,
     /// FSDP units by kind instead of the default rule (see `hybridgen plan --help`).
     #[arg(long, value_name = "KINDS")]
     units: Option<String>,
-    /// Save a checkpoint to DIR at the end of the run.
+    /// Save checkpoints under DIR at the end of the run: one directory per
+    /// step (DIR/step-000120) and DIR/latest naming the newest. DIR must be
+    /// new, empty or a checkpoint root; one run at a time writes it.
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
     /// Also save every N steps.
     #[arg(long, value_name = "N", requires = "save")]
     save_every: Option<u64>,
-    /// Resume from a checkpoint written by --save.
-    #[arg(long, value_name = "DIR")]
+    /// Keep only the newest N steps under --save (older ones are removed
+    /// once a newer one is complete).
+    #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
+    keep_last: Option<u64>,
+    /// Resume from a checkpoint root (its newest complete step), one step's
+    /// directory, or `auto`: the --save root's newest step when it has one,
+    /// else a fresh start. Settings left out (seed, data, batch sizes,
+    /// optimizer, layout, model) are the checkpoint's; a contradicting
+    /// flag is refused, except the layout flags (checkpoints reshard). A
+    /// directory named `auto` is `./auto`.
+    #[arg(long, value_name = "auto|DIR")]
     resume: Option<PathBuf>,
     /// Write a Chrome trace (open in Perfetto or chrome://tracing).
     #[arg(long, value_name = "FILE")]
@@ -98,11 +114,13 @@ pub(crate) struct TrainArgs {
     /// Print a loss line every N steps (text format).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
-    /// Seconds a rank waits for its peers before reporting them stalled.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Seconds a rank waits for its peers before reporting them stalled (1
+    /// to 604800, a week).
+    #[arg(long, default_value_t = 60, allow_hyphen_values = true, value_parser = timeout_seconds)]
     timeout: u64,
     /// `text`: progress bar, loss lines and a summary; `json`: one JSON
-    /// object per step on stdout, then a summary object.
+    /// object per step on stdout, then a summary object, or on failure an
+    /// `{"error": {"code", "message"}}` object.
     #[arg(long, value_enum, default_value = "text")]
     format: FormatArg,
 }
@@ -125,19 +143,151 @@ enum FormatArg {
     Json,
 }
 
-pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
-    let config = config(args)?;
+/// Parses a float flag's value and checks it is finite and in range.
+fn float_in(value: &str, ok: impl Fn(f32) -> bool, range: &str) -> Result<f32, String> {
+    let parsed: f32 = value
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{value}` is not a number; give {range}"))?;
+    if !parsed.is_finite() {
+        Err(format!("{parsed} is not a finite number; give {range}"))
+    } else if ok(parsed) {
+        Ok(parsed)
+    } else {
+        Err(format!("{parsed} is out of range; give {range}"))
+    }
+}
+
+fn learning_rate(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v > 0.0,
+        "a finite learning rate above 0 (e.g. 3e-3)",
+    )
+}
+
+fn weight_decay(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v >= 0.0,
+        "a finite decay of 0 or more (0 turns it off)",
+    )
+}
+
+fn clip_norm(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v >= 0.0,
+        "a finite norm above 0, or 0 to turn clipping off",
+    )
+}
+
+fn timeout_seconds(value: &str) -> Result<u64, String> {
+    let max = MAX_TIMEOUT.as_secs();
+    match value.trim().parse::<u64>() {
+        Ok(s) if (1..=max).contains(&s) => Ok(s),
+        _ => Err(format!(
+            "`{value}` is not a timeout; give whole seconds from 1 to {max} (a week)"
+        )),
+    }
+}
+
+/// The environment variable that overrides the memory the run may use.
+const MEMORY_VARIABLE: &str = "HYBRIDGEN_MEMORY_AVAILABLE";
+
+/// Bytes from `HYBRIDGEN_MEMORY_AVAILABLE`: a whole number with an optional
+/// binary suffix (`K`, `M`, `G`, `T`, optionally followed by `iB` or `B`).
+fn memory_override() -> Result<Option<u64>, String> {
+    let Some(raw) = std::env::var_os(MEMORY_VARIABLE) else {
+        return Ok(None);
+    };
+    let text = raw.to_string_lossy();
+    let bad = || {
+        format!(
+            "{MEMORY_VARIABLE}={text} is not a memory size; give bytes, or a number with K, M, \
+             G or T (e.g. 16G)"
+        )
+    };
+    let trimmed = text.trim();
+    let digits = trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(trimmed.len());
+    let (number, suffix) = trimmed.split_at(digits);
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let shift = match suffix
+        .trim()
+        .trim_end_matches("iB")
+        .trim_end_matches('B')
+        .to_ascii_uppercase()
+        .as_str()
+    {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(bad()),
+    };
+    number.checked_mul(1 << shift).map(Some).ok_or_else(bad)
+}
+
+/// The code of an error found before the run started.
+fn prepare_code(error: &RuntimeError) -> &'static str {
+    match error.code() {
+        code @ ("io" | "out_of_memory") => code,
+        _ => "invalid_config",
+    }
+}
+
+/// `matches`: the parsed command line, to tell the flags given from those
+/// left at their defaults.
+pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), Failure> {
+    let json = args.format == FormatArg::Json;
+    let config = config(args, matches).map_err(|f| f.coded("invalid_config", json))?;
     // Everything is checked before anything is printed or allocated.
-    let prepared = prepare(&config).map_err(|e| Failure::Message(runtime_message(&e)))?;
+    let prepared = prepare(&config).map_err(|e| Failure::Coded {
+        code: prepare_code(&e),
+        message: runtime_message(&e),
+        json,
+    })?;
+    let config = &prepared.config;
+    let resume = prepared.checkpoints.resume.as_ref();
+    let steps = config
+        .steps
+        .saturating_sub(prepared.resume_step().unwrap_or(0));
     let text = args.format == FormatArg::Text;
     if text {
+        match (resume, &config.resume, &config.save) {
+            (Some(resume), _, _) => {
+                let mut line = format!(
+                    "resuming {} at step {}",
+                    resume.dir.display(),
+                    resume.step()
+                );
+                if !resume.inherited.is_empty() {
+                    line += &format!(" (from the checkpoint: {})", resume.inherited.join(", "));
+                }
+                super::emit(&format!("{line}\n"))?;
+            }
+            (None, Some(ResumeFrom::Auto), Some(save)) => super::emit(&format!(
+                "no checkpoint in {} yet: starting fresh\n",
+                save.display()
+            ))?,
+            _ => {}
+        }
+        let model_inherited =
+            resume.is_some() && config.from_checkpoint.contains(&RunSetting::Model);
         super::emit(&format!(
             "training {} ({}) on {} thread ranks, ep {}, {} schedule, ZeRO-{}, {} steps of {} tokens\n",
             config.model.pattern,
-            args.model.as_ref().map_or_else(
-                || format!("preset {}", args.preset),
-                |p| p.display().to_string()
-            ),
+            if model_inherited {
+                "the checkpoint's model".to_string()
+            } else {
+                args.model.as_ref().map_or_else(
+                    || format!("preset {}", args.preset),
+                    |p| p.display().to_string(),
+                )
+            },
             config.ranks,
             config.ep,
             match config.schedule {
@@ -149,12 +299,12 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
             } else {
                 0
             },
-            config.steps,
+            steps,
             config.tokens_per_step(),
         ))?;
     }
     let bar = if text && std::io::stderr().is_terminal() {
-        let bar = ProgressBar::with_draw_target(Some(config.steps), ProgressDrawTarget::stderr());
+        let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
         bar.set_style(
             ProgressStyle::with_template(
                 "{bar:30} {pos}/{len} steps  loss {msg}  [{elapsed} < {eta}]",
@@ -216,14 +366,18 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
             }
         }
     };
-    let result = train_prepared(&config, &prepared, &mut on_step);
+    let result = train_prepared(&prepared, &mut on_step);
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
     if let Some(e) = output_error {
-        return Err(e);
+        return Err(e.coded("io", json));
     }
-    let summary = result.map_err(|e| Failure::Message(runtime_message(&e)))?;
+    let summary = result.map_err(|e| Failure::Coded {
+        code: e.code(),
+        message: runtime_message(&e),
+        json,
+    })?;
     if text {
         super::emit(&summary_text(&summary))
     } else {
@@ -231,9 +385,44 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), Failure> {
     }
 }
 
+/// The `TrainArgs` fields (clap's argument ids) that set each setting.
+fn arg_ids(setting: RunSetting) -> &'static [&'static str] {
+    match setting {
+        RunSetting::Model => &["preset", "model", "pattern"],
+        RunSetting::Seed => &["seed"],
+        RunSetting::Data => &["data"],
+        RunSetting::MicroBatches => &["micro_batches"],
+        RunSetting::MicroBatchSize => &["micro_batch_size"],
+        RunSetting::SeqLength => &["seq_len"],
+        RunSetting::Optimizer => &["optimizer"],
+        RunSetting::Lr => &["lr"],
+        RunSetting::Warmup => &["warmup"],
+        RunSetting::WeightDecay => &["weight_decay"],
+        RunSetting::ClipGrad => &["clip_grad"],
+        RunSetting::Beta1 | RunSetting::Beta2 | RunSetting::Eps | RunSetting::Momentum => &[],
+        RunSetting::Ranks => &["ranks"],
+        RunSetting::Ep => &["ep"],
+        RunSetting::Sharding => &["zero"],
+        RunSetting::Schedule => &["schedule"],
+    }
+}
+
+/// The settings whose flags the user left out: a resume takes them from
+/// its checkpoint. Without the matches, every flag counts as given.
+fn left_out(matches: Option<&ArgMatches>) -> BTreeSet<RunSetting> {
+    let Some(matches) = matches else {
+        return BTreeSet::new();
+    };
+    let given = |id: &&str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    RunSetting::ALL
+        .into_iter()
+        .filter(|s| !arg_ids(*s).iter().any(given))
+        .collect()
+}
+
 /// Builds the run's configuration from the flags, refusing what cannot work
 /// before anything starts.
-fn config(args: &TrainArgs) -> Result<TrainConfig, Failure> {
+fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig, Failure> {
     let model = super::plan::resolve_model(
         args.pattern.as_deref(),
         args.model.as_ref(),
@@ -259,6 +448,11 @@ fn config(args: &TrainArgs) -> Result<TrainConfig, Failure> {
     };
     config.data = match args.data.as_str() {
         "synthetic" => DataChoice::Synthetic,
+        "" => {
+            return Err(Failure::Message(
+                "--data is empty: give a file to train on, or `synthetic`".into(),
+            ));
+        }
         path => DataChoice::File(PathBuf::from(path)),
     };
     config.seed = args.seed;
@@ -279,9 +473,18 @@ fn config(args: &TrainArgs) -> Result<TrainConfig, Failure> {
     }
     config.save = args.save.clone();
     config.save_every = args.save_every;
-    config.resume = args.resume.clone();
+    config.keep_last = args.keep_last;
+    config.resume = args.resume.as_ref().map(|dir| {
+        if dir.as_os_str() == "auto" {
+            ResumeFrom::Auto
+        } else {
+            ResumeFrom::Dir(dir.clone())
+        }
+    });
+    config.from_checkpoint = left_out(matches);
     config.trace = args.trace.clone();
     config.timeout = Duration::from_secs(args.timeout);
+    config.memory_available = memory_override().map_err(Failure::Message)?;
     Ok(config)
 }
 
@@ -323,18 +526,15 @@ fn summary_text(s: &TrainSummary) -> String {
             ))
     );
     out += &format!("  parameters      hash {:016x}\n", s.param_hash);
-    if let Some(step) = s.resumed_from {
+    if let (Some(step), Some(dir)) = (s.resumed_from, &s.resumed_dir) {
         out += &format!(
-            "  resumed         from step {step}, now at step {}\n",
+            "  resumed         from {} (step {step}), now at step {}\n",
+            dir.display(),
             s.last_step
         );
     }
     if let Some(dir) = &s.saved_to {
-        out += &format!(
-            "  checkpoint      {} (step {})\n",
-            dir.display(),
-            s.last_step
-        );
+        out += &format!("  checkpoint      {}\n", dir.display());
     }
     if let Some(path) = &s.trace {
         out += &format!(
@@ -361,6 +561,7 @@ fn summary_json(s: &TrainSummary) -> serde_json::Value {
             "hidden_fraction": s.hidden_fraction(),
             "param_hash": format!("{:016x}", s.param_hash),
             "resumed_from": s.resumed_from,
+            "resumed_dir": s.resumed_dir.as_ref().map(|p| p.display().to_string()),
             "checkpoint": s.saved_to.as_ref().map(|p| p.display().to_string()),
             "trace": s.trace.as_ref().map(|p| p.display().to_string()),
         }

@@ -6,7 +6,7 @@
 
 use super::errors::{Errors, field_message, pattern_message, pattern_span};
 use super::fields::{FieldSpans, Resolved};
-use crate::diagnostic::{Code, Diagnostic};
+use crate::diagnostic::{Code, Diagnostic, Diagnostics};
 use crate::pattern::Pattern;
 use crate::plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};
 use proc_macro2::Span;
@@ -84,9 +84,7 @@ pub fn plan(resolved: &Resolved, spans: &FieldSpans, errors: &mut Errors) -> Opt
     match plan_without_panics(&resolved.config, &plan_options(resolved)) {
         Ok(plan) => Some(plan),
         Err(diagnostics) => {
-            for d in &diagnostics.items {
-                report(d, &resolved.config.pattern, spans, errors);
-            }
+            report_all(&diagnostics, &resolved.config.pattern, spans, errors);
             None
         }
     }
@@ -100,9 +98,32 @@ pub fn check_pattern_only(spans: &FieldSpans, errors: &mut Errors) {
     };
     let source = literal.value();
     if let Err(diagnostics) = Pattern::parse(&source) {
-        for d in &diagnostics.items {
-            report(d, &source, spans, errors);
-        }
+        report_all(&diagnostics, &source, spans, errors);
+    }
+}
+
+/// The first [`Diagnostics::MAX_RENDERED`] diagnostics, each at its place,
+/// then one error at the pattern saying how many more there are: a pattern
+/// of a hundred thousand `]` is as many mistakes.
+fn report_all(diagnostics: &Diagnostics, pattern: &str, spans: &FieldSpans, errors: &mut Errors) {
+    let shown = diagnostics.items.len().min(Diagnostics::MAX_RENDERED);
+    for d in &diagnostics.items[..shown] {
+        report(d, pattern, spans, errors);
+    }
+    let hidden = diagnostics.total() - shown;
+    if hidden > 0 {
+        let span = spans
+            .pattern
+            .as_ref()
+            .map_or_else(|| spans.origin(), syn::LitStr::span);
+        errors.push(
+            span,
+            format!(
+                "... and {hidden} more error{} ({} in total)",
+                if hidden == 1 { "" } else { "s" },
+                diagnostics.total()
+            ),
+        );
     }
 }
 
@@ -237,5 +258,25 @@ mod tests {
         assert!(errors.iter().any(|e| e.starts_with("[H026]")), "{errors:?}");
         let errors = errors_of(quote! { struct M { preset: "tiny", pattern: "M*|M*|M*", pp: 2 } });
         assert!(errors.iter().any(|e| e.starts_with("[H020]")), "{errors:?}");
+    }
+
+    #[test]
+    fn a_flood_of_errors_is_capped_with_a_count() {
+        let pattern = "]".repeat(120_000);
+        for tokens in [
+            quote! { struct M { preset: "tiny", pattern: #pattern } },
+            // With a field error too: the pattern alone is checked.
+            quote! { struct M { preset: "tiny", pattern: #pattern, hidden: 3 } },
+        ] {
+            let errors = errors_of(tokens);
+            let flood: Vec<_> = errors.iter().filter(|e| e.starts_with("[H003]")).collect();
+            assert_eq!(flood.len(), Diagnostics::MAX_RENDERED, "{}", errors.len());
+            assert_eq!(
+                errors.last().map(String::as_str),
+                Some("... and 119950 more errors (120000 in total)")
+            );
+            // Each shows a window of the line, not the 120,000 characters.
+            assert!(errors.iter().all(|e| e.len() < 1000), "{}", errors[0]);
+        }
     }
 }

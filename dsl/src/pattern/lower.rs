@@ -7,10 +7,11 @@
 //! `(M{100000}){100000}` an error instead of an out-of-memory.
 
 use super::{
-    Group, Item, Layer, LayerKind, MAX_EXPANDED_LAYERS, MAX_REPEAT, MtpDepth, Pattern, Segment,
+    Group, Item, Layer, LayerKind, MAX_EXPANDED_LAYERS, MAX_PATTERN_BYTES, MAX_REPEAT, MtpDepth,
+    Pattern, Segment,
 };
-use crate::diagnostic::{Code, Diagnostic};
-use crate::span::{LineCol, Span};
+use crate::diagnostic::{Code, Diagnostic, Findings, shorten};
+use crate::span::{LineCol, LineIndex, Span};
 use pest::Parser;
 use pest::iterators::Pair;
 
@@ -58,7 +59,13 @@ enum Place {
 
 struct Lowering<'s> {
     source: &'s str,
-    diagnostics: Vec<Diagnostic>,
+    /// Positions for messages that name another place (`the `|` at 1:9`),
+    /// built on first use.
+    lines: std::cell::OnceCell<LineIndex<'s>>,
+    diagnostics: Findings,
+    /// Diagnostics found of the kinds that drop layers (H001, H005, H012),
+    /// counted whether kept or not, to tell which MTP depths lost layers.
+    lossy_found: usize,
     /// Unclosed `[`s not yet matched with a later stray `]`. The first stray
     /// `]` after an unclosed group is taken as its intended closer (as in
     /// `[M|E]`) and not reported a second time.
@@ -73,7 +80,7 @@ pub(super) struct Lowered {
     /// it and report their own independent errors.
     pub pattern: Pattern,
     /// The syntax diagnostics (H001-H005, H011, H012).
-    pub diagnostics: Vec<Diagnostic>,
+    pub diagnostics: Findings,
     /// Per MTP depth of `pattern`: whether a syntax error dropped some of its
     /// layers (an unknown symbol, a malformed repeat, a nested group), so
     /// comparing it with the other depths (H010) would report a cascade.
@@ -85,7 +92,9 @@ pub(super) struct Lowered {
 pub(super) fn lower(source: &str) -> Lowered {
     let mut cx = Lowering {
         source,
-        diagnostics: Vec::new(),
+        lines: std::cell::OnceCell::new(),
+        diagnostics: Findings::default(),
+        lossy_found: 0,
         unmatched_unclosed: 0,
         unmatched_unclosed_paren: 0,
     };
@@ -93,6 +102,30 @@ pub(super) fn lower(source: &str) -> Lowered {
         segments: Vec::new(),
         mtp_depths: Vec::new(),
     };
+    if source.len() > MAX_PATTERN_BYTES {
+        let mut cut = MAX_PATTERN_BYTES;
+        while !source.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let next = source[cut..].chars().next().map_or(1, char::len_utf8);
+        cx.push(
+            Diagnostic::new(
+                Code::H012,
+                format!(
+                    "the pattern is {} bytes long, over the limit of {MAX_PATTERN_BYTES} (1 MiB)",
+                    source.len()
+                ),
+            )
+            .at(Span::new(cut, cut + next))
+            .label("the pattern goes on past the limit here")
+            .help("write long runs with repeats: `(M[*E]){1000}` is 6,000 characters in 12"),
+        );
+        return Lowered {
+            pattern: empty,
+            diagnostics: cx.diagnostics,
+            lossy_depths: Vec::new(),
+        };
+    }
     if let Some(too_deep) = check_nesting(source, MAX_NESTING) {
         cx.diagnostics.push(too_deep);
         return Lowered {
@@ -149,7 +182,7 @@ pub(super) fn lower(source: &str) -> Lowered {
             }
             Rule::mtp_depth => {
                 let span = span_of(&pair);
-                let before = cx.diagnostics.len();
+                let lossy_before = cx.lossy_found;
                 let mut nodes = Vec::new();
                 for part in pair.into_inner() {
                     match part.as_rule() {
@@ -167,9 +200,7 @@ pub(super) fn lower(source: &str) -> Lowered {
                         _ => {}
                     }
                 }
-                let lossy = cx.diagnostics[before..]
-                    .iter()
-                    .any(|d| matches!(d.code, Code::H001 | Code::H005 | Code::H012));
+                let lossy = cx.lossy_found > lossy_before;
                 depths.push((span, nodes, lossy));
             }
             _ => {}
@@ -357,6 +388,9 @@ fn expand_into(nodes: &[Node], out: &mut Vec<Item>) {
     }
 }
 
+/// The most characters of user input a message quotes.
+const MAX_QUOTED: usize = 24;
+
 fn span_of(pair: &Pair<'_, Rule>) -> Span {
     let s = pair.as_span();
     Span::new(s.start(), s.end())
@@ -364,11 +398,16 @@ fn span_of(pair: &Pair<'_, Rule>) -> Span {
 
 impl Lowering<'_> {
     fn push(&mut self, diagnostic: Diagnostic) {
+        if matches!(diagnostic.code, Code::H001 | Code::H005 | Code::H012) {
+            self.lossy_found += 1;
+        }
         self.diagnostics.push(diagnostic);
     }
 
     fn at(&self, offset: usize) -> LineCol {
-        LineCol::of(self.source, offset)
+        self.lines
+            .get_or_init(|| LineIndex::new(self.source))
+            .line_col(offset)
     }
 
     /// One `item` / `block_item`: an atom and its optional count, appended
@@ -638,18 +677,20 @@ impl Lowering<'_> {
                 _ => {}
             }
         }
+        // Quoted in the message, so cut short: the braces may hold megabytes.
+        let shown = shorten(&text, MAX_QUOTED);
         let problem = if !closed {
-            Some(format!("unclosed repeat count `{{{text}`"))
+            Some(format!("unclosed repeat count `{{{shown}`"))
         } else if text.is_empty() {
             Some("empty repeat count `{}`".to_string())
         } else if !text.bytes().all(|b| b.is_ascii_digit()) {
-            Some(format!("repeat count `{text}` is not a whole number"))
+            Some(format!("repeat count `{shown}` is not a whole number"))
         } else {
             match text.parse::<usize>() {
                 Ok(0) => Some("repeat count 0: a repeat writes at least one copy".to_string()),
                 Ok(n) if n <= MAX_REPEAT => return Some(n),
                 _ => Some(format!(
-                    "repeat count {text} is over the limit of {MAX_REPEAT}"
+                    "repeat count {shown} is over the limit of {MAX_REPEAT}"
                 )),
             }
         };
@@ -694,7 +735,7 @@ impl Lowering<'_> {
                     Code::H012,
                     format!(
                         "repeat count `{}` with nothing to repeat",
-                        inner.as_str().trim()
+                        shorten(inner.as_str().trim(), MAX_QUOTED)
                     ),
                 )
                 .at(span)
@@ -815,7 +856,7 @@ mod tests {
                 MAX_NESTING + 1,
             ),
         ] {
-            let diagnostics = lower(&source).diagnostics;
+            let (diagnostics, _) = lower(&source).diagnostics.into_parts();
             let found: Vec<_> = diagnostics
                 .iter()
                 .map(|d| (d.code, d.position(&source).map(|p| p.column)))

@@ -205,24 +205,34 @@ pub const MAX_REPEAT: usize = 100_000;
 /// ...and a whole pattern may expand to at most this many layers, so sugar
 /// like `(M{100000}){100000}` is an error rather than an out-of-memory.
 pub const MAX_EXPANDED_LAYERS: usize = 1_000_000;
+/// The longest pattern text, in bytes (1 MiB): far beyond any real
+/// pattern (repeats write long ones; a million layers written out as `M*M*...`
+/// fit). Reading costs time and memory per byte of text, a megabyte of
+/// mistakes being a million errors, so longer text is refused before it is
+/// read.
+pub const MAX_PATTERN_BYTES: usize = 1 << 20;
 
 impl Pattern {
     /// Parses and validates a pattern, reporting every independent mistake.
     pub fn parse(source: &str) -> Result<Pattern, Diagnostics> {
         let lower::Lowered {
             pattern,
-            mut diagnostics,
+            diagnostics: syntax,
             lossy_depths,
         } = lower::lower(source);
-        diagnostics.extend(rules::check(&pattern, &lossy_depths));
+        let rules = rules::check(&pattern, &lossy_depths);
+        if syntax.is_empty() && rules.is_empty() {
+            return Ok(pattern);
+        }
+        let (mut diagnostics, syntax_omitted) = syntax.into_parts();
+        let (semantic, rules_omitted) = rules.into_parts();
+        diagnostics.extend(semantic);
         // A repeat copies a mistake; report each culprit once.
         diagnostics.sort_by_key(|d| (d.span.map(|s| (s.start, s.end)), d.code));
         diagnostics.dedup_by(|a, b| a.code == b.code && a.span == b.span);
-        if diagnostics.is_empty() {
-            Ok(pattern)
-        } else {
-            Err(Diagnostics::new(source, "pattern", diagnostics))
-        }
+        let mut report = Diagnostics::new(source, "pattern", diagnostics);
+        report.omitted += syntax_omitted + rules_omitted;
+        Err(report)
     }
 
     /// Whether the main pattern has `|`.

@@ -2,14 +2,23 @@
 //! may still get wrong about groups, attention families and MTP depths.
 
 use super::{Group, Layer, LayerKind, Namespace, Pattern};
-use crate::diagnostic::{Code, Diagnostic};
+use crate::diagnostic::{Code, Diagnostic, Findings, shorten};
+use std::collections::HashSet;
+
+/// The most symbols of the pattern a message or help quotes.
+const MAX_QUOTED: usize = 32;
 
 /// `lossy_depths` marks the MTP depths a syntax error already took layers
 /// from: they are left out of the H010 comparison.
-pub(super) fn check(pattern: &Pattern, lossy_depths: &[bool]) -> Vec<Diagnostic> {
-    let mut out = Vec::new();
+pub(super) fn check(pattern: &Pattern, lossy_depths: &[bool]) -> Findings {
+    let mut out = Findings::default();
+    // The copies a repeat makes of a group are the same group, spans and
+    // all: check each written group once.
+    let mut checked = HashSet::new();
     for item in pattern.items() {
-        if let super::Item::Group(group) = item {
+        if let super::Item::Group(group) = item
+            && checked.insert(group.span)
+        {
             check_group(group, &mut out);
         }
     }
@@ -20,7 +29,7 @@ pub(super) fn check(pattern: &Pattern, lossy_depths: &[bool]) -> Vec<Diagnostic>
 
 /// H006, H007, H008. Each member gets at most one of them, in that order of
 /// precedence, so one misplaced terminal is one error.
-fn check_group(group: &Group, out: &mut Vec<Diagnostic>) {
+fn check_group(group: &Group, out: &mut Findings) {
     let last = group.members.len() - 1;
     let mut flagged = vec![false; group.members.len()];
     for (i, member) in group.members.iter().enumerate() {
@@ -34,10 +43,15 @@ fn check_group(group: &Group, out: &mut Vec<Diagnostic>) {
                     Diagnostic::new(Code::H006, "`E` is not the last layer of its group")
                         .at(member.span)
                         .label("a MoE layer ends its group")
-                        .help(format!(
-                            "move the `E` to the end (`[{}E]`) or split the group after it",
-                            symbols_without(&group.members, i)
-                        )),
+                        .help(match symbols_without(&group.members, i) {
+                            Some(rest) => format!(
+                                "move the `E` to the end (`[{rest}E]`) or split the group after it"
+                            ),
+                            None => {
+                                "move the `E` to the end of the group or split the group after it"
+                                    .to_string()
+                            }
+                        }),
                 );
             }
             LayerKind::Mlp => {
@@ -55,7 +69,10 @@ fn check_group(group: &Group, out: &mut Vec<Diagnostic>) {
                         .help(if terminal_after {
                             "a group has at most one terminal (`-` or `E`): split the group, e.g. `[-][*E]`".to_string()
                         } else {
-                            format!("move the `-` to the end: `[{}-]`", symbols_without(&group.members, i))
+                            match symbols_without(&group.members, i) {
+                                Some(rest) => format!("move the `-` to the end: `[{rest}-]`"),
+                                None => "move the `-` to the end of the group".to_string(),
+                            }
                         }),
                 );
             }
@@ -95,18 +112,22 @@ fn check_group(group: &Group, out: &mut Vec<Diagnostic>) {
     }
 }
 
-/// The group's symbols with member `skip` left out, for help text.
-fn symbols_without(members: &[Layer], skip: usize) -> String {
-    members
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != skip)
-        .map(|(_, m)| m.kind.symbol())
-        .collect()
+/// The group's symbols with member `skip` left out, for help text; `None`
+/// for a group too long to quote (every member of `[E{100000}M]` is an
+/// error, and quoting the group in each would be quadratic).
+fn symbols_without(members: &[Layer], skip: usize) -> Option<String> {
+    (members.len() <= MAX_QUOTED).then(|| {
+        members
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != skip)
+            .map(|(_, m)| m.kind.symbol())
+            .collect()
+    })
 }
 
 /// H009: `*` together with `+` or `D` anywhere in the model.
-fn check_attention_families(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
+fn check_attention_families(pattern: &Pattern, out: &mut Findings) {
     let all = pattern
         .layers()
         .chain(pattern.mtp_depths.iter().flat_map(|d| &d.layers));
@@ -145,7 +166,7 @@ fn check_attention_families(pattern: &Pattern, out: &mut Vec<Diagnostic>) {
 /// H010: every MTP depth equal to the first. A depth that lost layers to a
 /// syntax error is not compared (its error is already reported); the first
 /// intact depth is the reference.
-fn check_mtp_depths(pattern: &Pattern, lossy_depths: &[bool], out: &mut Vec<Diagnostic>) {
+fn check_mtp_depths(pattern: &Pattern, lossy_depths: &[bool], out: &mut Findings) {
     let mut intact = pattern
         .mtp_depths
         .iter()
@@ -163,7 +184,7 @@ fn check_mtp_depths(pattern: &Pattern, lossy_depths: &[bool], out: &mut Vec<Diag
                 if s.is_empty() {
                     "nothing".to_string()
                 } else {
-                    format!("`{s}`")
+                    format!("`{}`", shorten(s, MAX_QUOTED))
                 }
             };
             out.push(
@@ -183,7 +204,8 @@ fn check_mtp_depths(pattern: &Pattern, lossy_depths: &[bool], out: &mut Vec<Diag
                     "remove the trailing `/`, or repeat the depth's layers after it".to_string()
                 } else {
                     format!(
-                        "every depth is built from one pattern: write `/{reference}` for each depth"
+                        "every depth is built from one pattern: write `/{}` for each depth",
+                        shorten(&reference, MAX_QUOTED)
                     )
                 }),
             );

@@ -18,9 +18,10 @@ pub use schedule::{LaneKind, LayerRef, Op, ScheduleNode, SchedulePlan, Slot};
 pub use units::{FsdpUnit, Module, ModuleKind, UnitFilter, UnitKind, UnitShape};
 
 use crate::config::ModelConfig;
-use crate::diagnostic::{Diagnostic, Diagnostics};
+use crate::diagnostic::{Code, Diagnostic, Diagnostics};
 use crate::params::{ParamDef, layer_params};
 use crate::pattern::{Item, LayerKind, Pattern};
+use crate::span::Span;
 use serde::Serialize;
 use std::borrow::Cow;
 
@@ -229,6 +230,14 @@ impl Plan {
         let source = std::mem::take(&mut model.pattern);
         let fail = |items: Vec<Diagnostic>| Diagnostics::new(source.clone(), "pattern", items);
         let mut problems = model.check(&pattern);
+        if pattern.layers().next().is_none() && pattern.mtp_depths.is_empty() {
+            problems.push(
+                Diagnostic::new(Code::H028, "the pattern has no layers")
+                    .at(Span::new(0, source.len()))
+                    .label("a model needs at least one layer")
+                    .help("write the model's layers, e.g. `M[*E]M[*E]`; an empty pattern is often an unset variable"),
+            );
+        }
         problems.extend(options.layout.check(&model, &pattern));
         // Where the stages fall depends only on the pattern and pp, so its
         // errors are reported with the others (unless pp is 0, reported above).

@@ -549,7 +549,7 @@ impl CpuComm {
         finisher: Option<Finisher<'_>>,
     ) -> Result<Exchanged> {
         let n = self.members.len();
-        let deadline = Instant::now() + self.family.timeout;
+        let deadline = crate::cpu::lane::deadline_after(self.family.timeout);
         let mut state = self.family.lock();
         if let Some((rank, reason)) = &state.aborted {
             return Err(self.aborted_error(call, *rank, reason));
@@ -1047,6 +1047,25 @@ mod tests {
         assert_eq!(comm.next_seq.load(Ordering::SeqCst), 1);
         comm.barrier().unwrap();
         assert!(!comm.in_call.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_timeout_too_long_for_the_clock_waits_without_panicking() {
+        // `Instant::now() + u64::MAX seconds` overflows (and panics): every
+        // rank's collective must still run.
+        let world = CpuWorld::with_timeout(2, Duration::from_secs(u64::MAX)).unwrap();
+        let comms: Vec<CpuComm> = (0..2).map(|r| world.comm(r).unwrap()).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(r, comm)| scope.spawn(move || comm.all_gather_host(&[r as f64])))
+                .collect();
+            for handle in handles {
+                let all = handle.join().expect("no rank panics").unwrap();
+                assert_eq!(all, vec![vec![0.0], vec![1.0]]);
+            }
+        });
     }
 
     #[test]

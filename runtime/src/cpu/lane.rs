@@ -32,6 +32,18 @@ use std::time::{Duration, Instant};
 /// collective (which names the rank) before a lane gives up on the event.
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// `timeout` from now, for waits bounded by a user's timeout: a timeout too
+/// long for the clock (`Duration::MAX`, `u64::MAX` seconds) waits a year
+/// rather than overflowing `Instant` (which panics, and in a lane's worker
+/// would leave its work unfinished forever).
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(timeout.min(FAR))
+        .or_else(|| now.checked_add(Duration::from_secs(3600)))
+        .unwrap_or(now)
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // The lane never panics while holding its locks (work runs unlocked and
     // inside catch_unwind), so a poisoned lock still holds consistent state.
@@ -185,7 +197,7 @@ impl CpuEvent {
     /// Blocks until the work completes or `timeout` passes. Returns the
     /// work's error if it failed or was skipped.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        match self.wait_until(Instant::now() + timeout) {
+        match self.wait_until(deadline_after(timeout)) {
             Ok(()) => Ok(()),
             Err(DependencyFailure::TimedOut) => Err(RuntimeError::Lane {
                 lane: self.state.origin.lane.to_string(),
@@ -508,9 +520,12 @@ fn run_job(
 ) -> Status {
     let lane = shared.name.to_string();
     let skipped = |how: String, root: Arc<Origin>, root_error: RuntimeError| Status::Skipped {
-        error: RuntimeError::Lane {
+        error: RuntimeError::Skipped {
             lane: lane.clone(),
-            message: format!("skipped `{}`: {how}: {root_error}", label.name),
+            work: label.name.to_string(),
+            how,
+            origin: root.to_string(),
+            root: Box::new(root_error.clone()),
         },
         root,
         root_error,
@@ -526,7 +541,7 @@ fn run_job(
         };
         return skipped(how, failure.root, failure.root_error);
     }
-    let deadline = Instant::now() + shared.config.wait_timeout;
+    let deadline = deadline_after(shared.config.wait_timeout);
     for dependency in &after {
         match dependency.wait_until(deadline) {
             Ok(()) => {}
@@ -623,6 +638,54 @@ mod tests {
         );
         assert!(again.wait().is_ok());
         assert!(lane.synchronize().is_ok());
+    }
+
+    #[test]
+    fn skipped_work_carries_the_root_cause_and_where_it_happened() {
+        let comm = CpuLane::new("comm").unwrap();
+        let compute = CpuLane::new("compute").unwrap();
+        let dispatch = comm.submit(
+            Label::new("dispatch mb0", "a2a"),
+            &[],
+            Box::new(|_: &CpuBackend| Err(RuntimeError::Numeric("bad routing".into()))),
+        );
+        let mlp = compute.submit(
+            Label::new("mlp mb0", "forward"),
+            &[dispatch],
+            Box::new(|_: &CpuBackend| Ok(())),
+        );
+        let later = compute.submit(Label::new("mlp mb1", "forward"), &[], Box::new(|_: &CpuBackend| Ok(())));
+        for error in [mlp.wait().unwrap_err(), later.wait().unwrap_err()] {
+            assert!(matches!(error.root_cause(), RuntimeError::Numeric(m) if m == "bad routing"));
+            assert_eq!(error.code(), "diverged");
+            match error {
+                RuntimeError::Skipped { origin, .. } => {
+                    assert_eq!(origin, "`dispatch mb0` on the comm lane")
+                }
+                other => panic!("{other}"),
+            }
+        }
+        let reported = compute.synchronize().unwrap_err();
+        assert!(matches!(reported.root_cause(), RuntimeError::Numeric(_)));
+        assert!(comm.synchronize().is_err());
+    }
+
+    #[test]
+    fn timeouts_too_long_for_the_clock_neither_panic_nor_hang() {
+        // A worker that panicked computing its deadline would leave its work
+        // unfinished and `synchronize` waiting forever.
+        let lane =
+            CpuLane::with_config("compute", LaneConfig::default().wait_timeout(Duration::MAX))
+                .unwrap();
+        let first = lane.submit(Label::new("first", "forward"), &[], Box::new(|_: &CpuBackend| Ok(())));
+        let second = lane.submit(
+            Label::new("second", "forward"),
+            std::slice::from_ref(&first),
+            Box::new(|_: &CpuBackend| Ok(())),
+        );
+        second.wait().unwrap();
+        first.wait_timeout(Duration::MAX).unwrap();
+        lane.synchronize().unwrap();
     }
 
     #[test]

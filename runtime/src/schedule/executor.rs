@@ -24,11 +24,12 @@ use crate::backend::{Backend, Slice, SliceMut, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
-use crate::lane::{Label, Lane};
+use crate::lane::{Event, Label, Lane};
 use crate::layers::{CollectiveExchange, MoeBackward, MoeForward, MoeLayer, MoeStage};
 use crate::model::ModelRuntime;
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
 use std::ops::Range;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 pub use super::state::MicroBatchTokens;
@@ -79,34 +80,45 @@ fn missing(what: &str) -> RuntimeError {
     ))
 }
 
+/// Micro-batches whose work is all issued but may still be running that the
+/// executor lets pile up before it waits for the oldest: enough to keep the
+/// lanes fed while it issues the next micro-batch, few enough that host
+/// memory does not grow with the number of micro-batches.
+const RETIRED_IN_FLIGHT: usize = 1;
+
 /// Runs one step's program; returns this rank's loss sums once every lane
-/// has finished (the non-unit gradients reduced too). `batch(mb)` makes
-/// micro-batch `mb`'s tokens; it is called when the micro-batch's first
-/// forward is issued. The losses accumulate on the device
-/// ([`LossAccumulator`]) and are read once, at the end; the token counts
-/// come from the host's tokens.
+/// has finished (the non-unit gradients reduced too). `micro_batch(mb)`
+/// makes micro-batch `mb`'s tokens; it is called when the program first
+/// issues work for `mb`, in micro-batch order. The losses accumulate on the
+/// device ([`LossAccumulator`]) and are read once, at the end; the token
+/// counts come from the host's tokens.
 ///
 /// Memory: the micro-batches in flight at once ([`Program::in_flight`])
-/// each allocate from an arena of their own, and a micro-batch's last piece
-/// of work drops everything it still holds. Micro-batch `mb` only starts
-/// once `mb - in_flight`, the previous user of its arena, has finished, so
-/// every arena sees the same sequence of allocations in every step: after
-/// the first step, nothing is allocated.
+/// each allocate from an arena of their own, and a micro-batch's retirement
+/// drops everything it still holds, on a lane, after its last work. Micro-
+/// batch `mb` only starts once `mb - in_flight`, the previous user of its
+/// arena, has been retired, so every arena sees the same sequence of
+/// allocations in every step: after the first step, nothing is allocated.
+/// The host waits for old retirements before starting more than
+/// [`RETIRED_IN_FLIGHT`] beyond them, so what it holds does not grow with
+/// the number of micro-batches either.
 pub fn run_step<D: Device>(
     program: &Program,
     cx: &Arc<StepContext<D>>,
     engine: &mut FsdpEngine<D>,
     rank: &RankContext<D>,
-    batch: &mut dyn FnMut(usize) -> Result<MicroBatchTokens>,
+    micro_batch: &mut dyn FnMut(usize) -> Result<MicroBatchTokens>,
 ) -> Result<StepLosses> {
     let plan = &cx.model.plan;
     let depths = plan.mtp_depths();
     let layers = cx.model.layer_count();
     engine.begin_step(rank)?;
-    let micro_batches = program.micro_batches();
     let arenas = program.in_flight().max(1);
-    let mut states: Vec<Option<SharedBatch<D>>> = (0..micro_batches).map(|_| None).collect();
-    let mut chain: Vec<Option<EventOf<D>>> = vec![None; micro_batches];
+    // Live micro-batches, and the event of each one's latest work.
+    let mut live: HashMap<usize, (SharedBatch<D>, Option<EventOf<D>>)> = HashMap::new();
+    // Retirements, oldest first: (micro-batch, its last event).
+    let mut retired: VecDeque<(usize, EventOf<D>)> = VecDeque::new();
+    let mut started = 0usize;
     // Per head, the unmasked targets of the step's micro-batches.
     let mut counts = vec![0usize; depths + 1];
     // Before any head or MoE layer adds to them (the compute lane runs its
@@ -117,35 +129,48 @@ pub fn run_step<D: Device>(
         &[],
         Box::new(move |b: &D::Backend| b.zero(sums.losses.all())),
     );
-    for (at, instr) in program.instrs().iter().enumerate() {
-        match *instr {
+    for instr in program.instrs() {
+        let mut arena_free = None;
+        if let Some(mb) = instr.micro_batch()
+            && !live.contains_key(&mb)
+        {
+            if mb != started {
+                return Err(missing(&format!(
+                    "micro-batch {mb} (issued after its retirement or out of order; the next \
+                     new one is {started})"
+                )));
+            }
+            while retired.len() > RETIRED_IN_FLIGHT + arenas - 1 {
+                if let Some((_, event)) = retired.pop_front() {
+                    event.wait()?;
+                }
+            }
+            // The arena's previous micro-batch must be retired.
+            arena_free = mb
+                .checked_sub(arenas)
+                .and_then(|previous| retired.iter().find(|(m, _)| *m == previous))
+                .map(|(_, event)| event.clone());
+            let state = MicroBatch::new(micro_batch(mb)?, layers, depths);
+            for (total, n) in counts.iter_mut().zip(&state.counts) {
+                *total += n;
+            }
+            live.insert(mb, (Arc::new(Handoff::new(state)), None));
+            started += 1;
+        }
+        match instr {
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
             Instr::Release { unit } => engine.release(unit),
             Instr::GradBuffer { unit } => engine.grad_buffer(unit, rank)?,
             Instr::Reduce { unit, mb } => {
-                let after: Vec<_> = chain[mb].iter().cloned().collect();
-                engine.reduce(unit, rank, &after)?;
+                let last = live.get(&mb).and_then(|(_, last)| last.clone());
+                engine.reduce(unit, rank, &Vec::from_iter(last))?;
             }
             Instr::Forward { mb, node, slot } => {
+                let (state, last) = live.get_mut(&mb).ok_or_else(|| missing("a live micro-batch"))?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = slot.lane();
-                let (mut after, params) = param_access(engine, node, &chain[mb])?;
-                let state = match &states[mb] {
-                    Some(state) => state.clone(),
-                    None => {
-                        // The arena's previous micro-batch must be done.
-                        if let Some(previous) = mb.checked_sub(arenas) {
-                            after.extend(chain[previous].clone());
-                        }
-                        let micro_batch = MicroBatch::new(batch(mb)?, layers, depths);
-                        for (total, n) in counts.iter_mut().zip(&micro_batch.counts) {
-                            *total += n;
-                        }
-                        let state = Arc::new(Handoff::new(micro_batch));
-                        states[mb] = Some(state.clone());
-                        state
-                    }
-                };
+                let (mut after, params) = param_access(engine, node, last)?;
+                after.extend(arena_free);
                 let label = Label::new(
                     format!("fwd {} {} mb{mb}", slot.name(), node.name),
                     "forward",
@@ -155,22 +180,19 @@ pub fn run_step<D: Device>(
                     cx: cx.clone(),
                     node: node.index,
                     arena: 1 + mb % arenas,
-                    state,
+                    state: state.clone(),
                     params,
-                    last: false,
                 };
                 let work = forward_work(item, slot);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
-                chain[mb] = Some(event);
+                *last = Some(event);
             }
             Instr::Backward { mb, node, piece } => {
-                let state = states[mb]
-                    .clone()
-                    .ok_or_else(|| missing("a micro-batch's forward"))?;
+                let (state, last) = live.get_mut(&mb).ok_or_else(|| missing("a live micro-batch"))?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = piece.slot().lane();
-                let (mut after, params) = param_access(engine, node, &chain[mb])?;
+                let (mut after, params) = param_access(engine, node, last)?;
                 let grads = engine.grads(node.unit)?;
                 let non_unit_grads = engine.grads(None)?;
                 after.extend(grads.ready.clone());
@@ -185,26 +207,35 @@ pub fn run_step<D: Device>(
                     unit: node.unit.map(|_| grads.buf),
                     non_unit: non_unit_grads.buf,
                 };
-                let last = program.last_of(mb) == Some(at);
-                if last {
-                    states[mb] = None;
-                }
                 let item = Item {
                     cx: cx.clone(),
                     node: node.index,
                     arena: 1 + mb % arenas,
-                    state,
+                    state: state.clone(),
                     params,
-                    last,
                 };
                 let work = backward_work(item, piece, grads);
                 let event = lane(rank, lane_kind).submit(label, &after, work);
                 engine.note_use(node.unit, lane_kind, &event);
-                chain[mb] = Some(event);
+                *last = Some(event);
+            }
+            Instr::Retire { mb } => {
+                let (state, last) = live.remove(&mb).ok_or_else(|| missing("a live micro-batch"))?;
+                // Dropped inside lane work, after the micro-batch's last
+                // work, so its arena takes everything back in program order.
+                let event = rank.compute.submit(
+                    Label::new(format!("retire mb{mb}"), "forward").micro_batch(mb),
+                    &Vec::from_iter(last),
+                    Box::new(move |_: &D::Backend| {
+                        drop(state.take());
+                        Ok(())
+                    }),
+                );
+                retired.push_back((mb, event));
             }
         }
     }
-    let all: Vec<_> = chain.into_iter().flatten().collect();
+    let all: Vec<_> = retired.into_iter().map(|(_, event)| event).collect();
     engine.reduce_non_unit(rank, &all)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
@@ -223,19 +254,6 @@ struct Item<D: Device> {
     arena: usize,
     state: SharedBatch<D>,
     params: ParamBuffers<D>,
-    /// Whether this is the micro-batch's last piece of work.
-    last: bool,
-}
-
-impl<D: Device> Item<D> {
-    /// After the last piece of a micro-batch: drops what it still holds,
-    /// inside the work, so its arena takes it back in program order.
-    fn finish(self) -> Result<()> {
-        if self.last {
-            drop(self.state.take());
-        }
-        Ok(())
-    }
 }
 
 fn lane<D: Device>(rank: &RankContext<D>, kind: LaneKind) -> &D::Lane {
@@ -380,8 +398,7 @@ fn forward_work<D: Device>(item: Item<D>, slot: Slot) -> crate::lane::Work<D::Ba
                 forward_op(cx, b, op, mb, &weights)?;
             }
             Ok(())
-        })?;
-        item.finish()
+        })
     })
 }
 
@@ -427,8 +444,7 @@ fn backward_work<D: Device>(
                     .backward_weight(b, wgrad, grads.grad(Owner::FinalNorm, 0)?)?;
             }
             Ok(())
-        })?;
-        item.finish()
+        })
     })
 }
 

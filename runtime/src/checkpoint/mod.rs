@@ -1,0 +1,565 @@
+//! Checkpoints (shared/spec/runtime.md): sharded safetensors for tensors plus
+//! one small JSON index for the plan, the step and the run's state, in a
+//! checkpoint root that holds one directory per saved step.
+//!
+//! Each rank writes the pieces of parameters it owns, under their checkpoint
+//! keys (groups flattened, experts by global index; pattern.md), with its
+//! optimizer moments beside them. The index says which file holds which
+//! element range of each key, so a checkpoint can be loaded onto another
+//! layout (other rank counts, ZeRO-3 or `no_shard`) as well as the one that
+//! wrote it. It also records every file's CRC-32C (and each rank file its
+//! tensors'), checked on load, so damage is found and named rather than
+//! trained on.
+//!
+//! Modules: [`root`] (the root's layout, `latest`, the lock, `--keep-last`),
+//! [`index`] (the index, its seal and its range checks), [`run`] (the run's
+//! state and how a resume settles against it), [`durable`] (fsynced writes
+//! and failpoints), [`crc32c`].
+
+pub mod crc32c;
+pub mod durable;
+pub mod index;
+pub mod root;
+pub mod run;
+
+pub use durable::{FAILPOINT_ENV, FAILPOINTS};
+pub use index::{
+    CheckpointIndex, FORMAT, FileEntry, INDEX, LayoutRecord, Piece, TensorEntry, VERSION,
+    read_index, seal,
+};
+pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
+pub use run::{DataRecord, RunSetting, RunState};
+
+use crate::backend::Backend;
+use crate::collective::Collective;
+use crate::device::{Device, RankContext};
+use crate::error::{Result, RuntimeError};
+use crate::fsdp::{FsdpEngine, ShardLayout};
+use crate::optimizer::{Optimizer, OptimizerKind};
+use crate::train::TrainConfig;
+use crc32c::{crc32c, hex};
+use hybridgen_dsl::Plan;
+use root::rank_file;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Where a run resumes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResumeFrom {
+    /// The newest complete step in the run's `--save` root; a fresh start
+    /// when it holds none (so a preempted job restarts with the same
+    /// command).
+    Auto,
+    /// A checkpoint root (its newest complete step) or one step's directory.
+    Dir(PathBuf),
+}
+
+/// The checkpoint a run resumes from, read and checked.
+#[derive(Clone, Debug)]
+pub struct Resume {
+    /// The step's directory.
+    pub dir: PathBuf,
+    pub index: CheckpointIndex,
+    /// `--seed 7` for each setting taken from the checkpoint rather than
+    /// from the configuration.
+    pub inherited: Vec<String>,
+}
+
+impl Resume {
+    pub fn step(&self) -> u64 {
+        self.index.step
+    }
+}
+
+/// Where a run saves: its locked root and what every index records of it.
+#[derive(Debug)]
+pub struct SaveTarget {
+    pub root: CheckpointRoot,
+    pub run: RunState,
+    pub layout: LayoutRecord,
+}
+
+/// A run's checkpoints, settled before any work starts.
+#[derive(Debug, Default)]
+pub struct RunCheckpoints {
+    pub resume: Option<Resume>,
+    pub save: Option<SaveTarget>,
+}
+
+/// A configuration settled against the checkpoint it resumes (if any).
+pub struct Settled {
+    /// The configuration to run: the given one with the settings it left
+    /// to the checkpoint taken from it.
+    pub config: TrainConfig,
+    resume: Option<Resume>,
+    data: Option<DataRecord>,
+}
+
+/// Finds the checkpoint `config` resumes from, reads and checks its index,
+/// and settles the configuration against it. Changes nothing on disk.
+pub fn settle(config: &TrainConfig) -> Result<Settled> {
+    let fresh = || Settled {
+        config: config.clone(),
+        resume: None,
+        data: None,
+    };
+    let dir = match &config.resume {
+        None => return Ok(fresh()),
+        Some(ResumeFrom::Auto) => {
+            let Some(save) = &config.save else {
+                return Err(RuntimeError::Unsupported(
+                    "--resume auto resumes from the --save directory; give --save DIR".into(),
+                ));
+            };
+            match root::newest_checkpoint(save, "--save")? {
+                Some(dir) => dir,
+                None => return Ok(fresh()),
+            }
+        }
+        Some(ResumeFrom::Dir(dir)) => root::newest_checkpoint(dir, "--resume")?.ok_or_else(|| {
+            RuntimeError::io(
+                dir.display(),
+                if dir.exists() {
+                    "holds no complete checkpoint yet; train with --resume auto to start fresh when there is none"
+                } else {
+                    "no such checkpoint"
+                },
+            )
+        })?,
+    };
+    let index = read_index(&dir)?;
+    if let Some(named) = root::step_of_dir(&dir)
+        && named != index.step
+    {
+        return Err(RuntimeError::io(
+            dir.join(INDEX).display(),
+            format!(
+                "records step {}, but its directory is named for step {named}; the checkpoint is damaged",
+                index.step
+            ),
+        ));
+    }
+    let settled = run::settle(config, &index, &dir)?;
+    Ok(Settled {
+        config: settled.config,
+        resume: Some(Resume {
+            dir,
+            index,
+            inherited: settled.inherited,
+        }),
+        data: settled.data,
+    })
+}
+
+impl Settled {
+    /// Checks the resumed checkpoint against the run's plan and opens (makes,
+    /// validates, locks) the save root: the last check before work starts.
+    /// Returns the configuration to run with them.
+    pub fn open(self, plan: &Plan) -> Result<(TrainConfig, RunCheckpoints)> {
+        let config = self.config;
+        if let Some(resume) = &self.resume {
+            resume.index.check_fits(plan, &resume.dir)?;
+        }
+        if config.save.is_none() && config.keep_last.is_some() {
+            return Err(RuntimeError::Unsupported(
+                "--keep-last removes old checkpoints of --save DIR; give --save".into(),
+            ));
+        }
+        let save = match &config.save {
+            None => None,
+            Some(dir) => {
+                let data = match self.data {
+                    Some(data) => data,
+                    None => DataRecord::of(&config.data)?,
+                };
+                let start = self.resume.as_ref().map_or(0, Resume::step);
+                Some(SaveTarget {
+                    root: CheckpointRoot::open(dir, start, config.keep_last)?,
+                    run: RunState::of(&config, data),
+                    layout: LayoutRecord {
+                        ranks: config.ranks,
+                        ep: config.ep,
+                        sharding: config.sharding,
+                        schedule: config.schedule,
+                    },
+                })
+            }
+        };
+        let checkpoints = RunCheckpoints {
+            resume: self.resume,
+            save,
+        };
+        Ok((config, checkpoints))
+    }
+}
+
+/// One owned piece of one parameter on one rank.
+struct OwnedPiece {
+    key: String,
+    /// Parameter index into `plan.params`.
+    param: usize,
+    /// Elements of the flattened parameter.
+    elements: Range<usize>,
+    /// Where they are in the rank's shard of the bucket.
+    in_shard: Range<usize>,
+}
+
+/// Whether world rank `r` writes the bucket kind at all: the ranks holding
+/// an EP rank's copy of a bucket write it (under `no_shard`, only the first
+/// of each group, since every rank holds whole buckets).
+fn writes(layout: &ShardLayout, expert: bool, r: usize) -> bool {
+    layout.holders(expert, r % layout.ep.max(1)).contains(&r)
+}
+
+/// The pieces world rank `r` holds: what it loads. Computable for any
+/// rank, so rank 0 can write the whole index without asking the others.
+fn held_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
+    let ep = layout.ep.max(1);
+    let mut out = Vec::new();
+    for bucket in plan.buckets.iter() {
+        let owned = layout.owned_range(plan, bucket, r);
+        for &p in bucket.params.iter() {
+            let param = &plan.params[p];
+            let span = param.offset..param.offset + plan.def(param).numel();
+            let (start, end) = (span.start.max(owned.start), span.end.min(owned.end));
+            if start < end {
+                out.push((
+                    bucket.id,
+                    OwnedPiece {
+                        key: plan.checkpoint_key(param, r % ep),
+                        param: p,
+                        elements: start - span.start..end - span.start,
+                        in_shard: start - owned.start..end - owned.start,
+                    },
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The pieces world rank `r` writes: those it holds, once per copy.
+fn written_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
+    held_pieces(plan, layout, r)
+        .into_iter()
+        .filter(|(b, _)| writes(layout, plan.buckets[*b].expert, r))
+        .collect()
+}
+
+fn to_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn from_bytes(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The tensor names a piece is stored under in its rank file.
+fn names(key: &str) -> [String; 3] {
+    [
+        format!("param/{key}"),
+        format!("exp_avg/{key}"),
+        format!("exp_avg_sq/{key}"),
+    ]
+}
+
+/// Writes the checkpoint of the state after `step` steps into `target`'s
+/// root as `step-N`, durably, then points `latest` at it. Every rank calls
+/// it (it synchronises them). Returns the step's directory.
+pub fn save<D: Device>(
+    target: &SaveTarget,
+    step: u64,
+    plan: &Plan,
+    engine: &FsdpEngine<D>,
+    optimizer: &Optimizer<D>,
+    rank: &RankContext<D>,
+) -> Result<PathBuf> {
+    let root = &target.root;
+    let partial = root.partial_dir(step);
+    if rank.rank == 0 {
+        root.begin(step)?;
+    }
+    rank.host.barrier()?;
+
+    // This rank's file.
+    let backend = &rank.backend;
+    let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
+    for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
+        let shard = &engine.shards()[b];
+        let state = &optimizer.states()[b];
+        let [p, m, v] = names(&piece.key);
+        let read = |buf: &<D::Backend as Backend>::Buf| -> Result<Vec<u8>> {
+            let mut host = vec![0.0f32; piece.in_shard.len()];
+            backend.download(backend.slice(buf, piece.in_shard.clone())?, &mut host)?;
+            Ok(to_bytes(&host))
+        };
+        let n = piece.in_shard.len();
+        tensors.push((p, read(&shard.master)?, n));
+        tensors.push((m, read(&state.exp_avg)?, n));
+        if backend.buf_len(&state.exp_avg_sq) > 0 {
+            tensors.push((v, read(&state.exp_avg_sq)?, n));
+        }
+    }
+    // Each tensor's own checksum rides in the file's metadata, so a damaged
+    // file can say which tensor the damage is in.
+    let sums: HashMap<String, String> = tensors
+        .iter()
+        .map(|(name, bytes, _)| (name.clone(), hex(crc32c(bytes))))
+        .collect();
+    let views = tensors
+        .iter()
+        .map(|(name, bytes, n)| {
+            TensorView::new(Dtype::F32, vec![*n], bytes)
+                .map(|view| (name.clone(), view))
+                .map_err(|e| RuntimeError::io(name, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let path = partial.join(rank_file(rank.rank));
+    let bytes = safetensors::serialize(views, Some(sums))
+        .map_err(|e| RuntimeError::io(path.display(), e))?;
+    durable::write_file(&path, &bytes, "rank-file")?;
+    // Every rank's size and checksum, for rank 0's index (both exact in f64).
+    let all = rank
+        .host
+        .all_gather_host(&[f64::from(crc32c(&bytes)), bytes.len() as f64])?;
+
+    if rank.rank == 0 {
+        let files = all
+            .iter()
+            .enumerate()
+            .map(|(r, v)| {
+                let entry = FileEntry {
+                    bytes: v[1] as u64,
+                    crc32c: hex(v[0] as u32),
+                };
+                (rank_file(r), entry)
+            })
+            .collect();
+        let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
+        for r in 0..rank.world {
+            for (_, piece) in written_pieces(plan, &engine.layout(), r) {
+                let shape = plan.def(&plan.params[piece.param]).shape.to_vec();
+                entries
+                    .entry(piece.key)
+                    .or_insert_with(|| TensorEntry {
+                        shape,
+                        pieces: Vec::new(),
+                    })
+                    .pieces
+                    .push(Piece {
+                        file: rank_file(r),
+                        start: piece.elements.start,
+                        end: piece.elements.end,
+                    });
+            }
+        }
+        let index = CheckpointIndex {
+            crc32c: String::new(),
+            format: FORMAT.to_string(),
+            version: VERSION,
+            step,
+            pattern: plan.pattern.canonical(),
+            model: plan.model.clone(),
+            layout: target.layout.clone(),
+            run: target.run.clone(),
+            files,
+            tensors: entries,
+        };
+        let text = index.to_sealed_text()?;
+        durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
+        root.commit(step)?;
+    }
+    rank.host.barrier()?;
+    Ok(root.step_dir(step))
+}
+
+/// Loads checkpoint `resume` into this rank's shards and optimizer state,
+/// whatever layout wrote it. Each file is checked against its size and
+/// checksum before anything is taken from it. Every rank calls it (it
+/// synchronises them).
+pub fn load<D: Device>(
+    resume: &Resume,
+    plan: &Plan,
+    engine: &FsdpEngine<D>,
+    optimizer: &mut Optimizer<D>,
+    rank: &RankContext<D>,
+) -> Result<()> {
+    let (dir, index) = (&resume.dir, &resume.index);
+    let kind = index.run.optimizer.kind;
+    if kind != optimizer.config().kind {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "the checkpoint in {} holds {kind:?} state but the optimizer is {:?}",
+            dir.display(),
+            optimizer.config().kind
+        )));
+    }
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let backend = &rank.backend;
+    for (b, piece) in held_pieces(plan, &engine.layout(), rank.rank) {
+        let entry = index.tensors.get(&piece.key).ok_or_else(|| {
+            RuntimeError::io(
+                dir.join(INDEX).display(),
+                format!("no tensor `{}` in the checkpoint", piece.key),
+            )
+        })?;
+        let (shard, state) = (&engine.shards()[b], &optimizer.states()[b]);
+        let [p, m, v] = names(&piece.key);
+        let targets: [(&str, Option<&<D::Backend as Backend>::Buf>); 3] = [
+            (&p, Some(&shard.master)),
+            (&m, Some(&state.exp_avg)),
+            (
+                &v,
+                (kind == OptimizerKind::Adam).then_some(&state.exp_avg_sq),
+            ),
+        ];
+        for (name, target) in targets {
+            let Some(target) = target else { continue };
+            let values = assemble(dir, index, entry, name, &piece.elements, &mut files)?;
+            backend.upload(&values, backend.slice_mut(target, piece.in_shard.clone())?)?;
+        }
+        backend.cast(
+            backend.slice(&shard.master, piece.in_shard.clone())?,
+            backend.slice_mut(&shard.param, piece.in_shard.clone())?,
+        )?;
+    }
+    optimizer.set_steps(index.step);
+    // Collective: a rank that fails to load stops its peers here, before
+    // any of them starts a step, so the error reported is the load's.
+    rank.host.barrier()
+}
+
+/// Checks checkpoint `dir` whole: its index, and every file's size and
+/// checksum. Loading checks the same as it reads; this is for tools, and
+/// for tests that a crash left only complete checkpoints behind.
+pub fn verify(dir: &Path) -> Result<CheckpointIndex> {
+    let index = read_index(dir)?;
+    for (name, entry) in &index.files {
+        read_checked(dir, name, entry)?;
+    }
+    Ok(index)
+}
+
+/// Reads file `name` of checkpoint `dir`, refusing it unless its size and
+/// CRC-32C are the index's.
+fn read_checked(dir: &Path, name: &str, entry: &FileEntry) -> Result<Vec<u8>> {
+    let path = dir.join(name);
+    let damaged = |what: String| {
+        RuntimeError::io(
+            path.display(),
+            format!(
+                "{what}. The checkpoint is damaged; {}",
+                root::other_step_hint(dir)
+            ),
+        )
+    };
+    let len = std::fs::metadata(&path)
+        .map_err(|e| RuntimeError::io(path.display(), e))?
+        .len();
+    if len != entry.bytes {
+        return Err(damaged(format!(
+            "{len} bytes, but the index records {}",
+            entry.bytes
+        )));
+    }
+    let bytes = std::fs::read(&path).map_err(|e| RuntimeError::io(path.display(), e))?;
+    let crc = hex(crc32c(&bytes));
+    if crc != entry.crc32c {
+        return Err(damaged(format!(
+            "checksum mismatch (the index records CRC-32C {}, the file's bytes give {crc}); {}",
+            entry.crc32c,
+            damage_site(&bytes)
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Where in a rank file whose checksum failed the damage is: the first
+/// tensor whose data no longer matches its own checksum, or the header.
+fn damage_site(bytes: &[u8]) -> String {
+    let Ok((_, metadata)) = SafeTensors::read_metadata(bytes) else {
+        return "its safetensors header is damaged".to_string();
+    };
+    let Ok(tensors) = SafeTensors::deserialize(bytes) else {
+        return "its safetensors header is damaged".to_string();
+    };
+    let sums = metadata.metadata().clone().unwrap_or_default();
+    let mut views = tensors.tensors();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in views {
+        if sums.get(&name) != Some(&hex(crc32c(view.data()))) {
+            return format!("the damage is in tensor `{name}`");
+        }
+    }
+    "every tensor's data matches its own checksum, so the damage is in the file's header"
+        .to_string()
+}
+
+/// Elements `want` of tensor `name` (one of a key's three), assembled from
+/// the pieces of `entry` across rank files.
+fn assemble(
+    dir: &Path,
+    index: &CheckpointIndex,
+    entry: &TensorEntry,
+    name: &str,
+    want: &Range<usize>,
+    files: &mut BTreeMap<String, Vec<u8>>,
+) -> Result<Vec<f32>> {
+    let mut out = vec![0.0f32; want.len()];
+    let mut covered = 0;
+    for piece in &entry.pieces {
+        let (start, end) = (piece.start.max(want.start), piece.end.min(want.end));
+        if start >= end {
+            continue;
+        }
+        if !files.contains_key(&piece.file) {
+            let listed = index.files.get(&piece.file).ok_or_else(|| {
+                RuntimeError::io(
+                    dir.join(INDEX).display(),
+                    format!("`{}` is not a file of the checkpoint", piece.file),
+                )
+            })?;
+            files.insert(piece.file.clone(), read_checked(dir, &piece.file, listed)?);
+        }
+        let path = || dir.join(&piece.file).display().to_string();
+        let bytes = &files[&piece.file];
+        let tensors = SafeTensors::deserialize(bytes).map_err(|e| RuntimeError::io(path(), e))?;
+        let view = tensors
+            .tensor(name)
+            .map_err(|e| RuntimeError::io(path(), format!("{name}: {e}")))?;
+        if view.dtype() != Dtype::F32 {
+            return Err(RuntimeError::io(
+                path(),
+                format!("{name} is {:?}, not F32", view.dtype()),
+            ));
+        }
+        let values = from_bytes(view.data());
+        if values.len() != piece.end - piece.start {
+            return Err(RuntimeError::io(
+                path(),
+                format!(
+                    "{name} holds {} elements, the index says {}",
+                    values.len(),
+                    piece.end - piece.start
+                ),
+            ));
+        }
+        out[start - want.start..end - want.start]
+            .copy_from_slice(&values[start - piece.start..end - piece.start]);
+        covered += end - start;
+    }
+    if covered != want.len() {
+        return Err(RuntimeError::io(
+            dir.join(INDEX).display(),
+            format!(
+                "the pieces of {name} cover {covered} of the {} elements needed",
+                want.len()
+            ),
+        ));
+    }
+    Ok(out)
+}

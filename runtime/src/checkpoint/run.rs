@@ -1,0 +1,445 @@
+//! What a checkpoint records of its run besides tensors, and how a resuming
+//! configuration is settled against it.
+//!
+//! Batches are a function of (seed, step, rank, micro-batch) and routing is
+//! deterministic, so the data's position is the step, and the run's future
+//! is decided by the tensors, the step and the settings recorded here. A
+//! resume takes each setting the user left out from the checkpoint; one the
+//! user gave must agree with it, except the layout (ranks, ep, ZeRO stage,
+//! schedule), which may change because checkpoints reshard.
+
+use super::crc32c::{Crc32c, hex};
+use super::index::CheckpointIndex;
+use crate::error::{Result, RuntimeError};
+use crate::fsdp::Sharding;
+use crate::optimizer::{OptimizerConfig, OptimizerKind};
+use crate::schedule::ScheduleKind;
+use crate::train::{DataChoice, TrainConfig};
+use serde::{Deserialize, Serialize};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// The settings that decide how a run continues.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// Seeds the data stream (and the initialisation it replaced).
+    pub seed: u64,
+    pub data: DataRecord,
+    pub micro_batches: usize,
+    pub micro_batch_size: usize,
+    pub seq_length: usize,
+    /// Every hyper-parameter, the learning-rate schedule's included.
+    pub optimizer: OptimizerConfig,
+}
+
+impl RunState {
+    pub fn of(config: &TrainConfig, data: DataRecord) -> Self {
+        RunState {
+            seed: config.seed,
+            data,
+            micro_batches: config.micro_batches,
+            micro_batch_size: config.micro_batch_size,
+            seq_length: config.seq_length,
+            optimizer: config.optimizer.clone(),
+        }
+    }
+
+    /// Range checks for a state read from disk.
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        if self.micro_batches == 0 || self.micro_batch_size == 0 || self.seq_length == 0 {
+            return Err(format!(
+                "micro-batches ({}), micro-batch size ({}) and sequence length ({}) must all be at least 1",
+                self.micro_batches, self.micro_batch_size, self.seq_length
+            ));
+        }
+        self.optimizer.validate().map_err(|e| e.to_string())?;
+        if let DataRecord::File { crc32c, .. } = &self.data
+            && !(crc32c.len() == 8 && crc32c.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(format!("data checksum `{crc32c}` is not eight hex digits"));
+        }
+        Ok(())
+    }
+}
+
+/// Which data a run trains on. A file is known by its contents, so the same
+/// bytes under another path are the same data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DataRecord {
+    Synthetic,
+    File {
+        path: String,
+        bytes: u64,
+        crc32c: String,
+    },
+}
+
+impl DataRecord {
+    /// Records `choice`, reading a file once to checksum it.
+    pub fn of(choice: &DataChoice) -> Result<Self> {
+        match choice {
+            DataChoice::Synthetic => Ok(DataRecord::Synthetic),
+            DataChoice::File(path) => {
+                let err = |e: std::io::Error| RuntimeError::io(path.display(), e);
+                let mut file = std::fs::File::open(path).map_err(err)?;
+                let mut crc = Crc32c::default();
+                let mut buf = vec![0u8; 1 << 20];
+                let mut bytes = 0u64;
+                loop {
+                    let n = file.read(&mut buf).map_err(err)?;
+                    if n == 0 {
+                        break;
+                    }
+                    crc.update(&buf[..n]);
+                    bytes += n as u64;
+                }
+                Ok(DataRecord::File {
+                    path: path.to_string_lossy().into_owned(),
+                    bytes,
+                    crc32c: hex(crc.finish()),
+                })
+            }
+        }
+    }
+
+    fn same_data(&self, other: &DataRecord) -> bool {
+        match (self, other) {
+            (DataRecord::Synthetic, DataRecord::Synthetic) => true,
+            (
+                DataRecord::File { bytes, crc32c, .. },
+                DataRecord::File {
+                    bytes: b2,
+                    crc32c: c2,
+                    ..
+                },
+            ) => bytes == b2 && crc32c == c2,
+            _ => false,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            DataRecord::Synthetic => "synthetic".to_string(),
+            DataRecord::File {
+                path,
+                bytes,
+                crc32c,
+            } => format!("{path} ({bytes} bytes, CRC-32C {crc32c})"),
+        }
+    }
+}
+
+/// A setting that decides how a run continues (or, for the layout, how it
+/// is spread over ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RunSetting {
+    /// The model: pattern and dimensions.
+    Model,
+    Seed,
+    Data,
+    MicroBatches,
+    MicroBatchSize,
+    SeqLength,
+    Optimizer,
+    Lr,
+    Warmup,
+    WeightDecay,
+    ClipGrad,
+    Beta1,
+    Beta2,
+    Eps,
+    Momentum,
+    Ranks,
+    Ep,
+    Sharding,
+    Schedule,
+}
+
+impl RunSetting {
+    pub const ALL: [RunSetting; 19] = [
+        RunSetting::Model,
+        RunSetting::Seed,
+        RunSetting::Data,
+        RunSetting::MicroBatches,
+        RunSetting::MicroBatchSize,
+        RunSetting::SeqLength,
+        RunSetting::Optimizer,
+        RunSetting::Lr,
+        RunSetting::Warmup,
+        RunSetting::WeightDecay,
+        RunSetting::ClipGrad,
+        RunSetting::Beta1,
+        RunSetting::Beta2,
+        RunSetting::Eps,
+        RunSetting::Momentum,
+        RunSetting::Ranks,
+        RunSetting::Ep,
+        RunSetting::Sharding,
+        RunSetting::Schedule,
+    ];
+
+    /// The `hybridgen train` flag that sets it, or the `TrainConfig` field
+    /// for the few without a flag.
+    pub fn flag(self) -> &'static str {
+        match self {
+            RunSetting::Model => "--preset/--model/--pattern",
+            RunSetting::Seed => "--seed",
+            RunSetting::Data => "--data",
+            RunSetting::MicroBatches => "--micro-batches",
+            RunSetting::MicroBatchSize => "--micro-batch-size",
+            RunSetting::SeqLength => "--seq-len",
+            RunSetting::Optimizer => "--optimizer",
+            RunSetting::Lr => "--lr",
+            RunSetting::Warmup => "--warmup",
+            RunSetting::WeightDecay => "--weight-decay",
+            RunSetting::ClipGrad => "--clip-grad",
+            RunSetting::Beta1 => "TrainConfig.optimizer.beta1",
+            RunSetting::Beta2 => "TrainConfig.optimizer.beta2",
+            RunSetting::Eps => "TrainConfig.optimizer.eps",
+            RunSetting::Momentum => "TrainConfig.optimizer.momentum",
+            RunSetting::Ranks => "--ranks",
+            RunSetting::Ep => "--ep",
+            RunSetting::Sharding => "--zero",
+            RunSetting::Schedule => "--schedule",
+        }
+    }
+
+    /// How the run is spread over ranks: a resume may change it
+    /// (checkpoints reshard), and takes the checkpoint's only when left out.
+    pub fn is_layout(self) -> bool {
+        matches!(
+            self,
+            RunSetting::Ranks | RunSetting::Ep | RunSetting::Sharding | RunSetting::Schedule
+        )
+    }
+}
+
+/// A resuming configuration settled against its checkpoint.
+pub(crate) struct Settled {
+    pub config: TrainConfig,
+    /// `--seed 7` for each setting taken from the checkpoint that the
+    /// configuration had another value for.
+    pub inherited: Vec<String>,
+    /// The data's record, when settling computed it.
+    pub data: Option<DataRecord>,
+}
+
+struct Settler<'a> {
+    config: TrainConfig,
+    index: &'a CheckpointIndex,
+    dir: &'a Path,
+    inherited: Vec<String>,
+}
+
+impl Settler<'_> {
+    fn inherits(&self, setting: RunSetting) -> bool {
+        self.config.from_checkpoint.contains(&setting)
+    }
+
+    /// Settles one setting: equal, taken from the checkpoint, a layout
+    /// change, or a contradiction.
+    fn setting<T: PartialEq + Clone>(
+        &mut self,
+        setting: RunSetting,
+        theirs: &T,
+        show: impl Fn(&T) -> String,
+        field: impl Fn(&mut TrainConfig) -> &mut T,
+    ) -> Result<()> {
+        let inherit = self.inherits(setting);
+        let mine = field(&mut self.config);
+        if mine == theirs || (setting.is_layout() && !inherit) {
+            return Ok(());
+        }
+        if inherit {
+            self.inherited
+                .push(format!("{} {}", setting.flag(), show(theirs)));
+            *mine = theirs.clone();
+            return Ok(());
+        }
+        let mine = show(mine);
+        Err(self.contradiction(setting, &mine, &show(theirs)))
+    }
+
+    fn contradiction(&self, setting: RunSetting, mine: &str, theirs: &str) -> RuntimeError {
+        let flag = setting.flag();
+        let at = format!(
+            "the checkpoint {} (step {})",
+            self.dir.display(),
+            self.index.step
+        );
+        RuntimeError::Unsupported(if flag.starts_with("--") {
+            format!(
+                "{flag} {mine} contradicts {at}, whose run used {flag} {theirs}: a resume continues that run, \
+                 so it keeps its settings. Leave {flag} out to continue with {theirs}, or start a new run \
+                 (without --resume, and --save to a new directory)"
+            )
+        } else {
+            format!(
+                "{flag} is {mine} but {at} was trained with {theirs}; set it to {theirs} to continue that run"
+            )
+        })
+    }
+
+    fn data(&mut self) -> Result<Option<DataRecord>> {
+        let theirs = &self.index.run.data;
+        if self.inherits(RunSetting::Data) {
+            let choice = match theirs {
+                DataRecord::Synthetic => DataChoice::Synthetic,
+                DataRecord::File { path, .. } => DataChoice::File(PathBuf::from(path)),
+            };
+            let now = DataRecord::of(&choice).map_err(|e| {
+                RuntimeError::Unsupported(format!(
+                    "the checkpoint {} trained on {}, which cannot be read now ({e}); give --data with that file",
+                    self.dir.display(),
+                    theirs.describe()
+                ))
+            })?;
+            if !now.same_data(theirs) {
+                return Err(RuntimeError::Unsupported(format!(
+                    "the checkpoint {} trained on {}, which has changed since: it is now {}; give --data with \
+                     the original file",
+                    self.dir.display(),
+                    theirs.describe(),
+                    now.describe()
+                )));
+            }
+            if self.config.data != choice {
+                self.inherited.push(format!("--data {}", theirs.describe()));
+                self.config.data = choice;
+            }
+            return Ok(Some(now));
+        }
+        let mine = DataRecord::of(&self.config.data)?;
+        if !mine.same_data(theirs) {
+            return Err(self.contradiction(RunSetting::Data, &mine.describe(), &theirs.describe()));
+        }
+        Ok(Some(mine))
+    }
+}
+
+/// Settles `config` against the checkpoint `index` in `dir` that it
+/// resumes.
+pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) -> Result<Settled> {
+    let mut s = Settler {
+        config: config.clone(),
+        index,
+        dir,
+        inherited: Vec::new(),
+    };
+    // The model is compared with the plan once it is made (`check_fits`).
+    if s.inherits(RunSetting::Model) && s.config.model != index.model {
+        s.config.model = index.model.clone();
+        s.inherited
+            .push(format!("the model {}", index.model.pattern));
+    }
+    let run = &index.run;
+    let plain = |v: &dyn std::fmt::Display| v.to_string();
+    s.setting(RunSetting::Seed, &run.seed, |v| plain(v), |c| &mut c.seed)?;
+    s.setting(
+        RunSetting::MicroBatches,
+        &run.micro_batches,
+        |v| plain(v),
+        |c| &mut c.micro_batches,
+    )?;
+    s.setting(
+        RunSetting::MicroBatchSize,
+        &run.micro_batch_size,
+        |v| plain(v),
+        |c| &mut c.micro_batch_size,
+    )?;
+    s.setting(
+        RunSetting::SeqLength,
+        &run.seq_length,
+        |v| plain(v),
+        |c| &mut c.seq_length,
+    )?;
+    let o = &run.optimizer;
+    s.setting(
+        RunSetting::Optimizer,
+        &o.kind,
+        |k| match k {
+            OptimizerKind::Adam => "adam".into(),
+            OptimizerKind::Sgd => "sgd".into(),
+        },
+        |c| &mut c.optimizer.kind,
+    )?;
+    s.setting(RunSetting::Lr, &o.lr, |v| plain(v), |c| &mut c.optimizer.lr)?;
+    s.setting(
+        RunSetting::Warmup,
+        &o.warmup_steps,
+        |v| plain(v),
+        |c| &mut c.optimizer.warmup_steps,
+    )?;
+    s.setting(
+        RunSetting::WeightDecay,
+        &o.weight_decay,
+        |v| plain(v),
+        |c| &mut c.optimizer.weight_decay,
+    )?;
+    s.setting(
+        RunSetting::ClipGrad,
+        &o.clip_grad,
+        |v| v.map_or("0 (off)".to_string(), |c| c.to_string()),
+        |c| &mut c.optimizer.clip_grad,
+    )?;
+    s.setting(
+        RunSetting::Beta1,
+        &o.beta1,
+        |v| plain(v),
+        |c| &mut c.optimizer.beta1,
+    )?;
+    s.setting(
+        RunSetting::Beta2,
+        &o.beta2,
+        |v| plain(v),
+        |c| &mut c.optimizer.beta2,
+    )?;
+    s.setting(
+        RunSetting::Eps,
+        &o.eps,
+        |v| plain(v),
+        |c| &mut c.optimizer.eps,
+    )?;
+    s.setting(
+        RunSetting::Momentum,
+        &o.momentum,
+        |v| plain(v),
+        |c| &mut c.optimizer.momentum,
+    )?;
+    let layout = &index.layout;
+    s.setting(
+        RunSetting::Ranks,
+        &layout.ranks,
+        |v| plain(v),
+        |c| &mut c.ranks,
+    )?;
+    // The checkpoint's ep only where it divides the ranks this run has.
+    if s.config.ranks.is_multiple_of(layout.ep) {
+        s.setting(RunSetting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
+    }
+    s.setting(
+        RunSetting::Sharding,
+        &layout.sharding,
+        |v| match v {
+            Sharding::Zero3 => "3".into(),
+            Sharding::NoShard => "0".into(),
+        },
+        |c| &mut c.sharding,
+    )?;
+    s.setting(
+        RunSetting::Schedule,
+        &layout.schedule,
+        |v| match v {
+            ScheduleKind::Overlap => "overlap".into(),
+            ScheduleKind::Plain => "plain".into(),
+        },
+        |c| &mut c.schedule,
+    )?;
+    let data = s.data()?;
+    Ok(Settled {
+        config: s.config,
+        inherited: s.inherited,
+        data,
+    })
+}

@@ -1,0 +1,811 @@
+//! How much memory a training run needs, estimated before anything is
+//! allocated, and how much the machine has.
+//!
+//! Per rank a run holds its weights and their state (what [`FsdpEngine::new`]
+//! and [`Optimizer::new`] allocate: shards, master weights, gradients,
+//! optimizer moments, the unit pool and the non-unit buffers), plus the
+//! activations of the micro-batches its schedule keeps in flight, plus, for
+//! a moment, scratch (the largest bucket, initialised or hashed). Activations are
+//! counted from what each layer kind's forward keeps for its backward
+//! (`layers/*.rs`, the `...Saved` structs), the largest working set of one
+//! layer's backward, and the output heads, whose `[tokens, vocab]` f32
+//! probabilities are often the largest single buffer. Thread ranks share one
+//! process, so the process needs every rank's share.
+//!
+//! [`FsdpEngine::new`]: crate::fsdp::FsdpEngine::new
+//! [`Optimizer::new`]: crate::optimizer::Optimizer::new
+
+use crate::backend::Tokens;
+use crate::fsdp::{ShardLayout, Sharding};
+use crate::optimizer::OptimizerKind;
+use hybridgen_dsl::config::Activation;
+use hybridgen_dsl::params::layer_params;
+use hybridgen_dsl::{LayerKind, ModelConfig, Plan};
+use std::path::Path;
+
+/// Bytes per element of each precision ([`crate::Precision`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ElementSizes {
+    /// Parameters and activations.
+    pub compute: u64,
+    /// Master weights, gradient shards, optimizer moments, norms' `rstd`,
+    /// softmax statistics and probabilities.
+    pub f32: u64,
+}
+
+impl ElementSizes {
+    /// The CPU backend keeps everything in f32.
+    pub const CPU: ElementSizes = ElementSizes { compute: 4, f32: 4 };
+}
+
+/// Elements of each precision (host index vectors count as `f32`: 4 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Elements {
+    compute: u64,
+    f32: u64,
+}
+
+impl Elements {
+    fn new(compute: u64, f32: u64) -> Self {
+        Elements { compute, f32 }
+    }
+
+    fn bytes(self, sizes: ElementSizes) -> u64 {
+        self.compute
+            .saturating_mul(sizes.compute)
+            .saturating_add(self.f32.saturating_mul(sizes.f32))
+    }
+
+    fn plus(self, other: Elements) -> Self {
+        Elements::new(
+            self.compute.saturating_add(other.compute),
+            self.f32.saturating_add(other.f32),
+        )
+    }
+}
+
+/// Activations of one micro-batch on one rank, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ActivationEstimate {
+    /// What every decoder and MTP layer keeps from its forward for its
+    /// backward.
+    pub layers: u64,
+    /// Residual streams and their gradients, final norms, MTP entries and
+    /// the micro-batch's tokens.
+    pub streams: u64,
+    /// The output heads (the main one and one per MTP depth): `[tokens,
+    /// vocab]` f32 probabilities and their input.
+    pub heads: u64,
+    /// The largest extra working set of one layer while it runs (gradients
+    /// of its intermediates in backward, or buffers its forward drops).
+    pub working_set: u64,
+    pub total: u64,
+}
+
+/// Activations of one micro-batch of `tokens` through the layers `kinds`
+/// (decoder and MTP layers alike) with `mtp_depths` MTP depths, each layer
+/// kind's dimensions taken from `model`; MoE layers route `top_k` rows per
+/// token to experts (balanced: the expected rows per rank).
+pub fn activations(
+    model: &ModelConfig,
+    kinds: impl IntoIterator<Item = LayerKind>,
+    mtp_depths: usize,
+    tokens: Tokens,
+    sizes: ElementSizes,
+) -> ActivationEstimate {
+    let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
+    let h = model.hidden_size as u64;
+    let mut layers = Elements::default();
+    let mut working = Elements::default();
+    // Each kind's footprint is the same for every layer of it: compute once.
+    let mut by_kind: [Option<(Elements, Elements)>; LayerKind::ALL.len()] =
+        [None; LayerKind::ALL.len()];
+    for kind in kinds {
+        let (saved, extra) =
+            *by_kind[kind as usize].get_or_insert_with(|| layer(model, kind, tokens));
+        layers = layers.plus(saved);
+        working = Elements::new(
+            working.compute.max(extra.compute),
+            working.f32.max(extra.f32),
+        );
+    }
+    let depths = mtp_depths as u64;
+    // x, dx, the final norm's output, its saved input and its gradient; per
+    // MTP depth its entry (embedding, normed inputs, concatenation), its
+    // stream, final norm and their gradients; the tokens (inputs, targets
+    // per head, MTP inputs).
+    let streams = Elements::new(
+        n.saturating_mul(h)
+            .saturating_mul(5u64.saturating_add(depths.saturating_mul(12))),
+        n.saturating_mul(1 + depths.saturating_mul(3) + 1 + (depths + 1) + depths),
+    );
+    // Each head keeps its input and `[tokens, vocab]` f32 probabilities.
+    let vocab = model.padded_vocab_size() as u64;
+    let heads = Elements::new(
+        n.saturating_mul(h).saturating_mul(depths + 1),
+        n.saturating_mul(vocab.saturating_add(2))
+            .saturating_mul(depths + 1),
+    );
+    let [layers, streams, heads, working_set] =
+        [layers, streams, heads, working].map(|e| e.bytes(sizes));
+    ActivationEstimate {
+        layers,
+        streams,
+        heads,
+        working_set,
+        total: layers
+            .saturating_add(streams)
+            .saturating_add(heads)
+            .saturating_add(working_set),
+    }
+}
+
+/// What one layer of `kind` keeps from forward to backward, and the extra
+/// working set while it runs, for one micro-batch (`layers/*.rs`).
+fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Elements) {
+    let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
+    let h = model.hidden_size as u64;
+    let per_token = |saved_compute: u64, saved_f32: u64, extra_compute: u64| {
+        (
+            Elements::new(n.saturating_mul(saved_compute), n.saturating_mul(saved_f32)),
+            Elements::new(n.saturating_mul(extra_compute), 0),
+        )
+    };
+    let ffn = |width: usize, activation: Activation| {
+        let w = width as u64;
+        (w * activation.fc1_factor() as u64, w)
+    };
+    match kind {
+        LayerKind::Mamba => {
+            let Some(m) = &model.mamba else {
+                return Default::default();
+            };
+            let (heads, d, groups) = (
+                m.num_heads as u64,
+                (m.num_heads * m.head_dim) as u64,
+                m.num_groups as u64,
+            );
+            let c = d + 2 * groups * m.state_size as u64;
+            // x_in, u, z, xBC before and after conv and SiLU, dt, y, gated,
+            // normed; rstd of both norms. Backward: d_out, d_normed,
+            // d_gated, d_z, d_y, d_xBC (three), d_dt, d_u.
+            let (mut saved, extra) = per_token(
+                2 * h + 4 * d + 3 * c + heads,
+                1 + groups,
+                2 * h + 4 * d + 3 * c + heads,
+            );
+            // The scan's chunk states: per sequence, chunk, head, P x N.
+            let chunks = (tokens.seq.div_ceil(m.chunk_size.max(1))) as u64;
+            saved.f32 = saved.f32.saturating_add(
+                (tokens.batch as u64)
+                    .saturating_mul(chunks)
+                    .saturating_mul(d)
+                    .saturating_mul(m.state_size as u64),
+            );
+            (saved, extra)
+        }
+        LayerKind::Attention => {
+            let Some(a) = &model.attention else {
+                return Default::default();
+            };
+            let c = model.attention_head_dim().unwrap_or(0) as u64;
+            let (q, kv) = (a.num_heads as u64 * c, a.num_kv_groups as u64 * c);
+            let norm = if a.qk_norm {
+                (q + kv, a.num_heads + a.num_kv_groups)
+            } else {
+                (0, 0)
+            };
+            // x_in, u, q, k, v, o (+ pre-norm q, k); rstd, lse (+ q/k rstd).
+            // Forward drops the fused qkv; backward holds d_out, d_o, dq,
+            // dk, dv, d_qkv, d_u.
+            per_token(
+                2 * h + 2 * q + 2 * kv + norm.0,
+                1 + a.num_heads as u64 + norm.1 as u64,
+                2 * h + 3 * q + 4 * kv + norm.0,
+            )
+        }
+        LayerKind::Mla | LayerKind::Dsa => {
+            let Some(m) = &model.mla else {
+                return Default::default();
+            };
+            let a = m.num_heads as u64;
+            let (dqk, dv) = (
+                (m.qk_head_dim + m.qk_rope_head_dim) as u64,
+                m.v_head_dim as u64,
+            );
+            let (kr, qr) = (m.kv_lora_rank as u64, m.q_lora_rank.unwrap_or(0) as u64);
+            // x_in, u, the latents (raw and normed), q, k, v, o; rstds, lse.
+            // Backward: d_out, d_o, dq, dk, dv, d_kv, d_k_rope, the latents'
+            // gradients, d_u.
+            per_token(
+                2 * h + 2 * qr + 2 * kr + 2 * a * dqk + 2 * a * dv,
+                3 + a,
+                2 * h
+                    + 2 * a * dqk
+                    + 2 * a * dv
+                    + a * (m.qk_head_dim as u64 + dv)
+                    + m.qk_rope_head_dim as u64
+                    + 2 * kr
+                    + 2 * qr,
+            )
+        }
+        LayerKind::Mlp => {
+            let Some(m) = &model.mlp else {
+                return Default::default();
+            };
+            let (pre, act) = ffn(m.ffn_hidden_size, m.activation);
+            // x_in, u, fc1 output, activation; rstd. Backward: d_out, d_pre,
+            // d_act, d_u.
+            per_token(2 * h + pre + act, 1, 2 * h + pre + act)
+        }
+        LayerKind::Moe => {
+            let Some(m) = &model.moe else {
+                return Default::default();
+            };
+            let (e, k) = (m.num_experts as u64, m.top_k as u64);
+            let (pre, act) = ffn(m.ffn_hidden_size, m.activation);
+            let (shared_pre, shared_act) = m
+                .shared_expert_ffn_hidden_size
+                .map_or((0, 0), |w| ffn(w, m.activation));
+            let shared = if m.shared_expert_ffn_hidden_size.is_some() {
+                shared_pre + shared_act + h
+            } else {
+                0
+            };
+            // Routing: x_in, u, logits, scores, weights, the shared expert;
+            // per routed row (k per token): the experts' input, fc1 output
+            // and activation, and the returned row. Host indices: selected,
+            // positions, regroup. Forward also holds the send, received and
+            // output rows for a while; backward their gradients.
+            per_token(
+                2 * h + 2 * e + k + shared + k * (2 * h + pre + act),
+                1 + 3 * k,
+                2 * h + e + k + shared + k * (4 * h + pre + act),
+            )
+        }
+        // Planned, not trained by this runtime (refused before estimating).
+        LayerKind::GatedDeltaNet => Default::default(),
+    }
+}
+
+/// Memory of one rank's weights, gradients, optimizer state and parameter
+/// buffers, as [`crate::fsdp::FsdpEngine::new`] and
+/// [`crate::optimizer::Optimizer::new`] allocate them, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StateEstimate {
+    /// Parameter shards, master shards and gradient shards.
+    pub shards: u64,
+    /// Optimizer moments (two per element for Adam, one for SGD).
+    pub optimizer: u64,
+    /// Gathered units' parameters and gradients (ZeRO-3: the pool the
+    /// schedule's dry run sizes; `no_shard`: every unit), the non-unit
+    /// buffers and the reduce scratch.
+    pub buffers: u64,
+    /// Host scratch for the largest bucket, briefly: the whole bucket in f32
+    /// while it is initialised, or every rank's shard of it in f64 while the
+    /// final parameter hash gathers it, whichever is larger.
+    pub scratch: u64,
+    pub total: u64,
+}
+
+/// What [`StateEstimate`] depends on besides the plan.
+#[derive(Clone, Copy, Debug)]
+pub struct StateLayout {
+    pub sharding: Sharding,
+    pub ranks: usize,
+    pub ep: usize,
+    pub optimizer: OptimizerKind,
+    /// The schedule's dry run: units resident at once, gradient buffers.
+    pub resident_units: usize,
+    pub grad_buffers: usize,
+}
+
+/// The state of one rank of `plan` under `layout`.
+pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEstimate {
+    let shard_layout = ShardLayout {
+        sharding: layout.sharding,
+        world: layout.ranks,
+        ep: layout.ep,
+    };
+    let mut shard_elems = 0u64;
+    let mut max_shard = 0u64;
+    let mut max_padded = 0u64;
+    let mut non_unit = 0u64;
+    let mut unit_len = vec![0u64; plan.units.len()];
+    for bucket in plan.buckets.iter() {
+        let world = shard_layout.group_size(plan, bucket).max(1);
+        let padded = bucket.padded_numel(world) as u64;
+        let shard = bucket.shard_numel(world) as u64;
+        shard_elems = shard_elems.saturating_add(shard);
+        max_shard = max_shard.max(shard);
+        max_padded = max_padded.max(padded);
+        match bucket.unit {
+            Some(u) => unit_len[u] = unit_len[u].saturating_add(padded),
+            None => non_unit = non_unit.saturating_add(padded),
+        }
+    }
+    let slot = unit_len.iter().copied().max().unwrap_or(0);
+    let units = plan.units.len() as u64;
+    let param_slots = match layout.sharding {
+        Sharding::NoShard => unit_len.iter().fold(0u64, |a, &l| a.saturating_add(l)),
+        Sharding::Zero3 => slot.saturating_mul((layout.resident_units as u64).min(units)),
+    };
+    let grad_slots = slot.saturating_mul((layout.grad_buffers.max(1) as u64).min(units.max(1)));
+    let moments = match layout.optimizer {
+        OptimizerKind::Adam => 2,
+        OptimizerKind::Sgd => 1,
+    };
+    let shards = Elements::new(shard_elems, shard_elems.saturating_mul(2)).bytes(sizes);
+    let optimizer = Elements::new(0, shard_elems.saturating_mul(moments)).bytes(sizes);
+    let buffers = Elements::new(
+        param_slots
+            .saturating_add(grad_slots)
+            .saturating_add(non_unit.saturating_mul(2)),
+        max_shard,
+    )
+    .bytes(sizes);
+    // The hash's gather: this rank's shard, its copy in the collective, and
+    // every rank's shard.
+    let hash = max_shard
+        .saturating_mul(8)
+        .saturating_mul(2 + layout.ranks as u64);
+    StateEstimate {
+        shards,
+        optimizer,
+        buffers,
+        scratch: max_padded.saturating_mul(4).max(hash),
+        total: shards.saturating_add(optimizer).saturating_add(buffers),
+    }
+}
+
+/// What a run needs in memory: every figure the refusal prints.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryNeed {
+    /// Thread ranks in this process.
+    pub ranks: usize,
+    /// Per rank.
+    pub state: StateEstimate,
+    /// Per micro-batch on one rank.
+    pub activations: ActivationEstimate,
+    /// Micro-batches the schedule keeps in flight per rank.
+    pub live_micro_batches: usize,
+    /// Per rank, while a matrix product runs: the CPU kernels transpose the
+    /// weight of `x W^T` into a scratch copy; the largest weight (often the
+    /// output layer, `[vocab, hidden]`) sets it.
+    pub kernel_scratch: u64,
+    /// Per rank: what the arenas of the micro-batches in flight may hold
+    /// beyond their activations. An arena grows by a quarter of its size
+    /// (at least 1 MiB) when no free region fits, so it can end a quarter
+    /// plus 1 MiB above its peak. Zero in a lower bound.
+    pub arena_headroom: u64,
+    /// Per rank: threads, lanes, the model's layer descriptions, the
+    /// schedule and the engine's tables (about 1 MiB plus 2 KiB a layer,
+    /// measured on the CPU backend).
+    pub bookkeeping: u64,
+    /// Per rank: state plus the larger of the live micro-batches'
+    /// activations and the scratch (they are never needed at once).
+    pub per_rank: u64,
+    /// Every rank of the process.
+    pub total: u64,
+    /// A lower bound made before planning (state without padding or
+    /// buffers), or the full estimate.
+    pub lower_bound: bool,
+}
+
+impl MemoryNeed {
+    fn new(
+        ranks: usize,
+        state: StateEstimate,
+        activations: ActivationEstimate,
+        live_micro_batches: usize,
+        kernel_scratch: u64,
+        layers: usize,
+        lower_bound: bool,
+    ) -> Self {
+        let bookkeeping = (1u64 << 20).saturating_add((layers as u64).saturating_mul(2048));
+        let arena_headroom = if lower_bound {
+            0
+        } else {
+            (activations.total / 4)
+                .saturating_add(1 << 20)
+                .saturating_mul(live_micro_batches as u64)
+        };
+        let live = activations
+            .total
+            .saturating_mul(live_micro_batches as u64)
+            .saturating_add(kernel_scratch)
+            .saturating_add(arena_headroom);
+        let per_rank = state
+            .total
+            .saturating_add(bookkeeping)
+            .saturating_add(live.max(state.scratch));
+        MemoryNeed {
+            ranks,
+            per_rank,
+            total: per_rank.saturating_mul(ranks as u64),
+            state,
+            activations,
+            live_micro_batches,
+            kernel_scratch,
+            arena_headroom,
+            bookkeeping,
+            lower_bound,
+        }
+    }
+
+    /// Per rank: the activations of the micro-batches in flight, with the
+    /// kernel scratch and the arenas' headroom.
+    fn live(&self) -> u64 {
+        self.activations
+            .total
+            .saturating_mul(self.live_micro_batches as u64)
+            .saturating_add(self.kernel_scratch)
+            .saturating_add(self.arena_headroom)
+    }
+
+    /// The full estimate for a planned run.
+    pub fn of_plan(
+        plan: &Plan,
+        layout: StateLayout,
+        tokens: Tokens,
+        live_micro_batches: usize,
+        sizes: ElementSizes,
+    ) -> Self {
+        let kinds = plan
+            .layers
+            .iter()
+            .map(|l| l.kind)
+            .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind));
+        let activations = activations(&plan.model, kinds, plan.mtp_depths(), tokens, sizes);
+        let largest = plan.param_defs.iter().map(|d| d.numel() as u64).max();
+        Self::new(
+            layout.ranks,
+            state(plan, layout, sizes),
+            activations,
+            live_micro_batches,
+            largest.unwrap_or(0).saturating_mul(sizes.compute),
+            plan.layers.len() + plan.mtp_layers.iter().map(Vec::len).sum::<usize>(),
+            false,
+        )
+    }
+
+    /// A lower bound from the pattern alone, cheap enough to run before
+    /// planning (which takes seconds for 100,000 layers): the parameters'
+    /// shards, masters, gradients and moments without padding or buffers,
+    /// and the activations. `None` when the pattern does not parse (planning
+    /// reports why).
+    pub fn lower_bound(
+        model: &ModelConfig,
+        layout: StateLayout,
+        tokens: Tokens,
+        live_micro_batches: usize,
+        sizes: ElementSizes,
+    ) -> Option<Self> {
+        let pattern = hybridgen_dsl::pattern::Pattern::parse(&model.pattern).ok()?;
+        let mut dense = 0u64;
+        let mut experts = 0u64;
+        let kinds: Vec<LayerKind> = pattern
+            .layers()
+            .chain(pattern.mtp_depths.iter().flat_map(|d| &d.layers))
+            .map(|l| l.kind)
+            .collect();
+        let mut per_kind: [Option<(u64, u64)>; LayerKind::ALL.len()] = [None; LayerKind::ALL.len()];
+        for &kind in &kinds {
+            let (d, e) = *per_kind[kind as usize].get_or_insert_with(|| {
+                let experts = model.moe.as_ref().map_or(0, |m| m.num_experts);
+                layer_params(kind, model, experts)
+                    .iter()
+                    .fold((0, 0), |(d, e), p| {
+                        let numel = p.numel() as u64;
+                        if p.expert {
+                            (d, e + numel)
+                        } else {
+                            (d + numel, e)
+                        }
+                    })
+            });
+            dense = dense.saturating_add(d);
+            experts = experts.saturating_add(e);
+        }
+        let embedding = (model.padded_vocab_size() as u64).saturating_mul(model.hidden_size as u64);
+        dense = dense.saturating_add(if model.tie_embeddings {
+            embedding
+        } else {
+            2 * embedding
+        });
+        let ranks = layout.ranks.max(1) as u64;
+        // Per rank, on average: ZeRO-3 shards everything over the ranks
+        // (experts over their expert-data-parallel group, each EP rank
+        // holding its share of the experts); no_shard keeps it whole.
+        let elems = match layout.sharding {
+            Sharding::Zero3 => dense.saturating_add(experts) / ranks,
+            Sharding::NoShard => dense.saturating_add(experts / layout.ep.max(1) as u64),
+        };
+        let moments = match layout.optimizer {
+            OptimizerKind::Adam => 2,
+            OptimizerKind::Sgd => 1,
+        };
+        let shards = Elements::new(elems, elems.saturating_mul(2)).bytes(sizes);
+        let optimizer = Elements::new(0, elems.saturating_mul(moments)).bytes(sizes);
+        let state = StateEstimate {
+            shards,
+            optimizer,
+            buffers: 0,
+            scratch: 0,
+            total: shards.saturating_add(optimizer),
+        };
+        let layers = kinds.len();
+        let activations = activations(model, kinds, pattern.mtp_depth_count(), tokens, sizes);
+        Some(Self::new(
+            layout.ranks,
+            state,
+            activations,
+            live_micro_batches,
+            0,
+            layers,
+            true,
+        ))
+    }
+
+    /// The refusal when this need exceeds `available`, with the figures and
+    /// what to change; `None` when it fits.
+    pub fn check(&self, available: &AvailableMemory, hints: &FitHints) -> Option<String> {
+        if self.total <= available.bytes {
+            return None;
+        }
+        let about = if self.lower_bound {
+            "at least"
+        } else {
+            "about"
+        };
+        let live = self.live();
+        let mut out = format!(
+            "this run needs {about} {} of memory, but {} is available ({})\n",
+            bytes(self.total),
+            bytes(available.bytes),
+            available.source
+        );
+        out += &format!(
+            "  per rank: {} = {} parameters, gradients and optimizer state + {} activations \
+             ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
+             kernel scratch {}; arena headroom {})",
+            bytes(self.per_rank),
+            bytes(self.state.total),
+            bytes(live),
+            self.live_micro_batches,
+            if self.live_micro_batches == 1 {
+                ""
+            } else {
+                "es"
+            },
+            bytes(self.activations.total),
+            bytes(self.activations.layers),
+            bytes(self.activations.heads),
+            bytes(self.activations.streams),
+            bytes(self.activations.working_set),
+            bytes(self.kernel_scratch),
+            bytes(self.arena_headroom),
+        );
+        if self.state.scratch > live {
+            out += &format!(
+                " (the largest bucket's scratch, at the start and the end, takes {} more than \
+                 the activations)",
+                bytes(self.state.scratch - live)
+            );
+        }
+        out += &format!(
+            "\n  {} thread rank{} in this process: {}\n  to fit, try:",
+            self.ranks,
+            if self.ranks == 1 { "" } else { "s" },
+            bytes(self.total)
+        );
+        let mut tips = Vec::new();
+        if live > self.state.total / 8 {
+            tips.push(format!(
+                "a smaller --micro-batch-size (now {}) or --seq-len (now {}): activations grow \
+                 with the tokens of a micro-batch",
+                hints.micro_batch_size, hints.seq_length
+            ));
+            if self.live_micro_batches > 1 {
+                tips.push(format!(
+                    "--schedule plain: one micro-batch in flight instead of {}",
+                    self.live_micro_batches
+                ));
+            }
+        }
+        if hints.sharding == Sharding::NoShard {
+            tips.push(
+                "--zero 3: shard parameters, gradients and optimizer state over the ranks"
+                    .to_string(),
+            );
+        }
+        if self.ranks > 1 {
+            tips.push(format!(
+                "fewer --ranks (now {}): every thread rank holds its own activations and buffers",
+                self.ranks
+            ));
+        }
+        if hints.optimizer == OptimizerKind::Adam && self.state.optimizer > available.bytes / 4 {
+            tips.push("--optimizer sgd: one moment per parameter instead of Adam's two".into());
+        }
+        tips.push("a smaller model (fewer or narrower layers, a smaller vocabulary)".into());
+        for tip in tips {
+            out += &format!("\n    - {tip}");
+        }
+        Some(out)
+    }
+}
+
+/// The settings a refusal suggests changing.
+#[derive(Clone, Copy, Debug)]
+pub struct FitHints {
+    pub micro_batch_size: usize,
+    pub seq_length: usize,
+    pub sharding: Sharding,
+    pub optimizer: OptimizerKind,
+}
+
+/// Memory this process may still use, and where the figure comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AvailableMemory {
+    pub bytes: u64,
+    pub source: String,
+}
+
+/// What the operating system says this process may still allocate: Linux's
+/// `MemAvailable`, or less when a cgroup (v2 or v1) limits the process
+/// (a container). `None` where neither can be read (other systems).
+pub fn available() -> Option<AvailableMemory> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| mem_available(&text))
+        .map(|bytes| AvailableMemory {
+            bytes,
+            source: "MemAvailable in /proc/meminfo".into(),
+        });
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|text| cgroup_headroom(&text, Path::new("/sys/fs/cgroup")));
+    match (meminfo, cgroup) {
+        (Some(m), Some(c)) => Some(if c.bytes < m.bytes { c } else { m }),
+        (m, c) => m.or(c),
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let value: u64 = words.next()?.parse().ok()?;
+    let unit = match words.next() {
+        Some("kB") => 1024,
+        None => 1,
+        Some(_) => return None,
+    };
+    value.checked_mul(unit)
+}
+
+/// The least headroom (limit minus usage) of the cgroups this process is in
+/// and their ancestors: `cgroup` is `/proc/self/cgroup`, `root` where the
+/// cgroup file systems are mounted.
+fn cgroup_headroom(cgroup: &str, root: &Path) -> Option<AvailableMemory> {
+    let read = |path: &Path| -> Option<u64> {
+        let text = std::fs::read_to_string(path).ok()?;
+        text.trim().parse().ok()
+    };
+    let mut best: Option<AvailableMemory> = None;
+    let mut consider = |limit: Option<u64>, usage: Option<u64>, path: &Path| {
+        // v1 writes "no limit" as a number near i64::MAX.
+        if let Some(limit) = limit.filter(|&l| l < 1 << 60) {
+            let bytes = limit.saturating_sub(usage.unwrap_or(0));
+            if best.as_ref().is_none_or(|b| bytes < b.bytes) {
+                best = Some(AvailableMemory {
+                    bytes,
+                    source: format!("the cgroup limit in {}", path.display()),
+                });
+            }
+        }
+    };
+    for line in cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let relative = path.trim_start_matches('/');
+        if id == "0" && controllers.is_empty() {
+            // v2: the limit may sit on any ancestor.
+            let mut dir = root.join(relative);
+            loop {
+                let max = dir.join("memory.max");
+                consider(read(&max), read(&dir.join("memory.current")), &max);
+                if dir == root || !dir.pop() || !dir.starts_with(root) {
+                    break;
+                }
+            }
+        } else if controllers.split(',').any(|c| c == "memory") {
+            // v1; inside a container the path may not exist under the mount.
+            let base = root.join("memory");
+            for dir in [base.join(relative), base.clone()] {
+                let limit = dir.join("memory.limit_in_bytes");
+                if limit.exists() {
+                    consider(
+                        read(&limit),
+                        read(&dir.join("memory.usage_in_bytes")),
+                        &limit,
+                    );
+                    break;
+                }
+            }
+        }
+    }
+    best
+}
+
+/// `bytes` for people: `1.5 GiB`, `640.0 KiB`.
+pub fn bytes(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_and_cgroups_are_read() {
+        let meminfo =
+            "MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(mem_available(meminfo), Some(20_000_000 * 1024));
+        assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
+
+        let root = std::env::temp_dir().join(format!("hybridgen-cgroup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        // v2: the leaf has no limit, its parent 8 GiB with 3 GiB in use.
+        let leaf = root.join("user.slice/job");
+        std::fs::create_dir_all(&leaf).unwrap();
+        std::fs::write(leaf.join("memory.max"), "max\n").unwrap();
+        std::fs::write(leaf.join("memory.current"), "1000\n").unwrap();
+        std::fs::write(
+            root.join("user.slice/memory.max"),
+            format!("{}\n", 8u64 << 30),
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("user.slice/memory.current"),
+            format!("{}\n", 3u64 << 30),
+        )
+        .unwrap();
+        let v2 = cgroup_headroom("0::/user.slice/job\n", &root).unwrap();
+        assert_eq!(v2.bytes, 5 << 30);
+        assert!(v2.source.contains("user.slice/memory.max"), "{}", v2.source);
+        // v1, unlimited: no figure; limited: limit - usage.
+        let v1 = root.join("memory/docker/abc");
+        std::fs::create_dir_all(&v1).unwrap();
+        std::fs::write(v1.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        assert_eq!(cgroup_headroom("4:memory:/docker/abc\n", &root), None);
+        std::fs::write(v1.join("memory.limit_in_bytes"), "4096\n").unwrap();
+        std::fs::write(v1.join("memory.usage_in_bytes"), "1024\n").unwrap();
+        let limited = cgroup_headroom("4:cpu,memory:/docker/abc\n", &root).unwrap();
+        assert_eq!(limited.bytes, 3072);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn byte_figures_read_well() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(3 << 30), "3.0 GiB");
+        assert_eq!(bytes(u64::MAX), "16.0 EiB");
+    }
+}

@@ -1,0 +1,313 @@
+//! Checkpoints refuse what they cannot trust: flipped bytes in a rank file
+//! (named with the tensor they hit) or in the index, files the index names
+//! outside the checkpoint, numbers out of range, shapes that are not the
+//! model's. Each is an error before any step, never a panic, a huge
+//! allocation or a silent load.
+
+use hybridgen_dsl::ModelConfig;
+use hybridgen_runtime::checkpoint::{self, ResumeFrom, RunSetting};
+use hybridgen_runtime::train::{TrainConfig, train};
+use safetensors::SafeTensors;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+
+fn config() -> TrainConfig {
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.pattern = "[*E][*E]".to_string();
+    let mut config = TrainConfig::new(model);
+    config.steps = 2;
+    config.micro_batches = 2;
+    config.micro_batch_size = 2;
+    config.seq_length = 16;
+    config.seed = 7;
+    config
+}
+
+/// A root holding step 2 of the run above; returns the step's directory.
+fn saved(name: &str) -> PathBuf {
+    let root =
+        std::env::temp_dir().join(format!("hybridgen-ckpt-lib-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut c = config();
+    c.save = Some(root.clone());
+    train(&c, &mut |_| {}).unwrap_or_else(|e| panic!("{e}"));
+    root.join("step-000002")
+}
+
+/// The error of resuming from `dir` (no step may run).
+fn resume_error(dir: &Path) -> String {
+    let mut c = config();
+    c.steps = 3;
+    c.resume = Some(ResumeFrom::Dir(dir.to_path_buf()));
+    let err = train(&c, &mut |_| panic!("no step may run"))
+        .unwrap_err()
+        .to_string();
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+    err
+}
+
+/// Rewrites the index with `edit` applied, sealed again, as a forger (or a
+/// buggy tool) would: the seal alone does not make an index trusted.
+fn forge_index(dir: &Path, edit: impl Fn(&mut Value)) {
+    let path = dir.join(checkpoint::INDEX);
+    let mut index: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let before = index.clone();
+    edit(&mut index);
+    assert_ne!(index, before, "the edit changed nothing");
+    // `crc32c` stays the first field: keys print sorted, and it sorts first.
+    let text = format!("{}\n", serde_json::to_string_pretty(&index).unwrap());
+    std::fs::write(&path, checkpoint::seal(&text).unwrap()).unwrap();
+}
+
+fn flip_byte(path: &Path, at: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[at] ^= 0x10;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn an_untouched_checkpoint_verifies_and_resumes() {
+    // The baseline the refusals below are measured against.
+    let dir = saved("untouched");
+    let index = checkpoint::verify(&dir).unwrap();
+    assert_eq!(index.step, 2);
+    assert_eq!(index.run.seed, 7);
+    let mut c = config();
+    c.steps = 3;
+    c.resume = Some(ResumeFrom::Dir(dir.clone()));
+    let summary = train(&c, &mut |_| {}).unwrap();
+    assert_eq!((summary.resumed_from, summary.last_step), (Some(2), 3));
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn a_flipped_byte_in_a_rank_file_names_the_file_and_the_tensor() {
+    let dir = saved("flip-data");
+    let file = dir.join("rank-00001.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    // The tensor whose data holds the file's last byte.
+    let (header, metadata) = SafeTensors::read_metadata(&bytes).unwrap();
+    let data_len = bytes.len() - 8 - header;
+    let last = metadata
+        .tensors()
+        .into_iter()
+        .find(|(_, info)| info.data_offsets.1 == data_len)
+        .map(|(name, _)| name)
+        .unwrap();
+    flip_byte(&file, bytes.len() - 1);
+    let err = resume_error(&dir);
+    assert!(err.contains("rank-00001.safetensors"), "{err}");
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(
+        err.contains(&format!("the damage is in tensor `{last}`")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_flipped_byte_in_a_rank_file_header_is_found() {
+    let dir = saved("flip-header");
+    // Byte 20 lies in the JSON header, past its 8-byte length.
+    flip_byte(&dir.join("rank-00000.safetensors"), 20);
+    let err = resume_error(&dir);
+    assert!(err.contains("rank-00000.safetensors"), "{err}");
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(err.contains("header"), "{err}");
+}
+
+#[test]
+fn a_truncated_rank_file_is_refused() {
+    let dir = saved("truncated");
+    let file = dir.join("rank-00001.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let err = resume_error(&dir);
+    assert!(err.contains("rank-00001.safetensors"), "{err}");
+    assert!(err.contains("but the index records"), "{err}");
+}
+
+#[test]
+fn a_flipped_byte_in_the_index_is_found() {
+    // A digit of the seed: still valid JSON, a silently different run
+    // without the index's own checksum.
+    let dir = saved("flip-index");
+    let path = dir.join(checkpoint::INDEX);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let at = text.find("\"seed\": 7").unwrap() + "\"seed\": ".len();
+    flip_byte(&path, at);
+    let err = resume_error(&dir);
+    assert!(err.contains("checkpoint.json"), "{err}");
+    assert!(err.contains("checksum mismatch"), "{err}");
+}
+
+#[test]
+fn index_file_names_must_stay_inside_the_checkpoint() {
+    for (case, name) in [
+        ("up", "../../../etc/passwd"),
+        ("absolute", "/etc/passwd"),
+        ("dot", ".."),
+    ] {
+        let dir = saved(&format!("path-{case}"));
+        forge_index(&dir, |index| {
+            let files = index["files"].as_object_mut().unwrap();
+            let entry = files.remove("rank-00000.safetensors").unwrap();
+            files.insert(name.to_string(), entry);
+            for tensor in index["tensors"].as_object_mut().unwrap().values_mut() {
+                for piece in tensor["pieces"].as_array_mut().unwrap() {
+                    if piece["file"] == "rank-00000.safetensors" {
+                        piece["file"] = json!(name);
+                    }
+                }
+            }
+        });
+        let err = resume_error(&dir);
+        assert!(err.contains("not a plain file name"), "{name}: {err}");
+    }
+}
+
+/// A change to an index's JSON.
+type IndexEdit = fn(&mut Value);
+
+#[test]
+fn numbers_out_of_range_are_refused() {
+    let cases: [(&str, IndexEdit, &str); 6] = [
+        ("step", |i| i["step"] = json!(u64::MAX), "out of range"),
+        (
+            "ranks",
+            |i| i["layout"]["ranks"] = json!(0),
+            "is impossible",
+        ),
+        ("ep", |i| i["layout"]["ep"] = json!(3), "is impossible"),
+        (
+            "piece",
+            |i| i["tensors"]["output_layer.weight"]["pieces"][1]["end"] = json!(u64::MAX),
+            "must cover it exactly once",
+        ),
+        (
+            "shape",
+            |i| i["tensors"]["embedding.word_embeddings.weight"]["shape"][0] = json!(u64::MAX),
+            "over 2^48 elements",
+        ),
+        (
+            "batch",
+            |i| i["run"]["micro_batches"] = json!(0),
+            "must all be at least 1",
+        ),
+    ];
+    for (case, edit, message) in cases {
+        let dir = saved(&format!("range-{case}"));
+        forge_index(&dir, edit);
+        let err = resume_error(&dir);
+        assert!(err.contains(message), "{case}: {err}");
+        assert!(err.contains("checkpoint.json"), "{case}: {err}");
+    }
+}
+
+#[test]
+fn shapes_must_be_the_models() {
+    let dir = saved("shape-plan");
+    // The embedding as 128 x 128: as many elements, pieces intact, another
+    // model.
+    forge_index(&dir, |index| {
+        index["tensors"]["embedding.word_embeddings.weight"]["shape"] = json!([128, 128]);
+    });
+    let err = resume_error(&dir);
+    assert!(
+        err.contains("tensor `embedding.word_embeddings.weight` has shape [128, 128]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_step_directory_must_hold_its_step() {
+    let dir = saved("renamed");
+    let renamed = dir.with_file_name("step-000003");
+    std::fs::rename(&dir, &renamed).unwrap();
+    let err = resume_error(&renamed);
+    assert!(err.contains("named for step 3"), "{err}");
+}
+
+#[test]
+fn an_oversized_index_is_not_read() {
+    let dir = saved("oversized");
+    // A sparse terabyte: refused from its size, without reading it.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(checkpoint::INDEX))
+        .unwrap()
+        .set_len(1 << 40)
+        .unwrap();
+    let err = resume_error(&dir);
+    assert!(err.contains("over 256 MiB"), "{err}");
+}
+
+#[test]
+fn settings_left_to_the_checkpoint_are_taken_from_it() {
+    let dir = saved("inherit");
+    let mut straight = config();
+    straight.steps = 4;
+    let mut reference = Vec::new();
+    train(&straight, &mut |r| reference.push(r.loss.to_bits())).unwrap();
+    // Another seed, batch shape and learning rate, all left to the
+    // checkpoint: the run continues the seed-7 curve.
+    let mut c = config();
+    c.steps = 4;
+    c.seed = 0;
+    c.micro_batches = 5;
+    c.seq_length = 32;
+    c.optimizer.lr = 0.1;
+    c.resume = Some(ResumeFrom::Dir(dir.clone()));
+    c.from_checkpoint = RunSetting::ALL.into_iter().collect();
+    let prepared = hybridgen_runtime::train::prepare(&c).unwrap();
+    let inherited = &prepared.checkpoints.resume.as_ref().unwrap().inherited;
+    for setting in [
+        "--seed 7",
+        "--micro-batches 2",
+        "--seq-len 16",
+        "--lr 0.003",
+    ] {
+        assert!(inherited.iter().any(|s| s == setting), "{inherited:?}");
+    }
+    drop(prepared);
+    let mut resumed = Vec::new();
+    train(&c, &mut |r| resumed.push(r.loss.to_bits())).unwrap();
+    assert_eq!(resumed[..], reference[2..]);
+    // Given explicitly, the same values are contradictions.
+    c.from_checkpoint.clear();
+    let err = train(&c, &mut |_| panic!("no step may run"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--seed 0 contradicts"), "{err}");
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+#[test]
+fn a_layout_left_out_is_the_checkpoints_where_it_fits() {
+    let root =
+        std::env::temp_dir().join(format!("hybridgen-ckpt-lib-{}-layout", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut c = config();
+    (c.ranks, c.ep) = (4, 4);
+    c.save = Some(root.clone());
+    train(&c, &mut |_| {}).unwrap();
+    // Only the layout left out: four ranks and ep 4 come from the checkpoint.
+    let mut c = config();
+    c.steps = 3;
+    c.resume = Some(ResumeFrom::Dir(root.clone()));
+    c.from_checkpoint = [RunSetting::Ranks, RunSetting::Ep].into();
+    let prepared = hybridgen_runtime::train::prepare(&c).unwrap();
+    assert_eq!((prepared.config.ranks, prepared.config.ep), (4, 4));
+    drop(prepared);
+    // Two ranks given: ep 4 cannot divide them, so this run's ep 2 stays.
+    c.ranks = 2;
+    c.from_checkpoint = [RunSetting::Ep].into();
+    let prepared = hybridgen_runtime::train::prepare(&c).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((prepared.config.ranks, prepared.config.ep), (2, 2));
+    drop(prepared);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,138 @@
+//! The memory preflight against what a run really allocates, and memory that
+//! must not grow with the number of micro-batches. A counting allocator
+//! measures the heap (the CPU backend's buffers are heap `Vec`s); this file
+//! holds a single test so nothing else runs in the process meanwhile.
+
+use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions};
+use hybridgen_runtime::schedule::ScheduleKind;
+use hybridgen_runtime::train::{TrainConfig, memory_need, train};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(by: usize) {
+    let live = LIVE.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK.fetch_max(live, Ordering::Relaxed);
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the
+// counters only observe sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        grew(layout.size());
+        // SAFETY: the caller upholds `alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        grew(layout.size());
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: `ptr` came from this allocator with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size > layout.size() {
+            grew(new_size - layout.size());
+        } else {
+            LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+        }
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// The most heap a run of `config` held above what was live before it.
+fn peak_of(config: &TrainConfig) -> usize {
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    train(config, &mut |_| {}).unwrap_or_else(|e| panic!("{e}"));
+    PEAK.load(Ordering::Relaxed) - before
+}
+
+/// One rank, one step of long sequences through a small model: activations
+/// dominate what the run allocates.
+fn config(pattern: &str, schedule: ScheduleKind) -> TrainConfig {
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.pattern = pattern.to_string();
+    let mut config = TrainConfig::new(model);
+    config.ranks = 1;
+    config.ep = 1;
+    config.steps = 1;
+    config.micro_batches = 3;
+    config.micro_batch_size = 4;
+    config.seq_length = 256;
+    config.schedule = schedule;
+    config
+}
+
+#[test]
+fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
+    let mut report = String::new();
+    let mut results = Vec::new();
+    for pattern in ["M", "*", "+", "-", "E", "M*-E", "[*E]-/*"] {
+        for schedule in [ScheduleKind::Plain, ScheduleKind::Overlap] {
+            let c = config(pattern, schedule);
+            let options = PlanOptions {
+                layout: ParallelLayout::new(1, 1),
+                ..PlanOptions::default()
+            };
+            let plan = Plan::new(&c.model, &options).unwrap();
+            let need = memory_need(&c, &plan).unwrap();
+            let measured = peak_of(&c) as u64;
+            report += &format!(
+                "{pattern:<8} {schedule:?}: estimate {} (state {}, activations {} x {}), measured {}\n",
+                need.per_rank,
+                need.state.total,
+                need.live_micro_batches,
+                need.activations.total,
+                measured
+            );
+            results.push((pattern, schedule, need.per_rank, measured));
+        }
+    }
+    println!("{report}");
+    for (pattern, schedule, estimate, measured) in results {
+        // An upper bound, but not a loose one: a refusal must not turn away
+        // runs that fit by a wide margin. The overlap schedule is counted as
+        // two whole micro-batches in flight; its interleave frees one's
+        // layers while the other's fill up, so it needs less than that.
+        assert!(
+            estimate >= measured,
+            "{pattern} {schedule:?} under-estimated:\n{report}"
+        );
+        let slack = match schedule {
+            ScheduleKind::Plain => 1.5,
+            ScheduleKind::Overlap => 2.5,
+        };
+        assert!(
+            estimate as f64 <= measured as f64 * slack,
+            "{pattern} {schedule:?} over-estimated more than {slack}x:\n{report}"
+        );
+    }
+
+    // Micro-batch states are dropped as their work completes: a step of 40
+    // micro-batches peaks where a step of 2 does.
+    let mut few = config("M*-E", ScheduleKind::Overlap);
+    few.seq_length = 64;
+    few.micro_batches = 2;
+    let mut many = few.clone();
+    many.micro_batches = 40;
+    let (few_peak, many_peak) = (peak_of(&few), peak_of(&many));
+    assert!(
+        many_peak <= few_peak + few_peak / 10,
+        "40 micro-batches peaked at {many_peak} bytes, 2 at {few_peak}"
+    );
+}
