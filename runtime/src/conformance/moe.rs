@@ -103,8 +103,8 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
             .collect();
         let selected_u32: Vec<u32> = selected.iter().flatten().map(|&e| e as u32).collect();
 
-        let fwd = KernelCase::new("moe_route_forward", name.clone())
-            .input_f32("logits", logits.clone());
+        let fwd =
+            KernelCase::new("moe_route_forward", name.clone()).input_f32("logits", logits.clone());
         let fwd = match &bias {
             Some(b) => fwd.input_f32("expert_bias", b.clone()),
             None => fwd,
@@ -430,10 +430,7 @@ fn aux_loss<B: Backend>(s: &mut Suite<'_, B>) {
         // Each row's softmax sums to one, so the sums total `tokens`.
         let weights = s.rng.values(experts, 0.1, 1.0);
         let total: f64 = weights.iter().sum();
-        let softmax_sum: Vec<f64> = weights
-            .iter()
-            .map(|w| w / total * tokens as f64)
-            .collect();
+        let softmax_sum: Vec<f64> = weights.iter().map(|w| w / total * tokens as f64).collect();
         let name = format!("{tokens} tokens, top-{top_k} of {experts} experts, coeff {coeff}");
         let refusals = i == 0;
         let c = f64::from(coeff);
@@ -449,7 +446,8 @@ fn aux_loss<B: Backend>(s: &mut Suite<'_, B>) {
         s.check_kernel(
             fwd,
             |x| {
-                let loss = x["loss"][0] + r::aux_loss(&x["counts"], &x["softmax_sum"], tokens, top_k, c);
+                let loss =
+                    x["loss"][0] + r::aux_loss(&x["counts"], &x["softmax_sum"], tokens, top_k, c);
                 vec![Expected::new("loss", vec![loss])]
             },
             |dev, b| {
@@ -628,8 +626,7 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
                 );
                 s.check_bad_input(
                     &case,
-                    BadInput::new("one position too few")
-                        .with_u32("positions", &positions[1..]),
+                    BadInput::new("one position too few").with_u32("positions", &positions[1..]),
                     launch,
                 );
             }

@@ -250,7 +250,7 @@ fn sgd<B: Backend>(s: &mut Suite<'_, B>) {
 
 fn sum_squares<B: Backend>(s: &mut Suite<'_, B>) {
     // length, piece: pieces that divide it, do not, exceed it, one element.
-    let shapes = [
+    let shapes: [(usize, usize); 9] = [
         (300, 128),
         (0, 4),
         (1, 1),
@@ -263,9 +263,14 @@ fn sum_squares<B: Backend>(s: &mut Suite<'_, B>) {
     ];
     for (i, (len, piece)) in shapes.into_iter().enumerate() {
         let pieces = len.div_ceil(piece);
-        let case = KernelCase::new("sum_squares", format!("{len} elements in pieces of {piece}"))
-            .input_f32("x", s.rng.values(len, -2.0, 2.0))
-            .output_f64("out", pieces);
+        let case = KernelCase::new(
+            "sum_squares",
+            format!("{len} elements in pieces of {piece}"),
+        )
+        .input_f32("x", s.rng.values(len, -2.0, 2.0))
+        .output_f64("out", pieces)
+        // Any length of `x` is taken; `out` must have its piece count.
+        .free_len("x");
         let refusals = i == 0;
         let case = if refusals { case.with_refusals() } else { case };
         let launch = |piece: usize| {
