@@ -18,8 +18,21 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 /// Elements before and after every argument's view, which must come back
 /// unchanged.
 const GUARD: usize = 3;
-/// What the guards hold (exact in bf16, f32 and f64).
+/// What the guards of a float buffer hold (exact in bf16, f32 and f64).
 const GUARD_VALUES: [f64; GUARD] = [96.0, -40.0, 0.15625];
+/// What the guards of an index (u32) buffer hold: mostly far out of any
+/// range, so a kernel that reads an index past its view (or ignores the
+/// view's offset) fails its range check instead of reading a plausible row.
+const GUARD_INDICES: [f64; GUARD] = [4_294_967_280.0, 96.0, 3_000_000_000.0];
+/// What a u32 output starts as (there is no NaN to show an unwritten one).
+const U32_UNWRITTEN: f64 = 4_042_322_160.0;
+
+fn guard_values(dtype: DType) -> [f64; GUARD] {
+    match dtype {
+        DType::U32 => GUARD_INDICES,
+        _ => GUARD_VALUES,
+    }
+}
 
 /// The error a bf16 output may carry beyond the f32 computation: bf16 keeps
 /// 8 significant bits, so the one rounding at the store is at most half an
@@ -61,8 +74,8 @@ pub(crate) enum Role {
 pub(crate) enum Storage {
     /// "bf16 or f32": the layout's dtype.
     Float,
-    /// This dtype in every layout (f32 statistics and optimizer state; u32
-    /// index views once kernels take them on the device).
+    /// This dtype in every layout (f32 statistics, routing and optimizer
+    /// state; u32 indices; f64 accumulators).
     Exactly(DType),
 }
 
@@ -82,6 +95,9 @@ struct Arg {
     /// Whether one element more must be refused (false where a kernel takes
     /// any length, e.g. `scale`).
     fixed_len: bool,
+    /// Dtypes taken besides the storage's rule (`accumulate_sum`'s `x` is
+    /// also f64), so the derived refusals do not expect them refused.
+    also_takes: Vec<DType>,
 }
 
 impl Arg {
@@ -92,10 +108,26 @@ impl Arg {
             (Storage::Float, _) => layout.output,
         }
     }
+
+    /// The dtypes the argument must be refused in: a float given indices or
+    /// f64, f32 state given bf16 or indices, indices given f32, an f64
+    /// accumulator given f32.
+    fn refused_dtypes(&self) -> Vec<DType> {
+        let wrong: &[DType] = match self.storage {
+            Storage::Float => &[DType::U32, DType::F64],
+            Storage::Exactly(DType::F32) => &[DType::Bf16, DType::U32],
+            Storage::Exactly(_) => &[DType::F32],
+        };
+        wrong
+            .iter()
+            .copied()
+            .filter(|d| !self.also_takes.contains(d))
+            .collect()
+    }
 }
 
-/// What a launch returns besides its buffers: host outputs by name
-/// (`selected` of the routing, the block sums of squares).
+/// What a launch returns besides its buffers: host outputs by name (no
+/// kernel returns any today; every output is a device view).
 pub(crate) type HostOutputs = Vec<(&'static str, Vec<f64>)>;
 
 /// One expected output of the reference.
@@ -103,6 +135,8 @@ pub(crate) struct Expected {
     name: &'static str,
     values: Vec<f64>,
     tolerance: Option<Tolerance>,
+    /// Elements whose reference is exactly zero must be exactly zero.
+    zeros_exact: bool,
 }
 
 impl Expected {
@@ -111,10 +145,21 @@ impl Expected {
             name,
             values,
             tolerance: None,
+            zeros_exact: false,
         }
     }
 
-    /// Must match exactly (indices, copies).
+    /// Where the reference is exactly zero the output must be too (a
+    /// masked loss, padding an optimizer step must leave alone), whatever
+    /// the tolerance elsewhere.
+    pub fn zeros_exact(mut self) -> Self {
+        self.zeros_exact = true;
+        self
+    }
+
+    /// Must match exactly (indices, copies, sums in a specified order):
+    /// the reference rounded once to the output's dtype, bit for bit. A
+    /// case whose default tolerance is exact is checked the same way.
     pub fn exact(mut self) -> Self {
         self.tolerance = Some(Tolerance::EXACT);
         self
@@ -174,6 +219,49 @@ impl<B: Backend> Bufs<B> {
     }
 }
 
+/// A refusal of bad argument values ([`Suite::check_bad_input`]).
+pub(crate) struct BadInput {
+    what: String,
+    changed: Vec<(&'static str, Vec<f64>)>,
+    names: Vec<String>,
+    nothing_written: bool,
+}
+
+impl BadInput {
+    pub fn new(what: impl Into<String>) -> Self {
+        BadInput {
+            what: what.into(),
+            changed: Vec::new(),
+            names: Vec::new(),
+            nothing_written: false,
+        }
+    }
+
+    /// Argument `name` holds `values` instead (its length becomes theirs).
+    pub fn with(mut self, name: &'static str, values: Vec<f64>) -> Self {
+        self.changed.push((name, values));
+        self
+    }
+
+    /// Index argument `name` holds `values` instead.
+    pub fn with_u32(self, name: &'static str, values: &[u32]) -> Self {
+        self.with(name, values.iter().map(|&v| f64::from(v)).collect())
+    }
+
+    /// The error must name these arguments.
+    pub fn naming(mut self, names: &[&str]) -> Self {
+        self.names = names.iter().map(|n| n.to_string()).collect();
+        self
+    }
+
+    /// The kernel documents that a refused call writes nothing: every
+    /// argument must come back as it was.
+    pub fn nothing_written(mut self) -> Self {
+        self.nothing_written = true;
+        self
+    }
+}
+
 /// One case of one kernel.
 pub(crate) struct KernelCase {
     kernel: &'static str,
@@ -204,6 +292,7 @@ impl KernelCase {
             values,
             derive: None,
             fixed_len: true,
+            also_takes: Vec::new(),
         });
         self
     }
@@ -216,6 +305,7 @@ impl KernelCase {
             values: Vec::new(),
             derive: Some(derive),
             fixed_len: true,
+            also_takes: Vec::new(),
         });
         self
     }
@@ -262,6 +352,46 @@ impl KernelCase {
     }
     pub fn inout_f32(self, name: &'static str, values: Vec<f64>) -> Self {
         self.arg(name, Role::InOut, Storage::Exactly(DType::F32), values)
+    }
+
+    /// A u32 index input.
+    pub fn input_u32(self, name: &'static str, values: &[u32]) -> Self {
+        let values = values.iter().map(|&v| f64::from(v)).collect();
+        self.arg(name, Role::In, Storage::Exactly(DType::U32), values)
+    }
+    /// A u32 index output the kernel overwrites.
+    pub fn output_u32(self, name: &'static str, len: usize) -> Self {
+        self.arg(
+            name,
+            Role::Out,
+            Storage::Exactly(DType::U32),
+            vec![U32_UNWRITTEN; len],
+        )
+    }
+    /// An f64 input.
+    pub fn input_f64(self, name: &'static str, values: Vec<f64>) -> Self {
+        self.arg(name, Role::In, Storage::Exactly(DType::F64), values)
+    }
+    /// An f64 output the kernel overwrites.
+    pub fn output_f64(self, name: &'static str, len: usize) -> Self {
+        self.arg(
+            name,
+            Role::Out,
+            Storage::Exactly(DType::F64),
+            vec![f64::NAN; len],
+        )
+    }
+    /// An f64 accumulator.
+    pub fn inout_f64(self, name: &'static str, values: Vec<f64>) -> Self {
+        self.arg(name, Role::InOut, Storage::Exactly(DType::F64), values)
+    }
+
+    /// `name` is also taken in `dtype` (no dtype refusal for it).
+    pub fn also_takes(mut self, name: &'static str, dtype: DType) -> Self {
+        for a in self.args.iter_mut().filter(|a| a.name == name) {
+            a.also_takes.push(dtype);
+        }
+        self
     }
 
     /// `name` may have any length (no length refusal for it).
@@ -422,7 +552,14 @@ pub(crate) fn download_values<B: Backend>(dev: &B, src: Slice<'_, B>) -> Result<
 }
 
 /// Element-wise comparison of one output, folded into `check`.
-fn compare(check: &mut Check, name: &str, got: &[f64], want: &[f64], tol: Tolerance) {
+fn compare(
+    check: &mut Check,
+    name: &str,
+    got: &[f64],
+    want: &[f64],
+    tol: Tolerance,
+    zeros_exact: bool,
+) {
     if got.len() != want.len() {
         check.problems.push(format!(
             "`{name}`: {} values read back, the reference has {}",
@@ -438,7 +575,11 @@ fn compare(check: &mut Check, name: &str, got: &[f64], want: &[f64], tol: Tolera
         } else {
             (g - w).abs()
         };
-        let allowed = tol.allowed(w);
+        let allowed = if zeros_exact && w == 0.0 {
+            0.0
+        } else {
+            tol.allowed(w)
+        };
         let ratio = if err == 0.0 {
             0.0
         } else if allowed > 0.0 {
@@ -494,7 +635,15 @@ impl<B: Backend> Suite<'_, B> {
         reference: impl Fn(&Values) -> Vec<Expected>,
         launch: impl Fn(&B, &Bufs<B>) -> Result<HostOutputs>,
     ) {
+        // A layout that stores every argument as an earlier one did (a
+        // kernel of indices and f32 state only) would repeat that run.
+        let mut seen: Vec<Vec<DType>> = Vec::new();
         for layout in self.layouts() {
+            let dtypes: Vec<DType> = case.args.iter().map(|a| a.dtype(layout)).collect();
+            if seen.contains(&dtypes) {
+                continue;
+            }
+            seen.push(dtypes);
             if case.admits(layout) {
                 let check = self.values_check(&case, layout, &reference, &launch);
                 self.report.checks.push(check);
@@ -564,11 +713,23 @@ impl<B: Backend> Suite<'_, B> {
                 ));
                 continue;
             };
-            let mut tol = e.tolerance.unwrap_or(case.tolerance).scaled(self.slack);
+            let tol = e.tolerance.unwrap_or(case.tolerance);
+            if tol == Tolerance::EXACT {
+                // An exact result (a copy, an index, a specified order of
+                // f64 sums) stored once: exactly its value rounded to the
+                // output's dtype, in bf16 too.
+                let want: Vec<f64> = match dtype {
+                    Some(d) => e.values.iter().map(|&v| round_to(*d, v)).collect(),
+                    None => e.values.clone(),
+                };
+                compare(&mut check, e.name, got, &want, tol, e.zeros_exact);
+                continue;
+            }
+            let mut tol = tol.scaled(self.slack);
             if *dtype == Some(DType::Bf16) {
                 tol.rel += BF16_STORE;
             }
-            compare(&mut check, e.name, got, &e.values, tol);
+            compare(&mut check, e.name, got, &e.values, tol, e.zeros_exact);
         }
         check
     }
@@ -579,8 +740,9 @@ impl<B: Backend> Suite<'_, B> {
         for (i, arg) in case.args.iter().enumerate() {
             let len = setup.lens[i];
             let buf = self.device.alloc(len + 2 * GUARD, setup.dtypes[i])?;
+            let guards = guard_values(setup.dtypes[i]);
             let mut whole = Vec::with_capacity(len + 2 * GUARD);
-            whole.extend(GUARD_VALUES);
+            whole.extend(guards);
             whole.extend(
                 setup.stored[i]
                     .iter()
@@ -588,7 +750,7 @@ impl<B: Backend> Suite<'_, B> {
                     .chain(std::iter::repeat(0.5))
                     .take(len),
             );
-            whole.extend(GUARD_VALUES);
+            whole.extend(guards);
             upload_values(self.device, &whole, ViewMut::whole(&buf))?;
             entries.push((arg.name, buf, GUARD..GUARD + len));
         }
@@ -631,8 +793,9 @@ impl<B: Backend> Suite<'_, B> {
                 .bits
                 .push((arg.name, whole.iter().map(|v| v.to_bits()).collect()));
             let guards = whole[..range.start].iter().chain(&whole[range.end..]);
+            let want = guard_values(buf.dtype());
             if guards
-                .zip(GUARD_VALUES.iter().chain(&GUARD_VALUES))
+                .zip(want.iter().chain(&want))
                 .any(|(&g, &want)| !same_value(g, want))
             {
                 observed.problems.push(format!(
@@ -680,17 +843,12 @@ impl<B: Backend> Suite<'_, B> {
             stored,
         };
         for (i, arg) in case.args.iter().enumerate() {
-            // A float argument given indices; an exact one the nearest
-            // wrong type (f32 state as bf16, indices as f32).
-            let bad = match arg.storage {
-                Storage::Float => DType::U32,
-                Storage::Exactly(DType::F32) => DType::Bf16,
-                Storage::Exactly(_) => DType::F32,
-            };
-            let mut setup = base.clone();
-            setup.dtypes[i] = bad;
-            let what = format!("`{}` given as {bad}", arg.name);
-            self.expect_refusal(case, &what, &setup, &[arg.name], launch);
+            for bad in arg.refused_dtypes() {
+                let mut setup = base.clone();
+                setup.dtypes[i] = bad;
+                let what = format!("`{}` given as {bad}", arg.name);
+                self.expect_refusal(case, &what, &setup, &[arg.name], false, launch);
+            }
         }
         for &(a, b) in &case.same_dtype {
             let (Some(ia), Some(ib)) = (case.position(a), case.position(b)) else {
@@ -704,24 +862,38 @@ impl<B: Backend> Suite<'_, B> {
             let mut setup = base.clone();
             setup.dtypes[ia] = other;
             let what = format!("`{a}` {other} but `{b}` {}", dtypes[ib]);
-            self.expect_refusal(case, &what, &setup, &[a, b], launch);
+            self.expect_refusal(case, &what, &setup, &[a, b], false, launch);
         }
         for (i, arg) in case.args.iter().enumerate().filter(|(_, a)| a.fixed_len) {
             let mut setup = base.clone();
             setup.lens[i] += 1;
             let what = format!("`{}` one element too long", arg.name);
-            self.expect_refusal(case, &what, &setup, &[], launch);
+            self.expect_refusal(case, &what, &setup, &[], false, launch);
         }
     }
 
-    /// A refusal written by a family (a bad index, bad dimensions): `launch`
-    /// runs on the case's arguments in the compute dtype and must return
-    /// `InvalidArgument` naming the kernel and each of `names`.
+    /// A refusal written by a family (bad dimensions, a bad hyper-parameter):
+    /// `launch` runs on the case's arguments in the compute dtype and must
+    /// return `InvalidArgument` naming the kernel and each of `names`.
     pub(crate) fn check_refusal(
         &mut self,
         case: &KernelCase,
         what: &str,
         names: &[&str],
+        launch: impl Fn(&B, &Bufs<B>) -> Result<HostOutputs>,
+    ) {
+        self.check_bad_input(case, BadInput::new(what).naming(names), launch);
+    }
+
+    /// A refusal of bad argument values (an index out of range, counts that
+    /// do not match, a length the dims do not give): the case's arguments
+    /// in the compute dtype with `bad`'s changes, which `launch` must refuse
+    /// with `InvalidArgument` naming the kernel (and `bad`'s names), leaving
+    /// every argument as it was where `bad` says nothing is written.
+    pub(crate) fn check_bad_input(
+        &mut self,
+        case: &KernelCase,
+        bad: BadInput,
         launch: impl Fn(&B, &Bufs<B>) -> Result<HostOutputs>,
     ) {
         let compute = self.device.compute_dtype();
@@ -730,14 +902,36 @@ impl<B: Backend> Suite<'_, B> {
             output: compute,
         };
         let dtypes: Vec<DType> = case.args.iter().map(|a| a.dtype(layout)).collect();
-        if let Some(stored) = self.refusal_values(case, &dtypes) {
-            let setup = Setup {
-                dtypes,
-                lens: stored.iter().map(Vec::len).collect(),
-                stored,
-            };
-            self.expect_refusal(case, what, &setup, names, &launch);
+        let Some(mut stored) = self.refusal_values(case, &dtypes) else {
+            return;
+        };
+        for (name, values) in bad.changed {
+            match case.position(name) {
+                Some(i) => stored[i] = values.iter().map(|&v| round_to(dtypes[i], v)).collect(),
+                None => {
+                    let mut check = new_check(case.kernel, bad.what.clone(), CheckKind::Refusal);
+                    check.problems.push(format!(
+                        "the suite's case has no argument `{name}` to change"
+                    ));
+                    self.report.checks.push(check);
+                    return;
+                }
+            }
         }
+        let setup = Setup {
+            dtypes,
+            lens: stored.iter().map(Vec::len).collect(),
+            stored,
+        };
+        let names: Vec<&str> = bad.names.iter().map(String::as_str).collect();
+        self.expect_refusal(
+            case,
+            &bad.what,
+            &setup,
+            &names,
+            bad.nothing_written,
+            &launch,
+        );
     }
 
     /// The case's values in the compute layout, for refusals; `None` (and
@@ -763,15 +957,55 @@ impl<B: Backend> Suite<'_, B> {
         what: &str,
         setup: &Setup,
         names: &[&str],
+        nothing_written: bool,
         launch: &Launch<'_, B>,
     ) {
         let mut check = new_check(case.kernel, what.to_string(), CheckKind::Refusal);
-        let outcome = self
-            .prepare(case, setup)
-            .map_err(|e| format!("could not set up the arguments: {e}"))
-            .and_then(|bufs| self.launch_guarded(&bufs, launch));
+        let bufs = match self.prepare(case, setup) {
+            Ok(bufs) => bufs,
+            Err(e) => {
+                check
+                    .problems
+                    .push(format!("could not set up the arguments: {e}"));
+                self.report.checks.push(check);
+                return;
+            }
+        };
+        let outcome = self.launch_guarded(&bufs, launch);
+        let refused = matches!(outcome, Ok(Err(RuntimeError::InvalidArgument(_))));
         refusal_problems(&mut check, case.kernel, names, outcome);
+        if refused && nothing_written {
+            self.unchanged(&mut check, case, setup, &bufs);
+        }
         self.report.checks.push(check);
+    }
+
+    /// Adds a problem for every argument of a refused call whose view no
+    /// longer holds what it was set up with.
+    fn unchanged(&self, check: &mut Check, case: &KernelCase, setup: &Setup, bufs: &Bufs<B>) {
+        let views = case.args.iter().zip(&bufs.entries).zip(&setup.stored);
+        for ((arg, (_, buf, range)), before) in views {
+            let now = match download_values(self.device, View::whole(buf)) {
+                Ok(whole) => whole[range.clone()].to_vec(),
+                Err(e) => {
+                    check
+                        .problems
+                        .push(format!("could not read `{}` back: {e}", arg.name));
+                    continue;
+                }
+            };
+            let before = before.iter().chain(std::iter::repeat(&0.5));
+            if let Some(i) = now
+                .iter()
+                .zip(before)
+                .position(|(a, b)| !same_value(*a, *b))
+            {
+                check.problems.push(format!(
+                    "the refused call wrote `{}` (element {i}); a refused call must write nothing",
+                    arg.name
+                ));
+            }
+        }
     }
 
     /// A refusal of a call made directly (memory ops).

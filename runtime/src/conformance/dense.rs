@@ -1,20 +1,26 @@
 //! Dense algebra: matmul (every transpose and accumulate combination, odd
-//! sizes), axpy, scale, copy_cols, column_sum.
+//! sizes), the grouped matmul (expert-like row ranges, an empty one, mixed
+//! flags; same bits as one matmul per problem), axpy, scale, copy_cols,
+//! column_sum, and the loss accumulators' `accumulate_sum`.
 
 use super::Suite;
-use super::case::{Expected, KernelCase};
-use super::reference as r;
-use crate::backend::{Backend, CopyCols, MatmulDims};
+use super::case::{Bufs, Expected, KernelCase, download_values, upload_values};
+use super::reference::{self as r, round_to};
+use crate::backend::{Backend, CopyCols, GroupedMatmul, MatmulDims};
+use crate::error::Result;
+use crate::view::{DType, View, ViewMut};
 
 /// f32 unit roundoff: tolerances are stated in multiples of it.
 pub(super) const U: f64 = 1.0 / (1u64 << 24) as f64;
 
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     matmul(s);
+    grouped_matmul(s);
     axpy(s);
     scale(s);
     copy_cols(s);
     column_sum(s);
+    accumulate_sum(s);
 }
 
 fn matmul<B: Backend>(s: &mut Suite<'_, B>) {
@@ -81,6 +87,187 @@ fn matmul<B: Backend>(s: &mut Suite<'_, B>) {
             );
         }
     }
+}
+
+/// The names of problem `i`'s operands: the ones the dtype errors use.
+const PROBLEM_ARGS: [[&str; 3]; 4] = [
+    ["problems[0].A", "problems[0].B", "problems[0].C"],
+    ["problems[1].A", "problems[1].B", "problems[1].C"],
+    ["problems[2].A", "problems[2].B", "problems[2].C"],
+    ["problems[3].A", "problems[3].B", "problems[3].C"],
+];
+
+fn grouped_matmul<B: Backend>(s: &mut Suite<'_, B>) {
+    let (hidden, ffn) = (33, 7);
+    let flags = |m, n, k, a_trans, b_trans, accumulate| MatmulDims {
+        m,
+        n,
+        k,
+        a_trans,
+        b_trans,
+        accumulate,
+    };
+    // The experts' GEMMs over their row ranges, one of them empty (an
+    // expert nobody chose), then unrelated problems.
+    let groups: [(&str, Vec<MatmulDims>); 5] = [
+        (
+            "experts' forward, 5/0/17 rows",
+            [5, 0, 17]
+                .map(|rows| MatmulDims::linear(rows, hidden, ffn))
+                .to_vec(),
+        ),
+        (
+            "experts' input gradient, 5/0/17/1 rows",
+            [5, 0, 17, 1]
+                .map(|rows| MatmulDims::linear_input_grad(rows, hidden, ffn, false))
+                .to_vec(),
+        ),
+        (
+            "experts' weight gradient, 5/0/17/1 rows",
+            [5, 0, 17, 1]
+                .map(|rows| MatmulDims::linear_weight_grad(rows, hidden, ffn))
+                .to_vec(),
+        ),
+        (
+            "mixed shapes and flags",
+            vec![
+                flags(3, 65, 2, true, false, false),
+                flags(1, 1, 130, false, true, true),
+                flags(17, 3, 9, true, true, false),
+            ],
+        ),
+        ("one problem", vec![flags(9, 4, 11, false, false, true)]),
+    ];
+    for (i, (name, problems)) in groups.into_iter().enumerate() {
+        let values: Vec<[Vec<f64>; 3]> = problems
+            .iter()
+            .map(|d| {
+                [
+                    s.rng.values(d.m * d.k, -2.0, 2.0),
+                    s.rng.values(d.k * d.n, -2.0, 2.0),
+                    s.rng.values(d.m * d.n, -2.0, 2.0),
+                ]
+            })
+            .collect();
+        let k_max = problems.iter().map(|d| d.k).max().unwrap_or(0);
+        let mut case = KernelCase::new("grouped_matmul", name)
+            .tolerance(64.0 * U * (k_max as f64 + 1.0), 16.0 * U);
+        for (p, (d, [a, b, c])) in problems.iter().zip(&values).enumerate() {
+            let [a_name, b_name, c_name] = PROBLEM_ARGS[p];
+            case = case.input(a_name, a.clone()).input(b_name, b.clone());
+            case = if d.accumulate {
+                case.inout(c_name, c.clone())
+            } else {
+                case.output(c_name, d.m * d.n)
+            };
+            // One type per operand for the whole group.
+            case = case.same_dtype(b_name, PROBLEM_ARGS[0][0]);
+            if p > 0 {
+                case = case
+                    .same_dtype(a_name, PROBLEM_ARGS[0][0])
+                    .same_dtype(c_name, PROBLEM_ARGS[0][2]);
+            }
+        }
+        let case = if i == 0 { case.with_refusals() } else { case };
+        let reference_problems = problems.clone();
+        let launch_problems = problems.clone();
+        s.check_kernel(
+            case,
+            move |x| {
+                reference_problems
+                    .iter()
+                    .enumerate()
+                    .map(|(p, &d)| {
+                        let [a, b, c] = PROBLEM_ARGS[p];
+                        Expected::new(c, r::matmul(&x[a], &x[b], &x[c], d))
+                    })
+                    .collect()
+            },
+            move |dev: &B, b: &Bufs<B>| {
+                let mut group: Vec<GroupedMatmul<'_, B>> = Vec::new();
+                for (p, &dims) in launch_problems.iter().enumerate() {
+                    let [a, bn, c] = PROBLEM_ARGS[p];
+                    group.push(GroupedMatmul::<B> {
+                        a: b.view(a)?,
+                        b: b.view(bn)?,
+                        c: b.view_mut(c)?,
+                        dims,
+                    });
+                }
+                dev.grouped_matmul(group)?;
+                Ok(vec![])
+            },
+        );
+        grouped_same_bits(s, name, &problems, &values);
+    }
+    // No problems at all: nothing to do, and no error.
+    let mut check = s.direct_check("grouped_matmul", "no problems".to_string());
+    if let Err(e) = s.device.grouped_matmul(Vec::new()) {
+        check
+            .problems
+            .push(format!("an empty group returned an error: {e}"));
+    }
+    s.record(check);
+}
+
+/// The grouped matmul's promise that grouping never changes a bit: each
+/// problem's `C` the same bits as [`Backend::matmul`] alone on the same
+/// inputs, in the compute dtype.
+fn grouped_same_bits<B: Backend>(
+    s: &mut Suite<'_, B>,
+    name: &str,
+    problems: &[MatmulDims],
+    values: &[[Vec<f64>; 3]],
+) {
+    let mut check = s.direct_check(
+        "grouped_matmul",
+        format!("{name}: the same bits as one matmul per problem"),
+    );
+    let dtype = s.device.compute_dtype();
+    let outcome = (|| -> Result<Vec<String>> {
+        let dev = s.device;
+        let upload = |v: &[f64]| -> Result<B::Buf> {
+            let buf = dev.alloc(v.len(), dtype)?;
+            let stored: Vec<f64> = v.iter().map(|&x| round_to(dtype, x)).collect();
+            upload_values(dev, &stored, ViewMut::whole(&buf))?;
+            Ok(buf)
+        };
+        let mut operands = Vec::new();
+        for [a, b, c] in values {
+            operands.push((upload(a)?, upload(b)?, upload(c)?, upload(c)?));
+        }
+        let group = problems
+            .iter()
+            .zip(&operands)
+            .map(|(&dims, (a, b, grouped, _))| GroupedMatmul::<B> {
+                a: View::whole(a),
+                b: View::whole(b),
+                c: ViewMut::whole(grouped),
+                dims,
+            })
+            .collect();
+        dev.grouped_matmul(group)?;
+        let mut problems_found = Vec::new();
+        for (p, (&dims, (a, b, grouped, alone))) in problems.iter().zip(&operands).enumerate() {
+            dev.matmul(View::whole(a), View::whole(b), ViewMut::whole(alone), dims)?;
+            let grouped = download_values(dev, View::whole(grouped))?;
+            let alone = download_values(dev, View::whole(alone))?;
+            if let Some(e) =
+                (0..grouped.len()).find(|&e| grouped[e].to_bits() != alone[e].to_bits())
+            {
+                problems_found.push(format!(
+                    "problem {p}: `C` element {e} is {:e} grouped but {:e} from matmul alone",
+                    grouped[e], alone[e]
+                ));
+            }
+        }
+        Ok(problems_found)
+    })();
+    match outcome {
+        Ok(found) => check.problems.extend(found),
+        Err(e) => check.problems.push(format!("returned an error: {e}")),
+    }
+    s.record(check);
 }
 
 fn axpy<B: Backend>(s: &mut Suite<'_, B>) {
@@ -212,6 +399,50 @@ fn column_sum<B: Backend>(s: &mut Suite<'_, B>) {
             },
             |dev, b| {
                 dev.column_sum(b.view("x")?, b.view_mut("out")?, rows, cols)?;
+                Ok(vec![])
+            },
+        );
+    }
+}
+
+fn accumulate_sum<B: Backend>(s: &mut Suite<'_, B>) {
+    // The f64 sum in index order from zero, then added: every bit is
+    // specified (the inputs are exact in f64).
+    let reference = |x: &[f64], out: f64| out + x.iter().fold(0.0, |sum, v| sum + v);
+    for (i, len) in [0usize, 1, 37, 1000, 4099].into_iter().enumerate() {
+        let case = KernelCase::new("accumulate_sum", format!("{len} elements"))
+            .input("x", s.rng.values(len, -2.0, 2.0))
+            .inout_f64("out", vec![s.rng.uniform(-3.0, 3.0)])
+            .also_takes("x", DType::F64)
+            .free_len("x");
+        let case = if i == 2 { case.with_refusals() } else { case };
+        s.check_kernel(
+            case,
+            move |x| vec![Expected::new("out", vec![reference(&x["x"], x["out"][0])]).exact()],
+            |dev, b| {
+                dev.accumulate_sum(b.view("x")?, b.view_mut("out")?)?;
+                Ok(vec![])
+            },
+        );
+    }
+    // f64 partial sums (values no f32 holds).
+    for len in [3usize, 1000] {
+        let case = KernelCase::new("accumulate_sum", format!("{len} f64 elements"))
+            .input_f64(
+                "x",
+                s.rng
+                    .values(len, -2.0, 2.0)
+                    .iter()
+                    .map(|v| v * (1.0 + 1e-12))
+                    .collect(),
+            )
+            .inout_f64("out", vec![s.rng.uniform(-3.0, 3.0)])
+            .also_takes("x", DType::F32);
+        s.check_kernel(
+            case,
+            move |x| vec![Expected::new("out", vec![reference(&x["x"], x["out"][0])]).exact()],
+            |dev, b| {
+                dev.accumulate_sum(b.view("x")?, b.view_mut("out")?)?;
                 Ok(vec![])
             },
         );

@@ -1,11 +1,13 @@
 //! Token embedding forward and its scatter-add backward (repeated ids), and
 //! the softmax cross-entropy forward and backward (with ignored targets).
+//! Ids and targets are u32 device views.
 
 use super::Suite;
-use super::case::{Expected, KernelCase};
+use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{Backend, IGNORE_TARGET, LookupDims, LossDims};
+use crate::error::Result;
 
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     embedding(s);
@@ -21,6 +23,8 @@ fn embedding<B: Backend>(s: &mut Suite<'_, B>) {
         let ids = s.rng.indices(tokens, vocab);
         let name = format!("{tokens} ids into {vocab} x {hidden}");
         let refusals = i == 0;
+        // The bad id last: a kernel that writes rows before it checks them
+        // has written the others by then.
         let mut bad_ids = ids.clone();
         if let Some(last) = bad_ids.last_mut() {
             *last = vocab as u32;
@@ -28,13 +32,22 @@ fn embedding<B: Backend>(s: &mut Suite<'_, B>) {
 
         let fwd = KernelCase::new("embedding_forward", name.clone())
             .input("table", s.rng.values(vocab * hidden, -2.0, 2.0))
-            .output("out", tokens * hidden);
+            .input_u32("ids", &ids)
+            .output("out", tokens * hidden)
+            .same_dtype("table", "out");
         let fwd = if refusals { fwd.with_refusals() } else { fwd };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.embedding_forward(b.view("table")?, b.view("ids")?, b.view_mut("out")?, dims)?;
+            Ok(vec![])
+        };
         if refusals {
-            s.check_refusal(&fwd, "a token id past the vocabulary", &[], |dev, b| {
-                dev.embedding_forward(b.view("table")?, &bad_ids, b.view_mut("out")?, dims)?;
-                Ok(vec![])
-            });
+            s.check_bad_input(
+                &fwd,
+                BadInput::new("a token id past the vocabulary")
+                    .with_u32("ids", &bad_ids)
+                    .nothing_written(),
+                launch,
+            );
         }
         s.check_kernel(
             fwd,
@@ -46,22 +59,27 @@ fn embedding<B: Backend>(s: &mut Suite<'_, B>) {
                     .collect();
                 vec![Expected::new("out", out)]
             },
-            |dev, b| {
-                dev.embedding_forward(b.view("table")?, &ids, b.view_mut("out")?, dims)?;
-                Ok(vec![])
-            },
+            launch,
         );
 
         let bwd = KernelCase::new("embedding_backward", name)
             .input("dout", s.rng.values(tokens * hidden, -2.0, 2.0))
+            .input_u32("ids", &ids)
             .inout("dtable", s.rng.values(vocab * hidden, -2.0, 2.0))
             .tolerance(16.0 * U * (tokens as f64 + 1.0), 16.0 * U);
         let bwd = if refusals { bwd.with_refusals() } else { bwd };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.embedding_backward(b.view("dout")?, b.view("ids")?, b.view_mut("dtable")?, dims)?;
+            Ok(vec![])
+        };
         if refusals {
-            s.check_refusal(&bwd, "a token id past the vocabulary", &[], |dev, b| {
-                dev.embedding_backward(b.view("dout")?, &bad_ids, b.view_mut("dtable")?, dims)?;
-                Ok(vec![])
-            });
+            s.check_bad_input(
+                &bwd,
+                BadInput::new("a token id past the vocabulary")
+                    .with_u32("ids", &bad_ids)
+                    .nothing_written(),
+                launch,
+            );
         }
         s.check_kernel(
             bwd,
@@ -74,10 +92,7 @@ fn embedding<B: Backend>(s: &mut Suite<'_, B>) {
                 }
                 vec![Expected::new("dtable", dtable)]
             },
-            |dev, b| {
-                dev.embedding_backward(b.view("dout")?, &ids, b.view_mut("dtable")?, dims)?;
-                Ok(vec![])
-            },
+            launch,
         );
     }
 }
@@ -93,34 +108,35 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
         let name = format!("{rows} rows of {vocab}");
         let refusals = i == 0;
         let tol = (16.0 * U * vocab as f64, 16.0 * U);
+        let mut bad = targets.clone();
+        bad[rows - 1] = vocab as u32;
 
         let fwd = KernelCase::new("cross_entropy_forward", name.clone())
             .inout_f32("logits", logits.clone())
+            .input_u32("targets", &targets)
             .output_f32("losses", rows)
             .tolerance(tol.0, tol.1);
         let fwd = if refusals { fwd.with_refusals() } else { fwd };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.cross_entropy_forward(
+                b.view_mut("logits")?,
+                b.view("targets")?,
+                b.view_mut("losses")?,
+                dims,
+            )?;
+            Ok(vec![])
+        };
         if refusals {
-            let mut bad = targets.clone();
-            bad[0] = vocab as u32;
-            s.check_refusal(&fwd, "a target past the vocabulary", &[], |dev, b| {
-                dev.cross_entropy_forward(
-                    b.view_mut("logits")?,
-                    &bad,
-                    b.view_mut("losses")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            });
-            let short = &targets[1..];
-            s.check_refusal(&fwd, "one target too few", &[], |dev, b| {
-                dev.cross_entropy_forward(
-                    b.view_mut("logits")?,
-                    short,
-                    b.view_mut("losses")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            });
+            s.check_bad_input(
+                &fwd,
+                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
+                launch,
+            );
+            s.check_bad_input(
+                &fwd,
+                BadInput::new("one target too few").with_u32("targets", &targets[1..]),
+                launch,
+            );
         }
         s.check_kernel(
             fwd,
@@ -128,45 +144,45 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
                 let (probs, losses) = r::cross_entropy_forward(&x["logits"], &targets, vocab);
                 vec![
                     Expected::new("logits", probs),
-                    Expected::new("losses", losses),
+                    // Exactly 0 where the target is ignored, so the plain
+                    // sum is the masked one.
+                    Expected::new("losses", losses).zeros_exact(),
                 ]
             },
-            |dev, b| {
-                dev.cross_entropy_forward(
-                    b.view_mut("logits")?,
-                    &targets,
-                    b.view_mut("losses")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
+            launch,
         );
 
         let scale = 0.37f32;
         let probs = r::cross_entropy_forward(&logits, &targets, vocab).0;
         let bwd = KernelCase::new("cross_entropy_backward", name)
             .inout_f32("probs", probs)
+            .input_u32("targets", &targets)
             .tolerance(tol.0, tol.1);
         let bwd = if refusals { bwd.with_refusals() } else { bwd };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.cross_entropy_backward(b.view_mut("probs")?, b.view("targets")?, scale, dims)?;
+            Ok(vec![])
+        };
         if refusals {
-            let mut bad = targets.clone();
-            bad[0] = vocab as u32;
-            s.check_refusal(&bwd, "a target past the vocabulary", &[], |dev, b| {
-                dev.cross_entropy_backward(b.view_mut("probs")?, &bad, scale, dims)?;
-                Ok(vec![])
-            });
+            s.check_bad_input(
+                &bwd,
+                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
+                launch,
+            );
+            s.check_bad_input(
+                &bwd,
+                BadInput::new("one target too few").with_u32("targets", &targets[1..]),
+                launch,
+            );
         }
         s.check_kernel(
             bwd,
             |x| {
                 let grad =
                     r::cross_entropy_backward(&x["probs"], &targets, f64::from(scale), vocab);
-                vec![Expected::new("probs", grad)]
+                vec![Expected::new("probs", grad).zeros_exact()]
             },
-            |dev, b| {
-                dev.cross_entropy_backward(b.view_mut("probs")?, &targets, scale, dims)?;
-                Ok(vec![])
-            },
+            launch,
         );
     }
 }

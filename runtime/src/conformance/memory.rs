@@ -1,4 +1,5 @@
-//! Memory operations: alloc (zeroed, even where a freed buffer was), upload
+//! Memory operations: alloc (zeroed, even where a freed buffer was, in the
+//! default arena and a micro-batch arena), upload
 //! and download of every [`Scalar`] bit for bit, copy, cast between every
 //! pair of float dtypes (rounding once to nearest even), fill and zero, each
 //! on a view inside a larger buffer whose other elements must not change.
@@ -95,10 +96,20 @@ fn compute_dtype<B: Backend>(s: &mut Suite<'_, B>) {
 }
 
 fn alloc<B: Backend>(s: &mut Suite<'_, B>) {
+    // The default arena, and a micro-batch arena (`in_arena`), whose pool
+    // hands a freed region straight back to the next request of its size.
+    for arena in [0, 1] {
+        alloc_in(s, arena);
+    }
+}
+
+fn alloc_in<B: Backend>(s: &mut Suite<'_, B>, arena: usize) {
     for dtype in DType::ALL {
         for len in [0, 1, 37] {
             let dirty = contents(s, dtype, len);
-            direct(s, "alloc", format!("{len} x {dtype}"), |dev| {
+            let case = format!("{len} x {dtype} in arena {arena}");
+            direct(s, "alloc", case, |dev| {
+                let dev = &dev.in_arena(arena);
                 // Free a dirty buffer of the same size first: a caching
                 // allocator hands its memory straight back.
                 drop(buffer(dev, dtype, &dirty)?);

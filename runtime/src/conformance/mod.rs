@@ -11,19 +11,26 @@
 //!   way the device stores them). A bf16 output is additionally allowed the
 //!   one rounding at the store (relative `2^-8`): the backend contract is
 //!   that kernels compute in f32 and round once, so anything looser is a
-//!   backend rounding somewhere it should not.
+//!   backend rounding somewhere it should not. Results that are exact by
+//!   their definition (copies, indices, f64 sums in a specified order) must
+//!   be the reference rounded once to the output's dtype, bit for bit.
 //! - **bit-repeatability**: the case runs twice from the same inputs and
 //!   every output (and every host output) must be the same bits.
 //! - **views**: every argument is a view into the middle of a larger buffer;
 //!   the elements around it and every input must come back unchanged, so an
 //!   ignored view offset or a write past the end is caught. Outputs that a
-//!   kernel overwrites start as NaN, so reading one before writing it shows.
+//!   kernel overwrites start as NaN (u32 ones as a huge index), so reading
+//!   one before writing it shows; u32 guards hold out-of-range indices, so
+//!   a kernel reading an index past its view fails its range check.
 //! - **refusals** (on the first case of each kernel): every float argument
-//!   given as u32, every f32-only argument given as bf16, and every pair that
-//!   must share a dtype given two different ones, returns
+//!   given as u32 or f64, every f32-only argument given as bf16 or u32, every
+//!   u32 index or f64 accumulator given as f32, and every pair that must
+//!   share a dtype given two different ones, returns
 //!   [`InvalidArgument`](crate::RuntimeError::InvalidArgument) naming the kernel and the argument;
 //!   every argument one element too long returns `InvalidArgument` naming the
-//!   kernel; bad indices and dimensions likewise. A panic is a failure, never
+//!   kernel; bad indices, counts and dimensions likewise, and where a kernel
+//!   promises that a refused call writes nothing, that every argument comes
+//!   back unchanged. A panic is a failure, never
 //!   an abort of the suite: every failing kernel shows in one run.
 //!
 //! **Layouts.** Float arguments that the kernel takes as "bf16 or f32" are
@@ -31,7 +38,8 @@
 //! suite also runs bf16 inputs into f32 outputs (weight gradients accumulate
 //! into f32 buffers) and f32 inputs into bf16 outputs. Arguments a kernel
 //! takes only in f32 (`rstd`, `lse`, scan `states`, losses, routing,
-//! optimizer state) are f32 in every layout.
+//! optimizer state) are f32 in every layout; indices are u32 and loss
+//! accumulators f64 in every layout.
 //!
 //! Argument names in refusals are the ones the dtype errors use (`A`, `dq`,
 //! `d_xbc`, ...): they are part of the contract, so an error on any backend
@@ -47,15 +55,11 @@ mod activation;
 mod attention;
 mod case;
 mod dense;
-#[cfg(any())]
 mod lookup;
 mod mamba;
 mod memory;
-// Being updated to the device-index MoE kernels (see the merge commit).
-#[cfg(any())]
 mod moe;
 mod norm;
-#[cfg(any())]
 mod optim;
 mod reference;
 mod report;
@@ -92,7 +96,8 @@ impl Default for Options {
 pub enum Family {
     /// alloc, upload, download, copy, cast, fill, zero.
     Memory,
-    /// matmul, axpy, scale, copy_cols, column_sum.
+    /// matmul, grouped_matmul, axpy, scale, copy_cols, column_sum,
+    /// accumulate_sum.
     Dense,
     /// rmsnorm forward and both backwards.
     Norm,
@@ -100,13 +105,14 @@ pub enum Family {
     Activation,
     /// conv1d and the SSD scan.
     Mamba,
-    /// attention and rotary.
+    /// attention, rotary, qkv_split/join, mla_kv_split/join.
     Attention,
     /// embedding and cross-entropy.
     Lookup,
-    /// routing, gather/scatter, unpermute.
+    /// routing, expert counts, the dispatch sort, the expert-major regroup,
+    /// the load-balancing loss, gather/scatter, unpermute.
     Moe,
-    /// adam, sgd, sum_squares_blocks.
+    /// adam, sgd, sum_squares.
     Optimizer,
 }
 
@@ -161,9 +167,9 @@ impl<'d, B: Backend> Suite<'d, B> {
             Family::Activation => activation::check(self),
             Family::Mamba => mamba::check(self),
             Family::Attention => attention::check(self),
-            Family::Lookup => {}
-            Family::Moe => {}
-            Family::Optimizer => {}
+            Family::Lookup => lookup::check(self),
+            Family::Moe => moe::check(self),
+            Family::Optimizer => optim::check(self),
         }
     }
 

@@ -1,18 +1,26 @@
 //! Mixture-of-experts kernels: routing (softmax and sigmoid scores, with and
-//! without the selection bias, k = 1..3, ties) forward and backward, row
-//! gathers and scatters, and the weighted unpermute and its backward.
+//! without the selection bias, k = 1..3, ties) forward and backward; the
+//! per-expert histogram, the dispatch sort and the regroup after the
+//! all-to-all (experts nobody chose, ranks that send nothing); the
+//! load-balancing loss and its gradient; row gathers and scatters; the
+//! weighted unpermute and its backward. Every index is a u32 device view.
 
 use super::Suite;
-use super::case::{Expected, KernelCase};
+use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{
-    Backend, RouteDims, RouteOutputs, RouterScores, UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, Backend, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores, UnpermuteDims, UnpermuteGrads,
 };
+use crate::error::Result;
 use hybridgen_dsl::config::ScoreFunction;
 
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     route(s);
+    counts_and_sort(s);
+    expert_major_order(s);
+    aux_loss(s);
     gather_scatter(s);
     unpermute(s);
 }
@@ -76,20 +84,18 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
             top_k,
             score,
         };
-        let bias_f32: Option<Vec<f32>> = with_bias.then(|| {
+        // f32 values, so the reference sees the bias the kernel reads.
+        let bias: Option<Vec<f64>> = with_bias.then(|| {
             (0..experts)
-                .map(|_| s.rng.uniform(-0.3, 0.3) as f32)
+                .map(|_| f64::from(s.rng.uniform(-0.3, 0.3) as f32))
                 .collect()
         });
-        let bias: Option<Vec<f64>> = bias_f32
-            .as_ref()
-            .map(|b| b.iter().map(|&v| f64::from(v)).collect());
         let logits = route_logits(s, dims, bias.as_deref(), !with_bias);
         let name = format!(
             "{rows} rows, {experts} experts, top-{top_k}, {score:?}{}",
             if with_bias { ", bias" } else { "" }
         );
-        let refusals = i == 0;
+        let refusals = i == 1;
         // The selection the reference makes (unambiguous by construction).
         let selected: Vec<Vec<usize>> = logits
             .chunks(experts)
@@ -97,56 +103,59 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
             .collect();
         let selected_u32: Vec<u32> = selected.iter().flatten().map(|&e| e as u32).collect();
 
-        let fwd = KernelCase::new("moe_route_forward", name.clone())
-            .input_f32("logits", logits.clone())
+        let fwd =
+            KernelCase::new("moe_route_forward", name.clone()).input_f32("logits", logits.clone());
+        let fwd = match &bias {
+            Some(b) => fwd.input_f32("expert_bias", b.clone()),
+            None => fwd,
+        };
+        let fwd = fwd
             .output_f32("scores", rows * experts)
             .output_f32("weights", rows * top_k)
             .inout_f32("softmax_sum", s.rng.values(experts, 0.0, 2.0))
+            .output_u32("selected", rows * top_k)
             .tolerance(16.0 * U * (rows + experts) as f64, 32.0 * U);
         let fwd = if refusals { fwd.with_refusals() } else { fwd };
-        let launch_fwd = |dims: RouteDims, bias: Option<Vec<f32>>, selected_len: usize| {
-            move |dev: &B, b: &super::case::Bufs<B>| -> crate::Result<super::case::HostOutputs> {
-                let mut sel = vec![0u32; selected_len];
+        let launch_fwd = |dims: RouteDims| {
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                let bias = if with_bias {
+                    Some(b.view("expert_bias")?)
+                } else {
+                    None
+                };
                 dev.moe_route_forward(
                     b.view("logits")?,
-                    bias.as_deref(),
+                    bias,
                     RouteOutputs {
                         scores: b.view_mut("scores")?,
                         weights: b.view_mut("weights")?,
                         softmax_sum: b.view_mut("softmax_sum")?,
                     },
-                    &mut sel,
+                    b.view_mut("selected")?,
                     dims,
                 )?;
-                Ok(vec![("selected", as_f64(&sel))])
+                Ok(vec![])
             }
         };
         if refusals {
             let zero_k = RouteDims { top_k: 0, ..dims };
-            s.check_refusal(&fwd, "top-k 0", &[], launch_fwd(zero_k, None, 0));
+            s.check_refusal(&fwd, "top-k 0", &[], launch_fwd(zero_k));
             let too_many = RouteDims {
                 top_k: experts + 1,
                 ..dims
             };
-            let n = rows * (experts + 1);
-            s.check_refusal(
+            s.check_bad_input(
                 &fwd,
-                "top-k above the experts",
-                &[],
-                launch_fwd(too_many, None, n),
+                BadInput::new("top-k above the experts")
+                    .with("weights", vec![0.0; rows * (experts + 1)])
+                    .with("selected", vec![0.0; rows * (experts + 1)]),
+                launch_fwd(too_many),
             );
-            s.check_refusal(
+            s.check_bad_input(
                 &fwd,
-                "`selected` one too short",
-                &[],
-                launch_fwd(dims, None, rows * top_k - 1),
-            );
-            let short_bias = vec![0.0f32; experts - 1];
-            s.check_refusal(
-                &fwd,
-                "`expert_bias` one too short",
-                &[],
-                launch_fwd(dims, Some(short_bias), rows * top_k),
+                BadInput::new("`selected` one too short")
+                    .with("selected", vec![0.0; rows * top_k - 1]),
+                launch_fwd(dims),
             );
         }
         s.check_kernel(
@@ -169,11 +178,11 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
                     Expected::new("selected", as_f64(&selected_u32)).exact(),
                 ]
             },
-            launch_fwd(dims, bias_f32.clone(), rows * top_k),
+            launch_fwd(dims),
         );
 
-        let aux_grad: Vec<f32> = (0..experts)
-            .map(|_| s.rng.uniform(-1.0, 1.0) as f32)
+        let aux_grad: Vec<f64> = (0..experts)
+            .map(|_| f64::from(s.rng.uniform(-1.0, 1.0) as f32))
             .collect();
         let bwd = KernelCase::new("moe_route_backward", name)
             .input_f32("logits", logits)
@@ -183,44 +192,35 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
                     .flat_map(|z| r::route_scores(z, score))
                     .collect()
             })
+            .input_u32("selected", &selected_u32)
             .input_f32("d_weights", s.rng.values(rows * top_k, -2.0, 2.0))
+            .input_f32("aux_grad", aux_grad.clone())
             .output_f32("d_logits", rows * experts)
             .tolerance(64.0 * U, 32.0 * U);
         let bwd = if refusals { bwd.with_refusals() } else { bwd };
-        let launch_bwd = |selected: &[u32], aux_grad: &[f32]| {
-            let (selected, aux_grad) = (selected.to_vec(), aux_grad.to_vec());
-            move |dev: &B, b: &super::case::Bufs<B>| -> crate::Result<super::case::HostOutputs> {
-                dev.moe_route_backward(
-                    RouterScores {
-                        logits: b.view("logits")?,
-                        scores: b.view("scores")?,
-                    },
-                    &selected,
-                    b.view("d_weights")?,
-                    &aux_grad,
-                    b.view_mut("d_logits")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            }
+        let launch_bwd = |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.moe_route_backward(
+                RouterScores {
+                    logits: b.view("logits")?,
+                    scores: b.view("scores")?,
+                },
+                b.view("selected")?,
+                b.view("d_weights")?,
+                b.view("aux_grad")?,
+                b.view_mut("d_logits")?,
+                dims,
+            )?;
+            Ok(vec![])
         };
         if refusals {
             let mut bad = selected_u32.clone();
-            bad[0] = experts as u32;
-            s.check_refusal(
+            bad[rows * top_k - 1] = experts as u32;
+            s.check_bad_input(
                 &bwd,
-                "a selected expert past the experts",
-                &[],
-                launch_bwd(&bad, &aux_grad),
-            );
-            s.check_refusal(
-                &bwd,
-                "`aux_grad` one too short",
-                &[],
-                launch_bwd(&selected_u32, &aux_grad[1..]),
+                BadInput::new("a selected expert past the experts").with_u32("selected", &bad),
+                launch_bwd,
             );
         }
-        let aux: Vec<f64> = aux_grad.iter().map(|&v| f64::from(v)).collect();
         s.check_kernel(
             bwd,
             |x| {
@@ -233,12 +233,251 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
                     d_logits.extend(r::gradient(z, |z| {
                         let (w, p) = r::route_row(z, sel, score);
                         let weighted: f64 = w.iter().zip(dw).map(|(a, b)| a * b).sum();
-                        weighted + p.iter().zip(&aux).map(|(a, b)| a * b).sum::<f64>()
+                        weighted + p.iter().zip(&aux_grad).map(|(a, b)| a * b).sum::<f64>()
                     }));
                 }
                 vec![Expected::new("d_logits", d_logits)]
             },
-            launch_bwd(&selected_u32, &aux_grad),
+            launch_bwd,
+        );
+    }
+}
+
+/// A routing of `tokens` tokens, `top_k` distinct experts each out of
+/// `experts`, where expert `experts - 1` is never chosen (when there are
+/// more than `top_k`), so empty experts are covered.
+fn random_routing<B: Backend>(s: &mut Suite<'_, B>, slots: RoutedSlots) -> Vec<u32> {
+    let usable = if slots.experts > slots.top_k {
+        slots.experts - 1
+    } else {
+        slots.experts
+    };
+    let mut selected = Vec::with_capacity(slots.tokens * slots.top_k);
+    for _ in 0..slots.tokens {
+        selected.extend_from_slice(&s.rng.permutation(usable)[..slots.top_k]);
+    }
+    selected
+}
+
+fn counts_and_sort<B: Backend>(s: &mut Suite<'_, B>) {
+    let shapes = [(13, 2, 6), (1, 1, 1), (9, 3, 3), (40, 1, 8), (0, 2, 4)];
+    for (i, (tokens, top_k, experts)) in shapes.into_iter().enumerate() {
+        let slots = RoutedSlots {
+            tokens,
+            top_k,
+            experts,
+        };
+        let n = tokens * top_k;
+        let selected = random_routing(s, slots);
+        let counts = r::expert_counts(&selected, experts);
+        let name = format!("{tokens} tokens, top-{top_k} of {experts} experts");
+        let refusals = i == 0;
+
+        let case = KernelCase::new("moe_expert_counts", name.clone())
+            .input_u32("selected", &selected)
+            .output_u32("counts", experts);
+        let case = if refusals { case.with_refusals() } else { case };
+        let launch = |slots: RoutedSlots| {
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                dev.moe_expert_counts(b.view("selected")?, b.view_mut("counts")?, slots)?;
+                Ok(vec![])
+            }
+        };
+        if refusals {
+            let mut bad = selected.clone();
+            bad[n - 1] = experts as u32;
+            s.check_bad_input(
+                &case,
+                BadInput::new("a selected expert past the experts").with_u32("selected", &bad),
+                launch(slots),
+            );
+            let zero_k = RoutedSlots { top_k: 0, ..slots };
+            s.check_bad_input(
+                &case,
+                BadInput::new("top-k 0").with("selected", vec![]),
+                launch(zero_k),
+            );
+        }
+        s.check_kernel(
+            case,
+            |_| vec![Expected::new("counts", as_f64(&counts)).exact()],
+            launch(slots),
+        );
+
+        let case = KernelCase::new("moe_sort_by_expert", name)
+            .input_u32("selected", &selected)
+            .input_u32("counts", &counts)
+            .output_u32("positions", n)
+            .output_u32("sources", n);
+        let case = if refusals { case.with_refusals() } else { case };
+        let launch = |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.moe_sort_by_expert(
+                b.view("selected")?,
+                b.view("counts")?,
+                ExpertOrder {
+                    positions: b.view_mut("positions")?,
+                    sources: b.view_mut("sources")?,
+                },
+                slots,
+            )?;
+            Ok(vec![])
+        };
+        if refusals {
+            // One pair moved from the first chosen expert to the empty one:
+            // the counts still sum to the slots, but no longer match.
+            let mut moved = counts.clone();
+            let from = moved.iter().position(|&c| c > 0).unwrap_or(0);
+            moved[from] -= 1;
+            moved[experts - 1] += 1;
+            s.check_bad_input(
+                &case,
+                BadInput::new("counts that do not match the selection").with_u32("counts", &moved),
+                launch,
+            );
+            let mut short = counts.clone();
+            short[from] -= 1;
+            s.check_bad_input(
+                &case,
+                BadInput::new("counts that sum to one slot too few").with_u32("counts", &short),
+                launch,
+            );
+            let mut bad = selected.clone();
+            bad[0] = experts as u32;
+            s.check_bad_input(
+                &case,
+                BadInput::new("a selected expert past the experts").with_u32("selected", &bad),
+                launch,
+            );
+        }
+        s.check_kernel(
+            case,
+            |_| {
+                let (positions, sources) = r::sort_by_expert(&selected, top_k);
+                vec![
+                    Expected::new("positions", as_f64(&positions)).exact(),
+                    Expected::new("sources", as_f64(&sources)).exact(),
+                ]
+            },
+            launch,
+        );
+    }
+}
+
+fn expert_major_order<B: Backend>(s: &mut Suite<'_, B>) {
+    // ranks, local experts; some blocks empty, one rank sending nothing.
+    let shapes = [(3, 4), (1, 1), (2, 3), (4, 1), (1, 5), (2, 0)];
+    for (i, (ranks, local_experts)) in shapes.into_iter().enumerate() {
+        let dims = ReceivedDims {
+            ranks,
+            local_experts,
+        };
+        let mut recv: Vec<u32> = (0..ranks * local_experts)
+            .map(|_| s.rng.below(5) as u32)
+            .collect();
+        if let Some(first) = recv.first_mut() {
+            *first += 1;
+        }
+        if ranks > 1 {
+            recv[local_experts..2 * local_experts].fill(0);
+        }
+        let total = recv.iter().sum::<u32>() as usize;
+        let case = KernelCase::new(
+            "moe_expert_major_order",
+            format!("{ranks} ranks x {local_experts} local experts, {total} rows"),
+        )
+        .input_u32("recv_counts", &recv)
+        .output_u32("order", total);
+        let case = if i == 0 { case.with_refusals() } else { case };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.moe_expert_major_order(b.view("recv_counts")?, b.view_mut("order")?, dims)?;
+            Ok(vec![])
+        };
+        if i == 0 {
+            s.check_bad_input(
+                &case,
+                BadInput::new("`order` one row short").with("order", vec![0.0; total - 1]),
+                launch,
+            );
+        }
+        s.check_kernel(
+            case,
+            |_| {
+                let order = r::expert_major_order(&recv, local_experts.max(1));
+                vec![Expected::new("order", as_f64(&order)).exact()]
+            },
+            launch,
+        );
+    }
+}
+
+fn aux_loss<B: Backend>(s: &mut Suite<'_, B>) {
+    // tokens, top-k, experts, coefficient
+    let configs = [
+        (13, 2, 6, 0.01f32),
+        (1, 1, 1, 1.0),
+        (40, 3, 8, 0.37),
+        (0, 2, 4, 0.01),
+        (9, 1, 4, 0.0),
+    ];
+    for (i, (tokens, top_k, experts, coeff)) in configs.into_iter().enumerate() {
+        let slots = RoutedSlots {
+            tokens,
+            top_k,
+            experts,
+        };
+        let dims = AuxLossDims { slots, coeff };
+        let counts = r::expert_counts(&random_routing(s, slots), experts);
+        // Each row's softmax sums to one, so the sums total `tokens`.
+        let weights = s.rng.values(experts, 0.1, 1.0);
+        let total: f64 = weights.iter().sum();
+        let softmax_sum: Vec<f64> = weights.iter().map(|w| w / total * tokens as f64).collect();
+        let name = format!("{tokens} tokens, top-{top_k} of {experts} experts, coeff {coeff}");
+        let refusals = i == 0;
+        let c = f64::from(coeff);
+
+        let fwd = KernelCase::new("moe_aux_loss_forward", name.clone())
+            .input_u32("counts", &counts)
+            .input_f32("softmax_sum", softmax_sum)
+            .inout_f64("loss", vec![s.rng.uniform(0.0, 3.0)])
+            // Summed in f64 from exact inputs: any order is within a few
+            // f64 ulps.
+            .tolerance(0.0, 1e-13);
+        let fwd = if refusals { fwd.with_refusals() } else { fwd };
+        s.check_kernel(
+            fwd,
+            |x| {
+                let loss =
+                    x["loss"][0] + r::aux_loss(&x["counts"], &x["softmax_sum"], tokens, top_k, c);
+                vec![Expected::new("loss", vec![loss])]
+            },
+            |dev, b| {
+                dev.moe_aux_loss_forward(
+                    b.view("counts")?,
+                    b.view("softmax_sum")?,
+                    b.view_mut("loss")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+
+        let scale = 0.625f32;
+        let bwd = KernelCase::new("moe_aux_loss_backward", name)
+            .input_u32("counts", &counts)
+            .output_f32("aux_grad", experts)
+            // Computed in f64 and rounded once to f32.
+            .tolerance(0.0, 2.0 * U);
+        let bwd = if refusals { bwd.with_refusals() } else { bwd };
+        s.check_kernel(
+            bwd,
+            |x| {
+                let grad = r::aux_loss_grad(&x["counts"], tokens, top_k, c, f64::from(scale));
+                vec![Expected::new("aux_grad", grad)]
+            },
+            |dev, b| {
+                dev.moe_aux_loss_backward(b.view("counts")?, b.view_mut("aux_grad")?, dims, scale)?;
+                Ok(vec![])
+            },
         );
     }
 }
@@ -253,16 +492,22 @@ fn gather_scatter<B: Backend>(s: &mut Suite<'_, B>) {
             format!("{dst_rows} rows of {width} from {src_rows}"),
         )
         .input("src", s.rng.values(src_rows * width, -2.0, 2.0))
+        .input_u32("index", &index)
         .output("dst", dst_rows * width)
         .same_dtype("src", "dst");
         let case = if i == 0 { case.with_refusals() } else { case };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.gather_rows(b.view("src")?, b.view("index")?, b.view_mut("dst")?, width)?;
+            Ok(vec![])
+        };
         if i == 0 {
             let mut bad = index.clone();
-            bad[0] = src_rows as u32;
-            s.check_refusal(&case, "a row index past the source", &[], |dev, b| {
-                dev.gather_rows(b.view("src")?, &bad, b.view_mut("dst")?, width)?;
-                Ok(vec![])
-            });
+            bad[dst_rows - 1] = src_rows as u32;
+            s.check_bad_input(
+                &case,
+                BadInput::new("a row index past the source").with_u32("index", &bad),
+                launch,
+            );
         }
         s.check_kernel(
             case,
@@ -274,10 +519,7 @@ fn gather_scatter<B: Backend>(s: &mut Suite<'_, B>) {
                     .collect();
                 vec![Expected::new("dst", dst)]
             },
-            |dev, b| {
-                dev.gather_rows(b.view("src")?, &index, b.view_mut("dst")?, width)?;
-                Ok(vec![])
-            },
+            launch,
         );
     }
 
@@ -290,16 +532,22 @@ fn gather_scatter<B: Backend>(s: &mut Suite<'_, B>) {
             format!("{src_rows} rows of {width} into {dst_rows}"),
         )
         .input("src", s.rng.values(src_rows * width, -2.0, 2.0))
+        .input_u32("index", &index)
         .inout("dst", s.rng.values(dst_rows * width, -2.0, 2.0))
         .same_dtype("src", "dst");
         let case = if i == 0 { case.with_refusals() } else { case };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.scatter_rows(b.view("src")?, b.view("index")?, b.view_mut("dst")?, width)?;
+            Ok(vec![])
+        };
         if i == 0 {
             let mut bad = index.clone();
-            bad[0] = dst_rows as u32;
-            s.check_refusal(&case, "a row index past the destination", &[], |dev, b| {
-                dev.scatter_rows(b.view("src")?, &bad, b.view_mut("dst")?, width)?;
-                Ok(vec![])
-            });
+            bad[src_rows - 1] = dst_rows as u32;
+            s.check_bad_input(
+                &case,
+                BadInput::new("a row index past the destination").with_u32("index", &bad),
+                launch,
+            );
         }
         s.check_kernel(
             case,
@@ -311,10 +559,7 @@ fn gather_scatter<B: Backend>(s: &mut Suite<'_, B>) {
                 }
                 vec![Expected::new("dst", dst)]
             },
-            |dev, b| {
-                dev.scatter_rows(b.view("src")?, &index, b.view_mut("dst")?, width)?;
-                Ok(vec![])
-            },
+            launch,
         );
     }
 }
@@ -335,6 +580,8 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
         let weights = s.rng.values(tokens * top_k, 0.0, 1.0);
         let name = format!("{tokens} tokens, top-{top_k}, width {width}");
         let refusals = std::mem::take(&mut first);
+        let mut bad = positions.clone();
+        bad[rows - 1] = rows as u32;
 
         for weighted in [true, false] {
             let case = KernelCase::new(
@@ -348,6 +595,7 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
                 case
             };
             let case = case
+                .input_u32("positions", &positions)
                 .output("out", tokens * width)
                 .tolerance(16.0 * U * top_k as f64, 16.0 * U);
             let case = if refusals && weighted {
@@ -355,25 +603,32 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
             } else {
                 case
             };
-            let launch = |positions: &[u32]| {
-                let positions = positions.to_vec();
-                move |dev: &B,
-                      b: &super::case::Bufs<B>|
-                      -> crate::Result<super::case::HostOutputs> {
-                    let w = if weighted {
-                        Some(b.view("weights")?)
-                    } else {
-                        None
-                    };
-                    dev.moe_unpermute(b.view("rows")?, w, &positions, b.view_mut("out")?, dims)?;
-                    Ok(vec![])
-                }
+            let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                let w = if weighted {
+                    Some(b.view("weights")?)
+                } else {
+                    None
+                };
+                dev.moe_unpermute(
+                    b.view("rows")?,
+                    w,
+                    b.view("positions")?,
+                    b.view_mut("out")?,
+                    dims,
+                )?;
+                Ok(vec![])
             };
             if refusals && weighted {
-                let mut bad = positions.clone();
-                bad[0] = rows as u32;
-                s.check_refusal(&case, "a position past the rows", &[], launch(&bad));
-                s.check_refusal(&case, "one position too few", &[], launch(&positions[1..]));
+                s.check_bad_input(
+                    &case,
+                    BadInput::new("a position past the rows").with_u32("positions", &bad),
+                    launch,
+                );
+                s.check_bad_input(
+                    &case,
+                    BadInput::new("one position too few").with_u32("positions", &positions[1..]),
+                    launch,
+                );
             }
             s.check_kernel(
                 case,
@@ -394,7 +649,7 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
                     }
                     vec![Expected::new("out", out)]
                 },
-                launch(&positions),
+                launch,
             );
         }
 
@@ -402,31 +657,31 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
             .input("dout", s.rng.values(tokens * width, -2.0, 2.0))
             .input("rows", row_values)
             .input_f32("weights", weights)
+            .input_u32("positions", &positions)
             .output("d_rows", rows * width)
             .output_f32("d_weights", tokens * top_k)
             .tolerance(16.0 * U * width as f64, 16.0 * U);
         let bwd = if refusals { bwd.with_refusals() } else { bwd };
-        let launch = |positions: &[u32]| {
-            let positions = positions.to_vec();
-            move |dev: &B, b: &super::case::Bufs<B>| -> crate::Result<super::case::HostOutputs> {
-                dev.moe_unpermute_backward(
-                    b.view("dout")?,
-                    b.view("rows")?,
-                    b.view("weights")?,
-                    &positions,
-                    UnpermuteGrads {
-                        rows: b.view_mut("d_rows")?,
-                        weights: b.view_mut("d_weights")?,
-                    },
-                    dims,
-                )?;
-                Ok(vec![])
-            }
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.moe_unpermute_backward(
+                b.view("dout")?,
+                b.view("rows")?,
+                b.view("weights")?,
+                b.view("positions")?,
+                UnpermuteGrads {
+                    rows: b.view_mut("d_rows")?,
+                    weights: b.view_mut("d_weights")?,
+                },
+                dims,
+            )?;
+            Ok(vec![])
         };
         if refusals {
-            let mut bad = positions.clone();
-            bad[0] = rows as u32;
-            s.check_refusal(&bwd, "a position past the rows", &[], launch(&bad));
+            s.check_bad_input(
+                &bwd,
+                BadInput::new("a position past the rows").with_u32("positions", &bad),
+                launch,
+            );
         }
         s.check_kernel(
             bwd,
@@ -449,7 +704,7 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
                     Expected::new("d_weights", d_weights),
                 ]
             },
-            launch(&positions),
+            launch,
         );
     }
 }

@@ -1,11 +1,14 @@
-//! Optimizer kernels on f32 shards: AdamW (first and a later step), SGD with
-//! and without momentum, and the gradient norm's block sums of squares.
+//! Optimizer kernels on whole f32 bucket shards: AdamW (first and later
+//! steps, a clipping factor, weight decay on some ranges only, zero padding
+//! that must stay zero), SGD with and without momentum, and the gradient
+//! norm's per-piece sums of squares.
 
 use super::Suite;
-use super::case::{Expected, KernelCase};
+use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
 use super::dense::U;
 use super::reference as r;
-use crate::backend::{AdamStep, Backend, NORM_BLOCK, SgdStep};
+use crate::backend::{AdamMoments, AdamStep, Backend, SgdStep};
+use crate::error::Result;
 
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     adam(s);
@@ -13,144 +16,287 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     sum_squares(s);
 }
 
-fn adam<B: Backend>(s: &mut Suite<'_, B>) {
-    for (i, (len, step)) in [(300, 1u64), (37, 7), (1, 1000)].into_iter().enumerate() {
-        let hyper = AdamStep {
-            lr: 0.05,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step,
-        };
-        let case = KernelCase::new("adam_update", format!("{len} elements, step {step}"))
-            .inout_f32("param", s.rng.values(len, -2.0, 2.0))
-            .input_f32("grad", s.rng.values(len, -2.0, 2.0))
-            .inout_f32("m", s.rng.values(len, -1.0, 1.0))
-            .inout_f32("v", s.rng.values(len, 0.0, 2.0))
-            .tolerance(16.0 * U, 16.0 * U);
-        let case = if i == 0 { case.with_refusals() } else { case };
-        if i == 0 {
-            let bad = AdamStep { step: 0, ..hyper };
-            s.check_refusal(&case, "step 0 (steps count from 1)", &[], |dev, b| {
-                dev.adam_update(
-                    b.view_mut("param")?,
-                    b.view("grad")?,
-                    b.view_mut("m")?,
-                    b.view_mut("v")?,
-                    bad,
-                )?;
-                Ok(vec![])
-            });
+/// A shard's layout: its length, the decayed `[start, end)` ranges, and
+/// the padding (zero parameters and gradients) between and after them.
+struct Shard {
+    len: usize,
+    ranges: Vec<(usize, usize)>,
+    padding: Vec<(usize, usize)>,
+}
+
+impl Shard {
+    /// The `decayed` argument: the ranges as u32 pairs.
+    fn decayed(&self) -> Vec<u32> {
+        self.ranges
+            .iter()
+            .flat_map(|&(a, b)| [a as u32, b as u32])
+            .collect()
+    }
+
+    /// Random values, zero on the padding.
+    fn values<B: Backend>(&self, s: &mut Suite<'_, B>, lo: f64, hi: f64) -> Vec<f64> {
+        let mut v = s.rng.values(self.len, lo, hi);
+        for &(a, b) in &self.padding {
+            v[a..b].fill(0.0);
         }
-        s.check_kernel(
-            case,
-            |x| {
-                let (p, m, v) = r::adam(&x["param"], &x["grad"], &x["m"], &x["v"], hyper);
-                vec![
-                    Expected::new("param", p),
-                    Expected::new("m", m),
-                    Expected::new("v", v),
-                ]
-            },
-            |dev, b| {
-                dev.adam_update(
-                    b.view_mut("param")?,
-                    b.view("grad")?,
-                    b.view_mut("m")?,
-                    b.view_mut("v")?,
-                    hyper,
-                )?;
-                Ok(vec![])
-            },
-        );
+        v
+    }
+}
+
+fn shards() -> Vec<Shard> {
+    vec![
+        // Matrices decayed, a norm between them not, alignment padding
+        // after each, an adjacent pair of ranges.
+        Shard {
+            len: 300,
+            ranges: vec![(0, 120), (120, 130), (150, 270)],
+            padding: vec![(140, 150), (290, 300)],
+        },
+        // Nothing decayed (norms and biases only).
+        Shard {
+            len: 37,
+            ranges: vec![],
+            padding: vec![],
+        },
+        // Everything decayed, and an empty range.
+        Shard {
+            len: 64,
+            ranges: vec![(0, 0), (0, 64)],
+            padding: vec![],
+        },
+        Shard {
+            len: 1,
+            ranges: vec![(0, 1)],
+            padding: vec![],
+        },
+        Shard {
+            len: 0,
+            ranges: vec![],
+            padding: vec![],
+        },
+    ]
+}
+
+/// Decayed ranges every optimizer kernel must refuse, for a shard of `len`.
+fn bad_ranges(len: u32) -> [(&'static str, Vec<u32>); 3] {
+    [
+        ("a decayed range past the shard", vec![0, 10, 20, len + 1]),
+        ("overlapping decayed ranges", vec![0, 20, 10, 30]),
+        ("a decayed range that ends before it starts", vec![30, 20]),
+    ]
+}
+
+fn adam<B: Backend>(s: &mut Suite<'_, B>) {
+    let mut first = true;
+    for shard in shards() {
+        for (step, grad_scale) in [(1u64, 1.0f32), (7, 0.37), (1000, 1.0)] {
+            let hyper = AdamStep {
+                lr: 0.05,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                grad_scale,
+                step,
+            };
+            let len = shard.len;
+            let case = KernelCase::new(
+                "adam_update",
+                format!(
+                    "{len} elements, {} decayed ranges, step {step}, grad scale {grad_scale}",
+                    shard.ranges.len()
+                ),
+            )
+            .inout_f32("param", shard.values(s, -2.0, 2.0))
+            .input_f32("grad", shard.values(s, -2.0, 2.0))
+            .inout_f32("m", shard.values(s, -1.0, 1.0))
+            .inout_f32("v", shard.values(s, 0.0, 2.0))
+            .input_u32("decayed", &shard.decayed())
+            .tolerance(16.0 * U, 16.0 * U);
+            let refusals = std::mem::take(&mut first);
+            let case = if refusals { case.with_refusals() } else { case };
+            let launch = |hyper: AdamStep| {
+                move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                    dev.adam_update(
+                        b.view_mut("param")?,
+                        b.view("grad")?,
+                        AdamMoments {
+                            m: b.view_mut("m")?,
+                            v: b.view_mut("v")?,
+                        },
+                        b.view("decayed")?,
+                        hyper,
+                    )?;
+                    Ok(vec![])
+                }
+            };
+            if refusals {
+                let zeroth = AdamStep { step: 0, ..hyper };
+                s.check_refusal(&case, "step 0 (steps count from 1)", &[], launch(zeroth));
+                for (what, ranges) in bad_ranges(len as u32) {
+                    s.check_bad_input(
+                        &case,
+                        BadInput::new(what).with_u32("decayed", &ranges),
+                        launch(hyper),
+                    );
+                }
+            }
+            let ranges = shard.ranges.clone();
+            s.check_kernel(
+                case,
+                move |x| {
+                    let (p, m, v) =
+                        r::adam(&x["param"], &x["grad"], &x["m"], &x["v"], &ranges, hyper);
+                    vec![
+                        Expected::new("param", p).zeros_exact(),
+                        Expected::new("m", m).zeros_exact(),
+                        Expected::new("v", v).zeros_exact(),
+                    ]
+                },
+                launch(hyper),
+            );
+        }
     }
 }
 
 fn sgd<B: Backend>(s: &mut Suite<'_, B>) {
-    for (i, momentum) in [0.9f32, 0.0].into_iter().enumerate() {
-        let hyper = SgdStep {
-            lr: 0.1,
-            momentum,
-            weight_decay: 0.01,
-        };
-        let len = 300;
-        let case = KernelCase::new("sgd_update", format!("{len} elements, momentum {momentum}"))
-            .inout_f32("param", s.rng.values(len, -2.0, 2.0))
-            .input_f32("grad", s.rng.values(len, -2.0, 2.0));
-        let case = if momentum != 0.0 {
-            case.inout_f32("momentum", s.rng.values(len, -2.0, 2.0))
-        } else {
-            case
-        };
-        let case = case.tolerance(8.0 * U, 8.0 * U).with_refusals();
-        if i == 0 {
-            let without = SgdStep {
-                momentum: 0.0,
-                ..hyper
+    let mut first = true;
+    for shard in shards() {
+        for (momentum, grad_scale) in [(0.9f32, 1.0f32), (0.0, 0.37)] {
+            let hyper = SgdStep {
+                lr: 0.1,
+                momentum,
+                weight_decay: 0.01,
+                grad_scale,
             };
-            s.check_refusal(&case, "a momentum buffer with momentum 0", &[], |dev, b| {
-                dev.sgd_update(
-                    b.view_mut("param")?,
-                    b.view("grad")?,
-                    Some(b.view_mut("momentum")?),
-                    without,
-                )?;
-                Ok(vec![])
-            });
-            s.check_refusal(&case, "momentum 0.9 without a buffer", &[], |dev, b| {
-                dev.sgd_update(b.view_mut("param")?, b.view("grad")?, None, hyper)?;
-                Ok(vec![])
-            });
-        }
-        s.check_kernel(
-            case,
-            |x| {
-                let buf = (momentum != 0.0).then(|| &x["momentum"]);
-                let (p, buf) = r::sgd(&x["param"], &x["grad"], buf, hyper);
-                let mut e = vec![Expected::new("param", p)];
-                e.extend(buf.map(|b| Expected::new("momentum", b)));
-                e
-            },
-            |dev, b| {
-                let buf = if momentum != 0.0 {
-                    Some(b.view_mut("momentum")?)
-                } else {
-                    None
+            let len = shard.len;
+            let case = KernelCase::new(
+                "sgd_update",
+                format!(
+                    "{len} elements, {} decayed ranges, momentum {momentum}, grad scale {grad_scale}",
+                    shard.ranges.len()
+                ),
+            )
+            .inout_f32("param", shard.values(s, -2.0, 2.0))
+            .input_f32("grad", shard.values(s, -2.0, 2.0));
+            let case = if momentum != 0.0 {
+                case.inout_f32("momentum", shard.values(s, -2.0, 2.0))
+            } else {
+                case
+            };
+            let case = case
+                .input_u32("decayed", &shard.decayed())
+                .tolerance(8.0 * U, 8.0 * U);
+            let refusals = first && momentum != 0.0;
+            first &= !refusals;
+            let case = if refusals { case.with_refusals() } else { case };
+            let launch = |hyper: SgdStep, with_buffer: bool| {
+                move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                    let buf = if with_buffer {
+                        Some(b.view_mut("momentum")?)
+                    } else {
+                        None
+                    };
+                    dev.sgd_update(
+                        b.view_mut("param")?,
+                        b.view("grad")?,
+                        buf,
+                        b.view("decayed")?,
+                        hyper,
+                    )?;
+                    Ok(vec![])
+                }
+            };
+            if refusals {
+                let without = SgdStep {
+                    momentum: 0.0,
+                    ..hyper
                 };
-                dev.sgd_update(b.view_mut("param")?, b.view("grad")?, buf, hyper)?;
-                Ok(vec![])
-            },
-        );
+                s.check_refusal(
+                    &case,
+                    "a momentum buffer with momentum 0",
+                    &[],
+                    launch(without, true),
+                );
+                s.check_refusal(
+                    &case,
+                    "momentum 0.9 without a buffer",
+                    &[],
+                    launch(hyper, false),
+                );
+                for (what, ranges) in bad_ranges(len as u32) {
+                    s.check_bad_input(
+                        &case,
+                        BadInput::new(what).with_u32("decayed", &ranges),
+                        launch(hyper, true),
+                    );
+                }
+            }
+            let ranges = shard.ranges.clone();
+            s.check_kernel(
+                case,
+                move |x| {
+                    let buf = (momentum != 0.0).then(|| &x["momentum"]);
+                    let (p, buf) = r::sgd(&x["param"], &x["grad"], buf, &ranges, hyper);
+                    let mut e = vec![Expected::new("param", p).zeros_exact()];
+                    e.extend(buf.map(|b| Expected::new("momentum", b).zeros_exact()));
+                    e
+                },
+                launch(hyper, momentum != 0.0),
+            );
+        }
     }
 }
 
 fn sum_squares<B: Backend>(s: &mut Suite<'_, B>) {
-    for (i, len) in [0usize, 1, 127, 128, 129, 300, 1000]
-        .into_iter()
-        .enumerate()
-    {
-        let blocks = len.div_ceil(NORM_BLOCK);
-        let case = KernelCase::new("sum_squares_blocks", format!("{len} elements"))
-            .input_f32("x", s.rng.values(len, -2.0, 2.0))
-            .free_len("x");
-        let case = if i == 2 { case.with_refusals() } else { case };
-        if i == 2 {
-            s.check_refusal(&case, "one block sum too few", &[], |dev, b| {
-                let mut out = vec![0.0f64; blocks - 1];
-                dev.sum_squares_blocks(b.view("x")?, &mut out)?;
+    // length, piece: pieces that divide it, do not, exceed it, one element.
+    let shapes: [(usize, usize); 9] = [
+        (300, 128),
+        (0, 4),
+        (1, 1),
+        (127, 128),
+        (129, 128),
+        (256, 128),
+        (1000, 7),
+        (37, 1),
+        (5, 1000),
+    ];
+    for (i, (len, piece)) in shapes.into_iter().enumerate() {
+        let pieces = len.div_ceil(piece);
+        let case = KernelCase::new(
+            "sum_squares",
+            format!("{len} elements in pieces of {piece}"),
+        )
+        .input_f32("x", s.rng.values(len, -2.0, 2.0))
+        .output_f64("out", pieces)
+        // Any length of `x` is taken; `out` must have its piece count.
+        .free_len("x");
+        let refusals = i == 0;
+        let case = if refusals { case.with_refusals() } else { case };
+        let launch = |piece: usize| {
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                dev.sum_squares(b.view("x")?, piece, b.view_mut("out")?)?;
                 Ok(vec![])
-            });
+            }
+        };
+        if refusals {
+            s.check_bad_input(
+                &case,
+                BadInput::new("pieces of 0 elements").with("out", vec![]),
+                launch(0),
+            );
+            s.check_bad_input(
+                &case,
+                BadInput::new("one piece sum too few").with("out", vec![0.0; pieces - 1]),
+                launch(piece),
+            );
         }
         s.check_kernel(
             case,
-            // Summed in f64: any order is within a few f64 ulps.
-            |x| vec![Expected::new("out", r::sum_squares_blocks(&x["x"])).tolerance(0.0, 1e-13)],
-            |dev, b| {
-                let mut out = vec![0.0f64; blocks];
-                dev.sum_squares_blocks(b.view("x")?, &mut out)?;
-                Ok(vec![("out", out)])
-            },
+            // Squares of f32 values are exact in f64, and the order of the
+            // sum is specified: every bit is.
+            |x| vec![Expected::new("out", r::sum_squares(&x["x"], piece)).exact()],
+            launch(piece),
         );
     }
 }

@@ -5,8 +5,8 @@
 //! high-order finite difference of the f64 forward.
 
 use crate::backend::{
-    AdamStep, AttentionDims, ConvDims, CopyCols, IGNORE_TARGET, MatmulDims, NormDims, RotaryDims,
-    ScanDims, SgdStep, Unary,
+    AdamStep, AttentionDims, ConvDims, CopyCols, IGNORE_TARGET, MatmulDims, MlaKvDims, NormDims,
+    QkvDims, RotaryDims, ScanDims, SgdStep, Unary,
 };
 use crate::view::DType;
 use hybridgen_dsl::config::ScoreFunction;
@@ -544,25 +544,206 @@ pub(crate) fn route_row(
     (selected.iter().map(|&e| s[e] / sum).collect(), softmax(z))
 }
 
+// ---- MoE dispatch ---------------------------------------------------------------------
+
+/// How many (token, k-slot) pairs chose each expert.
+pub(crate) fn expert_counts(selected: &[u32], experts: usize) -> Vec<u32> {
+    let mut counts = vec![0u32; experts];
+    for &e in selected {
+        counts[e as usize] += 1;
+    }
+    counts
+}
+
+/// `(positions, sources)` of the dispatch: the pairs `(t, j)` sorted by
+/// (expert, token, k-slot), pair number `i` of that order going to send
+/// row `i`.
+pub(crate) fn sort_by_expert(selected: &[u32], top_k: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut pairs: Vec<(u32, usize, usize)> = selected
+        .iter()
+        .enumerate()
+        .map(|(slot, &e)| (e, slot / top_k, slot % top_k))
+        .collect();
+    pairs.sort();
+    let mut positions = vec![0u32; selected.len()];
+    let mut sources = vec![0u32; selected.len()];
+    for (row, &(_, t, j)) in pairs.iter().enumerate() {
+        positions[t * top_k + j] = row as u32;
+        sources[row] = t as u32;
+    }
+    (positions, sources)
+}
+
+/// The received rows (numbered in arrival order: source rank, then local
+/// expert, then arrival) sorted by (local expert, source rank, arrival).
+pub(crate) fn expert_major_order(recv_counts: &[u32], local_experts: usize) -> Vec<u32> {
+    let mut rows: Vec<(usize, usize, u32)> = Vec::new();
+    let mut next = 0u32;
+    for (block, &count) in recv_counts.iter().enumerate() {
+        let (rank, expert) = (block / local_experts, block % local_experts);
+        for _ in 0..count {
+            rows.push((expert, rank, next));
+            next += 1;
+        }
+    }
+    rows.sort();
+    rows.iter().map(|&(_, _, row)| row).collect()
+}
+
+/// The switch load-balancing loss `coeff * E * sum_e f_e P_e` with
+/// `f_e = counts[e] / (T k)` and `P_e = softmax_sum[e] / T` (0 for `T = 0`).
+pub(crate) fn aux_loss(
+    counts: &[f64],
+    softmax_sum: &[f64],
+    tokens: usize,
+    top_k: usize,
+    coeff: f64,
+) -> f64 {
+    if tokens == 0 {
+        return 0.0;
+    }
+    let (t, experts) = (tokens as f64, counts.len() as f64);
+    let sum: f64 = counts
+        .iter()
+        .zip(softmax_sum)
+        .map(|(c, p)| (c / (t * top_k as f64)) * (p / t))
+        .sum();
+    coeff * experts * sum
+}
+
+/// `d(scale * aux_loss) / d softmax(logits)[r, e]`, the same for every row.
+pub(crate) fn aux_loss_grad(
+    counts: &[f64],
+    tokens: usize,
+    top_k: usize,
+    coeff: f64,
+    scale: f64,
+) -> Vec<f64> {
+    if tokens == 0 {
+        return vec![0.0; counts.len()];
+    }
+    // aux = coeff E sum_e f_e (sum_r p_re) / T, so d aux / d p_re = coeff E f_e / T.
+    let (t, experts) = (tokens as f64, counts.len() as f64);
+    counts
+        .iter()
+        .map(|c| coeff * experts * (c / (t * top_k as f64)) / t * scale)
+        .collect()
+}
+
+// ---- head splits ---------------------------------------------------------------------
+
+/// `(q, k, v)` of the fused GQA projection, element by element: group `g`'s
+/// block of a row is `[q heads of g | k_g | v_g]`.
+pub(crate) fn qkv_split(qkv: &[f64], d: QkvDims) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (c, hpg) = (d.head_dim, d.heads_per_group);
+    let block = (hpg + 2) * c;
+    let width = d.groups * block;
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..d.rows {
+        for g in 0..d.groups {
+            for h in 0..hpg {
+                for i in 0..c {
+                    q.push(qkv[r * width + g * block + h * c + i]);
+                }
+            }
+        }
+        for g in 0..d.groups {
+            for i in 0..c {
+                k.push(qkv[r * width + g * block + hpg * c + i]);
+            }
+        }
+        for g in 0..d.groups {
+            for i in 0..c {
+                v.push(qkv[r * width + g * block + (hpg + 1) * c + i]);
+            }
+        }
+    }
+    (q, k, v)
+}
+
+/// The fused layout back from `q`, `k`, `v` (the inverse of [`qkv_split`]).
+pub(crate) fn qkv_join(q: &[f64], k: &[f64], v: &[f64], d: QkvDims) -> Vec<f64> {
+    let (c, hpg) = (d.head_dim, d.heads_per_group);
+    let mut fused = Vec::with_capacity(d.rows * d.width());
+    for r in 0..d.rows {
+        for g in 0..d.groups {
+            for h in 0..hpg {
+                let head = g * hpg + h;
+                fused.extend_from_slice(&q[(r * d.groups * hpg + head) * c..][..c]);
+            }
+            fused.extend_from_slice(&k[(r * d.groups + g) * c..][..c]);
+            fused.extend_from_slice(&v[(r * d.groups + g) * c..][..c]);
+        }
+    }
+    fused
+}
+
+/// `(k, v)` of the MLA split: `k_i = [k_nope_i | k_rope]`, `v_i` from the
+/// `[k_nope_i | v_i]` blocks of `kv`.
+pub(crate) fn mla_kv_split(kv: &[f64], k_rope: &[f64], d: MlaKvDims) -> (Vec<f64>, Vec<f64>) {
+    let (dn, dr, dv) = (d.nope_dim, d.rope_dim, d.v_dim);
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for r in 0..d.rows {
+        for i in 0..d.heads {
+            let head = &kv[(r * d.heads + i) * (dn + dv)..][..dn + dv];
+            k.extend_from_slice(&head[..dn]);
+            k.extend_from_slice(&k_rope[r * dr..][..dr]);
+            v.extend_from_slice(&head[dn..]);
+        }
+    }
+    (k, v)
+}
+
+/// `(d_kv, d_k_rope)`: the nope parts of `dk` and `dv` in the fused layout,
+/// and the rope parts of `dk` summed over the heads.
+pub(crate) fn mla_kv_join(dk: &[f64], dv: &[f64], d: MlaKvDims) -> (Vec<f64>, Vec<f64>) {
+    let (dn, dr, dvd) = (d.nope_dim, d.rope_dim, d.v_dim);
+    let mut d_kv = Vec::new();
+    let mut d_rope = vec![0.0; d.rows * dr];
+    for r in 0..d.rows {
+        for i in 0..d.heads {
+            let k_head = &dk[(r * d.heads + i) * (dn + dr)..][..dn + dr];
+            d_kv.extend_from_slice(&k_head[..dn]);
+            d_kv.extend_from_slice(&dv[(r * d.heads + i) * dvd..][..dvd]);
+            for c in 0..dr {
+                d_rope[r * dr + c] += k_head[dn + c];
+            }
+        }
+    }
+    (d_kv, d_rope)
+}
+
 // ---- optimizer ---------------------------------------------------------------------
 
-/// `(param, m, v)` after one step.
+/// Whether element `i` lies in one of the decayed `[start, end)` ranges.
+fn decayed(ranges: &[(usize, usize)], i: usize) -> bool {
+    ranges.iter().any(|&(start, end)| start <= i && i < end)
+}
+
+/// `(param, m, v)` after one AdamW step.
 pub(crate) fn adam(
     p: &[f64],
     g: &[f64],
     m: &[f64],
     v: &[f64],
+    ranges: &[(usize, usize)],
     s: AdamStep,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (lr, b1, b2) = (f64::from(s.lr), f64::from(s.beta1), f64::from(s.beta2));
-    let (eps, wd) = (f64::from(s.eps), f64::from(s.weight_decay));
+    let (eps, scale) = (f64::from(s.eps), f64::from(s.grad_scale));
     let t = s.step as i32;
     let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
     let mut out = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..p.len() {
-        let mut param = p[i] - lr * wd * p[i];
-        let mi = b1 * m[i] + (1.0 - b1) * g[i];
-        let vi = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+        let wd = if decayed(ranges, i) {
+            f64::from(s.weight_decay)
+        } else {
+            0.0
+        };
+        let gi = g[i] * scale;
+        let mut param = p[i] * (1.0 - lr * wd);
+        let mi = b1 * m[i] + (1.0 - b1) * gi;
+        let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
         param -= lr * (mi / bc1) / ((vi / bc2).sqrt() + eps);
         out.0.push(param);
         out.1.push(mi);
@@ -571,22 +752,28 @@ pub(crate) fn adam(
     out
 }
 
-/// `(param, momentum buffer)` after one step.
+/// `(param, momentum buffer)` after one SGD step.
 pub(crate) fn sgd(
     p: &[f64],
     g: &[f64],
     buf: Option<&[f64]>,
+    ranges: &[(usize, usize)],
     s: SgdStep,
 ) -> (Vec<f64>, Option<Vec<f64>>) {
-    let (lr, mu, wd) = (
+    let (lr, mu, scale) = (
         f64::from(s.lr),
         f64::from(s.momentum),
-        f64::from(s.weight_decay),
+        f64::from(s.grad_scale),
     );
     let mut param = p.to_vec();
     let mut new_buf = buf.map(<[f64]>::to_vec);
     for i in 0..p.len() {
-        let gi = g[i] + wd * p[i];
+        let wd = if decayed(ranges, i) {
+            f64::from(s.weight_decay)
+        } else {
+            0.0
+        };
+        let gi = g[i] * scale + wd * p[i];
         match new_buf.as_mut() {
             Some(b) => {
                 b[i] = mu * b[i] + gi;
@@ -598,10 +785,12 @@ pub(crate) fn sgd(
     (param, new_buf)
 }
 
-/// Sums of squares of consecutive pieces of `piece` elements.
+/// Sums of squares of consecutive pieces of `piece` elements, each in
+/// index order from zero (squares of f32 values are exact in f64, so the
+/// order fixes every bit).
 pub(crate) fn sum_squares(x: &[f64], piece: usize) -> Vec<f64> {
-    x.chunks(piece.max(1))
-        .map(|b| b.iter().map(|v| v * v).sum())
+    x.chunks(piece)
+        .map(|b| b.iter().fold(0.0, |sum, v| sum + v * v))
         .collect()
 }
 

@@ -25,12 +25,16 @@ pub fn embedding_forward(
         out.len(),
         check::product(kn, &[ids.len(), dims.hidden])?,
     )?;
+    // Every id checked before any row is written: a refused call writes
+    // nothing (the trait's promise).
+    for &id in ids {
+        check::index(kn, "token id", id, dims.vocab)?;
+    }
     if dims.hidden == 0 {
         return Ok(());
     }
     for (row, &id) in out.chunks_exact_mut(dims.hidden).zip(ids) {
-        let i = check::index(kn, "token id", id, dims.vocab)?;
-        row.copy_from_slice(&table[i * dims.hidden..][..dims.hidden]);
+        row.copy_from_slice(&table[id as usize * dims.hidden..][..dims.hidden]);
     }
     Ok(())
 }
