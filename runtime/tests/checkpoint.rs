@@ -6,7 +6,7 @@
 
 use hybridgen_dsl::ModelConfig;
 use hybridgen_runtime::checkpoint::{self, ResumeFrom, RunSetting};
-use hybridgen_runtime::train::{TrainConfig, train};
+use hybridgen_runtime::train::{StepReport, TrainConfig, train};
 use safetensors::SafeTensors;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -251,8 +251,10 @@ fn settings_left_to_the_checkpoint_are_taken_from_it() {
     let dir = saved("inherit");
     let mut straight = config();
     straight.steps = 4;
+    // Each step's loss, aux loss and gradient norm, as bits.
+    let bits = |r: &StepReport| [r.loss, r.aux_loss, r.grad_norm].map(f64::to_bits);
     let mut reference = Vec::new();
-    train(&straight, &mut |r| reference.push(r.loss.to_bits())).unwrap();
+    train(&straight, &mut |r| reference.push(bits(r))).unwrap();
     // Another seed, batch shape and learning rate, all left to the
     // checkpoint: the run continues the seed-7 curve.
     let mut c = config();
@@ -275,7 +277,7 @@ fn settings_left_to_the_checkpoint_are_taken_from_it() {
     }
     drop(prepared);
     let mut resumed = Vec::new();
-    train(&c, &mut |r| resumed.push(r.loss.to_bits())).unwrap();
+    train(&c, &mut |r| resumed.push(bits(r))).unwrap();
     assert_eq!(resumed[..], reference[2..]);
     // Given explicitly, the same values are contradictions.
     c.from_checkpoint.clear();
