@@ -206,8 +206,8 @@ pub struct Optimizer<D: Device> {
     resumed_at: Option<u64>,
     states: Vec<Arc<MomentState<D::Backend>>>,
     buckets: Arc<Vec<BucketLayout<D::Backend>>>,
-    /// f64, one per bucket: this rank's norm partials of the step.
-    norm_partials: Arc<<D::Backend as Backend>::Buf>,
+    /// The engine's shard layout: where the norm's pieces are.
+    layout: ShardLayout,
 }
 
 /// The ZeRO-3 layout of `layout`'s ranks: where the norm's pieces are,
@@ -291,12 +291,12 @@ impl<D: Device> Optimizer<D> {
         }
         Ok(Optimizer {
             config,
-            norm_partials: Arc::new(backend.alloc(plan.buckets.len(), DType::F64)?),
             plan,
             steps: 0,
             resumed_at: None,
             states,
             buckets: Arc::new(buckets),
+            layout: engine.layout(),
         })
     }
 
@@ -319,18 +319,25 @@ impl<D: Device> Optimizer<D> {
         &self.states
     }
 
-    /// This rank's partials of the squared gradient norm, one per bucket in
-    /// id order (see the module doc), computed on the compute lane and read
-    /// once. Call after the step's reduces ran.
-    pub fn norm_partials(&self, engine: &FsdpEngine<D>, rank: &RankContext<D>) -> Result<Vec<f64>> {
+    /// Writes this rank's partials of the squared gradient norm, one per
+    /// bucket in id order (see the module doc), into `out` from index `at`
+    /// on, on the compute lane, and waits for them. Call after the step's
+    /// reduces ran; the host reads them with the step's losses
+    /// ([`crate::schedule::StepTotals`]).
+    pub fn norm_partials(
+        &self,
+        engine: &FsdpEngine<D>,
+        rank: &RankContext<D>,
+        out: Arc<<D::Backend as Backend>::Buf>,
+        at: usize,
+    ) -> Result<()> {
         let shards = engine.shards().to_vec();
         let buckets = self.buckets.clone();
-        let out = self.norm_partials.clone();
         let done = rank.compute.submit(
             Label::new("gradient norm partials", "optimizer"),
             &[],
             Box::new(move |b: &D::Backend| {
-                b.zero(b.view_mut(&out)?)?;
+                b.zero(b.slice_mut(&out, at..at + buckets.len())?)?;
                 for (i, (shard, bucket)) in shards.iter().zip(buckets.iter()).enumerate() {
                     let piece = bucket.norm_piece.clone();
                     if piece.is_empty() {
@@ -340,25 +347,21 @@ impl<D: Device> Optimizer<D> {
                     b.sum_squares(
                         b.slice(&shard.grad, piece)?,
                         len,
-                        b.slice_mut(&out, i..i + 1)?,
+                        b.slice_mut(&out, at + i..at + i + 1)?,
                     )?;
                 }
                 Ok(())
             }),
         );
-        done.wait()?;
-        let mut partials = vec![0.0f64; self.plan.buckets.len()];
-        rank.backend
-            .download(rank.backend.view(&self.norm_partials)?, &mut partials)?;
-        Ok(partials)
+        done.wait()
     }
 
-    /// The global L2 norm of the accumulated gradients, identical on every
-    /// rank and under every sharding. Call after the step's reduces ran.
-    pub fn grad_norm(&self, engine: &FsdpEngine<D>, rank: &RankContext<D>) -> Result<f64> {
-        let mine = self.norm_partials(engine, rank)?;
-        let all = rank.host.all_gather_host(&mine)?;
-        let pieces = norm_pieces(engine.layout());
+    /// The global L2 norm of the accumulated gradients from every rank's
+    /// norm partials (`mine` is this rank's): identical on every rank and
+    /// under every sharding.
+    pub fn grad_norm(&self, rank: &RankContext<D>, mine: &[f64]) -> Result<f64> {
+        let all = rank.host.all_gather_host(mine)?;
+        let pieces = norm_pieces(self.layout);
         let buckets = self.plan.buckets.len();
         let mut total = 0.0f64;
         for bucket in self.plan.buckets.iter() {
@@ -512,8 +515,13 @@ impl<D: Device> Optimizer<D> {
     /// Clips (when configured) and takes one step on every shard, then
     /// refreshes the compute-precision copies. Returns the gradient norm
     /// before clipping.
-    pub fn step(&mut self, engine: &FsdpEngine<D>, rank: &RankContext<D>) -> Result<f64> {
-        let norm = self.grad_norm(engine, rank)?;
+    pub fn step(
+        &mut self,
+        engine: &FsdpEngine<D>,
+        rank: &RankContext<D>,
+        norm_partials: &[f64],
+    ) -> Result<f64> {
+        let norm = self.grad_norm(rank, norm_partials)?;
         if !norm.is_finite() {
             return Err(self.divergence(engine, rank, NonFinite::GradNorm(norm))?);
         }
@@ -774,7 +782,14 @@ mod tests {
                 optimizer.set_steps(step);
             }
             for _ in 0..updates {
-                optimizer.step(&engine, &rank).unwrap();
+                let b = &rank.backend;
+                let out = Arc::new(b.alloc(plan.buckets.len(), DType::F64).unwrap());
+                optimizer
+                    .norm_partials(&engine, &rank, out.clone(), 0)
+                    .unwrap();
+                let mut partials = vec![0.0; plan.buckets.len()];
+                b.download(b.view(&*out).unwrap(), &mut partials).unwrap();
+                optimizer.step(&engine, &rank, &partials).unwrap();
             }
             let name = poisoned.map(|p| plan.param_name(&plan.params[p]));
             let error = optimizer.divergence(&engine, &rank, quantity).unwrap();

@@ -15,7 +15,7 @@ use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLa
 use crate::model::ModelRuntime;
 use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
 use crate::platform::{OnPlatform, Platform, RankSettings, with_platform};
-use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, build, run_step};
+use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, StepReadout, build, run_step};
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use std::collections::BTreeSet;
@@ -743,7 +743,14 @@ fn run_rank<D: Device>(
                     .collect::<Result<_>>()?,
             })
         };
-        let losses = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
+        let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
+        let totals = &cx.totals;
+        optimizer.norm_partials(&engine, &rank, totals.buffer(), totals.partials_at())?;
+        // The step's one read: its losses and its gradient-norm partials.
+        let StepReadout {
+            losses,
+            norm_partials,
+        } = totals.read(&rank.backend, &counts)?;
         // Every rank's sums, added in rank order: the same bits everywhere.
         let mut mine = vec![losses.main.0, losses.main.1 as f64, losses.aux];
         for (sum, count) in &losses.mtp {
@@ -776,7 +783,7 @@ fn run_rank<D: Device>(
         if let Some(quantity) = non_finite {
             return Err(optimizer.divergence(&engine, &rank, quantity)?);
         }
-        let grad_norm = optimizer.step(&engine, &rank)?;
+        let grad_norm = optimizer.step(&engine, &rank, &norm_partials)?;
         let device = rank.backend.stats() - counted;
         step += 1;
         if r == 0 {

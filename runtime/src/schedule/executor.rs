@@ -17,8 +17,7 @@
 
 use super::program::{BackwardPiece, Instr, Program};
 use super::state::{
-    Handoff, HeadState, LayerState, LossAccumulator, MicroBatch, MtpEntryState, NormState,
-    StepLosses, Stream,
+    Handoff, HeadState, LayerState, MicroBatch, MtpEntryState, NormState, StepTotals, Stream,
 };
 use crate::backend::{Backend, Slice, SliceMut, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
@@ -47,12 +46,13 @@ pub struct StepContext<D: Device> {
     /// The weight of one micro-batch's mean loss in the step's loss:
     /// `1 / (micro-batches x data-parallel size)`.
     pub mb_weight: f32,
-    /// The step's loss sums on the device (zeroed by [`run_step`]).
-    pub losses: LossAccumulator<D::Backend>,
+    /// The step's loss sums and gradient-norm partials on the device (the
+    /// sums zeroed by [`run_step`]), read once at the step's end.
+    pub totals: StepTotals<D::Backend>,
 }
 
 impl<D: Device> StepContext<D> {
-    /// What the steps of a run share; allocates the loss accumulator on
+    /// What the steps of a run share; allocates the step totals on
     /// `backend`.
     pub fn new(
         model: Arc<ModelRuntime>,
@@ -62,14 +62,15 @@ impl<D: Device> StepContext<D> {
         mb_weight: f32,
         backend: &D::Backend,
     ) -> Result<Self> {
-        let losses = LossAccumulator::new(backend, model.plan.mtp_depths())?;
+        let plan = &model.plan;
+        let totals = StepTotals::new(backend, plan.mtp_depths(), plan.buckets.len())?;
         Ok(StepContext {
             model,
             ep_group,
             ranges,
             tokens,
             mb_weight,
-            losses,
+            totals,
         })
     }
 }
@@ -86,12 +87,13 @@ fn missing(what: &str) -> RuntimeError {
 /// memory does not grow with the number of micro-batches.
 const RETIRED_IN_FLIGHT: usize = 1;
 
-/// Runs one step's program; returns this rank's loss sums once every lane
-/// has finished (the non-unit gradients reduced too). `micro_batch(mb)`
-/// makes micro-batch `mb`'s tokens; it is called when the program first
-/// issues work for `mb`, in micro-batch order. The losses accumulate on the
-/// device ([`LossAccumulator`]) and are read once, at the end; the token
-/// counts come from the host's tokens.
+/// Runs one step's program; returns, per head, the number of unmasked
+/// targets this rank trained on, once every lane has finished (the non-unit
+/// gradients reduced too). `micro_batch(mb)` makes micro-batch `mb`'s
+/// tokens; it is called when the program first issues work for `mb`, in
+/// micro-batch order. The losses accumulate on the device in
+/// [`StepContext::totals`], which the caller reads once, after the
+/// optimizer's norm partials joined them ([`StepTotals::read`]).
 ///
 /// Memory: the micro-batches in flight at once ([`Program::in_flight`])
 /// each allocate from an arena of their own, and a micro-batch's retirement
@@ -108,7 +110,7 @@ pub fn run_step<D: Device>(
     engine: &mut FsdpEngine<D>,
     rank: &RankContext<D>,
     micro_batch: &mut dyn FnMut(usize) -> Result<MicroBatchTokens>,
-) -> Result<StepLosses> {
+) -> Result<Vec<usize>> {
     let plan = &cx.model.plan;
     let depths = plan.mtp_depths();
     let layers = cx.model.layer_count();
@@ -127,7 +129,7 @@ pub fn run_step<D: Device>(
     rank.compute.submit(
         Label::new("zero loss sums", "forward"),
         &[],
-        Box::new(move |b: &D::Backend| b.zero(sums.losses.all())),
+        Box::new(move |b: &D::Backend| b.zero(sums.totals.losses()?)),
     );
     for instr in program.instrs() {
         let mut arena_free = None;
@@ -245,11 +247,7 @@ pub fn run_step<D: Device>(
     engine.reduce_non_unit(rank, &all)?;
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
-    // The step's one read of its losses.
-    let mut sums = vec![0.0f64; 2 + depths];
-    rank.backend
-        .download(cx.losses.all().as_view(), &mut sums)?;
-    Ok(LossAccumulator::<D::Backend>::losses(&sums, &counts))
+    Ok(counts)
 }
 
 /// One piece of lane work's share of the step.
@@ -525,7 +523,7 @@ fn forward_op<D: Device>(
                 &weights,
                 stage,
                 b.view_mut(x)?,
-                cx.losses.aux()?,
+                cx.totals.aux()?,
                 cx.tokens,
                 &exchange,
             )?;
@@ -600,7 +598,7 @@ fn forward_op<D: Device>(
                 output,
                 b.view(hidden)?,
                 mb.ids()?.targets(index)?,
-                cx.losses.head(index)?,
+                cx.totals.head(index)?,
             )?;
             mb.heads[index] = HeadState::Saved { saved, norm };
         }

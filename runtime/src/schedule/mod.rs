@@ -7,4 +7,4 @@ mod state;
 
 pub use executor::{StepContext, run_step};
 pub use program::{BackwardPiece, Instr, Program, ScheduleKind, build};
-pub use state::{LossAccumulator, MicroBatchTokens, StepLosses};
+pub use state::{MicroBatchTokens, StepLosses, StepReadout, StepTotals};

@@ -17,7 +17,7 @@ use crate::layers::{
     HeadSaved, LayerSaved, LayerWgrad, MoeStage, MtpSaved, MtpWgrad, NormSaved, NormWgrad,
     counted_targets,
 };
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The tokens of one micro-batch, on the host.
 #[derive(Clone, Debug)]
@@ -100,39 +100,54 @@ pub struct StepLosses {
     pub aux: f64,
 }
 
-/// The step's loss sums on the device: one f64 slot per quantity (the main
-/// loss, the MoE aux loss, then each MTP depth's loss), zeroed when a step
-/// starts and read by the host once, when it ends. Token counts are not
-/// here: the host knows them from the tokens.
+/// What a step reads back at its end, in one device buffer of f64 slots: the
+/// loss sums (the main loss, the MoE aux loss, then each MTP depth's loss),
+/// zeroed when a step starts, then this rank's gradient-norm partials, one
+/// per bucket (written by [`Optimizer::norm_partials`]). The host reads the
+/// buffer once per step ([`StepTotals::read`]); token counts are not here:
+/// the host knows them from the tokens.
 ///
-/// Each slot is a running f64 sum, so the order of the additions is part of
-/// the result. Every addition runs on the compute lane inside a forward
+/// Each loss slot is a running f64 sum, so the order of the additions is part
+/// of the result. Every addition runs on the compute lane inside a forward
 /// slot (heads in the post-process slot, MoE aux losses in pre-dispatch),
 /// and both schedules issue every micro-batch's forward slots in micro-batch
 /// order, all of micro-batch k's before any of k + 1's; the lane runs its
 /// work in issue order. So the additions happen in one order, the same for
 /// the plain and the overlap schedule; `tests/training.rs` compares the
 /// reported losses bit for bit to hold this.
-pub struct LossAccumulator<B: Backend> {
-    buf: B::Buf,
+///
+/// [`Optimizer::norm_partials`]: crate::optimizer::Optimizer::norm_partials
+pub struct StepTotals<B: Backend> {
+    buf: Arc<B::Buf>,
     depths: usize,
+    buckets: usize,
 }
 
-impl<B: Backend> LossAccumulator<B> {
+/// A step's totals on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReadout {
+    pub losses: StepLosses,
+    /// This rank's gradient-norm partials, one per bucket in id order.
+    pub norm_partials: Vec<f64>,
+}
+
+impl<B: Backend> StepTotals<B> {
     const MAIN: usize = 0;
     const AUX: usize = 1;
 
-    /// Slots for the main loss, the aux loss and `depths` MTP depths.
-    pub fn new(b: &B, depths: usize) -> Result<Self> {
-        Ok(LossAccumulator {
-            buf: b.alloc(2 + depths, DType::F64)?,
+    /// Slots for the main loss, the aux loss, `depths` MTP depths and
+    /// `buckets` gradient-norm partials.
+    pub fn new(b: &B, depths: usize, buckets: usize) -> Result<Self> {
+        Ok(StepTotals {
+            buf: Arc::new(b.alloc(2 + depths + buckets, DType::F64)?),
             depths,
+            buckets,
         })
     }
 
-    /// All the slots (to zero them, and to read them).
-    pub fn all(&self) -> SliceMut<'_, B> {
-        SliceMut::<B>::whole(&self.buf)
+    /// The loss slots (to zero them).
+    pub fn losses(&self) -> Result<SliceMut<'_, B>> {
+        SliceMut::<B>::of(&self.buf, 0..self.partials_at())
     }
 
     fn slot(&self, i: usize) -> Result<SliceMut<'_, B>> {
@@ -145,7 +160,7 @@ impl<B: Backend> LossAccumulator<B> {
             0 => self.slot(Self::MAIN),
             d if d <= self.depths => self.slot(Self::AUX + d),
             _ => Err(RuntimeError::InvalidArgument(format!(
-                "loss accumulator: no head {head} (the model has {} MTP depths)",
+                "step totals: no head {head} (the model has {} MTP depths)",
                 self.depths
             ))),
         }
@@ -156,16 +171,35 @@ impl<B: Backend> LossAccumulator<B> {
         self.slot(Self::AUX)
     }
 
-    /// The host copy of the slots, with the token counts, as loss sums.
-    pub fn losses(values: &[f64], counts: &[usize]) -> StepLosses {
-        let at = |i: usize| values.get(i).copied().unwrap_or(0.0);
+    /// The buffer, for lane work that writes the partials from index
+    /// [`StepTotals::partials_at`] on.
+    pub fn buffer(&self) -> Arc<B::Buf> {
+        self.buf.clone()
+    }
+
+    /// Where the gradient-norm partials start.
+    pub fn partials_at(&self) -> usize {
+        2 + self.depths
+    }
+
+    /// The step's one read: every slot, after the losses and the partials
+    /// are complete; `counts` are the unmasked targets of each head.
+    pub fn read(&self, b: &B, counts: &[usize]) -> Result<StepReadout> {
+        let mut values = vec![0.0f64; self.partials_at() + self.buckets];
+        b.download(b.view(&*self.buf)?, &mut values)?;
+        let norm_partials = values.split_off(self.partials_at());
+        let at = |i: usize| values[i];
         let count = |i: usize| counts.get(i).copied().unwrap_or(0);
-        let depths = values.len().saturating_sub(2);
-        StepLosses {
-            main: (at(Self::MAIN), count(0)),
-            mtp: (0..depths).map(|d| (at(2 + d), count(d + 1))).collect(),
-            aux: at(Self::AUX),
-        }
+        Ok(StepReadout {
+            losses: StepLosses {
+                main: (at(Self::MAIN), count(0)),
+                mtp: (0..self.depths)
+                    .map(|d| (at(2 + d), count(d + 1)))
+                    .collect(),
+                aux: at(Self::AUX),
+            },
+            norm_partials,
+        })
     }
 }
 
