@@ -508,3 +508,41 @@ fn resume_auto_without_a_checkpoint_starts_fresh_and_needs_save() {
     );
     let _ = std::fs::remove_dir_all(&base);
 }
+
+#[test]
+fn a_resume_takes_the_precision_from_its_checkpoint_and_refuses_another() {
+    let base = scratch("precision");
+    let straight = hybridgen_in(&base, &run_args("4", &["--precision", "bf16"]), &[]);
+    assert!(straight.status.success(), "{}", stderr(&straight));
+    assert_eq!(summary(&straight)["precision"], "bf16");
+    let first = hybridgen_in(
+        &base,
+        &run_args("2", &["--precision", "bf16", "--save", "ckpt"]),
+        &[],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    // Left out: the checkpoint's bf16, onto the same curve.
+    let second = hybridgen_in(&base, &run_args("4", &["--resume", "ckpt"]), &[]);
+    assert!(second.status.success(), "{}", stderr(&second));
+    assert_eq!(summary(&second)["precision"], "bf16");
+    assert_eq!(step_lines(&second)[..], step_lines(&straight)[2..]);
+    assert_eq!(
+        summary(&second)["param_hash"],
+        summary(&straight)["param_hash"]
+    );
+    // Given and different: refused before any step, naming both.
+    let out = hybridgen_in(
+        &base,
+        &run_args("4", &["--resume", "ckpt", "--precision", "f32"]),
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(step_lines(&out).is_empty());
+    assert!(
+        err.contains("--precision f32 contradicts") && err.contains("--precision bf16"),
+        "{err}"
+    );
+    assert!(err.contains("Leave --precision out"), "{err}");
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -173,6 +173,7 @@ fn usage_errors_exit_2() {
         &["check"],
         &["frobnicate"],
         &["train", "--zero", "2"],
+        &["train", "--precision", "f16"],
     ] {
         let out = hybridgen(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
@@ -219,6 +220,34 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
     let summary = &lines[3]["summary"];
     assert_eq!(summary["param_hash"].as_str().unwrap().len(), 16);
     assert!(summary["tokens_per_s"].as_f64().unwrap() > 0.0);
+    // The CPU default.
+    assert_eq!(summary["precision"], "f32");
+}
+
+#[test]
+fn train_text_names_the_precision() {
+    let out = hybridgen(&[
+        "train",
+        "--pattern",
+        "M*",
+        "--ep",
+        "1",
+        "--steps",
+        "1",
+        "--micro-batches",
+        "1",
+        "--seq-len",
+        "8",
+        "--precision",
+        "bf16",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("ZeRO-3, bf16, 1 steps"), "{text}");
+    assert!(
+        text.contains("precision       bf16 (parameters and activations;"),
+        "{text}"
+    );
 }
 
 #[test]

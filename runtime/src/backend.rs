@@ -57,6 +57,16 @@ impl Precision {
     }
 }
 
+/// The name `--precision` takes: `f32` or `bf16`.
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
 /// What a device has done so far, over all its lanes: what tests use to
 /// prove that the step loop allocates nothing and reads back only what the
 /// schedule needs.

@@ -15,7 +15,7 @@
 //! [`FsdpEngine::new`]: crate::fsdp::FsdpEngine::new
 //! [`Optimizer::new`]: crate::optimizer::Optimizer::new
 
-use crate::backend::Tokens;
+use crate::backend::{Precision, Tokens};
 use crate::fsdp::{ShardLayout, Sharding};
 use crate::optimizer::OptimizerKind;
 use hybridgen_dsl::config::Activation;
@@ -28,14 +28,38 @@ use std::path::Path;
 pub struct ElementSizes {
     /// Parameters and activations.
     pub compute: u64,
-    /// Master weights, gradient shards, optimizer moments, norms' `rstd`,
-    /// softmax statistics and probabilities.
+    /// Master weights, gradients (shards, unit buffers and non-unit
+    /// buffers), optimizer moments, norms' `rstd`, softmax statistics,
+    /// router scores and the heads' logits.
     pub f32: u64,
+    /// Bytes per compute element that a kernel holds beside its operands
+    /// while it runs: the CPU backend computes in f32, so its kernels widen
+    /// bf16 operands into f32 copies (and round outputs back from one);
+    /// 0 where kernels read their operands in place (f32 on the CPU, a GPU).
+    pub widened: u64,
 }
 
 impl ElementSizes {
-    /// The CPU backend keeps everything in f32.
-    pub const CPU: ElementSizes = ElementSizes { compute: 4, f32: 4 };
+    /// The CPU backend in f32, its default.
+    pub const CPU: ElementSizes = ElementSizes::cpu(Precision::F32);
+
+    /// The CPU backend storing parameters and activations in `precision`
+    /// (`crate::cpu::CpuBuf` stores bf16 in two bytes) and widening bf16
+    /// operands to f32 for each kernel.
+    pub const fn cpu(precision: Precision) -> ElementSizes {
+        match precision {
+            Precision::F32 => ElementSizes {
+                compute: 4,
+                f32: 4,
+                widened: 0,
+            },
+            Precision::Bf16 => ElementSizes {
+                compute: 2,
+                f32: 4,
+                widened: 4,
+            },
+        }
+    }
 }
 
 /// Elements of each precision (host index vectors count as `f32`: 4 bytes).
@@ -252,20 +276,98 @@ fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Ele
             } else {
                 0
             };
-            // Routing: x_in, u, logits, scores, weights, the shared expert;
-            // per routed row (k per token): the experts' input, fc1 output
-            // and activation, and the returned row. Host indices: selected,
-            // positions, regroup. Forward also holds the send, received and
-            // output rows for a while; backward their gradients.
-            per_token(
-                2 * h + 2 * e + k + shared + k * (2 * h + pre + act),
-                1 + 3 * k,
-                2 * h + e + k + shared + k * (4 * h + pre + act),
-            )
+            // x_in, u, the shared expert; per routed row (k per token): the
+            // experts' input, fc1 output and activation, and the returned
+            // row. In f32: rstd, the router's logits, scores and weights,
+            // and the u32 indices (selected, positions, regroup). Forward
+            // also holds the send, received and output rows for a while;
+            // backward their gradients, the logits' gradient (f32, and
+            // cast to the compute dtype for the router's GEMMs) and the
+            // weights' gradient (f32).
+            let (saved, mut extra) = per_token(
+                2 * h + shared + k * (2 * h + pre + act),
+                1 + 2 * e + k + 3 * k,
+                2 * h + e + shared + k * (4 * h + pre + act),
+            );
+            extra.f32 = n.saturating_mul(e + k);
+            (saved, extra)
         }
         // Planned, not trained by this runtime (refused before estimating).
         LayerKind::GatedDeltaNet => Default::default(),
     }
+}
+
+/// The elements of the largest matrix product's operands, which a backend
+/// that widens bf16 operands ([`ElementSizes::widened`]) copies to f32 while
+/// it runs: the weight (the largest parameter, or a MoE layer's
+/// `local_experts` fc1 weights, one grouped product), and the widest input
+/// and output rows of any product of the layers `kinds` or the head, one
+/// per token (the routed rows of a MoE layer: `top_k` per token).
+fn widened_operands(
+    model: &ModelConfig,
+    kinds: impl IntoIterator<Item = LayerKind>,
+    local_experts: usize,
+    largest_param: u64,
+    tokens: Tokens,
+) -> u64 {
+    let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
+    let h = model.hidden_size as u64;
+    let mut weight = largest_param;
+    // The head: `[tokens, h] x [V, h]^T`, or its logit gradients back.
+    let mut rows = h.saturating_add(model.padded_vocab_size() as u64);
+    let mut seen = [false; LayerKind::ALL.len()];
+    for kind in kinds {
+        if std::mem::replace(&mut seen[kind as usize], true) {
+            continue;
+        }
+        // Input plus output width per token, for each product of the layer.
+        let widths: Vec<u64> = match kind {
+            LayerKind::Mamba => model.mamba.as_ref().map_or(vec![], |m| {
+                let d = (m.num_heads * m.head_dim) as u64;
+                let xbc = d + 2 * (m.num_groups * m.state_size) as u64;
+                vec![h + d + xbc + m.num_heads as u64, d + h]
+            }),
+            LayerKind::Attention => model.attention.as_ref().map_or(vec![], |a| {
+                let c = model.attention_head_dim().unwrap_or(0) as u64;
+                let (q, kv) = (a.num_heads as u64 * c, a.num_kv_groups as u64 * c);
+                vec![h + q + 2 * kv, q + h]
+            }),
+            LayerKind::Mla | LayerKind::Dsa => model.mla.as_ref().map_or(vec![], |m| {
+                let a = m.num_heads as u64;
+                let (kr, qr) = (m.kv_lora_rank as u64, m.q_lora_rank.unwrap_or(0) as u64);
+                let (dqk, rope, dv) = (
+                    m.qk_head_dim as u64,
+                    m.qk_rope_head_dim as u64,
+                    m.v_head_dim as u64,
+                );
+                // Queries through the low-rank latent when there is one.
+                let q = a * (dqk + rope);
+                vec![
+                    h + if qr > 0 { qr } else { q },
+                    qr + q,
+                    h + kr + rope,
+                    kr + a * (dqk + dv),
+                    a * dv + h,
+                ]
+            }),
+            LayerKind::Mlp => model.mlp.as_ref().map_or(vec![], |m| {
+                let w = m.ffn_hidden_size as u64;
+                vec![h + w * m.activation.fc1_factor() as u64, w + h]
+            }),
+            LayerKind::Moe => model.moe.as_ref().map_or(vec![], |m| {
+                let (w, k) = (m.ffn_hidden_size as u64, m.top_k as u64);
+                let pre = w * m.activation.fc1_factor() as u64;
+                weight = weight.max((local_experts as u64).saturating_mul(pre * h));
+                let shared = m
+                    .shared_expert_ffn_hidden_size
+                    .map_or(0, |s| h + s as u64 * m.activation.fc1_factor() as u64);
+                vec![h + m.num_experts as u64, k * (h + pre), k * (w + h), shared]
+            }),
+            LayerKind::GatedDeltaNet => vec![],
+        };
+        rows = widths.into_iter().fold(rows, u64::max);
+    }
+    weight.saturating_add(n.saturating_mul(rows))
 }
 
 /// Memory of one rank's weights, gradients, optimizer state and parameter
@@ -337,11 +439,13 @@ pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEsti
     };
     let shards = Elements::new(shard_elems, shard_elems.saturating_mul(2)).bytes(sizes);
     let optimizer = Elements::new(0, shard_elems.saturating_mul(moments)).bytes(sizes);
+    // Gathered parameters are in the compute dtype; their gradients are
+    // accumulated in f32 (`fsdp.rs`).
     let buffers = Elements::new(
-        param_slots
-            .saturating_add(grad_slots)
-            .saturating_add(non_unit.saturating_mul(2)),
-        max_shard,
+        param_slots.saturating_add(non_unit),
+        grad_slots
+            .saturating_add(non_unit)
+            .saturating_add(max_shard),
     )
     .bytes(sizes);
     // The hash's gather: this rank's shard, its copy in the collective, and
@@ -369,9 +473,11 @@ pub struct MemoryNeed {
     pub activations: ActivationEstimate,
     /// Micro-batches the schedule keeps in flight per rank.
     pub live_micro_batches: usize,
-    /// Per rank, while a matrix product runs: the CPU kernels transpose the
-    /// weight of `x W^T` into a scratch copy; the largest weight (often the
-    /// output layer, `[vocab, hidden]`) sets it.
+    /// Per rank, while a matrix product runs: the CPU matmul packs its
+    /// operands into f32 blocks, at most the size of its weight, so the
+    /// largest weight (often the output layer, `[vocab, hidden]`) sets it.
+    /// Where kernels widen bf16 operands ([`ElementSizes::widened`]), the
+    /// f32 copies of the largest product's operands are added.
     pub kernel_scratch: u64,
     /// Per rank: what the arenas of the micro-batches in flight may hold
     /// beyond their activations. An arena grows by a quarter of its size
@@ -456,14 +562,22 @@ impl MemoryNeed {
             .iter()
             .map(|l| l.kind)
             .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind));
-        let activations = activations(&plan.model, kinds, plan.mtp_depths(), tokens, sizes);
-        let largest = plan.param_defs.iter().map(|d| d.numel() as u64).max();
+        let activations = activations(&plan.model, kinds.clone(), plan.mtp_depths(), tokens, sizes);
+        let largest = plan
+            .param_defs
+            .iter()
+            .map(|d| d.numel() as u64)
+            .max()
+            .unwrap_or(0);
+        let local_experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts) / layout.ep.max(1);
+        let widened = widened_operands(&plan.model, kinds, local_experts, largest, tokens)
+            .saturating_mul(sizes.widened);
         Self::new(
             layout.ranks,
             state(plan, layout, sizes),
             activations,
             live_micro_batches,
-            largest.unwrap_or(0).saturating_mul(sizes.compute),
+            largest.saturating_mul(sizes.f32).saturating_add(widened),
             plan.layers.len() + plan.mtp_layers.iter().map(Vec::len).sum::<usize>(),
             false,
         )

@@ -300,7 +300,7 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
             state_layout(config, 0, 0),
             Tokens::new(config.micro_batch_size, config.seq_length),
             schedule_live,
-            ElementSizes::CPU,
+            ElementSizes::cpu(config.precision),
         )
         && let Some(refusal) = need.check(available, &fit_hints(config))
     {
@@ -406,7 +406,7 @@ pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
         state_layout(config, program.max_resident_units, program.max_grad_buffers),
         Tokens::new(config.micro_batch_size, config.seq_length),
         program.in_flight(),
-        ElementSizes::CPU,
+        ElementSizes::cpu(config.precision),
     ))
 }
 

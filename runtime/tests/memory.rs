@@ -4,6 +4,7 @@
 //! holds a single test so nothing else runs in the process meanwhile.
 
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions};
+use hybridgen_runtime::Precision;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{TrainConfig, memory_need, train};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -64,7 +65,7 @@ fn peak_of(config: &TrainConfig) -> usize {
 
 /// One rank, one step of long sequences through a small model: activations
 /// dominate what the run allocates.
-fn config(pattern: &str, schedule: ScheduleKind) -> TrainConfig {
+fn config(pattern: &str, schedule: ScheduleKind, precision: Precision) -> TrainConfig {
     let mut model = ModelConfig::preset("tiny").unwrap();
     model.pattern = pattern.to_string();
     let mut config = TrainConfig::new(model);
@@ -75,6 +76,7 @@ fn config(pattern: &str, schedule: ScheduleKind) -> TrainConfig {
     config.micro_batch_size = 4;
     config.seq_length = 256;
     config.schedule = schedule;
+    config.precision = precision;
     config
 }
 
@@ -82,9 +84,16 @@ fn config(pattern: &str, schedule: ScheduleKind) -> TrainConfig {
 fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
     let mut report = String::new();
     let mut results = Vec::new();
-    for pattern in ["M", "*", "+", "-", "E", "M*-E", "[*E]-/*"] {
+    // bf16 halves parameters and activations, not gradients, master
+    // weights or optimizer state, and the CPU's kernels hold f32 copies of
+    // their bf16 operands while they run.
+    let patterns = ["M", "*", "+", "-", "E", "M*-E", "[*E]-/*"];
+    let runs = [Precision::F32, Precision::Bf16]
+        .into_iter()
+        .flat_map(|precision| patterns.map(|pattern| (pattern, precision)));
+    for (pattern, precision) in runs {
         for schedule in [ScheduleKind::Plain, ScheduleKind::Overlap] {
-            let c = config(pattern, schedule);
+            let c = config(pattern, schedule, precision);
             let options = PlanOptions {
                 layout: ParallelLayout::new(1, 1),
                 ..PlanOptions::default()
@@ -93,25 +102,25 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
             let need = memory_need(&c, &plan).unwrap();
             let measured = peak_of(&c) as u64;
             report += &format!(
-                "{pattern:<8} {schedule:?}: estimate {} (state {}, activations {} x {}), measured {}\n",
+                "{pattern:<8} {precision} {schedule:?}: estimate {} (state {}, activations {} x {}), measured {}\n",
                 need.per_rank,
                 need.state.total,
                 need.live_micro_batches,
                 need.activations.total,
                 measured
             );
-            results.push((pattern, schedule, need.per_rank, measured));
+            results.push((pattern, precision, schedule, need.per_rank, measured));
         }
     }
     println!("{report}");
-    for (pattern, schedule, estimate, measured) in results {
+    for (pattern, precision, schedule, estimate, measured) in results {
         // An upper bound, but not a loose one: a refusal must not turn away
         // runs that fit by a wide margin. The overlap schedule is counted as
         // two whole micro-batches in flight; its interleave frees one's
         // layers while the other's fill up, so it needs less than that.
         assert!(
             estimate >= measured,
-            "{pattern} {schedule:?} under-estimated:\n{report}"
+            "{pattern} {precision} {schedule:?} under-estimated:\n{report}"
         );
         let slack = match schedule {
             ScheduleKind::Plain => 1.5,
@@ -119,13 +128,13 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
         };
         assert!(
             estimate as f64 <= measured as f64 * slack,
-            "{pattern} {schedule:?} over-estimated more than {slack}x:\n{report}"
+            "{pattern} {precision} {schedule:?} over-estimated more than {slack}x:\n{report}"
         );
     }
 
     // Micro-batch states are dropped as their work completes: a step of 40
     // micro-batches peaks where a step of 2 does.
-    let mut few = config("M*-E", ScheduleKind::Overlap);
+    let mut few = config("M*-E", ScheduleKind::Overlap, Precision::F32);
     few.seq_length = 64;
     few.micro_batches = 2;
     let mut many = few.clone();

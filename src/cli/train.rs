@@ -6,7 +6,6 @@ use super::{Failure, human};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
-use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
@@ -14,6 +13,7 @@ use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
     DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
 };
+use hybridgen_runtime::{Precision, RuntimeError};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 use std::collections::BTreeSet;
@@ -64,6 +64,11 @@ pub(crate) struct TrainArgs {
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
     zero: String,
+    /// What parameters and activations are stored in: `bf16` rounds them
+    /// as a GPU's mixed precision does (master weights, gradients and
+    /// optimizer state stay f32); `f32` keeps everything in f32.
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: PrecisionArg,
     /// `synthetic` (a Markov stream with a known entropy floor) or a file
     /// path (bytes as tokens).
     #[arg(long, value_name = "synthetic|FILE", default_value = "synthetic")]
@@ -103,7 +108,7 @@ pub(crate) struct TrainArgs {
     /// Resume from a checkpoint root (its newest complete step), one step's
     /// directory, or `auto`: the --save root's newest step when it has one,
     /// else a fresh start. Settings left out (seed, data, batch sizes,
-    /// optimizer, layout, model) are the checkpoint's; a contradicting
+    /// optimizer, precision, layout, model) are the checkpoint's; a contradicting
     /// flag is refused, except the layout flags (checkpoints reshard). A
     /// directory named `auto` is `./auto`.
     #[arg(long, value_name = "auto|DIR")]
@@ -129,6 +134,12 @@ pub(crate) struct TrainArgs {
 enum ScheduleArg {
     Overlap,
     Plain,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum PrecisionArg {
+    F32,
+    Bf16,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -278,7 +289,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         let model_inherited =
             resume.is_some() && config.from_checkpoint.contains(&RunSetting::Model);
         super::emit(&format!(
-            "training {} ({}) on {} thread ranks, ep {}, {} schedule, ZeRO-{}, {} steps of {} tokens\n",
+            "training {} ({}) on {} thread ranks, ep {}, {} schedule, ZeRO-{}, {}, {} steps of {} tokens\n",
             config.model.pattern,
             if model_inherited {
                 "the checkpoint's model".to_string()
@@ -299,6 +310,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
             } else {
                 0
             },
+            config.precision,
             steps,
             config.tokens_per_step(),
         ))?;
@@ -379,9 +391,9 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         json,
     })?;
     if text {
-        super::emit(&summary_text(&summary))
+        super::emit(&summary_text(&summary, config.precision))
     } else {
-        super::emit(&format!("{}\n", summary_json(&summary)))
+        super::emit(&format!("{}\n", summary_json(&summary, config.precision)))
     }
 }
 
@@ -404,6 +416,7 @@ fn arg_ids(setting: RunSetting) -> &'static [&'static str] {
         RunSetting::Ep => &["ep"],
         RunSetting::Sharding => &["zero"],
         RunSetting::Schedule => &["schedule"],
+        RunSetting::Precision => &["precision"],
     }
 }
 
@@ -445,6 +458,10 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
         Sharding::NoShard
     } else {
         Sharding::Zero3
+    };
+    config.precision = match args.precision {
+        PrecisionArg::F32 => Precision::F32,
+        PrecisionArg::Bf16 => Precision::Bf16,
     };
     config.data = match args.data.as_str() {
         "synthetic" => DataChoice::Synthetic,
@@ -495,7 +512,7 @@ fn runtime_message(error: &RuntimeError) -> String {
     }
 }
 
-fn summary_text(s: &TrainSummary) -> String {
+fn summary_text(s: &TrainSummary, precision: Precision) -> String {
     let mut out = String::from("\nsummary\n");
     if let (Some(first), Some(last)) = (s.first_loss, s.final_loss) {
         out += &format!("  loss            {first:.4} -> {last:.4}");
@@ -505,6 +522,15 @@ fn summary_text(s: &TrainSummary) -> String {
         out += "\n";
     }
     out += &format!("  data            {}\n", s.data);
+    out += &format!(
+        "  precision       {precision}{}\n",
+        match precision {
+            Precision::F32 => "",
+            Precision::Bf16 => {
+                " (parameters and activations; master weights, gradients and optimizer state f32)"
+            }
+        }
+    );
     out += &format!(
         "  throughput      {} tokens/s  ({} tokens in {:.1} s)\n",
         human::count(s.tokens_per_second as u64),
@@ -545,13 +571,14 @@ fn summary_text(s: &TrainSummary) -> String {
     out
 }
 
-fn summary_json(s: &TrainSummary) -> serde_json::Value {
+fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
     json!({
         "summary": {
             "steps": s.steps,
             "last_step": s.last_step,
             "final_loss": s.final_loss,
             "entropy_floor": s.entropy_floor,
+            "precision": precision.to_string(),
             "tokens": s.tokens,
             "wall_s": s.wall.as_secs_f64(),
             "tokens_per_s": s.tokens_per_second,

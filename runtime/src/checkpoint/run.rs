@@ -10,6 +10,7 @@
 
 use super::crc32c::{Crc32c, hex};
 use super::index::CheckpointIndex;
+use crate::backend::Precision;
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
 use crate::optimizer::{OptimizerConfig, OptimizerKind};
@@ -30,6 +31,10 @@ pub struct RunState {
     pub seq_length: usize,
     /// Every hyper-parameter, the learning-rate schedule's included.
     pub optimizer: OptimizerConfig,
+    /// The dtype parameters and activations were stored in. Checkpoints
+    /// written before the field existed trained in f32.
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 impl RunState {
@@ -41,6 +46,7 @@ impl RunState {
             micro_batch_size: config.micro_batch_size,
             seq_length: config.seq_length,
             optimizer: config.optimizer.clone(),
+            precision: config.precision,
         }
     }
 
@@ -154,10 +160,11 @@ pub enum RunSetting {
     Ep,
     Sharding,
     Schedule,
+    Precision,
 }
 
 impl RunSetting {
-    pub const ALL: [RunSetting; 19] = [
+    pub const ALL: [RunSetting; 20] = [
         RunSetting::Model,
         RunSetting::Seed,
         RunSetting::Data,
@@ -177,6 +184,7 @@ impl RunSetting {
         RunSetting::Ep,
         RunSetting::Sharding,
         RunSetting::Schedule,
+        RunSetting::Precision,
     ];
 
     /// The `hybridgen train` flag that sets it, or the `TrainConfig` field
@@ -202,6 +210,7 @@ impl RunSetting {
             RunSetting::Ep => "--ep",
             RunSetting::Sharding => "--zero",
             RunSetting::Schedule => "--schedule",
+            RunSetting::Precision => "--precision",
         }
     }
 
@@ -407,6 +416,15 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
         |v| plain(v),
         |c| &mut c.optimizer.momentum,
     )?;
+    // The master weights and optimizer state are f32 in either precision,
+    // but a run continued in another one would follow another curve than
+    // the one it started: a contradiction, like a new seed.
+    s.setting(
+        RunSetting::Precision,
+        &run.precision,
+        |v| v.to_string(),
+        |c| &mut c.precision,
+    )?;
     let layout = &index.layout;
     s.setting(
         RunSetting::Ranks,
@@ -442,4 +460,25 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
         inherited: s.inherited,
         data,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hybridgen_dsl::ModelConfig;
+
+    #[test]
+    fn the_precision_is_recorded_and_older_states_read_as_f32() {
+        let mut config = TrainConfig::new(ModelConfig::preset("tiny").unwrap());
+        config.precision = Precision::Bf16;
+        let state = RunState::of(&config, DataRecord::Synthetic);
+        let mut value = serde_json::to_value(&state).unwrap();
+        assert_eq!(value["precision"], "bf16");
+        let read: RunState = serde_json::from_value(value.clone()).unwrap();
+        assert_eq!(read, state);
+        // A checkpoint written before the field existed trained in f32.
+        value.as_object_mut().unwrap().remove("precision");
+        let old: RunState = serde_json::from_value(value).unwrap();
+        assert_eq!(old.precision, Precision::F32);
+    }
 }
