@@ -15,8 +15,9 @@
 //! | --- | --- |
 //! | shard master weights, shard gradients, reduce scratch | f32 |
 //! | shard parameters (gather source), unit pool, non-unit parameters | compute |
-//! | unit gradient buffers, non-unit gradients (wgrad GEMMs accumulate here) | f32 | A unit's full parameters exist
-//! only in a fixed pool of buffers sized by a dry run of the schedule; a
+//! | unit gradient buffers, non-unit gradients (wgrad GEMMs accumulate here) | f32 |
+//!
+//! A unit's full parameters exist only in a fixed pool of buffers sized by a dry run of the schedule; a
 //! release is lazy (the data stays until its buffer is reused, least
 //! recently released first), so a unit needed again soon is not gathered
 //! twice. Non-unit buckets are gathered once per step and never released;
