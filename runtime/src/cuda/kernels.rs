@@ -257,9 +257,12 @@ pub struct CompiledSource {
 /// The CUDA include directory: `$HYBRIDGEN_CUDA_INCLUDE`, else
 /// `/usr/local/cuda/include`; an error unless it holds `cuda_bf16.h`.
 pub fn include_dir() -> Result<PathBuf, KernelBuildError> {
-    let dir = std::env::var_os(INCLUDE_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_INCLUDE));
+    include_dir_from(std::env::var_os(INCLUDE_ENV).map(PathBuf::from))
+}
+
+/// [`include_dir`] with the variable's value given (`None`: unset).
+pub fn include_dir_from(configured: Option<PathBuf>) -> Result<PathBuf, KernelBuildError> {
+    let dir = configured.unwrap_or_else(|| PathBuf::from(DEFAULT_INCLUDE));
     if dir.join("cuda_bf16.h").is_file() {
         Ok(dir)
     } else {
