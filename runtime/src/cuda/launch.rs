@@ -105,7 +105,10 @@ impl fmt::Display for DeviceFault {
                 f,
                 "the expert counts do not match the routing (at slot {i})"
             ),
-            4 => write!(f, "row index {i} of a gather or scatter is out of range"),
+            4 => write!(
+                f,
+                "the row index at position {i} of a gather or scatter is out of range"
+            ),
             5 => write!(f, "the unpermute position of slot {i} is out of range"),
             6 => write!(f, "decayed range {i} is out of order or outside the shard"),
             7 => write!(f, "the token id of row {i} is past the vocabulary"),
