@@ -101,9 +101,7 @@ fn runs_that_cannot_fit_are_refused_with_the_figures_before_any_allocation() {
         },
     )
     .unwrap();
-    let full = hybridgen_runtime::train::memory_need(&c, &plan)
-        .unwrap()
-        .total;
+    let full = hybridgen_runtime::train::memory_need(&c, &plan).unwrap().total;
     assert!(bound < full, "{bound} {full}");
     c.memory_available = Some((bound + full) / 2);
     let message = refused(&c).to_string();
