@@ -242,6 +242,8 @@ fn cpu_download(b: &CpuBackend, buf: &CpuBuf, like: &Host) -> Host {
 
 type CpuRun<'a> = Box<dyn Fn(&CpuBackend, &[CpuBuf]) -> Result<()> + 'a>;
 type GpuRun<'a> = Box<dyn Fn(&KernelSet, &CudaStream, &[GpuView]) -> Result<()> + 'a>;
+/// Expected outputs computed in f64 from the inputs.
+type Reference = fn(&[Host]) -> Vec<Host>;
 
 struct Case<'a> {
     kernel: String,
@@ -252,6 +254,10 @@ struct Case<'a> {
     outputs: Vec<usize>,
     cpu: CpuRun<'a>,
     gpu: GpuRun<'a>,
+    /// Where the CPU kernel's own f32 rounding exceeds the tolerance (a
+    /// long sequential f32 sum), the GPU is checked against an f64
+    /// reference instead, and the CPU's distance from it is shown.
+    reference: Option<Reference>,
 }
 
 fn v(b: &CpuBuf) -> View<'_, CpuBuf> {
@@ -272,6 +278,7 @@ struct Row {
     tolerance: f64,
     repeatable: bool,
     problem: Option<String>,
+    note: String,
 }
 
 impl Row {
@@ -331,6 +338,7 @@ fn run_case(gpu: &Gpu, set: &KernelSet, case: &Case<'_>) -> Row {
             .fold(f64::INFINITY, f64::min),
         repeatable: true,
         problem: None,
+        note: String::new(),
     };
     let cpu = CpuBackend::new(Precision::F32);
     let cpu_bufs: Vec<CpuBuf> = case.buffers.iter().map(|h| cpu_upload(&cpu, h)).collect();
@@ -338,11 +346,21 @@ fn run_case(gpu: &Gpu, set: &KernelSet, case: &Case<'_>) -> Row {
         row.problem = Some(format!("CPU refused: {e}"));
         return row;
     }
-    let expected: Vec<Host> = case
+    let mut expected: Vec<Host> = case
         .outputs
         .iter()
         .map(|&i| cpu_download(&cpu, &cpu_bufs[i], &case.buffers[i]))
         .collect();
+    if let Some(reference) = case.reference {
+        let exact = reference(&case.buffers);
+        let cpu_error = expected
+            .iter()
+            .zip(&exact)
+            .map(|(c, e)| compare(c, e).0)
+            .fold(0.0f64, f64::max);
+        row.note = format!("vs f64; CPU vs f64 {cpu_error:.1e}");
+        expected = exact;
+    }
     let mut runs = Vec::new();
     for _ in 0..2 {
         let bufs: Vec<GpuBuf> = case.buffers.iter().map(|h| gpu.upload(h)).collect();
@@ -432,6 +450,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![1],
             cpu: Box::new(|b, x| b.cast(v(&x[0]), m(&x[1]))),
             gpu: Box::new(|s, st, x| s.cast(st, x[0], x[1])),
+            reference: None,
         });
     }
     for dtype in [DType::F32, DType::Bf16, DType::F64] {
@@ -444,6 +463,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![0],
             cpu: Box::new(|b, x| b.fill(m(&x[0]), 0.1234567)),
             gpu: Box::new(|s, st, x| s.fill(st, x[0], 0.1234567)),
+            reference: None,
         });
     }
 
@@ -458,6 +478,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![1],
                 cpu: Box::new(|b, x| b.axpy(-0.75, v(&x[0]), m(&x[1]))),
                 gpu: Box::new(|s, st, x| s.axpy(st, -0.75, x[0], x[1])),
+                reference: None,
             });
         }
         cases.push(Case {
@@ -468,6 +489,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![1],
             cpu: Box::new(|b, x| b.axpy(1.5, v(&x[0]), m(&x[1]))),
             gpu: Box::new(|s, st, x| s.axpy(st, 1.5, x[0], x[1])),
+            reference: None,
         });
         cases.push(Case {
             kernel: "scale".into(),
@@ -477,6 +499,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![0],
             cpu: Box::new(|b, x| b.scale(m(&x[0]), 0.3)),
             gpu: Box::new(|s, st, x| s.scale(st, x[0], 0.3)),
+            reference: None,
         });
         for accumulate in [false, true] {
             let d = CopyCols {
@@ -496,6 +519,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![1],
                 cpu: Box::new(move |b, x| b.copy_cols(v(&x[0]), m(&x[1]), d)),
                 gpu: Box::new(move |s, st, x| s.copy_cols(st, x[0], x[1], d)),
+                reference: None,
             });
         }
         for (rows, cols) in [(1001usize, 77usize), (5, 1999)] {
@@ -507,6 +531,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![1],
                 cpu: Box::new(move |b, x| b.column_sum(v(&x[0]), m(&x[1]), rows, cols)),
                 gpu: Box::new(move |s, st, x| s.column_sum(st, x[0], x[1], rows, cols)),
+                reference: None,
             });
         }
         for n in [1usize, 16_385] {
@@ -518,6 +543,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![1],
                 cpu: Box::new(|b, x| b.accumulate_sum(v(&x[0]), m(&x[1]))),
                 gpu: Box::new(|s, st, x| s.accumulate_sum(st, x[0], x[1])),
+                reference: None,
             });
         }
 
@@ -547,6 +573,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                     b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)
                 }),
                 gpu: Box::new(move |s, st, x| s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], d)),
+                reference: None,
             });
             let rstd = Host::F32(
                 (0..rows * groups)
@@ -571,6 +598,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(move |s, st, x| {
                     s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], d)
                 }),
+                reference: None,
             });
             cases.push(Case {
                 kernel: "rmsnorm_backward_weight".into(),
@@ -589,6 +617,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(move |s, st, x| {
                     s.rmsnorm_backward_weight(st, x[0], x[1], x[2], x[3], d)
                 }),
+                reference: None,
             });
         }
 
@@ -603,6 +632,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![1],
                 cpu: Box::new(move |b, x| b.unary_forward(op, v(&x[0]), m(&x[1]))),
                 gpu: Box::new(move |s, st, x| s.unary_forward(st, op, x[0], x[1])),
+                reference: None,
             });
             cases.push(Case {
                 kernel: format!("unary_backward {op:?}"),
@@ -616,6 +646,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![2],
                 cpu: Box::new(move |b, x| b.unary_backward(op, v(&x[0]), v(&x[1]), m(&x[2]))),
                 gpu: Box::new(move |s, st, x| s.unary_backward(st, op, x[0], x[1], x[2])),
+                reference: None,
             });
         }
         cases.push(Case {
@@ -626,6 +657,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![2],
             cpu: Box::new(|b, x| b.silu_mul_forward(v(&x[0]), v(&x[1]), m(&x[2]))),
             gpu: Box::new(|s, st, x| s.silu_mul_forward(st, x[0], x[1], x[2])),
+            reference: None,
         });
         cases.push(Case {
             kernel: "silu_mul_backward".into(),
@@ -643,6 +675,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 b.silu_mul_backward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), m(&x[4]))
             }),
             gpu: Box::new(|s, st, x| s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4])),
+            reference: None,
         });
 
         // Rotary.
@@ -663,6 +696,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![0],
             cpu: Box::new(move |b, x| b.rotary_forward(m(&x[0]), d)),
             gpu: Box::new(move |s, st, x| s.rotary_forward(st, x[0], d)),
+            reference: None,
         });
         cases.push(Case {
             kernel: "rotary_backward".into(),
@@ -672,6 +706,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![0],
             cpu: Box::new(move |b, x| b.rotary_backward(m(&x[0]), d)),
             gpu: Box::new(move |s, st, x| s.rotary_backward(st, x[0], d)),
+            reference: None,
         });
 
         // Head splits.
@@ -705,6 +740,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 )
             }),
             gpu: Box::new(move |s, st, x| s.qkv_split(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
         });
         cases.push(Case {
             kernel: "qkv_join".into(),
@@ -729,6 +765,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 )
             }),
             gpu: Box::new(move |s, st, x| s.qkv_join(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
         });
         let d = MlaKvDims {
             rows: 97,
@@ -751,6 +788,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![2, 3],
             cpu: Box::new(move |b, x| b.mla_kv_split(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)),
             gpu: Box::new(move |s, st, x| s.mla_kv_split(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
         });
         cases.push(Case {
             kernel: "mla_kv_join".into(),
@@ -765,6 +803,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![2, 3],
             cpu: Box::new(move |b, x| b.mla_kv_join(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)),
             gpu: Box::new(move |s, st, x| s.mla_kv_join(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
         });
 
         // Row moves and the MoE combine.
@@ -782,6 +821,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![2],
             cpu: Box::new(move |b, x| b.gather_rows(v(&x[0]), v(&x[1]), m(&x[2]), width)),
             gpu: Box::new(move |s, st, x| s.gather_rows(st, x[0], x[1], x[2], width)),
+            reference: None,
         });
         let perm = rng.permutation(src_rows)[..count].to_vec();
         cases.push(Case {
@@ -796,6 +836,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![2],
             cpu: Box::new(move |b, x| b.scatter_rows(v(&x[0]), v(&x[1]), m(&x[2]), width)),
             gpu: Box::new(move |s, st, x| s.scatter_rows(st, x[0], x[1], x[2], width)),
+            reference: None,
         });
         let d = UnpermuteDims {
             tokens: 203,
@@ -820,6 +861,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(move |s, st, x| {
                     s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d)
                 }),
+                reference: None,
             });
         }
         cases.push(Case {
@@ -851,6 +893,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             gpu: Box::new(move |s, st, x| {
                 s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
             }),
+            reference: None,
         });
     }
 
@@ -878,6 +921,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![0, 2],
             cpu: Box::new(move |b, x| b.cross_entropy_forward(m(&x[0]), v(&x[1]), m(&x[2]), d)),
             gpu: Box::new(move |s, st, x| s.cross_entropy_forward(st, x[0], x[1], x[2], d)),
+            reference: Some(cross_entropy_reference),
         });
         let probs: Vec<f32> = (0..rows * vocab)
             .map(|_| rng.unit() as f32 / vocab as f32)
@@ -890,6 +934,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![0],
             cpu: Box::new(move |b, x| b.cross_entropy_backward(m(&x[0]), v(&x[1]), 0.37, d)),
             gpu: Box::new(move |s, st, x| s.cross_entropy_backward(st, x[0], x[1], 0.37, d)),
+            reference: None,
         });
     }
 
@@ -943,6 +988,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                             d,
                         )
                     }),
+                    reference: None,
                 });
             }
             // The backward reads what a forward saved: scores of the logits.
@@ -995,6 +1041,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(move |s, st, x| {
                     s.moe_route_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
                 }),
+                reference: None,
             });
         }
     }
@@ -1019,6 +1066,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![1],
             cpu: Box::new(move |b, x| b.moe_expert_counts(v(&x[0]), m(&x[1]), slots)),
             gpu: Box::new(move |s, st, x| s.moe_expert_counts(st, x[0], x[1], slots)),
+            reference: None,
         });
         let n = tokens * top_k;
         cases.push(Case {
@@ -1044,6 +1092,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 )
             }),
             gpu: Box::new(move |s, st, x| s.moe_sort_by_expert(st, x[0], x[1], x[2], x[3], slots)),
+            reference: None,
         });
         let softmax_sum = Host::F32(
             (0..experts)
@@ -1059,6 +1108,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![2],
             cpu: Box::new(move |b, x| b.moe_aux_loss_forward(v(&x[0]), v(&x[1]), m(&x[2]), d)),
             gpu: Box::new(move |s, st, x| s.moe_aux_loss_forward(st, x[0], x[1], x[2], d)),
+            reference: None,
         });
         cases.push(Case {
             kernel: "moe_aux_loss_backward".into(),
@@ -1068,6 +1118,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![1],
             cpu: Box::new(move |b, x| b.moe_aux_loss_backward(v(&x[0]), m(&x[1]), d, 0.25)),
             gpu: Box::new(move |s, st, x| s.moe_aux_loss_backward(st, x[0], x[1], d, 0.25)),
+            reference: None,
         });
     }
     for (ranks, local) in [(4usize, 3usize), (1, 1), (8, 16)] {
@@ -1085,6 +1136,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![1],
             cpu: Box::new(move |b, x| b.moe_expert_major_order(v(&x[0]), m(&x[1]), d)),
             gpu: Box::new(move |s, st, x| s.moe_expert_major_order(st, x[0], x[1], d)),
+            reference: None,
         });
     }
 
@@ -1128,7 +1180,10 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                     step,
                 )
             }),
-            gpu: Box::new(move |s, st, x| s.adam_update(st, x[0], x[1], x[2], x[3], x[4], step)),
+            gpu: Box::new(move |s, st, x| {
+                s.adam_update(st, x[0], x[1], AdamMoments { m: x[2], v: x[3] }, x[4], step)
+            }),
+            reference: None,
         });
         for momentum in [0.0f32, 0.9] {
             let step = SgdStep {
@@ -1167,6 +1222,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                         step,
                     )
                 }),
+                reference: None,
             });
         }
         let piece = 4099;
@@ -1181,9 +1237,31 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             outputs: vec![1],
             cpu: Box::new(move |b, x| b.sum_squares(v(&x[0]), piece, m(&x[1]))),
             gpu: Box::new(move |s, st, x| s.sum_squares(st, x[0], piece, x[1])),
+            reference: None,
         });
     }
     cases
+}
+
+/// Cross-entropy in f64: probabilities and losses of each row.
+fn cross_entropy_reference(buffers: &[Host]) -> Vec<Host> {
+    let (logits, targets) = (buffers[0].values(), buffers[1].values());
+    let rows = targets.len();
+    let vocab = logits.len() / rows.max(1);
+    let mut probs = Vec::with_capacity(logits.len());
+    let mut losses = Vec::with_capacity(rows);
+    for (r, z) in logits.chunks(vocab).enumerate() {
+        let max = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = z.iter().map(|&v| (v - max).exp()).sum();
+        probs.extend(z.iter().map(|&v| (v - max).exp() / sum));
+        let t = targets[r] as u32;
+        losses.push(if t == IGNORE_TARGET {
+            0.0
+        } else {
+            max + sum.ln() - z[t as usize]
+        });
+    }
+    vec![Host::F64(probs), Host::F64(losses)]
 }
 
 /// Bad indices on the device are reported through the fault word, naming
@@ -1218,6 +1296,7 @@ fn fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
                 tolerance: 0.0,
                 repeatable: clean,
                 problem,
+                note: String::new(),
             });
         };
     let d = LossDims { rows: 4, vocab: 10 };
@@ -1279,8 +1358,8 @@ fn print_table(rows: &[Row]) {
             if r.repeatable { "same" } else { "DIFF" },
             match (&r.problem, r.passed()) {
                 (Some(p), _) => format!("FAIL: {p}"),
-                (None, true) => "ok".to_string(),
-                (None, false) => "FAIL".to_string(),
+                (None, true) => format!("ok {}", r.note),
+                (None, false) => format!("FAIL {}", r.note),
             }
         );
     }

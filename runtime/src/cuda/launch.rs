@@ -17,8 +17,8 @@
 
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamStep, AuxLossDims, CopyCols, LossDims, MlaKvDims, NormDims, QkvDims, ReceivedDims,
-    RotaryDims, RouteDims, RoutedSlots, SgdStep, Unary, UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, CopyCols, LossDims, MlaKvDims, NormDims, QkvDims,
+    ReceivedDims, RotaryDims, RouteDims, RoutedSlots, SgdStep, Unary, UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -1580,13 +1580,13 @@ impl KernelSet {
         stream: &CudaStream,
         param: GpuView,
         grad: GpuView,
-        m: GpuView,
-        v: GpuView,
+        moments: AdamMoments<GpuView>,
         decayed: GpuView,
         step: AdamStep,
     ) -> Result<()> {
         let k = "adam_update";
         let ranges = Self::check_shard(k, &param, &grad, &decayed)?;
+        let AdamMoments { m, v } = moments;
         exactly(k, "m", &m, DType::F32)?;
         exactly(k, "v", &v, DType::F32)?;
         len(k, "m", &m, param.len)?;
