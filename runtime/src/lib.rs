@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod conformance;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod device;
 pub mod error;

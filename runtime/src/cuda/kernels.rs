@@ -1,0 +1,615 @@
+//! The CUDA C kernels and their compilation with NVRTC.
+//!
+//! Each `kernels/*.cu` file holds one concept (casts, norms, routing, ...)
+//! and is embedded in the binary; [`compile`] turns one into a module image
+//! for a [`Target`] at start-up. NVRTC is a compiler library, not a GPU
+//! API, so this works on a machine without a GPU: the
+//! `cuda_kernels_compile` test compiles every source for both targets and
+//! fails on any error or warning. Errors come back as [`Diagnostic`]s with
+//! the file and line NVRTC reported.
+//!
+//! Every source is compiled without FMA contraction (`--fmad=false`): these
+//! kernels are memory-bound, so contraction buys nothing, and without it
+//! their arithmetic rounds exactly as the CPU reference's does.
+
+use std::ffi::{CStr, CString, c_char};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// One kernel source file and the entry points (`extern "C"` kernels) it
+/// defines.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// The file name under `runtime/src/cuda/kernels/` (what diagnostics name).
+    pub file: &'static str,
+    pub text: &'static str,
+    pub entry_points: &'static [&'static str],
+}
+
+/// The header every source includes, handed to NVRTC from memory so that a
+/// diagnostic inside it names it and its own line.
+pub const COMMON_HEADER: (&str, &str) = ("common.cuh", include_str!("kernels/common.cuh"));
+
+macro_rules! source {
+    ($file:literal, [$($entry:literal),+ $(,)?]) => {
+        KernelSource {
+            file: $file,
+            text: include_str!(concat!("kernels/", $file)),
+            entry_points: &[$($entry),+],
+        }
+    };
+}
+
+/// Every kernel source, in the order [`crate::cuda::KernelSet`] loads them.
+pub const SOURCES: &[KernelSource] = &[
+    source!("cast.cu", ["cast", "fill"]),
+    source!("elementwise.cu", ["axpy", "scale"]),
+    source!(
+        "activation.cu",
+        [
+            "unary_forward",
+            "unary_backward",
+            "silu_mul_forward",
+            "silu_mul_backward"
+        ]
+    ),
+    source!("reduce.cu", ["accumulate_sum", "column_sum", "sum_squares"]),
+    source!(
+        "rmsnorm.cu",
+        [
+            "rmsnorm_forward",
+            "rmsnorm_backward_input",
+            "rmsnorm_backward_weight"
+        ]
+    ),
+    source!(
+        "cross_entropy.cu",
+        ["cross_entropy_forward", "cross_entropy_backward"]
+    ),
+    source!("rotary.cu", ["rotary"]),
+    source!(
+        "layout.cu",
+        [
+            "copy_cols",
+            "qkv_split",
+            "qkv_join",
+            "mla_kv_split",
+            "mla_kv_join"
+        ]
+    ),
+    source!(
+        "routing.cu",
+        [
+            "moe_route_forward",
+            "moe_softmax_sum",
+            "moe_route_backward",
+            "moe_aux_loss_forward",
+            "moe_aux_loss_backward"
+        ]
+    ),
+    source!(
+        "dispatch.cu",
+        [
+            "moe_expert_counts",
+            "moe_sort_by_expert",
+            "moe_expert_major_order"
+        ]
+    ),
+    source!(
+        "permute.cu",
+        [
+            "gather_rows",
+            "scatter_rows",
+            "moe_unpermute",
+            "moe_unpermute_backward_rows",
+            "moe_unpermute_backward_weights"
+        ]
+    ),
+    source!("optimizer.cu", ["adam_update", "sgd_update"]),
+];
+
+/// The variable naming the CUDA include directory (the one holding
+/// `cuda_bf16.h`); `/usr/local/cuda/include` when unset.
+pub const INCLUDE_ENV: &str = "HYBRIDGEN_CUDA_INCLUDE";
+const DEFAULT_INCLUDE: &str = "/usr/local/cuda/include";
+
+/// What NVRTC produces for a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Output {
+    /// Machine code for one architecture (`sm_XX`), loaded as is.
+    Cubin,
+    /// PTX for a virtual architecture (`compute_XX`), compiled by the driver
+    /// when the module is loaded; runs on that architecture and newer.
+    Ptx,
+}
+
+/// An architecture to compile for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// NVRTC's `--gpu-architecture` value.
+    pub arch: &'static str,
+    pub output: Output,
+}
+
+impl Target {
+    /// Hopper (H100, H200) machine code with its architecture-specific
+    /// instructions (wgmma, setmaxnreg) available.
+    pub const HOPPER: Target = Target {
+        arch: "sm_90a",
+        output: Output::Cubin,
+    };
+    /// PTX for every GPU from Ampere on, compiled by the driver at load.
+    pub const PORTABLE: Target = Target {
+        arch: "compute_80",
+        output: Output::Ptx,
+    };
+    /// The oldest compute capability the CUDA backend runs on: bf16 storage
+    /// and cuBLAS's bf16 GEMMs need Ampere (8.0).
+    pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+    /// What to compile for a device of compute capability `major.minor`.
+    pub fn for_device(major: i32, minor: i32) -> Target {
+        if (major, minor) == (9, 0) {
+            Target::HOPPER
+        } else {
+            Target::PORTABLE
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.arch)
+    }
+}
+
+/// How bad a [`Diagnostic`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// One message from the compiler: where (file and line, when NVRTC gave
+/// them) and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// The source or header it is in, or `nvrtc`/`ptxas` for messages about
+    /// the compilation as a whole.
+    pub file: String,
+    pub line: Option<u32>,
+    pub severity: Severity,
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let severity = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        match self.line {
+            Some(line) => write!(
+                f,
+                "runtime/src/cuda/kernels/{}:{line}: {severity}: {}",
+                self.file, self.message
+            ),
+            None => write!(f, "{}: {severity}: {}", self.file, self.message),
+        }
+    }
+}
+
+/// Why kernels could not be compiled.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum KernelBuildError {
+    /// libnvrtc could not be loaded.
+    #[error(
+        "NVRTC (libnvrtc.so.13) could not be loaded: {0}. Install the CUDA toolkit or the \
+         `nvidia-cuda-nvrtc` wheel and put its lib directory on LD_LIBRARY_PATH"
+    )]
+    NvrtcMissing(String),
+    /// The CUDA headers the kernels include are not where we looked.
+    #[error(
+        "the CUDA headers are not in {dir} (no cuda_bf16.h there): set {INCLUDE_ENV} to the \
+         directory holding cuda_bf16.h (the toolkit's include/, or the `nvidia-cuda-runtime` \
+         wheel's nvidia/cu13/include)"
+    )]
+    HeadersMissing { dir: PathBuf },
+    /// The compiler rejected a source.
+    #[error("{file} does not compile for {target}:\n{}", list(diagnostics, log))]
+    Compile {
+        file: &'static str,
+        target: Target,
+        /// Every error and warning, in the compiler's order.
+        diagnostics: Vec<Diagnostic>,
+        /// The whole log, for what the parser did not recognise.
+        log: String,
+    },
+    /// An NVRTC call other than the compilation itself failed.
+    #[error("{file} for {target}: {call} failed: {message}")]
+    Nvrtc {
+        file: &'static str,
+        target: Target,
+        call: &'static str,
+        message: String,
+    },
+}
+
+fn list(diagnostics: &[Diagnostic], log: &str) -> String {
+    if diagnostics.is_empty() {
+        return log.trim_end().to_string();
+    }
+    let lines: Vec<String> = diagnostics.iter().map(|d| format!("  {d}")).collect();
+    lines.join("\n")
+}
+
+/// One source compiled for one target.
+#[derive(Clone, Debug)]
+pub struct CompiledSource {
+    pub file: &'static str,
+    pub target: Target,
+    /// The cubin, or the PTX text (without its terminating NUL).
+    pub image: Vec<u8>,
+    /// Warnings of a compilation that succeeded (a clean build has none).
+    pub warnings: Vec<Diagnostic>,
+}
+
+/// The CUDA include directory: `$HYBRIDGEN_CUDA_INCLUDE`, else
+/// `/usr/local/cuda/include`; an error unless it holds `cuda_bf16.h`.
+pub fn include_dir() -> Result<PathBuf, KernelBuildError> {
+    include_dir_from(std::env::var_os(INCLUDE_ENV).map(PathBuf::from))
+}
+
+/// [`include_dir`] with the variable's value given (`None`: unset).
+pub fn include_dir_from(configured: Option<PathBuf>) -> Result<PathBuf, KernelBuildError> {
+    let dir = configured.unwrap_or_else(|| PathBuf::from(DEFAULT_INCLUDE));
+    if dir.join("cuda_bf16.h").is_file() {
+        Ok(dir)
+    } else {
+        Err(KernelBuildError::HeadersMissing { dir })
+    }
+}
+
+/// Whether libnvrtc can be loaded, or why not. Checked before any NVRTC
+/// call: cudarc panics on a library it cannot load.
+pub fn nvrtc_available() -> Result<(), KernelBuildError> {
+    // SAFETY: only tries to open the library under its candidate names.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(KernelBuildError::NvrtcMissing(format!(
+            "none of {:?} was found",
+            cudarc::get_lib_name_candidates("nvrtc")
+        )))
+    }
+}
+
+/// NVRTC's version (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), KernelBuildError> {
+    nvrtc_available()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; the call writes two ints.
+    let result = crate::cuda::catch_cudarc_panic(|| unsafe {
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
+    })
+    .map_err(KernelBuildError::NvrtcMissing)?;
+    if result != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(KernelBuildError::NvrtcMissing(format!(
+            "nvrtcVersion returned {result:?}"
+        )));
+    }
+    Ok((major, minor))
+}
+
+/// Compiles `source` for `target` with the CUDA headers in `include_dir`.
+/// Errors are [`KernelBuildError::Compile`] with the compiler's diagnostics;
+/// a compilation that succeeds reports its warnings in the result.
+pub fn compile(
+    source: &KernelSource,
+    target: Target,
+    include_dir: &Path,
+) -> Result<CompiledSource, KernelBuildError> {
+    nvrtc_available()?;
+    crate::cuda::catch_cudarc_panic(|| compile_loaded(source, target, include_dir))
+        .map_err(KernelBuildError::NvrtcMissing)?
+}
+
+/// Every source in [`SOURCES`], compiled for `target`.
+pub fn compile_all(
+    target: Target,
+    include_dir: &Path,
+) -> Result<Vec<CompiledSource>, KernelBuildError> {
+    SOURCES
+        .iter()
+        .map(|source| compile(source, target, include_dir))
+        .collect()
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(cudarc::nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by nvrtcCreateProgram and destroyed only here. A
+        // failure to free is not worth a panic in a destructor.
+        unsafe {
+            let _ = cudarc::nvrtc::sys::nvrtcDestroyProgram(&mut self.0);
+        }
+    }
+}
+
+fn nvrtc_message(result: cudarc::nvrtc::sys::nvrtcResult) -> String {
+    // SAFETY: nvrtcGetErrorString returns a static NUL-terminated string.
+    let text = unsafe { cudarc::nvrtc::sys::nvrtcGetErrorString(result) };
+    if text.is_null() {
+        format!("{result:?}")
+    } else {
+        // SAFETY: non-null, NUL-terminated, static.
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+fn compile_loaded(
+    source: &KernelSource,
+    target: Target,
+    include_dir: &Path,
+) -> Result<CompiledSource, KernelBuildError> {
+    use cudarc::nvrtc::sys::{self, nvrtcResult::NVRTC_SUCCESS};
+    let fail = |call: &'static str, result| KernelBuildError::Nvrtc {
+        file: source.file,
+        target,
+        call,
+        message: nvrtc_message(result),
+    };
+    let interior_nul = |what: &str| KernelBuildError::Nvrtc {
+        file: source.file,
+        target,
+        call: "nvrtcCreateProgram",
+        message: format!("{what} contains a NUL byte"),
+    };
+    let text = CString::new(source.text).map_err(|_| interior_nul("the source"))?;
+    let name = CString::new(source.file).map_err(|_| interior_nul("the file name"))?;
+    let header = CString::new(COMMON_HEADER.1).map_err(|_| interior_nul("common.cuh"))?;
+    let header_name = CString::new(COMMON_HEADER.0).map_err(|_| interior_nul("common.cuh"))?;
+    let headers = [header.as_ptr()];
+    let header_names = [header_name.as_ptr()];
+    let mut program = Program(std::ptr::null_mut());
+    // SAFETY: every pointer is a live NUL-terminated string for the call;
+    // NVRTC copies the sources.
+    let result = unsafe {
+        sys::nvrtcCreateProgram(
+            &mut program.0,
+            text.as_ptr(),
+            name.as_ptr(),
+            1,
+            headers.as_ptr(),
+            header_names.as_ptr(),
+        )
+    };
+    if result != NVRTC_SUCCESS {
+        return Err(fail("nvrtcCreateProgram", result));
+    }
+    let options = [
+        format!("--gpu-architecture={}", target.arch),
+        format!("--include-path={}", include_dir.display()),
+        "--std=c++17".to_string(),
+        "--fmad=false".to_string(),
+    ];
+    let options: Vec<CString> = options
+        .iter()
+        .map(|o| {
+            CString::new(o.as_str()).map_err(|_| interior_nul("an option (the include path?)"))
+        })
+        .collect::<Result<_, _>>()?;
+    let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+    // SAFETY: the program is live and the options are NUL-terminated
+    // strings that outlive the call. The count is tiny.
+    let compiled = unsafe {
+        sys::nvrtcCompileProgram(program.0, option_ptrs.len() as i32, option_ptrs.as_ptr())
+    };
+    let log = program_log(&program).map_err(|r| fail("nvrtcGetProgramLog", r))?;
+    let diagnostics = parse_log(&log);
+    if compiled != NVRTC_SUCCESS {
+        return Err(KernelBuildError::Compile {
+            file: source.file,
+            target,
+            diagnostics,
+            log,
+        });
+    }
+    let image = match target.output {
+        Output::Cubin => read_output(&program, sys::nvrtcGetCUBINSize, sys::nvrtcGetCUBIN)
+            .map_err(|r| fail("nvrtcGetCUBIN", r))?,
+        Output::Ptx => {
+            let mut ptx = read_output(&program, sys::nvrtcGetPTXSize, sys::nvrtcGetPTX)
+                .map_err(|r| fail("nvrtcGetPTX", r))?;
+            // The size counts the terminating NUL.
+            while ptx.last() == Some(&0) {
+                ptx.pop();
+            }
+            ptx
+        }
+    };
+    Ok(CompiledSource {
+        file: source.file,
+        target,
+        image,
+        warnings: diagnostics
+            .into_iter()
+            .filter(|d| d.severity == Severity::Warning)
+            .collect(),
+    })
+}
+
+type SizeFn =
+    unsafe fn(cudarc::nvrtc::sys::nvrtcProgram, *mut usize) -> cudarc::nvrtc::sys::nvrtcResult;
+type ReadFn =
+    unsafe fn(cudarc::nvrtc::sys::nvrtcProgram, *mut c_char) -> cudarc::nvrtc::sys::nvrtcResult;
+
+/// One of the program's outputs (log, PTX, cubin) through its size and read
+/// calls.
+fn read_output(
+    program: &Program,
+    size: SizeFn,
+    read: ReadFn,
+) -> Result<Vec<u8>, cudarc::nvrtc::sys::nvrtcResult> {
+    use cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS;
+    let mut len = 0usize;
+    // SAFETY: the program is live; the call writes one usize.
+    let result = unsafe { size(program.0, &mut len) };
+    if result != NVRTC_SUCCESS {
+        return Err(result);
+    }
+    let mut bytes = vec![0u8; len];
+    if len > 0 {
+        // SAFETY: `bytes` holds the `len` bytes the call writes.
+        let result = unsafe { read(program.0, bytes.as_mut_ptr().cast()) };
+        if result != NVRTC_SUCCESS {
+            return Err(result);
+        }
+    }
+    Ok(bytes)
+}
+
+fn program_log(program: &Program) -> Result<String, cudarc::nvrtc::sys::nvrtcResult> {
+    use cudarc::nvrtc::sys;
+    let bytes = read_output(
+        program,
+        sys::nvrtcGetProgramLogSize,
+        sys::nvrtcGetProgramLog,
+    )?;
+    let text = CStr::from_bytes_until_nul(&bytes)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+    Ok(text)
+}
+
+/// The errors and warnings of an NVRTC log. Front-end messages read
+/// `file(line): error: message` or `file(line): warning #177-D: message`;
+/// the compilation's own read `nvrtc: error: ...` or `ptxas warning : ...`.
+/// Source excerpts and caret lines between them are skipped.
+pub fn parse_log(log: &str) -> Vec<Diagnostic> {
+    log.lines().filter_map(parse_line).collect()
+}
+
+fn parse_line(line: &str) -> Option<Diagnostic> {
+    let line = line.trim_end();
+    if let Some((place, rest)) = line.split_once("): ")
+        && let Some((file, number)) = place.rsplit_once('(')
+        && let Ok(number) = number.parse::<u32>()
+        && let Some((severity, message)) = severity_and_message(rest)
+    {
+        return Some(Diagnostic {
+            file: file.trim().to_string(),
+            line: Some(number),
+            severity,
+            message,
+        });
+    }
+    for tool in ["nvrtc", "ptxas"] {
+        if let Some(rest) = line.strip_prefix(tool) {
+            let rest = rest.trim_start_matches([':', ' ']);
+            if let Some((severity, message)) = severity_and_message(rest) {
+                return Some(Diagnostic {
+                    file: tool.to_string(),
+                    line: None,
+                    severity,
+                    message,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// `error: msg`, `warning #177-D: msg` or `warning : msg` split into a
+/// severity and the message.
+fn severity_and_message(rest: &str) -> Option<(Severity, String)> {
+    let (severity, after) = if let Some(after) = rest.strip_prefix("error") {
+        (Severity::Error, after)
+    } else if let Some(after) = rest.strip_prefix("warning") {
+        (Severity::Warning, after)
+    } else {
+        return None;
+    };
+    let (code, message) = after.split_once(':')?;
+    let code = code.trim();
+    let message = message.trim();
+    Some((
+        severity,
+        if code.is_empty() {
+            message.to_string()
+        } else {
+            format!("{message} ({code})")
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_lines_become_diagnostics_with_places() {
+        let log = "routing.cu(12): error: identifier \"x\" is undefined\n  x = 1;\n  ^\n\n\
+                   common.cuh(40): warning #177-D: variable \"y\" was declared but never referenced\n\
+                   nvrtc: error: failed to open libnvrtc-builtins.so.13.0.\n\
+                   ptxas warning : Registers are spilled to local memory in function 'f'\n\
+                   1 error detected in the compilation of \"routing.cu\".\n";
+        let found = parse_log(log);
+        assert_eq!(found.len(), 4, "{found:?}");
+        assert_eq!(
+            found[0].to_string(),
+            "runtime/src/cuda/kernels/routing.cu:12: error: identifier \"x\" is undefined"
+        );
+        assert_eq!(found[1].severity, Severity::Warning);
+        assert_eq!(found[1].line, Some(40));
+        assert_eq!(
+            found[1].message,
+            "variable \"y\" was declared but never referenced (#177-D)"
+        );
+        assert_eq!(found[2].file, "nvrtc");
+        assert_eq!(found[2].severity, Severity::Error);
+        assert_eq!(found[3].file, "ptxas");
+        assert_eq!(found[3].severity, Severity::Warning);
+    }
+
+    #[test]
+    fn every_source_is_listed_once_with_its_entry_points_defined() {
+        let mut files: Vec<&str> = SOURCES.iter().map(|s| s.file).collect();
+        files.sort_unstable();
+        files.dedup();
+        assert_eq!(files.len(), SOURCES.len());
+        for source in SOURCES {
+            for entry in source.entry_points {
+                let definition = format!("void {entry}(");
+                let launch_bounded = format!(") {entry}(");
+                assert!(
+                    source.text.contains(&definition) || source.text.contains(&launch_bounded),
+                    "{} does not define `{entry}`",
+                    source.file
+                );
+            }
+        }
+        // And every kernel a source defines is listed (none forgotten).
+        for source in SOURCES {
+            let defined = source.text.matches("__global__").count();
+            assert_eq!(
+                defined,
+                source.entry_points.len(),
+                "{}: {defined} kernels defined, {} listed",
+                source.file,
+                source.entry_points.len()
+            );
+        }
+    }
+
+    #[test]
+    fn targets_follow_the_device() {
+        assert_eq!(Target::for_device(9, 0), Target::HOPPER);
+        assert_eq!(Target::for_device(8, 0), Target::PORTABLE);
+        assert_eq!(Target::for_device(10, 0), Target::PORTABLE);
+    }
+}

@@ -1,0 +1,78 @@
+// Element-wise activations and their derivatives: `Backend::unary_forward`,
+// `unary_backward`, `silu_mul_forward` and `silu_mul_backward`.
+#include "common.cuh"
+
+// `backend::Unary`, in declaration order (`cuda::launch::unary_code`).
+#define UNARY_SILU 0
+#define UNARY_GELU 1
+#define UNARY_SQUARED_RELU 2
+
+__device__ __forceinline__ float sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+// Phi(x) in f64 then rounded, as the CPU reference computes the exact GELU.
+__device__ __forceinline__ float normal_cdf(float x) {
+    return static_cast<float>(0.5 * (1.0 + erf(static_cast<double>(x) * 0.70710678118654752440)));
+}
+
+__device__ __forceinline__ float unary_value(int op, float x) {
+    if (op == UNARY_SILU) {
+        return x * sigmoid(x);
+    }
+    if (op == UNARY_GELU) {
+        return x * normal_cdf(x);
+    }
+    const float r = fmaxf(x, 0.0f);
+    return r * r;
+}
+
+__device__ __forceinline__ float unary_derivative(int op, float x) {
+    if (op == UNARY_SILU) {
+        const float s = sigmoid(x);
+        return s * (1.0f + x * (1.0f - s));
+    }
+    if (op == UNARY_GELU) {
+        // 1/sqrt(2 pi), as the CPU's (0.5 * 2/sqrt(pi) * 1/sqrt(2)) in f32.
+        const float pdf = expf(-0.5f * x * x) * 0.3989422804014327f;
+        return normal_cdf(x) + x * pdf;
+    }
+    return 2.0f * fmaxf(x, 0.0f);
+}
+
+extern "C" __global__ void unary_forward(int op, const void* x, int x_dtype, void* y, int y_dtype, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        store(y, y_dtype, i, unary_value(op, load(x, x_dtype, i)));
+    }
+}
+
+extern "C" __global__ void unary_backward(
+    int op, const void* x, int x_dtype, const void* dy, int dy_dtype, void* dx, int dx_dtype, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const float d = load(dy, dy_dtype, i) * unary_derivative(op, load(x, x_dtype, i));
+        store(dx, dx_dtype, i, d);
+    }
+}
+
+// y = silu(gate) * up.
+extern "C" __global__ void silu_mul_forward(
+    const void* gate, int gate_dtype, const void* up, int up_dtype, void* y, int y_dtype, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const float g = load(gate, gate_dtype, i);
+        store(y, y_dtype, i, g * sigmoid(g) * load(up, up_dtype, i));
+    }
+}
+
+// dgate = dy * up * silu'(gate), dup = dy * silu(gate).
+extern "C" __global__ void silu_mul_backward(
+    const void* gate, int gate_dtype, const void* up, int up_dtype, const void* dy, int dy_dtype,
+    void* dgate, int dgate_dtype, void* dup, int dup_dtype, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const float g = load(gate, gate_dtype, i);
+        const float u = load(up, up_dtype, i);
+        const float d = load(dy, dy_dtype, i);
+        const float s = sigmoid(g);
+        store(dgate, dgate_dtype, i, d * u * s * (1.0f + g * (1.0f - s)));
+        store(dup, dup_dtype, i, d * g * s);
+    }
+}

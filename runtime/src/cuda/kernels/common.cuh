@@ -1,0 +1,124 @@
+// Shared by every kernel source (handed to NVRTC as an in-memory header).
+//
+// Storage types are tagged at run time: a float view is f32 or bf16 (f64
+// where a kernel says so), and each kernel argument carries its tag. The
+// tag is the same for every thread of a launch, so the branch costs no
+// divergence, and one kernel serves every mix of dtypes the `Backend` trait
+// allows (bf16 activations into f32 gradient accumulators, ...). Values are
+// widened to f32 on load and rounded once on store, as the CPU backend does.
+//
+// Determinism: every reduction has a fixed shape (per-thread partial sums in
+// a fixed stride order, then a butterfly across a warp and a fixed tree
+// across warps), chosen from the problem's dimensions alone; no kernel adds
+// floats with atomics. Integer atomics (histograms, the error status) give
+// the same result in any order.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The dtype tags: `cuda::launch::dtype_tag` on the Rust side.
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define DTYPE_F64 2
+
+// `backend::IGNORE_TARGET`.
+#define IGNORE_TARGET 0xffffffffu
+
+__device__ __forceinline__ float neg_inf() {
+    return __int_as_float(0xff800000u);
+}
+
+__device__ __forceinline__ float load(const void* p, int dtype, u64 i) {
+    if (dtype == DTYPE_BF16) {
+        return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    }
+    return static_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void store(void* p, int dtype, u64 i, float v) {
+    if (dtype == DTYPE_BF16) {
+        static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    } else {
+        static_cast<float*>(p)[i] = v;
+    }
+}
+
+// The first index of this thread in a grid-stride loop, and the stride.
+__device__ __forceinline__ u64 grid_start() {
+    return static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ u64 grid_stride() {
+    return static_cast<u64>(gridDim.x) * blockDim.x;
+}
+
+// ---- errors found on the device --------------------------------------------
+// Kernels that read indices (token targets, experts, rows) check them and
+// report a bad one into a status word instead of reading out of bounds. The
+// word holds `code << 40 | index` of the lowest failure (atomicMin), or all
+// ones when nothing failed, so the report does not depend on thread order.
+// `cuda::launch::DeviceFault` decodes it.
+#define FAULT_TARGET 1u        // a loss target at or past the vocabulary
+#define FAULT_EXPERT 2u        // a selected expert at or past the expert count
+#define FAULT_COUNTS 3u        // expert counts that do not match the routing
+#define FAULT_ROW_INDEX 4u     // a gather/scatter row index out of range
+#define FAULT_POSITION 5u      // an unpermute position out of range
+#define FAULT_DECAYED 6u       // a decayed range out of order or out of the shard
+#define FAULT_TOKEN 7u         // a token id at or past the vocabulary
+
+__device__ __forceinline__ void report_fault(u64* status, u32 code, u64 index) {
+    atomicMin(status, (static_cast<u64>(code) << 40) | (index & ((1ull << 40) - 1)));
+}
+
+// ---- fixed-shape reductions ------------------------------------------------
+// A butterfly over the 32 lanes: every lane ends with the same bits, because
+// each step adds the same two values (a + b == b + a in IEEE arithmetic).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+    for (int m = 16; m > 0; m >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, m);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int m = 16; m > 0; m >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+    }
+    return v;
+}
+
+// The sum of `v` over a block whose size is a multiple of 32 (at most 1024),
+// returned to every thread. `scratch` holds 32 values; the call ends with a
+// barrier, so the same scratch can be used again right after.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    T total = lane < warps ? scratch[lane] : T(0);
+    total = warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    float total = lane < warps ? scratch[lane] : neg_inf();
+    total = warp_max(total);
+    __syncthreads();
+    return total;
+}

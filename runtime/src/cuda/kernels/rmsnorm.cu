@@ -1,0 +1,78 @@
+// RMSNorm over groups of channels, forward and both backwards
+// (`Backend::rmsnorm_forward`, `rmsnorm_backward_input`,
+// `rmsnorm_backward_weight`). Row `r`, group `g` covers channels
+// [g*gs, (g+1)*gs) of the row; `rstd` is f32 `[rows, groups]`.
+#include "common.cuh"
+
+// One block per (row, group): blockIdx.x = r * groups + g.
+extern "C" __global__ void rmsnorm_forward(
+    const void* x, int x_dtype, const void* w, int w_dtype, void* y, int y_dtype, float* rstd,
+    u64 groups, u64 group_size, float eps) {
+    __shared__ float scratch[32];
+    const u64 block = blockIdx.x;
+    const u64 base = block * group_size;
+    const u64 w_base = (block % groups) * group_size;
+    float sum = 0.0f;
+    for (u64 c = threadIdx.x; c < group_size; c += blockDim.x) {
+        const float v = load(x, x_dtype, base + c);
+        sum += v * v;
+    }
+    sum = block_sum(sum, scratch);
+    const float rs = 1.0f / sqrtf(sum / static_cast<float>(group_size) + eps);
+    if (threadIdx.x == 0) {
+        rstd[block] = rs;
+    }
+    for (u64 c = threadIdx.x; c < group_size; c += blockDim.x) {
+        store(y, y_dtype, base + c, load(x, x_dtype, base + c) * rs * load(w, w_dtype, w_base + c));
+    }
+}
+
+// dx += rstd * (w dy) - x * rstd^3 * mean(w dy x), per (row, group) block.
+extern "C" __global__ void rmsnorm_backward_input(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size) {
+    __shared__ float scratch[32];
+    const u64 block = blockIdx.x;
+    const u64 base = block * group_size;
+    const u64 w_base = (block % groups) * group_size;
+    float gx = 0.0f;
+    for (u64 c = threadIdx.x; c < group_size; c += blockDim.x) {
+        gx += load(w, w_dtype, w_base + c) * load(dy, dy_dtype, base + c) * load(x, x_dtype, base + c);
+    }
+    gx = block_sum(gx, scratch);
+    const float rs = rstd[block];
+    const float k = rs * rs * rs * gx / static_cast<float>(group_size);
+    for (u64 c = threadIdx.x; c < group_size; c += blockDim.x) {
+        const u64 i = base + c;
+        const float g = load(w, w_dtype, w_base + c) * load(dy, dy_dtype, i);
+        store(dx, dx_dtype, i, load(dx, dx_dtype, i) + (rs * g - load(x, x_dtype, i) * k));
+    }
+}
+
+// dw[j] += sum_r dy[r, j] x[r, j] rstd[r, j / group_size]: the column-sum
+// shape of `column_sum` (a block of 32 columns by 32 row slices).
+extern "C" __global__ void rmsnorm_backward_weight(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, void* dw,
+    int dw_dtype, u64 rows, u64 dim, u64 groups, u64 group_size) {
+    __shared__ float partial[32][33];
+    const u64 j = static_cast<u64>(blockIdx.x) * 32 + threadIdx.x;
+    float sum = 0.0f;
+    if (j < dim) {
+        const u64 g = j / group_size;
+        for (u64 r = threadIdx.y; r < rows; r += 32) {
+            const u64 i = r * dim + j;
+            sum += load(dy, dy_dtype, i) * load(x, x_dtype, i) * rstd[r * groups + g];
+        }
+    }
+    partial[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    for (int s = 16; s > 0; s >>= 1) {
+        if (threadIdx.y < s) {
+            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.y == 0 && j < dim) {
+        store(dw, dw_dtype, j, load(dw, dw_dtype, j) + partial[0][threadIdx.x]);
+    }
+}

@@ -1,0 +1,272 @@
+// MoE routing: router scores, top-k selection and weights, their backward,
+// the per-expert softmax sums and the load-balancing loss
+// (`Backend::moe_route_forward`, `moe_route_backward`,
+// `moe_aux_loss_forward`, `moe_aux_loss_backward`). Routing state is f32.
+//
+// One warp per row: lane l holds experts l, l+32, ... (at most
+// MAX_EXPERTS), so a row's softmax and each top-k arg-max are warp
+// reductions, and selection needs no shared memory.
+#include "common.cuh"
+
+#define MAX_EXPERTS 256
+#define PER_LANE (MAX_EXPERTS / 32)
+// `hybridgen_dsl::config::ScoreFunction`, in declaration order.
+#define SCORE_SOFTMAX 0
+#define SCORE_SIGMOID 1
+
+__device__ __forceinline__ float sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+// The softmax of a row held PER_LANE values a lane (absent experts -inf).
+__device__ __forceinline__ void warp_softmax(const float (&z)[PER_LANE], float (&p)[PER_LANE]) {
+    float max = neg_inf();
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        max = fmaxf(max, z[j]);
+    }
+    max = warp_max(max);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        p[j] = z[j] == neg_inf() ? 0.0f : expf(z[j] - max);
+        sum += p[j];
+    }
+    const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        p[j] *= inv;
+    }
+}
+
+// scores = softmax or sigmoid of the logits; selected = the top_k experts by
+// scores + bias (best first, ties to the lower index); weights = the
+// selected scores normalised to sum 1. top_k <= 32 (lane j keeps slot j).
+extern "C" __global__ void moe_route_forward(
+    const float* logits, const float* bias, float* scores, float* weights, u32* selected, u64 rows,
+    u32 experts, u32 top_k, int score_function) {
+    const int lane = threadIdx.x & 31;
+    const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (r >= rows) {
+        return;
+    }
+    float z[PER_LANE], p[PER_LANE], key[PER_LANE];
+    bool taken[PER_LANE];
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        const u32 e = lane + 32 * j;
+        z[j] = e < experts ? logits[r * experts + e] : neg_inf();
+        taken[j] = e >= experts;
+    }
+    warp_softmax(z, p);
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        const u32 e = lane + 32 * j;
+        if (e < experts) {
+            const float s = score_function == SCORE_SOFTMAX ? p[j] : sigmoid(z[j]);
+            scores[r * experts + e] = s;
+            p[j] = s;
+            key[j] = s + (bias != nullptr ? bias[e] : 0.0f);
+        }
+    }
+    float my_score = 0.0f;
+    float sum = 0.0f;
+    for (u32 slot = 0; slot < top_k; ++slot) {
+        // This lane's best untaken expert, then the warp's: larger key wins,
+        // equal keys go to the lower expert index.
+        float best_key = neg_inf();
+        u32 best = 0xffffffffu;
+        float best_score = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            const u32 e = lane + 32 * j;
+            if (!taken[j] && (best == 0xffffffffu || key[j] > best_key)) {
+                best_key = key[j];
+                best = e;
+                best_score = p[j];
+            }
+        }
+        for (int m = 16; m > 0; m >>= 1) {
+            const float other_key = __shfl_xor_sync(0xffffffffu, best_key, m);
+            const u32 other = __shfl_xor_sync(0xffffffffu, best, m);
+            const float other_score = __shfl_xor_sync(0xffffffffu, best_score, m);
+            const bool other_wins = other != 0xffffffffu &&
+                (best == 0xffffffffu || other_key > best_key || (other_key == best_key && other < best));
+            if (other_wins) {
+                best_key = other_key;
+                best = other;
+                best_score = other_score;
+            }
+        }
+        if (best % 32 == static_cast<u32>(lane)) {
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                if (lane + 32 * j == best) {
+                    taken[j] = true;
+                }
+            }
+        }
+        if (static_cast<u32>(lane) == slot) {
+            my_score = best_score;
+            selected[r * top_k + slot] = best;
+        }
+        sum += best_score;
+    }
+    if (static_cast<u32>(lane) < top_k) {
+        weights[r * top_k + lane] = my_score / sum;
+    }
+}
+
+// softmax_sum[e] += sum_r softmax(logits[r])[e]: the column-sum shape (a block
+// of 32 experts by 32 row slices, then a fixed tree). Each thread recomputes
+// its rows' max and denominator (the 32 threads of a row slice read the same
+// row, so those reads are broadcasts).
+extern "C" __global__ void moe_softmax_sum(const float* logits, float* softmax_sum, u64 rows, u32 experts) {
+    __shared__ float partial[32][33];
+    const u32 e = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.0f;
+    for (u64 r = threadIdx.y; r < rows; r += 32) {
+        const float* z = logits + r * experts;
+        float max = neg_inf();
+        for (u32 c = 0; c < experts; ++c) {
+            max = fmaxf(max, z[c]);
+        }
+        float sum = 0.0f;
+        for (u32 c = 0; c < experts; ++c) {
+            sum += expf(z[c] - max);
+        }
+        if (e < experts) {
+            acc += expf(z[e] - max) * (1.0f / sum);
+        }
+    }
+    partial[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = 16; s > 0; s >>= 1) {
+        if (threadIdx.y < s) {
+            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.y == 0 && e < experts) {
+        softmax_sum[e] += partial[0][threadIdx.x];
+    }
+}
+
+// d_logits from d_weights (through the weight normalisation and the score
+// function) plus aux_grad through the softmax. Warp per row, as forward.
+extern "C" __global__ void moe_route_backward(
+    const float* logits, const float* scores, const u32* selected, const float* d_weights,
+    const float* aux_grad, float* d_logits, u64 rows, u32 experts, u32 top_k, int score_function,
+    u64* status) {
+    const int lane = threadIdx.x & 31;
+    const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (r >= rows) {
+        return;
+    }
+    const u32* sel = selected + r * top_k;
+    const float* dw = d_weights + r * top_k;
+    const float* s_row = scores + r * experts;
+    // Every lane computes the same two sums, slots in order.
+    float sum = 0.0f;
+    for (u32 j = 0; j < top_k; ++j) {
+        if (sel[j] >= experts) {
+            if (lane == 0) {
+                report_fault(status, FAULT_EXPERT, r * top_k + j);
+            }
+            return;
+        }
+        sum += s_row[sel[j]];
+    }
+    float weighted = 0.0f;
+    for (u32 j = 0; j < top_k; ++j) {
+        weighted += dw[j] * s_row[sel[j]] / sum;
+    }
+    float ds[PER_LANE], s[PER_LANE], a[PER_LANE];
+#pragma unroll
+    for (int q = 0; q < PER_LANE; ++q) {
+        const u32 e = lane + 32 * q;
+        ds[q] = 0.0f;
+        s[q] = e < experts ? s_row[e] : 0.0f;
+        a[q] = e < experts ? aux_grad[e] : 0.0f;
+        if (e < experts) {
+            for (u32 j = 0; j < top_k; ++j) {
+                if (sel[j] == e) {
+                    ds[q] += (dw[j] - weighted) / sum;
+                }
+            }
+        }
+    }
+    float dz[PER_LANE];
+    if (score_function == SCORE_SOFTMAX) {
+        // The scores are the softmax: one Jacobian for both terms.
+        float pg = 0.0f;
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) {
+            ds[q] += a[q];
+            pg += s[q] * ds[q];
+        }
+        pg = warp_sum(pg);
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) {
+            dz[q] = s[q] * (ds[q] - pg);
+        }
+    } else {
+        float z[PER_LANE], p[PER_LANE];
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) {
+            const u32 e = lane + 32 * q;
+            z[q] = e < experts ? logits[r * experts + e] : neg_inf();
+        }
+        warp_softmax(z, p);
+        float pa = 0.0f;
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) {
+            pa += p[q] * a[q];
+        }
+        pa = warp_sum(pa);
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) {
+            dz[q] = ds[q] * s[q] * (1.0f - s[q]) + p[q] * (a[q] - pa);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < PER_LANE; ++q) {
+        const u32 e = lane + 32 * q;
+        if (e < experts) {
+            d_logits[r * experts + e] = dz[q];
+        }
+    }
+}
+
+// loss[0] += coeff * E * sum_e (counts[e] / (T k)) (softmax_sum[e] / T), in
+// f64, experts in order. One thread: E is small and the order is the CPU's.
+extern "C" __global__ void moe_aux_loss_forward(
+    const u32* counts, const float* softmax_sum, double* loss, u64 tokens, u64 top_k, u32 experts,
+    float coeff) {
+    if (threadIdx.x != 0 || blockIdx.x != 0 || tokens == 0 || coeff == 0.0f) {
+        return;
+    }
+    const double slots = static_cast<double>(tokens * top_k);
+    double sum = 0.0;
+    for (u32 e = 0; e < experts; ++e) {
+        sum += (static_cast<double>(counts[e]) / slots) * (static_cast<double>(softmax_sum[e]) / static_cast<double>(tokens));
+    }
+    loss[0] += static_cast<double>(coeff) * static_cast<double>(experts) * sum;
+}
+
+// aux_grad[e] = coeff * E * (counts[e] / (T k)) / T * scale in f64, rounded once.
+extern "C" __global__ void moe_aux_loss_backward(
+    const u32* counts, float* aux_grad, u64 tokens, u64 top_k, u32 experts, float coeff, float scale) {
+    const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= experts) {
+        return;
+    }
+    if (tokens == 0) {
+        aux_grad[e] = 0.0f;
+        return;
+    }
+    const double slots = static_cast<double>(tokens * top_k);
+    aux_grad[e] = static_cast<float>(static_cast<double>(coeff) * static_cast<double>(experts) *
+                                     (static_cast<double>(counts[e]) / slots) /
+                                     static_cast<double>(tokens) * static_cast<double>(scale));
+}

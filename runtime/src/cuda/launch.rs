@@ -1,0 +1,1686 @@
+//! The compiled kernels loaded on one device ([`KernelSet`]), with one
+//! launch method per [`Backend`](crate::Backend) kernel they implement.
+//!
+//! A launch method takes [`GpuView`]s (a device address, a length and a
+//! dtype: what a backend view becomes on a GPU), checks their dtypes and
+//! lengths against the dimensions exactly as the CPU backend does (a
+//! mismatch is `InvalidArgument`, never a bad access), sizes the grid from
+//! the dimensions alone (so a reduction's shape, and with it its bits,
+//! depends on nothing else), and enqueues the kernel on the given stream.
+//! Nothing here waits for the GPU except [`KernelSet::take_fault`].
+//!
+//! Index data (token targets, selected experts, row indices) lives on the
+//! device, so it is checked there: a kernel that finds a bad index reports
+//! it into the set's fault word and skips it; [`KernelSet::take_fault`]
+//! reads the word (at the end of a step, where the host reads the loss
+//! anyway) and says which index of which kind was bad.
+
+use super::kernels::{self, CompiledSource, Output, Target};
+use crate::backend::{
+    AdamMoments, AdamStep, AuxLossDims, CopyCols, LossDims, MlaKvDims, NormDims, QkvDims,
+    ReceivedDims, RotaryDims, RouteDims, RoutedSlots, SgdStep, Unary, UnpermuteDims,
+};
+use crate::error::{Result, RuntimeError};
+use crate::view::{DType, DTypeRule, same_dtype};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use hybridgen_dsl::config::ScoreFunction;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+/// A view of device memory as a kernel takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuView {
+    /// The device address of the first element.
+    pub ptr: u64,
+    /// Elements.
+    pub len: usize,
+    pub dtype: DType,
+}
+
+impl GpuView {
+    pub fn new(ptr: u64, len: usize, dtype: DType) -> Self {
+        GpuView { ptr, len, dtype }
+    }
+}
+
+/// The dtype tag a kernel reads (`DTYPE_*` in `common.cuh`).
+fn dtype_tag(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+        DType::F64 => 2,
+        // No kernel takes a u32 view through a tag; the dtype checks refuse
+        // one before it gets here.
+        DType::U32 => -1,
+    }
+}
+
+fn unary_code(op: Unary) -> i32 {
+    match op {
+        Unary::Silu => 0,
+        Unary::Gelu => 1,
+        Unary::SquaredRelu => 2,
+    }
+}
+
+fn score_code(score: ScoreFunction) -> i32 {
+    match score {
+        ScoreFunction::Softmax => 0,
+        ScoreFunction::Sigmoid => 1,
+    }
+}
+
+/// A bad index a kernel found on the device (`FAULT_*` in `common.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceFault {
+    pub code: u32,
+    /// The lowest bad element (row, slot or range) of that kind.
+    pub index: u64,
+}
+
+impl DeviceFault {
+    const NONE: u64 = u64::MAX;
+
+    fn decode(word: u64) -> Option<DeviceFault> {
+        (word != Self::NONE).then_some(DeviceFault {
+            code: (word >> 40) as u32,
+            index: word & ((1 << 40) - 1),
+        })
+    }
+}
+
+impl fmt::Display for DeviceFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = self.index;
+        match self.code {
+            1 => write!(f, "the loss target of row {i} is past the vocabulary"),
+            2 => write!(
+                f,
+                "the expert selected in routing slot {i} is past the expert count"
+            ),
+            3 => write!(
+                f,
+                "the expert counts do not match the routing (at slot {i})"
+            ),
+            4 => write!(
+                f,
+                "the row index at position {i} of a gather or scatter is out of range"
+            ),
+            5 => write!(f, "the unpermute position of slot {i} is out of range"),
+            6 => write!(f, "decayed range {i} is out of order or outside the shard"),
+            7 => write!(f, "the token id of row {i} is past the vocabulary"),
+            code => write!(f, "unknown device fault {code} at {i}"),
+        }
+    }
+}
+
+/// Threads of the element-wise kernels' blocks.
+const BLOCK: u32 = 256;
+/// Most blocks of a grid-stride launch (enough to fill any current GPU).
+const MAX_BLOCKS: u64 = 8192;
+/// The routing kernels hold a row's experts in registers, eight a lane.
+const MAX_EXPERTS: usize = 256;
+/// The sort's block (`SORT_THREADS` in `dispatch.cu`).
+const SORT_THREADS: u32 = 1024;
+
+fn grid_for(n: usize) -> LaunchConfig {
+    let blocks = (n as u64).div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A block of `threads` (a multiple of 32, at most 1024) per item.
+fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(items)
+        .ok()
+        .filter(|&b| b < i32::MAX as u32)
+        .ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("{items} blocks exceed a CUDA grid"))
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Threads for a block that reduces `n` values: the power of two at least
+/// `n`, between 32 and `max`. A function of the size alone, so the
+/// reduction tree is too.
+fn reduce_threads(n: usize, max: u32) -> u32 {
+    (n.max(32).next_power_of_two() as u64).min(u64::from(max)) as u32
+}
+
+/// The column-sum shape: 32 columns by 32 row slices a block.
+fn column_blocks(cols: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1),
+        block_dim: (32, 32, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per item, 8 warps a block.
+fn warp_per_item(items: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (items.div_ceil(8).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+// ---- argument checks (the CPU kernels' checks, on views) --------------------
+
+fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("{kernel}: size {factors:?} overflows"))
+        })
+}
+
+fn len(kernel: &str, name: &str, view: &GpuView, want: usize) -> Result<()> {
+    if view.len == want {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidArgument(format!(
+            "{kernel}: `{name}` has {} elements, expected {want}",
+            view.len
+        )))
+    }
+}
+
+fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidArgument(message()))
+    }
+}
+
+/// A bf16 or f32 view's tag.
+fn float(kernel: &str, name: &str, view: &GpuView) -> Result<i32> {
+    DTypeRule::Float.check(kernel, name, view.dtype)?;
+    Ok(dtype_tag(view.dtype))
+}
+
+fn exactly(kernel: &str, name: &str, view: &GpuView, dtype: DType) -> Result<()> {
+    DTypeRule::Exactly(dtype).check(kernel, name, view.dtype)
+}
+
+fn as_u32(kernel: &str, what: &str, n: usize) -> Result<u32> {
+    u32::try_from(n)
+        .map_err(|_| RuntimeError::InvalidArgument(format!("{kernel}: {what} {n} overflows u32")))
+}
+
+/// Everything [`KernelSet::new`] can fail with, as one message.
+fn setup_error(what: impl fmt::Display) -> RuntimeError {
+    RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
+}
+
+/// The kernels of [`kernels::SOURCES`] loaded on one device, and the
+/// device's fault word.
+pub struct KernelSet {
+    context: Arc<CudaContext>,
+    target: Target,
+    /// Kept alive for the functions.
+    _modules: Vec<Arc<CudaModule>>,
+    functions: HashMap<&'static str, CudaFunction>,
+    fault: cudarc::driver::CudaSlice<u64>,
+    fault_ptr: u64,
+}
+
+impl fmt::Debug for KernelSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KernelSet")
+            .field("device", &self.context.ordinal())
+            .field("target", &self.target)
+            .field("kernels", &self.functions.len())
+            .finish()
+    }
+}
+
+impl KernelSet {
+    /// Compiles every source for `context`'s device and loads it.
+    pub fn new(context: &Arc<CudaContext>) -> Result<KernelSet> {
+        let (major, minor) = context.compute_capability().map_err(setup_error)?;
+        let target = Target::for_device(major, minor);
+        let include = kernels::include_dir().map_err(setup_error)?;
+        let compiled = kernels::compile_all(target, &include).map_err(setup_error)?;
+        KernelSet::load(context, &compiled)
+    }
+
+    /// Loads sources compiled for `context`'s device.
+    pub fn load(context: &Arc<CudaContext>, compiled: &[CompiledSource]) -> Result<KernelSet> {
+        let mut modules = Vec::with_capacity(compiled.len());
+        let mut functions = HashMap::new();
+        let mut target = Target::PORTABLE;
+        for unit in compiled {
+            target = unit.target;
+            let image = match unit.target.output {
+                Output::Cubin => cudarc::nvrtc::Ptx::from_binary(unit.image.clone()),
+                Output::Ptx => {
+                    cudarc::nvrtc::Ptx::from_src(String::from_utf8_lossy(&unit.image).into_owned())
+                }
+            };
+            let module = context.load_module(image).map_err(|e| {
+                setup_error(format!("loading {} for {}: {e}", unit.file, unit.target))
+            })?;
+            let source = kernels::SOURCES
+                .iter()
+                .find(|s| s.file == unit.file)
+                .ok_or_else(|| setup_error(format!("{} is not a kernel source", unit.file)))?;
+            for &entry in source.entry_points {
+                let function = module
+                    .load_function(entry)
+                    .map_err(|e| setup_error(format!("{}: kernel `{entry}`: {e}", unit.file)))?;
+                functions.insert(entry, function);
+            }
+            modules.push(module);
+        }
+        let stream = context.default_stream();
+        let fault = stream
+            .clone_htod(&[DeviceFault::NONE])
+            .map_err(|e| setup_error(format!("allocating the fault word: {e}")))?;
+        let fault_ptr = {
+            use cudarc::driver::DevicePtr;
+            let (ptr, _sync) = fault.device_ptr(&stream);
+            ptr
+        };
+        stream.synchronize().map_err(setup_error)?;
+        Ok(KernelSet {
+            context: context.clone(),
+            target,
+            _modules: modules,
+            functions,
+            fault,
+            fault_ptr,
+        })
+    }
+
+    /// The architecture the kernels were compiled for.
+    pub fn target(&self) -> Target {
+        self.target
+    }
+
+    /// Waits for `stream`, then returns (and clears) the first bad index any
+    /// kernel reported since the last call.
+    pub fn take_fault(&self, stream: &Arc<CudaStream>) -> Result<Option<DeviceFault>> {
+        let word = stream
+            .clone_dtoh(&self.fault)
+            .map_err(|e| self.device_error("reading the fault word", e))?;
+        let fault = DeviceFault::decode(word.first().copied().unwrap_or(DeviceFault::NONE));
+        if fault.is_some() {
+            // SAFETY: the fault word is one live u64 of this context.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.fault_ptr,
+                    &[DeviceFault::NONE],
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| self.device_error("clearing the fault word", e))?;
+            stream
+                .synchronize()
+                .map_err(|e| self.device_error("clearing the fault word", e))?;
+        }
+        Ok(fault)
+    }
+
+    fn device_error(&self, what: &str, e: impl fmt::Display) -> RuntimeError {
+        RuntimeError::Lane {
+            lane: format!("cuda:{}", self.context.ordinal()),
+            message: format!("{what}: {e}"),
+        }
+    }
+
+    fn function(&self, name: &'static str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| setup_error(format!("kernel `{name}` was not loaded")))
+    }
+
+    /// Enqueues `memset(0)` of `bytes` bytes at `ptr`.
+    fn zero_bytes(&self, stream: &CudaStream, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's view covers `bytes` bytes at `ptr`.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
+            .map_err(|e| self.device_error("memset", e))
+    }
+
+    // ---- memory ---------------------------------------------------------------
+
+    /// `Backend::cast`: bf16, f32 or f64 on either side.
+    pub fn cast(&self, stream: &CudaStream, src: GpuView, dst: GpuView) -> Result<()> {
+        let k = "cast";
+        len(k, "dst", &dst, src.len)?;
+        for (name, view) in [("src", &src), ("dst", &dst)] {
+            ensure(view.dtype.is_float(), || {
+                format!(
+                    "kernel `{k}`: `{name}` is {}, but it takes bf16, f32 or f64",
+                    view.dtype
+                )
+            })?;
+        }
+        if src.len == 0 {
+            return Ok(());
+        }
+        let f = self.function(k)?;
+        let (st, dt, n) = (dtype_tag(src.dtype), dtype_tag(dst.dtype), src.len as u64);
+        let mut b = stream.launch_builder(f);
+        b.arg(&src.ptr).arg(&st).arg(&dst.ptr).arg(&dt).arg(&n);
+        self.go(k, &mut b, grid_for(src.len))
+    }
+
+    /// `Backend::fill`.
+    pub fn fill(&self, stream: &CudaStream, dst: GpuView, value: f32) -> Result<()> {
+        let k = "fill";
+        ensure(dst.dtype.is_float(), || {
+            format!(
+                "kernel `{k}`: `dst` is {}, but it takes bf16, f32 or f64",
+                dst.dtype
+            )
+        })?;
+        if dst.len == 0 {
+            return Ok(());
+        }
+        let f = self.function(k)?;
+        let (t, n) = (dtype_tag(dst.dtype), dst.len as u64);
+        let mut b = stream.launch_builder(f);
+        b.arg(&dst.ptr).arg(&t).arg(&n).arg(&value);
+        self.go(k, &mut b, grid_for(dst.len))
+    }
+
+    /// `Backend::zero`: any dtype.
+    pub fn zero(&self, stream: &CudaStream, dst: GpuView) -> Result<()> {
+        self.zero_bytes(stream, dst.ptr, dst.len * dst.dtype.bytes())
+    }
+
+    // ---- dense algebra ----------------------------------------------------------
+
+    /// `Backend::axpy`: `y += alpha x`.
+    pub fn axpy(&self, stream: &CudaStream, alpha: f32, x: GpuView, y: GpuView) -> Result<()> {
+        let k = "axpy";
+        let (xt, yt) = (float(k, "x", &x)?, float(k, "y", &y)?);
+        len(k, "y", &y, x.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        let n = x.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&alpha)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&y.ptr)
+            .arg(&yt)
+            .arg(&n);
+        self.go(k, &mut b, grid_for(x.len))
+    }
+
+    /// `Backend::scale`: `x *= alpha`.
+    pub fn scale(&self, stream: &CudaStream, x: GpuView, alpha: f32) -> Result<()> {
+        let k = "scale";
+        let t = float(k, "x", &x)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        let n = x.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&x.ptr).arg(&t).arg(&n).arg(&alpha);
+        self.go(k, &mut b, grid_for(x.len))
+    }
+
+    /// `Backend::copy_cols`.
+    pub fn copy_cols(
+        &self,
+        stream: &CudaStream,
+        src: GpuView,
+        dst: GpuView,
+        d: CopyCols,
+    ) -> Result<()> {
+        let k = "copy_cols";
+        let t = float(k, "src", &src)?;
+        same_dtype(k, ("src", src.dtype), ("dst", dst.dtype))?;
+        ensure(
+            d.src_offset + d.cols <= d.src_stride && d.dst_offset + d.cols <= d.dst_stride,
+            || format!("{k}: the column block does not fit its row stride ({d:?})"),
+        )?;
+        len(k, "src", &src, product(k, &[d.rows, d.src_stride])?)?;
+        len(k, "dst", &dst, product(k, &[d.rows, d.dst_stride])?)?;
+        let n = product(k, &[d.rows, d.cols])?;
+        if n == 0 {
+            return Ok(());
+        }
+        let dims = [
+            d.rows,
+            d.cols,
+            d.src_stride,
+            d.src_offset,
+            d.dst_stride,
+            d.dst_offset,
+        ]
+        .map(|v| v as u64);
+        let acc = i32::from(d.accumulate);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&src.ptr).arg(&dst.ptr).arg(&t);
+        for v in &dims {
+            b.arg(v);
+        }
+        b.arg(&acc);
+        self.go(k, &mut b, grid_for(n))
+    }
+
+    /// `Backend::column_sum`: `out[j] += sum_r x[r, j]`.
+    pub fn column_sum(
+        &self,
+        stream: &CudaStream,
+        x: GpuView,
+        out: GpuView,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let k = "column_sum";
+        let (xt, ot) = (float(k, "x", &x)?, float(k, "out", &out)?);
+        len(k, "x", &x, product(k, &[rows, cols])?)?;
+        len(k, "out", &out, cols)?;
+        if cols == 0 {
+            return Ok(());
+        }
+        let (r, c) = (rows as u64, cols as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&x.ptr)
+            .arg(&xt)
+            .arg(&out.ptr)
+            .arg(&ot)
+            .arg(&r)
+            .arg(&c);
+        self.go(k, &mut b, column_blocks(cols))
+    }
+
+    /// `Backend::accumulate_sum`: `out[0] += sum_i x[i]` in f64.
+    pub fn accumulate_sum(&self, stream: &CudaStream, x: GpuView, out: GpuView) -> Result<()> {
+        let k = "accumulate_sum";
+        ensure(x.dtype.is_float(), || {
+            format!(
+                "kernel `{k}`: `x` is {}, but it takes bf16, f32 or f64",
+                x.dtype
+            )
+        })?;
+        exactly(k, "out", &out, DType::F64)?;
+        len(k, "out", &out, 1)?;
+        let (xt, n) = (dtype_tag(x.dtype), x.len as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&x.ptr).arg(&xt).arg(&n).arg(&out.ptr);
+        self.go(k, &mut b, per_item(1, reduce_threads(x.len, 1024))?)
+    }
+
+    /// `Backend::sum_squares`: per-piece sums of squares in f64.
+    pub fn sum_squares(
+        &self,
+        stream: &CudaStream,
+        x: GpuView,
+        piece: usize,
+        out: GpuView,
+    ) -> Result<()> {
+        let k = "sum_squares";
+        exactly(k, "x", &x, DType::F32)?;
+        exactly(k, "out", &out, DType::F64)?;
+        ensure(piece > 0, || {
+            format!("{k}: pieces must hold at least one element")
+        })?;
+        let pieces = x.len.div_ceil(piece);
+        len(k, "out", &out, pieces)?;
+        if pieces == 0 {
+            return Ok(());
+        }
+        let (n, p) = (x.len as u64, piece as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&x.ptr).arg(&n).arg(&p).arg(&out.ptr);
+        self.go(k, &mut b, per_item(pieces, reduce_threads(piece, 256))?)
+    }
+
+    // ---- normalisation and activations -----------------------------------------
+
+    fn norm_group(&self, k: &str, d: NormDims, x: &GpuView, rstd: &GpuView) -> Result<usize> {
+        ensure(d.groups > 0 && d.dim.is_multiple_of(d.groups), || {
+            format!("{k}: {} groups do not divide dim {}", d.groups, d.dim)
+        })?;
+        len(k, "x", x, product(k, &[d.rows, d.dim])?)?;
+        exactly(k, "rstd", rstd, DType::F32)?;
+        len(k, "rstd", rstd, product(k, &[d.rows, d.groups])?)?;
+        Ok(d.dim / d.groups)
+    }
+
+    /// `Backend::rmsnorm_forward`.
+    pub fn rmsnorm_forward(
+        &self,
+        stream: &CudaStream,
+        x: GpuView,
+        weight: GpuView,
+        y: GpuView,
+        rstd: GpuView,
+        d: NormDims,
+    ) -> Result<()> {
+        let k = "rmsnorm_forward";
+        let (xt, wt, yt) = (
+            float(k, "x", &x)?,
+            float(k, "weight", &weight)?,
+            float(k, "y", &y)?,
+        );
+        let gs = self.norm_group(k, d, &x, &rstd)?;
+        len(k, "weight", &weight, d.dim)?;
+        len(k, "y", &y, x.len)?;
+        if gs == 0 || d.rows == 0 {
+            return Ok(());
+        }
+        let (g, s) = (d.groups as u64, gs as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&x.ptr)
+            .arg(&xt)
+            .arg(&weight.ptr)
+            .arg(&wt)
+            .arg(&y.ptr)
+            .arg(&yt);
+        b.arg(&rstd.ptr).arg(&g).arg(&s).arg(&d.eps);
+        self.go(
+            k,
+            &mut b,
+            per_item(d.rows * d.groups, reduce_threads(gs, 256))?,
+        )
+    }
+
+    /// `Backend::rmsnorm_backward_input` (accumulates into `dx`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward_input(
+        &self,
+        stream: &CudaStream,
+        dy: GpuView,
+        x: GpuView,
+        weight: GpuView,
+        rstd: GpuView,
+        dx: GpuView,
+        d: NormDims,
+    ) -> Result<()> {
+        let k = "rmsnorm_backward_input";
+        let (dyt, xt) = (float(k, "dy", &dy)?, float(k, "x", &x)?);
+        let (wt, dxt) = (float(k, "weight", &weight)?, float(k, "dx", &dx)?);
+        let gs = self.norm_group(k, d, &x, &rstd)?;
+        len(k, "weight", &weight, d.dim)?;
+        len(k, "dy", &dy, x.len)?;
+        len(k, "dx", &dx, x.len)?;
+        if gs == 0 || d.rows == 0 {
+            return Ok(());
+        }
+        let (g, s) = (d.groups as u64, gs as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&weight.ptr)
+            .arg(&wt);
+        b.arg(&rstd.ptr).arg(&dx.ptr).arg(&dxt).arg(&g).arg(&s);
+        self.go(
+            k,
+            &mut b,
+            per_item(d.rows * d.groups, reduce_threads(gs, 256))?,
+        )
+    }
+
+    /// `Backend::rmsnorm_backward_weight` (accumulates into `dw`).
+    pub fn rmsnorm_backward_weight(
+        &self,
+        stream: &CudaStream,
+        dy: GpuView,
+        x: GpuView,
+        rstd: GpuView,
+        dw: GpuView,
+        d: NormDims,
+    ) -> Result<()> {
+        let k = "rmsnorm_backward_weight";
+        let (dyt, xt, dwt) = (
+            float(k, "dy", &dy)?,
+            float(k, "x", &x)?,
+            float(k, "dw", &dw)?,
+        );
+        let gs = self.norm_group(k, d, &x, &rstd)?;
+        len(k, "dy", &dy, x.len)?;
+        len(k, "dw", &dw, d.dim)?;
+        if gs == 0 {
+            return Ok(());
+        }
+        let dims = [d.rows, d.dim, d.groups, gs].map(|v| v as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&rstd.ptr)
+            .arg(&dw.ptr)
+            .arg(&dwt);
+        for v in &dims {
+            b.arg(v);
+        }
+        self.go(k, &mut b, column_blocks(d.dim))
+    }
+
+    /// `Backend::unary_forward`.
+    pub fn unary_forward(
+        &self,
+        stream: &CudaStream,
+        op: Unary,
+        x: GpuView,
+        y: GpuView,
+    ) -> Result<()> {
+        let k = "unary_forward";
+        let (xt, yt) = (float(k, "x", &x)?, float(k, "y", &y)?);
+        len(k, "y", &y, x.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        let (code, n) = (unary_code(op), x.len as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&code)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&y.ptr)
+            .arg(&yt)
+            .arg(&n);
+        self.go(k, &mut b, grid_for(x.len))
+    }
+
+    /// `Backend::unary_backward`.
+    pub fn unary_backward(
+        &self,
+        stream: &CudaStream,
+        op: Unary,
+        x: GpuView,
+        dy: GpuView,
+        dx: GpuView,
+    ) -> Result<()> {
+        let k = "unary_backward";
+        let (xt, dyt, dxt) = (
+            float(k, "x", &x)?,
+            float(k, "dy", &dy)?,
+            float(k, "dx", &dx)?,
+        );
+        len(k, "dy", &dy, x.len)?;
+        len(k, "dx", &dx, x.len)?;
+        if x.len == 0 {
+            return Ok(());
+        }
+        let (code, n) = (unary_code(op), x.len as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&code)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&dx.ptr)
+            .arg(&dxt)
+            .arg(&n);
+        self.go(k, &mut b, grid_for(x.len))
+    }
+
+    /// `Backend::silu_mul_forward`.
+    pub fn silu_mul_forward(
+        &self,
+        stream: &CudaStream,
+        gate: GpuView,
+        up: GpuView,
+        y: GpuView,
+    ) -> Result<()> {
+        let k = "silu_mul_forward";
+        let (gt, ut, yt) = (
+            float(k, "gate", &gate)?,
+            float(k, "up", &up)?,
+            float(k, "y", &y)?,
+        );
+        len(k, "up", &up, gate.len)?;
+        len(k, "y", &y, gate.len)?;
+        if gate.len == 0 {
+            return Ok(());
+        }
+        let n = gate.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&gate.ptr)
+            .arg(&gt)
+            .arg(&up.ptr)
+            .arg(&ut)
+            .arg(&y.ptr)
+            .arg(&yt)
+            .arg(&n);
+        self.go(k, &mut b, grid_for(gate.len))
+    }
+
+    /// `Backend::silu_mul_backward`.
+    pub fn silu_mul_backward(
+        &self,
+        stream: &CudaStream,
+        gate: GpuView,
+        up: GpuView,
+        dy: GpuView,
+        dgate: GpuView,
+        dup: GpuView,
+    ) -> Result<()> {
+        let k = "silu_mul_backward";
+        let (gt, ut, dyt) = (
+            float(k, "gate", &gate)?,
+            float(k, "up", &up)?,
+            float(k, "dy", &dy)?,
+        );
+        let (dgt, dut) = (float(k, "dgate", &dgate)?, float(k, "dup", &dup)?);
+        for (name, view) in [("up", &up), ("dy", &dy), ("dgate", &dgate), ("dup", &dup)] {
+            len(k, name, view, gate.len)?;
+        }
+        if gate.len == 0 {
+            return Ok(());
+        }
+        let n = gate.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&gate.ptr)
+            .arg(&gt)
+            .arg(&up.ptr)
+            .arg(&ut)
+            .arg(&dy.ptr)
+            .arg(&dyt);
+        b.arg(&dgate.ptr).arg(&dgt).arg(&dup.ptr).arg(&dut).arg(&n);
+        self.go(k, &mut b, grid_for(gate.len))
+    }
+
+    // ---- rotary, head splits --------------------------------------------------------
+
+    fn rotary(
+        &self,
+        stream: &CudaStream,
+        k: &'static str,
+        x: GpuView,
+        d: RotaryDims,
+        sign: f32,
+    ) -> Result<()> {
+        let t = float(k, "x", &x)?;
+        ensure(d.dim.is_multiple_of(2), || {
+            format!("{k}: rotary dim {} is odd", d.dim)
+        })?;
+        ensure(d.offset + d.dim <= d.head_stride, || {
+            format!(
+                "{k}: channels {}..{} do not fit a head of {}",
+                d.offset,
+                d.offset + d.dim,
+                d.head_stride
+            )
+        })?;
+        let rows = d.tokens.rows()?;
+        len(k, "x", &x, product(k, &[rows, d.heads, d.head_stride])?)?;
+        let pairs = product(k, &[rows, d.heads, d.dim / 2])?;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let dims = [rows, d.tokens.seq, d.heads, d.head_stride, d.offset, d.dim].map(|v| v as u64);
+        let mut b = stream.launch_builder(self.function("rotary")?);
+        b.arg(&x.ptr).arg(&t);
+        for v in &dims {
+            b.arg(v);
+        }
+        b.arg(&d.base).arg(&sign);
+        self.go(k, &mut b, grid_for(pairs))
+    }
+
+    /// `Backend::rotary_forward`, in place.
+    pub fn rotary_forward(&self, stream: &CudaStream, x: GpuView, d: RotaryDims) -> Result<()> {
+        self.rotary(stream, "rotary_forward", x, d, 1.0)
+    }
+
+    /// `Backend::rotary_backward`, in place.
+    pub fn rotary_backward(&self, stream: &CudaStream, dx: GpuView, d: RotaryDims) -> Result<()> {
+        self.rotary(stream, "rotary_backward", dx, d, -1.0)
+    }
+
+    fn check_qkv(
+        k: &str,
+        fused: &GpuView,
+        q: &GpuView,
+        kk: &GpuView,
+        v: &GpuView,
+        d: QkvDims,
+    ) -> Result<i32> {
+        let t = float(k, "qkv", fused)?;
+        for (name, view) in [("q", q), ("k", kk), ("v", v)] {
+            same_dtype(k, ("qkv", fused.dtype), (name, view.dtype))?;
+        }
+        let heads = product(k, &[d.groups, d.heads_per_group])?;
+        let width = product(k, &[d.groups, d.heads_per_group + 2, d.head_dim])?;
+        len(k, "qkv", fused, product(k, &[d.rows, width])?)?;
+        len(k, "q", q, product(k, &[d.rows, heads, d.head_dim])?)?;
+        let kv = product(k, &[d.rows, d.groups, d.head_dim])?;
+        len(k, "k", kk, kv)?;
+        len(k, "v", v, kv)?;
+        Ok(t)
+    }
+
+    /// `Backend::qkv_split`.
+    pub fn qkv_split(
+        &self,
+        stream: &CudaStream,
+        qkv: GpuView,
+        q: GpuView,
+        kk: GpuView,
+        v: GpuView,
+        d: QkvDims,
+    ) -> Result<()> {
+        let k = "qkv_split";
+        let t = Self::check_qkv(k, &qkv, &q, &kk, &v, d)?;
+        if qkv.len == 0 {
+            return Ok(());
+        }
+        let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&qkv.ptr).arg(&q.ptr).arg(&kk.ptr).arg(&v.ptr).arg(&t);
+        for x in &dims {
+            b.arg(x);
+        }
+        self.go(k, &mut b, grid_for(qkv.len))
+    }
+
+    /// `Backend::qkv_join`.
+    pub fn qkv_join(
+        &self,
+        stream: &CudaStream,
+        dq: GpuView,
+        dk: GpuView,
+        dv: GpuView,
+        dqkv: GpuView,
+        d: QkvDims,
+    ) -> Result<()> {
+        let k = "qkv_join";
+        let t = Self::check_qkv(k, &dqkv, &dq, &dk, &dv, d)?;
+        if dqkv.len == 0 {
+            return Ok(());
+        }
+        let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&dq.ptr)
+            .arg(&dk.ptr)
+            .arg(&dv.ptr)
+            .arg(&dqkv.ptr)
+            .arg(&t);
+        for x in &dims {
+            b.arg(x);
+        }
+        self.go(k, &mut b, grid_for(dqkv.len))
+    }
+
+    fn check_mla(
+        k: &str,
+        kv: &GpuView,
+        rope: &GpuView,
+        kk: &GpuView,
+        v: &GpuView,
+        d: MlaKvDims,
+    ) -> Result<i32> {
+        let t = float(k, "kv", kv)?;
+        let kv_w = product(k, &[d.heads, d.nope_dim + d.v_dim])?;
+        let k_w = product(k, &[d.heads, d.nope_dim + d.rope_dim])?;
+        let v_w = product(k, &[d.heads, d.v_dim])?;
+        len(k, "kv", kv, product(k, &[d.rows, kv_w])?)?;
+        len(k, "k_rope", rope, product(k, &[d.rows, d.rope_dim])?)?;
+        len(k, "k", kk, product(k, &[d.rows, k_w])?)?;
+        len(k, "v", v, product(k, &[d.rows, v_w])?)?;
+        Ok(t)
+    }
+
+    /// `Backend::mla_kv_split`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_kv_split(
+        &self,
+        stream: &CudaStream,
+        kv: GpuView,
+        k_rope: GpuView,
+        k_out: GpuView,
+        v: GpuView,
+        d: MlaKvDims,
+    ) -> Result<()> {
+        let k = "mla_kv_split";
+        for (name, view) in [("k_rope", &k_rope), ("k", &k_out), ("v", &v)] {
+            same_dtype(k, ("kv", kv.dtype), (name, view.dtype))?;
+        }
+        let t = Self::check_mla(k, &kv, &k_rope, &k_out, &v, d)?;
+        let n = k_out.len + v.len;
+        if n == 0 {
+            return Ok(());
+        }
+        let dims = [d.rows, d.heads, d.nope_dim, d.rope_dim, d.v_dim].map(|x| x as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&kv.ptr)
+            .arg(&k_rope.ptr)
+            .arg(&k_out.ptr)
+            .arg(&v.ptr)
+            .arg(&t);
+        for x in &dims {
+            b.arg(x);
+        }
+        self.go(k, &mut b, grid_for(n))
+    }
+
+    /// `Backend::mla_kv_join`.
+    pub fn mla_kv_join(
+        &self,
+        stream: &CudaStream,
+        dk: GpuView,
+        dv: GpuView,
+        d_kv: GpuView,
+        d_k_rope: GpuView,
+        d: MlaKvDims,
+    ) -> Result<()> {
+        let k = "mla_kv_join";
+        for (name, view) in [("dv", &dv), ("d_kv", &d_kv), ("d_k_rope", &d_k_rope)] {
+            same_dtype(k, ("dk", dk.dtype), (name, view.dtype))?;
+        }
+        let t = Self::check_mla(k, &d_kv, &d_k_rope, &dk, &dv, d)?;
+        let n = d_kv.len + d_k_rope.len;
+        if n == 0 {
+            return Ok(());
+        }
+        let dims = [d.rows, d.heads, d.nope_dim, d.rope_dim, d.v_dim].map(|x| x as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&dk.ptr)
+            .arg(&dv.ptr)
+            .arg(&d_kv.ptr)
+            .arg(&d_k_rope.ptr)
+            .arg(&t);
+        for x in &dims {
+            b.arg(x);
+        }
+        self.go(k, &mut b, grid_for(n))
+    }
+
+    // ---- loss -------------------------------------------------------------------------
+
+    fn check_loss(k: &str, probs: &GpuView, targets: &GpuView, d: LossDims) -> Result<()> {
+        exactly(k, "logits", probs, DType::F32)?;
+        exactly(k, "targets", targets, DType::U32)?;
+        len(k, "logits", probs, product(k, &[d.rows, d.vocab])?)?;
+        len(k, "targets", targets, d.rows)
+    }
+
+    /// `Backend::cross_entropy_forward`, in place.
+    pub fn cross_entropy_forward(
+        &self,
+        stream: &CudaStream,
+        logits: GpuView,
+        targets: GpuView,
+        losses: GpuView,
+        d: LossDims,
+    ) -> Result<()> {
+        let k = "cross_entropy_forward";
+        Self::check_loss(k, &logits, &targets, d)?;
+        exactly(k, "losses", &losses, DType::F32)?;
+        len(k, "losses", &losses, d.rows)?;
+        if d.vocab == 0 || d.rows == 0 {
+            return Ok(());
+        }
+        let vocab = d.vocab as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&logits.ptr)
+            .arg(&targets.ptr)
+            .arg(&losses.ptr)
+            .arg(&vocab)
+            .arg(&self.fault_ptr);
+        self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
+    }
+
+    /// `Backend::cross_entropy_backward`, in place.
+    pub fn cross_entropy_backward(
+        &self,
+        stream: &CudaStream,
+        probs: GpuView,
+        targets: GpuView,
+        scale: f32,
+        d: LossDims,
+    ) -> Result<()> {
+        let k = "cross_entropy_backward";
+        Self::check_loss(k, &probs, &targets, d)?;
+        if d.vocab == 0 || d.rows == 0 {
+            return Ok(());
+        }
+        let vocab = d.vocab as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&probs.ptr)
+            .arg(&targets.ptr)
+            .arg(&scale)
+            .arg(&vocab)
+            .arg(&self.fault_ptr);
+        self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
+    }
+
+    // ---- mixture of experts ---------------------------------------------------------
+
+    fn check_route(k: &str, logits: &GpuView, d: RouteDims) -> Result<u32> {
+        exactly(k, "logits", logits, DType::F32)?;
+        ensure(d.top_k >= 1 && d.top_k <= d.experts, || {
+            format!(
+                "{k}: top-k {} must be in 1..={} experts",
+                d.top_k, d.experts
+            )
+        })?;
+        if d.experts > MAX_EXPERTS || d.top_k > 32 {
+            return Err(RuntimeError::Unsupported(format!(
+                "{k}: the CUDA routing kernels take at most {MAX_EXPERTS} experts and top-k 32 \
+                 ({} experts, top-k {} asked)",
+                d.experts, d.top_k
+            )));
+        }
+        len(k, "logits", logits, product(k, &[d.rows, d.experts])?)?;
+        as_u32(k, "experts", d.experts)
+    }
+
+    /// `Backend::moe_route_forward` (two launches: selection per row, then the
+    /// per-expert softmax sums as a column sum).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route_forward(
+        &self,
+        stream: &CudaStream,
+        logits: GpuView,
+        expert_bias: Option<GpuView>,
+        scores: GpuView,
+        weights: GpuView,
+        softmax_sum: GpuView,
+        selected: GpuView,
+        d: RouteDims,
+    ) -> Result<()> {
+        let k = "moe_route_forward";
+        let experts = Self::check_route(k, &logits, d)?;
+        for (name, view) in [
+            ("scores", &scores),
+            ("weights", &weights),
+            ("softmax_sum", &softmax_sum),
+        ] {
+            exactly(k, name, view, DType::F32)?;
+        }
+        exactly(k, "selected", &selected, DType::U32)?;
+        len(k, "scores", &scores, logits.len)?;
+        len(k, "weights", &weights, product(k, &[d.rows, d.top_k])?)?;
+        len(k, "softmax_sum", &softmax_sum, d.experts)?;
+        len(k, "selected", &selected, d.rows * d.top_k)?;
+        let bias = match expert_bias {
+            Some(bias) => {
+                exactly(k, "expert_bias", &bias, DType::F32)?;
+                len(k, "expert_bias", &bias, d.experts)?;
+                bias.ptr
+            }
+            None => 0,
+        };
+        if d.rows == 0 {
+            return Ok(());
+        }
+        let (rows, top_k, score) = (d.rows as u64, d.top_k as u32, score_code(d.score));
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&logits.ptr)
+            .arg(&bias)
+            .arg(&scores.ptr)
+            .arg(&weights.ptr)
+            .arg(&selected.ptr);
+        b.arg(&rows).arg(&experts).arg(&top_k).arg(&score);
+        self.go(k, &mut b, warp_per_item(d.rows))?;
+        let mut b = stream.launch_builder(self.function("moe_softmax_sum")?);
+        b.arg(&logits.ptr)
+            .arg(&softmax_sum.ptr)
+            .arg(&rows)
+            .arg(&experts);
+        self.go("moe_softmax_sum", &mut b, column_blocks(d.experts))
+    }
+
+    /// `Backend::moe_route_backward`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route_backward(
+        &self,
+        stream: &CudaStream,
+        logits: GpuView,
+        scores: GpuView,
+        selected: GpuView,
+        d_weights: GpuView,
+        aux_grad: GpuView,
+        d_logits: GpuView,
+        d: RouteDims,
+    ) -> Result<()> {
+        let k = "moe_route_backward";
+        let experts = Self::check_route(k, &logits, d)?;
+        for (name, view) in [
+            ("scores", &scores),
+            ("d_weights", &d_weights),
+            ("aux_grad", &aux_grad),
+            ("d_logits", &d_logits),
+        ] {
+            exactly(k, name, view, DType::F32)?;
+        }
+        exactly(k, "selected", &selected, DType::U32)?;
+        len(k, "scores", &scores, logits.len)?;
+        len(k, "selected", &selected, d.rows * d.top_k)?;
+        len(k, "d_weights", &d_weights, d.rows * d.top_k)?;
+        len(k, "aux_grad", &aux_grad, d.experts)?;
+        len(k, "d_logits", &d_logits, logits.len)?;
+        if d.rows == 0 {
+            return Ok(());
+        }
+        let (rows, top_k, score) = (d.rows as u64, d.top_k as u32, score_code(d.score));
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&logits.ptr)
+            .arg(&scores.ptr)
+            .arg(&selected.ptr)
+            .arg(&d_weights.ptr);
+        b.arg(&aux_grad.ptr)
+            .arg(&d_logits.ptr)
+            .arg(&rows)
+            .arg(&experts)
+            .arg(&top_k);
+        b.arg(&score).arg(&self.fault_ptr);
+        self.go(k, &mut b, warp_per_item(d.rows))
+    }
+
+    fn slot_count(k: &str, s: RoutedSlots) -> Result<usize> {
+        ensure(s.top_k >= 1, || format!("{k}: top-k is 0"))?;
+        let n = product(k, &[s.tokens, s.top_k])?;
+        as_u32(k, "routed slots", n)?;
+        Ok(n)
+    }
+
+    /// `Backend::moe_expert_counts` (overwrites `counts`).
+    pub fn moe_expert_counts(
+        &self,
+        stream: &CudaStream,
+        selected: GpuView,
+        counts: GpuView,
+        s: RoutedSlots,
+    ) -> Result<()> {
+        let k = "moe_expert_counts";
+        exactly(k, "selected", &selected, DType::U32)?;
+        exactly(k, "counts", &counts, DType::U32)?;
+        let n = Self::slot_count(k, s)?;
+        len(k, "selected", &selected, n)?;
+        len(k, "counts", &counts, s.experts)?;
+        let experts = as_u32(k, "experts", s.experts)?;
+        ensure(s.experts <= 12 * 1024, || {
+            format!(
+                "{k}: {} experts do not fit a block's shared histogram",
+                s.experts
+            )
+        })?;
+        self.zero(stream, counts)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let slots = n as u64;
+        let mut config = grid_for(n);
+        config.grid_dim.0 = config.grid_dim.0.min(264);
+        config.shared_mem_bytes = 4 * experts;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&selected.ptr)
+            .arg(&slots)
+            .arg(&counts.ptr)
+            .arg(&experts)
+            .arg(&self.fault_ptr);
+        self.go(k, &mut b, config)
+    }
+
+    /// `Backend::moe_sort_by_expert`.
+    pub fn moe_sort_by_expert(
+        &self,
+        stream: &CudaStream,
+        selected: GpuView,
+        counts: GpuView,
+        positions: GpuView,
+        sources: GpuView,
+        s: RoutedSlots,
+    ) -> Result<()> {
+        let k = "moe_sort_by_expert";
+        for (name, view) in [
+            ("selected", &selected),
+            ("counts", &counts),
+            ("positions", &positions),
+            ("sources", &sources),
+        ] {
+            exactly(k, name, view, DType::U32)?;
+        }
+        let n = Self::slot_count(k, s)?;
+        len(k, "selected", &selected, n)?;
+        len(k, "counts", &counts, s.experts)?;
+        len(k, "positions", &positions, n)?;
+        len(k, "sources", &sources, n)?;
+        if s.experts > MAX_EXPERTS {
+            return Err(RuntimeError::Unsupported(format!(
+                "{k}: the CUDA dispatch sort takes at most {MAX_EXPERTS} experts ({} asked)",
+                s.experts
+            )));
+        }
+        let (slots, top_k, experts) = (n as u64, s.top_k as u32, s.experts as u32);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&selected.ptr)
+            .arg(&counts.ptr)
+            .arg(&positions.ptr)
+            .arg(&sources.ptr);
+        b.arg(&slots).arg(&top_k).arg(&experts).arg(&self.fault_ptr);
+        self.go(k, &mut b, per_item(1, SORT_THREADS)?)
+    }
+
+    /// `Backend::moe_expert_major_order`. `order` must hold the sum of
+    /// `recv_counts` (the host knows it from the count exchange); the kernel
+    /// reports counts that disagree with it.
+    pub fn moe_expert_major_order(
+        &self,
+        stream: &CudaStream,
+        recv_counts: GpuView,
+        order: GpuView,
+        d: ReceivedDims,
+    ) -> Result<()> {
+        let k = "moe_expert_major_order";
+        exactly(k, "recv_counts", &recv_counts, DType::U32)?;
+        exactly(k, "order", &order, DType::U32)?;
+        let pairs = product(k, &[d.ranks, d.local_experts])?;
+        len(k, "recv_counts", &recv_counts, pairs)?;
+        as_u32(k, "received rows", order.len)?;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let (ranks, local) = (
+            as_u32(k, "ranks", d.ranks)?,
+            as_u32(k, "local experts", d.local_experts)?,
+        );
+        let total = order.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&recv_counts.ptr)
+            .arg(&order.ptr)
+            .arg(&ranks)
+            .arg(&local)
+            .arg(&total);
+        b.arg(&self.fault_ptr);
+        self.go(k, &mut b, per_item(pairs, 256)?)
+    }
+
+    fn check_aux(k: &str, counts: &GpuView, d: AuxLossDims) -> Result<()> {
+        exactly(k, "counts", counts, DType::U32)?;
+        len(k, "counts", counts, d.slots.experts)?;
+        ensure(d.coeff.is_finite() && d.coeff >= 0.0, || {
+            format!(
+                "{k}: the coefficient {} is not a finite value >= 0",
+                d.coeff
+            )
+        })
+    }
+
+    /// `Backend::moe_aux_loss_forward` (accumulates into `loss[0]`).
+    pub fn moe_aux_loss_forward(
+        &self,
+        stream: &CudaStream,
+        counts: GpuView,
+        softmax_sum: GpuView,
+        loss: GpuView,
+        d: AuxLossDims,
+    ) -> Result<()> {
+        let k = "moe_aux_loss_forward";
+        Self::check_aux(k, &counts, d)?;
+        exactly(k, "softmax_sum", &softmax_sum, DType::F32)?;
+        exactly(k, "loss", &loss, DType::F64)?;
+        len(k, "softmax_sum", &softmax_sum, d.slots.experts)?;
+        len(k, "loss", &loss, 1)?;
+        let (tokens, top_k) = (d.slots.tokens as u64, d.slots.top_k as u64);
+        let experts = as_u32(k, "experts", d.slots.experts)?;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&counts.ptr)
+            .arg(&softmax_sum.ptr)
+            .arg(&loss.ptr)
+            .arg(&tokens)
+            .arg(&top_k);
+        b.arg(&experts).arg(&d.coeff);
+        self.go(k, &mut b, per_item(1, 32)?)
+    }
+
+    /// `Backend::moe_aux_loss_backward` (overwrites `aux_grad`).
+    pub fn moe_aux_loss_backward(
+        &self,
+        stream: &CudaStream,
+        counts: GpuView,
+        aux_grad: GpuView,
+        d: AuxLossDims,
+        scale: f32,
+    ) -> Result<()> {
+        let k = "moe_aux_loss_backward";
+        Self::check_aux(k, &counts, d)?;
+        exactly(k, "aux_grad", &aux_grad, DType::F32)?;
+        len(k, "aux_grad", &aux_grad, d.slots.experts)?;
+        if d.slots.experts == 0 {
+            return Ok(());
+        }
+        let (tokens, top_k) = (d.slots.tokens as u64, d.slots.top_k as u64);
+        let experts = as_u32(k, "experts", d.slots.experts)?;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&counts.ptr)
+            .arg(&aux_grad.ptr)
+            .arg(&tokens)
+            .arg(&top_k)
+            .arg(&experts);
+        b.arg(&d.coeff).arg(&scale);
+        self.go(k, &mut b, grid_for(d.slots.experts))
+    }
+
+    fn row_move(
+        &self,
+        stream: &CudaStream,
+        k: &'static str,
+        src: GpuView,
+        index: GpuView,
+        dst: GpuView,
+        width: usize,
+    ) -> Result<()> {
+        let t = float(k, "src", &src)?;
+        same_dtype(k, ("src", src.dtype), ("dst", dst.dtype))?;
+        exactly(k, "index", &index, DType::U32)?;
+        let gather = k == "gather_rows";
+        let (moved, other, moved_name) = if gather {
+            (&dst, &src, "dst")
+        } else {
+            (&src, &dst, "src")
+        };
+        len(k, moved_name, moved, product(k, &[index.len, width])?)?;
+        ensure(width > 0 || other.len == 0, || {
+            format!(
+                "{k}: width 0 with a non-empty {}",
+                if gather { "source" } else { "destination" }
+            )
+        })?;
+        if width == 0 || index.len == 0 {
+            return Ok(());
+        }
+        ensure(other.len.is_multiple_of(width), || {
+            format!(
+                "{k}: {} of {} is not rows of {width}",
+                if gather { "source" } else { "destination" },
+                other.len
+            )
+        })?;
+        let (count, w, rows) = (index.len as u64, width as u64, (other.len / width) as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&src.ptr)
+            .arg(&index.ptr)
+            .arg(&dst.ptr)
+            .arg(&t)
+            .arg(&count)
+            .arg(&w)
+            .arg(&rows);
+        b.arg(&self.fault_ptr);
+        self.go(k, &mut b, grid_for(moved.len))
+    }
+
+    /// `Backend::gather_rows`: `dst[i] = src[index[i]]`.
+    pub fn gather_rows(
+        &self,
+        stream: &CudaStream,
+        src: GpuView,
+        index: GpuView,
+        dst: GpuView,
+        width: usize,
+    ) -> Result<()> {
+        self.row_move(stream, "gather_rows", src, index, dst, width)
+    }
+
+    /// `Backend::scatter_rows`: `dst[index[i]] = src[i]` (distinct indices;
+    /// unlike the CPU backend, the GPU checks their range but not that they
+    /// are distinct).
+    pub fn scatter_rows(
+        &self,
+        stream: &CudaStream,
+        src: GpuView,
+        index: GpuView,
+        dst: GpuView,
+        width: usize,
+    ) -> Result<()> {
+        self.row_move(stream, "scatter_rows", src, index, dst, width)
+    }
+
+    fn check_unpermute(
+        k: &str,
+        rows: &GpuView,
+        positions: &GpuView,
+        out: &GpuView,
+        d: UnpermuteDims,
+    ) -> Result<()> {
+        exactly(k, "positions", positions, DType::U32)?;
+        len(k, "rows", rows, product(k, &[d.rows, d.width])?)?;
+        len(k, "positions", positions, product(k, &[d.tokens, d.top_k])?)?;
+        len(k, "out", out, product(k, &[d.tokens, d.width])?)?;
+        as_u32(k, "rows", d.rows)?;
+        Ok(())
+    }
+
+    /// `Backend::moe_unpermute` (overwrites `out`).
+    pub fn moe_unpermute(
+        &self,
+        stream: &CudaStream,
+        rows: GpuView,
+        weights: Option<GpuView>,
+        positions: GpuView,
+        out: GpuView,
+        d: UnpermuteDims,
+    ) -> Result<()> {
+        let k = "moe_unpermute";
+        let (rt, ot) = (float(k, "rows", &rows)?, float(k, "out", &out)?);
+        Self::check_unpermute(k, &rows, &positions, &out, d)?;
+        let w = match weights {
+            Some(w) => {
+                exactly(k, "weights", &w, DType::F32)?;
+                len(k, "weights", &w, positions.len)?;
+                w.ptr
+            }
+            None => 0,
+        };
+        if out.len == 0 {
+            return Ok(());
+        }
+        let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&rows.ptr)
+            .arg(&rt)
+            .arg(&w)
+            .arg(&positions.ptr)
+            .arg(&out.ptr)
+            .arg(&ot);
+        for x in &dims {
+            b.arg(x);
+        }
+        b.arg(&self.fault_ptr);
+        self.go(k, &mut b, grid_for(out.len))
+    }
+
+    /// `Backend::moe_unpermute_backward` (overwrites both gradients; the
+    /// positions must be distinct, as the dispatch makes them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_unpermute_backward(
+        &self,
+        stream: &CudaStream,
+        dout: GpuView,
+        rows: GpuView,
+        weights: GpuView,
+        positions: GpuView,
+        d_rows: GpuView,
+        d_weights: GpuView,
+        d: UnpermuteDims,
+    ) -> Result<()> {
+        let k = "moe_unpermute_backward";
+        let (dt, rt, drt) = (
+            float(k, "dout", &dout)?,
+            float(k, "rows", &rows)?,
+            float(k, "grads.rows", &d_rows)?,
+        );
+        Self::check_unpermute(k, &rows, &positions, &dout, d)?;
+        exactly(k, "weights", &weights, DType::F32)?;
+        exactly(k, "grads.weights", &d_weights, DType::F32)?;
+        len(k, "weights", &weights, positions.len)?;
+        len(k, "grads.rows", &d_rows, rows.len)?;
+        len(k, "grads.weights", &d_weights, positions.len)?;
+        self.zero(stream, d_rows)?;
+        if d.width == 0 || d.top_k == 0 {
+            return self.zero(stream, d_weights);
+        }
+        let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
+        let k_rows = "moe_unpermute_backward_rows";
+        let mut b = stream.launch_builder(self.function(k_rows)?);
+        b.arg(&dout.ptr)
+            .arg(&dt)
+            .arg(&weights.ptr)
+            .arg(&positions.ptr)
+            .arg(&d_rows.ptr)
+            .arg(&drt);
+        for x in &dims {
+            b.arg(x);
+        }
+        b.arg(&self.fault_ptr);
+        self.go(k_rows, &mut b, grid_for(positions.len * d.width))?;
+        let k_weights = "moe_unpermute_backward_weights";
+        let mut b = stream.launch_builder(self.function(k_weights)?);
+        b.arg(&dout.ptr)
+            .arg(&dt)
+            .arg(&rows.ptr)
+            .arg(&rt)
+            .arg(&positions.ptr)
+            .arg(&d_weights.ptr);
+        for x in &dims {
+            b.arg(x);
+        }
+        self.go(k_weights, &mut b, warp_per_item(positions.len))
+    }
+
+    // ---- optimizer ----------------------------------------------------------------
+
+    fn check_shard(k: &str, param: &GpuView, grad: &GpuView, decayed: &GpuView) -> Result<u32> {
+        exactly(k, "param", param, DType::F32)?;
+        exactly(k, "grad", grad, DType::F32)?;
+        exactly(k, "decayed", decayed, DType::U32)?;
+        len(k, "grad", grad, param.len)?;
+        ensure(decayed.len.is_multiple_of(2), || {
+            format!(
+                "{k}: `decayed` holds [start, end) pairs, but it has {} values",
+                decayed.len
+            )
+        })?;
+        as_u32(k, "shard length", param.len)?;
+        as_u32(k, "decayed ranges", decayed.len / 2)
+    }
+
+    /// `Backend::adam_update`.
+    pub fn adam_update(
+        &self,
+        stream: &CudaStream,
+        param: GpuView,
+        grad: GpuView,
+        moments: AdamMoments<GpuView>,
+        decayed: GpuView,
+        step: AdamStep,
+    ) -> Result<()> {
+        let k = "adam_update";
+        let ranges = Self::check_shard(k, &param, &grad, &decayed)?;
+        let AdamMoments { m, v } = moments;
+        exactly(k, "m", &m, DType::F32)?;
+        exactly(k, "v", &v, DType::F32)?;
+        len(k, "m", &m, param.len)?;
+        len(k, "v", &v, param.len)?;
+        ensure(step.step >= 1, || format!("{k}: steps count from 1"))?;
+        if param.len == 0 {
+            return Ok(());
+        }
+        let t = i32::try_from(step.step).unwrap_or(i32::MAX);
+        // Bias corrections in f64 on the host, then f32, as the CPU does.
+        let bc1 = (1.0 - f64::from(step.beta1).powi(t)) as f32;
+        let bc2 = (1.0 - f64::from(step.beta2).powi(t)) as f32;
+        let decay = 1.0 - step.lr * step.weight_decay;
+        let n = param.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&param.ptr)
+            .arg(&grad.ptr)
+            .arg(&m.ptr)
+            .arg(&v.ptr)
+            .arg(&decayed.ptr)
+            .arg(&ranges);
+        b.arg(&n)
+            .arg(&step.lr)
+            .arg(&step.beta1)
+            .arg(&step.beta2)
+            .arg(&step.eps)
+            .arg(&decay);
+        b.arg(&step.grad_scale)
+            .arg(&bc1)
+            .arg(&bc2)
+            .arg(&self.fault_ptr);
+        self.go(k, &mut b, grid_for(param.len))
+    }
+
+    /// `Backend::sgd_update`.
+    pub fn sgd_update(
+        &self,
+        stream: &CudaStream,
+        param: GpuView,
+        grad: GpuView,
+        momentum: Option<GpuView>,
+        decayed: GpuView,
+        step: SgdStep,
+    ) -> Result<()> {
+        let k = "sgd_update";
+        let ranges = Self::check_shard(k, &param, &grad, &decayed)?;
+        let buffer = match momentum {
+            Some(buf) => {
+                ensure(step.momentum != 0.0, || {
+                    format!("{k}: a momentum buffer without momentum")
+                })?;
+                exactly(k, "momentum", &buf, DType::F32)?;
+                len(k, "momentum", &buf, param.len)?;
+                buf.ptr
+            }
+            None => {
+                ensure(step.momentum == 0.0, || {
+                    format!("{k}: momentum {} needs a buffer", step.momentum)
+                })?;
+                0
+            }
+        };
+        if param.len == 0 {
+            return Ok(());
+        }
+        let n = param.len as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&param.ptr)
+            .arg(&grad.ptr)
+            .arg(&buffer)
+            .arg(&decayed.ptr)
+            .arg(&ranges)
+            .arg(&n);
+        b.arg(&step.lr)
+            .arg(&step.momentum)
+            .arg(&step.weight_decay)
+            .arg(&step.grad_scale);
+        b.arg(&self.fault_ptr);
+        self.go(k, &mut b, grid_for(param.len))
+    }
+
+    /// Launches a built argument list.
+    fn go(
+        &self,
+        kernel: &str,
+        args: &mut cudarc::driver::LaunchArgs<'_>,
+        config: LaunchConfig,
+    ) -> Result<()> {
+        // SAFETY: every argument was pushed in the order and with the types
+        // of the kernel's C signature (one launch method per kernel, next to
+        // its checks), and every pointer is a view whose length the method
+        // checked against the dimensions the kernel indexes with.
+        unsafe { args.launch(config) }
+            .map(|_| ())
+            .map_err(|e| self.device_error(&format!("launching `{kernel}`"), e))
+    }
+}

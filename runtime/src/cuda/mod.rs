@@ -1,0 +1,33 @@
+//! The CUDA device: what the CUDA backend is built from. Compiled on every
+//! machine; CUDA, NVRTC, cuBLAS and NCCL are loaded at run time (cudarc's
+//! dynamic loading), so a binary built without CUDA runs on a machine with
+//! it, and on a machine without it every entry point here returns an error
+//! saying what is missing instead of panicking.
+//!
+//! - [`probe`]: is there a usable GPU (driver, device, compute capability,
+//!   free memory, NVRTC)?
+//! - [`kernels`]: the CUDA C sources (`kernels/*.cu`), compiled with NVRTC
+//!   for the device's architecture at start-up.
+//! - [`launch`]: the compiled kernels loaded on a device, one launch method
+//!   per [`Backend`](crate::Backend) kernel, each checking its views'
+//!   lengths against its dimensions first.
+
+pub mod kernels;
+pub mod launch;
+pub mod probe;
+
+pub use kernels::{Diagnostic, KernelBuildError, KernelSource, Target};
+pub use launch::{DeviceFault, GpuView, KernelSet};
+pub use probe::{CudaUnavailable, GpuDevice, GpuInfo, probe};
+
+/// Runs `f`, turning a panic inside cudarc (it panics when a library or a
+/// symbol it needs is missing) into `Err` with the panic's message.
+pub(crate) fn catch_cudarc_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
+        payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "cudarc panicked".to_string())
+    })
+}

@@ -1,0 +1,160 @@
+//! Every CUDA kernel source compiles with NVRTC, for Hopper (`sm_90a`
+//! cubin) and for the portable target (`compute_80` PTX), without a single
+//! error or warning. NVRTC needs no GPU, so this runs on any machine that
+//! has the library; it skips, saying why, where libnvrtc cannot be loaded.
+//!
+//! Set up here and in CI (`.ci/run` does this):
+//!
+//! ```text
+//! python3 -m pip install --target DIR "nvidia-cuda-nvrtc==13.0.*" \
+//!     "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
+//! export LD_LIBRARY_PATH=DIR/nvidia/cu13/lib        # libnvrtc and its builtins
+//! export HYBRIDGEN_CUDA_INCLUDE=DIR/nvidia/cu13/include   # cuda_bf16.h
+//! ```
+//!
+//! Without `HYBRIDGEN_CUDA_INCLUDE` the headers are looked for in
+//! `/usr/local/cuda/include`; a machine with NVRTC but no headers fails
+//! here, naming the variable to set.
+
+use hybridgen_runtime::cuda::kernels::{
+    self, CompiledSource, KernelBuildError, KernelSource, Output, SOURCES, Severity, Target,
+};
+
+/// The include directory, or `None` (after saying why) when NVRTC is absent.
+fn nvrtc_and_headers() -> Option<std::path::PathBuf> {
+    if let Err(why) = kernels::nvrtc_available() {
+        eprintln!("skipped: {why}");
+        return None;
+    }
+    match kernels::include_dir() {
+        Ok(dir) => Some(dir),
+        Err(why) => panic!("{why}"),
+    }
+}
+
+fn compile(source: &KernelSource, target: Target, include: &std::path::Path) -> CompiledSource {
+    match kernels::compile(source, target, include) {
+        Ok(compiled) => compiled,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn every_kernel_compiles_for_hopper_and_the_portable_target_without_warnings() {
+    let Some(include) = nvrtc_and_headers() else {
+        return;
+    };
+    let version = kernels::nvrtc_version().expect("NVRTC loaded, so it has a version");
+    println!(
+        "NVRTC {}.{}, headers from {}",
+        version.0,
+        version.1,
+        include.display()
+    );
+    let mut failures = Vec::new();
+    for target in [Target::HOPPER, Target::PORTABLE] {
+        for source in SOURCES {
+            match kernels::compile(source, target, &include) {
+                Ok(compiled) => {
+                    for warning in &compiled.warnings {
+                        failures.push(format!("{} for {target}: {warning}", source.file));
+                    }
+                    assert!(
+                        !compiled.image.is_empty(),
+                        "{} for {target}: empty image",
+                        source.file
+                    );
+                    if target.output == Output::Ptx {
+                        let ptx = String::from_utf8_lossy(&compiled.image);
+                        for entry in source.entry_points {
+                            assert!(
+                                ptx.contains(&format!(".entry {entry}(")),
+                                "{} for {target}: no entry point `{entry}` in the PTX",
+                                source.file
+                            );
+                        }
+                    }
+                    println!(
+                        "{:>18} {target:>10}: {:>7} bytes, {} kernels",
+                        source.file,
+                        compiled.image.len(),
+                        source.entry_points.len()
+                    );
+                }
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn a_compile_error_names_the_file_and_line() {
+    let Some(include) = nvrtc_and_headers() else {
+        return;
+    };
+    let broken = KernelSource {
+        file: "broken.cu",
+        text: "#include \"common.cuh\"\n\nextern \"C\" __global__ void k(float* x) {\n    x[0] = undefined_name;\n}\n",
+        entry_points: &["k"],
+    };
+    let err = kernels::compile(&broken, Target::HOPPER, &include).unwrap_err();
+    let KernelBuildError::Compile {
+        ref diagnostics, ..
+    } = err
+    else {
+        panic!("expected a compile error, got {err}");
+    };
+    let first = &diagnostics[0];
+    assert_eq!(
+        (first.file.as_str(), first.line, first.severity),
+        ("broken.cu", Some(4), Severity::Error)
+    );
+    assert!(first.message.contains("undefined_name"), "{first}");
+    let message = err.to_string();
+    assert!(
+        message.contains("broken.cu does not compile for sm_90a")
+            && message.contains("runtime/src/cuda/kernels/broken.cu:4: error:"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_warning_is_reported_on_a_successful_compile() {
+    let Some(include) = nvrtc_and_headers() else {
+        return;
+    };
+    let noisy = KernelSource {
+        file: "noisy.cu",
+        text: "#include \"common.cuh\"\n\nextern \"C\" __global__ void k(float* x) {\n    int unused = 3;\n    x[0] = 1.0f;\n}\n",
+        entry_points: &["k"],
+    };
+    let compiled = compile(&noisy, Target::PORTABLE, &include);
+    assert_eq!(compiled.warnings.len(), 1, "{:?}", compiled.warnings);
+    let warning = &compiled.warnings[0];
+    assert_eq!((warning.file.as_str(), warning.line), ("noisy.cu", Some(4)));
+    assert!(warning.message.contains("unused"), "{warning}");
+}
+
+#[test]
+fn missing_headers_are_named_with_the_variable_to_set() {
+    if kernels::nvrtc_available().is_err() {
+        eprintln!("skipped: NVRTC is not available");
+        return;
+    }
+    let err = kernels::compile(
+        &SOURCES[0],
+        Target::PORTABLE,
+        std::path::Path::new("/nonexistent/include"),
+    )
+    .unwrap_err();
+    // NVRTC itself cannot find cuda_bf16.h: the diagnostic says so, with
+    // the line of common.cuh that includes it.
+    let message = err.to_string();
+    assert!(message.contains("cuda_bf16.h"), "{message}");
+    let std_err = kernels::include_dir_from(Some("/nonexistent/include".into())).unwrap_err();
+    assert!(
+        std_err.to_string().contains(kernels::INCLUDE_ENV),
+        "{std_err}"
+    );
+}

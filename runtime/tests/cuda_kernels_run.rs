@@ -1,0 +1,1431 @@
+//! The CUDA kernels on a GPU against the CPU backend's kernels.
+//!
+//! Every kernel the CUDA sources implement runs on random order-one inputs
+//! at odd sizes (none a multiple of a block or a warp), once in f32 and once
+//! with bf16 activations (bf16 in, f32 accumulators where the runtime uses
+//! them), for the Hopper cubin and for the portable PTX. Each case runs
+//! twice on the GPU from the same inputs, and must give the same bits; its
+//! outputs must match the CPU backend's within the tolerance of their dtype:
+//!
+//! - f32 and f64 outputs: `|gpu - cpu| / |cpu| <= 1e-5` (norms over the
+//!   whole output); u32 outputs (selections, counts, permutations): equal.
+//! - bf16 outputs: `<= 2^-8` (both sides compute in f32 and round once at
+//!   the store; where their f32 results differ in the last bits, a value can
+//!   round to the neighbouring bf16).
+//!
+//! Kernels that find a bad index report it through the device fault word:
+//! a case with a bad target and one with a bad row index check that too.
+//!
+//! Without a GPU (no driver, no device, no NVRTC) the test prints why and
+//! passes: it is built on a machine without CUDA and run on one with it
+//! (`cargo test --release --no-run -p hybridgen-runtime --test cuda_kernels_run`
+//! names the binary). It prints a table of every case last.
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use half::bf16;
+use hybridgen_dsl::config::ScoreFunction;
+use hybridgen_runtime::backend::{
+    AdamMoments, AdamStep, AttentionInputs, AuxLossDims, CopyCols, ExpertOrder, IGNORE_TARGET,
+    LossDims, MlaKvDims, NormDims, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs,
+    RoutedSlots, RouterScores, SgdStep, Tokens, Unary, UnpermuteDims, UnpermuteGrads,
+};
+use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
+use hybridgen_runtime::cuda::kernels::{self, Target};
+use hybridgen_runtime::cuda::{GpuView, KernelSet, probe};
+use hybridgen_runtime::view::{DType, View, ViewMut};
+use hybridgen_runtime::{Backend, Precision, Result};
+use std::sync::Arc;
+use std::time::Instant;
+
+// ---- host data ------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Host {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F64(Vec<f64>),
+    U32(Vec<u32>),
+}
+
+impl Host {
+    fn dtype(&self) -> DType {
+        match self {
+            Host::F32(_) => DType::F32,
+            Host::Bf16(_) => DType::Bf16,
+            Host::F64(_) => DType::F64,
+            Host::U32(_) => DType::U32,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Host::F32(v) => v.len(),
+            Host::Bf16(v) => v.len(),
+            Host::F64(v) => v.len(),
+            Host::U32(v) => v.len(),
+        }
+    }
+
+    fn values(&self) -> Vec<f64> {
+        match self {
+            Host::F32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+            Host::Bf16(v) => v.iter().map(|&x| f64::from(x.to_f32())).collect(),
+            Host::F64(v) => v.clone(),
+            Host::U32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+        }
+    }
+
+    fn bits(&self) -> Vec<u64> {
+        match self {
+            Host::F32(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
+            Host::Bf16(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
+            Host::F64(v) => v.iter().map(|x| x.to_bits()).collect(),
+            Host::U32(v) => v.iter().map(|&x| u64::from(x)).collect(),
+        }
+    }
+
+    /// `values` stored as `dtype` (a float dtype).
+    fn floats(values: Vec<f32>, dtype: DType) -> Host {
+        match dtype {
+            DType::Bf16 => Host::Bf16(values.into_iter().map(bf16::from_f32).collect()),
+            DType::F64 => Host::F64(values.into_iter().map(f64::from).collect()),
+            _ => Host::F32(values),
+        }
+    }
+}
+
+/// splitmix64: a seed always gives the same inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in `[-scale, scale)`.
+    fn sym(&mut self, scale: f32) -> f32 {
+        ((self.unit() * 2.0 - 1.0) * f64::from(scale)) as f32
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym(scale)).collect()
+    }
+    fn floats(&mut self, n: usize, dtype: DType) -> Host {
+        Host::floats(self.vec(n, 2.0), dtype)
+    }
+    fn permutation(&mut self, n: usize) -> Vec<u32> {
+        let mut p: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            p.swap(i, self.below(i + 1));
+        }
+        p
+    }
+    /// `k` distinct experts of `e` for each of `rows` tokens.
+    fn routing(&mut self, rows: usize, e: usize, k: usize) -> Vec<u32> {
+        let mut out = Vec::with_capacity(rows * k);
+        for _ in 0..rows {
+            let p = self.permutation(e);
+            out.extend_from_slice(&p[..k]);
+        }
+        out
+    }
+}
+
+fn nan(n: usize, dtype: DType) -> Host {
+    Host::floats(vec![f32::NAN; n], dtype)
+}
+
+// ---- the two devices -----------------------------------------------------------
+
+enum GpuBuf {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+    F64(CudaSlice<f64>),
+    U32(CudaSlice<u32>),
+}
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+}
+
+impl Gpu {
+    fn upload(&self, h: &Host) -> GpuBuf {
+        // An empty host vector still gets a (one-element) allocation.
+        let s = &self.stream;
+        match h {
+            Host::F32(v) => GpuBuf::F32(s.clone_htod(&pad(v)).expect("upload")),
+            Host::Bf16(v) => GpuBuf::Bf16(s.clone_htod(&pad(v)).expect("upload")),
+            Host::F64(v) => GpuBuf::F64(s.clone_htod(&pad(v)).expect("upload")),
+            Host::U32(v) => GpuBuf::U32(s.clone_htod(&pad(v)).expect("upload")),
+        }
+    }
+
+    fn view(&self, b: &GpuBuf, h: &Host) -> GpuView {
+        let s = &self.stream;
+        let ptr = match b {
+            GpuBuf::F32(x) => x.device_ptr(s).0,
+            GpuBuf::Bf16(x) => x.device_ptr(s).0,
+            GpuBuf::F64(x) => x.device_ptr(s).0,
+            GpuBuf::U32(x) => x.device_ptr(s).0,
+        };
+        GpuView::new(ptr, h.len(), h.dtype())
+    }
+
+    fn download(&self, b: &GpuBuf, len: usize) -> Host {
+        let s = &self.stream;
+        match b {
+            GpuBuf::F32(x) => Host::F32(s.clone_dtoh(x).expect("download")[..len].to_vec()),
+            GpuBuf::Bf16(x) => Host::Bf16(s.clone_dtoh(x).expect("download")[..len].to_vec()),
+            GpuBuf::F64(x) => Host::F64(s.clone_dtoh(x).expect("download")[..len].to_vec()),
+            GpuBuf::U32(x) => Host::U32(s.clone_dtoh(x).expect("download")[..len].to_vec()),
+        }
+    }
+}
+
+fn pad<T: Copy + Default>(v: &[T]) -> Vec<T> {
+    if v.is_empty() {
+        vec![T::default()]
+    } else {
+        v.to_vec()
+    }
+}
+
+fn cpu_upload(b: &CpuBackend, h: &Host) -> CpuBuf {
+    let buf = b.alloc(h.len(), h.dtype()).expect("alloc");
+    let dst = ViewMut::whole(&buf);
+    match h {
+        Host::F32(v) => b.upload(v, dst),
+        Host::Bf16(v) => b.upload(v, dst),
+        Host::F64(v) => b.upload(v, dst),
+        Host::U32(v) => b.upload(v, dst),
+    }
+    .expect("upload");
+    buf
+}
+
+fn cpu_download(b: &CpuBackend, buf: &CpuBuf, like: &Host) -> Host {
+    let src = View::whole(buf);
+    let n = like.len();
+    match like {
+        Host::F32(_) => {
+            let mut v = vec![0.0f32; n];
+            b.download(src, &mut v).expect("download");
+            Host::F32(v)
+        }
+        Host::Bf16(_) => {
+            let mut v = vec![bf16::ZERO; n];
+            b.download(src, &mut v).expect("download");
+            Host::Bf16(v)
+        }
+        Host::F64(_) => {
+            let mut v = vec![0.0f64; n];
+            b.download(src, &mut v).expect("download");
+            Host::F64(v)
+        }
+        Host::U32(_) => {
+            let mut v = vec![0u32; n];
+            b.download(src, &mut v).expect("download");
+            Host::U32(v)
+        }
+    }
+}
+
+// ---- cases ------------------------------------------------------------------------
+
+type CpuRun<'a> = Box<dyn Fn(&CpuBackend, &[CpuBuf]) -> Result<()> + 'a>;
+type GpuRun<'a> = Box<dyn Fn(&KernelSet, &CudaStream, &[GpuView]) -> Result<()> + 'a>;
+/// Expected outputs computed in f64 from the inputs.
+type Reference = fn(&[Host]) -> Vec<Host>;
+
+struct Case<'a> {
+    kernel: String,
+    mode: &'static str,
+    shape: String,
+    buffers: Vec<Host>,
+    /// Which buffers are compared after the run.
+    outputs: Vec<usize>,
+    cpu: CpuRun<'a>,
+    gpu: GpuRun<'a>,
+    /// Where the CPU kernel's own f32 rounding exceeds the tolerance (a
+    /// long sequential f32 sum), the GPU is checked against an f64
+    /// reference instead, and the CPU's distance from it is shown.
+    reference: Option<Reference>,
+}
+
+fn v(b: &CpuBuf) -> View<'_, CpuBuf> {
+    View::whole(b)
+}
+fn m(b: &CpuBuf) -> ViewMut<'_, CpuBuf> {
+    ViewMut::whole(b)
+}
+
+/// One line of the table.
+struct Row {
+    target: Target,
+    kernel: String,
+    mode: &'static str,
+    shape: String,
+    error: f64,
+    max_abs: f64,
+    tolerance: f64,
+    repeatable: bool,
+    problem: Option<String>,
+    note: String,
+}
+
+impl Row {
+    fn passed(&self) -> bool {
+        self.problem.is_none() && self.repeatable && self.error <= self.tolerance
+    }
+}
+
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::Bf16 => 1.0 / 256.0,
+        DType::U32 => 0.0,
+        _ => 1e-5,
+    }
+}
+
+/// `(|a - b| / |b|, max |a - b|)` with NaN where either has one the other
+/// has not (an unwritten or broken output).
+fn compare(gpu: &Host, cpu: &Host) -> (f64, f64) {
+    let (a, b) = (gpu.values(), cpu.values());
+    if gpu.dtype() == DType::U32 {
+        let wrong = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        return (wrong as f64, if wrong > 0 { 1.0 } else { 0.0 });
+    }
+    let (mut diff, mut norm, mut max_abs) = (0.0f64, 0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(&b) {
+        if x.is_nan() != y.is_nan() {
+            return (f64::NAN, f64::NAN);
+        }
+        if x.is_nan() {
+            continue;
+        }
+        diff += (x - y) * (x - y);
+        norm += y * y;
+        max_abs = max_abs.max((x - y).abs());
+    }
+    let rel = if norm > 0.0 {
+        (diff / norm).sqrt()
+    } else {
+        diff.sqrt()
+    };
+    (rel, max_abs)
+}
+
+fn run_case(gpu: &Gpu, set: &KernelSet, case: &Case<'_>) -> Row {
+    let mut row = Row {
+        target: set.target(),
+        kernel: case.kernel.clone(),
+        mode: case.mode,
+        shape: case.shape.clone(),
+        error: 0.0,
+        max_abs: 0.0,
+        tolerance: case
+            .outputs
+            .iter()
+            .map(|&i| tolerance(case.buffers[i].dtype()))
+            .fold(f64::INFINITY, f64::min),
+        repeatable: true,
+        problem: None,
+        note: String::new(),
+    };
+    let cpu = CpuBackend::new(Precision::F32);
+    let cpu_bufs: Vec<CpuBuf> = case.buffers.iter().map(|h| cpu_upload(&cpu, h)).collect();
+    if let Err(e) = (case.cpu)(&cpu, &cpu_bufs) {
+        row.problem = Some(format!("CPU refused: {e}"));
+        return row;
+    }
+    let mut expected: Vec<Host> = case
+        .outputs
+        .iter()
+        .map(|&i| cpu_download(&cpu, &cpu_bufs[i], &case.buffers[i]))
+        .collect();
+    if let Some(reference) = case.reference {
+        let exact = reference(&case.buffers);
+        let cpu_error = expected
+            .iter()
+            .zip(&exact)
+            .map(|(c, e)| compare(c, e).0)
+            .fold(0.0f64, f64::max);
+        row.note = format!("vs f64; CPU vs f64 {cpu_error:.1e}");
+        expected = exact;
+    }
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let bufs: Vec<GpuBuf> = case.buffers.iter().map(|h| gpu.upload(h)).collect();
+        let views: Vec<GpuView> = bufs
+            .iter()
+            .zip(&case.buffers)
+            .map(|(b, h)| gpu.view(b, h))
+            .collect();
+        if let Err(e) = (case.gpu)(set, &gpu.stream, &views) {
+            row.problem = Some(format!("GPU refused: {e}"));
+            return row;
+        }
+        if let Err(e) = gpu.stream.synchronize() {
+            row.problem = Some(format!("GPU failed: {e}"));
+            return row;
+        }
+        match set.take_fault(&gpu.stream) {
+            Ok(None) => {}
+            Ok(Some(fault)) => {
+                row.problem = Some(format!("device fault: {fault}"));
+                return row;
+            }
+            Err(e) => {
+                row.problem = Some(format!("GPU failed: {e}"));
+                return row;
+            }
+        }
+        let outs: Vec<Host> = case
+            .outputs
+            .iter()
+            .map(|&i| gpu.download(&bufs[i], case.buffers[i].len()))
+            .collect();
+        runs.push(outs);
+    }
+    row.repeatable = runs[0]
+        .iter()
+        .zip(&runs[1])
+        .all(|(a, b)| a.bits() == b.bits());
+    // Report the output furthest past its tolerance.
+    let mut worst = -1.0f64;
+    for ((got, want), &i) in runs[0].iter().zip(&expected).zip(&case.outputs) {
+        let (rel, max_abs) = compare(got, want);
+        let tol = tolerance(case.buffers[i].dtype());
+        let rel = if rel.is_nan() { f64::INFINITY } else { rel };
+        let ratio = if rel == 0.0 {
+            0.0
+        } else if tol == 0.0 {
+            f64::INFINITY
+        } else {
+            rel / tol
+        };
+        if ratio > worst {
+            worst = ratio;
+            row.error = rel;
+            row.tolerance = tol;
+        }
+        row.max_abs = row.max_abs.max(if max_abs.is_nan() {
+            f64::INFINITY
+        } else {
+            max_abs
+        });
+    }
+    row
+}
+
+/// The activation dtypes of a mode.
+const MODES: [(&str, DType); 2] = [("f32", DType::F32), ("bf16", DType::Bf16)];
+
+fn all_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed);
+    let mut cases: Vec<Case<'static>> = Vec::new();
+
+    // Casts and fills.
+    for (from, to) in [
+        (DType::F32, DType::Bf16),
+        (DType::Bf16, DType::F32),
+        (DType::F64, DType::Bf16),
+        (DType::F64, DType::F32),
+        (DType::F32, DType::F64),
+    ] {
+        let n = 100_003;
+        cases.push(Case {
+            kernel: "cast".into(),
+            mode: "-",
+            shape: format!("{n} {from}->{to}"),
+            buffers: vec![rng.floats(n, from), nan(n, to)],
+            outputs: vec![1],
+            cpu: Box::new(|b, x| b.cast(v(&x[0]), m(&x[1]))),
+            gpu: Box::new(|s, st, x| s.cast(st, x[0], x[1])),
+            reference: None,
+        });
+    }
+    for dtype in [DType::F32, DType::Bf16, DType::F64] {
+        let n = 70_001;
+        cases.push(Case {
+            kernel: "fill".into(),
+            mode: "-",
+            shape: format!("{n} {dtype}"),
+            buffers: vec![nan(n, dtype)],
+            outputs: vec![0],
+            cpu: Box::new(|b, x| b.fill(m(&x[0]), 0.1234567)),
+            gpu: Box::new(|s, st, x| s.fill(st, x[0], 0.1234567)),
+            reference: None,
+        });
+    }
+
+    for (mode, a) in MODES {
+        // Dense element-wise and sums.
+        for n in [1usize, 33, 100_003] {
+            cases.push(Case {
+                kernel: "axpy".into(),
+                mode,
+                shape: format!("{n} into f32"),
+                buffers: vec![rng.floats(n, a), rng.floats(n, DType::F32)],
+                outputs: vec![1],
+                cpu: Box::new(|b, x| b.axpy(-0.75, v(&x[0]), m(&x[1]))),
+                gpu: Box::new(|s, st, x| s.axpy(st, -0.75, x[0], x[1])),
+                reference: None,
+            });
+        }
+        cases.push(Case {
+            kernel: "axpy".into(),
+            mode,
+            shape: format!("100003 into {a}"),
+            buffers: vec![rng.floats(100_003, a), rng.floats(100_003, a)],
+            outputs: vec![1],
+            cpu: Box::new(|b, x| b.axpy(1.5, v(&x[0]), m(&x[1]))),
+            gpu: Box::new(|s, st, x| s.axpy(st, 1.5, x[0], x[1])),
+            reference: None,
+        });
+        cases.push(Case {
+            kernel: "scale".into(),
+            mode,
+            shape: "100003".into(),
+            buffers: vec![rng.floats(100_003, a)],
+            outputs: vec![0],
+            cpu: Box::new(|b, x| b.scale(m(&x[0]), 0.3)),
+            gpu: Box::new(|s, st, x| s.scale(st, x[0], 0.3)),
+            reference: None,
+        });
+        for accumulate in [false, true] {
+            let d = CopyCols {
+                rows: 301,
+                cols: 37,
+                src_stride: 101,
+                src_offset: 13,
+                dst_stride: 50,
+                dst_offset: 11,
+                accumulate,
+            };
+            cases.push(Case {
+                kernel: "copy_cols".into(),
+                mode,
+                shape: format!("301x37{}", if accumulate { " +=" } else { "" }),
+                buffers: vec![rng.floats(301 * 101, a), rng.floats(301 * 50, a)],
+                outputs: vec![1],
+                cpu: Box::new(move |b, x| b.copy_cols(v(&x[0]), m(&x[1]), d)),
+                gpu: Box::new(move |s, st, x| s.copy_cols(st, x[0], x[1], d)),
+                reference: None,
+            });
+        }
+        for (rows, cols) in [(1001usize, 77usize), (5, 1999)] {
+            cases.push(Case {
+                kernel: "column_sum".into(),
+                mode,
+                shape: format!("{rows}x{cols} into f32"),
+                buffers: vec![rng.floats(rows * cols, a), rng.floats(cols, DType::F32)],
+                outputs: vec![1],
+                cpu: Box::new(move |b, x| b.column_sum(v(&x[0]), m(&x[1]), rows, cols)),
+                gpu: Box::new(move |s, st, x| s.column_sum(st, x[0], x[1], rows, cols)),
+                reference: None,
+            });
+        }
+        for n in [1usize, 16_385] {
+            cases.push(Case {
+                kernel: "accumulate_sum".into(),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![rng.floats(n, a), Host::F64(vec![3.25])],
+                outputs: vec![1],
+                cpu: Box::new(|b, x| b.accumulate_sum(v(&x[0]), m(&x[1]))),
+                gpu: Box::new(|s, st, x| s.accumulate_sum(st, x[0], x[1])),
+                reference: None,
+            });
+        }
+
+        // RMSNorm.
+        for (rows, dim, groups) in [(257usize, 771usize, 1usize), (33, 771, 3), (7, 4100, 1)] {
+            let d = NormDims {
+                rows,
+                dim,
+                groups,
+                eps: 1e-5,
+            };
+            let shape = format!("{rows}x{dim}/{groups}");
+            let w = rng.floats(dim, a);
+            let x = rng.floats(rows * dim, a);
+            cases.push(Case {
+                kernel: "rmsnorm_forward".into(),
+                mode,
+                shape: shape.clone(),
+                buffers: vec![
+                    x.clone(),
+                    w.clone(),
+                    nan(rows * dim, a),
+                    nan(rows * groups, DType::F32),
+                ],
+                outputs: vec![2, 3],
+                cpu: Box::new(move |b, x| {
+                    b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)
+                }),
+                gpu: Box::new(move |s, st, x| s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], d)),
+                reference: None,
+            });
+            let rstd = Host::F32(
+                (0..rows * groups)
+                    .map(|_| 0.5 + rng.unit() as f32)
+                    .collect(),
+            );
+            cases.push(Case {
+                kernel: "rmsnorm_backward_input".into(),
+                mode,
+                shape: shape.clone(),
+                buffers: vec![
+                    rng.floats(rows * dim, a),
+                    x.clone(),
+                    w.clone(),
+                    rstd.clone(),
+                    rng.floats(rows * dim, a),
+                ],
+                outputs: vec![4],
+                cpu: Box::new(move |b, x| {
+                    b.rmsnorm_backward_input(v(&x[0]), v(&x[1]), v(&x[2]), v(&x[3]), m(&x[4]), d)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], d)
+                }),
+                reference: None,
+            });
+            cases.push(Case {
+                kernel: "rmsnorm_backward_weight".into(),
+                mode,
+                shape: format!("{shape} into f32"),
+                buffers: vec![
+                    rng.floats(rows * dim, a),
+                    x,
+                    rstd,
+                    rng.floats(dim, DType::F32),
+                ],
+                outputs: vec![3],
+                cpu: Box::new(move |b, x| {
+                    b.rmsnorm_backward_weight(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), d)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.rmsnorm_backward_weight(st, x[0], x[1], x[2], x[3], d)
+                }),
+                reference: None,
+            });
+        }
+
+        // Activations.
+        let n = 65_537;
+        for op in [Unary::Silu, Unary::Gelu, Unary::SquaredRelu] {
+            cases.push(Case {
+                kernel: format!("unary_forward {op:?}"),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![Host::floats(rng.vec(n, 4.0), a), nan(n, a)],
+                outputs: vec![1],
+                cpu: Box::new(move |b, x| b.unary_forward(op, v(&x[0]), m(&x[1]))),
+                gpu: Box::new(move |s, st, x| s.unary_forward(st, op, x[0], x[1])),
+                reference: None,
+            });
+            cases.push(Case {
+                kernel: format!("unary_backward {op:?}"),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![
+                    Host::floats(rng.vec(n, 4.0), a),
+                    rng.floats(n, a),
+                    nan(n, a),
+                ],
+                outputs: vec![2],
+                cpu: Box::new(move |b, x| b.unary_backward(op, v(&x[0]), v(&x[1]), m(&x[2]))),
+                gpu: Box::new(move |s, st, x| s.unary_backward(st, op, x[0], x[1], x[2])),
+                reference: None,
+            });
+        }
+        cases.push(Case {
+            kernel: "silu_mul_forward".into(),
+            mode,
+            shape: format!("{n}"),
+            buffers: vec![rng.floats(n, a), rng.floats(n, a), nan(n, a)],
+            outputs: vec![2],
+            cpu: Box::new(|b, x| b.silu_mul_forward(v(&x[0]), v(&x[1]), m(&x[2]))),
+            gpu: Box::new(|s, st, x| s.silu_mul_forward(st, x[0], x[1], x[2])),
+            reference: None,
+        });
+        cases.push(Case {
+            kernel: "silu_mul_backward".into(),
+            mode,
+            shape: format!("{n}"),
+            buffers: vec![
+                rng.floats(n, a),
+                rng.floats(n, a),
+                rng.floats(n, a),
+                nan(n, a),
+                nan(n, a),
+            ],
+            outputs: vec![3, 4],
+            cpu: Box::new(|b, x| {
+                b.silu_mul_backward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), m(&x[4]))
+            }),
+            gpu: Box::new(|s, st, x| s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4])),
+            reference: None,
+        });
+
+        // Rotary.
+        let d = RotaryDims {
+            tokens: Tokens::new(3, 67),
+            heads: 5,
+            head_stride: 48,
+            offset: 8,
+            dim: 32,
+            base: 10_000.0,
+        };
+        let len = 3 * 67 * 5 * 48;
+        cases.push(Case {
+            kernel: "rotary_forward".into(),
+            mode,
+            shape: "3x67 5h 32/48".into(),
+            buffers: vec![rng.floats(len, a)],
+            outputs: vec![0],
+            cpu: Box::new(move |b, x| b.rotary_forward(m(&x[0]), d)),
+            gpu: Box::new(move |s, st, x| s.rotary_forward(st, x[0], d)),
+            reference: None,
+        });
+        cases.push(Case {
+            kernel: "rotary_backward".into(),
+            mode,
+            shape: "3x67 5h 32/48".into(),
+            buffers: vec![rng.floats(len, a)],
+            outputs: vec![0],
+            cpu: Box::new(move |b, x| b.rotary_backward(m(&x[0]), d)),
+            gpu: Box::new(move |s, st, x| s.rotary_backward(st, x[0], d)),
+            reference: None,
+        });
+
+        // Head splits.
+        let d = QkvDims {
+            rows: 131,
+            groups: 3,
+            heads_per_group: 2,
+            head_dim: 24,
+        };
+        let (q_len, kv_len) = (131 * 6 * 24, 131 * 3 * 24);
+        cases.push(Case {
+            kernel: "qkv_split".into(),
+            mode,
+            shape: "131 3g 2h 24".into(),
+            buffers: vec![
+                rng.floats(131 * d.width(), a),
+                nan(q_len, a),
+                nan(kv_len, a),
+                nan(kv_len, a),
+            ],
+            outputs: vec![1, 2, 3],
+            cpu: Box::new(move |b, x| {
+                b.qkv_split(
+                    v(&x[0]),
+                    AttentionInputs {
+                        q: m(&x[1]),
+                        k: m(&x[2]),
+                        v: m(&x[3]),
+                    },
+                    d,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| s.qkv_split(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
+        });
+        cases.push(Case {
+            kernel: "qkv_join".into(),
+            mode,
+            shape: "131 3g 2h 24".into(),
+            buffers: vec![
+                rng.floats(q_len, a),
+                rng.floats(kv_len, a),
+                rng.floats(kv_len, a),
+                nan(131 * d.width(), a),
+            ],
+            outputs: vec![3],
+            cpu: Box::new(move |b, x| {
+                b.qkv_join(
+                    AttentionInputs {
+                        q: v(&x[0]),
+                        k: v(&x[1]),
+                        v: v(&x[2]),
+                    },
+                    m(&x[3]),
+                    d,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| s.qkv_join(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
+        });
+        let d = MlaKvDims {
+            rows: 97,
+            heads: 5,
+            nope_dim: 12,
+            rope_dim: 8,
+            v_dim: 10,
+        };
+        let (kv_n, rope_n, k_n, v_n) = (97 * 5 * 22, 97 * 8, 97 * 5 * 20, 97 * 5 * 10);
+        cases.push(Case {
+            kernel: "mla_kv_split".into(),
+            mode,
+            shape: "97 5h 12+8/10".into(),
+            buffers: vec![
+                rng.floats(kv_n, a),
+                rng.floats(rope_n, a),
+                nan(k_n, a),
+                nan(v_n, a),
+            ],
+            outputs: vec![2, 3],
+            cpu: Box::new(move |b, x| b.mla_kv_split(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)),
+            gpu: Box::new(move |s, st, x| s.mla_kv_split(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
+        });
+        cases.push(Case {
+            kernel: "mla_kv_join".into(),
+            mode,
+            shape: "97 5h 12+8/10".into(),
+            buffers: vec![
+                rng.floats(k_n, a),
+                rng.floats(v_n, a),
+                nan(kv_n, a),
+                nan(rope_n, a),
+            ],
+            outputs: vec![2, 3],
+            cpu: Box::new(move |b, x| b.mla_kv_join(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)),
+            gpu: Box::new(move |s, st, x| s.mla_kv_join(st, x[0], x[1], x[2], x[3], d)),
+            reference: None,
+        });
+
+        // Row moves and the MoE combine.
+        let (count, width, src_rows) = (299usize, 65usize, 311usize);
+        let index: Vec<u32> = (0..count).map(|_| rng.below(src_rows) as u32).collect();
+        cases.push(Case {
+            kernel: "gather_rows".into(),
+            mode,
+            shape: format!("{count} of {src_rows}x{width}"),
+            buffers: vec![
+                rng.floats(src_rows * width, a),
+                Host::U32(index),
+                nan(count * width, a),
+            ],
+            outputs: vec![2],
+            cpu: Box::new(move |b, x| b.gather_rows(v(&x[0]), v(&x[1]), m(&x[2]), width)),
+            gpu: Box::new(move |s, st, x| s.gather_rows(st, x[0], x[1], x[2], width)),
+            reference: None,
+        });
+        let perm = rng.permutation(src_rows)[..count].to_vec();
+        cases.push(Case {
+            kernel: "scatter_rows".into(),
+            mode,
+            shape: format!("{count} into {src_rows}x{width}"),
+            buffers: vec![
+                rng.floats(count * width, a),
+                Host::U32(perm),
+                rng.floats(src_rows * width, a),
+            ],
+            outputs: vec![2],
+            cpu: Box::new(move |b, x| b.scatter_rows(v(&x[0]), v(&x[1]), m(&x[2]), width)),
+            gpu: Box::new(move |s, st, x| s.scatter_rows(st, x[0], x[1], x[2], width)),
+            reference: None,
+        });
+        let d = UnpermuteDims {
+            tokens: 203,
+            top_k: 3,
+            rows: 609,
+            width: 129,
+        };
+        let positions = rng.permutation(609);
+        let weights = Host::F32(rng.vec(609, 1.0));
+        for weighted in [true, false] {
+            let positions = Host::U32(positions.clone());
+            let w = weights.clone();
+            cases.push(Case {
+                kernel: "moe_unpermute".into(),
+                mode,
+                shape: format!("203x3 129{}", if weighted { " weighted" } else { "" }),
+                buffers: vec![rng.floats(609 * 129, a), w, positions, nan(203 * 129, a)],
+                outputs: vec![3],
+                cpu: Box::new(move |b, x| {
+                    b.moe_unpermute(v(&x[0]), weighted.then(|| v(&x[1])), v(&x[2]), m(&x[3]), d)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d)
+                }),
+                reference: None,
+            });
+        }
+        cases.push(Case {
+            kernel: "moe_unpermute_backward".into(),
+            mode,
+            shape: "203x3 129".into(),
+            buffers: vec![
+                rng.floats(203 * 129, a),
+                rng.floats(609 * 129, a),
+                weights.clone(),
+                Host::U32(positions.clone()),
+                nan(609 * 129, a),
+                nan(609, DType::F32),
+            ],
+            outputs: vec![4, 5],
+            cpu: Box::new(move |b, x| {
+                b.moe_unpermute_backward(
+                    v(&x[0]),
+                    v(&x[1]),
+                    v(&x[2]),
+                    v(&x[3]),
+                    UnpermuteGrads {
+                        rows: m(&x[4]),
+                        weights: m(&x[5]),
+                    },
+                    d,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| {
+                s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
+            }),
+            reference: None,
+        });
+    }
+
+    // f32-only kernels: loss, routing, dispatch, optimizer, norm partials.
+    for (rows, vocab) in [(37usize, 5003usize), (5, 131_071)] {
+        let d = LossDims { rows, vocab };
+        let targets: Vec<u32> = (0..rows)
+            .map(|r| {
+                if r % 7 == 3 {
+                    IGNORE_TARGET
+                } else {
+                    rng.below(vocab) as u32
+                }
+            })
+            .collect();
+        cases.push(Case {
+            kernel: "cross_entropy_forward".into(),
+            mode: "f32",
+            shape: format!("{rows}x{vocab}"),
+            buffers: vec![
+                Host::F32(rng.vec(rows * vocab, 6.0)),
+                Host::U32(targets.clone()),
+                nan(rows, DType::F32),
+            ],
+            outputs: vec![0, 2],
+            cpu: Box::new(move |b, x| b.cross_entropy_forward(m(&x[0]), v(&x[1]), m(&x[2]), d)),
+            gpu: Box::new(move |s, st, x| s.cross_entropy_forward(st, x[0], x[1], x[2], d)),
+            reference: Some(cross_entropy_reference),
+        });
+        let probs: Vec<f32> = (0..rows * vocab)
+            .map(|_| rng.unit() as f32 / vocab as f32)
+            .collect();
+        cases.push(Case {
+            kernel: "cross_entropy_backward".into(),
+            mode: "f32",
+            shape: format!("{rows}x{vocab}"),
+            buffers: vec![Host::F32(probs), Host::U32(targets)],
+            outputs: vec![0],
+            cpu: Box::new(move |b, x| b.cross_entropy_backward(m(&x[0]), v(&x[1]), 0.37, d)),
+            gpu: Box::new(move |s, st, x| s.cross_entropy_backward(st, x[0], x[1], 0.37, d)),
+            reference: None,
+        });
+    }
+
+    for (rows, experts, top_k) in [(301usize, 64usize, 6usize), (77, 37, 1), (129, 160, 8)] {
+        for score in [ScoreFunction::Softmax, ScoreFunction::Sigmoid] {
+            let d = RouteDims {
+                rows,
+                experts,
+                top_k,
+                score,
+            };
+            let shape = format!("{rows}x{experts} top{top_k} {score:?}");
+            let logits = Host::F32(rng.vec(rows * experts, 3.0));
+            let bias = Host::F32(rng.vec(experts, 0.2));
+            for with_bias in [false, true] {
+                cases.push(Case {
+                    kernel: "moe_route_forward".into(),
+                    mode: "f32",
+                    shape: format!("{shape}{}", if with_bias { " bias" } else { "" }),
+                    buffers: vec![
+                        logits.clone(),
+                        bias.clone(),
+                        nan(rows * experts, DType::F32),
+                        nan(rows * top_k, DType::F32),
+                        Host::F32(rng.vec(experts, 1.0)),
+                        Host::U32(vec![u32::MAX; rows * top_k]),
+                    ],
+                    outputs: vec![2, 3, 4, 5],
+                    cpu: Box::new(move |b, x| {
+                        b.moe_route_forward(
+                            v(&x[0]),
+                            with_bias.then(|| v(&x[1])),
+                            RouteOutputs {
+                                scores: m(&x[2]),
+                                weights: m(&x[3]),
+                                softmax_sum: m(&x[4]),
+                            },
+                            m(&x[5]),
+                            d,
+                        )
+                    }),
+                    gpu: Box::new(move |s, st, x| {
+                        s.moe_route_forward(
+                            st,
+                            x[0],
+                            with_bias.then_some(x[1]),
+                            x[2],
+                            x[3],
+                            x[4],
+                            x[5],
+                            d,
+                        )
+                    }),
+                    reference: None,
+                });
+            }
+            // The backward reads what a forward saved: scores of the logits.
+            let cpu = CpuBackend::default();
+            let lb = cpu_upload(&cpu, &logits);
+            let scores = cpu_upload(&cpu, &nan(rows * experts, DType::F32));
+            let weights = cpu_upload(&cpu, &nan(rows * top_k, DType::F32));
+            let sums = cpu_upload(&cpu, &Host::F32(vec![0.0; experts]));
+            let sel = cpu_upload(&cpu, &Host::U32(vec![0; rows * top_k]));
+            cpu.moe_route_forward(
+                v(&lb),
+                None,
+                RouteOutputs {
+                    scores: m(&scores),
+                    weights: m(&weights),
+                    softmax_sum: m(&sums),
+                },
+                m(&sel),
+                d,
+            )
+            .expect("routing forward on the CPU");
+            let saved_scores = cpu_download(&cpu, &scores, &nan(rows * experts, DType::F32));
+            let saved_sel = cpu_download(&cpu, &sel, &Host::U32(vec![0; rows * top_k]));
+            cases.push(Case {
+                kernel: "moe_route_backward".into(),
+                mode: "f32",
+                shape,
+                buffers: vec![
+                    logits,
+                    saved_scores,
+                    saved_sel,
+                    Host::F32(rng.vec(rows * top_k, 1.0)),
+                    Host::F32(rng.vec(experts, 0.01)),
+                    nan(rows * experts, DType::F32),
+                ],
+                outputs: vec![5],
+                cpu: Box::new(move |b, x| {
+                    b.moe_route_backward(
+                        RouterScores {
+                            logits: v(&x[0]),
+                            scores: v(&x[1]),
+                        },
+                        v(&x[2]),
+                        v(&x[3]),
+                        v(&x[4]),
+                        m(&x[5]),
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.moe_route_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
+                }),
+                reference: None,
+            });
+        }
+    }
+
+    for (tokens, experts, top_k) in [(1001usize, 64usize, 6usize), (3001, 256, 8), (5, 7, 2)] {
+        let slots = RoutedSlots {
+            tokens,
+            top_k,
+            experts,
+        };
+        let selected = rng.routing(tokens, experts, top_k);
+        let mut counts = vec![0u32; experts];
+        for &e in &selected {
+            counts[e as usize] += 1;
+        }
+        let shape = format!("{tokens}x{top_k} of {experts}");
+        cases.push(Case {
+            kernel: "moe_expert_counts".into(),
+            mode: "u32",
+            shape: shape.clone(),
+            buffers: vec![Host::U32(selected.clone()), Host::U32(vec![7; experts])],
+            outputs: vec![1],
+            cpu: Box::new(move |b, x| b.moe_expert_counts(v(&x[0]), m(&x[1]), slots)),
+            gpu: Box::new(move |s, st, x| s.moe_expert_counts(st, x[0], x[1], slots)),
+            reference: None,
+        });
+        let n = tokens * top_k;
+        cases.push(Case {
+            kernel: "moe_sort_by_expert".into(),
+            mode: "u32",
+            shape: shape.clone(),
+            buffers: vec![
+                Host::U32(selected),
+                Host::U32(counts.clone()),
+                Host::U32(vec![u32::MAX; n]),
+                Host::U32(vec![u32::MAX; n]),
+            ],
+            outputs: vec![2, 3],
+            cpu: Box::new(move |b, x| {
+                b.moe_sort_by_expert(
+                    v(&x[0]),
+                    v(&x[1]),
+                    ExpertOrder {
+                        positions: m(&x[2]),
+                        sources: m(&x[3]),
+                    },
+                    slots,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| s.moe_sort_by_expert(st, x[0], x[1], x[2], x[3], slots)),
+            reference: None,
+        });
+        let softmax_sum = Host::F32(
+            (0..experts)
+                .map(|_| rng.unit() as f32 * tokens as f32 / experts as f32)
+                .collect(),
+        );
+        let d = AuxLossDims { slots, coeff: 0.01 };
+        cases.push(Case {
+            kernel: "moe_aux_loss_forward".into(),
+            mode: "f32",
+            shape: shape.clone(),
+            buffers: vec![Host::U32(counts.clone()), softmax_sum, Host::F64(vec![0.5])],
+            outputs: vec![2],
+            cpu: Box::new(move |b, x| b.moe_aux_loss_forward(v(&x[0]), v(&x[1]), m(&x[2]), d)),
+            gpu: Box::new(move |s, st, x| s.moe_aux_loss_forward(st, x[0], x[1], x[2], d)),
+            reference: None,
+        });
+        cases.push(Case {
+            kernel: "moe_aux_loss_backward".into(),
+            mode: "f32",
+            shape,
+            buffers: vec![Host::U32(counts), nan(experts, DType::F32)],
+            outputs: vec![1],
+            cpu: Box::new(move |b, x| b.moe_aux_loss_backward(v(&x[0]), m(&x[1]), d, 0.25)),
+            gpu: Box::new(move |s, st, x| s.moe_aux_loss_backward(st, x[0], x[1], d, 0.25)),
+            reference: None,
+        });
+    }
+    for (ranks, local) in [(4usize, 3usize), (1, 1), (8, 16)] {
+        let d = ReceivedDims {
+            ranks,
+            local_experts: local,
+        };
+        let recv: Vec<u32> = (0..ranks * local).map(|_| rng.below(40) as u32).collect();
+        let total: usize = recv.iter().map(|&c| c as usize).sum();
+        cases.push(Case {
+            kernel: "moe_expert_major_order".into(),
+            mode: "u32",
+            shape: format!("{ranks} ranks x {local} experts, {total} rows"),
+            buffers: vec![Host::U32(recv), Host::U32(vec![u32::MAX; total])],
+            outputs: vec![1],
+            cpu: Box::new(move |b, x| b.moe_expert_major_order(v(&x[0]), m(&x[1]), d)),
+            gpu: Box::new(move |s, st, x| s.moe_expert_major_order(st, x[0], x[1], d)),
+            reference: None,
+        });
+    }
+
+    for n in [1usize, 100_003] {
+        let decayed: Vec<u32> = if n == 1 {
+            vec![0, 1]
+        } else {
+            vec![0, 40_000, 40_010, 40_011, 70_000, 99_999]
+        };
+        let step = AdamStep {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_scale: 0.8,
+            step: 7,
+        };
+        let moment_v = Host::F32((0..n).map(|_| rng.unit() as f32 * 0.01).collect());
+        cases.push(Case {
+            kernel: "adam_update".into(),
+            mode: "f32",
+            shape: format!("{n}, {} ranges", decayed.len() / 2),
+            buffers: vec![
+                rng.floats(n, DType::F32),
+                rng.floats(n, DType::F32),
+                Host::F32(rng.vec(n, 0.1)),
+                moment_v,
+                Host::U32(decayed.clone()),
+            ],
+            outputs: vec![0, 2, 3],
+            cpu: Box::new(move |b, x| {
+                b.adam_update(
+                    m(&x[0]),
+                    v(&x[1]),
+                    AdamMoments {
+                        m: m(&x[2]),
+                        v: m(&x[3]),
+                    },
+                    v(&x[4]),
+                    step,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| {
+                s.adam_update(st, x[0], x[1], AdamMoments { m: x[2], v: x[3] }, x[4], step)
+            }),
+            reference: None,
+        });
+        for momentum in [0.0f32, 0.9] {
+            let step = SgdStep {
+                lr: 0.05,
+                momentum,
+                weight_decay: 0.01,
+                grad_scale: 0.5,
+            };
+            cases.push(Case {
+                kernel: "sgd_update".into(),
+                mode: "f32",
+                shape: format!("{n}{}", if momentum != 0.0 { " momentum" } else { "" }),
+                buffers: vec![
+                    rng.floats(n, DType::F32),
+                    rng.floats(n, DType::F32),
+                    rng.floats(n, DType::F32),
+                    Host::U32(decayed.clone()),
+                ],
+                outputs: vec![0, 2],
+                cpu: Box::new(move |b, x| {
+                    b.sgd_update(
+                        m(&x[0]),
+                        v(&x[1]),
+                        (momentum != 0.0).then(|| m(&x[2])),
+                        v(&x[3]),
+                        step,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.sgd_update(
+                        st,
+                        x[0],
+                        x[1],
+                        (momentum != 0.0).then_some(x[2]),
+                        x[3],
+                        step,
+                    )
+                }),
+                reference: None,
+            });
+        }
+        let piece = 4099;
+        cases.push(Case {
+            kernel: "sum_squares".into(),
+            mode: "f32",
+            shape: format!("{n} by {piece}"),
+            buffers: vec![
+                rng.floats(n, DType::F32),
+                nan(n.div_ceil(piece), DType::F64),
+            ],
+            outputs: vec![1],
+            cpu: Box::new(move |b, x| b.sum_squares(v(&x[0]), piece, m(&x[1]))),
+            gpu: Box::new(move |s, st, x| s.sum_squares(st, x[0], piece, x[1])),
+            reference: None,
+        });
+    }
+    cases
+}
+
+/// Cross-entropy in f64: probabilities and losses of each row.
+fn cross_entropy_reference(buffers: &[Host]) -> Vec<Host> {
+    let (logits, targets) = (buffers[0].values(), buffers[1].values());
+    let rows = targets.len();
+    let vocab = logits.len() / rows.max(1);
+    let mut probs = Vec::with_capacity(logits.len());
+    let mut losses = Vec::with_capacity(rows);
+    for (r, z) in logits.chunks(vocab).enumerate() {
+        let max = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = z.iter().map(|&v| (v - max).exp()).sum();
+        probs.extend(z.iter().map(|&v| (v - max).exp() / sum));
+        let t = targets[r] as u32;
+        losses.push(if t == IGNORE_TARGET {
+            0.0
+        } else {
+            max + sum.ln() - z[t as usize]
+        });
+    }
+    vec![Host::F64(probs), Host::F64(losses)]
+}
+
+/// Bad indices on the device are reported through the fault word, naming
+/// what was wrong and where.
+fn fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let mut check =
+        |kernel: &str, buffers: Vec<Host>, run: &dyn Fn(&[GpuView]) -> Result<()>, want: &str| {
+            let bufs: Vec<GpuBuf> = buffers.iter().map(|h| gpu.upload(h)).collect();
+            let views: Vec<GpuView> = bufs
+                .iter()
+                .zip(&buffers)
+                .map(|(b, h)| gpu.view(b, h))
+                .collect();
+            let problem = match run(&views).and_then(|()| set.take_fault(&gpu.stream)) {
+                Ok(Some(fault)) if fault.to_string() == want => None,
+                Ok(Some(fault)) => Some(format!("reported `{fault}`, expected `{want}`")),
+                Ok(None) => Some("no fault reported".to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            let clean = set
+                .take_fault(&gpu.stream)
+                .map(|f| f.is_none())
+                .unwrap_or(false);
+            rows.push(Row {
+                target: set.target(),
+                kernel: format!("{kernel} (bad index)"),
+                mode: "fault",
+                shape: want.to_string(),
+                error: 0.0,
+                max_abs: 0.0,
+                tolerance: 0.0,
+                repeatable: clean,
+                problem,
+                note: String::new(),
+            });
+        };
+    let d = LossDims { rows: 4, vocab: 10 };
+    check(
+        "cross_entropy_forward",
+        vec![
+            Host::F32(vec![0.5; 40]),
+            Host::U32(vec![1, 10, IGNORE_TARGET, 99]),
+            nan(4, DType::F32),
+        ],
+        &|x| set.cross_entropy_forward(&gpu.stream, x[0], x[1], x[2], d),
+        "the loss target of row 1 is past the vocabulary",
+    );
+    check(
+        "gather_rows",
+        vec![
+            Host::F32(vec![1.0; 12]),
+            Host::U32(vec![0, 2, 4, 1]),
+            nan(12, DType::F32),
+        ],
+        &|x| set.gather_rows(&gpu.stream, x[0], x[1], x[2], 3),
+        "the row index at position 2 of a gather or scatter is out of range",
+    );
+    let slots = RoutedSlots {
+        tokens: 3,
+        top_k: 2,
+        experts: 4,
+    };
+    check(
+        "moe_sort_by_expert",
+        vec![
+            Host::U32(vec![0, 1, 2, 3, 1, 0]),
+            Host::U32(vec![2, 2, 1, 0]),
+            Host::U32(vec![0; 6]),
+            Host::U32(vec![0; 6]),
+        ],
+        &|x| set.moe_sort_by_expert(&gpu.stream, x[0], x[1], x[2], x[3], slots),
+        "the expert counts do not match the routing (at slot 3)",
+    );
+    rows
+}
+
+fn print_table(rows: &[Row]) {
+    println!();
+    println!(
+        "{:<10} {:<34} {:<5} {:<34} {:>10} {:>10} {:>9} {:>6}  result",
+        "target", "kernel", "mode", "shape", "rel err", "max abs", "tol", "repeat"
+    );
+    for r in rows {
+        println!(
+            "{:<10} {:<34} {:<5} {:<34} {:>10.2e} {:>10.2e} {:>9.1e} {:>6}  {}",
+            r.target.arch,
+            r.kernel,
+            r.mode,
+            r.shape,
+            r.error,
+            r.max_abs,
+            r.tolerance,
+            if r.repeatable { "same" } else { "DIFF" },
+            match (&r.problem, r.passed()) {
+                (Some(p), _) => format!("FAIL: {p}"),
+                (None, true) => format!("ok {}", r.note),
+                (None, false) => format!("FAIL {}", r.note),
+            }
+        );
+    }
+    let failed = rows.iter().filter(|r| !r.passed()).count();
+    println!("\n{} passed, {} failed", rows.len() - failed, failed);
+}
+
+#[test]
+fn gpu_kernels_match_the_cpu_backend_and_repeat_bit_for_bit() {
+    let info = match probe() {
+        Ok(info) => info,
+        Err(why) => {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+    let device = &info.devices[0];
+    println!(
+        "{device}; driver {}, NVRTC {}.{}",
+        info.driver_version, info.nvrtc_version.0, info.nvrtc_version.1
+    );
+    let include = match kernels::include_dir() {
+        Ok(dir) => dir,
+        Err(why) => panic!("{why}"),
+    };
+    let context = CudaContext::new(device.ordinal).expect("the probed device opens");
+    // The kernels are ordered by the stream alone (as the backend orders its
+    // work with its own events).
+    // SAFETY: nothing has been allocated on this context yet.
+    unsafe { context.disable_event_tracking() };
+    let gpu = Gpu {
+        stream: context.new_stream().expect("a stream"),
+    };
+    let mut targets = vec![device.target()];
+    if device.target() != Target::PORTABLE {
+        targets.push(Target::PORTABLE);
+    }
+    let mut rows = Vec::new();
+    for target in targets {
+        let started = Instant::now();
+        let compiled = match kernels::compile_all(target, &include) {
+            Ok(compiled) => compiled,
+            Err(e) => panic!("{e}"),
+        };
+        let compile_time = started.elapsed();
+        let started = Instant::now();
+        let set = match KernelSet::load(&context, &compiled) {
+            Ok(set) => set,
+            Err(e) => panic!("{e}"),
+        };
+        println!(
+            "{target}: compiled {} sources in {:.2} s, loaded in {:.3} s",
+            compiled.len(),
+            compile_time.as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
+        for case in all_cases(0x5eed_cafe) {
+            rows.push(run_case(&gpu, &set, &case));
+        }
+        rows.extend(fault_rows(&gpu, &set));
+    }
+    print_table(&rows);
+    let failed: Vec<String> = rows
+        .iter()
+        .filter(|r| !r.passed())
+        .map(|r| format!("{} {} {} {}", r.target.arch, r.kernel, r.mode, r.shape))
+        .collect();
+    assert!(failed.is_empty(), "failed: {failed:#?}");
+}
