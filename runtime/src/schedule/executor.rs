@@ -209,7 +209,7 @@ pub fn run_step<D: Device>(
                 };
                 let label = Label::new(format!("{} {} mb{mb}", piece.name(), node.name), category)
                     .micro_batch(mb);
-                let grads = GradBuffers {
+                let grads = HolderBuffers {
                     unit: node.unit.map(|_| grads.buf),
                     non_unit: non_unit_grads.buf,
                 };
@@ -257,7 +257,7 @@ struct Item<D: Device> {
     /// The micro-batch's arena.
     arena: usize,
     state: SharedBatch<D>,
-    params: ParamBuffers<D>,
+    params: HolderBuffers<D>,
 }
 
 fn lane<D: Device>(rank: &RankContext<D>, kind: LaneKind) -> &D::Lane {
@@ -272,7 +272,7 @@ fn param_access<D: Device>(
     engine: &FsdpEngine<D>,
     node: &ScheduleNode,
     previous: &Option<EventOf<D>>,
-) -> Result<(Vec<EventOf<D>>, ParamBuffers<D>)> {
+) -> Result<(Vec<EventOf<D>>, HolderBuffers<D>)> {
     let mut after: Vec<EventOf<D>> = previous.iter().cloned().collect();
     let non_unit = engine.params(None)?;
     after.extend(non_unit.ready.clone());
@@ -286,19 +286,16 @@ fn param_access<D: Device>(
     };
     Ok((
         after,
-        ParamBuffers {
+        HolderBuffers {
             unit,
             non_unit: non_unit.buf,
         },
     ))
 }
 
-struct ParamBuffers<D: Device> {
-    unit: Option<Arc<Buf<D>>>,
-    non_unit: Arc<Buf<D>>,
-}
-
-struct GradBuffers<D: Device> {
+/// The buffers a piece of work finds its owners' parameters (or
+/// gradients) in: its unit's, if it has one, and the non-unit ones.
+struct HolderBuffers<D: Device> {
     unit: Option<Arc<Buf<D>>>,
     non_unit: Arc<Buf<D>>,
 }
@@ -334,40 +331,48 @@ impl<'a, D: Device> Params<'a, D> {
         }
     }
 
-    /// The weights of `owner`, in its parameter order.
-    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
-        let buf = self.holder(owner)?;
+    /// Where `owner`'s parameters lie in their holder buffer, in its
+    /// parameter order.
+    fn ranges(&self, owner: Owner) -> impl Iterator<Item = Range<usize>> + 'a {
+        let cx = self.cx;
+        cx.model
+            .params_of(owner)
+            .iter()
+            .map(move |&p| cx.ranges[p].clone())
+    }
+
+    /// The range of `owner`'s `i`-th parameter.
+    fn range(&self, owner: Owner, i: usize, what: &str) -> Result<Range<usize>> {
         self.cx
             .model
             .params_of(owner)
-            .iter()
-            .map(|&p| Slice::<D::Backend>::of(buf, self.cx.ranges[p].clone()))
+            .get(i)
+            .map(|&p| self.cx.ranges[p].clone())
+            .ok_or_else(|| missing(what))
+    }
+
+    /// The weights of `owner`, in its parameter order.
+    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
+        let buf = self.holder(owner)?;
+        self.ranges(owner)
+            .map(|r| Slice::<D::Backend>::of(buf, r))
             .collect()
     }
 
     fn weight(&self, owner: Owner, i: usize) -> Result<Slice<'a, D::Backend>> {
-        self.weights(owner)?
-            .get(i)
-            .copied()
-            .ok_or_else(|| missing("a weight"))
+        Slice::<D::Backend>::of(self.holder(owner)?, self.range(owner, i, "a weight")?)
     }
 
     /// Writable views of `owner`'s gradients, in its parameter order.
     fn grads(&self, owner: Owner) -> Result<Vec<SliceMut<'a, D::Backend>>> {
         let buf = self.holder(owner)?;
-        self.cx
-            .model
-            .params_of(owner)
-            .iter()
-            .map(|&p| SliceMut::<D::Backend>::of(buf, self.cx.ranges[p].clone()))
+        self.ranges(owner)
+            .map(|r| SliceMut::<D::Backend>::of(buf, r))
             .collect()
     }
 
     fn grad(&self, owner: Owner, i: usize) -> Result<SliceMut<'a, D::Backend>> {
-        self.grads(owner)?
-            .into_iter()
-            .nth(i)
-            .ok_or_else(|| missing("a gradient"))
+        SliceMut::<D::Backend>::of(self.holder(owner)?, self.range(owner, i, "a gradient")?)
     }
 }
 
@@ -409,7 +414,7 @@ fn forward_work<D: Device>(item: Item<D>, slot: Slot) -> crate::lane::Work<D::Ba
 fn backward_work<D: Device>(
     item: Item<D>,
     piece: BackwardPiece,
-    grads: GradBuffers<D>,
+    grads: HolderBuffers<D>,
 ) -> crate::lane::Work<D::Backend> {
     Box::new(move |lane: &D::Backend| {
         let b = &lane.in_arena(item.arena);
