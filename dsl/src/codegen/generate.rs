@@ -354,7 +354,6 @@ fn model_struct(spec: &ModelSpec, plan: &Plan, shape: &ModelShape) -> TokenStrea
                     param_defs: PARAM_DEFS,
                     units: UNITS,
                     buckets: BUCKETS,
-                    stages: STAGES,
                     schedule: SCHEDULE,
                 };
                 __model::plan_declared(&Self::config(), &Self::plan_options(layout), &Self::layout(layout.dp), &tables)

@@ -220,12 +220,12 @@ impl Plan {
 
     /// The plan of a model planned at build time, assembled from its `const`
     /// tables instead of planned again: the pattern is parsed and checked
-    /// against the layout as [`Plan::new`] does (the layer lists are read
-    /// off it), and the parameters, units, buckets, stages and schedule are
-    /// the tables themselves, borrowed. `tables` must come from planning
-    /// `model` with `options` at build time, as `model!` and
-    /// `hybridgen::build` emit them; what [`Plan::new`] would make is equal
-    /// (`dsl/tests/plan.rs` checks it).
+    /// against the layout as [`Plan::new`] does (the layer lists and stages
+    /// are read off it, which checking needs anyway), and the parameters,
+    /// units, buckets and schedule are the tables themselves, borrowed.
+    /// `tables` must come from planning `model` with `options` at build
+    /// time, as `model!` and `hybridgen::build` emit them; what
+    /// [`Plan::new`] would make is equal (`tests/macro_layout.rs` checks it).
     pub fn from_tables(
         model: &ModelConfig,
         options: &PlanOptions,
@@ -390,7 +390,6 @@ pub struct PlanTables {
     pub param_defs: &'static [ParamDef],
     pub units: &'static [FsdpUnit],
     pub buckets: &'static [Bucket],
-    pub stages: &'static [Stage],
     pub schedule: SchedulePlan,
 }
 
@@ -477,7 +476,7 @@ impl<'o> Builder<'o> {
             layers,
             logical_layers,
             mtp_layers,
-            stages: tables.stages.to_vec(),
+            stages: self.stages,
             params: Cow::Borrowed(tables.params),
             param_defs: Cow::Borrowed(tables.param_defs),
             total_params,
