@@ -601,10 +601,11 @@ impl<D: Device> Optimizer<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::CpuBackend;
-    use crate::cpu::collective::CpuWorld;
-    use crate::cpu::lane::CpuLane;
+    use crate::backend::Precision;
+    use crate::collective::DEFAULT_TIMEOUT;
     use crate::device::Cpu;
+    use crate::platform::{CpuPlatform, Platform, RankSettings};
+    use crate::trace::TraceRecorder;
     use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
 
     fn plan(pattern: &str, ranks: usize, ep: usize) -> Plan {
@@ -747,20 +748,14 @@ mod tests {
             ..PlanOptions::default()
         };
         let plan = Arc::new(Plan::new(&model, &options).unwrap());
-        let world = CpuWorld::new(1).unwrap();
-        let comm = world.comm(0).unwrap();
-        let rank = RankContext::<Cpu> {
-            rank: 0,
-            world: 1,
+        let settings = RankSettings {
             ep: 1,
-            backend: Arc::new(CpuBackend::default()),
-            compute: Arc::new(CpuLane::new("compute").unwrap()),
-            comm: Arc::new(CpuLane::new("comm").unwrap()),
-            ep_group: Arc::new(comm.split(0).unwrap()),
-            edp: Arc::new(comm.split(0).unwrap()),
-            host: Arc::new(comm.split(0).unwrap()),
-            dp: Arc::new(comm),
+            precision: Precision::F32,
+            timeout: DEFAULT_TIMEOUT,
+            trace: Arc::new(TraceRecorder::statistics_only()),
         };
+        let platform = CpuPlatform::new(1, settings.timeout).unwrap();
+        let rank = platform.rank(0, &settings).unwrap();
         let init = |p: usize, out: &mut [f32]| {
             out.fill(if Some(p) == poisoned { f32::NAN } else { 0.01 });
             Ok(())
