@@ -516,19 +516,10 @@ impl MemoryNeed {
                 .saturating_add(1 << 20)
                 .saturating_mul(live_micro_batches as u64)
         };
-        let live = activations
-            .total
-            .saturating_mul(live_micro_batches as u64)
-            .saturating_add(kernel_scratch)
-            .saturating_add(arena_headroom);
-        let per_rank = state
-            .total
-            .saturating_add(bookkeeping)
-            .saturating_add(live.max(state.scratch));
-        MemoryNeed {
+        let mut need = MemoryNeed {
             ranks,
-            per_rank,
-            total: per_rank.saturating_mul(ranks as u64),
+            per_rank: 0,
+            total: 0,
             state,
             activations,
             live_micro_batches,
@@ -536,7 +527,14 @@ impl MemoryNeed {
             arena_headroom,
             bookkeeping,
             lower_bound,
-        }
+        };
+        need.per_rank = need
+            .state
+            .total
+            .saturating_add(bookkeeping)
+            .saturating_add(need.live().max(need.state.scratch));
+        need.total = need.per_rank.saturating_mul(ranks as u64);
+        need
     }
 
     /// Per rank: the activations of the micro-batches in flight, with the
