@@ -514,9 +514,10 @@ pub fn train_on<P: Platform>(
     let config = &prepared.config;
     if platform.world() != config.ranks {
         return Err(RuntimeError::Unsupported(format!(
-            "the run has {} ranks but {} provides {}",
+            "the run has {} ranks but {} provides {}; set --ranks to {}",
             config.ranks,
             platform.describe(),
+            platform.world(),
             platform.world()
         )));
     }
