@@ -5,8 +5,8 @@ use crate::backend::Backend;
 use crate::collective::Collective;
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuComm;
-use crate::cpu::lane::CpuLane;
 use crate::lane::Lane;
+use crate::lane::thread::CpuLane;
 use std::sync::Arc;
 
 /// The types of one platform.

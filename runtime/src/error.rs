@@ -37,6 +37,11 @@ pub enum RuntimeError {
         origin: String,
         root: Box<RuntimeError>,
     },
+    /// A GPU or its libraries failed: no usable device, a CUDA, cuBLAS or
+    /// NCCL call that returned an error, a kernel that faulted. `device`
+    /// names it (`cuda:0`, or `cuda` before one is chosen).
+    #[error("{device}: {message}")]
+    Device { device: String, message: String },
     /// Reading or writing a file (checkpoint, trace, data).
     #[error("{path}: {message}")]
     Io { path: String, message: String },
@@ -88,6 +93,7 @@ impl RuntimeError {
     /// | `diverged` | the loss or the gradients became non-finite |
     /// | `peer_failed` | another rank stalled past the timeout or left |
     /// | `lane_failed` | work on a lane panicked or stalled |
+    /// | `device_failed` | the GPU, CUDA or one of its libraries is missing or failed |
     /// | `internal` | an internal consistency check failed (a bug: please report it) |
     pub fn code(&self) -> &'static str {
         match self.root_cause() {
@@ -96,6 +102,7 @@ impl RuntimeError {
             RuntimeError::OutOfMemory(_) => "out_of_memory",
             RuntimeError::Peer { .. } => "peer_failed",
             RuntimeError::Lane { .. } => "lane_failed",
+            RuntimeError::Device { .. } => "device_failed",
             RuntimeError::Io { .. } => "io",
             RuntimeError::Numeric(_) => "diverged",
             // `root_cause` never returns these two.

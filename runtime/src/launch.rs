@@ -574,7 +574,7 @@ impl RendezvousServer {
                 payload.len()
             )));
         }
-        let deadline = crate::cpu::lane::deadline_after(timeout);
+        let deadline = crate::lane::thread::deadline_after(timeout);
         let mut served = vec![false; self.world_size];
         served[0] = true;
         self.listener
@@ -745,7 +745,7 @@ pub fn fetch_payload(
     timeout: Duration,
 ) -> Result<Vec<u8>> {
     let display = format!("{addr}:{port}");
-    let deadline = crate::cpu::lane::deadline_after(timeout);
+    let deadline = crate::lane::thread::deadline_after(timeout);
     let mut backoff = Duration::from_millis(20);
     let mut last = String::from("no attempt finished");
     loop {

@@ -30,7 +30,7 @@ pub mod view;
 pub use backend::{Backend, Precision};
 pub use collective::Collective;
 pub use cpu::collective::{CpuComm, CpuWorld};
-pub use cpu::lane::{CpuEvent, CpuLane, LaneConfig};
 pub use error::{Result, RuntimeError};
+pub use lane::thread::{CpuEvent, CpuLane, LaneConfig};
 pub use lane::{Event, Label, Lane, Work};
 pub use trace::{RankStats, Span, TraceRecorder};

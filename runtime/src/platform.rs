@@ -12,9 +12,9 @@
 use crate::backend::Precision;
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
-use crate::cpu::lane::{CpuLane, LaneConfig};
 use crate::device::{Cpu, Device, RankContext};
 use crate::error::Result;
+use crate::lane::thread::{CpuLane, LaneConfig};
 use crate::trace::TraceRecorder;
 use std::ops::Range;
 use std::sync::Arc;

@@ -971,7 +971,16 @@ impl<B: Backend> Suite<'_, B> {
                 return;
             }
         };
-        let outcome = self.launch_guarded(&bufs, launch);
+        let mut outcome = self.launch_guarded(&bufs, launch);
+        if matches!(outcome, Ok(Ok(_))) {
+            // A GPU checks index values on the device: the refusal surfaces
+            // at the next host read, which this forces.
+            if let Some((_, buf, _)) = bufs.entries.first()
+                && let Err(e) = download_values(self.device, View::whole(buf))
+            {
+                outcome = Ok(Err(e));
+            }
+        }
         let refused = matches!(outcome, Ok(Err(RuntimeError::InvalidArgument(_))));
         refusal_problems(&mut check, case.kernel, names, outcome);
         if refused && nothing_written {

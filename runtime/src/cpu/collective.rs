@@ -548,7 +548,7 @@ impl CpuComm {
         finisher: Option<Finisher<'_>>,
     ) -> Result<Exchanged> {
         let n = self.members.len();
-        let deadline = crate::cpu::lane::deadline_after(self.family.timeout);
+        let deadline = crate::lane::thread::deadline_after(self.family.timeout);
         let mut state = self.family.lock();
         if let Some((rank, reason)) = &state.aborted {
             return Err(self.aborted_error(call, *rank, reason));

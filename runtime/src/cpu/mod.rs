@@ -7,7 +7,6 @@ mod backend;
 mod buffer;
 pub mod collective;
 pub mod kernels;
-pub mod lane;
 
 pub use backend::{CpuBackend, round_bf16};
 pub use buffer::CpuBuf;

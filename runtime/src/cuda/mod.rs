@@ -12,11 +12,20 @@
 //!   per [`Backend`](crate::Backend) kernel, each checking its views'
 //!   lengths against its dimensions first.
 
+mod arena;
+pub mod backend;
+mod blas;
+pub mod buffer;
 pub mod kernels;
+pub mod lane;
 pub mod launch;
 pub mod probe;
+pub mod queue;
 
+pub use backend::{CudaBackend, Gpu};
+pub use buffer::CudaBuf;
 pub use kernels::{Diagnostic, KernelBuildError, KernelSource, Target};
+pub use lane::{CudaEvent, CudaLane, CudaMark, CudaQueue};
 pub use launch::{DeviceFault, GpuView, KernelSet};
 pub use probe::{CudaUnavailable, GpuDevice, GpuInfo, probe};
 

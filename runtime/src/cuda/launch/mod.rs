@@ -84,6 +84,20 @@ pub struct DeviceFault {
 impl DeviceFault {
     const NONE: u64 = u64::MAX;
 
+    /// The kernels that report this fault (what an error names).
+    pub fn kernels(&self) -> &'static str {
+        match self.code {
+            1 => "cross_entropy_forward / cross_entropy_backward",
+            2 => "moe_expert_counts / moe_sort_by_expert / moe_route_backward",
+            3 => "moe_sort_by_expert / moe_expert_major_order",
+            4 => "gather_rows / scatter_rows",
+            5 => "moe_unpermute / moe_unpermute_backward",
+            6 => "adam_update / sgd_update",
+            7 => "embedding_forward / embedding_backward",
+            _ => "an unknown kernel",
+        }
+    }
+
     fn decode(word: u64) -> Option<DeviceFault> {
         (word != Self::NONE).then_some(DeviceFault {
             code: (word >> 40) as u32,

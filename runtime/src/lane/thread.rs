@@ -1,9 +1,15 @@
-//! CPU lanes: a worker thread per lane with a FIFO queue; events as a flag
-//! with a condition variable.
+//! Lanes driven by a host thread each: a FIFO queue of work, and events
+//! as a status with a condition variable. Every device's lanes are this
+//! machinery over a [`LaneQueue`], which says what running work means on
+//! the device: on the CPU the work computes on the lane's thread and is
+//! done when it returns; on a GPU it enqueues kernels on the lane's stream
+//! and is done when an event recorded after it completes ([`DeviceMark`]).
 //!
 //! Semantics (the CUDA stream model, made safe):
 //! - Work runs in submission order on the lane's thread, each item once its
-//!   `after` events have completed.
+//!   `after` events have completed on the host side (on a GPU: once their
+//!   work was enqueued; the device then orders the streams with
+//!   [`LaneQueue::wait_for`], so the host never waits for the GPU here).
 //! - A failed item fails its event with its own error. An item whose
 //!   dependency failed is skipped, and its event fails with an error naming
 //!   the upstream work that failed. Lane order is a dependency too: once an
@@ -16,7 +22,8 @@
 //! - A panic inside work is caught and becomes that work's error.
 //! - Dropping a lane runs what is still queued, then joins the thread.
 
-use super::CpuBackend;
+use crate::backend::Backend;
+use crate::cpu::CpuBackend;
 use crate::error::{Result, RuntimeError};
 use crate::lane::{Event, Label, Lane, Work};
 use crate::trace::TraceRecorder;
@@ -50,6 +57,48 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// What running work means on one device: the part of a lane that is not
+/// host-side bookkeeping.
+pub trait LaneQueue: Send + Sync + 'static {
+    type Backend: Backend;
+    type Mark: DeviceMark;
+
+    /// The device bound to this queue: what work receives.
+    fn backend(&self) -> &Self::Backend;
+
+    /// Makes work run on this queue from now on wait for `mark` (on a GPU:
+    /// `cuStreamWaitEvent`; nothing on the CPU, whose marks are complete).
+    fn wait_for(&self, mark: &Self::Mark) -> Result<()>;
+
+    /// Runs `work` on this queue (which computes, or enqueues), recording it
+    /// in the trace as `label`; returns the mark that completes when it has
+    /// run on the device.
+    fn run(&self, label: &Label, work: Work<Self::Backend>) -> Result<Self::Mark>;
+
+    /// Waits (bounded) until everything run on this queue has completed on
+    /// the device, reporting what failed there.
+    fn drain(&self) -> Result<()>;
+}
+
+/// When work that was run on a queue completes on its device.
+pub trait DeviceMark: Clone + Send + Sync + 'static {
+    /// Blocks, bounded, until the work completed; `what` names it for the
+    /// error.
+    fn wait(&self, what: &dyn Fn() -> String) -> Result<()>;
+    fn is_complete(&self) -> bool;
+}
+
+/// On the CPU, work has completed when its call returns.
+impl DeviceMark for () {
+    fn wait(&self, _: &dyn Fn() -> String) -> Result<()> {
+        Ok(())
+    }
+
+    fn is_complete(&self) -> bool {
+        true
+    }
+}
+
 /// Where an event comes from, for error messages.
 #[derive(Debug)]
 struct Origin {
@@ -64,9 +113,10 @@ impl fmt::Display for Origin {
 }
 
 #[derive(Debug)]
-enum Status {
+enum Status<M> {
     Pending,
-    Done,
+    /// Run on the host side; `M` says when the device is done.
+    Done(M),
     /// The work failed itself: `error` is its own error.
     Failed {
         error: RuntimeError,
@@ -80,19 +130,30 @@ enum Status {
 }
 
 #[derive(Debug)]
-struct EventState {
+struct EventState<M> {
     origin: Arc<Origin>,
     wait_timeout: Duration,
-    status: Mutex<Status>,
+    status: Mutex<Status<M>>,
     done: Condvar,
 }
 
 /// Marks completion of one work item (or an already-completed marker).
 /// Cloning shares the marker.
-#[derive(Clone, Debug)]
-pub struct CpuEvent {
-    state: Arc<EventState>,
+#[derive(Debug)]
+pub struct ThreadEvent<M> {
+    state: Arc<EventState<M>>,
 }
+
+impl<M> Clone for ThreadEvent<M> {
+    fn clone(&self) -> Self {
+        ThreadEvent {
+            state: self.state.clone(),
+        }
+    }
+}
+
+/// An event of a CPU lane.
+pub type CpuEvent = ThreadEvent<()>;
 
 /// Why a dependency did not complete successfully.
 enum DependencyFailure {
@@ -104,9 +165,25 @@ enum DependencyFailure {
     TimedOut,
 }
 
-impl CpuEvent {
+impl<M: DeviceMark + Default> ThreadEvent<M> {
+    /// An event that is already complete: a starting point for schedules.
+    pub fn completed(label: Label) -> Self {
+        let event = Self::pending(host_origin(label), DEFAULT_WAIT_TIMEOUT);
+        event.finish(Status::Done(M::default()));
+        event
+    }
+}
+
+fn host_origin(label: Label) -> Arc<Origin> {
+    Arc::new(Origin {
+        lane: Arc::from("host"),
+        label,
+    })
+}
+
+impl<M: DeviceMark> ThreadEvent<M> {
     fn pending(origin: Arc<Origin>, wait_timeout: Duration) -> Self {
-        CpuEvent {
+        ThreadEvent {
             state: Arc::new(EventState {
                 origin,
                 wait_timeout,
@@ -116,56 +193,32 @@ impl CpuEvent {
         }
     }
 
-    /// An event that is already complete: a starting point for schedules.
-    pub fn completed(label: Label) -> Self {
-        let event = Self::pending(
-            Arc::new(Origin {
-                lane: Arc::from("host"),
-                label,
-            }),
-            DEFAULT_WAIT_TIMEOUT,
-        );
-        event.finish(Status::Done);
-        event
-    }
-
-    /// An event that already failed with `error` (e.g. work that could not
-    /// even be submitted); work that depends on it is skipped.
     pub fn failed(label: Label, error: RuntimeError) -> Self {
-        let event = Self::pending(
-            Arc::new(Origin {
-                lane: Arc::from("host"),
-                label,
-            }),
-            DEFAULT_WAIT_TIMEOUT,
-        );
+        let event = Self::pending(host_origin(label), DEFAULT_WAIT_TIMEOUT);
         event.finish(Status::Failed { error });
         event
     }
 
-    /// The label of the work behind this event.
     pub fn label(&self) -> &Label {
         &self.state.origin.label
     }
 
-    /// The lane the work was submitted to (`host` for [`Self::completed`]).
     pub fn lane(&self) -> &str {
         &self.state.origin.lane
     }
 
-    fn finish(&self, status: Status) {
+    fn finish(&self, status: Status<M>) {
         *lock(&self.state.status) = status;
         self.state.done.notify_all();
     }
 
-    /// Blocks until the work completes or `deadline` passes; `Ok(Ok(()))`
-    /// when it succeeded.
-    fn wait_until(&self, deadline: Instant) -> std::result::Result<(), DependencyFailure> {
+    /// Waits until the work ran on the host side; returns its device mark.
+    fn wait_until(&self, deadline: Instant) -> std::result::Result<M, DependencyFailure> {
         let mut status = lock(&self.state.status);
         loop {
             match &*status {
                 Status::Pending => {}
-                Status::Done => return Ok(()),
+                Status::Done(mark) => return Ok(mark.clone()),
                 Status::Failed { error } => {
                     return Err(DependencyFailure::Failed {
                         root: self.state.origin.clone(),
@@ -194,11 +247,12 @@ impl CpuEvent {
         }
     }
 
-    /// Blocks until the work completes or `timeout` passes. Returns the
-    /// work's error if it failed or was skipped.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         match self.wait_until(deadline_after(timeout)) {
-            Ok(()) => Ok(()),
+            Ok(mark) => {
+                let origin = &self.state.origin;
+                mark.wait(&|| origin.to_string())
+            }
             Err(DependencyFailure::TimedOut) => Err(RuntimeError::Lane {
                 lane: self.state.origin.lane.to_string(),
                 message: format!(
@@ -216,40 +270,38 @@ impl CpuEvent {
         }
     }
 
-    /// The error this event completed with, if it has failed.
     pub fn error(&self) -> Option<RuntimeError> {
         match &*lock(&self.state.status) {
             Status::Failed { error } | Status::Skipped { error, .. } => Some(error.clone()),
-            Status::Pending | Status::Done => None,
+            Status::Pending | Status::Done(_) => None,
         }
     }
 }
 
-impl Event for CpuEvent {
-    /// Waits at most twice the submitting lane's wait timeout: long enough
-    /// for the work's own wait on a stalled dependency to give up first and
-    /// report which dependency stalled.
+impl<M: DeviceMark> Event for ThreadEvent<M> {
     fn wait(&self) -> Result<()> {
         self.wait_timeout(self.state.wait_timeout.saturating_mul(2))
     }
 
     fn is_complete(&self) -> bool {
-        !matches!(*lock(&self.state.status), Status::Pending)
+        match &*lock(&self.state.status) {
+            Status::Pending => false,
+            Status::Done(mark) => mark.is_complete(),
+            Status::Failed { .. } | Status::Skipped { .. } => true,
+        }
     }
 }
 
-/// Settings of one lane.
+/// How a CPU lane is set up.
 #[derive(Clone, Debug)]
 pub struct LaneConfig {
     /// The rank the lane belongs to (for traces and thread names).
     pub rank: usize,
-    /// How long work waits for its dependencies before failing ([`Event::wait`]
-    /// on its event waits twice as long).
+    /// How long work waits for a dependency before failing.
     pub wait_timeout: Duration,
-    /// Where to record one span per work item that runs.
+    /// Where the lane records what it ran.
     pub trace: Option<Arc<TraceRecorder>>,
-    /// The device the lane's work runs kernels on; the lane binds it to
-    /// itself (its name appears in the device's hazard errors).
+    /// The device work receives (bound to the lane by name).
     pub device: CpuBackend,
 }
 
@@ -286,76 +338,120 @@ impl LaneConfig {
     }
 }
 
-struct Job {
-    label: Label,
-    after: Vec<CpuEvent>,
-    work: Work<CpuBackend>,
-    event: CpuEvent,
-}
-
-struct Queue {
-    jobs: VecDeque<Job>,
-    /// Items submitted / finished (run, failed or skipped) since creation.
-    submitted: u64,
-    finished: u64,
-    /// The first failure not yet reported by `synchronize`; while set, later
-    /// items on this lane are skipped.
-    failure: Option<LaneFailure>,
-    closing: bool,
-}
-
-/// The first item on a lane that failed or was skipped.
-#[derive(Clone)]
-struct LaneFailure {
-    /// What `synchronize` reports: that item's own error.
-    error: RuntimeError,
-    /// The work that actually failed (that item, or what it depended on).
-    root: Arc<Origin>,
-    root_error: RuntimeError,
-    /// Whether the root failure happened on this lane.
-    own: bool,
-}
-
-struct Shared {
-    name: Arc<str>,
-    config: LaneConfig,
-    /// `config.device` bound to this lane.
+/// The CPU's queue: work computes on the lane's thread.
+pub struct CpuQueue {
     backend: CpuBackend,
-    queue: Mutex<Queue>,
-    /// Signals the worker: a job arrived or the lane is closing.
-    work_ready: Condvar,
-    /// Signals `synchronize`: a job finished.
-    job_done: Condvar,
+    lane: Arc<str>,
+    rank: usize,
+    trace: Option<Arc<TraceRecorder>>,
 }
 
-/// A lane on the CPU: one worker thread running submitted work in order.
-pub struct CpuLane {
-    shared: Arc<Shared>,
-    worker: Option<JoinHandle<()>>,
-}
+impl LaneQueue for CpuQueue {
+    type Backend = CpuBackend;
+    type Mark = ();
 
-impl fmt::Debug for CpuLane {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CpuLane")
-            .field("name", &self.shared.name)
-            .field("rank", &self.shared.config.rank)
-            .finish()
+    fn backend(&self) -> &CpuBackend {
+        &self.backend
+    }
+
+    fn wait_for(&self, _: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn run(&self, label: &Label, work: Work<CpuBackend>) -> Result<()> {
+        let start = Instant::now();
+        let outcome = work(&self.backend);
+        if let Some(trace) = &self.trace {
+            trace.record_work(self.rank, &self.lane, label, start, Instant::now());
+        }
+        outcome
+    }
+
+    fn drain(&self) -> Result<()> {
+        Ok(())
     }
 }
 
-impl CpuLane {
-    /// A lane named `name` (`compute`, `comm`) with default settings.
+/// A CPU lane: a worker thread that runs its work.
+pub type CpuLane = ThreadLane<CpuQueue>;
+
+impl ThreadLane<CpuQueue> {
     pub fn new(name: &str) -> Result<Self> {
         Self::with_config(name, LaneConfig::default())
     }
 
-    /// A lane named `name` with `config`; starts its worker thread.
     pub fn with_config(name: &str, config: LaneConfig) -> Result<Self> {
+        let queue = CpuQueue {
+            backend: config.device.on_lane(name),
+            lane: Arc::from(name),
+            rank: config.rank,
+            trace: config.trace.clone(),
+        };
+        ThreadLane::start(name, config.rank, config.wait_timeout, queue)
+    }
+}
+
+struct Job<Q: LaneQueue> {
+    label: Label,
+    after: Vec<ThreadEvent<Q::Mark>>,
+    work: Work<Q::Backend>,
+    event: ThreadEvent<Q::Mark>,
+}
+
+struct Jobs<Q: LaneQueue> {
+    jobs: VecDeque<Job<Q>>,
+    submitted: u64,
+    finished: u64,
+    failure: Option<LaneFailure>,
+    closing: bool,
+}
+
+/// The first failure on a lane, kept until `synchronize` reports it.
+#[derive(Clone)]
+struct LaneFailure {
+    /// What the failing item's event carries.
+    error: RuntimeError,
+    root: Arc<Origin>,
+    root_error: RuntimeError,
+    /// Whether the item failed itself (rather than being skipped).
+    own: bool,
+}
+
+struct Shared<Q: LaneQueue> {
+    name: Arc<str>,
+    rank: usize,
+    wait_timeout: Duration,
+    queue: Q,
+    jobs: Mutex<Jobs<Q>>,
+    work_ready: Condvar,
+    job_done: Condvar,
+}
+
+/// A lane: a host thread running its work in order on a [`LaneQueue`].
+pub struct ThreadLane<Q: LaneQueue> {
+    shared: Arc<Shared<Q>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl<Q: LaneQueue> fmt::Debug for ThreadLane<Q> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadLane")
+            .field("name", &self.shared.name)
+            .field("rank", &self.shared.rank)
+            .finish()
+    }
+}
+
+impl<Q: LaneQueue> ThreadLane<Q> {
+    /// Starts lane `name` of `rank` on `queue`; work waits at most
+    /// `wait_timeout` for a dependency.
+    pub fn start(name: &str, rank: usize, wait_timeout: Duration, queue: Q) -> Result<Self> {
         let shared = Arc::new(Shared {
             name: Arc::from(name),
-            backend: config.device.on_lane(name),
-            config,
-            queue: Mutex::new(Queue {
+            rank,
+            wait_timeout,
+            queue,
+            jobs: Mutex::new(Jobs {
                 jobs: VecDeque::new(),
                 submitted: 0,
                 finished: 0,
@@ -367,110 +463,122 @@ impl CpuLane {
         });
         let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
-            .name(format!("{name} lane, rank {}", shared.config.rank))
+            .name(format!("{name} lane, rank {rank}"))
             .spawn(move || run_worker(&worker_shared))
             .map_err(|e| RuntimeError::Lane {
                 lane: name.to_string(),
                 message: format!("cannot start the worker thread: {e}"),
             })?;
-        Ok(CpuLane {
+        Ok(ThreadLane {
             shared,
             worker: Some(worker),
         })
     }
 
     pub fn rank(&self) -> usize {
-        self.shared.config.rank
+        self.shared.rank
     }
 
     pub fn wait_timeout(&self) -> Duration {
-        self.shared.config.wait_timeout
+        self.shared.wait_timeout
+    }
+
+    /// The device side of the lane.
+    pub fn queue(&self) -> &Q {
+        &self.shared.queue
     }
 }
 
-impl Lane for CpuLane {
-    type Event = CpuEvent;
-    type Backend = CpuBackend;
+impl<Q: LaneQueue> Lane for ThreadLane<Q> {
+    type Event = ThreadEvent<Q::Mark>;
+    type Backend = Q::Backend;
 
     fn name(&self) -> &str {
         &self.shared.name
     }
 
-    fn backend(&self) -> &CpuBackend {
-        &self.shared.backend
+    fn backend(&self) -> &Q::Backend {
+        self.shared.queue.backend()
     }
 
-    fn submit(&self, label: Label, after: &[CpuEvent], work: Work<CpuBackend>) -> CpuEvent {
-        let event = CpuEvent::pending(
+    fn submit(
+        &self,
+        label: Label,
+        after: &[ThreadEvent<Q::Mark>],
+        work: Work<Q::Backend>,
+    ) -> ThreadEvent<Q::Mark> {
+        let event = ThreadEvent::pending(
             Arc::new(Origin {
                 lane: self.shared.name.clone(),
                 label: label.clone(),
             }),
-            self.shared.config.wait_timeout,
+            self.shared.wait_timeout,
         );
-        let mut queue = lock(&self.shared.queue);
-        queue.submitted += 1;
-        queue.jobs.push_back(Job {
+        let mut jobs = lock(&self.shared.jobs);
+        jobs.submitted += 1;
+        jobs.jobs.push_back(Job {
             label,
             after: after.to_vec(),
             work,
             event: event.clone(),
         });
-        drop(queue);
+        drop(jobs);
         self.shared.work_ready.notify_one();
         event
     }
 
     fn synchronize(&self) -> Result<()> {
-        let mut queue = lock(&self.shared.queue);
-        let target = queue.submitted;
-        while queue.finished < target {
-            queue = self
+        let mut jobs = lock(&self.shared.jobs);
+        let target = jobs.submitted;
+        while jobs.finished < target {
+            jobs = self
                 .shared
                 .job_done
-                .wait(queue)
+                .wait(jobs)
                 .unwrap_or_else(PoisonError::into_inner);
         }
-        // Reported once: the lane accepts work again after this.
-        match queue.failure.take() {
+        let failure = jobs.failure.take();
+        drop(jobs);
+        // The device's own failures (a faulting kernel) surface here too;
+        // the host side's first failure is reported first.
+        let drained = self.shared.queue.drain();
+        match failure {
             Some(failure) => Err(failure.error),
-            None => Ok(()),
+            None => drained,
         }
     }
 }
 
-impl Drop for CpuLane {
+impl<Q: LaneQueue> Drop for ThreadLane<Q> {
     fn drop(&mut self) {
-        lock(&self.shared.queue).closing = true;
+        lock(&self.shared.jobs).closing = true;
         self.shared.work_ready.notify_all();
         if let Some(worker) = self.worker.take() {
-            // The worker catches panics from work, so joining cannot fail in
-            // practice; if it somehow did, there is nothing left to clean up.
             let _ = worker.join();
         }
     }
 }
 
-fn run_worker(shared: &Shared) {
+fn run_worker<Q: LaneQueue>(shared: &Shared<Q>) {
     loop {
         let (job, lane_failure) = {
-            let mut queue = lock(&shared.queue);
+            let mut jobs = lock(&shared.jobs);
             loop {
-                if let Some(job) = queue.jobs.pop_front() {
-                    break (job, queue.failure.clone());
+                if let Some(job) = jobs.jobs.pop_front() {
+                    break (job, jobs.failure.clone());
                 }
-                if queue.closing {
+                if jobs.closing {
                     return;
                 }
-                queue = shared
+                jobs = shared
                     .work_ready
-                    .wait(queue)
+                    .wait(jobs)
                     .unwrap_or_else(PoisonError::into_inner);
             }
         };
         let status = run_job(shared, job.label, job.after, job.work, lane_failure);
         let new_failure = match &status {
-            Status::Done => None,
+            Status::Done(_) | Status::Pending => None,
             Status::Failed { error } => Some(LaneFailure {
                 error: error.clone(),
                 root: job.event.state.origin.clone(),
@@ -487,15 +595,14 @@ fn run_worker(shared: &Shared) {
                 root_error: root_error.clone(),
                 own: false,
             }),
-            Status::Pending => None,
         };
         job.event.finish(status);
-        let mut queue = lock(&shared.queue);
-        if queue.failure.is_none() {
-            queue.failure = new_failure;
+        let mut jobs = lock(&shared.jobs);
+        if jobs.failure.is_none() {
+            jobs.failure = new_failure;
         }
-        queue.finished += 1;
-        drop(queue);
+        jobs.finished += 1;
+        drop(jobs);
         shared.job_done.notify_all();
     }
 }
@@ -510,14 +617,13 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Waits for the dependencies, runs the work, and says how it ended.
-fn run_job(
-    shared: &Shared,
+fn run_job<Q: LaneQueue>(
+    shared: &Shared<Q>,
     label: Label,
-    after: Vec<CpuEvent>,
-    work: Work<CpuBackend>,
+    after: Vec<ThreadEvent<Q::Mark>>,
+    work: Work<Q::Backend>,
     lane_failure: Option<LaneFailure>,
-) -> Status {
+) -> Status<Q::Mark> {
     let lane = shared.name.to_string();
     let skipped = |how: String, root: Arc<Origin>, root_error: RuntimeError| Status::Skipped {
         error: RuntimeError::Skipped {
@@ -541,10 +647,10 @@ fn run_job(
         };
         return skipped(how, failure.root, failure.root_error);
     }
-    let deadline = deadline_after(shared.config.wait_timeout);
+    let deadline = deadline_after(shared.wait_timeout);
     for dependency in &after {
-        match dependency.wait_until(deadline) {
-            Ok(()) => {}
+        let mark = match dependency.wait_until(deadline) {
+            Ok(mark) => mark,
             Err(DependencyFailure::Failed { root, root_error }) => {
                 let via = &dependency.state.origin;
                 let how = if Arc::ptr_eq(via, &root) {
@@ -562,22 +668,20 @@ fn run_job(
                             "`{}` gave up after waiting {:?} for {} to complete: it may be \
                              stalled or deadlocked (raise the lane wait timeout if that work \
                              is legitimately slow)",
-                            label.name, shared.config.wait_timeout, dependency.state.origin
+                            label.name, shared.wait_timeout, dependency.state.origin
                         ),
                     },
                 };
             }
+        };
+        if let Err(error) = shared.queue.wait_for(&mark) {
+            return Status::Failed { error };
         }
     }
     drop(after);
-    let start = Instant::now();
-    let outcome = catch_unwind(AssertUnwindSafe(|| work(&shared.backend)));
-    let end = Instant::now();
-    if let Some(trace) = &shared.config.trace {
-        trace.record_work(shared.config.rank, &shared.name, &label, start, end);
-    }
+    let outcome = catch_unwind(AssertUnwindSafe(|| shared.queue.run(&label, work)));
     match outcome {
-        Ok(Ok(())) => Status::Done,
+        Ok(Ok(mark)) => Status::Done(mark),
         Ok(Err(error)) => Status::Failed { error },
         Err(payload) => Status::Failed {
             error: RuntimeError::Lane {

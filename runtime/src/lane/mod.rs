@@ -4,6 +4,8 @@
 //! flag with a condition variable. The schedules are written once against
 //! these traits, so the CPU run really overlaps too.
 
+pub mod thread;
+
 use crate::backend::Backend;
 use crate::error::Result;
 use std::borrow::Cow;

@@ -1,0 +1,1011 @@
+//! `impl Backend for CudaBackend`: buffers in GPU arenas ([`CudaBuf`]),
+//! kernels as NVRTC-compiled CUDA C ([`KernelSet`]) and cuBLAS GEMMs
+//! ([`Blas`]), each enqueued on the stream of the queue the value is bound
+//! to. Nothing here waits for the GPU except a download (a host read, the
+//! one synchronisation the `Backend` contract has), and that wait is
+//! bounded ([`QueueSet::wait_event`]).
+//!
+//! A [`Gpu`] is one device: its context, compiled kernels, arenas and
+//! counters, shared by every queue on it. A [`CudaBackend`] is that GPU
+//! bound to one queue (a stream with its cuBLAS handle): the rank's host
+//! queue (what the driver thread uses between steps) or a lane's.
+
+use super::arena::GpuArena;
+use super::blas::Blas;
+use super::buffer::{CudaBuf, view_mut_on, view_on};
+use super::launch::{GpuView, KernelSet};
+use super::queue::QueueSet;
+use crate::backend::{
+    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
+    CopyCols, DeviceStats, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims, MlaKvDims,
+    NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims,
+    UnpermuteGrads,
+};
+use crate::error::{Result, RuntimeError};
+use crate::view::{DType, DTypeRule, Scalar, same_dtype};
+use cudarc::driver::{CudaContext, CudaStream, result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+/// What a GPU has done ([`DeviceStats`]).
+#[derive(Debug, Default)]
+struct GpuCounters {
+    allocations: AtomicU64,
+    allocated_bytes: AtomicU64,
+    host_reads: AtomicU64,
+}
+
+/// One GPU: context, kernels, arenas, counters.
+pub struct Gpu {
+    pub(crate) queues: Arc<QueueSet>,
+    pub(crate) kernels: KernelSet,
+    compute: DType,
+    arenas: Mutex<Vec<Arc<GpuArena>>>,
+    counters: GpuCounters,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({})", self.queues.name)
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` (counted after `CUDA_VISIBLE_DEVICES`), compiles
+    /// and loads the kernels for it. Host waits on it give up after
+    /// `timeout`.
+    pub fn open(ordinal: usize, precision: Precision, timeout: Duration) -> Result<Arc<Gpu>> {
+        let name = format!("cuda:{ordinal}");
+        let context = super::catch_cudarc_panic(|| CudaContext::new(ordinal))
+            .map_err(|e| super::queue::device_error(&name, "loading the CUDA driver", e))?
+            .map_err(|e| super::queue::device_error(&name, "opening the device", e))?;
+        // The runtime orders its streams with its own events; cudarc's
+        // per-allocation tracking would add waits of its own.
+        // SAFETY: no cudarc allocation of this context is in use yet.
+        unsafe { context.disable_event_tracking() };
+        let kernels = KernelSet::new(&context)?;
+        let queues = Arc::new(QueueSet::new(name, context, timeout));
+        Ok(Arc::new(Gpu {
+            arenas: Mutex::new(vec![Arc::new(GpuArena::new(queues.clone()))]),
+            queues,
+            kernels,
+            compute: precision.compute_dtype(),
+            counters: GpuCounters::default(),
+        }))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.queues.name
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.queues.context
+    }
+
+    /// The GPU's streams and events.
+    pub fn queues(&self) -> &Arc<QueueSet> {
+        &self.queues
+    }
+
+    /// This GPU bound to a new queue (a stream of its own), allocating from
+    /// arena 0.
+    pub fn backend(self: &Arc<Self>, queue: &str) -> Result<CudaBackend> {
+        let (index, stream) = self.queues.new_stream()?;
+        let blas = Blas::new(&self.queues, &stream)?;
+        let arena = self.arenas.lock().unwrap_or_else(PoisonError::into_inner)[0].clone();
+        Ok(CudaBackend {
+            gpu: self.clone(),
+            queue: Arc::new(Queue {
+                index,
+                name: Arc::from(queue),
+                stream,
+                blas,
+                ops: AtomicU64::new(0),
+            }),
+            arena,
+        })
+    }
+
+    /// The first bad index a kernel reported since the last call, as the
+    /// `InvalidArgument` the CPU backend returns at the call itself (a GPU
+    /// kernel finds it on the device, so it surfaces at the next host read).
+    /// `stream` must be idle.
+    fn check_faults(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        match self.kernels.take_fault(stream)? {
+            None => Ok(()),
+            Some(fault) => Err(RuntimeError::InvalidArgument(format!(
+                "{}: kernel `{}` found bad input on the device: {fault}",
+                self.queues.name,
+                fault.kernels()
+            ))),
+        }
+    }
+}
+
+/// One stream of a GPU with its cuBLAS handle.
+#[derive(Debug)]
+pub(crate) struct Queue {
+    /// Its index in the GPU's queue set (a bit of a buffer's user mask).
+    pub(crate) index: usize,
+    pub(crate) name: Arc<str>,
+    pub(crate) stream: Arc<CudaStream>,
+    blas: Blas,
+    /// Views handed to work on this queue so far: lanes compare it with
+    /// what they last fenced to know whether the host queue has work they
+    /// must wait for.
+    pub(crate) ops: AtomicU64,
+}
+
+/// A GPU bound to one queue. Clones share the queue.
+#[derive(Clone, Debug)]
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    pub(crate) queue: Arc<Queue>,
+    arena: Arc<GpuArena>,
+}
+
+impl CudaBackend {
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The stream this value enqueues on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.queue.stream
+    }
+
+    /// Its index among the GPU's queues.
+    pub fn queue_index(&self) -> usize {
+        self.queue.index
+    }
+
+    /// The same GPU bound to a new queue of its own (what a lane gets).
+    pub fn on_new_queue(&self, name: &str) -> Result<CudaBackend> {
+        let mut backend = self.gpu.backend(name)?;
+        backend.arena = self.arena.clone();
+        Ok(backend)
+    }
+
+    /// Waits (bounded by the GPU's timeout and watch) until everything
+    /// enqueued on this queue has run, then reports any bad index a kernel
+    /// found.
+    pub fn synchronize(&self) -> Result<()> {
+        let queue = &self.queue;
+        self.gpu.queues.wait_stream(&queue.stream, &|| {
+            format!("the {} queue's work", queue.name)
+        })?;
+        self.gpu.check_faults(&queue.stream)
+    }
+
+    /// A view as kernels take it, noted as used by this queue.
+    fn v(&self, view: Slice<'_, Self>) -> GpuView {
+        self.queue.ops.fetch_add(1, Ordering::Relaxed);
+        view_on(view, self.queue.index)
+    }
+
+    fn m(&self, view: &SliceMut<'_, Self>) -> GpuView {
+        self.queue.ops.fetch_add(1, Ordering::Relaxed);
+        view_mut_on(view, self.queue.index)
+    }
+
+    fn k(&self) -> &KernelSet {
+        &self.gpu.kernels
+    }
+
+    fn s(&self) -> &CudaStream {
+        &self.queue.stream
+    }
+
+    /// Checks a matmul's operands as the CPU backend does.
+    fn matmul_operands(
+        &self,
+        kernel: &str,
+        names: [&str; 3],
+        a: GpuView,
+        b: GpuView,
+        c: GpuView,
+        dims: MatmulDims,
+    ) -> Result<()> {
+        let [an, bn, cn] = names;
+        DTypeRule::Float.check(kernel, an, a.dtype)?;
+        DTypeRule::Float.check(kernel, bn, b.dtype)?;
+        DTypeRule::Float.check(kernel, cn, c.dtype)?;
+        same_dtype(kernel, (an, a.dtype), (bn, b.dtype))?;
+        let MatmulDims { m, n, k, .. } = dims;
+        let product = |f: [usize; 2]| {
+            f[0].checked_mul(f[1]).ok_or_else(|| {
+                RuntimeError::InvalidArgument(format!("{kernel}: size {f:?} overflows"))
+            })
+        };
+        for (name, view, want) in [
+            (an, a, product([m, k])?),
+            (bn, b, product([k, n])?),
+            (cn, c, product([m, n])?),
+        ] {
+            if view.len != want {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "{kernel}: `{name}` has {} elements, expected {want}",
+                    view.len
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// One GEMM of checked operands, on this queue.
+    fn gemm(&self, a: GpuView, b: GpuView, c: GpuView, dims: MatmulDims) -> Result<()> {
+        if dims.m == 0 || dims.n == 0 {
+            return Ok(());
+        }
+        if dims.k == 0 {
+            // An empty sum: C = 0, or C unchanged when accumulating.
+            return if dims.accumulate {
+                Ok(())
+            } else {
+                self.k().zero(self.s(), c)
+            };
+        }
+        if a.dtype == DType::F32 && c.dtype == DType::Bf16 {
+            return Err(RuntimeError::InvalidArgument(
+                "kernel `matmul`: f32 operands into a bf16 `C` is not a cuBLAS GEMM; cast the \
+                 operands to bf16 or keep `C` in f32"
+                    .to_string(),
+            ));
+        }
+        self.queue.blas.gemm(&self.gpu.queues, a, b, c, dims)
+    }
+
+    /// Bytes and host reads of a download: waits (bounded) for this queue,
+    /// then copies.
+    fn read_back<T: Scalar>(&self, src: GpuView, dst: &mut [T]) -> Result<()> {
+        self.synchronize()?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` holds `dst.len()` elements of `T` (checked by the
+        // caller); the queue is idle, so the copy sees every write to it.
+        unsafe { result::memcpy_dtoh_sync(dst, src.ptr) }
+            .map_err(|e| self.gpu.queues.error("copying to the host", e))
+    }
+}
+
+fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidArgument(format!(
+            "{what}: lengths differ ({a} vs {b})"
+        )))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+
+    fn name(&self) -> String {
+        self.gpu.queues.name.clone()
+    }
+
+    fn compute_dtype(&self) -> DType {
+        self.gpu.compute
+    }
+
+    fn stats(&self) -> DeviceStats {
+        let (in_use, peak) = self
+            .gpu
+            .arenas
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|a| a.use_bytes())
+            .fold((0, 0), |(u, p), (a, b)| (u + a, p + b));
+        let c = &self.gpu.counters;
+        DeviceStats {
+            allocations: c.allocations.load(Ordering::Relaxed),
+            allocated_bytes: c.allocated_bytes.load(Ordering::Relaxed),
+            host_reads: c.host_reads.load(Ordering::Relaxed),
+            in_use_bytes: in_use as u64,
+            peak_in_use_bytes: peak as u64,
+        }
+    }
+
+    fn alloc(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
+        let bytes = len.checked_mul(dtype.bytes()).ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
+        })?;
+        let (region, grew) = self.arena.take(bytes, self.queue.index, self.s(), || {
+            format!("{len} x {dtype}")
+        })?;
+        if grew {
+            let c = &self.gpu.counters;
+            c.allocations.fetch_add(1, Ordering::Relaxed);
+            c.allocated_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+        Ok(CudaBuf::new(
+            self.arena.clone(),
+            region,
+            len,
+            dtype,
+            self.queue.index,
+        ))
+    }
+
+    fn in_arena(&self, arena: usize) -> Self {
+        let mut arenas = self
+            .gpu
+            .arenas
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        while arenas.len() <= arena {
+            arenas.push(Arc::new(GpuArena::new(self.gpu.queues.clone())));
+        }
+        CudaBackend {
+            arena: arenas[arena].clone(),
+            ..self.clone()
+        }
+    }
+
+    fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()> {
+        DTypeRule::Exactly(T::DTYPE).check("upload", "dst", dst.dtype())?;
+        same_len("upload", src.len(), dst.len())?;
+        let dst = self.m(&dst);
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` holds `src.len()` elements of `T`. From pageable
+        // memory the driver stages the bytes before returning, so `src` may
+        // go away afterwards; the copy is ordered on this queue.
+        unsafe { result::memcpy_htod_async(dst.ptr, src, self.s().cu_stream()) }
+            .map_err(|e| self.gpu.queues.error("copying to the GPU", e))
+    }
+
+    fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()> {
+        DTypeRule::Exactly(T::DTYPE).check("download", "src", src.dtype())?;
+        same_len("download", src.len(), dst.len())?;
+        let src = self.v(src);
+        self.read_back(src, dst)?;
+        self.gpu.counters.host_reads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
+        same_dtype("copy", ("src", src.dtype()), ("dst", dst.dtype()))?;
+        same_len("copy", src.len(), dst.len())?;
+        let (src, dst) = (self.v(src), self.m(&dst));
+        let bytes = src.len * src.dtype.bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both views hold `bytes` bytes of live buffers.
+        unsafe { result::memcpy_dtod_async(dst.ptr, src.ptr, bytes, self.s().cu_stream()) }
+            .map_err(|e| self.gpu.queues.error("copying on the GPU", e))
+    }
+
+    fn cast(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
+        same_len("cast", src.len(), dst.len())?;
+        self.k().cast(self.s(), self.v(src), self.m(&dst))
+    }
+
+    fn fill(&self, dst: SliceMut<'_, Self>, value: f32) -> Result<()> {
+        self.k().fill(self.s(), self.m(&dst), value)
+    }
+
+    fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
+        self.k().zero(self.s(), self.m(&dst))
+    }
+
+    fn matmul(
+        &self,
+        a: Slice<'_, Self>,
+        b: Slice<'_, Self>,
+        c: SliceMut<'_, Self>,
+        dims: MatmulDims,
+    ) -> Result<()> {
+        let (a, b, c) = (self.v(a), self.v(b), self.m(&c));
+        self.matmul_operands("matmul", ["A", "B", "C"], a, b, c, dims)?;
+        self.gemm(a, b, c, dims)
+    }
+
+    fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()> {
+        let k = "grouped_matmul";
+        let Some(first) = problems.first() else {
+            return Ok(());
+        };
+        let (ab, c) = (first.a.dtype(), first.c.dtype());
+        let mut operands = Vec::with_capacity(problems.len());
+        for (i, p) in problems.iter().enumerate() {
+            let names = [
+                format!("problems[{i}].A"),
+                format!("problems[{i}].B"),
+                format!("problems[{i}].C"),
+            ];
+            same_dtype(k, ("problems[0].A", ab), (&names[0], p.a.dtype()))?;
+            same_dtype(k, ("problems[0].A", ab), (&names[1], p.b.dtype()))?;
+            same_dtype(k, ("problems[0].C", c), (&names[2], p.c.dtype()))?;
+            let (a, b, out) = (self.v(p.a), self.v(p.b), self.m(&p.c));
+            self.matmul_operands(k, [&names[0], &names[1], &names[2]], a, b, out, p.dims)?;
+            operands.push((a, b, out, p.dims));
+        }
+        // The C views must not overlap: sorted by address, each must end
+        // before the next starts.
+        let mut outs: Vec<(u64, u64, usize)> = operands
+            .iter()
+            .enumerate()
+            .map(|(i, (_, _, c, _))| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
+            .filter(|(start, end, _)| end > start)
+            .collect();
+        outs.sort_unstable();
+        for pair in outs.windows(2) {
+            if pair[1].0 < pair[0].1 {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "{k}: `problems[{}].C` and `problems[{}].C` overlap",
+                    pair[0].2, pair[1].2
+                )));
+            }
+        }
+        // One GEMM per problem, in order: exactly the matmul each describes.
+        for (a, b, out, dims) in operands {
+            self.gemm(a, b, out, dims)?;
+        }
+        Ok(())
+    }
+
+    fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
+        self.k().axpy(self.s(), alpha, self.v(x), self.m(&y))
+    }
+
+    fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()> {
+        self.k().scale(self.s(), self.m(&x), alpha)
+    }
+
+    fn copy_cols(
+        &self,
+        src: Slice<'_, Self>,
+        dst: SliceMut<'_, Self>,
+        dims: CopyCols,
+    ) -> Result<()> {
+        self.k()
+            .copy_cols(self.s(), self.v(src), self.m(&dst), dims)
+    }
+
+    fn column_sum(
+        &self,
+        x: Slice<'_, Self>,
+        out: SliceMut<'_, Self>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.k()
+            .column_sum(self.s(), self.v(x), self.m(&out), rows, cols)
+    }
+
+    fn qkv_split(
+        &self,
+        qkv: Slice<'_, Self>,
+        out: AttentionInputs<SliceMut<'_, Self>>,
+        dims: QkvDims,
+    ) -> Result<()> {
+        self.k().qkv_split(
+            self.s(),
+            self.v(qkv),
+            self.m(&out.q),
+            self.m(&out.k),
+            self.m(&out.v),
+            dims,
+        )
+    }
+
+    fn qkv_join(
+        &self,
+        grads: AttentionInputs<Slice<'_, Self>>,
+        dqkv: SliceMut<'_, Self>,
+        dims: QkvDims,
+    ) -> Result<()> {
+        self.k().qkv_join(
+            self.s(),
+            self.v(grads.q),
+            self.v(grads.k),
+            self.v(grads.v),
+            self.m(&dqkv),
+            dims,
+        )
+    }
+
+    fn mla_kv_split(
+        &self,
+        kv: Slice<'_, Self>,
+        k_rope: Slice<'_, Self>,
+        k: SliceMut<'_, Self>,
+        v: SliceMut<'_, Self>,
+        dims: MlaKvDims,
+    ) -> Result<()> {
+        self.k().mla_kv_split(
+            self.s(),
+            self.v(kv),
+            self.v(k_rope),
+            self.m(&k),
+            self.m(&v),
+            dims,
+        )
+    }
+
+    fn mla_kv_join(
+        &self,
+        dk: Slice<'_, Self>,
+        dv: Slice<'_, Self>,
+        d_kv: SliceMut<'_, Self>,
+        d_k_rope: SliceMut<'_, Self>,
+        dims: MlaKvDims,
+    ) -> Result<()> {
+        self.k().mla_kv_join(
+            self.s(),
+            self.v(dk),
+            self.v(dv),
+            self.m(&d_kv),
+            self.m(&d_k_rope),
+            dims,
+        )
+    }
+
+    fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
+        self.k().accumulate_sum(self.s(), self.v(x), self.m(&out))
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        rstd: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.k().rmsnorm_forward(
+            self.s(),
+            self.v(x),
+            self.v(weight),
+            self.m(&y),
+            self.m(&rstd),
+            dims,
+        )
+    }
+
+    fn rmsnorm_backward_input(
+        &self,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.k().rmsnorm_backward_input(
+            self.s(),
+            self.v(dy),
+            self.v(x),
+            self.v(weight),
+            self.v(rstd),
+            self.m(&dx),
+            dims,
+        )
+    }
+
+    fn rmsnorm_backward_weight(
+        &self,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dw: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.k().rmsnorm_backward_weight(
+            self.s(),
+            self.v(dy),
+            self.v(x),
+            self.v(rstd),
+            self.m(&dw),
+            dims,
+        )
+    }
+
+    fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
+        self.k().unary_forward(self.s(), op, self.v(x), self.m(&y))
+    }
+
+    fn unary_backward(
+        &self,
+        op: Unary,
+        x: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
+    ) -> Result<()> {
+        self.k()
+            .unary_backward(self.s(), op, self.v(x), self.v(dy), self.m(&dx))
+    }
+
+    fn silu_mul_forward(
+        &self,
+        gate: Slice<'_, Self>,
+        up: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+    ) -> Result<()> {
+        self.k()
+            .silu_mul_forward(self.s(), self.v(gate), self.v(up), self.m(&y))
+    }
+
+    fn silu_mul_backward(
+        &self,
+        gate: Slice<'_, Self>,
+        up: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        dgate: SliceMut<'_, Self>,
+        dup: SliceMut<'_, Self>,
+    ) -> Result<()> {
+        self.k().silu_mul_backward(
+            self.s(),
+            self.v(gate),
+            self.v(up),
+            self.v(dy),
+            self.m(&dgate),
+            self.m(&dup),
+        )
+    }
+
+    fn conv1d_forward(
+        &self,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        bias: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let _ = (x, weight, bias, y, dims);
+        Err(pending("conv1d_forward"))
+    }
+
+    fn conv1d_backward_input(
+        &self,
+        dy: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let _ = (dy, weight, dx, dims);
+        Err(pending("conv1d_backward_input"))
+    }
+
+    fn conv1d_backward_weight(
+        &self,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        dw: SliceMut<'_, Self>,
+        dbias: SliceMut<'_, Self>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let _ = (dy, x, dw, dbias, dims);
+        Err(pending("conv1d_backward_weight"))
+    }
+
+    fn ssd_scan_forward(
+        &self,
+        inputs: ScanInputs<Slice<'_, Self>>,
+        y: SliceMut<'_, Self>,
+        states: SliceMut<'_, Self>,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let _ = (inputs, y, states, dims);
+        Err(pending("ssd_scan_forward"))
+    }
+
+    fn ssd_scan_backward(
+        &self,
+        inputs: ScanInputs<Slice<'_, Self>>,
+        states: Slice<'_, Self>,
+        dy: Slice<'_, Self>,
+        grads: ScanGrads<SliceMut<'_, Self>>,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let _ = (inputs, states, dy, grads, dims);
+        Err(pending("ssd_scan_backward"))
+    }
+
+    fn attention_forward(
+        &self,
+        inputs: AttentionInputs<Slice<'_, Self>>,
+        out: SliceMut<'_, Self>,
+        lse: SliceMut<'_, Self>,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let _ = (inputs, out, lse, dims);
+        Err(pending("attention_forward"))
+    }
+
+    fn attention_backward(
+        &self,
+        inputs: AttentionInputs<Slice<'_, Self>>,
+        out: Slice<'_, Self>,
+        lse: Slice<'_, Self>,
+        dout: Slice<'_, Self>,
+        grads: AttentionInputs<SliceMut<'_, Self>>,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let _ = (inputs, out, lse, dout, grads, dims);
+        Err(pending("attention_backward"))
+    }
+
+    fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
+        self.k().rotary_forward(self.s(), self.m(&x), dims)
+    }
+
+    fn rotary_backward(&self, dx: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
+        self.k().rotary_backward(self.s(), self.m(&dx), dims)
+    }
+
+    fn embedding_forward(
+        &self,
+        table: Slice<'_, Self>,
+        ids: Slice<'_, Self>,
+        out: SliceMut<'_, Self>,
+        dims: LookupDims,
+    ) -> Result<()> {
+        let _ = (table, ids, out, dims);
+        Err(pending("embedding_forward"))
+    }
+
+    fn embedding_backward(
+        &self,
+        dout: Slice<'_, Self>,
+        ids: Slice<'_, Self>,
+        dtable: SliceMut<'_, Self>,
+        dims: LookupDims,
+    ) -> Result<()> {
+        let _ = (dout, ids, dtable, dims);
+        Err(pending("embedding_backward"))
+    }
+
+    fn cross_entropy_forward(
+        &self,
+        logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        losses: SliceMut<'_, Self>,
+        dims: LossDims,
+    ) -> Result<()> {
+        self.k().cross_entropy_forward(
+            self.s(),
+            self.m(&logits),
+            self.v(targets),
+            self.m(&losses),
+            dims,
+        )
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        probs: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        scale: f32,
+        dims: LossDims,
+    ) -> Result<()> {
+        self.k()
+            .cross_entropy_backward(self.s(), self.m(&probs), self.v(targets), scale, dims)
+    }
+
+    fn moe_route_forward(
+        &self,
+        logits: Slice<'_, Self>,
+        expert_bias: Option<Slice<'_, Self>>,
+        out: RouteOutputs<SliceMut<'_, Self>>,
+        selected: SliceMut<'_, Self>,
+        dims: RouteDims,
+    ) -> Result<()> {
+        self.k().moe_route_forward(
+            self.s(),
+            self.v(logits),
+            expert_bias.map(|b| self.v(b)),
+            self.m(&out.scores),
+            self.m(&out.weights),
+            self.m(&out.softmax_sum),
+            self.m(&selected),
+            dims,
+        )
+    }
+
+    fn moe_route_backward(
+        &self,
+        saved: RouterScores<Slice<'_, Self>>,
+        selected: Slice<'_, Self>,
+        d_weights: Slice<'_, Self>,
+        aux_grad: Slice<'_, Self>,
+        d_logits: SliceMut<'_, Self>,
+        dims: RouteDims,
+    ) -> Result<()> {
+        self.k().moe_route_backward(
+            self.s(),
+            self.v(saved.logits),
+            self.v(saved.scores),
+            self.v(selected),
+            self.v(d_weights),
+            self.v(aux_grad),
+            self.m(&d_logits),
+            dims,
+        )
+    }
+
+    fn moe_expert_counts(
+        &self,
+        selected: Slice<'_, Self>,
+        counts: SliceMut<'_, Self>,
+        slots: RoutedSlots,
+    ) -> Result<()> {
+        self.k()
+            .moe_expert_counts(self.s(), self.v(selected), self.m(&counts), slots)
+    }
+
+    fn moe_sort_by_expert(
+        &self,
+        selected: Slice<'_, Self>,
+        counts: Slice<'_, Self>,
+        out: ExpertOrder<SliceMut<'_, Self>>,
+        slots: RoutedSlots,
+    ) -> Result<()> {
+        self.k().moe_sort_by_expert(
+            self.s(),
+            self.v(selected),
+            self.v(counts),
+            self.m(&out.positions),
+            self.m(&out.sources),
+            slots,
+        )
+    }
+
+    fn moe_expert_major_order(
+        &self,
+        recv_counts: Slice<'_, Self>,
+        order: SliceMut<'_, Self>,
+        dims: ReceivedDims,
+    ) -> Result<()> {
+        self.k()
+            .moe_expert_major_order(self.s(), self.v(recv_counts), self.m(&order), dims)
+    }
+
+    fn moe_aux_loss_forward(
+        &self,
+        counts: Slice<'_, Self>,
+        softmax_sum: Slice<'_, Self>,
+        loss: SliceMut<'_, Self>,
+        dims: AuxLossDims,
+    ) -> Result<()> {
+        self.k().moe_aux_loss_forward(
+            self.s(),
+            self.v(counts),
+            self.v(softmax_sum),
+            self.m(&loss),
+            dims,
+        )
+    }
+
+    fn moe_aux_loss_backward(
+        &self,
+        counts: Slice<'_, Self>,
+        aux_grad: SliceMut<'_, Self>,
+        dims: AuxLossDims,
+        scale: f32,
+    ) -> Result<()> {
+        self.k()
+            .moe_aux_loss_backward(self.s(), self.v(counts), self.m(&aux_grad), dims, scale)
+    }
+
+    fn gather_rows(
+        &self,
+        src: Slice<'_, Self>,
+        index: Slice<'_, Self>,
+        dst: SliceMut<'_, Self>,
+        width: usize,
+    ) -> Result<()> {
+        self.k()
+            .gather_rows(self.s(), self.v(src), self.v(index), self.m(&dst), width)
+    }
+
+    fn scatter_rows(
+        &self,
+        src: Slice<'_, Self>,
+        index: Slice<'_, Self>,
+        dst: SliceMut<'_, Self>,
+        width: usize,
+    ) -> Result<()> {
+        self.k()
+            .scatter_rows(self.s(), self.v(src), self.v(index), self.m(&dst), width)
+    }
+
+    fn moe_unpermute(
+        &self,
+        rows: Slice<'_, Self>,
+        weights: Option<Slice<'_, Self>>,
+        positions: Slice<'_, Self>,
+        out: SliceMut<'_, Self>,
+        dims: UnpermuteDims,
+    ) -> Result<()> {
+        self.k().moe_unpermute(
+            self.s(),
+            self.v(rows),
+            weights.map(|w| self.v(w)),
+            self.v(positions),
+            self.m(&out),
+            dims,
+        )
+    }
+
+    fn moe_unpermute_backward(
+        &self,
+        dout: Slice<'_, Self>,
+        rows: Slice<'_, Self>,
+        weights: Slice<'_, Self>,
+        positions: Slice<'_, Self>,
+        grads: UnpermuteGrads<SliceMut<'_, Self>>,
+        dims: UnpermuteDims,
+    ) -> Result<()> {
+        self.k().moe_unpermute_backward(
+            self.s(),
+            self.v(dout),
+            self.v(rows),
+            self.v(weights),
+            self.v(positions),
+            self.m(&grads.rows),
+            self.m(&grads.weights),
+            dims,
+        )
+    }
+
+    fn adam_update(
+        &self,
+        param: SliceMut<'_, Self>,
+        grad: Slice<'_, Self>,
+        moments: AdamMoments<SliceMut<'_, Self>>,
+        decayed: Slice<'_, Self>,
+        step: AdamStep,
+    ) -> Result<()> {
+        let moments = AdamMoments {
+            m: self.m(&moments.m),
+            v: self.m(&moments.v),
+        };
+        self.k().adam_update(
+            self.s(),
+            self.m(&param),
+            self.v(grad),
+            moments,
+            self.v(decayed),
+            step,
+        )
+    }
+
+    fn sgd_update(
+        &self,
+        param: SliceMut<'_, Self>,
+        grad: Slice<'_, Self>,
+        momentum: Option<SliceMut<'_, Self>>,
+        decayed: Slice<'_, Self>,
+        step: SgdStep,
+    ) -> Result<()> {
+        let momentum = momentum.as_ref().map(|m| self.m(m));
+        self.k().sgd_update(
+            self.s(),
+            self.m(&param),
+            self.v(grad),
+            momentum,
+            self.v(decayed),
+            step,
+        )
+    }
+
+    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
+        self.k()
+            .sum_squares(self.s(), self.v(x), piece, self.m(&out))
+    }
+}
+
+/// Placeholder for kernels being ported (replaced before this lands).
+fn pending(kernel: &str) -> RuntimeError {
+    RuntimeError::Unsupported(format!("kernel `{kernel}` is not on the GPU yet"))
+}

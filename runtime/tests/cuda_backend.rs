@@ -1,0 +1,226 @@
+//! The CUDA backend on a GPU: the backend conformance suite (every kernel
+//! against the suite's f64 reference, refusals, bit-repeatability) in f32
+//! and bf16, and the parts of the device that are not kernels: lanes on
+//! streams ordered by events, the host queue's fence, arenas that reuse
+//! memory only after its last users ran, and traces in GPU time.
+//!
+//! Without a GPU each test prints why and passes: the binary is built on a
+//! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
+
+use hybridgen_runtime::backend::Backend;
+use hybridgen_runtime::conformance::{self, Options};
+use hybridgen_runtime::cuda::{CudaBackend, CudaLane, Gpu, probe};
+use hybridgen_runtime::lane::{Event, Label, Lane};
+use hybridgen_runtime::trace::TraceRecorder;
+use hybridgen_runtime::{Precision, RuntimeError};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The first GPU bound to a host queue, or why there is none.
+fn gpu(precision: Precision) -> Option<CudaBackend> {
+    if let Err(why) = probe() {
+        println!("skipped: {why}");
+        return None;
+    }
+    let gpu = Gpu::open(0, precision, Duration::from_secs(60)).expect("the probed GPU opens");
+    Some(gpu.backend("host").expect("a host queue"))
+}
+
+fn conformance_in(precision: Precision) {
+    let Some(backend) = gpu(precision) else {
+        return;
+    };
+    // CUDA's expf/logf/tanhf are within 2 ulp of libm's (CUDA C
+    // Programming Guide, "Mathematical Functions"): twice the CPU's
+    // tolerances covers them; anything looser is a bug.
+    let options = Options {
+        slack: 2.0,
+        ..Options::default()
+    };
+    let report = conformance::run_all(&backend, &options);
+    println!("{report}");
+    assert!(report.is_clean(), "{report}");
+}
+
+#[test]
+fn cuda_backend_conforms_in_f32() {
+    conformance_in(Precision::F32);
+}
+
+#[test]
+fn cuda_backend_conforms_in_bf16() {
+    conformance_in(Precision::Bf16);
+}
+
+fn lane(host: &CudaBackend, name: &str, trace: Option<Arc<TraceRecorder>>) -> CudaLane {
+    CudaLane::on_gpu(name, host, 0, Duration::from_secs(60), trace).expect("a lane")
+}
+
+/// Work on one lane that another waits for through an event sees its
+/// results, however long the first takes on the GPU; the host queue's work
+/// is ordered before lane work submitted after it.
+#[test]
+fn lanes_are_ordered_by_events_and_the_host_queue_fence() {
+    let Some(host) = gpu(Precision::F32) else {
+        return;
+    };
+    let n = 1 << 22;
+    let a = Arc::new(host.alloc(n, hybridgen_runtime::view::DType::F32).unwrap());
+    let b = Arc::new(host.alloc(n, hybridgen_runtime::view::DType::F32).unwrap());
+    // The host queue fills `a`; the lane must see it without a host wait.
+    host.fill(host.view_mut(&a).unwrap(), 1.0).unwrap();
+    let compute = lane(&host, "compute", None);
+    let comm = lane(&host, "comm", None);
+    let (a1, b1) = (a.clone(), b.clone());
+    // Many passes make the first lane's work long on the GPU.
+    let slow = compute.submit(
+        Label::new("slow", "forward"),
+        &[],
+        Box::new(move |dev: &CudaBackend| {
+            for _ in 0..200 {
+                dev.scale(dev.view_mut(&a1)?, 1.0)?;
+            }
+            dev.axpy(1.0, dev.view(&a1)?, dev.view_mut(&b1)?)
+        }),
+    );
+    let b2 = b.clone();
+    let after = comm.submit(
+        Label::new("after", "reduce"),
+        &[slow],
+        Box::new(move |dev: &CudaBackend| dev.scale(dev.view_mut(&b2)?, 2.0)),
+    );
+    after.wait().unwrap();
+    let mut out = vec![0.0f32; n];
+    host.download(host.view(&b).unwrap(), &mut out).unwrap();
+    assert!(out.iter().all(|&v| v == 2.0), "{:?}", &out[..4]);
+    compute.synchronize().unwrap();
+    comm.synchronize().unwrap();
+}
+
+/// A buffer dropped right after its (long) work was enqueued on one lane
+/// is not handed to another lane until that work ran; once a step's
+/// allocations have been made, repeating the step allocates nothing.
+#[test]
+fn arenas_reuse_memory_only_after_its_last_users_ran() {
+    let Some(host) = gpu(Precision::F32) else {
+        return;
+    };
+    let compute = lane(&host, "compute", None);
+    let comm = lane(&host, "comm", None);
+    let n = 1 << 22;
+    for step in 0..3 {
+        let before = host.stats();
+        let writer = compute.submit(
+            Label::new("writer", "forward"),
+            &[],
+            Box::new(move |dev: &CudaBackend| {
+                let scratch = dev.alloc(n, hybridgen_runtime::view::DType::F32)?;
+                for _ in 0..300 {
+                    dev.fill(dev.view_mut(&scratch)?, 7.0)?;
+                }
+                // Dropped here, long before the fills ran.
+                Ok(())
+            }),
+        );
+        writer.wait_timeout(Duration::from_secs(60)).ok();
+        let reader = comm.submit(
+            Label::new("reader", "reduce"),
+            &[],
+            Box::new(move |dev: &CudaBackend| {
+                let mine = dev.alloc(n, hybridgen_runtime::view::DType::F32)?;
+                let mut out = vec![1.0f32; n];
+                dev.download(dev.view(&mine)?, &mut out)?;
+                if out.iter().any(|&v| v != 0.0) {
+                    return Err(RuntimeError::Numeric(
+                        "a new buffer held another lane's late writes".into(),
+                    ));
+                }
+                Ok(())
+            }),
+        );
+        reader.wait().unwrap();
+        compute.synchronize().unwrap();
+        comm.synchronize().unwrap();
+        let during = host.stats() - before;
+        if step > 0 {
+            assert_eq!(during.allocations, 0, "step {step}: {during:?}");
+        }
+    }
+}
+
+/// Traces show each lane's work at its GPU times: a span per submission, in
+/// order on each lane, and work that waited on another lane's event starts
+/// after that work ended.
+#[test]
+fn traces_show_work_at_gpu_times() {
+    let Some(host) = gpu(Precision::F32) else {
+        return;
+    };
+    let trace = Arc::new(TraceRecorder::new());
+    let compute = lane(&host, "compute", Some(trace.clone()));
+    let comm = lane(&host, "comm", Some(trace.clone()));
+    let n = 1 << 22;
+    let x = Arc::new(host.alloc(n, hybridgen_runtime::view::DType::F32).unwrap());
+    let x1 = x.clone();
+    let first = compute.submit(
+        Label::new("long", "forward"),
+        &[],
+        Box::new(move |dev: &CudaBackend| {
+            for _ in 0..200 {
+                dev.scale(dev.view_mut(&x1)?, 1.0)?;
+            }
+            Ok(())
+        }),
+    );
+    let x2 = x.clone();
+    comm.submit(
+        Label::new("next", "reduce"),
+        &[first],
+        Box::new(move |dev: &CudaBackend| dev.scale(dev.view_mut(&x2)?, 1.0)),
+    );
+    compute.synchronize().unwrap();
+    comm.synchronize().unwrap();
+    let spans = trace.spans();
+    let long = spans.iter().find(|s| s.name == "long").expect("long");
+    let next = spans.iter().find(|s| s.name == "next").expect("next");
+    println!(
+        "long {:?}..{:?}, next {:?}..{:?}",
+        long.start, long.end, next.start, next.end
+    );
+    assert!(long.duration() > Duration::from_micros(100), "{long:?}");
+    assert!(
+        next.start + Duration::from_micros(50) >= long.end,
+        "{next:?} {long:?}"
+    );
+}
+
+/// A bad index found on the device is reported at the next host read, as
+/// the CPU reports it at the call.
+#[test]
+fn device_found_bad_indices_surface_at_the_next_read() {
+    let Some(host) = gpu(Precision::F32) else {
+        return;
+    };
+    use hybridgen_runtime::view::DType;
+    let src = host.alloc(4 * 3, DType::F32).unwrap();
+    let index = host.alloc(2, DType::U32).unwrap();
+    let dst = host.alloc(2 * 3, DType::F32).unwrap();
+    host.upload(&[1u32, 9], host.view_mut(&index).unwrap())
+        .unwrap();
+    host.gather_rows(
+        host.view(&src).unwrap(),
+        host.view(&index).unwrap(),
+        host.view_mut(&dst).unwrap(),
+        3,
+    )
+    .unwrap();
+    let mut out = vec![0.0f32; 6];
+    let err = host
+        .download(host.view(&dst).unwrap(), &mut out)
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, RuntimeError::InvalidArgument(_)), "{message}");
+    assert!(message.contains("gather_rows"), "{message}");
+    // Reported once: the next read is clean.
+    host.download(host.view(&dst).unwrap(), &mut out).unwrap();
+}
