@@ -302,8 +302,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: MlaKvDims,
     ) -> Result<()>;
 
-    /// `out[0] += sum_i x[i]`: the sum taken in f64 in index order starting
-    /// from zero, then added to `out[0]`. `x` is bf16, f32 or f64; `out` is
+    /// `out[0] += sum_i x[i]`: the sum taken in f64 in an order fixed by the
+    /// length alone (the CPU: index order from zero; a GPU: a fixed tree),
+    /// then added to `out[0]`. `x` is bf16, f32 or f64; `out` is
     /// one f64 (a slot of a loss accumulator). Losses accumulate on the
     /// device this way and are read once per step.
     fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()>;
@@ -734,8 +735,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> Result<()>;
 
     /// `out[i] = sum of x[j]^2` over piece `i` of `x`, pieces of `piece`
-    /// elements (the last may be shorter), each summed in f64 in index order
-    /// from zero: the gradient norm's partial sums. `x` is f32 (gradients),
+    /// elements (the last may be shorter), each summed in f64 in an order
+    /// fixed by the piece's length (the CPU: index order from zero; a GPU: a
+    /// fixed tree): the gradient norm's partial sums. `x` is f32 (gradients),
     /// `out` f64 with `ceil(len / piece)` elements; `piece` must be positive.
     fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()>;
 }

@@ -249,11 +249,16 @@ impl CudaBackend {
             };
         }
         if a.dtype == DType::F32 && c.dtype == DType::Bf16 {
-            return Err(RuntimeError::InvalidArgument(
-                "kernel `matmul`: f32 operands into a bf16 `C` is not a cuBLAS GEMM; cast the \
-                 operands to bf16 or keep `C` in f32"
-                    .to_string(),
-            ));
+            // cuBLAS has no f32 x f32 -> bf16 GEMM: compute into f32 and
+            // round once at the store, as the contract says. The scratch
+            // comes from the arena, so a repeated step allocates nothing.
+            let scratch = self.alloc(c.len, DType::F32)?;
+            let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
+            if dims.accumulate {
+                self.k().cast(self.s(), c, wide)?;
+            }
+            self.queue.blas.gemm(&self.gpu.queues, a, b, wide, dims)?;
+            return self.k().cast(self.s(), wide, c);
         }
         self.queue.blas.gemm(&self.gpu.queues, a, b, c, dims)
     }

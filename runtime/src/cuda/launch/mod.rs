@@ -821,7 +821,9 @@ impl KernelSet {
         d: RotaryDims,
         sign: f32,
     ) -> Result<()> {
-        let t = float(k, "x", &x)?;
+        // The argument's name in the `Backend` method (errors use it).
+        let name = if sign > 0.0 { "x" } else { "dx" };
+        let t = float(k, name, &x)?;
         ensure(d.dim.is_multiple_of(2), || {
             format!("{k}: rotary dim {} is odd", d.dim)
         })?;
@@ -834,7 +836,7 @@ impl KernelSet {
             )
         })?;
         let rows = d.tokens.rows()?;
-        len(k, "x", &x, product(k, &[rows, d.heads, d.head_stride])?)?;
+        len(k, name, &x, product(k, &[rows, d.heads, d.head_stride])?)?;
         let pairs = product(k, &[rows, d.heads, d.dim / 2])?;
         if pairs == 0 {
             return Ok(());
@@ -867,17 +869,23 @@ impl KernelSet {
         v: &GpuView,
         d: QkvDims,
     ) -> Result<i32> {
-        let t = float(k, "qkv", fused)?;
-        for (name, view) in [("q", q), ("k", kk), ("v", v)] {
-            same_dtype(k, ("qkv", fused.dtype), (name, view.dtype))?;
+        // The arguments' names in the `Backend` methods (errors use them).
+        let [nqkv, nq, nk, nv] = if k == "qkv_join" {
+            ["dqkv", "dq", "dk", "dv"]
+        } else {
+            ["qkv", "q", "k", "v"]
+        };
+        let t = float(k, nqkv, fused)?;
+        for (name, view) in [(nq, q), (nk, kk), (nv, v)] {
+            same_dtype(k, (nqkv, fused.dtype), (name, view.dtype))?;
         }
         let heads = product(k, &[d.groups, d.heads_per_group])?;
         let width = product(k, &[d.groups, d.heads_per_group + 2, d.head_dim])?;
-        len(k, "qkv", fused, product(k, &[d.rows, width])?)?;
-        len(k, "q", q, product(k, &[d.rows, heads, d.head_dim])?)?;
+        len(k, nqkv, fused, product(k, &[d.rows, width])?)?;
+        len(k, nq, q, product(k, &[d.rows, heads, d.head_dim])?)?;
         let kv = product(k, &[d.rows, d.groups, d.head_dim])?;
-        len(k, "k", kk, kv)?;
-        len(k, "v", v, kv)?;
+        len(k, nk, kk, kv)?;
+        len(k, nv, v, kv)?;
         Ok(t)
     }
 
@@ -1020,9 +1028,11 @@ impl KernelSet {
     // ---- loss -------------------------------------------------------------------------
 
     fn check_loss(k: &str, probs: &GpuView, targets: &GpuView, d: LossDims) -> Result<()> {
-        exactly(k, "logits", probs, DType::F32)?;
+        // The argument's name in the `Backend` method (errors use it).
+        let name = if k == "cross_entropy_forward" { "logits" } else { "probs" };
+        exactly(k, name, probs, DType::F32)?;
         exactly(k, "targets", targets, DType::U32)?;
-        len(k, "logits", probs, product(k, &[d.rows, d.vocab])?)?;
+        len(k, name, probs, product(k, &[d.rows, d.vocab])?)?;
         len(k, "targets", targets, d.rows)
     }
 
@@ -1531,14 +1541,14 @@ impl KernelSet {
         let (dt, rt, drt) = (
             float(k, "dout", &dout)?,
             float(k, "rows", &rows)?,
-            float(k, "grads.rows", &d_rows)?,
+            float(k, "d_rows", &d_rows)?,
         );
         Self::check_unpermute(k, &rows, &positions, &dout, d)?;
         exactly(k, "weights", &weights, DType::F32)?;
-        exactly(k, "grads.weights", &d_weights, DType::F32)?;
+        exactly(k, "d_weights", &d_weights, DType::F32)?;
         len(k, "weights", &weights, positions.len)?;
-        len(k, "grads.rows", &d_rows, rows.len)?;
-        len(k, "grads.weights", &d_weights, positions.len)?;
+        len(k, "d_rows", &d_rows, rows.len)?;
+        len(k, "d_weights", &d_weights, positions.len)?;
         self.zero(stream, d_rows)?;
         if d.width == 0 || d.top_k == 0 {
             return self.zero(stream, d_weights);
