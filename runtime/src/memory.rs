@@ -496,6 +496,9 @@ pub struct MemoryNeed {
     /// A lower bound made before planning (state without padding or
     /// buffers), or the full estimate.
     pub lower_bound: bool,
+    /// On GPUs: what each GPU holds besides the run's buffers (the CUDA
+    /// context, cuBLAS workspaces, NCCL's buffers); `None` on the CPU.
+    pub gpu_overhead: Option<u64>,
 }
 
 impl MemoryNeed {
@@ -527,6 +530,7 @@ impl MemoryNeed {
             arena_headroom,
             bookkeeping,
             lower_bound,
+            gpu_overhead: None,
         };
         need.per_rank = need
             .state
@@ -535,6 +539,14 @@ impl MemoryNeed {
             .saturating_add(need.live().max(need.state.scratch));
         need.total = need.per_rank.saturating_mul(ranks as u64);
         need
+    }
+
+    /// The need of one GPU, which runs one rank: the rank's memory plus
+    /// `overhead` for what the device itself takes.
+    pub fn on_one_gpu(mut self, overhead: u64) -> Self {
+        self.gpu_overhead = Some(overhead);
+        self.total = self.per_rank.saturating_add(overhead);
+        self
     }
 
     /// Per rank: the activations of the micro-batches in flight, with the
@@ -705,12 +717,20 @@ impl MemoryNeed {
                 bytes(self.state.scratch - live)
             );
         }
-        out += &format!(
-            "\n  {} thread rank{} in this process: {}\n  to fit, try:",
-            self.ranks,
-            if self.ranks == 1 { "" } else { "s" },
-            bytes(self.total)
-        );
+        out += &match self.gpu_overhead {
+            None => format!(
+                "\n  {} thread rank{} in this process: {}\n  to fit, try:",
+                self.ranks,
+                if self.ranks == 1 { "" } else { "s" },
+                bytes(self.total)
+            ),
+            Some(overhead) => format!(
+                "\n  one rank per GPU, plus {} for the CUDA context, cuBLAS and NCCL: {}\n  to \
+                 fit, try:",
+                bytes(overhead),
+                bytes(self.total)
+            ),
+        };
         let mut tips = Vec::new();
         if live > self.state.total / 8 {
             tips.push(format!(
@@ -731,7 +751,14 @@ impl MemoryNeed {
                     .to_string(),
             );
         }
-        if self.ranks > 1 {
+        if self.gpu_overhead.is_some() && hints.sharding == Sharding::Zero3 {
+            tips.push(
+                "more GPUs (more --ranks): ZeRO-3 shards parameters, gradients and optimizer \
+                 state over them"
+                    .to_string(),
+            );
+        }
+        if self.ranks > 1 && self.gpu_overhead.is_none() {
             tips.push(format!(
                 "fewer --ranks (now {}): every thread rank holds its own activations and buffers",
                 self.ranks

@@ -12,9 +12,12 @@
 use crate::backend::Precision;
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
+use crate::cuda::{CudaPlatform, GpuInfo};
 use crate::device::{Cpu, Device, RankContext};
 use crate::error::Result;
+use crate::error::RuntimeError;
 use crate::lane::thread::{CpuLane, LaneConfig};
+use crate::launch::Launch;
 use crate::trace::TraceRecorder;
 use std::ops::Range;
 use std::sync::Arc;
@@ -64,12 +67,128 @@ pub trait OnPlatform {
     fn run<P: Platform>(self, platform: &P) -> Self::Output;
 }
 
-/// Makes the platform for a run of `ranks` ranks whose collectives give up
-/// after `timeout`, and runs `work` on it. The CPU's thread ranks are the
-/// only platform so far; the place where a GPU platform will be chosen.
-pub fn with_platform<W: OnPlatform>(ranks: usize, timeout: Duration, work: W) -> Result<W::Output> {
-    let platform = CpuPlatform::new(ranks, timeout)?;
-    Ok(work.run(&platform))
+/// Which device a run asks for (`--device`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceChoice {
+    /// The GPUs when a usable one is visible, the CPU otherwise.
+    Auto,
+    /// Thread ranks on the CPU.
+    #[default]
+    Cpu,
+    /// NVIDIA GPUs; an error naming what is missing when none is usable.
+    Cuda,
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        })
+    }
+}
+
+/// The device a run takes, and how it was started.
+#[derive(Clone, Debug)]
+pub enum ChosenDevice {
+    /// The CPU; with `--device auto`, why no GPU was taken.
+    Cpu { no_gpu: Option<String> },
+    /// GPUs, as `probe` found them, started as `launch` says.
+    Cuda { info: GpuInfo, launch: Launch },
+}
+
+impl ChosenDevice {
+    /// What was taken and why, for people (`--device auto` says which).
+    pub fn describe(&self) -> String {
+        match self {
+            ChosenDevice::Cpu { no_gpu: None } => "the CPU".into(),
+            // The reason is `--device cuda`'s error; here it would only be
+            // noise on every machine without a GPU.
+            ChosenDevice::Cpu { no_gpu: Some(_) } => "the CPU (no usable GPU)".into(),
+            ChosenDevice::Cuda { info, launch } => {
+                let n = match launch {
+                    Launch::SingleProcess => info.devices.len(),
+                    Launch::Distributed(_) => 1,
+                };
+                let name = info.devices.first().map_or("", |d| d.name.as_str());
+                format!("{n} GPU{} ({name})", if n == 1 { "" } else { "s" })
+            }
+        }
+    }
+
+    /// GPUs this process can run ranks on (one per process under a
+    /// launcher); `None` on the CPU.
+    pub fn local_gpus(&self) -> Option<usize> {
+        match self {
+            ChosenDevice::Cpu { .. } => None,
+            ChosenDevice::Cuda {
+                launch: Launch::Distributed(_),
+                ..
+            } => Some(1),
+            ChosenDevice::Cuda { info, .. } => Some(info.devices.len()),
+        }
+    }
+
+    /// Ranks of the whole job when a launcher says so (torchrun, srun).
+    pub fn launched_world(&self) -> Option<usize> {
+        match self {
+            ChosenDevice::Cuda {
+                launch: Launch::Distributed(info),
+                ..
+            } => Some(info.world_size),
+            _ => None,
+        }
+    }
+
+    pub fn is_gpu(&self) -> bool {
+        matches!(self, ChosenDevice::Cuda { .. })
+    }
+}
+
+/// Resolves `choice`: probes for a usable GPU (driver, device, compute
+/// capability, NVRTC, cuBLAS) unless the CPU was asked for, and reads the
+/// launcher's variables for a GPU run.
+pub fn choose_device(choice: DeviceChoice) -> Result<ChosenDevice> {
+    if choice == DeviceChoice::Cpu {
+        return Ok(ChosenDevice::Cpu { no_gpu: None });
+    }
+    match crate::cuda::probe() {
+        Ok(info) => Ok(ChosenDevice::Cuda {
+            info,
+            launch: Launch::from_process_env()?,
+        }),
+        Err(why) if choice == DeviceChoice::Auto => Ok(ChosenDevice::Cpu {
+            no_gpu: Some(why.to_string()),
+        }),
+        Err(why) => Err(RuntimeError::Device {
+            device: "cuda".into(),
+            message: format!("--device cuda: {why}"),
+        }),
+    }
+}
+
+/// Makes the platform of `device` for a run of `ranks` ranks whose
+/// collectives give up after `timeout`, and runs `work` on it.
+pub fn with_platform<W: OnPlatform>(
+    device: &ChosenDevice,
+    ranks: usize,
+    timeout: Duration,
+    work: W,
+) -> Result<W::Output> {
+    match device {
+        ChosenDevice::Cpu { .. } => {
+            let platform = CpuPlatform::new(ranks, timeout)?;
+            Ok(work.run(&platform))
+        }
+        ChosenDevice::Cuda { info, launch } => {
+            let platform = CudaPlatform::new(info, launch.clone(), ranks)?;
+            Ok(work.run(&platform))
+        }
+    }
 }
 
 /// The CPU: every rank is a thread of this process, exchanging through

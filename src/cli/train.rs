@@ -9,6 +9,7 @@ use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
+use hybridgen_runtime::platform::{DeviceChoice, choose_device};
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
     DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
@@ -37,12 +38,20 @@ pub(crate) struct TrainArgs {
     /// Train this pattern with the preset's (or model file's) dimensions.
     #[arg(long, value_name = "P", allow_hyphen_values = true)]
     pattern: Option<String>,
-    /// Data-parallel ranks (CPU: threads of this process).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    ranks: u32,
-    /// Expert-parallel size; must divide --ranks.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    ep: u32,
+    /// `auto`: the GPUs when a usable one is visible, else the CPU (the
+    /// run says which it took); `cpu`: thread ranks on the CPU; `cuda`:
+    /// NVIDIA GPUs, refusing to start without a usable one.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// Data-parallel ranks (CPU: threads of this process; GPUs: one per
+    /// GPU) [default: 2 on the CPU; on GPUs every visible GPU, or the
+    /// launcher's WORLD_SIZE].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    ranks: Option<u32>,
+    /// Expert-parallel size; must divide --ranks [default: 2, or 1 when
+    /// --ranks is odd on GPUs].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    ep: Option<u32>,
     /// Micro-batches per step (per rank).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     micro_batches: u32,
@@ -64,11 +73,12 @@ pub(crate) struct TrainArgs {
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
     zero: String,
-    /// What parameters and activations are stored in: `bf16` rounds them
-    /// as a GPU's mixed precision does (master weights, gradients and
-    /// optimizer state stay f32); `f32` keeps everything in f32.
-    #[arg(long, value_enum, default_value = "f32")]
-    precision: PrecisionArg,
+    /// What parameters and activations are stored in: `bf16` (Megatron's
+    /// mixed precision: master weights, gradients and optimizer state stay
+    /// f32); `f32` keeps everything in f32 (on GPUs without TF32: the
+    /// checking mode) [default: bf16 on GPUs, f32 on the CPU].
+    #[arg(long, value_enum)]
+    precision: Option<PrecisionArg>,
     /// `synthetic` (a Markov stream with a known entropy floor) or a file
     /// path (bytes as tokens).
     #[arg(long, value_name = "synthetic|FILE", default_value = "synthetic")]
@@ -134,6 +144,13 @@ pub(crate) struct TrainArgs {
 enum ScheduleArg {
     Overlap,
     Plain,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum DeviceArg {
+    Auto,
+    Cpu,
+    Cuda,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -289,7 +306,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         let model_inherited =
             resume.is_some() && config.from_checkpoint.contains(&RunSetting::Model);
         super::emit(&format!(
-            "training {} ({}) on {} thread ranks, ep {}, {} schedule, ZeRO-{}, {}, {} steps of {} tokens\n",
+            "training {} ({}) on {}, {} rank{}, ep {}, {} schedule, ZeRO-{}, {}, {} steps of {} tokens\n",
             config.model.pattern,
             if model_inherited {
                 "the checkpoint's model".to_string()
@@ -299,7 +316,9 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
                     |p| p.display().to_string(),
                 )
             },
+            prepared.device.describe(),
             config.ranks,
+            if config.ranks == 1 { "" } else { "s" },
             config.ep,
             match config.schedule {
                 ScheduleKind::Overlap => "overlap",
@@ -442,8 +461,31 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
         Some(&args.preset),
     )?;
     let mut config = TrainConfig::new(model);
-    config.ranks = args.ranks as usize;
-    config.ep = args.ep as usize;
+    // The device first: the defaults of --ranks, --ep and --precision
+    // depend on it. The choice is fixed here, so the run takes what the
+    // banner says.
+    let device = choose_device(match args.device {
+        DeviceArg::Auto => DeviceChoice::Auto,
+        DeviceArg::Cpu => DeviceChoice::Cpu,
+        DeviceArg::Cuda => DeviceChoice::Cuda,
+    })
+    .map_err(|e| Failure::Message(e.to_string()))?;
+    config.device = if device.is_gpu() {
+        DeviceChoice::Cuda
+    } else {
+        DeviceChoice::Cpu
+    };
+    let gpu_ranks = device.launched_world().or(device.local_gpus());
+    config.ranks = match (args.ranks, gpu_ranks) {
+        (Some(ranks), _) => ranks as usize,
+        (None, Some(gpus)) => gpus,
+        (None, None) => 2,
+    };
+    config.ep = match args.ep {
+        Some(ep) => ep as usize,
+        None if device.is_gpu() && config.ranks % 2 == 1 => 1,
+        None => 2,
+    };
     config.micro_batches = args.micro_batches as usize;
     config.micro_batch_size = args.micro_batch_size as usize;
     if let Some(seq) = args.seq_len {
@@ -460,8 +502,10 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
         Sharding::Zero3
     };
     config.precision = match args.precision {
-        PrecisionArg::F32 => Precision::F32,
-        PrecisionArg::Bf16 => Precision::Bf16,
+        Some(PrecisionArg::F32) => Precision::F32,
+        Some(PrecisionArg::Bf16) => Precision::Bf16,
+        None if device.is_gpu() => Precision::Bf16,
+        None => Precision::F32,
     };
     config.data = match args.data.as_str() {
         "synthetic" => DataChoice::Synthetic,

@@ -410,9 +410,8 @@ fn accumulate_sum<B: Backend>(s: &mut Suite<'_, B>) {
     // length), so the result may differ from index order by the rounding
     // any order of an f64 sum allows.
     let reference = |x: &[f64], out: f64| out + x.iter().fold(0.0, |sum, v| sum + v);
-    let allowed = |x: &[f64], out: f64| {
-        super::reference::f64_sum_error(x.iter().copied().chain([out]))
-    };
+    let allowed =
+        |x: &[f64], out: f64| super::reference::f64_sum_error(x.iter().copied().chain([out]));
     for (i, len) in [0usize, 1, 37, 1000, 4099].into_iter().enumerate() {
         let case = KernelCase::new("accumulate_sum", format!("{len} elements"))
             .input("x", s.rng.values(len, -2.0, 2.0))
@@ -423,7 +422,10 @@ fn accumulate_sum<B: Backend>(s: &mut Suite<'_, B>) {
         s.check_kernel(
             case,
             move |x| {
-                let (sum, err) = (reference(&x["x"], x["out"][0]), allowed(&x["x"], x["out"][0]));
+                let (sum, err) = (
+                    reference(&x["x"], x["out"][0]),
+                    allowed(&x["x"], x["out"][0]),
+                );
                 vec![Expected::new("out", vec![sum]).tolerance(err, 0.0)]
             },
             |dev, b| {
@@ -448,7 +450,10 @@ fn accumulate_sum<B: Backend>(s: &mut Suite<'_, B>) {
         s.check_kernel(
             case,
             move |x| {
-                let (sum, err) = (reference(&x["x"], x["out"][0]), allowed(&x["x"], x["out"][0]));
+                let (sum, err) = (
+                    reference(&x["x"], x["out"][0]),
+                    allowed(&x["x"], x["out"][0]),
+                );
                 vec![Expected::new("out", vec![sum]).tolerance(err, 0.0)]
             },
             |dev, b| {

@@ -16,17 +16,21 @@ mod arena;
 pub mod backend;
 mod blas;
 pub mod buffer;
+pub mod comm;
 pub mod kernels;
 pub mod lane;
 pub mod launch;
+pub mod platform;
 pub mod probe;
 pub mod queue;
 
 pub use backend::{CudaBackend, Gpu};
 pub use buffer::CudaBuf;
+pub use comm::CudaComm;
 pub use kernels::{Diagnostic, KernelBuildError, KernelSource, Target};
 pub use lane::{CudaEvent, CudaLane, CudaMark, CudaQueue};
 pub use launch::{DeviceFault, GpuView, KernelSet};
+pub use platform::{Cuda, CudaPlatform};
 pub use probe::{CudaUnavailable, GpuDevice, GpuInfo, probe};
 
 /// Runs `f`, turning a panic inside cudarc (it panics when a library or a

@@ -1029,7 +1029,11 @@ impl KernelSet {
 
     fn check_loss(k: &str, probs: &GpuView, targets: &GpuView, d: LossDims) -> Result<()> {
         // The argument's name in the `Backend` method (errors use it).
-        let name = if k == "cross_entropy_forward" { "logits" } else { "probs" };
+        let name = if k == "cross_entropy_forward" {
+            "logits"
+        } else {
+            "probs"
+        };
         exactly(k, name, probs, DType::F32)?;
         exactly(k, "targets", targets, DType::U32)?;
         len(k, name, probs, product(k, &[d.rows, d.vocab])?)?;

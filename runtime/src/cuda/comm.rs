@@ -1,0 +1,201 @@
+//! The CUDA device's communicator: NCCL between GPUs, and a group of one
+//! (a run on one GPU, or a group the layout makes of one rank, such as the
+//! expert-parallel group at `--ep 1`) without NCCL at all, so one GPU
+//! trains without libnccl.
+//!
+//! A communicator is bound to one queue's stream (the comm lane's, or the
+//! rank's host queue for host-side exchanges): its collectives are enqueued
+//! there, and the buffers they touch are noted as used by that queue, so
+//! their arena regions are fenced on it when they are dropped.
+
+use super::CudaBackend;
+use super::buffer::{view_mut_on, view_on};
+use super::launch::GpuView;
+use super::queue::QueueSet;
+use crate::backend::{Slice, SliceMut};
+use crate::collective::Collective;
+use crate::error::{Result, RuntimeError};
+use crate::view::DType;
+use cudarc::driver::{CudaStream, result};
+use std::sync::Arc;
+
+/// A group of one rank on one GPU: every collective is a copy or nothing.
+pub struct SoloComm {
+    queues: Arc<QueueSet>,
+    stream: Arc<CudaStream>,
+}
+
+enum Group {
+    Solo(SoloComm),
+}
+
+/// One rank's communicator on a GPU.
+pub struct CudaComm {
+    group: Group,
+    /// The queue (stream index) the collectives run on.
+    queue: usize,
+}
+
+impl CudaComm {
+    /// A group of one, running on `backend`'s queue.
+    pub fn solo(backend: &CudaBackend) -> CudaComm {
+        CudaComm {
+            group: Group::Solo(SoloComm {
+                queues: backend.gpu().queues().clone(),
+                stream: backend.stream().clone(),
+            }),
+            queue: backend.queue_index(),
+        }
+    }
+
+    fn v(&self, view: Slice<'_, CudaBackend>) -> GpuView {
+        view_on(view, self.queue)
+    }
+
+    fn m(&self, view: &SliceMut<'_, CudaBackend>) -> GpuView {
+        view_mut_on(view, self.queue)
+    }
+}
+
+fn mismatch(op: &str, message: String) -> RuntimeError {
+    RuntimeError::InvalidArgument(format!("{op}: {message}"))
+}
+
+impl SoloComm {
+    fn copy(&self, op: &str, src: GpuView, dst: GpuView) -> Result<()> {
+        if src.dtype != dst.dtype || src.len != dst.len {
+            return Err(mismatch(
+                op,
+                format!(
+                    "a group of one rank sends {} x {} and receives {} x {}; they must match",
+                    src.len, src.dtype, dst.len, dst.dtype
+                ),
+            ));
+        }
+        let bytes = src.len * src.dtype.bytes();
+        if bytes == 0 || src.ptr == dst.ptr {
+            return Ok(());
+        }
+        // SAFETY: both views hold `bytes` bytes of live buffers.
+        unsafe { result::memcpy_dtod_async(dst.ptr, src.ptr, bytes, self.stream.cu_stream()) }
+            .map_err(|e| self.queues.error(op, e))
+    }
+}
+
+impl Collective<CudaBackend> for CudaComm {
+    fn rank(&self) -> usize {
+        match &self.group {
+            Group::Solo(_) => 0,
+        }
+    }
+
+    fn size(&self) -> usize {
+        match &self.group {
+            Group::Solo(_) => 1,
+        }
+    }
+
+    fn all_gather(
+        &self,
+        shard: Slice<'_, CudaBackend>,
+        full: SliceMut<'_, CudaBackend>,
+    ) -> Result<()> {
+        let (shard, full) = (self.v(shard), self.m(&full));
+        match &self.group {
+            Group::Solo(solo) => solo.copy("all_gather", shard, full),
+        }
+    }
+
+    fn reduce_scatter(
+        &self,
+        full: Slice<'_, CudaBackend>,
+        shard: SliceMut<'_, CudaBackend>,
+    ) -> Result<()> {
+        let (full, shard) = (self.v(full), self.m(&shard));
+        if full.dtype != DType::F32 {
+            return Err(mismatch(
+                "reduce_scatter",
+                format!("`full` is {}, but gradients are reduced in f32", full.dtype),
+            ));
+        }
+        match &self.group {
+            Group::Solo(solo) => solo.copy("reduce_scatter", full, shard),
+        }
+    }
+
+    fn all_reduce(&self, buf: SliceMut<'_, CudaBackend>) -> Result<()> {
+        let buf = self.m(&buf);
+        if buf.dtype != DType::F32 {
+            return Err(mismatch(
+                "all_reduce",
+                format!("`buf` is {}, but sums are taken in f32", buf.dtype),
+            ));
+        }
+        match &self.group {
+            Group::Solo(_) => Ok(()),
+        }
+    }
+
+    fn all_to_all(
+        &self,
+        send: Slice<'_, CudaBackend>,
+        send_counts: &[usize],
+        recv: SliceMut<'_, CudaBackend>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (send, recv) = (self.v(send), self.m(&recv));
+        match &self.group {
+            Group::Solo(solo) => {
+                if send_counts != [send.len] || recv_counts != [recv.len] {
+                    return Err(mismatch(
+                        "all_to_all",
+                        format!(
+                            "a group of one rank takes one count each, equal to the views' \
+                             lengths; got send counts {send_counts:?} for {} elements and \
+                             receive counts {recv_counts:?} for {}",
+                            send.len, recv.len
+                        ),
+                    ));
+                }
+                solo.copy("all_to_all", send, recv)
+            }
+        }
+    }
+
+    fn all_to_all_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>> {
+        match &self.group {
+            Group::Solo(_) => match send {
+                [only] => Ok(vec![only.clone()]),
+                _ => Err(mismatch(
+                    "all_to_all_counts",
+                    format!("a group of one rank takes one vector, got {}", send.len()),
+                )),
+            },
+        }
+    }
+
+    fn all_gather_host(&self, values: &[f64]) -> Result<Vec<Vec<f64>>> {
+        match &self.group {
+            Group::Solo(_) => Ok(vec![values.to_vec()]),
+        }
+    }
+
+    fn barrier(&self) -> Result<()> {
+        match &self.group {
+            Group::Solo(_) => Ok(()),
+        }
+    }
+
+    fn split(&self, color: usize) -> Result<Self> {
+        let _ = color;
+        match &self.group {
+            Group::Solo(solo) => Ok(CudaComm {
+                group: Group::Solo(SoloComm {
+                    queues: solo.queues.clone(),
+                    stream: solo.stream.clone(),
+                }),
+                queue: self.queue,
+            }),
+        }
+    }
+}

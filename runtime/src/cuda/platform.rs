@@ -1,0 +1,179 @@
+//! The CUDA platform: one rank per GPU, either every visible GPU driven by
+//! a thread of this process, or one GPU per process for jobs started by
+//! torchrun or srun ([`crate::launch`]), NCCL between them either way.
+
+use super::CudaBackend;
+use super::backend::Gpu;
+use super::comm::CudaComm;
+use super::lane::CudaLane;
+use super::probe::GpuInfo;
+use crate::collective::Collective;
+use crate::device::{Device, RankContext};
+use crate::error::{Result, RuntimeError};
+use crate::launch::{Launch, RankInfo};
+use crate::platform::{Platform, RankSettings};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The types of the CUDA platform.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cuda;
+
+impl Device for Cuda {
+    type Backend = CudaBackend;
+    type Lane = CudaLane;
+    type Comm = CudaComm;
+}
+
+/// The ranks of a run on GPUs.
+pub struct CudaPlatform {
+    world: usize,
+    local: Range<usize>,
+    /// The GPU (ordinal after `CUDA_VISIBLE_DEVICES`) of each local rank.
+    ordinals: Vec<usize>,
+    names: Vec<String>,
+    launch: Launch,
+}
+
+impl CudaPlatform {
+    /// `ranks` ranks on the GPUs `info` found, started as `launch` says:
+    /// alone, a thread per GPU (`ranks` at most the GPUs); under torchrun or
+    /// srun, this process's rank on GPU `LOCAL_RANK`.
+    pub fn new(info: &GpuInfo, launch: Launch, ranks: usize) -> Result<Self> {
+        let gpus = info.devices.len();
+        let (world, local, ordinals) = match &launch {
+            Launch::SingleProcess => {
+                if ranks > gpus {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--ranks {ranks} needs {ranks} GPUs but {gpus} {} visible \
+                         (CUDA_VISIBLE_DEVICES counts); lower --ranks, or start one process \
+                         per GPU on several machines with torchrun or srun",
+                        if gpus == 1 { "is" } else { "are" }
+                    )));
+                }
+                (ranks, 0..ranks, (0..ranks).collect())
+            }
+            Launch::Distributed(RankInfo {
+                rank,
+                world_size,
+                local_rank,
+                ..
+            }) => {
+                if *world_size != ranks {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "the launcher started {world_size} processes (WORLD_SIZE) but the run \
+                         has --ranks {ranks}; give --ranks {world_size}, one rank per process"
+                    )));
+                }
+                if *local_rank >= gpus {
+                    return Err(RuntimeError::Unsupported(format!(
+                        "this process is local rank {local_rank} but {gpus} GPU{} visible; \
+                         start at most one process per GPU (torchrun --nproc-per-node)",
+                        if gpus == 1 { " is" } else { "s are" }
+                    )));
+                }
+                (*world_size, *rank..*rank + 1, vec![*local_rank])
+            }
+        };
+        if world > 1 && !info.nccl {
+            return Err(RuntimeError::Device {
+                device: "cuda".into(),
+                message: "a run on more than one GPU needs NCCL, and libnccl.so.2 could not \
+                          be loaded; install NCCL (or put it on LD_LIBRARY_PATH), or train on \
+                          one GPU"
+                    .into(),
+            });
+        }
+        let names = ordinals
+            .iter()
+            .map(|&o| info.devices[o].name.clone())
+            .collect();
+        Ok(CudaPlatform {
+            world,
+            local,
+            ordinals,
+            names,
+            launch,
+        })
+    }
+}
+
+impl Platform for CudaPlatform {
+    type Device = Cuda;
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn local_ranks(&self) -> Range<usize> {
+        self.local.clone()
+    }
+
+    fn rank(&self, r: usize, settings: &RankSettings) -> Result<RankContext<Cuda>> {
+        let ordinal = self.ordinals[r - self.local.start];
+        let gpu = Gpu::open(ordinal, settings.precision, settings.timeout)?;
+        let host = gpu.backend("host")?;
+        let wait = settings.timeout.saturating_mul(2);
+        let trace = Some(settings.trace.clone());
+        let compute = CudaLane::on_gpu("compute", &host, r, wait, trace.clone())?;
+        let comm = CudaLane::on_gpu("comm", &host, r, wait, trace)?;
+        use crate::lane::Lane;
+        let ep = settings.ep.max(1);
+        let (dp, ep_group, edp, host_comm) = if self.world == 1 {
+            let on_comm = CudaComm::solo(comm.backend());
+            (
+                on_comm.split(0)?,
+                on_comm.split(0)?,
+                on_comm,
+                CudaComm::solo(&host),
+            )
+        } else {
+            return Err(RuntimeError::Unsupported(
+                "more than one GPU rank needs the NCCL communicator".into(),
+            ));
+        };
+        let _ = &self.launch;
+        Ok(RankContext::<Cuda> {
+            rank: r,
+            world: self.world,
+            ep,
+            backend: Arc::new(host),
+            compute: Arc::new(compute),
+            comm: Arc::new(comm),
+            dp: Arc::new(dp),
+            ep_group: Arc::new(ep_group),
+            edp: Arc::new(edp),
+            host: Arc::new(host_comm),
+        })
+    }
+
+    fn abort(&self, rank: usize, reason: &str) {
+        let _ = (rank, reason);
+    }
+
+    fn describe(&self) -> String {
+        let n = self.local.len();
+        let mut names: Vec<&str> = self.names.iter().map(String::as_str).collect();
+        names.dedup();
+        match &self.launch {
+            Launch::SingleProcess => format!(
+                "{n} GPU{} ({})",
+                if n == 1 { "" } else { "s" },
+                names.join(", ")
+            ),
+            Launch::Distributed(info) => format!(
+                "GPU {} ({}) as rank {} of {} processes",
+                info.local_rank,
+                names.join(", "),
+                info.rank,
+                info.world_size
+            ),
+        }
+    }
+}
+
+impl std::fmt::Debug for CudaPlatform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
