@@ -1240,6 +1240,8 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             reference: None,
         });
     }
+    cases.extend(attention_cases(seed));
+    cases.extend(lookup_cases(seed));
     cases
 }
 
@@ -1339,6 +1341,316 @@ fn fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
     rows
 }
 
+// ---- attention and embeddings (attention.cu, lookup.cu) ---------------------------
+
+use hybridgen_runtime::backend::{AttentionDims, LookupDims};
+
+/// The CPU backend's attention forward of `q`, `k`, `v`: `out` in their
+/// dtype and the f32 `lse`, the backward's inputs.
+fn cpu_attention_forward(q: &Host, k: &Host, v: &Host, d: AttentionDims) -> (Host, Host) {
+    let cpu = CpuBackend::new(Precision::F32);
+    let rows = d.tokens.batch * d.tokens.seq;
+    let out = nan(rows * d.heads * d.v_dim, q.dtype());
+    let lse = nan(rows * d.heads, DType::F32);
+    let bufs: Vec<CpuBuf> = [q, k, v, &out, &lse]
+        .iter()
+        .map(|h| cpu_upload(&cpu, h))
+        .collect();
+    cpu.attention_forward(
+        AttentionInputs {
+            q: View::whole(&bufs[0]),
+            k: View::whole(&bufs[1]),
+            v: View::whole(&bufs[2]),
+        },
+        ViewMut::whole(&bufs[3]),
+        ViewMut::whole(&bufs[4]),
+        d,
+    )
+    .expect("the CPU attention forward runs on valid inputs");
+    (
+        cpu_download(&cpu, &bufs[3], &out),
+        cpu_download(&cpu, &bufs[4], &lse),
+    )
+}
+
+/// Attention forward and backward: GQA, MQA and MHA; one-token sequences
+/// and sequences that end inside a tile; head dims up to one block's 256
+/// channels and past it (two channel groups); MLA's unequal dims; a
+/// 4096-token sequence. The backward's `out` and `lse` are the CPU
+/// forward's, so the probabilities it recomputes are the real ones.
+fn attention_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed ^ 0xa77e_0000);
+    let mut cases = Vec::new();
+    // batch, seq, heads, KV heads, qk dim, v dim
+    let shapes = [
+        (2usize, 77usize, 6usize, 2usize, 40usize, 24usize),
+        (1, 300, 4, 1, 72, 72),
+        (3, 1, 2, 2, 8, 5),
+        (1, 131, 2, 1, 256, 256),
+        (1, 67, 3, 3, 300, 260),
+        (1, 97, 4, 2, 192, 128),
+        (1, 4096, 2, 1, 64, 64),
+    ];
+    for (mode, a) in MODES {
+        for (batch, seq, heads, kv_heads, qk_dim, v_dim) in shapes {
+            let d = AttentionDims {
+                tokens: Tokens::new(batch, seq),
+                heads,
+                kv_heads,
+                qk_dim,
+                v_dim,
+                scale: 1.0 / (qk_dim as f32).sqrt(),
+            };
+            let rows = batch * seq;
+            let shape = format!("{batch}x{seq} {heads}h/{kv_heads} qk {qk_dim} v {v_dim}");
+            let hq = rng.floats(rows * heads * qk_dim, a);
+            let hk = rng.floats(rows * kv_heads * qk_dim, a);
+            let hv = rng.floats(rows * kv_heads * v_dim, a);
+            let (out, lse) = cpu_attention_forward(&hq, &hk, &hv, d);
+            cases.push(Case {
+                kernel: "attention_forward".into(),
+                mode,
+                shape: shape.clone(),
+                buffers: vec![
+                    hq.clone(),
+                    hk.clone(),
+                    hv.clone(),
+                    nan(out.len(), a),
+                    nan(lse.len(), DType::F32),
+                ],
+                outputs: vec![3, 4],
+                cpu: Box::new(move |b, x| {
+                    b.attention_forward(
+                        AttentionInputs {
+                            q: v(&x[0]),
+                            k: v(&x[1]),
+                            v: v(&x[2]),
+                        },
+                        m(&x[3]),
+                        m(&x[4]),
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.attention_forward(
+                        st,
+                        AttentionInputs {
+                            q: x[0],
+                            k: x[1],
+                            v: x[2],
+                        },
+                        x[3],
+                        x[4],
+                        d,
+                    )
+                }),
+                reference: None,
+            });
+            let (q_len, k_len, v_len) = (hq.len(), hk.len(), hv.len());
+            cases.push(Case {
+                kernel: "attention_backward".into(),
+                mode,
+                shape,
+                buffers: vec![
+                    hq,
+                    hk,
+                    hv,
+                    out,
+                    lse,
+                    rng.floats(rows * heads * v_dim, a),
+                    nan(q_len, a),
+                    nan(k_len, a),
+                    nan(v_len, a),
+                ],
+                outputs: vec![6, 7, 8],
+                cpu: Box::new(move |b, x| {
+                    b.attention_backward(
+                        AttentionInputs {
+                            q: v(&x[0]),
+                            k: v(&x[1]),
+                            v: v(&x[2]),
+                        },
+                        v(&x[3]),
+                        v(&x[4]),
+                        v(&x[5]),
+                        AttentionInputs {
+                            q: m(&x[6]),
+                            k: m(&x[7]),
+                            v: m(&x[8]),
+                        },
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.attention_backward(
+                        st,
+                        AttentionInputs {
+                            q: x[0],
+                            k: x[1],
+                            v: x[2],
+                        },
+                        x[3],
+                        x[4],
+                        x[5],
+                        AttentionInputs {
+                            q: x[6],
+                            k: x[7],
+                            v: x[8],
+                        },
+                        d,
+                    )
+                }),
+                reference: None,
+            });
+        }
+    }
+    cases
+}
+
+/// Embedding lookup and scatter-add: ids with many repeats, more rows than
+/// one scan chunk (1024), more channels than one block (256), one token
+/// taking half the rows (a long chain of adds), no rows at all; the
+/// backward into an f32 accumulator and, in bf16 mode, into a bf16 table.
+fn lookup_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed ^ 0x100c_0000);
+    let mut cases = Vec::new();
+    for (mode, a) in MODES {
+        // rows, vocab, hidden, whether one token takes half the rows
+        for (rows, vocab, hidden, skewed) in [
+            (333usize, 1009usize, 77usize, false),
+            (2500, 50, 300, false),
+            (2100, 5000, 33, true),
+            (0, 7, 5, false),
+        ] {
+            let d = LookupDims { vocab, hidden };
+            let ids: Vec<u32> = (0..rows)
+                .map(|_| {
+                    if skewed && rng.below(2) == 0 {
+                        7
+                    } else {
+                        rng.below(vocab) as u32
+                    }
+                })
+                .collect();
+            let shape = format!(
+                "{rows} ids of {vocab}x{hidden}{}",
+                if skewed { " skewed" } else { "" }
+            );
+            cases.push(Case {
+                kernel: "embedding_forward".into(),
+                mode,
+                shape: shape.clone(),
+                buffers: vec![
+                    rng.floats(vocab * hidden, a),
+                    Host::U32(ids.clone()),
+                    nan(rows * hidden, a),
+                ],
+                outputs: vec![2],
+                cpu: Box::new(move |b, x| b.embedding_forward(v(&x[0]), v(&x[1]), m(&x[2]), d)),
+                gpu: Box::new(move |s, st, x| s.embedding_forward(st, x[0], x[1], x[2], d)),
+                reference: None,
+            });
+            let tables = if a == DType::F32 {
+                vec![DType::F32]
+            } else {
+                vec![DType::F32, DType::Bf16]
+            };
+            for table in tables {
+                cases.push(Case {
+                    kernel: "embedding_backward".into(),
+                    mode,
+                    shape: format!("{shape} into {table}"),
+                    buffers: vec![
+                        rng.floats(rows * hidden, a),
+                        Host::U32(ids.clone()),
+                        rng.floats(vocab * hidden, table),
+                    ],
+                    outputs: vec![2],
+                    cpu: Box::new(move |b, x| {
+                        b.embedding_backward(v(&x[0]), v(&x[1]), m(&x[2]), d)
+                    }),
+                    gpu: Box::new(move |s, st, x| s.embedding_backward(st, x[0], x[1], x[2], d)),
+                    reference: None,
+                });
+            }
+        }
+    }
+    cases
+}
+
+/// A bad token id is reported through the fault word (the lowest bad row),
+/// and the refused call writes nothing anywhere: `out` keeps its NaNs and
+/// `dtable` its values, though the other rows' ids, in other blocks, are
+/// good.
+fn lookup_fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
+    let (rows, vocab, hidden) = (2000usize, 50usize, 300usize);
+    let d = LookupDims { vocab, hidden };
+    let mut rng = Rng(0xbad1d);
+    let mut ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
+    ids[1500] = vocab as u32;
+    ids[1900] = 1000;
+    let want = "the token id of row 1500 is past the vocabulary";
+    let mut out = Vec::new();
+    for forward in [true, false] {
+        let kernel = if forward {
+            "embedding_forward"
+        } else {
+            "embedding_backward"
+        };
+        let buffers = if forward {
+            vec![
+                rng.floats(vocab * hidden, DType::F32),
+                Host::U32(ids.clone()),
+                nan(rows * hidden, DType::F32),
+            ]
+        } else {
+            vec![
+                rng.floats(rows * hidden, DType::F32),
+                Host::U32(ids.clone()),
+                rng.floats(vocab * hidden, DType::F32),
+            ]
+        };
+        let bufs: Vec<GpuBuf> = buffers.iter().map(|h| gpu.upload(h)).collect();
+        let views: Vec<GpuView> = bufs
+            .iter()
+            .zip(&buffers)
+            .map(|(b, h)| gpu.view(b, h))
+            .collect();
+        let launched = if forward {
+            set.embedding_forward(&gpu.stream, views[0], views[1], views[2], d)
+        } else {
+            set.embedding_backward(&gpu.stream, views[0], views[1], views[2], d)
+        };
+        let problem = match launched.and_then(|()| set.take_fault(&gpu.stream)) {
+            Ok(Some(fault)) if fault.to_string() == want => {
+                let after = gpu.download(&bufs[2], buffers[2].len());
+                (after.bits() != buffers[2].bits())
+                    .then(|| "the refused call changed its output".to_string())
+            }
+            Ok(Some(fault)) => Some(format!("reported `{fault}`, expected `{want}`")),
+            Ok(None) => Some("no fault reported".to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        let clean = set
+            .take_fault(&gpu.stream)
+            .map(|f| f.is_none())
+            .unwrap_or(false);
+        out.push(Row {
+            target: set.target(),
+            kernel: format!("{kernel} (bad id)"),
+            mode: "fault",
+            shape: want.to_string(),
+            error: 0.0,
+            max_abs: 0.0,
+            tolerance: 0.0,
+            repeatable: clean,
+            problem,
+            note: String::new(),
+        });
+    }
+    out
+}
+
 fn print_table(rows: &[Row]) {
     println!();
     println!(
@@ -1420,6 +1732,7 @@ fn gpu_kernels_match_the_cpu_backend_and_repeat_bit_for_bit() {
             rows.push(run_case(&gpu, &set, &case));
         }
         rows.extend(fault_rows(&gpu, &set));
+        rows.extend(lookup_fault_rows(&gpu, &set));
     }
     print_table(&rows);
     let failed: Vec<String> = rows

@@ -106,6 +106,15 @@ pub const SOURCES: &[KernelSource] = &[
         ]
     ),
     source!("optimizer.cu", ["adam_update", "sgd_update"]),
+    source!(
+        "attention.cu",
+        [
+            "attention_forward",
+            "attention_backward_dq",
+            "attention_backward_dkdv"
+        ]
+    ),
+    source!("lookup.cu", ["embedding_forward", "embedding_backward"]),
 ];
 
 /// The variable naming the CUDA include directory (the one holding

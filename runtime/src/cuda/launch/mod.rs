@@ -30,6 +30,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+mod attention;
+mod lookup;
+
 /// A view of device memory as a kernel takes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuView {

@@ -1,0 +1,130 @@
+//! Launchers of `kernels/lookup.cu`: the token embedding's lookup and its
+//! deterministic scatter-add.
+//!
+//! Token ids live on the device, so a bad one is found there: the kernel
+//! reports the lowest bad row into the fault word (`the token id of row i is
+//! past the vocabulary`, read by [`KernelSet::take_fault`]) and, as the
+//! `Backend` documents, the call writes or adds nothing. Unlike the CPU
+//! backend, the launch itself returns `Ok`: the refusal surfaces where the
+//! fault word is read.
+//!
+//! The backward needs no scratch memory and no sort: a block owns the ids
+//! whose first row is among its 32 rows and scans all ids in row order to
+//! sum each owned id's rows (see `lookup.cu`). It adds in the CPU's order,
+//! so an f32 table gets the CPU's bits.
+
+use super::{GpuView, KernelSet, exactly, float, len, product};
+use crate::backend::LookupDims;
+use crate::error::{Result, RuntimeError};
+use crate::view::{DType, same_dtype};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+
+/// Threads of a lookup block (`LOOKUP_THREADS`): one channel each.
+const THREADS: u32 = 256;
+/// Rows a backward block owns (`OWNER_ROWS`).
+const OWNER_ROWS: usize = 32;
+/// Most blocks of the forward: each reads every id once to know whether the
+/// call is refused, so more blocks would only repeat that read.
+const MAX_FORWARD_BLOCKS: usize = 512;
+/// A CUDA grid's limits along x and along y.
+const MAX_GRID_X: usize = i32::MAX as usize;
+const MAX_GRID_Y: usize = 65_535;
+
+impl KernelSet {
+    /// `Backend::embedding_forward`: `out[r] = table[ids[r]]` (table and
+    /// out of one dtype). A bad id is reported through the fault word and
+    /// nothing is written.
+    pub fn embedding_forward(
+        &self,
+        stream: &CudaStream,
+        table: GpuView,
+        ids: GpuView,
+        out: GpuView,
+        dims: LookupDims,
+    ) -> Result<()> {
+        let kn = "embedding_forward";
+        same_dtype(kn, ("table", table.dtype), ("out", out.dtype))?;
+        let t = float(kn, "table", &table)?;
+        exactly(kn, "ids", &ids, DType::U32)?;
+        float(kn, "out", &out)?;
+        len(
+            kn,
+            "table",
+            &table,
+            product(kn, &[dims.vocab, dims.hidden])?,
+        )?;
+        len(kn, "out", &out, product(kn, &[ids.len, dims.hidden])?)?;
+        if ids.len == 0 {
+            return Ok(());
+        }
+        // Launched with hidden == 0 too: the ids are still checked.
+        let config = LaunchConfig {
+            grid_dim: (ids.len.min(MAX_FORWARD_BLOCKS) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, vocab, hidden) = (ids.len as u64, dims.vocab as u64, dims.hidden as u64);
+        let mut b = stream.launch_builder(self.function(kn)?);
+        b.arg(&table.ptr)
+            .arg(&ids.ptr)
+            .arg(&out.ptr)
+            .arg(&t)
+            .arg(&rows)
+            .arg(&vocab)
+            .arg(&hidden);
+        b.arg(&self.fault_ptr);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::embedding_backward`: `dtable[ids[r]] += dout[r]`, each id's
+    /// rows added in row order onto its table row. A bad id is reported
+    /// through the fault word and nothing is added.
+    pub fn embedding_backward(
+        &self,
+        stream: &CudaStream,
+        dout: GpuView,
+        ids: GpuView,
+        dtable: GpuView,
+        dims: LookupDims,
+    ) -> Result<()> {
+        let kn = "embedding_backward";
+        let dt = float(kn, "dout", &dout)?;
+        exactly(kn, "ids", &ids, DType::U32)?;
+        let tt = float(kn, "dtable", &dtable)?;
+        len(
+            kn,
+            "dtable",
+            &dtable,
+            product(kn, &[dims.vocab, dims.hidden])?,
+        )?;
+        len(kn, "dout", &dout, product(kn, &[ids.len, dims.hidden])?)?;
+        if ids.len == 0 {
+            return Ok(());
+        }
+        let row_groups = ids.len.div_ceil(OWNER_ROWS);
+        let channel_groups = dims.hidden.div_ceil(THREADS as usize).max(1);
+        if row_groups > MAX_GRID_X || channel_groups > MAX_GRID_Y {
+            return Err(RuntimeError::Unsupported(format!(
+                "{kn}: {} rows of {} channels exceed a CUDA grid",
+                ids.len, dims.hidden
+            )));
+        }
+        let config = LaunchConfig {
+            grid_dim: (row_groups as u32, channel_groups as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, vocab, hidden) = (ids.len as u64, dims.vocab as u64, dims.hidden as u64);
+        let mut b = stream.launch_builder(self.function(kn)?);
+        b.arg(&dout.ptr)
+            .arg(&dt)
+            .arg(&ids.ptr)
+            .arg(&dtable.ptr)
+            .arg(&tt)
+            .arg(&rows)
+            .arg(&vocab)
+            .arg(&hidden);
+        b.arg(&self.fault_ptr);
+        self.go(kn, &mut b, config)
+    }
+}
