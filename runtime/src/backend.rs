@@ -504,8 +504,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: LookupDims,
     ) -> Result<()>;
 
-    /// `dtable[ids[r]] += dout[r]`, rows in order (deterministic; the CUDA
-    /// backend sorts rows by id and sums each id's rows in row order).
+    /// `dtable[ids[r]] += dout[r]`, rows in order (deterministic: every
+    /// backend adds each id's rows in row order).
     /// `dout` bf16 or f32, `ids` u32, `dtable` bf16 or f32 (f32 when it is a
     /// gradient accumulator). A bad id is an error and nothing is added.
     fn embedding_backward(

@@ -723,8 +723,13 @@ impl Backend for CudaBackend {
         lse: SliceMut<'_, Self>,
         dims: AttentionDims,
     ) -> Result<()> {
-        let _ = (inputs, out, lse, dims);
-        Err(pending("attention_forward"))
+        let inputs = AttentionInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            v: self.v(inputs.v),
+        };
+        self.k()
+            .attention_forward(self.s(), inputs, self.m(&out), self.m(&lse), dims)
     }
 
     fn attention_backward(
@@ -736,8 +741,25 @@ impl Backend for CudaBackend {
         grads: AttentionInputs<SliceMut<'_, Self>>,
         dims: AttentionDims,
     ) -> Result<()> {
-        let _ = (inputs, out, lse, dout, grads, dims);
-        Err(pending("attention_backward"))
+        let inputs = AttentionInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            v: self.v(inputs.v),
+        };
+        let grads = AttentionInputs {
+            q: self.m(&grads.q),
+            k: self.m(&grads.k),
+            v: self.m(&grads.v),
+        };
+        self.k().attention_backward(
+            self.s(),
+            inputs,
+            self.v(out),
+            self.v(lse),
+            self.v(dout),
+            grads,
+            dims,
+        )
     }
 
     fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
@@ -755,8 +777,8 @@ impl Backend for CudaBackend {
         out: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
-        let _ = (table, ids, out, dims);
-        Err(pending("embedding_forward"))
+        self.k()
+            .embedding_forward(self.s(), self.v(table), self.v(ids), self.m(&out), dims)
     }
 
     fn embedding_backward(
@@ -766,8 +788,8 @@ impl Backend for CudaBackend {
         dtable: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
-        let _ = (dout, ids, dtable, dims);
-        Err(pending("embedding_backward"))
+        self.k()
+            .embedding_backward(self.s(), self.v(dout), self.v(ids), self.m(&dtable), dims)
     }
 
     fn cross_entropy_forward(
