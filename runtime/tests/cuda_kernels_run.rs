@@ -1240,7 +1240,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             reference: None,
         });
     }
-    cases.extend(mamba_cases(seed ^ 0x6d61_6d62_61));
+    cases.extend(mamba_cases(seed ^ 0x006d_616d_6261));
     cases
 }
 

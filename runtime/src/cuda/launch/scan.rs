@@ -222,7 +222,7 @@ impl KernelSet {
         let d_inner = dims.heads * dims.head_dim;
         len(k, "y", &y, rows * d_inner)?;
         len(k, "states", &states, dims.states_len())?;
-        if dims.head_dim * dims.state == 0 {
+        if dims.head_dim == 0 || dims.state == 0 {
             return self.zero(stream, y);
         }
         if rows == 0 {
@@ -312,7 +312,7 @@ impl KernelSet {
                 scratch.len
             )
         })?;
-        if dims.head_dim * dims.state == 0 || rows == 0 {
+        if dims.head_dim == 0 || dims.state == 0 || rows == 0 {
             self.zero(stream, d_xbc)?;
             return self.zero(stream, d_dt);
         }
@@ -398,5 +398,72 @@ impl KernelSet {
         b.arg(&scratch.ptr).arg(&batch_u).arg(&seq_u).arg(&heads_u);
         b.arg(&d_a_log.ptr).arg(&dat).arg(&d_d.ptr).arg(&ddt);
         self.go(kp, &mut b, grid_for(dims.heads))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Tokens;
+
+    fn dims(head_dim: usize, state: usize, heads: usize, groups: usize) -> ScanDims {
+        ScanDims {
+            tokens: Tokens::new(2, 100),
+            heads,
+            head_dim,
+            groups,
+            state,
+            chunk: 64,
+        }
+    }
+
+    #[test]
+    fn state_sizes_pick_the_smallest_tier_that_holds_them() {
+        let per_lane = |n| tier("k", n).map(|t| t.per_lane).unwrap();
+        assert_eq!(
+            [1, 32, 33, 64, 65, 128, 129, 256].map(per_lane),
+            [1, 1, 2, 2, 4, 4, 8, 8]
+        );
+        let err = tier("ssd_scan_forward", 257).err().unwrap().to_string();
+        assert!(
+            err.contains("ssd_scan_forward") && err.contains("257"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_backward_takes_realistic_shapes_and_names_the_limit_of_others() {
+        // Mamba-2 / Nemotron-H: P = 64, N = 128, 8 heads a group.
+        let shape = BackwardShape::new("k", dims(64, 128, 64, 8)).unwrap();
+        assert_eq!((shape.head_warps, shape.group_warps), (32, 16));
+        for (p, n) in [(128, 128), (64, 256), (512, 32), (3, 3)] {
+            assert!(
+                BackwardShape::new("k", dims(p, n, 2, 1)).is_ok(),
+                "{p} x {n}"
+            );
+        }
+        let err = BackwardShape::new("ssd_scan_backward", dims(256, 128, 2, 1))
+            .err()
+            .unwrap();
+        assert!(matches!(err, RuntimeError::Unsupported(_)));
+        assert!(err.to_string().contains("P = 256 and N = 128"), "{err}");
+        // 129 heads of 64 rows in one group: 8256 (head, row) pairs.
+        let err = BackwardShape::new("k", dims(64, 16, 129, 1)).err().unwrap();
+        assert!(err.to_string().contains("8256"), "{err}");
+        assert!(BackwardShape::new("k", dims(64, 16, 128, 1)).is_ok());
+    }
+
+    #[test]
+    fn the_scratch_holds_three_values_a_step_and_head_and_two_a_sequence_and_head() {
+        let d = dims(64, 128, 6, 2);
+        assert_eq!(
+            KernelSet::ssd_scan_backward_scratch_len(d).unwrap(),
+            3 * 200 * 6 + 2 * 2 * 6
+        );
+        let huge = ScanDims {
+            tokens: Tokens::new(usize::MAX / 2, 3),
+            ..d
+        };
+        assert!(KernelSet::ssd_scan_backward_scratch_len(huge).is_err());
     }
 }
