@@ -1242,6 +1242,238 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
     }
     cases.extend(attention_cases(seed));
     cases.extend(lookup_cases(seed));
+    cases.extend(mamba_cases(seed ^ 0x006d_616d_6261));
+    cases
+}
+
+// ---- Mamba: conv1d and the SSD scan ----------------------------------------------
+
+use hybridgen_runtime::backend::{ConvDims, ScanDims, ScanGrads, ScanInputs};
+
+/// `n` values uniform in `[lo, hi)`, stored as `dtype`.
+fn uniform(rng: &mut Rng, n: usize, lo: f32, hi: f32, dtype: DType) -> Host {
+    let values = (0..n).map(|_| lo + (hi - lo) * rng.unit() as f32).collect();
+    Host::floats(values, dtype)
+}
+
+fn scan_inputs_cpu(x: &[CpuBuf]) -> ScanInputs<View<'_, CpuBuf>> {
+    ScanInputs {
+        xbc: v(&x[0]),
+        dt: v(&x[1]),
+        dt_bias: v(&x[2]),
+        a_log: v(&x[3]),
+        d: v(&x[4]),
+    }
+}
+
+fn scan_inputs_gpu(x: &[GpuView]) -> ScanInputs<GpuView> {
+    ScanInputs {
+        xbc: x[0],
+        dt: x[1],
+        dt_bias: x[2],
+        a_log: x[3],
+        d: x[4],
+    }
+}
+
+/// The chunk-start states the CPU forward saves for `inputs` (xbc, dt,
+/// dt_bias, a_log, d): what the backward is given.
+fn cpu_scan_states(inputs: &[Host], dims: ScanDims) -> Host {
+    let cpu = CpuBackend::default();
+    let bufs: Vec<CpuBuf> = inputs.iter().map(|h| cpu_upload(&cpu, h)).collect();
+    let rows = dims.tokens.batch * dims.tokens.seq;
+    let y = cpu_upload(&cpu, &nan(rows * dims.heads * dims.head_dim, DType::F32));
+    let like = nan(dims.states_len(), DType::F32);
+    let states = cpu_upload(&cpu, &like);
+    cpu.ssd_scan_forward(scan_inputs_cpu(&bufs), m(&y), m(&states), dims)
+        .expect("the scan forward on the CPU");
+    cpu_download(&cpu, &states, &like)
+}
+
+/// conv1d over several sequences (some shorter than the kernel) and the
+/// SSD scan over odd shapes in every state-size tier: several sequences,
+/// chunks that do and do not divide the sequence (or exceed it), a group
+/// of many heads, and slowly decaying states (the backward's within-chunk
+/// recurrence runs longest there).
+fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed);
+    let mut cases: Vec<Case<'static>> = Vec::new();
+    for (mode, a) in MODES {
+        for (batch, seq, channels, kernel) in [
+            (3usize, 67usize, 199usize, 4usize),
+            (2, 3, 37, 4),
+            (1, 129, 70, 1),
+            (2, 40, 33, 7),
+        ] {
+            let d = ConvDims {
+                tokens: Tokens::new(batch, seq),
+                channels,
+                kernel,
+            };
+            let n = batch * seq * channels;
+            let shape = format!("{batch}x{seq} {channels}ch K{kernel}");
+            let x = rng.floats(n, a);
+            let w = rng.floats(channels * kernel, a);
+            let dy = rng.floats(n, a);
+            cases.push(Case {
+                kernel: "conv1d_forward".into(),
+                mode,
+                shape: shape.clone(),
+                buffers: vec![x.clone(), w.clone(), rng.floats(channels, a), nan(n, a)],
+                outputs: vec![3],
+                cpu: Box::new(move |b, x| {
+                    b.conv1d_forward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), d)
+                }),
+                gpu: Box::new(move |s, st, x| s.conv1d_forward(st, x[0], x[1], x[2], x[3], d)),
+                reference: None,
+            });
+            cases.push(Case {
+                kernel: "conv1d_backward_input".into(),
+                mode,
+                shape: shape.clone(),
+                buffers: vec![dy.clone(), w, nan(n, a)],
+                outputs: vec![2],
+                cpu: Box::new(move |b, x| b.conv1d_backward_input(v(&x[0]), v(&x[1]), m(&x[2]), d)),
+                gpu: Box::new(move |s, st, x| s.conv1d_backward_input(st, x[0], x[1], x[2], d)),
+                reference: None,
+            });
+            // Weight gradients accumulate into f32, and into the mode's
+            // dtype for the first shape.
+            let grad_dtypes: &[DType] = if channels == 199 && a != DType::F32 {
+                &[DType::F32, a]
+            } else {
+                &[DType::F32]
+            };
+            for &g in grad_dtypes {
+                cases.push(Case {
+                    kernel: "conv1d_backward_weight".into(),
+                    mode,
+                    shape: format!("{shape} into {g}"),
+                    buffers: vec![
+                        dy.clone(),
+                        x.clone(),
+                        rng.floats(channels * kernel, g),
+                        rng.floats(channels, g),
+                    ],
+                    outputs: vec![2, 3],
+                    cpu: Box::new(move |b, x| {
+                        b.conv1d_backward_weight(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)
+                    }),
+                    gpu: Box::new(move |s, st, x| {
+                        s.conv1d_backward_weight(st, x[0], x[1], x[2], x[3], d)
+                    }),
+                    reference: None,
+                });
+            }
+        }
+
+        // batch, seq, heads, head dim, groups, state, chunk, slow decay
+        for (batch, seq, heads, head_dim, groups, state, chunk, slow) in [
+            (
+                2usize, 75usize, 6usize, 10usize, 3usize, 20usize, 16usize, false,
+            ),
+            (3, 41, 4, 64, 2, 48, 7, false),
+            (1, 130, 8, 16, 1, 128, 64, true),
+            (1, 5, 2, 3, 2, 3, 8, false),
+            (2, 33, 2, 8, 1, 200, 10, false),
+            (1, 50, 4, 64, 1, 128, 16, false),
+            (1, 20, 24, 64, 1, 16, 8, false),
+        ] {
+            let d = ScanDims {
+                tokens: Tokens::new(batch, seq),
+                heads,
+                head_dim,
+                groups,
+                state,
+                chunk,
+            };
+            let rows = batch * seq;
+            let y_len = rows * heads * head_dim;
+            let shape = format!(
+                "{batch}x{seq} H{heads} P{head_dim} G{groups} N{state} c{chunk}{}",
+                if slow { " slow" } else { "" }
+            );
+            // softplus(dt + bias) ~0.05..1.7 and A ~ -0.4..-2.7 (decays
+            // ~0.01..0.98); slow: dt ~0.005..0.05, A ~ -0.4..-1 (~0.95..1).
+            let (dt_range, a_range) = if slow {
+                ((-5.0, -3.0), (-1.0, 0.0))
+            } else {
+                ((-2.0, 1.0), (-1.0, 1.0))
+            };
+            let inputs = vec![
+                Host::floats(rng.vec(rows * d.xbc_width(), 1.5), a),
+                uniform(&mut rng, rows * heads, dt_range.0, dt_range.1, a),
+                uniform(&mut rng, heads, -1.0, 0.5, a),
+                uniform(&mut rng, heads, a_range.0, a_range.1, a),
+                Host::floats(rng.vec(heads, 1.0), a),
+            ];
+            let mut buffers = inputs.clone();
+            buffers.extend([nan(y_len, a), nan(d.states_len(), DType::F32)]);
+            cases.push(Case {
+                kernel: "ssd_scan_forward".into(),
+                mode,
+                shape: shape.clone(),
+                buffers,
+                outputs: vec![5, 6],
+                cpu: Box::new(move |b, x| {
+                    b.ssd_scan_forward(scan_inputs_cpu(x), m(&x[5]), m(&x[6]), d)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.ssd_scan_forward(st, scan_inputs_gpu(x), x[5], x[6], d)
+                }),
+                reference: None,
+            });
+            let scratch = KernelSet::ssd_scan_backward_scratch_len(d).expect("scratch size");
+            let mut buffers = inputs.clone();
+            buffers.extend([
+                cpu_scan_states(&inputs, d),
+                rng.floats(y_len, a),
+                nan(rows * d.xbc_width(), a),
+                nan(rows * heads, a),
+                rng.floats(heads, DType::F32),
+                rng.floats(heads, DType::F32),
+                nan(scratch, DType::F32),
+            ]);
+            cases.push(Case {
+                kernel: "ssd_scan_backward".into(),
+                mode,
+                shape,
+                buffers,
+                outputs: vec![7, 8, 9, 10],
+                cpu: Box::new(move |b, x| {
+                    b.ssd_scan_backward(
+                        scan_inputs_cpu(x),
+                        v(&x[5]),
+                        v(&x[6]),
+                        ScanGrads {
+                            xbc: m(&x[7]),
+                            dt: m(&x[8]),
+                            a_log: m(&x[9]),
+                            d: m(&x[10]),
+                        },
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.ssd_scan_backward(
+                        st,
+                        scan_inputs_gpu(x),
+                        x[5],
+                        x[6],
+                        ScanGrads {
+                            xbc: x[7],
+                            dt: x[8],
+                            a_log: x[9],
+                            d: x[10],
+                        },
+                        x[11],
+                        d,
+                    )
+                }),
+                reference: None,
+            });
+        }
+    }
     cases
 }
 

@@ -191,6 +191,16 @@ impl CudaBackend {
         view_mut_on(view, self.queue.index)
     }
 
+    fn scan_inputs(&self, inputs: ScanInputs<Slice<'_, Self>>) -> ScanInputs<GpuView> {
+        ScanInputs {
+            xbc: self.v(inputs.xbc),
+            dt: self.v(inputs.dt),
+            dt_bias: self.v(inputs.dt_bias),
+            a_log: self.v(inputs.a_log),
+            d: self.v(inputs.d),
+        }
+    }
+
     fn k(&self) -> &KernelSet {
         &self.gpu.kernels
     }
@@ -666,8 +676,14 @@ impl Backend for CudaBackend {
         y: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()> {
-        let _ = (x, weight, bias, y, dims);
-        Err(pending("conv1d_forward"))
+        self.k().conv1d_forward(
+            self.s(),
+            self.v(x),
+            self.v(weight),
+            self.v(bias),
+            self.m(&y),
+            dims,
+        )
     }
 
     fn conv1d_backward_input(
@@ -677,8 +693,8 @@ impl Backend for CudaBackend {
         dx: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()> {
-        let _ = (dy, weight, dx, dims);
-        Err(pending("conv1d_backward_input"))
+        self.k()
+            .conv1d_backward_input(self.s(), self.v(dy), self.v(weight), self.m(&dx), dims)
     }
 
     fn conv1d_backward_weight(
@@ -689,8 +705,14 @@ impl Backend for CudaBackend {
         dbias: SliceMut<'_, Self>,
         dims: ConvDims,
     ) -> Result<()> {
-        let _ = (dy, x, dw, dbias, dims);
-        Err(pending("conv1d_backward_weight"))
+        self.k().conv1d_backward_weight(
+            self.s(),
+            self.v(dy),
+            self.v(x),
+            self.m(&dw),
+            self.m(&dbias),
+            dims,
+        )
     }
 
     fn ssd_scan_forward(
@@ -700,8 +722,9 @@ impl Backend for CudaBackend {
         states: SliceMut<'_, Self>,
         dims: ScanDims,
     ) -> Result<()> {
-        let _ = (inputs, y, states, dims);
-        Err(pending("ssd_scan_forward"))
+        let inputs = self.scan_inputs(inputs);
+        self.k()
+            .ssd_scan_forward(self.s(), inputs, self.m(&y), self.m(&states), dims)
     }
 
     fn ssd_scan_backward(
@@ -712,8 +735,27 @@ impl Backend for CudaBackend {
         grads: ScanGrads<SliceMut<'_, Self>>,
         dims: ScanDims,
     ) -> Result<()> {
-        let _ = (inputs, states, dy, grads, dims);
-        Err(pending("ssd_scan_backward"))
+        let inputs = self.scan_inputs(inputs);
+        let grads = ScanGrads {
+            xbc: self.m(&grads.xbc),
+            dt: self.m(&grads.dt),
+            a_log: self.m(&grads.a_log),
+            d: self.m(&grads.d),
+        };
+        // Per-step partials of the backward, from the arena: a repeated
+        // step allocates nothing.
+        let len = KernelSet::ssd_scan_backward_scratch_len(dims)?;
+        let partials = self.alloc(len, DType::F32)?;
+        let scratch = GpuView::new(partials.device_ptr(), len, DType::F32);
+        self.k().ssd_scan_backward(
+            self.s(),
+            inputs,
+            self.v(states),
+            self.v(dy),
+            grads,
+            scratch,
+            dims,
+        )
     }
 
     fn attention_forward(
@@ -1030,9 +1072,4 @@ impl Backend for CudaBackend {
         self.k()
             .sum_squares(self.s(), self.v(x), piece, self.m(&out))
     }
-}
-
-/// Placeholder for kernels being ported (replaced before this lands).
-fn pending(kernel: &str) -> RuntimeError {
-    RuntimeError::Unsupported(format!("kernel `{kernel}` is not on the GPU yet"))
 }

@@ -115,6 +115,30 @@ pub const SOURCES: &[KernelSource] = &[
         ]
     ),
     source!("lookup.cu", ["embedding_forward", "embedding_backward"]),
+    source!(
+        "conv.cu",
+        [
+            "conv1d_forward",
+            "conv1d_backward_input",
+            "conv1d_backward_weight"
+        ]
+    ),
+    source!(
+        "scan.cu",
+        [
+            "ssd_scan_forward_n32",
+            "ssd_scan_forward_n64",
+            "ssd_scan_forward_n128",
+            "ssd_scan_forward_n256",
+            "ssd_scan_factors",
+            "ssd_scan_backward_head_n32",
+            "ssd_scan_backward_head_n64",
+            "ssd_scan_backward_head_n128",
+            "ssd_scan_backward_head_n256",
+            "ssd_scan_backward_group",
+            "ssd_scan_backward_params"
+        ]
+    ),
 ];
 
 /// The variable naming the CUDA include directory (the one holding

@@ -15,6 +15,9 @@
 //! reads the word (at the end of a step, where the host reads the loss
 //! anyway) and says which index of which kind was bad.
 
+mod conv;
+mod scan;
+
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
     AdamMoments, AdamStep, AuxLossDims, CopyCols, LossDims, MlaKvDims, NormDims, QkvDims,

@@ -1,0 +1,158 @@
+//! Launchers of `kernels/conv.cu`: Mamba's causal depthwise conv1d
+//! (`Backend::conv1d_forward`, `conv1d_backward_input`,
+//! `conv1d_backward_weight`).
+
+use super::{GpuView, KernelSet, ensure, float, grid_for, len, product};
+use crate::backend::ConvDims;
+use crate::error::{Result, RuntimeError};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+
+/// The CPU kernels' checks: the kernel width, and `x` and `weight` (`x_len`
+/// and `w_len`, under those names whatever the caller's views are) against
+/// the dimensions. Returns the rows.
+fn check(kernel: &str, dims: ConvDims, x_len: usize, w_len: usize) -> Result<usize> {
+    let rows = dims.tokens.rows()?;
+    ensure(dims.kernel > 0, || {
+        format!("{kernel}: the kernel width is 0")
+    })?;
+    let want = |name: &str, len: usize, want: usize| {
+        ensure(len == want, || {
+            format!("{kernel}: `{name}` has {len} elements, expected {want}")
+        })
+    };
+    want("x", x_len, product(kernel, &[rows, dims.channels])?)?;
+    want(
+        "weight",
+        w_len,
+        product(kernel, &[dims.channels, dims.kernel])?,
+    )?;
+    Ok(rows)
+}
+
+/// The dimensions as the kernels take them: rows, seq, channels, taps.
+fn dims_args(rows: usize, dims: ConvDims) -> [u64; 4] {
+    [rows, dims.tokens.seq, dims.channels, dims.kernel].map(|v| v as u64)
+}
+
+impl KernelSet {
+    /// `Backend::conv1d_forward` (overwrites `y`).
+    pub fn conv1d_forward(
+        &self,
+        stream: &CudaStream,
+        x: GpuView,
+        weight: GpuView,
+        bias: GpuView,
+        y: GpuView,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let k = "conv1d_forward";
+        let (xt, wt, bt) = (
+            float(k, "x", &x)?,
+            float(k, "weight", &weight)?,
+            float(k, "bias", &bias)?,
+        );
+        let yt = float(k, "y", &y)?;
+        let rows = check(k, dims, x.len, weight.len)?;
+        len(k, "bias", &bias, dims.channels)?;
+        len(k, "y", &y, x.len)?;
+        if y.len == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&x.ptr)
+            .arg(&xt)
+            .arg(&weight.ptr)
+            .arg(&wt)
+            .arg(&bias.ptr)
+            .arg(&bt);
+        b.arg(&y.ptr).arg(&yt);
+        let args = dims_args(rows, dims);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(k, &mut b, grid_for(y.len))
+    }
+
+    /// `Backend::conv1d_backward_input` (overwrites `dx`).
+    pub fn conv1d_backward_input(
+        &self,
+        stream: &CudaStream,
+        dy: GpuView,
+        weight: GpuView,
+        dx: GpuView,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let k = "conv1d_backward_input";
+        let (dyt, wt) = (float(k, "dy", &dy)?, float(k, "weight", &weight)?);
+        let dxt = float(k, "dx", &dx)?;
+        let rows = check(k, dims, dy.len, weight.len)?;
+        len(k, "dx", &dx, dy.len)?;
+        if dx.len == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&weight.ptr)
+            .arg(&wt)
+            .arg(&dx.ptr)
+            .arg(&dxt);
+        let args = dims_args(rows, dims);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(k, &mut b, grid_for(dx.len))
+    }
+
+    /// `Backend::conv1d_backward_weight` (accumulates into `dw` and
+    /// `dbias`): one block per 32 channels and tap (the bias as one more
+    /// tap), each a fixed tree over the rows.
+    pub fn conv1d_backward_weight(
+        &self,
+        stream: &CudaStream,
+        dy: GpuView,
+        x: GpuView,
+        dw: GpuView,
+        dbias: GpuView,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let k = "conv1d_backward_weight";
+        let (dyt, xt) = (float(k, "dy", &dy)?, float(k, "x", &x)?);
+        let (dwt, dbt) = (float(k, "dw", &dw)?, float(k, "dbias", &dbias)?);
+        let rows = check(k, dims, x.len, dw.len)?;
+        len(k, "dy", &dy, x.len)?;
+        len(k, "dbias", &dbias, dims.channels)?;
+        if dims.channels == 0 || rows == 0 {
+            return Ok(());
+        }
+        // One grid row per tap and one for the bias (a grid's y is at most 65535).
+        let taps = u32::try_from(dims.kernel + 1)
+            .ok()
+            .filter(|&t| t <= 65_535)
+            .ok_or_else(|| {
+                RuntimeError::Unsupported(format!(
+                    "{k}: the CUDA kernel takes widths up to 65534 ({} asked)",
+                    dims.kernel
+                ))
+            })?;
+        let config = LaunchConfig {
+            grid_dim: (dims.channels.div_ceil(32) as u32, taps, 1),
+            block_dim: (32, 32, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&dw.ptr)
+            .arg(&dwt)
+            .arg(&dbias.ptr)
+            .arg(&dbt);
+        let args = dims_args(rows, dims);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(k, &mut b, config)
+    }
+}

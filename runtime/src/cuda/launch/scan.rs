@@ -1,0 +1,469 @@
+//! Launchers of `kernels/scan.cu`: the Mamba-2 selective scan
+//! (`Backend::ssd_scan_forward`, `ssd_scan_backward`).
+//!
+//! The kernels keep a thread's state elements in registers, so they come
+//! in tiers by the state size N (a lane holds N/32 columns, rounded up to a
+//! power of two) and the backward takes shapes whose per-thread share fits
+//! (see [`KernelSet::ssd_scan_backward`]); other shapes are refused as
+//! `Unsupported`, naming the limit. The backward needs a scratch area whose
+//! size [`KernelSet::ssd_scan_backward_scratch_len`] gives, so that a step
+//! allocates nothing.
+
+use super::{GpuView, KernelSet, ensure, exactly, float, grid_for, len, per_item, product};
+use crate::backend::{ScanDims, ScanGrads, ScanInputs};
+use crate::error::{Result, RuntimeError};
+use crate::view::DType;
+use cudarc::driver::{CudaStream, PushKernelArg};
+
+/// Warps of a forward block (one state row each).
+const FORWARD_WARPS: usize = 8;
+/// Warps of a backward block at most (1024 threads).
+const MAX_WARPS: usize = 32;
+/// State elements a thread of the backward head kernel holds
+/// (`HEAD_MAX_ELEMENTS` in `scan.cu`).
+const HEAD_MAX_ELEMENTS: usize = 16;
+/// State columns a block of the group kernel takes, and the (head, row)
+/// pairs a thread holds at most (`GROUP_COLUMNS`, `GROUP_MAX_ROWS`).
+const GROUP_COLUMNS: usize = 2;
+const GROUP_MAX_ROWS: usize = 8;
+
+/// Kernels compiled for states of at most `state` columns, each lane
+/// holding `per_lane` of them.
+struct Tier {
+    state: usize,
+    per_lane: usize,
+    forward: &'static str,
+    head: &'static str,
+}
+
+const TIERS: [Tier; 4] = [
+    Tier {
+        state: 32,
+        per_lane: 1,
+        forward: "ssd_scan_forward_n32",
+        head: "ssd_scan_backward_head_n32",
+    },
+    Tier {
+        state: 64,
+        per_lane: 2,
+        forward: "ssd_scan_forward_n64",
+        head: "ssd_scan_backward_head_n64",
+    },
+    Tier {
+        state: 128,
+        per_lane: 4,
+        forward: "ssd_scan_forward_n128",
+        head: "ssd_scan_backward_head_n128",
+    },
+    Tier {
+        state: 256,
+        per_lane: 8,
+        forward: "ssd_scan_forward_n256",
+        head: "ssd_scan_backward_head_n256",
+    },
+];
+
+fn unsupported(message: String) -> RuntimeError {
+    RuntimeError::Unsupported(message)
+}
+
+fn tier(kernel: &str, state: usize) -> Result<&'static Tier> {
+    TIERS.iter().find(|t| state <= t.state).ok_or_else(|| {
+        unsupported(format!(
+            "{kernel}: the CUDA scan takes state sizes up to 256 (N = {state}); use a smaller \
+             `mamba.state_size` or run on the CPU"
+        ))
+    })
+}
+
+/// The CPU kernels' checks of the inputs; returns `(rows, chunks)`.
+fn check_inputs(
+    kernel: &str,
+    dims: ScanDims,
+    inputs: &ScanInputs<GpuView>,
+) -> Result<(usize, usize)> {
+    let rows = dims.tokens.rows()?;
+    ensure(
+        dims.heads > 0 && dims.groups > 0 && dims.heads.is_multiple_of(dims.groups),
+        || {
+            format!(
+                "{kernel}: {} groups do not divide {} heads",
+                dims.groups, dims.heads
+            )
+        },
+    )?;
+    ensure(dims.chunk > 0, || {
+        format!("{kernel}: the chunk length is 0")
+    })?;
+    let width = product(kernel, &[dims.heads, dims.head_dim])?
+        .checked_add(product(kernel, &[2, dims.groups, dims.state])?)
+        .ok_or_else(|| RuntimeError::InvalidArgument(format!("{kernel}: width overflows")))?;
+    len(kernel, "xbc", &inputs.xbc, product(kernel, &[rows, width])?)?;
+    len(
+        kernel,
+        "dt",
+        &inputs.dt,
+        product(kernel, &[rows, dims.heads])?,
+    )?;
+    len(kernel, "dt_bias", &inputs.dt_bias, dims.heads)?;
+    len(kernel, "a_log", &inputs.a_log, dims.heads)?;
+    len(kernel, "d", &inputs.d, dims.heads)?;
+    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
+    product(
+        kernel,
+        &[
+            dims.tokens.batch,
+            chunks,
+            dims.heads,
+            dims.head_dim,
+            dims.state,
+        ],
+    )?;
+    Ok((rows, chunks))
+}
+
+/// The dtype tags of the inputs, checked in the CPU backend's order.
+fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
+    Ok([
+        float(kernel, "xbc", &inputs.xbc)?,
+        float(kernel, "dt", &inputs.dt)?,
+        float(kernel, "dt_bias", &inputs.dt_bias)?,
+        float(kernel, "a_log", &inputs.a_log)?,
+        float(kernel, "d", &inputs.d)?,
+    ])
+}
+
+/// The dimensions every scan kernel takes after its pointers:
+/// seq, heads, head_dim, groups, state, chunk.
+fn dims_args(dims: ScanDims) -> [u64; 6] {
+    [
+        dims.tokens.seq,
+        dims.heads,
+        dims.head_dim,
+        dims.groups,
+        dims.state,
+        dims.chunk,
+    ]
+    .map(|v| v as u64)
+}
+
+/// How the backward spreads one shape over its blocks.
+struct BackwardShape {
+    tier: &'static Tier,
+    head_warps: usize,
+    group_warps: usize,
+}
+
+impl BackwardShape {
+    fn new(kernel: &str, dims: ScanDims) -> Result<BackwardShape> {
+        let tier = tier(kernel, dims.state)?;
+        // The head kernel: a warp per state row (rows p = w + warps j), a
+        // thread holding rows_per_warp x per_lane elements of S and of G.
+        let head_warps = dims.head_dim.min(MAX_WARPS);
+        let rows_per_warp = dims.head_dim.div_ceil(head_warps);
+        if rows_per_warp * tier.per_lane > HEAD_MAX_ELEMENTS {
+            return Err(unsupported(format!(
+                "{kernel}: the CUDA scan backward holds a head's state in 1024 threads, at most \
+                 {HEAD_MAX_ELEMENTS} elements each, so head_dim x state_size (rounded up to \
+                 {} columns) is at most 16384; P = {} and N = {} need {} a thread",
+                tier.state,
+                dims.head_dim,
+                dims.state,
+                rows_per_warp * tier.per_lane
+            )));
+        }
+        // The group kernel: the group's (head, row) pairs over up to 32
+        // warps, GROUP_MAX_ROWS a thread at most.
+        let pairs = (dims.heads / dims.groups) * dims.head_dim;
+        let group_warps = pairs.div_ceil(32).clamp(1, MAX_WARPS);
+        if pairs.div_ceil(32 * group_warps) > GROUP_MAX_ROWS {
+            return Err(unsupported(format!(
+                "{kernel}: the CUDA scan backward takes at most {} (head, row) pairs a group \
+                 (heads / groups x head_dim = {pairs}); use more groups",
+                32 * MAX_WARPS * GROUP_MAX_ROWS
+            )));
+        }
+        Ok(BackwardShape {
+            tier,
+            head_warps,
+            group_warps,
+        })
+    }
+}
+
+impl KernelSet {
+    /// Elements (f32) of the scratch [`KernelSet::ssd_scan_backward`]
+    /// needs for `dims`: each step's dt and decay, each step's readout
+    /// `dy . (S C)` (all `[rows, heads]`), and every sequence's A_log and D
+    /// gradient partials (`[batch, heads, 2]`).
+    pub fn ssd_scan_backward_scratch_len(dims: ScanDims) -> Result<usize> {
+        let k = "ssd_scan_backward";
+        let per_step = product(k, &[3, dims.tokens.rows()?, dims.heads])?;
+        per_step
+            .checked_add(product(k, &[2, dims.tokens.batch, dims.heads])?)
+            .ok_or_else(|| RuntimeError::InvalidArgument(format!("{k}: the scratch overflows")))
+    }
+
+    /// `Backend::ssd_scan_forward` (overwrites `y` and `states`). One warp
+    /// per (sequence, head, state row), sequential in time.
+    pub fn ssd_scan_forward(
+        &self,
+        stream: &CudaStream,
+        inputs: ScanInputs<GpuView>,
+        y: GpuView,
+        states: GpuView,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let k = "ssd_scan_forward";
+        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
+        exactly(k, "states", &states, DType::F32)?;
+        let yt = float(k, "y", &y)?;
+        let (rows, _) = check_inputs(k, dims, &inputs)?;
+        let d_inner = dims.heads * dims.head_dim;
+        len(k, "y", &y, rows * d_inner)?;
+        len(k, "states", &states, dims.states_len())?;
+        if dims.head_dim == 0 || dims.state == 0 {
+            return self.zero(stream, y);
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let tier = tier(k, dims.state)?;
+        let warps = dims.head_dim.min(FORWARD_WARPS);
+        let tiles = dims.head_dim.div_ceil(warps);
+        let blocks = product(k, &[dims.tokens.batch, dims.heads, tiles])?;
+        let config = per_item(blocks, (32 * warps) as u32)?;
+        let ScanInputs {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+        } = inputs;
+        let mut b = stream.launch_builder(self.function(tier.forward)?);
+        b.arg(&xbc.ptr)
+            .arg(&xt)
+            .arg(&dt.ptr)
+            .arg(&dtt)
+            .arg(&dt_bias.ptr)
+            .arg(&bt);
+        b.arg(&a_log.ptr)
+            .arg(&at)
+            .arg(&d.ptr)
+            .arg(&skt)
+            .arg(&y.ptr)
+            .arg(&yt)
+            .arg(&states.ptr);
+        let args = dims_args(dims);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(tier.forward, &mut b, config)
+    }
+
+    /// `Backend::ssd_scan_backward` (overwrites `grads.xbc` and `grads.dt`,
+    /// accumulates into `grads.a_log` and `grads.d`), with `scratch` an f32
+    /// view of at least [`KernelSet::ssd_scan_backward_scratch_len`]
+    /// elements that nothing else uses until it returns (its contents on
+    /// entry do not matter).
+    ///
+    /// Four launches: the steps' dt and decay; one block per (sequence,
+    /// head) for dx, d dt and the A_log and D partials, holding up to 16
+    /// state elements a thread (head_dim x state_size up to 16384); one
+    /// block per (sequence, group, two state columns) for dB and dC, over
+    /// the group's heads x head_dim (up to 8192) rows; and the partials'
+    /// sum over the sequences.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ssd_scan_backward(
+        &self,
+        stream: &CudaStream,
+        inputs: ScanInputs<GpuView>,
+        states: GpuView,
+        dy: GpuView,
+        grads: ScanGrads<GpuView>,
+        scratch: GpuView,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let k = "ssd_scan_backward";
+        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
+        exactly(k, "states", &states, DType::F32)?;
+        let dyt = float(k, "dy", &dy)?;
+        let ScanGrads {
+            xbc: d_xbc,
+            dt: d_dt,
+            a_log: d_a_log,
+            d: d_d,
+        } = grads;
+        let (dxt, ddtt) = (float(k, "d_xbc", &d_xbc)?, float(k, "d_dt", &d_dt)?);
+        let (dat, ddt) = (float(k, "d_a_log", &d_a_log)?, float(k, "d_d", &d_d)?);
+        exactly(k, "scratch", &scratch, DType::F32)?;
+        let (rows, _) = check_inputs(k, dims, &inputs)?;
+        len(k, "states", &states, dims.states_len())?;
+        len(k, "dy", &dy, rows * dims.heads * dims.head_dim)?;
+        len(k, "grads.xbc", &d_xbc, inputs.xbc.len)?;
+        len(k, "grads.dt", &d_dt, inputs.dt.len)?;
+        len(k, "grads.a_log", &d_a_log, dims.heads)?;
+        len(k, "grads.d", &d_d, dims.heads)?;
+        let need = Self::ssd_scan_backward_scratch_len(dims)?;
+        ensure(scratch.len >= need, || {
+            format!(
+                "{k}: `scratch` has {} elements, but these dimensions need at least {need} \
+                 (KernelSet::ssd_scan_backward_scratch_len)",
+                scratch.len
+            )
+        })?;
+        if dims.head_dim == 0 || dims.state == 0 || rows == 0 {
+            self.zero(stream, d_xbc)?;
+            return self.zero(stream, d_dt);
+        }
+        let shape = BackwardShape::new(k, dims)?;
+        let ScanInputs {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+        } = inputs;
+        let (rows_u, heads_u, batch_u) = (rows as u64, dims.heads as u64, dims.tokens.batch as u64);
+        let args = dims_args(dims);
+
+        let kf = "ssd_scan_factors";
+        let mut b = stream.launch_builder(self.function(kf)?);
+        b.arg(&dt.ptr)
+            .arg(&dtt)
+            .arg(&dt_bias.ptr)
+            .arg(&bt)
+            .arg(&a_log.ptr)
+            .arg(&at);
+        b.arg(&scratch.ptr).arg(&rows_u).arg(&heads_u);
+        self.go(kf, &mut b, grid_for(rows * dims.heads))?;
+
+        let kh = shape.tier.head;
+        let head_blocks = product(k, &[dims.tokens.batch, dims.heads])?;
+        let mut b = stream.launch_builder(self.function(kh)?);
+        b.arg(&xbc.ptr)
+            .arg(&xt)
+            .arg(&dt.ptr)
+            .arg(&dtt)
+            .arg(&dt_bias.ptr)
+            .arg(&bt);
+        b.arg(&a_log.ptr).arg(&at).arg(&d.ptr).arg(&skt);
+        b.arg(&states.ptr)
+            .arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&d_xbc.ptr)
+            .arg(&dxt)
+            .arg(&d_dt.ptr)
+            .arg(&ddtt);
+        b.arg(&scratch.ptr);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(
+            kh,
+            &mut b,
+            per_item(head_blocks, (32 * shape.head_warps) as u32)?,
+        )?;
+
+        let kg = "ssd_scan_backward_group";
+        let group_blocks = product(
+            k,
+            &[
+                dims.tokens.batch,
+                dims.groups,
+                dims.state.div_ceil(GROUP_COLUMNS),
+            ],
+        )?;
+        let mut b = stream.launch_builder(self.function(kg)?);
+        b.arg(&xbc.ptr)
+            .arg(&xt)
+            .arg(&states.ptr)
+            .arg(&dy.ptr)
+            .arg(&dyt)
+            .arg(&d_xbc.ptr)
+            .arg(&dxt);
+        b.arg(&scratch.ptr).arg(&batch_u);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(
+            kg,
+            &mut b,
+            per_item(group_blocks, (32 * shape.group_warps) as u32)?,
+        )?;
+
+        let kp = "ssd_scan_backward_params";
+        let seq_u = dims.tokens.seq as u64;
+        let mut b = stream.launch_builder(self.function(kp)?);
+        b.arg(&scratch.ptr).arg(&batch_u).arg(&seq_u).arg(&heads_u);
+        b.arg(&d_a_log.ptr).arg(&dat).arg(&d_d.ptr).arg(&ddt);
+        self.go(kp, &mut b, grid_for(dims.heads))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Tokens;
+
+    fn dims(head_dim: usize, state: usize, heads: usize, groups: usize) -> ScanDims {
+        ScanDims {
+            tokens: Tokens::new(2, 100),
+            heads,
+            head_dim,
+            groups,
+            state,
+            chunk: 64,
+        }
+    }
+
+    #[test]
+    fn state_sizes_pick_the_smallest_tier_that_holds_them() {
+        let per_lane = |n| tier("k", n).map(|t| t.per_lane).unwrap();
+        assert_eq!(
+            [1, 32, 33, 64, 65, 128, 129, 256].map(per_lane),
+            [1, 1, 2, 2, 4, 4, 8, 8]
+        );
+        let err = tier("ssd_scan_forward", 257).err().unwrap().to_string();
+        assert!(
+            err.contains("ssd_scan_forward") && err.contains("257"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_backward_takes_realistic_shapes_and_names_the_limit_of_others() {
+        // Mamba-2 / Nemotron-H: P = 64, N = 128, 8 heads a group.
+        let shape = BackwardShape::new("k", dims(64, 128, 64, 8)).unwrap();
+        assert_eq!((shape.head_warps, shape.group_warps), (32, 16));
+        for (p, n) in [(128, 128), (64, 256), (512, 32), (3, 3)] {
+            assert!(
+                BackwardShape::new("k", dims(p, n, 2, 1)).is_ok(),
+                "{p} x {n}"
+            );
+        }
+        let err = BackwardShape::new("ssd_scan_backward", dims(256, 128, 2, 1))
+            .err()
+            .unwrap();
+        assert!(matches!(err, RuntimeError::Unsupported(_)));
+        assert!(err.to_string().contains("P = 256 and N = 128"), "{err}");
+        // 129 heads of 64 rows in one group: 8256 (head, row) pairs.
+        let err = BackwardShape::new("k", dims(64, 16, 129, 1)).err().unwrap();
+        assert!(err.to_string().contains("8256"), "{err}");
+        assert!(BackwardShape::new("k", dims(64, 16, 128, 1)).is_ok());
+    }
+
+    #[test]
+    fn the_scratch_holds_three_values_a_step_and_head_and_two_a_sequence_and_head() {
+        let d = dims(64, 128, 6, 2);
+        assert_eq!(
+            KernelSet::ssd_scan_backward_scratch_len(d).unwrap(),
+            3 * 200 * 6 + 2 * 2 * 6
+        );
+        let huge = ScanDims {
+            tokens: Tokens::new(usize::MAX / 2, 3),
+            ..d
+        };
+        assert!(KernelSet::ssd_scan_backward_scratch_len(huge).is_err());
+    }
+}
