@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Builds the CUDA test binaries here (no GPU or CUDA needed: CUDA, NVRTC,
-# cuBLAS and NCCL load at run time) and collects them, stripped, into
-# gpu-bundle/ with run.sh, which runs them on a GPU machine (no cargo there)
-# and prints a short summary last:
+# Builds every GPU test and the `hybridgen` binary here (no GPU or CUDA
+# needed: CUDA, NVRTC, cuBLAS and NCCL load at run time) and collects them,
+# stripped, into gpu-bundle/ with run.sh, which runs them on a GPU machine
+# (no cargo there): every GPU test, then the GPU benchmarks, then a short
+# table of both.
 #
-#   scripts/cuda_bundle.sh            # here: build and collect
-#   bash gpu-bundle/run.sh LOGDIR     # there: run, logs into LOGDIR
+#   scripts/cuda_bundle.sh                 # here: build and collect
+#   bash gpu-bundle/run.sh LOGDIR          # there: tests and benchmarks
+#   bash gpu-bundle/run.sh LOGDIR tests    # only the tests
+#   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
+#
+# Tests that need more GPUs than the machine has say so and pass; so do the
+# benchmarks' two-GPU rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=gpu-bundle
 rm -rf "$bundle"
-mkdir -p "$bundle/bin"
+mkdir -p "$bundle/bin" "$bundle/models"
 
-tests=(cuda_probe cuda_backend cuda_kernels_run)
-args=()
-for t in "${tests[@]}"; do args+=(--test "$t"); done
-cargo test --release --no-run -p hybridgen-runtime "${args[@]}" --message-format=json \
+# Every test whose name starts with cuda_ (they skip without a GPU).
+tests=()
+for file in runtime/tests/cuda_*.rs; do
+  tests+=(--test "$(basename "$file" .rs)")
+done
+cargo test --release --no-run -p hybridgen-runtime "${tests[@]}" --message-format=json \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -29,40 +37,87 @@ for line in sys.stdin:
   cp "$exe" "$bundle/bin/$name"
   strip "$bundle/bin/$name"
 done
+cargo build --release --bin hybridgen
+cp target/release/hybridgen "$bundle/hybridgen"
+strip "$bundle/hybridgen"
+cp examples/models/*.toml "$bundle/models/"
 
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs every CUDA test binary of this bundle; logs go to $1 (default
-# ./logs). NVLink multicast stays off (shared GPUs).
+# Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
+# ./logs); $2 is `tests`, `bench` or `all` (default). NVLink multicast
+# stays off (shared GPUs).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/logs}
+what=${2:-all}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export HYBRIDGEN_CUDA_INCLUDE="${HYBRIDGEN_CUDA_INCLUDE:-/usr/local/cuda/include}"
+export HYBRIDGEN_KERNEL_CACHE="${HYBRIDGEN_KERNEL_CACHE:-$out/kernel-cache}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$out/nvidia-smi.txt" 2>&1
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 status=0
 : > "$out/summary.txt"
-for test in "$here"/bin/*; do
-  name=$(basename "$test")
-  start=$(date +%s%N)
-  "$test" --nocapture --test-threads=1 > "$out/$name.log" 2>&1
-  rc=$?
-  end=$(date +%s%N)
-  printf '%-20s exit %d  %d ms  %s\n' "$name" "$rc" "$(( (end - start) / 1000000 ))" \
-    "$(grep -E '^test result:|^skipped:' "$out/$name.log" | tail -1)" >> "$out/summary.txt"
-  [ "$rc" -eq 0 ] || status=1
-done
+
+if [ "$what" != bench ]; then
+  for test in "$here"/bin/*; do
+    name=$(basename "$test")
+    start=$(date +%s%N)
+    "$test" --nocapture --test-threads=1 > "$out/$name.log" 2>&1
+    rc=$?
+    end=$(date +%s%N)
+    printf 'test  %-22s exit %d  %6d ms  %s\n' "$name" "$rc" "$(( (end - start) / 1000000 ))" \
+      "$(grep -E '^test result:' "$out/$name.log" | tail -1 | sed 's/test result: //; s/; finished.*//')" >> "$out/summary.txt"
+    [ "$rc" -eq 0 ] || status=1
+  done
+fi
+
+# One benchmark: `hybridgen train --format json` and its summary's figures.
+bench() {
+  local name=$1 ranks=$2
+  shift 2
+  if [ "$gpus" -lt "$ranks" ]; then
+    printf 'bench %-34s skipped: needs %d GPUs, %d here\n' "$name" "$ranks" "$gpus" >> "$out/summary.txt"
+    return
+  fi
+  "$here/hybridgen" train --device cuda --ranks "$ranks" --format json "$@" > "$out/bench-$name.jsonl" 2> "$out/bench-$name.err"
+  local rc=$?
+  local line
+  line=$(grep '"summary"' "$out/bench-$name.jsonl" | tail -1)
+  if [ "$rc" -ne 0 ] || [ -z "$line" ]; then
+    printf 'bench %-34s FAILED (exit %d): %s\n' "$name" "$rc" "$(tail -c 300 "$out/bench-$name.jsonl" "$out/bench-$name.err" | tr '\n' ' ')" >> "$out/summary.txt"
+    status=1
+    return
+  fi
+  field() { echo "$line" | grep -o "\"$1\":[^,}]*" | head -1 | cut -d: -f2; }
+  awk -v n="$name" -v r="$ranks" -v ms="$(field step_ms)" -v tps="$(field tokens_per_s)" \
+    -v hid="$(field hidden_fraction)" -v loss="$(field final_loss)" 'BEGIN {
+      printf "bench %-34s %d GPU  step %9.1f ms  %9.0f tokens/s/GPU  comm hidden %s  loss %s\n",
+        n, r, ms, tps / r, hid, loss }' >> "$out/summary.txt"
+}
+
+if [ "$what" != tests ]; then
+  # A learning rate this width trains at (the tiny model's 3e-3 diverges).
+  realistic=(--model "$here/models/hybrid-2048.toml" --micro-batch-size 1 --micro-batches 4
+    --steps 8 --lr 3e-4 --warmup 4)
+  for schedule in overlap plain; do
+    bench "default-$schedule" 1 --ep 1 --schedule "$schedule"
+    bench "default-$schedule" 2 --ep 2 --schedule "$schedule"
+    bench "hybrid2048-$schedule" 1 --ep 1 --schedule "$schedule" "${realistic[@]}"
+    bench "hybrid2048-$schedule" 2 --ep 2 --schedule "$schedule" "${realistic[@]}"
+  done
+fi
+
 cat "$out/nvidia-smi.txt"
 for log in "$out"/*.log; do
-  echo "== $(basename "$log"): first lines, failures, totals"
-  grep -E '^(cuda:|sm_|compute_|driver|no usable|skipped)' "$log" | head -8
-  grep -E 'FAIL|panicked|passed, [0-9]+ failed' "$log" | head -40
+  [ -e "$log" ] || continue
+  echo "== $(basename "$log"): failures"
+  grep -E -A3 'FAIL|panicked|skipped' "$log" | head -40
 done
 cat "$out/summary.txt"
 exit $status
 RUN
 chmod +x "$bundle/run.sh"
 du -sh "$bundle"
-ls -l "$bundle/bin"
