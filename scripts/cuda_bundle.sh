@@ -79,7 +79,7 @@ bench() {
   local name=$1 ranks=$2
   shift 2
   if [ "$gpus" -lt "$ranks" ]; then
-    printf 'bench %-34s skipped: needs %d GPUs, %d here\n' "$name" "$ranks" "$gpus" >> "$out/summary.txt"
+    printf 'bench %-22s skipped: needs %d GPUs, %d here\n' "$name" "$ranks" "$gpus" >> "$out/summary.txt"
     return
   fi
   "$here/hybridgen" train --device cuda --ranks "$ranks" --format json "$@" > "$out/bench-$name.jsonl" 2> "$out/bench-$name.err"
@@ -87,15 +87,22 @@ bench() {
   local line
   line=$(grep '"summary"' "$out/bench-$name.jsonl" | tail -1)
   if [ "$rc" -ne 0 ] || [ -z "$line" ]; then
-    printf 'bench %-34s FAILED (exit %d): %s\n' "$name" "$rc" "$(tail -c 300 "$out/bench-$name.jsonl" "$out/bench-$name.err" | tr '\n' ' ')" >> "$out/summary.txt"
+    printf 'bench %-22s FAILED (exit %d): %s\n' "$name" "$rc" "$(tail -c 300 "$out/bench-$name.jsonl" "$out/bench-$name.err" | tr '\n' ' ')" >> "$out/summary.txt"
     status=1
     return
   fi
   field() { echo "$line" | grep -o "\"$1\":[^,}]*" | head -1 | cut -d: -f2; }
-  awk -v n="$name" -v r="$ranks" -v ms="$(field step_ms)" -v tps="$(field tokens_per_s)" \
+  # Steady state: the median step time after the first step (which also
+  # compiles kernels, sizes the arenas and warms cuBLAS).
+  local step_ms
+  step_ms=$(grep '"step":' "$out/bench-$name.jsonl" | grep -o '"step_ms":[0-9.e+-]*' | tail -n +2 \
+    | cut -d: -f2 | sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print 0 }')
+  awk -v n="$name" -v r="$ranks" -v ms="$step_ms" -v tokens="$(field tokens)" -v steps="$(field steps)" \
     -v hid="$(field hidden_fraction)" -v loss="$(field final_loss)" 'BEGIN {
-      printf "bench %-34s %d GPU  step %9.1f ms  %9.0f tokens/s/GPU  comm hidden %s  loss %s\n",
-        n, r, ms, tps / r, hid, loss }' >> "$out/summary.txt"
+      per_step = steps > 0 ? tokens / steps : 0
+      tps = ms > 0 ? per_step / (ms / 1000) / r : 0
+      printf "bench %-22s %d GPU  step %9.1f ms  %9.0f tokens/s/GPU  comm hidden %5.1f%%  loss %.3f\n",
+        n, r, ms, tps, 100 * hid, loss }' >> "$out/summary.txt"
 }
 
 if [ "$what" != tests ]; then
