@@ -555,7 +555,7 @@ impl OnPlatform for TrainOn<'_> {
 
 /// Trains a prepared run on `platform`'s ranks: a thread per local rank,
 /// each building its handles with [`Platform::rank`] and running every step.
-/// Reports come from rank 0 (when this process runs it).
+/// Reports come from the first rank this process runs.
 pub fn train_on<P: Platform>(
     platform: &P,
     prepared: &Prepared,
@@ -586,11 +586,15 @@ pub fn train_on<P: Platform>(
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss) = (None, None);
     let started = Instant::now();
-    let outcomes: Vec<(usize, Result<Option<u64>>)> = std::thread::scope(|scope| {
+    // Reports come from the first rank this process runs (rank 0 unless
+    // a launcher started one process per rank): every rank sees the same
+    // losses.
+    let reporter = platform.local_ranks().start;
+    let outcomes: Vec<(usize, Result<u64>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = platform
             .local_ranks()
             .map(|r| {
-                let reports = reports.clone();
+                let reports = (r == reporter).then(|| reports.clone());
                 let settings = &settings;
                 let handle = std::thread::Builder::new()
                     .name(format!("rank-{r}"))
@@ -640,7 +644,7 @@ pub fn train_on<P: Platform>(
     let mut failures = Vec::new();
     for (r, outcome) in outcomes {
         match outcome {
-            Ok(h) => hash = hash.or(h),
+            Ok(h) => hash = hash.or(Some(h)),
             Err(e) => failures.push((r, e)),
         }
     }
@@ -649,7 +653,7 @@ pub fn train_on<P: Platform>(
     }
     traced?;
     let param_hash = hash
-        .ok_or_else(|| RuntimeError::InvalidArgument("rank 0 returned no parameter hash".into()))?;
+        .ok_or_else(|| RuntimeError::InvalidArgument("no rank returned a parameter hash".into()))?;
     let stats = recorder.stats();
     let comm_busy = stats.iter().map(|s| s.comm_busy).sum();
     let comm_hidden = stats.iter().map(|s| s.hidden).sum();
@@ -732,8 +736,8 @@ fn run_rank<D: Device>(
     config: &TrainConfig,
     prepared: &Prepared,
     rank: RankContext<D>,
-    reports: mpsc::Sender<StepReport>,
-) -> Result<Option<u64>> {
+    reports: Option<mpsc::Sender<StepReport>>,
+) -> Result<u64> {
     let r = rank.rank;
     let plan = prepared.plan.clone();
     let model = Arc::new(ModelRuntime::new(plan.clone())?);
@@ -837,7 +841,7 @@ fn run_rank<D: Device>(
         let grad_norm = optimizer.step(&engine, &rank, &norm_partials)?;
         let device = rank.backend.stats() - counted;
         step += 1;
-        if r == 0 {
+        if let Some(reports) = &reports {
             // The receiver only goes away when the caller stopped listening.
             let _ = reports.send(StepReport {
                 step,
@@ -865,14 +869,15 @@ fn run_rank<D: Device>(
 }
 
 /// FNV-1a over every parameter's bits in plan order, experts once per EP
-/// rank. Collective; the hash is returned on rank 0. Buckets are gathered
+/// rank. Collective; every rank returns it (so does every process of a
+/// multi-process job). Buckets are gathered
 /// one at a time, so the hash needs the memory of one bucket, not of the
 /// model.
 fn param_hash<D: Device>(
     plan: &Plan,
     engine: &FsdpEngine<D>,
     rank: &RankContext<D>,
-) -> Result<Option<u64>> {
+) -> Result<u64> {
     let backend = &rank.backend;
     let ep = rank.ep.max(1);
     let layout = engine.layout();
@@ -893,9 +898,6 @@ fn param_hash<D: Device>(
             backend.download(backend.view(&shard.master)?, &mut host)?;
             let mine: Vec<f64> = host.iter().map(|&v| f64::from(v)).collect();
             gathered = Some((b, rank.host.all_gather_host(&mine)?));
-        }
-        if rank.rank != 0 {
-            continue;
         }
         let Some((_, all)) = &gathered else {
             continue;
@@ -921,5 +923,5 @@ fn param_hash<D: Device>(
             }
         }
     }
-    Ok((rank.rank == 0).then_some(hash))
+    Ok(hash)
 }
