@@ -325,6 +325,17 @@ pub fn compile_all(
         .collect()
 }
 
+/// The options every source is compiled with for `target`: what NVRTC is
+/// given, and part of the kernel cache's key.
+pub fn compile_options(target: Target, include_dir: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={}", target.arch),
+        format!("--include-path={}", include_dir.display()),
+        "--std=c++17".to_string(),
+        "--fmad=false".to_string(),
+    ]
+}
+
 /// An NVRTC program, destroyed on drop.
 struct Program(cudarc::nvrtc::sys::nvrtcProgram);
 
@@ -391,13 +402,7 @@ fn compile_loaded(
     if result != NVRTC_SUCCESS {
         return Err(fail("nvrtcCreateProgram", result));
     }
-    let options = [
-        format!("--gpu-architecture={}", target.arch),
-        format!("--include-path={}", include_dir.display()),
-        "--std=c++17".to_string(),
-        "--fmad=false".to_string(),
-    ];
-    let options: Vec<CString> = options
+    let options: Vec<CString> = compile_options(target, include_dir)
         .iter()
         .map(|o| {
             CString::new(o.as_str()).map_err(|_| interior_nul("an option (the include path?)"))
