@@ -706,8 +706,11 @@ fn prune(dir: &Path, target: Target, keep: CacheKey) {
 /// it while later callers for that key wait; callers for other keys do
 /// not wait.
 struct Memo<K, T> {
-    slots: Mutex<HashMap<K, Arc<Mutex<Option<Arc<T>>>>>>,
+    slots: Mutex<HashMap<K, Slot<T>>>,
 }
+
+/// One key's value: `None` until made; its lock is held while making it.
+type Slot<T> = Arc<Mutex<Option<Arc<T>>>>;
 
 impl<K: Eq + Hash, T> Memo<K, T> {
     fn new() -> Self {
