@@ -2,7 +2,8 @@
 //!
 //! Each `kernels/*.cu` file holds one concept (casts, norms, routing, ...)
 //! and is embedded in the binary; [`compile`] turns one into a module image
-//! for a [`Target`] at start-up. NVRTC is a compiler library, not a GPU
+//! for a [`Target`] at start-up ([`crate::cuda::kernel_cache`] keeps the
+//! images, so that this happens once, not at every start-up). NVRTC is a compiler library, not a GPU
 //! API, so this works on a machine without a GPU: the
 //! `cuda_kernels_compile` test compiles every source for both targets and
 //! fails on any error or warning. Errors come back as [`Diagnostic`]s with
