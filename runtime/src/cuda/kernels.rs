@@ -2,7 +2,8 @@
 //!
 //! Each `kernels/*.cu` file holds one concept (casts, norms, routing, ...)
 //! and is embedded in the binary; [`compile`] turns one into a module image
-//! for a [`Target`] at start-up. NVRTC is a compiler library, not a GPU
+//! for a [`Target`] at start-up ([`crate::cuda::kernel_cache`] keeps the
+//! images, so that this happens once, not at every start-up). NVRTC is a compiler library, not a GPU
 //! API, so this works on a machine without a GPU: the
 //! `cuda_kernels_compile` test compiles every source for both targets and
 //! fails on any error or warning. Errors come back as [`Diagnostic`]s with
@@ -358,6 +359,17 @@ pub fn compile_all(
         .collect()
 }
 
+/// The options every source is compiled with for `target`: what NVRTC is
+/// given, and part of the kernel cache's key.
+pub fn compile_options(target: Target, include_dir: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={}", target.arch),
+        format!("--include-path={}", include_dir.display()),
+        "--std=c++17".to_string(),
+        "--fmad=false".to_string(),
+    ]
+}
+
 /// An NVRTC program, destroyed on drop.
 struct Program(cudarc::nvrtc::sys::nvrtcProgram);
 
@@ -424,13 +436,7 @@ fn compile_loaded(
     if result != NVRTC_SUCCESS {
         return Err(fail("nvrtcCreateProgram", result));
     }
-    let options = [
-        format!("--gpu-architecture={}", target.arch),
-        format!("--include-path={}", include_dir.display()),
-        "--std=c++17".to_string(),
-        "--fmad=false".to_string(),
-    ];
-    let options: Vec<CString> = options
+    let options: Vec<CString> = compile_options(target, include_dir)
         .iter()
         .map(|o| {
             CString::new(o.as_str()).map_err(|_| interior_nul("an option (the include path?)"))

@@ -8,6 +8,9 @@
 //!   free memory, NVRTC)?
 //! - [`kernels`]: the CUDA C sources (`kernels/*.cu`), compiled with NVRTC
 //!   for the device's architecture at start-up.
+//! - [`kernel_cache`]: the compiled kernels kept once per process and on
+//!   disk (`$HYBRIDGEN_KERNEL_CACHE`), so NVRTC runs once, not at every
+//!   start-up.
 //! - [`launch`]: the compiled kernels loaded on a device, one launch method
 //!   per [`Backend`](crate::Backend) kernel, each checking its views'
 //!   lengths against its dimensions first.
@@ -17,6 +20,7 @@ pub mod backend;
 mod blas;
 pub mod buffer;
 pub mod comm;
+pub mod kernel_cache;
 pub mod kernels;
 pub mod lane;
 pub mod launch;

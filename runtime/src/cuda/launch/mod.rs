@@ -18,6 +18,7 @@
 mod conv;
 mod scan;
 
+use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
     AdamMoments, AdamStep, AuxLossDims, CopyCols, LossDims, MlaKvDims, NormDims, QkvDims,
@@ -268,13 +269,14 @@ impl fmt::Debug for KernelSet {
 }
 
 impl KernelSet {
-    /// Compiles every source for `context`'s device and loads it.
+    /// Compiles every source for `context`'s device (once per process,
+    /// through the on-disk kernel cache) and loads it.
     pub fn new(context: &Arc<CudaContext>) -> Result<KernelSet> {
         let (major, minor) = context.compute_capability().map_err(setup_error)?;
         let target = Target::for_device(major, minor);
         let include = kernels::include_dir().map_err(setup_error)?;
-        let compiled = kernels::compile_all(target, &include).map_err(setup_error)?;
-        KernelSet::load(context, &compiled)
+        let compiled = kernel_cache::compile_all_once(target, &include).map_err(setup_error)?;
+        KernelSet::load(context, &compiled.sources)
     }
 
     /// Loads sources compiled for `context`'s device.
