@@ -289,3 +289,32 @@ proptest! {
         prop_assert!(matches!(out.status.code(), Some(0) | Some(1)), "{:?}: {}", text, stderr(&out));
     }
 }
+
+/// Without a usable GPU, `--device cuda` stops before anything starts with
+/// a `device_failed` error naming what is missing, and `--device auto`
+/// (the default) says it took the CPU.
+#[test]
+fn train_device_cuda_without_a_gpu_is_refused_and_auto_takes_the_cpu() {
+    if hybridgen_runtime::cuda::probe().is_ok() {
+        println!("skipped: a GPU is visible here");
+        return;
+    }
+    let out = hybridgen(&["train", "--device", "cuda", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let last = stdout(&out).lines().last().unwrap_or_default().to_string();
+    let error: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(error["error"]["code"], "device_failed", "{last}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--device cuda"), "{message}");
+    assert!(
+        message.contains("libcuda") || message.contains("no CUDA device"),
+        "names what is missing: {message}"
+    );
+    let out = hybridgen(&["train", "--steps", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("on the CPU (no usable GPU), 2 ranks"),
+        "{}",
+        stdout(&out)
+    );
+}

@@ -262,7 +262,7 @@ fn memory_override() -> Result<Option<u64>, String> {
 /// The code of an error found before the run started.
 fn prepare_code(error: &RuntimeError) -> &'static str {
     match error.code() {
-        code @ ("io" | "out_of_memory") => code,
+        code @ ("io" | "out_of_memory" | "device_failed") => code,
         _ => "invalid_config",
     }
 }
@@ -462,19 +462,18 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
     )?;
     let mut config = TrainConfig::new(model);
     // The device first: the defaults of --ranks, --ep and --precision
-    // depend on it. The choice is fixed here, so the run takes what the
-    // banner says.
-    let device = choose_device(match args.device {
+    // depend on it. `prepare` resolves the same choice again (a probe is
+    // cheap and gives the same answer), and the banner says what it took.
+    config.device = match args.device {
         DeviceArg::Auto => DeviceChoice::Auto,
         DeviceArg::Cpu => DeviceChoice::Cpu,
         DeviceArg::Cuda => DeviceChoice::Cuda,
-    })
-    .map_err(|e| Failure::Message(e.to_string()))?;
-    config.device = if device.is_gpu() {
-        DeviceChoice::Cuda
-    } else {
-        DeviceChoice::Cpu
     };
+    let device = choose_device(config.device).map_err(|e| Failure::Coded {
+        code: e.code(),
+        message: e.to_string(),
+        json: args.format == FormatArg::Json,
+    })?;
     let gpu_ranks = device.launched_world().or(device.local_gpus());
     config.ranks = match (args.ranks, gpu_ranks) {
         (Some(ranks), _) => ranks as usize,
