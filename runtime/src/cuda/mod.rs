@@ -11,13 +11,17 @@
 //! - [`launch`]: the compiled kernels loaded on a device, one launch method
 //!   per [`Backend`](crate::Backend) kernel, each checking its views'
 //!   lengths against its dimensions first.
+//! - [`nccl`]: the communicator between GPU ranks (NCCL, non-blocking,
+//!   every wait bounded).
 
 pub mod kernels;
 pub mod launch;
+pub mod nccl;
 pub mod probe;
 
 pub use kernels::{Diagnostic, KernelBuildError, KernelSource, Target};
 pub use launch::{DeviceFault, GpuView, KernelSet};
+pub use nccl::{AbortSignal, NcclComm, NcclUniqueId, StreamWait};
 pub use probe::{CudaUnavailable, GpuDevice, GpuInfo, probe};
 
 /// Runs `f`, turning a panic inside cudarc (it panics when a library or a
