@@ -12,7 +12,7 @@ bundle=gpu-bundle
 rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
-tests=(cuda_kernels_run cuda_probe)
+tests=(cuda_kernels_run cuda_probe cuda_nccl)
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
 cargo test --release --no-run -p hybridgen-runtime "${args[@]}" --message-format=json \

@@ -342,12 +342,12 @@ mod tests {
         blocks.concat()
     }
 
+    /// What each simulated rank got: every payload, or its disagreement.
+    type Outcomes = Vec<Result<Vec<Vec<u64>>, Disagreement>>;
+
     /// The whole protocol among simulated ranks: returns each rank's
-    /// decoded payloads (or its disagreement) and the next block size.
-    fn exchange(
-        calls: &[(HostCall, Contribution)],
-        block: usize,
-    ) -> (Vec<Result<Vec<Vec<u64>>, Disagreement>>, usize, usize) {
+    /// outcome, the second round's words and the next block size.
+    fn exchange(calls: &[(HostCall, Contribution)], block: usize) -> (Outcomes, usize, usize) {
         let n = calls.len();
         let outgoing: Vec<Outgoing> = calls.iter().map(|(c, x)| Outgoing::new(*c, x)).collect();
         let first = gather(

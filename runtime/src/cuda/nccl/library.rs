@@ -1,16 +1,24 @@
-//! NCCL itself: loading it at run time, its version, its unique id, its
-//! configuration and its error messages.
+//! NCCL itself: loading it at run time, its functions, its version, its
+//! unique id, its configuration and its error messages.
 //!
-//! cudarc loads libnccl on first use and panics when the library or one of
-//! its symbols is missing. [`nccl_version`] therefore opens the library
-//! once, checks every symbol the communicator calls and the version, and
-//! remembers the answer; every entry point calls it first, so a machine
-//! without NCCL (or with one too old) gets an error naming what is missing
-//! and what to install, never a panic in the middle of a run.
+//! The library is opened here rather than through cudarc's loader, for two
+//! reasons. cudarc looks for `libnccl.so` and `libnccl.so.<CUDA major>`,
+//! but NCCL's runtime library is `libnccl.so.2` (the only name a system
+//! with the runtime package and no development package has, and the one
+//! the `nvidia-nccl-cu13` wheel ships). And cudarc panics when a library or
+//! a symbol is missing, in the middle of whatever first called it. So
+//! [`nccl_version`] opens the library once, looks up every function the
+//! communicator calls, checks the version and remembers the answer; a
+//! machine without NCCL (or with one too old) gets an error naming what is
+//! missing and what to install. cudarc's bindings still give the C types.
+//!
+//! NCCL's results come back as plain numbers ([`NcclStatus`]), never as a
+//! Rust enum: a library newer than the bindings may return codes they do
+//! not know.
 
 use crate::error::{Result, RuntimeError};
 use cudarc::nccl::sys;
-use std::ffi::{CStr, c_int};
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::fmt;
 use std::sync::OnceLock;
 
@@ -64,8 +72,198 @@ impl fmt::Display for NcclVersion {
     }
 }
 
-/// Every NCCL function the communicator calls: each is looked up when the
-/// library is first loaded.
+/// An `ncclResult_t` as NCCL returned it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct NcclStatus(pub u32);
+
+impl NcclStatus {
+    pub const SUCCESS: NcclStatus = NcclStatus(0);
+    pub const IN_PROGRESS: NcclStatus = NcclStatus(7);
+
+    pub fn is_success(self) -> bool {
+        self == Self::SUCCESS
+    }
+
+    /// Success, or still running in the background (non-blocking mode).
+    pub fn is_accepted(self) -> bool {
+        self == Self::SUCCESS || self == Self::IN_PROGRESS
+    }
+}
+
+type Status = u32;
+type Comm = sys::ncclComm_t;
+type Stream = sys::cudaStream_t;
+type DataType = sys::ncclDataType_t;
+type RedOp = sys::ncclRedOp_t;
+
+/// The NCCL functions the communicator calls, looked up once.
+pub(super) struct NcclApi {
+    pub version: NcclVersion,
+    pub get_unique_id: unsafe extern "C" fn(*mut sys::ncclUniqueId) -> Status,
+    pub get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
+    pub get_last_error: unsafe extern "C" fn(Comm) -> *const c_char,
+    pub comm_init_rank_config: unsafe extern "C" fn(
+        *mut Comm,
+        c_int,
+        sys::ncclUniqueId,
+        c_int,
+        *mut sys::ncclConfig_t,
+    ) -> Status,
+    pub comm_split:
+        unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut sys::ncclConfig_t) -> Status,
+    pub comm_abort: unsafe extern "C" fn(Comm) -> Status,
+    pub comm_get_async_error: unsafe extern "C" fn(Comm, *mut Status) -> Status,
+    pub comm_count: unsafe extern "C" fn(Comm, *mut c_int) -> Status,
+    pub comm_user_rank: unsafe extern "C" fn(Comm, *mut c_int) -> Status,
+    pub all_gather:
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> Status,
+    pub reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        DataType,
+        RedOp,
+        Comm,
+        Stream,
+    ) -> Status,
+    pub all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        DataType,
+        RedOp,
+        Comm,
+        Stream,
+    ) -> Status,
+    pub send: unsafe extern "C" fn(*const c_void, usize, DataType, c_int, Comm, Stream) -> Status,
+    pub recv: unsafe extern "C" fn(*mut c_void, usize, DataType, c_int, Comm, Stream) -> Status,
+    pub group_start: unsafe extern "C" fn() -> Status,
+    pub group_end: unsafe extern "C" fn() -> Status,
+    /// Keeps the functions above loaded (for the whole process).
+    _library: libloading::Library,
+}
+
+/// The names NCCL's library goes by: the runtime's soname first, then the
+/// development link and the names cudarc tries.
+fn library_names() -> Vec<String> {
+    let mut names = vec!["libnccl.so.2".to_string()];
+    for name in cudarc::get_lib_name_candidates("nccl") {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names
+}
+
+const INSTALL: &str = "install NCCL 2.18 or newer (the system's libnccl2 package, or the \
+                       `nvidia-nccl-cu13` wheel with its lib directory on LD_LIBRARY_PATH); a \
+                       run on one GPU does not need it";
+
+fn unavailable(what: String) -> RuntimeError {
+    RuntimeError::Unsupported(format!("NCCL, which runs collectives between GPUs: {what}"))
+}
+
+/// The loaded library's functions, after checking that it loads, has every
+/// function the communicator calls and is at least
+/// [`NcclVersion::MINIMUM`]. Loaded once per process; cheap afterwards.
+pub(super) fn api() -> Result<&'static NcclApi> {
+    static LOADED: OnceLock<std::result::Result<NcclApi, String>> = OnceLock::new();
+    LOADED
+        .get_or_init(load)
+        .as_ref()
+        .map_err(|what| unavailable(what.clone()))
+}
+
+/// The loaded library's version; see [`api`].
+pub fn nccl_version() -> Result<NcclVersion> {
+    api().map(|api| api.version)
+}
+
+fn load() -> std::result::Result<NcclApi, String> {
+    let names = library_names();
+    let library = names
+        .iter()
+        // SAFETY: opening NCCL runs its initialisers, which only set up
+        // NCCL's own state.
+        .find_map(|name| unsafe { libloading::Library::new(name) }.ok())
+        .ok_or_else(|| {
+            format!(
+                "libnccl could not be loaded (looked for {}); {INSTALL}",
+                names.join(", ")
+            )
+        })?;
+    // Every function first, so the error names all that are missing.
+    let missing: Vec<&str> = SYMBOLS
+        .iter()
+        .copied()
+        // SAFETY: only looks the symbol up.
+        .filter(|name| unsafe { library.get::<*const c_void>(name.as_bytes()) }.is_err())
+        .collect();
+    let version = if missing.contains(&"ncclGetVersion") {
+        None
+    } else {
+        let mut code: c_int = 0;
+        // SAFETY: NCCL's `ncclResult_t ncclGetVersion(int*)`; writes one int.
+        let read = unsafe {
+            library
+                .get::<unsafe extern "C" fn(*mut c_int) -> Status>(b"ncclGetVersion")
+                .map(|get| (*get)(&mut code))
+        };
+        matches!(read, Ok(0)).then(|| NcclVersion::from_code(code))
+    };
+    match version {
+        Some(version) if version < NcclVersion::MINIMUM => {
+            return Err(format!(
+                "the libnccl found is version {version}, older than {} which the \
+                 communicator needs; {INSTALL}",
+                NcclVersion::MINIMUM
+            ));
+        }
+        _ if !missing.is_empty() => {
+            return Err(format!(
+                "the libnccl found{} lacks {}; {INSTALL}",
+                version
+                    .map(|v| format!(" (version {v})"))
+                    .unwrap_or_default(),
+                missing.join(", ")
+            ));
+        }
+        None => return Err(format!("ncclGetVersion failed; {INSTALL}")),
+        Some(_) => {}
+    }
+    macro_rules! function {
+        ($name:literal) => {
+            // SAFETY: NCCL's C function of that name, whose signature
+            // (nccl.h, 2.18 to 2.30) is the field's type; present (checked
+            // above).
+            *unsafe { library.get($name.as_bytes()) }
+                .map_err(|e| format!("looking up {}: {e}", $name))?
+        };
+    }
+    Ok(NcclApi {
+        version: version.unwrap_or(NcclVersion::MINIMUM),
+        get_unique_id: function!("ncclGetUniqueId"),
+        get_error_string: function!("ncclGetErrorString"),
+        get_last_error: function!("ncclGetLastError"),
+        comm_init_rank_config: function!("ncclCommInitRankConfig"),
+        comm_split: function!("ncclCommSplit"),
+        comm_abort: function!("ncclCommAbort"),
+        comm_get_async_error: function!("ncclCommGetAsyncError"),
+        comm_count: function!("ncclCommCount"),
+        comm_user_rank: function!("ncclCommUserRank"),
+        all_gather: function!("ncclAllGather"),
+        reduce_scatter: function!("ncclReduceScatter"),
+        all_reduce: function!("ncclAllReduce"),
+        send: function!("ncclSend"),
+        recv: function!("ncclRecv"),
+        group_start: function!("ncclGroupStart"),
+        group_end: function!("ncclGroupEnd"),
+        _library: library,
+    })
+}
+
+/// Every NCCL function the communicator calls (the fields of [`NcclApi`],
+/// and the version query).
 const SYMBOLS: &[&str] = &[
     "ncclGetVersion",
     "ncclGetUniqueId",
@@ -86,70 +284,6 @@ const SYMBOLS: &[&str] = &[
     "ncclGroupEnd",
 ];
 
-const INSTALL: &str = "install NCCL 2.18 or newer (the system's libnccl2 package, or the \
-                       `nvidia-nccl-cu13` wheel with its lib directory on LD_LIBRARY_PATH); a \
-                       run on one GPU does not need it";
-
-fn unavailable(what: String) -> RuntimeError {
-    RuntimeError::Unsupported(format!("NCCL, which runs collectives between GPUs: {what}"))
-}
-
-/// The loaded library's version, after checking that libnccl loads, has
-/// every function the communicator calls and is at least
-/// [`NcclVersion::MINIMUM`]. Checked once per process; cheap afterwards.
-pub fn nccl_version() -> Result<NcclVersion> {
-    static LOADED: OnceLock<std::result::Result<NcclVersion, String>> = OnceLock::new();
-    LOADED.get_or_init(load).clone().map_err(unavailable)
-}
-
-fn load() -> std::result::Result<NcclVersion, String> {
-    // SAFETY: only tries to open the library under its candidate names.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(format!(
-            "libnccl could not be loaded (looked for {}); {INSTALL}",
-            cudarc::get_lib_name_candidates("nccl").join(", ")
-        ));
-    }
-    let missing = crate::cuda::catch_cudarc_panic(|| {
-        // SAFETY: the library is present (checked above); `get` only looks
-        // a symbol up, it calls nothing.
-        let library = unsafe { sys::culib() };
-        SYMBOLS
-            .iter()
-            .filter(|name| {
-                // SAFETY: as above; the symbol is not called through this
-                // type.
-                unsafe { library.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err()
-            })
-            .copied()
-            .collect::<Vec<&str>>()
-    })?;
-    let mut code: c_int = 0;
-    let version = if missing.contains(&"ncclGetVersion") {
-        None
-    } else {
-        // SAFETY: the symbol exists; the call writes one int.
-        let result = crate::cuda::catch_cudarc_panic(|| unsafe { sys::ncclGetVersion(&mut code) })?;
-        (result == sys::ncclResult_t::ncclSuccess).then(|| NcclVersion::from_code(code))
-    };
-    match version {
-        Some(version) if version < NcclVersion::MINIMUM => Err(format!(
-            "the libnccl found is version {version}, older than {} which the communicator \
-             needs; {INSTALL}",
-            NcclVersion::MINIMUM
-        )),
-        _ if !missing.is_empty() => Err(format!(
-            "the libnccl found{} lacks {}; {INSTALL}",
-            version
-                .map(|v| format!(" (version {v})"))
-                .unwrap_or_default(),
-            missing.join(", ")
-        )),
-        Some(version) => Ok(version),
-        None => Err(format!("ncclGetVersion failed; {INSTALL}")),
-    }
-}
-
 /// The identity of one NCCL communicator in the making: rank 0 creates it
 /// ([`NcclUniqueId::new`]) and every rank passes the same bytes to
 /// [`crate::cuda::NcclComm::from_unique_id`]. Across processes it travels
@@ -164,16 +298,17 @@ impl NcclUniqueId {
     /// A fresh id (`ncclGetUniqueId`; it also starts the bootstrap listener
     /// the ranks meet at, in this process).
     pub fn new() -> Result<Self> {
-        nccl_version()?;
-        let id = crate::cuda::catch_cudarc_panic(cudarc::nccl::result::get_uniqueid)
-            .map_err(unavailable)?
-            .map_err(|e| {
-                RuntimeError::Unsupported(format!(
-                    "ncclGetUniqueId failed: {} (NCCL looks for a network interface to \
-                     bootstrap on; set NCCL_SOCKET_IFNAME if it picks a wrong one)",
-                    error_text(e.0, None)
-                ))
-            })?;
+        let api = api()?;
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: writes the 128-byte id.
+        let status = NcclStatus(unsafe { (api.get_unique_id)(&mut id) });
+        if !status.is_success() {
+            return Err(RuntimeError::Unsupported(format!(
+                "ncclGetUniqueId failed: {} (NCCL looks for a network interface to bootstrap \
+                 on; set NCCL_SOCKET_IFNAME if it picks a wrong one)",
+                error_text(api, status, None)
+            )));
+        }
         Ok(NcclUniqueId(id.internal.map(|c| c as u8)))
     }
 
@@ -245,10 +380,10 @@ pub(super) fn nonblocking_config(loaded: NcclVersion) -> sys::ncclConfig_t {
     }
 }
 
-/// NCCL's words for `result`, and its last error message when it has one
+/// NCCL's words for `status`, and its last error message when it has one
 /// (`ncclGetLastError`: the detail, such as which peer or which call).
-pub(super) fn error_text(result: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> String {
-    let text = |ptr: *const std::ffi::c_char| {
+pub(super) fn error_text(api: &NcclApi, status: NcclStatus, comm: Option<Comm>) -> String {
+    let text = |ptr: *const c_char| {
         // SAFETY: NCCL returns static or library-owned NUL-terminated
         // strings (or null).
         (!ptr.is_null()).then(|| {
@@ -257,15 +392,11 @@ pub(super) fn error_text(result: sys::ncclResult_t, comm: Option<sys::ncclComm_t
                 .into_owned()
         })
     };
-    let texts = crate::cuda::catch_cudarc_panic(|| {
-        // SAFETY: both calls only read NCCL's tables; the comm argument of
-        // ncclGetLastError is not dereferenced when null.
-        let what = text(unsafe { sys::ncclGetErrorString(result) });
-        let last = text(unsafe { sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut())) });
-        (what, last)
-    });
-    let (what, last) = texts.unwrap_or((None, None));
-    let what = what.unwrap_or_else(|| format!("{result:?}"));
+    // SAFETY: both only read NCCL's tables; ncclGetLastError does not
+    // dereference its communicator argument.
+    let what = text(unsafe { (api.get_error_string)(status.0) })
+        .unwrap_or_else(|| format!("NCCL error {}", status.0));
+    let last = text(unsafe { (api.get_last_error)(comm.unwrap_or(std::ptr::null_mut())) });
     match last.map(|l| l.trim().to_string()).filter(|l| !l.is_empty()) {
         Some(last) => format!("{what} ({last})"),
         None => what,

@@ -40,12 +40,13 @@ pub use library::{NcclUniqueId, NcclVersion, nccl_version};
 pub use wait::{AbortCause, AbortSignal, StreamWait};
 
 use crate::cpu::lane::deadline_after;
-use crate::cuda::{GpuView, catch_cudarc_panic};
+use crate::cuda::GpuView;
 use crate::error::{Result, RuntimeError};
 use crate::launch::{RankInfo, rendezvous};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
-use cudarc::nccl::sys::{self, ncclResult_t};
+use cudarc::nccl::sys;
 use host_exchange::{Contribution, HostCall, HostOp, Outgoing};
+use library::{NcclApi, NcclStatus, api};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -53,8 +54,9 @@ use std::time::Duration;
 use wait::{aborted_error, device_error, poll_until};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing panics while these locks are held (NCCL and CUDA calls run
-    // under catch_unwind), so a poisoned lock still holds consistent state.
+    // Nothing panics while these locks are held (what runs under them is
+    // NCCL's and CUDA's C functions on checked arguments), so a poisoned
+    // lock still holds consistent state.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -75,12 +77,14 @@ enum HandleState {
 /// for the call only (never across a wait), so an abort from another
 /// thread gets in between two polls of a waiting one.
 struct CommHandle {
+    api: &'static NcclApi,
     state: Mutex<HandleState>,
 }
 
 impl CommHandle {
-    fn new(raw: sys::ncclComm_t) -> Self {
+    fn new(api: &'static NcclApi, raw: sys::ncclComm_t) -> Self {
         CommHandle {
+            api,
             state: Mutex::new(HandleState::Live(RawComm(raw))),
         }
     }
@@ -106,7 +110,7 @@ impl CommHandle {
             // the same lock). ncclCommAbort ends the communicator's kernels
             // and frees it; its result says nothing worth acting on here
             // (NCCL may report the failure that led to the abort).
-            let _ = catch_cudarc_panic(|| unsafe { sys::ncclCommAbort(raw) });
+            let _ = unsafe { (self.api.comm_abort)(raw) };
             *state = HandleState::Aborted(cause);
         }
     }
@@ -159,6 +163,9 @@ impl PinnedWords {
 
 impl Drop for PinnedWords {
     fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
         // SAFETY: allocated by malloc_host; HostStaging leaks instead of
         // dropping while a copy into it may be in flight.
         let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
@@ -228,6 +235,8 @@ impl HostStaging {
 
 impl Drop for HostStaging {
     fn drop(&mut self) {
+        // Freeing pinned memory wants its context current.
+        let _ = self.device.stream().context().bind_to_thread();
         if self.pending && !self.done.try_is_complete().unwrap_or(false) {
             // A copy into the pinned buffer may still land (the stream is
             // stuck behind an aborted collective): leak the buffer rather
@@ -330,7 +339,8 @@ impl NcclComm {
         timeout: Duration,
         signal: AbortSignal,
     ) -> Result<NcclComm> {
-        let version = nccl_version()?;
+        let api = api()?;
+        let version = api.version;
         if size == 0 || rank >= size {
             return Err(RuntimeError::InvalidArgument(format!(
                 "rank {rank} is out of range for an NCCL communicator of {size} ranks"
@@ -347,22 +357,15 @@ impl NcclComm {
             HostStaging::new(&stream, size).map_err(|e| device_error(&device, &joining, e))?;
         let slot = HandleSlot::new();
         let mut config = library::nonblocking_config(version);
-        let started = catch_cudarc_panic(|| {
-            // SAFETY: `slot` is live, `config` outlives the call (NCCL
-            // copies it), the id is 128 bytes; the context is current on
-            // this thread.
-            unsafe {
-                sys::ncclCommInitRankConfig(slot.as_out(), c_size, id.to_sys(), c_rank, &mut config)
-            }
-        })
-        .map_err(|e| RuntimeError::Unsupported(format!("NCCL: {e}")))?;
+        // SAFETY: `slot` is live, `config` outlives the call (NCCL copies
+        // it), the id is 128 bytes; the context is current on this thread.
+        let started = NcclStatus(unsafe {
+            (api.comm_init_rank_config)(slot.as_out(), c_size, id.to_sys(), c_rank, &mut config)
+        });
         let raw = slot.load();
-        if !matches!(
-            started,
-            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress
-        ) {
+        if !started.is_accepted() {
             if !raw.is_null() {
-                CommHandle::new(raw).abort(AbortCause {
+                CommHandle::new(api, raw).abort(AbortCause {
                     rank,
                     reason: "its NCCL init failed".into(),
                 });
@@ -371,7 +374,7 @@ impl NcclComm {
                 lane: device,
                 message: format!(
                     "{joining}: ncclCommInitRankConfig failed: {}",
-                    library::error_text(started, None)
+                    library::error_text(api, started, None)
                 ),
             });
         }
@@ -382,7 +385,7 @@ impl NcclComm {
             });
         }
         let comm = NcclComm {
-            handle: CommHandle::new(raw),
+            handle: CommHandle::new(api, raw),
             rank,
             size,
             members: (0..size).collect(),
@@ -482,7 +485,7 @@ impl NcclComm {
     /// the communicator is aborted then, as NCCL requires), the abort's
     /// cause, or the raised [`AbortSignal`]'s.
     pub fn check(&self) -> Result<()> {
-        self.health("checking it")
+        self.health(&format!("checking its communicator on {}", self.group_name))
     }
 
     /// Aborts the communicator (`ncclCommAbort`): its kernels end, work
@@ -527,34 +530,26 @@ impl NcclComm {
     fn settled(&self, doing: &str) -> Result<bool> {
         if let Some(cause) = self.signal.cause() {
             self.abort_because(cause.clone());
-            return Err(aborted_error(
-                &cause,
-                self.world_rank(),
-                &self.on_group(doing),
-            ));
+            return Err(aborted_error(&cause, self.world_rank(), doing));
         }
-        let mut state = ncclResult_t::ncclSuccess;
+        let mut state = 0u32;
+        let api = self.handle.api;
         let queried = self.handle.with_raw(|raw| {
-            // SAFETY: a live handle, under its lock; writes one enum.
-            catch_cudarc_panic(|| unsafe { sys::ncclCommGetAsyncError(raw, &mut state) })
+            // SAFETY: a live handle, under its lock; writes one result.
+            NcclStatus(unsafe { (api.comm_get_async_error)(raw, &mut state) })
         });
         let returned = match queried {
-            Err(cause) => {
-                return Err(aborted_error(
-                    &cause,
-                    self.world_rank(),
-                    &self.on_group(doing),
-                ));
-            }
-            Ok(Err(panic)) => return Err(RuntimeError::Unsupported(format!("NCCL: {panic}"))),
-            Ok(Ok(returned)) => returned,
+            Err(cause) => return Err(aborted_error(&cause, self.world_rank(), doing)),
+            Ok(returned) => returned,
         };
-        let failure = match (returned, state) {
-            (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess) => return Ok(true),
-            (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => return Ok(false),
-            (ncclResult_t::ncclSuccess, failed) | (failed, _) => failed,
+        let state = NcclStatus(state);
+        let failure = match (returned.is_success(), state) {
+            (true, NcclStatus::SUCCESS) => return Ok(true),
+            (true, NcclStatus::IN_PROGRESS) => return Ok(false),
+            (true, failed) => failed,
+            (false, _) => returned,
         };
-        let text = library::error_text(failure, None);
+        let text = library::error_text(api, failure, None);
         self.abort_because(AbortCause {
             rank: self.world_rank(),
             reason: format!("NCCL failed on {}: {text}", self.group_name),
@@ -572,10 +567,6 @@ impl NcclComm {
     /// [`Self::settled`] for a wait on the stream: in progress is healthy.
     pub(crate) fn health(&self, doing: &str) -> Result<()> {
         self.settled(doing).map(|_| ())
-    }
-
-    fn on_group(&self, doing: &str) -> String {
-        format!("{doing} on {}", self.group_name)
     }
 
     /// Polls until NCCL has finished what a call started; at the deadline
@@ -642,31 +633,25 @@ impl NcclComm {
     fn issue(
         &self,
         call: &str,
-        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> ncclResult_t,
+        enqueue: impl FnOnce(&NcclApi, sys::ncclComm_t, sys::cudaStream_t) -> u32,
     ) -> Result<()> {
         self.stream
             .context()
             .bind_to_thread()
             .map_err(|e| device_error(&self.device(), call, e))?;
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let doing = format!("issuing {call} on {}", self.group_name);
         let returned = self
             .handle
-            .with_raw(|raw| catch_cudarc_panic(|| enqueue(raw, stream)));
+            .with_raw(|raw| NcclStatus(enqueue(self.handle.api, raw, stream)));
         let returned = match returned {
-            Err(cause) => {
-                return Err(aborted_error(
-                    &cause,
-                    self.world_rank(),
-                    &self.on_group(call),
-                ));
-            }
-            Ok(Err(panic)) => return Err(RuntimeError::Unsupported(format!("NCCL: {panic}"))),
-            Ok(Ok(returned)) => returned,
+            Err(cause) => return Err(aborted_error(&cause, self.world_rank(), &doing)),
+            Ok(returned) => returned,
         };
         match returned {
-            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => {}
+            accepted if accepted.is_accepted() => {}
             failed => {
-                let text = library::error_text(failed, None);
+                let text = library::error_text(self.handle.api, failed, None);
                 // NCCL may have enqueued part of a group; a communicator out
                 // of step with its peers is of no further use.
                 self.abort_because(AbortCause {
@@ -680,7 +665,7 @@ impl NcclComm {
             }
         }
         let timeout = self.timeout;
-        self.settle(call, || {
+        self.settle(&doing, || {
             format!(
                 "timed out after {timeout:?} issuing {call} on {}: NCCL was still connecting \
                  to {} (a peer that stalled or died says why in its own error); if the peers \
@@ -708,11 +693,11 @@ impl NcclComm {
             return self.check();
         }
         let dtype = arguments::nccl_type(shard.dtype);
-        self.issue(&call, |raw, stream| {
+        self.issue(&call, |api, raw, stream| {
             // SAFETY: both views were checked: lengths, dtypes, and an
             // overlap only in NCCL's in-place layout.
             unsafe {
-                sys::ncclAllGather(
+                (api.all_gather)(
                     shard.ptr as *const c_void,
                     full.ptr as *mut c_void,
                     shard.len,
@@ -735,10 +720,10 @@ impl NcclComm {
         if shard.len == 0 {
             return self.check();
         }
-        self.issue(&call, |raw, stream| {
+        self.issue(&call, |api, raw, stream| {
             // SAFETY: both f32, lengths checked, overlap only in place.
             unsafe {
-                sys::ncclReduceScatter(
+                (api.reduce_scatter)(
                     full.ptr as *const c_void,
                     shard.ptr as *mut c_void,
                     shard.len,
@@ -759,10 +744,10 @@ impl NcclComm {
         if buf.len == 0 {
             return self.check();
         }
-        self.issue(&call, |raw, stream| {
+        self.issue(&call, |api, raw, stream| {
             // SAFETY: an f32 buffer of `len` elements, reduced in place.
             unsafe {
-                sys::ncclAllReduce(
+                (api.all_reduce)(
                     buf.ptr as *const c_void,
                     buf.ptr as *mut c_void,
                     buf.len,
@@ -824,20 +809,20 @@ impl NcclComm {
             return Ok(());
         }
         let dtype = arguments::nccl_type(send.dtype);
-        self.issue(&call, |raw, stream| {
+        self.issue(&call, |api, raw, stream| {
             // SAFETY: as for the copy above; every segment is inside its
             // view. The group is always closed, so NCCL's thread-local
             // group state stays balanced even when a call in it fails.
             unsafe {
-                let started = sys::ncclGroupStart();
-                if started != ncclResult_t::ncclSuccess {
+                let started = (api.group_start)();
+                if started != 0 {
                     return started;
                 }
-                let mut first_failure = ncclResult_t::ncclSuccess;
+                let mut first_failure = 0;
                 for peer in (0..self.size).filter(|&j| j != me) {
                     let c_peer = peer as c_int;
                     if send_counts[peer] > 0 {
-                        let r = sys::ncclSend(
+                        let sent = (api.send)(
                             (send.ptr + send_at[peer] as u64 * bytes) as *const c_void,
                             send_counts[peer],
                             dtype,
@@ -845,12 +830,12 @@ impl NcclComm {
                             raw,
                             stream,
                         );
-                        if first_failure == ncclResult_t::ncclSuccess {
-                            first_failure = r;
+                        if first_failure == 0 {
+                            first_failure = sent;
                         }
                     }
                     if recv_counts[peer] > 0 {
-                        let r = sys::ncclRecv(
+                        let received = (api.recv)(
                             (recv.ptr + recv_at[peer] as u64 * bytes) as *mut c_void,
                             recv_counts[peer],
                             dtype,
@@ -858,13 +843,13 @@ impl NcclComm {
                             raw,
                             stream,
                         );
-                        if first_failure == ncclResult_t::ncclSuccess {
-                            first_failure = r;
+                        if first_failure == 0 {
+                            first_failure = received;
                         }
                     }
                 }
-                let ended = sys::ncclGroupEnd();
-                if first_failure == ncclResult_t::ncclSuccess {
+                let ended = (api.group_end)();
+                if first_failure == 0 {
                     ended
                 } else {
                     first_failure
@@ -1020,10 +1005,10 @@ impl NcclComm {
     ) -> Result<Vec<u64>> {
         let what = format!("{call} on {}", self.group_name);
         let device_failed = |e: &dyn std::fmt::Display| device_error(&self.device(), &what, e);
+        // An aborted communicator enqueues nothing (so no copy is left
+        // behind in flight).
+        self.check()?;
         if staging.pending {
-            // The last exchange never finished, so the communicator was
-            // aborted: report that.
-            self.check()?;
             return Err(device_failed(
                 &"an earlier host-side exchange never finished",
             ));
@@ -1041,7 +1026,8 @@ impl NcclComm {
         let received = per_rank * self.size;
         let (send_ptr, recv_ptr) = (staging.device_ptr, staging.device_ptr + per_rank as u64 * 8);
         let cu_stream = self.stream.cu_stream();
-        {
+        staging.pending = true;
+        let enqueued = (|| {
             let host = staging.host.words();
             host[..per_rank].copy_from_slice(words);
             // SAFETY: `per_rank` words of pinned memory to the device send
@@ -1052,24 +1038,20 @@ impl NcclComm {
                 cudarc::driver::result::memcpy_htod_async(send_ptr, &host[..per_rank], cu_stream)
             }
             .map_err(|e| device_failed(&e))?;
-        }
-        staging.pending = true;
-        self.issue(&what, |raw, stream| {
-            // SAFETY: send and receive areas are disjoint parts of one
-            // device buffer of (size + 1) x per_rank words.
-            unsafe {
-                sys::ncclAllGather(
-                    send_ptr as *const c_void,
-                    recv_ptr as *mut c_void,
-                    per_rank,
-                    sys::ncclDataType_t::ncclUint64,
-                    raw,
-                    stream,
-                )
-            }
-        })?;
-        {
-            let host = staging.host.words();
+            self.issue(&what, |api, raw, stream| {
+                // SAFETY: send and receive areas are disjoint parts of one
+                // device buffer of (size + 1) x per_rank words.
+                unsafe {
+                    (api.all_gather)(
+                        send_ptr as *const c_void,
+                        recv_ptr as *mut c_void,
+                        per_rank,
+                        sys::ncclDataType_t::ncclUint64,
+                        raw,
+                        stream,
+                    )
+                }
+            })?;
             // SAFETY: the receive area back into the pinned buffer after
             // the send area; read only once the event below completes.
             unsafe {
@@ -1079,12 +1061,13 @@ impl NcclComm {
                     cu_stream,
                 )
             }
-            .map_err(|e| device_failed(&e))?;
-        }
-        staging
-            .done
-            .record(&self.stream)
-            .map_err(|e| device_failed(&e))?;
+            .map_err(|e| device_failed(&e))
+        })();
+        // Marks where this exchange's copies end, also when a step failed
+        // after one was queued: the pinned buffer is freed only after it.
+        let recorded = staging.done.record(&self.stream);
+        enqueued?;
+        recorded.map_err(|e| device_failed(&e))?;
         StreamWait {
             rank: self.world_rank(),
             timeout: self.timeout,
@@ -1162,15 +1145,15 @@ impl NcclComm {
         let slot = HandleSlot::new();
         let mut config = library::nonblocking_config(self.version);
         let key = self.rank as c_int;
-        let issued = self.issue(&call, |raw, _| {
+        let issued = self.issue(&call, |api, raw, _| {
             // SAFETY: a live parent handle; `slot` outlives the split (it is
             // leaked if the split is abandoned); NCCL copies `config`.
-            unsafe { sys::ncclCommSplit(raw, mine as c_int, key, slot.as_out(), &mut config) }
+            unsafe { (api.comm_split)(raw, mine as c_int, key, slot.as_out(), &mut config) }
         });
         let raw = slot.load();
         if let Err(error) = issued {
             if !raw.is_null() {
-                CommHandle::new(raw).abort(AbortCause {
+                CommHandle::new(self.handle.api, raw).abort(AbortCause {
                     rank: self.world_rank(),
                     reason: error.to_string(),
                 });
@@ -1188,7 +1171,7 @@ impl NcclComm {
             ));
         }
         let child = NcclComm {
-            handle: CommHandle::new(raw),
+            handle: CommHandle::new(self.handle.api, raw),
             rank,
             size: members.len(),
             members,
@@ -1202,11 +1185,9 @@ impl NcclComm {
             in_call: AtomicBool::new(false),
         };
         let timeout = self.timeout;
-        child.settle(&call, || {
-            format!(
-                "timed out after {timeout:?} setting up the communicator split from {}",
-                self.group_name
-            )
+        let setting_up = format!("setting up the communicator split from {}", self.group_name);
+        child.settle(&setting_up, || {
+            format!("timed out after {timeout:?} {setting_up}")
         })?;
         child.verify_layout()?;
         Ok(child)
@@ -1215,21 +1196,17 @@ impl NcclComm {
     /// Checks that NCCL's idea of the group matches this one's.
     fn verify_layout(&self) -> Result<()> {
         let (mut count, mut rank) = (0 as c_int, 0 as c_int);
+        let api = self.handle.api;
         let read = self.handle.with_raw(|raw| {
-            catch_cudarc_panic(|| {
-                // SAFETY: a live handle; each call writes one int.
-                unsafe {
-                    (
-                        sys::ncclCommCount(raw, &mut count),
-                        sys::ncclCommUserRank(raw, &mut rank),
-                    )
-                }
-            })
+            // SAFETY: a live handle; each call writes one int.
+            unsafe {
+                (
+                    (api.comm_count)(raw, &mut count),
+                    (api.comm_user_rank)(raw, &mut rank),
+                )
+            }
         });
-        let ok = matches!(
-            read,
-            Ok(Ok((ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess)))
-        );
+        let ok = matches!(read, Ok((0, 0)));
         if ok && count as usize == self.size && rank as usize == self.rank {
             Ok(())
         } else {

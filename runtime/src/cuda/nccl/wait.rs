@@ -138,7 +138,11 @@ impl StreamWait<'_> {
         let done = poll_until(deadline_after(self.timeout), || {
             if let Some(cause) = self.signal.and_then(AbortSignal::cause) {
                 self.abort_all(&cause);
-                return Err(aborted_error(&cause, self.rank, what));
+                return Err(aborted_error(
+                    &cause,
+                    self.rank,
+                    &format!("waiting for {what}"),
+                ));
             }
             for comm in self.comms {
                 if let Err(error) = comm.health(&format!("waiting for {what}")) {
@@ -222,10 +226,7 @@ fn peers(comms: &[&NcclComm]) -> String {
 pub(super) fn aborted_error(cause: &AbortCause, me: usize, doing: &str) -> RuntimeError {
     RuntimeError::Peer {
         rank: cause.rank,
-        message: format!(
-            "aborted: {} (rank {me} was waiting for {doing})",
-            cause.reason
-        ),
+        message: format!("aborted: {} (rank {me} was {doing})", cause.reason),
     }
 }
 
@@ -285,7 +286,7 @@ mod tests {
             rank: 1,
             reason: "its thread panicked".into(),
         };
-        let error = aborted_error(&cause, 0, "all_gather on world");
+        let error = aborted_error(&cause, 0, "waiting for all_gather on world");
         assert_eq!(
             error.to_string(),
             "rank 1: aborted: its thread panicked (rank 0 was waiting for all_gather on world)"
