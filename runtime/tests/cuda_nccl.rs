@@ -428,8 +428,12 @@ fn a_stalled_stream_times_out_and_an_abort_ends_a_wait() {
                 ],
             );
             assert!(waited < Duration::from_secs(10), "{waited:?}");
-            // A barrier queued behind the stall waits (the communicator's
-            // timeout is a minute) until another thread aborts it.
+            // A wait on the stalled stream that involves the communicator
+            // (its timeout is a minute) ends when another thread aborts it.
+            // (Only the wait is queued behind the stall: NCCL's abort of the
+            // last communicator of a process waits for work of its own on
+            // the stream, which a host function holds up, unlike the NCCL
+            // kernels an abort ends; the two-GPU tests abort those.)
             let comm = Arc::new(comm);
             let aborter = comm.clone();
             let start = Instant::now();
@@ -438,12 +442,28 @@ fn a_stalled_stream_times_out_and_an_abort_ends_a_wait() {
                     std::thread::sleep(Duration::from_millis(300));
                     aborter.abort_with(0, "the driver gave up on step 3");
                 });
-                comm.barrier().unwrap_err()
+                StreamWait {
+                    rank: 0,
+                    timeout: Duration::from_secs(60),
+                    comms: &[&comm],
+                    signal: None,
+                }
+                .stream(&stream, "the comm lane's work")
+                .unwrap_err()
             });
             let waited = start.elapsed();
             println!("an abort: {err} (after {waited:?})");
-            assert_contains(&err, &["aborted: the driver gave up on step 3"]);
+            assert_contains(
+                &err,
+                &[
+                    "rank 0: aborted: the driver gave up on step 3 (rank 0 was waiting for the comm lane's work)",
+                ],
+            );
             assert!(waited < Duration::from_secs(20), "{waited:?}");
+            assert!(
+                comm.barrier().is_err(),
+                "an aborted communicator stays aborted"
+            );
             stall.release();
             StreamWait {
                 rank: 0,
