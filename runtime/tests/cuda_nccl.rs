@@ -341,7 +341,7 @@ fn a_rank_that_never_joins_times_out_naming_the_ranks() {
             &err,
             &[
                 "rank 0: timed out after 2s",
-                "the other 1 rank did not join",
+                "the other rank (rank 1) did not join",
                 "--timeout",
             ],
         );

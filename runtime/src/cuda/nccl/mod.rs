@@ -43,7 +43,7 @@ use crate::cpu::lane::deadline_after;
 use crate::cuda::GpuView;
 use crate::error::{Result, RuntimeError};
 use crate::launch::{RankInfo, rendezvous};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::sys;
 use host_exchange::{Contribution, HostCall, HostOp, Outgoing};
 use library::{NcclApi, NcclStatus, api};
@@ -62,6 +62,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// NCCL's handle. NCCL allows a communicator to be used from any thread
 /// as long as its calls do not overlap; [`CommHandle`] serialises them.
+#[derive(Clone, Copy)]
 struct RawComm(sys::ncclComm_t);
 
 // SAFETY: see above: every use goes through CommHandle's mutex.
@@ -78,13 +79,16 @@ enum HandleState {
 /// thread gets in between two polls of a waiting one.
 struct CommHandle {
     api: &'static NcclApi,
+    /// The device's context, current on the thread that aborts.
+    context: Arc<CudaContext>,
     state: Mutex<HandleState>,
 }
 
 impl CommHandle {
-    fn new(api: &'static NcclApi, raw: sys::ncclComm_t) -> Self {
+    fn new(api: &'static NcclApi, context: Arc<CudaContext>, raw: sys::ncclComm_t) -> Self {
         CommHandle {
             api,
+            context,
             state: Mutex::new(HandleState::Live(RawComm(raw))),
         }
     }
@@ -101,19 +105,46 @@ impl CommHandle {
         matches!(&*lock(&self.state), HandleState::Live(_))
     }
 
-    /// Aborts once; later calls keep the first cause.
+    /// Aborts once; later calls keep the first cause. The handle is marked
+    /// aborted at once, under the lock, so every other thread's next call
+    /// or poll fails with the cause. `ncclCommAbort` itself runs on a
+    /// thread of its own: it can block until all of the device's work has
+    /// drained (seen on a GPU: it waited for a stalled stream), and that
+    /// work may include kernels of other communicators being aborted at
+    /// the same time; started together, every abort sets its kernels'
+    /// abort flag before any of them blocks, and no waiting rank is held
+    /// up by the freeing.
     fn abort(&self, cause: AbortCause) {
-        let mut state = lock(&self.state);
-        if let HandleState::Live(raw) = &*state {
-            let raw = raw.0;
-            // SAFETY: a live handle, aborted once (the state changes under
-            // the same lock). ncclCommAbort ends the communicator's kernels
-            // and frees it; its result says nothing worth acting on here
-            // (NCCL may report the failure that led to the abort).
-            let _ = unsafe { (self.api.comm_abort)(raw) };
-            *state = HandleState::Aborted(cause);
+        let raw = {
+            let mut state = lock(&self.state);
+            match std::mem::replace(&mut *state, HandleState::Aborted(cause)) {
+                HandleState::Live(raw) => raw,
+                aborted => {
+                    // Already aborted: keep the first cause.
+                    *state = aborted;
+                    return;
+                }
+            }
+        };
+        let (api, context) = (self.api, self.context.clone());
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || reap(api, &context, raw));
+        if spawned.is_err() {
+            reap(self.api, &self.context, raw);
         }
     }
+}
+
+/// `ncclCommAbort`: ends the communicator's kernels and frees it. Its
+/// result says nothing worth acting on (NCCL may report the failure that
+/// led to the abort).
+fn reap(api: &NcclApi, context: &CudaContext, raw: RawComm) {
+    let _ = context.bind_to_thread();
+    // SAFETY: a handle taken out of a live CommHandle, aborted once (the
+    // state changed to Aborted under the handle's lock, so no other call
+    // uses it any more).
+    let _ = unsafe { (api.comm_abort)(raw.0) };
 }
 
 /// The staging buffers of host-side exchanges: device words NCCL gathers
@@ -365,7 +396,7 @@ impl NcclComm {
         let raw = slot.load();
         if !started.is_accepted() {
             if !raw.is_null() {
-                CommHandle::new(api, raw).abort(AbortCause {
+                CommHandle::new(api, stream.context().clone(), raw).abort(AbortCause {
                     rank,
                     reason: "its NCCL init failed".into(),
                 });
@@ -385,7 +416,7 @@ impl NcclComm {
             });
         }
         let comm = NcclComm {
-            handle: CommHandle::new(api, raw),
+            handle: CommHandle::new(api, stream.context().clone(), raw),
             rank,
             size,
             members: (0..size).collect(),
@@ -401,11 +432,15 @@ impl NcclComm {
         let others = size - 1;
         comm.settle(&joining, || {
             format!(
-                "timed out after {timeout:?} {joining}: {} of the other {others} rank{} did \
-                 not join (a rank that failed before joining says why in its own error); \
-                 if they are only slow to start, raise --timeout",
-                if others == 1 { "the" } else { "some" },
-                if others == 1 { "" } else { "s" },
+                "timed out after {timeout:?} {joining}: {} did not join (a rank that \
+                 failed before joining says why in its own error); if {} only slow to \
+                 start, raise --timeout",
+                if others == 1 {
+                    format!("the other rank (rank {})", 1 - rank)
+                } else {
+                    format!("some of the other {others} ranks")
+                },
+                if others == 1 { "it is" } else { "they are" },
             )
         })?;
         // The init has settled, so NCCL writes the slot no more.
@@ -1153,7 +1188,7 @@ impl NcclComm {
         let raw = slot.load();
         if let Err(error) = issued {
             if !raw.is_null() {
-                CommHandle::new(self.handle.api, raw).abort(AbortCause {
+                CommHandle::new(self.handle.api, stream.context().clone(), raw).abort(AbortCause {
                     rank: self.world_rank(),
                     reason: error.to_string(),
                 });
@@ -1171,7 +1206,7 @@ impl NcclComm {
             ));
         }
         let child = NcclComm {
-            handle: CommHandle::new(self.handle.api, raw),
+            handle: CommHandle::new(self.handle.api, stream.context().clone(), raw),
             rank,
             size: members.len(),
             members,
