@@ -19,7 +19,9 @@
 //!   a host thread that can never hang inside NCCL.
 //! - Failure: [`NcclComm::check`] reports NCCL's asynchronous errors,
 //!   [`NcclComm::abort`] aborts from any thread (idempotent; later calls
-//!   fail with the cause), an [`AbortSignal`] shared by a process's
+//!   fail with the cause at once; `ncclCommAbort`, which can block until
+//!   the device drains, runs on a thread of its own, joined when the
+//!   communicator is dropped), an [`AbortSignal`] shared by a process's
 //!   communicators stops every wait at once, and [`StreamWait`] is the
 //!   bounded wait lanes and platforms use instead of a stream
 //!   synchronisation.
@@ -50,6 +52,7 @@ use library::{NcclApi, NcclStatus, api};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 use std::time::Duration;
 use wait::{aborted_error, device_error, poll_until};
 
@@ -82,6 +85,8 @@ struct CommHandle {
     /// The device's context, current on the thread that aborts.
     context: Arc<CudaContext>,
     state: Mutex<HandleState>,
+    /// The thread running `ncclCommAbort`, once aborted.
+    reaper: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl CommHandle {
@@ -90,6 +95,7 @@ impl CommHandle {
             api,
             context,
             state: Mutex::new(HandleState::Live(RawComm(raw))),
+            reaper: Mutex::new(None),
         }
     }
 
@@ -127,11 +133,33 @@ impl CommHandle {
             }
         };
         let (api, context) = (self.api, self.context.clone());
-        let spawned = std::thread::Builder::new()
+        match std::thread::Builder::new()
             .name("nccl-abort".into())
-            .spawn(move || reap(api, &context, raw));
-        if spawned.is_err() {
-            reap(self.api, &self.context, raw);
+            .spawn(move || reap(api, &context, raw))
+        {
+            Ok(reaper) => *lock(&self.reaper) = Some(reaper),
+            Err(_) => reap(self.api, &self.context, raw),
+        }
+    }
+}
+
+/// How long dropping an aborted communicator waits for its
+/// `ncclCommAbort` to finish.
+const REAP_LIMIT: Duration = Duration::from_secs(30);
+
+impl Drop for CommHandle {
+    fn drop(&mut self) {
+        // A handle is dropped once its abort has finished, or after a
+        // bounded wait: an abort still freeing NCCL's resources when the
+        // process exits crashes in the teardown of CUDA (seen on a GPU,
+        // after all tests passed).
+        let Some(reaper) = lock(&self.reaper).take() else {
+            return;
+        };
+        let finished =
+            poll_until(deadline_after(REAP_LIMIT), || Ok(reaper.is_finished())).unwrap_or(false);
+        if finished {
+            let _ = reaper.join();
         }
     }
 }
