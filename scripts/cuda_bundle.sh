@@ -56,6 +56,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export HYBRIDGEN_CUDA_INCLUDE="${HYBRIDGEN_CUDA_INCLUDE:-/usr/local/cuda/include}"
 export HYBRIDGEN_KERNEL_CACHE="${HYBRIDGEN_KERNEL_CACHE:-$out/kernel-cache}"
+# NCCL (libnccl.so.2): the system's, else the one Python's nvidia-nccl wheel
+# ships.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2'; then
+  for dir in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+    found=$(find "$dir" -name 'libnccl.so.2' 2>/dev/null | head -1)
+    if [ -n "$found" ]; then
+      export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+      break
+    fi
+  done
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$out/nvidia-smi.txt" 2>&1
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 status=0

@@ -14,6 +14,8 @@
 //! - [`launch`]: the compiled kernels loaded on a device, one launch method
 //!   per [`Backend`](crate::Backend) kernel, each checking its views'
 //!   lengths against its dimensions first.
+//! - [`nccl`]: the communicator between GPU ranks (NCCL, non-blocking,
+//!   every wait bounded).
 
 mod arena;
 pub mod backend;
@@ -24,6 +26,7 @@ pub mod kernel_cache;
 pub mod kernels;
 pub mod lane;
 pub mod launch;
+pub mod nccl;
 pub mod platform;
 pub mod probe;
 pub mod queue;
@@ -34,6 +37,7 @@ pub use comm::CudaComm;
 pub use kernels::{Diagnostic, KernelBuildError, KernelSource, Target};
 pub use lane::{CudaEvent, CudaLane, CudaMark, CudaQueue};
 pub use launch::{DeviceFault, GpuView, KernelSet};
+pub use nccl::{AbortSignal, NcclComm, NcclUniqueId, StreamWait};
 pub use platform::{Cuda, CudaPlatform};
 pub use probe::{CudaUnavailable, GpuDevice, GpuInfo, probe};
 

@@ -164,8 +164,9 @@ fn probe_driver() -> Result<GpuInfo, CudaUnavailable> {
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         return Err(CudaUnavailable::CublasMissing);
     }
-    // SAFETY: as above.
-    let nccl = unsafe { cudarc::nccl::sys::is_culib_present() };
+    // NCCL is opened by the communicator's own loader (cudarc's does not
+    // try libnccl.so.2, its runtime name).
+    let nccl = super::nccl::nccl_version().is_ok();
     Ok(GpuInfo {
         driver_version,
         nvrtc_version,
