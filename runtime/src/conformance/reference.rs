@@ -817,6 +817,14 @@ pub(crate) fn gradient(x: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
     g
 }
 
+/// The most an f64 sum of `terms` in any order can be off from the exact
+/// sum: `(n - 1) 2^-53 sum |t|` (Higham, *Accuracy and Stability of
+/// Numerical Algorithms*, 4.2), doubled for the reference's own rounding.
+pub(crate) fn f64_sum_error(terms: impl Iterator<Item = f64>) -> f64 {
+    let (n, magnitude) = terms.fold((0usize, 0.0f64), |(n, m), t| (n + 1, m + t.abs()));
+    2.0 * n.saturating_sub(1) as f64 * f64::EPSILON / 2.0 * magnitude
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -903,12 +911,4 @@ mod tests {
             vec![0, 1]
         );
     }
-}
-
-/// The most an f64 sum of `terms` in any order can be off from the exact
-/// sum: `(n - 1) 2^-53 sum |t|` (Higham, *Accuracy and Stability of
-/// Numerical Algorithms*, 4.2), doubled for the reference's own rounding.
-pub(crate) fn f64_sum_error(terms: impl Iterator<Item = f64>) -> f64 {
-    let (n, magnitude) = terms.fold((0usize, 0.0f64), |(n, m), t| (n + 1, m + t.abs()));
-    2.0 * n.saturating_sub(1) as f64 * f64::EPSILON / 2.0 * magnitude
 }

@@ -11,6 +11,7 @@
 use super::CudaBackend;
 use super::buffer::{view_mut_on, view_on};
 use super::launch::GpuView;
+use super::nccl::NcclComm;
 use super::queue::QueueSet;
 use crate::backend::{Slice, SliceMut};
 use crate::collective::Collective;
@@ -27,6 +28,7 @@ pub struct SoloComm {
 
 enum Group {
     Solo(SoloComm),
+    Nccl(Box<NcclComm>),
 }
 
 /// One rank's communicator on a GPU.
@@ -46,6 +48,35 @@ impl CudaComm {
             }),
             queue: backend.queue_index(),
         }
+    }
+
+    /// NCCL's communicator on `stream`'s queue `queue`.
+    pub fn nccl(comm: NcclComm, queue: usize) -> CudaComm {
+        CudaComm {
+            group: Group::Nccl(Box::new(comm)),
+            queue,
+        }
+    }
+
+    /// The NCCL communicator, when the group has more than one rank.
+    pub fn as_nccl(&self) -> Option<&NcclComm> {
+        match &self.group {
+            Group::Nccl(comm) => Some(comm),
+            Group::Solo(_) => None,
+        }
+    }
+
+    /// A new communicator of the same members on another queue (NCCL:
+    /// `ncclCommSplit` with one colour), for host-side exchanges that must
+    /// not queue behind the comm lane's collectives.
+    pub fn split_onto(&self, backend: &CudaBackend) -> Result<CudaComm> {
+        Ok(match &self.group {
+            Group::Solo(_) => CudaComm::solo(backend),
+            Group::Nccl(comm) => CudaComm {
+                group: Group::Nccl(Box::new(comm.split_on(0, backend.stream().clone())?)),
+                queue: backend.queue_index(),
+            },
+        })
     }
 
     fn v(&self, view: Slice<'_, CudaBackend>) -> GpuView {
@@ -86,12 +117,14 @@ impl Collective<CudaBackend> for CudaComm {
     fn rank(&self) -> usize {
         match &self.group {
             Group::Solo(_) => 0,
+            Group::Nccl(comm) => comm.rank(),
         }
     }
 
     fn size(&self) -> usize {
         match &self.group {
             Group::Solo(_) => 1,
+            Group::Nccl(comm) => comm.size(),
         }
     }
 
@@ -103,6 +136,7 @@ impl Collective<CudaBackend> for CudaComm {
         let (shard, full) = (self.v(shard), self.m(&full));
         match &self.group {
             Group::Solo(solo) => solo.copy("all_gather", shard, full),
+            Group::Nccl(comm) => comm.all_gather(shard, full),
         }
     }
 
@@ -120,6 +154,7 @@ impl Collective<CudaBackend> for CudaComm {
         }
         match &self.group {
             Group::Solo(solo) => solo.copy("reduce_scatter", full, shard),
+            Group::Nccl(comm) => comm.reduce_scatter(full, shard),
         }
     }
 
@@ -133,6 +168,7 @@ impl Collective<CudaBackend> for CudaComm {
         }
         match &self.group {
             Group::Solo(_) => Ok(()),
+            Group::Nccl(comm) => comm.all_reduce(buf),
         }
     }
 
@@ -159,6 +195,7 @@ impl Collective<CudaBackend> for CudaComm {
                 }
                 solo.copy("all_to_all", send, recv)
             }
+            Group::Nccl(comm) => comm.all_to_all(send, send_counts, recv, recv_counts),
         }
     }
 
@@ -171,29 +208,36 @@ impl Collective<CudaBackend> for CudaComm {
                     format!("a group of one rank takes one vector, got {}", send.len()),
                 )),
             },
+            Group::Nccl(comm) => comm.all_to_all_counts(send),
         }
     }
 
     fn all_gather_host(&self, values: &[f64]) -> Result<Vec<Vec<f64>>> {
         match &self.group {
             Group::Solo(_) => Ok(vec![values.to_vec()]),
+            Group::Nccl(comm) => comm.all_gather_host(values),
         }
     }
 
     fn barrier(&self) -> Result<()> {
         match &self.group {
             Group::Solo(_) => Ok(()),
+            Group::Nccl(comm) => comm.barrier(),
         }
     }
 
     fn split(&self, color: usize) -> Result<Self> {
-        let _ = color;
         match &self.group {
+            // A group of one splits into itself, whatever the colour.
             Group::Solo(solo) => Ok(CudaComm {
                 group: Group::Solo(SoloComm {
                     queues: solo.queues.clone(),
                     stream: solo.stream.clone(),
                 }),
+                queue: self.queue,
+            }),
+            Group::Nccl(comm) => Ok(CudaComm {
+                group: Group::Nccl(Box::new(comm.split(color)?)),
                 queue: self.queue,
             }),
         }

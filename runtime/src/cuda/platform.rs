@@ -6,14 +6,16 @@ use super::CudaBackend;
 use super::backend::Gpu;
 use super::comm::CudaComm;
 use super::lane::CudaLane;
+use super::nccl::{AbortSignal, NcclComm, NcclUniqueId};
 use super::probe::GpuInfo;
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
+use crate::lane::Lane;
 use crate::launch::{Launch, RankInfo};
 use crate::platform::{Platform, RankSettings};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 /// The types of the CUDA platform.
 #[derive(Clone, Copy, Debug, Default)]
@@ -33,6 +35,13 @@ pub struct CudaPlatform {
     ordinals: Vec<usize>,
     names: Vec<String>,
     launch: Launch,
+    /// The NCCL id every local rank joins with (one process driving
+    /// several GPUs); a launched job gets it through the rendezvous.
+    unique_id: Option<NcclUniqueId>,
+    /// Raised by the first rank of this process that fails: every other
+    /// rank's waits end with an error naming it, and its communicators are
+    /// aborted, so nothing waits on a GPU stuck in a collective.
+    signal: AbortSignal,
 }
 
 impl CudaPlatform {
@@ -88,12 +97,18 @@ impl CudaPlatform {
             .iter()
             .map(|&o| info.devices[o].name.clone())
             .collect();
+        let unique_id = match (&launch, world) {
+            (Launch::SingleProcess, 2..) => Some(NcclUniqueId::new()?),
+            _ => None,
+        };
         Ok(CudaPlatform {
             world,
             local,
             ordinals,
             names,
             launch,
+            unique_id,
+            signal: AbortSignal::new(),
         })
     }
 }
@@ -117,22 +132,65 @@ impl Platform for CudaPlatform {
         let trace = Some(settings.trace.clone());
         let compute = CudaLane::on_gpu("compute", &host, r, wait, trace.clone())?;
         let comm = CudaLane::on_gpu("comm", &host, r, wait, trace)?;
-        use crate::lane::Lane;
         let ep = settings.ep.max(1);
+        let on_comm = comm.backend();
         let (dp, ep_group, edp, host_comm) = if self.world == 1 {
-            let on_comm = CudaComm::solo(comm.backend());
+            let world = CudaComm::solo(on_comm);
             (
-                on_comm.split(0)?,
-                on_comm.split(0)?,
-                on_comm,
+                world.split(0)?,
+                world.split(0)?,
+                world,
                 CudaComm::solo(&host),
             )
         } else {
-            return Err(RuntimeError::Unsupported(
-                "more than one GPU rank needs the NCCL communicator".into(),
-            ));
+            let stream = on_comm.stream().clone();
+            let (timeout, signal) = (settings.timeout, self.signal.clone());
+            let world = match (&self.launch, &self.unique_id) {
+                (Launch::Distributed(info), _) => {
+                    NcclComm::from_rendezvous(info, stream, timeout, signal)?
+                }
+                (Launch::SingleProcess, Some(id)) => {
+                    NcclComm::from_unique_id(id, r, self.world, stream, timeout, signal)?
+                }
+                (Launch::SingleProcess, None) => {
+                    return Err(RuntimeError::InvalidArgument(
+                        "a multi-GPU platform without an NCCL id".into(),
+                    ));
+                }
+            };
+            let world = CudaComm::nccl(world, on_comm.queue_index());
+            // Every rank splits in the same order (ncclCommSplit is
+            // collective over the world).
+            let ep_group = world.split(r / ep)?;
+            let edp = world.split(r % ep)?;
+            let host_comm = world.split_onto(&host)?;
+            (world, ep_group, edp, host_comm)
         };
-        let _ = &self.launch;
+        let (dp, ep_group, edp, host_comm) = (
+            Arc::new(dp),
+            Arc::new(ep_group),
+            Arc::new(edp),
+            Arc::new(host_comm),
+        );
+        // A wait on this GPU also ends when a peer failed or NCCL reported
+        // an error: the communicators are aborted, so their kernels end.
+        let comms: Vec<Weak<CudaComm>> = [&dp, &ep_group, &edp, &host_comm]
+            .into_iter()
+            .map(Arc::downgrade)
+            .collect();
+        let signal = self.signal.clone();
+        gpu.queues().set_watch(Arc::new(move || {
+            for comm in comms.iter().filter_map(Weak::upgrade) {
+                let Some(nccl) = comm.as_nccl() else {
+                    continue;
+                };
+                if let Some(cause) = signal.cause() {
+                    nccl.abort_with(cause.rank, &cause.reason);
+                }
+                nccl.check()?;
+            }
+            Ok(())
+        }));
         Ok(RankContext::<Cuda> {
             rank: r,
             world: self.world,
@@ -140,15 +198,15 @@ impl Platform for CudaPlatform {
             backend: Arc::new(host),
             compute: Arc::new(compute),
             comm: Arc::new(comm),
-            dp: Arc::new(dp),
-            ep_group: Arc::new(ep_group),
-            edp: Arc::new(edp),
-            host: Arc::new(host_comm),
+            dp,
+            ep_group,
+            edp,
+            host: host_comm,
         })
     }
 
     fn abort(&self, rank: usize, reason: &str) {
-        let _ = (rank, reason);
+        self.signal.raise(rank, reason);
     }
 
     fn describe(&self) -> String {

@@ -207,7 +207,7 @@ impl QueueSet {
                 return Ok(());
             }
             polls += 1;
-            if polls % 64 == 0 {
+            if polls.is_multiple_of(64) {
                 if let Some(watch) = self
                     .watch
                     .read()
