@@ -9,6 +9,7 @@
 #   bash gpu-bundle/run.sh LOGDIR          # there: tests and benchmarks
 #   bash gpu-bundle/run.sh LOGDIR tests    # only the tests
 #   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
+#   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
 #
 # Tests that need more GPUs than the machine has say so and pass; so do the
 # benchmarks' two-GPU rows.
@@ -45,7 +46,8 @@ cp examples/models/*.toml "$bundle/models/"
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
-# ./logs); $2 is `tests`, `bench` or `all` (default). NVLink multicast
+# ./logs); $2 is `tests` (with the launch-mode checks), `launch` (only
+# those), `bench` or `all` (default). NVLink multicast
 # stays off (shared GPUs).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -72,7 +74,7 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 status=0
 : > "$out/summary.txt"
 
-if [ "$what" != bench ]; then
+if [ "$what" = all ] || [ "$what" = tests ]; then
   for test in "$here"/bin/*; do
     name=$(basename "$test")
     start=$(date +%s%N)
@@ -116,7 +118,42 @@ bench() {
         n, r, ms, tps, 100 * hid, loss }' >> "$out/summary.txt"
 }
 
-if [ "$what" != tests ]; then
+# Both launch modes compute the same bits: the run of one process driving
+# every GPU, and the same run as one process per GPU started the way
+# torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+launch_modes() {
+  local ranks=$1 common=(train --device cuda --format json --steps 3 --micro-batches 3
+    --micro-batch-size 2 --seq-len 32 --pattern '[M*E][M*E]/*E')
+  if [ "$gpus" -lt "$ranks" ]; then
+    printf 'check launch modes, %d GPU%-6s skipped: needs %d GPUs, %d here\n' "$ranks" "" "$ranks" "$gpus" >> "$out/summary.txt"
+    return
+  fi
+  "$here/hybridgen" "${common[@]}" --ranks "$ranks" > "$out/launch-single-$ranks.jsonl" 2>&1
+  local r pids=()
+  for ((r = 0; r < ranks; r++)); do
+    RANK=$r WORLD_SIZE=$ranks LOCAL_RANK=$r LOCAL_WORLD_SIZE=$ranks MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$((29500 + ranks)) "$here/hybridgen" "${common[@]}" --ranks "$ranks" \
+      > "$out/launch-proc-$ranks-$r.jsonl" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  local hashes
+  hashes=$(cat "$out/launch-single-$ranks.jsonl" "$out"/launch-proc-$ranks-*.jsonl \
+    | grep -o '"param_hash":"[0-9a-f]*"' | sort | uniq -c)
+  if [ "$(echo "$hashes" | wc -l)" -eq 1 ] && [ "$(echo "$hashes" | awk '{print $1}')" -eq $((ranks + 1)) ]; then
+    printf 'check launch modes, %d GPU%-6s same bits: %s\n' "$ranks" "" "$(echo "$hashes" | awk '{print $2}')" >> "$out/summary.txt"
+  else
+    printf 'check launch modes, %d GPU%-6s FAILED: %s\n' "$ranks" "" "$(echo "$hashes" | tr '\n' ' ')" >> "$out/summary.txt"
+    status=1
+  fi
+}
+
+if [ "$what" != bench ]; then
+  launch_modes 1
+  launch_modes 2
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
   # A learning rate this width trains at (the tiny model's 3e-3 diverges).
   realistic=(--model "$here/models/hybrid-2048.toml" --micro-batch-size 1 --micro-batches 4
     --steps 8 --lr 3e-4 --warmup 4)

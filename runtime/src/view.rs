@@ -284,6 +284,18 @@ impl DTypeRule {
     }
 }
 
+/// Two lengths that must agree (an upload's host slice and its view, a
+/// copy's source and destination).
+pub fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidArgument(format!(
+            "{what}: lengths differ ({a} vs {b})"
+        )))
+    }
+}
+
 /// Two arguments that must share a dtype (a matmul's A and B, a copy's
 /// source and destination).
 pub fn same_dtype(kernel: &str, (a, da): (&str, DType), (b, db): (&str, DType)) -> Result<()> {

@@ -16,7 +16,7 @@ use crate::backend::{
     SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
-use crate::view::{DType, Scalar, same_dtype};
+use crate::view::{DType, Scalar, same_dtype, same_len};
 use half::bf16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -75,16 +75,6 @@ impl CpuBackend {
 
     fn access(&self, kernel: &'static str) -> KernelAccess<'_> {
         KernelAccess::new(kernel, &self.lane)
-    }
-}
-
-fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
-    if a == b {
-        Ok(())
-    } else {
-        Err(RuntimeError::InvalidArgument(format!(
-            "{what}: lengths differ ({a} vs {b})"
-        )))
     }
 }
 

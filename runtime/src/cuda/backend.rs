@@ -23,7 +23,7 @@ use crate::backend::{
     UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
-use crate::view::{DType, DTypeRule, Scalar, same_dtype};
+use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
 use cudarc::driver::{CudaContext, CudaStream, result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -284,16 +284,6 @@ impl CudaBackend {
         // caller); the queue is idle, so the copy sees every write to it.
         unsafe { result::memcpy_dtoh_sync(dst, src.ptr) }
             .map_err(|e| self.gpu.queues.error("copying to the host", e))
-    }
-}
-
-fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
-    if a == b {
-        Ok(())
-    } else {
-        Err(RuntimeError::InvalidArgument(format!(
-            "{what}: lengths differ ({a} vs {b})"
-        )))
     }
 }
 
