@@ -126,6 +126,27 @@ fn f32_training_on_a_gpu_matches_the_cpu() {
     }
 }
 
+/// One GPU, bf16: the overlap schedule runs the same kernels on the same
+/// inputs as the plain one, in another order across two streams, so every
+/// loss and the parameter hash are the same bits; so is a repeat.
+#[test]
+fn on_one_gpu_overlap_equals_plain_bit_for_bit_and_repeats() {
+    if gpus(1).is_none() {
+        return;
+    }
+    let with = |schedule| {
+        let mut c = config("[M*E][M*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
+        c.steps = 3;
+        c.micro_batches = 3;
+        c.schedule = schedule;
+        let (r, s) = run(&c);
+        bits(&r, &s)
+    };
+    let overlap = with(ScheduleKind::Overlap);
+    assert_eq!(overlap, with(ScheduleKind::Plain), "overlap vs plain");
+    assert_eq!(overlap, with(ScheduleKind::Overlap), "the same run twice");
+}
+
 /// Two GPUs, EP 2, ZeRO-3, bf16: the schedules change when work runs,
 /// never what is computed.
 fn two_gpu_config(schedule: ScheduleKind, sharding: Sharding) -> TrainConfig {
