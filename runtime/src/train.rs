@@ -396,7 +396,12 @@ pub const GPU_OVERHEAD: u64 = 1 << 30;
 fn gpu_available(info: &GpuInfo, launch: &Launch, ranks: usize) -> Option<AvailableMemory> {
     let used: Vec<&GpuDevice> = match launch {
         Launch::SingleProcess => info.devices.iter().take(ranks.max(1)).collect(),
-        Launch::Distributed(r) => info.devices.get(r.local_rank).into_iter().collect(),
+        Launch::Distributed(r) => {
+            crate::cuda::platform::launched_gpu(info.devices.len(), r.local_rank)
+                .and_then(|gpu| info.devices.get(gpu))
+                .into_iter()
+                .collect()
+        }
     };
     let least = used.into_iter().min_by_key(|d| d.free_memory)?;
     Some(AvailableMemory {

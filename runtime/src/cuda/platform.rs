@@ -27,6 +27,17 @@ impl Device for Cuda {
     type Comm = CudaComm;
 }
 
+/// The GPU a launched process runs on, among the `gpus` it sees: the one
+/// of its local rank, or the only one when the launcher gave each process
+/// its own (`srun --gpus-per-task 1` sets `CUDA_VISIBLE_DEVICES` per task).
+/// `None` when the local rank has no GPU.
+pub fn launched_gpu(gpus: usize, local_rank: usize) -> Option<usize> {
+    match gpus {
+        1 => Some(0),
+        _ => (local_rank < gpus).then_some(local_rank),
+    }
+}
+
 /// The ranks of a run on GPUs.
 pub struct CudaPlatform {
     world: usize,
@@ -47,7 +58,7 @@ pub struct CudaPlatform {
 impl CudaPlatform {
     /// `ranks` ranks on the GPUs `info` found, started as `launch` says:
     /// alone, a thread per GPU (`ranks` at most the GPUs); under torchrun or
-    /// srun, this process's rank on GPU `LOCAL_RANK`.
+    /// srun, this process's rank on GPU `LOCAL_RANK` (or on its only GPU).
     pub fn new(info: &GpuInfo, launch: Launch, ranks: usize) -> Result<Self> {
         let gpus = info.devices.len();
         let (world, local, ordinals) = match &launch {
@@ -74,14 +85,15 @@ impl CudaPlatform {
                          has --ranks {ranks}; give --ranks {world_size}, one rank per process"
                     )));
                 }
-                if *local_rank >= gpus {
+                let Some(ordinal) = launched_gpu(gpus, *local_rank) else {
                     return Err(RuntimeError::Unsupported(format!(
-                        "this process is local rank {local_rank} but {gpus} GPU{} visible; \
-                         start at most one process per GPU (torchrun --nproc-per-node)",
-                        if gpus == 1 { " is" } else { "s are" }
+                        "this process is local rank {local_rank} but {gpus} GPUs are \
+                         visible; start at most one process per GPU (torchrun \
+                         --nproc-per-node), or give each process one GPU \
+                         (srun --gpus-per-task 1)"
                     )));
-                }
-                (*world_size, *rank..*rank + 1, vec![*local_rank])
+                };
+                (*world_size, *rank..*rank + 1, vec![ordinal])
             }
         };
         if world > 1 && !info.nccl {
@@ -221,7 +233,7 @@ impl Platform for CudaPlatform {
             ),
             Launch::Distributed(info) => format!(
                 "GPU {} ({}) as rank {} of {} processes",
-                info.local_rank,
+                self.ordinals[0],
                 names.join(", "),
                 info.rank,
                 info.world_size
@@ -233,5 +245,19 @@ impl Platform for CudaPlatform {
 impl std::fmt::Debug for CudaPlatform {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.describe())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::launched_gpu;
+
+    #[test]
+    fn a_launched_process_takes_its_local_ranks_gpu_or_its_only_one() {
+        assert_eq!(launched_gpu(8, 3), Some(3));
+        assert_eq!(launched_gpu(1, 3), Some(0), "srun --gpus-per-task 1");
+        assert_eq!(launched_gpu(1, 0), Some(0));
+        assert_eq!(launched_gpu(2, 2), None);
+        assert_eq!(launched_gpu(0, 0), None);
     }
 }
