@@ -250,7 +250,80 @@ impl std::fmt::Debug for CudaPlatform {
 
 #[cfg(test)]
 mod tests {
-    use super::launched_gpu;
+    use super::{CudaPlatform, launched_gpu};
+    use crate::cuda::{GpuDevice, GpuInfo};
+    use crate::error::RuntimeError;
+    use crate::launch::{Launch, Launcher, RankInfo};
+
+    fn info(gpus: usize, nccl: bool) -> GpuInfo {
+        GpuInfo {
+            driver_version: 13000,
+            nvrtc_version: (13, 0),
+            nccl,
+            devices: (0..gpus)
+                .map(|ordinal| GpuDevice {
+                    ordinal,
+                    name: "NVIDIA H200".into(),
+                    compute_capability: (9, 0),
+                    total_memory: 140 << 30,
+                    free_memory: 139 << 30,
+                })
+                .collect(),
+        }
+    }
+
+    fn launched(rank: usize, world_size: usize, local_rank: usize) -> Launch {
+        Launch::Distributed(RankInfo {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size: world_size,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            launcher: Launcher::Torchrun,
+        })
+    }
+
+    fn refusal(info: &GpuInfo, launch: Launch, ranks: usize) -> String {
+        match CudaPlatform::new(info, launch, ranks) {
+            Ok(p) => panic!("accepted: {p:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// Layouts the GPUs cannot run are refused before any device is
+    /// touched, saying what to change.
+    #[test]
+    fn impossible_gpu_layouts_are_refused_with_what_to_change() {
+        let m = refusal(&info(1, true), Launch::SingleProcess, 2);
+        assert!(m.contains("--ranks 2 needs 2 GPUs but 1 is visible"), "{m}");
+        let m = refusal(&info(8, true), launched(0, 4, 0), 8);
+        assert!(
+            m.contains("started 4 processes") && m.contains("--ranks 4"),
+            "{m}"
+        );
+        let m = refusal(&info(2, true), launched(3, 4, 3), 4);
+        assert!(m.contains("local rank 3 but 2 GPUs"), "{m}");
+        let err = CudaPlatform::new(&info(2, false), Launch::SingleProcess, 2).unwrap_err();
+        assert!(matches!(err, RuntimeError::Device { .. }), "{err}");
+        assert!(err.to_string().contains("needs NCCL"), "{err}");
+    }
+
+    /// One GPU needs no NCCL; a launched process runs its own rank on its
+    /// local rank's GPU.
+    #[test]
+    fn possible_layouts_describe_what_they_run() {
+        let one = CudaPlatform::new(&info(1, false), Launch::SingleProcess, 1).unwrap();
+        assert_eq!(one.describe(), "1 GPU (NVIDIA H200)");
+        let third = CudaPlatform::new(&info(8, true), launched(10, 16, 2), 16).unwrap();
+        use crate::platform::Platform;
+        assert_eq!(third.world(), 16);
+        assert_eq!(third.local_ranks(), 10..11);
+        assert_eq!(
+            third.describe(),
+            "GPU 2 (NVIDIA H200) as rank 10 of 16 processes"
+        );
+    }
 
     #[test]
     fn a_launched_process_takes_its_local_ranks_gpu_or_its_only_one() {
