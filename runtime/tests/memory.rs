@@ -145,3 +145,50 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
         "40 micro-batches peaked at {many_peak} bytes, 2 at {few_peak}"
     );
 }
+
+/// On GPUs each rank has a device of its own: the need checked is one
+/// rank's plus what the device itself takes, against the GPU's free memory,
+/// and the refusal says so (and does not suggest fewer thread ranks).
+#[test]
+fn a_gpu_run_is_checked_per_gpu_with_the_devices_overhead() {
+    use hybridgen_runtime::fsdp::Sharding;
+    use hybridgen_runtime::memory::{AvailableMemory, FitHints};
+    use hybridgen_runtime::optimizer::OptimizerKind;
+    use hybridgen_runtime::train::GPU_OVERHEAD;
+    let config = TrainConfig::new(ModelConfig::preset("tiny").unwrap());
+    let plan = Plan::new(
+        &config.model,
+        &PlanOptions {
+            layout: ParallelLayout::new(config.ranks, config.ep),
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    let need = memory_need(&config, &plan).unwrap();
+    assert_eq!(
+        need.total,
+        need.per_rank * 2,
+        "two thread ranks share the host"
+    );
+    let per_gpu = need.clone().on_one_gpu(GPU_OVERHEAD);
+    assert_eq!(per_gpu.total, need.per_rank + GPU_OVERHEAD);
+    let hints = FitHints {
+        micro_batch_size: config.micro_batch_size,
+        seq_length: config.seq_length,
+        sharding: Sharding::Zero3,
+        optimizer: OptimizerKind::Adam,
+    };
+    let free = |bytes| AvailableMemory {
+        bytes,
+        source: "free on cuda:0 (NVIDIA H200) of 139.8 GiB".into(),
+    };
+    assert_eq!(per_gpu.check(&free(per_gpu.total), &hints), None);
+    let refusal = per_gpu.check(&free(GPU_OVERHEAD), &hints).unwrap();
+    assert!(
+        refusal.contains("one rank per GPU, plus 1.0 GiB"),
+        "{refusal}"
+    );
+    assert!(refusal.contains("free on cuda:0"), "{refusal}");
+    assert!(refusal.contains("more GPUs"), "{refusal}");
+    assert!(!refusal.contains("fewer --ranks"), "{refusal}");
+}
