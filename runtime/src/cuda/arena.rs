@@ -69,9 +69,9 @@ pub(crate) struct Region {
     pub(crate) ptr: u64,
 }
 
+/// One device allocation of an arena, freed when the arena is dropped.
 struct Segment {
     ptr: u64,
-    bytes: usize,
 }
 
 #[derive(Default)]
@@ -150,7 +150,7 @@ impl GpuArena {
                     ))
                 })?;
                 let segment = state.segments.len();
-                state.segments.push(Segment { ptr, bytes: size });
+                state.segments.push(Segment { ptr });
                 state.total += size;
                 state.insert(segment, 0, size, Fences::default());
                 grew = true;
@@ -268,7 +268,6 @@ impl Drop for GpuArena {
         for segment in state.segments.drain(..) {
             // SAFETY: allocated by `take`, used by no buffer any more.
             let _ = unsafe { result::free_sync(segment.ptr) };
-            let _ = segment.bytes;
         }
     }
 }

@@ -13,7 +13,7 @@
 use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
-use super::launch::{GpuView, KernelSet};
+use super::launch::{self, GpuView, KernelSet};
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
@@ -209,38 +209,44 @@ impl CudaBackend {
         &self.queue.stream
     }
 
-    /// Checks a matmul's operands as the CPU backend does.
+    /// Checks a matmul's operands as the CPU backend does: float dtypes,
+    /// `A` and `B` alike (and, in a group, like the first problem's), and
+    /// lengths that fit the dimensions. `name` spells an operand in errors;
+    /// it is only called when there is one to report, so a grouped call
+    /// formats nothing when its operands are right.
     fn matmul_operands(
-        &self,
         kernel: &str,
-        names: [&str; 3],
-        a: GpuView,
-        b: GpuView,
-        c: GpuView,
+        name: impl Fn(&str) -> String,
+        [a, b, c]: [GpuView; 3],
         dims: MatmulDims,
+        group: Option<(DType, DType)>,
     ) -> Result<()> {
-        let [an, bn, cn] = names;
-        DTypeRule::Float.check(kernel, an, a.dtype)?;
-        DTypeRule::Float.check(kernel, bn, b.dtype)?;
-        DTypeRule::Float.check(kernel, cn, c.dtype)?;
-        same_dtype(kernel, (an, a.dtype), (bn, b.dtype))?;
         let MatmulDims { m, n, k, .. } = dims;
-        let product = |f: [usize; 2]| {
-            f[0].checked_mul(f[1]).ok_or_else(|| {
-                RuntimeError::InvalidArgument(format!("{kernel}: size {f:?} overflows"))
-            })
-        };
-        for (name, view, want) in [
-            (an, a, product([m, k])?),
-            (bn, b, product([k, n])?),
-            (cn, c, product([m, n])?),
-        ] {
-            if view.len != want {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "{kernel}: `{name}` has {} elements, expected {want}",
-                    view.len
-                )));
-            }
+        let want = [
+            launch::product(kernel, &[m, k])?,
+            launch::product(kernel, &[k, n])?,
+            launch::product(kernel, &[m, n])?,
+        ];
+        let (ab, out) = group.unwrap_or((a.dtype, c.dtype));
+        let right = [a, b, c].iter().all(|v| DTypeRule::Float.admits(v.dtype))
+            && (a.dtype, b.dtype, c.dtype) == (ab, ab, out)
+            && [a.len, b.len, c.len] == want;
+        if right {
+            return Ok(());
+        }
+        let names = ["A", "B", "C"].map(&name);
+        if group.is_some() {
+            let first = ["problems[0].A", "problems[0].C"];
+            same_dtype(kernel, (first[0], ab), (&names[0], a.dtype))?;
+            same_dtype(kernel, (first[0], ab), (&names[1], b.dtype))?;
+            same_dtype(kernel, (first[1], out), (&names[2], c.dtype))?;
+        }
+        for (name, view) in names.iter().zip([a, b, c]) {
+            DTypeRule::Float.check(kernel, name, view.dtype)?;
+        }
+        same_dtype(kernel, (&names[0], a.dtype), (&names[1], b.dtype))?;
+        for ((name, view), want) in names.iter().zip([a, b, c]).zip(want) {
+            launch::len(kernel, name, &view, want)?;
         }
         Ok(())
     }
@@ -410,7 +416,7 @@ impl Backend for CudaBackend {
         dims: MatmulDims,
     ) -> Result<()> {
         let (a, b, c) = (self.v(a), self.v(b), self.m(&c));
-        self.matmul_operands("matmul", ["A", "B", "C"], a, b, c, dims)?;
+        Self::matmul_operands("matmul", str::to_string, [a, b, c], dims, None)?;
         self.gemm(a, b, c, dims)
     }
 
@@ -422,16 +428,9 @@ impl Backend for CudaBackend {
         let (ab, c) = (first.a.dtype(), first.c.dtype());
         let mut operands = Vec::with_capacity(problems.len());
         for (i, p) in problems.iter().enumerate() {
-            let names = [
-                format!("problems[{i}].A"),
-                format!("problems[{i}].B"),
-                format!("problems[{i}].C"),
-            ];
-            same_dtype(k, ("problems[0].A", ab), (&names[0], p.a.dtype()))?;
-            same_dtype(k, ("problems[0].A", ab), (&names[1], p.b.dtype()))?;
-            same_dtype(k, ("problems[0].C", c), (&names[2], p.c.dtype()))?;
             let (a, b, out) = (self.v(p.a), self.v(p.b), self.m(&p.c));
-            self.matmul_operands(k, [&names[0], &names[1], &names[2]], a, b, out, p.dims)?;
+            let name = |operand: &str| format!("problems[{i}].{operand}");
+            Self::matmul_operands(k, name, [a, b, out], p.dims, Some((ab, c)))?;
             operands.push((a, b, out, p.dims));
         }
         // The C views must not overlap: sorted by address, each must end

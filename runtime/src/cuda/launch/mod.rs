@@ -198,7 +198,7 @@ fn warp_per_item(items: usize) -> LaunchConfig {
 
 // ---- argument checks (the CPU kernels' checks, on views) --------------------
 
-fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
+pub(crate) fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
     factors
         .iter()
         .try_fold(1usize, |acc, &f| acc.checked_mul(f))
@@ -207,7 +207,7 @@ fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
         })
 }
 
-fn len(kernel: &str, name: &str, view: &GpuView, want: usize) -> Result<()> {
+pub(crate) fn len(kernel: &str, name: &str, view: &GpuView, want: usize) -> Result<()> {
     if view.len == want {
         Ok(())
     } else {
@@ -824,13 +824,11 @@ impl KernelSet {
     fn rotary(
         &self,
         stream: &CudaStream,
-        k: &'static str,
+        (k, name): (&'static str, &str),
         x: GpuView,
         d: RotaryDims,
         sign: f32,
     ) -> Result<()> {
-        // The argument's name in the `Backend` method (errors use it).
-        let name = if sign > 0.0 { "x" } else { "dx" };
         let t = float(k, name, &x)?;
         ensure(d.dim.is_multiple_of(2), || {
             format!("{k}: rotary dim {} is odd", d.dim)
@@ -861,28 +859,24 @@ impl KernelSet {
 
     /// `Backend::rotary_forward`, in place.
     pub fn rotary_forward(&self, stream: &CudaStream, x: GpuView, d: RotaryDims) -> Result<()> {
-        self.rotary(stream, "rotary_forward", x, d, 1.0)
+        self.rotary(stream, ("rotary_forward", "x"), x, d, 1.0)
     }
 
     /// `Backend::rotary_backward`, in place.
     pub fn rotary_backward(&self, stream: &CudaStream, dx: GpuView, d: RotaryDims) -> Result<()> {
-        self.rotary(stream, "rotary_backward", dx, d, -1.0)
+        self.rotary(stream, ("rotary_backward", "dx"), dx, d, -1.0)
     }
 
     fn check_qkv(
         k: &str,
+        // The arguments' names in the `Backend` method (errors use them).
+        [nqkv, nq, nk, nv]: [&str; 4],
         fused: &GpuView,
         q: &GpuView,
         kk: &GpuView,
         v: &GpuView,
         d: QkvDims,
     ) -> Result<i32> {
-        // The arguments' names in the `Backend` methods (errors use them).
-        let [nqkv, nq, nk, nv] = if k == "qkv_join" {
-            ["dqkv", "dq", "dk", "dv"]
-        } else {
-            ["qkv", "q", "k", "v"]
-        };
         let t = float(k, nqkv, fused)?;
         for (name, view) in [(nq, q), (nk, kk), (nv, v)] {
             same_dtype(k, (nqkv, fused.dtype), (name, view.dtype))?;
@@ -908,7 +902,8 @@ impl KernelSet {
         d: QkvDims,
     ) -> Result<()> {
         let k = "qkv_split";
-        let t = Self::check_qkv(k, &qkv, &q, &kk, &v, d)?;
+        let names = ["qkv", "q", "k", "v"];
+        let t = Self::check_qkv(k, names, &qkv, &q, &kk, &v, d)?;
         if qkv.len == 0 {
             return Ok(());
         }
@@ -932,7 +927,8 @@ impl KernelSet {
         d: QkvDims,
     ) -> Result<()> {
         let k = "qkv_join";
-        let t = Self::check_qkv(k, &dqkv, &dq, &dk, &dv, d)?;
+        let names = ["dqkv", "dq", "dk", "dv"];
+        let t = Self::check_qkv(k, names, &dqkv, &dq, &dk, &dv, d)?;
         if dqkv.len == 0 {
             return Ok(());
         }
@@ -1035,13 +1031,14 @@ impl KernelSet {
 
     // ---- loss -------------------------------------------------------------------------
 
-    fn check_loss(k: &str, probs: &GpuView, targets: &GpuView, d: LossDims) -> Result<()> {
-        // The argument's name in the `Backend` method (errors use it).
-        let name = if k == "cross_entropy_forward" {
-            "logits"
-        } else {
-            "probs"
-        };
+    /// `name`: the f32 matrix's argument name in the `Backend` method
+    /// (`logits` or `probs`), which errors use.
+    fn check_loss(
+        (k, name): (&str, &str),
+        probs: &GpuView,
+        targets: &GpuView,
+        d: LossDims,
+    ) -> Result<()> {
         exactly(k, name, probs, DType::F32)?;
         exactly(k, "targets", targets, DType::U32)?;
         len(k, name, probs, product(k, &[d.rows, d.vocab])?)?;
@@ -1058,7 +1055,7 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_forward";
-        Self::check_loss(k, &logits, &targets, d)?;
+        Self::check_loss((k, "logits"), &logits, &targets, d)?;
         exactly(k, "losses", &losses, DType::F32)?;
         len(k, "losses", &losses, d.rows)?;
         if d.vocab == 0 || d.rows == 0 {
@@ -1084,7 +1081,7 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_backward";
-        Self::check_loss(k, &probs, &targets, d)?;
+        Self::check_loss((k, "probs"), &probs, &targets, d)?;
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
