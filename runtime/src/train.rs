@@ -259,6 +259,12 @@ impl Prepared {
 /// checkpoint is read first: the settings it supplies are checked like
 /// the rest. The save root is made and locked last.
 pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
+    prepare_on(config, choose_device(config.device)?)
+}
+
+/// [`prepare`] on a device already chosen for `config.device` (the command
+/// line chooses it first, for its defaults, and probes the GPUs once).
+pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared> {
     let settled = checkpoint::settle(config)?;
     let config = &settled.config;
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
@@ -293,7 +299,6 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
             MAX_TIMEOUT.as_secs()
         ));
     }
-    let device = choose_device(config.device)?;
     let available = match (config.memory_available, &device) {
         (Some(bytes), _) => Some(AvailableMemory {
             bytes,

@@ -9,10 +9,10 @@ use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
-use hybridgen_runtime::platform::{DeviceChoice, choose_device};
+use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, choose_device};
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
-    DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare, train_prepared,
+    DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare_on, train_prepared,
 };
 use hybridgen_runtime::{Precision, RuntimeError};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -271,9 +271,9 @@ fn prepare_code(error: &RuntimeError) -> &'static str {
 /// left at their defaults.
 pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), Failure> {
     let json = args.format == FormatArg::Json;
-    let config = config(args, matches).map_err(|f| f.coded("invalid_config", json))?;
+    let (config, device) = config(args, matches).map_err(|f| f.coded("invalid_config", json))?;
     // Everything is checked before anything is printed or allocated.
-    let prepared = prepare(&config).map_err(|e| Failure::Coded {
+    let prepared = prepare_on(&config, device).map_err(|e| Failure::Coded {
         code: prepare_code(&e),
         message: runtime_message(&e),
         json,
@@ -452,9 +452,12 @@ fn left_out(matches: Option<&ArgMatches>) -> BTreeSet<RunSetting> {
         .collect()
 }
 
-/// Builds the run's configuration from the flags, refusing what cannot work
-/// before anything starts.
-fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig, Failure> {
+/// Builds the run's configuration from the flags, and the device it takes,
+/// refusing what cannot work before anything starts.
+fn config(
+    args: &TrainArgs,
+    matches: Option<&ArgMatches>,
+) -> Result<(TrainConfig, ChosenDevice), Failure> {
     let model = super::plan::resolve_model(
         args.pattern.as_deref(),
         args.model.as_ref(),
@@ -462,8 +465,8 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
     )?;
     let mut config = TrainConfig::new(model);
     // The device first: the defaults of --ranks, --ep and --precision
-    // depend on it. `prepare` resolves the same choice again (a probe is
-    // cheap and gives the same answer), and the banner says what it took.
+    // depend on it. The run takes the same one (`prepare_on`), so the GPUs
+    // are probed once.
     config.device = match args.device {
         DeviceArg::Auto => DeviceChoice::Auto,
         DeviceArg::Cpu => DeviceChoice::Cpu,
@@ -545,7 +548,7 @@ fn config(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<TrainConfig,
     config.trace = args.trace.clone();
     config.timeout = Duration::from_secs(args.timeout);
     config.memory_available = memory_override().map_err(Failure::Message)?;
-    Ok(config)
+    Ok((config, device))
 }
 
 fn runtime_message(error: &RuntimeError) -> String {
