@@ -49,7 +49,7 @@ pub struct QueueSet {
     sync_events: Mutex<Vec<RawEvent>>,
     timed_events: Mutex<Vec<RawEvent>>,
     /// How long a host wait on this GPU may take, and what else it checks.
-    timeout: RwLock<Duration>,
+    timeout: Duration,
     watch: RwLock<Option<Watch>>,
 }
 
@@ -67,7 +67,7 @@ impl QueueSet {
             streams: RwLock::new(Vec::new()),
             sync_events: Mutex::new(Vec::new()),
             timed_events: Mutex::new(Vec::new()),
-            timeout: RwLock::new(timeout),
+            timeout,
             watch: RwLock::new(None),
         }
     }
@@ -179,14 +179,6 @@ impl QueueSet {
         }
     }
 
-    pub fn set_timeout(&self, timeout: Duration) {
-        *self.timeout.write().unwrap_or_else(PoisonError::into_inner) = timeout;
-    }
-
-    pub(crate) fn timeout(&self) -> Duration {
-        *self.timeout.read().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Installs what bounded waits check besides the clock.
     pub fn set_watch(&self, watch: Watch) {
         *self.watch.write().unwrap_or_else(PoisonError::into_inner) = Some(watch);
@@ -199,7 +191,7 @@ impl QueueSet {
     pub(crate) fn wait_event(&self, event: RawEvent, what: &dyn Fn() -> String) -> Result<()> {
         self.bind()?;
         let start = Instant::now();
-        let timeout = self.timeout();
+        let timeout = self.timeout;
         let mut pause = Duration::from_micros(2);
         let mut polls = 0u32;
         loop {
