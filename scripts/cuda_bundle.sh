@@ -10,6 +10,7 @@
 #   bash gpu-bundle/run.sh LOGDIR tests    # only the tests
 #   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
 #   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
+#   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
 #
 # Tests that need more GPUs than the machine has say so and pass; so do the
 # benchmarks' two-GPU rows.
@@ -42,12 +43,14 @@ cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
+cp scripts/trace_breakdown.py "$bundle/"
 
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
 # ./logs); $2 is `tests` (with the launch-mode checks), `launch` (only
-# those), `bench` or `all` (default). NVLink multicast
+# those), `bench`, `profile` (where one GPU's step goes) or `all` (default,
+# without the profile). NVLink multicast
 # stays off (shared GPUs).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -148,7 +151,32 @@ launch_modes() {
   fi
 }
 
-if [ "$what" != bench ]; then
+# Where a step's time goes on one GPU: the benchmark model's trace summed
+# by layer piece (scripts/trace_breakdown.py), and a kernel table from
+# Nsight Systems where the machine has it.
+profile() {
+  local args=(train --device cuda --ranks 1 --ep 1 --format json --model "$here/models/hybrid-2048.toml"
+    --micro-batch-size 1 --micro-batches 4 --steps 4 --lr 3e-4 --warmup 4 --schedule plain)
+  "$here/hybridgen" "${args[@]}" --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1
+  python3 "$here/trace_breakdown.py" "$out/profile-trace.json" > "$out/profile-breakdown.txt" 2>&1
+  rm -f "$out/profile-trace.json"
+  if command -v nsys >/dev/null 2>&1; then
+    nsys profile -o "$out/profile" --force-overwrite true --stats=false \
+      "$here/hybridgen" "${args[@]}" --steps 2 > /dev/null 2>&1
+    nsys stats --report cuda_gpu_kern_sum --format csv "$out/profile.nsys-rep" \
+      > "$out/profile-kernels.csv" 2>&1
+    rm -f "$out/profile.nsys-rep" "$out/profile.sqlite"
+  else
+    echo "no nsys on this machine" > "$out/profile-kernels.csv"
+  fi
+  printf 'profile written: profile-breakdown.txt, profile-kernels.csv\n' >> "$out/summary.txt"
+}
+
+if [ "$what" = profile ]; then
+  profile
+fi
+
+if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = launch ]; then
   launch_modes 1
   launch_modes 2
 fi

@@ -1225,20 +1225,25 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 reference: None,
             });
         }
-        let piece = 4099;
-        cases.push(Case {
-            kernel: "sum_squares".into(),
-            mode: "f32",
-            shape: format!("{n} by {piece}"),
-            buffers: vec![
-                rng.floats(n, DType::F32),
-                nan(n.div_ceil(piece), DType::F64),
-            ],
-            outputs: vec![1],
-            cpu: Box::new(move |b, x| b.sum_squares(v(&x[0]), piece, m(&x[1]))),
-            gpu: Box::new(move |s, st, x| s.sum_squares(st, x[0], piece, x[1])),
-            reference: None,
-        });
+        // A piece short enough for one block, and pieces cut into tiles
+        // (the last one shorter than the rest).
+        for (len, piece) in [(n, 4099usize), (1_000_003, 400_000)] {
+            let scratch = KernelSet::sum_squares_scratch_len(len, piece).expect("scratch");
+            cases.push(Case {
+                kernel: "sum_squares".into(),
+                mode: "f32",
+                shape: format!("{len} by {piece}"),
+                buffers: vec![
+                    rng.floats(len, DType::F32),
+                    nan(len.div_ceil(piece), DType::F64),
+                    nan(scratch, DType::F64),
+                ],
+                outputs: vec![1],
+                cpu: Box::new(move |b, x| b.sum_squares(v(&x[0]), piece, m(&x[1]))),
+                gpu: Box::new(move |s, st, x| s.sum_squares(st, x[0], piece, x[1], x[2])),
+                reference: None,
+            });
+        }
     }
     cases.extend(attention_cases(seed));
     cases.extend(lookup_cases(seed));

@@ -13,7 +13,7 @@
 use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
-use super::launch::{self, GpuView, KernelSet};
+use super::launch::{self, AttentionGemmPlan, GpuView, KernelSet};
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
@@ -277,6 +277,14 @@ impl CudaBackend {
             return self.k().cast(self.s(), wide, c);
         }
         self.queue.blas.gemm(&self.gpu.queues, a, b, c, dims)
+    }
+
+    /// `len` elements of `dtype` from the arena for one call's scratch: the
+    /// view, and the buffer that must live until the call's work is
+    /// enqueued (dropping it fences the region on this queue's stream).
+    fn scratch(&self, len: usize, dtype: DType) -> Result<(GpuView, CudaBuf)> {
+        let buf = self.alloc(len, dtype)?;
+        Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
     }
 
     /// Bytes and host reads of a download: waits (bounded) for this queue,
@@ -734,8 +742,7 @@ impl Backend for CudaBackend {
         // Per-step partials of the backward, from the arena: a repeated
         // step allocates nothing.
         let len = KernelSet::ssd_scan_backward_scratch_len(dims)?;
-        let partials = self.alloc(len, DType::F32)?;
-        let scratch = GpuView::new(partials.device_ptr(), len, DType::F32);
+        let (scratch, _partials) = self.scratch(len, DType::F32)?;
         self.k().ssd_scan_backward(
             self.s(),
             inputs,
@@ -759,8 +766,25 @@ impl Backend for CudaBackend {
             k: self.v(inputs.k),
             v: self.v(inputs.v),
         };
-        self.k()
-            .attention_forward(self.s(), inputs, self.m(&out), self.m(&lse), dims)
+        let (out, lse) = (self.m(&out), self.m(&lse));
+        let Some(plan) = AttentionGemmPlan::new(dims, &[inputs.q, inputs.k, inputs.v, out]) else {
+            return self.k().attention_forward(self.s(), inputs, out, lse, dims);
+        };
+        // The GEMM path: tensor-core products through cuBLAS, scratch from
+        // the arena (a repeated step allocates nothing).
+        let (scores, _scores_buf) = self.scratch(plan.scores_len(dims), DType::F32)?;
+        let (probs, _probs_buf) = self.scratch(plan.scores_len(dims), plan.dtype)?;
+        self.k().attention_forward_gemm(
+            self.s(),
+            &self.queue.blas,
+            &self.gpu.queues,
+            inputs,
+            out,
+            lse,
+            dims,
+            plan,
+            (scores, probs),
+        )
     }
 
     fn attention_backward(
@@ -782,14 +806,31 @@ impl Backend for CudaBackend {
             k: self.m(&grads.k),
             v: self.m(&grads.v),
         };
-        self.k().attention_backward(
+        let (out, lse, dout) = (self.v(out), self.v(lse), self.v(dout));
+        let views = [
+            inputs.q, inputs.k, inputs.v, out, dout, grads.q, grads.k, grads.v,
+        ];
+        let Some(plan) = AttentionGemmPlan::new(dims, &views) else {
+            return self
+                .k()
+                .attention_backward(self.s(), inputs, out, lse, dout, grads, dims);
+        };
+        let (scores, _scores_buf) = self.scratch(plan.scores_len(dims), DType::F32)?;
+        let (probs, _probs_buf) = self.scratch(plan.scores_len(dims), plan.dtype)?;
+        let (k_len, v_len) = AttentionGemmPlan::accumulator_lens(dims);
+        let (acc_k, _acc_k_buf) = self.scratch(k_len, DType::F32)?;
+        let (acc_v, _acc_v_buf) = self.scratch(v_len, DType::F32)?;
+        self.k().attention_backward_gemm(
             self.s(),
+            &self.queue.blas,
+            &self.gpu.queues,
             inputs,
-            self.v(out),
-            self.v(lse),
-            self.v(dout),
+            (out, lse, dout),
             grads,
             dims,
+            plan,
+            (scores, probs),
+            (acc_k, acc_v),
         )
     }
 
@@ -1058,7 +1099,10 @@ impl Backend for CudaBackend {
     }
 
     fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
+        // Per-tile partials from the arena: a repeated step allocates nothing.
+        let len = KernelSet::sum_squares_scratch_len(x.len(), piece)?;
+        let (scratch, _partials) = self.scratch(len, DType::F64)?;
         self.k()
-            .sum_squares(self.s(), self.v(x), piece, self.m(&out))
+            .sum_squares(self.s(), self.v(x), piece, self.m(&out), scratch)
     }
 }

@@ -154,6 +154,117 @@ impl Blas {
     }
 }
 
+/// One row-major matrix of a strided batch: where item 0 starts (a device
+/// address), its dtype, the distance between its rows (`ld`) and between
+/// consecutive items (`stride`), both in elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StridedMatrix {
+    pub ptr: u64,
+    pub dtype: DType,
+    pub ld: usize,
+    pub stride: usize,
+}
+
+/// `C_i = alpha op(A_i) op(B_i) + beta C_i` for `batch` items, row-major:
+/// `op(A_i)` is `[m, k]` (`A_i` stored `[k, m]` when `a_trans`), `op(B_i)`
+/// `[k, n]`, `C_i` `[m, n]`. The caller checks that every item lies inside
+/// its buffer; `A` and `B` share a dtype.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StridedGemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: StridedMatrix,
+    pub a_trans: bool,
+    pub b: StridedMatrix,
+    pub b_trans: bool,
+    pub c: StridedMatrix,
+    pub alpha: f32,
+    pub beta: f32,
+    pub batch: usize,
+}
+
+impl Blas {
+    /// A strided batch of GEMMs (`cublasGemmStridedBatchedEx`), with the
+    /// same compute types as [`Blas::gemm`]: strict f32 for f32 operands,
+    /// f32 accumulation for bf16 ones.
+    ///
+    /// # Safety
+    /// Every item of `A`, `B` and `C` must lie inside a live device
+    /// allocation used on this handle's stream.
+    pub(crate) unsafe fn gemm_strided(&self, queues: &QueueSet, g: StridedGemm) -> Result<()> {
+        if g.m == 0 || g.n == 0 || g.batch == 0 {
+            return Ok(());
+        }
+        let int = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| {
+                RuntimeError::InvalidArgument(format!(
+                    "a batched cuBLAS GEMM: {what} = {v} is past cuBLAS's 32-bit limit"
+                ))
+            })
+        };
+        let long = |v: usize| v as std::ffi::c_longlong;
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let ty = |d: DType| match d {
+            DType::Bf16 => cudaDataType::CUDA_R_16BF,
+            _ => cudaDataType::CUDA_R_32F,
+        };
+        let compute = if g.a.dtype == DType::F32 {
+            cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
+        } else {
+            cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        // Column-major: C^T [n, m] = op(B)^T [n, k] op(A)^T [k, m]; a
+        // row-major matrix with row stride ld is a column-major one with
+        // leading dimension ld, so the strides carry over unchanged.
+        // SAFETY: the caller guarantees every item lies in live memory.
+        unsafe {
+            blas_sys::cublasGemmStridedBatchedEx(
+                self.handle,
+                op(g.b_trans),
+                op(g.a_trans),
+                int(g.n, "n")?,
+                int(g.m, "m")?,
+                int(g.k, "k")?,
+                (&g.alpha as *const f32).cast(),
+                g.b.ptr as *const c_void,
+                ty(g.b.dtype),
+                int(g.b.ld, "the leading dimension of B")?,
+                long(g.b.stride),
+                g.a.ptr as *const c_void,
+                ty(g.a.dtype),
+                int(g.a.ld, "the leading dimension of A")?,
+                long(g.a.stride),
+                (&g.beta as *const f32).cast(),
+                g.c.ptr as *mut c_void,
+                ty(g.c.dtype),
+                int(g.c.ld, "the leading dimension of C")?,
+                long(g.c.stride),
+                int(g.batch, "the batch")?,
+                compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+            .result()
+            .map_err(|e| {
+                blas_error(
+                    queues,
+                    &format!(
+                        "batched cuBLAS GEMM {} x {}x{}x{} ({} x {} -> {})",
+                        g.batch, g.m, g.n, g.k, g.a.dtype, g.b.dtype, g.c.dtype
+                    ),
+                    e,
+                )
+            })
+        }
+    }
+}
+
 impl Drop for Blas {
     fn drop(&mut self) {
         // SAFETY: created in `new`, destroyed once here.

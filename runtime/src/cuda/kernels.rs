@@ -54,7 +54,15 @@ pub const SOURCES: &[KernelSource] = &[
             "silu_mul_backward"
         ]
     ),
-    source!("reduce.cu", ["accumulate_sum", "column_sum", "sum_squares"]),
+    source!(
+        "reduce.cu",
+        [
+            "accumulate_sum",
+            "column_sum",
+            "sum_squares_tiles",
+            "sum_squares_pieces"
+        ]
+    ),
     source!(
         "rmsnorm.cu",
         [
@@ -114,6 +122,10 @@ pub const SOURCES: &[KernelSource] = &[
             "attention_backward_dq",
             "attention_backward_dkdv"
         ]
+    ),
+    source!(
+        "attention_rows.cu",
+        ["attention_probs", "attention_scores_grad"]
     ),
     source!("lookup.cu", ["embedding_forward", "embedding_backward"]),
     source!(

@@ -50,16 +50,40 @@ extern "C" __global__ void column_sum(
     }
 }
 
-// out[b] = sum of x[i]^2 over piece b (elements [b*piece, min((b+1)*piece, n))),
-// in f64. One block per piece.
-extern "C" __global__ void sum_squares(const float* x, u64 n, u64 piece, double* out) {
+// The gradient norm's partials, `Backend::sum_squares`: out[b] = sum of
+// x[i]^2 over piece b (elements [b*piece, min((b+1)*piece, n))), in f64.
+// A piece is a whole bucket (up to hundreds of millions of elements), so
+// one block per piece would leave all but a few SMs idle: each piece is cut
+// into `tiles` spans of ceil(piece / tiles) elements, a block sums each
+// span into `partials[b * tiles + t]`, and `sum_squares_pieces` adds every
+// piece's tiles in a fixed tree. The shape depends on the sizes only, so
+// equal inputs give equal bits.
+extern "C" __global__ void sum_squares_tiles(
+    const float* x, u64 n, u64 piece, u64 tiles, double* partials) {
     __shared__ double scratch[32];
-    const u64 start = static_cast<u64>(blockIdx.x) * piece;
-    const u64 end = min(start + piece, n);
+    const u64 b = blockIdx.x / tiles;
+    const u64 t = blockIdx.x % tiles;
+    const u64 span = (piece + tiles - 1) / tiles;
+    const u64 piece_end = min((b + 1) * piece, n);
+    const u64 start = min(b * piece + t * span, piece_end);
+    const u64 end = min(start + span, piece_end);
     double sum = 0.0;
     for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
         const double v = static_cast<double>(x[i]);
         sum += v * v;
+    }
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = sum;
+    }
+}
+
+// out[b] = sum over t < tiles of partials[b * tiles + t]: one block a piece.
+extern "C" __global__ void sum_squares_pieces(const double* partials, u64 tiles, double* out) {
+    __shared__ double scratch[32];
+    double sum = 0.0;
+    for (u64 t = threadIdx.x; t < tiles; t += blockDim.x) {
+        sum += partials[static_cast<u64>(blockIdx.x) * tiles + t];
     }
     sum = block_sum(sum, scratch);
     if (threadIdx.x == 0) {

@@ -11,6 +11,8 @@
 
 use super::{GpuView, KernelSet, as_u32, ensure, exactly, float, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
+use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
+use crate::cuda::queue::QueueSet;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::{CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -269,4 +271,460 @@ impl KernelSet {
         }
         Ok(())
     }
+}
+
+// ---- the GEMM path ----------------------------------------------------------------
+
+/// The most scratch (scores in f32 plus probabilities in the activations'
+/// dtype) one batched call of the GEMM path takes. It bounds how many KV
+/// heads a call batches; a sequence whose one KV head alone does not fit
+/// (past about 9,400 tokens in bf16) takes the tiled kernels instead. The
+/// GPU's fixed memory overhead in the memory plan covers it.
+pub const ATTENTION_GEMM_SCRATCH_BYTES: usize = 512 << 20;
+
+/// How [`KernelSet::attention_forward_gemm`] and
+/// [`KernelSet::attention_backward_gemm`] cut a problem: the dtype every
+/// operand shares and the KV heads each batched call takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionGemmPlan {
+    pub dtype: DType,
+    pub kv_heads_per_call: usize,
+}
+
+impl AttentionGemmPlan {
+    /// The plan for `dims` when every view shares one float dtype and one
+    /// KV head's scratch fits [`ATTENTION_GEMM_SCRATCH_BYTES`]; `None`
+    /// sends the problem to the tiled kernels.
+    pub fn new(dims: AttentionDims, views: &[GpuView]) -> Option<AttentionGemmPlan> {
+        let dtype = views.first()?.dtype;
+        if !matches!(dtype, DType::F32 | DType::Bf16) || views.iter().any(|v| v.dtype != dtype) {
+            return None;
+        }
+        let per_head = dims
+            .tokens
+            .seq
+            .checked_mul(dims.tokens.seq)?
+            .checked_mul(DType::F32.bytes() + dtype.bytes())?;
+        let fit = ATTENTION_GEMM_SCRATCH_BYTES / per_head.max(1);
+        (fit > 0 && dims.kv_heads > 0).then(|| AttentionGemmPlan {
+            dtype,
+            kv_heads_per_call: fit.min(dims.kv_heads),
+        })
+    }
+
+    /// Elements of the two `[kv_heads_per_call, seq, seq]` scratch buffers:
+    /// scores (f32) and probabilities (`dtype`).
+    pub fn scores_len(&self, dims: AttentionDims) -> usize {
+        self.kv_heads_per_call * dims.tokens.seq * dims.tokens.seq
+    }
+
+    /// Elements of the backward's f32 accumulators of one sequence's key
+    /// and value gradients, `[seq, kv_heads, qk_dim]` and `[seq, kv_heads,
+    /// v_dim]` (summed over a group's query heads before one rounding).
+    pub fn accumulator_lens(dims: AttentionDims) -> (usize, usize) {
+        let per_row = dims.tokens.seq * dims.kv_heads;
+        (per_row * dims.qk_dim, per_row * dims.v_dim)
+    }
+}
+
+/// `view` from element `offset` on.
+fn at(view: GpuView, offset: usize) -> GpuView {
+    GpuView::new(
+        view.ptr + (offset * view.dtype.bytes()) as u64,
+        view.len.saturating_sub(offset),
+        view.dtype,
+    )
+}
+
+/// A strided batch over heads: item `i` at `offset + i * stride` of `view`,
+/// rows `ld` apart.
+fn heads(view: GpuView, offset: usize, ld: usize, stride: usize) -> StridedMatrix {
+    StridedMatrix {
+        ptr: at(view, offset).ptr,
+        dtype: view.dtype,
+        ld,
+        stride,
+    }
+}
+
+/// Where one batched call works: sequence `b`, query head `j` of every
+/// group, KV heads `[g0, g0 + count)`.
+#[derive(Clone, Copy)]
+struct Slab {
+    b: usize,
+    j: usize,
+    g0: usize,
+    count: usize,
+}
+
+/// The shapes every call of the GEMM path shares.
+struct GemmShape {
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    group: usize,
+    qk: usize,
+    v: usize,
+    scale: f32,
+}
+
+impl GemmShape {
+    fn new(d: AttentionDims) -> GemmShape {
+        GemmShape {
+            seq: d.tokens.seq,
+            heads: d.heads,
+            kv_heads: d.kv_heads,
+            group: d.heads / d.kv_heads,
+            qk: d.qk_dim,
+            v: d.v_dim,
+            scale: d.scale,
+        }
+    }
+
+    /// The slab's query heads in a `[rows, heads, width]` tensor.
+    fn query(&self, view: GpuView, s: Slab, width: usize) -> StridedMatrix {
+        let first = (s.b * self.seq * self.heads + s.g0 * self.group + s.j) * width;
+        heads(view, first, self.heads * width, self.group * width)
+    }
+
+    /// The slab's KV heads in a `[rows, kv_heads, width]` tensor.
+    fn key(&self, view: GpuView, s: Slab, width: usize) -> StridedMatrix {
+        let first = (s.b * self.seq * self.kv_heads + s.g0) * width;
+        heads(view, first, self.kv_heads * width, width)
+    }
+
+    /// The slab's KV heads in a one-sequence `[seq, kv_heads, width]`
+    /// accumulator.
+    fn accumulator(&self, view: GpuView, s: Slab, width: usize) -> StridedMatrix {
+        heads(view, s.g0 * width, self.kv_heads * width, width)
+    }
+
+    /// `[count, seq, seq]` scratch.
+    fn square(&self, view: GpuView) -> StridedMatrix {
+        heads(view, 0, self.seq, self.seq * self.seq)
+    }
+
+    fn gemm(
+        &self,
+        s: Slab,
+        (m, n, k): (usize, usize, usize),
+        (a, a_trans): (StridedMatrix, bool),
+        (b, b_trans): (StridedMatrix, bool),
+        c: StridedMatrix,
+        (alpha, beta): (f32, f32),
+    ) -> StridedGemm {
+        StridedGemm {
+            m,
+            n,
+            k,
+            a,
+            a_trans,
+            b,
+            b_trans,
+            c,
+            alpha,
+            beta,
+            batch: s.count,
+        }
+    }
+
+    /// `scores = scale q k^T` for the slab.
+    fn scores(&self, s: Slab, q: GpuView, k: GpuView, scores: GpuView) -> StridedGemm {
+        self.gemm(
+            s,
+            (self.seq, self.seq, self.qk),
+            (self.query(q, s, self.qk), false),
+            (self.key(k, s, self.qk), true),
+            self.square(scores),
+            (self.scale, 0.0),
+        )
+    }
+
+    /// Every slab of the problem, in the fixed order the backward's sums
+    /// over a group's query heads follow.
+    fn slabs(&self, batch: usize, per_call: usize) -> impl Iterator<Item = Slab> + '_ {
+        (0..batch).flat_map(move |b| {
+            (0..self.kv_heads).step_by(per_call).flat_map(move |g0| {
+                let count = per_call.min(self.kv_heads - g0);
+                (0..self.group).map(move |j| Slab { b, j, g0, count })
+            })
+        })
+    }
+}
+
+impl KernelSet {
+    /// Launches one row kernel of `attention_rows.cu` over the slab's
+    /// `count * seq` rows.
+    fn row_blocks(&self, kernel: &str, shape: &GemmShape, s: Slab) -> Result<LaunchConfig> {
+        let rows = product(kernel, &[s.count, shape.seq])?;
+        ensure(rows <= MAX_GRID_X, || {
+            format!("{kernel}: {rows} rows exceed a CUDA grid")
+        })?;
+        Ok(LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (super::reduce_threads(shape.seq, THREADS), 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn probs(
+        &self,
+        stream: &CudaStream,
+        shape: &GemmShape,
+        s: Slab,
+        scores: GpuView,
+        probs: GpuView,
+        lse: GpuView,
+        find: bool,
+    ) -> Result<()> {
+        let kn = "attention_probs";
+        let config = self.row_blocks(kn, shape, s)?;
+        let first = s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j;
+        let lse = at(lse, first);
+        let (pt, seq) = (super::dtype_tag(probs.dtype), as_u32(kn, "seq", shape.seq)?);
+        let (row, item) = (
+            as_u32(kn, "heads", shape.heads)?,
+            as_u32(kn, "group", shape.group)?,
+        );
+        let find = i32::from(find);
+        let mut b = stream.launch_builder(self.function(kn)?);
+        b.arg(&scores.ptr).arg(&probs.ptr).arg(&pt).arg(&lse.ptr);
+        b.arg(&seq).arg(&row).arg(&item).arg(&find);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::attention_forward` through cuBLAS (see
+    /// [`AttentionGemmPlan`]): per sequence, per query head of a group, a
+    /// strided batch over KV heads of `scale q k^T`, the causal softmax
+    /// (`attention_probs`, which stores `lse`) and `p v`. `scores` and
+    /// `probs` hold [`AttentionGemmPlan::scores_len`] elements (f32 and the
+    /// plan's dtype).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_forward_gemm(
+        &self,
+        stream: &CudaStream,
+        blas: &Blas,
+        queues: &QueueSet,
+        inputs: AttentionInputs<GpuView>,
+        out: GpuView,
+        lse: GpuView,
+        dims: AttentionDims,
+        plan: AttentionGemmPlan,
+        (scores, probs): (GpuView, GpuView),
+    ) -> Result<()> {
+        let kn = "attention_forward";
+        let AttentionInputs { q, k, v } = inputs;
+        let rows = validate(kn, dims, &q, &k, &v)?;
+        exactly(kn, "lse", &lse, DType::F32)?;
+        len(
+            kn,
+            "out",
+            &out,
+            product(kn, &[rows, dims.heads, dims.v_dim])?,
+        )?;
+        len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
+        check_scratch(kn, dims, plan, scores, probs)?;
+        for (name, view) in [("q", &q), ("k", &k), ("v", &v), ("out", &out)] {
+            exactly(kn, name, view, plan.dtype)?;
+        }
+        if rows == 0 || dims.heads == 0 {
+            return Ok(());
+        }
+        let shape = GemmShape::new(dims);
+        for s in shape.slabs(dims.tokens.batch, plan.kv_heads_per_call) {
+            // SAFETY (each GEMM): the slab's items lie inside q, k, v, out
+            // and the scratch, whose lengths were checked above.
+            unsafe { blas.gemm_strided(queues, shape.scores(s, q, k, scores))? };
+            self.probs(stream, &shape, s, scores, probs, lse, true)?;
+            let pv = shape.gemm(
+                s,
+                (shape.seq, shape.v, shape.seq),
+                (shape.square(probs), false),
+                (shape.key(v, s, shape.v), false),
+                shape.query(out, s, shape.v),
+                (1.0, 0.0),
+            );
+            unsafe { blas.gemm_strided(queues, pv)? };
+        }
+        Ok(())
+    }
+
+    /// `Backend::attention_backward` through cuBLAS: per slab, the scores
+    /// again and the probabilities from `lse` (the forward's bits), `dv +=
+    /// p^T dout`, `dp = dout v^T`, `ds = p (dp - dout . out)`
+    /// (`attention_scores_grad`, over the probabilities), `dq = scale ds k`
+    /// and `dk += scale ds^T q`. The key and value gradients of a sequence
+    /// sum over the group's query heads in f32 accumulators (`acc_k`,
+    /// `acc_v`, [`AttentionGemmPlan::accumulator_lens`]) in head order, then
+    /// round once into `grads.k` and `grads.v`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_backward_gemm(
+        &self,
+        stream: &CudaStream,
+        blas: &Blas,
+        queues: &QueueSet,
+        inputs: AttentionInputs<GpuView>,
+        (out, lse, dout): (GpuView, GpuView, GpuView),
+        grads: AttentionInputs<GpuView>,
+        dims: AttentionDims,
+        plan: AttentionGemmPlan,
+        (scores, probs): (GpuView, GpuView),
+        (acc_k, acc_v): (GpuView, GpuView),
+    ) -> Result<()> {
+        let kn = "attention_backward";
+        let AttentionInputs { q, k, v } = inputs;
+        let rows = validate(kn, dims, &q, &k, &v)?;
+        exactly(kn, "lse", &lse, DType::F32)?;
+        len(
+            kn,
+            "out",
+            &out,
+            product(kn, &[rows, dims.heads, dims.v_dim])?,
+        )?;
+        len(kn, "dout", &dout, out.len)?;
+        len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
+        len(kn, "grads.q", &grads.q, q.len)?;
+        len(kn, "grads.k", &grads.k, k.len)?;
+        len(kn, "grads.v", &grads.v, v.len)?;
+        check_scratch(kn, dims, plan, scores, probs)?;
+        let (k_len, v_len) = AttentionGemmPlan::accumulator_lens(dims);
+        exactly(kn, "the key accumulator", &acc_k, DType::F32)?;
+        exactly(kn, "the value accumulator", &acc_v, DType::F32)?;
+        len(kn, "the key accumulator", &acc_k, k_len)?;
+        len(kn, "the value accumulator", &acc_v, v_len)?;
+        let operands = [
+            ("q", &q),
+            ("k", &k),
+            ("v", &v),
+            ("out", &out),
+            ("dout", &dout),
+        ];
+        let gradients = [
+            ("grads.q", &grads.q),
+            ("grads.k", &grads.k),
+            ("grads.v", &grads.v),
+        ];
+        for (name, view) in operands.into_iter().chain(gradients) {
+            exactly(kn, name, view, plan.dtype)?;
+        }
+        if rows == 0 || dims.heads == 0 {
+            return Ok(());
+        }
+        let shape = GemmShape::new(dims);
+        let (pt, ot) = (super::dtype_tag(plan.dtype), super::dtype_tag(plan.dtype));
+        let seq = as_u32(kn, "seq", shape.seq)?;
+        let o_row = as_u32(kn, "heads x v dim", shape.heads * shape.v)?;
+        let o_item = as_u32(kn, "group x v dim", shape.group * shape.v)?;
+        let v_dim = as_u32(kn, "v dim", shape.v)?;
+        let mut last_b = None;
+        for s in shape.slabs(dims.tokens.batch, plan.kv_heads_per_call) {
+            if last_b.is_some_and(|b| b != s.b) {
+                self.store_kv_grads(stream, &shape, last_b.unwrap_or(0), grads, (acc_k, acc_v))?;
+            }
+            last_b = Some(s.b);
+            let beta = if s.j == 0 { 0.0 } else { 1.0 };
+            // SAFETY (each GEMM): the slab's items lie inside the views and
+            // the scratch, whose lengths were checked above.
+            unsafe { blas.gemm_strided(queues, shape.scores(s, q, k, scores))? };
+            self.probs(stream, &shape, s, scores, probs, lse, false)?;
+            let dv = shape.gemm(
+                s,
+                (shape.seq, shape.v, shape.seq),
+                (shape.square(probs), true),
+                (shape.query(dout, s, shape.v), false),
+                shape.accumulator(acc_v, s, shape.v),
+                (1.0, beta),
+            );
+            unsafe { blas.gemm_strided(queues, dv)? };
+            let dp = shape.gemm(
+                s,
+                (shape.seq, shape.seq, shape.v),
+                (shape.query(dout, s, shape.v), false),
+                (shape.key(v, s, shape.v), true),
+                shape.square(scores),
+                (1.0, 0.0),
+            );
+            unsafe { blas.gemm_strided(queues, dp)? };
+            let kg = "attention_scores_grad";
+            let config = self.row_blocks(kg, &shape, s)?;
+            let first = (s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j) * shape.v;
+            let (dout_s, out_s) = (at(dout, first), at(out, first));
+            let mut b = stream.launch_builder(self.function(kg)?);
+            b.arg(&scores.ptr).arg(&probs.ptr).arg(&pt);
+            b.arg(&dout_s.ptr).arg(&ot).arg(&out_s.ptr).arg(&ot);
+            b.arg(&seq).arg(&o_row).arg(&o_item).arg(&v_dim);
+            self.go(kg, &mut b, config)?;
+            let dq = shape.gemm(
+                s,
+                (shape.seq, shape.qk, shape.seq),
+                (shape.square(probs), false),
+                (shape.key(k, s, shape.qk), false),
+                shape.query(grads.q, s, shape.qk),
+                (shape.scale, 0.0),
+            );
+            unsafe { blas.gemm_strided(queues, dq)? };
+            let dk = shape.gemm(
+                s,
+                (shape.seq, shape.qk, shape.seq),
+                (shape.square(probs), true),
+                (shape.query(q, s, shape.qk), false),
+                shape.accumulator(acc_k, s, shape.qk),
+                (shape.scale, beta),
+            );
+            unsafe { blas.gemm_strided(queues, dk)? };
+        }
+        if let Some(b) = last_b {
+            self.store_kv_grads(stream, &shape, b, grads, (acc_k, acc_v))?;
+        }
+        Ok(())
+    }
+
+    /// Rounds sequence `b`'s accumulated key and value gradients into
+    /// `grads.k` and `grads.v` (its rows are contiguous there).
+    fn store_kv_grads(
+        &self,
+        stream: &CudaStream,
+        shape: &GemmShape,
+        b: usize,
+        grads: AttentionInputs<GpuView>,
+        (acc_k, acc_v): (GpuView, GpuView),
+    ) -> Result<()> {
+        let per_seq = shape.seq * shape.kv_heads;
+        for (acc, grad, width) in [(acc_k, grads.k, shape.qk), (acc_v, grads.v, shape.v)] {
+            let n = per_seq * width;
+            let dst = GpuView::new(at(grad, b * n).ptr, n, grad.dtype);
+            self.cast(stream, GpuView::new(acc.ptr, n, acc.dtype), dst)?;
+        }
+        Ok(())
+    }
+}
+
+/// The scratch of a GEMM-path call: scores in f32 and probabilities in the
+/// plan's dtype, [`AttentionGemmPlan::scores_len`] elements each.
+fn check_scratch(
+    kernel: &str,
+    dims: AttentionDims,
+    plan: AttentionGemmPlan,
+    scores: GpuView,
+    probs: GpuView,
+) -> Result<()> {
+    exactly(kernel, "the scores scratch", &scores, DType::F32)?;
+    exactly(kernel, "the probabilities scratch", &probs, plan.dtype)?;
+    ensure(
+        plan.kv_heads_per_call > 0 && plan.kv_heads_per_call <= dims.kv_heads,
+        || {
+            format!(
+                "{kernel}: a plan of {} KV heads a call for {} KV heads",
+                plan.kv_heads_per_call, dims.kv_heads
+            )
+        },
+    )?;
+    len(kernel, "the scores scratch", &scores, plan.scores_len(dims))?;
+    len(
+        kernel,
+        "the probabilities scratch",
+        &probs,
+        plan.scores_len(dims),
+    )
 }

@@ -35,6 +35,7 @@ use std::fmt;
 use std::sync::Arc;
 
 mod attention;
+pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan};
 mod lookup;
 
 /// A view of device memory as a kernel takes it.
@@ -176,6 +177,18 @@ fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
 /// reduction tree is too.
 fn reduce_threads(n: usize, max: u32) -> u32 {
     (n.max(32).next_power_of_two() as u64).min(u64::from(max)) as u32
+}
+
+/// Tiles a piece of `sum_squares` is cut into: spans of at least
+/// `SUM_SQUARES_SPAN` elements (64 per thread of a 256-thread block), and at
+/// most `SUM_SQUARES_MAX_TILES` (8 blocks per SM of an H200), so a bucket of
+/// any size keeps every SM reading at full bandwidth.
+fn sum_squares_tiles(piece: usize) -> usize {
+    const SUM_SQUARES_SPAN: usize = 16_384;
+    const SUM_SQUARES_MAX_TILES: usize = 1_056;
+    piece
+        .div_ceil(SUM_SQUARES_SPAN)
+        .clamp(1, SUM_SQUARES_MAX_TILES)
 }
 
 /// The column-sum shape: 32 columns by 32 row slices a block.
@@ -545,29 +558,50 @@ impl KernelSet {
         self.go(k, &mut b, per_item(1, reduce_threads(x.len, 1024))?)
     }
 
-    /// `Backend::sum_squares`: per-piece sums of squares in f64.
+    /// The f64 scratch `sum_squares` needs for `len` elements in pieces of
+    /// `piece`: one partial per tile of every piece.
+    pub fn sum_squares_scratch_len(len: usize, piece: usize) -> Result<usize> {
+        let k = "sum_squares";
+        ensure(piece > 0, || {
+            format!("{k}: pieces must hold at least one element")
+        })?;
+        product(k, &[len.div_ceil(piece), sum_squares_tiles(piece)])
+    }
+
+    /// `Backend::sum_squares`: per-piece sums of squares in f64, each piece
+    /// cut into tiles summed by a block each (`sum_squares_tiles`), then the
+    /// tiles added per piece in a fixed order (`sum_squares_pieces`).
+    /// `scratch` holds [`Self::sum_squares_scratch_len`] f64s.
     pub fn sum_squares(
         &self,
         stream: &CudaStream,
         x: GpuView,
         piece: usize,
         out: GpuView,
+        scratch: GpuView,
     ) -> Result<()> {
         let k = "sum_squares";
         exactly(k, "x", &x, DType::F32)?;
         exactly(k, "out", &out, DType::F64)?;
-        ensure(piece > 0, || {
-            format!("{k}: pieces must hold at least one element")
-        })?;
+        exactly(k, "scratch", &scratch, DType::F64)?;
+        let partials = Self::sum_squares_scratch_len(x.len, piece)?;
         let pieces = x.len.div_ceil(piece);
         len(k, "out", &out, pieces)?;
+        len(k, "scratch", &scratch, partials)?;
         if pieces == 0 {
             return Ok(());
         }
-        let (n, p) = (x.len as u64, piece as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
-        b.arg(&x.ptr).arg(&n).arg(&p).arg(&out.ptr);
-        self.go(k, &mut b, per_item(pieces, reduce_threads(piece, 256))?)
+        let tiles = sum_squares_tiles(piece);
+        let (n, p, t) = (x.len as u64, piece as u64, tiles as u64);
+        let span = piece.div_ceil(tiles);
+        let tk = "sum_squares_tiles";
+        let mut b = stream.launch_builder(self.function(tk)?);
+        b.arg(&x.ptr).arg(&n).arg(&p).arg(&t).arg(&scratch.ptr);
+        self.go(tk, &mut b, per_item(partials, reduce_threads(span, 256))?)?;
+        let pk = "sum_squares_pieces";
+        let mut b = stream.launch_builder(self.function(pk)?);
+        b.arg(&scratch.ptr).arg(&t).arg(&out.ptr);
+        self.go(pk, &mut b, per_item(pieces, reduce_threads(tiles, 256))?)
     }
 
     // ---- normalisation and activations -----------------------------------------
