@@ -8,6 +8,8 @@
 #   scripts/cuda_bundle.sh                 # here: build and collect
 #   bash gpu-bundle/run.sh LOGDIR          # there: tests and benchmarks
 #   bash gpu-bundle/run.sh LOGDIR tests    # only the tests
+#   TESTS="cuda_backend cuda_training" bash gpu-bundle/run.sh LOGDIR tests
+#                                          # only those test binaries
 #   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
 #   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
 #   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
@@ -58,6 +60,7 @@ out=${1:-$here/logs}
 what=${2:-all}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH="$PATH:/usr/local/cuda/bin"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export HYBRIDGEN_CUDA_INCLUDE="${HYBRIDGEN_CUDA_INCLUDE:-/usr/local/cuda/include}"
 export HYBRIDGEN_KERNEL_CACHE="${HYBRIDGEN_KERNEL_CACHE:-$out/kernel-cache}"
@@ -80,6 +83,9 @@ status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   for test in "$here"/bin/*; do
     name=$(basename "$test")
+    if [ -n "${TESTS:-}" ] && [[ " $TESTS " != *" $name "* ]]; then
+      continue
+    fi
     start=$(date +%s%N)
     "$test" --nocapture --test-threads=1 > "$out/$name.log" 2>&1
     rc=$?
@@ -156,18 +162,25 @@ launch_modes() {
 # Nsight Systems where the machine has it.
 profile() {
   local args=(train --device cuda --ranks 1 --ep 1 --format json --model "$here/models/hybrid-2048.toml"
-    --micro-batch-size 1 --micro-batches 4 --steps 4 --lr 3e-4 --warmup 4 --schedule plain)
-  "$here/hybridgen" "${args[@]}" --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1
+    --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule plain)
+  "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 4 --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1
   python3 "$here/trace_breakdown.py" "$out/profile-trace.json" > "$out/profile-breakdown.txt" 2>&1
   rm -f "$out/profile-trace.json"
+  # Per-kernel GPU time: Nsight Systems over 2 steps where the machine has
+  # it, else Nsight Compute timing one pass of each kernel of one
+  # micro-batch's step (it serialises and replays every launch: slow).
   if command -v nsys >/dev/null 2>&1; then
     nsys profile -o "$out/profile" --force-overwrite true --stats=false \
-      "$here/hybridgen" "${args[@]}" --steps 2 > /dev/null 2>&1
+      "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 2 > /dev/null 2>&1
     nsys stats --report cuda_gpu_kern_sum --format csv "$out/profile.nsys-rep" \
       > "$out/profile-kernels.csv" 2>&1
     rm -f "$out/profile.nsys-rep" "$out/profile.sqlite"
+  elif command -v ncu >/dev/null 2>&1; then
+    timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel --csv \
+      "$here/hybridgen" "${args[@]}" --micro-batches 1 --steps 1 > "$out/profile-kernels.csv" \
+      2> "$out/profile-ncu.err"
   else
-    echo "no nsys on this machine" > "$out/profile-kernels.csv"
+    echo "no nsys or ncu on this machine" > "$out/profile-kernels.csv"
   fi
   printf 'profile written: profile-breakdown.txt, profile-kernels.csv\n' >> "$out/summary.txt"
 }

@@ -1383,6 +1383,9 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
             (2, 33, 2, 8, 1, 200, 10, false),
             (1, 50, 4, 64, 1, 128, 16, false),
             (1, 20, 24, 64, 1, 16, 8, false),
+            // Many chunks with decays near 1: the state gradient carried
+            // across chunks matters at every chunk.
+            (2, 700, 4, 64, 2, 128, 64, true),
         ] {
             let d = ScanDims {
                 tokens: Tokens::new(batch, seq),

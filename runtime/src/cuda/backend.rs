@@ -13,7 +13,7 @@
 use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
-use super::launch::{self, AttentionGemmPlan, GpuView, KernelSet};
+use super::launch::{self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet};
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
@@ -106,6 +106,7 @@ impl Gpu {
                 ops: AtomicU64::new(0),
             }),
             arena,
+            attention_scratch: ATTENTION_GEMM_SCRATCH_BYTES,
         })
     }
 
@@ -145,6 +146,9 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     pub(crate) queue: Arc<Queue>,
     arena: Arc<GpuArena>,
+    /// The most scratch one attention call of the GEMM path takes (see
+    /// [`AttentionGemmPlan`]).
+    attention_scratch: usize,
 }
 
 impl CudaBackend {
@@ -166,7 +170,18 @@ impl CudaBackend {
     pub fn on_new_queue(&self, name: &str) -> Result<CudaBackend> {
         let mut backend = self.gpu.backend(name)?;
         backend.arena = self.arena.clone();
+        backend.attention_scratch = self.attention_scratch;
         Ok(backend)
+    }
+
+    /// This backend with attention's GEMM path capped at `bytes` of
+    /// scratch a call: fewer KV heads batch into one call, and a sequence
+    /// whose one KV head needs more takes the tiled kernels (0: always).
+    /// Less memory for slower attention; the tests use it to reach every
+    /// path with small problems.
+    pub fn with_attention_scratch(mut self, bytes: usize) -> CudaBackend {
+        self.attention_scratch = bytes;
+        self
     }
 
     /// Waits (bounded by the GPU's timeout and watch) until everything
@@ -767,13 +782,19 @@ impl Backend for CudaBackend {
             v: self.v(inputs.v),
         };
         let (out, lse) = (self.m(&out), self.m(&lse));
-        let Some(plan) = AttentionGemmPlan::new(dims, &[inputs.q, inputs.k, inputs.v, out]) else {
+        let Some(plan) = AttentionGemmPlan::new(
+            dims,
+            &[inputs.q, inputs.k, inputs.v, out],
+            self.attention_scratch,
+        ) else {
             return self.k().attention_forward(self.s(), inputs, out, lse, dims);
         };
         // The GEMM path: tensor-core products through cuBLAS, scratch from
         // the arena (a repeated step allocates nothing).
         let (scores, _scores_buf) = self.scratch(plan.scores_len(dims), DType::F32)?;
-        let (probs, _probs_buf) = self.scratch(plan.scores_len(dims), plan.dtype)?;
+        let (probs, _probs_buf) = self.scratch(plan.probs_len(dims), plan.dtype)?;
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        let (acc_out, _acc_buf) = self.scratch(lens.out, DType::F32)?;
         self.k().attention_forward_gemm(
             self.s(),
             &self.queue.blas,
@@ -784,6 +805,7 @@ impl Backend for CudaBackend {
             dims,
             plan,
             (scores, probs),
+            acc_out,
         )
     }
 
@@ -810,16 +832,17 @@ impl Backend for CudaBackend {
         let views = [
             inputs.q, inputs.k, inputs.v, out, dout, grads.q, grads.k, grads.v,
         ];
-        let Some(plan) = AttentionGemmPlan::new(dims, &views) else {
+        let Some(plan) = AttentionGemmPlan::new(dims, &views, self.attention_scratch) else {
             return self
                 .k()
                 .attention_backward(self.s(), inputs, out, lse, dout, grads, dims);
         };
         let (scores, _scores_buf) = self.scratch(plan.scores_len(dims), DType::F32)?;
-        let (probs, _probs_buf) = self.scratch(plan.scores_len(dims), plan.dtype)?;
-        let (k_len, v_len) = AttentionGemmPlan::accumulator_lens(dims);
-        let (acc_k, _acc_k_buf) = self.scratch(k_len, DType::F32)?;
-        let (acc_v, _acc_v_buf) = self.scratch(v_len, DType::F32)?;
+        let (probs, _probs_buf) = self.scratch(plan.probs_len(dims), plan.dtype)?;
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        let (acc_q, _acc_q_buf) = self.scratch(lens.q, DType::F32)?;
+        let (acc_k, _acc_k_buf) = self.scratch(lens.k, DType::F32)?;
+        let (acc_v, _acc_v_buf) = self.scratch(lens.v, DType::F32)?;
         self.k().attention_backward_gemm(
             self.s(),
             &self.queue.blas,
@@ -830,7 +853,11 @@ impl Backend for CudaBackend {
             dims,
             plan,
             (scores, probs),
-            (acc_k, acc_v),
+            AttentionInputs {
+                q: acc_q,
+                k: acc_k,
+                v: acc_v,
+            },
         )
     }
 

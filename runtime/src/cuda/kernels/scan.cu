@@ -25,18 +25,29 @@
 // a per-step scalar recurrence. It runs only inside a chunk: at the first
 // step t0 of every chunk q_t0 is computed directly from the saved chunk
 // start (`a_t0 <G_t0, states[c]>`), so rounding never accumulates over
-// more than one chunk. The per-head quantities come from one block per
-// (sequence, head) (`ssd_scan_backward_head`), which recomputes each
-// chunk's states forward from `states` (readouts w_t) and then walks it
-// backwards with G; dB and dC, which sum over the group's heads and over P,
-// come from one block per (sequence, group, pair of state columns)
-// (`ssd_scan_backward_group`), which runs the two elementwise recurrences
-// again for its columns. Neither needs a history of states.
+// more than one chunk.
+//
+// Chunks run in parallel: S restarts from `states` at every chunk start,
+// and G at a chunk's end comes from the later chunks through the carry
+// K_c = a_t0' G_t0' (t0' the next chunk's first step; 0 after the last):
+// K_{c-1} = L_c + (prod_{t in c} a_t) K_c, where L_c is the chunk's own
+// contribution, G run through the chunk from zero
+// (`ssd_scan_chunk_carry`, one block per (sequence, chunk, head), then
+// `ssd_scan_carry_combine` over the chunks in reverse, per state element).
+// The per-head quantities come from one block per (sequence, head, chunk)
+// (`ssd_scan_backward_head`), which recomputes its chunk's states forward
+// from `states` (readouts w_t) and then walks it backwards with G from K_c;
+// the chunk's last q is <K_c, states[c + 1]>. dB and dC, which sum over the
+// group's heads and over P, come from one block per (sequence, group, pair
+// of state columns, chunk) (`ssd_scan_backward_group`), which runs the two
+// elementwise recurrences again for its columns. Neither needs a history of
+// states.
 //
 // Determinism: sums over N are per-lane sums in a fixed order then a warp
 // butterfly; sums over warps are per-step partials in shared memory added
 // in warp order; the q recurrence and the A and D gradients are sequential
-// in a fixed order (the batch sum last, in `ssd_scan_backward_params`).
+// in a fixed order (the chunk and batch sums last, in
+// `ssd_scan_backward_params`).
 #include "common.cuh"
 
 #define FULL_MASK 0xffffffffu
@@ -67,19 +78,27 @@ __device__ __forceinline__ void step_factors(float raw, float a, float* dt, floa
     *decay = expf(*dt * a);
 }
 
-// The backward's scratch (f32), `cuda::launch::scan::backward_scratch_len`:
+// The backward's scratch (f32), `KernelSet::ssd_scan_backward_scratch_len`:
 // [0, rows*H) dt, [rows*H, 2 rows*H) decay, [2 rows*H, 3 rows*H) readouts
-// w, then per (sequence, head) the A_log and D gradient partials.
+// w, then per (sequence, head, chunk) the A_log and D gradient partials
+// (2 each), per (sequence, chunk, head) the chunk's total decay, and the
+// carries K, `[batch, chunks, H, P, N]` like `states`.
 struct ScanScratch {
     float* dt;
     float* decay;
     float* readout;
     float* partials;
+    float* chunk_decay;
+    float* carry;
 };
 
-__device__ __forceinline__ ScanScratch scan_scratch(float* base, u64 rows, u64 heads) {
-    const u64 n = rows * heads;
-    return ScanScratch{base, base + n, base + 2 * n, base + 3 * n};
+__device__ __forceinline__ ScanScratch scan_scratch(
+    float* base, u64 batch, u64 seq, u64 heads, u64 chunks) {
+    const u64 n = batch * seq * heads;
+    const u64 per_chunk = batch * heads * chunks;
+    float* partials = base + 3 * n;
+    float* chunk_decay = partials + 2 * per_chunk;
+    return ScanScratch{base, base + n, base + 2 * n, partials, chunk_decay, chunk_decay + per_chunk};
 }
 
 // ---- forward --------------------------------------------------------------------
@@ -187,9 +206,9 @@ SCAN_FORWARD(ssd_scan_forward_n256, 8)
 // dt and decay of every (row, head), into the scratch.
 extern "C" __global__ void ssd_scan_factors(
     const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
-    int a_dtype, float* scratch, u64 rows, u64 heads) {
-    const ScanScratch sc = scan_scratch(scratch, rows, heads);
-    const u64 n = rows * heads;
+    int a_dtype, float* scratch, u64 batch, u64 seq, u64 heads, u64 chunks) {
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
+    const u64 n = batch * seq * heads;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 h = i % heads;
         const float a = -expf(load(a_log, a_dtype, h));
@@ -198,11 +217,131 @@ extern "C" __global__ void ssd_scan_factors(
     }
 }
 
-// One block per (sequence, head): blockIdx.x = b * H + h. Warp w holds the
-// state rows p = w + warps * j (j < J), lane l the columns n = l + 32k
-// (k < R): J * R <= HEAD_MAX_ELEMENTS elements of S and of G a thread.
-// Writes dx (the head's x columns of dxbc), d dt, and the sequence's A_log
-// and D gradient partials.
+// L_c of every chunk but the first (whose carry nothing reads): one block
+// per (sequence, chunk, head), blockIdx.x = (b * chunks + c) * H + h, laid
+// out as the head kernel (warp w holds rows p = w + warps j, lane l
+// columns n = l + 32k). G runs backwards through the chunk from zero,
+// exactly as the head kernel's loop: G += dy_t C_t^T, then G *= a_t. Writes
+// L_c into the carry slot of chunk c, and the chunk's total decay (the
+// product of its a_t, last step first).
+template <int R>
+__device__ __forceinline__ void scan_chunk_carry(
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, float* scratch, u64 batch,
+    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    constexpr int MAX_J = HEAD_MAX_ELEMENTS / R;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const u64 chunks = (seq + chunk - 1) / chunk;
+    const u64 h = blockIdx.x % heads;
+    const u64 c = (blockIdx.x / heads) % chunks;
+    const u64 b = blockIdx.x / (heads * chunks);
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
+    const u64 t0 = c * chunk;
+    const u64 t1 = min(t0 + chunk, seq);
+    if (c == 0) {
+        return;  // the whole block
+    }
+    const u64 d_inner = heads * head_dim;
+    const u64 width = d_inner + 2 * groups * state;
+    const u64 g = h / (heads / groups);
+    const u64 x_col = h * head_dim;
+    const u64 c_col = d_inner + (groups + g) * state;
+    const int rows_per_warp = static_cast<int>((head_dim + warps - 1) / warps);
+    const int P = static_cast<int>(head_dim);
+    const int N = static_cast<int>(state);
+    const auto row_p = [&](int j) { return warp + warps * j; };
+    const auto row_ok = [&](int j) { return j < rows_per_warp && row_p(j) < P; };
+    float gr[MAX_J][R];
+#pragma unroll
+    for (int j = 0; j < MAX_J; ++j) {
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            gr[j][k] = 0.0f;
+        }
+    }
+    float total = 1.0f;
+    for (u64 t = t1; t-- > t0;) {
+        const u64 r = b * seq + t;
+        const u64 row = r * width;
+        const float decay = sc.decay[r * heads + h];
+        float cn[R];
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const int n = lane + 32 * k;
+            cn[k] = n < N ? load(xbc, xbc_dtype, row + c_col + n) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_J; ++j) {
+            if (row_ok(j)) {
+                const float dyp = load(dy, dy_dtype, r * d_inner + x_col + row_p(j));
+#pragma unroll
+                for (int k = 0; k < R; ++k) {
+                    gr[j][k] = (gr[j][k] + dyp * cn[k]) * decay;
+                }
+            }
+        }
+        total *= decay;
+    }
+    float* out = sc.carry + ((b * chunks + c) * heads + h) * head_dim * state;
+#pragma unroll
+    for (int j = 0; j < MAX_J; ++j) {
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+            const int n = lane + 32 * k;
+            if (row_ok(j) && n < N) {
+                out[row_p(j) * state + n] = gr[j][k];
+            }
+        }
+    }
+    if (threadIdx.x == 0) {
+        sc.chunk_decay[(b * chunks + c) * heads + h] = total;
+    }
+}
+
+#define SCAN_CHUNK_CARRY(NAME, R)                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024) NAME(                                       \
+        const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, float* scratch, u64 batch,   \
+        u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {                      \
+        scan_chunk_carry<R>(xbc, xbc_dtype, dy, dy_dtype, scratch, batch, seq, heads, head_dim,    \
+                            groups, state, chunk);                                                 \
+    }
+
+SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n32, 1)
+SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n64, 2)
+SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n128, 4)
+SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n256, 8)
+
+// The carries K_c from the chunks' own L_c, per (sequence, head, state
+// element), last chunk first: K_last = 0, K_{c-1} = L_c + decay_c K_c
+// (overwriting L_c's slot with K_c as it goes).
+extern "C" __global__ void ssd_scan_carry_combine(
+    float* scratch, u64 batch, u64 seq, u64 heads, u64 head_dim, u64 state, u64 chunk) {
+    const u64 chunks = (seq + chunk - 1) / chunk;
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
+    const u64 pn = head_dim * state;
+    const u64 n = batch * heads * pn;
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const u64 e = i % pn;
+        const u64 h = (i / pn) % heads;
+        const u64 b = i / (pn * heads);
+        float carry = 0.0f;
+        for (u64 c = chunks; c-- > 0;) {
+            const u64 slot = ((b * chunks + c) * heads + h) * pn + e;
+            const float own = c > 0 ? sc.carry[slot] : 0.0f;
+            sc.carry[slot] = carry;
+            if (c > 0) {
+                carry = own + sc.chunk_decay[(b * chunks + c) * heads + h] * carry;
+            }
+        }
+    }
+}
+
+// One block per (sequence, head, chunk): blockIdx.x = (b * H + h) * chunks
+// + c. Warp w holds the state rows p = w + warps * j (j < J), lane l the
+// columns n = l + 32k (k < R): J * R <= HEAD_MAX_ELEMENTS elements of S and
+// of G a thread. Writes the chunk's dx (the head's x columns of dxbc) and
+// d dt, and its A_log and D gradient partials.
 template <int R>
 __device__ __forceinline__ void scan_backward_head(
     const void* xbc, int xbc_dtype, const void* dt_raw, int dt_dtype, const void* dt_bias,
@@ -221,18 +360,18 @@ __device__ __forceinline__ void scan_backward_head(
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    const u64 batch = gridDim.x / heads;
-    const u64 h = blockIdx.x % heads;
-    const u64 b = blockIdx.x / heads;
-    const u64 rows = batch * seq;
-    const ScanScratch sc = scan_scratch(scratch, rows, heads);
+    const u64 chunks = (seq + chunk - 1) / chunk;
+    const u64 batch = gridDim.x / (heads * chunks);
+    const u64 c = blockIdx.x % chunks;
+    const u64 h = (blockIdx.x / chunks) % heads;
+    const u64 b = blockIdx.x / (chunks * heads);
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
     const u64 d_inner = heads * head_dim;
     const u64 width = d_inner + 2 * groups * state;
     const u64 g = h / (heads / groups);
     const u64 x_col = h * head_dim;
     const u64 b_col = d_inner + g * state;
     const u64 c_col = d_inner + (groups + g) * state;
-    const u64 chunks = (seq + chunk - 1) / chunk;
     const u64 pn = head_dim * state;
     const int rows_per_warp = static_cast<int>((head_dim + warps - 1) / warps);
     const float a = -expf(load(a_log, a_dtype, h));
@@ -249,20 +388,32 @@ __device__ __forceinline__ void scan_backward_head(
     const auto row_ok = [&](int j) { return j < rows_per_warp && row_p(j) < P; };
     float s[MAX_J][R];
     float gr[MAX_J][R];
+    // G enters the chunk's last step as the carry K_c; the q after that
+    // step is a_t1 <G_t1, S_{t1-1}> = <K_c, states[c + 1]> (0 after the
+    // last chunk, whose carry is 0).
+    const float* carry = sc.carry + ((b * chunks + c) * heads + h) * pn;
+    const float* next_start =
+        states + ((b * chunks + min(c + 1, chunks - 1)) * heads + h) * pn;
+    float next_inner = 0.0f;
 #pragma unroll
     for (int j = 0; j < MAX_J; ++j) {
 #pragma unroll
         for (int k = 0; k < R; ++k) {
-            gr[j][k] = 0.0f;
+            const int n = lane + 32 * k;
+            const bool ok = row_ok(j) && n < N;
+            gr[j][k] = ok ? carry[row_p(j) * state + n] : 0.0f;
+            if (ok && c + 1 < chunks) {
+                next_inner += gr[j][k] * next_start[row_p(j) * state + n];
+            }
         }
     }
     // Thread 0 of warp 0 carries the q recurrence and the A gradient.
-    float q_next = 0.0f, d_a = 0.0f;
+    float q_next = block_sum(next_inner, sum_scratch), d_a = 0.0f;
     // Every lane of a warp holds its warp's sum of dy . x.
     float d_skip_sum = 0.0f;
     float anchor = 0.0f;
 
-    for (u64 c = chunks; c-- > 0;) {
+    {
         const u64 t0 = c * chunk;
         const u64 t1 = min(t0 + chunk, seq);
         const float* start = states + ((b * chunks + c) * heads + h) * pn;
@@ -426,8 +577,9 @@ __device__ __forceinline__ void scan_backward_head(
     // A = -exp(A_log), so dA/dA_log = A.
     const float skip_total = block_sum(lane == 0 ? d_skip_sum : 0.0f, sum_scratch);
     if (threadIdx.x == 0) {
-        sc.partials[(b * heads + h) * 2] = d_a * a;
-        sc.partials[(b * heads + h) * 2 + 1] = skip_total;
+        const u64 slot = ((b * heads + h) * chunks + c) * 2;
+        sc.partials[slot] = d_a * a;
+        sc.partials[slot + 1] = skip_total;
     }
 }
 
@@ -467,13 +619,15 @@ __device__ __forceinline__ void window_columns(
     }
 }
 
-// dB and dC: one block per (sequence, group, pair of state columns),
-// blockIdx.x = (b * G + g) * ceil(N / 2) + pair. The group's heads' rows
+// dB and dC: one block per (sequence, group, pair of state columns,
+// chunk), blockIdx.x = ((b * G + g) * ceil(N / 2) + pair) * chunks + c.
+// The group's heads' rows
 // q = hl * P + p (Q = H/G * P of them, contiguous in an `xbc` row) are
 // spread over the block: warp w, lane l holds q = l + 32 (w + warps j),
 // j < J <= GROUP_MAX_ROWS, for both columns. Forward, S from the chunk
 // starts gives dC_t[n] = sum_q S_t[q, n] dy_t[q]; backward, G gives
-// dB_t[n] = sum_q (dt_t G_t[q, n]) x_t[q].
+// dB_t[n] = sum_q (dt_t G_t[q, n]) x_t[q], G entering the chunk as its
+// carry.
 extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     const void* xbc, int xbc_dtype, const float* states, const void* dy, int dy_dtype, void* dxbc,
     int dxbc_dtype, float* scratch, u64 batch, u64 seq, u64 heads, u64 head_dim, u64 groups,
@@ -482,24 +636,26 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
+    const u64 chunks = (seq + chunk - 1) / chunk;
+    const u64 c_index = blockIdx.x % chunks;
+    const u64 t0 = c_index * chunk;
+    const u64 t1 = min(t0 + chunk, seq);
     const u64 pairs = (state + GROUP_COLUMNS - 1) / GROUP_COLUMNS;
-    const u64 n0 = (blockIdx.x % pairs) * GROUP_COLUMNS;
-    const u64 bg = blockIdx.x / pairs;
+    const u64 n0 = (blockIdx.x / chunks % pairs) * GROUP_COLUMNS;
+    const u64 bg = blockIdx.x / chunks / pairs;
     const u64 g = bg % groups;
     const u64 b = bg / groups;
     const u64 heads_per_group = heads / groups;
     const u64 q_count = heads_per_group * head_dim;
-    const u64 rows = batch * seq;
     const u64 d_inner = heads * head_dim;
     const u64 width = d_inner + 2 * groups * state;
     const u64 x_col = g * q_count;
     const u64 b_col = d_inner + g * state;
     const u64 c_col = d_inner + (groups + g) * state;
-    const u64 chunks = (seq + chunk - 1) / chunk;
     const u64 pn = head_dim * state;
     const int rows_per_thread =
         static_cast<int>((q_count + 32 * static_cast<u64>(warps) - 1) / (32 * static_cast<u64>(warps)));
-    const ScanScratch sc = scan_scratch(scratch, rows, heads);
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
 
     // Slot j of a thread holds pair q = lane + 32 (warp + warps j) when
     // j < rows_per_thread and q < Q (the launcher keeps Q below 2^31), whose
@@ -519,10 +675,10 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     }
     float v[GROUP_MAX_ROWS][GROUP_COLUMNS];
 
-    // Forward: S (restarting from every saved chunk start), dC.
-    u64 next_start = 0;
-    for (u64 w0 = 0; w0 < seq; w0 += WINDOW) {
-        const int steps = static_cast<int>(min(static_cast<u64>(WINDOW), seq - w0));
+    // Forward through the chunk: S (from its saved start), dC.
+    u64 next_start = t0;
+    for (u64 w0 = t0; w0 < t1; w0 += WINDOW) {
+        const int steps = static_cast<int>(min(static_cast<u64>(WINDOW), t1 - w0));
         for (int i = 0; i < steps; ++i) {
             const u64 t = w0 + i;
             const u64 r = b * seq + t;
@@ -574,16 +730,17 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
         __syncthreads();
     }
 
-    // Backward: G, dB.
+    // Backward through the chunk: G (from its carry), dB.
+    const float* carry = sc.carry + ((b * chunks + c_index) * heads + g * heads_per_group) * pn;
 #pragma unroll
     for (int j = 0; j < GROUP_MAX_ROWS; ++j) {
 #pragma unroll
         for (int c = 0; c < GROUP_COLUMNS; ++c) {
-            v[j][c] = 0.0f;
+            v[j][c] = q_ok(j) && col_ok[c] ? carry[q_of(j) * state + n0 + c] : 0.0f;
         }
     }
-    for (u64 w1 = seq; w1 > 0;) {
-        const u64 w0 = w1 > WINDOW ? w1 - WINDOW : 0;
+    for (u64 w1 = t1; w1 > t0;) {
+        const u64 w0 = w1 - t0 > WINDOW ? w1 - WINDOW : t0;
         const int steps = static_cast<int>(w1 - w0);
         for (int i = steps - 1; i >= 0; --i) {
             const u64 r = b * seq + w0 + i;
@@ -626,18 +783,24 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     }
 }
 
-// grads.a_log[h] += sum_b partial_a[b, h] and grads.d[h] += sum_b
-// partial_d[b, h], in sequence order (as the CPU adds each sequence's).
+// grads.a_log[h] += sum_b sum_c partial_a[b, h, c] and grads.d[h] += sum_b
+// sum_c partial_d[b, h, c]: each sequence's chunks summed (in order), then
+// added in sequence order (as the CPU adds each sequence's).
 extern "C" __global__ void ssd_scan_backward_params(
-    float* scratch, u64 batch, u64 seq, u64 heads, void* d_a_log, int a_dtype, void* d_d,
-    int d_dtype) {
-    const ScanScratch sc = scan_scratch(scratch, batch * seq, heads);
+    float* scratch, u64 batch, u64 seq, u64 heads, u64 chunks, void* d_a_log, int a_dtype,
+    void* d_d, int d_dtype) {
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
     for (u64 h = grid_start(); h < heads; h += grid_stride()) {
         float da = load(d_a_log, a_dtype, h);
         float dd = load(d_d, d_dtype, h);
         for (u64 b = 0; b < batch; ++b) {
-            da += sc.partials[(b * heads + h) * 2];
-            dd += sc.partials[(b * heads + h) * 2 + 1];
+            float sa = 0.0f, sd = 0.0f;
+            for (u64 c = 0; c < chunks; ++c) {
+                sa += sc.partials[((b * heads + h) * chunks + c) * 2];
+                sd += sc.partials[((b * heads + h) * chunks + c) * 2 + 1];
+            }
+            da += sa;
+            dd += sd;
         }
         store(d_a_log, a_dtype, h, da);
         store(d_d, d_dtype, h, dd);

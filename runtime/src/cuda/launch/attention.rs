@@ -275,8 +275,8 @@ impl KernelSet {
 
 // ---- the GEMM path ----------------------------------------------------------------
 
-/// The most scratch (scores in f32 plus probabilities in the activations'
-/// dtype) one batched call of the GEMM path takes. It bounds how many KV
+/// The most scratch (scores in f32 plus probabilities, 8 bytes an entry in
+/// f32 and in bf16) one batched call of the GEMM path takes. It bounds how many KV
 /// heads a call batches; a sequence whose one KV head alone does not fit
 /// (past about 9,400 tokens in bf16) takes the tiled kernels instead. The
 /// GPU's fixed memory overhead in the memory plan covers it.
@@ -293,38 +293,76 @@ pub struct AttentionGemmPlan {
 
 impl AttentionGemmPlan {
     /// The plan for `dims` when every view shares one float dtype and one
-    /// KV head's scratch fits [`ATTENTION_GEMM_SCRATCH_BYTES`]; `None`
-    /// sends the problem to the tiled kernels.
-    pub fn new(dims: AttentionDims, views: &[GpuView]) -> Option<AttentionGemmPlan> {
+    /// KV head's scratch fits `scratch_bytes` (the backend's cap, by default
+    /// [`ATTENTION_GEMM_SCRATCH_BYTES`]); `None` sends the problem to the
+    /// tiled kernels.
+    pub fn new(
+        dims: AttentionDims,
+        views: &[GpuView],
+        scratch_bytes: usize,
+    ) -> Option<AttentionGemmPlan> {
         let dtype = views.first()?.dtype;
         if !matches!(dtype, DType::F32 | DType::Bf16) || views.iter().any(|v| v.dtype != dtype) {
             return None;
         }
+        let split = if dtype == DType::Bf16 { 2 } else { 1 };
         let per_head = dims
             .tokens
             .seq
             .checked_mul(dims.tokens.seq)?
-            .checked_mul(DType::F32.bytes() + dtype.bytes())?;
-        let fit = ATTENTION_GEMM_SCRATCH_BYTES / per_head.max(1);
+            .checked_mul(DType::F32.bytes() + split * dtype.bytes())?;
+        let fit = scratch_bytes / per_head.max(1);
         (fit > 0 && dims.kv_heads > 0).then(|| AttentionGemmPlan {
             dtype,
             kv_heads_per_call: fit.min(dims.kv_heads),
         })
     }
 
-    /// Elements of the two `[kv_heads_per_call, seq, seq]` scratch buffers:
-    /// scores (f32) and probabilities (`dtype`).
+    /// Whether probabilities and score gradients are stored as a bf16
+    /// value and its bf16 remainder (see `attention_rows.cu`): in bf16.
+    pub fn split(&self) -> bool {
+        self.dtype == DType::Bf16
+    }
+
+    /// Elements of the f32 scores scratch, `[kv_heads_per_call, seq, seq]`.
     pub fn scores_len(&self, dims: AttentionDims) -> usize {
         self.kv_heads_per_call * dims.tokens.seq * dims.tokens.seq
     }
 
-    /// Elements of the backward's f32 accumulators of one sequence's key
-    /// and value gradients, `[seq, kv_heads, qk_dim]` and `[seq, kv_heads,
-    /// v_dim]` (summed over a group's query heads before one rounding).
-    pub fn accumulator_lens(dims: AttentionDims) -> (usize, usize) {
-        let per_row = dims.tokens.seq * dims.kv_heads;
-        (per_row * dims.qk_dim, per_row * dims.v_dim)
+    /// Elements (of `dtype`) of the probabilities scratch: one matrix like
+    /// the scores', two when [`AttentionGemmPlan::split`].
+    pub fn probs_len(&self, dims: AttentionDims) -> usize {
+        self.scores_len(dims) * if self.split() { 2 } else { 1 }
     }
+
+    /// Elements of the f32 accumulators of one sequence's query-side
+    /// results (the forward's `out` and the backward's query gradient),
+    /// `[seq, heads, v_dim]` and `[seq, heads, qk_dim]`, and of its key and
+    /// value gradients, `[seq, kv_heads, qk_dim]` and `[seq, kv_heads,
+    /// v_dim]` (summed over a group's query heads); each rounds once into
+    /// its output when the sequence is done.
+    pub fn accumulator_lens(dims: AttentionDims) -> AttentionAccumulatorLens {
+        let (q_rows, kv_rows) = (
+            dims.tokens.seq * dims.heads,
+            dims.tokens.seq * dims.kv_heads,
+        );
+        AttentionAccumulatorLens {
+            out: q_rows * dims.v_dim,
+            q: q_rows * dims.qk_dim,
+            k: kv_rows * dims.qk_dim,
+            v: kv_rows * dims.v_dim,
+        }
+    }
+}
+
+/// Elements of one sequence's f32 accumulators of the GEMM path: the
+/// forward's `out`, the backward's query, key and value gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionAccumulatorLens {
+    pub out: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
 }
 
 /// `view` from element `offset` on.
@@ -399,6 +437,13 @@ impl GemmShape {
         heads(view, s.g0 * width, self.kv_heads * width, width)
     }
 
+    /// The slab's query heads in a one-sequence `[seq, heads, width]`
+    /// accumulator.
+    fn query_accumulator(&self, view: GpuView, s: Slab, width: usize) -> StridedMatrix {
+        let first = (s.g0 * self.group + s.j) * width;
+        heads(view, first, self.heads * width, self.group * width)
+    }
+
     /// `[count, seq, seq]` scratch.
     fn square(&self, view: GpuView) -> StridedMatrix {
         heads(view, 0, self.seq, self.seq * self.seq)
@@ -440,15 +485,54 @@ impl GemmShape {
         )
     }
 
-    /// Every slab of the problem, in the fixed order the backward's sums
+    /// Every slab of sequence `b`, in the fixed order the backward's sums
     /// over a group's query heads follow.
-    fn slabs(&self, batch: usize, per_call: usize) -> impl Iterator<Item = Slab> + '_ {
-        (0..batch).flat_map(move |b| {
-            (0..self.kv_heads).step_by(per_call).flat_map(move |g0| {
-                let count = per_call.min(self.kv_heads - g0);
-                (0..self.group).map(move |j| Slab { b, j, g0, count })
-            })
+    fn slabs(&self, b: usize, per_call: usize) -> impl Iterator<Item = Slab> + '_ {
+        (0..self.kv_heads).step_by(per_call).flat_map(move |g0| {
+            let count = per_call.min(self.kv_heads - g0);
+            (0..self.group).map(move |j| Slab { b, j, g0, count })
         })
+    }
+
+    /// `op(A) B` over the split matrix `a` (its high part, then its low
+    /// part added when there is one) into `c` with `beta` for the first.
+    #[allow(clippy::too_many_arguments)]
+    fn split_gemms(
+        &self,
+        s: Slab,
+        mnk: (usize, usize, usize),
+        (a, low, a_trans): (GpuView, Option<GpuView>, bool),
+        b: (StridedMatrix, bool),
+        c: StridedMatrix,
+        (alpha, beta): (f32, f32),
+    ) -> [Option<StridedGemm>; 2] {
+        let high = self.gemm(s, mnk, (self.square(a), a_trans), b, c, (alpha, beta));
+        let low = low.map(|low| self.gemm(s, mnk, (self.square(low), a_trans), b, c, (alpha, 1.0)));
+        [Some(high), low]
+    }
+}
+
+/// The GEMM path's scratch: scores (f32) and probabilities (the plan's
+/// dtype, split in bf16: `high` then `low`).
+struct Squares {
+    scores: GpuView,
+    high: GpuView,
+    low: Option<GpuView>,
+}
+
+impl Squares {
+    fn new(plan: AttentionGemmPlan, dims: AttentionDims, scores: GpuView, probs: GpuView) -> Self {
+        let n = plan.scores_len(dims);
+        let high = GpuView::new(probs.ptr, n, probs.dtype);
+        let low = plan
+            .split()
+            .then(|| GpuView::new(at(probs, n).ptr, n, probs.dtype));
+        Squares { scores, high, low }
+    }
+
+    /// The low half's address, 0 (null in the kernels) without one.
+    fn low_ptr(&self) -> u64 {
+        self.low.map_or(0, |v| v.ptr)
     }
 }
 
@@ -467,14 +551,12 @@ impl KernelSet {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn probs(
         &self,
         stream: &CudaStream,
         shape: &GemmShape,
         s: Slab,
-        scores: GpuView,
-        probs: GpuView,
+        squares: &Squares,
         lse: GpuView,
         find: bool,
     ) -> Result<()> {
@@ -482,24 +564,40 @@ impl KernelSet {
         let config = self.row_blocks(kn, shape, s)?;
         let first = s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j;
         let lse = at(lse, first);
-        let (pt, seq) = (super::dtype_tag(probs.dtype), as_u32(kn, "seq", shape.seq)?);
+        let (pt, seq) = (
+            super::dtype_tag(squares.high.dtype),
+            as_u32(kn, "seq", shape.seq)?,
+        );
         let (row, item) = (
             as_u32(kn, "heads", shape.heads)?,
             as_u32(kn, "group", shape.group)?,
         );
-        let find = i32::from(find);
+        let (find, low) = (i32::from(find), squares.low_ptr());
         let mut b = stream.launch_builder(self.function(kn)?);
-        b.arg(&scores.ptr).arg(&probs.ptr).arg(&pt).arg(&lse.ptr);
+        b.arg(&squares.scores.ptr).arg(&squares.high.ptr).arg(&low);
+        b.arg(&pt).arg(&lse.ptr);
         b.arg(&seq).arg(&row).arg(&item).arg(&find);
         self.go(kn, &mut b, config)
+    }
+
+    /// Enqueues the GEMMs of `gemms` (the low half's only when there is one).
+    fn run_gemms(blas: &Blas, queues: &QueueSet, gemms: &[Option<StridedGemm>]) -> Result<()> {
+        for g in gemms.iter().flatten() {
+            // SAFETY: the callers build every GEMM from views and scratch
+            // whose lengths they checked against the slab's extent.
+            unsafe { blas.gemm_strided(queues, *g)? };
+        }
+        Ok(())
     }
 
     /// `Backend::attention_forward` through cuBLAS (see
     /// [`AttentionGemmPlan`]): per sequence, per query head of a group, a
     /// strided batch over KV heads of `scale q k^T`, the causal softmax
-    /// (`attention_probs`, which stores `lse`) and `p v`. `scores` and
-    /// `probs` hold [`AttentionGemmPlan::scores_len`] elements (f32 and the
-    /// plan's dtype).
+    /// (`attention_probs`, which stores `lse`) and `p v` into the
+    /// sequence's f32 accumulator, rounded once into `out`. `scores` and
+    /// `probs` hold [`AttentionGemmPlan::scores_len`] and
+    /// [`AttentionGemmPlan::probs_len`] elements (f32 and the plan's dtype),
+    /// `acc_out` [`AttentionGemmPlan::accumulator_lens`]`.out` (f32).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_forward_gemm(
         &self,
@@ -512,6 +610,7 @@ impl KernelSet {
         dims: AttentionDims,
         plan: AttentionGemmPlan,
         (scores, probs): (GpuView, GpuView),
+        acc_out: GpuView,
     ) -> Result<()> {
         let kn = "attention_forward";
         let AttentionInputs { q, k, v } = inputs;
@@ -525,6 +624,8 @@ impl KernelSet {
         )?;
         len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
         check_scratch(kn, dims, plan, scores, probs)?;
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        accumulator(kn, "the output accumulator", &acc_out, lens.out)?;
         for (name, view) in [("q", &q), ("k", &k), ("v", &v), ("out", &out)] {
             exactly(kn, name, view, plan.dtype)?;
         }
@@ -532,20 +633,22 @@ impl KernelSet {
             return Ok(());
         }
         let shape = GemmShape::new(dims);
-        for s in shape.slabs(dims.tokens.batch, plan.kv_heads_per_call) {
-            // SAFETY (each GEMM): the slab's items lie inside q, k, v, out
-            // and the scratch, whose lengths were checked above.
-            unsafe { blas.gemm_strided(queues, shape.scores(s, q, k, scores))? };
-            self.probs(stream, &shape, s, scores, probs, lse, true)?;
-            let pv = shape.gemm(
-                s,
-                (shape.seq, shape.v, shape.seq),
-                (shape.square(probs), false),
-                (shape.key(v, s, shape.v), false),
-                shape.query(out, s, shape.v),
-                (1.0, 0.0),
-            );
-            unsafe { blas.gemm_strided(queues, pv)? };
+        let squares = Squares::new(plan, dims, scores, probs);
+        for b in 0..dims.tokens.batch {
+            for s in shape.slabs(b, plan.kv_heads_per_call) {
+                Self::run_gemms(blas, queues, &[Some(shape.scores(s, q, k, scores))])?;
+                self.probs(stream, &shape, s, &squares, lse, true)?;
+                let pv = shape.split_gemms(
+                    s,
+                    (shape.seq, shape.v, shape.seq),
+                    (squares.high, squares.low, false),
+                    (shape.key(v, s, shape.v), false),
+                    shape.query_accumulator(acc_out, s, shape.v),
+                    (1.0, 0.0),
+                );
+                Self::run_gemms(blas, queues, &pv)?;
+            }
+            self.store_sequence(stream, b, &[(acc_out, out)])?;
         }
         Ok(())
     }
@@ -554,10 +657,10 @@ impl KernelSet {
     /// again and the probabilities from `lse` (the forward's bits), `dv +=
     /// p^T dout`, `dp = dout v^T`, `ds = p (dp - dout . out)`
     /// (`attention_scores_grad`, over the probabilities), `dq = scale ds k`
-    /// and `dk += scale ds^T q`. The key and value gradients of a sequence
-    /// sum over the group's query heads in f32 accumulators (`acc_k`,
-    /// `acc_v`, [`AttentionGemmPlan::accumulator_lens`]) in head order, then
-    /// round once into `grads.k` and `grads.v`.
+    /// and `dk += scale ds^T q`. A sequence's gradients collect in f32
+    /// accumulators ([`AttentionGemmPlan::accumulator_lens`]; the key and
+    /// value ones sum over the group's query heads in head order), then
+    /// round once into `grads`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_backward_gemm(
         &self,
@@ -570,7 +673,7 @@ impl KernelSet {
         dims: AttentionDims,
         plan: AttentionGemmPlan,
         (scores, probs): (GpuView, GpuView),
-        (acc_k, acc_v): (GpuView, GpuView),
+        acc: AttentionInputs<GpuView>,
     ) -> Result<()> {
         let kn = "attention_backward";
         let AttentionInputs { q, k, v } = inputs;
@@ -588,11 +691,10 @@ impl KernelSet {
         len(kn, "grads.k", &grads.k, k.len)?;
         len(kn, "grads.v", &grads.v, v.len)?;
         check_scratch(kn, dims, plan, scores, probs)?;
-        let (k_len, v_len) = AttentionGemmPlan::accumulator_lens(dims);
-        exactly(kn, "the key accumulator", &acc_k, DType::F32)?;
-        exactly(kn, "the value accumulator", &acc_v, DType::F32)?;
-        len(kn, "the key accumulator", &acc_k, k_len)?;
-        len(kn, "the value accumulator", &acc_v, v_len)?;
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        accumulator(kn, "the query accumulator", &acc.q, lens.q)?;
+        accumulator(kn, "the key accumulator", &acc.k, lens.k)?;
+        accumulator(kn, "the value accumulator", &acc.v, lens.v)?;
         let operands = [
             ("q", &q),
             ("k", &k),
@@ -612,96 +714,105 @@ impl KernelSet {
             return Ok(());
         }
         let shape = GemmShape::new(dims);
+        let squares = Squares::new(plan, dims, scores, probs);
         let (pt, ot) = (super::dtype_tag(plan.dtype), super::dtype_tag(plan.dtype));
         let seq = as_u32(kn, "seq", shape.seq)?;
         let o_row = as_u32(kn, "heads x v dim", shape.heads * shape.v)?;
         let o_item = as_u32(kn, "group x v dim", shape.group * shape.v)?;
         let v_dim = as_u32(kn, "v dim", shape.v)?;
-        let mut last_b = None;
-        for s in shape.slabs(dims.tokens.batch, plan.kv_heads_per_call) {
-            if last_b.is_some_and(|b| b != s.b) {
-                self.store_kv_grads(stream, &shape, last_b.unwrap_or(0), grads, (acc_k, acc_v))?;
+        let low = squares.low_ptr();
+        let split = (squares.high, squares.low);
+        for b in 0..dims.tokens.batch {
+            for s in shape.slabs(b, plan.kv_heads_per_call) {
+                let beta = if s.j == 0 { 0.0 } else { 1.0 };
+                Self::run_gemms(blas, queues, &[Some(shape.scores(s, q, k, scores))])?;
+                self.probs(stream, &shape, s, &squares, lse, false)?;
+                let dv = shape.split_gemms(
+                    s,
+                    (shape.seq, shape.v, shape.seq),
+                    (split.0, split.1, true),
+                    (shape.query(dout, s, shape.v), false),
+                    shape.accumulator(acc.v, s, shape.v),
+                    (1.0, beta),
+                );
+                let dp = shape.gemm(
+                    s,
+                    (shape.seq, shape.seq, shape.v),
+                    (shape.query(dout, s, shape.v), false),
+                    (shape.key(v, s, shape.v), true),
+                    shape.square(scores),
+                    (1.0, 0.0),
+                );
+                Self::run_gemms(blas, queues, &[dv[0], dv[1], Some(dp)])?;
+                let kg = "attention_scores_grad";
+                let config = self.row_blocks(kg, &shape, s)?;
+                let first = (s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j) * shape.v;
+                let (dout_s, out_s) = (at(dout, first), at(out, first));
+                let mut launch = stream.launch_builder(self.function(kg)?);
+                launch
+                    .arg(&scores.ptr)
+                    .arg(&squares.high.ptr)
+                    .arg(&low)
+                    .arg(&pt);
+                launch.arg(&dout_s.ptr).arg(&ot).arg(&out_s.ptr).arg(&ot);
+                launch.arg(&seq).arg(&o_row).arg(&o_item).arg(&v_dim);
+                self.go(kg, &mut launch, config)?;
+                let dq = shape.split_gemms(
+                    s,
+                    (shape.seq, shape.qk, shape.seq),
+                    (split.0, split.1, false),
+                    (shape.key(k, s, shape.qk), false),
+                    shape.query_accumulator(acc.q, s, shape.qk),
+                    (shape.scale, 0.0),
+                );
+                let dk = shape.split_gemms(
+                    s,
+                    (shape.seq, shape.qk, shape.seq),
+                    (split.0, split.1, true),
+                    (shape.query(q, s, shape.qk), false),
+                    shape.accumulator(acc.k, s, shape.qk),
+                    (shape.scale, beta),
+                );
+                Self::run_gemms(blas, queues, &[dq[0], dq[1], dk[0], dk[1]])?;
             }
-            last_b = Some(s.b);
-            let beta = if s.j == 0 { 0.0 } else { 1.0 };
-            // SAFETY (each GEMM): the slab's items lie inside the views and
-            // the scratch, whose lengths were checked above.
-            unsafe { blas.gemm_strided(queues, shape.scores(s, q, k, scores))? };
-            self.probs(stream, &shape, s, scores, probs, lse, false)?;
-            let dv = shape.gemm(
-                s,
-                (shape.seq, shape.v, shape.seq),
-                (shape.square(probs), true),
-                (shape.query(dout, s, shape.v), false),
-                shape.accumulator(acc_v, s, shape.v),
-                (1.0, beta),
-            );
-            unsafe { blas.gemm_strided(queues, dv)? };
-            let dp = shape.gemm(
-                s,
-                (shape.seq, shape.seq, shape.v),
-                (shape.query(dout, s, shape.v), false),
-                (shape.key(v, s, shape.v), true),
-                shape.square(scores),
-                (1.0, 0.0),
-            );
-            unsafe { blas.gemm_strided(queues, dp)? };
-            let kg = "attention_scores_grad";
-            let config = self.row_blocks(kg, &shape, s)?;
-            let first = (s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j) * shape.v;
-            let (dout_s, out_s) = (at(dout, first), at(out, first));
-            let mut b = stream.launch_builder(self.function(kg)?);
-            b.arg(&scores.ptr).arg(&probs.ptr).arg(&pt);
-            b.arg(&dout_s.ptr).arg(&ot).arg(&out_s.ptr).arg(&ot);
-            b.arg(&seq).arg(&o_row).arg(&o_item).arg(&v_dim);
-            self.go(kg, &mut b, config)?;
-            let dq = shape.gemm(
-                s,
-                (shape.seq, shape.qk, shape.seq),
-                (shape.square(probs), false),
-                (shape.key(k, s, shape.qk), false),
-                shape.query(grads.q, s, shape.qk),
-                (shape.scale, 0.0),
-            );
-            unsafe { blas.gemm_strided(queues, dq)? };
-            let dk = shape.gemm(
-                s,
-                (shape.seq, shape.qk, shape.seq),
-                (shape.square(probs), true),
-                (shape.query(q, s, shape.qk), false),
-                shape.accumulator(acc_k, s, shape.qk),
-                (shape.scale, beta),
-            );
-            unsafe { blas.gemm_strided(queues, dk)? };
-        }
-        if let Some(b) = last_b {
-            self.store_kv_grads(stream, &shape, b, grads, (acc_k, acc_v))?;
+            let pairs = [(acc.q, grads.q), (acc.k, grads.k), (acc.v, grads.v)];
+            self.store_sequence(stream, b, &pairs)?;
         }
         Ok(())
     }
 
-    /// Rounds sequence `b`'s accumulated key and value gradients into
-    /// `grads.k` and `grads.v` (its rows are contiguous there).
-    fn store_kv_grads(
+    /// Rounds sequence `b`'s accumulators into their outputs, where the
+    /// sequence's rows are contiguous (an accumulator holds one sequence).
+    fn store_sequence(
         &self,
         stream: &CudaStream,
-        shape: &GemmShape,
         b: usize,
-        grads: AttentionInputs<GpuView>,
-        (acc_k, acc_v): (GpuView, GpuView),
+        pairs: &[(GpuView, GpuView)],
     ) -> Result<()> {
-        let per_seq = shape.seq * shape.kv_heads;
-        for (acc, grad, width) in [(acc_k, grads.k, shape.qk), (acc_v, grads.v, shape.v)] {
-            let n = per_seq * width;
-            let dst = GpuView::new(at(grad, b * n).ptr, n, grad.dtype);
-            self.cast(stream, GpuView::new(acc.ptr, n, acc.dtype), dst)?;
+        for &(acc, dst) in pairs {
+            let n = acc.len;
+            let dst = GpuView::new(at(dst, b * n).ptr, n, dst.dtype);
+            self.cast(stream, acc, dst)?;
         }
         Ok(())
     }
 }
 
+/// An f32 accumulator of exactly `n` elements (a view of that length, so
+/// that [`KernelSet::store_sequence`] can take its length for a sequence's).
+fn accumulator(kernel: &str, name: &str, view: &GpuView, n: usize) -> Result<()> {
+    exactly(kernel, name, view, DType::F32)?;
+    ensure(view.len == n, || {
+        format!(
+            "{kernel}: {name} has {} elements, one sequence needs exactly {n}",
+            view.len
+        )
+    })
+}
+
 /// The scratch of a GEMM-path call: scores in f32 and probabilities in the
-/// plan's dtype, [`AttentionGemmPlan::scores_len`] elements each.
+/// plan's dtype, [`AttentionGemmPlan::scores_len`] and
+/// [`AttentionGemmPlan::probs_len`] elements.
 fn check_scratch(
     kernel: &str,
     dims: AttentionDims,
@@ -725,6 +836,6 @@ fn check_scratch(
         kernel,
         "the probabilities scratch",
         &probs,
-        plan.scores_len(dims),
+        plan.probs_len(dims),
     )
 }

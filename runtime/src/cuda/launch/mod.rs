@@ -35,7 +35,7 @@ use std::fmt;
 use std::sync::Arc;
 
 mod attention;
-pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan};
+pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionAccumulatorLens, AttentionGemmPlan};
 mod lookup;
 
 /// A view of device memory as a kernel takes it.

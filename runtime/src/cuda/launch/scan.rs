@@ -33,6 +33,7 @@ struct Tier {
     state: usize,
     per_lane: usize,
     forward: &'static str,
+    carry: &'static str,
     head: &'static str,
 }
 
@@ -41,24 +42,28 @@ const TIERS: [Tier; 4] = [
         state: 32,
         per_lane: 1,
         forward: "ssd_scan_forward_n32",
+        carry: "ssd_scan_chunk_carry_n32",
         head: "ssd_scan_backward_head_n32",
     },
     Tier {
         state: 64,
         per_lane: 2,
         forward: "ssd_scan_forward_n64",
+        carry: "ssd_scan_chunk_carry_n64",
         head: "ssd_scan_backward_head_n64",
     },
     Tier {
         state: 128,
         per_lane: 4,
         forward: "ssd_scan_forward_n128",
+        carry: "ssd_scan_chunk_carry_n128",
         head: "ssd_scan_backward_head_n128",
     },
     Tier {
         state: 256,
         per_lane: 8,
         forward: "ssd_scan_forward_n256",
+        carry: "ssd_scan_chunk_carry_n256",
         head: "ssd_scan_backward_head_n256",
     },
 ];
@@ -194,13 +199,31 @@ impl BackwardShape {
 impl KernelSet {
     /// Elements (f32) of the scratch [`KernelSet::ssd_scan_backward`]
     /// needs for `dims`: each step's dt and decay, each step's readout
-    /// `dy . (S C)` (all `[rows, heads]`), and every sequence's A_log and D
-    /// gradient partials (`[batch, heads, 2]`).
+    /// `dy . (S C)` (all `[rows, heads]`), every chunk's A_log and D
+    /// gradient partials (`[batch, heads, chunks, 2]`) and total decay
+    /// (`[batch, chunks, heads]`), and every chunk's carried state gradient
+    /// (as many as `states`).
     pub fn ssd_scan_backward_scratch_len(dims: ScanDims) -> Result<usize> {
         let k = "ssd_scan_backward";
-        let per_step = product(k, &[3, dims.tokens.rows()?, dims.heads])?;
-        per_step
-            .checked_add(product(k, &[2, dims.tokens.batch, dims.heads])?)
+        ensure(dims.chunk > 0, || format!("{k}: the chunk length is 0"))?;
+        let chunks = dims.tokens.seq.div_ceil(dims.chunk);
+        let parts = [
+            product(k, &[3, dims.tokens.rows()?, dims.heads])?,
+            product(k, &[3, dims.tokens.batch, dims.heads, chunks])?,
+            product(
+                k,
+                &[
+                    dims.tokens.batch,
+                    chunks,
+                    dims.heads,
+                    dims.head_dim,
+                    dims.state,
+                ],
+            )?,
+        ];
+        parts
+            .into_iter()
+            .try_fold(0usize, usize::checked_add)
             .ok_or_else(|| RuntimeError::InvalidArgument(format!("{k}: the scratch overflows")))
     }
 
@@ -267,12 +290,16 @@ impl KernelSet {
     /// elements that nothing else uses until it returns (its contents on
     /// entry do not matter).
     ///
-    /// Four launches: the steps' dt and decay; one block per (sequence,
-    /// head) for dx, d dt and the A_log and D partials, holding up to 16
-    /// state elements a thread (head_dim x state_size up to 16384); one
-    /// block per (sequence, group, two state columns) for dB and dC, over
-    /// the group's heads x head_dim (up to 8192) rows; and the partials'
-    /// sum over the sequences.
+    /// Six launches, every chunk of every sequence in parallel after the
+    /// third: the steps' dt and decay; one block per (sequence, chunk,
+    /// head) for the state gradient the chunk alone sends back, and a pass
+    /// over the chunks that turns those into what enters each chunk (see
+    /// `scan.cu`); one block per (sequence, head, chunk) for dx, d dt and
+    /// the A_log and D partials, holding up to 16 state elements a thread
+    /// (head_dim x state_size up to 16384); one block per (sequence, group,
+    /// two state columns, chunk) for dB and dC, over the group's heads x
+    /// head_dim (up to 8192) rows; and the partials' sum over the chunks
+    /// and sequences.
     #[allow(clippy::too_many_arguments)]
     pub fn ssd_scan_backward(
         &self,
@@ -324,7 +351,13 @@ impl KernelSet {
             a_log,
             d,
         } = inputs;
-        let (rows_u, heads_u, batch_u) = (rows as u64, dims.heads as u64, dims.tokens.batch as u64);
+        let (heads_u, batch_u, seq_u) = (
+            dims.heads as u64,
+            dims.tokens.batch as u64,
+            dims.tokens.seq as u64,
+        );
+        let chunks = dims.tokens.seq.div_ceil(dims.chunk);
+        let chunks_u = chunks as u64;
         let args = dims_args(dims);
 
         let kf = "ssd_scan_factors";
@@ -335,11 +368,37 @@ impl KernelSet {
             .arg(&bt)
             .arg(&a_log.ptr)
             .arg(&at);
-        b.arg(&scratch.ptr).arg(&rows_u).arg(&heads_u);
+        b.arg(&scratch.ptr)
+            .arg(&batch_u)
+            .arg(&seq_u)
+            .arg(&heads_u)
+            .arg(&chunks_u);
         self.go(kf, &mut b, grid_for(rows * dims.heads))?;
 
+        let kc = shape.tier.carry;
+        let head_threads = (32 * shape.head_warps) as u32;
+        let chunk_blocks = product(k, &[dims.tokens.batch, chunks, dims.heads])?;
+        let mut b = stream.launch_builder(self.function(kc)?);
+        b.arg(&xbc.ptr).arg(&xt).arg(&dy.ptr).arg(&dyt);
+        b.arg(&scratch.ptr).arg(&batch_u);
+        for v in &args {
+            b.arg(v);
+        }
+        self.go(kc, &mut b, per_item(chunk_blocks, head_threads)?)?;
+
+        let kcc = "ssd_scan_carry_combine";
+        let [_, _, head_dim_u, _, state_u, chunk_u] = args;
+        let mut b = stream.launch_builder(self.function(kcc)?);
+        b.arg(&scratch.ptr).arg(&batch_u).arg(&seq_u).arg(&heads_u);
+        b.arg(&head_dim_u).arg(&state_u).arg(&chunk_u);
+        let elements = product(
+            k,
+            &[dims.tokens.batch, dims.heads, dims.head_dim, dims.state],
+        )?;
+        self.go(kcc, &mut b, grid_for(elements))?;
+
         let kh = shape.tier.head;
-        let head_blocks = product(k, &[dims.tokens.batch, dims.heads])?;
+        let head_blocks = product(k, &[dims.tokens.batch, dims.heads, chunks])?;
         let mut b = stream.launch_builder(self.function(kh)?);
         b.arg(&xbc.ptr)
             .arg(&xt)
@@ -359,11 +418,7 @@ impl KernelSet {
         for v in &args {
             b.arg(v);
         }
-        self.go(
-            kh,
-            &mut b,
-            per_item(head_blocks, (32 * shape.head_warps) as u32)?,
-        )?;
+        self.go(kh, &mut b, per_item(head_blocks, head_threads)?)?;
 
         let kg = "ssd_scan_backward_group";
         let group_blocks = product(
@@ -372,6 +427,7 @@ impl KernelSet {
                 dims.tokens.batch,
                 dims.groups,
                 dims.state.div_ceil(GROUP_COLUMNS),
+                chunks,
             ],
         )?;
         let mut b = stream.launch_builder(self.function(kg)?);
@@ -393,9 +449,9 @@ impl KernelSet {
         )?;
 
         let kp = "ssd_scan_backward_params";
-        let seq_u = dims.tokens.seq as u64;
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&scratch.ptr).arg(&batch_u).arg(&seq_u).arg(&heads_u);
+        b.arg(&chunks_u);
         b.arg(&d_a_log.ptr).arg(&dat).arg(&d_d.ptr).arg(&ddt);
         self.go(kp, &mut b, grid_for(dims.heads))
     }
@@ -454,11 +510,12 @@ mod tests {
     }
 
     #[test]
-    fn the_scratch_holds_three_values_a_step_and_head_and_two_a_sequence_and_head() {
+    fn the_scratch_holds_three_values_a_step_and_head_three_a_chunk_and_head_and_the_carries() {
+        // 2 sequences of 100 steps in chunks of 64: 2 chunks each.
         let d = dims(64, 128, 6, 2);
         assert_eq!(
             KernelSet::ssd_scan_backward_scratch_len(d).unwrap(),
-            3 * 200 * 6 + 2 * 2 * 6
+            3 * 200 * 6 + 3 * 2 * 6 * 2 + 2 * 2 * 6 * 64 * 128
         );
         let huge = ScanDims {
             tokens: Tokens::new(usize::MAX / 2, 3),
