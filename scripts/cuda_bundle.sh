@@ -45,7 +45,7 @@ cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
-cp scripts/trace_breakdown.py "$bundle/"
+cp scripts/trace_breakdown.py scripts/kernel_table.py "$bundle/"
 
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -179,10 +179,11 @@ profile() {
     timeout 400 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel --csv \
       "$here/hybridgen" "${args[@]}" --micro-batches 1 --steps 1 > "$out/profile-kernels.csv" \
       2> "$out/profile-ncu.err"
+    python3 "$here/kernel_table.py" "$out/profile-kernels.csv" > "$out/profile-kernels.txt" 2>&1
   else
     echo "no nsys or ncu on this machine" > "$out/profile-kernels.csv"
   fi
-  printf 'profile written: profile-breakdown.txt, profile-kernels.csv\n' >> "$out/summary.txt"
+  printf 'profile written: profile-breakdown.txt, profile-kernels.txt\n' >> "$out/summary.txt"
 }
 
 if [ "$what" = profile ]; then

@@ -783,6 +783,152 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     }
 }
 
+// dB and dC as `ssd_scan_backward_group` computes them, with the work cut
+// the other way: one block per (sequence, group, tile of TILE_COLUMNS
+// state columns, chunk), blockIdx.x = ((b * G + g) * tiles + tile) *
+// chunks + c. Thread i takes column n0 + i % TILE_COLUMNS and the slice
+// i / TILE_COLUMNS of the group's Q (head, row) pairs, TILE_ROWS or fewer
+// contiguous ones (q = slice * rows + j), so the sum over q is mostly a
+// thread's own loop: one shuffle joins the warp's two slices, and the
+// per-warp partials are added in warp order per window. Each x and dy row
+// is read once per tile of columns instead of once per pair.
+#define TILE_COLUMNS 16
+#define TILE_ROWS 32
+#define TILE_WINDOW 16
+
+extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group_tiles(
+    const void* xbc, int xbc_dtype, const float* states, const void* dy, int dy_dtype, void* dxbc,
+    int dxbc_dtype, float* scratch, u64 batch, u64 seq, u64 heads, u64 head_dim, u64 groups,
+    u64 state, u64 chunk) {
+    __shared__ float part[TILE_WINDOW][32][TILE_COLUMNS + 1];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const u64 chunks = (seq + chunk - 1) / chunk;
+    const u64 c_index = blockIdx.x % chunks;
+    const u64 t0 = c_index * chunk;
+    const u64 t1 = min(t0 + chunk, seq);
+    const u64 tiles = (state + TILE_COLUMNS - 1) / TILE_COLUMNS;
+    const u64 n0 = (blockIdx.x / chunks % tiles) * TILE_COLUMNS;
+    const u64 bg = blockIdx.x / chunks / tiles;
+    const u64 g = bg % groups;
+    const u64 b = bg / groups;
+    const u64 heads_per_group = heads / groups;
+    const int Q = static_cast<int>(heads_per_group * head_dim);
+    const int P = static_cast<int>(head_dim);
+    const u64 d_inner = heads * head_dim;
+    const u64 width = d_inner + 2 * groups * state;
+    const u64 x_col = g * heads_per_group * head_dim;
+    const u64 b_col = d_inner + g * state;
+    const u64 c_col = d_inner + (groups + g) * state;
+    const u64 pn = head_dim * state;
+    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
+
+    const int column = static_cast<int>(threadIdx.x % TILE_COLUMNS);
+    const u64 n = n0 + column;
+    const bool n_ok = n < state;
+    const int slices = static_cast<int>(blockDim.x / TILE_COLUMNS);
+    const int slice = static_cast<int>(threadIdx.x / TILE_COLUMNS);
+    const int rows = (Q + slices - 1) / slices;  // the launcher keeps it <= TILE_ROWS
+    const int q_first = slice * rows;
+    const int q_end = min(q_first + rows, Q);
+    const u64 first_head = g * heads_per_group;
+    float v[TILE_ROWS];
+
+    // Adds the window's per-warp partials (warp order) and stores them in
+    // the columns at `col` of rows w0 .. w0 + steps.
+    const auto flush = [&](u64 w0, int steps, u64 col) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < steps * TILE_COLUMNS; e += blockDim.x) {
+            const int i = e / TILE_COLUMNS;
+            const int cc = e % TILE_COLUMNS;
+            if (n0 + cc < state) {
+                float sum = 0.0f;
+                for (int w = 0; w < warps; ++w) {
+                    sum += part[i][w][cc];
+                }
+                store(dxbc, dxbc_dtype, (b * seq + w0 + i) * width + col + n0 + cc, sum);
+            }
+        }
+        __syncthreads();
+    };
+
+    // Forward through the chunk: S from its saved start, dC_t[n] = sum_q
+    // S_t[q, n] dy_t[q].
+    const float* start = states + ((b * chunks + c_index) * heads + first_head) * pn;
+#pragma unroll
+    for (int j = 0; j < TILE_ROWS; ++j) {
+        const int q = q_first + j;
+        v[j] = n_ok && q < q_end ? start[static_cast<u64>(q) * state + n] : 0.0f;
+    }
+    for (u64 w0 = t0; w0 < t1; w0 += TILE_WINDOW) {
+        const int steps = static_cast<int>(min(static_cast<u64>(TILE_WINDOW), t1 - w0));
+        for (int i = 0; i < steps; ++i) {
+            const u64 r = b * seq + w0 + i;
+            const u64 row = r * width;
+            const float bn = n_ok ? load(xbc, xbc_dtype, row + b_col + n) : 0.0f;
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < TILE_ROWS; ++j) {
+                const int q = q_first + j;
+                if (q < q_end) {
+                    const u64 h = first_head + q / P;
+                    const float dt = sc.dt[r * heads + h];
+                    const float decay = sc.decay[r * heads + h];
+                    const float x = load(xbc, xbc_dtype, row + x_col + q);
+                    const float dyq = load(dy, dy_dtype, r * d_inner + x_col + q);
+                    v[j] = decay * v[j] + dt * x * bn;
+                    acc += v[j] * dyq;
+                }
+            }
+            acc += __shfl_xor_sync(FULL_MASK, acc, TILE_COLUMNS);
+            if (lane < TILE_COLUMNS) {
+                part[i][warp][lane] = acc;
+            }
+        }
+        flush(w0, steps, c_col);
+    }
+
+    // Backward through the chunk: G from its carry, dB_t[n] = sum_q dt_t
+    // G_t[q, n] x_t[q].
+    const float* carry = sc.carry + ((b * chunks + c_index) * heads + first_head) * pn;
+#pragma unroll
+    for (int j = 0; j < TILE_ROWS; ++j) {
+        const int q = q_first + j;
+        v[j] = n_ok && q < q_end ? carry[static_cast<u64>(q) * state + n] : 0.0f;
+    }
+    for (u64 w1 = t1; w1 > t0;) {
+        const u64 w0 = w1 - t0 > TILE_WINDOW ? w1 - TILE_WINDOW : t0;
+        const int steps = static_cast<int>(w1 - w0);
+        for (int i = steps - 1; i >= 0; --i) {
+            const u64 r = b * seq + w0 + i;
+            const u64 row = r * width;
+            const float cn = n_ok ? load(xbc, xbc_dtype, row + c_col + n) : 0.0f;
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < TILE_ROWS; ++j) {
+                const int q = q_first + j;
+                if (q < q_end) {
+                    const u64 h = first_head + q / P;
+                    const float dt = sc.dt[r * heads + h];
+                    const float decay = sc.decay[r * heads + h];
+                    const float x = load(xbc, xbc_dtype, row + x_col + q);
+                    const float dyq = load(dy, dy_dtype, r * d_inner + x_col + q);
+                    v[j] = v[j] + dyq * cn;
+                    acc += dt * v[j] * x;
+                    v[j] *= decay;
+                }
+            }
+            acc += __shfl_xor_sync(FULL_MASK, acc, TILE_COLUMNS);
+            if (lane < TILE_COLUMNS) {
+                part[i][warp][lane] = acc;
+            }
+        }
+        flush(w0, steps, b_col);
+        w1 = w0;
+    }
+}
+
 // grads.a_log[h] += sum_b sum_c partial_a[b, h, c] and grads.d[h] += sum_b
 // sum_c partial_d[b, h, c]: each sequence's chunks summed (in order), then
 // added in sequence order (as the CPU adds each sequence's).
