@@ -224,6 +224,25 @@ fn a_model_named_like_a_layer_struct_is_refused() {
         "{}",
         errors[0]
     );
+    // The stub must not bring the clash back: every struct it defines has a
+    // name of its own, so the compiler adds no error of its own (E0428).
+    let file: syn::File = syn::parse2(output).expect("output parses");
+    let structs: Vec<String> = file
+        .items
+        .iter()
+        .filter_map(|item| match item {
+            syn::Item::Mod(module) => module.content.as_ref(),
+            _ => None,
+        })
+        .flat_map(|(_, items)| items)
+        .filter_map(|item| match item {
+            syn::Item::Struct(s) => Some(s.ident.to_string()),
+            _ => None,
+        })
+        .collect();
+    let unique: BTreeSet<&String> = structs.iter().collect();
+    assert_eq!(unique.len(), structs.len(), "{structs:?}");
+    assert!(structs.contains(&"MambaLayer".to_string()), "{structs:?}");
 }
 
 #[test]

@@ -595,7 +595,7 @@ impl Lowering<'_> {
                     Diagnostic::new(Code::H012, "a repeat block `( ){N}` inside a group")
                         .at(span_of(&atom))
                         .label("not allowed inside `[ ]`")
-                        .help("repeat single members (`[M{2}E]`) or repeat the whole group (`[ME]{2}`)"),
+                        .help("write the members once and repeat the whole group, e.g. `[ME]{2}`: a group holds one layer of each kind"),
                 );
                 None
             }
