@@ -82,8 +82,33 @@ fn check_helps(pattern: &str, found: &[Diagnostic]) -> Result<usize, String> {
             }
             checked += 1;
         }
+        if d.code == Code::H001 {
+            check_in_place(pattern, d, &tolerated)?;
+        }
     }
     Ok(checked)
+}
+
+/// An unknown symbol's proposed replacement, put in its place, must not mix
+/// attention families (H009) where the pattern did not already.
+fn check_in_place(pattern: &str, d: &Diagnostic, tolerated: &[Code]) -> Result<(), String> {
+    let proposed = proposals(&d.help);
+    let (Some(span), [symbol]) = (d.span, proposed.as_slice()) else {
+        return Ok(());
+    };
+    let fixed = format!("{}{symbol}{}", &pattern[..span.start], &pattern[span.end..]);
+    let mixes = |source: &str| {
+        Pattern::parse(source)
+            .err()
+            .is_some_and(|e| e.codes().contains(&Code::H009))
+    };
+    if mixes(&fixed) && !tolerated.contains(&Code::H009) {
+        return Err(format!(
+            "{pattern:?}: [H001] help `{}` gives {fixed:?}, which mixes attention families",
+            d.help
+        ));
+    }
+    Ok(())
 }
 
 fn pipeline(pp: usize, first: Option<usize>) -> ParallelLayout {
@@ -195,13 +220,36 @@ fn moe_before_mlp_is_told_to_split_the_group() {
     assert_eq!(proposals(&h006.help), ["[E][-]"], "{}", h006.help);
 }
 
+/// An unknown symbol is guessed to be the attention the pattern already
+/// uses: `x` is `*` beside `*`, but `+` beside `+` or `D`.
+#[test]
+fn an_unknown_attention_symbol_is_guessed_in_the_pattern_s_family() {
+    for (pattern, guess) in [
+        ("M*x", "*"),
+        ("M+x", "+"),
+        ("MDx", "+"),
+        ("M*l", "*"),
+        ("Ml", "+"),
+    ] {
+        let found = diagnostics(pattern, ParallelLayout::default());
+        assert_eq!(found.len(), 1, "{pattern}: {found:?}");
+        assert_eq!(
+            proposals(&found[0].help),
+            [guess],
+            "{pattern}: {}",
+            found[0].help
+        );
+        check_helps(pattern, &found).unwrap_or_else(|why| panic!("{why}"));
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     /// Random patterns over the alphabet and a few strangers.
     #[test]
     fn random_patterns_get_valid_proposals(
-        pattern in "[-M*+DGE\\[\\]|/(){}0-9 xm]{0,20}",
+        pattern in "[-M*+DGE\\[\\]|/(){}0-9 xml]{0,20}",
         pp in 1usize..4,
     ) {
         let found = diagnostics(&pattern, pipeline(pp, None));

@@ -241,7 +241,7 @@ fn cut_groups(pattern: &Pattern, item_starts: &[usize], sizes: &[usize]) -> Vec<
                 ),
             )
             .label("this group would span two stages")
-            .help("a group is built on one stage: change the stage sizes, or place the boundaries yourself with `|` around groups");
+            .help("a group is built on one stage: change --pp or the first/last stage counts, or place the boundaries yourself with `|` around groups");
             match span {
                 Some(span) => d.at(span),
                 None => d,
