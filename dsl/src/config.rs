@@ -732,24 +732,28 @@ impl ModelConfig {
                     "head i reads group i / (H/G): pick a divisor of num_heads",
                 );
             }
-            if let Some(inner) = m.inner_size
-                && inner != m.num_heads.saturating_mul(m.head_dim)
+            // H x P only when both are in range: an oversized factor is
+            // reported once, by the limits check, not again as a product.
+            let heads_times_dim = (m.num_heads <= MAX_DIMENSION && m.head_dim <= MAX_DIMENSION)
+                .then(|| m.num_heads * m.head_dim);
+            if let (Some(inner), Some(product)) = (m.inner_size, heads_times_dim)
+                && inner != product
             {
                 bad(
                     format!(
-                        "`mamba.inner_size = {inner}` but num_heads x head_dim = {} x {} = {}",
-                        m.num_heads,
-                        m.head_dim,
-                        m.num_heads.saturating_mul(m.head_dim)
+                        "`mamba.inner_size = {inner}` but num_heads x head_dim = {} x {} = {product}",
+                        m.num_heads, m.head_dim,
                     ),
                     "d_in is H x P: drop inner_size, or make the three agree",
                 );
             }
-            if m.num_groups > 0 && (m.num_heads.saturating_mul(m.head_dim)) % m.num_groups != 0 {
+            if let Some(product) = heads_times_dim
+                && m.num_groups > 0
+                && product % m.num_groups != 0
+            {
                 bad(
                     format!(
-                        "Mamba inner size {} does not split into {} norm groups",
-                        m.num_heads.saturating_mul(m.head_dim),
+                        "Mamba inner size {product} does not split into {} norm groups",
                         m.num_groups
                     ),
                     "the gated norm normalises d_in / G channels per group",

@@ -655,7 +655,7 @@ fn renders_two_errors_for_the_terminal() {
          |\n\
          1 | M*x[EM]\n  \
          |     ^ a MoE layer ends its group\n  \
-         = help: move the `E` to the end (`[ME]`) or split the group after it\n\
+         = help: move the `E` to the end (`[ME]`) or split the group after it (`[E][M]`)\n\
          \n\
          2 errors"
     );
@@ -700,7 +700,7 @@ fn carets_line_up_under_tabs() {
          |\n\
          1 | \tM\t[EM]\n  \
          | \t \t ^ a MoE layer ends its group\n  \
-         = help: move the `E` to the end (`[ME]`) or split the group after it\n"
+         = help: move the `E` to the end (`[ME]`) or split the group after it (`[E][M]`)\n"
     );
 }
 
@@ -713,7 +713,7 @@ fn renders_inline_for_compile_errors() {
          at 1:3:\n    \
          M[EM]\n      \
          ^ a MoE layer ends its group\n  \
-         help: move the `E` to the end (`[ME]`) or split the group after it"
+         help: move the `E` to the end (`[ME]`) or split the group after it (`[E][M]`)"
     );
 }
 

@@ -889,6 +889,26 @@ fn h020_to_h022_pipeline_errors() {
             Some(hybridgen_dsl::LineCol { line: 1, column: 2 })
         )]
     );
+    // An uneven split (an explicit first stage) that cuts two groups: both
+    // are named, each at its group, with the split as it is.
+    let d = Plan::new(
+        &tiny("[M*E][M*E][M*E][M*E]"),
+        &options(pipeline(3, Some(2), None)),
+    )
+    .unwrap_err();
+    let at = |column| Some(hybridgen_dsl::LineCol { line: 1, column });
+    assert_eq!(d.positions(), [(Code::H021, at(1)), (Code::H021, at(11))]);
+    for (item, boundary) in d.items.iter().zip([2, 7]) {
+        assert_eq!(
+            item.message,
+            format!(
+                "the stage boundary before physical layer {boundary} cuts a group: the 3 stages hold 2 + 5 + 5 layers"
+            )
+        );
+    }
+    // A group cut by two boundaries is one error.
+    let d = Plan::new(&tiny("M[M*E]"), &options(pipeline(4, None, None))).unwrap_err();
+    assert_eq!(d.positions(), [(Code::H021, at(2))]);
     // H021 with explicit counts: what is left does not divide, or too much.
     let model = tiny("M*M*M*M*");
     for (pp, first, last) in [

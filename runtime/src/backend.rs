@@ -1,8 +1,8 @@
 //! The `Backend` trait: device memory and the kernels layers need
 //! (shared/spec/runtime.md). Layers, the FSDP engine and the optimizer are
-//! written once against it; the CPU backend (deterministic loops, bf16
-//! storage emulated exactly) is the reference the CUDA backend (cuBLAS,
-//! NVRTC) is checked against.
+//! written once against it; the CPU backend (deterministic kernels, bf16
+//! stored for real) is the reference the CUDA backend (cuBLAS, NVRTC) is
+//! checked against.
 //!
 //! A backend value is bound to one lane: its kernels run on that lane's
 //! queue (CUDA: its stream), in the order they are called. Lane work

@@ -1,8 +1,13 @@
 //! # hybridgen-runtime
 //!
 //! The training runtime for plans made by `hybridgen-dsl`. One design, two
-//! backends: the CPU backend here (tests, CI, laptops, the embedded default)
-//! and CUDA behind the same traits.
+//! backends behind the same traits: the CPU backend ([`cpu`]: tests, CI,
+//! laptops, the default without a GPU) and the CUDA backend ([`cuda`]:
+//! NVRTC kernels, cuBLAS and NCCL, loaded when a run starts, so the crate
+//! builds without CUDA). [`conformance`] checks every kernel of either
+//! against an f64 reference; the GPU tests (`tests/cuda_*.rs`) skip, saying
+//! why, on a machine without a usable GPU, and run on one through
+//! `scripts/cuda_bundle.sh`.
 
 pub mod backend;
 pub mod checkpoint;

@@ -62,15 +62,19 @@ pub fn expand_decl(decl: &ModelDecl, krate: &syn::Path) -> TokenStream {
             None
         }
     };
-    if let Some(plan) = &plan {
-        check_generated_names(decl, &plan.pattern, &mut errors);
-    }
+    let name_clash = plan
+        .as_ref()
+        .is_some_and(|plan| check_generated_names(decl, &plan.pattern, &mut errors));
     match (plan, &resolved) {
         (Some(plan), Some(resolved)) if errors.is_empty() => {
             generate::generate(&spec, resolved, &plan)
         }
         (plan, _) => {
             let pattern = match plan {
+                // The stub's layer structs would clash with the model struct
+                // just as the real ones do: without them the clash is the
+                // one error.
+                Some(_) if name_clash => None,
                 Some(plan) => Some(plan.pattern),
                 None => resolved
                     .as_ref()
@@ -85,11 +89,13 @@ pub fn expand_decl(decl: &ModelDecl, krate: &syn::Path) -> TokenStream {
     }
 }
 
-/// The model struct shares its module with the generated layer structs.
-fn check_generated_names(decl: &ModelDecl, pattern: &Pattern, errors: &mut Errors) {
+/// The model struct shares its module with the generated layer structs:
+/// whether its name is one of theirs (reported).
+fn check_generated_names(decl: &ModelDecl, pattern: &Pattern, errors: &mut Errors) -> bool {
     let name = decl.name.to_string();
     let shape = layer_structs::ModelShape::of(pattern);
-    if shape.type_names().any(|generated| generated == name) {
+    let clash = shape.type_names().any(|generated| generated == name);
+    if clash {
         errors.push(
             decl.name.span(),
             format!(
@@ -97,6 +103,7 @@ fn check_generated_names(decl: &ModelDecl, pattern: &Pattern, errors: &mut Error
             ),
         );
     }
+    clash
 }
 
 /// Names and attributes of the generated items.

@@ -3,7 +3,9 @@
 //! model reports nothing further and the user sees the real mistakes only.
 //!
 //! When the pattern itself is valid the layer structs are known and are
-//! emitted too; otherwise the model struct has no layer fields.
+//! emitted too; otherwise (or when the model is named like one of them, which
+//! would make the stub clash as the real module does) the model struct has no
+//! layer fields.
 
 use super::generate::ModelSpec;
 use super::layer_structs::ModelShape;

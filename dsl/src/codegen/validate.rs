@@ -35,53 +35,13 @@ pub fn plan_options(resolved: &Resolved) -> PlanOptions {
     }
 }
 
-/// Runs the planner, turning a panic into an H025 diagnostic. The planner
-/// multiplies sizes without overflow checks, so absurd dimensions (a hidden
-/// size of 10^18) would otherwise abort the compiler's macro expansion with
-/// "attempt to multiply with overflow"; a macro must answer every input
-/// with an error that says what is wrong.
-pub fn plan_without_panics(
-    config: &crate::config::ModelConfig,
-    options: &PlanOptions,
-) -> Result<Plan, crate::diagnostic::Diagnostics> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Plan::new(config, options)))
-        .unwrap_or_else(|_| {
-            Err(crate::diagnostic::Diagnostics::new(
-                config.pattern.clone(),
-                "pattern",
-                vec![
-                    Diagnostic::new(
-                        Code::H025,
-                        "the model's sizes are too large to plan: an element count overflows 64 bits",
-                    )
-                    .help("check the dimensions for a stray digit; real models have sizes below a million"),
-                ],
-            ))
-        })
-}
-
-/// The most experts a generated model may have: every local expert is two
-/// rows of the generated tables per MoE layer, so an absurd count would
-/// make the compiler build millions of entries rather than report a typo.
-pub const MAX_EXPERTS: usize = 65_536;
-
 /// Plans the model, or reports every diagnostic at its place.
 pub fn plan(resolved: &Resolved, spans: &FieldSpans, errors: &mut Errors) -> Option<Plan> {
-    if let Some(moe) = &resolved.config.moe
-        && moe.num_experts > MAX_EXPERTS
-    {
-        let d = Diagnostic::new(
-            Code::H025,
-            format!(
-                "`moe.num_experts = {}` is above the {MAX_EXPERTS} experts a generated model can have",
-                moe.num_experts
-            ),
-        )
-        .help("check the expert count for a stray digit");
-        report(&d, &resolved.config.pattern, spans, errors);
-        return None;
-    }
-    match plan_without_panics(&resolved.config, &plan_options(resolved)) {
+    // No guard against panics here: the planner answers every input with a
+    // plan or diagnostics (its size limits keep its arithmetic in range), and
+    // a panic is a planner bug, which must not be reported as the user's
+    // mistake.
+    match Plan::new(&resolved.config, &plan_options(resolved)) {
         Ok(plan) => Some(plan),
         Err(diagnostics) => {
             report_all(&diagnostics, &resolved.config.pattern, spans, errors);

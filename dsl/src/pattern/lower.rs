@@ -72,6 +72,10 @@ struct Lowering<'s> {
     unmatched_unclosed: usize,
     /// The same for an unclosed `(` and a later stray `)`.
     unmatched_unclosed_paren: usize,
+    /// The attention family the source writes, found on first use: an
+    /// unknown symbol is guessed to be that family's, since a model has only
+    /// one (H009).
+    attention_family: std::cell::OnceCell<Option<char>>,
 }
 
 /// A pattern as far as it could be read, and what reading it found.
@@ -97,6 +101,7 @@ pub(super) fn lower(source: &str) -> Lowered {
         lossy_found: 0,
         unmatched_unclosed: 0,
         unmatched_unclosed_paren: 0,
+        attention_family: std::cell::OnceCell::new(),
     };
     let empty = Pattern {
         segments: Vec::new(),
@@ -595,7 +600,7 @@ impl Lowering<'_> {
                     Diagnostic::new(Code::H012, "a repeat block `( ){N}` inside a group")
                         .at(span_of(&atom))
                         .label("not allowed inside `[ ]`")
-                        .help("repeat single members (`[M{2}E]`) or repeat the whole group (`[ME]{2}`)"),
+                        .help("write the members once and repeat the whole group, e.g. `[ME]{2}`: a group holds one layer of each kind"),
                 );
                 None
             }
@@ -762,9 +767,36 @@ impl Lowering<'_> {
         );
     }
 
+    /// The attention symbols the source writes: `*` for GQA only, `+` for
+    /// the MLA family (`+`, `D`) only, `?` for both, `None` for neither.
+    fn attention_family(&self) -> Option<char> {
+        *self.attention_family.get_or_init(|| {
+            let gqa = self.source.contains('*');
+            let latent = self.source.contains(['+', 'D']);
+            match (gqa, latent) {
+                (true, false) => Some('*'),
+                (false, true) => Some('+'),
+                (true, true) => Some('?'),
+                (false, false) => None,
+            }
+        })
+    }
+
     fn unknown(&mut self, text: &str, span: Span) {
         let c = text.chars().next().unwrap_or('?');
-        let (message, help) = match suggestion(c) {
+        // An attention guess follows the family the pattern writes; where it
+        // writes both, either guess would mix them, so none is made.
+        let guess =
+            suggestion(c).and_then(|(symbol, why)| match (symbol, self.attention_family()) {
+                ('*' | '+', Some('?')) => None,
+                ('*', Some('+')) => Some((
+                    '+',
+                    "multi-latent attention, the attention this pattern uses",
+                )),
+                ('+', Some('*')) => Some(('*', "self-attention, the attention this pattern uses")),
+                _ => Some((symbol, why)),
+            });
+        let (message, help) = match guess {
             Some((symbol, why)) => (
                 format!("unknown layer symbol `{}`", c.escape_debug()),
                 format!("did you mean `{symbol}` ({why})?"),

@@ -43,14 +43,13 @@ fn check_group(group: &Group, out: &mut Findings) {
                     Diagnostic::new(Code::H006, "`E` is not the last layer of its group")
                         .at(member.span)
                         .label("a MoE layer ends its group")
-                        .help(match symbols_without(&group.members, i) {
-                            Some(rest) => format!(
-                                "move the `E` to the end (`[{rest}E]`) or split the group after it"
+                        .help(match (moved_last(&group.members, i), valid_split(&group.members)) {
+                            (Some(moved), Some(split)) => format!(
+                                "move the `E` to the end (`{moved}`) or split the group after it (`{split}`)"
                             ),
-                            None => {
-                                "move the `E` to the end of the group or split the group after it"
-                                    .to_string()
-                            }
+                            (None, Some(split)) => format!("split the group after it: `{split}`"),
+                            _ => "move the `E` to the end of the group or split the group after it"
+                                .to_string(),
                         }),
                 );
             }
@@ -62,16 +61,26 @@ fn check_group(group: &Group, out: &mut Findings) {
                 } else {
                     "`-` is not the last layer of its group"
                 };
+                let split = valid_split(&group.members);
                 out.push(
                     Diagnostic::new(Code::H007, message)
                         .at(member.span)
                         .label("a dense MLP ends its group")
-                        .help(if terminal_after {
-                            "a group has at most one terminal (`-` or `E`): split the group, e.g. `[-][*E]`".to_string()
-                        } else {
-                            match symbols_without(&group.members, i) {
-                                Some(rest) => format!("move the `-` to the end: `[{rest}-]`"),
-                                None => "move the `-` to the end of the group".to_string(),
+                        .help(match (terminal_after, moved_last(&group.members, i), split) {
+                            (true, _, Some(split)) => format!(
+                                "a group has at most one terminal (`-` or `E`): split the group: `{split}`"
+                            ),
+                            (true, _, None) => {
+                                "a group has at most one terminal (`-` or `E`): split the group after each"
+                                    .to_string()
+                            }
+                            (false, Some(moved), _) => format!("move the `-` to the end: `{moved}`"),
+                            (false, None, Some(split)) => {
+                                format!("split the group after the `-`: `{split}`")
+                            }
+                            (false, None, None) => {
+                                "move the `-` to the end of the group or split the group after it"
+                                    .to_string()
                             }
                         }),
                 );
@@ -103,7 +112,12 @@ fn check_group(group: &Group, out: &mut Findings) {
                         )
                         .at(member.span)
                         .label("collides with an earlier member")
-                        .help("a group flattens into one checkpoint layer: put these layers in separate groups, e.g. `[*][*E]`"),
+                        .help(match valid_split(&group.members) {
+                            Some(split) => format!(
+                                "a group flattens into one checkpoint layer: put these layers in separate groups: `{split}`"
+                            ),
+                            None => "a group flattens into one checkpoint layer: put these layers in separate groups".to_string(),
+                        }),
                     );
                 }
                 Some(_) => {}
@@ -112,18 +126,78 @@ fn check_group(group: &Group, out: &mut Findings) {
     }
 }
 
-/// The group's symbols with member `skip` left out, for help text; `None`
-/// for a group too long to quote (every member of `[E{100000}M]` is an
+/// The group with member `moved` taken out and put last, when that makes a
+/// valid group (another terminal or a namespace clash would not); `None`
+/// too for a group too long to quote (every member of `[E{100000}M]` is an
 /// error, and quoting the group in each would be quadratic).
-fn symbols_without(members: &[Layer], skip: usize) -> Option<String> {
-    (members.len() <= MAX_QUOTED).then(|| {
-        members
+fn moved_last(members: &[Layer], moved: usize) -> Option<String> {
+    if members.len() > MAX_QUOTED {
+        return None;
+    }
+    let kinds: Vec<LayerKind> = members
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != moved)
+        .chain(std::iter::once((moved, &members[moved])))
+        .map(|(_, m)| m.kind)
+        .collect();
+    is_valid_group(&kinds).then(|| bracketed(&kinds))
+}
+
+/// The group cut, in order, into valid groups: after each terminal and
+/// before each member whose namespace is already taken. `None` for a group
+/// too long to quote.
+fn valid_split(members: &[Layer]) -> Option<String> {
+    if members.len() > MAX_QUOTED {
+        return None;
+    }
+    let mut out = String::new();
+    let mut current: Vec<LayerKind> = Vec::new();
+    for member in members {
+        let kind = member.kind;
+        let taken = current
             .iter()
-            .enumerate()
-            .filter(|&(i, _)| i != skip)
-            .map(|(_, m)| m.kind.symbol())
-            .collect()
-    })
+            .any(|k| k.namespace() == kind.namespace() && shares_checkpoint_keys(kind.namespace()));
+        if taken {
+            out += &bracketed(&current);
+            current.clear();
+        }
+        current.push(kind);
+        if kind.is_terminal() {
+            out += &bracketed(&current);
+            current.clear();
+        }
+    }
+    if !current.is_empty() {
+        out += &bracketed(&current);
+    }
+    Some(out)
+}
+
+/// The rules H006-H008 check, for members of these kinds: at most one
+/// terminal and it comes last, and no two members publish under one
+/// checkpoint namespace.
+fn is_valid_group(kinds: &[LayerKind]) -> bool {
+    let terminal_inside = kinds
+        .iter()
+        .take(kinds.len().saturating_sub(1))
+        .any(|k| k.is_terminal());
+    let clash = kinds.iter().enumerate().any(|(i, a)| {
+        shares_checkpoint_keys(a.namespace())
+            && kinds[..i].iter().any(|b| b.namespace() == a.namespace())
+    });
+    !kinds.is_empty() && !terminal_inside && !clash
+}
+
+/// Whether two members of a namespace collide (H008): terminals are kept
+/// apart by H006/H007 instead.
+fn shares_checkpoint_keys(namespace: Namespace) -> bool {
+    matches!(namespace, Namespace::Mixer | Namespace::SelfAttention)
+}
+
+fn bracketed(kinds: &[LayerKind]) -> String {
+    let symbols: String = kinds.iter().map(|k| k.symbol()).collect();
+    format!("[{symbols}]")
 }
 
 /// H009: `*` together with `+` or `D` anywhere in the model.

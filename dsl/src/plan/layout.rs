@@ -162,27 +162,16 @@ pub(crate) fn stages(
         }
     } else {
         let sizes = stage_sizes(physical, layout)?;
+        let cut = cut_groups(pattern, &item_starts, &sizes);
+        if !cut.is_empty() {
+            return Err(cut);
+        }
         let mut start = 0;
         for (rank, size) in sizes.into_iter().enumerate() {
             let end = start + size;
-            let first_item = item_starts.binary_search(&start);
-            let last_item = item_starts.binary_search(&end);
-            let (Ok(first), Ok(last)) = (first_item, last_item) else {
-                // A boundary falls inside a group.
-                let cut = if first_item.is_err() { start } else { end };
-                let item = item_starts.partition_point(|&p| p <= cut) - 1;
-                let group = pattern.items().nth(item).map(|i| i.span());
-                let mut d = Diagnostic::new(
-                    Code::H021,
-                    format!("the boundary before physical layer {cut} of an even split over {pp} stages cuts a group"),
-                )
-                .label("this group would span two stages")
-                .help("a group is built on one stage: place the boundaries yourself with `|` around groups");
-                if let Some(span) = group {
-                    d = d.at(span);
-                }
-                return Err(vec![d]);
-            };
+            // Both are item boundaries: `cut_groups` found no cut.
+            let first = item_starts.partition_point(|&p| p < start);
+            let last = item_starts.partition_point(|&p| p < end);
             stages.push(Stage {
                 pp_rank: rank,
                 vp_stage: 0,
@@ -202,6 +191,63 @@ pub(crate) fn stages(
         last.has_mtp = true;
     }
     Ok(stages)
+}
+
+/// H021 for every group a stage boundary falls inside, once per group, each
+/// at its group: the stages' sizes come from the layout, so the message
+/// gives the whole split (`3 + 2 + 2 + 2`), even or not.
+fn cut_groups(pattern: &Pattern, item_starts: &[usize], sizes: &[usize]) -> Vec<Diagnostic> {
+    let split = sizes
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(" + ");
+    // (boundary, item it falls inside), in order, each item once.
+    let mut cuts: Vec<(usize, usize)> = Vec::new();
+    let mut boundary = 0;
+    for size in &sizes[..sizes.len().saturating_sub(1)] {
+        boundary += size;
+        if item_starts.binary_search(&boundary).is_ok() {
+            continue;
+        }
+        let item = item_starts.partition_point(|&p| p <= boundary) - 1;
+        if cuts.last().is_none_or(|&(_, last)| last != item) {
+            cuts.push((boundary, item));
+        }
+    }
+    if cuts.is_empty() {
+        return Vec::new();
+    }
+    // One pass over the items finds every cut group's span.
+    let mut spans = vec![None; cuts.len()];
+    let mut next = 0;
+    for (index, item) in pattern.items().enumerate() {
+        if next == cuts.len() {
+            break;
+        }
+        if cuts[next].1 == index {
+            spans[next] = Some(item.span());
+            next += 1;
+        }
+    }
+    cuts.iter()
+        .zip(spans)
+        .map(|(&(boundary, _), span)| {
+            let d = Diagnostic::new(
+                Code::H021,
+                format!(
+                    "the stage boundary before physical layer {boundary} cuts a group: the {} stages hold {split} layers",
+                    sizes.len()
+                ),
+            )
+            .label("this group would span two stages")
+            .help("a group is built on one stage: change --pp or the first/last stage counts, or place the boundaries yourself with `|` around groups");
+            match span {
+                Some(span) => d.at(span),
+                None => d,
+            }
+        })
+        .collect()
 }
 
 /// Physical layers per stage without `|`: explicit first/last counts, the
