@@ -45,7 +45,7 @@ cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
-cp scripts/trace_breakdown.py scripts/kernel_table.py "$bundle/"
+cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh "$bundle/"
 
 cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash

@@ -387,11 +387,17 @@ fn shorten_lines(message: &str) -> String {
 }
 
 /// Built-in presets, by name.
-pub const PRESET_NAMES: [&str; 3] = ["tiny", "nemotron-nano-9b-v2", "nemotron-3-nano-30b-a3b"];
+pub const PRESET_NAMES: [&str; 4] = [
+    "tiny",
+    "nemotron-nano-9b-v2",
+    "nemotron-3-nano-30b-a3b",
+    "bench-hybrid-moe",
+];
 
 const TINY: &str = include_str!("../presets/tiny.toml");
 const NEMOTRON_NANO_9B_V2: &str = include_str!("../presets/nemotron-nano-9b-v2.toml");
 const NEMOTRON_3_NANO_30B_A3B: &str = include_str!("../presets/nemotron-3-nano-30b-a3b.toml");
+const BENCH_HYBRID_MOE: &str = include_str!("../presets/bench-hybrid-moe.toml");
 
 impl ModelConfig {
     /// A built-in preset. The presets are TOML files shipped with the crate, so
@@ -408,6 +414,7 @@ impl ModelConfig {
             "tiny" => Some(TINY),
             "nemotron-nano-9b-v2" => Some(NEMOTRON_NANO_9B_V2),
             "nemotron-3-nano-30b-a3b" => Some(NEMOTRON_3_NANO_30B_A3B),
+            "bench-hybrid-moe" => Some(BENCH_HYBRID_MOE),
             _ => None,
         }
     }

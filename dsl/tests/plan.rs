@@ -731,6 +731,37 @@ fn checkpoint_keys_are_unique() {
 
 // ---- totals -------------------------------------------------------------------------------------
 
+/// `bench-hybrid-moe` is the PyTorch baseline's model
+/// (shared/bench/torch_ref/README.md, section 2): its count of 428,605,440
+/// active matrix parameters (output layer in, input embedding out) plus the
+/// vectors it leaves out: per Mamba layer the conv (6,144 x 4 + 6,144),
+/// A_log, D and dt_bias (64 each), its pre-norm (2,048) and gated norm
+/// (4,096); a pre-norm per attention and MoE layer; the final norm.
+#[test]
+fn the_bench_preset_is_the_pytorch_baselines_model() {
+    let model = ModelConfig::preset("bench-hybrid-moe").unwrap();
+    let p = plan_default(&model);
+    let vectors = 4 * (6_144 * 5 + 3 * 64 + 2_048 + 4_096) + 12 * 2_048 + 2_048;
+    assert_eq!(vectors, 174_848);
+    assert_eq!(p.active_params, 428_605_440 + vectors);
+    // Every expert (12 of 16 unchosen in each of 8 MoE layers, fc1 and fc2
+    // of 2,048 x 1,024) and the untied input embedding on top.
+    let unchosen = 8 * 12 * 2 * 2_048 * 1_024;
+    assert_eq!(p.total_params, p.active_params + unchosen + 32_768 * 2_048);
+    assert_eq!(p.physical_layers(), 16);
+    assert_eq!(p.units.len(), 8);
+    assert!(!model.tie_embeddings);
+    let mamba = model.mamba.as_ref().unwrap();
+    assert_eq!(
+        (mamba.num_heads, mamba.head_dim, mamba.num_groups, mamba.state_size),
+        (64, 64, 8, 128)
+    );
+    assert_eq!((mamba.conv_kernel, mamba.chunk_size), (4, 256));
+    let moe = model.moe.as_ref().unwrap();
+    assert_eq!((moe.num_experts, moe.top_k), (16, 4));
+    assert_eq!(moe.aux_loss_coeff, 0.0);
+}
+
 #[test]
 fn nemotron_totals_match_the_spec() {
     let nano = plan_default(&ModelConfig::preset("nemotron-nano-9b-v2").unwrap());

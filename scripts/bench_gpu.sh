@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The GPU benchmark of issue "Speed on GPUs": hybridgen on the
+# `bench-hybrid-moe` preset on 1 GPU (EP 1, no communication) and on 2 GPUs
+# (EP 2, ZeRO-3; the overlap and the plain schedule), then PyTorch's rows
+# of the same model (shared/bench/torch_ref, its `fast` stage) in the same
+# run, and one table: step ms (median of 10 after 3 warm-up steps),
+# tokens/s per GPU, TFLOP/s per GPU, MFU, peak GPU memory, exposed
+# communication (a 2-GPU step minus the 1-GPU step) and each row's ratio to
+# PyTorch's matching row measured here.
+#
+# Here (no GPU needed):
+#   scripts/cuda_bundle.sh && cp -r ../shared/bench/torch_ref gpu-bundle/
+# There (2 x H200; the bundle carries this script):
+#   bash gpu-bundle/bench_gpu.sh LOGDIR          # everything, about 8 minutes
+#   TORCH_REF=none bash gpu-bundle/bench_gpu.sh LOGDIR   # hybridgen's rows only
+#
+# FLOPs are the baseline's count for this model, 3,031,695,360 a token
+# (torch_ref/README.md, section 3; dsl/tests/plan.rs checks that the preset
+# is that model), against the H200's 989 TFLOP/s of dense bf16. Peak memory
+# is the most `nvidia-smi` saw in use on any GPU during the row, sampled
+# every 0.2 s: what the process holds, its arena and libraries included.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-$here/bench-logs}
+mkdir -p "$out"
+torch_ref=${TORCH_REF:-$here/torch_ref}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export HYBRIDGEN_CUDA_INCLUDE="${HYBRIDGEN_CUDA_INCLUDE:-/usr/local/cuda/include}"
+export HYBRIDGEN_KERNEL_CACHE="${HYBRIDGEN_KERNEL_CACHE:-$out/kernel-cache}"
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2'; then
+  for dir in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+    found=$(find "$dir" -name 'libnccl.so.2' 2>/dev/null | head -1)
+    if [ -n "$found" ]; then
+      export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+      break
+    fi
+  done
+fi
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+: > "$out/rows.jsonl"
+
+# One hybridgen row: 13 steps, the median step time of the last 10.
+row() {
+  local name=$1 ranks=$2
+  shift 2
+  if [ "$gpus" -lt "$ranks" ]; then
+    echo "{\"row\": \"$name\", \"skipped\": \"needs $ranks GPUs, $gpus here\"}" >> "$out/rows.jsonl"
+    return
+  fi
+  local peak_file="$out/$name.memory"
+  : > "$peak_file"
+  (while true; do
+     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$peak_file" 2>/dev/null
+     sleep 0.2
+   done) &
+  local sampler=$!
+  "$here/hybridgen" train --device cuda --preset bench-hybrid-moe --ranks "$ranks" --ep "$ranks" \
+    --micro-batches 4 --micro-batch-size 1 --steps 13 --lr 1e-4 --weight-decay 0.1 \
+    --format json "$@" > "$out/$name.jsonl" 2> "$out/$name.err"
+  local rc=$?
+  kill "$sampler" 2>/dev/null
+  wait "$sampler" 2>/dev/null
+  python3 - "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" >> "$out/rows.jsonl" <<'PY'
+import json, statistics, sys
+name, ranks, rc, log, peak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+steps = []
+for line in open(log):
+    try:
+        record = json.loads(line)
+    except ValueError:
+        continue
+    if "step_ms" in record and "step" in record:
+        steps.append(record["step_ms"])
+used = [float(v) for v in open(peak).read().split() if v.strip()]
+row = {"row": name, "ranks": ranks}
+if rc != 0 or len(steps) < 13:
+    row["failed"] = f"exit {rc}, {len(steps)} steps; see {log}"
+else:
+    row["step_ms"] = statistics.median(steps[3:13])
+    row["peak_gib"] = max(used) / 1024 if used else None
+print(json.dumps(row))
+PY
+}
+
+row hybridgen-1gpu 1 --schedule overlap
+row hybridgen-2gpu-overlap 2 --schedule overlap
+row hybridgen-2gpu-plain 2 --schedule plain
+
+if [ "$torch_ref" != none ] && [ -f "$torch_ref/run_device.sh" ]; then
+  OUT="$out/torch" bash "$torch_ref/run_device.sh" fast > "$out/torch.log" 2>&1
+fi
+
+python3 - "$out/rows.jsonl" "$out/torch/results.jsonl" <<'PY'
+import json, os, sys
+FLOPS_PER_TOKEN = 3_031_695_360
+TOKENS_PER_GPU_STEP = 4 * 4096
+PEAK = 989e12
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+torch = {}
+if os.path.exists(sys.argv[2]):
+    for line in open(sys.argv[2]):
+        r = json.loads(line)
+        if r.get("fast") and not r.get("tiny") and "step_ms_median" in r:
+            key = "1gpu" if r.get("world", 1) == 1 else "2gpu"
+            torch.setdefault(key, r)  # the first of a kind: the stage's main row
+for key, r in sorted(torch.items()):
+    peak = max(r.get("peak_mem_alloc_gib_per_rank") or [0.0])
+    rows.append({"row": f"pytorch-fast-{key}", "ranks": 1 if key == "1gpu" else 2,
+                 "step_ms": r["step_ms_median"], "peak_gib": peak})
+one = next((r.get("step_ms") for r in rows if r["row"] == "hybridgen-1gpu"), None)
+print(f"{'row':24} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+      f"{'exposed':>8} {'vs torch':>8}")
+for r in rows:
+    if "step_ms" not in r:
+        print(f"{r['row']:24} {r.get('skipped') or r.get('failed')}")
+        continue
+    ms = r["step_ms"]
+    tps = TOKENS_PER_GPU_STEP / (ms / 1e3)
+    tflops = FLOPS_PER_TOKEN * TOKENS_PER_GPU_STEP / (ms / 1e3) / 1e12
+    exposed = f"{ms - one:8.1f}" if r["ranks"] == 2 and one and r["row"].startswith("hybridgen") else f"{'':8}"
+    ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu")
+    ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"
+    peak = f"{r['peak_gib']:9.1f}" if r.get("peak_gib") else f"{'':9}"
+    print(f"{r['row']:24} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
+          f"{peak} {exposed} {ratio}")
+PY
