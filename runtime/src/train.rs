@@ -762,11 +762,6 @@ fn run_rank<D: Device>(
         &|p, out| model.init_param(config.seed, p, ep_rank, out),
     )?;
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
-    let mut step = 0;
-    if let Some(resume) = &prepared.checkpoints.resume {
-        checkpoint::load(resume, &plan, &engine, &mut optimizer, &rank)?;
-        step = resume.step();
-    }
     let ranges = (0..plan.params.len())
         .map(|p| engine.param_range(p))
         .collect();
@@ -779,6 +774,11 @@ fn run_rank<D: Device>(
         1.0 / (config.micro_batches * config.ranks) as f32,
         &rank.backend,
     )?);
+    let mut step = 0;
+    if let Some(resume) = &prepared.checkpoints.resume {
+        checkpoint::load(resume, &plan, &engine, &mut optimizer, &cx.balance, &rank)?;
+        step = resume.step();
+    }
     let shape = batch_shape(config, &plan);
     let save = prepared.checkpoints.save.as_ref();
     // The newest step in the save root: the end of the run saves unless
@@ -822,6 +822,10 @@ fn run_rank<D: Device>(
             mine.push(*sum);
             mine.push(*count as f64);
         }
+        // The tokens each expert got this step (aux-loss-free balancing),
+        // summed over ranks with the losses: integers, exact in f64.
+        let loads_at = mine.len();
+        mine.extend(cx.balance.take_loads());
         let all = rank.host.all_gather_host(&mine)?;
         let total = |i: usize| {
             all.iter()
@@ -849,6 +853,10 @@ fn run_rank<D: Device>(
             return Err(optimizer.divergence(&engine, &rank, quantity)?);
         }
         let grad_norm = optimizer.step(&engine, &rank, &norm_partials)?;
+        if loads_at < mine.len() {
+            let loads: Vec<f64> = (loads_at..mine.len()).map(total).collect();
+            cx.balance.update(&loads)?;
+        }
         let device = rank.backend.stats() - counted;
         step += 1;
         if let Some(reports) = &reports {
@@ -866,14 +874,14 @@ fn run_rank<D: Device>(
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
+            checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
             saved = Some(step);
         }
     }
     if let Some(save) = save
         && saved != Some(step)
     {
-        checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
+        checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
     }
     param_hash(&plan, &engine, &rank)
 }
