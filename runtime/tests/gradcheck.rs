@@ -17,7 +17,7 @@ use hybridgen_runtime::cpu::collective::CpuWorld;
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::layers::{
     CollectiveExchange, Embedding, FinalNorm, HEAD_CHUNK_ELEMENTS, Head, LayerImpl, LayerSaved,
-    LayerWgrad, LocalExchange, MoeLayer, MtpEntry, counted_targets,
+    LayerWgrad, LocalExchange, MoeLayer, MtpEntry, RouterContext, counted_targets,
 };
 use hybridgen_runtime::view::{DType, DeviceBuffer, View, ViewMut};
 use std::sync::LazyLock;
@@ -473,6 +473,17 @@ fn mlp_gradients_for_every_activation() {
 }
 
 fn moe(score: &str, top_k: usize, shared: bool, bias: bool, activation: &str) -> ModelConfig {
+    moe_scaled(score, top_k, shared, bias, activation, 1.0)
+}
+
+fn moe_scaled(
+    score: &str,
+    top_k: usize,
+    shared: bool,
+    bias: bool,
+    activation: &str,
+    scale: f32,
+) -> ModelConfig {
     let shared = if shared {
         "shared_expert_ffn_hidden_size = 5\n"
     } else {
@@ -480,21 +491,24 @@ fn moe(score: &str, top_k: usize, shared: bool, bias: bool, activation: &str) ->
     };
     config(&format!(
         "[moe]\nnum_experts = 4\ntop_k = {top_k}\nffn_hidden_size = 6\n{shared}score_function = \"{score}\"\n\
-         aux_loss_coeff = 0.1\nexpert_bias = {bias}\nactivation = \"{activation}\"\n"
+         aux_loss_coeff = 0.1\nexpert_bias = {bias}\nactivation = \"{activation}\"\n\
+         topk_scaling_factor = {scale}\n"
     ))
 }
 
 #[test]
 fn moe_gradients_for_scores_top_k_shared_expert_and_bias() {
     let cases = [
-        ("softmax", 2, true, false, "squared_relu"),
-        ("sigmoid", 2, false, false, "gelu"),
-        ("softmax", 1, false, true, "swiglu"),
-        ("sigmoid", 3, true, true, "squared_relu"),
+        ("softmax", 2, true, false, "squared_relu", 1.0),
+        ("sigmoid", 2, false, false, "gelu", 2.5),
+        ("sigmoid", 1, false, true, "swiglu", 1.0),
+        ("sigmoid", 1, true, false, "gelu", 2.5),
+        ("softmax", 2, false, false, "gelu", 2.5),
+        ("sigmoid", 3, true, true, "squared_relu", 2.5),
     ];
-    for (score, k, shared, bias, act) in cases {
-        let c = moe(score, k, shared, bias, act);
-        let name = format!("E {score} k={k} shared={shared} bias={bias} {act}");
+    for (score, k, shared, bias, act, scale) in cases {
+        let c = moe_scaled(score, k, shared, bias, act, scale);
+        let name = format!("E {score} k={k} shared={shared} bias={bias} {act} scale={scale}");
         let mut case = LayerCase::new(&name, LayerKind::Moe, &c, TWO_SEQUENCES, 51);
         if bias {
             let layer = match &mut case.layer {
@@ -521,7 +535,7 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let aux = dev().alloc(1, DType::F64).expect("alloc");
     dev().upload(&[0.25f64], vm(&aux)).expect("upload");
     let prepared = moe
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux))
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux), None)
         .expect("prepare");
     let aux_loss = |buf: &CpuBuf| {
         let mut value = [0.0f64];
@@ -572,9 +586,78 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let layer = MoeLayer::new(&off, 4).expect("layer");
     let zero = dev().alloc(1, DType::F64).expect("alloc");
     layer
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&zero))
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&zero), None)
         .expect("prepare");
     assert_eq!(aux_loss(&zero), 0.0);
+}
+
+/// layers.md `E` step 3 with sigmoid scores and an expert bias: `P_i` is the
+/// mean of each token's sigmoid scores normalised over all experts, and
+/// `f_i` counts the top-k of the scores without the bias (Megatron's
+/// `compute_routing_scores_for_aux_loss`), while the dispatch follows the
+/// biased selection.
+#[test]
+fn moe_aux_loss_with_sigmoid_scores_counts_the_unbiased_top_k() {
+    let c = moe("sigmoid", 2, false, true, "gelu");
+    let mut case = LayerCase::new("E aux sigmoid", LayerKind::Moe, &c, TWO_SEQUENCES, 53);
+    let moe = match &mut case.layer {
+        LayerImpl::Moe(l) => l,
+        _ => unreachable!(),
+    };
+    // Scores lie in (0, 1): a bias of 5 puts expert 3 in every selection.
+    moe.set_expert_bias(&[0.0, 0.0, 0.0, 5.0]).expect("bias");
+    let moe = &*moe;
+    let wb = ups(&case.weights);
+    let w = views(&wb);
+    let xb = up(&case.x);
+    let aux = dev().alloc(1, DType::F64).expect("alloc");
+    let prepared = moe
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux), None)
+        .expect("prepare");
+    let mut got = [0.0f64];
+    dev().download(v(&aux), &mut got).expect("download");
+    let (t, e, k) = (10usize, 4usize, 2usize);
+    let mut prob_sum = vec![0.0f64; e];
+    let mut unbiased = vec![0usize; e];
+    for row in 0..t {
+        let xr = &case.x[row * 8..row * 8 + 8];
+        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 8.0;
+        let u: Vec<f64> = xr
+            .iter()
+            .zip(&case.weights[0])
+            .map(|(v, g)| *v as f64 / (ms + 1e-5).sqrt() * *g as f64)
+            .collect();
+        let s: Vec<f64> = (0..e)
+            .map(|i| {
+                let z: f64 = (0..8)
+                    .map(|j| u[j] * case.weights[1][i * 8 + j] as f64)
+                    .sum();
+                1.0 / (1.0 + (-z).exp())
+            })
+            .collect();
+        let total: f64 = s.iter().sum();
+        for i in 0..e {
+            prob_sum[i] += s[i] / total;
+        }
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| s[b].total_cmp(&s[a]));
+        for &i in &order[..k] {
+            unbiased[i] += 1;
+        }
+    }
+    let biased = prepared.routing.expert_counts(dev()).expect("counts");
+    assert_eq!(biased[3], t, "the bias selects expert 3 for every token");
+    assert_ne!(biased, unbiased, "the case must tell the two countings apart");
+    let want: f64 = 0.1
+        * e as f64
+        * (0..e)
+            .map(|i| unbiased[i] as f64 / (t * k) as f64 * prob_sum[i] / t as f64)
+            .sum::<f64>();
+    assert!(
+        (got[0] - want).abs() < 1e-6 * want.max(1.0),
+        "{} vs {want}",
+        got[0]
+    );
 }
 
 // ---- model-level ops ------------------------------------------------------------------
@@ -1316,7 +1399,10 @@ fn moe_reads_the_host_once_per_layer_and_micro_batch() {
                         &views(w),
                         stage,
                         vm(x),
-                        vm(&aux),
+                        RouterContext {
+                            aux_loss: vm(&aux),
+                            balance: None,
+                        },
                         TWO_SEQUENCES,
                         &LocalExchange,
                     )
@@ -1581,6 +1667,15 @@ fn bad_sizes_are_errors_not_panics() {
         layer.set_expert_bias(&[0.0; 4]).is_err(),
         "no bias configured"
     );
+    // Megatron allows the expert bias with sigmoid scores only.
+    let err = MoeLayer::new(&moe("softmax", 2, false, true, "gelu"), 4)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("sigmoid"), "{err}");
+    for bad in [0.0f32, -1.0] {
+        let c = moe_scaled("sigmoid", 2, false, false, "gelu", bad);
+        assert!(MoeLayer::new(&c, 4).is_err(), "scaling factor {bad}");
+    }
 }
 
 /// The schedule keeps layers shared across lane threads and moves saved
