@@ -980,7 +980,7 @@ mod tests {
 
     mod dtypes {
         use crate::backend::{
-            AuxLossDims, Backend, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
+            AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
             RouterScores, UnpermuteDims,
         };
         use crate::cpu::{CpuBackend, CpuBuf};
