@@ -956,6 +956,29 @@ pub struct RotaryDims {
     /// Rotated channels (even).
     pub dim: usize,
     pub base: f32,
+    /// Which channels rotate together.
+    pub pairing: RotaryPairing,
+}
+
+/// The channel pairs a rotary embedding rotates, both at frequency
+/// `theta_i = t * base^(-2i/dim)` for pair `i < dim/2`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RotaryPairing {
+    /// `(i, i + dim/2)`: Megatron's default (`*` attention).
+    RotateHalf,
+    /// `(2i, 2i + 1)`: Megatron's MLA (`mla_rotary_interleaved`).
+    Interleaved,
+}
+
+impl RotaryPairing {
+    /// The channels (relative to the rotated block) of pair `i` of a block
+    /// of `dim` channels.
+    pub fn pair(self, i: usize, dim: usize) -> (usize, usize) {
+        match self {
+            RotaryPairing::RotateHalf => (i, i + dim / 2),
+            RotaryPairing::Interleaved => (2 * i, 2 * i + 1),
+        }
+    }
 }
 
 /// Dimensions of the embedding kernels.

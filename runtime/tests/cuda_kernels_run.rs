@@ -25,10 +25,10 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use hybridgen_dsl::config::ScoreFunction;
 use hybridgen_runtime::backend::{
-    AdamMoments, AdamStep, AttentionInputs, AuxLossDims, CopyCols, ExpertOrder, IGNORE_TARGET,
-    ExpertBias, LossDims, MlaKvDims, NormDims, QkvDims, ReceivedDims, RotaryDims, RouteDims,
-    RouteOutputs,
-    RoutedSlots, RouterScores, SgdStep, Tokens, Unary, UnpermuteDims, UnpermuteGrads,
+    AdamMoments, AdamStep, AttentionInputs, AuxLossDims, CopyCols, ExpertBias, ExpertOrder,
+    IGNORE_TARGET, LossDims, MlaKvDims, NormDims, QkvDims, ReceivedDims, RotaryDims, RotaryPairing,
+    RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Tokens, Unary, UnpermuteDims,
+    UnpermuteGrads,
 };
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::cuda::kernels::{self, Target};
@@ -687,6 +687,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             offset: 8,
             dim: 32,
             base: 10_000.0,
+            pairing: RotaryPairing::RotateHalf,
         };
         let len = 3 * 67 * 5 * 48;
         cases.push(Case {
@@ -709,6 +710,40 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             gpu: Box::new(move |s, st, x| s.rotary_backward(st, x[0], d)),
             reference: None,
         });
+        // MLA's interleaved pairs.
+        let d = RotaryDims {
+            pairing: RotaryPairing::Interleaved,
+            ..d
+        };
+        for backward in [false, true] {
+            cases.push(Case {
+                kernel: if backward {
+                    "rotary_backward"
+                } else {
+                    "rotary_forward"
+                }
+                .into(),
+                mode,
+                shape: "3x67 5h 32/48 interleaved".into(),
+                buffers: vec![rng.floats(len, a)],
+                outputs: vec![0],
+                cpu: Box::new(move |b, x| {
+                    if backward {
+                        b.rotary_backward(m(&x[0]), d)
+                    } else {
+                        b.rotary_forward(m(&x[0]), d)
+                    }
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    if backward {
+                        s.rotary_backward(st, x[0], d)
+                    } else {
+                        s.rotary_forward(st, x[0], d)
+                    }
+                }),
+                reference: None,
+            });
+        }
 
         // Head splits.
         let d = QkvDims {

@@ -462,6 +462,148 @@ fn mla_gradients_with_and_without_q_lora_and_latent_norms() {
     }
 }
 
+/// The `+` forward of layers.md, in f64, for a layer without q LoRA or
+/// latent norms: `interleaved` picks the rotary pairs `(2i, 2i + 1)`
+/// (Megatron's MLA) or rotate-half's `(i, i + dr/2)`.
+#[allow(clippy::too_many_arguments)]
+fn mla_reference(
+    w: &[Vec<f32>],
+    x: &[f32],
+    tokens: Tokens,
+    (h, a, kr, dn, dr, dv): (usize, usize, usize, usize, usize, usize),
+    base: f64,
+    interleaved: bool,
+) -> Vec<f64> {
+    let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    // params.md order without q LoRA and norms: input norm, proj, q, kv down, kv up.
+    let (norm, proj, wq, wkv_down, wkv_up) = (f(&w[0]), f(&w[1]), f(&w[2]), f(&w[3]), f(&w[4]));
+    let linear = |m: &[f64], v: &[f64], rows: usize| -> Vec<f64> {
+        (0..rows)
+            .map(|r| (0..v.len()).map(|c| m[r * v.len() + c] * v[c]).sum())
+            .collect()
+    };
+    let rope = |v: &mut [f64], pos: f64| {
+        for i in 0..dr / 2 {
+            let theta = pos * base.powf(-(2.0 * i as f64) / dr as f64);
+            let (p, q) = if interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + dr / 2)
+            };
+            let (x1, x2) = (v[p], v[q]);
+            v[p] = x1 * theta.cos() - x2 * theta.sin();
+            v[q] = x2 * theta.cos() + x1 * theta.sin();
+        }
+    };
+    let rows = tokens.batch * tokens.seq;
+    let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rows {
+        let xr = f(&x[r * h..(r + 1) * h]);
+        let rstd = 1.0 / (xr.iter().map(|v| v * v).sum::<f64>() / h as f64 + 1e-5).sqrt();
+        let u: Vec<f64> = xr.iter().zip(&norm).map(|(v, g)| v * rstd * g).collect();
+        let pos = (r % tokens.seq) as f64;
+        let mut q = linear(&wq, &u, a * (dn + dr));
+        for head in q.chunks_mut(dn + dr) {
+            rope(&mut head[dn..], pos);
+        }
+        let ckv = linear(&wkv_down, &u, kr + dr);
+        let mut k_rope = ckv[kr..].to_vec();
+        rope(&mut k_rope, pos);
+        let kv = linear(&wkv_up, &ckv[..kr], a * (dn + dv));
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for head in kv.chunks(dn + dv) {
+            k.extend_from_slice(&head[..dn]);
+            k.extend_from_slice(&k_rope);
+            v.extend_from_slice(&head[dn..]);
+        }
+        qs.push(q);
+        ks.push(k);
+        vs.push(v);
+    }
+    let scale = 1.0 / ((dn + dr) as f64).sqrt();
+    let mut out = f(x);
+    for r in 0..rows {
+        let start = r - r % tokens.seq;
+        let mut o = vec![0.0; a * dv];
+        for head in 0..a {
+            let qh = &qs[r][head * (dn + dr)..(head + 1) * (dn + dr)];
+            let scores: Vec<f64> = (start..=r)
+                .map(|j| {
+                    let kh = &ks[j][head * (dn + dr)..(head + 1) * (dn + dr)];
+                    qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>() * scale
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let total: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            for (j, s) in (start..=r).zip(&scores) {
+                let p = (s - max).exp() / total;
+                for c in 0..dv {
+                    o[head * dv + c] += p * vs[j][head * dv + c];
+                }
+            }
+        }
+        for (c, y) in linear(&proj, &o, h).into_iter().enumerate() {
+            out[r * h + c] += y;
+        }
+    }
+    out
+}
+
+/// layers.md `+` step 4: MLA rotates interleaved pairs, as Megatron's MLA
+/// does. Order-one weights and a 4-wide rope part at base 2, so the two
+/// pairings differ far above rounding (with the usual 2-wide rope part they
+/// are the same pairs).
+#[test]
+fn mla_forward_matches_the_reference_with_interleaved_rotary() {
+    let (h, a, kr, dn, dr, dv) = (8, 2, 5, 3, 4, 3);
+    let c = config(&format!(
+        "[mla]\nnum_heads = {a}\nkv_lora_rank = {kr}\nqk_head_dim = {dn}\nqk_rope_head_dim = {dr}\n\
+         v_head_dim = {dv}\nqk_norm = false\nrope_base = 2.0\n"
+    ));
+    let layer = LayerImpl::new(LayerKind::Mla, &c, 0).expect("layer");
+    let names: Vec<&str> = layer.params().iter().map(|p| p.name.as_ref()).collect();
+    assert_eq!(
+        names,
+        [
+            "input_layernorm.weight",
+            "self_attention.linear_proj.weight",
+            "self_attention.linear_q_proj.weight",
+            "self_attention.linear_kv_down_proj.weight",
+            "self_attention.linear_kv_up_proj.weight"
+        ]
+    );
+    let mut rng = Rng(37);
+    let weights: Vec<Vec<f32>> = layer
+        .params()
+        .iter()
+        .map(|p| match p.name.contains("norm") {
+            true => rng.normals(p.numel(), 0.2, 1.0),
+            false => rng.normals(p.numel(), 1.0, 0.0),
+        })
+        .collect();
+    let x = rng.normals(TWO_SEQUENCES.batch * TWO_SEQUENCES.seq * h, 1.0, 0.0);
+    let (got, _) = layer_forward(&layer, &weights, &x, TWO_SEQUENCES).expect("forward");
+    let dims = (h, a, kr, dn, dr, dv);
+    let want = mla_reference(&weights, &x, TWO_SEQUENCES, dims, 2.0, true);
+    let rotate_half = mla_reference(&weights, &x, TWO_SEQUENCES, dims, 2.0, false);
+    let worst = |r: &[f64]| {
+        got.iter()
+            .zip(r)
+            .map(|(g, w)| (*g as f64 - w).abs() / w.abs().max(1.0))
+            .fold(0.0, f64::max)
+    };
+    assert!(
+        worst(&want) < 1e-5,
+        "off the interleaved reference by {}",
+        worst(&want)
+    );
+    assert!(
+        worst(&rotate_half) > 1e-2,
+        "the case cannot tell the pairings apart"
+    );
+}
+
 #[test]
 fn mlp_gradients_for_every_activation() {
     for act in ["squared_relu", "gelu", "swiglu"] {
@@ -647,7 +789,10 @@ fn moe_aux_loss_with_sigmoid_scores_counts_the_unbiased_top_k() {
     }
     let biased = prepared.routing.expert_counts(dev()).expect("counts");
     assert_eq!(biased[3], t, "the bias selects expert 3 for every token");
-    assert_ne!(biased, unbiased, "the case must tell the two countings apart");
+    assert_ne!(
+        biased, unbiased,
+        "the case must tell the two countings apart"
+    );
     let want: f64 = 0.1
         * e as f64
         * (0..e)

@@ -529,8 +529,15 @@ fn expert_bias_is_trained_saved_and_resumed() {
         balanced(c, 0.0);
         c.steps = 5;
     });
-    assert_eq!(straight.0[0], frozen.0[0], "the first step routes with a zero bias");
-    assert_ne!(straight.0[1..], frozen.0[1..], "the updated bias changes the routing");
+    assert_eq!(
+        straight.0[0], frozen.0[0],
+        "the first step routes with a zero bias"
+    );
+    assert_ne!(
+        straight.0[1..],
+        frozen.0[1..],
+        "the updated bias changes the routing"
+    );
     // Three steps: an odd number of +-rate moves cannot cancel (the bias of
     // this tiny model overshoots and swings back in two).
     let first = with(pattern, |c| {
@@ -559,7 +566,10 @@ fn expert_bias_is_trained_saved_and_resumed() {
         }
         assert!(bias.iter().any(|&b| b != 0.0), "{key}: never moved");
         // Sign updates move some experts up and some down.
-        assert!(bias.iter().any(|&b| b > 0.0) && bias.iter().any(|&b| b < 0.0), "{key}: {bias:?}");
+        assert!(
+            bias.iter().any(|&b| b > 0.0) && bias.iter().any(|&b| b < 0.0),
+            "{key}: {bias:?}"
+        );
     }
     let second = with(pattern, |c| {
         balanced(c, 0.05);

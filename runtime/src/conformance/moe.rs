@@ -11,8 +11,8 @@ use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{
-    AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores, UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs,
+    RoutedSlots, RouterScores, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use hybridgen_dsl::config::ScoreFunction;

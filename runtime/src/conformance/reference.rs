@@ -6,7 +6,7 @@
 
 use crate::backend::{
     AdamStep, AttentionDims, ConvDims, CopyCols, IGNORE_TARGET, MatmulDims, MlaKvDims, NormDims,
-    QkvDims, RotaryDims, ScanDims, SgdStep, Unary,
+    QkvDims, RotaryDims, RotaryPairing, ScanDims, SgdStep, Unary,
 };
 use crate::view::DType;
 use hybridgen_dsl::config::ScoreFunction;
@@ -448,14 +448,18 @@ pub(crate) fn rotary(x: &[f64], d: RotaryDims, inverse: bool) -> Vec<f64> {
             for i in 0..half {
                 let theta = pos * f64::from(d.base).powf(-(2.0 * i as f64) / d.dim as f64);
                 let (sin, cos) = theta.sin_cos();
-                let (a, b) = (x[at + i], x[at + i + half]);
+                let (ia, ib) = match d.pairing {
+                    RotaryPairing::RotateHalf => (i, i + half),
+                    RotaryPairing::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (a, b) = (x[at + ia], x[at + ib]);
                 let (na, nb) = if inverse {
                     (a * cos + b * sin, b * cos - a * sin)
                 } else {
                     (a * cos - b * sin, b * cos + a * sin)
                 };
-                y[at + i] = na;
-                y[at + i + half] = nb;
+                y[at + ia] = na;
+                y[at + ib] = nb;
             }
         }
     }

@@ -10,10 +10,10 @@ use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
-    MatmulProblem, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
-    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
-    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
+    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
+    MatmulDims, MatmulProblem, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims,
+    RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep,
+    Slice, SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Scalar, same_dtype, same_len};

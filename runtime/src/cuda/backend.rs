@@ -17,10 +17,10 @@ use super::launch::{self, AttentionGemmPlan, GpuView, KernelSet};
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims, MlaKvDims,
-    NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims,
-    UnpermuteGrads,
+    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
+    MatmulDims, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
+    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
+    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};

@@ -380,9 +380,15 @@ mod tests {
                 let mut v = vec![0.0; 4000];
                 let full = format!("decoder.layers.0.mixer.{name}");
                 init_param(5, &full, &def, &s, &mut v).unwrap();
-                assert!(v.iter().all(|x| x.abs() <= bound), "{full}: out of +-{bound}");
+                assert!(
+                    v.iter().all(|x| x.abs() <= bound),
+                    "{full}: out of +-{bound}"
+                );
                 let max = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                assert!(max > 0.95 * bound, "{full}: largest |value| {max} of +-{bound}");
+                assert!(
+                    max > 0.95 * bound,
+                    "{full}: largest |value| {max} of +-{bound}"
+                );
                 let mean = v.iter().map(|&x| x as f64).sum::<f64>() / 4000.0;
                 assert!(mean.abs() < 0.03 * bound as f64, "{full}: mean {mean}");
             }

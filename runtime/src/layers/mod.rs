@@ -41,9 +41,9 @@ pub use mla::{MlaLayer, MlaSaved, MlaWgrad};
 pub use mlp::{MlpLayer, MlpSaved, MlpWgrad};
 pub use moe::{
     Balance, CollectiveExchange, ExpertBalance, ExpertExchange, ExpertLoad, LocalExchange,
-    MoeBackward, MoeCombineBackward, MoeCombineGrad, MoeCombined, MoeExpertsSaved,
-    MoeExpertsWgrad, MoeForward, MoeLayer, MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved,
-    MoeStage, MoeWgrad, RouterContext, expert_bias_keys, update_expert_bias,
+    MoeBackward, MoeCombineBackward, MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad,
+    MoeForward, MoeLayer, MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
+    RouterContext, expert_bias_keys, update_expert_bias,
 };
 
 pub use mtp::{MtpEntry, MtpSaved, MtpWgrad};

@@ -7,8 +7,8 @@
 use super::check;
 use super::dense::{axpy_row, dot};
 use crate::backend::{
-    AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
-    UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use hybridgen_dsl::config::ScoreFunction;
@@ -197,7 +197,8 @@ pub fn moe_route_backward(
                 for (&s, &a) in scores.iter().zip(aux_grad) {
                     pa += s / total * a;
                 }
-                for (((dz, &ds), &s), &a) in dz.iter_mut().zip(&d_scores).zip(scores).zip(aux_grad) {
+                for (((dz, &ds), &s), &a) in dz.iter_mut().zip(&d_scores).zip(scores).zip(aux_grad)
+                {
                     *dz = (ds + (a - pa) / total) * s * (1.0 - s);
                 }
             }
@@ -641,7 +642,11 @@ mod tests {
             let (t0, t1): (f64, f64) = (s0.iter().sum(), s1.iter().sum());
             for e in 0..4 {
                 let want = s0[e] / t0 + s1[e] / t1;
-                assert!((sum[e] as f64 - want).abs() < 1e-6, "P[{e}] {} vs {want}", sum[e]);
+                assert!(
+                    (sum[e] as f64 - want).abs() < 1e-6,
+                    "P[{e}] {} vs {want}",
+                    sum[e]
+                );
             }
             let top2 = RouteDims {
                 topk_scale,
@@ -980,8 +985,8 @@ mod tests {
 
     mod dtypes {
         use crate::backend::{
-            AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
-            RouterScores, UnpermuteDims,
+            AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs,
+            RoutedSlots, RouterScores, UnpermuteDims,
         };
         use crate::cpu::{CpuBackend, CpuBuf};
         use crate::view::{DType, View, ViewMut};

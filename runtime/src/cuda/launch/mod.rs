@@ -21,8 +21,9 @@ mod scan;
 use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, CopyCols, ExpertBias, LossDims, MlaKvDims, NormDims, QkvDims,
-    ReceivedDims, RotaryDims, RouteDims, RoutedSlots, SgdStep, Unary, UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, CopyCols, ExpertBias, LossDims, MlaKvDims, NormDims,
+    QkvDims, ReceivedDims, RotaryDims, RotaryPairing, RouteDims, RoutedSlots, SgdStep, Unary,
+    UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -887,7 +888,8 @@ impl KernelSet {
         for v in &dims {
             b.arg(v);
         }
-        b.arg(&d.base).arg(&sign);
+        let interleaved = i32::from(d.pairing == RotaryPairing::Interleaved);
+        b.arg(&d.base).arg(&sign).arg(&interleaved);
         self.go(k, &mut b, grid_for(pairs))
     }
 
