@@ -12,10 +12,12 @@
 //! A [`Batch`] is a function of (seed, step, data-parallel rank, micro-batch)
 //! alone ([`BatchKey`]): resuming at step k reproduces exactly the batches
 //! of an uninterrupted run, and every rank sees different data. Each row is
-//! a window of `seq + 1 + lookahead` tokens: inputs, next-token targets, and
-//! `lookahead` more tokens for multi-token-prediction depths.
+//! a sample of `seq + 1` tokens (inputs and next-token targets; a shape may
+//! ask for `lookahead` tokens more, which training does not). Multi-token
+//! prediction reads inside the sample, as Megatron rolls it
+//! ([`Batch::mtp_inputs`], [`Batch::mtp_targets`]).
 
-use crate::backend::Tokens;
+use crate::backend::{IGNORE_TARGET, Tokens};
 use crate::error::{Result, RuntimeError};
 use std::path::Path;
 use std::sync::Arc;
@@ -126,7 +128,8 @@ impl BatchKey {
 }
 
 /// The shape of a batch: `batch` rows of `seq` inputs, with `lookahead`
-/// extra target tokens for MTP depths (depth d predicts `d + 1` ahead).
+/// extra target tokens past each sample (`targets(row, d)` for `d` up to
+/// it; training uses none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BatchShape {
     pub batch: usize,
@@ -224,6 +227,38 @@ impl Batch {
             .chunks_exact(self.shape.window())
             .flat_map(|w| &w[..self.shape.seq])
             .copied()
+            .collect()
+    }
+
+    /// MTP depth `k`'s (1-based) inputs, every row concatenated
+    /// (`[batch * seq]`): Megatron rolls the inputs left by one per depth, so
+    /// position `t` reads token `t + k` of the sample's inputs, and the
+    /// positions past them read 0 (their targets are masked).
+    pub fn mtp_inputs(&self, k: usize) -> Vec<u32> {
+        let seq = self.shape.seq;
+        self.tokens
+            .chunks_exact(self.shape.window())
+            .flat_map(|w| (0..seq).map(move |t| if t + k < seq { w[t + k] } else { 0 }))
+            .collect()
+    }
+
+    /// MTP depth `k`'s (1-based) targets, every row concatenated: token
+    /// `t + k + 1` of the sample, [`IGNORE_TARGET`] for the last `k`
+    /// positions, whose label would lie past the sample (Megatron's rolled
+    /// loss mask), so depth k's loss is the mean over `seq - k` positions.
+    pub fn mtp_targets(&self, k: usize) -> Vec<u32> {
+        let seq = self.shape.seq;
+        self.tokens
+            .chunks_exact(self.shape.window())
+            .flat_map(|w| {
+                (0..seq).map(move |t| {
+                    if t + k < seq {
+                        w[t + k + 1]
+                    } else {
+                        IGNORE_TARGET
+                    }
+                })
+            })
             .collect()
     }
 
@@ -758,7 +793,7 @@ impl DataSource {
                 &file.name,
                 format!(
                     "the file has {} bytes but one training window needs {window} (seq {} + 1 \
-                     target + {} MTP lookahead); use a longer file or a shorter sequence",
+                     target + {} lookahead); use a longer file or a shorter sequence",
                     file.len(),
                     shape.seq,
                     shape.lookahead
@@ -950,6 +985,35 @@ mod tests {
             .batch(key(5, 1, 2), BatchShape::new(6, 16, 2))
             .unwrap();
         assert_eq!(&bigger.tokens()[..a.tokens().len()], a.tokens());
+    }
+
+    /// layers.md, Model: MTP depth k reads nothing past the sample's S + 1
+    /// tokens; inputs are rolled left by k (0 past the end), targets too,
+    /// masked for the last k positions.
+    #[test]
+    fn mtp_inputs_and_targets_roll_inside_the_sample() {
+        let source = DataSource::Markov(MarkovChain::random(16, 2, 1).unwrap());
+        let batch = source
+            .batch(key(0, 0, 0), BatchShape::new(2, 5, 0))
+            .unwrap();
+        assert_eq!(batch.tokens().len(), 2 * 6);
+        for k in 1..=3 {
+            let (inputs, targets) = (batch.mtp_inputs(k), batch.mtp_targets(k));
+            assert_eq!((inputs.len(), targets.len()), (10, 10));
+            for row in 0..2 {
+                let w = &batch.tokens()[row * 6..(row + 1) * 6];
+                for t in 0..5 {
+                    let (input, target) = (inputs[row * 5 + t], targets[row * 5 + t]);
+                    if t + k < 5 {
+                        assert_eq!((input, target), (w[t + k], w[t + k + 1]), "k={k} t={t}");
+                    } else {
+                        assert_eq!((input, target), (0, IGNORE_TARGET), "k={k} t={t}");
+                    }
+                }
+            }
+            let counted = targets.iter().filter(|&&t| t != IGNORE_TARGET).count();
+            assert_eq!(counted, 2 * (5 - k), "the S - k labelled positions per row");
+        }
     }
 
     #[test]

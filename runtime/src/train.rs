@@ -372,7 +372,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             config.model.vocab_size
         ));
     }
-    data.check_shape(batch_shape(config, &plan))?;
+    data.check_shape(batch_shape(config))?;
     if config.save_every == Some(0) {
         return refuse("--save-every must be at least 1".into());
     }
@@ -519,12 +519,10 @@ fn open_trace(path: &std::path::Path) -> Result<std::fs::File> {
     std::fs::File::create(path).map_err(|e| RuntimeError::io(&name, e))
 }
 
-fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
-    BatchShape::new(
-        config.micro_batch_size,
-        config.seq_length,
-        plan.mtp_depths(),
-    )
+/// Samples of `seq + 1` tokens: MTP depths read inside them (layers.md,
+/// Model), so the plan does not change the shape.
+fn batch_shape(config: &TrainConfig) -> BatchShape {
+    BatchShape::new(config.micro_batch_size, config.seq_length, 0)
 }
 
 /// Trains `config` on the platform it asks for (today: thread ranks on the
@@ -779,7 +777,7 @@ fn run_rank<D: Device>(
         checkpoint::load(resume, &plan, &engine, &mut optimizer, &cx.balance, &rank)?;
         step = resume.step();
     }
-    let shape = batch_shape(config, &plan);
+    let shape = batch_shape(config);
     let save = prepared.checkpoints.save.as_ref();
     // The newest step in the save root: the end of the run saves unless
     // this step is there already.
@@ -798,14 +796,14 @@ fn run_rank<D: Device>(
                 micro_batch: mb,
             };
             let batch = prepared.data.batch(key, shape)?;
+            // Head 0: the next token; head k (MTP depth k): rolled by k
+            // inside the sample, the last k positions masked.
+            let mut targets = vec![batch.all_targets(0)?];
+            targets.extend((1..=depths).map(|k| batch.mtp_targets(k)));
             Ok(MicroBatchTokens {
                 inputs: batch.all_inputs(),
-                targets: (0..=depths)
-                    .map(|d| batch.all_targets(d))
-                    .collect::<Result<_>>()?,
-                mtp_inputs: (0..depths)
-                    .map(|d| batch.all_targets(d))
-                    .collect::<Result<_>>()?,
+                targets,
+                mtp_inputs: (1..=depths).map(|k| batch.mtp_inputs(k)).collect(),
             })
         };
         let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;

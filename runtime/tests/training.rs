@@ -403,6 +403,25 @@ fn multi_token_prediction_trains_and_keeps_parity() {
     assert!(overlap.0.iter().all(|s| f64::from_bits(s[1]) > 0.0));
 }
 
+/// layers.md, Model: MTP depth k rolls inputs and labels inside the sample
+/// of S + 1 tokens (as Megatron does) instead of reading k tokens past it,
+/// so a file of exactly one sample trains a model with two MTP depths.
+#[test]
+fn multi_token_prediction_reads_nothing_past_the_sample() {
+    let path = std::env::temp_dir().join(format!("hybridgen-mtp-{}.txt", std::process::id()));
+    // seq_length 16: one sample is 17 bytes.
+    std::fs::write(&path, b"abcdefghijklmnopq").unwrap();
+    let result = std::panic::catch_unwind(|| {
+        with("[M*E]/*E/*E", |c| {
+            c.data = hybridgen_runtime::train::DataChoice::File(path.clone());
+            c.steps = 2;
+        })
+    });
+    let _ = std::fs::remove_file(&path);
+    let curve = result.expect("one sample of S + 1 tokens is enough for MTP");
+    assert!(curve.0.iter().all(|s| f64::from_bits(s[1]).is_finite()));
+}
+
 #[test]
 fn a_group_changes_no_maths() {
     // `[*-]` and `*-` are the same layers: one unit or two, the same bits.
