@@ -552,13 +552,11 @@ mod tests {
         }
     }
 
-    /// Scores, weights, selection, `prob_sum` and (with a bias) the unbiased
-    /// selection.
-    fn route_full(
-        logits: &[f32],
-        bias: Option<&[f32]>,
-        dims: RouteDims,
-    ) -> (Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>, Vec<u32>) {
+    /// Scores, weights, selection and `prob_sum` of a routing.
+    type Routed = (Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>);
+
+    /// A routing, and (with a bias) its unbiased selection.
+    fn route_full(logits: &[f32], bias: Option<&[f32]>, dims: RouteDims) -> (Routed, Vec<u32>) {
         let mut scores = vec![0.0; logits.len()];
         let mut weights = vec![0.0; dims.rows * dims.top_k];
         let mut sum = vec![0.0; dims.experts];
@@ -574,16 +572,11 @@ mod tests {
             unbiased: &mut unbiased[..],
         });
         moe_route_forward(logits, bias, out, &mut sel, dims).unwrap();
-        (scores, weights, sel, sum, unbiased)
+        ((scores, weights, sel, sum), unbiased)
     }
 
-    fn route(
-        logits: &[f32],
-        bias: Option<&[f32]>,
-        dims: RouteDims,
-    ) -> (Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>) {
-        let (scores, weights, sel, sum, _) = route_full(logits, bias, dims);
-        (scores, weights, sel, sum)
+    fn route(logits: &[f32], bias: Option<&[f32]>, dims: RouteDims) -> Routed {
+        route_full(logits, bias, dims).0
     }
 
     fn sigmoid64(x: f32) -> f64 {
@@ -602,7 +595,7 @@ mod tests {
         assert!((sum[0] - (scores[0] + 0.25)).abs() < 1e-6);
         // A bias moves the choice but not the weights' definition.
         let bias = [0.0, 0.0, 0.0, 1.0];
-        let (_, weights_b, sel_b, _, unbiased) = route_full(&logits, Some(&bias), dims);
+        let ((_, weights_b, sel_b, _), unbiased) = route_full(&logits, Some(&bias), dims);
         assert_eq!(sel_b, [3, 1, 3, 0]);
         assert_eq!(unbiased, sel, "the unbiased selection ignores the bias");
         let w0 = scores[3] / (scores[1] + scores[3]);
