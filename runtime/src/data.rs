@@ -208,7 +208,8 @@ impl Batch {
     }
 
     /// The `seq` targets of `row` at `depth`: depth 0 is the next token,
-    /// depth d (an MTP depth) the token `d + 1` ahead.
+    /// depth d the token `d + 1` ahead, read from the shape's lookahead past
+    /// the sample (MTP reads inside it instead: [`Batch::mtp_targets`]).
     pub fn targets(&self, row: usize, depth: usize) -> Result<&[u32]> {
         if depth > self.shape.lookahead {
             return Err(RuntimeError::InvalidArgument(format!(
@@ -789,14 +790,17 @@ impl DataSource {
         if let DataSource::Bytes(file) = self
             && file.len() < window
         {
+            let lookahead = match shape.lookahead {
+                0 => String::new(),
+                n => format!(" + {n} lookahead"),
+            };
             return Err(RuntimeError::io(
                 &file.name,
                 format!(
                     "the file has {} bytes but one training window needs {window} (seq {} + 1 \
-                     target + {} lookahead); use a longer file or a shorter sequence",
+                     target{lookahead}); use a longer file or a shorter sequence",
                     file.len(),
                     shape.seq,
-                    shape.lookahead
                 ),
             ));
         }
