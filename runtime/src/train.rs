@@ -522,7 +522,7 @@ fn open_trace(path: &std::path::Path) -> Result<std::fs::File> {
 /// Samples of `seq + 1` tokens: MTP depths read inside them (layers.md,
 /// Model), so the plan does not change the shape.
 fn batch_shape(config: &TrainConfig) -> BatchShape {
-    BatchShape::new(config.micro_batch_size, config.seq_length, 0)
+    BatchShape::new(config.micro_batch_size, config.seq_length)
 }
 
 /// Trains `config` on the platform it asks for (today: thread ranks on the
@@ -798,7 +798,7 @@ fn run_rank<D: Device>(
             let batch = prepared.data.batch(key, shape)?;
             // Head 0: the next token; head k (MTP depth k): rolled by k
             // inside the sample, the last k positions masked.
-            let mut targets = vec![batch.all_targets(0)?];
+            let mut targets = vec![batch.all_targets()?];
             targets.extend((1..=depths).map(|k| batch.mtp_targets(k)));
             Ok(MicroBatchTokens {
                 inputs: batch.all_inputs(),
