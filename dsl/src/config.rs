@@ -189,10 +189,20 @@ pub struct MoeConfig {
     /// Switch-style load-balancing loss coefficient; 0 disables it.
     #[serde(default = "default_aux_loss_coeff")]
     pub aux_loss_coeff: f32,
-    /// An f32 per-expert bias added to scores for selection only (a buffer,
-    /// never a parameter).
+    /// The factor on the routing weights after their normalisation
+    /// (Megatron's `moe_router_topk_scaling_factor`, Hugging Face's
+    /// `routed_scaling_factor`); 1 leaves them as they are.
+    #[serde(default = "one")]
+    pub topk_scaling_factor: f32,
+    /// Aux-loss-free balancing: an f32 per-expert bias added to the scores
+    /// for selection only (a buffer, never a parameter), moved after every
+    /// step by `expert_bias_update_rate` towards the mean load. Sigmoid
+    /// scoring only, as in Megatron.
     #[serde(default)]
     pub expert_bias: bool,
+    /// The bias's step (Megatron's `moe_router_bias_update_rate`).
+    #[serde(default = "default_expert_bias_update_rate")]
+    pub expert_bias_update_rate: f32,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -261,6 +271,12 @@ fn default_aux_loss_coeff() -> f32 {
 }
 fn default_mtp_loss_scale() -> f32 {
     0.1
+}
+fn default_expert_bias_update_rate() -> f32 {
+    1e-3
+}
+fn one() -> f32 {
+    1.0
 }
 fn yes() -> bool {
     true
@@ -789,6 +805,14 @@ impl ModelConfig {
                     "each token picks top_k distinct experts: use top_k <= num_experts",
                 );
             }
+            if m.expert_bias && m.score_function == ScoreFunction::Softmax {
+                bad(
+                    "`moe.expert_bias = true` with `moe.score_function = \"softmax\"`: the expert bias \
+                     (aux-loss-free balancing) works on sigmoid scores only, as in Megatron"
+                        .into(),
+                    "set `score_function = \"sigmoid\"` in [moe], or drop `expert_bias`",
+                );
+            }
         }
         for real in self.reals() {
             if !real.range.contains(real.value) {
@@ -842,6 +866,18 @@ impl ModelConfig {
                 m.aux_loss_coeff,
                 RealRange::NonNegative,
                 "the load-balancing loss's weight: use 0 (off) or a small positive number such as 0.01",
+            ));
+            reals.push(field(
+                "moe.topk_scaling_factor",
+                m.topk_scaling_factor,
+                RealRange::Positive,
+                "the factor on the routing weights: 1 for none, 2.5 for Nemotron 3 Nano",
+            ));
+            reals.push(field(
+                "moe.expert_bias_update_rate",
+                m.expert_bias_update_rate,
+                RealRange::NonNegative,
+                "the expert bias's step per optimizer step: use a small number such as 0.001 (0 freezes the bias)",
             ));
         }
         reals.push(field(

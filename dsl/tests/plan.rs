@@ -15,6 +15,7 @@
 //! | final norm | [8] |
 //! | output | [128, 8] = 1024 |
 
+use hybridgen_dsl::config::ScoreFunction;
 use hybridgen_dsl::plan::{
     LaneKind, LayerRef, ModuleKind, Op, Owner, Slot, UnitKind, UnitShape, padded_numel, shard_range,
 };
@@ -791,6 +792,82 @@ fn nemotron_totals_match_the_spec() {
             .iter()
             .all(|x| !moe.param_name(x).contains("expert_bias"))
     );
+}
+
+/// Nemotron 3 Nano routes as published (Megatron-Bridge's recipe, Hugging
+/// Face's `routed_scaling_factor`): top-6 of 128 sigmoid scores normalised,
+/// times 2.5, aux-loss-free balancing at Megatron's default rate, and a
+/// load-balancing loss of weight 1e-4.
+#[test]
+fn nemotron_3_nano_routes_as_published() {
+    let model = ModelConfig::preset("nemotron-3-nano-30b-a3b").unwrap();
+    let moe = model.moe.as_ref().unwrap();
+    assert_eq!((moe.num_experts, moe.top_k), (128, 6));
+    assert_eq!(moe.score_function, ScoreFunction::Sigmoid);
+    assert_eq!(moe.topk_scaling_factor, 2.5);
+    assert!(moe.expert_bias);
+    assert_eq!(moe.expert_bias_update_rate, 1e-3);
+    assert_eq!(moe.aux_loss_coeff, 1e-4);
+    assert_eq!(moe.shared_expert_ffn_hidden_size, Some(3712));
+    // Without the fields: no scaling, Megatron's default rate.
+    let tiny = tiny("M*E");
+    let moe = tiny.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.topk_scaling_factor, moe.expert_bias_update_rate),
+        (1.0, 1e-3)
+    );
+}
+
+/// The expert bias works on sigmoid scores only (Megatron refuses it with
+/// softmax), and the routing's real-valued fields are range-checked.
+#[test]
+fn expert_bias_with_softmax_and_bad_routing_factors_are_refused() {
+    let mut model = tiny("M*E");
+    model.moe.as_mut().unwrap().expert_bias = true;
+    let err = Plan::new(&model, &PlanOptions::default()).unwrap_err();
+    assert_eq!(err.codes(), [Code::H025]);
+    let d = &err.items[0];
+    assert!(
+        d.message.contains("expert_bias") && d.message.contains("softmax"),
+        "{}",
+        d.message
+    );
+    assert!(d.help.contains("sigmoid"), "{}", d.help);
+    model.moe.as_mut().unwrap().score_function = ScoreFunction::Sigmoid;
+    plan_default(&model);
+    type Set = fn(&mut ModelConfig, f32);
+    let fields: [(&str, Set, &[f32], &[f32]); 2] = [
+        (
+            "moe.topk_scaling_factor",
+            |m, v| m.moe.as_mut().unwrap().topk_scaling_factor = v,
+            &[0.0, -2.5, f32::NAN, f32::INFINITY],
+            &[1.0, 2.5],
+        ),
+        (
+            "moe.expert_bias_update_rate",
+            |m, v| m.moe.as_mut().unwrap().expert_bias_update_rate = v,
+            &[-1e-3, f32::NAN],
+            &[0.0, 1e-3],
+        ),
+    ];
+    for (name, set, bad, good) in fields {
+        for &value in bad {
+            let mut m = model.clone();
+            set(&mut m, value);
+            let err = Plan::new(&m, &PlanOptions::default()).unwrap_err();
+            assert_eq!(err.codes(), [Code::H025], "{name} = {value}");
+            assert!(
+                err.items[0].message.starts_with(&format!("`{name} = ")),
+                "{}",
+                err.items[0].message
+            );
+        }
+        for &value in good {
+            let mut m = model.clone();
+            set(&mut m, value);
+            plan_default(&m);
+        }
+    }
 }
 
 #[test]

@@ -550,28 +550,34 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// Router scoring and top-k selection (layers.md `E` step 2) on f32
     /// `logits` `[rows, E]`: `scores` = softmax or sigmoid of the logits;
     /// `selected[r*k..][..k]` = the k experts with the largest
-    /// `scores + expert_bias` (bias for selection only), best first, ties to
-    /// the lower index; `weights[r, j] = scores[r, sel_j] / sum_j scores[r, sel_j]`
-    /// (with softmax this equals a softmax over the k selected logits);
-    /// `softmax_sum[e] += sum_r softmax(logits_r)[e]`, rows in order, the
-    /// load-balancing loss's `T * P_e`.
-    /// Dtypes: `logits`, `expert_bias` (`[E]`), `scores`, `weights`,
-    /// `softmax_sum` f32; `selected` u32.
+    /// `scores + expert_bias.bias` (bias for selection only), best first,
+    /// ties to the lower index; `weights[r, j]` = `topk_scale` times
+    /// `scores[r, sel_j] / sum_j scores[r, sel_j]` (with softmax this equals a
+    /// softmax over the k selected logits), or times the raw
+    /// `scores[r, sel_0]` with sigmoid and k = 1 (Megatron normalises only
+    /// when k > 1); `prob_sum[e] += sum_r p_r[e]`, rows in order, the
+    /// load-balancing loss's `T * P_e`, with `p_r` the row's scores normalised
+    /// over all experts (the softmax itself; sigmoid scores over their sum).
+    /// With a bias, `expert_bias.unbiased` gets the top-k of the scores
+    /// without it (what the load-balancing loss counts).
+    /// Dtypes: `logits`, `expert_bias.bias` (`[E]`), `scores`, `weights`,
+    /// `prob_sum` f32; `selected`, `expert_bias.unbiased` u32.
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,
-        expert_bias: Option<Slice<'_, Self>>,
+        expert_bias: Option<ExpertBias<Slice<'_, Self>, SliceMut<'_, Self>>>,
         out: RouteOutputs<SliceMut<'_, Self>>,
         selected: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()>;
 
     /// Backward of the routing: from `d_weights` `[rows, k]` and the
-    /// load-balancing term `aux_grad[e]` (= dLoss/d softmax(logits)[r, e],
-    /// the same for every row; see [`Backend::moe_aux_loss_backward`]) writes
-    /// `d_logits` `[rows, E]` (overwritten): the gradient through the weight
-    /// normalisation and the score function, plus `aux_grad` through the
-    /// softmax. Dtypes: `selected` u32; everything else f32.
+    /// load-balancing term `aux_grad[e]` (= dLoss/d p_r[e], the same for
+    /// every row; see [`Backend::moe_aux_loss_backward`]) writes `d_logits`
+    /// `[rows, E]` (overwritten): the gradient through the scaling, the
+    /// weight normalisation and the score function, plus `aux_grad` through
+    /// the normalised scores `p_r` of [`Backend::moe_route_forward`].
+    /// Dtypes: `selected` u32; everything else f32.
     fn moe_route_backward(
         &self,
         saved: RouterScores<Slice<'_, Self>>,
@@ -623,21 +629,21 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> Result<()>;
 
     /// The switch load-balancing loss `coeff * E * sum_e f_e P_e`, with
-    /// `f_e = counts[e] / (T k)` and `P_e = softmax_sum[e] / T`, summed in
+    /// `f_e = counts[e] / (T k)` and `P_e = prob_sum[e] / T`, summed in
     /// f64 in expert order, added to `loss[0]` (0 when `T = 0` or
-    /// `coeff = 0`). Dtypes: `counts` u32, `softmax_sum` f32, `loss` f64
+    /// `coeff = 0`). Dtypes: `counts` u32, `prob_sum` f32, `loss` f64
     /// (`[1]`, accumulated, so a step can sum every layer and micro-batch on
     /// the device and read it once).
     fn moe_aux_loss_forward(
         &self,
         counts: Slice<'_, Self>,
-        softmax_sum: Slice<'_, Self>,
+        prob_sum: Slice<'_, Self>,
         loss: SliceMut<'_, Self>,
         dims: AuxLossDims,
     ) -> Result<()>;
 
     /// The gradient of `scale` times [`Backend::moe_aux_loss_forward`]'s loss
-    /// with respect to each row's softmax (the counts held fixed):
+    /// with respect to each row's normalised scores (the counts held fixed):
     /// `aux_grad[e] = coeff * E * (counts[e] / (T k)) / T * scale`, computed
     /// in f64 and rounded once to f32 (overwritten; zeros when `T = 0`).
     /// Dtypes: `counts` u32, `aux_grad` f32.
@@ -950,6 +956,29 @@ pub struct RotaryDims {
     /// Rotated channels (even).
     pub dim: usize,
     pub base: f32,
+    /// Which channels rotate together.
+    pub pairing: RotaryPairing,
+}
+
+/// The channel pairs a rotary embedding rotates, both at frequency
+/// `theta_i = t * base^(-2i/dim)` for pair `i < dim/2`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RotaryPairing {
+    /// `(i, i + dim/2)`: Megatron's default (`*` attention).
+    RotateHalf,
+    /// `(2i, 2i + 1)`: Megatron's MLA (`mla_rotary_interleaved`).
+    Interleaved,
+}
+
+impl RotaryPairing {
+    /// The channels (relative to the rotated block) of pair `i` of a block
+    /// of `dim` channels.
+    pub fn pair(self, i: usize, dim: usize) -> (usize, usize) {
+        match self {
+            RotaryPairing::RotateHalf => (i, i + dim / 2),
+            RotaryPairing::Interleaved => (2 * i, 2 * i + 1),
+        }
+    }
 }
 
 /// Dimensions of the embedding kernels.
@@ -970,12 +999,25 @@ pub struct LossDims {
 }
 
 /// Dimensions of the routing kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RouteDims {
     pub rows: usize,
     pub experts: usize,
     pub top_k: usize,
     pub score: ScoreFunction,
+    /// The factor on the routing weights (Megatron's
+    /// `moe_router_topk_scaling_factor`; 1 when the model sets none).
+    pub topk_scale: f32,
+}
+
+/// The expert bias of a routing (aux-loss-free balancing).
+#[derive(Debug)]
+pub struct ExpertBias<S, M> {
+    /// `[E]` f32: added to the scores for the selection only.
+    pub bias: S,
+    /// `[rows, k]` u32: each row's top-k of the scores without the bias,
+    /// best first (the load-balancing loss counts these).
+    pub unbiased: M,
 }
 
 /// What [`Backend::moe_route_forward`] writes besides the selection.
@@ -985,8 +1027,8 @@ pub struct RouteOutputs<M> {
     pub scores: M,
     /// `[rows, k]`, f32.
     pub weights: M,
-    /// `[E]`, f32, accumulated.
-    pub softmax_sum: M,
+    /// `[E]`, f32, accumulated: the normalised scores summed over rows.
+    pub prob_sum: M,
 }
 
 /// What the routing backward reads from the forward.

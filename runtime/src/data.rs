@@ -12,10 +12,11 @@
 //! A [`Batch`] is a function of (seed, step, data-parallel rank, micro-batch)
 //! alone ([`BatchKey`]): resuming at step k reproduces exactly the batches
 //! of an uninterrupted run, and every rank sees different data. Each row is
-//! a window of `seq + 1 + lookahead` tokens: inputs, next-token targets, and
-//! `lookahead` more tokens for multi-token-prediction depths.
+//! a sample of `seq + 1` tokens: inputs and next-token targets.
+//! Multi-token prediction reads inside the sample, as Megatron rolls it
+//! ([`Batch::mtp_inputs`], [`Batch::mtp_targets`]).
 
-use crate::backend::Tokens;
+use crate::backend::{IGNORE_TARGET, Tokens};
 use crate::error::{Result, RuntimeError};
 use std::path::Path;
 use std::sync::Arc;
@@ -125,27 +126,22 @@ impl BatchKey {
     }
 }
 
-/// The shape of a batch: `batch` rows of `seq` inputs, with `lookahead`
-/// extra target tokens for MTP depths (depth d predicts `d + 1` ahead).
+/// The shape of a batch: `batch` samples of `seq` inputs (and `seq + 1`
+/// tokens).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BatchShape {
     pub batch: usize,
     pub seq: usize,
-    pub lookahead: usize,
 }
 
 impl BatchShape {
-    pub fn new(batch: usize, seq: usize, lookahead: usize) -> Self {
-        BatchShape {
-            batch,
-            seq,
-            lookahead,
-        }
+    pub fn new(batch: usize, seq: usize) -> Self {
+        BatchShape { batch, seq }
     }
 
-    /// Tokens per row: `seq + 1 + lookahead`.
+    /// Tokens per row: `seq + 1`.
     pub fn window(&self) -> usize {
-        self.seq + 1 + self.lookahead
+        self.seq + 1
     }
 
     fn validate(&self) -> Result<usize> {
@@ -156,18 +152,18 @@ impl BatchShape {
             )));
         }
         self.seq
-            .checked_add(1 + self.lookahead)
+            .checked_add(1)
             .and_then(|w| w.checked_mul(self.batch))
             .ok_or_else(|| {
                 RuntimeError::InvalidArgument(format!(
-                    "a batch of {} x ({} + 1 + {}) tokens does not fit in memory",
-                    self.batch, self.seq, self.lookahead
+                    "a batch of {} x ({} + 1) tokens does not fit in memory",
+                    self.batch, self.seq
                 ))
             })
     }
 }
 
-/// `batch` token windows, row-major (`[batch, seq + 1 + lookahead]`).
+/// `batch` token windows, row-major (`[batch, seq + 1]`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
     shape: BatchShape,
@@ -204,17 +200,9 @@ impl Batch {
         Ok(&self.row(row)?[..self.shape.seq])
     }
 
-    /// The `seq` targets of `row` at `depth`: depth 0 is the next token,
-    /// depth d (an MTP depth) the token `d + 1` ahead.
-    pub fn targets(&self, row: usize, depth: usize) -> Result<&[u32]> {
-        if depth > self.shape.lookahead {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "targets at depth {depth} need a lookahead of {depth} tokens, but the batch \
-                 was made with lookahead {} (set it to the number of MTP depths)",
-                self.shape.lookahead
-            )));
-        }
-        Ok(&self.row(row)?[1 + depth..1 + depth + self.shape.seq])
+    /// The `seq` next-token targets of `row`.
+    pub fn targets(&self, row: usize) -> Result<&[u32]> {
+        Ok(&self.row(row)?[1..1 + self.shape.seq])
     }
 
     /// Every row's inputs, concatenated (`[batch * seq]`, token `t` of row
@@ -227,11 +215,43 @@ impl Batch {
             .collect()
     }
 
-    /// Every row's targets at `depth`, concatenated (`[batch * seq]`).
-    pub fn all_targets(&self, depth: usize) -> Result<Vec<u32>> {
+    /// MTP depth `k`'s (1-based) inputs, every row concatenated
+    /// (`[batch * seq]`): Megatron rolls the inputs left by one per depth, so
+    /// position `t` reads token `t + k` of the sample's inputs, and the
+    /// positions past them read 0 (their targets are masked).
+    pub fn mtp_inputs(&self, k: usize) -> Vec<u32> {
+        let seq = self.shape.seq;
+        self.tokens
+            .chunks_exact(self.shape.window())
+            .flat_map(|w| (0..seq).map(move |t| if t + k < seq { w[t + k] } else { 0 }))
+            .collect()
+    }
+
+    /// MTP depth `k`'s (1-based) targets, every row concatenated: token
+    /// `t + k + 1` of the sample, [`IGNORE_TARGET`] for the last `k`
+    /// positions, whose label would lie past the sample (Megatron's rolled
+    /// loss mask), so depth k's loss is the mean over `seq - k` positions.
+    pub fn mtp_targets(&self, k: usize) -> Vec<u32> {
+        let seq = self.shape.seq;
+        self.tokens
+            .chunks_exact(self.shape.window())
+            .flat_map(|w| {
+                (0..seq).map(move |t| {
+                    if t + k < seq {
+                        w[t + k + 1]
+                    } else {
+                        IGNORE_TARGET
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Every row's next-token targets, concatenated (`[batch * seq]`).
+    pub fn all_targets(&self) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(self.shape.batch * self.shape.seq);
         for row in 0..self.shape.batch {
-            out.extend_from_slice(self.targets(row, depth)?);
+            out.extend_from_slice(self.targets(row)?);
         }
         Ok(out)
     }
@@ -758,10 +778,9 @@ impl DataSource {
                 &file.name,
                 format!(
                     "the file has {} bytes but one training window needs {window} (seq {} + 1 \
-                     target + {} MTP lookahead); use a longer file or a shorter sequence",
+                     target); use a longer file or a shorter sequence",
                     file.len(),
                     shape.seq,
-                    shape.lookahead
                 ),
             ));
         }
@@ -901,7 +920,7 @@ mod tests {
         let mut first_counts = vec![0usize; 64];
         for step in 0..40 {
             let batch = source
-                .batch(key(step, 0, 0), BatchShape::new(16, 128, 0))
+                .batch(key(step, 0, 0), BatchShape::new(16, 128))
                 .unwrap();
             for row in batch.tokens().chunks_exact(129) {
                 first_counts[row[0] as usize] += 1;
@@ -925,7 +944,7 @@ mod tests {
     #[test]
     fn batches_depend_on_the_key_alone() {
         let source = DataSource::Markov(MarkovChain::random(32, 3, 11).unwrap());
-        let shape = BatchShape::new(4, 16, 2);
+        let shape = BatchShape::new(4, 18);
         let a = source.batch(key(5, 1, 2), shape).unwrap();
         // Resuming: an unrelated earlier batch does not change this one.
         let _ = source.batch(key(4, 1, 2), shape).unwrap();
@@ -946,53 +965,61 @@ mod tests {
         .collect();
         assert_eq!(distinct.len(), 5);
         // A row does not depend on how many rows come before or after it.
-        let bigger = source
-            .batch(key(5, 1, 2), BatchShape::new(6, 16, 2))
-            .unwrap();
+        let bigger = source.batch(key(5, 1, 2), BatchShape::new(6, 18)).unwrap();
         assert_eq!(&bigger.tokens()[..a.tokens().len()], a.tokens());
+    }
+
+    /// layers.md, Model: MTP depth k reads nothing past the sample's S + 1
+    /// tokens; inputs are rolled left by k (0 past the end), targets too,
+    /// masked for the last k positions.
+    #[test]
+    fn mtp_inputs_and_targets_roll_inside_the_sample() {
+        let source = DataSource::Markov(MarkovChain::random(16, 2, 1).unwrap());
+        let batch = source.batch(key(0, 0, 0), BatchShape::new(2, 5)).unwrap();
+        assert_eq!(batch.tokens().len(), 2 * 6);
+        for k in 1..=3 {
+            let (inputs, targets) = (batch.mtp_inputs(k), batch.mtp_targets(k));
+            assert_eq!((inputs.len(), targets.len()), (10, 10));
+            for row in 0..2 {
+                let w = &batch.tokens()[row * 6..(row + 1) * 6];
+                for t in 0..5 {
+                    let (input, target) = (inputs[row * 5 + t], targets[row * 5 + t]);
+                    if t + k < 5 {
+                        assert_eq!((input, target), (w[t + k], w[t + k + 1]), "k={k} t={t}");
+                    } else {
+                        assert_eq!((input, target), (0, IGNORE_TARGET), "k={k} t={t}");
+                    }
+                }
+            }
+            let counted = targets.iter().filter(|&&t| t != IGNORE_TARGET).count();
+            assert_eq!(counted, 2 * (5 - k), "the S - k labelled positions per row");
+        }
     }
 
     #[test]
     fn inputs_and_targets_are_shifted_views() {
         let source = DataSource::Markov(MarkovChain::random(16, 2, 1).unwrap());
-        let batch = source
-            .batch(key(0, 0, 0), BatchShape::new(2, 5, 1))
-            .unwrap();
-        assert_eq!(batch.tokens().len(), 2 * 7);
+        let batch = source.batch(key(0, 0, 0), BatchShape::new(2, 5)).unwrap();
+        assert_eq!(batch.tokens().len(), 2 * 6);
         for row in 0..2 {
-            let w = &batch.tokens()[row * 7..(row + 1) * 7];
+            let w = &batch.tokens()[row * 6..(row + 1) * 6];
             assert_eq!(batch.inputs(row).unwrap(), &w[..5]);
-            assert_eq!(batch.targets(row, 0).unwrap(), &w[1..6]);
-            assert_eq!(batch.targets(row, 1).unwrap(), &w[2..7]);
+            assert_eq!(batch.targets(row).unwrap(), &w[1..6]);
         }
-        assert!(
-            batch
-                .targets(0, 2)
-                .unwrap_err()
-                .to_string()
-                .contains("lookahead 1")
-        );
         assert!(batch.inputs(2).is_err());
+        assert!(batch.targets(2).is_err());
         assert_eq!(batch.all_inputs().len(), 10);
         assert_eq!(batch.dims().rows().unwrap(), 10);
         assert_eq!(
-            &batch.all_targets(1).unwrap()[5..],
-            batch.targets(1, 1).unwrap()
+            &batch.all_targets().unwrap()[5..],
+            batch.targets(1).unwrap()
         );
         assert!(batch.tokens().iter().all(|t| *t < 16));
+        assert!(source.batch(key(0, 0, 0), BatchShape::new(0, 5)).is_err());
+        assert!(source.batch(key(0, 0, 0), BatchShape::new(2, 0)).is_err());
         assert!(
             source
-                .batch(key(0, 0, 0), BatchShape::new(0, 5, 0))
-                .is_err()
-        );
-        assert!(
-            source
-                .batch(key(0, 0, 0), BatchShape::new(2, 0, 0))
-                .is_err()
-        );
-        assert!(
-            source
-                .batch(key(0, 0, 0), BatchShape::new(usize::MAX, 2, 0))
+                .batch(key(0, 0, 0), BatchShape::new(usize::MAX, 2))
                 .is_err()
         );
     }
@@ -1003,9 +1030,7 @@ mod tests {
         let source = DataSource::Bytes(ByteFile::from_bytes("t.txt", text.clone(), 256).unwrap());
         assert_eq!(source.vocab(), 256);
         assert_eq!(source.entropy_floor(), None);
-        let batch = source
-            .batch(key(3, 0, 0), BatchShape::new(3, 20, 1))
-            .unwrap();
+        let batch = source.batch(key(3, 0, 0), BatchShape::new(3, 21)).unwrap();
         for row in batch.tokens().chunks_exact(22) {
             // Windows are contiguous runs of the file.
             let start = text.iter().position(|b| u32::from(*b) == row[0]).unwrap();
@@ -1015,17 +1040,15 @@ mod tests {
         }
         assert_eq!(
             batch,
-            source
-                .batch(key(3, 0, 0), BatchShape::new(3, 20, 1))
-                .unwrap()
+            source.batch(key(3, 0, 0), BatchShape::new(3, 21)).unwrap()
         );
         // Exactly one window fits.
         let exact = DataSource::Bytes(ByteFile::from_bytes("e", vec![1, 2, 3, 4], 300).unwrap());
-        let b = exact.batch(key(0, 0, 0), BatchShape::new(2, 3, 0)).unwrap();
+        let b = exact.batch(key(0, 0, 0), BatchShape::new(2, 3)).unwrap();
         assert_eq!(b.tokens(), &[1, 2, 3, 4, 1, 2, 3, 4]);
-        assert_eq!(exact.check_shape(BatchShape::new(2, 3, 0)).unwrap(), 8);
+        assert_eq!(exact.check_shape(BatchShape::new(2, 3)).unwrap(), 8);
         let short = exact
-            .batch(key(0, 0, 0), BatchShape::new(1, 3, 1))
+            .batch(key(0, 0, 0), BatchShape::new(1, 4))
             .unwrap_err()
             .to_string();
         assert!(
@@ -1083,26 +1106,26 @@ mod tests {
         let golden: [(BatchKey, BatchShape, u64, [u32; 8]); 4] = [
             (
                 at(7, 0, 0, 0),
-                BatchShape::new(3, 20, 1),
+                BatchShape::new(3, 21),
                 0x7475_8657_c1f2_44a9,
                 [138, 70, 2, 190, 122, 53, 241, 173],
             ),
             (
                 at(7, 5, 1, 2),
-                BatchShape::new(4, 64, 0),
+                BatchShape::new(4, 64),
                 0x0d1a_ec73_d127_98d9,
                 [245, 176, 108, 40, 228, 160, 91, 23],
             ),
             (
                 at(123, 99, 3, 7),
-                BatchShape::new(2, 300, 2),
+                BatchShape::new(2, 302),
                 0x126c_41cb_5101_8061,
                 [102, 34, 222, 154, 86, 17, 205, 137],
             ),
             // One window of the whole file: offset 0 is the only start.
             (
                 at(0, 0, 0, 0),
-                BatchShape::new(1, 4999, 0),
+                BatchShape::new(1, 4999),
                 0xd826_f322_a2a2_051c,
                 [0, 187, 119, 51, 239, 171, 102, 34],
             ),
@@ -1157,7 +1180,7 @@ mod tests {
         let source = DataSource::Bytes(ByteFile::open(&file.0, 256).unwrap());
         std::fs::write(&file.0, [7u8; 4]).unwrap();
         let message = source
-            .batch(key(0, 0, 0), BatchShape::new(2, 30, 0))
+            .batch(key(0, 0, 0), BatchShape::new(2, 30))
             .unwrap_err()
             .to_string();
         assert!(

@@ -372,7 +372,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             config.model.vocab_size
         ));
     }
-    data.check_shape(batch_shape(config, &plan))?;
+    data.check_shape(batch_shape(config))?;
     if config.save_every == Some(0) {
         return refuse("--save-every must be at least 1".into());
     }
@@ -519,12 +519,10 @@ fn open_trace(path: &std::path::Path) -> Result<std::fs::File> {
     std::fs::File::create(path).map_err(|e| RuntimeError::io(&name, e))
 }
 
-fn batch_shape(config: &TrainConfig, plan: &Plan) -> BatchShape {
-    BatchShape::new(
-        config.micro_batch_size,
-        config.seq_length,
-        plan.mtp_depths(),
-    )
+/// Samples of `seq + 1` tokens: MTP depths read inside them (layers.md,
+/// Model), so the plan does not change the shape.
+fn batch_shape(config: &TrainConfig) -> BatchShape {
+    BatchShape::new(config.micro_batch_size, config.seq_length)
 }
 
 /// Trains `config` on the platform it asks for (today: thread ranks on the
@@ -762,11 +760,6 @@ fn run_rank<D: Device>(
         &|p, out| model.init_param(config.seed, p, ep_rank, out),
     )?;
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
-    let mut step = 0;
-    if let Some(resume) = &prepared.checkpoints.resume {
-        checkpoint::load(resume, &plan, &engine, &mut optimizer, &rank)?;
-        step = resume.step();
-    }
     let ranges = (0..plan.params.len())
         .map(|p| engine.param_range(p))
         .collect();
@@ -779,7 +772,12 @@ fn run_rank<D: Device>(
         1.0 / (config.micro_batches * config.ranks) as f32,
         &rank.backend,
     )?);
-    let shape = batch_shape(config, &plan);
+    let mut step = 0;
+    if let Some(resume) = &prepared.checkpoints.resume {
+        checkpoint::load(resume, &plan, &engine, &mut optimizer, &cx.balance, &rank)?;
+        step = resume.step();
+    }
+    let shape = batch_shape(config);
     let save = prepared.checkpoints.save.as_ref();
     // The newest step in the save root: the end of the run saves unless
     // this step is there already.
@@ -798,14 +796,14 @@ fn run_rank<D: Device>(
                 micro_batch: mb,
             };
             let batch = prepared.data.batch(key, shape)?;
+            // Head 0: the next token; head k (MTP depth k): rolled by k
+            // inside the sample, the last k positions masked.
+            let mut targets = vec![batch.all_targets()?];
+            targets.extend((1..=depths).map(|k| batch.mtp_targets(k)));
             Ok(MicroBatchTokens {
                 inputs: batch.all_inputs(),
-                targets: (0..=depths)
-                    .map(|d| batch.all_targets(d))
-                    .collect::<Result<_>>()?,
-                mtp_inputs: (0..depths)
-                    .map(|d| batch.all_targets(d))
-                    .collect::<Result<_>>()?,
+                targets,
+                mtp_inputs: (1..=depths).map(|k| batch.mtp_inputs(k)).collect(),
             })
         };
         let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
@@ -822,6 +820,10 @@ fn run_rank<D: Device>(
             mine.push(*sum);
             mine.push(*count as f64);
         }
+        // The tokens each expert got this step (aux-loss-free balancing),
+        // summed over ranks with the losses: integers, exact in f64.
+        let loads_at = mine.len();
+        mine.extend(cx.balance.take_loads());
         let all = rank.host.all_gather_host(&mine)?;
         let total = |i: usize| {
             all.iter()
@@ -849,6 +851,10 @@ fn run_rank<D: Device>(
             return Err(optimizer.divergence(&engine, &rank, quantity)?);
         }
         let grad_norm = optimizer.step(&engine, &rank, &norm_partials)?;
+        if loads_at < mine.len() {
+            let loads: Vec<f64> = (loads_at..mine.len()).map(total).collect();
+            cx.balance.update(&loads)?;
+        }
         let device = rank.backend.stats() - counted;
         step += 1;
         if let Some(reports) = &reports {
@@ -866,14 +872,14 @@ fn run_rank<D: Device>(
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
+            checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
             saved = Some(step);
         }
     }
     if let Some(save) = save
         && saved != Some(step)
     {
-        checkpoint::save(save, step, &plan, &engine, &optimizer, &rank)?;
+        checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
     }
     param_hash(&plan, &engine, &rank)
 }

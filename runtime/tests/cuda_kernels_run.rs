@@ -25,9 +25,10 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use hybridgen_dsl::config::ScoreFunction;
 use hybridgen_runtime::backend::{
-    AdamMoments, AdamStep, AttentionInputs, AuxLossDims, CopyCols, ExpertOrder, IGNORE_TARGET,
-    LossDims, MlaKvDims, NormDims, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs,
-    RoutedSlots, RouterScores, SgdStep, Tokens, Unary, UnpermuteDims, UnpermuteGrads,
+    AdamMoments, AdamStep, AttentionInputs, AuxLossDims, CopyCols, ExpertBias, ExpertOrder,
+    IGNORE_TARGET, LossDims, MlaKvDims, NormDims, QkvDims, ReceivedDims, RotaryDims, RotaryPairing,
+    RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Tokens, Unary, UnpermuteDims,
+    UnpermuteGrads,
 };
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::cuda::kernels::{self, Target};
@@ -686,6 +687,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             offset: 8,
             dim: 32,
             base: 10_000.0,
+            pairing: RotaryPairing::RotateHalf,
         };
         let len = 3 * 67 * 5 * 48;
         cases.push(Case {
@@ -708,6 +710,40 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             gpu: Box::new(move |s, st, x| s.rotary_backward(st, x[0], d)),
             reference: None,
         });
+        // MLA's interleaved pairs.
+        let d = RotaryDims {
+            pairing: RotaryPairing::Interleaved,
+            ..d
+        };
+        for backward in [false, true] {
+            cases.push(Case {
+                kernel: if backward {
+                    "rotary_backward"
+                } else {
+                    "rotary_forward"
+                }
+                .into(),
+                mode,
+                shape: "3x67 5h 32/48 interleaved".into(),
+                buffers: vec![rng.floats(len, a)],
+                outputs: vec![0],
+                cpu: Box::new(move |b, x| {
+                    if backward {
+                        b.rotary_backward(m(&x[0]), d)
+                    } else {
+                        b.rotary_forward(m(&x[0]), d)
+                    }
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    if backward {
+                        s.rotary_backward(st, x[0], d)
+                    } else {
+                        s.rotary_forward(st, x[0], d)
+                    }
+                }),
+                reference: None,
+            });
+        }
 
         // Head splits.
         let d = QkvDims {
@@ -945,6 +981,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 experts,
                 top_k,
                 score,
+                topk_scale: 2.5,
             };
             let shape = format!("{rows}x{experts} top{top_k} {score:?}");
             let logits = Host::F32(rng.vec(rows * experts, 3.0));
@@ -961,16 +998,20 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                         nan(rows * top_k, DType::F32),
                         Host::F32(rng.vec(experts, 1.0)),
                         Host::U32(vec![u32::MAX; rows * top_k]),
+                        Host::U32(vec![u32::MAX; rows * top_k]),
                     ],
-                    outputs: vec![2, 3, 4, 5],
+                    outputs: vec![2, 3, 4, 5, 6],
                     cpu: Box::new(move |b, x| {
                         b.moe_route_forward(
                             v(&x[0]),
-                            with_bias.then(|| v(&x[1])),
+                            with_bias.then(|| ExpertBias {
+                                bias: v(&x[1]),
+                                unbiased: m(&x[6]),
+                            }),
                             RouteOutputs {
                                 scores: m(&x[2]),
                                 weights: m(&x[3]),
-                                softmax_sum: m(&x[4]),
+                                prob_sum: m(&x[4]),
                             },
                             m(&x[5]),
                             d,
@@ -980,7 +1021,10 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                         s.moe_route_forward(
                             st,
                             x[0],
-                            with_bias.then_some(x[1]),
+                            with_bias.then_some(ExpertBias {
+                                bias: x[1],
+                                unbiased: x[6],
+                            }),
                             x[2],
                             x[3],
                             x[4],
@@ -1004,7 +1048,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 RouteOutputs {
                     scores: m(&scores),
                     weights: m(&weights),
-                    softmax_sum: m(&sums),
+                    prob_sum: m(&sums),
                 },
                 m(&sel),
                 d,
@@ -1094,7 +1138,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             gpu: Box::new(move |s, st, x| s.moe_sort_by_expert(st, x[0], x[1], x[2], x[3], slots)),
             reference: None,
         });
-        let softmax_sum = Host::F32(
+        let prob_sum = Host::F32(
             (0..experts)
                 .map(|_| rng.unit() as f32 * tokens as f32 / experts as f32)
                 .collect(),
@@ -1104,7 +1148,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             kernel: "moe_aux_loss_forward".into(),
             mode: "f32",
             shape: shape.clone(),
-            buffers: vec![Host::U32(counts.clone()), softmax_sum, Host::F64(vec![0.5])],
+            buffers: vec![Host::U32(counts.clone()), prob_sum, Host::F64(vec![0.5])],
             outputs: vec![2],
             cpu: Box::new(move |b, x| b.moe_aux_loss_forward(v(&x[0]), v(&x[1]), m(&x[2]), d)),
             gpu: Box::new(move |s, st, x| s.moe_aux_loss_forward(st, x[0], x[1], x[2], d)),

@@ -126,6 +126,51 @@ fn f32_training_on_a_gpu_matches_the_cpu() {
     }
 }
 
+/// Nemotron 3 Nano's routing on the tiny model (sigmoid scores, a top-k
+/// scaling factor, aux-loss-free balancing with a bias updated after every
+/// step and copied to the GPU before the next step's routing): f32 on a GPU
+/// follows the CPU.
+#[test]
+fn balanced_routing_on_a_gpu_matches_the_cpu() {
+    if gpus(1).is_none() {
+        return;
+    }
+    let balanced = |device| {
+        let mut c = config("[M*E]-[*E]", device, Precision::F32);
+        let moe = c.model.moe.as_mut().unwrap();
+        moe.score_function = hybridgen_dsl::config::ScoreFunction::Sigmoid;
+        moe.topk_scaling_factor = 2.5;
+        moe.expert_bias = true;
+        moe.expert_bias_update_rate = 0.01;
+        run(&c).0
+    };
+    let (cpu, gpu) = (balanced(DeviceChoice::Cpu), balanced(DeviceChoice::Cuda));
+    assert_eq!(cpu.len(), gpu.len());
+    for (c, g) in cpu.iter().zip(&gpu) {
+        println!(
+            "balanced step {}: cpu {:.9} gpu {:.9} (rel {:.1e}), aux {:.3e} vs {:.3e}",
+            c.step,
+            c.loss,
+            g.loss,
+            relative(g.loss, c.loss),
+            c.aux_loss,
+            g.aux_loss
+        );
+        assert!(
+            relative(g.loss, c.loss) <= 1e-4,
+            "step {}: {} vs {}",
+            c.step,
+            g.loss,
+            c.loss
+        );
+        assert!(
+            relative(g.aux_loss, c.aux_loss) <= 1e-3,
+            "step {} aux",
+            c.step
+        );
+    }
+}
+
 /// One GPU, bf16: the overlap schedule runs the same kernels on the same
 /// inputs as the plain one, in another order across two streams, so every
 /// loss and the parameter hash are the same bits; so is a repeat.

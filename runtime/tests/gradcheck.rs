@@ -17,7 +17,7 @@ use hybridgen_runtime::cpu::collective::CpuWorld;
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::layers::{
     CollectiveExchange, Embedding, FinalNorm, HEAD_CHUNK_ELEMENTS, Head, LayerImpl, LayerSaved,
-    LayerWgrad, LocalExchange, MoeLayer, MtpEntry, counted_targets,
+    LayerWgrad, LocalExchange, MoeLayer, MtpEntry, RouterContext, counted_targets,
 };
 use hybridgen_runtime::view::{DType, DeviceBuffer, View, ViewMut};
 use std::sync::LazyLock;
@@ -462,6 +462,148 @@ fn mla_gradients_with_and_without_q_lora_and_latent_norms() {
     }
 }
 
+/// The `+` forward of layers.md, in f64, for a layer without q LoRA or
+/// latent norms: `interleaved` picks the rotary pairs `(2i, 2i + 1)`
+/// (Megatron's MLA) or rotate-half's `(i, i + dr/2)`.
+#[allow(clippy::too_many_arguments)]
+fn mla_reference(
+    w: &[Vec<f32>],
+    x: &[f32],
+    tokens: Tokens,
+    (h, a, kr, dn, dr, dv): (usize, usize, usize, usize, usize, usize),
+    base: f64,
+    interleaved: bool,
+) -> Vec<f64> {
+    let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    // params.md order without q LoRA and norms: input norm, proj, q, kv down, kv up.
+    let (norm, proj, wq, wkv_down, wkv_up) = (f(&w[0]), f(&w[1]), f(&w[2]), f(&w[3]), f(&w[4]));
+    let linear = |m: &[f64], v: &[f64], rows: usize| -> Vec<f64> {
+        (0..rows)
+            .map(|r| (0..v.len()).map(|c| m[r * v.len() + c] * v[c]).sum())
+            .collect()
+    };
+    let rope = |v: &mut [f64], pos: f64| {
+        for i in 0..dr / 2 {
+            let theta = pos * base.powf(-(2.0 * i as f64) / dr as f64);
+            let (p, q) = if interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + dr / 2)
+            };
+            let (x1, x2) = (v[p], v[q]);
+            v[p] = x1 * theta.cos() - x2 * theta.sin();
+            v[q] = x2 * theta.cos() + x1 * theta.sin();
+        }
+    };
+    let rows = tokens.batch * tokens.seq;
+    let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rows {
+        let xr = f(&x[r * h..(r + 1) * h]);
+        let rstd = 1.0 / (xr.iter().map(|v| v * v).sum::<f64>() / h as f64 + 1e-5).sqrt();
+        let u: Vec<f64> = xr.iter().zip(&norm).map(|(v, g)| v * rstd * g).collect();
+        let pos = (r % tokens.seq) as f64;
+        let mut q = linear(&wq, &u, a * (dn + dr));
+        for head in q.chunks_mut(dn + dr) {
+            rope(&mut head[dn..], pos);
+        }
+        let ckv = linear(&wkv_down, &u, kr + dr);
+        let mut k_rope = ckv[kr..].to_vec();
+        rope(&mut k_rope, pos);
+        let kv = linear(&wkv_up, &ckv[..kr], a * (dn + dv));
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for head in kv.chunks(dn + dv) {
+            k.extend_from_slice(&head[..dn]);
+            k.extend_from_slice(&k_rope);
+            v.extend_from_slice(&head[dn..]);
+        }
+        qs.push(q);
+        ks.push(k);
+        vs.push(v);
+    }
+    let scale = 1.0 / ((dn + dr) as f64).sqrt();
+    let mut out = f(x);
+    for r in 0..rows {
+        let start = r - r % tokens.seq;
+        let mut o = vec![0.0; a * dv];
+        for head in 0..a {
+            let qh = &qs[r][head * (dn + dr)..(head + 1) * (dn + dr)];
+            let scores: Vec<f64> = (start..=r)
+                .map(|j| {
+                    let kh = &ks[j][head * (dn + dr)..(head + 1) * (dn + dr)];
+                    qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>() * scale
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let total: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            for (j, s) in (start..=r).zip(&scores) {
+                let p = (s - max).exp() / total;
+                for c in 0..dv {
+                    o[head * dv + c] += p * vs[j][head * dv + c];
+                }
+            }
+        }
+        for (c, y) in linear(&proj, &o, h).into_iter().enumerate() {
+            out[r * h + c] += y;
+        }
+    }
+    out
+}
+
+/// layers.md `+` step 4: MLA rotates interleaved pairs, as Megatron's MLA
+/// does. Order-one weights and a 4-wide rope part at base 2, so the two
+/// pairings differ far above rounding (with the usual 2-wide rope part they
+/// are the same pairs).
+#[test]
+fn mla_forward_matches_the_reference_with_interleaved_rotary() {
+    let (h, a, kr, dn, dr, dv) = (8, 2, 5, 3, 4, 3);
+    let c = config(&format!(
+        "[mla]\nnum_heads = {a}\nkv_lora_rank = {kr}\nqk_head_dim = {dn}\nqk_rope_head_dim = {dr}\n\
+         v_head_dim = {dv}\nqk_norm = false\nrope_base = 2.0\n"
+    ));
+    let layer = LayerImpl::new(LayerKind::Mla, &c, 0).expect("layer");
+    let names: Vec<&str> = layer.params().iter().map(|p| p.name.as_ref()).collect();
+    assert_eq!(
+        names,
+        [
+            "input_layernorm.weight",
+            "self_attention.linear_proj.weight",
+            "self_attention.linear_q_proj.weight",
+            "self_attention.linear_kv_down_proj.weight",
+            "self_attention.linear_kv_up_proj.weight"
+        ]
+    );
+    let mut rng = Rng(37);
+    let weights: Vec<Vec<f32>> = layer
+        .params()
+        .iter()
+        .map(|p| match p.name.contains("norm") {
+            true => rng.normals(p.numel(), 0.2, 1.0),
+            false => rng.normals(p.numel(), 1.0, 0.0),
+        })
+        .collect();
+    let x = rng.normals(TWO_SEQUENCES.batch * TWO_SEQUENCES.seq * h, 1.0, 0.0);
+    let (got, _) = layer_forward(&layer, &weights, &x, TWO_SEQUENCES).expect("forward");
+    let dims = (h, a, kr, dn, dr, dv);
+    let want = mla_reference(&weights, &x, TWO_SEQUENCES, dims, 2.0, true);
+    let rotate_half = mla_reference(&weights, &x, TWO_SEQUENCES, dims, 2.0, false);
+    let worst = |r: &[f64]| {
+        got.iter()
+            .zip(r)
+            .map(|(g, w)| (*g as f64 - w).abs() / w.abs().max(1.0))
+            .fold(0.0, f64::max)
+    };
+    assert!(
+        worst(&want) < 1e-5,
+        "off the interleaved reference by {}",
+        worst(&want)
+    );
+    assert!(
+        worst(&rotate_half) > 1e-2,
+        "the case cannot tell the pairings apart"
+    );
+}
+
 #[test]
 fn mlp_gradients_for_every_activation() {
     for act in ["squared_relu", "gelu", "swiglu"] {
@@ -473,6 +615,17 @@ fn mlp_gradients_for_every_activation() {
 }
 
 fn moe(score: &str, top_k: usize, shared: bool, bias: bool, activation: &str) -> ModelConfig {
+    moe_scaled(score, top_k, shared, bias, activation, 1.0)
+}
+
+fn moe_scaled(
+    score: &str,
+    top_k: usize,
+    shared: bool,
+    bias: bool,
+    activation: &str,
+    scale: f32,
+) -> ModelConfig {
     let shared = if shared {
         "shared_expert_ffn_hidden_size = 5\n"
     } else {
@@ -480,21 +633,24 @@ fn moe(score: &str, top_k: usize, shared: bool, bias: bool, activation: &str) ->
     };
     config(&format!(
         "[moe]\nnum_experts = 4\ntop_k = {top_k}\nffn_hidden_size = 6\n{shared}score_function = \"{score}\"\n\
-         aux_loss_coeff = 0.1\nexpert_bias = {bias}\nactivation = \"{activation}\"\n"
+         aux_loss_coeff = 0.1\nexpert_bias = {bias}\nactivation = \"{activation}\"\n\
+         topk_scaling_factor = {scale}\n"
     ))
 }
 
 #[test]
 fn moe_gradients_for_scores_top_k_shared_expert_and_bias() {
     let cases = [
-        ("softmax", 2, true, false, "squared_relu"),
-        ("sigmoid", 2, false, false, "gelu"),
-        ("softmax", 1, false, true, "swiglu"),
-        ("sigmoid", 3, true, true, "squared_relu"),
+        ("softmax", 2, true, false, "squared_relu", 1.0),
+        ("sigmoid", 2, false, false, "gelu", 2.5),
+        ("sigmoid", 1, false, true, "swiglu", 1.0),
+        ("sigmoid", 1, true, false, "gelu", 2.5),
+        ("softmax", 2, false, false, "gelu", 2.5),
+        ("sigmoid", 3, true, true, "squared_relu", 2.5),
     ];
-    for (score, k, shared, bias, act) in cases {
-        let c = moe(score, k, shared, bias, act);
-        let name = format!("E {score} k={k} shared={shared} bias={bias} {act}");
+    for (score, k, shared, bias, act, scale) in cases {
+        let c = moe_scaled(score, k, shared, bias, act, scale);
+        let name = format!("E {score} k={k} shared={shared} bias={bias} {act} scale={scale}");
         let mut case = LayerCase::new(&name, LayerKind::Moe, &c, TWO_SEQUENCES, 51);
         if bias {
             let layer = match &mut case.layer {
@@ -521,7 +677,7 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let aux = dev().alloc(1, DType::F64).expect("alloc");
     dev().upload(&[0.25f64], vm(&aux)).expect("upload");
     let prepared = moe
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux))
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux), None)
         .expect("prepare");
     let aux_loss = |buf: &CpuBuf| {
         let mut value = [0.0f64];
@@ -572,9 +728,81 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let layer = MoeLayer::new(&off, 4).expect("layer");
     let zero = dev().alloc(1, DType::F64).expect("alloc");
     layer
-        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&zero))
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&zero), None)
         .expect("prepare");
     assert_eq!(aux_loss(&zero), 0.0);
+}
+
+/// layers.md `E` step 3 with sigmoid scores and an expert bias: `P_i` is the
+/// mean of each token's sigmoid scores normalised over all experts, and
+/// `f_i` counts the top-k of the scores without the bias (Megatron's
+/// `compute_routing_scores_for_aux_loss`), while the dispatch follows the
+/// biased selection.
+#[test]
+fn moe_aux_loss_with_sigmoid_scores_counts_the_unbiased_top_k() {
+    let c = moe("sigmoid", 2, false, true, "gelu");
+    let mut case = LayerCase::new("E aux sigmoid", LayerKind::Moe, &c, TWO_SEQUENCES, 53);
+    let moe = match &mut case.layer {
+        LayerImpl::Moe(l) => l,
+        _ => unreachable!(),
+    };
+    // Scores lie in (0, 1): a bias of 5 puts expert 3 in every selection.
+    moe.set_expert_bias(&[0.0, 0.0, 0.0, 5.0]).expect("bias");
+    let moe = &*moe;
+    let wb = ups(&case.weights);
+    let w = views(&wb);
+    let xb = up(&case.x);
+    let aux = dev().alloc(1, DType::F64).expect("alloc");
+    let prepared = moe
+        .prepare(dev(), &w, v(&xb), TWO_SEQUENCES, vm(&aux), None)
+        .expect("prepare");
+    let mut got = [0.0f64];
+    dev().download(v(&aux), &mut got).expect("download");
+    let (t, e, k) = (10usize, 4usize, 2usize);
+    let mut prob_sum = vec![0.0f64; e];
+    let mut unbiased = vec![0usize; e];
+    for row in 0..t {
+        let xr = &case.x[row * 8..row * 8 + 8];
+        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 8.0;
+        let u: Vec<f64> = xr
+            .iter()
+            .zip(&case.weights[0])
+            .map(|(v, g)| *v as f64 / (ms + 1e-5).sqrt() * *g as f64)
+            .collect();
+        let s: Vec<f64> = (0..e)
+            .map(|i| {
+                let z: f64 = (0..8)
+                    .map(|j| u[j] * case.weights[1][i * 8 + j] as f64)
+                    .sum();
+                1.0 / (1.0 + (-z).exp())
+            })
+            .collect();
+        let total: f64 = s.iter().sum();
+        for i in 0..e {
+            prob_sum[i] += s[i] / total;
+        }
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| s[b].total_cmp(&s[a]));
+        for &i in &order[..k] {
+            unbiased[i] += 1;
+        }
+    }
+    let biased = prepared.routing.expert_counts(dev()).expect("counts");
+    assert_eq!(biased[3], t, "the bias selects expert 3 for every token");
+    assert_ne!(
+        biased, unbiased,
+        "the case must tell the two countings apart"
+    );
+    let want: f64 = 0.1
+        * e as f64
+        * (0..e)
+            .map(|i| unbiased[i] as f64 / (t * k) as f64 * prob_sum[i] / t as f64)
+            .sum::<f64>();
+    assert!(
+        (got[0] - want).abs() < 1e-6 * want.max(1.0),
+        "{} vs {want}",
+        got[0]
+    );
 }
 
 // ---- model-level ops ------------------------------------------------------------------
@@ -1316,7 +1544,10 @@ fn moe_reads_the_host_once_per_layer_and_micro_batch() {
                         &views(w),
                         stage,
                         vm(x),
-                        vm(&aux),
+                        RouterContext {
+                            aux_loss: vm(&aux),
+                            balance: None,
+                        },
                         TWO_SEQUENCES,
                         &LocalExchange,
                     )
@@ -1581,6 +1812,15 @@ fn bad_sizes_are_errors_not_panics() {
         layer.set_expert_bias(&[0.0; 4]).is_err(),
         "no bias configured"
     );
+    // Megatron allows the expert bias with sigmoid scores only.
+    let err = MoeLayer::new(&moe("softmax", 2, false, true, "gelu"), 4)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("sigmoid"), "{err}");
+    for bad in [0.0f32, -1.0] {
+        let c = moe_scaled("sigmoid", 2, false, false, "gelu", bad);
+        assert!(MoeLayer::new(&c, 4).is_err(), "scaling factor {bad}");
+    }
 }
 
 /// The schedule keeps layers shared across lane threads and moves saved

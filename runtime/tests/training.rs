@@ -403,6 +403,25 @@ fn multi_token_prediction_trains_and_keeps_parity() {
     assert!(overlap.0.iter().all(|s| f64::from_bits(s[1]) > 0.0));
 }
 
+/// layers.md, Model: MTP depth k rolls inputs and labels inside the sample
+/// of S + 1 tokens (as Megatron does) instead of reading k tokens past it,
+/// so a file of exactly one sample trains a model with two MTP depths.
+#[test]
+fn multi_token_prediction_reads_nothing_past_the_sample() {
+    let path = std::env::temp_dir().join(format!("hybridgen-mtp-{}.txt", std::process::id()));
+    // seq_length 16: one sample is 17 bytes.
+    std::fs::write(&path, b"abcdefghijklmnopq").unwrap();
+    let result = std::panic::catch_unwind(|| {
+        with("[M*E]/*E/*E", |c| {
+            c.data = hybridgen_runtime::train::DataChoice::File(path.clone());
+            c.steps = 2;
+        })
+    });
+    let _ = std::fs::remove_file(&path);
+    let curve = result.expect("one sample of S + 1 tokens is enough for MTP");
+    assert!(curve.0.iter().all(|s| f64::from_bits(s[1]).is_finite()));
+}
+
 #[test]
 fn a_group_changes_no_maths() {
     // `[*-]` and `*-` are the same layers: one unit or two, the same bits.
@@ -477,6 +496,117 @@ fn resume_continues_the_same_curve() {
         assert_eq!(straight.0, resumed, "{schedule:?}, {sharding:?}");
         assert_eq!(straight.1, second.curve.1, "{schedule:?}, {sharding:?}");
     }
+}
+
+/// The tiny model routing as Nemotron 3 Nano does: sigmoid scores, a top-k
+/// scaling factor and aux-loss-free balancing, with a bias rate large enough
+/// to move the routing of a tiny model within a step.
+fn balanced(c: &mut TrainConfig, rate: f32) {
+    let moe = c.model.moe.as_mut().unwrap();
+    moe.score_function = hybridgen_dsl::config::ScoreFunction::Sigmoid;
+    moe.topk_scaling_factor = 2.5;
+    moe.expert_bias = true;
+    moe.expert_bias_update_rate = rate;
+}
+
+/// The expert biases a checkpoint step holds (rank 0's file keeps them).
+fn saved_biases(step_dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(step_dir.join("rank-00000.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = file
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name.ends_with(".mlp.router.expert_bias"))
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Aux-loss-free balancing (layers.md `E` step 3): the bias starts at zero,
+/// moves by exactly the rate per step towards the mean load, changes what
+/// is trained, is saved with the checkpoint and restored by a resume (the
+/// resumed curve is the straight one bit for bit), and keeps the schedule
+/// and sharding parity.
+#[test]
+fn expert_bias_is_trained_saved_and_resumed() {
+    let pattern = "[M*E]-[*E]";
+    let dir = std::env::temp_dir().join(format!("hybridgen-bias-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let straight = with(pattern, |c| {
+        balanced(c, 0.05);
+        c.steps = 5;
+    });
+    let frozen = with(pattern, |c| {
+        balanced(c, 0.0);
+        c.steps = 5;
+    });
+    assert_eq!(
+        straight.0[0], frozen.0[0],
+        "the first step routes with a zero bias"
+    );
+    assert_ne!(
+        straight.0[1..],
+        frozen.0[1..],
+        "the updated bias changes the routing"
+    );
+    // Three steps: an odd number of +-rate moves cannot cancel (the bias of
+    // this tiny model overshoots and swings back in two).
+    let first = with(pattern, |c| {
+        balanced(c, 0.05);
+        c.steps = 3;
+        c.save = Some(dir.clone());
+    });
+    let biases = saved_biases(&dir.join("step-000003"));
+    let keys: Vec<&str> = biases.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "param/decoder.layers.0.mlp.router.expert_bias",
+            "param/decoder.layers.2.mlp.router.expert_bias"
+        ]
+    );
+    for (key, bias) in &biases {
+        assert_eq!(bias.len(), 4, "{key}");
+        // Three steps of +-0.05 (or 0 at the mean) from zero.
+        for &b in bias {
+            let steps = b / 0.05;
+            assert!(
+                (steps - steps.round()).abs() < 1e-5 && steps.abs() <= 3.0 + 1e-5,
+                "{key}: {b} is not a sum of three steps of +-0.05"
+            );
+        }
+        assert!(bias.iter().any(|&b| b != 0.0), "{key}: never moved");
+        // Sign updates move some experts up and some down.
+        assert!(
+            bias.iter().any(|&b| b > 0.0) && bias.iter().any(|&b| b < 0.0),
+            "{key}: {bias:?}"
+        );
+    }
+    let second = with(pattern, |c| {
+        balanced(c, 0.05);
+        c.steps = 5;
+        c.resume = Some(ResumeFrom::Dir(dir.clone()));
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut resumed = first.0;
+    resumed.extend(second.0);
+    assert_eq!(straight.0, resumed);
+    assert_eq!(straight.1, second.1);
+    let plain = with(pattern, |c| {
+        balanced(c, 0.05);
+        c.steps = 5;
+        c.schedule = ScheduleKind::Plain;
+        c.sharding = Sharding::NoShard;
+    });
+    assert_eq!(straight, plain, "overlap + ZeRO-3 against plain + no_shard");
 }
 
 #[test]

@@ -131,7 +131,9 @@ const MOE: &[Spec] = &[
         "sigmoid",
     ),
     opt("aux_loss_coeff", Kind::Float, "0.01"),
+    opt("topk_scaling_factor", Kind::Float, "2.5"),
     opt("expert_bias", Kind::Bool, "true"),
+    opt("expert_bias_update_rate", Kind::Float, "0.001"),
 ];
 const MTP: &[Spec] = &[opt("loss_scale", Kind::Float, "0.1")];
 

@@ -516,7 +516,9 @@ fn config_tokens(c: &ModelConfig) -> TokenStream {
             activation: act,
             score_function,
             aux_loss_coeff,
+            topk_scaling_factor,
             expert_bias,
+            expert_bias_update_rate,
         } = m;
         let (e, k, f, s) = (
             lit(*num_experts),
@@ -530,7 +532,8 @@ fn config_tokens(c: &ModelConfig) -> TokenStream {
             ScoreFunction::Sigmoid => quote!(__dsl::config::ScoreFunction::Sigmoid),
         };
         let aux = float(*aux_loss_coeff);
-        quote!(__dsl::config::MoeConfig { num_experts: #e, top_k: #k, ffn_hidden_size: #f, shared_expert_ffn_hidden_size: #s, activation: #act, score_function: #score, aux_loss_coeff: #aux, expert_bias: #expert_bias })
+        let (scaling, rate) = (float(*topk_scaling_factor), float(*expert_bias_update_rate));
+        quote!(__dsl::config::MoeConfig { num_experts: #e, top_k: #k, ffn_hidden_size: #f, shared_expert_ffn_hidden_size: #s, activation: #act, score_function: #score, aux_loss_coeff: #aux, topk_scaling_factor: #scaling, expert_bias: #expert_bias, expert_bias_update_rate: #rate })
     });
     let MtpConfig { loss_scale } = mtp;
     let loss_scale = float(*loss_scale);

@@ -237,6 +237,11 @@ impl CheckpointIndex {
                 expected.insert(plan.checkpoint_key(param, e), &def.shape[..]);
             }
         }
+        let experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts);
+        let bias_shape = [experts];
+        for (_, key) in crate::layers::expert_bias_keys(plan) {
+            expected.insert(key, &bias_shape[..]);
+        }
         for (key, shape) in &expected {
             match self.tensors.get(key) {
                 None => return bad(format!("no tensor `{key}` in the checkpoint")),

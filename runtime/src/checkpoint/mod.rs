@@ -35,6 +35,7 @@ use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout};
+use crate::layers::ExpertBalance;
 use crate::optimizer::{Optimizer, OptimizerKind};
 use crate::train::TrainConfig;
 use crc32c::{crc32c, hex};
@@ -277,6 +278,7 @@ pub fn save<D: Device>(
     plan: &Plan,
     engine: &FsdpEngine<D>,
     optimizer: &Optimizer<D>,
+    balance: &ExpertBalance<D::Backend>,
     rank: &RankContext<D>,
 ) -> Result<PathBuf> {
     let root = &target.root;
@@ -303,6 +305,14 @@ pub fn save<D: Device>(
         tensors.push((m, read(&state.exp_avg)?, n));
         if backend.buf_len(&state.exp_avg_sq) > 0 {
             tensors.push((v, read(&state.exp_avg_sq)?, n));
+        }
+    }
+    // The expert biases are the same on every rank: rank 0 keeps them.
+    let biases = balance.biases();
+    if rank.rank == 0 {
+        for (key, values) in &biases {
+            let [p, _, _] = names(key);
+            tensors.push((p, to_bytes(values), values.len()));
         }
     }
     // Each tensor's own checksum rides in the file's metadata, so a damaged
@@ -358,6 +368,18 @@ pub fn save<D: Device>(
                     });
             }
         }
+        for (key, values) in biases {
+            let piece = Piece {
+                file: rank_file(0),
+                start: 0,
+                end: values.len(),
+            };
+            let entry = TensorEntry {
+                shape: vec![values.len()],
+                pieces: vec![piece],
+            };
+            entries.insert(key, entry);
+        }
         let index = CheckpointIndex {
             crc32c: String::new(),
             format: FORMAT.to_string(),
@@ -387,6 +409,7 @@ pub fn load<D: Device>(
     plan: &Plan,
     engine: &FsdpEngine<D>,
     optimizer: &mut Optimizer<D>,
+    balance: &ExpertBalance<D::Backend>,
     rank: &RankContext<D>,
 ) -> Result<()> {
     let (dir, index) = (&resume.dir, &resume.index);
@@ -426,6 +449,17 @@ pub fn load<D: Device>(
             backend.slice(&shard.master, piece.in_shard.clone())?,
             backend.slice_mut(&shard.param, piece.in_shard.clone())?,
         )?;
+    }
+    for (key, values) in balance.biases() {
+        let entry = index.tensors.get(&key).ok_or_else(|| {
+            RuntimeError::io(
+                dir.join(INDEX).display(),
+                format!("no expert bias `{key}` in the checkpoint"),
+            )
+        })?;
+        let [p, _, _] = names(&key);
+        let bias = assemble(dir, index, entry, &p, &(0..values.len()), &mut files)?;
+        balance.set_bias(&key, &bias)?;
     }
     optimizer.set_steps(index.step);
     // Collective: a rank that fails to load stops its peers here, before

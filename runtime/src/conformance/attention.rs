@@ -9,7 +9,8 @@ use super::case::{Bufs, Expected, KernelCase};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, MlaKvDims, QkvDims, RotaryDims, Slice, Tokens,
+    AttentionDims, AttentionInputs, Backend, MlaKvDims, QkvDims, RotaryDims, RotaryPairing, Slice,
+    Tokens,
 };
 
 fn inputs<B: Backend>(b: &Bufs<B>) -> crate::Result<AttentionInputs<Slice<'_, B>>> {
@@ -133,14 +134,19 @@ fn attention<B: Backend>(s: &mut Suite<'_, B>) {
 }
 
 fn rotary<B: Backend>(s: &mut Suite<'_, B>) {
-    // batch, seq, heads, head stride, offset, rotated dim, base
+    // batch, seq, heads, head stride, offset, rotated dim, base, pairing
+    let (half, interleaved) = (RotaryPairing::RotateHalf, RotaryPairing::Interleaved);
     let shapes = [
-        (2, 5, 3, 10, 2, 6, 10_000.0),
-        (1, 33, 2, 8, 0, 8, 500.0),
-        (3, 4, 1, 4, 0, 2, 10_000.0),
-        (1, 6, 2, 12, 5, 4, 10_000.0),
+        (2, 5, 3, 10, 2, 6, 10_000.0, half),
+        (1, 33, 2, 8, 0, 8, 500.0, half),
+        (3, 4, 1, 4, 0, 2, 10_000.0, half),
+        (1, 6, 2, 12, 5, 4, 10_000.0, half),
+        (2, 5, 3, 10, 2, 6, 10_000.0, interleaved),
+        (1, 9, 4, 24, 16, 8, 10_000.0, interleaved),
     ];
-    for (i, (batch, seq, heads, head_stride, offset, dim, base)) in shapes.into_iter().enumerate() {
+    for (i, (batch, seq, heads, head_stride, offset, dim, base, pairing)) in
+        shapes.into_iter().enumerate()
+    {
         let dims = RotaryDims {
             tokens: Tokens::new(batch, seq),
             heads,
@@ -148,10 +154,11 @@ fn rotary<B: Backend>(s: &mut Suite<'_, B>) {
             offset,
             dim,
             base,
+            pairing,
         };
         let len = batch * seq * heads * head_stride;
         let name = format!(
-            "{batch} x {seq} tokens, {heads} heads of {head_stride}, channels {offset}..{}, base {base}",
+            "{batch} x {seq} tokens, {heads} heads of {head_stride}, channels {offset}..{}, base {base}, {pairing:?}",
             offset + dim
         );
         for (kernel, arg, inverse) in [

@@ -1,5 +1,6 @@
 //! Mixture-of-experts kernels: routing (softmax and sigmoid scores, with and
-//! without the selection bias, k = 1..3, ties) forward and backward; the
+//! without the selection bias and its unbiased selection, k = 1..3, ties,
+//! with and without a top-k scaling factor) forward and backward; the
 //! per-expert histogram, the dispatch sort and the regroup after the
 //! all-to-all (experts nobody chose, ranks that send nothing); the
 //! load-balancing loss and its gradient; row gathers and scatters; the
@@ -10,8 +11,8 @@ use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{
-    AuxLossDims, Backend, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores, UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs,
+    RoutedSlots, RouterScores, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use hybridgen_dsl::config::ScoreFunction;
@@ -52,12 +53,16 @@ fn route_logits<B: Backend>(
                 .map(|&v| f64::from(v as f32))
                 .collect();
             let scores = r::route_scores(&z, dims.score);
-            let mut keys: Vec<f64> = (0..e)
-                .map(|i| scores[i] + bias.map_or(0.0, |b| b[i]))
-                .collect();
-            keys.sort_by(|a, b| b.total_cmp(a));
-            // A gap far above f32 rounding keeps the selection unambiguous.
-            if dims.top_k == e || keys[dims.top_k - 1] - keys[dims.top_k] > 1e-3 {
+            // A gap far above f32 rounding keeps the selection unambiguous,
+            // with the bias and (the load-balancing loss's) without it.
+            let separated = |bias: Option<&[f64]>| {
+                let mut keys: Vec<f64> = (0..e)
+                    .map(|i| scores[i] + bias.map_or(0.0, |b| b[i]))
+                    .collect();
+                keys.sort_by(|a, b| b.total_cmp(a));
+                dims.top_k == e || keys[dims.top_k - 1] - keys[dims.top_k] > 1e-3
+            };
+            if separated(bias) && separated(None) {
                 logits.extend(z);
                 break;
             }
@@ -71,18 +76,20 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
     for score in [ScoreFunction::Softmax, ScoreFunction::Sigmoid] {
         for top_k in 1..=3 {
             for bias in [false, true] {
-                configs.push((8, top_k, score, bias));
+                configs.push((8, top_k, score, bias, 1.0));
             }
+            configs.push((8, top_k, score, false, 2.5));
         }
-        configs.push((3, 3, score, false));
+        configs.push((3, 3, score, false, 1.0));
     }
     let rows = 9;
-    for (i, (experts, top_k, score, with_bias)) in configs.into_iter().enumerate() {
+    for (i, (experts, top_k, score, with_bias, topk_scale)) in configs.into_iter().enumerate() {
         let dims = RouteDims {
             rows,
             experts,
             top_k,
             score,
+            topk_scale,
         };
         // f32 values, so the reference sees the bias the kernel reads.
         let bias: Option<Vec<f64>> = with_bias.then(|| {
@@ -92,7 +99,7 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
         });
         let logits = route_logits(s, dims, bias.as_deref(), !with_bias);
         let name = format!(
-            "{rows} rows, {experts} experts, top-{top_k}, {score:?}{}",
+            "{rows} rows, {experts} experts, top-{top_k}, {score:?}{}, scale {topk_scale}",
             if with_bias { ", bias" } else { "" }
         );
         let refusals = i == 1;
@@ -102,24 +109,34 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
             .map(|z| r::top_k(&r::route_scores(z, score), bias.as_deref(), top_k))
             .collect();
         let selected_u32: Vec<u32> = selected.iter().flatten().map(|&e| e as u32).collect();
+        let unbiased_u32: Vec<u32> = logits
+            .chunks(experts)
+            .flat_map(|z| r::top_k(&r::route_scores(z, score), None, top_k))
+            .map(|e| e as u32)
+            .collect();
 
         let fwd =
             KernelCase::new("moe_route_forward", name.clone()).input_f32("logits", logits.clone());
         let fwd = match &bias {
-            Some(b) => fwd.input_f32("expert_bias", b.clone()),
+            Some(b) => fwd
+                .input_f32("expert_bias", b.clone())
+                .output_u32("unbiased", rows * top_k),
             None => fwd,
         };
         let fwd = fwd
             .output_f32("scores", rows * experts)
             .output_f32("weights", rows * top_k)
-            .inout_f32("softmax_sum", s.rng.values(experts, 0.0, 2.0))
+            .inout_f32("prob_sum", s.rng.values(experts, 0.0, 2.0))
             .output_u32("selected", rows * top_k)
             .tolerance(16.0 * U * (rows + experts) as f64, 32.0 * U);
         let fwd = if refusals { fwd.with_refusals() } else { fwd };
         let launch_fwd = |dims: RouteDims| {
             move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
                 let bias = if with_bias {
-                    Some(b.view("expert_bias")?)
+                    Some(ExpertBias {
+                        bias: b.view("expert_bias")?,
+                        unbiased: b.view_mut("unbiased")?,
+                    })
                 } else {
                     None
                 };
@@ -129,7 +146,7 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
                     RouteOutputs {
                         scores: b.view_mut("scores")?,
                         weights: b.view_mut("weights")?,
-                        softmax_sum: b.view_mut("softmax_sum")?,
+                        prob_sum: b.view_mut("prob_sum")?,
                     },
                     b.view_mut("selected")?,
                     dims,
@@ -162,21 +179,25 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
             fwd,
             |x| {
                 let (mut scores, mut weights) = (Vec::new(), Vec::new());
-                let mut softmax_sum = x["softmax_sum"].to_vec();
+                let mut prob_sum = x["prob_sum"].to_vec();
                 for (z, sel) in x["logits"].chunks(experts).zip(&selected) {
                     scores.extend(r::route_scores(z, score));
-                    let (w, p) = r::route_row(z, sel, score);
+                    let (w, p) = r::route_row(z, sel, score, f64::from(topk_scale));
                     weights.extend(w);
-                    for (acc, p) in softmax_sum.iter_mut().zip(p) {
+                    for (acc, p) in prob_sum.iter_mut().zip(p) {
                         *acc += p;
                     }
                 }
-                vec![
+                let mut expected = vec![
                     Expected::new("scores", scores),
                     Expected::new("weights", weights),
-                    Expected::new("softmax_sum", softmax_sum),
+                    Expected::new("prob_sum", prob_sum),
                     Expected::new("selected", as_f64(&selected_u32)).exact(),
-                ]
+                ];
+                if with_bias {
+                    expected.push(Expected::new("unbiased", as_f64(&unbiased_u32)).exact());
+                }
+                expected
             },
             launch_fwd(dims),
         );
@@ -224,14 +245,14 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
         s.check_kernel(
             bwd,
             |x| {
-                // The gradient of sum_j dW_j w_j + aux . softmax(z), row by
-                // row, with the selection held fixed.
+                // The gradient of sum_j dW_j w_j + aux . p(z), row by row,
+                // with the selection held fixed.
                 let mut d_logits = Vec::new();
                 let dw = &x["d_weights"];
                 for (row, (z, sel)) in x["logits"].chunks(experts).zip(&selected).enumerate() {
                     let dw = &dw[row * top_k..][..top_k];
                     d_logits.extend(r::gradient(z, |z| {
-                        let (w, p) = r::route_row(z, sel, score);
+                        let (w, p) = r::route_row(z, sel, score, f64::from(topk_scale));
                         let weighted: f64 = w.iter().zip(dw).map(|(a, b)| a * b).sum();
                         weighted + p.iter().zip(&aux_grad).map(|(a, b)| a * b).sum::<f64>()
                     }));
@@ -430,14 +451,14 @@ fn aux_loss<B: Backend>(s: &mut Suite<'_, B>) {
         // Each row's softmax sums to one, so the sums total `tokens`.
         let weights = s.rng.values(experts, 0.1, 1.0);
         let total: f64 = weights.iter().sum();
-        let softmax_sum: Vec<f64> = weights.iter().map(|w| w / total * tokens as f64).collect();
+        let prob_sum: Vec<f64> = weights.iter().map(|w| w / total * tokens as f64).collect();
         let name = format!("{tokens} tokens, top-{top_k} of {experts} experts, coeff {coeff}");
         let refusals = i == 0;
         let c = f64::from(coeff);
 
         let fwd = KernelCase::new("moe_aux_loss_forward", name.clone())
             .input_u32("counts", &counts)
-            .input_f32("softmax_sum", softmax_sum)
+            .input_f32("prob_sum", prob_sum)
             .inout_f64("loss", vec![s.rng.uniform(0.0, 3.0)])
             // Summed in f64 from exact inputs: any order is within a few
             // f64 ulps.
@@ -447,13 +468,13 @@ fn aux_loss<B: Backend>(s: &mut Suite<'_, B>) {
             fwd,
             |x| {
                 let loss =
-                    x["loss"][0] + r::aux_loss(&x["counts"], &x["softmax_sum"], tokens, top_k, c);
+                    x["loss"][0] + r::aux_loss(&x["counts"], &x["prob_sum"], tokens, top_k, c);
                 vec![Expected::new("loss", vec![loss])]
             },
             |dev, b| {
                 dev.moe_aux_loss_forward(
                     b.view("counts")?,
-                    b.view("softmax_sum")?,
+                    b.view("prob_sum")?,
                     b.view_mut("loss")?,
                     dims,
                 )?;

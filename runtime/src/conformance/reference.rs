@@ -6,7 +6,7 @@
 
 use crate::backend::{
     AdamStep, AttentionDims, ConvDims, CopyCols, IGNORE_TARGET, MatmulDims, MlaKvDims, NormDims,
-    QkvDims, RotaryDims, ScanDims, SgdStep, Unary,
+    QkvDims, RotaryDims, RotaryPairing, ScanDims, SgdStep, Unary,
 };
 use crate::view::DType;
 use hybridgen_dsl::config::ScoreFunction;
@@ -448,14 +448,18 @@ pub(crate) fn rotary(x: &[f64], d: RotaryDims, inverse: bool) -> Vec<f64> {
             for i in 0..half {
                 let theta = pos * f64::from(d.base).powf(-(2.0 * i as f64) / d.dim as f64);
                 let (sin, cos) = theta.sin_cos();
-                let (a, b) = (x[at + i], x[at + i + half]);
+                let (ia, ib) = match d.pairing {
+                    RotaryPairing::RotateHalf => (i, i + half),
+                    RotaryPairing::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (a, b) = (x[at + ia], x[at + ib]);
                 let (na, nb) = if inverse {
                     (a * cos + b * sin, b * cos - a * sin)
                 } else {
                     (a * cos - b * sin, b * cos + a * sin)
                 };
-                y[at + i] = na;
-                y[at + i + half] = nb;
+                y[at + ia] = na;
+                y[at + ib] = nb;
             }
         }
     }
@@ -532,16 +536,29 @@ pub(crate) fn top_k(scores: &[f64], bias: Option<&[f64]>, k: usize) -> Vec<usize
     order
 }
 
-/// The forward of one row with its selection fixed: the normalised weights
-/// of the selected experts, and the row's softmax.
+/// The forward of one row with its selection fixed: the weights of the
+/// selected experts (normalised, or the raw score with sigmoid and k = 1,
+/// then times `topk_scale`), and the row's scores normalised over all
+/// experts (the load-balancing loss's `p`).
 pub(crate) fn route_row(
     z: &[f64],
     selected: &[usize],
     score: ScoreFunction,
+    topk_scale: f64,
 ) -> (Vec<f64>, Vec<f64>) {
     let s = route_scores(z, score);
     let sum: f64 = selected.iter().map(|&e| s[e]).sum();
-    (selected.iter().map(|&e| s[e] / sum).collect(), softmax(z))
+    let raw = score == ScoreFunction::Sigmoid && selected.len() == 1;
+    let weights = selected
+        .iter()
+        .map(|&e| topk_scale * if raw { s[e] } else { s[e] / sum })
+        .collect();
+    let total: f64 = s.iter().sum();
+    let p = match score {
+        ScoreFunction::Softmax => s,
+        ScoreFunction::Sigmoid => s.iter().map(|v| v / total).collect(),
+    };
+    (weights, p)
 }
 
 // ---- MoE dispatch ---------------------------------------------------------------------
@@ -591,10 +608,10 @@ pub(crate) fn expert_major_order(recv_counts: &[u32], local_experts: usize) -> V
 }
 
 /// The switch load-balancing loss `coeff * E * sum_e f_e P_e` with
-/// `f_e = counts[e] / (T k)` and `P_e = softmax_sum[e] / T` (0 for `T = 0`).
+/// `f_e = counts[e] / (T k)` and `P_e = prob_sum[e] / T` (0 for `T = 0`).
 pub(crate) fn aux_loss(
     counts: &[f64],
-    softmax_sum: &[f64],
+    prob_sum: &[f64],
     tokens: usize,
     top_k: usize,
     coeff: f64,
@@ -605,7 +622,7 @@ pub(crate) fn aux_loss(
     let (t, experts) = (tokens as f64, counts.len() as f64);
     let sum: f64 = counts
         .iter()
-        .zip(softmax_sum)
+        .zip(prob_sum)
         .map(|(c, p)| (c / (t * top_k as f64)) * (p / t))
         .sum();
     coeff * experts * sum

@@ -10,10 +10,10 @@ use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    CopyCols, DeviceStats, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
-    MatmulProblem, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
-    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
-    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
+    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
+    MatmulDims, MatmulProblem, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims,
+    RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep,
+    Slice, SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -741,22 +741,26 @@ impl Backend for CpuBackend {
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,
-        expert_bias: Option<Slice<'_, Self>>,
+        expert_bias: Option<ExpertBias<Slice<'_, Self>, SliceMut<'_, Self>>>,
         out: RouteOutputs<SliceMut<'_, Self>>,
         selected: SliceMut<'_, Self>,
         dims: RouteDims,
     ) -> Result<()> {
         let k = self.access("moe_route_forward");
-        let expert_bias = expert_bias
-            .map(|b| k.typed_in::<f32>("expert_bias", b))
-            .transpose()?;
+        let expert_bias = match expert_bias {
+            Some(b) => Some(ExpertBias {
+                bias: k.typed_in::<f32>("expert_bias", b.bias)?,
+                unbiased: k.typed_out::<u32>("unbiased", b.unbiased)?,
+            }),
+            None => None,
+        };
         kernels::moe_route_forward(
             k.typed_in::<f32>("logits", logits)?,
             expert_bias,
             RouteOutputs {
                 scores: k.typed_out::<f32>("scores", out.scores)?,
                 weights: k.typed_out::<f32>("weights", out.weights)?,
-                softmax_sum: k.typed_out::<f32>("softmax_sum", out.softmax_sum)?,
+                prob_sum: k.typed_out::<f32>("prob_sum", out.prob_sum)?,
             },
             k.typed_out::<u32>("selected", selected)?,
             dims,
@@ -836,14 +840,14 @@ impl Backend for CpuBackend {
     fn moe_aux_loss_forward(
         &self,
         counts: Slice<'_, Self>,
-        softmax_sum: Slice<'_, Self>,
+        prob_sum: Slice<'_, Self>,
         loss: SliceMut<'_, Self>,
         dims: AuxLossDims,
     ) -> Result<()> {
         let k = self.access("moe_aux_loss_forward");
         kernels::moe_aux_loss_forward(
             k.typed_in::<u32>("counts", counts)?,
-            k.typed_in::<f32>("softmax_sum", softmax_sum)?,
+            k.typed_in::<f32>("prob_sum", prob_sum)?,
             k.typed_out::<f64>("loss", loss)?,
             dims,
         )

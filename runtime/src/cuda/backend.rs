@@ -17,10 +17,10 @@ use super::launch::{self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuVi
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    CopyCols, DeviceStats, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims, MlaKvDims,
-    NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, Unary, UnpermuteDims,
-    UnpermuteGrads,
+    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
+    MatmulDims, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
+    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
+    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -921,7 +921,7 @@ impl Backend for CudaBackend {
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,
-        expert_bias: Option<Slice<'_, Self>>,
+        expert_bias: Option<ExpertBias<Slice<'_, Self>, SliceMut<'_, Self>>>,
         out: RouteOutputs<SliceMut<'_, Self>>,
         selected: SliceMut<'_, Self>,
         dims: RouteDims,
@@ -929,10 +929,13 @@ impl Backend for CudaBackend {
         self.k().moe_route_forward(
             self.s(),
             self.v(logits),
-            expert_bias.map(|b| self.v(b)),
+            expert_bias.map(|b| ExpertBias {
+                bias: self.v(b.bias),
+                unbiased: self.m(&b.unbiased),
+            }),
             self.m(&out.scores),
             self.m(&out.weights),
-            self.m(&out.softmax_sum),
+            self.m(&out.prob_sum),
             self.m(&selected),
             dims,
         )
@@ -999,14 +1002,14 @@ impl Backend for CudaBackend {
     fn moe_aux_loss_forward(
         &self,
         counts: Slice<'_, Self>,
-        softmax_sum: Slice<'_, Self>,
+        prob_sum: Slice<'_, Self>,
         loss: SliceMut<'_, Self>,
         dims: AuxLossDims,
     ) -> Result<()> {
         self.k().moe_aux_loss_forward(
             self.s(),
             self.v(counts),
-            self.v(softmax_sum),
+            self.v(prob_sum),
             self.m(&loss),
             dims,
         )

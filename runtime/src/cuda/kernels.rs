@@ -90,7 +90,7 @@ pub const SOURCES: &[KernelSource] = &[
         "routing.cu",
         [
             "moe_route_forward",
-            "moe_softmax_sum",
+            "moe_prob_sum",
             "moe_route_backward",
             "moe_aux_loss_forward",
             "moe_aux_loss_backward"

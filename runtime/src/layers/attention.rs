@@ -7,7 +7,8 @@ use super::{
     positive, section, weight, zeros,
 };
 use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, MatmulDims, QkvDims, RotaryDims, Slice, SliceMut,
+    AttentionDims, AttentionInputs, Backend, MatmulDims, QkvDims, RotaryDims, RotaryPairing, Slice,
+    SliceMut,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -137,6 +138,7 @@ impl AttentionLayer {
             offset: 0,
             dim: self.head_dim,
             base,
+            pairing: RotaryPairing::RotateHalf,
         })
     }
 

@@ -7,7 +7,8 @@
 //! | parameter | values |
 //! | --- | --- |
 //! | norms (`*norm*.weight`, `layer_norm_weight`), Mamba `D` | 1 |
-//! | biases (`conv1d_bias`) | 0 |
+//! | Mamba `conv1d_weight`, `conv1d_bias` | uniform in `+-1/sqrt(K)` (PyTorch's conv default, which Megatron's `MambaMixer` keeps) |
+//! | other biases | 0 |
 //! | `A_log` | `log(U(1, 16))` |
 //! | `dt_bias` | `softplus^-1(dt0)`, `dt0` log-uniform in [1e-3, 0.1] (floor 1e-4) |
 //! | `linear_proj`, `out_proj`, `linear_fc2` (experts and shared too) | normal(0, std / sqrt(2 * layers)) |
@@ -17,12 +18,13 @@ use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::ModelConfig;
 use hybridgen_dsl::params::ParamDef;
 
-/// The scales the rules need: `init_std` and the number of decoder layers
-/// the output projections are scaled by.
+/// The scales the rules need: `init_std`, the number of decoder layers
+/// the output projections are scaled by, and Mamba's conv kernel K.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct InitScale {
     pub std: f32,
     pub num_layers: usize,
+    pub conv_kernel: usize,
 }
 
 impl InitScale {
@@ -31,7 +33,14 @@ impl InitScale {
         InitScale {
             std: config.init_std,
             num_layers,
+            conv_kernel: config.mamba.as_ref().map_or(4, |m| m.conv_kernel),
         }
+    }
+
+    /// `1 / sqrt(K)`: PyTorch's default bound for a depthwise conv's weight
+    /// and bias (fan-in K), which Megatron's `MambaMixer` leaves in place.
+    pub fn conv_bound(&self) -> f32 {
+        (1.0 / (self.conv_kernel.max(1) as f64).sqrt()) as f32
     }
 
     /// `std / sqrt(2 * layers)`, Megatron's scaled init for output projections.
@@ -48,6 +57,10 @@ pub enum ParamInit {
     },
     Ones,
     Zeros,
+    /// `U(-bound, bound)`.
+    Uniform {
+        bound: f32,
+    },
     /// `log(U(1, 16))`.
     MambaALog,
     /// `softplus^-1(dt0)`, `dt0` log-uniform in [1e-3, 0.1].
@@ -60,6 +73,16 @@ impl ParamInit {
         let mut parts = full_name.rsplit('.');
         let last = parts.next().unwrap_or_default();
         let owner = parts.next().unwrap_or_default();
+        // Mamba's conv (and its pre-0.19 name `mixer.conv1d.weight`/`.bias`).
+        let mamba_conv = matches!((owner, last), ("mixer", "conv1d_weight" | "conv1d_bias"))
+            || (owner == "conv1d"
+                && matches!(last, "weight" | "bias")
+                && parts.next() == Some("mixer"));
+        if mamba_conv {
+            return ParamInit::Uniform {
+                bound: scale.conv_bound(),
+            };
+        }
         match last {
             "A_log" => return ParamInit::MambaALog,
             "dt_bias" => return ParamInit::MambaDtBias,
@@ -130,6 +153,9 @@ pub fn init_param_range(
             ParamInit::Normal { std } => (std as f64 * stream.normal(index)) as f32,
             ParamInit::Ones => 1.0,
             ParamInit::Zeros => 0.0,
+            ParamInit::Uniform { bound } => {
+                (bound as f64 * (2.0 * stream.uniform(index) - 1.0)) as f32
+            }
             ParamInit::MambaALog => (1.0 + 15.0 * stream.uniform(index)).ln() as f32,
             ParamInit::MambaDtBias => {
                 let (lo, hi) = (1e-3f64.ln(), 0.1f64.ln());
@@ -223,6 +249,7 @@ mod tests {
         InitScale {
             std: 0.02,
             num_layers: 8,
+            conv_kernel: 4,
         }
     }
 
@@ -234,9 +261,20 @@ mod tests {
             ("decoder.layers.0.mixer.A_log", ParamInit::MambaALog),
             ("decoder.layers.0.mixer.dt_bias", ParamInit::MambaDtBias),
             ("decoder.layers.0.mixer.D", ParamInit::Ones),
-            ("decoder.layers.0.mixer.conv1d_bias", ParamInit::Zeros),
+            (
+                "decoder.layers.0.mixer.conv1d_bias",
+                ParamInit::Uniform { bound: 0.5 },
+            ),
             (
                 "decoder.layers.0.mixer.conv1d_weight",
+                ParamInit::Uniform { bound: 0.5 },
+            ),
+            (
+                "decoder.layers.0.mixer.conv1d.weight",
+                ParamInit::Uniform { bound: 0.5 },
+            ),
+            (
+                "decoder.layers.3.self_attention.conv1d.weight",
                 ParamInit::Normal { std: 0.02 },
             ),
             (
@@ -326,6 +364,35 @@ mod tests {
         init_param(3, "decoder.layers.0.mixer.A_log", &def, &scale(), &mut a).unwrap();
         assert!(a.iter().all(|&v| (0.0..=16f32.ln()).contains(&v)));
         assert!(a.iter().any(|&v| v > 2.0) && a.iter().any(|&v| v < 1.0));
+    }
+
+    /// Megatron's `MambaMixer` keeps PyTorch's conv init: weight and bias
+    /// uniform in +-1/sqrt(K) (+-0.5 for K = 4), filling the range.
+    #[test]
+    fn mamba_conv_is_uniform_in_one_over_root_k() {
+        for (k, bound) in [(4usize, 0.5f32), (9, 1.0 / 3.0)] {
+            let s = InitScale {
+                conv_kernel: k,
+                ..scale()
+            };
+            for name in ["conv1d_weight", "conv1d_bias"] {
+                let def = ParamDef::new(name, &[4000]);
+                let mut v = vec![0.0; 4000];
+                let full = format!("decoder.layers.0.mixer.{name}");
+                init_param(5, &full, &def, &s, &mut v).unwrap();
+                assert!(
+                    v.iter().all(|x| x.abs() <= bound),
+                    "{full}: out of +-{bound}"
+                );
+                let max = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                assert!(
+                    max > 0.95 * bound,
+                    "{full}: largest |value| {max} of +-{bound}"
+                );
+                let mean = v.iter().map(|&x| x as f64).sum::<f64>() / 4000.0;
+                assert!(mean.abs() < 0.03 * bound as f64, "{full}: mean {mean}");
+            }
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@ use super::{
     grad_rows, positive, section, weight, weight_rows, zeros,
 };
 use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, MatmulDims, MlaKvDims, RotaryDims, Slice, SliceMut,
+    AttentionDims, AttentionInputs, Backend, MatmulDims, MlaKvDims, RotaryDims, RotaryPairing,
+    Slice, SliceMut,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -244,6 +245,8 @@ impl MlaLayer {
             offset,
             dim: self.rope_dim,
             base: self.rope_base,
+            // Megatron's MLA rotates interleaved pairs (layers.md `+` 4).
+            pairing: RotaryPairing::Interleaved,
         }
     }
 

@@ -40,9 +40,10 @@ pub use mamba::{MambaLayer, MambaSaved, MambaWgrad};
 pub use mla::{MlaLayer, MlaSaved, MlaWgrad};
 pub use mlp::{MlpLayer, MlpSaved, MlpWgrad};
 pub use moe::{
-    CollectiveExchange, ExpertExchange, LocalExchange, MoeBackward, MoeCombineBackward,
-    MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeForward, MoeLayer,
-    MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
+    Balance, CollectiveExchange, ExpertBalance, ExpertExchange, ExpertLoad, LocalExchange,
+    MoeBackward, MoeCombineBackward, MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad,
+    MoeForward, MoeLayer, MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
+    RouterContext, expert_bias_keys, update_expert_bias,
 };
 
 pub use mtp::{MtpEntry, MtpSaved, MtpWgrad};

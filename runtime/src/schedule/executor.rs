@@ -24,7 +24,9 @@ use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
 use crate::lane::{Event, Label, Lane};
-use crate::layers::{CollectiveExchange, MoeBackward, MoeForward, MoeLayer, MoeStage};
+use crate::layers::{
+    CollectiveExchange, ExpertBalance, MoeBackward, MoeForward, MoeLayer, MoeStage, RouterContext,
+};
 use crate::model::ModelRuntime;
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
 use std::collections::{HashMap, VecDeque};
@@ -49,6 +51,9 @@ pub struct StepContext<D: Device> {
     /// The step's loss sums and gradient-norm partials on the device (the
     /// sums zeroed by [`run_step`]), read once at the step's end.
     pub totals: StepTotals<D::Backend>,
+    /// The expert biases of aux-loss-free balancing and the step's loads
+    /// (copied to the device by [`run_step`] before the first routing).
+    pub balance: ExpertBalance<D::Backend>,
 }
 
 impl<D: Device> StepContext<D> {
@@ -64,7 +69,9 @@ impl<D: Device> StepContext<D> {
     ) -> Result<Self> {
         let plan = &model.plan;
         let totals = StepTotals::new(backend, plan.mtp_depths(), plan.buckets.len())?;
+        let balance = ExpertBalance::new(&model, backend)?;
         Ok(StepContext {
+            balance,
             model,
             ep_group,
             ranges,
@@ -131,6 +138,15 @@ pub fn run_step<D: Device>(
         &[],
         Box::new(move |b: &D::Backend| b.zero(sums.totals.losses()?)),
     );
+    // The biases the last step's update left, before any routing reads them.
+    if !cx.balance.is_empty() {
+        let balance = cx.clone();
+        rank.compute.submit(
+            Label::new("expert bias", "forward"),
+            &[],
+            Box::new(move |b: &D::Backend| balance.balance.upload(b)),
+        );
+    }
     for instr in program.instrs() {
         let mut arena_free = None;
         if let Some(mb) = instr.micro_batch()
@@ -528,7 +544,10 @@ fn forward_op<D: Device>(
                 &weights,
                 stage,
                 b.view_mut(x)?,
-                cx.totals.aux()?,
+                RouterContext {
+                    aux_loss: cx.totals.aux()?,
+                    balance: cx.balance.context(b, i)?,
+                },
                 cx.tokens,
                 &exchange,
             )?;

@@ -27,8 +27,9 @@ pub struct MicroBatchTokens {
     /// Per depth (0: the main head, d + 1: MTP depth d), `[batch * seq]`
     /// target ids.
     pub targets: Vec<Vec<u32>>,
-    /// Per MTP depth d, the ids embedded at its entry: position t holds
-    /// token t + d + 1.
+    /// Per MTP depth d (0-based), the ids embedded at its entry: position t
+    /// holds token t + d + 1 of the sample, rolled as Megatron rolls them
+    /// (0 past the sample's inputs).
     pub mtp_inputs: Vec<Vec<u32>>,
 }
 

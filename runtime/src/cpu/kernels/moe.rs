@@ -7,8 +7,8 @@
 use super::check;
 use super::dense::{axpy_row, dot};
 use crate::backend::{
-    AuxLossDims, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
-    UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use hybridgen_dsl::config::ScoreFunction;
@@ -46,9 +46,25 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// Top-k of `key` by repeated arg-max into `sel`; `>` keeps the lower index
+/// on ties. `taken` is scratch of `key.len()`.
+fn top_k(key: impl Fn(usize) -> f32, taken: &mut [bool], sel: &mut [u32]) {
+    taken.fill(false);
+    for slot in sel.iter_mut() {
+        let mut best = taken.iter().position(|t| !t).unwrap_or(0);
+        for (e, &t) in taken.iter().enumerate().skip(best + 1) {
+            if !t && key(e) > key(best) {
+                best = e;
+            }
+        }
+        taken[best] = true;
+        *slot = best as u32;
+    }
+}
+
 pub fn moe_route_forward(
     logits: &[f32],
-    expert_bias: Option<&[f32]>,
+    mut expert_bias: Option<ExpertBias<&[f32], &mut [u32]>>,
     out: RouteOutputs<&mut [f32]>,
     selected: &mut [u32],
     dims: RouteDims,
@@ -63,10 +79,11 @@ pub fn moe_route_forward(
         out.weights.len(),
         check::product(kn, &[dims.rows, k])?,
     )?;
-    check::len(kn, "softmax_sum", out.softmax_sum.len(), e_n)?;
+    check::len(kn, "prob_sum", out.prob_sum.len(), e_n)?;
     check::len(kn, "selected", selected.len(), dims.rows * k)?;
-    if let Some(bias) = expert_bias {
-        check::len(kn, "expert_bias", bias.len(), e_n)?;
+    if let Some(b) = &expert_bias {
+        check::len(kn, "expert_bias", b.bias.len(), e_n)?;
+        check::len(kn, "unbiased", b.unbiased.len(), dims.rows * k)?;
     }
     check::ensure(u32::try_from(e_n).is_ok(), || {
         format!("{kn}: {e_n} experts overflow u32")
@@ -79,36 +96,41 @@ pub fn moe_route_forward(
     let picks = selected
         .chunks_exact_mut(k)
         .zip(out.weights.chunks_exact_mut(k));
-    for ((z, scores), (sel, weights)) in rows.zip(picks) {
-        softmax(z, &mut probs);
-        axpy_row(1.0, &probs, out.softmax_sum);
+    for (r, ((z, scores), (sel, weights))) in rows.zip(picks).enumerate() {
         match dims.score {
-            ScoreFunction::Softmax => scores.copy_from_slice(&probs),
+            ScoreFunction::Softmax => {
+                softmax(z, &mut probs);
+                scores.copy_from_slice(&probs);
+            }
             ScoreFunction::Sigmoid => {
+                let mut sum = 0.0f32;
                 for (s, &v) in scores.iter_mut().zip(z) {
                     *s = sigmoid(v);
+                    sum += *s;
+                }
+                for (p, &s) in probs.iter_mut().zip(scores.iter()) {
+                    *p = s / sum;
                 }
             }
         }
-        // Top-k by repeated arg-max; `>` keeps the lower index on ties.
-        taken.fill(false);
-        for slot in sel.iter_mut() {
-            let key = |e: usize| scores[e] + expert_bias.map_or(0.0, |b| b[e]);
-            let mut best = taken.iter().position(|t| !t).unwrap_or(0);
-            for (e, &t) in taken.iter().enumerate().skip(best + 1) {
-                if !t && key(e) > key(best) {
-                    best = e;
-                }
+        axpy_row(1.0, &probs, out.prob_sum);
+        match &mut expert_bias {
+            Some(b) => {
+                top_k(|e| scores[e] + b.bias[e], &mut taken, sel);
+                top_k(|e| scores[e], &mut taken, &mut b.unbiased[r * k..][..k]);
             }
-            taken[best] = true;
-            *slot = best as u32;
+            None => top_k(|e| scores[e], &mut taken, sel),
+        }
+        if dims.score == ScoreFunction::Sigmoid && k == 1 {
+            weights[0] = dims.topk_scale * scores[sel[0] as usize];
+            continue;
         }
         let mut sum = 0.0f32;
         for &e in sel.iter() {
             sum += scores[e as usize];
         }
         for (w, &e) in weights.iter_mut().zip(sel.iter()) {
-            *w = scores[e as usize] / sum;
+            *w = dims.topk_scale * (scores[e as usize] / sum);
         }
     }
     Ok(())
@@ -134,40 +156,51 @@ pub fn moe_route_backward(
         check::index(kn, "selected expert", e, e_n)?;
     }
     let mut d_scores = vec![0.0f32; e_n];
-    let mut probs = vec![0.0f32; e_n];
-    let rows = saved
-        .logits
-        .chunks_exact(e_n)
-        .zip(saved.scores.chunks_exact(e_n));
     let picks = selected.chunks_exact(k).zip(d_weights.chunks_exact(k));
-    for (((z, scores), (sel, dw)), dz) in rows.zip(picks).zip(d_logits.chunks_exact_mut(e_n)) {
-        // w_j = s_j / S over the selected: ds_l = (dw_l - sum_j dw_j w_j) / S.
-        let mut sum = 0.0f32;
-        for &e in sel {
-            sum += scores[e as usize];
-        }
-        let mut weighted = 0.0f32;
-        for (&e, &d) in sel.iter().zip(dw) {
-            weighted += d * scores[e as usize] / sum;
-        }
+    for ((scores, (sel, dw)), dz) in saved
+        .scores
+        .chunks_exact(e_n)
+        .zip(picks)
+        .zip(d_logits.chunks_exact_mut(e_n))
+    {
         d_scores.fill(0.0);
-        for (&e, &d) in sel.iter().zip(dw) {
-            d_scores[e as usize] += (d - weighted) / sum;
+        if dims.score == ScoreFunction::Sigmoid && k == 1 {
+            // w = scale * s: no normalisation.
+            d_scores[sel[0] as usize] = dims.topk_scale * dw[0];
+        } else {
+            // w_j = scale * s_j / S over the selected:
+            // ds_l = scale * (dw_l - sum_j dw_j s_j / S) / S.
+            let mut sum = 0.0f32;
+            for &e in sel {
+                sum += scores[e as usize];
+            }
+            let mut weighted = 0.0f32;
+            for (&e, &d) in sel.iter().zip(dw) {
+                weighted += d * scores[e as usize] / sum;
+            }
+            for (&e, &d) in sel.iter().zip(dw) {
+                d_scores[e as usize] += dims.topk_scale * ((d - weighted) / sum);
+            }
         }
         match dims.score {
             ScoreFunction::Softmax => {
-                // The scores are the softmax: one Jacobian for both terms.
+                // The scores are the softmax and `p`: one Jacobian for both terms.
                 for (ds, &a) in d_scores.iter_mut().zip(aux_grad) {
                     *ds += a;
                 }
                 softmax_backward(scores, &d_scores, dz, false);
             }
             ScoreFunction::Sigmoid => {
-                for ((dz, &ds), &s) in dz.iter_mut().zip(&d_scores).zip(scores) {
-                    *dz = ds * s * (1.0 - s);
+                // p_e = s_e / S over all experts: ds_j += (a_j - p . a) / S.
+                let total: f32 = scores.iter().sum();
+                let mut pa = 0.0f32;
+                for (&s, &a) in scores.iter().zip(aux_grad) {
+                    pa += s / total * a;
                 }
-                softmax(z, &mut probs);
-                softmax_backward(&probs, aux_grad, dz, true);
+                for (((dz, &ds), &s), &a) in dz.iter_mut().zip(&d_scores).zip(scores).zip(aux_grad)
+                {
+                    *dz = (ds + (a - pa) / total) * s * (1.0 - s);
+                }
             }
         }
     }
@@ -306,13 +339,13 @@ fn validate_aux(kernel: &str, counts: &[u32], dims: AuxLossDims) -> Result<()> {
 
 pub fn moe_aux_loss_forward(
     counts: &[u32],
-    softmax_sum: &[f32],
+    prob_sum: &[f32],
     loss: &mut [f64],
     dims: AuxLossDims,
 ) -> Result<()> {
     let kn = "moe_aux_loss_forward";
     validate_aux(kn, counts, dims)?;
-    check::len(kn, "softmax_sum", softmax_sum.len(), dims.slots.experts)?;
+    check::len(kn, "prob_sum", prob_sum.len(), dims.slots.experts)?;
     check::len(kn, "loss", loss.len(), 1)?;
     let RoutedSlots {
         tokens,
@@ -325,7 +358,7 @@ pub fn moe_aux_loss_forward(
     let slots = (tokens * top_k) as f64;
     let sum: f64 = counts
         .iter()
-        .zip(softmax_sum)
+        .zip(prob_sum)
         .map(|(&c, &p)| (c as f64 / slots) * (p as f64 / tokens as f64))
         .sum();
     loss[0] += dims.coeff as f64 * experts as f64 * sum;
@@ -509,32 +542,50 @@ pub fn moe_unpermute_backward(
 mod tests {
     use super::*;
 
-    fn route(
-        logits: &[f32],
-        bias: Option<&[f32]>,
-        dims: RouteDims,
-    ) -> (Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>) {
+    fn dims(rows: usize, experts: usize, top_k: usize, score: ScoreFunction) -> RouteDims {
+        RouteDims {
+            rows,
+            experts,
+            top_k,
+            score,
+            topk_scale: 1.0,
+        }
+    }
+
+    /// Scores, weights, selection and `prob_sum` of a routing.
+    type Routed = (Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>);
+
+    /// A routing, and (with a bias) its unbiased selection.
+    fn route_full(logits: &[f32], bias: Option<&[f32]>, dims: RouteDims) -> (Routed, Vec<u32>) {
         let mut scores = vec![0.0; logits.len()];
         let mut weights = vec![0.0; dims.rows * dims.top_k];
         let mut sum = vec![0.0; dims.experts];
         let mut sel = vec![0; dims.rows * dims.top_k];
+        let mut unbiased = vec![0; dims.rows * dims.top_k];
         let out = RouteOutputs {
             scores: &mut scores[..],
             weights: &mut weights[..],
-            softmax_sum: &mut sum[..],
+            prob_sum: &mut sum[..],
         };
+        let bias = bias.map(|bias| ExpertBias {
+            bias,
+            unbiased: &mut unbiased[..],
+        });
         moe_route_forward(logits, bias, out, &mut sel, dims).unwrap();
-        (scores, weights, sel, sum)
+        ((scores, weights, sel, sum), unbiased)
+    }
+
+    fn route(logits: &[f32], bias: Option<&[f32]>, dims: RouteDims) -> Routed {
+        route_full(logits, bias, dims).0
+    }
+
+    fn sigmoid64(x: f32) -> f64 {
+        1.0 / (1.0 + (-(x as f64)).exp())
     }
 
     #[test]
     fn top_k_is_best_first_with_ties_to_the_lower_index_and_bias_only_selects() {
-        let dims = RouteDims {
-            rows: 2,
-            experts: 4,
-            top_k: 2,
-            score: ScoreFunction::Softmax,
-        };
+        let dims = dims(2, 4, 2, ScoreFunction::Softmax);
         let logits = [0.5, 2.0, 2.0, -1.0, 0.0, 0.0, 0.0, 0.0];
         let (scores, weights, sel, sum) = route(&logits, None, dims);
         assert_eq!(sel, [1, 2, 0, 1]);
@@ -544,8 +595,9 @@ mod tests {
         assert!((sum[0] - (scores[0] + 0.25)).abs() < 1e-6);
         // A bias moves the choice but not the weights' definition.
         let bias = [0.0, 0.0, 0.0, 1.0];
-        let (_, weights_b, sel_b, _) = route(&logits, Some(&bias), dims);
+        let ((_, weights_b, sel_b, _), unbiased) = route_full(&logits, Some(&bias), dims);
         assert_eq!(sel_b, [3, 1, 3, 0]);
+        assert_eq!(unbiased, sel, "the unbiased selection ignores the bias");
         let w0 = scores[3] / (scores[1] + scores[3]);
         assert!((weights_b[0] - w0).abs() < 1e-6);
         let sig = RouteDims {
@@ -558,19 +610,66 @@ mod tests {
         assert!((w[0] - 0.5).abs() < 1e-6);
     }
 
+    /// layers.md `E` step 2 with order-one logits, against f64 by hand:
+    /// sigmoid with k = 1 keeps the raw score (Megatron normalises only when
+    /// k > 1), the scaling factor multiplies the weights after the
+    /// normalisation, and with sigmoid the load-balancing `P` sums each
+    /// row's sigmoid scores over their total.
+    #[test]
+    fn sigmoid_weights_scaling_and_load_balancing_probabilities_follow_megatron() {
+        let logits = [0.8f32, -1.3, 2.1, 0.4, -0.6, 1.7, 0.9, -2.0];
+        let sig = |z: &[f32]| z.iter().map(|&v| sigmoid64(v)).collect::<Vec<f64>>();
+        for topk_scale in [1.0f32, 2.5] {
+            let top1 = RouteDims {
+                topk_scale,
+                ..dims(2, 4, 1, ScoreFunction::Sigmoid)
+            };
+            let (_, w, sel, sum) = route(&logits, None, top1);
+            assert_eq!(sel, [2, 1]);
+            for (r, (&e, &w)) in sel.iter().zip(&w).enumerate() {
+                let want = topk_scale as f64 * sigmoid64(logits[r * 4 + e as usize]);
+                assert!((w as f64 - want).abs() < 1e-6, "top-1 weight {w} vs {want}");
+            }
+            // P: each row's sigmoids over their sum, summed over rows.
+            let (s0, s1) = (sig(&logits[..4]), sig(&logits[4..]));
+            let (t0, t1): (f64, f64) = (s0.iter().sum(), s1.iter().sum());
+            for e in 0..4 {
+                let want = s0[e] / t0 + s1[e] / t1;
+                assert!(
+                    (sum[e] as f64 - want).abs() < 1e-6,
+                    "P[{e}] {} vs {want}",
+                    sum[e]
+                );
+            }
+            let top2 = RouteDims {
+                topk_scale,
+                ..dims(2, 4, 2, ScoreFunction::Sigmoid)
+            };
+            let (_, w, sel, _) = route(&logits, None, top2);
+            assert_eq!(sel, [2, 0, 1, 2]);
+            let want0 = topk_scale as f64 * s0[2] / (s0[2] + s0[0]);
+            assert!((w[0] as f64 - want0).abs() < 1e-6, "{} vs {want0}", w[0]);
+            let soft = RouteDims {
+                topk_scale,
+                ..dims(2, 4, 2, ScoreFunction::Softmax)
+            };
+            let (_, w, _, _) = route(&logits, None, soft);
+            let want = topk_scale as f64 / (1.0 + ((0.8 - 2.1f32) as f64).exp());
+            assert!((w[0] as f64 - want).abs() < 1e-6, "{} vs {want}", w[0]);
+        }
+    }
+
     #[test]
     fn route_backward_matches_finite_differences() {
         for score in [ScoreFunction::Softmax, ScoreFunction::Sigmoid] {
             for top_k in [1, 2, 3] {
                 let dims = RouteDims {
-                    rows: 3,
-                    experts: 5,
-                    top_k,
-                    score,
+                    topk_scale: 2.5,
+                    ..dims(3, 5, top_k, score)
                 };
                 let logits: Vec<f32> = (0..15).map(|i| (i as f32 * 1.37).sin() * 2.0).collect();
                 let dw: Vec<f32> = (0..3 * top_k).map(|i| (i as f32 * 0.77).cos()).collect();
-                let aux: Vec<f32> = (0..5).map(|i| 0.1 * i as f32 - 0.2).collect();
+                let aux: Vec<f32> = (0..5).map(|i| 0.3 * i as f32 - 0.5).collect();
                 let (scores, _, sel, _) = route(&logits, None, dims);
                 let mut dz = vec![0.0; 15];
                 let saved = RouterScores {
@@ -578,7 +677,7 @@ mod tests {
                     scores: &scores[..],
                 };
                 moe_route_backward(saved, &sel, &dw, &aux, &mut dz, dims).unwrap();
-                // L = sum dw * weights + sum_r aux . softmax(z_r), selection held fixed.
+                // L = sum dw * weights + sum_r aux . p_r, selection held fixed.
                 let loss = |z: &[f32]| -> f64 {
                     let (_, w, s, sum) = route(z, None, dims);
                     assert_eq!(s, sel, "the perturbation changed the selection");
@@ -595,7 +694,7 @@ mod tests {
                     m[i] -= 1e-3;
                     let fd = (loss(&p) - loss(&m)) / 2e-3;
                     assert!(
-                        (dz[i] as f64 - fd).abs() < 2e-3,
+                        (dz[i] as f64 - fd).abs() < 4e-3,
                         "{score:?} k={top_k} [{i}]: {} vs {fd}",
                         dz[i]
                     );
@@ -879,8 +978,8 @@ mod tests {
 
     mod dtypes {
         use crate::backend::{
-            AuxLossDims, Backend, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
-            RouterScores, UnpermuteDims,
+            AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs,
+            RoutedSlots, RouterScores, UnpermuteDims,
         };
         use crate::cpu::{CpuBackend, CpuBuf};
         use crate::view::{DType, View, ViewMut};
@@ -954,7 +1053,7 @@ mod tests {
             refused(
                 b.moe_aux_loss_forward(w(&u32s), w(&bf16s), m(&f64s), aux),
                 "moe_aux_loss_forward",
-                "softmax_sum",
+                "prob_sum",
             );
             refused(
                 b.moe_aux_loss_backward(w(&u32s), m(&bf16s), aux, 1.0),
@@ -1010,13 +1109,14 @@ mod tests {
                 experts: 2,
                 top_k: 1,
                 score: ScoreFunction::Softmax,
+                topk_scale: 1.0,
             };
             let scores = buf(&b, 2, DType::F32);
             let (weights, sums) = (buf(&b, 1, DType::F32), buf(&b, 2, DType::F32));
             let out = || RouteOutputs {
                 scores: m(&scores),
                 weights: m(&weights),
-                softmax_sum: m(&sums),
+                prob_sum: m(&sums),
             };
             refused(
                 b.moe_route_forward(w(&f32s), None, out(), m(&buf(&b, 1, DType::F32)), route),
@@ -1031,7 +1131,10 @@ mod tests {
             refused(
                 b.moe_route_forward(
                     w(&f32s),
-                    Some(w(&bf16s)),
+                    Some(ExpertBias {
+                        bias: w(&bf16s),
+                        unbiased: m(&buf(&b, 1, DType::U32)),
+                    }),
                     out(),
                     m(&buf(&b, 1, DType::U32)),
                     route,

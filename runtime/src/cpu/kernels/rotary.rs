@@ -1,5 +1,6 @@
-//! Rotary position embedding (rotate-half), in place on a channel block of
-//! every head, with positions counted from each sequence's start.
+//! Rotary position embedding, in place on a channel block of every head,
+//! with positions counted from each sequence's start; rotate-half or
+//! interleaved pairs ([`RotaryPairing`](crate::backend::RotaryPairing)).
 
 use super::check;
 use crate::backend::RotaryDims;
@@ -40,13 +41,14 @@ fn rotate(x: &mut [f32], dims: RotaryDims, sign: f32) {
     for (r, row) in x.chunks_exact_mut(row_len).enumerate() {
         let pos = (r % dims.tokens.seq) as f32;
         for head in row.chunks_exact_mut(dims.head_stride) {
-            let (lo, hi) = head[dims.offset..dims.offset + dims.dim].split_at_mut(half);
-            for ((a, b), &f) in lo.iter_mut().zip(hi.iter_mut()).zip(&inv_freq) {
+            let block = &mut head[dims.offset..dims.offset + dims.dim];
+            for (i, &f) in inv_freq.iter().enumerate() {
                 let (sin, cos) = (pos * f).sin_cos();
                 let sin = sign * sin;
-                let (x1, x2) = (*a, *b);
-                *a = x1 * cos - x2 * sin;
-                *b = x2 * cos + x1 * sin;
+                let (a, b) = dims.pairing.pair(i, dims.dim);
+                let (x1, x2) = (block[a], block[b]);
+                block[a] = x1 * cos - x2 * sin;
+                block[b] = x2 * cos + x1 * sin;
             }
         }
     }
@@ -67,7 +69,7 @@ pub fn rotary_backward(dx: &mut [f32], dims: RotaryDims) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Tokens;
+    use crate::backend::{RotaryPairing, Tokens};
 
     fn dims() -> RotaryDims {
         RotaryDims {
@@ -77,6 +79,7 @@ mod tests {
             offset: 2,
             dim: 4,
             base: 10_000.0,
+            pairing: RotaryPairing::RotateHalf,
         }
     }
 
@@ -103,10 +106,50 @@ mod tests {
         }
     }
 
+    /// MLA's pairs (Megatron's `mla_rotary_interleaved`): channels 2i and
+    /// 2i + 1 turn together at frequency `t * base^(-2i/dim)`.
+    #[test]
+    fn interleaved_rotation_turns_neighbouring_channels() {
+        let d = RotaryDims {
+            pairing: RotaryPairing::Interleaved,
+            ..dims()
+        };
+        let x: Vec<f32> = (0..72).map(|i| (i as f32 * 0.3).cos()).collect();
+        let mut y = x.clone();
+        rotary_forward(&mut y, d).unwrap();
+        for r in 0..6 {
+            let pos = (r % 3) as f64;
+            for h in 0..2 {
+                let base = (r * 2 + h) * 6;
+                assert_eq!(&y[base..base + 2], &x[base..base + 2]);
+                for i in 0..2 {
+                    let theta = pos * 10_000f64.powf(-(2.0 * i as f64) / 4.0);
+                    let at = base + 2 + 2 * i;
+                    let (a, b) = (x[at] as f64, x[at + 1] as f64);
+                    let want_a = a * theta.cos() - b * theta.sin();
+                    let want_b = b * theta.cos() + a * theta.sin();
+                    assert!(
+                        (y[at] as f64 - want_a).abs() < 1e-5,
+                        "row {r} head {h} pair {i}"
+                    );
+                    assert!(
+                        (y[at + 1] as f64 - want_b).abs() < 1e-5,
+                        "row {r} head {h} pair {i}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn backward_is_the_transpose_of_forward() {
-        // <R x, g> == <x, R^T g> for random x and g.
-        let d = dims();
+        for pairing in [RotaryPairing::RotateHalf, RotaryPairing::Interleaved] {
+            transpose_holds(RotaryDims { pairing, ..dims() });
+        }
+    }
+
+    // <R x, g> == <x, R^T g> for random x and g.
+    fn transpose_holds(d: RotaryDims) {
         let x: Vec<f32> = (0..72).map(|i| (i as f32 * 0.7).sin()).collect();
         let g: Vec<f32> = (0..72).map(|i| (i as f32 * 1.1).cos()).collect();
         let mut rx = x.clone();

@@ -1,11 +1,12 @@
-// Rotary position embedding (rotate-half), in place
-// (`Backend::rotary_forward` and, with sign -1, `rotary_backward`). One
-// thread per rotated pair: (row, head, i) with i < dim / 2.
+// Rotary position embedding, in place (`Backend::rotary_forward` and, with
+// sign -1, `rotary_backward`). One thread per rotated pair: (row, head, i)
+// with i < dim / 2; pair i is channels (i, i + dim/2) (rotate-half) or
+// (2i, 2i + 1) when `interleaved` (Megatron's MLA).
 #include "common.cuh"
 
 extern "C" __global__ void rotary(
     void* x, int dtype, u64 rows, u64 seq, u64 heads, u64 head_stride, u64 offset, u64 dim,
-    float base, float sign) {
+    float base, float sign, int interleaved) {
     const u64 half = dim / 2;
     const u64 pairs = rows * heads * half;
     for (u64 t = grid_start(); t < pairs; t += grid_stride()) {
@@ -18,8 +19,9 @@ extern "C" __global__ void rotary(
         float s, c;
         sincosf(pos * inv_freq, &s, &c);
         s *= sign;
-        const u64 a = (r * heads + head) * head_stride + offset + i;
-        const u64 b = a + half;
+        const u64 block = (r * heads + head) * head_stride + offset;
+        const u64 a = block + (interleaved ? 2 * i : i);
+        const u64 b = interleaved ? a + 1 : a + half;
         const float x1 = load(x, dtype, a);
         const float x2 = load(x, dtype, b);
         store(x, dtype, a, x1 * c - x2 * s);

@@ -1,5 +1,5 @@
 // MoE routing: router scores, top-k selection and weights, their backward,
-// the per-expert softmax sums and the load-balancing loss
+// the per-expert sums of the normalised scores and the load-balancing loss
 // (`Backend::moe_route_forward`, `moe_route_backward`,
 // `moe_aux_loss_forward`, `moe_aux_loss_backward`). Routing state is f32.
 //
@@ -39,38 +39,20 @@ __device__ __forceinline__ void warp_softmax(const float (&z)[PER_LANE], float (
     }
 }
 
-// scores = softmax or sigmoid of the logits; selected = the top_k experts by
-// scores + bias (best first, ties to the lower index); weights = the
-// selected scores normalised to sum 1. top_k <= 32 (lane j keeps slot j).
-extern "C" __global__ void moe_route_forward(
-    const float* logits, const float* bias, float* scores, float* weights, u32* selected, u64 rows,
-    u32 experts, u32 top_k, int score_function) {
+// The warp's top_k experts by `key` (best first, ties to the lower index)
+// into out[0..top_k]; returns, on lane j < top_k, the score `p` of slot j's
+// expert, and in `sum` (every lane) the selected scores' sum in slot order.
+__device__ __forceinline__ float warp_top_k(
+    const float (&key)[PER_LANE], const float (&p)[PER_LANE], u32 experts, u32 top_k, u32* out,
+    float& sum) {
     const int lane = threadIdx.x & 31;
-    const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
-    if (r >= rows) {
-        return;
-    }
-    float z[PER_LANE], p[PER_LANE], key[PER_LANE];
     bool taken[PER_LANE];
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) {
-        const u32 e = lane + 32 * j;
-        z[j] = e < experts ? logits[r * experts + e] : neg_inf();
-        taken[j] = e >= experts;
-    }
-    warp_softmax(z, p);
-#pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {
-        const u32 e = lane + 32 * j;
-        if (e < experts) {
-            const float s = score_function == SCORE_SOFTMAX ? p[j] : sigmoid(z[j]);
-            scores[r * experts + e] = s;
-            p[j] = s;
-            key[j] = s + (bias != nullptr ? bias[e] : 0.0f);
-        }
+        taken[j] = lane + 32 * j >= experts;
     }
     float my_score = 0.0f;
-    float sum = 0.0f;
+    sum = 0.0f;
     for (u32 slot = 0; slot < top_k; ++slot) {
         // This lane's best untaken expert, then the warp's: larger key wins,
         // equal keys go to the lower expert index.
@@ -108,35 +90,93 @@ extern "C" __global__ void moe_route_forward(
         }
         if (static_cast<u32>(lane) == slot) {
             my_score = best_score;
-            selected[r * top_k + slot] = best;
+            out[slot] = best;
         }
         sum += best_score;
     }
+    return my_score;
+}
+
+// scores = softmax or sigmoid of the logits; selected = the top_k experts by
+// scores + bias (best first, ties to the lower index); with a bias,
+// unbiased = the top_k by the scores alone. weights = topk_scale times the
+// selected scores normalised to sum 1, or times the raw score with sigmoid
+// and top_k = 1 (Megatron normalises only when k > 1). top_k <= 32 (lane j
+// keeps slot j).
+extern "C" __global__ void moe_route_forward(
+    const float* logits, const float* bias, float* scores, float* weights, u32* selected,
+    u32* unbiased, u64 rows, u32 experts, u32 top_k, int score_function, float topk_scale) {
+    const int lane = threadIdx.x & 31;
+    const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (r >= rows) {
+        return;
+    }
+    float z[PER_LANE], p[PER_LANE], key[PER_LANE];
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        const u32 e = lane + 32 * j;
+        z[j] = e < experts ? logits[r * experts + e] : neg_inf();
+    }
+    if (score_function == SCORE_SOFTMAX) {
+        warp_softmax(z, p);
+    }
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        const u32 e = lane + 32 * j;
+        if (e < experts) {
+            const float s = score_function == SCORE_SOFTMAX ? p[j] : sigmoid(z[j]);
+            scores[r * experts + e] = s;
+            p[j] = s;
+            key[j] = s + (bias != nullptr ? bias[e] : 0.0f);
+        } else {
+            p[j] = 0.0f;
+            key[j] = neg_inf();
+        }
+    }
+    float sum = 0.0f;
+    const float my_score = warp_top_k(key, p, experts, top_k, selected + r * top_k, sum);
+    if (unbiased != nullptr) {
+        float unused = 0.0f;
+        warp_top_k(p, p, experts, top_k, unbiased + r * top_k, unused);
+    }
     if (static_cast<u32>(lane) < top_k) {
-        weights[r * top_k + lane] = my_score / sum;
+        const bool raw = score_function == SCORE_SIGMOID && top_k == 1;
+        weights[r * top_k + lane] = topk_scale * (raw ? my_score : my_score / sum);
     }
 }
 
-// softmax_sum[e] += sum_r softmax(logits[r])[e]: the column-sum shape (a block
-// of 32 experts by 32 row slices, then a fixed tree). Each thread recomputes
-// its rows' max and denominator (the 32 threads of a row slice read the same
+// prob_sum[e] += sum_r p_r[e], p_r the row's normalised scores: the softmax,
+// or the sigmoids over their sum. The column-sum shape (a block of 32
+// experts by 32 row slices, then a fixed tree). Each thread recomputes its
+// rows' max and denominator (the 32 threads of a row slice read the same
 // row, so those reads are broadcasts).
-extern "C" __global__ void moe_softmax_sum(const float* logits, float* softmax_sum, u64 rows, u32 experts) {
+extern "C" __global__ void moe_prob_sum(
+    const float* logits, float* prob_sum, u64 rows, u32 experts, int score_function) {
     __shared__ float partial[32][33];
     const u32 e = blockIdx.x * 32 + threadIdx.x;
     float acc = 0.0f;
     for (u64 r = threadIdx.y; r < rows; r += 32) {
         const float* z = logits + r * experts;
-        float max = neg_inf();
-        for (u32 c = 0; c < experts; ++c) {
-            max = fmaxf(max, z[c]);
-        }
-        float sum = 0.0f;
-        for (u32 c = 0; c < experts; ++c) {
-            sum += expf(z[c] - max);
-        }
-        if (e < experts) {
-            acc += expf(z[e] - max) * (1.0f / sum);
+        if (score_function == SCORE_SOFTMAX) {
+            float max = neg_inf();
+            for (u32 c = 0; c < experts; ++c) {
+                max = fmaxf(max, z[c]);
+            }
+            float sum = 0.0f;
+            for (u32 c = 0; c < experts; ++c) {
+                sum += expf(z[c] - max);
+            }
+            if (e < experts) {
+                acc += expf(z[e] - max) * (1.0f / sum);
+            }
+        } else {
+            float sum = 0.0f;
+            for (u32 c = 0; c < experts; ++c) {
+                sum += sigmoid(z[c]);
+            }
+            if (e < experts) {
+                acc += sigmoid(z[e]) / sum;
+            }
         }
     }
     partial[threadIdx.y][threadIdx.x] = acc;
@@ -148,16 +188,17 @@ extern "C" __global__ void moe_softmax_sum(const float* logits, float* softmax_s
         __syncthreads();
     }
     if (threadIdx.y == 0 && e < experts) {
-        softmax_sum[e] += partial[0][threadIdx.x];
+        prob_sum[e] += partial[0][threadIdx.x];
     }
 }
 
-// d_logits from d_weights (through the weight normalisation and the score
-// function) plus aux_grad through the softmax. Warp per row, as forward.
+// d_logits from d_weights (through the scaling, the weight normalisation and
+// the score function) plus aux_grad through the normalised scores p. Warp
+// per row, as forward.
 extern "C" __global__ void moe_route_backward(
     const float* logits, const float* scores, const u32* selected, const float* d_weights,
     const float* aux_grad, float* d_logits, u64 rows, u32 experts, u32 top_k, int score_function,
-    u64* status) {
+    float topk_scale, u64* status) {
     const int lane = threadIdx.x & 31;
     const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (r >= rows) {
@@ -177,6 +218,8 @@ extern "C" __global__ void moe_route_backward(
         }
         sum += s_row[sel[j]];
     }
+    // Sigmoid with k = 1: w = scale * s, no normalisation.
+    const bool raw = score_function == SCORE_SIGMOID && top_k == 1;
     float weighted = 0.0f;
     for (u32 j = 0; j < top_k; ++j) {
         weighted += dw[j] * s_row[sel[j]] / sum;
@@ -191,14 +234,14 @@ extern "C" __global__ void moe_route_backward(
         if (e < experts) {
             for (u32 j = 0; j < top_k; ++j) {
                 if (sel[j] == e) {
-                    ds[q] += (dw[j] - weighted) / sum;
+                    ds[q] += raw ? topk_scale * dw[j] : topk_scale * ((dw[j] - weighted) / sum);
                 }
             }
         }
     }
     float dz[PER_LANE];
     if (score_function == SCORE_SOFTMAX) {
-        // The scores are the softmax: one Jacobian for both terms.
+        // The scores are the softmax and p: one Jacobian for both terms.
         float pg = 0.0f;
 #pragma unroll
         for (int q = 0; q < PER_LANE; ++q) {
@@ -211,22 +254,22 @@ extern "C" __global__ void moe_route_backward(
             dz[q] = s[q] * (ds[q] - pg);
         }
     } else {
-        float z[PER_LANE], p[PER_LANE];
+        // p_e = s_e / S over all experts: ds_j += (a_j - p . a) / S.
+        float total = 0.0f;
 #pragma unroll
         for (int q = 0; q < PER_LANE; ++q) {
-            const u32 e = lane + 32 * q;
-            z[q] = e < experts ? logits[r * experts + e] : neg_inf();
+            total += s[q];
         }
-        warp_softmax(z, p);
+        total = warp_sum(total);
         float pa = 0.0f;
 #pragma unroll
         for (int q = 0; q < PER_LANE; ++q) {
-            pa += p[q] * a[q];
+            pa += s[q] / total * a[q];
         }
         pa = warp_sum(pa);
 #pragma unroll
         for (int q = 0; q < PER_LANE; ++q) {
-            dz[q] = ds[q] * s[q] * (1.0f - s[q]) + p[q] * (a[q] - pa);
+            dz[q] = (ds[q] + (a[q] - pa) / total) * s[q] * (1.0f - s[q]);
         }
     }
 #pragma unroll
@@ -238,10 +281,10 @@ extern "C" __global__ void moe_route_backward(
     }
 }
 
-// loss[0] += coeff * E * sum_e (counts[e] / (T k)) (softmax_sum[e] / T), in
+// loss[0] += coeff * E * sum_e (counts[e] / (T k)) (prob_sum[e] / T), in
 // f64, experts in order. One thread: E is small and the order is the CPU's.
 extern "C" __global__ void moe_aux_loss_forward(
-    const u32* counts, const float* softmax_sum, double* loss, u64 tokens, u64 top_k, u32 experts,
+    const u32* counts, const float* prob_sum, double* loss, u64 tokens, u64 top_k, u32 experts,
     float coeff) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || tokens == 0 || coeff == 0.0f) {
         return;
@@ -249,7 +292,7 @@ extern "C" __global__ void moe_aux_loss_forward(
     const double slots = static_cast<double>(tokens * top_k);
     double sum = 0.0;
     for (u32 e = 0; e < experts; ++e) {
-        sum += (static_cast<double>(counts[e]) / slots) * (static_cast<double>(softmax_sum[e]) / static_cast<double>(tokens));
+        sum += (static_cast<double>(counts[e]) / slots) * (static_cast<double>(prob_sum[e]) / static_cast<double>(tokens));
     }
     loss[0] += static_cast<double>(coeff) * static_cast<double>(experts) * sum;
 }

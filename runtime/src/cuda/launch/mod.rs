@@ -21,8 +21,9 @@ mod scan;
 use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, CopyCols, LossDims, MlaKvDims, NormDims, QkvDims,
-    ReceivedDims, RotaryDims, RouteDims, RoutedSlots, SgdStep, Unary, UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, CopyCols, ExpertBias, LossDims, MlaKvDims, NormDims,
+    QkvDims, ReceivedDims, RotaryDims, RotaryPairing, RouteDims, RoutedSlots, SgdStep, Unary,
+    UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -887,7 +888,8 @@ impl KernelSet {
         for v in &dims {
             b.arg(v);
         }
-        b.arg(&d.base).arg(&sign);
+        let interleaved = i32::from(d.pairing == RotaryPairing::Interleaved);
+        b.arg(&d.base).arg(&sign).arg(&interleaved);
         self.go(k, &mut b, grid_for(pairs))
     }
 
@@ -1151,16 +1153,16 @@ impl KernelSet {
     }
 
     /// `Backend::moe_route_forward` (two launches: selection per row, then the
-    /// per-expert softmax sums as a column sum).
+    /// per-expert sums of the normalised scores as a column sum).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_route_forward(
         &self,
         stream: &CudaStream,
         logits: GpuView,
-        expert_bias: Option<GpuView>,
+        expert_bias: Option<ExpertBias<GpuView, GpuView>>,
         scores: GpuView,
         weights: GpuView,
-        softmax_sum: GpuView,
+        prob_sum: GpuView,
         selected: GpuView,
         d: RouteDims,
     ) -> Result<()> {
@@ -1169,22 +1171,24 @@ impl KernelSet {
         for (name, view) in [
             ("scores", &scores),
             ("weights", &weights),
-            ("softmax_sum", &softmax_sum),
+            ("prob_sum", &prob_sum),
         ] {
             exactly(k, name, view, DType::F32)?;
         }
         exactly(k, "selected", &selected, DType::U32)?;
         len(k, "scores", &scores, logits.len)?;
         len(k, "weights", &weights, product(k, &[d.rows, d.top_k])?)?;
-        len(k, "softmax_sum", &softmax_sum, d.experts)?;
+        len(k, "prob_sum", &prob_sum, d.experts)?;
         len(k, "selected", &selected, d.rows * d.top_k)?;
-        let bias = match expert_bias {
-            Some(bias) => {
-                exactly(k, "expert_bias", &bias, DType::F32)?;
-                len(k, "expert_bias", &bias, d.experts)?;
-                bias.ptr
+        let (bias, unbiased) = match expert_bias {
+            Some(b) => {
+                exactly(k, "expert_bias", &b.bias, DType::F32)?;
+                len(k, "expert_bias", &b.bias, d.experts)?;
+                exactly(k, "unbiased", &b.unbiased, DType::U32)?;
+                len(k, "unbiased", &b.unbiased, d.rows * d.top_k)?;
+                (b.bias.ptr, b.unbiased.ptr)
             }
-            None => 0,
+            None => (0, 0),
         };
         if d.rows == 0 {
             return Ok(());
@@ -1195,15 +1199,21 @@ impl KernelSet {
             .arg(&bias)
             .arg(&scores.ptr)
             .arg(&weights.ptr)
-            .arg(&selected.ptr);
-        b.arg(&rows).arg(&experts).arg(&top_k).arg(&score);
+            .arg(&selected.ptr)
+            .arg(&unbiased);
+        b.arg(&rows)
+            .arg(&experts)
+            .arg(&top_k)
+            .arg(&score)
+            .arg(&d.topk_scale);
         self.go(k, &mut b, warp_per_item(d.rows))?;
-        let mut b = stream.launch_builder(self.function("moe_softmax_sum")?);
+        let mut b = stream.launch_builder(self.function("moe_prob_sum")?);
         b.arg(&logits.ptr)
-            .arg(&softmax_sum.ptr)
+            .arg(&prob_sum.ptr)
             .arg(&rows)
-            .arg(&experts);
-        self.go("moe_softmax_sum", &mut b, column_blocks(d.experts))
+            .arg(&experts)
+            .arg(&score);
+        self.go("moe_prob_sum", &mut b, column_blocks(d.experts))
     }
 
     /// `Backend::moe_route_backward`.
@@ -1249,7 +1259,7 @@ impl KernelSet {
             .arg(&rows)
             .arg(&experts)
             .arg(&top_k);
-        b.arg(&score).arg(&self.fault_ptr);
+        b.arg(&score).arg(&d.topk_scale).arg(&self.fault_ptr);
         self.go(k, &mut b, warp_per_item(d.rows))
     }
 
@@ -1388,21 +1398,21 @@ impl KernelSet {
         &self,
         stream: &CudaStream,
         counts: GpuView,
-        softmax_sum: GpuView,
+        prob_sum: GpuView,
         loss: GpuView,
         d: AuxLossDims,
     ) -> Result<()> {
         let k = "moe_aux_loss_forward";
         Self::check_aux(k, &counts, d)?;
-        exactly(k, "softmax_sum", &softmax_sum, DType::F32)?;
+        exactly(k, "prob_sum", &prob_sum, DType::F32)?;
         exactly(k, "loss", &loss, DType::F64)?;
-        len(k, "softmax_sum", &softmax_sum, d.slots.experts)?;
+        len(k, "prob_sum", &prob_sum, d.slots.experts)?;
         len(k, "loss", &loss, 1)?;
         let (tokens, top_k) = (d.slots.tokens as u64, d.slots.top_k as u64);
         let experts = as_u32(k, "experts", d.slots.experts)?;
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&counts.ptr)
-            .arg(&softmax_sum.ptr)
+            .arg(&prob_sum.ptr)
             .arg(&loss.ptr)
             .arg(&tokens)
             .arg(&top_k);

@@ -36,11 +36,13 @@
 //! [`LocalExchange`] (expert parallelism 1, a copy) or a
 //! [`CollectiveExchange`] over a communicator.
 
+mod balance;
 mod exchange;
 mod experts;
 mod permutation;
 mod routing;
 
+pub use balance::{ExpertBalance, ExpertLoad, expert_bias_keys, update_expert_bias};
 pub use exchange::{CollectiveExchange, ExpertExchange, LocalExchange};
 pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
 
@@ -72,9 +74,31 @@ pub struct MoeLayer {
     expert: Ffn,
     shared: Option<Ffn>,
     score: ScoreFunction,
+    topk_scale: f32,
     aux_coeff: f32,
+    /// The bias a standalone call routes with (training passes its own
+    /// device buffer instead, see [`RouterContext`]); `None` without
+    /// aux-loss-free balancing.
     expert_bias: Option<Vec<f32>>,
+    expert_bias_rate: f32,
     params: Vec<ParamDef>,
+}
+
+/// What the forward steps of an `E` layer read and add to besides its
+/// weights and the residual stream.
+pub struct RouterContext<'a, B: Backend> {
+    /// One f64 on the device: `Prepare` adds the load-balancing loss to it.
+    pub aux_loss: SliceMut<'a, B>,
+    /// With aux-loss-free balancing: the training's expert bias and load.
+    pub balance: Option<Balance<'a, B>>,
+}
+
+/// The training's aux-loss-free balancing state of one `E` layer.
+pub struct Balance<'a, B: Backend> {
+    /// `[E]` f32 on the device: `Prepare` selects with it.
+    pub bias: Slice<'a, B>,
+    /// `Dispatch` adds the micro-batch's per-expert counts to it.
+    pub load: &'a ExpertLoad,
 }
 
 /// The shared expert's activations.
@@ -373,6 +397,25 @@ impl MoeLayer {
                 m.aux_loss_coeff
             )));
         }
+        if !(m.topk_scaling_factor.is_finite() && m.topk_scaling_factor > 0.0) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "moe.topk_scaling_factor is {}; it must be a finite number above 0 (1 for none)",
+                m.topk_scaling_factor
+            )));
+        }
+        if !(m.expert_bias_update_rate.is_finite() && m.expert_bias_update_rate >= 0.0) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "moe.expert_bias_update_rate is {}; it must be a finite number of at least 0",
+                m.expert_bias_update_rate
+            )));
+        }
+        if m.expert_bias && m.score_function == ScoreFunction::Softmax {
+            return Err(RuntimeError::InvalidArgument(
+                "moe.expert_bias needs moe.score_function = \"sigmoid\": aux-loss-free balancing \
+                 biases sigmoid scores only, as in Megatron"
+                    .into(),
+            ));
+        }
         let hidden = positive("hidden_size", config.hidden_size)?;
         let ffn = |width| Ffn {
             hidden,
@@ -391,8 +434,10 @@ impl MoeLayer {
             expert: ffn(positive("moe.ffn_hidden_size", m.ffn_hidden_size)?),
             shared,
             score: m.score_function,
+            topk_scale: m.topk_scaling_factor,
             aux_coeff: m.aux_loss_coeff,
             expert_bias: m.expert_bias.then(|| vec![0.0; experts]),
+            expert_bias_rate: m.expert_bias_update_rate,
             params: layer_params(LayerKind::Moe, config, local_experts),
         })
     }
@@ -420,13 +465,19 @@ impl MoeLayer {
         self.top_k
     }
 
-    /// The f32 selection bias (`moe.expert_bias`), when enabled.
+    /// The f32 selection bias a standalone call routes with
+    /// (`moe.expert_bias`), when enabled.
     pub fn expert_bias(&self) -> Option<&[f32]> {
         self.expert_bias.as_deref()
     }
 
-    /// Replaces the selection bias (aux-loss-free balancing updates it
-    /// between steps); an error when the config has no expert bias.
+    /// The bias's step per optimizer step, with aux-loss-free balancing.
+    pub fn expert_bias_rate(&self) -> Option<f32> {
+        self.expert_bias.as_ref().map(|_| self.expert_bias_rate)
+    }
+
+    /// Replaces the bias standalone calls route with; an error when the
+    /// config has no expert bias.
     pub fn set_expert_bias(&mut self, bias: &[f32]) -> Result<()> {
         match &mut self.expert_bias {
             Some(own) if own.len() == bias.len() => {
@@ -475,6 +526,7 @@ impl MoeLayer {
     /// Pre-dispatch: norm, routing, shared expert, permutation. Reads the
     /// residual `x` (the residual add happens in `combine`) and adds the
     /// load-balancing loss to `aux_acc` (one f64, on the device).
+    /// `expert_bias`: the training's (see [`MoeLayer::route`]).
     pub fn prepare<B: Backend>(
         &self,
         b: &B,
@@ -482,6 +534,7 @@ impl MoeLayer {
         x: Slice<'_, B>,
         tokens: Tokens,
         aux_acc: SliceMut<'_, B>,
+        expert_bias: Option<Slice<'_, B>>,
     ) -> Result<MoePrepared<B>> {
         let name = "`E` layer prepare";
         check_weights(b, name, &self.params, weights)?;
@@ -490,7 +543,7 @@ impl MoeLayer {
         let w = |i| weight::<B>(weights, i);
         let x_in = copy_of(b, x)?;
         let (u, rstd) = self.norm().forward(b, w(PRE_NORM)?, b.view(&x_in)?, rows)?;
-        let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc)?;
+        let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, expert_bias)?;
         let (send, positions) = self.permute(
             b,
             b.view(&router.selected)?,
@@ -729,12 +782,13 @@ impl MoeLayer {
     /// Runs one forward step of one micro-batch: the schedule's slots call
     /// these in order (prepare in pre-dispatch, dispatch and combine on the
     /// comm lane, experts in the mlp slot). `x` is the residual stream: read
-    /// by `Prepare`, added into by `Combine`. `aux_acc` (one f64 on the
-    /// device) receives the load-balancing loss: `Prepare` adds this layer's
-    /// and micro-batch's, the other steps leave it alone, so a caller can
-    /// sum every layer (and micro-batch) in one buffer and read it once.
+    /// by `Prepare`, added into by `Combine`. `router.aux_loss` (one f64 on
+    /// the device) receives the load-balancing loss: `Prepare` adds this
+    /// layer's and micro-batch's, the other steps leave it alone, so a caller
+    /// can sum every layer (and micro-batch) in one buffer and read it once.
     /// `Dispatch` reads the `E` per-expert counts back to the host (the
-    /// all-to-all's sizes): the layer's only host read.
+    /// all-to-all's sizes): the layer's only host read; with balancing it
+    /// adds them to `router.balance`'s load.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_step<B: Backend, X: ExpertExchange<B>>(
         &self,
@@ -743,7 +797,7 @@ impl MoeLayer {
         weights: &[Slice<'_, B>],
         stage: MoeStage<B>,
         mut x: SliceMut<'_, B>,
-        aux_acc: SliceMut<'_, B>,
+        router: RouterContext<'_, B>,
         tokens: Tokens,
         exchange: &X,
     ) -> Result<MoeStage<B>> {
@@ -764,7 +818,9 @@ impl MoeLayer {
         }
         Ok(match (step, flow) {
             (MoeForward::Prepare, MoeFlow::Idle) => {
-                let prepared = self.prepare(b, weights, b.as_slice(&x), tokens, aux_acc)?;
+                let bias = router.balance.as_ref().map(|balance| balance.bias);
+                let prepared =
+                    self.prepare(b, weights, b.as_slice(&x), tokens, router.aux_loss, bias)?;
                 with(MoeFlow::Prepared {
                     routing: prepared.routing,
                     send: prepared.send,
@@ -772,6 +828,9 @@ impl MoeLayer {
             }
             (MoeForward::Dispatch, MoeFlow::Prepared { routing, send }) => {
                 let counts = routing.expert_counts(b)?;
+                if let Some(balance) = &router.balance {
+                    balance.load.add(&counts)?;
+                }
                 let send_counts = self.counts_per_rank(&counts)?;
                 let recv_counts = exchange.exchange_counts(&send_counts)?;
                 let rows = ExchangeRows {
@@ -962,7 +1021,10 @@ impl MoeLayer {
                 weights,
                 stage,
                 b.reborrow_mut(&mut x),
-                b.view_mut(&aux_loss)?,
+                RouterContext {
+                    aux_loss: b.view_mut(&aux_loss)?,
+                    balance: None,
+                },
                 tokens,
                 exchange,
             )?;

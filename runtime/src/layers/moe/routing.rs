@@ -6,10 +6,10 @@
 
 use super::MoeLayer;
 use crate::backend::{
-    AuxLossDims, Backend, DType, MatmulDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
-    Slice, SliceMut,
+    AuxLossDims, Backend, DType, ExpertBias, MatmulDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores, Slice, SliceMut,
 };
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::layers::zeros_f32;
 
 /// What the router keeps from the forward for the backward (and, for its
@@ -25,6 +25,17 @@ pub(super) struct RouterSaved<B: Backend> {
     pub selected: B::Buf,
     /// `[E]` u32: the slots routed to each global expert.
     pub counts: B::Buf,
+    /// `[E]` u32, with an expert bias: the slots each expert would get
+    /// without it, which the load-balancing loss counts (without a bias
+    /// that is `counts`).
+    pub unbiased_counts: Option<B::Buf>,
+}
+
+impl<B: Backend> RouterSaved<B> {
+    /// The counts of the load-balancing loss: the top-k without the bias.
+    fn aux_counts(&self) -> &B::Buf {
+        self.unbiased_counts.as_ref().unwrap_or(&self.counts)
+    }
 }
 
 impl MoeLayer {
@@ -34,6 +45,7 @@ impl MoeLayer {
             experts: self.experts,
             top_k: self.top_k,
             score: self.score,
+            topk_scale: self.topk_scale,
         }
     }
 
@@ -55,6 +67,8 @@ impl MoeLayer {
     /// Routes `rows` rows of the normed input `u`: logits, scores, the top-k
     /// selection and weights, the per-expert counts; adds the load-balancing
     /// loss (with its coefficient) to `aux_acc` (one f64) on the device.
+    /// `expert_bias` (`[E]` f32 on the device) is the training's bias; a
+    /// layer with a bias routed without one uses its own (standalone calls).
     pub(super) fn route<B: Backend>(
         &self,
         b: &B,
@@ -62,6 +76,7 @@ impl MoeLayer {
         u: Slice<'_, B>,
         rows: usize,
         aux_acc: SliceMut<'_, B>,
+        expert_bias: Option<Slice<'_, B>>,
     ) -> Result<RouterSaved<B>> {
         let (h, e_n, k) = (self.hidden, self.experts, self.top_k);
         // f32 logits from compute-dtype operands: f32 accumulation, no
@@ -75,48 +90,71 @@ impl MoeLayer {
         )?;
         let scores = zeros_f32(b, rows * e_n)?;
         let weights = zeros_f32(b, rows * k)?;
-        let softmax_sum = zeros_f32(b, e_n)?;
+        let prob_sum = zeros_f32(b, e_n)?;
         let selected = b.alloc(rows * k, DType::U32)?;
-        // The bias is host state of the layer (set between steps); it goes
-        // to the device with each routing (E values, no host read).
-        let bias = match &self.expert_bias {
-            Some(values) => {
+        // A standalone call routes with the layer's own bias, uploaded here
+        // (E values); training passes its device buffer.
+        let own_bias = match (&self.expert_bias, expert_bias) {
+            (None, Some(_)) => {
+                return Err(RuntimeError::InvalidArgument(
+                    "`E` layer: an expert bias was given, but the model routes without one \
+                     (`moe.expert_bias` is off)"
+                        .into(),
+                ));
+            }
+            (Some(values), None) => {
                 let buf = zeros_f32(b, values.len())?;
                 b.upload(values, b.view_mut(&buf)?)?;
                 Some(buf)
             }
+            _ => None,
+        };
+        let bias = match (&own_bias, expert_bias) {
+            (Some(buf), _) => Some(b.view(buf)?),
+            (None, given) => given,
+        };
+        let unbiased = match bias {
+            Some(_) => Some(b.alloc(rows * k, DType::U32)?),
             None => None,
+        };
+        let expert_bias = match (bias, &unbiased) {
+            (Some(bias), Some(unbiased)) => Some(ExpertBias {
+                bias,
+                unbiased: b.view_mut(unbiased)?,
+            }),
+            _ => None,
         };
         b.moe_route_forward(
             b.view(&logits)?,
-            bias.as_ref().map(|buf| b.view(buf)).transpose()?,
+            expert_bias,
             RouteOutputs {
                 scores: b.view_mut(&scores)?,
                 weights: b.view_mut(&weights)?,
-                softmax_sum: b.view_mut(&softmax_sum)?,
+                prob_sum: b.view_mut(&prob_sum)?,
             },
             b.view_mut(&selected)?,
             self.route_dims(rows),
         )?;
-        let counts = b.alloc(e_n, DType::U32)?;
-        b.moe_expert_counts(
-            b.view(&selected)?,
-            b.view_mut(&counts)?,
-            self.routed_slots(rows),
-        )?;
-        b.moe_aux_loss_forward(
-            b.view(&counts)?,
-            b.view(&softmax_sum)?,
-            aux_acc,
-            self.aux_dims(rows),
-        )?;
-        Ok(RouterSaved {
+        let histogram = |of: &B::Buf| -> Result<B::Buf> {
+            let counts = b.alloc(e_n, DType::U32)?;
+            b.moe_expert_counts(b.view(of)?, b.view_mut(&counts)?, self.routed_slots(rows))?;
+            Ok(counts)
+        };
+        let saved = RouterSaved {
+            counts: histogram(&selected)?,
+            unbiased_counts: unbiased.as_ref().map(histogram).transpose()?,
             logits,
             scores,
             weights,
             selected,
-            counts,
-        })
+        };
+        b.moe_aux_loss_forward(
+            b.view(saved.aux_counts())?,
+            b.view(&prob_sum)?,
+            aux_acc,
+            self.aux_dims(rows),
+        )?;
+        Ok(saved)
     }
 
     /// The logits' gradient from the routing weights' gradient `d_weights`
@@ -133,7 +171,7 @@ impl MoeLayer {
         let e_n = self.experts;
         let aux_grad = zeros_f32(b, e_n)?;
         b.moe_aux_loss_backward(
-            b.view(&saved.counts)?,
+            b.view(saved.aux_counts())?,
             b.view_mut(&aux_grad)?,
             self.aux_dims(rows),
             loss_scale,
