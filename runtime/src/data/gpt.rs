@@ -490,6 +490,7 @@ impl IndexedSpec {
 
 #[cfg(test)]
 mod tests {
+    use super::super::indexed::by_hand::{Scratch, write_u16};
     use super::*;
 
     #[test]
@@ -522,6 +523,100 @@ mod tests {
         sorted.sort();
         assert_eq!(sorted, (0..10).collect::<Vec<u32>>());
         assert!(permutation(0, 1).is_empty());
+    }
+
+    fn tiny_part(dir: &Scratch, seed: u64) -> GptPart {
+        let prefix = dir.prefix("tiny");
+        write_u16(&prefix, &[vec![1, 2, 3], vec![4, 5], vec![6, 7, 8, 9]]);
+        let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
+        GptPart::new(dataset, 0, 0..3, seed, 2, 3).unwrap()
+    }
+
+    #[test]
+    fn samples_follow_the_hand_computed_order() {
+        let dir = Scratch::new("order");
+        let part = tiny_part(&dir, 11);
+        // 9 tokens, samples of 3 every 2: (9 - 1) / 2 = 4 per epoch.
+        assert_eq!(part.samples_per_epoch(), 4);
+        // The shuffles of the seed (pinned: a change of the generator or
+        // the seed mixing changes every run's data).
+        let e0 = part.build_epoch(0);
+        assert_eq!((e0.order.as_slice(), e0.samples.as_slice()), (&[2u32, 1, 0][..], &[2u32, 0, 1, 3][..]));
+        let e1 = part.build_epoch(1);
+        assert_eq!((e1.order.as_slice(), e1.samples.as_slice()), (&[2u32, 1, 0][..], &[3u32, 2, 1, 0][..]));
+        // Documents 2, 1, 0 concatenated: 6 7 8 9 | 4 5 | 1 2 3. Sample s
+        // is tokens 2s..2s+3: s0 = 6 7 8, s1 = 8 9 4, s2 = 4 5 1, s3 = 1 2 3.
+        let (s0, s1, s2, s3) = ([6, 7, 8], [8, 9, 4], [4, 5, 1], [1, 2, 3]);
+        // Epoch 0 reads s2 s0 s1 s3, epoch 1 reads s3 s2 s1 s0.
+        let expected = [s2, s0, s1, s3, s3, s2, s1, s0];
+        for (g, want) in expected.iter().enumerate() {
+            let mut out = [0u32; 3];
+            part.sample(g as u64, &mut out).unwrap();
+            assert_eq!(&out, want, "sample {g}");
+        }
+        // Reading out of order, or again, gives the same samples: each is
+        // a function of (seed, g) alone.
+        for g in [7u64, 0, 5, 5, 2] {
+            let mut out = [0u32; 3];
+            part.sample(g, &mut out).unwrap();
+            assert_eq!(out, expected[g as usize], "sample {g} again");
+        }
+        // The document order is shuffled anew per epoch.
+        let orders: std::collections::HashSet<Vec<u32>> =
+            (0..12).map(|e| part.document_order(e)).collect();
+        assert!(orders.len() > 1);
+        // Another seed, another order.
+        let other = tiny_part(&dir, 12);
+        let firsts: Vec<[u32; 3]> = (0..8)
+            .map(|g| {
+                let mut out = [0u32; 3];
+                other.sample(g, &mut out).unwrap();
+                out
+            })
+            .collect();
+        assert_ne!(firsts, expected.to_vec());
+    }
+
+    #[test]
+    fn a_part_too_small_for_one_sample_is_refused() {
+        let dir = Scratch::new("small");
+        let prefix = dir.prefix("tiny");
+        write_u16(&prefix, &[vec![1, 2], vec![3]]);
+        let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
+        let m = GptPart::new(dataset, 1, 0..2, 0, 4, 5).unwrap_err().to_string();
+        assert!(
+            m.contains("tiny.idx (validation part): its 2 documents hold 3 tokens, but one sample needs 5"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn blends_follow_megatrons_greedy_index() {
+        let dir = Scratch::new("blend");
+        let part = |name: &str, first: u16| {
+            let prefix = dir.prefix(name);
+            let docs: Vec<Vec<u16>> = (0..20).map(|d| vec![first + d, first + d]).collect();
+            write_u16(&prefix, &docs);
+            let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
+            GptPart::new(dataset, 0, 0..20, 3, 1, 2).unwrap()
+        };
+        let blend = Blend::new(vec![part("a", 100), part("b", 200)], vec![3.0, 7.0]).unwrap();
+        // Weights 0.3 / 0.7, by hand: sample i goes to the dataset with the
+        // largest w * max(i, 1) - taken so far (the first on ties).
+        let parts: Vec<usize> = (0..10).map(|g| blend.locate(g).0).collect();
+        let samples: Vec<u64> = (0..10).map(|g| blend.locate(g).1).collect();
+        assert_eq!(parts, [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]);
+        assert_eq!(samples, [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]);
+        // Far samples extend the index; the prefix stays the same.
+        let far = blend.locate(100_000);
+        assert_eq!(blend.locate(3), (1, 2));
+        let share = (0..10_000).filter(|g| blend.locate(*g).0 == 0).count();
+        assert_eq!(share, 3000);
+        assert!(far.1 < 100_000);
+        let mut out = [0u32; 2];
+        blend.sample(1, &mut out).unwrap();
+        assert!(out.iter().all(|t| (100..120).contains(t)), "{out:?}");
+        assert!(Blend::new(vec![], vec![]).is_err());
     }
 
     #[test]

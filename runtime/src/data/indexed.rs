@@ -668,3 +668,221 @@ impl Drop for IndexedWriter {
         let _ = std::fs::remove_file(&self.bin_tmp);
     }
 }
+
+/// Datasets written byte by byte from the format's description (not
+/// through [`IndexedWriter`]), for tests here and in [`super::gpt`].
+#[cfg(test)]
+pub(crate) mod by_hand {
+    use std::path::{Path, PathBuf};
+
+    /// A scratch directory, removed on drop.
+    pub struct Scratch(pub PathBuf);
+
+    impl Scratch {
+        pub fn new(tag: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!(
+                "hybridgen-indexed-{tag}-{}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        pub fn prefix(&self, name: &str) -> PathBuf {
+            self.0.join(name)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// The `.idx` bytes of sequences of `lengths` tokens of `size` bytes
+    /// each, back to back, with `docs` as the document index.
+    pub fn index(code: u8, size: usize, lengths: &[i32], docs: &[i64]) -> Vec<u8> {
+        let mut idx = b"MMIDIDX\x00\x00".to_vec();
+        idx.extend(1u64.to_le_bytes());
+        idx.push(code);
+        idx.extend((lengths.len() as u64).to_le_bytes());
+        idx.extend((docs.len() as u64).to_le_bytes());
+        for l in lengths {
+            idx.extend(l.to_le_bytes());
+        }
+        let mut pointer = 0i64;
+        for l in lengths {
+            idx.extend(pointer.to_le_bytes());
+            pointer += i64::from(*l) * size as i64;
+        }
+        for d in docs {
+            idx.extend(d.to_le_bytes());
+        }
+        idx
+    }
+
+    /// Writes `PREFIX.idx` and `PREFIX.bin` of one sequence per document,
+    /// tokens as little-endian uint16 (code 8).
+    pub fn write_u16(prefix: &Path, documents: &[Vec<u16>]) {
+        let lengths: Vec<i32> = documents.iter().map(|d| d.len() as i32).collect();
+        let docs: Vec<i64> = (0..=documents.len() as i64).collect();
+        let bin: Vec<u8> = documents
+            .iter()
+            .flatten()
+            .flat_map(|t| t.to_le_bytes())
+            .collect();
+        write(prefix, &index(8, 2, &lengths, &docs), &bin);
+    }
+
+    pub fn write(prefix: &Path, idx: &[u8], bin: &[u8]) {
+        let (i, b) = super::paths(prefix);
+        std::fs::write(i, idx).unwrap();
+        std::fs::write(b, bin).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::by_hand::{Scratch, index, write, write_u16};
+    use super::*;
+
+    #[test]
+    fn a_dataset_written_byte_by_byte_reads_back() {
+        let dir = Scratch::new("read");
+        // int32 tokens (code 4), three sequences in two documents:
+        // document 0 = sequences 0 and 1, document 1 = sequence 2.
+        let seqs: [&[i32]; 3] = [&[5, 70000, 2], &[], &[9, 8, 7, 6]];
+        let lengths: Vec<i32> = seqs.iter().map(|s| s.len() as i32).collect();
+        let bin: Vec<u8> = seqs.iter().flat_map(|s| s.iter()).flat_map(|t| t.to_le_bytes()).collect();
+        let prefix = dir.prefix("int32");
+        write(&prefix, &index(4, 4, &lengths, &[0, 2, 3]), &bin);
+        let d = IndexedDataset::open(&prefix).unwrap();
+        assert_eq!(d.dtype(), TokenDtype::I32);
+        assert_eq!(d.sequences(), 3);
+        assert_eq!(d.documents(), 2);
+        assert_eq!(d.document_index(), vec![0, 2, 3]);
+        assert_eq!(d.tokens(), 7);
+        assert_eq!(d.sequence(0).unwrap(), vec![5, 70000, 2]);
+        assert_eq!(d.sequence(1).unwrap(), Vec::<u32>::new());
+        assert_eq!(d.sequence(2).unwrap(), vec![9, 8, 7, 6]);
+        let mut part = [0u32; 2];
+        d.read(2, 1, &mut part).unwrap();
+        assert_eq!(part, [8, 7]);
+        assert!(d.read(2, 3, &mut part).is_err());
+        assert_eq!(d.check_tokens(70001).unwrap(), 70000);
+        // uint16, and the writer produces exactly the bytes of the format.
+        let docs = vec![vec![1u16, 2, 3], vec![65535], vec![4, 5]];
+        let hand = dir.prefix("hand");
+        write_u16(&hand, &docs);
+        let written = dir.prefix("written");
+        let mut writer = IndexedWriter::create(&written, TokenDtype::U16).unwrap();
+        for doc in &docs {
+            writer
+                .add_document(&doc.iter().map(|t| u32::from(*t)).collect::<Vec<_>>())
+                .unwrap();
+        }
+        writer.finish().unwrap();
+        let (hand_idx, hand_bin) = paths(&hand);
+        let (idx, bin) = paths(&written);
+        assert_eq!(std::fs::read(idx).unwrap(), std::fs::read(hand_idx).unwrap());
+        assert_eq!(std::fs::read(bin).unwrap(), std::fs::read(hand_bin).unwrap());
+        let d = IndexedDataset::open(&written).unwrap();
+        assert_eq!(d.sequence(1).unwrap(), vec![65535]);
+        // No temporary file is left behind.
+        let left: Vec<_> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp-"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// The error of opening a dataset of these bytes.
+    fn refused(idx: &[u8], bin: &[u8]) -> String {
+        let dir = Scratch::new("refused");
+        let prefix = dir.prefix("bad");
+        write(&prefix, idx, bin);
+        IndexedDataset::open(&prefix).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn corrupt_and_truncated_files_are_refused_by_name() {
+        let good = index(8, 2, &[2, 3], &[0, 1, 2]);
+        let bin = [1u8, 0, 2, 0, 3, 0, 4, 0, 5, 0];
+        // Sanity: the good pair opens.
+        let dir = Scratch::new("good");
+        write(&dir.prefix("ok"), &good, &bin);
+        IndexedDataset::open(&dir.prefix("ok")).unwrap();
+
+        let m = refused(&good[..20], &bin);
+        assert!(m.contains("bad.idx: the index is truncated: 20 bytes"), "{m}");
+        let m = refused(&good[..good.len() - 3], &bin);
+        assert!(m.contains("bad.idx: the index is truncated: its header announces 2 sequences"), "{m}");
+        let mut long = good.clone();
+        long.extend([0u8; 5]);
+        assert!(refused(&long, &bin).contains("has 5 bytes after"));
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        assert!(refused(&magic, &bin).contains("not a Megatron indexed dataset index"));
+        let mut version = good.clone();
+        version[9] = 2;
+        assert!(refused(&version, &bin).contains("index version 2"));
+        let m = refused(&index(7, 4, &[2, 3], &[0, 1, 2]), &[0; 20]);
+        assert!(m.contains("stored as float32 (dtype code 7), which cannot hold token ids"), "{m}");
+        let m = refused(&index(6, 8, &[2, 3], &[0, 1, 2]), &[0; 40]);
+        assert!(m.contains("float64"), "{m}");
+        let m = refused(&index(9, 2, &[2, 3], &[0, 1, 2]), &bin);
+        assert!(m.contains("dtype code 9 is not one of Megatron's"), "{m}");
+        let m = refused(&good, &bin[..8]);
+        assert!(
+            m.contains("bad.bin: the token file is truncated: sequence 1 of 2 needs bytes up to 10, but the file has 8"),
+            "{m}"
+        );
+        let m = refused(&good, &[]);
+        assert!(m.contains("bad.bin: the token file is truncated"), "{m}");
+        let m = refused(&index(8, 2, &[2, -3], &[0, 1, 2]), &bin);
+        assert!(m.contains("sequence 1 has length -3"), "{m}");
+        let m = refused(&index(8, 2, &[2, 3], &[1, 2]), &bin);
+        assert!(m.contains("document-index entry 0 is 1"), "{m}");
+        let m = refused(&index(8, 2, &[2, 3], &[0, 1]), &bin);
+        assert!(m.contains("the last entry must be the sequence count"), "{m}");
+        let m = refused(&index(8, 2, &[2, 3], &[0, 2, 1]), &bin);
+        assert!(m.contains("must not decrease"), "{m}");
+        assert!(refused(&[], &bin).contains("bad.idx: the index is empty"));
+        let missing = IndexedDataset::open(Path::new("/nonexistent/corpus")).unwrap_err();
+        assert!(missing.to_string().starts_with("/nonexistent/corpus.idx:"), "{missing}");
+        let dir = Scratch::new("dir");
+        std::fs::create_dir(dir.prefix("d.idx")).unwrap();
+        std::fs::write(dir.prefix("d.bin"), b"").unwrap();
+        let m = IndexedDataset::open(&dir.prefix("d")).unwrap_err().to_string();
+        assert!(m.contains("d.idx: this is a directory, not a data file"), "{m}");
+    }
+
+    #[test]
+    fn token_ids_are_checked_against_the_vocabulary() {
+        let dir = Scratch::new("vocab");
+        let prefix = dir.prefix("c");
+        write_u16(&prefix, &[vec![1, 2], vec![3, 300, 4]]);
+        let d = IndexedDataset::open(&prefix).unwrap();
+        assert_eq!(d.check_tokens(301).unwrap(), 300);
+        let m = d.check_tokens(256).unwrap_err().to_string();
+        assert!(
+            m.contains("c.bin: token 1 of sequence 1 is id 300, past the model's vocabulary of 256 tokens"),
+            "{m}"
+        );
+        // A negative id in a signed dtype.
+        let signed = dir.prefix("s");
+        write(&signed, &index(3, 2, &[2], &[0, 1]), &[1, 0, 0xff, 0xff]);
+        let m = IndexedDataset::open(&signed)
+            .unwrap()
+            .check_tokens(100)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("token 1 of sequence 0 is -1, a negative id"), "{m}");
+        // The writer refuses ids its dtype cannot store.
+        let mut writer = IndexedWriter::create(&dir.prefix("w"), TokenDtype::U16).unwrap();
+        let m = writer.add_document(&[70000]).unwrap_err().to_string();
+        assert!(m.contains("token id 70000 does not fit the uint16 tokens"), "{m}");
+    }
+}
