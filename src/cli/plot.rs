@@ -54,7 +54,12 @@ pub(crate) fn read_log(path: &Path) -> Result<Curves, String> {
         let Some(step) = value.get("step").and_then(|s| s.as_u64()) else {
             continue;
         };
-        let number = |key: &str| value.get(key).and_then(|v| v.as_f64()).filter(|v| v.is_finite());
+        let number = |key: &str| {
+            value
+                .get(key)
+                .and_then(|v| v.as_f64())
+                .filter(|v| v.is_finite())
+        };
         if let Some(loss) = number("loss") {
             curves.loss.insert(step, loss);
         }
@@ -163,7 +168,9 @@ pub(crate) fn draw(runs: &[(String, Curves)], title: &str) -> Result<String, Str
                 ))
                 .map_err(|e| fail(&e))?
                 .label(format!("{name} loss"))
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2))
+                });
             if !curves.eval.is_empty() {
                 chart
                     .draw_series(DashedLineSeries::new(

@@ -7,8 +7,8 @@ use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
-use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::data::{IndexedSpec, Split};
+use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{
     LrDecayStyle, LrSchedule, OptimizerConfig, OptimizerKind, WsdDecayStyle,
 };
@@ -747,7 +747,10 @@ impl LogFile {
         self.file
             .write_all(format!("{line}\n").as_bytes())
             .map_err(|e| {
-                Failure::Message(format!("--log-file {}: cannot write: {e}", self.path.display()))
+                Failure::Message(format!(
+                    "--log-file {}: cannot write: {e}",
+                    self.path.display()
+                ))
             })
     }
 }

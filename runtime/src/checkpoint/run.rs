@@ -203,7 +203,7 @@ impl DataRecord {
                 crc32c,
             } => format!("{path} ({bytes} bytes, CRC-32C {crc32c})"),
             DataRecord::Indexed { datasets, split } => format!(
-                "--data-path {} --split {split}",
+                "indexed {} split {split}",
                 datasets
                     .iter()
                     .map(|d| if datasets.len() == 1 {

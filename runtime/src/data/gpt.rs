@@ -541,9 +541,15 @@ mod tests {
         // The shuffles of the seed (pinned: a change of the generator or
         // the seed mixing changes every run's data).
         let e0 = part.build_epoch(0);
-        assert_eq!((e0.order.as_slice(), e0.samples.as_slice()), (&[2u32, 1, 0][..], &[2u32, 0, 1, 3][..]));
+        assert_eq!(
+            (e0.order.as_slice(), e0.samples.as_slice()),
+            (&[2u32, 1, 0][..], &[2u32, 0, 1, 3][..])
+        );
         let e1 = part.build_epoch(1);
-        assert_eq!((e1.order.as_slice(), e1.samples.as_slice()), (&[2u32, 1, 0][..], &[3u32, 2, 1, 0][..]));
+        assert_eq!(
+            (e1.order.as_slice(), e1.samples.as_slice()),
+            (&[2u32, 1, 0][..], &[3u32, 2, 1, 0][..])
+        );
         // Documents 2, 1, 0 concatenated: 6 7 8 9 | 4 5 | 1 2 3. Sample s
         // is tokens 2s..2s+3: s0 = 6 7 8, s1 = 8 9 4, s2 = 4 5 1, s3 = 1 2 3.
         let (s0, s1, s2, s3) = ([6, 7, 8], [8, 9, 4], [4, 5, 1], [1, 2, 3]);
@@ -583,9 +589,13 @@ mod tests {
         let prefix = dir.prefix("tiny");
         write_u16(&prefix, &[vec![1, 2], vec![3]]);
         let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-        let m = GptPart::new(dataset, 1, 0..2, 0, 4, 5).unwrap_err().to_string();
+        let m = GptPart::new(dataset, 1, 0..2, 0, 4, 5)
+            .unwrap_err()
+            .to_string();
         assert!(
-            m.contains("tiny.idx (validation part): its 2 documents hold 3 tokens, but one sample needs 5"),
+            m.contains(
+                "tiny.idx (validation part): its 2 documents hold 3 tokens, but one sample needs 5"
+            ),
             "{m}"
         );
     }

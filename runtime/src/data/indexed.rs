@@ -680,10 +680,8 @@ pub(crate) mod by_hand {
 
     impl Scratch {
         pub fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!(
-                "hybridgen-indexed-{tag}-{}",
-                std::process::id()
-            ));
+            let dir = std::env::temp_dir()
+                .join(format!("hybridgen-indexed-{tag}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).unwrap();
             Scratch(dir)
@@ -754,7 +752,11 @@ mod tests {
         // document 0 = sequences 0 and 1, document 1 = sequence 2.
         let seqs: [&[i32]; 3] = [&[5, 70000, 2], &[], &[9, 8, 7, 6]];
         let lengths: Vec<i32> = seqs.iter().map(|s| s.len() as i32).collect();
-        let bin: Vec<u8> = seqs.iter().flat_map(|s| s.iter()).flat_map(|t| t.to_le_bytes()).collect();
+        let bin: Vec<u8> = seqs
+            .iter()
+            .flat_map(|s| s.iter())
+            .flat_map(|t| t.to_le_bytes())
+            .collect();
         let prefix = dir.prefix("int32");
         write(&prefix, &index(4, 4, &lengths, &[0, 2, 3]), &bin);
         let d = IndexedDataset::open(&prefix).unwrap();
@@ -785,8 +787,14 @@ mod tests {
         writer.finish().unwrap();
         let (hand_idx, hand_bin) = paths(&hand);
         let (idx, bin) = paths(&written);
-        assert_eq!(std::fs::read(idx).unwrap(), std::fs::read(hand_idx).unwrap());
-        assert_eq!(std::fs::read(bin).unwrap(), std::fs::read(hand_bin).unwrap());
+        assert_eq!(
+            std::fs::read(idx).unwrap(),
+            std::fs::read(hand_idx).unwrap()
+        );
+        assert_eq!(
+            std::fs::read(bin).unwrap(),
+            std::fs::read(hand_bin).unwrap()
+        );
         let d = IndexedDataset::open(&written).unwrap();
         assert_eq!(d.sequence(1).unwrap(), vec![65535]);
         // No temporary file is left behind.
@@ -816,9 +824,15 @@ mod tests {
         IndexedDataset::open(&dir.prefix("ok")).unwrap();
 
         let m = refused(&good[..20], &bin);
-        assert!(m.contains("bad.idx: the index is truncated: 20 bytes"), "{m}");
+        assert!(
+            m.contains("bad.idx: the index is truncated: 20 bytes"),
+            "{m}"
+        );
         let m = refused(&good[..good.len() - 3], &bin);
-        assert!(m.contains("bad.idx: the index is truncated: its header announces 2 sequences"), "{m}");
+        assert!(
+            m.contains("bad.idx: the index is truncated: its header announces 2 sequences"),
+            "{m}"
+        );
         let mut long = good.clone();
         long.extend([0u8; 5]);
         assert!(refused(&long, &bin).contains("has 5 bytes after"));
@@ -829,7 +843,10 @@ mod tests {
         version[9] = 2;
         assert!(refused(&version, &bin).contains("index version 2"));
         let m = refused(&index(7, 4, &[2, 3], &[0, 1, 2]), &[0; 20]);
-        assert!(m.contains("stored as float32 (dtype code 7), which cannot hold token ids"), "{m}");
+        assert!(
+            m.contains("stored as float32 (dtype code 7), which cannot hold token ids"),
+            "{m}"
+        );
         let m = refused(&index(6, 8, &[2, 3], &[0, 1, 2]), &[0; 40]);
         assert!(m.contains("float64"), "{m}");
         let m = refused(&index(9, 2, &[2, 3], &[0, 1, 2]), &bin);
@@ -846,17 +863,28 @@ mod tests {
         let m = refused(&index(8, 2, &[2, 3], &[1, 2]), &bin);
         assert!(m.contains("document-index entry 0 is 1"), "{m}");
         let m = refused(&index(8, 2, &[2, 3], &[0, 1]), &bin);
-        assert!(m.contains("the last entry must be the sequence count"), "{m}");
+        assert!(
+            m.contains("the last entry must be the sequence count"),
+            "{m}"
+        );
         let m = refused(&index(8, 2, &[2, 3], &[0, 2, 1]), &bin);
         assert!(m.contains("must not decrease"), "{m}");
         assert!(refused(&[], &bin).contains("bad.idx: the index is empty"));
         let missing = IndexedDataset::open(Path::new("/nonexistent/corpus")).unwrap_err();
-        assert!(missing.to_string().starts_with("/nonexistent/corpus.idx:"), "{missing}");
+        assert!(
+            missing.to_string().starts_with("/nonexistent/corpus.idx:"),
+            "{missing}"
+        );
         let dir = Scratch::new("dir");
         std::fs::create_dir(dir.prefix("d.idx")).unwrap();
         std::fs::write(dir.prefix("d.bin"), b"").unwrap();
-        let m = IndexedDataset::open(&dir.prefix("d")).unwrap_err().to_string();
-        assert!(m.contains("d.idx: this is a directory, not a data file"), "{m}");
+        let m = IndexedDataset::open(&dir.prefix("d"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("d.idx: this is a directory, not a data file"),
+            "{m}"
+        );
     }
 
     #[test]
@@ -868,7 +896,9 @@ mod tests {
         assert_eq!(d.check_tokens(301).unwrap(), 300);
         let m = d.check_tokens(256).unwrap_err().to_string();
         assert!(
-            m.contains("c.bin: token 1 of sequence 1 is id 300, past the model's vocabulary of 256 tokens"),
+            m.contains(
+                "c.bin: token 1 of sequence 1 is id 300, past the model's vocabulary of 256 tokens"
+            ),
             "{m}"
         );
         // A negative id in a signed dtype.
@@ -879,10 +909,16 @@ mod tests {
             .check_tokens(100)
             .unwrap_err()
             .to_string();
-        assert!(m.contains("token 1 of sequence 0 is -1, a negative id"), "{m}");
+        assert!(
+            m.contains("token 1 of sequence 0 is -1, a negative id"),
+            "{m}"
+        );
         // The writer refuses ids its dtype cannot store.
         let mut writer = IndexedWriter::create(&dir.prefix("w"), TokenDtype::U16).unwrap();
         let m = writer.add_document(&[70000]).unwrap_err().to_string();
-        assert!(m.contains("token id 70000 does not fit the uint16 tokens"), "{m}");
+        assert!(
+            m.contains("token id 70000 does not fit the uint16 tokens"),
+            "{m}"
+        );
     }
 }
