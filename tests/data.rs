@@ -574,6 +574,19 @@ fn bad_corpora_are_refused_before_any_step() {
         &args,
         "good.idx (validation part): its 1 documents hold 40 tokens, but one sample needs 65",
     );
+    // An int8 corpus cannot hold the ids of a 223-token tokenizer: it was
+    // written for another one.
+    let narrow = dir.path("narrow");
+    write_by_hand(&narrow, &docs);
+    let mut idx = std::fs::read(format!("{narrow}.idx")).unwrap();
+    idx[17] = 2;
+    std::fs::write(format!("{narrow}.idx"), idx).unwrap();
+    let big = dir.path("big.json");
+    std::fs::write(&big, tokenizer_json(200)).unwrap();
+    refused(
+        &train_args(&narrow, &["--steps", "1", "--tokenizer", &big]),
+        "narrow.idx: its tokens are int8 (ids up to 127), which cannot hold the 223 ids of --tokenizer",
+    );
     // Missing files and bad flags.
     refused(
         &train_args(&dir.path("none"), &["--steps", "1"]),

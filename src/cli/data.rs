@@ -8,7 +8,7 @@
 //! complete: a failed run leaves nothing behind.
 
 use super::{Failure, human};
-use hybridgen_runtime::data::{IndexedWriter, TokenDtype};
+use hybridgen_runtime::data::{IndexedDataset, IndexedWriter, TokenDtype};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::{BufRead, IsTerminal};
 use std::path::{Path, PathBuf};
@@ -78,8 +78,14 @@ pub(crate) fn load_tokenizer(path: &Path, flag: &str) -> Result<Tokenizer, Strin
     })
 }
 
-/// Refuses a model whose vocabulary does not cover the tokenizer's.
-pub(crate) fn check_tokenizer_fits(path: &Path, vocab: usize) -> Result<(), String> {
+/// Refuses a model whose vocabulary does not cover the tokenizer's, and
+/// indexed datasets whose token dtype cannot hold the tokenizer's ids (a
+/// corpus written for another tokenizer).
+pub(crate) fn check_tokenizer_fits(
+    path: &Path,
+    vocab: usize,
+    datasets: &[PathBuf],
+) -> Result<(), String> {
     let tokenizer = load_tokenizer(path, "--tokenizer")?;
     let needed = tokenizer.get_vocab_size(true);
     if needed > vocab {
@@ -88,6 +94,21 @@ pub(crate) fn check_tokenizer_fits(path: &Path, vocab: usize) -> Result<(), Stri
              (vocab_size); use a model with vocab_size of at least {needed}",
             path.display()
         ));
+    }
+    for prefix in datasets {
+        let dataset = IndexedDataset::open(prefix).map_err(|e| e.to_string())?;
+        let dtype = dataset.dtype();
+        if dtype.max_token() < needed as u64 - 1 {
+            return Err(format!(
+                "{}: its tokens are {} (ids up to {}), which cannot hold the {needed} ids of \
+                 --tokenizer {}; the corpus was written for another tokenizer: prepare it \
+                 again with this one (`hybridgen data prepare`)",
+                dataset.idx_name(),
+                dtype.name(),
+                dtype.max_token(),
+                path.display()
+            ));
+        }
     }
     Ok(())
 }

@@ -618,7 +618,11 @@ fn config(
         path => DataChoice::File(PathBuf::from(path)),
     };
     if let Some(path) = &args.tokenizer {
-        super::data::check_tokenizer_fits(path, config.model.vocab_size)
+        let datasets: Vec<PathBuf> = match &config.data {
+            DataChoice::Indexed(spec) => spec.blend.iter().map(|(_, p)| p.clone()).collect(),
+            _ => Vec::new(),
+        };
+        super::data::check_tokenizer_fits(path, config.model.vocab_size, &datasets)
             .map_err(Failure::Message)?;
     }
     config.eval_every = args.eval_every;
