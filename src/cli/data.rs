@@ -250,10 +250,7 @@ fn prepare(args: &PrepareArgs) -> Result<(), Failure> {
     let mut tokens = 0u64;
     let mut empty = 0u64;
     let mut ids = Vec::new();
-    loop {
-        let Some((doc, bytes)) = documents.next(&name).map_err(Failure::Message)? else {
-            break;
-        };
+    while let Some((doc, bytes)) = documents.next(&name).map_err(Failure::Message)? {
         let encoding = tokenizer.encode(doc.as_str(), false).map_err(|e| {
             Failure::Message(format!(
                 "{name}: document {} cannot be tokenized: {e}",

@@ -240,7 +240,7 @@ impl GptPart {
     /// The seed of one of an epoch's shuffles (`what`: documents or
     /// samples).
     fn shuffle_seed(&self, epoch: u64, what: u64) -> u64 {
-        let mut h = mix64(self.seed ^ 0x6770_7464_6174_61); // "gptdata"
+        let mut h = mix64(self.seed ^ 0x0067_7074_6461_7461); // "gptdata"
         for part in [self.part as u64, epoch, what] {
             h = mix64(h.wrapping_add(0x9E37_79B9_7F4A_7C15) ^ part);
         }

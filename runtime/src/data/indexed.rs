@@ -312,7 +312,7 @@ impl IndexedDataset {
                      negative (the file is corrupt)"
                 ));
             }
-            if pointer as u128 % size != 0 {
+            if !(pointer as u128).is_multiple_of(size) {
                 return bad(format!(
                     "sequence {i} starts at byte {pointer}, not a multiple of the {}-byte {} \
                      tokens (the file is corrupt)",
