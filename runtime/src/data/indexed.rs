@@ -128,6 +128,29 @@ impl TokenDtype {
         }
     }
 
+    /// Calls `f` with every token of `bytes` (whole tokens) in order; the
+    /// dtype is matched once, not per token.
+    fn for_each(self, bytes: &[u8], mut f: impl FnMut(i64)) {
+        match self {
+            TokenDtype::U8 => bytes.iter().for_each(|b| f(i64::from(*b))),
+            TokenDtype::I8 => bytes.iter().for_each(|b| f(i64::from(*b as i8))),
+            TokenDtype::I16 => bytes
+                .chunks_exact(2)
+                .for_each(|b| f(i64::from(i16::from_le_bytes([b[0], b[1]])))),
+            TokenDtype::U16 => bytes
+                .chunks_exact(2)
+                .for_each(|b| f(i64::from(u16::from_le_bytes([b[0], b[1]])))),
+            TokenDtype::I32 => bytes
+                .chunks_exact(4)
+                .for_each(|b| f(i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))),
+            TokenDtype::I64 => bytes.chunks_exact(8).for_each(|b| {
+                f(i64::from_le_bytes([
+                    b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
+                ]))
+            }),
+        }
+    }
+
     fn write(self, token: u32, out: &mut Vec<u8>) {
         match self {
             TokenDtype::U8 | TokenDtype::I8 => out.push(token as u8),
@@ -459,12 +482,16 @@ impl IndexedDataset {
                 self.sequences
             )));
         }
-        let bytes = self.sequence_bytes(i);
-        for (k, slot) in out.iter_mut().enumerate() {
-            // Token ids were checked against the vocabulary when the run
-            // was prepared ([`IndexedDataset::check_tokens`]).
-            *slot = self.dtype.read(bytes, offset + k) as u32;
-        }
+        let size = self.dtype.size();
+        let bytes = &self.sequence_bytes(i)[offset * size..(offset + out.len()) * size];
+        let mut slots = out.iter_mut();
+        // Token ids were checked against the vocabulary when the run was
+        // prepared ([`IndexedDataset::check_tokens`]).
+        self.dtype.for_each(bytes, |t| {
+            if let Some(slot) = slots.next() {
+                *slot = t as u32;
+            }
+        });
         Ok(())
     }
 
@@ -490,11 +517,10 @@ impl IndexedDataset {
             let bytes = self.sequence_bytes(i);
             let n = self.sequence_length(i);
             let (mut low, mut high) = (i64::MAX, i64::MIN);
-            for k in 0..n {
-                let t = self.dtype.read(bytes, k);
+            self.dtype.for_each(bytes, |t| {
                 low = low.min(t);
                 high = high.max(t);
-            }
+            });
             if n == 0 {
                 continue;
             }
