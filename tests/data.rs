@@ -272,7 +272,8 @@ fn a_prepared_corpus_trains_with_a_schedule_evaluation_a_log_and_a_plot() {
     // The log has the same step lines and the summary.
     let logged = std::fs::read_to_string(&log).unwrap();
     assert_eq!(steps(&logged), steps(&stdout(&out)));
-    assert!(objects(&logged).last().unwrap().get("summary").is_some());
+    let summary = objects(&logged).last().unwrap()["summary"].clone();
+    assert_eq!(summary["final_eval_loss"], step_lines[39]["eval_loss"]);
     // A second run appends.
     let out = hybridgen(&train_args(&prefix, &["--steps", "3", "--log-file", &log]));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
@@ -323,9 +324,17 @@ fn text_output_shows_the_eval_loss() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("indexed dataset"), "{text}");
-    let lines: Vec<&str> = text.lines().filter(|l| l.contains("eval loss")).collect();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("step") && l.contains("eval loss"))
+        .collect();
     assert_eq!(lines.len(), 2, "{text}");
     assert!(lines[0].starts_with("step     2"), "{text}");
+    let last = lines[1].split("eval loss ").nth(1).unwrap();
+    assert!(
+        text.contains(&format!("  eval loss       {last} (held-out data")),
+        "{text}"
+    );
 }
 
 #[test]

@@ -220,6 +220,8 @@ pub struct TrainSummary {
     pub last_step: u64,
     pub first_loss: Option<f64>,
     pub final_loss: Option<f64>,
+    /// The last evaluation's loss, when the run evaluated.
+    pub final_eval_loss: Option<f64>,
     pub entropy_floor: Option<f64>,
     pub data: String,
     pub tokens: u64,
@@ -632,7 +634,7 @@ pub fn train_on<P: Platform>(
         trace: recorder.clone(),
     };
     let (reports, received) = mpsc::channel::<StepReport>();
-    let (mut first_loss, mut final_loss) = (None, None);
+    let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);
     let started = Instant::now();
     // Reports come from the first rank this process runs (rank 0 unless
     // a launcher started one process per rank): every rank sees the same
@@ -662,6 +664,7 @@ pub fn train_on<P: Platform>(
         for report in received.iter() {
             first_loss.get_or_insert(report.loss);
             final_loss = Some(report.loss);
+            final_eval_loss = report.eval_loss.or(final_eval_loss);
             on_step(&report);
         }
         handles
@@ -715,6 +718,7 @@ pub fn train_on<P: Platform>(
         last_step,
         first_loss,
         final_loss,
+        final_eval_loss,
         entropy_floor: prepared.data.entropy_floor(),
         data: prepared.data.describe(),
         tokens,

@@ -768,6 +768,9 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
         }
         out += "\n";
     }
+    if let Some(eval) = s.final_eval_loss {
+        out += &format!("  eval loss       {eval:.4} (held-out data, at the last evaluation)\n");
+    }
     out += &format!("  data            {}\n", s.data);
     out += &format!(
         "  precision       {precision}{}\n",
@@ -824,6 +827,7 @@ fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
             "steps": s.steps,
             "last_step": s.last_step,
             "final_loss": s.final_loss,
+            "final_eval_loss": s.final_eval_loss,
             "entropy_floor": s.entropy_floor,
             "precision": precision.to_string(),
             "tokens": s.tokens,
