@@ -411,6 +411,43 @@ fn evaluation_leaves_training_untouched_and_resumes_continue_bit_exactly() {
         );
         assert_eq!(hash(&out), hash(&full), "from step {k}");
     }
+    // A resume that names another schedule is refused, naming both.
+    let out = hybridgen(&[
+        "train",
+        "--device",
+        "cpu",
+        "--resume",
+        &save,
+        "--steps",
+        "7",
+        "--lr-decay-style",
+        "cosine",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("--lr-decay-style cosine to 0 by step 7 contradicts the checkpoint")
+            && stderr(&out).contains(
+                "used --lr-decay-style wsd (exponential over the last 3 steps) to 0 by step 6"
+            ),
+        "{}",
+        stderr(&out)
+    );
+    // A constant rate is the same schedule whatever --steps says.
+    let constant = dir.path("constant");
+    let out = hybridgen(&train_args(&prefix, &["--steps", "2", "--save", &constant]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let out = hybridgen(&[
+        "train",
+        "--device",
+        "cpu",
+        "--resume",
+        &constant,
+        "--steps",
+        "3",
+        "--lr-decay-style",
+        "constant",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     // A resume that names other data is refused.
     let other = prepared(&dir, "d", 50);
     let out = hybridgen(&[

@@ -8,9 +8,8 @@ use crate::backend::{Backend, DeviceStats, Precision, Tokens};
 use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
-use crate::data::Batch;
 use crate::data::{
-    BatchKey, BatchShape, ByteFile, DataSource, IndexedSource, IndexedSpec, MarkovChain,
+    Batch, BatchKey, BatchShape, ByteFile, DataSource, IndexedSource, IndexedSpec, MarkovChain,
     SampleLayout,
 };
 use crate::device::{Device, RankContext};

@@ -662,27 +662,36 @@ fn config(
 }
 
 /// The decay flags as a schedule; the decay ends at --steps unless told.
+/// Fields the style does not use keep their defaults, so a resume that
+/// runs to another --steps does not see a schedule change that is none.
 fn lr_schedule(args: &TrainArgs) -> LrSchedule {
-    let decay_steps = args.lr_decay_steps.unwrap_or(args.steps);
-    LrSchedule {
-        decay_style: match args.lr_decay_style {
-            DecayStyleArg::Constant => LrDecayStyle::Constant,
-            DecayStyleArg::Linear => LrDecayStyle::Linear,
-            DecayStyleArg::Cosine => LrDecayStyle::Cosine,
-            DecayStyleArg::Wsd => LrDecayStyle::Wsd,
-        },
+    let decay_style = match args.lr_decay_style {
+        DecayStyleArg::Constant => LrDecayStyle::Constant,
+        DecayStyleArg::Linear => LrDecayStyle::Linear,
+        DecayStyleArg::Cosine => LrDecayStyle::Cosine,
+        DecayStyleArg::Wsd => LrDecayStyle::Wsd,
+    };
+    let mut schedule = LrSchedule {
+        decay_style,
         min_lr: args.min_lr,
-        decay_steps,
-        wsd_decay_steps: args
+        ..LrSchedule::default()
+    };
+    if decay_style == LrDecayStyle::Constant {
+        return schedule;
+    }
+    schedule.decay_steps = args.lr_decay_steps.unwrap_or(args.steps);
+    if decay_style == LrDecayStyle::Wsd {
+        schedule.wsd_decay_steps = args
             .lr_wsd_decay_steps
-            .unwrap_or((decay_steps.saturating_sub(args.warmup) / 10).max(1)),
-        wsd_decay_style: match args.lr_wsd_decay_style {
+            .unwrap_or((schedule.decay_steps.saturating_sub(args.warmup) / 10).max(1));
+        schedule.wsd_decay_style = match args.lr_wsd_decay_style {
             WsdStyleArg::Linear => WsdDecayStyle::Linear,
             WsdStyleArg::Cosine => WsdDecayStyle::Cosine,
             WsdStyleArg::Exponential => WsdDecayStyle::Exponential,
             WsdStyleArg::MinusSqrt => WsdDecayStyle::MinusSqrt,
-        },
+        };
     }
+    schedule
 }
 
 fn runtime_message(error: &RuntimeError) -> String {
