@@ -310,6 +310,114 @@ fn a_prepared_corpus_trains_with_a_schedule_evaluation_a_log_and_a_plot() {
     assert!(picture.matches("<polyline").count() >= 4, "{picture}");
 }
 
+/// GPT-2's byte-level BPE alphabet: bytes to the characters that stand
+/// for them in its vocabulary.
+fn byte_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (u32::from(b'!')..=u32::from(b'~'))
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut chars: Vec<u32> = printable.clone();
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            printable.push(b);
+            chars.push(256 + extra);
+            extra += 1;
+        }
+    }
+    let mut by_byte = vec!['?'; 256];
+    for (b, c) in printable.iter().zip(&chars) {
+        by_byte[*b as usize] = char::from_u32(*c).unwrap();
+    }
+    by_byte
+}
+
+#[test]
+fn byte_level_bpe_tokenizers_prepare_text() {
+    let dir = Scratch::new("bpe");
+    // 256 byte tokens (in GPT-2's order: printable bytes first), three
+    // merges, then <|endoftext|>.
+    let alphabet = byte_chars();
+    let mut order: Vec<u8> = (b'!'..=b'~')
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    order.extend(
+        (0..=255u8)
+            .filter(|b| !order.contains(b))
+            .collect::<Vec<_>>(),
+    );
+    let mut vocab = serde_json::Map::new();
+    for (id, b) in order.iter().enumerate() {
+        vocab.insert(alphabet[*b as usize].to_string(), Value::from(id));
+    }
+    for (id, token) in ["\u{120}t", "he", "\u{120}the", "<|endoftext|>"]
+        .iter()
+        .enumerate()
+    {
+        vocab.insert(token.to_string(), Value::from(256 + id));
+    }
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 259, "content": "<|endoftext|>", "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+            "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "vocab": vocab,
+            "merges": ["\u{120} t", "h e", "\u{120}t he"]}
+    });
+    let path = dir.path("bpe.json");
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    let text = dir.path("t.txt");
+    std::fs::write(&text, "the cat on the mat.\n\n\u{fc}\n").unwrap();
+    let prefix = dir.path("bpe");
+    let out = hybridgen(&[
+        "data",
+        "prepare",
+        "--input",
+        &text,
+        "--tokenizer",
+        &path,
+        "--output",
+        &prefix,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("vocabulary      260 tokens"),
+        "{}",
+        stdout(&out)
+    );
+    let bin = std::fs::read(format!("{prefix}.bin")).unwrap();
+    let ids: Vec<u16> = bin
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    // By hand: printable byte b has id b - 33 (t = 83); the others follow
+    // in byte order from 188 (the space, byte 32, is 220). "the" is t + the
+    // merge "he" (257), " the" the merge 258, "." has no merge, and "\u{fc}"
+    // is two bytes, 0xC3 0xBC, a token each. Every document ends with 259.
+    let id = |b: u8| order.iter().position(|x| *x == b).unwrap() as u16;
+    let mut want: Vec<u16> = vec![id(b't'), 257, id(b' '), id(b'c'), id(b'a'), id(b't')];
+    want.extend([
+        id(b' '),
+        id(b'o'),
+        id(b'n'),
+        258,
+        id(b' '),
+        id(b'm'),
+        id(b'a'),
+        id(b't'),
+        id(b'.'),
+        259,
+    ]);
+    want.extend([id(0xC3), id(0xBC), 259]);
+    assert_eq!(ids, want);
+    assert_eq!((id(b't'), id(b' ')), (83, 220));
+}
+
 #[test]
 fn text_output_shows_the_eval_loss() {
     let dir = Scratch::new("text");

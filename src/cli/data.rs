@@ -160,12 +160,19 @@ impl Documents {
                         .read_line(&mut line)
                         .map_err(|e| format!("{name}: cannot read: {e}"))?;
                     bytes += n as u64;
+                    // The line break before the blank line (or the end)
+                    // separates documents; the ones inside a document stay.
+                    let finish = |mut doc: String| {
+                        let kept = doc.trim_end_matches(['\n', '\r']).len();
+                        doc.truncate(kept);
+                        doc
+                    };
                     if n == 0 {
-                        return Ok((!doc.trim().is_empty()).then_some((doc, bytes)));
+                        return Ok((!doc.trim().is_empty()).then(|| (finish(doc), bytes)));
                     }
                     if line.trim().is_empty() {
                         if !doc.trim().is_empty() {
-                            return Ok(Some((doc, bytes)));
+                            return Ok(Some((finish(doc), bytes)));
                         }
                         continue;
                     }
