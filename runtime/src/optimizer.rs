@@ -59,6 +59,83 @@ pub struct OptimizerConfig {
     pub momentum: f32,
     /// Clip gradients to this global L2 norm; `None` disables clipping.
     pub clip_grad: Option<f32>,
+    /// How the learning rate decays after the warm-up. Checkpoints written
+    /// before the field existed kept it constant.
+    #[serde(default)]
+    pub schedule: LrSchedule,
+}
+
+/// How the learning rate decays after the warm-up (Megatron's
+/// `--lr-decay-style`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrDecayStyle {
+    /// The peak rate until the end.
+    #[default]
+    Constant,
+    /// Straight down to the minimum.
+    Linear,
+    /// Half a cosine down to the minimum.
+    Cosine,
+    /// Warm-up, stable, decay: the peak rate until the last
+    /// `wsd_decay_steps` of the decay, then down to the minimum.
+    Wsd,
+}
+
+/// The shape of a WSD schedule's final decay (Megatron's
+/// `--lr-wsd-decay-style`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WsdDecayStyle {
+    Linear,
+    Cosine,
+    /// `2 * 0.5^ratio - 1`: Megatron's default.
+    #[default]
+    Exponential,
+    MinusSqrt,
+}
+
+/// The learning-rate schedule after the warm-up, as Megatron's
+/// `OptimizerParamScheduler` computes it.
+#[derive(Clone, Debug, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct LrSchedule {
+    pub decay_style: LrDecayStyle,
+    /// The rate the decay ends at, and stays at after `decay_steps`.
+    pub min_lr: f32,
+    /// The step the decay ends at, counted from the start (warm-up
+    /// included), as Megatron's `--lr-decay-iters`.
+    pub decay_steps: u64,
+    /// WSD only: the steps of the final decay.
+    pub wsd_decay_steps: u64,
+    pub wsd_decay_style: WsdDecayStyle,
+}
+
+impl LrSchedule {
+    /// One line for messages: `cosine to 3e-4 by step 1000`.
+    pub fn describe(&self) -> String {
+        match self.decay_style {
+            LrDecayStyle::Constant => "constant".to_string(),
+            LrDecayStyle::Linear | LrDecayStyle::Cosine => format!(
+                "{} to {} by step {}",
+                if self.decay_style == LrDecayStyle::Linear {
+                    "linear"
+                } else {
+                    "cosine"
+                },
+                number(self.min_lr),
+                self.decay_steps
+            ),
+            LrDecayStyle::Wsd => format!(
+                "wsd ({:?} over the last {} steps) to {} by step {}",
+                self.wsd_decay_style,
+                self.wsd_decay_steps,
+                number(self.min_lr),
+                self.decay_steps
+            )
+            .replace("MinusSqrt", "minus-sqrt")
+            .to_lowercase(),
+        }
+    }
 }
 
 impl Default for OptimizerConfig {
@@ -73,6 +150,7 @@ impl Default for OptimizerConfig {
             weight_decay: 0.0,
             momentum: 0.0,
             clip_grad: Some(1.0),
+            schedule: LrSchedule::default(),
         }
     }
 }
@@ -117,16 +195,77 @@ impl OptimizerConfig {
                  None to turn clipping off"
             ));
         }
+        let s = &self.schedule;
+        if !(s.min_lr.is_finite() && s.min_lr >= 0.0 && s.min_lr <= self.lr) {
+            return bad(format!(
+                "the minimum learning rate (--min-lr) is {}; it must be a finite number from 0 \
+                 to the peak rate --lr {}",
+                number(s.min_lr),
+                number(self.lr)
+            ));
+        }
+        if s.decay_style != LrDecayStyle::Constant && s.decay_steps <= self.warmup_steps {
+            return bad(format!(
+                "the learning rate decays until step {} (--lr-decay-steps), which must come \
+                 after the {} warm-up steps (--warmup); give --lr-decay-steps above {}",
+                s.decay_steps, self.warmup_steps, self.warmup_steps
+            ));
+        }
+        if s.decay_style == LrDecayStyle::Wsd
+            && !(1..=s.decay_steps - self.warmup_steps).contains(&s.wsd_decay_steps)
+        {
+            return bad(format!(
+                "the WSD schedule decays over the last {} steps (--lr-wsd-decay-steps); give 1 \
+                 to {} (the steps from the end of the warm-up, {}, to --lr-decay-steps {})",
+                s.wsd_decay_steps,
+                s.decay_steps - self.warmup_steps,
+                self.warmup_steps,
+                s.decay_steps
+            ));
+        }
         Ok(())
     }
 
-    /// The learning rate at 1-based step `step`.
+    /// The learning rate of the update at 1-based step `step`: Megatron's
+    /// `OptimizerParamScheduler.get_lr` with `num_steps = step` and an
+    /// initial rate of 0 (linear warm-up from 0 reaches `lr` at step
+    /// `warmup_steps`), then the decay of [`LrSchedule`], and `min_lr` after
+    /// `decay_steps`.
     pub fn lr_at(&self, step: u64) -> f32 {
-        if self.warmup_steps == 0 || step >= self.warmup_steps {
-            self.lr
-        } else {
-            self.lr * step as f32 / self.warmup_steps as f32
+        let s = &self.schedule;
+        if self.warmup_steps > 0 && step < self.warmup_steps {
+            return self.lr * step as f32 / self.warmup_steps as f32;
         }
+        if s.decay_style == LrDecayStyle::Constant {
+            return self.lr;
+        }
+        if step > s.decay_steps {
+            return s.min_lr;
+        }
+        let (max, min) = (f64::from(self.lr), f64::from(s.min_lr));
+        let ratio = (step - self.warmup_steps) as f64
+            / s.decay_steps.saturating_sub(self.warmup_steps).max(1) as f64;
+        let cosine = |r: f64| 0.5 * ((std::f64::consts::PI * r).cos() + 1.0);
+        let coeff = match s.decay_style {
+            LrDecayStyle::Constant => 1.0,
+            LrDecayStyle::Linear => 1.0 - ratio,
+            LrDecayStyle::Cosine => cosine(ratio),
+            LrDecayStyle::Wsd => {
+                let anneal_start = s.decay_steps.saturating_sub(s.wsd_decay_steps);
+                if step <= anneal_start {
+                    1.0
+                } else {
+                    let r = (step - anneal_start) as f64 / s.wsd_decay_steps.max(1) as f64;
+                    match s.wsd_decay_style {
+                        WsdDecayStyle::Linear => 1.0 - r,
+                        WsdDecayStyle::Cosine => cosine(r),
+                        WsdDecayStyle::Exponential => 2.0 * 0.5f64.powf(r) - 1.0,
+                        WsdDecayStyle::MinusSqrt => 1.0 - r.sqrt(),
+                    }
+                }
+            }
+        };
+        (min + coeff * (max - min)) as f32
     }
 }
 
@@ -862,5 +1001,99 @@ mod tests {
             message.contains("earlier updates grew the weights"),
             "{message}"
         );
+    }
+
+    /// lr 1, min 0.1, 10 warm-up steps, decay until step 110.
+    fn scheduled(style: LrDecayStyle, wsd: WsdDecayStyle) -> OptimizerConfig {
+        OptimizerConfig {
+            lr: 1.0,
+            warmup_steps: 10,
+            schedule: LrSchedule {
+                decay_style: style,
+                min_lr: 0.1,
+                decay_steps: 110,
+                wsd_decay_steps: 20,
+                wsd_decay_style: wsd,
+            },
+            ..OptimizerConfig::default()
+        }
+    }
+
+    #[test]
+    fn schedules_equal_megatrons_formulas_at_chosen_steps() {
+        use LrDecayStyle as S;
+        use WsdDecayStyle as W;
+        let close = |got: f32, want: f64, what: &str| {
+            assert!(
+                (f64::from(got) - want).abs() < 1e-6,
+                "{what}: {got} != {want}"
+            );
+        };
+        // Megatron: warm-up lr = max_lr * num_steps / warmup; then
+        // min + coeff * (max - min) with ratio = (n - warmup) / (decay - warmup).
+        let quarter_cos = 0.5 * ((std::f64::consts::PI * 0.25).cos() + 1.0); // 0.853553
+        let cases: [(S, W, u64, f64); 17] = [
+            (S::Linear, W::Exponential, 5, 0.5),
+            (S::Linear, W::Exponential, 10, 1.0),
+            (S::Linear, W::Exponential, 60, 0.1 + 0.9 * 0.5),
+            (S::Linear, W::Exponential, 35, 0.1 + 0.9 * 0.75),
+            (S::Linear, W::Exponential, 110, 0.1),
+            (S::Linear, W::Exponential, 500, 0.1),
+            (S::Cosine, W::Exponential, 60, 0.1 + 0.9 * 0.5),
+            (S::Cosine, W::Exponential, 35, 0.1 + 0.9 * quarter_cos),
+            (S::Cosine, W::Exponential, 111, 0.1),
+            (S::Constant, W::Exponential, 3, 0.3),
+            (S::Constant, W::Exponential, 1000, 1.0),
+            // WSD: stable until 110 - 20 = 90, then r = (n - 90) / 20.
+            (S::Wsd, W::Exponential, 90, 1.0),
+            (
+                S::Wsd,
+                W::Exponential,
+                100,
+                0.1 + 0.9 * (2.0 * 0.5f64.sqrt() - 1.0),
+            ),
+            (S::Wsd, W::Linear, 100, 0.1 + 0.9 * 0.5),
+            (S::Wsd, W::Cosine, 95, 0.1 + 0.9 * quarter_cos),
+            (S::Wsd, W::MinusSqrt, 100, 0.1 + 0.9 * (1.0 - 0.5f64.sqrt())),
+            (S::Wsd, W::Exponential, 110, 0.1),
+        ];
+        for (style, wsd, step, want) in cases {
+            let config = scheduled(style, wsd);
+            config.validate().unwrap();
+            close(
+                config.lr_at(step),
+                want,
+                &format!("{style:?}/{wsd:?} at {step}"),
+            );
+        }
+        // Without a warm-up the first update already decays.
+        let mut config = scheduled(S::Linear, W::Exponential);
+        config.warmup_steps = 0;
+        close(
+            config.lr_at(11),
+            0.1 + 0.9 * (1.0 - 0.1),
+            "no warm-up at 11",
+        );
+        // Older checkpoints (no schedule field) keep the rate constant.
+        let mut value = serde_json::to_value(OptimizerConfig::default()).unwrap();
+        value.as_object_mut().unwrap().remove("schedule");
+        let old: OptimizerConfig = serde_json::from_value(value).unwrap();
+        assert_eq!(old.schedule.decay_style, S::Constant);
+    }
+
+    #[test]
+    fn impossible_schedules_are_refused() {
+        let refused = |f: &dyn Fn(&mut OptimizerConfig)| {
+            let mut c = scheduled(LrDecayStyle::Wsd, WsdDecayStyle::Linear);
+            f(&mut c);
+            c.validate().unwrap_err().to_string()
+        };
+        assert!(refused(&|c| c.schedule.min_lr = 2.0).contains("--min-lr) is 2"));
+        assert!(refused(&|c| c.schedule.min_lr = f32::NAN).contains("--min-lr"));
+        assert!(
+            refused(&|c| c.schedule.decay_steps = 10).contains("give --lr-decay-steps above 10")
+        );
+        assert!(refused(&|c| c.schedule.wsd_decay_steps = 0).contains("give 1 to 100"));
+        assert!(refused(&|c| c.schedule.wsd_decay_steps = 101).contains("--lr-wsd-decay-steps"));
     }
 }

@@ -8,7 +8,10 @@ use crate::backend::{Backend, DeviceStats, Precision, Tokens};
 use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
-use crate::data::{BatchKey, BatchShape, ByteFile, DataSource, MarkovChain};
+use crate::data::{
+    Batch, BatchKey, BatchShape, ByteFile, DataSource, IndexedSource, IndexedSpec, MarkovChain,
+    SampleLayout,
+};
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, Sharding};
@@ -19,7 +22,10 @@ use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
 use crate::platform::{
     ChosenDevice, DeviceChoice, OnPlatform, Platform, RankSettings, choose_device, with_platform,
 };
-use crate::schedule::{MicroBatchTokens, ScheduleKind, StepContext, StepReadout, build, run_step};
+use crate::schedule::{
+    MicroBatchTokens, Program, ScheduleKind, StepContext, StepReadout, build, build_forward_only,
+    run_step,
+};
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use std::collections::BTreeSet;
@@ -38,13 +44,15 @@ pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 22;
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Where tokens come from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum DataChoice {
     /// A seeded sparse Markov chain over the model's vocabulary, with a
     /// known entropy floor.
     Synthetic,
     /// A file read as bytes (tokens 0..256).
     File(PathBuf),
+    /// Megatron indexed datasets (`--data-path`), split into parts.
+    Indexed(IndexedSpec),
 }
 
 /// Everything a training run needs.
@@ -105,6 +113,11 @@ pub struct TrainConfig {
     /// everywhere), the GPUs, or `Auto` (the GPUs when a usable one is
     /// visible: `hybridgen train`'s default).
     pub device: DeviceChoice,
+    /// Evaluate every N steps: the mean loss over `eval_steps` fixed
+    /// batches of held-out data, forward only ([`StepReport::eval_loss`]).
+    pub eval_every: Option<u64>,
+    /// Batches (each `micro_batches` micro-batches per rank) per evaluation.
+    pub eval_steps: u64,
 }
 
 impl TrainConfig {
@@ -138,6 +151,8 @@ impl TrainConfig {
             memory_available: None,
             plan: None,
             device: DeviceChoice::Cpu,
+            eval_every: None,
+            eval_steps: 10,
         }
     }
 
@@ -184,6 +199,10 @@ pub struct StepReport {
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub elapsed: Duration,
+    /// The validation loss after this step's update, on steps that
+    /// evaluate (`TrainConfig::eval_every`): the mean cross-entropy over
+    /// every token of the fixed evaluation batches.
+    pub eval_loss: Option<f64>,
     /// What rank 0's device did for the step (its forward, backward and
     /// optimizer step). Host reads: one per MoE layer and micro-batch (the
     /// all-to-all's counts) and two at the step's end (the loss sums and the
@@ -200,6 +219,8 @@ pub struct TrainSummary {
     pub last_step: u64,
     pub first_loss: Option<f64>,
     pub final_loss: Option<f64>,
+    /// The last evaluation's loss, when the run evaluated.
+    pub final_eval_loss: Option<f64>,
     pub entropy_floor: Option<f64>,
     pub data: String,
     pub tokens: u64,
@@ -357,6 +378,13 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     {
         return Err(RuntimeError::OutOfMemory(refusal));
     }
+    if config.eval_every == Some(0) || (config.eval_every.is_some() && config.eval_steps == 0) {
+        return refuse(format!(
+            "--eval-every {} --eval-steps {}: both must be at least 1",
+            config.eval_every.unwrap_or(0),
+            config.eval_steps
+        ));
+    }
     let data = match &config.data {
         DataChoice::Synthetic => DataSource::Markov(MarkovChain::random(
             config.model.vocab_size,
@@ -364,6 +392,17 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             config.seed ^ 0xDA7A,
         )?),
         DataChoice::File(path) => DataSource::Bytes(ByteFile::open(path, config.model.vocab_size)?),
+        DataChoice::Indexed(spec) => DataSource::Indexed(Arc::new(IndexedSource::open(
+            spec,
+            config.model.vocab_size,
+            config.seed,
+            batch_shape(config),
+            SampleLayout {
+                ranks: config.ranks,
+                micro_batches: config.micro_batches,
+            },
+            config.eval_every.is_some(),
+        )?)),
     };
     if data.vocab() > config.model.vocab_size {
         return refuse(format!(
@@ -592,7 +631,7 @@ pub fn train_on<P: Platform>(
         trace: recorder.clone(),
     };
     let (reports, received) = mpsc::channel::<StepReport>();
-    let (mut first_loss, mut final_loss) = (None, None);
+    let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);
     let started = Instant::now();
     // Reports come from the first rank this process runs (rank 0 unless
     // a launcher started one process per rank): every rank sees the same
@@ -622,6 +661,7 @@ pub fn train_on<P: Platform>(
         for report in received.iter() {
             first_loss.get_or_insert(report.loss);
             final_loss = Some(report.loss);
+            final_eval_loss = report.eval_loss.or(final_eval_loss);
             on_step(&report);
         }
         handles
@@ -675,6 +715,7 @@ pub fn train_on<P: Platform>(
         last_step,
         first_loss,
         final_loss,
+        final_eval_loss,
         entropy_floor: prepared.data.entropy_floor(),
         data: prepared.data.describe(),
         tokens,
@@ -778,6 +819,9 @@ fn run_rank<D: Device>(
         step = resume.step();
     }
     let shape = batch_shape(config);
+    let eval_program = config
+        .eval_every
+        .map(|_| build_forward_only(&plan.schedule, config.micro_batches));
     let save = prepared.checkpoints.save.as_ref();
     // The newest step in the save root: the end of the run saves unless
     // this step is there already.
@@ -795,16 +839,7 @@ fn run_rank<D: Device>(
                 dp_rank: r,
                 micro_batch: mb,
             };
-            let batch = prepared.data.batch(key, shape)?;
-            // Head 0: the next token; head k (MTP depth k): rolled by k
-            // inside the sample, the last k positions masked.
-            let mut targets = vec![batch.all_targets()?];
-            targets.extend((1..=depths).map(|k| batch.mtp_targets(k)));
-            Ok(MicroBatchTokens {
-                inputs: batch.all_inputs(),
-                targets,
-                mtp_inputs: (1..=depths).map(|k| batch.mtp_inputs(k)).collect(),
-            })
+            micro_batch_tokens(&prepared.data.batch(key, shape)?, depths)
         };
         let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         let totals = &cx.totals;
@@ -856,7 +891,22 @@ fn run_rank<D: Device>(
             cx.balance.update(&loads)?;
         }
         let device = rank.backend.stats() - counted;
+        let elapsed = started.elapsed();
         step += 1;
+        let eval_loss = match (&eval_program, config.eval_every) {
+            (Some(program), Some(every)) if step % every == 0 => {
+                let eval = Evaluation {
+                    program,
+                    cx: &cx,
+                    data: &prepared.data,
+                    shape,
+                    seed: config.seed,
+                    batches: config.eval_steps,
+                };
+                Some(eval.run(&mut engine, &rank)?)
+            }
+            _ => None,
+        };
         if let Some(reports) = &reports {
             // The receiver only goes away when the caller stopped listening.
             let _ = reports.send(StepReport {
@@ -865,7 +915,8 @@ fn run_rank<D: Device>(
                 mtp_loss,
                 aux_loss,
                 grad_norm,
-                elapsed: started.elapsed(),
+                elapsed,
+                eval_loss,
                 device,
             });
         }
@@ -882,6 +933,67 @@ fn run_rank<D: Device>(
         checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
     }
     param_hash(&plan, &engine, &rank)
+}
+
+/// A micro-batch's inputs and targets (and MTP inputs) from its batch.
+/// Head 0's tokens (the next token), and for MTP depth k the inputs and
+/// targets rolled by k inside the sample, the last k positions masked.
+fn micro_batch_tokens(batch: &Batch, depths: usize) -> Result<MicroBatchTokens> {
+    let mut targets = vec![batch.all_targets()?];
+    targets.extend((1..=depths).map(|k| batch.mtp_targets(k)));
+    Ok(MicroBatchTokens {
+        inputs: batch.all_inputs(),
+        targets,
+        mtp_inputs: (1..=depths).map(|k| batch.mtp_inputs(k)).collect(),
+    })
+}
+
+/// One evaluation: the forward of `batches` fixed evaluation batches
+/// (each `micro_batches` micro-batches per rank).
+///
+/// Forward only: the program takes no gradient buffer and reduces nothing,
+/// and the optimizer does not run, so the weights, the optimizer state and
+/// the training stream (a function of the step) are as they were. The
+/// gradient accumulators it leaves zeroed are zeroed again by the next
+/// step's start. Collective: every rank evaluates at the same steps.
+struct Evaluation<'a, D: Device> {
+    program: &'a Program,
+    cx: &'a Arc<StepContext<D>>,
+    data: &'a DataSource,
+    shape: BatchShape,
+    seed: u64,
+    batches: u64,
+}
+
+impl<D: Device> Evaluation<'_, D> {
+    /// The mean main-head cross-entropy over every token of the batches,
+    /// every rank's included: the same value on every rank.
+    fn run(&self, engine: &mut FsdpEngine<D>, rank: &RankContext<D>) -> Result<f64> {
+        let depths = self.cx.model.plan.mtp_depths();
+        let (mut sum, mut count) = (0.0f64, 0.0f64);
+        for k in 0..self.batches {
+            let mut micro_batch = |mb: usize| -> Result<MicroBatchTokens> {
+                let key = BatchKey {
+                    seed: self.seed,
+                    step: k,
+                    dp_rank: rank.rank,
+                    micro_batch: mb,
+                };
+                micro_batch_tokens(&self.data.eval_batch(key, self.shape)?, depths)
+            };
+            let counts = run_step(self.program, self.cx, engine, rank, &mut micro_batch)?;
+            let losses = self.cx.totals.read(&rank.backend, &counts)?.losses;
+            let all = rank
+                .host
+                .all_gather_host(&[losses.main.0, losses.main.1 as f64])?;
+            // Added in rank order: the same bits on every rank.
+            for mine in &all {
+                sum += mine.first().copied().unwrap_or(0.0);
+                count += mine.get(1).copied().unwrap_or(0.0);
+            }
+        }
+        Ok(sum / count.max(1.0))
+    }
 }
 
 /// FNV-1a over every parameter's bits in plan order, experts once per EP

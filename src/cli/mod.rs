@@ -1,14 +1,16 @@
-//! The `hybridgen` command line: `check`, `plan`, `explain`, `preset` and
-//! `train`. Every command calls the same library functions the `model!` macro
+//! The `hybridgen` command line: `check`, `plan`, `explain`, `preset`,
+//! `train`, `data prepare` and `plot`. Every command calls the same library functions the `model!` macro
 //! and build scripts use, so they cannot disagree.
 //!
 //! Exit codes: 0 success, 1 invalid input (a bad pattern, model or layout,
 //! reported with codes), 2 usage errors (bad flags).
 
 mod check;
+mod data;
 mod explain;
 mod human;
 pub mod plan;
+mod plot;
 mod preset;
 mod train;
 
@@ -45,6 +47,12 @@ enum Command {
     /// Train a model (default: the `tiny` preset, synthetic data, 2 CPU
     /// thread ranks, expert parallelism 2, the overlap schedule, ZeRO-3).
     Train(Box<train::TrainArgs>),
+    /// Prepare training data: `data prepare` tokenizes text into a Megatron
+    /// indexed dataset.
+    Data(data::DataArgs),
+    /// Draw the loss and eval-loss curves of `train --log-file` logs into
+    /// an SVG.
+    Plot(plot::PlotArgs),
 }
 
 /// Why a command failed.
@@ -147,6 +155,8 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
         Command::Explain(args) => explain::run(&args),
         Command::Preset(args) => preset::run(&args),
         Command::Train(args) => train::run(&args, matches.subcommand_matches("train")),
+        Command::Data(args) => data::run(&args),
+        Command::Plot(args) => plot::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

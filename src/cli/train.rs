@@ -7,8 +7,11 @@ use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
+use hybridgen_runtime::data::{IndexedSpec, Split};
 use hybridgen_runtime::fsdp::Sharding;
-use hybridgen_runtime::optimizer::{OptimizerConfig, OptimizerKind};
+use hybridgen_runtime::optimizer::{
+    LrDecayStyle, LrSchedule, OptimizerConfig, OptimizerKind, WsdDecayStyle,
+};
 use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, choose_device};
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
@@ -83,6 +86,19 @@ pub(crate) struct TrainArgs {
     /// path (bytes as tokens).
     #[arg(long, value_name = "synthetic|FILE", default_value = "synthetic")]
     data: String,
+    /// Megatron indexed datasets (PREFIX.idx + PREFIX.bin, e.g. from
+    /// `hybridgen data prepare`): one PREFIX, or a weighted blend `0.3 A
+    /// 0.7 B`, as Megatron's flag takes it. Replaces --data.
+    #[arg(long, value_name = "[WEIGHT] PREFIX", num_args = 1.., conflicts_with = "data")]
+    data_path: Vec<String>,
+    /// How --data-path's documents are split into train, validation and
+    /// test parts (relative sizes; a part given a size must get a document).
+    #[arg(long, value_name = "TRAIN,VALID,TEST", default_value = "969,30,1", value_parser = split_arg)]
+    split: Split,
+    /// The tokenizer.json the data was prepared with: the run refuses to
+    /// start when the model's vocabulary does not cover it.
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
     /// Seed of initialisation and data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -94,6 +110,25 @@ pub(crate) struct TrainArgs {
     /// Linear warm-up steps.
     #[arg(long, default_value_t = 0)]
     warmup: u64,
+    /// The decay after the warm-up, as Megatron's: `constant`, or
+    /// `linear`, `cosine` or `wsd` (warm-up, stable, decay) down to
+    /// --min-lr at --lr-decay-steps.
+    #[arg(long, value_enum, default_value = "constant")]
+    lr_decay_style: DecayStyleArg,
+    /// The learning rate the decay ends at (0 to --lr).
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = min_lr)]
+    min_lr: f32,
+    /// The step the decay reaches --min-lr (warm-up included) [default:
+    /// --steps].
+    #[arg(long, value_name = "N")]
+    lr_decay_steps: Option<u64>,
+    /// `wsd`: the final steps over which the rate falls [default: a tenth
+    /// of the steps after the warm-up].
+    #[arg(long, value_name = "N")]
+    lr_wsd_decay_steps: Option<u64>,
+    /// `wsd`: the shape of the final decay.
+    #[arg(long, value_enum, default_value = "exponential")]
+    lr_wsd_decay_style: WsdStyleArg,
     /// Decoupled weight decay (matrices only; 0 or above).
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true, value_parser = weight_decay)]
     weight_decay: f32,
@@ -129,6 +164,18 @@ pub(crate) struct TrainArgs {
     /// Print a loss line every N steps (text format).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
+    /// Evaluate every N steps: the loss on held-out data (--data-path's
+    /// validation part; for other data, fixed batches the run never trains
+    /// on), forward only, printed and in the JSON lines as "eval_loss".
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    eval_every: Option<u64>,
+    /// Batches per evaluation (each as large as a training step's).
+    #[arg(long, value_name = "K", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), requires = "eval_every")]
+    eval_steps: u64,
+    /// Append every step's JSON line (and the summary's) to FILE, whatever
+    /// --format says; `hybridgen plot FILE` draws its curves.
+    #[arg(long, value_name = "FILE")]
+    log_file: Option<PathBuf>,
     /// Seconds a rank waits for its peers before reporting them stalled (1
     /// to 604800, a week).
     #[arg(long, default_value_t = 60, allow_hyphen_values = true, value_parser = timeout_seconds)]
@@ -157,6 +204,22 @@ enum DeviceArg {
 enum PrecisionArg {
     F32,
     Bf16,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum DecayStyleArg {
+    Constant,
+    Linear,
+    Cosine,
+    Wsd,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum WsdStyleArg {
+    Linear,
+    Cosine,
+    Exponential,
+    MinusSqrt,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -192,6 +255,18 @@ fn learning_rate(value: &str) -> Result<f32, String> {
         |v| v > 0.0,
         "a finite learning rate above 0 (e.g. 3e-3)",
     )
+}
+
+fn min_lr(value: &str) -> Result<f32, String> {
+    float_in(
+        value,
+        |v| v >= 0.0,
+        "a finite learning rate of 0 or more, at most --lr",
+    )
+}
+
+fn split_arg(value: &str) -> Result<Split, String> {
+    Split::parse(value)
 }
 
 fn weight_decay(value: &str) -> Result<f32, String> {
@@ -347,13 +422,21 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         None
     };
     let mut output_error = None;
+    let mut log = args
+        .log_file
+        .as_deref()
+        .map(LogFile::open)
+        .transpose()
+        .map_err(|e| e.coded("io", json))?;
     let mut on_step = |report: &StepReport| {
         let line = if text {
             if let Some(bar) = &bar {
                 bar.set_message(format!("{:.4}", report.loss));
                 bar.inc(1);
             }
-            let due = report.step.is_multiple_of(args.log_every) || report.step == config.steps;
+            let due = report.step.is_multiple_of(args.log_every)
+                || report.step == config.steps
+                || report.eval_loss.is_some();
             due.then(|| {
                 let mut line = format!(
                     "step {:>5}  loss {:.4}  grad norm {:.3}  {:.0} ms",
@@ -368,22 +451,24 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
                 if report.aux_loss != 0.0 {
                     line += &format!("  aux {:.4}", report.aux_loss);
                 }
+                if let Some(eval) = report.eval_loss {
+                    line += &format!("  eval loss {eval:.4}");
+                }
                 line
             })
         } else {
-            // Shortest round-trip formatting: equal strings mean equal bits.
-            Some(
-                json!({
-                    "step": report.step,
-                    "loss": report.loss,
-                    "mtp_loss": report.mtp_loss,
-                    "aux_loss": report.aux_loss,
-                    "grad_norm": report.grad_norm,
-                    "step_ms": report.elapsed.as_secs_f64() * 1e3,
-                })
-                .to_string(),
-            )
+            Some(step_json(report, &config.optimizer))
         };
+        if let Some(log) = &mut log {
+            let json = if text {
+                step_json(report, &config.optimizer)
+            } else {
+                line.clone().unwrap_or_default()
+            };
+            if let Err(e) = log.append(&json) {
+                output_error.get_or_insert(e);
+            }
+        }
         if let Some(line) = line {
             let written = match &bar {
                 Some(bar) => {
@@ -409,6 +494,10 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         message: runtime_message(&e),
         json,
     })?;
+    if let Some(log) = &mut log {
+        log.append(&summary_json(&summary, config.precision).to_string())
+            .map_err(|e| e.coded("io", json))?;
+    }
     if text {
         super::emit(&summary_text(&summary, config.precision))
     } else {
@@ -421,7 +510,7 @@ fn arg_ids(setting: RunSetting) -> &'static [&'static str] {
     match setting {
         RunSetting::Model => &["preset", "model", "pattern"],
         RunSetting::Seed => &["seed"],
-        RunSetting::Data => &["data"],
+        RunSetting::Data => &["data", "data_path", "split"],
         RunSetting::MicroBatches => &["micro_batches"],
         RunSetting::MicroBatchSize => &["micro_batch_size"],
         RunSetting::SeqLength => &["seq_len"],
@@ -430,6 +519,13 @@ fn arg_ids(setting: RunSetting) -> &'static [&'static str] {
         RunSetting::Warmup => &["warmup"],
         RunSetting::WeightDecay => &["weight_decay"],
         RunSetting::ClipGrad => &["clip_grad"],
+        RunSetting::LrSchedule => &[
+            "lr_decay_style",
+            "min_lr",
+            "lr_decay_steps",
+            "lr_wsd_decay_steps",
+            "lr_wsd_decay_style",
+        ],
         RunSetting::Beta1 | RunSetting::Beta2 | RunSetting::Eps | RunSetting::Momentum => &[],
         RunSetting::Ranks => &["ranks"],
         RunSetting::Ep => &["ep"],
@@ -510,6 +606,9 @@ fn config(
         None => Precision::F32,
     };
     config.data = match args.data.as_str() {
+        _ if !args.data_path.is_empty() => DataChoice::Indexed(
+            IndexedSpec::parse(&args.data_path, args.split.clone()).map_err(Failure::Message)?,
+        ),
         "synthetic" => DataChoice::Synthetic,
         "" => {
             return Err(Failure::Message(
@@ -518,6 +617,16 @@ fn config(
         }
         path => DataChoice::File(PathBuf::from(path)),
     };
+    if let Some(path) = &args.tokenizer {
+        let datasets: Vec<PathBuf> = match &config.data {
+            DataChoice::Indexed(spec) => spec.blend.iter().map(|(_, p)| p.clone()).collect(),
+            _ => Vec::new(),
+        };
+        super::data::check_tokenizer_fits(path, config.model.vocab_size, &datasets)
+            .map_err(Failure::Message)?;
+    }
+    config.eval_every = args.eval_every;
+    config.eval_steps = args.eval_steps;
     config.seed = args.seed;
     config.optimizer = OptimizerConfig {
         kind: match args.optimizer {
@@ -526,6 +635,7 @@ fn config(
         },
         lr: args.lr,
         warmup_steps: args.warmup,
+        schedule: lr_schedule(args),
         weight_decay: args.weight_decay,
         clip_grad: (args.clip_grad > 0.0).then_some(args.clip_grad),
         ..OptimizerConfig::default()
@@ -551,10 +661,110 @@ fn config(
     Ok((config, device))
 }
 
+/// The decay flags as a schedule; the decay ends at --steps unless told.
+/// Fields the style does not use keep their defaults, so a resume that
+/// runs to another --steps does not see a schedule change that is none.
+fn lr_schedule(args: &TrainArgs) -> LrSchedule {
+    let decay_style = match args.lr_decay_style {
+        DecayStyleArg::Constant => LrDecayStyle::Constant,
+        DecayStyleArg::Linear => LrDecayStyle::Linear,
+        DecayStyleArg::Cosine => LrDecayStyle::Cosine,
+        DecayStyleArg::Wsd => LrDecayStyle::Wsd,
+    };
+    let mut schedule = LrSchedule {
+        decay_style,
+        min_lr: args.min_lr,
+        ..LrSchedule::default()
+    };
+    if decay_style == LrDecayStyle::Constant {
+        return schedule;
+    }
+    schedule.decay_steps = args.lr_decay_steps.unwrap_or(args.steps);
+    if decay_style == LrDecayStyle::Wsd {
+        schedule.wsd_decay_steps = args
+            .lr_wsd_decay_steps
+            .unwrap_or((schedule.decay_steps.saturating_sub(args.warmup) / 10).max(1));
+        schedule.wsd_decay_style = match args.lr_wsd_decay_style {
+            WsdStyleArg::Linear => WsdDecayStyle::Linear,
+            WsdStyleArg::Cosine => WsdDecayStyle::Cosine,
+            WsdStyleArg::Exponential => WsdDecayStyle::Exponential,
+            WsdStyleArg::MinusSqrt => WsdDecayStyle::MinusSqrt,
+        };
+    }
+    schedule
+}
+
 fn runtime_message(error: &RuntimeError) -> String {
     match error {
         RuntimeError::Unsupported(m) => format!("cannot train this configuration:\n{m}"),
         other => other.to_string(),
+    }
+}
+
+/// A step's JSON line. Shortest round-trip formatting: equal strings mean
+/// equal bits. `eval_loss` only on steps that evaluated.
+fn step_json(report: &StepReport, optimizer: &OptimizerConfig) -> String {
+    let lr = optimizer.lr_at(report.step);
+    // The f32 rate as people write it (0.0006, not 0.0006000000284984708).
+    let lr_json = lr.to_string().parse::<f64>().unwrap_or(f64::from(lr));
+    let mut value = json!({
+        "step": report.step,
+        "loss": report.loss,
+        "mtp_loss": report.mtp_loss,
+        "aux_loss": report.aux_loss,
+        "grad_norm": report.grad_norm,
+        "lr": lr_json,
+        "step_ms": report.elapsed.as_secs_f64() * 1e3,
+    });
+    if let Some(eval) = report.eval_loss {
+        value["eval_loss"] = json!(eval);
+    }
+    value.to_string()
+}
+
+/// `--log-file`: JSON lines appended, each flushed as it is written, so a
+/// run that stops keeps every line before it.
+struct LogFile {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl LogFile {
+    fn open(path: &std::path::Path) -> Result<Self, Failure> {
+        let name = path.display();
+        if path.as_os_str().is_empty() {
+            return Err(Failure::Message(
+                "--log-file is empty: give a file such as run.jsonl".into(),
+            ));
+        }
+        if path.is_dir() {
+            return Err(Failure::Message(format!(
+                "--log-file {name}: this is a directory; give a file such as {name}/run.jsonl"
+            )));
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| Failure::Message(format!("--log-file {name}: cannot open it: {e}")))?;
+        Ok(LogFile {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    fn append(&mut self, line: &str) -> Result<(), Failure> {
+        use std::io::Write;
+        // One write per line: concurrent appenders never interleave inside
+        // a line.
+        self.file
+            .write_all(format!("{line}\n").as_bytes())
+            .map_err(|e| {
+                Failure::Message(format!(
+                    "--log-file {}: cannot write: {e}",
+                    self.path.display()
+                ))
+            })
     }
 }
 
@@ -566,6 +776,9 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
             out += &format!("  (data entropy floor {floor:.4})");
         }
         out += "\n";
+    }
+    if let Some(eval) = s.final_eval_loss {
+        out += &format!("  eval loss       {eval:.4} (held-out data, at the last evaluation)\n");
     }
     out += &format!("  data            {}\n", s.data);
     out += &format!(
@@ -623,6 +836,7 @@ fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
             "steps": s.steps,
             "last_step": s.last_step,
             "final_loss": s.final_loss,
+            "final_eval_loss": s.final_eval_loss,
             "entropy_floor": s.entropy_floor,
             "precision": precision.to_string(),
             "tokens": s.tokens,

@@ -11,6 +11,7 @@
 use super::crc32c::{Crc32c, hex};
 use super::index::CheckpointIndex;
 use crate::backend::Precision;
+use crate::data::{IndexedDataset, IndexedSpec, Split};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
 use crate::optimizer::{OptimizerConfig, OptimizerKind};
@@ -79,7 +80,27 @@ pub enum DataRecord {
         bytes: u64,
         crc32c: String,
     },
+    /// Megatron indexed datasets: each known by its index's checksum and
+    /// its token file's length (checksumming a corpus of many gigabytes at
+    /// every resume would take minutes; the index pins every sequence's
+    /// place and length).
+    Indexed {
+        datasets: Vec<IndexedRecord>,
+        split: String,
+    },
 }
+
+/// One dataset of an indexed blend.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IndexedRecord {
+    pub weight: f64,
+    pub prefix: String,
+    pub idx_crc32c: String,
+    pub bin_bytes: u64,
+}
+
+// Weights are parsed from text, never NaN.
+impl Eq for IndexedRecord {}
 
 impl DataRecord {
     /// Records `choice`, reading a file once to checksum it.
@@ -106,7 +127,41 @@ impl DataRecord {
                     crc32c: hex(crc.finish()),
                 })
             }
+            DataChoice::Indexed(spec) => {
+                let datasets = spec
+                    .blend
+                    .iter()
+                    .map(|(weight, prefix)| {
+                        let dataset = IndexedDataset::open(prefix)?;
+                        Ok(IndexedRecord {
+                            weight: *weight,
+                            prefix: prefix.to_string_lossy().into_owned(),
+                            idx_crc32c: hex(super::crc32c::crc32c(dataset.index_bytes())),
+                            bin_bytes: dataset.bin_bytes(),
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                Ok(DataRecord::Indexed {
+                    datasets,
+                    split: spec.split.text().to_string(),
+                })
+            }
         }
+    }
+
+    /// The data choice that reads this record's data.
+    fn choice(&self) -> Result<DataChoice> {
+        Ok(match self {
+            DataRecord::Synthetic => DataChoice::Synthetic,
+            DataRecord::File { path, .. } => DataChoice::File(PathBuf::from(path)),
+            DataRecord::Indexed { datasets, split } => DataChoice::Indexed(IndexedSpec {
+                blend: datasets
+                    .iter()
+                    .map(|d| (d.weight, PathBuf::from(&d.prefix)))
+                    .collect(),
+                split: Split::parse(split).map_err(RuntimeError::InvalidArgument)?,
+            }),
+        })
     }
 
     fn same_data(&self, other: &DataRecord) -> bool {
@@ -120,6 +175,21 @@ impl DataRecord {
                     ..
                 },
             ) => bytes == b2 && crc32c == c2,
+            (
+                DataRecord::Indexed { datasets, split },
+                DataRecord::Indexed {
+                    datasets: d2,
+                    split: s2,
+                },
+            ) => {
+                split == s2
+                    && datasets.len() == d2.len()
+                    && datasets.iter().zip(d2).all(|(a, b)| {
+                        a.weight == b.weight
+                            && a.idx_crc32c == b.idx_crc32c
+                            && a.bin_bytes == b.bin_bytes
+                    })
+            }
             _ => false,
         }
     }
@@ -132,6 +202,18 @@ impl DataRecord {
                 bytes,
                 crc32c,
             } => format!("{path} ({bytes} bytes, CRC-32C {crc32c})"),
+            DataRecord::Indexed { datasets, split } => format!(
+                "indexed {} split {split}",
+                datasets
+                    .iter()
+                    .map(|d| if datasets.len() == 1 {
+                        format!("{} (index CRC-32C {})", d.prefix, d.idx_crc32c)
+                    } else {
+                        format!("{} {} (index CRC-32C {})", d.weight, d.prefix, d.idx_crc32c)
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
         }
     }
 }
@@ -152,6 +234,8 @@ pub enum RunSetting {
     Warmup,
     WeightDecay,
     ClipGrad,
+    /// The decay after the warm-up: style, minimum rate, decay steps.
+    LrSchedule,
     Beta1,
     Beta2,
     Eps,
@@ -164,7 +248,7 @@ pub enum RunSetting {
 }
 
 impl RunSetting {
-    pub const ALL: [RunSetting; 20] = [
+    pub const ALL: [RunSetting; 21] = [
         RunSetting::Model,
         RunSetting::Seed,
         RunSetting::Data,
@@ -176,6 +260,7 @@ impl RunSetting {
         RunSetting::Warmup,
         RunSetting::WeightDecay,
         RunSetting::ClipGrad,
+        RunSetting::LrSchedule,
         RunSetting::Beta1,
         RunSetting::Beta2,
         RunSetting::Eps,
@@ -202,6 +287,7 @@ impl RunSetting {
             RunSetting::Warmup => "--warmup",
             RunSetting::WeightDecay => "--weight-decay",
             RunSetting::ClipGrad => "--clip-grad",
+            RunSetting::LrSchedule => "--lr-decay-style",
             RunSetting::Beta1 => "TrainConfig.optimizer.beta1",
             RunSetting::Beta2 => "TrainConfig.optimizer.beta2",
             RunSetting::Eps => "TrainConfig.optimizer.eps",
@@ -293,10 +379,7 @@ impl Settler<'_> {
     fn data(&mut self) -> Result<Option<DataRecord>> {
         let theirs = &self.index.run.data;
         if self.inherits(RunSetting::Data) {
-            let choice = match theirs {
-                DataRecord::Synthetic => DataChoice::Synthetic,
-                DataRecord::File { path, .. } => DataChoice::File(PathBuf::from(path)),
-            };
+            let choice = theirs.choice()?;
             let now = DataRecord::of(&choice).map_err(|e| {
                 RuntimeError::Unsupported(format!(
                     "the checkpoint {} trained on {}, which cannot be read now ({e}); give --data with that file",
@@ -391,6 +474,12 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
         &o.clip_grad,
         |v| v.map_or("0 (off)".to_string(), |c| c.to_string()),
         |c| &mut c.optimizer.clip_grad,
+    )?;
+    s.setting(
+        RunSetting::LrSchedule,
+        &o.schedule,
+        |v| v.describe(),
+        |c| &mut c.optimizer.schedule,
     )?;
     s.setting(
         RunSetting::Beta1,

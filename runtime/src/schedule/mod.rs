@@ -6,5 +6,5 @@ mod program;
 mod state;
 
 pub use executor::{StepContext, run_step};
-pub use program::{BackwardPiece, Instr, Program, ScheduleKind, build};
+pub use program::{BackwardPiece, Instr, Program, ScheduleKind, build, build_forward_only};
 pub use state::{MicroBatchTokens, StepLosses, StepReadout, StepTotals};

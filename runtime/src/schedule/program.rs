@@ -422,6 +422,22 @@ pub fn build(
     Ok(layout(schedule, micro_batches, kind))
 }
 
+/// A forward-only program for evaluation: each micro-batch runs every
+/// forward slot of every node, in order, and is retired; nothing runs
+/// backward, takes a gradient buffer or reduces. Units are acquired and
+/// released (with the next one prefetched) as in a training forward.
+pub fn build_forward_only(schedule: &SchedulePlan, micro_batches: usize) -> Program {
+    let nodes = &schedule.nodes;
+    let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
+    let mut b = ProgramBuilder::new(nodes.iter().map(|n| n.unit).collect(), shapes);
+    if micro_batches > 0 {
+        b.forward_all(0);
+        b.instrs.push(Instr::Retire { mb: 0 });
+        b.end_block(0, micro_batches);
+    }
+    b.finish(ScheduleKind::Plain, micro_batches)
+}
+
 fn layout(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) -> Program {
     let nodes = &schedule.nodes;
     let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
@@ -712,6 +728,57 @@ mod tests {
         let mut model = ModelConfig::preset("tiny").unwrap();
         model.pattern = pattern.to_string();
         Plan::new(&model, &PlanOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn forward_only_programs_run_every_forward_slot_and_nothing_else() {
+        for pattern in ["M[*E]M-[*E]", "M*-/*E", "[M*]"] {
+            let plan = plan(pattern);
+            let program = build_forward_only(&plan.schedule, 3);
+            let instrs: Vec<Instr> = program.instrs().collect();
+            let mut refs = vec![0isize; plan.units.len()];
+            for mb in 0..3 {
+                let forwards: Vec<(usize, Slot)> = instrs
+                    .iter()
+                    .filter_map(|x| match *x {
+                        Instr::Forward { mb: m, node, slot } if m == mb => Some((node, slot)),
+                        _ => None,
+                    })
+                    .collect();
+                let expected: Vec<(usize, Slot)> = plan
+                    .schedule
+                    .nodes
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, n)| NodeShape::of(n).forward_slots().map(move |s| (i, s)))
+                    .collect();
+                assert_eq!(forwards, expected, "{pattern} mb {mb}");
+                let retire = instrs.iter().position(|x| *x == Instr::Retire { mb });
+                let last = instrs
+                    .iter()
+                    .rposition(|x| matches!(x, Instr::Forward { mb: m, .. } if *m == mb));
+                assert!(last < retire, "{pattern} mb {mb}");
+            }
+            for instr in &instrs {
+                match *instr {
+                    Instr::Acquire { unit } => refs[unit] += 1,
+                    Instr::Release { unit } => {
+                        refs[unit] -= 1;
+                        assert!(refs[unit] >= 0, "{pattern}: released twice");
+                    }
+                    Instr::Forward { node, .. } => {
+                        if let Some(u) = plan.schedule.nodes[node].unit {
+                            assert!(refs[u] > 0, "{pattern}: unit {u} not acquired");
+                        }
+                    }
+                    Instr::Retire { .. } => {}
+                    other => panic!("{pattern}: a forward-only program has {other:?}"),
+                }
+            }
+            assert!(refs.iter().all(|&r| r == 0), "{pattern}: {refs:?}");
+            assert_eq!(program.max_grad_buffers, 0);
+            assert_eq!(program.in_flight(), 1);
+        }
     }
 
     /// Every micro-batch runs every non-empty slot and piece exactly once,

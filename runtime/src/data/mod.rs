@@ -8,6 +8,9 @@
 //!   [`MarkovChain::entropy_floor`]. Windows start in the stationary
 //!   distribution, so every position of every window has that floor.
 //! - [`ByteFile`]: a file's bytes as tokens 0..256.
+//! - [`IndexedSource`]: Megatron's indexed datasets ([`indexed`]), one or a
+//!   weighted blend, split into train and validation parts and cut into
+//!   samples as Megatron's GPT dataset does ([`gpt`]).
 //!
 //! A [`Batch`] is a function of (seed, step, data-parallel rank, micro-batch)
 //! alone ([`BatchKey`]): resuming at step k reproduces exactly the batches
@@ -15,6 +18,16 @@
 //! a sample of `seq + 1` tokens: inputs and next-token targets.
 //! Multi-token prediction reads inside the sample, as Megatron rolls it
 //! ([`Batch::mtp_inputs`], [`Batch::mtp_targets`]).
+//!
+//! Evaluation batches ([`DataSource::eval_batch`]) are a fixed set: the
+//! validation part of indexed data, or for the other sources batches of
+//! their own stream under a seed training never uses.
+
+pub mod gpt;
+pub mod indexed;
+
+pub use gpt::{Blend, GptPart, IndexedSpec, Split};
+pub use indexed::{IndexedDataset, IndexedWriter, TokenDtype};
 
 use crate::backend::{IGNORE_TARGET, Tokens};
 use crate::error::{Result, RuntimeError};
@@ -561,7 +574,7 @@ enum ByteStore {
 pub const BYTE_VOCAB: usize = 256;
 
 /// What `metadata` says a path is, for refusing what is not a data file.
-fn kind_of(file_type: &std::fs::FileType) -> &'static str {
+pub(crate) fn kind_of(file_type: &std::fs::FileType) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;
@@ -734,6 +747,7 @@ fn read_exact_at(file: &std::fs::File, mut buf: &mut [u8], mut offset: u64) -> s
 pub enum DataSource {
     Markov(MarkovChain),
     Bytes(ByteFile),
+    Indexed(Arc<IndexedSource>),
 }
 
 impl DataSource {
@@ -742,6 +756,7 @@ impl DataSource {
         match self {
             DataSource::Markov(chain) => chain.vocab(),
             DataSource::Bytes(_) => BYTE_VOCAB,
+            DataSource::Indexed(source) => source.vocab,
         }
     }
 
@@ -749,7 +764,7 @@ impl DataSource {
     pub fn entropy_floor(&self) -> Option<f64> {
         match self {
             DataSource::Markov(chain) => Some(chain.entropy_floor()),
-            DataSource::Bytes(_) => None,
+            DataSource::Bytes(_) | DataSource::Indexed(_) => None,
         }
     }
 
@@ -762,6 +777,7 @@ impl DataSource {
                 chain.entropy_floor()
             ),
             DataSource::Bytes(file) => format!("{} ({} bytes)", file.name, file.len()),
+            DataSource::Indexed(source) => source.description.clone(),
         }
     }
 
@@ -784,6 +800,14 @@ impl DataSource {
                 ),
             ));
         }
+        if let DataSource::Indexed(source) = self
+            && shape.seq != source.seq
+        {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "the indexed data was cut into samples of {} + 1 tokens, not {} + 1",
+                source.seq, shape.seq
+            )));
+        }
         Ok(total)
     }
 
@@ -797,9 +821,211 @@ impl DataSource {
             match self {
                 DataSource::Markov(chain) => chain.sample_window(&mut rng, out),
                 DataSource::Bytes(file) => file.sample_window(&mut rng, out)?,
+                DataSource::Indexed(source) => {
+                    let g = source.layout.sample(key, shape.batch, row);
+                    source.train.sample(g, out)?;
+                }
             }
         }
         Ok(Batch { shape, tokens })
+    }
+
+    /// Evaluation batch `k` (of the run's fixed set) of `dp_rank`'s
+    /// `micro_batch`: the validation part of indexed data; for the other
+    /// sources, batches of their stream under a seed no training batch
+    /// uses. Fails for indexed data without a validation part.
+    pub fn eval_batch(&self, key: BatchKey, shape: BatchShape) -> Result<Batch> {
+        match self {
+            DataSource::Indexed(source) => {
+                let total = self.check_shape(shape)?;
+                let validation = source.validation.as_ref().ok_or_else(|| {
+                    RuntimeError::InvalidArgument(format!(
+                        "{}: evaluation needs a validation part, and --split {} leaves none; \
+                         give the second number of --split above 0 (e.g. 90,10,0)",
+                        source.description,
+                        source.split.text()
+                    ))
+                })?;
+                let mut tokens = vec![0u32; total];
+                for (row, out) in tokens.chunks_exact_mut(shape.window()).enumerate() {
+                    validation.sample(source.layout.sample(key, shape.batch, row), out)?;
+                }
+                Ok(Batch { shape, tokens })
+            }
+            _ => self.batch(
+                BatchKey {
+                    seed: key.seed ^ EVAL_SEED,
+                    ..key
+                },
+                shape,
+            ),
+        }
+    }
+}
+
+/// Mixed into the seed of evaluation batches of the synthetic and byte
+/// streams: "evaluate".
+const EVAL_SEED: u64 = 0x6576_616c_7561_7465;
+
+/// How a step's samples are spread over ranks and micro-batches, as
+/// Megatron's pretraining sampler does: each micro-batch round takes the
+/// next `ranks x micro_batch_size` samples, rank `r` its `r`-th slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleLayout {
+    pub ranks: usize,
+    pub micro_batches: usize,
+}
+
+impl SampleLayout {
+    /// The global sample number of `row` of `key`'s micro-batch of `batch`
+    /// rows.
+    pub fn sample(&self, key: BatchKey, batch: usize, row: usize) -> u64 {
+        let per_round = (self.ranks * batch) as u64;
+        let per_step = per_round * self.micro_batches as u64;
+        key.step * per_step
+            + key.micro_batch as u64 * per_round
+            + (key.dp_rank * batch + row) as u64
+    }
+}
+
+/// Megatron indexed datasets as training data: the train parts of the
+/// blend, and the validation parts when the split has one.
+#[derive(Debug)]
+pub struct IndexedSource {
+    train: Blend,
+    validation: Option<Blend>,
+    split: Split,
+    layout: SampleLayout,
+    seq: usize,
+    /// One more than the largest token id of the datasets.
+    vocab: usize,
+    description: String,
+}
+
+impl IndexedSource {
+    /// Opens every dataset of `spec`, checks them (format, token ids within
+    /// `vocab`, the split's parts), and cuts the train and validation parts
+    /// into samples of `seq + 1` tokens shuffled with `seed`.
+    /// `need_validation`: the run evaluates, so the validation part must
+    /// not be empty.
+    pub fn open(
+        spec: &IndexedSpec,
+        vocab: usize,
+        seed: u64,
+        shape: BatchShape,
+        layout: SampleLayout,
+        need_validation: bool,
+    ) -> Result<Self> {
+        let seq = shape.seq;
+        let window = shape.window();
+        let mut trains = Vec::new();
+        let mut validations = Vec::new();
+        let mut largest = 0u64;
+        let mut lines = Vec::new();
+        for (d, (_, prefix)) in spec.blend.iter().enumerate() {
+            let dataset = Arc::new(IndexedDataset::open(prefix)?);
+            if dataset.documents() == 0 || dataset.tokens() == 0 {
+                return Err(RuntimeError::io(
+                    dataset.idx_name(),
+                    format!(
+                        "the corpus is empty ({} documents, {} tokens); prepare it from a text \
+                         with content (`hybridgen data prepare`)",
+                        dataset.documents(),
+                        dataset.tokens()
+                    ),
+                ));
+            }
+            largest = largest.max(dataset.check_tokens(vocab)?);
+            let ranges = spec.split.ranges(dataset.sequences());
+            let weights = spec.split.weights();
+            for (part, range) in ranges.iter().enumerate() {
+                let needed = weights[part] > 0.0 || (part == 1 && need_validation);
+                if range.is_empty() && needed {
+                    let why = if weights[part] > 0.0 {
+                        format!(
+                            "--split {} gives its {} part no documents of the {}",
+                            spec.split.text(),
+                            gpt::PART_NAMES[part],
+                            dataset.sequences()
+                        )
+                    } else {
+                        format!(
+                            "--eval-every evaluates on the validation part, but --split {} \
+                             gives it none",
+                            spec.split.text()
+                        )
+                    };
+                    return Err(RuntimeError::io(
+                        dataset.idx_name(),
+                        format!(
+                            "{why}; use more documents, or a split whose parts each get one \
+                             (e.g. --split 90,10,0 for a small corpus)"
+                        ),
+                    ));
+                }
+            }
+            // Each dataset's parts shuffle with their own seed.
+            let part_seed = mix64(seed ^ (d as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let train = GptPart::new(
+                dataset.clone(),
+                0,
+                ranges[0].clone(),
+                part_seed,
+                seq,
+                window,
+            )?;
+            let mut line = format!("{} ({}", dataset.prefix().display(), train.describe());
+            trains.push(train);
+            if !ranges[1].is_empty() {
+                let validation = GptPart::new(
+                    dataset.clone(),
+                    1,
+                    ranges[1].clone(),
+                    part_seed,
+                    seq,
+                    window,
+                )?;
+                line += &format!("; {}", validation.describe());
+                validations.push(validation);
+            }
+            lines.push(line + ")");
+        }
+        let weights: Vec<f64> = spec.blend.iter().map(|(w, _)| *w).collect();
+        let validation = if validations.len() == trains.len() {
+            Some(Blend::new(validations, weights.clone())?)
+        } else {
+            None
+        };
+        let train = Blend::new(trains, weights)?;
+        let description = match spec.blend.as_slice() {
+            [_] => format!("indexed dataset {}", lines.join("")),
+            many => format!(
+                "blend of {} indexed datasets: {}",
+                many.len(),
+                many.iter()
+                    .zip(&lines)
+                    .map(|((w, _), line)| format!("{w} x {line}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        Ok(IndexedSource {
+            train,
+            validation,
+            split: spec.split.clone(),
+            layout,
+            seq,
+            vocab: largest as usize + 1,
+            description,
+        })
+    }
+
+    pub fn train(&self) -> &Blend {
+        &self.train
+    }
+
+    pub fn validation(&self) -> Option<&Blend> {
+        self.validation.as_ref()
     }
 }
 
