@@ -105,6 +105,9 @@ pub struct TrainConfig {
     /// everywhere), the GPUs, or `Auto` (the GPUs when a usable one is
     /// visible: `hybridgen train`'s default).
     pub device: DeviceChoice,
+    /// Start from these weights (a Hugging Face folder, checked against
+    /// `model`) instead of the seeded initialisation; a fresh run otherwise.
+    pub init_from: Option<Arc<crate::hf::HfWeights>>,
 }
 
 impl TrainConfig {
@@ -138,6 +141,7 @@ impl TrainConfig {
             memory_available: None,
             plan: None,
             device: DeviceChoice::Cpu,
+            init_from: None,
         }
     }
 
@@ -292,6 +296,14 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         ));
     }
     config.optimizer.validate()?;
+    if let Some(weights) = &config.init_from {
+        if settled.resume_dir().is_some() {
+            return refuse(
+                "--init-from starts a run from other weights, --resume continues one; give one of them".into(),
+            );
+        }
+        weights.check_model(&config.model)?;
+    }
     if config.timeout.is_zero() || config.timeout > MAX_TIMEOUT {
         return refuse(format!(
             "the peer timeout of {:?} must lie between 1 ms and {} s (a week)",
@@ -759,7 +771,10 @@ fn run_rank<D: Device>(
         &rank,
         program.max_resident_units,
         program.max_grad_buffers,
-        &|p, out| model.init_param(config.seed, p, ep_rank, out),
+        &|p, out| match &config.init_from {
+            Some(weights) => weights.fill(&plan, p, ep_rank, out),
+            None => model.init_param(config.seed, p, ep_rank, out),
+        },
     )?;
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
     let mut step = 0;

@@ -154,6 +154,11 @@ pub fn settle(config: &TrainConfig) -> Result<Settled> {
 }
 
 impl Settled {
+    /// The step directory the run resumes from, if it resumes.
+    pub fn resume_dir(&self) -> Option<&Path> {
+        self.resume.as_ref().map(|r| r.dir.as_path())
+    }
+
     /// Checks the resumed checkpoint against the run's plan and opens (makes,
     /// validates, locks) the save root: the last check before work starts.
     /// Returns the configuration to run with them.
@@ -562,4 +567,154 @@ fn assemble(
         ));
     }
     Ok(out)
+}
+
+/// Whole parameters read from a checkpoint, whatever layout wrote it: for
+/// tools that convert checkpoints (`hybridgen export`).
+pub struct CheckpointReader {
+    /// The step's directory.
+    pub dir: PathBuf,
+    pub index: CheckpointIndex,
+    /// Rank files read so far, checked.
+    files: BTreeMap<String, Vec<u8>>,
+}
+
+impl CheckpointReader {
+    /// Opens checkpoint `dir`: a root (its newest complete step) or one
+    /// step's directory; `what` names the argument in errors.
+    pub fn open(dir: &Path, what: &str) -> Result<Self> {
+        let step = root::newest_checkpoint(dir, what)?.ok_or_else(|| {
+            RuntimeError::io(
+                dir.display(),
+                if dir.exists() {
+                    "holds no complete checkpoint"
+                } else {
+                    "no such checkpoint"
+                },
+            )
+        })?;
+        let index = read_index(&step)?;
+        Ok(CheckpointReader {
+            dir: step,
+            index,
+            files: BTreeMap::new(),
+        })
+    }
+
+    /// The whole value of the parameter with checkpoint key `key`.
+    pub fn param(&mut self, key: &str) -> Result<Vec<f32>> {
+        let entry = self.index.tensors.get(key).ok_or_else(|| {
+            RuntimeError::io(
+                self.dir.join(INDEX).display(),
+                format!("no tensor `{key}` in the checkpoint"),
+            )
+        })?;
+        let numel = entry.shape.iter().product::<usize>();
+        let [name, _, _] = names(key);
+        assemble(
+            &self.dir,
+            &self.index,
+            entry,
+            &name,
+            &(0..numel),
+            &mut self.files,
+        )
+    }
+}
+
+/// Writes a checkpoint of fresh training state into root `dir` as step 0:
+/// every parameter of `plan` (an `ep` 1 plan: every expert) whole, from
+/// `value(p)`, with zero optimizer moments, in one rank file, as a
+/// one-rank `no_shard` run would have saved it. It loads onto any layout
+/// like any checkpoint. `dir` is opened as `--save` opens its root.
+pub fn write_fresh(
+    dir: &Path,
+    plan: &Plan,
+    run: RunState,
+    value: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
+) -> Result<PathBuf> {
+    if plan.layout.ep.max(1) != 1 {
+        return Err(RuntimeError::InvalidArgument(
+            "write_fresh needs a plan holding every expert (ep 1)".into(),
+        ));
+    }
+    let root = CheckpointRoot::open(dir, 0, None)?;
+    let partial = root.begin(0)?;
+    let file = rank_file(0);
+    let adam = run.optimizer.kind == OptimizerKind::Adam;
+    let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
+    let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    for (p, param) in plan.params.iter().enumerate() {
+        let def = plan.def(param);
+        let key = plan.checkpoint_key(param, 0);
+        let values = value(p)?;
+        if values.len() != def.numel() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "`{key}` came with {} values, not {}",
+                values.len(),
+                def.numel()
+            )));
+        }
+        let n = values.len();
+        let zeros = vec![0u8; n * 4];
+        let [pn, mn, vn] = names(&key);
+        tensors.push((pn, to_bytes(&values), n));
+        tensors.push((mn, zeros.clone(), n));
+        if adam {
+            tensors.push((vn, zeros, n));
+        }
+        entries.insert(
+            key,
+            TensorEntry {
+                shape: def.shape.to_vec(),
+                pieces: vec![Piece {
+                    file: file.clone(),
+                    start: 0,
+                    end: n,
+                }],
+            },
+        );
+    }
+    let sums: HashMap<String, String> = tensors
+        .iter()
+        .map(|(name, bytes, _)| (name.clone(), hex(crc32c(bytes))))
+        .collect();
+    let views = tensors
+        .iter()
+        .map(|(name, bytes, n)| {
+            TensorView::new(Dtype::F32, vec![*n], bytes)
+                .map(|view| (name.clone(), view))
+                .map_err(|e| RuntimeError::io(name, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let path = partial.join(&file);
+    let bytes = safetensors::serialize(views, Some(sums))
+        .map_err(|e| RuntimeError::io(path.display(), e))?;
+    durable::write_file(&path, &bytes, "rank-file")?;
+    let index = CheckpointIndex {
+        crc32c: String::new(),
+        format: FORMAT.to_string(),
+        version: VERSION,
+        step: 0,
+        pattern: plan.pattern.canonical(),
+        model: plan.model.clone(),
+        layout: LayoutRecord {
+            ranks: 1,
+            ep: 1,
+            sharding: crate::fsdp::Sharding::NoShard,
+            schedule: crate::schedule::ScheduleKind::Overlap,
+        },
+        run,
+        files: BTreeMap::from([(
+            file,
+            FileEntry {
+                bytes: bytes.len() as u64,
+                crc32c: hex(crc32c(&bytes)),
+            },
+        )]),
+        tensors: entries,
+    };
+    let text = index.to_sealed_text()?;
+    durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
+    root.commit(0)
 }
