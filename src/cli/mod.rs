@@ -1,5 +1,5 @@
-//! The `hybridgen` command line: `check`, `plan`, `explain`, `preset` and
-//! `train`. Every command calls the same library functions the `model!` macro
+//! The `hybridgen` command line: `check`, `plan`, `explain`, `preset`,
+//! `train`, `export` and `import`. Every command calls the same library functions the `model!` macro
 //! and build scripts use, so they cannot disagree.
 //!
 //! Exit codes: 0 success, 1 invalid input (a bad pattern, model or layout,
@@ -7,7 +7,9 @@
 
 mod check;
 mod explain;
+mod export;
 mod human;
+mod import;
 pub mod plan;
 mod preset;
 mod train;
@@ -45,6 +47,12 @@ enum Command {
     /// Train a model (default: the `tiny` preset, synthetic data, 2 CPU
     /// thread ranks, expert parallelism 2, the overlap schedule, ZeRO-3).
     Train(Box<train::TrainArgs>),
+    /// Export a checkpoint as a Hugging Face folder (transformers' and
+    /// vLLM's nemotron_h), or list what it would write (--dry-run).
+    Export(Box<export::ExportArgs>),
+    /// Import a Hugging Face Nemotron-H folder as a checkpoint, or print
+    /// its model file (--model-only).
+    Import(import::ImportArgs),
 }
 
 /// Why a command failed.
@@ -147,6 +155,8 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
         Command::Explain(args) => explain::run(&args),
         Command::Preset(args) => preset::run(&args),
         Command::Train(args) => train::run(&args, matches.subcommand_matches("train")),
+        Command::Export(args) => export::run(&args),
+        Command::Import(args) => import::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
