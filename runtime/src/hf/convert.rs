@@ -338,3 +338,54 @@ pub fn import_checkpoint(
     })?;
     Ok((dir, model))
 }
+
+/// hybridgen's own loss on one fixed sequence, for comparing an export with
+/// what transformers computes from it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossCheck {
+    /// `seq_length + 1` tokens: inputs are the first `seq_length`, labels
+    /// the last `seq_length` (transformers' `labels=input_ids` shift).
+    pub tokens: Vec<u32>,
+    /// Main cross-entropy, mean over the sequence (nats).
+    pub loss: f64,
+    /// The MoE load-balancing loss (not part of `loss`).
+    pub aux_loss: f64,
+}
+
+/// Runs the model of Hugging Face folder `hf_dir`, with its weights, on the
+/// first sequence of the seeded synthetic stream (one CPU rank, f32) and
+/// returns the tokens and the loss.
+pub fn loss_check(hf_dir: &Path, seq_length: usize, seed: u64) -> Result<LossCheck> {
+    use crate::data::{BatchKey, BatchShape};
+    let weights = HfWeights::open(hf_dir, None)?;
+    let mut config = TrainConfig::new(weights.bound_model().clone());
+    config.ranks = 1;
+    config.ep = 1;
+    config.micro_batches = 1;
+    config.micro_batch_size = 1;
+    config.seq_length = seq_length;
+    config.steps = 1;
+    config.seed = seed;
+    config.init_from = Some(std::sync::Arc::new(weights));
+    let prepared = crate::train::prepare(&config)?;
+    let key = BatchKey {
+        seed,
+        step: 0,
+        dp_rank: 0,
+        micro_batch: 0,
+    };
+    let shape = BatchShape::new(1, seq_length, prepared.plan.mtp_depths());
+    let batch = prepared.data.batch(key, shape)?;
+    let tokens = batch.tokens()[..seq_length + 1].to_vec();
+    let mut first = None;
+    crate::train::train_prepared(&prepared, &mut |report| {
+        first.get_or_insert((report.loss, report.aux_loss));
+    })?;
+    let (loss, aux_loss) = first
+        .ok_or_else(|| RuntimeError::InvalidArgument("the one-step run reported no step".into()))?;
+    Ok(LossCheck {
+        tokens,
+        loss,
+        aux_loss,
+    })
+}

@@ -12,5 +12,7 @@ pub mod files;
 pub mod mapping;
 
 pub use config::{HfDtype, from_hf_config, to_hf_config};
-pub use convert::{ExportReport, HfWeights, dry_run, export, import_checkpoint};
+pub use convert::{
+    DryRun, ExportReport, HfWeights, LossCheck, dry_run, export, import_checkpoint, loss_check,
+};
 pub use mapping::{HfTensor, Source, TABLE, hf_tensors};
