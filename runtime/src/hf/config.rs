@@ -106,7 +106,7 @@ pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<S
     );
     c.insert("tie_word_embeddings".into(), json!(model.tie_embeddings));
     c.insert("layer_norm_epsilon".into(), json!(NORM_EPS));
-    c.insert("initializer_range".into(), json!(model.init_std));
+    c.insert("initializer_range".into(), json!(decimal(model.init_std)));
     c.insert("max_position_embeddings".into(), json!(model.seq_length));
     c.insert("use_bias".into(), json!(false));
     c.insert("torch_dtype".into(), json!(dtype.torch_name()));
@@ -203,6 +203,12 @@ pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<S
         ));
     }
     Ok((Value::Object(c), notes))
+}
+
+/// An f32 as the f64 its shortest decimal text reads as (0.02, not the
+/// 0.019999999552965164 a widening gives): what a config.json writer means.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 fn missing(section: &str) -> RuntimeError {
