@@ -23,7 +23,6 @@ TOLERANCE = 1e-4
 
 def main(argv):
     if len(argv) != 3:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         print("usage: python3 scripts/hf_check.py EXPORT_DIR TOKENS_AND_LOSS.json", file=sys.stderr)
         return 2
     export_dir, loss_path = argv[1], argv[2]
@@ -43,11 +42,14 @@ def main(argv):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The torch path of the Mamba mixer (no fused kernels) and eager
     # attention: the plainest f32 maths transformers has.
+    # transformers 5 names the dtype argument `dtype`; 4.x `torch_dtype`.
+    major = int(transformers.__version__.split(".")[0])
+    dtype_arg = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
     model = AutoModelForCausalLM.from_pretrained(
         export_dir,
-        torch_dtype=torch.float32,
         attn_implementation="eager",
         use_mamba_kernels=False,
+        **dtype_arg,
     )
     model.to(device).eval()
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
