@@ -48,7 +48,9 @@ fn fixture(name: &str) -> Value {
 /// The fixture's tensors, expanded over its pattern: name -> (shape, dtype).
 fn published_tensors(fixture: &Value) -> BTreeMap<String, (Vec<u64>, String)> {
     let t = &fixture["tensors"];
-    let pattern = fixture["config"]["hybrid_override_pattern"].as_str().unwrap();
+    let pattern = fixture["config"]["hybrid_override_pattern"]
+        .as_str()
+        .unwrap();
     let mut out = BTreeMap::new();
     let mut add = |row: &Value, i: usize, j: usize| {
         let name = row[0]
@@ -56,9 +58,21 @@ fn published_tensors(fixture: &Value) -> BTreeMap<String, (Vec<u64>, String)> {
             .unwrap()
             .replace("{i}", &i.to_string())
             .replace("{j}", &j.to_string());
-        let shape = row[1].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
-        let dtype = row.get(2).and_then(Value::as_str).unwrap_or("BF16").to_string();
-        assert!(out.insert(name.clone(), (shape, dtype)).is_none(), "{name} twice");
+        let shape = row[1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
+        let dtype = row
+            .get(2)
+            .and_then(Value::as_str)
+            .unwrap_or("BF16")
+            .to_string();
+        assert!(
+            out.insert(name.clone(), (shape, dtype)).is_none(),
+            "{name} twice"
+        );
     };
     for row in t["model"].as_array().unwrap() {
         add(row, 0, 0);
@@ -81,7 +95,16 @@ fn published_tensors(fixture: &Value) -> BTreeMap<String, (Vec<u64>, String)> {
 fn dry_run(preset: &str) -> Value {
     let text = ok(hybridgen_in(
         Path::new("."),
-        &["export", "--preset", preset, "--to", "hf", "--dry-run", "--format", "json"],
+        &[
+            "export",
+            "--preset",
+            preset,
+            "--to",
+            "hf",
+            "--dry-run",
+            "--format",
+            "json",
+        ],
     ));
     serde_json::from_str(&text).unwrap()
 }
@@ -100,13 +123,29 @@ fn check_against_published(preset: &str, published_is_whole: bool) {
         .unwrap()
         .iter()
         .map(|t| {
-            let shape = t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
-            (t["name"].as_str().unwrap().to_string(), (shape, t["dtype"].as_str().unwrap().to_string()))
+            let shape = t["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .collect();
+            (
+                t["name"].as_str().unwrap().to_string(),
+                (shape, t["dtype"].as_str().unwrap().to_string()),
+            )
         })
         .collect();
     let theirs = published_tensors(&fixture);
-    let only_ours: Vec<_> = ours.keys().filter(|k| !theirs.contains_key(*k)).take(5).collect();
-    let only_theirs: Vec<_> = theirs.keys().filter(|k| !ours.contains_key(*k)).take(5).collect();
+    let only_ours: Vec<_> = ours
+        .keys()
+        .filter(|k| !theirs.contains_key(*k))
+        .take(5)
+        .collect();
+    let only_theirs: Vec<_> = theirs
+        .keys()
+        .filter(|k| !ours.contains_key(*k))
+        .take(5)
+        .collect();
     assert!(
         only_ours.is_empty() && only_theirs.is_empty(),
         "{preset}: names differ: only in the export {only_ours:?}, only published {only_theirs:?}"
@@ -119,7 +158,11 @@ fn check_against_published(preset: &str, published_is_whole: bool) {
         .filter(|(n, _)| !n.ends_with("e_score_correction_bias"))
         .map(|(_, (s, _))| s.iter().product::<u64>())
         .sum();
-    assert_eq!(total, fixture["total_params"].as_u64().unwrap(), "{preset}: fixture total");
+    assert_eq!(
+        total,
+        fixture["total_params"].as_u64().unwrap(),
+        "{preset}: fixture total"
+    );
 
     let config = listing["config"].as_object().unwrap();
     let published = fixture["config"].as_object().unwrap();
@@ -151,7 +194,10 @@ fn check_against_published(preset: &str, published_is_whole: bool) {
         .collect();
     assert_eq!(files.len(), listing["files"].as_array().unwrap().len());
     // Tens of gigabytes in bf16: sharded at 5 GB with an index.
-    assert!(files.len() > 1 && files.iter().all(|f| f.starts_with("model-")), "{files:?}");
+    assert!(
+        files.len() > 1 && files.iter().all(|f| f.starts_with("model-")),
+        "{files:?}"
+    );
 }
 
 #[test]
@@ -185,14 +231,12 @@ fn the_published_30b_config_imports_as_the_preset_once_its_scaling_factor_is_mod
     assert_eq!(model9, nine);
 }
 
+/// tests/fixtures/hf/tiny-hf.toml (the tiny preset as transformers
+/// computes it) with 32-token sequences, in `dir`.
 fn tiny_hf_model(dir: &Path) -> PathBuf {
-    let tiny = ok(hybridgen_in(dir, &["preset", "tiny"]));
-    let text = tiny
-        .replace("position = \"rope\"", "position = \"none\"")
-        .replace(
-            "shared_expert_ffn_hidden_size = 64",
-            "shared_expert_ffn_hidden_size = 64\nscore_function = \"sigmoid\"",
-        )
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/tiny-hf.toml");
+    let text = std::fs::read_to_string(fixture)
+        .unwrap()
         .replace("seq_length = 64", "seq_length = 32");
     let path = dir.join("tiny-hf.toml");
     std::fs::write(&path, text).unwrap();
@@ -216,18 +260,60 @@ fn export_import_and_init_from_on_the_command_line() {
     let model = tiny_hf_model(&dir);
     let model = model.to_str().unwrap();
     let run = |args: &[&str]| ok(hybridgen_in(&dir, args));
-    run(&["train", "--model", model, "--pattern", "M[*E]M-[*E]", "--steps", "2", "--save", "ckpt", "--device", "cpu"]);
-    let text = run(&["export", "ckpt", "--to", "hf", "out", "--dtype", "f32", "--loss-check", "loss.json", "--loss-tokens", "32"]);
+    run(&[
+        "train",
+        "--model",
+        model,
+        "--pattern",
+        "M[*E]M-[*E]",
+        "--steps",
+        "2",
+        "--save",
+        "ckpt",
+        "--device",
+        "cpu",
+    ]);
+    let text = run(&[
+        "export",
+        "ckpt",
+        "--to",
+        "hf",
+        "out",
+        "--dtype",
+        "f32",
+        "--loss-check",
+        "loss.json",
+        "--loss-tokens",
+        "32",
+    ]);
     assert!(text.contains("exported flat as `M*EM-*E`"), "{text}");
     assert!(text.contains("exported step 2 to out"), "{text}");
 
     // The loss file: 33 tokens and hybridgen's loss on them, which is the
     // first step's loss of a one-sequence run from the exported weights.
-    let check: Value = serde_json::from_slice(&std::fs::read(dir.join("loss.json")).unwrap()).unwrap();
+    let check: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("loss.json")).unwrap()).unwrap();
     assert_eq!(check["tokens"].as_array().unwrap().len(), 33);
     let one = run(&[
-        "train", "--init-from", "out", "--ranks", "1", "--ep", "1", "--micro-batches", "1",
-        "--micro-batch-size", "1", "--seq-len", "32", "--steps", "1", "--format", "json", "--device", "cpu",
+        "train",
+        "--init-from",
+        "out",
+        "--ranks",
+        "1",
+        "--ep",
+        "1",
+        "--micro-batches",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--seq-len",
+        "32",
+        "--steps",
+        "1",
+        "--format",
+        "json",
+        "--device",
+        "cpu",
     ]);
     let first: Value = serde_json::from_str(one.lines().next().unwrap()).unwrap();
     assert_eq!(first["loss"], check["loss"]);
@@ -241,21 +327,48 @@ fn export_import_and_init_from_on_the_command_line() {
     // Training from the folder is training from its imported checkpoint.
     let imported = run(&["import", "out", "--output", "back"]);
     assert!(imported.contains("back/step-000000"), "{imported}");
-    let layout = ["--ranks", "2", "--ep", "2", "--zero", "3", "--schedule", "overlap"];
+    let layout = [
+        "--ranks",
+        "2",
+        "--ep",
+        "2",
+        "--zero",
+        "3",
+        "--schedule",
+        "overlap",
+    ];
     let common = ["--steps", "2", "--format", "json", "--device", "cpu"];
     let from_folder = run(&[&["train", "--init-from", "out"][..], &layout, &common].concat());
     let resumed = run(&[&["train", "--resume", "back"][..], &layout, &common].concat());
     assert_eq!(step_lines(&from_folder), step_lines(&resumed));
     assert_eq!(step_lines(&from_folder).len(), 2);
     // Regrouped, the first step computes the same loss.
-    let regrouped = run(&[&["train", "--init-from", "out", "--pattern", "M[*E]M-[*E]"][..], &layout, &common].concat());
+    let regrouped = run(&[
+        &["train", "--init-from", "out", "--pattern", "M[*E]M-[*E]"][..],
+        &layout,
+        &common,
+    ]
+    .concat());
     let loss = |text: &str| -> Value {
         serde_json::from_str::<Value>(text.lines().next().unwrap()).unwrap()["loss"].clone()
     };
     assert_eq!(loss(&regrouped), loss(&from_folder));
 
     // Refusals: a changed pattern, a taken output, --init-from with --resume.
-    let out = hybridgen_in(&dir, &["train", "--init-from", "out", "--pattern", "M*E", "--steps", "1", "--device", "cpu"]);
+    let out = hybridgen_in(
+        &dir,
+        &[
+            "train",
+            "--init-from",
+            "out",
+            "--pattern",
+            "M*E",
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+        ],
+    );
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("may regroup"), "{}", stderr(&out));
     let out = hybridgen_in(&dir, &["import", "out", "--output", "back"]);

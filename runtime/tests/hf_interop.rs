@@ -82,7 +82,9 @@ fn checkpoint_to_hf_to_checkpoint_is_bit_identical_in_f32() {
         assert_eq!(before.len(), after.len(), "{pattern}: the keys differ");
         let same = |a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]| {
             a.len() == b.len()
-                && a.iter().zip(b).all(|((ka, va), (kb, vb))| ka == kb && bits(va) == bits(vb))
+                && a.iter()
+                    .zip(b)
+                    .all(|((ka, va), (kb, vb))| ka == kb && bits(va) == bits(vb))
         };
         if pattern.contains('[') {
             // Groups flatten on export; imported with the original pattern
@@ -117,11 +119,16 @@ fn a_bf16_export_imports_as_the_bf16_rounded_values() {
         assert_eq!(bits(&rounded), bits(b), "{k}");
         changed += usize::from(bits(a) != bits(b));
     }
-    assert!(changed > 0, "bf16 rounded nothing: the test cannot see a bf16 export");
+    assert!(
+        changed > 0,
+        "bf16 rounded nothing: the test cannot see a bf16 export"
+    );
     let header = std::fs::read(out.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&header).unwrap();
     assert_eq!(
-        st.tensor("backbone.layers.1.mixer.q_proj.weight").unwrap().dtype(),
+        st.tensor("backbone.layers.1.mixer.q_proj.weight")
+            .unwrap()
+            .dtype(),
         Dtype::BF16
     );
     assert_eq!(
@@ -255,7 +262,10 @@ fn what_cannot_be_mapped_is_refused_by_name_before_anything_is_written() {
                 t.insert(bias.into(), (Dtype::F32, vec![4], b));
             }),
             none(),
-            &["backbone.layers.2.mixer.gate.e_score_correction_bias", "non-zero expert bias (0.5)"],
+            &[
+                "backbone.layers.2.mixer.gate.e_score_correction_bias",
+                "non-zero expert bias (0.5)",
+            ],
         ),
         (
             "unknown-field",
@@ -295,7 +305,10 @@ fn what_cannot_be_mapped_is_refused_by_name_before_anything_is_written() {
             Box::new(|c| {
                 c.insert("mamba_head_dim".into(), Value::from(8));
             }),
-            &["`backbone.layers.0.mixer.conv1d.weight` is [128, 1, 4]", "needs [96, 1, 4]"],
+            &[
+                "`backbone.layers.0.mixer.conv1d.weight` is [128, 1, 4]",
+                "needs [96, 1, 4]",
+            ],
         ),
     ];
     for (name, edit, config, wants) in cases {
@@ -308,7 +321,11 @@ fn what_cannot_be_mapped_is_refused_by_name_before_anything_is_written() {
         for want in wants {
             assert!(err.contains(want), "{name}: `{want}` not in: {err}");
         }
-        assert!(!target.exists(), "{name}: the import wrote {}", target.display());
+        assert!(
+            !target.exists(),
+            "{name}: the import wrote {}",
+            target.display()
+        );
     }
     // A pattern may regroup, not change, the layers.
     let err = hf::import_checkpoint(&out, &dir.join("ckpt-pattern"), Some("M*E"))
@@ -326,7 +343,9 @@ fn exports_transformers_cannot_compute_are_refused_with_nothing_written() {
     tiny.seq_length = 16;
     let ckpt = trained(&dir, tiny.clone());
     let out = dir.join("hf");
-    let err = hf::export(&ckpt, &out, HfDtype::F32).unwrap_err().to_string();
+    let err = hf::export(&ckpt, &out, HfDtype::F32)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("position = \"rope\""), "{err}");
     assert!(!out.exists() && !dir.join("hf.partial").exists());
     for (model, want) in [
@@ -358,7 +377,11 @@ fn exports_transformers_cannot_compute_are_refused_with_nothing_written() {
         ),
     ] {
         let err = hf::dry_run(&model, HfDtype::Bf16).unwrap_err().to_string();
-        assert!(err.contains(want), "{}: `{want}` not in {err}", model.pattern);
+        assert!(
+            err.contains(want),
+            "{}: `{want}` not in {err}",
+            model.pattern
+        );
     }
     // A folder that is there already is never written into.
     let ok = trained(&dir.join("ok"), tiny_hf("M*E"));

@@ -90,8 +90,7 @@ pub(crate) fn run(args: &ExportArgs) -> Result<(), Failure> {
     let check = match &args.loss_check {
         None => None,
         Some(path) => {
-            let check =
-                hf::loss_check(out, args.loss_tokens as usize, 0).map_err(runtime)?;
+            let check = hf::loss_check(out, args.loss_tokens as usize, 0).map_err(runtime)?;
             let text = json!({
                 "tokens": check.tokens,
                 "loss": check.loss,
@@ -160,9 +159,7 @@ fn dry_run(args: &ExportArgs, dtype: HfDtype) -> Result<(), Failure> {
                 .index
                 .model
         }
-        (None, file, preset) => {
-            super::plan::resolve_model(None, file.as_ref(), preset.as_deref())?
-        }
+        (None, file, preset) => super::plan::resolve_model(None, file.as_ref(), preset.as_deref())?,
     };
     let listing = hf::dry_run(&model, dtype).map_err(runtime)?;
     let file_of = |i: usize| {

@@ -13,7 +13,11 @@ pub(crate) struct ImportArgs {
     hf_dir: PathBuf,
     /// The checkpoint root to write (new, or an empty directory): step 0
     /// holds the weights, with fresh optimizer state.
-    #[arg(long, value_name = "CHECKPOINT", required_unless_present = "model_only")]
+    #[arg(
+        long,
+        value_name = "CHECKPOINT",
+        required_unless_present = "model_only"
+    )]
     output: Option<PathBuf>,
     /// Print the model (a model file, TOML) that config.json describes and
     /// write nothing.
@@ -33,7 +37,8 @@ pub(crate) fn run(args: &ImportArgs) -> Result<(), Failure> {
     if args.model_only {
         // The tensors are checked too: a model file is only useful with
         // weights that fit it.
-        let weights = hf::HfWeights::open(&args.hf_dir, args.pattern.as_deref()).map_err(runtime)?;
+        let weights =
+            hf::HfWeights::open(&args.hf_dir, args.pattern.as_deref()).map_err(runtime)?;
         let toml = toml_text(weights.bound_model())?;
         return super::emit(&format!(
             "# Imported from {}/config.json. seq_length is the length hybridgen trains\n\
@@ -42,7 +47,9 @@ pub(crate) fn run(args: &ImportArgs) -> Result<(), Failure> {
         ));
     }
     let Some(output) = &args.output else {
-        return Err(Failure::Message("give --output CHECKPOINT (or --model-only)".into()));
+        return Err(Failure::Message(
+            "give --output CHECKPOINT (or --model-only)".into(),
+        ));
     };
     let (dir, model) =
         hf::import_checkpoint(&args.hf_dir, output, args.pattern.as_deref()).map_err(runtime)?;
@@ -62,7 +69,9 @@ fn toml_text(model: &hybridgen_dsl::ModelConfig) -> Result<String, Failure> {
     let value = serde_json::to_value(model)
         .map_err(|e| Failure::Message(format!("cannot print the model: {e}")))?;
     let Some(fields) = value.as_object() else {
-        return Err(Failure::Message("cannot print the model: not a table".into()));
+        return Err(Failure::Message(
+            "cannot print the model: not a table".into(),
+        ));
     };
     let mut top = String::new();
     let mut tables = String::new();
@@ -93,7 +102,11 @@ fn scalar(v: &serde_json::Value) -> Result<String, Failure> {
             // to the same f32 (0.02, not 0.019999999552965164).
             (None, Some(f)) => {
                 let short = format!("{:?}", f as f32);
-                if short.contains(['.', 'e']) { short } else { format!("{short}.0") }
+                if short.contains(['.', 'e']) {
+                    short
+                } else {
+                    format!("{short}.0")
+                }
             }
             _ => n.to_string(),
         },

@@ -111,7 +111,10 @@ pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<S
     c.insert("use_bias".into(), json!(false));
     c.insert("torch_dtype".into(), json!(dtype.torch_name()));
     if used.contains(&LayerKind::Attention) {
-        let a = model.attention.as_ref().ok_or_else(|| missing("attention"))?;
+        let a = model
+            .attention
+            .as_ref()
+            .ok_or_else(|| missing("attention"))?;
         if a.position != Position::None {
             return Err(refuse(
                 "the model's attention uses rotary positions (`position = \"rope\"`), but transformers' \
@@ -362,12 +365,16 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         if name == "time_step_limit" {
             // transformers' default (0, inf) clamps nothing.
             let ok = value.as_array().is_some_and(|v| {
-                v.len() == 2 && v[0].as_f64() == Some(0.0) && (v[1].is_null() || v[1].as_f64().is_some_and(f64::is_infinite))
+                v.len() == 2
+                    && v[0].as_f64() == Some(0.0)
+                    && (v[1].is_null() || v[1].as_f64().is_some_and(f64::is_infinite))
             });
             if !ok {
                 return Err(field_error(
                     name,
-                    format!("is {value}: hybridgen does not clamp Mamba's time step; only (0, inf) imports"),
+                    format!(
+                        "is {value}: hybridgen does not clamp Mamba's time step; only (0, inf) imports"
+                    ),
                 ));
             }
             continue;
@@ -377,7 +384,10 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             Some(want) => {
                 return Err(field_error(
                     name,
-                    format!("is {value}, but {}: only {want} imports", required_reason(name)),
+                    format!(
+                        "is {value}, but {}: only {want} imports",
+                        required_reason(name)
+                    ),
                 ));
             }
             None => {
@@ -400,7 +410,9 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
                     .as_u64()
                     .filter(|&n| n > 0 && n <= hybridgen_dsl::config::MAX_DIMENSION as u64)
                     .map(|n| Some(n as usize))
-                    .ok_or_else(|| field_error(name, format!("is {v}, not a positive whole number")));
+                    .ok_or_else(|| {
+                        field_error(name, format!("is {v}, not a positive whole number"))
+                    });
             }
         }
         Ok(None)
@@ -408,8 +420,13 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
     let need = |names: &[&str], why: &str| -> Result<usize> {
         usize_field(names)?.ok_or_else(|| field_error(names[0], format!("is missing; {why}")))
     };
-    let decoder = kinds_of(c, "hybrid_override_pattern", "layers_block_type", origin)?
-        .ok_or_else(|| field_error("hybrid_override_pattern", "is missing (nor is there `layers_block_type`): the layers are unknown".into()))?;
+    let decoder =
+        kinds_of(c, "hybrid_override_pattern", "layers_block_type", origin)?.ok_or_else(|| {
+            field_error(
+                "hybrid_override_pattern",
+                "is missing (nor is there `layers_block_type`): the layers are unknown".into(),
+            )
+        })?;
     if let Some(n) = usize_field(&["num_hidden_layers"])?
         && n != decoder.len()
     {
@@ -420,12 +437,24 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
     }
     let depths = c
         .get("num_nextn_predict_layers")
-        .map(|v| v.as_u64().ok_or_else(|| field_error("num_nextn_predict_layers", format!("is {v}, not a whole number"))))
+        .map(|v| {
+            v.as_u64().ok_or_else(|| {
+                field_error(
+                    "num_nextn_predict_layers",
+                    format!("is {v}, not a whole number"),
+                )
+            })
+        })
         .transpose()?
         .unwrap_or(0) as usize;
     let mtp = if depths > 0 {
-        kinds_of(c, "mtp_hybrid_override_pattern", "mtp_layers_block_type", origin)?
-            .unwrap_or_else(|| vec![LayerKind::Attention, LayerKind::Moe])
+        kinds_of(
+            c,
+            "mtp_hybrid_override_pattern",
+            "mtp_layers_block_type",
+            origin,
+        )?
+        .unwrap_or_else(|| vec![LayerKind::Attention, LayerKind::Moe])
     } else {
         Vec::new()
     };
@@ -454,7 +483,11 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         vocab_size: vocab,
         tie_embeddings: c
             .get("tie_word_embeddings")
-            .map(|v| v.as_bool().ok_or_else(|| field_error("tie_word_embeddings", format!("is {v}, not true or false"))))
+            .map(|v| {
+                v.as_bool().ok_or_else(|| {
+                    field_error("tie_word_embeddings", format!("is {v}, not true or false"))
+                })
+            })
             .transpose()?
             .unwrap_or(false),
         init_std: c
@@ -474,7 +507,8 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         moe: None,
         mtp: MtpConfig::default(),
     };
-    let with = |why: &str, kind: LayerKind| format!("the pattern has {} layers {why}", kind_name(kind));
+    let with =
+        |why: &str, kind: LayerKind| format!("the pattern has {} layers {why}", kind_name(kind));
     if uses(LayerKind::Attention) {
         let why = with("and they need it", LayerKind::Attention);
         let heads = need(&["num_attention_heads"], &why)?;
@@ -516,7 +550,10 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
                 format!("is {shared}: transformers' NemotronHMoE has exactly one shared expert"),
             ));
         }
-        let normalised = c.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true);
+        let normalised = c
+            .get("norm_topk_prob")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
         if normalised != (top_k > 1) {
             return Err(field_error(
                 "norm_topk_prob",
@@ -530,7 +567,10 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             num_experts: need(&["n_routed_experts"], &why)?,
             top_k,
             ffn_hidden_size: need(&["moe_intermediate_size"], &why)?,
-            shared_expert_ffn_hidden_size: Some(need(&["moe_shared_expert_intermediate_size"], &why)?),
+            shared_expert_ffn_hidden_size: Some(need(
+                &["moe_shared_expert_intermediate_size"],
+                &why,
+            )?),
             activation: Activation::SquaredRelu,
             score_function: ScoreFunction::Sigmoid,
             aux_loss_coeff: 1e-2,
@@ -538,8 +578,12 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             expert_bias: true,
         });
     }
-    let parsed = Pattern::parse(&model.pattern)
-        .map_err(|_| refuse(format!("{origin}: the layer pattern `{}` does not parse", model.pattern)))?;
+    let parsed = Pattern::parse(&model.pattern).map_err(|_| {
+        refuse(format!(
+            "{origin}: the layer pattern `{}` does not parse",
+            model.pattern
+        ))
+    })?;
     let problems = model.check(&parsed);
     if let Some(first) = problems.first() {
         return Err(refuse(format!(
@@ -569,8 +613,14 @@ fn kinds_of(
                 LayerKind::ALL
                     .into_iter()
                     .find(|k| k.symbol() == ch)
-                    .ok_or_else(|| refuse(format!("{origin}: `{pattern_field}` has `{ch}` at {i}, not one of M * - E")))
-                    .and_then(|k| check_kind(k, &format!("{origin}: `{pattern_field}` layer {i}")).map(|()| k))
+                    .ok_or_else(|| {
+                        refuse(format!(
+                            "{origin}: `{pattern_field}` has `{ch}` at {i}, not one of M * - E"
+                        ))
+                    })
+                    .and_then(|k| {
+                        check_kind(k, &format!("{origin}: `{pattern_field}` layer {i}")).map(|()| k)
+                    })
             })
             .collect::<Result<Vec<_>>>()
             .map(Some);

@@ -132,12 +132,16 @@ pub fn export(checkpoint: &Path, out: &Path, dtype: HfDtype) -> Result<ExportRep
 
 /// The layer kinds of a pattern, flat: decoder, then each MTP depth.
 fn flat_kinds(pattern: &str) -> Result<Vec<LayerKind>> {
-    let parsed =
-        Pattern::parse(pattern).map_err(|d| RuntimeError::Unsupported(d.to_string()))?;
+    let parsed = Pattern::parse(pattern).map_err(|d| RuntimeError::Unsupported(d.to_string()))?;
     Ok(parsed
         .layers()
         .map(|l| l.kind)
-        .chain(parsed.mtp_depths.iter().flat_map(|d| d.layers.iter().map(|l| l.kind)))
+        .chain(
+            parsed
+                .mtp_depths
+                .iter()
+                .flat_map(|d| d.layers.iter().map(|l| l.kind)),
+        )
         .collect())
 }
 
@@ -187,7 +191,10 @@ impl HfWeights {
     /// Checks the folder against `model` and records where each of its
     /// parameters is.
     fn bind(&mut self, model: &ModelConfig) -> Result<()> {
-        let (ours, theirs) = (flat_kinds(&model.pattern)?, flat_kinds(&self.model.pattern)?);
+        let (ours, theirs) = (
+            flat_kinds(&model.pattern)?,
+            flat_kinds(&self.model.pattern)?,
+        );
         if ours != theirs {
             let show = |k: &[LayerKind]| k.iter().map(|k| k.symbol()).collect::<String>();
             return Err(RuntimeError::Unsupported(format!(

@@ -227,8 +227,12 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
     let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
     let len = file.metadata().map_err(|e| io(path, e))?.len();
     let mut prefix = [0u8; 8];
-    file.read_exact(&mut prefix)
-        .map_err(|e| io(path, format!("not a safetensors file (no header length): {e}")))?;
+    file.read_exact(&mut prefix).map_err(|e| {
+        io(
+            path,
+            format!("not a safetensors file (no header length): {e}"),
+        )
+    })?;
     let header_len = u64::from_le_bytes(prefix);
     if header_len > MAX_HEADER_BYTES || 8 + header_len > len {
         return Err(io(
@@ -238,8 +242,12 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(|e| io(path, e))?;
-    let header: Map<String, Value> = serde_json::from_slice(&header)
-        .map_err(|e| io(path, format!("its safetensors header is not valid JSON: {e}")))?;
+    let header: Map<String, Value> = serde_json::from_slice(&header).map_err(|e| {
+        io(
+            path,
+            format!("its safetensors header is not valid JSON: {e}"),
+        )
+    })?;
     let data_start = 8 + header_len;
     let mut out = Vec::new();
     for (name, entry) in header {
@@ -262,7 +270,11 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
         let shape = entry
             .get("shape")
             .and_then(Value::as_array)
-            .and_then(|dims| dims.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<_>>>())
+            .and_then(|dims| {
+                dims.iter()
+                    .map(|d| d.as_u64().map(|d| d as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
             .ok_or_else(|| bad("no shape of whole numbers".into()))?;
         let offsets = entry
             .get("data_offsets")
@@ -468,8 +480,8 @@ fn write_into(
             .collect::<Result<Vec<_>>>()?;
         // transformers refuses safetensors files without `format: pt`.
         let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-        let bytes = safetensors::serialize(views, Some(metadata))
-            .map_err(|e| io(&dir.join(file), e))?;
+        let bytes =
+            safetensors::serialize(views, Some(metadata)).map_err(|e| io(&dir.join(file), e))?;
         write_synced(&dir.join(file), &bytes)?;
         names.push(file.clone());
     }

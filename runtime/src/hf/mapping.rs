@@ -310,7 +310,10 @@ fn place(plan: &Plan, owner: Owner, name: &str) -> Result<(String, Scope)> {
         }
         // The depth's last norm sits on its last layer, the rest on its first.
         Owner::MtpBlock(d) if name == "final_layernorm.weight" => (
-            format!("mtp.layers.{}.", d * per_depth + per_depth.saturating_sub(1)),
+            format!(
+                "mtp.layers.{}.",
+                d * per_depth + per_depth.saturating_sub(1)
+            ),
             MtpDepth,
         ),
         Owner::MtpBlock(d) => (format!("mtp.layers.{}.", d * per_depth), MtpDepth),
@@ -413,7 +416,10 @@ pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
                 None => r.hf.to_string(),
             };
             let (shape, rows) = match r.layout {
-                Same => (def.shape.to_vec(), vec![0..def.shape[0]]),
+                Same => (
+                    def.shape.to_vec(),
+                    std::iter::once(0..def.shape[0]).collect(),
+                ),
                 Qkv(part) => {
                     let rows = qkv_rows(plan, part);
                     let n: usize = rows.iter().map(|r| r.len()).sum();
