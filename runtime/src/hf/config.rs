@@ -34,6 +34,10 @@ impl HfDtype {
     }
 }
 
+/// The most MTP depths an imported config may ask for (published models
+/// have one or two): the pattern is built from them before it is checked.
+const MAX_MTP_DEPTHS: u64 = 1024;
+
 /// RMSNorm's epsilon: fixed in hybridgen (layers.md).
 const NORM_EPS: f64 = 1e-5;
 
@@ -248,6 +252,7 @@ const READ: &[&str] = &[
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "attention_head_dim",
     "mamba_num_heads",
     "mamba_head_dim",
     "n_groups",
@@ -367,7 +372,9 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             let ok = value.as_array().is_some_and(|v| {
                 v.len() == 2
                     && v[0].as_f64() == Some(0.0)
-                    && (v[1].is_null() || v[1].as_f64().is_some_and(f64::is_infinite))
+                    && (v[1].is_null()
+                        || v[1].as_str() == Some("Infinity")
+                        || v[1].as_f64().is_some_and(f64::is_infinite))
             });
             if !ok {
                 return Err(field_error(
@@ -446,7 +453,14 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             })
         })
         .transpose()?
-        .unwrap_or(0) as usize;
+        .unwrap_or(0);
+    if depths > MAX_MTP_DEPTHS {
+        return Err(field_error(
+            "num_nextn_predict_layers",
+            format!("is {depths}: more than {MAX_MTP_DEPTHS} MTP depths is no model"),
+        ));
+    }
+    let depths = depths as usize;
     let mtp = if depths > 0 {
         kinds_of(
             c,
@@ -515,7 +529,7 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         model.attention = Some(AttentionConfig {
             num_heads: heads,
             num_kv_groups: usize_field(&["num_key_value_heads"])?.unwrap_or(heads),
-            head_dim: usize_field(&["head_dim"])?,
+            head_dim: usize_field(&["head_dim", "attention_head_dim"])?,
             qk_norm: false,
             position: Position::None,
             rope_base: 10_000.0,
@@ -650,4 +664,60 @@ fn kinds_of(
         })
         .collect::<Result<Vec<_>>>()
         .map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nemotron_h() -> Value {
+        json!({
+            "model_type": "nemotron_h",
+            "hybrid_override_pattern": "M*-",
+            "hidden_size": 64,
+            "vocab_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attention_head_dim": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "intermediate_size": 128,
+            "rms_norm_eps": 1e-5,
+            "time_step_limit": [0.0, "Infinity"],
+        })
+    }
+
+    #[test]
+    fn older_spellings_and_pythons_infinity_import() {
+        let model = from_hf_config(&nemotron_h(), "c").unwrap();
+        assert_eq!(model.attention_head_dim(), Some(16));
+        assert_eq!(model.pattern, "M*-");
+    }
+
+    #[test]
+    fn a_clamped_time_step_is_refused_by_name() {
+        let mut c = nemotron_h();
+        c["time_step_limit"] = json!([0.0, 0.1]);
+        let err = from_hf_config(&c, "c").unwrap_err().to_string();
+        assert!(err.contains("`time_step_limit` is [0.0,0.1]"), "{err}");
+    }
+
+    #[test]
+    fn an_export_reads_back_as_the_same_model() {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "M*-E/*E".into();
+        model.attention.as_mut().unwrap().position = Position::None;
+        let moe = model.moe.as_mut().unwrap();
+        moe.score_function = ScoreFunction::Sigmoid;
+        moe.expert_bias = true;
+        let (config, _) = to_hf_config(&model, HfDtype::F32).unwrap();
+        let back = from_hf_config(&config, "c").unwrap();
+        // Sections the pattern does not use are not exported.
+        model.mla = None;
+        model.dsa = None;
+        model.gdn = None;
+        assert_eq!(back, model);
+    }
 }

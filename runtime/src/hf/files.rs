@@ -97,7 +97,43 @@ fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>> {
 
 fn read_json(path: &Path) -> Result<Value> {
     let bytes = read_capped(path, MAX_JSON_BYTES)?;
-    serde_json::from_slice(&bytes).map_err(|e| io(path, format!("not valid JSON: {e}")))
+    let text = String::from_utf8(bytes).map_err(|e| io(path, format!("not UTF-8 text: {e}")))?;
+    serde_json::from_str(&quote_python_floats(&text))
+        .map_err(|e| io(path, format!("not valid JSON: {e}")))
+}
+
+/// `text` with the bare `Infinity`, `-Infinity` and `NaN` that Python's
+/// `json` writes (transformers saves `time_step_limit` as `[0.0, Infinity]`)
+/// turned into strings, which JSON can hold; strings are left alone.
+pub fn quote_python_floats(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let (mut in_string, mut escaped) = (false, false);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+        } else if c == '"' {
+            in_string = true;
+        } else if let Some(word) = ["-Infinity", "Infinity", "NaN"]
+            .into_iter()
+            .find(|w| rest.starts_with(w))
+        {
+            out.push('"');
+            out.push_str(word);
+            out.push('"');
+            rest = &rest[word.len()..];
+            continue;
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    out
 }
 
 impl HfFolder {
@@ -516,6 +552,20 @@ mod tests {
         assert_eq!(groups, vec![vec![0, 1, 2], vec![3], vec![4]]);
         assert_eq!(shards[0].0, "model-00001-of-00003.safetensors");
         assert_eq!(shard(&tensors, 1000)[0].0, SINGLE);
+    }
+
+    #[test]
+    fn pythons_infinity_becomes_a_string_outside_strings_only() {
+        assert_eq!(
+            quote_python_floats(
+                r#"{"a": [0.0, Infinity], "b": "Infinity NaN", "c": -Infinity, "d": NaN}"#
+            ),
+            r#"{"a": [0.0, "Infinity"], "b": "Infinity NaN", "c": "-Infinity", "d": "NaN"}"#
+        );
+        assert_eq!(
+            quote_python_floats(r#"{"e": "x\"Infinity"}"#),
+            r#"{"e": "x\"Infinity"}"#
+        );
     }
 
     #[test]
