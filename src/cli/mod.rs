@@ -1,6 +1,7 @@
 //! The `hybridgen` command line: `check`, `plan`, `explain`, `preset`,
-//! `train`, `export` and `import`. Every command calls the same library functions the `model!` macro
-//! and build scripts use, so they cannot disagree.
+//! `train`, `export` and `import`. Every command calls the same library
+//! functions the `model!` macro and build scripts use, so they cannot
+//! disagree.
 //!
 //! Exit codes: 0 success, 1 invalid input (a bad pattern, model or layout,
 //! reported with codes), 2 usage errors (bad flags).
