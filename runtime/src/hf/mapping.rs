@@ -31,8 +31,9 @@ pub enum Layout {
     /// transformers keeps `q_proj`, `k_proj` and `v_proj` apart.
     Qkv(QkvPart),
     /// No hybridgen tensor: transformers' router always has an f32
-    /// `e_score_correction_bias`, which hybridgen (without a trained
-    /// expert bias) exports as zeros and imports only when all zero.
+    /// `e_score_correction_bias` (one value per router row), which
+    /// hybridgen, whose checkpoints hold no expert bias yet, exports as
+    /// zeros and imports only when all zero.
     ZeroBias,
 }
 
@@ -179,9 +180,11 @@ pub const TABLE: &[Row] = &[
     ),
     row(Layer(Moe), "pre_mlp_layernorm.weight", "norm.weight", Same),
     row(Layer(Moe), "mlp.router.weight", "mixer.gate.weight", Same),
+    // The router's bias rides on the router (it follows it, as in the
+    // published files).
     row(
         Layer(Moe),
-        "",
+        "mlp.router.weight",
         "mixer.gate.e_score_correction_bias",
         ZeroBias,
     ),
@@ -415,18 +418,21 @@ pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
                 Some(j) => r.hf.replace("{j}", &j.to_string()),
                 None => r.hf.to_string(),
             };
-            let (shape, rows) = match r.layout {
-                Same => (
-                    def.shape.to_vec(),
-                    std::iter::once(0..def.shape[0]).collect(),
-                ),
-                Qkv(part) => {
-                    let rows = qkv_rows(plan, part);
-                    let n: usize = rows.iter().map(|r| r.len()).sum();
-                    (vec![n, def.shape[1]], rows)
+            let rows: Vec<Range<usize>> = match r.layout {
+                Same => std::iter::once(0..def.shape[0]).collect(),
+                Qkv(part) => qkv_rows(plan, part),
+                ZeroBias => {
+                    // One value per expert: as many as the router has rows.
+                    out.push(HfTensor {
+                        name: format!("{prefix}{name}"),
+                        shape: vec![def.shape[0]],
+                        source: Source::ZeroBias,
+                    });
+                    continue;
                 }
-                ZeroBias => continue,
             };
+            let mut shape = def.shape.to_vec();
+            shape[0] = rows.iter().map(Range::len).sum();
             out.push(HfTensor {
                 name: format!("{prefix}{name}"),
                 shape,
@@ -435,14 +441,6 @@ pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
                     key: key.clone(),
                     rows,
                 },
-            });
-        }
-        // The router's bias follows the router, as in the published files.
-        if scope == Layer(LayerKind::Moe) && def.name == "mlp.router.weight" {
-            out.push(HfTensor {
-                name: format!("{prefix}mixer.gate.e_score_correction_bias"),
-                shape: vec![def.shape[0]],
-                source: Source::ZeroBias,
             });
         }
     }
