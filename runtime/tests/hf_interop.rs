@@ -48,7 +48,7 @@ fn trained(dir: &Path, model: ModelConfig) -> PathBuf {
 
 /// Every parameter of checkpoint `dir`, by key.
 fn params(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let mut reader = CheckpointReader::open(dir, "checkpoint").unwrap();
+    let reader = CheckpointReader::open(dir, "checkpoint").unwrap();
     let keys: Vec<String> = reader.index.tensors.keys().cloned().collect();
     keys.into_iter()
         .map(|k| {
@@ -396,5 +396,26 @@ fn exports_transformers_cannot_compute_are_refused_with_nothing_written() {
         1,
         "the taken folder was written into"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_damaged_checkpoint_is_refused_before_the_export_writes() {
+    let dir = scratch("damaged");
+    let ckpt = trained(&dir, tiny_hf("M*E"));
+    let file = ckpt.join("step-000002/rank-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let out = dir.join("hf");
+    let err = hf::export(&ckpt, &out, HfDtype::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rank-00001.safetensors") && err.contains("checksum mismatch"),
+        "{err}"
+    );
+    assert!(!out.exists() && !dir.join("hf.partial").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

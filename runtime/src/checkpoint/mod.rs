@@ -570,13 +570,24 @@ fn assemble(
 }
 
 /// Whole parameters read from a checkpoint, whatever layout wrote it: for
-/// tools that convert checkpoints (`hybridgen export`).
+/// tools that convert checkpoints (`hybridgen export`). Every file's size
+/// and CRC-32C are checked once, streaming, when it is opened; a parameter
+/// is then read from the byte ranges that hold it (each piece checked
+/// against its tensor's own CRC-32C), so memory holds one parameter, not
+/// the checkpoint.
 pub struct CheckpointReader {
     /// The step's directory.
     pub dir: PathBuf,
     pub index: CheckpointIndex,
-    /// Rank files read so far, checked.
-    files: BTreeMap<String, Vec<u8>>,
+    /// Per rank file: each tensor's byte range and CRC-32C.
+    files: BTreeMap<String, BTreeMap<String, StoredPiece>>,
+}
+
+/// Where one tensor of a rank file is.
+struct StoredPiece {
+    start: u64,
+    len: u64,
+    crc32c: Option<String>,
 }
 
 impl CheckpointReader {
@@ -594,33 +605,178 @@ impl CheckpointReader {
             )
         })?;
         let index = read_index(&step)?;
+        let mut files = BTreeMap::new();
+        for (name, entry) in &index.files {
+            files.insert(name.clone(), stream_checked(&step, name, entry)?);
+        }
         Ok(CheckpointReader {
             dir: step,
             index,
-            files: BTreeMap::new(),
+            files,
         })
     }
 
     /// The whole value of the parameter with checkpoint key `key`.
-    pub fn param(&mut self, key: &str) -> Result<Vec<f32>> {
+    pub fn param(&self, key: &str) -> Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let index_path = || self.dir.join(INDEX).display().to_string();
         let entry = self.index.tensors.get(key).ok_or_else(|| {
-            RuntimeError::io(
-                self.dir.join(INDEX).display(),
-                format!("no tensor `{key}` in the checkpoint"),
-            )
+            RuntimeError::io(index_path(), format!("no tensor `{key}` in the checkpoint"))
         })?;
         let numel = entry.shape.iter().product::<usize>();
         let [name, _, _] = names(key);
-        assemble(
-            &self.dir,
-            &self.index,
-            entry,
-            &name,
-            &(0..numel),
-            &mut self.files,
-        )
+        let mut out = vec![0.0f32; numel];
+        let mut covered = 0;
+        for piece in &entry.pieces {
+            let path = self.dir.join(&piece.file);
+            let stored = self
+                .files
+                .get(&piece.file)
+                .ok_or_else(|| {
+                    RuntimeError::io(
+                        index_path(),
+                        format!("`{}` is not a file of the checkpoint", piece.file),
+                    )
+                })?
+                .get(&name)
+                .ok_or_else(|| RuntimeError::io(path.display(), format!("no tensor {name}")))?;
+            let n = piece.end.saturating_sub(piece.start);
+            if stored.len != n as u64 * 4 || piece.end > numel {
+                return Err(RuntimeError::io(
+                    path.display(),
+                    format!(
+                        "{name} holds {} bytes, the index says elements {}..{} of {numel}",
+                        stored.len, piece.start, piece.end
+                    ),
+                ));
+            }
+            let mut bytes = vec![0u8; stored.len as usize];
+            let mut file =
+                std::fs::File::open(&path).map_err(|e| RuntimeError::io(path.display(), e))?;
+            file.seek(SeekFrom::Start(stored.start))
+                .and_then(|_| file.read_exact(&mut bytes))
+                .map_err(|e| RuntimeError::io(path.display(), format!("{name}: {e}")))?;
+            if let Some(want) = &stored.crc32c
+                && *want != hex(crc32c(&bytes))
+            {
+                return Err(RuntimeError::io(
+                    path.display(),
+                    format!(
+                        "tensor `{name}` does not match its checksum: the file changed after it was checked, or is damaged; {}",
+                        root::other_step_hint(&self.dir)
+                    ),
+                ));
+            }
+            out[piece.start..piece.end].copy_from_slice(&from_bytes(&bytes));
+            covered += n;
+        }
+        if covered != numel {
+            return Err(RuntimeError::io(
+                index_path(),
+                format!("the pieces of {name} cover {covered} of its {numel} elements"),
+            ));
+        }
+        Ok(out)
     }
 }
+
+/// Checks rank file `name` of checkpoint `dir` against the index's size and
+/// CRC-32C, reading it in blocks, and returns where its F32 tensors are.
+fn stream_checked(
+    dir: &Path,
+    name: &str,
+    entry: &FileEntry,
+) -> Result<BTreeMap<String, StoredPiece>> {
+    use std::io::Read;
+    let path = dir.join(name);
+    let io = |e: String| RuntimeError::io(path.display(), e);
+    let damaged = |what: String| {
+        io(format!(
+            "{what}. The checkpoint is damaged; {}",
+            root::other_step_hint(dir)
+        ))
+    };
+    let mut file = std::fs::File::open(&path).map_err(|e| io(e.to_string()))?;
+    let len = file.metadata().map_err(|e| io(e.to_string()))?.len();
+    if len != entry.bytes {
+        return Err(damaged(format!(
+            "{len} bytes, but the index records {}",
+            entry.bytes
+        )));
+    }
+    let mut crc = crc32c::Crc32c::default();
+    let mut head: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| io(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        crc.update(&buf[..n]);
+        // The header is at the front; keep enough of it to parse.
+        if head.len() < MAX_RANK_HEADER {
+            head.extend_from_slice(&buf[..n.min(MAX_RANK_HEADER - head.len())]);
+        }
+    }
+    let sum = hex(crc.finish());
+    if sum != entry.crc32c {
+        return Err(damaged(format!(
+            "checksum mismatch (the index records CRC-32C {}, the file's bytes give {sum})",
+            entry.crc32c
+        )));
+    }
+    let header_len = head
+        .get(..8)
+        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        .ok_or_else(|| damaged("no safetensors header".into()))?;
+    let header = usize::try_from(header_len)
+        .ok()
+        .and_then(|h| head.get(8..h.checked_add(8)?))
+        .ok_or_else(|| damaged(format!("a safetensors header of {header_len} bytes")))?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| damaged(format!("its safetensors header is not JSON: {e}")))?;
+    let sums = header
+        .get("__metadata__")
+        .and_then(|m| m.as_object())
+        .cloned()
+        .unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for (tensor, info) in &header {
+        if tensor == "__metadata__" {
+            continue;
+        }
+        if info.get("dtype").and_then(|d| d.as_str()) != Some("F32") {
+            return Err(damaged(format!("{tensor} is not F32")));
+        }
+        let offsets = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
+            .filter(|(a, b)| {
+                a <= b
+                    && (8 + header_len)
+                        .checked_add(*b)
+                        .is_some_and(|end| end <= len)
+            })
+            .ok_or_else(|| damaged(format!("{tensor} has no byte range inside the file")))?;
+        out.insert(
+            tensor.clone(),
+            StoredPiece {
+                start: 8 + header_len + offsets.0,
+                len: offsets.1 - offsets.0,
+                crc32c: sums
+                    .get(tensor)
+                    .and_then(|v| v.as_str())
+                    .map(str::to_string),
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The most header bytes of a rank file read: a header lists three
+/// tensors for each piece the rank holds, a few hundred bytes each.
+const MAX_RANK_HEADER: usize = 256 << 20;
 
 /// Writes a checkpoint of fresh training state into root `dir` as step 0:
 /// every parameter of `plan` (an `ep` 1 plan: every expert) whole, from

@@ -82,7 +82,7 @@ fn gather_rows(values: &[f32], cols: usize, rows: &[Range<usize>]) -> Vec<f32> {
 /// cannot be mapped is refused before anything is written; the folder is
 /// written under a temporary name and renamed.
 pub fn export(checkpoint: &Path, out: &Path, dtype: HfDtype) -> Result<ExportReport> {
-    let mut reader = CheckpointReader::open(checkpoint, "CHECKPOINT")?;
+    let reader = CheckpointReader::open(checkpoint, "CHECKPOINT")?;
     let model = reader.index.model.clone();
     let plan = one_rank_plan(&model)?;
     let (config, notes) = to_hf_config(&model, dtype)?;
