@@ -367,7 +367,7 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         if READ.contains(&name.as_str()) || IGNORED.contains(&name.as_str()) {
             continue;
         }
-        if name == "time_step_limit" {
+        if name == "time_step_limit" || name == "mamba_dt_limit" {
             // transformers' default (0, inf) clamps nothing.
             let ok = value.as_array().is_some_and(|v| {
                 v.len() == 2
