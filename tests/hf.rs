@@ -198,6 +198,13 @@ fn check_against_published(preset: &str, published_is_whole: bool) {
         files.len() > 1 && files.iter().all(|f| f.starts_with("model-")),
         "{files:?}"
     );
+    if let Some(shards) = fixture.get("shards") {
+        assert_eq!(
+            files.len() as u64,
+            shards.as_u64().unwrap(),
+            "{preset}: shards"
+        );
+    }
 }
 
 #[test]
