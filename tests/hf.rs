@@ -380,6 +380,11 @@ fn export_import_and_init_from_on_the_command_line() {
     assert!(stderr(&out).contains("may regroup"), "{}", stderr(&out));
     let out = hybridgen_in(&dir, &["import", "out", "--output", "back"]);
     assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("import to a new directory"),
+        "{}",
+        stderr(&out)
+    );
     let out = hybridgen_in(&dir, &["export", "ckpt", "--to", "hf", "out"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("not empty"), "{}", stderr(&out));

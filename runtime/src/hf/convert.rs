@@ -328,6 +328,7 @@ pub fn import_checkpoint(
     output: &Path,
     pattern: Option<&str>,
 ) -> Result<(PathBuf, ModelConfig)> {
+    files::check_new(output, "import")?;
     let weights = HfWeights::open(hf_dir, pattern)?;
     let model = weights.bound.clone();
     let plan = one_rank_plan(&model)?;

@@ -408,12 +408,20 @@ pub fn encode(values: &[f32], dtype: HfDtype) -> Vec<u8> {
 /// Refuses an output path that is taken: only a missing path or an empty
 /// directory becomes the folder.
 pub fn check_output(out: &Path) -> Result<()> {
+    check_new(out, "export")
+}
+
+/// Refuses `out` unless it is missing or an empty directory; `verb` says
+/// what wanted it (`export`, `import`).
+pub fn check_new(out: &Path, verb: &str) -> Result<()> {
     match std::fs::read_dir(out) {
         Ok(mut entries) => {
             if entries.next().is_some() {
                 return Err(io(
                     out,
-                    "exists and is not empty; export to a new directory (nothing was written)",
+                    format!(
+                        "exists and is not empty; {verb} to a new directory (nothing was written)"
+                    ),
                 ));
             }
             Ok(())
@@ -421,7 +429,9 @@ pub fn check_output(out: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(_) if out.exists() => Err(io(
             out,
-            "exists and is not a directory; export to a new directory (nothing was written)",
+            format!(
+                "exists and is not a directory; {verb} to a new directory (nothing was written)"
+            ),
         )),
         Err(e) => Err(io(out, e)),
     }
