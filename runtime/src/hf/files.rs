@@ -565,6 +565,67 @@ mod tests {
     }
 
     #[test]
+    fn a_sharded_folder_is_written_with_an_index_and_reads_back() {
+        let dir = std::env::temp_dir().join(format!("hybridgen-hf-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = dir.join("out");
+        let tensors: Vec<Planned> = [3usize, 5, 2]
+            .into_iter()
+            .enumerate()
+            .map(|(i, n)| Planned {
+                name: format!("t{i}"),
+                shape: vec![n],
+                dtype: if i == 1 { HfDtype::Bf16 } else { HfDtype::F32 },
+            })
+            .collect();
+        let values = |i: usize| -> Vec<f32> {
+            (0..tensors[i].shape[0])
+                .map(|k| (i * 10 + k) as f32 + 0.5)
+                .collect()
+        };
+        let config = json!({"model_type": "nemotron_h"});
+        let names = write_folder(&out, &config, &tensors, 12, &mut |i| {
+            Ok(encode(&values(i), tensors[i].dtype))
+        })
+        .unwrap();
+        assert_eq!(
+            names,
+            [
+                CONFIG,
+                "model-00001-of-00003.safetensors",
+                "model-00002-of-00003.safetensors",
+                "model-00003-of-00003.safetensors",
+                INDEX
+            ]
+        );
+        assert!(!dir.join("out.partial").exists());
+        let folder = HfFolder::open(&out).unwrap();
+        assert_eq!(folder.config, config);
+        for (i, t) in tensors.iter().enumerate() {
+            assert_eq!(folder.read_f32(&t.name).unwrap(), values(i), "{}", t.name);
+        }
+        assert_eq!(folder.tensors["t1"].dtype, StoredDtype::Bf16);
+        // An index naming a file outside the folder is refused.
+        let index = out.join(INDEX);
+        let text = std::fs::read_to_string(&index).unwrap();
+        std::fs::write(
+            &index,
+            text.replace("\"model-00001-of-00003", "\"../model-00001-of-00003"),
+        )
+        .unwrap();
+        let err = HfFolder::open(&out).unwrap_err().to_string();
+        assert!(err.contains("not a plain file name"), "{err}");
+        // A taken folder is never written into.
+        let err = write_folder(&out, &config, &tensors, 12, &mut |i| {
+            Ok(encode(&values(i), tensors[i].dtype))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("not empty"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn pythons_infinity_becomes_a_string_outside_strings_only() {
         assert_eq!(
             quote_python_floats(
