@@ -55,8 +55,10 @@ pub(crate) struct ExportArgs {
     #[arg(long, value_name = "FILE", conflicts_with = "dry_run")]
     loss_check: Option<PathBuf>,
     /// Tokens in the --loss-check sequence.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=65536))]
     loss_tokens: u32,
+    /// `text`: readable; `json`: one object on stdout (what --dry-run
+    /// lists, or what the export wrote).
     #[arg(long, value_enum, default_value = "text")]
     format: FormatArg,
 }
