@@ -19,6 +19,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod fsdp;
+pub mod hf;
 pub mod lane;
 pub mod launch;
 pub mod layers;

@@ -118,6 +118,9 @@ pub struct TrainConfig {
     pub eval_every: Option<u64>,
     /// Batches (each `micro_batches` micro-batches per rank) per evaluation.
     pub eval_steps: u64,
+    /// Start from these weights (a Hugging Face folder, checked against
+    /// `model`) instead of the seeded initialisation; a fresh run otherwise.
+    pub init_from: Option<Arc<crate::hf::HfWeights>>,
 }
 
 impl TrainConfig {
@@ -153,6 +156,7 @@ impl TrainConfig {
             device: DeviceChoice::Cpu,
             eval_every: None,
             eval_steps: 10,
+            init_from: None,
         }
     }
 
@@ -313,6 +317,14 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         ));
     }
     config.optimizer.validate()?;
+    if let Some(weights) = &config.init_from {
+        if settled.resume_dir().is_some() {
+            return refuse(
+                "--init-from starts a run from other weights, --resume continues one; give one of them".into(),
+            );
+        }
+        weights.check_model(&config.model)?;
+    }
     if config.timeout.is_zero() || config.timeout > MAX_TIMEOUT {
         return refuse(format!(
             "the peer timeout of {:?} must lie between 1 ms and {} s (a week)",
@@ -798,7 +810,10 @@ fn run_rank<D: Device>(
         &rank,
         program.max_resident_units,
         program.max_grad_buffers,
-        &|p, out| model.init_param(config.seed, p, ep_rank, out),
+        &|p, out| match &config.init_from {
+            Some(weights) => weights.fill(&plan, p, ep_rank, out),
+            None => model.init_param(config.seed, p, ep_rank, out),
+        },
     )?;
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
     let ranges = (0..plan.params.len())
@@ -817,6 +832,12 @@ fn run_rank<D: Device>(
     if let Some(resume) = &prepared.checkpoints.resume {
         checkpoint::load(resume, &plan, &engine, &mut optimizer, &cx.balance, &rank)?;
         step = resume.step();
+    }
+    if let Some(weights) = &config.init_from {
+        // The published routers' correction biases are the expert biases.
+        for (key, values) in weights.biases() {
+            cx.balance.set_bias(key, values)?;
+        }
     }
     let shape = batch_shape(config);
     let eval_program = config

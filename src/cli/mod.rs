@@ -1,6 +1,7 @@
 //! The `hybridgen` command line: `check`, `plan`, `explain`, `preset`,
-//! `train`, `data prepare` and `plot`. Every command calls the same library functions the `model!` macro
-//! and build scripts use, so they cannot disagree.
+//! `train`, `data prepare`, `plot`, `export` and `import`. Every command
+//! calls the same library functions the `model!` macro and build scripts
+//! use, so they cannot disagree.
 //!
 //! Exit codes: 0 success, 1 invalid input (a bad pattern, model or layout,
 //! reported with codes), 2 usage errors (bad flags).
@@ -8,7 +9,9 @@
 mod check;
 mod data;
 mod explain;
+mod export;
 mod human;
+mod import;
 pub mod plan;
 mod plot;
 mod preset;
@@ -53,6 +56,12 @@ enum Command {
     /// Draw the loss and eval-loss curves of `train --log-file` logs into
     /// an SVG.
     Plot(plot::PlotArgs),
+    /// Export a checkpoint as a Hugging Face folder (transformers' and
+    /// vLLM's nemotron_h), or list what it would write (--dry-run).
+    Export(Box<export::ExportArgs>),
+    /// Import a Hugging Face Nemotron-H folder as a checkpoint, or print
+    /// its model file (--model-only).
+    Import(import::ImportArgs),
 }
 
 /// Why a command failed.
@@ -157,6 +166,8 @@ pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitC
         Command::Train(args) => train::run(&args, matches.subcommand_matches("train")),
         Command::Data(args) => data::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Export(args) => export::run(&args),
+        Command::Import(args) => import::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

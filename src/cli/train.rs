@@ -158,6 +158,10 @@ pub(crate) struct TrainArgs {
     /// directory named `auto` is `./auto`.
     #[arg(long, value_name = "auto|DIR")]
     resume: Option<PathBuf>,
+    /// Start from the weights of a Hugging Face Nemotron-H folder; its
+    /// config.json is the model (--pattern may regroup its layers).
+    #[arg(long, value_name = "HF_DIR", conflicts_with_all = ["preset", "model", "resume"])]
+    init_from: Option<PathBuf>,
     /// Write a Chrome trace (open in Perfetto or chrome://tracing).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
@@ -554,12 +558,23 @@ fn config(
     args: &TrainArgs,
     matches: Option<&ArgMatches>,
 ) -> Result<(TrainConfig, ChosenDevice), Failure> {
-    let model = super::plan::resolve_model(
-        args.pattern.as_deref(),
-        args.model.as_ref(),
-        Some(&args.preset),
-    )?;
+    let weights = match &args.init_from {
+        Some(dir) => Some(std::sync::Arc::new(
+            hybridgen_runtime::hf::HfWeights::open(dir, args.pattern.as_deref())
+                .map_err(|e| Failure::Message(format!("--init-from: {e}")))?,
+        )),
+        None => None,
+    };
+    let model = match &weights {
+        Some(weights) => weights.bound_model().clone(),
+        None => super::plan::resolve_model(
+            args.pattern.as_deref(),
+            args.model.as_ref(),
+            Some(&args.preset),
+        )?,
+    };
     let mut config = TrainConfig::new(model);
+    config.init_from = weights;
     // The device first: the defaults of --ranks, --ep and --precision
     // depend on it. The run takes the same one (`prepare_on`), so the GPUs
     // are probed once.

@@ -155,6 +155,11 @@ pub fn settle(config: &TrainConfig) -> Result<Settled> {
 }
 
 impl Settled {
+    /// The step directory the run resumes from, if it resumes.
+    pub fn resume_dir(&self) -> Option<&Path> {
+        self.resume.as_ref().map(|r| r.dir.as_path())
+    }
+
     /// Checks the resumed checkpoint against the run's plan and opens (makes,
     /// validates, locks) the save root: the last check before work starts.
     /// Returns the configuration to run with them.
@@ -596,4 +601,333 @@ fn assemble(
         ));
     }
     Ok(out)
+}
+
+/// Whole parameters read from a checkpoint, whatever layout wrote it: for
+/// tools that convert checkpoints (`hybridgen export`). Every file's size
+/// and CRC-32C are checked once, streaming, when it is opened; a parameter
+/// is then read from the byte ranges that hold it (each piece checked
+/// against its tensor's own CRC-32C), so memory holds one parameter, not
+/// the checkpoint.
+pub struct CheckpointReader {
+    /// The step's directory.
+    pub dir: PathBuf,
+    pub index: CheckpointIndex,
+    /// Per rank file: each tensor's byte range and CRC-32C.
+    files: BTreeMap<String, BTreeMap<String, StoredPiece>>,
+}
+
+/// Where one tensor of a rank file is.
+struct StoredPiece {
+    start: u64,
+    len: u64,
+    crc32c: Option<String>,
+}
+
+impl CheckpointReader {
+    /// Opens checkpoint `dir`: a root (its newest complete step) or one
+    /// step's directory; `what` names the argument in errors.
+    pub fn open(dir: &Path, what: &str) -> Result<Self> {
+        let step = root::newest_checkpoint(dir, what)?.ok_or_else(|| {
+            RuntimeError::io(
+                dir.display(),
+                if dir.exists() {
+                    "holds no complete checkpoint"
+                } else {
+                    "no such checkpoint"
+                },
+            )
+        })?;
+        let index = read_index(&step)?;
+        let mut files = BTreeMap::new();
+        for (name, entry) in &index.files {
+            files.insert(name.clone(), stream_checked(&step, name, entry)?);
+        }
+        Ok(CheckpointReader {
+            dir: step,
+            index,
+            files,
+        })
+    }
+
+    /// The whole value of the parameter with checkpoint key `key`.
+    pub fn param(&self, key: &str) -> Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let index_path = || self.dir.join(INDEX).display().to_string();
+        let entry = self.index.tensors.get(key).ok_or_else(|| {
+            RuntimeError::io(index_path(), format!("no tensor `{key}` in the checkpoint"))
+        })?;
+        let numel = entry.shape.iter().product::<usize>();
+        let [name, _, _] = names(key);
+        let mut out = vec![0.0f32; numel];
+        let mut covered = 0;
+        for piece in &entry.pieces {
+            let path = self.dir.join(&piece.file);
+            let stored = self
+                .files
+                .get(&piece.file)
+                .ok_or_else(|| {
+                    RuntimeError::io(
+                        index_path(),
+                        format!("`{}` is not a file of the checkpoint", piece.file),
+                    )
+                })?
+                .get(&name)
+                .ok_or_else(|| RuntimeError::io(path.display(), format!("no tensor {name}")))?;
+            let n = piece.end.saturating_sub(piece.start);
+            if stored.len != n as u64 * 4 || piece.end > numel {
+                return Err(RuntimeError::io(
+                    path.display(),
+                    format!(
+                        "{name} holds {} bytes, the index says elements {}..{} of {numel}",
+                        stored.len, piece.start, piece.end
+                    ),
+                ));
+            }
+            let mut bytes = vec![0u8; stored.len as usize];
+            let mut file =
+                std::fs::File::open(&path).map_err(|e| RuntimeError::io(path.display(), e))?;
+            file.seek(SeekFrom::Start(stored.start))
+                .and_then(|_| file.read_exact(&mut bytes))
+                .map_err(|e| RuntimeError::io(path.display(), format!("{name}: {e}")))?;
+            if let Some(want) = &stored.crc32c
+                && *want != hex(crc32c(&bytes))
+            {
+                return Err(RuntimeError::io(
+                    path.display(),
+                    format!(
+                        "tensor `{name}` does not match its checksum: the file changed after it was checked, or is damaged; {}",
+                        root::other_step_hint(&self.dir)
+                    ),
+                ));
+            }
+            out[piece.start..piece.end].copy_from_slice(&from_bytes(&bytes));
+            covered += n;
+        }
+        if covered != numel {
+            return Err(RuntimeError::io(
+                index_path(),
+                format!("the pieces of {name} cover {covered} of its {numel} elements"),
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// Checks rank file `name` of checkpoint `dir` against the index's size and
+/// CRC-32C, reading it in blocks, and returns where its F32 tensors are.
+fn stream_checked(
+    dir: &Path,
+    name: &str,
+    entry: &FileEntry,
+) -> Result<BTreeMap<String, StoredPiece>> {
+    use std::io::Read;
+    let path = dir.join(name);
+    let io = |e: String| RuntimeError::io(path.display(), e);
+    let damaged = |what: String| {
+        io(format!(
+            "{what}. The checkpoint is damaged; {}",
+            root::other_step_hint(dir)
+        ))
+    };
+    let mut file = std::fs::File::open(&path).map_err(|e| io(e.to_string()))?;
+    let len = file.metadata().map_err(|e| io(e.to_string()))?.len();
+    if len != entry.bytes {
+        return Err(damaged(format!(
+            "{len} bytes, but the index records {}",
+            entry.bytes
+        )));
+    }
+    let mut crc = crc32c::Crc32c::default();
+    let mut head: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| io(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        crc.update(&buf[..n]);
+        // The header is at the front; keep enough of it to parse.
+        if head.len() < MAX_RANK_HEADER {
+            head.extend_from_slice(&buf[..n.min(MAX_RANK_HEADER - head.len())]);
+        }
+    }
+    let sum = hex(crc.finish());
+    if sum != entry.crc32c {
+        return Err(damaged(format!(
+            "checksum mismatch (the index records CRC-32C {}, the file's bytes give {sum})",
+            entry.crc32c
+        )));
+    }
+    let header_len = head
+        .get(..8)
+        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        .ok_or_else(|| damaged("no safetensors header".into()))?;
+    let header = usize::try_from(header_len)
+        .ok()
+        .and_then(|h| head.get(8..h.checked_add(8)?))
+        .ok_or_else(|| damaged(format!("a safetensors header of {header_len} bytes")))?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| damaged(format!("its safetensors header is not JSON: {e}")))?;
+    let sums = header
+        .get("__metadata__")
+        .and_then(|m| m.as_object())
+        .cloned()
+        .unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for (tensor, info) in &header {
+        if tensor == "__metadata__" {
+            continue;
+        }
+        if info.get("dtype").and_then(|d| d.as_str()) != Some("F32") {
+            return Err(damaged(format!("{tensor} is not F32")));
+        }
+        let offsets = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
+            .filter(|(a, b)| {
+                a <= b
+                    && (8 + header_len)
+                        .checked_add(*b)
+                        .is_some_and(|end| end <= len)
+            })
+            .ok_or_else(|| damaged(format!("{tensor} has no byte range inside the file")))?;
+        out.insert(
+            tensor.clone(),
+            StoredPiece {
+                start: 8 + header_len + offsets.0,
+                len: offsets.1 - offsets.0,
+                crc32c: sums
+                    .get(tensor)
+                    .and_then(|v| v.as_str())
+                    .map(str::to_string),
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// The most header bytes of a rank file read: a header lists three
+/// tensors for each piece the rank holds, a few hundred bytes each.
+const MAX_RANK_HEADER: usize = 256 << 20;
+
+/// Writes a checkpoint of fresh training state into root `dir` as step 0:
+/// every parameter of `plan` (an `ep` 1 plan: every expert) whole, from
+/// `value(p)`, with zero optimizer moments, in one rank file, as a
+/// one-rank `no_shard` run would have saved it. It loads onto any layout
+/// like any checkpoint. `dir` is opened as `--save` opens its root.
+pub fn write_fresh(
+    dir: &Path,
+    plan: &Plan,
+    run: RunState,
+    value: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
+    biases: &[(String, Vec<f32>)],
+) -> Result<PathBuf> {
+    if plan.layout.ep.max(1) != 1 {
+        return Err(RuntimeError::InvalidArgument(
+            "write_fresh needs a plan holding every expert (ep 1)".into(),
+        ));
+    }
+    let root = CheckpointRoot::open(dir, 0, None)?;
+    let partial = root.begin(0)?;
+    let file = rank_file(0);
+    let adam = run.optimizer.kind == OptimizerKind::Adam;
+    let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
+    let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    for (p, param) in plan.params.iter().enumerate() {
+        let def = plan.def(param);
+        let key = plan.checkpoint_key(param, 0);
+        let values = value(p)?;
+        if values.len() != def.numel() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "`{key}` came with {} values, not {}",
+                values.len(),
+                def.numel()
+            )));
+        }
+        let n = values.len();
+        let zeros = vec![0u8; n * 4];
+        let [pn, mn, vn] = names(&key);
+        tensors.push((pn, to_bytes(&values), n));
+        tensors.push((mn, zeros.clone(), n));
+        if adam {
+            tensors.push((vn, zeros, n));
+        }
+        entries.insert(
+            key,
+            TensorEntry {
+                shape: def.shape.to_vec(),
+                pieces: vec![Piece {
+                    file: file.clone(),
+                    start: 0,
+                    end: n,
+                }],
+            },
+        );
+    }
+    // The routers' expert biases, as `save` keeps them (no optimizer state).
+    let keys = crate::layers::expert_bias_keys(plan);
+    for (key, values) in biases {
+        if !keys.iter().any(|(_, k)| k == key) {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "`{key}` is not an expert bias of this model"
+            )));
+        }
+        let [pn, _, _] = names(key);
+        tensors.push((pn, to_bytes(values), values.len()));
+        entries.insert(
+            key.clone(),
+            TensorEntry {
+                shape: vec![values.len()],
+                pieces: vec![Piece {
+                    file: file.clone(),
+                    start: 0,
+                    end: values.len(),
+                }],
+            },
+        );
+    }
+    let sums: HashMap<String, String> = tensors
+        .iter()
+        .map(|(name, bytes, _)| (name.clone(), hex(crc32c(bytes))))
+        .collect();
+    let views = tensors
+        .iter()
+        .map(|(name, bytes, n)| {
+            TensorView::new(Dtype::F32, vec![*n], bytes)
+                .map(|view| (name.clone(), view))
+                .map_err(|e| RuntimeError::io(name, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let path = partial.join(&file);
+    let bytes = safetensors::serialize(views, Some(sums))
+        .map_err(|e| RuntimeError::io(path.display(), e))?;
+    durable::write_file(&path, &bytes, "rank-file")?;
+    let index = CheckpointIndex {
+        crc32c: String::new(),
+        format: FORMAT.to_string(),
+        version: VERSION,
+        step: 0,
+        pattern: plan.pattern.canonical(),
+        model: plan.model.clone(),
+        layout: LayoutRecord {
+            ranks: 1,
+            ep: 1,
+            sharding: crate::fsdp::Sharding::NoShard,
+            schedule: crate::schedule::ScheduleKind::Overlap,
+        },
+        run,
+        files: BTreeMap::from([(
+            file,
+            FileEntry {
+                bytes: bytes.len() as u64,
+                crc32c: hex(crc32c(&bytes)),
+            },
+        )]),
+        tensors: entries,
+    };
+    let text = index.to_sealed_text()?;
+    durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
+    root.commit(0)
 }

@@ -1,0 +1,18 @@
+//! Hugging Face interop: hybridgen checkpoints <-> folders transformers'
+//! `NemotronHForCausalLM` (and vLLM) load as they are.
+//!
+//! [`mapping`] is the one table between the two sets of tensor names and
+//! layouts; [`config`] translates `config.json`; [`files`] reads and writes
+//! the safetensors folder; [`convert`] puts them together: export, import,
+//! and the weights `train --init-from` starts from.
+
+pub mod config;
+pub mod convert;
+pub mod files;
+pub mod mapping;
+
+pub use config::{HfDtype, from_hf_config, to_hf_config};
+pub use convert::{
+    DryRun, ExportReport, HfWeights, LossCheck, dry_run, export, import_checkpoint, loss_check,
+};
+pub use mapping::{HfTensor, Source, TABLE, hf_tensors};
