@@ -754,7 +754,12 @@ fn the_bench_preset_is_the_pytorch_baselines_model() {
     assert!(!model.tie_embeddings);
     let mamba = model.mamba.as_ref().unwrap();
     assert_eq!(
-        (mamba.num_heads, mamba.head_dim, mamba.num_groups, mamba.state_size),
+        (
+            mamba.num_heads,
+            mamba.head_dim,
+            mamba.num_groups,
+            mamba.state_size
+        ),
         (64, 64, 8, 128)
     );
     assert_eq!((mamba.conv_kernel, mamba.chunk_size), (4, 256));
