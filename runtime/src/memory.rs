@@ -501,6 +501,63 @@ pub struct MemoryNeed {
     pub gpu_overhead: Option<u64>,
 }
 
+/// The most scratch one call of the CUDA backend's kernels takes for
+/// `model`'s layers of `kinds` at `tokens` a micro-batch (bytes): attention
+/// through cuBLAS (the scores and split probabilities of the KV heads one
+/// call batches, 8 bytes an entry, at most `attention_cap`, plus one
+/// sequence's f32 gradient accumulators) and the Mamba scan's backward (each
+/// step's dt, decay and readout, each chunk's partials and decay, and the
+/// state gradient carried into every chunk). Calls run one at a time on a
+/// lane, so the largest counts; the arena reuses it.
+pub fn gpu_kernel_scratch(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    tokens: Tokens,
+    attention_cap: u64,
+) -> u64 {
+    let (b, s) = (tokens.batch as u64, tokens.seq as u64);
+    let attention = |heads: u64, kv_heads: u64, qk: u64, v: u64| -> u64 {
+        let per_head = s.saturating_mul(s).saturating_mul(8);
+        if per_head == 0 || per_head > attention_cap || kv_heads == 0 {
+            return 0; // the tiled kernels: no scratch
+        }
+        let squares = (attention_cap / per_head).min(kv_heads) * per_head;
+        let accumulators = s
+            .saturating_mul(heads.saturating_mul(qk) + kv_heads.saturating_mul(qk + v))
+            .saturating_mul(4);
+        squares.saturating_add(accumulators)
+    };
+    let mut most = 0u64;
+    if kinds.contains(&LayerKind::Attention)
+        && let (Some(a), Some(c)) = (&model.attention, model.attention_head_dim())
+    {
+        let (h, c) = (a.num_heads as u64, c as u64);
+        most = most.max(attention(h, a.num_kv_groups as u64, c, c));
+    }
+    if kinds.contains(&LayerKind::Mla)
+        && let Some(m) = &model.mla
+    {
+        let h = m.num_heads as u64;
+        let qk = (m.qk_head_dim + m.qk_rope_head_dim) as u64;
+        most = most.max(attention(h, h, qk, m.v_head_dim as u64));
+    }
+    if kinds.contains(&LayerKind::Mamba)
+        && let Some(m) = &model.mamba
+    {
+        let h = m.num_heads as u64;
+        let chunks = s.div_ceil(m.chunk_size.max(1) as u64);
+        let carries = b
+            .saturating_mul(chunks)
+            .saturating_mul(h)
+            .saturating_mul((m.head_dim * m.state_size) as u64);
+        let elements = (3 * b * s * h)
+            .saturating_add(3 * b * h * chunks)
+            .saturating_add(carries);
+        most = most.max(elements.saturating_mul(4));
+    }
+    most
+}
+
 impl MemoryNeed {
     fn new(
         ranks: usize,
@@ -532,18 +589,26 @@ impl MemoryNeed {
             lower_bound,
             gpu_overhead: None,
         };
-        need.per_rank = need
-            .state
-            .total
-            .saturating_add(bookkeeping)
-            .saturating_add(need.live().max(need.state.scratch));
-        need.total = need.per_rank.saturating_mul(ranks as u64);
+        need.settle();
         need
     }
 
-    /// The need of one GPU, which runs one rank: the rank's memory plus
-    /// `overhead` for what the device itself takes.
-    pub fn on_one_gpu(mut self, overhead: u64) -> Self {
+    /// Per rank and in all, from the parts.
+    fn settle(&mut self) {
+        self.per_rank = self
+            .state
+            .total
+            .saturating_add(self.bookkeeping)
+            .saturating_add(self.live().max(self.state.scratch));
+        self.total = self.per_rank.saturating_mul(self.ranks as u64);
+    }
+
+    /// The need of one GPU, which runs one rank: the rank's memory, with
+    /// the GPU kernels' scratch ([`gpu_kernel_scratch`]) where it is more
+    /// than the CPU's, plus `overhead` for what the device itself takes.
+    pub fn on_one_gpu(mut self, overhead: u64, kernel_scratch: u64) -> Self {
+        self.kernel_scratch = self.kernel_scratch.max(kernel_scratch);
+        self.settle();
         self.gpu_overhead = Some(overhead);
         self.total = self.per_rank.saturating_add(overhead);
         self
@@ -900,6 +965,46 @@ pub fn bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bench-hybrid-moe at one 4,096-token sequence: attention batches all
+    /// 4 KV heads (128 MiB of scores and probabilities each) under the
+    /// 512 MiB cap, plus 4,096 x (16 x 128 + 4 x 256) f32 accumulators; the
+    /// scan's backward needs 3 x 4,096 x 64 step values, 3 x 64 x 16 chunk
+    /// values and 16 chunks' 64 x 64 x 128 carries, in f32.
+    #[test]
+    fn gpu_kernel_scratch_is_the_largest_call() {
+        let model = ModelConfig::preset("bench-hybrid-moe").unwrap();
+        let kinds = [LayerKind::Mamba, LayerKind::Attention, LayerKind::Moe];
+        let tokens = Tokens::new(1, 4096);
+        let attention = 4 * 4096 * 4096 * 8 + 4096 * (16 * 128 + 4 * 256) * 4;
+        let scan = (3 * 4096 * 64 + 3 * 64 * 16 + 16 * 64 * 64 * 128) * 4;
+        assert_eq!(
+            gpu_kernel_scratch(&model, &kinds, tokens, 512 << 20),
+            attention
+        );
+        // A cap one KV head's scores do not fit: the tiled kernels, no
+        // scratch; the scan's is what is left.
+        assert_eq!(gpu_kernel_scratch(&model, &kinds, tokens, 1 << 20), scan);
+        // Without attention layers, only the scan counts.
+        let no_attention = [LayerKind::Mamba, LayerKind::Moe];
+        assert_eq!(
+            gpu_kernel_scratch(&model, &no_attention, tokens, 512 << 20),
+            scan
+        );
+        // On a GPU the need takes it where it is more than the CPU's.
+        let need = MemoryNeed::new(
+            1,
+            StateEstimate::default(),
+            ActivationEstimate::default(),
+            1,
+            1 << 20,
+            1,
+            false,
+        );
+        let gpu = need.clone().on_one_gpu(1 << 30, attention);
+        assert_eq!(gpu.kernel_scratch, attention);
+        assert_eq!(gpu.total, need.per_rank - (1 << 20) + attention + (1 << 30));
+    }
 
     #[test]
     fn meminfo_and_cgroups_are_read() {

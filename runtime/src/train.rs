@@ -340,10 +340,18 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         (None, ChosenDevice::Cpu { .. }) => crate::memory::available(),
         (None, ChosenDevice::Cuda { info, launch }) => gpu_available(info, launch, config.ranks),
     };
-    // On GPUs each rank has a device of its own.
+    // On GPUs each rank has a device of its own, and its kernels' scratch.
+    let gpu_scratch = hybridgen_dsl::Pattern::parse(&config.model.pattern).map_or(0, |p| {
+        crate::memory::gpu_kernel_scratch(
+            &config.model,
+            &p.kinds(),
+            Tokens::new(config.micro_batch_size, config.seq_length),
+            crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES as u64,
+        )
+    });
     let on_device = |need: MemoryNeed| match &device {
         ChosenDevice::Cpu { .. } => need,
-        ChosenDevice::Cuda { .. } => need.on_one_gpu(GPU_OVERHEAD),
+        ChosenDevice::Cuda { .. } => need.on_one_gpu(GPU_OVERHEAD, gpu_scratch),
     };
     // Planning 100,000 layers takes seconds: a bound from the pattern alone
     // refuses what cannot fit first.

@@ -170,7 +170,8 @@ fn a_gpu_run_is_checked_per_gpu_with_the_devices_overhead() {
         need.per_rank * 2,
         "two thread ranks share the host"
     );
-    let per_gpu = need.clone().on_one_gpu(GPU_OVERHEAD);
+    // A GPU kernel scratch below the CPU's changes nothing.
+    let per_gpu = need.clone().on_one_gpu(GPU_OVERHEAD, 0);
     assert_eq!(per_gpu.total, need.per_rank + GPU_OVERHEAD);
     let hints = FitHints {
         micro_batch_size: config.micro_batch_size,
