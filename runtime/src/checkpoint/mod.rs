@@ -38,7 +38,7 @@ use crate::fsdp::{FsdpEngine, ShardLayout};
 use crate::layers::ExpertBalance;
 use crate::optimizer::{Optimizer, OptimizerKind};
 use crate::train::TrainConfig;
-use crc32c::{crc32c, hex};
+use crc32c::{Crc32c, crc32c, hex};
 use hybridgen_dsl::Plan;
 use root::rank_file;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -824,6 +824,7 @@ pub fn write_fresh(
     value: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
     biases: &[(String, Vec<f32>)],
 ) -> Result<PathBuf> {
+    use std::io::{BufWriter, Write};
     if plan.layout.ep.max(1) != 1 {
         return Err(RuntimeError::InvalidArgument(
             "write_fresh needs a plan holding every expert (ep 1)".into(),
@@ -833,8 +834,38 @@ pub fn write_fresh(
     let partial = root.begin(0)?;
     let file = rank_file(0);
     let adam = run.optimizer.kind == OptimizerKind::Adam;
-    let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
+    // One parameter in memory at a time: the tensors' bytes stream into a
+    // scratch file with their checksums, then the rank file is its
+    // safetensors header followed by those bytes (a published 30B model
+    // imports in the memory of its largest tensor, not three copies of it).
+    let data_path = partial.join(format!("{file}.data"));
+    let io = |e: std::io::Error| RuntimeError::io(data_path.display(), e);
+    let mut data = BufWriter::new(std::fs::File::create(&data_path).map_err(io)?);
     let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    let zeros = [0u8; 1 << 16];
+    let put_zeros = |data: &mut BufWriter<std::fs::File>, name: String, n: usize| {
+        let mut crc = Crc32c::default();
+        let mut left = n * 4;
+        while left > 0 {
+            let chunk = &zeros[..left.min(zeros.len())];
+            data.write_all(chunk).map_err(io)?;
+            crc.update(chunk);
+            left -= chunk.len();
+        }
+        Ok::<(String, usize, String), RuntimeError>((name, n, hex(crc.finish())))
+    };
+    let put_values = |data: &mut BufWriter<std::fs::File>, name: String, values: &[f32]| {
+        let bytes = to_bytes(values);
+        data.write_all(&bytes).map_err(io)?;
+        Ok::<(String, usize, String), RuntimeError>((name, values.len(), hex(crc32c(&bytes))))
+    };
+    let piece = |n: usize| Piece {
+        file: file.clone(),
+        start: 0,
+        end: n,
+    };
+    // (name, elements, checksum) in the order written.
+    let mut order: Vec<(String, usize, String)> = Vec::new();
     for (p, param) in plan.params.iter().enumerate() {
         let def = plan.def(param);
         let key = plan.checkpoint_key(param, 0);
@@ -847,22 +878,18 @@ pub fn write_fresh(
             )));
         }
         let n = values.len();
-        let zeros = vec![0u8; n * 4];
         let [pn, mn, vn] = names(&key);
-        tensors.push((pn, to_bytes(&values), n));
-        tensors.push((mn, zeros.clone(), n));
+        order.push(put_values(&mut data, pn, &values)?);
+        drop(values);
+        order.push(put_zeros(&mut data, mn, n)?);
         if adam {
-            tensors.push((vn, zeros, n));
+            order.push(put_zeros(&mut data, vn, n)?);
         }
         entries.insert(
             key,
             TensorEntry {
                 shape: def.shape.to_vec(),
-                pieces: vec![Piece {
-                    file: file.clone(),
-                    start: 0,
-                    end: n,
-                }],
+                pieces: vec![piece(n)],
             },
         );
     }
@@ -875,35 +902,22 @@ pub fn write_fresh(
             )));
         }
         let [pn, _, _] = names(key);
-        tensors.push((pn, to_bytes(values), values.len()));
+        order.push(put_values(&mut data, pn, values)?);
         entries.insert(
             key.clone(),
             TensorEntry {
                 shape: vec![values.len()],
-                pieces: vec![Piece {
-                    file: file.clone(),
-                    start: 0,
-                    end: values.len(),
-                }],
+                pieces: vec![piece(values.len())],
             },
         );
     }
-    let sums: HashMap<String, String> = tensors
-        .iter()
-        .map(|(name, bytes, _)| (name.clone(), hex(crc32c(bytes))))
-        .collect();
-    let views = tensors
-        .iter()
-        .map(|(name, bytes, n)| {
-            TensorView::new(Dtype::F32, vec![*n], bytes)
-                .map(|view| (name.clone(), view))
-                .map_err(|e| RuntimeError::io(name, e))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    data.into_inner()
+        .map_err(|e| io(e.into_error()))?
+        .sync_all()
+        .map_err(io)?;
     let path = partial.join(&file);
-    let bytes = safetensors::serialize(views, Some(sums))
-        .map_err(|e| RuntimeError::io(path.display(), e))?;
-    durable::write_file(&path, &bytes, "rank-file")?;
+    let (bytes, crc) = write_safetensors(&path, &data_path, &order)?;
+    std::fs::remove_file(&data_path).map_err(io)?;
     let index = CheckpointIndex {
         crc32c: String::new(),
         format: FORMAT.to_string(),
@@ -921,8 +935,8 @@ pub fn write_fresh(
         files: BTreeMap::from([(
             file,
             FileEntry {
-                bytes: bytes.len() as u64,
-                crc32c: hex(crc32c(&bytes)),
+                bytes,
+                crc32c: hex(crc),
             },
         )]),
         tensors: entries,
@@ -930,4 +944,62 @@ pub fn write_fresh(
     let text = index.to_sealed_text()?;
     durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
     root.commit(0)
+}
+
+/// Writes `path` as a safetensors file of the f32 tensors `order` lists
+/// (name, elements, checksum), whose bytes lie back to back in `data`: the
+/// header (its length, then the JSON, spaces to a multiple of 8, each
+/// tensor's checksum in the metadata as `save` writes them), then the
+/// bytes. Returns the file's size and checksum.
+fn write_safetensors(
+    path: &Path,
+    data: &Path,
+    order: &[(String, usize, String)],
+) -> Result<(u64, u32)> {
+    use std::io::{Read, Write};
+    let io = |p: &Path| {
+        let p = p.display().to_string();
+        move |e: std::io::Error| RuntimeError::io(&p, e)
+    };
+    let mut header = serde_json::Map::new();
+    let sums: serde_json::Map<String, serde_json::Value> = order
+        .iter()
+        .map(|(name, _, crc)| (name.clone(), serde_json::Value::from(crc.clone())))
+        .collect();
+    header.insert("__metadata__".into(), serde_json::Value::Object(sums));
+    let mut offset = 0usize;
+    for (name, n, _) in order {
+        let end = offset + n * 4;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut json =
+        serde_json::to_vec(&header).map_err(|e| RuntimeError::io(path.display(), e.to_string()))?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut out = std::fs::File::create(path).map_err(io(path))?;
+    let mut crc = Crc32c::default();
+    let mut bytes = 0u64;
+    let mut put = |out: &mut std::fs::File, chunk: &[u8]| {
+        out.write_all(chunk).map_err(io(path))?;
+        crc.update(chunk);
+        bytes += chunk.len() as u64;
+        Ok::<(), RuntimeError>(())
+    };
+    put(&mut out, &(json.len() as u64).to_le_bytes())?;
+    put(&mut out, &json)?;
+    let mut source = std::fs::File::open(data).map_err(io(data))?;
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = source.read(&mut buffer).map_err(io(data))?;
+        if n == 0 {
+            break;
+        }
+        put(&mut out, &buffer[..n])?;
+    }
+    durable::failpoint("rank-file", "fsync");
+    out.sync_all().map_err(io(path))?;
+    Ok((bytes, crc.finish()))
 }

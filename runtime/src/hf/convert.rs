@@ -353,7 +353,10 @@ impl HfWeights {
 /// Imports Hugging Face folder `hf_dir` as a checkpoint root `output`
 /// holding step 0: the weights, zero optimizer moments, and the settings of
 /// `hybridgen train`'s defaults. `pattern` regroups the layers. Every
-/// tensor is read and checked before anything is written.
+/// tensor's name, shape and dtype is checked before anything is written;
+/// the values then stream one parameter at a time (a published model
+/// imports in the memory of its largest tensor), and a read that fails
+/// removes the output again.
 pub fn import_checkpoint(
     hf_dir: &Path,
     output: &Path,
@@ -363,25 +366,22 @@ pub fn import_checkpoint(
     let weights = HfWeights::open(hf_dir, pattern)?;
     let model = weights.bound.clone();
     let plan = one_rank_plan(&model)?;
-    let values = plan
-        .params
-        .iter()
-        .map(|param| weights.values(&plan.checkpoint_key(param, 0)))
-        .collect::<Result<Vec<_>>>()?;
     let run = RunState::of(&TrainConfig::new(model.clone()), DataRecord::Synthetic);
-    let mut values = values.into_iter().map(Some).collect::<Vec<_>>();
-    let dir = write_fresh(
+    let written = write_fresh(
         output,
         &plan,
         run,
-        &mut |p| {
-            values[p]
-                .take()
-                .ok_or_else(|| RuntimeError::InvalidArgument(format!("parameter {p} asked twice")))
-        },
+        &mut |p| weights.values(&plan.checkpoint_key(&plan.params[p], 0)),
         &weights.biases,
-    )?;
-    Ok((dir, model))
+    );
+    match written {
+        Ok(dir) => Ok((dir, model)),
+        Err(e) => {
+            // `check_new` found no output: everything there is ours.
+            let _ = std::fs::remove_dir_all(output);
+            Err(e)
+        }
+    }
 }
 
 /// hybridgen's own loss on one fixed sequence, for comparing an export with
