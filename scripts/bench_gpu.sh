@@ -24,19 +24,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/bench-logs}
 mkdir -p "$out"
 torch_ref=${TORCH_REF:-$here/torch_ref}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export HYBRIDGEN_CUDA_INCLUDE="${HYBRIDGEN_CUDA_INCLUDE:-/usr/local/cuda/include}"
-export HYBRIDGEN_KERNEL_CACHE="${HYBRIDGEN_KERNEL_CACHE:-$out/kernel-cache}"
-if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2'; then
-  for dir in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
-    found=$(find "$dir" -name 'libnccl.so.2' 2>/dev/null | head -1)
-    if [ -n "$found" ]; then
-      export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
-      break
-    fi
-  done
-fi
+. "$here/env.sh"
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 : > "$out/rows.jsonl"
 

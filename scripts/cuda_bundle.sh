@@ -47,18 +47,10 @@ strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
 cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh "$bundle/"
 
-cat > "$bundle/run.sh" <<'RUN'
-#!/usr/bin/env bash
-# Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
-# ./logs); $2 is `tests` (with the launch-mode checks), `launch` (only
-# those), `bench`, `profile` (where one GPU's step goes) or `all` (default,
-# without the profile). NVLink multicast
-# stays off (shared GPUs).
-set -uo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-out=${1:-$here/logs}
-what=${2:-all}
-mkdir -p "$out"
+# What every script of the bundle runs under on the GPU machine (sourced
+# with $out set): NVLink multicast off (shared GPUs), CUDA's libraries and
+# headers, the kernel cache under the logs, and NCCL.
+cat > "$bundle/env.sh" <<'ENV'
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="$PATH:/usr/local/cuda/bin"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -75,6 +67,21 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2'; then
     fi
   done
 fi
+ENV
+
+cat > "$bundle/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
+# ./logs); $2 is `tests` (with the launch-mode checks), `launch` (only
+# those), `bench`, `profile` (where one GPU's step goes) or `all` (default,
+# without the profile). NVLink multicast
+# stays off (shared GPUs).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-$here/logs}
+what=${2:-all}
+mkdir -p "$out"
+. "$here/env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$out/nvidia-smi.txt" 2>&1
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 status=0

@@ -90,28 +90,10 @@ impl Blas {
                 ))
             })
         };
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let ty = |d: DType| match d {
-            DType::Bf16 => cudaDataType::CUDA_R_16BF,
-            _ => cudaDataType::CUDA_R_32F,
-        };
         // Column-major view: C^T [n, m] = op(B)^T [n, k] op(A)^T [k, m].
         let lda_b = if dims.b_trans { k } else { n };
         let ldb_a = if dims.a_trans { m } else { k };
-        // f32 operands compute strictly in f32 (no TF32, no reduced-precision
-        // reductions): the checking mode. bf16 operands use the tensor cores
-        // with f32 accumulation.
-        let compute = if a.dtype == DType::F32 {
-            cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
-        } else {
-            cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
+        let compute = compute_type(a.dtype);
         let alpha = 1.0f32;
         let beta = if dims.accumulate { 1.0f32 } else { 0.0 };
         // SAFETY: the caller checked that `a`, `b` and `c` hold exactly the
@@ -204,22 +186,7 @@ impl Blas {
             })
         };
         let long = |v: usize| v as std::ffi::c_longlong;
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let ty = |d: DType| match d {
-            DType::Bf16 => cudaDataType::CUDA_R_16BF,
-            _ => cudaDataType::CUDA_R_32F,
-        };
-        let compute = if g.a.dtype == DType::F32 {
-            cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
-        } else {
-            cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
+        let compute = compute_type(g.a.dtype);
         // Column-major: C^T [n, m] = op(B)^T [n, k] op(A)^T [k, m]; a
         // row-major matrix with row stride ld is a column-major one with
         // leading dimension ld, so the strides carry over unchanged.
@@ -262,6 +229,34 @@ impl Blas {
                 )
             })
         }
+    }
+}
+
+/// cuBLAS's transpose flag.
+fn op(transpose: bool) -> cublasOperation_t {
+    if transpose {
+        cublasOperation_t::CUBLAS_OP_T
+    } else {
+        cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// cuBLAS's name of a float storage type (bf16 or f32).
+fn ty(dtype: DType) -> cudaDataType {
+    match dtype {
+        DType::Bf16 => cudaDataType::CUDA_R_16BF,
+        _ => cudaDataType::CUDA_R_32F,
+    }
+}
+
+/// f32 operands compute strictly in f32 (no TF32, no reduced-precision
+/// reductions): the checking mode. bf16 operands use the tensor cores with
+/// f32 accumulation.
+fn compute_type(operands: DType) -> cublasComputeType_t {
+    if operands == DType::F32 {
+        cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
+    } else {
+        cublasComputeType_t::CUBLAS_COMPUTE_32F
     }
 }
 

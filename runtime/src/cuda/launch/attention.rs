@@ -613,17 +613,8 @@ impl KernelSet {
         acc_out: GpuView,
     ) -> Result<()> {
         let kn = "attention_forward";
+        let rows = check_operands(kn, dims, plan, &inputs, (&out, &lse), (scores, probs))?;
         let AttentionInputs { q, k, v } = inputs;
-        let rows = validate(kn, dims, &q, &k, &v)?;
-        exactly(kn, "lse", &lse, DType::F32)?;
-        len(
-            kn,
-            "out",
-            &out,
-            product(kn, &[rows, dims.heads, dims.v_dim])?,
-        )?;
-        len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
-        check_scratch(kn, dims, plan, scores, probs)?;
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         accumulator(kn, "the output accumulator", &acc_out, lens.out)?;
         for (name, view) in [("q", &q), ("k", &k), ("v", &v), ("out", &out)] {
@@ -676,21 +667,12 @@ impl KernelSet {
         acc: AttentionInputs<GpuView>,
     ) -> Result<()> {
         let kn = "attention_backward";
+        let rows = check_operands(kn, dims, plan, &inputs, (&out, &lse), (scores, probs))?;
         let AttentionInputs { q, k, v } = inputs;
-        let rows = validate(kn, dims, &q, &k, &v)?;
-        exactly(kn, "lse", &lse, DType::F32)?;
-        len(
-            kn,
-            "out",
-            &out,
-            product(kn, &[rows, dims.heads, dims.v_dim])?,
-        )?;
         len(kn, "dout", &dout, out.len)?;
-        len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
         len(kn, "grads.q", &grads.q, q.len)?;
         len(kn, "grads.k", &grads.k, k.len)?;
         len(kn, "grads.v", &grads.v, v.len)?;
-        check_scratch(kn, dims, plan, scores, probs)?;
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         accumulator(kn, "the query accumulator", &acc.q, lens.q)?;
         accumulator(kn, "the key accumulator", &acc.k, lens.k)?;
@@ -808,6 +790,30 @@ fn accumulator(kernel: &str, name: &str, view: &GpuView, n: usize) -> Result<()>
             view.len
         )
     })
+}
+
+/// The checks both GEMM-path calls share: the inputs against `dims`, `out`
+/// and `lse` against the rows, and the scratch against the plan. Returns
+/// the rows.
+fn check_operands(
+    kn: &str,
+    dims: AttentionDims,
+    plan: AttentionGemmPlan,
+    inputs: &AttentionInputs<GpuView>,
+    (out, lse): (&GpuView, &GpuView),
+    (scores, probs): (GpuView, GpuView),
+) -> Result<usize> {
+    let rows = validate(kn, dims, &inputs.q, &inputs.k, &inputs.v)?;
+    exactly(kn, "lse", lse, DType::F32)?;
+    len(
+        kn,
+        "out",
+        out,
+        product(kn, &[rows, dims.heads, dims.v_dim])?,
+    )?;
+    len(kn, "lse", lse, product(kn, &[rows, dims.heads])?)?;
+    check_scratch(kn, dims, plan, scores, probs)?;
+    Ok(rows)
 }
 
 /// The scratch of a GEMM-path call: scores in f32 and probabilities in the
