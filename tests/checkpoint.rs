@@ -7,34 +7,14 @@
 use hybridgen_runtime::checkpoint::{self, FAILPOINT_ENV, FAILPOINTS};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn hybridgen_in(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_hybridgen"));
-    command
-        .current_dir(cwd)
-        .args(args)
-        .env_remove(FAILPOINT_ENV);
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command.output().expect("the hybridgen binary runs")
-}
-
-fn hybridgen(args: &[&str]) -> Output {
-    hybridgen_in(Path::new("."), args, &[])
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod support;
+use support::{hybridgen, hybridgen_in, stderr};
 
 /// A fresh, empty scratch directory for one test.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hybridgen-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    support::scratch("ckpt", name)
 }
 
 /// The step objects of a `--format json` run, minus their wall-clock

@@ -4,22 +4,9 @@
 
 use proptest::prelude::*;
 use serde_json::Value;
-use std::process::{Command, Output};
 
-fn hybridgen(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hybridgen"))
-        .args(args)
-        .output()
-        .expect("the hybridgen binary runs")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod support;
+use support::{hybridgen, stderr, stdout};
 
 #[test]
 fn check_accepts_a_valid_pattern_with_a_summary() {

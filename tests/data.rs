@@ -6,33 +6,17 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn hybridgen(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hybridgen"))
-        .args(args)
-        .output()
-        .expect("the hybridgen binary runs")
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+mod support;
+use support::{hybridgen, stderr, stdout};
 
 /// A fresh scratch directory, removed on drop.
 struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(name: &str) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("hybridgen-data-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
+        Scratch(support::scratch("data", name))
     }
 
     fn path(&self, name: &str) -> String {

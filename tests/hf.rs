@@ -7,15 +7,13 @@
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod support;
+use support::stderr;
 
 fn hybridgen_in(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hybridgen"))
-        .current_dir(cwd)
-        .args(args)
-        .env_remove("HYBRIDGEN_FAILPOINT")
-        .output()
-        .expect("the hybridgen binary runs")
+    support::hybridgen_in(cwd, args, &[])
 }
 
 fn ok(out: Output) -> String {
@@ -29,15 +27,8 @@ fn ok(out: Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("hybridgen-hfcli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    support::scratch("hfcli", name)
 }
 
 fn fixture(name: &str) -> Value {
