@@ -645,43 +645,50 @@ fn bad_corpora_are_refused_before_any_step() {
         .collect();
     let good = dir.path("good");
     write_by_hand(&good, &docs);
-    // A token id past the tiny preset's vocabulary of 256.
-    let mut high = docs.clone();
-    high[3][5] = 300;
-    let past = dir.path("past");
-    write_by_hand(&past, &high);
-    refused(
-        &train_args(&past, &["--steps", "1"]),
-        "past.bin: token 5 of sequence 3 is id 300, past the model's vocabulary of 256 tokens",
-    );
-    // A truncated token file.
-    let cut = dir.path("cut");
-    write_by_hand(&cut, &docs);
-    let bin = std::fs::read(format!("{cut}.bin")).unwrap();
-    std::fs::write(format!("{cut}.bin"), &bin[..bin.len() - 10]).unwrap();
-    refused(
-        &train_args(&cut, &["--steps", "1"]),
-        "cut.bin: the token file is truncated",
-    );
-    // A truncated index.
-    let short = dir.path("short");
-    write_by_hand(&short, &docs);
-    let idx = std::fs::read(format!("{short}.idx")).unwrap();
-    std::fs::write(format!("{short}.idx"), &idx[..idx.len() - 8]).unwrap();
-    refused(
-        &train_args(&short, &["--steps", "1"]),
-        "short.idx: the index is truncated",
-    );
-    // Float tokens.
-    let float = dir.path("float");
-    write_by_hand(&float, &docs);
-    let mut idx = std::fs::read(format!("{float}.idx")).unwrap();
-    idx[17] = 7;
-    std::fs::write(format!("{float}.idx"), idx).unwrap();
-    refused(
-        &train_args(&float, &["--steps", "1"]),
-        "float.idx: its tokens are stored as float32",
-    );
+    // Damaged corpora: each is a good one changed one way, refused by name.
+    type TokenDamage = fn(&mut [Vec<u16>]);
+    type FileDamage<'a> = &'a dyn Fn(&str);
+    let rewrite = |path: String, edit: &dyn Fn(&mut Vec<u8>)| {
+        let mut bytes = std::fs::read(&path).unwrap();
+        edit(&mut bytes);
+        std::fs::write(&path, bytes).unwrap();
+    };
+    let cases: [(&str, TokenDamage, FileDamage, &str); 4] = [
+        (
+            // A token id past the tiny preset's vocabulary of 256.
+            "past",
+            |docs| docs[3][5] = 300,
+            &|_| {},
+            "past.bin: token 5 of sequence 3 is id 300, past the model's vocabulary of 256 tokens",
+        ),
+        (
+            "cut",
+            |_| {},
+            &|prefix| rewrite(format!("{prefix}.bin"), &|b| b.truncate(b.len() - 10)),
+            "cut.bin: the token file is truncated",
+        ),
+        (
+            "short",
+            |_| {},
+            &|prefix| rewrite(format!("{prefix}.idx"), &|b| b.truncate(b.len() - 8)),
+            "short.idx: the index is truncated",
+        ),
+        (
+            // The dtype code of float32 tokens.
+            "float",
+            |_| {},
+            &|prefix| rewrite(format!("{prefix}.idx"), &|b| b[17] = 7),
+            "float.idx: its tokens are stored as float32",
+        ),
+    ];
+    for (name, damage_tokens, damage_files, message) in cases {
+        let prefix = dir.path(name);
+        let mut tokens = docs.clone();
+        damage_tokens(&mut tokens);
+        write_by_hand(&prefix, &tokens);
+        damage_files(&prefix);
+        refused(&train_args(&prefix, &["--steps", "1"]), message);
+    }
     // An empty corpus.
     let empty = dir.path("empty");
     write_by_hand(&empty, &[]);
