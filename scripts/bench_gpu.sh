@@ -14,6 +14,9 @@
 #   bash gpu-bundle/bench_gpu.sh LOGDIR          # everything, about 8 minutes
 #   TORCH_REF=none bash gpu-bundle/bench_gpu.sh LOGDIR   # hybridgen's rows only
 #
+# The rows train as the baseline does: AdamW at 1e-4 with weight decay
+# 0.1, no gradient clipping, bf16 with f32 master weights, ZeRO-3.
+#
 # FLOPs are the baseline's count for this model, 3,031,695,360 a token
 # (torch_ref/README.md, section 3; dsl/tests/plan.rs checks that the preset
 # is that model), against the H200's 989 TFLOP/s of dense bf16. Peak memory
@@ -44,7 +47,7 @@ row() {
    done) &
   local sampler=$!
   "$here/hybridgen" train --device cuda --preset bench-hybrid-moe --ranks "$ranks" --ep "$ranks" \
-    --micro-batches 4 --micro-batch-size 1 --steps 13 --lr 1e-4 --weight-decay 0.1 \
+    --micro-batches 4 --micro-batch-size 1 --steps 13 --lr 1e-4 --weight-decay 0.1 --clip-grad 0 \
     --format json "$@" > "$out/$name.jsonl" 2> "$out/$name.err"
   local rc=$?
   kill "$sampler" 2>/dev/null
