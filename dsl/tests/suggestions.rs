@@ -125,6 +125,7 @@ fn every_proposal_in_a_help_is_a_valid_pattern() {
     let corpus: Vec<(&str, ParallelLayout)> = vec![
         // H001-H005, H011, H012: syntax.
         ("M*x", plain()),
+        ("M*d", plain()),
         ("Mm", plain()),
         ("M_", plain()),
         ("M3", plain()),
@@ -221,7 +222,8 @@ fn moe_before_mlp_is_told_to_split_the_group() {
 }
 
 /// An unknown symbol is guessed to be the attention the pattern already
-/// uses: `x` is `*` beside `*`, but `+` beside `+` or `D`.
+/// uses: `x` is `*` beside `*`, but `+` beside `+` or `D`; `d` is `D` beside
+/// `+`, but `*` beside `*`.
 #[test]
 fn an_unknown_attention_symbol_is_guessed_in_the_pattern_s_family() {
     for (pattern, guess) in [
@@ -230,6 +232,8 @@ fn an_unknown_attention_symbol_is_guessed_in_the_pattern_s_family() {
         ("MDx", "+"),
         ("M*l", "*"),
         ("Ml", "+"),
+        ("M*d", "*"),
+        ("M+d", "D"),
     ] {
         let found = diagnostics(pattern, ParallelLayout::default());
         assert_eq!(found.len(), 1, "{pattern}: {found:?}");
@@ -249,7 +253,7 @@ proptest! {
     /// Random patterns over the alphabet and a few strangers.
     #[test]
     fn random_patterns_get_valid_proposals(
-        pattern in "[-M*+DGE\\[\\]|/(){}0-9 xml]{0,20}",
+        pattern in "[-M*+DGE\\[\\]|/(){}0-9 xmld]{0,20}",
         pp in 1usize..4,
     ) {
         let found = diagnostics(&pattern, pipeline(pp, None));

@@ -18,6 +18,7 @@
 use crate::backend::{Precision, Tokens};
 use crate::fsdp::{ShardLayout, Sharding};
 use crate::optimizer::OptimizerKind;
+use crate::view::DType;
 use hybridgen_dsl::config::Activation;
 use hybridgen_dsl::params::layer_params;
 use hybridgen_dsl::{LayerKind, ModelConfig, Plan};
@@ -502,60 +503,62 @@ pub struct MemoryNeed {
 }
 
 /// The most scratch one call of the CUDA backend's kernels takes for
-/// `model`'s layers of `kinds` at `tokens` a micro-batch (bytes): attention
-/// through cuBLAS (the scores and split probabilities of the KV heads one
-/// call batches, 8 bytes an entry, at most `attention_cap`, plus one
-/// sequence's f32 gradient accumulators) and the Mamba scan's backward (each
-/// step's dt, decay and readout, each chunk's partials and decay, and the
-/// state gradient carried into every chunk). Calls run one at a time on a
-/// lane, so the largest counts; the arena reuses it.
+/// `model`'s layers of `kinds` at `tokens` a micro-batch, activations in
+/// `dtype` (bytes): attention through cuBLAS ([`AttentionGemmPlan`] under
+/// `attention_cap`) and the Mamba scan's backward
+/// ([`KernelSet::ssd_scan_backward_scratch_len`]). Calls run one at a time
+/// on a lane, so the largest counts; the arena reuses it.
+///
+/// [`AttentionGemmPlan`]: crate::cuda::launch::AttentionGemmPlan
+/// [`KernelSet::ssd_scan_backward_scratch_len`]: crate::cuda::KernelSet::ssd_scan_backward_scratch_len
 pub fn gpu_kernel_scratch(
     model: &ModelConfig,
     kinds: &[LayerKind],
     tokens: Tokens,
-    attention_cap: u64,
+    dtype: DType,
+    attention_cap: usize,
 ) -> u64 {
-    let (b, s) = (tokens.batch as u64, tokens.seq as u64);
-    let attention = |heads: u64, kv_heads: u64, qk: u64, v: u64| -> u64 {
-        let per_head = s.saturating_mul(s).saturating_mul(8);
-        if per_head == 0 || per_head > attention_cap || kv_heads == 0 {
-            return 0; // the tiled kernels: no scratch
-        }
-        let squares = (attention_cap / per_head).min(kv_heads) * per_head;
-        let accumulators = s
-            .saturating_mul(heads.saturating_mul(qk) + kv_heads.saturating_mul(qk + v))
-            .saturating_mul(4);
-        squares.saturating_add(accumulators)
+    use crate::backend::{AttentionDims, ScanDims};
+    use crate::cuda::{KernelSet, launch::AttentionGemmPlan};
+    let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
+        let dims = AttentionDims {
+            tokens,
+            heads,
+            kv_heads,
+            qk_dim,
+            v_dim,
+            scale: 1.0,
+        };
+        AttentionGemmPlan::for_dtype(dims, dtype, attention_cap)
+            .map_or(0, |plan| plan.scratch_bytes(dims))
     };
-    let mut most = 0u64;
+    let mut most = 0usize;
     if kinds.contains(&LayerKind::Attention)
         && let (Some(a), Some(c)) = (&model.attention, model.attention_head_dim())
     {
-        let (h, c) = (a.num_heads as u64, c as u64);
-        most = most.max(attention(h, a.num_kv_groups as u64, c, c));
+        most = most.max(attention(a.num_heads, a.num_kv_groups, c, c));
     }
     if kinds.contains(&LayerKind::Mla)
         && let Some(m) = &model.mla
     {
-        let h = m.num_heads as u64;
-        let qk = (m.qk_head_dim + m.qk_rope_head_dim) as u64;
-        most = most.max(attention(h, h, qk, m.v_head_dim as u64));
+        let qk = m.qk_head_dim + m.qk_rope_head_dim;
+        most = most.max(attention(m.num_heads, m.num_heads, qk, m.v_head_dim));
     }
     if kinds.contains(&LayerKind::Mamba)
         && let Some(m) = &model.mamba
     {
-        let h = m.num_heads as u64;
-        let chunks = s.div_ceil(m.chunk_size.max(1) as u64);
-        let carries = b
-            .saturating_mul(chunks)
-            .saturating_mul(h)
-            .saturating_mul((m.head_dim * m.state_size) as u64);
-        let elements = (3 * b * s * h)
-            .saturating_add(3 * b * h * chunks)
-            .saturating_add(carries);
+        let dims = ScanDims {
+            tokens,
+            heads: m.num_heads,
+            head_dim: m.head_dim,
+            groups: m.num_groups,
+            state: m.state_size,
+            chunk: m.chunk_size,
+        };
+        let elements = KernelSet::ssd_scan_backward_scratch_len(dims).unwrap_or(usize::MAX / 4);
         most = most.max(elements.saturating_mul(4));
     }
-    most
+    most as u64
 }
 
 impl MemoryNeed {
@@ -978,19 +981,19 @@ mod tests {
         let tokens = Tokens::new(1, 4096);
         let attention = 4 * 4096 * 4096 * 8 + 4096 * (16 * 128 + 4 * 256) * 4;
         let scan = (3 * 4096 * 64 + 3 * 64 * 16 + 16 * 64 * 64 * 128) * 4;
-        assert_eq!(
-            gpu_kernel_scratch(&model, &kinds, tokens, 512 << 20),
-            attention
-        );
-        // A cap one KV head's scores do not fit: the tiled kernels, no
-        // scratch; the scan's is what is left.
-        assert_eq!(gpu_kernel_scratch(&model, &kinds, tokens, 1 << 20), scan);
-        // Without attention layers, only the scan counts.
-        let no_attention = [LayerKind::Mamba, LayerKind::Moe];
-        assert_eq!(
-            gpu_kernel_scratch(&model, &no_attention, tokens, 512 << 20),
-            scan
-        );
+        // 8 bytes a score entry either way: f32 scores and probabilities,
+        // or f32 scores and split bf16 probabilities.
+        for dtype in [DType::Bf16, DType::F32] {
+            let scratch =
+                |kinds: &[LayerKind], cap| gpu_kernel_scratch(&model, kinds, tokens, dtype, cap);
+            assert_eq!(scratch(&kinds, 512 << 20), attention, "{dtype}");
+            // A cap one KV head's scores do not fit: the tiled kernels, no
+            // scratch; the scan's is what is left.
+            assert_eq!(scratch(&kinds, 1 << 20), scan, "{dtype}");
+            // Without attention layers, only the scan counts.
+            let no_attention = [LayerKind::Mamba, LayerKind::Moe];
+            assert_eq!(scratch(&no_attention, 512 << 20), scan, "{dtype}");
+        }
         // On a GPU the need takes it where it is more than the CPU's.
         let need = MemoryNeed::new(
             1,

@@ -346,7 +346,8 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             &config.model,
             &p.kinds(),
             Tokens::new(config.micro_batch_size, config.seq_length),
-            crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES as u64,
+            config.precision.compute_dtype(),
+            crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES,
         )
     });
     let on_device = |need: MemoryNeed| match &device {

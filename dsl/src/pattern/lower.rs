@@ -72,10 +72,11 @@ struct Lowering<'s> {
     unmatched_unclosed: usize,
     /// The same for an unclosed `(` and a later stray `)`.
     unmatched_unclosed_paren: usize,
-    /// The attention family the source writes, found on first use: an
-    /// unknown symbol is guessed to be that family's, since a model has only
-    /// one (H009).
-    attention_family: std::cell::OnceCell<Option<char>>,
+    /// Whether the source writes GQA attention (`*`) and the latent family
+    /// (`+`, `D`): an unknown symbol is guessed to be the attention the
+    /// pattern already uses, since a model has only one family (H009).
+    writes_gqa: bool,
+    writes_latent: bool,
 }
 
 /// A pattern as far as it could be read, and what reading it found.
@@ -101,7 +102,8 @@ pub(super) fn lower(source: &str) -> Lowered {
         lossy_found: 0,
         unmatched_unclosed: 0,
         unmatched_unclosed_paren: 0,
-        attention_family: std::cell::OnceCell::new(),
+        writes_gqa: source.contains('*'),
+        writes_latent: source.contains(['+', 'D']),
     };
     let empty = Pattern {
         segments: Vec::new(),
@@ -767,35 +769,20 @@ impl Lowering<'_> {
         );
     }
 
-    /// The attention symbols the source writes: `*` for GQA only, `+` for
-    /// the MLA family (`+`, `D`) only, `?` for both, `None` for neither.
-    fn attention_family(&self) -> Option<char> {
-        *self.attention_family.get_or_init(|| {
-            let gqa = self.source.contains('*');
-            let latent = self.source.contains(['+', 'D']);
-            match (gqa, latent) {
-                (true, false) => Some('*'),
-                (false, true) => Some('+'),
-                (true, true) => Some('?'),
-                (false, false) => None,
-            }
-        })
-    }
-
     fn unknown(&mut self, text: &str, span: Span) {
         let c = text.chars().next().unwrap_or('?');
         // An attention guess follows the family the pattern writes; where it
         // writes both, either guess would mix them, so none is made.
-        let guess =
-            suggestion(c).and_then(|(symbol, why)| match (symbol, self.attention_family()) {
-                ('*' | '+', Some('?')) => None,
-                ('*', Some('+')) => Some((
-                    '+',
-                    "multi-latent attention, the attention this pattern uses",
-                )),
-                ('+', Some('*')) => Some(('*', "self-attention, the attention this pattern uses")),
-                _ => Some((symbol, why)),
-            });
+        let (gqa, latent) = (self.writes_gqa, self.writes_latent);
+        let guess = suggestion(c).and_then(|(symbol, why)| match symbol {
+            '*' | '+' | 'D' if gqa && latent => None,
+            '*' if latent => Some((
+                '+',
+                "multi-latent attention, the attention this pattern uses",
+            )),
+            '+' | 'D' if gqa => Some(('*', "self-attention, the attention this pattern uses")),
+            _ => Some((symbol, why)),
+        });
         let (message, help) = match guess {
             Some((symbol, why)) => (
                 format!("unknown layer symbol `{}`", c.escape_debug()),

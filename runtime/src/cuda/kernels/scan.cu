@@ -619,6 +619,37 @@ __device__ __forceinline__ void window_columns(
     }
 }
 
+// Where a block of a group kernel works: blockIdx.x = ((b * G + g) *
+// tiles + tile) * chunks + c, `columns` state columns a tile, and the
+// layout of the group's rows in an `xbc` row (x, B, C columns).
+struct GroupBlock {
+    u64 b, g, n0, chunk_index, t0, t1, chunks;
+    u64 d_inner, width, x_col, b_col, c_col, pn, first_head, heads_per_group;
+};
+
+__device__ __forceinline__ GroupBlock group_block(
+    u64 columns, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    GroupBlock k;
+    k.chunks = (seq + chunk - 1) / chunk;
+    k.chunk_index = blockIdx.x % k.chunks;
+    k.t0 = k.chunk_index * chunk;
+    k.t1 = min(k.t0 + chunk, seq);
+    const u64 tiles = (state + columns - 1) / columns;
+    k.n0 = (blockIdx.x / k.chunks % tiles) * columns;
+    const u64 bg = blockIdx.x / k.chunks / tiles;
+    k.g = bg % groups;
+    k.b = bg / groups;
+    k.heads_per_group = heads / groups;
+    k.first_head = k.g * k.heads_per_group;
+    k.d_inner = heads * head_dim;
+    k.width = k.d_inner + 2 * groups * state;
+    k.x_col = k.first_head * head_dim;
+    k.b_col = k.d_inner + k.g * state;
+    k.c_col = k.d_inner + (groups + k.g) * state;
+    k.pn = head_dim * state;
+    return k;
+}
+
 // dB and dC: one block per (sequence, group, pair of state columns,
 // chunk), blockIdx.x = ((b * G + g) * ceil(N / 2) + pair) * chunks + c.
 // The group's heads' rows
@@ -636,23 +667,12 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    const u64 chunks = (seq + chunk - 1) / chunk;
-    const u64 c_index = blockIdx.x % chunks;
-    const u64 t0 = c_index * chunk;
-    const u64 t1 = min(t0 + chunk, seq);
-    const u64 pairs = (state + GROUP_COLUMNS - 1) / GROUP_COLUMNS;
-    const u64 n0 = (blockIdx.x / chunks % pairs) * GROUP_COLUMNS;
-    const u64 bg = blockIdx.x / chunks / pairs;
-    const u64 g = bg % groups;
-    const u64 b = bg / groups;
-    const u64 heads_per_group = heads / groups;
+    const GroupBlock k = group_block(GROUP_COLUMNS, seq, heads, head_dim, groups, state, chunk);
+    const u64 chunks = k.chunks, c_index = k.chunk_index, t0 = k.t0, t1 = k.t1, n0 = k.n0;
+    const u64 g = k.g, b = k.b, heads_per_group = k.heads_per_group;
     const u64 q_count = heads_per_group * head_dim;
-    const u64 d_inner = heads * head_dim;
-    const u64 width = d_inner + 2 * groups * state;
-    const u64 x_col = g * q_count;
-    const u64 b_col = d_inner + g * state;
-    const u64 c_col = d_inner + (groups + g) * state;
-    const u64 pn = head_dim * state;
+    const u64 d_inner = k.d_inner, width = k.width, x_col = k.x_col;
+    const u64 b_col = k.b_col, c_col = k.c_col, pn = k.pn;
     const int rows_per_thread =
         static_cast<int>((q_count + 32 * static_cast<u64>(warps) - 1) / (32 * static_cast<u64>(warps)));
     const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
@@ -804,24 +824,13 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group_tiles
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    const u64 chunks = (seq + chunk - 1) / chunk;
-    const u64 c_index = blockIdx.x % chunks;
-    const u64 t0 = c_index * chunk;
-    const u64 t1 = min(t0 + chunk, seq);
-    const u64 tiles = (state + TILE_COLUMNS - 1) / TILE_COLUMNS;
-    const u64 n0 = (blockIdx.x / chunks % tiles) * TILE_COLUMNS;
-    const u64 bg = blockIdx.x / chunks / tiles;
-    const u64 g = bg % groups;
-    const u64 b = bg / groups;
-    const u64 heads_per_group = heads / groups;
-    const int Q = static_cast<int>(heads_per_group * head_dim);
+    const GroupBlock k = group_block(TILE_COLUMNS, seq, heads, head_dim, groups, state, chunk);
+    const u64 chunks = k.chunks, c_index = k.chunk_index, t0 = k.t0, t1 = k.t1, n0 = k.n0;
+    const u64 b = k.b, first_head = k.first_head;
+    const int Q = static_cast<int>(k.heads_per_group * head_dim);
     const int P = static_cast<int>(head_dim);
-    const u64 d_inner = heads * head_dim;
-    const u64 width = d_inner + 2 * groups * state;
-    const u64 x_col = g * heads_per_group * head_dim;
-    const u64 b_col = d_inner + g * state;
-    const u64 c_col = d_inner + (groups + g) * state;
-    const u64 pn = head_dim * state;
+    const u64 d_inner = k.d_inner, width = k.width, x_col = k.x_col;
+    const u64 b_col = k.b_col, c_col = k.c_col, pn = k.pn;
     const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
 
     const int column = static_cast<int>(threadIdx.x % TILE_COLUMNS);
@@ -832,7 +841,6 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group_tiles
     const int rows = (Q + slices - 1) / slices;  // the launcher keeps it <= TILE_ROWS
     const int q_first = slice * rows;
     const int q_end = min(q_first + rows, Q);
-    const u64 first_head = g * heads_per_group;
     float v[TILE_ROWS];
 
     // Adds the window's per-warp partials (warp order) and stores them in

@@ -302,7 +302,20 @@ impl AttentionGemmPlan {
         scratch_bytes: usize,
     ) -> Option<AttentionGemmPlan> {
         let dtype = views.first()?.dtype;
-        if !matches!(dtype, DType::F32 | DType::Bf16) || views.iter().any(|v| v.dtype != dtype) {
+        if views.iter().any(|v| v.dtype != dtype) {
+            return None;
+        }
+        AttentionGemmPlan::for_dtype(dims, dtype, scratch_bytes)
+    }
+
+    /// The plan for `dims` with every operand in `dtype` (f32 or bf16, else
+    /// `None`), under a cap of `scratch_bytes`.
+    pub fn for_dtype(
+        dims: AttentionDims,
+        dtype: DType,
+        scratch_bytes: usize,
+    ) -> Option<AttentionGemmPlan> {
+        if !matches!(dtype, DType::F32 | DType::Bf16) {
             return None;
         }
         let split = if dtype == DType::Bf16 { 2 } else { 1 };
@@ -333,6 +346,15 @@ impl AttentionGemmPlan {
     /// the scores', two when [`AttentionGemmPlan::split`].
     pub fn probs_len(&self, dims: AttentionDims) -> usize {
         self.scores_len(dims) * if self.split() { 2 } else { 1 }
+    }
+
+    /// Bytes of scratch one call takes: the scores, the probabilities and
+    /// the accumulators of the backward (which has more than the forward).
+    pub fn scratch_bytes(&self, dims: AttentionDims) -> usize {
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        let accumulators = (lens.q + lens.k + lens.v).max(lens.out);
+        (self.scores_len(dims) + accumulators) * DType::F32.bytes()
+            + self.probs_len(dims) * self.dtype.bytes()
     }
 
     /// Elements of the f32 accumulators of one sequence's query-side
