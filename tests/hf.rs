@@ -102,9 +102,7 @@ fn dry_run(preset: &str) -> Value {
 
 /// Fields whose exported value differs from the published one, and why.
 /// `max_position_embeddings`: hybridgen writes its training length.
-/// `routed_scaling_factor`: hybridgen's router has no scaling factor yet
-/// (import refuses 2.5, see below).
-const KNOWN_DIFFERENCES: [&str; 2] = ["max_position_embeddings", "routed_scaling_factor"];
+const KNOWN_DIFFERENCES: [&str; 1] = ["max_position_embeddings"];
 
 fn check_against_published(preset: &str, published_is_whole: bool) {
     let fixture = fixture(preset);
