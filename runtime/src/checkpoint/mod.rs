@@ -893,12 +893,27 @@ pub fn write_fresh(
             },
         );
     }
-    // The routers' expert biases, as `save` keeps them (no optimizer state).
-    let keys = crate::layers::expert_bias_keys(plan);
+    // The routers' expert biases, as `save` keeps them (no optimizer state):
+    // exactly the model's, one value an expert, or the loader refuses the
+    // checkpoint later.
+    let mut wanted: Vec<String> = crate::layers::expert_bias_keys(plan)
+        .into_iter()
+        .map(|(_, key)| key)
+        .collect();
+    let mut given: Vec<&String> = biases.iter().map(|(key, _)| key).collect();
+    wanted.sort();
+    given.sort();
+    if given != wanted.iter().collect::<Vec<_>>() {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "the expert biases given ({given:?}) are not this model's ({wanted:?})"
+        )));
+    }
+    let experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts);
     for (key, values) in biases {
-        if !keys.iter().any(|(_, k)| k == key) {
+        if values.len() != experts {
             return Err(RuntimeError::InvalidArgument(format!(
-                "`{key}` is not an expert bias of this model"
+                "`{key}` came with {} values, not one for each of the {experts} experts",
+                values.len()
             )));
         }
         let [pn, _, _] = names(key);
@@ -911,10 +926,8 @@ pub fn write_fresh(
             },
         );
     }
-    data.into_inner()
-        .map_err(|e| io(e.into_error()))?
-        .sync_all()
-        .map_err(io)?;
+    // Read once into the rank file and deleted: flushed, never synced.
+    data.into_inner().map_err(|e| io(e.into_error()))?;
     let path = partial.join(&file);
     let (bytes, crc) = write_safetensors(&path, &data_path, &order)?;
     std::fs::remove_file(&data_path).map_err(io)?;

@@ -194,7 +194,7 @@ pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<S
         c.insert("norm_topk_prob".into(), json!(m.top_k > 1));
         c.insert(
             "routed_scaling_factor".into(),
-            json!(f64::from(m.topk_scaling_factor)),
+            json!(decimal(m.topk_scaling_factor)),
         );
         c.insert("n_group".into(), json!(1));
         c.insert("topk_group".into(), json!(1));

@@ -253,20 +253,18 @@ impl HfWeights {
                 )));
             }
             match &t.source {
-                Source::ExpertBias { key } => {
-                    let values = self.folder.read_f32(&t.name)?;
-                    match key {
-                        Some(key) => self.biases.push((key.clone(), values)),
-                        None => {
-                            if let Some(v) = values.iter().find(|v| **v != 0.0) {
-                                return Err(bad(format!(
-                                    "tensor `{}` holds a non-zero expert bias ({v}), but the model \
-                                     routes without one: set `moe.expert_bias = true`",
-                                    t.name
-                                )));
-                            }
-                        }
-                    }
+                // An imported model always routes with an expert bias
+                // (`from_hf_config`), so each router's has a key.
+                Source::ExpertBias { key: Some(key) } => {
+                    self.biases
+                        .push((key.clone(), self.folder.read_f32(&t.name)?));
+                }
+                Source::ExpertBias { key: None } => {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "tensor `{}`: the model bound to the folder routes without an expert \
+                         bias, which an imported model always has",
+                        t.name
+                    )));
                 }
                 Source::Rows { param, key, rows } => {
                     let def = plan.def(&plan.params[*param]);

@@ -324,7 +324,9 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
         let want = numel.checked_mul(dtype.size() as u64);
         if offsets.1 < offsets.0
             || Some(offsets.1 - offsets.0) != want
-            || data_start + offsets.1 > len
+            || data_start
+                .checked_add(offsets.1)
+                .is_none_or(|end| end > len)
         {
             return Err(bad(format!(
                 "its bytes {}..{} do not hold {shape:?} {} elements inside the file",

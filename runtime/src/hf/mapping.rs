@@ -428,10 +428,7 @@ pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
                     // A model routing with an expert bias keeps it next to
                     // the router's weight (`layers::expert_bias_keys`).
                     let trained = plan.model.moe.as_ref().is_some_and(|m| m.expert_bias);
-                    let bias_key = key
-                        .strip_suffix("weight")
-                        .filter(|_| trained)
-                        .map(|stem| format!("{stem}expert_bias"));
+                    let bias_key = trained.then(|| crate::layers::expert_bias_key(&key));
                     out.push(HfTensor {
                         name: format!("{prefix}{name}"),
                         shape: vec![def.shape[0]],

@@ -43,7 +43,7 @@ pub use moe::{
     Balance, CollectiveExchange, ExpertBalance, ExpertExchange, ExpertLoad, LocalExchange,
     MoeBackward, MoeCombineBackward, MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad,
     MoeForward, MoeLayer, MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
-    RouterContext, expert_bias_keys, update_expert_bias,
+    RouterContext, expert_bias_key, expert_bias_keys, update_expert_bias,
 };
 
 pub use mtp::{MtpEntry, MtpSaved, MtpWgrad};

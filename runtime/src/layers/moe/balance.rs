@@ -30,13 +30,17 @@ pub fn expert_bias_keys(plan: &Plan) -> Vec<(LayerRef, String)> {
             let Owner::Layer(layer) = param.owner else {
                 return None;
             };
-            (plan.def(param).name == "mlp.router.weight").then(|| {
-                let key = plan.checkpoint_key(param, 0);
-                let stem = key.strip_suffix("weight").unwrap_or(&key);
-                (layer, format!("{stem}expert_bias"))
-            })
+            (plan.def(param).name == "mlp.router.weight")
+                .then(|| (layer, expert_bias_key(&plan.checkpoint_key(param, 0))))
         })
         .collect()
+}
+
+/// The checkpoint key of the expert bias of the router whose weight's key
+/// is `router_key`: the same stem, `expert_bias` for `weight`.
+pub fn expert_bias_key(router_key: &str) -> String {
+    let stem = router_key.strip_suffix("weight").unwrap_or(router_key);
+    format!("{stem}expert_bias")
 }
 
 /// One rank's balancing state: for every `E` layer with an expert bias, the

@@ -42,7 +42,9 @@ mod experts;
 mod permutation;
 mod routing;
 
-pub use balance::{ExpertBalance, ExpertLoad, expert_bias_keys, update_expert_bias};
+pub use balance::{
+    ExpertBalance, ExpertLoad, expert_bias_key, expert_bias_keys, update_expert_bias,
+};
 pub use exchange::{CollectiveExchange, ExpertExchange, LocalExchange};
 pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
 
