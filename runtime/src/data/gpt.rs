@@ -275,20 +275,15 @@ impl GptPart {
     }
 
     fn epoch(&self, epoch: u64) -> Arc<EpochIndex> {
-        let cached =
-            |epochs: &Vec<Arc<EpochIndex>>| epochs.iter().find(|e| e.epoch == epoch).cloned();
         // A poisoned lock only means another rank panicked: the cache
-        // itself is always whole.
-        if let Some(found) = cached(&self.epochs.lock().unwrap_or_else(|p| p.into_inner())) {
-            return found;
-        }
-        // Built outside the lock: ranks asking for another epoch meanwhile
-        // do not wait (two ranks may build the same one; it is the same).
-        let built = Arc::new(self.build_epoch(epoch));
+        // itself is always whole. Built under the lock: the thread ranks of
+        // a process ask for the same epoch at the same time, and one build
+        // serves them all (they never want an epoch the others do not).
         let mut epochs = self.epochs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(found) = cached(&epochs) {
-            return found;
+        if let Some(found) = epochs.iter().find(|e| e.epoch == epoch) {
+            return found.clone();
         }
+        let built = Arc::new(self.build_epoch(epoch));
         if epochs.len() >= EPOCHS_KEPT {
             epochs.remove(0);
         }
