@@ -156,9 +156,10 @@ fn write_new(path: &std::path::Path, text: &str) -> Result<(), Failure> {
 fn dry_run(args: &ExportArgs, dtype: HfDtype) -> Result<(), Failure> {
     let model = match (&args.checkpoint, &args.model, &args.preset) {
         (Some(dir), _, _) => {
-            hybridgen_runtime::checkpoint::CheckpointReader::open(dir, "CHECKPOINT")
+            // Only the model: the index, not a checksum of every rank file.
+            hybridgen_runtime::checkpoint::open_index(dir, "CHECKPOINT")
                 .map_err(runtime)?
-                .index
+                .1
                 .model
         }
         (None, file, preset) => super::plan::resolve_model(None, file.as_ref(), preset.as_deref())?,

@@ -628,17 +628,7 @@ impl CheckpointReader {
     /// Opens checkpoint `dir`: a root (its newest complete step) or one
     /// step's directory; `what` names the argument in errors.
     pub fn open(dir: &Path, what: &str) -> Result<Self> {
-        let step = root::newest_checkpoint(dir, what)?.ok_or_else(|| {
-            RuntimeError::io(
-                dir.display(),
-                if dir.exists() {
-                    "holds no complete checkpoint"
-                } else {
-                    "no such checkpoint"
-                },
-            )
-        })?;
-        let index = read_index(&step)?;
+        let (step, index) = open_index(dir, what)?;
         let mut files = BTreeMap::new();
         for (name, entry) in &index.files {
             files.insert(name.clone(), stream_checked(&step, name, entry)?);
@@ -811,6 +801,24 @@ fn stream_checked(
 /// The most header bytes of a rank file read: a header lists three
 /// tensors for each piece the rank holds, a few hundred bytes each.
 const MAX_RANK_HEADER: usize = 256 << 20;
+
+/// The newest complete step of checkpoint `dir` (a root or one step's
+/// directory) and its checked index, without reading the rank files: for a
+/// caller that only wants the model or the settings.
+pub fn open_index(dir: &Path, what: &str) -> Result<(PathBuf, CheckpointIndex)> {
+    let step = root::newest_checkpoint(dir, what)?.ok_or_else(|| {
+        RuntimeError::io(
+            dir.display(),
+            if dir.exists() {
+                "holds no complete checkpoint"
+            } else {
+                "no such checkpoint"
+            },
+        )
+    })?;
+    let index = read_index(&step)?;
+    Ok((step, index))
+}
 
 /// Writes a checkpoint of fresh training state into root `dir` as step 0:
 /// every parameter of `plan` (an `ep` 1 plan: every expert) whole, from
