@@ -6,7 +6,7 @@
 //!   train, validation and test parts by Megatron's rounding rule.
 //! - [`GptPart`]: one part's documents, in an order shuffled per epoch with
 //!   the seed, concatenated across document boundaries and cut into
-//!   samples of `seq + 1 (+ MTP lookahead)` tokens that start every `seq`
+//!   samples of `seq + 1` tokens that start every `seq`
 //!   tokens (consecutive samples share one token: the last target of one
 //!   is the first input of the next). The samples of an epoch are shuffled
 //!   too. A partial sample at an epoch's end is dropped.
@@ -144,10 +144,8 @@ pub struct GptPart {
     documents: Range<usize>,
     seed: u64,
     /// Tokens between the starts of consecutive samples (the sequence
-    /// length).
+    /// length); a sample is one more (its last target).
     stride: usize,
-    /// Tokens per sample.
-    window: usize,
     tokens: u64,
     samples_per_epoch: u64,
     epochs: Mutex<Vec<Arc<EpochIndex>>>,
@@ -155,29 +153,30 @@ pub struct GptPart {
 
 impl GptPart {
     /// Part `part` (an index into [`PART_NAMES`]) of `dataset`: the
-    /// documents `documents`, samples of `window` tokens every `stride`.
+    /// documents `documents`, samples of `stride + 1` tokens every
+    /// `stride`.
     pub fn new(
         dataset: Arc<IndexedDataset>,
         part: usize,
         documents: Range<usize>,
         seed: u64,
         stride: usize,
-        window: usize,
     ) -> Result<Self> {
         let name = || format!("{} ({} part)", dataset.idx_name(), PART_NAMES[part]);
-        if stride == 0 || window <= stride {
+        if stride == 0 {
             return Err(RuntimeError::InvalidArgument(format!(
-                "{}: samples need a sequence length above 0 and a window longer than it (got \
-                 {stride} and {window})",
+                "{}: samples need a sequence length above 0; give --seq-len 1 or more",
                 name()
             )));
         }
-        if documents.len() > u32::MAX as usize {
+        let window = stride + 1;
+        // The epoch index stores document numbers in u32.
+        if documents.end > u32::MAX as usize {
             return Err(RuntimeError::InvalidArgument(format!(
-                "{}: {} documents are more than this reader indexes ({}); split the corpus into \
-                 several datasets and blend them",
+                "{}: documents up to number {} are more than this reader indexes ({}); split \
+                 the corpus into several datasets and blend them",
                 name(),
-                documents.len(),
+                documents.end,
                 u32::MAX
             )));
         }
@@ -190,17 +189,13 @@ impl GptPart {
                 name(),
                 format!(
                     "its {} documents hold {tokens} tokens, but one sample needs {window} \
-                     (sequence length {stride} + 1 target{}); use more data, a larger share of \
+                     (sequence length {stride} + 1 target); use more data, a larger share of \
                      it for this part (--split), or a shorter sequence (--seq-len)",
                     documents.len(),
-                    match window - stride - 1 {
-                        0 => String::new(),
-                        n => format!(" + {n} MTP lookahead"),
-                    }
                 ),
             ));
         }
-        let samples_per_epoch = (tokens - (window - stride) as u64) / stride as u64;
+        let samples_per_epoch = (tokens - 1) / stride as u64;
         if samples_per_epoch > u64::from(u32::MAX) {
             return Err(RuntimeError::InvalidArgument(format!(
                 "{}: {samples_per_epoch} samples per epoch are more than this reader indexes; \
@@ -214,7 +209,6 @@ impl GptPart {
             documents,
             seed,
             stride,
-            window,
             tokens,
             samples_per_epoch,
             epochs: Mutex::new(Vec::new()),
@@ -233,8 +227,9 @@ impl GptPart {
         self.samples_per_epoch
     }
 
+    /// Tokens per sample.
     pub fn window(&self) -> usize {
-        self.window
+        self.stride + 1
     }
 
     /// The seed of one of an epoch's shuffles (`what`: documents or
@@ -293,11 +288,11 @@ impl GptPart {
 
     /// Fills `out` (`window` tokens) with sample `g` of the part.
     pub fn sample(&self, g: u64, out: &mut [u32]) -> Result<()> {
-        if out.len() != self.window {
+        if out.len() != self.window() {
             return Err(RuntimeError::InvalidArgument(format!(
                 "a sample of {} is {} tokens, not {}",
                 self.dataset.idx_name(),
-                self.window,
+                self.window(),
                 out.len()
             )));
         }
@@ -524,7 +519,7 @@ mod tests {
         let prefix = dir.prefix("tiny");
         write_u16(&prefix, &[vec![1, 2, 3], vec![4, 5], vec![6, 7, 8, 9]]);
         let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-        GptPart::new(dataset, 0, 0..3, seed, 2, 3).unwrap()
+        GptPart::new(dataset, 0, 0..3, seed, 2).unwrap()
     }
 
     #[test]
@@ -584,7 +579,7 @@ mod tests {
         let prefix = dir.prefix("tiny");
         write_u16(&prefix, &[vec![1, 2], vec![3]]);
         let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-        let m = GptPart::new(dataset, 1, 0..2, 0, 4, 5)
+        let m = GptPart::new(dataset, 1, 0..2, 0, 4)
             .unwrap_err()
             .to_string();
         assert!(
@@ -603,7 +598,7 @@ mod tests {
             let docs: Vec<Vec<u16>> = (0..20).map(|d| vec![first + d, first + d]).collect();
             write_u16(&prefix, &docs);
             let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-            GptPart::new(dataset, 0, 0..20, 3, 1, 2).unwrap()
+            GptPart::new(dataset, 0, 0..20, 3, 1).unwrap()
         };
         let blend = Blend::new(vec![part("a", 100), part("b", 200)], vec![3.0, 7.0]).unwrap();
         // Weights 0.3 / 0.7, by hand: sample i goes to the dataset with the

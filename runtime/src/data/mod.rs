@@ -917,7 +917,6 @@ impl IndexedSource {
         need_validation: bool,
     ) -> Result<Self> {
         let seq = shape.seq;
-        let window = shape.window();
         let mut trains = Vec::new();
         let mut validations = Vec::new();
         let mut largest = 0u64;
@@ -966,25 +965,12 @@ impl IndexedSource {
             }
             // Each dataset's parts shuffle with their own seed.
             let part_seed = mix64(seed ^ (d as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            let train = GptPart::new(
-                dataset.clone(),
-                0,
-                ranges[0].clone(),
-                part_seed,
-                seq,
-                window,
-            )?;
+            let train = GptPart::new(dataset.clone(), 0, ranges[0].clone(), part_seed, seq)?;
             let mut line = format!("{} ({}", dataset.prefix().display(), train.describe());
             trains.push(train);
             if !ranges[1].is_empty() {
-                let validation = GptPart::new(
-                    dataset.clone(),
-                    1,
-                    ranges[1].clone(),
-                    part_seed,
-                    seq,
-                    window,
-                )?;
+                let validation =
+                    GptPart::new(dataset.clone(), 1, ranges[1].clone(), part_seed, seq)?;
                 line += &format!("; {}", validation.describe());
                 validations.push(validation);
             }
