@@ -218,22 +218,6 @@ fn map(file: &std::fs::File, name: &str) -> Result<Option<Mmap>> {
         .map_err(|e| RuntimeError::io(name, format!("cannot memory-map the file: {e}")))
 }
 
-/// Opens a regular file, refusing directories, FIFOs and devices by name.
-fn open_regular(path: &Path) -> Result<std::fs::File> {
-    let name = path.display().to_string();
-    let meta = std::fs::metadata(path).map_err(|e| RuntimeError::io(&name, e))?;
-    if !meta.is_file() {
-        return Err(RuntimeError::io(
-            &name,
-            format!(
-                "this is {}, not a data file",
-                super::kind_of(&meta.file_type())
-            ),
-        ));
-    }
-    std::fs::File::open(path).map_err(|e| RuntimeError::io(&name, e))
-}
-
 impl IndexedDataset {
     /// Opens `PREFIX.idx` and `PREFIX.bin` and checks that they agree: the
     /// header, every array's length, the document index, and that every
@@ -248,8 +232,8 @@ impl IndexedDataset {
         let (idx_path, bin_path) = paths(prefix);
         let idx_name = idx_path.display().to_string();
         let bin_name = bin_path.display().to_string();
-        let idx_file = open_regular(&idx_path)?;
-        let bin_file = open_regular(&bin_path)?;
+        let (idx_file, _) = super::open_regular(&idx_path, "")?;
+        let (bin_file, _) = super::open_regular(&bin_path, "")?;
         let idx = map(&idx_file, &idx_name)?;
         let bin = map(&bin_file, &bin_name)?;
         let bad = |what: String| Err(RuntimeError::io(&idx_name, what));

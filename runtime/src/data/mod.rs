@@ -573,8 +573,35 @@ enum ByteStore {
 /// Tokens a byte file produces.
 pub const BYTE_VOCAB: usize = 256;
 
+/// Opens `path` as a regular file, refusing directories, FIFOs and devices
+/// by name (`hint` follows the refusal): `metadata` follows symlinks and
+/// never opens, so a FIFO cannot block it, and the opened file is checked
+/// again in case the path was replaced between the two calls.
+pub(crate) fn open_regular(path: &Path, hint: &str) -> Result<(std::fs::File, std::fs::Metadata)> {
+    let name = path.display().to_string();
+    let not_a_file = |meta: &std::fs::Metadata| {
+        RuntimeError::io(
+            &name,
+            format!(
+                "this is {}, not a data file{hint}",
+                kind_of(&meta.file_type())
+            ),
+        )
+    };
+    let meta = std::fs::metadata(path).map_err(|e| RuntimeError::io(&name, e))?;
+    if !meta.is_file() {
+        return Err(not_a_file(&meta));
+    }
+    let file = std::fs::File::open(path).map_err(|e| RuntimeError::io(&name, e))?;
+    let meta = file.metadata().map_err(|e| RuntimeError::io(&name, e))?;
+    if !meta.is_file() {
+        return Err(not_a_file(&meta));
+    }
+    Ok((file, meta))
+}
+
 /// What `metadata` says a path is, for refusing what is not a data file.
-pub(crate) fn kind_of(file_type: &std::fs::FileType) -> &'static str {
+fn kind_of(file_type: &std::fs::FileType) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;
@@ -613,23 +640,7 @@ impl ByteFile {
             ));
         }
         Self::check_vocab(&name, vocab)?;
-        let not_a_file = |kind: &str| {
-            RuntimeError::io(
-                &name,
-                format!("this is {kind}, not a data file; give a regular file of text"),
-            )
-        };
-        // `metadata` follows symlinks and never opens: a FIFO cannot block it.
-        let meta = std::fs::metadata(path).map_err(|e| RuntimeError::io(&name, e))?;
-        if !meta.is_file() {
-            return Err(not_a_file(kind_of(&meta.file_type())));
-        }
-        let file = std::fs::File::open(path).map_err(|e| RuntimeError::io(&name, e))?;
-        // The path may have been replaced between the two calls.
-        let meta = file.metadata().map_err(|e| RuntimeError::io(&name, e))?;
-        if !meta.is_file() {
-            return Err(not_a_file(kind_of(&meta.file_type())));
-        }
+        let (file, meta) = open_regular(path, "; give a regular file of text")?;
         if meta.len() == 0 {
             return Err(RuntimeError::io(
                 &name,
