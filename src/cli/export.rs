@@ -100,7 +100,7 @@ pub(crate) fn run(args: &ExportArgs) -> Result<(), Failure> {
                 "seq_length": args.loss_tokens,
                 "dtype": dtype.torch_name(),
             });
-            write_new(path, &format!("{text}\n"))?;
+            super::write_file(path, format!("{text}\n").as_bytes(), "--loss-check")?;
             Some(check)
         }
     };
@@ -141,16 +141,6 @@ pub(crate) fn run(args: &ExportArgs) -> Result<(), Failure> {
             super::emit(&text)
         }
     }
-}
-
-/// Writes `text` to `path` under a temporary name, then renames it.
-fn write_new(path: &std::path::Path, text: &str) -> Result<(), Failure> {
-    let mut tmp = path.as_os_str().to_os_string();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, text)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| Failure::Message(format!("cannot write {}: {e}", path.display())))
 }
 
 fn dry_run(args: &ExportArgs, dtype: HfDtype) -> Result<(), Failure> {

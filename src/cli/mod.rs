@@ -131,6 +131,21 @@ pub(crate) fn emit(text: &str) -> Result<(), Failure> {
     }
 }
 
+/// Writes a command's output file `path` whole under a temporary name, then
+/// renames it, so a reader never sees half a file; `what` names the file in
+/// the error (the flag that gave it).
+pub(crate) fn write_file(path: &std::path::Path, bytes: &[u8], what: &str) -> Result<(), Failure> {
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(format!(".tmp-{}", std::process::id()));
+    let temporary = std::path::PathBuf::from(temporary);
+    std::fs::write(&temporary, bytes)
+        .and_then(|()| std::fs::rename(&temporary, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&temporary);
+            Failure::Message(format!("{what} {}: cannot write it: {e}", path.display()))
+        })
+}
+
 /// Parses `args` and runs the command.
 pub fn run(args: impl IntoIterator<Item = impl Into<OsString> + Clone>) -> ExitCode {
     let args: Vec<OsString> = args.into_iter().map(Into::into).collect();

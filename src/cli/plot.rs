@@ -118,16 +118,7 @@ pub(crate) fn run(args: &PlotArgs) -> Result<(), Failure> {
         .collect::<Result<_, _>>()
         .map_err(Failure::Message)?;
     let svg = draw(&runs, &args.title).map_err(Failure::Message)?;
-    // Written whole under a temporary name, then renamed.
-    let mut temporary = out.as_os_str().to_owned();
-    temporary.push(format!(".tmp-{}", std::process::id()));
-    let temporary = PathBuf::from(temporary);
-    std::fs::write(&temporary, svg)
-        .and_then(|()| std::fs::rename(&temporary, out))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&temporary);
-            Failure::Message(format!("--output {}: cannot write it: {e}", out.display()))
-        })?;
+    super::write_file(out, svg.as_bytes(), "--output")?;
     let points: usize = runs.iter().map(|(_, c)| c.loss.len() + c.eval.len()).sum();
     super::emit(&format!(
         "wrote {} ({} run{}, {points} points)\n",
