@@ -312,30 +312,30 @@ const IGNORED: &[&str] = &[
     "moe_shared_expert_overlap",
 ];
 
-/// Fields that must have the value hybridgen computes with.
-fn required(name: &str) -> Option<Value> {
+/// Fields that must have the value hybridgen computes with, and why the
+/// value is fixed, in words.
+fn required(name: &str) -> Option<(Value, &'static str)> {
+    const ONLY: &str = "hybridgen computes only this value";
     Some(match name {
-        "attention_bias" | "mlp_bias" | "use_bias" | "mamba_proj_bias" => json!(false),
-        "use_conv_bias" | "mamba_conv_bias" => json!(true),
-        "mamba_hidden_act" => json!("silu"),
-        "mlp_hidden_act" => json!("relu2"),
-        "layer_norm_epsilon" | "norm_eps" | "rms_norm_eps" => json!(NORM_EPS),
-        "n_group" | "topk_group" => json!(1),
-        "moe_latent_size" | "sliding_window" => Value::Null,
-        "attention_dropout" | "hidden_dropout" => json!(0.0),
+        "attention_bias" | "mlp_bias" | "use_bias" | "mamba_proj_bias" => (json!(false), ONLY),
+        "use_conv_bias" | "mamba_conv_bias" => (json!(true), ONLY),
+        "mamba_hidden_act" => (json!("silu"), ONLY),
+        "mlp_hidden_act" => (json!("relu2"), ONLY),
+        "layer_norm_epsilon" | "norm_eps" | "rms_norm_eps" => {
+            (json!(NORM_EPS), "hybridgen's RMSNorm uses eps 1e-5")
+        }
+        "n_group" | "topk_group" => (
+            json!(1),
+            "hybridgen's router does not restrict experts by group",
+        ),
+        "moe_latent_size" => (Value::Null, "hybridgen's MoE has no latent projection"),
+        "sliding_window" => (
+            Value::Null,
+            "hybridgen's attention is full causal attention",
+        ),
+        "attention_dropout" | "hidden_dropout" => (json!(0.0), ONLY),
         _ => return None,
     })
-}
-
-/// Why a required field's value cannot be taken, in words.
-fn required_reason(name: &str) -> &'static str {
-    match name {
-        "moe_latent_size" => "hybridgen's MoE has no latent projection",
-        "sliding_window" => "hybridgen's attention is full causal attention",
-        "n_group" | "topk_group" => "hybridgen's router does not restrict experts by group",
-        "layer_norm_epsilon" | "norm_eps" | "rms_norm_eps" => "hybridgen's RMSNorm uses eps 1e-5",
-        _ => "hybridgen computes only this value",
-    }
 }
 
 fn same_value(a: &Value, b: &Value) -> bool {
@@ -387,14 +387,11 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             continue;
         }
         match required(name) {
-            Some(want) if same_value(value, &want) => {}
-            Some(want) => {
+            Some((want, _)) if same_value(value, &want) => {}
+            Some((want, why)) => {
                 return Err(field_error(
                     name,
-                    format!(
-                        "is {value}, but {}: only {want} imports",
-                        required_reason(name)
-                    ),
+                    format!("is {value}, but {why}: only {want} imports"),
                 ));
             }
             None => {
