@@ -869,7 +869,10 @@ fn run_rank<D: Device>(
                 dp_rank: r,
                 micro_batch: mb,
             };
-            micro_batch_tokens(&prepared.data.batch(key, shape)?, depths)
+            Ok(micro_batch_tokens(
+                &prepared.data.batch(key, shape)?,
+                depths,
+            ))
         };
         let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         let totals = &cx.totals;
@@ -968,14 +971,12 @@ fn run_rank<D: Device>(
 /// A micro-batch's inputs and targets (and MTP inputs) from its batch.
 /// Head 0's tokens (the next token), and for MTP depth k the inputs and
 /// targets rolled by k inside the sample, the last k positions masked.
-fn micro_batch_tokens(batch: &Batch, depths: usize) -> Result<MicroBatchTokens> {
-    let mut targets = vec![batch.all_targets()?];
-    targets.extend((1..=depths).map(|k| batch.mtp_targets(k)));
-    Ok(MicroBatchTokens {
-        inputs: batch.all_inputs(),
-        targets,
+fn micro_batch_tokens(batch: &Batch, depths: usize) -> MicroBatchTokens {
+    MicroBatchTokens {
+        inputs: batch.mtp_inputs(0),
+        targets: (0..=depths).map(|k| batch.mtp_targets(k)).collect(),
         mtp_inputs: (1..=depths).map(|k| batch.mtp_inputs(k)).collect(),
-    })
+    }
 }
 
 /// One evaluation: the forward of `batches` fixed evaluation batches
@@ -1009,7 +1010,10 @@ impl<D: Device> Evaluation<'_, D> {
                     dp_rank: rank.rank,
                     micro_batch: mb,
                 };
-                micro_batch_tokens(&self.data.eval_batch(key, self.shape)?, depths)
+                Ok(micro_batch_tokens(
+                    &self.data.eval_batch(key, self.shape)?,
+                    depths,
+                ))
             };
             let counts = run_step(self.program, self.cx, engine, rank, &mut micro_batch)?;
             let losses = self.cx.totals.read(&rank.backend, &counts)?.losses;

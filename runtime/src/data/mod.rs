@@ -218,20 +218,12 @@ impl Batch {
         Ok(&self.row(row)?[1..1 + self.shape.seq])
     }
 
-    /// Every row's inputs, concatenated (`[batch * seq]`, token `t` of row
-    /// `b` at `b * seq + t`, the layout of [`Tokens`]).
-    pub fn all_inputs(&self) -> Vec<u32> {
-        self.tokens
-            .chunks_exact(self.shape.window())
-            .flat_map(|w| &w[..self.shape.seq])
-            .copied()
-            .collect()
-    }
-
-    /// MTP depth `k`'s (1-based) inputs, every row concatenated
-    /// (`[batch * seq]`): Megatron rolls the inputs left by one per depth, so
-    /// position `t` reads token `t + k` of the sample's inputs, and the
-    /// positions past them read 0 (their targets are masked).
+    /// Depth `k`'s inputs, every row concatenated (`[batch * seq]`, token
+    /// `t` of row `b` at `b * seq + t`, the layout of [`Tokens`]). Depth 0
+    /// is the model's own; for MTP depth `k` Megatron rolls the inputs left
+    /// by one per depth, so position `t` reads token `t + k` of the sample's
+    /// inputs, and the positions past them read 0 (their targets are
+    /// masked).
     pub fn mtp_inputs(&self, k: usize) -> Vec<u32> {
         let seq = self.shape.seq;
         self.tokens
@@ -240,8 +232,8 @@ impl Batch {
             .collect()
     }
 
-    /// MTP depth `k`'s (1-based) targets, every row concatenated: token
-    /// `t + k + 1` of the sample, [`IGNORE_TARGET`] for the last `k`
+    /// Depth `k`'s targets, every row concatenated: token `t + k + 1` of the
+    /// sample (depth 0: the next token), [`IGNORE_TARGET`] for the last `k`
     /// positions, whose label would lie past the sample (Megatron's rolled
     /// loss mask), so depth k's loss is the mean over `seq - k` positions.
     pub fn mtp_targets(&self, k: usize) -> Vec<u32> {
@@ -258,15 +250,6 @@ impl Batch {
                 })
             })
             .collect()
-    }
-
-    /// Every row's next-token targets, concatenated (`[batch * seq]`).
-    pub fn all_targets(&self) -> Result<Vec<u32>> {
-        let mut out = Vec::with_capacity(self.shape.batch * self.shape.seq);
-        for row in 0..self.shape.batch {
-            out.extend_from_slice(self.targets(row)?);
-        }
-        Ok(out)
     }
 }
 
@@ -1231,12 +1214,9 @@ mod tests {
         }
         assert!(batch.inputs(2).is_err());
         assert!(batch.targets(2).is_err());
-        assert_eq!(batch.all_inputs().len(), 10);
+        assert_eq!(batch.mtp_inputs(0).len(), 10);
         assert_eq!(batch.dims().rows().unwrap(), 10);
-        assert_eq!(
-            &batch.all_targets().unwrap()[5..],
-            batch.targets(1).unwrap()
-        );
+        assert_eq!(&batch.mtp_targets(0)[5..], batch.targets(1).unwrap());
         assert!(batch.tokens().iter().all(|t| *t < 16));
         assert!(source.batch(key(0, 0, 0), BatchShape::new(0, 5)).is_err());
         assert!(source.batch(key(0, 0, 0), BatchShape::new(2, 0)).is_err());
