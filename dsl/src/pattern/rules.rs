@@ -32,6 +32,8 @@ pub(super) fn check(pattern: &Pattern, lossy_depths: &[bool]) -> Findings {
 fn check_group(group: &Group, out: &mut Findings) {
     let last = group.members.len() - 1;
     let mut flagged = vec![false; group.members.len()];
+    // The one split every help below can propose.
+    let split = valid_split(&group.members);
     for (i, member) in group.members.iter().enumerate() {
         if i == last {
             continue;
@@ -43,7 +45,7 @@ fn check_group(group: &Group, out: &mut Findings) {
                     Diagnostic::new(Code::H006, "`E` is not the last layer of its group")
                         .at(member.span)
                         .label("a MoE layer ends its group")
-                        .help(match (moved_last(&group.members, i), valid_split(&group.members)) {
+                        .help(match (moved_last(&group.members, i), &split) {
                             (Some(moved), Some(split)) => format!(
                                 "move the `E` to the end (`{moved}`) or split the group after it (`{split}`)"
                             ),
@@ -61,12 +63,11 @@ fn check_group(group: &Group, out: &mut Findings) {
                 } else {
                     "`-` is not the last layer of its group"
                 };
-                let split = valid_split(&group.members);
                 out.push(
                     Diagnostic::new(Code::H007, message)
                         .at(member.span)
                         .label("a dense MLP ends its group")
-                        .help(match (terminal_after, moved_last(&group.members, i), split) {
+                        .help(match (terminal_after, moved_last(&group.members, i), &split) {
                             (true, _, Some(split)) => format!(
                                 "a group has at most one terminal (`-` or `E`): split the group: `{split}`"
                             ),
@@ -89,7 +90,7 @@ fn check_group(group: &Group, out: &mut Findings) {
         }
     }
     // Terminals are covered above: two of them always put one before the end.
-    for namespace in [Namespace::Mixer, Namespace::SelfAttention] {
+    for namespace in CLASHING {
         let mut first: Option<&Layer> = None;
         for (i, member) in group.members.iter().enumerate() {
             if member.kind.namespace() != namespace {
@@ -112,7 +113,7 @@ fn check_group(group: &Group, out: &mut Findings) {
                         )
                         .at(member.span)
                         .label("collides with an earlier member")
-                        .help(match valid_split(&group.members) {
+                        .help(match &split {
                             Some(split) => format!(
                                 "a group flattens into one checkpoint layer: put these layers in separate groups: `{split}`"
                             ),
@@ -189,10 +190,12 @@ fn is_valid_group(kinds: &[LayerKind]) -> bool {
     !kinds.is_empty() && !terminal_inside && !clash
 }
 
-/// Whether two members of a namespace collide (H008): terminals are kept
-/// apart by H006/H007 instead.
+/// The namespaces whose two members in one group collide (H008):
+/// terminals are kept apart by H006/H007 instead.
+const CLASHING: [Namespace; 2] = [Namespace::Mixer, Namespace::SelfAttention];
+
 fn shares_checkpoint_keys(namespace: Namespace) -> bool {
-    matches!(namespace, Namespace::Mixer | Namespace::SelfAttention)
+    CLASHING.contains(&namespace)
 }
 
 fn bracketed(kinds: &[LayerKind]) -> String {
