@@ -505,21 +505,26 @@ pub struct MemoryNeed {
 /// The most scratch one call of the CUDA backend's kernels takes for
 /// `model`'s layers of `kinds` at `tokens` a micro-batch, activations in
 /// `dtype` (bytes): attention through cuBLAS ([`AttentionGemmPlan`] under
-/// `attention_cap`) and the Mamba scan's backward
-/// ([`KernelSet::ssd_scan_backward_scratch_len`]). Calls run one at a time
+/// `attention_cap`) and the Mamba scan's backward (chunked,
+/// [`ScanChunkPlan`] under `scan_cap`, else
+/// [`KernelSet::ssd_scan_backward_scratch_len`]). Calls run one at a time
 /// on a lane, so the largest counts; the arena reuses it.
 ///
 /// [`AttentionGemmPlan`]: crate::cuda::launch::AttentionGemmPlan
+/// [`ScanChunkPlan`]: crate::cuda::launch::ScanChunkPlan
 /// [`KernelSet::ssd_scan_backward_scratch_len`]: crate::cuda::KernelSet::ssd_scan_backward_scratch_len
 pub fn gpu_kernel_scratch(
     model: &ModelConfig,
     kinds: &[LayerKind],
     tokens: Tokens,
     dtype: DType,
-    attention_cap: usize,
+    (attention_cap, scan_cap): (usize, usize),
 ) -> u64 {
     use crate::backend::{AttentionDims, ScanDims};
-    use crate::cuda::{KernelSet, launch::AttentionGemmPlan};
+    use crate::cuda::{
+        KernelSet,
+        launch::{AttentionGemmPlan, ScanChunkPlan},
+    };
     let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
         let dims = AttentionDims {
             tokens,
@@ -555,8 +560,13 @@ pub fn gpu_kernel_scratch(
             state: m.state_size,
             chunk: m.chunk_size,
         };
-        let elements = KernelSet::ssd_scan_backward_scratch_len(dims).unwrap_or(usize::MAX / 4);
-        most = most.max(elements.saturating_mul(4));
+        let bytes = match ScanChunkPlan::new(dims, scan_cap) {
+            Some(plan) => plan.scratch_bytes(dims),
+            None => KernelSet::ssd_scan_backward_scratch_len(dims)
+                .unwrap_or(usize::MAX / 4)
+                .saturating_mul(4),
+        };
+        most = most.max(bytes);
     }
     most as u64
 }
@@ -973,7 +983,10 @@ mod tests {
     /// 4 KV heads (128 MiB of scores and probabilities each) under the
     /// 512 MiB cap, plus 4,096 x (16 x 128 + 4 x 256) f32 accumulators; the
     /// scan's backward needs 3 x 4,096 x 64 step values, 3 x 64 x 16 chunk
-    /// values and 16 chunks' 64 x 64 x 128 carries, in f32.
+    /// values and 16 chunks' 64 x 64 x 128 carries, in f32, sequentially;
+    /// chunked, the carries and 3 values a chunk and head, and each of the
+    /// 16 chunks' step values (7 x 64 x 256), operands (6 x 4,096 x 256
+    /// and 4 x 8 x 128 x 256) and scores (2 x 8 and 2 x 64 of 256 x 256).
     #[test]
     fn gpu_kernel_scratch_is_the_largest_call() {
         let model = ModelConfig::preset("bench-hybrid-moe").unwrap();
@@ -981,18 +994,25 @@ mod tests {
         let tokens = Tokens::new(1, 4096);
         let attention = 4 * 4096 * 4096 * 8 + 4096 * (16 * 128 + 4 * 256) * 4;
         let scan = (3 * 4096 * 64 + 3 * 64 * 16 + 16 * 64 * 64 * 128) * 4;
+        let per_chunk =
+            7 * 64 * 256 + 6 * 4096 * 256 + 4 * 8 * 128 * 256 + (2 * 8 + 2 * 64) * 256 * 256;
+        let chunked = (16 * 64 * (64 * 128 + 3) + 16 * per_chunk) * 4;
         // 8 bytes a score entry either way: f32 scores and probabilities,
         // or f32 scores and split bf16 probabilities.
         for dtype in [DType::Bf16, DType::F32] {
             let scratch =
-                |kinds: &[LayerKind], cap| gpu_kernel_scratch(&model, kinds, tokens, dtype, cap);
-            assert_eq!(scratch(&kinds, 512 << 20), attention, "{dtype}");
+                |kinds: &[LayerKind], caps| gpu_kernel_scratch(&model, kinds, tokens, dtype, caps);
+            assert_eq!(scratch(&kinds, (512 << 20, 0)), attention, "{dtype}");
             // A cap one KV head's scores do not fit: the tiled kernels, no
             // scratch; the scan's is what is left.
-            assert_eq!(scratch(&kinds, 1 << 20), scan, "{dtype}");
+            assert_eq!(scratch(&kinds, (1 << 20, 0)), scan, "{dtype}");
             // Without attention layers, only the scan counts.
             let no_attention = [LayerKind::Mamba, LayerKind::Moe];
-            assert_eq!(scratch(&no_attention, 512 << 20), scan, "{dtype}");
+            assert_eq!(scratch(&no_attention, (512 << 20, 0)), scan, "{dtype}");
+            // The chunked scan backward under the default cap: one slice
+            // of all 16 chunks, more than attention's.
+            let defaults = (512 << 20, crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES);
+            assert_eq!(scratch(&kinds, defaults), chunked, "{dtype}");
         }
         // On a GPU the need takes it where it is more than the CPU's.
         let need = MemoryNeed::new(

@@ -347,7 +347,10 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             &p.kinds(),
             Tokens::new(config.micro_batch_size, config.seq_length),
             config.precision.compute_dtype(),
-            crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES,
+            (
+                crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES,
+                crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES,
+            ),
         )
     });
     let on_device = |need: MemoryNeed| match &device {

@@ -7,11 +7,14 @@
 //! Without a GPU each test prints why and passes: the binary is built on a
 //! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
 
-use hybridgen_runtime::backend::Backend;
+use hybridgen_runtime::backend::{Backend, ScanDims, ScanGrads, ScanInputs, Tokens};
 use hybridgen_runtime::conformance::{self, Options};
+use hybridgen_runtime::cpu::CpuBackend;
+use hybridgen_runtime::cuda::launch::ScanChunkPlan;
 use hybridgen_runtime::cuda::{CudaBackend, CudaLane, Gpu, probe};
 use hybridgen_runtime::lane::{Event, Label, Lane};
 use hybridgen_runtime::trace::TraceRecorder;
+use hybridgen_runtime::view::DType;
 use hybridgen_runtime::{Precision, RuntimeError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,6 +74,225 @@ fn every_attention_path_conforms() {
         for cap in [700, 0] {
             println!("{precision:?}, attention scratch capped at {cap} bytes");
             conformance_of(&backend.clone().with_attention_scratch(cap));
+        }
+    }
+}
+
+/// The Mamba scan's backward takes its chunked path (cuBLAS) by default,
+/// in slices of chunks under a smaller cap, and the sequential kernels
+/// under a cap of 0: each must conform on its own (the suite's sequences
+/// have 2 to 6 chunk items; 3 a slice cuts some into two slices).
+#[test]
+fn every_scan_backward_path_conforms() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        let Some(backend) = gpu(precision) else {
+            return;
+        };
+        let options = Options {
+            slack: 2.0,
+            ..Options::default()
+        };
+        for cap in [6 << 10, 0] {
+            println!("{precision:?}, scan scratch capped at {cap} bytes");
+            let device = backend.clone().with_scan_scratch(cap);
+            let mut suite = conformance::Suite::new(&device, &options);
+            suite.run(conformance::Family::Mamba);
+            let report = suite.finish();
+            println!("{report}");
+            assert!(report.is_clean(), "{report}");
+        }
+    }
+}
+
+/// Values uniform in `[lo, hi)` from a fixed-seed generator.
+fn uniform(seed: &mut u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((*seed >> 40) as f32 / (1u64 << 24) as f32)
+        })
+        .collect()
+}
+
+/// `values` in a new buffer of `dtype` on `dev` (uploaded as f32, cast
+/// there, so every backend rounds them the same way).
+fn put<B: Backend>(dev: &B, values: &[f32], dtype: DType) -> B::Buf {
+    let wide = dev.alloc(values.len(), DType::F32).unwrap();
+    dev.upload(values, dev.view_mut(&wide).unwrap()).unwrap();
+    let buf = dev.alloc(values.len(), dtype).unwrap();
+    dev.cast(dev.view(&wide).unwrap(), dev.view_mut(&buf).unwrap())
+        .unwrap();
+    buf
+}
+
+/// `buf`'s values widened to f32.
+fn get<B: Backend>(dev: &B, buf: &B::Buf, len: usize) -> Vec<f32> {
+    let wide = dev.alloc(len, DType::F32).unwrap();
+    dev.cast(dev.view(buf).unwrap(), dev.view_mut(&wide).unwrap())
+        .unwrap();
+    let mut out = vec![0.0f32; len];
+    dev.download(dev.view(&wide).unwrap(), &mut out).unwrap();
+    out
+}
+
+/// A scan problem's inputs (xbc, dt, dt_bias, a_log, d, dy) and the states
+/// the CPU forward saves for them.
+struct ScanProblem {
+    dims: ScanDims,
+    inputs: [Vec<f32>; 6],
+    grads_in: [Vec<f32>; 2],
+}
+
+/// The scan backward on `dev`: d_xbc, d_dt, d_a_log, d_d, with the chunk
+/// states of the CPU's forward.
+fn scan_backward<B: Backend>(
+    dev: &B,
+    p: &ScanProblem,
+    states: &[f32],
+    dtype: DType,
+) -> [Vec<f32>; 4] {
+    let [xbc, dt, bias, a_log, d, dy] = p.inputs.each_ref().map(|v| put(dev, v, dtype));
+    let states = put(dev, states, DType::F32);
+    let d_xbc = dev.alloc(p.inputs[0].len(), dtype).unwrap();
+    let d_dt = dev.alloc(p.inputs[1].len(), dtype).unwrap();
+    let [d_a_log, d_d] = p.grads_in.each_ref().map(|v| put(dev, v, DType::F32));
+    let inputs = ScanInputs {
+        xbc: dev.view(&xbc).unwrap(),
+        dt: dev.view(&dt).unwrap(),
+        dt_bias: dev.view(&bias).unwrap(),
+        a_log: dev.view(&a_log).unwrap(),
+        d: dev.view(&d).unwrap(),
+    };
+    let grads = ScanGrads {
+        xbc: dev.view_mut(&d_xbc).unwrap(),
+        dt: dev.view_mut(&d_dt).unwrap(),
+        a_log: dev.view_mut(&d_a_log).unwrap(),
+        d: dev.view_mut(&d_d).unwrap(),
+    };
+    dev.ssd_scan_backward(
+        inputs,
+        dev.view(&states).unwrap(),
+        dev.view(&dy).unwrap(),
+        grads,
+        p.dims,
+    )
+    .unwrap();
+    [
+        get(dev, &d_xbc, p.inputs[0].len()),
+        get(dev, &d_dt, p.inputs[1].len()),
+        get(dev, &d_a_log, p.grads_in[0].len()),
+        get(dev, &d_d, p.grads_in[1].len()),
+    ]
+}
+
+/// The scan backward's chunked path (whole, and in slices of 3 chunks)
+/// and its sequential kernels against the CPU backend at real widths
+/// (P = 64, N = 128, groups of 8 and 4 heads), with inputs of order one:
+/// whole chunks of 256, many chunks of 64 with decays near 1 (the carries
+/// matter at every chunk) and a last chunk cut short. Each output's
+/// largest error, relative to its largest value, is printed and bounded.
+#[test]
+fn both_scan_backward_paths_match_the_cpu_at_real_widths() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        let Some(gpu) = gpu(precision) else {
+            return;
+        };
+        let cpu = CpuBackend::new(precision);
+        let dtype = precision.compute_dtype();
+        // Output rounding: bf16 keeps 8 bits.
+        let bound = if dtype == DType::F32 { 2e-4 } else { 2e-2 };
+        let mut seed = 0x5ca9u64;
+        // batch, seq, heads, groups, chunk, slow decays
+        for (batch, seq, heads, groups, chunk, slow) in [
+            (1usize, 512usize, 16usize, 2usize, 256usize, false),
+            (2, 700, 8, 2, 64, true),
+            (1, 300, 8, 2, 256, false),
+        ] {
+            let dims = ScanDims {
+                tokens: Tokens::new(batch, seq),
+                heads,
+                head_dim: 64,
+                groups,
+                state: 128,
+                chunk,
+            };
+            let rows = batch * seq;
+            let (dt_lo, dt_hi, a_lo, a_hi) = if slow {
+                (-5.0, -3.0, -1.0, 0.0)
+            } else {
+                (-2.0, 1.0, -1.0, 1.0)
+            };
+            let p = ScanProblem {
+                dims,
+                inputs: [
+                    uniform(&mut seed, rows * dims.xbc_width(), -1.5, 1.5),
+                    uniform(&mut seed, rows * heads, dt_lo, dt_hi),
+                    uniform(&mut seed, heads, -1.0, 0.5),
+                    uniform(&mut seed, heads, a_lo, a_hi),
+                    uniform(&mut seed, heads, -1.0, 1.0),
+                    uniform(&mut seed, rows * heads * 64, -1.0, 1.0),
+                ],
+                grads_in: [
+                    uniform(&mut seed, heads, -1.0, 1.0),
+                    uniform(&mut seed, heads, -1.0, 1.0),
+                ],
+            };
+            // The CPU forward's chunk states, as the backward receives them.
+            let states = {
+                let [xbc, dt, bias, a_log, d, _] = p.inputs.each_ref().map(|v| put(&cpu, v, dtype));
+                let y = cpu.alloc(rows * heads * 64, dtype).unwrap();
+                let st = cpu.alloc(dims.states_len(), DType::F32).unwrap();
+                let inputs = ScanInputs {
+                    xbc: cpu.view(&xbc).unwrap(),
+                    dt: cpu.view(&dt).unwrap(),
+                    dt_bias: cpu.view(&bias).unwrap(),
+                    a_log: cpu.view(&a_log).unwrap(),
+                    d: cpu.view(&d).unwrap(),
+                };
+                cpu.ssd_scan_forward(
+                    inputs,
+                    cpu.view_mut(&y).unwrap(),
+                    cpu.view_mut(&st).unwrap(),
+                    dims,
+                )
+                .unwrap();
+                get(&cpu, &st, dims.states_len())
+            };
+            let expected = scan_backward(&cpu, &p, &states, dtype);
+            let slices = ScanChunkPlan::cap_for(dims, 3).unwrap();
+            for (path, dev) in [
+                ("chunked", gpu.clone()),
+                (
+                    "chunked, 3 chunks a slice",
+                    gpu.clone().with_scan_scratch(slices),
+                ),
+                ("sequential", gpu.clone().with_scan_scratch(0)),
+            ] {
+                let got = scan_backward(&dev, &p, &states, dtype);
+                for (name, (g, e)) in ["d_xbc", "d_dt", "d_a_log", "d_d"]
+                    .iter()
+                    .zip(got.iter().zip(&expected))
+                {
+                    let scale = e.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+                    let worst = g
+                        .iter()
+                        .zip(e)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    let rel = worst / scale;
+                    println!(
+                        "{precision:?} {batch}x{seq} H{heads} G{groups} c{chunk}{} {path}: {name} \
+                         error {rel:.2e} of its largest value {scale:.3e}",
+                        if slow { " slow" } else { "" }
+                    );
+                    assert!(
+                        rel <= bound && g.iter().all(|v| v.is_finite()),
+                        "{path} {name}: {rel:e} > {bound:e}"
+                    );
+                }
+            }
         }
     }
 }

@@ -13,7 +13,10 @@
 use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
-use super::launch::{self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet};
+use super::launch::{
+    self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet,
+    SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan,
+};
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
@@ -107,6 +110,7 @@ impl Gpu {
             }),
             arena,
             attention_scratch: ATTENTION_GEMM_SCRATCH_BYTES,
+            scan_scratch: SCAN_CHUNKED_SCRATCH_BYTES,
         })
     }
 
@@ -149,6 +153,9 @@ pub struct CudaBackend {
     /// The most scratch one attention call of the GEMM path takes (see
     /// [`AttentionGemmPlan`]).
     attention_scratch: usize,
+    /// The most scratch one call of the chunked scan backward takes (see
+    /// [`ScanChunkPlan`]).
+    scan_scratch: usize,
 }
 
 impl CudaBackend {
@@ -171,6 +178,7 @@ impl CudaBackend {
         let mut backend = self.gpu.backend(name)?;
         backend.arena = self.arena.clone();
         backend.attention_scratch = self.attention_scratch;
+        backend.scan_scratch = self.scan_scratch;
         Ok(backend)
     }
 
@@ -181,6 +189,15 @@ impl CudaBackend {
     /// path with small problems.
     pub fn with_attention_scratch(mut self, bytes: usize) -> CudaBackend {
         self.attention_scratch = bytes;
+        self
+    }
+
+    /// This backend with the Mamba scan's chunked backward capped at
+    /// `bytes` of scratch a call: fewer chunks a slice, and a problem whose
+    /// one chunk needs more takes the sequential kernels (0: always). The
+    /// tests use it to reach both paths.
+    pub fn with_scan_scratch(mut self, bytes: usize) -> CudaBackend {
+        self.scan_scratch = bytes;
         self
     }
 
@@ -754,8 +771,22 @@ impl Backend for CudaBackend {
             a_log: self.m(&grads.a_log),
             d: self.m(&grads.d),
         };
-        // Per-step partials of the backward, from the arena: a repeated
-        // step allocates nothing.
+        // Scratch from the arena: a repeated step allocates nothing.
+        if let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) {
+            let (scratch, _scratch_buf) = self.scratch(plan.scratch_len(dims), DType::F32)?;
+            return self.k().ssd_scan_backward_chunked(
+                self.s(),
+                &self.queue.blas,
+                &self.gpu.queues,
+                inputs,
+                self.v(states),
+                self.v(dy),
+                grads,
+                scratch,
+                dims,
+                plan,
+            );
+        }
         let len = KernelSet::ssd_scan_backward_scratch_len(dims)?;
         let (scratch, _partials) = self.scratch(len, DType::F32)?;
         self.k().ssd_scan_backward(

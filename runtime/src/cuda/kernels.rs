@@ -158,6 +158,17 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_scan_backward_params"
         ]
     ),
+    source!(
+        "scan_chunked.cu",
+        [
+            "ssd_chunk_factors",
+            "ssd_chunk_pack",
+            "ssd_chunk_scores",
+            "ssd_chunk_sums",
+            "ssd_chunk_final",
+            "ssd_chunk_unpack"
+        ]
+    ),
 ];
 
 /// The variable naming the CUDA include directory (the one holding

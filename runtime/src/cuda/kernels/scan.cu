@@ -314,24 +314,23 @@ SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n256, 8)
 
 // The carries K_c from the chunks' own L_c, per (sequence, head, state
 // element), last chunk first: K_last = 0, K_{c-1} = L_c + decay_c K_c
-// (overwriting L_c's slot with K_c as it goes).
+// (overwriting L_c's slot with K_c as it goes). `carry` is `[batch, chunks,
+// H, P, N]` and `chunk_decay` `[batch, chunks, H]`; the chunked backward
+// (`scan_chunked.cu`) shares this kernel.
 extern "C" __global__ void ssd_scan_carry_combine(
-    float* scratch, u64 batch, u64 seq, u64 heads, u64 head_dim, u64 state, u64 chunk) {
-    const u64 chunks = (seq + chunk - 1) / chunk;
-    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
-    const u64 pn = head_dim * state;
+    float* carry, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
     const u64 n = batch * heads * pn;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 e = i % pn;
         const u64 h = (i / pn) % heads;
         const u64 b = i / (pn * heads);
-        float carry = 0.0f;
+        float next = 0.0f;
         for (u64 c = chunks; c-- > 0;) {
             const u64 slot = ((b * chunks + c) * heads + h) * pn + e;
-            const float own = c > 0 ? sc.carry[slot] : 0.0f;
-            sc.carry[slot] = carry;
+            const float own = c > 0 ? carry[slot] : 0.0f;
+            carry[slot] = next;
             if (c > 0) {
-                carry = own + sc.chunk_decay[(b * chunks + c) * heads + h] * carry;
+                next = own + chunk_decay[(b * chunks + c) * heads + h] * next;
             }
         }
     }
@@ -939,19 +938,19 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group_tiles
 
 // grads.a_log[h] += sum_b sum_c partial_a[b, h, c] and grads.d[h] += sum_b
 // sum_c partial_d[b, h, c]: each sequence's chunks summed (in order), then
-// added in sequence order (as the CPU adds each sequence's).
+// added in sequence order (as the CPU adds each sequence's). `partials` is
+// `[batch, H, chunks, 2]`; the chunked backward shares this kernel.
 extern "C" __global__ void ssd_scan_backward_params(
-    float* scratch, u64 batch, u64 seq, u64 heads, u64 chunks, void* d_a_log, int a_dtype,
+    const float* partials, u64 batch, u64 heads, u64 chunks, void* d_a_log, int a_dtype,
     void* d_d, int d_dtype) {
-    const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
     for (u64 h = grid_start(); h < heads; h += grid_stride()) {
         float da = load(d_a_log, a_dtype, h);
         float dd = load(d_d, d_dtype, h);
         for (u64 b = 0; b < batch; ++b) {
             float sa = 0.0f, sd = 0.0f;
             for (u64 c = 0; c < chunks; ++c) {
-                sa += sc.partials[((b * heads + h) * chunks + c) * 2];
-                sd += sc.partials[((b * heads + h) * chunks + c) * 2 + 1];
+                sa += partials[((b * heads + h) * chunks + c) * 2];
+                sd += partials[((b * heads + h) * chunks + c) * 2 + 1];
             }
             da += sa;
             dd += sd;

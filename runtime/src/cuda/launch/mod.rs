@@ -17,6 +17,8 @@
 
 mod conv;
 mod scan;
+mod scan_chunked;
+pub use scan_chunked::{CHUNKED_MAX_CHUNK, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan};
 
 use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};

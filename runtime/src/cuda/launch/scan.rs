@@ -88,7 +88,7 @@ fn tier(kernel: &str, state: usize) -> Result<&'static Tier> {
 }
 
 /// The CPU kernels' checks of the inputs; returns `(rows, chunks)`.
-fn check_inputs(
+pub(super) fn check_inputs(
     kernel: &str,
     dims: ScanDims,
     inputs: &ScanInputs<GpuView>,
@@ -134,7 +134,7 @@ fn check_inputs(
 }
 
 /// The dtype tags of the inputs, checked in the CPU backend's order.
-fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
+pub(super) fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
     Ok([
         float(kernel, "xbc", &inputs.xbc)?,
         float(kernel, "dt", &inputs.dt)?,
@@ -146,7 +146,7 @@ fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
 
 /// The dimensions every scan kernel takes after its pointers:
 /// seq, heads, head_dim, groups, state, chunk.
-fn dims_args(dims: ScanDims) -> [u64; 6] {
+pub(super) fn dims_args(dims: ScanDims) -> [u64; 6] {
     [
         dims.tokens.seq,
         dims.heads,
@@ -352,7 +352,8 @@ impl KernelSet {
             d: d_d,
         } = grads;
         let (dxt, ddtt) = (float(k, "d_xbc", &d_xbc)?, float(k, "d_dt", &d_dt)?);
-        let (dat, ddt) = (float(k, "d_a_log", &d_a_log)?, float(k, "d_d", &d_d)?);
+        float(k, "d_a_log", &d_a_log)?;
+        float(k, "d_d", &d_d)?;
         exactly(k, "scratch", &scratch, DType::F32)?;
         let (rows, _) = check_inputs(k, dims, &inputs)?;
         len(k, "states", &states, dims.states_len())?;
@@ -416,16 +417,8 @@ impl KernelSet {
         }
         self.go(kc, &mut b, per_item(chunk_blocks, head_threads)?)?;
 
-        let kcc = "ssd_scan_carry_combine";
-        let [_, _, head_dim_u, _, state_u, chunk_u] = args;
-        let mut b = stream.launch_builder(self.function(kcc)?);
-        b.arg(&scratch.ptr).arg(&batch_u).arg(&seq_u).arg(&heads_u);
-        b.arg(&head_dim_u).arg(&state_u).arg(&chunk_u);
-        let elements = product(
-            k,
-            &[dims.tokens.batch, dims.heads, dims.head_dim, dims.state],
-        )?;
-        self.go(kcc, &mut b, grid_for(elements))?;
+        let parts = SequentialScratch::new(scratch, rows, dims, chunks);
+        self.ssd_scan_carry_combine(stream, parts.carry, parts.chunk_decay, dims, chunks)?;
 
         let kh = shape.tier.head;
         let head_blocks = product(k, &[dims.tokens.batch, dims.heads, chunks])?;
@@ -481,12 +474,82 @@ impl KernelSet {
         }
         self.go(kg, &mut b, per_item(group_blocks, threads as u32)?)?;
 
-        let kp = "ssd_scan_backward_params";
-        let mut b = stream.launch_builder(self.function(kp)?);
-        b.arg(&scratch.ptr).arg(&batch_u).arg(&seq_u).arg(&heads_u);
-        b.arg(&chunks_u);
+        self.ssd_scan_backward_params(stream, parts.partials, dims, chunks, d_a_log, d_d)
+    }
+
+    /// `ssd_scan_carry_combine`: the carry entering each chunk from the
+    /// chunks' own (`carry`, `[batch, chunks, H, P, N]`, in place) and
+    /// their total decays (`chunk_decay`, `[batch, chunks, H]`). Both
+    /// backward paths share it.
+    pub(super) fn ssd_scan_carry_combine(
+        &self,
+        stream: &CudaStream,
+        carry: u64,
+        chunk_decay: u64,
+        dims: ScanDims,
+        chunks: usize,
+    ) -> Result<()> {
+        let k = "ssd_scan_carry_combine";
+        let [batch, heads, pn, chunks_u] = [
+            dims.tokens.batch,
+            dims.heads,
+            dims.head_dim * dims.state,
+            chunks,
+        ]
+        .map(|v| v as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&carry).arg(&chunk_decay).arg(&batch).arg(&heads);
+        b.arg(&pn).arg(&chunks_u);
+        let elements = product(
+            k,
+            &[dims.tokens.batch, dims.heads, dims.head_dim, dims.state],
+        )?;
+        self.go(k, &mut b, grid_for(elements))
+    }
+
+    /// `ssd_scan_backward_params`: adds the chunks' A_log and D gradient
+    /// partials (`partials`, `[batch, H, chunks, 2]`) into `d_a_log` and
+    /// `d_d`, sequence by sequence. Both backward paths share it.
+    pub(super) fn ssd_scan_backward_params(
+        &self,
+        stream: &CudaStream,
+        partials: u64,
+        dims: ScanDims,
+        chunks: usize,
+        d_a_log: GpuView,
+        d_d: GpuView,
+    ) -> Result<()> {
+        let k = "ssd_scan_backward_params";
+        let (dat, ddt) = (float(k, "d_a_log", &d_a_log)?, float(k, "d_d", &d_d)?);
+        let [batch, heads, chunks_u] = [dims.tokens.batch, dims.heads, chunks].map(|v| v as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&partials).arg(&batch).arg(&heads).arg(&chunks_u);
         b.arg(&d_a_log.ptr).arg(&dat).arg(&d_d.ptr).arg(&ddt);
-        self.go(kp, &mut b, grid_for(dims.heads))
+        self.go(k, &mut b, grid_for(dims.heads))
+    }
+}
+
+/// Where the sequential backward's scratch keeps what the shared kernels
+/// read (device addresses; `ScanScratch` in `scan.cu`): after each step's
+/// dt, decay and readout (`3 rows H`), the chunks' partials (`[batch, H,
+/// chunks, 2]`), total decays (`[batch, chunks, H]`) and carries.
+struct SequentialScratch {
+    partials: u64,
+    chunk_decay: u64,
+    carry: u64,
+}
+
+impl SequentialScratch {
+    fn new(scratch: GpuView, rows: usize, dims: ScanDims, chunks: usize) -> SequentialScratch {
+        let f32_bytes = DType::F32.bytes() as u64;
+        let per_chunk = (dims.tokens.batch * dims.heads * chunks) as u64;
+        let partials = scratch.ptr + 3 * (rows * dims.heads) as u64 * f32_bytes;
+        let chunk_decay = partials + 2 * per_chunk * f32_bytes;
+        SequentialScratch {
+            partials,
+            chunk_decay,
+            carry: chunk_decay + per_chunk * f32_bytes,
+        }
     }
 }
 

@@ -1,0 +1,355 @@
+// The Mamba-2 scan's backward in chunked form (`ssd_scan_backward` when the
+// backend's scratch cap allows it; `cuda::launch::scan_chunked`): the
+// chunk's recurrence written as matrix products, which cuBLAS computes on
+// f32 operands, and these kernels for what lies between the products.
+//
+// Per sequence b, head h (group g = h / J, J heads a group) and chunk c of
+// Q steps t (the last chunk padded with steps of dt = 0 and x = B = C =
+// dy = 0, which change nothing), with the log-decay l_t = dt_t A and its
+// running sum Lam_t = sum_{u <= t} l_u inside the chunk, the forward is
+//   Y     = M X + diag(e^Lam) C S_in^T (+ D X),   M_ts = (C_t . B_s) e^(Lam_t - Lam_s) dt_s, s <= t
+//   S_out = e^Lam_last S_in + X^T diag(w) B,       w_s  = e^(Lam_last - Lam_s) dt_s
+// with S_in the state entering the chunk (`states[c]`, saved by the
+// forward) and S_out the one leaving it (`states[c + 1]`). Given dY and
+// the state gradient K leaving the chunk (the carry from the later chunks;
+// 0 after the last), the backward is
+//   dX   = M^T dY + diag(w) B K^T + D dY
+//   dB   = dCB^T C + sum_heads diag(w) X K         dCB_ts = sum_heads dM_ts e^(Lam_t - Lam_s) dt_s
+//   dC   = dCB B   + sum_heads diag(e^Lam) dY S_in dM     = dY X^T
+//   dS_in = e^Lam_last K + dY^T diag(e^Lam) C      (the carry into the chunk before)
+// and the log-decays' gradient, with R = dM o M,
+//   dLam_t = sum_s R_ts - sum_t' R_t't + e^Lam_t dY_t . (S_in C_t) - w_t x_t . (K B_t)
+//            + [t = last] <K, S_out>
+//   dl_t   = sum_{t' >= t} dLam_t'
+//   d dt_t = A dl_t + sum_t' dM_t't (C_t' . B_t) e^(Lam_t' - Lam_t) + e^(Lam_last - Lam_t) x_t . (K B_t)
+//   dA     = sum_t dt_t dl_t.
+// The launcher works on a slice of (sequence, chunk) items at a time; the
+// scratch of a slice is laid out per item with the group's heads side by
+// side (`[item, G, Q, J * P]`, an `xbc` row's order) so that one strided
+// batch of GEMMs covers every (item, group), one call a head of the group.
+//
+// Determinism: no atomics; every sum has a fixed order (warp butterflies,
+// sequential loops), and cuBLAS is deterministic for a given handle.
+#include "common.cuh"
+
+// The longest chunk the chunked path takes (the final kernel keeps a
+// chunk's per-step values in shared memory): `CHUNKED_MAX_CHUNK` in
+// `cuda::launch::scan_chunked`.
+#define CHUNKED_MAX_CHUNK 1024
+
+__device__ __forceinline__ float chunk_softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+__device__ __forceinline__ float chunk_softplus_derivative(float x) {
+    return x > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-x));
+}
+
+// What every kernel needs to place a slice's item i: its sequence, chunk
+// and first row, and the problem's shape.
+struct ChunkShape {
+    u64 seq, heads, head_dim, groups, state, chunk, chunks;
+    __device__ u64 group_heads() const { return heads / groups; }
+    __device__ u64 group_width() const { return group_heads() * head_dim; }
+    __device__ u64 d_inner() const { return heads * head_dim; }
+    __device__ u64 width() const { return d_inner() + 2 * groups * state; }
+};
+
+__device__ __forceinline__ ChunkShape chunk_shape(
+    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    return ChunkShape{seq, heads, head_dim, groups, state, chunk, (seq + chunk - 1) / chunk};
+}
+
+// The per-step values of a slice, each `[item, H, Q]`: dt, Lam, e^Lam, w,
+// and the row sums of R, the column sums of dM o CB o e^(Lam_t - Lam_s)
+// (R's column sums without dt) and dY_t . (S_in C_t).
+struct StepValues {
+    float *dt, *lam, *elam, *w, *row_r, *col_v, *y_dot;
+};
+
+__device__ __forceinline__ StepValues step_values(float* base, u64 items, u64 heads, u64 chunk) {
+    const u64 n = items * heads * chunk;
+    return StepValues{base, base + n, base + 2 * n, base + 3 * n,
+                      base + 4 * n, base + 5 * n, base + 6 * n};
+}
+
+// dt, Lam, e^Lam and w of every (item, head, step), and each chunk's total
+// decay e^Lam_last into `chunk_decay` (`[batch * chunks, H]`, indexed by
+// the global item). One thread per (item, head), sequential over the chunk.
+extern "C" __global__ void ssd_chunk_factors(
+    const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
+    int a_dtype, float* values, float* chunk_decay, u64 first_item, u64 items, u64 seq, u64 heads,
+    u64 chunk) {
+    const u64 chunks = (seq + chunk - 1) / chunk;
+    const StepValues v = step_values(values, items, heads, chunk);
+    for (u64 k = grid_start(); k < items * heads; k += grid_stride()) {
+        const u64 h = k % heads;
+        const u64 item = first_item + k / heads;
+        const u64 b = item / chunks;
+        const u64 t0 = (item % chunks) * chunk;
+        const float a = -expf(load(a_log, a_dtype, h));
+        const float bias = load(dt_bias, bias_dtype, h);
+        const u64 base = k * chunk;
+        float lam = 0.0f;
+        for (u64 t = 0; t < chunk; ++t) {
+            float dt = 0.0f;
+            if (t0 + t < seq) {
+                dt = chunk_softplus(load(dt_raw, dt_dtype, (b * seq + t0 + t) * heads + h) + bias);
+            }
+            lam += dt * a;
+            v.dt[base + t] = dt;
+            v.lam[base + t] = lam;
+            v.elam[base + t] = expf(lam);
+        }
+        for (u64 t = 0; t < chunk; ++t) {
+            v.w[base + t] = expf(lam - v.lam[base + t]) * v.dt[base + t];
+        }
+        chunk_decay[item * heads + h] = expf(lam);
+    }
+}
+
+// The slice's operands in f32, zero past the sequence's end: x, dY, e^Lam
+// dY and w x as `[item, G, Q, J * P]`, B and C as `[item, G, Q, N]`.
+extern "C" __global__ void ssd_chunk_pack(
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
+    float* dy_p, float* dy_e, float* x_w, float* b_p, float* c_p, u64 first_item, u64 items,
+    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u64 jp = s.group_width();
+    const u64 wide = items * groups * chunk * jp;
+    for (u64 k = grid_start(); k < wide; k += grid_stride()) {
+        const u64 e = k % jp;
+        const u64 t = (k / jp) % chunk;
+        const u64 g = (k / (jp * chunk)) % groups;
+        const u64 i = k / (jp * chunk * groups);
+        const u64 item = first_item + i;
+        const u64 t_abs = (item % s.chunks) * chunk + t;
+        float x = 0.0f, g_y = 0.0f;
+        if (t_abs < seq) {
+            const u64 row = (item / s.chunks) * seq + t_abs;
+            x = load(xbc, xbc_dtype, row * s.width() + g * jp + e);
+            g_y = load(dy, dy_dtype, row * s.d_inner() + g * jp + e);
+        }
+        const u64 step = (i * heads + g * s.group_heads() + e / head_dim) * chunk + t;
+        x_p[k] = x;
+        dy_p[k] = g_y;
+        dy_e[k] = g_y * v.elam[step];
+        x_w[k] = x * v.w[step];
+    }
+    const u64 narrow = items * groups * chunk * state;
+    for (u64 k = grid_start(); k < narrow; k += grid_stride()) {
+        const u64 n = k % state;
+        const u64 t = (k / state) % chunk;
+        const u64 g = (k / (state * chunk)) % groups;
+        const u64 item = first_item + k / (state * chunk * groups);
+        const u64 t_abs = (item % s.chunks) * chunk + t;
+        float bv = 0.0f, cv = 0.0f;
+        if (t_abs < seq) {
+            const u64 row = ((item / s.chunks) * seq + t_abs) * s.width() + s.d_inner();
+            bv = load(xbc, xbc_dtype, row + g * state + n);
+            cv = load(xbc, xbc_dtype, row + (groups + g) * state + n);
+        }
+        b_p[k] = bv;
+        c_p[k] = cv;
+    }
+}
+
+// Per (item, group, t, s): from CB (`[item, G, Q, Q]`) and each head's dM
+// (`[item, H, Q, Q]`, overwritten), each head's M, the products
+// dM o CB o e^(Lam_t - Lam_s) (in dM's place) and dCB, summed over the
+// group's heads in order.
+extern "C" __global__ void ssd_chunk_scores(
+    const float* cb, float* dm, float* m, float* dcb, const float* values, u64 items, u64 heads,
+    u64 groups, u64 chunk) {
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u64 qq = chunk * chunk;
+    const u64 group_heads = heads / groups;
+    const u64 n = items * groups * qq;
+    for (u64 k = grid_start(); k < n; k += grid_stride()) {
+        const u64 ts = k % qq;
+        const u64 t = ts / chunk;
+        const u64 s = ts % chunk;
+        const u64 ig = k / qq;  // item * groups + g
+        const float score = cb[k];
+        float d_score = 0.0f;
+        for (u64 j = 0; j < group_heads; ++j) {
+            const u64 ih = ig * group_heads + j;  // item * heads + h
+            const u64 at = ih * qq + ts;
+            const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
+            const float dt_s = v.dt[ih * chunk + s];
+            const float g = dm[at];
+            m[at] = score * l * dt_s;
+            dm[at] = g * score * l;
+            d_score += g * l * dt_s;
+        }
+        dcb[k] = d_score;
+    }
+}
+
+// One block per (item, head): the row sums sum_s E_ts dt_s (= R's), the
+// column sums sum_t E_ts of E = dM o CB o e^(Lam_t - Lam_s), and dY_t .
+// Yo_t with Yo = C S_in^T (in `y_off`, `[item, G, Q, J * P]`).
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
+    const float* e, const float* y_off, const float* dy_p, float* values, u64 items, u64 heads,
+    u64 head_dim, u64 groups, u64 chunk) {
+    const StepValues v = step_values(values, items, heads, chunk);
+    const int lane = threadIdx.x & 31;
+    const u64 warp = threadIdx.x >> 5;
+    const u64 warps = blockDim.x >> 5;
+    const u64 ih = blockIdx.x;
+    const u64 group_heads = heads / groups;
+    const u64 jp = group_heads * head_dim;
+    const u64 j = (ih % heads) % group_heads;
+    const u64 ig = ih / group_heads;  // item * groups + g
+    const float* rows = e + ih * chunk * chunk;
+    const float* dt = v.dt + ih * chunk;
+    for (u64 t = warp; t < chunk; t += warps) {
+        float acc = 0.0f;
+        for (u64 s = lane; s <= t; s += 32) {
+            acc += rows[t * chunk + s] * dt[s];
+        }
+        acc = warp_sum(acc);
+        float dot = 0.0f;
+        const u64 at = (ig * chunk + t) * jp + j * head_dim;
+        for (u64 p = lane; p < head_dim; p += 32) {
+            dot += dy_p[at + p] * y_off[at + p];
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) {
+            v.row_r[ih * chunk + t] = acc;
+            v.y_dot[ih * chunk + t] = dot;
+        }
+    }
+    for (u64 s = threadIdx.x; s < chunk; s += blockDim.x) {
+        float acc = 0.0f;
+        for (u64 t = s; t < chunk; ++t) {
+            acc += rows[t * chunk + s];
+        }
+        v.col_v[ih * chunk + s] = acc;
+    }
+}
+
+// One block per (item, head): dx (into `dxbc`'s x columns) and d dt of the
+// chunk's steps, and the chunk's A_log and D gradient partials
+// (`partials`, `[batch, H, chunks, 2]`). `t_acc` holds M^T dY and `u` B
+// K^T (both `[item, G, Q, J * P]`); `carry` is K (`[batch * chunks, H, P,
+// N]`) and `states` S_in (the same layout).
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
+    const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
+    int a_dtype, const void* d_skip, int d_dtype, const float* states, const float* carry,
+    const float* x_p, const float* dy_p, const float* t_acc, const float* u, const float* values,
+    void* dxbc, int dxbc_dtype, void* ddt, int ddt_dtype, float* partials, u64 first_item,
+    u64 items, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    __shared__ float d_lam[CHUNKED_MAX_CHUNK];
+    __shared__ float direct[CHUNKED_MAX_CHUNK];
+    __shared__ float sums[32];
+    __shared__ float d_a_total;
+    const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const int lane = threadIdx.x & 31;
+    const u64 warp = threadIdx.x >> 5;
+    const u64 warps = blockDim.x >> 5;
+    const u64 ih = blockIdx.x;
+    const u64 h = ih % heads;
+    const u64 i = ih / heads;
+    const u64 item = first_item + i;
+    const u64 b = item / s.chunks;
+    const u64 c = item % s.chunks;
+    const u64 group_heads = s.group_heads();
+    const u64 jp = s.group_width();
+    const u64 j = h % group_heads;
+    const u64 ig = i * groups + h / group_heads;
+    const u64 pn = head_dim * state;
+    const float a = -expf(load(a_log, a_dtype, h));
+    const float skip = load(d_skip, d_dtype, h);
+    const float bias = load(dt_bias, bias_dtype, h);
+    const u64 steps = ih * chunk;
+    const float lam_last = v.lam[steps + chunk - 1];
+
+    // <K, S_out>: what Lam_last owes to the state leaving the chunk (none
+    // after the last chunk, whose K is 0).
+    float inner = 0.0f;
+    if (c + 1 < s.chunks) {
+        const float* k_state = carry + (item * heads + h) * pn;
+        const float* out_state = states + ((item + 1) * heads + h) * pn;
+        for (u64 e = threadIdx.x; e < pn; e += blockDim.x) {
+            inner += k_state[e] * out_state[e];
+        }
+    }
+    const float leaving = block_sum(inner, sums);
+
+    float skip_part = 0.0f;
+    for (u64 t = warp; t < chunk; t += warps) {
+        const u64 at = (ig * chunk + t) * jp + j * head_dim;
+        const u64 t_abs = c * chunk + t;
+        const float w = v.w[steps + t];
+        float xu = 0.0f;
+        for (u64 p = lane; p < head_dim; p += 32) {
+            const float x = x_p[at + p];
+            const float g_y = dy_p[at + p];
+            xu += x * u[at + p];
+            skip_part += g_y * x;
+            if (t_abs < seq) {
+                const u64 row = b * seq + t_abs;
+                store(dxbc, dxbc_dtype, row * s.width() + h * head_dim + p,
+                      skip * g_y + t_acc[at + p] + w * u[at + p]);
+            }
+        }
+        xu = warp_sum(xu);
+        if (lane == 0) {
+            const float dt = v.dt[steps + t];
+            d_lam[t] = v.row_r[steps + t] - dt * v.col_v[steps + t] +
+                       v.elam[steps + t] * v.y_dot[steps + t] - w * xu +
+                       (t + 1 == chunk ? leaving : 0.0f);
+            direct[t] = v.col_v[steps + t] + expf(lam_last - v.lam[steps + t]) * xu;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // dl_t = sum_{t' >= t} dLam_t', last step first; dA = sum_t dt_t dl_t.
+        float acc = 0.0f, d_a = 0.0f;
+        for (u64 t = chunk; t-- > 0;) {
+            acc += d_lam[t];
+            d_lam[t] = acc;
+            d_a += v.dt[steps + t] * acc;
+        }
+        d_a_total = d_a;
+    }
+    __syncthreads();
+    for (u64 t = threadIdx.x; t < chunk; t += blockDim.x) {
+        const u64 t_abs = c * chunk + t;
+        if (t_abs < seq) {
+            const u64 at = (b * seq + t_abs) * heads + h;
+            const float raw = load(dt_raw, dt_dtype, at) + bias;
+            store(ddt, ddt_dtype, at, (a * d_lam[t] + direct[t]) * chunk_softplus_derivative(raw));
+        }
+    }
+    const float skip_total = block_sum(skip_part, sums);
+    if (threadIdx.x == 0) {
+        // A = -exp(A_log), so dA/dA_log = A.
+        const u64 slot = ((b * heads + h) * s.chunks + c) * 2;
+        partials[slot] = d_a_total * a;
+        partials[slot + 1] = skip_total;
+    }
+}
+
+// dB and dC of the slice's real steps into `dxbc`'s B and C columns.
+extern "C" __global__ void ssd_chunk_unpack(
+    const float* d_b, const float* d_c, void* dxbc, int dxbc_dtype, u64 first_item, u64 items,
+    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
+    const u64 n = items * groups * chunk * state;
+    for (u64 k = grid_start(); k < n; k += grid_stride()) {
+        const u64 col = k % state;
+        const u64 t = (k / state) % chunk;
+        const u64 g = (k / (state * chunk)) % groups;
+        const u64 item = first_item + k / (state * chunk * groups);
+        const u64 t_abs = (item % s.chunks) * chunk + t;
+        if (t_abs < seq) {
+            const u64 row = ((item / s.chunks) * seq + t_abs) * s.width() + s.d_inner();
+            store(dxbc, dxbc_dtype, row + g * state + col, d_b[k]);
+            store(dxbc, dxbc_dtype, row + (groups + g) * state + col, d_c[k]);
+        }
+    }
+}

@@ -1,0 +1,768 @@
+//! The Mamba-2 scan's backward in chunked form (`kernels/scan_chunked.cu`
+//! has the maths): each chunk's recurrence as matrix products through
+//! cuBLAS on f32 operands, with kernels for the masks, sums and layouts
+//! between them. The sequential backward (`scan.rs`) walks a chunk's 256
+//! steps one after another; this one spends its time in GEMMs.
+//!
+//! It needs scratch proportional to the chunks it works on at once (about
+//! 68 MB a chunk at Nemotron-H's widths), so the backend caps it
+//! ([`SCAN_CHUNKED_SCRATCH_BYTES`] by default) and a problem is cut into
+//! slices of (sequence, chunk) items: the first pass over the slices
+//! computes each chunk's own state gradient, the carries are combined over
+//! all chunks, and the second pass computes the gradients. A problem whose
+//! one chunk does not fit the cap, or whose chunk is longer than
+//! [`CHUNKED_MAX_CHUNK`], takes the sequential kernels.
+
+use super::scan::{check_inputs, input_tags};
+use super::{GpuView, KernelSet, ensure, exactly, float, grid_for, len, per_item, product};
+use crate::backend::{ScanDims, ScanGrads, ScanInputs};
+use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
+use crate::cuda::queue::QueueSet;
+use crate::error::Result;
+use crate::view::DType;
+use cudarc::driver::{CudaStream, PushKernelArg};
+
+/// The most scratch the chunked backward takes by default (1.25 GiB): a
+/// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
+/// 64 x 128 states, 16 chunks of 256: 1.04 GiB) in one slice. The memory
+/// plan counts it.
+pub const SCAN_CHUNKED_SCRATCH_BYTES: usize = 5 << 28;
+
+/// The longest chunk the chunked backward takes (`CHUNKED_MAX_CHUNK` in
+/// `scan_chunked.cu`: the final kernel keeps a chunk's steps in shared
+/// memory).
+pub const CHUNKED_MAX_CHUNK: usize = 1024;
+
+/// Threads of the per-(item, head) kernels.
+const THREADS: u32 = 256;
+/// Per-step arrays of a slice (`StepValues` in `scan_chunked.cu`).
+const STEP_ARRAYS: usize = 7;
+
+/// How the chunked backward cuts a problem: (sequence, chunk) items a
+/// slice. Built by [`ScanChunkPlan::new`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScanChunkPlan {
+    pub items_per_slice: usize,
+}
+
+/// Elements of one item's scratch, by part.
+struct ItemLens {
+    /// dt, Lam, e^Lam, w, row and column sums, y dots: `[H, Q]` each.
+    steps: usize,
+    /// x, dY, e^Lam dY, w x, M^T dY and (C S_in^T, then B K^T): `[G, Q, J
+    /// P]` each.
+    wide: usize,
+    /// B, C, dB, dC: `[G, Q, N]` each.
+    narrow: usize,
+    /// CB and dCB: `[G, Q, Q]` each.
+    group_scores: usize,
+    /// M and dM: `[H, Q, Q]` each.
+    head_scores: usize,
+}
+
+impl ItemLens {
+    fn new(dims: ScanDims) -> Option<ItemLens> {
+        let q = dims.chunk;
+        let m = |a: usize, b: usize| a.checked_mul(b);
+        Some(ItemLens {
+            steps: m(dims.heads, q)?,
+            wide: m(m(dims.heads, dims.head_dim)?, q)?,
+            narrow: m(m(dims.groups, dims.state)?, q)?,
+            group_scores: m(m(dims.groups, q)?, q)?,
+            head_scores: m(m(dims.heads, q)?, q)?,
+        })
+    }
+
+    fn total(&self) -> Option<usize> {
+        [
+            (STEP_ARRAYS, self.steps),
+            (6, self.wide),
+            (4, self.narrow),
+            (2, self.group_scores),
+            (2, self.head_scores),
+        ]
+        .into_iter()
+        .try_fold(0usize, |acc, (count, len)| {
+            acc.checked_add(count.checked_mul(len)?)
+        })
+    }
+}
+
+impl ScanChunkPlan {
+    /// The plan for `dims` under a cap of `scratch_bytes` (the backend's,
+    /// by default [`SCAN_CHUNKED_SCRATCH_BYTES`]); `None` sends the problem
+    /// to the sequential kernels: an empty problem, a chunk longer than
+    /// [`CHUNKED_MAX_CHUNK`], or one whose single chunk does not fit.
+    pub fn new(dims: ScanDims, scratch_bytes: usize) -> Option<ScanChunkPlan> {
+        let rows = dims.tokens.rows().ok()?;
+        if rows == 0
+            || dims.head_dim == 0
+            || dims.state == 0
+            || dims.chunk == 0
+            || dims.chunk > CHUNKED_MAX_CHUNK
+            || dims.groups == 0
+            || !dims.heads.is_multiple_of(dims.groups)
+        {
+            return None;
+        }
+        let items = dims.tokens.batch * dims.tokens.seq.div_ceil(dims.chunk);
+        let global = ScanChunkPlan::global_len(dims)?.checked_mul(DType::F32.bytes())?;
+        let per_item = ItemLens::new(dims)?
+            .total()?
+            .checked_mul(DType::F32.bytes())?;
+        let fit = scratch_bytes.checked_sub(global)? / per_item.max(1);
+        (fit > 0).then(|| ScanChunkPlan {
+            items_per_slice: fit.min(items),
+        })
+    }
+
+    /// Elements (f32) of what lives across slices: every chunk's carry
+    /// (`[batch, chunks, H, P, N]`), total decay (`[batch, chunks, H]`) and
+    /// A_log and D partials (`[batch, H, chunks, 2]`).
+    fn global_len(dims: ScanDims) -> Option<usize> {
+        let items = dims
+            .tokens
+            .batch
+            .checked_mul(dims.tokens.seq.div_ceil(dims.chunk.max(1)))?;
+        let per_item = dims
+            .heads
+            .checked_mul(dims.head_dim.checked_mul(dims.state)?.checked_add(3)?)?;
+        items.checked_mul(per_item)
+    }
+
+    /// Elements (f32) of the scratch [`KernelSet::ssd_scan_backward_chunked`]
+    /// takes for `dims` with this plan.
+    pub fn scratch_len(&self, dims: ScanDims) -> usize {
+        let per_item = ItemLens::new(dims).and_then(|l| l.total()).unwrap_or(0);
+        ScanChunkPlan::global_len(dims).unwrap_or(0) + self.items_per_slice * per_item
+    }
+
+    /// The smallest cap under which [`ScanChunkPlan::new`] gives slices of
+    /// `items` (sequence, chunk) items (fewer where the problem has
+    /// fewer); `None` past `usize`.
+    pub fn cap_for(dims: ScanDims, items: usize) -> Option<usize> {
+        let per_item = ItemLens::new(dims)?.total()?.checked_mul(items)?;
+        ScanChunkPlan::global_len(dims)?
+            .checked_add(per_item)?
+            .checked_mul(DType::F32.bytes())
+    }
+
+    /// Bytes of [`ScanChunkPlan::scratch_len`].
+    pub fn scratch_bytes(&self, dims: ScanDims) -> usize {
+        self.scratch_len(dims) * DType::F32.bytes()
+    }
+}
+
+/// `view` from element `offset` on, `len` elements.
+fn part(view: GpuView, offset: usize, len: usize) -> GpuView {
+    GpuView::new(
+        view.ptr + (offset * view.dtype.bytes()) as u64,
+        len,
+        view.dtype,
+    )
+}
+
+/// The scratch cut into its parts (see [`ItemLens`] and
+/// [`ScanChunkPlan::global_len`]).
+struct Parts {
+    carry: GpuView,
+    chunk_decay: GpuView,
+    partials: GpuView,
+    steps: GpuView,
+    x: GpuView,
+    dy: GpuView,
+    dy_e: GpuView,
+    x_w: GpuView,
+    t_acc: GpuView,
+    u: GpuView,
+    b: GpuView,
+    c: GpuView,
+    d_b: GpuView,
+    d_c: GpuView,
+    cb: GpuView,
+    d_cb: GpuView,
+    m: GpuView,
+    d_m: GpuView,
+}
+
+impl Parts {
+    fn new(scratch: GpuView, dims: ScanDims, plan: ScanChunkPlan, items: usize) -> Parts {
+        let lens = ItemLens::new(dims).expect("the plan checked the sizes");
+        let n = plan.items_per_slice;
+        let mut offset = 0;
+        let mut next = |len: usize| {
+            let view = part(scratch, offset, len);
+            offset += len;
+            view
+        };
+        let heads = items * dims.heads;
+        Parts {
+            carry: next(heads * dims.head_dim * dims.state),
+            chunk_decay: next(heads),
+            partials: next(2 * heads),
+            steps: next(STEP_ARRAYS * n * lens.steps),
+            x: next(n * lens.wide),
+            dy: next(n * lens.wide),
+            dy_e: next(n * lens.wide),
+            x_w: next(n * lens.wide),
+            t_acc: next(n * lens.wide),
+            u: next(n * lens.wide),
+            b: next(n * lens.narrow),
+            c: next(n * lens.narrow),
+            d_b: next(n * lens.narrow),
+            d_c: next(n * lens.narrow),
+            cb: next(n * lens.group_scores),
+            d_cb: next(n * lens.group_scores),
+            m: next(n * lens.head_scores),
+            d_m: next(n * lens.head_scores),
+        }
+    }
+}
+
+/// A strided batch over a slice's (item, group) pairs: pair `k` at `ptr +
+/// k * stride`, rows `ld` apart (f32).
+fn pairs(ptr: u64, ld: usize, stride: usize) -> StridedMatrix {
+    StridedMatrix {
+        ptr,
+        dtype: DType::F32,
+        ld,
+        stride,
+    }
+}
+
+/// `view`'s address `offset` elements on.
+fn addr(view: GpuView, offset: usize) -> u64 {
+    view.ptr + (offset * view.dtype.bytes()) as u64
+}
+
+/// The shapes the slice's GEMMs share.
+#[derive(Clone, Copy)]
+struct Shape {
+    q: usize,
+    p: usize,
+    n: usize,
+    /// Heads a group (J).
+    j: usize,
+    /// A group's x columns (J P).
+    jp: usize,
+    /// One head's state (P N).
+    pn: usize,
+}
+
+impl KernelSet {
+    /// `Backend::ssd_scan_backward` in chunked form, with `scratch` an f32
+    /// view of at least [`ScanChunkPlan::scratch_len`] elements that
+    /// nothing else uses until it returns. Same contract as
+    /// [`KernelSet::ssd_scan_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ssd_scan_backward_chunked(
+        &self,
+        stream: &CudaStream,
+        blas: &Blas,
+        queues: &QueueSet,
+        inputs: ScanInputs<GpuView>,
+        states: GpuView,
+        dy: GpuView,
+        grads: ScanGrads<GpuView>,
+        scratch: GpuView,
+        dims: ScanDims,
+        plan: ScanChunkPlan,
+    ) -> Result<()> {
+        let k = "ssd_scan_backward";
+        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
+        exactly(k, "states", &states, DType::F32)?;
+        let dyt = float(k, "dy", &dy)?;
+        let ScanGrads {
+            xbc: d_xbc,
+            dt: d_dt,
+            a_log: d_a_log,
+            d: d_d,
+        } = grads;
+        let (dxt, ddtt) = (float(k, "d_xbc", &d_xbc)?, float(k, "d_dt", &d_dt)?);
+        float(k, "d_a_log", &d_a_log)?;
+        float(k, "d_d", &d_d)?;
+        exactly(k, "scratch", &scratch, DType::F32)?;
+        let (rows, chunks) = check_inputs(k, dims, &inputs)?;
+        len(k, "states", &states, dims.states_len())?;
+        len(k, "dy", &dy, rows * dims.heads * dims.head_dim)?;
+        len(k, "grads.xbc", &d_xbc, inputs.xbc.len)?;
+        len(k, "grads.dt", &d_dt, inputs.dt.len)?;
+        len(k, "grads.a_log", &d_a_log, dims.heads)?;
+        len(k, "grads.d", &d_d, dims.heads)?;
+        ensure(plan.items_per_slice > 0, || {
+            format!("{k}: a chunked plan of no items")
+        })?;
+        let need = plan.scratch_len(dims);
+        ensure(scratch.len >= need, || {
+            format!(
+                "{k}: `scratch` has {} elements, but this plan needs at least {need} \
+                 (ScanChunkPlan::scratch_len)",
+                scratch.len
+            )
+        })?;
+        let items = dims.tokens.batch * chunks;
+        let parts = Parts::new(scratch, dims, plan, items);
+        let shape = Shape {
+            q: dims.chunk,
+            p: dims.head_dim,
+            n: dims.state,
+            j: dims.heads / dims.groups,
+            jp: dims.heads / dims.groups * dims.head_dim,
+            pn: dims.head_dim * dims.state,
+        };
+        let gemm = |g: StridedGemm| -> Result<()> {
+            // SAFETY: every item of every operand lies inside the scratch,
+            // `states` or the carries, whose lengths were checked above
+            // against the plan and the dimensions.
+            unsafe { blas.gemm_strided(queues, g) }
+        };
+        let slices: Vec<(usize, usize)> = (0..items)
+            .step_by(plan.items_per_slice)
+            .map(|i0| (i0, (i0 + plan.items_per_slice).min(items)))
+            .collect();
+        let ScanInputs {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+        } = inputs;
+        let tags = Tags {
+            xbc: xt,
+            dt: dtt,
+            bias: bt,
+            a_log: at,
+            skip: skt,
+            dy: dyt,
+            dxbc: dxt,
+            ddt: ddtt,
+        };
+        let operands = Operands {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+            dy,
+            states,
+        };
+
+        // First pass: each chunk's own state gradient L_c = dY^T diag(e^Lam)
+        // C (into the carries), then the carries K over all chunks.
+        for &(i0, i1) in &slices {
+            self.chunk_prepare(stream, &operands, tags, &parts, dims, i0, i1 - i0)?;
+            for j in 0..shape.j {
+                gemm(StridedGemm {
+                    m: shape.p,
+                    n: shape.n,
+                    k: shape.q,
+                    a: pairs(addr(parts.dy_e, j * shape.p), shape.jp, shape.q * shape.jp),
+                    a_trans: true,
+                    b: pairs(parts.c.ptr, shape.n, shape.q * shape.n),
+                    b_trans: false,
+                    c: pairs(
+                        addr(parts.carry, (i0 * dims.heads + j) * shape.pn),
+                        shape.n,
+                        shape.j * shape.pn,
+                    ),
+                    alpha: 1.0,
+                    beta: 0.0,
+                    batch: (i1 - i0) * dims.groups,
+                })?;
+            }
+        }
+        self.ssd_scan_carry_combine(stream, parts.carry.ptr, parts.chunk_decay.ptr, dims, chunks)?;
+
+        // Second pass: the gradients, slice by slice.
+        for &(i0, i1) in &slices {
+            if slices.len() > 1 {
+                self.chunk_prepare(stream, &operands, tags, &parts, dims, i0, i1 - i0)?;
+            }
+            self.chunk_gradients(
+                stream,
+                &gemm,
+                &operands,
+                tags,
+                &parts,
+                (d_xbc, d_dt),
+                dims,
+                shape,
+                (i0, i1 - i0),
+            )?;
+        }
+        self.ssd_scan_backward_params(stream, parts.partials.ptr, dims, chunks, d_a_log, d_d)
+    }
+
+    /// A slice's per-step values (`ssd_chunk_factors`) and packed operands
+    /// (`ssd_chunk_pack`).
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_prepare(
+        &self,
+        stream: &CudaStream,
+        o: &Operands,
+        tags: Tags,
+        parts: &Parts,
+        dims: ScanDims,
+        first: usize,
+        count: usize,
+    ) -> Result<()> {
+        let k = "ssd_scan_backward";
+        let [first_u, count_u, seq, heads, head_dim, groups, state, chunk] = [
+            first,
+            count,
+            dims.tokens.seq,
+            dims.heads,
+            dims.head_dim,
+            dims.groups,
+            dims.state,
+            dims.chunk,
+        ]
+        .map(|v| v as u64);
+        let kf = "ssd_chunk_factors";
+        let mut b = stream.launch_builder(self.function(kf)?);
+        b.arg(&o.dt.ptr)
+            .arg(&tags.dt)
+            .arg(&o.dt_bias.ptr)
+            .arg(&tags.bias)
+            .arg(&o.a_log.ptr)
+            .arg(&tags.a_log);
+        b.arg(&parts.steps.ptr)
+            .arg(&parts.chunk_decay.ptr)
+            .arg(&first_u)
+            .arg(&count_u)
+            .arg(&seq)
+            .arg(&heads)
+            .arg(&chunk);
+        self.go(kf, &mut b, grid_for(count * dims.heads))?;
+
+        let kp = "ssd_chunk_pack";
+        let mut b = stream.launch_builder(self.function(kp)?);
+        b.arg(&o.xbc.ptr)
+            .arg(&tags.xbc)
+            .arg(&o.dy.ptr)
+            .arg(&tags.dy)
+            .arg(&parts.steps.ptr);
+        b.arg(&parts.x.ptr)
+            .arg(&parts.dy.ptr)
+            .arg(&parts.dy_e.ptr)
+            .arg(&parts.x_w.ptr)
+            .arg(&parts.b.ptr)
+            .arg(&parts.c.ptr);
+        b.arg(&first_u)
+            .arg(&count_u)
+            .arg(&seq)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&groups)
+            .arg(&state)
+            .arg(&chunk);
+        let elements = product(k, &[count, dims.chunk, dims.heads, dims.head_dim])?;
+        self.go(kp, &mut b, grid_for(elements))
+    }
+
+    /// The second pass over one slice of `count` items from `first`.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_gradients(
+        &self,
+        stream: &CudaStream,
+        gemm: &dyn Fn(StridedGemm) -> Result<()>,
+        o: &Operands,
+        tags: Tags,
+        parts: &Parts,
+        (d_xbc, d_dt): (GpuView, GpuView),
+        dims: ScanDims,
+        s: Shape,
+        (first, count): (usize, usize),
+    ) -> Result<()> {
+        let k = "ssd_scan_backward";
+        let pair_count = count * dims.groups;
+        let (qq, qjp, qn) = (s.q * s.q, s.q * s.jp, s.q * s.n);
+        let wide = |view: GpuView, j: usize| pairs(addr(view, j * s.p), s.jp, qjp);
+        let group_states = |view: GpuView, j: usize| {
+            pairs(addr(view, (first * dims.heads + j) * s.pn), s.n, s.j * s.pn)
+        };
+        let run = |m, n, kk, a, a_trans, b, b_trans, c, beta| {
+            gemm(StridedGemm {
+                m,
+                n,
+                k: kk,
+                a,
+                a_trans,
+                b,
+                b_trans,
+                c,
+                alpha: 1.0,
+                beta,
+                batch: pair_count,
+            })
+        };
+        // CB = C B^T per (item, group).
+        let b_mat = pairs(parts.b.ptr, s.n, qn);
+        let c_mat = pairs(parts.c.ptr, s.n, qn);
+        let cb = pairs(parts.cb.ptr, s.q, qq);
+        run(s.q, s.q, s.n, c_mat, false, b_mat, true, cb, 0.0)?;
+        // dM = dY X^T per head.
+        for j in 0..s.j {
+            let d_m = pairs(addr(parts.d_m, j * qq), s.q, s.j * qq);
+            run(
+                s.q,
+                s.q,
+                s.p,
+                wide(parts.dy, j),
+                false,
+                wide(parts.x, j),
+                true,
+                d_m,
+                0.0,
+            )?;
+        }
+        let [count_u, heads, head_dim, groups, chunk] =
+            [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
+        let ks = "ssd_chunk_scores";
+        let mut b = stream.launch_builder(self.function(ks)?);
+        b.arg(&parts.cb.ptr)
+            .arg(&parts.d_m.ptr)
+            .arg(&parts.m.ptr)
+            .arg(&parts.d_cb.ptr)
+            .arg(&parts.steps.ptr);
+        b.arg(&count_u).arg(&heads).arg(&groups).arg(&chunk);
+        self.go(ks, &mut b, grid_for(product(k, &[pair_count, s.q, s.q])?))?;
+        for j in 0..s.j {
+            let m = pairs(addr(parts.m, j * qq), s.q, s.j * qq);
+            // M^T dY, and C S_in^T (for the readout term of dLam) in u.
+            run(
+                s.q,
+                s.p,
+                s.q,
+                m,
+                true,
+                wide(parts.dy, j),
+                false,
+                wide(parts.t_acc, j),
+                0.0,
+            )?;
+            run(
+                s.q,
+                s.p,
+                s.n,
+                c_mat,
+                false,
+                group_states(o.states, j),
+                true,
+                wide(parts.u, j),
+                0.0,
+            )?;
+        }
+        let kr = "ssd_chunk_sums";
+        let mut b = stream.launch_builder(self.function(kr)?);
+        b.arg(&parts.d_m.ptr)
+            .arg(&parts.u.ptr)
+            .arg(&parts.dy.ptr)
+            .arg(&parts.steps.ptr);
+        b.arg(&count_u)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&groups)
+            .arg(&chunk);
+        self.go(
+            kr,
+            &mut b,
+            per_item(product(k, &[count, dims.heads])?, THREADS)?,
+        )?;
+        // U = B K^T per head (over C S_in^T, now summed).
+        for j in 0..s.j {
+            run(
+                s.q,
+                s.p,
+                s.n,
+                b_mat,
+                false,
+                group_states(parts.carry, j),
+                true,
+                wide(parts.u, j),
+                0.0,
+            )?;
+        }
+        // dB = (w X) K + dCB^T C and dC = (e^Lam dY) S_in + dCB B, the
+        // group's heads side by side (K = J P).
+        let group_rows =
+            |view: GpuView| pairs(addr(view, first * dims.heads * s.pn), s.n, s.j * s.pn);
+        let d_cb = pairs(parts.d_cb.ptr, s.q, qq);
+        let d_b = pairs(parts.d_b.ptr, s.n, qn);
+        let d_c = pairs(parts.d_c.ptr, s.n, qn);
+        run(
+            s.q,
+            s.n,
+            s.jp,
+            wide(parts.x_w, 0),
+            false,
+            group_rows(parts.carry),
+            false,
+            d_b,
+            0.0,
+        )?;
+        run(s.q, s.n, s.q, d_cb, true, c_mat, false, d_b, 1.0)?;
+        run(
+            s.q,
+            s.n,
+            s.jp,
+            wide(parts.dy_e, 0),
+            false,
+            group_rows(o.states),
+            false,
+            d_c,
+            0.0,
+        )?;
+        run(s.q, s.n, s.q, d_cb, false, b_mat, false, d_c, 1.0)?;
+
+        let seq = dims.tokens.seq as u64;
+        let [first_u, state] = [first, dims.state].map(|v| v as u64);
+        let kf = "ssd_chunk_final";
+        let mut b = stream.launch_builder(self.function(kf)?);
+        b.arg(&o.dt.ptr)
+            .arg(&tags.dt)
+            .arg(&o.dt_bias.ptr)
+            .arg(&tags.bias)
+            .arg(&o.a_log.ptr)
+            .arg(&tags.a_log)
+            .arg(&o.d.ptr)
+            .arg(&tags.skip);
+        b.arg(&o.states.ptr)
+            .arg(&parts.carry.ptr)
+            .arg(&parts.x.ptr)
+            .arg(&parts.dy.ptr)
+            .arg(&parts.t_acc.ptr)
+            .arg(&parts.u.ptr)
+            .arg(&parts.steps.ptr);
+        b.arg(&d_xbc.ptr)
+            .arg(&tags.dxbc)
+            .arg(&d_dt.ptr)
+            .arg(&tags.ddt)
+            .arg(&parts.partials.ptr);
+        b.arg(&first_u)
+            .arg(&count_u)
+            .arg(&seq)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&groups)
+            .arg(&state)
+            .arg(&chunk);
+        self.go(
+            kf,
+            &mut b,
+            per_item(product(k, &[count, dims.heads])?, THREADS)?,
+        )?;
+
+        let ku = "ssd_chunk_unpack";
+        let mut b = stream.launch_builder(self.function(ku)?);
+        b.arg(&parts.d_b.ptr)
+            .arg(&parts.d_c.ptr)
+            .arg(&d_xbc.ptr)
+            .arg(&tags.dxbc);
+        b.arg(&first_u)
+            .arg(&count_u)
+            .arg(&seq)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&groups)
+            .arg(&state)
+            .arg(&chunk);
+        self.go(ku, &mut b, grid_for(product(k, &[pair_count, s.q, s.n])?))
+    }
+}
+
+/// The inputs' views.
+struct Operands {
+    xbc: GpuView,
+    dt: GpuView,
+    dt_bias: GpuView,
+    a_log: GpuView,
+    d: GpuView,
+    dy: GpuView,
+    states: GpuView,
+}
+
+/// The dtype tags of the inputs and outputs.
+#[derive(Clone, Copy)]
+struct Tags {
+    xbc: i32,
+    dt: i32,
+    bias: i32,
+    a_log: i32,
+    skip: i32,
+    dy: i32,
+    dxbc: i32,
+    ddt: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Tokens;
+
+    fn dims(batch: usize, seq: usize, chunk: usize) -> ScanDims {
+        ScanDims {
+            tokens: Tokens::new(batch, seq),
+            heads: 64,
+            head_dim: 64,
+            groups: 8,
+            state: 128,
+            chunk,
+        }
+    }
+
+    #[test]
+    fn the_default_cap_takes_a_benchmark_sequence_in_one_slice() {
+        // bench-hybrid-moe: one sequence of 4096 tokens, chunks of 256.
+        let d = dims(1, 4096, 256);
+        let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+        assert_eq!(plan.items_per_slice, 16);
+        assert!(plan.scratch_bytes(d) <= SCAN_CHUNKED_SCRATCH_BYTES);
+        // Four sequences: slices of what fits, never past the cap.
+        let d4 = dims(4, 4096, 256);
+        let plan = ScanChunkPlan::new(d4, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+        assert!(
+            plan.items_per_slice >= 8 && plan.items_per_slice < 64,
+            "{plan:?}"
+        );
+        assert!(plan.scratch_bytes(d4) <= SCAN_CHUNKED_SCRATCH_BYTES);
+    }
+
+    #[test]
+    fn problems_the_chunked_path_does_not_take_go_to_the_sequential_kernels() {
+        let d = dims(1, 4096, 256);
+        // A cap below one chunk, a chunk past the limit, nothing to do.
+        assert_eq!(ScanChunkPlan::new(d, 1 << 20), None);
+        assert_eq!(ScanChunkPlan::new(d, 0), None);
+        assert_eq!(ScanChunkPlan::new(dims(1, 4096, 2048), usize::MAX), None);
+        assert_eq!(ScanChunkPlan::new(dims(0, 4096, 256), usize::MAX), None);
+        let no_state = ScanDims { state: 0, ..d };
+        assert_eq!(ScanChunkPlan::new(no_state, usize::MAX), None);
+        let bad_groups = ScanDims { groups: 7, ..d };
+        assert_eq!(ScanChunkPlan::new(bad_groups, usize::MAX), None);
+    }
+
+    #[test]
+    fn the_scratch_is_the_carries_and_a_slice_of_items() {
+        // 2 sequences of 100 steps in chunks of 64: 4 items.
+        let d = ScanDims {
+            tokens: Tokens::new(2, 100),
+            heads: 6,
+            head_dim: 10,
+            groups: 3,
+            state: 20,
+            chunk: 64,
+        };
+        let per_item =
+            7 * 6 * 64 + 6 * 60 * 64 + 4 * 3 * 20 * 64 + 2 * 3 * 64 * 64 + 2 * 6 * 64 * 64;
+        let global = 4 * 6 * (10 * 20 + 3);
+        let plan = ScanChunkPlan::new(d, (global + 3 * per_item) * 4).unwrap();
+        assert_eq!(plan.items_per_slice, 3);
+        assert_eq!(plan.scratch_len(d), global + 3 * per_item);
+        let all = ScanChunkPlan::new(d, usize::MAX).unwrap();
+        assert_eq!(all.items_per_slice, 4);
+        let cap = ScanChunkPlan::cap_for(d, 2).unwrap();
+        assert_eq!(ScanChunkPlan::new(d, cap).unwrap().items_per_slice, 2);
+        assert_eq!(ScanChunkPlan::new(d, cap - 1).unwrap().items_per_slice, 1);
+    }
+}
