@@ -78,12 +78,13 @@ fn every_attention_path_conforms() {
     }
 }
 
-/// The Mamba scan's backward takes its chunked path (cuBLAS) by default,
-/// in slices of chunks under a smaller cap, and the sequential kernels
-/// under a cap of 0: each must conform on its own (the suite's sequences
-/// have 2 to 6 chunk items; 3 a slice cuts some into two slices).
+/// The Mamba scan takes its chunked path (cuBLAS) by default, in slices
+/// of chunks under a smaller cap, and the sequential kernels under a cap
+/// of 0: each must conform on its own, forward and backward (the suite's
+/// sequences have 2 to 6 chunk items; 3 a slice cuts some into two
+/// slices).
 #[test]
-fn every_scan_backward_path_conforms() {
+fn every_scan_path_conforms() {
     for precision in [Precision::F32, Precision::Bf16] {
         let Some(backend) = gpu(precision) else {
             return;
@@ -145,6 +146,49 @@ struct ScanProblem {
     grads_in: [Vec<f32>; 2],
 }
 
+/// The scan forward on `dev`: y and the chunk states.
+fn scan_forward<B: Backend>(dev: &B, p: &ScanProblem, dtype: DType) -> [Vec<f32>; 2] {
+    let [xbc, dt, bias, a_log, d, _] = p.inputs.each_ref().map(|v| put(dev, v, dtype));
+    let y_len = p.inputs[5].len();
+    let y = dev.alloc(y_len, dtype).unwrap();
+    let states = dev.alloc(p.dims.states_len(), DType::F32).unwrap();
+    let inputs = ScanInputs {
+        xbc: dev.view(&xbc).unwrap(),
+        dt: dev.view(&dt).unwrap(),
+        dt_bias: dev.view(&bias).unwrap(),
+        a_log: dev.view(&a_log).unwrap(),
+        d: dev.view(&d).unwrap(),
+    };
+    dev.ssd_scan_forward(
+        inputs,
+        dev.view_mut(&y).unwrap(),
+        dev.view_mut(&states).unwrap(),
+        p.dims,
+    )
+    .unwrap();
+    [get(dev, &y, y_len), get(dev, &states, p.dims.states_len())]
+}
+
+/// The largest error of `got` against `expected`, relative to the largest
+/// expected value (printed, and bounded by `bound`).
+fn check_close(what: &str, got: &[f32], expected: &[f32], bound: f32) {
+    let scale = expected
+        .iter()
+        .fold(0.0f32, |m, v| m.max(v.abs()))
+        .max(1e-30);
+    let worst = got
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let rel = worst / scale;
+    println!("{what}: error {rel:.2e} of its largest value {scale:.3e}");
+    assert!(
+        rel <= bound && got.iter().all(|v| v.is_finite()),
+        "{what}: {rel:e} > {bound:e}"
+    );
+}
+
 /// The scan backward on `dev`: d_xbc, d_dt, d_a_log, d_d, with the chunk
 /// states of the CPU's forward.
 fn scan_backward<B: Backend>(
@@ -187,14 +231,14 @@ fn scan_backward<B: Backend>(
     ]
 }
 
-/// The scan backward's chunked path (whole, and in slices of 3 chunks)
-/// and its sequential kernels against the CPU backend at real widths
-/// (P = 64, N = 128, groups of 8 and 4 heads), with inputs of order one:
-/// whole chunks of 256, many chunks of 64 with decays near 1 (the carries
-/// matter at every chunk) and a last chunk cut short. Each output's
+/// The scan's chunked path (whole, and in slices of 3 chunks) and its
+/// sequential kernels, forward and backward, against the CPU backend at
+/// real widths (P = 64, N = 128, groups of 8 and 4 heads), with inputs of
+/// order one: whole chunks of 256, many chunks of 64 with decays near 1
+/// (the states and carries cross every chunk) and a last chunk cut short. Each output's
 /// largest error, relative to its largest value, is printed and bounded.
 #[test]
-fn both_scan_backward_paths_match_the_cpu_at_real_widths() {
+fn both_scan_paths_match_the_cpu_at_real_widths() {
     for precision in [Precision::F32, Precision::Bf16] {
         let Some(gpu) = gpu(precision) else {
             return;
@@ -240,27 +284,9 @@ fn both_scan_backward_paths_match_the_cpu_at_real_widths() {
                 ],
             };
             // The CPU forward's chunk states, as the backward receives them.
-            let states = {
-                let [xbc, dt, bias, a_log, d, _] = p.inputs.each_ref().map(|v| put(&cpu, v, dtype));
-                let y = cpu.alloc(rows * heads * 64, dtype).unwrap();
-                let st = cpu.alloc(dims.states_len(), DType::F32).unwrap();
-                let inputs = ScanInputs {
-                    xbc: cpu.view(&xbc).unwrap(),
-                    dt: cpu.view(&dt).unwrap(),
-                    dt_bias: cpu.view(&bias).unwrap(),
-                    a_log: cpu.view(&a_log).unwrap(),
-                    d: cpu.view(&d).unwrap(),
-                };
-                cpu.ssd_scan_forward(
-                    inputs,
-                    cpu.view_mut(&y).unwrap(),
-                    cpu.view_mut(&st).unwrap(),
-                    dims,
-                )
-                .unwrap();
-                get(&cpu, &st, dims.states_len())
-            };
-            let expected = scan_backward(&cpu, &p, &states, dtype);
+            let forward = scan_forward(&cpu, &p, dtype);
+            let states = &forward[1];
+            let expected = scan_backward(&cpu, &p, states, dtype);
             let slices = ScanChunkPlan::cap_for(dims, 3).unwrap();
             for (path, dev) in [
                 ("chunked", gpu.clone()),
@@ -270,27 +296,20 @@ fn both_scan_backward_paths_match_the_cpu_at_real_widths() {
                 ),
                 ("sequential", gpu.clone().with_scan_scratch(0)),
             ] {
-                let got = scan_backward(&dev, &p, &states, dtype);
+                let case = format!(
+                    "{precision:?} {batch}x{seq} H{heads} G{groups} c{chunk}{} {path}",
+                    if slow { " slow" } else { "" }
+                );
+                let got = scan_forward(&dev, &p, dtype);
+                for (name, (g, e)) in ["y", "states"].iter().zip(got.iter().zip(&forward)) {
+                    check_close(&format!("{case}: {name}"), g, e, bound);
+                }
+                let got = scan_backward(&dev, &p, states, dtype);
                 for (name, (g, e)) in ["d_xbc", "d_dt", "d_a_log", "d_d"]
                     .iter()
                     .zip(got.iter().zip(&expected))
                 {
-                    let scale = e.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-                    let worst = g
-                        .iter()
-                        .zip(e)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0f32, f32::max);
-                    let rel = worst / scale;
-                    println!(
-                        "{precision:?} {batch}x{seq} H{heads} G{groups} c{chunk}{} {path}: {name} \
-                         error {rel:.2e} of its largest value {scale:.3e}",
-                        if slow { " slow" } else { "" }
-                    );
-                    assert!(
-                        rel <= bound && g.iter().all(|v| v.is_finite()),
-                        "{path} {name}: {rel:e} > {bound:e}"
-                    );
+                    check_close(&format!("{case}: {name}"), g, e, bound);
                 }
             }
         }

@@ -752,6 +752,21 @@ impl Backend for CudaBackend {
         dims: ScanDims,
     ) -> Result<()> {
         let inputs = self.scan_inputs(inputs);
+        if let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) {
+            // Scratch from the arena: a repeated step allocates nothing.
+            let (scratch, _scratch_buf) = self.scratch(plan.scratch_len(dims), DType::F32)?;
+            return self.k().ssd_scan_forward_chunked(
+                self.s(),
+                &self.queue.blas,
+                &self.gpu.queues,
+                inputs,
+                self.m(&y),
+                self.m(&states),
+                scratch,
+                dims,
+                plan,
+            );
+        }
         self.k()
             .ssd_scan_forward(self.s(), inputs, self.m(&y), self.m(&states), dims)
     }

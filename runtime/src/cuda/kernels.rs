@@ -166,7 +166,10 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_chunk_scores",
             "ssd_chunk_sums",
             "ssd_chunk_final",
-            "ssd_chunk_unpack"
+            "ssd_chunk_unpack",
+            "ssd_scan_state_combine",
+            "ssd_chunk_mask",
+            "ssd_chunk_output"
         ]
     ),
 ];

@@ -1,7 +1,8 @@
-// The Mamba-2 scan's backward in chunked form (`ssd_scan_backward` when the
-// backend's scratch cap allows it; `cuda::launch::scan_chunked`): the
-// chunk's recurrence written as matrix products, which cuBLAS computes on
-// f32 operands, and these kernels for what lies between the products.
+// The Mamba-2 scan in chunked form (`ssd_scan_forward` and
+// `ssd_scan_backward` when the backend's scratch cap allows it;
+// `cuda::launch::scan_chunked`): the chunk's recurrence written as matrix
+// products, which cuBLAS computes on f32 operands, and these kernels for
+// what lies between the products.
 //
 // Per sequence b, head h (group g = h / J, J heads a group) and chunk c of
 // Q steps t (the last chunk padded with steps of dt = 0 and x = B = C =
@@ -10,7 +11,9 @@
 //   Y     = M X + diag(e^Lam) C S_in^T (+ D X),   M_ts = (C_t . B_s) e^(Lam_t - Lam_s) dt_s, s <= t
 //   S_out = e^Lam_last S_in + X^T diag(w) B,       w_s  = e^(Lam_last - Lam_s) dt_s
 // with S_in the state entering the chunk (`states[c]`, saved by the
-// forward) and S_out the one leaving it (`states[c + 1]`). Given dY and
+// forward) and S_out the one leaving it (`states[c + 1]`). The forward
+// computes every chunk's own X^T diag(w) B, passes the states along the
+// chunks (`ssd_scan_state_combine`), then Y. Given dY and
 // the state gradient K leaving the chunk (the carry from the later chunks;
 // 0 after the last), the backward is
 //   dX   = M^T dY + diag(w) B K^T + D dY
@@ -109,7 +112,8 @@ extern "C" __global__ void ssd_chunk_factors(
 }
 
 // The slice's operands in f32, zero past the sequence's end: x, dY, e^Lam
-// dY and w x as `[item, G, Q, J * P]`, B and C as `[item, G, Q, N]`.
+// dY and w x as `[item, G, Q, J * P]`, B and C as `[item, G, Q, N]` (the
+// forward passes no dy, and gets no dY or e^Lam dY).
 extern "C" __global__ void ssd_chunk_pack(
     const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
     float* dy_p, float* dy_e, float* x_w, float* b_p, float* c_p, u64 first_item, u64 items,
@@ -129,13 +133,17 @@ extern "C" __global__ void ssd_chunk_pack(
         if (t_abs < seq) {
             const u64 row = (item / s.chunks) * seq + t_abs;
             x = load(xbc, xbc_dtype, row * s.width() + g * jp + e);
-            g_y = load(dy, dy_dtype, row * s.d_inner() + g * jp + e);
+            if (dy != nullptr) {
+                g_y = load(dy, dy_dtype, row * s.d_inner() + g * jp + e);
+            }
         }
         const u64 step = (i * heads + g * s.group_heads() + e / head_dim) * chunk + t;
         x_p[k] = x;
-        dy_p[k] = g_y;
-        dy_e[k] = g_y * v.elam[step];
         x_w[k] = x * v.w[step];
+        if (dy != nullptr) {
+            dy_p[k] = g_y;
+            dy_e[k] = g_y * v.elam[step];
+        }
     }
     const u64 narrow = items * groups * chunk * state;
     for (u64 k = grid_start(); k < narrow; k += grid_stride()) {
@@ -350,6 +358,78 @@ extern "C" __global__ void ssd_chunk_unpack(
             const u64 row = ((item / s.chunks) * seq + t_abs) * s.width() + s.d_inner();
             store(dxbc, dxbc_dtype, row + g * state + col, d_b[k]);
             store(dxbc, dxbc_dtype, row + (groups + g) * state + col, d_c[k]);
+        }
+    }
+}
+
+// ---- forward ------------------------------------------------------------------------
+
+// The states entering each chunk from the chunks' own X^T diag(w) B
+// (`states`, `[batch, chunks, H, P, N]`, in place) and their total decays
+// (`chunk_decay`, `[batch, chunks, H]`), per (sequence, head, state
+// element), first chunk first: S_0 = 0, S_{c+1} = e^Lam_last,c S_c + own_c.
+extern "C" __global__ void ssd_scan_state_combine(
+    float* states, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
+    const u64 n = batch * heads * pn;
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const u64 e = i % pn;
+        const u64 h = (i / pn) % heads;
+        const u64 b = i / (pn * heads);
+        float running = 0.0f;
+        for (u64 c = 0; c < chunks; ++c) {
+            const u64 slot = ((b * chunks + c) * heads + h) * pn + e;
+            const float own = states[slot];
+            states[slot] = running;
+            running = chunk_decay[(b * chunks + c) * heads + h] * running + own;
+        }
+    }
+}
+
+// Per (item, group, t, s): each head's M = CB o e^(Lam_t - Lam_s) dt_s
+// (`[item, H, Q, Q]`), zero above the diagonal.
+extern "C" __global__ void ssd_chunk_mask(
+    const float* cb, float* m, const float* values, u64 items, u64 heads, u64 groups, u64 chunk) {
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u64 qq = chunk * chunk;
+    const u64 group_heads = heads / groups;
+    const u64 n = items * groups * qq;
+    for (u64 k = grid_start(); k < n; k += grid_stride()) {
+        const u64 ts = k % qq;
+        const u64 t = ts / chunk;
+        const u64 s = ts % chunk;
+        const u64 ig = k / qq;
+        const float score = cb[k];
+        for (u64 j = 0; j < group_heads; ++j) {
+            const u64 ih = ig * group_heads + j;
+            const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
+            m[ih * qq + ts] = score * l * v.dt[ih * chunk + s];
+        }
+    }
+}
+
+// y = M X + e^Lam (C S_in^T) + D x of the slice's real steps, from M X in
+// `t_acc` and C S_in^T in `y_off` (both `[item, G, Q, J * P]`).
+extern "C" __global__ void ssd_chunk_output(
+    const float* x_p, const float* t_acc, const float* y_off, const float* values,
+    const void* d_skip, int d_dtype, void* y, int y_dtype, u64 first_item, u64 items, u64 seq,
+    u64 heads, u64 head_dim, u64 groups, u64 chunk) {
+    const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, 0, chunk);
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u64 jp = s.group_width();
+    const u64 n = items * groups * chunk * jp;
+    for (u64 k = grid_start(); k < n; k += grid_stride()) {
+        const u64 e = k % jp;
+        const u64 t = (k / jp) % chunk;
+        const u64 g = (k / (jp * chunk)) % groups;
+        const u64 i = k / (jp * chunk * groups);
+        const u64 item = first_item + i;
+        const u64 t_abs = (item % s.chunks) * chunk + t;
+        if (t_abs < seq) {
+            const u64 h = g * s.group_heads() + e / head_dim;
+            const float elam = v.elam[(i * heads + h) * chunk + t];
+            const u64 row = (item / s.chunks) * seq + t_abs;
+            store(y, y_dtype, row * s.d_inner() + g * jp + e,
+                  t_acc[k] + elam * y_off[k] + load(d_skip, d_dtype, h) * x_p[k]);
         }
     }
 }

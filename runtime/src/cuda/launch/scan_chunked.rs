@@ -147,6 +147,14 @@ impl ScanChunkPlan {
             .checked_mul(DType::F32.bytes())
     }
 
+    /// The slices of `items` (sequence, chunk) items, as `[first, end)`.
+    fn slices(&self, items: usize) -> Vec<(usize, usize)> {
+        (0..items)
+            .step_by(self.items_per_slice.max(1))
+            .map(|i0| (i0, (i0 + self.items_per_slice).min(items)))
+            .collect()
+    }
+
     /// Bytes of [`ScanChunkPlan::scratch_len`].
     pub fn scratch_bytes(&self, dims: ScanDims) -> usize {
         self.scratch_len(dims) * DType::F32.bytes()
@@ -249,6 +257,66 @@ struct Shape {
     pn: usize,
 }
 
+impl Shape {
+    fn new(dims: ScanDims) -> Shape {
+        let j = dims.heads / dims.groups;
+        Shape {
+            q: dims.chunk,
+            p: dims.head_dim,
+            n: dims.state,
+            j,
+            jp: j * dims.head_dim,
+            pn: dims.head_dim * dims.state,
+        }
+    }
+}
+
+/// `C = op(A) op(B) (+ C when beta is 1)` over `batch` (item, group) pairs,
+/// `op(A)` `[m, k]`.
+fn batched(
+    batch: usize,
+    (m, n, k): (usize, usize, usize),
+    (a, a_trans): (StridedMatrix, bool),
+    (b, b_trans): (StridedMatrix, bool),
+    c: StridedMatrix,
+    beta: f32,
+) -> StridedGemm {
+    StridedGemm {
+        m,
+        n,
+        k,
+        a,
+        a_trans,
+        b,
+        b_trans,
+        c,
+        alpha: 1.0,
+        beta,
+        batch,
+    }
+}
+
+/// `scratch` is f32 and holds what `plan` needs.
+fn check_scratch(
+    kernel: &str,
+    plan: ScanChunkPlan,
+    scratch: GpuView,
+    dims: ScanDims,
+) -> Result<()> {
+    exactly(kernel, "scratch", &scratch, DType::F32)?;
+    ensure(plan.items_per_slice > 0, || {
+        format!("{kernel}: a chunked plan of no items")
+    })?;
+    let need = plan.scratch_len(dims);
+    ensure(scratch.len >= need, || {
+        format!(
+            "{kernel}: `scratch` has {} elements, but this plan needs at least {need} \
+             (ScanChunkPlan::scratch_len)",
+            scratch.len
+        )
+    })
+}
+
 impl KernelSet {
     /// `Backend::ssd_scan_backward` in chunked form, with `scratch` an f32
     /// view of at least [`ScanChunkPlan::scratch_len`] elements that
@@ -281,7 +349,6 @@ impl KernelSet {
         let (dxt, ddtt) = (float(k, "d_xbc", &d_xbc)?, float(k, "d_dt", &d_dt)?);
         float(k, "d_a_log", &d_a_log)?;
         float(k, "d_d", &d_d)?;
-        exactly(k, "scratch", &scratch, DType::F32)?;
         let (rows, chunks) = check_inputs(k, dims, &inputs)?;
         len(k, "states", &states, dims.states_len())?;
         len(k, "dy", &dy, rows * dims.heads * dims.head_dim)?;
@@ -289,37 +356,17 @@ impl KernelSet {
         len(k, "grads.dt", &d_dt, inputs.dt.len)?;
         len(k, "grads.a_log", &d_a_log, dims.heads)?;
         len(k, "grads.d", &d_d, dims.heads)?;
-        ensure(plan.items_per_slice > 0, || {
-            format!("{k}: a chunked plan of no items")
-        })?;
-        let need = plan.scratch_len(dims);
-        ensure(scratch.len >= need, || {
-            format!(
-                "{k}: `scratch` has {} elements, but this plan needs at least {need} \
-                 (ScanChunkPlan::scratch_len)",
-                scratch.len
-            )
-        })?;
+        check_scratch(k, plan, scratch, dims)?;
         let items = dims.tokens.batch * chunks;
         let parts = Parts::new(scratch, dims, plan, items);
-        let shape = Shape {
-            q: dims.chunk,
-            p: dims.head_dim,
-            n: dims.state,
-            j: dims.heads / dims.groups,
-            jp: dims.heads / dims.groups * dims.head_dim,
-            pn: dims.head_dim * dims.state,
-        };
+        let shape = Shape::new(dims);
         let gemm = |g: StridedGemm| -> Result<()> {
             // SAFETY: every item of every operand lies inside the scratch,
             // `states` or the carries, whose lengths were checked above
             // against the plan and the dimensions.
             unsafe { blas.gemm_strided(queues, g) }
         };
-        let slices: Vec<(usize, usize)> = (0..items)
-            .step_by(plan.items_per_slice)
-            .map(|i0| (i0, (i0 + plan.items_per_slice).min(items)))
-            .collect();
+        let slices = plan.slices(items);
         let ScanInputs {
             xbc,
             dt,
@@ -343,7 +390,7 @@ impl KernelSet {
             dt_bias,
             a_log,
             d,
-            dy,
+            dy: Some(dy),
             states,
         };
 
@@ -352,23 +399,21 @@ impl KernelSet {
         for &(i0, i1) in &slices {
             self.chunk_prepare(stream, &operands, tags, &parts, dims, i0, i1 - i0)?;
             for j in 0..shape.j {
-                gemm(StridedGemm {
-                    m: shape.p,
-                    n: shape.n,
-                    k: shape.q,
-                    a: pairs(addr(parts.dy_e, j * shape.p), shape.jp, shape.q * shape.jp),
-                    a_trans: true,
-                    b: pairs(parts.c.ptr, shape.n, shape.q * shape.n),
-                    b_trans: false,
-                    c: pairs(
+                gemm(batched(
+                    (i1 - i0) * dims.groups,
+                    (shape.p, shape.n, shape.q),
+                    (
+                        pairs(addr(parts.dy_e, j * shape.p), shape.jp, shape.q * shape.jp),
+                        true,
+                    ),
+                    (pairs(parts.c.ptr, shape.n, shape.q * shape.n), false),
+                    pairs(
                         addr(parts.carry, (i0 * dims.heads + j) * shape.pn),
                         shape.n,
                         shape.j * shape.pn,
                     ),
-                    alpha: 1.0,
-                    beta: 0.0,
-                    batch: (i1 - i0) * dims.groups,
-                })?;
+                    0.0,
+                ))?;
             }
         }
         self.ssd_scan_carry_combine(stream, parts.carry.ptr, parts.chunk_decay.ptr, dims, chunks)?;
@@ -391,6 +436,164 @@ impl KernelSet {
             )?;
         }
         self.ssd_scan_backward_params(stream, parts.partials.ptr, dims, chunks, d_a_log, d_d)
+    }
+
+    /// `Backend::ssd_scan_forward` in chunked form (overwrites `y` and
+    /// `states`), with `scratch` as for
+    /// [`KernelSet::ssd_scan_backward_chunked`] (the forward uses part of
+    /// it). Same contract as [`KernelSet::ssd_scan_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ssd_scan_forward_chunked(
+        &self,
+        stream: &CudaStream,
+        blas: &Blas,
+        queues: &QueueSet,
+        inputs: ScanInputs<GpuView>,
+        y: GpuView,
+        states: GpuView,
+        scratch: GpuView,
+        dims: ScanDims,
+        plan: ScanChunkPlan,
+    ) -> Result<()> {
+        let k = "ssd_scan_forward";
+        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
+        exactly(k, "states", &states, DType::F32)?;
+        let yt = float(k, "y", &y)?;
+        let (rows, chunks) = check_inputs(k, dims, &inputs)?;
+        len(k, "y", &y, rows * dims.heads * dims.head_dim)?;
+        len(k, "states", &states, dims.states_len())?;
+        check_scratch(k, plan, scratch, dims)?;
+        let items = dims.tokens.batch * chunks;
+        let parts = Parts::new(scratch, dims, plan, items);
+        let s = Shape::new(dims);
+        let gemm = |g: StridedGemm| -> Result<()> {
+            // SAFETY: every item of every operand lies inside the scratch or
+            // `states`, whose lengths were checked above against the plan
+            // and the dimensions.
+            unsafe { blas.gemm_strided(queues, g) }
+        };
+        let slices = plan.slices(items);
+        let ScanInputs {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+        } = inputs;
+        let tags = Tags {
+            xbc: xt,
+            dt: dtt,
+            bias: bt,
+            a_log: at,
+            skip: skt,
+            dy: 0,
+            dxbc: yt,
+            ddt: 0,
+        };
+        let o = Operands {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+            dy: None,
+            states,
+        };
+        let (qq, qjp, qn) = (s.q * s.q, s.q * s.jp, s.q * s.n);
+        let wide = |view: GpuView, j: usize| pairs(addr(view, j * s.p), s.jp, qjp);
+
+        // First pass: each chunk's own X^T diag(w) B into its state slot,
+        // then the states passed along the chunks.
+        for &(i0, i1) in &slices {
+            self.chunk_prepare(stream, &o, tags, &parts, dims, i0, i1 - i0)?;
+            for j in 0..s.j {
+                gemm(batched(
+                    (i1 - i0) * dims.groups,
+                    (s.p, s.n, s.q),
+                    (wide(parts.x_w, j), true),
+                    (pairs(parts.b.ptr, s.n, qn), false),
+                    pairs(addr(states, (i0 * dims.heads + j) * s.pn), s.n, s.j * s.pn),
+                    0.0,
+                ))?;
+            }
+        }
+        let ks = "ssd_scan_state_combine";
+        let [batch_u, heads_u, pn_u, chunks_u] =
+            [dims.tokens.batch, dims.heads, s.pn, chunks].map(|v| v as u64);
+        let mut b = stream.launch_builder(self.function(ks)?);
+        b.arg(&states.ptr).arg(&parts.chunk_decay.ptr).arg(&batch_u);
+        b.arg(&heads_u).arg(&pn_u).arg(&chunks_u);
+        self.go(
+            ks,
+            &mut b,
+            grid_for(product(k, &[dims.tokens.batch, dims.heads, s.pn])?),
+        )?;
+
+        // Second pass: y, slice by slice.
+        for &(i0, i1) in &slices {
+            let count = i1 - i0;
+            if slices.len() > 1 {
+                self.chunk_prepare(stream, &o, tags, &parts, dims, i0, count)?;
+            }
+            let pair_count = count * dims.groups;
+            let c_mat = pairs(parts.c.ptr, s.n, qn);
+            gemm(batched(
+                pair_count,
+                (s.q, s.q, s.n),
+                (c_mat, false),
+                (pairs(parts.b.ptr, s.n, qn), true),
+                pairs(parts.cb.ptr, s.q, qq),
+                0.0,
+            ))?;
+            let [count_u, groups_u, chunk_u] = [count, dims.groups, dims.chunk].map(|v| v as u64);
+            let km = "ssd_chunk_mask";
+            let mut b = stream.launch_builder(self.function(km)?);
+            b.arg(&parts.cb.ptr).arg(&parts.m.ptr).arg(&parts.steps.ptr);
+            b.arg(&count_u).arg(&heads_u).arg(&groups_u).arg(&chunk_u);
+            self.go(km, &mut b, grid_for(product(k, &[pair_count, s.q, s.q])?))?;
+            for j in 0..s.j {
+                gemm(batched(
+                    pair_count,
+                    (s.q, s.p, s.q),
+                    (pairs(addr(parts.m, j * qq), s.q, s.j * qq), false),
+                    (wide(parts.x, j), false),
+                    wide(parts.t_acc, j),
+                    0.0,
+                ))?;
+                gemm(batched(
+                    pair_count,
+                    (s.q, s.p, s.n),
+                    (c_mat, false),
+                    (
+                        pairs(addr(states, (i0 * dims.heads + j) * s.pn), s.n, s.j * s.pn),
+                        true,
+                    ),
+                    wide(parts.u, j),
+                    0.0,
+                ))?;
+            }
+            let ko = "ssd_chunk_output";
+            let [first_u, seq_u, head_dim_u] =
+                [i0, dims.tokens.seq, dims.head_dim].map(|v| v as u64);
+            let mut b = stream.launch_builder(self.function(ko)?);
+            b.arg(&parts.x.ptr)
+                .arg(&parts.t_acc.ptr)
+                .arg(&parts.u.ptr)
+                .arg(&parts.steps.ptr)
+                .arg(&o.d.ptr)
+                .arg(&tags.skip)
+                .arg(&y.ptr)
+                .arg(&yt);
+            b.arg(&first_u)
+                .arg(&count_u)
+                .arg(&seq_u)
+                .arg(&heads_u)
+                .arg(&head_dim_u)
+                .arg(&groups_u)
+                .arg(&chunk_u);
+            self.go(ko, &mut b, grid_for(product(k, &[pair_count, s.q, s.jp])?))?;
+        }
+        Ok(())
     }
 
     /// A slice's per-step values (`ssd_chunk_factors`) and packed operands
@@ -436,10 +639,11 @@ impl KernelSet {
         self.go(kf, &mut b, grid_for(count * dims.heads))?;
 
         let kp = "ssd_chunk_pack";
+        let dy_ptr = o.dy.map_or(0, |dy| dy.ptr);
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&o.xbc.ptr)
             .arg(&tags.xbc)
-            .arg(&o.dy.ptr)
+            .arg(&dy_ptr)
             .arg(&tags.dy)
             .arg(&parts.steps.ptr);
         b.arg(&parts.x.ptr)
@@ -482,19 +686,14 @@ impl KernelSet {
             pairs(addr(view, (first * dims.heads + j) * s.pn), s.n, s.j * s.pn)
         };
         let run = |m, n, kk, a, a_trans, b, b_trans, c, beta| {
-            gemm(StridedGemm {
-                m,
-                n,
-                k: kk,
-                a,
-                a_trans,
-                b,
-                b_trans,
+            gemm(batched(
+                pair_count,
+                (m, n, kk),
+                (a, a_trans),
+                (b, b_trans),
                 c,
-                alpha: 1.0,
                 beta,
-                batch: pair_count,
-            })
+            ))
         };
         // CB = C B^T per (item, group).
         let b_mat = pairs(parts.b.ptr, s.n, qn);
@@ -678,7 +877,8 @@ struct Operands {
     dt_bias: GpuView,
     a_log: GpuView,
     d: GpuView,
-    dy: GpuView,
+    /// None in the forward.
+    dy: Option<GpuView>,
     states: GpuView,
 }
 
