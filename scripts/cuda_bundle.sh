@@ -168,7 +168,7 @@ launch_modes() {
 # by layer piece (scripts/trace_breakdown.py), and a kernel table from
 # Nsight Systems where the machine has it.
 profile() {
-  local args=(train --device cuda --ranks 1 --ep 1 --format json --model "$here/models/hybrid-2048.toml"
+  local args=(train --device cuda --ranks 1 --ep 1 --format json --preset bench-hybrid-moe
     --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule plain)
   "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 4 --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1
   python3 "$here/trace_breakdown.py" "$out/profile-trace.json" > "$out/profile-breakdown.txt" 2>&1

@@ -1353,6 +1353,8 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
             (2, 3, 37, 4),
             (1, 129, 70, 1),
             (2, 40, 33, 7),
+            // Past the one-pass weight gradient's 16 taps: a pass per tap.
+            (2, 30, 35, 20),
         ] {
             let d = ConvDims {
                 tokens: Tokens::new(batch, seq),

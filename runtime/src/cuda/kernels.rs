@@ -133,7 +133,8 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "conv1d_forward",
             "conv1d_backward_input",
-            "conv1d_backward_weight"
+            "conv1d_backward_weight",
+            "conv1d_backward_weight_window"
         ]
     ),
     source!(

@@ -94,3 +94,84 @@ extern "C" __global__ void conv1d_backward_weight(
         }
     }
 }
+
+// The widest kernel `conv1d_backward_weight_window` takes
+// (`cuda::launch::conv`'s `WINDOW_TAPS`).
+#define WINDOW_TAPS 16
+
+// `conv1d_backward_weight` for kernels of at most WINDOW_TAPS taps, every
+// tap and the bias in one pass: block (32, 32), threadIdx.x a channel of a
+// 32-channel tile, threadIdx.y a slice of consecutive rows, each row's dy
+// and x read once, the last taps' x kept in registers. The 32 slice sums of
+// each tap are then added as a fixed tree, tap by tap.
+extern "C" __global__ void conv1d_backward_weight_window(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, void* dw, int dw_dtype, void* dbias,
+    int dbias_dtype, u64 rows, u64 seq, u64 channels, u64 taps) {
+    __shared__ float partial[32][33];
+    const u64 c = static_cast<u64>(blockIdx.x) * 32 + threadIdx.x;
+    const u64 slice = (rows + 31) / 32;
+    const u64 r0 = threadIdx.y * slice;
+    const u64 r1 = min(r0 + slice, rows);
+    // sums[l] for lag l (tap K-1-l), sums[WINDOW_TAPS] for the bias;
+    // window[l] = x[r - l].
+    float sums[WINDOW_TAPS + 1];
+    float window[WINDOW_TAPS];
+#pragma unroll
+    for (int l = 0; l <= WINDOW_TAPS; ++l) {
+        sums[l] = 0.0f;
+    }
+    if (c < channels) {
+        // One row behind: window[l] = x[r0 - 1 - l] (the lags the first
+        // row needs once shifted), zero before row 0.
+#pragma unroll
+        for (int l = 0; l < WINDOW_TAPS; ++l) {
+            const u64 back = static_cast<u64>(l) + 1;
+            window[l] = back < taps && r0 >= back ? load(x, x_dtype, (r0 - back) * channels + c)
+                                                  : 0.0f;
+        }
+        for (u64 r = r0; r < r1; ++r) {
+#pragma unroll
+            for (int l = WINDOW_TAPS - 1; l > 0; --l) {
+                window[l] = window[l - 1];
+            }
+            window[0] = load(x, x_dtype, r * channels + c);
+            const float g = load(dy, dy_dtype, r * channels + c);
+            const u64 t = r % seq;
+            sums[WINDOW_TAPS] += g;
+            // Tap j reads x[r - (K-1) + j], lag l = K-1-j, inside the
+            // sequence when t >= l.
+#pragma unroll
+            for (int l = 0; l < WINDOW_TAPS; ++l) {
+                if (l < static_cast<int>(taps) && t >= static_cast<u64>(l)) {
+                    sums[l] += g * window[l];
+                }
+            }
+        }
+    }
+    // sums[l] is lag l's; tap j = taps - 1 - l. The bias is sums[WINDOW_TAPS].
+    for (u64 j = 0; j <= taps; ++j) {
+        float v = 0.0f;
+#pragma unroll
+        for (int l = 0; l <= WINDOW_TAPS; ++l) {
+            const bool mine = j == taps ? l == WINDOW_TAPS : l == static_cast<int>(taps - 1 - j);
+            v = mine ? sums[l] : v;
+        }
+        partial[threadIdx.y][threadIdx.x] = v;
+        __syncthreads();
+        for (int s = 16; s > 0; s >>= 1) {
+            if (threadIdx.y < s) {
+                partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
+            }
+            __syncthreads();
+        }
+        if (threadIdx.y == 0 && c < channels) {
+            if (j == taps) {
+                store(dbias, dbias_dtype, c, load(dbias, dbias_dtype, c) + partial[0][threadIdx.x]);
+            } else {
+                const u64 at = c * taps + j;
+                store(dw, dw_dtype, at, load(dw, dw_dtype, at) + partial[0][threadIdx.x]);
+            }
+        }
+        __syncthreads();
+    }
+}

@@ -78,36 +78,47 @@ __device__ __forceinline__ StepValues step_values(float* base, u64 items, u64 he
 
 // dt, Lam, e^Lam and w of every (item, head, step), and each chunk's total
 // decay e^Lam_last into `chunk_decay` (`[batch * chunks, H]`, indexed by
-// the global item). One thread per (item, head), sequential over the chunk.
-extern "C" __global__ void ssd_chunk_factors(
+// the global item). One block per (item, head): the steps' dt in parallel,
+// their running sum by one thread (a fixed order), then e^Lam and w in
+// parallel.
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_factors(
     const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
     int a_dtype, float* values, float* chunk_decay, u64 first_item, u64 items, u64 seq, u64 heads,
     u64 chunk) {
+    __shared__ float lam[CHUNKED_MAX_CHUNK];
     const u64 chunks = (seq + chunk - 1) / chunk;
     const StepValues v = step_values(values, items, heads, chunk);
-    for (u64 k = grid_start(); k < items * heads; k += grid_stride()) {
-        const u64 h = k % heads;
-        const u64 item = first_item + k / heads;
-        const u64 b = item / chunks;
-        const u64 t0 = (item % chunks) * chunk;
-        const float a = -expf(load(a_log, a_dtype, h));
-        const float bias = load(dt_bias, bias_dtype, h);
-        const u64 base = k * chunk;
-        float lam = 0.0f;
-        for (u64 t = 0; t < chunk; ++t) {
-            float dt = 0.0f;
-            if (t0 + t < seq) {
-                dt = chunk_softplus(load(dt_raw, dt_dtype, (b * seq + t0 + t) * heads + h) + bias);
-            }
-            lam += dt * a;
-            v.dt[base + t] = dt;
-            v.lam[base + t] = lam;
-            v.elam[base + t] = expf(lam);
+    const u64 k = blockIdx.x;  // local item * heads + h
+    const u64 h = k % heads;
+    const u64 item = first_item + k / heads;
+    const u64 b = item / chunks;
+    const u64 t0 = (item % chunks) * chunk;
+    const float a = -expf(load(a_log, a_dtype, h));
+    const float bias = load(dt_bias, bias_dtype, h);
+    const u64 base = k * chunk;
+    for (u64 t = threadIdx.x; t < chunk; t += blockDim.x) {
+        float dt = 0.0f;
+        if (t0 + t < seq) {
+            dt = chunk_softplus(load(dt_raw, dt_dtype, (b * seq + t0 + t) * heads + h) + bias);
         }
+        v.dt[base + t] = dt;
+        lam[t] = dt * a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float running = 0.0f;
         for (u64 t = 0; t < chunk; ++t) {
-            v.w[base + t] = expf(lam - v.lam[base + t]) * v.dt[base + t];
+            running += lam[t];
+            lam[t] = running;
         }
-        chunk_decay[item * heads + h] = expf(lam);
+        chunk_decay[item * heads + h] = expf(running);
+    }
+    __syncthreads();
+    const float last = lam[chunk - 1];
+    for (u64 t = threadIdx.x; t < chunk; t += blockDim.x) {
+        v.lam[base + t] = lam[t];
+        v.elam[base + t] = expf(lam[t]);
+        v.w[base + t] = expf(last - lam[t]) * v.dt[base + t];
     }
 }
 

@@ -492,6 +492,7 @@ impl GemmShape {
             alpha,
             beta,
             batch: s.count,
+            tf32: false,
         }
     }
 

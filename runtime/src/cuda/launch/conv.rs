@@ -34,6 +34,10 @@ fn dims_args(rows: usize, dims: ConvDims) -> [u64; 4] {
     [rows, dims.tokens.seq, dims.channels, dims.kernel].map(|v| v as u64)
 }
 
+/// The widest conv kernel `conv1d_backward_weight_window` takes
+/// (`WINDOW_TAPS` in `conv.cu`).
+const WINDOW_TAPS: usize = 16;
+
 impl KernelSet {
     /// `Backend::conv1d_forward` (overwrites `y`).
     pub fn conv1d_forward(
@@ -105,8 +109,9 @@ impl KernelSet {
     }
 
     /// `Backend::conv1d_backward_weight` (accumulates into `dw` and
-    /// `dbias`): one block per 32 channels and tap (the bias as one more
-    /// tap), each a fixed tree over the rows.
+    /// `dbias`): one block per 32 channels, all taps and the bias at once
+    /// (kernels up to [`WINDOW_TAPS`] wide), else one per 32 channels and
+    /// tap (the bias as one more tap); each a fixed tree over the rows.
     pub fn conv1d_backward_weight(
         &self,
         stream: &CudaStream,
@@ -136,11 +141,22 @@ impl KernelSet {
                 ))
             })?;
         let config = LaunchConfig {
-            grid_dim: (dims.channels.div_ceil(32) as u32, taps, 1),
+            grid_dim: (
+                dims.channels.div_ceil(32) as u32,
+                if dims.kernel <= WINDOW_TAPS { 1 } else { taps },
+                1,
+            ),
             block_dim: (32, 32, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.launch_builder(self.function(k)?);
+        // Kernels up to WINDOW_TAPS wide read each row once for every tap;
+        // wider ones take a pass per tap.
+        let kernel = if dims.kernel <= WINDOW_TAPS {
+            "conv1d_backward_weight_window"
+        } else {
+            k
+        };
+        let mut b = stream.launch_builder(self.function(kernel)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)

@@ -243,9 +243,13 @@ fn addr(view: GpuView, offset: usize) -> u64 {
     view.ptr + (offset * view.dtype.bytes()) as u64
 }
 
-/// The shapes the slice's GEMMs share.
+/// The shapes and the math mode the slice's GEMMs share.
 #[derive(Clone, Copy)]
 struct Shape {
+    /// TF32 tensor cores: every output the GEMMs feed is bf16, so their
+    /// f32 intermediates need no more than TF32's 10 bits (an f32 output
+    /// keeps strict f32, as the CPU computes it).
+    tf32: bool,
     q: usize,
     p: usize,
     n: usize,
@@ -258,9 +262,10 @@ struct Shape {
 }
 
 impl Shape {
-    fn new(dims: ScanDims) -> Shape {
+    fn new(dims: ScanDims, outputs: &[GpuView]) -> Shape {
         let j = dims.heads / dims.groups;
         Shape {
+            tf32: outputs.iter().all(|v| v.dtype == DType::Bf16),
             q: dims.chunk,
             p: dims.head_dim,
             n: dims.state,
@@ -272,8 +277,10 @@ impl Shape {
 }
 
 /// `C = op(A) op(B) (+ C when beta is 1)` over `batch` (item, group) pairs,
-/// `op(A)` `[m, k]`.
+/// `op(A)` `[m, k]`; on TF32 tensor cores when `tf32` (see
+/// [`Shape::tf32`]).
 fn batched(
+    tf32: bool,
     batch: usize,
     (m, n, k): (usize, usize, usize),
     (a, a_trans): (StridedMatrix, bool),
@@ -293,6 +300,7 @@ fn batched(
         alpha: 1.0,
         beta,
         batch,
+        tf32,
     }
 }
 
@@ -359,7 +367,7 @@ impl KernelSet {
         check_scratch(k, plan, scratch, dims)?;
         let items = dims.tokens.batch * chunks;
         let parts = Parts::new(scratch, dims, plan, items);
-        let shape = Shape::new(dims);
+        let shape = Shape::new(dims, &[d_xbc, d_dt]);
         let gemm = |g: StridedGemm| -> Result<()> {
             // SAFETY: every item of every operand lies inside the scratch,
             // `states` or the carries, whose lengths were checked above
@@ -400,6 +408,7 @@ impl KernelSet {
             self.chunk_prepare(stream, &operands, tags, &parts, dims, i0, i1 - i0)?;
             for j in 0..shape.j {
                 gemm(batched(
+                    shape.tf32,
                     (i1 - i0) * dims.groups,
                     (shape.p, shape.n, shape.q),
                     (
@@ -465,7 +474,7 @@ impl KernelSet {
         check_scratch(k, plan, scratch, dims)?;
         let items = dims.tokens.batch * chunks;
         let parts = Parts::new(scratch, dims, plan, items);
-        let s = Shape::new(dims);
+        let s = Shape::new(dims, &[y]);
         let gemm = |g: StridedGemm| -> Result<()> {
             // SAFETY: every item of every operand lies inside the scratch or
             // `states`, whose lengths were checked above against the plan
@@ -508,6 +517,7 @@ impl KernelSet {
             self.chunk_prepare(stream, &o, tags, &parts, dims, i0, i1 - i0)?;
             for j in 0..s.j {
                 gemm(batched(
+                    s.tf32,
                     (i1 - i0) * dims.groups,
                     (s.p, s.n, s.q),
                     (wide(parts.x_w, j), true),
@@ -538,6 +548,7 @@ impl KernelSet {
             let pair_count = count * dims.groups;
             let c_mat = pairs(parts.c.ptr, s.n, qn);
             gemm(batched(
+                s.tf32,
                 pair_count,
                 (s.q, s.q, s.n),
                 (c_mat, false),
@@ -553,6 +564,7 @@ impl KernelSet {
             self.go(km, &mut b, grid_for(product(k, &[pair_count, s.q, s.q])?))?;
             for j in 0..s.j {
                 gemm(batched(
+                    s.tf32,
                     pair_count,
                     (s.q, s.p, s.q),
                     (pairs(addr(parts.m, j * qq), s.q, s.j * qq), false),
@@ -561,6 +573,7 @@ impl KernelSet {
                     0.0,
                 ))?;
                 gemm(batched(
+                    s.tf32,
                     pair_count,
                     (s.q, s.p, s.n),
                     (c_mat, false),
@@ -636,7 +649,7 @@ impl KernelSet {
             .arg(&seq)
             .arg(&heads)
             .arg(&chunk);
-        self.go(kf, &mut b, grid_for(count * dims.heads))?;
+        self.go(kf, &mut b, per_item(count * dims.heads, THREADS)?)?;
 
         let kp = "ssd_chunk_pack";
         let dy_ptr = o.dy.map_or(0, |dy| dy.ptr);
@@ -687,6 +700,7 @@ impl KernelSet {
         };
         let run = |m, n, kk, a, a_trans, b, b_trans, c, beta| {
             gemm(batched(
+                s.tf32,
                 pair_count,
                 (m, n, kk),
                 (a, a_trans),
