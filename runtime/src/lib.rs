@@ -17,6 +17,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod data;
 pub mod device;
+pub mod digest;
 pub mod error;
 pub mod fsdp;
 pub mod hf;

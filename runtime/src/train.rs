@@ -1033,8 +1033,8 @@ impl<D: Device> Evaluation<'_, D> {
     }
 }
 
-/// FNV-1a over every parameter's bits in plan order, experts once per EP
-/// rank. Collective; every rank returns it (so does every process of a
+/// The digest ([`crate::digest`]) of every parameter's bits in plan order,
+/// experts once per EP rank. Collective; every rank returns it (so does every process of a
 /// multi-process job). Buckets are gathered
 /// one at a time, so the hash needs the memory of one bucket, not of the
 /// model.
@@ -1046,13 +1046,7 @@ fn param_hash<D: Device>(
     let backend = &rank.backend;
     let ep = rank.ep.max(1);
     let layout = engine.layout();
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bits: u32| {
-        for byte in bits.to_le_bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
+    let mut digest = crate::digest::StreamDigest::new();
     // Every rank's shard of the bucket in hand, by rank.
     let mut gathered: Option<(usize, Vec<Vec<f64>>)> = None;
     for param in plan.params.iter() {
@@ -1084,9 +1078,9 @@ fn param_hash<D: Device>(
                         rank: holders.get(i / piece).copied().unwrap_or(0),
                         message: "sent a parameter shard of the wrong length for the hash".into(),
                     })?;
-                eat((*value as f32).to_bits());
+                digest.push((*value as f32).to_bits());
             }
         }
     }
-    Ok(hash)
+    Ok(digest.finish())
 }
