@@ -196,6 +196,14 @@ pub struct IndexedDataset {
     dtype: TokenDtype,
     sequences: usize,
     documents: usize,
+    /// Token ids every read checks against (see
+    /// [`IndexedDataset::check_reads_against`]).
+    vocab: Option<usize>,
+}
+
+/// Whether ids from `low` to `high` leave a vocabulary of `vocab` tokens.
+fn outside(low: i64, high: i64, vocab: usize) -> bool {
+    low < 0 || high as u128 >= vocab as u128
 }
 
 /// Maps `file` read-only.
@@ -296,6 +304,7 @@ impl IndexedDataset {
             dtype,
             sequences,
             documents,
+            vocab: None,
         };
         dataset.check()?;
         Ok(dataset)
@@ -469,14 +478,60 @@ impl IndexedDataset {
         let size = self.dtype.size();
         let bytes = &self.sequence_bytes(i)[offset * size..(offset + out.len()) * size];
         let mut slots = out.iter_mut();
-        // Token ids were checked against the vocabulary when the run was
-        // prepared ([`IndexedDataset::check_tokens`]).
+        let (mut low, mut high) = (i64::MAX, i64::MIN);
         self.dtype.for_each(bytes, |t| {
+            low = low.min(t);
+            high = high.max(t);
             if let Some(slot) = slots.next() {
                 *slot = t as u32;
             }
         });
-        Ok(())
+        // Every id past the vocabulary is caught here when the whole
+        // corpus was not scanned before the run (or the scan is skipped).
+        match self.vocab {
+            Some(vocab) if !out.is_empty() && outside(low, high, vocab) => {
+                Err(self.bad_token(i, offset, out.len(), vocab))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// From now on, every [`IndexedDataset::read`] checks the ids it reads
+    /// against a vocabulary of `vocab` tokens: what a run does when its
+    /// corpus is too large to scan before the first step
+    /// ([`IndexedDataset::check_tokens`]).
+    pub fn check_reads_against(mut self, vocab: usize) -> Self {
+        self.vocab = Some(vocab);
+        self
+    }
+
+    /// The error naming the first token of sequence `i` in `[offset,
+    /// offset + len)` that is not an id of a `vocab`-token vocabulary (the
+    /// caller knows there is one).
+    fn bad_token(&self, i: usize, offset: usize, len: usize, vocab: usize) -> RuntimeError {
+        let bytes = self.sequence_bytes(i);
+        let at = (offset..offset + len)
+            .find(|&k| {
+                let t = self.dtype.read(bytes, k);
+                outside(t, t, vocab)
+            })
+            .unwrap_or(offset);
+        let t = self.dtype.read(bytes, at);
+        RuntimeError::io(
+            &self.bin_name,
+            if t < 0 {
+                format!(
+                    "token {at} of sequence {i} is {t}, a negative id; the file is corrupt or \
+                     not written by a tokenizer"
+                )
+            } else {
+                format!(
+                    "token {at} of sequence {i} is id {t}, past the model's vocabulary of \
+                     {vocab} tokens; train a model with vocab_size above {t} (the tokenizer's \
+                     vocabulary size), or re-tokenize with the model's tokenizer"
+                )
+            },
+        )
     }
 
     /// The tokens of sequence `i`.
@@ -508,30 +563,8 @@ impl IndexedDataset {
             if n == 0 {
                 continue;
             }
-            if low < 0 || high as u128 >= vocab as u128 {
-                let at = (0..n)
-                    .find(|&k| {
-                        let t = self.dtype.read(bytes, k);
-                        t < 0 || t as u128 >= vocab as u128
-                    })
-                    .unwrap_or(0);
-                let t = self.dtype.read(bytes, at);
-                return Err(RuntimeError::io(
-                    &self.bin_name,
-                    if t < 0 {
-                        format!(
-                            "token {at} of sequence {i} is {t}, a negative id; the file is \
-                             corrupt or not written by a tokenizer"
-                        )
-                    } else {
-                        format!(
-                            "token {at} of sequence {i} is id {t}, past the model's vocabulary \
-                             of {vocab} tokens; train a model with vocab_size above {t} (the \
-                             tokenizer's vocabulary size), or re-tokenize with the model's \
-                             tokenizer"
-                        )
-                    },
-                ));
+            if outside(low, high, vocab) {
+                return Err(self.bad_token(i, 0, n, vocab));
             }
             largest = largest.max(high);
         }
@@ -895,6 +928,31 @@ mod tests {
             m.contains("d.idx: this is a directory, not a data file"),
             "{m}"
         );
+    }
+
+    #[test]
+    fn reads_check_their_token_ids_when_asked_to() {
+        let dir = Scratch::new("vocab-reads");
+        let prefix = dir.prefix("c");
+        write_u16(&prefix, &[vec![1, 2], vec![3, 4, 300, 5]]);
+        let d = IndexedDataset::open(&prefix).unwrap();
+        // Unchecked, the id reads through (the up-front scan's business).
+        assert_eq!(d.sequence(1).unwrap(), vec![3, 4, 300, 5]);
+        let d = d.check_reads_against(256);
+        let mut two = [0u32; 2];
+        d.read(1, 0, &mut two).unwrap();
+        assert_eq!(two, [3, 4]);
+        d.read(0, 0, &mut two).unwrap();
+        let m = d.read(1, 1, &mut two).unwrap_err().to_string();
+        assert!(
+            m.contains(
+                "c.bin: token 2 of sequence 1 is id 300, past the model's vocabulary of 256 tokens"
+            ),
+            "{m}"
+        );
+        let mut one = [0u32; 1];
+        d.read(1, 3, &mut one).unwrap();
+        assert_eq!(one, [5]);
     }
 
     #[test]
