@@ -951,7 +951,7 @@ impl IndexedSource {
             .iter()
             .map(|(_, prefix)| IndexedDataset::open(prefix))
             .collect::<Result<Vec<_>>>()?;
-        let total: u64 = opened.iter().map(|d| d.tokens() as u64).sum();
+        let total: u64 = opened.iter().map(|d| d.tokens()).sum();
         let scan = total <= scan_limit;
         for (d, dataset) in opened.into_iter().enumerate() {
             if dataset.documents() == 0 || dataset.tokens() == 0 {
