@@ -14,7 +14,7 @@
 
 use hybridgen_runtime::data::{
     BatchKey, BatchShape, IndexedDataset, IndexedSource, IndexedSpec, IndexedWriter, SampleLayout,
-    Split, TokenDtype, Xoshiro256,
+    Split, TokenDtype, UPFRONT_TOKEN_SCAN, Xoshiro256,
 };
 use std::time::Instant;
 
@@ -81,7 +81,8 @@ fn main() {
         micro_batches: 1,
     };
     let started = Instant::now();
-    let source = IndexedSource::open(&spec, 50_000, 0, shape, layout, true).expect("source");
+    let source = IndexedSource::open(&spec, 50_000, 0, shape, layout, true, UPFRONT_TOKEN_SCAN)
+        .expect("source");
     let source = hybridgen_runtime::data::DataSource::Indexed(std::sync::Arc::new(source));
     println!(
         "source open     {:>8.2} s  (every check, the token scan included)",

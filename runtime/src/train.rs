@@ -426,6 +426,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
                 micro_batches: config.micro_batches,
             },
             config.eval_every.is_some(),
+            crate::data::UPFRONT_TOKEN_SCAN,
         )?)),
     };
     if data.vocab() > config.model.vocab_size {

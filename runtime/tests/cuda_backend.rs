@@ -7,7 +7,7 @@
 //! Without a GPU each test prints why and passes: the binary is built on a
 //! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
 
-use hybridgen_runtime::backend::{Backend, ScanDims, ScanGrads, ScanInputs, Tokens};
+use hybridgen_runtime::backend::{Backend, ScanDims, ScanGrads, ScanInputs, Slice, Tokens};
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
 use hybridgen_runtime::cuda::launch::ScanChunkPlan;
@@ -146,21 +146,25 @@ struct ScanProblem {
     grads_in: [Vec<f32>; 2],
 }
 
+/// Views of a problem's inputs on `dev` (`bufs` as [`ScanProblem::inputs`]).
+fn scan_inputs<'a, B: Backend>(dev: &B, bufs: &'a [B::Buf; 6]) -> ScanInputs<Slice<'a, B>> {
+    ScanInputs {
+        xbc: dev.view(&bufs[0]).unwrap(),
+        dt: dev.view(&bufs[1]).unwrap(),
+        dt_bias: dev.view(&bufs[2]).unwrap(),
+        a_log: dev.view(&bufs[3]).unwrap(),
+        d: dev.view(&bufs[4]).unwrap(),
+    }
+}
+
 /// The scan forward on `dev`: y and the chunk states.
 fn scan_forward<B: Backend>(dev: &B, p: &ScanProblem, dtype: DType) -> [Vec<f32>; 2] {
-    let [xbc, dt, bias, a_log, d, _] = p.inputs.each_ref().map(|v| put(dev, v, dtype));
+    let bufs = p.inputs.each_ref().map(|v| put(dev, v, dtype));
     let y_len = p.inputs[5].len();
     let y = dev.alloc(y_len, dtype).unwrap();
     let states = dev.alloc(p.dims.states_len(), DType::F32).unwrap();
-    let inputs = ScanInputs {
-        xbc: dev.view(&xbc).unwrap(),
-        dt: dev.view(&dt).unwrap(),
-        dt_bias: dev.view(&bias).unwrap(),
-        a_log: dev.view(&a_log).unwrap(),
-        d: dev.view(&d).unwrap(),
-    };
     dev.ssd_scan_forward(
-        inputs,
+        scan_inputs(dev, &bufs),
         dev.view_mut(&y).unwrap(),
         dev.view_mut(&states).unwrap(),
         p.dims,
@@ -197,18 +201,11 @@ fn scan_backward<B: Backend>(
     states: &[f32],
     dtype: DType,
 ) -> [Vec<f32>; 4] {
-    let [xbc, dt, bias, a_log, d, dy] = p.inputs.each_ref().map(|v| put(dev, v, dtype));
+    let bufs = p.inputs.each_ref().map(|v| put(dev, v, dtype));
     let states = put(dev, states, DType::F32);
     let d_xbc = dev.alloc(p.inputs[0].len(), dtype).unwrap();
     let d_dt = dev.alloc(p.inputs[1].len(), dtype).unwrap();
     let [d_a_log, d_d] = p.grads_in.each_ref().map(|v| put(dev, v, DType::F32));
-    let inputs = ScanInputs {
-        xbc: dev.view(&xbc).unwrap(),
-        dt: dev.view(&dt).unwrap(),
-        dt_bias: dev.view(&bias).unwrap(),
-        a_log: dev.view(&a_log).unwrap(),
-        d: dev.view(&d).unwrap(),
-    };
     let grads = ScanGrads {
         xbc: dev.view_mut(&d_xbc).unwrap(),
         dt: dev.view_mut(&d_dt).unwrap(),
@@ -216,9 +213,9 @@ fn scan_backward<B: Backend>(
         d: dev.view_mut(&d_d).unwrap(),
     };
     dev.ssd_scan_backward(
-        inputs,
+        scan_inputs(dev, &bufs),
         dev.view(&states).unwrap(),
-        dev.view(&dy).unwrap(),
+        dev.view(&bufs[5]).unwrap(),
         grads,
         p.dims,
     )

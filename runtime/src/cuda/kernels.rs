@@ -169,7 +169,6 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_chunk_final",
             "ssd_chunk_unpack",
             "ssd_scan_state_combine",
-            "ssd_chunk_mask",
             "ssd_chunk_output"
         ]
     ),

@@ -910,29 +910,9 @@ impl IndexedSource {
     /// into samples of `seq + 1` tokens shuffled with `seed`.
     /// `need_validation`: the run evaluates, so the validation part must
     /// not be empty. Token ids are checked by one scan before the run when
-    /// the blend has at most [`UPFRONT_TOKEN_SCAN`] tokens, else as they
-    /// are read.
+    /// the blend has at most `scan_limit` tokens (runs pass
+    /// [`UPFRONT_TOKEN_SCAN`]), else as they are read.
     pub fn open(
-        spec: &IndexedSpec,
-        vocab: usize,
-        seed: u64,
-        shape: BatchShape,
-        layout: SampleLayout,
-        need_validation: bool,
-    ) -> Result<Self> {
-        Self::open_scanning_up_to(
-            spec,
-            vocab,
-            seed,
-            shape,
-            layout,
-            need_validation,
-            UPFRONT_TOKEN_SCAN,
-        )
-    }
-
-    /// [`IndexedSource::open`] with the bound of the up-front scan.
-    fn open_scanning_up_to(
         spec: &IndexedSpec,
         vocab: usize,
         seed: u64,
@@ -1091,10 +1071,10 @@ mod tests {
             micro_batches: 1,
         };
         let message = "c.bin: token 2 of sequence 1 is id 300, past the model's vocabulary of 256";
-        let scanned = IndexedSource::open(&spec, 256, 1, shape, layout, false).unwrap_err();
+        let open = |limit| IndexedSource::open(&spec, 256, 1, shape, layout, false, limit);
+        let scanned = open(UPFRONT_TOKEN_SCAN).unwrap_err();
         assert!(scanned.to_string().contains(message), "{scanned}");
-        let source =
-            IndexedSource::open_scanning_up_to(&spec, 256, 1, shape, layout, false, 0).unwrap();
+        let source = open(0).unwrap();
         assert_eq!(source.vocab, 256);
         let data = DataSource::Indexed(Arc::new(source));
         // 14 samples of 9 tokens an epoch: every one is read within 14 steps.

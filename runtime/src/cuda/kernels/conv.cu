@@ -53,6 +53,31 @@ extern "C" __global__ void conv1d_backward_input(
     }
 }
 
+// Adds a block's 32 row-slice sums `v` of channel c's tap j (j == taps:
+// its bias) as a fixed tree and accumulates the total into `dw` (or
+// `dbias`). Every thread of the (32, 32) block calls it.
+__device__ __forceinline__ void add_slice_sums(
+    float (*partial)[33], float v, u64 c, u64 j, u64 taps, u64 channels, void* dw, int dw_dtype,
+    void* dbias, int dbias_dtype) {
+    partial[threadIdx.y][threadIdx.x] = v;
+    __syncthreads();
+    for (int s = 16; s > 0; s >>= 1) {
+        if (threadIdx.y < s) {
+            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.y == 0 && c < channels) {
+        if (j == taps) {
+            store(dbias, dbias_dtype, c, load(dbias, dbias_dtype, c) + partial[0][threadIdx.x]);
+        } else {
+            const u64 at = c * taps + j;
+            store(dw, dw_dtype, at, load(dw, dw_dtype, at) + partial[0][threadIdx.x]);
+        }
+    }
+    __syncthreads();
+}
+
 // dw[c, j] += sum_r dy[r, c] x[r - (K-1) + j, c] (blockIdx.y = j < K) and
 // dbias[c] += sum_r dy[r, c] (blockIdx.y = K). Block (32, 32): threadIdx.x
 // picks a channel of a 32-channel tile (coalesced rows), threadIdx.y a slice
@@ -77,22 +102,7 @@ extern "C" __global__ void conv1d_backward_weight(
             }
         }
     }
-    partial[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    for (int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.y < s) {
-            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
-        }
-        __syncthreads();
-    }
-    if (threadIdx.y == 0 && c < channels) {
-        if (bias) {
-            store(dbias, dbias_dtype, c, load(dbias, dbias_dtype, c) + partial[0][threadIdx.x]);
-        } else {
-            const u64 at = c * taps + j;
-            store(dw, dw_dtype, at, load(dw, dw_dtype, at) + partial[0][threadIdx.x]);
-        }
-    }
+    add_slice_sums(partial, sum, c, j, taps, channels, dw, dw_dtype, dbias, dbias_dtype);
 }
 
 // The widest kernel `conv1d_backward_weight_window` takes
@@ -156,22 +166,6 @@ extern "C" __global__ void conv1d_backward_weight_window(
             const bool mine = j == taps ? l == WINDOW_TAPS : l == static_cast<int>(taps - 1 - j);
             v = mine ? sums[l] : v;
         }
-        partial[threadIdx.y][threadIdx.x] = v;
-        __syncthreads();
-        for (int s = 16; s > 0; s >>= 1) {
-            if (threadIdx.y < s) {
-                partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
-            }
-            __syncthreads();
-        }
-        if (threadIdx.y == 0 && c < channels) {
-            if (j == taps) {
-                store(dbias, dbias_dtype, c, load(dbias, dbias_dtype, c) + partial[0][threadIdx.x]);
-            } else {
-                const u64 at = c * taps + j;
-                store(dw, dw_dtype, at, load(dw, dw_dtype, at) + partial[0][threadIdx.x]);
-            }
-        }
-        __syncthreads();
+        add_slice_sums(partial, v, c, j, taps, channels, dw, dw_dtype, dbias, dbias_dtype);
     }
 }

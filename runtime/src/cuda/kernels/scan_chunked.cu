@@ -58,6 +58,46 @@ struct ChunkShape {
     __device__ u64 width() const { return d_inner() + 2 * groups * state; }
 };
 
+// Where element k of a slice's `[item, G, Q, N]` array (B, C, dB, dC)
+// lies in `xbc`: the index of its B entry (its C entry is G N further),
+// and whether its step is real (not padding past the sequence's end).
+struct NarrowAt {
+    bool real;
+    u64 b_column;
+};
+
+__device__ __forceinline__ NarrowAt narrow_at(const ChunkShape& s, u64 k, u64 first_item) {
+    const u64 col = k % s.state;
+    const u64 t = (k / s.state) % s.chunk;
+    const u64 g = (k / (s.state * s.chunk)) % s.groups;
+    const u64 item = first_item + k / (s.state * s.chunk * s.groups);
+    const u64 t_abs = (item % s.chunks) * s.chunk + t;
+    const u64 row = (item / s.chunks) * s.seq + t_abs;
+    return NarrowAt{t_abs < s.seq, row * s.width() + s.d_inner() + g * s.state + col};
+}
+
+// Where element k of a slice's `[item, G, Q, J * P]` array (x, dY, ...)
+// lies: its step's row among all sequences' rows, its column among the
+// `H * P` of a row (y's and dY's column; x's in `xbc`), its step value's
+// index (`[item, H, Q]`) and head, and whether the step is real.
+struct WideAt {
+    bool real;
+    u64 row, column, step, head;
+};
+
+__device__ __forceinline__ WideAt wide_at(const ChunkShape& s, u64 k, u64 first_item) {
+    const u64 jp = s.group_width();
+    const u64 e = k % jp;
+    const u64 t = (k / jp) % s.chunk;
+    const u64 g = (k / (jp * s.chunk)) % s.groups;
+    const u64 i = k / (jp * s.chunk * s.groups);
+    const u64 item = first_item + i;
+    const u64 t_abs = (item % s.chunks) * s.chunk + t;
+    const u64 head = g * s.group_heads() + e / s.head_dim;
+    return WideAt{t_abs < s.seq, (item / s.chunks) * s.seq + t_abs, g * jp + e,
+                  (i * s.heads + head) * s.chunk + t, head};
+}
+
 __device__ __forceinline__ ChunkShape chunk_shape(
     u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     return ChunkShape{seq, heads, head_dim, groups, state, chunk, (seq + chunk - 1) / chunk};
@@ -131,53 +171,37 @@ extern "C" __global__ void ssd_chunk_pack(
     u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
-    const u64 jp = s.group_width();
-    const u64 wide = items * groups * chunk * jp;
+    const u64 wide = items * groups * chunk * s.group_width();
     for (u64 k = grid_start(); k < wide; k += grid_stride()) {
-        const u64 e = k % jp;
-        const u64 t = (k / jp) % chunk;
-        const u64 g = (k / (jp * chunk)) % groups;
-        const u64 i = k / (jp * chunk * groups);
-        const u64 item = first_item + i;
-        const u64 t_abs = (item % s.chunks) * chunk + t;
+        const WideAt at = wide_at(s, k, first_item);
         float x = 0.0f, g_y = 0.0f;
-        if (t_abs < seq) {
-            const u64 row = (item / s.chunks) * seq + t_abs;
-            x = load(xbc, xbc_dtype, row * s.width() + g * jp + e);
+        if (at.real) {
+            x = load(xbc, xbc_dtype, at.row * s.width() + at.column);
             if (dy != nullptr) {
-                g_y = load(dy, dy_dtype, row * s.d_inner() + g * jp + e);
+                g_y = load(dy, dy_dtype, at.row * s.d_inner() + at.column);
             }
         }
-        const u64 step = (i * heads + g * s.group_heads() + e / head_dim) * chunk + t;
         x_p[k] = x;
-        x_w[k] = x * v.w[step];
+        x_w[k] = x * v.w[at.step];
         if (dy != nullptr) {
             dy_p[k] = g_y;
-            dy_e[k] = g_y * v.elam[step];
+            dy_e[k] = g_y * v.elam[at.step];
         }
     }
     const u64 narrow = items * groups * chunk * state;
     for (u64 k = grid_start(); k < narrow; k += grid_stride()) {
-        const u64 n = k % state;
-        const u64 t = (k / state) % chunk;
-        const u64 g = (k / (state * chunk)) % groups;
-        const u64 item = first_item + k / (state * chunk * groups);
-        const u64 t_abs = (item % s.chunks) * chunk + t;
-        float bv = 0.0f, cv = 0.0f;
-        if (t_abs < seq) {
-            const u64 row = ((item / s.chunks) * seq + t_abs) * s.width() + s.d_inner();
-            bv = load(xbc, xbc_dtype, row + g * state + n);
-            cv = load(xbc, xbc_dtype, row + (groups + g) * state + n);
-        }
-        b_p[k] = bv;
-        c_p[k] = cv;
+        const NarrowAt at = narrow_at(s, k, first_item);
+        b_p[k] = at.real ? load(xbc, xbc_dtype, at.b_column) : 0.0f;
+        c_p[k] = at.real ? load(xbc, xbc_dtype, at.b_column + groups * state) : 0.0f;
     }
 }
 
-// Per (item, group, t, s): from CB (`[item, G, Q, Q]`) and each head's dM
-// (`[item, H, Q, Q]`, overwritten), each head's M, the products
-// dM o CB o e^(Lam_t - Lam_s) (in dM's place) and dCB, summed over the
-// group's heads in order.
+// Per (item, group, t, s): from CB (`[item, G, Q, Q]`), each head's M =
+// CB o e^(Lam_t - Lam_s) dt_s (`[item, H, Q, Q]`, zero above the
+// diagonal); in the backward, from each head's dM (same layout,
+// overwritten), also the products dM o CB o e^(Lam_t - Lam_s) (in dM's
+// place) and dCB, summed over the group's heads in order. The forward
+// passes null `dm` and `dcb`.
 extern "C" __global__ void ssd_chunk_scores(
     const float* cb, float* dm, float* m, float* dcb, const float* values, u64 items, u64 heads,
     u64 groups, u64 chunk) {
@@ -197,12 +221,16 @@ extern "C" __global__ void ssd_chunk_scores(
             const u64 at = ih * qq + ts;
             const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
             const float dt_s = v.dt[ih * chunk + s];
-            const float g = dm[at];
             m[at] = score * l * dt_s;
-            dm[at] = g * score * l;
-            d_score += g * l * dt_s;
+            if (dm != nullptr) {
+                const float g = dm[at];
+                dm[at] = g * score * l;
+                d_score += g * l * dt_s;
+            }
         }
-        dcb[k] = d_score;
+        if (dcb != nullptr) {
+            dcb[k] = d_score;
+        }
     }
 }
 
@@ -360,15 +388,10 @@ extern "C" __global__ void ssd_chunk_unpack(
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
     const u64 n = items * groups * chunk * state;
     for (u64 k = grid_start(); k < n; k += grid_stride()) {
-        const u64 col = k % state;
-        const u64 t = (k / state) % chunk;
-        const u64 g = (k / (state * chunk)) % groups;
-        const u64 item = first_item + k / (state * chunk * groups);
-        const u64 t_abs = (item % s.chunks) * chunk + t;
-        if (t_abs < seq) {
-            const u64 row = ((item / s.chunks) * seq + t_abs) * s.width() + s.d_inner();
-            store(dxbc, dxbc_dtype, row + g * state + col, d_b[k]);
-            store(dxbc, dxbc_dtype, row + (groups + g) * state + col, d_c[k]);
+        const NarrowAt at = narrow_at(s, k, first_item);
+        if (at.real) {
+            store(dxbc, dxbc_dtype, at.b_column, d_b[k]);
+            store(dxbc, dxbc_dtype, at.b_column + groups * state, d_c[k]);
         }
     }
 }
@@ -396,51 +419,20 @@ extern "C" __global__ void ssd_scan_state_combine(
     }
 }
 
-// Per (item, group, t, s): each head's M = CB o e^(Lam_t - Lam_s) dt_s
-// (`[item, H, Q, Q]`), zero above the diagonal.
-extern "C" __global__ void ssd_chunk_mask(
-    const float* cb, float* m, const float* values, u64 items, u64 heads, u64 groups, u64 chunk) {
-    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
-    const u64 qq = chunk * chunk;
-    const u64 group_heads = heads / groups;
-    const u64 n = items * groups * qq;
-    for (u64 k = grid_start(); k < n; k += grid_stride()) {
-        const u64 ts = k % qq;
-        const u64 t = ts / chunk;
-        const u64 s = ts % chunk;
-        const u64 ig = k / qq;
-        const float score = cb[k];
-        for (u64 j = 0; j < group_heads; ++j) {
-            const u64 ih = ig * group_heads + j;
-            const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
-            m[ih * qq + ts] = score * l * v.dt[ih * chunk + s];
-        }
-    }
-}
-
 // y = M X + e^Lam (C S_in^T) + D x of the slice's real steps, from M X in
 // `t_acc` and C S_in^T in `y_off` (both `[item, G, Q, J * P]`).
 extern "C" __global__ void ssd_chunk_output(
     const float* x_p, const float* t_acc, const float* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u64 first_item, u64 items, u64 seq,
-    u64 heads, u64 head_dim, u64 groups, u64 chunk) {
-    const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, 0, chunk);
+    u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
-    const u64 jp = s.group_width();
-    const u64 n = items * groups * chunk * jp;
+    const u64 n = items * groups * chunk * s.group_width();
     for (u64 k = grid_start(); k < n; k += grid_stride()) {
-        const u64 e = k % jp;
-        const u64 t = (k / jp) % chunk;
-        const u64 g = (k / (jp * chunk)) % groups;
-        const u64 i = k / (jp * chunk * groups);
-        const u64 item = first_item + i;
-        const u64 t_abs = (item % s.chunks) * chunk + t;
-        if (t_abs < seq) {
-            const u64 h = g * s.group_heads() + e / head_dim;
-            const float elam = v.elam[(i * heads + h) * chunk + t];
-            const u64 row = (item / s.chunks) * seq + t_abs;
-            store(y, y_dtype, row * s.d_inner() + g * jp + e,
-                  t_acc[k] + elam * y_off[k] + load(d_skip, d_dtype, h) * x_p[k]);
+        const WideAt at = wide_at(s, k, first_item);
+        if (at.real) {
+            store(y, y_dtype, at.row * s.d_inner() + at.column,
+                  t_acc[k] + v.elam[at.step] * y_off[k] + load(d_skip, d_dtype, at.head) * x_p[k]);
         }
     }
 }

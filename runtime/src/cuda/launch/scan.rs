@@ -88,7 +88,7 @@ fn tier(kernel: &str, state: usize) -> Result<&'static Tier> {
 }
 
 /// The CPU kernels' checks of the inputs; returns `(rows, chunks)`.
-pub(super) fn check_inputs(
+fn check_inputs(
     kernel: &str,
     dims: ScanDims,
     inputs: &ScanInputs<GpuView>,
@@ -134,7 +134,7 @@ pub(super) fn check_inputs(
 }
 
 /// The dtype tags of the inputs, checked in the CPU backend's order.
-pub(super) fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
+fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
     Ok([
         float(kernel, "xbc", &inputs.xbc)?,
         float(kernel, "dt", &inputs.dt)?,
@@ -142,6 +142,67 @@ pub(super) fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[
         float(kernel, "a_log", &inputs.a_log)?,
         float(kernel, "d", &inputs.d)?,
     ])
+}
+
+/// What the checks of a scan call give: the inputs' dtype tags (xbc, dt,
+/// dt_bias, a_log, d), the other float views' (forward: y; backward: dy,
+/// d_xbc, d_dt), and the rows and chunks of the problem.
+pub(super) struct Checked<const N: usize> {
+    pub inputs: [i32; 5],
+    pub others: [i32; N],
+    pub rows: usize,
+    pub chunks: usize,
+}
+
+/// The CPU backend's checks of a scan forward's views (both CUDA paths).
+pub(super) fn check_forward(
+    k: &str,
+    dims: ScanDims,
+    inputs: &ScanInputs<GpuView>,
+    y: &GpuView,
+    states: &GpuView,
+) -> Result<Checked<1>> {
+    let tags = input_tags(k, inputs)?;
+    exactly(k, "states", states, DType::F32)?;
+    let yt = float(k, "y", y)?;
+    let (rows, chunks) = check_inputs(k, dims, inputs)?;
+    len(k, "y", y, rows * dims.heads * dims.head_dim)?;
+    len(k, "states", states, dims.states_len())?;
+    Ok(Checked {
+        inputs: tags,
+        others: [yt],
+        rows,
+        chunks,
+    })
+}
+
+/// The CPU backend's checks of a scan backward's views (both CUDA paths).
+pub(super) fn check_backward(
+    k: &str,
+    dims: ScanDims,
+    inputs: &ScanInputs<GpuView>,
+    (states, dy): (&GpuView, &GpuView),
+    grads: &ScanGrads<GpuView>,
+) -> Result<Checked<3>> {
+    let tags = input_tags(k, inputs)?;
+    exactly(k, "states", states, DType::F32)?;
+    let dyt = float(k, "dy", dy)?;
+    let (dxt, ddtt) = (float(k, "d_xbc", &grads.xbc)?, float(k, "d_dt", &grads.dt)?);
+    float(k, "d_a_log", &grads.a_log)?;
+    float(k, "d_d", &grads.d)?;
+    let (rows, chunks) = check_inputs(k, dims, inputs)?;
+    len(k, "states", states, dims.states_len())?;
+    len(k, "dy", dy, rows * dims.heads * dims.head_dim)?;
+    len(k, "grads.xbc", &grads.xbc, inputs.xbc.len)?;
+    len(k, "grads.dt", &grads.dt, inputs.dt.len)?;
+    len(k, "grads.a_log", &grads.a_log, dims.heads)?;
+    len(k, "grads.d", &grads.d, dims.heads)?;
+    Ok(Checked {
+        inputs: tags,
+        others: [dyt, dxt, ddtt],
+        rows,
+        chunks,
+    })
 }
 
 /// The dimensions every scan kernel takes after its pointers:
@@ -268,13 +329,12 @@ impl KernelSet {
         dims: ScanDims,
     ) -> Result<()> {
         let k = "ssd_scan_forward";
-        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
-        exactly(k, "states", &states, DType::F32)?;
-        let yt = float(k, "y", &y)?;
-        let (rows, _) = check_inputs(k, dims, &inputs)?;
-        let d_inner = dims.heads * dims.head_dim;
-        len(k, "y", &y, rows * d_inner)?;
-        len(k, "states", &states, dims.states_len())?;
+        let Checked {
+            inputs: [xt, dtt, bt, at, skt],
+            others: [yt],
+            rows,
+            ..
+        } = check_forward(k, dims, &inputs, &y, &states)?;
         if dims.head_dim == 0 || dims.state == 0 {
             return self.zero(stream, y);
         }
@@ -342,26 +402,19 @@ impl KernelSet {
         dims: ScanDims,
     ) -> Result<()> {
         let k = "ssd_scan_backward";
-        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
-        exactly(k, "states", &states, DType::F32)?;
-        let dyt = float(k, "dy", &dy)?;
+        let Checked {
+            inputs: [xt, dtt, bt, at, skt],
+            others: [dyt, dxt, ddtt],
+            rows,
+            ..
+        } = check_backward(k, dims, &inputs, (&states, &dy), &grads)?;
         let ScanGrads {
             xbc: d_xbc,
             dt: d_dt,
             a_log: d_a_log,
             d: d_d,
         } = grads;
-        let (dxt, ddtt) = (float(k, "d_xbc", &d_xbc)?, float(k, "d_dt", &d_dt)?);
-        float(k, "d_a_log", &d_a_log)?;
-        float(k, "d_d", &d_d)?;
         exactly(k, "scratch", &scratch, DType::F32)?;
-        let (rows, _) = check_inputs(k, dims, &inputs)?;
-        len(k, "states", &states, dims.states_len())?;
-        len(k, "dy", &dy, rows * dims.heads * dims.head_dim)?;
-        len(k, "grads.xbc", &d_xbc, inputs.xbc.len)?;
-        len(k, "grads.dt", &d_dt, inputs.dt.len)?;
-        len(k, "grads.a_log", &d_a_log, dims.heads)?;
-        len(k, "grads.d", &d_d, dims.heads)?;
         let need = Self::ssd_scan_backward_scratch_len(dims)?;
         ensure(scratch.len >= need, || {
             format!(

@@ -13,14 +13,14 @@
 //! one chunk does not fit the cap, or whose chunk is longer than
 //! [`CHUNKED_MAX_CHUNK`], takes the sequential kernels.
 
-use super::scan::{check_inputs, input_tags};
-use super::{GpuView, KernelSet, ensure, exactly, float, grid_for, len, per_item, product};
+use super::scan::{Checked, check_backward, check_forward};
+use super::{GpuView, KernelSet, ensure, exactly, grid_for, per_item, product};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
-use cudarc::driver::{CudaStream, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchArgs, PushKernelArg};
 
 /// The most scratch the chunked backward takes by default (1.25 GiB): a
 /// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
@@ -345,67 +345,36 @@ impl KernelSet {
         plan: ScanChunkPlan,
     ) -> Result<()> {
         let k = "ssd_scan_backward";
-        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
-        exactly(k, "states", &states, DType::F32)?;
-        let dyt = float(k, "dy", &dy)?;
+        let checked = check_backward(k, dims, &inputs, (&states, &dy), &grads)?;
+        let [dyt, dxt, ddtt] = checked.others;
         let ScanGrads {
             xbc: d_xbc,
             dt: d_dt,
             a_log: d_a_log,
             d: d_d,
         } = grads;
-        let (dxt, ddtt) = (float(k, "d_xbc", &d_xbc)?, float(k, "d_dt", &d_dt)?);
-        float(k, "d_a_log", &d_a_log)?;
-        float(k, "d_d", &d_d)?;
-        let (rows, chunks) = check_inputs(k, dims, &inputs)?;
-        len(k, "states", &states, dims.states_len())?;
-        len(k, "dy", &dy, rows * dims.heads * dims.head_dim)?;
-        len(k, "grads.xbc", &d_xbc, inputs.xbc.len)?;
-        len(k, "grads.dt", &d_dt, inputs.dt.len)?;
-        len(k, "grads.a_log", &d_a_log, dims.heads)?;
-        len(k, "grads.d", &d_d, dims.heads)?;
-        check_scratch(k, plan, scratch, dims)?;
-        let items = dims.tokens.batch * chunks;
-        let parts = Parts::new(scratch, dims, plan, items);
-        let shape = Shape::new(dims, &[d_xbc, d_dt]);
-        let gemm = |g: StridedGemm| -> Result<()> {
-            // SAFETY: every item of every operand lies inside the scratch,
-            // `states` or the carries, whose lengths were checked above
-            // against the plan and the dimensions.
-            unsafe { blas.gemm_strided(queues, g) }
-        };
-        let slices = plan.slices(items);
-        let ScanInputs {
-            xbc,
-            dt,
-            dt_bias,
-            a_log,
-            d,
-        } = inputs;
-        let tags = Tags {
-            xbc: xt,
-            dt: dtt,
-            bias: bt,
-            a_log: at,
-            skip: skt,
-            dy: dyt,
-            dxbc: dxt,
-            ddt: ddtt,
-        };
-        let operands = Operands {
-            xbc,
-            dt,
-            dt_bias,
-            a_log,
-            d,
-            dy: Some(dy),
-            states,
-        };
+        let call = Call::new(
+            k,
+            (blas, queues),
+            (inputs, Some(dy), states),
+            Tags::new(checked.inputs, [dyt, dxt, ddtt]),
+            (scratch, dims, plan, checked.chunks),
+            &[d_xbc, d_dt],
+        )?;
+        let (parts, shape, slices, operands, tags) = (
+            &call.parts,
+            call.shape,
+            &call.slices,
+            &call.operands,
+            &call.tags,
+        );
+        let gemm = |g: StridedGemm| call.gemm(g);
+        let chunks = checked.chunks;
 
         // First pass: each chunk's own state gradient L_c = dY^T diag(e^Lam)
         // C (into the carries), then the carries K over all chunks.
-        for &(i0, i1) in &slices {
-            self.chunk_prepare(stream, &operands, tags, &parts, dims, i0, i1 - i0)?;
+        for &(i0, i1) in slices {
+            self.chunk_prepare(stream, operands, tags, parts, dims, i0, i1 - i0)?;
             for j in 0..shape.j {
                 gemm(batched(
                     shape.tf32,
@@ -428,16 +397,16 @@ impl KernelSet {
         self.ssd_scan_carry_combine(stream, parts.carry.ptr, parts.chunk_decay.ptr, dims, chunks)?;
 
         // Second pass: the gradients, slice by slice.
-        for &(i0, i1) in &slices {
+        for &(i0, i1) in slices {
             if slices.len() > 1 {
-                self.chunk_prepare(stream, &operands, tags, &parts, dims, i0, i1 - i0)?;
+                self.chunk_prepare(stream, operands, tags, parts, dims, i0, i1 - i0)?;
             }
             self.chunk_gradients(
                 stream,
                 &gemm,
-                &operands,
+                operands,
                 tags,
-                &parts,
+                parts,
                 (d_xbc, d_dt),
                 dims,
                 shape,
@@ -465,56 +434,32 @@ impl KernelSet {
         plan: ScanChunkPlan,
     ) -> Result<()> {
         let k = "ssd_scan_forward";
-        let [xt, dtt, bt, at, skt] = input_tags(k, &inputs)?;
-        exactly(k, "states", &states, DType::F32)?;
-        let yt = float(k, "y", &y)?;
-        let (rows, chunks) = check_inputs(k, dims, &inputs)?;
-        len(k, "y", &y, rows * dims.heads * dims.head_dim)?;
-        len(k, "states", &states, dims.states_len())?;
-        check_scratch(k, plan, scratch, dims)?;
-        let items = dims.tokens.batch * chunks;
-        let parts = Parts::new(scratch, dims, plan, items);
-        let s = Shape::new(dims, &[y]);
-        let gemm = |g: StridedGemm| -> Result<()> {
-            // SAFETY: every item of every operand lies inside the scratch or
-            // `states`, whose lengths were checked above against the plan
-            // and the dimensions.
-            unsafe { blas.gemm_strided(queues, g) }
-        };
-        let slices = plan.slices(items);
-        let ScanInputs {
-            xbc,
-            dt,
-            dt_bias,
-            a_log,
-            d,
-        } = inputs;
-        let tags = Tags {
-            xbc: xt,
-            dt: dtt,
-            bias: bt,
-            a_log: at,
-            skip: skt,
-            dy: 0,
-            dxbc: yt,
-            ddt: 0,
-        };
-        let o = Operands {
-            xbc,
-            dt,
-            dt_bias,
-            a_log,
-            d,
-            dy: None,
-            states,
-        };
+        let checked: Checked<1> = check_forward(k, dims, &inputs, &y, &states)?;
+        let [yt] = checked.others;
+        let chunks = checked.chunks;
+        let call = Call::new(
+            k,
+            (blas, queues),
+            (inputs, None, states),
+            Tags::new(checked.inputs, [0, yt, 0]),
+            (scratch, dims, plan, chunks),
+            &[y],
+        )?;
+        let (parts, s, slices, o, tags) = (
+            &call.parts,
+            call.shape,
+            &call.slices,
+            &call.operands,
+            &call.tags,
+        );
+        let gemm = |g: StridedGemm| call.gemm(g);
         let (qq, qjp, qn) = (s.q * s.q, s.q * s.jp, s.q * s.n);
         let wide = |view: GpuView, j: usize| pairs(addr(view, j * s.p), s.jp, qjp);
 
         // First pass: each chunk's own X^T diag(w) B into its state slot,
         // then the states passed along the chunks.
-        for &(i0, i1) in &slices {
-            self.chunk_prepare(stream, &o, tags, &parts, dims, i0, i1 - i0)?;
+        for &(i0, i1) in slices {
+            self.chunk_prepare(stream, o, tags, parts, dims, i0, i1 - i0)?;
             for j in 0..s.j {
                 gemm(batched(
                     s.tf32,
@@ -540,10 +485,10 @@ impl KernelSet {
         )?;
 
         // Second pass: y, slice by slice.
-        for &(i0, i1) in &slices {
+        for &(i0, i1) in slices {
             let count = i1 - i0;
             if slices.len() > 1 {
-                self.chunk_prepare(stream, &o, tags, &parts, dims, i0, count)?;
+                self.chunk_prepare(stream, o, tags, parts, dims, i0, count)?;
             }
             let pair_count = count * dims.groups;
             let c_mat = pairs(parts.c.ptr, s.n, qn);
@@ -556,12 +501,7 @@ impl KernelSet {
                 pairs(parts.cb.ptr, s.q, qq),
                 0.0,
             ))?;
-            let [count_u, groups_u, chunk_u] = [count, dims.groups, dims.chunk].map(|v| v as u64);
-            let km = "ssd_chunk_mask";
-            let mut b = stream.launch_builder(self.function(km)?);
-            b.arg(&parts.cb.ptr).arg(&parts.m.ptr).arg(&parts.steps.ptr);
-            b.arg(&count_u).arg(&heads_u).arg(&groups_u).arg(&chunk_u);
-            self.go(km, &mut b, grid_for(product(k, &[pair_count, s.q, s.q])?))?;
+            self.chunk_scores(stream, parts, None, dims, count)?;
             for j in 0..s.j {
                 gemm(batched(
                     s.tf32,
@@ -586,8 +526,7 @@ impl KernelSet {
                 ))?;
             }
             let ko = "ssd_chunk_output";
-            let [first_u, seq_u, head_dim_u] =
-                [i0, dims.tokens.seq, dims.head_dim].map(|v| v as u64);
+            let slice = SliceArgs::new(dims, i0, count);
             let mut b = stream.launch_builder(self.function(ko)?);
             b.arg(&parts.x.ptr)
                 .arg(&parts.t_acc.ptr)
@@ -597,13 +536,7 @@ impl KernelSet {
                 .arg(&tags.skip)
                 .arg(&y.ptr)
                 .arg(&yt);
-            b.arg(&first_u)
-                .arg(&count_u)
-                .arg(&seq_u)
-                .arg(&heads_u)
-                .arg(&head_dim_u)
-                .arg(&groups_u)
-                .arg(&chunk_u);
+            slice.push(&mut b);
             self.go(ko, &mut b, grid_for(product(k, &[pair_count, s.q, s.jp])?))?;
         }
         Ok(())
@@ -616,32 +549,18 @@ impl KernelSet {
         &self,
         stream: &CudaStream,
         o: &Operands,
-        tags: Tags,
+        tags: &Tags,
         parts: &Parts,
         dims: ScanDims,
         first: usize,
         count: usize,
     ) -> Result<()> {
         let k = "ssd_scan_backward";
-        let [first_u, count_u, seq, heads, head_dim, groups, state, chunk] = [
-            first,
-            count,
-            dims.tokens.seq,
-            dims.heads,
-            dims.head_dim,
-            dims.groups,
-            dims.state,
-            dims.chunk,
-        ]
-        .map(|v| v as u64);
+        let slice = SliceArgs::new(dims, first, count);
+        let [first_u, count_u, seq, heads, _, _, _, chunk] = slice.0;
         let kf = "ssd_chunk_factors";
         let mut b = stream.launch_builder(self.function(kf)?);
-        b.arg(&o.dt.ptr)
-            .arg(&tags.dt)
-            .arg(&o.dt_bias.ptr)
-            .arg(&tags.bias)
-            .arg(&o.a_log.ptr)
-            .arg(&tags.a_log);
+        push_step_inputs(&mut b, o, tags);
         b.arg(&parts.steps.ptr)
             .arg(&parts.chunk_decay.ptr)
             .arg(&first_u)
@@ -665,16 +584,34 @@ impl KernelSet {
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
             .arg(&parts.c.ptr);
-        b.arg(&first_u)
-            .arg(&count_u)
-            .arg(&seq)
-            .arg(&heads)
-            .arg(&head_dim)
-            .arg(&groups)
-            .arg(&state)
-            .arg(&chunk);
+        slice.push(&mut b);
         let elements = product(k, &[count, dims.chunk, dims.heads, dims.head_dim])?;
         self.go(kp, &mut b, grid_for(elements))
+    }
+
+    /// `ssd_chunk_scores` over a slice of `count` items: M from CB, and in
+    /// the backward (`gradients`: dM, dCB) the products and dCB.
+    fn chunk_scores(
+        &self,
+        stream: &CudaStream,
+        parts: &Parts,
+        gradients: Option<(GpuView, GpuView)>,
+        dims: ScanDims,
+        count: usize,
+    ) -> Result<()> {
+        let k = "ssd_chunk_scores";
+        let (d_m, d_cb) = gradients.map_or((0, 0), |(d_m, d_cb)| (d_m.ptr, d_cb.ptr));
+        let [count_u, heads, groups, chunk] =
+            [count, dims.heads, dims.groups, dims.chunk].map(|v| v as u64);
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&parts.cb.ptr)
+            .arg(&d_m)
+            .arg(&parts.m.ptr)
+            .arg(&d_cb)
+            .arg(&parts.steps.ptr);
+        b.arg(&count_u).arg(&heads).arg(&groups).arg(&chunk);
+        let elements = product(k, &[count, dims.groups, dims.chunk, dims.chunk])?;
+        self.go(k, &mut b, grid_for(elements))
     }
 
     /// The second pass over one slice of `count` items from `first`.
@@ -684,7 +621,7 @@ impl KernelSet {
         stream: &CudaStream,
         gemm: &dyn Fn(StridedGemm) -> Result<()>,
         o: &Operands,
-        tags: Tags,
+        tags: &Tags,
         parts: &Parts,
         (d_xbc, d_dt): (GpuView, GpuView),
         dims: ScanDims,
@@ -729,17 +666,9 @@ impl KernelSet {
                 0.0,
             )?;
         }
+        self.chunk_scores(stream, parts, Some((parts.d_m, parts.d_cb)), dims, count)?;
         let [count_u, heads, head_dim, groups, chunk] =
             [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
-        let ks = "ssd_chunk_scores";
-        let mut b = stream.launch_builder(self.function(ks)?);
-        b.arg(&parts.cb.ptr)
-            .arg(&parts.d_m.ptr)
-            .arg(&parts.m.ptr)
-            .arg(&parts.d_cb.ptr)
-            .arg(&parts.steps.ptr);
-        b.arg(&count_u).arg(&heads).arg(&groups).arg(&chunk);
-        self.go(ks, &mut b, grid_for(product(k, &[pair_count, s.q, s.q])?))?;
         for j in 0..s.j {
             let m = pairs(addr(parts.m, j * qq), s.q, s.j * qq);
             // M^T dY, and C S_in^T (for the readout term of dLam) in u.
@@ -828,18 +757,11 @@ impl KernelSet {
         )?;
         run(s.q, s.n, s.q, d_cb, false, b_mat, false, d_c, 1.0)?;
 
-        let seq = dims.tokens.seq as u64;
-        let [first_u, state] = [first, dims.state].map(|v| v as u64);
+        let slice = SliceArgs::new(dims, first, count);
         let kf = "ssd_chunk_final";
         let mut b = stream.launch_builder(self.function(kf)?);
-        b.arg(&o.dt.ptr)
-            .arg(&tags.dt)
-            .arg(&o.dt_bias.ptr)
-            .arg(&tags.bias)
-            .arg(&o.a_log.ptr)
-            .arg(&tags.a_log)
-            .arg(&o.d.ptr)
-            .arg(&tags.skip);
+        push_step_inputs(&mut b, o, tags);
+        b.arg(&o.d.ptr).arg(&tags.skip);
         b.arg(&o.states.ptr)
             .arg(&parts.carry.ptr)
             .arg(&parts.x.ptr)
@@ -852,14 +774,7 @@ impl KernelSet {
             .arg(&d_dt.ptr)
             .arg(&tags.ddt)
             .arg(&parts.partials.ptr);
-        b.arg(&first_u)
-            .arg(&count_u)
-            .arg(&seq)
-            .arg(&heads)
-            .arg(&head_dim)
-            .arg(&groups)
-            .arg(&state)
-            .arg(&chunk);
+        slice.push(&mut b);
         self.go(
             kf,
             &mut b,
@@ -872,15 +787,36 @@ impl KernelSet {
             .arg(&parts.d_c.ptr)
             .arg(&d_xbc.ptr)
             .arg(&tags.dxbc);
-        b.arg(&first_u)
-            .arg(&count_u)
-            .arg(&seq)
-            .arg(&heads)
-            .arg(&head_dim)
-            .arg(&groups)
-            .arg(&state)
-            .arg(&chunk);
+        slice.push(&mut b);
         self.go(ku, &mut b, grid_for(product(k, &[pair_count, s.q, s.n])?))
+    }
+}
+
+/// `first_item, items, seq, heads, head_dim, groups, state, chunk`: the
+/// tail of the slice kernels' arguments.
+struct SliceArgs([u64; 8]);
+
+impl SliceArgs {
+    fn new(dims: ScanDims, first: usize, count: usize) -> SliceArgs {
+        SliceArgs(
+            [
+                first,
+                count,
+                dims.tokens.seq,
+                dims.heads,
+                dims.head_dim,
+                dims.groups,
+                dims.state,
+                dims.chunk,
+            ]
+            .map(|v| v as u64),
+        )
+    }
+
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        for v in &self.0 {
+            b.arg(v);
+        }
     }
 }
 
@@ -896,6 +832,17 @@ struct Operands {
     states: GpuView,
 }
 
+/// Pushes what the per-step kernels read first: dt, dt_bias and A_log,
+/// each with its dtype tag.
+fn push_step_inputs<'a>(b: &mut LaunchArgs<'a>, o: &'a Operands, tags: &'a Tags) {
+    b.arg(&o.dt.ptr)
+        .arg(&tags.dt)
+        .arg(&o.dt_bias.ptr)
+        .arg(&tags.bias)
+        .arg(&o.a_log.ptr)
+        .arg(&tags.a_log);
+}
+
 /// The dtype tags of the inputs and outputs.
 #[derive(Clone, Copy)]
 struct Tags {
@@ -905,8 +852,85 @@ struct Tags {
     a_log: i32,
     skip: i32,
     dy: i32,
+    /// `dxbc` in the backward, `y` in the forward.
     dxbc: i32,
     ddt: i32,
+}
+
+impl Tags {
+    /// From the inputs' tags (xbc, dt, dt_bias, a_log, d) and dy, dxbc (or
+    /// y) and ddt's (0 where a call has none).
+    fn new([xbc, dt, bias, a_log, skip]: [i32; 5], [dy, dxbc, ddt]: [i32; 3]) -> Tags {
+        Tags {
+            xbc,
+            dt,
+            bias,
+            a_log,
+            skip,
+            dy,
+            dxbc,
+            ddt,
+        }
+    }
+}
+
+/// What a checked chunked call works with: cuBLAS, the scratch cut into
+/// its parts, the slices, the operands and the GEMMs' shape.
+struct Call<'a> {
+    blas: &'a Blas,
+    queues: &'a QueueSet,
+    parts: Parts,
+    slices: Vec<(usize, usize)>,
+    operands: Operands,
+    tags: Tags,
+    shape: Shape,
+}
+
+impl<'a> Call<'a> {
+    /// After the views' checks: checks the scratch against `plan` and
+    /// cuts it; `outputs` decide the GEMMs' math mode ([`Shape::tf32`]).
+    fn new(
+        k: &str,
+        (blas, queues): (&'a Blas, &'a QueueSet),
+        (inputs, dy, states): (ScanInputs<GpuView>, Option<GpuView>, GpuView),
+        tags: Tags,
+        (scratch, dims, plan, chunks): (GpuView, ScanDims, ScanChunkPlan, usize),
+        outputs: &[GpuView],
+    ) -> Result<Call<'a>> {
+        check_scratch(k, plan, scratch, dims)?;
+        let items = dims.tokens.batch * chunks;
+        let ScanInputs {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+        } = inputs;
+        Ok(Call {
+            blas,
+            queues,
+            parts: Parts::new(scratch, dims, plan, items),
+            slices: plan.slices(items),
+            operands: Operands {
+                xbc,
+                dt,
+                dt_bias,
+                a_log,
+                d,
+                dy,
+                states,
+            },
+            tags,
+            shape: Shape::new(dims, outputs),
+        })
+    }
+
+    fn gemm(&self, g: StridedGemm) -> Result<()> {
+        // SAFETY: every item of every operand lies inside the scratch,
+        // `states` or the carries, whose lengths the checks made before
+        // `Call::new` and in it held against the plan and the dimensions.
+        unsafe { self.blas.gemm_strided(self.queues, g) }
+    }
 }
 
 #[cfg(test)]
