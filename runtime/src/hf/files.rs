@@ -528,9 +528,13 @@ fn write_into(
             .collect::<Result<Vec<_>>>()?;
         // transformers refuses safetensors files without `format: pt`.
         let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-        let bytes =
-            safetensors::serialize(views, Some(metadata)).map_err(|e| io(&dir.join(file), e))?;
-        write_synced(&dir.join(file), &bytes)?;
+        // Streamed from the tensors' bytes: a 5 GB shard is not held a
+        // second time as one serialized buffer.
+        let path = dir.join(file);
+        safetensors::serialize_to_file(views, Some(metadata), &path).map_err(|e| io(&path, e))?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&path, e))?;
         names.push(file.clone());
     }
     if shards.len() > 1 {
