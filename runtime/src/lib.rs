@@ -30,6 +30,7 @@ pub mod optimizer;
 pub mod platform;
 pub mod schedule;
 pub mod shared;
+pub mod tensor_file;
 pub mod trace;
 pub mod train;
 pub mod view;

@@ -37,6 +37,7 @@ use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout};
 use crate::layers::ExpertBalance;
 use crate::optimizer::{Optimizer, OptimizerKind};
+use crate::tensor_file::Header;
 use crate::train::TrainConfig;
 use crc32c::{Crc32c, crc32c, hex};
 use hybridgen_dsl::Plan;
@@ -729,7 +730,6 @@ fn stream_checked(
         )));
     }
     let mut crc = crc32c::Crc32c::default();
-    let mut head: Vec<u8> = Vec::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = file.read(&mut buf).map_err(|e| io(e.to_string()))?;
@@ -737,10 +737,6 @@ fn stream_checked(
             break;
         }
         crc.update(&buf[..n]);
-        // The header is at the front; keep enough of it to parse.
-        if head.len() < MAX_RANK_HEADER {
-            head.extend_from_slice(&buf[..n.min(MAX_RANK_HEADER - head.len())]);
-        }
     }
     let sum = hex(crc.finish());
     if sum != entry.crc32c {
@@ -749,46 +745,32 @@ fn stream_checked(
             entry.crc32c
         )));
     }
-    let header_len = head
-        .get(..8)
-        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-        .ok_or_else(|| damaged("no safetensors header".into()))?;
-    let header = usize::try_from(header_len)
-        .ok()
-        .and_then(|h| head.get(8..h.checked_add(8)?))
-        .ok_or_else(|| damaged(format!("a safetensors header of {header_len} bytes")))?;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
-        .map_err(|e| damaged(format!("its safetensors header is not JSON: {e}")))?;
-    let sums = header
-        .get("__metadata__")
-        .and_then(|m| m.as_object())
-        .cloned()
-        .unwrap_or_default();
+    // The bytes are sound; read the header again from the front (only
+    // the header is held, however large the file).
+    use std::io::{Seek, SeekFrom};
+    let mut prefix = [0u8; 8];
+    file.seek(SeekFrom::Start(0))
+        .and_then(|_| file.read_exact(&mut prefix))
+        .map_err(|_| damaged("no safetensors header".into()))?;
+    let header_len = Header::length(prefix, len).map_err(damaged)?;
+    let mut bytes = vec![0u8; header_len as usize];
+    file.read_exact(&mut bytes).map_err(|e| io(e.to_string()))?;
+    let header = Header::parse(&bytes).map_err(damaged)?;
     let mut out = BTreeMap::new();
-    for (tensor, info) in &header {
-        if tensor == "__metadata__" {
-            continue;
-        }
+    for (tensor, info) in &header.tensors {
         if info.get("dtype").and_then(|d| d.as_str()) != Some("F32") {
             return Err(damaged(format!("{tensor} is not F32")));
         }
-        let offsets = info
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
-            .filter(|(a, b)| {
-                a <= b
-                    && (8 + header_len)
-                        .checked_add(*b)
-                        .is_some_and(|end| end <= len)
-            })
+        let offsets = header
+            .range(info, len)
             .ok_or_else(|| damaged(format!("{tensor} has no byte range inside the file")))?;
         out.insert(
             tensor.clone(),
             StoredPiece {
-                start: 8 + header_len + offsets.0,
+                start: header.data_start + offsets.0,
                 len: offsets.1 - offsets.0,
-                crc32c: sums
+                crc32c: header
+                    .metadata
                     .get(tensor)
                     .and_then(|v| v.as_str())
                     .map(str::to_string),
@@ -797,10 +779,6 @@ fn stream_checked(
     }
     Ok(out)
 }
-
-/// The most header bytes of a rank file read: a header lists three
-/// tensors for each piece the rank holds, a few hundred bytes each.
-const MAX_RANK_HEADER: usize = 256 << 20;
 
 /// The newest complete step of checkpoint `dir` (a root or one step's
 /// directory) and its checked index, without reading the rank files: for a

@@ -12,6 +12,7 @@
 use super::config::HfDtype;
 use crate::checkpoint::durable;
 use crate::error::{Result, RuntimeError};
+use crate::tensor_file::Header;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -26,9 +27,6 @@ pub const SHARD_BYTES: u64 = 5_000_000_000;
 /// The largest `config.json` or index read (a published index is a few
 /// hundred kilobytes).
 const MAX_JSON_BYTES: u64 = 64 << 20;
-/// The largest safetensors header read.
-const MAX_HEADER_BYTES: u64 = 256 << 20;
-
 /// The dtypes hybridgen reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoredDtype {
@@ -269,27 +267,12 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
             format!("not a safetensors file (no header length): {e}"),
         )
     })?;
-    let header_len = u64::from_le_bytes(prefix);
-    if header_len > MAX_HEADER_BYTES || 8 + header_len > len {
-        return Err(io(
-            path,
-            format!("its header length {header_len} does not fit the {len}-byte file"),
-        ));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header).map_err(|e| io(path, e))?;
-    let header: Map<String, Value> = serde_json::from_slice(&header).map_err(|e| {
-        io(
-            path,
-            format!("its safetensors header is not valid JSON: {e}"),
-        )
-    })?;
-    let data_start = 8 + header_len;
+    let header_len = Header::length(prefix, len).map_err(|e| io(path, e))?;
+    let mut bytes = vec![0u8; header_len as usize];
+    file.read_exact(&mut bytes).map_err(|e| io(path, e))?;
+    let header = Header::parse(&bytes).map_err(|e| io(path, e))?;
     let mut out = Vec::new();
-    for (name, entry) in header {
-        if name == "__metadata__" {
-            continue;
-        }
+    for (name, entry) in &header.tensors {
         let bad = |why: String| io(path, format!("tensor `{name}`: {why}"));
         let dtype = match entry.get("dtype").and_then(Value::as_str) {
             Some("F32") => StoredDtype::F32,
@@ -312,22 +295,15 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
                     .collect::<Option<Vec<_>>>()
             })
             .ok_or_else(|| bad("no shape of whole numbers".into()))?;
-        let offsets = entry
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
+        let offsets = header
+            .range(entry, u64::MAX)
             .ok_or_else(|| bad("no data_offsets".into()))?;
         let numel = shape
             .iter()
             .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
             .ok_or_else(|| bad(format!("shape {shape:?} is too large")))?;
         let want = numel.checked_mul(dtype.size() as u64);
-        if offsets.1 < offsets.0
-            || Some(offsets.1 - offsets.0) != want
-            || data_start
-                .checked_add(offsets.1)
-                .is_none_or(|end| end > len)
-        {
+        if Some(offsets.1 - offsets.0) != want || header.range(entry, len).is_none() {
             return Err(bad(format!(
                 "its bytes {}..{} do not hold {shape:?} {} elements inside the file",
                 offsets.0,
@@ -336,12 +312,12 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
             )));
         }
         out.push((
-            name,
+            name.clone(),
             StoredTensor {
                 file: path.to_path_buf(),
                 dtype,
                 shape,
-                offset: data_start + offsets.0,
+                offset: header.data_start + offsets.0,
             },
         ));
     }
