@@ -1005,7 +1005,8 @@ impl<D: Device> Evaluation<'_, D> {
     /// every rank's included: the same value on every rank.
     fn run(&self, engine: &mut FsdpEngine<D>, rank: &RankContext<D>) -> Result<f64> {
         let depths = self.cx.model.plan.mtp_depths();
-        let (mut sum, mut count) = (0.0f64, 0.0f64);
+        // This rank's (loss sum, token count) of each batch, gathered once.
+        let mut mine = Vec::with_capacity(2 * self.batches as usize);
         for k in 0..self.batches {
             let mut micro_batch = |mb: usize| -> Result<MicroBatchTokens> {
                 let key = BatchKey {
@@ -1021,13 +1022,16 @@ impl<D: Device> Evaluation<'_, D> {
             };
             let counts = run_step(self.program, self.cx, engine, rank, &mut micro_batch)?;
             let losses = self.cx.totals.read(&rank.backend, &counts)?.losses;
-            let all = rank
-                .host
-                .all_gather_host(&[losses.main.0, losses.main.1 as f64])?;
-            // Added in rank order: the same bits on every rank.
-            for mine in &all {
-                sum += mine.first().copied().unwrap_or(0.0);
-                count += mine.get(1).copied().unwrap_or(0.0);
+            mine.extend([losses.main.0, losses.main.1 as f64]);
+        }
+        let all = rank.host.all_gather_host(&mine)?;
+        // Added batch by batch, in rank order within a batch: the same
+        // bits on every rank.
+        let (mut sum, mut count) = (0.0f64, 0.0f64);
+        for k in 0..self.batches as usize {
+            for theirs in &all {
+                sum += theirs.get(2 * k).copied().unwrap_or(0.0);
+                count += theirs.get(2 * k + 1).copied().unwrap_or(0.0);
             }
         }
         Ok(sum / count.max(1.0))
