@@ -505,8 +505,8 @@ pub struct MemoryNeed {
 /// The most scratch one call of the CUDA backend's kernels takes for
 /// `model`'s layers of `kinds` at `tokens` a micro-batch, activations in
 /// `dtype` (bytes): attention through cuBLAS ([`AttentionGemmPlan`] under
-/// `attention_cap`) and the Mamba scan's backward (chunked,
-/// [`ScanChunkPlan`] under `scan_cap`, else
+/// `attention_cap`) and the Mamba scan (chunked, [`ScanChunkPlan`] under
+/// `scan_cap`, forward and backward alike; else the sequential backward's
 /// [`KernelSet::ssd_scan_backward_scratch_len`]). Calls run one at a time
 /// on a lane, so the largest counts; the arena reuses it.
 ///

@@ -153,7 +153,7 @@ pub struct CudaBackend {
     /// The most scratch one attention call of the GEMM path takes (see
     /// [`AttentionGemmPlan`]).
     attention_scratch: usize,
-    /// The most scratch one call of the chunked scan backward takes (see
+    /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
     scan_scratch: usize,
 }
@@ -192,7 +192,7 @@ impl CudaBackend {
         self
     }
 
-    /// This backend with the Mamba scan's chunked backward capped at
+    /// This backend with the Mamba scan's chunked path capped at
     /// `bytes` of scratch a call: fewer chunks a slice, and a problem whose
     /// one chunk needs more takes the sequential kernels (0: always). The
     /// tests use it to reach both paths.

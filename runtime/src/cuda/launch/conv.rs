@@ -110,7 +110,7 @@ impl KernelSet {
 
     /// `Backend::conv1d_backward_weight` (accumulates into `dw` and
     /// `dbias`): one block per 32 channels, all taps and the bias at once
-    /// (kernels up to [`WINDOW_TAPS`] wide), else one per 32 channels and
+    /// (kernels up to 16 taps wide), else one per 32 channels and
     /// tap (the bias as one more tap); each a fixed tree over the rows.
     pub fn conv1d_backward_weight(
         &self,

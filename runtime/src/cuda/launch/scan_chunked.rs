@@ -1,17 +1,20 @@
-//! The Mamba-2 scan's backward in chunked form (`kernels/scan_chunked.cu`
-//! has the maths): each chunk's recurrence as matrix products through
-//! cuBLAS on f32 operands, with kernels for the masks, sums and layouts
-//! between them. The sequential backward (`scan.rs`) walks a chunk's 256
-//! steps one after another; this one spends its time in GEMMs.
+//! The Mamba-2 scan in chunked form, forward and backward
+//! (`kernels/scan_chunked.cu` has the maths): each chunk's recurrence as
+//! matrix products through cuBLAS on f32 operands (TF32 where every output
+//! is bf16), with kernels for the masks, sums and layouts between them.
+//! The sequential kernels (`scan.rs`) walk a chunk's steps one after
+//! another; these spend their time in GEMMs.
 //!
-//! It needs scratch proportional to the chunks it works on at once (about
-//! 68 MB a chunk at Nemotron-H's widths), so the backend caps it
+//! They need scratch proportional to the chunks they work on at once
+//! (about 68 MB a chunk at Nemotron-H's widths), so the backend caps it
 //! ([`SCAN_CHUNKED_SCRATCH_BYTES`] by default) and a problem is cut into
-//! slices of (sequence, chunk) items: the first pass over the slices
-//! computes each chunk's own state gradient, the carries are combined over
-//! all chunks, and the second pass computes the gradients. A problem whose
-//! one chunk does not fit the cap, or whose chunk is longer than
-//! [`CHUNKED_MAX_CHUNK`], takes the sequential kernels.
+//! slices of (sequence, chunk) items. Two passes go over the slices, with
+//! what crosses chunks in between: the forward computes each chunk's own
+//! state, passes the states along the chunks, then y; the backward
+//! computes each chunk's own state gradient, combines the carries over
+//! the chunks, then the gradients. A problem whose one chunk does not fit
+//! the cap, or whose chunk is longer than [`CHUNKED_MAX_CHUNK`], takes the
+//! sequential kernels.
 
 use super::scan::{Checked, check_backward, check_forward};
 use super::{GpuView, KernelSet, ensure, exactly, grid_for, per_item, product};
@@ -22,13 +25,13 @@ use crate::error::Result;
 use crate::view::DType;
 use cudarc::driver::{CudaStream, LaunchArgs, PushKernelArg};
 
-/// The most scratch the chunked backward takes by default (1.25 GiB): a
+/// The most scratch a chunked call takes by default (1.25 GiB): a
 /// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
 /// 64 x 128 states, 16 chunks of 256: 1.04 GiB) in one slice. The memory
 /// plan counts it.
 pub const SCAN_CHUNKED_SCRATCH_BYTES: usize = 5 << 28;
 
-/// The longest chunk the chunked backward takes (`CHUNKED_MAX_CHUNK` in
+/// The longest chunk the chunked path takes (`CHUNKED_MAX_CHUNK` in
 /// `scan_chunked.cu`: the final kernel keeps a chunk's steps in shared
 /// memory).
 pub const CHUNKED_MAX_CHUNK: usize = 1024;
@@ -38,7 +41,7 @@ const THREADS: u32 = 256;
 /// Per-step arrays of a slice (`StepValues` in `scan_chunked.cu`).
 const STEP_ARRAYS: usize = 7;
 
-/// How the chunked backward cuts a problem: (sequence, chunk) items a
+/// How the chunked path cuts a problem: (sequence, chunk) items a
 /// slice. Built by [`ScanChunkPlan::new`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScanChunkPlan {
