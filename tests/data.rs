@@ -106,8 +106,8 @@ fn story(paragraphs: usize) -> String {
 }
 
 /// A corpus prepared from `story(paragraphs)` at `dir/name`; returns the
-/// prefix.
-fn prepared(dir: &Scratch, name: &str, paragraphs: usize) -> String {
+/// prefix and `data prepare`'s output (it succeeded).
+fn prepare(dir: &Scratch, name: &str, paragraphs: usize) -> (String, Output) {
     let tokenizer = dir.path("tokenizer.json");
     std::fs::write(&tokenizer, tokenizer_json(0)).unwrap();
     let text = dir.path(&format!("{name}.txt"));
@@ -124,7 +124,12 @@ fn prepared(dir: &Scratch, name: &str, paragraphs: usize) -> String {
         &prefix,
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    prefix
+    (prefix, out)
+}
+
+/// The prefix of [`prepare`]'s corpus.
+fn prepared(dir: &Scratch, name: &str, paragraphs: usize) -> String {
+    prepare(dir, name, paragraphs).0
 }
 
 /// The JSON objects of stdout (or of a log file's text).
@@ -173,22 +178,8 @@ fn train_args<'a>(prefix: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 #[test]
 fn a_prepared_corpus_trains_with_a_schedule_evaluation_a_log_and_a_plot() {
     let dir = Scratch::new("e2e");
+    let (prefix, out) = prepare(&dir, "story", 300);
     let tokenizer = dir.path("tokenizer.json");
-    std::fs::write(&tokenizer, tokenizer_json(0)).unwrap();
-    let text = dir.path("story.txt");
-    std::fs::write(&text, story(300)).unwrap();
-    let prefix = dir.path("story");
-    let out = hybridgen(&[
-        "data",
-        "prepare",
-        "--input",
-        &text,
-        "--tokenizer",
-        &tokenizer,
-        "--output",
-        &prefix,
-    ]);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let summary = stdout(&out);
     assert!(summary.contains("documents       300\n"), "{summary}");
     assert!(
