@@ -1432,8 +1432,8 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
             // Many chunks with decays near 1: the state gradient carried
             // across chunks matters at every chunk.
             (2, 700, 4, 64, 2, 128, 64, true),
-            // 40 heads of 64 rows in one group: past the tiled group
-            // kernel's 2048 pairs, the pairs kernel's shape.
+            // 40 heads of 64 rows in one group: 2,560 (head, row) pairs,
+            // the group kernel's 32 warps with 3 pairs a thread.
             (1, 40, 40, 64, 1, 16, 16, false),
         ] {
             let d = ScanDims {

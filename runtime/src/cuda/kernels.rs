@@ -155,7 +155,6 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_scan_backward_head_n128",
             "ssd_scan_backward_head_n256",
             "ssd_scan_backward_group",
-            "ssd_scan_backward_group_tiles",
             "ssd_scan_backward_params"
         ]
     ),

@@ -26,12 +26,6 @@ const HEAD_MAX_ELEMENTS: usize = 16;
 /// pairs a thread holds at most (`GROUP_COLUMNS`, `GROUP_MAX_ROWS`).
 const GROUP_COLUMNS: usize = 2;
 const GROUP_MAX_ROWS: usize = 8;
-/// The tiled group kernel (`ssd_scan_backward_group_tiles`): state columns
-/// a block takes, (head, row) pairs a thread holds at most, and the most
-/// slices of pairs a block has (1024 threads).
-const TILE_COLUMNS: usize = 16;
-const TILE_ROWS: usize = 32;
-const TILE_MAX_SLICES: usize = 1024 / TILE_COLUMNS;
 
 /// Kernels compiled for states of at most `state` columns, each lane
 /// holding `per_lane` of them.
@@ -223,17 +217,8 @@ pub(super) fn dims_args(dims: ScanDims) -> [u64; 6] {
 struct BackwardShape {
     tier: &'static Tier,
     head_warps: usize,
-    group: GroupKernel,
-}
-
-/// Which kernel computes dB and dC, and its block size.
-#[derive(Debug, PartialEq, Eq)]
-enum GroupKernel {
-    /// `ssd_scan_backward_group_tiles`, with this many slices of (head,
-    /// row) pairs (16 threads each): groups of up to 2048 pairs.
-    Tiles { slices: usize },
-    /// `ssd_scan_backward_group`, with this many warps: larger groups.
-    Pairs { warps: usize },
+    /// Warps of a block of the group kernel (`ssd_scan_backward_group`).
+    group_warps: usize,
 }
 
 impl BackwardShape {
@@ -254,23 +239,9 @@ impl BackwardShape {
                 rows_per_warp * tier.per_lane
             )));
         }
-        // The group kernel: the tiled one while a block's slices hold the
-        // group's (head, row) pairs, about 16 a thread (an even count of
-        // slices: two a warp); else the pairs over up to 32 warps,
-        // GROUP_MAX_ROWS a thread at most.
+        // The group kernel: the group's (head, row) pairs over up to 32
+        // warps, GROUP_MAX_ROWS a thread at most.
         let pairs = (dims.heads / dims.groups) * dims.head_dim;
-        if pairs <= TILE_MAX_SLICES * TILE_ROWS {
-            let slices = pairs
-                .div_ceil(16)
-                .next_multiple_of(2)
-                .clamp(2, TILE_MAX_SLICES);
-            debug_assert!(pairs.div_ceil(slices) <= TILE_ROWS);
-            return Ok(BackwardShape {
-                tier,
-                head_warps,
-                group: GroupKernel::Tiles { slices },
-            });
-        }
         let group_warps = pairs.div_ceil(32).clamp(1, MAX_WARPS);
         if pairs.div_ceil(32 * group_warps) > GROUP_MAX_ROWS {
             return Err(unsupported(format!(
@@ -282,7 +253,7 @@ impl BackwardShape {
         Ok(BackwardShape {
             tier,
             head_warps,
-            group: GroupKernel::Pairs { warps: group_warps },
+            group_warps,
         })
     }
 }
@@ -496,20 +467,13 @@ impl KernelSet {
         }
         self.go(kh, &mut b, per_item(head_blocks, head_threads)?)?;
 
-        let (kg, columns, threads) = match shape.group {
-            GroupKernel::Tiles { slices } => (
-                "ssd_scan_backward_group_tiles",
-                TILE_COLUMNS,
-                TILE_COLUMNS * slices,
-            ),
-            GroupKernel::Pairs { warps } => ("ssd_scan_backward_group", GROUP_COLUMNS, 32 * warps),
-        };
+        let kg = "ssd_scan_backward_group";
         let group_blocks = product(
             k,
             &[
                 dims.tokens.batch,
                 dims.groups,
-                dims.state.div_ceil(columns),
+                dims.state.div_ceil(GROUP_COLUMNS),
                 chunks,
             ],
         )?;
@@ -525,7 +489,11 @@ impl KernelSet {
         for v in &args {
             b.arg(v);
         }
-        self.go(kg, &mut b, per_item(group_blocks, threads as u32)?)?;
+        self.go(
+            kg,
+            &mut b,
+            per_item(group_blocks, (32 * shape.group_warps) as u32)?,
+        )?;
 
         self.ssd_scan_backward_params(stream, parts.partials, dims, chunks, d_a_log, d_d)
     }
@@ -641,13 +609,20 @@ mod tests {
         // Mamba-2 / Nemotron-H: P = 64, N = 128, 8 heads a group.
         let shape = BackwardShape::new("k", dims(64, 128, 64, 8)).unwrap();
         assert_eq!(shape.head_warps, 32);
-        assert_eq!(shape.group, GroupKernel::Tiles { slices: 32 });
-        // 2048 pairs a group still tile (32 a thread); 2049 take the pairs
-        // kernel.
-        let tiled = BackwardShape::new("k", dims(64, 16, 32, 1)).unwrap();
-        assert_eq!(tiled.group, GroupKernel::Tiles { slices: 64 });
-        let pairs = BackwardShape::new("k", dims(64, 16, 33, 1)).unwrap();
-        assert_eq!(pairs.group, GroupKernel::Pairs { warps: 32 });
+        assert_eq!(shape.group_warps, 16);
+        // A warp for each 32 of a group's (head, row) pairs, up to 32.
+        assert_eq!(
+            BackwardShape::new("k", dims(3, 16, 2, 1))
+                .unwrap()
+                .group_warps,
+            1
+        );
+        assert_eq!(
+            BackwardShape::new("k", dims(64, 16, 33, 1))
+                .unwrap()
+                .group_warps,
+            32
+        );
         for (p, n) in [(128, 128), (64, 256), (512, 32), (3, 3)] {
             assert!(
                 BackwardShape::new("k", dims(p, n, 2, 1)).is_ok(),
