@@ -265,6 +265,71 @@ struct Shape {
 }
 
 impl Shape {
+    /// Head j's columns of a `[item, G, Q, J P]` array, a matrix per
+    /// (item, group) pair.
+    fn head_columns(&self, view: GpuView, j: usize) -> StridedMatrix {
+        pairs(addr(view, j * self.p), self.jp, self.q * self.jp)
+    }
+
+    /// `out_j = lhs S_j^T` for every head j of a slice's (item, group)
+    /// pairs: `lhs` `[Q, N]` a pair (C or B), `states` `[batch * chunks,
+    /// H, P, N]` from item `first` (the chunk states or the carries),
+    /// `out` `[item, G, Q, J P]`.
+    fn times_head_states(
+        &self,
+        gemm: &dyn Fn(StridedGemm) -> Result<()>,
+        (first, count, heads): (usize, usize, usize),
+        lhs: StridedMatrix,
+        states: GpuView,
+        out: GpuView,
+    ) -> Result<()> {
+        for j in 0..self.j {
+            gemm(batched(
+                self.tf32,
+                count * (heads / self.j),
+                (self.q, self.p, self.n),
+                (lhs, false),
+                (
+                    pairs(
+                        addr(states, (first * heads + j) * self.pn),
+                        self.n,
+                        self.j * self.pn,
+                    ),
+                    true,
+                ),
+                self.head_columns(out, j),
+                0.0,
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// `out_j = op(M_j) rhs_j` for every head j of `pair_count` (item,
+    /// group) pairs: M the heads' `[Q, Q]` scores (`[item, H, Q, Q]`),
+    /// transposed when `transpose`; `rhs` and `out` `[item, G, Q, J P]`.
+    fn head_scores_times(
+        &self,
+        gemm: &dyn Fn(StridedGemm) -> Result<()>,
+        pair_count: usize,
+        (scores, transpose): (GpuView, bool),
+        rhs: GpuView,
+        out: GpuView,
+    ) -> Result<()> {
+        let qq = self.q * self.q;
+        for j in 0..self.j {
+            gemm(batched(
+                self.tf32,
+                pair_count,
+                (self.q, self.p, self.q),
+                (pairs(addr(scores, j * qq), self.q, self.j * qq), transpose),
+                (self.head_columns(rhs, j), false),
+                self.head_columns(out, j),
+                0.0,
+            ))?;
+        }
+        Ok(())
+    }
+
     fn new(dims: ScanDims, outputs: &[GpuView]) -> Shape {
         let j = dims.heads / dims.groups;
         Shape {
@@ -456,8 +521,8 @@ impl KernelSet {
             &call.tags,
         );
         let gemm = |g: StridedGemm| call.gemm(g);
-        let (qq, qjp, qn) = (s.q * s.q, s.q * s.jp, s.q * s.n);
-        let wide = |view: GpuView, j: usize| pairs(addr(view, j * s.p), s.jp, qjp);
+        let (qq, qn) = (s.q * s.q, s.q * s.n);
+        let wide = |view: GpuView, j: usize| s.head_columns(view, j);
 
         // First pass: each chunk's own X^T diag(w) B into its state slot,
         // then the states passed along the chunks.
@@ -505,29 +570,8 @@ impl KernelSet {
                 0.0,
             ))?;
             self.chunk_scores(stream, parts, None, dims, count)?;
-            for j in 0..s.j {
-                gemm(batched(
-                    s.tf32,
-                    pair_count,
-                    (s.q, s.p, s.q),
-                    (pairs(addr(parts.m, j * qq), s.q, s.j * qq), false),
-                    (wide(parts.x, j), false),
-                    wide(parts.t_acc, j),
-                    0.0,
-                ))?;
-                gemm(batched(
-                    s.tf32,
-                    pair_count,
-                    (s.q, s.p, s.n),
-                    (c_mat, false),
-                    (
-                        pairs(addr(states, (i0 * dims.heads + j) * s.pn), s.n, s.j * s.pn),
-                        true,
-                    ),
-                    wide(parts.u, j),
-                    0.0,
-                ))?;
-            }
+            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x, parts.t_acc)?;
+            s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states, parts.u)?;
             let ko = "ssd_chunk_output";
             let slice = SliceArgs::new(dims, i0, count);
             let mut b = stream.launch_builder(self.function(ko)?);
@@ -633,11 +677,8 @@ impl KernelSet {
     ) -> Result<()> {
         let k = "ssd_scan_backward";
         let pair_count = count * dims.groups;
-        let (qq, qjp, qn) = (s.q * s.q, s.q * s.jp, s.q * s.n);
-        let wide = |view: GpuView, j: usize| pairs(addr(view, j * s.p), s.jp, qjp);
-        let group_states = |view: GpuView, j: usize| {
-            pairs(addr(view, (first * dims.heads + j) * s.pn), s.n, s.j * s.pn)
-        };
+        let (qq, qn) = (s.q * s.q, s.q * s.n);
+        let wide = |view: GpuView, j: usize| s.head_columns(view, j);
         let run = |m, n, kk, a, a_trans, b, b_trans, c, beta| {
             gemm(batched(
                 s.tf32,
@@ -672,32 +713,10 @@ impl KernelSet {
         self.chunk_scores(stream, parts, Some((parts.d_m, parts.d_cb)), dims, count)?;
         let [count_u, heads, head_dim, groups, chunk] =
             [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
-        for j in 0..s.j {
-            let m = pairs(addr(parts.m, j * qq), s.q, s.j * qq);
-            // M^T dY, and C S_in^T (for the readout term of dLam) in u.
-            run(
-                s.q,
-                s.p,
-                s.q,
-                m,
-                true,
-                wide(parts.dy, j),
-                false,
-                wide(parts.t_acc, j),
-                0.0,
-            )?;
-            run(
-                s.q,
-                s.p,
-                s.n,
-                c_mat,
-                false,
-                group_states(o.states, j),
-                true,
-                wide(parts.u, j),
-                0.0,
-            )?;
-        }
+        // M^T dY, and C S_in^T (for the readout term of dLam) in u.
+        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy, parts.t_acc)?;
+        let heads_of = (first, count, dims.heads);
+        s.times_head_states(gemm, heads_of, c_mat, o.states, parts.u)?;
         let kr = "ssd_chunk_sums";
         let mut b = stream.launch_builder(self.function(kr)?);
         b.arg(&parts.d_m.ptr)
@@ -715,19 +734,7 @@ impl KernelSet {
             per_item(product(k, &[count, dims.heads])?, THREADS)?,
         )?;
         // U = B K^T per head (over C S_in^T, now summed).
-        for j in 0..s.j {
-            run(
-                s.q,
-                s.p,
-                s.n,
-                b_mat,
-                false,
-                group_states(parts.carry, j),
-                true,
-                wide(parts.u, j),
-                0.0,
-            )?;
-        }
+        s.times_head_states(gemm, heads_of, b_mat, parts.carry, parts.u)?;
         // dB = (w X) K + dCB^T C and dC = (e^Lam dY) S_in + dCB B, the
         // group's heads side by side (K = J P).
         let group_rows =
