@@ -83,59 +83,39 @@ mod tests {
         }
     }
 
+    /// Each pairing turns its pair (a, b) of the rotated channels by
+    /// `t * base^(-2i/dim)` and leaves the other channels: rotate-half
+    /// pairs channel i with i + dim/2; MLA's interleaved pairing
+    /// (Megatron's `mla_rotary_interleaved`) pairs 2i with 2i + 1.
     #[test]
-    fn rotation_matches_rotate_half_and_leaves_other_channels() {
-        let d = dims();
+    fn each_pairing_turns_its_pairs_and_leaves_other_channels() {
         let x: Vec<f32> = (0..72).map(|i| (i as f32 * 0.3).cos()).collect();
-        let mut y = x.clone();
-        rotary_forward(&mut y, d).unwrap();
-        for r in 0..6 {
-            let pos = (r % 3) as f64;
-            for h in 0..2 {
-                let base = (r * 2 + h) * 6;
-                assert_eq!(&y[base..base + 2], &x[base..base + 2]);
-                for i in 0..2 {
-                    let theta = pos * 10_000f64.powf(-(2.0 * i as f64) / 4.0);
-                    let (a, b) = (x[base + 2 + i] as f64, x[base + 4 + i] as f64);
-                    let want_a = a * theta.cos() - b * theta.sin();
-                    let want_b = b * theta.cos() + a * theta.sin();
-                    assert!((y[base + 2 + i] as f64 - want_a).abs() < 1e-5);
-                    assert!((y[base + 4 + i] as f64 - want_b).abs() < 1e-5);
-                }
-            }
-        }
-    }
-
-    /// MLA's pairs (Megatron's `mla_rotary_interleaved`): channels 2i and
-    /// 2i + 1 turn together at frequency `t * base^(-2i/dim)`.
-    #[test]
-    fn interleaved_rotation_turns_neighbouring_channels() {
-        let d = RotaryDims {
-            pairing: RotaryPairing::Interleaved,
-            ..dims()
-        };
-        let x: Vec<f32> = (0..72).map(|i| (i as f32 * 0.3).cos()).collect();
-        let mut y = x.clone();
-        rotary_forward(&mut y, d).unwrap();
-        for r in 0..6 {
-            let pos = (r % 3) as f64;
-            for h in 0..2 {
-                let base = (r * 2 + h) * 6;
-                assert_eq!(&y[base..base + 2], &x[base..base + 2]);
-                for i in 0..2 {
-                    let theta = pos * 10_000f64.powf(-(2.0 * i as f64) / 4.0);
-                    let at = base + 2 + 2 * i;
-                    let (a, b) = (x[at] as f64, x[at + 1] as f64);
-                    let want_a = a * theta.cos() - b * theta.sin();
-                    let want_b = b * theta.cos() + a * theta.sin();
-                    assert!(
-                        (y[at] as f64 - want_a).abs() < 1e-5,
-                        "row {r} head {h} pair {i}"
-                    );
-                    assert!(
-                        (y[at + 1] as f64 - want_b).abs() < 1e-5,
-                        "row {r} head {h} pair {i}"
-                    );
+        for (pairing, pair) in [
+            (
+                RotaryPairing::RotateHalf,
+                (|i| (i, i + 2)) as fn(usize) -> (usize, usize),
+            ),
+            (RotaryPairing::Interleaved, |i| (2 * i, 2 * i + 1)),
+        ] {
+            let d = RotaryDims { pairing, ..dims() };
+            let mut y = x.clone();
+            rotary_forward(&mut y, d).unwrap();
+            for r in 0..6 {
+                let pos = (r % 3) as f64;
+                for h in 0..2 {
+                    let base = (r * 2 + h) * 6;
+                    assert_eq!(&y[base..base + 2], &x[base..base + 2]);
+                    for i in 0..2 {
+                        let theta = pos * 10_000f64.powf(-(2.0 * i as f64) / 4.0);
+                        let (ia, ib) = pair(i);
+                        let (at, bt) = (base + 2 + ia, base + 2 + ib);
+                        let (a, b) = (x[at] as f64, x[bt] as f64);
+                        let want_a = a * theta.cos() - b * theta.sin();
+                        let want_b = b * theta.cos() + a * theta.sin();
+                        let why = format!("{pairing:?}: row {r} head {h} pair {i}");
+                        assert!((y[at] as f64 - want_a).abs() < 1e-5, "{why}");
+                        assert!((y[bt] as f64 - want_b).abs() < 1e-5, "{why}");
+                    }
                 }
             }
         }
