@@ -638,6 +638,25 @@ fn moe_scaled(
     ))
 }
 
+/// The router's `experts` logits of token `row` of an `E` case (hidden 8),
+/// in f64: the pre-norm RMSNorm (weights[0]), then the router (weights[1]).
+fn router_logits(case: &LayerCase, row: usize, experts: usize) -> Vec<f64> {
+    let xr = &case.x[row * 8..row * 8 + 8];
+    let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 8.0;
+    let u: Vec<f64> = xr
+        .iter()
+        .zip(&case.weights[0])
+        .map(|(v, g)| *v as f64 / (ms + 1e-5).sqrt() * *g as f64)
+        .collect();
+    (0..experts)
+        .map(|i| {
+            (0..8)
+                .map(|j| u[j] * case.weights[1][i * 8 + j] as f64)
+                .sum()
+        })
+        .collect()
+}
+
 #[test]
 fn moe_gradients_for_scores_top_k_shared_expert_and_bias() {
     let cases = [
@@ -689,20 +708,7 @@ fn moe_aux_loss_is_the_switch_loss_and_zero_when_disabled() {
     let (t, e, k) = (10usize, 4usize, 2usize);
     let mut probs_sum = vec![0.0f64; e];
     for row in 0..t {
-        let xr = &case.x[row * 8..row * 8 + 8];
-        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 8.0;
-        let u: Vec<f64> = xr
-            .iter()
-            .zip(&case.weights[0])
-            .map(|(v, g)| *v as f64 / (ms + 1e-5).sqrt() * *g as f64)
-            .collect();
-        let z: Vec<f64> = (0..e)
-            .map(|i| {
-                (0..8)
-                    .map(|j| u[j] * case.weights[1][i * 8 + j] as f64)
-                    .sum()
-            })
-            .collect();
+        let z = router_logits(&case, row, e);
         let m = z.iter().cloned().fold(f64::MIN, f64::max);
         let s: f64 = z.iter().map(|v| (v - m).exp()).sum();
         for i in 0..e {
@@ -762,20 +768,9 @@ fn moe_aux_loss_with_sigmoid_scores_counts_the_unbiased_top_k() {
     let mut prob_sum = vec![0.0f64; e];
     let mut unbiased = vec![0usize; e];
     for row in 0..t {
-        let xr = &case.x[row * 8..row * 8 + 8];
-        let ms = xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 8.0;
-        let u: Vec<f64> = xr
-            .iter()
-            .zip(&case.weights[0])
-            .map(|(v, g)| *v as f64 / (ms + 1e-5).sqrt() * *g as f64)
-            .collect();
-        let s: Vec<f64> = (0..e)
-            .map(|i| {
-                let z: f64 = (0..8)
-                    .map(|j| u[j] * case.weights[1][i * 8 + j] as f64)
-                    .sum();
-                1.0 / (1.0 + (-z).exp())
-            })
+        let s: Vec<f64> = router_logits(&case, row, e)
+            .into_iter()
+            .map(|z| 1.0 / (1.0 + (-z).exp()))
             .collect();
         let total: f64 = s.iter().sum();
         for i in 0..e {
