@@ -261,16 +261,19 @@ fn read_header(path: &Path) -> Result<Vec<(String, StoredTensor)>> {
     let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
     let len = file.metadata().map_err(|e| io(path, e))?.len();
     let mut prefix = [0u8; 8];
-    file.read_exact(&mut prefix).map_err(|e| {
+    // A header that does not read is a truncated or foreign file.
+    let broken = |why: String| {
         io(
             path,
-            format!("not a safetensors file (no header length): {e}"),
+            format!("{why}; the file is truncated or not safetensors: download it again"),
         )
-    })?;
-    let header_len = Header::length(prefix, len).map_err(|e| io(path, e))?;
+    };
+    file.read_exact(&mut prefix)
+        .map_err(|e| broken(format!("no header length ({e})")))?;
+    let header_len = Header::length(prefix, len).map_err(broken)?;
     let mut bytes = vec![0u8; header_len as usize];
     file.read_exact(&mut bytes).map_err(|e| io(path, e))?;
-    let header = Header::parse(&bytes).map_err(|e| io(path, e))?;
+    let header = Header::parse(&bytes).map_err(broken)?;
     let mut out = Vec::new();
     for (name, entry) in &header.tensors {
         let bad = |why: String| io(path, format!("tensor `{name}`: {why}"));
