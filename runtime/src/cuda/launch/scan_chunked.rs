@@ -151,11 +151,11 @@ impl ScanChunkPlan {
     }
 
     /// The slices of `items` (sequence, chunk) items, as `[first, end)`.
-    fn slices(&self, items: usize) -> Vec<(usize, usize)> {
+    fn slices(&self, items: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
+        let per_slice = self.items_per_slice.max(1);
         (0..items)
-            .step_by(self.items_per_slice.max(1))
-            .map(|i0| (i0, (i0 + self.items_per_slice).min(items)))
-            .collect()
+            .step_by(per_slice)
+            .map(move |i0| (i0, (i0 + per_slice).min(items)))
     }
 
     /// Bytes of [`ScanChunkPlan::scratch_len`].
@@ -432,7 +432,7 @@ impl KernelSet {
         let (parts, shape, slices, operands, tags) = (
             &call.parts,
             call.shape,
-            &call.slices,
+            call.plan.slices(call.items),
             &call.operands,
             &call.tags,
         );
@@ -441,7 +441,7 @@ impl KernelSet {
 
         // First pass: each chunk's own state gradient L_c = dY^T diag(e^Lam)
         // C (into the carries), then the carries K over all chunks.
-        for &(i0, i1) in slices {
+        for (i0, i1) in slices.clone() {
             self.chunk_prepare(stream, operands, tags, parts, dims, i0, i1 - i0)?;
             for j in 0..shape.j {
                 gemm(batched(
@@ -465,8 +465,8 @@ impl KernelSet {
         self.ssd_scan_carry_combine(stream, parts.carry.ptr, parts.chunk_decay.ptr, dims, chunks)?;
 
         // Second pass: the gradients, slice by slice.
-        for &(i0, i1) in slices {
-            if slices.len() > 1 {
+        for (i0, i1) in slices.clone() {
+            if call.items > call.plan.items_per_slice {
                 self.chunk_prepare(stream, operands, tags, parts, dims, i0, i1 - i0)?;
             }
             self.chunk_gradients(
@@ -516,7 +516,7 @@ impl KernelSet {
         let (parts, s, slices, o, tags) = (
             &call.parts,
             call.shape,
-            &call.slices,
+            call.plan.slices(call.items),
             &call.operands,
             &call.tags,
         );
@@ -526,7 +526,7 @@ impl KernelSet {
 
         // First pass: each chunk's own X^T diag(w) B into its state slot,
         // then the states passed along the chunks.
-        for &(i0, i1) in slices {
+        for (i0, i1) in slices.clone() {
             self.chunk_prepare(stream, o, tags, parts, dims, i0, i1 - i0)?;
             for j in 0..s.j {
                 gemm(batched(
@@ -553,9 +553,9 @@ impl KernelSet {
         )?;
 
         // Second pass: y, slice by slice.
-        for &(i0, i1) in slices {
+        for (i0, i1) in slices.clone() {
             let count = i1 - i0;
-            if slices.len() > 1 {
+            if call.items > call.plan.items_per_slice {
                 self.chunk_prepare(stream, o, tags, parts, dims, i0, count)?;
             }
             let pair_count = count * dims.groups;
@@ -885,12 +885,15 @@ impl Tags {
 }
 
 /// What a checked chunked call works with: cuBLAS, the scratch cut into
-/// its parts, the slices, the operands and the GEMMs' shape.
+/// its parts, the plan and items to slice, the operands and the GEMMs'
+/// shape.
 struct Call<'a> {
     blas: &'a Blas,
     queues: &'a QueueSet,
     parts: Parts,
-    slices: Vec<(usize, usize)>,
+    plan: ScanChunkPlan,
+    /// (sequence, chunk) items of the problem.
+    items: usize,
     operands: Operands,
     tags: Tags,
     shape: Shape,
@@ -920,7 +923,8 @@ impl<'a> Call<'a> {
             blas,
             queues,
             parts: Parts::new(scratch, dims, plan, items),
-            slices: plan.slices(items),
+            plan,
+            items,
             operands: Operands {
                 xbc,
                 dt,
