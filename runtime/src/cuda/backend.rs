@@ -319,6 +319,17 @@ impl CudaBackend {
         Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
     }
 
+    /// The chunked scan's plan for `dims` under this backend's cap, with
+    /// its scratch from the arena (a repeated step allocates nothing);
+    /// `None`: the sequential kernels take the problem.
+    fn scan_chunk_plan(&self, dims: ScanDims) -> Result<Option<(ScanChunkPlan, GpuView, CudaBuf)>> {
+        let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) else {
+            return Ok(None);
+        };
+        let (scratch, buf) = self.scratch(plan.scratch_len(dims), DType::F32)?;
+        Ok(Some((plan, scratch, buf)))
+    }
+
     /// Bytes and host reads of a download: waits (bounded) for this queue,
     /// then copies.
     fn read_back<T: Scalar>(&self, src: GpuView, dst: &mut [T]) -> Result<()> {
@@ -752,9 +763,7 @@ impl Backend for CudaBackend {
         dims: ScanDims,
     ) -> Result<()> {
         let inputs = self.scan_inputs(inputs);
-        if let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) {
-            // Scratch from the arena: a repeated step allocates nothing.
-            let (scratch, _scratch_buf) = self.scratch(plan.scratch_len(dims), DType::F32)?;
+        if let Some((plan, scratch, _scratch_buf)) = self.scan_chunk_plan(dims)? {
             return self.k().ssd_scan_forward_chunked(
                 self.s(),
                 &self.queue.blas,
@@ -786,9 +795,7 @@ impl Backend for CudaBackend {
             a_log: self.m(&grads.a_log),
             d: self.m(&grads.d),
         };
-        // Scratch from the arena: a repeated step allocates nothing.
-        if let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) {
-            let (scratch, _scratch_buf) = self.scratch(plan.scratch_len(dims), DType::F32)?;
+        if let Some((plan, scratch, _scratch_buf)) = self.scan_chunk_plan(dims)? {
             return self.k().ssd_scan_backward_chunked(
                 self.s(),
                 &self.queue.blas,
