@@ -152,6 +152,13 @@ fn steps(text: &str) -> Vec<(u64, String)> {
         .collect()
 }
 
+/// `hybridgen train --device cpu --resume checkpoint` with `extra` flags.
+fn resume(checkpoint: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--device", "cpu", "--resume", checkpoint];
+    args.extend_from_slice(extra);
+    hybridgen(&args)
+}
+
 /// A small run on `prefix` (steps and more flags in `extra`).
 fn train_args<'a>(prefix: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
@@ -471,21 +478,19 @@ fn evaluation_leaves_training_untouched_and_resumes_continue_bit_exactly() {
     // does not change the samples.
     for k in 1..6 {
         let from = format!("{save}/step-{k:06}");
-        let out = hybridgen(&[
-            "train",
-            "--device",
-            "cpu",
-            "--resume",
+        let out = resume(
             &from,
-            "--steps",
-            "6",
-            "--eval-every",
-            "2",
-            "--format",
-            "json",
-            "--schedule",
-            "plain",
-        ]);
+            &[
+                "--steps",
+                "6",
+                "--eval-every",
+                "2",
+                "--format",
+                "json",
+                "--schedule",
+                "plain",
+            ],
+        );
         assert_eq!(out.status.code(), Some(0), "from {k}: {}", stderr(&out));
         assert_eq!(
             steps(&stdout(&out)),
@@ -495,17 +500,7 @@ fn evaluation_leaves_training_untouched_and_resumes_continue_bit_exactly() {
         assert_eq!(hash(&out), hash(&full), "from step {k}");
     }
     // A resume that names another schedule is refused, naming both.
-    let out = hybridgen(&[
-        "train",
-        "--device",
-        "cpu",
-        "--resume",
-        &save,
-        "--steps",
-        "7",
-        "--lr-decay-style",
-        "cosine",
-    ]);
+    let out = resume(&save, &["--steps", "7", "--lr-decay-style", "cosine"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(
         stderr(&out).contains("--lr-decay-style cosine to 0 by step 7 contradicts the checkpoint")
@@ -519,33 +514,14 @@ fn evaluation_leaves_training_untouched_and_resumes_continue_bit_exactly() {
     let constant = dir.path("constant");
     let out = hybridgen(&train_args(&prefix, &["--steps", "2", "--save", &constant]));
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let out = hybridgen(&[
-        "train",
-        "--device",
-        "cpu",
-        "--resume",
-        &constant,
-        "--steps",
-        "3",
-        "--lr-decay-style",
-        "constant",
-    ]);
+    let out = resume(&constant, &["--steps", "3", "--lr-decay-style", "constant"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     // A resume that names other data is refused.
     let other = prepared(&dir, "d", 50);
-    let out = hybridgen(&[
-        "train",
-        "--device",
-        "cpu",
-        "--resume",
+    let out = resume(
         &save,
-        "--steps",
-        "7",
-        "--data-path",
-        &other,
-        "--split",
-        "90,10,0",
-    ]);
+        &["--steps", "7", "--data-path", &other, "--split", "90,10,0"],
+    );
     assert_eq!(out.status.code(), Some(1));
     assert!(
         stderr(&out).contains("contradicts the checkpoint"),
