@@ -45,7 +45,29 @@ cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
-cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh "$bundle/"
+cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/timeline_gaps.py "$bundle/"
+
+# The CUPTI timeline library (`run.sh LOGDIR timeline`), compiled here
+# against the headers of NVIDIA's CUPTI and CRT wheels (fetched once into
+# target/cupti); skipped, saying so, where they cannot be fetched.
+cupti=target/cupti
+if [ ! -f "$cupti/nvidia/cu13/include/cupti.h" ] || [ ! -f "$cupti/nvidia/cu13/include/crt/host_defines.h" ]; then
+  rm -rf "$cupti.wheels" && mkdir -p "$cupti.wheels" "$cupti"
+  if python3 -m pip download -q --no-deps -d "$cupti.wheels" \
+      "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-crt==13.0.*" "nvidia-cuda-runtime==13.0.*"; then
+    for wheel in "$cupti.wheels"/*.whl; do
+      python3 -m zipfile -e "$wheel" "$cupti"
+    done
+  fi
+fi
+if [ -f "$cupti/nvidia/cu13/include/cupti.h" ]; then
+  gcc -O2 -shared -fPIC -Wall -Wextra -Werror -I "$cupti/nvidia/cu13/include" \
+    scripts/cupti_timeline.c -o "$bundle/libcupti_timeline.so" \
+    -L "$cupti/nvidia/cu13/lib" -l:libcupti.so.13
+  cp "$cupti/nvidia/cu13/lib/libcupti.so.13" "$bundle/"
+else
+  echo "cuda_bundle: no CUPTI headers (pip download failed): run.sh timeline will be unavailable" >&2
+fi
 
 # What every script of the bundle runs under on the GPU machine (sourced
 # with $out set): NVLink multicast off (shared GPUs), CUDA's libraries and
@@ -73,8 +95,8 @@ cat > "$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
 # ./logs); $2 is `tests` (with the launch-mode checks), `launch` (only
-# those), `bench`, `profile` (where one GPU's step goes) or `all` (default,
-# without the profile). NVLink multicast
+# those), `bench`, `profile` (where one GPU's step goes), `timeline` (where
+# its GPU waits) or `all` (default, without the profile and timeline). NVLink multicast
 # stays off (shared GPUs).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -94,7 +116,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       continue
     fi
     start=$(date +%s%N)
-    "$test" --nocapture --test-threads=1 > "$out/$name.log" 2>&1
+    # Buffers allocated without zeroing are poisoned (all bits set), so a
+    # kernel reading what nothing wrote fails its test.
+    HYBRIDGEN_POISON_UNINIT=1 "$test" --nocapture --test-threads=1 > "$out/$name.log" 2>&1
     rc=$?
     end=$(date +%s%N)
     printf 'test  %-22s exit %d  %6d ms  %s\n' "$name" "$rc" "$(( (end - start) / 1000000 ))" \
@@ -167,9 +191,11 @@ launch_modes() {
 # Where a step's time goes on one GPU: the benchmark model's trace summed
 # by layer piece (scripts/trace_breakdown.py), and a kernel table from
 # Nsight Systems where the machine has it.
+# The run both look at: the benchmark model on one GPU.
+profile_args=(train --device cuda --ranks 1 --ep 1 --format json --preset bench-hybrid-moe
+  --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule "${SCHEDULE:-plain}")
 profile() {
-  local args=(train --device cuda --ranks 1 --ep 1 --format json --preset bench-hybrid-moe
-    --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule plain)
+  local args=("${profile_args[@]}")
   "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 4 --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1
   python3 "$here/trace_breakdown.py" "$out/profile-trace.json" > "$out/profile-breakdown.txt" 2>&1
   rm -f "$out/profile-trace.json"
@@ -193,8 +219,27 @@ profile() {
   printf 'profile written: profile-breakdown.txt, profile-kernels.txt\n' >> "$out/summary.txt"
 }
 
+# A GPU timeline of the same run (CUPTI: every kernel and CUDA call), and
+# where the GPU sat idle in its last step, and why (timeline-gaps.txt).
+timeline() {
+  if [ ! -f "$here/libcupti_timeline.so" ]; then
+    echo "timeline: this bundle has no libcupti_timeline.so (see cuda_bundle.sh)" | tee -a "$out/summary.txt"
+    return
+  fi
+  local args=("${profile_args[@]}")
+  LD_LIBRARY_PATH="$here:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH="$here/libcupti_timeline.so" \
+    TIMELINE_OUT="$out/timeline.csv" \
+    "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 3 > "$out/timeline.jsonl" 2>&1
+  python3 "$here/timeline_gaps.py" "$out/timeline.csv" > "$out/timeline-gaps.txt" 2>&1
+  gzip -f "$out/timeline.csv"
+  printf 'timeline written: timeline-gaps.txt, timeline.csv.gz\n' >> "$out/summary.txt"
+}
+
 if [ "$what" = profile ]; then
   profile
+fi
+if [ "$what" = timeline ]; then
+  timeline
 fi
 
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = launch ]; then

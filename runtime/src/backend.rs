@@ -115,6 +115,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// A zero-filled buffer of `len` elements of `dtype`.
     fn alloc(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
+    /// A buffer of `len` elements of `dtype` whose contents are
+    /// unspecified: for an output the next kernel writes whole (not one it
+    /// accumulates into), so the GPU spends no memset on it. The CPU
+    /// backend fills it with all bits set (NaN in every float dtype, an
+    /// out-of-range u32 index), so reading an element before writing it
+    /// shows in its results instead of passing as a zero.
+    fn alloc_uninit(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
     /// This backend, allocating from arena `arena` instead. The executor
     /// gives every micro-batch in flight an arena of its own: a micro-batch's
     /// pieces of work run one after another, so the buffers an arena hands

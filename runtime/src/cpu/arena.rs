@@ -28,6 +28,16 @@ const MIN_SEGMENT: usize = 1 << 17;
 /// Host memory in `u64` words, so every dtype is aligned.
 pub(crate) type Storage = Box<[UnsafeCell<u64>]>;
 
+/// What a region taken from an arena holds: zeros ([`crate::Backend::alloc`]),
+/// or all bits set ([`crate::Backend::alloc_uninit`]): NaN in every float
+/// dtype and an out-of-range u32 index, so a kernel that reads an element
+/// nobody wrote shows it in the CPU backend's results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fill {
+    Zero,
+    Poison,
+}
+
 /// `words` zeroed words, or an error when the host has no memory for them.
 pub(crate) fn new_storage(words: usize, what: impl FnOnce() -> String) -> Result<Storage> {
     let mut storage: Vec<UnsafeCell<u64>> = Vec::new();
@@ -116,6 +126,7 @@ impl CpuArena {
     pub(crate) fn take(
         &self,
         words: usize,
+        fill: Fill,
         what: impl FnOnce() -> String,
     ) -> Result<(Region, bool)> {
         let want = words.max(1).div_ceil(GRANULE) * GRANULE;
@@ -142,9 +153,13 @@ impl CpuArena {
             free.insert(segment, offset + want, size - want);
         }
         let storage = &free.segments[segment];
+        let word_value = match fill {
+            Fill::Zero => 0,
+            Fill::Poison => u64::MAX,
+        };
         for word in &storage[offset..offset + want] {
             // SAFETY: the region belongs to no buffer yet.
-            unsafe { *word.get() = 0 };
+            unsafe { *word.get() = word_value };
         }
         let base = UnsafeCell::raw_get(storage.as_ptr());
         Ok((
@@ -215,9 +230,9 @@ mod tests {
     #[test]
     fn regions_are_best_fit_merged_and_zeroed() {
         let arena = CpuArena::default();
-        let (a, grew) = arena.take(100, what).unwrap();
+        let (a, grew) = arena.take(100, Fill::Zero, what).unwrap();
         assert!(grew);
-        let (b, grew) = arena.take(200, what).unwrap();
+        let (b, grew) = arena.take(200, Fill::Zero, what).unwrap();
         assert!(!grew, "one segment holds both");
         assert_eq!((a.offset, a.words), (0, 104));
         assert_eq!(b.offset, 104);
@@ -227,7 +242,7 @@ mod tests {
         arena.give(&b);
         // Everything merged back into one free region.
         assert_eq!(arena.free_words(), arena.total_words());
-        let (c, grew) = arena.take(300, what).unwrap();
+        let (c, grew) = arena.take(300, Fill::Zero, what).unwrap();
         assert!(!grew);
         assert_eq!(c.offset, 0);
         // SAFETY (test): the region is ours.
@@ -237,16 +252,16 @@ mod tests {
     #[test]
     fn a_request_larger_than_any_gap_grows_the_arena() {
         let arena = CpuArena::default();
-        let (a, _) = arena.take(MIN_SEGMENT, what).unwrap();
-        let (b, grew) = arena.take(10, what).unwrap();
+        let (a, _) = arena.take(MIN_SEGMENT, Fill::Zero, what).unwrap();
+        let (b, grew) = arena.take(10, Fill::Zero, what).unwrap();
         assert!(grew);
         assert_eq!(b.segment, 1);
         arena.give(&a);
         // Best fit: the rest of the second segment is the smaller gap.
-        let (c, grew) = arena.take(MIN_SEGMENT / 2, what).unwrap();
+        let (c, grew) = arena.take(MIN_SEGMENT / 2, Fill::Zero, what).unwrap();
         assert!(!grew);
         assert_eq!(c.segment, 1);
-        let (d, grew) = arena.take(MIN_SEGMENT - 8, what).unwrap();
+        let (d, grew) = arena.take(MIN_SEGMENT - 8, Fill::Zero, what).unwrap();
         assert!(!grew, "the first segment is free again");
         assert_eq!(d.segment, 0);
     }

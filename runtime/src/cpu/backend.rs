@@ -5,7 +5,7 @@
 //! which is where a GPU kernel rounds too. The loops stay plain functions on
 //! `f32` slices that tests call directly.
 
-use super::arena::CpuArena;
+use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
@@ -50,6 +50,17 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
+    fn alloc_filled(&self, len: usize, dtype: DType, fill: Fill) -> Result<CpuBuf> {
+        let (buf, grew) = CpuBuf::in_arena(&self.arena, len, dtype, fill)?;
+        if grew {
+            self.counters.allocations.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .allocated_bytes
+                .fetch_add((len * dtype.bytes()) as u64, Ordering::Relaxed);
+        }
+        Ok(buf)
+    }
+
     /// A device storing parameters and activations as `precision` says.
     pub fn new(precision: Precision) -> Self {
         let arena = Arc::new(CpuArena::default());
@@ -107,14 +118,11 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
-        let (buf, grew) = CpuBuf::in_arena(&self.arena, len, dtype)?;
-        if grew {
-            self.counters.allocations.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .allocated_bytes
-                .fetch_add((len * dtype.bytes()) as u64, Ordering::Relaxed);
-        }
-        Ok(buf)
+        self.alloc_filled(len, dtype, Fill::Zero)
+    }
+
+    fn alloc_uninit(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
+        self.alloc_filled(len, dtype, Fill::Poison)
     }
 
     fn in_arena(&self, arena: usize) -> Self {

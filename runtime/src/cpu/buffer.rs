@@ -13,7 +13,7 @@
 //! data; nothing ever waits here, so the check cannot hide a race by
 //! serialising it.
 
-use super::arena::{CpuArena, Region, Storage, new_storage, words_for};
+use super::arena::{CpuArena, Fill, Region, Storage, new_storage, words_for};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, DeviceBuffer, View, ViewMut};
 use half::bf16;
@@ -100,9 +100,10 @@ impl CpuBuf {
         arena: &Arc<CpuArena>,
         len: usize,
         dtype: DType,
+        fill: Fill,
     ) -> Result<(Self, bool)> {
         let words = words_for(len, dtype)?;
-        let (region, grew) = arena.take(words, || format!("{len} x {dtype}"))?;
+        let (region, grew) = arena.take(words, fill, || format!("{len} x {dtype}"))?;
         let memory = Memory::Arena {
             arena: arena.clone(),
             region,
@@ -461,14 +462,14 @@ mod tests {
     #[test]
     fn arena_buffers_come_back_zeroed_and_give_their_region_back() {
         let arena = Arc::new(CpuArena::default());
-        let (a, grew) = CpuBuf::in_arena(&arena, 1000, DType::F32).unwrap();
+        let (a, grew) = CpuBuf::in_arena(&arena, 1000, DType::F32, Fill::Zero).unwrap();
         assert!(grew);
         {
             let k = KernelAccess::new("fill", "compute");
             k.f32_out("dst", ViewMut::whole(&a)).unwrap().fill(7.0);
         }
         drop(a);
-        let (b, grew) = CpuBuf::in_arena(&arena, 990, DType::F32).unwrap();
+        let (b, grew) = CpuBuf::in_arena(&arena, 990, DType::F32, Fill::Zero).unwrap();
         assert!(!grew);
         let k = KernelAccess::new("read", "compute");
         assert!(

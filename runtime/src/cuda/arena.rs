@@ -127,6 +127,7 @@ impl GpuArena {
     pub(crate) fn take(
         &self,
         bytes: usize,
+        fill: Option<u8>,
         index: usize,
         stream: &CudaStream,
         what: impl FnOnce() -> String,
@@ -176,10 +177,12 @@ impl GpuArena {
                 self.queues.wait_on(stream, fence.event)?;
             }
         }
-        // SAFETY: the region is `want` bytes of a live segment, owned by no
-        // buffer; the memset runs on the stream that will use it.
-        unsafe { result::memset_d8_async(ptr, 0, want, stream.cu_stream()) }
-            .map_err(|e| self.queues.error("zeroing a new buffer", e))?;
+        if let Some(byte) = fill {
+            // SAFETY: the region is `want` bytes of a live segment, owned by
+            // no buffer; the memset runs on the stream that will use it.
+            unsafe { result::memset_d8_async(ptr, byte, want, stream.cu_stream()) }
+                .map_err(|e| self.queues.error("filling a new buffer", e))?;
+        }
         Ok((
             Region {
                 segment,

@@ -47,7 +47,15 @@ pub struct Gpu {
     compute: DType,
     arenas: Mutex<Vec<Arc<GpuArena>>>,
     counters: GpuCounters,
+    /// What [`Backend::alloc_uninit`] leaves in a buffer: nothing is
+    /// written, or with `$HYBRIDGEN_POISON_UNINIT` set (the GPU tests set
+    /// it) every byte 0xFF, as the CPU backend does, so a kernel that reads
+    /// what no kernel wrote fails a test instead of reading a stale zero.
+    uninit_fill: Option<u8>,
 }
+
+/// Set (to anything but empty or `0`): [`Gpu::uninit_fill`] poisons.
+pub const POISON_UNINIT_ENV: &str = "HYBRIDGEN_POISON_UNINIT";
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -76,6 +84,9 @@ impl Gpu {
             kernels,
             compute: precision.compute_dtype(),
             counters: GpuCounters::default(),
+            uninit_fill: std::env::var(POISON_UNINIT_ENV)
+                .is_ok_and(|v| !v.is_empty() && v != "0")
+                .then_some(0xFF),
         }))
     }
 
@@ -283,6 +294,31 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// A buffer from this backend's arena, its bytes set to `fill` on its
+    /// queue (`None`: left as they are).
+    fn alloc_filled(&self, len: usize, dtype: DType, fill: Option<u8>) -> Result<CudaBuf> {
+        let bytes = len.checked_mul(dtype.bytes()).ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
+        })?;
+        let (region, grew) = self
+            .arena
+            .take(bytes, fill, self.queue.index, self.s(), || {
+                format!("{len} x {dtype}")
+            })?;
+        if grew {
+            let c = &self.gpu.counters;
+            c.allocations.fetch_add(1, Ordering::Relaxed);
+            c.allocated_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+        Ok(CudaBuf::new(
+            self.arena.clone(),
+            region,
+            len,
+            dtype,
+            self.queue.index,
+        ))
+    }
+
     /// One GEMM of checked operands, on this queue.
     fn gemm(&self, a: GpuView, b: GpuView, c: GpuView, dims: MatmulDims) -> Result<()> {
         if dims.m == 0 || dims.n == 0 {
@@ -300,7 +336,7 @@ impl CudaBackend {
             // cuBLAS has no f32 x f32 -> bf16 GEMM: compute into f32 and
             // round once at the store, as the contract says. The scratch
             // comes from the arena, so a repeated step allocates nothing.
-            let scratch = self.alloc(c.len, DType::F32)?;
+            let scratch = self.alloc_uninit(c.len, DType::F32)?;
             let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
             if dims.accumulate {
                 self.k().cast(self.s(), c, wide)?;
@@ -319,6 +355,13 @@ impl CudaBackend {
         Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
     }
 
+    /// [`CudaBackend::scratch`] not zeroed, for scratch the call writes
+    /// whole before reading it.
+    fn scratch_uninit(&self, len: usize, dtype: DType) -> Result<(GpuView, CudaBuf)> {
+        let buf = self.alloc_uninit(len, dtype)?;
+        Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
+    }
+
     /// The chunked scan's plan for `dims` under this backend's cap, with
     /// its scratch from the arena (a repeated step allocates nothing);
     /// `None`: the sequential kernels take the problem.
@@ -326,7 +369,7 @@ impl CudaBackend {
         let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) else {
             return Ok(None);
         };
-        let (scratch, buf) = self.scratch(plan.scratch_len(dims), DType::F32)?;
+        let (scratch, buf) = self.scratch_uninit(plan.scratch_len(dims), DType::F32)?;
         Ok(Some((plan, scratch, buf)))
     }
 
@@ -375,24 +418,11 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
-        let bytes = len.checked_mul(dtype.bytes()).ok_or_else(|| {
-            RuntimeError::InvalidArgument(format!("{len} elements of {dtype} overflow usize"))
-        })?;
-        let (region, grew) = self.arena.take(bytes, self.queue.index, self.s(), || {
-            format!("{len} x {dtype}")
-        })?;
-        if grew {
-            let c = &self.gpu.counters;
-            c.allocations.fetch_add(1, Ordering::Relaxed);
-            c.allocated_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-        }
-        Ok(CudaBuf::new(
-            self.arena.clone(),
-            region,
-            len,
-            dtype,
-            self.queue.index,
-        ))
+        self.alloc_filled(len, dtype, Some(0))
+    }
+
+    fn alloc_uninit(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
+        self.alloc_filled(len, dtype, self.gpu.uninit_fill)
     }
 
     fn in_arena(&self, arena: usize) -> Self {
@@ -844,8 +874,8 @@ impl Backend for CudaBackend {
         };
         // The GEMM path: tensor-core products through cuBLAS, scratch from
         // the arena (a repeated step allocates nothing).
-        let (scores, _scores_buf) = self.scratch(plan.scores_len(dims), DType::F32)?;
-        let (probs, _probs_buf) = self.scratch(plan.probs_len(dims), plan.dtype)?;
+        let (scores, _scores_buf) = self.scratch_uninit(plan.scores_len(dims), DType::F32)?;
+        let (probs, _probs_buf) = self.scratch_uninit(plan.probs_len(dims), plan.dtype)?;
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         let (acc_out, _acc_buf) = self.scratch(lens.out, DType::F32)?;
         self.k().attention_forward_gemm(
@@ -890,8 +920,8 @@ impl Backend for CudaBackend {
                 .k()
                 .attention_backward(self.s(), inputs, out, lse, dout, grads, dims);
         };
-        let (scores, _scores_buf) = self.scratch(plan.scores_len(dims), DType::F32)?;
-        let (probs, _probs_buf) = self.scratch(plan.probs_len(dims), plan.dtype)?;
+        let (scores, _scores_buf) = self.scratch_uninit(plan.scores_len(dims), DType::F32)?;
+        let (probs, _probs_buf) = self.scratch_uninit(plan.probs_len(dims), plan.dtype)?;
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         let (acc_q, _acc_q_buf) = self.scratch(lens.q, DType::F32)?;
         let (acc_k, _acc_k_buf) = self.scratch(lens.k, DType::F32)?;

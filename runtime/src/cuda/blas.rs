@@ -7,6 +7,7 @@
 //! row-major `C [m, n] = op(A) op(B)` is the column-major
 //! `C^T [n, m] = op(B)^T op(A)^T`, so every call swaps the operands.
 
+use super::blas_lt::LtGemm;
 use super::launch::GpuView;
 use super::queue::QueueSet;
 use crate::backend::MatmulDims;
@@ -23,10 +24,11 @@ use std::ffi::c_void;
 /// cuBLAS's recommended workspace on Hopper.
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// A cuBLAS handle bound to one stream.
+/// A cuBLAS handle bound to one stream, and cuBLASLt for bf16 GEMMs.
 pub(crate) struct Blas {
     handle: cublasHandle_t,
     workspace: u64,
+    lt: Option<LtGemm>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it
@@ -56,7 +58,11 @@ impl Blas {
         // SAFETY: a plain device allocation, freed in `drop`.
         let workspace = unsafe { result::malloc_sync(WORKSPACE_BYTES) }
             .map_err(|e| queues.error("allocating the cuBLAS workspace", e))?;
-        let blas = Blas { handle, workspace };
+        let mut blas = Blas {
+            handle,
+            workspace,
+            lt: None,
+        };
         // SAFETY: the handle, stream and workspace are live.
         unsafe {
             blas::set_stream(handle, stream.cu_stream() as _)
@@ -68,6 +74,7 @@ impl Blas {
                 .result()
                 .map_err(|e| blas_error(queues, "setting cuBLAS's math mode", e))?;
         }
+        blas.lt = Some(LtGemm::new(queues, stream, (workspace, WORKSPACE_BYTES))?);
         Ok(blas)
     }
 
@@ -90,6 +97,18 @@ impl Blas {
                 ))
             })
         };
+        // bf16 operands: cuBLASLt with the algorithm of the shape's class
+        // (blas_lt.rs says why); f32 ones keep cuBLAS's strict f32.
+        if a.dtype == DType::Bf16
+            && let Some(lt) = &self.lt
+        {
+            [m, n, k]
+                .iter()
+                .try_for_each(|&v| int(v, "a dimension").map(drop))?;
+            if lt.gemm(queues, [a, b, c], dims)? {
+                return Ok(());
+            }
+        }
         // Column-major view: C^T [n, m] = op(B)^T [n, k] op(A)^T [k, m].
         let lda_b = if dims.b_trans { k } else { n };
         let ldb_a = if dims.a_trans { m } else { k };
@@ -270,6 +289,8 @@ fn compute_type(operands: DType) -> cublasComputeType_t {
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        // cuBLASLt first: it shares the workspace freed below.
+        self.lt = None;
         // SAFETY: created in `new`, destroyed once here.
         unsafe {
             let _ = blas::destroy_handle(self.handle);

@@ -20,6 +20,7 @@
 mod arena;
 pub mod backend;
 mod blas;
+mod blas_lt;
 pub mod buffer;
 pub mod comm;
 pub mod kernel_cache;

@@ -1215,7 +1215,12 @@ impl KernelSet {
             .arg(&rows)
             .arg(&experts)
             .arg(&score);
-        self.go("moe_prob_sum", &mut b, column_blocks(d.experts))
+        let per_expert = LaunchConfig {
+            grid_dim: (d.experts.max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.go("moe_prob_sum", &mut b, per_expert)
     }
 
     /// `Backend::moe_route_backward`.
