@@ -243,9 +243,9 @@ impl<D: Device> FsdpEngine<D> {
                 init(p, &mut full[param.offset..param.offset + numel])?;
             }
             let host = &full[shard_range.clone()];
-            let master = backend.alloc(host.len(), DType::F32)?;
+            let master = backend.alloc_uninit(host.len(), DType::F32)?;
             backend.upload(host, backend.view_mut(&master)?)?;
-            let param = backend.alloc(host.len(), compute)?;
+            let param = backend.alloc_uninit(host.len(), compute)?;
             backend.cast(backend.view(&master)?, backend.view_mut(&param)?)?;
             let grad = backend.alloc(host.len(), DType::F32)?;
             shards.push(Arc::new(ShardState {
@@ -297,7 +297,7 @@ impl<D: Device> FsdpEngine<D> {
             non_unit_params: Arc::new(backend.alloc(non_unit_len, compute)?),
             non_unit_grads: Arc::new(backend.alloc(non_unit_len, DType::F32)?),
             non_unit_ready: None,
-            scratch: Arc::new(backend.alloc(max_shard, DType::F32)?),
+            scratch: Arc::new(backend.alloc_uninit(max_shard, DType::F32)?),
             plan,
             layout,
             shards,

@@ -421,7 +421,7 @@ impl<D: Device> Optimizer<D> {
                 exp_avg_sq: backend.alloc(second, DType::F32)?,
             }));
             let decayed = decayed_ranges(&plan, bucket, owned)?;
-            let ranges = backend.alloc(decayed.len(), DType::U32)?;
+            let ranges = backend.alloc_uninit(decayed.len(), DType::U32)?;
             backend.upload(&decayed, backend.view_mut(&ranges)?)?;
             buckets.push(BucketLayout {
                 decayed: ranges,

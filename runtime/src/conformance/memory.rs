@@ -126,6 +126,27 @@ fn alloc_in<B: Backend>(s: &mut Suite<'_, B>, arena: usize) {
                 problems.extend(exact("contents", &got, &vec![0.0; len]));
                 Ok(problems)
             });
+            // Contents unspecified: the buffer is the asked shape and holds
+            // what is written into it whole, on a freed dirty region too.
+            let values = contents(s, dtype, len);
+            let case = format!("{len} x {dtype} in arena {arena}, written whole");
+            direct(s, "alloc_uninit", case, |dev| {
+                let dev = &dev.in_arena(arena);
+                drop(buffer(dev, dtype, &dirty)?);
+                let buf = dev.alloc_uninit(len, dtype)?;
+                let mut problems = Vec::new();
+                if buf.len() != len || buf.dtype() != dtype {
+                    problems.push(format!(
+                        "the buffer is {} x {}, asked for {len} x {dtype}",
+                        buf.len(),
+                        buf.dtype()
+                    ));
+                }
+                upload_values(dev, &values, ViewMut::whole(&buf))?;
+                let got = download_values(dev, View::whole(&buf))?;
+                problems.extend(exact("contents", &got, &values));
+                Ok(problems)
+            });
         }
     }
 }

@@ -4,7 +4,7 @@
 use super::norm::RmsNorm;
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
-    positive, section, weight, zeros,
+    positive, section, uninit, weight, zeros,
 };
 use crate::backend::{
     AttentionDims, AttentionInputs, Backend, MatmulDims, QkvDims, RotaryDims, RotaryPairing, Slice,
@@ -168,16 +168,16 @@ impl AttentionLayer {
         let x_in = copy_of(b, b.as_slice(&x))?;
         let (u, rstd_in) = RmsNorm::plain(h).forward(b, w(QKV_NORM)?, b.view(&x_in)?, rows)?;
         let width = self.qkv_width();
-        let qkv = zeros(b, rows * width)?;
+        let qkv = uninit(b, rows * width)?;
         b.matmul(
             b.view(&u)?,
             w(QKV)?,
             b.view_mut(&qkv)?,
             MatmulDims::linear(rows, h, width),
         )?;
-        let mut q = zeros(b, rows * heads * c)?;
-        let mut k = zeros(b, rows * groups * c)?;
-        let v = zeros(b, rows * groups * c)?;
+        let mut q = uninit(b, rows * heads * c)?;
+        let mut k = uninit(b, rows * groups * c)?;
+        let v = uninit(b, rows * groups * c)?;
         b.qkv_split(
             b.view(&qkv)?,
             AttentionInputs {
@@ -302,7 +302,7 @@ impl AttentionLayer {
             None => None,
         };
         let width = self.qkv_width();
-        let d_qkv = zeros(b, rows * width)?;
+        let d_qkv = uninit(b, rows * width)?;
         b.qkv_join(
             AttentionInputs {
                 q: b.view(&dq)?,
@@ -312,7 +312,7 @@ impl AttentionLayer {
             b.view_mut(&d_qkv)?,
             self.qkv_dims(rows),
         )?;
-        let d_u = zeros(b, rows * h)?;
+        let d_u = uninit(b, rows * h)?;
         b.matmul(
             b.view(&d_qkv)?,
             w(QKV)?,

@@ -3,7 +3,7 @@
 //! the residual; and the gradients of both. The layers differ only in how
 //! they make q, k, v (and undo that in backward).
 
-use super::{check_len, zeros, zeros_f32};
+use super::{check_len, uninit, uninit_f32};
 use crate::backend::{AttentionDims, AttentionInputs, Backend, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 
@@ -23,8 +23,8 @@ pub(crate) fn forward<B: Backend>(
     hidden: usize,
 ) -> Result<(B::Buf, B::Buf)> {
     let rows = dims.tokens.rows()?;
-    let o = zeros(b, rows * width(&dims))?;
-    let lse = zeros_f32(b, rows * dims.heads)?;
+    let o = uninit(b, rows * width(&dims))?;
+    let lse = uninit_f32(b, rows * dims.heads)?;
     let inputs = AttentionInputs {
         q: b.view(qkv.q)?,
         k: b.view(qkv.k)?,
@@ -63,16 +63,16 @@ pub(crate) fn backward_input<B: Backend>(
         b.buf_len(d_out),
         rows * hidden,
     )?;
-    let d_o = zeros(b, rows * width(&dims))?;
+    let d_o = uninit(b, rows * width(&dims))?;
     b.matmul(
         b.view(d_out)?,
         proj,
         b.view_mut(&d_o)?,
         MatmulDims::linear_input_grad(rows, width(&dims), hidden, false),
     )?;
-    let dq = zeros(b, rows * dims.heads * dims.qk_dim)?;
-    let dk = zeros(b, rows * dims.kv_heads * dims.qk_dim)?;
-    let dv = zeros(b, rows * dims.kv_heads * dims.v_dim)?;
+    let dq = uninit(b, rows * dims.heads * dims.qk_dim)?;
+    let dk = uninit(b, rows * dims.kv_heads * dims.qk_dim)?;
+    let dv = uninit(b, rows * dims.kv_heads * dims.v_dim)?;
     let inputs = AttentionInputs {
         q: b.view(saved.q)?,
         k: b.view(saved.k)?,

@@ -16,7 +16,7 @@
 //! may split its reduction differently for a chunk than for the whole; every
 //! schedule uses the same chunking, so they still agree bit for bit.
 
-use super::{check_len, copy_of, positive, zeros_f32};
+use super::{check_len, copy_of, positive, uninit_f32};
 use crate::backend::{Backend, DType, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
@@ -134,8 +134,8 @@ impl Head {
         let rows = b.slice_len(targets);
         self.check(b, "head", weight, hidden_states, rows)?;
         let v = self.vocab;
-        let logits = zeros_f32(b, self.chunk_rows.min(rows) * v)?;
-        let losses = zeros_f32(b, rows)?;
+        let logits = uninit_f32(b, self.chunk_rows.min(rows) * v)?;
+        let losses = uninit_f32(b, rows)?;
         for chunk in self.chunks(rows) {
             self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
             b.cross_entropy_forward(
@@ -177,15 +177,15 @@ impl Head {
         check_len(name, "dh", b.slice_len(b.as_slice(&dh)), rows * h)?;
         check_len(name, "dw", b.slice_len(b.as_slice(&dw)), v * h)?;
         let chunk_rows = self.chunk_rows.min(rows);
-        let logits = zeros_f32(b, chunk_rows * v)?;
-        let losses = zeros_f32(b, chunk_rows)?;
+        let logits = uninit_f32(b, chunk_rows * v)?;
+        let losses = uninit_f32(b, chunk_rows)?;
         // The GEMMs take operands of one dtype: in bf16 the logit gradients
         // are rounded to bf16 for them, as Megatron's bf16 GEMMs do.
         let compute = b.compute_dtype();
         let narrowed = if compute == DType::F32 {
             None
         } else {
-            Some(b.alloc(chunk_rows * v, compute)?)
+            Some(b.alloc_uninit(chunk_rows * v, compute)?)
         };
         for chunk in self.chunks(rows) {
             let n = chunk.len();

@@ -4,7 +4,7 @@
 use super::norm::RmsNorm;
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, grad_rows,
-    positive, section, weight, weight_rows, zeros, zeros_f32,
+    positive, section, uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
 };
 use crate::backend::{
     Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, SliceMut, Unary,
@@ -164,9 +164,9 @@ impl MambaLayer {
             .forward(b, w(IN_NORM)?, b.view(&x_in)?, rows)?;
         // One fused projection, computed per row block so each output is contiguous.
         let [bz, bxbc, bdt] = self.proj_blocks();
-        let mut z = zeros(b, rows * d)?;
-        let mut xbc_in = zeros(b, rows * c)?;
-        let mut dt = zeros(b, rows * heads)?;
+        let mut z = uninit(b, rows * d)?;
+        let mut xbc_in = uninit(b, rows * c)?;
+        let mut dt = uninit(b, rows * heads)?;
         for (block, out, width) in [
             (bz, &mut z, d),
             (bxbc, &mut xbc_in, c),
@@ -180,7 +180,7 @@ impl MambaLayer {
                 MatmulDims::linear(rows, h, width),
             )?;
         }
-        let xbc_conv = zeros(b, rows * c)?;
+        let xbc_conv = uninit(b, rows * c)?;
         b.conv1d_forward(
             b.view(&xbc_in)?,
             w(CONV_W)?,
@@ -188,11 +188,11 @@ impl MambaLayer {
             b.view_mut(&xbc_conv)?,
             self.conv_dims(tokens),
         )?;
-        let xbc = zeros(b, rows * c)?;
+        let xbc = uninit(b, rows * c)?;
         b.unary_forward(Unary::Silu, b.view(&xbc_conv)?, b.view_mut(&xbc)?)?;
         let scan = self.scan_dims(tokens);
-        let y = zeros(b, rows * d)?;
-        let states = zeros_f32(b, scan.states_len())?;
+        let y = uninit(b, rows * d)?;
+        let states = uninit_f32(b, scan.states_len())?;
         let inputs = ScanInputs {
             xbc: b.view(&xbc)?,
             dt: b.view(&dt)?,
@@ -201,7 +201,7 @@ impl MambaLayer {
             d: w(D_SKIP)?,
         };
         b.ssd_scan_forward(inputs, b.view_mut(&y)?, b.view_mut(&states)?, scan)?;
-        let gated = zeros(b, rows * d)?;
+        let gated = uninit(b, rows * d)?;
         b.silu_mul_forward(b.view(&z)?, b.view(&y)?, b.view_mut(&gated)?)?;
         let (normed, rstd_gated) =
             self.gated_norm()
@@ -242,7 +242,7 @@ impl MambaLayer {
         let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
         let w = |i| weight::<B>(weights, i);
         let d_out = copy_of(b, b.as_slice(&dx))?;
-        let d_normed = zeros(b, rows * d)?;
+        let d_normed = uninit(b, rows * d)?;
         b.matmul(
             b.view(&d_out)?,
             w(OUT_PROJ)?,
@@ -259,8 +259,8 @@ impl MambaLayer {
             b.view_mut(&d_gated)?,
             rows,
         )?;
-        let d_z = zeros(b, rows * d)?;
-        let d_y = zeros(b, rows * d)?;
+        let d_z = uninit(b, rows * d)?;
+        let d_y = uninit(b, rows * d)?;
         b.silu_mul_backward(
             b.view(&s.z)?,
             b.view(&s.y)?,
@@ -268,8 +268,8 @@ impl MambaLayer {
             b.view_mut(&d_z)?,
             b.view_mut(&d_y)?,
         )?;
-        let d_xbc = zeros(b, rows * c)?;
-        let d_dt = zeros(b, rows * heads)?;
+        let d_xbc = uninit(b, rows * c)?;
+        let d_dt = uninit(b, rows * heads)?;
         let d_a_log = zeros_f32(b, heads)?;
         let d_skip = zeros_f32(b, heads)?;
         let inputs = ScanInputs {
@@ -292,21 +292,21 @@ impl MambaLayer {
             grads,
             self.scan_dims(tokens),
         )?;
-        let d_xbc_conv = zeros(b, rows * c)?;
+        let d_xbc_conv = uninit(b, rows * c)?;
         b.unary_backward(
             Unary::Silu,
             b.view(&s.xbc_conv)?,
             b.view(&d_xbc)?,
             b.view_mut(&d_xbc_conv)?,
         )?;
-        let d_xbc_in = zeros(b, rows * c)?;
+        let d_xbc_in = uninit(b, rows * c)?;
         b.conv1d_backward_input(
             b.view(&d_xbc_conv)?,
             w(CONV_W)?,
             b.view_mut(&d_xbc_in)?,
             self.conv_dims(tokens),
         )?;
-        let d_u = zeros(b, rows * h)?;
+        let d_u = uninit(b, rows * h)?;
         let [bz, bxbc, bdt] = self.proj_blocks();
         for (i, (block, grad_out, width)) in
             [(bz, &d_z, d), (bxbc, &d_xbc_in, c), (bdt, &d_dt, heads)]

@@ -5,7 +5,7 @@
 use super::norm::RmsNorm;
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
-    grad_rows, positive, section, weight, weight_rows, zeros,
+    grad_rows, positive, section, uninit, weight, weight_rows, zeros,
 };
 use crate::backend::{
     AttentionDims, AttentionInputs, Backend, MatmulDims, MlaKvDims, RotaryDims, RotaryPairing,
@@ -297,10 +297,10 @@ impl MlaLayer {
         let (u, rstd_in) =
             RmsNorm::plain(h).forward(b, w(self.at.in_norm)?, b.view(&x_in)?, rows)?;
         // Queries.
-        let q = zeros(b, rows * a * dqk)?;
+        let q = uninit(b, rows * a * dqk)?;
         let cq = match (self.q_rank, self.at.q_down) {
             (Some(qr), Some(q_down)) => {
-                let raw = zeros(b, rows * qr)?;
+                let raw = uninit(b, rows * qr)?;
                 b.matmul(
                     b.view(&u)?,
                     w(q_down)?,
@@ -327,8 +327,8 @@ impl MlaLayer {
             }
         };
         // Keys and values: the latent c and the shared rotary key.
-        let c_raw = zeros(b, rows * kr)?;
-        let k_rope = zeros(b, rows * dr)?;
+        let c_raw = uninit(b, rows * kr)?;
+        let k_rope = uninit(b, rows * dr)?;
         b.matmul(
             b.view(&u)?,
             weight_rows(b, w(self.at.kv_down)?, h, 0..kr)?,
@@ -343,7 +343,7 @@ impl MlaLayer {
         )?;
         let ckv = Latent::new(b, c_raw, opt(self.at.kv_norm)?, kr, rows)?;
         let kv_width = a * (self.nope_dim + dv);
-        let kv = zeros(b, rows * kv_width)?;
+        let kv = uninit(b, rows * kv_width)?;
         b.matmul(
             b.view(&ckv.out)?,
             w(self.at.kv_up)?,
@@ -352,8 +352,8 @@ impl MlaLayer {
         )?;
         b.rotary_forward(b.view_mut(&q)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
         b.rotary_forward(b.view_mut(&k_rope)?, self.rotary(tokens, 1, dr, 0))?;
-        let k = zeros(b, rows * a * dqk)?;
-        let v = zeros(b, rows * a * dv)?;
+        let k = uninit(b, rows * a * dqk)?;
+        let v = uninit(b, rows * a * dv)?;
         b.mla_kv_split(
             b.view(&kv)?,
             b.view(&k_rope)?,
@@ -429,8 +429,8 @@ impl MlaLayer {
         )?;
         // Back through the split: k_rope is shared, so its gradient sums the heads in order.
         let kv_width = a * (self.nope_dim + dv);
-        let d_kv = zeros(b, rows * kv_width)?;
-        let d_k_rope = zeros(b, rows * dr)?;
+        let d_kv = uninit(b, rows * kv_width)?;
+        let d_k_rope = uninit(b, rows * dr)?;
         b.mla_kv_join(
             b.view(&dk)?,
             b.view(&d_v)?,
@@ -442,7 +442,7 @@ impl MlaLayer {
         b.rotary_backward(b.view_mut(&dq)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
         b.rotary_backward(b.view_mut(&d_k_rope)?, self.rotary(tokens, 1, dr, 0))?;
         // Key/value path into d_u.
-        let d_c = zeros(b, rows * kr)?;
+        let d_c = uninit(b, rows * kr)?;
         b.matmul(
             b.view(&d_kv)?,
             w(self.at.kv_up)?,
@@ -452,7 +452,7 @@ impl MlaLayer {
         let d_ckv = s
             .ckv
             .backward_input(b, opt(self.at.kv_norm)?, d_c, kr, rows)?;
-        let d_u = zeros(b, rows * h)?;
+        let d_u = uninit(b, rows * h)?;
         b.matmul(
             b.view(d_ckv.d_raw())?,
             weight_rows(b, w(self.at.kv_down)?, h, 0..kr)?,
@@ -468,7 +468,7 @@ impl MlaLayer {
         // Query path into d_u.
         let cq = match (s.cq, self.q_rank, self.at.q_down) {
             (Some(latent), Some(qr), Some(q_down)) => {
-                let d_cq = zeros(b, rows * qr)?;
+                let d_cq = uninit(b, rows * qr)?;
                 b.matmul(
                     b.view(&dq)?,
                     w(self.at.q_up)?,

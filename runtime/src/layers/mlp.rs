@@ -4,7 +4,7 @@
 use super::norm::RmsNorm;
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
-    section, weight, weight_rows, zeros,
+    section, uninit, weight, weight_rows,
 };
 use crate::backend::{Backend, MatmulDims, Slice, SliceMut, Unary};
 use crate::error::Result;
@@ -103,7 +103,7 @@ impl Ffn {
         accumulate: bool,
     ) -> Result<()> {
         let (h, f) = (self.hidden, self.width);
-        let d_act = zeros(b, self.act_len(n))?;
+        let d_act = uninit(b, self.act_len(n))?;
         b.matmul(
             d_out,
             w2,
@@ -260,8 +260,8 @@ impl MlpLayer {
         let (u, rstd) =
             self.norm()
                 .forward(b, weight::<B>(weights, NORM)?, b.view(&x_in)?, rows)?;
-        let pre = zeros(b, self.ffn.pre_len(rows))?;
-        let act = zeros(b, self.ffn.act_len(rows))?;
+        let pre = uninit(b, self.ffn.pre_len(rows))?;
+        let act = uninit(b, self.ffn.act_len(rows))?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
         self.ffn.forward(
             b,
@@ -299,8 +299,8 @@ impl MlpLayer {
             rows * self.ffn.hidden,
         )?;
         let d_out = copy_of(b, b.as_slice(&dx))?;
-        let d_pre = zeros(b, self.ffn.pre_len(rows))?;
-        let d_u = zeros(b, rows * self.ffn.hidden)?;
+        let d_pre = uninit(b, self.ffn.pre_len(rows))?;
+        let d_u = uninit(b, rows * self.ffn.hidden)?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
         self.ffn.backward_input(
             b,

@@ -407,9 +407,21 @@ pub(crate) fn zeros_f32<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
     b.alloc(len, DType::F32)
 }
 
+/// An activation buffer of unspecified contents, for an output the next
+/// kernel writes whole (not one accumulated into or written in part).
+pub(crate) fn uninit<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
+    b.alloc_uninit(len, b.compute_dtype())
+}
+
+/// An f32 buffer of unspecified contents, for an output the next kernel
+/// writes whole (not one accumulated into or written in part).
+pub(crate) fn uninit_f32<B: Backend>(b: &B, len: usize) -> Result<B::Buf> {
+    b.alloc_uninit(len, DType::F32)
+}
+
 /// A new buffer holding a copy of `src`.
 pub(crate) fn copy_of<B: Backend>(b: &B, src: Slice<'_, B>) -> Result<B::Buf> {
-    let buf = zeros(b, b.slice_len(src))?;
+    let buf = uninit(b, b.slice_len(src))?;
     b.copy(src, b.view_mut(&buf)?)?;
     Ok(buf)
 }

@@ -4,7 +4,7 @@
 //! the depth's layers, final norm and the shared head after it.
 
 use super::norm::RmsNorm;
-use super::{check_grads, check_len, check_weights, grad, positive, weight, zeros};
+use super::{check_grads, check_len, check_weights, grad, positive, uninit, weight};
 use crate::backend::{Backend, CopyCols, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
@@ -99,10 +99,10 @@ impl MtpEntry {
         let norm = RmsNorm::plain(h);
         let (en, rstd_e) = norm.forward(b, weight::<B>(weights, ENORM)?, emb, rows)?;
         let (hn, rstd_h) = norm.forward(b, weight::<B>(weights, HNORM)?, h_prev, rows)?;
-        let cat = zeros(b, rows * 2 * h)?;
+        let cat = uninit(b, rows * 2 * h)?;
         b.copy_cols(b.view(&en)?, b.view_mut(&cat)?, self.half(rows, 0, true))?;
         b.copy_cols(b.view(&hn)?, b.view_mut(&cat)?, self.half(rows, 1, true))?;
-        let out = zeros(b, rows * h)?;
+        let out = uninit(b, rows * h)?;
         b.matmul(
             b.view(&cat)?,
             weight::<B>(weights, EH_PROJ)?,
@@ -139,15 +139,15 @@ impl MtpEntry {
         ] {
             check_len("MTP entry backward", what, len, rows * h)?;
         }
-        let d_cat = zeros(b, rows * 2 * h)?;
+        let d_cat = uninit(b, rows * 2 * h)?;
         b.matmul(
             d_out,
             weight::<B>(weights, EH_PROJ)?,
             b.view_mut(&d_cat)?,
             MatmulDims::linear_input_grad(rows, 2 * h, h, false),
         )?;
-        let d_en = zeros(b, rows * h)?;
-        let d_hn = zeros(b, rows * h)?;
+        let d_en = uninit(b, rows * h)?;
+        let d_hn = uninit(b, rows * h)?;
         b.copy_cols(
             b.view(&d_cat)?,
             b.view_mut(&d_en)?,

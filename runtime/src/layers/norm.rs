@@ -2,7 +2,7 @@
 //! gated norm, qk-norm), and the standalone final norm of the decoder and of
 //! each MTP depth.
 
-use super::{Tokens, check_rows, copy_of, zeros, zeros_f32};
+use super::{Tokens, check_rows, copy_of, uninit, uninit_f32};
 use crate::backend::{Backend, NormDims, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 
@@ -42,8 +42,8 @@ impl RmsNorm {
         x: Slice<'_, B>,
         rows: usize,
     ) -> Result<(B::Buf, B::Buf)> {
-        let y = zeros(b, b.slice_len(x))?;
-        let rstd = zeros_f32(b, rows.saturating_mul(self.groups))?;
+        let y = uninit(b, b.slice_len(x))?;
+        let rstd = uninit_f32(b, rows.saturating_mul(self.groups))?;
         b.rmsnorm_forward(
             x,
             weight,

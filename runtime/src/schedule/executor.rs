@@ -485,7 +485,7 @@ fn forward_op<D: Device>(
     let rows = cx.tokens.rows()?;
     match op {
         Op::Embed => {
-            let x = b.alloc(rows * h, b.compute_dtype())?;
+            let x = b.alloc_uninit(rows * h, b.compute_dtype())?;
             model.embedding.forward(
                 b,
                 w.weight(Owner::Embedding, 0)?,
@@ -569,7 +569,7 @@ fn forward_op<D: Device>(
             mb.final_norm = NormState::Saved(saved);
         }
         Op::MtpEnter(d) => {
-            let emb = b.alloc(rows * h, b.compute_dtype())?;
+            let emb = b.alloc_uninit(rows * h, b.compute_dtype())?;
             model.embedding.forward(
                 b,
                 w.weight(Owner::Embedding, 0)?,

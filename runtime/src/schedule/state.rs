@@ -65,7 +65,7 @@ impl<B: Backend> TokenIds<B> {
             )));
         }
         let all = parts.concat();
-        let buf = b.alloc(all.len(), DType::U32)?;
+        let buf = b.alloc_uninit(all.len(), DType::U32)?;
         b.upload(&all, b.view_mut(&buf)?)?;
         Ok(TokenIds { buf, rows, depths })
     }

@@ -203,6 +203,15 @@ fn column_blocks(cols: usize) -> LaunchConfig {
     }
 }
 
+/// One block of 256 threads per row (rows past the grid's cap take turns).
+fn block_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((rows as u64).clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// One warp per item, 8 warps a block.
 fn warp_per_item(items: usize) -> LaunchConfig {
     LaunchConfig {
@@ -1464,7 +1473,7 @@ impl KernelSet {
         dst: GpuView,
         width: usize,
     ) -> Result<()> {
-        let t = float(k, "src", &src)?;
+        float(k, "src", &src)?;
         same_dtype(k, ("src", src.dtype), ("dst", dst.dtype))?;
         exactly(k, "index", &index, DType::U32)?;
         let gather = k == "gather_rows";
@@ -1490,17 +1499,29 @@ impl KernelSet {
                 other.len
             )
         })?;
-        let (count, w, rows) = (index.len as u64, width as u64, (other.len / width) as u64);
+        // The widest word every row and both pointers are aligned to.
+        let row_bytes = (width * src.dtype.bytes()) as u64;
+        let word: i32 = [16, 4, 2]
+            .into_iter()
+            .find(|&w| (row_bytes | src.ptr | dst.ptr).is_multiple_of(w as u64))
+            .unwrap_or(2);
+        let words = row_bytes / word as u64;
+        let (count, rows) = (index.len as u64, (other.len / width) as u64);
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&src.ptr)
             .arg(&index.ptr)
             .arg(&dst.ptr)
-            .arg(&t)
+            .arg(&word)
             .arg(&count)
-            .arg(&w)
+            .arg(&words)
             .arg(&rows);
         b.arg(&self.fault_ptr);
-        self.go(k, &mut b, grid_for(moved.len))
+        let config = LaunchConfig {
+            grid_dim: (count.min(MAX_BLOCKS) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.go(k, &mut b, config)
     }
 
     /// `Backend::gather_rows`: `dst[i] = src[index[i]]`.
@@ -1580,7 +1601,7 @@ impl KernelSet {
             b.arg(x);
         }
         b.arg(&self.fault_ptr);
-        self.go(k, &mut b, grid_for(out.len))
+        self.go(k, &mut b, block_per_row(d.tokens))
     }
 
     /// `Backend::moe_unpermute_backward` (overwrites both gradients; the
@@ -1609,7 +1630,10 @@ impl KernelSet {
         len(k, "weights", &weights, positions.len)?;
         len(k, "d_rows", &d_rows, rows.len)?;
         len(k, "d_weights", &d_weights, positions.len)?;
-        self.zero(stream, d_rows)?;
+        // Distinct positions over as many slots as rows write every row.
+        if positions.len != d.rows {
+            self.zero(stream, d_rows)?;
+        }
         if d.width == 0 || d.top_k == 0 {
             return self.zero(stream, d_weights);
         }
@@ -1626,7 +1650,7 @@ impl KernelSet {
             b.arg(x);
         }
         b.arg(&self.fault_ptr);
-        self.go(k_rows, &mut b, grid_for(positions.len * d.width))?;
+        self.go(k_rows, &mut b, block_per_row(positions.len))?;
         let k_weights = "moe_unpermute_backward_weights";
         let mut b = stream.launch_builder(self.function(k_weights)?);
         b.arg(&dout.ptr)

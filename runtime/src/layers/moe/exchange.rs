@@ -1,12 +1,13 @@
 //! The all-to-alls around the experts: an [`ExpertExchange`] moves counts
-//! (host values: the all-to-all's sizes) and rows (device buffers). A
-//! [`LocalExchange`] serves expert parallelism 1 (a copy); a
-//! [`CollectiveExchange`] runs over an expert-parallel communicator.
+//! (host values: the all-to-all's sizes) and rows (device buffers, taken by
+//! value). A [`LocalExchange`] serves expert parallelism 1 (the rows stay
+//! where they are: no copy); a [`CollectiveExchange`] runs over an
+//! expert-parallel communicator.
 
-use crate::backend::{Backend, Slice};
+use crate::backend::Backend;
 use crate::collective::Collective;
 use crate::error::{Result, RuntimeError};
-use crate::layers::{check_len, copy_of, zeros};
+use crate::layers::check_len;
 
 /// Rows sent to and received from each EP rank by one micro-batch.
 pub(super) struct ExchangeRows {
@@ -21,11 +22,13 @@ pub trait ExpertExchange<B: Backend> {
     fn exchange_counts(&self, send: &[Vec<usize>]) -> Result<Vec<Vec<usize>>>;
 
     /// Sends `send_rows[j]` rows (of `width`) to rank j, in rank order, and
-    /// returns the `recv_rows[i]` rows received from each rank i, in rank order.
+    /// returns the `recv_rows[i]` rows received from each rank i, in rank
+    /// order. Takes the send buffer: an exchange within one rank hands it
+    /// back as the received rows.
     fn exchange_rows(
         &self,
         b: &B,
-        send: Slice<'_, B>,
+        send: B::Buf,
         send_rows: &[usize],
         recv_rows: &[usize],
         width: usize,
@@ -33,7 +36,7 @@ pub trait ExpertExchange<B: Backend> {
 }
 
 /// The exchange of expert parallelism 1: every expert is local, so the rows
-/// stay and are copied.
+/// stay where they are.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LocalExchange;
 
@@ -52,7 +55,7 @@ impl<B: Backend> ExpertExchange<B> for LocalExchange {
     fn exchange_rows(
         &self,
         b: &B,
-        send: Slice<'_, B>,
+        send: B::Buf,
         send_rows: &[usize],
         recv_rows: &[usize],
         width: usize,
@@ -65,10 +68,10 @@ impl<B: Backend> ExpertExchange<B> for LocalExchange {
         check_len(
             "local expert exchange",
             "send",
-            b.slice_len(send),
+            b.buf_len(&send),
             send_rows[0] * width,
         )?;
-        copy_of(b, send)
+        Ok(send)
     }
 }
 
@@ -86,16 +89,21 @@ impl<B: Backend, C: Collective<B>> ExpertExchange<B> for CollectiveExchange<'_, 
     fn exchange_rows(
         &self,
         b: &B,
-        send: Slice<'_, B>,
+        send: B::Buf,
         send_rows: &[usize],
         recv_rows: &[usize],
         width: usize,
     ) -> Result<B::Buf> {
         let send_counts: Vec<usize> = send_rows.iter().map(|r| r * width).collect();
         let recv_counts: Vec<usize> = recv_rows.iter().map(|r| r * width).collect();
-        let recv = zeros(b, recv_counts.iter().sum())?;
-        self.collective
-            .all_to_all(send, &send_counts, b.view_mut(&recv)?, &recv_counts)?;
+        // The all-to-all writes every received row.
+        let recv = b.alloc_uninit(recv_counts.iter().sum(), b.compute_dtype())?;
+        self.collective.all_to_all(
+            b.view(&send)?,
+            &send_counts,
+            b.view_mut(&recv)?,
+            &recv_counts,
+        )?;
         Ok(recv)
     }
 }

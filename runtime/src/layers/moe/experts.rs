@@ -15,7 +15,7 @@ use super::MoeLayer;
 use super::permutation::ExpertGroups;
 use crate::backend::{Backend, GroupedMatmul, MatmulDims, MatmulProblem, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
-use crate::layers::{check_grads, check_len, check_weights, weight, weight_rows, zeros};
+use crate::layers::{check_grads, check_len, check_weights, weight, weight_rows};
 use std::ops::Range;
 
 /// What [`MoeLayer::experts`] keeps.
@@ -74,26 +74,29 @@ fn rows_of_mut<'a, B: Backend>(
 impl MoeLayer {
     /// The mlp slot: runs the local experts on the received rows
     /// (`recv_counts[i][j]` rows from source rank i for local expert j, in
-    /// that order) and writes their outputs to `out` in received order.
+    /// that order) and returns their outputs in received order. Takes the
+    /// received rows: with one source rank they already are in grouped
+    /// order and become the saved input as they are.
     pub fn experts<B: Backend>(
         &self,
         b: &B,
         weights: &[Slice<'_, B>],
-        recv: Slice<'_, B>,
+        recv: B::Buf,
         recv_counts: &[Vec<usize>],
-        out: SliceMut<'_, B>,
-    ) -> Result<MoeExpertsSaved<B>> {
+    ) -> Result<(B::Buf, MoeExpertsSaved<B>)> {
         let name = "`E` layer experts";
         check_weights(b, name, &self.params, weights)?;
         let groups = ExpertGroups::new(b, recv_counts, self.local_experts)?;
         let (h, ffn, total) = (self.hidden, self.expert, groups.total());
-        check_len(name, "recv", b.slice_len(recv), total * h)?;
-        check_len(name, "out", b.slice_len(b.as_slice(&out)), total * h)?;
-        let input = zeros(b, total * h)?;
-        groups.group(b, recv, b.view_mut(&input)?, h)?;
-        let pre = zeros(b, ffn.pre_len(total))?;
-        let act = zeros(b, ffn.act_len(total))?;
-        let grouped = zeros(b, total * h)?;
+        check_len(name, "recv", b.buf_len(&recv), total * h)?;
+        let input = groups.group(b, recv, h)?;
+        // Every buffer below is written whole: each GEMM overwrites its
+        // experts' rows (the experts' ranges cover every row), and the
+        // activation covers all rows.
+        let dtype = b.compute_dtype();
+        let pre = b.alloc_uninit(ffn.pre_len(total), dtype)?;
+        let act = b.alloc_uninit(ffn.act_len(total), dtype)?;
+        let grouped = b.alloc_uninit(total * h, dtype)?;
         let ranges = expert_ranges(groups.rows());
         let (f, w) = (ffn.width, |i| weight::<B>(weights, i));
 
@@ -148,26 +151,28 @@ impl MoeLayer {
             });
         }
         b.grouped_matmul(fc2)?;
-        groups.ungroup(b, b.view(&grouped)?, out, h)?;
-        Ok(MoeExpertsSaved {
-            groups,
-            input,
-            pre,
-            act,
-        })
+        let out = groups.ungroup(b, grouped, h)?;
+        Ok((
+            out,
+            MoeExpertsSaved {
+                groups,
+                input,
+                pre,
+                act,
+            },
+        ))
     }
 
     /// Experts backward: `d_out` is the gradient of the experts' outputs in
-    /// received order; writes the gradient of their inputs to `d_in` (received
-    /// order), ready to be sent back.
+    /// received order; returns the gradient of their inputs (received
+    /// order), ready to be sent back, and what the weight step needs.
     pub fn experts_backward_input<B: Backend>(
         &self,
         b: &B,
         weights: &[Slice<'_, B>],
         saved: MoeExpertsSaved<B>,
-        d_out: Slice<'_, B>,
-        d_in: SliceMut<'_, B>,
-    ) -> Result<MoeExpertsWgrad<B>> {
+        d_out: B::Buf,
+    ) -> Result<(B::Buf, MoeExpertsWgrad<B>)> {
         let name = "`E` layer experts backward";
         check_weights(b, name, &self.params, weights)?;
         let MoeExpertsSaved {
@@ -177,15 +182,15 @@ impl MoeLayer {
             act,
         } = saved;
         let (h, ffn, total) = (self.hidden, self.expert, groups.total());
-        check_len(name, "d_out", b.slice_len(d_out), total * h)?;
-        check_len(name, "d_in", b.slice_len(b.as_slice(&d_in)), total * h)?;
-        let d_grouped = zeros(b, total * h)?;
-        groups.group(b, d_out, b.view_mut(&d_grouped)?, h)?;
+        check_len(name, "d_out", b.buf_len(&d_out), total * h)?;
+        let d_grouped = groups.group(b, d_out, h)?;
         let ranges = expert_ranges(groups.rows());
         let (f, w) = (ffn.width, |i| weight::<B>(weights, i));
+        let dtype = b.compute_dtype();
 
-        // d_act = d_out W2, per expert, one grouped GEMM.
-        let d_act = zeros(b, ffn.act_len(total))?;
+        // d_act = d_out W2, per expert, one grouped GEMM (written whole, as
+        // is every buffer below: see `experts`).
+        let d_act = b.alloc_uninit(ffn.act_len(total), dtype)?;
         let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
         for (j, r) in &ranges {
             problems.push(MatmulProblem {
@@ -197,8 +202,10 @@ impl MoeLayer {
         }
         b.grouped_matmul(problems)?;
         // The activation's backward over all rows, then d_in = d_pre W1.
-        let d_pre = zeros(b, ffn.pre_len(total))?;
-        let d_in_grouped = zeros(b, total * h)?;
+        let d_pre = b.alloc_uninit(ffn.pre_len(total), dtype)?;
+        // The SwiGLU path's first grouped call overwrites it, the second
+        // adds to it.
+        let d_in_grouped = b.alloc_uninit(total * h, dtype)?;
         match ffn.unary() {
             Some(op) => {
                 b.unary_backward(op, b.view(&pre)?, b.view(&d_act)?, b.view_mut(&d_pre)?)?;
@@ -239,14 +246,17 @@ impl MoeLayer {
                 }
             }
         }
-        groups.ungroup(b, b.view(&d_in_grouped)?, d_in, h)?;
-        Ok(MoeExpertsWgrad {
-            rows: groups.rows().to_vec(),
-            input,
-            act,
-            d_pre,
-            d_out: d_grouped,
-        })
+        let d_in = groups.ungroup(b, d_in_grouped, h)?;
+        Ok((
+            d_in,
+            MoeExpertsWgrad {
+                rows: groups.rows().to_vec(),
+                input,
+                act,
+                d_pre,
+                d_out: d_grouped,
+            },
+        ))
     }
 
     /// Accumulates the local experts' weight gradients: every expert's

@@ -52,7 +52,7 @@ use super::mlp::Ffn;
 use super::norm::RmsNorm;
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
-    section, weight, zeros, zeros_f32,
+    section, uninit, uninit_f32, weight,
 };
 use crate::backend::{Backend, DType, Slice, SliceMut, UnpermuteGrads};
 use crate::error::{Result, RuntimeError};
@@ -555,9 +555,9 @@ impl MoeLayer {
         )?;
         let shared = match &self.shared {
             Some(ffn) => {
-                let pre = zeros(b, ffn.pre_len(rows))?;
-                let act = zeros(b, ffn.act_len(rows))?;
-                let out = zeros(b, rows * h)?;
+                let pre = uninit(b, ffn.pre_len(rows))?;
+                let act = uninit(b, ffn.act_len(rows))?;
+                let out = uninit(b, rows * h)?;
                 let i = self.shared_fc1();
                 ffn.forward(
                     b,
@@ -605,7 +605,7 @@ impl MoeLayer {
             rows * self.top_k * h,
         )?;
         check_len(name, "x", b.slice_len(b.as_slice(&x)), rows * h)?;
-        let moe_out = zeros(b, rows * h)?;
+        let moe_out = uninit(b, rows * h)?;
         self.unpermute(
             b,
             b.view(&returned)?,
@@ -640,8 +640,8 @@ impl MoeLayer {
             b.slice_len(dx),
             rows * h,
         )?;
-        let d_returned = zeros(b, rows * k * h)?;
-        let d_weights = zeros_f32(b, rows * k)?;
+        let d_returned = uninit(b, rows * k * h)?;
+        let d_weights = uninit_f32(b, rows * k)?;
         self.unpermute_backward(
             b,
             dx,
@@ -688,14 +688,14 @@ impl MoeLayer {
         check_len(name, "d_send", b.slice_len(d_send), rows * k * h)?;
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * h)?;
         let w = |i| weight::<B>(weights, i);
-        let d_u = zeros(b, rows * h)?;
+        let d_u = uninit(b, rows * h)?;
         self.permute_backward(b, d_send, b.view(&r.positions)?, b.view_mut(&d_u)?, rows)?;
         let d_logits =
             self.route_backward(b, &r.router, b.view(&state.d_weights)?, rows, loss_scale)?;
         self.router_backward_input(b, w(ROUTER)?, b.view(&d_logits)?, b.view_mut(&d_u)?, rows)?;
         let shared = match (&self.shared, r.shared, state.d_out) {
             (Some(ffn), Some(saved), Some(d_out)) => {
-                let d_pre = zeros(b, ffn.pre_len(rows))?;
+                let d_pre = uninit(b, ffn.pre_len(rows))?;
                 let i = self.shared_fc1();
                 ffn.backward_input(
                     b,
@@ -839,7 +839,7 @@ impl MoeLayer {
                     send: send_counts.iter().map(|c| c.iter().sum()).collect(),
                     recv: recv_counts.iter().map(|c| c.iter().sum()).collect(),
                 };
-                let recv = exchange.exchange_rows(b, b.view(&send)?, &rows.send, &rows.recv, h)?;
+                let recv = exchange.exchange_rows(b, send, &rows.send, &rows.recv, h)?;
                 with(MoeFlow::Dispatched {
                     routing,
                     recv,
@@ -856,9 +856,7 @@ impl MoeLayer {
                     rows,
                 },
             ) => {
-                let out = zeros(b, b.buf_len(&recv))?;
-                let experts =
-                    self.experts(b, weights, b.view(&recv)?, &recv_counts, b.view_mut(&out)?)?;
+                let (out, experts) = self.experts(b, weights, recv, &recv_counts)?;
                 with(MoeFlow::Computed {
                     routing,
                     out,
@@ -875,9 +873,7 @@ impl MoeLayer {
                     rows,
                 },
             ) => {
-                let returned =
-                    exchange.exchange_rows(b, b.view(&out)?, &rows.recv, &rows.send, h)?;
-                drop(out);
+                let returned = exchange.exchange_rows(b, out, &rows.recv, &rows.send, h)?;
                 let combined = self.combine(b, routing, returned, b.reborrow_mut(&mut x))?;
                 with(MoeFlow::Combined {
                     combined,
@@ -927,13 +923,8 @@ impl MoeLayer {
                 },
             ) => {
                 let back = self.combine_backward(b, combined, b.as_slice(&dx))?;
-                let d_out = exchange.exchange_rows(
-                    b,
-                    b.view(&back.d_returned)?,
-                    &rows.send,
-                    &rows.recv,
-                    h,
-                )?;
+                let d_out =
+                    exchange.exchange_rows(b, back.d_returned, &rows.send, &rows.recv, h)?;
                 MoeFlow::CombineGrad {
                     state: back.state,
                     d_out,
@@ -950,14 +941,8 @@ impl MoeLayer {
                     rows,
                 },
             ) => {
-                let d_in = zeros(b, b.buf_len(&d_out))?;
-                experts_wgrad = Some(self.experts_backward_input(
-                    b,
-                    weights,
-                    experts,
-                    b.view(&d_out)?,
-                    b.view_mut(&d_in)?,
-                )?);
+                let (d_in, wgrad) = self.experts_backward_input(b, weights, experts, d_out)?;
+                experts_wgrad = Some(wgrad);
                 MoeFlow::ExpertsGrad { state, d_in, rows }
             }
             (MoeBackward::ExpertsWeights, flow) => {
@@ -968,8 +953,7 @@ impl MoeLayer {
                 flow
             }
             (MoeBackward::Dispatch, MoeFlow::ExpertsGrad { state, d_in, rows }) => {
-                let d_send =
-                    exchange.exchange_rows(b, b.view(&d_in)?, &rows.recv, &rows.send, h)?;
+                let d_send = exchange.exchange_rows(b, d_in, &rows.recv, &rows.send, h)?;
                 MoeFlow::DispatchGrad { state, d_send }
             }
             (MoeBackward::Prepare, MoeFlow::DispatchGrad { state, d_send }) => {
@@ -1075,7 +1059,7 @@ impl MoeLayer {
     ) -> Result<()> {
         // The weight steps read no activations and exchange nothing; the
         // residual gradient is not touched, so an empty view stands in.
-        let none = b.alloc(0, b.compute_dtype())?;
+        let none = b.alloc_uninit(0, b.compute_dtype())?;
         let mut stage = wgrad.stage;
         for step in [MoeBackward::ExpertsWeights, MoeBackward::PrepareWeights] {
             stage = self.backward_step(

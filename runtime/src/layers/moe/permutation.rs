@@ -114,8 +114,10 @@ impl MoeLayer {
 pub(super) struct ExpertGroups<B: Backend> {
     /// Rows per local expert: the row ranges of the grouped order, in order.
     rows: Vec<usize>,
-    /// u32 `[total]`: grouped row -> received row.
-    order: B::Buf,
+    /// u32 `[total]`: grouped row -> received row; `None` when the received
+    /// order already is the grouped one (rows from one source rank arrive
+    /// expert by expert), so grouping moves nothing.
+    order: Option<B::Buf>,
 }
 
 impl<B: Backend> ExpertGroups<B> {
@@ -143,10 +145,13 @@ impl<B: Backend> ExpertGroups<B> {
                 rows[j] += c;
             }
         }
+        if recv_counts.len() == 1 {
+            return Ok(ExpertGroups { rows, order: None });
+        }
         let total = rows.iter().sum();
-        let counts = b.alloc(table.len(), DType::U32)?;
+        let counts = b.alloc_uninit(table.len(), DType::U32)?;
         b.upload(&table, b.view_mut(&counts)?)?;
-        let order = b.alloc(total, DType::U32)?;
+        let order = b.alloc_uninit(total, DType::U32)?;
         b.moe_expert_major_order(
             b.view(&counts)?,
             b.view_mut(&order)?,
@@ -155,7 +160,10 @@ impl<B: Backend> ExpertGroups<B> {
                 local_experts,
             },
         )?;
-        Ok(ExpertGroups { rows, order })
+        Ok(ExpertGroups {
+            rows,
+            order: Some(order),
+        })
     }
 
     /// Rows per local expert.
@@ -168,25 +176,37 @@ impl<B: Backend> ExpertGroups<B> {
         self.rows.iter().sum()
     }
 
-    /// `grouped[g] = received[order[g]]` for rows of `width`.
-    pub fn group(
-        &self,
-        b: &B,
-        received: Slice<'_, B>,
-        grouped: SliceMut<'_, B>,
-        width: usize,
-    ) -> Result<()> {
-        b.gather_rows(received, b.view(&self.order)?, grouped, width)
+    /// The received rows (of `width`) in grouped order: `grouped[g] =
+    /// received[order[g]]`, or `received` itself when the orders agree.
+    pub fn group(&self, b: &B, received: B::Buf, width: usize) -> Result<B::Buf> {
+        let Some(order) = &self.order else {
+            return Ok(received);
+        };
+        // The order is a permutation: the gather writes every row.
+        let grouped = b.alloc_uninit(b.buf_len(&received), b.view(&received)?.dtype())?;
+        b.gather_rows(
+            b.view(&received)?,
+            b.view(order)?,
+            b.view_mut(&grouped)?,
+            width,
+        )?;
+        Ok(grouped)
     }
 
-    /// `received[order[g]] = grouped[g]`: back to received order.
-    pub fn ungroup(
-        &self,
-        b: &B,
-        grouped: Slice<'_, B>,
-        received: SliceMut<'_, B>,
-        width: usize,
-    ) -> Result<()> {
-        b.scatter_rows(grouped, b.view(&self.order)?, received, width)
+    /// Back to received order: `received[order[g]] = grouped[g]`, or
+    /// `grouped` itself when the orders agree.
+    pub fn ungroup(&self, b: &B, grouped: B::Buf, width: usize) -> Result<B::Buf> {
+        let Some(order) = &self.order else {
+            return Ok(grouped);
+        };
+        // The order is a permutation: the scatter writes every row.
+        let received = b.alloc_uninit(b.buf_len(&grouped), b.view(&grouped)?.dtype())?;
+        b.scatter_rows(
+            b.view(&grouped)?,
+            b.view(order)?,
+            b.view_mut(&received)?,
+            width,
+        )?;
+        Ok(received)
     }
 }

@@ -10,7 +10,7 @@ use crate::backend::{
     RouterScores, Slice, SliceMut,
 };
 use crate::error::{Result, RuntimeError};
-use crate::layers::zeros_f32;
+use crate::layers::{uninit_f32, zeros_f32};
 
 /// What the router keeps from the forward for the backward (and, for its
 /// counts, for the dispatch).
@@ -81,17 +81,17 @@ impl MoeLayer {
         let (h, e_n, k) = (self.hidden, self.experts, self.top_k);
         // f32 logits from compute-dtype operands: f32 accumulation, no
         // rounding to bf16 before the softmax.
-        let logits = zeros_f32(b, rows * e_n)?;
+        let logits = uninit_f32(b, rows * e_n)?;
         b.matmul(
             u,
             w_router,
             b.view_mut(&logits)?,
             MatmulDims::linear(rows, h, e_n),
         )?;
-        let scores = zeros_f32(b, rows * e_n)?;
-        let weights = zeros_f32(b, rows * k)?;
+        let scores = uninit_f32(b, rows * e_n)?;
+        let weights = uninit_f32(b, rows * k)?;
         let prob_sum = zeros_f32(b, e_n)?;
-        let selected = b.alloc(rows * k, DType::U32)?;
+        let selected = b.alloc_uninit(rows * k, DType::U32)?;
         // A standalone call routes with the layer's own bias, uploaded here
         // (E values); training passes its device buffer.
         let own_bias = match (&self.expert_bias, expert_bias) {
@@ -103,7 +103,7 @@ impl MoeLayer {
                 ));
             }
             (Some(values), None) => {
-                let buf = zeros_f32(b, values.len())?;
+                let buf = uninit_f32(b, values.len())?;
                 b.upload(values, b.view_mut(&buf)?)?;
                 Some(buf)
             }
@@ -114,7 +114,7 @@ impl MoeLayer {
             (None, given) => given,
         };
         let unbiased = match bias {
-            Some(_) => Some(b.alloc(rows * k, DType::U32)?),
+            Some(_) => Some(b.alloc_uninit(rows * k, DType::U32)?),
             None => None,
         };
         let expert_bias = match (bias, &unbiased) {
@@ -136,7 +136,7 @@ impl MoeLayer {
             self.route_dims(rows),
         )?;
         let histogram = |of: &B::Buf| -> Result<B::Buf> {
-            let counts = b.alloc(e_n, DType::U32)?;
+            let counts = b.alloc_uninit(e_n, DType::U32)?;
             b.moe_expert_counts(b.view(of)?, b.view_mut(&counts)?, self.routed_slots(rows))?;
             Ok(counts)
         };
@@ -169,14 +169,14 @@ impl MoeLayer {
         loss_scale: f32,
     ) -> Result<B::Buf> {
         let e_n = self.experts;
-        let aux_grad = zeros_f32(b, e_n)?;
+        let aux_grad = uninit_f32(b, e_n)?;
         b.moe_aux_loss_backward(
             b.view(saved.aux_counts())?,
             b.view_mut(&aux_grad)?,
             self.aux_dims(rows),
             loss_scale,
         )?;
-        let d_logits = zeros_f32(b, rows * e_n)?;
+        let d_logits = uninit_f32(b, rows * e_n)?;
         b.moe_route_backward(
             RouterScores {
                 logits: b.view(&saved.logits)?,
@@ -198,7 +198,7 @@ impl MoeLayer {
         if b.compute_dtype() == DType::F32 {
             return Ok(d_logits);
         }
-        let cast = b.alloc(rows * e_n, b.compute_dtype())?;
+        let cast = b.alloc_uninit(rows * e_n, b.compute_dtype())?;
         b.cast(b.view(&d_logits)?, b.view_mut(&cast)?)?;
         Ok(cast)
     }
