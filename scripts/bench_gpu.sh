@@ -96,7 +96,7 @@ if [ "$torch_ref" != none ] && [ -f "$torch_ref/run_device.sh" ]; then
   OUT="$out/torch" bash "$torch_ref/run_device.sh" fast > "$out/torch.log" 2>&1
 fi
 
-python3 - "$out/rows.jsonl" "$out/torch/results.jsonl" <<'PY'
+python3 - "$out/rows.jsonl" "$out/torch/results.jsonl" "$out/startup.jsonl" <<'PY'
 import json, os, sys
 FLOPS_PER_TOKEN = 3_031_695_360
 TOKENS_PER_GPU_STEP = 4 * 4096
@@ -118,7 +118,22 @@ print(f"{'row':24} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'
       f"{'exposed':>8} {'vs torch':>8}")
 for r in rows:
     if "wall_s" in r:
-        print(f"{r['row']:24} {'whole one-step run: ' + format(r['wall_s'], '.1f') + ' s' if r['rc'] == 0 else 'FAILED (exit ' + str(r['rc']) + ')'}")
+        if r["rc"] != 0:
+            print(f"{r['row']:24} FAILED (exit {r['rc']})")
+            continue
+        # The run's own account: its phases before the first step, and that
+        # step (the rest is the process around them and the final hash).
+        parts = ""
+        try:
+            lines = [json.loads(l) for l in open(sys.argv[3]) if l.startswith("{")]
+            s = next(l["summary"] for l in lines if "summary" in l)
+            first = next(l["step_ms"] for l in lines if l.get("step") == 1)
+            t = s["startup_s"]
+            parts = (f" (device {t['device']:.1f} s, parameters {t['params']:.1f} s, "
+                     f"optimizer {t['optimizer']:.1f} s, first step {first / 1e3:.1f} s)")
+        except (OSError, StopIteration, KeyError, ValueError):
+            pass
+        print(f"{r['row']:24} whole one-step run: {r['wall_s']:.1f} s{parts}")
         continue
     if "step_ms" not in r:
         print(f"{r['row']:24} {r.get('skipped') or r.get('failed')}")

@@ -3,7 +3,9 @@
 and reports, over the last whole training step (between the last two groups
 of `adam_update` kernels), how busy the GPU was, its idle gaps, and what the
 host thread that launched the work after each gap did in the meantime:
-CUDA calls (by name) or its own code between calls.
+CUDA calls (by name) or its own code between calls. Then start-up: from
+the first CUDA call to the first step's first kernel (`embedding_forward`),
+the CUDA calls that took the time, per thread.
 
     python3 timeline_gaps.py timeline.csv [--gap-us 5] [--top 25]
 """
@@ -136,6 +138,27 @@ def main():
     for name, t in kernel_time.most_common(20):
         print(f"  {t / 1e6:8.2f}  {name[:90]}")
 
+    startup(gpu, by_thread)
+
+
+def startup(gpu, by_thread):
+    first_call = min((c[0] for calls in by_thread.values() for c in calls), default=None)
+    first_step = next((s for s, _, _, _, n in gpu if "embedding_forward" in n), None)
+    if first_call is None or first_step is None:
+        return
+    span = first_step - first_call
+    print(f"\nstart-up: {span / 1e9:.2f} s from the first CUDA call to the first step's first kernel")
+    for thread, calls in sorted(by_thread.items()):
+        per, n = collections.Counter(), collections.Counter()
+        for s, e, _, _, name in calls:
+            if s < first_step:
+                per[name] += min(e, first_step) - s
+                n[name] += 1
+        if not per:
+            continue
+        in_api = sum(per.values())
+        top = ", ".join(f"{k} {v / 1e9:.2f} s ({n[k]})" for k, v in per.most_common(6))
+        print(f"  thread {thread}: {in_api / 1e9:.2f} s in CUDA calls: {top}")
 
 if __name__ == "__main__":
     main()

@@ -209,6 +209,16 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
     assert!(summary["tokens_per_s"].as_f64().unwrap() > 0.0);
     // The CPU default.
     assert_eq!(summary["precision"], "f32");
+    // Start-up, phase by phase: every phase that ran took some time, the
+    // resume (none here) none, and together less than the whole run.
+    let startup = &summary["startup_s"];
+    let phase = |name: &str| startup[name].as_f64().expect(name);
+    for name in ["device", "params", "optimizer"] {
+        assert!(phase(name) > 0.0, "{name}: {startup}");
+    }
+    assert_eq!(phase("resume"), 0.0);
+    let total: f64 = ["device", "params", "optimizer"].map(phase).iter().sum();
+    assert!(total < summary["wall_s"].as_f64().unwrap(), "{summary}");
 }
 
 #[test]

@@ -244,6 +244,30 @@ pub struct TrainSummary {
     /// The last checkpoint saved: its step directory.
     pub saved_to: Option<PathBuf>,
     pub trace: Option<PathBuf>,
+    /// Where the first local rank's start-up went, before its first step.
+    pub startup: StartupTimes,
+}
+
+/// Where a rank's start-up goes, phase by phase, before its first step
+/// (the first step's own time is its step report's).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StartupTimes {
+    /// The device and the communicators: opening the GPU, loading (or
+    /// compiling) the kernels, NCCL.
+    pub device: Duration,
+    /// The parameters: initialising (or reading) them, placing their
+    /// shards on the device.
+    pub params: Duration,
+    /// The optimizer's state and the step context.
+    pub optimizer: Duration,
+    /// Loading the checkpoint resumed (zero without one).
+    pub resume: Duration,
+}
+
+impl StartupTimes {
+    pub fn total(&self) -> Duration {
+        self.device + self.params + self.optimizer + self.resume
+    }
 }
 
 impl TrainSummary {
@@ -662,7 +686,7 @@ pub fn train_on<P: Platform>(
     // a launcher started one process per rank): every rank sees the same
     // losses.
     let reporter = platform.local_ranks().start;
-    let outcomes: Vec<(usize, Result<u64>)> = std::thread::scope(|scope| {
+    let outcomes: Vec<(usize, Result<(u64, StartupTimes)>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = platform
             .local_ranks()
             .map(|r| {
@@ -671,9 +695,10 @@ pub fn train_on<P: Platform>(
                 let handle = std::thread::Builder::new()
                     .name(format!("rank-{r}"))
                     .spawn_scoped(scope, move || {
-                        let result = platform
-                            .rank(r, settings)
-                            .and_then(|rank| run_rank(config, prepared, rank, reports));
+                        let opened = Instant::now();
+                        let result = platform.rank(r, settings).and_then(|rank| {
+                            run_rank(config, prepared, rank, reports, opened.elapsed())
+                        });
                         if let Err(e) = &result {
                             platform.abort(r, &e.to_string());
                         }
@@ -714,10 +739,16 @@ pub fn train_on<P: Platform>(
         _ => Ok(()),
     };
     let mut hash = None;
+    let mut startup = StartupTimes::default();
     let mut failures = Vec::new();
     for (r, outcome) in outcomes {
         match outcome {
-            Ok(h) => hash = hash.or(Some(h)),
+            Ok((h, times)) => {
+                if hash.is_none() {
+                    startup = times;
+                }
+                hash = hash.or(Some(h));
+            }
             Err(e) => failures.push((r, e)),
         }
     }
@@ -757,6 +788,7 @@ pub fn train_on<P: Platform>(
             .as_ref()
             .map(|s| s.root.step_dir(last_step)),
         trace: config.trace.clone(),
+        startup,
     })
 }
 
@@ -804,14 +836,21 @@ fn root_failure(failures: Vec<(usize, RuntimeError)>) -> Option<RuntimeError> {
     })
 }
 
-/// One rank's whole run, on the thread that drives it. Returns the
-/// parameter hash on rank 0.
+/// One rank's whole run, on the thread that drives it (`opening`: how
+/// long its device and communicators took). Returns the parameter hash on
+/// rank 0, and where the start-up went.
 fn run_rank<D: Device>(
     config: &TrainConfig,
     prepared: &Prepared,
     rank: RankContext<D>,
     reports: Option<mpsc::Sender<StepReport>>,
-) -> Result<u64> {
+    opening: Duration,
+) -> Result<(u64, StartupTimes)> {
+    let mut startup = StartupTimes {
+        device: opening,
+        ..StartupTimes::default()
+    };
+    let phase = Instant::now();
     let r = rank.rank;
     let plan = prepared.plan.clone();
     let model = Arc::new(ModelRuntime::new(plan.clone())?);
@@ -828,6 +867,8 @@ fn run_rank<D: Device>(
             None => model.init_param(config.seed, p, ep_rank, out),
         },
     )?;
+    startup.params = phase.elapsed();
+    let phase = Instant::now();
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
     let ranges = (0..plan.params.len())
         .map(|p| engine.param_range(p))
@@ -841,10 +882,13 @@ fn run_rank<D: Device>(
         1.0 / (config.micro_batches * config.ranks) as f32,
         &rank.backend,
     )?);
+    startup.optimizer = phase.elapsed();
     let mut step = 0;
     if let Some(resume) = &prepared.checkpoints.resume {
+        let phase = Instant::now();
         checkpoint::load(resume, &plan, &engine, &mut optimizer, &cx.balance, &rank)?;
         step = resume.step();
+        startup.resume = phase.elapsed();
     }
     if let Some(weights) = &config.init_from {
         // The published routers' correction biases are the expert biases.
@@ -969,7 +1013,7 @@ fn run_rank<D: Device>(
     {
         checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
     }
-    param_hash(&plan, &engine, &rank)
+    Ok((param_hash(&plan, &engine, &rank)?, startup))
 }
 
 /// A micro-batch's inputs and targets (and MTP inputs) from its batch.

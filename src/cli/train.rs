@@ -815,6 +815,20 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
         "  step time       {:.0} ms\n",
         s.mean_step_time.as_secs_f64() * 1e3
     );
+    let t = &s.startup;
+    out += &format!(
+        "  start-up        {:.1} s before the first step: device {:.1} s, parameters {:.1} s, \
+         optimizer {:.1} s{}\n",
+        t.total().as_secs_f64(),
+        t.device.as_secs_f64(),
+        t.params.as_secs_f64(),
+        t.optimizer.as_secs_f64(),
+        if t.resume.is_zero() {
+            String::new()
+        } else {
+            format!(", resume {:.1} s", t.resume.as_secs_f64())
+        }
+    );
     out += &format!(
         "  comm lane       {:.2} s busy over all ranks, {:.2} s hidden under compute ({})\n",
         s.comm_busy.as_secs_f64(),
@@ -866,6 +880,12 @@ fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
             "resumed_dir": s.resumed_dir.as_ref().map(|p| p.display().to_string()),
             "checkpoint": s.saved_to.as_ref().map(|p| p.display().to_string()),
             "trace": s.trace.as_ref().map(|p| p.display().to_string()),
+            "startup_s": {
+                "device": s.startup.device.as_secs_f64(),
+                "params": s.startup.params.as_secs_f64(),
+                "optimizer": s.startup.optimizer.as_secs_f64(),
+                "resume": s.startup.resume.as_secs_f64(),
+            },
         }
     })
 }
