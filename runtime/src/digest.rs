@@ -62,6 +62,13 @@ impl StreamDigest {
         }
     }
 
+    /// [`StreamDigest::push`] of every value, in order.
+    pub fn extend(&mut self, bits: impl IntoIterator<Item = u32>) {
+        for b in bits {
+            self.push(b);
+        }
+    }
+
     /// Hashes the pending values' blocks (the last one may be short), a
     /// thread each.
     fn hash_pending(&mut self) {

@@ -1116,18 +1116,24 @@ fn param_hash<D: Device>(
         let copies = if bucket.expert { ep } else { 1 };
         for e in 0..copies {
             // The whole bucket as EP rank `e` holds it is its holders'
-            // pieces one after another.
+            // pieces one after another: the parameter is a run of slices
+            // of them (a per-element lookup took 18 s for the 0.9 B
+            // parameters of the benchmark model).
             let holders = layout.holders(bucket.expert, e);
-            for i in param.offset..param.offset + numel {
-                let value = holders
-                    .get(i / piece)
+            let (mut i, end) = (param.offset, param.offset + numel);
+            while i < end {
+                let (j, at) = (i / piece, i % piece);
+                let n = (piece - at).min(end - i);
+                let values = holders
+                    .get(j)
                     .and_then(|&r| all.get(r))
-                    .and_then(|v| v.get(i % piece))
+                    .and_then(|v| v.get(at..at + n))
                     .ok_or_else(|| RuntimeError::Peer {
-                        rank: holders.get(i / piece).copied().unwrap_or(0),
+                        rank: holders.get(j).copied().unwrap_or(0),
                         message: "sent a parameter shard of the wrong length for the hash".into(),
                     })?;
-                digest.push((*value as f32).to_bits());
+                digest.extend(values.iter().map(|&v| (v as f32).to_bits()));
+                i += n;
             }
         }
     }

@@ -164,11 +164,34 @@ pub fn init_param_range(
 }
 
 /// Values a thread of [`init_param_range`] draws at least.
-const PARALLEL_PIECE: usize = 1 << 18;
+const PARALLEL_PIECE: usize = 1 << 16;
 
 /// Elements `[offset, offset + out.len())` of the parameter `rule` and
 /// `stream` describe, into `out`.
 fn fill(rule: ParamInit, stream: Stream, offset: usize, out: &mut [f32]) {
+    if let ParamInit::Normal { std } = rule {
+        // Box–Muller gives two normals a pair of uniforms: draw each pair
+        // once (the same operations, so the same bits, as drawing the
+        // elements one by one).
+        let mut i = 0;
+        while i < out.len() {
+            let index = (offset + i) as u64;
+            let (radius, angle) = stream.polar(index / 2);
+            let first = index.is_multiple_of(2);
+            out[i] = (std as f64
+                * if first {
+                    radius * angle.cos()
+                } else {
+                    radius * angle.sin()
+                }) as f32;
+            if first && i + 1 < out.len() {
+                out[i + 1] = (std as f64 * (radius * angle.sin())) as f32;
+                i += 1;
+            }
+            i += 1;
+        }
+        return;
+    }
     for (i, v) in out.iter_mut().enumerate() {
         let index = (offset + i) as u64;
         *v = match rule {
@@ -249,12 +272,17 @@ impl Stream {
         ((self.bits(counter) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
     }
 
+    /// Box–Muller's radius and angle for the pair `pair` of normals.
+    fn polar(&self, pair: u64) -> (f64, f64) {
+        let radius = (-2.0 * self.uniform(2 * pair).ln()).sqrt();
+        let angle = std::f64::consts::TAU * self.uniform(2 * pair + 1);
+        (radius, angle)
+    }
+
     /// Standard normal: Box–Muller on the pair `(2p, 2p + 1)` of uniforms,
     /// cosine for even elements, sine for odd.
     fn normal(&self, index: u64) -> f64 {
-        let pair = index / 2;
-        let radius = (-2.0 * self.uniform(2 * pair).ln()).sqrt();
-        let angle = std::f64::consts::TAU * self.uniform(2 * pair + 1);
+        let (radius, angle) = self.polar(index / 2);
         if index.is_multiple_of(2) {
             radius * angle.cos()
         } else {
@@ -355,6 +383,24 @@ mod tests {
         assert_ne!(a, b);
         assert!(init_param_range(7, name, &def, &scale(), 2000, &mut shard).is_err());
         assert!(init_param(7, name, &def, &scale(), &mut shard).is_err());
+    }
+
+    /// Normals drawn a pair at a time are element `i`'s normal, for runs
+    /// starting and ending on either element of a pair.
+    #[test]
+    fn normals_drawn_by_pairs_are_the_elements_normals() {
+        let stream = Stream::new(7, "w");
+        let std = 0.75f32;
+        for offset in [0usize, 1, 2, 7] {
+            for len in [0usize, 1, 2, 3, 6] {
+                let mut out = vec![f32::NAN; len];
+                fill(ParamInit::Normal { std }, stream, offset, &mut out);
+                for (i, v) in out.iter().enumerate() {
+                    let want = (std as f64 * stream.normal((offset + i) as u64)) as f32;
+                    assert_eq!(v.to_bits(), want.to_bits(), "offset {offset}, element {i}");
+                }
+            }
+        }
     }
 
     /// A parameter large enough to be drawn over threads gets the bits a
