@@ -637,6 +637,16 @@ impl<D: Device> FsdpEngine<D> {
                 {
                     let len = b.buf_len(&shard.grad);
                     match sharding {
+                        // One rank's reduce-scatter is a copy of its whole
+                        // gradient: add it straight into the shard instead
+                        // (the same values, one pass less over them).
+                        Sharding::Zero3 if comm.size() == 1 && region.len() == len => {
+                            b.axpy(
+                                1.0,
+                                b.slice(&source, region.clone())?,
+                                b.view_mut(&shard.grad)?,
+                            )?;
+                        }
                         Sharding::Zero3 => {
                             let src = b.slice(&source, region.clone())?;
                             comm.reduce_scatter(src, b.slice_mut(&scratch, 0..len)?)?;

@@ -169,30 +169,40 @@ extern "C" __global__ void ssd_chunk_pack(
     const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
     float* dy_p, float* dy_e, float* x_w, float* b_p, float* c_p, u64 first_item, u64 items,
     u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    // One block per (item, group, step) row, its threads over the row's
+    // columns: the row's place is decoded once, not per element (64-bit
+    // divisions per element held this kernel at a quarter of the memory's
+    // bandwidth).
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
-    const u64 wide = items * groups * chunk * s.group_width();
-    for (u64 k = grid_start(); k < wide; k += grid_stride()) {
-        const WideAt at = wide_at(s, k, first_item);
-        float x = 0.0f, g_y = 0.0f;
-        if (at.real) {
-            x = load(xbc, xbc_dtype, at.row * s.width() + at.column);
+    const u64 jp = s.group_width();
+    const u64 rows = items * groups * chunk;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const WideAt at = wide_at(s, r * jp, first_item);
+        for (u64 e = threadIdx.x; e < jp; e += blockDim.x) {
+            const u64 k = r * jp + e;
+            // Element e of the row is head `at.head + e / P`'s.
+            const u64 step = at.step + (e / head_dim) * chunk;
+            float x = 0.0f, g_y = 0.0f;
+            if (at.real) {
+                x = load(xbc, xbc_dtype, at.row * s.width() + at.column + e);
+                if (dy != nullptr) {
+                    g_y = load(dy, dy_dtype, at.row * s.d_inner() + at.column + e);
+                }
+            }
+            x_p[k] = x;
+            x_w[k] = x * v.w[step];
             if (dy != nullptr) {
-                g_y = load(dy, dy_dtype, at.row * s.d_inner() + at.column);
+                dy_p[k] = g_y;
+                dy_e[k] = g_y * v.elam[step];
             }
         }
-        x_p[k] = x;
-        x_w[k] = x * v.w[at.step];
-        if (dy != nullptr) {
-            dy_p[k] = g_y;
-            dy_e[k] = g_y * v.elam[at.step];
+        const NarrowAt nat = narrow_at(s, r * state, first_item);
+        for (u64 col = threadIdx.x; col < state; col += blockDim.x) {
+            const u64 k = r * state + col;
+            b_p[k] = nat.real ? load(xbc, xbc_dtype, nat.b_column + col) : 0.0f;
+            c_p[k] = nat.real ? load(xbc, xbc_dtype, nat.b_column + col + groups * state) : 0.0f;
         }
-    }
-    const u64 narrow = items * groups * chunk * state;
-    for (u64 k = grid_start(); k < narrow; k += grid_stride()) {
-        const NarrowAt at = narrow_at(s, k, first_item);
-        b_p[k] = at.real ? load(xbc, xbc_dtype, at.b_column) : 0.0f;
-        c_p[k] = at.real ? load(xbc, xbc_dtype, at.b_column + groups * state) : 0.0f;
     }
 }
 
@@ -205,31 +215,34 @@ extern "C" __global__ void ssd_chunk_pack(
 extern "C" __global__ void ssd_chunk_scores(
     const float* cb, float* dm, float* m, float* dcb, const float* values, u64 items, u64 heads,
     u64 groups, u64 chunk) {
+    // One block per (item, group, t) row, its threads over s.
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u64 qq = chunk * chunk;
     const u64 group_heads = heads / groups;
-    const u64 n = items * groups * qq;
-    for (u64 k = grid_start(); k < n; k += grid_stride()) {
-        const u64 ts = k % qq;
-        const u64 t = ts / chunk;
-        const u64 s = ts % chunk;
-        const u64 ig = k / qq;  // item * groups + g
-        const float score = cb[k];
-        float d_score = 0.0f;
-        for (u64 j = 0; j < group_heads; ++j) {
-            const u64 ih = ig * group_heads + j;  // item * heads + h
-            const u64 at = ih * qq + ts;
-            const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
-            const float dt_s = v.dt[ih * chunk + s];
-            m[at] = score * l * dt_s;
-            if (dm != nullptr) {
-                const float g = dm[at];
-                dm[at] = g * score * l;
-                d_score += g * l * dt_s;
+    const u64 rows = items * groups * chunk;
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const u64 t = row % chunk;
+        const u64 ig = row / chunk;  // item * groups + g
+        for (u64 s = threadIdx.x; s < chunk; s += blockDim.x) {
+            const u64 ts = t * chunk + s;
+            const u64 k = ig * qq + ts;
+            const float score = cb[k];
+            float d_score = 0.0f;
+            for (u64 j = 0; j < group_heads; ++j) {
+                const u64 ih = ig * group_heads + j;  // item * heads + h
+                const u64 at = ih * qq + ts;
+                const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
+                const float dt_s = v.dt[ih * chunk + s];
+                m[at] = score * l * dt_s;
+                if (dm != nullptr) {
+                    const float g = dm[at];
+                    dm[at] = g * score * l;
+                    d_score += g * l * dt_s;
+                }
             }
-        }
-        if (dcb != nullptr) {
-            dcb[k] = d_score;
+            if (dcb != nullptr) {
+                dcb[k] = d_score;
+            }
         }
     }
 }

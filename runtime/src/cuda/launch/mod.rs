@@ -204,7 +204,7 @@ fn column_blocks(cols: usize) -> LaunchConfig {
 }
 
 /// One block of 256 threads per row (rows past the grid's cap take turns).
-fn block_per_row(rows: usize) -> LaunchConfig {
+pub(super) fn block_per_row(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((rows as u64).clamp(1, MAX_BLOCKS) as u32, 1, 1),
         block_dim: (256, 1, 1),

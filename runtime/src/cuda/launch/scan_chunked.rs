@@ -17,7 +17,7 @@
 //! sequential kernels.
 
 use super::scan::{Checked, check_backward, check_forward};
-use super::{GpuView, KernelSet, ensure, exactly, grid_for, per_item, product};
+use super::{GpuView, KernelSet, block_per_row, ensure, exactly, grid_for, per_item, product};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
@@ -632,8 +632,8 @@ impl KernelSet {
             .arg(&parts.b.ptr)
             .arg(&parts.c.ptr);
         slice.push(&mut b);
-        let elements = product(k, &[count, dims.chunk, dims.heads, dims.head_dim])?;
-        self.go(kp, &mut b, grid_for(elements))
+        let rows = product(k, &[count, dims.groups, dims.chunk])?;
+        self.go(kp, &mut b, block_per_row(rows))
     }
 
     /// `ssd_chunk_scores` over a slice of `count` items: M from CB, and in
@@ -657,8 +657,8 @@ impl KernelSet {
             .arg(&d_cb)
             .arg(&parts.steps.ptr);
         b.arg(&count_u).arg(&heads).arg(&groups).arg(&chunk);
-        let elements = product(k, &[count, dims.groups, dims.chunk, dims.chunk])?;
-        self.go(k, &mut b, grid_for(elements))
+        let rows = product(k, &[count, dims.groups, dims.chunk])?;
+        self.go(k, &mut b, block_per_row(rows))
     }
 
     /// The second pass over one slice of `count` items from `first`.
