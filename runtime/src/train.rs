@@ -1096,16 +1096,28 @@ fn param_hash<D: Device>(
     let ep = rank.ep.max(1);
     let layout = engine.layout();
     let mut digest = crate::digest::StreamDigest::new();
-    // Every rank's shard of the bucket in hand, by rank.
-    let mut gathered: Option<(usize, Vec<Vec<f64>>)> = None;
+    // Every rank's shard of the bucket in hand, by rank. A world of one
+    // hashes its own values as they are: the f64 copies the host
+    // all-gather takes cost seconds a gigabyte.
+    let mut gathered: Option<(usize, Vec<Vec<f32>>)> = None;
     for param in plan.params.iter() {
         let b = param.bucket;
         if gathered.as_ref().is_none_or(|(held, _)| *held != b) {
             let shard = &engine.shards()[b];
             let mut host = vec![0.0f32; backend.buf_len(&shard.master)];
             backend.download(backend.view(&shard.master)?, &mut host)?;
-            let mine: Vec<f64> = host.iter().map(|&v| f64::from(v)).collect();
-            gathered = Some((b, rank.host.all_gather_host(&mine)?));
+            let all = if rank.host.size() == 1 {
+                vec![host]
+            } else {
+                let mine: Vec<f64> = host.iter().map(|&v| f64::from(v)).collect();
+                drop(host);
+                // f32 -> f64 -> f32 is exact.
+                let all = rank.host.all_gather_host(&mine)?;
+                all.iter()
+                    .map(|v| v.iter().map(|&x| x as f32).collect())
+                    .collect()
+            };
+            gathered = Some((b, all));
         }
         let Some((_, all)) = &gathered else {
             continue;
@@ -1132,7 +1144,7 @@ fn param_hash<D: Device>(
                         rank: holders.get(j).copied().unwrap_or(0),
                         message: "sent a parameter shard of the wrong length for the hash".into(),
                     })?;
-                digest.extend(values.iter().map(|&v| (v as f32).to_bits()));
+                digest.extend(values.iter().map(|v| v.to_bits()));
                 i += n;
             }
         }
