@@ -114,14 +114,7 @@ fn alloc_in<B: Backend>(s: &mut Suite<'_, B>, arena: usize) {
                 // allocator hands its memory straight back.
                 drop(buffer(dev, dtype, &dirty)?);
                 let buf = dev.alloc(len, dtype)?;
-                let mut problems = Vec::new();
-                if buf.len() != len || buf.dtype() != dtype {
-                    problems.push(format!(
-                        "the buffer is {} x {}, asked for {len} x {dtype}",
-                        buf.len(),
-                        buf.dtype()
-                    ));
-                }
+                let mut problems = wrong_shape(&buf, len, dtype);
                 let got = download_values(dev, View::whole(&buf))?;
                 problems.extend(exact("contents", &got, &vec![0.0; len]));
                 Ok(problems)
@@ -134,14 +127,7 @@ fn alloc_in<B: Backend>(s: &mut Suite<'_, B>, arena: usize) {
                 let dev = &dev.in_arena(arena);
                 drop(buffer(dev, dtype, &dirty)?);
                 let buf = dev.alloc_uninit(len, dtype)?;
-                let mut problems = Vec::new();
-                if buf.len() != len || buf.dtype() != dtype {
-                    problems.push(format!(
-                        "the buffer is {} x {}, asked for {len} x {dtype}",
-                        buf.len(),
-                        buf.dtype()
-                    ));
-                }
+                let mut problems = wrong_shape(&buf, len, dtype);
                 upload_values(dev, &values, ViewMut::whole(&buf))?;
                 let got = download_values(dev, View::whole(&buf))?;
                 problems.extend(exact("contents", &got, &values));
@@ -149,6 +135,18 @@ fn alloc_in<B: Backend>(s: &mut Suite<'_, B>, arena: usize) {
             });
         }
     }
+}
+
+/// A problem when a new buffer is not the `len x dtype` asked for.
+fn wrong_shape(buf: &impl DeviceBuffer, len: usize, dtype: DType) -> Vec<String> {
+    if buf.len() == len && buf.dtype() == dtype {
+        return Vec::new();
+    }
+    vec![format!(
+        "the buffer is {} x {}, asked for {len} x {dtype}",
+        buf.len(),
+        buf.dtype()
+    )]
 }
 
 /// `values` uploaded into the middle of a zeroed buffer and read back, whole
