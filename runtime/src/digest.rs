@@ -62,10 +62,22 @@ impl StreamDigest {
         }
     }
 
-    /// [`StreamDigest::push`] of every value, in order.
+    /// [`StreamDigest::push`] of every value, in order, a batch at a time
+    /// (one length check a batch, not one a value).
     pub fn extend(&mut self, bits: impl IntoIterator<Item = u32>) {
-        for b in bits {
-            self.push(b);
+        let mut bits = bits.into_iter();
+        loop {
+            let room = self.batch * BLOCK - self.pending.len();
+            let before = self.pending.len();
+            self.pending.extend(bits.by_ref().take(room));
+            let added = self.pending.len() - before;
+            self.len += added as u64;
+            if self.pending.len() == self.batch * BLOCK {
+                self.hash_pending();
+            }
+            if added < room {
+                return;
+            }
         }
     }
 
@@ -114,6 +126,26 @@ mod tests {
             d.push(v);
         }
         d.finish()
+    }
+
+    /// Values given in runs of any length (across batch boundaries too)
+    /// digest as values pushed one by one.
+    #[test]
+    fn extending_is_pushing_every_value() {
+        let values: Vec<u32> = (0..(3 * BLOCK + 99) as u32)
+            .map(|i| i ^ 0x5bd1_e995)
+            .collect();
+        let one_by_one = digest_with(2, &values);
+        for run in [1, 7, BLOCK - 1, 2 * BLOCK + 5] {
+            let mut d = StreamDigest {
+                batch: 2,
+                ..StreamDigest::new()
+            };
+            for piece in values.chunks(run) {
+                d.extend(piece.iter().copied());
+            }
+            assert_eq!(d.finish(), one_by_one, "runs of {run}");
+        }
     }
 
     #[test]
