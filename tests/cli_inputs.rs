@@ -175,6 +175,46 @@ fn runs_that_cannot_fit_in_memory_are_refused_with_the_figures() {
 }
 
 #[test]
+fn a_refusal_for_activations_offers_recomputation_and_recomputation_needs_less() {
+    let args = [
+        "--pattern",
+        "M*-M*-",
+        "--micro-batch-size",
+        "128",
+        "--seq-len",
+        "16384",
+    ];
+    let need = |run: &Run| {
+        let line = run
+            .stderr
+            .lines()
+            .find(|l| l.contains("per rank: "))
+            .unwrap_or("");
+        line.split_whitespace()
+            .nth(2)
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let keep = train(&args, PROMPT);
+    assert_eq!(keep.code, Some(1), "{}", keep.stderr);
+    assert!(keep.stderr.contains("--recompute full"), "{}", keep.stderr);
+    let mut recomputed = args.to_vec();
+    recomputed.extend(["--recompute", "full"]);
+    let again = train(&recomputed, PROMPT);
+    assert!(
+        !again.stderr.contains("--recompute full"),
+        "{}",
+        again.stderr
+    );
+    match (need(&keep), need(&again)) {
+        (Some(a), Some(b)) => assert!(b < a, "{b} GiB with recomputation, {a} without"),
+        other => panic!(
+            "no per-rank figures: {other:?}\n{}\n{}",
+            keep.stderr, again.stderr
+        ),
+    }
+}
+
+#[test]
 fn timeouts_are_whole_seconds_up_to_a_week() {
     for value in ["18446744073709551615", "604801", "0", "-5", "1e3"] {
         let run = train(&["--timeout", value], PROMPT);

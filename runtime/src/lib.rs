@@ -28,6 +28,7 @@ pub mod memory;
 pub mod model;
 pub mod optimizer;
 pub mod platform;
+pub mod recompute;
 pub mod schedule;
 pub mod shared;
 pub mod tensor_file;

@@ -18,6 +18,7 @@
 use crate::backend::{Precision, Tokens};
 use crate::fsdp::{ShardLayout, Sharding};
 use crate::optimizer::OptimizerKind;
+use crate::recompute::Recompute;
 use crate::view::DType;
 use hybridgen_dsl::config::Activation;
 use hybridgen_dsl::params::layer_params;
@@ -110,13 +111,16 @@ pub struct ActivationEstimate {
 /// Activations of one micro-batch of `tokens` through the layers `kinds`
 /// (decoder and MTP layers alike) with `mtp_depths` MTP depths, each layer
 /// kind's dimensions taken from `model`; MoE layers route `top_k` rows per
-/// token to experts (balanced: the expected rows per rank).
+/// token to experts (balanced: the expected rows per rank). A layer
+/// `recompute` recomputes keeps its `[tokens, hidden]` input, and what it
+/// would have kept is working set while its forward or backward runs.
 pub fn activations(
     model: &ModelConfig,
     kinds: impl IntoIterator<Item = LayerKind>,
     mtp_depths: usize,
     tokens: Tokens,
     sizes: ElementSizes,
+    recompute: Recompute,
 ) -> ActivationEstimate {
     let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
     let h = model.hidden_size as u64;
@@ -128,7 +132,12 @@ pub fn activations(
     for kind in kinds {
         let (saved, extra) =
             *by_kind[kind as usize].get_or_insert_with(|| layer(model, kind, tokens));
-        layers = layers.plus(saved);
+        let (kept, extra) = if recompute.recomputes(kind) {
+            (Elements::new(n.saturating_mul(h), 0), extra.plus(saved))
+        } else {
+            (saved, extra)
+        };
+        layers = layers.plus(kept);
         working = Elements::new(
             working.compute.max(extra.compute),
             working.f32.max(extra.f32),
@@ -644,13 +653,21 @@ impl MemoryNeed {
         tokens: Tokens,
         live_micro_batches: usize,
         sizes: ElementSizes,
+        recompute: Recompute,
     ) -> Self {
         let kinds = plan
             .layers
             .iter()
             .map(|l| l.kind)
             .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind));
-        let activations = activations(&plan.model, kinds.clone(), plan.mtp_depths(), tokens, sizes);
+        let activations = activations(
+            &plan.model,
+            kinds.clone(),
+            plan.mtp_depths(),
+            tokens,
+            sizes,
+            recompute,
+        );
         let largest = plan
             .param_defs
             .iter()
@@ -682,6 +699,7 @@ impl MemoryNeed {
         tokens: Tokens,
         live_micro_batches: usize,
         sizes: ElementSizes,
+        recompute: Recompute,
     ) -> Option<Self> {
         let pattern = hybridgen_dsl::pattern::Pattern::parse(&model.pattern).ok()?;
         let mut dense = 0u64;
@@ -737,7 +755,14 @@ impl MemoryNeed {
             total: shards.saturating_add(optimizer),
         };
         let layers = kinds.len();
-        let activations = activations(model, kinds, pattern.mtp_depth_count(), tokens, sizes);
+        let activations = activations(
+            model,
+            kinds,
+            pattern.mtp_depth_count(),
+            tokens,
+            sizes,
+            recompute,
+        );
         Some(Self::new(
             layout.ranks,
             state,
@@ -822,6 +847,13 @@ impl MemoryNeed {
                     self.live_micro_batches
                 ));
             }
+            if hints.recompute == Recompute::None && self.activations.layers > 0 {
+                tips.push(format!(
+                    "--recompute full: layers (but MoE ones) keep only their input and run their \
+                     forward again in the backward (layers now keep {} a micro-batch)",
+                    bytes(self.activations.layers)
+                ));
+            }
         }
         if hints.sharding == Sharding::NoShard {
             tips.push(
@@ -860,6 +892,7 @@ pub struct FitHints {
     pub seq_length: usize,
     pub sharding: Sharding,
     pub optimizer: OptimizerKind,
+    pub recompute: Recompute,
 }
 
 /// Memory this process may still use, and where the figure comes from.
@@ -978,6 +1011,27 @@ pub fn bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Recomputed layers keep their `[tokens, hidden]` input, and what they
+    /// would have kept moves to the working set; MoE layers keep theirs.
+    #[test]
+    fn recomputed_layers_keep_their_input() {
+        let model = ModelConfig::preset("bench-hybrid-moe").unwrap();
+        let tokens = Tokens::new(1, 4096);
+        let sizes = ElementSizes::cpu(crate::backend::Precision::Bf16);
+        let of = |kinds: &[LayerKind], recompute| {
+            activations(&model, kinds.iter().copied(), 0, tokens, sizes, recompute)
+        };
+        let dense = [LayerKind::Mamba, LayerKind::Attention, LayerKind::Mlp];
+        let (keep, again) = (of(&dense, Recompute::None), of(&dense, Recompute::Full));
+        let input = 4096 * model.hidden_size as u64 * sizes.compute;
+        assert_eq!(again.layers, 3 * input);
+        assert!(keep.layers > 5 * again.layers, "{keep:?}");
+        assert!(again.working_set > keep.working_set);
+        assert!(again.total < keep.total);
+        let moe = [LayerKind::Moe];
+        assert_eq!(of(&moe, Recompute::Full), of(&moe, Recompute::None));
+    }
 
     /// bench-hybrid-moe at one 4,096-token sequence: attention batches all
     /// 4 KV heads (128 MiB of scores and probabilities each) under the

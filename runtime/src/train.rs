@@ -22,6 +22,7 @@ use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
 use crate::platform::{
     ChosenDevice, DeviceChoice, OnPlatform, Platform, RankSettings, choose_device, with_platform,
 };
+use crate::recompute::Recompute;
 use crate::schedule::{
     MicroBatchTokens, Program, ScheduleKind, StepContext, StepReadout, build, build_forward_only,
     run_step,
@@ -74,6 +75,9 @@ pub struct TrainConfig {
     pub steps: u64,
     pub schedule: ScheduleKind,
     pub sharding: Sharding,
+    /// Which layers run their forward again in the backward instead of
+    /// keeping their activations ([`Recompute`]).
+    pub recompute: Recompute,
     /// Parameters and activations in bf16 or f32 (master weights, gradients
     /// and optimizer state are f32 either way).
     pub precision: Precision,
@@ -139,6 +143,7 @@ impl TrainConfig {
             steps: 120,
             schedule: ScheduleKind::Overlap,
             sharding: Sharding::Zero3,
+            recompute: Recompute::None,
             precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
@@ -394,6 +399,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             Tokens::new(config.micro_batch_size, config.seq_length),
             schedule_live,
             ElementSizes::cpu(config.precision),
+            config.recompute,
         )
         && let Some(refusal) = on_device(need).check(available, &fit_hints(config))
     {
@@ -550,6 +556,7 @@ pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
         Tokens::new(config.micro_batch_size, config.seq_length),
         program.in_flight(),
         ElementSizes::cpu(config.precision),
+        config.recompute,
     ))
 }
 
@@ -570,6 +577,7 @@ fn fit_hints(config: &TrainConfig) -> FitHints {
         seq_length: config.seq_length,
         sharding: config.sharding,
         optimizer: config.optimizer.kind,
+        recompute: config.recompute,
     }
 }
 
@@ -874,14 +882,16 @@ fn run_rank<D: Device>(
         .map(|p| engine.param_range(p))
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
-    let cx = Arc::new(StepContext::<D>::new(
+    let mut cx = StepContext::<D>::new(
         model.clone(),
         rank.ep_group.clone(),
         Arc::new(ranges),
         tokens,
         1.0 / (config.micro_batches * config.ranks) as f32,
         &rank.backend,
-    )?);
+    )?;
+    cx.recompute = config.recompute;
+    let cx = Arc::new(cx);
     startup.optimizer = phase.elapsed();
     let mut step = 0;
     if let Some(resume) = &prepared.checkpoints.resume {

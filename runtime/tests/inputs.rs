@@ -89,10 +89,16 @@ fn runs_that_cannot_fit_are_refused_with_the_figures_before_any_allocation() {
         grad_buffers: 0,
     };
     let sizes = hybridgen_runtime::memory::ElementSizes::CPU;
-    let bound =
-        hybridgen_runtime::memory::MemoryNeed::lower_bound(&c.model, layout, tokens, 2, sizes)
-            .unwrap()
-            .total;
+    let bound = hybridgen_runtime::memory::MemoryNeed::lower_bound(
+        &c.model,
+        layout,
+        tokens,
+        2,
+        sizes,
+        hybridgen_runtime::recompute::Recompute::None,
+    )
+    .unwrap()
+    .total;
     let plan = hybridgen_dsl::Plan::new(
         &c.model,
         &hybridgen_dsl::PlanOptions {

@@ -14,6 +14,7 @@ use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::fsdp::Sharding;
+use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
 use serde_json::Value;
@@ -441,6 +442,50 @@ fn a_group_changes_no_maths() {
             );
         }
     }
+}
+
+#[test]
+fn recomputation_changes_no_bits_and_keeps_less() {
+    // Dense layers (recomputed), MoE ones (which keep their activations),
+    // a group, an MTP depth, both schedules.
+    for (pattern, ep, schedule) in [
+        ("M*-M*-", 1, ScheduleKind::Plain),
+        ("[M*]-[*E]/*E", 2, ScheduleKind::Overlap),
+    ] {
+        let setup = |c: &mut TrainConfig| {
+            c.ep = ep;
+            c.schedule = schedule;
+        };
+        let keep = with(pattern, setup);
+        let again = with(pattern, |c| {
+            setup(c);
+            c.recompute = Recompute::Full;
+        });
+        assert_eq!(keep, again, "{pattern}");
+    }
+    // What it is for: a dense model's layers keep only their inputs.
+    let peak = |run: &Run| {
+        run.reports
+            .iter()
+            .map(|r| r.device.peak_in_use_bytes)
+            .max()
+            .unwrap()
+    };
+    let dense = |c: &mut TrainConfig| {
+        c.ep = 1;
+        c.seq_length = 64;
+    };
+    let keep = run_with("MMMM**--", dense);
+    let again = run_with("MMMM**--", |c| {
+        dense(c);
+        c.recompute = Recompute::Full;
+    });
+    assert!(
+        4 * peak(&again) < 3 * peak(&keep),
+        "peak {} with recomputation, {} without",
+        peak(&again),
+        peak(&keep)
+    );
 }
 
 #[test]

@@ -13,6 +13,7 @@ use hybridgen_runtime::optimizer::{
     LrDecayStyle, LrSchedule, OptimizerConfig, OptimizerKind, WsdDecayStyle,
 };
 use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, choose_device};
+use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
     DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare_on, train_prepared,
@@ -72,6 +73,12 @@ pub(crate) struct TrainArgs {
     /// forward then backward per micro-batch.
     #[arg(long, value_enum, default_value = "overlap")]
     schedule: ScheduleArg,
+    /// `full`: every layer but the MoE (`E`) ones keeps only its input and
+    /// runs its forward again in the backward (Megatron's full
+    /// recomputation): far less activation memory for about one more
+    /// forward pass, the same bits; `none` keeps every activation.
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: RecomputeArg,
     /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
@@ -195,6 +202,12 @@ pub(crate) struct TrainArgs {
 enum ScheduleArg {
     Overlap,
     Plain,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum RecomputeArg {
+    None,
+    Full,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -608,6 +621,10 @@ fn config(
     config.schedule = match args.schedule {
         ScheduleArg::Overlap => ScheduleKind::Overlap,
         ScheduleArg::Plain => ScheduleKind::Plain,
+    };
+    config.recompute = match args.recompute {
+        RecomputeArg::None => Recompute::None,
+        RecomputeArg::Full => Recompute::Full,
     };
     config.sharding = if args.zero == "0" {
         Sharding::NoShard

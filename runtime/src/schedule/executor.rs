@@ -26,8 +26,10 @@ use crate::fsdp::FsdpEngine;
 use crate::lane::{Event, Label, Lane};
 use crate::layers::{
     CollectiveExchange, ExpertBalance, MoeBackward, MoeForward, MoeLayer, MoeStage, RouterContext,
+    copy_of,
 };
 use crate::model::ModelRuntime;
+use crate::recompute::Recompute;
 use hybridgen_dsl::plan::{LaneKind, LayerRef, Op, Owner, ScheduleNode, Slot};
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -54,6 +56,9 @@ pub struct StepContext<D: Device> {
     /// The expert biases of aux-loss-free balancing and the step's loads
     /// (copied to the device by [`run_step`] before the first routing).
     pub balance: ExpertBalance<D::Backend>,
+    /// Which layers keep only their input and recompute their forward in
+    /// the backward (none unless set after [`StepContext::new`]).
+    pub recompute: Recompute,
 }
 
 impl<D: Device> StepContext<D> {
@@ -78,6 +83,7 @@ impl<D: Device> StepContext<D> {
             tokens,
             mb_weight,
             totals,
+            recompute: Recompute::None,
         })
     }
 }
@@ -501,10 +507,19 @@ fn forward_op<D: Device>(
                 .x
                 .as_ref()
                 .ok_or_else(|| missing("the residual stream"))?;
+            // A recomputed layer keeps a copy of its input (the forward
+            // adds into the residual stream in place) and drops the rest.
+            let input = match cx.recompute {
+                Recompute::Full => Some(copy_of(b, b.view(x)?)?),
+                Recompute::None => None,
+            };
             let saved = model
                 .layer(layer)?
                 .forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
-            mb.layers[i] = LayerState::Saved(saved);
+            mb.layers[i] = match input {
+                Some(input) => LayerState::Input(input),
+                None => LayerState::Saved(saved),
+            };
         }
         Op::MoePrepare(layer)
         | Op::MoeDispatch(layer)
@@ -689,8 +704,17 @@ fn backward_op<D: Device>(
         }
         Op::Layer(layer) | Op::Mlp(layer) => {
             let i = model.layer_index(layer)?;
+            let weights = w.weights(Owner::Layer(layer))?;
             let saved = match std::mem::replace(&mut mb.layers[i], LayerState::Idle) {
                 LayerState::Saved(saved) => saved,
+                // The forward again, from the kept input (which becomes the
+                // layer's output, unused): the same kernels on the same
+                // values give what the forward would have kept.
+                LayerState::Input(input) => {
+                    model
+                        .layer(layer)?
+                        .forward(b, &weights, b.view_mut(&input)?, cx.tokens)?
+                }
                 other => {
                     return Err(missing(&format!(
                         "a layer's saved forward (found {})",
@@ -698,7 +722,6 @@ fn backward_op<D: Device>(
                     )));
                 }
             };
-            let weights = w.weights(Owner::Layer(layer))?;
             let dx = stream_of(mb, layer)?
                 .dx
                 .as_ref()

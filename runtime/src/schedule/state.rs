@@ -234,6 +234,9 @@ pub(crate) enum LayerState<B: Backend> {
     Idle,
     /// A dense layer between its forward and its input-gradient backward.
     Saved(LayerSaved<B>),
+    /// A recomputed layer between its forward and its backward: its input
+    /// alone (`crate::recompute`).
+    Input(B::Buf),
     /// Between its input gradient and its weight gradient.
     Wgrad(LayerWgrad<B>),
     /// An `E` layer between steps.
@@ -245,6 +248,7 @@ impl<B: Backend> LayerState<B> {
         match self {
             LayerState::Idle => "no forward",
             LayerState::Saved(_) => "its forward",
+            LayerState::Input(_) => "its input, kept to recompute its forward",
             LayerState::Wgrad(_) => "its input gradient",
             LayerState::Moe(_) => "a MoE step",
         }
