@@ -178,6 +178,7 @@ fn a_gpu_run_is_checked_per_gpu_with_the_devices_overhead() {
         seq_length: config.seq_length,
         sharding: Sharding::Zero3,
         optimizer: OptimizerKind::Adam,
+        recompute: config.recompute,
     };
     let free = |bytes| AvailableMemory {
         bytes,
