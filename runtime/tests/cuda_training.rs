@@ -19,6 +19,7 @@ use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::cuda::probe;
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::platform::DeviceChoice;
+use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
 use hybridgen_runtime::{Precision, RuntimeError};
@@ -190,6 +191,31 @@ fn on_one_gpu_overlap_equals_plain_bit_for_bit_and_repeats() {
     let overlap = with(ScheduleKind::Overlap);
     assert_eq!(overlap, with(ScheduleKind::Plain), "overlap vs plain");
     assert_eq!(overlap, with(ScheduleKind::Overlap), "the same run twice");
+}
+
+/// Recomputing the dense layers' forwards in the backward gives the same
+/// bits on a GPU as keeping their activations, under both schedules.
+#[test]
+fn on_one_gpu_recomputation_changes_no_bits() {
+    if gpus(1).is_none() {
+        return;
+    }
+    for schedule in [ScheduleKind::Overlap, ScheduleKind::Plain] {
+        let with = |recompute| {
+            let mut c = config("[M*E]M-[*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
+            c.steps = 3;
+            c.micro_batches = 3;
+            c.schedule = schedule;
+            c.recompute = recompute;
+            let (r, s) = run(&c);
+            bits(&r, &s)
+        };
+        assert_eq!(
+            with(Recompute::None),
+            with(Recompute::Full),
+            "{schedule:?}: recomputed vs kept"
+        );
+    }
 }
 
 /// Two GPUs, EP 2, ZeRO-3, bf16: the schedules change when work runs,
