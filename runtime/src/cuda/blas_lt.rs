@@ -298,19 +298,15 @@ impl LtGemm {
         let [la, lb, lc] = problem.layouts()?;
         let pref = Owned(lt::create_matmul_pref()?, lt::destroy_matmul_pref);
         let workspace = self.workspace.1 as u64;
-        let set = |attr, value: u64| {
-            // SAFETY: a live preference; every attribute set here is a u64
-            // (workspace bytes) or u32 (alignments), passed at its size.
-            unsafe {
-                if attr == Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES {
-                    lt::set_matmul_pref_attribute(pref.0, attr, (&value as *const u64).cast(), 8)
-                } else {
-                    let v = value as u32;
-                    lt::set_matmul_pref_attribute(pref.0, attr, (&v as *const u32).cast(), 4)
-                }
-            }
-        };
-        set(Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace)?;
+        // SAFETY: a live preference; the workspace limit is a u64.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                pref.0,
+                Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace as *const u64).cast(),
+                8,
+            )?;
+        }
         for (attr, log2) in [
             Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
             Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -320,7 +316,11 @@ impl LtGemm {
         .into_iter()
         .zip([key.align[0], key.align[1], key.align[2], key.align[2]])
         {
-            set(attr, 1u64 << log2)?;
+            let bytes = 1u32 << log2;
+            // SAFETY: a live preference; the alignments are u32s.
+            unsafe {
+                lt::set_matmul_pref_attribute(pref.0, attr, (&bytes as *const u32).cast(), 4)?;
+            }
         }
         // SAFETY: live descriptors and layouts of this problem.
         let found = match unsafe {
