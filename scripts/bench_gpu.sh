@@ -20,7 +20,10 @@
 #
 # FLOPs are the baseline's count for this model, 3,031,695,360 a token
 # (torch_ref/README.md, section 3; dsl/tests/plan.rs checks that the preset
-# is that model), against the H200's 989 TFLOP/s of dense bf16. Peak memory
+# is that model, and dsl/src/flops.rs, which gives every run's summary its
+# `flops_per_token`, gives that figure for it), against the H200's 989
+# TFLOP/s of dense bf16; the 9B row (`nemotron-nano-9b-v2` at 4,096 tokens
+# on 2 GPUs, recomputed) takes its own count from its summary. Peak memory
 # is the most `nvidia-smi` saw in use on any GPU during the row, sampled
 # every 0.2 s: what the process holds, its arena and libraries included.
 set -uo pipefail
@@ -32,7 +35,10 @@ torch_ref=${TORCH_REF:-$here/torch_ref}
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 : > "$out/rows.jsonl"
 
-# One hybridgen row: 13 steps, the median step time of the last 10.
+# One hybridgen row: 13 steps, the median step time of the last 10. The
+# model is the benchmark's with EP = ranks unless `row_model` says
+# otherwise (the flags naming the model and its layout).
+row_model=()
 row() {
   local name=$1 ranks=$2
   shift 2
@@ -47,7 +53,11 @@ row() {
      sleep 0.2
    done) &
   local sampler=$!
-  "$here/hybridgen" train --device cuda --preset bench-hybrid-moe --ranks "$ranks" --ep "$ranks" \
+  local model=("${row_model[@]}")
+  if [ ${#model[@]} -eq 0 ]; then
+    model=(--preset bench-hybrid-moe --ep "$ranks")
+  fi
+  "$here/hybridgen" train --device cuda "${model[@]}" --ranks "$ranks" \
     --micro-batches 4 --micro-batch-size 1 --steps 13 --lr 1e-4 --weight-decay 0.1 --clip-grad 0 \
     --format json "$@" > "$out/$name.jsonl" 2> "$out/$name.err"
   local rc=$?
@@ -56,7 +66,7 @@ row() {
   python3 - "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" >> "$out/rows.jsonl" <<'PY'
 import json, statistics, sys
 name, ranks, rc, log, peak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-steps = []
+steps, summary = [], {}
 for line in open(log):
     try:
         record = json.loads(line)
@@ -64,8 +74,14 @@ for line in open(log):
         continue
     if "step_ms" in record and "step" in record:
         steps.append(record["step_ms"])
+    summary = record.get("summary", summary)
 used = [float(v) for v in open(peak).read().split() if v.strip()]
 row = {"row": name, "ranks": ranks}
+# The run's own model FLOPs a token and tokens a GPU step (other models
+# than the benchmark's carry theirs).
+if summary.get("flops_per_token") and summary.get("steps"):
+    row["flops_per_token"] = summary["flops_per_token"]
+    row["tokens_per_gpu_step"] = summary["tokens"] / summary["steps"] / ranks
 if rc != 0 or len(steps) < 13:
     row["failed"] = f"exit {rc}, {len(steps)} steps; see {log}"
 else:
@@ -78,6 +94,12 @@ PY
 row hybridgen-1gpu 1 --schedule overlap
 row hybridgen-2gpu-overlap 2 --schedule overlap
 row hybridgen-2gpu-plain 2 --schedule plain
+
+# Real scale: the 9B Nemotron-H at 4,096 tokens on 2 GPUs under ZeRO-3,
+# its layers recomputed (without, its activations do not fit an H200).
+row_model=(--preset nemotron-nano-9b-v2 --ep 1 --seq-len 4096 --recompute full)
+row nemotron-9b-2gpu 2 --schedule plain
+row_model=()
 
 # Start-up with a warm kernel cache (the rows above filled it): the wall
 # time of a whole one-step run on 1 GPU, from the process's start to its
@@ -139,8 +161,9 @@ for r in rows:
         print(f"{r['row']:24} {r.get('skipped') or r.get('failed')}")
         continue
     ms = r["step_ms"]
-    tps = TOKENS_PER_GPU_STEP / (ms / 1e3)
-    tflops = FLOPS_PER_TOKEN * TOKENS_PER_GPU_STEP / (ms / 1e3) / 1e12
+    tokens = r.get("tokens_per_gpu_step", TOKENS_PER_GPU_STEP)
+    tps = tokens / (ms / 1e3)
+    tflops = r.get("flops_per_token", FLOPS_PER_TOKEN) * tokens / (ms / 1e3) / 1e12
     exposed = f"{ms - one:8.1f}" if r["ranks"] == 2 and one and r["row"].startswith("hybridgen") else f"{'':8}"
     ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu")
     ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"

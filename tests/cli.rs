@@ -217,6 +217,11 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
         assert!(phase(name) > 0.0, "{name}: {startup}");
     }
     assert_eq!(phase("resume"), 0.0);
+    // The model's FLOPs a token, for MFU.
+    assert!(
+        summary["flops_per_token"].as_u64().unwrap() > 0,
+        "{summary}"
+    );
     let total: f64 = ["device", "params", "optimizer"].map(phase).iter().sum();
     assert!(total < summary["wall_s"].as_f64().unwrap(), "{summary}");
 }

@@ -13,6 +13,7 @@ pub use diagnostic::{Code, Diagnostic, Diagnostics};
 pub use pattern::{Group, Item, Layer, LayerKind, MtpDepth, Pattern, Segment};
 pub use span::{LineCol, Span};
 pub mod config;
+pub mod flops;
 pub mod params;
 
 pub use config::ModelConfig;

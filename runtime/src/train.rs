@@ -251,6 +251,10 @@ pub struct TrainSummary {
     pub trace: Option<PathBuf>,
     /// Where the first local rank's start-up went, before its first step.
     pub startup: StartupTimes,
+    /// The model's FLOPs per token, forward and backward, at the run's
+    /// sequence length (`hybridgen_dsl::flops`): what MFU divides by;
+    /// `None` for layer kinds the formula does not cover.
+    pub flops_per_token: Option<u64>,
 }
 
 /// Where a rank's start-up goes, phase by phase, before its first step
@@ -797,6 +801,7 @@ pub fn train_on<P: Platform>(
             .map(|s| s.root.step_dir(last_step)),
         trace: config.trace.clone(),
         startup,
+        flops_per_token: hybridgen_dsl::flops::flops_per_token(&config.model, config.seq_length),
     })
 }
 

@@ -832,6 +832,16 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
         "  step time       {:.0} ms\n",
         s.mean_step_time.as_secs_f64() * 1e3
     );
+    if let Some(flops) = s.flops_per_token {
+        let (value, unit) = if flops >= 1_000_000_000 {
+            (flops as f64 / 1e9, "GFLOP")
+        } else {
+            (flops as f64 / 1e6, "MFLOP")
+        };
+        out += &format!(
+            "  model FLOPs     {value:.2} {unit} a token, forward and backward (what MFU divides by)\n"
+        );
+    }
     let t = &s.startup;
     out += &format!(
         "  start-up        {:.1} s before the first step: device {:.1} s, parameters {:.1} s, \
@@ -897,6 +907,7 @@ fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
             "resumed_dir": s.resumed_dir.as_ref().map(|p| p.display().to_string()),
             "checkpoint": s.saved_to.as_ref().map(|p| p.display().to_string()),
             "trace": s.trace.as_ref().map(|p| p.display().to_string()),
+            "flops_per_token": s.flops_per_token,
             "startup_s": {
                 "device": s.startup.device.as_secs_f64(),
                 "params": s.startup.params.as_secs_f64(),
