@@ -123,4 +123,3 @@ mod tests {
         assert_eq!(flops_per_token(&mla, 64), None);
     }
 }
-
