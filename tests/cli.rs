@@ -178,6 +178,41 @@ fn missing_model_files_and_presets_are_invalid_input() {
 }
 
 #[test]
+fn plan_prints_a_micro_batchs_activations_kept_and_recomputed() {
+    let out = hybridgen(&["plan", "--preset", "bench-hybrid-moe", "--seq-len", "8192"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("activations of one micro-batch of 1 x 8192 tokens in bf16"),
+        "{text}"
+    );
+    // The layers' line: what they keep, and with recomputation (the `E`
+    // layers still keep theirs, the others only their inputs): less.
+    let layers = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("layers "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let gib: Vec<f64> = layers
+        .split_whitespace()
+        .skip(1)
+        .collect::<Vec<_>>()
+        .chunks(2)
+        .filter_map(|pair| {
+            let value: f64 = pair[0].parse().ok()?;
+            Some(match *pair.get(1)? {
+                "GiB" => value,
+                "MiB" => value / 1024.0,
+                _ => return None,
+            })
+        })
+        .collect();
+    assert!(
+        gib.len() == 2 && gib[1] < gib[0] && gib[1] > 0.0,
+        "{layers}"
+    );
+}
+
+#[test]
 fn train_json_prints_a_line_per_step_and_a_summary() {
     let out = hybridgen(&[
         "train",

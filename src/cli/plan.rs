@@ -6,6 +6,9 @@ use hybridgen_dsl::plan::{
     Bucket, FsdpUnit, LayerInfo, MtpLayerInfo, ScheduleNode, Slot, Stage, UnitFilter, UnitShape,
 };
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
+use hybridgen_runtime::backend::{Precision, Tokens};
+use hybridgen_runtime::memory::{ElementSizes, activations};
+use hybridgen_runtime::recompute::Recompute;
 use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
 use std::io::{self, Write};
@@ -45,6 +48,13 @@ pub(crate) struct PlanArgs {
     /// and `mtp`, comma-separated (e.g. `group,E`); empty selects nothing.
     #[arg(long, value_name = "KINDS")]
     units: Option<String>,
+    /// Tokens per sequence for the activation figures [default: the
+    /// model's seq_length].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    seq_len: Option<u32>,
+    /// Sequences per micro-batch for the activation figures.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    micro_batch_size: u32,
     /// Output format.
     #[arg(long, value_enum, default_value = "text")]
     format: Format,
@@ -84,8 +94,12 @@ pub(crate) fn run(args: &PlanArgs) -> Result<(), Failure> {
         eprintln!("{diagnostics}");
         Failure::Invalid
     })?;
+    let tokens = Tokens::new(
+        args.micro_batch_size as usize,
+        args.seq_len.map_or(model.seq_length, |s| s as usize),
+    );
     match args.format {
-        Format::Text => emit_streamed(|out| write_text(&plan, out)),
+        Format::Text => emit_streamed(|out| write_text(&plan, tokens, out)),
         Format::Json => emit_streamed(|out| write_json(&plan, out)),
     }
 }
@@ -122,7 +136,7 @@ pub(crate) fn resolve_model(
 }
 
 /// The readable report, written line by line.
-fn write_text(plan: &Plan, out: &mut dyn Write) -> io::Result<()> {
+fn write_text(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Result<()> {
     let layout = &plan.layout;
     writeln!(
         out,
@@ -260,6 +274,47 @@ fn write_text(plan: &Plan, out: &mut dyn Write) -> io::Result<()> {
         human::bytes(m.total),
         human::bytes(plan.memory_plain.total)
     )?;
+    write_activations(plan, tokens, out)
+}
+
+/// One micro-batch's activations in bf16 (as on GPUs), with every layer
+/// kept and with `--recompute full`: how a run's need grows with its
+/// tokens, and what recomputation saves.
+fn write_activations(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Result<()> {
+    let kinds = || {
+        plan.layers
+            .iter()
+            .map(|l| l.kind)
+            .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind))
+    };
+    let sizes = ElementSizes::cpu(Precision::Bf16);
+    let [kept, recomputed] = [Recompute::None, Recompute::Full]
+        .map(|r| activations(&plan.model, kinds(), plan.mtp_depths(), tokens, sizes, r));
+    writeln!(
+        out,
+        "\nactivations of one micro-batch of {} x {} tokens in bf16 (the overlap schedule keeps 2 \
+         in flight, plain 1)",
+        tokens.batch, tokens.seq
+    )?;
+    writeln!(
+        out,
+        "  {:<30} {:>12}   {:>12}",
+        "", "kept", "--recompute full"
+    )?;
+    for (what, a, b) in [
+        ("layers", kept.layers, recomputed.layers),
+        ("streams", kept.streams, recomputed.streams),
+        ("heads", kept.heads, recomputed.heads),
+        ("working set", kept.working_set, recomputed.working_set),
+        ("total", kept.total, recomputed.total),
+    ] {
+        writeln!(
+            out,
+            "  {what:<30} {:>12}   {:>12}",
+            human::bytes(a),
+            human::bytes(b)
+        )?;
+    }
     Ok(())
 }
 
