@@ -41,6 +41,13 @@ static const char *api_name(CUpti_CallbackDomain domain, CUpti_CallbackId cbid) 
   return name;
 }
 
+/* A memcpy ('C') or memset ('S') line. */
+static void transfer(char kind, uint64_t start, uint64_t end, uint32_t stream, uint32_t correlation,
+                     uint64_t bytes) {
+  fprintf(out, "%c,%llu,%llu,%u,%u,%llu\n", kind, (unsigned long long)start,
+          (unsigned long long)end, stream, correlation, (unsigned long long)bytes);
+}
+
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size,
                                       size_t valid) {
   (void)ctx;
@@ -58,16 +65,12 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
       CUpti_ActivityMemcpy6 *m = (CUpti_ActivityMemcpy6 *)record;
-      fprintf(out, "C,%llu,%llu,%u,%u,%llu\n", (unsigned long long)m->start,
-              (unsigned long long)m->end, m->streamId, m->correlationId,
-              (unsigned long long)m->bytes);
+      transfer('C', m->start, m->end, m->streamId, m->correlationId, m->bytes);
       break;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
       CUpti_ActivityMemset4 *m = (CUpti_ActivityMemset4 *)record;
-      fprintf(out, "S,%llu,%llu,%u,%u,%llu\n", (unsigned long long)m->start,
-              (unsigned long long)m->end, m->streamId, m->correlationId,
-              (unsigned long long)m->bytes);
+      transfer('S', m->start, m->end, m->streamId, m->correlationId, m->bytes);
       break;
     }
     case CUPTI_ACTIVITY_KIND_DRIVER:

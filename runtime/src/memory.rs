@@ -174,6 +174,31 @@ pub fn activations(
     }
 }
 
+/// Every decoder and MTP layer's kind, in order.
+fn layer_kinds(plan: &Plan) -> impl Iterator<Item = LayerKind> + Clone + '_ {
+    plan.layers
+        .iter()
+        .map(|l| l.kind)
+        .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind))
+}
+
+/// [`activations`] of a planned model's decoder and MTP layers.
+pub fn plan_activations(
+    plan: &Plan,
+    tokens: Tokens,
+    sizes: ElementSizes,
+    recompute: Recompute,
+) -> ActivationEstimate {
+    activations(
+        &plan.model,
+        layer_kinds(plan),
+        plan.mtp_depths(),
+        tokens,
+        sizes,
+        recompute,
+    )
+}
+
 /// What one layer of `kind` keeps from forward to backward, and the extra
 /// working set while it runs, for one micro-batch (`layers/*.rs`).
 fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Elements) {
@@ -655,19 +680,7 @@ impl MemoryNeed {
         sizes: ElementSizes,
         recompute: Recompute,
     ) -> Self {
-        let kinds = plan
-            .layers
-            .iter()
-            .map(|l| l.kind)
-            .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind));
-        let activations = activations(
-            &plan.model,
-            kinds.clone(),
-            plan.mtp_depths(),
-            tokens,
-            sizes,
-            recompute,
-        );
+        let activations = plan_activations(plan, tokens, sizes, recompute);
         let largest = plan
             .param_defs
             .iter()
@@ -675,8 +688,14 @@ impl MemoryNeed {
             .max()
             .unwrap_or(0);
         let local_experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts) / layout.ep.max(1);
-        let widened = widened_operands(&plan.model, kinds, local_experts, largest, tokens)
-            .saturating_mul(sizes.widened);
+        let widened = widened_operands(
+            &plan.model,
+            layer_kinds(plan),
+            local_experts,
+            largest,
+            tokens,
+        )
+        .saturating_mul(sizes.widened);
         Self::new(
             layout.ranks,
             state(plan, layout, sizes),

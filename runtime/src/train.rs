@@ -755,12 +755,9 @@ pub fn train_on<P: Platform>(
     let mut failures = Vec::new();
     for (r, outcome) in outcomes {
         match outcome {
-            Ok((h, times)) => {
-                if hash.is_none() {
-                    startup = times;
-                }
-                hash = hash.or(Some(h));
-            }
+            // The first local rank's, as the reports are.
+            Ok((h, times)) if hash.is_none() => (hash, startup) = (Some(h), times),
+            Ok(_) => {}
             Err(e) => failures.push((r, e)),
         }
     }
@@ -887,16 +884,15 @@ fn run_rank<D: Device>(
         .map(|p| engine.param_range(p))
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
-    let mut cx = StepContext::<D>::new(
+    let cx = Arc::new(StepContext::<D>::new(
         model.clone(),
         rank.ep_group.clone(),
         Arc::new(ranges),
         tokens,
         1.0 / (config.micro_batches * config.ranks) as f32,
+        config.recompute,
         &rank.backend,
-    )?;
-    cx.recompute = config.recompute;
-    let cx = Arc::new(cx);
+    )?);
     startup.optimizer = phase.elapsed();
     let mut step = 0;
     if let Some(resume) = &prepared.checkpoints.resume {

@@ -7,7 +7,7 @@ use hybridgen_dsl::plan::{
 };
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::backend::{Precision, Tokens};
-use hybridgen_runtime::memory::{ElementSizes, activations};
+use hybridgen_runtime::memory::{ElementSizes, plan_activations};
 use hybridgen_runtime::recompute::Recompute;
 use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
@@ -281,15 +281,9 @@ fn write_text(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Result<()
 /// kept and with `--recompute full`: how a run's need grows with its
 /// tokens, and what recomputation saves.
 fn write_activations(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Result<()> {
-    let kinds = || {
-        plan.layers
-            .iter()
-            .map(|l| l.kind)
-            .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind))
-    };
     let sizes = ElementSizes::cpu(Precision::Bf16);
-    let [kept, recomputed] = [Recompute::None, Recompute::Full]
-        .map(|r| activations(&plan.model, kinds(), plan.mtp_depths(), tokens, sizes, r));
+    let [kept, recomputed] =
+        [Recompute::None, Recompute::Full].map(|r| plan_activations(plan, tokens, sizes, r));
     writeln!(
         out,
         "\nactivations of one micro-batch of {} x {} tokens in bf16 (the overlap schedule keeps 2 \

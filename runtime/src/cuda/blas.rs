@@ -28,7 +28,7 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 pub(crate) struct Blas {
     handle: cublasHandle_t,
     workspace: u64,
-    lt: Option<LtGemm>,
+    lt: LtGemm,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it
@@ -52,16 +52,17 @@ impl Blas {
     /// unless a call asks for it, and none does).
     pub(crate) fn new(queues: &QueueSet, stream: &CudaStream) -> Result<Blas> {
         queues.bind()?;
+        let lt = LtGemm::new(queues, stream)?;
         let handle = super::catch_cudarc_panic(blas::create_handle)
             .map_err(|e| queues.error("loading cuBLAS (libcublas.so)", e))?
             .map_err(|e| blas_error(queues, "creating a cuBLAS handle", e))?;
         // SAFETY: a plain device allocation, freed in `drop`.
         let workspace = unsafe { result::malloc_sync(WORKSPACE_BYTES) }
             .map_err(|e| queues.error("allocating the cuBLAS workspace", e))?;
-        let mut blas = Blas {
+        let blas = Blas {
             handle,
             workspace,
-            lt: None,
+            lt,
         };
         // SAFETY: the handle, stream and workspace are live.
         unsafe {
@@ -74,7 +75,6 @@ impl Blas {
                 .result()
                 .map_err(|e| blas_error(queues, "setting cuBLAS's math mode", e))?;
         }
-        blas.lt = Some(LtGemm::new(queues, stream, (workspace, WORKSPACE_BYTES))?);
         Ok(blas)
     }
 
@@ -99,13 +99,14 @@ impl Blas {
         };
         // bf16 operands: cuBLASLt with the algorithm of the shape's class
         // (blas_lt.rs says why); f32 ones keep cuBLAS's strict f32.
-        if a.dtype == DType::Bf16
-            && let Some(lt) = &self.lt
-        {
+        if a.dtype == DType::Bf16 {
             [m, n, k]
                 .iter()
                 .try_for_each(|&v| int(v, "a dimension").map(drop))?;
-            if lt.gemm(queues, [a, b, c], dims)? {
+            if self
+                .lt
+                .gemm(queues, (self.workspace, WORKSPACE_BYTES), [a, b, c], dims)?
+            {
                 return Ok(());
             }
         }
@@ -289,8 +290,6 @@ fn compute_type(operands: DType) -> cublasComputeType_t {
 
 impl Drop for Blas {
     fn drop(&mut self) {
-        // cuBLASLt first: it shares the workspace freed below.
-        self.lt = None;
         // SAFETY: created in `new`, destroyed once here.
         unsafe {
             let _ = blas::destroy_handle(self.handle);

@@ -73,7 +73,6 @@ struct ShapeClass {
 /// every shape class met so far (`None`: the heuristic had none).
 pub(crate) struct LtGemm {
     handle: cublasLtHandle_t,
-    workspace: (u64, usize),
     stream: sys::cudaStream_t,
     algos: Mutex<HashMap<ShapeClass, Option<cublasLtMatmulAlgo_t>>>,
     /// Whether its class's algorithm serves an exact shape
@@ -158,19 +157,13 @@ fn lt_type(dtype: DType) -> cudaDataType {
 }
 
 impl LtGemm {
-    /// cuBLASLt on `stream`, sharing the cuBLAS handle's workspace (calls
-    /// on one stream never overlap).
-    pub(crate) fn new(
-        queues: &QueueSet,
-        stream: &CudaStream,
-        workspace: (u64, usize),
-    ) -> Result<LtGemm> {
+    /// cuBLASLt on `stream`.
+    pub(crate) fn new(queues: &QueueSet, stream: &CudaStream) -> Result<LtGemm> {
         let handle = super::catch_cudarc_panic(lt::create_handle)
             .map_err(|e| queues.error("loading cuBLASLt (libcublasLt.so)", e))?
             .map_err(|e| queues.error("creating a cuBLASLt handle", format!("{e:?}")))?;
         Ok(LtGemm {
             handle,
-            workspace,
             stream: stream.cu_stream() as sys::cudaStream_t,
             algos: Mutex::new(HashMap::new()),
             serves: Mutex::new(HashMap::new()),
@@ -178,11 +171,14 @@ impl LtGemm {
     }
 
     /// `C (+)= op(A) op(B)` for bf16 `A` and `B` (row-major, as
-    /// [`crate::Backend::matmul`]), checked by the caller. `Ok(false)`: no
-    /// algorithm of this shape's class serves it; use `cublasGemmEx`.
+    /// [`crate::Backend::matmul`]), checked by the caller, with `workspace`
+    /// (address, bytes: the cuBLAS handle's, since calls on one stream never
+    /// overlap). `Ok(false)`: no algorithm of this shape's class serves it;
+    /// use `cublasGemmEx`.
     pub(crate) fn gemm(
         &self,
         queues: &QueueSet,
+        workspace: (u64, usize),
         [a, b, c]: [GpuView; 3],
         dims: MatmulDims,
     ) -> Result<bool> {
@@ -216,7 +212,10 @@ impl LtGemm {
                 format!("{e:?}"),
             )
         };
-        let Some(algo) = self.algo(key).map_err(|e| fail("heuristic", e))? else {
+        let Some(algo) = self
+            .algo(key, workspace.1)
+            .map_err(|e| fail("heuristic", e))?
+        else {
             return Ok(false);
         };
         let desc = problem.desc().map_err(|e| fail("descriptor", e))?;
@@ -240,7 +239,7 @@ impl LtGemm {
                 };
                 // SAFETY: written by a successful check.
                 status == cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && unsafe { result.assume_init() }.workspaceSize <= self.workspace.1
+                    && unsafe { result.assume_init() }.workspaceSize <= workspace.1
             })
         };
         if !serves {
@@ -266,8 +265,8 @@ impl LtGemm {
                 c.ptr as *mut c_void,
                 lc.0,
                 &algo,
-                self.workspace.0 as *mut c_void,
-                self.workspace.1,
+                workspace.0 as *mut c_void,
+                workspace.1,
                 self.stream,
             )
         };
@@ -279,10 +278,11 @@ impl LtGemm {
     }
 
     /// The algorithm of a shape class: the heuristic's first choice for the
-    /// class's largest shape, found once.
+    /// class's largest shape within `workspace_bytes`, found once.
     fn algo(
         &self,
         key: ShapeClass,
+        workspace_bytes: usize,
     ) -> std::result::Result<Option<cublasLtMatmulAlgo_t>, lt::CublasError> {
         let mut algos = self.algos.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(found) = algos.get(&key) {
@@ -297,7 +297,7 @@ impl LtGemm {
         let desc = problem.desc()?;
         let [la, lb, lc] = problem.layouts()?;
         let pref = Owned(lt::create_matmul_pref()?, lt::destroy_matmul_pref);
-        let workspace = self.workspace.1 as u64;
+        let workspace = workspace_bytes as u64;
         // SAFETY: a live preference; the workspace limit is a u64.
         unsafe {
             lt::set_matmul_pref_attribute(

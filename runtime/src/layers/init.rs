@@ -173,22 +173,15 @@ fn fill(rule: ParamInit, stream: Stream, offset: usize, out: &mut [f32]) {
         // Box–Muller gives two normals a pair of uniforms: draw each pair
         // once (the same operations, so the same bits, as drawing the
         // elements one by one).
-        let mut i = 0;
-        while i < out.len() {
-            let index = (offset + i) as u64;
-            let (radius, angle) = stream.polar(index / 2);
-            let first = index.is_multiple_of(2);
-            out[i] = (std as f64
-                * if first {
-                    radius * angle.cos()
-                } else {
-                    radius * angle.sin()
-                }) as f32;
-            if first && i + 1 < out.len() {
-                out[i + 1] = (std as f64 * (radius * angle.sin())) as f32;
-                i += 1;
+        let end = offset + out.len();
+        for pair in offset / 2..end.div_ceil(2) {
+            let (radius, angle) = stream.polar(pair as u64);
+            let normals = [radius * angle.cos(), radius * angle.sin()];
+            for (index, normal) in (2 * pair..).zip(normals) {
+                if (offset..end).contains(&index) {
+                    out[index - offset] = (std as f64 * normal) as f32;
+                }
             }
-            i += 1;
         }
         return;
     }

@@ -57,7 +57,7 @@ pub struct StepContext<D: Device> {
     /// (copied to the device by [`run_step`] before the first routing).
     pub balance: ExpertBalance<D::Backend>,
     /// Which layers keep only their input and recompute their forward in
-    /// the backward (none unless set after [`StepContext::new`]).
+    /// the backward.
     pub recompute: Recompute,
 }
 
@@ -70,6 +70,7 @@ impl<D: Device> StepContext<D> {
         ranges: Arc<Vec<Range<usize>>>,
         tokens: Tokens,
         mb_weight: f32,
+        recompute: Recompute,
         backend: &D::Backend,
     ) -> Result<Self> {
         let plan = &model.plan;
@@ -83,7 +84,7 @@ impl<D: Device> StepContext<D> {
             tokens,
             mb_weight,
             totals,
-            recompute: Recompute::None,
+            recompute,
         })
     }
 }
@@ -507,15 +508,15 @@ fn forward_op<D: Device>(
                 .x
                 .as_ref()
                 .ok_or_else(|| missing("the residual stream"))?;
+            let runtime = model.layer(layer)?;
             // A recomputed layer keeps a copy of its input (the forward
             // adds into the residual stream in place) and drops the rest.
-            let input = match cx.recompute {
-                Recompute::Full => Some(copy_of(b, b.view(x)?)?),
-                Recompute::None => None,
-            };
-            let saved = model
-                .layer(layer)?
-                .forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
+            let input = cx
+                .recompute
+                .recomputes(runtime.kind())
+                .then(|| copy_of(b, b.view(x)?))
+                .transpose()?;
+            let saved = runtime.forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
             mb.layers[i] = match input {
                 Some(input) => LayerState::Input(input),
                 None => LayerState::Saved(saved),

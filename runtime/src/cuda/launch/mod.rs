@@ -1224,12 +1224,7 @@ impl KernelSet {
             .arg(&rows)
             .arg(&experts)
             .arg(&score);
-        let per_expert = LaunchConfig {
-            grid_dim: (d.experts.max(1) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.go("moe_prob_sum", &mut b, per_expert)
+        self.go("moe_prob_sum", &mut b, per_item(d.experts, 256)?)
     }
 
     /// `Backend::moe_route_backward`.
@@ -1516,12 +1511,7 @@ impl KernelSet {
             .arg(&words)
             .arg(&rows);
         b.arg(&self.fault_ptr);
-        let config = LaunchConfig {
-            grid_dim: (count.min(MAX_BLOCKS) as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.go(k, &mut b, config)
+        self.go(k, &mut b, block_per_row(index.len))
     }
 
     /// `Backend::gather_rows`: `dst[i] = src[index[i]]`.
