@@ -557,7 +557,9 @@ pub fn gpu_kernel_scratch(
     use crate::backend::{AttentionDims, ScanDims};
     use crate::cuda::{
         KernelSet,
-        launch::{AttentionGemmPlan, ScanChunkPlan},
+        launch::{
+            AttentionGemmPlan, ScanChunkPlan, flash_attention_dims, flash_attention_scratch_bytes,
+        },
     };
     let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
         let dims = AttentionDims {
@@ -568,6 +570,10 @@ pub fn gpu_kernel_scratch(
             v_dim,
             scale: 1.0,
         };
+        // bf16 problems the flash kernels take need only their row values.
+        if dtype == DType::Bf16 && flash_attention_dims(dims) {
+            return flash_attention_scratch_bytes(dims);
+        }
         AttentionGemmPlan::for_dtype(dims, dtype, attention_cap)
             .map_or(0, |plan| plan.scratch_bytes(dims))
     };
@@ -1070,9 +1076,18 @@ mod tests {
         let per_chunk =
             7 * 64 * 256 + 6 * 4096 * 256 + 4 * 8 * 128 * 256 + (2 * 8 + 2 * 64) * 256 * 256;
         let chunked = (16 * 64 * (64 * 128 + 3) + 16 * per_chunk) * 4;
-        // 8 bytes a score entry either way: f32 scores and probabilities,
-        // or f32 scores and split bf16 probabilities.
-        for dtype in [DType::Bf16, DType::F32] {
+        // In bf16 the flash kernels take the benchmark's attention (128
+        // channels a head) and need only D_t, one f32 a row and head: the
+        // scan's scratch is the largest.
+        let bf16 = |kinds: &[LayerKind], caps| {
+            gpu_kernel_scratch(&model, kinds, tokens, DType::Bf16, caps)
+        };
+        assert_eq!(bf16(&kinds, (512 << 20, 0)), scan);
+        assert_eq!(bf16(&[LayerKind::Attention], (512 << 20, 0)), 4096 * 16 * 4);
+        // In f32, the GEMM path: f32 scores and probabilities, 8 bytes a
+        // score entry (bf16 problems it takes store split bf16
+        // probabilities, also 8 bytes).
+        for dtype in [DType::F32] {
             let scratch =
                 |kinds: &[LayerKind], caps| gpu_kernel_scratch(&model, kinds, tokens, dtype, caps);
             assert_eq!(scratch(&kinds, (512 << 20, 0)), attention, "{dtype}");

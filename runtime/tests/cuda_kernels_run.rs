@@ -1290,6 +1290,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
         }
     }
     cases.extend(attention_cases(seed));
+    cases.extend(flash_attention_cases(seed));
     cases.extend(lookup_cases(seed));
     cases.extend(mamba_cases(seed ^ 0x006d_616d_6261));
     cases
@@ -1792,6 +1793,126 @@ fn attention_cases(seed: u64) -> Vec<Case<'static>> {
                 reference: None,
             });
         }
+    }
+    cases
+}
+
+/// The flash kernels (bf16, head dims 64 and 128) against the CPU: GQA,
+/// MQA and MHA; a one-token sequence, sequences that end inside a tile and
+/// on a tile's edge, and a 4096-token one. The backward's `delta` scratch
+/// (buffer 9) is not compared; its `out` and `lse` are the CPU forward's.
+fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed ^ 0xf1a5_0000);
+    let mut cases = Vec::new();
+    let a = DType::Bf16;
+    // batch, seq, heads, KV heads, head dim
+    let shapes = [
+        (2usize, 77usize, 4usize, 2usize, 128usize),
+        (1, 300, 4, 1, 64),
+        (3, 1, 2, 2, 64),
+        (2, 64, 2, 1, 64),
+        (1, 130, 3, 3, 128),
+        (1, 4096, 2, 1, 128),
+    ];
+    for (batch, seq, heads, kv_heads, dim) in shapes {
+        let d = AttentionDims {
+            tokens: Tokens::new(batch, seq),
+            heads,
+            kv_heads,
+            qk_dim: dim,
+            v_dim: dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+        };
+        let rows = batch * seq;
+        let shape = format!("{batch}x{seq} {heads}h/{kv_heads} d {dim}");
+        let hq = rng.floats(rows * heads * dim, a);
+        let hk = rng.floats(rows * kv_heads * dim, a);
+        let hv = rng.floats(rows * kv_heads * dim, a);
+        let (out, lse) = cpu_attention_forward(&hq, &hk, &hv, d);
+        let inputs = |x: &[GpuView]| AttentionInputs {
+            q: x[0],
+            k: x[1],
+            v: x[2],
+        };
+        cases.push(Case {
+            kernel: "attention_forward_flash".into(),
+            mode: "bf16",
+            shape: shape.clone(),
+            buffers: vec![
+                hq.clone(),
+                hk.clone(),
+                hv.clone(),
+                nan(out.len(), a),
+                nan(lse.len(), DType::F32),
+            ],
+            outputs: vec![3, 4],
+            cpu: Box::new(move |b, x| {
+                b.attention_forward(
+                    AttentionInputs {
+                        q: v(&x[0]),
+                        k: v(&x[1]),
+                        v: v(&x[2]),
+                    },
+                    m(&x[3]),
+                    m(&x[4]),
+                    d,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| s.attention_forward_flash(st, inputs(x), x[3], x[4], d)),
+            reference: None,
+        });
+        let (q_len, k_len, v_len, lse_len) = (hq.len(), hk.len(), hv.len(), lse.len());
+        cases.push(Case {
+            kernel: "attention_backward_flash".into(),
+            mode: "bf16",
+            shape,
+            buffers: vec![
+                hq,
+                hk,
+                hv,
+                out,
+                lse,
+                rng.floats(rows * heads * dim, a),
+                nan(q_len, a),
+                nan(k_len, a),
+                nan(v_len, a),
+                nan(lse_len, DType::F32),
+            ],
+            outputs: vec![6, 7, 8],
+            cpu: Box::new(move |b, x| {
+                b.attention_backward(
+                    AttentionInputs {
+                        q: v(&x[0]),
+                        k: v(&x[1]),
+                        v: v(&x[2]),
+                    },
+                    v(&x[3]),
+                    v(&x[4]),
+                    v(&x[5]),
+                    AttentionInputs {
+                        q: m(&x[6]),
+                        k: m(&x[7]),
+                        v: m(&x[8]),
+                    },
+                    d,
+                )
+            }),
+            gpu: Box::new(move |s, st, x| {
+                s.attention_backward_flash(
+                    st,
+                    inputs(x),
+                    (x[3], x[4], x[5]),
+                    AttentionInputs {
+                        q: x[6],
+                        k: x[7],
+                        v: x[8],
+                    },
+                    x[9],
+                    d,
+                )
+            }),
+            reference: None,
+        });
     }
     cases
 }

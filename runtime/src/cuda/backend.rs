@@ -15,7 +15,7 @@ use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::launch::{
     self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet,
-    SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan,
+    SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_takes,
 };
 use super::queue::QueueSet;
 use crate::backend::{
@@ -121,6 +121,7 @@ impl Gpu {
             }),
             arena,
             attention_scratch: ATTENTION_GEMM_SCRATCH_BYTES,
+            flash_attention: true,
             scan_scratch: SCAN_CHUNKED_SCRATCH_BYTES,
         })
     }
@@ -164,6 +165,9 @@ pub struct CudaBackend {
     /// The most scratch one attention call of the GEMM path takes (see
     /// [`AttentionGemmPlan`]).
     attention_scratch: usize,
+    /// Whether attention takes the flash kernels where they apply (see
+    /// [`flash_attention_takes`]).
+    flash_attention: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
     scan_scratch: usize,
@@ -189,6 +193,7 @@ impl CudaBackend {
         let mut backend = self.gpu.backend(name)?;
         backend.arena = self.arena.clone();
         backend.attention_scratch = self.attention_scratch;
+        backend.flash_attention = self.flash_attention;
         backend.scan_scratch = self.scan_scratch;
         Ok(backend)
     }
@@ -201,6 +206,21 @@ impl CudaBackend {
     pub fn with_attention_scratch(mut self, bytes: usize) -> CudaBackend {
         self.attention_scratch = bytes;
         self
+    }
+
+    /// This backend with attention's flash kernels on (the default) or
+    /// off: off, bf16 problems take the GEMM path as other ones do. The
+    /// tests use it to reach both paths.
+    pub fn with_flash_attention(mut self, on: bool) -> CudaBackend {
+        self.flash_attention = on;
+        self
+    }
+
+    /// Whether attention on these views takes the flash kernels.
+    fn flash_attention(&self, dims: AttentionDims, tensors: &[GpuView]) -> bool {
+        self.flash_attention
+            && self.k().has_flash_attention()
+            && flash_attention_takes(dims, tensors)
     }
 
     /// This backend with the Mamba scan's chunked path capped at
@@ -865,6 +885,11 @@ impl Backend for CudaBackend {
             v: self.v(inputs.v),
         };
         let (out, lse) = (self.m(&out), self.m(&lse));
+        if self.flash_attention(dims, &[inputs.q, inputs.k, inputs.v, out]) {
+            return self
+                .k()
+                .attention_forward_flash(self.s(), inputs, out, lse, dims);
+        }
         let Some(plan) = AttentionGemmPlan::new(
             dims,
             &[inputs.q, inputs.k, inputs.v, out],
@@ -915,6 +940,17 @@ impl Backend for CudaBackend {
         let views = [
             inputs.q, inputs.k, inputs.v, out, dout, grads.q, grads.k, grads.v,
         ];
+        if self.flash_attention(dims, &views) {
+            let (delta, _delta_buf) = self.scratch_uninit(lse.len, DType::F32)?;
+            return self.k().attention_backward_flash(
+                self.s(),
+                inputs,
+                (out, lse, dout),
+                grads,
+                delta,
+                dims,
+            );
+        }
         let Some(plan) = AttentionGemmPlan::new(dims, &views, self.attention_scratch) else {
             return self
                 .k()

@@ -127,6 +127,17 @@ pub const SOURCES: &[KernelSource] = &[
         "attention_rows.cu",
         ["attention_probs", "attention_scores_grad"]
     ),
+    source!(
+        "attention_flash.cu",
+        [
+            "flash_forward_d64",
+            "flash_backward_dq_d64",
+            "flash_backward_dkdv_d64",
+            "flash_forward_d128",
+            "flash_backward_dq_d128",
+            "flash_backward_dkdv_d128"
+        ]
+    ),
     source!("lookup.cu", ["embedding_forward", "embedding_backward"]),
     source!(
         "conv.cu",

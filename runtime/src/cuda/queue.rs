@@ -14,6 +14,11 @@ use cudarc::driver::{CudaContext, CudaStream, result};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+/// How long a wait yields its core before it starts sleeping: longer than
+/// any one step's queued GPU work behind a host read, so those waits end
+/// within a yield of the event rather than within a sleep.
+const YIELD_BEFORE_SLEEP: Duration = Duration::from_millis(50);
+
 /// The most streams one GPU registers (the width of a buffer's user mask).
 pub const MAX_QUEUES: usize = 16;
 
@@ -187,7 +192,11 @@ impl QueueSet {
     /// Blocks until `event` completed, polling so that the wait stays
     /// bounded: past the timeout, or when the watch reports a failure, it
     /// gives up with an error saying what it waited for. Spins briefly
-    /// first (most waits are short), then sleeps in growing steps.
+    /// first (most waits are short), then yields the core for as long as a
+    /// step's GPU work can take, and only then sleeps in growing steps. A
+    /// sleep overshoots the event by up to its own length, and the waits
+    /// on a step's path (a count read behind milliseconds of GEMMs) were
+    /// leaving the GPU idle for up to the 1 ms cap each.
     pub(crate) fn wait_event(&self, event: RawEvent, what: &dyn Fn() -> String) -> Result<()> {
         self.bind()?;
         let start = Instant::now();
@@ -220,11 +229,13 @@ impl QueueSet {
                     });
                 }
             }
-            if polls > 200 {
+            if polls <= 200 {
+                std::hint::spin_loop();
+            } else if start.elapsed() < YIELD_BEFORE_SLEEP {
+                std::thread::yield_now();
+            } else {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(1));
-            } else {
-                std::hint::spin_loop();
             }
         }
     }

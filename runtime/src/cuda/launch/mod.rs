@@ -39,6 +39,10 @@ use std::sync::Arc;
 
 mod attention;
 pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionAccumulatorLens, AttentionGemmPlan};
+mod attention_flash;
+pub use attention_flash::{
+    FLASH_HEAD_DIMS, flash_attention_dims, flash_attention_scratch_bytes, flash_attention_takes,
+};
 mod lookup;
 
 /// A view of device memory as a kernel takes it.
@@ -279,6 +283,8 @@ pub struct KernelSet {
     /// Kept alive for the functions.
     _modules: Vec<Arc<CudaModule>>,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Whether the flash attention kernels got their shared memory.
+    flash_attention: bool,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -332,6 +338,7 @@ impl KernelSet {
             }
             modules.push(module);
         }
+        let flash_attention = attention_flash::reserve_shared_memory(&functions);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -347,6 +354,7 @@ impl KernelSet {
             target,
             _modules: modules,
             functions,
+            flash_attention,
             fault,
             fault_ptr,
         })

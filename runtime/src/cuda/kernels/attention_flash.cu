@@ -1,0 +1,566 @@
+// Causal attention with grouped KV heads on tensor cores, the flash-attention
+// way (FA2): `Backend::attention_forward` and `attention_backward` when every
+// operand is bf16 and the q/k and v head dims are one D of 64 or 128 (other
+// problems take `attention.cu` or the GEMM path). Layouts as `attention.cu`:
+// q [rows, heads, D], k and v [rows, kv_heads, D], out and dout
+// [rows, heads, D], lse [rows, heads] (f32, natural log); row = b * seq + t;
+// query head h reads KV head h / (heads / kv_heads).
+//
+// Products are `mma.sync.m16n8k16` (bf16 in, f32 accumulate) on fragments
+// read from shared memory with `ldmatrix`; a block is 4 warps and each warp
+// owns 16 rows of the block's 64-row tile. Scores, probabilities and their
+// gradients live in registers only: the accumulator layout of a 16 x 16
+// product tile is the operand layout of the next product, so P (and dS)
+// feed the next `mma` after a round to bf16, as in FlashAttention-2. Softmax
+// runs in base 2 with the scale folded into log2(e).
+//
+// Tiles of the side a block walks are double-buffered: `cp.async` fetches
+// tile i + 1 while the warps compute on tile i (rows past the sequence are
+// filled with zeros). Rows of a staged tile are D + 8 elements apart, so
+// the eight 16-byte rows an `ldmatrix` reads fall in different banks.
+//
+// Determinism: every sum has one order, fixed by the dimensions: a product
+// accumulates its k-blocks in order, a row's max and sum take a thread's
+// values in order and then a butterfly over the row's 4 threads; dk and dv
+// are summed by the one block that owns their key tile, over the group's
+// query heads in order and their query tiles in order. No atomics.
+//
+// The backward is two kernels. flash_backward_dq (a block per query tile)
+// first computes D_t = dout_t . out_t for its rows and writes it to `delta`
+// ([rows, heads] f32); flash_backward_dkdv (a block per key tile of a KV
+// head) runs after it on the same stream and reads it.
+#include "common.cuh"
+
+#define FLASH_THREADS 128
+// Rows of a block's own tile (16 per warp), and the key tile of the
+// forward and dq walks.
+#define FLASH_TILE 64
+// The query tile of the dk/dv walk (fewer rows keep its two accumulators
+// and two score tiles in registers).
+#define DKDV_QUERIES 32
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Four 8 x 8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// The same, each matrix transposed.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// c += a b for a 16 x 16 bf16 a (row-major fragment), a 16 x 8 b (column
+// fragment b0, b1) and a 16 x 8 f32 c.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, the first in the low half (an operand's
+// lower-indexed element).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+// 16 bytes from global to shared memory, asynchronously; zeros when !valid
+// (nothing is read then).
+__device__ __forceinline__ void copy16_async(u32 dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// One f32 from global to shared memory, asynchronously; zero when !valid.
+__device__ __forceinline__ void copy4_async(u32 dst, const float* src, bool valid) {
+    const int bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void commit_async() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Waits until at most `N` of this thread's committed groups are in flight.
+template <int N>
+__device__ __forceinline__ void wait_async() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Stages `ROWS` rows of one head (D channels each, `stride` elements apart
+// from `first`) into `tile` with a pitch of D + 8; rows from `valid` on are
+// zeros.
+template <int D, int ROWS>
+__device__ __forceinline__ void stage_rows(bf16* tile, const bf16* first, u64 stride, u32 valid) {
+    constexpr int CHUNKS = D / 8;
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += FLASH_THREADS) {
+        const u32 r = c / CHUNKS;
+        const u32 col = (c % CHUNKS) * 8;
+        const bool ok = r < valid;
+        copy16_async(shared_address(tile + r * (D + 8) + col), ok ? first + r * stride + col : first, ok);
+    }
+}
+
+// `ROWS` values of one head's column of a [rows, heads] f32 tensor.
+template <int ROWS>
+__device__ __forceinline__ void stage_column(float* dst, const float* first, u32 heads, u32 valid) {
+    for (int r = threadIdx.x; r < ROWS; r += FLASH_THREADS) {
+        const bool ok = static_cast<u32>(r) < valid;
+        copy4_async(shared_address(dst + r), ok ? first + static_cast<u64>(r) * heads : first, ok);
+    }
+}
+
+// The A fragment of the 16 x 16 block of a staged tile at (row0, col0).
+template <int D>
+__device__ __forceinline__ void load_a(u32 (&a)[4], const bf16* tile, u32 row0, u32 col0) {
+    const u32 lane = threadIdx.x & 31;
+    ldmatrix_x4(a, shared_address(tile + (row0 + (lane & 15)) * (D + 8) + col0 + (lane >> 4) * 8));
+}
+
+// B fragments of two 8-column blocks from a staged tile read as its
+// transpose: B(k, n) = tile[n0 + n][k0 + k] for n < 16, k < 16; b[0], b[1]
+// are columns n0..n0+7 and b[2], b[3] columns n0+8..n0+15.
+template <int D>
+__device__ __forceinline__ void load_b_rows(u32 (&b)[4], const bf16* tile, u32 n0, u32 k0) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 row = n0 + (lane & 7) + (lane >> 4) * 8;
+    const u32 col = k0 + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4(b, shared_address(tile + row * (D + 8) + col));
+}
+
+// B fragments of two 8-column blocks from a staged tile read as it is:
+// B(k, n) = tile[k0 + k][n0 + n]; same fragment order as load_b_rows.
+template <int D>
+__device__ __forceinline__ void load_b_cols(u32 (&b)[4], const bf16* tile, u32 k0, u32 n0) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const u32 col = n0 + (lane >> 4) * 8;
+    ldmatrix_x4_trans(b, shared_address(tile + row * (D + 8) + col));
+}
+
+// s[n] (n < N, 8 columns each) = A B^T for the warp's 16 rows of `a` (from
+// row a0) and N * 8 rows of `b`, over D channels.
+template <int D, int N>
+__device__ __forceinline__ void product_rows(float (&s)[N][4], const bf16* a, u32 a0, const bf16* b) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 fa[4];
+        load_a<D>(fa, a, a0, kk * 16);
+#pragma unroll
+        for (int np = 0; np < N / 2; ++np) {
+            u32 fb[4];
+            load_b_rows<D>(fb, b, np * 16, kk * 16);
+            mma_bf16(s[2 * np], fa, fb[0], fb[1]);
+            mma_bf16(s[2 * np + 1], fa, fb[2], fb[3]);
+        }
+    }
+}
+
+// acc[n] (D / 8 blocks) += W V, W the warp's 16 x (N * 8) register tile `w`
+// (rounded to bf16) and V the first N * 8 rows of `v`.
+template <int D, int N>
+__device__ __forceinline__ void accumulate(float (&acc)[D / 8][4], const float (&w)[N][4], const bf16* v) {
+#pragma unroll
+    for (int kk = 0; kk < N / 2; ++kk) {
+        const u32 fa[4] = {pack_bf16(w[2 * kk][0], w[2 * kk][1]), pack_bf16(w[2 * kk][2], w[2 * kk][3]),
+                           pack_bf16(w[2 * kk + 1][0], w[2 * kk + 1][1]),
+                           pack_bf16(w[2 * kk + 1][2], w[2 * kk + 1][3])};
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+            u32 fb[4];
+            load_b_cols<D>(fb, v, kk * 16, np * 16);
+            mma_bf16(acc[2 * np], fa, fb[0], fb[1]);
+            mma_bf16(acc[2 * np + 1], fa, fb[2], fb[3]);
+        }
+    }
+}
+
+// The sum and max over the 4 threads of a fragment row (lanes differing in
+// bits 0-1); every thread ends with the same bits.
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Writes the warp's 16 x D f32 tile `acc` times `factor` (rows `r0` and
+// `r0 + 8` of this thread, skipped past `seq`) as bf16 rows `stride`
+// elements apart from `first`.
+template <int D>
+__device__ __forceinline__ void store_rows(bf16* first, u64 stride, const float (&acc)[D / 8][4], u32 r0,
+                                           u32 seq, float f0, float f1) {
+    const u32 t = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        const u32 col = n * 8 + 2 * t;
+        if (r0 < seq) {
+            *reinterpret_cast<u32*>(first + r0 * stride + col) = pack_bf16(acc[n][0] * f0, acc[n][1] * f0);
+        }
+        if (r0 + 8 < seq) {
+            *reinterpret_cast<u32*>(first + (r0 + 8) * stride + col) =
+                pack_bf16(acc[n][2] * f1, acc[n][3] * f1);
+        }
+    }
+}
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+// Block (tile, pair) of a grid of `tiles` tiles for each of `pairs` pairs,
+// blockIdx.x = rank * pairs + pair; heaviest tiles run first.
+__device__ __forceinline__ void flash_block(u32 tiles, u32 pairs, bool last_first, u32& tile, u32& pair) {
+    const u32 rank = blockIdx.x / pairs;
+    pair = blockIdx.x % pairs;
+    tile = last_first ? tiles - 1 - rank : rank;
+}
+
+// o_t = sum_{u<=t} softmax_u(scale q_t . k_u) v_u and lse_t. Grid: query
+// tiles x (batch * heads), the last tiles (the most keys) first.
+template <int D>
+__device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
+                                              u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char shared[];
+    constexpr u32 TILE_ELEMS = FLASH_TILE * (D + 8);
+    bf16* qs = reinterpret_cast<bf16*>(shared);
+    bf16* ks = qs + TILE_ELEMS;  // two buffers
+    bf16* vs = ks + 2 * TILE_ELEMS;  // two buffers
+    u32 tile, pair;
+    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * heads, true, tile, pair);
+    const u32 b = pair / heads;
+    const u32 h = pair % heads;
+    const u32 g = h / (heads / kv_heads);
+    const u32 t0 = tile * FLASH_TILE;
+    const u64 row0 = static_cast<u64>(b) * seq;
+    const u64 q_stride = static_cast<u64>(heads) * D;
+    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 r0 = t0 + warp * 16 + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    const float c = scale * LOG2E;
+
+    stage_rows<D, FLASH_TILE>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_rows<D, FLASH_TILE>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_rows<D, FLASH_TILE>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
+    commit_async();
+
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    }
+    float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.0f, l1 = 0.0f;
+    for (u32 j = 0; j <= tile; ++j) {
+        const u32 u0 = j * FLASH_TILE;
+        const u32 buf = j & 1;
+        if (j < tile) {
+            const u32 u1 = u0 + FLASH_TILE;
+            stage_rows<D, FLASH_TILE>(ks + (buf ^ 1) * TILE_ELEMS, k + ((row0 + u1) * kv_heads + g) * D,
+                                      kv_stride, seq - u1);
+            stage_rows<D, FLASH_TILE>(vs + (buf ^ 1) * TILE_ELEMS, v + ((row0 + u1) * kv_heads + g) * D,
+                                      kv_stride, seq - u1);
+        }
+        commit_async();
+        wait_async<1>();
+        __syncthreads();
+        float s[FLASH_TILE / 8][4];
+        product_rows<D, FLASH_TILE / 8>(s, qs, warp * 16, ks + buf * TILE_ELEMS);
+        // Only the diagonal tile and one past the sequence hold masked keys.
+        const bool masked = u0 + FLASH_TILE > t0 + warp * 16 || u0 + FLASH_TILE > seq;
+        float x0 = neg_inf(), x1 = neg_inf();
+#pragma unroll
+        for (int n = 0; n < FLASH_TILE / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                const u32 row = e < 2 ? r0 : r0 + 8;
+                s[n][e] = (!masked || (key <= row && key < seq)) ? s[n][e] * c : neg_inf();
+            }
+            x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
+            x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
+        }
+        // Key 0 is in every row's first tile, so the new max is finite.
+        const float n0 = fmaxf(m0, quad_max(x0));
+        const float n1 = fmaxf(m1, quad_max(x1));
+        const float a0 = exp2f(m0 - n0);
+        const float a1 = exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < FLASH_TILE / 8; ++n) {
+            s[n][0] = exp2f(s[n][0] - n0);
+            s[n][1] = exp2f(s[n][1] - n0);
+            s[n][2] = exp2f(s[n][2] - n1);
+            s[n][3] = exp2f(s[n][3] - n1);
+            p0 += s[n][0] + s[n][1];
+            p1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * a0 + p0;
+        l1 = l1 * a1 + p1;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            acc[n][0] *= a0;
+            acc[n][1] *= a0;
+            acc[n][2] *= a1;
+            acc[n][3] *= a1;
+        }
+        accumulate<D, FLASH_TILE / 8>(acc, s, vs + buf * TILE_ELEMS);
+        // Every warp is done with this buffer before the next fetch into it.
+        __syncthreads();
+    }
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    store_rows<D>(out + (row0 * heads + h) * D, q_stride, acc, r0, seq, 1.0f / l0, 1.0f / l1);
+    if ((lane & 3) == 0) {
+        if (r0 < seq) {
+            lse[(row0 + r0) * heads + h] = (m0 + log2f(l0)) * LN2;
+        }
+        if (r0 + 8 < seq) {
+            lse[(row0 + r0 + 8) * heads + h] = (m1 + log2f(l1)) * LN2;
+        }
+    }
+}
+
+// D_t = dout_t . out_t of the block's 64 query rows (a warp per row, lanes
+// strided over the channels, then the warp butterfly) into `delta_tile` and,
+// for rows in the sequence, `delta`.
+template <int D>
+__device__ __forceinline__ void row_deltas(const bf16* out, const bf16* dout, float* delta, float* delta_tile,
+                                           u64 row0, u32 t0, u32 seq, u32 heads, u32 h) {
+    const u32 lane = threadIdx.x & 31;
+    for (u32 r = threadIdx.x >> 5; r < FLASH_TILE; r += FLASH_THREADS / 32) {
+        const u32 t = t0 + r;
+        float d = 0.0f;
+        if (t < seq) {
+            const u64 base = ((row0 + t) * heads + h) * D;
+            for (u32 c = lane; c < D; c += 32) {
+                d += __bfloat162float(dout[base + c]) * __bfloat162float(out[base + c]);
+            }
+        }
+        d = warp_sum(d);
+        if (lane == 0) {
+            delta_tile[r] = d;
+            if (t < seq) {
+                delta[(row0 + t) * heads + h] = d;
+            }
+        }
+    }
+}
+
+// dq_t = scale sum_{u<=t} p_tu (dout_t . v_u - D_t) k_u, and D_t into
+// `delta`. Grid: query tiles x (batch * heads), the last tiles first.
+template <int D>
+__device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
+                                                  const float* lse, const bf16* dout, bf16* dq, float* delta,
+                                                  u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char shared[];
+    __shared__ float delta_tile[FLASH_TILE];
+    constexpr u32 TILE_ELEMS = FLASH_TILE * (D + 8);
+    bf16* qs = reinterpret_cast<bf16*>(shared);
+    bf16* dos = qs + TILE_ELEMS;
+    bf16* ks = dos + TILE_ELEMS;  // two buffers
+    bf16* vs = ks + 2 * TILE_ELEMS;  // two buffers
+    u32 tile, pair;
+    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * heads, true, tile, pair);
+    const u32 b = pair / heads;
+    const u32 h = pair % heads;
+    const u32 g = h / (heads / kv_heads);
+    const u32 t0 = tile * FLASH_TILE;
+    const u64 row0 = static_cast<u64>(b) * seq;
+    const u64 q_stride = static_cast<u64>(heads) * D;
+    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 r0 = t0 + warp * 16 + (lane >> 2);
+    const float c = scale * LOG2E;
+
+    stage_rows<D, FLASH_TILE>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_rows<D, FLASH_TILE>(dos, dout + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_rows<D, FLASH_TILE>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_rows<D, FLASH_TILE>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
+    commit_async();
+    row_deltas<D>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
+    __syncthreads();
+    const float d0 = delta_tile[warp * 16 + (lane >> 2)];
+    const float d1 = delta_tile[warp * 16 + (lane >> 2) + 8];
+    // Rows past the sequence have zero q and dout: their lse is taken as 0.
+    const float e0 = r0 < seq ? lse[(row0 + r0) * heads + h] * LOG2E : 0.0f;
+    const float e1 = r0 + 8 < seq ? lse[(row0 + r0 + 8) * heads + h] * LOG2E : 0.0f;
+
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    }
+    for (u32 j = 0; j <= tile; ++j) {
+        const u32 u0 = j * FLASH_TILE;
+        const u32 buf = j & 1;
+        if (j < tile) {
+            const u32 u1 = u0 + FLASH_TILE;
+            stage_rows<D, FLASH_TILE>(ks + (buf ^ 1) * TILE_ELEMS, k + ((row0 + u1) * kv_heads + g) * D,
+                                      kv_stride, seq - u1);
+            stage_rows<D, FLASH_TILE>(vs + (buf ^ 1) * TILE_ELEMS, v + ((row0 + u1) * kv_heads + g) * D,
+                                      kv_stride, seq - u1);
+        }
+        commit_async();
+        wait_async<1>();
+        __syncthreads();
+        const bf16* kt = ks + buf * TILE_ELEMS;
+        float s[FLASH_TILE / 8][4];
+        product_rows<D, FLASH_TILE / 8>(s, qs, warp * 16, kt);
+        float dp[FLASH_TILE / 8][4];
+        product_rows<D, FLASH_TILE / 8>(dp, dos, warp * 16, vs + buf * TILE_ELEMS);
+        const bool masked = u0 + FLASH_TILE > t0 + warp * 16 || u0 + FLASH_TILE > seq;
+#pragma unroll
+        for (int n = 0; n < FLASH_TILE / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                const u32 row = e < 2 ? r0 : r0 + 8;
+                const bool live = !masked || (key <= row && key < seq);
+                const float p = live ? exp2f(s[n][e] * c - (e < 2 ? e0 : e1)) : 0.0f;
+                s[n][e] = p * (dp[n][e] - (e < 2 ? d0 : d1));
+            }
+        }
+        accumulate<D, FLASH_TILE / 8>(acc, s, kt);
+        __syncthreads();
+    }
+    store_rows<D>(dq + (row0 * heads + h) * D, q_stride, acc, r0, seq, scale, scale);
+}
+
+// dk_u = scale sum_{t>=u} ds_tu q_t and dv_u = sum_{t>=u} p_tu dout_t over
+// the group's query heads. Grid: key tiles x (batch * kv_heads), the first
+// tiles (the most queries) first.
+template <int D>
+__device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k, const bf16* v,
+                                                    const float* lse, const bf16* dout, const float* delta,
+                                                    bf16* dk, bf16* dv, u32 batch, u32 seq, u32 heads,
+                                                    u32 kv_heads, float scale) {
+    extern __shared__ __align__(16) unsigned char shared[];
+    constexpr u32 KEY_ELEMS = FLASH_TILE * (D + 8);
+    constexpr u32 QUERY_ELEMS = DKDV_QUERIES * (D + 8);
+    bf16* ks = reinterpret_cast<bf16*>(shared);
+    bf16* vs = ks + KEY_ELEMS;
+    bf16* qs = vs + KEY_ELEMS;  // two buffers
+    bf16* dos = qs + 2 * QUERY_ELEMS;  // two buffers
+    float* lses = reinterpret_cast<float*>(dos + 2 * QUERY_ELEMS);  // two buffers
+    float* deltas = lses + 2 * DKDV_QUERIES;  // two buffers
+    u32 tile, pair;
+    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * kv_heads, false, tile, pair);
+    const u32 b = pair / kv_heads;
+    const u32 g = pair % kv_heads;
+    const u32 group = heads / kv_heads;
+    const u32 k0 = tile * FLASH_TILE;
+    const u64 row0 = static_cast<u64>(b) * seq;
+    const u64 q_stride = static_cast<u64>(heads) * D;
+    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const u32 warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 r0 = k0 + warp * 16 + (lane >> 2);  // this thread's keys: r0, r0 + 8
+    const float c = scale * LOG2E;
+    const u32 query_tiles = (seq - k0 + DKDV_QUERIES - 1) / DKDV_QUERIES;
+    const u32 steps = group * query_tiles;
+
+    stage_rows<D, FLASH_TILE>(ks, k + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
+    stage_rows<D, FLASH_TILE>(vs, v + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
+    // Step i: query head g * group + i / query_tiles, queries from
+    // k0 + (i % query_tiles) * DKDV_QUERIES.
+    auto stage_step = [&](u32 i, u32 buf) {
+        const u32 h = g * group + i / query_tiles;
+        const u32 t0 = k0 + (i % query_tiles) * DKDV_QUERIES;
+        const u64 first = (row0 + t0) * heads + h;
+        stage_rows<D, DKDV_QUERIES>(qs + buf * QUERY_ELEMS, q + first * D, q_stride, seq - t0);
+        stage_rows<D, DKDV_QUERIES>(dos + buf * QUERY_ELEMS, dout + first * D, q_stride, seq - t0);
+        stage_column<DKDV_QUERIES>(lses + buf * DKDV_QUERIES, lse + first, heads, seq - t0);
+        stage_column<DKDV_QUERIES>(deltas + buf * DKDV_QUERIES, delta + first, heads, seq - t0);
+    };
+    stage_step(0, 0);
+    commit_async();
+
+    float acc_k[D / 8][4];
+    float acc_v[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        acc_k[n][0] = acc_k[n][1] = acc_k[n][2] = acc_k[n][3] = 0.0f;
+        acc_v[n][0] = acc_v[n][1] = acc_v[n][2] = acc_v[n][3] = 0.0f;
+    }
+    for (u32 i = 0; i < steps; ++i) {
+        const u32 buf = i & 1;
+        if (i + 1 < steps) {
+            stage_step(i + 1, buf ^ 1);
+        }
+        commit_async();
+        wait_async<1>();
+        __syncthreads();
+        const u32 t0 = k0 + (i % query_tiles) * DKDV_QUERIES;
+        const bf16* qt = qs + buf * QUERY_ELEMS;
+        const bf16* dot = dos + buf * QUERY_ELEMS;
+        const float* lt = lses + buf * DKDV_QUERIES;
+        const float* dt = deltas + buf * DKDV_QUERIES;
+        // Scores and their gradients transposed: rows are the warp's keys.
+        float p[DKDV_QUERIES / 8][4];
+        product_rows<D, DKDV_QUERIES / 8>(p, ks, warp * 16, qt);
+        float dp[DKDV_QUERIES / 8][4];
+        product_rows<D, DKDV_QUERIES / 8>(dp, vs, warp * 16, dot);
+        const bool masked = t0 < k0 + warp * 16 + 16 || t0 + DKDV_QUERIES > seq;
+#pragma unroll
+        for (int n = 0; n < DKDV_QUERIES / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
+                const u32 query = t0 + col;
+                const u32 key = e < 2 ? r0 : r0 + 8;
+                const bool live = !masked || (key <= query && query < seq);
+                p[n][e] = live ? exp2f(p[n][e] * c - lt[col] * LOG2E) : 0.0f;
+                dp[n][e] = p[n][e] * (dp[n][e] - dt[col]);
+            }
+        }
+        accumulate<D, DKDV_QUERIES / 8>(acc_v, p, dot);
+        accumulate<D, DKDV_QUERIES / 8>(acc_k, dp, qt);
+        __syncthreads();
+    }
+    const u64 first = (row0 * kv_heads + g) * D;
+    store_rows<D>(dk + first, kv_stride, acc_k, r0, seq, scale, scale);
+    store_rows<D>(dv + first, kv_stride, acc_v, r0, seq, 1.0f, 1.0f);
+}
+
+#define FLASH_ENTRY_POINTS(D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
+        flash_forward_d##D(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch,      \
+                           u32 seq, u32 heads, u32 kv_heads, float scale) {                                    \
+        flash_forward<D>(q, k, v, out, lse, batch, seq, heads, kv_heads, scale);                              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
+        flash_backward_dq_d##D(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, \
+                               const bf16* dout, bf16* dq, float* delta, u32 batch, u32 seq, u32 heads,        \
+                               u32 kv_heads, float scale) {                                                    \
+        flash_backward_dq<D>(q, k, v, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);         \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
+        flash_backward_dkdv_d##D(const bf16* q, const bf16* k, const bf16* v, const float* lse,              \
+                                 const bf16* dout, const float* delta, bf16* dk, bf16* dv, u32 batch,         \
+                                 u32 seq, u32 heads, u32 kv_heads, float scale) {                             \
+        flash_backward_dkdv<D>(q, k, v, lse, dout, delta, dk, dv, batch, seq, heads, kv_heads, scale);       \
+    }
+
+FLASH_ENTRY_POINTS(64)
+FLASH_ENTRY_POINTS(128)

@@ -1,0 +1,321 @@
+//! Launchers of `kernels/attention_flash.cu`: causal attention on tensor
+//! cores (`mma.sync`, FlashAttention-2's tiling) for bf16 problems whose
+//! q/k and v head dims are one [`FLASH_HEAD_DIMS`] value. They replace the
+//! GEMM path there: no `[seq, seq]` scratch, and none of its row kernels
+//! (the softmax and its gradient over materialised scores were a tenth of
+//! the benchmark's step). Other problems keep the GEMM path or the tiled
+//! kernels of `attention.cu`.
+//!
+//! Probabilities and score gradients round to bf16 before their second
+//! product, as in FlashAttention: results differ from the f32 reference by
+//! about one bf16 rounding (the kernel tests hold them to the bf16
+//! tolerance). The grids depend on the dimensions alone, and no floats are
+//! added with atomics, so the same inputs give the same bits.
+
+use super::{GpuView, KernelSet, as_u32, ensure, exactly, len, product};
+use crate::backend::{AttentionDims, AttentionInputs};
+use crate::error::{Result, RuntimeError};
+use crate::view::DType;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use std::collections::HashMap;
+
+/// The head dims the kernels are compiled for (a template instance each).
+pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Threads of a block: four warps of 16 rows each (`FLASH_THREADS`).
+const THREADS: u32 = 128;
+/// Rows of a block's own tile, and the key tile the forward and dq walk
+/// (`FLASH_TILE`).
+const TILE: usize = 64;
+/// The query tile the dk/dv kernel walks (`DKDV_QUERIES`).
+const DKDV_QUERIES: usize = 32;
+/// A CUDA grid's limit along x.
+const MAX_GRID_X: usize = i32::MAX as usize;
+
+/// The three kernels of one head dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FlashKernel {
+    Forward,
+    BackwardDq,
+    BackwardDkdv,
+}
+
+impl FlashKernel {
+    const ALL: [FlashKernel; 3] = [
+        FlashKernel::Forward,
+        FlashKernel::BackwardDq,
+        FlashKernel::BackwardDkdv,
+    ];
+
+    fn name(self, head_dim: usize) -> &'static str {
+        match (self, head_dim) {
+            (FlashKernel::Forward, 64) => "flash_forward_d64",
+            (FlashKernel::Forward, _) => "flash_forward_d128",
+            (FlashKernel::BackwardDq, 64) => "flash_backward_dq_d64",
+            (FlashKernel::BackwardDq, _) => "flash_backward_dq_d128",
+            (FlashKernel::BackwardDkdv, 64) => "flash_backward_dkdv_d64",
+            (FlashKernel::BackwardDkdv, _) => "flash_backward_dkdv_d128",
+        }
+    }
+
+    /// Dynamic shared memory of a block: its staged tiles, `D + 8`
+    /// elements a row, the walked side's double-buffered.
+    fn shared_bytes(self, head_dim: usize) -> usize {
+        let row = (head_dim + 8) * DType::Bf16.bytes();
+        match self {
+            // q, then k and v twice.
+            FlashKernel::Forward => 5 * TILE * row,
+            // q and dout, then k and v twice.
+            FlashKernel::BackwardDq => 6 * TILE * row,
+            // k and v, then q and dout twice, and lse and D twice.
+            FlashKernel::BackwardDkdv => {
+                2 * TILE * row + 4 * DKDV_QUERIES * row + 4 * DKDV_QUERIES * DType::F32.bytes()
+            }
+        }
+    }
+}
+
+/// Lets every flash kernel take its dynamic shared memory (past the 48 KiB
+/// a launch gets without asking). False when the device cannot give it
+/// (older GPUs have less shared memory a block): the kernels are then
+/// never launched and attention takes its other paths.
+pub(super) fn reserve_shared_memory(functions: &HashMap<&'static str, CudaFunction>) -> bool {
+    FLASH_HEAD_DIMS.iter().all(|&d| {
+        FlashKernel::ALL.iter().all(|&kernel| {
+            let Some(f) = functions.get(kernel.name(d)) else {
+                return false;
+            };
+            let bytes = kernel.shared_bytes(d) as i32;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes,
+            )
+            .is_ok()
+        })
+    })
+}
+
+/// The dimensions as the kernels take them.
+struct FlashDims {
+    batch: u32,
+    seq: u32,
+    heads: u32,
+    kv_heads: u32,
+    scale: f32,
+}
+
+impl FlashDims {
+    fn new(kernel: &str, d: AttentionDims) -> Result<FlashDims> {
+        // Tile starts run to `seq` plus a tile in u32, and element offsets
+        // of one row (row * heads * D) are u64 in the kernels.
+        ensure(d.tokens.seq <= i32::MAX as usize, || {
+            format!(
+                "{kernel}: sequences of {} tokens exceed the CUDA kernels' {} tokens",
+                d.tokens.seq,
+                i32::MAX
+            )
+        })?;
+        Ok(FlashDims {
+            batch: as_u32(kernel, "batch", d.tokens.batch)?,
+            seq: as_u32(kernel, "sequence length", d.tokens.seq)?,
+            heads: as_u32(kernel, "heads", d.heads)?,
+            kv_heads: as_u32(kernel, "KV heads", d.kv_heads)?,
+            scale: d.scale,
+        })
+    }
+
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.batch)
+            .arg(&self.seq)
+            .arg(&self.heads)
+            .arg(&self.kv_heads)
+            .arg(&self.scale);
+    }
+}
+
+/// A grid of `tiles` tiles for each of `pairs` (sequence, head) pairs.
+fn flash_grid(kernel: FlashKernel, d: usize, tiles: usize, pairs: usize) -> Result<LaunchConfig> {
+    let name = kernel.name(d);
+    let blocks = tiles
+        .checked_mul(pairs)
+        .filter(|&b| b <= MAX_GRID_X)
+        .ok_or_else(|| {
+            RuntimeError::Unsupported(format!(
+                "{name}: {tiles} tiles x {pairs} (sequence, head) pairs exceed a CUDA grid"
+            ))
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: kernel.shared_bytes(d) as u32,
+    })
+}
+
+/// Whether the flash kernels are compiled for these dimensions: one head
+/// dim of [`FLASH_HEAD_DIMS`] for q/k and v, KV heads dividing heads.
+pub fn flash_attention_dims(dims: AttentionDims) -> bool {
+    dims.qk_dim == dims.v_dim
+        && FLASH_HEAD_DIMS.contains(&dims.qk_dim)
+        && dims.kv_heads > 0
+        && dims.heads.is_multiple_of(dims.kv_heads)
+}
+
+/// Whether the flash kernels take a problem: its dimensions, and every
+/// tensor view bf16 and 16-byte aligned (tiles are fetched 16 bytes at a
+/// time).
+pub fn flash_attention_takes(dims: AttentionDims, tensors: &[GpuView]) -> bool {
+    flash_attention_dims(dims)
+        && tensors
+            .iter()
+            .all(|v| v.dtype == DType::Bf16 && v.ptr.is_multiple_of(16))
+}
+
+/// Scratch of one flash backward: `D_t` in f32 for each (row, head).
+pub fn flash_attention_scratch_bytes(dims: AttentionDims) -> usize {
+    dims.tokens.batch * dims.tokens.seq * dims.heads * DType::F32.bytes()
+}
+
+/// The CPU backend's checks of q, k, v and out (`[rows, heads, D]` or
+/// `[rows, kv_heads, D]`) and lse; returns the rows.
+fn validate(
+    kn: &str,
+    d: AttentionDims,
+    inputs: &AttentionInputs<GpuView>,
+    out: &GpuView,
+    lse: &GpuView,
+) -> Result<usize> {
+    let rows = d.tokens.rows()?;
+    ensure(
+        flash_attention_takes(d, &[inputs.q, inputs.k, inputs.v, *out]),
+        || {
+            format!(
+                "{kn}: the flash kernels take bf16 views, 16-byte aligned, with one head dim of \
+             {FLASH_HEAD_DIMS:?} (got qk {} and v {}) and KV heads dividing heads",
+                d.qk_dim, d.v_dim
+            )
+        },
+    )?;
+    exactly(kn, "lse", lse, DType::F32)?;
+    let q_len = product(kn, &[rows, d.heads, d.qk_dim])?;
+    let kv_len = product(kn, &[rows, d.kv_heads, d.qk_dim])?;
+    len(kn, "q", &inputs.q, q_len)?;
+    len(kn, "k", &inputs.k, kv_len)?;
+    len(kn, "v", &inputs.v, kv_len)?;
+    len(kn, "out", out, q_len)?;
+    len(kn, "lse", lse, product(kn, &[rows, d.heads])?)?;
+    Ok(rows)
+}
+
+impl KernelSet {
+    /// Whether this set's flash kernels can run on its device (see
+    /// [`reserve_shared_memory`]).
+    pub fn has_flash_attention(&self) -> bool {
+        self.flash_attention
+    }
+
+    fn flash_function(&self, kernel: FlashKernel, d: usize) -> Result<&CudaFunction> {
+        ensure(self.flash_attention, || {
+            format!(
+                "{}: this device cannot give the flash kernels their shared memory",
+                kernel.name(d)
+            )
+        })?;
+        self.function(kernel.name(d))
+    }
+
+    /// `Backend::attention_forward` on tensor cores: `out` and the f32
+    /// log-sum-exp of each (row, head) in `lse`.
+    pub fn attention_forward_flash(
+        &self,
+        stream: &CudaStream,
+        inputs: AttentionInputs<GpuView>,
+        out: GpuView,
+        lse: GpuView,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let kn = "attention_forward_flash";
+        let rows = validate(kn, dims, &inputs, &out, &lse)?;
+        if rows == 0 || dims.heads == 0 {
+            return Ok(());
+        }
+        let shape = FlashDims::new(kn, dims)?;
+        let d = dims.qk_dim;
+        let kernel = FlashKernel::Forward;
+        let config = flash_grid(
+            kernel,
+            d,
+            dims.tokens.seq.div_ceil(TILE),
+            dims.tokens.batch * dims.heads,
+        )?;
+        let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
+        b.arg(&inputs.q.ptr)
+            .arg(&inputs.k.ptr)
+            .arg(&inputs.v.ptr)
+            .arg(&out.ptr)
+            .arg(&lse.ptr);
+        shape.push(&mut b);
+        self.go(kernel.name(d), &mut b, config)
+    }
+
+    /// `Backend::attention_backward` on tensor cores: overwrites
+    /// `grads.q`, `grads.k` and `grads.v`. `delta` (f32, one per (row,
+    /// head)) is scratch: the dq kernel writes `D_t = dout_t . out_t` into
+    /// it, and the dk/dv kernel reads it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward_flash(
+        &self,
+        stream: &CudaStream,
+        inputs: AttentionInputs<GpuView>,
+        (out, lse, dout): (GpuView, GpuView, GpuView),
+        grads: AttentionInputs<GpuView>,
+        delta: GpuView,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let kn = "attention_backward_flash";
+        let rows = validate(kn, dims, &inputs, &out, &lse)?;
+        ensure(
+            flash_attention_takes(dims, &[dout, grads.q, grads.k, grads.v]),
+            || format!("{kn}: dout and the gradients must be bf16 views, 16-byte aligned"),
+        )?;
+        len(kn, "dout", &dout, out.len)?;
+        len(kn, "grads.q", &grads.q, inputs.q.len)?;
+        len(kn, "grads.k", &grads.k, inputs.k.len)?;
+        len(kn, "grads.v", &grads.v, inputs.v.len)?;
+        exactly(kn, "delta", &delta, DType::F32)?;
+        len(kn, "delta", &delta, lse.len)?;
+        if rows == 0 || dims.heads == 0 {
+            return Ok(());
+        }
+        let shape = FlashDims::new(kn, dims)?;
+        let d = dims.qk_dim;
+        let tiles = dims.tokens.seq.div_ceil(TILE);
+
+        let kernel = FlashKernel::BackwardDq;
+        let config = flash_grid(kernel, d, tiles, dims.tokens.batch * dims.heads)?;
+        let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
+        b.arg(&inputs.q.ptr)
+            .arg(&inputs.k.ptr)
+            .arg(&inputs.v.ptr)
+            .arg(&out.ptr)
+            .arg(&lse.ptr)
+            .arg(&dout.ptr)
+            .arg(&grads.q.ptr)
+            .arg(&delta.ptr);
+        shape.push(&mut b);
+        self.go(kernel.name(d), &mut b, config)?;
+
+        let kernel = FlashKernel::BackwardDkdv;
+        let config = flash_grid(kernel, d, tiles, dims.tokens.batch * dims.kv_heads)?;
+        let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
+        b.arg(&inputs.q.ptr)
+            .arg(&inputs.k.ptr)
+            .arg(&inputs.v.ptr)
+            .arg(&lse.ptr)
+            .arg(&dout.ptr)
+            .arg(&delta.ptr)
+            .arg(&grads.k.ptr)
+            .arg(&grads.v.ptr);
+        shape.push(&mut b);
+        self.go(kernel.name(d), &mut b, config)
+    }
+}
