@@ -65,9 +65,10 @@ def main():
 
     # Busy time: the union of every activity's interval.
     busy, gaps, cursor = 0, [], lo
-    kernel_time = collections.Counter()
+    kernel_time, kernel_calls = collections.Counter(), collections.Counter()
     for i, (s, e, _, corr, name) in enumerate(inside):
         kernel_time[name] += e - s
+        kernel_calls[name] += 1
         if s > cursor:
             gaps.append((s - cursor, cursor, i))
         busy += max(0, e - max(s, cursor))
@@ -134,11 +135,30 @@ def main():
             top = ", ".join(f"{k} {v / 1e6:.1f} ({n[k]})" for k, v in per.most_common(6))
             print(f"  thread {thread}: {top}")
 
-    print("\nGPU time a step by activity (ms, top 20):")
-    for name, t in kernel_time.most_common(20):
-        print(f"  {t / 1e6:8.2f}  {name[:90]}")
+    print("\nGPU time a step by kind (ms, calls):")
+    kinds, calls = collections.Counter(), collections.Counter()
+    for name, t in kernel_time.items():
+        kinds[activity_kind(name)] += t
+    for name, n in kernel_calls.items():
+        calls[activity_kind(name)] += n
+    for kind, t in kinds.most_common():
+        print(f"  {t / 1e6:8.2f}  {kind} ({calls[kind]})")
+
+    print("\nGPU time a step by activity (ms, calls; top 40):")
+    for name, t in kernel_time.most_common(40):
+        print(f"  {t / 1e6:8.2f}  {name[:90]} ({kernel_calls[name]})")
 
     startup(gpu, by_thread)
+
+
+def activity_kind(name):
+    """The family a GPU activity belongs to: cuBLAS GEMMs, copies and
+    fills, or the kernel's own name."""
+    if name.startswith(("nvjet", "sm90_", "sm80_", "cutlass", "gemm", "gemv")) or "gemm" in name:
+        return "GEMM (cuBLAS)"
+    if name.startswith(("memcpy", "memset")):
+        return "copies and fills"
+    return "other kernels"
 
 
 def startup(gpu, by_thread):

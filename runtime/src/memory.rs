@@ -558,7 +558,7 @@ pub fn gpu_kernel_scratch(
     use crate::cuda::{
         KernelSet,
         launch::{
-            AttentionGemmPlan, ScanChunkPlan, flash_attention_dims, flash_attention_scratch_bytes,
+            AttentionGemmPlan, ScanChunkPlan, flash_attention_dims, flash_attention_scratch_len,
         },
     };
     let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
@@ -572,7 +572,7 @@ pub fn gpu_kernel_scratch(
         };
         // bf16 problems the flash kernels take need only their row values.
         if dtype == DType::Bf16 && flash_attention_dims(dims) {
-            return flash_attention_scratch_bytes(dims);
+            return flash_attention_scratch_len(dims) * DType::F32.bytes();
         }
         AttentionGemmPlan::for_dtype(dims, dtype, attention_cap)
             .map_or(0, |plan| plan.scratch_bytes(dims))
@@ -1077,13 +1077,17 @@ mod tests {
             7 * 64 * 256 + 6 * 4096 * 256 + 4 * 8 * 128 * 256 + (2 * 8 + 2 * 64) * 256 * 256;
         let chunked = (16 * 64 * (64 * 128 + 3) + 16 * per_chunk) * 4;
         // In bf16 the flash kernels take the benchmark's attention (128
-        // channels a head) and need only D_t, one f32 a row and head: the
-        // scan's scratch is the largest.
+        // channels a head, 4 query heads a KV head): each query head's
+        // share of dk and dv and D_t, in f32: more than the sequential
+        // scan's, less than the chunked one's.
         let bf16 = |kinds: &[LayerKind], caps| {
             gpu_kernel_scratch(&model, kinds, tokens, DType::Bf16, caps)
         };
-        assert_eq!(bf16(&kinds, (512 << 20, 0)), scan);
-        assert_eq!(bf16(&[LayerKind::Attention], (512 << 20, 0)), 4096 * 16 * 4);
+        let flash = 4096 * 16 * (2 * 128 + 1) * 4;
+        assert_eq!(bf16(&kinds, (512 << 20, 0)), flash);
+        assert_eq!(bf16(&[LayerKind::Attention], (512 << 20, 0)), flash);
+        let defaults = (512 << 20, crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES);
+        assert_eq!(bf16(&kinds, defaults), chunked);
         // In f32, the GEMM path: f32 scores and probabilities, 8 bytes a
         // score entry (bf16 problems it takes store split bf16
         // probabilities, also 8 bytes).

@@ -32,6 +32,7 @@ use hybridgen_runtime::backend::{
 };
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::cuda::kernels::{self, Target};
+use hybridgen_runtime::cuda::launch::flash_attention_scratch_len;
 use hybridgen_runtime::cuda::{GpuView, KernelSet, probe};
 use hybridgen_runtime::view::{DType, View, ViewMut};
 use hybridgen_runtime::{Backend, Precision, Result};
@@ -1799,8 +1800,8 @@ fn attention_cases(seed: u64) -> Vec<Case<'static>> {
 
 /// The flash kernels (bf16, head dims 64 and 128) against the CPU: GQA,
 /// MQA and MHA; a one-token sequence, sequences that end inside a tile and
-/// on a tile's edge, and a 4096-token one. The backward's `delta` scratch
-/// (buffer 9) is not compared; its `out` and `lse` are the CPU forward's.
+/// on a tile's edge, and a 4096-token one. The backward's scratch (buffer
+/// 9) is not compared; its `out` and `lse` are the CPU forward's.
 fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
     let mut rng = Rng(seed ^ 0xf1a5_0000);
     let mut cases = Vec::new();
@@ -1861,7 +1862,7 @@ fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
             gpu: Box::new(move |s, st, x| s.attention_forward_flash(st, inputs(x), x[3], x[4], d)),
             reference: None,
         });
-        let (q_len, k_len, v_len, lse_len) = (hq.len(), hk.len(), hv.len(), lse.len());
+        let (q_len, k_len, v_len) = (hq.len(), hk.len(), hv.len());
         cases.push(Case {
             kernel: "attention_backward_flash".into(),
             mode: "bf16",
@@ -1876,7 +1877,7 @@ fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
                 nan(q_len, a),
                 nan(k_len, a),
                 nan(v_len, a),
-                nan(lse_len, DType::F32),
+                nan(flash_attention_scratch_len(d), DType::F32),
             ],
             outputs: vec![6, 7, 8],
             cpu: Box::new(move |b, x| {

@@ -15,7 +15,7 @@ use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::launch::{
     self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet,
-    SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_takes,
+    SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len, flash_attention_takes,
 };
 use super::queue::QueueSet;
 use crate::backend::{
@@ -941,13 +941,14 @@ impl Backend for CudaBackend {
             inputs.q, inputs.k, inputs.v, out, dout, grads.q, grads.k, grads.v,
         ];
         if self.flash_attention(dims, &views) {
-            let (delta, _delta_buf) = self.scratch_uninit(lse.len, DType::F32)?;
+            let (scratch, _scratch_buf) =
+                self.scratch_uninit(flash_attention_scratch_len(dims), DType::F32)?;
             return self.k().attention_backward_flash(
                 self.s(),
                 inputs,
                 (out, lse, dout),
                 grads,
-                delta,
+                scratch,
                 dims,
             );
         }

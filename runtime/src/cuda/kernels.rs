@@ -135,7 +135,8 @@ pub const SOURCES: &[KernelSource] = &[
             "flash_backward_dkdv_d64",
             "flash_forward_d128",
             "flash_backward_dq_d128",
-            "flash_backward_dkdv_d128"
+            "flash_backward_dkdv_d128",
+            "flash_group_sum"
         ]
     ),
     source!("lookup.cu", ["embedding_forward", "embedding_backward"]),

@@ -25,10 +25,16 @@
 // are summed by the one block that owns their key tile, over the group's
 // query heads in order and their query tiles in order. No atomics.
 //
-// The backward is two kernels. flash_backward_dq (a block per query tile)
-// first computes D_t = dout_t . out_t for its rows and writes it to `delta`
-// ([rows, heads] f32); flash_backward_dkdv (a block per key tile of a KV
-// head) runs after it on the same stream and reads it.
+// The backward is two kernels, three with grouped KV heads.
+// flash_backward_dq (a block per query tile) first computes
+// D_t = dout_t . out_t for its rows and writes it to `delta` ([rows, heads]
+// f32); flash_backward_dkdv (a block per key tile of a query head) runs
+// after it on the same stream and reads it. A block per query head, not
+// per KV head, keeps the causal work of the first key tiles (all queries
+// of a whole group) from holding up the grid: with grouped heads each
+// block writes its head's share of dk and dv in f32 to `dk_part` and
+// `dv_part` ([rows, heads, D]), and flash_group_sum adds a group's shares
+// in head order.
 #include "common.cuh"
 
 #define FLASH_THREADS 128
@@ -218,6 +224,25 @@ __device__ __forceinline__ void store_rows(bf16* first, u64 stride, const float 
         if (r0 + 8 < seq) {
             *reinterpret_cast<u32*>(first + (r0 + 8) * stride + col) =
                 pack_bf16(acc[n][2] * f1, acc[n][3] * f1);
+        }
+    }
+}
+
+// The same in f32, scaled by `factor`.
+template <int D>
+__device__ __forceinline__ void store_rows_f32(float* first, u64 stride, const float (&acc)[D / 8][4], u32 r0,
+                                               u32 seq, float factor) {
+    const u32 t = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        const u32 col = n * 8 + 2 * t;
+        if (r0 < seq) {
+            *reinterpret_cast<float2*>(first + r0 * stride + col) =
+                make_float2(acc[n][0] * factor, acc[n][1] * factor);
+        }
+        if (r0 + 8 < seq) {
+            *reinterpret_cast<float2*>(first + (r0 + 8) * stride + col) =
+                make_float2(acc[n][2] * factor, acc[n][3] * factor);
         }
     }
 }
@@ -447,14 +472,16 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
     store_rows<D>(dq + (row0 * heads + h) * D, q_stride, acc, r0, seq, scale, scale);
 }
 
-// dk_u = scale sum_{t>=u} ds_tu q_t and dv_u = sum_{t>=u} p_tu dout_t over
-// the group's query heads. Grid: key tiles x (batch * kv_heads), the first
-// tiles (the most queries) first.
+// dk_u = scale sum_{t>=u} ds_tu q_t and dv_u = sum_{t>=u} p_tu dout_t for
+// one query head: into dk and dv (bf16, [rows, kv_heads, D]) when each KV
+// head serves one query head, else into dk_part and dv_part (f32,
+// [rows, heads, D]). Grid: key tiles x (batch * heads), the first tiles
+// (the most queries) first.
 template <int D>
 __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k, const bf16* v,
                                                     const float* lse, const bf16* dout, const float* delta,
-                                                    bf16* dk, bf16* dv, u32 batch, u32 seq, u32 heads,
-                                                    u32 kv_heads, float scale) {
+                                                    bf16* dk, bf16* dv, float* dk_part, float* dv_part,
+                                                    u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char shared[];
     constexpr u32 KEY_ELEMS = FLASH_TILE * (D + 8);
     constexpr u32 QUERY_ELEMS = DKDV_QUERIES * (D + 8);
@@ -465,10 +492,11 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     float* lses = reinterpret_cast<float*>(dos + 2 * QUERY_ELEMS);  // two buffers
     float* deltas = lses + 2 * DKDV_QUERIES;  // two buffers
     u32 tile, pair;
-    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * kv_heads, false, tile, pair);
-    const u32 b = pair / kv_heads;
-    const u32 g = pair % kv_heads;
+    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * heads, false, tile, pair);
+    const u32 b = pair / heads;
+    const u32 h = pair % heads;
     const u32 group = heads / kv_heads;
+    const u32 g = h / group;
     const u32 k0 = tile * FLASH_TILE;
     const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
@@ -477,16 +505,13 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     const u32 lane = threadIdx.x & 31;
     const u32 r0 = k0 + warp * 16 + (lane >> 2);  // this thread's keys: r0, r0 + 8
     const float c = scale * LOG2E;
-    const u32 query_tiles = (seq - k0 + DKDV_QUERIES - 1) / DKDV_QUERIES;
-    const u32 steps = group * query_tiles;
+    const u32 steps = (seq - k0 + DKDV_QUERIES - 1) / DKDV_QUERIES;
 
     stage_rows<D, FLASH_TILE>(ks, k + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
     stage_rows<D, FLASH_TILE>(vs, v + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
-    // Step i: query head g * group + i / query_tiles, queries from
-    // k0 + (i % query_tiles) * DKDV_QUERIES.
+    // Step i: queries from k0 + i * DKDV_QUERIES.
     auto stage_step = [&](u32 i, u32 buf) {
-        const u32 h = g * group + i / query_tiles;
-        const u32 t0 = k0 + (i % query_tiles) * DKDV_QUERIES;
+        const u32 t0 = k0 + i * DKDV_QUERIES;
         const u64 first = (row0 + t0) * heads + h;
         stage_rows<D, DKDV_QUERIES>(qs + buf * QUERY_ELEMS, q + first * D, q_stride, seq - t0);
         stage_rows<D, DKDV_QUERIES>(dos + buf * QUERY_ELEMS, dout + first * D, q_stride, seq - t0);
@@ -511,7 +536,7 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
         commit_async();
         wait_async<1>();
         __syncthreads();
-        const u32 t0 = k0 + (i % query_tiles) * DKDV_QUERIES;
+        const u32 t0 = k0 + i * DKDV_QUERIES;
         const bf16* qt = qs + buf * QUERY_ELEMS;
         const bf16* dot = dos + buf * QUERY_ELEMS;
         const float* lt = lses + buf * DKDV_QUERIES;
@@ -538,9 +563,40 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
         accumulate<D, DKDV_QUERIES / 8>(acc_k, dp, qt);
         __syncthreads();
     }
-    const u64 first = (row0 * kv_heads + g) * D;
-    store_rows<D>(dk + first, kv_stride, acc_k, r0, seq, scale, scale);
-    store_rows<D>(dv + first, kv_stride, acc_v, r0, seq, 1.0f, 1.0f);
+    if (group == 1) {
+        const u64 first = (row0 * kv_heads + g) * D;
+        store_rows<D>(dk + first, kv_stride, acc_k, r0, seq, scale, scale);
+        store_rows<D>(dv + first, kv_stride, acc_v, r0, seq, 1.0f, 1.0f);
+    } else {
+        const u64 first = (row0 * heads + h) * D;
+        store_rows_f32<D>(dk_part + first, q_stride, acc_k, r0, seq, scale);
+        store_rows_f32<D>(dv_part + first, q_stride, acc_v, r0, seq, 1.0f);
+    }
+}
+
+// dk[row, g, c] = sum over i < heads / kv_heads, in order, of
+// dk_part[row, g * group + i, c]; dv likewise. A thread per pair of
+// channels (D is even).
+extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv_part, bf16* dk, bf16* dv,
+                                           u64 rows, u32 heads, u32 kv_heads, u32 dim) {
+    const u32 group = heads / kv_heads;
+    const u64 pairs = rows * kv_heads * (dim / 2);
+    for (u64 i = grid_start(); i < pairs; i += grid_stride()) {
+        const u64 c = (i % (dim / 2)) * 2;
+        const u64 rg = i / (dim / 2);  // row * kv_heads + g
+        const u64 first = (rg * group) * dim + c;  // (row, g * group, c)
+        float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
+        for (u32 j = 0; j < group; ++j) {
+            const float2 dkp = *reinterpret_cast<const float2*>(dk_part + first + j * dim);
+            const float2 dvp = *reinterpret_cast<const float2*>(dv_part + first + j * dim);
+            k0 += dkp.x;
+            k1 += dkp.y;
+            v0 += dvp.x;
+            v1 += dvp.y;
+        }
+        *reinterpret_cast<u32*>(dk + rg * dim + c) = pack_bf16(k0, k1);
+        *reinterpret_cast<u32*>(dv + rg * dim + c) = pack_bf16(v0, v1);
+    }
 }
 
 #define FLASH_ENTRY_POINTS(D)                                                                                  \
@@ -557,9 +613,10 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
         flash_backward_dkdv_d##D(const bf16* q, const bf16* k, const bf16* v, const float* lse,              \
-                                 const bf16* dout, const float* delta, bf16* dk, bf16* dv, u32 batch,         \
-                                 u32 seq, u32 heads, u32 kv_heads, float scale) {                             \
-        flash_backward_dkdv<D>(q, k, v, lse, dout, delta, dk, dv, batch, seq, heads, kv_heads, scale);       \
+                                 const bf16* dout, const float* delta, bf16* dk, bf16* dv, float* dk_part,    \
+                                 float* dv_part, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {  \
+        flash_backward_dkdv<D>(q, k, v, lse, dout, delta, dk, dv, dk_part, dv_part, batch, seq, heads,        \
+                               kv_heads, scale);                                                               \
     }
 
 FLASH_ENTRY_POINTS(64)

@@ -101,6 +101,7 @@ struct FlashDims {
     seq: u32,
     heads: u32,
     kv_heads: u32,
+    dim: u32,
     scale: f32,
 }
 
@@ -120,6 +121,7 @@ impl FlashDims {
             seq: as_u32(kernel, "sequence length", d.tokens.seq)?,
             heads: as_u32(kernel, "heads", d.heads)?,
             kv_heads: as_u32(kernel, "KV heads", d.kv_heads)?,
+            dim: as_u32(kernel, "head dim", d.qk_dim)?,
             scale: d.scale,
         })
     }
@@ -170,9 +172,17 @@ pub fn flash_attention_takes(dims: AttentionDims, tensors: &[GpuView]) -> bool {
             .all(|v| v.dtype == DType::Bf16 && v.ptr.is_multiple_of(16))
 }
 
-/// Scratch of one flash backward: `D_t` in f32 for each (row, head).
-pub fn flash_attention_scratch_bytes(dims: AttentionDims) -> usize {
-    dims.tokens.batch * dims.tokens.seq * dims.heads * DType::F32.bytes()
+/// f32 elements of one flash backward's scratch: with grouped KV heads,
+/// each query head's share of dk and of dv (`[rows, heads, D]` each);
+/// then `D_t`, one for each (row, head).
+pub fn flash_attention_scratch_len(dims: AttentionDims) -> usize {
+    let rows_heads = dims.tokens.batch * dims.tokens.seq * dims.heads;
+    let shares = if dims.heads > dims.kv_heads {
+        2 * rows_heads * dims.qk_dim
+    } else {
+        0
+    };
+    shares + rows_heads
 }
 
 /// The CPU backend's checks of q, k, v and out (`[rows, heads, D]` or
@@ -258,9 +268,11 @@ impl KernelSet {
     }
 
     /// `Backend::attention_backward` on tensor cores: overwrites
-    /// `grads.q`, `grads.k` and `grads.v`. `delta` (f32, one per (row,
-    /// head)) is scratch: the dq kernel writes `D_t = dout_t . out_t` into
-    /// it, and the dk/dv kernel reads it.
+    /// `grads.q`, `grads.k` and `grads.v`. `scratch` holds
+    /// [`flash_attention_scratch_len`] f32s: the dq kernel writes
+    /// `D_t = dout_t . out_t` into its tail, which the dk/dv kernel reads;
+    /// with grouped KV heads, the dk/dv kernel writes each query head's
+    /// share into its head, and `flash_group_sum` adds them up.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward_flash(
         &self,
@@ -268,7 +280,7 @@ impl KernelSet {
         inputs: AttentionInputs<GpuView>,
         (out, lse, dout): (GpuView, GpuView, GpuView),
         grads: AttentionInputs<GpuView>,
-        delta: GpuView,
+        scratch: GpuView,
         dims: AttentionDims,
     ) -> Result<()> {
         let kn = "attention_backward_flash";
@@ -281,11 +293,29 @@ impl KernelSet {
         len(kn, "grads.q", &grads.q, inputs.q.len)?;
         len(kn, "grads.k", &grads.k, inputs.k.len)?;
         len(kn, "grads.v", &grads.v, inputs.v.len)?;
-        exactly(kn, "delta", &delta, DType::F32)?;
-        len(kn, "delta", &delta, lse.len)?;
+        exactly(kn, "scratch", &scratch, DType::F32)?;
+        len(kn, "scratch", &scratch, flash_attention_scratch_len(dims))?;
         if rows == 0 || dims.heads == 0 {
             return Ok(());
         }
+        let shares = inputs.q.len;
+        let f32_at = |offset: usize, len: usize| {
+            GpuView::new(
+                scratch.ptr + (offset * DType::F32.bytes()) as u64,
+                len,
+                DType::F32,
+            )
+        };
+        let grouped = dims.heads > dims.kv_heads;
+        let (dk_part, dv_part, delta) = if grouped {
+            (
+                f32_at(0, shares),
+                f32_at(shares, shares),
+                f32_at(2 * shares, lse.len),
+            )
+        } else {
+            (f32_at(0, 0), f32_at(0, 0), f32_at(0, lse.len))
+        };
         let shape = FlashDims::new(kn, dims)?;
         let d = dims.qk_dim;
         let tiles = dims.tokens.seq.div_ceil(TILE);
@@ -305,7 +335,7 @@ impl KernelSet {
         self.go(kernel.name(d), &mut b, config)?;
 
         let kernel = FlashKernel::BackwardDkdv;
-        let config = flash_grid(kernel, d, tiles, dims.tokens.batch * dims.kv_heads)?;
+        let config = flash_grid(kernel, d, tiles, dims.tokens.batch * dims.heads)?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
@@ -314,8 +344,27 @@ impl KernelSet {
             .arg(&dout.ptr)
             .arg(&delta.ptr)
             .arg(&grads.k.ptr)
-            .arg(&grads.v.ptr);
+            .arg(&grads.v.ptr)
+            .arg(&dk_part.ptr)
+            .arg(&dv_part.ptr);
         shape.push(&mut b);
-        self.go(kernel.name(d), &mut b, config)
+        self.go(kernel.name(d), &mut b, config)?;
+        if !grouped {
+            return Ok(());
+        }
+
+        let sum = "flash_group_sum";
+        let rows = rows as u64;
+        let channel_pairs = grads.k.len / 2;
+        let mut b = stream.launch_builder(self.function(sum)?);
+        b.arg(&dk_part.ptr)
+            .arg(&dv_part.ptr)
+            .arg(&grads.k.ptr)
+            .arg(&grads.v.ptr)
+            .arg(&rows)
+            .arg(&shape.heads)
+            .arg(&shape.kv_heads)
+            .arg(&shape.dim);
+        self.go(sum, &mut b, super::grid_for(channel_pairs))
     }
 }

@@ -41,7 +41,7 @@ mod attention;
 pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionAccumulatorLens, AttentionGemmPlan};
 mod attention_flash;
 pub use attention_flash::{
-    FLASH_HEAD_DIMS, flash_attention_dims, flash_attention_scratch_bytes, flash_attention_takes,
+    FLASH_HEAD_DIMS, flash_attention_dims, flash_attention_scratch_len, flash_attention_takes,
 };
 mod lookup;
 
