@@ -8,7 +8,8 @@
 //
 // Products are `mma.sync.m16n8k16` (bf16 in, f32 accumulate) on fragments
 // read from shared memory with `ldmatrix`; a block is 4 warps and each warp
-// owns 16 rows of the block's 64-row tile. Scores, probabilities and their
+// owns 32 rows of the block's 128-row query tile (16 of a 64-row key tile
+// in the dk/dv kernel). Scores, probabilities and their
 // gradients live in registers only: the accumulator layout of a 16 x 16
 // product tile is the operand layout of the next product, so P (and dS)
 // feed the next `mma` after a round to bf16, as in FlashAttention-2. Softmax
@@ -38,11 +39,17 @@
 #include "common.cuh"
 
 #define FLASH_THREADS 128
-// Rows of a block's own tile (16 per warp), and the key tile of the
-// forward and dq walks.
-#define FLASH_TILE 64
-// The query tile of the dk/dv walk (fewer rows keep its two accumulators
-// and two score tiles in registers).
+// Rows of the forward's and dq's query tile: 32 a warp, two 16-row
+// fragment tiles that share every fragment of the other side read from
+// shared memory (16 a warp left the kernels bound by `ldmatrix`).
+#define QUERY_ROWS 128
+// The key tile the forward walks.
+#define FWD_KEYS 32
+// The key tile dq walks (smaller: dq holds two score tiles, S and dP).
+#define DQ_KEYS 32
+// Rows of the dk/dv key tile, 16 a warp (it holds two D-wide
+// accumulators), and the query tile it walks.
+#define DKDV_KEYS 64
 #define DKDV_QUERIES 32
 
 typedef __nv_bfloat16 bf16;
@@ -156,43 +163,62 @@ __device__ __forceinline__ void load_b_cols(u32 (&b)[4], const bf16* tile, u32 k
     ldmatrix_x4_trans(b, shared_address(tile + row * (D + 8) + col));
 }
 
-// s[n] (n < N, 8 columns each) = A B^T for the warp's 16 rows of `a` (from
-// row a0) and N * 8 rows of `b`, over D channels.
-template <int D, int N>
-__device__ __forceinline__ void product_rows(float (&s)[N][4], const bf16* a, u32 a0, const bf16* b) {
+// s[m][n] (m < M, n < N; 16 rows and 8 columns each) = A B^T for the
+// warp's M * 16 rows of `a` (from row a0) and N * 8 rows of `b`, over D
+// channels. Each B fragment read from shared memory feeds M products.
+template <int D, int M, int N>
+__device__ __forceinline__ void product_rows(float (&s)[M][N][4], const bf16* a, u32 a0, const bf16* b) {
 #pragma unroll
-    for (int n = 0; n < N; ++n) {
-        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+        }
     }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        u32 fa[4];
-        load_a<D>(fa, a, a0, kk * 16);
+        u32 fa[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            load_a<D>(fa[m], a, a0 + m * 16, kk * 16);
+        }
 #pragma unroll
         for (int np = 0; np < N / 2; ++np) {
             u32 fb[4];
             load_b_rows<D>(fb, b, np * 16, kk * 16);
-            mma_bf16(s[2 * np], fa, fb[0], fb[1]);
-            mma_bf16(s[2 * np + 1], fa, fb[2], fb[3]);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                mma_bf16(s[m][2 * np], fa[m], fb[0], fb[1]);
+                mma_bf16(s[m][2 * np + 1], fa[m], fb[2], fb[3]);
+            }
         }
     }
 }
 
-// acc[n] (D / 8 blocks) += W V, W the warp's 16 x (N * 8) register tile `w`
-// (rounded to bf16) and V the first N * 8 rows of `v`.
-template <int D, int N>
-__device__ __forceinline__ void accumulate(float (&acc)[D / 8][4], const float (&w)[N][4], const bf16* v) {
+// acc[m][n] (D / 8 blocks of 8 columns) += W V, W the warp's
+// (M * 16) x (N * 8) register tile `w` (rounded to bf16) and V the first
+// N * 8 rows of `v`.
+template <int D, int M, int N>
+__device__ __forceinline__ void accumulate(float (&acc)[M][D / 8][4], const float (&w)[M][N][4], const bf16* v) {
 #pragma unroll
     for (int kk = 0; kk < N / 2; ++kk) {
-        const u32 fa[4] = {pack_bf16(w[2 * kk][0], w[2 * kk][1]), pack_bf16(w[2 * kk][2], w[2 * kk][3]),
-                           pack_bf16(w[2 * kk + 1][0], w[2 * kk + 1][1]),
-                           pack_bf16(w[2 * kk + 1][2], w[2 * kk + 1][3])};
+        u32 fa[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            fa[m][0] = pack_bf16(w[m][2 * kk][0], w[m][2 * kk][1]);
+            fa[m][1] = pack_bf16(w[m][2 * kk][2], w[m][2 * kk][3]);
+            fa[m][2] = pack_bf16(w[m][2 * kk + 1][0], w[m][2 * kk + 1][1]);
+            fa[m][3] = pack_bf16(w[m][2 * kk + 1][2], w[m][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int np = 0; np < D / 16; ++np) {
             u32 fb[4];
             load_b_cols<D>(fb, v, kk * 16, np * 16);
-            mma_bf16(acc[2 * np], fa, fb[0], fb[1]);
-            mma_bf16(acc[2 * np + 1], fa, fb[2], fb[3]);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                mma_bf16(acc[m][2 * np], fa[m], fb[0], fb[1]);
+                mma_bf16(acc[m][2 * np + 1], fa[m], fb[2], fb[3]);
+            }
         }
     }
 }
@@ -208,41 +234,48 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Writes the warp's 16 x D f32 tile `acc` times `factor` (rows `r0` and
-// `r0 + 8` of this thread, skipped past `seq`) as bf16 rows `stride`
-// elements apart from `first`.
-template <int D>
-__device__ __forceinline__ void store_rows(bf16* first, u64 stride, const float (&acc)[D / 8][4], u32 r0,
-                                           u32 seq, float f0, float f1) {
+// Writes the warp's (M * 16) x D f32 tile `acc` times `factor` as bf16
+// rows `stride` elements apart from `first`: this thread's rows are
+// r0 + 16m and r0 + 16m + 8, skipped past `seq`.
+template <int D, int M>
+__device__ __forceinline__ void store_rows(bf16* first, u64 stride, const float (&acc)[M][D / 8][4], u32 r0,
+                                           u32 seq, float factor) {
     const u32 t = threadIdx.x & 3;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        const u32 col = n * 8 + 2 * t;
-        if (r0 < seq) {
-            *reinterpret_cast<u32*>(first + r0 * stride + col) = pack_bf16(acc[n][0] * f0, acc[n][1] * f0);
-        }
-        if (r0 + 8 < seq) {
-            *reinterpret_cast<u32*>(first + (r0 + 8) * stride + col) =
-                pack_bf16(acc[n][2] * f1, acc[n][3] * f1);
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 r = r0 + m * 16 + half * 8;
+            if (r >= seq) {
+                continue;
+            }
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<u32*>(first + r * stride + n * 8 + 2 * t) =
+                    pack_bf16(acc[m][n][2 * half] * factor, acc[m][n][2 * half + 1] * factor);
+            }
         }
     }
 }
 
-// The same in f32, scaled by `factor`.
-template <int D>
-__device__ __forceinline__ void store_rows_f32(float* first, u64 stride, const float (&acc)[D / 8][4], u32 r0,
+// The same in f32.
+template <int D, int M>
+__device__ __forceinline__ void store_rows_f32(float* first, u64 stride, const float (&acc)[M][D / 8][4], u32 r0,
                                                u32 seq, float factor) {
     const u32 t = threadIdx.x & 3;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        const u32 col = n * 8 + 2 * t;
-        if (r0 < seq) {
-            *reinterpret_cast<float2*>(first + r0 * stride + col) =
-                make_float2(acc[n][0] * factor, acc[n][1] * factor);
-        }
-        if (r0 + 8 < seq) {
-            *reinterpret_cast<float2*>(first + (r0 + 8) * stride + col) =
-                make_float2(acc[n][2] * factor, acc[n][3] * factor);
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 r = r0 + m * 16 + half * 8;
+            if (r >= seq) {
+                continue;
+            }
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<float2*>(first + r * stride + n * 8 + 2 * t) =
+                    make_float2(acc[m][n][2 * half] * factor, acc[m][n][2 * half + 1] * factor);
+            }
         }
     }
 }
@@ -264,115 +297,143 @@ template <int D>
 __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
                                               u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char shared[];
-    constexpr u32 TILE_ELEMS = FLASH_TILE * (D + 8);
+    constexpr u32 KEY_ELEMS = FWD_KEYS * (D + 8);
     bf16* qs = reinterpret_cast<bf16*>(shared);
-    bf16* ks = qs + TILE_ELEMS;  // two buffers
-    bf16* vs = ks + 2 * TILE_ELEMS;  // two buffers
+    bf16* ks = qs + QUERY_ROWS * (D + 8);  // two buffers
+    bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
     u32 tile, pair;
-    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * heads, true, tile, pair);
+    flash_block((seq + QUERY_ROWS - 1) / QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 b = pair / heads;
     const u32 h = pair % heads;
     const u32 g = h / (heads / kv_heads);
-    const u32 t0 = tile * FLASH_TILE;
+    const u32 t0 = tile * QUERY_ROWS;
     const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
     const u32 warp = threadIdx.x >> 5;
     const u32 lane = threadIdx.x & 31;
-    const u32 r0 = t0 + warp * 16 + (lane >> 2);  // this thread's rows: r0, r0 + 8
+    const u32 w0 = t0 + warp * 32;  // the warp's first row
+    const u32 r0 = w0 + (lane >> 2);  // this thread's rows: r0 + 16m, r0 + 16m + 8
     const float c = scale * LOG2E;
+    // Key tiles up to the block's last row.
+    const u32 key_tiles = (min(t0 + QUERY_ROWS, seq) + FWD_KEYS - 1) / FWD_KEYS;
 
-    stage_rows<D, FLASH_TILE>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage_rows<D, FLASH_TILE>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
-    stage_rows<D, FLASH_TILE>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_rows<D, QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_rows<D, FWD_KEYS>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_rows<D, FWD_KEYS>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
     commit_async();
 
-    float acc[D / 8][4];
+    float acc[2][D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+        }
     }
-    float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.0f, l1 = 0.0f;
-    for (u32 j = 0; j <= tile; ++j) {
-        const u32 u0 = j * FLASH_TILE;
+    // Row maxima and partial sums of this thread's rows r0 + 8i.
+    float mx[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (u32 j = 0; j < key_tiles; ++j) {
+        const u32 u0 = j * FWD_KEYS;
         const u32 buf = j & 1;
-        if (j < tile) {
-            const u32 u1 = u0 + FLASH_TILE;
-            stage_rows<D, FLASH_TILE>(ks + (buf ^ 1) * TILE_ELEMS, k + ((row0 + u1) * kv_heads + g) * D,
-                                      kv_stride, seq - u1);
-            stage_rows<D, FLASH_TILE>(vs + (buf ^ 1) * TILE_ELEMS, v + ((row0 + u1) * kv_heads + g) * D,
-                                      kv_stride, seq - u1);
+        if (j + 1 < key_tiles) {
+            const u32 u1 = u0 + FWD_KEYS;
+            stage_rows<D, FWD_KEYS>(ks + (buf ^ 1) * KEY_ELEMS, k + ((row0 + u1) * kv_heads + g) * D, kv_stride,
+                                    seq - u1);
+            stage_rows<D, FWD_KEYS>(vs + (buf ^ 1) * KEY_ELEMS, v + ((row0 + u1) * kv_heads + g) * D, kv_stride,
+                                    seq - u1);
         }
         commit_async();
         wait_async<1>();
         __syncthreads();
-        float s[FLASH_TILE / 8][4];
-        product_rows<D, FLASH_TILE / 8>(s, qs, warp * 16, ks + buf * TILE_ELEMS);
-        // Only the diagonal tile and one past the sequence hold masked keys.
-        const bool masked = u0 + FLASH_TILE > t0 + warp * 16 || u0 + FLASH_TILE > seq;
-        float x0 = neg_inf(), x1 = neg_inf();
+        // A warp whose rows all precede the tile has nothing to add.
+        if (u0 < w0 + 32) {
+            float s[2][FWD_KEYS / 8][4];
+            product_rows<D, 2, FWD_KEYS / 8>(s, qs, warp * 32, ks + buf * KEY_ELEMS);
+            // Only tiles on the diagonal or past the sequence hold masked keys.
+            const bool masked = u0 + FWD_KEYS > w0 || u0 + FWD_KEYS > seq;
+            float x[4] = {neg_inf(), neg_inf(), neg_inf(), neg_inf()};
 #pragma unroll
-        for (int n = 0; n < FLASH_TILE / 8; ++n) {
+            for (int m = 0; m < 2; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                const u32 row = e < 2 ? r0 : r0 + 8;
-                s[n][e] = (!masked || (key <= row && key < seq)) ? s[n][e] * c : neg_inf();
+                for (int n = 0; n < FWD_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                        const u32 row = r0 + m * 16 + (e >> 1) * 8;
+                        s[m][n][e] = (!masked || (key <= row && key < seq)) ? s[m][n][e] * c : neg_inf();
+                        x[2 * m + (e >> 1)] = fmaxf(x[2 * m + (e >> 1)], s[m][n][e]);
+                    }
+                }
             }
-            x0 = fmaxf(x0, fmaxf(s[n][0], s[n][1]));
-            x1 = fmaxf(x1, fmaxf(s[n][2], s[n][3]));
-        }
-        // Key 0 is in every row's first tile, so the new max is finite.
-        const float n0 = fmaxf(m0, quad_max(x0));
-        const float n1 = fmaxf(m1, quad_max(x1));
-        const float a0 = exp2f(m0 - n0);
-        const float a1 = exp2f(m1 - n1);
-        m0 = n0;
-        m1 = n1;
-        float p0 = 0.0f, p1 = 0.0f;
+            float alpha[4];
 #pragma unroll
-        for (int n = 0; n < FLASH_TILE / 8; ++n) {
-            s[n][0] = exp2f(s[n][0] - n0);
-            s[n][1] = exp2f(s[n][1] - n0);
-            s[n][2] = exp2f(s[n][2] - n1);
-            s[n][3] = exp2f(s[n][3] - n1);
-            p0 += s[n][0] + s[n][1];
-            p1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * a0 + p0;
-        l1 = l1 * a1 + p1;
+            for (int i = 0; i < 4; ++i) {
+                // Key 0 is in every row's first tile, so the max is finite
+                // from then on.
+                const float next = fmaxf(mx[i], quad_max(x[i]));
+                alpha[i] = exp2f(mx[i] - next);
+                mx[i] = next;
+                sum[i] *= alpha[i];
+            }
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            acc[n][0] *= a0;
-            acc[n][1] *= a0;
-            acc[n][2] *= a1;
-            acc[n][3] *= a1;
+            for (int m = 0; m < 2; ++m) {
+#pragma unroll
+                for (int n = 0; n < FWD_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = 2 * m + (e >> 1);
+                        s[m][n][e] = exp2f(s[m][n][e] - mx[i]);
+                        sum[i] += s[m][n][e];
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    acc[m][n][0] *= alpha[2 * m];
+                    acc[m][n][1] *= alpha[2 * m];
+                    acc[m][n][2] *= alpha[2 * m + 1];
+                    acc[m][n][3] *= alpha[2 * m + 1];
+                }
+            }
+            accumulate<D, 2, FWD_KEYS / 8>(acc, s, vs + buf * KEY_ELEMS);
         }
-        accumulate<D, FLASH_TILE / 8>(acc, s, vs + buf * TILE_ELEMS);
         // Every warp is done with this buffer before the next fetch into it.
         __syncthreads();
     }
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    store_rows<D>(out + (row0 * heads + h) * D, q_stride, acc, r0, seq, 1.0f / l0, 1.0f / l1);
-    if ((lane & 3) == 0) {
-        if (r0 < seq) {
-            lse[(row0 + r0) * heads + h] = (m0 + log2f(l0)) * LN2;
-        }
-        if (r0 + 8 < seq) {
-            lse[(row0 + r0 + 8) * heads + h] = (m1 + log2f(l1)) * LN2;
+    const u32 t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = 2 * m + half;
+            const float l = quad_sum(sum[i]);
+            const u32 r = r0 + m * 16 + half * 8;
+            if (r >= seq) {
+                continue;
+            }
+            const float inv = 1.0f / l;
+            bf16* dst = out + ((row0 + r) * heads + h) * D;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<u32*>(dst + n * 8 + 2 * t) =
+                    pack_bf16(acc[m][n][2 * half] * inv, acc[m][n][2 * half + 1] * inv);
+            }
+            if (t == 0) {
+                lse[(row0 + r) * heads + h] = (mx[i] + log2f(l)) * LN2;
+            }
         }
     }
 }
 
-// D_t = dout_t . out_t of the block's 64 query rows (a warp per row, lanes
-// strided over the channels, then the warp butterfly) into `delta_tile` and,
-// for rows in the sequence, `delta`.
+// D_t = dout_t . out_t of the block's QUERY_ROWS query rows (a warp per
+// row, lanes strided over the channels, then the warp butterfly) into
+// `delta_tile` and, for rows in the sequence, `delta`.
 template <int D>
 __device__ __forceinline__ void row_deltas(const bf16* out, const bf16* dout, float* delta, float* delta_tile,
                                            u64 row0, u32 t0, u32 seq, u32 heads, u32 h) {
     const u32 lane = threadIdx.x & 31;
-    for (u32 r = threadIdx.x >> 5; r < FLASH_TILE; r += FLASH_THREADS / 32) {
+    for (u32 r = threadIdx.x >> 5; r < QUERY_ROWS; r += FLASH_THREADS / 32) {
         const u32 t = t0 + r;
         float d = 0.0f;
         if (t < seq) {
@@ -398,78 +459,94 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
                                                   const float* lse, const bf16* dout, bf16* dq, float* delta,
                                                   u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char shared[];
-    __shared__ float delta_tile[FLASH_TILE];
-    constexpr u32 TILE_ELEMS = FLASH_TILE * (D + 8);
+    __shared__ float delta_tile[QUERY_ROWS];
+    constexpr u32 QUERY_ELEMS = QUERY_ROWS * (D + 8);
+    constexpr u32 KEY_ELEMS = DQ_KEYS * (D + 8);
     bf16* qs = reinterpret_cast<bf16*>(shared);
-    bf16* dos = qs + TILE_ELEMS;
-    bf16* ks = dos + TILE_ELEMS;  // two buffers
-    bf16* vs = ks + 2 * TILE_ELEMS;  // two buffers
+    bf16* dos = qs + QUERY_ELEMS;
+    bf16* ks = dos + QUERY_ELEMS;  // two buffers
+    bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
     u32 tile, pair;
-    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * heads, true, tile, pair);
+    flash_block((seq + QUERY_ROWS - 1) / QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 b = pair / heads;
     const u32 h = pair % heads;
     const u32 g = h / (heads / kv_heads);
-    const u32 t0 = tile * FLASH_TILE;
+    const u32 t0 = tile * QUERY_ROWS;
     const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
     const u32 warp = threadIdx.x >> 5;
     const u32 lane = threadIdx.x & 31;
-    const u32 r0 = t0 + warp * 16 + (lane >> 2);
+    const u32 w0 = t0 + warp * 32;
+    const u32 r0 = w0 + (lane >> 2);
     const float c = scale * LOG2E;
+    const u32 key_tiles = (min(t0 + QUERY_ROWS, seq) + DQ_KEYS - 1) / DQ_KEYS;
 
-    stage_rows<D, FLASH_TILE>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage_rows<D, FLASH_TILE>(dos, dout + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage_rows<D, FLASH_TILE>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
-    stage_rows<D, FLASH_TILE>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_rows<D, QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_rows<D, QUERY_ROWS>(dos, dout + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_rows<D, DQ_KEYS>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_rows<D, DQ_KEYS>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
     commit_async();
     row_deltas<D>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
     __syncthreads();
-    const float d0 = delta_tile[warp * 16 + (lane >> 2)];
-    const float d1 = delta_tile[warp * 16 + (lane >> 2) + 8];
-    // Rows past the sequence have zero q and dout: their lse is taken as 0.
-    const float e0 = r0 < seq ? lse[(row0 + r0) * heads + h] * LOG2E : 0.0f;
-    const float e1 = r0 + 8 < seq ? lse[(row0 + r0 + 8) * heads + h] * LOG2E : 0.0f;
-
-    float acc[D / 8][4];
+    // This thread's rows r0 + 8i: D_t, and lse in base 2 (rows past the
+    // sequence have zero q and dout; their lse is taken as 0).
+    float dr[4], er[4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int i = 0; i < 4; ++i) {
+        const u32 r = r0 + 8 * i;
+        dr[i] = delta_tile[r - t0];
+        er[i] = r < seq ? lse[(row0 + r) * heads + h] * LOG2E : 0.0f;
     }
-    for (u32 j = 0; j <= tile; ++j) {
-        const u32 u0 = j * FLASH_TILE;
+
+    float acc[2][D / 8][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+        }
+    }
+    for (u32 j = 0; j < key_tiles; ++j) {
+        const u32 u0 = j * DQ_KEYS;
         const u32 buf = j & 1;
-        if (j < tile) {
-            const u32 u1 = u0 + FLASH_TILE;
-            stage_rows<D, FLASH_TILE>(ks + (buf ^ 1) * TILE_ELEMS, k + ((row0 + u1) * kv_heads + g) * D,
-                                      kv_stride, seq - u1);
-            stage_rows<D, FLASH_TILE>(vs + (buf ^ 1) * TILE_ELEMS, v + ((row0 + u1) * kv_heads + g) * D,
-                                      kv_stride, seq - u1);
+        if (j + 1 < key_tiles) {
+            const u32 u1 = u0 + DQ_KEYS;
+            stage_rows<D, DQ_KEYS>(ks + (buf ^ 1) * KEY_ELEMS, k + ((row0 + u1) * kv_heads + g) * D, kv_stride,
+                                   seq - u1);
+            stage_rows<D, DQ_KEYS>(vs + (buf ^ 1) * KEY_ELEMS, v + ((row0 + u1) * kv_heads + g) * D, kv_stride,
+                                   seq - u1);
         }
         commit_async();
         wait_async<1>();
         __syncthreads();
-        const bf16* kt = ks + buf * TILE_ELEMS;
-        float s[FLASH_TILE / 8][4];
-        product_rows<D, FLASH_TILE / 8>(s, qs, warp * 16, kt);
-        float dp[FLASH_TILE / 8][4];
-        product_rows<D, FLASH_TILE / 8>(dp, dos, warp * 16, vs + buf * TILE_ELEMS);
-        const bool masked = u0 + FLASH_TILE > t0 + warp * 16 || u0 + FLASH_TILE > seq;
+        if (u0 < w0 + 32) {
+            const bf16* kt = ks + buf * KEY_ELEMS;
+            float s[2][DQ_KEYS / 8][4];
+            product_rows<D, 2, DQ_KEYS / 8>(s, qs, warp * 32, kt);
+            float dp[2][DQ_KEYS / 8][4];
+            product_rows<D, 2, DQ_KEYS / 8>(dp, dos, warp * 32, vs + buf * KEY_ELEMS);
+            const bool masked = u0 + DQ_KEYS > w0 || u0 + DQ_KEYS > seq;
 #pragma unroll
-        for (int n = 0; n < FLASH_TILE / 8; ++n) {
+            for (int m = 0; m < 2; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                const u32 row = e < 2 ? r0 : r0 + 8;
-                const bool live = !masked || (key <= row && key < seq);
-                const float p = live ? exp2f(s[n][e] * c - (e < 2 ? e0 : e1)) : 0.0f;
-                s[n][e] = p * (dp[n][e] - (e < 2 ? d0 : d1));
+                for (int n = 0; n < DQ_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = 2 * m + (e >> 1);
+                        const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                        const u32 row = r0 + 8 * i;
+                        const bool live = !masked || (key <= row && key < seq);
+                        const float p = live ? exp2f(s[m][n][e] * c - er[i]) : 0.0f;
+                        s[m][n][e] = p * (dp[m][n][e] - dr[i]);
+                    }
+                }
             }
+            accumulate<D, 2, DQ_KEYS / 8>(acc, s, kt);
         }
-        accumulate<D, FLASH_TILE / 8>(acc, s, kt);
         __syncthreads();
     }
-    store_rows<D>(dq + (row0 * heads + h) * D, q_stride, acc, r0, seq, scale, scale);
+    store_rows<D, 2>(dq + (row0 * heads + h) * D, q_stride, acc, r0, seq, scale);
 }
 
 // dk_u = scale sum_{t>=u} ds_tu q_t and dv_u = sum_{t>=u} p_tu dout_t for
@@ -483,7 +560,7 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
                                                     bf16* dk, bf16* dv, float* dk_part, float* dv_part,
                                                     u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
     extern __shared__ __align__(16) unsigned char shared[];
-    constexpr u32 KEY_ELEMS = FLASH_TILE * (D + 8);
+    constexpr u32 KEY_ELEMS = DKDV_KEYS * (D + 8);
     constexpr u32 QUERY_ELEMS = DKDV_QUERIES * (D + 8);
     bf16* ks = reinterpret_cast<bf16*>(shared);
     bf16* vs = ks + KEY_ELEMS;
@@ -492,12 +569,12 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     float* lses = reinterpret_cast<float*>(dos + 2 * QUERY_ELEMS);  // two buffers
     float* deltas = lses + 2 * DKDV_QUERIES;  // two buffers
     u32 tile, pair;
-    flash_block((seq + FLASH_TILE - 1) / FLASH_TILE, batch * heads, false, tile, pair);
+    flash_block((seq + DKDV_KEYS - 1) / DKDV_KEYS, batch * heads, false, tile, pair);
     const u32 b = pair / heads;
     const u32 h = pair % heads;
     const u32 group = heads / kv_heads;
     const u32 g = h / group;
-    const u32 k0 = tile * FLASH_TILE;
+    const u32 k0 = tile * DKDV_KEYS;
     const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
@@ -507,8 +584,8 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     const float c = scale * LOG2E;
     const u32 steps = (seq - k0 + DKDV_QUERIES - 1) / DKDV_QUERIES;
 
-    stage_rows<D, FLASH_TILE>(ks, k + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
-    stage_rows<D, FLASH_TILE>(vs, v + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
+    stage_rows<D, DKDV_KEYS>(ks, k + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
+    stage_rows<D, DKDV_KEYS>(vs, v + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
     // Step i: queries from k0 + i * DKDV_QUERIES.
     auto stage_step = [&](u32 i, u32 buf) {
         const u32 t0 = k0 + i * DKDV_QUERIES;
@@ -521,12 +598,12 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     stage_step(0, 0);
     commit_async();
 
-    float acc_k[D / 8][4];
-    float acc_v[D / 8][4];
+    float acc_k[1][D / 8][4];
+    float acc_v[1][D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
-        acc_k[n][0] = acc_k[n][1] = acc_k[n][2] = acc_k[n][3] = 0.0f;
-        acc_v[n][0] = acc_v[n][1] = acc_v[n][2] = acc_v[n][3] = 0.0f;
+        acc_k[0][n][0] = acc_k[0][n][1] = acc_k[0][n][2] = acc_k[0][n][3] = 0.0f;
+        acc_v[0][n][0] = acc_v[0][n][1] = acc_v[0][n][2] = acc_v[0][n][3] = 0.0f;
     }
     for (u32 i = 0; i < steps; ++i) {
         const u32 buf = i & 1;
@@ -542,10 +619,10 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
         const float* lt = lses + buf * DKDV_QUERIES;
         const float* dt = deltas + buf * DKDV_QUERIES;
         // Scores and their gradients transposed: rows are the warp's keys.
-        float p[DKDV_QUERIES / 8][4];
-        product_rows<D, DKDV_QUERIES / 8>(p, ks, warp * 16, qt);
-        float dp[DKDV_QUERIES / 8][4];
-        product_rows<D, DKDV_QUERIES / 8>(dp, vs, warp * 16, dot);
+        float p[1][DKDV_QUERIES / 8][4];
+        product_rows<D, 1, DKDV_QUERIES / 8>(p, ks, warp * 16, qt);
+        float dp[1][DKDV_QUERIES / 8][4];
+        product_rows<D, 1, DKDV_QUERIES / 8>(dp, vs, warp * 16, dot);
         const bool masked = t0 < k0 + warp * 16 + 16 || t0 + DKDV_QUERIES > seq;
 #pragma unroll
         for (int n = 0; n < DKDV_QUERIES / 8; ++n) {
@@ -555,22 +632,22 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
                 const u32 query = t0 + col;
                 const u32 key = e < 2 ? r0 : r0 + 8;
                 const bool live = !masked || (key <= query && query < seq);
-                p[n][e] = live ? exp2f(p[n][e] * c - lt[col] * LOG2E) : 0.0f;
-                dp[n][e] = p[n][e] * (dp[n][e] - dt[col]);
+                p[0][n][e] = live ? exp2f(p[0][n][e] * c - lt[col] * LOG2E) : 0.0f;
+                dp[0][n][e] = p[0][n][e] * (dp[0][n][e] - dt[col]);
             }
         }
-        accumulate<D, DKDV_QUERIES / 8>(acc_v, p, dot);
-        accumulate<D, DKDV_QUERIES / 8>(acc_k, dp, qt);
+        accumulate<D, 1, DKDV_QUERIES / 8>(acc_v, p, dot);
+        accumulate<D, 1, DKDV_QUERIES / 8>(acc_k, dp, qt);
         __syncthreads();
     }
     if (group == 1) {
         const u64 first = (row0 * kv_heads + g) * D;
-        store_rows<D>(dk + first, kv_stride, acc_k, r0, seq, scale, scale);
-        store_rows<D>(dv + first, kv_stride, acc_v, r0, seq, 1.0f, 1.0f);
+        store_rows<D, 1>(dk + first, kv_stride, acc_k, r0, seq, scale);
+        store_rows<D, 1>(dv + first, kv_stride, acc_v, r0, seq, 1.0f);
     } else {
         const u64 first = (row0 * heads + h) * D;
-        store_rows_f32<D>(dk_part + first, q_stride, acc_k, r0, seq, scale);
-        store_rows_f32<D>(dv_part + first, q_stride, acc_v, r0, seq, 1.0f);
+        store_rows_f32<D, 1>(dk_part + first, q_stride, acc_k, r0, seq, scale);
+        store_rows_f32<D, 1>(dv_part + first, q_stride, acc_v, r0, seq, 1.0f);
     }
 }
 

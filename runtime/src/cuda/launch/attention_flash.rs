@@ -22,12 +22,16 @@ use std::collections::HashMap;
 
 /// The head dims the kernels are compiled for (a template instance each).
 pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
-/// Threads of a block: four warps of 16 rows each (`FLASH_THREADS`).
+/// Threads of a block: four warps (`FLASH_THREADS`).
 const THREADS: u32 = 128;
-/// Rows of a block's own tile, and the key tile the forward and dq walk
-/// (`FLASH_TILE`).
-const TILE: usize = 64;
-/// The query tile the dk/dv kernel walks (`DKDV_QUERIES`).
+/// The query tile of a forward or dq block, 32 rows a warp (`QUERY_ROWS`).
+const QUERY_ROWS: usize = 128;
+/// The key tiles the forward and dq walk (`FWD_KEYS`, `DQ_KEYS`).
+const FWD_KEYS: usize = 32;
+const DQ_KEYS: usize = 32;
+/// The key tile of a dk/dv block, 16 rows a warp, and the query tile it
+/// walks (`DKDV_KEYS`, `DKDV_QUERIES`).
+const DKDV_KEYS: usize = 64;
 const DKDV_QUERIES: usize = 32;
 /// A CUDA grid's limit along x.
 const MAX_GRID_X: usize = i32::MAX as usize;
@@ -64,13 +68,22 @@ impl FlashKernel {
         let row = (head_dim + 8) * DType::Bf16.bytes();
         match self {
             // q, then k and v twice.
-            FlashKernel::Forward => 5 * TILE * row,
+            FlashKernel::Forward => (QUERY_ROWS + 4 * FWD_KEYS) * row,
             // q and dout, then k and v twice.
-            FlashKernel::BackwardDq => 6 * TILE * row,
+            FlashKernel::BackwardDq => (2 * QUERY_ROWS + 4 * DQ_KEYS) * row,
             // k and v, then q and dout twice, and lse and D twice.
             FlashKernel::BackwardDkdv => {
-                2 * TILE * row + 4 * DKDV_QUERIES * row + 4 * DKDV_QUERIES * DType::F32.bytes()
+                (2 * DKDV_KEYS + 4 * DKDV_QUERIES) * row + 4 * DKDV_QUERIES * DType::F32.bytes()
             }
+        }
+    }
+
+    /// Rows of the tile a block owns (the grid has one block per tile of
+    /// each sequence and head).
+    fn block_rows(self) -> usize {
+        match self {
+            FlashKernel::Forward | FlashKernel::BackwardDq => QUERY_ROWS,
+            FlashKernel::BackwardDkdv => DKDV_KEYS,
         }
     }
 }
@@ -135,9 +148,11 @@ impl FlashDims {
     }
 }
 
-/// A grid of `tiles` tiles for each of `pairs` (sequence, head) pairs.
-fn flash_grid(kernel: FlashKernel, d: usize, tiles: usize, pairs: usize) -> Result<LaunchConfig> {
+/// A grid of the kernel's tiles of a `seq`-token sequence for each of
+/// `pairs` (sequence, head) pairs.
+fn flash_grid(kernel: FlashKernel, d: usize, seq: usize, pairs: usize) -> Result<LaunchConfig> {
     let name = kernel.name(d);
+    let tiles = seq.div_ceil(kernel.block_rows());
     let blocks = tiles
         .checked_mul(pairs)
         .filter(|&b| b <= MAX_GRID_X)
@@ -251,12 +266,7 @@ impl KernelSet {
         let shape = FlashDims::new(kn, dims)?;
         let d = dims.qk_dim;
         let kernel = FlashKernel::Forward;
-        let config = flash_grid(
-            kernel,
-            d,
-            dims.tokens.seq.div_ceil(TILE),
-            dims.tokens.batch * dims.heads,
-        )?;
+        let config = flash_grid(kernel, d, dims.tokens.seq, dims.tokens.batch * dims.heads)?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
@@ -318,10 +328,10 @@ impl KernelSet {
         };
         let shape = FlashDims::new(kn, dims)?;
         let d = dims.qk_dim;
-        let tiles = dims.tokens.seq.div_ceil(TILE);
+        let seq = dims.tokens.seq;
 
         let kernel = FlashKernel::BackwardDq;
-        let config = flash_grid(kernel, d, tiles, dims.tokens.batch * dims.heads)?;
+        let config = flash_grid(kernel, d, seq, dims.tokens.batch * dims.heads)?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
@@ -335,7 +345,7 @@ impl KernelSet {
         self.go(kernel.name(d), &mut b, config)?;
 
         let kernel = FlashKernel::BackwardDkdv;
-        let config = flash_grid(kernel, d, tiles, dims.tokens.batch * dims.heads)?;
+        let config = flash_grid(kernel, d, seq, dims.tokens.batch * dims.heads)?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
