@@ -461,13 +461,22 @@ pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEsti
             None => non_unit = non_unit.saturating_add(padded),
         }
     }
-    let slot = unit_len.iter().copied().max().unwrap_or(0);
-    let units = plan.units.len() as u64;
+    // Sole units (and sole non-unit buckets) live in their shards: no pool
+    // buffer, no gradient buffer beyond the shard's (`fsdp.rs`).
+    let pooled: Vec<u64> = (0..plan.units.len())
+        .filter(|&u| !shard_layout.sole_unit(plan, u))
+        .map(|u| unit_len[u])
+        .collect();
+    if shard_layout.sole_non_unit(plan) {
+        non_unit = 0;
+    }
+    let slot = pooled.iter().copied().max().unwrap_or(0);
+    let units = pooled.len() as u64;
     let param_slots = match layout.sharding {
-        Sharding::NoShard => unit_len.iter().fold(0u64, |a, &l| a.saturating_add(l)),
+        Sharding::NoShard => pooled.iter().fold(0u64, |a, &l| a.saturating_add(l)),
         Sharding::Zero3 => slot.saturating_mul((layout.resident_units as u64).min(units)),
     };
-    let grad_slots = slot.saturating_mul((layout.grad_buffers.max(1) as u64).min(units.max(1)));
+    let grad_slots = slot.saturating_mul((layout.grad_buffers.max(1) as u64).min(units));
     let moments = match layout.optimizer {
         OptimizerKind::Adam => 2,
         OptimizerKind::Sgd => 1,

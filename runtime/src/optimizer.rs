@@ -484,7 +484,7 @@ impl<D: Device> Optimizer<D> {
                     }
                     let len = piece.len();
                     b.sum_squares(
-                        b.slice(&shard.grad, piece)?,
+                        shard.grad.piece(b, piece)?,
                         len,
                         b.slice_mut(&out, at + i..at + i + 1)?,
                     )?;
@@ -628,13 +628,14 @@ impl<D: Device> Optimizer<D> {
         let mut host: Vec<f32> = Vec::new();
         for (b, shard) in engine.shards().iter().enumerate() {
             let start = engine.owned_range(b, rank).start;
-            for (i, buf) in [&shard.master, &shard.grad].into_iter().enumerate() {
+            let views = [backend.view(&shard.master)?, shard.grad.view(backend)?];
+            for (i, view) in views.into_iter().enumerate() {
                 if mine[2 * i] >= 0.0 {
                     continue;
                 }
                 host.clear();
-                host.resize(backend.buf_len(buf), 0.0);
-                backend.download(backend.view(buf)?, &mut host)?;
+                host.resize(backend.slice_len(view), 0.0);
+                backend.download(view, &mut host)?;
                 if let Some(at) = host.iter().position(|v| !v.is_finite()) {
                     mine[2 * i] = b as f64;
                     mine[2 * i + 1] = (start + at) as f64;
@@ -683,7 +684,7 @@ impl<D: Device> Optimizer<D> {
             Box::new(move |backend: &D::Backend| {
                 for ((shard, state), bucket) in shards.iter().zip(&states).zip(buckets.iter()) {
                     let param = backend.view_mut(&shard.master)?;
-                    let grad = backend.view(&shard.grad)?;
+                    let grad = shard.grad.view(backend)?;
                     let decayed = backend.view(&bucket.decayed)?;
                     match config.kind {
                         OptimizerKind::Adam => backend.adam_update(
@@ -724,10 +725,7 @@ impl<D: Device> Optimizer<D> {
                             )?
                         }
                     }
-                    backend.cast(
-                        backend.view(&shard.master)?,
-                        backend.view_mut(&shard.param)?,
-                    )?;
+                    backend.cast(backend.view(&shard.master)?, shard.param.view_mut(backend)?)?;
                 }
                 Ok(())
             }),

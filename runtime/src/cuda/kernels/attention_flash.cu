@@ -676,25 +676,32 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
     }
 }
 
-#define FLASH_ENTRY_POINTS(D)                                                                                  \
+// The entry points, one instance per head dim (named first, as
+// kernels.rs's listing check reads them).
+#define FLASH_FORWARD(NAME, D)                                                                                \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
-        flash_forward_d##D(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch,      \
-                           u32 seq, u32 heads, u32 kv_heads, float scale) {                                    \
+        NAME(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch, u32 seq, u32 heads, \
+             u32 kv_heads, float scale) {                                                                      \
         flash_forward<D>(q, k, v, out, lse, batch, seq, heads, kv_heads, scale);                              \
-    }                                                                                                          \
+    }
+#define FLASH_BACKWARD_DQ(NAME, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
-        flash_backward_dq_d##D(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, \
-                               const bf16* dout, bf16* dq, float* delta, u32 batch, u32 seq, u32 heads,        \
-                               u32 kv_heads, float scale) {                                                    \
+        NAME(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,  \
+             bf16* dq, float* delta, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {              \
         flash_backward_dq<D>(q, k, v, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);         \
-    }                                                                                                          \
+    }
+#define FLASH_BACKWARD_DKDV(NAME, D)                                                                          \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
-        flash_backward_dkdv_d##D(const bf16* q, const bf16* k, const bf16* v, const float* lse,              \
-                                 const bf16* dout, const float* delta, bf16* dk, bf16* dv, float* dk_part,    \
-                                 float* dv_part, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {  \
+        NAME(const bf16* q, const bf16* k, const bf16* v, const float* lse, const bf16* dout,                 \
+             const float* delta, bf16* dk, bf16* dv, float* dk_part, float* dv_part, u32 batch, u32 seq,       \
+             u32 heads, u32 kv_heads, float scale) {                                                           \
         flash_backward_dkdv<D>(q, k, v, lse, dout, delta, dk, dv, dk_part, dv_part, batch, seq, heads,        \
                                kv_heads, scale);                                                               \
     }
 
-FLASH_ENTRY_POINTS(64)
-FLASH_ENTRY_POINTS(128)
+FLASH_FORWARD(flash_forward_d64, 64)
+FLASH_BACKWARD_DQ(flash_backward_dq_d64, 64)
+FLASH_BACKWARD_DKDV(flash_backward_dkdv_d64, 64)
+FLASH_FORWARD(flash_forward_d128, 128)
+FLASH_BACKWARD_DQ(flash_backward_dq_d128, 128)
+FLASH_BACKWARD_DKDV(flash_backward_dkdv_d128, 128)
