@@ -14,6 +14,8 @@
 # There (2 x H200; the bundle carries this script):
 #   bash gpu-bundle/bench_gpu.sh LOGDIR          # everything, about 8 minutes
 #   TORCH_REF=none bash gpu-bundle/bench_gpu.sh LOGDIR   # hybridgen's rows only
+# On a machine with one GPU the 2-GPU rows say they were skipped, and of
+# PyTorch's stage only its 1-GPU `--fast` row runs (about 2 minutes).
 #
 # The rows train as the baseline does: AdamW at 1e-4 with weight decay
 # 0.1, no gradient clipping, bf16 with f32 master weights, ZeRO-3.
@@ -117,7 +119,18 @@ echo "{\"row\": \"startup-warm-cache\", \"ranks\": 1, \"wall_s\": $(( (end - sta
   >> "$out/rows.jsonl"
 
 if [ "$torch_ref" != none ] && [ -f "$torch_ref/run_device.sh" ]; then
-  OUT="$out/torch" bash "$torch_ref/run_device.sh" fast > "$out/torch.log" 2>&1
+  if [ "$gpus" -ge 2 ]; then
+    OUT="$out/torch" bash "$torch_ref/run_device.sh" fast > "$out/torch.log" 2>&1
+  else
+    # One GPU: the stage's 2-GPU rows cannot run, so only its main 1-GPU
+    # row (`--fast`, the same command the stage runs), for a same-run
+    # ratio of the 1-GPU row.
+    mkdir -p "$out/torch"
+    (export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4 TRITON_CACHE_AUTOTUNING=1
+     CUDA_VISIBLE_DEVICES=0 timeout 240 python3 "$torch_ref/bench.py" --mode single --fast \
+       --out "$out/torch/results.jsonl") > "$out/torch.log" 2>&1
+  fi
 fi
 
 python3 - "$out/rows.jsonl" "$out/torch/results.jsonl" "$out/startup.jsonl" <<'PY'

@@ -549,8 +549,13 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             });
         }
 
-        // RMSNorm.
-        for (rows, dim, groups) in [(257usize, 771usize, 1usize), (33, 771, 3), (7, 4100, 1)] {
+        // RMSNorm; 1,300 rows take the weight gradient's sums in 3 slices.
+        for (rows, dim, groups) in [
+            (257usize, 771usize, 1usize),
+            (33, 771, 3),
+            (7, 4100, 1),
+            (1300, 260, 2),
+        ] {
             let d = NormDims {
                 rows,
                 dim,
@@ -611,13 +616,14 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                     x,
                     rstd,
                     rng.floats(dim, DType::F32),
+                    nan(KernelSet::rmsnorm_weight_scratch_len(d), DType::F32),
                 ],
                 outputs: vec![3],
                 cpu: Box::new(move |b, x| {
                     b.rmsnorm_backward_weight(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), d)
                 }),
                 gpu: Box::new(move |s, st, x| {
-                    s.rmsnorm_backward_weight(st, x[0], x[1], x[2], x[3], d)
+                    s.rmsnorm_backward_weight(st, x[0], x[1], x[2], x[3], x[4], d)
                 }),
                 reference: None,
             });
@@ -883,6 +889,25 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
         };
         let positions = rng.permutation(609);
         let weights = Host::F32(rng.vec(609, 1.0));
+        // Rows of 136 channels: in bf16, 8 channels a thread.
+        let d8 = UnpermuteDims { width: 136, ..d };
+        for weighted in [true, false] {
+            let (positions, w) = (Host::U32(positions.clone()), weights.clone());
+            cases.push(Case {
+                kernel: "moe_unpermute".into(),
+                mode,
+                shape: format!("203x3 136{}", if weighted { " weighted" } else { "" }),
+                buffers: vec![rng.floats(609 * 136, a), w, positions, nan(203 * 136, a)],
+                outputs: vec![3],
+                cpu: Box::new(move |b, x| {
+                    b.moe_unpermute(v(&x[0]), weighted.then(|| v(&x[1])), v(&x[2]), m(&x[3]), d8)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d8)
+                }),
+                reference: None,
+            });
+        }
         for weighted in [true, false] {
             let positions = Host::U32(positions.clone());
             let w = weights.clone();

@@ -705,12 +705,15 @@ impl Backend for CudaBackend {
         dw: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
+        let (scratch, _scratch_buf) =
+            self.scratch_uninit(KernelSet::rmsnorm_weight_scratch_len(dims), DType::F32)?;
         self.k().rmsnorm_backward_weight(
             self.s(),
             self.v(dy),
             self.v(x),
             self.v(rstd),
             self.m(&dw),
+            scratch,
             dims,
         )
     }

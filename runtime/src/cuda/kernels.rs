@@ -68,7 +68,8 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "rmsnorm_forward",
             "rmsnorm_backward_input",
-            "rmsnorm_backward_weight"
+            "rmsnorm_weight_partials",
+            "rmsnorm_weight_finish"
         ]
     ),
     source!(

@@ -49,17 +49,24 @@ extern "C" __global__ void rmsnorm_backward_input(
     }
 }
 
-// dw[j] += sum_r dy[r, j] x[r, j] rstd[r, j / group_size]: the column-sum
-// shape of `column_sum` (a block of 32 columns by 32 row slices).
-extern "C" __global__ void rmsnorm_backward_weight(
-    const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, void* dw,
-    int dw_dtype, u64 rows, u64 dim, u64 groups, u64 group_size) {
+// dw[j] += sum_r dy[r, j] x[r, j] rstd[r, j / group_size], in two stages:
+// rmsnorm_weight_partials sums slice y of the rows (blockIdx.y; a block of
+// 32 columns by 32 row threads, the column-sum shape of `column_sum`) into
+// partials[y, j], and rmsnorm_weight_finish adds the slices to dw in slice
+// order. One stage of 32-column blocks left most of the GPU idle (64
+// blocks for 2,048 channels).
+extern "C" __global__ void rmsnorm_weight_partials(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, float* partials,
+    u64 rows, u64 dim, u64 groups, u64 group_size) {
     __shared__ float partial[32][33];
     const u64 j = static_cast<u64>(blockIdx.x) * 32 + threadIdx.x;
+    const u64 slice_rows = (rows + gridDim.y - 1) / gridDim.y;
+    const u64 r0 = blockIdx.y * slice_rows;
+    const u64 r1 = min(rows, r0 + slice_rows);
     float sum = 0.0f;
     if (j < dim) {
         const u64 g = j / group_size;
-        for (u64 r = threadIdx.y; r < rows; r += 32) {
+        for (u64 r = r0 + threadIdx.y; r < r1; r += 32) {
             const u64 i = r * dim + j;
             sum += load(dy, dy_dtype, i) * load(x, x_dtype, i) * rstd[r * groups + g];
         }
@@ -73,6 +80,17 @@ extern "C" __global__ void rmsnorm_backward_weight(
         __syncthreads();
     }
     if (threadIdx.y == 0 && j < dim) {
-        store(dw, dw_dtype, j, load(dw, dw_dtype, j) + partial[0][threadIdx.x]);
+        partials[blockIdx.y * dim + j] = partial[0][threadIdx.x];
+    }
+}
+
+extern "C" __global__ void rmsnorm_weight_finish(
+    const float* partials, u64 slices, void* dw, int dw_dtype, u64 dim) {
+    for (u64 j = grid_start(); j < dim; j += grid_stride()) {
+        float sum = 0.0f;
+        for (u64 y = 0; y < slices; ++y) {
+            sum += partials[y * dim + j];
+        }
+        store(dw, dw_dtype, j, load(dw, dw_dtype, j) + sum);
     }
 }

@@ -712,7 +712,21 @@ impl KernelSet {
         )
     }
 
-    /// `Backend::rmsnorm_backward_weight` (accumulates into `dw`).
+    /// f32 elements of [`KernelSet::rmsnorm_backward_weight`]'s scratch:
+    /// one partial sum a channel for each slice of the rows (about 512
+    /// rows a slice, at most 16 slices; a function of the dimensions alone,
+    /// so the sums' order is too).
+    pub fn rmsnorm_weight_scratch_len(d: NormDims) -> usize {
+        Self::rmsnorm_weight_slices(d) * d.dim
+    }
+
+    fn rmsnorm_weight_slices(d: NormDims) -> usize {
+        d.rows.div_ceil(512).clamp(1, 16)
+    }
+
+    /// `Backend::rmsnorm_backward_weight` (accumulates into `dw`); takes
+    /// [`KernelSet::rmsnorm_weight_scratch_len`] f32s of `scratch`.
+    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward_weight(
         &self,
         stream: &CudaStream,
@@ -720,6 +734,7 @@ impl KernelSet {
         x: GpuView,
         rstd: GpuView,
         dw: GpuView,
+        scratch: GpuView,
         d: NormDims,
     ) -> Result<()> {
         let k = "rmsnorm_backward_weight";
@@ -731,22 +746,36 @@ impl KernelSet {
         let gs = self.norm_group(k, d, &x, &rstd)?;
         len(k, "dy", &dy, x.len)?;
         len(k, "dw", &dw, d.dim)?;
+        exactly(k, "scratch", &scratch, DType::F32)?;
+        len(k, "scratch", &scratch, Self::rmsnorm_weight_scratch_len(d))?;
         if gs == 0 {
             return Ok(());
         }
+        let slices = Self::rmsnorm_weight_slices(d);
         let dims = [d.rows, d.dim, d.groups, gs].map(|v| v as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let kp = "rmsnorm_weight_partials";
+        let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)
             .arg(&xt)
             .arg(&rstd.ptr)
-            .arg(&dw.ptr)
-            .arg(&dwt);
+            .arg(&scratch.ptr);
         for v in &dims {
             b.arg(v);
         }
-        self.go(k, &mut b, column_blocks(d.dim))
+        let mut config = column_blocks(d.dim);
+        config.grid_dim.1 = slices as u32;
+        self.go(kp, &mut b, config)?;
+        let kf = "rmsnorm_weight_finish";
+        let (slices, dim) = (slices as u64, d.dim as u64);
+        let mut b = stream.launch_builder(self.function(kf)?);
+        b.arg(&scratch.ptr)
+            .arg(&slices)
+            .arg(&dw.ptr)
+            .arg(&dwt)
+            .arg(&dim);
+        self.go(kf, &mut b, grid_for(d.dim))
     }
 
     /// `Backend::unary_forward`.
@@ -1588,6 +1617,14 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
+        // bf16 rows combine 8 channels a thread where the words line up.
+        let vec8 = i32::from(
+            rows.dtype == DType::Bf16
+                && out.dtype == DType::Bf16
+                && d.width.is_multiple_of(8)
+                && rows.ptr.is_multiple_of(16)
+                && out.ptr.is_multiple_of(16),
+        );
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&rows.ptr)
             .arg(&rt)
@@ -1598,7 +1635,7 @@ impl KernelSet {
         for x in &dims {
             b.arg(x);
         }
-        b.arg(&self.fault_ptr);
+        b.arg(&vec8).arg(&self.fault_ptr);
         self.go(k, &mut b, block_per_row(d.tokens))
     }
 
