@@ -549,12 +549,15 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             });
         }
 
-        // RMSNorm; 1,300 rows take the weight gradient's sums in 3 slices.
+        // RMSNorm; 1,300 rows take the weight gradient's sums in 3 slices;
+        // groups of 136 and 1,024 channels take the bf16 kernels' 8-channel
+        // words.
         for (rows, dim, groups) in [
             (257usize, 771usize, 1usize),
             (33, 771, 3),
             (7, 4100, 1),
-            (1300, 260, 2),
+            (1300, 272, 2),
+            (65, 1024, 1),
         ] {
             let d = NormDims {
                 rows,

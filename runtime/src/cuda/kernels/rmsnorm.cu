@@ -4,11 +4,73 @@
 // [g*gs, (g+1)*gs) of the row; `rstd` is f32 `[rows, groups]`.
 #include "common.cuh"
 
+// `vec8` kernels below: every tensor bf16, 16-byte aligned, and the group
+// size a multiple of 8 (the launcher checks), so a thread moves 8 channels
+// with one 16-byte load or store; the element arithmetic is the same.
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 p = __bfloat1622float2(h[e]);
+        f[2 * e] = p.x;
+        f[2 * e + 1] = p.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        h[e] = __floats2bfloat162_rn(f[2 * e], f[2 * e + 1]);
+    }
+    return v;
+}
+
+__device__ __forceinline__ void rmsnorm_forward_vec8(
+    const uint4* x, const uint4* w, uint4* y, float* rstd, u64 groups, u64 group_size, float eps,
+    float* scratch) {
+    const u64 block = blockIdx.x;
+    const u64 words = group_size / 8;
+    const uint4* xr = x + block * words;
+    const uint4* wr = w + (block % groups) * words;
+    uint4* yr = y + block * words;
+    float sum = 0.0f;
+    for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
+        float f[8];
+        unpack8(xr[c], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            sum += f[e] * f[e];
+        }
+    }
+    sum = block_sum(sum, scratch);
+    const float rs = 1.0f / sqrtf(sum / static_cast<float>(group_size) + eps);
+    if (threadIdx.x == 0) {
+        rstd[block] = rs;
+    }
+    for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
+        float f[8], g[8];
+        unpack8(xr[c], f);
+        unpack8(wr[c], g);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            f[e] = f[e] * rs * g[e];
+        }
+        yr[c] = pack8(f);
+    }
+}
+
 // One block per (row, group): blockIdx.x = r * groups + g.
 extern "C" __global__ void rmsnorm_forward(
     const void* x, int x_dtype, const void* w, int w_dtype, void* y, int y_dtype, float* rstd,
-    u64 groups, u64 group_size, float eps) {
+    u64 groups, u64 group_size, float eps, int vec8) {
     __shared__ float scratch[32];
+    if (vec8) {
+        rmsnorm_forward_vec8(static_cast<const uint4*>(x), static_cast<const uint4*>(w),
+                             static_cast<uint4*>(y), rstd, groups, group_size, eps, scratch);
+        return;
+    }
     const u64 block = blockIdx.x;
     const u64 base = block * group_size;
     const u64 w_base = (block % groups) * group_size;
@@ -27,11 +89,53 @@ extern "C" __global__ void rmsnorm_forward(
     }
 }
 
+__device__ __forceinline__ void rmsnorm_backward_input_vec8(
+    const uint4* dy, const uint4* x, const uint4* w, const float* rstd, uint4* dx, u64 groups,
+    u64 group_size, float* scratch) {
+    const u64 block = blockIdx.x;
+    const u64 words = group_size / 8;
+    const u64 base = block * words;
+    const uint4* wr = w + (block % groups) * words;
+    float gx = 0.0f;
+    for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
+        float fw[8], fd[8], fx[8];
+        unpack8(wr[c], fw);
+        unpack8(dy[base + c], fd);
+        unpack8(x[base + c], fx);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            gx += fw[e] * fd[e] * fx[e];
+        }
+    }
+    gx = block_sum(gx, scratch);
+    const float rs = rstd[block];
+    const float k = rs * rs * rs * gx / static_cast<float>(group_size);
+    for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
+        float fw[8], fd[8], fx[8], out[8];
+        unpack8(wr[c], fw);
+        unpack8(dy[base + c], fd);
+        unpack8(x[base + c], fx);
+        unpack8(dx[base + c], out);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float g = fw[e] * fd[e];
+            out[e] = out[e] + (rs * g - fx[e] * k);
+        }
+        dx[base + c] = pack8(out);
+    }
+}
+
 // dx += rstd * (w dy) - x * rstd^3 * mean(w dy x), per (row, group) block.
 extern "C" __global__ void rmsnorm_backward_input(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
-    const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size) {
+    const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, int vec8) {
     __shared__ float scratch[32];
+    if (vec8) {
+        rmsnorm_backward_input_vec8(static_cast<const uint4*>(dy), static_cast<const uint4*>(x),
+                                    static_cast<const uint4*>(w), rstd, static_cast<uint4*>(dx), groups,
+                                    group_size, scratch);
+        return;
+    }
     const u64 block = blockIdx.x;
     const u64 base = block * group_size;
     const u64 w_base = (block % groups) * group_size;

@@ -164,6 +164,16 @@ fn grid_for(n: usize) -> LaunchConfig {
     }
 }
 
+/// Whether kernels with a `vec8` path can move these views 8 bf16 channels
+/// (16 bytes) at a time: all bf16 and 16-byte aligned, in rows (or groups)
+/// of `row` elements, a multiple of 8.
+fn bf16_words(views: &[GpuView], row: usize) -> bool {
+    row.is_multiple_of(8)
+        && views
+            .iter()
+            .all(|v| v.dtype == DType::Bf16 && v.ptr.is_multiple_of(16))
+}
+
 /// A block of `threads` (a multiple of 32, at most 1024) per item.
 fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
     let blocks = u32::try_from(items)
@@ -659,6 +669,7 @@ impl KernelSet {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
+        let vec8 = i32::from(bf16_words(&[x, weight, y], gs));
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&x.ptr)
             .arg(&xt)
@@ -666,7 +677,7 @@ impl KernelSet {
             .arg(&wt)
             .arg(&y.ptr)
             .arg(&yt);
-        b.arg(&rstd.ptr).arg(&g).arg(&s).arg(&d.eps);
+        b.arg(&rstd.ptr).arg(&g).arg(&s).arg(&d.eps).arg(&vec8);
         self.go(
             k,
             &mut b,
@@ -697,6 +708,7 @@ impl KernelSet {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
+        let vec8 = i32::from(bf16_words(&[dy, x, weight, dx], gs));
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
@@ -704,7 +716,12 @@ impl KernelSet {
             .arg(&xt)
             .arg(&weight.ptr)
             .arg(&wt);
-        b.arg(&rstd.ptr).arg(&dx.ptr).arg(&dxt).arg(&g).arg(&s);
+        b.arg(&rstd.ptr)
+            .arg(&dx.ptr)
+            .arg(&dxt)
+            .arg(&g)
+            .arg(&s)
+            .arg(&vec8);
         self.go(
             k,
             &mut b,
@@ -1618,13 +1635,7 @@ impl KernelSet {
         }
         let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
         // bf16 rows combine 8 channels a thread where the words line up.
-        let vec8 = i32::from(
-            rows.dtype == DType::Bf16
-                && out.dtype == DType::Bf16
-                && d.width.is_multiple_of(8)
-                && rows.ptr.is_multiple_of(16)
-                && out.ptr.is_multiple_of(16),
-        );
+        let vec8 = i32::from(bf16_words(&[rows, out], d.width));
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&rows.ptr)
             .arg(&rt)
