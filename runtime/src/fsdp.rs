@@ -542,44 +542,30 @@ impl<D: Device> FsdpEngine<D> {
         for sole in self.sole.iter_mut().flatten() {
             sole.written = Some(zeroed.clone());
         }
-        match self.layout.sharding {
-            // Sole non-unit parameters are their shards, refreshed by the
-            // optimizer: ready once the last step's work is (it is).
-            _ if self.non_unit_sole => self.non_unit_ready = Some(zeroed.clone()),
-            Sharding::Zero3 => {
-                let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
-                let ready = self.gather(
-                    rank,
-                    &buckets,
-                    self.non_unit_params.clone(),
-                    &[zeroed],
-                    "gather non-unit",
-                )?;
-                self.non_unit_ready = Some(ready);
-            }
-            Sharding::NoShard => {
-                // Refresh every pooled unit's whole-bucket copy from its
-                // shards (sole units read theirs in place).
-                for u in 0..self.units.len() {
-                    let Some(slot) = self.units[u].slot else {
-                        continue;
-                    };
-                    let buckets: Vec<usize> = self.plan.units[u].buckets.to_vec();
-                    let buf = self.param_slots[slot].buf.clone();
-                    let event = self.copy_params(rank, &buckets, buf, &zeroed, "refresh unit")?;
-                    self.units[u].ready = Some(event);
-                }
-                let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
-                let event = self.copy_params(
-                    rank,
-                    &buckets,
-                    self.non_unit_params.clone(),
-                    &zeroed,
-                    "refresh non-unit",
-                )?;
-                self.non_unit_ready = Some(event);
+        if self.layout.sharding == Sharding::NoShard {
+            // Refresh every pooled unit's whole-bucket copy from its shards
+            // (sole units read theirs in place).
+            for u in 0..self.units.len() {
+                let Some(slot) = self.units[u].slot else {
+                    continue;
+                };
+                let buckets: Vec<usize> = self.plan.units[u].buckets.to_vec();
+                let buf = self.param_slots[slot].buf.clone();
+                let event = self.copy_params(rank, &buckets, buf, &zeroed, "refresh unit")?;
+                self.units[u].ready = Some(event);
             }
         }
+        let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
+        let params = self.non_unit_params.clone();
+        self.non_unit_ready = Some(match self.layout.sharding {
+            // Sole non-unit parameters are their shards, which the last
+            // step's optimizer (done: steps end synchronised) refreshed.
+            _ if self.non_unit_sole => zeroed,
+            Sharding::Zero3 => self.gather(rank, &buckets, params, &[zeroed], "gather non-unit")?,
+            Sharding::NoShard => {
+                self.copy_params(rank, &buckets, params, &zeroed, "refresh non-unit")?
+            }
+        });
         Ok(())
     }
 

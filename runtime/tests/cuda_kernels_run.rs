@@ -893,41 +893,31 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
         let positions = rng.permutation(609);
         let weights = Host::F32(rng.vec(609, 1.0));
         // Rows of 136 channels: in bf16, 8 channels a thread.
-        let d8 = UnpermuteDims { width: 136, ..d };
-        for weighted in [true, false] {
-            let (positions, w) = (Host::U32(positions.clone()), weights.clone());
-            cases.push(Case {
-                kernel: "moe_unpermute".into(),
-                mode,
-                shape: format!("203x3 136{}", if weighted { " weighted" } else { "" }),
-                buffers: vec![rng.floats(609 * 136, a), w, positions, nan(203 * 136, a)],
-                outputs: vec![3],
-                cpu: Box::new(move |b, x| {
-                    b.moe_unpermute(v(&x[0]), weighted.then(|| v(&x[1])), v(&x[2]), m(&x[3]), d8)
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d8)
-                }),
-                reference: None,
-            });
-        }
-        for weighted in [true, false] {
-            let positions = Host::U32(positions.clone());
-            let w = weights.clone();
-            cases.push(Case {
-                kernel: "moe_unpermute".into(),
-                mode,
-                shape: format!("203x3 129{}", if weighted { " weighted" } else { "" }),
-                buffers: vec![rng.floats(609 * 129, a), w, positions, nan(203 * 129, a)],
-                outputs: vec![3],
-                cpu: Box::new(move |b, x| {
-                    b.moe_unpermute(v(&x[0]), weighted.then(|| v(&x[1])), v(&x[2]), m(&x[3]), d)
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d)
-                }),
-                reference: None,
-            });
+        for d in [d, UnpermuteDims { width: 136, ..d }] {
+            let width = d.width;
+            for weighted in [true, false] {
+                let (positions, w) = (Host::U32(positions.clone()), weights.clone());
+                cases.push(Case {
+                    kernel: "moe_unpermute".into(),
+                    mode,
+                    shape: format!("203x3 {width}{}", if weighted { " weighted" } else { "" }),
+                    buffers: vec![
+                        rng.floats(609 * width, a),
+                        w,
+                        positions,
+                        nan(203 * width, a),
+                    ],
+                    outputs: vec![3],
+                    cpu: Box::new(move |b, x| {
+                        let w = weighted.then(|| v(&x[1]));
+                        b.moe_unpermute(v(&x[0]), w, v(&x[2]), m(&x[3]), d)
+                    }),
+                    gpu: Box::new(move |s, st, x| {
+                        s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d)
+                    }),
+                    reference: None,
+                });
+            }
         }
         cases.push(Case {
             kernel: "moe_unpermute_backward".into(),
@@ -1692,6 +1682,36 @@ fn cpu_attention_forward(q: &Host, k: &Host, v: &Host, d: AttentionDims) -> (Hos
     )
 }
 
+/// The CPU's attention forward over a case's buffers `q, k, v, out, lse`.
+fn cpu_attention_forward_run(d: AttentionDims) -> CpuRun<'static> {
+    Box::new(move |b, x| {
+        let inputs = AttentionInputs {
+            q: v(&x[0]),
+            k: v(&x[1]),
+            v: v(&x[2]),
+        };
+        b.attention_forward(inputs, m(&x[3]), m(&x[4]), d)
+    })
+}
+
+/// The CPU's attention backward over a case's buffers `q, k, v, out, lse,
+/// dout, dq, dk, dv`.
+fn cpu_attention_backward_run(d: AttentionDims) -> CpuRun<'static> {
+    Box::new(move |b, x| {
+        let inputs = AttentionInputs {
+            q: v(&x[0]),
+            k: v(&x[1]),
+            v: v(&x[2]),
+        };
+        let grads = AttentionInputs {
+            q: m(&x[6]),
+            k: m(&x[7]),
+            v: m(&x[8]),
+        };
+        b.attention_backward(inputs, v(&x[3]), v(&x[4]), v(&x[5]), grads, d)
+    })
+}
+
 /// Attention forward and backward: GQA, MQA and MHA; one-token sequences
 /// and sequences that end inside a tile; head dims up to one block's 256
 /// channels and past it (two channel groups); MLA's unequal dims; a
@@ -1738,18 +1758,7 @@ fn attention_cases(seed: u64) -> Vec<Case<'static>> {
                     nan(lse.len(), DType::F32),
                 ],
                 outputs: vec![3, 4],
-                cpu: Box::new(move |b, x| {
-                    b.attention_forward(
-                        AttentionInputs {
-                            q: v(&x[0]),
-                            k: v(&x[1]),
-                            v: v(&x[2]),
-                        },
-                        m(&x[3]),
-                        m(&x[4]),
-                        d,
-                    )
-                }),
+                cpu: cpu_attention_forward_run(d),
                 gpu: Box::new(move |s, st, x| {
                     s.attention_forward(
                         st,
@@ -1782,24 +1791,7 @@ fn attention_cases(seed: u64) -> Vec<Case<'static>> {
                     nan(v_len, a),
                 ],
                 outputs: vec![6, 7, 8],
-                cpu: Box::new(move |b, x| {
-                    b.attention_backward(
-                        AttentionInputs {
-                            q: v(&x[0]),
-                            k: v(&x[1]),
-                            v: v(&x[2]),
-                        },
-                        v(&x[3]),
-                        v(&x[4]),
-                        v(&x[5]),
-                        AttentionInputs {
-                            q: m(&x[6]),
-                            k: m(&x[7]),
-                            v: m(&x[8]),
-                        },
-                        d,
-                    )
-                }),
+                cpu: cpu_attention_backward_run(d),
                 gpu: Box::new(move |s, st, x| {
                     s.attention_backward(
                         st,
@@ -1875,18 +1867,7 @@ fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
                 nan(lse.len(), DType::F32),
             ],
             outputs: vec![3, 4],
-            cpu: Box::new(move |b, x| {
-                b.attention_forward(
-                    AttentionInputs {
-                        q: v(&x[0]),
-                        k: v(&x[1]),
-                        v: v(&x[2]),
-                    },
-                    m(&x[3]),
-                    m(&x[4]),
-                    d,
-                )
-            }),
+            cpu: cpu_attention_forward_run(d),
             gpu: Box::new(move |s, st, x| s.attention_forward_flash(st, inputs(x), x[3], x[4], d)),
             reference: None,
         });
@@ -1908,24 +1889,7 @@ fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
                 nan(flash_attention_scratch_len(d), DType::F32),
             ],
             outputs: vec![6, 7, 8],
-            cpu: Box::new(move |b, x| {
-                b.attention_backward(
-                    AttentionInputs {
-                        q: v(&x[0]),
-                        k: v(&x[1]),
-                        v: v(&x[2]),
-                    },
-                    v(&x[3]),
-                    v(&x[4]),
-                    v(&x[5]),
-                    AttentionInputs {
-                        q: m(&x[6]),
-                        k: m(&x[7]),
-                        v: m(&x[8]),
-                    },
-                    d,
-                )
-            }),
+            cpu: cpu_attention_backward_run(d),
             gpu: Box::new(move |s, st, x| {
                 s.attention_backward_flash(
                     st,

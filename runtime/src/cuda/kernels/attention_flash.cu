@@ -135,6 +135,19 @@ __device__ __forceinline__ void stage_column(float* dst, const float* first, u32
     }
 }
 
+// Stages key tile `j` (KEYS rows from j * KEYS of KV head g of sequence
+// row0) of k and v into buffer `buf` of `ks` and `vs`.
+template <int D, int KEYS>
+__device__ __forceinline__ void stage_keys(bf16* ks, bf16* vs, u32 buf, const bf16* k, const bf16* v, u64 row0,
+                                           u32 j, u32 seq, u32 kv_heads, u32 g) {
+    constexpr u32 ELEMS = KEYS * (D + 8);
+    const u32 u = j * KEYS;
+    const u64 first = ((row0 + u) * kv_heads + g) * D;
+    const u64 stride = static_cast<u64>(kv_heads) * D;
+    stage_rows<D, KEYS>(ks + buf * ELEMS, k + first, stride, seq - u);
+    stage_rows<D, KEYS>(vs + buf * ELEMS, v + first, stride, seq - u);
+}
+
 // The A fragment of the 16 x 16 block of a staged tile at (row0, col0).
 template <int D>
 __device__ __forceinline__ void load_a(u32 (&a)[4], const bf16* tile, u32 row0, u32 col0) {
@@ -234,34 +247,20 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Writes the warp's (M * 16) x D f32 tile `acc` times `factor` as bf16
-// rows `stride` elements apart from `first`: this thread's rows are
-// r0 + 16m and r0 + 16m + 8, skipped past `seq`.
-template <int D, int M>
-__device__ __forceinline__ void store_rows(bf16* first, u64 stride, const float (&acc)[M][D / 8][4], u32 r0,
-                                           u32 seq, float factor) {
-    const u32 t = threadIdx.x & 3;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32 r = r0 + m * 16 + half * 8;
-            if (r >= seq) {
-                continue;
-            }
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                *reinterpret_cast<u32*>(first + r * stride + n * 8 + 2 * t) =
-                    pack_bf16(acc[m][n][2 * half] * factor, acc[m][n][2 * half + 1] * factor);
-            }
-        }
-    }
+// Two adjacent outputs: a bf16 pair, or two f32s.
+__device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = pack_bf16(a, b);
+}
+__device__ __forceinline__ void store_pair(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
 
-// The same in f32.
-template <int D, int M>
-__device__ __forceinline__ void store_rows_f32(float* first, u64 stride, const float (&acc)[M][D / 8][4], u32 r0,
-                                               u32 seq, float factor) {
+// Writes the warp's (M * 16) x D f32 tile `acc` times `factor` (as bf16 or
+// f32, T) in rows `stride` elements apart from `first`: this thread's rows
+// are r0 + 16m and r0 + 16m + 8, skipped past `seq`.
+template <int D, int M, typename T>
+__device__ __forceinline__ void store_rows(T* first, u64 stride, const float (&acc)[M][D / 8][4], u32 r0, u32 seq,
+                                           float factor) {
     const u32 t = threadIdx.x & 3;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -273,8 +272,8 @@ __device__ __forceinline__ void store_rows_f32(float* first, u64 stride, const f
             }
 #pragma unroll
             for (int n = 0; n < D / 8; ++n) {
-                *reinterpret_cast<float2*>(first + r * stride + n * 8 + 2 * t) =
-                    make_float2(acc[m][n][2 * half] * factor, acc[m][n][2 * half + 1] * factor);
+                store_pair(first + r * stride + n * 8 + 2 * t, acc[m][n][2 * half] * factor,
+                           acc[m][n][2 * half + 1] * factor);
             }
         }
     }
@@ -309,7 +308,6 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
     const u32 t0 = tile * QUERY_ROWS;
     const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
-    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
     const u32 warp = threadIdx.x >> 5;
     const u32 lane = threadIdx.x & 31;
     const u32 w0 = t0 + warp * 32;  // the warp's first row
@@ -319,8 +317,7 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
     const u32 key_tiles = (min(t0 + QUERY_ROWS, seq) + FWD_KEYS - 1) / FWD_KEYS;
 
     stage_rows<D, QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage_rows<D, FWD_KEYS>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
-    stage_rows<D, FWD_KEYS>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_keys<D, FWD_KEYS>(ks, vs, 0, k, v, row0, 0, seq, kv_heads, g);
     commit_async();
 
     float acc[2][D / 8][4];
@@ -338,11 +335,7 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
         const u32 u0 = j * FWD_KEYS;
         const u32 buf = j & 1;
         if (j + 1 < key_tiles) {
-            const u32 u1 = u0 + FWD_KEYS;
-            stage_rows<D, FWD_KEYS>(ks + (buf ^ 1) * KEY_ELEMS, k + ((row0 + u1) * kv_heads + g) * D, kv_stride,
-                                    seq - u1);
-            stage_rows<D, FWD_KEYS>(vs + (buf ^ 1) * KEY_ELEMS, v + ((row0 + u1) * kv_heads + g) * D, kv_stride,
-                                    seq - u1);
+            stage_keys<D, FWD_KEYS>(ks, vs, buf ^ 1, k, v, row0, j + 1, seq, kv_heads, g);
         }
         commit_async();
         wait_async<1>();
@@ -474,7 +467,6 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
     const u32 t0 = tile * QUERY_ROWS;
     const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
-    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
     const u32 warp = threadIdx.x >> 5;
     const u32 lane = threadIdx.x & 31;
     const u32 w0 = t0 + warp * 32;
@@ -484,8 +476,7 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
 
     stage_rows<D, QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
     stage_rows<D, QUERY_ROWS>(dos, dout + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage_rows<D, DQ_KEYS>(ks, k + (row0 * kv_heads + g) * D, kv_stride, seq);
-    stage_rows<D, DQ_KEYS>(vs, v + (row0 * kv_heads + g) * D, kv_stride, seq);
+    stage_keys<D, DQ_KEYS>(ks, vs, 0, k, v, row0, 0, seq, kv_heads, g);
     commit_async();
     row_deltas<D>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
     __syncthreads();
@@ -511,11 +502,7 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
         const u32 u0 = j * DQ_KEYS;
         const u32 buf = j & 1;
         if (j + 1 < key_tiles) {
-            const u32 u1 = u0 + DQ_KEYS;
-            stage_rows<D, DQ_KEYS>(ks + (buf ^ 1) * KEY_ELEMS, k + ((row0 + u1) * kv_heads + g) * D, kv_stride,
-                                   seq - u1);
-            stage_rows<D, DQ_KEYS>(vs + (buf ^ 1) * KEY_ELEMS, v + ((row0 + u1) * kv_heads + g) * D, kv_stride,
-                                   seq - u1);
+            stage_keys<D, DQ_KEYS>(ks, vs, buf ^ 1, k, v, row0, j + 1, seq, kv_heads, g);
         }
         commit_async();
         wait_async<1>();
@@ -584,8 +571,7 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
     const float c = scale * LOG2E;
     const u32 steps = (seq - k0 + DKDV_QUERIES - 1) / DKDV_QUERIES;
 
-    stage_rows<D, DKDV_KEYS>(ks, k + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
-    stage_rows<D, DKDV_KEYS>(vs, v + ((row0 + k0) * kv_heads + g) * D, kv_stride, seq - k0);
+    stage_keys<D, DKDV_KEYS>(ks, vs, 0, k, v, row0, tile, seq, kv_heads, g);
     // Step i: queries from k0 + i * DKDV_QUERIES.
     auto stage_step = [&](u32 i, u32 buf) {
         const u32 t0 = k0 + i * DKDV_QUERIES;
@@ -646,8 +632,8 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
         store_rows<D, 1>(dv + first, kv_stride, acc_v, r0, seq, 1.0f);
     } else {
         const u64 first = (row0 * heads + h) * D;
-        store_rows_f32<D, 1>(dk_part + first, q_stride, acc_k, r0, seq, scale);
-        store_rows_f32<D, 1>(dv_part + first, q_stride, acc_v, r0, seq, 1.0f);
+        store_rows<D, 1>(dk_part + first, q_stride, acc_k, r0, seq, scale);
+        store_rows<D, 1>(dv_part + first, q_stride, acc_v, r0, seq, 1.0f);
     }
 }
 

@@ -30,19 +30,19 @@ const MAX_GRID_X: usize = i32::MAX as usize;
 const MAX_GRID_Y: usize = 65_535;
 
 /// The dimensions as the kernels take them, checked to fit their u32
-/// arithmetic.
-struct KernelDims {
-    batch: u32,
-    seq: u32,
-    heads: u32,
-    kv_heads: u32,
-    qk_dim: u32,
+/// arithmetic (the flash kernels' too).
+pub(super) struct KernelDims {
+    pub(super) batch: u32,
+    pub(super) seq: u32,
+    pub(super) heads: u32,
+    pub(super) kv_heads: u32,
+    pub(super) qk_dim: u32,
     v_dim: u32,
-    scale: f32,
+    pub(super) scale: f32,
 }
 
 impl KernelDims {
-    fn new(kernel: &str, d: AttentionDims) -> Result<KernelDims> {
+    pub(super) fn new(kernel: &str, d: AttentionDims) -> Result<KernelDims> {
         // Tile starts run to `seq` plus a tile in u32.
         ensure(d.tokens.seq <= i32::MAX as usize, || {
             format!(

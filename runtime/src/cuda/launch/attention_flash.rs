@@ -12,7 +12,8 @@
 //! tolerance). The grids depend on the dimensions alone, and no floats are
 //! added with atomics, so the same inputs give the same bits.
 
-use super::{GpuView, KernelSet, as_u32, ensure, exactly, len, product};
+use super::attention::KernelDims;
+use super::{GpuView, KernelSet, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
@@ -108,44 +109,14 @@ pub(super) fn reserve_shared_memory(functions: &HashMap<&'static str, CudaFuncti
     })
 }
 
-/// The dimensions as the kernels take them.
-struct FlashDims {
-    batch: u32,
-    seq: u32,
-    heads: u32,
-    kv_heads: u32,
-    dim: u32,
-    scale: f32,
-}
-
-impl FlashDims {
-    fn new(kernel: &str, d: AttentionDims) -> Result<FlashDims> {
-        // Tile starts run to `seq` plus a tile in u32, and element offsets
-        // of one row (row * heads * D) are u64 in the kernels.
-        ensure(d.tokens.seq <= i32::MAX as usize, || {
-            format!(
-                "{kernel}: sequences of {} tokens exceed the CUDA kernels' {} tokens",
-                d.tokens.seq,
-                i32::MAX
-            )
-        })?;
-        Ok(FlashDims {
-            batch: as_u32(kernel, "batch", d.tokens.batch)?,
-            seq: as_u32(kernel, "sequence length", d.tokens.seq)?,
-            heads: as_u32(kernel, "heads", d.heads)?,
-            kv_heads: as_u32(kernel, "KV heads", d.kv_heads)?,
-            dim: as_u32(kernel, "head dim", d.qk_dim)?,
-            scale: d.scale,
-        })
-    }
-
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(&self.batch)
-            .arg(&self.seq)
-            .arg(&self.heads)
-            .arg(&self.kv_heads)
-            .arg(&self.scale);
-    }
+/// Pushes `batch, seq, heads, kv_heads, scale` (the tail of every flash
+/// kernel's arguments).
+fn push_dims<'a>(shape: &'a KernelDims, b: &mut cudarc::driver::LaunchArgs<'a>) {
+    b.arg(&shape.batch)
+        .arg(&shape.seq)
+        .arg(&shape.heads)
+        .arg(&shape.kv_heads)
+        .arg(&shape.scale);
 }
 
 /// A grid of the kernel's tiles of a `seq`-token sequence for each of
@@ -263,7 +234,7 @@ impl KernelSet {
         if rows == 0 || dims.heads == 0 {
             return Ok(());
         }
-        let shape = FlashDims::new(kn, dims)?;
+        let shape = KernelDims::new(kn, dims)?;
         let d = dims.qk_dim;
         let kernel = FlashKernel::Forward;
         let config = flash_grid(kernel, d, dims.tokens.seq, dims.tokens.batch * dims.heads)?;
@@ -273,7 +244,7 @@ impl KernelSet {
             .arg(&inputs.v.ptr)
             .arg(&out.ptr)
             .arg(&lse.ptr);
-        shape.push(&mut b);
+        push_dims(&shape, &mut b);
         self.go(kernel.name(d), &mut b, config)
     }
 
@@ -326,7 +297,7 @@ impl KernelSet {
         } else {
             (f32_at(0, 0), f32_at(0, 0), f32_at(0, lse.len))
         };
-        let shape = FlashDims::new(kn, dims)?;
+        let shape = KernelDims::new(kn, dims)?;
         let d = dims.qk_dim;
         let seq = dims.tokens.seq;
 
@@ -341,7 +312,7 @@ impl KernelSet {
             .arg(&dout.ptr)
             .arg(&grads.q.ptr)
             .arg(&delta.ptr);
-        shape.push(&mut b);
+        push_dims(&shape, &mut b);
         self.go(kernel.name(d), &mut b, config)?;
 
         let kernel = FlashKernel::BackwardDkdv;
@@ -357,7 +328,7 @@ impl KernelSet {
             .arg(&grads.v.ptr)
             .arg(&dk_part.ptr)
             .arg(&dv_part.ptr);
-        shape.push(&mut b);
+        push_dims(&shape, &mut b);
         self.go(kernel.name(d), &mut b, config)?;
         if !grouped {
             return Ok(());
@@ -374,7 +345,7 @@ impl KernelSet {
             .arg(&rows)
             .arg(&shape.heads)
             .arg(&shape.kv_heads)
-            .arg(&shape.dim);
+            .arg(&shape.qk_dim);
         self.go(sum, &mut b, super::grid_for(channel_pairs))
     }
 }
