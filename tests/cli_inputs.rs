@@ -369,3 +369,42 @@ fn json_output_ends_with_an_error_object_whatever_stopped_the_run() {
         run.stderr
     );
 }
+
+/// `--attention-backend` picks GPU kernels: the CPU has one attention path,
+/// so both values train to the same bits there; another value is refused
+/// with the ones there are.
+#[test]
+fn the_attention_backend_is_a_gpu_choice() {
+    let hash = |backend: &str| {
+        let args = [
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--seq-len",
+            "16",
+            "--format",
+            "json",
+            "--attention-backend",
+            backend,
+        ];
+        let run = train(&args, PROMPT);
+        assert_eq!(run.code, Some(0), "{backend}: {}", run.stderr);
+        let summary = run
+            .stdout
+            .lines()
+            .find(|l| l.contains("\"summary\""))
+            .unwrap_or_else(|| panic!("{backend}: no summary in\n{}", run.stdout))
+            .to_string();
+        let v: serde_json::Value = serde_json::from_str(&summary).unwrap();
+        v["summary"]["param_hash"].as_str().unwrap().to_string()
+    };
+    assert_eq!(hash("flash"), hash("unfused"));
+    let run = train(&["--attention-backend", "fused"], PROMPT);
+    assert_eq!(run.code, Some(2), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("possible values: flash, unfused"),
+        "{}",
+        run.stderr
+    );
+}

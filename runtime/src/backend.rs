@@ -931,6 +931,24 @@ pub struct ScanGrads<M> {
     pub d: M,
 }
 
+/// Which attention kernels a GPU backend takes (Megatron's
+/// `--attention-backend`). The CPU backend has one path, the unfused one.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionBackend {
+    /// Fused kernels (FlashAttention-2's tiling, `attention_flash.cu`) for
+    /// bf16 heads of 64 or 128 channels, whose probabilities and score
+    /// gradients round to bf16 between their two products, as
+    /// FlashAttention's do; other problems take the unfused path.
+    #[default]
+    Flash,
+    /// Materialised scores through cuBLAS (or the tiled kernels)
+    /// everywhere: one rounding, at the store.
+    Unfused,
+}
+
 /// Dimensions of the attention kernels.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {

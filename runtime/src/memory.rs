@@ -15,7 +15,7 @@
 //! [`FsdpEngine::new`]: crate::fsdp::FsdpEngine::new
 //! [`Optimizer::new`]: crate::optimizer::Optimizer::new
 
-use crate::backend::{Precision, Tokens};
+use crate::backend::{AttentionBackend, Precision, Tokens};
 use crate::fsdp::{ShardLayout, Sharding};
 use crate::optimizer::OptimizerKind;
 use crate::recompute::Recompute;
@@ -561,6 +561,7 @@ pub fn gpu_kernel_scratch(
     kinds: &[LayerKind],
     tokens: Tokens,
     dtype: DType,
+    backend: AttentionBackend,
     (attention_cap, scan_cap): (usize, usize),
 ) -> u64 {
     use crate::backend::{AttentionDims, ScanDims};
@@ -579,8 +580,10 @@ pub fn gpu_kernel_scratch(
             v_dim,
             scale: 1.0,
         };
-        // bf16 problems the flash kernels take need only their row values.
-        if dtype == DType::Bf16 && flash_attention_dims(dims) {
+        // bf16 problems the flash kernels take need only the dk and dv
+        // shares and their row values.
+        if backend == AttentionBackend::Flash && dtype == DType::Bf16 && flash_attention_dims(dims)
+        {
             return flash_attention_scratch_len(dims) * DType::F32.bytes();
         }
         AttentionGemmPlan::for_dtype(dims, dtype, attention_cap)
@@ -1090,7 +1093,14 @@ mod tests {
         // share of dk and dv and D_t, in f32: more than the sequential
         // scan's, less than the chunked one's.
         let bf16 = |kinds: &[LayerKind], caps| {
-            gpu_kernel_scratch(&model, kinds, tokens, DType::Bf16, caps)
+            gpu_kernel_scratch(
+                &model,
+                kinds,
+                tokens,
+                DType::Bf16,
+                AttentionBackend::Flash,
+                caps,
+            )
         };
         let flash = 4096 * 16 * (2 * 128 + 1) * 4;
         assert_eq!(bf16(&kinds, (512 << 20, 0)), flash);
@@ -1101,8 +1111,9 @@ mod tests {
         // score entry (bf16 problems it takes store split bf16
         // probabilities, also 8 bytes).
         for dtype in [DType::F32] {
-            let scratch =
-                |kinds: &[LayerKind], caps| gpu_kernel_scratch(&model, kinds, tokens, dtype, caps);
+            let scratch = |kinds: &[LayerKind], caps| {
+                gpu_kernel_scratch(&model, kinds, tokens, dtype, AttentionBackend::Flash, caps)
+            };
             assert_eq!(scratch(&kinds, (512 << 20, 0)), attention, "{dtype}");
             // A cap one KV head's scores do not fit: the tiled kernels, no
             // scratch; the scan's is what is left.

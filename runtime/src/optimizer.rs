@@ -890,6 +890,7 @@ mod tests {
             precision: Precision::F32,
             timeout: DEFAULT_TIMEOUT,
             trace: Arc::new(TraceRecorder::statistics_only()),
+            attention: Default::default(),
         };
         let platform = CpuPlatform::new(1, settings.timeout).unwrap();
         let rank = platform.rank(0, &settings).unwrap();

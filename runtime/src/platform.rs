@@ -9,7 +9,7 @@
 //! torchrun or srun (ranks found with `crate::launch`) or one process
 //! driving every local GPU from a thread each.
 
-use crate::backend::Precision;
+use crate::backend::{AttentionBackend, Precision};
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
 use crate::cuda::{CudaPlatform, GpuInfo};
@@ -33,6 +33,8 @@ pub struct RankSettings {
     pub timeout: Duration,
     /// Where lanes record what they ran.
     pub trace: Arc<TraceRecorder>,
+    /// The attention kernels a GPU rank takes.
+    pub attention: AttentionBackend,
 }
 
 /// The ranks of a run and the device they run on.

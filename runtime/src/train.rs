@@ -4,7 +4,7 @@
 //! steps: batches, the schedule's program, the optimizer, losses, traces and
 //! checkpoints.
 
-use crate::backend::{Backend, DeviceStats, Precision, Tokens};
+use crate::backend::{AttentionBackend, Backend, DeviceStats, Precision, Tokens};
 use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
@@ -78,6 +78,8 @@ pub struct TrainConfig {
     /// Which layers run their forward again in the backward instead of
     /// keeping their activations ([`Recompute`]).
     pub recompute: Recompute,
+    /// The attention kernels on GPUs ([`AttentionBackend`]).
+    pub attention: AttentionBackend,
     /// Parameters and activations in bf16 or f32 (master weights, gradients
     /// and optimizer state are f32 either way).
     pub precision: Precision,
@@ -144,6 +146,7 @@ impl TrainConfig {
             schedule: ScheduleKind::Overlap,
             sharding: Sharding::Zero3,
             recompute: Recompute::None,
+            attention: AttentionBackend::Flash,
             precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
@@ -380,6 +383,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             &p.kinds(),
             Tokens::new(config.micro_batch_size, config.seq_length),
             config.precision.compute_dtype(),
+            config.attention,
             (
                 crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES,
                 crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES,
@@ -690,6 +694,7 @@ pub fn train_on<P: Platform>(
         precision: config.precision,
         timeout: config.timeout,
         trace: recorder.clone(),
+        attention: config.attention,
     };
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);

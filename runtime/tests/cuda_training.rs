@@ -15,6 +15,7 @@
 //! refusal of `--device cuda` without a GPU is checked where there is none.
 
 use hybridgen_dsl::ModelConfig;
+use hybridgen_runtime::backend::AttentionBackend;
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::cuda::probe;
 use hybridgen_runtime::fsdp::Sharding;
@@ -130,22 +131,39 @@ fn f32_training_on_a_gpu_matches_the_cpu() {
 /// Attention with 64-channel heads in bf16 takes the flash kernels on a
 /// GPU (probabilities and score gradients rounded to bf16 between their
 /// two products); training follows the CPU's bf16 run (which keeps them in
-/// f32) within bf16's noise. Sequences of 96 tokens end inside a tile.
+/// f32) within bf16's noise, and so does `--attention-backend unfused`,
+/// which is another path (other bits). Sequences of 96 tokens end inside
+/// a tile.
 #[test]
 fn bf16_training_with_flash_attention_follows_the_cpu() {
     if gpus(1).is_none() {
         return;
     }
-    let flash = |device| {
+    let flash = |device, backend| {
         let mut c = config("[*E]*-*", device, Precision::Bf16);
         let attention = c.model.attention.as_mut().expect("tiny has attention");
         attention.head_dim = Some(64);
         c.seq_length = 96;
         c.steps = 4;
+        c.attention = backend;
         c
     };
-    let cpu = run(&flash(DeviceChoice::Cpu)).0;
-    let gpu = run(&flash(DeviceChoice::Cuda)).0;
+    let cpu = run(&flash(DeviceChoice::Cpu, AttentionBackend::Flash)).0;
+    let (gpu, flash_run) = run(&flash(DeviceChoice::Cuda, AttentionBackend::Flash));
+    let (unfused, unfused_run) = run(&flash(DeviceChoice::Cuda, AttentionBackend::Unfused));
+    assert_ne!(
+        flash_run.param_hash, unfused_run.param_hash,
+        "the unfused backend ran the same kernels"
+    );
+    for (c, u) in cpu.iter().zip(&unfused) {
+        assert!(
+            relative(u.loss, c.loss) <= 5e-3,
+            "unfused step {}: loss {} vs {}",
+            c.step,
+            u.loss,
+            c.loss
+        );
+    }
     for (c, g) in cpu.iter().zip(&gpu) {
         println!(
             "step {}: cpu {:.6} gpu {:.6} (rel {:.1e}), grad norm {:.4} {:.4} (rel {:.1e})",

@@ -6,6 +6,7 @@ use super::{Failure, human};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
+use hybridgen_runtime::backend::AttentionBackend;
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::data::{IndexedSpec, Split};
 use hybridgen_runtime::fsdp::Sharding;
@@ -79,6 +80,14 @@ pub(crate) struct TrainArgs {
     /// forward pass, the same bits; `none` keeps every activation.
     #[arg(long, value_enum, default_value = "none")]
     recompute: RecomputeArg,
+    /// Attention kernels on GPUs: `flash` runs bf16 heads of 64 or 128
+    /// channels fused (FlashAttention-2's tiling; the probabilities and
+    /// score gradients round to bf16 between their two products, as
+    /// FlashAttention's do) and the rest unfused; `unfused` takes the
+    /// materialised scores through cuBLAS everywhere (one rounding, at the
+    /// store). The CPU has the unfused path only.
+    #[arg(long, value_enum, default_value = "flash")]
+    attention_backend: AttentionBackendArg,
     /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
@@ -208,6 +217,12 @@ enum ScheduleArg {
 enum RecomputeArg {
     None,
     Full,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum AttentionBackendArg {
+    Flash,
+    Unfused,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -625,6 +640,10 @@ fn config(
     config.recompute = match args.recompute {
         RecomputeArg::None => Recompute::None,
         RecomputeArg::Full => Recompute::Full,
+    };
+    config.attention = match args.attention_backend {
+        AttentionBackendArg::Flash => AttentionBackend::Flash,
+        AttentionBackendArg::Unfused => AttentionBackend::Unfused,
     };
     config.sharding = if args.zero == "0" {
         Sharding::NoShard

@@ -8,6 +8,7 @@ use super::comm::CudaComm;
 use super::lane::CudaLane;
 use super::nccl::{AbortSignal, NcclComm, NcclUniqueId};
 use super::probe::GpuInfo;
+use crate::backend::AttentionBackend;
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
@@ -139,7 +140,9 @@ impl Platform for CudaPlatform {
     fn rank(&self, r: usize, settings: &RankSettings) -> Result<RankContext<Cuda>> {
         let ordinal = self.ordinals[r - self.local.start];
         let gpu = Gpu::open(ordinal, settings.precision, settings.timeout)?;
-        let host = gpu.backend("host")?;
+        let host = gpu
+            .backend("host")?
+            .with_flash_attention(settings.attention == AttentionBackend::Flash);
         let wait = settings.timeout.saturating_mul(2);
         let trace = Some(settings.trace.clone());
         let compute = CudaLane::on_gpu("compute", &host, r, wait, trace.clone())?;
