@@ -760,8 +760,18 @@ impl<D: Device> FsdpEngine<D> {
         after: &[EventOf<D>],
     ) -> Result<()> {
         if let Some(sole) = &mut self.sole[unit] {
-            if let Some(last) = after.last() {
-                sole.written = Some(last.clone());
+            match after {
+                [] => {}
+                [last] => sole.written = Some(last.clone()),
+                // One event that covers them all.
+                many => {
+                    let joined = rank.compute.submit(
+                        Label::new("gradients written", "reduce"),
+                        many,
+                        Box::new(|_: &D::Backend| Ok(())),
+                    );
+                    sole.written = Some(joined);
+                }
             }
             self.units[unit].grad_ready = None;
             return Ok(());

@@ -1732,87 +1732,21 @@ fn attention_cases(seed: u64) -> Vec<Case<'static>> {
     ];
     for (mode, a) in MODES {
         for (batch, seq, heads, kv_heads, qk_dim, v_dim) in shapes {
-            let d = AttentionDims {
-                tokens: Tokens::new(batch, seq),
-                heads,
-                kv_heads,
-                qk_dim,
-                v_dim,
-                scale: 1.0 / (qk_dim as f32).sqrt(),
-            };
-            let rows = batch * seq;
-            let shape = format!("{batch}x{seq} {heads}h/{kv_heads} qk {qk_dim} v {v_dim}");
-            let hq = rng.floats(rows * heads * qk_dim, a);
-            let hk = rng.floats(rows * kv_heads * qk_dim, a);
-            let hv = rng.floats(rows * kv_heads * v_dim, a);
-            let (out, lse) = cpu_attention_forward(&hq, &hk, &hv, d);
-            cases.push(Case {
-                kernel: "attention_forward".into(),
-                mode,
-                shape: shape.clone(),
-                buffers: vec![
-                    hq.clone(),
-                    hk.clone(),
-                    hv.clone(),
-                    nan(out.len(), a),
-                    nan(lse.len(), DType::F32),
-                ],
-                outputs: vec![3, 4],
-                cpu: cpu_attention_forward_run(d),
-                gpu: Box::new(move |s, st, x| {
-                    s.attention_forward(
-                        st,
-                        AttentionInputs {
-                            q: x[0],
-                            k: x[1],
-                            v: x[2],
-                        },
-                        x[3],
-                        x[4],
-                        d,
-                    )
-                }),
-                reference: None,
+            let d = attention_dims(batch, seq, heads, kv_heads, qk_dim, v_dim);
+            let forward: GpuRun<'static> =
+                Box::new(move |s, st, x| s.attention_forward(st, inputs(x), x[3], x[4], d));
+            let backward: GpuRun<'static> = Box::new(move |s, st, x| {
+                s.attention_backward(st, inputs(x), x[3], x[4], x[5], grads(x), d)
             });
-            let (q_len, k_len, v_len) = (hq.len(), hk.len(), hv.len());
-            cases.push(Case {
-                kernel: "attention_backward".into(),
-                mode,
-                shape,
-                buffers: vec![
-                    hq,
-                    hk,
-                    hv,
-                    out,
-                    lse,
-                    rng.floats(rows * heads * v_dim, a),
-                    nan(q_len, a),
-                    nan(k_len, a),
-                    nan(v_len, a),
-                ],
-                outputs: vec![6, 7, 8],
-                cpu: cpu_attention_backward_run(d),
-                gpu: Box::new(move |s, st, x| {
-                    s.attention_backward(
-                        st,
-                        AttentionInputs {
-                            q: x[0],
-                            k: x[1],
-                            v: x[2],
-                        },
-                        x[3],
-                        x[4],
-                        x[5],
-                        AttentionInputs {
-                            q: x[6],
-                            k: x[7],
-                            v: x[8],
-                        },
-                        d,
-                    )
-                }),
-                reference: None,
-            });
+            let names = ("attention_forward", "attention_backward");
+            cases.extend(attention_pair(
+                &mut rng,
+                (mode, a),
+                d,
+                names,
+                [forward, backward],
+                0,
+            ));
         }
     }
     cases
@@ -1825,7 +1759,6 @@ fn attention_cases(seed: u64) -> Vec<Case<'static>> {
 fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
     let mut rng = Rng(seed ^ 0xf1a5_0000);
     let mut cases = Vec::new();
-    let a = DType::Bf16;
     // batch, seq, heads, KV heads, head dim
     let shapes = [
         (2usize, 77usize, 4usize, 2usize, 128usize),
@@ -1836,78 +1769,128 @@ fn flash_attention_cases(seed: u64) -> Vec<Case<'static>> {
         (1, 4096, 2, 1, 128),
     ];
     for (batch, seq, heads, kv_heads, dim) in shapes {
-        let d = AttentionDims {
-            tokens: Tokens::new(batch, seq),
-            heads,
-            kv_heads,
-            qk_dim: dim,
-            v_dim: dim,
-            scale: 1.0 / (dim as f32).sqrt(),
-        };
-        let rows = batch * seq;
-        let shape = format!("{batch}x{seq} {heads}h/{kv_heads} d {dim}");
-        let hq = rng.floats(rows * heads * dim, a);
-        let hk = rng.floats(rows * kv_heads * dim, a);
-        let hv = rng.floats(rows * kv_heads * dim, a);
-        let (out, lse) = cpu_attention_forward(&hq, &hk, &hv, d);
-        let inputs = |x: &[GpuView]| AttentionInputs {
-            q: x[0],
-            k: x[1],
-            v: x[2],
-        };
-        cases.push(Case {
-            kernel: "attention_forward_flash".into(),
-            mode: "bf16",
-            shape: shape.clone(),
-            buffers: vec![
-                hq.clone(),
-                hk.clone(),
-                hv.clone(),
-                nan(out.len(), a),
-                nan(lse.len(), DType::F32),
-            ],
-            outputs: vec![3, 4],
-            cpu: cpu_attention_forward_run(d),
-            gpu: Box::new(move |s, st, x| s.attention_forward_flash(st, inputs(x), x[3], x[4], d)),
-            reference: None,
+        let d = attention_dims(batch, seq, heads, kv_heads, dim, dim);
+        let forward: GpuRun<'static> =
+            Box::new(move |s, st, x| s.attention_forward_flash(st, inputs(x), x[3], x[4], d));
+        let backward: GpuRun<'static> = Box::new(move |s, st, x| {
+            s.attention_backward_flash(st, inputs(x), (x[3], x[4], x[5]), grads(x), x[9], d)
         });
-        let (q_len, k_len, v_len) = (hq.len(), hk.len(), hv.len());
-        cases.push(Case {
-            kernel: "attention_backward_flash".into(),
-            mode: "bf16",
-            shape,
-            buffers: vec![
-                hq,
-                hk,
-                hv,
-                out,
-                lse,
-                rng.floats(rows * heads * dim, a),
-                nan(q_len, a),
-                nan(k_len, a),
-                nan(v_len, a),
-                nan(flash_attention_scratch_len(d), DType::F32),
-            ],
-            outputs: vec![6, 7, 8],
-            cpu: cpu_attention_backward_run(d),
-            gpu: Box::new(move |s, st, x| {
-                s.attention_backward_flash(
-                    st,
-                    inputs(x),
-                    (x[3], x[4], x[5]),
-                    AttentionInputs {
-                        q: x[6],
-                        k: x[7],
-                        v: x[8],
-                    },
-                    x[9],
-                    d,
-                )
-            }),
-            reference: None,
-        });
+        let names = ("attention_forward_flash", "attention_backward_flash");
+        let scratch = flash_attention_scratch_len(d);
+        cases.extend(attention_pair(
+            &mut rng,
+            ("bf16", DType::Bf16),
+            d,
+            names,
+            [forward, backward],
+            scratch,
+        ));
     }
     cases
+}
+
+fn attention_dims(
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    qk_dim: usize,
+    v_dim: usize,
+) -> AttentionDims {
+    AttentionDims {
+        tokens: Tokens::new(batch, seq),
+        heads,
+        kv_heads,
+        qk_dim,
+        v_dim,
+        scale: 1.0 / (qk_dim as f32).sqrt(),
+    }
+}
+
+/// q, k, v: a case's buffers 0-2.
+fn inputs(x: &[GpuView]) -> AttentionInputs<GpuView> {
+    AttentionInputs {
+        q: x[0],
+        k: x[1],
+        v: x[2],
+    }
+}
+
+/// dq, dk, dv: a backward case's buffers 6-8.
+fn grads(x: &[GpuView]) -> AttentionInputs<GpuView> {
+    AttentionInputs {
+        q: x[6],
+        k: x[7],
+        v: x[8],
+    }
+}
+
+/// A forward case (buffers `q, k, v, out, lse`) and a backward case
+/// (`q, k, v, out, lse, dout, dq, dk, dv`, then `scratch` f32s when
+/// non-zero, not compared) of attention over `d`, on inputs drawn from
+/// `rng` in `dtype`, the GPU side running `gpu`; the backward's `out` and
+/// `lse` are the CPU forward's, so the probabilities it recomputes are the
+/// real ones.
+fn attention_pair(
+    rng: &mut Rng,
+    (mode, a): (&'static str, DType),
+    d: AttentionDims,
+    (forward, backward): (&str, &str),
+    [gpu_forward, gpu_backward]: [GpuRun<'static>; 2],
+    scratch: usize,
+) -> [Case<'static>; 2] {
+    let rows = d.tokens.batch * d.tokens.seq;
+    let shape = format!(
+        "{}x{} {}h/{} qk {} v {}",
+        d.tokens.batch, d.tokens.seq, d.heads, d.kv_heads, d.qk_dim, d.v_dim
+    );
+    let hq = rng.floats(rows * d.heads * d.qk_dim, a);
+    let hk = rng.floats(rows * d.kv_heads * d.qk_dim, a);
+    let hv = rng.floats(rows * d.kv_heads * d.v_dim, a);
+    let (out, lse) = cpu_attention_forward(&hq, &hk, &hv, d);
+    let forward = Case {
+        kernel: forward.into(),
+        mode,
+        shape: shape.clone(),
+        buffers: vec![
+            hq.clone(),
+            hk.clone(),
+            hv.clone(),
+            nan(out.len(), a),
+            nan(lse.len(), DType::F32),
+        ],
+        outputs: vec![3, 4],
+        cpu: cpu_attention_forward_run(d),
+        gpu: gpu_forward,
+        reference: None,
+    };
+    let (q_len, k_len, v_len) = (hq.len(), hk.len(), hv.len());
+    let dout = rng.floats(rows * d.heads * d.v_dim, a);
+    let mut buffers = vec![
+        hq,
+        hk,
+        hv,
+        out,
+        lse,
+        dout,
+        nan(q_len, a),
+        nan(k_len, a),
+        nan(v_len, a),
+    ];
+    if scratch > 0 {
+        buffers.push(nan(scratch, DType::F32));
+    }
+    let backward = Case {
+        kernel: backward.into(),
+        mode,
+        shape,
+        buffers,
+        outputs: vec![6, 7, 8],
+        cpu: cpu_attention_backward_run(d),
+        gpu: gpu_backward,
+        reference: None,
+    };
+    [forward, backward]
 }
 
 /// Embedding lookup and scatter-add: ids with many repeats, more rows than

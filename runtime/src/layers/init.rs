@@ -169,39 +169,42 @@ const PARALLEL_PIECE: usize = 1 << 16;
 /// Elements `[offset, offset + out.len())` of the parameter `rule` and
 /// `stream` describe, into `out`.
 fn fill(rule: ParamInit, stream: Stream, offset: usize, out: &mut [f32]) {
-    if let ParamInit::Normal { std } = rule {
-        // Box–Muller gives two normals a pair of uniforms: draw each pair
-        // once (the same operations, so the same bits, as drawing the
-        // elements one by one).
-        let end = offset + out.len();
-        for pair in offset / 2..end.div_ceil(2) {
-            let (radius, angle) = stream.polar(pair as u64);
-            let normals = [radius * angle.cos(), radius * angle.sin()];
-            for (index, normal) in (2 * pair..).zip(normals) {
-                if (offset..end).contains(&index) {
-                    out[index - offset] = (std as f64 * normal) as f32;
-                }
+    // Element `i` of `out` is `f(offset + i)`.
+    let each = |out: &mut [f32], f: &dyn Fn(u64) -> f32| {
+        for (i, v) in out.iter_mut().enumerate() {
+            *v = f((offset + i) as u64);
+        }
+    };
+    match rule {
+        ParamInit::Normal { std } => fill_normals(std, stream, offset, out),
+        ParamInit::Ones => out.fill(1.0),
+        ParamInit::Zeros => out.fill(0.0),
+        ParamInit::Uniform { bound } => each(out, &|i| {
+            (bound as f64 * (2.0 * stream.uniform(i) - 1.0)) as f32
+        }),
+        ParamInit::MambaALog => each(out, &|i| (1.0 + 15.0 * stream.uniform(i)).ln() as f32),
+        ParamInit::MambaDtBias => each(out, &|i| {
+            let (lo, hi) = (1e-3f64.ln(), 0.1f64.ln());
+            let dt = (lo + stream.uniform(i) * (hi - lo)).exp().max(1e-4);
+            // softplus^-1(y) = y + log(1 - exp(-y)).
+            (dt + (-(-dt).exp_m1()).ln()) as f32
+        }),
+    }
+}
+
+/// Normals `[offset, offset + out.len())` times `std`. Box–Muller gives two
+/// normals a pair of uniforms: each pair is drawn once (the operations of
+/// `Stream::normal` on each element, so the same bits).
+fn fill_normals(std: f32, stream: Stream, offset: usize, out: &mut [f32]) {
+    let end = offset + out.len();
+    for pair in offset / 2..end.div_ceil(2) {
+        let (radius, angle) = stream.polar(pair as u64);
+        let normals = [radius * angle.cos(), radius * angle.sin()];
+        for (index, normal) in (2 * pair..).zip(normals) {
+            if (offset..end).contains(&index) {
+                out[index - offset] = (std as f64 * normal) as f32;
             }
         }
-        return;
-    }
-    for (i, v) in out.iter_mut().enumerate() {
-        let index = (offset + i) as u64;
-        *v = match rule {
-            ParamInit::Normal { std } => (std as f64 * stream.normal(index)) as f32,
-            ParamInit::Ones => 1.0,
-            ParamInit::Zeros => 0.0,
-            ParamInit::Uniform { bound } => {
-                (bound as f64 * (2.0 * stream.uniform(index) - 1.0)) as f32
-            }
-            ParamInit::MambaALog => (1.0 + 15.0 * stream.uniform(index)).ln() as f32,
-            ParamInit::MambaDtBias => {
-                let (lo, hi) = (1e-3f64.ln(), 0.1f64.ln());
-                let dt = (lo + stream.uniform(index) * (hi - lo)).exp().max(1e-4);
-                // softplus^-1(y) = y + log(1 - exp(-y)).
-                (dt + (-(-dt).exp_m1()).ln()) as f32
-            }
-        };
     }
 }
 
@@ -273,7 +276,9 @@ impl Stream {
     }
 
     /// Standard normal: Box–Muller on the pair `(2p, 2p + 1)` of uniforms,
-    /// cosine for even elements, sine for odd.
+    /// cosine for even elements, sine for odd (element by element: what
+    /// `fill_normals` draws a pair at a time, as its tests check).
+    #[cfg(test)]
     fn normal(&self, index: u64) -> f64 {
         let (radius, angle) = self.polar(index / 2);
         if index.is_multiple_of(2) {

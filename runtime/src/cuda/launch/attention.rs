@@ -94,7 +94,7 @@ fn tile_grid(kernel: &str, tiles: usize, pairs: usize, channels: usize) -> Resul
 }
 
 /// The CPU backend's checks of q, k and v; returns the rows.
-fn validate(
+pub(super) fn validate(
     kernel: &str,
     d: AttentionDims,
     q: &GpuView,

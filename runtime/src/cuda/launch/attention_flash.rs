@@ -12,7 +12,7 @@
 //! tolerance). The grids depend on the dimensions alone, and no floats are
 //! added with atomics, so the same inputs give the same bits.
 
-use super::attention::KernelDims;
+use super::attention::{self, KernelDims};
 use super::{GpuView, KernelSet, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::error::{Result, RuntimeError};
@@ -161,18 +161,23 @@ pub fn flash_attention_takes(dims: AttentionDims, tensors: &[GpuView]) -> bool {
 /// f32 elements of one flash backward's scratch: with grouped KV heads,
 /// each query head's share of dk and of dv (`[rows, heads, D]` each);
 /// then `D_t`, one for each (row, head).
+/// (Saturating: a size past memory is refused where it is allocated.)
 pub fn flash_attention_scratch_len(dims: AttentionDims) -> usize {
-    let rows_heads = dims.tokens.batch * dims.tokens.seq * dims.heads;
+    let rows_heads = dims
+        .tokens
+        .batch
+        .saturating_mul(dims.tokens.seq)
+        .saturating_mul(dims.heads);
     let shares = if dims.heads > dims.kv_heads {
-        2 * rows_heads * dims.qk_dim
+        rows_heads.saturating_mul(2 * dims.qk_dim)
     } else {
         0
     };
-    shares + rows_heads
+    shares.saturating_add(rows_heads)
 }
 
-/// The CPU backend's checks of q, k, v and out (`[rows, heads, D]` or
-/// `[rows, kv_heads, D]`) and lse; returns the rows.
+/// The CPU backend's checks of q, k, v, out and lse (attention's own),
+/// and that the flash kernels take the problem; returns the rows.
 fn validate(
     kn: &str,
     d: AttentionDims,
@@ -180,24 +185,20 @@ fn validate(
     out: &GpuView,
     lse: &GpuView,
 ) -> Result<usize> {
-    let rows = d.tokens.rows()?;
+    let rows = attention::validate(kn, d, &inputs.q, &inputs.k, &inputs.v)?;
     ensure(
         flash_attention_takes(d, &[inputs.q, inputs.k, inputs.v, *out]),
         || {
             format!(
                 "{kn}: the flash kernels take bf16 views, 16-byte aligned, with one head dim of \
-             {FLASH_HEAD_DIMS:?} (got qk {} and v {}) and KV heads dividing heads",
+                 {FLASH_HEAD_DIMS:?} (got qk {} and v {}); other problems take the unfused \
+                 attention (`--attention-backend unfused` takes it everywhere)",
                 d.qk_dim, d.v_dim
             )
         },
     )?;
     exactly(kn, "lse", lse, DType::F32)?;
-    let q_len = product(kn, &[rows, d.heads, d.qk_dim])?;
-    let kv_len = product(kn, &[rows, d.kv_heads, d.qk_dim])?;
-    len(kn, "q", &inputs.q, q_len)?;
-    len(kn, "k", &inputs.k, kv_len)?;
-    len(kn, "v", &inputs.v, kv_len)?;
-    len(kn, "out", out, q_len)?;
+    len(kn, "out", out, inputs.q.len)?;
     len(kn, "lse", lse, product(kn, &[rows, d.heads])?)?;
     Ok(rows)
 }
@@ -212,7 +213,8 @@ impl KernelSet {
     fn flash_function(&self, kernel: FlashKernel, d: usize) -> Result<&CudaFunction> {
         ensure(self.flash_attention, || {
             format!(
-                "{}: this device cannot give the flash kernels their shared memory",
+                "{}: this device cannot give the flash kernels their shared memory; \
+                 `--attention-backend unfused` runs attention without them",
                 kernel.name(d)
             )
         })?;
