@@ -1110,7 +1110,8 @@ mod tests {
         // In f32, the GEMM path: f32 scores and probabilities, 8 bytes a
         // score entry (bf16 problems it takes store split bf16
         // probabilities, also 8 bytes).
-        for dtype in [DType::F32] {
+        {
+            let dtype = DType::F32;
             let scratch = |kinds: &[LayerKind], caps| {
                 gpu_kernel_scratch(&model, kinds, tokens, dtype, AttentionBackend::Flash, caps)
             };

@@ -1375,6 +1375,14 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
             (2, 40, 33, 7),
             // Past the one-pass weight gradient's 16 taps: a pass per tap.
             (2, 30, 35, 20),
+            // Channels in words of 8 (bf16 takes the 8-channel kernels):
+            // runs of 32 rows that cross sequences, sequences shorter
+            // than the kernel, every width those kernels take.
+            (2, 45, 64, 4),
+            (3, 2, 16, 4),
+            (2, 37, 24, 3),
+            (1, 70, 40, 2),
+            (2, 9, 8, 1),
         ] {
             let d = ConvDims {
                 tokens: Tokens::new(batch, seq),

@@ -145,7 +145,9 @@ pub const SOURCES: &[KernelSource] = &[
         "conv.cu",
         [
             "conv1d_forward",
+            "conv1d_forward_words",
             "conv1d_backward_input",
+            "conv1d_backward_input_words",
             "conv1d_backward_weight",
             "conv1d_backward_weight_window"
         ]
@@ -176,12 +178,15 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "ssd_chunk_factors",
             "ssd_chunk_pack",
+            "ssd_chunk_pack_quads",
             "ssd_chunk_scores",
+            "ssd_chunk_scores_quads",
             "ssd_chunk_sums",
             "ssd_chunk_final",
             "ssd_chunk_unpack",
             "ssd_scan_state_combine",
-            "ssd_chunk_output"
+            "ssd_chunk_output",
+            "ssd_chunk_output_quads"
         ]
     ),
 ];

@@ -122,3 +122,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     __syncthreads();
     return total;
 }
+
+// 8 bf16 channels moved as one 16-byte word (`vec8` paths), widened to
+// f32 and rounded back to nearest.
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 p = __bfloat1622float2(h[e]);
+        f[2 * e] = p.x;
+        f[2 * e + 1] = p.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        h[e] = __floats2bfloat162_rn(f[2 * e], f[2 * e + 1]);
+    }
+    return v;
+}

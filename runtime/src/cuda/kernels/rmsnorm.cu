@@ -6,27 +6,8 @@
 
 // `vec8` kernels below: every tensor bf16, 16-byte aligned, and the group
 // size a multiple of 8 (the launcher checks), so a thread moves 8 channels
-// with one 16-byte load or store; the element arithmetic is the same.
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const float2 p = __bfloat1622float2(h[e]);
-        f[2 * e] = p.x;
-        f[2 * e + 1] = p.y;
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-    uint4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        h[e] = __floats2bfloat162_rn(f[2 * e], f[2 * e + 1]);
-    }
-    return v;
-}
-
+// with one 16-byte load or store (`unpack8`, `pack8`); the element
+// arithmetic is the same.
 __device__ __forceinline__ void rmsnorm_forward_vec8(
     const uint4* x, const uint4* w, uint4* y, float* rstd, u64 groups, u64 group_size, float eps,
     float* scratch) {

@@ -51,6 +51,8 @@
 #include "common.cuh"
 
 #define FULL_MASK 0xffffffffu
+// Chunks whose carries `ssd_scan_carry_combine` loads before it updates them.
+#define CARRY_RUN 8
 // Steps whose per-warp partials are gathered before they are reduced.
 #define WINDOW 32
 // State elements one thread of the backward head kernel holds (per array):
@@ -325,12 +327,28 @@ extern "C" __global__ void ssd_scan_carry_combine(
         const u64 h = (i / pn) % heads;
         const u64 b = i / (pn * heads);
         float next = 0.0f;
-        for (u64 c = chunks; c-- > 0;) {
-            const u64 slot = ((b * chunks + c) * heads + h) * pn + e;
-            const float own = c > 0 ? carry[slot] : 0.0f;
-            carry[slot] = next;
-            if (c > 0) {
-                next = own + chunk_decay[(b * chunks + c) * heads + h] * next;
+        // CARRY_RUN chunks' loads at a time (last first), then their
+        // sequential updates: the loads do not wait on the stores before
+        // them.
+        for (u64 end = chunks; end > 0; end = end > CARRY_RUN ? end - CARRY_RUN : 0) {
+            float own[CARRY_RUN], decay[CARRY_RUN];
+#pragma unroll
+            for (int u = 0; u < CARRY_RUN; ++u) {
+                if (static_cast<u64>(u) < end) {
+                    const u64 c = end - 1 - u;
+                    own[u] = c > 0 ? carry[((b * chunks + c) * heads + h) * pn + e] : 0.0f;
+                    decay[u] = chunk_decay[(b * chunks + c) * heads + h];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < CARRY_RUN; ++u) {
+                if (static_cast<u64>(u) < end) {
+                    const u64 c = end - 1 - u;
+                    carry[((b * chunks + c) * heads + h) * pn + e] = next;
+                    if (c > 0) {
+                        next = own[u] + decay[u] * next;
+                    }
+                }
             }
         }
     }

@@ -40,6 +40,9 @@
 // `cuda::launch::scan_chunked`.
 #define CHUNKED_MAX_CHUNK 1024
 
+// Chunks whose states `ssd_scan_state_combine` loads before it updates them.
+#define COMBINE_RUN 8
+
 __device__ __forceinline__ float chunk_softplus(float x) {
     return x > 20.0f ? x : log1pf(expf(x));
 }
@@ -202,6 +205,147 @@ extern "C" __global__ void ssd_chunk_pack(
             const u64 k = r * state + col;
             b_p[k] = nat.real ? load(xbc, xbc_dtype, nat.b_column + col) : 0.0f;
             c_p[k] = nat.real ? load(xbc, xbc_dtype, nat.b_column + col + groups * state) : 0.0f;
+        }
+    }
+}
+
+// ---- 4 elements a thread ----------------------------------------------------------
+// The `_quads` kernels compute what the kernels of the same name compute,
+// with the same expressions (so the same bits), a thread per 4 consecutive
+// elements of a row (16-byte loads and stores of the f32 scratch) and
+// 32-bit index arithmetic: 64-bit divisions per element were most of
+// those kernels' time. The launcher takes them where a slice's arrays fit
+// 32-bit indices, every scratch view is 16-byte aligned, and P, N and Q
+// are multiples of 4 (so a quad never straddles two heads or two rows).
+
+// Quad k of a slice's `[item, G, Q, width]` array (width J P or N): its
+// first column, its (item, group, step) row, and where that row lies.
+struct QuadAt {
+    u32 column;  // of the row's `width`
+    u32 row;     // (i * G + g) * Q + t
+    u32 t, g, i;
+    bool real;
+    u64 source_row;  // among all sequences' rows, when real
+};
+
+__device__ __forceinline__ QuadAt quad_at(
+    u32 k, u32 width, u32 first_item, u32 seq, u32 groups, u32 chunk, u32 chunks) {
+    QuadAt q;
+    const u32 per_row = width / 4;
+    q.column = (k % per_row) * 4;
+    q.row = k / per_row;
+    q.t = q.row % chunk;
+    const u32 ig = q.row / chunk;
+    q.g = ig % groups;
+    q.i = ig / groups;
+    const u32 item = first_item + q.i;
+    const u32 t_abs = (item % chunks) * chunk + q.t;
+    q.real = t_abs < seq;
+    q.source_row = static_cast<u64>(item / chunks) * seq + t_abs;
+    return q;
+}
+
+// `ssd_chunk_pack` a quad a thread: the wide arrays' quads first, then the
+// narrow ones.
+extern "C" __global__ void ssd_chunk_pack_quads(
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float4* x_p,
+    float4* dy_p, float4* dy_e, float4* x_w, float4* b_p, float4* c_p, u32 first_item, u32 items,
+    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u32 chunks = (seq + chunk - 1) / chunk;
+    const u32 jp = heads / groups * head_dim;
+    const u64 d_inner = static_cast<u64>(heads) * head_dim;
+    const u64 width = d_inner + 2ull * groups * state;
+    const u32 wide = items * groups * chunk * (jp / 4);
+    const u32 narrow = items * groups * chunk * (state / 4);
+    for (u32 k = static_cast<u32>(grid_start()); k < wide + narrow;
+         k += static_cast<u32>(grid_stride())) {
+        if (k < wide) {
+            const QuadAt q = quad_at(k, jp, first_item, seq, groups, chunk, chunks);
+            const u32 head = q.g * (heads / groups) + q.column / head_dim;
+            const u32 step = (q.i * heads + head) * chunk + q.t;
+            const u64 col = static_cast<u64>(q.g) * jp + q.column;
+            float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, g_y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (q.real) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    x[e] = load(xbc, xbc_dtype, q.source_row * width + col + e);
+                    if (dy != nullptr) {
+                        g_y[e] = load(dy, dy_dtype, q.source_row * d_inner + col + e);
+                    }
+                }
+            }
+            const float w = v.w[step];
+            x_p[k] = make_float4(x[0], x[1], x[2], x[3]);
+            x_w[k] = make_float4(x[0] * w, x[1] * w, x[2] * w, x[3] * w);
+            if (dy != nullptr) {
+                const float el = v.elam[step];
+                dy_p[k] = make_float4(g_y[0], g_y[1], g_y[2], g_y[3]);
+                dy_e[k] = make_float4(g_y[0] * el, g_y[1] * el, g_y[2] * el, g_y[3] * el);
+            }
+        } else {
+            const u32 kn = k - wide;
+            const QuadAt q = quad_at(kn, state, first_item, seq, groups, chunk, chunks);
+            float b[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (q.real) {
+                const u64 at = q.source_row * width + d_inner + static_cast<u64>(q.g) * state + q.column;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    b[e] = load(xbc, xbc_dtype, at + e);
+                    c[e] = load(xbc, xbc_dtype, at + e + static_cast<u64>(groups) * state);
+                }
+            }
+            b_p[kn] = make_float4(b[0], b[1], b[2], b[3]);
+            c_p[kn] = make_float4(c[0], c[1], c[2], c[3]);
+        }
+    }
+}
+
+// `ssd_chunk_scores` a quad of s a thread.
+extern "C" __global__ void ssd_chunk_scores_quads(
+    const float4* cb, float4* dm, float4* m, float4* dcb, const float* values, u32 items,
+    u32 heads, u32 groups, u32 chunk) {
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u32 quads = chunk / 4;
+    const u32 group_heads = heads / groups;
+    const u32 n = items * groups * chunk * quads;
+    for (u32 k = static_cast<u32>(grid_start()); k < n; k += static_cast<u32>(grid_stride())) {
+        const u32 s = (k % quads) * 4;
+        const u32 row = k / quads;  // (item * groups + g) * chunk + t
+        const u32 t = row % chunk;
+        const u32 ig = row / chunk;
+        const float4 score = cb[k];
+        const float sc[4] = {score.x, score.y, score.z, score.w};
+        float d_score[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 j = 0; j < group_heads; ++j) {
+            const u32 ih = ig * group_heads + j;  // item * heads + h
+            const float lam_t = v.lam[ih * chunk + t];
+            const float4 lam4 = *reinterpret_cast<const float4*>(v.lam + ih * chunk + s);
+            const float4 dt4 = *reinterpret_cast<const float4*>(v.dt + ih * chunk + s);
+            const float lam_s[4] = {lam4.x, lam4.y, lam4.z, lam4.w};
+            const float dt_s[4] = {dt4.x, dt4.y, dt4.z, dt4.w};
+            // The head's quad: row t of its [Q, Q] block, columns s...s+3.
+            const u32 at = (ih * chunk + t) * quads + s / 4;
+            float l[4], out[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                l[e] = s + e <= t ? expf(lam_t - lam_s[e]) : 0.0f;
+                out[e] = sc[e] * l[e] * dt_s[e];
+            }
+            m[at] = make_float4(out[0], out[1], out[2], out[3]);
+            if (dm != nullptr) {
+                const float4 g4 = dm[at];
+                const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    out[e] = g[e] * sc[e] * l[e];
+                    d_score[e] += g[e] * l[e] * dt_s[e];
+                }
+                dm[at] = make_float4(out[0], out[1], out[2], out[3]);
+            }
+        }
+        if (dcb != nullptr) {
+            dcb[k] = make_float4(d_score[0], d_score[1], d_score[2], d_score[3]);
         }
     }
 }
@@ -423,11 +567,26 @@ extern "C" __global__ void ssd_scan_state_combine(
         const u64 h = (i / pn) % heads;
         const u64 b = i / (pn * heads);
         float running = 0.0f;
-        for (u64 c = 0; c < chunks; ++c) {
-            const u64 slot = ((b * chunks + c) * heads + h) * pn + e;
-            const float own = states[slot];
-            states[slot] = running;
-            running = chunk_decay[(b * chunks + c) * heads + h] * running + own;
+        // COMBINE_RUN chunks' loads at a time, then their sequential
+        // updates: the loads do not wait on the stores before them.
+        for (u64 c0 = 0; c0 < chunks; c0 += COMBINE_RUN) {
+            float own[COMBINE_RUN], decay[COMBINE_RUN];
+#pragma unroll
+            for (int u = 0; u < COMBINE_RUN; ++u) {
+                const u64 c = c0 + u;
+                if (c < chunks) {
+                    own[u] = states[((b * chunks + c) * heads + h) * pn + e];
+                    decay[u] = chunk_decay[(b * chunks + c) * heads + h];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < COMBINE_RUN; ++u) {
+                const u64 c = c0 + u;
+                if (c < chunks) {
+                    states[((b * chunks + c) * heads + h) * pn + e] = running;
+                    running = decay[u] * running + own[u];
+                }
+            }
         }
     }
 }
@@ -446,6 +605,35 @@ extern "C" __global__ void ssd_chunk_output(
         if (at.real) {
             store(y, y_dtype, at.row * s.d_inner() + at.column,
                   t_acc[k] + v.elam[at.step] * y_off[k] + load(d_skip, d_dtype, at.head) * x_p[k]);
+        }
+    }
+}
+
+// `ssd_chunk_output` a quad a thread.
+extern "C" __global__ void ssd_chunk_output_quads(
+    const float4* x_p, const float4* t_acc, const float4* y_off, const float* values,
+    const void* d_skip, int d_dtype, void* y, int y_dtype, u32 first_item, u32 items, u32 seq,
+    u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u32 chunks = (seq + chunk - 1) / chunk;
+    const u32 jp = heads / groups * head_dim;
+    const u64 d_inner = static_cast<u64>(heads) * head_dim;
+    const u32 n = items * groups * chunk * (jp / 4);
+    for (u32 k = static_cast<u32>(grid_start()); k < n; k += static_cast<u32>(grid_stride())) {
+        const QuadAt q = quad_at(k, jp, first_item, seq, groups, chunk, chunks);
+        if (!q.real) {
+            continue;
+        }
+        const u32 head = q.g * (heads / groups) + q.column / head_dim;
+        const float el = v.elam[(q.i * heads + head) * chunk + q.t];
+        const float skip = load(d_skip, d_dtype, head);
+        const float4 a4 = t_acc[k], o4 = y_off[k], x4 = x_p[k];
+        const float a[4] = {a4.x, a4.y, a4.z, a4.w}, o[4] = {o4.x, o4.y, o4.z, o4.w};
+        const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+        const u64 at = q.source_row * d_inner + static_cast<u64>(q.g) * jp + q.column;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            store(y, y_dtype, at + e, a[e] + el * o[e] + skip * x[e]);
         }
     }
 }

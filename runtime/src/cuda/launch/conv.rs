@@ -2,7 +2,7 @@
 //! (`Backend::conv1d_forward`, `conv1d_backward_input`,
 //! `conv1d_backward_weight`).
 
-use super::{GpuView, KernelSet, ensure, float, grid_for, len, product};
+use super::{GpuView, KernelSet, bf16_words, ensure, float, grid_for, len, product};
 use crate::backend::ConvDims;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
@@ -38,6 +38,31 @@ fn dims_args(rows: usize, dims: ConvDims) -> [u64; 4] {
 /// (`WINDOW_TAPS` in `conv.cu`).
 const WINDOW_TAPS: usize = 16;
 
+/// The widest kernel the `_words` kernels take (`WORD_TAPS` in `conv.cu`),
+/// and the rows each of their threads walks (`CONV_WORD_ROWS`).
+const WORD_TAPS: usize = 4;
+const WORD_ROWS: usize = 32;
+const WORD_THREADS: u32 = 128;
+
+/// The launch of a `_words` kernel (8 bf16 channels a thread, a run of
+/// `WORD_ROWS` rows each) where every view qualifies, else `None` (the
+/// element kernel then runs): bf16, 16-byte aligned, channels a multiple of
+/// 8, at most `WORD_TAPS` taps, and the rows' runs within a grid's height.
+fn word_launch(views: &[GpuView], rows: usize, dims: ConvDims) -> Option<LaunchConfig> {
+    if dims.kernel > WORD_TAPS || !bf16_words(views, dims.channels) {
+        return None;
+    }
+    let runs = u32::try_from(rows.div_ceil(WORD_ROWS))
+        .ok()
+        .filter(|&r| r <= 65_535)?;
+    let words = u32::try_from((dims.channels / 8).div_ceil(WORD_THREADS as usize)).ok()?;
+    Some(LaunchConfig {
+        grid_dim: (words, runs, 1),
+        block_dim: (WORD_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 impl KernelSet {
     /// `Backend::conv1d_forward` (overwrites `y`).
     pub fn conv1d_forward(
@@ -61,6 +86,20 @@ impl KernelSet {
         len(k, "y", &y, x.len)?;
         if y.len == 0 {
             return Ok(());
+        }
+        if let Some(config) = word_launch(&[x, y], rows, dims) {
+            let mut b = stream.launch_builder(self.function("conv1d_forward_words")?);
+            b.arg(&x.ptr)
+                .arg(&weight.ptr)
+                .arg(&wt)
+                .arg(&bias.ptr)
+                .arg(&bt)
+                .arg(&y.ptr);
+            let args = dims_args(rows, dims);
+            for v in &args {
+                b.arg(v);
+            }
+            return self.go(k, &mut b, config);
         }
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&x.ptr)
@@ -93,6 +132,15 @@ impl KernelSet {
         len(k, "dx", &dx, dy.len)?;
         if dx.len == 0 {
             return Ok(());
+        }
+        if let Some(config) = word_launch(&[dy, dx], rows, dims) {
+            let mut b = stream.launch_builder(self.function("conv1d_backward_input_words")?);
+            b.arg(&dy.ptr).arg(&weight.ptr).arg(&wt).arg(&dx.ptr);
+            let args = dims_args(rows, dims);
+            for v in &args {
+                b.arg(v);
+            }
+            return self.go(k, &mut b, config);
         }
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&dy.ptr)

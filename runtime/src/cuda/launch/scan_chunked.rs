@@ -194,9 +194,35 @@ struct Parts {
     d_cb: GpuView,
     m: GpuView,
     d_m: GpuView,
+    /// Whether the `_quads` kernels take the slices (see [`takes_quads`]).
+    quads: bool,
 }
 
 impl Parts {
+    /// Every part, for checks that hold for all of them.
+    fn all(&self) -> [GpuView; 18] {
+        [
+            self.carry,
+            self.chunk_decay,
+            self.partials,
+            self.steps,
+            self.x,
+            self.dy,
+            self.dy_e,
+            self.x_w,
+            self.t_acc,
+            self.u,
+            self.b,
+            self.c,
+            self.d_b,
+            self.d_c,
+            self.cb,
+            self.d_cb,
+            self.m,
+            self.d_m,
+        ]
+    }
+
     fn new(scratch: GpuView, dims: ScanDims, plan: ScanChunkPlan, items: usize) -> Parts {
         let lens = ItemLens::new(dims).expect("the plan checked the sizes");
         let n = plan.items_per_slice;
@@ -226,6 +252,7 @@ impl Parts {
             d_cb: next(n * lens.group_scores),
             m: next(n * lens.head_scores),
             d_m: next(n * lens.head_scores),
+            quads: false,
         }
     }
 }
@@ -572,8 +599,13 @@ impl KernelSet {
             self.chunk_scores(stream, parts, None, dims, count)?;
             s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x, parts.t_acc)?;
             s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states, parts.u)?;
-            let ko = "ssd_chunk_output";
+            let ko = if parts.quads {
+                "ssd_chunk_output_quads"
+            } else {
+                "ssd_chunk_output"
+            };
             let slice = SliceArgs::new(dims, i0, count);
+            let narrow = slice.narrow();
             let mut b = stream.launch_builder(self.function(ko)?);
             b.arg(&parts.x.ptr)
                 .arg(&parts.t_acc.ptr)
@@ -583,8 +615,14 @@ impl KernelSet {
                 .arg(&tags.skip)
                 .arg(&y.ptr)
                 .arg(&yt);
-            slice.push(&mut b);
-            self.go(ko, &mut b, grid_for(product(k, &[pair_count, s.q, s.jp])?))?;
+            let elements = product(k, &[pair_count, s.q, s.jp])?;
+            if parts.quads {
+                narrow.push(&mut b);
+                self.go(ko, &mut b, grid_for(elements / 4))?;
+            } else {
+                slice.push(&mut b);
+                self.go(ko, &mut b, grid_for(elements))?;
+            }
         }
         Ok(())
     }
@@ -617,8 +655,12 @@ impl KernelSet {
             .arg(&chunk);
         self.go(kf, &mut b, per_item(count * dims.heads, THREADS)?)?;
 
-        let kp = "ssd_chunk_pack";
         let dy_ptr = o.dy.map_or(0, |dy| dy.ptr);
+        let kp = if parts.quads {
+            "ssd_chunk_pack_quads"
+        } else {
+            "ssd_chunk_pack"
+        };
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&o.xbc.ptr)
             .arg(&tags.xbc)
@@ -631,8 +673,14 @@ impl KernelSet {
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
             .arg(&parts.c.ptr);
-        slice.push(&mut b);
         let rows = product(k, &[count, dims.groups, dims.chunk])?;
+        if parts.quads {
+            let narrow = slice.narrow();
+            narrow.push(&mut b);
+            let quads = rows * (dims.heads / dims.groups * dims.head_dim + dims.state) / 4;
+            return self.go(kp, &mut b, grid_for(quads));
+        }
+        slice.push(&mut b);
         self.go(kp, &mut b, block_per_row(rows))
     }
 
@@ -648,16 +696,29 @@ impl KernelSet {
     ) -> Result<()> {
         let k = "ssd_chunk_scores";
         let (d_m, d_cb) = gradients.map_or((0, 0), |(d_m, d_cb)| (d_m.ptr, d_cb.ptr));
-        let [count_u, heads, groups, chunk] =
-            [count, dims.heads, dims.groups, dims.chunk].map(|v| v as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let rows = product(k, &[count, dims.groups, dims.chunk])?;
+        let sizes = [count, dims.heads, dims.groups, dims.chunk];
+        let (wide, narrow) = (sizes.map(|v| v as u64), sizes.map(|v| v as u32));
+        let kernel = if parts.quads {
+            "ssd_chunk_scores_quads"
+        } else {
+            k
+        };
+        let mut b = stream.launch_builder(self.function(kernel)?);
         b.arg(&parts.cb.ptr)
             .arg(&d_m)
             .arg(&parts.m.ptr)
             .arg(&d_cb)
             .arg(&parts.steps.ptr);
-        b.arg(&count_u).arg(&heads).arg(&groups).arg(&chunk);
-        let rows = product(k, &[count, dims.groups, dims.chunk])?;
+        if parts.quads {
+            for v in &narrow {
+                b.arg(v);
+            }
+            return self.go(k, &mut b, grid_for(rows * dims.chunk / 4));
+        }
+        for v in &wide {
+            b.arg(v);
+        }
         self.go(k, &mut b, block_per_row(rows))
     }
 
@@ -828,6 +889,23 @@ impl SliceArgs {
             b.arg(v);
         }
     }
+
+    /// The same as the `_quads` kernels take them (32-bit: `takes_quads`
+    /// checked that they fit).
+    fn narrow(&self) -> NarrowSliceArgs {
+        NarrowSliceArgs(self.0.map(|v| v as u32))
+    }
+}
+
+/// [`SliceArgs`] in 32 bits.
+struct NarrowSliceArgs([u32; 8]);
+
+impl NarrowSliceArgs {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        for v in &self.0 {
+            b.arg(v);
+        }
+    }
 }
 
 /// The inputs' views.
@@ -899,6 +977,33 @@ struct Call<'a> {
     shape: Shape,
 }
 
+/// Whether the `_quads` kernels (`scan_chunked.cu`: 4 elements a thread,
+/// 32-bit indices) take a call: P, N and Q multiples of 4, every scratch
+/// part 16-byte aligned, and a slice's largest array (the heads' scores)
+/// and the item and step counts within 31 bits.
+fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts) -> bool {
+    let fits = |factors: &[usize]| {
+        factors
+            .iter()
+            .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+            .is_some_and(|n| n < 1 << 31)
+    };
+    let q = dims.chunk;
+    [dims.head_dim, dims.state, q]
+        .iter()
+        .all(|d| d.is_multiple_of(4))
+        && parts.all().iter().all(|p| p.ptr.is_multiple_of(16))
+        && fits(&[plan.items_per_slice, dims.heads.max(dims.groups), q, q])
+        && fits(&[
+            plan.items_per_slice,
+            dims.groups,
+            q,
+            (dims.heads * dims.head_dim + 2 * dims.state * dims.groups) / 4 + 1,
+        ])
+        && fits(&[items.max(1), q])
+        && fits(&[dims.tokens.seq.max(1) + q])
+}
+
 impl<'a> Call<'a> {
     /// After the views' checks: checks the scratch against `plan` and
     /// cuts it; `outputs` decide the GEMMs' math mode ([`Shape::tf32`]).
@@ -919,10 +1024,12 @@ impl<'a> Call<'a> {
             a_log,
             d,
         } = inputs;
+        let mut parts = Parts::new(scratch, dims, plan, items);
+        parts.quads = takes_quads(dims, plan, items, &parts);
         Ok(Call {
             blas,
             queues,
-            parts: Parts::new(scratch, dims, plan, items),
+            parts,
             plan,
             items,
             operands: Operands {
