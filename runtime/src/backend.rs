@@ -549,6 +549,37 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: LossDims,
     ) -> Result<()>;
 
+    /// [`Backend::cross_entropy_forward`] then
+    /// [`Backend::cross_entropy_backward`] without the losses: the gradient
+    /// of the loss `scale * sum_r losses[r]` with respect to f32 `logits`
+    /// `[rows, vocab]`, the same values those two compute. With `out`
+    /// (`[rows, vocab]`, f32 or bf16) the gradients are written there,
+    /// rounded once, and `logits` are left unspecified; without it they
+    /// replace the logits. The head's backward calls it once a chunk. A
+    /// backend fuses it (one read of the logits, no f32 probabilities in
+    /// between); this default runs the two kernels and a cast.
+    fn cross_entropy_gradient(
+        &self,
+        mut logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        scale: f32,
+        out: Option<SliceMut<'_, Self>>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let losses = self.alloc_uninit(dims.rows, DType::F32)?;
+        self.cross_entropy_forward(
+            self.reborrow_mut(&mut logits),
+            targets,
+            self.view_mut(&losses)?,
+            dims,
+        )?;
+        self.cross_entropy_backward(self.reborrow_mut(&mut logits), targets, scale, dims)?;
+        match out {
+            Some(out) => self.cast(self.as_slice(&logits), out),
+            None => Ok(()),
+        }
+    }
+
     // ---- kernels: mixture of experts -------------------------------------------
     // Routing state is f32 (logits, scores, weights, the softmax sums) and
     // `u32` (selected experts, counts, permutations) in every precision; only

@@ -992,6 +992,57 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             reference: None,
         });
     }
+    // Both at once: rows held in registers at every width the kernel
+    // takes (1 to 8 logits a thread), in shared memory (16,000 and
+    // 32,768), and read
+    // again past it; the gradients into f32 or bf16, or in place.
+    for (rows, vocab) in [
+        (3usize, 700usize),
+        (4, 1500),
+        (6, 2500),
+        (37, 5003),
+        (3, 16_000),
+        (9, 32_768),
+        (5, 131_071),
+    ] {
+        let d = LossDims { rows, vocab };
+        let targets: Vec<u32> = (0..rows)
+            .map(|r| {
+                if r % 4 == 1 {
+                    IGNORE_TARGET
+                } else {
+                    rng.below(vocab) as u32
+                }
+            })
+            .collect();
+        let logits = Host::F32(rng.vec(rows * vocab, 6.0));
+        for out in [Some(DType::F32), Some(DType::Bf16), None] {
+            let mut buffers = vec![logits.clone(), Host::U32(targets.clone())];
+            let into = match out {
+                Some(dtype) => {
+                    buffers.push(nan(rows * vocab, dtype));
+                    format!("into {dtype}")
+                }
+                None => "in place".to_string(),
+            };
+            cases.push(Case {
+                kernel: "cross_entropy_gradient".into(),
+                mode: "f32",
+                shape: format!("{rows}x{vocab} {into}"),
+                buffers,
+                outputs: vec![if out.is_some() { 2 } else { 0 }],
+                cpu: Box::new(move |b, x| {
+                    let out = out.map(|_| m(&x[2]));
+                    b.cross_entropy_gradient(m(&x[0]), v(&x[1]), 0.37, out, d)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    let into = if out.is_some() { x[2] } else { x[0] };
+                    s.cross_entropy_gradient(st, x[0], x[1], 0.37, into, d)
+                }),
+                reference: None,
+            });
+        }
+    }
 
     for (rows, experts, top_k) in [(301usize, 64usize, 6usize), (77, 37, 1), (129, 160, 8)] {
         for score in [ScoreFunction::Softmax, ScoreFunction::Sigmoid] {

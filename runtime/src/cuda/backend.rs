@@ -1041,6 +1041,20 @@ impl Backend for CudaBackend {
             .cross_entropy_backward(self.s(), self.m(&probs), self.v(targets), scale, dims)
     }
 
+    fn cross_entropy_gradient(
+        &self,
+        logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        scale: f32,
+        out: Option<SliceMut<'_, Self>>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let from = self.m(&logits);
+        let into = out.as_ref().map_or(from, |o| self.m(o));
+        self.k()
+            .cross_entropy_gradient(self.s(), from, self.v(targets), scale, into, dims)
+    }
+
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,

@@ -74,7 +74,11 @@ pub const SOURCES: &[KernelSource] = &[
     ),
     source!(
         "cross_entropy.cu",
-        ["cross_entropy_forward", "cross_entropy_backward"]
+        [
+            "cross_entropy_forward",
+            "cross_entropy_backward",
+            "cross_entropy_gradient"
+        ]
     ),
     source!("rotary.cu", ["rotary"]),
     source!(

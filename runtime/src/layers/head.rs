@@ -7,8 +7,9 @@
 //! `[tokens, vocab]` matrix for a whole micro-batch: a 131,072-token
 //! vocabulary at 16k tokens per micro-batch runs 128 rows at a time. The
 //! forward keeps only the hidden states; the backward recomputes each
-//! chunk's logits, turns them into logit gradients, and adds that chunk's
-//! `dh` and `dW` before the next chunk.
+//! chunk's logits, turns them into logit gradients in one step
+//! (`Backend::cross_entropy_gradient`), and adds that chunk's `dh` and `dW`
+//! before the next chunk.
 //!
 //! Chunking changes no bit on the CPU: a row's logits, loss and `dh` depend
 //! on that row alone, and `dW` sums the rows onto the gradient in row order,
@@ -178,7 +179,6 @@ impl Head {
         check_len(name, "dw", b.slice_len(b.as_slice(&dw)), v * h)?;
         let chunk_rows = self.chunk_rows.min(rows);
         let logits = uninit_f32(b, chunk_rows * v)?;
-        let losses = uninit_f32(b, chunk_rows)?;
         // The GEMMs take operands of one dtype: in bf16 the logit gradients
         // are rounded to bf16 for them, as Megatron's bf16 GEMMs do.
         let compute = b.compute_dtype();
@@ -192,25 +192,18 @@ impl Head {
             let dims = LossDims { rows: n, vocab: v };
             let chunk_targets = b.subslice(targets, chunk.clone())?;
             self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
-            b.cross_entropy_forward(
-                b.slice_mut(&logits, 0..n * v)?,
-                chunk_targets,
-                b.slice_mut(&losses, 0..n)?,
-                dims,
-            )?;
-            b.cross_entropy_backward(
+            let out = match &narrowed {
+                Some(buf) => Some(b.slice_mut(buf, 0..n * v)?),
+                None => None,
+            };
+            b.cross_entropy_gradient(
                 b.slice_mut(&logits, 0..n * v)?,
                 chunk_targets,
                 grad_scale,
+                out,
                 dims,
             )?;
-            let d_logits = match &narrowed {
-                Some(buf) => {
-                    b.cast(b.slice(&logits, 0..n * v)?, b.slice_mut(buf, 0..n * v)?)?;
-                    b.slice(buf, 0..n * v)?
-                }
-                None => b.slice(&logits, 0..n * v)?,
-            };
+            let d_logits = b.slice(narrowed.as_ref().unwrap_or(&logits), 0..n * v)?;
             b.matmul(
                 d_logits,
                 weight,

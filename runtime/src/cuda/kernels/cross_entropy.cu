@@ -1,6 +1,7 @@
 // Softmax cross-entropy of the output head, in place on f32 logits
-// (`Backend::cross_entropy_forward` and `cross_entropy_backward`). One block
-// per row; the row's max and sum are block reductions of fixed shape.
+// (`Backend::cross_entropy_forward` and `cross_entropy_backward`, and both
+// at once in `cross_entropy_gradient`). One block per row; the row's max
+// and sum are block reductions of fixed shape.
 #include "common.cuh"
 
 // logits[r] becomes softmax(logits[r]); losses[r] = logsumexp - logit of the
@@ -60,4 +61,113 @@ extern "C" __global__ void cross_entropy_backward(
             row[c] = (c == target ? row[c] - 1.0f : row[c]) * scale;
         }
     }
+}
+
+// ---- forward and backward in one pass ----------------------------------------------
+// `cross_entropy_gradient` (`Backend::cross_entropy_gradient`): the
+// forward's softmax and the backward's `scale * (p - onehot)` of a row
+// without the loss, written once, in `out`'s dtype (the head's GEMM
+// operand) instead of f32 probabilities that a cast then narrows. The row
+// is read from memory once: a thread keeps its strided logits (c =
+// threadIdx.x + i * blockDim.x, the order in which the forward sums them)
+// in registers (PER of them, PER > 0) or the block keeps the row in
+// dynamic shared memory (PER == HELD_IN_SHARED); rows longer than either
+// are read again for each pass (PER == 0). Every value is computed as the
+// two kernels above compute it, so the bits are theirs.
+#define HELD_IN_SHARED -1
+
+template <int PER>
+__device__ __forceinline__ void gradient_row(
+    const float* row, u32 target, float scale, u64 vocab, void* out, int out_dtype, u64 out_base,
+    float* scratch, float* shared_row) {
+    constexpr int HELD = PER > 0 ? PER : 1;
+    float v[HELD];
+    // Where the later passes read the row.
+    const float* held = PER == HELD_IN_SHARED ? shared_row : row;
+    float max = neg_inf();
+    if (PER > 0) {
+#pragma unroll
+        for (int i = 0; i < HELD; ++i) {
+            const u64 c = threadIdx.x + static_cast<u64>(i) * blockDim.x;
+            v[i] = c < vocab ? row[c] : 0.0f;
+            if (c < vocab) {
+                max = fmaxf(max, v[i]);
+            }
+        }
+    } else {
+        for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
+            const float x = row[c];
+            if (PER == HELD_IN_SHARED) {
+                shared_row[c] = x;  // read back by this thread only
+            }
+            max = fmaxf(max, x);
+        }
+    }
+    max = block_max(max, scratch);
+    float sum = 0.0f;
+    if (PER > 0) {
+#pragma unroll
+        for (int i = 0; i < HELD; ++i) {
+            if (threadIdx.x + static_cast<u64>(i) * blockDim.x < vocab) {
+                sum += expf(v[i] - max);
+            }
+        }
+    } else {
+        for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
+            sum += expf(held[c] - max);
+        }
+    }
+    sum = block_sum(sum, scratch);
+    const float inv = 1.0f / sum;
+    const auto gradient = [&](u64 c, float logit) {
+        float g = 0.0f;
+        if (target != IGNORE_TARGET) {
+            const float p = expf(logit - max) * inv;
+            g = (c == target ? p - 1.0f : p) * scale;
+        }
+        store(out, out_dtype, out_base + c, g);
+    };
+    if (PER > 0) {
+#pragma unroll
+        for (int i = 0; i < HELD; ++i) {
+            const u64 c = threadIdx.x + static_cast<u64>(i) * blockDim.x;
+            if (c < vocab) {
+                gradient(c, v[i]);
+            }
+        }
+    } else {
+        for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
+            gradient(c, held[c]);
+        }
+    }
+}
+
+// One block (of at most 1024 threads) per row; `per` is the logits a
+// thread holds (a power of two up to 8), HELD_IN_SHARED (the launch gives
+// the row's bytes of dynamic shared memory) or 0, chosen by the launcher.
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_gradient(
+    const float* logits, const u32* targets, float scale, void* out, int out_dtype, u64 vocab,
+    int per, u64* status) {
+    __shared__ float scratch[32];
+    extern __shared__ float shared_row[];
+    const u64 r = blockIdx.x;
+    const u32 target = targets[r];
+    if (target != IGNORE_TARGET && target >= vocab) {
+        if (threadIdx.x == 0) {
+            report_fault(status, FAULT_TARGET, r);
+        }
+        return;
+    }
+    const float* row = logits + r * vocab;
+    const u64 base = r * vocab;
+#define ROW(P) gradient_row<P>(row, target, scale, vocab, out, out_dtype, base, scratch, shared_row)
+    switch (per) {
+        case 1: ROW(1); break;
+        case 2: ROW(2); break;
+        case 4: ROW(4); break;
+        case 8: ROW(8); break;
+        case HELD_IN_SHARED: ROW(HELD_IN_SHARED); break;
+        default: ROW(0); break;
+    }
+#undef ROW
 }

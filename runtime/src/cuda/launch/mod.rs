@@ -285,6 +285,25 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
     RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
 }
 
+/// The most dynamic shared memory `cross_entropy_gradient` asks for to
+/// hold a row of logits: 160 KiB, rows of up to 40,960 f32 logits (a
+/// 32,768-token vocabulary fits; an H200 gives a block up to 227 KiB).
+const CROSS_ENTROPY_SHARED_BYTES: usize = 160 << 10;
+
+/// Lets `cross_entropy_gradient` take [`CROSS_ENTROPY_SHARED_BYTES`] of
+/// dynamic shared memory; returns what it got (0 where the device refused:
+/// rows are then read from memory once per pass).
+fn reserve_cross_entropy_rows(functions: &HashMap<&'static str, CudaFunction>) -> usize {
+    let got = functions.get("cross_entropy_gradient").is_some_and(|f| {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            CROSS_ENTROPY_SHARED_BYTES as i32,
+        )
+        .is_ok()
+    });
+    if got { CROSS_ENTROPY_SHARED_BYTES } else { 0 }
+}
+
 /// The kernels of [`kernels::SOURCES`] loaded on one device, and the
 /// device's fault word.
 pub struct KernelSet {
@@ -295,6 +314,9 @@ pub struct KernelSet {
     functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
     flash_attention: bool,
+    /// The dynamic shared memory `cross_entropy_gradient` may take to hold
+    /// a row (0 where the device gave none).
+    cross_entropy_shared: usize,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -349,6 +371,7 @@ impl KernelSet {
             modules.push(module);
         }
         let flash_attention = attention_flash::reserve_shared_memory(&functions);
+        let cross_entropy_shared = reserve_cross_entropy_rows(&functions);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -365,6 +388,7 @@ impl KernelSet {
             _modules: modules,
             functions,
             flash_attention,
+            cross_entropy_shared,
             fault,
             fault_ptr,
         })
@@ -1194,6 +1218,56 @@ impl KernelSet {
             .arg(&vocab)
             .arg(&self.fault_ptr);
         self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
+    }
+
+    /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32,
+    /// read only) into `out` (f32 or bf16, `[rows, vocab]`; it may be
+    /// `logits` itself), the row held in registers where it fits.
+    pub fn cross_entropy_gradient(
+        &self,
+        stream: &CudaStream,
+        logits: GpuView,
+        targets: GpuView,
+        scale: f32,
+        out: GpuView,
+        d: LossDims,
+    ) -> Result<()> {
+        let k = "cross_entropy_gradient";
+        Self::check_loss((k, "logits"), &logits, &targets, d)?;
+        let out_dtype = float(k, "out", &out)?;
+        len(k, "out", &out, logits.len)?;
+        if d.vocab == 0 || d.rows == 0 {
+            return Ok(());
+        }
+        let threads = reduce_threads(d.vocab, 1024);
+        // Where the row is held: a thread's logits in registers (the
+        // smallest power of two that covers the row, up to 8: more spill),
+        // else the row in shared memory where it fits the reservation,
+        // else nowhere (read again per pass).
+        let needed = d.vocab.div_ceil(threads as usize).next_power_of_two();
+        let row_bytes = d.vocab * DType::F32.bytes();
+        let (per, shared) = if needed <= 8 {
+            (needed as i32, 0)
+        } else if row_bytes <= self.cross_entropy_shared {
+            (-1, row_bytes as u32)
+        } else {
+            (0, 0)
+        };
+        let vocab = d.vocab as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&logits.ptr)
+            .arg(&targets.ptr)
+            .arg(&scale)
+            .arg(&out.ptr)
+            .arg(&out_dtype)
+            .arg(&vocab)
+            .arg(&per)
+            .arg(&self.fault_ptr);
+        let config = LaunchConfig {
+            shared_mem_bytes: shared,
+            ..per_item(d.rows, threads)?
+        };
+        self.go(k, &mut b, config)
     }
 
     // ---- mixture of experts ---------------------------------------------------------
