@@ -549,6 +549,20 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: LossDims,
     ) -> Result<()>;
 
+    /// The losses of [`Backend::cross_entropy_forward`] without the
+    /// probabilities: `logits` are left unspecified. The head's forward
+    /// calls it; a backend reads each row once (no probabilities written),
+    /// and this default runs the forward.
+    fn cross_entropy_loss(
+        &self,
+        logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        losses: SliceMut<'_, Self>,
+        dims: LossDims,
+    ) -> Result<()> {
+        self.cross_entropy_forward(logits, targets, losses, dims)
+    }
+
     /// [`Backend::cross_entropy_forward`] then
     /// [`Backend::cross_entropy_backward`] without the losses: the gradient
     /// of the loss `scale * sum_r losses[r]` with respect to f32 `logits`

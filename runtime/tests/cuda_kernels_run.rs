@@ -992,10 +992,10 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             reference: None,
         });
     }
-    // Both at once: rows held in registers at every width the kernel
-    // takes (1 to 8 logits a thread), in shared memory (16,000 and
-    // 32,768), and read
-    // again past it; the gradients into f32 or bf16, or in place.
+    // The loss alone, and forward and backward at once: rows held in
+    // registers at every width the kernels take (1 to 8 logits a thread),
+    // in shared memory (16,000 and 32,768), and read again past it; the
+    // gradients into f32 or bf16, or in place.
     for (rows, vocab) in [
         (3usize, 700usize),
         (4, 1500),
@@ -1016,6 +1016,20 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             })
             .collect();
         let logits = Host::F32(rng.vec(rows * vocab, 6.0));
+        cases.push(Case {
+            kernel: "cross_entropy_loss".into(),
+            mode: "f32",
+            shape: format!("{rows}x{vocab}"),
+            buffers: vec![
+                logits.clone(),
+                Host::U32(targets.clone()),
+                nan(rows, DType::F32),
+            ],
+            outputs: vec![2],
+            cpu: Box::new(move |b, x| b.cross_entropy_loss(m(&x[0]), v(&x[1]), m(&x[2]), d)),
+            gpu: Box::new(move |s, st, x| s.cross_entropy_loss(st, x[0], x[1], x[2], d)),
+            reference: None,
+        });
         for out in [Some(DType::F32), Some(DType::Bf16), None] {
             let mut buffers = vec![logits.clone(), Host::U32(targets.clone())];
             let into = match out {
@@ -1678,6 +1692,26 @@ fn fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
             nan(4, DType::F32),
         ],
         &|x| set.cross_entropy_forward(&gpu.stream, x[0], x[1], x[2], d),
+        "the loss target of row 1 is past the vocabulary",
+    );
+    // Logits, bad targets and an output of `out` elements.
+    let bad_targets = |out: usize| {
+        vec![
+            Host::F32(vec![0.5; 40]),
+            Host::U32(vec![1, 10, IGNORE_TARGET, 99]),
+            nan(out, DType::F32),
+        ]
+    };
+    check(
+        "cross_entropy_loss",
+        bad_targets(4),
+        &|x| set.cross_entropy_loss(&gpu.stream, x[0], x[1], x[2], d),
+        "the loss target of row 1 is past the vocabulary",
+    );
+    check(
+        "cross_entropy_gradient",
+        bad_targets(40),
+        &|x| set.cross_entropy_gradient(&gpu.stream, x[0], x[1], 1.0, x[2], d),
         "the loss target of row 1 is past the vocabulary",
     );
     check(

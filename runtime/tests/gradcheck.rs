@@ -1047,13 +1047,13 @@ fn head_chunks_change_no_bits_and_bound_the_logits() {
         allocated < matrix / 2,
         "the head held {allocated} bytes at most; the whole logit matrix is {matrix}"
     );
-    // A 131,072-token vocabulary runs in chunks of at most 64 MiB of logits.
+    // A 131,072-token vocabulary runs in chunks of at most 256 MiB of logits.
     let mut big = config("");
     big.vocab_size = 131_072;
     let head = Head::new(&big).expect("head");
-    assert_eq!(head.chunk_rows(), 128);
+    assert_eq!(head.chunk_rows(), 512);
     assert!(head.chunk_rows() * 131_072 <= HEAD_CHUNK_ELEMENTS);
-    assert_eq!(HEAD_CHUNK_ELEMENTS * 4, 64 << 20);
+    assert_eq!(HEAD_CHUNK_ELEMENTS * 4, 256 << 20);
 }
 
 /// Tied embeddings: the table feeds the embedding and the head, and both

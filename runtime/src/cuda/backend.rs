@@ -1041,6 +1041,22 @@ impl Backend for CudaBackend {
             .cross_entropy_backward(self.s(), self.m(&probs), self.v(targets), scale, dims)
     }
 
+    fn cross_entropy_loss(
+        &self,
+        logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        losses: SliceMut<'_, Self>,
+        dims: LossDims,
+    ) -> Result<()> {
+        self.k().cross_entropy_loss(
+            self.s(),
+            self.m(&logits),
+            self.v(targets),
+            self.m(&losses),
+            dims,
+        )
+    }
+
     fn cross_entropy_gradient(
         &self,
         logits: SliceMut<'_, Self>,

@@ -77,7 +77,8 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "cross_entropy_forward",
             "cross_entropy_backward",
-            "cross_entropy_gradient"
+            "cross_entropy_gradient",
+            "cross_entropy_loss"
         ]
     ),
     source!("rotary.cu", ["rotary"]),

@@ -3,9 +3,9 @@
 //! [`IGNORE_TARGET`] masking positions past the end (MTP).
 //!
 //! The head works on chunks of rows whose logits hold at most
-//! [`HEAD_CHUNK_ELEMENTS`] f32 values (64 MiB), so it never holds a
+//! [`HEAD_CHUNK_ELEMENTS`] f32 values (256 MiB), so it never holds a
 //! `[tokens, vocab]` matrix for a whole micro-batch: a 131,072-token
-//! vocabulary at 16k tokens per micro-batch runs 128 rows at a time. The
+//! vocabulary at 16k tokens per micro-batch runs 512 rows at a time. The
 //! forward keeps only the hidden states; the backward recomputes each
 //! chunk's logits, turns them into logit gradients in one step
 //! (`Backend::cross_entropy_gradient`), and adds that chunk's `dh` and `dW`
@@ -23,8 +23,12 @@ use crate::error::Result;
 use hybridgen_dsl::ModelConfig;
 use std::ops::Range;
 
-/// The most logits one chunk of the head holds (f32 values; 64 MiB).
-pub const HEAD_CHUNK_ELEMENTS: usize = 1 << 24;
+/// The most logits one chunk of the head holds (f32 values; 256 MiB).
+/// Each chunk adds its `dW` into the f32 gradient, a read and a write of
+/// the whole `[V, h]` matrix: at 64 MiB the benchmark model's 4,096-token
+/// micro-batch took 8 such passes, whose memory traffic held the `dW`
+/// GEMMs at half their speed; at 256 MiB it takes 2.
+pub const HEAD_CHUNK_ELEMENTS: usize = 1 << 26;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Head {
@@ -139,7 +143,7 @@ impl Head {
         let losses = uninit_f32(b, rows)?;
         for chunk in self.chunks(rows) {
             self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
-            b.cross_entropy_forward(
+            b.cross_entropy_loss(
                 b.slice_mut(&logits, 0..chunk.len() * v)?,
                 b.subslice(targets, chunk.clone())?,
                 b.slice_mut(&losses, chunk.clone())?,

@@ -76,10 +76,12 @@ extern "C" __global__ void cross_entropy_backward(
 // two kernels above compute it, so the bits are theirs.
 #define HELD_IN_SHARED -1
 
+// With `loss` (the row's slot of the losses), the row's loss is written
+// instead of its gradients, as the forward computes it (`cross_entropy_loss`).
 template <int PER>
 __device__ __forceinline__ void gradient_row(
     const float* row, u32 target, float scale, u64 vocab, void* out, int out_dtype, u64 out_base,
-    float* scratch, float* shared_row) {
+    float* scratch, float* shared_row, float* loss) {
     constexpr int HELD = PER > 0 ? PER : 1;
     float v[HELD];
     // Where the later passes read the row.
@@ -95,6 +97,8 @@ __device__ __forceinline__ void gradient_row(
             }
         }
     } else {
+        // Unrolled so that several loads are in flight before their stores.
+#pragma unroll 8
         for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
             const float x = row[c];
             if (PER == HELD_IN_SHARED) {
@@ -118,6 +122,12 @@ __device__ __forceinline__ void gradient_row(
         }
     }
     sum = block_sum(sum, scratch);
+    if (loss != nullptr) {
+        if (threadIdx.x == 0) {
+            *loss = target == IGNORE_TARGET ? 0.0f : max + logf(sum) - row[target];
+        }
+        return;
+    }
     const float inv = 1.0f / sum;
     const auto gradient = [&](u64 c, float logit) {
         float g = 0.0f;
@@ -145,9 +155,11 @@ __device__ __forceinline__ void gradient_row(
 // One block (of at most 1024 threads) per row; `per` is the logits a
 // thread holds (a power of two up to 8), HELD_IN_SHARED (the launch gives
 // the row's bytes of dynamic shared memory) or 0, chosen by the launcher.
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_gradient(
-    const float* logits, const u32* targets, float scale, void* out, int out_dtype, u64 vocab,
-    int per, u64* status) {
+// With `losses` (`cross_entropy_loss`), each row's loss instead of its
+// gradients.
+__device__ __forceinline__ void held_rows(
+    const float* logits, const u32* targets, float scale, void* out, int out_dtype, float* losses,
+    u64 vocab, int per, u64* status) {
     __shared__ float scratch[32];
     extern __shared__ float shared_row[];
     const u64 r = blockIdx.x;
@@ -160,7 +172,9 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_gradient(
     }
     const float* row = logits + r * vocab;
     const u64 base = r * vocab;
-#define ROW(P) gradient_row<P>(row, target, scale, vocab, out, out_dtype, base, scratch, shared_row)
+    float* loss = losses != nullptr ? losses + r : nullptr;
+#define ROW(P) \
+    gradient_row<P>(row, target, scale, vocab, out, out_dtype, base, scratch, shared_row, loss)
     switch (per) {
         case 1: ROW(1); break;
         case 2: ROW(2); break;
@@ -170,4 +184,16 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_gradient(
         default: ROW(0); break;
     }
 #undef ROW
+}
+
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_gradient(
+    const float* logits, const u32* targets, float scale, void* out, int out_dtype, u64 vocab,
+    int per, u64* status) {
+    held_rows(logits, targets, scale, out, out_dtype, nullptr, vocab, per, status);
+}
+
+// `Backend::cross_entropy_loss`: the forward's losses, the logits only read.
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_loss(
+    const float* logits, const u32* targets, float* losses, u64 vocab, int per, u64* status) {
+    held_rows(logits, targets, 0.0f, nullptr, DTYPE_F32, losses, vocab, per, status);
 }

@@ -25,6 +25,7 @@
 // per owned row that a chunk gives.
 #define ID_CHUNK 1024
 #define CHUNK_WORDS (ID_CHUNK / 32)
+static_assert(CHUNK_WORDS <= 32, "a row's non-zero words are one 32-bit mask");
 // Rows of one id whose loads a thread issues before adding them (in order).
 #define GATHER 8
 
@@ -81,6 +82,10 @@ extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_backward(
     // (Padded so that the 32 rows' words of one position are in 32 banks.)
     __shared__ u32 later[OWNER_ROWS][CHUNK_WORDS + 1];
     __shared__ u32 own_id[OWNER_ROWS];
+    // Per owned row: which of its `later` words are not zero (bit w for
+    // word w), so the adding threads visit only those (a thread walking
+    // all 32 rows x 32 words of every chunk was most of the kernel's time).
+    __shared__ u32 words_set[OWNER_ROWS];
     // A row of the block with a good id and no earlier row with that id yet.
     __shared__ int live[OWNER_ROWS];
     // An earlier row with its id was found in the current chunk.
@@ -124,6 +129,7 @@ extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_backward(
                 earlier[tid] = 0;
             }
             owns = live[tid] != 0;
+            words_set[tid] = 0;
         }
         bad = __syncthreads_or(found_bad) != 0 || bad;
         // A block that owns no id has nothing to write: done.
@@ -152,6 +158,9 @@ extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_backward(
                 if (before) {
                     atomicOr(&earlier[i], 1);
                 }
+                if (bits != 0) {
+                    atomicOr(&words_set[i], 1u << w);
+                }
             }
             later[i][w] = bits;
         }
@@ -162,7 +171,9 @@ extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_backward(
                     continue;
                 }
                 float sum = sums[i][tid];
-                for (u32 w = 0; w < CHUNK_WORDS; ++w) {
+                // The words in order, and their bits in order: row order.
+                for (u32 set = words_set[i]; set != 0; set &= set - 1) {
+                    const u32 w = __ffs(set) - 1;
                     u32 bits = later[i][w];
                     while (bits != 0) {
                         // Issue up to GATHER loads, then add them in order.

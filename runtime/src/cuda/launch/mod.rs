@@ -285,7 +285,7 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
     RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
 }
 
-/// The most dynamic shared memory `cross_entropy_gradient` asks for to
+/// The most dynamic shared memory `cross_entropy_gradient` (and `_loss`) asks for to
 /// hold a row of logits: 160 KiB, rows of up to 40,960 f32 logits (a
 /// 32,768-token vocabulary fits; an H200 gives a block up to 227 KiB).
 const CROSS_ENTROPY_SHARED_BYTES: usize = 160 << 10;
@@ -1220,9 +1220,32 @@ impl KernelSet {
         self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
     }
 
+    /// How `cross_entropy_gradient` and `cross_entropy_loss` hold a row:
+    /// their launch (a block a row) and `per` argument. A thread's logits
+    /// in registers (the smallest power of two that covers the row, up to
+    /// 8: more spill), else the row in shared memory where it fits the
+    /// reservation, else nowhere (read again per pass).
+    fn held_rows(&self, d: LossDims) -> Result<(LaunchConfig, i32)> {
+        let threads = reduce_threads(d.vocab, 1024);
+        let needed = d.vocab.div_ceil(threads as usize).next_power_of_two();
+        let row_bytes = d.vocab * DType::F32.bytes();
+        let (per, shared) = if needed <= 8 {
+            (needed as i32, 0)
+        } else if row_bytes <= self.cross_entropy_shared {
+            (-1, row_bytes as u32)
+        } else {
+            (0, 0)
+        };
+        let config = LaunchConfig {
+            shared_mem_bytes: shared,
+            ..per_item(d.rows, threads)?
+        };
+        Ok((config, per))
+    }
+
     /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32,
     /// read only) into `out` (f32 or bf16, `[rows, vocab]`; it may be
-    /// `logits` itself), the row held in registers where it fits.
+    /// `logits` itself).
     pub fn cross_entropy_gradient(
         &self,
         stream: &CudaStream,
@@ -1239,20 +1262,7 @@ impl KernelSet {
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
-        let threads = reduce_threads(d.vocab, 1024);
-        // Where the row is held: a thread's logits in registers (the
-        // smallest power of two that covers the row, up to 8: more spill),
-        // else the row in shared memory where it fits the reservation,
-        // else nowhere (read again per pass).
-        let needed = d.vocab.div_ceil(threads as usize).next_power_of_two();
-        let row_bytes = d.vocab * DType::F32.bytes();
-        let (per, shared) = if needed <= 8 {
-            (needed as i32, 0)
-        } else if row_bytes <= self.cross_entropy_shared {
-            (-1, row_bytes as u32)
-        } else {
-            (0, 0)
-        };
+        let (config, per) = self.held_rows(d)?;
         let vocab = d.vocab as u64;
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&logits.ptr)
@@ -1263,10 +1273,35 @@ impl KernelSet {
             .arg(&vocab)
             .arg(&per)
             .arg(&self.fault_ptr);
-        let config = LaunchConfig {
-            shared_mem_bytes: shared,
-            ..per_item(d.rows, threads)?
-        };
+        self.go(k, &mut b, config)
+    }
+
+    /// `Backend::cross_entropy_loss`: the losses of f32 `logits`, which it
+    /// only reads.
+    pub fn cross_entropy_loss(
+        &self,
+        stream: &CudaStream,
+        logits: GpuView,
+        targets: GpuView,
+        losses: GpuView,
+        d: LossDims,
+    ) -> Result<()> {
+        let k = "cross_entropy_loss";
+        Self::check_loss((k, "logits"), &logits, &targets, d)?;
+        exactly(k, "losses", &losses, DType::F32)?;
+        len(k, "losses", &losses, d.rows)?;
+        if d.vocab == 0 || d.rows == 0 {
+            return Ok(());
+        }
+        let (config, per) = self.held_rows(d)?;
+        let vocab = d.vocab as u64;
+        let mut b = stream.launch_builder(self.function(k)?);
+        b.arg(&logits.ptr)
+            .arg(&targets.ptr)
+            .arg(&losses.ptr)
+            .arg(&vocab)
+            .arg(&per)
+            .arg(&self.fault_ptr);
         self.go(k, &mut b, config)
     }
 
