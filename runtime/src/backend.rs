@@ -551,17 +551,14 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// The losses of [`Backend::cross_entropy_forward`] without the
     /// probabilities: `logits` are left unspecified. The head's forward
-    /// calls it; a backend reads each row once (no probabilities written),
-    /// and this default runs the forward.
+    /// calls it (a GPU reads each row once and writes no probabilities).
     fn cross_entropy_loss(
         &self,
         logits: SliceMut<'_, Self>,
         targets: Slice<'_, Self>,
         losses: SliceMut<'_, Self>,
         dims: LossDims,
-    ) -> Result<()> {
-        self.cross_entropy_forward(logits, targets, losses, dims)
-    }
+    ) -> Result<()>;
 
     /// [`Backend::cross_entropy_forward`] then
     /// [`Backend::cross_entropy_backward`] without the losses: the gradient
@@ -569,30 +566,16 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `[rows, vocab]`, the same values those two compute. With `out`
     /// (`[rows, vocab]`, f32 or bf16) the gradients are written there,
     /// rounded once, and `logits` are left unspecified; without it they
-    /// replace the logits. The head's backward calls it once a chunk. A
-    /// backend fuses it (one read of the logits, no f32 probabilities in
-    /// between); this default runs the two kernels and a cast.
+    /// replace the logits. The head's backward calls it once a chunk (a GPU
+    /// reads each row once, with no f32 probabilities in between).
     fn cross_entropy_gradient(
         &self,
-        mut logits: SliceMut<'_, Self>,
+        logits: SliceMut<'_, Self>,
         targets: Slice<'_, Self>,
         scale: f32,
         out: Option<SliceMut<'_, Self>>,
         dims: LossDims,
-    ) -> Result<()> {
-        let losses = self.alloc_uninit(dims.rows, DType::F32)?;
-        self.cross_entropy_forward(
-            self.reborrow_mut(&mut logits),
-            targets,
-            self.view_mut(&losses)?,
-            dims,
-        )?;
-        self.cross_entropy_backward(self.reborrow_mut(&mut logits), targets, scale, dims)?;
-        match out {
-            Some(out) => self.cast(self.as_slice(&logits), out),
-            None => Ok(()),
-        }
-    }
+    ) -> Result<()>;
 
     // ---- kernels: mixture of experts -------------------------------------------
     // Routing state is f32 (logits, scores, weights, the softmax sums) and

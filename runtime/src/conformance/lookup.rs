@@ -3,7 +3,7 @@
 //! Ids and targets are u32 device views.
 
 use super::Suite;
-use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
+use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase, Values};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{Backend, IGNORE_TARGET, LookupDims, LossDims};
@@ -154,7 +154,7 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
 
         let scale = 0.37f32;
         let probs = r::cross_entropy_forward(&logits, &targets, vocab).0;
-        let bwd = KernelCase::new("cross_entropy_backward", name)
+        let bwd = KernelCase::new("cross_entropy_backward", name.clone())
             .inout_f32("probs", probs)
             .input_u32("targets", &targets)
             .tolerance(tol.0, tol.1);
@@ -183,6 +183,91 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
                 vec![Expected::new("probs", grad).zeros_exact()]
             },
             launch,
+        );
+
+        // The losses alone: the logits are left unspecified.
+        let loss = KernelCase::new("cross_entropy_loss", name.clone())
+            .inout_f32("logits", logits.clone())
+            .input_u32("targets", &targets)
+            .output_f32("losses", rows)
+            .tolerance(tol.0, tol.1);
+        let loss = if refusals { loss.with_refusals() } else { loss };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.cross_entropy_loss(
+                b.view_mut("logits")?,
+                b.view("targets")?,
+                b.view_mut("losses")?,
+                dims,
+            )?;
+            Ok(vec![])
+        };
+        if refusals {
+            s.check_bad_input(
+                &loss,
+                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
+                launch,
+            );
+        }
+        s.check_kernel(
+            loss,
+            |x| {
+                let losses = r::cross_entropy_forward(&x["logits"], &targets, vocab).1;
+                vec![Expected::new("losses", losses).zeros_exact()]
+            },
+            launch,
+        );
+
+        // Forward and backward at once, into an output of the compute
+        // dtype (the logits then unspecified) or in place.
+        let gradient = |x: &Values| {
+            let probs = r::cross_entropy_forward(&x["logits"], &targets, vocab).0;
+            r::cross_entropy_backward(&probs, &targets, f64::from(scale), vocab)
+        };
+        let into = KernelCase::new("cross_entropy_gradient", format!("{name}, into `out`"))
+            .inout_f32("logits", logits.clone())
+            .input_u32("targets", &targets)
+            .output("out", rows * vocab)
+            .tolerance(tol.0, tol.1);
+        let into = if refusals { into.with_refusals() } else { into };
+        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+            dev.cross_entropy_gradient(
+                b.view_mut("logits")?,
+                b.view("targets")?,
+                scale,
+                Some(b.view_mut("out")?),
+                dims,
+            )?;
+            Ok(vec![])
+        };
+        if refusals {
+            s.check_bad_input(
+                &into,
+                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
+                launch,
+            );
+        }
+        s.check_kernel(
+            into,
+            |x| vec![Expected::new("out", gradient(x)).zeros_exact()],
+            launch,
+        );
+        let in_place = KernelCase::new("cross_entropy_gradient", format!("{name}, in place"))
+            .inout_f32("logits", logits.clone())
+            .input_u32("targets", &targets)
+            .tolerance(tol.0, tol.1);
+        s.check_kernel(
+            in_place,
+            |x| vec![Expected::new("logits", gradient(x)).zeros_exact()],
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                dev.cross_entropy_gradient(
+                    b.view_mut("logits")?,
+                    b.view("targets")?,
+                    scale,
+                    None,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
         );
     }
 }

@@ -746,6 +746,45 @@ impl Backend for CpuBackend {
         kernels::cross_entropy_backward(k.typed_out::<f32>("probs", probs)?, targets, scale, dims)
     }
 
+    fn cross_entropy_loss(
+        &self,
+        logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        losses: SliceMut<'_, Self>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let k = self.access("cross_entropy_loss");
+        let targets = k.typed_in::<u32>("targets", targets)?;
+        kernels::cross_entropy_loss(
+            k.typed_out::<f32>("logits", logits)?,
+            targets,
+            k.typed_out::<f32>("losses", losses)?,
+            dims,
+        )
+    }
+
+    fn cross_entropy_gradient(
+        &self,
+        logits: SliceMut<'_, Self>,
+        targets: Slice<'_, Self>,
+        scale: f32,
+        out: Option<SliceMut<'_, Self>>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let k = self.access("cross_entropy_gradient");
+        let targets = k.typed_in::<u32>("targets", targets)?;
+        let logits = k.typed_out::<f32>("logits", logits)?;
+        let Some(out) = out else {
+            return kernels::cross_entropy_gradient(logits, targets, scale, dims);
+        };
+        same_len(k.kernel(), logits.len(), out.len())?;
+        let mut out = k.f32_out("out", out)?;
+        kernels::cross_entropy_gradient(logits, targets, scale, dims)?;
+        // A bf16 `out` is rounded once, as a cast of the f32 gradients.
+        out.copy_from_slice(logits);
+        Ok(())
+    }
+
     fn moe_route_forward(
         &self,
         logits: Slice<'_, Self>,

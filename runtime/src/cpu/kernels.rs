@@ -27,7 +27,8 @@ pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
 pub use dense::{accumulate_sum, axpy, column_sum, copy_cols, matmul, scale};
 pub use grouped::grouped_matmul;
 pub use lookup::{
-    cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_forward,
+    cross_entropy_backward, cross_entropy_forward, cross_entropy_gradient, cross_entropy_loss,
+    embedding_backward, embedding_forward,
 };
 pub use moe::{
     gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_expert_counts,

@@ -90,7 +90,52 @@ pub fn cross_entropy_forward(
     losses: &mut [f32],
     dims: LossDims,
 ) -> Result<()> {
-    let kn = "cross_entropy_forward";
+    softmax_rows("cross_entropy_forward", logits, targets, losses, dims)
+}
+
+/// The losses of [`cross_entropy_forward`]; the logits become the
+/// probabilities (the backend contract leaves them unspecified).
+pub fn cross_entropy_loss(
+    logits: &mut [f32],
+    targets: &[u32],
+    losses: &mut [f32],
+    dims: LossDims,
+) -> Result<()> {
+    softmax_rows("cross_entropy_loss", logits, targets, losses, dims)
+}
+
+pub fn cross_entropy_backward(
+    probs: &mut [f32],
+    targets: &[u32],
+    scale: f32,
+    dims: LossDims,
+) -> Result<()> {
+    gradient_rows("cross_entropy_backward", probs, targets, scale, dims)
+}
+
+/// [`cross_entropy_forward`] then [`cross_entropy_backward`] in place,
+/// without the losses.
+pub fn cross_entropy_gradient(
+    logits: &mut [f32],
+    targets: &[u32],
+    scale: f32,
+    dims: LossDims,
+) -> Result<()> {
+    let kn = "cross_entropy_gradient";
+    let mut losses = vec![0.0f32; dims.rows];
+    softmax_rows(kn, logits, targets, &mut losses, dims)?;
+    gradient_rows(kn, logits, targets, scale, dims)
+}
+
+/// Each row of `logits` becomes its softmax, and `losses` its loss
+/// (`logsumexp - logit of the target`, 0 for an ignored target).
+fn softmax_rows(
+    kn: &'static str,
+    logits: &mut [f32],
+    targets: &[u32],
+    losses: &mut [f32],
+    dims: LossDims,
+) -> Result<()> {
     check::len(
         kn,
         "logits",
@@ -122,13 +167,15 @@ pub fn cross_entropy_forward(
     Ok(())
 }
 
-pub fn cross_entropy_backward(
+/// Each row of probabilities becomes `scale * (p - onehot(target))`, or
+/// zeros for an ignored target.
+fn gradient_rows(
+    kn: &'static str,
     probs: &mut [f32],
     targets: &[u32],
     scale: f32,
     dims: LossDims,
 ) -> Result<()> {
-    let kn = "cross_entropy_backward";
     check::len(
         kn,
         "probs",

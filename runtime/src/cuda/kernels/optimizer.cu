@@ -34,26 +34,62 @@ __device__ __forceinline__ void check_ranges(const u32* decayed, u32 n, u64 len,
     }
 }
 
-// decay = 1 - lr * weight_decay; bc1, bc2 the bias corrections (host-computed
-// in f64, rounded to f32, as the CPU reference does).
+// The constants of one Adam step: decay = 1 - lr * weight_decay; bc1, bc2
+// the bias corrections (host-computed in f64, rounded to f32, as the CPU
+// reference does).
+struct AdamStep {
+    float lr, beta1, beta2, eps, decay, grad_scale, bc1, bc2;
+
+    // One element, in the CPU reference's order of operations.
+    __device__ __forceinline__ void apply(float& p, float grad, float& m, float& v, bool decayed) const {
+        const float g = grad * grad_scale;
+        if (decayed) {
+            p *= decay;
+        }
+        const float mi = beta1 * m + (1.0f - beta1) * g;
+        const float vi = beta2 * v + (1.0f - beta2) * g * g;
+        m = mi;
+        v = vi;
+        const float m_hat = mi / bc1;
+        const float v_hat = vi / bc2;
+        p = p - lr * m_hat / (sqrtf(v_hat) + eps);
+    }
+};
+
+// Four elements a thread (16-byte loads and stores) where all four arrays
+// are 16-byte aligned, so more of the memory's bandwidth is in flight;
+// then the elements past the last whole quad (or all of them) one a thread.
 extern "C" __global__ void adam_update(
     float* param, const float* grad, float* m, float* v, const u32* decayed, u32 n_ranges, u64 n,
     float lr, float beta1, float beta2, float eps, float decay, float grad_scale, float bc1,
     float bc2, u64* status) {
     check_ranges(decayed, n_ranges, n, status);
-    for (u64 i = grid_start(); i < n; i += grid_stride()) {
-        const float g = grad[i] * grad_scale;
+    const AdamStep step{lr, beta1, beta2, eps, decay, grad_scale, bc1, bc2};
+    const u64 address_bits = reinterpret_cast<u64>(param) | reinterpret_cast<u64>(grad) |
+                             reinterpret_cast<u64>(m) | reinterpret_cast<u64>(v);
+    const u64 quads = address_bits % 16 == 0 ? n / 4 : 0;
+    for (u64 q = grid_start(); q < quads; q += grid_stride()) {
+        float4 p4 = reinterpret_cast<float4*>(param)[q];
+        const float4 g4 = reinterpret_cast<const float4*>(grad)[q];
+        float4 m4 = reinterpret_cast<float4*>(m)[q];
+        float4 v4 = reinterpret_cast<float4*>(v)[q];
+        const u64 i = 4 * q;
+        step.apply(p4.x, g4.x, m4.x, v4.x, is_decayed(decayed, n_ranges, i));
+        step.apply(p4.y, g4.y, m4.y, v4.y, is_decayed(decayed, n_ranges, i + 1));
+        step.apply(p4.z, g4.z, m4.z, v4.z, is_decayed(decayed, n_ranges, i + 2));
+        step.apply(p4.w, g4.w, m4.w, v4.w, is_decayed(decayed, n_ranges, i + 3));
+        reinterpret_cast<float4*>(m)[q] = m4;
+        reinterpret_cast<float4*>(v)[q] = v4;
+        reinterpret_cast<float4*>(param)[q] = p4;
+    }
+    for (u64 i = 4 * quads + grid_start(); i < n; i += grid_stride()) {
         float p = param[i];
-        if (is_decayed(decayed, n_ranges, i)) {
-            p *= decay;
-        }
-        const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-        const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        float mi = m[i];
+        float vi = v[i];
+        step.apply(p, grad[i], mi, vi, is_decayed(decayed, n_ranges, i));
         m[i] = mi;
         v[i] = vi;
-        const float m_hat = mi / bc1;
-        const float v_hat = vi / bc2;
-        param[i] = p - lr * m_hat / (sqrtf(v_hat) + eps);
+        param[i] = p;
     }
 }
 

@@ -290,17 +290,22 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
 /// 32,768-token vocabulary fits; an H200 gives a block up to 227 KiB).
 const CROSS_ENTROPY_SHARED_BYTES: usize = 160 << 10;
 
-/// Lets `cross_entropy_gradient` take [`CROSS_ENTROPY_SHARED_BYTES`] of
-/// dynamic shared memory; returns what it got (0 where the device refused:
-/// rows are then read from memory once per pass).
+/// Lets `cross_entropy_gradient` and `cross_entropy_loss` take
+/// [`CROSS_ENTROPY_SHARED_BYTES`] of dynamic shared memory; returns what
+/// they got (0 where the device refused either: rows are then read from
+/// memory once per pass).
 fn reserve_cross_entropy_rows(functions: &HashMap<&'static str, CudaFunction>) -> usize {
-    let got = functions.get("cross_entropy_gradient").is_some_and(|f| {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            CROSS_ENTROPY_SHARED_BYTES as i32,
-        )
-        .is_ok()
-    });
+    let got = ["cross_entropy_gradient", "cross_entropy_loss"]
+        .iter()
+        .all(|name| {
+            functions.get(name).is_some_and(|f| {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    CROSS_ENTROPY_SHARED_BYTES as i32,
+                )
+                .is_ok()
+            })
+        });
     if got { CROSS_ENTROPY_SHARED_BYTES } else { 0 }
 }
 
