@@ -632,9 +632,13 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             });
         }
 
-        // Activations.
+        // Activations: an odd length, and one of whole 8-element words (bf16
+        // takes the 8-element kernels).
         let n = 65_537;
-        for op in [Unary::Silu, Unary::Gelu, Unary::SquaredRelu] {
+        for (n, op) in [65_537, 65_536]
+            .into_iter()
+            .flat_map(|n| [Unary::Silu, Unary::Gelu, Unary::SquaredRelu].map(|op| (n, op)))
+        {
             cases.push(Case {
                 kernel: format!("unary_forward {op:?}"),
                 mode,

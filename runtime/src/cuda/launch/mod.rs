@@ -102,7 +102,10 @@ impl DeviceFault {
     /// The kernels that report this fault (what an error names).
     pub fn kernels(&self) -> &'static str {
         match self.code {
-            1 => "cross_entropy_forward / cross_entropy_backward",
+            1 => {
+                "cross_entropy_forward / cross_entropy_backward / cross_entropy_loss / \
+                 cross_entropy_gradient"
+            }
             2 => "moe_expert_counts / moe_sort_by_expert / moe_route_backward",
             3 => "moe_sort_by_expert / moe_expert_major_order",
             4 => "gather_rows / scatter_rows",
@@ -839,6 +842,7 @@ impl KernelSet {
             return Ok(());
         }
         let (code, n) = (unary_code(op), x.len as u64);
+        let vec8 = bf16_words(&[x, y], x.len);
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&code)
             .arg(&x.ptr)
@@ -846,7 +850,9 @@ impl KernelSet {
             .arg(&y.ptr)
             .arg(&yt)
             .arg(&n);
-        self.go(k, &mut b, grid_for(x.len))
+        let flag = i32::from(vec8);
+        b.arg(&flag);
+        self.go(k, &mut b, grid_for(if vec8 { x.len / 8 } else { x.len }))
     }
 
     /// `Backend::unary_backward`.
@@ -870,6 +876,7 @@ impl KernelSet {
             return Ok(());
         }
         let (code, n) = (unary_code(op), x.len as u64);
+        let vec8 = bf16_words(&[x, dy, dx], x.len);
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&code)
             .arg(&x.ptr)
@@ -879,7 +886,9 @@ impl KernelSet {
             .arg(&dx.ptr)
             .arg(&dxt)
             .arg(&n);
-        self.go(k, &mut b, grid_for(x.len))
+        let flag = i32::from(vec8);
+        b.arg(&flag);
+        self.go(k, &mut b, grid_for(if vec8 { x.len / 8 } else { x.len }))
     }
 
     /// `Backend::silu_mul_forward`.
