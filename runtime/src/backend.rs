@@ -752,9 +752,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// shard, ascending and disjoint (the matrices; norms, biases and other
     /// 1-D parameters are not decayed). Alignment gaps and padding hold zero
     /// parameters and gradients, which stay zero (so do their moments).
+    /// With `copy` (f32 or bf16, the shard's length), the updated parameters
+    /// are also written there, rounded once: the compute-precision copy,
+    /// which a cast would otherwise read the shard again for.
     fn adam_update(
         &self,
         param: SliceMut<'_, Self>,
+        copy: Option<SliceMut<'_, Self>>,
         grad: Slice<'_, Self>,
         moments: AdamMoments<SliceMut<'_, Self>>,
         decayed: Slice<'_, Self>,

@@ -18,7 +18,8 @@
 //! The update is one launch per bucket: AdamW (or SGD) over the whole
 //! shard, with weight decay on the matrices' element ranges (an u32 device
 //! buffer made once) and the clipping factor folded in as a gradient scale,
-//! then one cast of the master shard to the compute-precision parameters.
+//! then the compute-precision parameters refreshed from the master shard
+//! (Adam writes them as it updates; SGD's are cast after).
 //! Alignment gaps and padding ride along: zero parameters with zero
 //! gradients stay zero under both optimizers.
 
@@ -689,6 +690,7 @@ impl<D: Device> Optimizer<D> {
                     match config.kind {
                         OptimizerKind::Adam => backend.adam_update(
                             param,
+                            Some(shard.param.view_mut(backend)?),
                             grad,
                             AdamMoments {
                                 m: backend.view_mut(&state.exp_avg)?,
@@ -722,10 +724,13 @@ impl<D: Device> Optimizer<D> {
                                     weight_decay: config.weight_decay,
                                     grad_scale,
                                 },
-                            )?
+                            )?;
+                            backend.cast(
+                                backend.view(&shard.master)?,
+                                shard.param.view_mut(backend)?,
+                            )?;
                         }
                     }
-                    backend.cast(backend.view(&shard.master)?, shard.param.view_mut(backend)?)?;
                 }
                 Ok(())
             }),

@@ -1300,11 +1300,13 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 Host::F32(rng.vec(n, 0.1)),
                 moment_v,
                 Host::U32(decayed.clone()),
+                nan(n, DType::Bf16),
             ],
-            outputs: vec![0, 2, 3],
+            outputs: vec![0, 2, 3, 5],
             cpu: Box::new(move |b, x| {
                 b.adam_update(
                     m(&x[0]),
+                    Some(m(&x[5])),
                     v(&x[1]),
                     AdamMoments {
                         m: m(&x[2]),
@@ -1315,7 +1317,8 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 )
             }),
             gpu: Box::new(move |s, st, x| {
-                s.adam_update(st, x[0], x[1], AdamMoments { m: x[2], v: x[3] }, x[4], step)
+                let moments = AdamMoments { m: x[2], v: x[3] };
+                s.adam_update(st, (x[0], Some(x[5])), x[1], moments, x[4], step)
             }),
             reference: None,
         });

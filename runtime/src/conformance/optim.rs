@@ -108,6 +108,8 @@ fn adam<B: Backend>(s: &mut Suite<'_, B>) {
                 ),
             )
             .inout_f32("param", shard.values(s, -2.0, 2.0))
+            // The compute-precision copy of the updated parameters.
+            .output("copy", len)
             .input_f32("grad", shard.values(s, -2.0, 2.0))
             .inout_f32("m", shard.values(s, -1.0, 1.0))
             .inout_f32("v", shard.values(s, 0.0, 2.0))
@@ -119,6 +121,7 @@ fn adam<B: Backend>(s: &mut Suite<'_, B>) {
                 move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
                     dev.adam_update(
                         b.view_mut("param")?,
+                        Some(b.view_mut("copy")?),
                         b.view("grad")?,
                         AdamMoments {
                             m: b.view_mut("m")?,
@@ -148,6 +151,7 @@ fn adam<B: Backend>(s: &mut Suite<'_, B>) {
                     let (p, m, v) =
                         r::adam(&x["param"], &x["grad"], &x["m"], &x["v"], &ranges, hyper);
                     vec![
+                        Expected::new("copy", p.clone()).zeros_exact(),
                         Expected::new("param", p).zeros_exact(),
                         Expected::new("m", m).zeros_exact(),
                         Expected::new("v", v).zeros_exact(),

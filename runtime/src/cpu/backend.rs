@@ -990,20 +990,34 @@ impl Backend for CpuBackend {
     fn adam_update(
         &self,
         param: SliceMut<'_, Self>,
+        copy: Option<SliceMut<'_, Self>>,
         grad: Slice<'_, Self>,
         moments: AdamMoments<SliceMut<'_, Self>>,
         decayed: Slice<'_, Self>,
         step: AdamStep,
     ) -> Result<()> {
         let k = self.access("adam_update");
+        let param = k.typed_out::<f32>("param", param)?;
+        let mut copy = match copy {
+            Some(copy) => {
+                same_len(k.kernel(), param.len(), copy.len())?;
+                Some(k.f32_out("copy", copy)?)
+            }
+            None => None,
+        };
         kernels::adam_update(
-            k.typed_out::<f32>("param", param)?,
+            &mut *param,
             k.typed_in::<f32>("grad", grad)?,
             k.typed_out::<f32>("m", moments.m)?,
             k.typed_out::<f32>("v", moments.v)?,
             k.typed_in::<u32>("decayed", decayed)?,
             step,
-        )
+        )?;
+        // A bf16 copy is rounded once, as a cast of the shard.
+        if let Some(copy) = copy.as_mut() {
+            copy.copy_from_slice(param);
+        }
+        Ok(())
     }
 
     fn sgd_update(
@@ -1305,6 +1319,7 @@ mod tests {
         b.upload(&[0u32, 4], ViewMut::whole(&ranges)).unwrap();
         b.adam_update(
             ViewMut::whole(&p),
+            None,
             View::whole(&g),
             moments(),
             View::whole(&ranges),
@@ -1315,6 +1330,7 @@ mod tests {
         refused(
             b.adam_update(
                 ViewMut::whole(&p),
+                None,
                 View::whole(&g),
                 moments(),
                 View::whole(&float_ranges),

@@ -1243,6 +1243,7 @@ impl Backend for CudaBackend {
     fn adam_update(
         &self,
         param: SliceMut<'_, Self>,
+        copy: Option<SliceMut<'_, Self>>,
         grad: Slice<'_, Self>,
         moments: AdamMoments<SliceMut<'_, Self>>,
         decayed: Slice<'_, Self>,
@@ -1254,7 +1255,7 @@ impl Backend for CudaBackend {
         };
         self.k().adam_update(
             self.s(),
-            self.m(&param),
+            (self.m(&param), copy.as_ref().map(|c| self.m(c))),
             self.v(grad),
             moments,
             self.v(decayed),

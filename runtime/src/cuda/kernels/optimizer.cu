@@ -59,10 +59,12 @@ struct AdamStep {
 // Four elements a thread (16-byte loads and stores) where all four arrays
 // are 16-byte aligned, so more of the memory's bandwidth is in flight;
 // then the elements past the last whole quad (or all of them) one a thread.
+// With `copy` (of dtype `copy_dtype`), the updated parameters are also
+// stored there, rounded once (the compute-precision copy).
 extern "C" __global__ void adam_update(
-    float* param, const float* grad, float* m, float* v, const u32* decayed, u32 n_ranges, u64 n,
-    float lr, float beta1, float beta2, float eps, float decay, float grad_scale, float bc1,
-    float bc2, u64* status) {
+    float* param, void* copy, int copy_dtype, const float* grad, float* m, float* v,
+    const u32* decayed, u32 n_ranges, u64 n, float lr, float beta1, float beta2, float eps,
+    float decay, float grad_scale, float bc1, float bc2, u64* status) {
     check_ranges(decayed, n_ranges, n, status);
     const AdamStep step{lr, beta1, beta2, eps, decay, grad_scale, bc1, bc2};
     const u64 address_bits = reinterpret_cast<u64>(param) | reinterpret_cast<u64>(grad) |
@@ -81,6 +83,12 @@ extern "C" __global__ void adam_update(
         reinterpret_cast<float4*>(m)[q] = m4;
         reinterpret_cast<float4*>(v)[q] = v4;
         reinterpret_cast<float4*>(param)[q] = p4;
+        if (copy != nullptr) {
+            store(copy, copy_dtype, i, p4.x);
+            store(copy, copy_dtype, i + 1, p4.y);
+            store(copy, copy_dtype, i + 2, p4.z);
+            store(copy, copy_dtype, i + 3, p4.w);
+        }
     }
     for (u64 i = 4 * quads + grid_start(); i < n; i += grid_stride()) {
         float p = param[i];
@@ -90,6 +98,9 @@ extern "C" __global__ void adam_update(
         m[i] = mi;
         v[i] = vi;
         param[i] = p;
+        if (copy != nullptr) {
+            store(copy, copy_dtype, i, p);
+        }
     }
 }
 

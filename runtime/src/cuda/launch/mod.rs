@@ -1855,7 +1855,7 @@ impl KernelSet {
     pub fn adam_update(
         &self,
         stream: &CudaStream,
-        param: GpuView,
+        (param, copy): (GpuView, Option<GpuView>),
         grad: GpuView,
         moments: AdamMoments<GpuView>,
         decayed: GpuView,
@@ -1868,6 +1868,14 @@ impl KernelSet {
         exactly(k, "v", &v, DType::F32)?;
         len(k, "m", &m, param.len)?;
         len(k, "v", &v, param.len)?;
+        let (copy_ptr, copy_dtype) = match copy {
+            Some(c) => {
+                len(k, "copy", &c, param.len)?;
+                (c.ptr, float(k, "copy", &c)?)
+            }
+            // No copy: the kernel never reads the tag.
+            None => (0, 0),
+        };
         ensure(step.step >= 1, || format!("{k}: steps count from 1"))?;
         if param.len == 0 {
             return Ok(());
@@ -1880,6 +1888,8 @@ impl KernelSet {
         let n = param.len as u64;
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&param.ptr)
+            .arg(&copy_ptr)
+            .arg(&copy_dtype)
             .arg(&grad.ptr)
             .arg(&m.ptr)
             .arg(&v.ptr)
