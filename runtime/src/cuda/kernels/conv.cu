@@ -65,7 +65,7 @@ extern "C" __global__ void conv1d_backward_input(
 #define WORD_TAPS 4
 #define CONV_WORD_ROWS 32
 
-// Channel c0 + e's weight of tap j for j < TAPS, and its bias.
+// The weights of the 8 channels from c0: wk[j][e] is channel c0 + e's tap j.
 template <int TAPS>
 __device__ __forceinline__ void word_weights(
     const void* w, int w_dtype, u64 c0, float (&wk)[TAPS][8]) {

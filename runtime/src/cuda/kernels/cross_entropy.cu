@@ -1,7 +1,8 @@
 // Softmax cross-entropy of the output head, in place on f32 logits
-// (`Backend::cross_entropy_forward` and `cross_entropy_backward`, and both
-// at once in `cross_entropy_gradient`). One block per row; the row's max
-// and sum are block reductions of fixed shape.
+// (`Backend::cross_entropy_forward` and `cross_entropy_backward`; both at
+// once in `cross_entropy_gradient`, the losses alone in
+// `cross_entropy_loss`). One block per row; the row's max and sum are block
+// reductions of fixed shape.
 #include "common.cuh"
 
 // logits[r] becomes softmax(logits[r]); losses[r] = logsumexp - logit of the

@@ -288,9 +288,10 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
     RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
 }
 
-/// The most dynamic shared memory `cross_entropy_gradient` (and `_loss`) asks for to
-/// hold a row of logits: 160 KiB, rows of up to 40,960 f32 logits (a
-/// 32,768-token vocabulary fits; an H200 gives a block up to 227 KiB).
+/// The most dynamic shared memory `cross_entropy_gradient` and
+/// `cross_entropy_loss` ask for to hold a row of logits: 160 KiB, rows of
+/// up to 40,960 f32 logits (a 32,768-token vocabulary fits; an H200 gives a
+/// block up to 227 KiB).
 const CROSS_ENTROPY_SHARED_BYTES: usize = 160 << 10;
 
 /// Lets `cross_entropy_gradient` and `cross_entropy_loss` take
@@ -322,8 +323,9 @@ pub struct KernelSet {
     functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
     flash_attention: bool,
-    /// The dynamic shared memory `cross_entropy_gradient` may take to hold
-    /// a row (0 where the device gave none).
+    /// The dynamic shared memory `cross_entropy_gradient` and
+    /// `cross_entropy_loss` may take to hold a row (0 where the device gave
+    /// none).
     cross_entropy_shared: usize,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,

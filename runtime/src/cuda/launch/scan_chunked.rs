@@ -978,30 +978,30 @@ struct Call<'a> {
 }
 
 /// Whether the `_quads` kernels (`scan_chunked.cu`: 4 elements a thread,
-/// 32-bit indices) take a call: P, N and Q multiples of 4, every scratch
-/// part 16-byte aligned, and a slice's largest array (the heads' scores)
-/// and the item and step counts within 31 bits.
+/// 32-bit indices) take a call: P, N and Q multiples of 4 (a quad never
+/// straddles two heads or rows), every scratch part 16-byte aligned, and
+/// every index they compute within 31 bits: a slice's largest arrays (the
+/// heads' scores, and the quads of x, B and C that packing walks), the
+/// problem's (item, step) pairs and the steps of a sequence and its padding.
 fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts) -> bool {
-    let fits = |factors: &[usize]| {
+    let within = |factors: &[usize]| {
         factors
             .iter()
             .try_fold(1usize, |acc, &f| acc.checked_mul(f))
-            .is_some_and(|n| n < 1 << 31)
+            .is_some_and(|n| n <= i32::MAX as usize)
     };
-    let q = dims.chunk;
+    let (per_slice, q) = (plan.items_per_slice, dims.chunk);
+    // x's columns and one of B or C's, per step.
+    let packed = (dims.heads.saturating_mul(dims.head_dim))
+        .saturating_add(dims.groups.saturating_mul(dims.state));
     [dims.head_dim, dims.state, q]
         .iter()
         .all(|d| d.is_multiple_of(4))
         && parts.all().iter().all(|p| p.ptr.is_multiple_of(16))
-        && fits(&[plan.items_per_slice, dims.heads.max(dims.groups), q, q])
-        && fits(&[
-            plan.items_per_slice,
-            dims.groups,
-            q,
-            (dims.heads * dims.head_dim + 2 * dims.state * dims.groups) / 4 + 1,
-        ])
-        && fits(&[items.max(1), q])
-        && fits(&[dims.tokens.seq.max(1) + q])
+        && within(&[per_slice, dims.heads, q, q])
+        && within(&[per_slice, q, packed])
+        && within(&[items, dims.heads, q])
+        && within(&[dims.tokens.seq.saturating_add(q)])
 }
 
 impl<'a> Call<'a> {
@@ -1099,6 +1099,38 @@ mod tests {
         assert_eq!(ScanChunkPlan::new(no_state, usize::MAX), None);
         let bad_groups = ScanDims { groups: 7, ..d };
         assert_eq!(ScanChunkPlan::new(bad_groups, usize::MAX), None);
+    }
+
+    #[test]
+    fn the_quad_kernels_take_aligned_scratch_and_shapes_of_whole_quads() {
+        let takes = |d: ScanDims, base: u64| {
+            let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+            let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
+            let scratch = GpuView::new(base, plan.scratch_len(d), DType::F32);
+            takes_quads(d, plan, items, &Parts::new(scratch, d, plan, items))
+        };
+        // The benchmark's scan, on an aligned scratch.
+        assert!(takes(dims(1, 4096, 256), 1 << 20));
+        // A scratch 4 bytes off, a chunk or a state that is not whole
+        // quads: the element kernels.
+        assert!(!takes(dims(1, 4096, 256), (1 << 20) + 4));
+        assert!(!takes(dims(1, 4096, 250), 1 << 20));
+        let odd_state = ScanDims {
+            state: 130,
+            ..dims(1, 4096, 256)
+        };
+        assert!(!takes(odd_state, 1 << 20));
+        // Parts one item long (3 heads of 4 x 4 states) lie 12 bytes apart:
+        // not every part is aligned.
+        let narrow = ScanDims {
+            tokens: Tokens::new(1, 4),
+            heads: 3,
+            head_dim: 4,
+            groups: 1,
+            state: 4,
+            chunk: 4,
+        };
+        assert!(!takes(narrow, 1 << 20));
     }
 
     #[test]
