@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark of issue "Speed on GPUs": hybridgen on the
 # `bench-hybrid-moe` preset on 1 GPU (EP 1, no communication) and on 2 GPUs
-# (EP 2, ZeRO-3; the overlap and the plain schedule), then PyTorch's rows
+# (EP 2, ZeRO-3), each with the overlap and the plain schedule, then PyTorch's rows
 # of the same model (shared/bench/torch_ref, its `fast` stage) in the same
 # run, and one table: step ms (median of 10 after 3 warm-up steps),
 # tokens/s per GPU, TFLOP/s per GPU, MFU, peak GPU memory, exposed
@@ -94,6 +94,9 @@ PY
 }
 
 row hybridgen-1gpu 1 --schedule overlap
+# One GPU has no communication to hide: the plain schedule (one micro-batch
+# in flight) shows what the overlap schedule's interleaving costs there.
+row hybridgen-1gpu-plain 1 --schedule plain
 row hybridgen-2gpu-overlap 2 --schedule overlap
 row hybridgen-2gpu-plain 2 --schedule plain
 
