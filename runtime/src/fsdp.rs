@@ -276,6 +276,10 @@ pub type ParamAccess<D> = BufferAccess<D, Arc<Buf<D>>>;
 /// A unit's gradients (written by one lane work at a time).
 pub type GradAccess<D> = BufferAccess<D, Arc<Buf<D>>>;
 
+/// What fills the master weights: elements `range` of parameter `p` (by
+/// index into `plan.params`) into a slice of `range.len()` values.
+pub type InitParams<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) -> Result<()> + 'a;
+
 /// The engine of one rank.
 pub struct FsdpEngine<D: Device> {
     plan: Arc<Plan>,
@@ -306,16 +310,18 @@ impl<D: Device> FsdpEngine<D> {
     /// Builds the engine: allocates shards, the unit pool (`resident_units`
     /// parameter buffers and `grad_buffers` gradient buffers, from the
     /// schedule's dry run) and the non-unit buffers, and fills the master
-    /// weights from `init`, which writes a whole parameter (by index into
-    /// `plan.params`). Every rank initialises every parameter it holds the
-    /// same way, so sharding never changes the initial values.
+    /// weights from `init`, which writes elements `range` of a parameter (by
+    /// index into `plan.params`) into a slice of that length. A rank fills
+    /// only the elements its shards hold (a ZeRO-3 rank of two draws half
+    /// the model), with the values the whole parameter has there, so
+    /// sharding never changes the initial values.
     pub fn new(
         plan: Arc<Plan>,
         sharding: Sharding,
         rank: &RankContext<D>,
         resident_units: usize,
         grad_buffers: usize,
-        init: &dyn Fn(usize, &mut [f32]) -> Result<()>,
+        init: &InitParams<'_>,
     ) -> Result<Self> {
         let backend = &rank.backend;
         let compute = backend.compute_dtype();
@@ -365,21 +371,29 @@ impl<D: Device> FsdpEngine<D> {
 
         let mut shards = Vec::with_capacity(plan.buckets.len());
         let mut max_shard = 0;
-        let mut full = Vec::new();
+        let mut host = Vec::new();
         for b in plan.buckets.iter() {
-            let world = world_of(b);
             let shard_range = layout.owned_range(&plan, b, rank.rank);
             max_shard = max_shard.max(shard_range.len());
-            full.clear();
-            full.resize(b.padded_numel(world), 0.0);
+            // The shard's elements: each parameter's part inside it, zero
+            // in the alignment gaps and padding.
+            host.clear();
+            host.resize(shard_range.len(), 0.0);
             for &p in b.params.iter() {
                 let param = &plan.params[p];
                 let numel = plan.def(param).numel();
-                init(p, &mut full[param.offset..param.offset + numel])?;
+                let start = param.offset.max(shard_range.start);
+                let end = (param.offset + numel).min(shard_range.end);
+                if start < end {
+                    init(
+                        p,
+                        start - param.offset..end - param.offset,
+                        &mut host[start - shard_range.start..end - shard_range.start],
+                    )?;
+                }
             }
-            let host = &full[shard_range.clone()];
             let master = backend.alloc_uninit(host.len(), DType::F32)?;
-            backend.upload(host, backend.view_mut(&master)?)?;
+            backend.upload(&host, backend.view_mut(&master)?)?;
             let home = match b.unit {
                 Some(u) => sole[u].as_ref().map(|s| (&s.params, &s.grads)),
                 None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
@@ -972,5 +986,87 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Each ZeRO-3 rank of two draws only the elements of its shards (the
+    /// two together draw each element once), and its master shards hold
+    /// what the whole parameters hold there: index `i` of a parameter is
+    /// given the value `p + i / numel`, which names both.
+    #[test]
+    fn a_rank_fills_only_its_shards_with_the_whole_parameters_values() {
+        use crate::backend::Precision;
+        use crate::collective::DEFAULT_TIMEOUT;
+        use crate::device::Cpu;
+        use crate::platform::{CpuPlatform, Platform, RankSettings};
+        use crate::trace::TraceRecorder;
+        use std::sync::Mutex;
+
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "M[*E]-".into();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(2, 1),
+            ..PlanOptions::default()
+        };
+        let plan = Arc::new(Plan::new(&model, &options).unwrap());
+        let settings = RankSettings {
+            ep: 1,
+            precision: Precision::F32,
+            timeout: DEFAULT_TIMEOUT,
+            trace: Arc::new(TraceRecorder::statistics_only()),
+            attention: Default::default(),
+        };
+        let platform = CpuPlatform::new(2, settings.timeout).unwrap();
+        let numel = |p: usize| plan.def(&plan.params[p]).numel();
+        let value = |p: usize, i: usize| p as f32 + i as f32 / numel(p) as f32;
+        // Ranks join their communicators together: one thread each.
+        let drawn_by_rank: Vec<usize> = std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..2)
+                .map(|r| {
+                    let (platform, settings, plan) = (&platform, &settings, &plan);
+                    scope.spawn(move || {
+                        let rank = platform.rank(r, settings).unwrap();
+                        let drawn = Mutex::new(0usize);
+                        let init = |p: usize, range: Range<usize>, out: &mut [f32]| {
+                            *drawn.lock().unwrap() += out.len();
+                            for (v, i) in out.iter_mut().zip(range) {
+                                *v = value(p, i);
+                            }
+                            Ok(())
+                        };
+                        let engine: FsdpEngine<Cpu> =
+                            FsdpEngine::new(plan.clone(), Sharding::Zero3, &rank, 2, 1, &init)
+                                .unwrap();
+                        for b in plan.buckets.iter() {
+                            let shard = &engine.shards()[b.id];
+                            let owned = engine.layout.owned_range(plan, b, r);
+                            let mut got = vec![0.0f32; owned.len()];
+                            let backend = &rank.backend;
+                            backend
+                                .download(backend.view(&shard.master).unwrap(), &mut got)
+                                .unwrap();
+                            // What the whole bucket holds over this rank's piece.
+                            let mut want = vec![0.0f32; owned.len()];
+                            for &p in b.params.iter() {
+                                let offset = plan.params[p].offset;
+                                for i in 0..numel(p) {
+                                    if owned.contains(&(offset + i)) {
+                                        want[offset + i - owned.start] = value(p, i);
+                                    }
+                                }
+                            }
+                            assert_eq!(got, want, "rank {r}, bucket {}", b.id);
+                        }
+                        drawn.into_inner().unwrap()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let total: usize = (0..plan.params.len()).map(numel).sum();
+        assert_eq!(drawn_by_rank.iter().sum::<usize>(), total);
+        assert!(
+            drawn_by_rank.iter().all(|&d| d < total),
+            "{drawn_by_rank:?}"
+        );
     }
 }

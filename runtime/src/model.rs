@@ -2,10 +2,11 @@
 //! its weights from (its parameters' indices into the plan, in order).
 
 use crate::error::{Result, RuntimeError};
-use crate::layers::{Embedding, FinalNorm, Head, InitScale, LayerImpl, MtpEntry, init_param};
+use crate::layers::{Embedding, FinalNorm, Head, InitScale, LayerImpl, MtpEntry, init_param_range};
 use hybridgen_dsl::Plan;
 use hybridgen_dsl::plan::{LayerRef, ModuleKind, Owner};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// One rank's model: every layer's implementation, built once.
@@ -179,11 +180,26 @@ impl ModelRuntime {
         }
     }
 
-    /// Fills parameter `p` (whole) with its initial values.
-    pub fn init_param(&self, seed: u64, p: usize, ep_rank: usize, out: &mut [f32]) -> Result<()> {
+    /// Fills `out` with elements `range` of parameter `p`'s initial values
+    /// (the values the whole parameter has there).
+    pub fn init_param(
+        &self,
+        seed: u64,
+        p: usize,
+        ep_rank: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
         let scale = InitScale::new(&self.plan.model, self.plan.physical_layers());
         let def = self.plan.def(&self.plan.params[p]);
-        init_param(seed, &self.init_name(p, ep_rank), def, &scale, out)
+        let name = self.init_name(p, ep_rank);
+        if range.len() != out.len() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "init of `{name}`: {} values for elements {range:?}",
+                out.len()
+            )));
+        }
+        init_param_range(seed, &name, def, &scale, range.start, out)
     }
 }
 

@@ -899,7 +899,7 @@ mod tests {
         };
         let platform = CpuPlatform::new(1, settings.timeout).unwrap();
         let rank = platform.rank(0, &settings).unwrap();
-        let init = |p: usize, out: &mut [f32]| {
+        let init = |p: usize, _: Range<usize>, out: &mut [f32]| {
             out.fill(if Some(p) == poisoned { f32::NAN } else { 0.01 });
             Ok(())
         };

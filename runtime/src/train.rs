@@ -877,9 +877,9 @@ fn run_rank<D: Device>(
         &rank,
         program.max_resident_units,
         program.max_grad_buffers,
-        &|p, out| match &config.init_from {
-            Some(weights) => weights.fill(&plan, p, ep_rank, out),
-            None => model.init_param(config.seed, p, ep_rank, out),
+        &|p, range, out| match &config.init_from {
+            Some(weights) => weights.fill(&plan, p, ep_rank, range, out),
+            None => model.init_param(config.seed, p, ep_rank, range, out),
         },
     )?;
     startup.params = phase.elapsed();

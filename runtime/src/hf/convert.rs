@@ -331,19 +331,29 @@ impl HfWeights {
         Ok(out)
     }
 
-    /// Fills `out` with parameter `p` of `plan` (the run's plan, any `ep`)
-    /// as EP rank `ep_rank` holds it.
-    pub fn fill(&self, plan: &Plan, p: usize, ep_rank: usize, out: &mut [f32]) -> Result<()> {
-        let key = plan.checkpoint_key(&plan.params[p], ep_rank);
+    /// Fills `out` with elements `range` of parameter `p` of `plan` (the
+    /// run's plan, any `ep`) as EP rank `ep_rank` holds it.
+    pub fn fill(
+        &self,
+        plan: &Plan,
+        p: usize,
+        ep_rank: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let param = &plan.params[p];
+        let key = plan.checkpoint_key(param, ep_rank);
         let values = self.values(&key)?;
-        if values.len() != out.len() {
+        let numel = plan.def(param).numel();
+        if values.len() != numel || range.end > numel || range.len() != out.len() {
             return Err(RuntimeError::InvalidArgument(format!(
-                "`{key}`: {} values for {} elements",
+                "`{key}`: {} values for a parameter of {numel} elements, asked for elements \
+                 {range:?} into {} values",
                 values.len(),
                 out.len()
             )));
         }
-        out.copy_from_slice(&values);
+        out.copy_from_slice(&values[range]);
         Ok(())
     }
 }
