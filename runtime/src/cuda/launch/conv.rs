@@ -42,6 +42,7 @@ const WINDOW_TAPS: usize = 16;
 /// and the rows each of their threads walks (`CONV_WORD_ROWS`).
 const WORD_TAPS: usize = 4;
 const WORD_ROWS: usize = 32;
+/// Threads of a `_words` block: 128 words, 1,024 channels of a run.
 const WORD_THREADS: u32 = 128;
 
 /// The launch of a `_words` kernel (8 bf16 channels a thread, a run of
