@@ -994,11 +994,8 @@ mod tests {
     /// given the value `p + i / numel`, which names both.
     #[test]
     fn a_rank_fills_only_its_shards_with_the_whole_parameters_values() {
-        use crate::backend::Precision;
-        use crate::collective::DEFAULT_TIMEOUT;
         use crate::device::Cpu;
         use crate::platform::{CpuPlatform, Platform, RankSettings};
-        use crate::trace::TraceRecorder;
         use std::sync::Mutex;
 
         let mut model = ModelConfig::preset("tiny").unwrap();
@@ -1008,13 +1005,7 @@ mod tests {
             ..PlanOptions::default()
         };
         let plan = Arc::new(Plan::new(&model, &options).unwrap());
-        let settings = RankSettings {
-            ep: 1,
-            precision: Precision::F32,
-            timeout: DEFAULT_TIMEOUT,
-            trace: Arc::new(TraceRecorder::statistics_only()),
-            attention: Default::default(),
-        };
+        let settings = RankSettings::for_tests();
         let platform = CpuPlatform::new(2, settings.timeout).unwrap();
         let numel = |p: usize| plan.def(&plan.params[p]).numel();
         let value = |p: usize, i: usize| p as f32 + i as f32 / numel(p) as f32;

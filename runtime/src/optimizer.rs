@@ -743,11 +743,8 @@ impl<D: Device> Optimizer<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Precision;
-    use crate::collective::DEFAULT_TIMEOUT;
     use crate::device::Cpu;
     use crate::platform::{CpuPlatform, Platform, RankSettings};
-    use crate::trace::TraceRecorder;
     use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
 
     fn plan(pattern: &str, ranks: usize, ep: usize) -> Plan {
@@ -890,13 +887,7 @@ mod tests {
             ..PlanOptions::default()
         };
         let plan = Arc::new(Plan::new(&model, &options).unwrap());
-        let settings = RankSettings {
-            ep: 1,
-            precision: Precision::F32,
-            timeout: DEFAULT_TIMEOUT,
-            trace: Arc::new(TraceRecorder::statistics_only()),
-            attention: Default::default(),
-        };
+        let settings = RankSettings::for_tests();
         let platform = CpuPlatform::new(1, settings.timeout).unwrap();
         let rank = platform.rank(0, &settings).unwrap();
         let init = |p: usize, _: Range<usize>, out: &mut [f32]| {

@@ -37,6 +37,21 @@ pub struct RankSettings {
     pub attention: AttentionBackend,
 }
 
+#[cfg(test)]
+impl RankSettings {
+    /// What the unit tests build ranks with: f32, EP 1, the default
+    /// timeout, a trace that keeps statistics only.
+    pub(crate) fn for_tests() -> RankSettings {
+        RankSettings {
+            ep: 1,
+            precision: Precision::F32,
+            timeout: crate::collective::DEFAULT_TIMEOUT,
+            trace: Arc::new(TraceRecorder::statistics_only()),
+            attention: AttentionBackend::default(),
+        }
+    }
+}
+
 /// The ranks of a run and the device they run on.
 pub trait Platform: Sync {
     type Device: Device;
