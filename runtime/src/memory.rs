@@ -1110,23 +1110,26 @@ mod tests {
         // In f32, the GEMM path: f32 scores and probabilities, 8 bytes a
         // score entry (bf16 problems it takes store split bf16
         // probabilities, also 8 bytes).
-        {
-            let dtype = DType::F32;
-            let scratch = |kinds: &[LayerKind], caps| {
-                gpu_kernel_scratch(&model, kinds, tokens, dtype, AttentionBackend::Flash, caps)
-            };
-            assert_eq!(scratch(&kinds, (512 << 20, 0)), attention, "{dtype}");
-            // A cap one KV head's scores do not fit: the tiled kernels, no
-            // scratch; the scan's is what is left.
-            assert_eq!(scratch(&kinds, (1 << 20, 0)), scan, "{dtype}");
-            // Without attention layers, only the scan counts.
-            let no_attention = [LayerKind::Mamba, LayerKind::Moe];
-            assert_eq!(scratch(&no_attention, (512 << 20, 0)), scan, "{dtype}");
-            // The chunked scan backward under the default cap: one slice
-            // of all 16 chunks, more than attention's.
-            let defaults = (512 << 20, crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES);
-            assert_eq!(scratch(&kinds, defaults), chunked, "{dtype}");
-        }
+        let f32_scratch = |kinds: &[LayerKind], caps| {
+            gpu_kernel_scratch(
+                &model,
+                kinds,
+                tokens,
+                DType::F32,
+                AttentionBackend::Flash,
+                caps,
+            )
+        };
+        assert_eq!(f32_scratch(&kinds, (512 << 20, 0)), attention);
+        // A cap one KV head's scores do not fit: the tiled kernels, no
+        // scratch; the scan's is what is left.
+        assert_eq!(f32_scratch(&kinds, (1 << 20, 0)), scan);
+        // Without attention layers, only the scan counts.
+        let no_attention = [LayerKind::Mamba, LayerKind::Moe];
+        assert_eq!(f32_scratch(&no_attention, (512 << 20, 0)), scan);
+        // The chunked scan backward under the default cap: one slice of all
+        // 16 chunks, more than attention's.
+        assert_eq!(f32_scratch(&kinds, defaults), chunked);
         // On a GPU the need takes it where it is more than the CPU's.
         let need = MemoryNeed::new(
             1,

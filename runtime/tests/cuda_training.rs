@@ -155,33 +155,28 @@ fn bf16_training_with_flash_attention_follows_the_cpu() {
         flash_run.param_hash, unfused_run.param_hash,
         "the unfused backend ran the same kernels"
     );
-    for (c, u) in cpu.iter().zip(&unfused) {
-        assert!(
-            relative(u.loss, c.loss) <= 5e-3,
-            "unfused step {}: loss {} vs {}",
-            c.step,
-            u.loss,
-            c.loss
-        );
-    }
-    for (c, g) in cpu.iter().zip(&gpu) {
-        println!(
-            "step {}: cpu {:.6} gpu {:.6} (rel {:.1e}), grad norm {:.4} {:.4} (rel {:.1e})",
-            c.step,
-            c.loss,
-            g.loss,
-            relative(g.loss, c.loss),
-            c.grad_norm,
-            g.grad_norm,
-            relative(g.grad_norm, c.grad_norm)
-        );
-        assert!(
-            relative(g.loss, c.loss) <= 5e-3,
-            "step {}: loss {} vs {}",
-            c.step,
-            g.loss,
-            c.loss
-        );
+    for (backend, steps) in [("flash", &gpu), ("unfused", &unfused)] {
+        assert_eq!(steps.len(), cpu.len(), "{backend}: steps run");
+        for (c, g) in cpu.iter().zip(steps) {
+            println!(
+                "{backend} step {}: cpu {:.6} gpu {:.6} (rel {:.1e}), grad norm {:.4} {:.4} \
+                 (rel {:.1e})",
+                c.step,
+                c.loss,
+                g.loss,
+                relative(g.loss, c.loss),
+                c.grad_norm,
+                g.grad_norm,
+                relative(g.grad_norm, c.grad_norm)
+            );
+            assert!(
+                relative(g.loss, c.loss) <= 5e-3,
+                "{backend} step {}: loss {} vs {}",
+                c.step,
+                g.loss,
+                c.loss
+            );
+        }
     }
     assert!(
         relative(gpu[0].grad_norm, cpu[0].grad_norm) <= 2e-2,

@@ -294,6 +294,11 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
 /// block up to 227 KiB).
 const CROSS_ENTROPY_SHARED_BYTES: usize = 160 << 10;
 
+/// The `per` argument of `cross_entropy_gradient` and `cross_entropy_loss`
+/// that holds the row in shared memory (`HELD_IN_SHARED` in
+/// `cross_entropy.cu`).
+const HELD_IN_SHARED: i32 = -1;
+
 /// Lets `cross_entropy_gradient` and `cross_entropy_loss` take
 /// [`CROSS_ENTROPY_SHARED_BYTES`] of dynamic shared memory; returns what
 /// they got (0 where the device refused either: rows are then read from
@@ -1186,6 +1191,12 @@ impl KernelSet {
         len(k, "targets", targets, d.rows)
     }
 
+    /// `losses`: f32, one a row.
+    fn check_losses(k: &str, losses: &GpuView, d: LossDims) -> Result<()> {
+        exactly(k, "losses", losses, DType::F32)?;
+        len(k, "losses", losses, d.rows)
+    }
+
     /// `Backend::cross_entropy_forward`, in place.
     pub fn cross_entropy_forward(
         &self,
@@ -1197,8 +1208,7 @@ impl KernelSet {
     ) -> Result<()> {
         let k = "cross_entropy_forward";
         Self::check_loss((k, "logits"), &logits, &targets, d)?;
-        exactly(k, "losses", &losses, DType::F32)?;
-        len(k, "losses", &losses, d.rows)?;
+        Self::check_losses(k, &losses, d)?;
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
@@ -1248,7 +1258,7 @@ impl KernelSet {
         let (per, shared) = if needed <= 8 {
             (needed as i32, 0)
         } else if row_bytes <= self.cross_entropy_shared {
-            (-1, row_bytes as u32)
+            (HELD_IN_SHARED, row_bytes as u32)
         } else {
             (0, 0)
         };
@@ -1304,8 +1314,7 @@ impl KernelSet {
     ) -> Result<()> {
         let k = "cross_entropy_loss";
         Self::check_loss((k, "logits"), &logits, &targets, d)?;
-        exactly(k, "losses", &losses, DType::F32)?;
-        len(k, "losses", &losses, d.rows)?;
+        Self::check_losses(k, &losses, d)?;
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }

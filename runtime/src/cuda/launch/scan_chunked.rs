@@ -23,7 +23,7 @@ use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
-use cudarc::driver::{CudaStream, LaunchArgs, PushKernelArg};
+use cudarc::driver::{CudaStream, DeviceRepr, LaunchArgs, PushKernelArg};
 
 /// The most scratch a chunked call takes by default (1.25 GiB): a
 /// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
@@ -233,7 +233,7 @@ impl Parts {
             view
         };
         let heads = items * dims.heads;
-        Parts {
+        let mut parts = Parts {
             carry: next(heads * dims.head_dim * dims.state),
             chunk_decay: next(heads),
             partials: next(2 * heads),
@@ -253,7 +253,9 @@ impl Parts {
             m: next(n * lens.head_scores),
             d_m: next(n * lens.head_scores),
             quads: false,
-        }
+        };
+        parts.quads = takes_quads(dims, plan, items, &parts);
+        parts
     }
 }
 
@@ -864,8 +866,9 @@ impl KernelSet {
 }
 
 /// `first_item, items, seq, heads, head_dim, groups, state, chunk`: the
-/// tail of the slice kernels' arguments.
-struct SliceArgs([u64; 8]);
+/// tail of the slice kernels' arguments, in 64 bits (or, for the `_quads`
+/// kernels, 32).
+struct SliceArgs<T = u64>([T; 8]);
 
 impl SliceArgs {
     fn new(dims: ScanDims, first: usize, count: usize) -> SliceArgs {
@@ -884,23 +887,14 @@ impl SliceArgs {
         )
     }
 
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
-        for v in &self.0 {
-            b.arg(v);
-        }
-    }
-
     /// The same as the `_quads` kernels take them (32-bit: `takes_quads`
     /// checked that they fit).
-    fn narrow(&self) -> NarrowSliceArgs {
-        NarrowSliceArgs(self.0.map(|v| v as u32))
+    fn narrow(&self) -> SliceArgs<u32> {
+        SliceArgs(self.0.map(|v| v as u32))
     }
 }
 
-/// [`SliceArgs`] in 32 bits.
-struct NarrowSliceArgs([u32; 8]);
-
-impl NarrowSliceArgs {
+impl<T: DeviceRepr> SliceArgs<T> {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         for v in &self.0 {
             b.arg(v);
@@ -1024,12 +1018,10 @@ impl<'a> Call<'a> {
             a_log,
             d,
         } = inputs;
-        let mut parts = Parts::new(scratch, dims, plan, items);
-        parts.quads = takes_quads(dims, plan, items, &parts);
         Ok(Call {
             blas,
             queues,
-            parts,
+            parts: Parts::new(scratch, dims, plan, items),
             plan,
             items,
             operands: Operands {
@@ -1107,7 +1099,7 @@ mod tests {
             let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
             let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
             let scratch = GpuView::new(base, plan.scratch_len(d), DType::F32);
-            takes_quads(d, plan, items, &Parts::new(scratch, d, plan, items))
+            Parts::new(scratch, d, plan, items).quads
         };
         // The benchmark's scan, on an aligned scratch.
         assert!(takes(dims(1, 4096, 256), 1 << 20));
