@@ -345,11 +345,16 @@ impl HfWeights {
         let key = plan.checkpoint_key(param, ep_rank);
         let values = self.values(&key)?;
         let numel = plan.def(param).numel();
-        if values.len() != numel || range.end > numel || range.len() != out.len() {
+        if values.len() != numel {
             return Err(RuntimeError::InvalidArgument(format!(
-                "`{key}`: {} values for a parameter of {numel} elements, asked for elements \
-                 {range:?} into {} values",
-                values.len(),
+                "`{key}`: the Hugging Face folder holds {} values for a parameter of {numel}: \
+                 its config.json and its tensors disagree (fetch the folder again)",
+                values.len()
+            )));
+        }
+        if range.end > numel || range.len() != out.len() {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "`{key}`: elements {range:?} of {numel} asked into {} values",
                 out.len()
             )));
         }
