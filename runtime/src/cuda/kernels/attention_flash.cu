@@ -290,6 +290,32 @@ __device__ __forceinline__ void flash_block(u32 tiles, u32 pairs, bool last_firs
     tile = last_first ? tiles - 1 - rank : rank;
 }
 
+// Where a query-tile block (the forward's, dq's) and its thread work: head
+// h, its KV head g, the tile's first row t0, the warp's index, the lane, the
+// warp's first row w0, this thread's rows r0 + 16m and r0 + 16m + 8, the batch's first row
+// row0 and the query rows' stride. The tiles with the most keys run first.
+struct QueryTile {
+    u32 h, g, t0, warp, lane, w0, r0;
+    u64 row0, q_stride;
+};
+
+template <int D>
+__device__ __forceinline__ QueryTile query_tile(u32 batch, u32 seq, u32 heads, u32 kv_heads) {
+    u32 tile, pair;
+    flash_block((seq + QUERY_ROWS - 1) / QUERY_ROWS, batch * heads, true, tile, pair);
+    QueryTile at;
+    at.h = pair % heads;
+    at.g = at.h / (heads / kv_heads);
+    at.t0 = tile * QUERY_ROWS;
+    at.warp = threadIdx.x >> 5;
+    at.lane = threadIdx.x & 31;
+    at.w0 = at.t0 + at.warp * 32;
+    at.r0 = at.w0 + (at.lane >> 2);
+    at.row0 = static_cast<u64>(pair / heads) * seq;
+    at.q_stride = static_cast<u64>(heads) * D;
+    return at;
+}
+
 // o_t = sum_{u<=t} softmax_u(scale q_t . k_u) v_u and lse_t. Grid: query
 // tiles x (batch * heads), the last tiles (the most keys) first.
 template <int D>
@@ -300,18 +326,7 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
     bf16* qs = reinterpret_cast<bf16*>(shared);
     bf16* ks = qs + QUERY_ROWS * (D + 8);  // two buffers
     bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
-    u32 tile, pair;
-    flash_block((seq + QUERY_ROWS - 1) / QUERY_ROWS, batch * heads, true, tile, pair);
-    const u32 b = pair / heads;
-    const u32 h = pair % heads;
-    const u32 g = h / (heads / kv_heads);
-    const u32 t0 = tile * QUERY_ROWS;
-    const u64 row0 = static_cast<u64>(b) * seq;
-    const u64 q_stride = static_cast<u64>(heads) * D;
-    const u32 warp = threadIdx.x >> 5;
-    const u32 lane = threadIdx.x & 31;
-    const u32 w0 = t0 + warp * 32;  // the warp's first row
-    const u32 r0 = w0 + (lane >> 2);  // this thread's rows: r0 + 16m, r0 + 16m + 8
+    const auto [h, g, t0, warp, lane, w0, r0, row0, q_stride] = query_tile<D>(batch, seq, heads, kv_heads);
     const float c = scale * LOG2E;
     // Key tiles up to the block's last row.
     const u32 key_tiles = (min(t0 + QUERY_ROWS, seq) + FWD_KEYS - 1) / FWD_KEYS;
@@ -459,18 +474,7 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
     bf16* dos = qs + QUERY_ELEMS;
     bf16* ks = dos + QUERY_ELEMS;  // two buffers
     bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
-    u32 tile, pair;
-    flash_block((seq + QUERY_ROWS - 1) / QUERY_ROWS, batch * heads, true, tile, pair);
-    const u32 b = pair / heads;
-    const u32 h = pair % heads;
-    const u32 g = h / (heads / kv_heads);
-    const u32 t0 = tile * QUERY_ROWS;
-    const u64 row0 = static_cast<u64>(b) * seq;
-    const u64 q_stride = static_cast<u64>(heads) * D;
-    const u32 warp = threadIdx.x >> 5;
-    const u32 lane = threadIdx.x & 31;
-    const u32 w0 = t0 + warp * 32;
-    const u32 r0 = w0 + (lane >> 2);
+    const auto [h, g, t0, warp, lane, w0, r0, row0, q_stride] = query_tile<D>(batch, seq, heads, kv_heads);
     const float c = scale * LOG2E;
     const u32 key_tiles = (min(t0 + QUERY_ROWS, seq) + DQ_KEYS - 1) / DQ_KEYS;
 

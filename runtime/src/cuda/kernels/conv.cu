@@ -169,17 +169,25 @@ __device__ __forceinline__ void conv1d_backward_input_rows(
     }
 }
 
-// Grid (words / blockDim.x rounded up, rows / CONV_WORD_ROWS rounded up).
+// Grid (words / blockDim.x rounded up, rows / CONV_WORD_ROWS rounded up):
+// a thread's word of 8 channels and its rows [r0, r1) (false: past the
+// channels or the rows).
+__device__ __forceinline__ bool word_rows(
+    u64 rows, u64 channels, u64& words, u64& word, u64& r0, u64& r1) {
+    words = channels / 8;
+    word = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    r0 = static_cast<u64>(blockIdx.y) * CONV_WORD_ROWS;
+    r1 = min(r0 + CONV_WORD_ROWS, rows);
+    return word < words && r0 < rows;
+}
+
 extern "C" __global__ void conv1d_forward_words(
     const uint4* x, const void* w, int w_dtype, const void* bias, int bias_dtype, uint4* y,
     u64 rows, u64 seq, u64 channels, u64 taps) {
-    const u64 words = channels / 8;
-    const u64 word = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const u64 r0 = static_cast<u64>(blockIdx.y) * CONV_WORD_ROWS;
-    if (word >= words || r0 >= rows) {
+    u64 words, word, r0, r1;
+    if (!word_rows(rows, channels, words, word, r0, r1)) {
         return;
     }
-    const u64 r1 = min(r0 + CONV_WORD_ROWS, rows);
     switch (taps) {
         case 1: conv1d_forward_rows<1>(x, w, w_dtype, bias, bias_dtype, y, word, words, r0, r1, seq); break;
         case 2: conv1d_forward_rows<2>(x, w, w_dtype, bias, bias_dtype, y, word, words, r0, r1, seq); break;
@@ -191,13 +199,10 @@ extern "C" __global__ void conv1d_forward_words(
 extern "C" __global__ void conv1d_backward_input_words(
     const uint4* dy, const void* w, int w_dtype, uint4* dx, u64 rows, u64 seq, u64 channels,
     u64 taps) {
-    const u64 words = channels / 8;
-    const u64 word = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const u64 r0 = static_cast<u64>(blockIdx.y) * CONV_WORD_ROWS;
-    if (word >= words || r0 >= rows) {
+    u64 words, word, r0, r1;
+    if (!word_rows(rows, channels, words, word, r0, r1)) {
         return;
     }
-    const u64 r1 = min(r0 + CONV_WORD_ROWS, rows);
     switch (taps) {
         case 1: conv1d_backward_input_rows<1>(dy, w, w_dtype, dx, word, words, r0, r1, seq); break;
         case 2: conv1d_backward_input_rows<2>(dy, w, w_dtype, dx, word, words, r0, r1, seq); break;

@@ -5,6 +5,18 @@
 // reductions of fixed shape.
 #include "common.cuh"
 
+// Whether row r's target is past the vocabulary (IGNORE_TARGET is not): the
+// block's thread 0 reports it, and the caller's block leaves the row.
+__device__ __forceinline__ bool target_faults(u32 target, u64 vocab, u64 r, u64* status) {
+    if (target == IGNORE_TARGET || target < vocab) {
+        return false;
+    }
+    if (threadIdx.x == 0) {
+        report_fault(status, FAULT_TARGET, r);
+    }
+    return true;
+}
+
 // logits[r] becomes softmax(logits[r]); losses[r] = logsumexp - logit of the
 // target (0 for IGNORE_TARGET). A target past the vocabulary is reported
 // and its row left as it was.
@@ -13,10 +25,7 @@ extern "C" __global__ void cross_entropy_forward(
     __shared__ float scratch[32];
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
-    if (target != IGNORE_TARGET && target >= vocab) {
-        if (threadIdx.x == 0) {
-            report_fault(status, FAULT_TARGET, r);
-        }
+    if (target_faults(target, vocab, r, status)) {
         return;
     }
     float* row = logits + r * vocab;
@@ -48,10 +57,7 @@ extern "C" __global__ void cross_entropy_backward(
     float* probs, const u32* targets, float scale, u64 vocab, u64* status) {
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
-    if (target != IGNORE_TARGET && target >= vocab) {
-        if (threadIdx.x == 0) {
-            report_fault(status, FAULT_TARGET, r);
-        }
+    if (target_faults(target, vocab, r, status)) {
         return;
     }
     float* row = probs + r * vocab;
@@ -165,10 +171,7 @@ __device__ __forceinline__ void held_rows(
     extern __shared__ float shared_row[];
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
-    if (target != IGNORE_TARGET && target >= vocab) {
-        if (threadIdx.x == 0) {
-            report_fault(status, FAULT_TARGET, r);
-        }
+    if (target_faults(target, vocab, r, status)) {
         return;
     }
     const float* row = logits + r * vocab;

@@ -58,6 +58,20 @@ extern "C" __global__ void scatter_rows(
     move_rows_of(src, index, dst, false, word_bytes, count, words, dst_rows, status);
 }
 
+// Slot `slot`'s row p and weight w (1 without weights); false, reported,
+// when its position is past the rows.
+__device__ __forceinline__ bool combine_slot(
+    const float* weights, const u32* positions, u64 slot, u64 n_rows, u32& p, float& w,
+    u64* status) {
+    p = positions[slot];
+    if (p >= n_rows) {
+        report_fault(status, FAULT_POSITION, slot);
+        return false;
+    }
+    w = weights != nullptr ? weights[slot] : 1.0f;
+    return true;
+}
+
 // out[t] = sum_{j<k} w[t, j] rows[positions[t*k + j]] (w = 1 without weights).
 // One block per token (striding over tokens), its threads over the columns.
 // The bf16 combine 8 channels a thread (16-byte loads and stores): the
@@ -70,12 +84,11 @@ __device__ __forceinline__ void unpermute_bf16x8(
         for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (u64 j = 0; j < top_k; ++j) {
-                const u32 p = positions[token * top_k + j];
-                if (p >= n_rows) {
-                    report_fault(status, FAULT_POSITION, token * top_k + j);
+                u32 p;
+                float w;
+                if (!combine_slot(weights, positions, token * top_k + j, n_rows, p, w, status)) {
                     continue;
                 }
-                const float w = weights != nullptr ? weights[token * top_k + j] : 1.0f;
                 const uint4 v = rows[static_cast<u64>(p) * words + c];
                 const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -110,12 +123,11 @@ extern "C" __global__ void moe_unpermute(
         for (u64 c = threadIdx.x; c < width; c += blockDim.x) {
             float acc = 0.0f;
             for (u64 j = 0; j < top_k; ++j) {
-                const u32 p = positions[token * top_k + j];
-                if (p >= n_rows) {
-                    report_fault(status, FAULT_POSITION, token * top_k + j);
+                u32 p;
+                float w;
+                if (!combine_slot(weights, positions, token * top_k + j, n_rows, p, w, status)) {
                     continue;
                 }
-                const float w = weights != nullptr ? weights[token * top_k + j] : 1.0f;
                 acc += w * load(rows, rows_dtype, static_cast<u64>(p) * width + c);
             }
             store(out, out_dtype, token * width + c, acc);
