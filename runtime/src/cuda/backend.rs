@@ -117,6 +117,7 @@ impl Gpu {
                 name: Arc::from(queue),
                 stream,
                 blas,
+                side: std::sync::OnceLock::new(),
                 ops: AtomicU64::new(0),
             }),
             arena,
@@ -142,6 +143,23 @@ impl Gpu {
     }
 }
 
+/// The streams besides its own that a queue's grouped GEMMs spread their
+/// problems over. The MoE experts' GEMMs are many and mostly small (an
+/// expert's rows under a balanced routing), and one after another on one
+/// stream each leaves most SMs idle and pays a kernel boundary; on three
+/// streams they run side by side.
+const SIDE_STREAMS: usize = 2;
+
+/// A stream a queue's grouped GEMMs fork onto and join back from within
+/// one call, with a cuBLAS handle (and workspace) of its own. It is not
+/// registered in the GPU's queue set: no buffer outlives a call's use of
+/// it, since the queue's own stream waits for it before the call returns.
+#[derive(Debug)]
+struct SideStream {
+    stream: Arc<CudaStream>,
+    blas: Blas,
+}
+
 /// One stream of a GPU with its cuBLAS handle.
 #[derive(Debug)]
 pub(crate) struct Queue {
@@ -150,6 +168,8 @@ pub(crate) struct Queue {
     pub(crate) name: Arc<str>,
     pub(crate) stream: Arc<CudaStream>,
     blas: Blas,
+    /// Made at the first grouped GEMM with problems to spare.
+    side: std::sync::OnceLock<Vec<SideStream>>,
     /// Views handed to work on this queue so far: lanes compare it with
     /// what they last fenced to know whether the host queue has work they
     /// must wait for.
@@ -340,6 +360,99 @@ impl CudaBackend {
     }
 
     /// One GEMM of checked operands, on this queue.
+    /// The queue's side streams, made on first use.
+    fn side_streams(&self) -> Result<&[SideStream]> {
+        if let Some(side) = self.queue.side.get() {
+            return Ok(side);
+        }
+        let queues = &self.gpu.queues;
+        queues.bind()?;
+        let mut side = Vec::with_capacity(SIDE_STREAMS);
+        for _ in 0..SIDE_STREAMS {
+            let stream = queues
+                .context
+                .new_stream()
+                .map_err(|e| queues.error("creating a stream for grouped GEMMs", e))?;
+            let blas = Blas::new(queues, &stream)?;
+            side.push(SideStream { stream, blas });
+        }
+        // One thread drives a queue at a time, so nothing raced to set it.
+        Ok(self.queue.side.get_or_init(|| side))
+    }
+
+    /// Checked, non-overlapping GEMMs (a grouped call's problems): each
+    /// exactly the matmul it describes, with the same bits wherever it
+    /// runs (an algorithm is a function of the shape, and each stream has
+    /// a cuBLAS handle and workspace of its own). Problems with bf16
+    /// operands are dealt, largest first, to whichever of the queue's
+    /// stream and its side streams has the fewest FLOPs so far (a function
+    /// of the shapes alone); the side streams start after everything the
+    /// queue enqueued before, and the queue waits for them before this
+    /// returns, so to every later call the group ran on the queue.
+    fn spread_gemms(&self, operands: Vec<(GpuView, GpuView, GpuView, MatmulDims)>) -> Result<()> {
+        let flops = |d: &MatmulDims| d.m as f64 * d.n as f64 * d.k as f64;
+        let movable = |(a, _, _, d): &(GpuView, GpuView, GpuView, MatmulDims)| {
+            a.dtype == DType::Bf16 && d.m > 0 && d.n > 0 && d.k > 0
+        };
+        let spread = operands.iter().filter(|o| movable(o)).count() >= 2;
+        let side = if spread { self.side_streams()? } else { &[] };
+        // Deal the movable problems; lane 0 is the queue's stream.
+        let mut order: Vec<usize> = (0..operands.len())
+            .filter(|&i| movable(&operands[i]))
+            .collect();
+        order.sort_by(|&i, &j| {
+            flops(&operands[j].3)
+                .total_cmp(&flops(&operands[i].3))
+                .then(i.cmp(&j))
+        });
+        let mut lane_of = vec![0usize; operands.len()];
+        let mut load = vec![0.0f64; 1 + side.len()];
+        for i in order {
+            let lane = (0..load.len())
+                .min_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)))
+                .unwrap_or(0);
+            lane_of[i] = lane;
+            load[lane] += flops(&operands[i].3);
+        }
+        let used: Vec<&SideStream> = side
+            .iter()
+            .enumerate()
+            .filter(|(l, _)| lane_of.contains(&(l + 1)))
+            .map(|(_, s)| s)
+            .collect();
+        let queues = &self.gpu.queues;
+        if !used.is_empty() {
+            let fork = queues.take_event()?;
+            let forked = queues.record(fork, self.s()).and_then(|()| {
+                used.iter()
+                    .try_for_each(|s| queues.wait_on(&s.stream, fork))
+            });
+            queues.give_event(fork);
+            forked?;
+        }
+        let mut launched = Ok(());
+        for ((a, b, c, dims), lane) in operands.into_iter().zip(lane_of) {
+            launched = match lane {
+                0 => self.gemm(a, b, c, dims),
+                l => side[l - 1].blas.gemm(queues, a, b, c, dims),
+            };
+            if launched.is_err() {
+                break;
+            }
+        }
+        // Join even after a failed launch: what did launch must finish
+        // before the queue's later work reuses its memory.
+        for s in used {
+            let join = queues.take_event()?;
+            let joined = queues
+                .record(join, &s.stream)
+                .and_then(|()| queues.wait_on(self.s(), join));
+            queues.give_event(join);
+            joined?;
+        }
+        launched
+    }
+
     fn gemm(&self, a: GpuView, b: GpuView, c: GpuView, dims: MatmulDims) -> Result<()> {
         if dims.m == 0 || dims.n == 0 {
             return Ok(());
@@ -551,11 +664,7 @@ impl Backend for CudaBackend {
                 )));
             }
         }
-        // One GEMM per problem, in order: exactly the matmul each describes.
-        for (a, b, out, dims) in operands {
-            self.gemm(a, b, out, dims)?;
-        }
-        Ok(())
+        self.spread_gemms(operands)
     }
 
     fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
