@@ -769,10 +769,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `g = grad * grad_scale` and `wd` as in [`Backend::adam_update`]:
     /// `g' = g + wd * p`; with momentum `mu`, `buf = mu * buf + g'` and
     /// `p -= lr * buf`, else `p -= lr * g'`. `momentum` must be `Some`
-    /// exactly when `step.momentum != 0`.
+    /// exactly when `step.momentum != 0`. `copy` as in
+    /// [`Backend::adam_update`].
     fn sgd_update(
         &self,
         param: SliceMut<'_, Self>,
+        copy: Option<SliceMut<'_, Self>>,
         grad: Slice<'_, Self>,
         momentum: Option<SliceMut<'_, Self>>,
         decayed: Slice<'_, Self>,

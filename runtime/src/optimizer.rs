@@ -715,6 +715,7 @@ impl<D: Device> Optimizer<D> {
                             };
                             backend.sgd_update(
                                 param,
+                                Some(shard.param.view_mut(backend)?),
                                 grad,
                                 momentum,
                                 decayed,
@@ -724,10 +725,6 @@ impl<D: Device> Optimizer<D> {
                                     weight_decay: config.weight_decay,
                                     grad_scale,
                                 },
-                            )?;
-                            backend.cast(
-                                backend.view(&shard.master)?,
-                                shard.param.view_mut(backend)?,
                             )?;
                         }
                     }

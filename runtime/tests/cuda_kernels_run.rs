@@ -1338,11 +1338,13 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                     rng.floats(n, DType::F32),
                     rng.floats(n, DType::F32),
                     Host::U32(decayed.clone()),
+                    nan(n, DType::Bf16),
                 ],
-                outputs: vec![0, 2],
+                outputs: vec![0, 2, 4],
                 cpu: Box::new(move |b, x| {
                     b.sgd_update(
                         m(&x[0]),
+                        Some(m(&x[4])),
                         v(&x[1]),
                         (momentum != 0.0).then(|| m(&x[2])),
                         v(&x[3]),
@@ -1352,7 +1354,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(move |s, st, x| {
                     s.sgd_update(
                         st,
-                        x[0],
+                        (x[0], Some(x[4])),
                         x[1],
                         (momentum != 0.0).then_some(x[2]),
                         x[3],

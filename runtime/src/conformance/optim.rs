@@ -182,6 +182,7 @@ fn sgd<B: Backend>(s: &mut Suite<'_, B>) {
                 ),
             )
             .inout_f32("param", shard.values(s, -2.0, 2.0))
+            .output("copy", len)
             .input_f32("grad", shard.values(s, -2.0, 2.0));
             let case = if momentum != 0.0 {
                 case.inout_f32("momentum", shard.values(s, -2.0, 2.0))
@@ -203,6 +204,7 @@ fn sgd<B: Backend>(s: &mut Suite<'_, B>) {
                     };
                     dev.sgd_update(
                         b.view_mut("param")?,
+                        Some(b.view_mut("copy")?),
                         b.view("grad")?,
                         buf,
                         b.view("decayed")?,
@@ -242,7 +244,10 @@ fn sgd<B: Backend>(s: &mut Suite<'_, B>) {
                 move |x| {
                     let buf = (momentum != 0.0).then(|| &x["momentum"]);
                     let (p, buf) = r::sgd(&x["param"], &x["grad"], buf, &ranges, hyper);
-                    let mut e = vec![Expected::new("param", p).zeros_exact()];
+                    let mut e = vec![
+                        Expected::new("copy", p.clone()).zeros_exact(),
+                        Expected::new("param", p).zeros_exact(),
+                    ];
                     e.extend(buf.map(|b| Expected::new("momentum", b).zeros_exact()));
                     e
                 },

@@ -1023,22 +1023,36 @@ impl Backend for CpuBackend {
     fn sgd_update(
         &self,
         param: SliceMut<'_, Self>,
+        copy: Option<SliceMut<'_, Self>>,
         grad: Slice<'_, Self>,
         momentum: Option<SliceMut<'_, Self>>,
         decayed: Slice<'_, Self>,
         step: SgdStep,
     ) -> Result<()> {
         let k = self.access("sgd_update");
+        let param = k.typed_out::<f32>("param", param)?;
+        let mut copy = match copy {
+            Some(copy) => {
+                same_len(k.kernel(), param.len(), copy.len())?;
+                Some(k.f32_out("copy", copy)?)
+            }
+            None => None,
+        };
         let momentum = momentum
             .map(|m| k.typed_out::<f32>("momentum", m))
             .transpose()?;
         kernels::sgd_update(
-            k.typed_out::<f32>("param", param)?,
+            &mut *param,
             k.typed_in::<f32>("grad", grad)?,
             momentum,
             k.typed_in::<u32>("decayed", decayed)?,
             step,
-        )
+        )?;
+        // As Adam's: a bf16 copy is rounded once, as a cast of the shard.
+        if let Some(copy) = copy.as_mut() {
+            copy.copy_from_slice(param);
+        }
+        Ok(())
     }
 
     fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
@@ -1348,6 +1362,7 @@ mod tests {
         refused(
             b.sgd_update(
                 ViewMut::whole(&p),
+                None,
                 View::whole(&g),
                 None,
                 View::whole(&float_ranges),

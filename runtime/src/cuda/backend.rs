@@ -1375,6 +1375,7 @@ impl Backend for CudaBackend {
     fn sgd_update(
         &self,
         param: SliceMut<'_, Self>,
+        copy: Option<SliceMut<'_, Self>>,
         grad: Slice<'_, Self>,
         momentum: Option<SliceMut<'_, Self>>,
         decayed: Slice<'_, Self>,
@@ -1383,7 +1384,7 @@ impl Backend for CudaBackend {
         let momentum = momentum.as_ref().map(|m| self.m(m));
         self.k().sgd_update(
             self.s(),
-            self.m(&param),
+            (self.m(&param), copy.as_ref().map(|c| self.m(c))),
             self.v(grad),
             momentum,
             self.v(decayed),

@@ -105,10 +105,11 @@ extern "C" __global__ void adam_update(
 }
 
 // g' = g * grad_scale + wd * p; with a momentum buffer buf = mu buf + g',
-// p -= lr buf; else p -= lr g'.
+// p -= lr buf; else p -= lr g'. `copy` as in adam_update.
 extern "C" __global__ void sgd_update(
-    float* param, const float* grad, float* momentum, const u32* decayed, u32 n_ranges, u64 n,
-    float lr, float mu, float weight_decay, float grad_scale, u64* status) {
+    float* param, void* copy, int copy_dtype, const float* grad, float* momentum,
+    const u32* decayed, u32 n_ranges, u64 n, float lr, float mu, float weight_decay,
+    float grad_scale, u64* status) {
     check_ranges(decayed, n_ranges, n, status);
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const float wd = is_decayed(decayed, n_ranges, i) ? weight_decay : 0.0f;
@@ -122,5 +123,8 @@ extern "C" __global__ void sgd_update(
             p -= lr * g;
         }
         param[i] = p;
+        if (copy != nullptr) {
+            store(copy, copy_dtype, i, p);
+        }
     }
 }

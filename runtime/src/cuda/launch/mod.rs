@@ -1862,6 +1862,19 @@ impl KernelSet {
         as_u32(k, "decayed ranges", decayed.len / 2)
     }
 
+    /// An optimizer's `copy` argument: its address and dtype tag, after
+    /// checking its length and dtype; (0, 0) without one (the kernel never
+    /// reads the tag then).
+    fn copy_arg(k: &str, copy: Option<GpuView>, param: &GpuView) -> Result<(u64, i32)> {
+        match copy {
+            Some(c) => {
+                len(k, "copy", &c, param.len)?;
+                Ok((c.ptr, float(k, "copy", &c)?))
+            }
+            None => Ok((0, 0)),
+        }
+    }
+
     /// `Backend::adam_update`.
     pub fn adam_update(
         &self,
@@ -1879,14 +1892,7 @@ impl KernelSet {
         exactly(k, "v", &v, DType::F32)?;
         len(k, "m", &m, param.len)?;
         len(k, "v", &v, param.len)?;
-        let (copy_ptr, copy_dtype) = match copy {
-            Some(c) => {
-                len(k, "copy", &c, param.len)?;
-                (c.ptr, float(k, "copy", &c)?)
-            }
-            // No copy: the kernel never reads the tag.
-            None => (0, 0),
-        };
+        let (copy_ptr, copy_dtype) = Self::copy_arg(k, copy, &param)?;
         ensure(step.step >= 1, || format!("{k}: steps count from 1"))?;
         if param.len == 0 {
             return Ok(());
@@ -1923,7 +1929,7 @@ impl KernelSet {
     pub fn sgd_update(
         &self,
         stream: &CudaStream,
-        param: GpuView,
+        (param, copy): (GpuView, Option<GpuView>),
         grad: GpuView,
         momentum: Option<GpuView>,
         decayed: GpuView,
@@ -1947,12 +1953,15 @@ impl KernelSet {
                 0
             }
         };
+        let (copy_ptr, copy_dtype) = Self::copy_arg(k, copy, &param)?;
         if param.len == 0 {
             return Ok(());
         }
         let n = param.len as u64;
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&param.ptr)
+            .arg(&copy_ptr)
+            .arg(&copy_dtype)
             .arg(&grad.ptr)
             .arg(&buffer)
             .arg(&decayed.ptr)

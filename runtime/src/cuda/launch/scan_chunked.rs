@@ -300,8 +300,21 @@ impl Shape {
         pairs(addr(view, j * self.p), self.jp, self.q * self.jp)
     }
 
+    /// The states (or carries) of the group of each of a slice's (item,
+    /// group) pairs from item `first`, out of `[batch * chunks, H, P, N]`:
+    /// its J heads' `[P, N]` blocks are contiguous, one `[J P, N]` matrix.
+    fn group_states(&self, view: GpuView, first: usize, heads: usize) -> StridedMatrix {
+        pairs(
+            addr(view, first * heads * self.pn),
+            self.n,
+            self.j * self.pn,
+        )
+    }
+
     /// `out_j = lhs S_j^T` for every head j of a slice's (item, group)
-    /// pairs: `lhs` `[Q, N]` a pair (C or B), `states` `[batch * chunks,
+    /// pairs, as one product a pair: `out = lhs [S_0; ...; S_{J-1}]^T`,
+    /// since the heads' columns of `out` and their states lie side by
+    /// side. `lhs` `[Q, N]` a pair (C or B), `states` `[batch * chunks,
     /// H, P, N]` from item `first` (the chunk states or the carries),
     /// `out` `[item, G, Q, J P]`.
     fn times_head_states(
@@ -312,25 +325,15 @@ impl Shape {
         states: GpuView,
         out: GpuView,
     ) -> Result<()> {
-        for j in 0..self.j {
-            gemm(batched(
-                self.tf32,
-                count * (heads / self.j),
-                (self.q, self.p, self.n),
-                (lhs, false),
-                (
-                    pairs(
-                        addr(states, (first * heads + j) * self.pn),
-                        self.n,
-                        self.j * self.pn,
-                    ),
-                    true,
-                ),
-                self.head_columns(out, j),
-                0.0,
-            ))?;
-        }
-        Ok(())
+        gemm(batched(
+            self.tf32,
+            count * (heads / self.j),
+            (self.q, self.jp, self.n),
+            (lhs, false),
+            (self.group_states(states, first, heads), true),
+            self.head_columns(out, 0),
+            0.0,
+        ))
     }
 
     /// `out_j = op(M_j) rhs_j` for every head j of `pair_count` (item,
@@ -472,24 +475,17 @@ impl KernelSet {
         // C (into the carries), then the carries K over all chunks.
         for (i0, i1) in slices.clone() {
             self.chunk_prepare(stream, operands, tags, parts, dims, i0, i1 - i0)?;
-            for j in 0..shape.j {
-                gemm(batched(
-                    shape.tf32,
-                    (i1 - i0) * dims.groups,
-                    (shape.p, shape.n, shape.q),
-                    (
-                        pairs(addr(parts.dy_e, j * shape.p), shape.jp, shape.q * shape.jp),
-                        true,
-                    ),
-                    (pairs(parts.c.ptr, shape.n, shape.q * shape.n), false),
-                    pairs(
-                        addr(parts.carry, (i0 * dims.heads + j) * shape.pn),
-                        shape.n,
-                        shape.j * shape.pn,
-                    ),
-                    0.0,
-                ))?;
-            }
+            // The group's heads at once: their columns of e^Lam dY and
+            // their carries lie side by side (M = J P).
+            gemm(batched(
+                shape.tf32,
+                (i1 - i0) * dims.groups,
+                (shape.jp, shape.n, shape.q),
+                (shape.head_columns(parts.dy_e, 0), true),
+                (pairs(parts.c.ptr, shape.n, shape.q * shape.n), false),
+                shape.group_states(parts.carry, i0, dims.heads),
+                0.0,
+            ))?;
         }
         self.ssd_scan_carry_combine(stream, parts.carry.ptr, parts.chunk_decay.ptr, dims, chunks)?;
 
@@ -557,17 +553,16 @@ impl KernelSet {
         // then the states passed along the chunks.
         for (i0, i1) in slices.clone() {
             self.chunk_prepare(stream, o, tags, parts, dims, i0, i1 - i0)?;
-            for j in 0..s.j {
-                gemm(batched(
-                    s.tf32,
-                    (i1 - i0) * dims.groups,
-                    (s.p, s.n, s.q),
-                    (wide(parts.x_w, j), true),
-                    (pairs(parts.b.ptr, s.n, qn), false),
-                    pairs(addr(states, (i0 * dims.heads + j) * s.pn), s.n, s.j * s.pn),
-                    0.0,
-                ))?;
-            }
+            // The group's heads at once (M = J P), as in the backward.
+            gemm(batched(
+                s.tf32,
+                (i1 - i0) * dims.groups,
+                (s.jp, s.n, s.q),
+                (wide(parts.x_w, 0), true),
+                (pairs(parts.b.ptr, s.n, qn), false),
+                s.group_states(states, i0, dims.heads),
+                0.0,
+            ))?;
         }
         let ks = "ssd_scan_state_combine";
         let [batch_u, heads_u, pn_u, chunks_u] =
@@ -800,8 +795,7 @@ impl KernelSet {
         s.times_head_states(gemm, heads_of, b_mat, parts.carry, parts.u)?;
         // dB = (w X) K + dCB^T C and dC = (e^Lam dY) S_in + dCB B, the
         // group's heads side by side (K = J P).
-        let group_rows =
-            |view: GpuView| pairs(addr(view, first * dims.heads * s.pn), s.n, s.j * s.pn);
+        let group_rows = |view: GpuView| s.group_states(view, first, dims.heads);
         let d_cb = pairs(parts.d_cb.ptr, s.q, qq);
         let d_b = pairs(parts.d_b.ptr, s.n, qn);
         let d_c = pairs(parts.d_c.ptr, s.n, qn);
