@@ -89,6 +89,30 @@ impl CpuBackend {
     }
 }
 
+/// An optimizer step on the f32 shard `param` (`update`), then, with
+/// `copy` (the shard's length), the updated parameters written there,
+/// rounded once as a cast of the shard would (`Backend::adam_update`).
+fn updated_with_copy<'k>(
+    k: &KernelAccess<'k>,
+    param: SliceMut<'k, CpuBackend>,
+    copy: Option<SliceMut<'k, CpuBackend>>,
+    update: impl FnOnce(&mut [f32]) -> Result<()>,
+) -> Result<()> {
+    let param = k.typed_out::<f32>("param", param)?;
+    let mut copy = match copy {
+        Some(copy) => {
+            same_len(k.kernel(), param.len(), copy.len())?;
+            Some(k.f32_out("copy", copy)?)
+        }
+        None => None,
+    };
+    update(&mut *param)?;
+    if let Some(copy) = copy.as_mut() {
+        copy.copy_from_slice(param);
+    }
+    Ok(())
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
 
@@ -997,27 +1021,16 @@ impl Backend for CpuBackend {
         step: AdamStep,
     ) -> Result<()> {
         let k = self.access("adam_update");
-        let param = k.typed_out::<f32>("param", param)?;
-        let mut copy = match copy {
-            Some(copy) => {
-                same_len(k.kernel(), param.len(), copy.len())?;
-                Some(k.f32_out("copy", copy)?)
-            }
-            None => None,
-        };
-        kernels::adam_update(
-            &mut *param,
-            k.typed_in::<f32>("grad", grad)?,
-            k.typed_out::<f32>("m", moments.m)?,
-            k.typed_out::<f32>("v", moments.v)?,
-            k.typed_in::<u32>("decayed", decayed)?,
-            step,
-        )?;
-        // A bf16 copy is rounded once, as a cast of the shard.
-        if let Some(copy) = copy.as_mut() {
-            copy.copy_from_slice(param);
-        }
-        Ok(())
+        updated_with_copy(&k, param, copy, |param| {
+            kernels::adam_update(
+                param,
+                k.typed_in::<f32>("grad", grad)?,
+                k.typed_out::<f32>("m", moments.m)?,
+                k.typed_out::<f32>("v", moments.v)?,
+                k.typed_in::<u32>("decayed", decayed)?,
+                step,
+            )
+        })
     }
 
     fn sgd_update(
@@ -1030,29 +1043,18 @@ impl Backend for CpuBackend {
         step: SgdStep,
     ) -> Result<()> {
         let k = self.access("sgd_update");
-        let param = k.typed_out::<f32>("param", param)?;
-        let mut copy = match copy {
-            Some(copy) => {
-                same_len(k.kernel(), param.len(), copy.len())?;
-                Some(k.f32_out("copy", copy)?)
-            }
-            None => None,
-        };
-        let momentum = momentum
-            .map(|m| k.typed_out::<f32>("momentum", m))
-            .transpose()?;
-        kernels::sgd_update(
-            &mut *param,
-            k.typed_in::<f32>("grad", grad)?,
-            momentum,
-            k.typed_in::<u32>("decayed", decayed)?,
-            step,
-        )?;
-        // As Adam's: a bf16 copy is rounded once, as a cast of the shard.
-        if let Some(copy) = copy.as_mut() {
-            copy.copy_from_slice(param);
-        }
-        Ok(())
+        updated_with_copy(&k, param, copy, |param| {
+            let momentum = momentum
+                .map(|m| k.typed_out::<f32>("momentum", m))
+                .transpose()?;
+            kernels::sgd_update(
+                param,
+                k.typed_in::<f32>("grad", grad)?,
+                momentum,
+                k.typed_in::<u32>("decayed", decayed)?,
+                step,
+            )
+        })
     }
 
     fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
