@@ -23,15 +23,19 @@
 //! twice. Non-unit buckets are gathered once per step and never released;
 //! their gradients accumulate over the step and are reduced at its end.
 //!
-//! A unit whose every bucket one rank holds whole and alone (a world of
-//! one; an expert-only unit whose expert-data-parallel group is one rank)
-//! needs none of that: its own parameter and gradient buffers are its
-//! shards' storage, so it is never gathered, takes no pool buffer, and
-//! its layers accumulate every micro-batch's gradients straight into its
-//! shards, with nothing copied, zeroed per micro-batch or reduced. The
-//! non-unit buckets likewise. On one H200 this took the benchmark's step
-//! from 245 to 229 ms (a gradient `axpy` and a memset per unit and
-//! micro-batch, and a copy per gather).
+//! A bucket one rank holds whole and alone (every bucket in a world of
+//! one; an expert bucket whose expert-data-parallel group is one rank, as
+//! under EP 2 on 2 ranks) needs none of that: its unit's *held* buffers
+//! are the shards' storage of all such buckets of the unit, so they are
+//! never gathered, take no room in the pool, and the layers accumulate
+//! every micro-batch's gradients straight into the shards, with nothing
+//! copied, zeroed per micro-batch or reduced. A unit mixing both (an
+//! `[ME]` group under EP 2: its Mamba and the MoE layer's norm, router and
+//! shared expert are sharded, its routed experts held) gathers and reduces
+//! only its sharded buckets. The non-unit buckets are held when all of them
+//! are. On one H200 holding whole units took the benchmark's step from 245
+//! to 229 ms (a gradient `axpy` and a memset per unit and micro-batch, and
+//! a copy per gather).
 //!
 //! `no_shard` keeps every bucket whole on every rank and all-reduces
 //! gradients where ZeRO-3 reduce-scatters them. Both sum over ranks in rank
@@ -115,11 +119,13 @@ impl ShardLayout {
         plan.bucket_world(bucket) == 1
     }
 
-    /// Whether every bucket of `unit` is [`ShardLayout::sole`]: the unit's
-    /// buffers can then be its shards' storage.
-    pub fn sole_unit(&self, plan: &Plan, unit: usize) -> bool {
-        let buckets = &plan.units[unit].buckets;
-        !buckets.is_empty() && buckets.iter().all(|&b| self.sole(plan, &plan.buckets[b]))
+    /// Whether `unit` has a bucket that is not [`ShardLayout::sole`]: one
+    /// it gathers before use (into the pool) and reduces after.
+    pub fn gathers_unit(&self, plan: &Plan, unit: usize) -> bool {
+        plan.units[unit]
+            .buckets
+            .iter()
+            .any(|&b| !self.sole(plan, &plan.buckets[b]))
     }
 
     /// Whether every non-unit bucket is [`ShardLayout::sole`].
@@ -225,12 +231,12 @@ struct ParamSlot<D: Device> {
     released_at: u64,
 }
 
-/// The buffers of a unit whose every bucket this rank holds whole and
-/// alone ([`ShardLayout::sole_unit`]): its shards' parameters and
-/// gradients are regions of them. Such a unit takes no pool buffer, is
-/// never gathered, and its gradients are never copied or reduced: the
-/// layers accumulate every micro-batch's straight into the shards.
-struct SoleUnit<D: Device> {
+/// The held buffers of a unit: the storage of the shards of its buckets
+/// that this rank holds whole and alone ([`ShardLayout::sole`]), back to
+/// back. They are never gathered, and their gradients never copied or
+/// reduced: the layers accumulate every micro-batch's straight into the
+/// shards.
+struct HeldBuckets<D: Device> {
     params: Arc<Buf<D>>,
     grads: Arc<Buf<D>>,
     /// The last work that wrote `grads` (the step's zeroing, then each
@@ -271,10 +277,36 @@ pub struct BufferAccess<D: Device, T> {
     pub ready: Option<EventOf<D>>,
 }
 
-/// A unit's parameters (read by many lane works at once).
+/// The non-unit parameters (read by many lane works at once).
 pub type ParamAccess<D> = BufferAccess<D, Arc<Buf<D>>>;
-/// A unit's gradients (written by one lane work at a time).
+/// The non-unit gradients.
 pub type GradAccess<D> = BufferAccess<D, Arc<Buf<D>>>;
+
+/// A unit's parameter (or gradient) buffers: the pool buffer its gathered
+/// buckets are in, and its held buffer; `None` where it has no such
+/// buckets.
+pub struct UnitBuffers<D: Device> {
+    pub gathered: Option<Arc<Buf<D>>>,
+    pub held: Option<Arc<Buf<D>>>,
+}
+
+/// Which buffer a parameter (and its gradient) lies in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// Its unit's pool buffer (gathered) and gradient buffer.
+    Gathered,
+    /// Its unit's held buffers: its shard itself.
+    Held,
+    /// The non-unit buffers.
+    NonUnit,
+}
+
+/// Where a parameter lies: its holder and its elements there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamPlace {
+    pub holder: Holder,
+    pub range: Range<usize>,
+}
 
 /// What fills the master weights: elements `range` of parameter `p` (by
 /// index into `plan.params`) into a slice of `range.len()` values.
@@ -292,8 +324,13 @@ pub struct FsdpEngine<D: Device> {
     param_slots: Vec<ParamSlot<D>>,
     grad_slots: Vec<GradSlot<D>>,
     units: Vec<Residency<D>>,
-    /// Per unit: its own buffers when it is a sole unit.
-    sole: Vec<Option<SoleUnit<D>>>,
+    /// Per unit: its held buffers, when it has held buckets.
+    held: Vec<Option<HeldBuckets<D>>>,
+    /// Per unit: its buckets sharded over ranks (gathered and reduced).
+    gathered: Vec<Vec<usize>>,
+    /// Per bucket: whether its shard lives in its unit's held buffers or in
+    /// the held non-unit buffers.
+    housed: Vec<bool>,
     non_unit_params: Arc<Buf<D>>,
     non_unit_grads: Arc<Buf<D>>,
     /// Whether the non-unit buffers are the non-unit shards' storage (every
@@ -332,34 +369,47 @@ impl<D: Device> FsdpEngine<D> {
         };
         let world_of = |b: &Bucket| layout.group_size(&plan, b);
 
-        // Regions: unit buckets back to back inside their unit's buffer,
+        // Regions: a unit's gathered buckets back to back inside its pool
+        // buffer, its held buckets back to back inside its held buffers,
         // non-unit buckets back to back inside the non-unit buffer.
         let mut regions = vec![0..0; plan.buckets.len()];
-        let mut unit_len = vec![0usize; plan.units.len()];
+        let mut gathered_len = vec![0usize; plan.units.len()];
+        let mut held_len = vec![0usize; plan.units.len()];
+        let mut gathered = vec![Vec::new(); plan.units.len()];
         let mut non_unit_len = 0usize;
         for b in plan.buckets.iter() {
             let len = b.padded_numel(world_of(b));
             let end = match b.unit {
-                Some(u) => &mut unit_len[u],
+                Some(u) if layout.sole(&plan, b) => &mut held_len[u],
+                Some(u) => {
+                    gathered[u].push(b.id);
+                    &mut gathered_len[u]
+                }
                 None => &mut non_unit_len,
             };
             regions[b.id] = *end..*end + len;
             *end += len;
         }
 
-        // Sole units and the non-unit buffers, when sole, hold their
-        // shards; every other bucket's shard has buffers of its own.
-        let sole_unit: Vec<bool> = (0..plan.units.len())
-            .map(|u| layout.sole_unit(&plan, u))
-            .collect();
+        // Held buffers and the non-unit buffers, when every non-unit
+        // bucket is held, are their shards' storage; every other bucket's
+        // shard has buffers of its own.
         let non_unit_sole = layout.sole_non_unit(&plan);
-        let mut sole = Vec::with_capacity(plan.units.len());
-        for (u, &is_sole) in sole_unit.iter().enumerate() {
-            sole.push(if is_sole {
-                Some(SoleUnit {
+        let housed: Vec<bool> = plan
+            .buckets
+            .iter()
+            .map(|b| match b.unit {
+                Some(_) => layout.sole(&plan, b),
+                None => non_unit_sole,
+            })
+            .collect();
+        let mut held = Vec::with_capacity(plan.units.len());
+        for &len in &held_len {
+            held.push(if len > 0 {
+                Some(HeldBuckets {
                     // Written whole by the casts below (regions tile it).
-                    params: Arc::new(backend.alloc_uninit(unit_len[u], compute)?),
-                    grads: Arc::new(backend.alloc(unit_len[u], DType::F32)?),
+                    params: Arc::new(backend.alloc_uninit(len, compute)?),
+                    grads: Arc::new(backend.alloc(len, DType::F32)?),
                     written: None,
                 })
             } else {
@@ -395,7 +445,8 @@ impl<D: Device> FsdpEngine<D> {
             let master = backend.alloc_uninit(host.len(), DType::F32)?;
             backend.upload(&host, backend.view_mut(&master)?)?;
             let home = match b.unit {
-                Some(u) => sole[u].as_ref().map(|s| (&s.params, &s.grads)),
+                Some(u) if housed[b.id] => held[u].as_ref().map(|h| (&h.params, &h.grads)),
+                Some(_) => None,
                 None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
             };
             let (param, grad): (ShardPart<D::Backend>, ShardPart<D::Backend>) = match home {
@@ -416,9 +467,11 @@ impl<D: Device> FsdpEngine<D> {
             }));
         }
 
-        // The pool serves the other units.
-        let pooled: Vec<usize> = (0..plan.units.len()).filter(|&u| !sole_unit[u]).collect();
-        let slot_len = pooled.iter().map(|&u| unit_len[u]).max().unwrap_or(0);
+        // The pool serves the units with gathered buckets.
+        let pooled: Vec<usize> = (0..plan.units.len())
+            .filter(|&u| !gathered[u].is_empty())
+            .collect();
+        let slot_len = pooled.iter().map(|&u| gathered_len[u]).max().unwrap_or(0);
         let slots = match sharding {
             // Every unit keeps its own buffer for the whole run.
             Sharding::NoShard => pooled.len(),
@@ -429,7 +482,7 @@ impl<D: Device> FsdpEngine<D> {
                 // `no_shard`: slot i is the i-th pooled unit's for the
                 // whole run.
                 let (len, holder) = match sharding {
-                    Sharding::NoShard => (unit_len[pooled[i]], Some(pooled[i])),
+                    Sharding::NoShard => (gathered_len[pooled[i]], Some(pooled[i])),
                     Sharding::Zero3 => (slot_len, None),
                 };
                 Ok(ParamSlot {
@@ -476,7 +529,9 @@ impl<D: Device> FsdpEngine<D> {
             param_slots,
             grad_slots,
             units,
-            sole,
+            held,
+            gathered,
+            housed,
             clock: 0,
         })
     }
@@ -501,12 +556,20 @@ impl<D: Device> FsdpEngine<D> {
         self.layout.group_size(&self.plan, bucket)
     }
 
-    /// Where parameter `p` lives inside its holder buffer (its unit's pool
-    /// buffer, or the non-unit buffer).
-    pub fn param_range(&self, p: usize) -> Range<usize> {
+    /// Where parameter `p` lives: which of its holder buffers, and where
+    /// inside it.
+    pub fn param_place(&self, p: usize) -> ParamPlace {
         let param = &self.plan.params[p];
         let start = self.regions[param.bucket].start + param.offset;
-        start..start + self.plan.def(param).numel()
+        let holder = match self.plan.buckets[param.bucket].unit {
+            None => Holder::NonUnit,
+            Some(_) if self.housed[param.bucket] => Holder::Held,
+            Some(_) => Holder::Gathered,
+        };
+        ParamPlace {
+            holder,
+            range: start..start + self.plan.def(param).numel(),
+        }
     }
 
     /// Starts a step: the optimizer changed every parameter, so pool
@@ -530,14 +593,14 @@ impl<D: Device> FsdpEngine<D> {
         // own, the sole units' buffers and the non-unit buffer (which hold
         // the other shards').
         let own: Vec<_> = (0..self.shards.len())
-            .filter(|&b| !self.shard_is_housed(b))
+            .filter(|&b| !self.housed[b])
             .map(|b| self.shards[b].clone())
             .collect();
         let mut whole: Vec<_> = self
-            .sole
+            .held
             .iter()
             .flatten()
-            .map(|s| s.grads.clone())
+            .map(|h| h.grads.clone())
             .collect();
         whole.push(self.non_unit_grads.clone());
         let zeroed = rank.compute.submit(
@@ -553,17 +616,17 @@ impl<D: Device> FsdpEngine<D> {
                 Ok(())
             }),
         );
-        for sole in self.sole.iter_mut().flatten() {
-            sole.written = Some(zeroed.clone());
+        for held in self.held.iter_mut().flatten() {
+            held.written = Some(zeroed.clone());
         }
         if self.layout.sharding == Sharding::NoShard {
-            // Refresh every pooled unit's whole-bucket copy from its shards
-            // (sole units read theirs in place).
+            // Refresh every pooled unit's whole-bucket copy of its gathered
+            // buckets from their shards (held buckets are read in place).
             for u in 0..self.units.len() {
                 let Some(slot) = self.units[u].slot else {
                     continue;
                 };
-                let buckets: Vec<usize> = self.plan.units[u].buckets.to_vec();
+                let buckets = self.gathered[u].clone();
                 let buf = self.param_slots[slot].buf.clone();
                 let event = self.copy_params(rank, &buckets, buf, &zeroed, "refresh unit")?;
                 self.units[u].ready = Some(event);
@@ -651,20 +714,12 @@ impl<D: Device> FsdpEngine<D> {
         ))
     }
 
-    /// Whether bucket `b`'s shard lives in a sole unit's buffers or the
-    /// sole non-unit ones.
-    fn shard_is_housed(&self, b: usize) -> bool {
-        match self.plan.buckets[b].unit {
-            Some(u) => self.sole[u].is_some(),
-            None => self.non_unit_sole,
-        }
-    }
-
-    /// One more user of `unit`: gathers it into a free pool buffer unless it
-    /// is still resident (a sole unit always is).
+    /// One more user of `unit`: gathers its gathered buckets into a free
+    /// pool buffer unless they are still resident (a unit with none needs
+    /// nothing).
     pub fn acquire(&mut self, unit: usize, rank: &RankContext<D>) -> Result<()> {
         self.units[unit].refs += 1;
-        if self.units[unit].slot.is_some() || self.sole[unit].is_some() {
+        if self.units[unit].slot.is_some() || self.gathered[unit].is_empty() {
             return Ok(());
         }
         // Reuse the least recently released free buffer.
@@ -687,7 +742,7 @@ impl<D: Device> FsdpEngine<D> {
             .into_iter()
             .flatten()
             .collect();
-        let buckets = self.plan.units[unit].buckets.to_vec();
+        let buckets = self.gathered[unit].clone();
         let dest = self.param_slots[slot].buf.clone();
         let ready = self.gather(
             rank,
@@ -728,11 +783,13 @@ impl<D: Device> FsdpEngine<D> {
         self.param_slots[slot].last_uses[index] = Some(event.clone());
     }
 
-    /// A zeroed gradient buffer for `unit`'s backward; a sole unit's own
-    /// buffer, holding the step's sum so far, once its last writer is done.
+    /// A zeroed gradient buffer for `unit`'s gathered buckets, and its held
+    /// buffer (the step's sum so far) once its last writer is done: ready
+    /// when both are.
     pub fn grad_buffer(&mut self, unit: usize, rank: &RankContext<D>) -> Result<()> {
-        if let Some(sole) = &self.sole[unit] {
-            self.units[unit].grad_ready = sole.written.clone();
+        let held_written = self.held[unit].as_ref().and_then(|h| h.written.clone());
+        if self.gathered[unit].is_empty() {
+            self.units[unit].grad_ready = held_written;
             return Ok(());
         }
         let slot = self
@@ -747,7 +804,14 @@ impl<D: Device> FsdpEngine<D> {
             })?;
         let grad_slot = &mut self.grad_slots[slot];
         grad_slot.busy = true;
-        let after: Vec<_> = grad_slot.free_after.take().into_iter().collect();
+        // The zeroing waits for the held buffer's last writer too, so its
+        // event covers both.
+        let after: Vec<_> = grad_slot
+            .free_after
+            .take()
+            .into_iter()
+            .chain(held_written)
+            .collect();
         let buf = grad_slot.buf.clone();
         let zeroed = rank.compute.submit(
             Label::new(
@@ -763,20 +827,21 @@ impl<D: Device> FsdpEngine<D> {
     }
 
     /// Reduces `unit`'s gradients of one micro-batch into the owned shards
-    /// (reduce-scatter, or all-reduce under `no_shard`, then `+=`), bucket
-    /// by bucket in id order, after `after`; frees the gradient buffer. A
-    /// sole unit's gradients are in its shards already: `after` (the
-    /// micro-batch's last work) becomes what the next backward waits for.
+    /// of its gathered buckets (reduce-scatter, or all-reduce under
+    /// `no_shard`, then `+=`), bucket by bucket in id order, after `after`;
+    /// frees the gradient buffer. Its held buckets' gradients are in their
+    /// shards already: `after` (the micro-batch's last work) becomes what
+    /// the next backward waits for.
     pub fn reduce(
         &mut self,
         unit: usize,
         rank: &RankContext<D>,
         after: &[EventOf<D>],
     ) -> Result<()> {
-        if let Some(sole) = &mut self.sole[unit] {
+        if let Some(held) = &mut self.held[unit] {
             match after {
                 [] => {}
-                [last] => sole.written = Some(last.clone()),
+                [last] => held.written = Some(last.clone()),
                 // One event that covers them all.
                 many => {
                     let joined = rank.compute.submit(
@@ -784,9 +849,11 @@ impl<D: Device> FsdpEngine<D> {
                         many,
                         Box::new(|_: &D::Backend| Ok(())),
                     );
-                    sole.written = Some(joined);
+                    held.written = Some(joined);
                 }
             }
+        }
+        if self.gathered[unit].is_empty() {
             self.units[unit].grad_ready = None;
             return Ok(());
         }
@@ -796,7 +863,7 @@ impl<D: Device> FsdpEngine<D> {
             ))
         })?;
         self.units[unit].grad_ready = None;
-        let buckets = self.plan.units[unit].buckets.to_vec();
+        let buckets = self.gathered[unit].clone();
         let event = self.reduce_into_shards(
             rank,
             &buckets,
@@ -878,59 +945,76 @@ impl<D: Device> FsdpEngine<D> {
         ))
     }
 
-    /// The parameters `unit`'s work reads (`None`: the non-unit buffer).
-    pub fn params(&self, unit: Option<usize>) -> Result<ParamAccess<D>> {
-        match unit {
-            None => Ok(BufferAccess {
-                buf: self.non_unit_params.clone(),
-                ready: self.non_unit_ready.clone(),
-            }),
-            Some(u) if let Some(sole) = &self.sole[u] => Ok(BufferAccess {
-                buf: sole.params.clone(),
-                ready: None,
-            }),
-            Some(u) => {
-                let r = &self.units[u];
-                let slot = r.slot.ok_or_else(|| {
-                    RuntimeError::InvalidArgument(format!(
-                        "unit {} ({}) is used without being acquired",
-                        u, self.plan.units[u].name
-                    ))
-                })?;
-                Ok(BufferAccess {
-                    buf: self.param_slots[slot].buf.clone(),
-                    ready: r.ready.clone(),
-                })
-            }
+    /// The non-unit parameters, gathered for this step.
+    pub fn non_unit_params(&self) -> ParamAccess<D> {
+        BufferAccess {
+            buf: self.non_unit_params.clone(),
+            ready: self.non_unit_ready.clone(),
         }
     }
 
-    /// The gradient buffer `unit`'s backward accumulates into (`None`: the
-    /// non-unit buffer, accumulated over the whole step).
-    pub fn grads(&self, unit: Option<usize>) -> Result<GradAccess<D>> {
-        match unit {
-            None => Ok(BufferAccess {
-                buf: self.non_unit_grads.clone(),
-                ready: None,
-            }),
-            Some(u) if let Some(sole) = &self.sole[u] => Ok(BufferAccess {
-                buf: sole.grads.clone(),
-                ready: self.units[u].grad_ready.clone(),
-            }),
-            Some(u) => {
-                let r = &self.units[u];
-                let slot = r.grad_slot.ok_or_else(|| {
-                    RuntimeError::InvalidArgument(format!(
-                        "unit {} ({}) runs backward without a gradient buffer",
-                        u, self.plan.units[u].name
-                    ))
-                })?;
-                Ok(BufferAccess {
-                    buf: self.grad_slots[slot].buf.clone(),
-                    ready: r.grad_ready.clone(),
-                })
-            }
+    /// The non-unit gradient buffer, accumulated over the whole step.
+    pub fn non_unit_grads(&self) -> GradAccess<D> {
+        BufferAccess {
+            buf: self.non_unit_grads.clone(),
+            ready: None,
         }
+    }
+
+    /// The parameters `unit`'s work reads.
+    pub fn unit_params(&self, unit: usize) -> Result<BufferAccess<D, UnitBuffers<D>>> {
+        let held = self.held[unit].as_ref().map(|h| h.params.clone());
+        if self.gathered[unit].is_empty() {
+            return Ok(BufferAccess {
+                buf: UnitBuffers {
+                    gathered: None,
+                    held,
+                },
+                ready: None,
+            });
+        }
+        let r = &self.units[unit];
+        let slot = r.slot.ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!(
+                "unit {} ({}) is used without being acquired",
+                unit, self.plan.units[unit].name
+            ))
+        })?;
+        Ok(BufferAccess {
+            buf: UnitBuffers {
+                gathered: Some(self.param_slots[slot].buf.clone()),
+                held,
+            },
+            ready: r.ready.clone(),
+        })
+    }
+
+    /// The gradient buffers `unit`'s backward accumulates into.
+    pub fn unit_grads(&self, unit: usize) -> Result<BufferAccess<D, UnitBuffers<D>>> {
+        let held = self.held[unit].as_ref().map(|h| h.grads.clone());
+        let ready = self.units[unit].grad_ready.clone();
+        if self.gathered[unit].is_empty() {
+            return Ok(BufferAccess {
+                buf: UnitBuffers {
+                    gathered: None,
+                    held,
+                },
+                ready,
+            });
+        }
+        let slot = self.units[unit].grad_slot.ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!(
+                "unit {} ({}) runs backward without a gradient buffer",
+                unit, self.plan.units[unit].name
+            ))
+        })?;
+        Ok(BufferAccess {
+            buf: UnitBuffers {
+                gathered: Some(self.grad_slots[slot].buf.clone()),
+                held,
+            },
+            ready,
+        })
     }
 
     /// The elements of bucket `b` this rank owns, in bucket coordinates.
@@ -986,6 +1070,118 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Under EP 2 on two ZeRO-3 ranks the `[*E]` unit mixes sharded
+    /// buckets (attention, the MoE layer's norm and router) with held ones
+    /// (each rank's own experts): acquiring it gathers only the former into
+    /// a pool buffer sized for them, the experts are read where their
+    /// shards are, and every parameter of the unit reads its whole values
+    /// at the place the engine gives the layers.
+    #[test]
+    fn a_mixed_unit_gathers_its_sharded_buckets_and_reads_its_held_ones_in_place() {
+        use crate::device::Cpu;
+        use crate::lane::Lane;
+        use crate::platform::{CpuPlatform, Platform, RankSettings};
+
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "M[*E]-".into();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(2, 2),
+            ..PlanOptions::default()
+        };
+        let plan = Arc::new(Plan::new(&model, &options).unwrap());
+        let settings = RankSettings {
+            ep: 2,
+            ..RankSettings::for_tests()
+        };
+        let platform = CpuPlatform::new(2, settings.timeout).unwrap();
+        let unit = plan
+            .units
+            .iter()
+            .position(|u| u.buckets.iter().any(|&b| plan.buckets[b].expert));
+        let unit = unit.expect("the [*E] unit");
+        let numel = |p: usize| plan.def(&plan.params[p]).numel();
+        // Parameter p's element i, on EP rank e (experts differ per rank).
+        let value = |p: usize, e: usize, i: usize| {
+            let expert = plan.buckets[plan.params[p].bucket].expert;
+            p as f32 + i as f32 / numel(p) as f32 + if expert { 1000.0 * e as f32 } else { 0.0 }
+        };
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..2)
+                .map(|r| {
+                    let (platform, settings, plan) = (&platform, &settings, &plan);
+                    scope.spawn(move || {
+                        let rank = platform.rank(r, settings).unwrap();
+                        let e = r % 2;
+                        let init = |p: usize, range: Range<usize>, out: &mut [f32]| {
+                            for (v, i) in out.iter_mut().zip(range) {
+                                *v = value(p, e, i);
+                            }
+                            Ok(())
+                        };
+                        let mut engine: FsdpEngine<Cpu> =
+                            FsdpEngine::new(plan.clone(), Sharding::Zero3, &rank, 2, 1, &init)
+                                .unwrap();
+                        let buckets = &plan.units[unit].buckets;
+                        let gathered = &engine.gathered[unit];
+                        assert!(!gathered.is_empty() && gathered.len() < buckets.len());
+                        for &b in buckets.iter() {
+                            assert_eq!(
+                                gathered.contains(&b),
+                                !plan.buckets[b].expert,
+                                "bucket {b}"
+                            );
+                            assert_eq!(engine.housed[b], plan.buckets[b].expert, "bucket {b}");
+                        }
+                        // The pool holds the gathered buckets only.
+                        let gathered_len: usize =
+                            gathered.iter().map(|&b| engine.regions[b].len()).sum();
+                        let backend = &rank.backend;
+                        let slot_len = backend.buf_len(&engine.param_slots[0].buf);
+                        assert!(slot_len >= gathered_len, "{slot_len} < {gathered_len}");
+                        let unit_len: usize =
+                            buckets.iter().map(|&b| engine.regions[b].len()).sum();
+                        assert!(slot_len < unit_len, "the pool has room for held buckets");
+
+                        engine.begin_step(&rank).unwrap();
+                        engine.acquire(unit, &rank).unwrap();
+                        let access = engine.unit_params(unit).unwrap();
+                        rank.compute.synchronize().unwrap();
+                        rank.comm.synchronize().unwrap();
+                        let (pool, held) = (access.buf.gathered.unwrap(), access.buf.held.unwrap());
+                        for &b in buckets.iter() {
+                            for &p in plan.buckets[b].params.iter() {
+                                let place = engine.param_place(p);
+                                let buf = match place.holder {
+                                    Holder::Gathered => &pool,
+                                    Holder::Held => &held,
+                                    Holder::NonUnit => panic!("parameter {p} is in a unit"),
+                                };
+                                let mut got = vec![0.0f32; place.range.len()];
+                                backend
+                                    .download(
+                                        backend.slice(buf, place.range.clone()).unwrap(),
+                                        &mut got,
+                                    )
+                                    .unwrap();
+                                let want: Vec<f32> =
+                                    (0..numel(p)).map(|i| value(p, e, i)).collect();
+                                assert_eq!(
+                                    got, want,
+                                    "rank {r}, parameter {p} ({:?})",
+                                    place.holder
+                                );
+                            }
+                        }
+                        engine.release(unit);
+                    })
+                })
+                .collect();
+            for rank in ranks {
+                rank.join().unwrap();
+            }
+        });
     }
 
     /// Each ZeRO-3 rank of two draws only the elements of its shards (the

@@ -457,16 +457,15 @@ pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEsti
         max_shard = max_shard.max(shard);
         max_padded = max_padded.max(padded);
         match bucket.unit {
+            // Held buckets (and sole non-unit ones) live in their shards: no
+            // room in the pool, no gradient buffer beyond the shard's
+            // (`fsdp.rs`).
+            Some(_) if shard_layout.sole(plan, bucket) => {}
             Some(u) => unit_len[u] = unit_len[u].saturating_add(padded),
             None => non_unit = non_unit.saturating_add(padded),
         }
     }
-    // Sole units (and sole non-unit buckets) live in their shards: no pool
-    // buffer, no gradient buffer beyond the shard's (`fsdp.rs`).
-    let pooled: Vec<u64> = (0..plan.units.len())
-        .filter(|&u| !shard_layout.sole_unit(plan, u))
-        .map(|u| unit_len[u])
-        .collect();
+    let pooled: Vec<u64> = unit_len.iter().copied().filter(|&len| len > 0).collect();
     if shard_layout.sole_non_unit(plan) {
         non_unit = 0;
     }

@@ -885,14 +885,14 @@ fn run_rank<D: Device>(
     startup.params = phase.elapsed();
     let phase = Instant::now();
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
-    let ranges = (0..plan.params.len())
-        .map(|p| engine.param_range(p))
+    let places = (0..plan.params.len())
+        .map(|p| engine.param_place(p))
         .collect();
     let tokens = Tokens::new(config.micro_batch_size, config.seq_length);
     let cx = Arc::new(StepContext::<D>::new(
         model.clone(),
         rank.ep_group.clone(),
-        Arc::new(ranges),
+        Arc::new(places),
         tokens,
         1.0 / (config.micro_batches * config.ranks) as f32,
         config.recompute,

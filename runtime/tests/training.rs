@@ -211,7 +211,7 @@ fn ran(trace: &Value, plan: &Plan) -> Ran {
             ep: plan.layout.ep,
         };
         let unit_gathers = (0..plan.units.len())
-            .filter(|&u| !layout.sole_unit(plan, u))
+            .filter(|&u| layout.gathers_unit(plan, u))
             .map(|u| count(&format!("gather {}", plan.units[u].name)))
             .collect::<Vec<_>>();
         let pooled = unit_gathers.len();

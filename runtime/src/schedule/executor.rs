@@ -22,7 +22,7 @@ use super::state::{
 use crate::backend::{Backend, Slice, SliceMut, Tokens};
 use crate::device::{Buf, Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
-use crate::fsdp::FsdpEngine;
+use crate::fsdp::{FsdpEngine, Holder, ParamPlace, UnitBuffers};
 use crate::lane::{Event, Label, Lane};
 use crate::layers::{
     CollectiveExchange, ExpertBalance, MoeBackward, MoeForward, MoeLayer, MoeStage, RouterContext,
@@ -44,8 +44,8 @@ type SharedBatch<D> = Arc<Handoff<MicroBatch<<D as Device>::Backend>>>;
 pub struct StepContext<D: Device> {
     pub model: Arc<ModelRuntime>,
     pub ep_group: Arc<D::Comm>,
-    /// Per parameter index: where it lies in its holder buffer.
-    pub ranges: Arc<Vec<Range<usize>>>,
+    /// Per parameter index: which holder buffer it lies in, and where.
+    pub places: Arc<Vec<ParamPlace>>,
     pub tokens: Tokens,
     /// The weight of one micro-batch's mean loss in the step's loss:
     /// `1 / (micro-batches x data-parallel size)`.
@@ -67,7 +67,7 @@ impl<D: Device> StepContext<D> {
     pub fn new(
         model: Arc<ModelRuntime>,
         ep_group: Arc<D::Comm>,
-        ranges: Arc<Vec<Range<usize>>>,
+        places: Arc<Vec<ParamPlace>>,
         tokens: Tokens,
         mb_weight: f32,
         recompute: Recompute,
@@ -80,7 +80,7 @@ impl<D: Device> StepContext<D> {
             balance,
             model,
             ep_group,
-            ranges,
+            places,
             tokens,
             mb_weight,
             totals,
@@ -222,9 +222,9 @@ pub fn run_step<D: Device>(
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = piece.slot().lane();
                 let (mut after, params) = param_access(engine, node, last)?;
-                let grads = engine.grads(node.unit)?;
-                let non_unit_grads = engine.grads(None)?;
-                after.extend(grads.ready.clone());
+                let grads = node.unit.map(|u| engine.unit_grads(u)).transpose()?;
+                let non_unit_grads = engine.non_unit_grads();
+                after.extend(grads.as_ref().and_then(|g| g.ready.clone()));
                 let category = if piece.is_weight_gradient() {
                     "wgrad"
                 } else {
@@ -233,7 +233,7 @@ pub fn run_step<D: Device>(
                 let label = Label::new(format!("{} {} mb{mb}", piece.name(), node.name), category)
                     .micro_batch(mb);
                 let grads = HolderBuffers {
-                    unit: node.unit.map(|_| grads.buf),
+                    unit: grads.map(|g| g.buf),
                     non_unit: non_unit_grads.buf,
                 };
                 let item = Item {
@@ -297,11 +297,11 @@ fn param_access<D: Device>(
     previous: &Option<EventOf<D>>,
 ) -> Result<(Vec<EventOf<D>>, HolderBuffers<D>)> {
     let mut after: Vec<EventOf<D>> = previous.iter().cloned().collect();
-    let non_unit = engine.params(None)?;
+    let non_unit = engine.non_unit_params();
     after.extend(non_unit.ready.clone());
     let unit = match node.unit {
         Some(u) => {
-            let access = engine.params(Some(u))?;
+            let access = engine.unit_params(u)?;
             after.extend(access.ready.clone());
             Some(access.buf)
         }
@@ -319,31 +319,55 @@ fn param_access<D: Device>(
 /// The buffers a piece of work finds its owners' parameters (or
 /// gradients) in: its unit's, if it has one, and the non-unit ones.
 struct HolderBuffers<D: Device> {
-    unit: Option<Arc<Buf<D>>>,
+    unit: Option<UnitBuffers<D>>,
     non_unit: Arc<Buf<D>>,
 }
 
 /// Views of the parameters (or gradients) of owners, in their order.
 struct Params<'a, D: Device> {
     cx: &'a StepContext<D>,
-    unit: Option<&'a Buf<D>>,
+    gathered: Option<&'a Buf<D>>,
+    held: Option<&'a Buf<D>>,
     non_unit: &'a Buf<D>,
 }
 
 impl<'a, D: Device> Params<'a, D> {
-    fn holder(&self, owner: Owner) -> Result<&'a Buf<D>> {
-        let plan = &self.cx.model.plan;
-        let in_unit = self
+    fn new(cx: &'a StepContext<D>, buffers: &'a HolderBuffers<D>) -> Self {
+        let unit = buffers.unit.as_ref();
+        Params {
+            cx,
+            gathered: unit.and_then(|u| u.gathered.as_deref()),
+            held: unit.and_then(|u| u.held.as_deref()),
+            non_unit: &buffers.non_unit,
+        }
+    }
+
+    /// Parameter `p`'s holder buffer and its elements there.
+    fn place(&self, p: usize) -> Result<(&'a Buf<D>, Range<usize>)> {
+        let place = self
+            .cx
+            .places
+            .get(p)
+            .ok_or_else(|| missing("a parameter's place"))?;
+        let buf = match place.holder {
+            Holder::Gathered => self
+                .gathered
+                .ok_or_else(|| missing("a unit's gathered buffer"))?,
+            Holder::Held => self.held.ok_or_else(|| missing("a unit's held buffer"))?,
+            Holder::NonUnit => self.non_unit,
+        };
+        Ok((buf, place.range.clone()))
+    }
+
+    /// The place of `owner`'s `i`-th parameter.
+    fn place_of(&self, owner: Owner, i: usize, what: &str) -> Result<(&'a Buf<D>, Range<usize>)> {
+        let p = *self
             .cx
             .model
             .params_of(owner)
-            .first()
-            .is_some_and(|&p| plan.buckets[plan.params[p].bucket].unit.is_some());
-        if in_unit {
-            self.unit.ok_or_else(|| missing("a unit's buffers"))
-        } else {
-            Ok(self.non_unit)
-        }
+            .get(i)
+            .ok_or_else(|| missing(what))?;
+        self.place(p)
     }
 
     fn output_owner(&self) -> Owner {
@@ -354,48 +378,40 @@ impl<'a, D: Device> Params<'a, D> {
         }
     }
 
-    /// Where `owner`'s parameters lie in their holder buffer, in its
-    /// parameter order.
-    fn ranges(&self, owner: Owner) -> impl Iterator<Item = Range<usize>> + 'a {
-        let cx = self.cx;
-        cx.model
-            .params_of(owner)
-            .iter()
-            .map(move |&p| cx.ranges[p].clone())
-    }
-
-    /// The range of `owner`'s `i`-th parameter.
-    fn range(&self, owner: Owner, i: usize, what: &str) -> Result<Range<usize>> {
+    /// The weights of `owner`, in its parameter order.
+    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
         self.cx
             .model
             .params_of(owner)
-            .get(i)
-            .map(|&p| self.cx.ranges[p].clone())
-            .ok_or_else(|| missing(what))
-    }
-
-    /// The weights of `owner`, in its parameter order.
-    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
-        let buf = self.holder(owner)?;
-        self.ranges(owner)
-            .map(|r| Slice::<D::Backend>::of(buf, r))
+            .iter()
+            .map(|&p| {
+                let (buf, range) = self.place(p)?;
+                Slice::<D::Backend>::of(buf, range)
+            })
             .collect()
     }
 
     fn weight(&self, owner: Owner, i: usize) -> Result<Slice<'a, D::Backend>> {
-        Slice::<D::Backend>::of(self.holder(owner)?, self.range(owner, i, "a weight")?)
+        let (buf, range) = self.place_of(owner, i, "a weight")?;
+        Slice::<D::Backend>::of(buf, range)
     }
 
     /// Writable views of `owner`'s gradients, in its parameter order.
     fn grads(&self, owner: Owner) -> Result<Vec<SliceMut<'a, D::Backend>>> {
-        let buf = self.holder(owner)?;
-        self.ranges(owner)
-            .map(|r| SliceMut::<D::Backend>::of(buf, r))
+        self.cx
+            .model
+            .params_of(owner)
+            .iter()
+            .map(|&p| {
+                let (buf, range) = self.place(p)?;
+                SliceMut::<D::Backend>::of(buf, range)
+            })
             .collect()
     }
 
     fn grad(&self, owner: Owner, i: usize) -> Result<SliceMut<'a, D::Backend>> {
-        SliceMut::<D::Backend>::of(self.holder(owner)?, self.range(owner, i, "a gradient")?)
+        let (buf, range) = self.place_of(owner, i, "a gradient")?;
+        SliceMut::<D::Backend>::of(buf, range)
     }
 }
 
@@ -419,11 +435,7 @@ fn forward_work<D: Device>(item: Item<D>, slot: Slot) -> crate::lane::Work<D::Ba
     Box::new(move |lane: &D::Backend| {
         let b = &lane.in_arena(item.arena);
         let cx = &*item.cx;
-        let weights = Params {
-            cx,
-            unit: item.params.unit.as_deref(),
-            non_unit: &item.params.non_unit,
-        };
+        let weights = Params::new(cx, &item.params);
         item.state.with("a forward slot", |mb| {
             mb.upload_tokens(b)?;
             for op in cx.model.plan.schedule.nodes[item.node].ops(slot) {
@@ -442,18 +454,10 @@ fn backward_work<D: Device>(
     Box::new(move |lane: &D::Backend| {
         let b = &lane.in_arena(item.arena);
         let cx = &*item.cx;
-        let weights = Params {
-            cx,
-            unit: item.params.unit.as_deref(),
-            non_unit: &item.params.non_unit,
-        };
+        let weights = Params::new(cx, &item.params);
         // Comm-lane pieces write no weight gradients.
         let grads = match piece.slot().lane() {
-            LaneKind::Compute => Some(Params {
-                cx,
-                unit: grads.unit.as_deref(),
-                non_unit: &grads.non_unit,
-            }),
+            LaneKind::Compute => Some(Params::new(cx, &grads)),
             LaneKind::Comm => None,
         };
         item.state.with("a backward piece", |mb| {
