@@ -963,57 +963,48 @@ impl<D: Device> FsdpEngine<D> {
 
     /// The parameters `unit`'s work reads.
     pub fn unit_params(&self, unit: usize) -> Result<BufferAccess<D, UnitBuffers<D>>> {
-        let held = self.held[unit].as_ref().map(|h| h.params.clone());
-        if self.gathered[unit].is_empty() {
-            return Ok(BufferAccess {
-                buf: UnitBuffers {
-                    gathered: None,
-                    held,
-                },
-                ready: None,
-            });
-        }
-        let r = &self.units[unit];
-        let slot = r.slot.ok_or_else(|| {
-            RuntimeError::InvalidArgument(format!(
-                "unit {} ({}) is used without being acquired",
-                unit, self.plan.units[unit].name
-            ))
-        })?;
+        let gathered = self.unit_slot(
+            unit,
+            self.units[unit].slot,
+            "is used without being acquired",
+        )?;
         Ok(BufferAccess {
             buf: UnitBuffers {
-                gathered: Some(self.param_slots[slot].buf.clone()),
-                held,
+                gathered: gathered.map(|slot| self.param_slots[slot].buf.clone()),
+                held: self.held[unit].as_ref().map(|h| h.params.clone()),
             },
-            ready: r.ready.clone(),
+            // A unit with nothing to gather never has a gather to wait for.
+            ready: self.units[unit].ready.clone(),
         })
     }
 
     /// The gradient buffers `unit`'s backward accumulates into.
     pub fn unit_grads(&self, unit: usize) -> Result<BufferAccess<D, UnitBuffers<D>>> {
-        let held = self.held[unit].as_ref().map(|h| h.grads.clone());
-        let ready = self.units[unit].grad_ready.clone();
-        if self.gathered[unit].is_empty() {
-            return Ok(BufferAccess {
-                buf: UnitBuffers {
-                    gathered: None,
-                    held,
-                },
-                ready,
-            });
-        }
-        let slot = self.units[unit].grad_slot.ok_or_else(|| {
-            RuntimeError::InvalidArgument(format!(
-                "unit {} ({}) runs backward without a gradient buffer",
-                unit, self.plan.units[unit].name
-            ))
-        })?;
+        let gathered = self.unit_slot(
+            unit,
+            self.units[unit].grad_slot,
+            "runs backward without a gradient buffer",
+        )?;
         Ok(BufferAccess {
             buf: UnitBuffers {
-                gathered: Some(self.grad_slots[slot].buf.clone()),
-                held,
+                gathered: gathered.map(|slot| self.grad_slots[slot].buf.clone()),
+                held: self.held[unit].as_ref().map(|h| h.grads.clone()),
             },
-            ready,
+            ready: self.units[unit].grad_ready.clone(),
+        })
+    }
+
+    /// `unit`'s pool slot (`slot`, of parameters or gradients) when it has
+    /// gathered buckets: an error saying it `missing` when it has none.
+    fn unit_slot(&self, unit: usize, slot: Option<usize>, missing: &str) -> Result<Option<usize>> {
+        if self.gathered[unit].is_empty() {
+            return Ok(None);
+        }
+        slot.map(Some).ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!(
+                "unit {unit} ({}) {missing}",
+                self.plan.units[unit].name
+            ))
         })
     }
 
@@ -1072,6 +1063,30 @@ mod tests {
         }
     }
 
+    /// The tiny model as `M[*E]-` on two CPU thread ranks with expert
+    /// parallelism `ep`: its plan, the ranks' settings and their platform.
+    fn two_ranks(
+        ep: usize,
+    ) -> (
+        Arc<Plan>,
+        crate::platform::RankSettings,
+        crate::platform::CpuPlatform,
+    ) {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "M[*E]-".into();
+        let options = PlanOptions {
+            layout: ParallelLayout::new(2, ep),
+            ..PlanOptions::default()
+        };
+        let plan = Arc::new(Plan::new(&model, &options).unwrap());
+        let settings = crate::platform::RankSettings {
+            ep,
+            ..crate::platform::RankSettings::for_tests()
+        };
+        let platform = crate::platform::CpuPlatform::new(2, settings.timeout).unwrap();
+        (plan, settings, platform)
+    }
+
     /// Under EP 2 on two ZeRO-3 ranks the `[*E]` unit mixes sharded
     /// buckets (attention, the MoE layer's norm and router) with held ones
     /// (each rank's own experts): acquiring it gathers only the former into
@@ -1082,20 +1097,9 @@ mod tests {
     fn a_mixed_unit_gathers_its_sharded_buckets_and_reads_its_held_ones_in_place() {
         use crate::device::Cpu;
         use crate::lane::Lane;
-        use crate::platform::{CpuPlatform, Platform, RankSettings};
+        use crate::platform::Platform;
 
-        let mut model = ModelConfig::preset("tiny").unwrap();
-        model.pattern = "M[*E]-".into();
-        let options = PlanOptions {
-            layout: ParallelLayout::new(2, 2),
-            ..PlanOptions::default()
-        };
-        let plan = Arc::new(Plan::new(&model, &options).unwrap());
-        let settings = RankSettings {
-            ep: 2,
-            ..RankSettings::for_tests()
-        };
-        let platform = CpuPlatform::new(2, settings.timeout).unwrap();
+        let (plan, settings, platform) = two_ranks(2);
         let unit = plan
             .units
             .iter()
@@ -1191,18 +1195,10 @@ mod tests {
     #[test]
     fn a_rank_fills_only_its_shards_with_the_whole_parameters_values() {
         use crate::device::Cpu;
-        use crate::platform::{CpuPlatform, Platform, RankSettings};
+        use crate::platform::Platform;
         use std::sync::Mutex;
 
-        let mut model = ModelConfig::preset("tiny").unwrap();
-        model.pattern = "M[*E]-".into();
-        let options = PlanOptions {
-            layout: ParallelLayout::new(2, 1),
-            ..PlanOptions::default()
-        };
-        let plan = Arc::new(Plan::new(&model, &options).unwrap());
-        let settings = RankSettings::for_tests();
-        let platform = CpuPlatform::new(2, settings.timeout).unwrap();
+        let (plan, settings, platform) = two_ranks(1);
         let numel = |p: usize| plan.def(&plan.params[p]).numel();
         let value = |p: usize, i: usize| p as f32 + i as f32 / numel(p) as f32;
         // Ranks join their communicators together: one thread each.

@@ -359,7 +359,6 @@ impl CudaBackend {
         ))
     }
 
-    /// One GEMM of checked operands, on this queue.
     /// The queue's side streams, made on first use.
     fn side_streams(&self) -> Result<&[SideStream]> {
         if let Some(side) = self.queue.side.get() {
@@ -453,6 +452,7 @@ impl CudaBackend {
         launched
     }
 
+    /// One GEMM of checked operands, on this queue.
     fn gemm(&self, a: GpuView, b: GpuView, c: GpuView, dims: MatmulDims) -> Result<()> {
         if dims.m == 0 || dims.n == 0 {
             return Ok(());

@@ -378,16 +378,22 @@ impl<'a, D: Device> Params<'a, D> {
         }
     }
 
-    /// The weights of `owner`, in its parameter order.
-    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
+    /// The places of `owner`'s parameters, in its parameter order.
+    fn places(
+        &self,
+        owner: Owner,
+    ) -> impl Iterator<Item = Result<(&'a Buf<D>, Range<usize>)>> + '_ {
         self.cx
             .model
             .params_of(owner)
             .iter()
-            .map(|&p| {
-                let (buf, range) = self.place(p)?;
-                Slice::<D::Backend>::of(buf, range)
-            })
+            .map(|&p| self.place(p))
+    }
+
+    /// The weights of `owner`, in its parameter order.
+    fn weights(&self, owner: Owner) -> Result<Vec<Slice<'a, D::Backend>>> {
+        self.places(owner)
+            .map(|place| place.and_then(|(buf, range)| Slice::<D::Backend>::of(buf, range)))
             .collect()
     }
 
@@ -398,14 +404,8 @@ impl<'a, D: Device> Params<'a, D> {
 
     /// Writable views of `owner`'s gradients, in its parameter order.
     fn grads(&self, owner: Owner) -> Result<Vec<SliceMut<'a, D::Backend>>> {
-        self.cx
-            .model
-            .params_of(owner)
-            .iter()
-            .map(|&p| {
-                let (buf, range) = self.place(p)?;
-                SliceMut::<D::Backend>::of(buf, range)
-            })
+        self.places(owner)
+            .map(|place| place.and_then(|(buf, range)| SliceMut::<D::Backend>::of(buf, range)))
             .collect()
     }
 
