@@ -1305,6 +1305,34 @@ fn memory_estimate_arithmetic() {
     assert_eq!(plain.total, 52_224);
 }
 
+/// Buckets one rank holds whole and alone are read in their shards, never
+/// gathered: under EP 2 on 2 ranks the `[*E]` unit's expert bucket (W = 1)
+/// takes no room in the pool, and in a world of one nothing does.
+#[test]
+fn memory_estimate_leaves_held_buckets_out_of_the_pool() {
+    // dp 2, ep 2. Padded buckets: 2304 (non-unit, W = 2), 256 (unit 0), 512
+    // (unit 1), 512 (unit 2, dense, W = 2) and 256 (unit 2, experts, W = 1,
+    // held). Shards: 1152 + 128 + 256 + 256 + 256.
+    let p = plan(&handmade(), &options(layout(2, 2)));
+    assert!(p.buckets[4].expert);
+    let m = &p.memory;
+    // bf16 parameters of the units' gathered buckets (512 + 512 + 256) and
+    // gradients of the 2 largest (512 + 512): unit 2 counts 512, not 768.
+    assert_eq!(m.unit_pool, 2 * 1280 + 2 * 1024);
+    assert_eq!(m.non_unit, 2 * 2 * 2304);
+    assert_eq!(m.total, 4096 + 8192 + 8192 + 16384 + 4608 + 9216);
+    assert_eq!(p.memory_plain.unit_pool, 2 * 1024 + 2 * 1024);
+
+    // A world of one holds every bucket: no pool, no non-unit copies.
+    let p = plan(&handmade(), &options(layout(1, 1)));
+    assert_eq!(p.memory.unit_pool, 0);
+    assert_eq!(p.memory.non_unit, 0);
+    assert_eq!(
+        p.memory.total,
+        p.memory.param_shards + p.memory.master_weights + p.memory.grad_shards + p.memory.optimizer_states
+    );
+}
+
 /// Sizes from a typo must be refused with a code, not overflow the planner.
 #[test]
 fn absurd_dimensions_are_refused_not_overflowed() {

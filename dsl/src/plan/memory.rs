@@ -22,9 +22,14 @@ pub struct MemoryEstimate {
     /// The fixed pool of unsharded buffers: bf16 parameters of the
     /// `live_units` largest units, plus bf16 gradients of the two largest
     /// (the unit in backward and the one whose reduce-scatter is in flight).
+    /// A unit's size here counts only its buckets sharded over ranks: a
+    /// bucket one rank holds whole and alone (a world of one, or an expert
+    /// bucket whose expert-data-parallel group is one rank) is read and
+    /// accumulated in its shard, never gathered (the runtime's FSDP engine).
     pub unit_pool: u64,
     /// Non-unit buckets, gathered once per step and never released: bf16
-    /// parameters and gradients.
+    /// parameters and gradients; none when every one of them is held whole
+    /// by one rank (their shards are then the buffers).
     pub non_unit: u64,
     pub total: u64,
 }
@@ -47,25 +52,31 @@ impl MemoryEstimate {
         };
         let mut shard_elems = 0u64;
         let mut non_unit_elems = 0u64;
-        let mut padded = Vec::with_capacity(buckets.len());
+        let mut non_unit_held = true;
+        // Per bucket: its padded length where it is gathered, 0 where held.
+        let mut gathered = Vec::with_capacity(buckets.len());
         for bucket in buckets {
             // One division: the padded length is `blocks * world * 128` and
             // each rank's shard `blocks * 128`.
             let world = world(bucket) as u64;
             let blocks = (bucket.end as u64).div_ceil(world * SHARD_ALIGN as u64);
             let elems = blocks * world * SHARD_ALIGN as u64;
-            padded.push(elems);
+            gathered.push(if world > 1 { elems } else { 0 });
             shard_elems += blocks * SHARD_ALIGN as u64;
             if bucket.unit.is_none() {
                 non_unit_elems += elems;
+                non_unit_held &= world == 1;
             }
+        }
+        if non_unit_held {
+            non_unit_elems = 0;
         }
         // The sizes of the largest units, largest first: one pass that keeps
         // a short sorted list, not a sort of every unit.
         let keep = live_units.into_iter().max().unwrap_or(0).max(2);
         let mut top: Vec<u64> = Vec::with_capacity(keep + 1);
         for unit in units {
-            let elems: u64 = unit.buckets.iter().map(|&b| padded[b]).sum();
+            let elems: u64 = unit.buckets.iter().map(|&b| gathered[b]).sum();
             if top.len() == keep && top.last().is_some_and(|&smallest| smallest >= elems) {
                 continue;
             }
