@@ -1329,7 +1329,10 @@ fn memory_estimate_leaves_held_buckets_out_of_the_pool() {
     assert_eq!(p.memory.non_unit, 0);
     assert_eq!(
         p.memory.total,
-        p.memory.param_shards + p.memory.master_weights + p.memory.grad_shards + p.memory.optimizer_states
+        p.memory.param_shards
+            + p.memory.master_weights
+            + p.memory.grad_shards
+            + p.memory.optimizer_states
     );
 }
 
