@@ -155,8 +155,8 @@ pub struct ShardState<B: Backend> {
 
 /// Where a shard's compute-dtype parameters or its gradients live: a
 /// buffer of their own, or, for a bucket this rank holds whole and alone
-/// (see [`FsdpEngine`]'s sole units), the bucket's region of its unit's
-/// buffer, which layers then read and accumulate into directly.
+/// (see [`FsdpEngine`]'s held buckets), the bucket's region of its unit's
+/// held buffers, which layers then read and accumulate into directly.
 pub struct ShardPart<B: Backend> {
     buf: Arc<B::Buf>,
     range: Range<usize>,
@@ -590,7 +590,7 @@ impl<D: Device> FsdpEngine<D> {
             }
         }
         // Zero the gradient accumulators: the shards with buffers of their
-        // own, the sole units' buffers and the non-unit buffer (which hold
+        // own, the units' held buffers and the non-unit buffer (which hold
         // the other shards').
         let own: Vec<_> = (0..self.shards.len())
             .filter(|&b| !self.housed[b])

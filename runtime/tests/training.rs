@@ -136,11 +136,11 @@ struct Ran {
     /// ZeRO-3: per step, every unit is all-gathered ("gather <unit>") and
     /// the non-unit parameters once ("gather non-unit"), nothing refreshed.
     /// no_shard: per step, every unit and the non-unit parameters are
-    /// refreshed once from the masters, nothing gathered. Units a rank
-    /// holds whole and alone (`ShardLayout::sole_unit`) are neither: their
-    /// shards are their buffers. `None`: a world of one, where that is
-    /// every unit and the non-unit buckets, so nothing is gathered,
-    /// refreshed or reduced under either sharding.
+    /// refreshed once from the masters, nothing gathered. Units whose every
+    /// bucket a rank holds whole and alone (`ShardLayout::gathers_unit` is
+    /// false) are neither: their shards are their buffers. `None`: a world
+    /// of one, where that is every unit and the non-unit buckets, so
+    /// nothing is gathered, refreshed or reduced under either sharding.
     sharding: Option<Sharding>,
 }
 
