@@ -1087,6 +1087,62 @@ mod tests {
         assert_eq!(ScanChunkPlan::new(bad_groups, usize::MAX), None);
     }
 
+    /// `times_head_states` is one GEMM a (item, group) pair over the
+    /// group's J heads side by side: head j's `[Q, P]` block of the output
+    /// and `[P, N]` block of the states are where a GEMM of that head alone
+    /// reads and writes them (columns j P of the pair's `[Q, J P]` rows;
+    /// state slot `(item, g J + j)` from item `first`).
+    #[test]
+    fn a_groups_heads_are_one_gemm_over_their_side_by_side_blocks() {
+        let d = dims(2, 1024, 256);
+        let f32s = |len| GpuView::new(1 << 30, len, DType::F32);
+        let shape = Shape::new(d, &[f32s(1)]);
+        let (first, count) = (3usize, 4usize);
+        let (out, states) = (f32s(1 << 26), GpuView::new(1 << 34, 1 << 26, DType::F32));
+        let lhs = pairs(1 << 20, shape.n, shape.q * shape.n);
+        let calls = std::cell::RefCell::new(Vec::new());
+        let record = |g: StridedGemm| {
+            calls.borrow_mut().push(g);
+            Ok(())
+        };
+        shape
+            .times_head_states(&record, (first, count, d.heads), lhs, states, out)
+            .unwrap();
+        let calls = calls.into_inner();
+        assert_eq!(calls.len(), 1, "one GEMM for every head");
+        let g = calls[0];
+        assert_eq!(
+            (g.batch, g.m, g.n, g.k),
+            (count * d.groups, shape.q, shape.jp, shape.n)
+        );
+        assert!(!g.a_trans && g.b_trans);
+        let at = |m: StridedMatrix, pair: usize, row: usize, col: usize| {
+            m.ptr + 4 * (pair * m.stride + row * m.ld + col) as u64
+        };
+        for pair in 0..g.batch {
+            let (item, group) = (pair / d.groups, pair % d.groups);
+            for j in 0..shape.j {
+                // A head's own GEMM: its columns of the output, its state.
+                let head = (first + item) * d.heads + group * shape.j + j;
+                let own_out = out.ptr + 4 * (pair * shape.q * shape.jp + j * shape.p) as u64;
+                let own_state = states.ptr + 4 * (head * shape.pn) as u64;
+                assert_eq!(
+                    at(g.c, pair, 0, j * shape.p),
+                    own_out,
+                    "pair {pair}, head {j}"
+                );
+                assert_eq!(g.c.ld, shape.jp);
+                // B is stored [J P, N]: head j's rows start at row j P.
+                assert_eq!(
+                    at(g.b, pair, j * shape.p, 0),
+                    own_state,
+                    "pair {pair}, head {j}"
+                );
+                assert_eq!(g.b.ld, shape.n);
+            }
+        }
+    }
+
     #[test]
     fn the_quad_kernels_take_aligned_scratch_and_shapes_of_whole_quads() {
         let takes = |d: ScanDims, base: u64| {
