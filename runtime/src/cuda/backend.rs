@@ -160,6 +160,30 @@ struct SideStream {
     blas: Blas,
 }
 
+/// The lane (0: the queue's own stream) of each of a grouped call's
+/// problems, given each movable one's work (`None`: it stays on the queue's
+/// stream): largest first, each to the lane with the least work so far,
+/// ties to the earlier problem and the lower lane. A function of the work
+/// alone, so a step deals its problems the same way every time.
+fn deal(work: &[Option<f64>], lanes: usize) -> Vec<usize> {
+    let mut order: Vec<(usize, f64)> = work
+        .iter()
+        .enumerate()
+        .filter_map(|(i, w)| w.map(|w| (i, w)))
+        .collect();
+    order.sort_by(|(i, a), (j, b)| b.total_cmp(a).then(i.cmp(j)));
+    let mut lane_of = vec![0usize; work.len()];
+    let mut load = vec![0.0f64; lanes.max(1)];
+    for (i, w) in order {
+        let lane = (0..load.len())
+            .min_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)))
+            .unwrap_or(0);
+        lane_of[i] = lane;
+        load[lane] += w;
+    }
+    lane_of
+}
+
 /// One stream of a GPU with its cuBLAS handle.
 #[derive(Debug)]
 pub(crate) struct Queue {
@@ -395,24 +419,11 @@ impl CudaBackend {
         };
         let spread = operands.iter().filter(|o| movable(o)).count() >= 2;
         let side = if spread { self.side_streams()? } else { &[] };
-        // Deal the movable problems; lane 0 is the queue's stream.
-        let mut order: Vec<usize> = (0..operands.len())
-            .filter(|&i| movable(&operands[i]))
+        let work: Vec<Option<f64>> = operands
+            .iter()
+            .map(|o| movable(o).then(|| flops(&o.3)))
             .collect();
-        order.sort_by(|&i, &j| {
-            flops(&operands[j].3)
-                .total_cmp(&flops(&operands[i].3))
-                .then(i.cmp(&j))
-        });
-        let mut lane_of = vec![0usize; operands.len()];
-        let mut load = vec![0.0f64; 1 + side.len()];
-        for i in order {
-            let lane = (0..load.len())
-                .min_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)))
-                .unwrap_or(0);
-            lane_of[i] = lane;
-            load[lane] += flops(&operands[i].3);
-        }
+        let lane_of = deal(&work, 1 + side.len());
         let used: Vec<&SideStream> = side
             .iter()
             .enumerate()
@@ -1398,5 +1409,26 @@ impl Backend for CudaBackend {
         let (scratch, _partials) = self.scratch(len, DType::F64)?;
         self.k()
             .sum_squares(self.s(), self.v(x), piece, self.m(&out), scratch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deal;
+
+    #[test]
+    fn grouped_gemms_are_dealt_largest_first_to_the_least_loaded_stream() {
+        // Work 8, 1, 4, 4, 2 and one problem that stays put, over 3 lanes:
+        // 8 -> 0, 4 (index 2) -> 1, 4 (index 3) -> 2, 2 -> 1 (4 < 8 and
+        // 4 ties with lane 2, the lower wins), 1 -> 2 (lanes 1 and 2 hold
+        // 6 and 4).
+        let work = [Some(8.0), Some(1.0), Some(4.0), Some(4.0), Some(2.0), None];
+        assert_eq!(deal(&work, 3), vec![0, 2, 1, 2, 1, 0]);
+        // One lane: everything on the queue's stream.
+        assert_eq!(deal(&work, 1), vec![0; 6]);
+        // Nothing to deal.
+        assert_eq!(deal(&[None, None], 3), vec![0, 0]);
+        // Equal work: in problem order over the lanes.
+        assert_eq!(deal(&[Some(1.0); 4], 3), vec![0, 1, 2, 0]);
     }
 }
