@@ -97,51 +97,76 @@ fn embedding<B: Backend>(s: &mut Suite<'_, B>) {
     }
 }
 
+/// The targets of one shape of the loss kernels' cases: the good ones,
+/// one past the vocabulary (`bad`), and whether this shape also checks the
+/// kernels' refusals (of `bad`, and of one target too few).
+struct Targets<'a> {
+    good: &'a [u32],
+    bad: &'a [u32],
+    refusals: bool,
+}
+
+/// Checks a loss kernel's `case` (its f32 matrix and any outputs already
+/// given): the targets and the tolerance are added here, then its refusals
+/// of bad targets where `targets` asks for them, then its values.
+fn check_loss_case<B: Backend>(
+    s: &mut Suite<'_, B>,
+    case: KernelCase,
+    targets: &Targets<'_>,
+    tolerance: (f64, f64),
+    reference: impl Fn(&Values) -> Vec<Expected>,
+    launch: impl Fn(&B, &Bufs<B>) -> Result<HostOutputs> + Copy,
+) {
+    let case = case
+        .input_u32("targets", targets.good)
+        .tolerance(tolerance.0, tolerance.1);
+    let case = if targets.refusals {
+        let case = case.with_refusals();
+        s.check_bad_input(
+            &case,
+            BadInput::new("a target past the vocabulary").with_u32("targets", targets.bad),
+            launch,
+        );
+        s.check_bad_input(
+            &case,
+            BadInput::new("one target too few").with_u32("targets", &targets.good[1..]),
+            launch,
+        );
+        case
+    } else {
+        case
+    };
+    s.check_kernel(case, reference, launch);
+}
+
 fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
     for (i, (rows, vocab)) in [(6, 37), (5, 130), (1, 1), (3, 2)].into_iter().enumerate() {
         let dims = LossDims { rows, vocab };
-        let mut targets = s.rng.indices(rows, vocab);
+        let mut good = s.rng.indices(rows, vocab);
         if rows > 1 {
-            targets[1] = IGNORE_TARGET;
+            good[1] = IGNORE_TARGET;
         }
         let logits = s.rng.values(rows * vocab, -4.0, 4.0);
         let name = format!("{rows} rows of {vocab}");
-        let refusals = i == 0;
         let tol = (16.0 * U * vocab as f64, 16.0 * U);
-        let mut bad = targets.clone();
+        let mut bad = good.clone();
         bad[rows - 1] = vocab as u32;
-
-        let fwd = KernelCase::new("cross_entropy_forward", name.clone())
-            .inout_f32("logits", logits.clone())
-            .input_u32("targets", &targets)
-            .output_f32("losses", rows)
-            .tolerance(tol.0, tol.1);
-        let fwd = if refusals { fwd.with_refusals() } else { fwd };
-        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
-            dev.cross_entropy_forward(
-                b.view_mut("logits")?,
-                b.view("targets")?,
-                b.view_mut("losses")?,
-                dims,
-            )?;
-            Ok(vec![])
+        let targets = Targets {
+            good: &good,
+            bad: &bad,
+            refusals: i == 0,
         };
-        if refusals {
-            s.check_bad_input(
-                &fwd,
-                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
-                launch,
-            );
-            s.check_bad_input(
-                &fwd,
-                BadInput::new("one target too few").with_u32("targets", &targets[1..]),
-                launch,
-            );
-        }
-        s.check_kernel(
-            fwd,
+        let logits_case = |kernel: &'static str, what: String| {
+            KernelCase::new(kernel, what).inout_f32("logits", logits.clone())
+        };
+
+        check_loss_case(
+            s,
+            logits_case("cross_entropy_forward", name.clone()).output_f32("losses", rows),
+            &targets,
+            tol,
             |x| {
-                let (probs, losses) = r::cross_entropy_forward(&x["logits"], &targets, vocab);
+                let (probs, losses) = r::cross_entropy_forward(&x["logits"], &good, vocab);
                 vec![
                     Expected::new("logits", probs),
                     // Exactly 0 where the target is ignored, so the plain
@@ -149,125 +174,93 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
                     Expected::new("losses", losses).zeros_exact(),
                 ]
             },
-            launch,
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                dev.cross_entropy_forward(
+                    b.view_mut("logits")?,
+                    b.view("targets")?,
+                    b.view_mut("losses")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
         );
 
         let scale = 0.37f32;
-        let probs = r::cross_entropy_forward(&logits, &targets, vocab).0;
-        let bwd = KernelCase::new("cross_entropy_backward", name.clone())
-            .inout_f32("probs", probs)
-            .input_u32("targets", &targets)
-            .tolerance(tol.0, tol.1);
-        let bwd = if refusals { bwd.with_refusals() } else { bwd };
-        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
-            dev.cross_entropy_backward(b.view_mut("probs")?, b.view("targets")?, scale, dims)?;
-            Ok(vec![])
-        };
-        if refusals {
-            s.check_bad_input(
-                &bwd,
-                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
-                launch,
-            );
-            s.check_bad_input(
-                &bwd,
-                BadInput::new("one target too few").with_u32("targets", &targets[1..]),
-                launch,
-            );
-        }
-        s.check_kernel(
-            bwd,
+        let probs = r::cross_entropy_forward(&logits, &good, vocab).0;
+        check_loss_case(
+            s,
+            KernelCase::new("cross_entropy_backward", name.clone()).inout_f32("probs", probs),
+            &targets,
+            tol,
             |x| {
-                let grad =
-                    r::cross_entropy_backward(&x["probs"], &targets, f64::from(scale), vocab);
+                let grad = r::cross_entropy_backward(&x["probs"], &good, f64::from(scale), vocab);
                 vec![Expected::new("probs", grad).zeros_exact()]
             },
-            launch,
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                dev.cross_entropy_backward(b.view_mut("probs")?, b.view("targets")?, scale, dims)?;
+                Ok(vec![])
+            },
         );
 
         // The losses alone: the logits are left unspecified.
-        let loss = KernelCase::new("cross_entropy_loss", name.clone())
-            .inout_f32("logits", logits.clone())
-            .input_u32("targets", &targets)
-            .output_f32("losses", rows)
-            .tolerance(tol.0, tol.1);
-        let loss = if refusals { loss.with_refusals() } else { loss };
-        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
-            dev.cross_entropy_loss(
-                b.view_mut("logits")?,
-                b.view("targets")?,
-                b.view_mut("losses")?,
-                dims,
-            )?;
-            Ok(vec![])
-        };
-        if refusals {
-            s.check_bad_input(
-                &loss,
-                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
-                launch,
-            );
-        }
-        s.check_kernel(
-            loss,
+        check_loss_case(
+            s,
+            logits_case("cross_entropy_loss", name.clone()).output_f32("losses", rows),
+            &targets,
+            tol,
             |x| {
-                let losses = r::cross_entropy_forward(&x["logits"], &targets, vocab).1;
+                let losses = r::cross_entropy_forward(&x["logits"], &good, vocab).1;
                 vec![Expected::new("losses", losses).zeros_exact()]
             },
-            launch,
+            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                dev.cross_entropy_loss(
+                    b.view_mut("logits")?,
+                    b.view("targets")?,
+                    b.view_mut("losses")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
         );
 
         // Forward and backward at once, into an output of the compute
         // dtype (the logits then unspecified) or in place.
         let gradient = |x: &Values| {
-            let probs = r::cross_entropy_forward(&x["logits"], &targets, vocab).0;
-            r::cross_entropy_backward(&probs, &targets, f64::from(scale), vocab)
+            let probs = r::cross_entropy_forward(&x["logits"], &good, vocab).0;
+            r::cross_entropy_backward(&probs, &good, f64::from(scale), vocab)
         };
-        let into = KernelCase::new("cross_entropy_gradient", format!("{name}, into `out`"))
-            .inout_f32("logits", logits.clone())
-            .input_u32("targets", &targets)
-            .output("out", rows * vocab)
-            .tolerance(tol.0, tol.1);
-        let into = if refusals { into.with_refusals() } else { into };
-        let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
-            dev.cross_entropy_gradient(
-                b.view_mut("logits")?,
-                b.view("targets")?,
-                scale,
-                Some(b.view_mut("out")?),
-                dims,
-            )?;
-            Ok(vec![])
-        };
-        if refusals {
-            s.check_bad_input(
-                &into,
-                BadInput::new("a target past the vocabulary").with_u32("targets", &bad),
-                launch,
-            );
-        }
-        s.check_kernel(
-            into,
-            |x| vec![Expected::new("out", gradient(x)).zeros_exact()],
-            launch,
-        );
-        let in_place = KernelCase::new("cross_entropy_gradient", format!("{name}, in place"))
-            .inout_f32("logits", logits.clone())
-            .input_u32("targets", &targets)
-            .tolerance(tol.0, tol.1);
-        s.check_kernel(
-            in_place,
-            |x| vec![Expected::new("logits", gradient(x)).zeros_exact()],
+        let launch = move |into: bool| {
             move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                let out = if into { Some(b.view_mut("out")?) } else { None };
                 dev.cross_entropy_gradient(
                     b.view_mut("logits")?,
                     b.view("targets")?,
                     scale,
-                    None,
+                    out,
                     dims,
                 )?;
                 Ok(vec![])
+            }
+        };
+        check_loss_case(
+            s,
+            logits_case("cross_entropy_gradient", format!("{name}, into `out`"))
+                .output("out", rows * vocab),
+            &targets,
+            tol,
+            |x| vec![Expected::new("out", gradient(x)).zeros_exact()],
+            launch(true),
+        );
+        check_loss_case(
+            s,
+            logits_case("cross_entropy_gradient", format!("{name}, in place")),
+            &Targets {
+                refusals: false,
+                ..targets
             },
+            tol,
+            |x| vec![Expected::new("logits", gradient(x)).zeros_exact()],
+            launch(false),
         );
     }
 }

@@ -90,7 +90,7 @@ pub fn cross_entropy_forward(
     losses: &mut [f32],
     dims: LossDims,
 ) -> Result<()> {
-    softmax_rows("cross_entropy_forward", logits, targets, losses, dims)
+    softmax_rows("cross_entropy_forward", logits, targets, Some(losses), dims)
 }
 
 /// The losses of [`cross_entropy_forward`]; the logits become the
@@ -101,7 +101,7 @@ pub fn cross_entropy_loss(
     losses: &mut [f32],
     dims: LossDims,
 ) -> Result<()> {
-    softmax_rows("cross_entropy_loss", logits, targets, losses, dims)
+    softmax_rows("cross_entropy_loss", logits, targets, Some(losses), dims)
 }
 
 pub fn cross_entropy_backward(
@@ -122,18 +122,17 @@ pub fn cross_entropy_gradient(
     dims: LossDims,
 ) -> Result<()> {
     let kn = "cross_entropy_gradient";
-    let mut losses = vec![0.0f32; dims.rows];
-    softmax_rows(kn, logits, targets, &mut losses, dims)?;
+    softmax_rows(kn, logits, targets, None, dims)?;
     gradient_rows(kn, logits, targets, scale, dims)
 }
 
-/// Each row of `logits` becomes its softmax, and `losses` its loss
+/// Each row of `logits` becomes its softmax, and with `losses` its loss
 /// (`logsumexp - logit of the target`, 0 for an ignored target).
 fn softmax_rows(
     kn: &'static str,
     logits: &mut [f32],
     targets: &[u32],
-    losses: &mut [f32],
+    mut losses: Option<&mut [f32]>,
     dims: LossDims,
 ) -> Result<()> {
     check::len(
@@ -142,23 +141,26 @@ fn softmax_rows(
         logits.len(),
         check::product(kn, &[dims.rows, dims.vocab])?,
     )?;
-    check::len(kn, "losses", losses.len(), dims.rows)?;
+    if let Some(losses) = losses.as_deref() {
+        check::len(kn, "losses", losses.len(), dims.rows)?;
+    }
     validate_targets(kn, targets, dims)?;
     if dims.vocab == 0 {
         return Ok(());
     }
-    for ((row, &target), loss) in logits.chunks_exact_mut(dims.vocab).zip(targets).zip(losses) {
+    for (r, (row, &target)) in logits.chunks_exact_mut(dims.vocab).zip(targets).enumerate() {
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let mut sum = 0.0f32;
         for v in row.iter() {
             sum += (v - max).exp();
         }
-        let lse = max + sum.ln();
-        *loss = if target == IGNORE_TARGET {
-            0.0
-        } else {
-            lse - row[target as usize]
-        };
+        if let Some(losses) = losses.as_deref_mut() {
+            losses[r] = if target == IGNORE_TARGET {
+                0.0
+            } else {
+                max + sum.ln() - row[target as usize]
+            };
+        }
         let inv = 1.0 / sum;
         for v in row.iter_mut() {
             *v = (*v - max).exp() * inv;
