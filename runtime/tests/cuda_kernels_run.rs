@@ -996,10 +996,10 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             reference: None,
         });
     }
-    // The loss alone, and forward and backward at once: rows held in
-    // registers at every width the kernels take (1 to 8 logits a thread),
-    // in shared memory (16,000 and 32,768), and read again past it; the
-    // gradients into f32 or bf16, or in place.
+    // The loss alone, and forward and backward at once: rows shorter than
+    // one unrolled step of the block (700), rows of whole steps (32,768)
+    // and ragged tails after them; the gradients into f32 or bf16, or in
+    // place.
     for (rows, vocab) in [
         (3usize, 700usize),
         (4, 1500),

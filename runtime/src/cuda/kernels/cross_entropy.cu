@@ -70,134 +70,126 @@ extern "C" __global__ void cross_entropy_backward(
     }
 }
 
-// ---- forward and backward in one pass ----------------------------------------------
-// `cross_entropy_gradient` (`Backend::cross_entropy_gradient`): the
-// forward's softmax and the backward's `scale * (p - onehot)` of a row
-// without the loss, written once, in `out`'s dtype (the head's GEMM
-// operand) instead of f32 probabilities that a cast then narrows. The row
-// is read from memory once: a thread keeps its strided logits (c =
-// threadIdx.x + i * blockDim.x, the order in which the forward sums them)
-// in registers (PER of them, PER > 0) or the block keeps the row in
-// dynamic shared memory (PER == HELD_IN_SHARED); rows longer than either
-// are read again for each pass (PER == 0). Every value is computed as the
-// two kernels above compute it, so the bits are theirs.
-#define HELD_IN_SHARED -1
+// ---- the head's kernels: loss, and gradient in one pass ---------------------------
+// `cross_entropy_loss` and `cross_entropy_gradient`: a block of
+// LOSS_THREADS per row. A thread reads its strided logits (c = threadIdx.x
+// + i * LOSS_THREADS) once, four in flight at a time, keeping the running
+// max and the sum of exp(logit - max) (online softmax, rescaled as the max
+// rises); the block merges the threads' pairs in a fixed order. The loss
+// kernel then only reads the target's logit. The gradient kernel reads the
+// row a second time to write scale * (softmax - onehot) in `out`'s dtype
+// (the head's GEMM operand); a block's row is still in L2 by then, so the
+// row leaves memory once. Small blocks with few registers keep many rows in
+// flight on each SM: holding a whole row in a block (registers or shared
+// memory) allowed one row an SM and left memory idle while it reduced.
+#define LOSS_THREADS 256
+#define LOSS_UNROLL 4
 
-// With `loss` (the row's slot of the losses), the row's loss is written
-// instead of its gradients, as the forward computes it (`cross_entropy_loss`).
-template <int PER>
-__device__ __forceinline__ void gradient_row(
-    const float* row, u32 target, float scale, u64 vocab, void* out, int out_dtype, u64 out_base,
-    float* scratch, float* shared_row, float* loss) {
-    constexpr int HELD = PER > 0 ? PER : 1;
-    float v[HELD];
-    // Where the later passes read the row.
-    const float* held = PER == HELD_IN_SHARED ? shared_row : row;
-    float max = neg_inf();
-    if (PER > 0) {
-#pragma unroll
-        for (int i = 0; i < HELD; ++i) {
-            const u64 c = threadIdx.x + static_cast<u64>(i) * blockDim.x;
-            v[i] = c < vocab ? row[c] : 0.0f;
-            if (c < vocab) {
-                max = fmaxf(max, v[i]);
-            }
-        }
-    } else {
-        // Unrolled so that several loads are in flight before their stores.
-#pragma unroll 8
-        for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
-            const float x = row[c];
-            if (PER == HELD_IN_SHARED) {
-                shared_row[c] = x;  // read back by this thread only
-            }
-            max = fmaxf(max, x);
-        }
+// A running softmax normaliser: the max of the values seen and the sum of
+// exp(value - max) over them (sum 0: none seen).
+struct Normaliser {
+    float max;
+    float sum;
+};
+
+__device__ __forceinline__ Normaliser merge(Normaliser a, Normaliser b) {
+    if (b.sum == 0.0f) {
+        return a;
     }
-    max = block_max(max, scratch);
-    float sum = 0.0f;
-    if (PER > 0) {
-#pragma unroll
-        for (int i = 0; i < HELD; ++i) {
-            if (threadIdx.x + static_cast<u64>(i) * blockDim.x < vocab) {
-                sum += expf(v[i] - max);
-            }
-        }
-    } else {
-        for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
-            sum += expf(held[c] - max);
-        }
+    if (a.sum == 0.0f) {
+        return b;
     }
-    sum = block_sum(sum, scratch);
-    if (loss != nullptr) {
-        if (threadIdx.x == 0) {
-            *loss = target == IGNORE_TARGET ? 0.0f : max + logf(sum) - row[target];
-        }
-        return;
-    }
-    const float inv = 1.0f / sum;
-    const auto gradient = [&](u64 c, float logit) {
-        float g = 0.0f;
-        if (target != IGNORE_TARGET) {
-            const float p = expf(logit - max) * inv;
-            g = (c == target ? p - 1.0f : p) * scale;
-        }
-        store(out, out_dtype, out_base + c, g);
-    };
-    if (PER > 0) {
-#pragma unroll
-        for (int i = 0; i < HELD; ++i) {
-            const u64 c = threadIdx.x + static_cast<u64>(i) * blockDim.x;
-            if (c < vocab) {
-                gradient(c, v[i]);
-            }
-        }
-    } else {
-        for (u64 c = threadIdx.x; c < vocab; c += blockDim.x) {
-            gradient(c, held[c]);
-        }
-    }
+    const float m = fmaxf(a.max, b.max);
+    return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
 }
 
-// One block (of at most 1024 threads) per row; `per` is the logits a
-// thread holds (a power of two up to 8), HELD_IN_SHARED (the launch gives
-// the row's bytes of dynamic shared memory) or 0, chosen by the launcher.
-// With `losses` (`cross_entropy_loss`), each row's loss instead of its
-// gradients.
-__device__ __forceinline__ void held_rows(
-    const float* logits, const u32* targets, float scale, void* out, int out_dtype, float* losses,
-    u64 vocab, int per, u64* status) {
-    __shared__ float scratch[32];
-    extern __shared__ float shared_row[];
+// Row `row`'s normaliser, returned to every thread of the block.
+__device__ __forceinline__ Normaliser row_normaliser(const float* row, u64 vocab) {
+    __shared__ Normaliser warps[LOSS_THREADS / 32];
+    constexpr u64 STEP = LOSS_THREADS;
+    Normaliser t = {neg_inf(), 0.0f};
+    u64 c = threadIdx.x;
+    for (; c + (LOSS_UNROLL - 1) * STEP < vocab; c += LOSS_UNROLL * STEP) {
+        float x[LOSS_UNROLL];
+#pragma unroll
+        for (int i = 0; i < LOSS_UNROLL; ++i) {
+            x[i] = row[c + i * STEP];
+        }
+        float m = t.max;
+#pragma unroll
+        for (int i = 0; i < LOSS_UNROLL; ++i) {
+            m = fmaxf(m, x[i]);
+        }
+        float sum = t.sum * expf(t.max - m);
+#pragma unroll
+        for (int i = 0; i < LOSS_UNROLL; ++i) {
+            sum += expf(x[i] - m);
+        }
+        t = {m, sum};
+    }
+    for (; c < vocab; c += STEP) {
+        t = merge(t, {row[c], 1.0f});
+    }
+    // A butterfly over the warp, then warp 0 merges the warps in order.
+    for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) {
+        const Normaliser other = {__shfl_xor_sync(0xffffffffu, t.max, lane_mask),
+                                  __shfl_xor_sync(0xffffffffu, t.sum, lane_mask)};
+        t = merge(t, other);
+    }
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        warps[warp] = t;
+    }
+    __syncthreads();
+    Normaliser total = warps[0];
+    for (int w = 1; w < LOSS_THREADS / 32; ++w) {
+        total = merge(total, warps[w]);
+    }
+    return total;
+}
+
+// Row blockIdx.x's losses (`losses`, not null) or gradients (into `out`).
+__device__ __forceinline__ void loss_row(const float* logits, const u32* targets, float scale, void* out,
+                                         int out_dtype, float* losses, u64 vocab, u64* status) {
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
     if (target_faults(target, vocab, r, status)) {
         return;
     }
     const float* row = logits + r * vocab;
-    const u64 base = r * vocab;
-    float* loss = losses != nullptr ? losses + r : nullptr;
-#define ROW(P) \
-    gradient_row<P>(row, target, scale, vocab, out, out_dtype, base, scratch, shared_row, loss)
-    switch (per) {
-        case 1: ROW(1); break;
-        case 2: ROW(2); break;
-        case 4: ROW(4); break;
-        case 8: ROW(8); break;
-        case HELD_IN_SHARED: ROW(HELD_IN_SHARED); break;
-        default: ROW(0); break;
+    const Normaliser n = row_normaliser(row, vocab);
+    if (losses != nullptr) {
+        if (threadIdx.x == 0) {
+            losses[r] = target == IGNORE_TARGET ? 0.0f : n.max + logf(n.sum) - row[target];
+        }
+        return;
     }
-#undef ROW
+    const u64 base = r * vocab;
+    if (target == IGNORE_TARGET) {
+        for (u64 c = threadIdx.x; c < vocab; c += LOSS_THREADS) {
+            store(out, out_dtype, base + c, 0.0f);
+        }
+        return;
+    }
+    const float inv = 1.0f / n.sum;
+#pragma unroll LOSS_UNROLL
+    for (u64 c = threadIdx.x; c < vocab; c += LOSS_THREADS) {
+        const float p = expf(row[c] - n.max) * inv;
+        store(out, out_dtype, base + c, (c == target ? p - 1.0f : p) * scale);
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_gradient(
-    const float* logits, const u32* targets, float scale, void* out, int out_dtype, u64 vocab,
-    int per, u64* status) {
-    held_rows(logits, targets, scale, out, out_dtype, nullptr, vocab, per, status);
+// `Backend::cross_entropy_gradient`: the gradients of f32 `logits` into
+// `out` (f32 or bf16; it may be `logits` itself: a thread reads each of
+// its logits before it writes that element, and no other thread reads it).
+extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_gradient(
+    const float* logits, const u32* targets, float scale, void* out, int out_dtype, u64 vocab, u64* status) {
+    loss_row(logits, targets, scale, out, out_dtype, nullptr, vocab, status);
 }
 
 // `Backend::cross_entropy_loss`: the forward's losses, the logits only read.
-extern "C" __global__ void __launch_bounds__(1024) cross_entropy_loss(
-    const float* logits, const u32* targets, float* losses, u64 vocab, int per, u64* status) {
-    held_rows(logits, targets, 0.0f, nullptr, DTYPE_F32, losses, vocab, per, status);
+extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_loss(
+    const float* logits, const u32* targets, float* losses, u64 vocab, u64* status) {
+    loss_row(logits, targets, 0.0f, nullptr, DTYPE_F32, losses, vocab, status);
 }

@@ -288,35 +288,9 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
     RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
 }
 
-/// The most dynamic shared memory `cross_entropy_gradient` and
-/// `cross_entropy_loss` ask for to hold a row of logits: 160 KiB, rows of
-/// up to 40,960 f32 logits (a 32,768-token vocabulary fits; an H200 gives a
-/// block up to 227 KiB).
-const CROSS_ENTROPY_SHARED_BYTES: usize = 160 << 10;
-
-/// The `per` argument of `cross_entropy_gradient` and `cross_entropy_loss`
-/// that holds the row in shared memory (`HELD_IN_SHARED` in
-/// `cross_entropy.cu`).
-const HELD_IN_SHARED: i32 = -1;
-
-/// Lets `cross_entropy_gradient` and `cross_entropy_loss` take
-/// [`CROSS_ENTROPY_SHARED_BYTES`] of dynamic shared memory; returns what
-/// they got (0 where the device refused either: rows are then read from
-/// memory once per pass).
-fn reserve_cross_entropy_rows(functions: &HashMap<&'static str, CudaFunction>) -> usize {
-    let got = ["cross_entropy_gradient", "cross_entropy_loss"]
-        .iter()
-        .all(|name| {
-            functions.get(name).is_some_and(|f| {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    CROSS_ENTROPY_SHARED_BYTES as i32,
-                )
-                .is_ok()
-            })
-        });
-    if got { CROSS_ENTROPY_SHARED_BYTES } else { 0 }
-}
+/// The block of `cross_entropy_loss` and `cross_entropy_gradient` (a row
+/// each; `LOSS_THREADS` in `cross_entropy.cu`).
+const LOSS_THREADS: u32 = 256;
 
 /// The kernels of [`kernels::SOURCES`] loaded on one device, and the
 /// device's fault word.
@@ -328,10 +302,6 @@ pub struct KernelSet {
     functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
     flash_attention: bool,
-    /// The dynamic shared memory `cross_entropy_gradient` and
-    /// `cross_entropy_loss` may take to hold a row (0 where the device gave
-    /// none).
-    cross_entropy_shared: usize,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -386,7 +356,6 @@ impl KernelSet {
             modules.push(module);
         }
         let flash_attention = attention_flash::reserve_shared_memory(&functions);
-        let cross_entropy_shared = reserve_cross_entropy_rows(&functions);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -403,7 +372,6 @@ impl KernelSet {
             _modules: modules,
             functions,
             flash_attention,
-            cross_entropy_shared,
             fault,
             fault_ptr,
         })
@@ -989,6 +957,8 @@ impl KernelSet {
         let rows = d.tokens.rows()?;
         len(k, name, &x, product(k, &[rows, d.heads, d.head_stride])?)?;
         let pairs = product(k, &[rows, d.heads, d.dim / 2])?;
+        // A thread per (row, pair index); it rotates that pair of every head.
+        let angles = rows * (d.dim / 2);
         if pairs == 0 {
             return Ok(());
         }
@@ -1000,7 +970,7 @@ impl KernelSet {
         }
         let interleaved = i32::from(d.pairing == RotaryPairing::Interleaved);
         b.arg(&d.base).arg(&sign).arg(&interleaved);
-        self.go(k, &mut b, grid_for(pairs))
+        self.go(k, &mut b, grid_for(angles))
     }
 
     /// `Backend::rotary_forward`, in place.
@@ -1246,29 +1216,6 @@ impl KernelSet {
         self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
     }
 
-    /// How `cross_entropy_gradient` and `cross_entropy_loss` hold a row:
-    /// their launch (a block a row) and `per` argument. A thread's logits
-    /// in registers (the smallest power of two that covers the row, up to
-    /// 8: more spill), else the row in shared memory where it fits the
-    /// reservation, else nowhere (read again per pass).
-    fn held_rows(&self, d: LossDims) -> Result<(LaunchConfig, i32)> {
-        let threads = reduce_threads(d.vocab, 1024);
-        let needed = d.vocab.div_ceil(threads as usize).next_power_of_two();
-        let row_bytes = d.vocab * DType::F32.bytes();
-        let (per, shared) = if needed <= 8 {
-            (needed as i32, 0)
-        } else if row_bytes <= self.cross_entropy_shared {
-            (HELD_IN_SHARED, row_bytes as u32)
-        } else {
-            (0, 0)
-        };
-        let config = LaunchConfig {
-            shared_mem_bytes: shared,
-            ..per_item(d.rows, threads)?
-        };
-        Ok((config, per))
-    }
-
     /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32,
     /// read only) into `out` (f32 or bf16, `[rows, vocab]`; it may be
     /// `logits` itself).
@@ -1288,7 +1235,6 @@ impl KernelSet {
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
-        let (config, per) = self.held_rows(d)?;
         let vocab = d.vocab as u64;
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&logits.ptr)
@@ -1297,9 +1243,8 @@ impl KernelSet {
             .arg(&out.ptr)
             .arg(&out_dtype)
             .arg(&vocab)
-            .arg(&per)
             .arg(&self.fault_ptr);
-        self.go(k, &mut b, config)
+        self.go(k, &mut b, per_item(d.rows, LOSS_THREADS)?)
     }
 
     /// `Backend::cross_entropy_loss`: the losses of f32 `logits`, which it
@@ -1318,16 +1263,14 @@ impl KernelSet {
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
-        let (config, per) = self.held_rows(d)?;
         let vocab = d.vocab as u64;
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&targets.ptr)
             .arg(&losses.ptr)
             .arg(&vocab)
-            .arg(&per)
             .arg(&self.fault_ptr);
-        self.go(k, &mut b, config)
+        self.go(k, &mut b, per_item(d.rows, LOSS_THREADS)?)
     }
 
     // ---- mixture of experts ---------------------------------------------------------
