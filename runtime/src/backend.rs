@@ -566,14 +566,18 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `[rows, vocab]`, the same values those two compute. With `out`
     /// (`[rows, vocab]`, f32 or bf16) the gradients are written there,
     /// rounded once, and `logits` are left unspecified; without it they
-    /// replace the logits. The head's backward calls it once a chunk (a GPU
-    /// reads each row once, with no f32 probabilities in between).
+    /// replace the logits. With `losses` (`[rows]` f32), each row's loss
+    /// too, as [`Backend::cross_entropy_loss`] gives it. The head calls it
+    /// once a chunk (a GPU reads each row once, with no f32 probabilities in
+    /// between): its forward with the losses, keeping the gradients for the
+    /// backward, or its backward, recomputing them.
     fn cross_entropy_gradient(
         &self,
         logits: SliceMut<'_, Self>,
         targets: Slice<'_, Self>,
         scale: f32,
         out: Option<SliceMut<'_, Self>>,
+        losses: Option<SliceMut<'_, Self>>,
         dims: LossDims,
     ) -> Result<()>;
 

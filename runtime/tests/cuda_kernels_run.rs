@@ -1053,11 +1053,11 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 outputs: vec![if out.is_some() { 2 } else { 0 }],
                 cpu: Box::new(move |b, x| {
                     let out = out.map(|_| m(&x[2]));
-                    b.cross_entropy_gradient(m(&x[0]), v(&x[1]), 0.37, out, d)
+                    b.cross_entropy_gradient(m(&x[0]), v(&x[1]), 0.37, out, None, d)
                 }),
                 gpu: Box::new(move |s, st, x| {
                     let into = if out.is_some() { x[2] } else { x[0] };
-                    s.cross_entropy_gradient(st, x[0], x[1], 0.37, into, d)
+                    s.cross_entropy_gradient(st, x[0], x[1], 0.37, into, None, d)
                 }),
                 reference: None,
             });
@@ -1722,7 +1722,7 @@ fn fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
     check(
         "cross_entropy_gradient",
         bad_targets(40),
-        &|x| set.cross_entropy_gradient(&gpu.stream, x[0], x[1], 1.0, x[2], d),
+        &|x| set.cross_entropy_gradient(&gpu.stream, x[0], x[1], 1.0, x[2], None, d),
         "the loss target of row 1 is past the vocabulary",
     );
     check(

@@ -901,7 +901,7 @@ fn head_run(
     let (wb, hb, tb) = (up(w), up(h), ids(targets));
     let sum = loss_slot(0.0);
     let saved = head
-        .forward(dev(), v(&wb), v(&hb), v(&tb), vm(&sum))
+        .forward(dev(), v(&wb), v(&hb), v(&tb), vm(&sum), Some(scale))
         .expect("forward");
     let (dh, dw) = (up(&vec![0.0; h.len()]), up(&vec![0.0; w.len()]));
     head.backward(dev(), v(&wb), saved, v(&tb), scale, vm(&dh), vm(&dw))
@@ -925,8 +925,15 @@ fn head_gradients_with_masked_positions() {
             .expect("head");
         let loss = |w: &[f32], h: &[f32]| {
             let sum = loss_slot(0.0);
-            head.forward(dev(), v(&up(w)), v(&up(h)), v(&ids(&targets)), vm(&sum))
-                .expect("forward");
+            head.forward(
+                dev(),
+                v(&up(w)),
+                v(&up(h)),
+                v(&ids(&targets)),
+                vm(&sum),
+                None,
+            )
+            .expect("forward");
             scale * down_f64(&sum)
         };
         let (loss_sum, dh, dw) = head_run(&head, &w, &h, &targets, scale as f32);
@@ -967,13 +974,20 @@ fn the_head_adds_into_its_loss_slot_and_refuses_bad_targets() {
     let targets = targets_with_masks();
     let (alone, _, _) = head_run(&head, &w, &h, &targets, 1.0);
     let sum = loss_slot(2.5);
-    head.forward(dev(), v(&up(&w)), v(&up(&h)), v(&ids(&targets)), vm(&sum))
-        .expect("forward");
+    head.forward(
+        dev(),
+        v(&up(&w)),
+        v(&up(&h)),
+        v(&ids(&targets)),
+        vm(&sum),
+        None,
+    )
+    .expect("forward");
     assert_eq!(down_f64(&sum), 2.5 + alone);
     let mut bad = targets.clone();
     bad[4] = 128;
     let err = head
-        .forward(dev(), v(&up(&w)), v(&up(&h)), v(&ids(&bad)), vm(&sum))
+        .forward(dev(), v(&up(&w)), v(&up(&h)), v(&ids(&bad)), vm(&sum), None)
         .err()
         .expect("a target past the vocabulary")
         .to_string();
@@ -985,7 +999,8 @@ fn the_head_adds_into_its_loss_slot_and_refuses_bad_targets() {
             v(&up(&w)),
             v(&up(&h)),
             v(&ids(&targets[..9])),
-            vm(&sum)
+            vm(&sum),
+            None
         )
         .is_err()
     );
@@ -1017,36 +1032,51 @@ fn head_chunks_change_no_bits_and_bound_the_logits() {
             );
         }
     }
-    // Forward and backward allocate one chunk of logits, not the matrix.
-    let device = CpuBackend::default();
-    let head = whole.with_chunk_rows(2).expect("head");
-    let up_on = |values: &[f32]| {
-        let buf = device.alloc(values.len(), DType::F32).expect("alloc");
-        device.upload(values, ViewMut::whole(&buf)).expect("upload");
-        buf
-    };
-    let (wb, hb) = (up_on(&w), up_on(&h));
-    let tb = device.alloc(10, DType::U32).expect("alloc");
-    device
-        .upload(&targets, ViewMut::whole(&tb))
-        .expect("upload");
-    let (sum, dh, dw) = (
-        device.alloc(1, DType::F64).expect("alloc"),
-        up_on(&[0.0; 80]),
-        up_on(&vec![0.0; w.len()]),
-    );
-    let before = device.stats().in_use_bytes;
-    let saved = head
-        .forward(&device, v(&wb), v(&hb), v(&tb), vm(&sum))
-        .expect("forward");
-    head.backward(&device, v(&wb), saved, v(&tb), 1.0, vm(&dh), vm(&dw))
-        .expect("backward");
-    let allocated = device.stats().peak_in_use_bytes - before;
+    // Forward and backward allocate one chunk of logits, not the matrix,
+    // when they recompute the gradients (an evaluation's forward, or
+    // gradients past the kept limit); keeping holds the gradients.
     let matrix = (10 * 128 * 4) as u64;
-    assert!(
-        allocated < matrix / 2,
-        "the head held {allocated} bytes at most; the whole logit matrix is {matrix}"
-    );
+    for (kept_limit, grad_scale, keeps) in [
+        (usize::MAX, None, false),
+        (10 * 128 - 1, Some(1.0), false),
+        (10 * 128, Some(1.0), true),
+    ] {
+        let device = CpuBackend::default();
+        let head = whole
+            .with_chunk_rows(2)
+            .expect("head")
+            .with_kept_limit(kept_limit);
+        let up_on = |values: &[f32]| {
+            let buf = device.alloc(values.len(), DType::F32).expect("alloc");
+            device.upload(values, ViewMut::whole(&buf)).expect("upload");
+            buf
+        };
+        let (wb, hb) = (up_on(&w), up_on(&h));
+        let tb = device.alloc(10, DType::U32).expect("alloc");
+        device
+            .upload(&targets, ViewMut::whole(&tb))
+            .expect("upload");
+        let (sum, dh, dw) = (
+            device.alloc(1, DType::F64).expect("alloc"),
+            up_on(&[0.0; 80]),
+            up_on(&vec![0.0; w.len()]),
+        );
+        let before = device.stats().in_use_bytes;
+        let saved = head
+            .forward(&device, v(&wb), v(&hb), v(&tb), vm(&sum), grad_scale)
+            .expect("forward");
+        head.backward(&device, v(&wb), saved, v(&tb), 1.0, vm(&dh), vm(&dw))
+            .expect("backward");
+        let allocated = device.stats().peak_in_use_bytes - before;
+        if keeps {
+            assert!(allocated >= matrix, "kept: {allocated} of {matrix}");
+        } else {
+            assert!(
+                allocated < matrix / 2,
+                "kept limit {kept_limit}: the head held {allocated} bytes at most; the whole logit matrix is {matrix}"
+            );
+        }
+    }
     // A 131,072-token vocabulary runs in chunks of at most 256 MiB of logits.
     let mut big = config("");
     big.vocab_size = 131_072;
@@ -1054,6 +1084,43 @@ fn head_chunks_change_no_bits_and_bound_the_logits() {
     assert_eq!(head.chunk_rows(), 512);
     assert!(head.chunk_rows() * 131_072 <= HEAD_CHUNK_ELEMENTS);
     assert_eq!(HEAD_CHUNK_ELEMENTS * 4, 256 << 20);
+}
+
+/// The logit gradients the forward keeps are the ones the backward would
+/// recompute, bit for bit (the same GEMM, the same loss kernels), in one
+/// chunk or several; a backward asking for another loss scale than the
+/// forward kept is refused.
+#[test]
+fn kept_logit_gradients_are_the_recomputed_ones_bit_for_bit() {
+    let c = config("");
+    let mut rng = Rng(89);
+    let (w, h) = (rng.normals(128 * 8, 1.0, 0.0), rng.normals(80, 1.0, 0.0));
+    let targets = targets_with_masks();
+    for chunk in [10, 3] {
+        let kept = Head::new(&c)
+            .and_then(|head| head.with_chunk_rows(chunk))
+            .expect("head");
+        let recomputed = kept.with_kept_limit(0);
+        let (l0, dh0, dw0) = head_run(&kept, &w, &h, &targets, 0.3);
+        let (l1, dh1, dw1) = head_run(&recomputed, &w, &h, &targets, 0.3);
+        assert_eq!(l0.to_bits(), l1.to_bits(), "chunks of {chunk}");
+        assert_eq!(bits(&dh0), bits(&dh1), "chunks of {chunk}");
+        assert_eq!(bits(&dw0), bits(&dw1), "chunks of {chunk}");
+        assert!(dh0.iter().any(|&v| v != 0.0));
+    }
+    let head = Head::new(&c).expect("head");
+    let (wb, hb, tb) = (up(&w), up(&h), ids(&targets));
+    let sum = loss_slot(0.0);
+    let saved = head
+        .forward(dev(), v(&wb), v(&hb), v(&tb), vm(&sum), Some(0.3))
+        .expect("forward");
+    let (dh, dw) = (up(&vec![0.0; h.len()]), up(&vec![0.0; w.len()]));
+    let err = head
+        .backward(dev(), v(&wb), saved, v(&tb), 0.25, vm(&dh), vm(&dw))
+        .err()
+        .expect("another loss scale")
+        .to_string();
+    assert!(err.contains("0.3") && err.contains("0.25"), "{err}");
 }
 
 /// Tied embeddings: the table feeds the embedding and the head, and both
@@ -1080,7 +1147,7 @@ fn tied_embedding_and_head_gradients_accumulate_into_one_table() {
             .forward(dev(), v(&norm_wb), v(&x), TWO_SEQUENCES)
             .expect("norm");
         let sum = loss_slot(0.0);
-        head.forward(dev(), v(&t), v(&y), v(&targets), vm(&sum))
+        head.forward(dev(), v(&t), v(&y), v(&targets), vm(&sum), None)
             .expect("head");
         down_f64(&sum)
     };
@@ -1092,7 +1159,7 @@ fn tied_embedding_and_head_gradients_accumulate_into_one_table() {
         .expect("norm");
     let sum = loss_slot(0.0);
     let saved = head
-        .forward(dev(), v(&tb), v(&y), v(&targets), vm(&sum))
+        .forward(dev(), v(&tb), v(&y), v(&targets), vm(&sum), Some(1.0))
         .expect("head");
     let (dy, d_table) = (up(&[0.0; 80]), up(&vec![0.0; table.len()]));
     head.backward(

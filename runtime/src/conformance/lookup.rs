@@ -229,14 +229,20 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
             let probs = r::cross_entropy_forward(&x["logits"], &good, vocab).0;
             r::cross_entropy_backward(&probs, &good, f64::from(scale), vocab)
         };
-        let launch = move |into: bool| {
+        let launch = move |into: bool, with_losses: bool| {
             move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
                 let out = if into { Some(b.view_mut("out")?) } else { None };
+                let losses = if with_losses {
+                    Some(b.view_mut("losses")?)
+                } else {
+                    None
+                };
                 dev.cross_entropy_gradient(
                     b.view_mut("logits")?,
                     b.view("targets")?,
                     scale,
                     out,
+                    losses,
                     dims,
                 )?;
                 Ok(vec![])
@@ -249,7 +255,43 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
             &targets,
             tol,
             |x| vec![Expected::new("out", gradient(x)).zeros_exact()],
-            launch(true),
+            launch(true, false),
+        );
+        // With the losses too (the head's forward), into `out` or in place.
+        let with_losses = |x: &Values, gradients: &'static str| {
+            let losses = r::cross_entropy_forward(&x["logits"], &good, vocab).1;
+            vec![
+                Expected::new(gradients, gradient(x)).zeros_exact(),
+                Expected::new("losses", losses).zeros_exact(),
+            ]
+        };
+        check_loss_case(
+            s,
+            logits_case(
+                "cross_entropy_gradient",
+                format!("{name}, into `out`, with the losses"),
+            )
+            .output("out", rows * vocab)
+            .output_f32("losses", rows),
+            &targets,
+            tol,
+            |x| with_losses(x, "out"),
+            launch(true, true),
+        );
+        check_loss_case(
+            s,
+            logits_case(
+                "cross_entropy_gradient",
+                format!("{name}, in place, with the losses"),
+            )
+            .output_f32("losses", rows),
+            &Targets {
+                refusals: false,
+                ..targets
+            },
+            tol,
+            |x| with_losses(x, "logits"),
+            launch(false, true),
         );
         check_loss_case(
             s,
@@ -260,7 +302,7 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
             },
             tol,
             |x| vec![Expected::new("logits", gradient(x)).zeros_exact()],
-            launch(false),
+            launch(false, false),
         );
     }
 }

@@ -793,17 +793,22 @@ impl Backend for CpuBackend {
         targets: Slice<'_, Self>,
         scale: f32,
         out: Option<SliceMut<'_, Self>>,
+        losses: Option<SliceMut<'_, Self>>,
         dims: LossDims,
     ) -> Result<()> {
         let k = self.access("cross_entropy_gradient");
         let targets = k.typed_in::<u32>("targets", targets)?;
         let logits = k.typed_out::<f32>("logits", logits)?;
+        let losses = match losses {
+            Some(l) => Some(k.typed_out::<f32>("losses", l)?),
+            None => None,
+        };
         let Some(out) = out else {
-            return kernels::cross_entropy_gradient(logits, targets, scale, dims);
+            return kernels::cross_entropy_gradient(logits, targets, scale, losses, dims);
         };
         same_len(k.kernel(), logits.len(), out.len())?;
         let mut out = k.f32_out("out", out)?;
-        kernels::cross_entropy_gradient(logits, targets, scale, dims)?;
+        kernels::cross_entropy_gradient(logits, targets, scale, losses, dims)?;
         // A bf16 `out` is rounded once, as a cast of the f32 gradients.
         out.copy_from_slice(logits);
         Ok(())

@@ -1183,12 +1183,14 @@ impl Backend for CudaBackend {
         targets: Slice<'_, Self>,
         scale: f32,
         out: Option<SliceMut<'_, Self>>,
+        losses: Option<SliceMut<'_, Self>>,
         dims: LossDims,
     ) -> Result<()> {
         let from = self.m(&logits);
         let into = out.as_ref().map_or(from, |o| self.m(o));
+        let losses = losses.as_ref().map(|l| self.m(l));
         self.k()
-            .cross_entropy_gradient(self.s(), from, self.v(targets), scale, into, dims)
+            .cross_entropy_gradient(self.s(), from, self.v(targets), scale, into, losses, dims)
     }
 
     fn moe_route_forward(

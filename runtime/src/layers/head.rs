@@ -4,12 +4,20 @@
 //!
 //! The head works on chunks of rows whose logits hold at most
 //! [`HEAD_CHUNK_ELEMENTS`] f32 values (256 MiB), so it never holds a
-//! `[tokens, vocab]` matrix for a whole micro-batch: a 131,072-token
-//! vocabulary at 16k tokens per micro-batch runs 512 rows at a time. The
-//! forward keeps only the hidden states; the backward recomputes each
-//! chunk's logits, turns them into logit gradients in one step
-//! (`Backend::cross_entropy_gradient`), and adds that chunk's `dh` and `dW`
-//! before the next chunk.
+//! `[tokens, vocab]` f32 matrix for a whole micro-batch: a 131,072-token
+//! vocabulary at 16k tokens per micro-batch runs 512 rows at a time.
+//!
+//! The logit gradients of a training step depend only on the logits, the
+//! targets and the loss's scale, all known in the forward: the forward
+//! turns each chunk's logits into its losses and gradients in one pass
+//! (`Backend::cross_entropy_gradient`) and keeps the gradients, in the
+//! compute dtype, for the backward, which then only runs the `dh` and `dW`
+//! products chunk by chunk. That spares the backward a second logits GEMM.
+//! Where a micro-batch's gradients would pass
+//! [`HEAD_KEPT_GRADIENT_ELEMENTS`], or no backward follows (an
+//! evaluation), the forward keeps only the hidden states and the backward
+//! recomputes each chunk's logits and gradients. Both ways give the same
+//! bits: the same GEMM on the same operands, the same loss kernels.
 //!
 //! Chunking changes no bit on the CPU: a row's logits, loss and `dh` depend
 //! on that row alone, and `dW` sums the rows onto the gradient in row order,
@@ -19,7 +27,7 @@
 
 use super::{check_len, copy_of, positive, uninit_f32};
 use crate::backend::{Backend, DType, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::ModelConfig;
 use std::ops::Range;
 
@@ -30,19 +38,32 @@ use std::ops::Range;
 /// GEMMs at half their speed; at 256 MiB it takes 2.
 pub const HEAD_CHUNK_ELEMENTS: usize = 1 << 26;
 
+/// The most logit gradients a micro-batch's head keeps from its forward
+/// for its backward (in the compute dtype: 512 MiB in bf16); past it the
+/// backward recomputes them. The benchmark model's 4,096 x 32,768 keep;
+/// a 131,072-token vocabulary at 4,096 tokens recomputes. The memory plan
+/// counts `[tokens, vocab]` f32 a head ([`crate::memory::activations`]).
+pub const HEAD_KEPT_GRADIENT_ELEMENTS: usize = 1 << 28;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Head {
     vocab: usize,
     hidden: usize,
     /// Rows per chunk.
     chunk_rows: usize,
+    /// The most logit gradients the forward keeps.
+    kept_limit: usize,
 }
 
-/// What [`Head::forward`] keeps: the hidden states, from which the backward
-/// recomputes the logits chunk by chunk.
+/// What [`Head::forward`] keeps: the hidden states, and the logit
+/// gradients when it computed them (else the backward recomputes them
+/// chunk by chunk).
 pub struct HeadSaved<B: Backend> {
     rows: usize,
     hidden_states: B::Buf,
+    /// `[rows, vocab]` in the compute dtype, and the loss scale they were
+    /// computed for.
+    logit_grads: Option<(f32, B::Buf)>,
 }
 
 /// Targets that count towards the loss (not [`IGNORE_TARGET`]): the
@@ -60,7 +81,17 @@ impl Head {
             vocab,
             hidden: positive("hidden_size", config.hidden_size)?,
             chunk_rows: (HEAD_CHUNK_ELEMENTS / vocab).max(1),
+            kept_limit: HEAD_KEPT_GRADIENT_ELEMENTS,
         })
+    }
+
+    /// The same head keeping at most `elements` logit gradients from its
+    /// forward (0: never).
+    pub fn with_kept_limit(self, elements: usize) -> Self {
+        Head {
+            kept_limit: elements,
+            ..self
+        }
     }
 
     /// The same head working `rows` rows at a time (at least 1).
@@ -127,7 +158,9 @@ impl Head {
     /// Cross-entropy of `hidden_states` `[rows, h]` against `targets` (a u32
     /// view of `rows` ids, [`IGNORE_TARGET`] for none): adds the sum of the
     /// per-token losses (f64, rows in order; masked rows add nothing) to
-    /// `loss_sum`, one f64 on the device.
+    /// `loss_sum`, one f64 on the device. With `grad_scale` (a backward
+    /// follows, for the loss `grad_scale * loss_sum`), also the logit
+    /// gradients, kept for [`Head::backward`] where they fit the kept limit.
     pub fn forward<B: Backend>(
         &self,
         b: &B,
@@ -135,34 +168,52 @@ impl Head {
         hidden_states: Slice<'_, B>,
         targets: Slice<'_, B>,
         loss_sum: SliceMut<'_, B>,
+        grad_scale: Option<f32>,
     ) -> Result<HeadSaved<B>> {
         let rows = b.slice_len(targets);
         self.check(b, "head", weight, hidden_states, rows)?;
         let v = self.vocab;
         let logits = uninit_f32(b, self.chunk_rows.min(rows) * v)?;
         let losses = uninit_f32(b, rows)?;
+        let kept = match grad_scale {
+            Some(scale) if rows.saturating_mul(v) <= self.kept_limit => {
+                Some((scale, b.alloc_uninit(rows * v, b.compute_dtype())?))
+            }
+            _ => None,
+        };
         for chunk in self.chunks(rows) {
             self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
-            b.cross_entropy_loss(
-                b.slice_mut(&logits, 0..chunk.len() * v)?,
-                b.subslice(targets, chunk.clone())?,
-                b.slice_mut(&losses, chunk.clone())?,
-                LossDims {
-                    rows: chunk.len(),
-                    vocab: v,
-                },
-            )?;
+            let dims = LossDims {
+                rows: chunk.len(),
+                vocab: v,
+            };
+            let chunk_logits = b.slice_mut(&logits, 0..chunk.len() * v)?;
+            let chunk_targets = b.subslice(targets, chunk.clone())?;
+            let chunk_losses = b.slice_mut(&losses, chunk.clone())?;
+            match &kept {
+                Some((scale, grads)) => b.cross_entropy_gradient(
+                    chunk_logits,
+                    chunk_targets,
+                    *scale,
+                    Some(b.slice_mut(grads, chunk.start * v..chunk.end * v)?),
+                    Some(chunk_losses),
+                    dims,
+                )?,
+                None => b.cross_entropy_loss(chunk_logits, chunk_targets, chunk_losses, dims)?,
+            }
         }
         b.accumulate_sum(b.view(&losses)?, loss_sum)?;
         Ok(HeadSaved {
             rows,
             hidden_states: copy_of(b, hidden_states)?,
+            logit_grads: kept,
         })
     }
 
     /// For the loss `grad_scale * loss_sum` (e.g. `1 / tokens` for a mean):
     /// `dh += dlogits W` and `dW += dlogits^T h` (into the output layer's or,
-    /// tied, the embedding's gradient), chunk by chunk.
+    /// tied, the embedding's gradient), chunk by chunk, from the logit
+    /// gradients the forward kept (for this `grad_scale`) or recomputed.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<B: Backend>(
         &self,
@@ -181,33 +232,40 @@ impl Head {
         check_len(name, "targets", b.slice_len(targets), rows)?;
         check_len(name, "dh", b.slice_len(b.as_slice(&dh)), rows * h)?;
         check_len(name, "dw", b.slice_len(b.as_slice(&dw)), v * h)?;
-        let chunk_rows = self.chunk_rows.min(rows);
-        let logits = uninit_f32(b, chunk_rows * v)?;
-        // The GEMMs take operands of one dtype: in bf16 the logit gradients
-        // are rounded to bf16 for them, as Megatron's bf16 GEMMs do.
-        let compute = b.compute_dtype();
-        let narrowed = if compute == DType::F32 {
-            None
-        } else {
-            Some(b.alloc_uninit(chunk_rows * v, compute)?)
+        if let Some((kept_scale, _)) = &saved.logit_grads
+            && kept_scale.to_bits() != grad_scale.to_bits()
+        {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{name}: the forward kept the logit gradients of the loss scaled by \
+                 {kept_scale}, the backward asks for {grad_scale}; pass the forward the \
+                 backward's scale (or none, to recompute)"
+            )));
+        }
+        let source = match saved.logit_grads {
+            Some((_, grads)) => LogitGradients::Kept(grads),
+            None => LogitGradients::Recomputed(Recomputed::new(b, self.chunk_rows.min(rows) * v)?),
         };
         for chunk in self.chunks(rows) {
             let n = chunk.len();
-            let dims = LossDims { rows: n, vocab: v };
-            let chunk_targets = b.subslice(targets, chunk.clone())?;
-            self.chunk_logits(b, weight, hidden_states, &logits, &chunk)?;
-            let out = match &narrowed {
-                Some(buf) => Some(b.slice_mut(buf, 0..n * v)?),
-                None => None,
+            let d_logits = match &source {
+                LogitGradients::Kept(grads) => b.slice(grads, chunk.start * v..chunk.end * v)?,
+                LogitGradients::Recomputed(r) => {
+                    self.chunk_logits(b, weight, hidden_states, &r.logits, &chunk)?;
+                    let out = match &r.narrowed {
+                        Some(buf) => Some(b.slice_mut(buf, 0..n * v)?),
+                        None => None,
+                    };
+                    b.cross_entropy_gradient(
+                        b.slice_mut(&r.logits, 0..n * v)?,
+                        b.subslice(targets, chunk.clone())?,
+                        grad_scale,
+                        out,
+                        None,
+                        LossDims { rows: n, vocab: v },
+                    )?;
+                    b.slice(r.narrowed.as_ref().unwrap_or(&r.logits), 0..n * v)?
+                }
             };
-            b.cross_entropy_gradient(
-                b.slice_mut(&logits, 0..n * v)?,
-                chunk_targets,
-                grad_scale,
-                out,
-                dims,
-            )?;
-            let d_logits = b.slice(narrowed.as_ref().unwrap_or(&logits), 0..n * v)?;
             b.matmul(
                 d_logits,
                 weight,
@@ -222,5 +280,35 @@ impl Head {
             )?;
         }
         Ok(())
+    }
+}
+
+/// Where the backward reads a chunk's logit gradients from.
+enum LogitGradients<B: Backend> {
+    /// The forward's, `[rows, vocab]`.
+    Kept(B::Buf),
+    /// Recomputed a chunk at a time into these buffers.
+    Recomputed(Recomputed<B>),
+}
+
+/// The backward's buffers for recomputing one chunk's logit gradients: f32
+/// logits, and the gradients narrowed to the compute dtype for the GEMMs
+/// (rounded to bf16, as Megatron's bf16 GEMMs take them; in f32 they are
+/// the logits' buffer itself).
+struct Recomputed<B: Backend> {
+    logits: B::Buf,
+    narrowed: Option<B::Buf>,
+}
+
+impl<B: Backend> Recomputed<B> {
+    fn new(b: &B, elements: usize) -> Result<Self> {
+        let compute = b.compute_dtype();
+        Ok(Recomputed {
+            logits: uninit_f32(b, elements)?,
+            narrowed: match compute {
+                DType::F32 => None,
+                _ => Some(b.alloc_uninit(elements, compute)?),
+            },
+        })
     }
 }

@@ -128,6 +128,7 @@ pub fn run_step<D: Device>(
     let plan = &cx.model.plan;
     let depths = plan.mtp_depths();
     let layers = cx.model.layer_count();
+    let trains = program.trains();
     engine.begin_step(rank)?;
     let arenas = program.in_flight().max(1);
     // Live micro-batches, and the event of each one's latest work.
@@ -175,7 +176,7 @@ pub fn run_step<D: Device>(
                 .checked_sub(arenas)
                 .and_then(|previous| retired.iter().find(|(m, _)| *m == previous))
                 .map(|(_, event)| event.clone());
-            let state = MicroBatch::new(micro_batch(mb)?, layers, depths);
+            let state = MicroBatch::new(micro_batch(mb)?, layers, depths, trains);
             for (total, n) in counts.iter_mut().zip(&state.counts) {
                 *total += n;
             }
@@ -635,6 +636,7 @@ fn forward_op<D: Device>(
                 .as_ref()
                 .ok_or_else(|| missing("a head's hidden states"))?;
             let output = w.weight(w.output_owner(), 0)?;
+            let grad_scale = mb.trains.then(|| head_grad_scale(cx, mb, depth));
             // Adds into the step's running sum on the compute lane, in
             // forward issue order (see `LossAccumulator`).
             let saved = model.head.forward(
@@ -643,11 +645,38 @@ fn forward_op<D: Device>(
                 b.view(hidden)?,
                 mb.ids()?.targets(index)?,
                 cx.totals.head(index)?,
+                grad_scale,
             )?;
             mb.heads[index] = HeadState::Saved { saved, norm };
         }
     }
     Ok(())
+}
+
+/// The factor of a head's summed token losses in the step's loss: the
+/// micro-batch's mean (over its counted targets) times its weight, an MTP
+/// depth's also times the MTP loss scale over the depths. The head's logit
+/// gradients are scaled by it.
+fn head_grad_scale<D: Device>(
+    cx: &StepContext<D>,
+    mb: &MicroBatch<D::Backend>,
+    depth: Option<usize>,
+) -> f32 {
+    let plan = &cx.model.plan;
+    let count = mb
+        .counts
+        .get(depth.map_or(0, |d| d + 1))
+        .copied()
+        .unwrap_or(0);
+    let weight = match depth {
+        None => cx.mb_weight,
+        Some(_) => cx.mb_weight * plan.model.mtp.loss_scale / plan.mtp_depths().max(1) as f32,
+    };
+    if count == 0 {
+        0.0
+    } else {
+        weight / count as f32
+    }
 }
 
 /// `slot += value` for a value the host holds: the MoE aux loss, until
@@ -866,17 +895,7 @@ fn backward_op<D: Device>(
                 HeadState::Saved { saved, norm } => (saved, norm),
                 HeadState::Idle => return Err(missing("a head's saved forward")),
             };
-            let count = mb.counts.get(index).copied().unwrap_or(0);
-            let depths = model.plan.mtp_depths().max(1) as f32;
-            let weight = match depth {
-                None => cx.mb_weight,
-                Some(_) => cx.mb_weight * model.plan.model.mtp.loss_scale / depths,
-            };
-            let scale = if count == 0 {
-                0.0
-            } else {
-                weight / count as f32
-            };
+            let scale = head_grad_scale(cx, mb, depth);
             let dh = zeros()?;
             let output = w.output_owner();
             model.head.backward(

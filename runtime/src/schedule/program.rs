@@ -192,6 +192,14 @@ impl Program {
         self.micro_batches
     }
 
+    /// Whether the program runs backward work (a training step; not an
+    /// evaluation's forward-only program).
+    pub fn trains(&self) -> bool {
+        self.blocks
+            .iter()
+            .any(|b| b.instrs.iter().any(|i| matches!(i, Instr::Backward { .. })))
+    }
+
     /// The most micro-batches in flight at once (issued, not yet retired):
     /// 1 for the plain schedule, 2 for the overlap one.
     pub fn in_flight(&self) -> usize {

@@ -309,6 +309,9 @@ pub(crate) struct MicroBatch<B: Backend> {
     depths: usize,
     /// Per head (main, then each MTP depth): unmasked targets.
     pub(crate) counts: Vec<usize>,
+    /// Whether a backward follows the forward (a training step, not an
+    /// evaluation): the heads then keep their logit gradients.
+    pub(crate) trains: bool,
     /// The decoder's stream, then one per MTP depth.
     pub(crate) streams: Vec<Stream<B>>,
     /// Per physical layer: the decoder's, then every MTP depth's
@@ -322,9 +325,15 @@ pub(crate) struct MicroBatch<B: Backend> {
 }
 
 impl<B: Backend> MicroBatch<B> {
-    pub(crate) fn new(tokens: MicroBatchTokens, layers: usize, depths: usize) -> Self {
+    pub(crate) fn new(
+        tokens: MicroBatchTokens,
+        layers: usize,
+        depths: usize,
+        trains: bool,
+    ) -> Self {
         MicroBatch {
             counts: tokens.targets.iter().map(|t| counted_targets(t)).collect(),
+            trains,
             tokens: Some(tokens),
             ids: None,
             depths,

@@ -114,15 +114,16 @@ pub fn cross_entropy_backward(
 }
 
 /// [`cross_entropy_forward`] then [`cross_entropy_backward`] in place,
-/// without the losses.
+/// with the losses where `losses` is given.
 pub fn cross_entropy_gradient(
     logits: &mut [f32],
     targets: &[u32],
     scale: f32,
+    losses: Option<&mut [f32]>,
     dims: LossDims,
 ) -> Result<()> {
     let kn = "cross_entropy_gradient";
-    softmax_rows(kn, logits, targets, None, dims)?;
+    softmax_rows(kn, logits, targets, losses, dims)?;
     gradient_rows(kn, logits, targets, scale, dims)
 }
 

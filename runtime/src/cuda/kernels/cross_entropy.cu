@@ -149,7 +149,8 @@ __device__ __forceinline__ Normaliser row_normaliser(const float* row, u64 vocab
     return total;
 }
 
-// Row blockIdx.x's losses (`losses`, not null) or gradients (into `out`).
+// Row blockIdx.x's loss (where `losses` is not null) and gradients (where
+// `out` is not null).
 __device__ __forceinline__ void loss_row(const float* logits, const u32* targets, float scale, void* out,
                                          int out_dtype, float* losses, u64 vocab, u64* status) {
     const u64 r = blockIdx.x;
@@ -159,11 +160,16 @@ __device__ __forceinline__ void loss_row(const float* logits, const u32* targets
     }
     const float* row = logits + r * vocab;
     const Normaliser n = row_normaliser(row, vocab);
-    if (losses != nullptr) {
-        if (threadIdx.x == 0) {
-            losses[r] = target == IGNORE_TARGET ? 0.0f : n.max + logf(n.sum) - row[target];
-        }
+    if (losses != nullptr && threadIdx.x == 0) {
+        losses[r] = target == IGNORE_TARGET ? 0.0f : n.max + logf(n.sum) - row[target];
+    }
+    if (out == nullptr) {
         return;
+    }
+    if (losses != nullptr) {
+        // In place (`out` is `logits`), the loss's read of the target's
+        // logit comes before any thread overwrites it.
+        __syncthreads();
     }
     const u64 base = r * vocab;
     if (target == IGNORE_TARGET) {
@@ -182,10 +188,12 @@ __device__ __forceinline__ void loss_row(const float* logits, const u32* targets
 
 // `Backend::cross_entropy_gradient`: the gradients of f32 `logits` into
 // `out` (f32 or bf16; it may be `logits` itself: a thread reads each of
-// its logits before it writes that element, and no other thread reads it).
+// its logits before it writes that element, and no other thread reads it
+// then), and each row's loss where `losses` is not null.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_gradient(
-    const float* logits, const u32* targets, float scale, void* out, int out_dtype, u64 vocab, u64* status) {
-    loss_row(logits, targets, scale, out, out_dtype, nullptr, vocab, status);
+    const float* logits, const u32* targets, float scale, void* out, int out_dtype, float* losses, u64 vocab,
+    u64* status) {
+    loss_row(logits, targets, scale, out, out_dtype, losses, vocab, status);
 }
 
 // `Backend::cross_entropy_loss`: the forward's losses, the logits only read.

@@ -1218,7 +1218,8 @@ impl KernelSet {
 
     /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32,
     /// read only) into `out` (f32 or bf16, `[rows, vocab]`; it may be
-    /// `logits` itself).
+    /// `logits` itself), and with `losses` each row's loss.
+    #[allow(clippy::too_many_arguments)]
     pub fn cross_entropy_gradient(
         &self,
         stream: &CudaStream,
@@ -1226,22 +1227,29 @@ impl KernelSet {
         targets: GpuView,
         scale: f32,
         out: GpuView,
+        losses: Option<GpuView>,
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_gradient";
         Self::check_loss((k, "logits"), &logits, &targets, d)?;
         let out_dtype = float(k, "out", &out)?;
         len(k, "out", &out, logits.len)?;
+        if let Some(losses) = &losses {
+            Self::check_losses(k, losses, d)?;
+        }
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
         let vocab = d.vocab as u64;
+        // A null pointer: no losses.
+        let losses = losses.map_or(0u64, |l| l.ptr);
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&targets.ptr)
             .arg(&scale)
             .arg(&out.ptr)
             .arg(&out_dtype)
+            .arg(&losses)
             .arg(&vocab)
             .arg(&self.fault_ptr);
         self.go(k, &mut b, per_item(d.rows, LOSS_THREADS)?)
