@@ -99,8 +99,10 @@ pub struct ActivationEstimate {
     /// Residual streams and their gradients, final norms, MTP entries and
     /// the micro-batch's tokens.
     pub streams: u64,
-    /// The output heads (the main one and one per MTP depth): `[tokens,
-    /// vocab]` f32 probabilities and their input.
+    /// The output heads (the main one and one per MTP depth): their input
+    /// and `[tokens, vocab]` counted in f32, a bound on what a head holds
+    /// (the logit gradients its forward keeps, in the compute dtype, or a
+    /// chunk of f32 logits when it recomputes them).
     pub heads: u64,
     /// The largest extra working set of one layer while it runs (gradients
     /// of its intermediates in backward, or buffers its forward drops).
@@ -153,7 +155,7 @@ pub fn activations(
             .saturating_mul(5u64.saturating_add(depths.saturating_mul(12))),
         n.saturating_mul(1 + depths.saturating_mul(3) + 1 + (depths + 1) + depths),
     );
-    // Each head keeps its input and `[tokens, vocab]` f32 probabilities.
+    // Each head keeps its input and at most `[tokens, vocab]` f32.
     let vocab = model.padded_vocab_size() as u64;
     let heads = Elements::new(
         n.saturating_mul(h).saturating_mul(depths + 1),
