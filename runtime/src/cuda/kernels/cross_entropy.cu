@@ -76,10 +76,10 @@ extern "C" __global__ void cross_entropy_backward(
 // + i * LOSS_THREADS) once, four in flight at a time, keeping the running
 // max and the sum of exp(logit - max) (online softmax, rescaled as the max
 // rises); the block merges the threads' pairs in a fixed order. The loss
-// kernel then only reads the target's logit. The gradient kernel reads the
-// row a second time to write scale * (softmax - onehot) in `out`'s dtype
-// (the head's GEMM operand); a block's row is still in L2 by then, so the
-// row leaves memory once. Small blocks with few registers keep many rows in
+// kernel then only reads the target's logit. The gradient kernel (with the
+// losses too where asked: the head's forward) reads the row a second time
+// to write scale * (softmax - onehot) in `out`'s dtype (the head's GEMM
+// operand); a block's row is mostly still in L2 by then. Small blocks with few registers keep many rows in
 // flight on each SM: holding a whole row in a block (registers or shared
 // memory) allowed one row an SM and left memory idle while it reduced.
 #define LOSS_THREADS 256

@@ -956,12 +956,11 @@ impl KernelSet {
         })?;
         let rows = d.tokens.rows()?;
         len(k, name, &x, product(k, &[rows, d.heads, d.head_stride])?)?;
-        let pairs = product(k, &[rows, d.heads, d.dim / 2])?;
-        // A thread per (row, pair index); it rotates that pair of every head.
-        let angles = rows * (d.dim / 2);
-        if pairs == 0 {
+        if product(k, &[rows, d.heads, d.dim / 2])? == 0 {
             return Ok(());
         }
+        // A thread per (row, pair index); it rotates that pair of every head.
+        let angles = product(k, &[rows, d.dim / 2])?;
         let dims = [rows, d.tokens.seq, d.heads, d.head_stride, d.offset, d.dim].map(|v| v as u64);
         let mut b = stream.launch_builder(self.function("rotary")?);
         b.arg(&x.ptr).arg(&t);
