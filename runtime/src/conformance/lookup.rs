@@ -6,7 +6,7 @@ use super::Suite;
 use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase, Values};
 use super::dense::U;
 use super::reference as r;
-use crate::backend::{Backend, IGNORE_TARGET, LookupDims, LossDims};
+use crate::backend::{Backend, IGNORE_TARGET, LookupDims, LossDims, Slice, SliceMut};
 use crate::error::Result;
 
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
@@ -139,6 +139,29 @@ fn check_loss_case<B: Backend>(
     s.check_kernel(case, reference, launch);
 }
 
+/// A loss kernel that writes each row's loss from `logits` (the
+/// logits left as the kernel leaves them): `cross_entropy_forward` or
+/// `cross_entropy_loss`.
+type LossKernel<B> = fn(&B, SliceMut<'_, B>, Slice<'_, B>, SliceMut<'_, B>, LossDims) -> Result<()>;
+
+/// The launch of a [`LossKernel`] on a case's `logits`, `targets` and
+/// `losses`.
+fn losses_launch<B: Backend>(
+    kernel: LossKernel<B>,
+    dims: LossDims,
+) -> impl Fn(&B, &Bufs<B>) -> Result<HostOutputs> + Copy {
+    move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+        kernel(
+            dev,
+            b.view_mut("logits")?,
+            b.view("targets")?,
+            b.view_mut("losses")?,
+            dims,
+        )?;
+        Ok(vec![])
+    }
+}
+
 fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
     for (i, (rows, vocab)) in [(6, 37), (5, 130), (1, 1), (3, 2)].into_iter().enumerate() {
         let dims = LossDims { rows, vocab };
@@ -174,15 +197,7 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
                     Expected::new("losses", losses).zeros_exact(),
                 ]
             },
-            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
-                dev.cross_entropy_forward(
-                    b.view_mut("logits")?,
-                    b.view("targets")?,
-                    b.view_mut("losses")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
+            losses_launch(B::cross_entropy_forward, dims),
         );
 
         let scale = 0.37f32;
@@ -212,15 +227,7 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
                 let losses = r::cross_entropy_forward(&x["logits"], &good, vocab).1;
                 vec![Expected::new("losses", losses).zeros_exact()]
             },
-            move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
-                dev.cross_entropy_loss(
-                    b.view_mut("logits")?,
-                    b.view("targets")?,
-                    b.view_mut("losses")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
+            losses_launch(B::cross_entropy_loss, dims),
         );
 
         // Forward and backward at once, into an output of the compute

@@ -679,8 +679,6 @@ fn head_grad_scale<D: Device>(
     }
 }
 
-/// `slot += value` for a value the host holds: the MoE aux loss, until
-/// `MoeLayer::forward_step` adds it on the device itself.
 /// `slot += buf`, or `slot = buf` when empty.
 fn add_into<B: Backend>(b: &B, slot: &mut Option<B::Buf>, buf: B::Buf) -> Result<()> {
     match slot {

@@ -79,9 +79,10 @@ extern "C" __global__ void cross_entropy_backward(
 // kernel then only reads the target's logit. The gradient kernel (with the
 // losses too where asked: the head's forward) reads the row a second time
 // to write scale * (softmax - onehot) in `out`'s dtype (the head's GEMM
-// operand); a block's row is mostly still in L2 by then. Small blocks with few registers keep many rows in
-// flight on each SM: holding a whole row in a block (registers or shared
-// memory) allowed one row an SM and left memory idle while it reduced.
+// operand); a block's row is mostly still in L2 by then. Small blocks with
+// few registers keep many rows in flight on each SM: holding a whole row
+// in a block (registers or shared memory) allowed one row an SM and left
+// memory idle while it reduced.
 #define LOSS_THREADS 256
 #define LOSS_UNROLL 4
 
@@ -151,7 +152,7 @@ __device__ __forceinline__ Normaliser row_normaliser(const float* row, u64 vocab
 
 // Row blockIdx.x's loss (where `losses` is not null) and gradients (where
 // `out` is not null).
-__device__ __forceinline__ void loss_row(const float* logits, const u32* targets, float scale, void* out,
+__device__ __forceinline__ void cross_entropy_row(const float* logits, const u32* targets, float scale, void* out,
                                          int out_dtype, float* losses, u64 vocab, u64* status) {
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
@@ -193,11 +194,11 @@ __device__ __forceinline__ void loss_row(const float* logits, const u32* targets
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_gradient(
     const float* logits, const u32* targets, float scale, void* out, int out_dtype, float* losses, u64 vocab,
     u64* status) {
-    loss_row(logits, targets, scale, out, out_dtype, losses, vocab, status);
+    cross_entropy_row(logits, targets, scale, out, out_dtype, losses, vocab, status);
 }
 
 // `Backend::cross_entropy_loss`: the forward's losses, the logits only read.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_loss(
     const float* logits, const u32* targets, float* losses, u64 vocab, u64* status) {
-    loss_row(logits, targets, 0.0f, nullptr, DTYPE_F32, losses, vocab, status);
+    cross_entropy_row(logits, targets, 0.0f, nullptr, DTYPE_F32, losses, vocab, status);
 }
