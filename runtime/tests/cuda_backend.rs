@@ -29,13 +29,6 @@ fn gpu(precision: Precision) -> Option<CudaBackend> {
     Some(gpu.backend("host").expect("a host queue"))
 }
 
-fn conformance_in(precision: Precision) {
-    let Some(backend) = gpu(precision) else {
-        return;
-    };
-    conformance_of(&backend);
-}
-
 fn conformance_of(backend: &CudaBackend) {
     // CUDA's expf/logf/tanhf are within 2 ulp of libm's (CUDA C
     // Programming Guide, "Mathematical Functions"): twice the CPU's
@@ -51,12 +44,21 @@ fn conformance_of(backend: &CudaBackend) {
 
 #[test]
 fn cuda_backend_conforms_in_f32() {
-    conformance_in(Precision::F32);
+    let Some(backend) = gpu(Precision::F32) else {
+        return;
+    };
+    conformance_of(&backend);
 }
 
+/// In bf16 the Mamba scan runs its sequential kernels here: the chunked
+/// path's products take bf16 operands (see [`every_scan_path_conforms`]),
+/// which `both_scan_paths_match_the_cpu_at_real_widths` holds instead.
 #[test]
 fn cuda_backend_conforms_in_bf16() {
-    conformance_in(Precision::Bf16);
+    let Some(backend) = gpu(Precision::Bf16) else {
+        return;
+    };
+    conformance_of(&backend.with_scan_scratch(0));
 }
 
 /// Attention takes cuBLAS with every KV head in one batched call by
@@ -82,7 +84,11 @@ fn every_attention_path_conforms() {
 /// of chunks under a smaller cap, and the sequential kernels under a cap
 /// of 0: each must conform on its own, forward and backward (the suite's
 /// sequences have 2 to 6 chunk items; 3 a slice cuts some into two
-/// slices).
+/// slices). With bf16 outputs the chunked path's products take bf16
+/// operands, as mamba_ssm's do: their rounding is more than the suite's
+/// element-wise bounds allow (one rounding at the store, which the CPU
+/// reaches 0.99 of), so there `both_scan_paths_match_the_cpu_at_real_widths`
+/// holds it, at odd shapes too.
 #[test]
 fn every_scan_path_conforms() {
     for precision in [Precision::F32, Precision::Bf16] {
@@ -94,6 +100,9 @@ fn every_scan_path_conforms() {
             ..Options::default()
         };
         for cap in [6 << 10, 0] {
+            if precision == Precision::Bf16 && cap != 0 {
+                continue;
+            }
             println!("{precision:?}, scan scratch capped at {cap} bytes");
             let device = backend.clone().with_scan_scratch(cap);
             let mut suite = conformance::Suite::new(&device, &options);
@@ -232,8 +241,10 @@ fn scan_backward<B: Backend>(
 /// sequential kernels, forward and backward, against the CPU backend at
 /// real widths (P = 64, N = 128, groups of 8 and 4 heads), with inputs of
 /// order one: whole chunks of 256, many chunks of 64 with decays near 1
-/// (the states and carries cross every chunk) and a last chunk cut short. Each output's
-/// largest error, relative to its largest value, is printed and bounded.
+/// (the states and carries cross every chunk) and a last chunk cut short;
+/// and at odd widths, which take the element-wise kernels (not the `_quads`
+/// ones). Each output's largest error, relative to its largest value, is
+/// printed and bounded.
 #[test]
 fn both_scan_paths_match_the_cpu_at_real_widths() {
     for precision in [Precision::F32, Precision::Bf16] {
@@ -245,18 +256,19 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
         // Output rounding: bf16 keeps 8 bits.
         let bound = if dtype == DType::F32 { 2e-4 } else { 2e-2 };
         let mut seed = 0x5ca9u64;
-        // batch, seq, heads, groups, chunk, slow decays
-        for (batch, seq, heads, groups, chunk, slow) in [
-            (1usize, 512usize, 16usize, 2usize, 256usize, false),
-            (2, 700, 8, 2, 64, true),
-            (1, 300, 8, 2, 256, false),
+        // batch, seq, heads, head dim, groups, state, chunk, slow decays
+        for (batch, seq, heads, head_dim, groups, state, chunk, slow) in [
+            (1usize, 512usize, 16usize, 64usize, 2usize, 128usize, 256usize, false),
+            (2, 700, 8, 64, 2, 128, 64, true),
+            (1, 300, 8, 64, 2, 128, 256, false),
+            (2, 75, 6, 10, 3, 21, 16, false),
         ] {
             let dims = ScanDims {
                 tokens: Tokens::new(batch, seq),
                 heads,
-                head_dim: 64,
+                head_dim,
                 groups,
-                state: 128,
+                state,
                 chunk,
             };
             let rows = batch * seq;
@@ -273,7 +285,7 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
                     uniform(&mut seed, heads, -1.0, 0.5),
                     uniform(&mut seed, heads, a_lo, a_hi),
                     uniform(&mut seed, heads, -1.0, 1.0),
-                    uniform(&mut seed, rows * heads * 64, -1.0, 1.0),
+                    uniform(&mut seed, rows * heads * head_dim, -1.0, 1.0),
                 ],
                 grads_in: [
                     uniform(&mut seed, heads, -1.0, 1.0),
@@ -294,7 +306,7 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
                 ("sequential", gpu.clone().with_scan_scratch(0)),
             ] {
                 let case = format!(
-                    "{precision:?} {batch}x{seq} H{heads} G{groups} c{chunk}{} {path}",
+                    "{precision:?} {batch}x{seq} H{heads} P{head_dim} G{groups} N{state} c{chunk}{} {path}",
                     if slow { " slow" } else { "" }
                 );
                 let got = scan_forward(&dev, &p, dtype);

@@ -184,16 +184,12 @@ pub(crate) struct StridedGemm {
     pub alpha: f32,
     pub beta: f32,
     pub batch: usize,
-    /// f32 operands on the TF32 tensor cores (f32 accumulation) instead of
-    /// strict f32: for f32 intermediates of a bf16 computation, whose
-    /// outputs round to bf16's 8 bits anyway.
-    pub tf32: bool,
 }
 
 impl Blas {
     /// A strided batch of GEMMs (`cublasGemmStridedBatchedEx`), with the
-    /// same compute types as [`Blas::gemm`]: strict f32 for f32 operands
-    /// (TF32 when [`StridedGemm::tf32`]), f32 accumulation for bf16 ones.
+    /// same compute types as [`Blas::gemm`]: strict f32 for f32 operands,
+    /// f32 accumulation for bf16 ones (whose `C` may be f32).
     ///
     /// # Safety
     /// Every item of `A`, `B` and `C` must lie inside a live device
@@ -210,11 +206,7 @@ impl Blas {
             })
         };
         let long = |v: usize| v as std::ffi::c_longlong;
-        let compute = if g.tf32 && g.a.dtype == DType::F32 {
-            cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            compute_type(g.a.dtype)
-        };
+        let compute = compute_type(g.a.dtype);
         // Column-major: C^T [n, m] = op(B)^T [n, k] op(A)^T [k, m]; a
         // row-major matrix with row stride ld is a column-major one with
         // leading dimension ld, so the strides carry over unchanged.

@@ -183,9 +183,13 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "ssd_chunk_factors",
             "ssd_chunk_pack",
+            "ssd_chunk_pack_bf16",
             "ssd_chunk_pack_quads",
+            "ssd_chunk_pack_quads_bf16",
             "ssd_chunk_scores",
+            "ssd_chunk_scores_bf16",
             "ssd_chunk_scores_quads",
+            "ssd_chunk_scores_quads_bf16",
             "ssd_chunk_sums",
             "ssd_chunk_final",
             "ssd_chunk_unpack",

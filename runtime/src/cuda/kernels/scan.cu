@@ -318,9 +318,11 @@ SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n256, 8)
 // element), last chunk first: K_last = 0, K_{c-1} = L_c + decay_c K_c
 // (overwriting L_c's slot with K_c as it goes). `carry` is `[batch, chunks,
 // H, P, N]` and `chunk_decay` `[batch, chunks, H]`; the chunked backward
-// (`scan_chunked.cu`) shares this kernel.
+// (`scan_chunked.cu`) shares this kernel, and may pass `copy` (same layout,
+// bf16) for the carries as its GEMMs' bf16 operands (null: none).
 extern "C" __global__ void ssd_scan_carry_combine(
-    float* carry, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
+    float* carry, __nv_bfloat16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn,
+    u64 chunks) {
     const u64 n = batch * heads * pn;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 e = i % pn;
@@ -344,7 +346,11 @@ extern "C" __global__ void ssd_scan_carry_combine(
             for (int u = 0; u < CARRY_RUN; ++u) {
                 if (static_cast<u64>(u) < end) {
                     const u64 c = end - 1 - u;
-                    carry[((b * chunks + c) * heads + h) * pn + e] = next;
+                    const u64 at = ((b * chunks + c) * heads + h) * pn + e;
+                    carry[at] = next;
+                    if (copy != nullptr) {
+                        copy[at] = __float2bfloat16_rn(next);
+                    }
                     if (c > 0) {
                         next = own[u] + decay[u] * next;
                     }

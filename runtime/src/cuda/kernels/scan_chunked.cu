@@ -51,6 +51,34 @@ __device__ __forceinline__ float chunk_softplus_derivative(float x) {
     return x > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-x));
 }
 
+// The GEMMs' operands are stored as `T`: f32 where an output of the call is
+// f32 (strict f32 products, as the CPU), bf16 where every output is bf16
+// (tensor-core products on bf16 operands with f32 accumulation, as
+// mamba_ssm computes them). x, dY, B and C are bf16 inputs, so their bf16
+// operands are exact; w x, e^Lam dY, M, dCB and the states round once.
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ void put(float* p, u64 i, float v) {
+    p[i] = v;
+}
+__device__ __forceinline__ void put(bf16* p, u64 i, float v) {
+    p[i] = __float2bfloat16_rn(v);
+}
+
+// Quad k (elements 4k..4k+3) of an operand array: one 16-byte store in
+// f32, one 8-byte store in bf16.
+__device__ __forceinline__ void put4(float* p, u32 k, const float (&v)[4]) {
+    reinterpret_cast<float4*>(p)[k] = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void put4(bf16* p, u32 k, const float (&v)[4]) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const u32*>(&lo);
+    packed.y = *reinterpret_cast<const u32*>(&hi);
+    reinterpret_cast<uint2*>(p)[k] = packed;
+}
+
 // What every kernel needs to place a slice's item i: its sequence, chunk
 // and first row, and the problem's shape.
 struct ChunkShape {
@@ -165,12 +193,16 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_factors(
     }
 }
 
-// The slice's operands in f32, zero past the sequence's end: x, dY, e^Lam
-// dY and w x as `[item, G, Q, J * P]`, B and C as `[item, G, Q, N]` (the
-// forward passes no dy, and gets no dY or e^Lam dY).
-extern "C" __global__ void ssd_chunk_pack(
+// The slice's operands, zero past the sequence's end: x and dY in f32
+// (`x_p`, `dy_p`; the per-step kernels read them), and as the GEMMs'
+// operands (`T`): w x, e^Lam dY, B and C, and x and dY again (`x_o`, `dy_o`;
+// null where `T` is f32, whose operands are `x_p` and `dy_p` themselves).
+// Wide arrays are `[item, G, Q, J * P]`, B and C `[item, G, Q, N]`; the
+// forward passes no dy, and gets no dY or e^Lam dY.
+template <typename T>
+__device__ __forceinline__ void chunk_pack(
     const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
-    float* dy_p, float* dy_e, float* x_w, float* b_p, float* c_p, u64 first_item, u64 items,
+    float* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,
     u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     // One block per (item, group, step) row, its threads over the row's
     // columns: the row's place is decoded once, not per element (64-bit
@@ -194,20 +226,38 @@ extern "C" __global__ void ssd_chunk_pack(
                 }
             }
             x_p[k] = x;
-            x_w[k] = x * v.w[step];
+            put(x_w, k, x * v.w[step]);
+            if (x_o != nullptr) {
+                put(x_o, k, x);
+            }
             if (dy != nullptr) {
                 dy_p[k] = g_y;
-                dy_e[k] = g_y * v.elam[step];
+                put(dy_e, k, g_y * v.elam[step]);
+                if (dy_o != nullptr) {
+                    put(dy_o, k, g_y);
+                }
             }
         }
         const NarrowAt nat = narrow_at(s, r * state, first_item);
         for (u64 col = threadIdx.x; col < state; col += blockDim.x) {
             const u64 k = r * state + col;
-            b_p[k] = nat.real ? load(xbc, xbc_dtype, nat.b_column + col) : 0.0f;
-            c_p[k] = nat.real ? load(xbc, xbc_dtype, nat.b_column + col + groups * state) : 0.0f;
+            put(b_p, k, nat.real ? load(xbc, xbc_dtype, nat.b_column + col) : 0.0f);
+            put(c_p, k, nat.real ? load(xbc, xbc_dtype, nat.b_column + col + groups * state) : 0.0f);
         }
     }
 }
+
+#define CHUNK_PACK(NAME, T)                                                                         \
+    extern "C" __global__ void NAME(const void* xbc, int xbc_dtype, const void* dy, int dy_dtype,   \
+                                    const float* values, float* x_p, float* dy_p, T* dy_e, T* x_w, \
+                                    T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,     \
+                                    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state,        \
+                                    u64 chunk) {                                                     \
+        chunk_pack<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p, x_o,   \
+                      dy_o, first_item, items, seq, heads, head_dim, groups, state, chunk);         \
+    }
+CHUNK_PACK(ssd_chunk_pack, float)
+CHUNK_PACK(ssd_chunk_pack_bf16, bf16)
 
 // ---- 4 elements a thread ----------------------------------------------------------
 // The `_quads` kernels compute what the kernels of the same name compute,
@@ -247,9 +297,10 @@ __device__ __forceinline__ QuadAt quad_at(
 
 // `ssd_chunk_pack` a quad a thread: the wide arrays' quads first, then the
 // narrow ones.
-extern "C" __global__ void ssd_chunk_pack_quads(
+template <typename T>
+__device__ __forceinline__ void chunk_pack_quads(
     const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float4* x_p,
-    float4* dy_p, float4* dy_e, float4* x_w, float4* b_p, float4* c_p, u32 first_item, u32 items,
+    float4* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,
     u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u32 chunks = (seq + chunk - 1) / chunk;
@@ -277,11 +328,19 @@ extern "C" __global__ void ssd_chunk_pack_quads(
             }
             const float w = v.w[step];
             x_p[k] = make_float4(x[0], x[1], x[2], x[3]);
-            x_w[k] = make_float4(x[0] * w, x[1] * w, x[2] * w, x[3] * w);
+            const float xw[4] = {x[0] * w, x[1] * w, x[2] * w, x[3] * w};
+            put4(x_w, k, xw);
+            if (x_o != nullptr) {
+                put4(x_o, k, x);
+            }
             if (dy != nullptr) {
                 const float el = v.elam[step];
                 dy_p[k] = make_float4(g_y[0], g_y[1], g_y[2], g_y[3]);
-                dy_e[k] = make_float4(g_y[0] * el, g_y[1] * el, g_y[2] * el, g_y[3] * el);
+                const float ye[4] = {g_y[0] * el, g_y[1] * el, g_y[2] * el, g_y[3] * el};
+                put4(dy_e, k, ye);
+                if (dy_o != nullptr) {
+                    put4(dy_o, k, g_y);
+                }
             }
         } else {
             const u32 kn = k - wide;
@@ -295,16 +354,30 @@ extern "C" __global__ void ssd_chunk_pack_quads(
                     c[e] = load(xbc, xbc_dtype, at + e + static_cast<u64>(groups) * state);
                 }
             }
-            b_p[kn] = make_float4(b[0], b[1], b[2], b[3]);
-            c_p[kn] = make_float4(c[0], c[1], c[2], c[3]);
+            put4(b_p, kn, b);
+            put4(c_p, kn, c);
         }
     }
 }
 
+#define CHUNK_PACK_QUADS(NAME, T)                                                                    \
+    extern "C" __global__ void NAME(const void* xbc, int xbc_dtype, const void* dy, int dy_dtype,    \
+                                    const float* values, float4* x_p, float4* dy_p, T* dy_e, T* x_w, \
+                                    T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,      \
+                                    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state,         \
+                                    u32 chunk) {                                                      \
+        chunk_pack_quads<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p,   \
+                            x_o, dy_o, first_item, items, seq, heads, head_dim, groups, state,       \
+                            chunk);                                                                  \
+    }
+CHUNK_PACK_QUADS(ssd_chunk_pack_quads, float)
+CHUNK_PACK_QUADS(ssd_chunk_pack_quads_bf16, bf16)
+
 // `ssd_chunk_scores` a quad of s a thread.
-extern "C" __global__ void ssd_chunk_scores_quads(
-    const float4* cb, float4* dm, float4* m, float4* dcb, const float* values, u32 items,
-    u32 heads, u32 groups, u32 chunk) {
+template <typename T>
+__device__ __forceinline__ void chunk_scores_quads(
+    const float4* cb, float4* dm, T* m, T* dcb, const float* values, u32 items, u32 heads,
+    u32 groups, u32 chunk) {
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u32 quads = chunk / 4;
     const u32 group_heads = heads / groups;
@@ -332,7 +405,7 @@ extern "C" __global__ void ssd_chunk_scores_quads(
                 l[e] = s + e <= t ? expf(lam_t - lam_s[e]) : 0.0f;
                 out[e] = sc[e] * l[e] * dt_s[e];
             }
-            m[at] = make_float4(out[0], out[1], out[2], out[3]);
+            put4(m, at, out);
             if (dm != nullptr) {
                 const float4 g4 = dm[at];
                 const float g[4] = {g4.x, g4.y, g4.z, g4.w};
@@ -345,10 +418,18 @@ extern "C" __global__ void ssd_chunk_scores_quads(
             }
         }
         if (dcb != nullptr) {
-            dcb[k] = make_float4(d_score[0], d_score[1], d_score[2], d_score[3]);
+            put4(dcb, k, d_score);
         }
     }
 }
+
+#define CHUNK_SCORES_QUADS(NAME, T)                                                                  \
+    extern "C" __global__ void NAME(const float4* cb, float4* dm, T* m, T* dcb, const float* values,  \
+                                    u32 items, u32 heads, u32 groups, u32 chunk) {                    \
+        chunk_scores_quads<T>(cb, dm, m, dcb, values, items, heads, groups, chunk);                  \
+    }
+CHUNK_SCORES_QUADS(ssd_chunk_scores_quads, float)
+CHUNK_SCORES_QUADS(ssd_chunk_scores_quads_bf16, bf16)
 
 // Per (item, group, t, s): from CB (`[item, G, Q, Q]`), each head's M =
 // CB o e^(Lam_t - Lam_s) dt_s (`[item, H, Q, Q]`, zero above the
@@ -356,8 +437,9 @@ extern "C" __global__ void ssd_chunk_scores_quads(
 // overwritten), also the products dM o CB o e^(Lam_t - Lam_s) (in dM's
 // place) and dCB, summed over the group's heads in order. The forward
 // passes null `dm` and `dcb`.
-extern "C" __global__ void ssd_chunk_scores(
-    const float* cb, float* dm, float* m, float* dcb, const float* values, u64 items, u64 heads,
+template <typename T>
+__device__ __forceinline__ void chunk_scores(
+    const float* cb, float* dm, T* m, T* dcb, const float* values, u64 items, u64 heads,
     u64 groups, u64 chunk) {
     // One block per (item, group, t) row, its threads over s.
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
@@ -377,7 +459,7 @@ extern "C" __global__ void ssd_chunk_scores(
                 const u64 at = ih * qq + ts;
                 const float l = s <= t ? expf(v.lam[ih * chunk + t] - v.lam[ih * chunk + s]) : 0.0f;
                 const float dt_s = v.dt[ih * chunk + s];
-                m[at] = score * l * dt_s;
+                put(m, at, score * l * dt_s);
                 if (dm != nullptr) {
                     const float g = dm[at];
                     dm[at] = g * score * l;
@@ -385,11 +467,19 @@ extern "C" __global__ void ssd_chunk_scores(
                 }
             }
             if (dcb != nullptr) {
-                dcb[k] = d_score;
+                put(dcb, k, d_score);
             }
         }
     }
 }
+
+#define CHUNK_SCORES(NAME, T)                                                                        \
+    extern "C" __global__ void NAME(const float* cb, float* dm, T* m, T* dcb, const float* values,    \
+                                    u64 items, u64 heads, u64 groups, u64 chunk) {                    \
+        chunk_scores<T>(cb, dm, m, dcb, values, items, heads, groups, chunk);                         \
+    }
+CHUNK_SCORES(ssd_chunk_scores, float)
+CHUNK_SCORES(ssd_chunk_scores_bf16, bf16)
 
 // One block per (item, head): the row sums sum_s E_ts dt_s (= R's), the
 // column sums sum_t E_ts of E = dM o CB o e^(Lam_t - Lam_s), and dY_t .
@@ -559,8 +649,10 @@ extern "C" __global__ void ssd_chunk_unpack(
 // (`states`, `[batch, chunks, H, P, N]`, in place) and their total decays
 // (`chunk_decay`, `[batch, chunks, H]`), per (sequence, head, state
 // element), first chunk first: S_0 = 0, S_{c+1} = e^Lam_last,c S_c + own_c.
+// With `copy` (same layout, bf16) the states also go there as the GEMMs'
+// bf16 operands.
 extern "C" __global__ void ssd_scan_state_combine(
-    float* states, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
+    float* states, bf16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
     const u64 n = batch * heads * pn;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 e = i % pn;
@@ -583,7 +675,11 @@ extern "C" __global__ void ssd_scan_state_combine(
             for (int u = 0; u < COMBINE_RUN; ++u) {
                 const u64 c = c0 + u;
                 if (c < chunks) {
-                    states[((b * chunks + c) * heads + h) * pn + e] = running;
+                    const u64 at = ((b * chunks + c) * heads + h) * pn + e;
+                    states[at] = running;
+                    if (copy != nullptr) {
+                        copy[at] = __float2bfloat16_rn(running);
+                    }
                     running = decay[u] * running + own[u];
                 }
             }

@@ -492,7 +492,6 @@ impl GemmShape {
             alpha,
             beta,
             batch: s.count,
-            tf32: false,
         }
     }
 

@@ -442,7 +442,7 @@ impl KernelSet {
         self.go(kc, &mut b, per_item(chunk_blocks, head_threads)?)?;
 
         let parts = SequentialScratch::new(scratch, rows, dims, chunks);
-        self.ssd_scan_carry_combine(stream, parts.carry, parts.chunk_decay, dims, chunks)?;
+        self.ssd_scan_carry_combine(stream, (parts.carry, 0), parts.chunk_decay, dims, chunks)?;
 
         let kh = shape.tier.head;
         let head_blocks = product(k, &[dims.tokens.batch, dims.heads, chunks])?;
@@ -500,12 +500,13 @@ impl KernelSet {
 
     /// `ssd_scan_carry_combine`: the carry entering each chunk from the
     /// chunks' own (`carry`, `[batch, chunks, H, P, N]`, in place) and
-    /// their total decays (`chunk_decay`, `[batch, chunks, H]`). Both
-    /// backward paths share it.
+    /// their total decays (`chunk_decay`, `[batch, chunks, H]`), and into
+    /// `copy` (the same layout in bf16) unless it is 0. Both backward paths
+    /// share it.
     pub(super) fn ssd_scan_carry_combine(
         &self,
         stream: &CudaStream,
-        carry: u64,
+        (carry, copy): (u64, u64),
         chunk_decay: u64,
         dims: ScanDims,
         chunks: usize,
@@ -519,7 +520,7 @@ impl KernelSet {
         ]
         .map(|v| v as u64);
         let mut b = stream.launch_builder(self.function(k)?);
-        b.arg(&carry).arg(&chunk_decay).arg(&batch).arg(&heads);
+        b.arg(&carry).arg(&copy).arg(&chunk_decay).arg(&batch).arg(&heads);
         b.arg(&pn).arg(&chunks_u);
         let elements = product(
             k,

@@ -1,7 +1,10 @@
 //! The Mamba-2 scan in chunked form, forward and backward
 //! (`kernels/scan_chunked.cu` has the maths): each chunk's recurrence as
-//! matrix products through cuBLAS on f32 operands (TF32 where every output
-//! is bf16), with kernels for the masks, sums and layouts between them.
+//! matrix products through cuBLAS, with kernels for the masks, sums and
+//! layouts between them. The products take f32 operands (strict f32) where
+//! an output of the call is f32, and bf16 ones (f32 accumulation) where
+//! every output is bf16, as mamba_ssm's kernels do: x, dY, B and C are
+//! bf16 inputs and stay exact; the other operands round once.
 //! The sequential kernels (`scan.rs`) walk a chunk's steps one after
 //! another; these spend their time in GEMMs.
 //!
@@ -120,16 +123,21 @@ impl ScanChunkPlan {
     }
 
     /// Elements (f32) of what lives across slices: every chunk's carry
-    /// (`[batch, chunks, H, P, N]`), total decay (`[batch, chunks, H]`) and
-    /// A_log and D partials (`[batch, H, chunks, 2]`).
+    /// (`[batch, chunks, H, P, N]`), the bf16 operand copies of the states
+    /// and the carries (that layout each, in the room of one f32 array),
+    /// total decay (`[batch, chunks, H]`) and A_log and D partials
+    /// (`[batch, H, chunks, 2]`).
     fn global_len(dims: ScanDims) -> Option<usize> {
         let items = dims
             .tokens
             .batch
             .checked_mul(dims.tokens.seq.div_ceil(dims.chunk.max(1)))?;
-        let per_item = dims
-            .heads
-            .checked_mul(dims.head_dim.checked_mul(dims.state)?.checked_add(3)?)?;
+        let per_item = dims.heads.checked_mul(
+            dims.head_dim
+                .checked_mul(dims.state)?
+                .checked_mul(2)?
+                .checked_add(3)?,
+        )?;
         items.checked_mul(per_item)
     }
 
@@ -174,14 +182,25 @@ fn part(view: GpuView, offset: usize, len: usize) -> GpuView {
 }
 
 /// The scratch cut into its parts (see [`ItemLens`] and
-/// [`ScanChunkPlan::global_len`]).
+/// [`ScanChunkPlan::global_len`]). The GEMMs' operands (`dy_e`, `x_w`,
+/// `b`, `c`, `m`, `d_cb` and the `_op` views) are in the call's operand
+/// dtype; the rest is f32. A bf16 operand takes the first half of its f32
+/// slot, and x's and dY's bf16 copies the second halves of `x_w`'s and
+/// `dy_e`'s; in f32 they are x and dY themselves.
 struct Parts {
     carry: GpuView,
+    /// The states' operand copy (bf16), `None` when the operands are f32
+    /// (the states themselves are).
+    states_op: Option<GpuView>,
+    /// The carries as operands: their bf16 copy, or `carry` itself.
+    carry_op: GpuView,
     chunk_decay: GpuView,
     partials: GpuView,
     steps: GpuView,
     x: GpuView,
     dy: GpuView,
+    x_op: GpuView,
+    dy_op: GpuView,
     dy_e: GpuView,
     x_w: GpuView,
     t_acc: GpuView,
@@ -199,15 +218,24 @@ struct Parts {
 }
 
 impl Parts {
+    /// Whether the GEMMs' operands are bf16.
+    fn bf16(&self) -> bool {
+        self.b.dtype == DType::Bf16
+    }
+
     /// Every part, for checks that hold for all of them.
-    fn all(&self) -> [GpuView; 18] {
+    fn all(&self) -> [GpuView; 22] {
         [
             self.carry,
+            self.states_op.unwrap_or(self.carry),
+            self.carry_op,
             self.chunk_decay,
             self.partials,
             self.steps,
             self.x,
             self.dy,
+            self.x_op,
+            self.dy_op,
             self.dy_e,
             self.x_w,
             self.t_acc,
@@ -223,7 +251,13 @@ impl Parts {
         ]
     }
 
-    fn new(scratch: GpuView, dims: ScanDims, plan: ScanChunkPlan, items: usize) -> Parts {
+    fn new(
+        scratch: GpuView,
+        dims: ScanDims,
+        plan: ScanChunkPlan,
+        items: usize,
+        operand: DType,
+    ) -> Parts {
         let lens = ItemLens::new(dims).expect("the plan checked the sizes");
         let n = plan.items_per_slice;
         let mut offset = 0;
@@ -232,25 +266,44 @@ impl Parts {
             offset += len;
             view
         };
+        // An f32 slot as an operand array: itself, or its first half in bf16.
+        let op = |slot: GpuView| GpuView::new(slot.ptr, slot.len, operand);
+        // Its second half in bf16 (only taken when the operands are bf16).
+        let second = |slot: GpuView| part(op(slot), slot.len, slot.len);
         let heads = items * dims.heads;
+        let state_len = heads * dims.head_dim * dims.state;
+        let carry = next(state_len);
+        let copies = next(state_len);
+        let chunk_decay = next(heads);
+        let partials = next(2 * heads);
+        let steps = next(STEP_ARRAYS * n * lens.steps);
+        let x = next(n * lens.wide);
+        let dy = next(n * lens.wide);
+        let dy_e = next(n * lens.wide);
+        let x_w = next(n * lens.wide);
+        let bf16 = operand == DType::Bf16;
         let mut parts = Parts {
-            carry: next(heads * dims.head_dim * dims.state),
-            chunk_decay: next(heads),
-            partials: next(2 * heads),
-            steps: next(STEP_ARRAYS * n * lens.steps),
-            x: next(n * lens.wide),
-            dy: next(n * lens.wide),
-            dy_e: next(n * lens.wide),
-            x_w: next(n * lens.wide),
+            carry,
+            states_op: bf16.then(|| op(copies)),
+            carry_op: if bf16 { second(copies) } else { carry },
+            chunk_decay,
+            partials,
+            steps,
+            x,
+            dy,
+            x_op: if bf16 { second(x_w) } else { x },
+            dy_op: if bf16 { second(dy_e) } else { dy },
+            dy_e: op(dy_e),
+            x_w: op(x_w),
             t_acc: next(n * lens.wide),
             u: next(n * lens.wide),
-            b: next(n * lens.narrow),
-            c: next(n * lens.narrow),
+            b: op(next(n * lens.narrow)),
+            c: op(next(n * lens.narrow)),
             d_b: next(n * lens.narrow),
             d_c: next(n * lens.narrow),
             cb: next(n * lens.group_scores),
-            d_cb: next(n * lens.group_scores),
-            m: next(n * lens.head_scores),
+            d_cb: op(next(n * lens.group_scores)),
+            m: op(next(n * lens.head_scores)),
             d_m: next(n * lens.head_scores),
             quads: false,
         };
@@ -259,29 +312,29 @@ impl Parts {
     }
 }
 
-/// A strided batch over a slice's (item, group) pairs: pair `k` at `ptr +
-/// k * stride`, rows `ld` apart (f32).
-fn pairs(ptr: u64, ld: usize, stride: usize) -> StridedMatrix {
+/// A strided batch over a slice's (item, group) pairs of `view`'s dtype:
+/// pair `k` at `ptr + k * stride`, rows `ld` apart.
+fn pairs(view: GpuView, ld: usize, stride: usize) -> StridedMatrix {
     StridedMatrix {
-        ptr,
-        dtype: DType::F32,
+        ptr: view.ptr,
+        dtype: view.dtype,
         ld,
         stride,
     }
 }
 
-/// `view`'s address `offset` elements on.
-fn addr(view: GpuView, offset: usize) -> u64 {
-    view.ptr + (offset * view.dtype.bytes()) as u64
+/// `view` from `offset` elements on.
+fn from(view: GpuView, offset: usize) -> GpuView {
+    part(view, offset, view.len.saturating_sub(offset))
 }
 
 /// The shapes and the math mode the slice's GEMMs share.
 #[derive(Clone, Copy)]
 struct Shape {
-    /// TF32 tensor cores: every output the GEMMs feed is bf16, so their
-    /// f32 intermediates need no more than TF32's 10 bits (an f32 output
-    /// keeps strict f32, as the CPU computes it).
-    tf32: bool,
+    /// The operands' dtype: bf16 when every output of the call is bf16
+    /// (those outputs keep 8 bits, and the products run on the tensor
+    /// cores), else f32 (strict f32 products, as the CPU computes them).
+    operand: DType,
     q: usize,
     p: usize,
     n: usize,
@@ -297,18 +350,14 @@ impl Shape {
     /// Head j's columns of a `[item, G, Q, J P]` array, a matrix per
     /// (item, group) pair.
     fn head_columns(&self, view: GpuView, j: usize) -> StridedMatrix {
-        pairs(addr(view, j * self.p), self.jp, self.q * self.jp)
+        pairs(from(view, j * self.p), self.jp, self.q * self.jp)
     }
 
     /// The states (or carries) of the group of each of a slice's (item,
     /// group) pairs from item `first`, out of `[batch * chunks, H, P, N]`:
     /// its J heads' `[P, N]` blocks are contiguous, one `[J P, N]` matrix.
     fn group_states(&self, view: GpuView, first: usize, heads: usize) -> StridedMatrix {
-        pairs(
-            addr(view, first * heads * self.pn),
-            self.n,
-            self.j * self.pn,
-        )
+        pairs(from(view, first * heads * self.pn), self.n, self.j * self.pn)
     }
 
     /// `out_j = lhs S_j^T` for every head j of a slice's (item, group)
@@ -326,7 +375,6 @@ impl Shape {
         out: GpuView,
     ) -> Result<()> {
         gemm(batched(
-            self.tf32,
             count * (heads / self.j),
             (self.q, self.jp, self.n),
             (lhs, false),
@@ -350,10 +398,9 @@ impl Shape {
         let qq = self.q * self.q;
         for j in 0..self.j {
             gemm(batched(
-                self.tf32,
                 pair_count,
                 (self.q, self.p, self.q),
-                (pairs(addr(scores, j * qq), self.q, self.j * qq), transpose),
+                (pairs(from(scores, j * qq), self.q, self.j * qq), transpose),
                 (self.head_columns(rhs, j), false),
                 self.head_columns(out, j),
                 0.0,
@@ -365,7 +412,11 @@ impl Shape {
     fn new(dims: ScanDims, outputs: &[GpuView]) -> Shape {
         let j = dims.heads / dims.groups;
         Shape {
-            tf32: outputs.iter().all(|v| v.dtype == DType::Bf16),
+            operand: if outputs.iter().all(|v| v.dtype == DType::Bf16) {
+                DType::Bf16
+            } else {
+                DType::F32
+            },
             q: dims.chunk,
             p: dims.head_dim,
             n: dims.state,
@@ -377,10 +428,8 @@ impl Shape {
 }
 
 /// `C = op(A) op(B) (+ C when beta is 1)` over `batch` (item, group) pairs,
-/// `op(A)` `[m, k]`; on TF32 tensor cores when `tf32` (see
-/// [`Shape::tf32`]).
+/// `op(A)` `[m, k]`.
 fn batched(
-    tf32: bool,
     batch: usize,
     (m, n, k): (usize, usize, usize),
     (a, a_trans): (StridedMatrix, bool),
@@ -400,7 +449,6 @@ fn batched(
         alpha: 1.0,
         beta,
         batch,
-        tf32,
     }
 }
 
@@ -478,16 +526,35 @@ impl KernelSet {
             // The group's heads at once: their columns of e^Lam dY and
             // their carries lie side by side (M = J P).
             gemm(batched(
-                shape.tf32,
                 (i1 - i0) * dims.groups,
                 (shape.jp, shape.n, shape.q),
                 (shape.head_columns(parts.dy_e, 0), true),
-                (pairs(parts.c.ptr, shape.n, shape.q * shape.n), false),
+                (pairs(parts.c, shape.n, shape.q * shape.n), false),
                 shape.group_states(parts.carry, i0, dims.heads),
                 0.0,
             ))?;
         }
-        self.ssd_scan_carry_combine(stream, parts.carry.ptr, parts.chunk_decay.ptr, dims, chunks)?;
+        let carry_copy = if parts.carry_op.ptr == parts.carry.ptr {
+            0
+        } else {
+            parts.carry_op.ptr
+        };
+        self.ssd_scan_carry_combine(
+            stream,
+            (parts.carry.ptr, carry_copy),
+            parts.chunk_decay.ptr,
+            dims,
+            chunks,
+        )?;
+        // The forward's states as operands: their bf16 copy, or themselves.
+        let states_op = match parts.states_op {
+            Some(copy) => {
+                let copy = part(copy, 0, operands.states.len);
+                self.cast(stream, operands.states, copy)?;
+                copy
+            }
+            None => operands.states,
+        };
 
         // Second pass: the gradients, slice by slice.
         for (i0, i1) in slices.clone() {
@@ -497,7 +564,7 @@ impl KernelSet {
             self.chunk_gradients(
                 stream,
                 &gemm,
-                operands,
+                (operands, states_op),
                 tags,
                 parts,
                 (d_xbc, d_dt),
@@ -555,11 +622,10 @@ impl KernelSet {
             self.chunk_prepare(stream, o, tags, parts, dims, i0, i1 - i0)?;
             // The group's heads at once (M = J P), as in the backward.
             gemm(batched(
-                s.tf32,
                 (i1 - i0) * dims.groups,
                 (s.jp, s.n, s.q),
                 (wide(parts.x_w, 0), true),
-                (pairs(parts.b.ptr, s.n, qn), false),
+                (pairs(parts.b, s.n, qn), false),
                 s.group_states(states, i0, dims.heads),
                 0.0,
             ))?;
@@ -567,8 +633,16 @@ impl KernelSet {
         let ks = "ssd_scan_state_combine";
         let [batch_u, heads_u, pn_u, chunks_u] =
             [dims.tokens.batch, dims.heads, s.pn, chunks].map(|v| v as u64);
+        // The states as operands: their bf16 copy (written as they are
+        // passed along), or themselves.
+        let states_op = parts.states_op.map(|copy| part(copy, 0, states.len));
+        let copy = states_op.map_or(0, |v| v.ptr);
+        let states_op = states_op.unwrap_or(states);
         let mut b = stream.launch_builder(self.function(ks)?);
-        b.arg(&states.ptr).arg(&parts.chunk_decay.ptr).arg(&batch_u);
+        b.arg(&states.ptr)
+            .arg(&copy)
+            .arg(&parts.chunk_decay.ptr)
+            .arg(&batch_u);
         b.arg(&heads_u).arg(&pn_u).arg(&chunks_u);
         self.go(
             ks,
@@ -583,19 +657,18 @@ impl KernelSet {
                 self.chunk_prepare(stream, o, tags, parts, dims, i0, count)?;
             }
             let pair_count = count * dims.groups;
-            let c_mat = pairs(parts.c.ptr, s.n, qn);
+            let c_mat = pairs(parts.c, s.n, qn);
             gemm(batched(
-                s.tf32,
                 pair_count,
                 (s.q, s.q, s.n),
                 (c_mat, false),
-                (pairs(parts.b.ptr, s.n, qn), true),
-                pairs(parts.cb.ptr, s.q, qq),
+                (pairs(parts.b, s.n, qn), true),
+                pairs(parts.cb, s.q, qq),
                 0.0,
             ))?;
             self.chunk_scores(stream, parts, None, dims, count)?;
-            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x, parts.t_acc)?;
-            s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states, parts.u)?;
+            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
+            s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states_op, parts.u)?;
             let ko = if parts.quads {
                 "ssd_chunk_output_quads"
             } else {
@@ -653,11 +726,15 @@ impl KernelSet {
         self.go(kf, &mut b, per_item(count * dims.heads, THREADS)?)?;
 
         let dy_ptr = o.dy.map_or(0, |dy| dy.ptr);
-        let kp = if parts.quads {
-            "ssd_chunk_pack_quads"
-        } else {
-            "ssd_chunk_pack"
+        let kp = match (parts.quads, parts.bf16()) {
+            (true, true) => "ssd_chunk_pack_quads_bf16",
+            (true, false) => "ssd_chunk_pack_quads",
+            (false, true) => "ssd_chunk_pack_bf16",
+            (false, false) => "ssd_chunk_pack",
         };
+        // x's and dY's operand copies: none when the operands are f32.
+        let copy = |op: GpuView, own: GpuView| if op.ptr == own.ptr { 0 } else { op.ptr };
+        let (x_copy, dy_copy) = (copy(parts.x_op, parts.x), copy(parts.dy_op, parts.dy));
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&o.xbc.ptr)
             .arg(&tags.xbc)
@@ -669,7 +746,9 @@ impl KernelSet {
             .arg(&parts.dy_e.ptr)
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
-            .arg(&parts.c.ptr);
+            .arg(&parts.c.ptr)
+            .arg(&x_copy)
+            .arg(&dy_copy);
         let rows = product(k, &[count, dims.groups, dims.chunk])?;
         if parts.quads {
             let narrow = slice.narrow();
@@ -696,10 +775,11 @@ impl KernelSet {
         let rows = product(k, &[count, dims.groups, dims.chunk])?;
         let sizes = [count, dims.heads, dims.groups, dims.chunk];
         let (wide, narrow) = (sizes.map(|v| v as u64), sizes.map(|v| v as u32));
-        let kernel = if parts.quads {
-            "ssd_chunk_scores_quads"
-        } else {
-            k
+        let kernel = match (parts.quads, parts.bf16()) {
+            (true, true) => "ssd_chunk_scores_quads_bf16",
+            (true, false) => "ssd_chunk_scores_quads",
+            (false, true) => "ssd_chunk_scores_bf16",
+            (false, false) => k,
         };
         let mut b = stream.launch_builder(self.function(kernel)?);
         b.arg(&parts.cb.ptr)
@@ -725,7 +805,7 @@ impl KernelSet {
         &self,
         stream: &CudaStream,
         gemm: &dyn Fn(StridedGemm) -> Result<()>,
-        o: &Operands,
+        (o, states_op): (&Operands, GpuView),
         tags: &Tags,
         parts: &Parts,
         (d_xbc, d_dt): (GpuView, GpuView),
@@ -739,7 +819,6 @@ impl KernelSet {
         let wide = |view: GpuView, j: usize| s.head_columns(view, j);
         let run = |m, n, kk, a, a_trans, b, b_trans, c, beta| {
             gemm(batched(
-                s.tf32,
                 pair_count,
                 (m, n, kk),
                 (a, a_trans),
@@ -749,20 +828,20 @@ impl KernelSet {
             ))
         };
         // CB = C B^T per (item, group).
-        let b_mat = pairs(parts.b.ptr, s.n, qn);
-        let c_mat = pairs(parts.c.ptr, s.n, qn);
-        let cb = pairs(parts.cb.ptr, s.q, qq);
+        let b_mat = pairs(parts.b, s.n, qn);
+        let c_mat = pairs(parts.c, s.n, qn);
+        let cb = pairs(parts.cb, s.q, qq);
         run(s.q, s.q, s.n, c_mat, false, b_mat, true, cb, 0.0)?;
         // dM = dY X^T per head.
         for j in 0..s.j {
-            let d_m = pairs(addr(parts.d_m, j * qq), s.q, s.j * qq);
+            let d_m = pairs(from(parts.d_m, j * qq), s.q, s.j * qq);
             run(
                 s.q,
                 s.q,
                 s.p,
-                wide(parts.dy, j),
+                wide(parts.dy_op, j),
                 false,
-                wide(parts.x, j),
+                wide(parts.x_op, j),
                 true,
                 d_m,
                 0.0,
@@ -772,9 +851,9 @@ impl KernelSet {
         let [count_u, heads, head_dim, groups, chunk] =
             [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
         // M^T dY, and C S_in^T (for the readout term of dLam) in u.
-        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy, parts.t_acc)?;
+        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy_op, parts.t_acc)?;
         let heads_of = (first, count, dims.heads);
-        s.times_head_states(gemm, heads_of, c_mat, o.states, parts.u)?;
+        s.times_head_states(gemm, heads_of, c_mat, states_op, parts.u)?;
         let kr = "ssd_chunk_sums";
         let mut b = stream.launch_builder(self.function(kr)?);
         b.arg(&parts.d_m.ptr)
@@ -792,20 +871,20 @@ impl KernelSet {
             per_item(product(k, &[count, dims.heads])?, THREADS)?,
         )?;
         // U = B K^T per head (over C S_in^T, now summed).
-        s.times_head_states(gemm, heads_of, b_mat, parts.carry, parts.u)?;
+        s.times_head_states(gemm, heads_of, b_mat, parts.carry_op, parts.u)?;
         // dB = (w X) K + dCB^T C and dC = (e^Lam dY) S_in + dCB B, the
         // group's heads side by side (K = J P).
         let group_rows = |view: GpuView| s.group_states(view, first, dims.heads);
-        let d_cb = pairs(parts.d_cb.ptr, s.q, qq);
-        let d_b = pairs(parts.d_b.ptr, s.n, qn);
-        let d_c = pairs(parts.d_c.ptr, s.n, qn);
+        let d_cb = pairs(parts.d_cb, s.q, qq);
+        let d_b = pairs(parts.d_b, s.n, qn);
+        let d_c = pairs(parts.d_c, s.n, qn);
         run(
             s.q,
             s.n,
             s.jp,
             wide(parts.x_w, 0),
             false,
-            group_rows(parts.carry),
+            group_rows(parts.carry_op),
             false,
             d_b,
             0.0,
@@ -817,7 +896,7 @@ impl KernelSet {
             s.jp,
             wide(parts.dy_e, 0),
             false,
-            group_rows(o.states),
+            group_rows(states_op),
             false,
             d_c,
             0.0,
@@ -994,7 +1073,7 @@ fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts)
 
 impl<'a> Call<'a> {
     /// After the views' checks: checks the scratch against `plan` and
-    /// cuts it; `outputs` decide the GEMMs' math mode ([`Shape::tf32`]).
+    /// cuts it; `outputs` decide the GEMMs' operands ([`Shape::operand`]).
     fn new(
         k: &str,
         (blas, queues): (&'a Blas, &'a QueueSet),
@@ -1005,6 +1084,7 @@ impl<'a> Call<'a> {
     ) -> Result<Call<'a>> {
         check_scratch(k, plan, scratch, dims)?;
         let items = dims.tokens.batch * chunks;
+        let shape = Shape::new(dims, outputs);
         let ScanInputs {
             xbc,
             dt,
@@ -1015,7 +1095,7 @@ impl<'a> Call<'a> {
         Ok(Call {
             blas,
             queues,
-            parts: Parts::new(scratch, dims, plan, items),
+            parts: Parts::new(scratch, dims, plan, items, shape.operand),
             plan,
             items,
             operands: Operands {
@@ -1028,7 +1108,7 @@ impl<'a> Call<'a> {
                 states,
             },
             tags,
-            shape: Shape::new(dims, outputs),
+            shape,
         })
     }
 
@@ -1099,7 +1179,7 @@ mod tests {
         let shape = Shape::new(d, &[f32s(1)]);
         let (first, count) = (3usize, 4usize);
         let (out, states) = (f32s(1 << 26), GpuView::new(1 << 34, 1 << 26, DType::F32));
-        let lhs = pairs(1 << 20, shape.n, shape.q * shape.n);
+        let lhs = pairs(f32s(1 << 20), shape.n, shape.q * shape.n);
         let calls = std::cell::RefCell::new(Vec::new());
         let record = |g: StridedGemm| {
             calls.borrow_mut().push(g);
@@ -1149,7 +1229,9 @@ mod tests {
             let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
             let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
             let scratch = GpuView::new(base, plan.scratch_len(d), DType::F32);
-            Parts::new(scratch, d, plan, items).quads
+            let [f32, bf16] = [DType::F32, DType::Bf16].map(|t| Parts::new(scratch, d, plan, items, t));
+            assert_eq!(f32.quads, bf16.quads, "the operands' dtype does not decide it");
+            f32.quads
         };
         // The benchmark's scan, on an aligned scratch.
         assert!(takes(dims(1, 4096, 256), 1 << 20));
@@ -1175,6 +1257,37 @@ mod tests {
         assert!(!takes(narrow, 1 << 20));
     }
 
+    /// Every part lies inside the scratch and no two overlap, with f32 and
+    /// with bf16 operands (the bf16 ones share their f32 slots in halves).
+    #[test]
+    fn the_parts_tile_the_scratch_without_overlap() {
+        for d in [dims(1, 4096, 256), dims(2, 1000, 96)] {
+            let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+            let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
+            let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
+            let end = scratch.ptr + (scratch.len * 4) as u64;
+            for operand in [DType::F32, DType::Bf16] {
+                let parts = Parts::new(scratch, d, plan, items, operand);
+                assert_eq!(parts.bf16(), operand == DType::Bf16);
+                let mut spans: Vec<(u64, u64)> = parts
+                    .all()
+                    .iter()
+                    .map(|v| (v.ptr, v.ptr + (v.len * v.dtype.bytes()) as u64))
+                    .collect();
+                // With f32 operands, x's, dY's and the carries' operand
+                // views are those arrays themselves.
+                spans.sort_unstable();
+                spans.dedup();
+                for (start, stop) in &spans {
+                    assert!(*start >= scratch.ptr && stop <= &end, "{operand}: a part past the scratch");
+                }
+                for pair in spans.windows(2) {
+                    assert!(pair[0].1 <= pair[1].0, "{operand}: parts overlap: {pair:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_scratch_is_the_carries_and_a_slice_of_items() {
         // 2 sequences of 100 steps in chunks of 64: 4 items.
@@ -1188,7 +1301,9 @@ mod tests {
         };
         let per_item =
             7 * 6 * 64 + 6 * 60 * 64 + 4 * 3 * 20 * 64 + 2 * 3 * 64 * 64 + 2 * 6 * 64 * 64;
-        let global = 4 * 6 * (10 * 20 + 3);
+        // Per chunk: carries, the states' and carries' bf16 copies, decay
+        // and two partials a head.
+        let global = 4 * 6 * (2 * 10 * 20 + 3);
         let plan = ScanChunkPlan::new(d, (global + 3 * per_item) * 4).unwrap();
         assert_eq!(plan.items_per_slice, 3);
         assert_eq!(plan.scratch_len(d), global + 3 * per_item);
