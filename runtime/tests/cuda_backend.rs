@@ -242,9 +242,9 @@ fn scan_backward<B: Backend>(
 /// real widths (P = 64, N = 128, groups of 8 and 4 heads), with inputs of
 /// order one: whole chunks of 256, many chunks of 64 with decays near 1
 /// (the states and carries cross every chunk) and a last chunk cut short;
-/// and at odd widths, which take the element-wise kernels (not the `_quads`
-/// ones). Each output's largest error, relative to its largest value, is
-/// printed and bounded.
+/// at odd widths, which take the element-wise kernels (not the `_quads`
+/// ones); and with a large group in chunks of 48. Each output's largest
+/// error, relative to its largest value, is printed and bounded.
 #[test]
 fn both_scan_paths_match_the_cpu_at_real_widths() {
     for precision in [Precision::F32, Precision::Bf16] {
@@ -258,10 +258,15 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
         let mut seed = 0x5ca9u64;
         // batch, seq, heads, head dim, groups, state, chunk, slow decays
         for (batch, seq, heads, head_dim, groups, state, chunk, slow) in [
-            (1usize, 512usize, 16usize, 64usize, 2usize, 128usize, 256usize, false),
+            (
+                1usize, 512usize, 16usize, 64usize, 2usize, 128usize, 256usize, false,
+            ),
             (2, 700, 8, 64, 2, 128, 64, true),
             (1, 300, 8, 64, 2, 128, 256, false),
             (2, 75, 6, 10, 3, 21, 16, false),
+            // 20 heads a group in chunks of 48: the `_quads` scores without
+            // their sums (`ssd_chunk_scores_sums` takes the cases above).
+            (1, 200, 20, 64, 1, 16, 48, false),
         ] {
             let dims = ScanDims {
                 tokens: Tokens::new(batch, seq),

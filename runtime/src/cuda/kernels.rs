@@ -190,6 +190,8 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_chunk_scores_bf16",
             "ssd_chunk_scores_quads",
             "ssd_chunk_scores_quads_bf16",
+            "ssd_chunk_scores_sums",
+            "ssd_chunk_scores_sums_bf16",
             "ssd_chunk_sums",
             "ssd_chunk_final",
             "ssd_chunk_unpack",

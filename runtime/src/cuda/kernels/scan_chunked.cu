@@ -481,12 +481,134 @@ __device__ __forceinline__ void chunk_scores(
 CHUNK_SCORES(ssd_chunk_scores, float)
 CHUNK_SCORES(ssd_chunk_scores_bf16, bf16)
 
+// ---- the backward's scores with their sums --------------------------------------
+// `ssd_chunk_scores_sums` does what `ssd_chunk_scores_quads` does in the
+// backward and what `ssd_chunk_sums` does with E = dM o CB o e^(Lam_t -
+// Lam_s), in one pass that never stores E (two [item, H, Q, Q] f32 passes
+// over memory saved): the column sums sum_t E_ts whole, and the row sums
+// sum_s E_ts dt_s in partials, one per block of SUMS_COLUMNS columns
+// (`row_parts`, `[item, H, Q, Q / SUMS_COLUMNS]`), which `ssd_chunk_sums`
+// adds in order. A block per (item, group, block of columns); its threads
+// are 8 quads of columns by SUMS_ROWS rows, walking the rows SUMS_ROWS
+// apart; each holds its columns' partial sums for every head of the group
+// (at most SUMS_MAX_HEADS). The launcher takes it where Q is a multiple of
+// SUMS_COLUMNS, the heads a group are at most SUMS_MAX_HEADS and the
+// `_quads` kernels apply.
+#define SUMS_COLUMNS 32
+#define SUMS_ROWS 32
+#define SUMS_WARPS 8
+#define SUMS_MAX_HEADS 16
+
+template <typename T>
+__device__ __forceinline__ void chunk_scores_sums(
+    const float4* cb, const float4* dm, T* m, T* dcb, float* row_parts, float* values, u32 items,
+    u32 heads, u32 groups, u32 chunk) {
+    __shared__ float col_part[SUMS_WARPS][SUMS_MAX_HEADS][SUMS_COLUMNS];
+    const StepValues v = step_values(values, items, heads, chunk);
+    const u32 column_blocks = chunk / SUMS_COLUMNS;
+    const u32 cblock = blockIdx.x % column_blocks;
+    const u32 ig = blockIdx.x / column_blocks;  // item * groups + g
+    const u32 q4 = threadIdx.x % 8;
+    const u32 r = threadIdx.x / 8;
+    const u32 s = cblock * SUMS_COLUMNS + q4 * 4;
+    const u32 group_heads = heads / groups;
+    const u32 quads = chunk / 4;
+    float col[SUMS_MAX_HEADS][4];
+#pragma unroll
+    for (int j = 0; j < SUMS_MAX_HEADS; ++j) {
+        col[j][0] = col[j][1] = col[j][2] = col[j][3] = 0.0f;
+    }
+    for (u32 t = r; t < chunk; t += SUMS_ROWS) {
+        const u32 k = (ig * chunk + t) * quads + s / 4;
+        const float4 score = cb[k];
+        const float sc[4] = {score.x, score.y, score.z, score.w};
+        float d_score[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < SUMS_MAX_HEADS; ++j) {
+            if (static_cast<u32>(j) >= group_heads) {
+                break;
+            }
+            const u32 ih = ig * group_heads + j;  // item * heads + h
+            const float lam_t = v.lam[ih * chunk + t];
+            const float4 lam4 = *reinterpret_cast<const float4*>(v.lam + ih * chunk + s);
+            const float4 dt4 = *reinterpret_cast<const float4*>(v.dt + ih * chunk + s);
+            const float lam_s[4] = {lam4.x, lam4.y, lam4.z, lam4.w};
+            const float dt_s[4] = {dt4.x, dt4.y, dt4.z, dt4.w};
+            const u32 at = (ih * chunk + t) * quads + s / 4;
+            const float4 g4 = dm[at];
+            const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+            float out[4];
+            float row = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float l = s + e <= t ? expf(lam_t - lam_s[e]) : 0.0f;
+                out[e] = sc[e] * l * dt_s[e];
+                const float big_e = g[e] * sc[e] * l;
+                d_score[e] += g[e] * l * dt_s[e];
+                row += big_e * dt_s[e];
+                col[j][e] += big_e;
+            }
+            put4(m, at, out);
+            // The row's 8 quads are lanes differing in bits 0-2.
+            row += __shfl_xor_sync(0xffffffffu, row, 1);
+            row += __shfl_xor_sync(0xffffffffu, row, 2);
+            row += __shfl_xor_sync(0xffffffffu, row, 4);
+            if (q4 == 0) {
+                row_parts[(ih * chunk + t) * column_blocks + cblock] = row;
+            }
+        }
+        put4(dcb, k, d_score);
+    }
+    // The columns' sums: over a warp's 4 rows (lanes differing in bits 3-4),
+    // then over the warps in order.
+    const u32 warp = threadIdx.x / 32;
+    const u32 lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < SUMS_MAX_HEADS; ++j) {
+        if (static_cast<u32>(j) >= group_heads) {
+            break;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float c = col[j][e];
+            c += __shfl_xor_sync(0xffffffffu, c, 8);
+            c += __shfl_xor_sync(0xffffffffu, c, 16);
+            if (lane < 8) {
+                col_part[warp][j][q4 * 4 + e] = c;
+            }
+        }
+    }
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < group_heads * SUMS_COLUMNS; i += blockDim.x) {
+        const u32 j = i / SUMS_COLUMNS;
+        const u32 c = i % SUMS_COLUMNS;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SUMS_WARPS; ++w) {
+            sum += col_part[w][j][c];
+        }
+        v.col_v[(ig * group_heads + j) * chunk + cblock * SUMS_COLUMNS + c] = sum;
+    }
+}
+
+#define CHUNK_SCORES_SUMS(NAME, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32)                                     \
+        NAME(const float4* cb, const float4* dm, T* m, T* dcb, float* row_parts, float* values,      \
+             u32 items, u32 heads, u32 groups, u32 chunk) {                                          \
+        chunk_scores_sums<T>(cb, dm, m, dcb, row_parts, values, items, heads, groups, chunk);        \
+    }
+CHUNK_SCORES_SUMS(ssd_chunk_scores_sums, float)
+CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
+
 // One block per (item, head): the row sums sum_s E_ts dt_s (= R's), the
 // column sums sum_t E_ts of E = dM o CB o e^(Lam_t - Lam_s), and dY_t .
-// Yo_t with Yo = C S_in^T (in `y_off`, `[item, G, Q, J * P]`).
+// Yo_t with Yo = C S_in^T (in `y_off`, `[item, G, Q, J * P]`). With
+// `row_parts` (from `ssd_chunk_scores_sums`, `e` then unused) the row
+// sums are its `column_blocks` partials added in order, and the column
+// sums are already in place.
 extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
-    const float* e, const float* y_off, const float* dy_p, float* values, u64 items, u64 heads,
-    u64 head_dim, u64 groups, u64 chunk) {
+    const float* e, const float* row_parts, u64 column_blocks, const float* y_off,
+    const float* dy_p, float* values, u64 items, u64 heads, u64 head_dim, u64 groups, u64 chunk) {
     const StepValues v = step_values(values, items, heads, chunk);
     const int lane = threadIdx.x & 31;
     const u64 warp = threadIdx.x >> 5;
@@ -500,10 +622,16 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
     const float* dt = v.dt + ih * chunk;
     for (u64 t = warp; t < chunk; t += warps) {
         float acc = 0.0f;
-        for (u64 s = lane; s <= t; s += 32) {
-            acc += rows[t * chunk + s] * dt[s];
+        if (row_parts != nullptr) {
+            for (u64 b = 0; b < column_blocks; ++b) {
+                acc += row_parts[(ih * chunk + t) * column_blocks + b];
+            }
+        } else {
+            for (u64 s = lane; s <= t; s += 32) {
+                acc += rows[t * chunk + s] * dt[s];
+            }
+            acc = warp_sum(acc);
         }
-        acc = warp_sum(acc);
         float dot = 0.0f;
         const u64 at = (ig * chunk + t) * jp + j * head_dim;
         for (u64 p = lane; p < head_dim; p += 32) {
@@ -514,6 +642,9 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
             v.row_r[ih * chunk + t] = acc;
             v.y_dot[ih * chunk + t] = dot;
         }
+    }
+    if (row_parts != nullptr) {
+        return;
     }
     for (u64 s = threadIdx.x; s < chunk; s += blockDim.x) {
         float acc = 0.0f;
@@ -537,6 +668,9 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
     u64 items, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     __shared__ float d_lam[CHUNKED_MAX_CHUNK];
     __shared__ float direct[CHUNKED_MAX_CHUNK];
+    // The steps' dt, for the one thread's suffix sums below: from shared
+    // memory its loop does not wait on a global load a step.
+    __shared__ float step_dt[CHUNKED_MAX_CHUNK];
     __shared__ float sums[32];
     __shared__ float d_a_total;
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
@@ -593,6 +727,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
         xu = warp_sum(xu);
         if (lane == 0) {
             const float dt = v.dt[steps + t];
+            step_dt[t] = dt;
             d_lam[t] = v.row_r[steps + t] - dt * v.col_v[steps + t] +
                        v.elam[steps + t] * v.y_dot[steps + t] - w * xu +
                        (t + 1 == chunk ? leaving : 0.0f);
@@ -606,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
         for (u64 t = chunk; t-- > 0;) {
             acc += d_lam[t];
             d_lam[t] = acc;
-            d_a += v.dt[steps + t] * acc;
+            d_a += step_dt[t] * acc;
         }
         d_a_total = d_a;
     }

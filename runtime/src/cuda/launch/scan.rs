@@ -520,7 +520,11 @@ impl KernelSet {
         ]
         .map(|v| v as u64);
         let mut b = stream.launch_builder(self.function(k)?);
-        b.arg(&carry).arg(&copy).arg(&chunk_decay).arg(&batch).arg(&heads);
+        b.arg(&carry)
+            .arg(&copy)
+            .arg(&chunk_decay)
+            .arg(&batch)
+            .arg(&heads);
         b.arg(&pn).arg(&chunks_u);
         let elements = product(
             k,

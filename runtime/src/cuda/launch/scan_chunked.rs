@@ -43,6 +43,10 @@ pub const CHUNKED_MAX_CHUNK: usize = 1024;
 const THREADS: u32 = 256;
 /// Per-step arrays of a slice (`StepValues` in `scan_chunked.cu`).
 const STEP_ARRAYS: usize = 7;
+/// Columns of a block of `ssd_chunk_scores_sums` (`SUMS_COLUMNS`), and the
+/// most heads a group it takes (`SUMS_MAX_HEADS`).
+const SUMS_COLUMNS: usize = 32;
+const SUMS_MAX_HEADS: usize = 16;
 
 /// How the chunked path cuts a problem: (sequence, chunk) items a
 /// slice. Built by [`ScanChunkPlan::new`].
@@ -64,6 +68,9 @@ struct ItemLens {
     group_scores: usize,
     /// M and dM: `[H, Q, Q]` each.
     head_scores: usize,
+    /// The row sums' partials of `ssd_chunk_scores_sums`: `[H, Q, Q /
+    /// SUMS_COLUMNS]` (rounded up).
+    row_parts: usize,
 }
 
 impl ItemLens {
@@ -76,6 +83,7 @@ impl ItemLens {
             narrow: m(m(dims.groups, dims.state)?, q)?,
             group_scores: m(m(dims.groups, q)?, q)?,
             head_scores: m(m(dims.heads, q)?, q)?,
+            row_parts: m(m(dims.heads, q)?, q.div_ceil(SUMS_COLUMNS))?,
         })
     }
 
@@ -86,6 +94,7 @@ impl ItemLens {
             (4, self.narrow),
             (2, self.group_scores),
             (2, self.head_scores),
+            (1, self.row_parts),
         ]
         .into_iter()
         .try_fold(0usize, |acc, (count, len)| {
@@ -213,8 +222,13 @@ struct Parts {
     d_cb: GpuView,
     m: GpuView,
     d_m: GpuView,
+    row_parts: GpuView,
     /// Whether the `_quads` kernels take the slices (see [`takes_quads`]).
     quads: bool,
+    /// Whether `ssd_chunk_scores_sums` takes the backward's scores and
+    /// sums: the `_quads` kernels do, Q is whole blocks of `SUMS_COLUMNS`
+    /// and a group has at most `SUMS_MAX_HEADS` heads.
+    fused_sums: bool,
 }
 
 impl Parts {
@@ -224,7 +238,7 @@ impl Parts {
     }
 
     /// Every part, for checks that hold for all of them.
-    fn all(&self) -> [GpuView; 22] {
+    fn all(&self) -> [GpuView; 23] {
         [
             self.carry,
             self.states_op.unwrap_or(self.carry),
@@ -248,6 +262,7 @@ impl Parts {
             self.d_cb,
             self.m,
             self.d_m,
+            self.row_parts,
         ]
     }
 
@@ -305,9 +320,14 @@ impl Parts {
             d_cb: op(next(n * lens.group_scores)),
             m: op(next(n * lens.head_scores)),
             d_m: next(n * lens.head_scores),
+            row_parts: next(n * lens.row_parts),
             quads: false,
+            fused_sums: false,
         };
         parts.quads = takes_quads(dims, plan, items, &parts);
+        parts.fused_sums = parts.quads
+            && dims.chunk.is_multiple_of(SUMS_COLUMNS)
+            && dims.heads / dims.groups <= SUMS_MAX_HEADS;
         parts
     }
 }
@@ -357,7 +377,11 @@ impl Shape {
     /// group) pairs from item `first`, out of `[batch * chunks, H, P, N]`:
     /// its J heads' `[P, N]` blocks are contiguous, one `[J P, N]` matrix.
     fn group_states(&self, view: GpuView, first: usize, heads: usize) -> StridedMatrix {
-        pairs(from(view, first * heads * self.pn), self.n, self.j * self.pn)
+        pairs(
+            from(view, first * heads * self.pn),
+            self.n,
+            self.j * self.pn,
+        )
     }
 
     /// `out_j = lhs S_j^T` for every head j of a slice's (item, group)
@@ -775,6 +799,27 @@ impl KernelSet {
         let rows = product(k, &[count, dims.groups, dims.chunk])?;
         let sizes = [count, dims.heads, dims.groups, dims.chunk];
         let (wide, narrow) = (sizes.map(|v| v as u64), sizes.map(|v| v as u32));
+        if gradients.is_some() && parts.fused_sums {
+            // With the sums (`ssd_chunk_scores_sums`): a block per (item,
+            // group, block of columns).
+            let kernel = if parts.bf16() {
+                "ssd_chunk_scores_sums_bf16"
+            } else {
+                "ssd_chunk_scores_sums"
+            };
+            let mut b = stream.launch_builder(self.function(kernel)?);
+            b.arg(&parts.cb.ptr)
+                .arg(&d_m)
+                .arg(&parts.m.ptr)
+                .arg(&d_cb)
+                .arg(&parts.row_parts.ptr)
+                .arg(&parts.steps.ptr);
+            for v in &narrow {
+                b.arg(v);
+            }
+            let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
+            return self.go(kernel, &mut b, per_item(blocks, THREADS)?);
+        }
         let kernel = match (parts.quads, parts.bf16()) {
             (true, true) => "ssd_chunk_scores_quads_bf16",
             (true, false) => "ssd_chunk_scores_quads",
@@ -855,8 +900,16 @@ impl KernelSet {
         let heads_of = (first, count, dims.heads);
         s.times_head_states(gemm, heads_of, c_mat, states_op, parts.u)?;
         let kr = "ssd_chunk_sums";
+        // The row sums' partials when `chunk_scores` took the sums.
+        let (row_parts, column_blocks) = if parts.fused_sums {
+            (parts.row_parts.ptr, (dims.chunk / SUMS_COLUMNS) as u64)
+        } else {
+            (0, 0)
+        };
         let mut b = stream.launch_builder(self.function(kr)?);
         b.arg(&parts.d_m.ptr)
+            .arg(&row_parts)
+            .arg(&column_blocks)
             .arg(&parts.u.ptr)
             .arg(&parts.dy.ptr)
             .arg(&parts.steps.ptr);
@@ -1229,8 +1282,13 @@ mod tests {
             let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
             let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
             let scratch = GpuView::new(base, plan.scratch_len(d), DType::F32);
-            let [f32, bf16] = [DType::F32, DType::Bf16].map(|t| Parts::new(scratch, d, plan, items, t));
-            assert_eq!(f32.quads, bf16.quads, "the operands' dtype does not decide it");
+            let [f32, bf16] =
+                [DType::F32, DType::Bf16].map(|t| Parts::new(scratch, d, plan, items, t));
+            assert_eq!(
+                f32.quads, bf16.quads,
+                "the operands' dtype does not decide it"
+            );
+            assert!(!f32.fused_sums || f32.quads);
             f32.quads
         };
         // The benchmark's scan, on an aligned scratch.
@@ -1279,13 +1337,43 @@ mod tests {
                 spans.sort_unstable();
                 spans.dedup();
                 for (start, stop) in &spans {
-                    assert!(*start >= scratch.ptr && stop <= &end, "{operand}: a part past the scratch");
+                    assert!(
+                        *start >= scratch.ptr && stop <= &end,
+                        "{operand}: a part past the scratch"
+                    );
                 }
                 for pair in spans.windows(2) {
                     assert!(pair[0].1 <= pair[1].0, "{operand}: parts overlap: {pair:?}");
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_scores_take_their_sums_where_blocks_of_columns_and_the_heads_fit() {
+        let fused = |d: ScanDims| {
+            let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+            let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
+            let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
+            Parts::new(scratch, d, plan, items, DType::Bf16).fused_sums
+        };
+        // The benchmark's 8 heads a group in chunks of 256; 16 heads a group.
+        assert!(fused(dims(1, 4096, 256)));
+        assert!(fused(ScanDims {
+            heads: 128,
+            ..dims(1, 4096, 256)
+        }));
+        // 17 heads a group, chunks that are not whole blocks of 32 columns,
+        // shapes the `_quads` kernels do not take.
+        assert!(!fused(ScanDims {
+            heads: 136,
+            ..dims(1, 4096, 256)
+        }));
+        assert!(!fused(dims(1, 4096, 48)));
+        assert!(!fused(ScanDims {
+            state: 130,
+            ..dims(1, 4096, 256)
+        }));
     }
 
     #[test]
@@ -1299,8 +1387,14 @@ mod tests {
             state: 20,
             chunk: 64,
         };
-        let per_item =
-            7 * 6 * 64 + 6 * 60 * 64 + 4 * 3 * 20 * 64 + 2 * 3 * 64 * 64 + 2 * 6 * 64 * 64;
+        // Steps, wide, narrow, group and head scores, the row sums' partials
+        // (2 blocks of 32 columns).
+        let per_item = 7 * 6 * 64
+            + 6 * 60 * 64
+            + 4 * 3 * 20 * 64
+            + 2 * 3 * 64 * 64
+            + 2 * 6 * 64 * 64
+            + 6 * 64 * 2;
         // Per chunk: carries, the states' and carries' bf16 copies, decay
         // and two partials a head.
         let global = 4 * 6 * (2 * 10 * 20 + 3);
