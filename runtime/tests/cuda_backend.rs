@@ -29,15 +29,27 @@ fn gpu(precision: Precision) -> Option<CudaBackend> {
     Some(gpu.backend("host").expect("a host queue"))
 }
 
-fn conformance_of(backend: &CudaBackend) {
-    // CUDA's expf/logf/tanhf are within 2 ulp of libm's (CUDA C
-    // Programming Guide, "Mathematical Functions"): twice the CPU's
-    // tolerances covers them; anything looser is a bug.
-    let options = Options {
+// CUDA's expf/logf/tanhf are within 2 ulp of libm's (CUDA C Programming
+// Guide, "Mathematical Functions"): twice the CPU's tolerances covers them;
+// anything looser is a bug.
+fn options() -> Options {
+    Options {
         slack: 2.0,
         ..Options::default()
-    };
-    let report = conformance::run_all(backend, &options);
+    }
+}
+
+fn conformance_of(backend: &CudaBackend) {
+    let report = conformance::run_all(backend, &options());
+    println!("{report}");
+    assert!(report.is_clean(), "{report}");
+}
+
+/// One family of the suite, with the same slack as the whole.
+fn family_conforms(backend: &CudaBackend, family: conformance::Family) {
+    let mut suite = conformance::Suite::new(backend, &options());
+    suite.run(family);
+    let report = suite.finish();
     println!("{report}");
     assert!(report.is_clean(), "{report}");
 }
@@ -75,7 +87,10 @@ fn every_attention_path_conforms() {
         };
         for cap in [700, 0] {
             println!("{precision:?}, attention scratch capped at {cap} bytes");
-            conformance_of(&backend.clone().with_attention_scratch(cap));
+            family_conforms(
+                &backend.clone().with_attention_scratch(cap),
+                conformance::Family::Attention,
+            );
         }
     }
 }
@@ -95,21 +110,15 @@ fn every_scan_path_conforms() {
         let Some(backend) = gpu(precision) else {
             return;
         };
-        let options = Options {
-            slack: 2.0,
-            ..Options::default()
-        };
         for cap in [6 << 10, 0] {
             if precision == Precision::Bf16 && cap != 0 {
                 continue;
             }
             println!("{precision:?}, scan scratch capped at {cap} bytes");
-            let device = backend.clone().with_scan_scratch(cap);
-            let mut suite = conformance::Suite::new(&device, &options);
-            suite.run(conformance::Family::Mamba);
-            let report = suite.finish();
-            println!("{report}");
-            assert!(report.is_clean(), "{report}");
+            family_conforms(
+                &backend.clone().with_scan_scratch(cap),
+                conformance::Family::Mamba,
+            );
         }
     }
 }
