@@ -923,37 +923,41 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 });
             }
         }
-        cases.push(Case {
-            kernel: "moe_unpermute_backward".into(),
-            mode,
-            shape: "203x3 129".into(),
-            buffers: vec![
-                rng.floats(203 * 129, a),
-                rng.floats(609 * 129, a),
-                weights.clone(),
-                Host::U32(positions.clone()),
-                nan(609 * 129, a),
-                nan(609, DType::F32),
-            ],
-            outputs: vec![4, 5],
-            cpu: Box::new(move |b, x| {
-                b.moe_unpermute_backward(
-                    v(&x[0]),
-                    v(&x[1]),
-                    v(&x[2]),
-                    v(&x[3]),
-                    UnpermuteGrads {
-                        rows: m(&x[4]),
-                        weights: m(&x[5]),
-                    },
-                    d,
-                )
-            }),
-            gpu: Box::new(move |s, st, x| {
-                s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
-            }),
-            reference: None,
-        });
+        // Rows of 136 channels: in bf16, 8 channels a load.
+        for width in [129usize, 136] {
+            let d = UnpermuteDims { width, ..d };
+            cases.push(Case {
+                kernel: "moe_unpermute_backward".into(),
+                mode,
+                shape: format!("203x3 {width}"),
+                buffers: vec![
+                    rng.floats(203 * width, a),
+                    rng.floats(609 * width, a),
+                    weights.clone(),
+                    Host::U32(positions.clone()),
+                    nan(609 * width, a),
+                    nan(609, DType::F32),
+                ],
+                outputs: vec![4, 5],
+                cpu: Box::new(move |b, x| {
+                    b.moe_unpermute_backward(
+                        v(&x[0]),
+                        v(&x[1]),
+                        v(&x[2]),
+                        v(&x[3]),
+                        UnpermuteGrads {
+                            rows: m(&x[4]),
+                            weights: m(&x[5]),
+                        },
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
+                }),
+                reference: None,
+            });
+        }
     }
 
     // f32-only kernels: loss, routing, dispatch, optimizer, norm partials.

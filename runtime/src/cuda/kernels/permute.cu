@@ -138,10 +138,11 @@ extern "C" __global__ void moe_unpermute(
 // d_rows[positions[t*k + j]] = w[t, j] * dout[t]. The launcher zeroes d_rows
 // first unless the slots cover every row (rows no slot points at get no
 // gradient); positions are distinct. One block per slot, threads over the
-// columns.
+// columns; with `vec8` (every tensor bf16, 16-byte aligned, width a
+// multiple of 8) 8 columns a thread, the same products.
 extern "C" __global__ void moe_unpermute_backward_rows(
     const void* dout, int dout_dtype, const float* weights, const u32* positions, void* d_rows,
-    int d_rows_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 width, u64* status) {
+    int d_rows_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8, u64* status) {
     for (u64 slot = blockIdx.x; slot < tokens * top_k; slot += gridDim.x) {
         const u32 p = positions[slot];
         if (p >= n_rows) {
@@ -152,6 +153,21 @@ extern "C" __global__ void moe_unpermute_backward_rows(
         }
         const float w = weights[slot];
         const u64 token = slot / top_k;
+        if (vec8) {
+            const u64 words = width / 8;
+            const uint4* g8 = static_cast<const uint4*>(dout) + token * words;
+            uint4* out8 = static_cast<uint4*>(d_rows) + static_cast<u64>(p) * words;
+            for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
+                float f[8];
+                unpack8(g8[c], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    f[e] = w * f[e];
+                }
+                out8[c] = pack8(f);
+            }
+            continue;
+        }
         for (u64 c = threadIdx.x; c < width; c += blockDim.x) {
             const float g = load(dout, dout_dtype, token * width + c);
             store(d_rows, d_rows_dtype, static_cast<u64>(p) * width + c, w * g);
@@ -160,10 +176,11 @@ extern "C" __global__ void moe_unpermute_backward_rows(
 }
 
 // d_weights[t, j] = dout[t] . rows[positions[t*k + j]]: one warp per slot,
-// lane-strided partial sums then the warp butterfly.
+// lane-strided partial sums then the warp butterfly; with `vec8` (as the
+// rows kernel's) a lane's partial sum runs over 8 columns a load.
 extern "C" __global__ void moe_unpermute_backward_weights(
     const void* dout, int dout_dtype, const void* rows, int rows_dtype, const u32* positions,
-    float* d_weights, u64 tokens, u64 top_k, u64 n_rows, u64 width) {
+    float* d_weights, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8) {
     const int lane = threadIdx.x & 31;
     const u64 slot = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (slot >= tokens * top_k) {
@@ -175,8 +192,24 @@ extern "C" __global__ void moe_unpermute_backward_weights(
     }
     const u64 token = slot / top_k;
     float sum = 0.0f;
-    for (u64 c = lane; c < width; c += 32) {
-        sum += load(dout, dout_dtype, token * width + c) * load(rows, rows_dtype, static_cast<u64>(p) * width + c);
+    if (vec8) {
+        const u64 words = width / 8;
+        const uint4* g8 = static_cast<const uint4*>(dout) + token * words;
+        const uint4* r8 = static_cast<const uint4*>(rows) + static_cast<u64>(p) * words;
+        for (u64 c = lane; c < words; c += 32) {
+            float g[8], r[8];
+            unpack8(g8[c], g);
+            unpack8(r8[c], r);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                sum += g[e] * r[e];
+            }
+        }
+    } else {
+        for (u64 c = lane; c < width; c += 32) {
+            sum += load(dout, dout_dtype, token * width + c) *
+                   load(rows, rows_dtype, static_cast<u64>(p) * width + c);
+        }
     }
     sum = warp_sum(sum);
     if (lane == 0) {

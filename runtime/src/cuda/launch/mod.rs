@@ -1768,6 +1768,8 @@ impl KernelSet {
             return self.zero(stream, d_weights);
         }
         let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
+        let rows_vec8 = i32::from(bf16_words(&[dout, d_rows], d.width));
+        let weights_vec8 = i32::from(bf16_words(&[dout, rows], d.width));
         let k_rows = "moe_unpermute_backward_rows";
         let mut b = stream.launch_builder(self.function(k_rows)?);
         b.arg(&dout.ptr)
@@ -1779,7 +1781,7 @@ impl KernelSet {
         for x in &dims {
             b.arg(x);
         }
-        b.arg(&self.fault_ptr);
+        b.arg(&rows_vec8).arg(&self.fault_ptr);
         self.go(k_rows, &mut b, block_per_row(positions.len))?;
         let k_weights = "moe_unpermute_backward_weights";
         let mut b = stream.launch_builder(self.function(k_weights)?);
@@ -1792,6 +1794,7 @@ impl KernelSet {
         for x in &dims {
             b.arg(x);
         }
+        b.arg(&weights_vec8);
         self.go(k_weights, &mut b, warp_per_item(positions.len))
     }
 
