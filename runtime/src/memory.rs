@@ -1086,9 +1086,16 @@ mod tests {
         let tokens = Tokens::new(1, 4096);
         let attention = 4 * 4096 * 4096 * 8 + 4096 * (16 * 128 + 4 * 256) * 4;
         let scan = (3 * 4096 * 64 + 3 * 64 * 16 + 16 * 64 * 64 * 128) * 4;
-        let per_chunk =
-            7 * 64 * 256 + 6 * 4096 * 256 + 4 * 8 * 128 * 256 + (2 * 8 + 2 * 64) * 256 * 256;
-        let chunked = (16 * 64 * (64 * 128 + 3) + 16 * per_chunk) * 4;
+        // Per chunk: step values, wide, narrow, group and head scores, and
+        // the row sums' partials (8 blocks of 32 columns); across chunks:
+        // the carries, the states' and carries' bf16 copies, decays and
+        // partials.
+        let per_chunk = 7 * 64 * 256
+            + 6 * 4096 * 256
+            + 4 * 8 * 128 * 256
+            + (2 * 8 + 2 * 64) * 256 * 256
+            + 64 * 256 * 8;
+        let chunked = (16 * 64 * (2 * 64 * 128 + 3) + 16 * per_chunk) * 4;
         // In bf16 the flash kernels take the benchmark's attention (128
         // channels a head, 4 query heads a KV head): each query head's
         // share of dk and dv and D_t, in f32: more than the sequential
