@@ -195,7 +195,8 @@ fn part(view: GpuView, offset: usize, len: usize) -> GpuView {
 /// `b`, `c`, `m`, `d_cb` and the `_op` views) are in the call's operand
 /// dtype; the rest is f32. A bf16 operand takes the first half of its f32
 /// slot, and x's and dY's bf16 copies the second halves of `x_w`'s and
-/// `dy_e`'s; in f32 they are x and dY themselves.
+/// `dy_e`'s (the per-step kernels read x and dY there too, and `x` and
+/// `dy` go unused); with f32 operands they are `x` and `dy` themselves.
 struct Parts {
     carry: GpuView,
     /// The states' operand copy (bf16), `None` when the operands are f32
@@ -691,15 +692,16 @@ impl KernelSet {
             self.chunk_scores(stream, parts, None, dims, count)?;
             s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
             s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states_op, parts.u)?;
-            let ko = if parts.quads {
-                "ssd_chunk_output_quads"
-            } else {
-                "ssd_chunk_output"
+            let ko = match (parts.quads, parts.bf16()) {
+                (true, true) => "ssd_chunk_output_quads_bf16",
+                (true, false) => "ssd_chunk_output_quads",
+                (false, true) => "ssd_chunk_output_bf16",
+                (false, false) => "ssd_chunk_output",
             };
             let slice = SliceArgs::new(dims, i0, count);
             let narrow = slice.narrow();
             let mut b = stream.launch_builder(self.function(ko)?);
-            b.arg(&parts.x.ptr)
+            b.arg(&parts.x_op.ptr)
                 .arg(&parts.t_acc.ptr)
                 .arg(&parts.u.ptr)
                 .arg(&parts.steps.ptr)
@@ -754,11 +756,11 @@ impl KernelSet {
             (false, true) => "ssd_chunk_pack_bf16",
             (false, false) => "ssd_chunk_pack",
         };
-        // x's and dY's bf16 operand copies (none when the operands are f32).
-        let (x_copy, dy_copy) = if parts.bf16() {
-            (parts.x_op.ptr, parts.dy_op.ptr)
+        // x and dY go to the f32 pair or to the bf16 one (the other null).
+        let [x_f32, dy_f32, x_copy, dy_copy] = if parts.bf16() {
+            [0, 0, parts.x_op.ptr, parts.dy_op.ptr]
         } else {
-            (0, 0)
+            [parts.x.ptr, parts.dy.ptr, 0, 0]
         };
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&o.xbc.ptr)
@@ -766,8 +768,8 @@ impl KernelSet {
             .arg(&dy_ptr)
             .arg(&tags.dy)
             .arg(&parts.steps.ptr);
-        b.arg(&parts.x.ptr)
-            .arg(&parts.dy.ptr)
+        b.arg(&x_f32)
+            .arg(&dy_f32)
             .arg(&parts.dy_e.ptr)
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
@@ -900,7 +902,11 @@ impl KernelSet {
         s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy_op, parts.t_acc)?;
         let heads_of = (first, count, dims.heads);
         s.times_head_states(gemm, heads_of, c_mat, states_op, parts.u)?;
-        let kr = "ssd_chunk_sums";
+        let kr = if parts.bf16() {
+            "ssd_chunk_sums_bf16"
+        } else {
+            "ssd_chunk_sums"
+        };
         // The row sums' partials when `chunk_scores` took the sums.
         let (row_parts, column_blocks) = if parts.fused_sums {
             (parts.row_parts.ptr, (dims.chunk / SUMS_COLUMNS) as u64)
@@ -912,7 +918,7 @@ impl KernelSet {
             .arg(&row_parts)
             .arg(&column_blocks)
             .arg(&parts.u.ptr)
-            .arg(&parts.dy.ptr)
+            .arg(&parts.dy_op.ptr)
             .arg(&parts.steps.ptr);
         b.arg(&count_u)
             .arg(&heads)
@@ -958,14 +964,18 @@ impl KernelSet {
         run(s.q, s.n, s.q, d_cb, false, b_mat, false, d_c, 1.0)?;
 
         let slice = SliceArgs::new(dims, first, count);
-        let kf = "ssd_chunk_final";
+        let kf = if parts.bf16() {
+            "ssd_chunk_final_bf16"
+        } else {
+            "ssd_chunk_final"
+        };
         let mut b = stream.launch_builder(self.function(kf)?);
         push_step_inputs(&mut b, o, tags);
         b.arg(&o.d.ptr).arg(&tags.skip);
         b.arg(&o.states.ptr)
             .arg(&parts.carry.ptr)
-            .arg(&parts.x.ptr)
-            .arg(&parts.dy.ptr)
+            .arg(&parts.x_op.ptr)
+            .arg(&parts.dy_op.ptr)
             .arg(&parts.t_acc.ptr)
             .arg(&parts.u.ptr)
             .arg(&parts.steps.ptr);
