@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Two (or more) builds of hybridgen on the benchmark's 1-GPU row, run in
+# turn, so that the machine's drift falls on all of them alike: how the
+# README's "alternated runs of the old and new binaries" were measured.
+# Each run is the bench's (`bench_gpu.sh`): `bench-hybrid-moe`, 4
+# micro-batches of one 4,096-token sequence, 13 steps, AdamW at 1e-4; a
+# line per run gives the median step of steps 4-13, the last loss and the
+# parameter hash (a change that should keep the bits must keep the hash).
+#
+# Here (no GPU needed): build each version and put it in the bundle under
+# its own name, e.g.
+#   scripts/cuda_bundle.sh                      # the new build: gpu-bundle/hybridgen
+#   git stash && cargo build --release --bin hybridgen \
+#     && cp target/release/hybridgen gpu-bundle/hybridgen-base && git stash pop
+# There:
+#   ROUNDS=2 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
+# Extra flags for every run go in EXTRA (e.g. EXTRA="--schedule plain").
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+[ $# -ge 1 ] || { echo "usage: ab_gpu.sh BINARY... (names in the bundle)" >&2; exit 2; }
+. "$here/env.sh"
+log=$(mktemp -d)
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for name in "$@"; do
+    "$here/$name" train --device cuda --ranks 1 --ep 1 --preset bench-hybrid-moe \
+      --micro-batch-size 1 --micro-batches 4 --steps 13 --lr 1e-4 --weight-decay 0.1 \
+      --clip-grad 0 --format json ${EXTRA:-} > "$log/$name-$round.jsonl" 2> "$log/$name-$round.err"
+    rc=$?
+    python3 - "$name" "$round" "$rc" "$log/$name-$round.jsonl" <<'PY'
+import json, statistics, sys
+name, round_, rc, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+steps, loss, summary = [], None, {}
+for line in open(path):
+    try:
+        record = json.loads(line)
+    except ValueError:
+        continue
+    if "step_ms" in record and "step" in record:
+        steps.append(record["step_ms"])
+        loss = record.get("loss")
+    summary = record.get("summary", summary)
+if rc != 0 or len(steps) < 4:
+    print(f"{name:20s} round {round_}: failed (exit {rc}, {len(steps)} steps)")
+else:
+    median = statistics.median(steps[3:])
+    print(f"{name:20s} round {round_}: median {median:.1f} ms, last loss {loss:.6f}, "
+          f"hash {summary.get('param_hash')}")
+PY
+    [ "$rc" -eq 0 ] || tail -3 "$log/$name-$round.err"
+  done
+done
