@@ -1287,6 +1287,54 @@ mod tests {
         }
     }
 
+    /// With bf16 operands the GEMMs read bf16 matrices and write f32 ones,
+    /// and every offset into a bf16 view counts 2-byte elements: head j's
+    /// scores, its columns of x and the states of item `first` lie where
+    /// the kernels wrote them.
+    #[test]
+    fn bf16_operands_are_addressed_in_their_own_elements() {
+        let d = dims(1, 4096, 256);
+        let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+        let items = 16;
+        let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
+        let parts = Parts::new(scratch, d, plan, items, DType::Bf16);
+        let shape = Shape::new(d, &[GpuView::new(0, 1, DType::Bf16)]);
+        assert_eq!(shape.operand, DType::Bf16);
+        let calls = std::cell::RefCell::new(Vec::new());
+        let record = |g: StridedGemm| {
+            calls.borrow_mut().push(g);
+            Ok(())
+        };
+        let j = 3;
+        shape
+            .head_scores_times(&record, 2, (parts.m, false), parts.x_op, parts.t_acc)
+            .unwrap();
+        let first = 5;
+        let states = parts.states_op.unwrap();
+        let lhs = pairs(parts.c, shape.n, shape.q * shape.n);
+        shape
+            .times_head_states(&record, (first, 2, d.heads), lhs, states, parts.u)
+            .unwrap();
+        let calls = calls.into_inner();
+        let (scores, product) = (calls[j], calls[shape.j]);
+        let (q, p) = (shape.q, shape.p);
+        assert_eq!(
+            (scores.a.dtype, scores.b.dtype, scores.c.dtype),
+            (DType::Bf16, DType::Bf16, DType::F32)
+        );
+        assert_eq!(scores.a.ptr, parts.m.ptr + (2 * j * q * q) as u64);
+        assert_eq!(scores.b.ptr, parts.x_op.ptr + (2 * j * p) as u64);
+        assert_eq!(scores.c.ptr, parts.t_acc.ptr + (4 * j * p) as u64);
+        assert_eq!(
+            (product.b.dtype, product.c.dtype),
+            (DType::Bf16, DType::F32)
+        );
+        assert_eq!(
+            product.b.ptr,
+            states.ptr + (2 * first * d.heads * shape.pn) as u64
+        );
+    }
+
     #[test]
     fn the_quad_kernels_take_aligned_scratch_and_shapes_of_whole_quads() {
         let takes = |d: ScanDims, base: u64| {
