@@ -220,17 +220,15 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_factors(
 }
 
 // The slice's operands, zero past the sequence's end, as the GEMMs'
-// operands (`T`): w x, e^Lam dY, B and C, and x and dY: in f32 into `x_p`
-// and `dy_p`, in bf16 into `x_o` and `dy_o` (the other pair null). The
-// per-step kernels read x and dY from the same arrays in the same `T`
-// (bf16 holds them exactly: they are bf16 inputs).
-// Wide arrays are `[item, G, Q, J * P]`, B and C `[item, G, Q, N]`; the
+// operands (`T`): x, dY, w x, e^Lam dY, B and C. The per-step kernels read
+// x and dY from the same arrays (bf16 holds them exactly: they are bf16
+// inputs). Wide arrays are `[item, G, Q, J * P]`, B and C `[item, G, Q, N]`; the
 // forward passes no dy, and gets no dY or e^Lam dY.
 template <typename T>
 __device__ __forceinline__ void chunk_pack(
-    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
-    float* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,
-    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, T* x_p,
+    T* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, u64 first_item, u64 items, u64 seq, u64 heads,
+    u64 head_dim, u64 groups, u64 state, u64 chunk) {
     // One block per (item, group, step) row, its threads over the row's
     // columns: the row's place is decoded once, not per element (64-bit
     // divisions per element held this kernel at a quarter of the memory's
@@ -252,21 +250,11 @@ __device__ __forceinline__ void chunk_pack(
                     g_y = load(dy, dy_dtype, at.row * s.d_inner() + at.column + e);
                 }
             }
-            if (x_p != nullptr) {
-                x_p[k] = x;
-            }
+            put(x_p, k, x);
             put(x_w, k, x * v.w[step]);
-            if (x_o != nullptr) {
-                put(x_o, k, x);
-            }
             if (dy != nullptr) {
-                if (dy_p != nullptr) {
-                    dy_p[k] = g_y;
-                }
+                put(dy_p, k, g_y);
                 put(dy_e, k, g_y * v.elam[step]);
-                if (dy_o != nullptr) {
-                    put(dy_o, k, g_y);
-                }
             }
         }
         const NarrowAt nat = narrow_at(s, r * state, first_item);
@@ -280,12 +268,11 @@ __device__ __forceinline__ void chunk_pack(
 
 #define CHUNK_PACK(NAME, T)                                                                         \
     extern "C" __global__ void NAME(const void* xbc, int xbc_dtype, const void* dy, int dy_dtype,   \
-                                    const float* values, float* x_p, float* dy_p, T* dy_e, T* x_w, \
-                                    T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,     \
-                                    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state,        \
-                                    u64 chunk) {                                                     \
-        chunk_pack<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p, x_o,   \
-                      dy_o, first_item, items, seq, heads, head_dim, groups, state, chunk);         \
+                                    const float* values, T* x_p, T* dy_p, T* dy_e, T* x_w, T* b_p,  \
+                                    T* c_p, u64 first_item, u64 items, u64 seq, u64 heads,          \
+                                    u64 head_dim, u64 groups, u64 state, u64 chunk) {                \
+        chunk_pack<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p,         \
+                      first_item, items, seq, heads, head_dim, groups, state, chunk);               \
     }
 CHUNK_PACK(ssd_chunk_pack, float)
 CHUNK_PACK(ssd_chunk_pack_bf16, bf16)
@@ -330,9 +317,9 @@ __device__ __forceinline__ QuadAt quad_at(
 // narrow ones.
 template <typename T>
 __device__ __forceinline__ void chunk_pack_quads(
-    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float4* x_p,
-    float4* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,
-    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, T* x_p,
+    T* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, u32 first_item, u32 items, u32 seq, u32 heads,
+    u32 head_dim, u32 groups, u32 state, u32 chunk) {
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u32 chunks = (seq + chunk - 1) / chunk;
     const u32 jp = heads / groups * head_dim;
@@ -358,24 +345,14 @@ __device__ __forceinline__ void chunk_pack_quads(
                 }
             }
             const float w = v.w[step];
-            if (x_p != nullptr) {
-                x_p[k] = make_float4(x[0], x[1], x[2], x[3]);
-            }
+            put4(x_p, k, x);
             const float xw[4] = {x[0] * w, x[1] * w, x[2] * w, x[3] * w};
             put4(x_w, k, xw);
-            if (x_o != nullptr) {
-                put4(x_o, k, x);
-            }
             if (dy != nullptr) {
                 const float el = v.elam[step];
-                if (dy_p != nullptr) {
-                    dy_p[k] = make_float4(g_y[0], g_y[1], g_y[2], g_y[3]);
-                }
+                put4(dy_p, k, g_y);
                 const float ye[4] = {g_y[0] * el, g_y[1] * el, g_y[2] * el, g_y[3] * el};
                 put4(dy_e, k, ye);
-                if (dy_o != nullptr) {
-                    put4(dy_o, k, g_y);
-                }
             }
         } else {
             const u32 kn = k - wide;
@@ -397,13 +374,11 @@ __device__ __forceinline__ void chunk_pack_quads(
 
 #define CHUNK_PACK_QUADS(NAME, T)                                                                    \
     extern "C" __global__ void NAME(const void* xbc, int xbc_dtype, const void* dy, int dy_dtype,    \
-                                    const float* values, float4* x_p, float4* dy_p, T* dy_e, T* x_w, \
-                                    T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,      \
-                                    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state,         \
-                                    u32 chunk) {                                                      \
+                                    const float* values, T* x_p, T* dy_p, T* dy_e, T* x_w, T* b_p,   \
+                                    T* c_p, u32 first_item, u32 items, u32 seq, u32 heads,           \
+                                    u32 head_dim, u32 groups, u32 state, u32 chunk) {                 \
         chunk_pack_quads<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p,   \
-                            x_o, dy_o, first_item, items, seq, heads, head_dim, groups, state,       \
-                            chunk);                                                                  \
+                            first_item, items, seq, heads, head_dim, groups, state, chunk);          \
     }
 CHUNK_PACK_QUADS(ssd_chunk_pack_quads, float)
 CHUNK_PACK_QUADS(ssd_chunk_pack_quads_bf16, bf16)

@@ -191,12 +191,11 @@ fn part(view: GpuView, offset: usize, len: usize) -> GpuView {
 }
 
 /// The scratch cut into its parts (see [`ItemLens`] and
-/// [`ScanChunkPlan::global_len`]). The GEMMs' operands (`dy_e`, `x_w`,
-/// `b`, `c`, `m`, `d_cb` and the `_op` views) are in the call's operand
-/// dtype; the rest is f32. A bf16 operand takes the first half of its f32
-/// slot, and x's and dY's bf16 copies the second halves of `x_w`'s and
-/// `dy_e`'s (the per-step kernels read x and dY there too, and `x` and
-/// `dy` go unused); with f32 operands they are `x` and `dy` themselves.
+/// [`ScanChunkPlan::global_len`]). The GEMMs' operands (`x`, `dy`, `dy_e`,
+/// `x_w`, `b`, `c`, `m`, `d_cb` and the `_op` views) are in the call's
+/// operand dtype, and the per-step kernels read x and dY in it too (bf16
+/// holds them exactly); the rest is f32. A bf16 operand takes the first
+/// half of its f32 slot.
 struct Parts {
     carry: GpuView,
     /// The states' operand copy (bf16), `None` when the operands are f32
@@ -209,8 +208,6 @@ struct Parts {
     steps: GpuView,
     x: GpuView,
     dy: GpuView,
-    x_op: GpuView,
-    dy_op: GpuView,
     dy_e: GpuView,
     x_w: GpuView,
     t_acc: GpuView,
@@ -239,7 +236,7 @@ impl Parts {
     }
 
     /// Every part, for checks that hold for all of them.
-    fn all(&self) -> [GpuView; 23] {
+    fn all(&self) -> [GpuView; 21] {
         [
             self.carry,
             self.states_op.unwrap_or(self.carry),
@@ -249,8 +246,6 @@ impl Parts {
             self.steps,
             self.x,
             self.dy,
-            self.x_op,
-            self.dy_op,
             self.dy_e,
             self.x_w,
             self.t_acc,
@@ -284,33 +279,27 @@ impl Parts {
         };
         // An f32 slot as an operand array: itself, or its first half in bf16.
         let op = |slot: GpuView| GpuView::new(slot.ptr, slot.len, operand);
-        // Its second half in bf16 (only taken when the operands are bf16).
-        let second = |slot: GpuView| part(op(slot), slot.len, slot.len);
         let heads = items * dims.heads;
         let state_len = heads * dims.head_dim * dims.state;
         let carry = next(state_len);
-        let copies = next(state_len);
-        let chunk_decay = next(heads);
-        let partials = next(2 * heads);
-        let steps = next(STEP_ARRAYS * n * lens.steps);
-        let x = next(n * lens.wide);
-        let dy = next(n * lens.wide);
-        let dy_e = next(n * lens.wide);
-        let x_w = next(n * lens.wide);
+        // The states' and the carries' bf16 copies, one a half.
+        let copies = op(next(state_len));
         let bf16 = operand == DType::Bf16;
         let mut parts = Parts {
             carry,
-            states_op: bf16.then(|| op(copies)),
-            carry_op: if bf16 { second(copies) } else { carry },
-            chunk_decay,
-            partials,
-            steps,
-            x,
-            dy,
-            x_op: if bf16 { second(x_w) } else { x },
-            dy_op: if bf16 { second(dy_e) } else { dy },
-            dy_e: op(dy_e),
-            x_w: op(x_w),
+            states_op: bf16.then_some(copies),
+            carry_op: if bf16 {
+                part(copies, state_len, state_len)
+            } else {
+                carry
+            },
+            chunk_decay: next(heads),
+            partials: next(2 * heads),
+            steps: next(STEP_ARRAYS * n * lens.steps),
+            x: op(next(n * lens.wide)),
+            dy: op(next(n * lens.wide)),
+            dy_e: op(next(n * lens.wide)),
+            x_w: op(next(n * lens.wide)),
             t_acc: next(n * lens.wide),
             u: next(n * lens.wide),
             b: op(next(n * lens.narrow)),
@@ -690,7 +679,7 @@ impl KernelSet {
                 0.0,
             ))?;
             self.chunk_scores(stream, parts, None, dims, count)?;
-            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
+            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x, parts.t_acc)?;
             s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states_op, parts.u)?;
             let ko = match (parts.quads, parts.bf16()) {
                 (true, true) => "ssd_chunk_output_quads_bf16",
@@ -701,7 +690,7 @@ impl KernelSet {
             let slice = SliceArgs::new(dims, i0, count);
             let narrow = slice.narrow();
             let mut b = stream.launch_builder(self.function(ko)?);
-            b.arg(&parts.x_op.ptr)
+            b.arg(&parts.x.ptr)
                 .arg(&parts.t_acc.ptr)
                 .arg(&parts.u.ptr)
                 .arg(&parts.steps.ptr)
@@ -756,26 +745,18 @@ impl KernelSet {
             (false, true) => "ssd_chunk_pack_bf16",
             (false, false) => "ssd_chunk_pack",
         };
-        // x and dY go to the f32 pair or to the bf16 one (the other null).
-        let [x_f32, dy_f32, x_copy, dy_copy] = if parts.bf16() {
-            [0, 0, parts.x_op.ptr, parts.dy_op.ptr]
-        } else {
-            [parts.x.ptr, parts.dy.ptr, 0, 0]
-        };
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&o.xbc.ptr)
             .arg(&tags.xbc)
             .arg(&dy_ptr)
             .arg(&tags.dy)
             .arg(&parts.steps.ptr);
-        b.arg(&x_f32)
-            .arg(&dy_f32)
+        b.arg(&parts.x.ptr)
+            .arg(&parts.dy.ptr)
             .arg(&parts.dy_e.ptr)
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
-            .arg(&parts.c.ptr)
-            .arg(&x_copy)
-            .arg(&dy_copy);
+            .arg(&parts.c.ptr);
         let rows = product(k, &[count, dims.groups, dims.chunk])?;
         if parts.quads {
             let narrow = slice.narrow();
@@ -887,9 +868,9 @@ impl KernelSet {
                 s.q,
                 s.q,
                 s.p,
-                wide(parts.dy_op, j),
+                wide(parts.dy, j),
                 false,
-                wide(parts.x_op, j),
+                wide(parts.x, j),
                 true,
                 d_m,
                 0.0,
@@ -899,7 +880,7 @@ impl KernelSet {
         let [count_u, heads, head_dim, groups, chunk] =
             [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
         // M^T dY, and C S_in^T (for the readout term of dLam) in u.
-        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy_op, parts.t_acc)?;
+        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy, parts.t_acc)?;
         let heads_of = (first, count, dims.heads);
         s.times_head_states(gemm, heads_of, c_mat, states_op, parts.u)?;
         let kr = if parts.bf16() {
@@ -918,7 +899,7 @@ impl KernelSet {
             .arg(&row_parts)
             .arg(&column_blocks)
             .arg(&parts.u.ptr)
-            .arg(&parts.dy_op.ptr)
+            .arg(&parts.dy.ptr)
             .arg(&parts.steps.ptr);
         b.arg(&count_u)
             .arg(&heads)
@@ -974,8 +955,8 @@ impl KernelSet {
         b.arg(&o.d.ptr).arg(&tags.skip);
         b.arg(&o.states.ptr)
             .arg(&parts.carry.ptr)
-            .arg(&parts.x_op.ptr)
-            .arg(&parts.dy_op.ptr)
+            .arg(&parts.x.ptr)
+            .arg(&parts.dy.ptr)
             .arg(&parts.t_acc.ptr)
             .arg(&parts.u.ptr)
             .arg(&parts.steps.ptr);
@@ -1307,7 +1288,7 @@ mod tests {
         };
         let j = 3;
         shape
-            .head_scores_times(&record, 2, (parts.m, false), parts.x_op, parts.t_acc)
+            .head_scores_times(&record, 2, (parts.m, false), parts.x, parts.t_acc)
             .unwrap();
         let first = 5;
         let states = parts.states_op.unwrap();
@@ -1323,7 +1304,7 @@ mod tests {
             (DType::Bf16, DType::Bf16, DType::F32)
         );
         assert_eq!(scores.a.ptr, parts.m.ptr + (2 * j * q * q) as u64);
-        assert_eq!(scores.b.ptr, parts.x_op.ptr + (2 * j * p) as u64);
+        assert_eq!(scores.b.ptr, parts.x.ptr + (2 * j * p) as u64);
         assert_eq!(scores.c.ptr, parts.t_acc.ptr + (4 * j * p) as u64);
         assert_eq!(
             (product.b.dtype, product.c.dtype),
