@@ -26,19 +26,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       --micro-batch-size 1 --micro-batches 4 --steps 13 --lr 1e-4 --weight-decay 0.1 \
       --clip-grad 0 --format json ${EXTRA:-} > "$log/$name-$round.jsonl" 2> "$log/$name-$round.err"
     rc=$?
-    python3 - "$name" "$round" "$rc" "$log/$name-$round.jsonl" <<'PY'
-import json, statistics, sys
-name, round_, rc, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-steps, loss, summary = [], None, {}
-for line in open(path):
-    try:
-        record = json.loads(line)
-    except ValueError:
-        continue
-    if "step_ms" in record and "step" in record:
-        steps.append(record["step_ms"])
-        loss = record.get("loss")
-    summary = record.get("summary", summary)
+    python3 - "$here" "$name" "$round" "$rc" "$log/$name-$round.jsonl" <<'PY'
+import statistics, sys
+sys.path.insert(0, sys.argv[1])
+from run_log import read
+name, round_, rc, path = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+steps, loss, summary = read(path)
 if rc != 0 or len(steps) < 4:
     print(f"{name:20s} round {round_}: failed (exit {rc}, {len(steps)} steps)")
 else:

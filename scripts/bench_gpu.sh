@@ -65,18 +65,12 @@ row() {
   local rc=$?
   kill "$sampler" 2>/dev/null
   wait "$sampler" 2>/dev/null
-  python3 - "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" >> "$out/rows.jsonl" <<'PY'
+  python3 - "$here" "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" >> "$out/rows.jsonl" <<'PY'
 import json, statistics, sys
-name, ranks, rc, log, peak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-steps, summary = [], {}
-for line in open(log):
-    try:
-        record = json.loads(line)
-    except ValueError:
-        continue
-    if "step_ms" in record and "step" in record:
-        steps.append(record["step_ms"])
-    summary = record.get("summary", summary)
+sys.path.insert(0, sys.argv[1])
+from run_log import read
+name, ranks, rc, log, peak = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+steps, _, summary = read(log)
 used = [float(v) for v in open(peak).read().split() if v.strip()]
 row = {"row": name, "ranks": ranks}
 # The run's own model FLOPs a token and tokens a GPU step (other models

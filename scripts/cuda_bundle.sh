@@ -46,7 +46,7 @@ cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
 cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh \
-  scripts/timeline_gaps.py "$bundle/"
+  scripts/run_log.py scripts/timeline_gaps.py "$bundle/"
 
 # The CUPTI timeline library (`run.sh LOGDIR timeline`), compiled here
 # against the headers of NVIDIA's CUPTI and CRT wheels (fetched once into
