@@ -18,8 +18,11 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 [ $# -ge 1 ] || { echo "usage: ab_gpu.sh BINARY... (names in the bundle)" >&2; exit 2; }
-. "$here/env.sh"
 log=$(mktemp -d)
+# env.sh keeps the kernel cache under $out: one cache for every run, so only
+# the first run of each build compiles.
+out=$log
+. "$here/env.sh"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for name in "$@"; do
     "$here/$name" train --device cuda --ranks 1 --ep 1 --preset bench-hybrid-moe \

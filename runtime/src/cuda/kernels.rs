@@ -193,15 +193,11 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_chunk_scores_sums",
             "ssd_chunk_scores_sums_bf16",
             "ssd_chunk_sums",
-            "ssd_chunk_sums_bf16",
             "ssd_chunk_final",
-            "ssd_chunk_final_bf16",
             "ssd_chunk_unpack",
             "ssd_scan_state_combine",
             "ssd_chunk_output",
-            "ssd_chunk_output_bf16",
-            "ssd_chunk_output_quads",
-            "ssd_chunk_output_quads_bf16"
+            "ssd_chunk_output_quads"
         ]
     ),
 ];

@@ -65,32 +65,6 @@ __device__ __forceinline__ void put(bf16* p, u64 i, float v) {
     p[i] = __float2bfloat16_rn(v);
 }
 
-// Element i of an operand array, as f32.
-__device__ __forceinline__ float get(const float* p, u64 i) {
-    return p[i];
-}
-__device__ __forceinline__ float get(const bf16* p, u64 i) {
-    return __bfloat162float(p[i]);
-}
-
-// Quad k (elements 4k..4k+3) of an operand array, as f32.
-__device__ __forceinline__ void get4(const float* p, u32 k, float (&v)[4]) {
-    const float4 f = reinterpret_cast<const float4*>(p)[k];
-    v[0] = f.x;
-    v[1] = f.y;
-    v[2] = f.z;
-    v[3] = f.w;
-}
-__device__ __forceinline__ void get4(const bf16* p, u32 k, float (&v)[4]) {
-    const uint2 packed = reinterpret_cast<const uint2*>(p)[k];
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed.y));
-    v[0] = lo.x;
-    v[1] = lo.y;
-    v[2] = hi.x;
-    v[3] = hi.y;
-}
-
 // Quad k (elements 4k..4k+3) of an operand array: one 16-byte store in
 // f32, one 8-byte store in bf16.
 __device__ __forceinline__ void put4(float* p, u32 k, const float (&v)[4]) {
@@ -219,16 +193,17 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_factors(
     }
 }
 
-// The slice's operands, zero past the sequence's end, as the GEMMs'
-// operands (`T`): x, dY, w x, e^Lam dY, B and C. The per-step kernels read
-// x and dY from the same arrays (bf16 holds them exactly: they are bf16
-// inputs). Wide arrays are `[item, G, Q, J * P]`, B and C `[item, G, Q, N]`; the
+// The slice's operands, zero past the sequence's end: x and dY in f32
+// (`x_p`, `dy_p`; the per-step kernels read them), and as the GEMMs'
+// operands (`T`): w x, e^Lam dY, B and C, and x and dY again (`x_o`, `dy_o`;
+// null where `T` is f32, whose operands are `x_p` and `dy_p` themselves).
+// Wide arrays are `[item, G, Q, J * P]`, B and C `[item, G, Q, N]`; the
 // forward passes no dy, and gets no dY or e^Lam dY.
 template <typename T>
 __device__ __forceinline__ void chunk_pack(
-    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, T* x_p,
-    T* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, u64 first_item, u64 items, u64 seq, u64 heads,
-    u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
+    float* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,
+    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     // One block per (item, group, step) row, its threads over the row's
     // columns: the row's place is decoded once, not per element (64-bit
     // divisions per element held this kernel at a quarter of the memory's
@@ -250,11 +225,17 @@ __device__ __forceinline__ void chunk_pack(
                     g_y = load(dy, dy_dtype, at.row * s.d_inner() + at.column + e);
                 }
             }
-            put(x_p, k, x);
+            x_p[k] = x;
             put(x_w, k, x * v.w[step]);
+            if (x_o != nullptr) {
+                put(x_o, k, x);
+            }
             if (dy != nullptr) {
-                put(dy_p, k, g_y);
+                dy_p[k] = g_y;
                 put(dy_e, k, g_y * v.elam[step]);
+                if (dy_o != nullptr) {
+                    put(dy_o, k, g_y);
+                }
             }
         }
         const NarrowAt nat = narrow_at(s, r * state, first_item);
@@ -268,11 +249,12 @@ __device__ __forceinline__ void chunk_pack(
 
 #define CHUNK_PACK(NAME, T)                                                                         \
     extern "C" __global__ void NAME(const void* xbc, int xbc_dtype, const void* dy, int dy_dtype,   \
-                                    const float* values, T* x_p, T* dy_p, T* dy_e, T* x_w, T* b_p,  \
-                                    T* c_p, u64 first_item, u64 items, u64 seq, u64 heads,          \
-                                    u64 head_dim, u64 groups, u64 state, u64 chunk) {                \
-        chunk_pack<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p,         \
-                      first_item, items, seq, heads, head_dim, groups, state, chunk);               \
+                                    const float* values, float* x_p, float* dy_p, T* dy_e, T* x_w, \
+                                    T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,     \
+                                    u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state,        \
+                                    u64 chunk) {                                                     \
+        chunk_pack<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p, x_o,   \
+                      dy_o, first_item, items, seq, heads, head_dim, groups, state, chunk);         \
     }
 CHUNK_PACK(ssd_chunk_pack, float)
 CHUNK_PACK(ssd_chunk_pack_bf16, bf16)
@@ -317,9 +299,9 @@ __device__ __forceinline__ QuadAt quad_at(
 // narrow ones.
 template <typename T>
 __device__ __forceinline__ void chunk_pack_quads(
-    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, T* x_p,
-    T* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, u32 first_item, u32 items, u32 seq, u32 heads,
-    u32 head_dim, u32 groups, u32 state, u32 chunk) {
+    const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float4* x_p,
+    float4* dy_p, T* dy_e, T* x_w, T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,
+    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u32 chunks = (seq + chunk - 1) / chunk;
     const u32 jp = heads / groups * head_dim;
@@ -345,14 +327,20 @@ __device__ __forceinline__ void chunk_pack_quads(
                 }
             }
             const float w = v.w[step];
-            put4(x_p, k, x);
+            x_p[k] = make_float4(x[0], x[1], x[2], x[3]);
             const float xw[4] = {x[0] * w, x[1] * w, x[2] * w, x[3] * w};
             put4(x_w, k, xw);
+            if (x_o != nullptr) {
+                put4(x_o, k, x);
+            }
             if (dy != nullptr) {
                 const float el = v.elam[step];
-                put4(dy_p, k, g_y);
+                dy_p[k] = make_float4(g_y[0], g_y[1], g_y[2], g_y[3]);
                 const float ye[4] = {g_y[0] * el, g_y[1] * el, g_y[2] * el, g_y[3] * el};
                 put4(dy_e, k, ye);
+                if (dy_o != nullptr) {
+                    put4(dy_o, k, g_y);
+                }
             }
         } else {
             const u32 kn = k - wide;
@@ -374,11 +362,13 @@ __device__ __forceinline__ void chunk_pack_quads(
 
 #define CHUNK_PACK_QUADS(NAME, T)                                                                    \
     extern "C" __global__ void NAME(const void* xbc, int xbc_dtype, const void* dy, int dy_dtype,    \
-                                    const float* values, T* x_p, T* dy_p, T* dy_e, T* x_w, T* b_p,   \
-                                    T* c_p, u32 first_item, u32 items, u32 seq, u32 heads,           \
-                                    u32 head_dim, u32 groups, u32 state, u32 chunk) {                 \
+                                    const float* values, float4* x_p, float4* dy_p, T* dy_e, T* x_w, \
+                                    T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,      \
+                                    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state,         \
+                                    u32 chunk) {                                                      \
         chunk_pack_quads<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p,   \
-                            first_item, items, seq, heads, head_dim, groups, state, chunk);          \
+                            x_o, dy_o, first_item, items, seq, heads, head_dim, groups, state,       \
+                            chunk);                                                                  \
     }
 CHUNK_PACK_QUADS(ssd_chunk_pack_quads, float)
 CHUNK_PACK_QUADS(ssd_chunk_pack_quads_bf16, bf16)
@@ -616,11 +606,9 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // `row_parts` (from `ssd_chunk_scores_sums`, `e` then unused) the row
 // sums are its `column_blocks` partials added in order, and the column
 // sums are already in place.
-// dY is `T`, the operands' dtype (`ssd_chunk_pack`).
-template <typename T>
-__device__ __forceinline__ void chunk_sums(
-    const float* e, const float* row_parts, u64 column_blocks, const float* y_off, const T* dy_p,
-    float* values, u64 items, u64 heads, u64 head_dim, u64 groups, u64 chunk) {
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
+    const float* e, const float* row_parts, u64 column_blocks, const float* y_off,
+    const float* dy_p, float* values, u64 items, u64 heads, u64 head_dim, u64 groups, u64 chunk) {
     const StepValues v = step_values(values, items, heads, chunk);
     const int lane = threadIdx.x & 31;
     const u64 warp = threadIdx.x >> 5;
@@ -647,7 +635,7 @@ __device__ __forceinline__ void chunk_sums(
         float dot = 0.0f;
         const u64 at = (ig * chunk + t) * jp + j * head_dim;
         for (u64 p = lane; p < head_dim; p += 32) {
-            dot += get(dy_p, at + p) * y_off[at + p];
+            dot += dy_p[at + p] * y_off[at + p];
         }
         dot = warp_sum(dot);
         if (lane == 0) {
@@ -667,28 +655,15 @@ __device__ __forceinline__ void chunk_sums(
     }
 }
 
-#define CHUNK_SUMS(NAME, T)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256)                                                 \
-        NAME(const float* e, const float* row_parts, u64 column_blocks, const float* y_off,         \
-             const T* dy_p, float* values, u64 items, u64 heads, u64 head_dim, u64 groups,           \
-             u64 chunk) {                                                                            \
-        chunk_sums<T>(e, row_parts, column_blocks, y_off, dy_p, values, items, heads, head_dim,      \
-                      groups, chunk);                                                                \
-    }
-CHUNK_SUMS(ssd_chunk_sums, float)
-CHUNK_SUMS(ssd_chunk_sums_bf16, bf16)
-
 // One block per (item, head): dx (into `dxbc`'s x columns) and d dt of the
 // chunk's steps, and the chunk's A_log and D gradient partials
 // (`partials`, `[batch, H, chunks, 2]`). `t_acc` holds M^T dY and `u` B
 // K^T (both `[item, G, Q, J * P]`); `carry` is K (`[batch * chunks, H, P,
 // N]`) and `states` S_in (the same layout).
-// x and dY are `T`, the operands' dtype (`ssd_chunk_pack`).
-template <typename T>
-__device__ __forceinline__ void chunk_final(
+extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
     const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
     int a_dtype, const void* d_skip, int d_dtype, const float* states, const float* carry,
-    const T* x_p, const T* dy_p, const float* t_acc, const float* u, const float* values,
+    const float* x_p, const float* dy_p, const float* t_acc, const float* u, const float* values,
     void* dxbc, int dxbc_dtype, void* ddt, int ddt_dtype, float* partials, u64 first_item,
     u64 items, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     __shared__ float d_lam[CHUNKED_MAX_CHUNK];
@@ -739,8 +714,8 @@ __device__ __forceinline__ void chunk_final(
         const float w = v.w[steps + t];
         float xu = 0.0f;
         for (u64 p = lane; p < head_dim; p += 32) {
-            const float x = get(x_p, at + p);
-            const float g_y = get(dy_p, at + p);
+            const float x = x_p[at + p];
+            const float g_y = dy_p[at + p];
             xu += x * u[at + p];
             skip_part += g_y * x;
             if (t_abs < seq) {
@@ -787,20 +762,6 @@ __device__ __forceinline__ void chunk_final(
         partials[slot + 1] = skip_total;
     }
 }
-
-#define CHUNK_FINAL(NAME, T)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256)                                                 \
-        NAME(const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,\
-             int a_dtype, const void* d_skip, int d_dtype, const float* states, const float* carry,  \
-             const T* x_p, const T* dy_p, const float* t_acc, const float* u, const float* values,   \
-             void* dxbc, int dxbc_dtype, void* ddt, int ddt_dtype, float* partials, u64 first_item,  \
-             u64 items, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {        \
-        chunk_final<T>(dt_raw, dt_dtype, dt_bias, bias_dtype, a_log, a_dtype, d_skip, d_dtype,       \
-                       states, carry, x_p, dy_p, t_acc, u, values, dxbc, dxbc_dtype, ddt, ddt_dtype, \
-                       partials, first_item, items, seq, heads, head_dim, groups, state, chunk);     \
-    }
-CHUNK_FINAL(ssd_chunk_final, float)
-CHUNK_FINAL(ssd_chunk_final_bf16, bf16)
 
 // dB and dC of the slice's real steps into `dxbc`'s B and C columns.
 extern "C" __global__ void ssd_chunk_unpack(
@@ -862,11 +823,9 @@ extern "C" __global__ void ssd_scan_state_combine(
 }
 
 // y = M X + e^Lam (C S_in^T) + D x of the slice's real steps, from M X in
-// `t_acc` and C S_in^T in `y_off` (both `[item, G, Q, J * P]`); x is `T`,
-// the operands' dtype (`ssd_chunk_pack`).
-template <typename T>
-__device__ __forceinline__ void chunk_output(
-    const T* x_p, const float* t_acc, const float* y_off, const float* values,
+// `t_acc` and C S_in^T in `y_off` (both `[item, G, Q, J * P]`).
+extern "C" __global__ void ssd_chunk_output(
+    const float* x_p, const float* t_acc, const float* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u64 first_item, u64 items, u64 seq,
     u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
@@ -876,26 +835,14 @@ __device__ __forceinline__ void chunk_output(
         const WideAt at = wide_at(s, k, first_item);
         if (at.real) {
             store(y, y_dtype, at.row * s.d_inner() + at.column,
-                  t_acc[k] + v.elam[at.step] * y_off[k] + load(d_skip, d_dtype, at.head) * get(x_p, k));
+                  t_acc[k] + v.elam[at.step] * y_off[k] + load(d_skip, d_dtype, at.head) * x_p[k]);
         }
     }
 }
 
-#define CHUNK_OUTPUT(NAME, T)                                                                        \
-    extern "C" __global__ void NAME(const T* x_p, const float* t_acc, const float* y_off,            \
-                                    const float* values, const void* d_skip, int d_dtype, void* y,  \
-                                    int y_dtype, u64 first_item, u64 items, u64 seq, u64 heads,     \
-                                    u64 head_dim, u64 groups, u64 state, u64 chunk) {                \
-        chunk_output<T>(x_p, t_acc, y_off, values, d_skip, d_dtype, y, y_dtype, first_item, items,  \
-                        seq, heads, head_dim, groups, state, chunk);                                 \
-    }
-CHUNK_OUTPUT(ssd_chunk_output, float)
-CHUNK_OUTPUT(ssd_chunk_output_bf16, bf16)
-
 // `ssd_chunk_output` a quad a thread.
-template <typename T>
-__device__ __forceinline__ void chunk_output_quads(
-    const T* x_p, const float4* t_acc, const float4* y_off, const float* values,
+extern "C" __global__ void ssd_chunk_output_quads(
+    const float4* x_p, const float4* t_acc, const float4* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u32 first_item, u32 items, u32 seq,
     u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
@@ -911,10 +858,9 @@ __device__ __forceinline__ void chunk_output_quads(
         const u32 head = q.g * (heads / groups) + q.column / head_dim;
         const float el = v.elam[(q.i * heads + head) * chunk + q.t];
         const float skip = load(d_skip, d_dtype, head);
-        const float4 a4 = t_acc[k], o4 = y_off[k];
+        const float4 a4 = t_acc[k], o4 = y_off[k], x4 = x_p[k];
         const float a[4] = {a4.x, a4.y, a4.z, a4.w}, o[4] = {o4.x, o4.y, o4.z, o4.w};
-        float x[4];
-        get4(x_p, k, x);
+        const float x[4] = {x4.x, x4.y, x4.z, x4.w};
         const u64 at = q.source_row * d_inner + static_cast<u64>(q.g) * jp + q.column;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -922,14 +868,3 @@ __device__ __forceinline__ void chunk_output_quads(
         }
     }
 }
-
-#define CHUNK_OUTPUT_QUADS(NAME, T)                                                                  \
-    extern "C" __global__ void NAME(const T* x_p, const float4* t_acc, const float4* y_off,          \
-                                    const float* values, const void* d_skip, int d_dtype, void* y,  \
-                                    int y_dtype, u32 first_item, u32 items, u32 seq, u32 heads,     \
-                                    u32 head_dim, u32 groups, u32 state, u32 chunk) {                \
-        chunk_output_quads<T>(x_p, t_acc, y_off, values, d_skip, d_dtype, y, y_dtype, first_item,   \
-                              items, seq, heads, head_dim, groups, state, chunk);                    \
-    }
-CHUNK_OUTPUT_QUADS(ssd_chunk_output_quads, float)
-CHUNK_OUTPUT_QUADS(ssd_chunk_output_quads_bf16, bf16)

@@ -191,11 +191,11 @@ fn part(view: GpuView, offset: usize, len: usize) -> GpuView {
 }
 
 /// The scratch cut into its parts (see [`ItemLens`] and
-/// [`ScanChunkPlan::global_len`]). The GEMMs' operands (`x`, `dy`, `dy_e`,
-/// `x_w`, `b`, `c`, `m`, `d_cb` and the `_op` views) are in the call's
-/// operand dtype, and the per-step kernels read x and dY in it too (bf16
-/// holds them exactly); the rest is f32. A bf16 operand takes the first
-/// half of its f32 slot.
+/// [`ScanChunkPlan::global_len`]). The GEMMs' operands (`dy_e`, `x_w`,
+/// `b`, `c`, `m`, `d_cb` and the `_op` views) are in the call's operand
+/// dtype; the rest is f32. A bf16 operand takes the first half of its f32
+/// slot, and x's and dY's bf16 copies the second halves of `x_w`'s and
+/// `dy_e`'s; in f32 they are x and dY themselves.
 struct Parts {
     carry: GpuView,
     /// The states' operand copy (bf16), `None` when the operands are f32
@@ -208,6 +208,8 @@ struct Parts {
     steps: GpuView,
     x: GpuView,
     dy: GpuView,
+    x_op: GpuView,
+    dy_op: GpuView,
     dy_e: GpuView,
     x_w: GpuView,
     t_acc: GpuView,
@@ -236,7 +238,7 @@ impl Parts {
     }
 
     /// Every part, for checks that hold for all of them.
-    fn all(&self) -> [GpuView; 21] {
+    fn all(&self) -> [GpuView; 23] {
         [
             self.carry,
             self.states_op.unwrap_or(self.carry),
@@ -246,6 +248,8 @@ impl Parts {
             self.steps,
             self.x,
             self.dy,
+            self.x_op,
+            self.dy_op,
             self.dy_e,
             self.x_w,
             self.t_acc,
@@ -279,27 +283,33 @@ impl Parts {
         };
         // An f32 slot as an operand array: itself, or its first half in bf16.
         let op = |slot: GpuView| GpuView::new(slot.ptr, slot.len, operand);
+        // Its second half in bf16 (only taken when the operands are bf16).
+        let second = |slot: GpuView| part(op(slot), slot.len, slot.len);
         let heads = items * dims.heads;
         let state_len = heads * dims.head_dim * dims.state;
         let carry = next(state_len);
-        // The states' and the carries' bf16 copies, one a half.
-        let copies = op(next(state_len));
+        let copies = next(state_len);
+        let chunk_decay = next(heads);
+        let partials = next(2 * heads);
+        let steps = next(STEP_ARRAYS * n * lens.steps);
+        let x = next(n * lens.wide);
+        let dy = next(n * lens.wide);
+        let dy_e = next(n * lens.wide);
+        let x_w = next(n * lens.wide);
         let bf16 = operand == DType::Bf16;
         let mut parts = Parts {
             carry,
-            states_op: bf16.then_some(copies),
-            carry_op: if bf16 {
-                part(copies, state_len, state_len)
-            } else {
-                carry
-            },
-            chunk_decay: next(heads),
-            partials: next(2 * heads),
-            steps: next(STEP_ARRAYS * n * lens.steps),
-            x: op(next(n * lens.wide)),
-            dy: op(next(n * lens.wide)),
-            dy_e: op(next(n * lens.wide)),
-            x_w: op(next(n * lens.wide)),
+            states_op: bf16.then(|| op(copies)),
+            carry_op: if bf16 { second(copies) } else { carry },
+            chunk_decay,
+            partials,
+            steps,
+            x,
+            dy,
+            x_op: if bf16 { second(x_w) } else { x },
+            dy_op: if bf16 { second(dy_e) } else { dy },
+            dy_e: op(dy_e),
+            x_w: op(x_w),
             t_acc: next(n * lens.wide),
             u: next(n * lens.wide),
             b: op(next(n * lens.narrow)),
@@ -679,13 +689,12 @@ impl KernelSet {
                 0.0,
             ))?;
             self.chunk_scores(stream, parts, None, dims, count)?;
-            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x, parts.t_acc)?;
+            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
             s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states_op, parts.u)?;
-            let ko = match (parts.quads, parts.bf16()) {
-                (true, true) => "ssd_chunk_output_quads_bf16",
-                (true, false) => "ssd_chunk_output_quads",
-                (false, true) => "ssd_chunk_output_bf16",
-                (false, false) => "ssd_chunk_output",
+            let ko = if parts.quads {
+                "ssd_chunk_output_quads"
+            } else {
+                "ssd_chunk_output"
             };
             let slice = SliceArgs::new(dims, i0, count);
             let narrow = slice.narrow();
@@ -745,6 +754,12 @@ impl KernelSet {
             (false, true) => "ssd_chunk_pack_bf16",
             (false, false) => "ssd_chunk_pack",
         };
+        // x's and dY's bf16 operand copies (none when the operands are f32).
+        let (x_copy, dy_copy) = if parts.bf16() {
+            (parts.x_op.ptr, parts.dy_op.ptr)
+        } else {
+            (0, 0)
+        };
         let mut b = stream.launch_builder(self.function(kp)?);
         b.arg(&o.xbc.ptr)
             .arg(&tags.xbc)
@@ -756,7 +771,9 @@ impl KernelSet {
             .arg(&parts.dy_e.ptr)
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
-            .arg(&parts.c.ptr);
+            .arg(&parts.c.ptr)
+            .arg(&x_copy)
+            .arg(&dy_copy);
         let rows = product(k, &[count, dims.groups, dims.chunk])?;
         if parts.quads {
             let narrow = slice.narrow();
@@ -868,9 +885,9 @@ impl KernelSet {
                 s.q,
                 s.q,
                 s.p,
-                wide(parts.dy, j),
+                wide(parts.dy_op, j),
                 false,
-                wide(parts.x, j),
+                wide(parts.x_op, j),
                 true,
                 d_m,
                 0.0,
@@ -880,14 +897,10 @@ impl KernelSet {
         let [count_u, heads, head_dim, groups, chunk] =
             [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
         // M^T dY, and C S_in^T (for the readout term of dLam) in u.
-        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy, parts.t_acc)?;
+        s.head_scores_times(gemm, pair_count, (parts.m, true), parts.dy_op, parts.t_acc)?;
         let heads_of = (first, count, dims.heads);
         s.times_head_states(gemm, heads_of, c_mat, states_op, parts.u)?;
-        let kr = if parts.bf16() {
-            "ssd_chunk_sums_bf16"
-        } else {
-            "ssd_chunk_sums"
-        };
+        let kr = "ssd_chunk_sums";
         // The row sums' partials when `chunk_scores` took the sums.
         let (row_parts, column_blocks) = if parts.fused_sums {
             (parts.row_parts.ptr, (dims.chunk / SUMS_COLUMNS) as u64)
@@ -945,11 +958,7 @@ impl KernelSet {
         run(s.q, s.n, s.q, d_cb, false, b_mat, false, d_c, 1.0)?;
 
         let slice = SliceArgs::new(dims, first, count);
-        let kf = if parts.bf16() {
-            "ssd_chunk_final_bf16"
-        } else {
-            "ssd_chunk_final"
-        };
+        let kf = "ssd_chunk_final";
         let mut b = stream.launch_builder(self.function(kf)?);
         push_step_inputs(&mut b, o, tags);
         b.arg(&o.d.ptr).arg(&tags.skip);
@@ -1288,7 +1297,7 @@ mod tests {
         };
         let j = 3;
         shape
-            .head_scores_times(&record, 2, (parts.m, false), parts.x, parts.t_acc)
+            .head_scores_times(&record, 2, (parts.m, false), parts.x_op, parts.t_acc)
             .unwrap();
         let first = 5;
         let states = parts.states_op.unwrap();
@@ -1304,7 +1313,7 @@ mod tests {
             (DType::Bf16, DType::Bf16, DType::F32)
         );
         assert_eq!(scores.a.ptr, parts.m.ptr + (2 * j * q * q) as u64);
-        assert_eq!(scores.b.ptr, parts.x.ptr + (2 * j * p) as u64);
+        assert_eq!(scores.b.ptr, parts.x_op.ptr + (2 * j * p) as u64);
         assert_eq!(scores.c.ptr, parts.t_acc.ptr + (4 * j * p) as u64);
         assert_eq!(
             (product.b.dtype, product.c.dtype),
