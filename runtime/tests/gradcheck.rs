@@ -1117,8 +1117,7 @@ fn kept_logit_gradients_are_the_recomputed_ones_bit_for_bit() {
     let (dh, dw) = (up(&vec![0.0; h.len()]), up(&vec![0.0; w.len()]));
     let err = head
         .backward(dev(), v(&wb), saved, v(&tb), 0.25, vm(&dh), vm(&dw))
-        .err()
-        .expect("another loss scale")
+        .expect_err("another loss scale")
         .to_string();
     assert!(err.contains("0.3") && err.contains("0.25"), "{err}");
 }

@@ -142,6 +142,9 @@ pub const SOURCES: &[KernelSource] = &[
             "flash_forward_d128",
             "flash_backward_dq_d128",
             "flash_backward_dkdv_d128",
+            "flash_forward_wgmma_d128",
+            "flash_backward_dq_wgmma_d128",
+            "flash_backward_dkdv_wgmma_d128",
             "flash_group_sum"
         ]
     ),

@@ -434,14 +434,14 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
     }
 }
 
-// D_t = dout_t . out_t of the block's QUERY_ROWS query rows (a warp per
+// D_t = dout_t . out_t of the block's ROWS query rows (THREADS threads; a warp per
 // row, lanes strided over the channels, then the warp butterfly) into
 // `delta_tile` and, for rows in the sequence, `delta`.
-template <int D>
+template <int D, int THREADS, int ROWS>
 __device__ __forceinline__ void row_deltas(const bf16* out, const bf16* dout, float* delta, float* delta_tile,
                                            u64 row0, u32 t0, u32 seq, u32 heads, u32 h) {
     const u32 lane = threadIdx.x & 31;
-    for (u32 r = threadIdx.x >> 5; r < QUERY_ROWS; r += FLASH_THREADS / 32) {
+    for (u32 r = threadIdx.x >> 5; r < ROWS; r += THREADS / 32) {
         const u32 t = t0 + r;
         float d = 0.0f;
         if (t < seq) {
@@ -482,7 +482,7 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
     stage_rows<D, QUERY_ROWS>(dos, dout + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
     stage_keys<D, DQ_KEYS>(ks, vs, 0, k, v, row0, 0, seq, kv_heads, g);
     commit_async();
-    row_deltas<D>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
+    row_deltas<D, FLASH_THREADS, QUERY_ROWS>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
     __syncthreads();
     // This thread's rows r0 + 8i: D_t, and lse in base 2 (rows past the
     // sequence have zero q and dout; their lse is taken as 0).
@@ -664,6 +664,609 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
         *reinterpret_cast<u32*>(dk + rg * dim + c) = pack_bf16(k0, k1);
         *reinterpret_cast<u32*>(dv + rg * dim + c) = pack_bf16(v0, v1);
     }
+}
+
+// ---- Hopper: the same three kernels on warpgroup MMAs (sm_90a) -------------
+// For D = 128 on sm_90a the launchers take these instead: `wgmma` runs a
+// 64 x N x 16 product on a warpgroup (four warps) asynchronously, reading
+// its B operand (and A, where A is a staged tile) straight from shared
+// memory, so no `ldmatrix` traffic goes through registers (which bound the
+// kernels above). A block is two warpgroups; each owns 64 rows of the
+// block's tile. Softmax and its gradient are the kernels' above, in
+// registers: a warpgroup's accumulator gives each warp 16 rows in the
+// mma.sync layout, so P and dS feed the next product as register A
+// operands after a round to bf16, as before, and every sum keeps one order.
+//
+// Staged tiles use the "core matrix" layout without swizzling: 8 rows of 16
+// bytes (8 bf16) make one 128-byte core matrix, core matrices run along a
+// row's columns first, then down 8-row groups. A tile of COLS columns puts
+// element (r, c) at byte ((r / 8) * (COLS / 8) + c / 8) * 128 + (r % 8) * 16
+// + (c % 8) * 2, so 16-byte chunk i of the tile is chunk (i % 8, i / 8 % (COLS
+// / 8)) of 8-row group i / (8 * COLS / 8), and the staging loop writes the
+// tile in order. A descriptor's leading offset is the step between core
+// matrices along K, its stride offset the step along M or N. Read as a
+// K-major operand (K along the columns: q, k, v and dout in S = Q K^T,
+// dP = dO V^T and their transposes) the leading offset is 128 bytes and the
+// stride offset COLS * 16; read as an MN-major B (K along the rows: v in
+// O = P V, k in dQ = dS K, q and dout in dK and dV) they trade places. One
+// staged tile serves both.
+#define WG_THREADS 256
+// The forward's and dq's query tile (64 rows a warpgroup), the key tiles
+// they walk, the dk/dv key tile (64 keys a warpgroup) and its query tile.
+#define WG_QUERY_ROWS 128
+#define WG_FWD_KEYS 128
+#define WG_DQ_KEYS 64
+#define WG_DKDV_KEYS 128
+#define WG_DKDV_QUERIES 32
+#define WG_D 128
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// A shared-memory matrix descriptor without swizzling: start address,
+// leading and stride byte offsets (each in units of 16 bytes).
+__device__ __forceinline__ u64 core_desc(u32 address, u32 leading, u32 stride) {
+    return static_cast<u64>((address & 0x3ffff) >> 4) | (static_cast<u64>(leading >> 4) << 16) |
+           (static_cast<u64>(stride >> 4) << 32);
+}
+
+// A staged tile of COLS columns as a K-major operand (K-step `kk`: columns
+// 16 kk .. 16 kk + 15, rows from `row0`, a multiple of 8), and as an
+// MN-major B (K-step `kk`: rows 16 kk .. 16 kk + 15): see the layout above.
+template <int COLS>
+__device__ __forceinline__ u64 k_major(const bf16* tile, u32 row0, u32 kk) {
+    return core_desc(shared_address(tile) + (row0 / 8) * COLS * 16 + kk * 256, 128, COLS * 16);
+}
+template <int COLS>
+__device__ __forceinline__ u64 mn_major(const bf16* tile, u32 kk) {
+    return core_desc(shared_address(tile) + kk * 2 * COLS * 16, COLS * 16, 128);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Makes this thread's `cp.async` writes to shared memory visible to the
+// async proxy that `wgmma` reads it through (before the block's barrier).
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The products, one instance per width N the kernels use (the operand
+// lists are long, not clever).
+__device__ __forceinline__ void wgmma_ss(float (&d)[16], u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+
+// Stages ROWS rows of COLS channels (`stride` elements apart from `first`)
+// into `tile` in the core-matrix layout; rows from `valid` on are zeros.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void stage_core(bf16* tile, const bf16* first, u64 stride, u32 valid) {
+    constexpr u32 CHUNKS = ROWS * COLS / 8;
+    const u32 base = shared_address(tile);
+    for (u32 i = threadIdx.x; i < CHUNKS; i += WG_THREADS) {
+        const u32 r = (i / COLS) * 8 + (i & 7);
+        const u32 col = ((i >> 3) % (COLS / 8)) * 8;
+        const bool ok = r < valid;
+        copy16_async(base + i * 16, ok ? first + r * stride + col : first, ok);
+    }
+}
+
+// A warpgroup's view of its 64 rows: which warp of the group, the lane,
+// and this thread's accumulator rows `row` and `row + 8` (relative to the
+// group's first).
+struct GroupLane {
+    u32 group, lane, row;
+};
+__device__ __forceinline__ GroupLane group_lane() {
+    GroupLane at;
+    at.group = threadIdx.x / 128;
+    at.lane = threadIdx.x & 31;
+    at.row = ((threadIdx.x & 127) >> 5) * 16 + (at.lane >> 2);
+    return at;
+}
+
+// The register A operand of K-step `kk` from a 64 x N accumulator `w`:
+// columns 16 kk .. 16 kk + 15, rounded to bf16 (the mma.sync pairing).
+template <int R>
+__device__ __forceinline__ void a_operand(u32 (&a)[4], const float (&w)[R], int kk) {
+    a[0] = pack_bf16(w[8 * kk + 0], w[8 * kk + 1]);
+    a[1] = pack_bf16(w[8 * kk + 2], w[8 * kk + 3]);
+    a[2] = pack_bf16(w[8 * kk + 4], w[8 * kk + 5]);
+    a[3] = pack_bf16(w[8 * kk + 6], w[8 * kk + 7]);
+}
+
+// Writes a 64 x D accumulator times `factor` (bf16 or f32, T) in rows
+// `stride` elements apart from `first`: this thread's rows are `row` and
+// `row + 8` of rows from `r0`, skipped past `seq`.
+template <typename T>
+__device__ __forceinline__ void store_group_rows(T* first, u64 stride, const float (&acc)[WG_D / 2], u32 r0,
+                                                 u32 row, u32 seq, float factor) {
+    const u32 t = threadIdx.x & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const u32 r = r0 + row + half * 8;
+        if (r >= seq) {
+            continue;
+        }
+#pragma unroll
+        for (int n = 0; n < WG_D / 8; ++n) {
+            store_pair(first + r * stride + n * 8 + 2 * t, acc[4 * n + 2 * half] * factor,
+                       acc[4 * n + 2 * half + 1] * factor);
+        }
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        d[i] = 0.0f;
+    }
+}
+
+// The forward of `flash_forward` on warpgroups: a block per 128-row query
+// tile, key tiles of 128.
+__device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k, const bf16* v, bf16* out,
+                                                    float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
+                                                    float scale) {
+    constexpr u32 D = WG_D;
+    constexpr u32 KEY_ELEMS = WG_FWD_KEYS * D;
+    extern __shared__ __align__(128) unsigned char shared[];
+    bf16* qs = reinterpret_cast<bf16*>(shared);
+    bf16* ks = qs + WG_QUERY_ROWS * D;  // two buffers
+    bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
+    u32 tile, pair;
+    flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
+    const u32 h = pair % heads;
+    const u32 g = h / (heads / kv_heads);
+    const u32 t0 = tile * WG_QUERY_ROWS;
+    const u64 row0 = static_cast<u64>(pair / heads) * seq;
+    const u64 q_stride = static_cast<u64>(heads) * D;
+    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const auto [group, lane, row] = group_lane();
+    const u32 g0 = t0 + group * 64;  // the warpgroup's first row
+    const float c = scale * LOG2E;
+    const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + WG_FWD_KEYS - 1) / WG_FWD_KEYS;
+    auto stage_keys_at = [&](u32 j, u32 buf) {
+        const u32 u = j * WG_FWD_KEYS;
+        const u64 first = ((row0 + u) * kv_heads + g) * D;
+        stage_core<WG_FWD_KEYS, D>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
+        stage_core<WG_FWD_KEYS, D>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
+    };
+    stage_core<WG_QUERY_ROWS, D>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_keys_at(0, 0);
+    commit_async();
+
+    float acc[D / 2];
+    zero(acc);
+    float mx[2] = {neg_inf(), neg_inf()};
+    float sum[2] = {0.0f, 0.0f};
+    for (u32 j = 0; j < key_tiles; ++j) {
+        const u32 u0 = j * WG_FWD_KEYS;
+        const u32 buf = j & 1;
+        if (j + 1 < key_tiles) {
+            stage_keys_at(j + 1, buf ^ 1);
+        }
+        commit_async();
+        wait_async<1>();
+        fence_async_shared();
+        __syncthreads();
+        // A warpgroup whose rows all precede the tile has nothing to add.
+        if (u0 < g0 + 64) {
+            const bf16* kt = ks + buf * KEY_ELEMS;
+            const bf16* vt = vs + buf * KEY_ELEMS;
+            float s[WG_FWD_KEYS / 2];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wgmma_ss(s, k_major<D>(qs, group * 64, kk), k_major<D>(kt, 0, kk), kk);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            const bool masked = u0 + WG_FWD_KEYS > g0 || u0 + WG_FWD_KEYS > seq;
+            float x[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (int n = 0; n < WG_FWD_KEYS / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                    const u32 r = g0 + row + (e >> 1) * 8;
+                    float& sv = s[4 * n + e];
+                    sv = (!masked || (key <= r && key < seq)) ? sv * c : neg_inf();
+                    x[e >> 1] = fmaxf(x[e >> 1], sv);
+                }
+            }
+            float alpha[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                // Key 0 is in every row's first tile, so the max is finite
+                // from then on.
+                const float next = fmaxf(mx[i], quad_max(x[i]));
+                alpha[i] = exp2f(mx[i] - next);
+                mx[i] = next;
+                sum[i] *= alpha[i];
+            }
+#pragma unroll
+            for (int n = 0; n < WG_FWD_KEYS / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[4 * n + e] = exp2f(s[4 * n + e] - mx[e >> 1]);
+                    sum[e >> 1] += s[4 * n + e];
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                acc[4 * n + 0] *= alpha[0];
+                acc[4 * n + 1] *= alpha[0];
+                acc[4 * n + 2] *= alpha[1];
+                acc[4 * n + 3] *= alpha[1];
+            }
+            u32 p[WG_FWD_KEYS / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < WG_FWD_KEYS / 16; ++kk) {
+                a_operand(p[kk], s, kk);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < WG_FWD_KEYS / 16; ++kk) {
+                wgmma_rs(acc, p[kk], mn_major<D>(vt, kk));
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+        }
+        // Every warpgroup is done with this buffer before the next fetch
+        // into it.
+        __syncthreads();
+    }
+    const u32 t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float l = quad_sum(sum[i]);
+        const u32 r = g0 + row + i * 8;
+        if (r >= seq) {
+            continue;
+        }
+        const float inv = 1.0f / l;
+        bf16* dst = out + ((row0 + r) * heads + h) * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<u32*>(dst + n * 8 + 2 * t) =
+                pack_bf16(acc[4 * n + 2 * i] * inv, acc[4 * n + 2 * i + 1] * inv);
+        }
+        if (t == 0) {
+            lse[(row0 + r) * heads + h] = (mx[i] + log2f(l)) * LN2;
+        }
+    }
+}
+
+// dq of `flash_backward_dq` on warpgroups (and D_t into `delta`): a block
+// per 128-row query tile, key tiles of 64.
+__device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf16* k, const bf16* v,
+                                                        const bf16* out, const float* lse, const bf16* dout,
+                                                        bf16* dq, float* delta, u32 batch, u32 seq, u32 heads,
+                                                        u32 kv_heads, float scale) {
+    constexpr u32 D = WG_D;
+    constexpr u32 QUERY_ELEMS = WG_QUERY_ROWS * D;
+    constexpr u32 KEY_ELEMS = WG_DQ_KEYS * D;
+    extern __shared__ __align__(128) unsigned char shared[];
+    __shared__ float delta_tile[WG_QUERY_ROWS];
+    bf16* qs = reinterpret_cast<bf16*>(shared);
+    bf16* dos = qs + QUERY_ELEMS;
+    bf16* ks = dos + QUERY_ELEMS;  // two buffers
+    bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
+    u32 tile, pair;
+    flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
+    const u32 h = pair % heads;
+    const u32 g = h / (heads / kv_heads);
+    const u32 t0 = tile * WG_QUERY_ROWS;
+    const u64 row0 = static_cast<u64>(pair / heads) * seq;
+    const u64 q_stride = static_cast<u64>(heads) * D;
+    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const auto [group, lane, row] = group_lane();
+    const u32 g0 = t0 + group * 64;
+    const float c = scale * LOG2E;
+    const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + WG_DQ_KEYS - 1) / WG_DQ_KEYS;
+    auto stage_keys_at = [&](u32 j, u32 buf) {
+        const u32 u = j * WG_DQ_KEYS;
+        const u64 first = ((row0 + u) * kv_heads + g) * D;
+        stage_core<WG_DQ_KEYS, D>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
+        stage_core<WG_DQ_KEYS, D>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
+    };
+    const u64 first_query = ((row0 + t0) * heads + h) * D;
+    stage_core<WG_QUERY_ROWS, D>(qs, q + first_query, q_stride, seq - t0);
+    stage_core<WG_QUERY_ROWS, D>(dos, dout + first_query, q_stride, seq - t0);
+    stage_keys_at(0, 0);
+    commit_async();
+    row_deltas<D, WG_THREADS, WG_QUERY_ROWS>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
+    __syncthreads();
+    // This thread's rows g0 + row + 8i: D_t, and lse in base 2 (rows past
+    // the sequence have zero q and dout; their lse is taken as 0).
+    float dr[2], er[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 r = g0 + row + 8 * i;
+        dr[i] = delta_tile[r - t0];
+        er[i] = r < seq ? lse[(row0 + r) * heads + h] * LOG2E : 0.0f;
+    }
+
+    float acc[D / 2];
+    zero(acc);
+    for (u32 j = 0; j < key_tiles; ++j) {
+        const u32 u0 = j * WG_DQ_KEYS;
+        const u32 buf = j & 1;
+        if (j + 1 < key_tiles) {
+            stage_keys_at(j + 1, buf ^ 1);
+        }
+        commit_async();
+        wait_async<1>();
+        fence_async_shared();
+        __syncthreads();
+        if (u0 < g0 + 64) {
+            const bf16* kt = ks + buf * KEY_ELEMS;
+            const bf16* vt = vs + buf * KEY_ELEMS;
+            float s[WG_DQ_KEYS / 2];
+            float dp[WG_DQ_KEYS / 2];
+            zero(s);
+            zero(dp);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wgmma_ss(s, k_major<D>(qs, group * 64, kk), k_major<D>(kt, 0, kk), 1);
+            }
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wgmma_ss(dp, k_major<D>(dos, group * 64, kk), k_major<D>(vt, 0, kk), 1);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            const bool masked = u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq;
+#pragma unroll
+            for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = e >> 1;
+                    const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                    const u32 r = g0 + row + 8 * i;
+                    const bool live = !masked || (key <= r && key < seq);
+                    const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
+                    s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
+                }
+            }
+            u32 ds[WG_DQ_KEYS / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
+                a_operand(ds[kk], s, kk);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
+                wgmma_rs(acc, ds[kk], mn_major<D>(kt, kk));
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+        }
+        __syncthreads();
+    }
+    store_group_rows(dq + (row0 * heads + h) * D, q_stride, acc, g0, row, seq, scale);
+}
+
+// dk and dv of `flash_backward_dkdv` on warpgroups: a block per 128-key
+// tile of one query head, query tiles of 32; the same outputs (dk and dv,
+// or each query head's f32 share of them).
+__device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const bf16* k, const bf16* v,
+                                                          const float* lse, const bf16* dout, const float* delta,
+                                                          bf16* dk, bf16* dv, float* dk_part, float* dv_part,
+                                                          u32 batch, u32 seq, u32 heads, u32 kv_heads,
+                                                          float scale) {
+    constexpr u32 D = WG_D;
+    constexpr u32 KEY_ELEMS = WG_DKDV_KEYS * D;
+    constexpr u32 QUERY_ELEMS = WG_DKDV_QUERIES * D;
+    extern __shared__ __align__(128) unsigned char shared[];
+    bf16* ks = reinterpret_cast<bf16*>(shared);
+    bf16* vs = ks + KEY_ELEMS;
+    bf16* qs = vs + KEY_ELEMS;  // two buffers
+    bf16* dos = qs + 2 * QUERY_ELEMS;  // two buffers
+    float* lses = reinterpret_cast<float*>(dos + 2 * QUERY_ELEMS);  // two buffers
+    float* deltas = lses + 2 * WG_DKDV_QUERIES;  // two buffers
+    u32 tile, pair;
+    flash_block((seq + WG_DKDV_KEYS - 1) / WG_DKDV_KEYS, batch * heads, false, tile, pair);
+    const u32 h = pair % heads;
+    const u32 group_size = heads / kv_heads;
+    const u32 g = h / group_size;
+    const u32 k0 = tile * WG_DKDV_KEYS;
+    const u64 row0 = static_cast<u64>(pair / heads) * seq;
+    const u64 q_stride = static_cast<u64>(heads) * D;
+    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const auto [group, lane, row] = group_lane();
+    const u32 kg0 = k0 + group * 64;  // the warpgroup's first key
+    const float c = scale * LOG2E;
+    const u32 steps = (seq - k0 + WG_DKDV_QUERIES - 1) / WG_DKDV_QUERIES;
+
+    const u64 first_key = ((row0 + k0) * kv_heads + g) * D;
+    stage_core<WG_DKDV_KEYS, D>(ks, k + first_key, kv_stride, seq - k0);
+    stage_core<WG_DKDV_KEYS, D>(vs, v + first_key, kv_stride, seq - k0);
+    // Step i: queries from k0 + i * WG_DKDV_QUERIES.
+    auto stage_step = [&](u32 i, u32 buf) {
+        const u32 t0 = k0 + i * WG_DKDV_QUERIES;
+        const u64 first = (row0 + t0) * heads + h;
+        stage_core<WG_DKDV_QUERIES, D>(qs + buf * QUERY_ELEMS, q + first * D, q_stride, seq - t0);
+        stage_core<WG_DKDV_QUERIES, D>(dos + buf * QUERY_ELEMS, dout + first * D, q_stride, seq - t0);
+        stage_column<WG_DKDV_QUERIES>(lses + buf * WG_DKDV_QUERIES, lse + first, heads, seq - t0);
+        stage_column<WG_DKDV_QUERIES>(deltas + buf * WG_DKDV_QUERIES, delta + first, heads, seq - t0);
+    };
+    stage_step(0, 0);
+    commit_async();
+
+    float acc_k[D / 2];
+    float acc_v[D / 2];
+    zero(acc_k);
+    zero(acc_v);
+    for (u32 i = 0; i < steps; ++i) {
+        const u32 buf = i & 1;
+        if (i + 1 < steps) {
+            stage_step(i + 1, buf ^ 1);
+        }
+        commit_async();
+        wait_async<1>();
+        fence_async_shared();
+        __syncthreads();
+        const u32 t0 = k0 + i * WG_DKDV_QUERIES;
+        // A warpgroup whose keys all follow the step's queries has nothing
+        // to add.
+        if (t0 + WG_DKDV_QUERIES > kg0) {
+            const bf16* qt = qs + buf * QUERY_ELEMS;
+            const bf16* dot = dos + buf * QUERY_ELEMS;
+            const float* lt = lses + buf * WG_DKDV_QUERIES;
+            const float* dt = deltas + buf * WG_DKDV_QUERIES;
+            // Scores and their gradients transposed: rows are the group's
+            // keys.
+            float p[WG_DKDV_QUERIES / 2];
+            float dp[WG_DKDV_QUERIES / 2];
+            zero(p);
+            zero(dp);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wgmma_ss(p, k_major<D>(ks, group * 64, kk), k_major<D>(qt, 0, kk), 1);
+            }
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wgmma_ss(dp, k_major<D>(vs, group * 64, kk), k_major<D>(dot, 0, kk), 1);
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            const bool masked = t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq;
+#pragma unroll
+            for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
+                    const u32 query = t0 + col;
+                    const u32 key = kg0 + row + (e >> 1) * 8;
+                    const bool live = !masked || (key <= query && query < seq);
+                    float& pv = p[4 * n + e];
+                    pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
+                    dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
+                }
+            }
+            u32 pa[WG_DKDV_QUERIES / 16][4];
+            u32 da[WG_DKDV_QUERIES / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
+                a_operand(pa[kk], p, kk);
+                a_operand(da[kk], dp, kk);
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
+                wgmma_rs(acc_v, pa[kk], mn_major<D>(dot, kk));
+            }
+#pragma unroll
+            for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
+                wgmma_rs(acc_k, da[kk], mn_major<D>(qt, kk));
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+        }
+        __syncthreads();
+    }
+    if (group_size == 1) {
+        const u64 first = (row0 * kv_heads + g) * D;
+        store_group_rows(dk + first, kv_stride, acc_k, kg0, row, seq, scale);
+        store_group_rows(dv + first, kv_stride, acc_v, kg0, row, seq, 1.0f);
+    } else {
+        const u64 first = (row0 * heads + h) * D;
+        store_group_rows(dk_part + first, q_stride, acc_k, kg0, row, seq, scale);
+        store_group_rows(dv_part + first, q_stride, acc_v, kg0, row, seq, 1.0f);
+    }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Their entry points: present for every target (kernels.rs lists them),
+// empty where there are no warpgroup MMAs; the launchers take them on
+// sm_90a only.
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_forward_wgmma_d128(
+    const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
+    float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    flash_forward_wgmma(q, k, v, out, lse, batch, seq, heads, kv_heads, scale);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dq_wgmma_d128(
+    const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
+    float* delta, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    flash_backward_dq_wgmma(q, k, v, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dkdv_wgmma_d128(
+    const bf16* q, const bf16* k, const bf16* v, const float* lse, const bf16* dout, const float* delta, bf16* dk,
+    bf16* dv, float* dk_part, float* dv_part, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    flash_backward_dkdv_wgmma(q, k, v, lse, dout, delta, dk, dv, dk_part, dv_part, batch, seq, heads, kv_heads,
+                              scale);
+#endif
 }
 
 // The entry points, one instance per head dim (named first, as

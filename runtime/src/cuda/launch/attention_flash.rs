@@ -1,20 +1,24 @@
 //! Launchers of `kernels/attention_flash.cu`: causal attention on tensor
-//! cores (`mma.sync`, FlashAttention-2's tiling) for bf16 problems whose
-//! q/k and v head dims are one [`FLASH_HEAD_DIMS`] value. They replace the
-//! GEMM path there: no `[seq, seq]` scratch, and none of its row kernels
-//! (the softmax and its gradient over materialised scores were a tenth of
-//! the benchmark's step). Other problems keep the GEMM path or the tiled
-//! kernels of `attention.cu`.
+//! cores (FlashAttention-2's tiling) for bf16 problems whose q/k and v head
+//! dims are one [`FLASH_HEAD_DIMS`] value. They replace the GEMM path
+//! there: no `[seq, seq]` scratch, and none of its row kernels (the softmax
+//! and its gradient over materialised scores were a tenth of the
+//! benchmark's step). Other problems keep the GEMM path or the tiled
+//! kernels of `attention.cu`. On Hopper (`sm_90a`) head dim 128 runs on
+//! warpgroup MMAs (`wgmma`, two warpgroups a block); everywhere else, and
+//! for head dim 64, on `mma.sync` (four warps a block).
 //!
 //! Probabilities and score gradients round to bf16 before their second
 //! product, as in FlashAttention: results differ from the f32 reference by
 //! about one bf16 rounding (the kernel tests hold them to the bf16
-//! tolerance). The grids depend on the dimensions alone, and no floats are
-//! added with atomics, so the same inputs give the same bits.
+//! tolerance). The grids depend on the dimensions and the device's
+//! architecture alone, and no floats are added with atomics, so the same
+//! inputs give the same bits on the same kind of GPU.
 
 use super::attention::{self, KernelDims};
 use super::{GpuView, KernelSet, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
+use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::CUfunction_attribute;
@@ -23,7 +27,7 @@ use std::collections::HashMap;
 
 /// The head dims the kernels are compiled for (a template instance each).
 pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
-/// Threads of a block: four warps (`FLASH_THREADS`).
+/// Threads of an `mma.sync` block: four warps (`FLASH_THREADS`).
 const THREADS: u32 = 128;
 /// The query tile of a forward or dq block, 32 rows a warp (`QUERY_ROWS`).
 const QUERY_ROWS: usize = 128;
@@ -34,6 +38,16 @@ const DQ_KEYS: usize = 32;
 /// walks (`DKDV_KEYS`, `DKDV_QUERIES`).
 const DKDV_KEYS: usize = 64;
 const DKDV_QUERIES: usize = 32;
+/// The `wgmma` kernels' head dim, threads (two warpgroups, `WG_THREADS`)
+/// and tiles (`WG_QUERY_ROWS`, `WG_FWD_KEYS`, `WG_DQ_KEYS`,
+/// `WG_DKDV_KEYS`, `WG_DKDV_QUERIES`).
+const WG_HEAD_DIM: usize = 128;
+const WG_THREADS: u32 = 256;
+const WG_QUERY_ROWS: usize = 128;
+const WG_FWD_KEYS: usize = 128;
+const WG_DQ_KEYS: usize = 64;
+const WG_DKDV_KEYS: usize = 128;
+const WG_DKDV_QUERIES: usize = 32;
 /// A CUDA grid's limit along x.
 const MAX_GRID_X: usize = i32::MAX as usize;
 
@@ -45,6 +59,31 @@ enum FlashKernel {
     BackwardDkdv,
 }
 
+/// Which instance of a kernel runs: `mma.sync` (every head dim, every
+/// device) or `wgmma` (head dim 128 on `sm_90a`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FlashPath {
+    Mma,
+    Wgmma,
+}
+
+impl FlashPath {
+    fn of(target: Target, head_dim: usize) -> FlashPath {
+        if target == Target::HOPPER && head_dim == WG_HEAD_DIM {
+            FlashPath::Wgmma
+        } else {
+            FlashPath::Mma
+        }
+    }
+
+    fn threads(self) -> u32 {
+        match self {
+            FlashPath::Mma => THREADS,
+            FlashPath::Wgmma => WG_THREADS,
+        }
+    }
+}
+
 impl FlashKernel {
     const ALL: [FlashKernel; 3] = [
         FlashKernel::Forward,
@@ -52,54 +91,79 @@ impl FlashKernel {
         FlashKernel::BackwardDkdv,
     ];
 
-    fn name(self, head_dim: usize) -> &'static str {
-        match (self, head_dim) {
-            (FlashKernel::Forward, 64) => "flash_forward_d64",
-            (FlashKernel::Forward, _) => "flash_forward_d128",
-            (FlashKernel::BackwardDq, 64) => "flash_backward_dq_d64",
-            (FlashKernel::BackwardDq, _) => "flash_backward_dq_d128",
-            (FlashKernel::BackwardDkdv, 64) => "flash_backward_dkdv_d64",
-            (FlashKernel::BackwardDkdv, _) => "flash_backward_dkdv_d128",
+    fn name(self, head_dim: usize, path: FlashPath) -> &'static str {
+        match (path, self, head_dim) {
+            (FlashPath::Wgmma, FlashKernel::Forward, _) => "flash_forward_wgmma_d128",
+            (FlashPath::Wgmma, FlashKernel::BackwardDq, _) => "flash_backward_dq_wgmma_d128",
+            (FlashPath::Wgmma, FlashKernel::BackwardDkdv, _) => "flash_backward_dkdv_wgmma_d128",
+            (FlashPath::Mma, FlashKernel::Forward, 64) => "flash_forward_d64",
+            (FlashPath::Mma, FlashKernel::Forward, _) => "flash_forward_d128",
+            (FlashPath::Mma, FlashKernel::BackwardDq, 64) => "flash_backward_dq_d64",
+            (FlashPath::Mma, FlashKernel::BackwardDq, _) => "flash_backward_dq_d128",
+            (FlashPath::Mma, FlashKernel::BackwardDkdv, 64) => "flash_backward_dkdv_d64",
+            (FlashPath::Mma, FlashKernel::BackwardDkdv, _) => "flash_backward_dkdv_d128",
         }
     }
 
-    /// Dynamic shared memory of a block: its staged tiles, `D + 8`
-    /// elements a row, the walked side's double-buffered.
-    fn shared_bytes(self, head_dim: usize) -> usize {
-        let row = (head_dim + 8) * DType::Bf16.bytes();
-        match self {
-            // q, then k and v twice.
-            FlashKernel::Forward => (QUERY_ROWS + 4 * FWD_KEYS) * row,
-            // q and dout, then k and v twice.
-            FlashKernel::BackwardDq => (2 * QUERY_ROWS + 4 * DQ_KEYS) * row,
-            // k and v, then q and dout twice, and lse and D twice.
-            FlashKernel::BackwardDkdv => {
-                (2 * DKDV_KEYS + 4 * DKDV_QUERIES) * row + 4 * DKDV_QUERIES * DType::F32.bytes()
+    /// Dynamic shared memory of a block: its staged tiles, the walked
+    /// side's double-buffered (`mma.sync` rows are `D + 8` elements apart;
+    /// `wgmma` tiles are dense core matrices).
+    fn shared_bytes(self, head_dim: usize, path: FlashPath) -> usize {
+        let f32s = |n: usize| n * DType::F32.bytes();
+        match path {
+            FlashPath::Mma => {
+                let row = (head_dim + 8) * DType::Bf16.bytes();
+                match self {
+                    // q, then k and v twice.
+                    FlashKernel::Forward => (QUERY_ROWS + 4 * FWD_KEYS) * row,
+                    // q and dout, then k and v twice.
+                    FlashKernel::BackwardDq => (2 * QUERY_ROWS + 4 * DQ_KEYS) * row,
+                    // k and v, then q and dout twice, and lse and D twice.
+                    FlashKernel::BackwardDkdv => {
+                        (2 * DKDV_KEYS + 4 * DKDV_QUERIES) * row + f32s(4 * DKDV_QUERIES)
+                    }
+                }
+            }
+            FlashPath::Wgmma => {
+                let row = WG_HEAD_DIM * DType::Bf16.bytes();
+                match self {
+                    FlashKernel::Forward => (WG_QUERY_ROWS + 4 * WG_FWD_KEYS) * row,
+                    FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 4 * WG_DQ_KEYS) * row,
+                    FlashKernel::BackwardDkdv => {
+                        (2 * WG_DKDV_KEYS + 4 * WG_DKDV_QUERIES) * row + f32s(4 * WG_DKDV_QUERIES)
+                    }
+                }
             }
         }
     }
 
     /// Rows of the tile a block owns (the grid has one block per tile of
     /// each sequence and head).
-    fn block_rows(self) -> usize {
-        match self {
-            FlashKernel::Forward | FlashKernel::BackwardDq => QUERY_ROWS,
-            FlashKernel::BackwardDkdv => DKDV_KEYS,
+    fn block_rows(self, path: FlashPath) -> usize {
+        match (path, self) {
+            (FlashPath::Mma, FlashKernel::Forward | FlashKernel::BackwardDq) => QUERY_ROWS,
+            (FlashPath::Mma, FlashKernel::BackwardDkdv) => DKDV_KEYS,
+            (FlashPath::Wgmma, FlashKernel::Forward | FlashKernel::BackwardDq) => WG_QUERY_ROWS,
+            (FlashPath::Wgmma, FlashKernel::BackwardDkdv) => WG_DKDV_KEYS,
         }
     }
 }
 
-/// Lets every flash kernel take its dynamic shared memory (past the 48 KiB
-/// a launch gets without asking). False when the device cannot give it
-/// (older GPUs have less shared memory a block): the kernels are then
-/// never launched and attention takes its other paths.
-pub(super) fn reserve_shared_memory(functions: &HashMap<&'static str, CudaFunction>) -> bool {
+/// Lets every flash kernel `target` runs take its dynamic shared memory
+/// (past the 48 KiB a launch gets without asking). False when the device
+/// cannot give it (older GPUs have less shared memory a block): the
+/// kernels are then never launched and attention takes its other paths.
+pub(super) fn reserve_shared_memory(
+    functions: &HashMap<&'static str, CudaFunction>,
+    target: Target,
+) -> bool {
     FLASH_HEAD_DIMS.iter().all(|&d| {
+        let path = FlashPath::of(target, d);
         FlashKernel::ALL.iter().all(|&kernel| {
-            let Some(f) = functions.get(kernel.name(d)) else {
+            let Some(f) = functions.get(kernel.name(d, path)) else {
                 return false;
             };
-            let bytes = kernel.shared_bytes(d) as i32;
+            let bytes = kernel.shared_bytes(d, path) as i32;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes,
@@ -121,9 +185,15 @@ fn push_dims<'a>(shape: &'a KernelDims, b: &mut cudarc::driver::LaunchArgs<'a>) 
 
 /// A grid of the kernel's tiles of a `seq`-token sequence for each of
 /// `pairs` (sequence, head) pairs.
-fn flash_grid(kernel: FlashKernel, d: usize, seq: usize, pairs: usize) -> Result<LaunchConfig> {
-    let name = kernel.name(d);
-    let tiles = seq.div_ceil(kernel.block_rows());
+fn flash_grid(
+    kernel: FlashKernel,
+    d: usize,
+    path: FlashPath,
+    seq: usize,
+    pairs: usize,
+) -> Result<LaunchConfig> {
+    let name = kernel.name(d, path);
+    let tiles = seq.div_ceil(kernel.block_rows(path));
     let blocks = tiles
         .checked_mul(pairs)
         .filter(|&b| b <= MAX_GRID_X)
@@ -134,8 +204,8 @@ fn flash_grid(kernel: FlashKernel, d: usize, seq: usize, pairs: usize) -> Result
         })?;
     Ok(LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: kernel.shared_bytes(d) as u32,
+        block_dim: (path.threads(), 1, 1),
+        shared_mem_bytes: kernel.shared_bytes(d, path) as u32,
     })
 }
 
@@ -211,14 +281,14 @@ impl KernelSet {
     }
 
     fn flash_function(&self, kernel: FlashKernel, d: usize) -> Result<&CudaFunction> {
+        let name = kernel.name(d, FlashPath::of(self.target, d));
         ensure(self.flash_attention, || {
             format!(
-                "{}: this device cannot give the flash kernels their shared memory; \
-                 `--attention-backend unfused` runs attention without them",
-                kernel.name(d)
+                "{name}: this device cannot give the flash kernels their shared memory; \
+                 `--attention-backend unfused` runs attention without them"
             )
         })?;
-        self.function(kernel.name(d))
+        self.function(name)
     }
 
     /// `Backend::attention_forward` on tensor cores: `out` and the f32
@@ -239,7 +309,14 @@ impl KernelSet {
         let shape = KernelDims::new(kn, dims)?;
         let d = dims.qk_dim;
         let kernel = FlashKernel::Forward;
-        let config = flash_grid(kernel, d, dims.tokens.seq, dims.tokens.batch * dims.heads)?;
+        let path = FlashPath::of(self.target, d);
+        let config = flash_grid(
+            kernel,
+            d,
+            path,
+            dims.tokens.seq,
+            dims.tokens.batch * dims.heads,
+        )?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
@@ -247,7 +324,7 @@ impl KernelSet {
             .arg(&out.ptr)
             .arg(&lse.ptr);
         push_dims(&shape, &mut b);
-        self.go(kernel.name(d), &mut b, config)
+        self.go(kernel.name(d, path), &mut b, config)
     }
 
     /// `Backend::attention_backward` on tensor cores: overwrites
@@ -302,9 +379,10 @@ impl KernelSet {
         let shape = KernelDims::new(kn, dims)?;
         let d = dims.qk_dim;
         let seq = dims.tokens.seq;
+        let path = FlashPath::of(self.target, d);
 
         let kernel = FlashKernel::BackwardDq;
-        let config = flash_grid(kernel, d, seq, dims.tokens.batch * dims.heads)?;
+        let config = flash_grid(kernel, d, path, seq, dims.tokens.batch * dims.heads)?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
@@ -315,10 +393,10 @@ impl KernelSet {
             .arg(&grads.q.ptr)
             .arg(&delta.ptr);
         push_dims(&shape, &mut b);
-        self.go(kernel.name(d), &mut b, config)?;
+        self.go(kernel.name(d, path), &mut b, config)?;
 
         let kernel = FlashKernel::BackwardDkdv;
-        let config = flash_grid(kernel, d, seq, dims.tokens.batch * dims.heads)?;
+        let config = flash_grid(kernel, d, path, seq, dims.tokens.batch * dims.heads)?;
         let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
@@ -331,7 +409,7 @@ impl KernelSet {
             .arg(&dk_part.ptr)
             .arg(&dv_part.ptr);
         push_dims(&shape, &mut b);
-        self.go(kernel.name(d), &mut b, config)?;
+        self.go(kernel.name(d, path), &mut b, config)?;
         if !grouped {
             return Ok(());
         }

@@ -355,7 +355,7 @@ impl KernelSet {
             }
             modules.push(module);
         }
-        let flash_attention = attention_flash::reserve_shared_memory(&functions);
+        let flash_attention = attention_flash::reserve_shared_memory(&functions, target);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
