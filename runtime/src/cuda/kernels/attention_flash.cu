@@ -689,7 +689,9 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 // dP = dO V^T and their transposes) the leading offset is 128 bytes and the
 // stride offset COLS * 16; read as an MN-major B (K along the rows: v in
 // O = P V, k in dQ = dS K, q and dout in dK and dV) they trade places. One
-// staged tile serves both.
+// staged tile serves both. (On an H200 the MN-major reading with the
+// offsets not traded read past the tile: the descriptor's fields mean the
+// same in both readings.)
 #define WG_THREADS 256
 // The forward's and dq's query tile (64 rows a warpgroup), the key tiles
 // they walk, the dk/dv key tile (64 keys a warpgroup) and its query tile.
