@@ -677,21 +677,20 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 // mma.sync layout, so P and dS feed the next product as register A
 // operands after a round to bf16, as before, and every sum keeps one order.
 //
-// Staged tiles use the "core matrix" layout without swizzling: 8 rows of 16
-// bytes (8 bf16) make one 128-byte core matrix, core matrices run along a
-// row's columns first, then down 8-row groups. A tile of COLS columns puts
-// element (r, c) at byte ((r / 8) * (COLS / 8) + c / 8) * 128 + (r % 8) * 16
-// + (c % 8) * 2, so 16-byte chunk i of the tile is chunk (i % 8, i / 8 % (COLS
-// / 8)) of 8-row group i / (8 * COLS / 8), and the staging loop writes the
-// tile in order. A descriptor's leading offset is the step between core
-// matrices along K, its stride offset the step along M or N. Read as a
-// K-major operand (K along the columns: q, k, v and dout in S = Q K^T,
-// dP = dO V^T and their transposes) the leading offset is 128 bytes and the
-// stride offset COLS * 16; read as an MN-major B (K along the rows: v in
-// O = P V, k in dQ = dS K, q and dout in dK and dV) they trade places. One
-// staged tile serves both. (On an H200 the MN-major reading with the
-// offsets not traded read past the tile: the descriptor's fields mean the
-// same in both readings.)
+// Staged tiles use the 128-byte swizzled layout that `wgmma` reads at full
+// speed (unswizzled core matrices, tried first, made every kernel slower
+// than the mma.sync ones: the reads of 8 core matrices 2 KiB apart fall in
+// the same banks). A tile of ROWS rows of 128 bf16 channels is two atoms
+// of 64 channels, one after the other (ROWS * 128 bytes each); in an atom
+// row r is 128 bytes at r * 128 and its 16-byte chunk c sits at chunk
+// c ^ (r % 8). Atoms start on 1024-byte boundaries, so the swizzle is the
+// hardware's (address bits 4-6 XOR bits 7-9). A tile is read as a K-major
+// operand (K along the channels: q, k, v and dout in S = Q K^T, dP = dO V^T
+// and their transposes; K-step kk starts 32 kk bytes into atom kk / 4, the
+// next 8 rows 1024 bytes on) or as an MN-major B (K along the rows: v in
+// O = P V, k in dQ = dS K, q and dout in dK and dV; K-step kk starts at row
+// 16 kk, the next 8 rows 1024 bytes on, the second 64 channels an atom on).
+// One staged tile serves both.
 #define WG_THREADS 256
 // The forward's and dq's query tile (64 rows a warpgroup), the key tiles
 // they walk, the dk/dv key tile (64 keys a warpgroup) and its query tile.
@@ -704,23 +703,24 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// A shared-memory matrix descriptor without swizzling: start address,
-// leading and stride byte offsets (each in units of 16 bytes).
-__device__ __forceinline__ u64 core_desc(u32 address, u32 leading, u32 stride) {
+// A shared-memory matrix descriptor with the 128-byte swizzle: start
+// address, leading and stride byte offsets (each in units of 16 bytes).
+__device__ __forceinline__ u64 swizzled_desc(u32 address, u32 leading, u32 stride) {
     return static_cast<u64>((address & 0x3ffff) >> 4) | (static_cast<u64>(leading >> 4) << 16) |
-           (static_cast<u64>(stride >> 4) << 32);
+           (static_cast<u64>(stride >> 4) << 32) | (1ull << 62);
 }
 
-// A staged tile of COLS columns as a K-major operand (K-step `kk`: columns
-// 16 kk .. 16 kk + 15, rows from `row0`, a multiple of 8), and as an
-// MN-major B (K-step `kk`: rows 16 kk .. 16 kk + 15): see the layout above.
-template <int COLS>
+// A staged tile of ROWS rows as a K-major operand (K-step `kk`: channels
+// 16 kk .. 16 kk + 15, rows from `row0`, a multiple of 8; the leading
+// offset is unused), and as an MN-major B (K-step `kk`: rows 16 kk .. 16 kk
+// + 15; the leading offset steps to the second atom): see the layout above.
+template <int ROWS>
 __device__ __forceinline__ u64 k_major(const bf16* tile, u32 row0, u32 kk) {
-    return core_desc(shared_address(tile) + (row0 / 8) * COLS * 16 + kk * 256, 128, COLS * 16);
+    return swizzled_desc(shared_address(tile) + (kk / 4) * ROWS * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
 }
-template <int COLS>
+template <int ROWS>
 __device__ __forceinline__ u64 mn_major(const bf16* tile, u32 kk) {
-    return core_desc(shared_address(tile) + kk * 2 * COLS * 16, COLS * 16, 128);
+    return swizzled_desc(shared_address(tile) + kk * 2048, ROWS * 128, 1024);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -799,18 +799,27 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
 }
 
 
-// Stages ROWS rows of COLS channels (`stride` elements apart from `first`)
-// into `tile` in the core-matrix layout; rows from `valid` on are zeros.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void stage_core(bf16* tile, const bf16* first, u64 stride, u32 valid) {
-    constexpr u32 CHUNKS = ROWS * COLS / 8;
+// Stages ROWS rows of WG_D channels (`stride` elements apart from `first`)
+// into `tile` in the swizzled layout; rows from `valid` on are zeros.
+// Consecutive threads take consecutive chunks of a row: whole rows from
+// global memory, and each 8 threads fill one 128-byte row of an atom.
+template <int ROWS>
+__device__ __forceinline__ void stage_swizzled(bf16* tile, const bf16* first, u64 stride, u32 valid) {
+    constexpr u32 ROW_CHUNKS = WG_D / 8;
     const u32 base = shared_address(tile);
-    for (u32 i = threadIdx.x; i < CHUNKS; i += WG_THREADS) {
-        const u32 r = (i / COLS) * 8 + (i & 7);
-        const u32 col = ((i >> 3) % (COLS / 8)) * 8;
+    for (u32 i = threadIdx.x; i < ROWS * ROW_CHUNKS; i += WG_THREADS) {
+        const u32 r = i / ROW_CHUNKS;
+        const u32 c = i % ROW_CHUNKS;
+        const u32 at = base + (c / 8) * ROWS * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16;
         const bool ok = r < valid;
-        copy16_async(base + i * 16, ok ? first + r * stride + col : first, ok);
+        copy16_async(at, ok ? first + r * stride + c * 8 : first, ok);
     }
+}
+
+// The block's dynamic shared memory from its first 1024-byte boundary (the
+// launchers give every `wgmma` kernel 1024 bytes more than its tiles).
+__device__ __forceinline__ unsigned char* aligned_shared(unsigned char* shared) {
+    return shared + ((1024 - (shared_address(shared) & 1023)) & 1023);
 }
 
 // A warpgroup's view of its 64 rows: which warp of the group, the lane,
@@ -874,7 +883,7 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
     constexpr u32 D = WG_D;
     constexpr u32 KEY_ELEMS = WG_FWD_KEYS * D;
     extern __shared__ __align__(128) unsigned char shared[];
-    bf16* qs = reinterpret_cast<bf16*>(shared);
+    bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* ks = qs + WG_QUERY_ROWS * D;  // two buffers
     bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
     u32 tile, pair;
@@ -892,10 +901,10 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
     auto stage_keys_at = [&](u32 j, u32 buf) {
         const u32 u = j * WG_FWD_KEYS;
         const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_core<WG_FWD_KEYS, D>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
-        stage_core<WG_FWD_KEYS, D>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
+        stage_swizzled<WG_FWD_KEYS>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
+        stage_swizzled<WG_FWD_KEYS>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
     };
-    stage_core<WG_QUERY_ROWS, D>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
+    stage_swizzled<WG_QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
     stage_keys_at(0, 0);
     commit_async();
 
@@ -921,7 +930,7 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(s, k_major<D>(qs, group * 64, kk), k_major<D>(kt, 0, kk), kk);
+                wgmma_ss(s, k_major<WG_QUERY_ROWS>(qs, group * 64, kk), k_major<WG_FWD_KEYS>(kt, 0, kk), kk);
             }
             wgmma_commit();
             wgmma_wait_all();
@@ -971,7 +980,7 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < WG_FWD_KEYS / 16; ++kk) {
-                wgmma_rs(acc, p[kk], mn_major<D>(vt, kk));
+                wgmma_rs(acc, p[kk], mn_major<WG_FWD_KEYS>(vt, kk));
             }
             wgmma_commit();
             wgmma_wait_all();
@@ -1012,7 +1021,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     constexpr u32 KEY_ELEMS = WG_DQ_KEYS * D;
     extern __shared__ __align__(128) unsigned char shared[];
     __shared__ float delta_tile[WG_QUERY_ROWS];
-    bf16* qs = reinterpret_cast<bf16*>(shared);
+    bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* dos = qs + QUERY_ELEMS;
     bf16* ks = dos + QUERY_ELEMS;  // two buffers
     bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
@@ -1031,12 +1040,12 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     auto stage_keys_at = [&](u32 j, u32 buf) {
         const u32 u = j * WG_DQ_KEYS;
         const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_core<WG_DQ_KEYS, D>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
-        stage_core<WG_DQ_KEYS, D>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
+        stage_swizzled<WG_DQ_KEYS>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
+        stage_swizzled<WG_DQ_KEYS>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
     };
     const u64 first_query = ((row0 + t0) * heads + h) * D;
-    stage_core<WG_QUERY_ROWS, D>(qs, q + first_query, q_stride, seq - t0);
-    stage_core<WG_QUERY_ROWS, D>(dos, dout + first_query, q_stride, seq - t0);
+    stage_swizzled<WG_QUERY_ROWS>(qs, q + first_query, q_stride, seq - t0);
+    stage_swizzled<WG_QUERY_ROWS>(dos, dout + first_query, q_stride, seq - t0);
     stage_keys_at(0, 0);
     commit_async();
     row_deltas<D, WG_THREADS, WG_QUERY_ROWS>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
@@ -1073,11 +1082,11 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(s, k_major<D>(qs, group * 64, kk), k_major<D>(kt, 0, kk), 1);
+                wgmma_ss(s, k_major<WG_QUERY_ROWS>(qs, group * 64, kk), k_major<WG_DQ_KEYS>(kt, 0, kk), 1);
             }
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(dp, k_major<D>(dos, group * 64, kk), k_major<D>(vt, 0, kk), 1);
+                wgmma_ss(dp, k_major<WG_QUERY_ROWS>(dos, group * 64, kk), k_major<WG_DQ_KEYS>(vt, 0, kk), 1);
             }
             wgmma_commit();
             wgmma_wait_all();
@@ -1102,7 +1111,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
-                wgmma_rs(acc, ds[kk], mn_major<D>(kt, kk));
+                wgmma_rs(acc, ds[kk], mn_major<WG_DQ_KEYS>(kt, kk));
             }
             wgmma_commit();
             wgmma_wait_all();
@@ -1124,7 +1133,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     constexpr u32 KEY_ELEMS = WG_DKDV_KEYS * D;
     constexpr u32 QUERY_ELEMS = WG_DKDV_QUERIES * D;
     extern __shared__ __align__(128) unsigned char shared[];
-    bf16* ks = reinterpret_cast<bf16*>(shared);
+    bf16* ks = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* vs = ks + KEY_ELEMS;
     bf16* qs = vs + KEY_ELEMS;  // two buffers
     bf16* dos = qs + 2 * QUERY_ELEMS;  // two buffers
@@ -1145,14 +1154,14 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     const u32 steps = (seq - k0 + WG_DKDV_QUERIES - 1) / WG_DKDV_QUERIES;
 
     const u64 first_key = ((row0 + k0) * kv_heads + g) * D;
-    stage_core<WG_DKDV_KEYS, D>(ks, k + first_key, kv_stride, seq - k0);
-    stage_core<WG_DKDV_KEYS, D>(vs, v + first_key, kv_stride, seq - k0);
+    stage_swizzled<WG_DKDV_KEYS>(ks, k + first_key, kv_stride, seq - k0);
+    stage_swizzled<WG_DKDV_KEYS>(vs, v + first_key, kv_stride, seq - k0);
     // Step i: queries from k0 + i * WG_DKDV_QUERIES.
     auto stage_step = [&](u32 i, u32 buf) {
         const u32 t0 = k0 + i * WG_DKDV_QUERIES;
         const u64 first = (row0 + t0) * heads + h;
-        stage_core<WG_DKDV_QUERIES, D>(qs + buf * QUERY_ELEMS, q + first * D, q_stride, seq - t0);
-        stage_core<WG_DKDV_QUERIES, D>(dos + buf * QUERY_ELEMS, dout + first * D, q_stride, seq - t0);
+        stage_swizzled<WG_DKDV_QUERIES>(qs + buf * QUERY_ELEMS, q + first * D, q_stride, seq - t0);
+        stage_swizzled<WG_DKDV_QUERIES>(dos + buf * QUERY_ELEMS, dout + first * D, q_stride, seq - t0);
         stage_column<WG_DKDV_QUERIES>(lses + buf * WG_DKDV_QUERIES, lse + first, heads, seq - t0);
         stage_column<WG_DKDV_QUERIES>(deltas + buf * WG_DKDV_QUERIES, delta + first, heads, seq - t0);
     };
@@ -1189,11 +1198,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(p, k_major<D>(ks, group * 64, kk), k_major<D>(qt, 0, kk), 1);
+                wgmma_ss(p, k_major<WG_DKDV_KEYS>(ks, group * 64, kk), k_major<WG_DKDV_QUERIES>(qt, 0, kk), 1);
             }
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(dp, k_major<D>(vs, group * 64, kk), k_major<D>(dot, 0, kk), 1);
+                wgmma_ss(dp, k_major<WG_DKDV_KEYS>(vs, group * 64, kk), k_major<WG_DKDV_QUERIES>(dot, 0, kk), 1);
             }
             wgmma_commit();
             wgmma_wait_all();
@@ -1221,11 +1230,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
-                wgmma_rs(acc_v, pa[kk], mn_major<D>(dot, kk));
+                wgmma_rs(acc_v, pa[kk], mn_major<WG_DKDV_QUERIES>(dot, kk));
             }
 #pragma unroll
             for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
-                wgmma_rs(acc_k, da[kk], mn_major<D>(qt, kk));
+                wgmma_rs(acc_k, da[kk], mn_major<WG_DKDV_QUERIES>(qt, kk));
             }
             wgmma_commit();
             wgmma_wait_all();

@@ -48,6 +48,8 @@ const WG_FWD_KEYS: usize = 128;
 const WG_DQ_KEYS: usize = 64;
 const WG_DKDV_KEYS: usize = 128;
 const WG_DKDV_QUERIES: usize = 32;
+/// The swizzled tiles' alignment in shared memory.
+const WG_SHARED_ALIGN: usize = 1024;
 /// A CUDA grid's limit along x.
 const MAX_GRID_X: usize = i32::MAX as usize;
 
@@ -107,7 +109,7 @@ impl FlashKernel {
 
     /// Dynamic shared memory of a block: its staged tiles, the walked
     /// side's double-buffered (`mma.sync` rows are `D + 8` elements apart;
-    /// `wgmma` tiles are dense core matrices).
+    /// `wgmma` tiles are dense, 128-byte swizzled).
     fn shared_bytes(self, head_dim: usize, path: FlashPath) -> usize {
         let f32s = |n: usize| n * DType::F32.bytes();
         match path {
@@ -126,13 +128,17 @@ impl FlashKernel {
             }
             FlashPath::Wgmma => {
                 let row = WG_HEAD_DIM * DType::Bf16.bytes();
-                match self {
-                    FlashKernel::Forward => (WG_QUERY_ROWS + 4 * WG_FWD_KEYS) * row,
-                    FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 4 * WG_DQ_KEYS) * row,
-                    FlashKernel::BackwardDkdv => {
-                        (2 * WG_DKDV_KEYS + 4 * WG_DKDV_QUERIES) * row + f32s(4 * WG_DKDV_QUERIES)
+                // The kernels start their tiles at the first 1024-byte
+                // boundary (the swizzle's alignment).
+                WG_SHARED_ALIGN
+                    + match self {
+                        FlashKernel::Forward => (WG_QUERY_ROWS + 4 * WG_FWD_KEYS) * row,
+                        FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 4 * WG_DQ_KEYS) * row,
+                        FlashKernel::BackwardDkdv => {
+                            (2 * WG_DKDV_KEYS + 4 * WG_DKDV_QUERIES) * row
+                                + f32s(4 * WG_DKDV_QUERIES)
+                        }
                     }
-                }
             }
         }
     }
