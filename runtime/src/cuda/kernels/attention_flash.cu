@@ -698,7 +698,7 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 #define WG_FWD_KEYS 128
 #define WG_DQ_KEYS 64
 #define WG_DKDV_KEYS 128
-#define WG_DKDV_QUERIES 32
+#define WG_DKDV_QUERIES 64
 #define WG_D 128
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1122,7 +1122,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
 }
 
 // dk and dv of `flash_backward_dkdv` on warpgroups: a block per 128-key
-// tile of one query head, query tiles of 32; the same outputs (dk and dv,
+// tile of one query head, query tiles of 64; the same outputs (dk and dv,
 // or each query head's f32 share of them).
 __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const bf16* k, const bf16* v,
                                                           const float* lse, const bf16* dout, const float* delta,

@@ -47,7 +47,7 @@ const WG_QUERY_ROWS: usize = 128;
 const WG_FWD_KEYS: usize = 128;
 const WG_DQ_KEYS: usize = 64;
 const WG_DKDV_KEYS: usize = 128;
-const WG_DKDV_QUERIES: usize = 32;
+const WG_DKDV_QUERIES: usize = 64;
 /// The swizzled tiles' alignment in shared memory.
 const WG_SHARED_ALIGN: usize = 1024;
 /// A CUDA grid's limit along x.
