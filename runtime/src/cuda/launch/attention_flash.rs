@@ -435,3 +435,82 @@ impl KernelSet {
         self.go(sum, &mut b, super::grid_for(channel_pairs))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shared memory a Hopper block can have: 227 KiB, static included.
+    const HOPPER_SHARED_BYTES: usize = 227 * 1024;
+    /// `delta_tile`, the dq kernels' static shared memory.
+    const DQ_STATIC_BYTES: usize = 4 * QUERY_ROWS;
+
+    #[test]
+    fn wgmma_runs_head_dim_128_on_hopper_only() {
+        assert_eq!(FlashPath::of(Target::HOPPER, 128), FlashPath::Wgmma);
+        assert_eq!(FlashPath::of(Target::HOPPER, 64), FlashPath::Mma);
+        assert_eq!(FlashPath::of(Target::PORTABLE, 128), FlashPath::Mma);
+        assert_eq!(FlashPath::of(Target::PORTABLE, 64), FlashPath::Mma);
+        // The portable build's wgmma entry points are empty: never named
+        // off Hopper.
+        for kernel in FlashKernel::ALL {
+            for d in FLASH_HEAD_DIMS {
+                let name = kernel.name(d, FlashPath::of(Target::PORTABLE, d));
+                assert!(!name.contains("wgmma"), "{name}");
+            }
+        }
+    }
+
+    /// Every kernel a Hopper runs gets the tiles its source lays out (the
+    /// wgmma ones 1024 bytes more, to align their swizzled tiles) within
+    /// what a block may have.
+    #[test]
+    fn the_kernels_fit_hopper_shared_memory() {
+        let tiles = |kernel: FlashKernel| kernel.shared_bytes(128, FlashPath::Wgmma) - 1024;
+        // q, then k and v twice; 128 channels of bf16 a row.
+        assert_eq!(tiles(FlashKernel::Forward), (128 + 4 * 128) * 256);
+        // q and dout, then k and v twice.
+        assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 4 * 64) * 256);
+        // k and v, then q and dout twice, then lse and D twice.
+        assert_eq!(
+            tiles(FlashKernel::BackwardDkdv),
+            (2 * 128 + 4 * 64) * 256 + 4 * 64 * 4
+        );
+        for d in FLASH_HEAD_DIMS {
+            let path = FlashPath::of(Target::HOPPER, d);
+            for kernel in FlashKernel::ALL {
+                let bytes = kernel.shared_bytes(d, path) + DQ_STATIC_BYTES;
+                assert!(
+                    bytes <= HOPPER_SHARED_BYTES,
+                    "{}: {bytes} bytes",
+                    kernel.name(d, path)
+                );
+            }
+        }
+    }
+
+    /// A grid has a block for each tile of each (sequence, head) pair, of
+    /// the path's width.
+    #[test]
+    fn grids_cover_every_tile_with_the_paths_threads() {
+        let pairs = 2 * 16;
+        for (path, threads) in [(FlashPath::Mma, 128), (FlashPath::Wgmma, 256)] {
+            for kernel in FlashKernel::ALL {
+                let config = flash_grid(kernel, 128, path, 4097, pairs).unwrap();
+                let tiles = 4097usize.div_ceil(kernel.block_rows(path));
+                assert_eq!(config.grid_dim, ((tiles * pairs) as u32, 1, 1));
+                assert_eq!(config.block_dim, (threads, 1, 1));
+            }
+        }
+        assert!(
+            flash_grid(
+                FlashKernel::Forward,
+                128,
+                FlashPath::Wgmma,
+                usize::MAX / 2,
+                4
+            )
+            .is_err()
+        );
+    }
+}
