@@ -726,16 +726,26 @@ __device__ __forceinline__ u64 mn_major(const bf16* tile, u32 kk) {
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_commit() {
+// Closes the products issued since the fence into a group and waits for
+// them: their results are in registers after this.
+__device__ __forceinline__ void wgmma_finish() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait_all() {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 // Makes this thread's `cp.async` writes to shared memory visible to the
 // async proxy that `wgmma` reads it through (before the block's barrier).
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Closes this thread's fetches into a group and waits for all but the
+// newest group (the next tile's, in flight), then for every thread's: the
+// current tile is in shared memory, visible to `wgmma`.
+__device__ __forceinline__ void await_staged_tile() {
+    commit_async();
+    wait_async<1>();
+    fence_async_shared();
+    __syncthreads();
 }
 
 // The products, one instance per width N the kernels use (the operand
@@ -798,6 +808,28 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+
+// Issues d = A B^T over the WG_D channels, d 64 x B_ROWS: A the 64 rows
+// from `a_row0` of a staged tile of A_ROWS rows, B every row of a staged
+// tile of B_ROWS rows (both read K-major). The first K-step overwrites d.
+template <int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void issue_scores(float (&d)[B_ROWS / 2], const bf16* a, u32 a_row0, const bf16* b) {
+#pragma unroll
+    for (int kk = 0; kk < WG_D / 16; ++kk) {
+        wgmma_ss(d, k_major<A_ROWS>(a, a_row0, kk), k_major<B_ROWS>(b, 0, kk), kk);
+    }
+}
+
+// Issues d += A B, d 64 x WG_D: A the register operands of B_ROWS / 16
+// K-steps, B every row of a staged tile of B_ROWS rows (read MN-major).
+template <int B_ROWS>
+__device__ __forceinline__ void issue_weighted_rows(float (&d)[WG_D / 2], const u32 (&a)[B_ROWS / 16][4],
+                                                    const bf16* b) {
+#pragma unroll
+    for (int kk = 0; kk < B_ROWS / 16; ++kk) {
+        wgmma_rs(d, a[kk], mn_major<B_ROWS>(b, kk));
+    }
+}
 
 // Stages ROWS rows of WG_D channels (`stride` elements apart from `first`)
 // into `tile` in the swizzled layout; rows from `valid` on are zeros.
@@ -918,22 +950,15 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
         if (j + 1 < key_tiles) {
             stage_keys_at(j + 1, buf ^ 1);
         }
-        commit_async();
-        wait_async<1>();
-        fence_async_shared();
-        __syncthreads();
+        await_staged_tile();
         // A warpgroup whose rows all precede the tile has nothing to add.
         if (u0 < g0 + 64) {
             const bf16* kt = ks + buf * KEY_ELEMS;
             const bf16* vt = vs + buf * KEY_ELEMS;
             float s[WG_FWD_KEYS / 2];
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(s, k_major<WG_QUERY_ROWS>(qs, group * 64, kk), k_major<WG_FWD_KEYS>(kt, 0, kk), kk);
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_scores<WG_QUERY_ROWS, WG_FWD_KEYS>(s, qs, group * 64, kt);
+            wgmma_finish();
             const bool masked = u0 + WG_FWD_KEYS > g0 || u0 + WG_FWD_KEYS > seq;
             float x[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -978,12 +1003,8 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
                 a_operand(p[kk], s, kk);
             }
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < WG_FWD_KEYS / 16; ++kk) {
-                wgmma_rs(acc, p[kk], mn_major<WG_FWD_KEYS>(vt, kk));
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_weighted_rows<WG_FWD_KEYS>(acc, p, vt);
+            wgmma_finish();
         }
         // Every warpgroup is done with this buffer before the next fetch
         // into it.
@@ -1068,28 +1089,16 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
         if (j + 1 < key_tiles) {
             stage_keys_at(j + 1, buf ^ 1);
         }
-        commit_async();
-        wait_async<1>();
-        fence_async_shared();
-        __syncthreads();
+        await_staged_tile();
         if (u0 < g0 + 64) {
             const bf16* kt = ks + buf * KEY_ELEMS;
             const bf16* vt = vs + buf * KEY_ELEMS;
             float s[WG_DQ_KEYS / 2];
             float dp[WG_DQ_KEYS / 2];
-            zero(s);
-            zero(dp);
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(s, k_major<WG_QUERY_ROWS>(qs, group * 64, kk), k_major<WG_DQ_KEYS>(kt, 0, kk), 1);
-            }
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(dp, k_major<WG_QUERY_ROWS>(dos, group * 64, kk), k_major<WG_DQ_KEYS>(vt, 0, kk), 1);
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(s, qs, group * 64, kt);
+            issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(dp, dos, group * 64, vt);
+            wgmma_finish();
             const bool masked = u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq;
 #pragma unroll
             for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
@@ -1109,12 +1118,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
                 a_operand(ds[kk], s, kk);
             }
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
-                wgmma_rs(acc, ds[kk], mn_major<WG_DQ_KEYS>(kt, kk));
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_weighted_rows<WG_DQ_KEYS>(acc, ds, kt);
+            wgmma_finish();
         }
         __syncthreads();
     }
@@ -1177,10 +1182,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
         if (i + 1 < steps) {
             stage_step(i + 1, buf ^ 1);
         }
-        commit_async();
-        wait_async<1>();
-        fence_async_shared();
-        __syncthreads();
+        await_staged_tile();
         const u32 t0 = k0 + i * WG_DKDV_QUERIES;
         // A warpgroup whose keys all follow the step's queries has nothing
         // to add.
@@ -1193,19 +1195,10 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             // keys.
             float p[WG_DKDV_QUERIES / 2];
             float dp[WG_DKDV_QUERIES / 2];
-            zero(p);
-            zero(dp);
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(p, k_major<WG_DKDV_KEYS>(ks, group * 64, kk), k_major<WG_DKDV_QUERIES>(qt, 0, kk), 1);
-            }
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wgmma_ss(dp, k_major<WG_DKDV_KEYS>(vs, group * 64, kk), k_major<WG_DKDV_QUERIES>(dot, 0, kk), 1);
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(p, ks, group * 64, qt);
+            issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(dp, vs, group * 64, dot);
+            wgmma_finish();
             const bool masked = t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq;
 #pragma unroll
             for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
@@ -1228,16 +1221,9 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
                 a_operand(da[kk], dp, kk);
             }
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
-                wgmma_rs(acc_v, pa[kk], mn_major<WG_DKDV_QUERIES>(dot, kk));
-            }
-#pragma unroll
-            for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
-                wgmma_rs(acc_k, da[kk], mn_major<WG_DKDV_QUERIES>(qt, kk));
-            }
-            wgmma_commit();
-            wgmma_wait_all();
+            issue_weighted_rows<WG_DKDV_QUERIES>(acc_v, pa, dot);
+            issue_weighted_rows<WG_DKDV_QUERIES>(acc_k, da, qt);
+            wgmma_finish();
         }
         __syncthreads();
     }
