@@ -678,9 +678,9 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 // operands after a round to bf16, as before, and every sum keeps one order.
 //
 // Staged tiles use the 128-byte swizzled layout that `wgmma` reads at full
-// speed (unswizzled core matrices, tried first, made every kernel slower
-// than the mma.sync ones: the reads of 8 core matrices 2 KiB apart fall in
-// the same banks). A tile of ROWS rows of 128 bf16 channels is two atoms
+// speed (unswizzled core matrices, tried first, made the kernels slower
+// in all than the mma.sync ones: the reads of 8 core matrices 2 KiB apart
+// fall in the same banks). A tile of ROWS rows of 128 bf16 channels is two atoms
 // of 64 channels, one after the other (ROWS * 128 bytes each); in an atom
 // row r is 128 bytes at r * 128 and its 16-byte chunk c sits at chunk
 // c ^ (r % 8). Atoms start on 1024-byte boundaries, so the swizzle is the
