@@ -8,10 +8,13 @@
 # parameter hash (a change that should keep the bits must keep the hash).
 #
 # Here (no GPU needed): build each version and put it in the bundle under
-# its own name, e.g.
+# its own name, the bundle first (cuda_bundle.sh empties gpu-bundle/), e.g.
+# against commit BASE:
 #   scripts/cuda_bundle.sh                      # the new build: gpu-bundle/hybridgen
-#   git stash && cargo build --release --bin hybridgen \
-#     && cp target/release/hybridgen gpu-bundle/hybridgen-base && git stash pop
+#   git worktree add /tmp/base BASE && (cd /tmp/base && CARGO_TARGET_DIR="$OLDPWD/target" \
+#     cargo build --release --bin hybridgen) && cp target/release/hybridgen gpu-bundle/hybridgen-base
+# (the shared target folder reuses the dependencies' builds; the next
+# `cargo build` here rebuilds the workspace's own crates).
 # There:
 #   ROUNDS=2 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
 # Extra flags for every run go in EXTRA (e.g. EXTRA="--schedule plain").

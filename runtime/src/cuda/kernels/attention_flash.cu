@@ -678,9 +678,9 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 // operands after a round to bf16, as before, and every sum keeps one order.
 //
 // Staged tiles use the 128-byte swizzled layout that `wgmma` reads at full
-// speed (unswizzled core matrices, tried first, made the kernels slower
-// in all than the mma.sync ones: the reads of 8 core matrices 2 KiB apart
-// fall in the same banks). A tile of ROWS rows of 128 bf16 channels is two atoms
+// speed (unswizzled core matrices, tried first, made the kernels slower in
+// all than the mma.sync ones: the reads of 8 core matrices 2 KiB apart fall
+// in the same banks). A tile of ROWS rows of 128 bf16 channels is two atoms
 // of 64 channels, one after the other (ROWS * 128 bytes each); in an atom
 // row r is 128 bytes at r * 128 and its 16-byte chunk c sits at chunk
 // c ^ (r % 8). Atoms start on 1024-byte boundaries, so the swizzle is the
@@ -748,19 +748,8 @@ __device__ __forceinline__ void await_staged_tile() {
     __syncthreads();
 }
 
-// The products, one instance per width N the kernels use (the operand
-// lists are long, not clever).
-__device__ __forceinline__ void wgmma_ss(float (&d)[16], u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
+// The products, one instance per width N the kernels use (64 and 128; the
+// operand lists are long, not clever).
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"

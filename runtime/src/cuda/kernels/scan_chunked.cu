@@ -373,6 +373,26 @@ __device__ __forceinline__ void chunk_pack_quads(
 CHUNK_PACK_QUADS(ssd_chunk_pack_quads, float)
 CHUNK_PACK_QUADS(ssd_chunk_pack_quads_bf16, bf16)
 
+// Head `ih`'s decays e^(Lam_t - Lam_s) from step s to step t (zero for s
+// past t) and its dt_s, for row t and the quad of steps s .. s + 3: what
+// both quad kernels below weigh the scores with, one expression for both
+// (so the same bits).
+__device__ __forceinline__ void quad_decays(const StepValues& v, u32 ih, u32 chunk, u32 t, u32 s, float (&l)[4],
+                                            float (&dt_s)[4]) {
+    const float lam_t = v.lam[ih * chunk + t];
+    const float4 lam4 = *reinterpret_cast<const float4*>(v.lam + ih * chunk + s);
+    const float4 dt4 = *reinterpret_cast<const float4*>(v.dt + ih * chunk + s);
+    const float lam_s[4] = {lam4.x, lam4.y, lam4.z, lam4.w};
+    dt_s[0] = dt4.x;
+    dt_s[1] = dt4.y;
+    dt_s[2] = dt4.z;
+    dt_s[3] = dt4.w;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        l[e] = s + e <= t ? expf(lam_t - lam_s[e]) : 0.0f;
+    }
+}
+
 // `ssd_chunk_scores` a quad of s a thread.
 template <typename T>
 __device__ __forceinline__ void chunk_scores_quads(
@@ -392,17 +412,13 @@ __device__ __forceinline__ void chunk_scores_quads(
         float d_score[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (u32 j = 0; j < group_heads; ++j) {
             const u32 ih = ig * group_heads + j;  // item * heads + h
-            const float lam_t = v.lam[ih * chunk + t];
-            const float4 lam4 = *reinterpret_cast<const float4*>(v.lam + ih * chunk + s);
-            const float4 dt4 = *reinterpret_cast<const float4*>(v.dt + ih * chunk + s);
-            const float lam_s[4] = {lam4.x, lam4.y, lam4.z, lam4.w};
-            const float dt_s[4] = {dt4.x, dt4.y, dt4.z, dt4.w};
+            float l[4], dt_s[4];
+            quad_decays(v, ih, chunk, t, s, l, dt_s);
             // The head's quad: row t of its [Q, Q] block, columns s...s+3.
             const u32 at = (ih * chunk + t) * quads + s / 4;
-            float l[4], out[4];
+            float out[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                l[e] = s + e <= t ? expf(lam_t - lam_s[e]) : 0.0f;
                 out[e] = sc[e] * l[e] * dt_s[e];
             }
             put4(m, at, out);
@@ -529,11 +545,8 @@ __device__ __forceinline__ void chunk_scores_sums(
                 break;
             }
             const u32 ih = ig * group_heads + j;  // item * heads + h
-            const float lam_t = v.lam[ih * chunk + t];
-            const float4 lam4 = *reinterpret_cast<const float4*>(v.lam + ih * chunk + s);
-            const float4 dt4 = *reinterpret_cast<const float4*>(v.dt + ih * chunk + s);
-            const float lam_s[4] = {lam4.x, lam4.y, lam4.z, lam4.w};
-            const float dt_s[4] = {dt4.x, dt4.y, dt4.z, dt4.w};
+            float l[4], dt_s[4];
+            quad_decays(v, ih, chunk, t, s, l, dt_s);
             const u32 at = (ih * chunk + t) * quads + s / 4;
             const float4 g4 = dm[at];
             const float g[4] = {g4.x, g4.y, g4.z, g4.w};
@@ -541,10 +554,9 @@ __device__ __forceinline__ void chunk_scores_sums(
             float row = 0.0f;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float l = s + e <= t ? expf(lam_t - lam_s[e]) : 0.0f;
-                out[e] = sc[e] * l * dt_s[e];
-                const float big_e = g[e] * sc[e] * l;
-                d_score[e] += g[e] * l * dt_s[e];
+                out[e] = sc[e] * l[e] * dt_s[e];
+                const float big_e = g[e] * sc[e] * l[e];
+                d_score[e] += g[e] * l[e] * dt_s[e];
                 row += big_e * dt_s[e];
                 col[j][e] += big_e;
             }
