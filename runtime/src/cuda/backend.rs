@@ -16,6 +16,7 @@ use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::launch::{
     self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet,
     SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len, flash_attention_takes,
+    grouped_gemm_takes,
 };
 use super::queue::QueueSet;
 use crate::backend::{
@@ -675,7 +676,16 @@ impl Backend for CudaBackend {
                 )));
             }
         }
-        self.spread_gemms(operands)
+        // On Hopper the bf16 problems run as one grouped kernel (one
+        // launch a layout); the rest go to cuBLAS.
+        let kernels = self.k();
+        let (grouped, rest): (Vec<_>, Vec<_>) = operands.into_iter().partition(|(a, b, c, d)| {
+            kernels.has_grouped_gemm() && grouped_gemm_takes(kernels.target(), a, b, c, d)
+        });
+        if !grouped.is_empty() {
+            kernels.grouped_gemm(self.s(), &grouped)?;
+        }
+        self.spread_gemms(rest)
     }
 
     fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {

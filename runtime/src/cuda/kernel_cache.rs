@@ -74,7 +74,7 @@ use std::time::Duration;
 
 use crate::checkpoint::crc32c::crc32c;
 use crate::cuda::kernels::{
-    self, COMMON_HEADER, CompiledSource, KernelBuildError, KernelSource, Output, SOURCES, Target,
+    self, CompiledSource, HEADERS, KernelBuildError, KernelSource, Output, SOURCES, Target,
 };
 
 /// The variable naming the cache directory; empty or `off` turns the disk
@@ -235,7 +235,7 @@ impl CacheKey {
             nvrtc_version,
             target,
             options: &kernels::compile_options(target, include_dir),
-            common_header: COMMON_HEADER,
+            headers: HEADERS,
             toolkit_headers: &toolkit_headers,
             sources,
         }
@@ -249,7 +249,7 @@ struct KeyInputs<'a> {
     nvrtc_version: (i32, i32),
     target: Target,
     options: &'a [String],
-    common_header: (&'a str, &'a str),
+    headers: &'a [(&'a str, &'a str)],
     toolkit_headers: &'a [(&'a str, Option<Vec<u8>>)],
     sources: &'a [KernelSource],
 }
@@ -272,8 +272,11 @@ impl KeyInputs<'_> {
         for option in self.options {
             hash.field(option.as_bytes());
         }
-        hash.field(self.common_header.0.as_bytes());
-        hash.field(self.common_header.1.as_bytes());
+        hash.count(self.headers.len());
+        for (name, text) in self.headers {
+            hash.field(name.as_bytes());
+            hash.field(text.as_bytes());
+        }
         hash.count(self.toolkit_headers.len());
         for (name, text) in self.toolkit_headers {
             hash.field(name.as_bytes());
@@ -900,7 +903,7 @@ mod tests {
             nvrtc_version: (13, 0),
             target: Target::HOPPER,
             options: &options,
-            common_header: ("common.cuh", "// common"),
+            headers: &[("common.cuh", "// common")],
             toolkit_headers: &headers,
             sources: FAKE,
         };
@@ -959,7 +962,7 @@ mod tests {
                 ..base()
             },
             KeyInputs {
-                common_header: ("common.cuh", "// common!"),
+                headers: &[("common.cuh", "// common!")],
                 ..base()
             },
             KeyInputs {

@@ -27,9 +27,13 @@ pub struct KernelSource {
     pub entry_points: &'static [&'static str],
 }
 
-/// The header every source includes, handed to NVRTC from memory so that a
-/// diagnostic inside it names it and its own line.
-pub const COMMON_HEADER: (&str, &str) = ("common.cuh", include_str!("kernels/common.cuh"));
+/// The headers sources include (`common.cuh` every one, `wgmma.cuh` those
+/// that stage tiles in shared memory), handed to NVRTC from memory so that
+/// a diagnostic inside one names it and its own line.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("wgmma.cuh", include_str!("kernels/wgmma.cuh")),
+];
 
 macro_rules! source {
     ($file:literal, [$($entry:literal),+ $(,)?]) => {
@@ -149,6 +153,15 @@ pub const SOURCES: &[KernelSource] = &[
         ]
     ),
     source!("lookup.cu", ["embedding_forward", "embedding_backward"]),
+    source!(
+        "grouped_gemm.cu",
+        [
+            "grouped_gemm_wgmma_nn",
+            "grouped_gemm_wgmma_nt",
+            "grouped_gemm_wgmma_tn",
+            "grouped_gemm_wgmma_tt"
+        ]
+    ),
     source!(
         "conv.cu",
         [
@@ -479,10 +492,14 @@ fn compile_loaded(
     };
     let text = CString::new(source.text).map_err(|_| interior_nul("the source"))?;
     let name = CString::new(source.file).map_err(|_| interior_nul("the file name"))?;
-    let header = CString::new(COMMON_HEADER.1).map_err(|_| interior_nul("common.cuh"))?;
-    let header_name = CString::new(COMMON_HEADER.0).map_err(|_| interior_nul("common.cuh"))?;
-    let headers = [header.as_ptr()];
-    let header_names = [header_name.as_ptr()];
+    let mut header_texts = Vec::with_capacity(HEADERS.len());
+    let mut header_names = Vec::with_capacity(HEADERS.len());
+    for (name, text) in HEADERS {
+        header_texts.push(CString::new(*text).map_err(|_| interior_nul(name))?);
+        header_names.push(CString::new(*name).map_err(|_| interior_nul(name))?);
+    }
+    let headers: Vec<_> = header_texts.iter().map(|h| h.as_ptr()).collect();
+    let header_names: Vec<_> = header_names.iter().map(|h| h.as_ptr()).collect();
     let mut program = Program(std::ptr::null_mut());
     // SAFETY: every pointer is a live NUL-terminated string for the call;
     // NVRTC copies the sources.
@@ -491,7 +508,7 @@ fn compile_loaded(
             &mut program.0,
             text.as_ptr(),
             name.as_ptr(),
-            1,
+            headers.len() as i32,
             headers.as_ptr(),
             header_names.as_ptr(),
         )

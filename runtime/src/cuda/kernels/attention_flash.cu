@@ -37,6 +37,7 @@
 // `dv_part` ([rows, heads, D]), and flash_group_sum adds a group's shares
 // in head order.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define FLASH_THREADS 128
 // Rows of the forward's and dq's query tile: 32 a warp, two 16-row
@@ -51,12 +52,6 @@
 // accumulators), and the query tile it walks.
 #define DKDV_KEYS 64
 #define DKDV_QUERIES 32
-
-typedef __nv_bfloat16 bf16;
-
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
 
 // Four 8 x 8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
@@ -82,34 +77,10 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats as a bf16 pair, the first in the low half (an operand's
-// lower-indexed element).
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-}
-
-// 16 bytes from global to shared memory, asynchronously; zeros when !valid
-// (nothing is read then).
-__device__ __forceinline__ void copy16_async(u32 dst, const void* src, bool valid) {
-    const int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
 // One f32 from global to shared memory, asynchronously; zero when !valid.
 __device__ __forceinline__ void copy4_async(u32 dst, const float* src, bool valid) {
     const int bytes = valid ? 4 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void commit_async() {
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-// Waits until at most `N` of this thread's committed groups are in flight.
-template <int N>
-__device__ __forceinline__ void wait_async() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // Stages `ROWS` rows of one head (D channels each, `stride` elements apart
@@ -245,14 +216,6 @@ __device__ __forceinline__ float quad_sum(float v) {
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-// Two adjacent outputs: a bf16 pair, or two f32s.
-__device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
-    *reinterpret_cast<u32*>(p) = pack_bf16(a, b);
-}
-__device__ __forceinline__ void store_pair(float* p, float a, float b) {
-    *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
 
 // Writes the warp's (M * 16) x D f32 tile `acc` times `factor` (as bf16 or
@@ -703,13 +666,6 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// A shared-memory matrix descriptor with the 128-byte swizzle: start
-// address, leading and stride byte offsets (each in units of 16 bytes).
-__device__ __forceinline__ u64 swizzled_desc(u32 address, u32 leading, u32 stride) {
-    return static_cast<u64>((address & 0x3ffff) >> 4) | (static_cast<u64>(leading >> 4) << 16) |
-           (static_cast<u64>(stride >> 4) << 32) | (1ull << 62);
-}
-
 // A staged tile of ROWS rows as a K-major operand (K-step `kk`: channels
 // 16 kk .. 16 kk + 15, rows from `row0`, a multiple of 8; the leading
 // offset is unused), and as an MN-major B (K-step `kk`: rows 16 kk .. 16 kk
@@ -723,21 +679,6 @@ __device__ __forceinline__ u64 mn_major(const bf16* tile, u32 kk) {
     return swizzled_desc(shared_address(tile) + kk * 2048, ROWS * 128, 1024);
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-// Closes the products issued since the fence into a group and waits for
-// them: their results are in registers after this.
-__device__ __forceinline__ void wgmma_finish() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// Makes this thread's `cp.async` writes to shared memory visible to the
-// async proxy that `wgmma` reads it through (before the block's barrier).
-__device__ __forceinline__ void fence_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 // Closes this thread's fetches into a group and waits for all but the
 // newest group (the next tile's, in flight), then for every thread's: the
 // current tile is in shared memory, visible to `wgmma`.
@@ -747,56 +688,6 @@ __device__ __forceinline__ void await_staged_tile() {
     fence_async_shared();
     __syncthreads();
 }
-
-// The products, one instance per width N the kernels use (64 and 128; the
-// operand lists are long, not clever).
-__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
 
 // Issues d = A B^T over the WG_D channels, d 64 x B_ROWS: A the 64 rows
 // from `a_row0` of a staged tile of A_ROWS rows, B every row of a staged
@@ -835,26 +726,6 @@ __device__ __forceinline__ void stage_swizzled(bf16* tile, const bf16* first, u6
         const bool ok = r < valid;
         copy16_async(at, ok ? first + r * stride + c * 8 : first, ok);
     }
-}
-
-// The block's dynamic shared memory from its first 1024-byte boundary (the
-// launchers give every `wgmma` kernel 1024 bytes more than its tiles).
-__device__ __forceinline__ unsigned char* aligned_shared(unsigned char* shared) {
-    return shared + ((1024 - (shared_address(shared) & 1023)) & 1023);
-}
-
-// A warpgroup's view of its 64 rows: which warp of the group, the lane,
-// and this thread's accumulator rows `row` and `row + 8` (relative to the
-// group's first).
-struct GroupLane {
-    u32 group, lane, row;
-};
-__device__ __forceinline__ GroupLane group_lane() {
-    GroupLane at;
-    at.group = threadIdx.x / 128;
-    at.lane = threadIdx.x & 31;
-    at.row = ((threadIdx.x & 127) >> 5) * 16 + (at.lane >> 2);
-    return at;
 }
 
 // The register A operand of K-step `kk` from a 64 x N accumulator `w`:

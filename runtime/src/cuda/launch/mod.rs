@@ -43,6 +43,8 @@ mod attention_flash;
 pub use attention_flash::{
     FLASH_HEAD_DIMS, flash_attention_dims, flash_attention_scratch_len, flash_attention_takes,
 };
+mod grouped_gemm;
+pub use grouped_gemm::grouped_gemm_takes;
 mod lookup;
 
 /// A view of device memory as a kernel takes it.
@@ -302,6 +304,8 @@ pub struct KernelSet {
     functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
     flash_attention: bool,
+    /// Whether the grouped GEMM kernels got their shared memory (Hopper).
+    grouped_gemm: bool,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -356,6 +360,7 @@ impl KernelSet {
             modules.push(module);
         }
         let flash_attention = attention_flash::reserve_shared_memory(&functions, target);
+        let grouped_gemm = grouped_gemm::reserve_shared_memory(&functions, target);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -372,6 +377,7 @@ impl KernelSet {
             _modules: modules,
             functions,
             flash_attention,
+            grouped_gemm,
             fault,
             fault_ptr,
         })
