@@ -114,7 +114,7 @@ fn grouped_matmul<B: Backend>(s: &mut Suite<'_, B>) {
     // rows past a 128-row tile, a single row, an empty expert, all four
     // layouts, adding into C.
     let (wide, width) = (136, 200);
-    let groups: [(&str, Vec<MatmulDims>); 9] = [
+    let groups: [(&str, Vec<MatmulDims>); 11] = [
         (
             "experts' forward, 5/0/17 rows",
             [5, 0, 17]
@@ -169,6 +169,16 @@ fn grouped_matmul<B: Backend>(s: &mut Suite<'_, B>) {
                 flags(9, 144, 40, false, true, true),
             ],
         ),
+        // One expert alone (nothing to spread over streams): a few rows,
+        // then a whole tile's.
+        (
+            "one expert's forward, 5 rows",
+            vec![MatmulDims::linear(5, wide, width)],
+        ),
+        (
+            "one expert's forward, 128 rows",
+            vec![MatmulDims::linear(128, wide, width)],
+        ),
     ];
     for (i, (name, problems)) in groups.into_iter().enumerate() {
         let values: Vec<[Vec<f64>; 3]> = problems
@@ -181,55 +191,70 @@ fn grouped_matmul<B: Backend>(s: &mut Suite<'_, B>) {
                 ]
             })
             .collect();
-        let k_max = problems.iter().map(|d| d.k).max().unwrap_or(0);
-        let mut case = KernelCase::new("grouped_matmul", name)
-            .tolerance(64.0 * U * (k_max as f64 + 1.0), 16.0 * U);
-        for (p, (d, [a, b, c])) in problems.iter().zip(&values).enumerate() {
-            let [a_name, b_name, c_name] = PROBLEM_ARGS[p];
-            case = case.input(a_name, a.clone()).input(b_name, b.clone());
-            case = if d.accumulate {
-                case.inout(c_name, c.clone())
-            } else {
-                case.output(c_name, d.m * d.n)
-            };
-            // One type per operand for the whole group.
-            case = case.same_dtype(b_name, PROBLEM_ARGS[0][0]);
-            if p > 0 {
-                case = case
-                    .same_dtype(a_name, PROBLEM_ARGS[0][0])
-                    .same_dtype(c_name, PROBLEM_ARGS[0][2]);
+        // The kernel-shaped groups run twice: views offset by three
+        // elements (the general path) and 16-byte aligned (a GPU's
+        // grouped kernel).
+        let kernel_shaped = i >= 5;
+        for aligned in [false, true] {
+            if aligned && !kernel_shaped {
+                continue;
             }
-        }
-        let case = if i == 0 { case.with_refusals() } else { case };
-        let reference_problems = problems.clone();
-        let launch_problems = problems.clone();
-        s.check_kernel(
-            case,
-            move |x| {
-                reference_problems
-                    .iter()
-                    .enumerate()
-                    .map(|(p, &d)| {
-                        let [a, b, c] = PROBLEM_ARGS[p];
-                        Expected::new(c, r::matmul(&x[a], &x[b], &x[c], d))
-                    })
-                    .collect()
-            },
-            move |dev: &B, b: &Bufs<B>| {
-                let mut group: Vec<GroupedMatmul<'_, B>> = Vec::new();
-                for (p, &dims) in launch_problems.iter().enumerate() {
-                    let [a, bn, c] = PROBLEM_ARGS[p];
-                    group.push(GroupedMatmul::<B> {
-                        a: b.view(a)?,
-                        b: b.view(bn)?,
-                        c: b.view_mut(c)?,
-                        dims,
-                    });
+            let case_name = if aligned {
+                format!("{name}, 16-byte aligned")
+            } else {
+                name.to_string()
+            };
+            let k_max = problems.iter().map(|d| d.k).max().unwrap_or(0);
+            let mut case = KernelCase::new("grouped_matmul", case_name)
+                .tolerance(64.0 * U * (k_max as f64 + 1.0), 16.0 * U);
+            for (p, (d, [a, b, c])) in problems.iter().zip(&values).enumerate() {
+                let [a_name, b_name, c_name] = PROBLEM_ARGS[p];
+                case = case.input(a_name, a.clone()).input(b_name, b.clone());
+                case = if d.accumulate {
+                    case.inout(c_name, c.clone())
+                } else {
+                    case.output(c_name, d.m * d.n)
+                };
+                // One type per operand for the whole group.
+                case = case.same_dtype(b_name, PROBLEM_ARGS[0][0]);
+                if p > 0 {
+                    case = case
+                        .same_dtype(a_name, PROBLEM_ARGS[0][0])
+                        .same_dtype(c_name, PROBLEM_ARGS[0][2]);
                 }
-                dev.grouped_matmul(group)?;
-                Ok(vec![])
-            },
-        );
+            }
+            let case = if i == 0 { case.with_refusals() } else { case };
+            let case = if aligned { case.aligned() } else { case };
+            let reference_problems = problems.clone();
+            let launch_problems = problems.clone();
+            s.check_kernel(
+                case,
+                move |x| {
+                    reference_problems
+                        .iter()
+                        .enumerate()
+                        .map(|(p, &d)| {
+                            let [a, b, c] = PROBLEM_ARGS[p];
+                            Expected::new(c, r::matmul(&x[a], &x[b], &x[c], d))
+                        })
+                        .collect()
+                },
+                move |dev: &B, b: &Bufs<B>| {
+                    let mut group: Vec<GroupedMatmul<'_, B>> = Vec::new();
+                    for (p, &dims) in launch_problems.iter().enumerate() {
+                        let [a, bn, c] = PROBLEM_ARGS[p];
+                        group.push(GroupedMatmul::<B> {
+                            a: b.view(a)?,
+                            b: b.view(bn)?,
+                            c: b.view_mut(c)?,
+                            dims,
+                        });
+                    }
+                    dev.grouped_matmul(group)?;
+                    Ok(vec![])
+                },
+            );
+        }
         grouped_same_bits(s, name, &problems, &values);
     }
     // No problems at all: nothing to do, and no error.

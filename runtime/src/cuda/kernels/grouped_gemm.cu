@@ -16,7 +16,7 @@
 // `wgmma` m64n128k16 from shared memory. K is walked in steps of 64; a step
 // stages a 128 x 64 tile of each operand through `cp.async` in the 128-byte
 // swizzled layout (wgmma.cuh), GG_STAGES steps deep: the products of step
-// s run while steps s + 1 and s + 2 load. A K-major operand (K along its
+// s run while steps s + 1 to s + 4 load. A K-major operand (K along its
 // stored rows) stages 128 rows of 128 bytes; an MN-major one 64 stored rows
 // of 256 bytes, as two atoms of 64 elements. One staged layout serves both
 // readings through the descriptor alone, so no operand is transposed.
@@ -36,7 +36,7 @@
 #define GG_TILE_M 128
 #define GG_TILE_N 128
 #define GG_TILE_K 64
-#define GG_STAGES 4
+#define GG_STAGES 6
 // Problems a launch takes (the table travels in the kernel's parameters,
 // which hold 4 KiB); the launcher splits longer groups.
 #define GG_MAX_PROBLEMS 48

@@ -25,9 +25,11 @@ const TILE_M: usize = 128;
 const TILE_N: usize = 128;
 /// `GG_THREADS`: two warpgroups.
 const THREADS: u32 = 256;
+/// `GG_STAGES`: K-steps staged at once.
+const STAGES: usize = 6;
 /// Dynamic shared memory: `GG_STAGES` stages of a 128 x 64 bf16 tile of
 /// each operand, and 1024 bytes to align the first to the swizzle's atom.
-const SHARED_BYTES: usize = 4 * 2 * TILE_M * 64 * 2 + 1024;
+const SHARED_BYTES: usize = STAGES * 2 * TILE_M * 64 * 2 + 1024;
 /// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
@@ -264,7 +266,7 @@ mod tests {
             ("GG_TILE_M", TILE_M),
             ("GG_TILE_N", TILE_N),
             ("GG_THREADS", THREADS as usize),
-            ("GG_STAGES", (SHARED_BYTES - 1024) / (2 * TILE_M * 64 * 2)),
+            ("GG_STAGES", STAGES),
             ("GG_ACCUMULATE", ACCUMULATE as usize),
             ("GG_C_F32", C_F32 as usize),
         ] {
