@@ -989,6 +989,24 @@ pub enum AttentionBackend {
     Unfused,
 }
 
+/// How a GPU backend runs the MoE experts' GEMMs
+/// ([`Backend::grouped_matmul`]'s bf16 problems). The CPU backend has one
+/// path.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertGemm {
+    /// One cuBLAS GEMM a problem, dealt over three streams (the faster
+    /// today on an H200: README, "Speed").
+    #[default]
+    Cublas,
+    /// One launch of `grouped_gemm.cu` for every problem of a layout, on
+    /// Hopper (`wgmma`); elsewhere, and for problems it does not take,
+    /// cuBLAS. The same bits as cuBLAS on the benchmark model.
+    Grouped,
+}
+
 /// Dimensions of the attention kernels.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {

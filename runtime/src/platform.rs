@@ -9,7 +9,7 @@
 //! torchrun or srun (ranks found with `crate::launch`) or one process
 //! driving every local GPU from a thread each.
 
-use crate::backend::{AttentionBackend, Precision};
+use crate::backend::{AttentionBackend, ExpertGemm, Precision};
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
 use crate::cuda::{CudaPlatform, GpuInfo};
@@ -35,6 +35,8 @@ pub struct RankSettings {
     pub trace: Arc<TraceRecorder>,
     /// The attention kernels a GPU rank takes.
     pub attention: AttentionBackend,
+    /// How a GPU rank runs the experts' GEMMs.
+    pub expert_gemm: ExpertGemm,
 }
 
 #[cfg(test)]
@@ -48,6 +50,7 @@ impl RankSettings {
             timeout: crate::collective::DEFAULT_TIMEOUT,
             trace: Arc::new(TraceRecorder::statistics_only()),
             attention: AttentionBackend::default(),
+            expert_gemm: ExpertGemm::default(),
         }
     }
 }

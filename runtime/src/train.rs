@@ -4,7 +4,7 @@
 //! steps: batches, the schedule's program, the optimizer, losses, traces and
 //! checkpoints.
 
-use crate::backend::{AttentionBackend, Backend, DeviceStats, Precision, Tokens};
+use crate::backend::{AttentionBackend, Backend, DeviceStats, ExpertGemm, Precision, Tokens};
 use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
@@ -80,6 +80,8 @@ pub struct TrainConfig {
     pub recompute: Recompute,
     /// The attention kernels on GPUs ([`AttentionBackend`]).
     pub attention: AttentionBackend,
+    /// How GPUs run the experts' GEMMs ([`ExpertGemm`]).
+    pub expert_gemm: ExpertGemm,
     /// Parameters and activations in bf16 or f32 (master weights, gradients
     /// and optimizer state are f32 either way).
     pub precision: Precision,
@@ -147,6 +149,7 @@ impl TrainConfig {
             sharding: Sharding::Zero3,
             recompute: Recompute::None,
             attention: AttentionBackend::Flash,
+            expert_gemm: ExpertGemm::default(),
             precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
@@ -698,6 +701,7 @@ pub fn train_on<P: Platform>(
         timeout: config.timeout,
         trace: recorder.clone(),
         attention: config.attention,
+        expert_gemm: config.expert_gemm,
     };
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);

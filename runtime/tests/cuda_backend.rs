@@ -7,7 +7,9 @@
 //! Without a GPU each test prints why and passes: the binary is built on a
 //! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
 
-use hybridgen_runtime::backend::{Backend, ScanDims, ScanGrads, ScanInputs, Slice, Tokens};
+use hybridgen_runtime::backend::{
+    Backend, GroupedMatmul, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, Tokens,
+};
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
 use hybridgen_runtime::cuda::launch::ScanChunkPlan;
@@ -120,6 +122,115 @@ fn every_scan_path_conforms() {
                 conformance::Family::Mamba,
             );
         }
+    }
+}
+
+/// The grouped GEMM kernel (`--expert-gemm grouped`, Hopper) must conform
+/// on its own: the suite's 16-byte aligned grouped cases reach it (views
+/// three elements off take cuBLAS, as without it).
+#[test]
+fn the_grouped_gemm_kernel_conforms() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        let Some(backend) = gpu(precision) else {
+            return;
+        };
+        family_conforms(&backend.with_grouped_gemm(true), conformance::Family::Dense);
+    }
+}
+
+/// At the benchmark model's expert sizes (hidden 2,048, width 1,024; 700
+/// to 1,300 rows an expert) the grouped kernel and cuBLAS sum each output
+/// in the same order (K-steps of 16 in order, f32), so the experts' three
+/// GEMMs (forward, input gradient, and the weight gradient added to f32
+/// gradients) give the same bits either way, and `--expert-gemm` changes
+/// speed only. Off Hopper both take cuBLAS.
+#[test]
+fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
+    let Some(host) = gpu(Precision::Bf16) else {
+        return;
+    };
+    let (hidden, width) = (2048, 1024);
+    let rows = [700usize, 1024, 1301];
+    let mut seed = 7u64;
+    let mut inputs = Vec::new();
+    for &r in &rows {
+        let x = put(
+            &host,
+            &uniform(&mut seed, r * hidden, -2.0, 2.0),
+            DType::Bf16,
+        );
+        let w = put(
+            &host,
+            &uniform(&mut seed, width * hidden, -2.0, 2.0),
+            DType::Bf16,
+        );
+        let dy = put(
+            &host,
+            &uniform(&mut seed, r * width, -2.0, 2.0),
+            DType::Bf16,
+        );
+        let grad = uniform(&mut seed, width * hidden, -2.0, 2.0);
+        inputs.push((r, x, w, dy, grad));
+    }
+    let run = |grouped: bool| -> Vec<Vec<f32>> {
+        let dev = host.clone().with_grouped_gemm(grouped);
+        let mut outs = Vec::new();
+        let mut bufs = Vec::new();
+        for (r, _, _, _, grad) in &inputs {
+            bufs.push((
+                dev.alloc(r * width, DType::Bf16).unwrap(),
+                dev.alloc(r * hidden, DType::Bf16).unwrap(),
+                put(&dev, grad, DType::F32),
+            ));
+        }
+        let mut problems = Vec::new();
+        for ((r, x, w, dy, _), (y, dx, dw)) in inputs.iter().zip(&mut bufs) {
+            let r = *r;
+            problems.push(GroupedMatmul::<CudaBackend> {
+                a: dev.view(x).unwrap(),
+                b: dev.view(w).unwrap(),
+                c: dev.view_mut(y).unwrap(),
+                dims: MatmulDims::linear(r, hidden, width),
+            });
+            problems.push(GroupedMatmul::<CudaBackend> {
+                a: dev.view(dy).unwrap(),
+                b: dev.view(w).unwrap(),
+                c: dev.view_mut(dx).unwrap(),
+                dims: MatmulDims::linear_input_grad(r, hidden, width, false),
+            });
+            problems.push(GroupedMatmul::<CudaBackend> {
+                a: dev.view(dy).unwrap(),
+                b: dev.view(x).unwrap(),
+                c: dev.view_mut(dw).unwrap(),
+                dims: MatmulDims::linear_weight_grad(r, hidden, width),
+            });
+        }
+        dev.grouped_matmul(problems).unwrap();
+        for ((r, ..), (y, dx, dw)) in inputs.iter().zip(&bufs) {
+            outs.push(get(&dev, y, r * width));
+            outs.push(get(&dev, dx, r * hidden));
+            let mut wide = vec![0.0f32; width * hidden];
+            dev.download(dev.view(dw).unwrap(), &mut wide).unwrap();
+            outs.push(wide);
+        }
+        outs
+    };
+    let (cublas, grouped) = (run(false), run(true));
+    for (i, (a, b)) in cublas.iter().zip(&grouped).enumerate() {
+        let what = ["forward", "input gradient", "weight gradient"][i % 3];
+        let differ = a
+            .iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "expert {} ({} rows), {what}: {differ} of {} values differ from cuBLAS's",
+            i / 3,
+            rows[i / 3],
+            a.len()
+        );
     }
 }
 

@@ -6,7 +6,7 @@ use super::{Failure, human};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
-use hybridgen_runtime::backend::AttentionBackend;
+use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::data::{IndexedSpec, Split};
 use hybridgen_runtime::fsdp::Sharding;
@@ -88,6 +88,12 @@ pub(crate) struct TrainArgs {
     /// store). The CPU has the unfused path only.
     #[arg(long, value_enum, default_value = "flash")]
     attention_backend: AttentionBackendArg,
+    /// How GPUs run the MoE experts' GEMMs: `cublas` (one GEMM an expert,
+    /// over three streams; the faster today) or `grouped` (one launch of
+    /// the grouped wgmma kernel for all experts, on Hopper). The CPU has
+    /// one path.
+    #[arg(long, value_enum, default_value = "cublas")]
+    expert_gemm: ExpertGemmArg,
     /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
@@ -223,6 +229,12 @@ enum RecomputeArg {
 enum AttentionBackendArg {
     Flash,
     Unfused,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum ExpertGemmArg {
+    Cublas,
+    Grouped,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -644,6 +656,10 @@ fn config(
     config.attention = match args.attention_backend {
         AttentionBackendArg::Flash => AttentionBackend::Flash,
         AttentionBackendArg::Unfused => AttentionBackend::Unfused,
+    };
+    config.expert_gemm = match args.expert_gemm {
+        ExpertGemmArg::Cublas => ExpertGemm::Cublas,
+        ExpertGemmArg::Grouped => ExpertGemm::Grouped,
     };
     config.sharding = if args.zero == "0" {
         Sharding::NoShard

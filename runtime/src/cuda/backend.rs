@@ -124,6 +124,7 @@ impl Gpu {
             arena,
             attention_scratch: ATTENTION_GEMM_SCRATCH_BYTES,
             flash_attention: true,
+            grouped_gemm: false,
             scan_scratch: SCAN_CHUNKED_SCRATCH_BYTES,
         })
     }
@@ -213,6 +214,9 @@ pub struct CudaBackend {
     /// Whether attention takes the flash kernels where they apply (see
     /// [`flash_attention_takes`]).
     flash_attention: bool,
+    /// Whether `grouped_matmul` takes the grouped kernel where it applies
+    /// (see [`grouped_gemm_takes`]).
+    grouped_gemm: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
     scan_scratch: usize,
@@ -239,6 +243,7 @@ impl CudaBackend {
         backend.arena = self.arena.clone();
         backend.attention_scratch = self.attention_scratch;
         backend.flash_attention = self.flash_attention;
+        backend.grouped_gemm = self.grouped_gemm;
         backend.scan_scratch = self.scan_scratch;
         Ok(backend)
     }
@@ -258,6 +263,14 @@ impl CudaBackend {
     /// tests use it to reach both paths.
     pub fn with_flash_attention(mut self, on: bool) -> CudaBackend {
         self.flash_attention = on;
+        self
+    }
+
+    /// This backend with `grouped_matmul`'s bf16 problems on the grouped
+    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`]) or on cuBLAS (the
+    /// default).
+    pub fn with_grouped_gemm(mut self, on: bool) -> CudaBackend {
+        self.grouped_gemm = on;
         self
     }
 
@@ -676,12 +689,13 @@ impl Backend for CudaBackend {
                 )));
             }
         }
-        // On Hopper the bf16 problems run as one grouped kernel (one
-        // launch a layout); the rest go to cuBLAS.
+        // With the grouped kernel on (Hopper), the bf16 problems it takes
+        // run as one launch a layout; the rest go to cuBLAS.
         let kernels = self.k();
-        let (grouped, rest): (Vec<_>, Vec<_>) = operands.into_iter().partition(|(a, b, c, d)| {
-            kernels.has_grouped_gemm() && grouped_gemm_takes(kernels.target(), a, b, c, d)
-        });
+        let on = self.grouped_gemm && kernels.has_grouped_gemm();
+        let (grouped, rest): (Vec<_>, Vec<_>) = operands
+            .into_iter()
+            .partition(|(a, b, c, d)| on && grouped_gemm_takes(kernels.target(), a, b, c, d));
         if !grouped.is_empty() {
             kernels.grouped_gemm(self.s(), &grouped)?;
         }

@@ -314,6 +314,21 @@ impl LtGemm {
                 8,
             )?;
         }
+        // Split-K only with partial sums in f32: the other schemes add the
+        // parts in C's type, so a bf16 C was rounded once per part (an
+        // H200 picked one for a 5 x 200 x 136 bf16 GEMM on unaligned
+        // views, and about 3 of 10 outputs missed by 2-5 bf16 ulps).
+        let f32_parts =
+            sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+        // SAFETY: a live preference; the mask is a u32.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                pref.0,
+                Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                (&f32_parts as *const u32).cast(),
+                4,
+            )?;
+        }
         for (attr, log2) in [
             Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
             Pref::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
