@@ -183,7 +183,8 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
                 put(&dev, grad, DType::F32),
             ));
         }
-        let mut problems = Vec::new();
+        // Two groups, as the experts' layer makes them: one type per C.
+        let (mut problems, mut weight_grads) = (Vec::new(), Vec::new());
         for ((r, x, w, dy, _), (y, dx, dw)) in inputs.iter().zip(&mut bufs) {
             let r = *r;
             problems.push(GroupedMatmul::<CudaBackend> {
@@ -198,7 +199,7 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
                 c: dev.view_mut(dx).unwrap(),
                 dims: MatmulDims::linear_input_grad(r, hidden, width, false),
             });
-            problems.push(GroupedMatmul::<CudaBackend> {
+            weight_grads.push(GroupedMatmul::<CudaBackend> {
                 a: dev.view(dy).unwrap(),
                 b: dev.view(x).unwrap(),
                 c: dev.view_mut(dw).unwrap(),
@@ -206,6 +207,7 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
             });
         }
         dev.grouped_matmul(problems).unwrap();
+        dev.grouped_matmul(weight_grads).unwrap();
         for ((r, ..), (y, dx, dw)) in inputs.iter().zip(&bufs) {
             outs.push(get(&dev, y, r * width));
             outs.push(get(&dev, dx, r * hidden));

@@ -428,8 +428,14 @@ impl CudaBackend {
     /// returns, so to every later call the group ran on the queue.
     fn spread_gemms(&self, operands: Vec<(GpuView, GpuView, GpuView, MatmulDims)>) -> Result<()> {
         let flops = |d: &MatmulDims| d.m as f64 * d.n as f64 * d.k as f64;
-        let movable = |(a, _, _, d): &(GpuView, GpuView, GpuView, MatmulDims)| {
-            a.dtype == DType::Bf16 && d.m > 0 && d.n > 0 && d.k > 0
+        // Sums into bf16 stay on the queue's stream, whose `gemm` takes
+        // them through f32 scratch.
+        let movable = |(a, _, c, d): &(GpuView, GpuView, GpuView, MatmulDims)| {
+            a.dtype == DType::Bf16
+                && !(c.dtype == DType::Bf16 && d.accumulate)
+                && d.m > 0
+                && d.n > 0
+                && d.k > 0
         };
         let spread = operands.iter().filter(|o| movable(o)).count() >= 2;
         let side = if spread { self.side_streams()? } else { &[] };
@@ -501,6 +507,23 @@ impl CudaBackend {
             }
             self.queue.blas.gemm(&self.gpu.queues, a, b, wide, dims)?;
             return self.k().cast(self.s(), wide, c);
+        }
+        if c.dtype == DType::Bf16 && dims.accumulate {
+            // cuBLAS's bf16 epilogue rounds the product to bf16 before it
+            // adds C (on an H200, sums into bf16 missed by up to 15 ulps of
+            // C: a rounding at the product's scale, not C's). The product
+            // goes to f32 scratch instead, and `axpy` adds it to C with the
+            // contract's one rounding.
+            let scratch = self.alloc_uninit(c.len, DType::F32)?;
+            let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
+            let product = MatmulDims {
+                accumulate: false,
+                ..dims
+            };
+            self.queue
+                .blas
+                .gemm(&self.gpu.queues, a, b, wide, product)?;
+            return self.k().axpy(self.s(), 1.0, wide, c);
         }
         self.queue.blas.gemm(&self.gpu.queues, a, b, c, dims)
     }

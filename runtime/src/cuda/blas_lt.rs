@@ -315,9 +315,9 @@ impl LtGemm {
             )?;
         }
         // Split-K only with partial sums in f32: the other schemes add the
-        // parts in C's type, so a bf16 C was rounded once per part (an
-        // H200 picked one for a 5 x 200 x 136 bf16 GEMM on unaligned
-        // views, and about 3 of 10 outputs missed by 2-5 bf16 ulps).
+        // parts in C's type. Without this mask an H200's heuristic gave a
+        // 5 x 200 x 136 bf16 GEMM on unaligned views an algorithm whose
+        // outputs missed the one-rounding bound in 3 of 10 elements.
         let f32_parts =
             sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
         // SAFETY: a live preference; the mask is a u32.
