@@ -903,7 +903,8 @@ fn head_run(
     let saved = head
         .forward(dev(), v(&wb), v(&hb), v(&tb), vm(&sum), Some(scale))
         .expect("forward");
-    let (dh, dw) = (up(&vec![0.0; h.len()]), up(&vec![0.0; w.len()]));
+    // dh starts as anything (the backward writes it whole); dW is summed into.
+    let (dh, dw) = (up(&vec![7.0; h.len()]), up(&vec![0.0; w.len()]));
     head.backward(dev(), v(&wb), saved, v(&tb), scale, vm(&dh), vm(&dw))
         .expect("backward");
     (down_f64(&sum), down(&dh), down(&dw))

@@ -211,9 +211,11 @@ impl Head {
     }
 
     /// For the loss `grad_scale * loss_sum` (e.g. `1 / tokens` for a mean):
-    /// `dh += dlogits W` and `dW += dlogits^T h` (into the output layer's or,
-    /// tied, the embedding's gradient), chunk by chunk, from the logit
-    /// gradients the forward kept (for this `grad_scale`) or recomputed.
+    /// `dh = dlogits W` (written whole: each chunk writes its rows once, so
+    /// no sum into bf16, which costs a GPU a pass through f32) and
+    /// `dW += dlogits^T h` (into the output layer's or, tied, the
+    /// embedding's gradient), chunk by chunk, from the logit gradients the
+    /// forward kept (for this `grad_scale`) or recomputed.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<B: Backend>(
         &self,
@@ -270,7 +272,7 @@ impl Head {
                 d_logits,
                 weight,
                 b.subslice_mut(&mut dh, chunk.start * h..chunk.end * h)?,
-                MatmulDims::linear_input_grad(n, h, v, true),
+                MatmulDims::linear_input_grad(n, h, v, false),
             )?;
             b.matmul(
                 d_logits,

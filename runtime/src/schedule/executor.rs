@@ -894,7 +894,8 @@ fn backward_op<D: Device>(
                 HeadState::Idle => return Err(missing("a head's saved forward")),
             };
             let scale = head_grad_scale(cx, mb, depth);
-            let dh = zeros()?;
+            // Written whole by the head's backward.
+            let dh = b.alloc_uninit(rows * h, b.compute_dtype())?;
             let output = w.output_owner();
             model.head.backward(
                 b,
