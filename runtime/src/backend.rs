@@ -998,7 +998,7 @@ pub enum AttentionBackend {
 #[serde(rename_all = "lowercase")]
 pub enum ExpertGemm {
     /// One cuBLAS GEMM a problem, dealt over three streams (the faster
-    /// today on an H200: README, "Speed").
+    /// today on an H200: README, "How it is built").
     #[default]
     Cublas,
     /// One launch of `grouped_gemm.cu` for every problem of a layout, on
