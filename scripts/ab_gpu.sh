@@ -17,22 +17,33 @@
 # `cargo build` here rebuilds the workspace's own crates).
 # There:
 #   ROUNDS=2 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
-# Extra flags for every run go in EXTRA (e.g. EXTRA="--schedule plain").
+# Extra flags for every run go in EXTRA (e.g. EXTRA="--schedule plain");
+# flags for one entry follow its name after a colon, comma-separated, so
+# one build can be weighed against itself with another option:
+#   bash gpu-bundle/ab_gpu.sh hybridgen hybridgen:--expert-gemm=grouped
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-[ $# -ge 1 ] || { echo "usage: ab_gpu.sh BINARY... (names in the bundle)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: ab_gpu.sh BINARY[:FLAG,...]... (names in the bundle)" >&2; exit 2; }
 log=$(mktemp -d)
 # env.sh keeps the kernel cache under $out: one cache for every run, so only
 # the first run of each build compiles.
 out=$log
 . "$here/env.sh"
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for name in "$@"; do
-    "$here/$name" train --device cuda --ranks 1 --ep 1 --preset bench-hybrid-moe \
+  for entry in "$@"; do
+    binary=${entry%%:*}
+    flags=""
+    if [[ "$entry" == *:* ]]; then
+      flags=${entry#*:}
+      flags=${flags//,/ }
+    fi
+    name=$(printf '%s' "$entry" | tr -c 'A-Za-z0-9_.=-' '_')
+    # shellcheck disable=SC2086 # EXTRA and the entry's flags are word lists
+    "$here/$binary" train --device cuda --ranks 1 --ep 1 --preset bench-hybrid-moe \
       --micro-batch-size 1 --micro-batches 4 --steps 13 --lr 1e-4 --weight-decay 0.1 \
-      --clip-grad 0 --format json ${EXTRA:-} > "$log/$name-$round.jsonl" 2> "$log/$name-$round.err"
+      --clip-grad 0 --format json ${EXTRA:-} $flags > "$log/$name-$round.jsonl" 2> "$log/$name-$round.err"
     rc=$?
-    python3 - "$here" "$name" "$round" "$rc" "$log/$name-$round.jsonl" <<'PY'
+    python3 - "$here" "$entry" "$round" "$rc" "$log/$name-$round.jsonl" <<'PY'
 import statistics, sys
 sys.path.insert(0, sys.argv[1])
 from run_log import read

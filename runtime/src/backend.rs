@@ -222,13 +222,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: MatmulDims,
     ) -> Result<()>;
 
-    /// Many independent [`Backend::matmul`]s as one operation (on Hopper,
-    /// one grouped kernel launch): each problem is the matmul its dims
-    /// describe, and its bits depend on it alone (its operands and dims,
-    /// never the other problems or their order), so grouping never changes
-    /// a bit; a GPU may sum in another order than its `matmul`. Every `A` and `B` is
-    /// of one float dtype (bf16 or f32) and every `C` of one float dtype, as
-    /// one grouped GEMM call takes one type per operand; f32 accumulation.
+    /// Many independent [`Backend::matmul`]s as one operation (with
+    /// [`ExpertGemm::Grouped`] on Hopper, one kernel launch): each problem
+    /// is the matmul its dims describe, and its bits depend on it alone
+    /// (its operands and dims, never the other problems or their order), so
+    /// grouping never changes a bit. Every `A` and `B` is of one float
+    /// dtype (bf16 or f32) and every `C` of one float dtype, as one grouped
+    /// GEMM call takes one type per operand; f32 accumulation.
     /// The `C` views must be pairwise disjoint (the CPU backend refuses
     /// overlapping ones) and none may overlap an `A` or `B`. The MoE experts
     /// run each of their GEMMs this way over their row ranges.
