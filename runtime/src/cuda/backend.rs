@@ -267,8 +267,8 @@ impl CudaBackend {
     }
 
     /// This backend with `grouped_matmul`'s bf16 problems on the grouped
-    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`]) or on cuBLAS (the
-    /// default).
+    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`]) or on
+    /// cuBLAS (the default).
     pub fn with_grouped_gemm(mut self, on: bool) -> CudaBackend {
         self.grouped_gemm = on;
         self
@@ -421,9 +421,10 @@ impl CudaBackend {
     /// exactly the matmul it describes, with the same bits wherever it
     /// runs (an algorithm is a function of the shape, and each stream has
     /// a cuBLAS handle and workspace of its own). Problems with bf16
-    /// operands are dealt, largest first, to whichever of the queue's
-    /// stream and its side streams has the fewest FLOPs so far (a function
-    /// of the shapes alone); the side streams start after everything the
+    /// operands (but for sums into a bf16 C, which `gemm` takes through
+    /// scratch on the queue) are dealt, largest first, to whichever of the
+    /// queue's stream and its side streams has the fewest FLOPs so far (a
+    /// function of the shapes alone); the side streams start after everything the
     /// queue enqueued before, and the queue waits for them before this
     /// returns, so to every later call the group ran on the queue.
     fn spread_gemms(&self, operands: Vec<(GpuView, GpuView, GpuView, MatmulDims)>) -> Result<()> {

@@ -194,8 +194,9 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         acc[i] = 0.0f;
     }
     for (u32 s = 0; s < steps; ++s) {
-        // Step s is this thread's oldest group but GG_STAGES - 3; the
-        // barrier makes every thread's copies of it visible to `wgmma`.
+        // All but this thread's newest GG_STAGES - 3 fetch groups have
+        // landed, step s's among them; the barrier makes every thread's
+        // copies of it visible to `wgmma`.
         wait_async<GG_STAGES - 3>();
         fence_async_shared();
         __syncthreads();
