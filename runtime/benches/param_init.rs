@@ -19,7 +19,10 @@ fn main() {
     };
     // One expert's fc1 of the benchmark model, and a large weight.
     for (name, shape) in [
-        ("decoder.layers.0.mlp.experts.linear_fc1.weight0", [2048usize, 1024]),
+        (
+            "decoder.layers.0.mlp.experts.linear_fc1.weight0",
+            [2048usize, 1024],
+        ),
         ("output_layer.weight", [32768, 2048]),
         ("decoder.layers.0.mixer.conv1d_weight", [8192, 4]),
     ] {
