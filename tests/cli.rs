@@ -252,6 +252,11 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
         assert!(phase(name) > 0.0, "{name}: {startup}");
     }
     assert_eq!(phase("resume"), 0.0);
+    // Drawing the values is part of the parameters' phase.
+    assert!(
+        phase("params_drawn") > 0.0 && phase("params_drawn") <= phase("params"),
+        "{startup}"
+    );
     // The model's FLOPs a token, for MFU.
     assert!(
         summary["flops_per_token"].as_u64().unwrap() > 0,

@@ -273,6 +273,9 @@ pub struct StartupTimes {
     /// The parameters: initialising (or reading) them, placing their
     /// shards on the device.
     pub params: Duration,
+    /// Of `params`, the time spent drawing (or reading) the values on the
+    /// host; the rest is allocating and uploading.
+    pub params_drawn: Duration,
     /// The optimizer's state and the step context.
     pub optimizer: Duration,
     /// Loading the checkpoint resumed (zero without one).
@@ -878,18 +881,26 @@ fn run_rank<D: Device>(
     let model = Arc::new(ModelRuntime::new(plan.clone())?);
     let program = build(&plan.schedule, config.micro_batches, config.schedule)?;
     let ep_rank = rank.ep_rank();
+    let drawn = std::sync::atomic::AtomicU64::new(0);
     let mut engine = FsdpEngine::new(
         plan.clone(),
         config.sharding,
         &rank,
         program.max_resident_units,
         program.max_grad_buffers,
-        &|p, range, out| match &config.init_from {
-            Some(weights) => weights.fill(&plan, p, ep_rank, range, out),
-            None => model.init_param(config.seed, p, ep_rank, range, out),
+        &|p, range, out| {
+            let start = Instant::now();
+            let filled = match &config.init_from {
+                Some(weights) => weights.fill(&plan, p, ep_rank, range, out),
+                None => model.init_param(config.seed, p, ep_rank, range, out),
+            };
+            let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            drawn.fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
+            filled
         },
     )?;
     startup.params = phase.elapsed();
+    startup.params_drawn = Duration::from_nanos(drawn.load(std::sync::atomic::Ordering::Relaxed));
     let phase = Instant::now();
     let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
     let places = (0..plan.params.len())

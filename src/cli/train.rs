@@ -946,6 +946,7 @@ fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
             "startup_s": {
                 "device": s.startup.device.as_secs_f64(),
                 "params": s.startup.params.as_secs_f64(),
+                "params_drawn": s.startup.params_drawn.as_secs_f64(),
                 "optimizer": s.startup.optimizer.as_secs_f64(),
                 "resume": s.startup.resume.as_secs_f64(),
             },
