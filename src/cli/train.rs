@@ -879,11 +879,12 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
     }
     let t = &s.startup;
     out += &format!(
-        "  start-up        {:.1} s before the first step: device {:.1} s, parameters {:.1} s, \
-         optimizer {:.1} s{}\n",
+        "  start-up        {:.1} s before the first step: device {:.1} s, parameters {:.1} s \
+         ({:.1} s drawing them), optimizer {:.1} s{}\n",
         t.total().as_secs_f64(),
         t.device.as_secs_f64(),
         t.params.as_secs_f64(),
+        t.params_drawn.as_secs_f64(),
         t.optimizer.as_secs_f64(),
         if t.resume.is_zero() {
             String::new()
