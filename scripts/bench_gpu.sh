@@ -164,7 +164,7 @@ for r in rows:
             first = next(l["step_ms"] for l in lines if l.get("step") == 1)
             t = s["startup_s"]
             parts = (f" (device {t['device']:.1f} s, parameters {t['params']:.1f} s "
-                     f"of which drawn {t.get('params_drawn', 0.0):.1f} s, "
+                     f"of which drawn {t['params_drawn']:.1f} s, "
                      f"optimizer {t['optimizer']:.1f} s, first step {first / 1e3:.1f} s)")
         except (OSError, StopIteration, KeyError, ValueError):
             pass

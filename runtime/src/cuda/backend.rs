@@ -429,8 +429,9 @@ impl CudaBackend {
     /// returns, so to every later call the group ran on the queue.
     fn spread_gemms(&self, operands: Vec<(GpuView, GpuView, GpuView, MatmulDims)>) -> Result<()> {
         let flops = |d: &MatmulDims| d.m as f64 * d.n as f64 * d.k as f64;
-        // Sums into bf16 stay on the queue's stream, whose `gemm` takes
-        // them through f32 scratch.
+        // Sums into bf16 stay on the queue's stream: `gemm` takes them
+        // through f32 scratch from the arena, which fences a dropped
+        // buffer on the queue's stream alone, not on a side stream.
         let movable = |(a, _, c, d): &(GpuView, GpuView, GpuView, MatmulDims)| {
             a.dtype == DType::Bf16
                 && !(c.dtype == DType::Bf16 && d.accumulate)

@@ -966,6 +966,14 @@ mod tests {
                 ..base()
             },
             KeyInputs {
+                headers: &[("common.cuh", "// common"), ("wgmma.cuh", "// wgmma")],
+                ..base()
+            },
+            KeyInputs {
+                headers: &[("common.cuh", "// common"), ("wgmma.cuh", "// wgmma!")],
+                ..base()
+            },
+            KeyInputs {
                 toolkit_headers: &other_headers,
                 ..base()
             },

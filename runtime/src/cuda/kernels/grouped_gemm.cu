@@ -66,33 +66,31 @@ struct GroupedProblems {
 // An MN-major staged operand: its two 64-element atoms of 64 stored rows.
 #define GG_ATOM_BYTES (GG_TILE_K * 128)
 
-// Stages a K-major operand's K-step: stored rows `row0` .. + 127 (each
-// `ld` elements apart, `rows` of them valid), elements k0 .. k0 + 63 of
-// each (`k` valid), at `tile`: row r is 128 bytes at r * 128, its chunk c
-// at c ^ (r % 8).
-__device__ __forceinline__ void stage_k_major(u32 tile, const bf16* src, u64 ld, u32 row0, u32 rows, u32 k0,
-                                              u32 k) {
+// Stages a K-major operand's K-step: stored rows `row0` .. + 127 of its
+// `rows` (each `k` elements, contiguous), elements k0 .. k0 + 63 of each,
+// at `tile`: row r is 128 bytes at r * 128, its chunk c at c ^ (r % 8).
+__device__ __forceinline__ void stage_k_major(u32 tile, const bf16* src, u32 row0, u32 rows, u32 k0, u32 k) {
 #pragma unroll
     for (u32 j = 0; j < GG_TILE_M * 8 / GG_THREADS; ++j) {
         const u32 i = threadIdx.x + j * GG_THREADS;
         const u32 r = i / 8, c = i % 8;
         const bool ok = row0 + r < rows && k0 + c * 8 < k;
-        const bf16* from = ok ? src + (row0 + r) * ld + k0 + c * 8 : src;
+        const bf16* from = ok ? src + static_cast<u64>(row0 + r) * k + k0 + c * 8 : src;
         copy16_async(tile + r * 128 + ((c ^ (r % 8)) << 4), from, ok);
     }
 }
 
-// Stages an MN-major operand's K-step: stored rows k0 .. k0 + 63 (`k`
-// valid, `ld` elements apart), elements mn0 .. mn0 + 127 of each (`mn`
-// valid), at `tile`: elements 64 j .. 64 j + 63 are atom j, in which
-// stored row r is 128 bytes at r * 128, its chunk c at c ^ (r % 8).
-__device__ __forceinline__ void stage_mn_major(u32 tile, const bf16* src, u64 ld, u32 mn0, u32 mn, u32 k0, u32 k) {
+// Stages an MN-major operand's K-step: stored rows k0 .. k0 + 63 of its
+// `k` (each `mn` elements, contiguous), elements mn0 .. mn0 + 127 of each,
+// at `tile`: elements 64 j .. 64 j + 63 are atom j, in which stored row r
+// is 128 bytes at r * 128, its chunk c at c ^ (r % 8).
+__device__ __forceinline__ void stage_mn_major(u32 tile, const bf16* src, u32 mn0, u32 mn, u32 k0, u32 k) {
 #pragma unroll
     for (u32 j = 0; j < GG_TILE_K * 16 / GG_THREADS; ++j) {
         const u32 i = threadIdx.x + j * GG_THREADS;
         const u32 r = i / 16, c = i % 16;
         const bool ok = k0 + r < k && mn0 + c * 8 < mn;
-        const bf16* from = ok ? src + (k0 + r) * ld + mn0 + c * 8 : src;
+        const bf16* from = ok ? src + static_cast<u64>(k0 + r) * mn + mn0 + c * 8 : src;
         copy16_async(tile + (c / 8) * GG_ATOM_BYTES + r * 128 + (((c % 8) ^ (r % 8)) << 4), from, ok);
     }
 }
@@ -166,14 +164,14 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         const u32 at = tiles + (s % GG_STAGES) * GG_STAGE_BYTES;
         const u32 k0 = s * GG_TILE_K;
         if (TRANS_A) {
-            stage_mn_major(at, a, problem.m, m0, problem.m, k0, problem.k);
+            stage_mn_major(at, a, m0, problem.m, k0, problem.k);
         } else {
-            stage_k_major(at, a, problem.k, m0, problem.m, k0, problem.k);
+            stage_k_major(at, a, m0, problem.m, k0, problem.k);
         }
         if (TRANS_B) {
-            stage_mn_major(at + GG_OPERAND_BYTES, b, problem.n, n0, problem.n, k0, problem.k);
+            stage_mn_major(at + GG_OPERAND_BYTES, b, n0, problem.n, k0, problem.k);
         } else {
-            stage_k_major(at + GG_OPERAND_BYTES, b, problem.k, n0, problem.n, k0, problem.k);
+            stage_k_major(at + GG_OPERAND_BYTES, b, n0, problem.n, k0, problem.k);
         }
     };
 

@@ -9,7 +9,9 @@
 //! the dimensions alone, so every sum has one order and the same inputs give
 //! the same bits.
 
-use super::{GpuView, KernelSet, as_u32, ensure, exactly, float, len, product};
+use super::{
+    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, ensure, exactly, float, len, product,
+};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
@@ -25,9 +27,6 @@ const QUERY_TILE: usize = 64;
 const KEY_TILE: usize = 32;
 /// Head channels of one block (`COLS`); a larger head dim takes more blocks.
 const CHANNEL_GROUP: usize = 256;
-/// A CUDA grid's limits along x and along y.
-const MAX_GRID_X: usize = i32::MAX as usize;
-const MAX_GRID_Y: usize = 65_535;
 
 /// The dimensions as the kernels take them, checked to fit their u32
 /// arithmetic (the flash kernels' too).

@@ -16,7 +16,7 @@
 //! inputs give the same bits on the same kind of GPU.
 
 use super::attention::{self, KernelDims};
-use super::{GpuView, KernelSet, ensure, exactly, len, product};
+use super::{GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
@@ -48,10 +48,6 @@ const WG_FWD_KEYS: usize = 128;
 const WG_DQ_KEYS: usize = 64;
 const WG_DKDV_KEYS: usize = 128;
 const WG_DKDV_QUERIES: usize = 64;
-/// The swizzled tiles' alignment in shared memory.
-const WG_SHARED_ALIGN: usize = 1024;
-/// A CUDA grid's limit along x.
-const MAX_GRID_X: usize = i32::MAX as usize;
 
 /// The three kernels of one head dim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,9 +124,7 @@ impl FlashKernel {
             }
             FlashPath::Wgmma => {
                 let row = WG_HEAD_DIM * DType::Bf16.bytes();
-                // The kernels start their tiles at the first 1024-byte
-                // boundary (the swizzle's alignment).
-                WG_SHARED_ALIGN
+                WGMMA_SHARED_ALIGN
                     + match self {
                         FlashKernel::Forward => (WG_QUERY_ROWS + 4 * WG_FWD_KEYS) * row,
                         FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 4 * WG_DQ_KEYS) * row,
@@ -438,10 +432,9 @@ impl KernelSet {
 
 #[cfg(test)]
 mod tests {
+    use super::super::HOPPER_SHARED_BYTES;
     use super::*;
 
-    /// Shared memory a Hopper block can have: 227 KiB, static included.
-    const HOPPER_SHARED_BYTES: usize = 227 * 1024;
     /// `delta_tile`, the dq kernels' static shared memory.
     const DQ_STATIC_BYTES: usize = 4 * QUERY_ROWS;
 
@@ -466,7 +459,8 @@ mod tests {
     /// what a block may have.
     #[test]
     fn the_kernels_fit_hopper_shared_memory() {
-        let tiles = |kernel: FlashKernel| kernel.shared_bytes(128, FlashPath::Wgmma) - 1024;
+        let tiles =
+            |kernel: FlashKernel| kernel.shared_bytes(128, FlashPath::Wgmma) - WGMMA_SHARED_ALIGN;
         // q, then k and v twice; 128 channels of bf16 a row.
         assert_eq!(tiles(FlashKernel::Forward), (128 + 4 * 128) * 256);
         // q and dout, then k and v twice.

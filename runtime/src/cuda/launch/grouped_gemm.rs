@@ -7,7 +7,7 @@
 //! allocation); a launch takes up to [`MAX_PROBLEMS`] problems of one
 //! layout, and a longer group or one of mixed layouts takes several.
 
-use super::{GpuView, KernelSet, setup_error};
+use super::{GpuView, HOPPER_SHARED_BYTES, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, setup_error};
 use crate::backend::MatmulDims;
 use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
@@ -28,16 +28,12 @@ const THREADS: u32 = 256;
 /// `GG_STAGES`: K-steps staged at once.
 const STAGES: usize = 6;
 /// Dynamic shared memory: `GG_STAGES` stages of a 128 x 64 bf16 tile of
-/// each operand, and 1024 bytes to align the first to the swizzle's atom.
-const SHARED_BYTES: usize = STAGES * 2 * TILE_M * 64 * 2 + 1024;
+/// each operand, and room to align the first to the swizzle's atom.
+const SHARED_BYTES: usize = STAGES * 2 * TILE_M * 64 * 2 + WGMMA_SHARED_ALIGN;
 /// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
-// 227 KiB is the most a Hopper block may ask for.
-const _: () = assert!(SHARED_BYTES <= 227 * 1024);
-
-/// Blocks a grid may have along x.
-const MAX_GRID_X: usize = i32::MAX as usize;
+const _: () = assert!(SHARED_BYTES <= HOPPER_SHARED_BYTES);
 
 /// The entry points, indexed by `2 * a_trans + b_trans`.
 const KERNELS: [&str; 4] = [
@@ -167,7 +163,9 @@ impl KernelSet {
     ) -> Result<()> {
         if !self.grouped_gemm {
             return Err(setup_error(
-                "the grouped GEMM kernels did not load on this device",
+                "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
+                 and 193 KiB of shared memory a block); `--expert-gemm cublas` runs the \
+                 experts without them",
             ));
         }
         for (kernel, name) in KERNELS.iter().enumerate() {
@@ -187,7 +185,9 @@ impl KernelSet {
                     if !grouped_gemm_takes(self.target, &a, &b, &c, &d) {
                         return Err(RuntimeError::InvalidArgument(format!(
                             "{name}: problem {m}x{n}x{k} ({} x {} -> {}) is not one the grouped \
-                             kernel takes",
+                             kernel takes (bf16 A and B, 16-byte aligned views, contiguous \
+                             dimensions in multiples of 8); pass only problems \
+                             `grouped_gemm_takes` accepts and give the rest to cuBLAS",
                             a.dtype,
                             b.dtype,
                             c.dtype,

@@ -13,7 +13,7 @@
 //! sum each owned id's rows (see `lookup.cu`). It adds in the CPU's order,
 //! so an f32 table gets the CPU's bits.
 
-use super::{GpuView, KernelSet, exactly, float, len, product};
+use super::{GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, exactly, float, len, product};
 use crate::backend::LookupDims;
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, same_dtype};
@@ -26,9 +26,6 @@ const OWNER_ROWS: usize = 32;
 /// Most blocks of the forward: each reads every id once to know whether the
 /// call is refused, so more blocks would only repeat that read.
 const MAX_FORWARD_BLOCKS: usize = 512;
-/// A CUDA grid's limits along x and along y.
-const MAX_GRID_X: usize = i32::MAX as usize;
-const MAX_GRID_Y: usize = 65_535;
 
 impl KernelSet {
     /// `Backend::embedding_forward`: `out[r] = table[ids[r]]` (table and

@@ -47,6 +47,16 @@ mod grouped_gemm;
 pub use grouped_gemm::grouped_gemm_takes;
 mod lookup;
 
+/// A CUDA grid's limits along x and along y.
+const MAX_GRID_X: usize = i32::MAX as usize;
+const MAX_GRID_Y: usize = 65_535;
+/// Where the `wgmma` kernels' swizzled tiles start: their dynamic shared
+/// memory's first 1024-byte boundary (`aligned_shared` in wgmma.cuh), so
+/// each asks for this much more than its tiles.
+const WGMMA_SHARED_ALIGN: usize = 1024;
+/// The shared memory a Hopper block may have, static included.
+const HOPPER_SHARED_BYTES: usize = 227 * 1024;
+
 /// A view of device memory as a kernel takes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuView {
