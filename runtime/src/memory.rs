@@ -229,12 +229,13 @@ fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Ele
             let c = d + 2 * groups * m.state_size as u64;
             // x_in, u, z, xBC before and after conv and SiLU, dt, y, gated,
             // normed; rstd of both norms. Backward: d_out, d_normed,
-            // d_gated, d_z, d_y, d_xBC (three), d_dt, d_u.
-            let (mut saved, extra) = per_token(
+            // d_gated, d_z, d_y, d_xBC (three), d_dt; d_u in f32.
+            let (mut saved, mut extra) = per_token(
                 2 * h + 4 * d + 3 * c + heads,
                 1 + groups,
-                2 * h + 4 * d + 3 * c + heads,
+                h + 4 * d + 3 * c + heads,
             );
+            extra.f32 = n.saturating_mul(h);
             // The scan's chunk states: per sequence, chunk, head, P x N.
             let chunks = (tokens.seq.div_ceil(m.chunk_size.max(1))) as u64;
             saved.f32 = saved.f32.saturating_add(
@@ -319,14 +320,14 @@ fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Ele
             // and the u32 indices (selected, positions, regroup). Forward
             // also holds the send, received and output rows for a while;
             // backward their gradients, the logits' gradient (f32, and
-            // cast to the compute dtype for the router's GEMMs) and the
-            // weights' gradient (f32).
+            // cast to the compute dtype for the router's GEMMs), the
+            // weights' gradient and the norm's output gradient (f32).
             let (saved, mut extra) = per_token(
                 2 * h + shared + k * (2 * h + pre + act),
                 1 + 2 * e + k + 3 * k,
-                2 * h + e + shared + k * (4 * h + pre + act),
+                h + e + shared + k * (4 * h + pre + act),
             );
-            extra.f32 = n.saturating_mul(e + k);
+            extra.f32 = n.saturating_mul(e + k + h);
             (saved, extra)
         }
         // Planned, not trained by this runtime (refused before estimating).

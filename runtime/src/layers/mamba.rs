@@ -306,7 +306,10 @@ impl MambaLayer {
             b.view_mut(&d_xbc_in)?,
             self.conv_dims(tokens),
         )?;
-        let d_u = uninit(b, rows * h)?;
+        // The three blocks' input gradients sum in f32 (a GEMM's sum into
+        // bf16 would round twice, or go through scratch), and the norm reads
+        // the sum as it is.
+        let d_u = uninit_f32(b, rows * h)?;
         let [bz, bxbc, bdt] = self.proj_blocks();
         for (i, (block, grad_out, width)) in
             [(bz, &d_z, d), (bxbc, &d_xbc_in, c), (bdt, &d_dt, heads)]

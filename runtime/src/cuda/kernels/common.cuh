@@ -144,3 +144,29 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
     }
     return v;
 }
+
+// Word `word` (8 channels) of a bf16 or f32 tensor: one 16-byte access
+// for bf16, two for f32 (the launcher checks 16-byte alignment). For
+// kernels whose operands mix the two (an f32 gradient sum read beside bf16
+// activations).
+__device__ __forceinline__ void load8(const void* p, int dtype, u64 word, float (&f)[8]) {
+    if (dtype == DTYPE_BF16) {
+        unpack8(static_cast<const uint4*>(p)[word], f);
+        return;
+    }
+    const float4* q = static_cast<const float4*>(p) + 2 * word;
+    const float4 a = q[0];
+    const float4 b = q[1];
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+    f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+__device__ __forceinline__ void store8(void* p, int dtype, u64 word, const float (&f)[8]) {
+    if (dtype == DTYPE_BF16) {
+        static_cast<uint4*>(p)[word] = pack8(f);
+        return;
+    }
+    float4* q = static_cast<float4*>(p) + 2 * word;
+    q[0] = make_float4(f[0], f[1], f[2], f[3]);
+    q[1] = make_float4(f[4], f[5], f[6], f[7]);
+}

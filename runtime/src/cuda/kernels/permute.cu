@@ -74,12 +74,13 @@ __device__ __forceinline__ bool combine_slot(
 
 // out[t] = sum_{j<k} w[t, j] rows[positions[t*k + j]] (w = 1 without weights).
 // One block per token (striding over tokens), its threads over the columns.
-// The bf16 combine 8 channels a thread (16-byte loads and stores): the
-// same sums in the same order as the element loop below, which spent its
-// time on 2-byte loads and their index arithmetic.
-__device__ __forceinline__ void unpermute_bf16x8(
-    const uint4* rows, const float* weights, const u32* positions, uint4* out, u64 tokens,
-    u64 top_k, u64 n_rows, u64 words, u64* status) {
+// The `vec8` combine moves 8 channels a thread (`load8`, `store8`: 16-byte
+// accesses, bf16 or f32 alike): the same sums in the same order as the
+// element loop below, which spent its time on 2-byte loads and their index
+// arithmetic.
+__device__ __forceinline__ void unpermute_x8(
+    const void* rows, int rows_dtype, const float* weights, const u32* positions, void* out,
+    int out_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 words, u64* status) {
     for (u64 token = blockIdx.x; token < tokens; token += gridDim.x) {
         for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -89,34 +90,26 @@ __device__ __forceinline__ void unpermute_bf16x8(
                 if (!combine_slot(weights, positions, token * top_k + j, n_rows, p, w, status)) {
                     continue;
                 }
-                const uint4 v = rows[static_cast<u64>(p) * words + c];
-                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+                float f[8];
+                load8(rows, rows_dtype, static_cast<u64>(p) * words + c, f);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 f = __bfloat1622float2(h[e]);
-                    acc[2 * e] += w * f.x;
-                    acc[2 * e + 1] += w * f.y;
+                for (int e = 0; e < 8; ++e) {
+                    acc[e] += w * f[e];
                 }
             }
-            uint4 o;
-            __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                oh[e] = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-            }
-            out[token * words + c] = o;
+            store8(out, out_dtype, token * words + c, acc);
         }
     }
 }
 
-// `vec8`: rows and out are bf16, 16-byte aligned, and width is a multiple
-// of 8 (the launcher checks).
+// `vec8`: rows and out are bf16 or f32, 16-byte aligned, and width is a
+// multiple of 8 (the launcher checks).
 extern "C" __global__ void moe_unpermute(
     const void* rows, int rows_dtype, const float* weights, const u32* positions, void* out,
     int out_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8, u64* status) {
     if (vec8) {
-        unpermute_bf16x8(static_cast<const uint4*>(rows), weights, positions, static_cast<uint4*>(out),
-                         tokens, top_k, n_rows, width / 8, status);
+        unpermute_x8(rows, rows_dtype, weights, positions, out, out_dtype, tokens, top_k, n_rows,
+                     width / 8, status);
         return;
     }
     for (u64 token = blockIdx.x; token < tokens; token += gridDim.x) {

@@ -70,19 +70,21 @@ extern "C" __global__ void rmsnorm_forward(
     }
 }
 
+// The backward's `vec8` path takes bf16 or f32 operands alike (`load8`):
+// the layers sum the norm's output gradient in f32.
 __device__ __forceinline__ void rmsnorm_backward_input_vec8(
-    const uint4* dy, const uint4* x, const uint4* w, const float* rstd, uint4* dx, u64 groups,
-    u64 group_size, float* scratch) {
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, float* scratch) {
     const u64 block = blockIdx.x;
     const u64 words = group_size / 8;
     const u64 base = block * words;
-    const uint4* wr = w + (block % groups) * words;
+    const u64 w_base = (block % groups) * words;
     float gx = 0.0f;
     for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
         float fw[8], fd[8], fx[8];
-        unpack8(wr[c], fw);
-        unpack8(dy[base + c], fd);
-        unpack8(x[base + c], fx);
+        load8(w, w_dtype, w_base + c, fw);
+        load8(dy, dy_dtype, base + c, fd);
+        load8(x, x_dtype, base + c, fx);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             gx += fw[e] * fd[e] * fx[e];
@@ -93,16 +95,16 @@ __device__ __forceinline__ void rmsnorm_backward_input_vec8(
     const float k = rs * rs * rs * gx / static_cast<float>(group_size);
     for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
         float fw[8], fd[8], fx[8], out[8];
-        unpack8(wr[c], fw);
-        unpack8(dy[base + c], fd);
-        unpack8(x[base + c], fx);
-        unpack8(dx[base + c], out);
+        load8(w, w_dtype, w_base + c, fw);
+        load8(dy, dy_dtype, base + c, fd);
+        load8(x, x_dtype, base + c, fx);
+        load8(dx, dx_dtype, base + c, out);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float g = fw[e] * fd[e];
             out[e] = out[e] + (rs * g - fx[e] * k);
         }
-        dx[base + c] = pack8(out);
+        store8(dx, dx_dtype, base + c, out);
     }
 }
 
@@ -112,8 +114,7 @@ extern "C" __global__ void rmsnorm_backward_input(
     const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, int vec8) {
     __shared__ float scratch[32];
     if (vec8) {
-        rmsnorm_backward_input_vec8(static_cast<const uint4*>(dy), static_cast<const uint4*>(x),
-                                    static_cast<const uint4*>(w), rstd, static_cast<uint4*>(dx), groups,
+        rmsnorm_backward_input_vec8(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx, dx_dtype, groups,
                                     group_size, scratch);
         return;
     }

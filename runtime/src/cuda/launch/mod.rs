@@ -189,6 +189,17 @@ fn bf16_words(views: &[GpuView], row: usize) -> bool {
             .all(|v| v.dtype == DType::Bf16 && v.ptr.is_multiple_of(16))
 }
 
+/// Whether kernels whose `vec8` path reads through `load8` and `store8`
+/// can move these views 8 channels at a time: each bf16 or f32 (one or two
+/// 16-byte words) and 16-byte aligned, in rows of `row` elements, a
+/// multiple of 8.
+fn words8(views: &[GpuView], row: usize) -> bool {
+    row.is_multiple_of(8)
+        && views
+            .iter()
+            .all(|v| matches!(v.dtype, DType::Bf16 | DType::F32) && v.ptr.is_multiple_of(16))
+}
+
 /// A block of `threads` (a multiple of 32, at most 1024) per item.
 fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
     let blocks = u32::try_from(items)
@@ -731,7 +742,7 @@ impl KernelSet {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 = i32::from(bf16_words(&[dy, x, weight, dx], gs));
+        let vec8 = i32::from(words8(&[dy, x, weight, dx], gs));
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
@@ -1734,8 +1745,8 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
-        // bf16 rows combine 8 channels a thread where the words line up.
-        let vec8 = i32::from(bf16_words(&[rows, out], d.width));
+        // Rows combine 8 channels a thread where the words line up.
+        let vec8 = i32::from(words8(&[rows, out], d.width));
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&rows.ptr)
             .arg(&rt)

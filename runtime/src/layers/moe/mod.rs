@@ -688,7 +688,10 @@ impl MoeLayer {
         check_len(name, "d_send", b.slice_len(d_send), rows * k * h)?;
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * h)?;
         let w = |i| weight::<B>(weights, i);
-        let d_u = uninit(b, rows * h)?;
+        // The permutation's, the router's and the shared expert's input
+        // gradients sum in f32 (a GEMM's sum into bf16 would round twice, or
+        // go through scratch), and the norm reads the sum as it is.
+        let d_u = uninit_f32(b, rows * h)?;
         self.permute_backward(b, d_send, b.view(&r.positions)?, b.view_mut(&d_u)?, rows)?;
         let d_logits =
             self.route_backward(b, &r.router, b.view(&state.d_weights)?, rows, loss_scale)?;
