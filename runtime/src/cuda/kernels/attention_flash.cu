@@ -767,13 +767,60 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
     }
 }
 
+// Tile scores to probabilities for this thread's two rows (`row`, `row`
+// + 8 of the warpgroup's rows from g0), the keys from u0: masks keys past
+// the row or the sequence, folds the tile into the running max `mx` and sum
+// `sum`, and gives each row's rescale of what came before in `alpha`.
+template <int KEYS>
+__device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
+                                               float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
+    const bool masked = u0 + KEYS > g0 || u0 + KEYS > seq;
+    float x[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+            const u32 r = g0 + row + (e >> 1) * 8;
+            float& sv = s[4 * n + e];
+            sv = (!masked || (key <= r && key < seq)) ? sv * c : neg_inf();
+            x[e >> 1] = fmaxf(x[e >> 1], sv);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        // Key 0 is in every row's first tile, so the max is finite from
+        // then on.
+        const float next = fmaxf(mx[i], quad_max(x[i]));
+        alpha[i] = exp2f(mx[i] - next);
+        mx[i] = next;
+        sum[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[4 * n + e] = exp2f(s[4 * n + e] - mx[e >> 1]);
+            sum[e >> 1] += s[4 * n + e];
+        }
+    }
+}
+
 // The forward of `flash_forward` on warpgroups: a block per 128-row query
-// tile, key tiles of 128.
+// tile, key tiles of 128. The products of consecutive tiles overlap the
+// softmax (FlashAttention-3's intra-warpgroup pipelining): while the
+// warpgroup turns tile j's scores into probabilities, its tensor cores add
+// tile j - 1's P V into the output. The output still takes each tile's
+// rescale after that tile's P V and before the next one's, so every sum
+// keeps the unpipelined kernel's order (and bits). K runs one tile ahead
+// of V: iteration j fetches K of tile j + 1 and V of tile j, so two buffers
+// of each hold what is in use (K_j, V_{j-1}) and what is in flight.
 __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                                                     float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
                                                     float scale) {
     constexpr u32 D = WG_D;
-    constexpr u32 KEY_ELEMS = WG_FWD_KEYS * D;
+    constexpr u32 KEYS = WG_FWD_KEYS;
+    constexpr u32 KEY_ELEMS = KEYS * D;
     extern __shared__ __align__(128) unsigned char shared[];
     bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* ks = qs + WG_QUERY_ROWS * D;  // two buffers
@@ -789,87 +836,85 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
     const auto [group, lane, row] = group_lane();
     const u32 g0 = t0 + group * 64;  // the warpgroup's first row
     const float c = scale * LOG2E;
-    const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + WG_FWD_KEYS - 1) / WG_FWD_KEYS;
-    auto stage_keys_at = [&](u32 j, u32 buf) {
-        const u32 u = j * WG_FWD_KEYS;
+    // Both warpgroups have rows at or after the first key of each of these
+    // tiles (t0 is a multiple of the key tile), so they walk them all.
+    const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + KEYS - 1) / KEYS;
+    auto stage = [&](const bf16* src, bf16* dst, u32 j) {
+        const u32 u = j * KEYS;
         const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_swizzled<WG_FWD_KEYS>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
-        stage_swizzled<WG_FWD_KEYS>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
+        stage_swizzled<KEYS>(dst + (j & 1) * KEY_ELEMS, src + first, kv_stride, seq - u);
+    };
+    // Fetches K_{j+1} and V_j, and waits for K_j and V_{j-1}.
+    auto advance = [&](u32 j) {
+        if (j + 1 < key_tiles) {
+            stage(k, ks, j + 1);
+        }
+        if (j < key_tiles) {
+            stage(v, vs, j);
+        }
+        await_staged_tile();
     };
     stage_swizzled<WG_QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage_keys_at(0, 0);
+    stage(k, ks, 0);
     commit_async();
 
     float acc[D / 2];
     zero(acc);
     float mx[2] = {neg_inf(), neg_inf()};
     float sum[2] = {0.0f, 0.0f};
-    for (u32 j = 0; j < key_tiles; ++j) {
-        const u32 u0 = j * WG_FWD_KEYS;
-        const u32 buf = j & 1;
-        if (j + 1 < key_tiles) {
-            stage_keys_at(j + 1, buf ^ 1);
+    float alpha[2];
+    // The previous tile's probabilities, rounded to bf16: the A operand of
+    // its P V.
+    u32 p[KEYS / 16][4];
+    {
+        advance(0);
+        float s[KEYS / 2];
+        wgmma_fence();
+        issue_scores<WG_QUERY_ROWS, KEYS>(s, qs, group * 64, ks);
+        wgmma_finish();
+        online_softmax<KEYS>(s, 0, g0, row, lane, seq, c, mx, sum, alpha);
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk) {
+            a_operand(p[kk], s, kk);
         }
-        await_staged_tile();
-        // A warpgroup whose rows all precede the tile has nothing to add.
-        if (u0 < g0 + 64) {
-            const bf16* kt = ks + buf * KEY_ELEMS;
-            const bf16* vt = vs + buf * KEY_ELEMS;
-            float s[WG_FWD_KEYS / 2];
-            wgmma_fence();
-            issue_scores<WG_QUERY_ROWS, WG_FWD_KEYS>(s, qs, group * 64, kt);
-            wgmma_finish();
-            const bool masked = u0 + WG_FWD_KEYS > g0 || u0 + WG_FWD_KEYS > seq;
-            float x[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-            for (int n = 0; n < WG_FWD_KEYS / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                    const u32 r = g0 + row + (e >> 1) * 8;
-                    float& sv = s[4 * n + e];
-                    sv = (!masked || (key <= r && key < seq)) ? sv * c : neg_inf();
-                    x[e >> 1] = fmaxf(x[e >> 1], sv);
-                }
-            }
-            float alpha[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                // Key 0 is in every row's first tile, so the max is finite
-                // from then on.
-                const float next = fmaxf(mx[i], quad_max(x[i]));
-                alpha[i] = exp2f(mx[i] - next);
-                mx[i] = next;
-                sum[i] *= alpha[i];
-            }
-#pragma unroll
-            for (int n = 0; n < WG_FWD_KEYS / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[4 * n + e] = exp2f(s[4 * n + e] - mx[e >> 1]);
-                    sum[e >> 1] += s[4 * n + e];
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                acc[4 * n + 0] *= alpha[0];
-                acc[4 * n + 1] *= alpha[0];
-                acc[4 * n + 2] *= alpha[1];
-                acc[4 * n + 3] *= alpha[1];
-            }
-            u32 p[WG_FWD_KEYS / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < WG_FWD_KEYS / 16; ++kk) {
-                a_operand(p[kk], s, kk);
-            }
-            wgmma_fence();
-            issue_weighted_rows<WG_FWD_KEYS>(acc, p, vt);
-            wgmma_finish();
-        }
-        // Every warpgroup is done with this buffer before the next fetch
-        // into it.
         __syncthreads();
     }
+    for (u32 j = 1; j < key_tiles; ++j) {
+        advance(j);
+        float s[KEYS / 2];
+        fence_operands(acc);
+        fence_operands(p);
+        wgmma_fence();
+        issue_scores<WG_QUERY_ROWS, KEYS>(s, qs, group * 64, ks + (j & 1) * KEY_ELEMS);
+        wgmma_commit();
+        issue_weighted_rows<KEYS>(acc, p, vs + ((j - 1) & 1) * KEY_ELEMS);
+        wgmma_commit();
+        wgmma_wait<1>();  // the scores; P V may still run
+        fence_operands(s);
+        online_softmax<KEYS>(s, j * KEYS, g0, row, lane, seq, c, mx, sum, alpha);
+        wgmma_wait<0>();  // P V of tile j - 1 is in acc; p is free
+        fence_operands(acc);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            acc[4 * n + 0] *= alpha[0];
+            acc[4 * n + 1] *= alpha[0];
+            acc[4 * n + 2] *= alpha[1];
+            acc[4 * n + 3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk) {
+            a_operand(p[kk], s, kk);
+        }
+        // Both warpgroups are done with K_j and V_{j-1} before the next
+        // fetches into their buffers.
+        __syncthreads();
+    }
+    advance(key_tiles);
+    fence_operands(acc);
+    fence_operands(p);
+    wgmma_fence();
+    issue_weighted_rows<KEYS>(acc, p, vs + ((key_tiles - 1) & 1) * KEY_ELEMS);
+    wgmma_finish();
     const u32 t = lane & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -892,7 +937,10 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
 }
 
 // dq of `flash_backward_dq` on warpgroups (and D_t into `delta`): a block
-// per 128-row query tile, key tiles of 64.
+// per 128-row query tile, key tiles of 64, pipelined as the forward: while
+// the warpgroup turns tile j's S and dP into dS, its tensor cores add tile
+// j - 1's dS K into dq (the same sums in the same order). K_{j-1} is read
+// while K_j is in use and K_{j+1} in flight, so K has three buffers.
 __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf16* k, const bf16* v,
                                                         const bf16* out, const float* lse, const bf16* dout,
                                                         bf16* dq, float* delta, u32 batch, u32 seq, u32 heads,
@@ -904,8 +952,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     __shared__ float delta_tile[WG_QUERY_ROWS];
     bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* dos = qs + QUERY_ELEMS;
-    bf16* ks = dos + QUERY_ELEMS;  // two buffers
-    bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
+    bf16* ks = dos + QUERY_ELEMS;  // three buffers
+    bf16* vs = ks + 3 * KEY_ELEMS;  // two buffers
     u32 tile, pair;
     flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 h = pair % heads;
@@ -914,20 +962,25 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     const u64 row0 = static_cast<u64>(pair / heads) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
-    const auto [group, lane, row] = group_lane();
+    // Named, not bound: the lambdas below capture them.
+    const GroupLane at = group_lane();
+    const u32 group = at.group, lane = at.lane, row = at.row;
     const u32 g0 = t0 + group * 64;
     const float c = scale * LOG2E;
     const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + WG_DQ_KEYS - 1) / WG_DQ_KEYS;
-    auto stage_keys_at = [&](u32 j, u32 buf) {
+    // The tiles with a key at or before this warpgroup's last row: a
+    // prefix of them (the first warpgroup's rows all precede the last).
+    const u32 active = min(key_tiles, g0 / WG_DQ_KEYS + 1);
+    auto stage_keys_at = [&](u32 j) {
         const u32 u = j * WG_DQ_KEYS;
         const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_swizzled<WG_DQ_KEYS>(ks + buf * KEY_ELEMS, k + first, kv_stride, seq - u);
-        stage_swizzled<WG_DQ_KEYS>(vs + buf * KEY_ELEMS, v + first, kv_stride, seq - u);
+        stage_swizzled<WG_DQ_KEYS>(ks + (j % 3) * KEY_ELEMS, k + first, kv_stride, seq - u);
+        stage_swizzled<WG_DQ_KEYS>(vs + (j & 1) * KEY_ELEMS, v + first, kv_stride, seq - u);
     };
     const u64 first_query = ((row0 + t0) * heads + h) * D;
     stage_swizzled<WG_QUERY_ROWS>(qs, q + first_query, q_stride, seq - t0);
     stage_swizzled<WG_QUERY_ROWS>(dos, dout + first_query, q_stride, seq - t0);
-    stage_keys_at(0, 0);
+    stage_keys_at(0);
     commit_async();
     row_deltas<D, WG_THREADS, WG_QUERY_ROWS>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
     __syncthreads();
@@ -941,46 +994,85 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
         er[i] = r < seq ? lse[(row0 + r) * heads + h] * LOG2E : 0.0f;
     }
 
+    // Tile j's S and dP (issued together), and dS = P (dP - D) from them,
+    // in place of S.
+    auto issue_scores_at = [&](float (&s)[WG_DQ_KEYS / 2], float (&dp)[WG_DQ_KEYS / 2], u32 j) {
+        issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(s, qs, group * 64, ks + (j % 3) * KEY_ELEMS);
+        issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(dp, dos, group * 64, vs + (j & 1) * KEY_ELEMS);
+    };
+    auto score_gradients = [&](float (&s)[WG_DQ_KEYS / 2], const float (&dp)[WG_DQ_KEYS / 2], u32 j) {
+        const u32 u0 = j * WG_DQ_KEYS;
+        const bool masked = u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq;
+#pragma unroll
+        for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                const u32 r = g0 + row + 8 * i;
+                const bool live = !masked || (key <= r && key < seq);
+                const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
+                s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
+            }
+        }
+    };
+
     float acc[D / 2];
     zero(acc);
-    for (u32 j = 0; j < key_tiles; ++j) {
-        const u32 u0 = j * WG_DQ_KEYS;
-        const u32 buf = j & 1;
-        if (j + 1 < key_tiles) {
-            stage_keys_at(j + 1, buf ^ 1);
+    // The previous tile's dS: the A operand of its dS K.
+    u32 ds[WG_DQ_KEYS / 16][4];
+    {
+        if (key_tiles > 1) {
+            stage_keys_at(1);
         }
         await_staged_tile();
-        if (u0 < g0 + 64) {
-            const bf16* kt = ks + buf * KEY_ELEMS;
-            const bf16* vt = vs + buf * KEY_ELEMS;
+        float s[WG_DQ_KEYS / 2];
+        float dp[WG_DQ_KEYS / 2];
+        wgmma_fence();
+        issue_scores_at(s, dp, 0);
+        wgmma_finish();
+        score_gradients(s, dp, 0);
+#pragma unroll
+        for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
+            a_operand(ds[kk], s, kk);
+        }
+        __syncthreads();
+    }
+    for (u32 j = 1; j <= key_tiles; ++j) {
+        if (j + 1 < key_tiles) {
+            stage_keys_at(j + 1);
+        }
+        // K_j and V_j are in shared memory; K_{j-1} still is.
+        await_staged_tile();
+        const bf16* k_prev = ks + ((j - 1) % 3) * KEY_ELEMS;
+        if (j < active) {
             float s[WG_DQ_KEYS / 2];
             float dp[WG_DQ_KEYS / 2];
+            fence_operands(acc);
+            fence_operands(ds);
             wgmma_fence();
-            issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(s, qs, group * 64, kt);
-            issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(dp, dos, group * 64, vt);
-            wgmma_finish();
-            const bool masked = u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq;
-#pragma unroll
-            for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = e >> 1;
-                    const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                    const u32 r = g0 + row + 8 * i;
-                    const bool live = !masked || (key <= r && key < seq);
-                    const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
-                    s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
-                }
-            }
-            u32 ds[WG_DQ_KEYS / 16][4];
+            issue_scores_at(s, dp, j);
+            wgmma_commit();
+            issue_weighted_rows<WG_DQ_KEYS>(acc, ds, k_prev);
+            wgmma_commit();
+            wgmma_wait<1>();  // S and dP; dS K may still run
+            fence_operands(s);
+            fence_operands(dp);
+            score_gradients(s, dp, j);
+            wgmma_wait<0>();  // dS K of tile j - 1 is in acc; ds is free
+            fence_operands(acc);
 #pragma unroll
             for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
                 a_operand(ds[kk], s, kk);
             }
+        } else if (j == active) {
+            fence_operands(acc);
+            fence_operands(ds);
             wgmma_fence();
-            issue_weighted_rows<WG_DQ_KEYS>(acc, ds, kt);
+            issue_weighted_rows<WG_DQ_KEYS>(acc, ds, k_prev);
             wgmma_finish();
         }
+        // Both warpgroups are done with the buffers the next fetches fill.
         __syncthreads();
     }
     store_group_rows(dq + (row0 * heads + h) * D, q_stride, acc, g0, row, seq, scale);

@@ -66,11 +66,43 @@ __device__ __forceinline__ u64 swizzled_desc(u32 address, u32 leading, u32 strid
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
+// Closes the products issued since the last commit into a group.
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most `N` of this warpgroup's committed groups are in
+// flight (groups complete in order).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Closes the products issued since the fence into a group and waits for
 // them: their results are in registers after this.
 __device__ __forceinline__ void wgmma_finish() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wgmma_commit();
+    wgmma_wait<0>();
+}
+// Keeps the compiler from moving a read of `d` above the wait before it:
+// the registers of an accumulator are written by the tensor cores, which
+// the compiler does not see (CUTLASS's `warpgroup_fence_operand`).
+// Before a `wgmma_fence`, the same keeps the compiler from sinking the
+// writes of an operand past it (ptxas would then wait for them itself).
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        asm volatile("" : "+f"(d[i])::"memory");
+    }
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(u32 (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            asm volatile("" : "+r"(a[i][e])::"memory");
+        }
+    }
 }
 // Makes this thread's `cp.async` writes to shared memory visible to the
 // async proxy that `wgmma` reads it through (before the block's barrier).

@@ -127,7 +127,9 @@ impl FlashKernel {
                 WGMMA_SHARED_ALIGN
                     + match self {
                         FlashKernel::Forward => (WG_QUERY_ROWS + 4 * WG_FWD_KEYS) * row,
-                        FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 4 * WG_DQ_KEYS) * row,
+                        // q and dout, then k three times (the pipeline
+                        // reads the previous tile's) and v twice.
+                        FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 5 * WG_DQ_KEYS) * row,
                         FlashKernel::BackwardDkdv => {
                             (2 * WG_DKDV_KEYS + 4 * WG_DKDV_QUERIES) * row
                                 + f32s(4 * WG_DKDV_QUERIES)
@@ -463,8 +465,8 @@ mod tests {
             |kernel: FlashKernel| kernel.shared_bytes(128, FlashPath::Wgmma) - WGMMA_SHARED_ALIGN;
         // q, then k and v twice; 128 channels of bf16 a row.
         assert_eq!(tiles(FlashKernel::Forward), (128 + 4 * 128) * 256);
-        // q and dout, then k and v twice.
-        assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 4 * 64) * 256);
+        // q and dout, then k three times and v twice.
+        assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 5 * 64) * 256);
         // k and v, then q and dout twice, then lse and D twice.
         assert_eq!(
             tiles(FlashKernel::BackwardDkdv),
