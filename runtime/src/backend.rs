@@ -731,6 +731,22 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: UnpermuteDims,
     ) -> Result<()>;
 
+    /// The MoE layer's combine into the residual stream:
+    /// `x[t] += sum_{j<k} w[t, j] * rows[positions[t*k + j]] + shared[t]`,
+    /// `j` in order, then `shared` (the shared expert's output, where there
+    /// is one), then `x`, summed in f32 and rounded once (one kernel
+    /// instead of a combine into scratch and two adds). Dtypes as
+    /// [`Backend::moe_unpermute`]'s, `shared` and `x` bf16 or f32.
+    fn moe_combine(
+        &self,
+        rows: Slice<'_, Self>,
+        weights: Slice<'_, Self>,
+        positions: Slice<'_, Self>,
+        shared: Option<Slice<'_, Self>>,
+        x: SliceMut<'_, Self>,
+        dims: UnpermuteDims,
+    ) -> Result<()>;
+
     /// Backward of [`Backend::moe_unpermute`] with weights, overwriting
     /// `grads.rows` (`d rows[positions[t*k+j]] = w[t, j] * dout[t]`) and
     /// `grads.weights` (`d w[t, j] = dout[t] . rows[positions[t*k+j]]`).

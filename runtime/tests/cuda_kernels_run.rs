@@ -923,6 +923,35 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 });
             }
         }
+        // The combine into x, with and without a shared expert's rows; 136
+        // channels take the 8-channel path.
+        for width in [129usize, 136] {
+            let d = UnpermuteDims { width, ..d };
+            for shared in [true, false] {
+                let positions = Host::U32(positions.clone());
+                cases.push(Case {
+                    kernel: "moe_combine".into(),
+                    mode,
+                    shape: format!("203x3 {width}{}", if shared { " shared" } else { "" }),
+                    buffers: vec![
+                        rng.floats(609 * width, a),
+                        weights.clone(),
+                        positions,
+                        rng.floats(203 * width, a),
+                        rng.floats(203 * width, a),
+                    ],
+                    outputs: vec![4],
+                    cpu: Box::new(move |b, x| {
+                        let s = shared.then(|| v(&x[3]));
+                        b.moe_combine(v(&x[0]), v(&x[1]), v(&x[2]), s, m(&x[4]), d)
+                    }),
+                    gpu: Box::new(move |s, st, x| {
+                        s.moe_combine(st, x[0], x[1], x[2], shared.then_some(x[3]), x[4], d)
+                    }),
+                    reference: None,
+                });
+            }
+        }
         // Rows of 136 channels: in bf16, 8 channels a load.
         for width in [129usize, 136] {
             let d = UnpermuteDims { width, ..d };

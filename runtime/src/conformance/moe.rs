@@ -674,6 +674,79 @@ fn unpermute<B: Backend>(s: &mut Suite<'_, B>) {
             );
         }
 
+        for with_shared in [true, false] {
+            let case = KernelCase::new(
+                "moe_combine",
+                format!("{name}{}", if with_shared { ", shared" } else { "" }),
+            )
+            .input("rows", row_values.clone())
+            .input_f32("weights", weights.clone())
+            .input_u32("positions", &positions);
+            let case = if with_shared {
+                case.input("shared", s.rng.values(tokens * width, -2.0, 2.0))
+            } else {
+                case
+            };
+            let case = case
+                .inout("x", s.rng.values(tokens * width, -2.0, 2.0))
+                .tolerance(16.0 * U * (top_k + 2) as f64, 16.0 * U);
+            let case = if refusals && with_shared {
+                case.with_refusals()
+            } else {
+                case
+            };
+            let launch = move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
+                let shared = if with_shared {
+                    Some(b.view("shared")?)
+                } else {
+                    None
+                };
+                dev.moe_combine(
+                    b.view("rows")?,
+                    b.view("weights")?,
+                    b.view("positions")?,
+                    shared,
+                    b.view_mut("x")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            };
+            if refusals && with_shared {
+                s.check_bad_input(
+                    &case,
+                    BadInput::new("a position past the rows").with_u32("positions", &bad),
+                    launch,
+                );
+                s.check_bad_input(
+                    &case,
+                    BadInput::new("a shared row too few")
+                        .with("shared", vec![0.0; (tokens - 1) * width]),
+                    launch,
+                );
+            }
+            s.check_kernel(
+                case,
+                |x| {
+                    let mut out = x["x"].to_vec();
+                    for t in 0..tokens {
+                        for c in 0..width {
+                            let mut sum = 0.0;
+                            for j in 0..top_k {
+                                let p = positions[t * top_k + j] as usize;
+                                sum += x["weights"][t * top_k + j] * x["rows"][p * width + c];
+                            }
+                            if with_shared {
+                                sum += x["shared"][t * width + c];
+                            }
+                            out[t * width + c] += sum;
+                        }
+                    }
+                    vec![Expected::new("x", out)]
+                },
+                launch,
+            );
+        }
+
         let bwd = KernelCase::new("moe_unpermute_backward", name)
             .input("dout", s.rng.values(tokens * width, -2.0, 2.0))
             .input("rows", row_values)

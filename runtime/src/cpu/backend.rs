@@ -990,6 +990,30 @@ impl Backend for CpuBackend {
         kernels::moe_unpermute(&rows, weights, positions, &mut k.f32_out("out", out)?, dims)
     }
 
+    fn moe_combine(
+        &self,
+        rows: Slice<'_, Self>,
+        weights: Slice<'_, Self>,
+        positions: Slice<'_, Self>,
+        shared: Option<Slice<'_, Self>>,
+        x: SliceMut<'_, Self>,
+        dims: UnpermuteDims,
+    ) -> Result<()> {
+        let k = self.access("moe_combine");
+        let rows = k.f32_in("rows", rows)?;
+        let weights = k.typed_in::<f32>("weights", weights)?;
+        let positions = k.typed_in::<u32>("positions", positions)?;
+        let shared = shared.map(|s| k.f32_in("shared", s)).transpose()?;
+        kernels::moe_combine(
+            &rows,
+            weights,
+            positions,
+            shared.as_deref(),
+            &mut k.f32_out("x", x)?,
+            dims,
+        )
+    }
+
     fn moe_unpermute_backward(
         &self,
         dout: Slice<'_, Self>,

@@ -31,7 +31,7 @@ pub use lookup::{
     embedding_backward, embedding_forward,
 };
 pub use moe::{
-    gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_expert_counts,
+    gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_combine, moe_expert_counts,
     moe_expert_major_order, moe_route_backward, moe_route_forward, moe_sort_by_expert,
     moe_unpermute, moe_unpermute_backward, scatter_rows,
 };

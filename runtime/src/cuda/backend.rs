@@ -1390,6 +1390,26 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn moe_combine(
+        &self,
+        rows: Slice<'_, Self>,
+        weights: Slice<'_, Self>,
+        positions: Slice<'_, Self>,
+        shared: Option<Slice<'_, Self>>,
+        x: SliceMut<'_, Self>,
+        dims: UnpermuteDims,
+    ) -> Result<()> {
+        self.k().moe_combine(
+            self.s(),
+            self.v(rows),
+            self.v(weights),
+            self.v(positions),
+            shared.map(|s| self.v(s)),
+            self.m(&x),
+            dims,
+        )
+    }
+
     fn moe_unpermute_backward(
         &self,
         dout: Slice<'_, Self>,

@@ -452,7 +452,7 @@ fn validate_unpermute(
     kernel: &str,
     rows: usize,
     positions: &[u32],
-    out: usize,
+    (out_name, out): (&str, usize),
     dims: UnpermuteDims,
 ) -> Result<()> {
     check::len(
@@ -469,7 +469,7 @@ fn validate_unpermute(
     )?;
     check::len(
         kernel,
-        "out",
+        out_name,
         out,
         check::product(kernel, &[dims.tokens, dims.width])?,
     )?;
@@ -487,7 +487,7 @@ pub fn moe_unpermute(
     dims: UnpermuteDims,
 ) -> Result<()> {
     let kn = "moe_unpermute";
-    validate_unpermute(kn, rows.len(), positions, out.len(), dims)?;
+    validate_unpermute(kn, rows.len(), positions, ("out", out.len()), dims)?;
     if let Some(w) = weights {
         check::len(kn, "weights", w.len(), positions.len())?;
     }
@@ -508,6 +508,48 @@ pub fn moe_unpermute(
     Ok(())
 }
 
+/// `x[t] += sum_j w[t, j] rows[positions[t*k + j]] + shared[t]`: the sum
+/// in f32 in that order (`j` in order, then `shared`, then `x`), as the
+/// CUDA kernel takes it.
+pub fn moe_combine(
+    rows: &[f32],
+    weights: &[f32],
+    positions: &[u32],
+    shared: Option<&[f32]>,
+    x: &mut [f32],
+    dims: UnpermuteDims,
+) -> Result<()> {
+    let kn = "moe_combine";
+    validate_unpermute(kn, rows.len(), positions, ("x", x.len()), dims)?;
+    check::len(kn, "weights", weights.len(), positions.len())?;
+    if let Some(shared) = shared {
+        check::len(kn, "shared", shared.len(), x.len())?;
+    }
+    if dims.width == 0 {
+        return Ok(());
+    }
+    let mut sum = vec![0.0f32; dims.width];
+    for (t, o) in x.chunks_exact_mut(dims.width).enumerate() {
+        sum.fill(0.0);
+        for j in 0..dims.top_k {
+            let slot = t * dims.top_k + j;
+            let p = positions[slot] as usize;
+            axpy_row(
+                weights[slot],
+                &rows[p * dims.width..][..dims.width],
+                &mut sum,
+            );
+        }
+        if let Some(shared) = shared {
+            axpy_row(1.0, &shared[t * dims.width..][..dims.width], &mut sum);
+        }
+        for (o, s) in o.iter_mut().zip(&sum) {
+            *o = s + *o;
+        }
+    }
+    Ok(())
+}
+
 pub fn moe_unpermute_backward(
     dout: &[f32],
     rows: &[f32],
@@ -517,7 +559,7 @@ pub fn moe_unpermute_backward(
     dims: UnpermuteDims,
 ) -> Result<()> {
     let kn = "moe_unpermute_backward";
-    validate_unpermute(kn, rows.len(), positions, dout.len(), dims)?;
+    validate_unpermute(kn, rows.len(), positions, ("dout", dout.len()), dims)?;
     check::len(kn, "weights", weights.len(), positions.len())?;
     check::len(kn, "grads.rows", grads.rows.len(), rows.len())?;
     check::len(kn, "grads.weights", grads.weights.len(), positions.len())?;

@@ -72,15 +72,18 @@ __device__ __forceinline__ bool combine_slot(
     return true;
 }
 
-// out[t] = sum_{j<k} w[t, j] rows[positions[t*k + j]] (w = 1 without weights).
-// One block per token (striding over tokens), its threads over the columns.
-// The `vec8` combine moves 8 channels a thread (`load8`, `store8`: 16-byte
-// accesses, bf16 or f32 alike): the same sums in the same order as the
-// element loop below, which spent its time on 2-byte loads and their index
-// arithmetic.
+// out[t] = sum_{j<k} w[t, j] rows[positions[t*k + j]] (w = 1 without
+// weights), plus addend[t] where there is one, plus out[t] itself with
+// `accumulate` (the MoE layer's combine into the residual stream): the sum
+// in f32, in that order, rounded once. One block per token (striding over
+// tokens), its threads over the columns. The `vec8` combine moves 8
+// channels a thread (`load8`, `store8`: 16-byte accesses, bf16 or f32
+// alike): the same sums in the same order as the element loop below, which
+// spent its time on 2-byte loads and their index arithmetic.
 __device__ __forceinline__ void unpermute_x8(
-    const void* rows, int rows_dtype, const float* weights, const u32* positions, void* out,
-    int out_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 words, u64* status) {
+    const void* rows, int rows_dtype, const float* weights, const u32* positions, const void* addend,
+    int addend_dtype, void* out, int out_dtype, int accumulate, u64 tokens, u64 top_k, u64 n_rows, u64 words,
+    u64* status) {
     for (u64 token = blockIdx.x; token < tokens; token += gridDim.x) {
         for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -97,19 +100,37 @@ __device__ __forceinline__ void unpermute_x8(
                     acc[e] += w * f[e];
                 }
             }
-            store8(out, out_dtype, token * words + c, acc);
+            const u64 at = token * words + c;
+            if (addend != nullptr) {
+                float f[8];
+                load8(addend, addend_dtype, at, f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    acc[e] += f[e];
+                }
+            }
+            if (accumulate) {
+                float f[8];
+                load8(out, out_dtype, at, f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    acc[e] += f[e];
+                }
+            }
+            store8(out, out_dtype, at, acc);
         }
     }
 }
 
-// `vec8`: rows and out are bf16 or f32, 16-byte aligned, and width is a
-// multiple of 8 (the launcher checks).
+// `vec8`: rows, addend and out are bf16 or f32, 16-byte aligned, and width
+// is a multiple of 8 (the launcher checks). `addend` may be null.
 extern "C" __global__ void moe_unpermute(
-    const void* rows, int rows_dtype, const float* weights, const u32* positions, void* out,
-    int out_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8, u64* status) {
+    const void* rows, int rows_dtype, const float* weights, const u32* positions, const void* addend,
+    int addend_dtype, void* out, int out_dtype, int accumulate, u64 tokens, u64 top_k, u64 n_rows, u64 width,
+    int vec8, u64* status) {
     if (vec8) {
-        unpermute_x8(rows, rows_dtype, weights, positions, out, out_dtype, tokens, top_k, n_rows,
-                     width / 8, status);
+        unpermute_x8(rows, rows_dtype, weights, positions, addend, addend_dtype, out, out_dtype, accumulate,
+                     tokens, top_k, n_rows, width / 8, status);
         return;
     }
     for (u64 token = blockIdx.x; token < tokens; token += gridDim.x) {
@@ -123,7 +144,14 @@ extern "C" __global__ void moe_unpermute(
                 }
                 acc += w * load(rows, rows_dtype, static_cast<u64>(p) * width + c);
             }
-            store(out, out_dtype, token * width + c, acc);
+            const u64 at = token * width + c;
+            if (addend != nullptr) {
+                acc += load(addend, addend_dtype, at);
+            }
+            if (accumulate) {
+                acc += load(out, out_dtype, at);
+            }
+            store(out, out_dtype, at, acc);
         }
     }
 }

@@ -1709,13 +1709,13 @@ impl KernelSet {
         k: &str,
         rows: &GpuView,
         positions: &GpuView,
-        out: &GpuView,
+        (out_name, out): (&str, &GpuView),
         d: UnpermuteDims,
     ) -> Result<()> {
         exactly(k, "positions", positions, DType::U32)?;
         len(k, "rows", rows, product(k, &[d.rows, d.width])?)?;
         len(k, "positions", positions, product(k, &[d.tokens, d.top_k])?)?;
-        len(k, "out", out, product(k, &[d.tokens, d.width])?)?;
+        len(k, out_name, out, product(k, &[d.tokens, d.width])?)?;
         as_u32(k, "rows", d.rows)?;
         Ok(())
     }
@@ -1730,9 +1730,61 @@ impl KernelSet {
         out: GpuView,
         d: UnpermuteDims,
     ) -> Result<()> {
-        let k = "moe_unpermute";
-        let (rt, ot) = (float(k, "rows", &rows)?, float(k, "out", &out)?);
-        Self::check_unpermute(k, &rows, &positions, &out, d)?;
+        let out = ("out", out);
+        self.unpermute(
+            "moe_unpermute",
+            stream,
+            [rows, positions],
+            out,
+            weights,
+            None,
+            false,
+            d,
+        )
+    }
+
+    /// `Backend::moe_combine` (adds into `x`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &self,
+        stream: &CudaStream,
+        rows: GpuView,
+        weights: GpuView,
+        positions: GpuView,
+        shared: Option<GpuView>,
+        x: GpuView,
+        d: UnpermuteDims,
+    ) -> Result<()> {
+        let (x, w) = (("x", x), Some(weights));
+        self.unpermute(
+            "moe_combine",
+            stream,
+            [rows, positions],
+            x,
+            w,
+            shared,
+            true,
+            d,
+        )
+    }
+
+    /// The `moe_unpermute` kernel for `kernel`: `out` (+)= each token's
+    /// weighted rows (+ its `addend` row).
+    #[allow(clippy::too_many_arguments)]
+    fn unpermute(
+        &self,
+        kernel: &str,
+        stream: &CudaStream,
+        [rows, positions]: [GpuView; 2],
+        (out_name, out): (&str, GpuView),
+        weights: Option<GpuView>,
+        addend: Option<GpuView>,
+        accumulate: bool,
+        d: UnpermuteDims,
+    ) -> Result<()> {
+        let k = kernel;
+        let (rt, ot) = (float(k, "rows", &rows)?, float(k, out_name, &out)?);
+        Self::check_unpermute(k, &rows, &positions, (out_name, &out), d)?;
         let w = match weights {
             Some(w) => {
                 exactly(k, "weights", &w, DType::F32)?;
@@ -1741,19 +1793,32 @@ impl KernelSet {
             }
             None => 0,
         };
+        let (a, at) = match addend {
+            Some(a) => {
+                let at = float(k, "shared", &a)?;
+                len(k, "shared", &a, out.len)?;
+                (a.ptr, at)
+            }
+            None => (0, 0),
+        };
         if out.len == 0 {
             return Ok(());
         }
         let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
         // Rows combine 8 channels a thread where the words line up.
-        let vec8 = i32::from(words8(&[rows, out], d.width));
-        let mut b = stream.launch_builder(self.function(k)?);
+        let vec8 = words8(&[rows, out], d.width) && addend.is_none_or(|a| words8(&[a], d.width));
+        let vec8 = i32::from(vec8);
+        let accumulate = i32::from(accumulate);
+        let mut b = stream.launch_builder(self.function("moe_unpermute")?);
         b.arg(&rows.ptr)
             .arg(&rt)
             .arg(&w)
             .arg(&positions.ptr)
+            .arg(&a)
+            .arg(&at)
             .arg(&out.ptr)
-            .arg(&ot);
+            .arg(&ot)
+            .arg(&accumulate);
         for x in &dims {
             b.arg(x);
         }
@@ -1781,7 +1846,7 @@ impl KernelSet {
             float(k, "rows", &rows)?,
             float(k, "d_rows", &d_rows)?,
         );
-        Self::check_unpermute(k, &rows, &positions, &dout, d)?;
+        Self::check_unpermute(k, &rows, &positions, ("dout", &dout), d)?;
         exactly(k, "weights", &weights, DType::F32)?;
         exactly(k, "d_weights", &d_weights, DType::F32)?;
         len(k, "weights", &weights, positions.len)?;

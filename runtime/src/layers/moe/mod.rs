@@ -605,19 +605,20 @@ impl MoeLayer {
             rows * self.top_k * h,
         )?;
         check_len(name, "x", b.slice_len(b.as_slice(&x)), rows * h)?;
-        let moe_out = uninit(b, rows * h)?;
-        self.unpermute(
+        let shared = routing
+            .shared
+            .as_ref()
+            .map(|s| b.view(&s.out))
+            .transpose()?;
+        self.combine_into(
             b,
             b.view(&returned)?,
             b.view(&routing.router.weights)?,
             b.view(&routing.positions)?,
-            b.view_mut(&moe_out)?,
+            shared,
+            b.reborrow_mut(&mut x),
             rows,
         )?;
-        if let Some(shared) = &routing.shared {
-            b.axpy(1.0, b.view(&shared.out)?, b.view_mut(&moe_out)?)?;
-        }
-        b.axpy(1.0, b.view(&moe_out)?, b.reborrow_mut(&mut x))?;
         Ok(MoeCombined { routing, returned })
     }
 

@@ -66,22 +66,25 @@ impl MoeLayer {
         b.moe_unpermute(d_send, None, positions, d_u, self.unpermute_dims(rows))
     }
 
-    /// The combine: `out[t] = sum_j w[t, j] returned[positions[t*k + j]]`
-    /// (overwritten), `j` in order.
-    pub(super) fn unpermute<B: Backend>(
+    /// The combine into the residual stream: `x[t] += sum_j w[t, j]
+    /// returned[positions[t*k + j]] + shared[t]`, `j` in order, rounded once.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn combine_into<B: Backend>(
         &self,
         b: &B,
         returned: Slice<'_, B>,
         weights: Slice<'_, B>,
         positions: Slice<'_, B>,
-        out: SliceMut<'_, B>,
+        shared: Option<Slice<'_, B>>,
+        x: SliceMut<'_, B>,
         rows: usize,
     ) -> Result<()> {
-        b.moe_unpermute(
+        b.moe_combine(
             returned,
-            Some(weights),
+            weights,
             positions,
-            out,
+            shared,
+            x,
             self.unpermute_dims(rows),
         )
     }
