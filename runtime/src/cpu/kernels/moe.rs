@@ -544,7 +544,7 @@ pub fn moe_combine(
             axpy_row(1.0, &shared[t * dims.width..][..dims.width], &mut sum);
         }
         for (o, s) in o.iter_mut().zip(&sum) {
-            *o = s + *o;
+            *o += s;
         }
     }
     Ok(())
