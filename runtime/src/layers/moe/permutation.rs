@@ -12,7 +12,7 @@ use crate::backend::{
     Backend, DType, ExpertOrder, ReceivedDims, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
-use crate::layers::{check_len, zeros};
+use crate::layers::{check_len, uninit};
 
 impl MoeLayer {
     fn unpermute_dims(&self, tokens: usize) -> UnpermuteDims {
@@ -48,7 +48,9 @@ impl MoeLayer {
             },
             self.routed_slots(rows),
         )?;
-        let send = zeros(b, rows * k * h)?;
+        // The gather writes every send row (`sources` has one entry a row;
+        // a bad one fails the run), so nothing needs zeroing first.
+        let send = uninit(b, rows * k * h)?;
         b.gather_rows(u, b.view(&sources)?, b.view_mut(&send)?, h)?;
         Ok((send, positions))
     }
