@@ -1144,18 +1144,13 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             const float* lt = lses + buf * WG_DKDV_QUERIES;
             const float* dt = deltas + buf * WG_DKDV_QUERIES;
             // Scores and their gradients transposed: rows are the group's
-            // keys. The products overlap the element work: P's exponentials
-            // run while dP is multiplied, and dS while dV is (each sum in
-            // the order it had, so the same bits).
+            // keys.
             float p[WG_DKDV_QUERIES / 2];
             float dp[WG_DKDV_QUERIES / 2];
             wgmma_fence();
             issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(p, ks, group * 64, qt);
-            wgmma_commit();
             issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(dp, vs, group * 64, dot);
-            wgmma_commit();
-            wgmma_wait<1>();  // P; dP may still run
-            fence_operands(p);
+            wgmma_finish();
             const bool masked = t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq;
 #pragma unroll
             for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
@@ -1167,40 +1162,20 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
                     const bool live = !masked || (key <= query && query < seq);
                     float& pv = p[4 * n + e];
                     pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
+                    dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
                 }
             }
             u32 pa[WG_DKDV_QUERIES / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
-                a_operand(pa[kk], p, kk);
-            }
-            fence_operands(acc_v);
-            fence_operands(pa);
-            wgmma_fence();
-            issue_weighted_rows<WG_DKDV_QUERIES>(acc_v, pa, dot);
-            wgmma_commit();
-            wgmma_wait<1>();  // dP; dV may still run
-            fence_operands(dp);
-#pragma unroll
-            for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
-                    dp[4 * n + e] = p[4 * n + e] * (dp[4 * n + e] - dt[col]);
-                }
-            }
             u32 da[WG_DKDV_QUERIES / 16][4];
 #pragma unroll
             for (int kk = 0; kk < WG_DKDV_QUERIES / 16; ++kk) {
+                a_operand(pa[kk], p, kk);
                 a_operand(da[kk], dp, kk);
             }
-            fence_operands(acc_k);
-            fence_operands(da);
             wgmma_fence();
+            issue_weighted_rows<WG_DKDV_QUERIES>(acc_v, pa, dot);
             issue_weighted_rows<WG_DKDV_QUERIES>(acc_k, da, qt);
             wgmma_finish();
-            fence_operands(acc_v);
-            fence_operands(acc_k);
         }
         __syncthreads();
     }

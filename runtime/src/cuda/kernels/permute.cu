@@ -77,9 +77,11 @@ __device__ __forceinline__ bool combine_slot(
 // `accumulate` (the MoE layer's combine into the residual stream): the sum
 // in f32, in that order, rounded once. One block per token (striding over
 // tokens), its threads over the columns. The `vec8` combine moves 8
-// channels a thread (`load8`, `store8`: 16-byte accesses, bf16 or f32
-// alike): the same sums in the same order as the element loop below, which
-// spent its time on 2-byte loads and their index arithmetic.
+// channels a thread (16-byte accesses; R, O and A read rows, out and
+// addend as bf16 or f32, `Bf16Words8` and kin): the same sums in the same
+// order as the element loop below, which spent its time on 2-byte loads
+// and their index arithmetic.
+template <typename R, typename O, typename A>
 __device__ __forceinline__ void unpermute_x8(
     const void* rows, int rows_dtype, const float* weights, const u32* positions, const void* addend,
     int addend_dtype, void* out, int out_dtype, int accumulate, u64 tokens, u64 top_k, u64 n_rows, u64 words,
@@ -94,7 +96,7 @@ __device__ __forceinline__ void unpermute_x8(
                     continue;
                 }
                 float f[8];
-                load8(rows, rows_dtype, static_cast<u64>(p) * words + c, f);
+                R::load(rows, rows_dtype, static_cast<u64>(p) * words + c, f);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     acc[e] += w * f[e];
@@ -103,7 +105,7 @@ __device__ __forceinline__ void unpermute_x8(
             const u64 at = token * words + c;
             if (addend != nullptr) {
                 float f[8];
-                load8(addend, addend_dtype, at, f);
+                A::load(addend, addend_dtype, at, f);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     acc[e] += f[e];
@@ -111,13 +113,13 @@ __device__ __forceinline__ void unpermute_x8(
             }
             if (accumulate) {
                 float f[8];
-                load8(out, out_dtype, at, f);
+                O::load(out, out_dtype, at, f);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
                     acc[e] += f[e];
                 }
             }
-            store8(out, out_dtype, at, acc);
+            O::store(out, out_dtype, at, acc);
         }
     }
 }
@@ -129,8 +131,24 @@ extern "C" __global__ void moe_unpermute(
     int addend_dtype, void* out, int out_dtype, int accumulate, u64 tokens, u64 top_k, u64 n_rows, u64 width,
     int vec8, u64* status) {
     if (vec8) {
-        unpermute_x8(rows, rows_dtype, weights, positions, addend, addend_dtype, out, out_dtype, accumulate,
-                     tokens, top_k, n_rows, width / 8, status);
+        // The layers' mixes with their dtypes fixed (`Bf16Words8`): the
+        // combine into the residual stream, and the dispatch's backward
+        // into an f32 sum.
+        const bool rows_bf16 = rows_dtype == DTYPE_BF16;
+        const bool addend_bf16 = addend == nullptr || addend_dtype == DTYPE_BF16;
+        if (rows_bf16 && out_dtype == DTYPE_BF16 && addend_bf16) {
+            unpermute_x8<Bf16Words8, Bf16Words8, Bf16Words8>(rows, rows_dtype, weights, positions, addend,
+                                                             addend_dtype, out, out_dtype, accumulate, tokens,
+                                                             top_k, n_rows, width / 8, status);
+        } else if (rows_bf16 && out_dtype == DTYPE_F32 && addend == nullptr) {
+            unpermute_x8<Bf16Words8, F32Words8, AnyWords8>(rows, rows_dtype, weights, positions, addend,
+                                                           addend_dtype, out, out_dtype, accumulate, tokens,
+                                                           top_k, n_rows, width / 8, status);
+        } else {
+            unpermute_x8<AnyWords8, AnyWords8, AnyWords8>(rows, rows_dtype, weights, positions, addend,
+                                                          addend_dtype, out, out_dtype, accumulate, tokens,
+                                                          top_k, n_rows, width / 8, status);
+        }
         return;
     }
     for (u64 token = blockIdx.x; token < tokens; token += gridDim.x) {

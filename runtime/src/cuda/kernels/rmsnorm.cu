@@ -70,8 +70,10 @@ extern "C" __global__ void rmsnorm_forward(
     }
 }
 
-// The backward's `vec8` path takes bf16 or f32 operands alike (`load8`):
-// the layers sum the norm's output gradient in f32.
+// The backward's `vec8` path takes bf16 or f32 operands alike (the layers
+// sum the norm's output gradient in f32): DY for dy, T for x, w and dx
+// (`Bf16Words8`, `F32Words8`, or `AnyWords8` for other mixes).
+template <typename DY, typename T>
 __device__ __forceinline__ void rmsnorm_backward_input_vec8(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
     const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, float* scratch) {
@@ -82,9 +84,9 @@ __device__ __forceinline__ void rmsnorm_backward_input_vec8(
     float gx = 0.0f;
     for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
         float fw[8], fd[8], fx[8];
-        load8(w, w_dtype, w_base + c, fw);
-        load8(dy, dy_dtype, base + c, fd);
-        load8(x, x_dtype, base + c, fx);
+        T::load(w, w_dtype, w_base + c, fw);
+        DY::load(dy, dy_dtype, base + c, fd);
+        T::load(x, x_dtype, base + c, fx);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             gx += fw[e] * fd[e] * fx[e];
@@ -95,16 +97,16 @@ __device__ __forceinline__ void rmsnorm_backward_input_vec8(
     const float k = rs * rs * rs * gx / static_cast<float>(group_size);
     for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
         float fw[8], fd[8], fx[8], out[8];
-        load8(w, w_dtype, w_base + c, fw);
-        load8(dy, dy_dtype, base + c, fd);
-        load8(x, x_dtype, base + c, fx);
-        load8(dx, dx_dtype, base + c, out);
+        T::load(w, w_dtype, w_base + c, fw);
+        DY::load(dy, dy_dtype, base + c, fd);
+        T::load(x, x_dtype, base + c, fx);
+        T::load(dx, dx_dtype, base + c, out);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float g = fw[e] * fd[e];
             out[e] = out[e] + (rs * g - fx[e] * k);
         }
-        store8(dx, dx_dtype, base + c, out);
+        T::store(dx, dx_dtype, base + c, out);
     }
 }
 
@@ -114,8 +116,17 @@ extern "C" __global__ void rmsnorm_backward_input(
     const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, int vec8) {
     __shared__ float scratch[32];
     if (vec8) {
-        rmsnorm_backward_input_vec8(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx, dx_dtype, groups,
-                                    group_size, scratch);
+        const bool bf16 = x_dtype == DTYPE_BF16 && w_dtype == DTYPE_BF16 && dx_dtype == DTYPE_BF16;
+        if (bf16 && dy_dtype == DTYPE_BF16) {
+            rmsnorm_backward_input_vec8<Bf16Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                                dx_dtype, groups, group_size, scratch);
+        } else if (bf16 && dy_dtype == DTYPE_F32) {
+            rmsnorm_backward_input_vec8<F32Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                               dx_dtype, groups, group_size, scratch);
+        } else {
+            rmsnorm_backward_input_vec8<AnyWords8, AnyWords8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                              dx_dtype, groups, group_size, scratch);
+        }
         return;
     }
     const u64 block = blockIdx.x;
