@@ -528,23 +528,17 @@ pub fn moe_combine(
     if dims.width == 0 {
         return Ok(());
     }
-    let mut sum = vec![0.0f32; dims.width];
-    for (t, o) in x.chunks_exact_mut(dims.width).enumerate() {
-        sum.fill(0.0);
-        for j in 0..dims.top_k {
-            let slot = t * dims.top_k + j;
-            let p = positions[slot] as usize;
-            axpy_row(
-                weights[slot],
-                &rows[p * dims.width..][..dims.width],
-                &mut sum,
-            );
-        }
-        if let Some(shared) = shared {
-            axpy_row(1.0, &shared[t * dims.width..][..dims.width], &mut sum);
-        }
-        for (o, s) in o.iter_mut().zip(&sum) {
-            *o += s;
+    let (w, k) = (dims.width, dims.top_k);
+    for (t, row) in x.chunks_exact_mut(w).enumerate() {
+        for (c, x) in row.iter_mut().enumerate() {
+            let mut sum = 0.0f32;
+            for slot in t * k..(t + 1) * k {
+                sum += weights[slot] * rows[positions[slot] as usize * w + c];
+            }
+            if let Some(shared) = shared {
+                sum += shared[t * w + c];
+            }
+            *x += sum;
         }
     }
     Ok(())

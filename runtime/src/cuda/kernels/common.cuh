@@ -172,8 +172,8 @@ __device__ __forceinline__ void store8(void* p, int dtype, u64 word, const float
 }
 
 // The same with the dtype fixed at compile time, for kernels that
-// instantiate their 8-channel paths per dtype mix: `Words8::load` and
-// `store` ignore the run-time tag (`AnyWords8` reads it). A tag read per
+// instantiate their 8-channel paths per dtype mix: `Bf16Words8` and
+// `F32Words8` ignore the run-time tag, `AnyWords8` reads it. A tag read per
 // access kept the compiler from overlapping a thread's loads (rmsnorm's
 // backward with an f32 dy ran at 60% of its bf16 speed).
 struct Bf16Words8 {

@@ -189,10 +189,10 @@ fn bf16_words(views: &[GpuView], row: usize) -> bool {
             .all(|v| v.dtype == DType::Bf16 && v.ptr.is_multiple_of(16))
 }
 
-/// Whether kernels whose `vec8` path reads through `load8` and `store8`
-/// can move these views 8 channels at a time: each bf16 or f32 (one or two
-/// 16-byte words) and 16-byte aligned, in rows of `row` elements, a
-/// multiple of 8.
+/// Whether kernels whose `vec8` path takes bf16 and f32 alike (through
+/// `common.cuh`'s `Bf16Words8`, `F32Words8`, `AnyWords8`) can move these
+/// views 8 channels at a time: each bf16 or f32 (one or two 16-byte
+/// words) and 16-byte aligned, in rows of `row` elements, a multiple of 8.
 fn words8(views: &[GpuView], row: usize) -> bool {
     row.is_multiple_of(8)
         && views
@@ -1768,21 +1768,20 @@ impl KernelSet {
         )
     }
 
-    /// The `moe_unpermute` kernel for `kernel`: `out` (+)= each token's
-    /// weighted rows (+ its `addend` row).
+    /// The `moe_unpermute` kernel for `k`: `out` (+)= each token's
+    /// weighted rows (+ its `shared` row).
     #[allow(clippy::too_many_arguments)]
     fn unpermute(
         &self,
-        kernel: &str,
+        k: &str,
         stream: &CudaStream,
         [rows, positions]: [GpuView; 2],
         (out_name, out): (&str, GpuView),
         weights: Option<GpuView>,
-        addend: Option<GpuView>,
+        shared: Option<GpuView>,
         accumulate: bool,
         d: UnpermuteDims,
     ) -> Result<()> {
-        let k = kernel;
         let (rt, ot) = (float(k, "rows", &rows)?, float(k, out_name, &out)?);
         Self::check_unpermute(k, &rows, &positions, (out_name, &out), d)?;
         let w = match weights {
@@ -1793,11 +1792,11 @@ impl KernelSet {
             }
             None => 0,
         };
-        let (a, at) = match addend {
-            Some(a) => {
-                let at = float(k, "shared", &a)?;
-                len(k, "shared", &a, out.len)?;
-                (a.ptr, at)
+        let (sp, st) = match shared {
+            Some(s) => {
+                let st = float(k, "shared", &s)?;
+                len(k, "shared", &s, out.len)?;
+                (s.ptr, st)
             }
             None => (0, 0),
         };
@@ -1806,7 +1805,7 @@ impl KernelSet {
         }
         let dims = [d.tokens, d.top_k, d.rows, d.width].map(|x| x as u64);
         // Rows combine 8 channels a thread where the words line up.
-        let vec8 = words8(&[rows, out], d.width) && addend.is_none_or(|a| words8(&[a], d.width));
+        let vec8 = words8(&[rows, out], d.width) && shared.is_none_or(|s| words8(&[s], d.width));
         let vec8 = i32::from(vec8);
         let accumulate = i32::from(accumulate);
         let mut b = stream.launch_builder(self.function("moe_unpermute")?);
@@ -1814,8 +1813,8 @@ impl KernelSet {
             .arg(&rt)
             .arg(&w)
             .arg(&positions.ptr)
-            .arg(&a)
-            .arg(&at)
+            .arg(&sp)
+            .arg(&st)
             .arg(&out.ptr)
             .arg(&ot)
             .arg(&accumulate);
