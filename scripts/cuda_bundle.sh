@@ -13,6 +13,7 @@
 #   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
 #   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
 #   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
+#   gpu-bundle/bin/expert_gemm             # the experts' GEMMs, cuBLAS vs grouped
 #
 # Tests that need more GPUs than the machine has say so and pass; so do the
 # benchmarks' two-GPU rows.
@@ -36,6 +37,21 @@ for line in sys.stdin:
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+  cp "$exe" "$bundle/bin/$name"
+  strip "$bundle/bin/$name"
+done
+# The GPU micro-benchmarks (they say why and exit without a GPU).
+cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --message-format=json \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do
   cp "$exe" "$bundle/bin/$name"

@@ -12,15 +12,21 @@
 // streams they still left the GPU half idle. Here every problem's tiles
 // share one grid, so the SMs stay full until the last tiles.
 //
-// A block computes one 128 x 128 tile of C: two warpgroups, 64 rows each,
-// `wgmma` m64n128k16 from shared memory. K is walked in steps of 64; a step
-// stages a 128 x 64 tile of each operand through `cp.async` in the 128-byte
-// swizzled layout (wgmma.cuh), GG_STAGES steps deep: the products of step
-// s run while steps s + 1 to s + 4 load. A K-major operand (K along its
-// stored rows) stages 128 rows of 128 bytes; an MN-major one 64 stored rows
-// of 256 bytes, as two atoms of 64 elements. One staged layout serves both
-// readings through the descriptor alone, so no operand is transposed.
-// Elements past m, n or k are staged as zeros and never stored.
+// A block computes one 128 x 128 tile of C: two consumer warpgroups, 64
+// rows each, `wgmma` m64n128k16 from shared memory, and a producer warp
+// whose one thread loads the operands with TMA. K is walked in steps of
+// 64; a step is a 128 x 64 tile of each operand in the 128-byte swizzled
+// layout (wgmma.cuh), in a ring of GG_STAGES buffers: the producer fills a
+// buffer once both warpgroups have released it (an `empty` barrier) and
+// the consumers multiply it once its bytes have landed (a `full` barrier).
+// Two blocks share an SM, so one's loads, fill and C update run while the
+// other multiplies. A K-major operand (K along its stored rows) is one box
+// of 128 rows of 128 bytes; an MN-major one two boxes (atoms) of 64 stored
+// rows of 128 bytes. One staged layout serves both readings through the
+// descriptor alone, so no operand is transposed. Each operand has its own
+// tensor map with the problem's sizes, so elements past m, n or k load as
+// zeros (an expert's rows end where its map ends, not where the next
+// expert's begin) and are never stored.
 //
 // Determinism: an element of C is one thread's sum of its K-steps in order,
 // then (when adding) C's old value: its bits depend on its problem alone,
@@ -32,27 +38,31 @@
 #include "common.cuh"
 #include "wgmma.cuh"
 
-#define GG_THREADS 256
+#define GG_THREADS 288
+#define GG_CONSUMERS 256
 #define GG_TILE_M 128
 #define GG_TILE_N 128
 #define GG_TILE_K 64
-#define GG_STAGES 6
-// Problems a launch takes (the table travels in the kernel's parameters,
-// which hold 4 KiB); the launcher splits longer groups.
-#define GG_MAX_PROBLEMS 48
+#define GG_STAGES 3
+// Problems a launch takes (the table and two tensor maps a problem travel
+// in the kernel's parameters, which hold 32 KiB on CUDA 12.1 and later);
+// the launcher splits longer groups.
+#define GG_MAX_PROBLEMS 32
 // A problem's flags.
 #define GG_ACCUMULATE 1u
 #define GG_C_F32 2u
 
 struct GroupedProblem {
-    u64 a, b, c;
+    u64 c;
     u32 m, n, k, flags;
 };
 
-// The problems of one launch and where each one's tiles start in the grid
+// The problems of one launch, their operands' tensor maps (A's of problem
+// p at 2 p, B's at 2 p + 1) and where each one's tiles start in the grid
 // (block `first_tile[p] + i` computes tile i of problem p; tiles run along
 // n first). `first_tile[count]` is the grid's size.
 struct GroupedProblems {
+    TensorMap map[2 * GG_MAX_PROBLEMS];
     GroupedProblem problem[GG_MAX_PROBLEMS];
     u32 first_tile[GG_MAX_PROBLEMS + 1];
     u32 count;
@@ -66,32 +76,16 @@ struct GroupedProblems {
 // An MN-major staged operand: its two 64-element atoms of 64 stored rows.
 #define GG_ATOM_BYTES (GG_TILE_K * 128)
 
-// Stages a K-major operand's K-step: stored rows `row0` .. + 127 of its
-// `rows` (each `k` elements, contiguous), elements k0 .. k0 + 63 of each,
-// at `tile`: row r is 128 bytes at r * 128, its chunk c at c ^ (r % 8).
-__device__ __forceinline__ void stage_k_major(u32 tile, const bf16* src, u32 row0, u32 rows, u32 k0, u32 k) {
-#pragma unroll
-    for (u32 j = 0; j < GG_TILE_M * 8 / GG_THREADS; ++j) {
-        const u32 i = threadIdx.x + j * GG_THREADS;
-        const u32 r = i / 8, c = i % 8;
-        const bool ok = row0 + r < rows && k0 + c * 8 < k;
-        const bf16* from = ok ? src + static_cast<u64>(row0 + r) * k + k0 + c * 8 : src;
-        copy16_async(tile + r * 128 + ((c ^ (r % 8)) << 4), from, ok);
-    }
-}
-
-// Stages an MN-major operand's K-step: stored rows k0 .. k0 + 63 of its
-// `k` (each `mn` elements, contiguous), elements mn0 .. mn0 + 127 of each,
-// at `tile`: elements 64 j .. 64 j + 63 are atom j, in which stored row r
-// is 128 bytes at r * 128, its chunk c at c ^ (r % 8).
-__device__ __forceinline__ void stage_mn_major(u32 tile, const bf16* src, u32 mn0, u32 mn, u32 k0, u32 k) {
-#pragma unroll
-    for (u32 j = 0; j < GG_TILE_K * 16 / GG_THREADS; ++j) {
-        const u32 i = threadIdx.x + j * GG_THREADS;
-        const u32 r = i / 16, c = i % 16;
-        const bool ok = k0 + r < k && mn0 + c * 8 < mn;
-        const bf16* from = ok ? src + static_cast<u64>(k0 + r) * mn + mn0 + c * 8 : src;
-        copy16_async(tile + (c / 8) * GG_ATOM_BYTES + r * 128 + (((c % 8) ^ (r % 8)) << 4), from, ok);
+// Loads K-step `k0` of an operand into `tile`, completing on `bar`: a
+// K-major operand's rows `mn0` .. + 127 (one box), or an MN-major one's
+// elements `mn0` .. + 127 of its stored rows k0 .. k0 + 63 (two atoms).
+template <int TRANS>
+__device__ __forceinline__ void load_operand(u32 tile, const TensorMap* map, u32 mn0, u32 k0, u32 bar) {
+    if (TRANS) {
+        tma_load_2d(tile, map, mn0, k0, bar);
+        tma_load_2d(tile + GG_ATOM_BYTES, map, mn0 + 64, k0, bar);
+    } else {
+        tma_load_2d(tile, map, k0, mn0, bar);
     }
 }
 
@@ -144,6 +138,10 @@ template <int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     extern __shared__ unsigned char shared[];
     const u32 tiles = shared_address(aligned_shared(shared));
+    // The ring's barriers follow its buffers: `full` then `empty`, one
+    // 8-byte barrier a stage each.
+    const u32 full = tiles + GG_STAGES * GG_STAGE_BYTES;
+    const u32 empty = full + GG_STAGES * 8;
     const u32 block = blockIdx.x;
     u32 p = 0;
     while (p + 1 < problems.count && problems.first_tile[p + 1] <= block) {
@@ -155,36 +153,37 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     const u32 m0 = (local / n_tiles) * GG_TILE_M;
     const u32 n0 = (local % n_tiles) * GG_TILE_N;
     const u32 steps = (problem.k + GG_TILE_K - 1) / GG_TILE_K;
-    const bf16* a = reinterpret_cast<const bf16*>(problem.a);
-    const bf16* b = reinterpret_cast<const bf16*>(problem.b);
 
-    // Stages K-step `s` into its buffer: A (M along the tile's rows or
-    // atoms), then B.
-    auto stage = [&](u32 s) {
-        const u32 at = tiles + (s % GG_STAGES) * GG_STAGE_BYTES;
-        const u32 k0 = s * GG_TILE_K;
-        if (TRANS_A) {
-            stage_mn_major(at, a, m0, problem.m, k0, problem.k);
-        } else {
-            stage_k_major(at, a, m0, problem.m, k0, problem.k);
-        }
-        if (TRANS_B) {
-            stage_mn_major(at + GG_OPERAND_BYTES, b, n0, problem.n, k0, problem.k);
-        } else {
-            stage_k_major(at + GG_OPERAND_BYTES, b, n0, problem.n, k0, problem.k);
-        }
-    };
-
-    // Steps are fetched GG_STAGES - 2 ahead: step s + GG_STAGES - 2 goes
-    // into the buffer of step s - 2, whose products every warpgroup has
-    // waited for before the barrier of step s (see below).
+    if (threadIdx.x == 0) {
 #pragma unroll
-    for (u32 s = 0; s < GG_STAGES - 2; ++s) {
-        if (s < steps) {
-            stage(s);
+        for (u32 i = 0; i < GG_STAGES; ++i) {
+            mbarrier_init(full + 8 * i, 1);
+            // One arrival from each consumer warpgroup.
+            mbarrier_init(empty + 8 * i, 2);
         }
-        commit_async();
+        mbarrier_init_fence();
     }
+    __syncthreads();
+
+    if (threadIdx.x >= GG_CONSUMERS) {
+        // The producer: the `u`-th use of a buffer waits for the consumers'
+        // release of its use u - 1 (parity (u - 1) & 1; the first passes).
+        if (threadIdx.x == GG_CONSUMERS) {
+            const TensorMap* map_a = &problems.map[2 * p];
+            const TensorMap* map_b = &problems.map[2 * p + 1];
+            for (u32 s = 0; s < steps; ++s) {
+                const u32 slot = s % GG_STAGES, use = s / GG_STAGES;
+                mbarrier_wait(empty + 8 * slot, (use & 1) ^ 1);
+                const u32 bar = full + 8 * slot;
+                mbarrier_expect(bar, GG_STAGE_BYTES);
+                const u32 at = tiles + slot * GG_STAGE_BYTES;
+                load_operand<TRANS_A>(at, map_a, m0, s * GG_TILE_K, bar);
+                load_operand<TRANS_B>(at + GG_OPERAND_BYTES, map_b, n0, s * GG_TILE_K, bar);
+            }
+        }
+        return;
+    }
+
     const GroupLane at = group_lane();
     float acc[64];
 #pragma unroll
@@ -192,13 +191,9 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         acc[i] = 0.0f;
     }
     for (u32 s = 0; s < steps; ++s) {
-        // All but this thread's newest GG_STAGES - 3 fetch groups have
-        // landed, step s's among them; the barrier makes every thread's
-        // copies of it visible to `wgmma`.
-        wait_async<GG_STAGES - 3>();
-        fence_async_shared();
-        __syncthreads();
-        const u32 at_a = tiles + (s % GG_STAGES) * GG_STAGE_BYTES;
+        const u32 slot = s % GG_STAGES;
+        mbarrier_wait(full + 8 * slot, (s / GG_STAGES) & 1);
+        const u32 at_a = tiles + slot * GG_STAGE_BYTES;
         const u32 at_b = at_a + GG_OPERAND_BYTES;
         wgmma_fence();
 #pragma unroll
@@ -206,17 +201,15 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
             wgmma_ss<TRANS_A, TRANS_B>(acc, operand_desc<TRANS_A>(at_a, at.group * 64, kk),
                                        operand_desc<TRANS_B>(at_b, 0, kk), 1);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        // Step s - 1's products are done; the next barrier tells every
-        // warpgroup so (the fetch below reuses step s - 2's buffer).
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (s + GG_STAGES - 2 < steps) {
-            stage(s + GG_STAGES - 2);
+        wgmma_commit();
+        // Step s - 1's products are done in this warpgroup: its buffer
+        // goes back to the producer.
+        wgmma_wait<1>();
+        if (s > 0 && (threadIdx.x & 127) == 0) {
+            mbarrier_arrive(empty + 8 * ((s - 1) % GG_STAGES));
         }
-        commit_async();
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    wait_async<0>();
+    wgmma_wait<0>();
 
     const u32 r0 = m0 + at.group * 64;
     if (problem.flags & GG_C_F32) {
@@ -232,22 +225,22 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // where the stored operand is transposed (A stored [k, m]; B stored
 // [n, k]). A transposed A is MN-major; B is MN-major unless transposed.
 // Empty bodies off sm_90a, where the launcher never names them.
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nn(const GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 1>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nt(const GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 0>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tn(const GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 1>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tt(const GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 0>(problems);
 #endif

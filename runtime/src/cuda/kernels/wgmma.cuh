@@ -49,6 +49,13 @@ __device__ __forceinline__ float2 load_pair(const float* p) {
     return *reinterpret_cast<const float2*>(p);
 }
 
+// A tensor map: the 128-byte descriptor of a global array that TMA loads
+// read (see the TMA section below), as the host's `CUtensorMap` lays it
+// out. Plain data, so that kernel parameters can hold it on any target.
+struct __align__(128) TensorMap {
+    unsigned long long opaque[16];
+};
+
 // ---- Hopper only (sm_90a) ---------------------------------------------------
 // Staged tiles use the 128-byte swizzled layout that `wgmma` reads at full
 // speed: an atom is 8 rows of 128 bytes (1024 bytes, 1024-aligned), and the
@@ -182,6 +189,50 @@ __device__ __forceinline__ GroupLane group_lane() {
     at.lane = threadIdx.x & 31;
     at.row = ((threadIdx.x & 127) >> 5) * 16 + (at.lane >> 2);
     return at;
+}
+
+// ---- Tensor memory accelerator (TMA) loads and their barriers ---------------
+// A block's producer thread loads tiles with `cp.async.bulk.tensor` and the
+// consumers wait on an mbarrier in shared memory, so no consumer computes
+// an address or meets the others at a block barrier per K-step. A tensor
+// map (a 128-byte descriptor the host encodes: the operand's base, sizes,
+// row stride, box and swizzle) travels in the kernel's parameters, read
+// through a `__grid_constant__` parameter's address. Loads past a map's
+// sizes fill zeros and still count their bytes.
+
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (TMA) before
+// the block's barrier that follows.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// This thread's arrival, announcing `bytes` that loads will complete.
+__device__ __forceinline__ void mbarrier_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of this parity has completed (a fresh
+// barrier counts its phase before the first, parity 1, as complete).
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// The box of `map` at element (c0, c1) (c0 along the contiguous dimension)
+// into shared memory at `dst`, completing its bytes on barrier `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 c0, u32 c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

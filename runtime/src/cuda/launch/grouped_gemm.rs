@@ -3,37 +3,41 @@
 //! 128 x 128 tiles of C in one grid, so the MoE experts' small GEMMs fill
 //! the GPU together instead of a fraction of it one after another.
 //!
-//! The problem table travels in the kernel's parameters (no upload, no
-//! allocation); a launch takes up to [`MAX_PROBLEMS`] problems of one
-//! layout, and a longer group or one of mixed layouts takes several.
+//! The problem table and each operand's tensor map (encoded here, on the
+//! host) travel in the kernel's parameters (no upload, no allocation); a
+//! launch takes up to [`MAX_PROBLEMS`] problems of one layout, and a longer
+//! group or one of mixed layouts takes several.
 
 use super::{GpuView, HOPPER_SHARED_BYTES, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, setup_error};
 use crate::backend::MatmulDims;
 use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
 use std::ops::Range;
 
-/// Problems one launch takes (`GG_MAX_PROBLEMS`: the table must fit the
-/// 4 KiB of a kernel's parameters).
-const MAX_PROBLEMS: usize = 48;
+/// Problems one launch takes (`GG_MAX_PROBLEMS`: the table and two tensor
+/// maps a problem must fit the 32 KiB of a kernel's parameters).
+const MAX_PROBLEMS: usize = 32;
 /// C's tile a block computes (`GG_TILE_M`, `GG_TILE_N`).
 const TILE_M: usize = 128;
 const TILE_N: usize = 128;
-/// `GG_THREADS`: two warpgroups.
-const THREADS: u32 = 256;
-/// `GG_STAGES`: K-steps staged at once.
-const STAGES: usize = 6;
+/// `GG_THREADS`: two consumer warpgroups and a producer warp.
+const THREADS: u32 = 288;
+/// `GG_TILE_K`: K's step, 128 bytes of bf16 (the swizzle's row).
+const TILE_K: usize = 64;
+/// `GG_STAGES`: K-steps in the ring of buffers.
+const STAGES: usize = 3;
 /// Dynamic shared memory: `GG_STAGES` stages of a 128 x 64 bf16 tile of
-/// each operand, and room to align the first to the swizzle's atom.
-const SHARED_BYTES: usize = STAGES * 2 * TILE_M * 64 * 2 + WGMMA_SHARED_ALIGN;
+/// each operand, two 8-byte barriers a stage, and room to align the first
+/// to the swizzle's atom. Two blocks fit an SM.
+const SHARED_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + STAGES * 16 + WGMMA_SHARED_ALIGN;
 /// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
-const _: () = assert!(SHARED_BYTES <= HOPPER_SHARED_BYTES);
+const _: () = assert!(2 * SHARED_BYTES <= HOPPER_SHARED_BYTES);
 
 /// The entry points, indexed by `2 * a_trans + b_trans`.
 const KERNELS: [&str; 4] = [
@@ -47,12 +51,11 @@ fn kernel_of(dims: &MatmulDims) -> usize {
     2 * usize::from(dims.a_trans) + usize::from(dims.b_trans)
 }
 
-/// One problem as the kernel reads it (`GroupedProblem`).
+/// One problem as the kernel reads it (`GroupedProblem`); its operands
+/// are read through their tensor maps.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct ProblemArg {
-    a: u64,
-    b: u64,
     c: u64,
     m: u32,
     n: u32,
@@ -60,23 +63,85 @@ struct ProblemArg {
     flags: u32,
 }
 
-/// One launch's problems and where each one's tiles start
+/// One launch's problems, their operands' tensor maps (A's of problem `p`
+/// at `2 p`, B's at `2 p + 1`) and where each one's tiles start
 /// (`GroupedProblems`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct ProblemsArg {
+    map: [CUtensorMap; 2 * MAX_PROBLEMS],
     problem: [ProblemArg; MAX_PROBLEMS],
     first_tile: [u32; MAX_PROBLEMS + 1],
     count: u32,
 }
 
 // SAFETY: plain data, laid out (`repr(C)`) as `GroupedProblems` in
-// grouped_gemm.cu: three u64 and four u32 a problem, then u32s.
+// grouped_gemm.cu: 128-byte aligned maps of 16 u64, then one u64 and four
+// u32 a problem, then u32s.
 unsafe impl DeviceRepr for ProblemsArg {}
 
 /// Tiles of C a problem has.
 fn tiles(dims: &MatmulDims) -> usize {
     dims.m.div_ceil(TILE_M) * dims.n.div_ceil(TILE_N)
+}
+
+/// The tensor map of a stored bf16 operand of `rows` rows of `inner`
+/// contiguous elements at `ptr`, read in boxes of 64 elements (128 bytes,
+/// the swizzle's row) by `box_rows` rows with the 128-byte swizzle; boxes
+/// past its sizes load zeros. `grouped_gemm_takes` has checked what TMA
+/// needs: a 16-byte aligned base and a row of a multiple of 16 bytes.
+fn tensor_map(ptr: u64, inner: usize, rows: usize, box_rows: u32) -> Result<CUtensorMap> {
+    use sys::{
+        CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+        CUtensorMapL2promotion, CUtensorMapSwizzle,
+    };
+    let dims = [inner as u64, rows as u64];
+    let strides = [(inner * 2) as u64];
+    let boxes = [TILE_K as u32, box_rows];
+    let steps = [1u32, 1];
+    let mut map = CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local of the rank (2) the call
+    // reads; encoding reads no device memory.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        return Err(setup_error(format!(
+            "encoding the TMA map of a {rows} x {inner} bf16 operand at {ptr:#x} failed              ({result:?}); `--expert-gemm cublas` runs the experts without the grouped kernel"
+        )));
+    }
+    Ok(map)
+}
+
+/// The tensor maps of a problem's A and B: a K-major operand is read in
+/// boxes of 128 rows (M or N) of 64 K-elements, an MN-major one in boxes
+/// of 64 rows (K) of 64 M- or N-elements, two a K-step.
+fn operand_maps(a: &GpuView, b: &GpuView, dims: &MatmulDims) -> Result<[CUtensorMap; 2]> {
+    let MatmulDims { m, n, k, .. } = *dims;
+    let a_map = if dims.a_trans {
+        tensor_map(a.ptr, m, k, TILE_K as u32)?
+    } else {
+        tensor_map(a.ptr, k, m, TILE_M as u32)?
+    };
+    let b_map = if dims.b_trans {
+        tensor_map(b.ptr, k, n, TILE_N as u32)?
+    } else {
+        tensor_map(b.ptr, n, k, TILE_K as u32)?
+    };
+    Ok([a_map, b_map])
 }
 
 /// Whether the grouped kernel takes a problem on `target`: Hopper; bf16
@@ -164,7 +229,7 @@ impl KernelSet {
         if !self.grouped_gemm {
             return Err(setup_error(
                 "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
-                 and 193 KiB of shared memory a block); `--expert-gemm cublas` runs the \
+                 and 97 KiB of shared memory a block); `--expert-gemm cublas` runs the \
                  experts without them",
             ));
         }
@@ -176,6 +241,7 @@ impl KernelSet {
             let counts: Vec<usize> = mine.iter().map(|(_, _, _, d)| tiles(d)).collect();
             for range in launches(&counts) {
                 let mut arg = ProblemsArg {
+                    map: [CUtensorMap { opaque: [0; 16] }; 2 * MAX_PROBLEMS],
                     problem: [ProblemArg::default(); MAX_PROBLEMS],
                     first_tile: [0; MAX_PROBLEMS + 1],
                     count: range.len() as u32,
@@ -198,9 +264,8 @@ impl KernelSet {
                     }
                     arg.first_tile[slot] = grid as u32;
                     grid += counts[range.start + slot];
+                    [arg.map[2 * slot], arg.map[2 * slot + 1]] = operand_maps(&a, &b, &d)?;
                     arg.problem[slot] = ProblemArg {
-                        a: a.ptr,
-                        b: b.ptr,
                         c: c.ptr,
                         // In range: `grouped_gemm_takes` checked them.
                         m: d.m as u32,
@@ -251,12 +316,17 @@ mod tests {
 
     #[test]
     fn the_problem_table_has_the_kernels_layout() {
-        // GroupedProblem: 3 x u64 + 4 x u32; GroupedProblems: the table,
-        // 49 tile starts and the count (2,120 bytes, under 4 KiB).
-        assert_eq!(std::mem::size_of::<ProblemArg>(), 40);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, first_tile), 40 * 48);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, count), 40 * 48 + 4 * 49);
-        assert!(std::mem::size_of::<ProblemsArg>() <= 4096);
+        // GroupedProblems: 64 maps of 128 bytes, then GroupedProblem's
+        // u64 + 4 x u32 a problem, 33 tile starts and the count (9,096
+        // bytes, 9,216 with the maps' alignment: under the 32 KiB of a
+        // kernel's parameters).
+        assert_eq!(std::mem::size_of::<CUtensorMap>(), 128);
+        assert_eq!(std::mem::align_of::<CUtensorMap>(), 128);
+        assert_eq!(std::mem::size_of::<ProblemArg>(), 24);
+        assert_eq!(std::mem::offset_of!(ProblemsArg, problem), 128 * 64);
+        assert_eq!(std::mem::offset_of!(ProblemsArg, first_tile), 128 * 64 + 24 * 32);
+        assert_eq!(std::mem::offset_of!(ProblemsArg, count), 128 * 64 + 24 * 32 + 4 * 33);
+        assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
         let source = crate::cuda::kernels::SOURCES
             .iter()
             .find(|s| s.file == "grouped_gemm.cu")
@@ -266,6 +336,7 @@ mod tests {
             ("GG_TILE_M", TILE_M),
             ("GG_TILE_N", TILE_N),
             ("GG_THREADS", THREADS as usize),
+            ("GG_TILE_K", TILE_K),
             ("GG_STAGES", STAGES),
             ("GG_ACCUMULATE", ACCUMULATE as usize),
             ("GG_C_F32", C_F32 as usize),
