@@ -51,6 +51,8 @@
 // A problem's flags.
 #define GG_ACCUMULATE 1u
 #define GG_C_F32 2u
+// f32 C added to by TMA reduce-adds from shared memory (C's map is set).
+#define GG_REDUCE 4u
 
 struct GroupedProblem {
     u64 c;
@@ -58,11 +60,11 @@ struct GroupedProblem {
 };
 
 // The problems of one launch, their operands' tensor maps (A's of problem
-// p at 2 p, B's at 2 p + 1) and where each one's tiles start in the grid
+// p at 3 p, B's at 3 p + 1, C's at 3 p + 2 where GG_REDUCE) and where each one's tiles start in the grid
 // (block `first_tile[p] + i` computes tile i of problem p; tiles run along
 // n first). `first_tile[count]` is the grid's size.
 struct GroupedProblems {
-    TensorMap map[2 * GG_MAX_PROBLEMS];
+    TensorMap map[3 * GG_MAX_PROBLEMS];
     GroupedProblem problem[GG_MAX_PROBLEMS];
     u32 first_tile[GG_MAX_PROBLEMS + 1];
     u32 count;
@@ -169,8 +171,8 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         // The producer: the `u`-th use of a buffer waits for the consumers'
         // release of its use u - 1 (parity (u - 1) & 1; the first passes).
         if (threadIdx.x == GG_CONSUMERS) {
-            const TensorMap* map_a = &problems.map[2 * p];
-            const TensorMap* map_b = &problems.map[2 * p + 1];
+            const TensorMap* map_a = &problems.map[3 * p];
+            const TensorMap* map_b = &problems.map[3 * p + 1];
             for (u32 s = 0; s < steps; ++s) {
                 const u32 slot = s % GG_STAGES, use = s / GG_STAGES;
                 mbarrier_wait(empty + 8 * slot, (use & 1) ^ 1);
@@ -212,6 +214,42 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     wgmma_wait<0>();
 
     const u32 r0 = m0 + at.group * 64;
+    if (problem.flags & GG_REDUCE) {
+        // f32 C += the tile through L2's adders: the SMs never read C.
+        // Both warpgroups' products are done before either overwrites the
+        // ring with its 64 x 128 f32 rows (32 KiB): four boxes of 32
+        // columns, 128-byte swizzled as C's map reads them.
+        named_barrier<1, GG_CONSUMERS>();
+        const u32 staged = tiles + at.group * (64 * GG_TILE_N * 4);
+        const u32 t = threadIdx.x & 3;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 r = at.row + half * 8;
+#pragma unroll
+            for (int j = 0; j < GG_TILE_N / 8; ++j) {
+                const u32 chunk = (j % 4) * 2 + (t >> 1);
+                const u32 to = staged + (j / 4) * 8192 + r * 128 + ((chunk ^ (r % 8)) << 4) + (t & 1) * 8;
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(to), "f"(acc[4 * j + 2 * half]),
+                             "f"(acc[4 * j + 2 * half + 1])
+                             : "memory");
+            }
+        }
+        fence_async_shared();
+        if (at.group == 0) {
+            named_barrier<2, 128>();
+        } else {
+            named_barrier<3, 128>();
+        }
+        if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+            for (u32 box = 0; box < GG_TILE_N / 32; ++box) {
+                tma_reduce_add_2d(&problems.map[3 * p + 2], n0 + box * 32, r0, staged + box * 8192);
+            }
+            bulk_commit();
+            bulk_wait_read();
+        }
+        return;
+    }
     if (problem.flags & GG_C_F32) {
         store_tile(reinterpret_cast<float*>(problem.c), problem, acc, r0, n0, at.row);
     } else {

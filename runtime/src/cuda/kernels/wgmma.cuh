@@ -235,4 +235,31 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 c
         : "memory");
 }
 
+// Adds the box at `src` in shared memory into `map`'s array at element
+// (c0, c1), element by element in L2 (one rounding each, as a load, add and
+// store would), as one bulk group of this thread; parts past the map's
+// sizes are dropped.
+__device__ __forceinline__ void tma_reduce_add_2d(const TensorMap* map, u32 c0, u32 c1, u32 src) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+            reinterpret_cast<u64>(map)),
+        "r"(c0), "r"(c1), "r"(src)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's bulk groups have read their shared memory
+// (which may then be reused, or the block exit).
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// A barrier among `THREADS` threads of the block (whole warps) on
+// hardware barrier `ID` (0 is `__syncthreads`'); a constant ID lets the
+// compiler reserve only the barriers a kernel names.
+template <u32 ID, u32 THREADS>
+__device__ __forceinline__ void named_barrier() {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -34,10 +34,15 @@ const STAGES: usize = 3;
 /// each operand, two 8-byte barriers a stage, and room to align the first
 /// to the swizzle's atom. Two blocks fit an SM.
 const SHARED_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + STAGES * 16 + WGMMA_SHARED_ALIGN;
-/// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`).
+/// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`, `GG_REDUCE`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
+const REDUCE: u32 = 4;
 const _: () = assert!(2 * SHARED_BYTES <= HOPPER_SHARED_BYTES);
+/// A reduce-add's box of f32 C: 32 columns (128 bytes) by a warpgroup's
+/// 64 rows; four cover a tile's width.
+const C_BOX_COLUMNS: u32 = 32;
+const C_BOX_ROWS: u32 = 64;
 
 /// The entry points, indexed by `2 * a_trans + b_trans`.
 const KERNELS: [&str; 4] = [
@@ -64,12 +69,12 @@ struct ProblemArg {
 }
 
 /// One launch's problems, their operands' tensor maps (A's of problem `p`
-/// at `2 p`, B's at `2 p + 1`) and where each one's tiles start
-/// (`GroupedProblems`).
+/// at `3 p`, B's at `3 p + 1`, and C's at `3 p + 2` where it is added to
+/// through TMA) and where each one's tiles start (`GroupedProblems`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct ProblemsArg {
-    map: [CUtensorMap; 2 * MAX_PROBLEMS],
+    map: [CUtensorMap; 3 * MAX_PROBLEMS],
     problem: [ProblemArg; MAX_PROBLEMS],
     first_tile: [u32; MAX_PROBLEMS + 1],
     count: u32,
@@ -85,19 +90,31 @@ fn tiles(dims: &MatmulDims) -> usize {
     dims.m.div_ceil(TILE_M) * dims.n.div_ceil(TILE_N)
 }
 
-/// The tensor map of a stored bf16 operand of `rows` rows of `inner`
-/// contiguous elements at `ptr`, read in boxes of 64 elements (128 bytes,
-/// the swizzle's row) by `box_rows` rows with the 128-byte swizzle; boxes
-/// past its sizes load zeros. `grouped_gemm_takes` has checked what TMA
-/// needs: a 16-byte aligned base and a row of a multiple of 16 bytes.
-fn tensor_map(ptr: u64, inner: usize, rows: usize, box_rows: u32) -> Result<CUtensorMap> {
+/// The tensor map of a stored array of `rows` rows of `inner` contiguous
+/// elements of `dtype` (bf16 or f32) at `ptr`, in boxes of `box_inner`
+/// elements (128 bytes, the swizzle's row) by `box_rows` rows with the
+/// 128-byte swizzle; loads past its sizes give zeros and stores or adds
+/// there are dropped. `grouped_gemm_takes` has checked what TMA needs: a
+/// 16-byte aligned base and a row of a multiple of 16 bytes.
+fn tensor_map(
+    ptr: u64,
+    dtype: DType,
+    inner: usize,
+    rows: usize,
+    box_inner: u32,
+    box_rows: u32,
+) -> Result<CUtensorMap> {
     use sys::{
         CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
         CUtensorMapL2promotion, CUtensorMapSwizzle,
     };
+    let element = match dtype {
+        DType::F32 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
     let dims = [inner as u64, rows as u64];
-    let strides = [(inner * 2) as u64];
-    let boxes = [TILE_K as u32, box_rows];
+    let strides = [(inner * dtype.bytes()) as u64];
+    let boxes = [box_inner, box_rows];
     let steps = [1u32, 1];
     let mut map = CUtensorMap { opaque: [0; 16] };
     // SAFETY: every pointer is to a live local of the rank (2) the call
@@ -105,7 +122,7 @@ fn tensor_map(ptr: u64, inner: usize, rows: usize, box_rows: u32) -> Result<CUte
     let result = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            element,
             2,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -131,15 +148,16 @@ fn tensor_map(ptr: u64, inner: usize, rows: usize, box_rows: u32) -> Result<CUte
 /// of 64 rows (K) of 64 M- or N-elements, two a K-step.
 fn operand_maps(a: &GpuView, b: &GpuView, dims: &MatmulDims) -> Result<[CUtensorMap; 2]> {
     let MatmulDims { m, n, k, .. } = *dims;
+    let bf = DType::Bf16;
     let a_map = if dims.a_trans {
-        tensor_map(a.ptr, m, k, TILE_K as u32)?
+        tensor_map(a.ptr, bf, m, k, TILE_K as u32, TILE_K as u32)?
     } else {
-        tensor_map(a.ptr, k, m, TILE_M as u32)?
+        tensor_map(a.ptr, bf, k, m, TILE_K as u32, TILE_M as u32)?
     };
     let b_map = if dims.b_trans {
-        tensor_map(b.ptr, k, n, TILE_N as u32)?
+        tensor_map(b.ptr, bf, k, n, TILE_K as u32, TILE_N as u32)?
     } else {
-        tensor_map(b.ptr, n, k, TILE_K as u32)?
+        tensor_map(b.ptr, bf, n, k, TILE_K as u32, TILE_K as u32)?
     };
     Ok([a_map, b_map])
 }
@@ -241,7 +259,7 @@ impl KernelSet {
             let counts: Vec<usize> = mine.iter().map(|(_, _, _, d)| tiles(d)).collect();
             for range in launches(&counts) {
                 let mut arg = ProblemsArg {
-                    map: [CUtensorMap { opaque: [0; 16] }; 2 * MAX_PROBLEMS],
+                    map: [CUtensorMap { opaque: [0; 16] }; 3 * MAX_PROBLEMS],
                     problem: [ProblemArg::default(); MAX_PROBLEMS],
                     first_tile: [0; MAX_PROBLEMS + 1],
                     count: range.len() as u32,
@@ -264,7 +282,16 @@ impl KernelSet {
                     }
                     arg.first_tile[slot] = grid as u32;
                     grid += counts[range.start + slot];
-                    [arg.map[2 * slot], arg.map[2 * slot + 1]] = operand_maps(&a, &b, &d)?;
+                    [arg.map[3 * slot], arg.map[3 * slot + 1]] = operand_maps(&a, &b, &d)?;
+                    // An f32 C that the product adds to: L2 adds the tile
+                    // (TMA reduce-add), so the SMs never read C.
+                    let reduce = d.accumulate
+                        && c.dtype == DType::F32
+                        && std::env::var_os("HYBRIDGEN_GG_NO_REDUCE").is_none();
+                    if reduce {
+                        arg.map[3 * slot + 2] =
+                            tensor_map(c.ptr, DType::F32, d.n, d.m, C_BOX_COLUMNS, C_BOX_ROWS)?;
+                    }
                     arg.problem[slot] = ProblemArg {
                         c: c.ptr,
                         // In range: `grouped_gemm_takes` checked them.
@@ -272,7 +299,8 @@ impl KernelSet {
                         n: d.n as u32,
                         k: d.k as u32,
                         flags: if d.accumulate { ACCUMULATE } else { 0 }
-                            | if c.dtype == DType::F32 { C_F32 } else { 0 },
+                            | if c.dtype == DType::F32 { C_F32 } else { 0 }
+                            | if reduce { REDUCE } else { 0 },
                     };
                 }
                 arg.first_tile[range.len()] = grid as u32;
@@ -316,16 +344,16 @@ mod tests {
 
     #[test]
     fn the_problem_table_has_the_kernels_layout() {
-        // GroupedProblems: 64 maps of 128 bytes, then GroupedProblem's
-        // u64 + 4 x u32 a problem, 33 tile starts and the count (9,096
-        // bytes, 9,216 with the maps' alignment: under the 32 KiB of a
+        // GroupedProblems: 96 maps of 128 bytes, then GroupedProblem's
+        // u64 + 4 x u32 a problem, 33 tile starts and the count (13,192
+        // bytes, 13,312 with the maps' alignment: under the 32 KiB of a
         // kernel's parameters).
         assert_eq!(std::mem::size_of::<CUtensorMap>(), 128);
         assert_eq!(std::mem::align_of::<CUtensorMap>(), 128);
         assert_eq!(std::mem::size_of::<ProblemArg>(), 24);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, problem), 128 * 64);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, first_tile), 128 * 64 + 24 * 32);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, count), 128 * 64 + 24 * 32 + 4 * 33);
+        assert_eq!(std::mem::offset_of!(ProblemsArg, problem), 128 * 96);
+        assert_eq!(std::mem::offset_of!(ProblemsArg, first_tile), 128 * 96 + 24 * 32);
+        assert_eq!(std::mem::offset_of!(ProblemsArg, count), 128 * 96 + 24 * 32 + 4 * 33);
         assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
         let source = crate::cuda::kernels::SOURCES
             .iter()
@@ -340,6 +368,7 @@ mod tests {
             ("GG_STAGES", STAGES),
             ("GG_ACCUMULATE", ACCUMULATE as usize),
             ("GG_C_F32", C_F32 as usize),
+            ("GG_REDUCE", REDUCE as usize),
         ] {
             let line = format!("#define {define} {value}");
             let found = source
