@@ -47,7 +47,12 @@ fn uniform(seed: &mut u64, n: usize) -> Vec<f32> {
 
 /// Order-one values in a new buffer of `dtype` (uploaded as f32, cast on
 /// the device).
-fn put(dev: &CudaBackend, seed: &mut u64, n: usize, dtype: DType) -> Result<<CudaBackend as Backend>::Buf> {
+fn put(
+    dev: &CudaBackend,
+    seed: &mut u64,
+    n: usize,
+    dtype: DType,
+) -> Result<<CudaBackend as Backend>::Buf> {
     let wide = dev.alloc(n, DType::F32)?;
     dev.upload(&uniform(seed, n), dev.view_mut(&wide)?)?;
     let buf = dev.alloc(n, dtype)?;

@@ -1013,13 +1013,13 @@ pub enum AttentionBackend {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum ExpertGemm {
-    /// One cuBLAS GEMM a problem, dealt over three streams (the faster
-    /// today on an H200: README, "How it is built").
-    #[default]
+    /// One cuBLAS GEMM a problem, dealt over three streams.
     Cublas,
     /// One launch of `grouped_gemm.cu` for every problem of a layout, on
-    /// Hopper (`wgmma`); elsewhere, and for problems it does not take,
-    /// cuBLAS. The same bits as cuBLAS on the benchmark model.
+    /// Hopper (TMA and `wgmma`; the faster on an H200: README, "How it is
+    /// built"); elsewhere, and for problems it does not take, cuBLAS. The
+    /// same bits as cuBLAS on the benchmark model.
+    #[default]
     Grouped,
 }
 

@@ -267,8 +267,9 @@ impl CudaBackend {
     }
 
     /// This backend with `grouped_matmul`'s bf16 problems on the grouped
-    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`]) or on
-    /// cuBLAS (the default).
+    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`], what
+    /// training runs by default) or on cuBLAS (a bare backend's default,
+    /// which the kernel tests compare against).
     pub fn with_grouped_gemm(mut self, on: bool) -> CudaBackend {
         self.grouped_gemm = on;
         self

@@ -137,7 +137,8 @@ fn tensor_map(
     };
     if result != sys::CUresult::CUDA_SUCCESS {
         return Err(setup_error(format!(
-            "encoding the TMA map of a {rows} x {inner} bf16 operand at {ptr:#x} failed              ({result:?}); `--expert-gemm cublas` runs the experts without the grouped kernel"
+            "encoding the TMA map of a {rows} x {inner} {dtype} array at {ptr:#x} failed \
+             ({result:?}); `--expert-gemm cublas` runs the experts without the grouped kernel"
         )));
     }
     Ok(map)
@@ -285,9 +286,7 @@ impl KernelSet {
                     [arg.map[3 * slot], arg.map[3 * slot + 1]] = operand_maps(&a, &b, &d)?;
                     // An f32 C that the product adds to: L2 adds the tile
                     // (TMA reduce-add), so the SMs never read C.
-                    let reduce = d.accumulate
-                        && c.dtype == DType::F32
-                        && std::env::var_os("HYBRIDGEN_GG_NO_REDUCE").is_none();
+                    let reduce = d.accumulate && c.dtype == DType::F32;
                     if reduce {
                         arg.map[3 * slot + 2] =
                             tensor_map(c.ptr, DType::F32, d.n, d.m, C_BOX_COLUMNS, C_BOX_ROWS)?;
@@ -352,8 +351,14 @@ mod tests {
         assert_eq!(std::mem::align_of::<CUtensorMap>(), 128);
         assert_eq!(std::mem::size_of::<ProblemArg>(), 24);
         assert_eq!(std::mem::offset_of!(ProblemsArg, problem), 128 * 96);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, first_tile), 128 * 96 + 24 * 32);
-        assert_eq!(std::mem::offset_of!(ProblemsArg, count), 128 * 96 + 24 * 32 + 4 * 33);
+        assert_eq!(
+            std::mem::offset_of!(ProblemsArg, first_tile),
+            128 * 96 + 24 * 32
+        );
+        assert_eq!(
+            std::mem::offset_of!(ProblemsArg, count),
+            128 * 96 + 24 * 32 + 4 * 33
+        );
         assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
         let source = crate::cuda::kernels::SOURCES
             .iter()
