@@ -262,4 +262,53 @@ __device__ __forceinline__ void named_barrier() {
     asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
 }
 
+// ---- Clusters ----------------------------------------------------------------
+// Blocks of a cluster (launched together on one GPC) can write each
+// other's shared memory: a TMA load can multicast one box into every
+// block of a mask, and a thread can arrive on another block's barrier.
+
+// This block's rank in its cluster.
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+// The cluster's barrier, split: every thread of every block arrives, and
+// waits later (a block must not exit while another may still write its
+// shared memory or arrive on its barriers).
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// An arrival on the barrier at this block's offset `bar` in block `rank`
+// of the cluster (this block's own when rank is its own).
+__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+// `mbarrier_wait` for a phase that other blocks' arrivals complete.
+__device__ __forceinline__ void mbarrier_wait_cluster(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// `tma_load_2d` into the same offset `dst` of every block in `mask` (bit
+// r: rank r), completing each block's bytes on its barrier at `bar`.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap* map, u32 c0, u32 c1, u32 bar,
+                                                      unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%2, %3}], [%4], %5;\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+        : "memory");
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
