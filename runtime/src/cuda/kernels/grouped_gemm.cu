@@ -20,9 +20,7 @@
 // buffer once both warpgroups have released it (an `empty` barrier) and
 // the consumers multiply it once its bytes have landed (a `full` barrier).
 // Two blocks share an SM, so one's loads, fill and C update run while the
-// other multiplies. Blocks come in clusters of two computing neighbouring
-// tiles along n: each loads half of their common A tile into both blocks
-// (TMA multicast), so L2 serves 24 KiB a block a K-step instead of 32. A K-major operand (K along its stored rows) is one box
+// other multiplies. A K-major operand (K along its stored rows) is one box
 // of 128 rows of 128 bytes; an MN-major one two boxes (atoms) of 64 stored
 // rows of 128 bytes. One staged layout serves both readings through the
 // descriptor alone, so no operand is transposed. Each operand has its own
@@ -46,9 +44,6 @@
 #define GG_TILE_N 128
 #define GG_TILE_K 64
 #define GG_STAGES 3
-// Blocks a cluster: the two share A's tile (same m0, n0 and n0 + 128),
-// each loading half of it into both.
-#define GG_CLUSTER 2
 // Problems a launch takes (the table and two tensor maps a problem travel
 // in the kernel's parameters, which hold 32 KiB on CUDA 12.1 and later);
 // the launcher splits longer groups.
@@ -83,29 +78,16 @@ struct GroupedProblems {
 // An MN-major staged operand: its two 64-element atoms of 64 stored rows.
 #define GG_ATOM_BYTES (GG_TILE_K * 128)
 
-// Loads K-step `k0` of B into `tile`, completing on `bar`: a K-major B's
-// rows `n0` .. + 127 (one box), or an MN-major one's elements `n0` .. +
-// 127 of its stored rows k0 .. k0 + 63 (two atoms).
+// Loads K-step `k0` of an operand into `tile`, completing on `bar`: a
+// K-major operand's rows `mn0` .. + 127 (one box), or an MN-major one's
+// elements `mn0` .. + 127 of its stored rows k0 .. k0 + 63 (two atoms).
 template <int TRANS>
-__device__ __forceinline__ void load_b(u32 tile, const TensorMap* map, u32 n0, u32 k0, u32 bar) {
+__device__ __forceinline__ void load_operand(u32 tile, const TensorMap* map, u32 mn0, u32 k0, u32 bar) {
     if (TRANS) {
-        tma_load_2d(tile, map, n0, k0, bar);
-        tma_load_2d(tile + GG_ATOM_BYTES, map, n0 + 64, k0, bar);
+        tma_load_2d(tile, map, mn0, k0, bar);
+        tma_load_2d(tile + GG_ATOM_BYTES, map, mn0 + 64, k0, bar);
     } else {
-        tma_load_2d(tile, map, k0, n0, bar);
-    }
-}
-
-// Loads this block's half of K-step `k0` of A into `tile` of both blocks
-// of the cluster: half `rank` is 64 of the tile's 128 rows (K-major) or
-// one of its two atoms (MN-major), 8 KiB at 8 KiB x rank either way.
-template <int TRANS>
-__device__ __forceinline__ void load_a_half(u32 tile, const TensorMap* map, u32 m0, u32 k0, u32 bar, u32 rank) {
-    const u32 half = m0 + 64 * rank;
-    if (TRANS) {
-        tma_load_2d_multicast(tile + rank * GG_ATOM_BYTES, map, half, k0, bar, 3);
-    } else {
-        tma_load_2d_multicast(tile + rank * GG_ATOM_BYTES, map, k0, half, bar, 3);
+        tma_load_2d(tile, map, k0, mn0, bar);
     }
 }
 
@@ -168,30 +150,22 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         ++p;
     }
     const GroupedProblem problem = problems.problem[p];
-    // A problem's tiles come in pairs along n (its tile count is even and
-    // starts at an even block, so a cluster's blocks share a problem and
-    // m0); past an odd n's last tile a block computes a tile it never
-    // stores, but still loads its half of A for its partner.
-    const u32 rank = cluster_rank();
-    const u32 n_pairs = ((problem.n + GG_TILE_N - 1) / GG_TILE_N + 1) / 2;
-    const u32 pair = (block - problems.first_tile[p]) / 2;
-    const u32 m0 = (pair / n_pairs) * GG_TILE_M;
-    const u32 n0 = ((pair % n_pairs) * 2 + rank) * GG_TILE_N;
+    const u32 n_tiles = (problem.n + GG_TILE_N - 1) / GG_TILE_N;
+    const u32 local = block - problems.first_tile[p];
+    const u32 m0 = (local / n_tiles) * GG_TILE_M;
+    const u32 n0 = (local % n_tiles) * GG_TILE_N;
     const u32 steps = (problem.k + GG_TILE_K - 1) / GG_TILE_K;
 
     if (threadIdx.x == 0) {
 #pragma unroll
         for (u32 i = 0; i < GG_STAGES; ++i) {
             mbarrier_init(full + 8 * i, 1);
-            // A buffer takes both blocks' A halves, so it is free once
-            // both warpgroups of both blocks are done with it.
-            mbarrier_init(empty + 8 * i, 2 * GG_CLUSTER);
+            // One arrival from each consumer warpgroup.
+            mbarrier_init(empty + 8 * i, 2);
         }
         mbarrier_init_fence();
     }
-    // Every block's barriers are set before any block loads into another.
-    cluster_arrive();
-    cluster_wait();
+    __syncthreads();
 
     if (threadIdx.x >= GG_CONSUMERS) {
         // The producer: the `u`-th use of a buffer waits for the consumers'
@@ -199,22 +173,16 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         if (threadIdx.x == GG_CONSUMERS) {
             const TensorMap* map_a = &problems.map[3 * p];
             const TensorMap* map_b = &problems.map[3 * p + 1];
-            // A padding block loads its partner's B (boxes wholly past a
-            // map are not loaded from), and multiplies what it never stores.
-            const u32 n_load = n0 < problem.n ? n0 : n0 - GG_TILE_N;
             for (u32 s = 0; s < steps; ++s) {
                 const u32 slot = s % GG_STAGES, use = s / GG_STAGES;
-                mbarrier_wait_cluster(empty + 8 * slot, (use & 1) ^ 1);
+                mbarrier_wait(empty + 8 * slot, (use & 1) ^ 1);
                 const u32 bar = full + 8 * slot;
-                // Its B, its half of A and the partner's half.
                 mbarrier_expect(bar, GG_STAGE_BYTES);
                 const u32 at = tiles + slot * GG_STAGE_BYTES;
-                load_a_half<TRANS_A>(at, map_a, m0, s * GG_TILE_K, bar, rank);
-                load_b<TRANS_B>(at + GG_OPERAND_BYTES, map_b, n_load, s * GG_TILE_K, bar);
+                load_operand<TRANS_A>(at, map_a, m0, s * GG_TILE_K, bar);
+                load_operand<TRANS_B>(at + GG_OPERAND_BYTES, map_b, n0, s * GG_TILE_K, bar);
             }
         }
-        cluster_arrive();
-        cluster_wait();
         return;
     }
 
@@ -237,18 +205,13 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         }
         wgmma_commit();
         // Step s - 1's products are done in this warpgroup: its buffer
-        // goes back to both producers (each loads into it).
+        // goes back to the producer.
         wgmma_wait<1>();
         if (s > 0 && (threadIdx.x & 127) == 0) {
-            const u32 bar = empty + 8 * ((s - 1) % GG_STAGES);
-            mbarrier_arrive_cluster(bar, 0);
-            mbarrier_arrive_cluster(bar, 1);
+            mbarrier_arrive(empty + 8 * ((s - 1) % GG_STAGES));
         }
     }
     wgmma_wait<0>();
-    // This block's last arrival on its partner is made; it waits for the
-    // partner's before it exits.
-    cluster_arrive();
 
     const u32 r0 = m0 + at.group * 64;
     if (problem.flags & GG_REDUCE) {
@@ -285,7 +248,6 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
             bulk_commit();
             bulk_wait_read();
         }
-        cluster_wait();
         return;
     }
     if (problem.flags & GG_C_F32) {
@@ -293,7 +255,6 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     } else {
         store_tile(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, n0, at.row);
     }
-    cluster_wait();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -302,27 +263,22 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // where the stored operand is transposed (A stored [k, m]; B stored
 // [n, k]). A transposed A is MN-major; B is MN-major unless transposed.
 // Empty bodies off sm_90a, where the launcher never names them.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_CLUSTER_DIMS __cluster_dims__(GG_CLUSTER, 1, 1)
-#else
-#define GG_CLUSTER_DIMS
-#endif
-extern "C" __global__ void GG_CLUSTER_DIMS __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 1>(problems);
 #endif
 }
-extern "C" __global__ void GG_CLUSTER_DIMS __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 0>(problems);
 #endif
 }
-extern "C" __global__ void GG_CLUSTER_DIMS __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 1>(problems);
 #endif
 }
-extern "C" __global__ void GG_CLUSTER_DIMS __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 0>(problems);
 #endif

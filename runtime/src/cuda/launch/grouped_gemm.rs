@@ -85,15 +85,9 @@ struct ProblemsArg {
 // u32 a problem, then u32s.
 unsafe impl DeviceRepr for ProblemsArg {}
 
-/// `GG_CLUSTER`: blocks a cluster, which share A's tile.
-const CLUSTER: usize = 2;
-
-/// Blocks a problem takes: its tiles of C, in pairs along n (a cluster's
-/// two blocks share A's tile), so an odd count of tiles along n takes one
-/// more that computes and stores nothing. Even, so every problem's blocks
-/// start at a cluster's first.
+/// Tiles of C a problem has.
 fn tiles(dims: &MatmulDims) -> usize {
-    dims.m.div_ceil(TILE_M) * dims.n.div_ceil(TILE_N).div_ceil(CLUSTER) * CLUSTER
+    dims.m.div_ceil(TILE_M) * dims.n.div_ceil(TILE_N)
 }
 
 /// The tensor map of a stored array of `rows` rows of `inner` contiguous
@@ -151,17 +145,15 @@ fn tensor_map(
 }
 
 /// The tensor maps of a problem's A and B: a K-major operand is read in
-/// boxes of 64 K-elements by 64 rows of M (a half of A's tile) or 128 of
-/// N, an MN-major one in boxes of 64 rows (K) of 64 M- or N-elements, two
-/// a K-step.
+/// boxes of 128 rows (M or N) of 64 K-elements, an MN-major one in boxes
+/// of 64 rows (K) of 64 M- or N-elements, two a K-step.
 fn operand_maps(a: &GpuView, b: &GpuView, dims: &MatmulDims) -> Result<[CUtensorMap; 2]> {
     let MatmulDims { m, n, k, .. } = *dims;
     let bf = DType::Bf16;
-    // A is loaded in halves, one from each block of a cluster.
     let a_map = if dims.a_trans {
         tensor_map(a.ptr, bf, m, k, TILE_K as u32, TILE_K as u32)?
     } else {
-        tensor_map(a.ptr, bf, k, m, TILE_K as u32, (TILE_M / CLUSTER) as u32)?
+        tensor_map(a.ptr, bf, k, m, TILE_K as u32, TILE_M as u32)?
     };
     let b_map = if dims.b_trans {
         tensor_map(b.ptr, bf, k, n, TILE_K as u32, TILE_N as u32)?
@@ -379,7 +371,6 @@ mod tests {
             ("GG_THREADS", THREADS as usize),
             ("GG_TILE_K", TILE_K),
             ("GG_STAGES", STAGES),
-            ("GG_CLUSTER", CLUSTER),
             ("GG_ACCUMULATE", ACCUMULATE as usize),
             ("GG_C_F32", C_F32 as usize),
             ("GG_REDUCE", REDUCE as usize),
@@ -489,8 +480,5 @@ mod tests {
             "grouped_gemm_wgmma_tt"
         );
         assert_eq!(tiles(&dims(129, 256, 7, false, false)), 4);
-        // Three tiles along n take four blocks: two clusters.
-        assert_eq!(tiles(&dims(129, 257, 7, false, false)), 8);
-        assert_eq!(tiles(&dims(1, 1, 1, false, false)), 2);
     }
 }
