@@ -121,7 +121,7 @@ impl DeviceFault {
             2 => "moe_expert_counts / moe_sort_by_expert / moe_route_backward",
             3 => "moe_sort_by_expert / moe_expert_major_order",
             4 => "gather_rows / scatter_rows",
-            5 => "moe_unpermute / moe_unpermute_backward",
+            5 => "moe_unpermute / moe_unpermute_backward / moe_combine",
             6 => "adam_update / sgd_update",
             7 => "embedding_forward / embedding_backward",
             _ => "an unknown kernel",
