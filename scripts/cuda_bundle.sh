@@ -13,7 +13,7 @@
 #   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
 #   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
 #   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
-#   gpu-bundle/bin/expert_gemm             # the experts' GEMMs, cuBLAS vs grouped
+#   gpu-bundle/bench/expert_gemm           # the experts' GEMMs, cuBLAS vs grouped
 #
 # Tests that need more GPUs than the machine has say so and pass; so do the
 # benchmarks' two-GPU rows.
@@ -42,7 +42,9 @@ for line in sys.stdin:
   cp "$exe" "$bundle/bin/$name"
   strip "$bundle/bin/$name"
 done
-# The GPU micro-benchmarks (they say why and exit without a GPU).
+# The GPU micro-benchmarks, under bench/ so that run.sh's test loop does
+# not take them for tests (they say why and exit without a GPU).
+mkdir -p "$bundle/bench"
 cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --message-format=json \
   | python3 -c '
 import json, sys
@@ -54,8 +56,8 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do
-  cp "$exe" "$bundle/bin/$name"
-  strip "$bundle/bin/$name"
+  cp "$exe" "$bundle/bench/$name"
+  strip "$bundle/bench/$name"
 done
 cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"

@@ -8,7 +8,7 @@
 //!
 //! Run where there is a GPU: `cargo bench -p hybridgen-runtime --bench
 //! expert_gemm` (or the binary `scripts/cuda_bundle.sh` collects, as
-//! `gpu-bundle/bin/expert_gemm`). Without one it says why and exits.
+//! `gpu-bundle/bench/expert_gemm`). Without one it says why and exits.
 
 use hybridgen_runtime::backend::{Backend, GroupedMatmul, MatmulDims};
 use hybridgen_runtime::cuda::{CudaBackend, Gpu, probe};

@@ -767,6 +767,23 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
     }
 }
 
+// Runs `body` with a mask flag known at compile time (`mask.value`): a
+// tile without masked elements (most of a causal row's) then compiles to
+// a loop without the per-element index arithmetic and selects, with the
+// same arithmetic on every live element.
+template <bool MASKED>
+struct MaskFlag {
+    static constexpr bool value = MASKED;
+};
+template <typename Body>
+__device__ __forceinline__ void with_mask(bool masked, Body&& body) {
+    if (masked) {
+        body(MaskFlag<true>{});
+    } else {
+        body(MaskFlag<false>{});
+    }
+}
+
 // Tile scores to probabilities for this thread's two rows (`row`, `row`
 // + 8 of the warpgroup's rows from g0), the keys from u0: masks keys past
 // the row or the sequence, folds the tile into the running max `mx` and sum
@@ -774,19 +791,22 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
 template <int KEYS>
 __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
                                                float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
-    const bool masked = u0 + KEYS > g0 || u0 + KEYS > seq;
     float x[2] = {neg_inf(), neg_inf()};
+    // Only tiles on the diagonal or past the sequence hold masked keys;
+    // the others (most) skip the per-element index arithmetic.
+    with_mask(u0 + KEYS > g0 || u0 + KEYS > seq, [&](auto mask) {
 #pragma unroll
-    for (int n = 0; n < KEYS / 8; ++n) {
+        for (int n = 0; n < KEYS / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-            const u32 r = g0 + row + (e >> 1) * 8;
-            float& sv = s[4 * n + e];
-            sv = (!masked || (key <= r && key < seq)) ? sv * c : neg_inf();
-            x[e >> 1] = fmaxf(x[e >> 1], sv);
+            for (int e = 0; e < 4; ++e) {
+                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                const u32 r = g0 + row + (e >> 1) * 8;
+                float& sv = s[4 * n + e];
+                sv = (!mask.value || (key <= r && key < seq)) ? sv * c : neg_inf();
+                x[e >> 1] = fmaxf(x[e >> 1], sv);
+            }
         }
-    }
+    });
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         // Key 0 is in every row's first tile, so the max is finite from
@@ -1002,19 +1022,20 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     };
     auto score_gradients = [&](float (&s)[WG_DQ_KEYS / 2], const float (&dp)[WG_DQ_KEYS / 2], u32 j) {
         const u32 u0 = j * WG_DQ_KEYS;
-        const bool masked = u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq;
+        with_mask(u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq, [&](auto mask) {
 #pragma unroll
-        for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
+            for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = e >> 1;
-                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                const u32 r = g0 + row + 8 * i;
-                const bool live = !masked || (key <= r && key < seq);
-                const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
-                s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
+                for (int e = 0; e < 4; ++e) {
+                    const int i = e >> 1;
+                    const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+                    const u32 r = g0 + row + 8 * i;
+                    const bool live = !mask.value || (key <= r && key < seq);
+                    const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
+                    s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
+                }
             }
-        }
+        });
     };
 
     float acc[D / 2];
@@ -1105,7 +1126,9 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     const u64 row0 = static_cast<u64>(pair / heads) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
-    const auto [group, lane, row] = group_lane();
+    // Named, not bound: the masking lambda below captures them.
+    const GroupLane at = group_lane();
+    const u32 group = at.group, lane = at.lane, row = at.row;
     const u32 kg0 = k0 + group * 64;  // the warpgroup's first key
     const float c = scale * LOG2E;
     const u32 steps = (seq - k0 + WG_DKDV_QUERIES - 1) / WG_DKDV_QUERIES;
@@ -1151,20 +1174,21 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(p, ks, group * 64, qt);
             issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(dp, vs, group * 64, dot);
             wgmma_finish();
-            const bool masked = t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq;
+            with_mask(t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq, [&](auto mask) {
 #pragma unroll
-            for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
+                for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
-                    const u32 query = t0 + col;
-                    const u32 key = kg0 + row + (e >> 1) * 8;
-                    const bool live = !masked || (key <= query && query < seq);
-                    float& pv = p[4 * n + e];
-                    pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
-                    dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
+                        const u32 query = t0 + col;
+                        const u32 key = kg0 + row + (e >> 1) * 8;
+                        const bool live = !mask.value || (key <= query && query < seq);
+                        float& pv = p[4 * n + e];
+                        pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
+                        dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
+                    }
                 }
-            }
+            });
             u32 pa[WG_DKDV_QUERIES / 16][4];
             u32 da[WG_DKDV_QUERIES / 16][4];
 #pragma unroll
