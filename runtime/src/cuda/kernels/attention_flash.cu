@@ -767,20 +767,70 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
     }
 }
 
-// Runs `body` with a mask flag known at compile time (`mask.value`): a
-// tile without masked elements (most of a causal row's) then compiles to
-// a loop without the per-element index arithmetic and selects, with the
-// same arithmetic on every live element.
-template <bool MASKED>
-struct MaskFlag {
-    static constexpr bool value = MASKED;
-};
-template <typename Body>
-__device__ __forceinline__ void with_mask(bool masked, Body&& body) {
-    if (masked) {
-        body(MaskFlag<true>{});
-    } else {
-        body(MaskFlag<false>{});
+// The helpers below take MASKED as a template parameter and are called
+// with `true` only for tiles that hold masked elements (on the diagonal or
+// past the sequence): the others, most of a causal row's, compile to loops
+// without the per-element index arithmetic and selects, doing the same
+// arithmetic on every live element (so the same bits).
+
+// Scales a forward tile's scores (KEYS keys from u0, this thread's rows
+// `row` and `row + 8` from g0), masking keys past the row or the sequence,
+// and folds them into each row's tile max `x`.
+template <bool MASKED, int KEYS>
+__device__ __forceinline__ void scale_scores(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
+                                             float c, float (&x)[2]) {
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+            const u32 r = g0 + row + (e >> 1) * 8;
+            float& sv = s[4 * n + e];
+            sv = (!MASKED || (key <= r && key < seq)) ? sv * c : neg_inf();
+            x[e >> 1] = fmaxf(x[e >> 1], sv);
+        }
+    }
+}
+
+// dq's dS = P (dP - D) in place of S, P recomputed from S and the rows'
+// lse in base 2 (`er`; `dr` is D), for KEYS keys from u0.
+template <bool MASKED, int KEYS>
+__device__ __forceinline__ void tile_score_gradients(float (&s)[KEYS / 2], const float (&dp)[KEYS / 2], u32 u0, u32 g0,
+                                                u32 row, u32 lane, u32 seq, float c, const float (&er)[2],
+                                                const float (&dr)[2]) {
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1;
+            const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
+            const u32 r = g0 + row + 8 * i;
+            const bool live = !MASKED || (key <= r && key < seq);
+            const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
+            s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
+        }
+    }
+}
+
+// dk/dv's transposed P (rows this thread's keys `row`, `row + 8` from
+// kg0; QUERIES queries from t0, their lse `lt` and D `dt` in shared
+// memory) in place of the scores, and dS = P (dP - D) in place of dP.
+template <bool MASKED, int QUERIES>
+__device__ __forceinline__ void key_probabilities(float (&p)[QUERIES / 2], float (&dp)[QUERIES / 2], u32 t0,
+                                                  u32 kg0, u32 row, u32 lane, u32 seq, float c, const float* lt,
+                                                  const float* dt) {
+#pragma unroll
+    for (int n = 0; n < QUERIES / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
+            const u32 query = t0 + col;
+            const u32 key = kg0 + row + (e >> 1) * 8;
+            const bool live = !MASKED || (key <= query && query < seq);
+            float& pv = p[4 * n + e];
+            pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
+            dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
+        }
     }
 }
 
@@ -792,21 +842,11 @@ template <int KEYS>
 __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
                                                float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
     float x[2] = {neg_inf(), neg_inf()};
-    // Only tiles on the diagonal or past the sequence hold masked keys;
-    // the others (most) skip the per-element index arithmetic.
-    with_mask(u0 + KEYS > g0 || u0 + KEYS > seq, [&](auto mask) {
-#pragma unroll
-        for (int n = 0; n < KEYS / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                const u32 r = g0 + row + (e >> 1) * 8;
-                float& sv = s[4 * n + e];
-                sv = (!mask.value || (key <= r && key < seq)) ? sv * c : neg_inf();
-                x[e >> 1] = fmaxf(x[e >> 1], sv);
-            }
-        }
-    });
+    if (u0 + KEYS > g0 || u0 + KEYS > seq) {
+        scale_scores<true, KEYS>(s, u0, g0, row, lane, seq, c, x);
+    } else {
+        scale_scores<false, KEYS>(s, u0, g0, row, lane, seq, c, x);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         // Key 0 is in every row's first tile, so the max is finite from
@@ -1022,20 +1062,11 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     };
     auto score_gradients = [&](float (&s)[WG_DQ_KEYS / 2], const float (&dp)[WG_DQ_KEYS / 2], u32 j) {
         const u32 u0 = j * WG_DQ_KEYS;
-        with_mask(u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq, [&](auto mask) {
-#pragma unroll
-            for (int n = 0; n < WG_DQ_KEYS / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = e >> 1;
-                    const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
-                    const u32 r = g0 + row + 8 * i;
-                    const bool live = !mask.value || (key <= r && key < seq);
-                    const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
-                    s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
-                }
-            }
-        });
+        if (u0 + WG_DQ_KEYS > g0 || u0 + WG_DQ_KEYS > seq) {
+            tile_score_gradients<true, WG_DQ_KEYS>(s, dp, u0, g0, row, lane, seq, c, er, dr);
+        } else {
+            tile_score_gradients<false, WG_DQ_KEYS>(s, dp, u0, g0, row, lane, seq, c, er, dr);
+        }
     };
 
     float acc[D / 2];
@@ -1126,9 +1157,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     const u64 row0 = static_cast<u64>(pair / heads) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
-    // Named, not bound: the masking lambda below captures them.
-    const GroupLane at = group_lane();
-    const u32 group = at.group, lane = at.lane, row = at.row;
+    const auto [group, lane, row] = group_lane();
     const u32 kg0 = k0 + group * 64;  // the warpgroup's first key
     const float c = scale * LOG2E;
     const u32 steps = (seq - k0 + WG_DKDV_QUERIES - 1) / WG_DKDV_QUERIES;
@@ -1174,21 +1203,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(p, ks, group * 64, qt);
             issue_scores<WG_DKDV_KEYS, WG_DKDV_QUERIES>(dp, vs, group * 64, dot);
             wgmma_finish();
-            with_mask(t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq, [&](auto mask) {
-#pragma unroll
-                for (int n = 0; n < WG_DKDV_QUERIES / 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const u32 col = n * 8 + 2 * (lane & 3) + (e & 1);
-                        const u32 query = t0 + col;
-                        const u32 key = kg0 + row + (e >> 1) * 8;
-                        const bool live = !mask.value || (key <= query && query < seq);
-                        float& pv = p[4 * n + e];
-                        pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
-                        dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
-                    }
-                }
-            });
+            if (t0 < kg0 + 64 || t0 + WG_DKDV_QUERIES > seq) {
+                key_probabilities<true, WG_DKDV_QUERIES>(p, dp, t0, kg0, row, lane, seq, c, lt, dt);
+            } else {
+                key_probabilities<false, WG_DKDV_QUERIES>(p, dp, t0, kg0, row, lane, seq, c, lt, dt);
+            }
             u32 pa[WG_DKDV_QUERIES / 16][4];
             u32 da[WG_DKDV_QUERIES / 16][4];
 #pragma unroll
