@@ -23,42 +23,36 @@ bundle=gpu-bundle
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/models"
 
+# Copies, stripped, into folder $2 the executables of kind $1 (test,
+# bench) that cargo's JSON messages on stdin name.
+collect() {
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == [sys.argv[1]]:
+        print(m["target"]["name"], m["executable"])
+' "$1" | while read -r name exe; do
+    cp "$exe" "$2/$name"
+    strip "$2/$name"
+  done
+}
+
 # Every test whose name starts with cuda_ (they skip without a GPU).
 tests=()
 for file in runtime/tests/cuda_*.rs; do
   tests+=(--test "$(basename "$file" .rs)")
 done
 cargo test --release --no-run -p hybridgen-runtime "${tests[@]}" --message-format=json \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do
-  cp "$exe" "$bundle/bin/$name"
-  strip "$bundle/bin/$name"
-done
+  | collect test "$bundle/bin"
 # The GPU micro-benchmarks, under bench/ so that run.sh's test loop does
 # not take them for tests (they say why and exit without a GPU).
 mkdir -p "$bundle/bench"
 cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --message-format=json \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bench"]:
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do
-  cp "$exe" "$bundle/bench/$name"
-  strip "$bundle/bench/$name"
-done
+  | collect bench "$bundle/bench"
 cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
