@@ -1,8 +1,9 @@
 //! The MoE experts' GEMMs on a GPU, cuBLAS (one call an expert over the
-//! backend's streams, the default) against the grouped `wgmma` kernel
-//! (`--expert-gemm grouped`): one `grouped_matmul` call of each kind a
+//! backend's streams, `--expert-gemm cublas`) against the grouped TMA +
+//! `wgmma` kernel (`--expert-gemm grouped`, training's default on
+//! Hopper): one `grouped_matmul` call of each kind a
 //! `bench-hybrid-moe` layer makes per micro-batch (16 experts, hidden
-//! 2,048, width 1,024, 16,384 routed rows of 700 to 1,350 an expert), in
+//! 2,048, width 1,024, 16,384 routed rows of 700 to 1,345 an expert), in
 //! microseconds a call and TFLOP/s, and how far the grouped kernel's
 //! results are from cuBLAS's. Prints figures; asserts nothing about time.
 //!
