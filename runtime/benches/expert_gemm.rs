@@ -202,20 +202,46 @@ impl Call {
         dev.grouped_matmul(problems)
     }
 
-    /// The call's output, widened to f32.
+    /// The buffers the call writes, and their lengths.
+    fn outputs(self, l: &Layer) -> Vec<(&Buf, usize)> {
+        match self {
+            Call::Fc1 => vec![(&l.pre, ROUTED * WIDTH)],
+            Call::Fc2 => vec![(&l.out, ROUTED * HIDDEN)],
+            Call::Fc2InputGrad => vec![(&l.d_act, ROUTED * WIDTH)],
+            Call::Fc1InputGrad => vec![(&l.d_in, ROUTED * HIDDEN)],
+            Call::WeightGrads => vec![
+                (&l.dw1, EXPERTS * WIDTH * HIDDEN),
+                (&l.dw2, EXPERTS * WIDTH * HIDDEN),
+            ],
+        }
+    }
+
+    /// The call's outputs, widened to f32, one after another.
     fn output(self, dev: &CudaBackend, l: &Layer) -> Result<Vec<f32>> {
-        let (buf, len) = match self {
-            Call::Fc1 => (&l.pre, ROUTED * WIDTH),
-            Call::Fc2 => (&l.out, ROUTED * HIDDEN),
-            Call::Fc2InputGrad => (&l.d_act, ROUTED * WIDTH),
-            Call::Fc1InputGrad => (&l.d_in, ROUTED * HIDDEN),
-            Call::WeightGrads => (&l.dw1, EXPERTS * WIDTH * HIDDEN),
-        };
-        let wide = dev.alloc(len, DType::F32)?;
-        dev.cast(dev.view(buf)?, dev.view_mut(&wide)?)?;
-        let mut out = vec![0.0; len];
-        dev.download(dev.view(&wide)?, &mut out)?;
+        let mut out = Vec::new();
+        for (buf, len) in self.outputs(l) {
+            let wide = dev.alloc(len, DType::F32)?;
+            dev.cast(dev.view(buf)?, dev.view_mut(&wide)?)?;
+            let mut part = vec![0.0; len];
+            dev.download(dev.view(&wide)?, &mut part)?;
+            out.extend(part);
+        }
         Ok(out)
+    }
+
+    /// Puts back outputs the call adds to (the weight gradients) from
+    /// `values`, what [`Call::output`] read before.
+    fn restore(self, dev: &CudaBackend, l: &Layer, values: &[f32]) -> Result<()> {
+        if let Call::WeightGrads = self {
+            let mut at = 0;
+            for (buf, len) in self.outputs(l) {
+                let wide = dev.alloc(len, DType::F32)?;
+                dev.upload(&values[at..at + len], dev.view_mut(&wide)?)?;
+                dev.copy(dev.view(&wide)?, dev.view_mut(buf)?)?;
+                at += len;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -255,17 +281,9 @@ fn main() -> Result<()> {
         // The same inputs each way; the weight gradients add onto the
         // same starting values (restored from a copy).
         let start = call.output(&cublas, &layer)?;
-        let restore = |dev: &CudaBackend| -> Result<()> {
-            if let Call::WeightGrads = call {
-                let wide = dev.alloc(start.len(), DType::F32)?;
-                dev.upload(&start, dev.view_mut(&wide)?)?;
-                dev.copy(dev.view(&wide)?, dev.view_mut(&layer.dw1)?)?;
-            }
-            Ok(())
-        };
         call.run(&cublas, &layer)?;
         let by_cublas = call.output(&cublas, &layer)?;
-        restore(&grouped)?;
+        call.restore(&grouped, &layer, &start)?;
         call.run(&grouped, &layer)?;
         let by_grouped = call.output(&grouped, &layer)?;
         let scale = by_cublas.iter().fold(0.0f32, |m, v| m.max(v.abs()));

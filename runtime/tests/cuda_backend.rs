@@ -125,16 +125,20 @@ fn every_scan_path_conforms() {
     }
 }
 
-/// The grouped GEMM kernel (`--expert-gemm grouped`, Hopper) must conform
-/// on its own: the suite's 16-byte aligned grouped cases reach it (views
-/// three elements off take cuBLAS, as without it).
+/// The backend's default runs the suite's 16-byte aligned grouped cases
+/// on the grouped GEMM kernel (Hopper; views three elements off take
+/// cuBLAS); with it off (`--expert-gemm cublas`) every grouped case takes
+/// cuBLAS, which must conform on its own too.
 #[test]
-fn the_grouped_gemm_kernel_conforms() {
+fn the_cublas_expert_path_conforms() {
     for precision in [Precision::F32, Precision::Bf16] {
         let Some(backend) = gpu(precision) else {
             return;
         };
-        family_conforms(&backend.with_grouped_gemm(true), conformance::Family::Dense);
+        family_conforms(
+            &backend.with_grouped_gemm(false),
+            conformance::Family::Dense,
+        );
     }
 }
 

@@ -124,7 +124,7 @@ impl Gpu {
             arena,
             attention_scratch: ATTENTION_GEMM_SCRATCH_BYTES,
             flash_attention: true,
-            grouped_gemm: false,
+            grouped_gemm: true,
             scan_scratch: SCAN_CHUNKED_SCRATCH_BYTES,
         })
     }
@@ -215,7 +215,7 @@ pub struct CudaBackend {
     /// [`flash_attention_takes`]).
     flash_attention: bool,
     /// Whether `grouped_matmul` takes the grouped kernel where it applies
-    /// (see [`grouped_gemm_takes`]).
+    /// (see [`grouped_gemm_takes`]); on by default, as in training.
     grouped_gemm: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
@@ -267,9 +267,8 @@ impl CudaBackend {
     }
 
     /// This backend with `grouped_matmul`'s bf16 problems on the grouped
-    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`], what
-    /// training runs by default) or on cuBLAS (a bare backend's default,
-    /// which the kernel tests compare against).
+    /// kernel (on Hopper; [`crate::backend::ExpertGemm::Grouped`], the
+    /// default) or on cuBLAS ([`crate::backend::ExpertGemm::Cublas`]).
     pub fn with_grouped_gemm(mut self, on: bool) -> CudaBackend {
         self.grouped_gemm = on;
         self

@@ -29,7 +29,8 @@
 // expert's begin) and are never stored.
 //
 // Determinism: an element of C is one thread's sum of its K-steps in order,
-// then (when adding) C's old value: its bits depend on its problem alone,
+// then (when adding) C's old value, added once (in L2, by the tile's
+// reduce-add, for an f32 C): its bits depend on its problem alone,
 // never on the other problems in the launch or on the grid. No atomics.
 //
 // The launcher gives only problems this kernel takes: bf16 A and B, every
@@ -44,9 +45,9 @@
 #define GG_TILE_N 128
 #define GG_TILE_K 64
 #define GG_STAGES 3
-// Problems a launch takes (the table and two tensor maps a problem travel
-// in the kernel's parameters, which hold 32 KiB on CUDA 12.1 and later);
-// the launcher splits longer groups.
+// Problems a launch takes (the table and three tensor maps a problem, A,
+// B and C, travel in the kernel's parameters, which hold 32 KiB on CUDA
+// 12.1 and later); the launcher splits longer groups.
 #define GG_MAX_PROBLEMS 32
 // A problem's flags.
 #define GG_ACCUMULATE 1u

@@ -18,8 +18,8 @@ use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKer
 use std::collections::HashMap;
 use std::ops::Range;
 
-/// Problems one launch takes (`GG_MAX_PROBLEMS`: the table and two tensor
-/// maps a problem must fit the 32 KiB of a kernel's parameters).
+/// Problems one launch takes (`GG_MAX_PROBLEMS`: the table and three
+/// tensor maps a problem must fit the 32 KiB of a kernel's parameters).
 const MAX_PROBLEMS: usize = 32;
 /// C's tile a block computes (`GG_TILE_M`, `GG_TILE_N`).
 const TILE_M: usize = 128;
@@ -110,7 +110,13 @@ fn tensor_map(
     };
     let element = match dtype {
         DType::F32 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        other => {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "the grouped GEMM kernel reads bf16 and f32 arrays only, not {other}; pass \
+                 only problems `grouped_gemm_takes` accepts"
+            )));
+        }
     };
     let dims = [inner as u64, rows as u64];
     let strides = [(inner * dtype.bytes()) as u64];
