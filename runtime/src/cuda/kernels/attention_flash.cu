@@ -767,33 +767,18 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
     }
 }
 
-// The wgmma kernels' probabilities are short on instructions, since the
-// integer and float pipes, not the tensor cores, set their pace:
-//
-// - The helpers below take MASKED as a template parameter and are called
-//   with `true` only for tiles that hold masked elements (on the diagonal
-//   or past the sequence): the others, most of a causal row's, compile to
-//   loops without the per-element index arithmetic and selects.
-// - An exponent is one fused multiply-add of the raw score (x c - m, one
-//   rounding) and `exp2_ftz`.
+// The helpers below take MASKED as a template parameter and are called
+// with `true` only for tiles that hold masked elements (on the diagonal or
+// past the sequence): the others, most of a causal row's, compile to loops
+// without the per-element index arithmetic and selects, doing the same
+// arithmetic on every live element (so the same bits).
 
-// 2^x on the special function unit with subnormal results flushed to
-// zero (`ex2.approx.ftz`: `exp2f` adds a range test and two scalings to
-// keep them). A probability under 2^-126 is lost either way: a row's sum
-// holds its max's 1, and its bf16 product with V is under the half-ulp of
-// any output it is added to but an exact zero.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Masks a forward tile's raw scores (KEYS keys from u0, this thread's rows
-// `row` and `row + 8` from g0) past the row or the sequence, and folds them
-// into each row's raw tile max `x`.
+// Scales a forward tile's scores (KEYS keys from u0, this thread's rows
+// `row` and `row + 8` from g0), masking keys past the row or the sequence,
+// and folds them into each row's tile max `x`.
 template <bool MASKED, int KEYS>
-__device__ __forceinline__ void mask_scores(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
-                                            float (&x)[2]) {
+__device__ __forceinline__ void scale_scores(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
+                                             float c, float (&x)[2]) {
 #pragma unroll
     for (int n = 0; n < KEYS / 8; ++n) {
 #pragma unroll
@@ -801,9 +786,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[KEYS / 2], u32 u0, u32 g0
             const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
             const u32 r = g0 + row + (e >> 1) * 8;
             float& sv = s[4 * n + e];
-            if (MASKED && !(key <= r && key < seq)) {
-                sv = neg_inf();
-            }
+            sv = (!MASKED || (key <= r && key < seq)) ? sv * c : neg_inf();
             x[e >> 1] = fmaxf(x[e >> 1], sv);
         }
     }
@@ -823,7 +806,7 @@ __device__ __forceinline__ void tile_score_gradients(float (&s)[KEYS / 2], const
             const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
             const u32 r = g0 + row + 8 * i;
             const bool live = !MASKED || (key <= r && key < seq);
-            const float p = live ? exp2_ftz(__fmaf_rn(s[4 * n + e], c, -er[i])) : 0.0f;
+            const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
             s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
         }
     }
@@ -845,7 +828,7 @@ __device__ __forceinline__ void key_probabilities(float (&p)[QUERIES / 2], float
             const u32 key = kg0 + row + (e >> 1) * 8;
             const bool live = !MASKED || (key <= query && query < seq);
             float& pv = p[4 * n + e];
-            pv = live ? exp2_ftz(__fmaf_rn(pv, c, -lt[col] * LOG2E)) : 0.0f;
+            pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
             dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
         }
     }
@@ -860,17 +843,16 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32
                                                float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
     float x[2] = {neg_inf(), neg_inf()};
     if (u0 + KEYS > g0 || u0 + KEYS > seq) {
-        mask_scores<true, KEYS>(s, u0, g0, row, lane, seq, x);
+        scale_scores<true, KEYS>(s, u0, g0, row, lane, seq, c, x);
     } else {
-        mask_scores<false, KEYS>(s, u0, g0, row, lane, seq, x);
+        scale_scores<false, KEYS>(s, u0, g0, row, lane, seq, c, x);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         // Key 0 is in every row's first tile, so the max is finite from
-        // then on. It is kept scaled (c > 0, so scaling the raw max gives
-        // the max of the scaled scores).
-        const float next = fmaxf(mx[i], quad_max(x[i]) * c);
-        alpha[i] = exp2_ftz(mx[i] - next);
+        // then on.
+        const float next = fmaxf(mx[i], quad_max(x[i]));
+        alpha[i] = exp2f(mx[i] - next);
         mx[i] = next;
         sum[i] *= alpha[i];
     }
@@ -878,7 +860,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32
     for (int n = 0; n < KEYS / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[4 * n + e] = exp2_ftz(__fmaf_rn(s[4 * n + e], c, -mx[e >> 1]));
+            s[4 * n + e] = exp2f(s[4 * n + e] - mx[e >> 1]);
             sum[e >> 1] += s[4 * n + e];
         }
     }
