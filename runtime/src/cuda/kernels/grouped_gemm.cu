@@ -12,21 +12,26 @@
 // streams they still left the GPU half idle. Here every problem's tiles
 // share one grid, so the SMs stay full until the last tiles.
 //
-// A block computes one 128 x 128 tile of C: two consumer warpgroups, 64
-// rows each, `wgmma` m64n128k16 from shared memory, and a producer warp
-// whose one thread loads the operands with TMA. K is walked in steps of
-// 64; a step is a 128 x 64 tile of each operand in the 128-byte swizzled
-// layout (wgmma.cuh), in a ring of GG_STAGES buffers: the producer fills a
-// buffer once both warpgroups have released it (an `empty` barrier) and
-// the consumers multiply it once its bytes have landed (a `full` barrier).
-// Two blocks share an SM, so one's loads, fill and C update run while the
-// other multiplies. A K-major operand (K along its stored rows) is one box
-// of 128 rows of 128 bytes; an MN-major one two boxes (atoms) of 64 stored
-// rows of 128 bytes. One staged layout serves both readings through the
-// descriptor alone, so no operand is transposed. Each operand has its own
-// tensor map with the problem's sizes, so elements past m, n or k load as
-// zeros (an expert's rows end where its map ends, not where the next
-// expert's begin) and are never stored.
+// The grid is persistent: one block an SM, each walking the launch's tiles
+// of C (every problem's, in order) from its own index in strides of the
+// grid. A tile is 128 x 256: two consumer warpgroups, 64 rows each, `wgmma`
+// m64n256k16 from shared memory (per multiply-add, a quarter less
+// shared-memory traffic than 128 columns), and a producer warp whose one
+// thread loads the operands with TMA. K is walked in steps of 64; a step
+// is a 128 x 64 tile of A and a 256 x 64 tile of B in the 128-byte
+// swizzled layout (wgmma.cuh), in a ring of GG_STAGES buffers: the
+// producer fills a buffer once both warpgroups have released it (an
+// `empty` barrier) and the consumers multiply it once its bytes have
+// landed (a `full` barrier). The ring runs across tiles, so while the
+// consumers store one tile the producer already loads the next one's
+// first K-steps. A K-major operand (K along its stored rows) is one box
+// of 128 (A) or 256 (B) rows of 128 bytes; an MN-major one two or four
+// boxes (atoms) of 64 stored rows of 128 bytes. One staged layout serves
+// both readings through the descriptor alone, so no operand is
+// transposed. Each operand has its own tensor map with the problem's
+// sizes, so elements past m, n or k load as zeros (an expert's rows end
+// where its map ends, not where the next expert's begin) and are never
+// stored.
 //
 // Determinism: an element of C is one thread's sum of its K-steps in order,
 // then (when adding) C's old value, added once (in L2, by the tile's
@@ -42,9 +47,9 @@
 #define GG_THREADS 288
 #define GG_CONSUMERS 256
 #define GG_TILE_M 128
-#define GG_TILE_N 128
+#define GG_TILE_N 256
 #define GG_TILE_K 64
-#define GG_STAGES 3
+#define GG_STAGES 4
 // Problems a launch takes (the table and three tensor maps a problem, A,
 // B and C, travel in the kernel's parameters, which hold 32 KiB on CUDA
 // 12.1 and later); the launcher splits longer groups.
@@ -61,9 +66,10 @@ struct GroupedProblem {
 };
 
 // The problems of one launch, their operands' tensor maps (A's of problem
-// p at 3 p, B's at 3 p + 1, C's at 3 p + 2 where GG_REDUCE) and where each one's tiles start in the grid
-// (block `first_tile[p] + i` computes tile i of problem p; tiles run along
-// n first). `first_tile[count]` is the grid's size.
+// p at 3 p, B's at 3 p + 1, C's at 3 p + 2 where GG_REDUCE) and where each
+// one's tiles start in the launch's sequence of tiles (tile
+// `first_tile[p] + i` is tile i of problem p; tiles run along n first).
+// `first_tile[count]` is the number of tiles.
 struct GroupedProblems {
     TensorMap map[3 * GG_MAX_PROBLEMS];
     GroupedProblem problem[GG_MAX_PROBLEMS];
@@ -74,19 +80,44 @@ struct GroupedProblems {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Bytes of one operand's staged K-step, and of one pipeline stage (A then B).
-#define GG_OPERAND_BYTES (GG_TILE_M * GG_TILE_K * 2)
-#define GG_STAGE_BYTES (2 * GG_OPERAND_BYTES)
-// An MN-major staged operand: its two 64-element atoms of 64 stored rows.
+#define GG_A_BYTES (GG_TILE_M * GG_TILE_K * 2)
+#define GG_B_BYTES (GG_TILE_N * GG_TILE_K * 2)
+#define GG_STAGE_BYTES (GG_A_BYTES + GG_B_BYTES)
+// An MN-major staged operand: its 64-element atoms of 64 stored rows.
 #define GG_ATOM_BYTES (GG_TILE_K * 128)
+// A reduce-add's box of f32 C: a warpgroup's 64 rows by 32 columns (128
+// bytes), staged in one of two buffers a warpgroup after the ring.
+#define GG_BOX_BYTES (64 * 32 * 4)
+#define GG_BOXES (GG_TILE_N / 32)
+
+// Where a tile of the launch is: its problem, first row and first column.
+struct TileAt {
+    u32 p, m0, n0;
+};
+__device__ __forceinline__ TileAt locate(const GroupedProblems& problems, u32 tile) {
+    TileAt at;
+    at.p = 0;
+    while (at.p + 1 < problems.count && problems.first_tile[at.p + 1] <= tile) {
+        ++at.p;
+    }
+    const u32 n_tiles = (problems.problem[at.p].n + GG_TILE_N - 1) / GG_TILE_N;
+    const u32 local = tile - problems.first_tile[at.p];
+    at.m0 = (local / n_tiles) * GG_TILE_M;
+    at.n0 = (local % n_tiles) * GG_TILE_N;
+    return at;
+}
 
 // Loads K-step `k0` of an operand into `tile`, completing on `bar`: a
-// K-major operand's rows `mn0` .. + 127 (one box), or an MN-major one's
-// elements `mn0` .. + 127 of its stored rows k0 .. k0 + 63 (two atoms).
-template <int TRANS>
+// K-major operand's rows `mn0` .. + ROWS - 1 (one box), or an MN-major
+// one's elements `mn0` .. + ROWS - 1 of its stored rows k0 .. k0 + 63
+// (ROWS / 64 atoms).
+template <int TRANS, int ROWS>
 __device__ __forceinline__ void load_operand(u32 tile, const TensorMap* map, u32 mn0, u32 k0, u32 bar) {
     if (TRANS) {
-        tma_load_2d(tile, map, mn0, k0, bar);
-        tma_load_2d(tile + GG_ATOM_BYTES, map, mn0 + 64, k0, bar);
+#pragma unroll
+        for (int atom = 0; atom < ROWS / 64; ++atom) {
+            tma_load_2d(tile + atom * GG_ATOM_BYTES, map, mn0 + atom * 64, k0, bar);
+        }
     } else {
         tma_load_2d(tile, map, k0, mn0, bar);
     }
@@ -105,11 +136,11 @@ __device__ __forceinline__ u64 operand_desc(u32 tile, u32 mn0, u32 kk) {
     return swizzled_desc(tile + mn0 * 128 + kk * 32, 16, 1024);
 }
 
-// Adds (or writes) this thread's share of a warpgroup's 64 x 128
+// Adds (or writes) this thread's share of a warpgroup's 64 x 256
 // accumulator to C [m, n] from row `r0`, column `c0`: rows `row` and
 // `row + 8`, two adjacent columns per 8.
 template <typename T>
-__device__ __forceinline__ void store_tile(T* c, const GroupedProblem& p, const float (&acc)[64], u32 r0, u32 c0,
+__device__ __forceinline__ void store_tile(T* c, const GroupedProblem& p, const float (&acc)[128], u32 r0, u32 c0,
                                            u32 row) {
     const bool add = p.flags & GG_ACCUMULATE;
     const u32 t = threadIdx.x & 3;
@@ -137,25 +168,56 @@ __device__ __forceinline__ void store_tile(T* c, const GroupedProblem& p, const 
     }
 }
 
+// f32 C += a warpgroup's 64 x 256 accumulator through L2's adders (the SMs
+// never read C): box by box of 32 columns, staged 128-byte swizzled as C's
+// map reads them, alternating between the warpgroup's two buffers. One
+// thread issues the adds and, before a buffer is written again, waits
+// until the add that read it last (two boxes ago, perhaps in the previous
+// tile) has.
+template <u32 BARRIER>
+__device__ __forceinline__ void reduce_tile(const TensorMap* map, const float (&acc)[128], u32 staged, u32 r0,
+                                            u32 c0, u32 row) {
+    const bool leader = (threadIdx.x & 127) == 0;
+    const u32 t = threadIdx.x & 3;
+#pragma unroll
+    for (u32 box = 0; box < GG_BOXES; ++box) {
+        const u32 buffer = staged + (box & 1) * GG_BOX_BYTES;
+        if (leader) {
+            bulk_wait_read<1>();
+        }
+        named_barrier<BARRIER, 128>();
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 r = row + half * 8;
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const int j = 4 * box + jj;
+                const u32 chunk = jj * 2 + (t >> 1);
+                const u32 to = buffer + r * 128 + ((chunk ^ (r % 8)) << 4) + (t & 1) * 8;
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(to), "f"(acc[4 * j + 2 * half]),
+                             "f"(acc[4 * j + 2 * half + 1])
+                             : "memory");
+            }
+        }
+        fence_async_shared();
+        named_barrier<BARRIER, 128>();
+        if (leader) {
+            tma_reduce_add_2d(map, c0 + box * 32, r0, buffer);
+            bulk_commit();
+        }
+    }
+}
+
 template <int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     extern __shared__ unsigned char shared[];
     const u32 tiles = shared_address(aligned_shared(shared));
-    // The ring's barriers follow its buffers: `full` then `empty`, one
-    // 8-byte barrier a stage each.
-    const u32 full = tiles + GG_STAGES * GG_STAGE_BYTES;
+    // After the ring: each warpgroup's two reduce-add buffers, then the
+    // ring's barriers, `full` then `empty`, one 8-byte barrier a stage each.
+    const u32 staging = tiles + GG_STAGES * GG_STAGE_BYTES;
+    const u32 full = staging + 4 * GG_BOX_BYTES;
     const u32 empty = full + GG_STAGES * 8;
-    const u32 block = blockIdx.x;
-    u32 p = 0;
-    while (p + 1 < problems.count && problems.first_tile[p + 1] <= block) {
-        ++p;
-    }
-    const GroupedProblem problem = problems.problem[p];
-    const u32 n_tiles = (problem.n + GG_TILE_N - 1) / GG_TILE_N;
-    const u32 local = block - problems.first_tile[p];
-    const u32 m0 = (local / n_tiles) * GG_TILE_M;
-    const u32 n0 = (local % n_tiles) * GG_TILE_N;
-    const u32 steps = (problem.k + GG_TILE_K - 1) / GG_TILE_K;
+    const u32 total = problems.first_tile[problems.count];
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -172,89 +234,79 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         // The producer: the `u`-th use of a buffer waits for the consumers'
         // release of its use u - 1 (parity (u - 1) & 1; the first passes).
         if (threadIdx.x == GG_CONSUMERS) {
-            const TensorMap* map_a = &problems.map[3 * p];
-            const TensorMap* map_b = &problems.map[3 * p + 1];
-            for (u32 s = 0; s < steps; ++s) {
-                const u32 slot = s % GG_STAGES, use = s / GG_STAGES;
-                mbarrier_wait(empty + 8 * slot, (use & 1) ^ 1);
-                const u32 bar = full + 8 * slot;
-                mbarrier_expect(bar, GG_STAGE_BYTES);
-                const u32 at = tiles + slot * GG_STAGE_BYTES;
-                load_operand<TRANS_A>(at, map_a, m0, s * GG_TILE_K, bar);
-                load_operand<TRANS_B>(at + GG_OPERAND_BYTES, map_b, n0, s * GG_TILE_K, bar);
+            u32 it = 0;
+            for (u32 tile = blockIdx.x; tile < total; tile += gridDim.x) {
+                const TileAt at = locate(problems, tile);
+                const TensorMap* map_a = &problems.map[3 * at.p];
+                const TensorMap* map_b = &problems.map[3 * at.p + 1];
+                const u32 steps = (problems.problem[at.p].k + GG_TILE_K - 1) / GG_TILE_K;
+                for (u32 s = 0; s < steps; ++s, ++it) {
+                    const u32 slot = it % GG_STAGES, use = it / GG_STAGES;
+                    mbarrier_wait(empty + 8 * slot, (use & 1) ^ 1);
+                    const u32 bar = full + 8 * slot;
+                    mbarrier_expect(bar, GG_STAGE_BYTES);
+                    const u32 buffer = tiles + slot * GG_STAGE_BYTES;
+                    load_operand<TRANS_A, GG_TILE_M>(buffer, map_a, at.m0, s * GG_TILE_K, bar);
+                    load_operand<TRANS_B, GG_TILE_N>(buffer + GG_A_BYTES, map_b, at.n0, s * GG_TILE_K, bar);
+                }
             }
         }
         return;
     }
 
-    const GroupLane at = group_lane();
-    float acc[64];
+    const GroupLane lane = group_lane();
+    const bool leader = (threadIdx.x & 127) == 0;
+    const u32 staged = staging + lane.group * 2 * GG_BOX_BYTES;
+    float acc[128];
+    u32 it = 0;
+    for (u32 tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const TileAt at = locate(problems, tile);
+        const GroupedProblem problem = problems.problem[at.p];
+        const u32 steps = (problem.k + GG_TILE_K - 1) / GG_TILE_K;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        acc[i] = 0.0f;
-    }
-    for (u32 s = 0; s < steps; ++s) {
-        const u32 slot = s % GG_STAGES;
-        mbarrier_wait(full + 8 * slot, (s / GG_STAGES) & 1);
-        const u32 at_a = tiles + slot * GG_STAGE_BYTES;
-        const u32 at_b = at_a + GG_OPERAND_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (u32 kk = 0; kk < GG_TILE_K / 16; ++kk) {
-            wgmma_ss<TRANS_A, TRANS_B>(acc, operand_desc<TRANS_A>(at_a, at.group * 64, kk),
-                                       operand_desc<TRANS_B>(at_b, 0, kk), 1);
+        for (int i = 0; i < 128; ++i) {
+            acc[i] = 0.0f;
         }
-        wgmma_commit();
-        // Step s - 1's products are done in this warpgroup: its buffer
-        // goes back to the producer.
-        wgmma_wait<1>();
-        if (s > 0 && (threadIdx.x & 127) == 0) {
-            mbarrier_arrive(empty + 8 * ((s - 1) % GG_STAGES));
-        }
-    }
-    wgmma_wait<0>();
-
-    const u32 r0 = m0 + at.group * 64;
-    if (problem.flags & GG_REDUCE) {
-        // f32 C += the tile through L2's adders: the SMs never read C.
-        // Both warpgroups' products are done before either overwrites the
-        // ring with its 64 x 128 f32 rows (32 KiB): four boxes of 32
-        // columns, 128-byte swizzled as C's map reads them.
-        named_barrier<1, GG_CONSUMERS>();
-        const u32 staged = tiles + at.group * (64 * GG_TILE_N * 4);
-        const u32 t = threadIdx.x & 3;
+        for (u32 s = 0; s < steps; ++s, ++it) {
+            const u32 slot = it % GG_STAGES;
+            mbarrier_wait(full + 8 * slot, (it / GG_STAGES) & 1);
+            const u32 at_a = tiles + slot * GG_STAGE_BYTES;
+            const u32 at_b = at_a + GG_A_BYTES;
+            wgmma_fence();
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32 r = at.row + half * 8;
-#pragma unroll
-            for (int j = 0; j < GG_TILE_N / 8; ++j) {
-                const u32 chunk = (j % 4) * 2 + (t >> 1);
-                const u32 to = staged + (j / 4) * 8192 + r * 128 + ((chunk ^ (r % 8)) << 4) + (t & 1) * 8;
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(to), "f"(acc[4 * j + 2 * half]),
-                             "f"(acc[4 * j + 2 * half + 1])
-                             : "memory");
+            for (u32 kk = 0; kk < GG_TILE_K / 16; ++kk) {
+                wgmma_ss<TRANS_A, TRANS_B>(acc, operand_desc<TRANS_A>(at_a, lane.group * 64, kk),
+                                           operand_desc<TRANS_B>(at_b, 0, kk), 1);
+            }
+            wgmma_commit();
+            // Step s - 1's products are done in this warpgroup: its buffer
+            // goes back to the producer.
+            wgmma_wait<1>();
+            if (s > 0 && leader) {
+                mbarrier_arrive(empty + 8 * ((it - 1) % GG_STAGES));
             }
         }
-        fence_async_shared();
-        if (at.group == 0) {
-            named_barrier<2, 128>();
+        wgmma_wait<0>();
+        if (leader) {
+            mbarrier_arrive(empty + 8 * ((it - 1) % GG_STAGES));
+        }
+
+        const u32 r0 = at.m0 + lane.group * 64;
+        if (problem.flags & GG_REDUCE) {
+            if (lane.group == 0) {
+                reduce_tile<1>(&problems.map[3 * at.p + 2], acc, staged, r0, at.n0, lane.row);
+            } else {
+                reduce_tile<2>(&problems.map[3 * at.p + 2], acc, staged, r0, at.n0, lane.row);
+            }
+        } else if (problem.flags & GG_C_F32) {
+            store_tile(reinterpret_cast<float*>(problem.c), problem, acc, r0, at.n0, lane.row);
         } else {
-            named_barrier<3, 128>();
+            store_tile(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, at.n0, lane.row);
         }
-        if ((threadIdx.x & 127) == 0) {
-#pragma unroll
-            for (u32 box = 0; box < GG_TILE_N / 32; ++box) {
-                tma_reduce_add_2d(&problems.map[3 * p + 2], n0 + box * 32, r0, staged + box * 8192);
-            }
-            bulk_commit();
-            bulk_wait_read();
-        }
-        return;
     }
-    if (problem.flags & GG_C_F32) {
-        store_tile(reinterpret_cast<float*>(problem.c), problem, acc, r0, n0, at.row);
-    } else {
-        store_tile(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, n0, at.row);
+    // The block's shared memory lives until its last adds have read it.
+    if (leader) {
+        bulk_wait_read<0>();
     }
 }
 
@@ -264,22 +316,22 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // where the stored operand is transposed (A stored [k, m]; B stored
 // [n, k]). A transposed A is MN-major; B is MN-major unless transposed.
 // Empty bodies off sm_90a, where the launcher never names them.
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 1>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 0>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 1>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 2) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 0>(problems);
 #endif

@@ -1,7 +1,8 @@
 //! [`Backend::grouped_matmul`](crate::Backend::grouped_matmul)'s bf16
 //! problems in one launch on Hopper (`grouped_gemm.cu`): every problem's
-//! 128 x 128 tiles of C in one grid, so the MoE experts' small GEMMs fill
-//! the GPU together instead of a fraction of it one after another.
+//! 128 x 256 tiles of C shared out among one persistent block an SM, so
+//! the MoE experts' small GEMMs fill the GPU together instead of a
+//! fraction of it one after another.
 //!
 //! The problem table and each operand's tensor map (encoded here, on the
 //! host) travel in the kernel's parameters (no upload, no allocation); a
@@ -14,33 +15,39 @@ use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
-use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use std::collections::HashMap;
 use std::ops::Range;
 
 /// Problems one launch takes (`GG_MAX_PROBLEMS`: the table and three
 /// tensor maps a problem must fit the 32 KiB of a kernel's parameters).
 const MAX_PROBLEMS: usize = 32;
-/// C's tile a block computes (`GG_TILE_M`, `GG_TILE_N`).
+/// C's tile a block computes at a time (`GG_TILE_M`, `GG_TILE_N`).
 const TILE_M: usize = 128;
-const TILE_N: usize = 128;
+const TILE_N: usize = 256;
 /// `GG_THREADS`: two consumer warpgroups and a producer warp.
 const THREADS: u32 = 288;
 /// `GG_TILE_K`: K's step, 128 bytes of bf16 (the swizzle's row).
 const TILE_K: usize = 64;
 /// `GG_STAGES`: K-steps in the ring of buffers.
-const STAGES: usize = 3;
+const STAGES: usize = 4;
 /// Dynamic shared memory: `GG_STAGES` stages of a 128 x 64 bf16 tile of
-/// each operand, two 8-byte barriers a stage, and room to align the first
-/// to the swizzle's atom. Two blocks fit an SM.
-const SHARED_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + STAGES * 16 + WGMMA_SHARED_ALIGN;
+/// A and a 256 x 64 one of B, two reduce-add boxes of f32 C a consumer
+/// warpgroup, two 8-byte barriers a stage, and room to align the first to
+/// the swizzle's atom. One block fills an SM.
+const SHARED_BYTES: usize = STAGES * (TILE_M + TILE_N) * TILE_K * 2
+    + 4 * (C_BOX_COLUMNS * C_BOX_ROWS * 4) as usize
+    + STAGES * 16
+    + WGMMA_SHARED_ALIGN;
 /// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`, `GG_REDUCE`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
 const REDUCE: u32 = 4;
-const _: () = assert!(2 * SHARED_BYTES <= HOPPER_SHARED_BYTES);
+const _: () = assert!(SHARED_BYTES <= HOPPER_SHARED_BYTES);
 /// A reduce-add's box of f32 C: 32 columns (128 bytes) by a warpgroup's
-/// 64 rows; four cover a tile's width.
+/// 64 rows; eight cover a tile's width.
 const C_BOX_COLUMNS: u32 = 32;
 const C_BOX_ROWS: u32 = 64;
 
@@ -151,8 +158,9 @@ fn tensor_map(
 }
 
 /// The tensor maps of a problem's A and B: a K-major operand is read in
-/// boxes of 128 rows (M or N) of 64 K-elements, an MN-major one in boxes
-/// of 64 rows (K) of 64 M- or N-elements, two a K-step.
+/// boxes of its tile's 128 (A) or 256 (B) rows (M or N) of 64 K-elements,
+/// an MN-major one in boxes of 64 rows (K) of 64 M- or N-elements, two
+/// (A) or four (B) a K-step.
 fn operand_maps(a: &GpuView, b: &GpuView, dims: &MatmulDims) -> Result<[CUtensorMap; 2]> {
     let MatmulDims { m, n, k, .. } = *dims;
     let bf = DType::Bf16;
@@ -218,13 +226,15 @@ fn launches(tile_counts: &[usize]) -> Vec<Range<usize>> {
 }
 
 /// Lets the grouped kernels take their dynamic shared memory (past the 48
-/// KiB a launch gets without asking). False off Hopper, or where the
+/// KiB a launch gets without asking) and returns their persistent grid:
+/// one block for each of the device's SMs. None off Hopper, or where the
 /// device cannot give it: the grouped problems then take cuBLAS.
 pub(super) fn reserve_shared_memory(
+    context: &CudaContext,
     functions: &HashMap<&'static str, CudaFunction>,
     target: Target,
-) -> bool {
-    target == Target::HOPPER
+) -> Option<u32> {
+    let reserved = target == Target::HOPPER
         && KERNELS.iter().all(|name| {
             functions.get(name).is_some_and(|f| {
                 f.set_attribute(
@@ -233,13 +243,19 @@ pub(super) fn reserve_shared_memory(
                 )
                 .is_ok()
             })
-        })
+        });
+    let sms = context
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .ok()
+        .and_then(|n| u32::try_from(n).ok())
+        .filter(|&n| n > 0);
+    sms.filter(|_| reserved)
 }
 
 impl KernelSet {
     /// Whether [`KernelSet::grouped_gemm`] runs on this device.
     pub fn has_grouped_gemm(&self) -> bool {
-        self.grouped_gemm
+        self.grouped_gemm_grid.is_some()
     }
 
     /// Enqueues `problems` (`A`, `B`, `C`, dims each; every one taken by
@@ -251,13 +267,13 @@ impl KernelSet {
         stream: &CudaStream,
         problems: &[(GpuView, GpuView, GpuView, MatmulDims)],
     ) -> Result<()> {
-        if !self.grouped_gemm {
+        let Some(persistent_grid) = self.grouped_gemm_grid else {
             return Err(setup_error(
                 "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
-                 and 97 KiB of shared memory a block); `--expert-gemm cublas` runs the \
+                 and 225 KiB of shared memory a block); `--expert-gemm cublas` runs the \
                  experts without them",
             ));
-        }
+        };
         for (kernel, name) in KERNELS.iter().enumerate() {
             let mine: Vec<&(GpuView, GpuView, GpuView, MatmulDims)> = problems
                 .iter()
@@ -309,8 +325,10 @@ impl KernelSet {
                     };
                 }
                 arg.first_tile[range.len()] = grid as u32;
+                // One block an SM walks the tiles (fewer where there are
+                // fewer tiles): `grid` tiles fit a u32 (`launches`).
                 let config = LaunchConfig {
-                    grid_dim: (grid as u32, 1, 1),
+                    grid_dim: ((grid as u32).min(persistent_grid), 1, 1),
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: SHARED_BYTES as u32,
                 };
@@ -485,6 +503,6 @@ mod tests {
             KERNELS[kernel_of(&dims(1, 1, 1, true, true))],
             "grouped_gemm_wgmma_tt"
         );
-        assert_eq!(tiles(&dims(129, 256, 7, false, false)), 4);
+        assert_eq!(tiles(&dims(129, 512, 7, false, false)), 4);
     }
 }

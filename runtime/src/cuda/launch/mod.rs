@@ -325,8 +325,9 @@ pub struct KernelSet {
     functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
     flash_attention: bool,
-    /// Whether the grouped GEMM kernels got their shared memory (Hopper).
-    grouped_gemm: bool,
+    /// The grouped GEMM kernels' persistent grid (a block an SM), where
+    /// they got their shared memory (Hopper).
+    grouped_gemm_grid: Option<u32>,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -381,7 +382,7 @@ impl KernelSet {
             modules.push(module);
         }
         let flash_attention = attention_flash::reserve_shared_memory(&functions, target);
-        let grouped_gemm = grouped_gemm::reserve_shared_memory(&functions, target);
+        let grouped_gemm_grid = grouped_gemm::reserve_shared_memory(context, &functions, target);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -398,7 +399,7 @@ impl KernelSet {
             _modules: modules,
             functions,
             flash_attention,
-            grouped_gemm,
+            grouped_gemm_grid,
             fault,
             fault_ptr,
         })
