@@ -12,26 +12,32 @@
 // streams they still left the GPU half idle. Here every problem's tiles
 // share one grid, so the SMs stay full until the last tiles.
 //
-// The grid is persistent: one block an SM, each walking the launch's tiles
-// of C (every problem's, in order) from its own index in strides of the
-// grid. A tile is 128 x 256: two consumer warpgroups, 64 rows each, `wgmma`
-// m64n256k16 from shared memory (per multiply-add, a quarter less
-// shared-memory traffic than 128 columns), and a producer warp whose one
+// The grid is persistent: one block an SM, each walking the launch's units
+// of work from its own index in strides of the grid. A unit is a 128 x 256
+// tile of C (every problem's, in order), except at the end: the tiles
+// that would leave most SMs idle in the last round (`split_from` on) are
+// split into two 128 x 128 halves, so that round takes half as long. An
+// element's sum is the same whatever its tile's width. A unit is computed
+// by two consumer warpgroups, 64 rows each, with `wgmma` m64n256k16 (or
+// m64n128k16 for a half) from shared memory, and a producer warp whose one
 // thread loads the operands with TMA. K is walked in steps of 64; a step
 // is a 128 x 64 tile of A and a 256 x 64 tile of B in the 128-byte
 // swizzled layout (wgmma.cuh), in a ring of GG_STAGES buffers: the
 // producer fills a buffer once both warpgroups have released it (an
 // `empty` barrier) and the consumers multiply it once its bytes have
-// landed (a `full` barrier). The ring runs across tiles, so while the
-// consumers store one tile the producer already loads the next one's
-// first K-steps. A K-major operand (K along its stored rows) is one box
-// of 128 (A) or 256 (B) rows of 128 bytes; an MN-major one two or four
-// boxes (atoms) of 64 stored rows of 128 bytes. One staged layout serves
-// both readings through the descriptor alone, so no operand is
-// transposed. Each operand has its own tensor map with the problem's
-// sizes, so elements past m, n or k load as zeros (an expert's rows end
-// where its map ends, not where the next expert's begin) and are never
-// stored.
+// landed (a `full` barrier). The ring runs across units, so while the
+// consumers store one the producer already loads the next one's first
+// K-steps. A K-major operand (K along its stored rows) is one box of 128
+// (A) or 256 (B) rows of 128 bytes; an MN-major one two or four boxes
+// (atoms) of 64 stored rows of 128 bytes. One staged layout serves both
+// readings through the descriptor alone, so no operand is transposed.
+// Each operand has its own tensor map with the problem's sizes, so
+// elements past m, n or k load as zeros (an expert's rows end where its
+// map ends, not where the next expert's begin) and are never stored.
+// C goes out the same way: a warpgroup stages its rows 128 bytes of
+// columns at a time in shared memory, and TMA stores them (or, for an f32
+// C added to, adds them in L2), so the consumers neither wait for global
+// stores nor read C.
 //
 // Determinism: an element of C is one thread's sum of its K-steps in order,
 // then (when adding) C's old value, added once (in L2, by the tile's
@@ -57,8 +63,9 @@
 // A problem's flags.
 #define GG_ACCUMULATE 1u
 #define GG_C_F32 2u
-// f32 C added to by TMA reduce-adds from shared memory (C's map is set).
-#define GG_REDUCE 4u
+// C is written (or, f32 and accumulating, added to) through its tensor
+// map; else (a bf16 C added to) by the consumers' own loads and stores.
+#define GG_C_MAP 4u
 
 struct GroupedProblem {
     u64 c;
@@ -66,15 +73,17 @@ struct GroupedProblem {
 };
 
 // The problems of one launch, their operands' tensor maps (A's of problem
-// p at 3 p, B's at 3 p + 1, C's at 3 p + 2 where GG_REDUCE) and where each
+// p at 3 p, B's at 3 p + 1, C's at 3 p + 2 where GG_C_MAP) and where each
 // one's tiles start in the launch's sequence of tiles (tile
 // `first_tile[p] + i` is tile i of problem p; tiles run along n first).
-// `first_tile[count]` is the number of tiles.
+// `first_tile[count]` is the number of tiles; those from `split_from` on
+// are computed as two halves each.
 struct GroupedProblems {
     TensorMap map[3 * GG_MAX_PROBLEMS];
     GroupedProblem problem[GG_MAX_PROBLEMS];
     u32 first_tile[GG_MAX_PROBLEMS + 1];
     u32 count;
+    u32 split_from;
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -85,17 +94,22 @@ struct GroupedProblems {
 #define GG_STAGE_BYTES (GG_A_BYTES + GG_B_BYTES)
 // An MN-major staged operand: its 64-element atoms of 64 stored rows.
 #define GG_ATOM_BYTES (GG_TILE_K * 128)
-// A reduce-add's box of f32 C: a warpgroup's 64 rows by 32 columns (128
-// bytes), staged in one of two buffers a warpgroup after the ring.
-#define GG_BOX_BYTES (64 * 32 * 4)
-#define GG_BOXES (GG_TILE_N / 32)
+// A box of C that TMA stores or adds: a warpgroup's 64 rows by 128 bytes
+// of columns, staged in one of two buffers a warpgroup after the ring.
+#define GG_BOX_BYTES (64 * 128)
 
-// Where a tile of the launch is: its problem, first row and first column.
-struct TileAt {
-    u32 p, m0, n0;
+// A unit of work: its problem, first row, first column, the first column
+// of the tile whose B it loads, and its width (a tile's, or a half's).
+struct Unit {
+    u32 p, m0, n0, b0, width;
 };
-__device__ __forceinline__ TileAt locate(const GroupedProblems& problems, u32 tile) {
-    TileAt at;
+__device__ __forceinline__ Unit locate(const GroupedProblems& problems, u32 unit) {
+    u32 tile = unit, half = 0;
+    if (unit >= problems.split_from) {
+        tile = problems.split_from + (unit - problems.split_from) / 2;
+        half = 1 + (unit - problems.split_from) % 2;
+    }
+    Unit at;
     at.p = 0;
     while (at.p + 1 < problems.count && problems.first_tile[at.p + 1] <= tile) {
         ++at.p;
@@ -103,8 +117,16 @@ __device__ __forceinline__ TileAt locate(const GroupedProblems& problems, u32 ti
     const u32 n_tiles = (problems.problem[at.p].n + GG_TILE_N - 1) / GG_TILE_N;
     const u32 local = tile - problems.first_tile[at.p];
     at.m0 = (local / n_tiles) * GG_TILE_M;
-    at.n0 = (local % n_tiles) * GG_TILE_N;
+    at.b0 = (local % n_tiles) * GG_TILE_N;
+    at.n0 = at.b0 + (half == 2 ? GG_TILE_N / 2 : 0);
+    at.width = half == 0 ? GG_TILE_N : GG_TILE_N / 2;
     return at;
+}
+
+// The launch's units: its tiles, and one more for each split in two.
+__device__ __forceinline__ u32 unit_count(const GroupedProblems& problems) {
+    const u32 tiles = problems.first_tile[problems.count];
+    return tiles + (tiles - problems.split_from);
 }
 
 // Loads K-step `k0` of an operand into `tile`, completing on `bar`: a
@@ -136,13 +158,12 @@ __device__ __forceinline__ u64 operand_desc(u32 tile, u32 mn0, u32 kk) {
     return swizzled_desc(tile + mn0 * 128 + kk * 32, 16, 1024);
 }
 
-// Adds (or writes) this thread's share of a warpgroup's 64 x 256
-// accumulator to C [m, n] from row `r0`, column `c0`: rows `row` and
-// `row + 8`, two adjacent columns per 8.
-template <typename T>
-__device__ __forceinline__ void store_tile(T* c, const GroupedProblem& p, const float (&acc)[128], u32 r0, u32 c0,
-                                           u32 row) {
-    const bool add = p.flags & GG_ACCUMULATE;
+// Adds this thread's share of a warpgroup's 64 x N accumulator to a bf16
+// C [m, n] from row `r0`, column `c0`, with its own loads and stores: rows
+// `row` and `row + 8`, two adjacent columns per 8.
+template <int N>
+__device__ __forceinline__ void add_to_tile(bf16* c, const GroupedProblem& p, const float (&acc)[N / 2], u32 r0,
+                                            u32 c0, u32 row) {
     const u32 t = threadIdx.x & 3;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -151,36 +172,32 @@ __device__ __forceinline__ void store_tile(T* c, const GroupedProblem& p, const 
             continue;
         }
 #pragma unroll
-        for (int j = 0; j < GG_TILE_N / 8; ++j) {
+        for (int j = 0; j < N / 8; ++j) {
             const u32 col = c0 + j * 8 + 2 * t;
             if (col >= p.n) {
                 continue;
             }
-            T* at = c + static_cast<u64>(r) * p.n + col;
-            float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-            if (add) {
-                const float2 old = load_pair(at);
-                v0 += old.x;
-                v1 += old.y;
-            }
-            store_pair(at, v0, v1);
+            bf16* at = c + static_cast<u64>(r) * p.n + col;
+            const float2 old = load_pair(at);
+            store_pair(at, acc[4 * j + 2 * half] + old.x, acc[4 * j + 2 * half + 1] + old.y);
         }
     }
 }
 
-// f32 C += a warpgroup's 64 x 256 accumulator through L2's adders (the SMs
-// never read C): box by box of 32 columns, staged 128-byte swizzled as C's
-// map reads them, alternating between the warpgroup's two buffers. One
-// thread issues the adds and, before a buffer is written again, waits
-// until the add that read it last (two boxes ago, perhaps in the previous
-// tile) has.
-template <u32 BARRIER>
-__device__ __forceinline__ void reduce_tile(const TensorMap* map, const float (&acc)[128], u32 staged, u32 r0,
-                                            u32 c0, u32 row) {
+// A warpgroup's 64 x N accumulator to C through its map: box by box of 128
+// bytes of columns (64 bf16 or 32 f32), staged 128-byte swizzled as the
+// map reads them, alternating between the warpgroup's two buffers; TMA
+// stores each box, or adds it in L2 (`add`, f32 only). One thread issues
+// them and, before a buffer is written again, waits until the store that
+// read it last (two boxes ago, perhaps in the previous unit) has.
+template <typename T, u32 BARRIER, int N>
+__device__ __forceinline__ void store_boxes(const TensorMap* map, const float (&acc)[N / 2], bool add, u32 staged,
+                                            u32 r0, u32 c0, u32 row) {
+    constexpr int COLUMNS = 128 / sizeof(T);
     const bool leader = (threadIdx.x & 127) == 0;
     const u32 t = threadIdx.x & 3;
 #pragma unroll
-    for (u32 box = 0; box < GG_BOXES; ++box) {
+    for (int box = 0; box < N / COLUMNS; ++box) {
         const u32 buffer = staged + (box & 1) * GG_BOX_BYTES;
         if (leader) {
             bulk_wait_read<1>();
@@ -190,21 +207,88 @@ __device__ __forceinline__ void reduce_tile(const TensorMap* map, const float (&
         for (int half = 0; half < 2; ++half) {
             const u32 r = row + half * 8;
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-                const int j = 4 * box + jj;
-                const u32 chunk = jj * 2 + (t >> 1);
-                const u32 to = buffer + r * 128 + ((chunk ^ (r % 8)) << 4) + (t & 1) * 8;
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(to), "f"(acc[4 * j + 2 * half]),
-                             "f"(acc[4 * j + 2 * half + 1])
-                             : "memory");
+            for (int jj = 0; jj < COLUMNS / 8; ++jj) {
+                const int j = box * (COLUMNS / 8) + jj;
+                const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+                // Columns jj * 8 + 2 t and + 1 of the box: 16-byte chunk
+                // `chunk` of the row, swizzled, at byte `within`.
+                const u32 chunk = sizeof(T) == 4 ? jj * 2 + (t >> 1) : jj;
+                const u32 within = sizeof(T) == 4 ? (t & 1) * 8 : t * 4;
+                const u32 to = buffer + r * 128 + ((chunk ^ (r % 8)) << 4) + within;
+                if constexpr (sizeof(T) == 4) {
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(to), "f"(v0), "f"(v1) : "memory");
+                } else {
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(to), "r"(pack_bf16(v0, v1)) : "memory");
+                }
             }
         }
         fence_async_shared();
         named_barrier<BARRIER, 128>();
         if (leader) {
-            tma_reduce_add_2d(map, c0 + box * 32, r0, buffer);
+            if (add) {
+                tma_reduce_add_2d(map, c0 + box * COLUMNS, r0, buffer);
+            } else {
+                tma_store_2d(map, c0 + box * COLUMNS, r0, buffer);
+            }
             bulk_commit();
         }
+    }
+}
+
+// One unit's K-steps on this warpgroup's 64 rows and the unit's N columns
+// (its tile's whole 256 or the half at `unit.n0`), then its C. `it` counts
+// the ring's K-steps across units.
+template <int TRANS_A, int TRANS_B, int N>
+__device__ __forceinline__ void consume_unit(const GroupedProblems& problems, const Unit& unit, u32 tiles, u32 full,
+                                             u32 empty, u32 staged, u32& it) {
+    const GroupLane lane = group_lane();
+    const bool leader = (threadIdx.x & 127) == 0;
+    const GroupedProblem problem = problems.problem[unit.p];
+    const u32 steps = (problem.k + GG_TILE_K - 1) / GG_TILE_K;
+    float acc[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        acc[i] = 0.0f;
+    }
+    for (u32 s = 0; s < steps; ++s, ++it) {
+        const u32 slot = it % GG_STAGES;
+        mbarrier_wait(full + 8 * slot, (it / GG_STAGES) & 1);
+        const u32 at_a = tiles + slot * GG_STAGE_BYTES;
+        const u32 at_b = at_a + GG_A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (u32 kk = 0; kk < GG_TILE_K / 16; ++kk) {
+            wgmma_ss<TRANS_A, TRANS_B>(acc, operand_desc<TRANS_A>(at_a, lane.group * 64, kk),
+                                       operand_desc<TRANS_B>(at_b, unit.n0 - unit.b0, kk), 1);
+        }
+        wgmma_commit();
+        // Step s - 1's products are done in this warpgroup: its buffer
+        // goes back to the producer.
+        wgmma_wait<1>();
+        if (s > 0 && leader) {
+            mbarrier_arrive(empty + 8 * ((it - 1) % GG_STAGES));
+        }
+    }
+    wgmma_wait<0>();
+    if (leader) {
+        mbarrier_arrive(empty + 8 * ((it - 1) % GG_STAGES));
+    }
+
+    const u32 r0 = unit.m0 + lane.group * 64;
+    const TensorMap* map_c = &problems.map[3 * unit.p + 2];
+    const bool add = problem.flags & GG_ACCUMULATE;
+    if (!(problem.flags & GG_C_MAP)) {
+        add_to_tile<N>(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, unit.n0, lane.row);
+    } else if (problem.flags & GG_C_F32) {
+        if (lane.group == 0) {
+            store_boxes<float, 1, N>(map_c, acc, add, staged, r0, unit.n0, lane.row);
+        } else {
+            store_boxes<float, 2, N>(map_c, acc, add, staged, r0, unit.n0, lane.row);
+        }
+    } else if (lane.group == 0) {
+        store_boxes<bf16, 1, N>(map_c, acc, false, staged, r0, unit.n0, lane.row);
+    } else {
+        store_boxes<bf16, 2, N>(map_c, acc, false, staged, r0, unit.n0, lane.row);
     }
 }
 
@@ -212,12 +296,12 @@ template <int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     extern __shared__ unsigned char shared[];
     const u32 tiles = shared_address(aligned_shared(shared));
-    // After the ring: each warpgroup's two reduce-add buffers, then the
-    // ring's barriers, `full` then `empty`, one 8-byte barrier a stage each.
+    // After the ring: each warpgroup's two boxes of C, then the ring's
+    // barriers, `full` then `empty`, one 8-byte barrier a stage each.
     const u32 staging = tiles + GG_STAGES * GG_STAGE_BYTES;
     const u32 full = staging + 4 * GG_BOX_BYTES;
     const u32 empty = full + GG_STAGES * 8;
-    const u32 total = problems.first_tile[problems.count];
+    const u32 units = unit_count(problems);
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -233,10 +317,12 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     if (threadIdx.x >= GG_CONSUMERS) {
         // The producer: the `u`-th use of a buffer waits for the consumers'
         // release of its use u - 1 (parity (u - 1) & 1; the first passes).
+        // A half loads its whole tile's B (its map's box), of which the
+        // consumers read their half.
         if (threadIdx.x == GG_CONSUMERS) {
             u32 it = 0;
-            for (u32 tile = blockIdx.x; tile < total; tile += gridDim.x) {
-                const TileAt at = locate(problems, tile);
+            for (u32 u = blockIdx.x; u < units; u += gridDim.x) {
+                const Unit at = locate(problems, u);
                 const TensorMap* map_a = &problems.map[3 * at.p];
                 const TensorMap* map_b = &problems.map[3 * at.p + 1];
                 const u32 steps = (problems.problem[at.p].k + GG_TILE_K - 1) / GG_TILE_K;
@@ -247,65 +333,25 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
                     mbarrier_expect(bar, GG_STAGE_BYTES);
                     const u32 buffer = tiles + slot * GG_STAGE_BYTES;
                     load_operand<TRANS_A, GG_TILE_M>(buffer, map_a, at.m0, s * GG_TILE_K, bar);
-                    load_operand<TRANS_B, GG_TILE_N>(buffer + GG_A_BYTES, map_b, at.n0, s * GG_TILE_K, bar);
+                    load_operand<TRANS_B, GG_TILE_N>(buffer + GG_A_BYTES, map_b, at.b0, s * GG_TILE_K, bar);
                 }
             }
         }
         return;
     }
 
-    const GroupLane lane = group_lane();
-    const bool leader = (threadIdx.x & 127) == 0;
-    const u32 staged = staging + lane.group * 2 * GG_BOX_BYTES;
-    float acc[128];
+    const u32 staged = staging + (threadIdx.x / 128) * 2 * GG_BOX_BYTES;
     u32 it = 0;
-    for (u32 tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const TileAt at = locate(problems, tile);
-        const GroupedProblem problem = problems.problem[at.p];
-        const u32 steps = (problem.k + GG_TILE_K - 1) / GG_TILE_K;
-#pragma unroll
-        for (int i = 0; i < 128; ++i) {
-            acc[i] = 0.0f;
-        }
-        for (u32 s = 0; s < steps; ++s, ++it) {
-            const u32 slot = it % GG_STAGES;
-            mbarrier_wait(full + 8 * slot, (it / GG_STAGES) & 1);
-            const u32 at_a = tiles + slot * GG_STAGE_BYTES;
-            const u32 at_b = at_a + GG_A_BYTES;
-            wgmma_fence();
-#pragma unroll
-            for (u32 kk = 0; kk < GG_TILE_K / 16; ++kk) {
-                wgmma_ss<TRANS_A, TRANS_B>(acc, operand_desc<TRANS_A>(at_a, lane.group * 64, kk),
-                                           operand_desc<TRANS_B>(at_b, 0, kk), 1);
-            }
-            wgmma_commit();
-            // Step s - 1's products are done in this warpgroup: its buffer
-            // goes back to the producer.
-            wgmma_wait<1>();
-            if (s > 0 && leader) {
-                mbarrier_arrive(empty + 8 * ((it - 1) % GG_STAGES));
-            }
-        }
-        wgmma_wait<0>();
-        if (leader) {
-            mbarrier_arrive(empty + 8 * ((it - 1) % GG_STAGES));
-        }
-
-        const u32 r0 = at.m0 + lane.group * 64;
-        if (problem.flags & GG_REDUCE) {
-            if (lane.group == 0) {
-                reduce_tile<1>(&problems.map[3 * at.p + 2], acc, staged, r0, at.n0, lane.row);
-            } else {
-                reduce_tile<2>(&problems.map[3 * at.p + 2], acc, staged, r0, at.n0, lane.row);
-            }
-        } else if (problem.flags & GG_C_F32) {
-            store_tile(reinterpret_cast<float*>(problem.c), problem, acc, r0, at.n0, lane.row);
+    for (u32 u = blockIdx.x; u < units; u += gridDim.x) {
+        const Unit at = locate(problems, u);
+        if (at.width == GG_TILE_N) {
+            consume_unit<TRANS_A, TRANS_B, GG_TILE_N>(problems, at, tiles, full, empty, staged, it);
         } else {
-            store_tile(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, at.n0, lane.row);
+            consume_unit<TRANS_A, TRANS_B, GG_TILE_N / 2>(problems, at, tiles, full, empty, staged, it);
         }
     }
-    // The block's shared memory lives until its last adds have read it.
-    if (leader) {
+    // The block's shared memory lives until its last stores have read it.
+    if ((threadIdx.x & 127) == 0) {
         bulk_wait_read<0>();
     }
 }
@@ -315,23 +361,26 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // The four layouts, named as `MatmulDims::a_trans` and `b_trans`: `t`
 // where the stored operand is transposed (A stored [k, m]; B stored
 // [n, k]). A transposed A is MN-major; B is MN-major unless transposed.
-// Empty bodies off sm_90a, where the launcher never names them.
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
+// Empty bodies off sm_90a, where the launcher never names them. One block
+// an SM may take 224 registers a thread (288 x 224 of the 64 K); under
+// `__launch_bounds__(GG_THREADS, 1)` ptxas stops at 168 and spills.
+#define GG_MAX_REGISTERS 224
+extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 1>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 0>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 1>(problems);
 #endif
 }
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 0>(problems);
 #endif

@@ -272,6 +272,16 @@ __device__ __forceinline__ void tma_reduce_add_2d(const TensorMap* map, u32 c0, 
         "r"(c0), "r"(c1), "r"(src)
         : "memory");
 }
+// Stores the box at `src` in shared memory into `map`'s array at element
+// (c0, c1), as one bulk group of this thread; parts past the map's sizes
+// are dropped.
+__device__ __forceinline__ void tma_store_2d(const TensorMap* map, u32 c0, u32 c1, u32 src) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+            reinterpret_cast<u64>(map)),
+        "r"(c0), "r"(c1), "r"(src)
+        : "memory");
+}
 __device__ __forceinline__ void bulk_commit() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }

@@ -34,21 +34,21 @@ const TILE_K: usize = 64;
 /// `GG_STAGES`: K-steps in the ring of buffers.
 const STAGES: usize = 4;
 /// Dynamic shared memory: `GG_STAGES` stages of a 128 x 64 bf16 tile of
-/// A and a 256 x 64 one of B, two reduce-add boxes of f32 C a consumer
-/// warpgroup, two 8-byte barriers a stage, and room to align the first to
-/// the swizzle's atom. One block fills an SM.
+/// A and a 256 x 64 one of B, two boxes of C a consumer warpgroup, two
+/// 8-byte barriers a stage, and room to align the first to the swizzle's
+/// atom. One block fills an SM.
 const SHARED_BYTES: usize = STAGES * (TILE_M + TILE_N) * TILE_K * 2
-    + 4 * (C_BOX_COLUMNS * C_BOX_ROWS * 4) as usize
+    + 4 * C_BOX_BYTES as usize
     + STAGES * 16
     + WGMMA_SHARED_ALIGN;
-/// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`, `GG_REDUCE`).
+/// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`, `GG_C_MAP`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
-const REDUCE: u32 = 4;
+const C_MAP: u32 = 4;
 const _: () = assert!(SHARED_BYTES <= HOPPER_SHARED_BYTES);
-/// A reduce-add's box of f32 C: 32 columns (128 bytes) by a warpgroup's
-/// 64 rows; eight cover a tile's width.
-const C_BOX_COLUMNS: u32 = 32;
+/// A box of C that TMA stores or adds: 128 bytes of columns (64 bf16 or
+/// 32 f32) by a warpgroup's 64 rows.
+const C_BOX_BYTES: u32 = 128 * C_BOX_ROWS;
 const C_BOX_ROWS: u32 = 64;
 
 /// The entry points, indexed by `2 * a_trans + b_trans`.
@@ -85,6 +85,7 @@ struct ProblemsArg {
     problem: [ProblemArg; MAX_PROBLEMS],
     first_tile: [u32; MAX_PROBLEMS + 1],
     count: u32,
+    split_from: u32,
 }
 
 // SAFETY: plain data, laid out (`repr(C)`) as `GroupedProblems` in
@@ -95,6 +96,19 @@ unsafe impl DeviceRepr for ProblemsArg {}
 /// Tiles of C a problem has.
 fn tiles(dims: &MatmulDims) -> usize {
     dims.m.div_ceil(TILE_M) * dims.n.div_ceil(TILE_N)
+}
+
+/// The first of a launch's `tiles` that `blocks` persistent blocks compute
+/// as two halves each (`GroupedProblems::split_from`): the tiles of a last
+/// round that would leave at least half the blocks idle, so that round
+/// takes half as long. `tiles` when no split pays.
+fn split_from(tiles: usize, blocks: usize) -> usize {
+    let last_round = tiles % blocks;
+    if last_round > 0 && 2 * last_round <= blocks {
+        tiles - last_round
+    } else {
+        tiles
+    }
 }
 
 /// The tensor map of a stored array of `rows` rows of `inner` contiguous
@@ -207,13 +221,13 @@ pub fn grouped_gemm_takes(
 }
 
 /// The launches of one layout's problems (given each one's tile count):
-/// consecutive runs of at most [`MAX_PROBLEMS`] problems whose tiles fit
-/// one grid.
+/// consecutive runs of at most [`MAX_PROBLEMS`] problems whose units (at
+/// most two a tile) the kernel's u32 indices count.
 fn launches(tile_counts: &[usize]) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut grid) = (0, 0usize);
     for (i, &t) in tile_counts.iter().enumerate() {
-        if i > start && (i - start == MAX_PROBLEMS || grid + t > MAX_GRID_X) {
+        if i > start && (i - start == MAX_PROBLEMS || grid + t > MAX_GRID_X / 2) {
             out.push(start..i);
             (start, grid) = (i, 0);
         }
@@ -286,6 +300,7 @@ impl KernelSet {
                     problem: [ProblemArg::default(); MAX_PROBLEMS],
                     first_tile: [0; MAX_PROBLEMS + 1],
                     count: range.len() as u32,
+                    split_from: 0,
                 };
                 let mut grid = 0usize;
                 for (slot, &&(a, b, c, d)) in mine[range.clone()].iter().enumerate() {
@@ -306,12 +321,15 @@ impl KernelSet {
                     arg.first_tile[slot] = grid as u32;
                     grid += counts[range.start + slot];
                     [arg.map[3 * slot], arg.map[3 * slot + 1]] = operand_maps(&a, &b, &d)?;
-                    // An f32 C that the product adds to: L2 adds the tile
-                    // (TMA reduce-add), so the SMs never read C.
-                    let reduce = d.accumulate && c.dtype == DType::F32;
-                    if reduce {
+                    // C through TMA: stored, or an f32 C added to in L2 (TMA
+                    // reduce-add), so the SMs never read C. A bf16 C added
+                    // to is read and written by the consumers: L2 would add
+                    // the product rounded to bf16, not round the sum once.
+                    let through_map = !d.accumulate || c.dtype == DType::F32;
+                    if through_map {
+                        let columns = 128 / c.dtype.bytes() as u32;
                         arg.map[3 * slot + 2] =
-                            tensor_map(c.ptr, DType::F32, d.n, d.m, C_BOX_COLUMNS, C_BOX_ROWS)?;
+                            tensor_map(c.ptr, c.dtype, d.n, d.m, columns, C_BOX_ROWS)?;
                     }
                     arg.problem[slot] = ProblemArg {
                         c: c.ptr,
@@ -321,14 +339,17 @@ impl KernelSet {
                         k: d.k as u32,
                         flags: if d.accumulate { ACCUMULATE } else { 0 }
                             | if c.dtype == DType::F32 { C_F32 } else { 0 }
-                            | if reduce { REDUCE } else { 0 },
+                            | if through_map { C_MAP } else { 0 },
                     };
                 }
                 arg.first_tile[range.len()] = grid as u32;
-                // One block an SM walks the tiles (fewer where there are
-                // fewer tiles): `grid` tiles fit a u32 (`launches`).
+                // One block an SM walks the units (fewer where there are
+                // fewer): `grid` tiles, split or not, fit a u32 (`launches`).
+                let split = split_from(grid, persistent_grid as usize);
+                arg.split_from = split as u32;
+                let units = grid + (grid - split);
                 let config = LaunchConfig {
-                    grid_dim: ((grid as u32).min(persistent_grid), 1, 1),
+                    grid_dim: ((units as u32).min(persistent_grid), 1, 1),
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: SHARED_BYTES as u32,
                 };
@@ -383,6 +404,10 @@ mod tests {
             std::mem::offset_of!(ProblemsArg, count),
             128 * 96 + 24 * 32 + 4 * 33
         );
+        assert_eq!(
+            std::mem::offset_of!(ProblemsArg, split_from),
+            128 * 96 + 24 * 32 + 4 * 34
+        );
         assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
         let source = crate::cuda::kernels::SOURCES
             .iter()
@@ -397,7 +422,7 @@ mod tests {
             ("GG_STAGES", STAGES),
             ("GG_ACCUMULATE", ACCUMULATE as usize),
             ("GG_C_F32", C_F32 as usize),
-            ("GG_REDUCE", REDUCE as usize),
+            ("GG_C_MAP", C_MAP as usize),
         ] {
             let line = format!("#define {define} {value}");
             let found = source
@@ -482,7 +507,7 @@ mod tests {
             ]
         );
         // A grid past CUDA's limit splits too.
-        assert_eq!(launches(&[MAX_GRID_X, 1, 2]), vec![0..1, 1..3]);
+        assert_eq!(launches(&[MAX_GRID_X / 2, 1, 2]), vec![0..1, 1..3]);
     }
 
     #[test]
@@ -504,5 +529,21 @@ mod tests {
             "grouped_gemm_wgmma_tt"
         );
         assert_eq!(tiles(&dims(129, 512, 7, false, false)), 4);
+    }
+
+    #[test]
+    fn a_thin_last_round_is_split_in_halves() {
+        // The benchmark's fc1 forward: 548 tiles on 132 SMs leave 20 for a
+        // fifth round, which runs as 40 halves.
+        assert_eq!(split_from(548, 132), 528);
+        // A full last round, or one whose halves would need two rounds:
+        // no split.
+        assert_eq!(split_from(528, 132), 528);
+        assert_eq!(split_from(600, 132), 600);
+        assert_eq!(split_from(594, 132), 528);
+        // Fewer tiles than blocks: halves where they fit one round.
+        assert_eq!(split_from(66, 132), 0);
+        assert_eq!(split_from(67, 132), 67);
+        assert_eq!(split_from(1, 1), 1);
     }
 }
