@@ -222,6 +222,15 @@ fn reduce_threads(n: usize, max: u32) -> u32 {
     (n.max(32).next_power_of_two() as u64).min(u64::from(max)) as u32
 }
 
+/// The block of an RMSNorm kernel's (row, group): a thread a channel, or
+/// a thread 8 channels on the `vec8` path, up to 256. Mamba's gated norm
+/// (groups of 512 channels) thus takes 64 threads, not 256 of which three
+/// quarters would idle. Its sums do not change: the block's reduction adds
+/// the idle threads' zeros.
+fn norm_threads(group_size: usize, vec8: bool) -> u32 {
+    reduce_threads(if vec8 { group_size / 8 } else { group_size }, 256)
+}
+
 /// Tiles a piece of `sum_squares` is cut into: spans of at least
 /// `SUM_SQUARES_SPAN` elements (64 per thread of a 256-thread block), and at
 /// most `SUM_SQUARES_MAX_TILES` (8 blocks per SM of an H200), so a bucket of
@@ -704,7 +713,9 @@ impl KernelSet {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 = i32::from(bf16_words(&[x, weight, y], gs));
+        let vec8 = bf16_words(&[x, weight, y], gs);
+        let threads = norm_threads(gs, vec8);
+        let vec8 = i32::from(vec8);
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&x.ptr)
             .arg(&xt)
@@ -713,11 +724,7 @@ impl KernelSet {
             .arg(&y.ptr)
             .arg(&yt);
         b.arg(&rstd.ptr).arg(&g).arg(&s).arg(&d.eps).arg(&vec8);
-        self.go(
-            k,
-            &mut b,
-            per_item(d.rows * d.groups, reduce_threads(gs, 256))?,
-        )
+        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
     }
 
     /// `Backend::rmsnorm_backward_input` (accumulates into `dx`).
@@ -743,7 +750,9 @@ impl KernelSet {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 = i32::from(words8(&[dy, x, weight, dx], gs));
+        let vec8 = words8(&[dy, x, weight, dx], gs);
+        let threads = norm_threads(gs, vec8);
+        let vec8 = i32::from(vec8);
         let mut b = stream.launch_builder(self.function(k)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
@@ -757,11 +766,7 @@ impl KernelSet {
             .arg(&g)
             .arg(&s)
             .arg(&vec8);
-        self.go(
-            k,
-            &mut b,
-            per_item(d.rows * d.groups, reduce_threads(gs, 256))?,
-        )
+        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
     }
 
     /// f32 elements of [`KernelSet::rmsnorm_backward_weight`]'s scratch:
