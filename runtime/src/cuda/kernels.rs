@@ -727,8 +727,10 @@ mod tests {
                 // The name is the identifier before the parameter list,
                 // after any `__launch_bounds__(...)`.
                 let mut decl = &line[at + "__global__".len()..];
-                if let Some(bounds) = decl.find("__launch_bounds__") {
-                    decl = decl[bounds..].split_once(')').map_or("", |(_, rest)| rest);
+                for qualifier in ["__launch_bounds__", "__maxnreg__"] {
+                    if let Some(at) = decl.find(qualifier) {
+                        decl = decl[at..].split_once(')').map_or("", |(_, rest)| rest);
+                    }
                 }
                 let head = decl.split('(').next().unwrap_or_default();
                 if let Some(name) = head.split_whitespace().last() {
