@@ -361,26 +361,26 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // The four layouts, named as `MatmulDims::a_trans` and `b_trans`: `t`
 // where the stored operand is transposed (A stored [k, m]; B stored
 // [n, k]). A transposed A is MN-major; B is MN-major unless transposed.
-// Empty bodies off sm_90a, where the launcher never names them. One block
-// an SM may take 224 registers a thread (288 x 224 of the 64 K); under
-// `__launch_bounds__(GG_THREADS, 1)` ptxas stops at 168 and spills.
-#define GG_MAX_REGISTERS 224
-extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
+// Empty bodies off sm_90a, where the launcher never names them. The
+// block's nine warps leave three on one of an SM's four register files
+// (16 K each), so a thread may hold 168 registers (ptxas spills 8 bytes
+// a thread there; 177 registers failed to launch).
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 1>(problems);
 #endif
 }
-extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 0>(problems);
 #endif
 }
-extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 1>(problems);
 #endif
 }
-extern "C" __global__ void __maxnreg__(GG_MAX_REGISTERS) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 0>(problems);
 #endif
