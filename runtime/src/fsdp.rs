@@ -310,7 +310,7 @@ pub struct ParamPlace {
 
 /// What fills the master weights: elements `range` of parameter `p` (by
 /// index into `plan.params`) into a slice of `range.len()` values.
-pub type InitParams<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) -> Result<()> + 'a;
+pub type InitParams<'a> = dyn Fn(usize, Range<usize>, &mut [f32]) -> Result<()> + Sync + 'a;
 
 /// The engine of one rank.
 pub struct FsdpEngine<D: Device> {
@@ -421,14 +421,11 @@ impl<D: Device> FsdpEngine<D> {
 
         let mut shards = Vec::with_capacity(plan.buckets.len());
         let mut max_shard = 0;
-        let mut host = Vec::new();
-        for b in plan.buckets.iter() {
+        // The shard's elements: each parameter's part inside it, zero in
+        // the alignment gaps and padding.
+        let shard_values = |b: &Bucket| -> Result<Vec<f32>> {
             let shard_range = layout.owned_range(&plan, b, rank.rank);
-            max_shard = max_shard.max(shard_range.len());
-            // The shard's elements: each parameter's part inside it, zero
-            // in the alignment gaps and padding.
-            host.clear();
-            host.resize(shard_range.len(), 0.0);
+            let mut host = vec![0.0; shard_range.len()];
             for &p in b.params.iter() {
                 let param = &plan.params[p];
                 let numel = plan.def(param).numel();
@@ -442,30 +439,60 @@ impl<D: Device> FsdpEngine<D> {
                     )?;
                 }
             }
-            let master = backend.alloc_uninit(host.len(), DType::F32)?;
-            backend.upload(&host, backend.view_mut(&master)?)?;
-            let home = match b.unit {
-                Some(u) if housed[b.id] => held[u].as_ref().map(|h| (&h.params, &h.grads)),
-                Some(_) => None,
-                None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
-            };
-            let (param, grad): (ShardPart<D::Backend>, ShardPart<D::Backend>) = match home {
-                Some((params, grads)) => (
-                    ShardPart::region(params, regions[b.id].clone()),
-                    ShardPart::region(grads, regions[b.id].clone()),
-                ),
-                None => (
-                    ShardPart::whole(backend.alloc_uninit(host.len(), compute)?, host.len()),
-                    ShardPart::whole(backend.alloc(host.len(), DType::F32)?, host.len()),
-                ),
-            };
-            backend.cast(backend.view(&master)?, param.view_mut(&**backend)?)?;
-            shards.push(Arc::new(ShardState {
-                master,
-                param,
-                grad,
-            }));
-        }
+            Ok(host)
+        };
+        // Drawing a bucket's values (seconds, for a large model) overlaps
+        // uploading the one before: a thread draws them in bucket order,
+        // one bucket ahead at most, so two shards' values are in host
+        // memory at a time.
+        let (drawn, values) = std::sync::mpsc::sync_channel::<Result<Vec<f32>>>(0);
+        let buckets = &plan.buckets;
+        let shard_values = &shard_values;
+        std::thread::scope(|scope| -> Result<()> {
+            // Owned here, so a failure below drops it and the drawing
+            // thread stops at its next send instead of waiting forever.
+            let values = values;
+            scope.spawn(move || {
+                for b in buckets.iter() {
+                    let host = shard_values(b);
+                    let failed = host.is_err();
+                    // The receiver is gone only when placing a shard failed.
+                    if drawn.send(host).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+            for b in buckets.iter() {
+                let host = values.recv().map_err(|_| {
+                    RuntimeError::InvalidArgument("the parameters' drawing thread stopped".into())
+                })??;
+                max_shard = max_shard.max(host.len());
+                let master = backend.alloc_uninit(host.len(), DType::F32)?;
+                backend.upload(&host, backend.view_mut(&master)?)?;
+                let home = match b.unit {
+                    Some(u) if housed[b.id] => held[u].as_ref().map(|h| (&h.params, &h.grads)),
+                    Some(_) => None,
+                    None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
+                };
+                let (param, grad): (ShardPart<D::Backend>, ShardPart<D::Backend>) = match home {
+                    Some((params, grads)) => (
+                        ShardPart::region(params, regions[b.id].clone()),
+                        ShardPart::region(grads, regions[b.id].clone()),
+                    ),
+                    None => (
+                        ShardPart::whole(backend.alloc_uninit(host.len(), compute)?, host.len()),
+                        ShardPart::whole(backend.alloc(host.len(), DType::F32)?, host.len()),
+                    ),
+                };
+                backend.cast(backend.view(&master)?, param.view_mut(&**backend)?)?;
+                shards.push(Arc::new(ShardState {
+                    master,
+                    param,
+                    grad,
+                }));
+            }
+            Ok(())
+        })?;
 
         // The pool serves the units with gathered buckets.
         let pooled: Vec<usize> = (0..plan.units.len())

@@ -257,6 +257,9 @@ pub struct TrainSummary {
     pub trace: Option<PathBuf>,
     /// Where the first local rank's start-up went, before its first step.
     pub startup: StartupTimes,
+    /// The parameter hash's own time at the end of the run (gathering and
+    /// hashing every final parameter on the first local rank).
+    pub hash_time: Duration,
     /// The model's FLOPs per token, forward and backward, at the run's
     /// sequence length (`hybridgen_dsl::flops`): what MFU divides by;
     /// `None` for layer kinds the formula does not cover.
@@ -267,14 +270,18 @@ pub struct TrainSummary {
 /// (the first step's own time is its step report's).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StartupTimes {
+    /// The platform: loading the driver and making the world every rank
+    /// joins (a launched job's rendezvous included).
+    pub platform: Duration,
     /// The device and the communicators: opening the GPU, loading (or
     /// compiling) the kernels, NCCL.
     pub device: Duration,
     /// The parameters: initialising (or reading) them, placing their
     /// shards on the device.
     pub params: Duration,
-    /// Of `params`, the time spent drawing (or reading) the values on the
-    /// host; the rest is allocating and uploading.
+    /// The time spent drawing (or reading) the values on the host, on a
+    /// thread that overlaps it with allocating and uploading: `params` is
+    /// at least this, and at most this plus the uploads.
     pub params_drawn: Duration,
     /// The optimizer's state and the step context.
     pub optimizer: Duration,
@@ -284,7 +291,7 @@ pub struct StartupTimes {
 
 impl StartupTimes {
     pub fn total(&self) -> Duration {
-        self.device + self.params + self.optimizer + self.resume
+        self.platform + self.device + self.params + self.optimizer + self.resume
     }
 }
 
@@ -656,7 +663,11 @@ pub fn train_prepared(
         &prepared.device,
         config.ranks,
         config.timeout,
-        TrainOn { prepared, on_step },
+        TrainOn {
+            prepared,
+            on_step,
+            begun: Instant::now(),
+        },
     )?
 }
 
@@ -664,13 +675,19 @@ pub fn train_prepared(
 struct TrainOn<'a> {
     prepared: &'a Prepared,
     on_step: &'a mut dyn FnMut(&StepReport),
+    /// When the platform began to be made (its time is start-up's).
+    begun: Instant,
 }
 
 impl OnPlatform for TrainOn<'_> {
     type Output = Result<TrainSummary>;
 
     fn run<P: Platform>(self, platform: &P) -> Self::Output {
-        train_on(platform, self.prepared, self.on_step)
+        let platform_time = self.begun.elapsed();
+        train_on(platform, self.prepared, self.on_step).map(|mut summary| {
+            summary.startup.platform = platform_time;
+            summary
+        })
     }
 }
 
@@ -713,7 +730,7 @@ pub fn train_on<P: Platform>(
     // a launcher started one process per rank): every rank sees the same
     // losses.
     let reporter = platform.local_ranks().start;
-    let outcomes: Vec<(usize, Result<(u64, StartupTimes)>)> = std::thread::scope(|scope| {
+    let outcomes: Vec<(usize, Result<RankOutcome>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = platform
             .local_ranks()
             .map(|r| {
@@ -765,13 +782,12 @@ pub fn train_on<P: Platform>(
         (Some(file), Some(path)) => write_trace(&recorder, file, path),
         _ => Ok(()),
     };
-    let mut hash = None;
-    let mut startup = StartupTimes::default();
+    let mut first = None;
     let mut failures = Vec::new();
     for (r, outcome) in outcomes {
         match outcome {
             // The first local rank's, as the reports are.
-            Ok((h, times)) if hash.is_none() => (hash, startup) = (Some(h), times),
+            Ok(o) if first.is_none() => first = Some(o),
             Ok(_) => {}
             Err(e) => failures.push((r, e)),
         }
@@ -780,7 +796,11 @@ pub fn train_on<P: Platform>(
         return Err(failure);
     }
     traced?;
-    let param_hash = hash
+    let RankOutcome {
+        param_hash,
+        startup,
+        hash_time,
+    } = first
         .ok_or_else(|| RuntimeError::InvalidArgument("no rank returned a parameter hash".into()))?;
     let stats = recorder.stats();
     let comm_busy = stats.iter().map(|s| s.comm_busy).sum();
@@ -813,6 +833,7 @@ pub fn train_on<P: Platform>(
             .map(|s| s.root.step_dir(last_step)),
         trace: config.trace.clone(),
         startup,
+        hash_time,
         flops_per_token: hybridgen_dsl::flops::flops_per_token(&config.model, config.seq_length),
     })
 }
@@ -861,6 +882,14 @@ fn root_failure(failures: Vec<(usize, RuntimeError)>) -> Option<RuntimeError> {
     })
 }
 
+/// What one rank's run returns.
+struct RankOutcome {
+    param_hash: u64,
+    startup: StartupTimes,
+    /// The final parameter hash's time.
+    hash_time: Duration,
+}
+
 /// One rank's whole run, on the thread that drives it (`opening`: how
 /// long its device and communicators took). Returns the parameter hash on
 /// rank 0, and where the start-up went.
@@ -870,7 +899,7 @@ fn run_rank<D: Device>(
     rank: RankContext<D>,
     reports: Option<mpsc::Sender<StepReport>>,
     opening: Duration,
-) -> Result<(u64, StartupTimes)> {
+) -> Result<RankOutcome> {
     let mut startup = StartupTimes {
         device: opening,
         ..StartupTimes::default()
@@ -1047,7 +1076,13 @@ fn run_rank<D: Device>(
     {
         checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
     }
-    Ok((param_hash(&plan, &engine, &rank)?, startup))
+    let hashing = Instant::now();
+    let param_hash = param_hash(&plan, &engine, &rank)?;
+    Ok(RankOutcome {
+        param_hash,
+        startup,
+        hash_time: hashing.elapsed(),
+    })
 }
 
 /// A micro-batch's inputs and targets (and MTP inputs) from its batch.

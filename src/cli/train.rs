@@ -25,7 +25,7 @@ use serde_json::json;
 use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct TrainArgs {
@@ -390,6 +390,7 @@ fn prepare_code(error: &RuntimeError) -> &'static str {
 /// `matches`: the parsed command line, to tell the flags given from those
 /// left at their defaults.
 pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), Failure> {
+    let started = Instant::now();
     let json = args.format == FormatArg::Json;
     let (config, device) = config(args, matches).map_err(|f| f.coded("invalid_config", json))?;
     // Everything is checked before anything is printed or allocated.
@@ -398,6 +399,11 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         message: runtime_message(&e),
         json,
     })?;
+    let mut clock = CommandClock {
+        prepared: started.elapsed(),
+        first_step: None,
+        trained: Duration::ZERO,
+    };
     let config = &prepared.config;
     let resume = prepared.checkpoints.resume.as_ref();
     let steps = config
@@ -474,6 +480,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         .transpose()
         .map_err(|e| e.coded("io", json))?;
     let mut on_step = |report: &StepReport| {
+        clock.first_step.get_or_insert_with(|| started.elapsed());
         let line = if text {
             if let Some(bar) = &bar {
                 bar.set_message(format!("{:.4}", report.loss));
@@ -528,6 +535,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         }
     };
     let result = train_prepared(&prepared, &mut on_step);
+    clock.trained = started.elapsed();
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
@@ -540,13 +548,16 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         json,
     })?;
     if let Some(log) = &mut log {
-        log.append(&summary_json(&summary, config.precision).to_string())
+        log.append(&summary_json(&summary, &clock, config.precision).to_string())
             .map_err(|e| e.coded("io", json))?;
     }
     if text {
-        super::emit(&summary_text(&summary, config.precision))
+        super::emit(&summary_text(&summary, &clock, config.precision))
     } else {
-        super::emit(&format!("{}\n", summary_json(&summary, config.precision)))
+        super::emit(&format!(
+            "{}\n",
+            summary_json(&summary, &clock, config.precision)
+        ))
     }
 }
 
@@ -836,7 +847,20 @@ impl LogFile {
     }
 }
 
-fn summary_text(s: &TrainSummary, precision: Precision) -> String {
+/// Where the command's own time went, from its start: what start-up means
+/// to someone waiting for a job (the checks, the platform and device, the
+/// parameters, the first step), and what the run's end cost.
+struct CommandClock {
+    /// The configuration checked and the run prepared (data opened,
+    /// memory checked, GPUs probed).
+    prepared: Duration,
+    /// The first step's report received: start-up, first step included.
+    first_step: Option<Duration>,
+    /// The run returned: the last step, the final hash, the ranks joined.
+    trained: Duration,
+}
+
+fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) -> String {
     let mut out = String::from("\nsummary\n");
     if let (Some(first), Some(last)) = (s.first_loss, s.final_loss) {
         out += &format!("  loss            {first:.4} -> {last:.4}");
@@ -879,10 +903,19 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
         );
     }
     let t = &s.startup;
+    if let Some(first) = clock.first_step {
+        out += &format!(
+            "  start-up        {:.1} s from the command to the end of the first step \
+             (checks {:.1} s)\n",
+            first.as_secs_f64(),
+            clock.prepared.as_secs_f64()
+        );
+    }
     out += &format!(
-        "  start-up        {:.1} s before the first step: device {:.1} s, parameters {:.1} s \
+        "  before step 1   {:.1} s: platform {:.1} s, device {:.1} s, parameters {:.1} s \
          ({:.1} s drawing them), optimizer {:.1} s{}\n",
         t.total().as_secs_f64(),
+        t.platform.as_secs_f64(),
         t.device.as_secs_f64(),
         t.params.as_secs_f64(),
         t.params_drawn.as_secs_f64(),
@@ -903,7 +936,11 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
                 f * 100.0
             ))
     );
-    out += &format!("  parameters      hash {:016x}\n", s.param_hash);
+    out += &format!(
+        "  parameters      hash {:016x} ({:.1} s)\n",
+        s.param_hash,
+        s.hash_time.as_secs_f64()
+    );
     if let (Some(step), Some(dir)) = (s.resumed_from, &s.resumed_dir) {
         out += &format!(
             "  resumed         from {} (step {step}), now at step {}\n",
@@ -923,7 +960,7 @@ fn summary_text(s: &TrainSummary, precision: Precision) -> String {
     out
 }
 
-fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
+fn summary_json(s: &TrainSummary, clock: &CommandClock, precision: Precision) -> serde_json::Value {
     json!({
         "summary": {
             "steps": s.steps,
@@ -945,7 +982,15 @@ fn summary_json(s: &TrainSummary, precision: Precision) -> serde_json::Value {
             "checkpoint": s.saved_to.as_ref().map(|p| p.display().to_string()),
             "trace": s.trace.as_ref().map(|p| p.display().to_string()),
             "flops_per_token": s.flops_per_token,
+            "hash_s": s.hash_time.as_secs_f64(),
+            // Seconds from the command's start at which each point came.
+            "clock_s": {
+                "prepared": clock.prepared.as_secs_f64(),
+                "first_step": clock.first_step.map(|d| d.as_secs_f64()),
+                "trained": clock.trained.as_secs_f64(),
+            },
             "startup_s": {
+                "platform": s.startup.platform.as_secs_f64(),
                 "device": s.startup.device.as_secs_f64(),
                 "params": s.startup.params.as_secs_f64(),
                 "params_drawn": s.startup.params_drawn.as_secs_f64(),
