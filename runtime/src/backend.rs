@@ -598,7 +598,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// `scores[r, sel_0]` with sigmoid and k = 1 (Megatron normalises only
     /// when k > 1); `prob_sum[e] += sum_r p_r[e]`, rows in order, the
     /// load-balancing loss's `T * P_e`, with `p_r` the row's scores normalised
-    /// over all experts (the softmax itself; sigmoid scores over their sum).
+    /// over all experts (the softmax itself; sigmoid scores over their sum),
+    /// when `prob_sum` is given (a router without that loss passes none).
     /// With a bias, `expert_bias.unbiased` gets the top-k of the scores
     /// without it (what the load-balancing loss counts).
     /// Dtypes: `logits`, `expert_bias.bias` (`[E]`), `scores`, `weights`,
@@ -1126,8 +1127,10 @@ pub struct RouteOutputs<M> {
     pub scores: M,
     /// `[rows, k]`, f32.
     pub weights: M,
-    /// `[E]`, f32, accumulated: the normalised scores summed over rows.
-    pub prob_sum: M,
+    /// `[E]`, f32, accumulated: the normalised scores summed over rows;
+    /// `None` where no load-balancing loss reads them (its coefficient 0),
+    /// so nothing computes them.
+    pub prob_sum: Option<M>,
 }
 
 /// What the routing backward reads from the forward.

@@ -7,7 +7,7 @@
 //! weighted unpermute and its backward. Every index is a u32 device view.
 
 use super::Suite;
-use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase};
+use super::case::{BadInput, Bufs, Expected, HostOutputs, KernelCase, Values};
 use super::dense::U;
 use super::reference as r;
 use crate::backend::{
@@ -115,22 +115,27 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
             .map(|e| e as u32)
             .collect();
 
-        let fwd =
-            KernelCase::new("moe_route_forward", name.clone()).input_f32("logits", logits.clone());
-        let fwd = match &bias {
-            Some(b) => fwd
-                .input_f32("expert_bias", b.clone())
-                .output_u32("unbiased", rows * top_k),
-            None => fwd,
+        let start_sums = s.rng.values(experts, 0.0, 2.0);
+        let fwd_case = |name: String| {
+            let fwd =
+                KernelCase::new("moe_route_forward", name).input_f32("logits", logits.clone());
+            let fwd = match &bias {
+                Some(b) => fwd
+                    .input_f32("expert_bias", b.clone())
+                    .output_u32("unbiased", rows * top_k),
+                None => fwd,
+            };
+            fwd.output_f32("scores", rows * experts)
+                .output_f32("weights", rows * top_k)
+                .inout_f32("prob_sum", start_sums.clone())
+                .output_u32("selected", rows * top_k)
+                .tolerance(16.0 * U * (rows + experts) as f64, 32.0 * U)
         };
-        let fwd = fwd
-            .output_f32("scores", rows * experts)
-            .output_f32("weights", rows * top_k)
-            .inout_f32("prob_sum", s.rng.values(experts, 0.0, 2.0))
-            .output_u32("selected", rows * top_k)
-            .tolerance(16.0 * U * (rows + experts) as f64, 32.0 * U);
+        let fwd = fwd_case(name.clone());
         let fwd = if refusals { fwd.with_refusals() } else { fwd };
-        let launch_fwd = |dims: RouteDims| {
+        // `sums`: whether the launch asks for `prob_sum` (a router without
+        // a load-balancing loss does not, and must find it untouched).
+        let launch_fwd = |dims: RouteDims, sums: bool| {
             move |dev: &B, b: &Bufs<B>| -> Result<HostOutputs> {
                 let bias = if with_bias {
                     Some(ExpertBias {
@@ -146,7 +151,11 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
                     RouteOutputs {
                         scores: b.view_mut("scores")?,
                         weights: b.view_mut("weights")?,
-                        prob_sum: b.view_mut("prob_sum")?,
+                        prob_sum: if sums {
+                            Some(b.view_mut("prob_sum")?)
+                        } else {
+                            None
+                        },
                     },
                     b.view_mut("selected")?,
                     dims,
@@ -156,7 +165,7 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
         };
         if refusals {
             let zero_k = RouteDims { top_k: 0, ..dims };
-            s.check_refusal(&fwd, "top-k 0", &[], launch_fwd(zero_k));
+            s.check_refusal(&fwd, "top-k 0", &[], launch_fwd(zero_k, true));
             let too_many = RouteDims {
                 top_k: experts + 1,
                 ..dims
@@ -166,40 +175,44 @@ fn route<B: Backend>(s: &mut Suite<'_, B>) {
                 BadInput::new("top-k above the experts")
                     .with("weights", vec![0.0; rows * (experts + 1)])
                     .with("selected", vec![0.0; rows * (experts + 1)]),
-                launch_fwd(too_many),
+                launch_fwd(too_many, true),
             );
             s.check_bad_input(
                 &fwd,
                 BadInput::new("`selected` one too short")
                     .with("selected", vec![0.0; rows * top_k - 1]),
-                launch_fwd(dims),
+                launch_fwd(dims, true),
             );
         }
-        s.check_kernel(
-            fwd,
-            |x| {
-                let (mut scores, mut weights) = (Vec::new(), Vec::new());
-                let mut prob_sum = x["prob_sum"].to_vec();
-                for (z, sel) in x["logits"].chunks(experts).zip(&selected) {
-                    scores.extend(r::route_scores(z, score));
-                    let (w, p) = r::route_row(z, sel, score, f64::from(topk_scale));
-                    weights.extend(w);
+        let expected = |x: &Values, sums: bool| {
+            let (mut scores, mut weights) = (Vec::new(), Vec::new());
+            let mut prob_sum = x["prob_sum"].to_vec();
+            for (z, sel) in x["logits"].chunks(experts).zip(&selected) {
+                scores.extend(r::route_scores(z, score));
+                let (w, p) = r::route_row(z, sel, score, f64::from(topk_scale));
+                weights.extend(w);
+                if sums {
                     for (acc, p) in prob_sum.iter_mut().zip(p) {
                         *acc += p;
                     }
                 }
-                let mut expected = vec![
-                    Expected::new("scores", scores),
-                    Expected::new("weights", weights),
-                    Expected::new("prob_sum", prob_sum),
-                    Expected::new("selected", as_f64(&selected_u32)).exact(),
-                ];
-                if with_bias {
-                    expected.push(Expected::new("unbiased", as_f64(&unbiased_u32)).exact());
-                }
-                expected
-            },
-            launch_fwd(dims),
+            }
+            let mut expected = vec![
+                Expected::new("scores", scores),
+                Expected::new("weights", weights),
+                Expected::new("prob_sum", prob_sum),
+                Expected::new("selected", as_f64(&selected_u32)).exact(),
+            ];
+            if with_bias {
+                expected.push(Expected::new("unbiased", as_f64(&unbiased_u32)).exact());
+            }
+            expected
+        };
+        s.check_kernel(fwd, |x| expected(x, true), launch_fwd(dims, true));
+        s.check_kernel(
+            fwd_case(format!("{name}, no prob_sum")),
+            |x| expected(x, false),
+            launch_fwd(dims, false),
         );
 
         let aux_grad: Vec<f64> = (0..experts)

@@ -836,7 +836,10 @@ impl Backend for CpuBackend {
             RouteOutputs {
                 scores: k.typed_out::<f32>("scores", out.scores)?,
                 weights: k.typed_out::<f32>("weights", out.weights)?,
-                prob_sum: k.typed_out::<f32>("prob_sum", out.prob_sum)?,
+                prob_sum: out
+                    .prob_sum
+                    .map(|p| k.typed_out::<f32>("prob_sum", p))
+                    .transpose()?,
             },
             k.typed_out::<u32>("selected", selected)?,
             dims,

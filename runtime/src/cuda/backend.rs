@@ -1259,7 +1259,7 @@ impl Backend for CudaBackend {
             }),
             self.m(&out.scores),
             self.m(&out.weights),
-            self.m(&out.prob_sum),
+            out.prob_sum.as_ref().map(|p| self.m(p)),
             self.m(&selected),
             dims,
         )

@@ -65,7 +65,7 @@ fn top_k(key: impl Fn(usize) -> f32, taken: &mut [bool], sel: &mut [u32]) {
 pub fn moe_route_forward(
     logits: &[f32],
     mut expert_bias: Option<ExpertBias<&[f32], &mut [u32]>>,
-    out: RouteOutputs<&mut [f32]>,
+    mut out: RouteOutputs<&mut [f32]>,
     selected: &mut [u32],
     dims: RouteDims,
 ) -> Result<()> {
@@ -79,7 +79,9 @@ pub fn moe_route_forward(
         out.weights.len(),
         check::product(kn, &[dims.rows, k])?,
     )?;
-    check::len(kn, "prob_sum", out.prob_sum.len(), e_n)?;
+    if let Some(prob_sum) = &out.prob_sum {
+        check::len(kn, "prob_sum", prob_sum.len(), e_n)?;
+    }
     check::len(kn, "selected", selected.len(), dims.rows * k)?;
     if let Some(b) = &expert_bias {
         check::len(kn, "expert_bias", b.bias.len(), e_n)?;
@@ -113,7 +115,9 @@ pub fn moe_route_forward(
                 }
             }
         }
-        axpy_row(1.0, &probs, out.prob_sum);
+        if let Some(prob_sum) = out.prob_sum.as_deref_mut() {
+            axpy_row(1.0, &probs, prob_sum);
+        }
         match &mut expert_bias {
             Some(b) => {
                 top_k(|e| scores[e] + b.bias[e], &mut taken, sel);
@@ -601,7 +605,7 @@ mod tests {
         let out = RouteOutputs {
             scores: &mut scores[..],
             weights: &mut weights[..],
-            prob_sum: &mut sum[..],
+            prob_sum: Some(&mut sum[..]),
         };
         let bias = bias.map(|bias| ExpertBias {
             bias,
@@ -1152,7 +1156,7 @@ mod tests {
             let out = || RouteOutputs {
                 scores: m(&scores),
                 weights: m(&weights),
-                prob_sum: m(&sums),
+                prob_sum: Some(m(&sums)),
             };
             refused(
                 b.moe_route_forward(w(&f32s), None, out(), m(&buf(&b, 1, DType::F32)), route),

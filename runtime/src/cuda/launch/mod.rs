@@ -1344,23 +1344,22 @@ impl KernelSet {
         expert_bias: Option<ExpertBias<GpuView, GpuView>>,
         scores: GpuView,
         weights: GpuView,
-        prob_sum: GpuView,
+        prob_sum: Option<GpuView>,
         selected: GpuView,
         d: RouteDims,
     ) -> Result<()> {
         let k = "moe_route_forward";
         let experts = Self::check_route(k, &logits, d)?;
-        for (name, view) in [
-            ("scores", &scores),
-            ("weights", &weights),
-            ("prob_sum", &prob_sum),
-        ] {
+        for (name, view) in [("scores", &scores), ("weights", &weights)] {
             exactly(k, name, view, DType::F32)?;
+        }
+        if let Some(prob_sum) = &prob_sum {
+            exactly(k, "prob_sum", prob_sum, DType::F32)?;
+            len(k, "prob_sum", prob_sum, d.experts)?;
         }
         exactly(k, "selected", &selected, DType::U32)?;
         len(k, "scores", &scores, logits.len)?;
         len(k, "weights", &weights, product(k, &[d.rows, d.top_k])?)?;
-        len(k, "prob_sum", &prob_sum, d.experts)?;
         len(k, "selected", &selected, d.rows * d.top_k)?;
         let (bias, unbiased) = match expert_bias {
             Some(b) => {
@@ -1389,6 +1388,9 @@ impl KernelSet {
             .arg(&score)
             .arg(&d.topk_scale);
         self.go(k, &mut b, warp_per_item(d.rows))?;
+        let Some(prob_sum) = prob_sum else {
+            return Ok(());
+        };
         let mut b = stream.launch_builder(self.function("moe_prob_sum")?);
         b.arg(&logits.ptr)
             .arg(&prob_sum.ptr)

@@ -90,7 +90,10 @@ impl MoeLayer {
         )?;
         let scores = uninit_f32(b, rows * e_n)?;
         let weights = uninit_f32(b, rows * k)?;
-        let prob_sum = zeros_f32(b, e_n)?;
+        // The load-balancing loss's sums, only where it counts.
+        let prob_sum = (self.aux_coeff != 0.0)
+            .then(|| zeros_f32(b, e_n))
+            .transpose()?;
         let selected = b.alloc_uninit(rows * k, DType::U32)?;
         // A standalone call routes with the layer's own bias, uploaded here
         // (E values); training passes its device buffer.
@@ -130,7 +133,7 @@ impl MoeLayer {
             RouteOutputs {
                 scores: b.view_mut(&scores)?,
                 weights: b.view_mut(&weights)?,
-                prob_sum: b.view_mut(&prob_sum)?,
+                prob_sum: prob_sum.as_ref().map(|p| b.view_mut(p)).transpose()?,
             },
             b.view_mut(&selected)?,
             self.route_dims(rows),
@@ -148,12 +151,14 @@ impl MoeLayer {
             weights,
             selected,
         };
-        b.moe_aux_loss_forward(
-            b.view(saved.aux_counts())?,
-            b.view(&prob_sum)?,
-            aux_acc,
-            self.aux_dims(rows),
-        )?;
+        if let Some(prob_sum) = &prob_sum {
+            b.moe_aux_loss_forward(
+                b.view(saved.aux_counts())?,
+                b.view(prob_sum)?,
+                aux_acc,
+                self.aux_dims(rows),
+            )?;
+        }
         Ok(saved)
     }
 
