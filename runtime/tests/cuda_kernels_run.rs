@@ -1134,7 +1134,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                             RouteOutputs {
                                 scores: m(&x[2]),
                                 weights: m(&x[3]),
-                                prob_sum: m(&x[4]),
+                                prob_sum: Some(m(&x[4])),
                             },
                             m(&x[5]),
                             d,
@@ -1150,7 +1150,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                             }),
                             x[2],
                             x[3],
-                            x[4],
+                            Some(x[4]),
                             x[5],
                             d,
                         )
@@ -1171,7 +1171,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 RouteOutputs {
                     scores: m(&scores),
                     weights: m(&weights),
-                    prob_sum: m(&sums),
+                    prob_sum: Some(m(&sums)),
                 },
                 m(&sel),
                 d,
