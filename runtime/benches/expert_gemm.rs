@@ -5,7 +5,10 @@
 //! `bench-hybrid-moe` layer makes per micro-batch (16 experts, hidden
 //! 2,048, width 1,024, 16,384 routed rows of 700 to 1,345 an expert), in
 //! microseconds a call and TFLOP/s, and how far the grouped kernel's
-//! results are from cuBLAS's. Prints figures; asserts nothing about time.
+//! results are from cuBLAS's. Then the dense layers' GEMMs of one
+//! micro-batch (4,096 tokens) the same two ways: `matmul` on cuBLAS
+//! (`--dense-gemm cublas`) and on the grouped kernel with one problem
+//! (`--dense-gemm grouped`). Prints figures; asserts nothing about time.
 //!
 //! Run where there is a GPU: `cargo bench -p hybridgen-runtime --bench
 //! expert_gemm` (or the binary `scripts/cuda_bundle.sh` collects, as
@@ -245,18 +248,144 @@ impl Call {
     }
 }
 
-/// Microseconds a call, over [`CALLS`] calls after [`WARM`].
-fn time(dev: &CudaBackend, l: &Layer, call: Call) -> Result<f64> {
+/// The dense layers' projections of `bench-hybrid-moe`: name, input and
+/// output features, and how many a micro-batch runs.
+const DENSE: [(&str, usize, usize, usize); 7] = [
+    ("Mamba in_proj", 2048, 10304, 4),
+    ("Mamba out_proj", 4096, 2048, 4),
+    ("attention qkv", 2048, 3072, 4),
+    ("attention proj", 2048, 2048, 4),
+    ("shared expert fc1, fc2", 2048, 2048, 16),
+    ("output layer", 2048, 32768, 1),
+    ("router", 2048, 16, 8),
+];
+
+/// Tokens of a micro-batch.
+const TOKENS: usize = 4096;
+
+/// One projection's operands: input, weight, output, their gradients
+/// (the weight's f32, as training keeps it).
+struct Dense {
+    dims: [MatmulDims; 3],
+    x: Buf,
+    w: Buf,
+    y: Buf,
+    dy: Buf,
+    dx: Buf,
+    dw: Buf,
+}
+
+impl Dense {
+    fn new(dev: &CudaBackend, seed: &mut u64, input: usize, output: usize) -> Result<Dense> {
+        let bf = DType::Bf16;
+        Ok(Dense {
+            dims: [
+                MatmulDims::linear(TOKENS, input, output),
+                MatmulDims::linear_input_grad(TOKENS, input, output, false),
+                MatmulDims::linear_weight_grad(TOKENS, input, output),
+            ],
+            x: put(dev, seed, TOKENS * input, bf)?,
+            w: put(dev, seed, output * input, bf)?,
+            y: dev.alloc(TOKENS * output, bf)?,
+            dy: put(dev, seed, TOKENS * output, bf)?,
+            dx: dev.alloc(TOKENS * input, bf)?,
+            dw: dev.alloc(output * input, DType::F32)?,
+        })
+    }
+
+    /// Product `which` (0 forward, 1 input gradient, 2 weight gradient).
+    fn run(&self, dev: &CudaBackend, which: usize) -> Result<()> {
+        let (a, b, c) = match which {
+            0 => (&self.x, &self.w, &self.y),
+            1 => (&self.dy, &self.w, &self.dx),
+            _ => (&self.dy, &self.x, &self.dw),
+        };
+        dev.matmul(
+            dev.view(a)?,
+            dev.view(b)?,
+            dev.view_mut(c)?,
+            self.dims[which],
+        )
+    }
+
+    /// Product `which`'s output, widened to f32, after one call from a
+    /// zeroed output (the weight gradient adds to it).
+    fn output(&self, dev: &CudaBackend, which: usize) -> Result<Vec<f32>> {
+        let out = [&self.y, &self.dx, &self.dw][which];
+        dev.zero(dev.view_mut(out)?)?;
+        self.run(dev, which)?;
+        let len = dev.buf_len(out);
+        let wide = dev.alloc(len, DType::F32)?;
+        dev.cast(dev.view(out)?, dev.view_mut(&wide)?)?;
+        let mut host = vec![0.0; len];
+        dev.download(dev.view(&wide)?, &mut host)?;
+        Ok(host)
+    }
+}
+
+/// Microseconds a call of `run`, over [`CALLS`] calls after [`WARM`].
+fn time_calls(dev: &CudaBackend, run: impl Fn() -> Result<()>) -> Result<f64> {
     for _ in 0..WARM {
-        call.run(dev, l)?;
+        run()?;
     }
     dev.synchronize()?;
     let start = Instant::now();
     for _ in 0..CALLS {
-        call.run(dev, l)?;
+        run()?;
     }
     dev.synchronize()?;
     Ok(start.elapsed().as_secs_f64() * 1e6 / CALLS as f64)
+}
+
+/// The dense table: each projection's three products both ways, and the
+/// micro-batch's total.
+fn dense_table(cublas: &CudaBackend, grouped: &CudaBackend) -> Result<()> {
+    println!(
+        "\ndense layers' GEMMs of one bench-hybrid-moe micro-batch ({TOKENS} tokens): \
+         cuBLAS against the grouped kernel with one problem"
+    );
+    println!(
+        "{:<34} {:>12} {:>9} {:>12} {:>9} {:>8} {:>10}",
+        "call", "cuBLAS us", "TFLOP/s", "grouped us", "TFLOP/s", "ratio", "max diff"
+    );
+    let mut seed = 23;
+    let (mut total_cublas, mut total_grouped) = (0.0, 0.0);
+    for (name, input, output, count) in DENSE {
+        let layer = Dense::new(cublas, &mut seed, input, output)?;
+        let flops = 2.0 * (TOKENS * input * output) as f64;
+        for (which, kind) in ["forward", "input grad", "weight grad"]
+            .into_iter()
+            .enumerate()
+        {
+            let by_cublas = layer.output(cublas, which)?;
+            let by_grouped = layer.output(grouped, which)?;
+            let scale = by_cublas.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let diff = by_cublas
+                .iter()
+                .zip(&by_grouped)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            let t_cublas = time_calls(cublas, || layer.run(cublas, which))?;
+            let t_grouped = time_calls(grouped, || layer.run(grouped, which))?;
+            total_cublas += t_cublas * count as f64;
+            total_grouped += t_grouped * count as f64;
+            println!(
+                "{:<34} {:>12.1} {:>9.1} {:>12.1} {:>9.1} {:>8.2} {:>10.2e}",
+                format!("{name} {kind}"),
+                t_cublas,
+                flops / t_cublas / 1e6,
+                t_grouped,
+                flops / t_grouped / 1e6,
+                t_grouped / t_cublas,
+                diff / scale.max(f32::MIN_POSITIVE)
+            );
+        }
+    }
+    println!(
+        "a micro-batch's dense GEMMs (each call times its count): cuBLAS {:.2} ms, grouped {:.2} ms",
+        total_cublas / 1e3,
+        total_grouped / 1e3
+    );
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -291,8 +420,8 @@ fn main() -> Result<()> {
             .iter()
             .zip(&by_grouped)
             .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-        let t_cublas = time(&cublas, &layer, call)?;
-        let t_grouped = time(&grouped, &layer, call)?;
+        let t_cublas = time_calls(&cublas, || call.run(&cublas, &layer))?;
+        let t_grouped = time_calls(&grouped, || call.run(&grouped, &layer))?;
         let tflops = |us: f64| call.flops() / us / 1e6;
         println!(
             "{:<34} {:>12.1} {:>9.1} {:>12.1} {:>9.1} {:>8.2} {:>10.2e}",
@@ -305,5 +434,5 @@ fn main() -> Result<()> {
             diff / scale.max(f32::MIN_POSITIVE)
         );
     }
-    Ok(())
+    dense_table(&cublas, &cublas.clone().with_dense_gemm(true))
 }
