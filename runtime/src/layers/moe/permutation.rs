@@ -37,8 +37,10 @@ impl MoeLayer {
         rows: usize,
     ) -> Result<(B::Buf, B::Buf)> {
         let (h, k) = (self.hidden, self.top_k);
-        let positions = b.alloc(rows * k, DType::U32)?;
-        let sources = b.alloc(rows * k, DType::U32)?;
+        // The sort writes every entry of both (a permutation of the slots;
+        // counts that do not match fail the run), so neither is zeroed.
+        let positions = b.alloc_uninit(rows * k, DType::U32)?;
+        let sources = b.alloc_uninit(rows * k, DType::U32)?;
         b.moe_sort_by_expert(
             selected,
             counts,
