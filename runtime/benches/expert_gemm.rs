@@ -6,9 +6,11 @@
 //! 2,048, width 1,024, 16,384 routed rows of 700 to 1,345 an expert), in
 //! microseconds a call and TFLOP/s, and how far the grouped kernel's
 //! results are from cuBLAS's. Then the dense layers' GEMMs of one
-//! micro-batch (4,096 tokens) the same two ways: `matmul` on cuBLAS
-//! (`--dense-gemm cublas`) and on the grouped kernel with one problem
-//! (`--dense-gemm grouped`). Prints figures; asserts nothing about time.
+//! micro-batch (4,096 tokens) the same two ways: `matmul` (cuBLAS, what
+//! training runs) and the grouped kernel with that one problem (a
+//! one-problem `grouped_matmul`): on an H200 cuBLAS ran these at 650-840
+//! TFLOP/s and the kernel was no faster, so dense layers stay on cuBLAS.
+//! Prints figures; asserts nothing about time.
 //!
 //! Run where there is a GPU: `cargo bench -p hybridgen-runtime --bench
 //! expert_gemm` (or the binary `scripts/cuda_bundle.sh` collects, as
@@ -293,27 +295,34 @@ impl Dense {
         })
     }
 
-    /// Product `which` (0 forward, 1 input gradient, 2 weight gradient).
-    fn run(&self, dev: &CudaBackend, which: usize) -> Result<()> {
+    /// Product `which` (0 forward, 1 input gradient, 2 weight gradient),
+    /// by `matmul` (cuBLAS) or as a one-problem `grouped_matmul` (the
+    /// grouped kernel, where it takes the problem).
+    fn run(&self, dev: &CudaBackend, which: usize, grouped: bool) -> Result<()> {
         let (a, b, c) = match which {
             0 => (&self.x, &self.w, &self.y),
             1 => (&self.dy, &self.w, &self.dx),
             _ => (&self.dy, &self.x, &self.dw),
         };
-        dev.matmul(
+        let (a, b, c, dims) = (
             dev.view(a)?,
             dev.view(b)?,
             dev.view_mut(c)?,
             self.dims[which],
-        )
+        );
+        if grouped {
+            dev.grouped_matmul(vec![GroupedMatmul::<CudaBackend> { a, b, c, dims }])
+        } else {
+            dev.matmul(a, b, c, dims)
+        }
     }
 
     /// Product `which`'s output, widened to f32, after one call from a
     /// zeroed output (the weight gradient adds to it).
-    fn output(&self, dev: &CudaBackend, which: usize) -> Result<Vec<f32>> {
+    fn output(&self, dev: &CudaBackend, which: usize, grouped: bool) -> Result<Vec<f32>> {
         let out = [&self.y, &self.dx, &self.dw][which];
         dev.zero(dev.view_mut(out)?)?;
-        self.run(dev, which)?;
+        self.run(dev, which, grouped)?;
         let len = dev.buf_len(out);
         let wide = dev.alloc(len, DType::F32)?;
         dev.cast(dev.view(out)?, dev.view_mut(&wide)?)?;
@@ -339,7 +348,7 @@ fn time_calls(dev: &CudaBackend, run: impl Fn() -> Result<()>) -> Result<f64> {
 
 /// The dense table: each projection's three products both ways, and the
 /// micro-batch's total.
-fn dense_table(cublas: &CudaBackend, grouped: &CudaBackend) -> Result<()> {
+fn dense_table(dev: &CudaBackend) -> Result<()> {
     println!(
         "\ndense layers' GEMMs of one bench-hybrid-moe micro-batch ({TOKENS} tokens): \
          cuBLAS against the grouped kernel with one problem"
@@ -351,21 +360,21 @@ fn dense_table(cublas: &CudaBackend, grouped: &CudaBackend) -> Result<()> {
     let mut seed = 23;
     let (mut total_cublas, mut total_grouped) = (0.0, 0.0);
     for (name, input, output, count) in DENSE {
-        let layer = Dense::new(cublas, &mut seed, input, output)?;
+        let layer = Dense::new(dev, &mut seed, input, output)?;
         let flops = 2.0 * (TOKENS * input * output) as f64;
         for (which, kind) in ["forward", "input grad", "weight grad"]
             .into_iter()
             .enumerate()
         {
-            let by_cublas = layer.output(cublas, which)?;
-            let by_grouped = layer.output(grouped, which)?;
+            let by_cublas = layer.output(dev, which, false)?;
+            let by_grouped = layer.output(dev, which, true)?;
             let scale = by_cublas.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let diff = by_cublas
                 .iter()
                 .zip(&by_grouped)
                 .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-            let t_cublas = time_calls(cublas, || layer.run(cublas, which))?;
-            let t_grouped = time_calls(grouped, || layer.run(grouped, which))?;
+            let t_cublas = time_calls(dev, || layer.run(dev, which, false))?;
+            let t_grouped = time_calls(dev, || layer.run(dev, which, true))?;
             total_cublas += t_cublas * count as f64;
             total_grouped += t_grouped * count as f64;
             println!(
@@ -434,5 +443,5 @@ fn main() -> Result<()> {
             diff / scale.max(f32::MIN_POSITIVE)
         );
     }
-    dense_table(&cublas, &cublas.clone().with_dense_gemm(true))
+    dense_table(&grouped)
 }

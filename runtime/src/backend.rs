@@ -1024,22 +1024,6 @@ pub enum ExpertGemm {
     Grouped,
 }
 
-/// How a GPU backend runs [`Backend::matmul`]'s bf16 problems: the dense
-/// layers' projections (Mamba's, attention's, the shared expert's, the
-/// output layer's) and their gradients. The CPU backend has one path.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum DenseGemm {
-    /// cuBLAS.
-    #[default]
-    Cublas,
-    /// The grouped kernel of [`ExpertGemm::Grouped`] with one problem, on
-    /// Hopper, where it takes the problem; cuBLAS elsewhere.
-    Grouped,
-}
-
 /// Dimensions of the attention kernels.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {

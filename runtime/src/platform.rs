@@ -9,7 +9,7 @@
 //! torchrun or srun (ranks found with `crate::launch`) or one process
 //! driving every local GPU from a thread each.
 
-use crate::backend::{AttentionBackend, DenseGemm, ExpertGemm, Precision};
+use crate::backend::{AttentionBackend, ExpertGemm, Precision};
 use crate::cpu::CpuBackend;
 use crate::cpu::collective::CpuWorld;
 use crate::cuda::{CudaPlatform, GpuInfo};
@@ -37,8 +37,6 @@ pub struct RankSettings {
     pub attention: AttentionBackend,
     /// How a GPU rank runs the experts' GEMMs.
     pub expert_gemm: ExpertGemm,
-    /// How a GPU rank runs the dense layers' GEMMs.
-    pub dense_gemm: DenseGemm,
 }
 
 #[cfg(test)]
@@ -53,7 +51,6 @@ impl RankSettings {
             trace: Arc::new(TraceRecorder::statistics_only()),
             attention: AttentionBackend::default(),
             expert_gemm: ExpertGemm::default(),
-            dense_gemm: DenseGemm::default(),
         }
     }
 }

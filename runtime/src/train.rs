@@ -4,9 +4,7 @@
 //! steps: batches, the schedule's program, the optimizer, losses, traces and
 //! checkpoints.
 
-use crate::backend::{
-    AttentionBackend, Backend, DenseGemm, DeviceStats, ExpertGemm, Precision, Tokens,
-};
+use crate::backend::{AttentionBackend, Backend, DeviceStats, ExpertGemm, Precision, Tokens};
 use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
@@ -84,8 +82,6 @@ pub struct TrainConfig {
     pub attention: AttentionBackend,
     /// How GPUs run the experts' GEMMs ([`ExpertGemm`]).
     pub expert_gemm: ExpertGemm,
-    /// How GPUs run the dense layers' GEMMs ([`DenseGemm`]).
-    pub dense_gemm: DenseGemm,
     /// Parameters and activations in bf16 or f32 (master weights, gradients
     /// and optimizer state are f32 either way).
     pub precision: Precision,
@@ -154,7 +150,6 @@ impl TrainConfig {
             recompute: Recompute::None,
             attention: AttentionBackend::Flash,
             expert_gemm: ExpertGemm::default(),
-            dense_gemm: DenseGemm::default(),
             precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
@@ -727,7 +722,6 @@ pub fn train_on<P: Platform>(
         trace: recorder.clone(),
         attention: config.attention,
         expert_gemm: config.expert_gemm,
-        dense_gemm: config.dense_gemm,
     };
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);

@@ -142,27 +142,6 @@ fn the_cublas_expert_path_conforms() {
     }
 }
 
-/// With `--dense-gemm grouped` every aligned bf16 `matmul` of the suite
-/// (the dense layers' projections, attention's GEMM path, the chunked
-/// scan's products) takes the grouped kernel with one problem: the Dense,
-/// Attention and Mamba families must conform on it as they do on cuBLAS.
-#[test]
-fn the_grouped_dense_path_conforms() {
-    for precision in [Precision::F32, Precision::Bf16] {
-        let Some(backend) = gpu(precision) else {
-            return;
-        };
-        let backend = backend.with_dense_gemm(true);
-        for family in [
-            conformance::Family::Dense,
-            conformance::Family::Attention,
-            conformance::Family::Mamba,
-        ] {
-            family_conforms(&backend, family);
-        }
-    }
-}
-
 /// At the benchmark model's expert sizes (hidden 2,048, width 1,024; 700
 /// to 1,300 rows an expert) the grouped kernel and cuBLAS sum each output
 /// in the same order (K-steps of 16 in order, f32), so the experts' three

@@ -6,7 +6,7 @@ use super::{Failure, human};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
-use hybridgen_runtime::backend::{AttentionBackend, DenseGemm, ExpertGemm};
+use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
 use hybridgen_runtime::data::{IndexedSpec, Split};
 use hybridgen_runtime::fsdp::Sharding;
@@ -94,13 +94,7 @@ pub(crate) struct TrainArgs {
     /// Both give the same bits on the benchmark model. The CPU has one
     /// path.
     #[arg(long, value_enum, default_value = "grouped")]
-    expert_gemm: GemmArg,
-    /// How GPUs run the dense layers' GEMMs (projections and their
-    /// gradients): `cublas`, or `grouped` (the experts' grouped kernel with
-    /// one problem, on Hopper, where the shape suits it; cuBLAS elsewhere).
-    /// The CPU has one path.
-    #[arg(long, value_enum, default_value = "cublas")]
-    dense_gemm: GemmArg,
+    expert_gemm: ExpertGemmArg,
     /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
@@ -239,7 +233,7 @@ enum AttentionBackendArg {
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
-enum GemmArg {
+enum ExpertGemmArg {
     Cublas,
     Grouped,
 }
@@ -676,12 +670,8 @@ fn config(
         AttentionBackendArg::Unfused => AttentionBackend::Unfused,
     };
     config.expert_gemm = match args.expert_gemm {
-        GemmArg::Cublas => ExpertGemm::Cublas,
-        GemmArg::Grouped => ExpertGemm::Grouped,
-    };
-    config.dense_gemm = match args.dense_gemm {
-        GemmArg::Cublas => DenseGemm::Cublas,
-        GemmArg::Grouped => DenseGemm::Grouped,
+        ExpertGemmArg::Cublas => ExpertGemm::Cublas,
+        ExpertGemmArg::Grouped => ExpertGemm::Grouped,
     };
     config.sharding = if args.zero == "0" {
         Sharding::NoShard

@@ -125,7 +125,6 @@ impl Gpu {
             attention_scratch: ATTENTION_GEMM_SCRATCH_BYTES,
             flash_attention: true,
             grouped_gemm: true,
-            dense_gemm: false,
             scan_scratch: SCAN_CHUNKED_SCRATCH_BYTES,
         })
     }
@@ -218,9 +217,6 @@ pub struct CudaBackend {
     /// Whether `grouped_matmul` takes the grouped kernel where it applies
     /// (see [`grouped_gemm_takes`]); on by default, as in training.
     grouped_gemm: bool,
-    /// Whether `matmul` takes the grouped kernel (one problem) where it
-    /// applies; cuBLAS otherwise.
-    dense_gemm: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
     scan_scratch: usize,
@@ -248,7 +244,6 @@ impl CudaBackend {
         backend.attention_scratch = self.attention_scratch;
         backend.flash_attention = self.flash_attention;
         backend.grouped_gemm = self.grouped_gemm;
-        backend.dense_gemm = self.dense_gemm;
         backend.scan_scratch = self.scan_scratch;
         Ok(backend)
     }
@@ -276,14 +271,6 @@ impl CudaBackend {
     /// default) or on cuBLAS ([`crate::backend::ExpertGemm::Cublas`]).
     pub fn with_grouped_gemm(mut self, on: bool) -> CudaBackend {
         self.grouped_gemm = on;
-        self
-    }
-
-    /// This backend with `matmul`'s bf16 problems on the grouped kernel,
-    /// one problem a launch ([`crate::backend::DenseGemm::Grouped`]), or on
-    /// cuBLAS ([`crate::backend::DenseGemm::Cublas`], the default).
-    pub fn with_dense_gemm(mut self, on: bool) -> CudaBackend {
-        self.dense_gemm = on;
         self
     }
 
@@ -694,13 +681,6 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let (a, b, c) = (self.v(a), self.v(b), self.m(&c));
         Self::matmul_operands("matmul", str::to_string, [a, b, c], dims, None)?;
-        let kernels = self.k();
-        if self.dense_gemm
-            && kernels.has_grouped_gemm()
-            && grouped_gemm_takes(kernels.target(), &a, &b, &c, &dims)
-        {
-            return kernels.grouped_gemm(self.s(), &[(a, b, c, dims)]);
-        }
         self.gemm(a, b, c, dims)
     }
 

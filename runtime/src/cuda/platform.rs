@@ -8,7 +8,7 @@ use super::comm::CudaComm;
 use super::lane::CudaLane;
 use super::nccl::{AbortSignal, NcclComm, NcclUniqueId};
 use super::probe::GpuInfo;
-use crate::backend::{AttentionBackend, DenseGemm, ExpertGemm};
+use crate::backend::{AttentionBackend, ExpertGemm};
 use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
@@ -143,8 +143,7 @@ impl Platform for CudaPlatform {
         let host = gpu
             .backend("host")?
             .with_flash_attention(settings.attention == AttentionBackend::Flash)
-            .with_grouped_gemm(settings.expert_gemm == ExpertGemm::Grouped)
-            .with_dense_gemm(settings.dense_gemm == DenseGemm::Grouped);
+            .with_grouped_gemm(settings.expert_gemm == ExpertGemm::Grouped);
         let wait = settings.timeout.saturating_mul(2);
         let trace = Some(settings.trace.clone());
         let compute = CudaLane::on_gpu("compute", &host, r, wait, trace.clone())?;
