@@ -225,11 +225,7 @@ impl Call {
     fn output(self, dev: &CudaBackend, l: &Layer) -> Result<Vec<f32>> {
         let mut out = Vec::new();
         for (buf, len) in self.outputs(l) {
-            let wide = dev.alloc(len, DType::F32)?;
-            dev.cast(dev.view(buf)?, dev.view_mut(&wide)?)?;
-            let mut part = vec![0.0; len];
-            dev.download(dev.view(&wide)?, &mut part)?;
-            out.extend(part);
+            out.extend(widened(dev, buf, len)?);
         }
         Ok(out)
     }
@@ -323,13 +319,47 @@ impl Dense {
         let out = [&self.y, &self.dx, &self.dw][which];
         dev.zero(dev.view_mut(out)?)?;
         self.run(dev, which, grouped)?;
-        let len = dev.buf_len(out);
-        let wide = dev.alloc(len, DType::F32)?;
-        dev.cast(dev.view(out)?, dev.view_mut(&wide)?)?;
-        let mut host = vec![0.0; len];
-        dev.download(dev.view(&wide)?, &mut host)?;
-        Ok(host)
+        widened(dev, out, dev.buf_len(out))
     }
+}
+
+/// `len` values of `buf` on the host, widened to f32 on the device.
+fn widened(dev: &CudaBackend, buf: &Buf, len: usize) -> Result<Vec<f32>> {
+    let wide = dev.alloc(len, DType::F32)?;
+    dev.cast(dev.view(buf)?, dev.view_mut(&wide)?)?;
+    let mut host = vec![0.0; len];
+    dev.download(dev.view(&wide)?, &mut host)?;
+    Ok(host)
+}
+
+/// The header of a table of [`print_row`]s.
+fn print_header() {
+    println!(
+        "{:<34} {:>12} {:>9} {:>12} {:>9} {:>8} {:>10}",
+        "call", "cuBLAS us", "TFLOP/s", "grouped us", "TFLOP/s", "ratio", "max diff"
+    );
+}
+
+/// One call's row: both times and rates, their ratio, and the largest
+/// difference between the two results relative to cuBLAS's largest value.
+fn print_row(name: &str, flops: f64, us: (f64, f64), results: (&[f32], &[f32])) {
+    let (t_cublas, t_grouped) = us;
+    let (by_cublas, by_grouped) = results;
+    let scale = by_cublas.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let diff = by_cublas
+        .iter()
+        .zip(by_grouped)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    println!(
+        "{:<34} {:>12.1} {:>9.1} {:>12.1} {:>9.1} {:>8.2} {:>10.2e}",
+        name,
+        t_cublas,
+        flops / t_cublas / 1e6,
+        t_grouped,
+        flops / t_grouped / 1e6,
+        t_grouped / t_cublas,
+        diff / scale.max(f32::MIN_POSITIVE)
+    );
 }
 
 /// Microseconds a call of `run`, over [`CALLS`] calls after [`WARM`].
@@ -353,10 +383,7 @@ fn dense_table(dev: &CudaBackend) -> Result<()> {
         "\ndense layers' GEMMs of one bench-hybrid-moe micro-batch ({TOKENS} tokens): \
          cuBLAS against the grouped kernel with one problem"
     );
-    println!(
-        "{:<34} {:>12} {:>9} {:>12} {:>9} {:>8} {:>10}",
-        "call", "cuBLAS us", "TFLOP/s", "grouped us", "TFLOP/s", "ratio", "max diff"
-    );
+    print_header();
     let mut seed = 23;
     let (mut total_cublas, mut total_grouped) = (0.0, 0.0);
     for (name, input, output, count) in DENSE {
@@ -368,24 +395,15 @@ fn dense_table(dev: &CudaBackend) -> Result<()> {
         {
             let by_cublas = layer.output(dev, which, false)?;
             let by_grouped = layer.output(dev, which, true)?;
-            let scale = by_cublas.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let diff = by_cublas
-                .iter()
-                .zip(&by_grouped)
-                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
             let t_cublas = time_calls(dev, || layer.run(dev, which, false))?;
             let t_grouped = time_calls(dev, || layer.run(dev, which, true))?;
             total_cublas += t_cublas * count as f64;
             total_grouped += t_grouped * count as f64;
-            println!(
-                "{:<34} {:>12.1} {:>9.1} {:>12.1} {:>9.1} {:>8.2} {:>10.2e}",
-                format!("{name} {kind}"),
-                t_cublas,
-                flops / t_cublas / 1e6,
-                t_grouped,
-                flops / t_grouped / 1e6,
-                t_grouped / t_cublas,
-                diff / scale.max(f32::MIN_POSITIVE)
+            print_row(
+                &format!("{name} {kind}"),
+                flops,
+                (t_cublas, t_grouped),
+                (&by_cublas, &by_grouped),
             );
         }
     }
@@ -411,10 +429,7 @@ fn main() -> Result<()> {
         "experts' GEMMs of one bench-hybrid-moe layer and micro-batch: {EXPERTS} experts, rows {:?}",
         expert_rows()
     );
-    println!(
-        "{:<34} {:>12} {:>9} {:>12} {:>9} {:>8} {:>10}",
-        "call", "cuBLAS us", "TFLOP/s", "grouped us", "TFLOP/s", "ratio", "max diff"
-    );
+    print_header();
     for call in Call::ALL {
         // The same inputs each way; the weight gradients add onto the
         // same starting values (restored from a copy).
@@ -424,23 +439,13 @@ fn main() -> Result<()> {
         call.restore(&grouped, &layer, &start)?;
         call.run(&grouped, &layer)?;
         let by_grouped = call.output(&grouped, &layer)?;
-        let scale = by_cublas.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let diff = by_cublas
-            .iter()
-            .zip(&by_grouped)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
         let t_cublas = time_calls(&cublas, || call.run(&cublas, &layer))?;
         let t_grouped = time_calls(&grouped, || call.run(&grouped, &layer))?;
-        let tflops = |us: f64| call.flops() / us / 1e6;
-        println!(
-            "{:<34} {:>12.1} {:>9.1} {:>12.1} {:>9.1} {:>8.2} {:>10.2e}",
+        print_row(
             call.name(),
-            t_cublas,
-            tflops(t_cublas),
-            t_grouped,
-            tflops(t_grouped),
-            t_grouped / t_cublas,
-            diff / scale.max(f32::MIN_POSITIVE)
+            call.flops(),
+            (t_cublas, t_grouped),
+            (&by_cublas, &by_grouped),
         );
     }
     dense_table(&grouped)

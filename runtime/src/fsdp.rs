@@ -441,10 +441,38 @@ impl<D: Device> FsdpEngine<D> {
             }
             Ok(host)
         };
+        // A shard's state on the device from its values: the f32 master,
+        // the compute-dtype copy and the gradient, in the unit's buffers
+        // where it is housed there.
+        let place = |b: &Bucket, host: &[f32]| -> Result<ShardState<D::Backend>> {
+            let master = backend.alloc_uninit(host.len(), DType::F32)?;
+            backend.upload(host, backend.view_mut(&master)?)?;
+            let home = match b.unit {
+                Some(u) if housed[b.id] => held[u].as_ref().map(|h| (&h.params, &h.grads)),
+                Some(_) => None,
+                None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
+            };
+            let (param, grad): (ShardPart<D::Backend>, ShardPart<D::Backend>) = match home {
+                Some((params, grads)) => (
+                    ShardPart::region(params, regions[b.id].clone()),
+                    ShardPart::region(grads, regions[b.id].clone()),
+                ),
+                None => (
+                    ShardPart::whole(backend.alloc_uninit(host.len(), compute)?, host.len()),
+                    ShardPart::whole(backend.alloc(host.len(), DType::F32)?, host.len()),
+                ),
+            };
+            backend.cast(backend.view(&master)?, param.view_mut(&**backend)?)?;
+            Ok(ShardState {
+                master,
+                param,
+                grad,
+            })
+        };
         // Drawing a bucket's values (seconds, for a large model) overlaps
-        // uploading the one before: a thread draws them in bucket order,
-        // one bucket ahead at most, so two shards' values are in host
-        // memory at a time.
+        // placing the one before: a thread draws them in bucket order, one
+        // bucket ahead at most, so two shards' values are in host memory at
+        // a time.
         let (drawn, values) = std::sync::mpsc::sync_channel::<Result<Vec<f32>>>(0);
         let buckets = &plan.buckets;
         let shard_values = &shard_values;
@@ -463,33 +491,15 @@ impl<D: Device> FsdpEngine<D> {
                 }
             });
             for b in buckets.iter() {
+                // A closed channel here means the drawing thread panicked;
+                // the scope re-raises that panic with its message.
                 let host = values.recv().map_err(|_| {
-                    RuntimeError::InvalidArgument("the parameters' drawing thread stopped".into())
+                    RuntimeError::InvalidArgument(
+                        "the thread drawing the initial parameters stopped without a result".into(),
+                    )
                 })??;
                 max_shard = max_shard.max(host.len());
-                let master = backend.alloc_uninit(host.len(), DType::F32)?;
-                backend.upload(&host, backend.view_mut(&master)?)?;
-                let home = match b.unit {
-                    Some(u) if housed[b.id] => held[u].as_ref().map(|h| (&h.params, &h.grads)),
-                    Some(_) => None,
-                    None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
-                };
-                let (param, grad): (ShardPart<D::Backend>, ShardPart<D::Backend>) = match home {
-                    Some((params, grads)) => (
-                        ShardPart::region(params, regions[b.id].clone()),
-                        ShardPart::region(grads, regions[b.id].clone()),
-                    ),
-                    None => (
-                        ShardPart::whole(backend.alloc_uninit(host.len(), compute)?, host.len()),
-                        ShardPart::whole(backend.alloc(host.len(), DType::F32)?, host.len()),
-                    ),
-                };
-                backend.cast(backend.view(&master)?, param.view_mut(&**backend)?)?;
-                shards.push(Arc::new(ShardState {
-                    master,
-                    param,
-                    grad,
-                }));
+                shards.push(Arc::new(place(b, &host)?));
             }
             Ok(())
         })?;
@@ -1112,6 +1122,39 @@ mod tests {
         };
         let platform = crate::platform::CpuPlatform::new(2, settings.timeout).unwrap();
         (plan, settings, platform)
+    }
+
+    /// Parameters are drawn on a thread of their own, a bucket ahead of
+    /// their placement: an initialiser that fails on a bucket past the
+    /// first ends the engine's construction with its error (the drawing
+    /// thread stops, nothing waits on it), and no bucket after it is drawn.
+    #[test]
+    fn a_failing_initialiser_ends_the_engine_with_its_error() {
+        use crate::device::Cpu;
+        use crate::platform::Platform;
+
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = "M[*E]-".into();
+        let plan = Arc::new(Plan::new(&model, &PlanOptions::default()).unwrap());
+        let settings = crate::platform::RankSettings::for_tests();
+        let platform = crate::platform::CpuPlatform::new(1, settings.timeout).unwrap();
+        let failing = plan.params[plan.buckets[1].params[0]].bucket;
+        assert!(failing > 0 && failing + 1 < plan.buckets.len());
+        let rank = platform.rank(0, &settings).unwrap();
+        let latest = std::sync::atomic::AtomicUsize::new(0);
+        let init = |p: usize, _: Range<usize>, out: &mut [f32]| {
+            let bucket = plan.params[p].bucket;
+            latest.fetch_max(bucket, std::sync::atomic::Ordering::Relaxed);
+            if bucket == failing {
+                return Err(RuntimeError::InvalidArgument(format!("no values for {p}")));
+            }
+            out.fill(1.0);
+            Ok(())
+        };
+        let built = FsdpEngine::<Cpu>::new(plan.clone(), Sharding::Zero3, &rank, 2, 1, &init);
+        let error = built.err().expect("the initialiser's error");
+        assert!(error.to_string().contains("no values for"), "{error}");
+        assert_eq!(latest.into_inner(), failing);
     }
 
     /// Under EP 2 on two ZeRO-3 ranks the `[*E]` unit mixes sharded
