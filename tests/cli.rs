@@ -264,6 +264,16 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
     );
     let total: f64 = ["device", "params", "optimizer"].map(phase).iter().sum();
     assert!(total < summary["wall_s"].as_f64().unwrap(), "{summary}");
+    // The command's own clock: checked, then the first step reported after
+    // the phases before it, then the run returned (the final hash in it).
+    let clock = &summary["clock_s"];
+    let at = |name: &str| clock[name].as_f64().expect(name);
+    assert!(phase("platform") >= 0.0, "{startup}");
+    assert!(at("prepared") > 0.0, "{clock}");
+    assert!(at("first_step") > at("prepared") + total, "{summary}");
+    assert!(at("trained") > at("first_step"), "{clock}");
+    let hash = summary["hash_s"].as_f64().unwrap();
+    assert!(hash > 0.0 && hash < at("trained") - at("first_step"), "{summary}");
 }
 
 #[test]
