@@ -273,7 +273,10 @@ fn train_json_prints_a_line_per_step_and_a_summary() {
     assert!(at("first_step") > at("prepared") + total, "{summary}");
     assert!(at("trained") > at("first_step"), "{clock}");
     let hash = summary["hash_s"].as_f64().unwrap();
-    assert!(hash > 0.0 && hash < at("trained") - at("first_step"), "{summary}");
+    assert!(
+        hash > 0.0 && hash < at("trained") - at("first_step"),
+        "{summary}"
+    );
 }
 
 #[test]
