@@ -37,6 +37,9 @@ pub struct RankSettings {
     pub attention: AttentionBackend,
     /// How a GPU rank runs the experts' GEMMs.
     pub expert_gemm: ExpertGemm,
+    /// Whether a GPU rank's kernels launch while the one before them
+    /// drains (programmatic dependent launch, where the GPU has it).
+    pub dependent_launch: bool,
 }
 
 #[cfg(test)]
@@ -51,6 +54,7 @@ impl RankSettings {
             trace: Arc::new(TraceRecorder::statistics_only()),
             attention: AttentionBackend::default(),
             expert_gemm: ExpertGemm::default(),
+            dependent_launch: true,
         }
     }
 }

@@ -82,6 +82,9 @@ pub struct TrainConfig {
     pub attention: AttentionBackend,
     /// How GPUs run the experts' GEMMs ([`ExpertGemm`]).
     pub expert_gemm: ExpertGemm,
+    /// Whether GPU kernels launch while the one before them drains
+    /// (programmatic dependent launch, Hopper; the same bits either way).
+    pub dependent_launch: bool,
     /// Parameters and activations in bf16 or f32 (master weights, gradients
     /// and optimizer state are f32 either way).
     pub precision: Precision,
@@ -150,6 +153,7 @@ impl TrainConfig {
             recompute: Recompute::None,
             attention: AttentionBackend::Flash,
             expert_gemm: ExpertGemm::default(),
+            dependent_launch: true,
             precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
@@ -722,6 +726,7 @@ pub fn train_on<P: Platform>(
         trace: recorder.clone(),
         attention: config.attention,
         expert_gemm: config.expert_gemm,
+        dependent_launch: config.dependent_launch,
     };
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);

@@ -252,6 +252,34 @@ fn on_one_gpu_overlap_equals_plain_bit_for_bit_and_repeats() {
     assert_eq!(overlap, with(ScheduleKind::Overlap), "the same run twice");
 }
 
+/// Programmatic dependent launch (each kernel launched while the one
+/// before drains, waiting on the device for its results) changes when
+/// kernels start, never what they compute: the same bits with it on (the
+/// default) and off, under both schedules. A kernel that read its inputs
+/// before its wait would race with the kernel before it and show here.
+#[test]
+fn on_one_gpu_dependent_launch_changes_no_bits() {
+    if gpus(1).is_none() {
+        return;
+    }
+    for schedule in [ScheduleKind::Overlap, ScheduleKind::Plain] {
+        let with = |dependent_launch| {
+            let mut c = config("[M*E]M-[*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
+            c.steps = 3;
+            c.micro_batches = 3;
+            c.schedule = schedule;
+            c.dependent_launch = dependent_launch;
+            let (r, s) = run(&c);
+            bits(&r, &s)
+        };
+        assert_eq!(
+            with(true),
+            with(false),
+            "{schedule:?}: dependent launch on vs off"
+        );
+    }
+}
+
 /// Recomputing the dense layers' forwards in the backward gives the same
 /// bits on a GPU as keeping their activations, under both schedules.
 #[test]

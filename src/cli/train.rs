@@ -95,6 +95,13 @@ pub(crate) struct TrainArgs {
     /// path.
     #[arg(long, value_enum, default_value = "grouped")]
     expert_gemm: ExpertGemmArg,
+    /// `on`: on Hopper GPUs each kernel launches while the one before it
+    /// drains and waits on the device for its results (programmatic
+    /// dependent launch), hiding the launch gap between kernels; `off`
+    /// launches each after the one before has finished. The same bits
+    /// either way; other GPUs and the CPU ignore it.
+    #[arg(long, value_enum, default_value = "on")]
+    dependent_launch: Switch,
     /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
@@ -230,6 +237,12 @@ enum RecomputeArg {
 enum AttentionBackendArg {
     Flash,
     Unfused,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Switch {
+    On,
+    Off,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -673,6 +686,7 @@ fn config(
         ExpertGemmArg::Cublas => ExpertGemm::Cublas,
         ExpertGemmArg::Grouped => ExpertGemm::Grouped,
     };
+    config.dependent_launch = args.dependent_launch == Switch::On;
     config.sharding = if args.zero == "0" {
         Sharding::NoShard
     } else {

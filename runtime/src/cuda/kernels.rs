@@ -265,6 +265,14 @@ impl Target {
             Target::PORTABLE
         }
     }
+
+    /// Whether kernels built for this target may be launched with
+    /// programmatic dependent launch: their `grid_dependency_sync()`
+    /// (`common.cuh`) is compiled in from sm_90 on; below that it is
+    /// empty, and an overlapping launch would read unfinished inputs.
+    pub fn dependent_launch(self) -> bool {
+        self == Target::HOPPER
+    }
 }
 
 impl fmt::Display for Target {
@@ -771,6 +779,53 @@ mod tests {
         }
     }
 
+    /// The bodies of `text`'s `__global__` functions (macro bodies
+    /// included) that do not begin with `grid_dependency_sync();`, by the
+    /// line of their `__global__`.
+    fn kernels_without_the_dependency_wait(text: &str) -> Vec<usize> {
+        let mut missing = Vec::new();
+        let mut from = 0;
+        while let Some(at) = text[from..].find("__global__").map(|i| from + i) {
+            from = at + "__global__".len();
+            let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+            if text[line_start..at].trim_start().starts_with("//") {
+                continue;
+            }
+            // The body opens at the first brace: a kernel's parameters and
+            // qualifiers have none.
+            let Some(open) = text[at..].find('{').map(|i| at + i + 1) else {
+                missing.push(text[..at].lines().count());
+                continue;
+            };
+            let body = text[open..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+            if !body.starts_with("grid_dependency_sync();") {
+                missing.push(text[..at].lines().count());
+            }
+        }
+        missing
+    }
+
+    /// Launches carry programmatic dependent launch on Hopper, which is
+    /// safe only if every kernel waits for the one before it before it
+    /// touches memory.
+    #[test]
+    fn every_kernel_begins_with_the_dependency_wait() {
+        for source in SOURCES {
+            assert_eq!(
+                kernels_without_the_dependency_wait(source.text),
+                Vec::<usize>::new(),
+                "{}: kernels (by line) that do not begin with grid_dependency_sync()",
+                source.file
+            );
+        }
+        let text = "extern \"C\" __global__ void a(int x) {\n    grid_dependency_sync();\n}\n\
+                    // __global__ in a comment\n\
+                    #define K(NAME) \\\n    extern \"C\" __global__ void NAME(int x) { \\\n        \
+                    grid_dependency_sync(); \\\n    }\n\
+                    extern \"C\" __global__ void __launch_bounds__(64) b(int x) {\n    int y = x;\n}\n";
+        assert_eq!(kernels_without_the_dependency_wait(text), [9]);
+    }
+
     #[test]
     fn macro_instantiated_kernels_are_found() {
         let text = "#define K(NAME, R) \\\n  extern \"C\" __global__ void NAME(int x) { f<R>(x); }\n\
@@ -787,5 +842,7 @@ mod tests {
         assert_eq!(Target::for_device(9, 0), Target::HOPPER);
         assert_eq!(Target::for_device(8, 0), Target::PORTABLE);
         assert_eq!(Target::for_device(10, 0), Target::PORTABLE);
+        assert!(Target::HOPPER.dependent_launch());
+        assert!(!Target::PORTABLE.dependent_launch());
     }
 }

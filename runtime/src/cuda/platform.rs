@@ -140,6 +140,7 @@ impl Platform for CudaPlatform {
     fn rank(&self, r: usize, settings: &RankSettings) -> Result<RankContext<Cuda>> {
         let ordinal = self.ordinals[r - self.local.start];
         let gpu = Gpu::open(ordinal, settings.precision, settings.timeout)?;
+        gpu.kernels.set_dependent_launch(settings.dependent_launch);
         let host = gpu
             .backend("host")?
             .with_flash_attention(settings.attention == AttentionBackend::Flash)

@@ -45,6 +45,7 @@ __device__ __forceinline__ float unary_derivative(int op, float x) {
 // element arithmetic is the same.
 extern "C" __global__ void unary_forward(
     int op, const void* x, int x_dtype, void* y, int y_dtype, u64 n, int vec8) {
+    grid_dependency_sync();
     if (vec8) {
         for (u64 w = grid_start(); w < n / 8; w += grid_stride()) {
             float f[8];
@@ -65,6 +66,7 @@ extern "C" __global__ void unary_forward(
 extern "C" __global__ void unary_backward(
     int op, const void* x, int x_dtype, const void* dy, int dy_dtype, void* dx, int dx_dtype, u64 n,
     int vec8) {
+    grid_dependency_sync();
     if (vec8) {
         for (u64 w = grid_start(); w < n / 8; w += grid_stride()) {
             float xs[8], g[8];
@@ -87,6 +89,7 @@ extern "C" __global__ void unary_backward(
 // y = silu(gate) * up.
 extern "C" __global__ void silu_mul_forward(
     const void* gate, int gate_dtype, const void* up, int up_dtype, void* y, int y_dtype, u64 n) {
+    grid_dependency_sync();
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const float g = load(gate, gate_dtype, i);
         store(y, y_dtype, i, g * sigmoid(g) * load(up, up_dtype, i));
@@ -97,6 +100,7 @@ extern "C" __global__ void silu_mul_forward(
 extern "C" __global__ void silu_mul_backward(
     const void* gate, int gate_dtype, const void* up, int up_dtype, const void* dy, int dy_dtype,
     void* dgate, int dgate_dtype, void* dup, int dup_dtype, u64 n) {
+    grid_dependency_sync();
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const float g = load(gate, gate_dtype, i);
         const float u = load(up, up_dtype, i);

@@ -210,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_forward(
     const void* q, int q_dtype, const void* k, int k_dtype, const void* v, int v_dtype, void* out,
     int out_dtype, float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads, u32 qk_dim, u32 v_dim,
     float scale) {
+    grid_dependency_sync();
     __shared__ float stage[STAGE_FLOATS];
     __shared__ float probs[TILE * W_PITCH];
     const u32 tx = threadIdx.x & 15;
@@ -335,6 +336,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_backward_dq(
     const void* out, int out_dtype, const float* lse, const void* dout, int dout_dtype, void* dq,
     int dq_dtype, u32 batch, u32 seq, u32 heads, u32 kv_heads, u32 qk_dim, u32 v_dim,
     float scale) {
+    grid_dependency_sync();
     __shared__ float stage[STAGE_FLOATS];
     __shared__ float dscores[TILE * W_PITCH];
     __shared__ float row_lse[TILE];
@@ -415,6 +417,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_backward_dkd
     const void* out, int out_dtype, const float* lse, const void* dout, int dout_dtype, void* dk,
     int dk_dtype, void* dv, int dv_dtype, u32 batch, u32 seq, u32 heads, u32 kv_heads,
     u32 qk_dim, u32 v_dim, float scale) {
+    grid_dependency_sync();
     __shared__ float stage[STAGE_FLOATS];
     __shared__ float probs[KEYS_DKDV * W_PITCH];
     __shared__ float dscores[KEYS_DKDV * W_PITCH];

@@ -609,6 +609,7 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
 // channels (D is even).
 extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv_part, bf16* dk, bf16* dv,
                                            u64 rows, u32 heads, u32 kv_heads, u32 dim) {
+    grid_dependency_sync();
     const u32 group = heads / kv_heads;
     const u64 pairs = rows * kv_heads * (dim / 2);
     for (u64 i = grid_start(); i < pairs; i += grid_stride()) {
@@ -1241,6 +1242,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_forward_wgmma_d128(
     const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
     float scale) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     flash_forward_wgmma(q, k, v, out, lse, batch, seq, heads, kv_heads, scale);
 #endif
@@ -1248,6 +1250,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_forward_wgmma_
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dq_wgmma_d128(
     const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
     float* delta, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     flash_backward_dq_wgmma(q, k, v, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);
 #endif
@@ -1255,6 +1258,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dq_wg
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dkdv_wgmma_d128(
     const bf16* q, const bf16* k, const bf16* v, const float* lse, const bf16* dout, const float* delta, bf16* dk,
     bf16* dv, float* dk_part, float* dv_part, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     flash_backward_dkdv_wgmma(q, k, v, lse, dout, delta, dk, dv, dk_part, dv_part, batch, seq, heads, kv_heads,
                               scale);
@@ -1267,12 +1271,14 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dkdv_
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
         NAME(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch, u32 seq, u32 heads, \
              u32 kv_heads, float scale) {                                                                      \
+        grid_dependency_sync();                                                                                \
         flash_forward<D>(q, k, v, out, lse, batch, seq, heads, kv_heads, scale);                              \
     }
 #define FLASH_BACKWARD_DQ(NAME, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS)                                                \
         NAME(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,  \
              bf16* dq, float* delta, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {              \
+        grid_dependency_sync();                                                                               \
         flash_backward_dq<D>(q, k, v, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);         \
     }
 #define FLASH_BACKWARD_DKDV(NAME, D)                                                                          \
@@ -1280,6 +1286,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dkdv_
         NAME(const bf16* q, const bf16* k, const bf16* v, const float* lse, const bf16* dout,                 \
              const float* delta, bf16* dk, bf16* dv, float* dk_part, float* dv_part, u32 batch, u32 seq,       \
              u32 heads, u32 kv_heads, float scale) {                                                           \
+        grid_dependency_sync();                                                                                \
         flash_backward_dkdv<D>(q, k, v, lse, dout, delta, dk, dv, dk_part, dv_part, batch, seq, heads,        \
                                kv_heads, scale);                                                               \
     }

@@ -42,6 +42,7 @@ __device__ __forceinline__ float load_split(const void* high, const void* low, i
 extern "C" __global__ void attention_probs(
     const float* scores, void* probs, void* low, int probs_dtype, float* lse, u32 seq,
     u32 lse_row, u32 lse_item, int find_lse) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     const u64 item = blockIdx.x / seq;
     const u64 t = blockIdx.x % seq;
@@ -79,6 +80,7 @@ extern "C" __global__ void attention_probs(
 extern "C" __global__ void attention_scores_grad(
     const float* dp, void* probs, void* low, int probs_dtype, const void* dout, int dout_dtype,
     const void* out, int out_dtype, u32 seq, u32 o_row, u32 o_item, u32 v_dim) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     const u64 item = blockIdx.x / seq;
     const u64 t = blockIdx.x % seq;

@@ -23,6 +23,7 @@ __device__ __forceinline__ void store_wide(void* p, int dtype, u64 i, double v) 
 
 // dst[i] = src[i] converted, for bf16, f32 and f64 on either side.
 extern "C" __global__ void cast(const void* src, int src_dtype, void* dst, int dst_dtype, u64 n) {
+    grid_dependency_sync();
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         store_wide(dst, dst_dtype, i, load_wide(src, src_dtype, i));
     }
@@ -30,6 +31,7 @@ extern "C" __global__ void cast(const void* src, int src_dtype, void* dst, int d
 
 // dst[i] = value rounded to the view's dtype (f64 gets the f32 value exactly).
 extern "C" __global__ void fill(void* dst, int dtype, u64 n, float value) {
+    grid_dependency_sync();
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         if (dtype == DTYPE_F64) {
             static_cast<double*>(dst)[i] = static_cast<double>(value);

@@ -53,6 +53,21 @@ __device__ __forceinline__ u64 grid_stride() {
     return static_cast<u64>(gridDim.x) * blockDim.x;
 }
 
+// Programmatic dependent launch (`cuda::launch::args`). Every kernel calls
+// this first: launched with the attribute, it may start while the kernel
+// before it on the stream drains, and `griddepcontrol.wait` holds it until
+// that kernel has finished and its writes are visible; then it lets the
+// kernel after it launch (whose blocks take SMs only as this one's last
+// blocks leave them, and wait here in turn). Without the attribute the
+// wait returns at once. Below sm_90 there is no such launch (the host only
+// sets the attribute for sm_90 builds), and this is empty.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- errors found on the device --------------------------------------------
 // Kernels that read indices (token targets, experts, rows) check them and
 // report a bad one into a status word instead of reading out of bounds. The

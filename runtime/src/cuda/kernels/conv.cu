@@ -15,6 +15,7 @@
 extern "C" __global__ void conv1d_forward(
     const void* x, int x_dtype, const void* w, int w_dtype, const void* bias, int bias_dtype,
     void* y, int y_dtype, u64 rows, u64 seq, u64 channels, u64 taps) {
+    grid_dependency_sync();
     const u64 n = rows * channels;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 r = i / channels;
@@ -36,6 +37,7 @@ extern "C" __global__ void conv1d_forward(
 extern "C" __global__ void conv1d_backward_input(
     const void* dy, int dy_dtype, const void* w, int w_dtype, void* dx, int dx_dtype, u64 rows,
     u64 seq, u64 channels, u64 taps) {
+    grid_dependency_sync();
     const u64 n = rows * channels;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 r = i / channels;
@@ -184,6 +186,7 @@ __device__ __forceinline__ bool word_rows(
 extern "C" __global__ void conv1d_forward_words(
     const uint4* x, const void* w, int w_dtype, const void* bias, int bias_dtype, uint4* y,
     u64 rows, u64 seq, u64 channels, u64 taps) {
+    grid_dependency_sync();
     u64 words, word, r0, r1;
     if (!word_rows(rows, channels, words, word, r0, r1)) {
         return;
@@ -199,6 +202,7 @@ extern "C" __global__ void conv1d_forward_words(
 extern "C" __global__ void conv1d_backward_input_words(
     const uint4* dy, const void* w, int w_dtype, uint4* dx, u64 rows, u64 seq, u64 channels,
     u64 taps) {
+    grid_dependency_sync();
     u64 words, word, r0, r1;
     if (!word_rows(rows, channels, words, word, r0, r1)) {
         return;
@@ -243,6 +247,7 @@ __device__ __forceinline__ void add_slice_sums(
 extern "C" __global__ void conv1d_backward_weight(
     const void* dy, int dy_dtype, const void* x, int x_dtype, void* dw, int dw_dtype, void* dbias,
     int dbias_dtype, u64 rows, u64 seq, u64 channels, u64 taps) {
+    grid_dependency_sync();
     __shared__ float partial[32][33];
     const u64 c = static_cast<u64>(blockIdx.x) * 32 + threadIdx.x;
     const u64 j = blockIdx.y;
@@ -336,6 +341,7 @@ __device__ __forceinline__ void conv1d_backward_weight_slices(
 extern "C" __global__ void conv1d_backward_weight_window(
     const void* dy, int dy_dtype, const void* x, int x_dtype, void* dw, int dw_dtype, void* dbias,
     int dbias_dtype, u64 rows, u64 seq, u64 channels, u64 taps) {
+    grid_dependency_sync();
     __shared__ float partial[32][33];
     if (taps <= WORD_TAPS) {
         conv1d_backward_weight_slices<WORD_TAPS>(dy, dy_dtype, x, x_dtype, dw, dw_dtype, dbias,

@@ -22,6 +22,7 @@ __device__ __forceinline__ bool target_faults(u32 target, u64 vocab, u64 r, u64*
 // and its row left as it was.
 extern "C" __global__ void cross_entropy_forward(
     float* logits, const u32* targets, float* losses, u64 vocab, u64* status) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
@@ -55,6 +56,7 @@ extern "C" __global__ void cross_entropy_forward(
 // ignored target.
 extern "C" __global__ void cross_entropy_backward(
     float* probs, const u32* targets, float scale, u64 vocab, u64* status) {
+    grid_dependency_sync();
     const u64 r = blockIdx.x;
     const u32 target = targets[r];
     if (target_faults(target, vocab, r, status)) {
@@ -194,11 +196,13 @@ __device__ __forceinline__ void cross_entropy_row(const float* logits, const u32
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_gradient(
     const float* logits, const u32* targets, float scale, void* out, int out_dtype, float* losses, u64 vocab,
     u64* status) {
+    grid_dependency_sync();
     cross_entropy_row(logits, targets, scale, out, out_dtype, losses, vocab, status);
 }
 
 // `Backend::cross_entropy_loss`: the forward's losses, the logits only read.
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) cross_entropy_loss(
     const float* logits, const u32* targets, float* losses, u64 vocab, u64* status) {
+    grid_dependency_sync();
     cross_entropy_row(logits, targets, 0.0f, nullptr, DTYPE_F32, losses, vocab, status);
 }

@@ -11,6 +11,7 @@
 // counts[e] += the slots choosing e (the launcher zeroes `counts` first).
 // Each block builds a shared histogram, then adds it to `counts`.
 extern "C" __global__ void moe_expert_counts(const u32* selected, u64 slots, u32* counts, u32 experts, u64* status) {
+    grid_dependency_sync();
     extern __shared__ u32 local[];
     for (u32 e = threadIdx.x; e < experts; e += blockDim.x) {
         local[e] = 0;
@@ -42,6 +43,7 @@ extern "C" __global__ void moe_expert_counts(const u32* selected, u64 slots, u32
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort_by_expert(
     const u32* selected, const u32* counts, u32* positions, u32* sources, u64 slots, u32 top_k,
     u32 experts, u64* status) {
+    grid_dependency_sync();
     __shared__ u32 start[SORT_MAX_EXPERTS];
     __shared__ u32 next[SORT_MAX_EXPERTS];
     __shared__ u32 tile_count[SORT_MAX_EXPERTS];
@@ -117,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_sort_by_expert(
 // counts: a run past its end, or a last run short of it, is reported.
 extern "C" __global__ void moe_expert_major_order(
     const u32* recv_counts, u32* order, u32 ranks, u32 local_experts, u64 order_len, u64* status) {
+    grid_dependency_sync();
     __shared__ u64 bounds[2];
     const u32 i = blockIdx.x / local_experts;
     const u32 j = blockIdx.x % local_experts;

@@ -366,21 +366,25 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // (16 K each), so a thread may hold 168 registers (ptxas spills 8 bytes
 // a thread there; 177 registers failed to launch).
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 1>(problems);
 #endif
 }
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<0, 0>(problems);
 #endif
 }
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 1>(problems);
 #endif
 }
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
+grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grouped_gemm<1, 0>(problems);
 #endif

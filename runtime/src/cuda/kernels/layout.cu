@@ -16,6 +16,7 @@ __device__ __forceinline__ void copy_element(const void* src, u64 s, void* dst, 
 extern "C" __global__ void copy_cols(
     const void* src, void* dst, int dtype, u64 rows, u64 cols, u64 src_stride, u64 src_offset,
     u64 dst_stride, u64 dst_offset, int accumulate) {
+    grid_dependency_sync();
     const u64 n = rows * cols;
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     for (u64 t = grid_start(); t < n; t += grid_stride()) {
@@ -61,6 +62,7 @@ __device__ __forceinline__ void qkv_move(
 
 extern "C" __global__ void qkv_split(
     const void* qkv, void* q, void* k, void* v, int dtype, u64 rows, u64 groups, u64 hpg, u64 head_dim) {
+    grid_dependency_sync();
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     qkv_move(qkv, nullptr, nullptr, q, nullptr, k, nullptr, v, elem, rows, groups, hpg, head_dim, false);
 }
@@ -68,6 +70,7 @@ extern "C" __global__ void qkv_split(
 extern "C" __global__ void qkv_join(
     const void* dq, const void* dk, const void* dv, void* dqkv, int dtype, u64 rows, u64 groups,
     u64 hpg, u64 head_dim) {
+    grid_dependency_sync();
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     qkv_move(nullptr, dqkv, dq, nullptr, dk, nullptr, dv, nullptr, elem, rows, groups, hpg, head_dim, true);
 }
@@ -78,6 +81,7 @@ extern "C" __global__ void qkv_join(
 extern "C" __global__ void mla_kv_split(
     const void* kv, const void* k_rope, void* k, void* v, int dtype, u64 rows, u64 heads, u64 dn,
     u64 dr, u64 dv) {
+    grid_dependency_sync();
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     const u64 k_n = rows * heads * (dn + dr);
     const u64 n = k_n + rows * heads * dv;
@@ -105,6 +109,7 @@ extern "C" __global__ void mla_kv_split(
 extern "C" __global__ void mla_kv_join(
     const void* dk, const void* dv, void* d_kv, void* d_k_rope, int dtype, u64 rows, u64 heads,
     u64 dn, u64 dr, u64 dvd) {
+    grid_dependency_sync();
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     const u64 kv_n = rows * heads * (dn + dvd);
     const u64 n = kv_n + rows * dr;

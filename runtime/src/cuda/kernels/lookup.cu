@@ -60,6 +60,7 @@ __device__ __forceinline__ bool any_bad_id(const u32* ids, u64 rows, u64 vocab, 
 extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_forward(
     const void* table, const u32* ids, void* out, int dtype, u64 rows, u64 vocab, u64 hidden,
     u64* status) {
+    grid_dependency_sync();
     if (any_bad_id(ids, rows, vocab, status, blockIdx.x == 0)) {
         return;
     }
@@ -77,6 +78,7 @@ extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_forward(
 extern "C" __global__ void __launch_bounds__(LOOKUP_THREADS) embedding_backward(
     const void* dout, int dout_dtype, const u32* ids, void* dtable, int dtable_dtype, u64 rows,
     u64 vocab, u64 hidden, u64* status) {
+    grid_dependency_sync();
     __shared__ u32 chunk[ID_CHUNK];
     // Per owned row: the chunk positions at or after it that hold its id.
     // (Padded so that the 32 rows' words of one position are in 32 banks.)

@@ -65,6 +65,7 @@ extern "C" __global__ void adam_update(
     float* param, void* copy, int copy_dtype, const float* grad, float* m, float* v,
     const u32* decayed, u32 n_ranges, u64 n, float lr, float beta1, float beta2, float eps,
     float decay, float grad_scale, float bc1, float bc2, u64* status) {
+    grid_dependency_sync();
     check_ranges(decayed, n_ranges, n, status);
     const AdamStep step{lr, beta1, beta2, eps, decay, grad_scale, bc1, bc2};
     const u64 address_bits = reinterpret_cast<u64>(param) | reinterpret_cast<u64>(grad) |
@@ -110,6 +111,7 @@ extern "C" __global__ void sgd_update(
     float* param, void* copy, int copy_dtype, const float* grad, float* momentum,
     const u32* decayed, u32 n_ranges, u64 n, float lr, float mu, float weight_decay,
     float grad_scale, u64* status) {
+    grid_dependency_sync();
     check_ranges(decayed, n_ranges, n, status);
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const float wd = is_decayed(decayed, n_ranges, i) ? weight_decay : 0.0f;

@@ -48,6 +48,7 @@ __device__ __forceinline__ void move_rows_of(
 extern "C" __global__ void gather_rows(
     const void* src, const u32* index, void* dst, int word_bytes, u64 count, u64 words,
     u64 src_rows, u64* status) {
+    grid_dependency_sync();
     move_rows_of(src, index, dst, true, word_bytes, count, words, src_rows, status);
 }
 
@@ -55,6 +56,7 @@ extern "C" __global__ void gather_rows(
 extern "C" __global__ void scatter_rows(
     const void* src, const u32* index, void* dst, int word_bytes, u64 count, u64 words,
     u64 dst_rows, u64* status) {
+    grid_dependency_sync();
     move_rows_of(src, index, dst, false, word_bytes, count, words, dst_rows, status);
 }
 
@@ -130,6 +132,7 @@ extern "C" __global__ void moe_unpermute(
     const void* rows, int rows_dtype, const float* weights, const u32* positions, const void* addend,
     int addend_dtype, void* out, int out_dtype, int accumulate, u64 tokens, u64 top_k, u64 n_rows, u64 width,
     int vec8, u64* status) {
+    grid_dependency_sync();
     if (vec8) {
         // The layers' mixes with their dtypes fixed (`Bf16Words8`): the
         // combine into the residual stream, and the dispatch's backward
@@ -182,6 +185,7 @@ extern "C" __global__ void moe_unpermute(
 extern "C" __global__ void moe_unpermute_backward_rows(
     const void* dout, int dout_dtype, const float* weights, const u32* positions, void* d_rows,
     int d_rows_dtype, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8, u64* status) {
+    grid_dependency_sync();
     for (u64 slot = blockIdx.x; slot < tokens * top_k; slot += gridDim.x) {
         const u32 p = positions[slot];
         if (p >= n_rows) {
@@ -220,6 +224,7 @@ extern "C" __global__ void moe_unpermute_backward_rows(
 extern "C" __global__ void moe_unpermute_backward_weights(
     const void* dout, int dout_dtype, const void* rows, int rows_dtype, const u32* positions,
     float* d_weights, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8) {
+    grid_dependency_sync();
     const int lane = threadIdx.x & 31;
     const u64 slot = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (slot >= tokens * top_k) {

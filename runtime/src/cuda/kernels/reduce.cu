@@ -13,6 +13,7 @@ __device__ __forceinline__ double load_f64(const void* p, int dtype, u64 i) {
 // out[0] += sum_i x[i] in f64. One block: per-thread strided sums, then the
 // block tree. Launch with one block of a multiple of 32 threads.
 extern "C" __global__ void accumulate_sum(const void* x, int x_dtype, u64 n, double* out) {
+    grid_dependency_sync();
     __shared__ double scratch[32];
     double sum = 0.0;
     for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
@@ -29,6 +30,7 @@ extern "C" __global__ void accumulate_sum(const void* x, int x_dtype, u64 n, dou
 // ...; the 32 slice sums are then added as a fixed tree.
 extern "C" __global__ void column_sum(
     const void* x, int x_dtype, void* out, int out_dtype, u64 rows, u64 cols) {
+    grid_dependency_sync();
     __shared__ float partial[32][33];
     const u64 j = static_cast<u64>(blockIdx.x) * 32 + threadIdx.x;
     float sum = 0.0f;
@@ -60,6 +62,7 @@ extern "C" __global__ void column_sum(
 // equal inputs give equal bits.
 extern "C" __global__ void sum_squares_tiles(
     const float* x, u64 n, u64 piece, u64 tiles, double* partials) {
+    grid_dependency_sync();
     __shared__ double scratch[32];
     const u64 b = blockIdx.x / tiles;
     const u64 t = blockIdx.x % tiles;
@@ -80,6 +83,7 @@ extern "C" __global__ void sum_squares_tiles(
 
 // out[b] = sum over t < tiles of partials[b * tiles + t]: one block a piece.
 extern "C" __global__ void sum_squares_pieces(const double* partials, u64 tiles, double* out) {
+    grid_dependency_sync();
     __shared__ double scratch[32];
     double sum = 0.0;
     for (u64 t = threadIdx.x; t < tiles; t += blockDim.x) {

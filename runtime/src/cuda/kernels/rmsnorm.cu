@@ -46,6 +46,7 @@ __device__ __forceinline__ void rmsnorm_forward_vec8(
 extern "C" __global__ void rmsnorm_forward(
     const void* x, int x_dtype, const void* w, int w_dtype, void* y, int y_dtype, float* rstd,
     u64 groups, u64 group_size, float eps, int vec8) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     if (vec8) {
         rmsnorm_forward_vec8(static_cast<const uint4*>(x), static_cast<const uint4*>(w),
@@ -114,6 +115,7 @@ __device__ __forceinline__ void rmsnorm_backward_input_vec8(
 extern "C" __global__ void rmsnorm_backward_input(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
     const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, int vec8) {
+    grid_dependency_sync();
     __shared__ float scratch[32];
     if (vec8) {
         const bool bf16 = x_dtype == DTYPE_BF16 && w_dtype == DTYPE_BF16 && dx_dtype == DTYPE_BF16;
@@ -155,6 +157,7 @@ extern "C" __global__ void rmsnorm_backward_input(
 extern "C" __global__ void rmsnorm_weight_partials(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, float* partials,
     u64 rows, u64 dim, u64 groups, u64 group_size) {
+    grid_dependency_sync();
     __shared__ float partial[32][33];
     const u64 j = static_cast<u64>(blockIdx.x) * 32 + threadIdx.x;
     const u64 slice_rows = (rows + gridDim.y - 1) / gridDim.y;
@@ -183,6 +186,7 @@ extern "C" __global__ void rmsnorm_weight_partials(
 
 extern "C" __global__ void rmsnorm_weight_finish(
     const float* partials, u64 slices, void* dw, int dw_dtype, u64 dim) {
+    grid_dependency_sync();
     for (u64 j = grid_start(); j < dim; j += grid_stride()) {
         float sum = 0.0f;
         for (u64 y = 0; y < slices; ++y) {

@@ -10,6 +10,7 @@
 extern "C" __global__ void rotary(
     void* x, int dtype, u64 rows, u64 seq, u64 heads, u64 head_stride, u64 offset, u64 dim,
     float base, float sign, int interleaved) {
+    grid_dependency_sync();
     const u64 half = dim / 2;
     const u64 angles = rows * half;
     for (u64 t = grid_start(); t < angles; t += grid_stride()) {

@@ -106,6 +106,7 @@ __device__ __forceinline__ float warp_top_k(
 extern "C" __global__ void moe_route_forward(
     const float* logits, const float* bias, float* scores, float* weights, u32* selected,
     u32* unbiased, u64 rows, u32 experts, u32 top_k, int score_function, float topk_scale) {
+    grid_dependency_sync();
     const int lane = threadIdx.x & 31;
     const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (r >= rows) {
@@ -151,6 +152,7 @@ extern "C" __global__ void moe_route_forward(
 // the cache).
 extern "C" __global__ void moe_prob_sum(
     const float* logits, float* prob_sum, u64 rows, u32 experts, int score_function) {
+    grid_dependency_sync();
     // One block per expert, its threads striding over the rows: every SM a
     // block can take works (one block of 32 x 32 threads summed all 16
     // experts of the benchmark model, 0.2 ms a layer), and the fixed
@@ -191,6 +193,7 @@ extern "C" __global__ void moe_route_backward(
     const float* logits, const float* scores, const u32* selected, const float* d_weights,
     const float* aux_grad, float* d_logits, u64 rows, u32 experts, u32 top_k, int score_function,
     float topk_scale, u64* status) {
+    grid_dependency_sync();
     const int lane = threadIdx.x & 31;
     const u64 r = static_cast<u64>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (r >= rows) {
@@ -278,6 +281,7 @@ extern "C" __global__ void moe_route_backward(
 extern "C" __global__ void moe_aux_loss_forward(
     const u32* counts, const float* prob_sum, double* loss, u64 tokens, u64 top_k, u32 experts,
     float coeff) {
+    grid_dependency_sync();
     if (threadIdx.x != 0 || blockIdx.x != 0 || tokens == 0 || coeff == 0.0f) {
         return;
     }
@@ -292,6 +296,7 @@ extern "C" __global__ void moe_aux_loss_forward(
 // aux_grad[e] = coeff * E * (counts[e] / (T k)) / T * scale in f64, rounded once.
 extern "C" __global__ void moe_aux_loss_backward(
     const u32* counts, float* aux_grad, u64 tokens, u64 top_k, u32 experts, float coeff, float scale) {
+    grid_dependency_sync();
     const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= experts) {
         return;

@@ -192,6 +192,7 @@ __device__ __forceinline__ void scan_forward(
         int bias_dtype, const void* a_log, int a_dtype, const void* d_skip, int d_dtype, void* y,  \
         int y_dtype, float* states, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state,       \
         u64 chunk) {                                                                               \
+        grid_dependency_sync();                                                                    \
         scan_forward<R>(xbc, xbc_dtype, dt_raw, dt_dtype, dt_bias, bias_dtype, a_log, a_dtype,     \
                         d_skip, d_dtype, y, y_dtype, states, seq, heads, head_dim, groups, state,  \
                         chunk);                                                                    \
@@ -209,6 +210,7 @@ SCAN_FORWARD(ssd_scan_forward_n256, 8)
 extern "C" __global__ void ssd_scan_factors(
     const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
     int a_dtype, float* scratch, u64 batch, u64 seq, u64 heads, u64 chunks) {
+    grid_dependency_sync();
     const ScanScratch sc = scan_scratch(scratch, batch, seq, heads, chunks);
     const u64 n = batch * seq * heads;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
@@ -305,6 +307,7 @@ __device__ __forceinline__ void scan_chunk_carry(
     extern "C" __global__ void __launch_bounds__(1024) NAME(                                       \
         const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, float* scratch, u64 batch,   \
         u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {                      \
+        grid_dependency_sync();                                                                    \
         scan_chunk_carry<R>(xbc, xbc_dtype, dy, dy_dtype, scratch, batch, seq, heads, head_dim,    \
                             groups, state, chunk);                                                 \
     }
@@ -323,6 +326,7 @@ SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n256, 8)
 extern "C" __global__ void ssd_scan_carry_combine(
     float* carry, __nv_bfloat16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn,
     u64 chunks) {
+    grid_dependency_sync();
     const u64 n = batch * heads * pn;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 e = i % pn;
@@ -613,6 +617,7 @@ __device__ __forceinline__ void scan_backward_head(
         const float* states, const void* dy, int dy_dtype, void* dxbc, int dxbc_dtype, void* ddt,  \
         int ddt_dtype, float* scratch, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state,    \
         u64 chunk) {                                                                               \
+        grid_dependency_sync();                                                                    \
         scan_backward_head<R>(xbc, xbc_dtype, dt_raw, dt_dtype, dt_bias, bias_dtype, a_log,        \
                               a_dtype, d_skip, d_dtype, states, dy, dy_dtype, dxbc, dxbc_dtype,    \
                               ddt, ddt_dtype, scratch, seq, heads, head_dim, groups, state,        \
@@ -686,6 +691,7 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
     const void* xbc, int xbc_dtype, const float* states, const void* dy, int dy_dtype, void* dxbc,
     int dxbc_dtype, float* scratch, u64 batch, u64 seq, u64 heads, u64 head_dim, u64 groups,
     u64 state, u64 chunk) {
+    grid_dependency_sync();
     __shared__ float part[WINDOW][GROUP_COLUMNS][33];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -833,6 +839,7 @@ extern "C" __global__ void __launch_bounds__(1024) ssd_scan_backward_group(
 extern "C" __global__ void ssd_scan_backward_params(
     const float* partials, u64 batch, u64 heads, u64 chunks, void* d_a_log, int a_dtype,
     void* d_d, int d_dtype) {
+    grid_dependency_sync();
     for (u64 h = grid_start(); h < heads; h += grid_stride()) {
         float da = load(d_a_log, a_dtype, h);
         float dd = load(d_d, d_dtype, h);

@@ -156,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_factors(
     const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
     int a_dtype, float* values, float* chunk_decay, u64 first_item, u64 items, u64 seq, u64 heads,
     u64 chunk) {
+    grid_dependency_sync();
     __shared__ float lam[CHUNKED_MAX_CHUNK];
     const u64 chunks = (seq + chunk - 1) / chunk;
     const StepValues v = step_values(values, items, heads, chunk);
@@ -253,6 +254,7 @@ __device__ __forceinline__ void chunk_pack(
                                     T* b_p, T* c_p, T* x_o, T* dy_o, u64 first_item, u64 items,     \
                                     u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state,        \
                                     u64 chunk) {                                                     \
+        grid_dependency_sync();                                                                      \
         chunk_pack<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p, x_o,   \
                       dy_o, first_item, items, seq, heads, head_dim, groups, state, chunk);         \
     }
@@ -366,6 +368,7 @@ __device__ __forceinline__ void chunk_pack_quads(
                                     T* b_p, T* c_p, T* x_o, T* dy_o, u32 first_item, u32 items,      \
                                     u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state,         \
                                     u32 chunk) {                                                      \
+        grid_dependency_sync();                                                                       \
         chunk_pack_quads<T>(xbc, xbc_dtype, dy, dy_dtype, values, x_p, dy_p, dy_e, x_w, b_p, c_p,   \
                             x_o, dy_o, first_item, items, seq, heads, head_dim, groups, state,       \
                             chunk);                                                                  \
@@ -442,6 +445,7 @@ __device__ __forceinline__ void chunk_scores_quads(
 #define CHUNK_SCORES_QUADS(NAME, T)                                                                  \
     extern "C" __global__ void NAME(const float4* cb, float4* dm, T* m, T* dcb, const float* values,  \
                                     u32 items, u32 heads, u32 groups, u32 chunk) {                    \
+        grid_dependency_sync();                                                                       \
         chunk_scores_quads<T>(cb, dm, m, dcb, values, items, heads, groups, chunk);                  \
     }
 CHUNK_SCORES_QUADS(ssd_chunk_scores_quads, float)
@@ -492,6 +496,7 @@ __device__ __forceinline__ void chunk_scores(
 #define CHUNK_SCORES(NAME, T)                                                                        \
     extern "C" __global__ void NAME(const float* cb, float* dm, T* m, T* dcb, const float* values,    \
                                     u64 items, u64 heads, u64 groups, u64 chunk) {                    \
+        grid_dependency_sync();                                                                       \
         chunk_scores<T>(cb, dm, m, dcb, values, items, heads, groups, chunk);                         \
     }
 CHUNK_SCORES(ssd_chunk_scores, float)
@@ -607,6 +612,7 @@ __device__ __forceinline__ void chunk_scores_sums(
     extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32)                                     \
         NAME(const float4* cb, const float4* dm, T* m, T* dcb, float* row_parts, float* values,      \
              u32 items, u32 heads, u32 groups, u32 chunk) {                                          \
+        grid_dependency_sync();                                                                      \
         chunk_scores_sums<T>(cb, dm, m, dcb, row_parts, values, items, heads, groups, chunk);        \
     }
 CHUNK_SCORES_SUMS(ssd_chunk_scores_sums, float)
@@ -621,6 +627,7 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
     const float* e, const float* row_parts, u64 column_blocks, const float* y_off,
     const float* dy_p, float* values, u64 items, u64 heads, u64 head_dim, u64 groups, u64 chunk) {
+    grid_dependency_sync();
     const StepValues v = step_values(values, items, heads, chunk);
     const int lane = threadIdx.x & 31;
     const u64 warp = threadIdx.x >> 5;
@@ -678,6 +685,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
     const float* x_p, const float* dy_p, const float* t_acc, const float* u, const float* values,
     void* dxbc, int dxbc_dtype, void* ddt, int ddt_dtype, float* partials, u64 first_item,
     u64 items, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    grid_dependency_sync();
     __shared__ float d_lam[CHUNKED_MAX_CHUNK];
     __shared__ float direct[CHUNKED_MAX_CHUNK];
     // The steps' dt, for the one thread's suffix sums below: from shared
@@ -779,6 +787,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
 extern "C" __global__ void ssd_chunk_unpack(
     const float* d_b, const float* d_c, void* dxbc, int dxbc_dtype, u64 first_item, u64 items,
     u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    grid_dependency_sync();
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
     const u64 n = items * groups * chunk * state;
     for (u64 k = grid_start(); k < n; k += grid_stride()) {
@@ -800,6 +809,7 @@ extern "C" __global__ void ssd_chunk_unpack(
 // bf16 operands.
 extern "C" __global__ void ssd_scan_state_combine(
     float* states, bf16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
+    grid_dependency_sync();
     const u64 n = batch * heads * pn;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const u64 e = i % pn;
@@ -840,6 +850,7 @@ extern "C" __global__ void ssd_chunk_output(
     const float* x_p, const float* t_acc, const float* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u64 first_item, u64 items, u64 seq,
     u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
+    grid_dependency_sync();
     const ChunkShape s = chunk_shape(seq, heads, head_dim, groups, state, chunk);
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u64 n = items * groups * chunk * s.group_width();
@@ -857,6 +868,7 @@ extern "C" __global__ void ssd_chunk_output_quads(
     const float4* x_p, const float4* t_acc, const float4* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u32 first_item, u32 items, u32 seq,
     u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
+    grid_dependency_sync();
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u32 chunks = (seq + chunk - 1) / chunk;
     const u32 jp = heads / groups * head_dim;

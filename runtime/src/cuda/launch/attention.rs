@@ -9,6 +9,7 @@
 //! the dimensions alone, so every sum has one order and the same inputs give
 //! the same bits.
 
+use super::KernelArgs;
 use super::{
     GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, ensure, exactly, float, len, product,
 };
@@ -17,7 +18,7 @@ use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
-use cudarc::driver::{CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
 /// Threads of every attention block (`ATT_THREADS`).
 const THREADS: u32 = 256;
@@ -63,7 +64,7 @@ impl KernelDims {
 
     /// Pushes `batch, seq, heads, kv_heads, qk_dim, v_dim, scale` (the tail
     /// of every attention kernel's arguments).
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+    fn push<'a>(&'a self, b: &mut KernelArgs<'a>) {
         b.arg(&self.batch)
             .arg(&self.seq)
             .arg(&self.heads)
@@ -162,7 +163,7 @@ impl KernelSet {
             dims.tokens.batch * dims.heads,
             dims.v_dim,
         )?;
-        let mut b = stream.launch_builder(self.function(kn)?);
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
         b.arg(&q.ptr)
             .arg(&qt)
             .arg(&k.ptr)
@@ -228,7 +229,7 @@ impl KernelSet {
         if dq.len > 0 {
             let k_dq = "attention_backward_dq";
             let config = tile_grid(kn, dims.tokens.seq.div_ceil(QUERY_TILE), pairs, dims.qk_dim)?;
-            let mut b = stream.launch_builder(self.function(k_dq)?);
+            let mut b = KernelArgs::new(stream, self.function(k_dq)?);
             b.arg(&q.ptr)
                 .arg(&qt)
                 .arg(&k.ptr)
@@ -252,7 +253,7 @@ impl KernelSet {
                 dims.tokens.batch * dims.kv_heads,
                 dims.qk_dim.max(dims.v_dim),
             )?;
-            let mut b = stream.launch_builder(self.function(k_dkdv)?);
+            let mut b = KernelArgs::new(stream, self.function(k_dkdv)?);
             b.arg(&q.ptr)
                 .arg(&qt)
                 .arg(&k.ptr)
@@ -594,7 +595,7 @@ impl KernelSet {
             as_u32(kn, "group", shape.group)?,
         );
         let (find, low) = (i32::from(find), squares.low_ptr());
-        let mut b = stream.launch_builder(self.function(kn)?);
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
         b.arg(&squares.scores.ptr).arg(&squares.high.ptr).arg(&low);
         b.arg(&pt).arg(&lse.ptr);
         b.arg(&seq).arg(&row).arg(&item).arg(&find);
@@ -751,7 +752,7 @@ impl KernelSet {
                 let config = self.row_blocks(kg, &shape, s)?;
                 let first = (s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j) * shape.v;
                 let (dout_s, out_s) = (at(dout, first), at(out, first));
-                let mut launch = stream.launch_builder(self.function(kg)?);
+                let mut launch = KernelArgs::new(stream, self.function(kg)?);
                 launch
                     .arg(&scores.ptr)
                     .arg(&squares.high.ptr)

@@ -15,6 +15,7 @@
 //! architecture alone, and no floats are added with atomics, so the same
 //! inputs give the same bits on the same kind of GPU.
 
+use super::KernelArgs;
 use super::attention::{self, KernelDims};
 use super::{GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
@@ -22,7 +23,7 @@ use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
 
 /// The head dims the kernels are compiled for (a template instance each).
@@ -177,7 +178,7 @@ pub(super) fn reserve_shared_memory(
 
 /// Pushes `batch, seq, heads, kv_heads, scale` (the tail of every flash
 /// kernel's arguments).
-fn push_dims<'a>(shape: &'a KernelDims, b: &mut cudarc::driver::LaunchArgs<'a>) {
+fn push_dims<'a>(shape: &'a KernelDims, b: &mut KernelArgs<'a>) {
     b.arg(&shape.batch)
         .arg(&shape.seq)
         .arg(&shape.heads)
@@ -319,7 +320,7 @@ impl KernelSet {
             dims.tokens.seq,
             dims.tokens.batch * dims.heads,
         )?;
-        let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
+        let mut b = KernelArgs::new(stream, self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
             .arg(&inputs.v.ptr)
@@ -385,7 +386,7 @@ impl KernelSet {
 
         let kernel = FlashKernel::BackwardDq;
         let config = flash_grid(kernel, d, path, seq, dims.tokens.batch * dims.heads)?;
-        let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
+        let mut b = KernelArgs::new(stream, self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
             .arg(&inputs.v.ptr)
@@ -399,7 +400,7 @@ impl KernelSet {
 
         let kernel = FlashKernel::BackwardDkdv;
         let config = flash_grid(kernel, d, path, seq, dims.tokens.batch * dims.heads)?;
-        let mut b = stream.launch_builder(self.flash_function(kernel, d)?);
+        let mut b = KernelArgs::new(stream, self.flash_function(kernel, d)?);
         b.arg(&inputs.q.ptr)
             .arg(&inputs.k.ptr)
             .arg(&inputs.v.ptr)
@@ -419,7 +420,7 @@ impl KernelSet {
         let sum = "flash_group_sum";
         let rows = rows as u64;
         let channel_pairs = grads.k.len / 2;
-        let mut b = stream.launch_builder(self.function(sum)?);
+        let mut b = KernelArgs::new(stream, self.function(sum)?);
         b.arg(&dk_part.ptr)
             .arg(&dv_part.ptr)
             .arg(&grads.k.ptr)

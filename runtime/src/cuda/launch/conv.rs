@@ -2,10 +2,11 @@
 //! (`Backend::conv1d_forward`, `conv1d_backward_input`,
 //! `conv1d_backward_weight`).
 
+use super::KernelArgs;
 use super::{GpuView, KernelSet, bf16_words, ensure, float, grid_for, len, product};
 use crate::backend::ConvDims;
 use crate::error::{Result, RuntimeError};
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
 /// The CPU kernels' checks: the kernel width, and `x` and `weight` (`x_len`
 /// and `w_len`, under those names whatever the caller's views are) against
@@ -89,7 +90,7 @@ impl KernelSet {
             return Ok(());
         }
         if let Some(config) = word_launch(&[x, y], rows, dims) {
-            let mut b = stream.launch_builder(self.function("conv1d_forward_words")?);
+            let mut b = KernelArgs::new(stream, self.function("conv1d_forward_words")?);
             b.arg(&x.ptr)
                 .arg(&weight.ptr)
                 .arg(&wt)
@@ -102,7 +103,7 @@ impl KernelSet {
             }
             return self.go(k, &mut b, config);
         }
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr)
             .arg(&xt)
             .arg(&weight.ptr)
@@ -135,7 +136,7 @@ impl KernelSet {
             return Ok(());
         }
         if let Some(config) = word_launch(&[dy, dx], rows, dims) {
-            let mut b = stream.launch_builder(self.function("conv1d_backward_input_words")?);
+            let mut b = KernelArgs::new(stream, self.function("conv1d_backward_input_words")?);
             b.arg(&dy.ptr).arg(&weight.ptr).arg(&wt).arg(&dx.ptr);
             let args = dims_args(rows, dims);
             for v in &args {
@@ -143,7 +144,7 @@ impl KernelSet {
             }
             return self.go(k, &mut b, config);
         }
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&weight.ptr)
@@ -205,7 +206,7 @@ impl KernelSet {
         } else {
             k
         };
-        let mut b = stream.launch_builder(self.function(kernel)?);
+        let mut b = KernelArgs::new(stream, self.function(kernel)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)

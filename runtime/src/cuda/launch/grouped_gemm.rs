@@ -9,15 +9,16 @@
 //! launch takes up to [`MAX_PROBLEMS`] problems of one layout, and a longer
 //! group or one of mixed layouts takes several.
 
-use super::{GpuView, HOPPER_SHARED_BYTES, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, setup_error};
+use super::{
+    GpuView, HOPPER_SHARED_BYTES, KernelArgs, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN,
+    setup_error,
+};
 use crate::backend::MatmulDims;
 use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -353,13 +354,13 @@ impl KernelSet {
                     block_dim: (THREADS, 1, 1),
                     shared_mem_bytes: SHARED_BYTES as u32,
                 };
-                let mut builder = stream.launch_builder(self.function(name)?);
+                let mut builder = KernelArgs::new(stream, self.function(name)?);
                 builder.arg(&arg);
                 // SAFETY: every problem's views hold exactly the elements
                 // its dims address (checked by the caller), the kernel
                 // reads A and B and writes C inside them, and C's are
                 // disjoint.
-                unsafe { builder.launch(config) }
+                unsafe { builder.launch(config, self.dependent_launch()) }
                     .map_err(|e| self.device_error(&format!("launching {name}"), e))?;
             }
         }

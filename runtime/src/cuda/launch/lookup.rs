@@ -13,11 +13,12 @@
 //! sum each owned id's rows (see `lookup.cu`). It adds in the CPU's order,
 //! so an f32 table gets the CPU's bits.
 
+use super::KernelArgs;
 use super::{GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, exactly, float, len, product};
 use crate::backend::LookupDims;
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, same_dtype};
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
 /// Threads of a lookup block (`LOOKUP_THREADS`): one channel each.
 const THREADS: u32 = 256;
@@ -61,7 +62,7 @@ impl KernelSet {
             shared_mem_bytes: 0,
         };
         let (rows, vocab, hidden) = (ids.len as u64, dims.vocab as u64, dims.hidden as u64);
-        let mut b = stream.launch_builder(self.function(kn)?);
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
         b.arg(&table.ptr)
             .arg(&ids.ptr)
             .arg(&out.ptr)
@@ -112,7 +113,7 @@ impl KernelSet {
             shared_mem_bytes: 0,
         };
         let (rows, vocab, hidden) = (ids.len as u64, dims.vocab as u64, dims.hidden as u64);
-        let mut b = stream.launch_builder(self.function(kn)?);
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
         b.arg(&dout.ptr)
             .arg(&dt)
             .arg(&ids.ptr)

@@ -15,6 +15,7 @@
 //! reads the word (at the end of a step, where the host reads the loss
 //! anyway) and says which index of which kind was bad.
 
+mod args;
 mod conv;
 mod scan;
 mod scan_chunked;
@@ -29,13 +30,13 @@ use crate::backend::{
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
-};
+use args::KernelArgs;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use hybridgen_dsl::config::ScoreFunction;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 mod attention;
 pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionAccumulatorLens, AttentionGemmPlan};
@@ -337,6 +338,9 @@ pub struct KernelSet {
     /// The grouped GEMM kernels' persistent grid (a block an SM), where
     /// they got their shared memory (Hopper).
     grouped_gemm_grid: Option<u32>,
+    /// Whether launches carry programmatic stream serialisation
+    /// ([`args`]): on by default where the device has it (sm_90).
+    dependent_launch: AtomicBool,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -409,6 +413,7 @@ impl KernelSet {
             functions,
             flash_attention,
             grouped_gemm_grid,
+            dependent_launch: AtomicBool::new(target.dependent_launch()),
             fault,
             fault_ptr,
         })
@@ -417,6 +422,20 @@ impl KernelSet {
     /// The architecture the kernels were compiled for.
     pub fn target(&self) -> Target {
         self.target
+    }
+
+    /// Turns programmatic dependent launch on (where the target has it) or
+    /// off for every launch after this call. Off, each kernel starts
+    /// after the one before has finished, as without PDL; the kernels and
+    /// their bits are the same either way.
+    pub fn set_dependent_launch(&self, on: bool) {
+        let on = on && self.target.dependent_launch();
+        self.dependent_launch.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether launches carry programmatic dependent launch.
+    pub fn dependent_launch(&self) -> bool {
+        self.dependent_launch.load(Ordering::Relaxed)
     }
 
     /// Waits for `stream`, then returns (and clears) the first bad index any
@@ -485,7 +504,7 @@ impl KernelSet {
         }
         let f = self.function(k)?;
         let (st, dt, n) = (dtype_tag(src.dtype), dtype_tag(dst.dtype), src.len as u64);
-        let mut b = stream.launch_builder(f);
+        let mut b = KernelArgs::new(stream, f);
         b.arg(&src.ptr).arg(&st).arg(&dst.ptr).arg(&dt).arg(&n);
         self.go(k, &mut b, grid_for(src.len))
     }
@@ -504,7 +523,7 @@ impl KernelSet {
         }
         let f = self.function(k)?;
         let (t, n) = (dtype_tag(dst.dtype), dst.len as u64);
-        let mut b = stream.launch_builder(f);
+        let mut b = KernelArgs::new(stream, f);
         b.arg(&dst.ptr).arg(&t).arg(&n).arg(&value);
         self.go(k, &mut b, grid_for(dst.len))
     }
@@ -525,7 +544,7 @@ impl KernelSet {
             return Ok(());
         }
         let n = x.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&alpha)
             .arg(&x.ptr)
             .arg(&xt)
@@ -543,7 +562,7 @@ impl KernelSet {
             return Ok(());
         }
         let n = x.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr).arg(&t).arg(&n).arg(&alpha);
         self.go(k, &mut b, grid_for(x.len))
     }
@@ -579,7 +598,7 @@ impl KernelSet {
         ]
         .map(|v| v as u64);
         let acc = i32::from(d.accumulate);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&src.ptr).arg(&dst.ptr).arg(&t);
         for v in &dims {
             b.arg(v);
@@ -605,7 +624,7 @@ impl KernelSet {
             return Ok(());
         }
         let (r, c) = (rows as u64, cols as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr)
             .arg(&xt)
             .arg(&out.ptr)
@@ -627,7 +646,7 @@ impl KernelSet {
         exactly(k, "out", &out, DType::F64)?;
         len(k, "out", &out, 1)?;
         let (xt, n) = (dtype_tag(x.dtype), x.len as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr).arg(&xt).arg(&n).arg(&out.ptr);
         self.go(k, &mut b, per_item(1, reduce_threads(x.len, 1024))?)
     }
@@ -669,11 +688,11 @@ impl KernelSet {
         let (n, p, t) = (x.len as u64, piece as u64, tiles as u64);
         let span = piece.div_ceil(tiles);
         let tk = "sum_squares_tiles";
-        let mut b = stream.launch_builder(self.function(tk)?);
+        let mut b = KernelArgs::new(stream, self.function(tk)?);
         b.arg(&x.ptr).arg(&n).arg(&p).arg(&t).arg(&scratch.ptr);
         self.go(tk, &mut b, per_item(partials, reduce_threads(span, 256))?)?;
         let pk = "sum_squares_pieces";
-        let mut b = stream.launch_builder(self.function(pk)?);
+        let mut b = KernelArgs::new(stream, self.function(pk)?);
         b.arg(&scratch.ptr).arg(&t).arg(&out.ptr);
         self.go(pk, &mut b, per_item(pieces, reduce_threads(tiles, 256))?)
     }
@@ -716,7 +735,7 @@ impl KernelSet {
         let vec8 = bf16_words(&[x, weight, y], gs);
         let threads = norm_threads(gs, vec8);
         let vec8 = i32::from(vec8);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr)
             .arg(&xt)
             .arg(&weight.ptr)
@@ -753,7 +772,7 @@ impl KernelSet {
         let vec8 = words8(&[dy, x, weight, dx], gs);
         let threads = norm_threads(gs, vec8);
         let vec8 = i32::from(vec8);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)
@@ -811,7 +830,7 @@ impl KernelSet {
         let slices = Self::rmsnorm_weight_slices(d);
         let dims = [d.rows, d.dim, d.groups, gs].map(|v| v as u64);
         let kp = "rmsnorm_weight_partials";
-        let mut b = stream.launch_builder(self.function(kp)?);
+        let mut b = KernelArgs::new(stream, self.function(kp)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)
@@ -826,7 +845,7 @@ impl KernelSet {
         self.go(kp, &mut b, config)?;
         let kf = "rmsnorm_weight_finish";
         let (slices, dim) = (slices as u64, d.dim as u64);
-        let mut b = stream.launch_builder(self.function(kf)?);
+        let mut b = KernelArgs::new(stream, self.function(kf)?);
         b.arg(&scratch.ptr)
             .arg(&slices)
             .arg(&dw.ptr)
@@ -851,7 +870,7 @@ impl KernelSet {
         }
         let (code, n) = (unary_code(op), x.len as u64);
         let vec8 = bf16_words(&[x, y], x.len);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&code)
             .arg(&x.ptr)
             .arg(&xt)
@@ -885,7 +904,7 @@ impl KernelSet {
         }
         let (code, n) = (unary_code(op), x.len as u64);
         let vec8 = bf16_words(&[x, dy, dx], x.len);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&code)
             .arg(&x.ptr)
             .arg(&xt)
@@ -919,7 +938,7 @@ impl KernelSet {
             return Ok(());
         }
         let n = gate.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&gate.ptr)
             .arg(&gt)
             .arg(&up.ptr)
@@ -954,7 +973,7 @@ impl KernelSet {
             return Ok(());
         }
         let n = gate.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&gate.ptr)
             .arg(&gt)
             .arg(&up.ptr)
@@ -995,7 +1014,7 @@ impl KernelSet {
         // A thread per (row, pair index); it rotates that pair of every head.
         let angles = product(k, &[rows, d.dim / 2])?;
         let dims = [rows, d.tokens.seq, d.heads, d.head_stride, d.offset, d.dim].map(|v| v as u64);
-        let mut b = stream.launch_builder(self.function("rotary")?);
+        let mut b = KernelArgs::new(stream, self.function("rotary")?);
         b.arg(&x.ptr).arg(&t);
         for v in &dims {
             b.arg(v);
@@ -1056,7 +1075,7 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&qkv.ptr).arg(&q.ptr).arg(&kk.ptr).arg(&v.ptr).arg(&t);
         for x in &dims {
             b.arg(x);
@@ -1081,7 +1100,7 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dq.ptr)
             .arg(&dk.ptr)
             .arg(&dv.ptr)
@@ -1133,7 +1152,7 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.rows, d.heads, d.nope_dim, d.rope_dim, d.v_dim].map(|x| x as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&kv.ptr)
             .arg(&k_rope.ptr)
             .arg(&k_out.ptr)
@@ -1165,7 +1184,7 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.rows, d.heads, d.nope_dim, d.rope_dim, d.v_dim].map(|x| x as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dk.ptr)
             .arg(&dv.ptr)
             .arg(&d_kv.ptr)
@@ -1215,7 +1234,7 @@ impl KernelSet {
             return Ok(());
         }
         let vocab = d.vocab as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&targets.ptr)
             .arg(&losses.ptr)
@@ -1239,7 +1258,7 @@ impl KernelSet {
             return Ok(());
         }
         let vocab = d.vocab as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&probs.ptr)
             .arg(&targets.ptr)
             .arg(&scale)
@@ -1275,7 +1294,7 @@ impl KernelSet {
         let vocab = d.vocab as u64;
         // A null pointer: no losses.
         let losses = losses.map_or(0u64, |l| l.ptr);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&targets.ptr)
             .arg(&scale)
@@ -1304,7 +1323,7 @@ impl KernelSet {
             return Ok(());
         }
         let vocab = d.vocab as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&targets.ptr)
             .arg(&losses.ptr)
@@ -1375,7 +1394,7 @@ impl KernelSet {
             return Ok(());
         }
         let (rows, top_k, score) = (d.rows as u64, d.top_k as u32, score_code(d.score));
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&bias)
             .arg(&scores.ptr)
@@ -1391,7 +1410,7 @@ impl KernelSet {
         let Some(prob_sum) = prob_sum else {
             return Ok(());
         };
-        let mut b = stream.launch_builder(self.function("moe_prob_sum")?);
+        let mut b = KernelArgs::new(stream, self.function("moe_prob_sum")?);
         b.arg(&logits.ptr)
             .arg(&prob_sum.ptr)
             .arg(&rows)
@@ -1433,7 +1452,7 @@ impl KernelSet {
             return Ok(());
         }
         let (rows, top_k, score) = (d.rows as u64, d.top_k as u32, score_code(d.score));
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
             .arg(&scores.ptr)
             .arg(&selected.ptr)
@@ -1483,7 +1502,7 @@ impl KernelSet {
         let mut config = grid_for(n);
         config.grid_dim.0 = config.grid_dim.0.min(264);
         config.shared_mem_bytes = 4 * experts;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&selected.ptr)
             .arg(&slots)
             .arg(&counts.ptr)
@@ -1523,7 +1542,7 @@ impl KernelSet {
             )));
         }
         let (slots, top_k, experts) = (n as u64, s.top_k as u32, s.experts as u32);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&selected.ptr)
             .arg(&counts.ptr)
             .arg(&positions.ptr)
@@ -1556,7 +1575,7 @@ impl KernelSet {
             as_u32(k, "local experts", d.local_experts)?,
         );
         let total = order.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&recv_counts.ptr)
             .arg(&order.ptr)
             .arg(&ranks)
@@ -1594,7 +1613,7 @@ impl KernelSet {
         len(k, "loss", &loss, 1)?;
         let (tokens, top_k) = (d.slots.tokens as u64, d.slots.top_k as u64);
         let experts = as_u32(k, "experts", d.slots.experts)?;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&counts.ptr)
             .arg(&prob_sum.ptr)
             .arg(&loss.ptr)
@@ -1622,7 +1641,7 @@ impl KernelSet {
         }
         let (tokens, top_k) = (d.slots.tokens as u64, d.slots.top_k as u64);
         let experts = as_u32(k, "experts", d.slots.experts)?;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&counts.ptr)
             .arg(&aux_grad.ptr)
             .arg(&tokens)
@@ -1675,7 +1694,7 @@ impl KernelSet {
             .unwrap_or(2);
         let words = row_bytes / word as u64;
         let (count, rows) = (index.len as u64, (other.len / width) as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&src.ptr)
             .arg(&index.ptr)
             .arg(&dst.ptr)
@@ -1816,7 +1835,7 @@ impl KernelSet {
         let vec8 = words8(&[rows, out], d.width) && shared.is_none_or(|s| words8(&[s], d.width));
         let vec8 = i32::from(vec8);
         let accumulate = i32::from(accumulate);
-        let mut b = stream.launch_builder(self.function("moe_unpermute")?);
+        let mut b = KernelArgs::new(stream, self.function("moe_unpermute")?);
         b.arg(&rows.ptr)
             .arg(&rt)
             .arg(&w)
@@ -1870,7 +1889,7 @@ impl KernelSet {
         let rows_vec8 = i32::from(bf16_words(&[dout, d_rows], d.width));
         let weights_vec8 = i32::from(bf16_words(&[dout, rows], d.width));
         let k_rows = "moe_unpermute_backward_rows";
-        let mut b = stream.launch_builder(self.function(k_rows)?);
+        let mut b = KernelArgs::new(stream, self.function(k_rows)?);
         b.arg(&dout.ptr)
             .arg(&dt)
             .arg(&weights.ptr)
@@ -1883,7 +1902,7 @@ impl KernelSet {
         b.arg(&rows_vec8).arg(&self.fault_ptr);
         self.go(k_rows, &mut b, block_per_row(positions.len))?;
         let k_weights = "moe_unpermute_backward_weights";
-        let mut b = stream.launch_builder(self.function(k_weights)?);
+        let mut b = KernelArgs::new(stream, self.function(k_weights)?);
         b.arg(&dout.ptr)
             .arg(&dt)
             .arg(&rows.ptr)
@@ -1955,7 +1974,7 @@ impl KernelSet {
         let bc2 = (1.0 - f64::from(step.beta2).powi(t)) as f32;
         let decay = 1.0 - step.lr * step.weight_decay;
         let n = param.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&param.ptr)
             .arg(&copy_ptr)
             .arg(&copy_dtype)
@@ -2010,7 +2029,7 @@ impl KernelSet {
             return Ok(());
         }
         let n = param.len as u64;
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&param.ptr)
             .arg(&copy_ptr)
             .arg(&copy_dtype)
@@ -2028,18 +2047,12 @@ impl KernelSet {
     }
 
     /// Launches a built argument list.
-    fn go(
-        &self,
-        kernel: &str,
-        args: &mut cudarc::driver::LaunchArgs<'_>,
-        config: LaunchConfig,
-    ) -> Result<()> {
+    fn go(&self, kernel: &str, args: &mut KernelArgs<'_>, config: LaunchConfig) -> Result<()> {
         // SAFETY: every argument was pushed in the order and with the types
         // of the kernel's C signature (one launch method per kernel, next to
         // its checks), and every pointer is a view whose length the method
         // checked against the dimensions the kernel indexes with.
-        unsafe { args.launch(config) }
-            .map(|_| ())
+        unsafe { args.launch(config, self.dependent_launch()) }
             .map_err(|e| self.device_error(&format!("launching `{kernel}`"), e))
     }
 }

@@ -9,11 +9,12 @@
 //! size [`KernelSet::ssd_scan_backward_scratch_len`] gives, so that a step
 //! allocates nothing.
 
+use super::KernelArgs;
 use super::{GpuView, KernelSet, ensure, exactly, float, grid_for, len, per_item, product};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
-use cudarc::driver::{CudaStream, PushKernelArg};
+use cudarc::driver::CudaStream;
 
 /// Warps of a forward block (one state row each).
 const FORWARD_WARPS: usize = 8;
@@ -324,7 +325,7 @@ impl KernelSet {
             a_log,
             d,
         } = inputs;
-        let mut b = stream.launch_builder(self.function(tier.forward)?);
+        let mut b = KernelArgs::new(stream, self.function(tier.forward)?);
         b.arg(&xbc.ptr)
             .arg(&xt)
             .arg(&dt.ptr)
@@ -416,7 +417,7 @@ impl KernelSet {
         let args = dims_args(dims);
 
         let kf = "ssd_scan_factors";
-        let mut b = stream.launch_builder(self.function(kf)?);
+        let mut b = KernelArgs::new(stream, self.function(kf)?);
         b.arg(&dt.ptr)
             .arg(&dtt)
             .arg(&dt_bias.ptr)
@@ -433,7 +434,7 @@ impl KernelSet {
         let kc = shape.tier.carry;
         let head_threads = (32 * shape.head_warps) as u32;
         let chunk_blocks = product(k, &[dims.tokens.batch, chunks, dims.heads])?;
-        let mut b = stream.launch_builder(self.function(kc)?);
+        let mut b = KernelArgs::new(stream, self.function(kc)?);
         b.arg(&xbc.ptr).arg(&xt).arg(&dy.ptr).arg(&dyt);
         b.arg(&scratch.ptr).arg(&batch_u);
         for v in &args {
@@ -446,7 +447,7 @@ impl KernelSet {
 
         let kh = shape.tier.head;
         let head_blocks = product(k, &[dims.tokens.batch, dims.heads, chunks])?;
-        let mut b = stream.launch_builder(self.function(kh)?);
+        let mut b = KernelArgs::new(stream, self.function(kh)?);
         b.arg(&xbc.ptr)
             .arg(&xt)
             .arg(&dt.ptr)
@@ -477,7 +478,7 @@ impl KernelSet {
                 chunks,
             ],
         )?;
-        let mut b = stream.launch_builder(self.function(kg)?);
+        let mut b = KernelArgs::new(stream, self.function(kg)?);
         b.arg(&xbc.ptr)
             .arg(&xt)
             .arg(&states.ptr)
@@ -519,7 +520,7 @@ impl KernelSet {
             chunks,
         ]
         .map(|v| v as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&carry)
             .arg(&copy)
             .arg(&chunk_decay)
@@ -548,7 +549,7 @@ impl KernelSet {
         let k = "ssd_scan_backward_params";
         let (dat, ddt) = (float(k, "d_a_log", &d_a_log)?, float(k, "d_d", &d_d)?);
         let [batch, heads, chunks_u] = [dims.tokens.batch, dims.heads, chunks].map(|v| v as u64);
-        let mut b = stream.launch_builder(self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&partials).arg(&batch).arg(&heads).arg(&chunks_u);
         b.arg(&d_a_log.ptr).arg(&dat).arg(&d_d.ptr).arg(&ddt);
         self.go(k, &mut b, grid_for(dims.heads))

@@ -19,6 +19,7 @@
 //! the cap, or whose chunk is longer than [`CHUNKED_MAX_CHUNK`], takes the
 //! sequential kernels.
 
+use super::KernelArgs;
 use super::scan::{Checked, check_backward, check_forward};
 use super::{GpuView, KernelSet, block_per_row, ensure, exactly, grid_for, per_item, product};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
@@ -26,7 +27,7 @@ use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
-use cudarc::driver::{CudaStream, DeviceRepr, LaunchArgs, PushKernelArg};
+use cudarc::driver::{CudaStream, DeviceRepr};
 
 /// The most scratch a chunked call takes by default (1.25 GiB): a
 /// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
@@ -660,7 +661,7 @@ impl KernelSet {
         let states_op = parts.states_op.map(|copy| part(copy, 0, states.len));
         let copy = states_op.map_or(0, |v| v.ptr);
         let states_op = states_op.unwrap_or(states);
-        let mut b = stream.launch_builder(self.function(ks)?);
+        let mut b = KernelArgs::new(stream, self.function(ks)?);
         b.arg(&states.ptr)
             .arg(&copy)
             .arg(&parts.chunk_decay.ptr)
@@ -698,7 +699,7 @@ impl KernelSet {
             };
             let slice = SliceArgs::new(dims, i0, count);
             let narrow = slice.narrow();
-            let mut b = stream.launch_builder(self.function(ko)?);
+            let mut b = KernelArgs::new(stream, self.function(ko)?);
             b.arg(&parts.x.ptr)
                 .arg(&parts.t_acc.ptr)
                 .arg(&parts.u.ptr)
@@ -736,7 +737,7 @@ impl KernelSet {
         let slice = SliceArgs::new(dims, first, count);
         let [first_u, count_u, seq, heads, _, _, _, chunk] = slice.0;
         let kf = "ssd_chunk_factors";
-        let mut b = stream.launch_builder(self.function(kf)?);
+        let mut b = KernelArgs::new(stream, self.function(kf)?);
         push_step_inputs(&mut b, o, tags);
         b.arg(&parts.steps.ptr)
             .arg(&parts.chunk_decay.ptr)
@@ -760,7 +761,7 @@ impl KernelSet {
         } else {
             (0, 0)
         };
-        let mut b = stream.launch_builder(self.function(kp)?);
+        let mut b = KernelArgs::new(stream, self.function(kp)?);
         b.arg(&o.xbc.ptr)
             .arg(&tags.xbc)
             .arg(&dy_ptr)
@@ -808,7 +809,7 @@ impl KernelSet {
             } else {
                 "ssd_chunk_scores_sums"
             };
-            let mut b = stream.launch_builder(self.function(kernel)?);
+            let mut b = KernelArgs::new(stream, self.function(kernel)?);
             b.arg(&parts.cb.ptr)
                 .arg(&d_m)
                 .arg(&parts.m.ptr)
@@ -827,7 +828,7 @@ impl KernelSet {
             (false, true) => "ssd_chunk_scores_bf16",
             (false, false) => k,
         };
-        let mut b = stream.launch_builder(self.function(kernel)?);
+        let mut b = KernelArgs::new(stream, self.function(kernel)?);
         b.arg(&parts.cb.ptr)
             .arg(&d_m)
             .arg(&parts.m.ptr)
@@ -907,7 +908,7 @@ impl KernelSet {
         } else {
             (0, 0)
         };
-        let mut b = stream.launch_builder(self.function(kr)?);
+        let mut b = KernelArgs::new(stream, self.function(kr)?);
         b.arg(&parts.d_m.ptr)
             .arg(&row_parts)
             .arg(&column_blocks)
@@ -959,7 +960,7 @@ impl KernelSet {
 
         let slice = SliceArgs::new(dims, first, count);
         let kf = "ssd_chunk_final";
-        let mut b = stream.launch_builder(self.function(kf)?);
+        let mut b = KernelArgs::new(stream, self.function(kf)?);
         push_step_inputs(&mut b, o, tags);
         b.arg(&o.d.ptr).arg(&tags.skip);
         b.arg(&o.states.ptr)
@@ -982,7 +983,7 @@ impl KernelSet {
         )?;
 
         let ku = "ssd_chunk_unpack";
-        let mut b = stream.launch_builder(self.function(ku)?);
+        let mut b = KernelArgs::new(stream, self.function(ku)?);
         b.arg(&parts.d_b.ptr)
             .arg(&parts.d_c.ptr)
             .arg(&d_xbc.ptr)
@@ -1022,7 +1023,7 @@ impl SliceArgs {
 }
 
 impl<T: DeviceRepr> SliceArgs<T> {
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+    fn push<'a>(&'a self, b: &mut KernelArgs<'a>) {
         for v in &self.0 {
             b.arg(v);
         }
@@ -1043,7 +1044,7 @@ struct Operands {
 
 /// Pushes what the per-step kernels read first: dt, dt_bias and A_log,
 /// each with its dtype tag.
-fn push_step_inputs<'a>(b: &mut LaunchArgs<'a>, o: &'a Operands, tags: &'a Tags) {
+fn push_step_inputs<'a>(b: &mut KernelArgs<'a>, o: &'a Operands, tags: &'a Tags) {
     b.arg(&o.dt.ptr)
         .arg(&tags.dt)
         .arg(&o.dt_bias.ptr)
