@@ -204,9 +204,11 @@ launch_modes() {
 # Where a step's time goes on one GPU: the benchmark model's trace summed
 # by layer piece (scripts/trace_breakdown.py), and a kernel table from
 # Nsight Systems where the machine has it.
-# The run both look at: the benchmark model on one GPU.
+# The run both look at: the benchmark model on one GPU (SCHEDULE picks the
+# schedule; EXTRA adds flags, e.g. EXTRA="--dependent-launch off").
+# shellcheck disable=SC2206 # EXTRA is a word list
 profile_args=(train --device cuda --ranks 1 --ep 1 --format json --preset bench-hybrid-moe
-  --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule "${SCHEDULE:-plain}")
+  --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule "${SCHEDULE:-plain}" ${EXTRA:-})
 profile() {
   local args=("${profile_args[@]}")
   "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 4 --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1

@@ -240,6 +240,67 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
     }
 }
 
+/// RMSNorm's weight gradient 8 channels a thread (views 16-byte aligned,
+/// groups of a multiple of 8) gives the scalar kernel's bits: the same
+/// rows summed in the same order. The scalar kernel is reached with the
+/// same values one element into their buffers (no longer aligned). Rows
+/// span several slices, the last one short, and the channels a partly
+/// filled block; dy is bf16 or f32 (the layers sum it in f32), x bf16 or
+/// f32.
+#[test]
+fn the_norm_weight_gradient_8_channels_a_thread_gives_the_scalar_bits() {
+    let Some(dev) = gpu(Precision::Bf16) else {
+        return;
+    };
+    let (rows, dim) = (1100usize, 2112usize);
+    let mut seed = 11u64;
+    let dy = uniform(&mut seed, rows * dim, -2.0, 2.0);
+    let x = uniform(&mut seed, rows * dim, -2.0, 2.0);
+    let dw0 = uniform(&mut seed, dim, -2.0, 2.0);
+    for groups in [1usize, 8] {
+        let rstd = uniform(&mut seed, rows * groups, 0.5, 2.0);
+        for (dy_t, x_t) in [
+            (DType::Bf16, DType::Bf16),
+            (DType::F32, DType::Bf16),
+            (DType::F32, DType::F32),
+        ] {
+            let dims = hybridgen_runtime::backend::NormDims {
+                rows,
+                dim,
+                groups,
+                eps: 1e-5,
+            };
+            // `values` in a buffer of `dtype`, starting `at` elements in.
+            let placed = |values: &[f32], dtype: DType, at: usize| {
+                let mut padded = vec![0.0f32; at];
+                padded.extend_from_slice(values);
+                put(&dev, &padded, dtype)
+            };
+            let run = |at: usize| -> Vec<u32> {
+                let (dyb, xb) = (placed(&dy, dy_t, at), placed(&x, x_t, at));
+                let rstdb = put(&dev, &rstd, DType::F32);
+                let dwb = put(&dev, &dw0, DType::F32);
+                let n = rows * dim;
+                dev.rmsnorm_backward_weight(
+                    dev.slice(&dyb, at..at + n).unwrap(),
+                    dev.slice(&xb, at..at + n).unwrap(),
+                    dev.view(&rstdb).unwrap(),
+                    dev.view_mut(&dwb).unwrap(),
+                    dims,
+                )
+                .unwrap();
+                get(&dev, &dwb, dim).iter().map(|v| v.to_bits()).collect()
+            };
+            let (aligned, scalar) = (run(0), run(1));
+            let differ = aligned.iter().zip(&scalar).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differ, 0,
+                "{groups} groups, dy {dy_t}, x {x_t}: {differ} of {dim} weight gradients differ"
+            );
+        }
+    }
+}
+
 /// Values uniform in `[lo, hi)` from a fixed-seed generator.
 fn uniform(seed: &mut u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
     (0..n)

@@ -14,6 +14,9 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
         (3, 130, 1),
         (3, 130, 5),
         (1, 1, 1),
+        // Groups of a multiple of 8 channels (the GPU's 8-channels-a-thread
+        // paths), rows over several slices of the weight gradient's sums.
+        (1100, 96, 2),
     ];
     for (i, (rows, dim, groups)) in shapes.into_iter().enumerate() {
         let dims = NormDims {

@@ -148,6 +148,203 @@ extern "C" __global__ void rmsnorm_backward_input(
     }
 }
 
+// ---- a warp a (row, group) -----------------------------------------------------
+// The `vec8` paths with a warp per (row, group) instead of a block, for
+// groups of at most 256 words (2,048 channels): 8 items a block of 256
+// threads, no block barriers, more rows in flight, and the forward keeps a
+// lane's words in registers between its two passes. The sums are the block
+// kernels' bit for bit: with T = `norm_threads` threads a block there (W =
+// T / 32 warps, T at least the words, so a word a thread), lane l's slot w
+// here stands for thread 32 w + l there and sums the same word with the
+// same expression; each slot's butterfly over the lanes is that warp's;
+// and the last butterfly takes the W warp sums in lanes 0 .. W - 1 and
+// zeros elsewhere, as `block_sum` does.
+#define NORM_WARP_ITEMS 8
+
+// Lane `i`'s value of `sums` in lanes i < W, zero elsewhere, summed as
+// `block_sum`'s second stage sums its warps.
+template <int W>
+__device__ __forceinline__ float across_slots(const float (&sums)[W], int lane) {
+    float t = 0.0f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        if (lane == i) {
+            t = sums[i];
+        }
+    }
+    return warp_sum(t);
+}
+
+template <int W>
+__device__ __forceinline__ void rmsnorm_forward_warp_item(
+    const uint4* x, const uint4* w, uint4* y, float* rstd, u64 item, u64 groups, u64 group_size,
+    float eps) {
+    const int lane = threadIdx.x & 31;
+    const u64 words = group_size / 8;
+    const uint4* xr = x + item * words;
+    uint4 v[W];
+    float sums[W];
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        const u64 c = static_cast<u64>(i) * 32 + lane;
+        float sum = 0.0f;
+        if (c < words) {
+            v[i] = xr[c];
+            float f[8];
+            unpack8(v[i], f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                sum += f[e] * f[e];
+            }
+        }
+        sums[i] = warp_sum(sum);
+    }
+    const float total = across_slots<W>(sums, lane);
+    const float rs = 1.0f / sqrtf(total / static_cast<float>(group_size) + eps);
+    if (lane == 0) {
+        rstd[item] = rs;
+    }
+    const uint4* wr = w + (item % groups) * words;
+    uint4* yr = y + item * words;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        const u64 c = static_cast<u64>(i) * 32 + lane;
+        if (c < words) {
+            float f[8], g[8];
+            unpack8(v[i], f);
+            unpack8(wr[c], g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                f[e] = f[e] * rs * g[e];
+            }
+            yr[c] = pack8(f);
+        }
+    }
+}
+
+// `rmsnorm_forward` on the `vec8` path, a warp an item; `warps` is W.
+extern "C" __global__ void __launch_bounds__(NORM_WARP_ITEMS * 32) rmsnorm_forward_warp(
+    const void* x, const void* w, void* y, float* rstd, u64 items, u64 groups, u64 group_size,
+    float eps, int warps) {
+    grid_dependency_sync();
+    const u64 item = static_cast<u64>(blockIdx.x) * NORM_WARP_ITEMS + (threadIdx.x >> 5);
+    if (item >= items) {
+        return;
+    }
+    const uint4* xv = static_cast<const uint4*>(x);
+    const uint4* wv = static_cast<const uint4*>(w);
+    uint4* yv = static_cast<uint4*>(y);
+    switch (warps) {
+        case 1:
+            rmsnorm_forward_warp_item<1>(xv, wv, yv, rstd, item, groups, group_size, eps);
+            break;
+        case 2:
+            rmsnorm_forward_warp_item<2>(xv, wv, yv, rstd, item, groups, group_size, eps);
+            break;
+        case 4:
+            rmsnorm_forward_warp_item<4>(xv, wv, yv, rstd, item, groups, group_size, eps);
+            break;
+        default:
+            rmsnorm_forward_warp_item<8>(xv, wv, yv, rstd, item, groups, group_size, eps);
+            break;
+    }
+}
+
+// `rmsnorm_backward_input_vec8` a warp an item (DY for dy, T for x, w and
+// dx); the second pass reads its words again, as the block kernel does.
+template <int W, typename DY, typename T>
+__device__ __forceinline__ void rmsnorm_backward_input_warp_item(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, u64 item, u64 groups, u64 group_size) {
+    const int lane = threadIdx.x & 31;
+    const u64 words = group_size / 8;
+    const u64 base = item * words;
+    const u64 w_base = (item % groups) * words;
+    float sums[W];
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        const u64 c = static_cast<u64>(i) * 32 + lane;
+        float gx = 0.0f;
+        if (c < words) {
+            float fw[8], fd[8], fx[8];
+            T::load(w, w_dtype, w_base + c, fw);
+            DY::load(dy, dy_dtype, base + c, fd);
+            T::load(x, x_dtype, base + c, fx);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                gx += fw[e] * fd[e] * fx[e];
+            }
+        }
+        sums[i] = warp_sum(gx);
+    }
+    const float gx = across_slots<W>(sums, lane);
+    const float rs = rstd[item];
+    const float k = rs * rs * rs * gx / static_cast<float>(group_size);
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        const u64 c = static_cast<u64>(i) * 32 + lane;
+        if (c < words) {
+            float fw[8], fd[8], fx[8], out[8];
+            T::load(w, w_dtype, w_base + c, fw);
+            DY::load(dy, dy_dtype, base + c, fd);
+            T::load(x, x_dtype, base + c, fx);
+            T::load(dx, dx_dtype, base + c, out);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float g = fw[e] * fd[e];
+                out[e] = out[e] + (rs * g - fx[e] * k);
+            }
+            T::store(dx, dx_dtype, base + c, out);
+        }
+    }
+}
+
+template <typename DY, typename T>
+__device__ __forceinline__ void rmsnorm_backward_input_warp_words(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, u64 item, u64 groups, u64 group_size, int warps) {
+    switch (warps) {
+        case 1:
+            rmsnorm_backward_input_warp_item<1, DY, T>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                       dx_dtype, item, groups, group_size);
+            break;
+        case 2:
+            rmsnorm_backward_input_warp_item<2, DY, T>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                       dx_dtype, item, groups, group_size);
+            break;
+        case 4:
+            rmsnorm_backward_input_warp_item<4, DY, T>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                       dx_dtype, item, groups, group_size);
+            break;
+        default:
+            rmsnorm_backward_input_warp_item<8, DY, T>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                       dx_dtype, item, groups, group_size);
+            break;
+    }
+}
+
+// `rmsnorm_backward_input` on the `vec8` path, a warp an item; `warps` is W.
+extern "C" __global__ void __launch_bounds__(NORM_WARP_ITEMS * 32) rmsnorm_backward_input_warp(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, u64 items, u64 groups, u64 group_size, int warps) {
+    grid_dependency_sync();
+    const u64 item = static_cast<u64>(blockIdx.x) * NORM_WARP_ITEMS + (threadIdx.x >> 5);
+    if (item >= items) {
+        return;
+    }
+    const bool bf16 = x_dtype == DTYPE_BF16 && w_dtype == DTYPE_BF16 && dx_dtype == DTYPE_BF16;
+    if (bf16 && dy_dtype == DTYPE_BF16) {
+        rmsnorm_backward_input_warp_words<Bf16Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                                  dx_dtype, item, groups, group_size, warps);
+    } else if (bf16 && dy_dtype == DTYPE_F32) {
+        rmsnorm_backward_input_warp_words<F32Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                                 dx_dtype, item, groups, group_size, warps);
+    } else {
+        rmsnorm_backward_input_warp_words<AnyWords8, AnyWords8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
+                                                                dx_dtype, item, groups, group_size, warps);
+    }
+}
+
 // dw[j] += sum_r dy[r, j] x[r, j] rstd[r, j / group_size], in two stages:
 // rmsnorm_weight_partials sums slice y of the rows (blockIdx.y; a block of
 // 32 columns by 32 row threads, the column-sum shape of `column_sum`) into
@@ -181,6 +378,79 @@ extern "C" __global__ void rmsnorm_weight_partials(
     }
     if (threadIdx.y == 0 && j < dim) {
         partials[blockIdx.y * dim + j] = partial[0][threadIdx.x];
+    }
+}
+
+// `rmsnorm_weight_partials` 8 channels a thread (every view 16-byte
+// aligned, dim and the group size multiples of 8; DY for dy, T for x): a
+// block of 8 column threads (64 channels) by 32 row threads. Row thread y
+// sums the rows of its slice that the scalar kernel's row thread y sums, in
+// the same order and with the same expression, and the tree over the 32 is
+// the same, so the partials are the same bits; what changes is that a warp
+// reads 128 contiguous bytes of a row per load instead of 64, with 8
+// channels in flight a thread.
+#define PARTIALS_COLUMN_THREADS 8
+template <typename DY, typename T>
+__device__ __forceinline__ void rmsnorm_weight_partials_vec8(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, float* partials,
+    u64 rows, u64 dim, u64 groups, u64 group_size, float (*partial)[PARTIALS_COLUMN_THREADS * 8 + 1]) {
+    const u64 words = dim / 8;
+    const u64 word = static_cast<u64>(blockIdx.x) * PARTIALS_COLUMN_THREADS + threadIdx.x;
+    const u64 slice_rows = (rows + gridDim.y - 1) / gridDim.y;
+    const u64 r0 = blockIdx.y * slice_rows;
+    const u64 r1 = min(rows, r0 + slice_rows);
+    float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (word < words) {
+        const u64 g = word * 8 / group_size;
+#pragma unroll 4
+        for (u64 r = r0 + threadIdx.y; r < r1; r += 32) {
+            float fd[8], fx[8];
+            DY::load(dy, dy_dtype, r * words + word, fd);
+            T::load(x, x_dtype, r * words + word, fx);
+            const float rs = rstd[r * groups + g];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                sum[e] += fd[e] * fx[e] * rs;
+            }
+        }
+    }
+    const u32 c = threadIdx.x * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        partial[threadIdx.y][c + e] = sum[e];
+    }
+    __syncthreads();
+    for (int s = 16; s > 0; s >>= 1) {
+        if (threadIdx.y < s) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                partial[threadIdx.y][c + e] += partial[threadIdx.y + s][c + e];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.y == 0 && word < words) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            partials[blockIdx.y * dim + word * 8 + e] = partial[0][c + e];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PARTIALS_COLUMN_THREADS * 32) rmsnorm_weight_partials_vec8(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, float* partials,
+    u64 rows, u64 dim, u64 groups, u64 group_size) {
+    grid_dependency_sync();
+    __shared__ float partial[32][PARTIALS_COLUMN_THREADS * 8 + 1];
+    if (x_dtype == DTYPE_BF16 && dy_dtype == DTYPE_BF16) {
+        rmsnorm_weight_partials_vec8<Bf16Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, rstd, partials, rows,
+                                                              dim, groups, group_size, partial);
+    } else if (x_dtype == DTYPE_BF16 && dy_dtype == DTYPE_F32) {
+        rmsnorm_weight_partials_vec8<F32Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, rstd, partials, rows,
+                                                             dim, groups, group_size, partial);
+    } else {
+        rmsnorm_weight_partials_vec8<AnyWords8, AnyWords8>(dy, dy_dtype, x, x_dtype, rstd, partials, rows,
+                                                            dim, groups, group_size, partial);
     }
 }
 
