@@ -1694,105 +1694,6 @@ fn cross_entropy_reference(buffers: &[Host]) -> Vec<Host> {
 
 /// Bad indices on the device are reported through the fault word, naming
 /// what was wrong and where.
-/// RMSNorm's forward and input gradient on their warp-an-item kernels
-/// give the block kernels' bits (`set_norm_warps`): bf16 items of 1 to 8
-/// warps' words (groups of 136 to 2,048 channels), dy in bf16 and f32.
-fn norm_warp_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
-    let mut rng = Rng(0x0a2b);
-    let mut rows = Vec::new();
-    for (n, dim, groups) in [
-        (1300usize, 272usize, 2usize),
-        (65, 1024, 1),
-        (300, 4096, 8),
-        (129, 2048, 1),
-        (40, 768, 1),
-    ] {
-        let d = NormDims {
-            rows: n,
-            dim,
-            groups,
-            eps: 1e-5,
-        };
-        let x = rng.floats(n * dim, DType::Bf16);
-        let w = rng.floats(dim, DType::Bf16);
-        let rstd = Host::F32((0..n * groups).map(|_| 0.5 + rng.unit() as f32).collect());
-        let dx = rng.floats(n * dim, DType::Bf16);
-        let dys = [
-            rng.floats(n * dim, DType::Bf16),
-            rng.floats(n * dim, DType::F32),
-        ];
-        // Each kernel's outputs with the warp kernels on, then off.
-        let mut outputs = |kernel: &str, buffers: Vec<Host>, out: &[usize]| {
-            let runs: Vec<Vec<Host>> = [true, false]
-                .into_iter()
-                .map(|warps| {
-                    set.set_norm_warps(warps);
-                    let bufs: Vec<GpuBuf> = buffers.iter().map(|h| gpu.upload(h)).collect();
-                    let v: Vec<GpuView> = bufs
-                        .iter()
-                        .zip(&buffers)
-                        .map(|(b, h)| gpu.view(b, h))
-                        .collect();
-                    let s = &gpu.stream;
-                    match kernel {
-                        "rmsnorm_forward" => set.rmsnorm_forward(s, v[0], v[1], v[2], v[3], d),
-                        _ => set.rmsnorm_backward_input(s, v[0], v[1], v[2], v[3], v[4], d),
-                    }
-                    .expect("the launch");
-                    out.iter()
-                        .map(|&i| gpu.download(&bufs[i], buffers[i].len()))
-                        .collect()
-                })
-                .collect();
-            set.set_norm_warps(true);
-            let same = runs[0]
-                .iter()
-                .zip(&runs[1])
-                .all(|(a, b)| bits_of(a) == bits_of(b));
-            rows.push(Row {
-                target: set.target(),
-                kernel: format!("{kernel} (warp = block)"),
-                mode: "bits",
-                shape: format!("{n}x{dim}/{groups}, dy {}", buffers[0].dtype()),
-                error: 0.0,
-                max_abs: 0.0,
-                tolerance: 0.0,
-                repeatable: true,
-                problem: (!same).then(|| "the warp kernel's bits differ".to_string()),
-                note: String::new(),
-            });
-        };
-        outputs(
-            "rmsnorm_forward",
-            vec![
-                x.clone(),
-                w.clone(),
-                nan(n * dim, DType::Bf16),
-                nan(n * groups, DType::F32),
-            ],
-            &[2, 3],
-        );
-        for dy in dys {
-            outputs(
-                "rmsnorm_backward_input",
-                vec![dy, x.clone(), w.clone(), rstd.clone(), dx.clone()],
-                &[4],
-            );
-        }
-    }
-    rows
-}
-
-/// A host array's bits, whatever its type.
-fn bits_of(h: &Host) -> Vec<u64> {
-    match h {
-        Host::F32(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
-        Host::Bf16(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
-        Host::F64(v) => v.iter().map(|x| x.to_bits()).collect(),
-        Host::U32(v) => v.iter().map(|&x| u64::from(x)).collect(),
-    }
-}
-
 fn fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
     let mut rows = Vec::new();
     let mut check =
@@ -2353,7 +2254,6 @@ fn gpu_kernels_match_the_cpu_backend_and_repeat_bit_for_bit() {
         for case in all_cases(0x5eed_cafe) {
             rows.push(run_case(&gpu, &set, &case));
         }
-        rows.extend(norm_warp_rows(&gpu, &set));
         rows.extend(fault_rows(&gpu, &set));
         rows.extend(lookup_fault_rows(&gpu, &set));
     }

@@ -72,8 +72,6 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "rmsnorm_forward",
             "rmsnorm_backward_input",
-            "rmsnorm_forward_warp",
-            "rmsnorm_backward_input_warp",
             "rmsnorm_weight_partials",
             "rmsnorm_weight_partials_vec8",
             "rmsnorm_weight_finish"

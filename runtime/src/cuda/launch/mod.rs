@@ -232,23 +232,6 @@ fn norm_threads(group_size: usize, vec8: bool) -> u32 {
     reduce_threads(if vec8 { group_size / 8 } else { group_size }, 256)
 }
 
-/// Items (rows of a group) a block of the RMSNorm kernels' `_warp` forms
-/// takes, a warp each (`NORM_WARP_ITEMS` in `rmsnorm.cu`).
-const NORM_WARP_ITEMS: usize = 8;
-
-/// Where an RMSNorm item on the `vec8` path fits the `_warp` kernels (a
-/// word a thread of the block kernel's `threads`, at most 256): their
-/// grid, and the warps of the block kernel they stand for. They give the
-/// block kernels' bits (`rmsnorm.cu` says why).
-fn norm_warp_items(d: NormDims, threads: u32, vec8: bool) -> Result<Option<(LaunchConfig, i32)>> {
-    let words = d.dim / d.groups / 8;
-    if !vec8 || words > threads as usize {
-        return Ok(None);
-    }
-    let config = per_item((d.rows * d.groups).div_ceil(NORM_WARP_ITEMS), 256)?;
-    Ok(Some((config, (threads / 32) as i32)))
-}
-
 /// Tiles a piece of `sum_squares` is cut into: spans of at least
 /// `SUM_SQUARES_SPAN` elements (64 per thread of a 256-thread block), and at
 /// most `SUM_SQUARES_MAX_TILES` (8 blocks per SM of an H200), so a bucket of
@@ -369,8 +352,6 @@ pub struct KernelSet {
     /// Whether launches carry programmatic stream serialisation
     /// ([`args`]): on by default where the device has it (sm_90).
     dependent_launch: AtomicBool,
-    /// Whether RMSNorm takes its `_warp` kernels where they fit.
-    norm_warps: AtomicBool,
     fault: cudarc::driver::CudaSlice<u64>,
     fault_ptr: u64,
 }
@@ -444,7 +425,6 @@ impl KernelSet {
             flash_attention,
             grouped_gemm_grid,
             dependent_launch: AtomicBool::new(target.dependent_launch()),
-            norm_warps: AtomicBool::new(true),
             fault,
             fault_ptr,
         })
@@ -467,14 +447,6 @@ impl KernelSet {
     /// Whether launches carry programmatic dependent launch.
     pub fn dependent_launch(&self) -> bool {
         self.dependent_launch.load(Ordering::Relaxed)
-    }
-
-    /// Lets RMSNorm's forward and input gradient take their warp-an-item
-    /// kernels where they fit (the default) or keeps them on the block
-    /// kernels: the same bits either way, and the tests use this to hold
-    /// them to it.
-    pub fn set_norm_warps(&self, on: bool) {
-        self.norm_warps.store(on, Ordering::Relaxed);
     }
 
     /// Waits for `stream`, then returns (and clears) the first bad index any
@@ -773,15 +745,6 @@ impl KernelSet {
         let (g, s) = (d.groups as u64, gs as u64);
         let vec8 = bf16_words(&[x, weight, y], gs);
         let threads = norm_threads(gs, vec8);
-        let vec8_warps = vec8 && self.norm_warps.load(Ordering::Relaxed);
-        if let Some((config, warps)) = norm_warp_items(d, threads, vec8_warps)? {
-            let kw = "rmsnorm_forward_warp";
-            let items = (d.rows * d.groups) as u64;
-            let mut b = KernelArgs::new(stream, self.function(kw)?);
-            b.arg(&x.ptr).arg(&weight.ptr).arg(&y.ptr).arg(&rstd.ptr);
-            b.arg(&items).arg(&g).arg(&s).arg(&d.eps).arg(&warps);
-            return self.go(kw, &mut b, config);
-        }
         let vec8 = i32::from(vec8);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr)
@@ -819,26 +782,6 @@ impl KernelSet {
         let (g, s) = (d.groups as u64, gs as u64);
         let vec8 = words8(&[dy, x, weight, dx], gs);
         let threads = norm_threads(gs, vec8);
-        let vec8_warps = vec8 && self.norm_warps.load(Ordering::Relaxed);
-        if let Some((config, warps)) = norm_warp_items(d, threads, vec8_warps)? {
-            let kw = "rmsnorm_backward_input_warp";
-            let items = (d.rows * d.groups) as u64;
-            let mut b = KernelArgs::new(stream, self.function(kw)?);
-            b.arg(&dy.ptr)
-                .arg(&dyt)
-                .arg(&x.ptr)
-                .arg(&xt)
-                .arg(&weight.ptr)
-                .arg(&wt);
-            b.arg(&rstd.ptr)
-                .arg(&dx.ptr)
-                .arg(&dxt)
-                .arg(&items)
-                .arg(&g)
-                .arg(&s)
-                .arg(&warps);
-            return self.go(kw, &mut b, config);
-        }
         let vec8 = i32::from(vec8);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dy.ptr)
