@@ -348,6 +348,43 @@ pub trait Backend: Clone + Send + Sync + 'static {
         dims: NormDims,
     ) -> Result<()>;
 
+    /// [`Backend::rmsnorm_forward`] that also copies `x` into `x_copy` (of
+    /// `x`'s dtype and length): how a layer keeps its input for its
+    /// backward while the residual stream it reads from moves on. A GPU
+    /// writes the copy in the norm's own pass over `x`.
+    fn rmsnorm_forward_keeping_input(
+        &self,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        rstd: SliceMut<'_, Self>,
+        x_copy: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.copy(x, x_copy)?;
+        self.rmsnorm_forward(x, weight, y, rstd, dims)
+    }
+
+    /// [`Backend::rmsnorm_backward_input`] that first copies `dx` as it was
+    /// into `dx_before` (of `dx`'s dtype and length): how a layer keeps the
+    /// gradient of its output for its weight gradients while adding its
+    /// input's gradient into the same buffer. A GPU writes the copy in the
+    /// norm's own pass over `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward_input_keeping_dx(
+        &self,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        mut dx: SliceMut<'_, Self>,
+        dx_before: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.copy(self.as_slice(&dx), dx_before)?;
+        self.rmsnorm_backward_input(dy, x, weight, rstd, self.reborrow_mut(&mut dx), dims)
+    }
+
     /// Weight gradient of [`Backend::rmsnorm_forward`], accumulated in row
     /// order: `dw[j] += sum_r dy[r, j] * x[r, j] * rstd[r, group(j)]`.
     fn rmsnorm_backward_weight(

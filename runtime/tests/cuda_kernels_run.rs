@@ -582,7 +582,9 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 cpu: Box::new(move |b, x| {
                     b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)
                 }),
-                gpu: Box::new(move |s, st, x| s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], d)),
+                gpu: Box::new(move |s, st, x| {
+                    s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], None, d)
+                }),
                 reference: None,
             });
             let rstd = Host::F32(
@@ -606,7 +608,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                     b.rmsnorm_backward_input(v(&x[0]), v(&x[1]), v(&x[2]), v(&x[3]), m(&x[4]), d)
                 }),
                 gpu: Box::new(move |s, st, x| {
-                    s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], d)
+                    s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], None, d)
                 }),
                 reference: None,
             });

@@ -111,6 +111,79 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
             },
         );
 
+        // The forms that keep a copy (of x; of dx as it was) in the same
+        // pass: the same outputs, and the copy exact.
+        let keep = KernelCase::new("rmsnorm_forward_keeping_input", name.clone())
+            .input("x", x.clone())
+            .input("weight", w.clone())
+            .output("y", rows * dim)
+            .output_f32("rstd", rows * groups)
+            .output("x_copy", rows * dim)
+            .same_dtype("x", "x_copy")
+            .tolerance(32.0 * U * gs.sqrt(), 32.0 * U);
+        let keep = if refusals { keep.with_refusals() } else { keep };
+        s.check_kernel(
+            keep,
+            |x| {
+                let (y, rstd) = r::rmsnorm_forward(&x["x"], &x["weight"], dims);
+                vec![
+                    Expected::new("y", y),
+                    Expected::new("rstd", rstd),
+                    Expected::new("x_copy", x["x"].to_vec()),
+                ]
+            },
+            |dev, b| {
+                dev.rmsnorm_forward_keeping_input(
+                    b.view("x")?,
+                    b.view("weight")?,
+                    b.view_mut("y")?,
+                    b.view_mut("rstd")?,
+                    b.view_mut("x_copy")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+        let keep = KernelCase::new("rmsnorm_backward_input_keeping_dx", name.clone())
+            .input("dy", dy.clone())
+            .input("x", x.clone())
+            .input("weight", w.clone())
+            .input_f32("rstd", rstd.clone())
+            .inout("dx", s.rng.values(rows * dim, -2.0, 2.0))
+            .output("dx_before", rows * dim)
+            .same_dtype("dx", "dx_before")
+            .tolerance(64.0 * U * gs.sqrt(), 32.0 * U);
+        let keep = if refusals { keep.with_refusals() } else { keep };
+        s.check_kernel(
+            keep,
+            |x| {
+                let dx = r::rmsnorm_backward_input(
+                    &x["dy"],
+                    &x["x"],
+                    &x["weight"],
+                    &x["rstd"],
+                    &x["dx"],
+                    dims,
+                );
+                vec![
+                    Expected::new("dx", dx),
+                    Expected::new("dx_before", x["dx"].to_vec()),
+                ]
+            },
+            |dev, b| {
+                dev.rmsnorm_backward_input_keeping_dx(
+                    b.view("dy")?,
+                    b.view("x")?,
+                    b.view("weight")?,
+                    b.view("rstd")?,
+                    b.view_mut("dx")?,
+                    b.view_mut("dx_before")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+
         let wgrad = KernelCase::new("rmsnorm_backward_weight", name)
             .input("dy", dy)
             .input("x", x.clone())

@@ -441,7 +441,7 @@ impl Backend for CpuBackend {
         let k = self.access("rmsnorm_forward");
         let (x, w) = (k.f32_in("x", x)?, k.f32_in("weight", weight)?);
         let rstd = k.typed_out::<f32>("rstd", rstd)?;
-        kernels::rmsnorm_forward(&x, &w, &mut k.f32_out("y", y)?, rstd, dims)
+        kernels::rmsnorm_forward(k.kernel(), &x, &w, &mut k.f32_out("y", y)?, rstd, dims)
     }
 
     fn rmsnorm_backward_input(
@@ -460,7 +460,65 @@ impl Backend for CpuBackend {
             k.f32_in("weight", weight)?,
         );
         let rstd = k.typed_in::<f32>("rstd", rstd)?;
-        kernels::rmsnorm_backward_input(&dy, &x, &w, rstd, &mut k.f32_out("dx", dx)?, dims)
+        kernels::rmsnorm_backward_input(
+            k.kernel(),
+            &dy,
+            &x,
+            &w,
+            rstd,
+            &mut k.f32_out("dx", dx)?,
+            dims,
+        )
+    }
+
+    fn rmsnorm_forward_keeping_input(
+        &self,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        rstd: SliceMut<'_, Self>,
+        x_copy: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        let k = self.access("rmsnorm_forward_keeping_input");
+        same_dtype(k.kernel(), ("x", x.dtype()), ("x_copy", x_copy.dtype()))?;
+        let (src, dst) = (k.bytes_in(x)?, k.bytes_out(x_copy)?);
+        same_len(k.kernel(), src.len(), dst.len())?;
+        let (xs, w) = (k.f32_in("x", x)?, k.f32_in("weight", weight)?);
+        let rstd = k.typed_out::<f32>("rstd", rstd)?;
+        kernels::rmsnorm_forward(k.kernel(), &xs, &w, &mut k.f32_out("y", y)?, rstd, dims)?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn rmsnorm_backward_input_keeping_dx(
+        &self,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
+        dx_before: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        let k = self.access("rmsnorm_backward_input_keeping_dx");
+        same_dtype(
+            k.kernel(),
+            ("dx", dx.dtype()),
+            ("dx_before", dx_before.dtype()),
+        )?;
+        let (dy, x, w) = (
+            k.f32_in("dy", dy)?,
+            k.f32_in("x", x)?,
+            k.f32_in("weight", weight)?,
+        );
+        let rstd = k.typed_in::<f32>("rstd", rstd)?;
+        let mut dx = k.f32_out("dx", dx)?;
+        let mut before = k.f32_out("dx_before", dx_before)?;
+        same_len(k.kernel(), dx.len(), before.len())?;
+        // Exact: dx's values widened to f32 go back to the same dtype.
+        before.copy_from_slice(&dx);
+        kernels::rmsnorm_backward_input(k.kernel(), &dy, &x, &w, rstd, &mut dx, dims)
     }
 
     fn rmsnorm_backward_weight(

@@ -842,6 +842,27 @@ impl Backend for CudaBackend {
             self.v(weight),
             self.m(&y),
             self.m(&rstd),
+            None,
+            dims,
+        )
+    }
+
+    fn rmsnorm_forward_keeping_input(
+        &self,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        y: SliceMut<'_, Self>,
+        rstd: SliceMut<'_, Self>,
+        x_copy: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.k().rmsnorm_forward(
+            self.s(),
+            self.v(x),
+            self.v(weight),
+            self.m(&y),
+            self.m(&rstd),
+            Some(self.m(&x_copy)),
             dims,
         )
     }
@@ -862,6 +883,29 @@ impl Backend for CudaBackend {
             self.v(weight),
             self.v(rstd),
             self.m(&dx),
+            None,
+            dims,
+        )
+    }
+
+    fn rmsnorm_backward_input_keeping_dx(
+        &self,
+        dy: Slice<'_, Self>,
+        x: Slice<'_, Self>,
+        weight: Slice<'_, Self>,
+        rstd: Slice<'_, Self>,
+        dx: SliceMut<'_, Self>,
+        dx_before: SliceMut<'_, Self>,
+        dims: NormDims,
+    ) -> Result<()> {
+        self.k().rmsnorm_backward_input(
+            self.s(),
+            self.v(dy),
+            self.v(x),
+            self.v(weight),
+            self.v(rstd),
+            self.m(&dx),
+            Some(self.m(&dx_before)),
             dims,
         )
     }

@@ -3,8 +3,8 @@
 
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
-    positive, section, uninit, weight, zeros,
+    Tokens, check_grads, check_len, check_rows, check_weights, core_attention, grad, positive,
+    section, uninit, weight, zeros,
 };
 use crate::backend::{
     AttentionDims, AttentionInputs, Backend, MatmulDims, QkvDims, RotaryDims, RotaryPairing, Slice,
@@ -165,8 +165,8 @@ impl AttentionLayer {
         let rows = check_rows(name, "x", b.slice_len(b.as_slice(&x)), tokens, self.hidden)?;
         let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
         let w = |i| weight::<B>(weights, i);
-        let x_in = copy_of(b, b.as_slice(&x))?;
-        let (u, rstd_in) = RmsNorm::plain(h).forward(b, w(QKV_NORM)?, b.view(&x_in)?, rows)?;
+        let (u, rstd_in, x_in) =
+            RmsNorm::plain(h).forward_keeping_input(b, w(QKV_NORM)?, b.as_slice(&x), rows)?;
         let width = self.qkv_width();
         let qkv = uninit(b, rows * width)?;
         b.matmul(
@@ -247,7 +247,6 @@ impl AttentionLayer {
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
         let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
         let w = |i| weight::<B>(weights, i);
-        let d_out = copy_of(b, b.as_slice(&dx))?;
         let saved = core_attention::Saved {
             q: &s.q,
             k: &s.k,
@@ -259,7 +258,7 @@ impl AttentionLayer {
             b,
             saved,
             w(PROJ)?,
-            &d_out,
+            b.as_slice(&dx),
             self.attention_dims(tokens),
             h,
         )?;
@@ -319,7 +318,9 @@ impl AttentionLayer {
             b.view_mut(&d_u)?,
             MatmulDims::linear_input_grad(rows, h, width, false),
         )?;
-        RmsNorm::plain(h).backward_input(
+        // dx keeps the output's gradient until here; the weight gradients
+        // keep it, copied in the norm's pass.
+        let d_out = RmsNorm::plain(h).backward_input_keeping_dx(
             b,
             w(QKV_NORM)?,
             &s.x_in,

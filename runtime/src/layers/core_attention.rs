@@ -52,7 +52,7 @@ pub(crate) fn backward_input<B: Backend>(
     b: &B,
     saved: Saved<'_, B>,
     proj: Slice<'_, B>,
-    d_out: &B::Buf,
+    d_out: Slice<'_, B>,
     dims: AttentionDims,
     hidden: usize,
 ) -> Result<(B::Buf, B::Buf, B::Buf)> {
@@ -60,12 +60,12 @@ pub(crate) fn backward_input<B: Backend>(
     check_len(
         "attention backward",
         "d_out",
-        b.buf_len(d_out),
+        b.slice_len(d_out),
         rows * hidden,
     )?;
     let d_o = uninit(b, rows * width(&dims))?;
     b.matmul(
-        b.view(d_out)?,
+        d_out,
         proj,
         b.view_mut(&d_o)?,
         MatmulDims::linear_input_grad(rows, width(&dims), hidden, false),

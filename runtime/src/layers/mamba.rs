@@ -3,7 +3,7 @@
 
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, grad_rows,
+    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, grad_rows,
     positive, section, uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
 };
 use crate::backend::{
@@ -158,10 +158,9 @@ impl MambaLayer {
         let rows = check_rows(name, "x", b.slice_len(b.as_slice(&x)), tokens, self.hidden)?;
         let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
         let w = |i| weight::<B>(weights, i);
-        let x_in = copy_of(b, b.as_slice(&x))?;
-        let (u, rstd_in) = self
-            .in_norm()
-            .forward(b, w(IN_NORM)?, b.view(&x_in)?, rows)?;
+        let (u, rstd_in, x_in) =
+            self.in_norm()
+                .forward_keeping_input(b, w(IN_NORM)?, b.as_slice(&x), rows)?;
         // One fused projection, computed per row block so each output is contiguous.
         let [bz, bxbc, bdt] = self.proj_blocks();
         let mut z = uninit(b, rows * d)?;
@@ -241,10 +240,9 @@ impl MambaLayer {
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
         let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
         let w = |i| weight::<B>(weights, i);
-        let d_out = copy_of(b, b.as_slice(&dx))?;
         let d_normed = uninit(b, rows * d)?;
         b.matmul(
-            b.view(&d_out)?,
+            b.as_slice(&dx),
             w(OUT_PROJ)?,
             b.view_mut(&d_normed)?,
             MatmulDims::linear_input_grad(rows, d, h, false),
@@ -324,7 +322,9 @@ impl MambaLayer {
                 MatmulDims::linear_input_grad(rows, h, width, i > 0),
             )?;
         }
-        self.in_norm().backward_input(
+        // dx keeps the output's gradient until here; the weight gradients
+        // keep it, copied in the norm's pass.
+        let d_out = self.in_norm().backward_input_keeping_dx(
             b,
             w(IN_NORM)?,
             &s.x_in,

@@ -4,8 +4,8 @@
 
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, core_attention, grad,
-    grad_rows, positive, section, uninit, weight, weight_rows, zeros,
+    Tokens, check_grads, check_len, check_rows, check_weights, core_attention, grad, grad_rows,
+    positive, section, uninit, weight, weight_rows, zeros,
 };
 use crate::backend::{
     AttentionDims, AttentionInputs, Backend, MatmulDims, MlaKvDims, RotaryDims, RotaryPairing,
@@ -293,9 +293,12 @@ impl MlaLayer {
         let dqk = self.qk_dim();
         let w = |i| weight::<B>(weights, i);
         let opt = |i: Option<usize>| i.map(w).transpose();
-        let x_in = copy_of(b, b.as_slice(&x))?;
-        let (u, rstd_in) =
-            RmsNorm::plain(h).forward(b, w(self.at.in_norm)?, b.view(&x_in)?, rows)?;
+        let (u, rstd_in, x_in) = RmsNorm::plain(h).forward_keeping_input(
+            b,
+            w(self.at.in_norm)?,
+            b.as_slice(&x),
+            rows,
+        )?;
         // Queries.
         let q = uninit(b, rows * a * dqk)?;
         let cq = match (self.q_rank, self.at.q_down) {
@@ -411,7 +414,6 @@ impl MlaLayer {
         let dqk = self.qk_dim();
         let w = |i| weight::<B>(weights, i);
         let opt = |i: Option<usize>| i.map(w).transpose();
-        let d_out = copy_of(b, b.as_slice(&dx))?;
         let saved = core_attention::Saved {
             q: &s.q,
             k: &s.k,
@@ -423,7 +425,7 @@ impl MlaLayer {
             b,
             saved,
             w(self.at.proj)?,
-            &d_out,
+            b.as_slice(&dx),
             self.attention_dims(tokens),
             h,
         )?;
@@ -500,7 +502,9 @@ impl MlaLayer {
                 ));
             }
         };
-        RmsNorm::plain(h).backward_input(
+        // dx keeps the output's gradient until here; the weight gradients
+        // keep it, copied in the norm's pass.
+        let d_out = RmsNorm::plain(h).backward_input_keeping_dx(
             b,
             w(self.at.in_norm)?,
             &s.x_in,

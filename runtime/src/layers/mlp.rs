@@ -3,8 +3,8 @@
 
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
-    section, uninit, weight, weight_rows,
+    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, positive, section,
+    uninit, weight, weight_rows,
 };
 use crate::backend::{Backend, MatmulDims, Slice, SliceMut, Unary};
 use crate::error::Result;
@@ -256,10 +256,12 @@ impl MlpLayer {
             tokens,
             self.ffn.hidden,
         )?;
-        let x_in = copy_of(b, b.as_slice(&x))?;
-        let (u, rstd) =
-            self.norm()
-                .forward(b, weight::<B>(weights, NORM)?, b.view(&x_in)?, rows)?;
+        let (u, rstd, x_in) = self.norm().forward_keeping_input(
+            b,
+            weight::<B>(weights, NORM)?,
+            b.as_slice(&x),
+            rows,
+        )?;
         let pre = uninit(b, self.ffn.pre_len(rows))?;
         let act = uninit(b, self.ffn.act_len(rows))?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
@@ -298,7 +300,6 @@ impl MlpLayer {
             b.slice_len(b.as_slice(&dx)),
             rows * self.ffn.hidden,
         )?;
-        let d_out = copy_of(b, b.as_slice(&dx))?;
         let d_pre = uninit(b, self.ffn.pre_len(rows))?;
         let d_u = uninit(b, rows * self.ffn.hidden)?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
@@ -306,13 +307,15 @@ impl MlpLayer {
             b,
             w,
             b.view(&saved.pre)?,
-            b.view(&d_out)?,
+            b.as_slice(&dx),
             b.view_mut(&d_pre)?,
             b.view_mut(&d_u)?,
             rows,
             false,
         )?;
-        self.norm().backward_input(
+        // dx keeps the output's gradient until here; the weight gradients
+        // keep it, copied in the norm's pass.
+        let d_out = self.norm().backward_input_keeping_dx(
             b,
             weight::<B>(weights, NORM)?,
             &saved.x_in,

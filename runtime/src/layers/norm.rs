@@ -54,6 +54,55 @@ impl RmsNorm {
         Ok((y, rstd))
     }
 
+    /// `(y, rstd, x_copy)`: [`RmsNorm::forward`], and a copy of `x` made in
+    /// the same pass (what a layer keeps of its input).
+    pub fn forward_keeping_input<B: Backend>(
+        &self,
+        b: &B,
+        weight: Slice<'_, B>,
+        x: Slice<'_, B>,
+        rows: usize,
+    ) -> Result<(B::Buf, B::Buf, B::Buf)> {
+        let y = uninit(b, b.slice_len(x))?;
+        let rstd = uninit_f32(b, rows.saturating_mul(self.groups))?;
+        let x_copy = uninit(b, b.slice_len(x))?;
+        b.rmsnorm_forward_keeping_input(
+            x,
+            weight,
+            b.view_mut(&y)?,
+            b.view_mut(&rstd)?,
+            b.view_mut(&x_copy)?,
+            self.dims(rows),
+        )?;
+        Ok((y, rstd, x_copy))
+    }
+
+    /// `dx += J^T dy`, returning `dx` as it was before (copied in the same
+    /// pass: what a layer keeps of its output's gradient).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_input_keeping_dx<B: Backend>(
+        &self,
+        b: &B,
+        weight: Slice<'_, B>,
+        x: &B::Buf,
+        rstd: &B::Buf,
+        dy: Slice<'_, B>,
+        dx: SliceMut<'_, B>,
+        rows: usize,
+    ) -> Result<B::Buf> {
+        let before = uninit(b, b.slice_len(b.as_slice(&dx)))?;
+        b.rmsnorm_backward_input_keeping_dx(
+            dy,
+            b.view(x)?,
+            weight,
+            b.view(rstd)?,
+            dx,
+            b.view_mut(&before)?,
+            self.dims(rows),
+        )?;
+        Ok(before)
+    }
+
     /// `dx += J^T dy`.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_input<B: Backend>(

@@ -30,14 +30,15 @@ fn validate(kernel: &str, dims: NormDims, x: usize, rstd: usize) -> Result<usize
     Ok(dims.dim / dims.groups)
 }
 
+/// `kn` names the kernel in errors (the backend's method that called it).
 pub fn rmsnorm_forward(
+    kn: &str,
     x: &[f32],
     weight: &[f32],
     y: &mut [f32],
     rstd: &mut [f32],
     dims: NormDims,
 ) -> Result<()> {
-    let kn = "rmsnorm_forward";
     let gs = validate(kn, dims, x.len(), rstd.len())?;
     check::len(kn, "weight", weight.len(), dims.dim)?;
     check::len(kn, "y", y.len(), x.len())?;
@@ -60,7 +61,9 @@ pub fn rmsnorm_forward(
     Ok(())
 }
 
+/// `kn` names the kernel in errors (the backend's method that called it).
 pub fn rmsnorm_backward_input(
+    kn: &str,
     dy: &[f32],
     x: &[f32],
     weight: &[f32],
@@ -68,7 +71,6 @@ pub fn rmsnorm_backward_input(
     dx: &mut [f32],
     dims: NormDims,
 ) -> Result<()> {
-    let kn = "rmsnorm_backward_input";
     let gs = validate(kn, dims, x.len(), rstd.len())?;
     check::len(kn, "weight", weight.len(), dims.dim)?;
     check::len(kn, "dy", dy.len(), x.len())?;
@@ -154,7 +156,7 @@ mod tests {
             let x = data(24, 0.1);
             let w = data(8, 2.0);
             let (mut y, mut rstd) = (vec![0.0; 24], vec![0.0; 3 * groups]);
-            rmsnorm_forward(&x, &w, &mut y, &mut rstd, dims).unwrap();
+            rmsnorm_forward("rmsnorm_forward", &x, &w, &mut y, &mut rstd, dims).unwrap();
             for (a, b) in y.iter().zip(reference(&x, &w, dims)) {
                 assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
             }
@@ -173,9 +175,10 @@ mod tests {
         let w = data(6, 1.1);
         let dy = data(12, 3.0);
         let (mut y, mut rstd) = (vec![0.0; 12], vec![0.0; 4]);
-        rmsnorm_forward(&x, &w, &mut y, &mut rstd, dims).unwrap();
+        rmsnorm_forward("rmsnorm_forward", &x, &w, &mut y, &mut rstd, dims).unwrap();
         let mut dx = vec![0.5; 12];
-        rmsnorm_backward_input(&dy, &x, &w, &rstd, &mut dx, dims).unwrap();
+        rmsnorm_backward_input("rmsnorm_backward_input", &dy, &x, &w, &rstd, &mut dx, dims)
+            .unwrap();
         let mut dw = vec![0.0; 6];
         rmsnorm_backward_weight(&dy, &x, &rstd, &mut dw, dims).unwrap();
         let loss = |x: &[f32], w: &[f32]| -> f64 {
@@ -219,9 +222,39 @@ mod tests {
             eps: 1e-5,
         };
         let (mut y, mut r) = (vec![0.0; 6], vec![0.0; 4]);
-        assert!(rmsnorm_forward(&[0.0; 6], &[1.0; 6], &mut y, &mut r, dims).is_err());
+        assert!(
+            rmsnorm_forward(
+                "rmsnorm_forward",
+                &[0.0; 6],
+                &[1.0; 6],
+                &mut y,
+                &mut r,
+                dims
+            )
+            .is_err()
+        );
         let dims = NormDims { groups: 1, ..dims };
-        assert!(rmsnorm_forward(&[0.0; 6], &[1.0; 5], &mut y, &mut r[..1], dims).is_err());
-        assert!(rmsnorm_forward(&[0.0; 6], &[1.0; 6], &mut y, &mut r[..1], dims).is_ok());
+        assert!(
+            rmsnorm_forward(
+                "rmsnorm_forward",
+                &[0.0; 6],
+                &[1.0; 5],
+                &mut y,
+                &mut r[..1],
+                dims
+            )
+            .is_err()
+        );
+        assert!(
+            rmsnorm_forward(
+                "rmsnorm_forward",
+                &[0.0; 6],
+                &[1.0; 6],
+                &mut y,
+                &mut r[..1],
+                dims
+            )
+            .is_ok()
+        );
     }
 }

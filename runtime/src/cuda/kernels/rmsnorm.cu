@@ -9,8 +9,8 @@
 // with one 16-byte load or store (`unpack8`, `pack8`); the element
 // arithmetic is the same.
 __device__ __forceinline__ void rmsnorm_forward_vec8(
-    const uint4* x, const uint4* w, uint4* y, float* rstd, u64 groups, u64 group_size, float eps,
-    float* scratch) {
+    const uint4* x, const uint4* w, uint4* y, float* rstd, uint4* x_copy, u64 groups, u64 group_size,
+    float eps, float* scratch) {
     const u64 block = blockIdx.x;
     const u64 words = group_size / 8;
     const uint4* xr = x + block * words;
@@ -18,8 +18,12 @@ __device__ __forceinline__ void rmsnorm_forward_vec8(
     uint4* yr = y + block * words;
     float sum = 0.0f;
     for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
+        const uint4 word = xr[c];
+        if (x_copy != nullptr) {
+            x_copy[block * words + c] = word;
+        }
         float f[8];
-        unpack8(xr[c], f);
+        unpack8(word, f);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             sum += f[e] * f[e];
@@ -42,15 +46,18 @@ __device__ __forceinline__ void rmsnorm_forward_vec8(
     }
 }
 
-// One block per (row, group): blockIdx.x = r * groups + g.
+// One block per (row, group): blockIdx.x = r * groups + g. Where `x_copy`
+// is not null it gets x's values (x's dtype) in the same pass: how a layer
+// keeps its input for the backward without a copy of its own.
 extern "C" __global__ void rmsnorm_forward(
     const void* x, int x_dtype, const void* w, int w_dtype, void* y, int y_dtype, float* rstd,
-    u64 groups, u64 group_size, float eps, int vec8) {
+    void* x_copy, u64 groups, u64 group_size, float eps, int vec8) {
     grid_dependency_sync();
     __shared__ float scratch[32];
     if (vec8) {
         rmsnorm_forward_vec8(static_cast<const uint4*>(x), static_cast<const uint4*>(w),
-                             static_cast<uint4*>(y), rstd, groups, group_size, eps, scratch);
+                             static_cast<uint4*>(y), rstd, static_cast<uint4*>(x_copy), groups,
+                             group_size, eps, scratch);
         return;
     }
     const u64 block = blockIdx.x;
@@ -59,6 +66,10 @@ extern "C" __global__ void rmsnorm_forward(
     float sum = 0.0f;
     for (u64 c = threadIdx.x; c < group_size; c += blockDim.x) {
         const float v = load(x, x_dtype, base + c);
+        if (x_copy != nullptr) {
+            // Exact: a bf16 or f32 value widened to f32 and stored back.
+            store(x_copy, x_dtype, base + c, v);
+        }
         sum += v * v;
     }
     sum = block_sum(sum, scratch);
@@ -77,7 +88,8 @@ extern "C" __global__ void rmsnorm_forward(
 template <typename DY, typename T>
 __device__ __forceinline__ void rmsnorm_backward_input_vec8(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
-    const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, float* scratch) {
+    const float* rstd, void* dx, int dx_dtype, void* dx_before, u64 groups, u64 group_size,
+    float* scratch) {
     const u64 block = blockIdx.x;
     const u64 words = group_size / 8;
     const u64 base = block * words;
@@ -102,6 +114,9 @@ __device__ __forceinline__ void rmsnorm_backward_input_vec8(
         DY::load(dy, dy_dtype, base + c, fd);
         T::load(x, x_dtype, base + c, fx);
         T::load(dx, dx_dtype, base + c, out);
+        if (dx_before != nullptr) {
+            T::store(dx_before, dx_dtype, base + c, out);
+        }
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float g = fw[e] * fd[e];
@@ -112,22 +127,26 @@ __device__ __forceinline__ void rmsnorm_backward_input_vec8(
 }
 
 // dx += rstd * (w dy) - x * rstd^3 * mean(w dy x), per (row, group) block.
+// Where `dx_before` is not null it gets dx's values from before (dx's
+// dtype) in the same pass: how a layer keeps its output gradient for its
+// weight gradients without a copy of its own.
 extern "C" __global__ void rmsnorm_backward_input(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
-    const float* rstd, void* dx, int dx_dtype, u64 groups, u64 group_size, int vec8) {
+    const float* rstd, void* dx, int dx_dtype, void* dx_before, u64 groups, u64 group_size,
+    int vec8) {
     grid_dependency_sync();
     __shared__ float scratch[32];
     if (vec8) {
         const bool bf16 = x_dtype == DTYPE_BF16 && w_dtype == DTYPE_BF16 && dx_dtype == DTYPE_BF16;
         if (bf16 && dy_dtype == DTYPE_BF16) {
             rmsnorm_backward_input_vec8<Bf16Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
-                                                                dx_dtype, groups, group_size, scratch);
+                                                                dx_dtype, dx_before, groups, group_size, scratch);
         } else if (bf16 && dy_dtype == DTYPE_F32) {
             rmsnorm_backward_input_vec8<F32Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
-                                                               dx_dtype, groups, group_size, scratch);
+                                                               dx_dtype, dx_before, groups, group_size, scratch);
         } else {
             rmsnorm_backward_input_vec8<AnyWords8, AnyWords8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx,
-                                                              dx_dtype, groups, group_size, scratch);
+                                                              dx_dtype, dx_before, groups, group_size, scratch);
         }
         return;
     }
@@ -144,7 +163,11 @@ extern "C" __global__ void rmsnorm_backward_input(
     for (u64 c = threadIdx.x; c < group_size; c += blockDim.x) {
         const u64 i = base + c;
         const float g = load(w, w_dtype, w_base + c) * load(dy, dy_dtype, i);
-        store(dx, dx_dtype, i, load(dx, dx_dtype, i) + (rs * g - load(x, x_dtype, i) * k));
+        const float before = load(dx, dx_dtype, i);
+        if (dx_before != nullptr) {
+            store(dx_before, dx_dtype, i, before);
+        }
+        store(dx, dx_dtype, i, before + (rs * g - load(x, x_dtype, i) * k));
     }
 }
 

@@ -720,7 +720,9 @@ impl KernelSet {
         Ok(d.dim / d.groups)
     }
 
-    /// `Backend::rmsnorm_forward`.
+    /// `Backend::rmsnorm_forward`, and with `x_copy`
+    /// `Backend::rmsnorm_forward_keeping_input`.
+    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_forward(
         &self,
         stream: &CudaStream,
@@ -728,9 +730,15 @@ impl KernelSet {
         weight: GpuView,
         y: GpuView,
         rstd: GpuView,
+        x_copy: Option<GpuView>,
         d: NormDims,
     ) -> Result<()> {
-        let k = "rmsnorm_forward";
+        // Errors name the backend method called; the kernel is one.
+        let kernel = "rmsnorm_forward";
+        let k = match x_copy {
+            Some(_) => "rmsnorm_forward_keeping_input",
+            None => kernel,
+        };
         let (xt, wt, yt) = (
             float(k, "x", &x)?,
             float(k, "weight", &weight)?,
@@ -739,25 +747,38 @@ impl KernelSet {
         let gs = self.norm_group(k, d, &x, &rstd)?;
         len(k, "weight", &weight, d.dim)?;
         len(k, "y", &y, x.len)?;
+        if let Some(copy) = &x_copy {
+            exactly(k, "x_copy", copy, x.dtype)?;
+            len(k, "x_copy", copy, x.len)?;
+        }
         if gs == 0 || d.rows == 0 {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 = bf16_words(&[x, weight, y], gs);
+        let vec8 =
+            bf16_words(&[x, weight, y], gs) && x_copy.is_none_or(|c| c.ptr.is_multiple_of(16));
+        // A null pointer: no copy.
+        let copy = x_copy.map_or(0u64, |c| c.ptr);
         let threads = norm_threads(gs, vec8);
         let vec8 = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(kernel)?);
         b.arg(&x.ptr)
             .arg(&xt)
             .arg(&weight.ptr)
             .arg(&wt)
             .arg(&y.ptr)
             .arg(&yt);
-        b.arg(&rstd.ptr).arg(&g).arg(&s).arg(&d.eps).arg(&vec8);
-        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
+        b.arg(&rstd.ptr)
+            .arg(&copy)
+            .arg(&g)
+            .arg(&s)
+            .arg(&d.eps)
+            .arg(&vec8);
+        self.go(kernel, &mut b, per_item(d.rows * d.groups, threads)?)
     }
 
-    /// `Backend::rmsnorm_backward_input` (accumulates into `dx`).
+    /// `Backend::rmsnorm_backward_input` (accumulates into `dx`), and with
+    /// `dx_before` `Backend::rmsnorm_backward_input_keeping_dx`.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward_input(
         &self,
@@ -767,23 +788,36 @@ impl KernelSet {
         weight: GpuView,
         rstd: GpuView,
         dx: GpuView,
+        dx_before: Option<GpuView>,
         d: NormDims,
     ) -> Result<()> {
-        let k = "rmsnorm_backward_input";
+        // Errors name the backend method called; the kernel is one.
+        let kernel = "rmsnorm_backward_input";
+        let k = match dx_before {
+            Some(_) => "rmsnorm_backward_input_keeping_dx",
+            None => kernel,
+        };
         let (dyt, xt) = (float(k, "dy", &dy)?, float(k, "x", &x)?);
         let (wt, dxt) = (float(k, "weight", &weight)?, float(k, "dx", &dx)?);
         let gs = self.norm_group(k, d, &x, &rstd)?;
         len(k, "weight", &weight, d.dim)?;
         len(k, "dy", &dy, x.len)?;
         len(k, "dx", &dx, x.len)?;
+        if let Some(before) = &dx_before {
+            exactly(k, "dx_before", before, dx.dtype)?;
+            len(k, "dx_before", before, dx.len)?;
+        }
         if gs == 0 || d.rows == 0 {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 = words8(&[dy, x, weight, dx], gs);
+        let vec8 =
+            words8(&[dy, x, weight, dx], gs) && dx_before.is_none_or(|v| v.ptr.is_multiple_of(16));
+        // A null pointer: no copy.
+        let before = dx_before.map_or(0u64, |v| v.ptr);
         let threads = norm_threads(gs, vec8);
         let vec8 = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
+        let mut b = KernelArgs::new(stream, self.function(kernel)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)
@@ -793,10 +827,11 @@ impl KernelSet {
         b.arg(&rstd.ptr)
             .arg(&dx.ptr)
             .arg(&dxt)
+            .arg(&before)
             .arg(&g)
             .arg(&s)
             .arg(&vec8);
-        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
+        self.go(kernel, &mut b, per_item(d.rows * d.groups, threads)?)
     }
 
     /// f32 elements of [`KernelSet::rmsnorm_backward_weight`]'s scratch:

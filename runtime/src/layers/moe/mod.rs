@@ -543,8 +543,9 @@ impl MoeLayer {
         let rows = check_rows(name, "x", b.slice_len(x), tokens, self.hidden)?;
         let h = self.hidden;
         let w = |i| weight::<B>(weights, i);
-        let x_in = copy_of(b, x)?;
-        let (u, rstd) = self.norm().forward(b, w(PRE_NORM)?, b.view(&x_in)?, rows)?;
+        let (u, rstd, x_in) = self
+            .norm()
+            .forward_keeping_input(b, w(PRE_NORM)?, x, rows)?;
         let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, expert_bias)?;
         let (send, positions) = self.permute(
             b,
