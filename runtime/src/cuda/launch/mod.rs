@@ -748,7 +748,7 @@ impl KernelSet {
         len(k, "weight", &weight, d.dim)?;
         len(k, "y", &y, x.len)?;
         if let Some(copy) = &x_copy {
-            exactly(k, "x_copy", copy, x.dtype)?;
+            same_dtype(k, ("x", x.dtype), ("x_copy", copy.dtype))?;
             len(k, "x_copy", copy, x.len)?;
         }
         if gs == 0 || d.rows == 0 {
@@ -804,7 +804,7 @@ impl KernelSet {
         len(k, "dy", &dy, x.len)?;
         len(k, "dx", &dx, x.len)?;
         if let Some(before) = &dx_before {
-            exactly(k, "dx_before", before, dx.dtype)?;
+            same_dtype(k, ("dx", dx.dtype), ("dx_before", before.dtype))?;
             len(k, "dx_before", before, dx.len)?;
         }
         if gs == 0 || d.rows == 0 {
