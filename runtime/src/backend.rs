@@ -351,7 +351,8 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// [`Backend::rmsnorm_forward`] that also copies `x` into `x_copy` (of
     /// `x`'s dtype and length): how a layer keeps its input for its
     /// backward while the residual stream it reads from moves on. A GPU
-    /// writes the copy in the norm's own pass over `x`.
+    /// writes the copy in the norm's own pass over `x`; `x_copy` of
+    /// another dtype or length is refused.
     fn rmsnorm_forward_keeping_input(
         &self,
         x: Slice<'_, Self>,
@@ -360,10 +361,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
         rstd: SliceMut<'_, Self>,
         x_copy: SliceMut<'_, Self>,
         dims: NormDims,
-    ) -> Result<()> {
-        self.copy(x, x_copy)?;
-        self.rmsnorm_forward(x, weight, y, rstd, dims)
-    }
+    ) -> Result<()>;
 
     /// [`Backend::rmsnorm_backward_input`] that first copies `dx` as it was
     /// into `dx_before` (of `dx`'s dtype and length): how a layer keeps the
@@ -377,13 +375,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
         x: Slice<'_, Self>,
         weight: Slice<'_, Self>,
         rstd: Slice<'_, Self>,
-        mut dx: SliceMut<'_, Self>,
+        dx: SliceMut<'_, Self>,
         dx_before: SliceMut<'_, Self>,
         dims: NormDims,
-    ) -> Result<()> {
-        self.copy(self.as_slice(&dx), dx_before)?;
-        self.rmsnorm_backward_input(dy, x, weight, rstd, self.reborrow_mut(&mut dx), dims)
-    }
+    ) -> Result<()>;
 
     /// Weight gradient of [`Backend::rmsnorm_forward`], accumulated in row
     /// order: `dw[j] += sum_r dy[r, j] * x[r, j] * rstd[r, group(j)]`.

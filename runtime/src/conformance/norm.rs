@@ -36,153 +36,123 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
         let rstd = r::rmsnorm_forward(&x, &w, dims).1;
         let refusals = i == 1;
 
-        let fwd = KernelCase::new("rmsnorm_forward", name.clone())
-            .input("x", x.clone())
-            .input("weight", w.clone())
-            .output("y", rows * dim)
-            .output_f32("rstd", rows * groups)
-            .tolerance(32.0 * U * gs.sqrt(), 32.0 * U);
-        let fwd = if refusals { fwd.with_refusals() } else { fwd };
-        if refusals {
-            let bad = NormDims {
-                groups: groups + 1,
-                ..dims
+        // Each pass plain, and keeping a copy in the same pass (of x; of dx
+        // as it was): the same outputs, and the copy exact.
+        for keep in [false, true] {
+            let kernel = match keep {
+                false => "rmsnorm_forward",
+                true => "rmsnorm_forward_keeping_input",
             };
-            s.check_refusal(&fwd, "groups that do not divide dim", &[], |dev, b| {
-                dev.rmsnorm_forward(
-                    b.view("x")?,
-                    b.view("weight")?,
-                    b.view_mut("y")?,
-                    b.view_mut("rstd")?,
-                    bad,
-                )?;
-                Ok(vec![])
-            });
+            let fwd = KernelCase::new(kernel, name.clone())
+                .input("x", x.clone())
+                .input("weight", w.clone())
+                .output("y", rows * dim)
+                .output_f32("rstd", rows * groups)
+                .tolerance(32.0 * U * gs.sqrt(), 32.0 * U);
+            let fwd = match keep {
+                false => fwd,
+                true => fwd.output("x_copy", rows * dim).same_dtype("x", "x_copy"),
+            };
+            let fwd = if refusals { fwd.with_refusals() } else { fwd };
+            if refusals && !keep {
+                let bad = NormDims {
+                    groups: groups + 1,
+                    ..dims
+                };
+                s.check_refusal(&fwd, "groups that do not divide dim", &[], |dev, b| {
+                    dev.rmsnorm_forward(
+                        b.view("x")?,
+                        b.view("weight")?,
+                        b.view_mut("y")?,
+                        b.view_mut("rstd")?,
+                        bad,
+                    )?;
+                    Ok(vec![])
+                });
+            }
+            s.check_kernel(
+                fwd,
+                |x| {
+                    let (y, rstd) = r::rmsnorm_forward(&x["x"], &x["weight"], dims);
+                    let mut expected = vec![Expected::new("y", y), Expected::new("rstd", rstd)];
+                    if keep {
+                        expected.push(Expected::new("x_copy", x["x"].to_vec()));
+                    }
+                    expected
+                },
+                |dev, b| {
+                    let (x, weight) = (b.view("x")?, b.view("weight")?);
+                    let (y, rstd) = (b.view_mut("y")?, b.view_mut("rstd")?);
+                    match keep {
+                        false => dev.rmsnorm_forward(x, weight, y, rstd, dims)?,
+                        true => dev.rmsnorm_forward_keeping_input(
+                            x,
+                            weight,
+                            y,
+                            rstd,
+                            b.view_mut("x_copy")?,
+                            dims,
+                        )?,
+                    }
+                    Ok(vec![])
+                },
+            );
+
+            let kernel = match keep {
+                false => "rmsnorm_backward_input",
+                true => "rmsnorm_backward_input_keeping_dx",
+            };
+            let bwd = KernelCase::new(kernel, name.clone())
+                .input("dy", dy.clone())
+                .input("x", x.clone())
+                .input("weight", w.clone())
+                .input_f32("rstd", rstd.clone())
+                .inout("dx", s.rng.values(rows * dim, -2.0, 2.0))
+                .tolerance(64.0 * U * gs.sqrt(), 32.0 * U);
+            let bwd = match keep {
+                false => bwd,
+                true => bwd
+                    .output("dx_before", rows * dim)
+                    .same_dtype("dx", "dx_before"),
+            };
+            let bwd = if refusals { bwd.with_refusals() } else { bwd };
+            s.check_kernel(
+                bwd,
+                |x| {
+                    let dx = r::rmsnorm_backward_input(
+                        &x["dy"],
+                        &x["x"],
+                        &x["weight"],
+                        &x["rstd"],
+                        &x["dx"],
+                        dims,
+                    );
+                    let mut expected = vec![Expected::new("dx", dx)];
+                    if keep {
+                        expected.push(Expected::new("dx_before", x["dx"].to_vec()));
+                    }
+                    expected
+                },
+                |dev, b| {
+                    let (dy, x) = (b.view("dy")?, b.view("x")?);
+                    let (weight, rstd) = (b.view("weight")?, b.view("rstd")?);
+                    let dx = b.view_mut("dx")?;
+                    match keep {
+                        false => dev.rmsnorm_backward_input(dy, x, weight, rstd, dx, dims)?,
+                        true => dev.rmsnorm_backward_input_keeping_dx(
+                            dy,
+                            x,
+                            weight,
+                            rstd,
+                            dx,
+                            b.view_mut("dx_before")?,
+                            dims,
+                        )?,
+                    }
+                    Ok(vec![])
+                },
+            );
         }
-        s.check_kernel(
-            fwd,
-            |x| {
-                let (y, rstd) = r::rmsnorm_forward(&x["x"], &x["weight"], dims);
-                vec![Expected::new("y", y), Expected::new("rstd", rstd)]
-            },
-            |dev, b| {
-                dev.rmsnorm_forward(
-                    b.view("x")?,
-                    b.view("weight")?,
-                    b.view_mut("y")?,
-                    b.view_mut("rstd")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
-        );
-
-        let bwd = KernelCase::new("rmsnorm_backward_input", name.clone())
-            .input("dy", dy.clone())
-            .input("x", x.clone())
-            .input("weight", w.clone())
-            .input_f32("rstd", rstd.clone())
-            .inout("dx", s.rng.values(rows * dim, -2.0, 2.0))
-            .tolerance(64.0 * U * gs.sqrt(), 32.0 * U);
-        let bwd = if refusals { bwd.with_refusals() } else { bwd };
-        s.check_kernel(
-            bwd,
-            |x| {
-                let dx = r::rmsnorm_backward_input(
-                    &x["dy"],
-                    &x["x"],
-                    &x["weight"],
-                    &x["rstd"],
-                    &x["dx"],
-                    dims,
-                );
-                vec![Expected::new("dx", dx)]
-            },
-            |dev, b| {
-                dev.rmsnorm_backward_input(
-                    b.view("dy")?,
-                    b.view("x")?,
-                    b.view("weight")?,
-                    b.view("rstd")?,
-                    b.view_mut("dx")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
-        );
-
-        // The forms that keep a copy (of x; of dx as it was) in the same
-        // pass: the same outputs, and the copy exact.
-        let keep = KernelCase::new("rmsnorm_forward_keeping_input", name.clone())
-            .input("x", x.clone())
-            .input("weight", w.clone())
-            .output("y", rows * dim)
-            .output_f32("rstd", rows * groups)
-            .output("x_copy", rows * dim)
-            .same_dtype("x", "x_copy")
-            .tolerance(32.0 * U * gs.sqrt(), 32.0 * U);
-        let keep = if refusals { keep.with_refusals() } else { keep };
-        s.check_kernel(
-            keep,
-            |x| {
-                let (y, rstd) = r::rmsnorm_forward(&x["x"], &x["weight"], dims);
-                vec![
-                    Expected::new("y", y),
-                    Expected::new("rstd", rstd),
-                    Expected::new("x_copy", x["x"].to_vec()),
-                ]
-            },
-            |dev, b| {
-                dev.rmsnorm_forward_keeping_input(
-                    b.view("x")?,
-                    b.view("weight")?,
-                    b.view_mut("y")?,
-                    b.view_mut("rstd")?,
-                    b.view_mut("x_copy")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
-        );
-        let keep = KernelCase::new("rmsnorm_backward_input_keeping_dx", name.clone())
-            .input("dy", dy.clone())
-            .input("x", x.clone())
-            .input("weight", w.clone())
-            .input_f32("rstd", rstd.clone())
-            .inout("dx", s.rng.values(rows * dim, -2.0, 2.0))
-            .output("dx_before", rows * dim)
-            .same_dtype("dx", "dx_before")
-            .tolerance(64.0 * U * gs.sqrt(), 32.0 * U);
-        let keep = if refusals { keep.with_refusals() } else { keep };
-        s.check_kernel(
-            keep,
-            |x| {
-                let dx = r::rmsnorm_backward_input(
-                    &x["dy"],
-                    &x["x"],
-                    &x["weight"],
-                    &x["rstd"],
-                    &x["dx"],
-                    dims,
-                );
-                vec![
-                    Expected::new("dx", dx),
-                    Expected::new("dx_before", x["dx"].to_vec()),
-                ]
-            },
-            |dev, b| {
-                dev.rmsnorm_backward_input_keeping_dx(
-                    b.view("dy")?,
-                    b.view("x")?,
-                    b.view("weight")?,
-                    b.view("rstd")?,
-                    b.view_mut("dx")?,
-                    b.view_mut("dx_before")?,
-                    dims,
-                )?;
-                Ok(vec![])
-            },
-        );
 
         let wgrad = KernelCase::new("rmsnorm_backward_weight", name)
             .input("dy", dy)

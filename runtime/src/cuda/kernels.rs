@@ -806,6 +806,61 @@ mod tests {
         missing
     }
 
+    /// The parameter count of each of `text`'s `__global__` functions (macro
+    /// bodies included): the parenthesised list just before its body.
+    fn kernel_parameter_counts(text: &str) -> Vec<usize> {
+        let mut counts = Vec::new();
+        let mut from = 0;
+        while let Some(at) = text[from..].find("__global__").map(|i| from + i) {
+            from = at + "__global__".len();
+            let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+            if text[line_start..at].trim_start().starts_with("//") {
+                continue;
+            }
+            let Some(open) = text[at..].find('{').map(|i| at + i) else {
+                continue;
+            };
+            let head = &text[at..open];
+            let (Some(close), Some(start)) = (head.rfind(')'), head.rfind('(')) else {
+                continue;
+            };
+            let params = &head[start + 1..close];
+            counts.push(match params.trim() {
+                "" => 0,
+                _ => params.matches(',').count() + 1,
+            });
+        }
+        counts
+    }
+
+    /// Our launches carry at most `MAX_ARGS` arguments (a fixed array, no
+    /// allocation a launch): every kernel must fit it.
+    #[test]
+    fn every_kernel_takes_at_most_the_launch_arguments() {
+        use crate::cuda::launch::args::MAX_ARGS;
+        let mut widest = 0;
+        for source in SOURCES {
+            for count in kernel_parameter_counts(source.text) {
+                assert!(
+                    count <= MAX_ARGS,
+                    "{}: a kernel takes {count} arguments",
+                    source.file
+                );
+                widest = widest.max(count);
+            }
+        }
+        assert!(
+            widest > 20,
+            "the parameter lists were not found (widest {widest})"
+        );
+        assert_eq!(
+            kernel_parameter_counts(
+                "extern \"C\" __global__ void __launch_bounds__(64) k(int a, float* b) {}"
+            ),
+            [2]
+        );
+    }
+
     /// Launches carry programmatic dependent launch on Hopper, which is
     /// safe only if every kernel waits for the one before it before it
     /// touches memory.

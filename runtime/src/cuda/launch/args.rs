@@ -20,9 +20,9 @@ use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, DriverError, LaunchCo
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-/// The most arguments one of our kernels takes (the flash backward's 27
-/// is the widest), with room to spare.
-const MAX_ARGS: usize = 40;
+/// The most arguments a launch carries: more than any of our kernels
+/// takes (a test over the sources holds them to it).
+pub(crate) const MAX_ARGS: usize = 40;
 
 /// A kernel's arguments in the order of its C signature, borrowed until
 /// the launch (the driver copies them at the call).

@@ -15,7 +15,7 @@
 //! reads the word (at the end of a step, where the host reads the loss
 //! anyway) and says which index of which kind was bad.
 
-mod args;
+pub(crate) mod args;
 mod conv;
 mod scan;
 mod scan_chunked;
