@@ -101,6 +101,8 @@ impl std::ops::Sub for DeviceStats {
 pub trait Backend: Clone + Send + Sync + 'static {
     /// One device allocation.
     type Buf: DeviceBuffer;
+    /// A read to the host in flight ([`Backend::start_download`]).
+    type HostRead<T: Scalar>: Send;
 
     /// A short name (`cpu`, `cuda:0`).
     fn name(&self) -> String;
@@ -135,6 +137,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// work so far: a host read is a synchronisation point, which is why the
     /// runtime makes as few as the schedule allows.
     fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()>;
+    /// Starts a download of `src` behind the lane's work so far and returns
+    /// without waiting; [`Backend::finish_download`] (on any lane of the
+    /// device) waits for that work alone, not for what was queued after the
+    /// start. A host read started early overlaps the work issued in between
+    /// (an `E` layer reads its expert counts behind its shared expert's
+    /// GEMMs). `T` must be the view's dtype.
+    fn start_download<T: Scalar>(&self, src: Slice<'_, Self>) -> Result<Self::HostRead<T>>;
+    /// Waits for a started download and writes it into `dst` (the view's
+    /// length); reports a bad index a kernel found before the start, as
+    /// [`Backend::download`] does.
+    fn finish_download<T: Scalar>(&self, read: Self::HostRead<T>, dst: &mut [T]) -> Result<()>;
     /// `dst = src`, both of one dtype.
     fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()>;
     /// `dst = src` converted (bf16, f32 or f64 either side), rounding to

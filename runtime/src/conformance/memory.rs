@@ -164,7 +164,18 @@ fn roundtrip<B: Backend, T: Scalar>(s: &mut Suite<'_, B>, values: Vec<T>, bits: 
             dev.download(View::whole(&buf), &mut whole)?;
             let mut view = vec![T::default(); n];
             dev.download(View::of(&buf, 2..2 + n)?, &mut view)?;
+            // A started download sees the work before its start, not the
+            // zeroing after it.
+            let read = dev.start_download::<T>(View::of(&buf, 2..2 + n)?)?;
+            dev.zero(ViewMut::whole(&buf))?;
+            let mut started = vec![T::default(); n];
+            dev.finish_download(read, &mut started)?;
             let mut problems = Vec::new();
+            if let Some(i) = (0..n).find(|&i| bits(started[i]) != bits(values[i])) {
+                problems.push(format!(
+                    "a download started before the buffer was zeroed differs at element {i}"
+                ));
+            }
             let want: Vec<u64> = [T::default(); 2]
                 .into_iter()
                 .chain(values.iter().copied())
@@ -232,6 +243,40 @@ fn upload_download<B: Backend>(s: &mut Suite<'_, B>) {
     s.check_direct_refusal("download", "a view of 4 into 3 values", &[], |dev| {
         let buf = dev.alloc(4, DType::F32)?;
         dev.download(View::whole(&buf), &mut [0.0f32; 3])
+    });
+    // Large enough that a backend staging small reads takes another path.
+    let n = 300_000;
+    let large: Vec<u32> = (0..n).map(|_| s.rng.next_u64() as u32).collect();
+    direct(
+        s,
+        "start_download",
+        format!("{n} x u32, the buffer zeroed before the finish"),
+        |dev| {
+            let buf = dev.alloc(n, DType::U32)?;
+            dev.upload(&large, ViewMut::whole(&buf))?;
+            let read = dev.start_download::<u32>(View::whole(&buf))?;
+            dev.zero(ViewMut::whole(&buf))?;
+            let mut got = vec![0u32; n];
+            dev.finish_download(read, &mut got)?;
+            Ok(match (0..n).find(|&i| got[i] != large[i]) {
+                Some(i) => vec![format!("differs at element {i}")],
+                None => Vec::new(),
+            })
+        },
+    );
+    s.check_direct_refusal(
+        "start_download",
+        "a f32 view as u32 values",
+        &["src"],
+        |dev| {
+            let buf = dev.alloc(4, DType::F32)?;
+            dev.start_download::<u32>(View::whole(&buf)).map(drop)
+        },
+    );
+    s.check_direct_refusal("finish_download", "a view of 4 into 3 values", &[], |dev| {
+        let buf = dev.alloc(4, DType::F32)?;
+        let read = dev.start_download::<f32>(View::whole(&buf))?;
+        dev.finish_download(read, &mut [0.0f32; 3])
     });
 }
 

@@ -182,6 +182,7 @@ fn updated_with_copy<'k>(
 
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
+    type HostRead<T: Scalar> = Vec<T>;
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -240,6 +241,20 @@ impl Backend for CpuBackend {
         let src = k.typed_in::<T>("src", src)?;
         same_len("download", src.len(), dst.len())?;
         dst.copy_from_slice(src);
+        self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn start_download<T: Scalar>(&self, src: Slice<'_, Self>) -> Result<Vec<T>> {
+        // The lane's work has run by now (the CPU backend computes at the
+        // call), so the read is done at the start.
+        let k = self.access("start_download");
+        Ok(k.typed_in::<T>("src", src)?.to_vec())
+    }
+
+    fn finish_download<T: Scalar>(&self, read: Vec<T>, dst: &mut [T]) -> Result<()> {
+        same_len("finish_download", read.len(), dst.len())?;
+        dst.copy_from_slice(&read);
         self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -13,6 +13,7 @@
 use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
+use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
 use super::launch::{
     self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet,
     SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len, flash_attention_takes,
@@ -47,6 +48,8 @@ pub struct Gpu {
     pub(crate) kernels: KernelSet,
     compute: DType,
     arenas: Mutex<Vec<Arc<GpuArena>>>,
+    /// Pinned staging and the fault word, for host reads.
+    reads: ReadContext,
     counters: GpuCounters,
     /// What [`Backend::alloc_uninit`] leaves in a buffer: nothing is
     /// written, or with `$HYBRIDGEN_POISON_UNINIT` set (the GPU tests set
@@ -79,8 +82,13 @@ impl Gpu {
         unsafe { context.disable_event_tracking() };
         let kernels = KernelSet::new(&context)?;
         let queues = Arc::new(QueueSet::new(name, context, timeout));
+        let reads = ReadContext {
+            pool: Arc::new(StagingPool::new(queues.clone())),
+            fault_word: kernels.fault_word(),
+        };
         Ok(Arc::new(Gpu {
             arenas: Mutex::new(vec![Arc::new(GpuArena::new(queues.clone()))]),
+            reads,
             queues,
             kernels,
             compute: precision.compute_dtype(),
@@ -127,21 +135,6 @@ impl Gpu {
             grouped_gemm: true,
             scan_scratch: SCAN_CHUNKED_SCRATCH_BYTES,
         })
-    }
-
-    /// The first bad index a kernel reported since the last call, as the
-    /// `InvalidArgument` the CPU backend returns at the call itself (a GPU
-    /// kernel finds it on the device, so it surfaces at the next host read).
-    /// `stream` must be idle.
-    fn check_faults(&self, stream: &Arc<CudaStream>) -> Result<()> {
-        match self.kernels.take_fault(stream)? {
-            None => Ok(()),
-            Some(fault) => Err(RuntimeError::InvalidArgument(format!(
-                "{}: kernel `{}` found bad input on the device: {fault}",
-                self.queues.name,
-                fault.kernels()
-            ))),
-        }
     }
 }
 
@@ -294,11 +287,12 @@ impl CudaBackend {
     /// enqueued on this queue has run, then reports any bad index a kernel
     /// found.
     pub fn synchronize(&self) -> Result<()> {
-        let queue = &self.queue;
-        self.gpu.queues.wait_stream(&queue.stream, &|| {
-            format!("the {} queue's work", queue.name)
-        })?;
-        self.gpu.check_faults(&queue.stream)
+        // A read of nothing: the wait, and the fault word with it.
+        StagedRead::<u32>::start(&self.gpu.reads, self.s(), 0, 0, "a wait for the queue")?.finish(
+            &self.gpu.kernels,
+            &self.queue.stream,
+            &mut [],
+        )
     }
 
     /// A view as kernels take it, noted as used by this queue.
@@ -558,20 +552,40 @@ impl CudaBackend {
 
     /// Bytes and host reads of a download: waits (bounded) for this queue,
     /// then copies.
-    fn read_back<T: Scalar>(&self, src: GpuView, dst: &mut [T]) -> Result<()> {
-        self.synchronize()?;
-        if dst.is_empty() {
-            return Ok(());
+    /// Starts reading `len` elements of `T` at `src` to the host, behind the
+    /// queue's work so far: staged through pinned memory (one round trip,
+    /// [`super::host_read`]), or, past [`STAGED_READ_MAX_BYTES`], read at
+    /// once after a wait for the queue.
+    fn start_read<T: Scalar>(&self, src: GpuView, len: usize) -> Result<HostRead<T>> {
+        if len * std::mem::size_of::<T>() <= STAGED_READ_MAX_BYTES {
+            let read = StagedRead::start(&self.gpu.reads, self.s(), src.ptr, len, "a host read")?;
+            return Ok(HostRead::Staged(read));
         }
-        // SAFETY: `src` holds `dst.len()` elements of `T` (checked by the
+        self.synchronize()?;
+        let mut data = vec![T::default(); len];
+        // SAFETY: `src` holds `len` elements of `T` (checked by the
         // caller); the queue is idle, so the copy sees every write to it.
-        unsafe { result::memcpy_dtoh_sync(dst, src.ptr) }
-            .map_err(|e| self.gpu.queues.error("copying to the host", e))
+        unsafe { result::memcpy_dtoh_sync(&mut data, src.ptr) }
+            .map_err(|e| self.gpu.queues.error("copying to the host", e))?;
+        Ok(HostRead::Done(data))
+    }
+
+    fn finish_read<T: Scalar>(&self, read: HostRead<T>, dst: &mut [T]) -> Result<()> {
+        match read {
+            HostRead::Staged(read) => read.finish(&self.gpu.kernels, &self.queue.stream, dst)?,
+            HostRead::Done(data) => {
+                same_len("finish_download", data.len(), dst.len())?;
+                dst.copy_from_slice(&data);
+            }
+        }
+        self.gpu.counters.host_reads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 }
 
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
+    type HostRead<T: Scalar> = HostRead<T>;
 
     fn name(&self) -> String {
         self.gpu.queues.name.clone()
@@ -640,10 +654,18 @@ impl Backend for CudaBackend {
     fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()> {
         DTypeRule::Exactly(T::DTYPE).check("download", "src", src.dtype())?;
         same_len("download", src.len(), dst.len())?;
-        let src = self.v(src);
-        self.read_back(src, dst)?;
-        self.gpu.counters.host_reads.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        let read = self.start_read(self.v(src), dst.len())?;
+        self.finish_read(read, dst)
+    }
+
+    fn start_download<T: Scalar>(&self, src: Slice<'_, Self>) -> Result<HostRead<T>> {
+        DTypeRule::Exactly(T::DTYPE).check("start_download", "src", src.dtype())?;
+        self.start_read(self.v(src), src.len())
+    }
+
+    fn finish_download<T: Scalar>(&self, read: HostRead<T>, dst: &mut [T]) -> Result<()> {
+        same_len("finish_download", read.len(), dst.len())?;
+        self.finish_read(read, dst)
     }
 
     fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {

@@ -239,17 +239,6 @@ impl QueueSet {
             }
         }
     }
-
-    /// Blocks (bounded, as [`Self::wait_event`]) until everything enqueued
-    /// on `stream` so far has run.
-    pub(crate) fn wait_stream(&self, stream: &CudaStream, what: &dyn Fn() -> String) -> Result<()> {
-        let event = self.take_event()?;
-        let waited = self
-            .record(event, stream)
-            .and_then(|()| self.wait_event(event, what));
-        self.give_event(event);
-        waited
-    }
 }
 
 impl Drop for QueueSet {

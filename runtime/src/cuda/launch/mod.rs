@@ -129,7 +129,7 @@ impl DeviceFault {
         }
     }
 
-    fn decode(word: u64) -> Option<DeviceFault> {
+    pub(crate) fn decode(word: u64) -> Option<DeviceFault> {
         (word != Self::NONE).then_some(DeviceFault {
             code: (word >> 40) as u32,
             index: word & ((1 << 40) - 1),
@@ -457,20 +457,31 @@ impl KernelSet {
             .map_err(|e| self.device_error("reading the fault word", e))?;
         let fault = DeviceFault::decode(word.first().copied().unwrap_or(DeviceFault::NONE));
         if fault.is_some() {
-            // SAFETY: the fault word is one live u64 of this context.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    self.fault_ptr,
-                    &[DeviceFault::NONE],
-                    stream.cu_stream(),
-                )
-            }
-            .map_err(|e| self.device_error("clearing the fault word", e))?;
-            stream
-                .synchronize()
-                .map_err(|e| self.device_error("clearing the fault word", e))?;
+            self.clear_fault(stream)?;
         }
         Ok(fault)
+    }
+
+    /// The fault word's device address (a host read copies it with its
+    /// data: [`crate::cuda::host_read`]).
+    pub(crate) fn fault_word(&self) -> u64 {
+        self.fault_ptr
+    }
+
+    /// Resets the fault word, on `stream`, once it has been reported.
+    pub(crate) fn clear_fault(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        // SAFETY: the fault word is one live u64 of this context.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                self.fault_ptr,
+                &[DeviceFault::NONE],
+                stream.cu_stream(),
+            )
+        }
+        .map_err(|e| self.device_error("clearing the fault word", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| self.device_error("clearing the fault word", e))
     }
 
     fn device_error(&self, what: &str, e: impl fmt::Display) -> RuntimeError {

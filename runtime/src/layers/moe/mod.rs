@@ -51,8 +51,8 @@ pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
 use super::mlp::Ffn;
 use super::norm::RmsNorm;
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, copy_of, grad, grad_pair, positive,
-    section, uninit, uninit_f32, weight,
+    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, positive, section,
+    uninit, uninit_f32, weight,
 };
 use crate::backend::{Backend, DType, Slice, SliceMut, UnpermuteGrads};
 use crate::error::{Result, RuntimeError};
@@ -123,11 +123,18 @@ pub struct MoeRouting<B: Backend> {
 }
 
 impl<B: Backend> MoeRouting<B> {
-    /// Rows routed to each global expert, read back from the device: the
-    /// dispatch's one host read, and otherwise for tests and logs.
+    /// Rows routed to each global expert, read back from the device (for
+    /// tests and logs; the dispatch finishes the read `prepare` started).
     pub fn expert_counts(&self, b: &B) -> Result<Vec<usize>> {
+        let read = b.start_download(b.view(&self.router.counts)?)?;
+        self.finish_counts(b, read)
+    }
+
+    /// The rows routed to each global expert, from a read of the counts
+    /// started earlier.
+    fn finish_counts(&self, b: &B, read: B::HostRead<u32>) -> Result<Vec<usize>> {
         let mut counts = vec![0u32; b.buf_len(&self.router.counts)];
-        b.download(b.view(&self.router.counts)?, &mut counts)?;
+        b.finish_download(read, &mut counts)?;
         Ok(counts.into_iter().map(|c| c as usize).collect())
     }
 
@@ -148,6 +155,10 @@ pub struct MoePrepared<B: Backend> {
     pub send: B::Buf,
     /// State for `combine` and the backward.
     pub routing: MoeRouting<B>,
+    /// The per-expert counts on their way to the host: the dispatch's one
+    /// host read, started before the permutation and the shared expert so
+    /// that their GPU work hides the round trip.
+    pub counts: B::HostRead<u32>,
 }
 
 /// What [`MoeLayer::combine`] keeps.
@@ -176,8 +187,6 @@ pub struct MoeCombineGrad<B: Backend> {
     routing: MoeRouting<B>,
     /// f32 `[T, k]`.
     d_weights: B::Buf,
-    /// dL/d(layer output), for the shared expert.
-    d_out: Option<B::Buf>,
 }
 
 /// The shared expert's part of [`MoePrepareWgrad`].
@@ -294,6 +303,7 @@ enum MoeFlow<B: Backend> {
     Prepared {
         routing: MoeRouting<B>,
         send: B::Buf,
+        counts: B::HostRead<u32>,
     },
     Dispatched {
         routing: MoeRouting<B>,
@@ -547,6 +557,7 @@ impl MoeLayer {
             .norm()
             .forward_keeping_input(b, w(PRE_NORM)?, x, rows)?;
         let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, expert_bias)?;
+        let counts = b.start_download(b.view(&router.counts)?)?;
         let (send, positions) = self.permute(
             b,
             b.view(&router.selected)?,
@@ -576,6 +587,7 @@ impl MoeLayer {
         };
         Ok(MoePrepared {
             send,
+            counts,
             routing: MoeRouting {
                 rows,
                 x_in,
@@ -656,17 +668,9 @@ impl MoeLayer {
             },
             rows,
         )?;
-        let d_out = match routing.shared {
-            Some(_) => Some(copy_of(b, dx)?),
-            None => None,
-        };
         Ok(MoeCombineBackward {
             d_returned,
-            state: MoeCombineGrad {
-                routing,
-                d_weights,
-                d_out,
-            },
+            state: MoeCombineGrad { routing, d_weights },
         })
     }
 
@@ -698,42 +702,59 @@ impl MoeLayer {
         let d_logits =
             self.route_backward(b, &r.router, b.view(&state.d_weights)?, rows, loss_scale)?;
         self.router_backward_input(b, w(ROUTER)?, b.view(&d_logits)?, b.view_mut(&d_u)?, rows)?;
-        let shared = match (&self.shared, r.shared, state.d_out) {
-            (Some(ffn), Some(saved), Some(d_out)) => {
+        // The shared expert reads the layer output's gradient in `dx`, which
+        // keeps it until the norm below adds into it; the norm's pass copies
+        // it for the shared expert's weight gradients.
+        let shared = match (&self.shared, r.shared) {
+            (Some(ffn), Some(saved)) => {
                 let d_pre = uninit(b, ffn.pre_len(rows))?;
                 let i = self.shared_fc1();
                 ffn.backward_input(
                     b,
                     (w(i)?, w(i + 1)?),
                     b.view(&saved.pre)?,
-                    b.view(&d_out)?,
+                    b.as_slice(&dx),
                     b.view_mut(&d_pre)?,
                     b.view_mut(&d_u)?,
                     rows,
                     true,
                 )?;
-                Some(SharedWgrad {
-                    act: saved.act,
-                    d_pre,
-                    d_out,
-                })
+                Some((saved.act, d_pre))
             }
-            (None, None, None) => None,
+            (None, None) => None,
             _ => {
                 return Err(RuntimeError::InvalidArgument(format!(
                     "{name}: the saved state does not match the layer's shared expert"
                 )));
             }
         };
-        self.norm().backward_input(
-            b,
-            w(PRE_NORM)?,
-            &r.x_in,
-            &r.rstd,
-            b.view(&d_u)?,
-            b.reborrow_mut(&mut dx),
-            rows,
-        )?;
+        let norm = self.norm();
+        let shared = match shared {
+            Some((act, d_pre)) => {
+                let d_out = norm.backward_input_keeping_dx(
+                    b,
+                    w(PRE_NORM)?,
+                    &r.x_in,
+                    &r.rstd,
+                    b.view(&d_u)?,
+                    b.reborrow_mut(&mut dx),
+                    rows,
+                )?;
+                Some(SharedWgrad { act, d_pre, d_out })
+            }
+            None => {
+                norm.backward_input(
+                    b,
+                    w(PRE_NORM)?,
+                    &r.x_in,
+                    &r.rstd,
+                    b.view(&d_u)?,
+                    b.reborrow_mut(&mut dx),
+                    rows,
+                )?;
+                None
+            }
+        };
         Ok(MoePrepareWgrad {
             rows,
             x_in: r.x_in,
@@ -831,10 +852,18 @@ impl MoeLayer {
                 with(MoeFlow::Prepared {
                     routing: prepared.routing,
                     send: prepared.send,
+                    counts: prepared.counts,
                 })
             }
-            (MoeForward::Dispatch, MoeFlow::Prepared { routing, send }) => {
-                let counts = routing.expert_counts(b)?;
+            (
+                MoeForward::Dispatch,
+                MoeFlow::Prepared {
+                    routing,
+                    send,
+                    counts,
+                },
+            ) => {
+                let counts = routing.finish_counts(b, counts)?;
                 if let Some(balance) = &router.balance {
                     balance.load.add(&counts)?;
                 }
