@@ -232,7 +232,12 @@ impl<T: Copy> StagedRead<T> {
         crate::view::same_len(self.what, self.len, dst.len())?;
         let what = self.what;
         let queues = &self.cx.pool.queues;
-        queues.wait_event(self.event, &|| format!("the GPU's work before {what}"))?;
+        if let Err(e) = queues.wait_event(self.event, &|| format!("the GPU's work before {what}")) {
+            // The copy may never land: leak its buffer rather than wait
+            // again in `drop`, or free or reuse it under the copy.
+            std::mem::forget(self.staging.take());
+            return Err(e);
+        }
         let staging = self
             .staging
             .take()
