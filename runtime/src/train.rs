@@ -972,23 +972,33 @@ fn run_rank<D: Device>(
     // The newest step in the save root: the end of the run saves unless
     // this step is there already.
     let mut saved = save.and_then(|s| s.root.newest_at_open());
+    let depths = plan.mtp_depths();
+    let make_micro_batch = |step: u64, mb: usize| -> Result<MicroBatchTokens> {
+        let key = BatchKey {
+            seed: config.seed,
+            step,
+            dp_rank: r,
+            micro_batch: mb,
+        };
+        Ok(micro_batch_tokens(
+            &prepared.data.batch(key, shape)?,
+            depths,
+        ))
+    };
+    // The step's first micro-batch, made while the last update ran.
+    let mut first_ready: Option<MicroBatchTokens> = None;
     while step < config.steps {
         let started = Instant::now();
         let counted = rank.backend.stats();
-        let depths = plan.mtp_depths();
         // Each micro-batch's tokens are made when the schedule first needs
         // them: memory does not grow with the number of micro-batches.
         let mut micro_batch = |mb: usize| -> Result<MicroBatchTokens> {
-            let key = BatchKey {
-                seed: config.seed,
-                step,
-                dp_rank: r,
-                micro_batch: mb,
-            };
-            Ok(micro_batch_tokens(
-                &prepared.data.batch(key, shape)?,
-                depths,
-            ))
+            if mb == 0
+                && let Some(tokens) = first_ready.take()
+            {
+                return Ok(tokens);
+            }
+            make_micro_batch(step, mb)
         };
         let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         let totals = &cx.totals;
@@ -1034,7 +1044,13 @@ fn run_rank<D: Device>(
         if let Some(quantity) = non_finite {
             return Err(optimizer.divergence(&engine, &rank, quantity)?);
         }
-        let grad_norm = optimizer.step(&engine, &rank, &norm_partials)?;
+        let update = optimizer.step(&engine, &rank, &norm_partials)?;
+        // The GPU runs the update for milliseconds: the host makes the next
+        // step's first micro-batch meanwhile rather than while the GPU waits
+        // for it (the others are made while earlier micro-batches run).
+        let next_first = (step + 1 < config.steps).then(|| make_micro_batch(step + 1, 0));
+        let grad_norm = update.wait()?;
+        first_ready = next_first.transpose()?;
         if loads_at < mine.len() {
             let loads: Vec<f64> = (loads_at..mine.len()).map(total).collect();
             cx.balance.update(&loads)?;
