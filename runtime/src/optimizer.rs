@@ -930,7 +930,11 @@ mod tests {
                     .unwrap();
                 let mut partials = vec![0.0; plan.buckets.len()];
                 b.download(b.view(&*out).unwrap(), &mut partials).unwrap();
-                optimizer.step(&engine, &rank, &partials).unwrap();
+                optimizer
+                    .step(&engine, &rank, &partials)
+                    .unwrap()
+                    .wait()
+                    .unwrap();
             }
             let name = poisoned.map(|p| plan.param_name(&plan.params[p]));
             let error = optimizer.divergence(&engine, &rank, quantity).unwrap();
