@@ -24,6 +24,7 @@ pub mod hf;
 pub mod lane;
 pub mod launch;
 pub mod layers;
+pub mod loader;
 pub mod memory;
 pub mod model;
 pub mod optimizer;

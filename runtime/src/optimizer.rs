@@ -25,7 +25,7 @@
 
 use crate::backend::{AdamMoments, AdamStep, Backend, SgdStep};
 use crate::collective::Collective;
-use crate::device::{Device, EventOf, RankContext};
+use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::lane::{Event, Label, Lane};
@@ -653,16 +653,15 @@ impl<D: Device> Optimizer<D> {
         Ok([first(0), first(1)])
     }
 
-    /// Clips (when configured) and submits one step on every shard, then
-    /// the refresh of the compute-precision copies, on the compute lane.
-    /// Returns without waiting for them: the host can prepare the next step
-    /// while the update runs ([`PendingUpdate::wait`] waits).
+    /// Clips (when configured) and takes one step on every shard, then
+    /// refreshes the compute-precision copies. Returns the gradient norm
+    /// before clipping.
     pub fn step(
         &mut self,
         engine: &FsdpEngine<D>,
         rank: &RankContext<D>,
         norm_partials: &[f64],
-    ) -> Result<PendingUpdate<D>> {
+    ) -> Result<f64> {
         let norm = self.grad_norm(rank, norm_partials)?;
         if !norm.is_finite() {
             return Err(self.divergence(engine, rank, NonFinite::GradNorm(norm))?);
@@ -733,22 +732,8 @@ impl<D: Device> Optimizer<D> {
                 Ok(())
             }),
         );
-        Ok(PendingUpdate { norm, done })
-    }
-}
-
-/// An optimizer step on its way ([`Optimizer::step`]).
-#[must_use = "wait for the update before the parameters are read"]
-pub struct PendingUpdate<D: Device> {
-    norm: f64,
-    done: EventOf<D>,
-}
-
-impl<D: Device> PendingUpdate<D> {
-    /// Waits for the update; returns the gradient norm before clipping.
-    pub fn wait(self) -> Result<f64> {
-        self.done.wait()?;
-        Ok(self.norm)
+        done.wait()?;
+        Ok(norm)
     }
 }
 
@@ -930,11 +915,7 @@ mod tests {
                     .unwrap();
                 let mut partials = vec![0.0; plan.buckets.len()];
                 b.download(b.view(&*out).unwrap(), &mut partials).unwrap();
-                optimizer
-                    .step(&engine, &rank, &partials)
-                    .unwrap()
-                    .wait()
-                    .unwrap();
+                optimizer.step(&engine, &rank, &partials).unwrap();
             }
             let name = poisoned.map(|p| plan.param_name(&plan.params[p]));
             let error = optimizer.divergence(&engine, &rank, quantity).unwrap();

@@ -9,13 +9,14 @@ use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
 use crate::data::{
-    Batch, BatchKey, BatchShape, ByteFile, DataSource, IndexedSource, IndexedSpec, MarkovChain,
+    BatchKey, BatchShape, ByteFile, DataSource, IndexedSource, IndexedSpec, MarkovChain,
     SampleLayout,
 };
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, Sharding};
 use crate::launch::Launch;
+use crate::loader::{MicroBatchLoader, StreamRange, micro_batch_tokens};
 use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
 use crate::model::ModelRuntime;
 use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
@@ -973,32 +974,30 @@ fn run_rank<D: Device>(
     // this step is there already.
     let mut saved = save.and_then(|s| s.root.newest_at_open());
     let depths = plan.mtp_depths();
-    let make_micro_batch = |step: u64, mb: usize| -> Result<MicroBatchTokens> {
-        let key = BatchKey {
+    // The training stream's micro-batches, made ahead on a thread of their
+    // own so the executor never stops issuing work to make one.
+    let loader = MicroBatchLoader::start(
+        prepared.data.clone(),
+        shape,
+        depths,
+        StreamRange {
             seed: config.seed,
-            step,
             dp_rank: r,
-            micro_batch: mb,
-        };
-        Ok(micro_batch_tokens(
-            &prepared.data.batch(key, shape)?,
-            depths,
-        ))
-    };
-    // The step's first micro-batch, made while the last update ran.
-    let mut first_ready: Option<MicroBatchTokens> = None;
+            first_step: step,
+            end_step: config.steps,
+            micro_batches: config.micro_batches,
+        },
+    )?;
     while step < config.steps {
         let started = Instant::now();
         let counted = rank.backend.stats();
-        // Each micro-batch's tokens are made when the schedule first needs
-        // them: memory does not grow with the number of micro-batches.
         let mut micro_batch = |mb: usize| -> Result<MicroBatchTokens> {
-            if mb == 0
-                && let Some(tokens) = first_ready.take()
-            {
-                return Ok(tokens);
-            }
-            make_micro_batch(step, mb)
+            loader.next(BatchKey {
+                seed: config.seed,
+                step,
+                dp_rank: r,
+                micro_batch: mb,
+            })
         };
         let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         let totals = &cx.totals;
@@ -1044,13 +1043,7 @@ fn run_rank<D: Device>(
         if let Some(quantity) = non_finite {
             return Err(optimizer.divergence(&engine, &rank, quantity)?);
         }
-        let update = optimizer.step(&engine, &rank, &norm_partials)?;
-        // The GPU runs the update for milliseconds: the host makes the next
-        // step's first micro-batch meanwhile rather than while the GPU waits
-        // for it (the others are made while earlier micro-batches run).
-        let next_first = (step + 1 < config.steps).then(|| make_micro_batch(step + 1, 0));
-        let grad_norm = update.wait()?;
-        first_ready = next_first.transpose()?;
+        let grad_norm = optimizer.step(&engine, &rank, &norm_partials)?;
         if loads_at < mine.len() {
             let loads: Vec<f64> = (loads_at..mine.len()).map(total).collect();
             cx.balance.update(&loads)?;
@@ -1104,17 +1097,6 @@ fn run_rank<D: Device>(
         startup,
         hash_time: hashing.elapsed(),
     })
-}
-
-/// A micro-batch's inputs and targets (and MTP inputs) from its batch.
-/// Head 0's tokens (the next token), and for MTP depth k the inputs and
-/// targets rolled by k inside the sample, the last k positions masked.
-fn micro_batch_tokens(batch: &Batch, depths: usize) -> MicroBatchTokens {
-    MicroBatchTokens {
-        inputs: batch.mtp_inputs(0),
-        targets: (0..=depths).map(|k| batch.mtp_targets(k)).collect(),
-        mtp_inputs: (1..=depths).map(|k| batch.mtp_inputs(k)).collect(),
-    }
 }
 
 /// One evaluation: the forward of `batches` fixed evaluation batches
