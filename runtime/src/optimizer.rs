@@ -25,7 +25,7 @@
 
 use crate::backend::{AdamMoments, AdamStep, Backend, SgdStep};
 use crate::collective::Collective;
-use crate::device::{Device, RankContext};
+use crate::device::{Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::lane::{Event, Label, Lane};
@@ -459,23 +459,24 @@ impl<D: Device> Optimizer<D> {
         &self.states
     }
 
-    /// Writes this rank's partials of the squared gradient norm, one per
-    /// bucket in id order (see the module doc), into `out` from index `at`
-    /// on, on the compute lane, and waits for them. Call after the step's
-    /// reduces ran; the host reads them with the step's losses
-    /// ([`crate::schedule::StepTotals`]).
+    /// Submits, on the compute lane after `after` (the step's reduces into
+    /// the shards), the partials of this rank's squared gradient norm, one
+    /// per bucket in id order (see the module doc), written into `out` from
+    /// index `at` on; the returned event completes with them. The host
+    /// reads them with the step's losses ([`crate::schedule::StepTotals`]).
     pub fn norm_partials(
         &self,
         engine: &FsdpEngine<D>,
         rank: &RankContext<D>,
         out: Arc<<D::Backend as Backend>::Buf>,
         at: usize,
-    ) -> Result<()> {
+        after: &[EventOf<D>],
+    ) -> EventOf<D> {
         let shards = engine.shards().to_vec();
         let buckets = self.buckets.clone();
-        let done = rank.compute.submit(
+        rank.compute.submit(
             Label::new("gradient norm partials", "optimizer"),
-            &[],
+            after,
             Box::new(move |b: &D::Backend| {
                 b.zero(b.slice_mut(&out, at..at + buckets.len())?)?;
                 for (i, (shard, bucket)) in shards.iter().zip(buckets.iter()).enumerate() {
@@ -492,8 +493,7 @@ impl<D: Device> Optimizer<D> {
                 }
                 Ok(())
             }),
-        );
-        done.wait()
+        )
     }
 
     /// The global L2 norm of the accumulated gradients from every rank's
@@ -911,7 +911,8 @@ mod tests {
                 let b = &rank.backend;
                 let out = Arc::new(b.alloc(plan.buckets.len(), DType::F64).unwrap());
                 optimizer
-                    .norm_partials(&engine, &rank, out.clone(), 0)
+                    .norm_partials(&engine, &rank, out.clone(), 0, &[])
+                    .wait()
                     .unwrap();
                 let mut partials = vec![0.0; plan.buckets.len()];
                 b.download(b.view(&*out).unwrap(), &mut partials).unwrap();

@@ -999,9 +999,26 @@ fn run_rank<D: Device>(
                 micro_batch: mb,
             })
         };
-        let counts = run_step(&program, &cx, &mut engine, &rank, &mut micro_batch)?;
         let totals = &cx.totals;
-        optimizer.norm_partials(&engine, &rank, totals.buffer(), totals.partials_at())?;
+        let mut norm_partials = |engine: &FsdpEngine<_>, reduced: &[_]| {
+            // Its event fails with the lane's synchronize, which run_step
+            // calls next.
+            let _ = optimizer.norm_partials(
+                engine,
+                &rank,
+                totals.buffer(),
+                totals.partials_at(),
+                reduced,
+            );
+        };
+        let counts = run_step(
+            &program,
+            &cx,
+            &mut engine,
+            &rank,
+            &mut micro_batch,
+            &mut norm_partials,
+        )?;
         // The step's one read: its losses and its gradient-norm partials.
         let StepReadout {
             losses,
@@ -1136,7 +1153,14 @@ impl<D: Device> Evaluation<'_, D> {
                     depths,
                 ))
             };
-            let counts = run_step(self.program, self.cx, engine, rank, &mut micro_batch)?;
+            let counts = run_step(
+                self.program,
+                self.cx,
+                engine,
+                rank,
+                &mut micro_batch,
+                &mut |_, _| {},
+            )?;
             let losses = self.cx.totals.read(&rank.backend, &counts)?.losses;
             mine.extend([losses.main.0, losses.main.1 as f64]);
         }

@@ -101,11 +101,18 @@ fn missing(what: &str) -> RuntimeError {
 /// memory does not grow with the number of micro-batches.
 const RETIRED_IN_FLIGHT: usize = 1;
 
+/// Work queued behind a step's ([`run_step`]): given the engine and the
+/// event of the step's reduces.
+pub type AfterStep<'a, D> = dyn FnMut(&FsdpEngine<D>, &[EventOf<D>]) + 'a;
+
 /// Runs one step's program; returns, per head, the number of unmasked
 /// targets this rank trained on, once every lane has finished (the non-unit
 /// gradients reduced too). `micro_batch(mb)` makes micro-batch `mb`'s
 /// tokens; it is called when the program first issues work for `mb`, in
-/// micro-batch order. The losses accumulate on the device in
+/// micro-batch order. `after_step(engine, reduced)` queues work behind the
+/// step's before the host waits for the lanes (the optimizer's norm
+/// partials), so the GPU goes on to it without a trip to the host;
+/// `reduced` completes once every gradient reduce into the shards has. The losses accumulate on the device in
 /// [`StepContext::totals`], which the caller reads once, after the
 /// optimizer's norm partials joined them ([`StepTotals::read`]).
 ///
@@ -124,6 +131,7 @@ pub fn run_step<D: Device>(
     engine: &mut FsdpEngine<D>,
     rank: &RankContext<D>,
     micro_batch: &mut dyn FnMut(usize) -> Result<MicroBatchTokens>,
+    after_step: &mut AfterStep<'_, D>,
 ) -> Result<Vec<usize>> {
     let plan = &cx.model.plan;
     let depths = plan.mtp_depths();
@@ -269,6 +277,13 @@ pub fn run_step<D: Device>(
     }
     let all: Vec<_> = retired.into_iter().map(|(_, event)| event).collect();
     engine.reduce_non_unit(rank, &all)?;
+    // The reduces run in order on the comm lane: work behind them all.
+    let reduced = rank.comm.submit(
+        Label::new("gradients reduced", "reduce"),
+        &[],
+        Box::new(|_: &D::Backend| Ok(())),
+    );
+    after_step(engine, &[reduced]);
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
     Ok(counts)
