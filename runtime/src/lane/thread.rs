@@ -39,6 +39,16 @@ use std::time::{Duration, Instant};
 /// collective (which names the rank) before a lane gives up on the event.
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// How long a lane waiting for work on another lane yields its core before
+/// it blocks on a condition variable. The hand-offs between lanes sit on a
+/// step's critical path where nothing else is queued (an `E` layer's
+/// dispatch on the comm lane, then its experts on the compute lane, in the
+/// first micro-batch), and on an H200 host a lane thread woken from a
+/// condition variable took up to 270 µs to run again, the GPU idle
+/// meanwhile. Yielding lets any runnable thread have the core (a CPU
+/// lane's work on a small machine), so the cost is a few polls.
+const YIELD_BEFORE_BLOCKING: Duration = Duration::from_micros(300);
+
 /// `timeout` from now, for waits bounded by a user's timeout: a timeout too
 /// long for the clock (`Duration::MAX`, `u64::MAX` seconds) waits a year
 /// rather than overflowing `Instant` (which panics, and in a lane's worker
@@ -213,7 +223,13 @@ impl<M: DeviceMark> ThreadEvent<M> {
     }
 
     /// Waits until the work ran on the host side; returns its device mark.
+    /// Yields its core for a moment before it blocks: see
+    /// [`YIELD_BEFORE_BLOCKING`].
     fn wait_until(&self, deadline: Instant) -> std::result::Result<M, DependencyFailure> {
+        let yield_until = deadline.min(Instant::now() + YIELD_BEFORE_BLOCKING);
+        while matches!(*lock(&self.state.status), Status::Pending) && Instant::now() < yield_until {
+            std::thread::yield_now();
+        }
         let mut status = lock(&self.state.status);
         loop {
             match &*status {
