@@ -173,7 +173,7 @@ impl<T: Copy> StagedRead<T> {
                 return Err(e);
             }
         };
-        let read = StagedRead {
+        let mut read = StagedRead {
             cx: cx.clone(),
             staging: Some(staging),
             event,
@@ -181,7 +181,12 @@ impl<T: Copy> StagedRead<T> {
             what,
             _t: PhantomData,
         };
-        read.enqueue(stream, src, data_bytes)?;
+        if let Err(e) = read.enqueue(stream, src, data_bytes) {
+            // A copy may be queued without the event behind it: leak the
+            // buffer rather than hand it to another read under that copy.
+            std::mem::forget(read.staging.take());
+            return Err(e);
+        }
         Ok(read)
     }
 
