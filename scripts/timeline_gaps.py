@@ -3,7 +3,9 @@
 and reports, over the last whole training step (between the last two groups
 of `adam_update` kernels), how busy the GPU was, its idle gaps, and what the
 host thread that launched the work after each gap did in the meantime:
-CUDA calls (by name) or its own code between calls. Then start-up: from
+CUDA calls (by name) or its own code between calls; then the idle time by
+the pair of activities around each gap (what ended last, what came next),
+which finds the same wait repeated at every layer. Then start-up: from
 the first CUDA call to the first step's first kernel (`embedding_forward`),
 the CUDA calls that took the time, per thread.
 
@@ -64,15 +66,22 @@ def main():
     inside = [g for g in gpu if g[0] >= lo and g[1] <= hi]
 
     # Busy time: the union of every activity's interval.
-    busy, gaps, cursor = 0, [], lo
+    # Each gap also notes the activity that ended last before it.
+    busy, gaps, cursor, last = 0, [], lo, "-"
     kernel_time, kernel_calls = collections.Counter(), collections.Counter()
+    between = collections.Counter()
+    between_n = collections.Counter()
     for i, (s, e, _, corr, name) in enumerate(inside):
         kernel_time[name] += e - s
         kernel_calls[name] += 1
         if s > cursor:
             gaps.append((s - cursor, cursor, i))
+            pair = (last[:40], name[:40])
+            between[pair] += s - cursor
+            between_n[pair] += 1
         busy += max(0, e - max(s, cursor))
-        cursor = max(cursor, e)
+        if e > cursor:
+            cursor, last = e, name
     span = hi - lo
     print(f"one step: {span / 1e6:.1f} ms, GPU busy {busy / 1e6:.1f} ms ({100 * busy / span:.1f}%), "
           f"{len(inside)} GPU activities, idle {(span - busy) / 1e6:.1f} ms in {len(gaps)} gaps")
@@ -111,6 +120,10 @@ def main():
     print("\nidle time by what the launching thread was doing (ms a step):")
     for name, t in blame.most_common(15):
         print(f"  {t / 1e6:8.2f}  {name}")
+
+    print("\nidle time by the activities around it (ms a step, gaps; the one that ended last -> the next):")
+    for (before, after), t in between.most_common(15):
+        print(f"  {t / 1e6:8.3f} {between_n[(before, after)]:5d}  {before} -> {after}")
 
     print(f"\nthe {a.top} largest gaps (µs from the step's start):")
     listed.sort(reverse=True)
