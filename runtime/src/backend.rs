@@ -338,19 +338,28 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// norm; `G` groups is Mamba's gated norm). Per group
     /// `rstd = 1 / sqrt(mean(x^2) + eps)`, `y = x * rstd * w` (w over all
     /// `dim` channels). Writes `y` `[rows, dim]` and `rstd` `[rows, groups]`
-    /// (kept for backward). Computed in f32.
+    /// (kept for backward). Computed in f32. With `x_copy` (of `x`'s dtype
+    /// and length, else refused) it also copies `x` there: how a layer
+    /// keeps its input for its backward while the residual stream it reads
+    /// from moves on; a GPU writes the copy in the norm's own pass over `x`.
     fn rmsnorm_forward(
         &self,
         x: Slice<'_, Self>,
         weight: Slice<'_, Self>,
         y: SliceMut<'_, Self>,
         rstd: SliceMut<'_, Self>,
+        x_copy: Option<SliceMut<'_, Self>>,
         dims: NormDims,
     ) -> Result<()>;
 
     /// Input gradient of [`Backend::rmsnorm_forward`], accumulated:
     /// per group, with `g = w * dy`,
-    /// `dx += rstd * g - x * rstd^3 * mean(g * x)`.
+    /// `dx += rstd * g - x * rstd^3 * mean(g * x)`. With `dx_before` (of
+    /// `dx`'s dtype and length, else refused) it first copies `dx` as it was
+    /// there: how a layer keeps the gradient of its output for its weight
+    /// gradients while adding its input's gradient into the same buffer; a
+    /// GPU writes the copy in the norm's own pass over `dx`.
+    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward_input(
         &self,
         dy: Slice<'_, Self>,
@@ -358,38 +367,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
         weight: Slice<'_, Self>,
         rstd: Slice<'_, Self>,
         dx: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()>;
-
-    /// [`Backend::rmsnorm_forward`] that also copies `x` into `x_copy` (of
-    /// `x`'s dtype and length): how a layer keeps its input for its
-    /// backward while the residual stream it reads from moves on. A GPU
-    /// writes the copy in the norm's own pass over `x`; `x_copy` of
-    /// another dtype or length is refused.
-    fn rmsnorm_forward_keeping_input(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()>;
-
-    /// [`Backend::rmsnorm_backward_input`] that first copies `dx` as it was
-    /// into `dx_before` (of `dx`'s dtype and length): how a layer keeps the
-    /// gradient of its output for its weight gradients while adding its
-    /// input's gradient into the same buffer. A GPU writes the copy in the
-    /// norm's own pass over `dx`.
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward_input_keeping_dx(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: SliceMut<'_, Self>,
+        dx_before: Option<SliceMut<'_, Self>>,
         dims: NormDims,
     ) -> Result<()>;
 

@@ -580,7 +580,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 ],
                 outputs: vec![2, 3],
                 cpu: Box::new(move |b, x| {
-                    b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), d)
+                    b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), None, d)
                 }),
                 gpu: Box::new(move |s, st, x| {
                     s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], None, d)
@@ -605,7 +605,15 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 ],
                 outputs: vec![4],
                 cpu: Box::new(move |b, x| {
-                    b.rmsnorm_backward_input(v(&x[0]), v(&x[1]), v(&x[2]), v(&x[3]), m(&x[4]), d)
+                    b.rmsnorm_backward_input(
+                        v(&x[0]),
+                        v(&x[1]),
+                        v(&x[2]),
+                        v(&x[3]),
+                        m(&x[4]),
+                        None,
+                        d,
+                    )
                 }),
                 gpu: Box::new(move |s, st, x| {
                     s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], None, d)

@@ -39,11 +39,11 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
         // Each pass plain, and keeping a copy in the same pass (of x; of dx
         // as it was): the same outputs, and the copy exact.
         for keep in [false, true] {
-            let kernel = match keep {
-                false => "rmsnorm_forward",
-                true => "rmsnorm_forward_keeping_input",
+            let case = match keep {
+                false => name.clone(),
+                true => format!("{name}, keeping a copy"),
             };
-            let fwd = KernelCase::new(kernel, name.clone())
+            let fwd = KernelCase::new("rmsnorm_forward", case.clone())
                 .input("x", x.clone())
                 .input("weight", w.clone())
                 .output("y", rows * dim)
@@ -65,6 +65,7 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                         b.view("weight")?,
                         b.view_mut("y")?,
                         b.view_mut("rstd")?,
+                        None,
                         bad,
                     )?;
                     Ok(vec![])
@@ -83,26 +84,13 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                 |dev, b| {
                     let (x, weight) = (b.view("x")?, b.view("weight")?);
                     let (y, rstd) = (b.view_mut("y")?, b.view_mut("rstd")?);
-                    match keep {
-                        false => dev.rmsnorm_forward(x, weight, y, rstd, dims)?,
-                        true => dev.rmsnorm_forward_keeping_input(
-                            x,
-                            weight,
-                            y,
-                            rstd,
-                            b.view_mut("x_copy")?,
-                            dims,
-                        )?,
-                    }
+                    let x_copy = keep.then(|| b.view_mut("x_copy")).transpose()?;
+                    dev.rmsnorm_forward(x, weight, y, rstd, x_copy, dims)?;
                     Ok(vec![])
                 },
             );
 
-            let kernel = match keep {
-                false => "rmsnorm_backward_input",
-                true => "rmsnorm_backward_input_keeping_dx",
-            };
-            let bwd = KernelCase::new(kernel, name.clone())
+            let bwd = KernelCase::new("rmsnorm_backward_input", case)
                 .input("dy", dy.clone())
                 .input("x", x.clone())
                 .input("weight", w.clone())
@@ -137,18 +125,8 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                     let (dy, x) = (b.view("dy")?, b.view("x")?);
                     let (weight, rstd) = (b.view("weight")?, b.view("rstd")?);
                     let dx = b.view_mut("dx")?;
-                    match keep {
-                        false => dev.rmsnorm_backward_input(dy, x, weight, rstd, dx, dims)?,
-                        true => dev.rmsnorm_backward_input_keeping_dx(
-                            dy,
-                            x,
-                            weight,
-                            rstd,
-                            dx,
-                            b.view_mut("dx_before")?,
-                            dims,
-                        )?,
-                    }
+                    let dx_before = keep.then(|| b.view_mut("dx_before")).transpose()?;
+                    dev.rmsnorm_backward_input(dy, x, weight, rstd, dx, dx_before, dims)?;
                     Ok(vec![])
                 },
             );

@@ -87,73 +87,6 @@ impl CpuBackend {
     fn access(&self, kernel: &'static str) -> KernelAccess<'_> {
         KernelAccess::new(kernel, &self.lane)
     }
-
-    /// `rmsnorm_forward` under `kernel`'s name, also copying `x` into
-    /// `x_copy` where given (every view checked before anything is
-    /// written).
-    #[allow(clippy::too_many_arguments)]
-    fn norm_forward(
-        &self,
-        kernel: &'static str,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: Option<SliceMut<'_, Self>>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let k = self.access(kernel);
-        let copy = match x_copy {
-            Some(copy) => {
-                same_dtype(kernel, ("x", x.dtype()), ("x_copy", copy.dtype()))?;
-                let (src, dst) = (k.bytes_in(x)?, k.bytes_out(copy)?);
-                same_len(kernel, src.len(), dst.len())?;
-                Some((src, dst))
-            }
-            None => None,
-        };
-        let (xs, w) = (k.f32_in("x", x)?, k.f32_in("weight", weight)?);
-        let rstd = k.typed_out::<f32>("rstd", rstd)?;
-        kernels::rmsnorm_forward(kernel, &xs, &w, &mut k.f32_out("y", y)?, rstd, dims)?;
-        if let Some((src, dst)) = copy {
-            dst.copy_from_slice(src);
-        }
-        Ok(())
-    }
-
-    /// `rmsnorm_backward_input` under `kernel`'s name, first copying `dx`
-    /// into `dx_before` where given.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_backward_input(
-        &self,
-        kernel: &'static str,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: Option<SliceMut<'_, Self>>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let k = self.access(kernel);
-        if let Some(before) = &dx_before {
-            same_dtype(kernel, ("dx", dx.dtype()), ("dx_before", before.dtype()))?;
-        }
-        let (dy, x, w) = (
-            k.f32_in("dy", dy)?,
-            k.f32_in("x", x)?,
-            k.f32_in("weight", weight)?,
-        );
-        let rstd = k.typed_in::<f32>("rstd", rstd)?;
-        let mut dx = k.f32_out("dx", dx)?;
-        if let Some(before) = dx_before {
-            let mut before = k.f32_out("dx_before", before)?;
-            same_len(kernel, dx.len(), before.len())?;
-            // Exact: dx's values widened to f32 go back to the same dtype.
-            before.copy_from_slice(&dx);
-        }
-        kernels::rmsnorm_backward_input(kernel, &dy, &x, &w, rstd, &mut dx, dims)
-    }
 }
 
 /// An optimizer step on the f32 shard `param` (`update`), then, with
@@ -518,9 +451,28 @@ impl Backend for CpuBackend {
         weight: Slice<'_, Self>,
         y: SliceMut<'_, Self>,
         rstd: SliceMut<'_, Self>,
+        x_copy: Option<SliceMut<'_, Self>>,
         dims: NormDims,
     ) -> Result<()> {
-        self.norm_forward("rmsnorm_forward", x, weight, y, rstd, None, dims)
+        let kernel = "rmsnorm_forward";
+        let k = self.access(kernel);
+        // Every view is checked before anything is written.
+        let copy = match x_copy {
+            Some(copy) => {
+                same_dtype(kernel, ("x", x.dtype()), ("x_copy", copy.dtype()))?;
+                let (src, dst) = (k.bytes_in(x)?, k.bytes_out(copy)?);
+                same_len(kernel, src.len(), dst.len())?;
+                Some((src, dst))
+            }
+            None => None,
+        };
+        let (xs, w) = (k.f32_in("x", x)?, k.f32_in("weight", weight)?);
+        let rstd = k.typed_out::<f32>("rstd", rstd)?;
+        kernels::rmsnorm_forward(kernel, &xs, &w, &mut k.f32_out("y", y)?, rstd, dims)?;
+        if let Some((src, dst)) = copy {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
     }
 
     fn rmsnorm_backward_input(
@@ -530,37 +482,28 @@ impl Backend for CpuBackend {
         weight: Slice<'_, Self>,
         rstd: Slice<'_, Self>,
         dx: SliceMut<'_, Self>,
+        dx_before: Option<SliceMut<'_, Self>>,
         dims: NormDims,
     ) -> Result<()> {
-        let k = "rmsnorm_backward_input";
-        self.norm_backward_input(k, dy, x, weight, rstd, dx, None, dims)
-    }
-
-    fn rmsnorm_forward_keeping_input(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let k = "rmsnorm_forward_keeping_input";
-        self.norm_forward(k, x, weight, y, rstd, Some(x_copy), dims)
-    }
-
-    fn rmsnorm_backward_input_keeping_dx(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let k = "rmsnorm_backward_input_keeping_dx";
-        self.norm_backward_input(k, dy, x, weight, rstd, dx, Some(dx_before), dims)
+        let kernel = "rmsnorm_backward_input";
+        let k = self.access(kernel);
+        if let Some(before) = &dx_before {
+            same_dtype(kernel, ("dx", dx.dtype()), ("dx_before", before.dtype()))?;
+        }
+        let (dy, x, w) = (
+            k.f32_in("dy", dy)?,
+            k.f32_in("x", x)?,
+            k.f32_in("weight", weight)?,
+        );
+        let rstd = k.typed_in::<f32>("rstd", rstd)?;
+        let mut dx = k.f32_out("dx", dx)?;
+        if let Some(before) = dx_before {
+            let mut before = k.f32_out("dx_before", before)?;
+            same_len(kernel, dx.len(), before.len())?;
+            // Exact: dx's values widened to f32 go back to the same dtype.
+            before.copy_from_slice(&dx);
+        }
+        kernels::rmsnorm_backward_input(kernel, &dy, &x, &w, rstd, &mut dx, dims)
     }
 
     fn rmsnorm_backward_weight(

@@ -856,6 +856,7 @@ impl Backend for CudaBackend {
         weight: Slice<'_, Self>,
         y: SliceMut<'_, Self>,
         rstd: SliceMut<'_, Self>,
+        x_copy: Option<SliceMut<'_, Self>>,
         dims: NormDims,
     ) -> Result<()> {
         self.k().rmsnorm_forward(
@@ -864,27 +865,7 @@ impl Backend for CudaBackend {
             self.v(weight),
             self.m(&y),
             self.m(&rstd),
-            None,
-            dims,
-        )
-    }
-
-    fn rmsnorm_forward_keeping_input(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        self.k().rmsnorm_forward(
-            self.s(),
-            self.v(x),
-            self.v(weight),
-            self.m(&y),
-            self.m(&rstd),
-            Some(self.m(&x_copy)),
+            x_copy.map(|copy| self.m(&copy)),
             dims,
         )
     }
@@ -896,6 +877,7 @@ impl Backend for CudaBackend {
         weight: Slice<'_, Self>,
         rstd: Slice<'_, Self>,
         dx: SliceMut<'_, Self>,
+        dx_before: Option<SliceMut<'_, Self>>,
         dims: NormDims,
     ) -> Result<()> {
         self.k().rmsnorm_backward_input(
@@ -905,29 +887,7 @@ impl Backend for CudaBackend {
             self.v(weight),
             self.v(rstd),
             self.m(&dx),
-            None,
-            dims,
-        )
-    }
-
-    fn rmsnorm_backward_input_keeping_dx(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        self.k().rmsnorm_backward_input(
-            self.s(),
-            self.v(dy),
-            self.v(x),
-            self.v(weight),
-            self.v(rstd),
-            self.m(&dx),
-            Some(self.m(&dx_before)),
+            dx_before.map(|before| self.m(&before)),
             dims,
         )
     }

@@ -42,16 +42,7 @@ impl RmsNorm {
         x: Slice<'_, B>,
         rows: usize,
     ) -> Result<(B::Buf, B::Buf)> {
-        let y = uninit(b, b.slice_len(x))?;
-        let rstd = uninit_f32(b, rows.saturating_mul(self.groups))?;
-        b.rmsnorm_forward(
-            x,
-            weight,
-            b.view_mut(&y)?,
-            b.view_mut(&rstd)?,
-            self.dims(rows),
-        )?;
-        Ok((y, rstd))
+        self.forward_into(b, weight, x, None, rows)
     }
 
     /// `(y, rstd, x_copy)`: [`RmsNorm::forward`], and a copy of `x` made in
@@ -63,18 +54,25 @@ impl RmsNorm {
         x: Slice<'_, B>,
         rows: usize,
     ) -> Result<(B::Buf, B::Buf, B::Buf)> {
+        let x_copy = uninit(b, b.slice_len(x))?;
+        let (y, rstd) = self.forward_into(b, weight, x, Some(b.view_mut(&x_copy)?), rows)?;
+        Ok((y, rstd, x_copy))
+    }
+
+    /// `(y, rstd)`, copying `x` into `x_copy` where given.
+    fn forward_into<B: Backend>(
+        &self,
+        b: &B,
+        weight: Slice<'_, B>,
+        x: Slice<'_, B>,
+        x_copy: Option<SliceMut<'_, B>>,
+        rows: usize,
+    ) -> Result<(B::Buf, B::Buf)> {
         let y = uninit(b, b.slice_len(x))?;
         let rstd = uninit_f32(b, rows.saturating_mul(self.groups))?;
-        let x_copy = uninit(b, b.slice_len(x))?;
-        b.rmsnorm_forward_keeping_input(
-            x,
-            weight,
-            b.view_mut(&y)?,
-            b.view_mut(&rstd)?,
-            b.view_mut(&x_copy)?,
-            self.dims(rows),
-        )?;
-        Ok((y, rstd, x_copy))
+        let dims = self.dims(rows);
+        b.rmsnorm_forward(x, weight, b.view_mut(&y)?, b.view_mut(&rstd)?, x_copy, dims)?;
+        Ok((y, rstd))
     }
 
     /// `dx += J^T dy`, returning `dx` as it was before (copied in the same
@@ -91,15 +89,9 @@ impl RmsNorm {
         rows: usize,
     ) -> Result<B::Buf> {
         let before = uninit(b, b.slice_len(b.as_slice(&dx)))?;
-        b.rmsnorm_backward_input_keeping_dx(
-            dy,
-            b.view(x)?,
-            weight,
-            b.view(rstd)?,
-            dx,
-            b.view_mut(&before)?,
-            self.dims(rows),
-        )?;
+        let dims = self.dims(rows);
+        let kept = Some(b.view_mut(&before)?);
+        b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, kept, dims)?;
         Ok(before)
     }
 
@@ -115,7 +107,8 @@ impl RmsNorm {
         dx: SliceMut<'_, B>,
         rows: usize,
     ) -> Result<()> {
-        b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, self.dims(rows))
+        let dims = self.dims(rows);
+        b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, None, dims)
     }
 
     /// `dw += sum_rows dy * x * rstd`.

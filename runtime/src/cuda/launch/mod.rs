@@ -731,8 +731,7 @@ impl KernelSet {
         Ok(d.dim / d.groups)
     }
 
-    /// `Backend::rmsnorm_forward`, and with `x_copy`
-    /// `Backend::rmsnorm_forward_keeping_input`.
+    /// `Backend::rmsnorm_forward` (with `x_copy`, the copy in the same pass).
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_forward(
         &self,
@@ -744,12 +743,7 @@ impl KernelSet {
         x_copy: Option<GpuView>,
         d: NormDims,
     ) -> Result<()> {
-        // Errors name the backend method called; the kernel is one.
-        let kernel = "rmsnorm_forward";
-        let k = match x_copy {
-            Some(_) => "rmsnorm_forward_keeping_input",
-            None => kernel,
-        };
+        let k = "rmsnorm_forward";
         let (xt, wt, yt) = (
             float(k, "x", &x)?,
             float(k, "weight", &weight)?,
@@ -772,7 +766,7 @@ impl KernelSet {
         let copy = x_copy.map_or(0u64, |c| c.ptr);
         let threads = norm_threads(gs, vec8);
         let vec8 = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(kernel)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr)
             .arg(&xt)
             .arg(&weight.ptr)
@@ -785,11 +779,11 @@ impl KernelSet {
             .arg(&s)
             .arg(&d.eps)
             .arg(&vec8);
-        self.go(kernel, &mut b, per_item(d.rows * d.groups, threads)?)
+        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
     }
 
-    /// `Backend::rmsnorm_backward_input` (accumulates into `dx`), and with
-    /// `dx_before` `Backend::rmsnorm_backward_input_keeping_dx`.
+    /// `Backend::rmsnorm_backward_input` (accumulates into `dx`; with
+    /// `dx_before`, the copy in the same pass).
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward_input(
         &self,
@@ -802,12 +796,7 @@ impl KernelSet {
         dx_before: Option<GpuView>,
         d: NormDims,
     ) -> Result<()> {
-        // Errors name the backend method called; the kernel is one.
-        let kernel = "rmsnorm_backward_input";
-        let k = match dx_before {
-            Some(_) => "rmsnorm_backward_input_keeping_dx",
-            None => kernel,
-        };
+        let k = "rmsnorm_backward_input";
         let (dyt, xt) = (float(k, "dy", &dy)?, float(k, "x", &x)?);
         let (wt, dxt) = (float(k, "weight", &weight)?, float(k, "dx", &dx)?);
         let gs = self.norm_group(k, d, &x, &rstd)?;
@@ -828,7 +817,7 @@ impl KernelSet {
         let before = dx_before.map_or(0u64, |v| v.ptr);
         let threads = norm_threads(gs, vec8);
         let vec8 = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(kernel)?);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dy.ptr)
             .arg(&dyt)
             .arg(&x.ptr)
@@ -842,7 +831,7 @@ impl KernelSet {
             .arg(&g)
             .arg(&s)
             .arg(&vec8);
-        self.go(kernel, &mut b, per_item(d.rows * d.groups, threads)?)
+        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
     }
 
     /// f32 elements of [`KernelSet::rmsnorm_backward_weight`]'s scratch:
