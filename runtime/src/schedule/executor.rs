@@ -112,9 +112,10 @@ pub type AfterStep<'a, D> = dyn FnMut(&FsdpEngine<D>, &[EventOf<D>]) + 'a;
 /// micro-batch order. `after_step(engine, reduced)` queues work behind the
 /// step's before the host waits for the lanes (the optimizer's norm
 /// partials), so the GPU goes on to it without a trip to the host;
-/// `reduced` completes once every gradient reduce into the shards has. The losses accumulate on the device in
-/// [`StepContext::totals`], which the caller reads once, after the
-/// optimizer's norm partials joined them ([`StepTotals::read`]).
+/// `reduced` completes once every gradient reduce into the shards has.
+/// The losses accumulate on the device in [`StepContext::totals`], which
+/// the caller reads once, after the optimizer's norm partials joined them
+/// ([`StepTotals::read`]).
 ///
 /// Memory: the micro-batches in flight at once ([`Program::in_flight`])
 /// each allocate from an arena of their own, and a micro-batch's retirement
