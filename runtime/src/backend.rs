@@ -359,6 +359,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// there: how a layer keeps the gradient of its output for its weight
     /// gradients while adding its input's gradient into the same buffer; a
     /// GPU writes the copy in the norm's own pass over `dx`.
+    ///
+    /// It also writes the weight gradient's partial sums into `partials`
+    /// (f32, [`NormDims::weight_partials_len`]): `partials[s, j]` sums
+    /// `dy[r, j] * x[r, j] * rstd[r, group(j)]` over slice `s` of the rows
+    /// ([`NormDims::weight_slice_rows`] each). A GPU reads dy and x once for
+    /// both gradients, and the layer keeps the partials, not dy and x, for
+    /// [`Backend::rmsnorm_backward_weight`].
     #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward_input(
         &self,
@@ -368,16 +375,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
         rstd: Slice<'_, Self>,
         dx: SliceMut<'_, Self>,
         dx_before: Option<SliceMut<'_, Self>>,
+        partials: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()>;
 
-    /// Weight gradient of [`Backend::rmsnorm_forward`], accumulated in row
-    /// order: `dw[j] += sum_r dy[r, j] * x[r, j] * rstd[r, group(j)]`.
+    /// Weight gradient of [`Backend::rmsnorm_forward`], accumulated from
+    /// the partial sums [`Backend::rmsnorm_backward_input`] wrote:
+    /// `dw[j] += sum_s partials[s, j]`, in an order fixed by the
+    /// dimensions.
     fn rmsnorm_backward_weight(
         &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
+        partials: Slice<'_, Self>,
         dw: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()>;
@@ -936,6 +944,35 @@ pub struct NormDims {
     /// Groups normalised separately; must divide `dim`.
     pub groups: usize,
     pub eps: f32,
+}
+
+impl NormDims {
+    /// Rows a slice of the weight gradient's partial sums aims at; with at
+    /// most [`NormDims::MAX_WEIGHT_SLICES`] slices, a GPU gives each slice a
+    /// block (enough blocks to keep every SM reading) and adds the slices'
+    /// sums in one small pass.
+    const WEIGHT_SLICE_ROWS: usize = 16;
+    const MAX_WEIGHT_SLICES: usize = 256;
+
+    /// Slices of rows the weight gradient's partial sums are taken over
+    /// (one rule for every backend: a function of the rows alone, so the
+    /// sums' order is too).
+    pub fn weight_slices(&self) -> usize {
+        self.rows
+            .div_ceil(Self::WEIGHT_SLICE_ROWS)
+            .clamp(1, Self::MAX_WEIGHT_SLICES)
+    }
+
+    /// Rows in each slice: slice `s` holds rows `[s * n, (s + 1) * n)` that
+    /// exist (the last ones may hold fewer, or none).
+    pub fn weight_slice_rows(&self) -> usize {
+        self.rows.div_ceil(self.weight_slices())
+    }
+
+    /// f32 elements of the partial sums: `dim` a slice.
+    pub fn weight_partials_len(&self) -> usize {
+        self.weight_slices().saturating_mul(self.dim)
+    }
 }
 
 /// Element-wise functions of [`Backend::unary_forward`].

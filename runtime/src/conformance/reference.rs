@@ -137,18 +137,32 @@ pub(crate) fn rmsnorm_backward_input(
     dx
 }
 
-pub(crate) fn rmsnorm_backward_weight(
+/// `partials[s, j]`: the sum over slice `s` of the rows of
+/// `dy * x * rstd` (`NormDims::weight_slice_rows` rows a slice).
+pub(crate) fn rmsnorm_weight_partials(
     dy: &[f64],
     x: &[f64],
     rstd: &[f64],
-    dw0: &[f64],
     d: NormDims,
 ) -> Vec<f64> {
     let gs = d.dim / d.groups;
-    let mut dw = dw0.to_vec();
+    let mut partials = vec![0.0; d.weight_partials_len()];
     for r in 0..d.rows {
+        let slice = r / d.weight_slice_rows();
         for j in 0..d.dim {
-            dw[j] += dy[r * d.dim + j] * x[r * d.dim + j] * rstd[r * d.groups + j / gs];
+            let i = r * d.dim + j;
+            partials[slice * d.dim + j] += dy[i] * x[i] * rstd[r * d.groups + j / gs];
+        }
+    }
+    partials
+}
+
+/// `dw + sum_s partials[s, ..]`.
+pub(crate) fn rmsnorm_backward_weight(partials: &[f64], dw0: &[f64], d: NormDims) -> Vec<f64> {
+    let mut dw = dw0.to_vec();
+    for slice in partials.chunks_exact(d.dim.max(1)) {
+        for (dw, p) in dw.iter_mut().zip(slice) {
+            *dw += p;
         }
     }
     dw

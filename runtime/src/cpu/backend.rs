@@ -483,6 +483,7 @@ impl Backend for CpuBackend {
         rstd: Slice<'_, Self>,
         dx: SliceMut<'_, Self>,
         dx_before: Option<SliceMut<'_, Self>>,
+        partials: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
         let kernel = "rmsnorm_backward_input";
@@ -496,6 +497,7 @@ impl Backend for CpuBackend {
             k.f32_in("weight", weight)?,
         );
         let rstd = k.typed_in::<f32>("rstd", rstd)?;
+        let partials = k.typed_out::<f32>("partials", partials)?;
         let mut dx = k.f32_out("dx", dx)?;
         if let Some(before) = dx_before {
             let mut before = k.f32_out("dx_before", before)?;
@@ -503,21 +505,19 @@ impl Backend for CpuBackend {
             // Exact: dx's values widened to f32 go back to the same dtype.
             before.copy_from_slice(&dx);
         }
-        kernels::rmsnorm_backward_input(kernel, &dy, &x, &w, rstd, &mut dx, dims)
+        kernels::rmsnorm_backward_input(kernel, &dy, &x, &w, rstd, &mut dx, dims)?;
+        kernels::rmsnorm_weight_partials(kernel, &dy, &x, rstd, partials, dims)
     }
 
     fn rmsnorm_backward_weight(
         &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
+        partials: Slice<'_, Self>,
         dw: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
         let k = self.access("rmsnorm_backward_weight");
-        let (dy, x) = (k.f32_in("dy", dy)?, k.f32_in("x", x)?);
-        let rstd = k.typed_in::<f32>("rstd", rstd)?;
-        kernels::rmsnorm_backward_weight(&dy, &x, rstd, &mut k.f32_out("dw", dw)?, dims)
+        let partials = k.typed_in::<f32>("partials", partials)?;
+        kernels::rmsnorm_backward_weight(partials, &mut k.f32_out("dw", dw)?, dims)
     }
 
     fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {

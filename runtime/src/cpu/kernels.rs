@@ -35,7 +35,9 @@ pub use moe::{
     moe_expert_major_order, moe_route_backward, moe_route_forward, moe_sort_by_expert,
     moe_unpermute, moe_unpermute_backward, scatter_rows,
 };
-pub use norm::{rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward};
+pub use norm::{
+    rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward, rmsnorm_weight_partials,
+};
 pub use optim::{adam_update, sgd_update, sum_squares};
 pub use rotary::{rotary_backward, rotary_forward};
 pub use scan::{ssd_scan_backward, ssd_scan_forward, ssd_scan_forward_chunked};

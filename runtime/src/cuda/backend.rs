@@ -878,6 +878,7 @@ impl Backend for CudaBackend {
         rstd: Slice<'_, Self>,
         dx: SliceMut<'_, Self>,
         dx_before: Option<SliceMut<'_, Self>>,
+        partials: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
         self.k().rmsnorm_backward_input(
@@ -888,29 +889,19 @@ impl Backend for CudaBackend {
             self.v(rstd),
             self.m(&dx),
             dx_before.map(|before| self.m(&before)),
+            self.m(&partials),
             dims,
         )
     }
 
     fn rmsnorm_backward_weight(
         &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
+        partials: Slice<'_, Self>,
         dw: SliceMut<'_, Self>,
         dims: NormDims,
     ) -> Result<()> {
-        let (scratch, _scratch_buf) =
-            self.scratch_uninit(KernelSet::rmsnorm_weight_scratch_len(dims), DType::F32)?;
-        self.k().rmsnorm_backward_weight(
-            self.s(),
-            self.v(dy),
-            self.v(x),
-            self.v(rstd),
-            self.m(&dw),
-            scratch,
-            dims,
-        )
+        self.k()
+            .rmsnorm_backward_weight(self.s(), self.v(partials), self.m(&dw), dims)
     }
 
     fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {

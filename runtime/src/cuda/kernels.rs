@@ -72,9 +72,9 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "rmsnorm_forward",
             "rmsnorm_backward_input",
+            "rmsnorm_backward",
             "rmsnorm_weight_partials",
-            "rmsnorm_weight_partials_vec8",
-            "rmsnorm_weight_finish"
+            "rmsnorm_weight_partials_vec8"
         ]
     ),
     source!(

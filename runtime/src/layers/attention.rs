@@ -1,7 +1,7 @@
 //! `*`: grouped-query self-attention (layers.md `*`), with optional qk-norm
 //! and optional rotary embeddings.
 
-use super::norm::RmsNorm;
+use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, core_attention, grad, positive,
     section, uninit, weight, zeros,
@@ -57,20 +57,18 @@ pub struct AttentionSaved<B: Backend> {
     lse: B::Buf,
 }
 
-/// The qk-norm part of [`AttentionWgrad`].
+/// The qk-norm part of [`AttentionWgrad`]: the norms' weight-gradient
+/// partial sums.
 struct QkNormWgrad<B: Backend> {
-    saved: QkNormSaved<B>,
-    dq: B::Buf,
-    dk: B::Buf,
+    q: NormPartials<B>,
+    k: NormPartials<B>,
 }
 
 /// What [`AttentionLayer::backward_input`] keeps.
 pub struct AttentionWgrad<B: Backend> {
     tokens: Tokens,
-    x_in: B::Buf,
-    rstd_in: B::Buf,
+    norm: NormPartials<B>,
     u: B::Buf,
-    d_u: B::Buf,
     d_qkv: B::Buf,
     d_out: B::Buf,
     o: B::Buf,
@@ -272,7 +270,7 @@ impl AttentionLayer {
                 let norm = RmsNorm::plain(c);
                 let dq_pre = zeros(b, rows * heads * c)?;
                 let dk_pre = zeros(b, rows * groups * c)?;
-                norm.backward_input(
+                let q = norm.backward_input(
                     b,
                     w(Q_NORM)?,
                     &qs.q_pre,
@@ -281,7 +279,7 @@ impl AttentionLayer {
                     b.view_mut(&dq_pre)?,
                     rows * heads,
                 )?;
-                norm.backward_input(
+                let k = norm.backward_input(
                     b,
                     w(K_NORM)?,
                     &qs.k_pre,
@@ -290,13 +288,9 @@ impl AttentionLayer {
                     b.view_mut(&dk_pre)?,
                     rows * groups,
                 )?;
-                let dq_normed = std::mem::replace(&mut dq, dq_pre);
-                let dk_normed = std::mem::replace(&mut dk, dk_pre);
-                Some(QkNormWgrad {
-                    saved: qs,
-                    dq: dq_normed,
-                    dk: dk_normed,
-                })
+                dq = dq_pre;
+                dk = dk_pre;
+                Some(QkNormWgrad { q, k })
             }
             None => None,
         };
@@ -320,7 +314,7 @@ impl AttentionLayer {
         )?;
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
-        let d_out = RmsNorm::plain(h).backward_input_keeping_dx(
+        let (d_out, norm) = RmsNorm::plain(h).backward_input_keeping_dx(
             b,
             w(QKV_NORM)?,
             &s.x_in,
@@ -331,10 +325,8 @@ impl AttentionLayer {
         )?;
         Ok(AttentionWgrad {
             tokens,
-            x_in: s.x_in,
-            rstd_in: s.rstd_in,
+            norm,
             u: s.u,
-            d_u,
             d_qkv,
             d_out,
             o: s.o,
@@ -350,7 +342,7 @@ impl AttentionLayer {
     ) -> Result<()> {
         check_grads(b, "`*` layer", &self.params, grads)?;
         let rows = g.tokens.rows()?;
-        let (h, c, heads, groups) = (self.hidden, self.head_dim, self.heads, self.groups);
+        let (h, c) = (self.hidden, self.head_dim);
         core_attention::proj_weight_grad(
             b,
             &g.d_out,
@@ -359,14 +351,7 @@ impl AttentionLayer {
             self.attention_dims(g.tokens),
             h,
         )?;
-        RmsNorm::plain(h).backward_weight(
-            b,
-            &g.x_in,
-            &g.rstd_in,
-            &g.d_u,
-            grad(b, grads, QKV_NORM)?,
-            rows,
-        )?;
+        RmsNorm::plain(h).backward_weight(b, &g.norm, grad(b, grads, QKV_NORM)?)?;
         b.matmul(
             b.view(&g.d_qkv)?,
             b.view(&g.u)?,
@@ -375,22 +360,8 @@ impl AttentionLayer {
         )?;
         if let Some(qk) = g.qk_norm {
             let norm = RmsNorm::plain(c);
-            norm.backward_weight(
-                b,
-                &qk.saved.q_pre,
-                &qk.saved.rstd_q,
-                &qk.dq,
-                grad(b, grads, Q_NORM)?,
-                rows * heads,
-            )?;
-            norm.backward_weight(
-                b,
-                &qk.saved.k_pre,
-                &qk.saved.rstd_k,
-                &qk.dk,
-                grad(b, grads, K_NORM)?,
-                rows * groups,
-            )?;
+            norm.backward_weight(b, &qk.q, grad(b, grads, Q_NORM)?)?;
+            norm.backward_weight(b, &qk.k, grad(b, grads, K_NORM)?)?;
         }
         Ok(())
     }

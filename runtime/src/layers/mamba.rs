@@ -1,7 +1,7 @@
 //! `M`: the Mamba-2 mixer (layers.md `M`), with the scan evaluated
 //! sequentially per head and the state kept only at chunk starts.
 
-use super::norm::RmsNorm;
+use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, grad_rows,
     positive, section, uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
@@ -60,10 +60,8 @@ pub struct MambaSaved<B: Backend> {
 /// What [`MambaLayer::backward_input`] keeps.
 pub struct MambaWgrad<B: Backend> {
     tokens: Tokens,
-    x_in: B::Buf,
-    rstd_in: B::Buf,
+    in_norm: NormPartials<B>,
     u: B::Buf,
-    d_u: B::Buf,
     d_z: B::Buf,
     xbc_in: B::Buf,
     d_xbc_in: B::Buf,
@@ -71,9 +69,7 @@ pub struct MambaWgrad<B: Backend> {
     d_dt: B::Buf,
     d_a_log: B::Buf,
     d_skip: B::Buf,
-    gated: B::Buf,
-    rstd_gated: B::Buf,
-    d_normed: B::Buf,
+    gated_norm: NormPartials<B>,
     normed: B::Buf,
     d_out: B::Buf,
 }
@@ -248,7 +244,7 @@ impl MambaLayer {
             MatmulDims::linear_input_grad(rows, d, h, false),
         )?;
         let d_gated = zeros(b, rows * d)?;
-        self.gated_norm().backward_input(
+        let gated_norm = self.gated_norm().backward_input(
             b,
             w(OUT_NORM)?,
             &s.gated,
@@ -324,7 +320,7 @@ impl MambaLayer {
         }
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
-        let d_out = self.in_norm().backward_input_keeping_dx(
+        let (d_out, in_norm) = self.in_norm().backward_input_keeping_dx(
             b,
             w(IN_NORM)?,
             &s.x_in,
@@ -335,10 +331,8 @@ impl MambaLayer {
         )?;
         Ok(MambaWgrad {
             tokens,
-            x_in: s.x_in,
-            rstd_in: s.rstd_in,
+            in_norm,
             u: s.u,
-            d_u,
             d_z,
             xbc_in: s.xbc_in,
             d_xbc_in,
@@ -346,9 +340,7 @@ impl MambaLayer {
             d_dt,
             d_a_log,
             d_skip,
-            gated: s.gated,
-            rstd_gated: s.rstd_gated,
-            d_normed,
+            gated_norm,
             normed: s.normed,
             d_out,
         })
@@ -376,14 +368,8 @@ impl MambaLayer {
         b.column_sum(b.view(&g.d_dt)?, grad(b, grads, DT_BIAS)?, rows, heads)?;
         b.axpy(1.0, b.view(&g.d_a_log)?, grad(b, grads, A_LOG)?)?;
         b.axpy(1.0, b.view(&g.d_skip)?, grad(b, grads, D_SKIP)?)?;
-        self.in_norm().backward_weight(
-            b,
-            &g.x_in,
-            &g.rstd_in,
-            &g.d_u,
-            grad(b, grads, IN_NORM)?,
-            rows,
-        )?;
+        self.in_norm()
+            .backward_weight(b, &g.in_norm, grad(b, grads, IN_NORM)?)?;
         let [bz, bxbc, bdt] = self.proj_blocks();
         for (block, grad_out) in [(bz, &g.d_z), (bxbc, &g.d_xbc_in), (bdt, &g.d_dt)] {
             let width = block.len();
@@ -395,14 +381,8 @@ impl MambaLayer {
                 MatmulDims::linear_weight_grad(rows, h, width),
             )?;
         }
-        self.gated_norm().backward_weight(
-            b,
-            &g.gated,
-            &g.rstd_gated,
-            &g.d_normed,
-            grad(b, grads, OUT_NORM)?,
-            rows,
-        )?;
+        self.gated_norm()
+            .backward_weight(b, &g.gated_norm, grad(b, grads, OUT_NORM)?)?;
         b.matmul(
             b.view(&g.d_out)?,
             b.view(&g.normed)?,

@@ -2,7 +2,7 @@
 //! queries (or a direct projection), a compressed key/value latent with a
 //! shared rotary key, optional RMSNorm on both latents.
 
-use super::norm::RmsNorm;
+use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, core_attention, grad, grad_rows,
     positive, section, uninit, weight, weight_rows, zeros,
@@ -89,6 +89,8 @@ struct LatentGrad<B: Backend> {
     d_out: B::Buf,
     /// W.r.t. the raw latent, when a norm sits between (else `d_out`).
     d_raw: Option<B::Buf>,
+    /// The norm's weight-gradient partial sums, when a norm sits between.
+    norm: Option<NormPartials<B>>,
 }
 
 impl<B: Backend> LatentGrad<B> {
@@ -128,10 +130,10 @@ impl<B: Backend> Latent<B> {
         dim: usize,
         rows: usize,
     ) -> Result<LatentGrad<B>> {
-        let d_raw = match (&self.norm, norm_weight) {
+        let (d_raw, norm) = match (&self.norm, norm_weight) {
             (Some((raw, rstd)), Some(w)) => {
                 let d_raw = zeros(b, rows * dim)?;
-                RmsNorm::plain(dim).backward_input(
+                let partials = RmsNorm::plain(dim).backward_input(
                     b,
                     w,
                     raw,
@@ -140,11 +142,11 @@ impl<B: Backend> Latent<B> {
                     b.view_mut(&d_raw)?,
                     rows,
                 )?;
-                Some(d_raw)
+                (Some(d_raw), Some(partials))
             }
-            _ => None,
+            _ => (None, None),
         };
-        Ok(LatentGrad { d_out, d_raw })
+        Ok(LatentGrad { d_out, d_raw, norm })
     }
 
     fn backward_weight(
@@ -153,12 +155,9 @@ impl<B: Backend> Latent<B> {
         g: &LatentGrad<B>,
         dw: SliceMut<'_, B>,
         dim: usize,
-        rows: usize,
     ) -> Result<()> {
-        match &self.norm {
-            Some((raw, rstd)) => {
-                RmsNorm::plain(dim).backward_weight(b, raw, rstd, &g.d_out, dw, rows)
-            }
+        match &g.norm {
+            Some(partials) => RmsNorm::plain(dim).backward_weight(b, partials, dw),
             None => Ok(()),
         }
     }
@@ -182,10 +181,8 @@ pub struct MlaSaved<B: Backend> {
 /// What [`MlaLayer::backward_input`] keeps.
 pub struct MlaWgrad<B: Backend> {
     tokens: Tokens,
-    x_in: B::Buf,
-    rstd_in: B::Buf,
+    norm: NormPartials<B>,
     u: B::Buf,
-    d_u: B::Buf,
     d_out: B::Buf,
     o: B::Buf,
     dq: B::Buf,
@@ -504,7 +501,7 @@ impl MlaLayer {
         };
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
-        let d_out = RmsNorm::plain(h).backward_input_keeping_dx(
+        let (d_out, norm) = RmsNorm::plain(h).backward_input_keeping_dx(
             b,
             w(self.at.in_norm)?,
             &s.x_in,
@@ -515,10 +512,8 @@ impl MlaLayer {
         )?;
         Ok(MlaWgrad {
             tokens,
-            x_in: s.x_in,
-            rstd_in: s.rstd_in,
+            norm,
             u: s.u,
-            d_u,
             d_out,
             o: s.o,
             dq,
@@ -546,14 +541,7 @@ impl MlaLayer {
             self.v_dim,
         );
         let dqk = self.qk_dim();
-        RmsNorm::plain(h).backward_weight(
-            b,
-            &g.x_in,
-            &g.rstd_in,
-            &g.d_u,
-            grad(b, grads, self.at.in_norm)?,
-            rows,
-        )?;
+        RmsNorm::plain(h).backward_weight(b, &g.norm, grad(b, grads, self.at.in_norm)?)?;
         core_attention::proj_weight_grad(
             b,
             &g.d_out,
@@ -571,7 +559,7 @@ impl MlaLayer {
                     MatmulDims::linear_weight_grad(rows, h, qr),
                 )?;
                 if let Some(i) = self.at.q_norm {
-                    latent.backward_weight(b, lg, grad(b, grads, i)?, qr, rows)?;
+                    latent.backward_weight(b, lg, grad(b, grads, i)?, qr)?;
                 }
                 b.matmul(
                     b.view(&g.dq)?,
@@ -602,8 +590,7 @@ impl MlaLayer {
             MatmulDims::linear_weight_grad(rows, h, dr),
         )?;
         if let Some(i) = self.at.kv_norm {
-            g.ckv
-                .backward_weight(b, &g.d_ckv, grad(b, grads, i)?, kr, rows)?;
+            g.ckv.backward_weight(b, &g.d_ckv, grad(b, grads, i)?, kr)?;
         }
         let kv_width = a * (self.nope_dim + dv);
         b.matmul(

@@ -1,7 +1,7 @@
 //! `-`: the dense MLP, and the feed-forward block it shares with the MoE
 //! experts and the shared expert (`act(u W1^T) W2^T`, no biases).
 
-use super::norm::RmsNorm;
+use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, positive, section,
     uninit, weight, weight_rows,
@@ -211,13 +211,11 @@ pub struct MlpSaved<B: Backend> {
 /// What [`MlpLayer::backward_input`] keeps.
 pub struct MlpWgrad<B: Backend> {
     rows: usize,
-    x_in: B::Buf,
-    rstd: B::Buf,
+    norm: NormPartials<B>,
     u: B::Buf,
     act: B::Buf,
     d_out: B::Buf,
     d_pre: B::Buf,
-    d_u: B::Buf,
 }
 
 impl MlpLayer {
@@ -315,7 +313,7 @@ impl MlpLayer {
         )?;
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
-        let d_out = self.norm().backward_input_keeping_dx(
+        let (d_out, norm) = self.norm().backward_input_keeping_dx(
             b,
             weight::<B>(weights, NORM)?,
             &saved.x_in,
@@ -326,13 +324,11 @@ impl MlpLayer {
         )?;
         Ok(MlpWgrad {
             rows,
-            x_in: saved.x_in,
-            rstd: saved.rstd,
+            norm,
             u: saved.u,
             act: saved.act,
             d_out,
             d_pre,
-            d_u,
         })
     }
 
@@ -344,14 +340,8 @@ impl MlpLayer {
     ) -> Result<()> {
         check_grads(b, "`-` layer", &self.params, grads)?;
         let rows = wgrad.rows;
-        self.norm().backward_weight(
-            b,
-            &wgrad.x_in,
-            &wgrad.rstd,
-            &wgrad.d_u,
-            grad(b, grads, NORM)?,
-            rows,
-        )?;
+        self.norm()
+            .backward_weight(b, &wgrad.norm, grad(b, grads, NORM)?)?;
         let dw = grad_pair(b, grads, FC1, FC2)?;
         self.ffn.backward_weight(
             b,

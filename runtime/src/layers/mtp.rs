@@ -3,7 +3,7 @@
 //! caller embeds the shifted tokens (position t gets token t + k) and runs
 //! the depth's layers, final norm and the shared head after it.
 
-use super::norm::RmsNorm;
+use super::norm::{NormPartials, RmsNorm};
 use super::{check_grads, check_len, check_weights, grad, positive, uninit, weight};
 use crate::backend::{Backend, CopyCols, MatmulDims, Slice, SliceMut};
 use crate::error::Result;
@@ -35,13 +35,9 @@ pub struct MtpSaved<B: Backend> {
 /// What [`MtpEntry::backward_input`] keeps.
 pub struct MtpWgrad<B: Backend> {
     rows: usize,
-    emb: B::Buf,
-    rstd_e: B::Buf,
-    h_prev: B::Buf,
-    rstd_h: B::Buf,
+    enorm: NormPartials<B>,
+    hnorm: NormPartials<B>,
     cat: B::Buf,
-    d_en: B::Buf,
-    d_hn: B::Buf,
     d_out: B::Buf,
 }
 
@@ -159,7 +155,7 @@ impl MtpEntry {
             self.half(rows, 1, false),
         )?;
         let norm = RmsNorm::plain(h);
-        norm.backward_input(
+        let enorm = norm.backward_input(
             b,
             weight::<B>(weights, ENORM)?,
             &saved.emb,
@@ -168,7 +164,7 @@ impl MtpEntry {
             d_emb,
             rows,
         )?;
-        norm.backward_input(
+        let hnorm = norm.backward_input(
             b,
             weight::<B>(weights, HNORM)?,
             &saved.h_prev,
@@ -179,13 +175,9 @@ impl MtpEntry {
         )?;
         Ok(MtpWgrad {
             rows,
-            emb: saved.emb,
-            rstd_e: saved.rstd_e,
-            h_prev: saved.h_prev,
-            rstd_h: saved.rstd_h,
+            enorm,
+            hnorm,
             cat: saved.cat,
-            d_en,
-            d_hn,
             d_out: super::copy_of(b, d_out)?,
         })
     }
@@ -200,15 +192,8 @@ impl MtpEntry {
         check_grads(b, "MTP entry", &self.params, grads)?;
         let (h, rows) = (self.hidden, g.rows);
         let norm = RmsNorm::plain(h);
-        norm.backward_weight(b, &g.emb, &g.rstd_e, &g.d_en, grad(b, grads, ENORM)?, rows)?;
-        norm.backward_weight(
-            b,
-            &g.h_prev,
-            &g.rstd_h,
-            &g.d_hn,
-            grad(b, grads, HNORM)?,
-            rows,
-        )?;
+        norm.backward_weight(b, &g.enorm, grad(b, grads, ENORM)?)?;
+        norm.backward_weight(b, &g.hnorm, grad(b, grads, HNORM)?)?;
         b.matmul(
             b.view(&g.d_out)?,
             b.view(&g.cat)?,

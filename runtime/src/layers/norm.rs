@@ -76,7 +76,8 @@ impl RmsNorm {
     }
 
     /// `dx += J^T dy`, returning `dx` as it was before (copied in the same
-    /// pass: what a layer keeps of its output's gradient).
+    /// pass: what a layer keeps of its output's gradient) and the weight
+    /// gradient's partial sums.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_input_keeping_dx<B: Backend>(
         &self,
@@ -87,15 +88,14 @@ impl RmsNorm {
         dy: Slice<'_, B>,
         dx: SliceMut<'_, B>,
         rows: usize,
-    ) -> Result<B::Buf> {
+    ) -> Result<(B::Buf, NormPartials<B>)> {
         let before = uninit(b, b.slice_len(b.as_slice(&dx)))?;
-        let dims = self.dims(rows);
-        let kept = Some(b.view_mut(&before)?);
-        b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, kept, dims)?;
-        Ok(before)
+        let partials = self.backward_into(b, weight, x, rstd, dy, dx, Some(&before), rows)?;
+        Ok((before, partials))
     }
 
-    /// `dx += J^T dy`.
+    /// `dx += J^T dy`, returning the weight gradient's partial sums (taken
+    /// in the same pass over `dy` and `x`).
     #[allow(clippy::too_many_arguments)]
     pub fn backward_input<B: Backend>(
         &self,
@@ -106,23 +106,49 @@ impl RmsNorm {
         dy: Slice<'_, B>,
         dx: SliceMut<'_, B>,
         rows: usize,
-    ) -> Result<()> {
-        let dims = self.dims(rows);
-        b.rmsnorm_backward_input(dy, b.view(x)?, weight, b.view(rstd)?, dx, None, dims)
+    ) -> Result<NormPartials<B>> {
+        self.backward_into(b, weight, x, rstd, dy, dx, None, rows)
     }
 
-    /// `dw += sum_rows dy * x * rstd`.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_into<B: Backend>(
+        &self,
+        b: &B,
+        weight: Slice<'_, B>,
+        x: &B::Buf,
+        rstd: &B::Buf,
+        dy: Slice<'_, B>,
+        dx: SliceMut<'_, B>,
+        before: Option<&B::Buf>,
+        rows: usize,
+    ) -> Result<NormPartials<B>> {
+        let dims = self.dims(rows);
+        let partials = uninit_f32(b, dims.weight_partials_len())?;
+        let before = before.map(|buf| b.view_mut(buf)).transpose()?;
+        let (x, rstd, out) = (b.view(x)?, b.view(rstd)?, b.view_mut(&partials)?);
+        b.rmsnorm_backward_input(dy, x, weight, rstd, dx, before, out, dims)?;
+        Ok(NormPartials { rows, partials })
+    }
+
+    /// `dw += sum_rows dy * x * rstd`, from the partial sums the input
+    /// gradient took.
     pub fn backward_weight<B: Backend>(
         &self,
         b: &B,
-        x: &B::Buf,
-        rstd: &B::Buf,
-        dy: &B::Buf,
+        partials: &NormPartials<B>,
         dw: SliceMut<'_, B>,
-        rows: usize,
     ) -> Result<()> {
-        b.rmsnorm_backward_weight(b.view(dy)?, b.view(x)?, b.view(rstd)?, dw, self.dims(rows))
+        let dims = self.dims(partials.rows);
+        b.rmsnorm_backward_weight(b.view(&partials.partials)?, dw, dims)
     }
+}
+
+/// The weight gradient's partial sums of one [`RmsNorm`] backward (slices
+/// of rows, `NormDims::weight_partials_len` f32s): what the delayed weight
+/// gradient keeps of the norm, in place of its `dy` and `x`.
+pub(crate) struct NormPartials<B: Backend> {
+    rows: usize,
+    partials: B::Buf,
 }
 
 /// The decoder's final norm (`decoder.final_norm.weight`), or an MTP depth's
@@ -141,10 +167,7 @@ pub struct NormSaved<B: Backend> {
 
 /// What [`FinalNorm::backward_input`] keeps.
 pub struct NormWgrad<B: Backend> {
-    rows: usize,
-    x: B::Buf,
-    rstd: B::Buf,
-    dy: B::Buf,
+    partials: NormPartials<B>,
 }
 
 impl FinalNorm {
@@ -202,14 +225,10 @@ impl FinalNorm {
                 )));
             }
         }
-        self.norm
-            .backward_input(b, weight, &saved.x, &saved.rstd, dy, dx, saved.rows)?;
-        Ok(NormWgrad {
-            rows: saved.rows,
-            x: saved.x,
-            rstd: saved.rstd,
-            dy: copy_of(b, dy)?,
-        })
+        let partials =
+            self.norm
+                .backward_input(b, weight, &saved.x, &saved.rstd, dy, dx, saved.rows)?;
+        Ok(NormWgrad { partials })
     }
 
     /// `dw += ...` for the norm weight.
@@ -220,7 +239,6 @@ impl FinalNorm {
         dw: SliceMut<'_, B>,
     ) -> Result<()> {
         self.check_weight(b.slice_len(b.as_slice(&dw)))?;
-        self.norm
-            .backward_weight(b, &wgrad.x, &wgrad.rstd, &wgrad.dy, dw, wgrad.rows)
+        self.norm.backward_weight(b, &wgrad.partials, dw)
     }
 }

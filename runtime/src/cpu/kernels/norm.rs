@@ -96,26 +96,47 @@ pub fn rmsnorm_backward_input(
     Ok(())
 }
 
-pub fn rmsnorm_backward_weight(
+/// The weight gradient's partial sums (`Backend::rmsnorm_backward_input`):
+/// `partials[s, j]` sums `dy * x * rstd` over slice `s`'s rows in row
+/// order. `kn` names the kernel in errors.
+pub fn rmsnorm_weight_partials(
+    kn: &str,
     dy: &[f32],
     x: &[f32],
     rstd: &[f32],
-    dw: &mut [f32],
+    partials: &mut [f32],
     dims: NormDims,
 ) -> Result<()> {
-    let kn = "rmsnorm_backward_weight";
     let gs = validate(kn, dims, x.len(), rstd.len())?;
     check::len(kn, "dy", dy.len(), x.len())?;
-    check::len(kn, "dw", dw.len(), dims.dim)?;
+    check::len(kn, "partials", partials.len(), dims.weight_partials_len())?;
+    partials.fill(0.0);
     if gs == 0 {
         return Ok(());
     }
-    let groups = dy.chunks_exact(gs).zip(x.chunks_exact(gs));
-    for (i, ((dyg, xg), &rs)) in groups.zip(rstd).enumerate() {
-        let dwg = &mut dw[(i % dims.groups) * gs..][..gs];
-        for ((dw, dy), x) in dwg.iter_mut().zip(dyg).zip(xg) {
-            *dw += dy * x * rs;
+    let slice_rows = dims.weight_slice_rows();
+    let rows = dy.chunks_exact(dims.dim).zip(x.chunks_exact(dims.dim));
+    for (r, (dyr, xr)) in rows.enumerate() {
+        let slice = &mut partials[(r / slice_rows) * dims.dim..][..dims.dim];
+        let rs = &rstd[r * dims.groups..][..dims.groups];
+        for (j, ((p, dy), x)) in slice.iter_mut().zip(dyr).zip(xr).enumerate() {
+            *p += dy * x * rs[j / gs];
         }
+    }
+    Ok(())
+}
+
+/// `dw[j] += sum_s partials[s, j]`, the slices summed in order first.
+pub fn rmsnorm_backward_weight(partials: &[f32], dw: &mut [f32], dims: NormDims) -> Result<()> {
+    let kn = "rmsnorm_backward_weight";
+    check::len(kn, "partials", partials.len(), dims.weight_partials_len())?;
+    check::len(kn, "dw", dw.len(), dims.dim)?;
+    if dims.dim == 0 {
+        return Ok(());
+    }
+    for (j, dw) in dw.iter_mut().enumerate() {
+        let sum: f32 = partials.iter().skip(j).step_by(dims.dim).sum();
+        *dw += sum;
     }
     Ok(())
 }
@@ -179,8 +200,11 @@ mod tests {
         let mut dx = vec![0.5; 12];
         rmsnorm_backward_input("rmsnorm_backward_input", &dy, &x, &w, &rstd, &mut dx, dims)
             .unwrap();
+        let mut partials = vec![0.0; dims.weight_partials_len()];
+        let kn = "rmsnorm_backward_input";
+        rmsnorm_weight_partials(kn, &dy, &x, &rstd, &mut partials, dims).unwrap();
         let mut dw = vec![0.0; 6];
-        rmsnorm_backward_weight(&dy, &x, &rstd, &mut dw, dims).unwrap();
+        rmsnorm_backward_weight(&partials, &mut dw, dims).unwrap();
         let loss = |x: &[f32], w: &[f32]| -> f64 {
             reference(x, w, dims)
                 .iter()

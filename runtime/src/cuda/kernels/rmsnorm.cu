@@ -1,7 +1,8 @@
-// RMSNorm over groups of channels, forward and both backwards
-// (`Backend::rmsnorm_forward`, `rmsnorm_backward_input`,
-// `rmsnorm_backward_weight`). Row `r`, group `g` covers channels
-// [g*gs, (g+1)*gs) of the row; `rstd` is f32 `[rows, groups]`.
+// RMSNorm over groups of channels, forward and backward
+// (`Backend::rmsnorm_forward`, `rmsnorm_backward_input`; the weight
+// gradient's partial sums come out of the backward, and `column_sum` adds
+// them into dw). Row `r`, group `g` covers channels [g*gs, (g+1)*gs) of the
+// row; `rstd` is f32 `[rows, groups]`.
 #include "common.cuh"
 
 // `vec8` kernels below: every tensor bf16, 16-byte aligned, and the group
@@ -171,12 +172,11 @@ extern "C" __global__ void rmsnorm_backward_input(
     }
 }
 
-// dw[j] += sum_r dy[r, j] x[r, j] rstd[r, j / group_size], in two stages:
-// rmsnorm_weight_partials sums slice y of the rows (blockIdx.y; a block of
-// 32 columns by 32 row threads, the column-sum shape of `column_sum`) into
-// partials[y, j], and rmsnorm_weight_finish adds the slices to dw in slice
-// order. One stage of 32-column blocks left most of the GPU idle (64
-// blocks for 2,048 channels).
+// The weight gradient's partial sums where `rmsnorm_backward` cannot take
+// the views: partials[y, j] = sum over slice y of the rows (blockIdx.y,
+// `NormDims::weight_slice_rows` rows each) of dy[r, j] x[r, j]
+// rstd[r, j / group_size]. A block of 32 columns by 32 row threads, the
+// column-sum shape of `column_sum`.
 extern "C" __global__ void rmsnorm_weight_partials(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const float* rstd, float* partials,
     u64 rows, u64 dim, u64 groups, u64 group_size) {
@@ -280,14 +280,129 @@ extern "C" __global__ void __launch_bounds__(PARTIALS_COLUMN_THREADS * 32) rmsno
     }
 }
 
-extern "C" __global__ void rmsnorm_weight_finish(
-    const float* partials, u64 slices, void* dw, int dw_dtype, u64 dim) {
-    grid_dependency_sync();
-    for (u64 j = grid_start(); j < dim; j += grid_stride()) {
-        float sum = 0.0f;
-        for (u64 y = 0; y < slices; ++y) {
-            sum += partials[y * dim + j];
+// The input gradient and the weight gradient's partial sums in one pass
+// over dy and x (the two-kernel way read both twice): a block per slice of
+// `slice_rows` rows, a thread per 8-channel word of a row (dim / 8 words,
+// at most 1024, the block rounded up to whole warps). A thread keeps its
+// words' weights and partial sums in registers and walks the slice's rows,
+// fetching row r + 1 while it reduces row r. A group's sum: a shuffle tree
+// inside a warp where a group is a power of two words up to 32, else each
+// warp's sum, then the group's warp sums as a shuffle tree again, the
+// shape of `block_sum` over a block of one group, so dx has the bits of
+// `rmsnorm_backward_input`'s block per (row, group) for groups of up to
+// 2,048 channels. `scratch` alternates by row: a warp writing row r + 1's
+// sums cannot overwrite row r's before every warp read them, since every
+// warp passes row r + 1's barrier only after its reads of row r.
+template <typename DY, typename T>
+__device__ __forceinline__ void rmsnorm_backward_rows(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, void* dx_before, float* partials, u64 rows, u64 dim,
+    u64 groups, u64 group_size, u64 slice_rows, float (*scratch)[32]) {
+    const u64 words = dim / 8;
+    const u32 c = threadIdx.x;
+    const bool live = c < words;
+    const u32 group_words = static_cast<u32>(group_size / 8);
+    const u32 lane = c & 31;
+    const u32 warp = c >> 5;
+    const u64 g = live ? c / group_words : 0;
+    const u64 r0 = min(rows, static_cast<u64>(blockIdx.x) * slice_rows);
+    const u64 r1 = min(rows, r0 + slice_rows);
+    float fw[8], acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        fw[e] = 0.0f;
+        acc[e] = 0.0f;
+    }
+    if (live) {
+        T::load(w, w_dtype, c, fw);
+    }
+    // Row r + 1's operands, fetched ahead.
+    float nd[8], nx[8], no[8];
+    float nrs = 0.0f;
+    auto fetch = [&](u64 r) {
+        if (live && r < r1) {
+            DY::load(dy, dy_dtype, r * words + c, nd);
+            T::load(x, x_dtype, r * words + c, nx);
+            T::load(dx, dx_dtype, r * words + c, no);
+            nrs = rstd[r * groups + g];
         }
-        store(dw, dw_dtype, j, load(dw, dw_dtype, j) + sum);
+    };
+    fetch(r0);
+    for (u64 r = r0; r < r1; ++r) {
+        float fd[8], fx[8], out[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            fd[e] = nd[e];
+            fx[e] = nx[e];
+            out[e] = no[e];
+        }
+        const float rs = nrs;
+        fetch(r + 1);
+        float gx = 0.0f;
+        if (live) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                gx += fw[e] * fd[e] * fx[e];
+            }
+        }
+        if (group_words <= 32) {
+            for (u32 m = group_words / 2; m > 0; m >>= 1) {
+                gx += __shfl_xor_sync(0xffffffffu, gx, m);
+            }
+        } else {
+            float* sums = scratch[r & 1];
+            gx = warp_sum(gx);
+            if (lane == 0) {
+                sums[warp] = gx;
+            }
+            __syncthreads();
+            const u32 per_group = group_words / 32;
+            gx = lane < per_group ? sums[g * per_group + lane] : 0.0f;
+            gx = warp_sum(gx);
+        }
+        if (live) {
+            const u64 at = r * words + c;
+            if (dx_before != nullptr) {
+                T::store(dx_before, dx_dtype, at, out);
+            }
+            const float k = rs * rs * rs * gx / static_cast<float>(group_size);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float gw = fw[e] * fd[e];
+                out[e] = out[e] + (rs * gw - fx[e] * k);
+                acc[e] += fd[e] * fx[e] * rs;
+            }
+            T::store(dx, dx_dtype, at, out);
+        }
+    }
+    if (live) {
+        float4* slice = reinterpret_cast<float4*>(partials + blockIdx.x * dim + c * 8);
+        slice[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        slice[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+}
+
+// Launched by `KernelSet::rmsnorm_backward_input` where the views take the
+// `vec8` path, dim / 8 is at most 1024, and a group's words are a power of
+// two up to 32 or a multiple of 32; `partials` 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward(
+    const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
+    const float* rstd, void* dx, int dx_dtype, void* dx_before, float* partials, u64 rows, u64 dim,
+    u64 groups, u64 group_size, u64 slice_rows) {
+    grid_dependency_sync();
+    __shared__ float scratch[2][32];
+    const bool bf16 = x_dtype == DTYPE_BF16 && w_dtype == DTYPE_BF16 && dx_dtype == DTYPE_BF16;
+    if (bf16 && dy_dtype == DTYPE_BF16) {
+        rmsnorm_backward_rows<Bf16Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx, dx_dtype,
+                                                      dx_before, partials, rows, dim, groups, group_size,
+                                                      slice_rows, scratch);
+    } else if (bf16 && dy_dtype == DTYPE_F32) {
+        rmsnorm_backward_rows<F32Words8, Bf16Words8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx, dx_dtype,
+                                                     dx_before, partials, rows, dim, groups, group_size,
+                                                     slice_rows, scratch);
+    } else {
+        rmsnorm_backward_rows<AnyWords8, AnyWords8>(dy, dy_dtype, x, x_dtype, w, w_dtype, rstd, dx, dx_dtype,
+                                                    dx_before, partials, rows, dim, groups, group_size,
+                                                    slice_rows, scratch);
     }
 }

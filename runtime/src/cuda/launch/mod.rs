@@ -232,6 +232,19 @@ fn norm_threads(group_size: usize, vec8: bool) -> u32 {
     reduce_threads(if vec8 { group_size / 8 } else { group_size }, 256)
 }
 
+/// Whether `rmsnorm_backward` (one pass for both gradients) takes a norm
+/// of `dim` channels in groups of `group_size`: a thread a word of 8
+/// channels, a block a row (at most 1,024 threads), and a group's words
+/// summed by a shuffle tree inside a warp (a power of two up to 32) or by
+/// whole warps (a multiple of 32).
+fn fused_norm_backward(dim: usize, group_size: usize) -> bool {
+    let (words, group_words) = (dim / 8, group_size / 8);
+    group_size.is_multiple_of(8)
+        && words <= 1024
+        && group_words > 0
+        && ((group_words <= 32 && group_words.is_power_of_two()) || group_words.is_multiple_of(32))
+}
+
 /// Tiles a piece of `sum_squares` is cut into: spans of at least
 /// `SUM_SQUARES_SPAN` elements (64 per thread of a 256-thread block), and at
 /// most `SUM_SQUARES_MAX_TILES` (8 blocks per SM of an H200), so a bucket of
@@ -783,7 +796,10 @@ impl KernelSet {
     }
 
     /// `Backend::rmsnorm_backward_input` (accumulates into `dx`; with
-    /// `dx_before`, the copy in the same pass).
+    /// `dx_before`, the copy in the same pass; the weight gradient's
+    /// partial sums into `partials`). One kernel, `rmsnorm_backward`, where
+    /// the views and the shape allow it; else the input gradient's block per
+    /// (row, group) and the partials' column-sum kernel, two passes.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward_input(
         &self,
@@ -794,6 +810,7 @@ impl KernelSet {
         rstd: GpuView,
         dx: GpuView,
         dx_before: Option<GpuView>,
+        partials: GpuView,
         d: NormDims,
     ) -> Result<()> {
         let k = "rmsnorm_backward_input";
@@ -807,7 +824,9 @@ impl KernelSet {
             same_dtype(k, ("dx", dx.dtype), ("dx_before", before.dtype))?;
             len(k, "dx_before", before, dx.len)?;
         }
-        if gs == 0 || d.rows == 0 {
+        exactly(k, "partials", &partials, DType::F32)?;
+        len(k, "partials", &partials, d.weight_partials_len())?;
+        if gs == 0 {
             return Ok(());
         }
         let (g, s) = (d.groups as u64, gs as u64);
@@ -815,69 +834,50 @@ impl KernelSet {
             words8(&[dy, x, weight, dx], gs) && dx_before.is_none_or(|v| v.ptr.is_multiple_of(16));
         // A null pointer: no copy.
         let before = dx_before.map_or(0u64, |v| v.ptr);
-        let threads = norm_threads(gs, vec8);
-        let vec8 = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&dy.ptr)
-            .arg(&dyt)
-            .arg(&x.ptr)
-            .arg(&xt)
-            .arg(&weight.ptr)
-            .arg(&wt);
-        b.arg(&rstd.ptr)
-            .arg(&dx.ptr)
-            .arg(&dxt)
-            .arg(&before)
-            .arg(&g)
-            .arg(&s)
-            .arg(&vec8);
-        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
-    }
-
-    /// f32 elements of [`KernelSet::rmsnorm_backward_weight`]'s scratch:
-    /// one partial sum a channel for each slice of the rows (about 512
-    /// rows a slice, at most 16 slices; a function of the dimensions alone,
-    /// so the sums' order is too).
-    pub fn rmsnorm_weight_scratch_len(d: NormDims) -> usize {
-        Self::rmsnorm_weight_slices(d) * d.dim
-    }
-
-    fn rmsnorm_weight_slices(d: NormDims) -> usize {
-        d.rows.div_ceil(512).clamp(1, 16)
-    }
-
-    /// `Backend::rmsnorm_backward_weight` (accumulates into `dw`); takes
-    /// [`KernelSet::rmsnorm_weight_scratch_len`] f32s of `scratch`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_backward_weight(
-        &self,
-        stream: &CudaStream,
-        dy: GpuView,
-        x: GpuView,
-        rstd: GpuView,
-        dw: GpuView,
-        scratch: GpuView,
-        d: NormDims,
-    ) -> Result<()> {
-        let k = "rmsnorm_backward_weight";
-        let (dyt, xt, dwt) = (
-            float(k, "dy", &dy)?,
-            float(k, "x", &x)?,
-            float(k, "dw", &dw)?,
-        );
-        let gs = self.norm_group(k, d, &x, &rstd)?;
-        len(k, "dy", &dy, x.len)?;
-        len(k, "dw", &dw, d.dim)?;
-        exactly(k, "scratch", &scratch, DType::F32)?;
-        len(k, "scratch", &scratch, Self::rmsnorm_weight_scratch_len(d))?;
-        if gs == 0 {
-            return Ok(());
+        let (rows, dim, slice_rows) = (d.rows as u64, d.dim as u64, d.weight_slice_rows() as u64);
+        if vec8 && partials.ptr.is_multiple_of(16) && fused_norm_backward(d.dim, gs) {
+            let kf = "rmsnorm_backward";
+            let mut b = KernelArgs::new(stream, self.function(kf)?);
+            b.arg(&dy.ptr)
+                .arg(&dyt)
+                .arg(&x.ptr)
+                .arg(&xt)
+                .arg(&weight.ptr)
+                .arg(&wt)
+                .arg(&rstd.ptr);
+            b.arg(&dx.ptr)
+                .arg(&dxt)
+                .arg(&before)
+                .arg(&partials.ptr)
+                .arg(&rows)
+                .arg(&dim)
+                .arg(&g)
+                .arg(&s)
+                .arg(&slice_rows);
+            let threads = (d.dim / 8).next_multiple_of(32) as u32;
+            return self.go(kf, &mut b, per_item(d.weight_slices(), threads)?);
         }
-        let slices = Self::rmsnorm_weight_slices(d);
-        let dims = [d.rows, d.dim, d.groups, gs].map(|v| v as u64);
+        if d.rows > 0 {
+            let threads = norm_threads(gs, vec8);
+            let flag = i32::from(vec8);
+            let mut b = KernelArgs::new(stream, self.function(k)?);
+            b.arg(&dy.ptr)
+                .arg(&dyt)
+                .arg(&x.ptr)
+                .arg(&xt)
+                .arg(&weight.ptr)
+                .arg(&wt);
+            b.arg(&rstd.ptr)
+                .arg(&dx.ptr)
+                .arg(&dxt)
+                .arg(&before)
+                .arg(&g)
+                .arg(&s)
+                .arg(&flag);
+            self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)?;
+        }
         // 8 channels a thread where the views allow (the same bits).
-        let vec8 = words8(&[dy, x], gs);
-        let (kp, mut config) = if vec8 {
+        let (kp, mut config) = if words8(&[dy, x], gs) {
             ("rmsnorm_weight_partials_vec8", column_word_blocks(d.dim))
         } else {
             ("rmsnorm_weight_partials", column_blocks(d.dim))
@@ -888,21 +888,30 @@ impl KernelSet {
             .arg(&x.ptr)
             .arg(&xt)
             .arg(&rstd.ptr)
-            .arg(&scratch.ptr);
+            .arg(&partials.ptr);
+        let dims = [rows, dim, g, s];
         for v in &dims {
             b.arg(v);
         }
-        config.grid_dim.1 = slices as u32;
-        self.go(kp, &mut b, config)?;
-        let kf = "rmsnorm_weight_finish";
-        let (slices, dim) = (slices as u64, d.dim as u64);
-        let mut b = KernelArgs::new(stream, self.function(kf)?);
-        b.arg(&scratch.ptr)
-            .arg(&slices)
-            .arg(&dw.ptr)
-            .arg(&dwt)
-            .arg(&dim);
-        self.go(kf, &mut b, grid_for(d.dim))
+        config.grid_dim.1 = d.weight_slices() as u32;
+        self.go(kp, &mut b, config)
+    }
+
+    /// `Backend::rmsnorm_backward_weight`: `dw += ` the partials' slices,
+    /// summed per channel in `column_sum`'s fixed shape.
+    pub fn rmsnorm_backward_weight(
+        &self,
+        stream: &CudaStream,
+        partials: GpuView,
+        dw: GpuView,
+        d: NormDims,
+    ) -> Result<()> {
+        let k = "rmsnorm_backward_weight";
+        exactly(k, "partials", &partials, DType::F32)?;
+        len(k, "partials", &partials, d.weight_partials_len())?;
+        float(k, "dw", &dw)?;
+        len(k, "dw", &dw, d.dim)?;
+        self.column_sum(stream, partials, dw, d.weight_slices(), d.dim)
     }
 
     /// `Backend::unary_forward`.

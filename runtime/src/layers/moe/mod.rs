@@ -49,7 +49,7 @@ pub use exchange::{CollectiveExchange, ExpertExchange, LocalExchange};
 pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
 
 use super::mlp::Ffn;
-use super::norm::RmsNorm;
+use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, positive, section,
     uninit, uninit_f32, weight,
@@ -199,10 +199,8 @@ struct SharedWgrad<B: Backend> {
 /// What [`MoeLayer::prepare_backward_input`] keeps.
 pub struct MoePrepareWgrad<B: Backend> {
     rows: usize,
-    x_in: B::Buf,
-    rstd: B::Buf,
+    norm: NormPartials<B>,
     u: B::Buf,
-    d_u: B::Buf,
     /// In the compute dtype.
     d_logits: B::Buf,
     shared: Option<SharedWgrad<B>>,
@@ -728,39 +726,27 @@ impl MoeLayer {
                 )));
             }
         };
-        let norm = self.norm();
-        let shared = match shared {
+        let (norm, weight) = (self.norm(), w(PRE_NORM)?);
+        let (x_in, rstd, d_u) = (&r.x_in, &r.rstd, b.view(&d_u)?);
+        let (shared, norm) = match shared {
             Some((act, d_pre)) => {
-                let d_out = norm.backward_input_keeping_dx(
-                    b,
-                    w(PRE_NORM)?,
-                    &r.x_in,
-                    &r.rstd,
-                    b.view(&d_u)?,
-                    b.reborrow_mut(&mut dx),
-                    rows,
-                )?;
-                Some(SharedWgrad { act, d_pre, d_out })
+                let dx = b.reborrow_mut(&mut dx);
+                let (d_out, partials) =
+                    norm.backward_input_keeping_dx(b, weight, x_in, rstd, d_u, dx, rows)?;
+                (Some(SharedWgrad { act, d_pre, d_out }), partials)
             }
             None => {
-                norm.backward_input(
-                    b,
-                    w(PRE_NORM)?,
-                    &r.x_in,
-                    &r.rstd,
-                    b.view(&d_u)?,
-                    b.reborrow_mut(&mut dx),
-                    rows,
-                )?;
-                None
+                let dx = b.reborrow_mut(&mut dx);
+                (
+                    None,
+                    norm.backward_input(b, weight, x_in, rstd, d_u, dx, rows)?,
+                )
             }
         };
         Ok(MoePrepareWgrad {
             rows,
-            x_in: r.x_in,
-            rstd: r.rstd,
+            norm,
             u: r.u,
-            d_u,
             d_logits,
             shared,
         })
@@ -775,14 +761,8 @@ impl MoeLayer {
     ) -> Result<()> {
         check_grads(b, "`E` layer", &self.params, grads)?;
         let rows = g.rows;
-        self.norm().backward_weight(
-            b,
-            &g.x_in,
-            &g.rstd,
-            &g.d_u,
-            grad(b, grads, PRE_NORM)?,
-            rows,
-        )?;
+        self.norm()
+            .backward_weight(b, &g.norm, grad(b, grads, PRE_NORM)?)?;
         self.router_backward_weight(
             b,
             b.view(&g.d_logits)?,
