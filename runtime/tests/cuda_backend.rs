@@ -13,7 +13,7 @@ use hybridgen_runtime::backend::{
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
 use hybridgen_runtime::cuda::launch::ScanChunkPlan;
-use hybridgen_runtime::cuda::{CudaBackend, CudaLane, Gpu, probe};
+use hybridgen_runtime::cuda::{CudaBackend, CudaBuf, CudaLane, Gpu, probe};
 use hybridgen_runtime::lane::{Event, Label, Lane};
 use hybridgen_runtime::trace::TraceRecorder;
 use hybridgen_runtime::view::DType;
@@ -240,62 +240,116 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
     }
 }
 
-/// RMSNorm's weight gradient 8 channels a thread (views 16-byte aligned,
-/// groups of a multiple of 8) gives the scalar kernel's bits: the same
-/// rows summed in the same order. The scalar kernel is reached with the
-/// same values one element into their buffers (no longer aligned). Rows
-/// span several slices, the last one short, and the channels a partly
-/// filled block; dy is bf16 or f32 (the layers sum it in f32), x bf16 or
-/// f32.
+/// RMSNorm's backward in one pass (`rmsnorm_backward`: dx and the weight
+/// gradient's partial sums, the views 16-byte aligned) gives the two-pass
+/// way's dx bits (each row's sums taken in the same shape) and partial sums
+/// within rounding of its (the rows of a slice added in another order);
+/// and the two-pass way 8 channels a thread gives the scalar kernels'
+/// partial-sum bits. The two-pass way is reached with the partials one
+/// element into their buffer (8 channels a thread), the scalar one with
+/// every view one element in. Rows span 69 slices, the last one short; dy
+/// is bf16 or f32 (the layers sum it in f32), x bf16 or f32; groups of
+/// 2,048 and 512 channels (the benchmark's pre-norm and Mamba's gated
+/// norm), and of 264 (no one-pass kernel: the two-pass way either way).
 #[test]
-fn the_norm_weight_gradient_8_channels_a_thread_gives_the_scalar_bits() {
+fn the_norm_backward_in_one_pass_matches_the_two_pass_way() {
     let Some(dev) = gpu(Precision::Bf16) else {
         return;
     };
-    let (rows, dim) = (1100usize, 2112usize);
+    let rows = 1100usize;
     let mut seed = 11u64;
-    let dy = uniform(&mut seed, rows * dim, -2.0, 2.0);
-    let x = uniform(&mut seed, rows * dim, -2.0, 2.0);
-    let dw0 = uniform(&mut seed, dim, -2.0, 2.0);
-    for groups in [1usize, 8] {
+    for (dim, groups, one_pass) in [(2048usize, 1usize, true), (4096, 8, true), (2112, 8, false)] {
+        let n = rows * dim;
+        let dy = uniform(&mut seed, n, -2.0, 2.0);
+        let x = uniform(&mut seed, n, -2.0, 2.0);
+        let w = uniform(&mut seed, dim, -2.0, 2.0);
+        let dx0 = uniform(&mut seed, n, -2.0, 2.0);
         let rstd = uniform(&mut seed, rows * groups, 0.5, 2.0);
+        let dims = hybridgen_runtime::backend::NormDims {
+            rows,
+            dim,
+            groups,
+            eps: 1e-5,
+        };
+        let len = dims.weight_partials_len();
         for (dy_t, x_t) in [
             (DType::Bf16, DType::Bf16),
             (DType::F32, DType::Bf16),
             (DType::F32, DType::F32),
         ] {
-            let dims = hybridgen_runtime::backend::NormDims {
-                rows,
-                dim,
-                groups,
-                eps: 1e-5,
-            };
             // `values` in a buffer of `dtype`, starting `at` elements in.
             let placed = |values: &[f32], dtype: DType, at: usize| {
                 let mut padded = vec![0.0f32; at];
                 padded.extend_from_slice(values);
                 put(&dev, &padded, dtype)
             };
-            let run = |at: usize| -> Vec<u32> {
+            let read = |buf: &CudaBuf, at: usize, len: usize| -> Vec<f32> {
+                let wide = dev.alloc(len, DType::F32).unwrap();
+                let from = dev.slice(buf, at..at + len).unwrap();
+                dev.cast(from, dev.view_mut(&wide).unwrap()).unwrap();
+                let mut out = vec![0.0f32; len];
+                dev.download(dev.view(&wide).unwrap(), &mut out).unwrap();
+                out
+            };
+            // (dx, partials) with the views `at` and the partials `p_at`
+            // elements into their buffers.
+            let run = |at: usize, p_at: usize| -> (Vec<f32>, Vec<f32>) {
                 let (dyb, xb) = (placed(&dy, dy_t, at), placed(&x, x_t, at));
+                let (wb, dxb) = (placed(&w, x_t, at), placed(&dx0, x_t, at));
                 let rstdb = put(&dev, &rstd, DType::F32);
-                let dwb = put(&dev, &dw0, DType::F32);
-                let n = rows * dim;
-                dev.rmsnorm_backward_weight(
+                let pb = placed(&vec![f32::NAN; len], DType::F32, p_at);
+                dev.rmsnorm_backward_input(
                     dev.slice(&dyb, at..at + n).unwrap(),
                     dev.slice(&xb, at..at + n).unwrap(),
+                    dev.slice(&wb, at..at + dim).unwrap(),
                     dev.view(&rstdb).unwrap(),
-                    dev.view_mut(&dwb).unwrap(),
+                    dev.slice_mut(&dxb, at..at + n).unwrap(),
+                    None,
+                    dev.slice_mut(&pb, p_at..p_at + len).unwrap(),
                     dims,
                 )
                 .unwrap();
-                get(&dev, &dwb, dim).iter().map(|v| v.to_bits()).collect()
+                (read(&dxb, at, n), read(&pb, p_at, len))
             };
-            let (aligned, scalar) = (run(0), run(1));
-            let differ = aligned.iter().zip(&scalar).filter(|(a, b)| a != b).count();
+            let what = format!("{groups} groups of {dim}, dy {dy_t}, x {x_t}");
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let (one, two, scalar) = (run(0, 0), run(0, 1), run(1, 1));
+            let differ = |a: &[f32], b: &[f32]| {
+                bits(a)
+                    .iter()
+                    .zip(bits(b))
+                    .filter(|(a, b)| **a != *b)
+                    .count()
+            };
             assert_eq!(
-                differ, 0,
-                "{groups} groups, dy {dy_t}, x {x_t}: {differ} of {dim} weight gradients differ"
+                differ(&one.0, &two.0),
+                0,
+                "{what}: dx differs between one pass and two"
+            );
+            assert_eq!(
+                differ(&two.1, &scalar.1),
+                0,
+                "{what}: the 8-channel partial sums differ from the scalar ones"
+            );
+            if !one_pass {
+                assert_eq!(differ(&one.1, &two.1), 0, "{what}: the same kernels ran");
+                continue;
+            }
+            // Each partial adds 16 terms of magnitude up to 4 * 2: the two
+            // orders agree within a few roundings of that sum.
+            let worst = one
+                .1
+                .iter()
+                .zip(&two.1)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 4e-4,
+                "{what}: one-pass partial sums off by {worst}"
+            );
+            assert!(
+                differ(&one.1, &two.1) > 0,
+                "{what}: the one-pass kernel did not run"
             );
         }
     }

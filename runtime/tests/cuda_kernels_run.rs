@@ -549,15 +549,18 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             });
         }
 
-        // RMSNorm; 1,300 rows take the weight gradient's sums in 3 slices;
-        // groups of 136 and 1,024 channels take the bf16 kernels' 8-channel
-        // words.
+        // RMSNorm; 1,300 rows take the weight gradient's sums in 82 slices;
+        // groups of 136 channels take the two-pass 8-channel words, groups
+        // of 1,024, 2,048 and 512 (the benchmark's pre-norm and Mamba's
+        // gated norm) the one-pass backward.
         for (rows, dim, groups) in [
             (257usize, 771usize, 1usize),
             (33, 771, 3),
             (7, 4100, 1),
             (1300, 272, 2),
             (65, 1024, 1),
+            (300, 2048, 1),
+            (40, 4096, 8),
         ] {
             let d = NormDims {
                 rows,
@@ -602,8 +605,9 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                     w.clone(),
                     rstd.clone(),
                     rng.floats(rows * dim, a),
+                    nan(d.weight_partials_len(), DType::F32),
                 ],
-                outputs: vec![4],
+                outputs: vec![4, 5],
                 cpu: Box::new(move |b, x| {
                     b.rmsnorm_backward_input(
                         v(&x[0]),
@@ -612,11 +616,12 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                         v(&x[3]),
                         m(&x[4]),
                         None,
+                        m(&x[5]),
                         d,
                     )
                 }),
                 gpu: Box::new(move |s, st, x| {
-                    s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], None, d)
+                    s.rmsnorm_backward_input(st, x[0], x[1], x[2], x[3], x[4], None, x[5], d)
                 }),
                 reference: None,
             });
@@ -625,19 +630,12 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 mode,
                 shape: format!("{shape} into f32"),
                 buffers: vec![
-                    rng.floats(rows * dim, a),
-                    x,
-                    rstd,
+                    rng.floats(d.weight_partials_len(), DType::F32),
                     rng.floats(dim, DType::F32),
-                    nan(KernelSet::rmsnorm_weight_scratch_len(d), DType::F32),
                 ],
-                outputs: vec![3],
-                cpu: Box::new(move |b, x| {
-                    b.rmsnorm_backward_weight(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), d)
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.rmsnorm_backward_weight(st, x[0], x[1], x[2], x[3], x[4], d)
-                }),
+                outputs: vec![1],
+                cpu: Box::new(move |b, x| b.rmsnorm_backward_weight(v(&x[0]), m(&x[1]), d)),
+                gpu: Box::new(move |s, st, x| s.rmsnorm_backward_weight(st, x[0], x[1], d)),
                 reference: None,
             });
         }
