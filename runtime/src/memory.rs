@@ -146,13 +146,14 @@ pub fn activations(
         );
     }
     let depths = mtp_depths as u64;
-    // x, dx, the final norm's output, its saved input and its gradient; per
-    // MTP depth its entry (embedding, normed inputs, concatenation), its
-    // stream, final norm and their gradients; the tokens (inputs, targets
-    // per head, MTP inputs).
+    // x, dx, the final norm's output and its saved input (its weight
+    // gradient keeps partial sums, not its input's gradient); per MTP depth
+    // its entry (embedding, normed inputs, concatenation), its stream, final
+    // norm and their gradients; the tokens (inputs, targets per head, MTP
+    // inputs).
     let streams = Elements::new(
         n.saturating_mul(h)
-            .saturating_mul(5u64.saturating_add(depths.saturating_mul(12))),
+            .saturating_mul(4u64.saturating_add(depths.saturating_mul(12))),
         n.saturating_mul(1 + depths.saturating_mul(3) + 1 + (depths + 1) + depths),
     );
     // Each head keeps its input and at most `[tokens, vocab]` f32.

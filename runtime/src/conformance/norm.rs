@@ -21,7 +21,7 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
         // The GPU's one-pass backward: a group a warp, groups of 16 and 4
         // words inside a warp (the last with idle lanes, and rows past the
         // most slices), groups of 8 and of 2 warps (the benchmark's pre-norm
-        // and Mamba's gated norm); then a row of more than 1,024 words,
+        // and Mamba's gated norm); then a row of more than 512 words,
         // which it leaves to the two-pass way.
         (1100, 256, 1),
         (300, 512, 4),

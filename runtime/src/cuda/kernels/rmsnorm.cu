@@ -283,7 +283,8 @@ extern "C" __global__ void __launch_bounds__(PARTIALS_COLUMN_THREADS * 32) rmsno
 // The input gradient and the weight gradient's partial sums in one pass
 // over dy and x (the two-kernel way read both twice): a block per slice of
 // `slice_rows` rows, a thread per 8-channel word of a row (dim / 8 words,
-// at most 1024, the block rounded up to whole warps). A thread keeps its
+// at most 512, the block rounded up to whole warps: at 1,024 the compiler
+// had 64 registers a thread and spilled the fetched row). A thread keeps its
 // words' weights and partial sums in registers and walks the slice's rows,
 // fetching row r + 1 while it reduces row r. A group's sum: a shuffle tree
 // inside a warp where a group is a power of two words up to 32, else each
@@ -383,9 +384,9 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
 }
 
 // Launched by `KernelSet::rmsnorm_backward_input` where the views take the
-// `vec8` path, dim / 8 is at most 1024, and a group's words are a power of
+// `vec8` path, dim / 8 is at most 512, and a group's words are a power of
 // two up to 32 or a multiple of 32; `partials` 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_backward(
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
     const float* rstd, void* dx, int dx_dtype, void* dx_before, float* partials, u64 rows, u64 dim,
     u64 groups, u64 group_size, u64 slice_rows) {

@@ -234,13 +234,13 @@ fn norm_threads(group_size: usize, vec8: bool) -> u32 {
 
 /// Whether `rmsnorm_backward` (one pass for both gradients) takes a norm
 /// of `dim` channels in groups of `group_size`: a thread a word of 8
-/// channels, a block a row (at most 1,024 threads), and a group's words
-/// summed by a shuffle tree inside a warp (a power of two up to 32) or by
-/// whole warps (a multiple of 32).
+/// channels, a block a row (at most 512 threads, the kernel's launch
+/// bounds), and a group's words summed by a shuffle tree inside a warp (a
+/// power of two up to 32) or by whole warps (a multiple of 32).
 fn fused_norm_backward(dim: usize, group_size: usize) -> bool {
     let (words, group_words) = (dim / 8, group_size / 8);
     group_size.is_multiple_of(8)
-        && words <= 1024
+        && words <= 512
         && group_words > 0
         && ((group_words <= 32 && group_words.is_power_of_two()) || group_words.is_multiple_of(32))
 }
