@@ -21,13 +21,15 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
         // The GPU's one-pass backward: a group a warp, groups of 16 and 4
         // words inside a warp (the last with idle lanes, and rows past the
         // most slices), groups of 8 and of 2 warps (the benchmark's pre-norm
-        // and Mamba's gated norm); then a row of more than 512 words,
-        // which it leaves to the two-pass way.
+        // and Mamba's gated norm, a block a group), a row of more than 512
+        // words in groups of 256 (a block a group); then a row of more than
+        // 512 words in one group, which it leaves to the two-pass way.
         (1100, 256, 1),
         (300, 512, 4),
         (5000, 64, 2),
         (40, 2048, 1),
         (33, 4096, 8),
+        (9, 8192, 4),
         (20, 8200, 1),
     ];
     for (i, (rows, dim, groups)) in shapes.into_iter().enumerate() {

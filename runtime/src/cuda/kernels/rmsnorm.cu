@@ -284,7 +284,10 @@ extern "C" __global__ void __launch_bounds__(PARTIALS_COLUMN_THREADS * 32) rmsno
 // over dy and x (the two-kernel way read both twice): a block per slice of
 // `slice_rows` rows, a thread per 8-channel word of a row (dim / 8 words,
 // at most 512, the block rounded up to whole warps: at 1,024 the compiler
-// had 64 registers a thread and spilled the fetched row). A thread keeps its
+// had 64 registers a thread and spilled the fetched row). Where a group is
+// whole warps and a row holds several (Mamba's gated norm), a block takes
+// one group (blockIdx.y) of the slice's rows instead: blocks of a row's
+// width were too few to keep the SMs reading. A thread keeps its
 // words' weights and partial sums in registers and walks the slice's rows,
 // fetching row r + 1 while it reduces row r. A group's sum: a shuffle tree
 // inside a warp where a group is a power of two words up to 32, else each
@@ -300,11 +303,11 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
     const float* rstd, void* dx, int dx_dtype, void* dx_before, float* partials, u64 rows, u64 dim,
     u64 groups, u64 group_size, u64 slice_rows, float (*scratch)[32]) {
     const u64 words = dim / 8;
-    const u32 c = threadIdx.x;
+    const u32 c = blockIdx.y * blockDim.x + threadIdx.x;
     const bool live = c < words;
     const u32 group_words = static_cast<u32>(group_size / 8);
-    const u32 lane = c & 31;
-    const u32 warp = c >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 warp = threadIdx.x >> 5;
     const u64 g = live ? c / group_words : 0;
     const u64 r0 = min(rows, static_cast<u64>(blockIdx.x) * slice_rows);
     const u64 r1 = min(rows, r0 + slice_rows);
@@ -357,8 +360,10 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
                 sums[warp] = gx;
             }
             __syncthreads();
+            // The block's groups, from its first (a block is whole groups).
             const u32 per_group = group_words / 32;
-            gx = lane < per_group ? sums[g * per_group + lane] : 0.0f;
+            const u64 local = g - blockIdx.y * (blockDim.x / group_words);
+            gx = lane < per_group ? sums[local * per_group + lane] : 0.0f;
             gx = warp_sum(gx);
         }
         if (live) {
@@ -384,7 +389,7 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
 }
 
 // Launched by `KernelSet::rmsnorm_backward_input` where the views take the
-// `vec8` path, dim / 8 is at most 512, and a group's words are a power of
+// `vec8` path, a block's words (a row's, or a group's) are at most 512, and a group's words are a power of
 // two up to 32 or a multiple of 32; `partials` 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,

@@ -234,15 +234,20 @@ fn norm_threads(group_size: usize, vec8: bool) -> u32 {
 
 /// Whether `rmsnorm_backward` (one pass for both gradients) takes a norm
 /// of `dim` channels in groups of `group_size`: a thread a word of 8
-/// channels, a block a row (at most 512 threads, the kernel's launch
-/// bounds), and a group's words summed by a shuffle tree inside a warp (a
-/// power of two up to 32) or by whole warps (a multiple of 32).
+/// channels; a group's words summed by a shuffle tree inside a warp (a
+/// power of two up to 32) or by whole warps (a multiple of 32); a block a
+/// group of whole warps, else a row; at most 512 threads a block (the
+/// kernel's launch bounds).
 fn fused_norm_backward(dim: usize, group_size: usize) -> bool {
     let (words, group_words) = (dim / 8, group_size / 8);
-    group_size.is_multiple_of(8)
-        && words <= 512
-        && group_words > 0
-        && ((group_words <= 32 && group_words.is_power_of_two()) || group_words.is_multiple_of(32))
+    let in_a_warp = group_words <= 32 && group_words.is_power_of_two();
+    let whole_warps = group_words.is_multiple_of(32);
+    let block = if whole_warps && group_words < words {
+        group_words
+    } else {
+        words
+    };
+    group_size.is_multiple_of(8) && group_words > 0 && (in_a_warp || whole_warps) && block <= 512
 }
 
 /// Tiles a piece of `sum_squares` is cut into: spans of at least
@@ -854,8 +859,16 @@ impl KernelSet {
                 .arg(&g)
                 .arg(&s)
                 .arg(&slice_rows);
-            let threads = (d.dim / 8).next_multiple_of(32) as u32;
-            return self.go(kf, &mut b, per_item(d.weight_slices(), threads)?);
+            // A block a group where groups are whole warps, else a row.
+            let (words, group_words) = (d.dim / 8, gs / 8);
+            let (threads, blocks_a_row) = if d.groups > 1 && group_words.is_multiple_of(32) {
+                (group_words, d.groups)
+            } else {
+                (words.next_multiple_of(32), 1)
+            };
+            let mut config = per_item(d.weight_slices(), threads as u32)?;
+            config.grid_dim.1 = blocks_a_row as u32;
+            return self.go(kf, &mut b, config);
         }
         if d.rows > 0 {
             let threads = norm_threads(gs, vec8);
