@@ -389,8 +389,9 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
 }
 
 // Launched by `KernelSet::rmsnorm_backward_input` where the views take the
-// `vec8` path, a block's words (a row's, or a group's) are at most 512, and a group's words are a power of
-// two up to 32 or a multiple of 32; `partials` 16-byte aligned.
+// `vec8` path, a block's words (a row's, or a group's) are at most 512,
+// and a group's words are a power of two up to 32 or a multiple of 32;
+// `partials` 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(512) rmsnorm_backward(
     const void* dy, int dy_dtype, const void* x, int x_dtype, const void* w, int w_dtype,
     const float* rstd, void* dx, int dx_dtype, void* dx_before, float* partials, u64 rows, u64 dim,
