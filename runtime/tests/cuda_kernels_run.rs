@@ -642,7 +642,6 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
 
         // Activations: an odd length, and one of whole 8-element words (bf16
         // takes the 8-element kernels).
-        let n = 65_537;
         for (n, op) in [65_537, 65_536]
             .into_iter()
             .flat_map(|n| [Unary::Silu, Unary::Gelu, Unary::SquaredRelu].map(|op| (n, op)))
@@ -672,34 +671,37 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 reference: None,
             });
         }
-        cases.push(Case {
-            kernel: "silu_mul_forward".into(),
-            mode,
-            shape: format!("{n}"),
-            buffers: vec![rng.floats(n, a), rng.floats(n, a), nan(n, a)],
-            outputs: vec![2],
-            cpu: Box::new(|b, x| b.silu_mul_forward(v(&x[0]), v(&x[1]), m(&x[2]))),
-            gpu: Box::new(|s, st, x| s.silu_mul_forward(st, x[0], x[1], x[2])),
-            reference: None,
-        });
-        cases.push(Case {
-            kernel: "silu_mul_backward".into(),
-            mode,
-            shape: format!("{n}"),
-            buffers: vec![
-                rng.floats(n, a),
-                rng.floats(n, a),
-                rng.floats(n, a),
-                nan(n, a),
-                nan(n, a),
-            ],
-            outputs: vec![3, 4],
-            cpu: Box::new(|b, x| {
-                b.silu_mul_backward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), m(&x[4]))
-            }),
-            gpu: Box::new(|s, st, x| s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4])),
-            reference: None,
-        });
+        // Odd, and whole 8-element words (bf16 takes the 8-element kernels).
+        for n in [65_537usize, 65_536] {
+            cases.push(Case {
+                kernel: "silu_mul_forward".into(),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![rng.floats(n, a), rng.floats(n, a), nan(n, a)],
+                outputs: vec![2],
+                cpu: Box::new(|b, x| b.silu_mul_forward(v(&x[0]), v(&x[1]), m(&x[2]))),
+                gpu: Box::new(|s, st, x| s.silu_mul_forward(st, x[0], x[1], x[2])),
+                reference: None,
+            });
+            cases.push(Case {
+                kernel: "silu_mul_backward".into(),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![
+                    rng.floats(n, a),
+                    rng.floats(n, a),
+                    rng.floats(n, a),
+                    nan(n, a),
+                    nan(n, a),
+                ],
+                outputs: vec![3, 4],
+                cpu: Box::new(|b, x| {
+                    b.silu_mul_backward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), m(&x[4]))
+                }),
+                gpu: Box::new(|s, st, x| s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4])),
+                reference: None,
+            });
+        }
 
         // Rotary.
         let d = RotaryDims {

@@ -58,56 +58,60 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
         );
     }
 
-    let gate = inputs(s, 200);
-    let n = gate.len();
-    let up = s.rng.values(n, -2.0, 2.0);
-    let fwd = KernelCase::new("silu_mul_forward", format!("{n} elements"))
-        .input("gate", gate.clone())
-        .input("up", up.clone())
-        .output("y", n)
-        .tolerance(8.0 * U, 16.0 * U)
-        .with_refusals();
-    s.check_kernel(
-        fwd,
-        |x| {
-            let y = x["gate"].iter().zip(&x["up"]);
-            let y = y.map(|(&g, u)| r::unary(Unary::Silu, g) * u).collect();
-            vec![Expected::new("y", y)]
-        },
-        |dev, b| {
-            dev.silu_mul_forward(b.view("gate")?, b.view("up")?, b.view_mut("y")?)?;
-            Ok(vec![])
-        },
-    );
-    let bwd = KernelCase::new("silu_mul_backward", format!("{n} elements"))
-        .input("gate", gate)
-        .input("up", up)
-        .input("dy", s.rng.values(n, -2.0, 2.0))
-        .output("dgate", n)
-        .output("dup", n)
-        .tolerance(16.0 * U, 16.0 * U)
-        .with_refusals();
-    s.check_kernel(
-        bwd,
-        |x| {
-            let (g, u, dy) = (&x["gate"], &x["up"], &x["dy"]);
-            let dgate = (0..g.len())
-                .map(|i| dy[i] * u[i] * r::unary_derivative(Unary::Silu, g[i]))
-                .collect();
-            let dup = (0..g.len())
-                .map(|i| dy[i] * r::unary(Unary::Silu, g[i]))
-                .collect();
-            vec![Expected::new("dgate", dgate), Expected::new("dup", dup)]
-        },
-        |dev, b| {
-            dev.silu_mul_backward(
-                b.view("gate")?,
-                b.view("up")?,
-                b.view("dy")?,
-                b.view_mut("dgate")?,
-                b.view_mut("dup")?,
-            )?;
-            Ok(vec![])
-        },
-    );
+    // A length of whole 8-element words (a GPU's 8-a-thread path in bf16)
+    // and one past it.
+    for len in [200, 201] {
+        let gate = inputs(s, len);
+        let n = gate.len();
+        let up = s.rng.values(n, -2.0, 2.0);
+        let fwd = KernelCase::new("silu_mul_forward", format!("{n} elements"))
+            .input("gate", gate.clone())
+            .input("up", up.clone())
+            .output("y", n)
+            .tolerance(8.0 * U, 16.0 * U)
+            .with_refusals();
+        s.check_kernel(
+            fwd,
+            |x| {
+                let y = x["gate"].iter().zip(&x["up"]);
+                let y = y.map(|(&g, u)| r::unary(Unary::Silu, g) * u).collect();
+                vec![Expected::new("y", y)]
+            },
+            |dev, b| {
+                dev.silu_mul_forward(b.view("gate")?, b.view("up")?, b.view_mut("y")?)?;
+                Ok(vec![])
+            },
+        );
+        let bwd = KernelCase::new("silu_mul_backward", format!("{n} elements"))
+            .input("gate", gate)
+            .input("up", up)
+            .input("dy", s.rng.values(n, -2.0, 2.0))
+            .output("dgate", n)
+            .output("dup", n)
+            .tolerance(16.0 * U, 16.0 * U)
+            .with_refusals();
+        s.check_kernel(
+            bwd,
+            |x| {
+                let (g, u, dy) = (&x["gate"], &x["up"], &x["dy"]);
+                let dgate = (0..g.len())
+                    .map(|i| dy[i] * u[i] * r::unary_derivative(Unary::Silu, g[i]))
+                    .collect();
+                let dup = (0..g.len())
+                    .map(|i| dy[i] * r::unary(Unary::Silu, g[i]))
+                    .collect();
+                vec![Expected::new("dgate", dgate), Expected::new("dup", dup)]
+            },
+            |dev, b| {
+                dev.silu_mul_backward(
+                    b.view("gate")?,
+                    b.view("up")?,
+                    b.view("dy")?,
+                    b.view_mut("dgate")?,
+                    b.view_mut("dup")?,
+                )?;
+                Ok(vec![])
+            },
+        );
+    }
 }

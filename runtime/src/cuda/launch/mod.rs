@@ -1011,6 +1011,8 @@ impl KernelSet {
             return Ok(());
         }
         let n = gate.len as u64;
+        let vec8 = bf16_words(&[gate, up, y], gate.len);
+        let flag = i32::from(vec8);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&gate.ptr)
             .arg(&gt)
@@ -1018,8 +1020,13 @@ impl KernelSet {
             .arg(&ut)
             .arg(&y.ptr)
             .arg(&yt)
-            .arg(&n);
-        self.go(k, &mut b, grid_for(gate.len))
+            .arg(&n)
+            .arg(&flag);
+        self.go(
+            k,
+            &mut b,
+            grid_for(if vec8 { gate.len / 8 } else { gate.len }),
+        )
     }
 
     /// `Backend::silu_mul_backward`.
@@ -1046,6 +1053,8 @@ impl KernelSet {
             return Ok(());
         }
         let n = gate.len as u64;
+        let vec8 = bf16_words(&[gate, up, dy, dgate, dup], gate.len);
+        let flag = i32::from(vec8);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&gate.ptr)
             .arg(&gt)
@@ -1053,8 +1062,17 @@ impl KernelSet {
             .arg(&ut)
             .arg(&dy.ptr)
             .arg(&dyt);
-        b.arg(&dgate.ptr).arg(&dgt).arg(&dup.ptr).arg(&dut).arg(&n);
-        self.go(k, &mut b, grid_for(gate.len))
+        b.arg(&dgate.ptr)
+            .arg(&dgt)
+            .arg(&dup.ptr)
+            .arg(&dut)
+            .arg(&n)
+            .arg(&flag);
+        self.go(
+            k,
+            &mut b,
+            grid_for(if vec8 { gate.len / 8 } else { gate.len }),
+        )
     }
 
     // ---- rotary, head splits --------------------------------------------------------
