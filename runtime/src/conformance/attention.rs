@@ -215,13 +215,16 @@ fn rotary<B: Backend>(s: &mut Suite<'_, B>) {
 
 fn qkv_split_join<B: Backend>(s: &mut Suite<'_, B>) {
     // rows, KV groups, query heads per group, head dim: GQA, MQA-like
-    // (one group), MHA (one query head per group), no rows.
+    // (one group), MHA (one query head per group), no rows; then heads of
+    // whole 16-byte words (a GPU moves a word a thread: 8 bf16 or 4 f32).
     let shapes = [
         (5, 2, 3, 4),
         (1, 1, 1, 1),
         (7, 3, 1, 5),
         (3, 1, 4, 7),
         (0, 2, 2, 3),
+        (6, 2, 3, 8),
+        (3, 4, 2, 16),
     ];
     for (i, (rows, groups, heads_per_group, head_dim)) in shapes.into_iter().enumerate() {
         let dims = QkvDims {

@@ -4,8 +4,12 @@
 // bytes an element, `elem` below), so bf16 stays exact; only the sums round.
 #include "common.cuh"
 
+// `elem` bytes: 2 or 4 (an element), or 16 (a word of elements, where the
+// launcher found every row's pieces whole words).
 __device__ __forceinline__ void copy_element(const void* src, u64 s, void* dst, u64 d, int elem) {
-    if (elem == 2) {
+    if (elem == 16) {
+        static_cast<uint4*>(dst)[d] = static_cast<const uint4*>(src)[s];
+    } else if (elem == 2) {
         static_cast<unsigned short*>(dst)[d] = static_cast<const unsigned short*>(src)[s];
     } else {
         static_cast<u32*>(dst)[d] = static_cast<const u32*>(src)[s];
@@ -34,7 +38,11 @@ extern "C" __global__ void copy_cols(
 
 // Fused row layout per KV group g: [hpg query heads | k_g | v_g], each head
 // `head_dim` wide. Thread per element of the fused tensor; `join` copies the
-// other way.
+// other way. With `words` (heads of whole 16-byte words, every tensor
+// 16-byte aligned: the launcher checks) a thread moves a word: the same
+// layout counted in words, a sixteenth of the index arithmetic an element
+// (which, in 64-bit divisions, bound the element-a-thread copy at about
+// 1 TB/s on an H200).
 __device__ __forceinline__ void qkv_move(
     const void* qkv_in, void* qkv_out, const void* q_in, void* q_out, const void* k_in, void* k_out,
     const void* v_in, void* v_out, int elem, u64 rows, u64 groups, u64 hpg, u64 head_dim, bool join) {
@@ -61,18 +69,21 @@ __device__ __forceinline__ void qkv_move(
 }
 
 extern "C" __global__ void qkv_split(
-    const void* qkv, void* q, void* k, void* v, int dtype, u64 rows, u64 groups, u64 hpg, u64 head_dim) {
+    const void* qkv, void* q, void* k, void* v, int dtype, u64 rows, u64 groups, u64 hpg, u64 head_dim,
+    int words) {
     grid_dependency_sync();
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
-    qkv_move(qkv, nullptr, nullptr, q, nullptr, k, nullptr, v, elem, rows, groups, hpg, head_dim, false);
+    const u64 unit = words ? head_dim * elem / 16 : head_dim;
+    qkv_move(qkv, nullptr, nullptr, q, nullptr, k, nullptr, v, words ? 16 : elem, rows, groups, hpg, unit, false);
 }
 
 extern "C" __global__ void qkv_join(
     const void* dq, const void* dk, const void* dv, void* dqkv, int dtype, u64 rows, u64 groups,
-    u64 hpg, u64 head_dim) {
+    u64 hpg, u64 head_dim, int words) {
     grid_dependency_sync();
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
-    qkv_move(nullptr, dqkv, dq, nullptr, dk, nullptr, dv, nullptr, elem, rows, groups, hpg, head_dim, true);
+    const u64 unit = words ? head_dim * elem / 16 : head_dim;
+    qkv_move(nullptr, dqkv, dq, nullptr, dk, nullptr, dv, nullptr, words ? 16 : elem, rows, groups, hpg, unit, true);
 }
 
 // MLA: kv rows hold, per head i, [k_nope_i (dn) | v_i (dv)]; k_rope [rows, dr]

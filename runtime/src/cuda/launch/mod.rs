@@ -201,6 +201,14 @@ fn words8(views: &[GpuView], row: usize) -> bool {
             .all(|v| matches!(v.dtype, DType::Bf16 | DType::F32) && v.ptr.is_multiple_of(16))
 }
 
+/// Elements a thread of `qkv_split` / `qkv_join` moves: a 16-byte word's
+/// where every head is whole words and every view 16-byte aligned, else 1.
+fn qkv_words(views: &[GpuView], head_dim: usize) -> usize {
+    let per_word = 16 / views[0].dtype.bytes();
+    let whole = head_dim.is_multiple_of(per_word) && views.iter().all(|v| v.ptr.is_multiple_of(16));
+    if whole { per_word } else { 1 }
+}
+
 /// A block of `threads` (a multiple of 32, at most 1024) per item.
 fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
     let blocks = u32::try_from(items)
@@ -1166,12 +1174,15 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
+        let per_word = qkv_words(&[qkv, q, kk, v], d.head_dim);
+        let words = i32::from(per_word > 1);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&qkv.ptr).arg(&q.ptr).arg(&kk.ptr).arg(&v.ptr).arg(&t);
         for x in &dims {
             b.arg(x);
         }
-        self.go(k, &mut b, grid_for(qkv.len))
+        b.arg(&words);
+        self.go(k, &mut b, grid_for(qkv.len / per_word))
     }
 
     /// `Backend::qkv_join`.
@@ -1191,6 +1202,8 @@ impl KernelSet {
             return Ok(());
         }
         let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
+        let per_word = qkv_words(&[dqkv, dq, dk, dv], d.head_dim);
+        let words = i32::from(per_word > 1);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&dq.ptr)
             .arg(&dk.ptr)
@@ -1200,7 +1213,8 @@ impl KernelSet {
         for x in &dims {
             b.arg(x);
         }
-        self.go(k, &mut b, grid_for(dqkv.len))
+        b.arg(&words);
+        self.go(k, &mut b, grid_for(dqkv.len / per_word))
     }
 
     fn check_mla(
