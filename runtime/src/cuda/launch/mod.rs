@@ -258,6 +258,16 @@ fn fused_norm_backward(dim: usize, group_size: usize) -> bool {
     group_size.is_multiple_of(8) && group_words > 0 && (in_a_warp || whole_warps) && block <= 512
 }
 
+/// The arguments both RMSNorm backward kernels begin with: dy, x, the
+/// weight (each with its dtype tag), rstd, dx (with its tag) and the copy
+/// of dx before (0: none); `pointers` and `tags` in that order.
+fn norm_backward_operands<'a>(b: &mut KernelArgs<'a>, pointers: &'a [u64; 6], tags: &'a [i32; 4]) {
+    let [dy, x, w, rstd, dx, before] = pointers;
+    let [dyt, xt, wt, dxt] = tags;
+    b.arg(dy).arg(dyt).arg(x).arg(xt).arg(w).arg(wt);
+    b.arg(rstd).arg(dx).arg(dxt).arg(before);
+}
+
 /// Tiles a piece of `sum_squares` is cut into: spans of at least
 /// `SUM_SQUARES_SPAN` elements (64 per thread of a 256-thread block), and at
 /// most `SUM_SQUARES_MAX_TILES` (8 blocks per SM of an H200), so a bucket of
@@ -848,20 +858,13 @@ impl KernelSet {
         // A null pointer: no copy.
         let before = dx_before.map_or(0u64, |v| v.ptr);
         let (rows, dim, slice_rows) = (d.rows as u64, d.dim as u64, d.weight_slice_rows() as u64);
+        let pointers = [dy.ptr, x.ptr, weight.ptr, rstd.ptr, dx.ptr, before];
+        let tags = [dyt, xt, wt, dxt];
         if vec8 && partials.ptr.is_multiple_of(16) && fused_norm_backward(d.dim, gs) {
             let kf = "rmsnorm_backward";
             let mut b = KernelArgs::new(stream, self.function(kf)?);
-            b.arg(&dy.ptr)
-                .arg(&dyt)
-                .arg(&x.ptr)
-                .arg(&xt)
-                .arg(&weight.ptr)
-                .arg(&wt)
-                .arg(&rstd.ptr);
-            b.arg(&dx.ptr)
-                .arg(&dxt)
-                .arg(&before)
-                .arg(&partials.ptr)
+            norm_backward_operands(&mut b, &pointers, &tags);
+            b.arg(&partials.ptr)
                 .arg(&rows)
                 .arg(&dim)
                 .arg(&g)
@@ -882,19 +885,8 @@ impl KernelSet {
             let threads = norm_threads(gs, vec8);
             let flag = i32::from(vec8);
             let mut b = KernelArgs::new(stream, self.function(k)?);
-            b.arg(&dy.ptr)
-                .arg(&dyt)
-                .arg(&x.ptr)
-                .arg(&xt)
-                .arg(&weight.ptr)
-                .arg(&wt);
-            b.arg(&rstd.ptr)
-                .arg(&dx.ptr)
-                .arg(&dxt)
-                .arg(&before)
-                .arg(&g)
-                .arg(&s)
-                .arg(&flag);
+            norm_backward_operands(&mut b, &pointers, &tags);
+            b.arg(&g).arg(&s).arg(&flag);
             self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)?;
         }
         // 8 channels a thread where the views allow (the same bits).
