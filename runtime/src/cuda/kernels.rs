@@ -429,8 +429,75 @@ pub fn compile(
     include_dir: &Path,
 ) -> Result<CompiledSource, KernelBuildError> {
     nvrtc_available()?;
-    crate::cuda::catch_cudarc_panic(|| compile_loaded(source, target, include_dir))
+    crate::cuda::catch_cudarc_panic(|| compile_loaded(source, target, include_dir, &[]))
         .map_err(KernelBuildError::NvrtcMissing)?
+        .map(|(compiled, _)| compiled)
+}
+
+/// What the assembler gave one kernel of a source compiled for Hopper:
+/// registers a thread, and the bytes of its stack frame and of its spills
+/// (registers it ran out of, stored to and loaded from local memory).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelResources {
+    pub kernel: String,
+    pub registers: u32,
+    pub stack_bytes: u32,
+    pub spill_store_bytes: u32,
+    pub spill_load_bytes: u32,
+}
+
+/// Every kernel of `source` compiled for Hopper with the assembler's
+/// report (`--ptxas-options=-v`): what a launch bound or a held array costs
+/// in registers, found without a GPU (a kernel whose launch bounds left it
+/// 64 registers spilled the row it had fetched, and ran slower than the two
+/// kernels it replaced, until the timeline showed it).
+pub fn resources(
+    source: &KernelSource,
+    include_dir: &Path,
+) -> Result<Vec<KernelResources>, KernelBuildError> {
+    nvrtc_available()?;
+    let verbose = ["--ptxas-options=-v"];
+    crate::cuda::catch_cudarc_panic(|| {
+        compile_loaded(source, Target::HOPPER, include_dir, &verbose)
+    })
+    .map_err(KernelBuildError::NvrtcMissing)?
+    .map(|(_, log)| parse_resources(&log))
+}
+
+/// The assembler's report in an NVRTC log: per kernel, a line naming it
+/// (`Compiling entry function 'k' for 'sm_90a'`), then its stack frame
+/// and spills, then its registers.
+pub fn parse_resources(log: &str) -> Vec<KernelResources> {
+    // The number before `marker` on `line`.
+    fn before(line: &str, marker: &str) -> Option<u32> {
+        let head = &line[..line.find(marker)?];
+        head.split_whitespace().next_back()?.parse().ok()
+    }
+    let mut kernels: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default();
+            kernels.push(KernelResources {
+                kernel: name.to_string(),
+                registers: 0,
+                stack_bytes: 0,
+                spill_store_bytes: 0,
+                spill_load_bytes: 0,
+            });
+            continue;
+        }
+        let Some(current) = kernels.last_mut() else {
+            continue;
+        };
+        if let Some(stack) = before(line, "bytes stack frame") {
+            current.stack_bytes = stack;
+            current.spill_store_bytes = before(line, "bytes spill stores").unwrap_or(0);
+            current.spill_load_bytes = before(line, "bytes spill loads").unwrap_or(0);
+        } else if let Some(registers) = before(line, "registers") {
+            current.registers = registers;
+        }
+    }
+    kernels
 }
 
 /// Every source in [`SOURCES`], compiled for `target`.
@@ -481,11 +548,14 @@ fn nvrtc_message(result: cudarc::nvrtc::sys::nvrtcResult) -> String {
     }
 }
 
+/// [`compile`] with `extra` options after the usual ones; also returns the
+/// whole log.
 fn compile_loaded(
     source: &KernelSource,
     target: Target,
     include_dir: &Path,
-) -> Result<CompiledSource, KernelBuildError> {
+    extra: &[&str],
+) -> Result<(CompiledSource, String), KernelBuildError> {
     use cudarc::nvrtc::sys::{self, nvrtcResult::NVRTC_SUCCESS};
     let fail = |call: &'static str, result| KernelBuildError::Nvrtc {
         file: source.file,
@@ -525,7 +595,9 @@ fn compile_loaded(
     if result != NVRTC_SUCCESS {
         return Err(fail("nvrtcCreateProgram", result));
     }
-    let options: Vec<CString> = compile_options(target, include_dir)
+    let mut options = compile_options(target, include_dir);
+    options.extend(extra.iter().map(|o| o.to_string()));
+    let options: Vec<CString> = options
         .iter()
         .map(|o| {
             CString::new(o.as_str()).map_err(|_| interior_nul("an option (the include path?)"))
@@ -560,7 +632,7 @@ fn compile_loaded(
             ptx
         }
     };
-    Ok(CompiledSource {
+    let compiled = CompiledSource {
         file: source.file,
         target,
         image,
@@ -568,7 +640,8 @@ fn compile_loaded(
             .into_iter()
             .filter(|d| d.severity == Severity::Warning)
             .collect(),
-    })
+    };
+    Ok((compiled, log))
 }
 
 type SizeFn =
@@ -678,6 +751,38 @@ fn severity_and_message(rest: &str) -> Option<(Severity, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_assemblers_report_is_read_per_kernel() {
+        let log = "ptxas info    : 0 bytes gmem\n\
+            ptxas info    : Compiling entry function 'rmsnorm_backward' for 'sm_90a'\n\
+            ptxas info    : Function properties for rmsnorm_backward\n\
+            ptxas         .     152 bytes stack frame, 524 bytes spill stores, 508 bytes spill loads\n\
+            ptxas info    : Used 64 registers, used 1 barriers, 152 bytes cumulative stack size, 256 bytes smem\n\
+            ptxas info    : Compiling entry function 'axpy' for 'sm_90a'\n\
+            ptxas info    : Function properties for axpy\n\
+            ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+            ptxas info    : Used 30 registers, used 0 barriers\n";
+        assert_eq!(
+            parse_resources(log),
+            [
+                KernelResources {
+                    kernel: "rmsnorm_backward".into(),
+                    registers: 64,
+                    stack_bytes: 152,
+                    spill_store_bytes: 524,
+                    spill_load_bytes: 508,
+                },
+                KernelResources {
+                    kernel: "axpy".into(),
+                    registers: 30,
+                    stack_bytes: 0,
+                    spill_store_bytes: 0,
+                    spill_load_bytes: 0,
+                },
+            ]
+        );
+    }
 
     #[test]
     fn log_lines_become_diagnostics_with_places() {
