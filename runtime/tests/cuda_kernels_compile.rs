@@ -160,10 +160,11 @@ fn missing_headers_are_named_with_the_variable_to_set() {
     );
 }
 
-/// Kernels the assembler gives spills to, at most these bytes stored
-/// (CUDA 13.0's NVRTC, as reviewed): the sequential scan's backward, which
-/// the chunked scan replaced on the benchmark's path, and a few bytes of the
-/// grouped GEMM's tile bookkeeping.
+/// Kernels the assembler gives spills to, and the bytes stored as reviewed
+/// (CUDA 13.0.88's NVRTC): the sequential scan's backward, which the
+/// chunked scan replaced on the benchmark's path, and a few bytes of the
+/// grouped GEMM's tile bookkeeping. Another 13.0 release may shift these a
+/// little, so they are held to a quarter more; every other kernel to none.
 const SPILLS_ALLOWED: [(&str, u32); 9] = [
     ("ssd_scan_backward_group", 240),
     ("ssd_scan_backward_head_n256", 644),
@@ -207,7 +208,7 @@ fn no_kernel_spills_beyond_its_reviewed_allowance() {
             let allowed = SPILLS_ALLOWED
                 .iter()
                 .find(|(name, _)| *name == k.kernel)
-                .map_or(0, |(_, bytes)| *bytes);
+                .map_or(0, |(_, bytes)| bytes + bytes / 4);
             if k.spill_store_bytes > allowed {
                 over.push(format!(
                     "{} in {}: {} bytes of spill stores ({allowed} allowed), {} registers",
