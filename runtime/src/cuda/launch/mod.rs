@@ -7,7 +7,8 @@
 //! mismatch is `InvalidArgument`, never a bad access), sizes the grid from
 //! the dimensions alone (so a reduction's shape, and with it its bits,
 //! depends on nothing else), and enqueues the kernel on the given stream.
-//! Nothing here waits for the GPU except [`KernelSet::take_fault`].
+//! Nothing here waits for the GPU except [`KernelSet::take_fault`] and
+//! [`KernelSet::clear_fault`].
 //!
 //! Index data (token targets, selected experts, row indices) lives on the
 //! device, so it is checked there: a kernel that finds a bad index reports
@@ -240,22 +241,29 @@ fn norm_threads(group_size: usize, vec8: bool) -> u32 {
     reduce_threads(if vec8 { group_size / 8 } else { group_size }, 256)
 }
 
-/// Whether `rmsnorm_backward` (one pass for both gradients) takes a norm
-/// of `dim` channels in groups of `group_size`: a thread a word of 8
-/// channels; a group's words summed by a shuffle tree inside a warp (a
-/// power of two up to 32) or by whole warps (a multiple of 32); a block a
-/// group of whole warps, else a row; at most 512 threads a block (the
-/// kernel's launch bounds).
-fn fused_norm_backward(dim: usize, group_size: usize) -> bool {
+/// `rmsnorm_backward`'s blocks for a norm of `dim` channels in groups of
+/// `group_size` (one pass for both gradients): `(threads, blocks a row)`,
+/// or `None` where it does not take the shape. A thread takes a word of 8
+/// channels; a group's words are summed by a shuffle tree inside a warp (a
+/// power of two up to 32) or by whole warps (a multiple of 32); a block is
+/// one group of whole warps where a row holds several, else a row (rounded
+/// up to whole warps); at most 512 threads a block (the kernel's launch
+/// bounds).
+fn fused_norm_blocks(dim: usize, group_size: usize) -> Option<(usize, usize)> {
     let (words, group_words) = (dim / 8, group_size / 8);
-    let in_a_warp = group_words <= 32 && group_words.is_power_of_two();
+    if !group_size.is_multiple_of(8) || group_words == 0 {
+        return None;
+    }
     let whole_warps = group_words.is_multiple_of(32);
-    let block = if whole_warps && group_words < words {
-        group_words
+    let in_a_warp = group_words <= 32 && group_words.is_power_of_two();
+    let (threads, blocks_a_row) = if whole_warps && group_words < words {
+        (group_words, words / group_words)
+    } else if whole_warps || in_a_warp {
+        (words.next_multiple_of(32), 1)
     } else {
-        words
+        return None;
     };
-    group_size.is_multiple_of(8) && group_words > 0 && (in_a_warp || whole_warps) && block <= 512
+    (threads <= 512).then_some((threads, blocks_a_row))
 }
 
 /// The arguments both RMSNorm backward kernels begin with: dy, x, the
@@ -860,7 +868,9 @@ impl KernelSet {
         let (rows, dim, slice_rows) = (d.rows as u64, d.dim as u64, d.weight_slice_rows() as u64);
         let pointers = [dy.ptr, x.ptr, weight.ptr, rstd.ptr, dx.ptr, before];
         let tags = [dyt, xt, wt, dxt];
-        if vec8 && partials.ptr.is_multiple_of(16) && fused_norm_backward(d.dim, gs) {
+        let fused =
+            fused_norm_blocks(d.dim, gs).filter(|_| vec8 && partials.ptr.is_multiple_of(16));
+        if let Some((threads, blocks_a_row)) = fused {
             let kf = "rmsnorm_backward";
             let mut b = KernelArgs::new(stream, self.function(kf)?);
             norm_backward_operands(&mut b, &pointers, &tags);
@@ -870,13 +880,6 @@ impl KernelSet {
                 .arg(&g)
                 .arg(&s)
                 .arg(&slice_rows);
-            // A block a group where groups are whole warps, else a row.
-            let (words, group_words) = (d.dim / 8, gs / 8);
-            let (threads, blocks_a_row) = if d.groups > 1 && group_words.is_multiple_of(32) {
-                (group_words, d.groups)
-            } else {
-                (words.next_multiple_of(32), 1)
-            };
             let mut config = per_item(d.weight_slices(), threads as u32)?;
             config.grid_dim.1 = blocks_a_row as u32;
             return self.go(kf, &mut b, config);
@@ -2151,5 +2154,27 @@ impl KernelSet {
         // checked against the dimensions the kernel indexes with.
         unsafe { args.launch(config, self.dependent_launch()) }
             .map_err(|e| self.device_error(&format!("launching `{kernel}`"), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-pass norm backward's blocks: a row of whole warps, a group
+    /// of whole warps where a row holds several, a row whose groups are
+    /// sub-warp powers of two; the others (groups of 6 words, rows or
+    /// groups past the launch bounds) take the two-pass way.
+    #[test]
+    fn the_one_pass_norm_backward_takes_rows_or_groups_of_whole_warps() {
+        assert_eq!(fused_norm_blocks(2048, 2048), Some((256, 1)));
+        assert_eq!(fused_norm_blocks(4096, 512), Some((64, 8)));
+        assert_eq!(fused_norm_blocks(8192, 2048), Some((256, 4)));
+        assert_eq!(fused_norm_blocks(512, 128), Some((64, 1)));
+        assert_eq!(fused_norm_blocks(64, 32), Some((32, 1)));
+        assert_eq!(fused_norm_blocks(96, 48), None);
+        assert_eq!(fused_norm_blocks(8200, 8200), None);
+        assert_eq!(fused_norm_blocks(8192, 8192), None);
+        assert_eq!(fused_norm_blocks(24, 12), None);
     }
 }
