@@ -164,6 +164,10 @@ mod tests {
         BatchShape { batch: 2, seq: 16 }
     }
 
+    fn markov() -> DataSource {
+        DataSource::Markov(MarkovChain::random(64, 3, 5).unwrap())
+    }
+
     fn made_here(data: &DataSource, key: BatchKey) -> MicroBatchTokens {
         micro_batch_tokens(&data.batch(key, shape()).unwrap(), 1)
     }
@@ -172,7 +176,7 @@ mod tests {
     /// in stream order, from any first step.
     #[test]
     fn the_loader_makes_the_stream_in_order() {
-        let data = DataSource::Markov(MarkovChain::random(64, 3, 5).unwrap());
+        let data = markov();
         let loader = MicroBatchLoader::start(data.clone(), shape(), 1, range(2, 5)).unwrap();
         for key in range(2, 5).keys() {
             let got = loader.next(key).unwrap();
@@ -191,13 +195,7 @@ mod tests {
 
     #[test]
     fn a_micro_batch_out_of_order_is_refused_naming_both() {
-        let loader = MicroBatchLoader::start(
-            DataSource::Markov(MarkovChain::random(64, 3, 5).unwrap()),
-            shape(),
-            0,
-            range(0, 2),
-        )
-        .unwrap();
+        let loader = MicroBatchLoader::start(markov(), shape(), 0, range(0, 2)).unwrap();
         let second = range(0, 2).keys().nth(1).unwrap();
         let error = loader.next(second).unwrap_err().to_string();
         assert!(
@@ -210,13 +208,7 @@ mod tests {
     /// stops the thread (the test would hang otherwise).
     #[test]
     fn a_loader_dropped_early_stops_its_thread() {
-        let loader = MicroBatchLoader::start(
-            DataSource::Markov(MarkovChain::random(64, 3, 5).unwrap()),
-            shape(),
-            0,
-            range(0, 1000),
-        )
-        .unwrap();
+        let loader = MicroBatchLoader::start(markov(), shape(), 0, range(0, 1000)).unwrap();
         loader.next(range(0, 1000).keys().next().unwrap()).unwrap();
         drop(loader);
     }

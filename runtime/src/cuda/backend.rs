@@ -550,8 +550,6 @@ impl CudaBackend {
         Ok(Some((plan, scratch, buf)))
     }
 
-    /// Bytes and host reads of a download: waits (bounded) for this queue,
-    /// then copies.
     /// Starts reading `len` elements of `T` at `src` to the host, behind the
     /// queue's work so far: staged through pinned memory (one round trip,
     /// [`super::host_read`]), or, past [`STAGED_READ_MAX_BYTES`], read at

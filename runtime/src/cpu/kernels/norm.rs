@@ -119,8 +119,11 @@ pub fn rmsnorm_weight_partials(
     for (r, (dyr, xr)) in rows.enumerate() {
         let slice = &mut partials[(r / slice_rows) * dims.dim..][..dims.dim];
         let rs = &rstd[r * dims.groups..][..dims.groups];
-        for (j, ((p, dy), x)) in slice.iter_mut().zip(dyr).zip(xr).enumerate() {
-            *p += dy * x * rs[j / gs];
+        let groups = slice.chunks_exact_mut(gs).zip(dyr.chunks_exact(gs));
+        for ((pg, dyg), (xg, &rs)) in groups.zip(xr.chunks_exact(gs).zip(rs)) {
+            for ((p, dy), x) in pg.iter_mut().zip(dyg).zip(xg) {
+                *p += dy * x * rs;
+            }
         }
     }
     Ok(())

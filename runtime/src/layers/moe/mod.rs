@@ -682,7 +682,7 @@ impl MoeLayer {
         weights: &[Slice<'_, B>],
         state: MoeCombineGrad<B>,
         d_send: Slice<'_, B>,
-        mut dx: SliceMut<'_, B>,
+        dx: SliceMut<'_, B>,
         loss_scale: f32,
     ) -> Result<MoePrepareWgrad<B>> {
         let name = "`E` layer prepare backward";
@@ -730,18 +730,14 @@ impl MoeLayer {
         let (x_in, rstd, d_u) = (&r.x_in, &r.rstd, b.view(&d_u)?);
         let (shared, norm) = match shared {
             Some((act, d_pre)) => {
-                let dx = b.reborrow_mut(&mut dx);
                 let (d_out, partials) =
                     norm.backward_input_keeping_dx(b, weight, x_in, rstd, d_u, dx, rows)?;
                 (Some(SharedWgrad { act, d_pre, d_out }), partials)
             }
-            None => {
-                let dx = b.reborrow_mut(&mut dx);
-                (
-                    None,
-                    norm.backward_input(b, weight, x_in, rstd, d_u, dx, rows)?,
-                )
-            }
+            None => (
+                None,
+                norm.backward_input(b, weight, x_in, rstd, d_u, dx, rows)?,
+            ),
         };
         Ok(MoePrepareWgrad {
             rows,
