@@ -583,8 +583,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     ) -> Result<()>;
 
     /// The losses of [`Backend::cross_entropy_forward`] without the
-    /// probabilities: `logits` are left unspecified. The head's forward
-    /// calls it (a GPU reads each row once and writes no probabilities).
+    /// probabilities, from f32 or bf16 `logits` (widened to f32): `logits`
+    /// are left unspecified. The head's forward calls it (a GPU reads each
+    /// row once and writes no probabilities).
     fn cross_entropy_loss(
         &self,
         logits: SliceMut<'_, Self>,
@@ -595,11 +596,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// [`Backend::cross_entropy_forward`] then
     /// [`Backend::cross_entropy_backward`] without the losses: the gradient
-    /// of the loss `scale * sum_r losses[r]` with respect to f32 `logits`
-    /// `[rows, vocab]`, the same values those two compute. With `out`
-    /// (`[rows, vocab]`, f32 or bf16) the gradients are written there,
-    /// rounded once, and `logits` are left unspecified; without it they
-    /// replace the logits. With `losses` (`[rows]` f32), each row's loss
+    /// of the loss `scale * sum_r losses[r]` with respect to `logits`
+    /// `[rows, vocab]` (f32, or bf16 widened to f32: the head's logits in
+    /// the compute dtype), the same values those two compute on the widened
+    /// logits. With `out` (`[rows, vocab]`, f32 or bf16) the gradients are
+    /// written there, rounded once, and `logits` are left unspecified;
+    /// without it they replace the logits, rounded once to their dtype. With `losses` (`[rows]` f32), each row's loss
     /// too, as [`Backend::cross_entropy_loss`] gives it. The head calls it
     /// once a chunk (a GPU reads each row once, with no f32 probabilities in
     /// between): its forward with the losses, keeping the gradients for the

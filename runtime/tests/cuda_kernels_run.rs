@@ -1042,16 +1042,30 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
     // The loss alone, and forward and backward at once: rows shorter than
     // one unrolled step of the block (700), rows of whole steps (32,768)
     // and ragged tails after them; the gradients into f32 or bf16, or in
-    // place.
-    for (rows, vocab) in [
-        (3usize, 700usize),
-        (4, 1500),
-        (6, 2500),
-        (37, 5003),
-        (3, 16_000),
-        (9, 32_768),
-        (5, 131_071),
+    // place. Logits in f32 and in bf16 (the head's in the compute dtype):
+    // bf16 rows of whole 16-byte words (64, 4,104 = 2 words for each of
+    // the block's 256 threads and one more, 16,000, 32,768) take the
+    // kernels' 8-a-thread path, the others an element a thread.
+    for (rows, vocab, logits_dtype) in [
+        (3usize, 700usize, DType::F32),
+        (4, 1500, DType::F32),
+        (6, 2500, DType::F32),
+        (37, 5003, DType::F32),
+        (3, 16_000, DType::F32),
+        (9, 32_768, DType::F32),
+        (5, 131_071, DType::F32),
+        (3, 700, DType::Bf16),
+        (5, 64, DType::Bf16),
+        (4, 4104, DType::Bf16),
+        (3, 16_000, DType::Bf16),
+        (9, 32_768, DType::Bf16),
+        (5, 131_071, DType::Bf16),
     ] {
+        let mode = if logits_dtype == DType::Bf16 {
+            "bf16"
+        } else {
+            "f32"
+        };
         let d = LossDims { rows, vocab };
         let targets: Vec<u32> = (0..rows)
             .map(|r| {
@@ -1062,10 +1076,10 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 }
             })
             .collect();
-        let logits = Host::F32(rng.vec(rows * vocab, 6.0));
+        let logits = Host::floats(rng.vec(rows * vocab, 6.0), logits_dtype);
         cases.push(Case {
             kernel: "cross_entropy_loss".into(),
-            mode: "f32",
+            mode,
             shape: format!("{rows}x{vocab}"),
             buffers: vec![
                 logits.clone(),
@@ -1090,7 +1104,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             };
             cases.push(Case {
                 kernel: "cross_entropy_gradient".into(),
-                mode: "f32",
+                mode,
                 shape: format!("{rows}x{vocab} {into}"),
                 buffers,
                 outputs: vec![if out.is_some() { 2 } else { 0 }],

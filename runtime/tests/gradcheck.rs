@@ -1123,6 +1123,109 @@ fn kept_logit_gradients_are_the_recomputed_ones_bit_for_bit() {
     assert!(err.contains("0.3") && err.contains("0.25"), "{err}");
 }
 
+/// In bf16 the head stores its logits in the compute dtype: the GEMM
+/// rounds each logit once to bf16, as Megatron's output layer does, and the
+/// loss is the f32 cross-entropy of those rounded logits (Megatron widens
+/// them). Inputs are multiples of 1/8, so every logit is exact before its
+/// rounding, which moves it by up to 1/256 of itself. The kept gradients
+/// are the recomputed ones bit for bit in bf16 too.
+#[test]
+fn in_bf16_the_head_rounds_its_logits_once_as_megatron_does() {
+    use half::bf16;
+    use hybridgen_runtime::backend::Precision;
+    let device = CpuBackend::new(Precision::Bf16);
+    let c = config("");
+    let mut rng = Rng(93);
+    let eighths = |n: usize, rng: &mut Rng| -> Vec<f32> {
+        (0..n)
+            .map(|_| ((rng.uniform() * 33.0).floor() - 16.0) as f32 / 8.0)
+            .collect()
+    };
+    let (w, h) = (eighths(128 * 8, &mut rng), eighths(80, &mut rng));
+    let targets = targets_with_masks();
+    let up16 = |values: &[f32]| {
+        let buf = device.alloc(values.len(), DType::Bf16).expect("alloc");
+        let values: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+        device
+            .upload(&values, ViewMut::whole(&buf))
+            .expect("upload");
+        buf
+    };
+    let down16 = |buf: &CpuBuf| {
+        let mut out = vec![bf16::ZERO; buf.len()];
+        device
+            .download(View::whole(buf), &mut out)
+            .expect("download");
+        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    };
+    let run = |head: &Head| {
+        let (wb, hb) = (up16(&w), up16(&h));
+        let tb = device.alloc(10, DType::U32).expect("alloc");
+        device
+            .upload(&targets, ViewMut::whole(&tb))
+            .expect("upload");
+        let sum = device.alloc(1, DType::F64).expect("alloc");
+        device
+            .upload(&[0.0f64], ViewMut::whole(&sum))
+            .expect("upload");
+        let saved = head
+            .forward(&device, v(&wb), v(&hb), v(&tb), vm(&sum), Some(0.3))
+            .expect("forward");
+        let (dh, dw) = (up16(&[0.0; 80]), up16(&vec![0.0; 128 * 8]));
+        head.backward(&device, v(&wb), saved, v(&tb), 0.3, vm(&dh), vm(&dw))
+            .expect("backward");
+        let mut loss = [0.0f64];
+        device
+            .download(View::whole(&sum), &mut loss)
+            .expect("download");
+        (loss[0], down16(&dh), down16(&dw))
+    };
+    let head = Head::new(&c).expect("head");
+    let (loss, dh, dw) = run(&head);
+    let cross_entropy = |round: bool| -> f64 {
+        let mut sum = 0.0f64;
+        for (r, &t) in targets.iter().enumerate() {
+            if t == IGNORE_TARGET {
+                continue;
+            }
+            let logits: Vec<f64> = (0..128)
+                .map(|u| {
+                    let exact: f64 = (0..8)
+                        .map(|j| f64::from(h[r * 8 + j]) * f64::from(w[u * 8 + j]))
+                        .sum();
+                    if round {
+                        f64::from(bf16::from_f64(exact).to_f32())
+                    } else {
+                        exact
+                    }
+                })
+                .collect();
+            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+            sum += lse - logits[t as usize];
+        }
+        sum
+    };
+    let (rounded, exact) = (cross_entropy(true), cross_entropy(false));
+    let tolerance = 1e-5 * rounded.abs();
+    assert!(
+        (loss - rounded).abs() <= tolerance,
+        "the head's loss {loss}, the cross-entropy of bf16 logits {rounded}"
+    );
+    // The rounding is visible at this tolerance: a head that kept f32
+    // logits would fail the check above.
+    assert!(
+        (exact - rounded).abs() > 20.0 * tolerance,
+        "rounded {rounded}, exact {exact}"
+    );
+    let recomputed = head.with_kept_limit(0);
+    let (loss_r, dh_r, dw_r) = run(&recomputed);
+    assert_eq!(loss.to_bits(), loss_r.to_bits());
+    assert_eq!(dh, dh_r);
+    assert_eq!(dw, dw_r);
+    assert!(dh.iter().any(|&b| b != 0));
+}
+
 /// Tied embeddings: the table feeds the embedding and the head, and both
 /// gradients accumulate into one buffer.
 #[test]

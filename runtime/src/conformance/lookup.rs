@@ -163,14 +163,28 @@ fn losses_launch<B: Backend>(
 }
 
 fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
-    for (i, (rows, vocab)) in [(6, 37), (5, 130), (1, 1), (3, 2)].into_iter().enumerate() {
+    // The last two shapes also run aligned rows of whole 16-byte words (a
+    // GPU's 8-a-thread path for bf16 logits; 4,136 logits are more than two
+    // words for each of its 256 threads, and a tail).
+    let shapes = [
+        (6, 37, false),
+        (5, 130, false),
+        (1, 1, false),
+        (3, 2, false),
+        (3, 64, true),
+        (2, 4136, true),
+    ];
+    for (i, (rows, vocab, aligned)) in shapes.into_iter().enumerate() {
         let dims = LossDims { rows, vocab };
         let mut good = s.rng.indices(rows, vocab);
         if rows > 1 {
             good[1] = IGNORE_TARGET;
         }
         let logits = s.rng.values(rows * vocab, -4.0, 4.0);
-        let name = format!("{rows} rows of {vocab}");
+        let name = format!(
+            "{rows} rows of {vocab}{}",
+            if aligned { ", aligned" } else { "" }
+        );
         let tol = (16.0 * U * vocab as f64, 16.0 * U);
         let mut bad = good.clone();
         bad[rows - 1] = vocab as u32;
@@ -179,13 +193,19 @@ fn cross_entropy<B: Backend>(s: &mut Suite<'_, B>) {
             bad: &bad,
             refusals: i == 0,
         };
+        let aligned_case = |case: KernelCase| if aligned { case.aligned() } else { case };
+        // The forward's logits are f32; the losses' and the gradients' f32
+        // or the compute dtype (the head's).
+        let f32_logits_case = |kernel: &'static str, what: String| {
+            aligned_case(KernelCase::new(kernel, what).inout_f32("logits", logits.clone()))
+        };
         let logits_case = |kernel: &'static str, what: String| {
-            KernelCase::new(kernel, what).inout_f32("logits", logits.clone())
+            aligned_case(KernelCase::new(kernel, what).inout("logits", logits.clone()))
         };
 
         check_loss_case(
             s,
-            logits_case("cross_entropy_forward", name.clone()).output_f32("losses", rows),
+            f32_logits_case("cross_entropy_forward", name.clone()).output_f32("losses", rows),
             &targets,
             tol,
             |x| {

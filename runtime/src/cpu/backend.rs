@@ -822,8 +822,10 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let k = self.access("cross_entropy_loss");
         let targets = k.typed_in::<u32>("targets", targets)?;
+        // bf16 logits are widened; the probabilities rounded back into them
+        // are unspecified.
         kernels::cross_entropy_loss(
-            k.typed_out::<f32>("logits", logits)?,
+            &mut k.f32_out("logits", logits)?,
             targets,
             k.typed_out::<f32>("losses", losses)?,
             dims,
@@ -841,19 +843,21 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let k = self.access("cross_entropy_gradient");
         let targets = k.typed_in::<u32>("targets", targets)?;
-        let logits = k.typed_out::<f32>("logits", logits)?;
+        // bf16 logits are widened (and the gradients computed in place are
+        // rounded back into them once).
+        let mut logits = k.f32_out("logits", logits)?;
         let losses = match losses {
             Some(l) => Some(k.typed_out::<f32>("losses", l)?),
             None => None,
         };
         let Some(out) = out else {
-            return kernels::cross_entropy_gradient(logits, targets, scale, losses, dims);
+            return kernels::cross_entropy_gradient(&mut logits, targets, scale, losses, dims);
         };
         same_len(k.kernel(), logits.len(), out.len())?;
         let mut out = k.f32_out("out", out)?;
-        kernels::cross_entropy_gradient(logits, targets, scale, losses, dims)?;
+        kernels::cross_entropy_gradient(&mut logits, targets, scale, losses, dims)?;
         // A bf16 `out` is rounded once, as a cast of the f32 gradients.
-        out.copy_from_slice(logits);
+        out.copy_from_slice(&logits);
         Ok(())
     }
 

@@ -1,10 +1,13 @@
 //! The output head: `logits = h W^T` (W `[V, h]`, the output layer or the
 //! tied embedding) and softmax cross-entropy in f32 against targets, with
-//! [`IGNORE_TARGET`] masking positions past the end (MTP).
+//! [`IGNORE_TARGET`] masking positions past the end (MTP). The logits are
+//! stored in the compute dtype: in bf16 the GEMM rounds them once, as
+//! Megatron's output layer does (its cross-entropy widens them to f32), and
+//! the loss kernels read half the bytes.
 //!
 //! The head works on chunks of rows whose logits hold at most
-//! [`HEAD_CHUNK_ELEMENTS`] f32 values (256 MiB), so it never holds a
-//! `[tokens, vocab]` f32 matrix for a whole micro-batch: a 131,072-token
+//! [`HEAD_CHUNK_ELEMENTS`] values (256 MiB in f32), so it never holds a
+//! `[tokens, vocab]` matrix of logits for a whole micro-batch: a 131,072-token
 //! vocabulary at 16k tokens per micro-batch runs 512 rows at a time.
 //!
 //! The logit gradients of a training step depend only on the logits, the
@@ -26,12 +29,13 @@
 //! schedule uses the same chunking, so they still agree bit for bit.
 
 use super::{check_len, copy_of, positive, uninit_f32};
-use crate::backend::{Backend, DType, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
+use crate::backend::{Backend, IGNORE_TARGET, LossDims, MatmulDims, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::ModelConfig;
 use std::ops::Range;
 
-/// The most logits one chunk of the head holds (f32 values; 256 MiB).
+/// The most logits one chunk of the head holds (256 MiB in f32, 128 MiB in
+/// bf16).
 /// Each chunk adds its `dW` into the f32 gradient, a read and a write of
 /// the whole `[V, h]` matrix: at 64 MiB the benchmark model's 4,096-token
 /// micro-batch took 8 such passes, whose memory traffic held the `dW`
@@ -173,7 +177,7 @@ impl Head {
         let rows = b.slice_len(targets);
         self.check(b, "head", weight, hidden_states, rows)?;
         let v = self.vocab;
-        let logits = uninit_f32(b, self.chunk_rows.min(rows) * v)?;
+        let logits = b.alloc_uninit(self.chunk_rows.min(rows) * v, b.compute_dtype())?;
         let losses = uninit_f32(b, rows)?;
         let kept = match grad_scale {
             Some(scale) if rows.saturating_mul(v) <= self.kept_limit => {
@@ -243,30 +247,32 @@ impl Head {
                  backward's scale (or none, to recompute)"
             )));
         }
-        let source = match saved.logit_grads {
-            Some((_, grads)) => LogitGradients::Kept(grads),
-            None => LogitGradients::Recomputed(Recomputed::new(b, self.chunk_rows.min(rows) * v)?),
+        // The forward's `[rows, vocab]` gradients, or a chunk's buffer the
+        // backward recomputes them into (in the compute dtype).
+        let (grads, recompute) = match saved.logit_grads {
+            Some((_, grads)) => (grads, false),
+            None => (
+                b.alloc_uninit(self.chunk_rows.min(rows) * v, b.compute_dtype())?,
+                true,
+            ),
         };
         for chunk in self.chunks(rows) {
             let n = chunk.len();
-            let d_logits = match &source {
-                LogitGradients::Kept(grads) => b.slice(grads, chunk.start * v..chunk.end * v)?,
-                LogitGradients::Recomputed(r) => {
-                    self.chunk_logits(b, weight, hidden_states, &r.logits, &chunk)?;
-                    let out = match &r.narrowed {
-                        Some(buf) => Some(b.slice_mut(buf, 0..n * v)?),
-                        None => None,
-                    };
-                    b.cross_entropy_gradient(
-                        b.slice_mut(&r.logits, 0..n * v)?,
-                        b.subslice(targets, chunk.clone())?,
-                        grad_scale,
-                        out,
-                        None,
-                        LossDims { rows: n, vocab: v },
-                    )?;
-                    b.slice(r.narrowed.as_ref().unwrap_or(&r.logits), 0..n * v)?
-                }
+            let d_logits = if recompute {
+                self.chunk_logits(b, weight, hidden_states, &grads, &chunk)?;
+                // In place: the gradients replace the logits, rounded once
+                // to the compute dtype (the GEMMs' operand).
+                b.cross_entropy_gradient(
+                    b.slice_mut(&grads, 0..n * v)?,
+                    b.subslice(targets, chunk.clone())?,
+                    grad_scale,
+                    None,
+                    None,
+                    LossDims { rows: n, vocab: v },
+                )?;
+                b.slice(&grads, 0..n * v)?
+            } else {
+                b.slice(&grads, chunk.start * v..chunk.end * v)?
             };
             b.matmul(
                 d_logits,
@@ -282,35 +288,5 @@ impl Head {
             )?;
         }
         Ok(())
-    }
-}
-
-/// Where the backward reads a chunk's logit gradients from.
-enum LogitGradients<B: Backend> {
-    /// The forward's, `[rows, vocab]`.
-    Kept(B::Buf),
-    /// Recomputed a chunk at a time into these buffers.
-    Recomputed(Recomputed<B>),
-}
-
-/// The backward's buffers for recomputing one chunk's logit gradients: f32
-/// logits, and the gradients narrowed to the compute dtype for the GEMMs
-/// (rounded to bf16, as Megatron's bf16 GEMMs take them; in f32 they are
-/// the logits' buffer itself).
-struct Recomputed<B: Backend> {
-    logits: B::Buf,
-    narrowed: Option<B::Buf>,
-}
-
-impl<B: Backend> Recomputed<B> {
-    fn new(b: &B, elements: usize) -> Result<Self> {
-        let compute = b.compute_dtype();
-        Ok(Recomputed {
-            logits: uninit_f32(b, elements)?,
-            narrowed: match compute {
-                DType::F32 => None,
-                _ => Some(b.alloc_uninit(elements, compute)?),
-            },
-        })
     }
 }

@@ -17,6 +17,7 @@
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
+typedef __nv_bfloat16 bf16;
 
 // The dtype tags: `cuda::launch::dtype_tag` on the Rust side.
 #define DTYPE_F32 0

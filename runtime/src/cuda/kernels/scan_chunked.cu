@@ -56,7 +56,6 @@ __device__ __forceinline__ float chunk_softplus_derivative(float x) {
 // (tensor-core products on bf16 operands with f32 accumulation, as
 // mamba_ssm computes them). x, dY, B and C are bf16 inputs, so their bf16
 // operands are exact; w x, e^Lam dY, M, dCB and the states round once.
-typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ void put(float* p, u64 i, float v) {
     p[i] = v;

@@ -4,8 +4,6 @@
 // grouped GEMM. Included after common.cuh.
 #pragma once
 
-typedef __nv_bfloat16 bf16;
-
 __device__ __forceinline__ u32 shared_address(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

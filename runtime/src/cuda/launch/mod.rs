@@ -1312,6 +1312,29 @@ impl KernelSet {
         len(k, "targets", targets, d.rows)
     }
 
+    /// The head's logits (f32, or bf16: the compute dtype) and targets;
+    /// gives the logits' dtype tag.
+    fn check_logits(k: &str, logits: &GpuView, targets: &GpuView, d: LossDims) -> Result<i32> {
+        let dtype = float(k, "logits", logits)?;
+        exactly(k, "targets", targets, DType::U32)?;
+        len(k, "logits", logits, product(k, &[d.rows, d.vocab])?)?;
+        len(k, "targets", targets, d.rows)?;
+        Ok(dtype)
+    }
+
+    /// Whether the loss kernels take bf16 `logits` (and `out`, where they
+    /// write one) 8 a 16-byte word: rows of whole words, every pointer
+    /// aligned to a word.
+    fn logit_words(logits: &GpuView, out: Option<&GpuView>, d: LossDims) -> i32 {
+        let aligned = |v: &GpuView| v.ptr.is_multiple_of(16);
+        i32::from(
+            logits.dtype == DType::Bf16
+                && d.vocab.is_multiple_of(8)
+                && aligned(logits)
+                && out.is_none_or(aligned),
+        )
+    }
+
     /// `losses`: f32, one a row.
     fn check_losses(k: &str, losses: &GpuView, d: LossDims) -> Result<()> {
         exactly(k, "losses", losses, DType::F32)?;
@@ -1367,9 +1390,9 @@ impl KernelSet {
         self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
     }
 
-    /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32,
-    /// read only) into `out` (f32 or bf16, `[rows, vocab]`; it may be
-    /// `logits` itself), and with `losses` each row's loss.
+    /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32
+    /// or bf16, read only) into `out` (f32 or bf16, `[rows, vocab]`; it may
+    /// be `logits` itself), and with `losses` each row's loss.
     #[allow(clippy::too_many_arguments)]
     pub fn cross_entropy_gradient(
         &self,
@@ -1382,7 +1405,7 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_gradient";
-        Self::check_loss((k, "logits"), &logits, &targets, d)?;
+        let logits_dtype = Self::check_logits(k, &logits, &targets, d)?;
         let out_dtype = float(k, "out", &out)?;
         len(k, "out", &out, logits.len)?;
         if let Some(losses) = &losses {
@@ -1392,10 +1415,13 @@ impl KernelSet {
             return Ok(());
         }
         let vocab = d.vocab as u64;
+        let words = Self::logit_words(&logits, Some(&out), d);
         // A null pointer: no losses.
         let losses = losses.map_or(0u64, |l| l.ptr);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
+            .arg(&logits_dtype)
+            .arg(&words)
             .arg(&targets.ptr)
             .arg(&scale)
             .arg(&out.ptr)
@@ -1406,8 +1432,8 @@ impl KernelSet {
         self.go(k, &mut b, per_item(d.rows, LOSS_THREADS)?)
     }
 
-    /// `Backend::cross_entropy_loss`: the losses of f32 `logits`, which it
-    /// only reads.
+    /// `Backend::cross_entropy_loss`: the losses of f32 or bf16 `logits`,
+    /// which it only reads.
     pub fn cross_entropy_loss(
         &self,
         stream: &CudaStream,
@@ -1417,14 +1443,17 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_loss";
-        Self::check_loss((k, "logits"), &logits, &targets, d)?;
+        let logits_dtype = Self::check_logits(k, &logits, &targets, d)?;
         Self::check_losses(k, &losses, d)?;
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
         }
         let vocab = d.vocab as u64;
+        let words = Self::logit_words(&logits, None, d);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&logits.ptr)
+            .arg(&logits_dtype)
+            .arg(&words)
             .arg(&targets.ptr)
             .arg(&losses.ptr)
             .arg(&vocab)
