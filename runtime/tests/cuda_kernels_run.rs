@@ -32,7 +32,9 @@ use hybridgen_runtime::backend::{
 };
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::cuda::kernels::{self, Target};
-use hybridgen_runtime::cuda::launch::flash_attention_scratch_len;
+use hybridgen_runtime::cuda::launch::{
+    EMBEDDING_BACKWARD_SCRATCH_PER_ROW, flash_attention_scratch_len,
+};
 use hybridgen_runtime::cuda::{GpuView, KernelSet, probe};
 use hybridgen_runtime::view::{DType, View, ViewMut};
 use hybridgen_runtime::{Backend, Precision, Result};
@@ -2055,9 +2057,11 @@ fn attention_pair(
 }
 
 /// Embedding lookup and scatter-add: ids with many repeats, more rows than
-/// one scan chunk (1024), more channels than one block (256), one token
-/// taking half the rows (a long chain of adds), no rows at all; the
-/// backward into an f32 accumulator and, in bf16 mode, into a bf16 table.
+/// one ordering chunk (2,048), more channels than one block (256), one
+/// token taking half the rows (a long chain of adds), no rows at all, and
+/// rows of whole 8-channel words (the backward's 8-a-thread path: 64, 264,
+/// and the benchmark's 4,096 rows of 2,048); the backward into an f32
+/// accumulator and, in bf16 mode, into a bf16 table.
 fn lookup_cases(seed: u64) -> Vec<Case<'static>> {
     let mut rng = Rng(seed ^ 0x100c_0000);
     let mut cases = Vec::new();
@@ -2068,6 +2072,9 @@ fn lookup_cases(seed: u64) -> Vec<Case<'static>> {
             (2500, 50, 300, false),
             (2100, 5000, 33, true),
             (0, 7, 5, false),
+            (700, 40, 64, true),
+            (600, 300, 264, false),
+            (4096, 8192, 2048, false),
         ] {
             let d = LookupDims { vocab, hidden };
             let ids: Vec<u32> = (0..rows)
@@ -2107,16 +2114,21 @@ fn lookup_cases(seed: u64) -> Vec<Case<'static>> {
                     kernel: "embedding_backward".into(),
                     mode,
                     shape: format!("{shape} into {table}"),
+                    // The GPU's scratch last (filled with ones: the
+                    // kernels must write what they read of it).
                     buffers: vec![
                         rng.floats(rows * hidden, a),
                         Host::U32(ids.clone()),
                         rng.floats(vocab * hidden, table),
+                        Host::U32(vec![u32::MAX; rows * EMBEDDING_BACKWARD_SCRATCH_PER_ROW]),
                     ],
                     outputs: vec![2],
                     cpu: Box::new(move |b, x| {
                         b.embedding_backward(v(&x[0]), v(&x[1]), m(&x[2]), d)
                     }),
-                    gpu: Box::new(move |s, st, x| s.embedding_backward(st, x[0], x[1], x[2], d)),
+                    gpu: Box::new(move |s, st, x| {
+                        s.embedding_backward(st, x[0], x[1], x[2], x[3], d)
+                    }),
                     reference: None,
                 });
             }
@@ -2155,6 +2167,7 @@ fn lookup_fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
                 rng.floats(rows * hidden, DType::F32),
                 Host::U32(ids.clone()),
                 rng.floats(vocab * hidden, DType::F32),
+                Host::U32(vec![u32::MAX; rows * EMBEDDING_BACKWARD_SCRATCH_PER_ROW]),
             ]
         };
         let bufs: Vec<GpuBuf> = buffers.iter().map(|h| gpu.upload(h)).collect();
@@ -2166,7 +2179,7 @@ fn lookup_fault_rows(gpu: &Gpu, set: &KernelSet) -> Vec<Row> {
         let launched = if forward {
             set.embedding_forward(&gpu.stream, views[0], views[1], views[2], d)
         } else {
-            set.embedding_backward(&gpu.stream, views[0], views[1], views[2], d)
+            set.embedding_backward(&gpu.stream, views[0], views[1], views[2], views[3], d)
         };
         let problem = match launched.and_then(|()| set.take_fault(&gpu.stream)) {
             Ok(Some(fault)) if fault.to_string() == want => {

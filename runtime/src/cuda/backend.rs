@@ -15,9 +15,9 @@ use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
 use super::launch::{
-    self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, GpuView, KernelSet,
-    SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len, flash_attention_takes,
-    grouped_gemm_takes,
+    self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, EMBEDDING_BACKWARD_SCRATCH_PER_ROW,
+    GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len,
+    flash_attention_takes, grouped_gemm_takes,
 };
 use super::queue::QueueSet;
 use crate::backend::{
@@ -1194,8 +1194,14 @@ impl Backend for CudaBackend {
         dtable: SliceMut<'_, Self>,
         dims: LookupDims,
     ) -> Result<()> {
+        let ids = self.v(ids);
+        // The rows' order by id, from the arena (a repeated step allocates
+        // nothing).
+        let scratch_len = ids.len * EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
+        let scratch = self.alloc_uninit(scratch_len, DType::U32)?;
+        let scratch = GpuView::new(scratch.device_ptr(), scratch_len, DType::U32);
         self.k()
-            .embedding_backward(self.s(), self.v(dout), self.v(ids), self.m(&dtable), dims)
+            .embedding_backward(self.s(), self.v(dout), ids, self.m(&dtable), scratch, dims)
     }
 
     fn cross_entropy_forward(

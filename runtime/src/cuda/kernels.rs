@@ -153,7 +153,14 @@ pub const SOURCES: &[KernelSource] = &[
             "flash_group_sum"
         ]
     ),
-    source!("lookup.cu", ["embedding_forward", "embedding_backward"]),
+    source!(
+        "lookup.cu",
+        [
+            "embedding_forward",
+            "embedding_backward_order",
+            "embedding_backward"
+        ]
+    ),
     source!(
         "grouped_gemm.cu",
         [

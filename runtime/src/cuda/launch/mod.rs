@@ -48,6 +48,7 @@ pub use attention_flash::{
 mod grouped_gemm;
 pub use grouped_gemm::grouped_gemm_takes;
 mod lookup;
+pub use lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
 
 /// A CUDA grid's limits along x and along y.
 const MAX_GRID_X: usize = i32::MAX as usize;
