@@ -247,23 +247,6 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// run each of their GEMMs this way over their row ranges.
     fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()>;
 
-    /// [`Backend::grouped_matmul`] whose products pass through an
-    /// activation's backward: problem `i`'s `C` (overwritten: no
-    /// `accumulate`) becomes [`Backend::unary_backward`] of `op` at
-    /// `pre[i]` (`C`'s elements, in `C`'s dtype) applied to the product
-    /// rounded to `C`'s dtype: the bits of a `grouped_matmul` into scratch
-    /// followed by `unary_backward`, which is what this default does. A
-    /// GPU applies the activation in the grouped kernel's epilogue, so the
-    /// product never goes through memory (the MoE experts' `d_pre`).
-    fn grouped_matmul_activation_grad(
-        &self,
-        op: Unary,
-        problems: Vec<GroupedMatmul<'_, Self>>,
-        pre: Vec<Slice<'_, Self>>,
-    ) -> Result<()> {
-        grouped_matmul_then_activation_grad(self, op, problems, pre)
-    }
-
     /// `y += alpha x`.
     fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()>;
 
@@ -1265,60 +1248,6 @@ pub struct MatmulProblem<S, M> {
 
 /// A [`MatmulProblem`] on `B`'s views.
 pub type GroupedMatmul<'a, B> = MatmulProblem<Slice<'a, B>, SliceMut<'a, B>>;
-
-/// [`Backend::grouped_matmul_activation_grad`] in two steps: the products
-/// into scratch of each `C`'s dtype (one grouped call), then
-/// [`Backend::unary_backward`] of each into its `C`. The default, and a
-/// GPU's way for problems its grouped kernel does not take.
-pub fn grouped_matmul_then_activation_grad<B: Backend>(
-    b: &B,
-    op: Unary,
-    problems: Vec<GroupedMatmul<'_, B>>,
-    pre: Vec<Slice<'_, B>>,
-) -> Result<()> {
-    let k = "grouped_matmul_activation_grad";
-    if pre.len() != problems.len() {
-        return Err(RuntimeError::InvalidArgument(format!(
-            "{k}: {} problems and {} activation inputs; give one `pre` a problem",
-            problems.len(),
-            pre.len()
-        )));
-    }
-    let mut scratch = Vec::with_capacity(problems.len());
-    for (i, p) in problems.iter().enumerate() {
-        if p.dims.accumulate {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "{k}: problem {i} adds to its `C`; the activation's gradient overwrites `C` \
-                 (accumulate: false)"
-            )));
-        }
-        let len = b.slice_len(b.as_slice(&p.c));
-        if b.slice_len(pre[i]) != len {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "{k}: problem {i}'s `pre` holds {} elements, its `C` {len}; `pre` is the \
-                 activation's input, of `C`'s shape",
-                b.slice_len(pre[i])
-            )));
-        }
-        scratch.push(b.alloc_uninit(len, p.c.dtype())?);
-    }
-    let mut outputs = Vec::with_capacity(problems.len());
-    let mut staged = Vec::with_capacity(problems.len());
-    for (p, s) in problems.into_iter().zip(&scratch) {
-        outputs.push(p.c);
-        staged.push(MatmulProblem {
-            a: p.a,
-            b: p.b,
-            c: b.view_mut(s)?,
-            dims: p.dims,
-        });
-    }
-    b.grouped_matmul(staged)?;
-    for ((c, s), x) in outputs.into_iter().zip(&scratch).zip(pre) {
-        b.unary_backward(op, x, b.view(s)?, c)?;
-    }
-    Ok(())
-}
 
 /// Dimensions of the unpermute kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

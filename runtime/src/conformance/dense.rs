@@ -1,13 +1,12 @@
 //! Dense algebra: matmul (every transpose and accumulate combination, odd
 //! sizes), the grouped matmul (expert-like row ranges, an empty one, mixed
-//! flags; same bits as one matmul per problem) and its activation-gradient
-//! form (the same bits as its two steps), axpy, scale, copy_cols,
+//! flags; same bits as one matmul per problem), axpy, scale, copy_cols,
 //! column_sum, and the loss accumulators' `accumulate_sum`.
 
 use super::Suite;
 use super::case::{Bufs, Expected, KernelCase, download_values, upload_values};
 use super::reference::{self as r, round_to};
-use crate::backend::{Backend, CopyCols, GroupedMatmul, MatmulDims, Unary};
+use crate::backend::{Backend, CopyCols, GroupedMatmul, MatmulDims};
 use crate::error::Result;
 use crate::view::{DType, View, ViewMut};
 
@@ -17,7 +16,6 @@ pub(super) const U: f64 = 1.0 / (1u64 << 24) as f64;
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     matmul(s);
     grouped_matmul(s);
-    grouped_matmul_activation_grad(s);
     axpy(s);
     scale(s);
     copy_cols(s);
@@ -263,146 +261,6 @@ fn grouped_matmul<B: Backend>(s: &mut Suite<'_, B>) {
             .push(format!("an empty group returned an error: {e}"));
     }
     s.record(check);
-}
-
-/// `grouped_matmul_activation_grad`'s promise: each `C` the bits of its
-/// two steps on the same device (the products into scratch by
-/// `grouped_matmul`, then `unary_backward` at `pre`), for every activation,
-/// on expert-shaped groups a GPU's grouped kernel takes (16-byte aligned,
-/// every contiguous dimension a multiple of 8, one expert empty) and one it
-/// does not; and the refusals: a problem that adds to its C, a `pre` of
-/// the wrong length.
-fn grouped_matmul_activation_grad<B: Backend>(s: &mut Suite<'_, B>) {
-    let (hidden, width) = (136, 200);
-    let groups: [(&str, Vec<MatmulDims>); 2] = [
-        (
-            "experts' d_act, 200 <- 136, 5/0/130/1 rows",
-            [5, 0, 130, 1]
-                .map(|rows| MatmulDims::linear_input_grad(rows, width, hidden, false))
-                .to_vec(),
-        ),
-        (
-            "experts' d_act, 7 <- 33, 3/9 rows",
-            [3, 9]
-                .map(|rows| MatmulDims::linear_input_grad(rows, 7, 33, false))
-                .to_vec(),
-        ),
-    ];
-    let dtype = s.device.compute_dtype();
-    for (name, problems) in groups {
-        let values: Vec<[Vec<f64>; 3]> = problems
-            .iter()
-            .map(|d| {
-                [
-                    s.rng.values(d.m * d.k, -2.0, 2.0),
-                    s.rng.values(d.k * d.n, -2.0, 2.0),
-                    s.rng.values(d.m * d.n, -3.0, 3.0),
-                ]
-            })
-            .collect();
-        for op in [Unary::Silu, Unary::Gelu, Unary::SquaredRelu] {
-            let mut check = s.direct_check(
-                "grouped_matmul_activation_grad",
-                format!("{name}, {op:?}: the bits of its two steps"),
-            );
-            let outcome = (|| -> Result<Vec<String>> {
-                let dev = s.device;
-                let upload = |v: &[f64]| -> Result<B::Buf> {
-                    let buf = dev.alloc(v.len(), dtype)?;
-                    let stored: Vec<f64> = v.iter().map(|&x| round_to(dtype, x)).collect();
-                    upload_values(dev, &stored, ViewMut::whole(&buf))?;
-                    Ok(buf)
-                };
-                let mut operands = Vec::new();
-                for (d, [a, b, pre]) in problems.iter().zip(&values) {
-                    let out = || dev.alloc(d.m * d.n, dtype);
-                    operands.push((upload(a)?, upload(b)?, upload(pre)?, out()?, out()?, out()?));
-                }
-                let fused = problems
-                    .iter()
-                    .zip(&operands)
-                    .map(|(&dims, (a, b, _, c, _, _))| GroupedMatmul::<B> {
-                        a: View::whole(a),
-                        b: View::whole(b),
-                        c: ViewMut::whole(c),
-                        dims,
-                    })
-                    .collect();
-                let pre = operands.iter().map(|o| View::whole(&o.2)).collect();
-                dev.grouped_matmul_activation_grad(op, fused, pre)?;
-                let products = problems
-                    .iter()
-                    .zip(&operands)
-                    .map(|(&dims, (a, b, _, _, product, _))| GroupedMatmul::<B> {
-                        a: View::whole(a),
-                        b: View::whole(b),
-                        c: ViewMut::whole(product),
-                        dims,
-                    })
-                    .collect();
-                dev.grouped_matmul(products)?;
-                let mut found = Vec::new();
-                for (p, (_, _, pre, fused, product, stepped)) in operands.iter().enumerate() {
-                    dev.unary_backward(
-                        op,
-                        View::whole(pre),
-                        View::whole(product),
-                        ViewMut::whole(stepped),
-                    )?;
-                    let fused = download_values(dev, View::whole(fused))?;
-                    let stepped = download_values(dev, View::whole(stepped))?;
-                    if let Some(e) =
-                        (0..fused.len()).find(|&e| fused[e].to_bits() != stepped[e].to_bits())
-                    {
-                        found.push(format!(
-                            "problem {p}: `C` element {e} is {:e} fused but {:e} in two steps",
-                            fused[e], stepped[e]
-                        ));
-                    }
-                    if fused.iter().any(|v| !v.is_finite()) {
-                        found.push(format!("problem {p}: a `C` element is not finite"));
-                    }
-                }
-                Ok(found)
-            })();
-            match outcome {
-                Ok(found) => check.problems.extend(found),
-                Err(e) => check.problems.push(format!("returned an error: {e}")),
-            }
-            s.record(check);
-        }
-    }
-    // Refusals: C added to, and a `pre` one element short.
-    let dims = MatmulDims::linear_input_grad(4, 8, 16, false);
-    for (what, accumulate, short, name) in [
-        ("a C added to", true, false, "C"),
-        ("a short `pre`", false, true, "pre"),
-    ] {
-        s.check_direct_refusal(
-            "grouped_matmul_activation_grad",
-            what,
-            &[name],
-            |dev: &B| -> Result<()> {
-                let buf = |n: usize| dev.alloc(n, dtype);
-                let (a, b, c) = (
-                    buf(dims.m * dims.k)?,
-                    buf(dims.k * dims.n)?,
-                    buf(dims.m * dims.n)?,
-                );
-                let pre = buf(dims.m * dims.n - usize::from(short))?;
-                dev.grouped_matmul_activation_grad(
-                    Unary::SquaredRelu,
-                    vec![GroupedMatmul::<B> {
-                        a: View::whole(&a),
-                        b: View::whole(&b),
-                        c: ViewMut::whole(&c),
-                        dims: MatmulDims { accumulate, ..dims },
-                    }],
-                    vec![View::whole(&pre)],
-                )
-            },
-        );
-    }
 }
 
 /// The grouped matmul's promise that grouping never changes a bit: each

@@ -25,7 +25,7 @@ use crate::backend::{
     CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
     MatmulDims, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
     RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
-    SliceMut, Unary, UnpermuteDims, UnpermuteGrads, grouped_matmul_then_activation_grad,
+    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -411,45 +411,6 @@ impl CudaBackend {
         Ok(self.queue.side.get_or_init(|| side))
     }
 
-    /// The device views of grouped problems, checked as
-    /// `Backend::grouped_matmul` documents: each a valid matmul, one dtype
-    /// for every A and B and one for every C, the Cs pairwise disjoint.
-    fn grouped_operands(
-        &self,
-        k: &str,
-        problems: &[GroupedMatmul<'_, Self>],
-    ) -> Result<Vec<(GpuView, GpuView, GpuView, MatmulDims)>> {
-        let Some(first) = problems.first() else {
-            return Ok(Vec::new());
-        };
-        let (ab, c) = (first.a.dtype(), first.c.dtype());
-        let mut operands = Vec::with_capacity(problems.len());
-        for (i, p) in problems.iter().enumerate() {
-            let (a, b, out) = (self.v(p.a), self.v(p.b), self.m(&p.c));
-            let name = |operand: &str| format!("problems[{i}].{operand}");
-            Self::matmul_operands(k, name, [a, b, out], p.dims, Some((ab, c)))?;
-            operands.push((a, b, out, p.dims));
-        }
-        // The C views must not overlap: sorted by address, each must end
-        // before the next starts.
-        let mut outs: Vec<(u64, u64, usize)> = operands
-            .iter()
-            .enumerate()
-            .map(|(i, (_, _, c, _))| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
-            .filter(|(start, end, _)| end > start)
-            .collect();
-        outs.sort_unstable();
-        for pair in outs.windows(2) {
-            if pair[1].0 < pair[0].1 {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "{k}: `problems[{}].C` and `problems[{}].C` overlap",
-                    pair[0].2, pair[1].2
-                )));
-            }
-        }
-        Ok(operands)
-    }
-
     /// Checked, non-overlapping GEMMs (a grouped call's problems): each
     /// exactly the matmul it describes, with the same bits wherever it
     /// runs (an algorithm is a function of the shape, and each stream has
@@ -744,7 +705,35 @@ impl Backend for CudaBackend {
     }
 
     fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()> {
-        let operands = self.grouped_operands("grouped_matmul", &problems)?;
+        let k = "grouped_matmul";
+        let Some(first) = problems.first() else {
+            return Ok(());
+        };
+        let (ab, c) = (first.a.dtype(), first.c.dtype());
+        let mut operands = Vec::with_capacity(problems.len());
+        for (i, p) in problems.iter().enumerate() {
+            let (a, b, out) = (self.v(p.a), self.v(p.b), self.m(&p.c));
+            let name = |operand: &str| format!("problems[{i}].{operand}");
+            Self::matmul_operands(k, name, [a, b, out], p.dims, Some((ab, c)))?;
+            operands.push((a, b, out, p.dims));
+        }
+        // The C views must not overlap: sorted by address, each must end
+        // before the next starts.
+        let mut outs: Vec<(u64, u64, usize)> = operands
+            .iter()
+            .enumerate()
+            .map(|(i, (_, _, c, _))| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
+            .filter(|(start, end, _)| end > start)
+            .collect();
+        outs.sort_unstable();
+        for pair in outs.windows(2) {
+            if pair[1].0 < pair[0].1 {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "{k}: `problems[{}].C` and `problems[{}].C` overlap",
+                    pair[0].2, pair[1].2
+                )));
+            }
+        }
         // With the grouped kernel on (Hopper), the bf16 problems it takes
         // run as one launch a layout; the rest go to cuBLAS.
         let kernels = self.k();
@@ -756,42 +745,6 @@ impl Backend for CudaBackend {
             kernels.grouped_gemm(self.s(), &grouped)?;
         }
         self.spread_gemms(rest)
-    }
-
-    fn grouped_matmul_activation_grad(
-        &self,
-        op: Unary,
-        problems: Vec<GroupedMatmul<'_, Self>>,
-        pre: Vec<Slice<'_, Self>>,
-    ) -> Result<()> {
-        let k = "grouped_matmul_activation_grad";
-        let operands = self.grouped_operands(k, &problems)?;
-        let pre_views: Vec<GpuView> = pre.iter().map(|x| self.v(*x)).collect();
-        // The activation in the grouped kernel's epilogue where it takes
-        // every problem (a bf16 C it overwrites, `pre` of C's shape, no
-        // `pre` inside a C); else the product through scratch.
-        let kernels = self.k();
-        let on = self.grouped_gemm && kernels.has_grouped_gemm();
-        let end = |v: &GpuView| v.ptr + (v.len * v.dtype.bytes()) as u64;
-        let fused = on
-            && pre_views.len() == operands.len()
-            && operands.iter().zip(&pre_views).all(|((a, b, c, d), x)| {
-                grouped_gemm_takes(kernels.target(), a, b, c, d)
-                    && !d.accumulate
-                    && c.dtype == DType::Bf16
-                    && x.dtype == DType::Bf16
-                    && x.len == d.m * d.n
-                    && x.ptr.is_multiple_of(4)
-            })
-            && pre_views.iter().all(|x| {
-                operands
-                    .iter()
-                    .all(|(_, _, c, _)| end(x) <= c.ptr || end(c) <= x.ptr)
-            });
-        if !fused {
-            return grouped_matmul_then_activation_grad(self, op, problems, pre);
-        }
-        kernels.grouped_gemm_activation_grad(self.s(), &operands, op, &pre_views)
     }
 
     fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {

@@ -28,13 +28,11 @@ pub struct KernelSource {
 }
 
 /// The headers sources include (`common.cuh` every one, `wgmma.cuh` those
-/// that stage tiles in shared memory, `activation.cuh` those that compute
-/// activations), handed to NVRTC from memory so that a diagnostic inside
-/// one names it and its own line.
+/// that stage tiles in shared memory), handed to NVRTC from memory so that
+/// a diagnostic inside one names it and its own line.
 pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("wgmma.cuh", include_str!("kernels/wgmma.cuh")),
-    ("activation.cuh", include_str!("kernels/activation.cuh")),
 ];
 
 macro_rules! source {

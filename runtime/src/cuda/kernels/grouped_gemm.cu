@@ -48,7 +48,6 @@
 // operand 16-byte aligned, the contiguous dimension of each operand a
 // multiple of 8 (k for K-major, m or n for MN-major, n for C), and k > 0.
 #include "common.cuh"
-#include "activation.cuh"
 #include "wgmma.cuh"
 
 #define GG_THREADS 288
@@ -67,17 +66,10 @@
 // C is written (or, f32 and accumulating, added to) through its tensor
 // map; else (a bf16 C added to) by the consumers' own loads and stores.
 #define GG_C_MAP 4u
-// C (bf16, overwritten) is an activation's input gradient: the product,
-// rounded to bf16, times the activation's derivative at `pre` (bf16,
-// C's shape), as `unary_backward` computes it from a stored product. The
-// activation's `UNARY_*` code is in bits GG_ACT_SHIFT and up.
-#define GG_ACT_GRAD 8u
-#define GG_ACT_SHIFT 8u
 
 struct GroupedProblem {
     u64 c;
     u32 m, n, k, flags;
-    u64 pre;
 };
 
 // The problems of one launch, their operands' tensor maps (A's of problem
@@ -192,38 +184,6 @@ __device__ __forceinline__ void add_to_tile(bf16* c, const GroupedProblem& p, co
     }
 }
 
-// The activation's backward on this thread's share of a warpgroup's 64 x N
-// product (rows `row` and `row + 8` from `r0`, two adjacent columns per 8
-// from `c0`): each element rounded to bf16 (the stored product
-// `unary_backward` would read), times the derivative at `pre`. Elements
-// past m or n are never stored, so they are left.
-template <int N>
-__device__ __forceinline__ void activation_grad(float (&acc)[N / 2], const GroupedProblem& p, u32 r0, u32 c0,
-                                                u32 row) {
-    const int op = static_cast<int>(p.flags >> GG_ACT_SHIFT);
-    const bf16* pre = reinterpret_cast<const bf16*>(p.pre);
-    const u32 t = threadIdx.x & 3;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const u32 r = r0 + row + half * 8;
-        if (r >= p.m) {
-            continue;
-        }
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-            const u32 col = c0 + j * 8 + 2 * t;
-            if (col >= p.n) {
-                continue;
-            }
-            const float2 x = load_pair(pre + static_cast<u64>(r) * p.n + col);
-            float& a0 = acc[4 * j + 2 * half];
-            float& a1 = acc[4 * j + 2 * half + 1];
-            a0 = __bfloat162float(__float2bfloat16_rn(a0)) * unary_derivative(op, x.x);
-            a1 = __bfloat162float(__float2bfloat16_rn(a1)) * unary_derivative(op, x.y);
-        }
-    }
-}
-
 // A warpgroup's 64 x N accumulator to C through its map: box by box of 128
 // bytes of columns (64 bf16 or 32 f32), staged 128-byte swizzled as the
 // map reads them, alternating between the warpgroup's two buffers; TMA
@@ -317,9 +277,6 @@ __device__ __forceinline__ void consume_unit(const GroupedProblems& problems, co
     const u32 r0 = unit.m0 + lane.group * 64;
     const TensorMap* map_c = &problems.map[3 * unit.p + 2];
     const bool add = problem.flags & GG_ACCUMULATE;
-    if (problem.flags & GG_ACT_GRAD) {
-        activation_grad<N>(acc, problem, r0, unit.n0, lane.row);
-    }
     if (!(problem.flags & GG_C_MAP)) {
         add_to_tile<N>(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, unit.n0, lane.row);
     } else if (problem.flags & GG_C_F32) {

@@ -11,9 +11,9 @@
 
 use super::{
     GpuView, HOPPER_SHARED_BYTES, KernelArgs, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN,
-    setup_error, unary_code,
+    setup_error,
 };
-use crate::backend::{MatmulDims, Unary};
+use crate::backend::MatmulDims;
 use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
@@ -42,13 +42,10 @@ const SHARED_BYTES: usize = STAGES * (TILE_M + TILE_N) * TILE_K * 2
     + 4 * C_BOX_BYTES as usize
     + STAGES * 16
     + WGMMA_SHARED_ALIGN;
-/// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`, `GG_C_MAP`,
-/// `GG_ACT_GRAD` with the activation's code from bit `GG_ACT_SHIFT`).
+/// A problem's flags (`GG_ACCUMULATE`, `GG_C_F32`, `GG_C_MAP`).
 const ACCUMULATE: u32 = 1;
 const C_F32: u32 = 2;
 const C_MAP: u32 = 4;
-const ACT_GRAD: u32 = 8;
-const ACT_SHIFT: u32 = 8;
 const _: () = assert!(SHARED_BYTES <= HOPPER_SHARED_BYTES);
 /// A box of C that TMA stores or adds: 128 bytes of columns (64 bf16 or
 /// 32 f32) by a warpgroup's 64 rows.
@@ -77,8 +74,6 @@ struct ProblemArg {
     n: u32,
     k: u32,
     flags: u32,
-    /// With `ACT_GRAD`: the activation's input, C's shape, bf16.
-    pre: u64,
 }
 
 /// One launch's problems, their operands' tensor maps (A's of problem `p`
@@ -95,8 +90,8 @@ struct ProblemsArg {
 }
 
 // SAFETY: plain data, laid out (`repr(C)`) as `GroupedProblems` in
-// grouped_gemm.cu: 128-byte aligned maps of 16 u64, then one u64, four
-// u32 and one u64 a problem, then u32s.
+// grouped_gemm.cu: 128-byte aligned maps of 16 u64, then one u64 and four
+// u32 a problem, then u32s.
 unsafe impl DeviceRepr for ProblemsArg {}
 
 /// Tiles of C a problem has.
@@ -287,55 +282,6 @@ impl KernelSet {
         stream: &CudaStream,
         problems: &[(GpuView, GpuView, GpuView, MatmulDims)],
     ) -> Result<()> {
-        self.grouped_launches(stream, problems, None)
-    }
-
-    /// [`KernelSet::grouped_gemm`] whose products go through `op`'s
-    /// backward in the kernel's epilogue (`Backend::
-    /// grouped_matmul_activation_grad`): problem `i`'s bf16 `C`, written
-    /// whole, becomes its product rounded to bf16 times `op`'s derivative
-    /// at `pre[i]` (bf16, `C`'s shape), the bits `unary_backward` gives
-    /// the stored product.
-    pub fn grouped_gemm_activation_grad(
-        &self,
-        stream: &CudaStream,
-        problems: &[(GpuView, GpuView, GpuView, MatmulDims)],
-        op: Unary,
-        pre: &[GpuView],
-    ) -> Result<()> {
-        let k = "grouped_gemm_activation_grad";
-        if pre.len() != problems.len() {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "{k}: {} problems and {} activation inputs; give one `pre` a problem",
-                problems.len(),
-                pre.len()
-            )));
-        }
-        for (i, ((_, _, c, d), x)) in problems.iter().zip(pre).enumerate() {
-            let shaped = x.dtype == DType::Bf16 && c.dtype == DType::Bf16 && x.len == d.m * d.n;
-            if !shaped || d.accumulate || !x.ptr.is_multiple_of(4) {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "{k}: problem {i} takes a bf16 C it overwrites and a bf16 `pre` of C's \
-                     {m} x {n} elements, 4-byte aligned (got C {}, `pre` {} of {} elements, \
-                     accumulate {})",
-                    c.dtype,
-                    x.dtype,
-                    x.len,
-                    d.accumulate,
-                    m = d.m,
-                    n = d.n
-                )));
-            }
-        }
-        self.grouped_launches(stream, problems, Some((op, pre)))
-    }
-
-    fn grouped_launches(
-        &self,
-        stream: &CudaStream,
-        problems: &[(GpuView, GpuView, GpuView, MatmulDims)],
-        activation_grad: Option<(Unary, &[GpuView])>,
-    ) -> Result<()> {
         let Some(persistent_grid) = self.grouped_gemm_grid else {
             return Err(setup_error(
                 "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
@@ -344,10 +290,11 @@ impl KernelSet {
             ));
         };
         for (kernel, name) in KERNELS.iter().enumerate() {
-            let mine: Vec<usize> = (0..problems.len())
-                .filter(|&i| kernel_of(&problems[i].3) == kernel)
+            let mine: Vec<&(GpuView, GpuView, GpuView, MatmulDims)> = problems
+                .iter()
+                .filter(|(_, _, _, d)| kernel_of(d) == kernel)
                 .collect();
-            let counts: Vec<usize> = mine.iter().map(|&i| tiles(&problems[i].3)).collect();
+            let counts: Vec<usize> = mine.iter().map(|(_, _, _, d)| tiles(d)).collect();
             for range in launches(&counts) {
                 let mut arg = ProblemsArg {
                     map: [CUtensorMap { opaque: [0; 16] }; 3 * MAX_PROBLEMS],
@@ -357,8 +304,7 @@ impl KernelSet {
                     split_from: 0,
                 };
                 let mut grid = 0usize;
-                for (slot, &i) in mine[range.clone()].iter().enumerate() {
-                    let (a, b, c, d) = problems[i];
+                for (slot, &&(a, b, c, d)) in mine[range.clone()].iter().enumerate() {
                     if !grouped_gemm_takes(self.target, &a, &b, &c, &d) {
                         return Err(RuntimeError::InvalidArgument(format!(
                             "{name}: problem {m}x{n}x{k} ({} x {} -> {}) is not one the grouped \
@@ -386,12 +332,6 @@ impl KernelSet {
                         arg.map[3 * slot + 2] =
                             tensor_map(c.ptr, c.dtype, d.n, d.m, columns, C_BOX_ROWS)?;
                     }
-                    let (act, pre) = match activation_grad {
-                        Some((op, pre)) => {
-                            (ACT_GRAD | (unary_code(op) as u32) << ACT_SHIFT, pre[i].ptr)
-                        }
-                        None => (0, 0),
-                    };
                     arg.problem[slot] = ProblemArg {
                         c: c.ptr,
                         // In range: `grouped_gemm_takes` checked them.
@@ -400,9 +340,7 @@ impl KernelSet {
                         k: d.k as u32,
                         flags: if d.accumulate { ACCUMULATE } else { 0 }
                             | if c.dtype == DType::F32 { C_F32 } else { 0 }
-                            | if through_map { C_MAP } else { 0 }
-                            | act,
-                        pre,
+                            | if through_map { C_MAP } else { 0 },
                     };
                 }
                 arg.first_tile[range.len()] = grid as u32;
@@ -452,24 +390,24 @@ mod tests {
     #[test]
     fn the_problem_table_has_the_kernels_layout() {
         // GroupedProblems: 96 maps of 128 bytes, then GroupedProblem's
-        // u64 + 4 x u32 + u64 a problem, 33 tile starts and the count
-        // (13,448 bytes, 13,568 with the maps' alignment: under the 32 KiB
-        // of a kernel's parameters).
+        // u64 + 4 x u32 a problem, 33 tile starts and the count (13,192
+        // bytes, 13,312 with the maps' alignment: under the 32 KiB of a
+        // kernel's parameters).
         assert_eq!(std::mem::size_of::<CUtensorMap>(), 128);
         assert_eq!(std::mem::align_of::<CUtensorMap>(), 128);
-        assert_eq!(std::mem::size_of::<ProblemArg>(), 32);
+        assert_eq!(std::mem::size_of::<ProblemArg>(), 24);
         assert_eq!(std::mem::offset_of!(ProblemsArg, problem), 128 * 96);
         assert_eq!(
             std::mem::offset_of!(ProblemsArg, first_tile),
-            128 * 96 + 32 * 32
+            128 * 96 + 24 * 32
         );
         assert_eq!(
             std::mem::offset_of!(ProblemsArg, count),
-            128 * 96 + 32 * 32 + 4 * 33
+            128 * 96 + 24 * 32 + 4 * 33
         );
         assert_eq!(
             std::mem::offset_of!(ProblemsArg, split_from),
-            128 * 96 + 32 * 32 + 4 * 34
+            128 * 96 + 24 * 32 + 4 * 34
         );
         assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
         let source = crate::cuda::kernels::SOURCES
@@ -486,8 +424,6 @@ mod tests {
             ("GG_ACCUMULATE", ACCUMULATE as usize),
             ("GG_C_F32", C_F32 as usize),
             ("GG_C_MAP", C_MAP as usize),
-            ("GG_ACT_GRAD", ACT_GRAD as usize),
-            ("GG_ACT_SHIFT", ACT_SHIFT as usize),
         ] {
             let line = format!("#define {define} {value}");
             let found = source

@@ -72,31 +72,6 @@ fn rows_of_mut<'a, B: Backend>(
 }
 
 impl MoeLayer {
-    /// `d_act = d_out W2` for every expert with rows (`ranges`): the
-    /// grouped problems reading `d_grouped` (d_out in grouped order) and
-    /// writing `d_act`'s rows.
-    fn fc2_input_grads<'a, B: Backend>(
-        &self,
-        b: &B,
-        weights: &[Slice<'a, B>],
-        d_grouped: &'a B::Buf,
-        d_act: &'a B::Buf,
-        ranges: &[(usize, Range<usize>)],
-    ) -> Result<Vec<GroupedMatmul<'a, B>>> {
-        let (h, f) = (self.hidden, self.expert.width);
-        ranges
-            .iter()
-            .map(|(j, r)| {
-                Ok(MatmulProblem {
-                    a: rows_of(b, d_grouped, r, h)?,
-                    b: weight::<B>(weights, self.fc2(*j))?,
-                    c: rows_of_mut(b, d_act, r, f)?,
-                    dims: MatmulDims::linear_input_grad(r.len(), f, h, false),
-                })
-            })
-            .collect()
-    }
-
     /// The mlp slot: runs the local experts on the received rows
     /// (`recv_counts[i][j]` rows from source rank i for local expert j, in
     /// that order) and returns their outputs in received order. Takes the
@@ -214,23 +189,26 @@ impl MoeLayer {
         let dtype = b.compute_dtype();
 
         // d_act = d_out W2, per expert, one grouped GEMM (written whole, as
-        // is every buffer below: see `experts`), then the activation's
-        // backward: d_pre.
+        // is every buffer below: see `experts`).
+        let d_act = b.alloc_uninit(ffn.act_len(total), dtype)?;
+        let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
+        for (j, r) in &ranges {
+            problems.push(MatmulProblem {
+                a: rows_of(b, &d_grouped, r, h)?,
+                b: w(self.fc2(*j))?,
+                c: rows_of_mut(b, &d_act, r, f)?,
+                dims: MatmulDims::linear_input_grad(r.len(), f, h, false),
+            });
+        }
+        b.grouped_matmul(problems)?;
+        // The activation's backward over all rows, then d_in = d_pre W1.
         let d_pre = b.alloc_uninit(ffn.pre_len(total), dtype)?;
-        // d_in = d_pre W1. The SwiGLU path's first grouped call overwrites
-        // it, the second adds to it.
+        // The SwiGLU path's first grouped call overwrites it, the second
+        // adds to it.
         let d_in_grouped = b.alloc_uninit(total * h, dtype)?;
         match ffn.unary() {
             Some(op) => {
-                // d_act only inside the grouped GEMM: its epilogue applies
-                // the activation's backward (the same bits as storing d_act
-                // and running `unary_backward` on it).
-                let pre_rows = ranges
-                    .iter()
-                    .map(|(_, r)| rows_of(b, &pre, r, f))
-                    .collect::<Result<Vec<_>>>()?;
-                let problems = self.fc2_input_grads(b, weights, &d_grouped, &d_pre, &ranges)?;
-                b.grouped_matmul_activation_grad(op, problems, pre_rows)?;
+                b.unary_backward(op, b.view(&pre)?, b.view(&d_act)?, b.view_mut(&d_pre)?)?;
                 let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
                 for (j, r) in &ranges {
                     problems.push(MatmulProblem {
@@ -243,8 +221,6 @@ impl MoeLayer {
                 b.grouped_matmul(problems)?;
             }
             None => {
-                let d_act = b.alloc_uninit(ffn.act_len(total), dtype)?;
-                b.grouped_matmul(self.fc2_input_grads(b, weights, &d_grouped, &d_act, &ranges)?)?;
                 b.silu_mul_backward(
                     b.slice(&pre, 0..total * f)?,
                     b.slice(&pre, total * f..2 * total * f)?,
