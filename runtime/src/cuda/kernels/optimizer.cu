@@ -6,11 +6,11 @@
 // contraction), so f32 runs agree with it bit for bit where the inputs do.
 #include "common.cuh"
 
-// Whether element i lies inside one of the n ranges of `decayed`.
-__device__ __forceinline__ bool is_decayed(const u32* decayed, u32 n, u64 i) {
+// The first of the n ranges of `decayed` whose end is past i (n if none).
+__device__ __forceinline__ u32 range_after(const u32* decayed, u32 n, u64 i) {
     u32 lo = 0;
     u32 hi = n;
-    while (lo < hi) {  // first range whose end is past i
+    while (lo < hi) {
         const u32 mid = (lo + hi) / 2;
         if (decayed[2 * mid + 1] <= i) {
             lo = mid + 1;
@@ -18,7 +18,37 @@ __device__ __forceinline__ bool is_decayed(const u32* decayed, u32 n, u64 i) {
             hi = mid;
         }
     }
-    return lo < n && decayed[2 * lo] <= i;
+    return lo;
+}
+
+// Whether element i lies inside one of the n ranges of `decayed`.
+__device__ __forceinline__ bool is_decayed(const u32* decayed, u32 n, u64 i) {
+    const u32 r = range_after(decayed, n, i);
+    return r < n && decayed[2 * r] <= i;
+}
+
+// Whether each of elements i .. i + 3 lies inside a range: one search for
+// the quad where no range ends inside it (the ranges are matrices, so
+// nearly every quad), which decides all four the way is_decayed does each.
+__device__ __forceinline__ void quad_decayed(const u32* decayed, u32 n, u64 i, bool (&d)[4]) {
+    const u32 r = range_after(decayed, n, i);
+    if (r == n) {
+        d[0] = d[1] = d[2] = d[3] = false;
+        return;
+    }
+    const u64 start = decayed[2 * r];
+    if (i + 3 < decayed[2 * r + 1]) {
+        // Range r is each element's first range ending past it.
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            d[e] = start <= i + e;
+        }
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        d[e] = is_decayed(decayed, n, i + e);
+    }
 }
 
 // Range checks: pair r must start at or after the previous end and end
@@ -57,8 +87,10 @@ struct AdamStep {
 };
 
 // Four elements a thread (16-byte loads and stores) where all four arrays
-// are 16-byte aligned, so more of the memory's bandwidth is in flight;
-// then the elements past the last whole quad (or all of them) one a thread.
+// are 16-byte aligned, so more of the memory's bandwidth is in flight, with
+// one search of the decayed ranges a quad rather than one an element (each
+// search is a chain of dependent loads); then the elements past the last
+// whole quad (or all of them) one a thread.
 // With `copy` (of dtype `copy_dtype`), the updated parameters are also
 // stored there, rounded once (the compute-precision copy).
 extern "C" __global__ void adam_update(
@@ -71,20 +103,34 @@ extern "C" __global__ void adam_update(
     const u64 address_bits = reinterpret_cast<u64>(param) | reinterpret_cast<u64>(grad) |
                              reinterpret_cast<u64>(m) | reinterpret_cast<u64>(v);
     const u64 quads = address_bits % 16 == 0 ? n / 4 : 0;
+    // A bf16 copy 8-byte aligned takes a quad's four values in one store.
+    const bool packed_copy = copy_dtype == DTYPE_BF16 && reinterpret_cast<u64>(copy) % 8 == 0;
     for (u64 q = grid_start(); q < quads; q += grid_stride()) {
         float4 p4 = reinterpret_cast<float4*>(param)[q];
         const float4 g4 = reinterpret_cast<const float4*>(grad)[q];
         float4 m4 = reinterpret_cast<float4*>(m)[q];
         float4 v4 = reinterpret_cast<float4*>(v)[q];
         const u64 i = 4 * q;
-        step.apply(p4.x, g4.x, m4.x, v4.x, is_decayed(decayed, n_ranges, i));
-        step.apply(p4.y, g4.y, m4.y, v4.y, is_decayed(decayed, n_ranges, i + 1));
-        step.apply(p4.z, g4.z, m4.z, v4.z, is_decayed(decayed, n_ranges, i + 2));
-        step.apply(p4.w, g4.w, m4.w, v4.w, is_decayed(decayed, n_ranges, i + 3));
+        bool d[4];
+        quad_decayed(decayed, n_ranges, i, d);
+        step.apply(p4.x, g4.x, m4.x, v4.x, d[0]);
+        step.apply(p4.y, g4.y, m4.y, v4.y, d[1]);
+        step.apply(p4.z, g4.z, m4.z, v4.z, d[2]);
+        step.apply(p4.w, g4.w, m4.w, v4.w, d[3]);
         reinterpret_cast<float4*>(m)[q] = m4;
         reinterpret_cast<float4*>(v)[q] = v4;
         reinterpret_cast<float4*>(param)[q] = p4;
-        if (copy != nullptr) {
+        if (copy == nullptr) {
+            continue;
+        }
+        if (packed_copy) {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(p4.x, p4.y);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(p4.z, p4.w);
+            uint2 word;
+            word.x = *reinterpret_cast<const u32*>(&lo);
+            word.y = *reinterpret_cast<const u32*>(&hi);
+            reinterpret_cast<uint2*>(copy)[q] = word;
+        } else {
             store(copy, copy_dtype, i, p4.x);
             store(copy, copy_dtype, i + 1, p4.y);
             store(copy, copy_dtype, i + 2, p4.z);
