@@ -102,7 +102,7 @@ pub struct ActivationEstimate {
     /// The output heads (the main one and one per MTP depth): their input
     /// and `[tokens, vocab]` counted in f32, a bound on what a head holds
     /// (the logit gradients its forward keeps, in the compute dtype, or a
-    /// chunk of f32 logits when it recomputes them).
+    /// chunk of logits in the compute dtype when it recomputes them).
     pub heads: u64,
     /// The largest extra working set of one layer while it runs (gradients
     /// of its intermediates in backward, or buffers its forward drops).
