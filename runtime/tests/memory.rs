@@ -124,13 +124,17 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
         );
         // (One rank holds its units in its shards, with no pool or
         // gradient buffers: little state beside the activations, whose
-        // estimate's margin then shows the most: 1.62 for `M` in bf16. The
-        // estimate bounds a layer's backward by its working set while its
-        // input gradient runs; since the norms' weight gradients keep
-        // partial sums instead of their inputs and output gradients, a lone
-        // `M` layer's peak is that working set, well under the bound.)
+        // estimate's margin then shows the most: 1.52 for `E` in f32, 1.51
+        // for `M` in bf16. The estimate bounds a layer's backward by its
+        // working set while its input gradient runs; since the norms'
+        // weight gradients keep partial sums instead of their inputs and
+        // output gradients, a lone `M` layer's peak is that working set,
+        // under the bound. In bf16 the head's logits are bf16 now, which
+        // the CPU widens to an f32 copy while its loss kernel runs: that
+        // raised the measured peaks, and `M` in bf16 went from 1.62 to
+        // 1.51.)
         let slack = match schedule {
-            ScheduleKind::Plain => 1.65,
+            ScheduleKind::Plain => 1.6,
             ScheduleKind::Overlap => 2.5,
         };
         assert!(
