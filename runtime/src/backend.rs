@@ -601,8 +601,9 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// the compute dtype), the same values those two compute on the widened
     /// logits. With `out` (`[rows, vocab]`, f32 or bf16) the gradients are
     /// written there, rounded once, and `logits` are left unspecified;
-    /// without it they replace the logits, rounded once to their dtype. With `losses` (`[rows]` f32), each row's loss
-    /// too, as [`Backend::cross_entropy_loss`] gives it. The head calls it
+    /// without it they replace the logits, rounded once to their dtype.
+    /// With `losses` (`[rows]` f32), each row's loss too, as
+    /// [`Backend::cross_entropy_loss`] gives it. The head calls it
     /// once a chunk (a GPU reads each row once, with no f32 probabilities in
     /// between): its forward with the losses, keeping the gradients for the
     /// backward, or its backward, recomputing them.

@@ -910,6 +910,31 @@ fn head_run(
     (down_f64(&sum), down(&dh), down(&dw))
 }
 
+/// The sum of the unmasked rows' cross-entropies of the test head (128
+/// tokens, 8 channels), in f64, each logit `h_r . w_u` passed through
+/// `store` (how the head stores it) first.
+fn head_cross_entropy(h: &[f32], w: &[f32], targets: &[u32], store: impl Fn(f64) -> f64) -> f64 {
+    let mut sum = 0.0f64;
+    for (r, &t) in targets.iter().enumerate() {
+        if t == IGNORE_TARGET {
+            continue;
+        }
+        let logits: Vec<f64> = (0..128)
+            .map(|u| {
+                store(
+                    (0..8)
+                        .map(|j| f64::from(h[r * 8 + j]) * f64::from(w[u * 8 + j]))
+                        .sum(),
+                )
+            })
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+        sum += lse - logits[t as usize];
+    }
+    sum
+}
+
 #[test]
 fn head_gradients_with_masked_positions() {
     let c = config("");
@@ -943,22 +968,7 @@ fn head_gradients_with_masked_positions() {
         // Masked rows get no gradient.
         assert!(dh[24..32].iter().chain(&dh[64..80]).all(|&v| v == 0.0));
         // The loss is the sum of the unmasked rows' cross-entropies.
-        let mut want = 0.0f64;
-        for (r, &t) in targets.iter().enumerate() {
-            if t == IGNORE_TARGET {
-                continue;
-            }
-            let logits: Vec<f64> = (0..128)
-                .map(|v| {
-                    (0..8)
-                        .map(|j| h[r * 8 + j] as f64 * w[v * 8 + j] as f64)
-                        .sum()
-                })
-                .collect();
-            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
-            let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
-            want += lse - logits[t as usize];
-        }
+        let want = head_cross_entropy(&h, &w, &targets, |l| l);
         assert!(
             (loss_sum - want).abs() < 1e-4 * want,
             "{loss_sum} vs {want}"
@@ -1182,31 +1192,8 @@ fn in_bf16_the_head_rounds_its_logits_once_as_megatron_does() {
     };
     let head = Head::new(&c).expect("head");
     let (loss, dh, dw) = run(&head);
-    let cross_entropy = |round: bool| -> f64 {
-        let mut sum = 0.0f64;
-        for (r, &t) in targets.iter().enumerate() {
-            if t == IGNORE_TARGET {
-                continue;
-            }
-            let logits: Vec<f64> = (0..128)
-                .map(|u| {
-                    let exact: f64 = (0..8)
-                        .map(|j| f64::from(h[r * 8 + j]) * f64::from(w[u * 8 + j]))
-                        .sum();
-                    if round {
-                        f64::from(bf16::from_f64(exact).to_f32())
-                    } else {
-                        exact
-                    }
-                })
-                .collect();
-            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
-            let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
-            sum += lse - logits[t as usize];
-        }
-        sum
-    };
-    let (rounded, exact) = (cross_entropy(true), cross_entropy(false));
+    let rounded = head_cross_entropy(&h, &w, &targets, |l| f64::from(bf16::from_f64(l).to_f32()));
+    let exact = head_cross_entropy(&h, &w, &targets, |l| l);
     let tolerance = 1e-5 * rounded.abs();
     assert!(
         (loss - rounded).abs() <= tolerance,

@@ -141,6 +141,12 @@ impl Head {
         )
     }
 
+    /// A buffer for one chunk's logits of a micro-batch of `rows` rows, in
+    /// the compute dtype.
+    fn chunk_buffer<B: Backend>(&self, b: &B, rows: usize) -> Result<B::Buf> {
+        b.alloc_uninit(self.chunk_rows.min(rows) * self.vocab, b.compute_dtype())
+    }
+
     /// `logits[..n * V] = h[rows] W^T` for chunk `rows`, `n` its length.
     fn chunk_logits<B: Backend>(
         &self,
@@ -177,7 +183,7 @@ impl Head {
         let rows = b.slice_len(targets);
         self.check(b, "head", weight, hidden_states, rows)?;
         let v = self.vocab;
-        let logits = b.alloc_uninit(self.chunk_rows.min(rows) * v, b.compute_dtype())?;
+        let logits = self.chunk_buffer(b, rows)?;
         let losses = uninit_f32(b, rows)?;
         let kept = match grad_scale {
             Some(scale) if rows.saturating_mul(v) <= self.kept_limit => {
@@ -251,10 +257,7 @@ impl Head {
         // backward recomputes them into (in the compute dtype).
         let (grads, recompute) = match saved.logit_grads {
             Some((_, grads)) => (grads, false),
-            None => (
-                b.alloc_uninit(self.chunk_rows.min(rows) * v, b.compute_dtype())?,
-                true,
-            ),
+            None => (self.chunk_buffer(b, rows)?, true),
         };
         for chunk in self.chunks(rows) {
             let n = chunk.len();

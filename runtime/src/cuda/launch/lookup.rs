@@ -14,7 +14,7 @@
 //! gets the CPU's bits.
 
 use super::KernelArgs;
-use super::{GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, exactly, float, len, product};
+use super::{GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, exactly, float, len, product, words8};
 use crate::backend::LookupDims;
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, same_dtype};
@@ -112,16 +112,16 @@ impl KernelSet {
         if ids.len == 0 {
             return Ok(());
         }
-        let vec8 = dims.hidden.is_multiple_of(8)
-            && dout.ptr.is_multiple_of(16)
-            && dtable.ptr.is_multiple_of(16);
+        let vec8 = words8(&[dout, dtable], dims.hidden);
         let per_thread = if vec8 { 8 } else { 1 };
         let channel_groups = dims.hidden.div_ceil(per_thread * THREADS as usize).max(1);
         let order_blocks = ids.len.div_ceil(ORDER_WARPS);
-        if ids.len >= u32::MAX as usize || ids.len > MAX_GRID_X || channel_groups > MAX_GRID_Y {
+        // Within the grid's bound, row indices also fit the scratch's u32s.
+        if ids.len > MAX_GRID_X || channel_groups > MAX_GRID_Y {
             return Err(RuntimeError::Unsupported(format!(
-                "{kn}: {} rows of {} channels exceed a CUDA grid",
-                ids.len, dims.hidden
+                "{kn}: {} rows of {} channels exceed a CUDA grid (at most {} rows); \
+                 give a micro-batch fewer tokens",
+                ids.len, dims.hidden, MAX_GRID_X
             )));
         }
         let (rows, vocab, hidden) = (ids.len as u64, dims.vocab as u64, dims.hidden as u64);

@@ -1308,32 +1308,29 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         exactly(k, name, probs, DType::F32)?;
-        exactly(k, "targets", targets, DType::U32)?;
-        len(k, name, probs, product(k, &[d.rows, d.vocab])?)?;
-        len(k, "targets", targets, d.rows)
+        Self::check_logits((k, name), probs, targets, d).map(|_| ())
     }
 
-    /// The head's logits (f32, or bf16: the compute dtype) and targets;
-    /// gives the logits' dtype tag.
-    fn check_logits(k: &str, logits: &GpuView, targets: &GpuView, d: LossDims) -> Result<i32> {
-        let dtype = float(k, "logits", logits)?;
+    /// The head's logits (f32, or bf16: the compute dtype; `name` as in
+    /// [`KernelSet::check_loss`]) and targets; gives the logits' dtype tag.
+    fn check_logits(
+        (k, name): (&str, &str),
+        logits: &GpuView,
+        targets: &GpuView,
+        d: LossDims,
+    ) -> Result<i32> {
+        let dtype = float(k, name, logits)?;
         exactly(k, "targets", targets, DType::U32)?;
-        len(k, "logits", logits, product(k, &[d.rows, d.vocab])?)?;
+        len(k, name, logits, product(k, &[d.rows, d.vocab])?)?;
         len(k, "targets", targets, d.rows)?;
         Ok(dtype)
     }
 
-    /// Whether the loss kernels take bf16 `logits` (and `out`, where they
-    /// write one) 8 a 16-byte word: rows of whole words, every pointer
-    /// aligned to a word.
+    /// Whether the loss kernels take bf16 `logits` (and `out`, f32 or
+    /// bf16, where they write one) 8 a 16-byte word: `words8`'s rule.
     fn logit_words(logits: &GpuView, out: Option<&GpuView>, d: LossDims) -> i32 {
-        let aligned = |v: &GpuView| v.ptr.is_multiple_of(16);
-        i32::from(
-            logits.dtype == DType::Bf16
-                && d.vocab.is_multiple_of(8)
-                && aligned(logits)
-                && out.is_none_or(aligned),
-        )
+        let views: Vec<GpuView> = std::iter::once(*logits).chain(out.copied()).collect();
+        i32::from(logits.dtype == DType::Bf16 && words8(&views, d.vocab))
     }
 
     /// `losses`: f32, one a row.
@@ -1406,7 +1403,7 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_gradient";
-        let logits_dtype = Self::check_logits(k, &logits, &targets, d)?;
+        let logits_dtype = Self::check_logits((k, "logits"), &logits, &targets, d)?;
         let out_dtype = float(k, "out", &out)?;
         len(k, "out", &out, logits.len)?;
         if let Some(losses) = &losses {
@@ -1444,7 +1441,7 @@ impl KernelSet {
         d: LossDims,
     ) -> Result<()> {
         let k = "cross_entropy_loss";
-        let logits_dtype = Self::check_logits(k, &logits, &targets, d)?;
+        let logits_dtype = Self::check_logits((k, "logits"), &logits, &targets, d)?;
         Self::check_losses(k, &losses, d)?;
         if d.vocab == 0 || d.rows == 0 {
             return Ok(());
