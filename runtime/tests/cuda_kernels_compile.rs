@@ -182,6 +182,14 @@ const SPILLS_ALLOWED: [(&str, u32); 9] = [
 /// a GPU. (`rmsnorm_backward` under launch bounds of 1,024 threads had 64
 /// registers and spilled 524 bytes: slower than the two kernels it
 /// replaced.) The table printed is every kernel's registers and spills.
+/// Kernels whose stack frame holds more than their spills, and its bytes
+/// as reviewed: a frame past the spills is an array the compiler could not
+/// keep in registers (an index it cannot resolve at compile time). Rotary
+/// keeps a batch of 4 heads' pairs there (32 bytes). A partly unrolled
+/// loop over the grouped GEMM's accumulators once put all 512 bytes of
+/// them there, with no spill reported, and tripled its calls' time.
+const STACK_ALLOWED: [(&str, u32); 1] = [("rotary", 32)];
+
 #[test]
 fn no_kernel_spills_beyond_its_reviewed_allowance() {
     let Some(include) = nvrtc_and_headers() else {
@@ -215,6 +223,21 @@ fn no_kernel_spills_beyond_its_reviewed_allowance() {
                     k.kernel, source.file, k.spill_store_bytes, k.registers
                 ));
             }
+            let arrays = STACK_ALLOWED
+                .iter()
+                .find(|(name, _)| *name == k.kernel)
+                .map_or(0, |(_, bytes)| *bytes);
+            if k.stack_bytes > k.spill_store_bytes + arrays {
+                over.push(format!(
+                    "{} in {}: a {} byte stack frame, {} of it past its spills ({arrays} \
+                     allowed): an array in local memory; index it with compile-time \
+                     constants (unroll the loops over it fully) or review the allowance",
+                    k.kernel,
+                    source.file,
+                    k.stack_bytes,
+                    k.stack_bytes.saturating_sub(k.spill_store_bytes)
+                ));
+            }
         }
     }
     let defined: usize = SOURCES.iter().map(|s| s.entry_points.len()).sum();
@@ -224,7 +247,7 @@ fn no_kernel_spills_beyond_its_reviewed_allowance() {
     );
     assert!(
         over.is_empty(),
-        "kernels spill more than reviewed:\n{}",
+        "kernels spill or keep arrays in local memory more than reviewed:\n{}",
         over.join("\n")
     );
 }
