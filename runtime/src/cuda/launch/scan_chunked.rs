@@ -48,6 +48,12 @@ const STEP_ARRAYS: usize = 7;
 /// most heads a group it takes (`SUMS_MAX_HEADS`).
 const SUMS_COLUMNS: usize = 32;
 const SUMS_MAX_HEADS: usize = 16;
+/// The most heads a group and channels a group (J P) that
+/// `ssd_chunk_scores_sums_mma` takes (`MMA_SUMS_HEADS`, `MMA_SUMS_WIDTH`),
+/// and the channels its products take at once (P a multiple of them).
+const MMA_SUMS_HEADS: usize = 8;
+const MMA_SUMS_WIDTH: usize = 512;
+const MMA_SUMS_K: usize = 32;
 
 /// How the chunked path cuts a problem: (sequence, chunk) items a
 /// slice. Built by [`ScanChunkPlan::new`].
@@ -230,6 +236,9 @@ struct Parts {
     /// sums: the `_quads` kernels do, Q is whole blocks of `SUMS_COLUMNS`
     /// and a group has at most `SUMS_MAX_HEADS` heads.
     fused_sums: bool,
+    /// Whether `ssd_chunk_scores_sums_mma` takes the backward's dM
+    /// products, scores and sums (see [`takes_mma_sums`]).
+    mma_sums: bool,
 }
 
 impl Parts {
@@ -324,11 +333,13 @@ impl Parts {
             row_parts: next(n * lens.row_parts),
             quads: false,
             fused_sums: false,
+            mma_sums: false,
         };
         parts.quads = takes_quads(dims, plan, items, &parts);
         parts.fused_sums = parts.quads
             && dims.chunk.is_multiple_of(SUMS_COLUMNS)
             && dims.heads / dims.groups <= SUMS_MAX_HEADS;
+        parts.mma_sums = takes_mma_sums(dims, &parts);
         parts
     }
 }
@@ -846,6 +857,34 @@ impl KernelSet {
         self.go(k, &mut b, block_per_row(rows))
     }
 
+    /// `ssd_chunk_scores_sums_mma` over a slice of `count` items: what the
+    /// backward's dM GEMMs and `ssd_chunk_scores_sums` compute, a block per
+    /// (item, group, block of columns).
+    fn chunk_scores_mma(
+        &self,
+        stream: &CudaStream,
+        parts: &Parts,
+        dims: ScanDims,
+        count: usize,
+    ) -> Result<()> {
+        let k = "ssd_chunk_scores_sums_mma";
+        let sizes = [count, dims.heads, dims.groups, dims.head_dim, dims.chunk];
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&parts.dy_op.ptr)
+            .arg(&parts.x_op.ptr)
+            .arg(&parts.cb.ptr)
+            .arg(&parts.m.ptr)
+            .arg(&parts.d_cb.ptr)
+            .arg(&parts.row_parts.ptr)
+            .arg(&parts.steps.ptr);
+        let narrow = sizes.map(|v| v as u32);
+        for v in &narrow {
+            b.arg(v);
+        }
+        let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
+        self.go(k, &mut b, per_item(blocks, THREADS)?)
+    }
+
     /// The second pass over one slice of `count` items from `first`.
     #[allow(clippy::too_many_arguments)]
     fn chunk_gradients(
@@ -879,22 +918,27 @@ impl KernelSet {
         let c_mat = pairs(parts.c, s.n, qn);
         let cb = pairs(parts.cb, s.q, qq);
         run(s.q, s.q, s.n, c_mat, false, b_mat, true, cb, 0.0)?;
-        // dM = dY X^T per head.
-        for j in 0..s.j {
-            let d_m = pairs(from(parts.d_m, j * qq), s.q, s.j * qq);
-            run(
-                s.q,
-                s.q,
-                s.p,
-                wide(parts.dy_op, j),
-                false,
-                wide(parts.x_op, j),
-                true,
-                d_m,
-                0.0,
-            )?;
+        if parts.mma_sums {
+            // dM made and used where it is needed, never stored.
+            self.chunk_scores_mma(stream, parts, dims, count)?;
+        } else {
+            // dM = dY X^T per head.
+            for j in 0..s.j {
+                let d_m = pairs(from(parts.d_m, j * qq), s.q, s.j * qq);
+                run(
+                    s.q,
+                    s.q,
+                    s.p,
+                    wide(parts.dy_op, j),
+                    false,
+                    wide(parts.x_op, j),
+                    true,
+                    d_m,
+                    0.0,
+                )?;
+            }
+            self.chunk_scores(stream, parts, Some((parts.d_m, parts.d_cb)), dims, count)?;
         }
-        self.chunk_scores(stream, parts, Some((parts.d_m, parts.d_cb)), dims, count)?;
         let [count_u, heads, head_dim, groups, chunk] =
             [count, dims.heads, dims.head_dim, dims.groups, dims.chunk].map(|v| v as u64);
         // M^T dY, and C S_in^T (for the readout term of dLam) in u.
@@ -1124,6 +1168,19 @@ fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts)
         && within(&[per_slice, q, packed])
         && within(&[items, dims.heads, q])
         && within(&[dims.tokens.seq.saturating_add(q)])
+}
+
+/// Whether `ssd_chunk_scores_sums_mma` takes a call's backward scores: where
+/// `ssd_chunk_scores_sums` would, the operands are bf16 (tensor-core
+/// products, as the GEMMs it replaces), P is whole blocks of the products'
+/// 32 channels, and a group's rows fit the kernel's shared memory.
+fn takes_mma_sums(dims: ScanDims, parts: &Parts) -> bool {
+    let j = dims.heads / dims.groups;
+    parts.fused_sums
+        && parts.bf16()
+        && dims.head_dim.is_multiple_of(MMA_SUMS_K)
+        && j <= MMA_SUMS_HEADS
+        && j * dims.head_dim <= MMA_SUMS_WIDTH
 }
 
 impl<'a> Call<'a> {
