@@ -633,33 +633,39 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 //
 // A block per (item, group, block of SUMS_COLUMNS columns s), its X rows
 // staged in shared memory; warp w walks the 16-row tiles of t w, w + 8,
-// ... A thread's fragments are rows g = lane / 4 and g + 8 and columns 2c,
+// ..., and a tile's heads one after another, fetching head j + 1's dY
+// while it works on head j's (the loop over heads is not unrolled: eight
+// unrolled heads made 8,000 instructions and ran slower than the GEMMs).
+// A thread's fragments are rows g = lane / 4 and g + 8 and columns 2c,
 // 2c + 1 of each 8-column block (c = lane % 4). The product's k order is
 // permuted in both operands alike (thread c holds channels 8c .. 8c + 7 of
 // each 32, one 16-byte load), which leaves every dot product's terms the
 // same. The launcher takes it where the `_quads` kernels do, the operands
-// are bf16, P is a multiple of 32, J is at most MMA_SUMS_HEADS and J P at
-// most MMA_SUMS_WIDTH.
+// are bf16, P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
+// MMA_SUMS_WIDTH.
+#define MMA_SUMS_P 64
 #define MMA_SUMS_HEADS 8
 #define MMA_SUMS_WIDTH 512
 // The staged rows' pitch: 1,088 bytes puts the 8 rows a 16-byte load
 // phase reads 64 bytes apart in the banks, so they never collide.
 #define MMA_SUMS_PITCH (MMA_SUMS_WIDTH + 32)
 
-extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32) ssd_chunk_scores_sums_mma(
+extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_scores_sums_mma(
     const bf16* dy_op, const bf16* x_op, const float* cb, bf16* m, bf16* dcb, float* row_parts,
-    float* values, u32 items, u32 heads, u32 groups, u32 head_dim, u32 chunk) {
+    float* values, u32 items, u32 heads, u32 groups, u32 chunk) {
     grid_dependency_sync();
-    // X's rows, and after the tiles the warps' column sums.
+    constexpr u32 KB = MMA_SUMS_P / 32;
     __shared__ __align__(16) bf16 xs[SUMS_COLUMNS * MMA_SUMS_PITCH];
     __shared__ float lam_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
     __shared__ float dt_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
+    // Each warp's sums of E down its rows, per head and column.
+    __shared__ float col_part[SUMS_WARPS][MMA_SUMS_HEADS][SUMS_COLUMNS];
     const StepValues v = step_values(values, items, heads, chunk);
     const u32 column_blocks = chunk / SUMS_COLUMNS;
     const u32 cblock = blockIdx.x % column_blocks;
     const u32 ig = blockIdx.x / column_blocks;  // item * groups + g
     const u32 group_heads = heads / groups;
-    const u32 jp = group_heads * head_dim;
+    const u32 jp = group_heads * MMA_SUMS_P;
     const u32 s0 = cblock * SUMS_COLUMNS;
     const u32 lane = threadIdx.x % 32;
     const u32 warp = threadIdx.x / 32;
@@ -676,38 +682,36 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32) ssd_chunk_scores_s
         lam_s[i / SUMS_COLUMNS][i % SUMS_COLUMNS] = v.lam[at];
         dt_s[i / SUMS_COLUMNS][i % SUMS_COLUMNS] = v.dt[at];
     }
+    for (u32 i = threadIdx.x; i < SUMS_WARPS * MMA_SUMS_HEADS * SUMS_COLUMNS; i += blockDim.x) {
+        (&col_part[0][0][0])[i] = 0.0f;
+    }
     __syncthreads();
 
-    // Column 8n + 2c + e of the block, for each head: its sum of E over the
-    // thread's rows.
-    float col[MMA_SUMS_HEADS][4][2];
-#pragma unroll
-    for (int j = 0; j < MMA_SUMS_HEADS; ++j) {
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            col[j][n][0] = col[j][n][1] = 0.0f;
-        }
-    }
     const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
     for (u32 tile = warp; tile < chunk / 16; tile += SUMS_WARPS) {
         const u32 rows[2] = {tile * 16 + g, tile * 16 + g + 8};
         if (tile * 16 + 15 < s0) {
             // Above the diagonal: M, dCB and the row sums are zero.
+            for (u32 j = 0; j < group_heads; ++j) {
+                const u64 ih = static_cast<u64>(ig) * group_heads + j;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) {
+                        *reinterpret_cast<__nv_bfloat162*>(m + (ih * chunk + rows[r]) * chunk + s0 + 8 * n + 2 * c) =
+                            zero2;
+                    }
+                    if (c == 0) {
+                        row_parts[(ih * chunk + rows[r]) * column_blocks + cblock] = 0.0f;
+                    }
+                }
+            }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
-                    const u32 ts = rows[r] * chunk + s0 + 8 * n + 2 * c;
-                    for (u32 j = 0; j < group_heads; ++j) {
-                        const u64 ih = static_cast<u64>(ig) * group_heads + j;
-                        *reinterpret_cast<__nv_bfloat162*>(m + ih * chunk * chunk + ts) = zero2;
-                    }
-                    *reinterpret_cast<__nv_bfloat162*>(dcb + static_cast<u64>(ig) * chunk * chunk + ts) = zero2;
-                }
-                if (c == 0) {
-                    for (u32 j = 0; j < group_heads; ++j) {
-                        row_parts[((ig * group_heads + j) * chunk + rows[r]) * column_blocks + cblock] = 0.0f;
-                    }
+                    *reinterpret_cast<__nv_bfloat162*>(dcb + (static_cast<u64>(ig) * chunk + rows[r]) * chunk + s0 +
+                                                       8 * n + 2 * c) = zero2;
                 }
             }
             continue;
@@ -725,12 +729,36 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32) ssd_chunk_scores_s
                 d_score[r][n][0] = d_score[r][n][1] = 0.0f;
             }
         }
-        const bf16* dy_a = dy_op + (static_cast<u64>(ig) * chunk + rows[0]) * jp;
-        const bf16* dy_b = dy_a + 8 * static_cast<u64>(jp);
+        const bf16* dy_rows[2] = {dy_op + (static_cast<u64>(ig) * chunk + rows[0]) * jp,
+                                  dy_op + (static_cast<u64>(ig) * chunk + rows[1]) * jp};
+        // Head j's dY words (rows g and g + 8) and Lam_t, fetched a head ahead.
+        uint4 next[2][KB];
+        float next_lam[2];
+        auto fetch = [&](u32 j) {
 #pragma unroll
-        for (int j = 0; j < MMA_SUMS_HEADS; ++j) {
-            if (static_cast<u32>(j) >= group_heads) {
-                break;
+            for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                for (u32 kb = 0; kb < KB; ++kb) {
+                    next[r][kb] = *reinterpret_cast<const uint4*>(dy_rows[r] + j * MMA_SUMS_P + kb * 32 + 8 * c);
+                }
+                next_lam[r] = v.lam[(ig * group_heads + j) * chunk + rows[r]];
+            }
+        };
+        fetch(0);
+#pragma unroll 1
+        for (u32 j = 0; j < group_heads; ++j) {
+            uint4 words[2][KB];
+            float lam_t[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                for (u32 kb = 0; kb < KB; ++kb) {
+                    words[r][kb] = next[r][kb];
+                }
+                lam_t[r] = next_lam[r];
+            }
+            if (j + 1 < group_heads) {
+                fetch(j + 1);
             }
             // dM of the tile: rows t of dY times rows s of X, head j.
             float acc[4][4];
@@ -738,25 +766,26 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32) ssd_chunk_scores_s
             for (int n = 0; n < 4; ++n) {
                 acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
             }
-            for (u32 k0 = j * head_dim; k0 < (j + 1) * head_dim; k0 += 32) {
-                const u32 at = k0 + 8 * c;
-                const uint4 wa = *reinterpret_cast<const uint4*>(dy_a + at);
-                const uint4 wb = *reinterpret_cast<const uint4*>(dy_b + at);
+#pragma unroll
+            for (u32 kb = 0; kb < KB; ++kb) {
+                const uint4 wa = words[0][kb];
+                const uint4 wb = words[1][kb];
                 const u32 lo[4] = {wa.x, wb.x, wa.y, wb.y};
                 const u32 hi[4] = {wa.z, wb.z, wa.w, wb.w};
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
-                    const uint4 xw = *reinterpret_cast<const uint4*>(xs + (8 * n + g) * MMA_SUMS_PITCH + at);
+                    const uint4 xw = *reinterpret_cast<const uint4*>(
+                        xs + (8 * n + g) * MMA_SUMS_PITCH + j * MMA_SUMS_P + kb * 32 + 8 * c);
                     mma_bf16(acc[n], lo, xw.x, xw.y);
                     mma_bf16(acc[n], hi, xw.z, xw.w);
                 }
             }
             const u32 ih = ig * group_heads + j;  // item * heads + h
-            float row[2] = {0.0f, 0.0f};
+            float col[4][2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const u32 t = rows[r];
-                const float lam_t = v.lam[ih * chunk + t];
+                float row = 0.0f;
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
                     float out[2];
@@ -765,22 +794,37 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32) ssd_chunk_scores_s
                         const u32 sl = 8 * n + 2 * c + e;
                         const float dt = dt_s[j][sl];
                         // quad_decays' expression, so M has its bits.
-                        const float l = s0 + sl <= t ? expf(lam_t - lam_s[j][sl]) : 0.0f;
+                        const float l = s0 + sl <= t ? expf(lam_t[r] - lam_s[j][sl]) : 0.0f;
                         const float dm = acc[n][2 * r + e];
                         out[e] = sc[r][n][e] * l * dt;
                         const float big_e = dm * sc[r][n][e] * l;
                         d_score[r][n][e] += dm * l * dt;
-                        row[r] += big_e * dt;
-                        col[j][n][e] += big_e;
+                        row += big_e * dt;
+                        col[n][e] = r == 0 ? big_e : col[n][e] + big_e;
                     }
                     *reinterpret_cast<__nv_bfloat162*>(m + (static_cast<u64>(ih) * chunk + t) * chunk + s0 + 8 * n +
                                                        2 * c) = __floats2bfloat162_rn(out[0], out[1]);
                 }
                 // The row's columns are the 4 lanes differing in bits 0-1.
-                row[r] += __shfl_xor_sync(0xffffffffu, row[r], 1);
-                row[r] += __shfl_xor_sync(0xffffffffu, row[r], 2);
+                row += __shfl_xor_sync(0xffffffffu, row, 1);
+                row += __shfl_xor_sync(0xffffffffu, row, 2);
                 if (c == 0) {
-                    row_parts[(ih * chunk + t) * column_blocks + cblock] = row[r];
+                    row_parts[(ih * chunk + t) * column_blocks + cblock] = row;
+                }
+            }
+            // The tile's column sums: over its 16 rows (lanes differing in
+            // bits 2-4), onto the warp's.
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float sum = col[n][e];
+                    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+                    sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+                    sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+                    if (g == 0) {
+                        col_part[warp][j][8 * n + 2 * c + e] += sum;
+                    }
                 }
             }
         }
@@ -795,29 +839,7 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32) ssd_chunk_scores_s
         }
     }
 
-    // The columns' sums: over a warp's rows (lanes differing in bits 2-4),
-    // then over the warps in order, in the staged rows' place.
-    __syncthreads();
-    float(*col_part)[MMA_SUMS_HEADS][SUMS_COLUMNS] = reinterpret_cast<float(*)[MMA_SUMS_HEADS][SUMS_COLUMNS]>(xs);
-#pragma unroll
-    for (int j = 0; j < MMA_SUMS_HEADS; ++j) {
-        if (static_cast<u32>(j) >= group_heads) {
-            break;
-        }
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float sum = col[j][n][e];
-                sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-                if (g == 0) {
-                    col_part[warp][j][8 * n + 2 * c + e] = sum;
-                }
-            }
-        }
-    }
+    // The columns' sums over the warps, in order.
     __syncthreads();
     for (u32 i = threadIdx.x; i < group_heads * SUMS_COLUMNS; i += blockDim.x) {
         float sum = 0.0f;

@@ -48,12 +48,12 @@ const STEP_ARRAYS: usize = 7;
 /// most heads a group it takes (`SUMS_MAX_HEADS`).
 const SUMS_COLUMNS: usize = 32;
 const SUMS_MAX_HEADS: usize = 16;
-/// The most heads a group and channels a group (J P) that
-/// `ssd_chunk_scores_sums_mma` takes (`MMA_SUMS_HEADS`, `MMA_SUMS_WIDTH`),
-/// and the channels its products take at once (P a multiple of them).
+/// The head width, the most heads a group and the most channels a group
+/// (J P) that `ssd_chunk_scores_sums_mma` takes (`MMA_SUMS_P`,
+/// `MMA_SUMS_HEADS`, `MMA_SUMS_WIDTH`).
+const MMA_SUMS_P: usize = 64;
 const MMA_SUMS_HEADS: usize = 8;
 const MMA_SUMS_WIDTH: usize = 512;
-const MMA_SUMS_K: usize = 32;
 
 /// How the chunked path cuts a problem: (sequence, chunk) items a
 /// slice. Built by [`ScanChunkPlan::new`].
@@ -868,7 +868,7 @@ impl KernelSet {
         count: usize,
     ) -> Result<()> {
         let k = "ssd_chunk_scores_sums_mma";
-        let sizes = [count, dims.heads, dims.groups, dims.head_dim, dims.chunk];
+        let sizes = [count, dims.heads, dims.groups, dims.chunk];
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&parts.dy_op.ptr)
             .arg(&parts.x_op.ptr)
@@ -1172,13 +1172,14 @@ fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts)
 
 /// Whether `ssd_chunk_scores_sums_mma` takes a call's backward scores: where
 /// `ssd_chunk_scores_sums` would, the operands are bf16 (tensor-core
-/// products, as the GEMMs it replaces), P is whole blocks of the products'
-/// 32 channels, and a group's rows fit the kernel's shared memory.
+/// products, as the GEMMs it replaces), P is the width its fragments are
+/// laid out for (Mamba-2's 64), and a group's rows fit the kernel's shared
+/// memory.
 fn takes_mma_sums(dims: ScanDims, parts: &Parts) -> bool {
     let j = dims.heads / dims.groups;
     parts.fused_sums
         && parts.bf16()
-        && dims.head_dim.is_multiple_of(MMA_SUMS_K)
+        && dims.head_dim == MMA_SUMS_P
         && j <= MMA_SUMS_HEADS
         && j * dims.head_dim <= MMA_SUMS_WIDTH
 }
