@@ -217,6 +217,7 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_chunk_scores_sums",
             "ssd_chunk_scores_sums_bf16",
             "ssd_chunk_scores_sums_mma",
+            "ssd_chunk_scores_times_mma",
             "ssd_chunk_sums",
             "ssd_chunk_final",
             "ssd_chunk_unpack",

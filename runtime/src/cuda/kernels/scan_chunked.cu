@@ -851,6 +851,104 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
     }
 }
 
+// ---- the forward's scores times x on tensor cores --------------------------------
+// `ssd_chunk_scores_times_mma` does, for bf16 operands, what the forward's
+// `ssd_chunk_scores_quads_bf16` and its J M X GEMMs do, without M in
+// memory: M X (into `t_acc`, f32 `[item, G, Q, J P]`) with each head's M
+// made where it is multiplied, rounded to bf16 as the GEMMs' operand was
+// (the same expression, so the same operand bits; the products are summed
+// in another order). Only the lower triangle (s <= t) is multiplied. A
+// block per (item, head, block of MMA_TIMES_ROWS rows t), the last rows'
+// blocks first (they walk the most columns); X's rows s up to the block's
+// last staged in shared memory; warp w takes 16 rows and walks the
+// columns s 16 at a time, making its M fragment (rows g, g + 8; columns
+// 2c, 2c + 1 and 2c + 8, 2c + 9) from CB and the decays. The launcher takes
+// it where the `_quads` kernels do, the operands are bf16, P is
+// MMA_SUMS_P, and Q is whole blocks of rows up to MMA_TIMES_MAX_CHUNK.
+#define MMA_TIMES_ROWS 64
+#define MMA_TIMES_MAX_CHUNK 256
+// 144 bytes: the 8 rows an `ldmatrix` reads fall in different banks.
+#define MMA_TIMES_PITCH (MMA_SUMS_P + 8)
+
+extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk_scores_times_mma(
+    const bf16* x_op, const float* cb, float* t_acc, const float* values, u32 items, u32 heads, u32 groups,
+    u32 chunk) {
+    grid_dependency_sync();
+    __shared__ __align__(16) bf16 xs[MMA_TIMES_MAX_CHUNK * MMA_TIMES_PITCH];
+    __shared__ float lam[MMA_TIMES_MAX_CHUNK];
+    __shared__ float dts[MMA_TIMES_MAX_CHUNK];
+    const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
+    const u32 row_blocks = chunk / MMA_TIMES_ROWS;
+    const u32 rb = row_blocks - 1 - blockIdx.x % row_blocks;
+    const u32 ih = blockIdx.x / row_blocks;  // item * heads + h
+    const u32 group_heads = heads / groups;
+    const u32 ig = ih / group_heads;  // item * groups + g
+    const u32 j = ih % group_heads;
+    const u32 jp = group_heads * MMA_SUMS_P;
+    const u32 rows_end = (rb + 1) * MMA_TIMES_ROWS;
+    const bf16* x_rows = x_op + static_cast<u64>(ig) * chunk * jp + j * MMA_SUMS_P;
+    for (u32 i = threadIdx.x; i < rows_end * (MMA_SUMS_P / 8); i += blockDim.x) {
+        const u32 r = i / (MMA_SUMS_P / 8);
+        const u32 w = i % (MMA_SUMS_P / 8);
+        copy16_async(shared_address(xs + r * MMA_TIMES_PITCH + w * 8), x_rows + static_cast<u64>(r) * jp + w * 8,
+                     true);
+    }
+    commit_async();
+    for (u32 i = threadIdx.x; i < rows_end; i += blockDim.x) {
+        lam[i] = v.lam[ih * chunk + i];
+        dts[i] = v.dt[ih * chunk + i];
+    }
+    wait_async<0>();
+    __syncthreads();
+
+    const u32 lane = threadIdx.x % 32;
+    const u32 g = lane / 4;
+    const u32 c = lane % 4;
+    const u32 t0 = rb * MMA_TIMES_ROWS + threadIdx.x / 32 * 16;
+    const u32 rows[2] = {t0 + g, t0 + g + 8};
+    const float lam_t[2] = {lam[rows[0]], lam[rows[1]]};
+    const float* cb_rows[2] = {cb + (static_cast<u64>(ig) * chunk + rows[0]) * chunk,
+                               cb + (static_cast<u64>(ig) * chunk + rows[1]) * chunk};
+    float acc[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    }
+    for (u32 s0 = 0; s0 < t0 + 16; s0 += 16) {
+        // M's A fragment: a[2 half + r] holds row r's columns s0 + 8 half +
+        // 2c and the next, with quad_decays' expression.
+        u32 a[4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 s = s0 + 8 * half + 2 * c;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float2 score = *reinterpret_cast<const float2*>(cb_rows[r] + s);
+                const float l0 = s <= rows[r] ? expf(lam_t[r] - lam[s]) : 0.0f;
+                const float l1 = s + 1 <= rows[r] ? expf(lam_t[r] - lam[s + 1]) : 0.0f;
+                a[2 * half + r] = pack_bf16(score.x * l0 * dts[s], score.y * l1 * dts[s + 1]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n += 2) {
+            u32 b[4];
+            const u32 row = s0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            const u32 col = n * 8 + (lane >> 4) * 8;
+            ldmatrix_x4_trans(b, shared_address(xs + row * MMA_TIMES_PITCH + col));
+            mma_bf16(acc[n], a, b[0], b[1]);
+            mma_bf16(acc[n + 1], a, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float* out = t_acc + (static_cast<u64>(ig) * chunk + rows[r]) * jp + j * MMA_SUMS_P + 2 * c;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            *reinterpret_cast<float2*>(out + 8 * n) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+        }
+    }
+}
+
 // One block per (item, head): the row sums sum_s E_ts dt_s (= R's), the
 // column sums sum_t E_ts of E = dM o CB o e^(Lam_t - Lam_s), and dY_t .
 // Yo_t with Yo = C S_in^T (in `y_off`, `[item, G, Q, J * P]`). With

@@ -54,6 +54,12 @@ const SUMS_MAX_HEADS: usize = 16;
 const MMA_SUMS_P: usize = 64;
 const MMA_SUMS_HEADS: usize = 8;
 const MMA_SUMS_WIDTH: usize = 512;
+/// The rows of a block of `ssd_chunk_scores_times_mma` and the longest
+/// chunk it stages (`MMA_TIMES_ROWS`, `MMA_TIMES_MAX_CHUNK`).
+const MMA_TIMES_ROWS: usize = 64;
+const MMA_TIMES_MAX_CHUNK: usize = 256;
+/// Its threads: a warp per 16 rows.
+const MMA_TIMES_THREADS: u32 = (MMA_TIMES_ROWS / 16 * 32) as u32;
 
 /// How the chunked path cuts a problem: (sequence, chunk) items a
 /// slice. Built by [`ScanChunkPlan::new`].
@@ -239,6 +245,9 @@ struct Parts {
     /// Whether `ssd_chunk_scores_sums_mma` takes the backward's dM
     /// products, scores and sums (see [`takes_mma_sums`]).
     mma_sums: bool,
+    /// Whether `ssd_chunk_scores_times_mma` takes the forward's M X (see
+    /// [`takes_mma_times`]).
+    mma_times: bool,
 }
 
 impl Parts {
@@ -334,12 +343,14 @@ impl Parts {
             quads: false,
             fused_sums: false,
             mma_sums: false,
+            mma_times: false,
         };
         parts.quads = takes_quads(dims, plan, items, &parts);
         parts.fused_sums = parts.quads
             && dims.chunk.is_multiple_of(SUMS_COLUMNS)
             && dims.heads / dims.groups <= SUMS_MAX_HEADS;
         parts.mma_sums = takes_mma_sums(dims, &parts);
+        parts.mma_times = takes_mma_times(dims, &parts);
         parts
     }
 }
@@ -700,8 +711,13 @@ impl KernelSet {
                 pairs(parts.cb, s.q, qq),
                 0.0,
             ))?;
-            self.chunk_scores(stream, parts, None, dims, count)?;
-            s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
+            if parts.mma_times {
+                // M made and multiplied where it is needed, never stored.
+                self.chunk_scores_times_mma(stream, parts, dims, count)?;
+            } else {
+                self.chunk_scores(stream, parts, None, dims, count)?;
+                s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
+            }
             s.times_head_states(&gemm, (i0, count, dims.heads), c_mat, states_op, parts.u)?;
             let ko = if parts.quads {
                 "ssd_chunk_output_quads"
@@ -883,6 +899,31 @@ impl KernelSet {
         }
         let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
         self.go(k, &mut b, per_item(blocks, THREADS)?)
+    }
+
+    /// `ssd_chunk_scores_times_mma` over a slice of `count` items: what the
+    /// forward's `ssd_chunk_scores` and M X GEMMs compute, a block per
+    /// (item, head, block of rows).
+    fn chunk_scores_times_mma(
+        &self,
+        stream: &CudaStream,
+        parts: &Parts,
+        dims: ScanDims,
+        count: usize,
+    ) -> Result<()> {
+        let k = "ssd_chunk_scores_times_mma";
+        let sizes = [count, dims.heads, dims.groups, dims.chunk];
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&parts.x_op.ptr)
+            .arg(&parts.cb.ptr)
+            .arg(&parts.t_acc.ptr)
+            .arg(&parts.steps.ptr);
+        let narrow = sizes.map(|v| v as u32);
+        for v in &narrow {
+            b.arg(v);
+        }
+        let blocks = product(k, &[count, dims.heads, dims.chunk / MMA_TIMES_ROWS])?;
+        self.go(k, &mut b, per_item(blocks, MMA_TIMES_THREADS)?)
     }
 
     /// The second pass over one slice of `count` items from `first`.
@@ -1182,6 +1223,18 @@ fn takes_mma_sums(dims: ScanDims, parts: &Parts) -> bool {
         && dims.head_dim == MMA_SUMS_P
         && j <= MMA_SUMS_HEADS
         && j * dims.head_dim <= MMA_SUMS_WIDTH
+}
+
+/// Whether `ssd_chunk_scores_times_mma` takes a call's forward M X: where
+/// the `_quads` kernels do, the operands are bf16, P is the width its
+/// fragments are laid out for, and Q is whole blocks of its rows, short
+/// enough that one head's rows of a chunk fit its shared memory.
+fn takes_mma_times(dims: ScanDims, parts: &Parts) -> bool {
+    parts.quads
+        && parts.bf16()
+        && dims.head_dim == MMA_SUMS_P
+        && dims.chunk.is_multiple_of(MMA_TIMES_ROWS)
+        && dims.chunk <= MMA_TIMES_MAX_CHUNK
 }
 
 impl<'a> Call<'a> {
