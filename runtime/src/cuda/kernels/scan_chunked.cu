@@ -632,34 +632,83 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // order dM's products are summed.
 //
 // A block per (item, group, block of SUMS_COLUMNS columns s), its X rows
-// staged in shared memory; warp w walks the 16-row tiles of t w, w + 8,
-// ..., and a tile's heads one after another, fetching head j + 1's dY
-// while it works on head j's (the loop over heads is not unrolled: eight
-// unrolled heads made 8,000 instructions and ran slower than the GEMMs).
-// A thread's fragments are rows g = lane / 4 and g + 8 and columns 2c,
-// 2c + 1 of each 8-column block (c = lane % 4). The product's k order is
-// permuted in both operands alike (thread c holds channels 8c .. 8c + 7 of
-// each 32, one 16-byte load), which leaves every dot product's terms the
-// same. The launcher takes it where the `_quads` kernels do, the operands
-// are bf16, P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
+// staged in shared memory; warp w walks the 16-row tiles of t w, w +
+// MMA_SUMS_WARPS, ..., and a tile's heads one after another, fetching head
+// j + 1's dY while it works on head j's epilogue (the loop over heads is not
+// unrolled: eight unrolled heads made 8,000 instructions and ran slower
+// than the GEMMs). A thread's fragments are rows g = lane / 4 and g + 8
+// and columns 2c, 2c + 1 of each 8-column block (c = lane % 4). The
+// product's k order is permuted in both operands alike (thread c holds
+// channels 8c .. 8c + 7 of each 32, one 16-byte load), which leaves every
+// dot product's terms the same. The decays are computed without a branch
+// (a masked element's exponent is clamped to 0 and its factor multiplied
+// by 0), and M and dCB leave through the warp's staging rows as whole
+// 32-byte sectors (the fragments' 4-byte stores touched 8 rows each). The
+// launcher takes it where the `_quads` kernels do, the operands are bf16,
+// P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
 // MMA_SUMS_WIDTH.
 #define MMA_SUMS_P 64
 #define MMA_SUMS_HEADS 8
 #define MMA_SUMS_WIDTH 512
+#define MMA_SUMS_WARPS 4
 // The staged rows' pitch: 1,088 bytes puts the 8 rows a 16-byte load
 // phase reads 64 bytes apart in the banks, so they never collide.
 #define MMA_SUMS_PITCH (MMA_SUMS_WIDTH + 32)
+// A warp's staging rows: 80 bytes apart, so that the fragments' 4-byte
+// writes (8 rows, 4 words each) fall in 32 different banks.
+#define MMA_STAGE_PITCH (SUMS_COLUMNS + 8)
 
-extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_scores_sums_mma(
+// e^(lam_t - lam_s) for s <= t, else 0: quad_decays' value where s <= t
+// (there lam_t - lam_s <= 0, since Lam only falls), without a branch.
+__device__ __forceinline__ float masked_decay(float lam_t, float lam_s, bool live) {
+    return expf(fminf(lam_t - lam_s, 0.0f)) * (live ? 1.0f : 0.0f);
+}
+
+// Writes a warp's 16 x SUMS_COLUMNS bf16 tile, held as fragments (pairs
+// [r][n]: row g + 8r, columns 8n + 2c and the next), to `dst` (rows
+// `pitch` apart) through `stage`: each lane then stores 8 bytes of rows
+// lane / 8 + 4k, and each store instruction covers 4 whole rows.
+__device__ __forceinline__ void store_tile(bf16* stage, const u32 (&pairs)[2][4], bf16* dst, u64 pitch, u32 lane) {
+    const u32 g = lane / 4;
+    const u32 c = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            *reinterpret_cast<u32*>(stage + (g + 8 * r) * MMA_STAGE_PITCH + 8 * n + 2 * c) = pairs[r][n];
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 row = lane / 8 + 4 * k;
+        const u32 col = (lane % 8) * 4;
+        *reinterpret_cast<uint2*>(dst + row * pitch + col) =
+            *reinterpret_cast<const uint2*>(stage + row * MMA_STAGE_PITCH + col);
+    }
+    __syncwarp();
+}
+
+// Zeros a 16 x SUMS_COLUMNS bf16 tile of `dst`, in the stores' pattern of
+// `store_tile`.
+__device__ __forceinline__ void zero_tile(bf16* dst, u64 pitch, u32 lane) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        *reinterpret_cast<uint2*>(dst + (lane / 8 + 4 * k) * pitch + (lane % 8) * 4) = make_uint2(0, 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_scores_sums_mma(
     const bf16* dy_op, const bf16* x_op, const float* cb, bf16* m, bf16* dcb, float* row_parts,
     float* values, u32 items, u32 heads, u32 groups, u32 chunk) {
     grid_dependency_sync();
     constexpr u32 KB = MMA_SUMS_P / 32;
     __shared__ __align__(16) bf16 xs[SUMS_COLUMNS * MMA_SUMS_PITCH];
-    __shared__ float lam_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
-    __shared__ float dt_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
+    __shared__ __align__(16) bf16 stage[MMA_SUMS_WARPS][16 * MMA_STAGE_PITCH];
+    __shared__ __align__(8) float lam_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
+    __shared__ __align__(8) float dt_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
     // Each warp's sums of E down its rows, per head and column.
-    __shared__ float col_part[SUMS_WARPS][MMA_SUMS_HEADS][SUMS_COLUMNS];
+    __shared__ float col_part[MMA_SUMS_WARPS][MMA_SUMS_HEADS][SUMS_COLUMNS];
     const StepValues v = step_values(values, items, heads, chunk);
     const u32 column_blocks = chunk / SUMS_COLUMNS;
     const u32 cblock = blockIdx.x % column_blocks;
@@ -671,6 +720,7 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
     const u32 warp = threadIdx.x / 32;
     const u32 g = lane / 4;
     const u32 c = lane % 4;
+    const u64 qq = static_cast<u64>(chunk) * chunk;
 
     const u32 row_words = jp / 8;
     const uint4* x_rows = reinterpret_cast<const uint4*>(x_op + (static_cast<u64>(ig) * chunk + s0) * jp);
@@ -682,40 +732,29 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
         lam_s[i / SUMS_COLUMNS][i % SUMS_COLUMNS] = v.lam[at];
         dt_s[i / SUMS_COLUMNS][i % SUMS_COLUMNS] = v.dt[at];
     }
-    for (u32 i = threadIdx.x; i < SUMS_WARPS * MMA_SUMS_HEADS * SUMS_COLUMNS; i += blockDim.x) {
+    for (u32 i = threadIdx.x; i < MMA_SUMS_WARPS * MMA_SUMS_HEADS * SUMS_COLUMNS; i += blockDim.x) {
         (&col_part[0][0][0])[i] = 0.0f;
     }
     __syncthreads();
 
-    const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
-    for (u32 tile = warp; tile < chunk / 16; tile += SUMS_WARPS) {
-        const u32 rows[2] = {tile * 16 + g, tile * 16 + g + 8};
-        if (tile * 16 + 15 < s0) {
+    for (u32 tile = warp; tile < chunk / 16; tile += MMA_SUMS_WARPS) {
+        const u32 t0 = tile * 16;
+        // The tile's first row of dCB's [Q, Q] block, at column s0.
+        bf16* dcb_tile = dcb + static_cast<u64>(ig) * qq + static_cast<u64>(t0) * chunk + s0;
+        if (t0 + 15 < s0) {
             // Above the diagonal: M, dCB and the row sums are zero.
             for (u32 j = 0; j < group_heads; ++j) {
                 const u64 ih = static_cast<u64>(ig) * group_heads + j;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                    for (int n = 0; n < 4; ++n) {
-                        *reinterpret_cast<__nv_bfloat162*>(m + (ih * chunk + rows[r]) * chunk + s0 + 8 * n + 2 * c) =
-                            zero2;
-                    }
-                    if (c == 0) {
-                        row_parts[(ih * chunk + rows[r]) * column_blocks + cblock] = 0.0f;
-                    }
+                zero_tile(m + ih * qq + static_cast<u64>(t0) * chunk + s0, chunk, lane);
+                if (c == 0) {
+                    row_parts[(ih * chunk + t0 + g) * column_blocks + cblock] = 0.0f;
+                    row_parts[(ih * chunk + t0 + g + 8) * column_blocks + cblock] = 0.0f;
                 }
             }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    *reinterpret_cast<__nv_bfloat162*>(dcb + (static_cast<u64>(ig) * chunk + rows[r]) * chunk + s0 +
-                                                       8 * n + 2 * c) = zero2;
-                }
-            }
+            zero_tile(dcb_tile, chunk, lane);
             continue;
         }
+        const u32 rows[2] = {t0 + g, t0 + g + 8};
         float sc[2][4][2];
         float d_score[2][4][2];
 #pragma unroll
@@ -723,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
                 const float2 pair = *reinterpret_cast<const float2*>(
-                    cb + (static_cast<u64>(ig) * chunk + rows[r]) * chunk + s0 + 8 * n + 2 * c);
+                    cb + static_cast<u64>(ig) * qq + static_cast<u64>(rows[r]) * chunk + s0 + 8 * n + 2 * c);
                 sc[r][n][0] = pair.x;
                 sc[r][n][1] = pair.y;
                 d_score[r][n][0] = d_score[r][n][1] = 0.0f;
@@ -747,19 +786,7 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
         fetch(0);
 #pragma unroll 1
         for (u32 j = 0; j < group_heads; ++j) {
-            uint4 words[2][KB];
-            float lam_t[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#pragma unroll
-                for (u32 kb = 0; kb < KB; ++kb) {
-                    words[r][kb] = next[r][kb];
-                }
-                lam_t[r] = next_lam[r];
-            }
-            if (j + 1 < group_heads) {
-                fetch(j + 1);
-            }
+            const float lam_t[2] = {next_lam[0], next_lam[1]};
             // dM of the tile: rows t of dY times rows s of X, head j.
             float acc[4][4];
 #pragma unroll
@@ -768,8 +795,8 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
             }
 #pragma unroll
             for (u32 kb = 0; kb < KB; ++kb) {
-                const uint4 wa = words[0][kb];
-                const uint4 wb = words[1][kb];
+                const uint4 wa = next[0][kb];
+                const uint4 wb = next[1][kb];
                 const u32 lo[4] = {wa.x, wb.x, wa.y, wb.y};
                 const u32 hi[4] = {wa.z, wb.z, wa.w, wb.w};
 #pragma unroll
@@ -780,7 +807,19 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
                     mma_bf16(acc[n], hi, xw.z, xw.w);
                 }
             }
+            // The next head's operands load while this one's epilogue runs.
+            if (j + 1 < group_heads) {
+                fetch(j + 1);
+            }
+            // The thread's columns' Lam_s and dt_s (the same for both rows).
+            float2 ls[4], ds[4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                ls[n] = *reinterpret_cast<const float2*>(&lam_s[j][8 * n + 2 * c]);
+                ds[n] = *reinterpret_cast<const float2*>(&dt_s[j][8 * n + 2 * c]);
+            }
             const u32 ih = ig * group_heads + j;  // item * heads + h
+            u32 out[2][4];
             float col[4][2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -788,22 +827,22 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
                 float row = 0.0f;
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
-                    float out[2];
+                    const u32 s = s0 + 8 * n + 2 * c;
+                    const float l[2] = {masked_decay(lam_t[r], ls[n].x, s <= t),
+                                        masked_decay(lam_t[r], ls[n].y, s + 1 <= t)};
+                    const float dt[2] = {ds[n].x, ds[n].y};
+                    float o[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const u32 sl = 8 * n + 2 * c + e;
-                        const float dt = dt_s[j][sl];
-                        // quad_decays' expression, so M has its bits.
-                        const float l = s0 + sl <= t ? expf(lam_t[r] - lam_s[j][sl]) : 0.0f;
                         const float dm = acc[n][2 * r + e];
-                        out[e] = sc[r][n][e] * l * dt;
-                        const float big_e = dm * sc[r][n][e] * l;
-                        d_score[r][n][e] += dm * l * dt;
-                        row += big_e * dt;
+                        // quad_decays' product, so M has its bits.
+                        o[e] = sc[r][n][e] * l[e] * dt[e];
+                        const float big_e = dm * sc[r][n][e] * l[e];
+                        d_score[r][n][e] += dm * l[e] * dt[e];
+                        row += big_e * dt[e];
                         col[n][e] = r == 0 ? big_e : col[n][e] + big_e;
                     }
-                    *reinterpret_cast<__nv_bfloat162*>(m + (static_cast<u64>(ih) * chunk + t) * chunk + s0 + 8 * n +
-                                                       2 * c) = __floats2bfloat162_rn(out[0], out[1]);
+                    out[r][n] = pack_bf16(o[0], o[1]);
                 }
                 // The row's columns are the 4 lanes differing in bits 0-1.
                 row += __shfl_xor_sync(0xffffffffu, row, 1);
@@ -812,6 +851,8 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
                     row_parts[(ih * chunk + t) * column_blocks + cblock] = row;
                 }
             }
+            store_tile(stage[warp], out, m + static_cast<u64>(ih) * qq + static_cast<u64>(t0) * chunk + s0, chunk,
+                       lane);
             // The tile's column sums: over its 16 rows (lanes differing in
             // bits 2-4), onto the warp's.
 #pragma unroll
@@ -828,15 +869,15 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
                 }
             }
         }
+        u32 scores[2][4];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
-                *reinterpret_cast<__nv_bfloat162*>(dcb + (static_cast<u64>(ig) * chunk + rows[r]) * chunk + s0 +
-                                                   8 * n + 2 * c) =
-                    __floats2bfloat162_rn(d_score[r][n][0], d_score[r][n][1]);
+                scores[r][n] = pack_bf16(d_score[r][n][0], d_score[r][n][1]);
             }
         }
+        store_tile(stage[warp], scores, dcb_tile, chunk, lane);
     }
 
     // The columns' sums over the warps, in order.
@@ -844,7 +885,7 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
     for (u32 i = threadIdx.x; i < group_heads * SUMS_COLUMNS; i += blockDim.x) {
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < SUMS_WARPS; ++w) {
+        for (int w = 0; w < MMA_SUMS_WARPS; ++w) {
             sum += col_part[w][i / SUMS_COLUMNS][i % SUMS_COLUMNS];
         }
         v.col_v[(ig * group_heads + i / SUMS_COLUMNS) * chunk + s0 + i % SUMS_COLUMNS] = sum;
@@ -862,8 +903,8 @@ extern "C" __global__ void __launch_bounds__(SUMS_WARPS * 32, 2) ssd_chunk_score
 // blocks first (they walk the most columns); X's rows s up to the block's
 // last staged in shared memory; warp w takes 16 rows and walks the
 // columns s 16 at a time, making its M fragment (rows g, g + 8; columns
-// 2c, 2c + 1 and 2c + 8, 2c + 9) from CB and the decays. The launcher takes
-// it where the `_quads` kernels do, the operands are bf16, P is
+// 2c, 2c + 1 and 2c + 8, 2c + 9) from CB and the decays (`masked_decay`,
+// no branch). The launcher takes it where the `_quads` kernels do, the operands are bf16, P is
 // MMA_SUMS_P, and Q is whole blocks of rows up to MMA_TIMES_MAX_CHUNK.
 #define MMA_TIMES_ROWS 64
 #define MMA_TIMES_MAX_CHUNK 256
@@ -875,8 +916,8 @@ extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk
     u32 chunk) {
     grid_dependency_sync();
     __shared__ __align__(16) bf16 xs[MMA_TIMES_MAX_CHUNK * MMA_TIMES_PITCH];
-    __shared__ float lam[MMA_TIMES_MAX_CHUNK];
-    __shared__ float dts[MMA_TIMES_MAX_CHUNK];
+    __shared__ __align__(8) float lam[MMA_TIMES_MAX_CHUNK];
+    __shared__ __align__(8) float dts[MMA_TIMES_MAX_CHUNK];
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
     const u32 row_blocks = chunk / MMA_TIMES_ROWS;
     const u32 rb = row_blocks - 1 - blockIdx.x % row_blocks;
@@ -921,12 +962,14 @@ extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const u32 s = s0 + 8 * half + 2 * c;
+            const float2 ls = *reinterpret_cast<const float2*>(&lam[s]);
+            const float2 ds = *reinterpret_cast<const float2*>(&dts[s]);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float2 score = *reinterpret_cast<const float2*>(cb_rows[r] + s);
-                const float l0 = s <= rows[r] ? expf(lam_t[r] - lam[s]) : 0.0f;
-                const float l1 = s + 1 <= rows[r] ? expf(lam_t[r] - lam[s + 1]) : 0.0f;
-                a[2 * half + r] = pack_bf16(score.x * l0 * dts[s], score.y * l1 * dts[s + 1]);
+                const float l0 = masked_decay(lam_t[r], ls.x, s <= rows[r]);
+                const float l1 = masked_decay(lam_t[r], ls.y, s + 1 <= rows[r]);
+                a[2 * half + r] = pack_bf16(score.x * l0 * ds.x, score.y * l1 * ds.y);
             }
         }
 #pragma unroll
