@@ -54,6 +54,8 @@ const SUMS_MAX_HEADS: usize = 16;
 const MMA_SUMS_P: usize = 64;
 const MMA_SUMS_HEADS: usize = 8;
 const MMA_SUMS_WIDTH: usize = 512;
+/// Its threads: `MMA_SUMS_WARPS` warps (its launch bound).
+const MMA_SUMS_THREADS: u32 = 4 * 32;
 /// The rows of a block of `ssd_chunk_scores_times_mma` and the longest
 /// chunk it stages (`MMA_TIMES_ROWS`, `MMA_TIMES_MAX_CHUNK`).
 const MMA_TIMES_ROWS: usize = 64;
@@ -898,7 +900,7 @@ impl KernelSet {
             b.arg(v);
         }
         let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
-        self.go(k, &mut b, per_item(blocks, THREADS)?)
+        self.go(k, &mut b, per_item(blocks, MMA_SUMS_THREADS)?)
     }
 
     /// `ssd_chunk_scores_times_mma` over a slice of `count` items: what the
