@@ -482,9 +482,11 @@ fn scan_backward<B: Backend>(
 /// sequential kernels, forward and backward, against the CPU backend at
 /// real widths (P = 64, N = 128, groups of 8 and 4 heads), with inputs of
 /// order one: whole chunks of 256, many chunks of 64 with decays near 1
-/// (the states and carries cross every chunk) and a last chunk cut short;
-/// at odd widths, which take the element-wise kernels (not the `_quads`
-/// ones); and with a large group in chunks of 48. Each output's largest
+/// (the states and carries cross every chunk) and a last chunk cut short
+/// (in bf16 these take the tensor-core `_mma` kernels); at odd widths,
+/// which take the element-wise kernels (not the `_quads` ones); and with
+/// large groups in chunks of 48 and 64 (in bf16 the GEMM paths the `_mma`
+/// kernels replace). Each output's largest
 /// error, relative to its largest value, is printed and bounded.
 #[test]
 fn both_scan_paths_match_the_cpu_at_real_widths() {
@@ -506,8 +508,13 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
             (1, 300, 8, 64, 2, 128, 256, false),
             (2, 75, 6, 10, 3, 21, 16, false),
             // 20 heads a group in chunks of 48: the `_quads` scores without
-            // their sums (`ssd_chunk_scores_sums` takes the cases above).
+            // their sums, and in bf16 the forward's M X as GEMMs (chunks of
+            // 48 are not whole blocks of `ssd_chunk_scores_times_mma`).
             (1, 200, 20, 64, 1, 16, 48, false),
+            // 12 heads a group: in bf16 the backward's dM as GEMMs and
+            // `ssd_chunk_scores_sums_bf16` (the `_mma` kernels take the
+            // first three cases, at most 8 heads a group and P = 64).
+            (1, 256, 12, 64, 1, 32, 64, false),
         ] {
             let dims = ScanDims {
                 tokens: Tokens::new(batch, seq),

@@ -54,8 +54,9 @@ const SUMS_MAX_HEADS: usize = 16;
 const MMA_SUMS_P: usize = 64;
 const MMA_SUMS_HEADS: usize = 8;
 const MMA_SUMS_WIDTH: usize = 512;
-/// Its threads: `MMA_SUMS_WARPS` warps (its launch bound).
-const MMA_SUMS_THREADS: u32 = 4 * 32;
+/// Its warps, which its launch bound holds it to (`MMA_SUMS_WARPS`).
+const MMA_SUMS_WARPS: usize = 4;
+const MMA_SUMS_THREADS: u32 = (MMA_SUMS_WARPS * 32) as u32;
 /// The rows of a block of `ssd_chunk_scores_times_mma` and the longest
 /// chunk it stages (`MMA_TIMES_ROWS`, `MMA_TIMES_MAX_CHUNK`).
 const MMA_TIMES_ROWS: usize = 64;
@@ -1302,6 +1303,41 @@ mod tests {
             state: 128,
             chunk,
         }
+    }
+
+    /// The launcher's sizes are the kernels': a block launched with more
+    /// threads than a kernel's launch bound is refused on the GPU
+    /// (`ssd_chunk_scores_sums_mma` was, once), and a shape the launcher
+    /// admits past a kernel's arrays would run over them.
+    #[test]
+    fn the_launchers_sizes_are_the_kernels_defines() {
+        let source = crate::cuda::kernels::SOURCES
+            .iter()
+            .find(|s| s.file == "scan_chunked.cu")
+            .expect("scan_chunked.cu is listed");
+        for (define, value) in [
+            ("CHUNKED_MAX_CHUNK", CHUNKED_MAX_CHUNK),
+            ("SUMS_COLUMNS", SUMS_COLUMNS),
+            ("SUMS_MAX_HEADS", SUMS_MAX_HEADS),
+            ("SUMS_WARPS", THREADS as usize / 32),
+            ("MMA_SUMS_P", MMA_SUMS_P),
+            ("MMA_SUMS_HEADS", MMA_SUMS_HEADS),
+            ("MMA_SUMS_WIDTH", MMA_SUMS_WIDTH),
+            ("MMA_SUMS_WARPS", MMA_SUMS_THREADS as usize / 32),
+            ("MMA_TIMES_ROWS", MMA_TIMES_ROWS),
+            ("MMA_TIMES_MAX_CHUNK", MMA_TIMES_MAX_CHUNK),
+        ] {
+            let line = format!("#define {define} {value}");
+            let found = source.text.lines().any(|l| l.trim_end() == line);
+            assert!(found, "scan_chunked.cu should say `{line}`");
+        }
+        // The forward kernel's launch bound is a warp per 16 rows.
+        assert!(
+            source
+                .text
+                .contains("__launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk_scores_times_mma")
+        );
+        assert_eq!(MMA_TIMES_THREADS as usize, MMA_TIMES_ROWS / 16 * 32);
     }
 
     #[test]
