@@ -641,8 +641,7 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // product's k order is permuted in both operands alike (thread c holds
 // channels 8c .. 8c + 7 of each 32, one 16-byte load), which leaves every
 // dot product's terms the same. The decays are computed without a branch
-// (a masked element's exponent is clamped to 0 and its factor multiplied
-// by 0), and M and dCB leave through the warp's staging rows as whole
+// (`masked_decay`), and M and dCB leave through the warp's staging rows as whole
 // 32-byte sectors (the fragments' 4-byte stores touched 8 rows each). The
 // launcher takes it where the `_quads` kernels do, the operands are bf16,
 // P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
@@ -658,10 +657,15 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // writes (8 rows, 4 words each) fall in 32 different banks.
 #define MMA_STAGE_PITCH (SUMS_COLUMNS + 8)
 
-// e^(lam_t - lam_s) for s <= t, else 0: quad_decays' value where s <= t
-// (there lam_t - lam_s <= 0, since Lam only falls), without a branch.
+// e^(lam_t - lam_s) for s <= t, else 0: quad_decays' value, without a
+// branch. Where s <= t the exponent is at most 0 (Lam only falls), so the
+// clamp changes nothing there; past t it keeps the unused exponential
+// finite. A NaN exponent fails the comparison and stays NaN (fminf would
+// have made it 0), and the mask is a select, so a masked NaN is still 0.
 __device__ __forceinline__ float masked_decay(float lam_t, float lam_s, bool live) {
-    return expf(fminf(lam_t - lam_s, 0.0f)) * (live ? 1.0f : 0.0f);
+    const float x = lam_t - lam_s;
+    const float decay = expf(x > 0.0f ? 0.0f : x);
+    return live ? decay : 0.0f;
 }
 
 // Writes a warp's 16 x SUMS_COLUMNS bf16 tile, held as fragments (pairs
