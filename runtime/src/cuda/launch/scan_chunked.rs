@@ -715,8 +715,18 @@ impl KernelSet {
                 0.0,
             ))?;
             if parts.mma_times {
-                // M made and multiplied where it is needed, never stored.
-                self.chunk_scores_times_mma(stream, parts, dims, count)?;
+                // M made and multiplied where it is needed, never stored: a
+                // block per (item, head, block of rows).
+                let k = "ssd_chunk_scores_times_mma";
+                let blocks = product(k, &[count, dims.heads, dims.chunk / MMA_TIMES_ROWS])?;
+                let pointers = [parts.x_op, parts.cb, parts.t_acc, parts.steps].map(|v| v.ptr);
+                self.scores_mma(
+                    stream,
+                    k,
+                    &pointers,
+                    (dims, count),
+                    (blocks, MMA_TIMES_THREADS),
+                )?;
             } else {
                 self.chunk_scores(stream, parts, None, dims, count)?;
                 s.head_scores_times(&gemm, pair_count, (parts.m, false), parts.x_op, parts.t_acc)?;
@@ -876,57 +886,27 @@ impl KernelSet {
         self.go(k, &mut b, block_per_row(rows))
     }
 
-    /// `ssd_chunk_scores_sums_mma` over a slice of `count` items: what the
-    /// backward's dM GEMMs and `ssd_chunk_scores_sums` compute, a block per
-    /// (item, group, block of columns).
-    fn chunk_scores_mma(
+    /// One of the tensor-core scores kernels (`ssd_chunk_scores_sums_mma`,
+    /// `ssd_chunk_scores_times_mma`) over a slice of `count` items: its
+    /// `pointers`, then the slice's items, heads, groups and chunk in 32
+    /// bits (the `_quads` kernels' indices), on `blocks` of `threads`.
+    fn scores_mma(
         &self,
         stream: &CudaStream,
-        parts: &Parts,
-        dims: ScanDims,
-        count: usize,
+        k: &'static str,
+        pointers: &[u64],
+        (dims, count): (ScanDims, usize),
+        (blocks, threads): (usize, u32),
     ) -> Result<()> {
-        let k = "ssd_chunk_scores_sums_mma";
-        let sizes = [count, dims.heads, dims.groups, dims.chunk];
+        let sizes = [count, dims.heads, dims.groups, dims.chunk].map(|v| v as u32);
         let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&parts.dy_op.ptr)
-            .arg(&parts.x_op.ptr)
-            .arg(&parts.cb.ptr)
-            .arg(&parts.m.ptr)
-            .arg(&parts.d_cb.ptr)
-            .arg(&parts.row_parts.ptr)
-            .arg(&parts.steps.ptr);
-        let narrow = sizes.map(|v| v as u32);
-        for v in &narrow {
+        for p in pointers {
+            b.arg(p);
+        }
+        for v in &sizes {
             b.arg(v);
         }
-        let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
-        self.go(k, &mut b, per_item(blocks, MMA_SUMS_THREADS)?)
-    }
-
-    /// `ssd_chunk_scores_times_mma` over a slice of `count` items: what the
-    /// forward's `ssd_chunk_scores` and M X GEMMs compute, a block per
-    /// (item, head, block of rows).
-    fn chunk_scores_times_mma(
-        &self,
-        stream: &CudaStream,
-        parts: &Parts,
-        dims: ScanDims,
-        count: usize,
-    ) -> Result<()> {
-        let k = "ssd_chunk_scores_times_mma";
-        let sizes = [count, dims.heads, dims.groups, dims.chunk];
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&parts.x_op.ptr)
-            .arg(&parts.cb.ptr)
-            .arg(&parts.t_acc.ptr)
-            .arg(&parts.steps.ptr);
-        let narrow = sizes.map(|v| v as u32);
-        for v in &narrow {
-            b.arg(v);
-        }
-        let blocks = product(k, &[count, dims.heads, dims.chunk / MMA_TIMES_ROWS])?;
-        self.go(k, &mut b, per_item(blocks, MMA_TIMES_THREADS)?)
+        self.go(k, &mut b, per_item(blocks, threads)?)
     }
 
     /// The second pass over one slice of `count` items from `first`.
@@ -963,8 +943,27 @@ impl KernelSet {
         let cb = pairs(parts.cb, s.q, qq);
         run(s.q, s.q, s.n, c_mat, false, b_mat, true, cb, 0.0)?;
         if parts.mma_sums {
-            // dM made and used where it is needed, never stored.
-            self.chunk_scores_mma(stream, parts, dims, count)?;
+            // dM made and used where it is needed, never stored: a block
+            // per (item, group, block of columns).
+            let k = "ssd_chunk_scores_sums_mma";
+            let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
+            let pointers = [
+                parts.dy_op,
+                parts.x_op,
+                parts.cb,
+                parts.m,
+                parts.d_cb,
+                parts.row_parts,
+                parts.steps,
+            ]
+            .map(|v| v.ptr);
+            self.scores_mma(
+                stream,
+                k,
+                &pointers,
+                (dims, count),
+                (blocks, MMA_SUMS_THREADS),
+            )?;
         } else {
             // dM = dY X^T per head.
             for j in 0..s.j {
