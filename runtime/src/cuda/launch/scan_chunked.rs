@@ -82,7 +82,11 @@ struct ItemLens {
     narrow: usize,
     /// CB and dCB: `[G, Q, Q]` each.
     group_scores: usize,
-    /// M and dM: `[H, Q, Q]` each.
+    /// M and dM: `[H, Q, Q]` each. Where the tensor-core kernels take a
+    /// call ([`takes_mma_sums`], [`takes_mma_times`]) dM's slot goes unused
+    /// and only the backward writes M (for the M^T dY GEMMs); the plan
+    /// still reserves both, since it is made before the operands' dtype
+    /// and alignment are known (268 MB of dM at the benchmark's widths).
     head_scores: usize,
     /// The row sums' partials of `ssd_chunk_scores_sums`: `[H, Q, Q /
     /// SUMS_COLUMNS]` (rounded up).
