@@ -634,17 +634,17 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // A block per (item, group, block of SUMS_COLUMNS columns s), its X rows
 // staged in shared memory; warp w walks the 16-row tiles of t w, w +
 // MMA_SUMS_WARPS, ..., and a tile's heads one after another, fetching head
-// j + 1's dY while it works on head j's epilogue (the loop over heads is not
-// unrolled: eight unrolled heads made 8,000 instructions and ran slower
-// than the GEMMs). A thread's fragments are rows g = lane / 4 and g + 8
+// j + 1's dY while it works on head j's epilogue (the loop over heads is
+// not unrolled: eight unrolled heads made 8,000 instructions and ran
+// slower than the GEMMs). A thread's fragments are rows g = lane / 4 and g + 8
 // and columns 2c, 2c + 1 of each 8-column block (c = lane % 4). The
 // product's k order is permuted in both operands alike (thread c holds
 // channels 8c .. 8c + 7 of each 32, one 16-byte load), which leaves every
 // dot product's terms the same. The decays are computed without a branch
-// (`masked_decay`), and M and dCB leave through the warp's staging rows as whole
-// 32-byte sectors (the fragments' 4-byte stores touched 8 rows each). The
-// launcher takes it where the `_quads` kernels do, the operands are bf16,
-// P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
+// (`masked_decay`), and M and dCB leave through the warp's staging rows
+// as whole 32-byte sectors (the fragments' 4-byte stores touched 8 rows
+// each). The launcher takes it where the `_quads` kernels do, the operands
+// are bf16, P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
 // MMA_SUMS_WIDTH.
 #define MMA_SUMS_P 64
 #define MMA_SUMS_HEADS 8
