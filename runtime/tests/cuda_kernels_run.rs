@@ -1048,26 +1048,22 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
     // bf16 rows of whole 16-byte words (64, 4,104 = 2 words for each of
     // the block's 256 threads and one more, 16,000, 32,768) take the
     // kernels' 8-a-thread path, the others an element a thread.
-    for (rows, vocab, logits_dtype) in [
-        (3usize, 700usize, DType::F32),
-        (4, 1500, DType::F32),
-        (6, 2500, DType::F32),
-        (37, 5003, DType::F32),
-        (3, 16_000, DType::F32),
-        (9, 32_768, DType::F32),
-        (5, 131_071, DType::F32),
-        (3, 700, DType::Bf16),
-        (5, 64, DType::Bf16),
-        (4, 4104, DType::Bf16),
-        (3, 16_000, DType::Bf16),
-        (9, 32_768, DType::Bf16),
-        (5, 131_071, DType::Bf16),
+    let [f32_logits, bf16_logits] = MODES;
+    for (rows, vocab, (mode, logits_dtype)) in [
+        (3usize, 700usize, f32_logits),
+        (4, 1500, f32_logits),
+        (6, 2500, f32_logits),
+        (37, 5003, f32_logits),
+        (3, 16_000, f32_logits),
+        (9, 32_768, f32_logits),
+        (5, 131_071, f32_logits),
+        (3, 700, bf16_logits),
+        (5, 64, bf16_logits),
+        (4, 4104, bf16_logits),
+        (3, 16_000, bf16_logits),
+        (9, 32_768, bf16_logits),
+        (5, 131_071, bf16_logits),
     ] {
-        let mode = if logits_dtype == DType::Bf16 {
-            "bf16"
-        } else {
-            "f32"
-        };
         let d = LossDims { rows, vocab };
         let targets: Vec<u32> = (0..rows)
             .map(|r| {

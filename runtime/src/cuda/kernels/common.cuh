@@ -161,6 +161,18 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
     return v;
 }
 
+// Two floats as a bf16 pair, the first in the low half (the
+// lower-indexed element).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+// Four floats as 4 bf16 channels in one 8-byte word.
+__device__ __forceinline__ uint2 pack4(float a, float b, float c, float d) {
+    return make_uint2(pack_bf16(a, b), pack_bf16(c, d));
+}
+
 // Word `word` (8 channels) of a bf16 or f32 tensor: one 16-byte access
 // for bf16, two for f32 (the launcher checks 16-byte alignment). For
 // kernels whose operands mix the two (an f32 gradient sum read beside bf16

@@ -124,12 +124,7 @@ extern "C" __global__ void adam_update(
             continue;
         }
         if (packed_copy) {
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(p4.x, p4.y);
-            const __nv_bfloat162 hi = __floats2bfloat162_rn(p4.z, p4.w);
-            uint2 word;
-            word.x = *reinterpret_cast<const u32*>(&lo);
-            word.y = *reinterpret_cast<const u32*>(&hi);
-            reinterpret_cast<uint2*>(copy)[q] = word;
+            reinterpret_cast<uint2*>(copy)[q] = pack4(p4.x, p4.y, p4.z, p4.w);
         } else {
             store(copy, copy_dtype, i, p4.x);
             store(copy, copy_dtype, i + 1, p4.y);

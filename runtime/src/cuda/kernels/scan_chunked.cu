@@ -71,12 +71,7 @@ __device__ __forceinline__ void put4(float* p, u32 k, const float (&v)[4]) {
     reinterpret_cast<float4*>(p)[k] = make_float4(v[0], v[1], v[2], v[3]);
 }
 __device__ __forceinline__ void put4(bf16* p, u32 k, const float (&v)[4]) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(v[2], v[3]);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const u32*>(&lo);
-    packed.y = *reinterpret_cast<const u32*>(&hi);
-    reinterpret_cast<uint2*>(p)[k] = packed;
+    reinterpret_cast<uint2*>(p)[k] = pack4(v[0], v[1], v[2], v[3]);
 }
 
 // What every kernel needs to place a slice's item i: its sequence, chunk

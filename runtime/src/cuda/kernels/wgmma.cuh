@@ -50,13 +50,6 @@ __device__ __forceinline__ void wait_async() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Two floats as a bf16 pair, the first in the low half (an operand's
-// lower-indexed element).
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-}
-
 // Two adjacent outputs: a bf16 pair, or two f32s.
 __device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
     *reinterpret_cast<u32*>(p) = pack_bf16(a, b);

@@ -1329,8 +1329,11 @@ impl KernelSet {
     /// Whether the loss kernels take bf16 `logits` (and `out`, f32 or
     /// bf16, where they write one) 8 a 16-byte word: `words8`'s rule.
     fn logit_words(logits: &GpuView, out: Option<&GpuView>, d: LossDims) -> i32 {
-        let views: Vec<GpuView> = std::iter::once(*logits).chain(out.copied()).collect();
-        i32::from(logits.dtype == DType::Bf16 && words8(&views, d.vocab))
+        let aligned = match out {
+            Some(out) => words8(&[*logits, *out], d.vocab),
+            None => words8(&[*logits], d.vocab),
+        };
+        i32::from(logits.dtype == DType::Bf16 && aligned)
     }
 
     /// `losses`: f32, one a row.
