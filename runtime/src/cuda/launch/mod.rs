@@ -2187,6 +2187,29 @@ impl KernelSet {
     }
 }
 
+/// The kernel source `file`, after asserting that it says `#define NAME
+/// value` (an unsigned suffix allowed) for each of `defines`: how a
+/// launcher's tests hold its sizes to the kernels'.
+#[cfg(test)]
+fn source_with_defines(
+    file: &str,
+    defines: &[(&str, usize)],
+) -> &'static crate::cuda::kernels::KernelSource {
+    let source = crate::cuda::kernels::SOURCES
+        .iter()
+        .find(|s| s.file == file)
+        .unwrap_or_else(|| panic!("{file} is listed"));
+    for (define, value) in defines {
+        let line = format!("#define {define} {value}");
+        let found = source
+            .text
+            .lines()
+            .any(|l| l.trim_end().trim_end_matches('u') == line);
+        assert!(found, "{file} should say `{line}`");
+    }
+    source
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

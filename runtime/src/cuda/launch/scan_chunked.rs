@@ -1314,26 +1314,21 @@ mod tests {
     /// admits past a kernel's arrays would run over them.
     #[test]
     fn the_launchers_sizes_are_the_kernels_defines() {
-        let source = crate::cuda::kernels::SOURCES
-            .iter()
-            .find(|s| s.file == "scan_chunked.cu")
-            .expect("scan_chunked.cu is listed");
-        for (define, value) in [
-            ("CHUNKED_MAX_CHUNK", CHUNKED_MAX_CHUNK),
-            ("SUMS_COLUMNS", SUMS_COLUMNS),
-            ("SUMS_MAX_HEADS", SUMS_MAX_HEADS),
-            ("SUMS_WARPS", THREADS as usize / 32),
-            ("MMA_SUMS_P", MMA_SUMS_P),
-            ("MMA_SUMS_HEADS", MMA_SUMS_HEADS),
-            ("MMA_SUMS_WIDTH", MMA_SUMS_WIDTH),
-            ("MMA_SUMS_WARPS", MMA_SUMS_THREADS as usize / 32),
-            ("MMA_TIMES_ROWS", MMA_TIMES_ROWS),
-            ("MMA_TIMES_MAX_CHUNK", MMA_TIMES_MAX_CHUNK),
-        ] {
-            let line = format!("#define {define} {value}");
-            let found = source.text.lines().any(|l| l.trim_end() == line);
-            assert!(found, "scan_chunked.cu should say `{line}`");
-        }
+        let source = super::super::source_with_defines(
+            "scan_chunked.cu",
+            &[
+                ("CHUNKED_MAX_CHUNK", CHUNKED_MAX_CHUNK),
+                ("SUMS_COLUMNS", SUMS_COLUMNS),
+                ("SUMS_MAX_HEADS", SUMS_MAX_HEADS),
+                ("SUMS_WARPS", THREADS as usize / 32),
+                ("MMA_SUMS_P", MMA_SUMS_P),
+                ("MMA_SUMS_HEADS", MMA_SUMS_HEADS),
+                ("MMA_SUMS_WIDTH", MMA_SUMS_WIDTH),
+                ("MMA_SUMS_WARPS", MMA_SUMS_THREADS as usize / 32),
+                ("MMA_TIMES_ROWS", MMA_TIMES_ROWS),
+                ("MMA_TIMES_MAX_CHUNK", MMA_TIMES_MAX_CHUNK),
+            ],
+        );
         // The forward kernel's launch bound is a warp per 16 rows.
         assert!(
             source
