@@ -221,6 +221,17 @@ __device__ __forceinline__ void store_rows(T* first, u64 stride, const float (&a
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
+// 2^x on the special-function unit, results below 2^-126 flushed to zero
+// (exp2(-inf) is 0). exp2f keeps those subnormal results with a compare and
+// two multiplies around the same instruction, three more instructions an
+// element in loops that are bound by issuing them; a probability below
+// 2^-126 adds nothing a bf16 sum can hold.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Block (tile, pair) of a grid of `tiles` tiles for each of `pairs` pairs,
 // blockIdx.x = rank * pairs + pair; heaviest tiles run first.
 __device__ __forceinline__ void flash_block(u32 tiles, u32 pairs, bool last_first, u32& tile, u32& pair) {
@@ -320,7 +331,7 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
                 // Key 0 is in every row's first tile, so the max is finite
                 // from then on.
                 const float next = fmaxf(mx[i], quad_max(x[i]));
-                alpha[i] = exp2f(mx[i] - next);
+                alpha[i] = exp2_ftz(mx[i] - next);
                 mx[i] = next;
                 sum[i] *= alpha[i];
             }
@@ -331,7 +342,7 @@ __device__ __forceinline__ void flash_forward(const bf16* q, const bf16* k, cons
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int i = 2 * m + (e >> 1);
-                        s[m][n][e] = exp2f(s[m][n][e] - mx[i]);
+                        s[m][n][e] = exp2_ftz(s[m][n][e] - mx[i]);
                         sum[i] += s[m][n][e];
                     }
                 }
@@ -467,7 +478,7 @@ __device__ __forceinline__ void flash_backward_dq(const bf16* q, const bf16* k, 
                         const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
                         const u32 row = r0 + 8 * i;
                         const bool live = !masked || (key <= row && key < seq);
-                        const float p = live ? exp2f(s[m][n][e] * c - er[i]) : 0.0f;
+                        const float p = live ? exp2_ftz(s[m][n][e] * c - er[i]) : 0.0f;
                         s[m][n][e] = p * (dp[m][n][e] - dr[i]);
                     }
                 }
@@ -561,7 +572,7 @@ __device__ __forceinline__ void flash_backward_dkdv(const bf16* q, const bf16* k
                 const u32 query = t0 + col;
                 const u32 key = e < 2 ? r0 : r0 + 8;
                 const bool live = !masked || (key <= query && query < seq);
-                p[0][n][e] = live ? exp2f(p[0][n][e] * c - lt[col] * LOG2E) : 0.0f;
+                p[0][n][e] = live ? exp2_ftz(p[0][n][e] * c - lt[col] * LOG2E) : 0.0f;
                 dp[0][n][e] = p[0][n][e] * (dp[0][n][e] - dt[col]);
             }
         }
@@ -752,10 +763,20 @@ __device__ __forceinline__ void zero(float (&d)[N]) {
 
 // Scales a forward tile's scores (KEYS keys from u0, this thread's rows
 // `row` and `row + 8` from g0), masking keys past the row or the sequence,
-// and folds them into each row's tile max `x`.
+// and gives each row's tile max in `x`. The max takes four running maxima
+// a row, then their max: the same value in any order, in a quarter of the
+// dependent steps (on the path from the scores to the exponentials).
 template <bool MASKED, int KEYS>
 __device__ __forceinline__ void scale_scores(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
                                              float c, float (&x)[2]) {
+    float part[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            part[i][q] = neg_inf();
+        }
+    }
 #pragma unroll
     for (int n = 0; n < KEYS / 8; ++n) {
 #pragma unroll
@@ -764,8 +785,13 @@ __device__ __forceinline__ void scale_scores(float (&s)[KEYS / 2], u32 u0, u32 g
             const u32 r = g0 + row + (e >> 1) * 8;
             float& sv = s[4 * n + e];
             sv = (!MASKED || (key <= r && key < seq)) ? sv * c : neg_inf();
-            x[e >> 1] = fmaxf(x[e >> 1], sv);
+            float& m = part[e >> 1][(n & 1) * 2 + (e & 1)];
+            m = fmaxf(m, sv);
         }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        x[i] = fmaxf(fmaxf(part[i][0], part[i][1]), fmaxf(part[i][2], part[i][3]));
     }
 }
 
@@ -783,7 +809,7 @@ __device__ __forceinline__ void tile_score_gradients(float (&s)[KEYS / 2], const
             const u32 key = u0 + n * 8 + 2 * (lane & 3) + (e & 1);
             const u32 r = g0 + row + 8 * i;
             const bool live = !MASKED || (key <= r && key < seq);
-            const float p = live ? exp2f(s[4 * n + e] * c - er[i]) : 0.0f;
+            const float p = live ? exp2_ftz(s[4 * n + e] * c - er[i]) : 0.0f;
             s[4 * n + e] = p * (dp[4 * n + e] - dr[i]);
         }
     }
@@ -805,7 +831,7 @@ __device__ __forceinline__ void key_probabilities(float (&p)[QUERIES / 2], float
             const u32 key = kg0 + row + (e >> 1) * 8;
             const bool live = !MASKED || (key <= query && query < seq);
             float& pv = p[4 * n + e];
-            pv = live ? exp2f(pv * c - lt[col] * LOG2E) : 0.0f;
+            pv = live ? exp2_ftz(pv * c - lt[col] * LOG2E) : 0.0f;
             dp[4 * n + e] = pv * (dp[4 * n + e] - dt[col]);
         }
     }
@@ -815,21 +841,17 @@ __device__ __forceinline__ void key_probabilities(float (&p)[QUERIES / 2], float
 // + 8 of the warpgroup's rows from g0), the keys from u0: masks keys past
 // the row or the sequence, folds the tile into the running max `mx` and sum
 // `sum`, and gives each row's rescale of what came before in `alpha`.
-template <int KEYS>
-__device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
-                                               float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
+template <bool MASKED, int KEYS>
+__device__ __forceinline__ void tile_softmax(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
+                                             float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
     float x[2] = {neg_inf(), neg_inf()};
-    if (u0 + KEYS > g0 || u0 + KEYS > seq) {
-        scale_scores<true, KEYS>(s, u0, g0, row, lane, seq, c, x);
-    } else {
-        scale_scores<false, KEYS>(s, u0, g0, row, lane, seq, c, x);
-    }
+    scale_scores<MASKED, KEYS>(s, u0, g0, row, lane, seq, c, x);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         // Key 0 is in every row's first tile, so the max is finite from
         // then on.
         const float next = fmaxf(mx[i], quad_max(x[i]));
-        alpha[i] = exp2f(mx[i] - next);
+        alpha[i] = exp2_ftz(mx[i] - next);
         mx[i] = next;
         sum[i] *= alpha[i];
     }
@@ -837,9 +859,25 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32
     for (int n = 0; n < KEYS / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[4 * n + e] = exp2f(s[4 * n + e] - mx[e >> 1]);
+            s[4 * n + e] = exp2_ftz(s[4 * n + e] - mx[e >> 1]);
             sum[e >> 1] += s[4 * n + e];
         }
+    }
+}
+
+// The same, the masked or unmasked way as the tile needs. The whole
+// softmax is in the branch, not only the masking: ptxas places a
+// warpgroup wait that follows at the top of its basic block, so after the
+// branch's join the wait for the P V in flight comes after the
+// exponentials (with only the masking branched, it hoisted that wait above
+// them and the softmax no longer overlapped the product).
+template <int KEYS>
+__device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32 g0, u32 row, u32 lane, u32 seq,
+                                               float c, float (&mx)[2], float (&sum)[2], float (&alpha)[2]) {
+    if (u0 + KEYS > g0 || u0 + KEYS > seq) {
+        tile_softmax<true, KEYS>(s, u0, g0, row, lane, seq, c, mx, sum, alpha);
+    } else {
+        tile_softmax<false, KEYS>(s, u0, g0, row, lane, seq, c, mx, sum, alpha);
     }
 }
 
@@ -850,8 +888,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32
 // tile j - 1's P V into the output. The output still takes each tile's
 // rescale after that tile's P V and before the next one's, so every sum
 // keeps the unpipelined kernel's order (and bits). K runs one tile ahead
-// of V: iteration j fetches K of tile j + 1 and V of tile j, so two buffers
-// of each hold what is in use (K_j, V_{j-1}) and what is in flight.
+// of V: iteration j fetches K of tile j + 1 and V of tile j, into three
+// buffers of each, so that what it fetches never goes where the previous
+// iteration's products read (K_{j-1}, V_{j-2}): every warp has passed this
+// iteration's barrier, so the previous one is done everywhere, and the
+// warpgroups meet once an iteration, not twice.
 __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k, const bf16* v, bf16* out,
                                                     float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
                                                     float scale) {
@@ -860,8 +901,8 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
     constexpr u32 KEY_ELEMS = KEYS * D;
     extern __shared__ __align__(128) unsigned char shared[];
     bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
-    bf16* ks = qs + WG_QUERY_ROWS * D;  // two buffers
-    bf16* vs = ks + 2 * KEY_ELEMS;  // two buffers
+    bf16* ks = qs + WG_QUERY_ROWS * D;  // three buffers
+    bf16* vs = ks + 3 * KEY_ELEMS;  // three buffers
     u32 tile, pair;
     flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 h = pair % heads;
@@ -879,7 +920,7 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
     auto stage = [&](const bf16* src, bf16* dst, u32 j) {
         const u32 u = j * KEYS;
         const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_swizzled<KEYS>(dst + (j & 1) * KEY_ELEMS, src + first, kv_stride, seq - u);
+        stage_swizzled<KEYS>(dst + (j % 3) * KEY_ELEMS, src + first, kv_stride, seq - u);
     };
     // Fetches K_{j+1} and V_j, and waits for K_j and V_{j-1}.
     auto advance = [&](u32 j) {
@@ -914,7 +955,6 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
         for (int kk = 0; kk < KEYS / 16; ++kk) {
             a_operand(p[kk], s, kk);
         }
-        __syncthreads();
     }
     for (u32 j = 1; j < key_tiles; ++j) {
         advance(j);
@@ -922,9 +962,9 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
         fence_operands(acc);
         fence_operands(p);
         wgmma_fence();
-        issue_scores<WG_QUERY_ROWS, KEYS>(s, qs, group * 64, ks + (j & 1) * KEY_ELEMS);
+        issue_scores<WG_QUERY_ROWS, KEYS>(s, qs, group * 64, ks + (j % 3) * KEY_ELEMS);
         wgmma_commit();
-        issue_weighted_rows<KEYS>(acc, p, vs + ((j - 1) & 1) * KEY_ELEMS);
+        issue_weighted_rows<KEYS>(acc, p, vs + ((j - 1) % 3) * KEY_ELEMS);
         wgmma_commit();
         wgmma_wait<1>();  // the scores; P V may still run
         fence_operands(s);
@@ -942,15 +982,12 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
         for (int kk = 0; kk < KEYS / 16; ++kk) {
             a_operand(p[kk], s, kk);
         }
-        // Both warpgroups are done with K_j and V_{j-1} before the next
-        // fetches into their buffers.
-        __syncthreads();
     }
     advance(key_tiles);
     fence_operands(acc);
     fence_operands(p);
     wgmma_fence();
-    issue_weighted_rows<KEYS>(acc, p, vs + ((key_tiles - 1) & 1) * KEY_ELEMS);
+    issue_weighted_rows<KEYS>(acc, p, vs + ((key_tiles - 1) % 3) * KEY_ELEMS);
     wgmma_finish();
     const u32 t = lane & 3;
 #pragma unroll
@@ -976,8 +1013,12 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
 // dq of `flash_backward_dq` on warpgroups (and D_t into `delta`): a block
 // per 128-row query tile, key tiles of 64, pipelined as the forward: while
 // the warpgroup turns tile j's S and dP into dS, its tensor cores add tile
-// j - 1's dS K into dq (the same sums in the same order). K_{j-1} is read
-// while K_j is in use and K_{j+1} in flight, so K has three buffers.
+// j - 1's dS K into dq (the same sums in the same order). Iteration j
+// reads K_{j-1}, K_j and V_j and fetches K_{j+1} and V_{j+1}, while a
+// warpgroup behind may still be in iteration j - 1, reading K_{j-2},
+// K_{j-1} and V_{j-1}: K has four buffers and V three, so the fetches
+// never go where a product reads, and the warpgroups meet once an
+// iteration, not twice.
 __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf16* k, const bf16* v,
                                                         const bf16* out, const float* lse, const bf16* dout,
                                                         bf16* dq, float* delta, u32 batch, u32 seq, u32 heads,
@@ -989,8 +1030,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     __shared__ float delta_tile[WG_QUERY_ROWS];
     bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* dos = qs + QUERY_ELEMS;
-    bf16* ks = dos + QUERY_ELEMS;  // three buffers
-    bf16* vs = ks + 3 * KEY_ELEMS;  // two buffers
+    bf16* ks = dos + QUERY_ELEMS;  // four buffers
+    bf16* vs = ks + 4 * KEY_ELEMS;  // three buffers
     u32 tile, pair;
     flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 h = pair % heads;
@@ -1011,8 +1052,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     auto stage_keys_at = [&](u32 j) {
         const u32 u = j * WG_DQ_KEYS;
         const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_swizzled<WG_DQ_KEYS>(ks + (j % 3) * KEY_ELEMS, k + first, kv_stride, seq - u);
-        stage_swizzled<WG_DQ_KEYS>(vs + (j & 1) * KEY_ELEMS, v + first, kv_stride, seq - u);
+        stage_swizzled<WG_DQ_KEYS>(ks + (j % 4) * KEY_ELEMS, k + first, kv_stride, seq - u);
+        stage_swizzled<WG_DQ_KEYS>(vs + (j % 3) * KEY_ELEMS, v + first, kv_stride, seq - u);
     };
     const u64 first_query = ((row0 + t0) * heads + h) * D;
     stage_swizzled<WG_QUERY_ROWS>(qs, q + first_query, q_stride, seq - t0);
@@ -1034,8 +1075,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     // Tile j's S and dP (issued together), and dS = P (dP - D) from them,
     // in place of S.
     auto issue_scores_at = [&](float (&s)[WG_DQ_KEYS / 2], float (&dp)[WG_DQ_KEYS / 2], u32 j) {
-        issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(s, qs, group * 64, ks + (j % 3) * KEY_ELEMS);
-        issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(dp, dos, group * 64, vs + (j & 1) * KEY_ELEMS);
+        issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(s, qs, group * 64, ks + (j % 4) * KEY_ELEMS);
+        issue_scores<WG_QUERY_ROWS, WG_DQ_KEYS>(dp, dos, group * 64, vs + (j % 3) * KEY_ELEMS);
     };
     auto score_gradients = [&](float (&s)[WG_DQ_KEYS / 2], const float (&dp)[WG_DQ_KEYS / 2], u32 j) {
         const u32 u0 = j * WG_DQ_KEYS;
@@ -1065,7 +1106,6 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
         for (int kk = 0; kk < WG_DQ_KEYS / 16; ++kk) {
             a_operand(ds[kk], s, kk);
         }
-        __syncthreads();
     }
     for (u32 j = 1; j <= key_tiles; ++j) {
         if (j + 1 < key_tiles) {
@@ -1073,7 +1113,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
         }
         // K_j and V_j are in shared memory; K_{j-1} still is.
         await_staged_tile();
-        const bf16* k_prev = ks + ((j - 1) % 3) * KEY_ELEMS;
+        const bf16* k_prev = ks + ((j - 1) % 4) * KEY_ELEMS;
         if (j < active) {
             float s[WG_DQ_KEYS / 2];
             float dp[WG_DQ_KEYS / 2];
@@ -1101,8 +1141,6 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
             issue_weighted_rows<WG_DQ_KEYS>(acc, ds, k_prev);
             wgmma_finish();
         }
-        // Both warpgroups are done with the buffers the next fetches fill.
-        __syncthreads();
     }
     store_group_rows(dq + (row0 * heads + h) * D, q_stride, acc, g0, row, seq, scale);
 }
@@ -1121,10 +1159,13 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     extern __shared__ __align__(128) unsigned char shared[];
     bf16* ks = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* vs = ks + KEY_ELEMS;
-    bf16* qs = vs + KEY_ELEMS;  // two buffers
-    bf16* dos = qs + 2 * QUERY_ELEMS;  // two buffers
-    float* lses = reinterpret_cast<float*>(dos + 2 * QUERY_ELEMS);  // two buffers
-    float* deltas = lses + 2 * WG_DKDV_QUERIES;  // two buffers
+    // Three buffers of each, so that step i's fetches never go where step
+    // i - 1's products read: every warp has passed step i's barrier, so
+    // step i - 1 is done everywhere, and the warpgroups meet once a step.
+    bf16* qs = vs + KEY_ELEMS;
+    bf16* dos = qs + 3 * QUERY_ELEMS;
+    float* lses = reinterpret_cast<float*>(dos + 3 * QUERY_ELEMS);
+    float* deltas = lses + 3 * WG_DKDV_QUERIES;
     u32 tile, pair;
     flash_block((seq + WG_DKDV_KEYS - 1) / WG_DKDV_KEYS, batch * heads, false, tile, pair);
     const u32 h = pair % heads;
@@ -1159,9 +1200,9 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     zero(acc_k);
     zero(acc_v);
     for (u32 i = 0; i < steps; ++i) {
-        const u32 buf = i & 1;
+        const u32 buf = i % 3;
         if (i + 1 < steps) {
-            stage_step(i + 1, buf ^ 1);
+            stage_step(i + 1, (i + 1) % 3);
         }
         await_staged_tile();
         const u32 t0 = k0 + i * WG_DKDV_QUERIES;
@@ -1197,7 +1238,6 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
             issue_weighted_rows<WG_DKDV_QUERIES>(acc_k, da, qt);
             wgmma_finish();
         }
-        __syncthreads();
     }
     if (group_size == 1) {
         const u64 first = (row0 * kv_heads + g) * D;

@@ -127,13 +127,18 @@ impl FlashKernel {
                 let row = WG_HEAD_DIM * DType::Bf16.bytes();
                 WGMMA_SHARED_ALIGN
                     + match self {
-                        FlashKernel::Forward => (WG_QUERY_ROWS + 4 * WG_FWD_KEYS) * row,
-                        // q and dout, then k three times (the pipeline
-                        // reads the previous tile's) and v twice.
-                        FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 5 * WG_DQ_KEYS) * row,
+                        // q, then k and v three times (what the
+                        // pipeline reads and what it fetches).
+                        FlashKernel::Forward => (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row,
+                        // q and dout, then k four times and v three
+                        // times (the pipeline reads the previous tile's
+                        // k, and a warpgroup may be an iteration behind).
+                        FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 7 * WG_DQ_KEYS) * row,
+                        // k and v, then q and dout three times, and lse
+                        // and D three times.
                         FlashKernel::BackwardDkdv => {
-                            (2 * WG_DKDV_KEYS + 4 * WG_DKDV_QUERIES) * row
-                                + f32s(4 * WG_DKDV_QUERIES)
+                            (2 * WG_DKDV_KEYS + 6 * WG_DKDV_QUERIES) * row
+                                + f32s(6 * WG_DKDV_QUERIES)
                         }
                     }
             }
@@ -464,14 +469,14 @@ mod tests {
     fn the_kernels_fit_hopper_shared_memory() {
         let tiles =
             |kernel: FlashKernel| kernel.shared_bytes(128, FlashPath::Wgmma) - WGMMA_SHARED_ALIGN;
-        // q, then k and v twice; 128 channels of bf16 a row.
-        assert_eq!(tiles(FlashKernel::Forward), (128 + 4 * 128) * 256);
-        // q and dout, then k three times and v twice.
-        assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 5 * 64) * 256);
-        // k and v, then q and dout twice, then lse and D twice.
+        // q, then k and v three times; 128 channels of bf16 a row.
+        assert_eq!(tiles(FlashKernel::Forward), (128 + 6 * 128) * 256);
+        // q and dout, then k four times and v three times.
+        assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 7 * 64) * 256);
+        // k and v, then q and dout three times, then lse and D three times.
         assert_eq!(
             tiles(FlashKernel::BackwardDkdv),
-            (2 * 128 + 4 * 64) * 256 + 4 * 64 * 4
+            (2 * 128 + 6 * 64) * 256 + 6 * 64 * 4
         );
         for d in FLASH_HEAD_DIMS {
             let path = FlashPath::of(Target::HOPPER, d);
