@@ -652,6 +652,14 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 #define WG_DKDV_QUERIES 64
 #define WG_D 128
 
+// The forward's operands as TMA reads them: q [batch, seq, heads, D] and k,
+// v [batch, seq, kv_heads, D], each a four-dimensional map (D contiguous)
+// whose box is one head's 128 rows of 64 channels, 128-byte swizzled: a
+// tile is two boxes, its two atoms. Rows past a sequence load as zeros.
+struct FlashMaps {
+    TensorMap q, k, v;
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // A staged tile of ROWS rows as a K-major operand (K-step `kk`: channels
@@ -893,9 +901,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32
 // iteration's products read (K_{j-1}, V_{j-2}): every warp has passed this
 // iteration's barrier, so the previous one is done everywhere, and the
 // warpgroups meet once an iteration, not twice.
-__device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k, const bf16* v, bf16* out,
-                                                    float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
-                                                    float scale) {
+__device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16* out, float* lse, u32 batch,
+                                                    u32 seq, u32 heads, u32 kv_heads, float scale) {
     constexpr u32 D = WG_D;
     constexpr u32 KEYS = WG_FWD_KEYS;
     constexpr u32 KEY_ELEMS = KEYS * D;
@@ -903,38 +910,66 @@ __device__ __forceinline__ void flash_forward_wgmma(const bf16* q, const bf16* k
     bf16* qs = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* ks = qs + WG_QUERY_ROWS * D;  // three buffers
     bf16* vs = ks + 3 * KEY_ELEMS;  // three buffers
+    // The tiles' barriers: q's, then K's and V's, one a buffer.
+    const u32 q_bar = shared_address(vs + 3 * KEY_ELEMS);
+    const u32 k_bar = q_bar + 8;
+    const u32 v_bar = k_bar + 3 * 8;
     u32 tile, pair;
     flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 h = pair % heads;
     const u32 g = h / (heads / kv_heads);
+    const u32 b = pair / heads;
     const u32 t0 = tile * WG_QUERY_ROWS;
-    const u64 row0 = static_cast<u64>(pair / heads) * seq;
-    const u64 q_stride = static_cast<u64>(heads) * D;
-    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const u64 row0 = static_cast<u64>(b) * seq;
     const auto [group, lane, row] = group_lane();
     const u32 g0 = t0 + group * 64;  // the warpgroup's first row
     const float c = scale * LOG2E;
     // Both warpgroups have rows at or after the first key of each of these
     // tiles (t0 is a multiple of the key tile), so they walk them all.
     const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + KEYS - 1) / KEYS;
-    auto stage = [&](const bf16* src, bf16* dst, u32 j) {
-        const u32 u = j * KEYS;
-        const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_swizzled<KEYS>(dst + (j % 3) * KEY_ELEMS, src + first, kv_stride, seq - u);
+    const bool producer = threadIdx.x == 0;
+    if (producer) {
+        for (u32 i = 0; i < 7; ++i) {
+            mbarrier_init(q_bar + 8 * i, 1);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    // 128 rows of head `head` from row `t` of the sequence (both channel
+    // halves, an atom each) into `tile`, on barrier `bar`; rows past the
+    // sequence load as zeros.
+    auto load = [&](const TensorMap* map, bf16* dst, u32 head, u32 t, u32 bar) {
+        const u32 at = shared_address(dst);
+        mbarrier_expect(bar, KEY_ELEMS * 2);
+        tma_load_4d(at, map, 0, head, t, b, bar);
+        tma_load_4d(at + KEYS * 128, map, 64, head, t, b, bar);
     };
-    // Fetches K_{j+1} and V_j, and waits for K_j and V_{j-1}.
+    // Fetches K_{j+1} and V_j, and waits for K_j and V_{j-1}. The block's
+    // one barrier an iteration comes first: once every thread is past it,
+    // iteration j - 1 is done everywhere, so the buffers these loads fill
+    // (K_{j-2}'s and V_{j-3}'s) are free.
     auto advance = [&](u32 j) {
-        if (j + 1 < key_tiles) {
-            stage(k, ks, j + 1);
+        __syncthreads();
+        if (producer) {
+            if (j + 1 < key_tiles) {
+                load(&maps.k, ks + ((j + 1) % 3) * KEY_ELEMS, g, (j + 1) * KEYS, k_bar + 8 * ((j + 1) % 3));
+            }
+            if (j < key_tiles) {
+                load(&maps.v, vs + (j % 3) * KEY_ELEMS, g, j * KEYS, v_bar + 8 * (j % 3));
+            }
         }
         if (j < key_tiles) {
-            stage(v, vs, j);
+            mbarrier_wait(k_bar + 8 * (j % 3), (j / 3) & 1);
         }
-        await_staged_tile();
+        if (j > 0) {
+            mbarrier_wait(v_bar + 8 * ((j - 1) % 3), ((j - 1) / 3) & 1);
+        }
     };
-    stage_swizzled<WG_QUERY_ROWS>(qs, q + ((row0 + t0) * heads + h) * D, q_stride, seq - t0);
-    stage(k, ks, 0);
-    commit_async();
+    if (producer) {
+        load(&maps.q, qs, h, t0, q_bar);
+        load(&maps.k, ks, g, 0, k_bar);
+    }
+    mbarrier_wait(q_bar, 0);
 
     float acc[D / 2];
     zero(acc);
@@ -1256,11 +1291,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
 // empty where there are no warpgroup MMAs; the launchers take them on
 // sm_90a only.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_forward_wgmma_d128(
-    const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
+    const __grid_constant__ FlashMaps maps, bf16* out, float* lse, u32 batch, u32 seq, u32 heads, u32 kv_heads,
     float scale) {
 grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    flash_forward_wgmma(q, k, v, out, lse, batch, seq, heads, kv_heads, scale);
+    flash_forward_wgmma(maps, out, lse, batch, seq, heads, kv_heads, scale);
 #endif
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dq_wgmma_d128(

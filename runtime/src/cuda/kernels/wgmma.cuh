@@ -277,6 +277,18 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 c
         : "memory");
 }
 
+// The box of a four-dimensional `map` at element (c0, c1, c2, c3) (c0
+// along the contiguous dimension) into shared memory at `dst`, completing
+// its bytes on barrier `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 c0, u32 c1, u32 c2, u32 c3,
+                                            u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
 // Adds the box at `src` in shared memory into `map`'s array at element
 // (c0, c1), element by element in L2 (one rounding each, as a load, add and
 // store would), as one bulk group of this thread; parts past the map's

@@ -17,13 +17,14 @@
 
 use super::KernelArgs;
 use super::attention::{self, KernelDims};
+use super::tensor_map::tiled_map;
 use super::{GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::kernels::Target;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::sys::{CUfunction_attribute, CUtensorMap};
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
 use std::collections::HashMap;
 
 /// The head dims the kernels are compiled for (a template instance each).
@@ -128,8 +129,9 @@ impl FlashKernel {
                 WGMMA_SHARED_ALIGN
                     + match self {
                         // q, then k and v three times (what the
-                        // pipeline reads and what it fetches).
-                        FlashKernel::Forward => (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row,
+                        // pipeline reads and what it fetches), then the
+                        // tiles' seven 8-byte barriers.
+                        FlashKernel::Forward => (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row + 7 * 8,
                         // q and dout, then k four times and v three
                         // times (the pipeline reads the previous tile's
                         // k, and a warpgroup may be an iteration behind).
@@ -179,6 +181,55 @@ pub(super) fn reserve_shared_memory(
             .is_ok()
         })
     })
+}
+
+/// The `wgmma` forward's tensor maps of q, k and v (`FlashMaps` in
+/// `attention_flash.cu`): each a `[batch, seq, heads, D]` array read in
+/// boxes of one head's [`WG_QUERY_ROWS`] rows (= [`WG_FWD_KEYS`]) of 64
+/// channels, 128 bytes swizzled; rows past a sequence load as zeros.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct FlashMaps {
+    q: CUtensorMap,
+    k: CUtensorMap,
+    v: CUtensorMap,
+}
+
+// SAFETY: plain data, laid out (`repr(C)`) as `FlashMaps` in
+// attention_flash.cu: three 128-byte maps.
+unsafe impl DeviceRepr for FlashMaps {}
+
+impl FlashMaps {
+    fn new(kn: &str, inputs: &AttentionInputs<GpuView>, dims: AttentionDims) -> Result<FlashMaps> {
+        const { assert!(WG_QUERY_ROWS == WG_FWD_KEYS) };
+        let map = |view: &GpuView, heads: usize| {
+            let d = WG_HEAD_DIM as u64;
+            let (heads, seq, batch) = (
+                heads as u64,
+                dims.tokens.seq as u64,
+                dims.tokens.batch as u64,
+            );
+            let bytes = DType::Bf16.bytes() as u64;
+            tiled_map(
+                view.ptr,
+                DType::Bf16,
+                [d, heads, seq, batch],
+                &[d * bytes, heads * d * bytes, seq * heads * d * bytes],
+                [64, 1, WG_FWD_KEYS as u32, 1],
+            )
+            .map_err(|why| {
+                RuntimeError::Unsupported(format!(
+                    "{kn}: {why}; `--attention-backend unfused` runs attention without the flash \
+                     kernels"
+                ))
+            })
+        };
+        Ok(FlashMaps {
+            q: map(&inputs.q, dims.heads)?,
+            k: map(&inputs.k, dims.kv_heads)?,
+            v: map(&inputs.v, dims.kv_heads)?,
+        })
+    }
 }
 
 /// Pushes `batch, seq, heads, kv_heads, scale` (the tail of every flash
@@ -326,11 +377,15 @@ impl KernelSet {
             dims.tokens.batch * dims.heads,
         )?;
         let mut b = KernelArgs::new(stream, self.flash_function(kernel, d)?);
-        b.arg(&inputs.q.ptr)
-            .arg(&inputs.k.ptr)
-            .arg(&inputs.v.ptr)
-            .arg(&out.ptr)
-            .arg(&lse.ptr);
+        // The wgmma forward reads q, k and v through TMA.
+        let maps;
+        if path == FlashPath::Wgmma {
+            maps = FlashMaps::new(kn, &inputs, dims)?;
+            b.arg(&maps);
+        } else {
+            b.arg(&inputs.q.ptr).arg(&inputs.k.ptr).arg(&inputs.v.ptr);
+        }
+        b.arg(&out.ptr).arg(&lse.ptr);
         push_dims(&shape, &mut b);
         self.go(kernel.name(d, path), &mut b, config)
     }
@@ -469,8 +524,9 @@ mod tests {
     fn the_kernels_fit_hopper_shared_memory() {
         let tiles =
             |kernel: FlashKernel| kernel.shared_bytes(128, FlashPath::Wgmma) - WGMMA_SHARED_ALIGN;
-        // q, then k and v three times; 128 channels of bf16 a row.
-        assert_eq!(tiles(FlashKernel::Forward), (128 + 6 * 128) * 256);
+        // q, then k and v three times; 128 channels of bf16 a row; then
+        // seven barriers.
+        assert_eq!(tiles(FlashKernel::Forward), (128 + 6 * 128) * 256 + 56);
         // q and dout, then k four times and v three times.
         assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 7 * 64) * 256);
         // k and v, then q and dout three times, then lse and D three times.

@@ -9,6 +9,7 @@
 //! launch takes up to [`MAX_PROBLEMS`] problems of one layout, and a longer
 //! group or one of mixed layouts takes several.
 
+use super::tensor_map::tiled_map;
 use super::{
     GpuView, HOPPER_SHARED_BYTES, KernelArgs, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN,
     setup_error,
@@ -114,10 +115,9 @@ fn split_from(tiles: usize, blocks: usize) -> usize {
 
 /// The tensor map of a stored array of `rows` rows of `inner` contiguous
 /// elements of `dtype` (bf16 or f32) at `ptr`, in boxes of `box_inner`
-/// elements (128 bytes, the swizzle's row) by `box_rows` rows with the
-/// 128-byte swizzle; loads past its sizes give zeros and stores or adds
-/// there are dropped. `grouped_gemm_takes` has checked what TMA needs: a
-/// 16-byte aligned base and a row of a multiple of 16 bytes.
+/// elements (128 bytes, the swizzle's row) by `box_rows` rows.
+/// `grouped_gemm_takes` has checked what TMA needs: a 16-byte aligned base
+/// and a row of a multiple of 16 bytes.
 fn tensor_map(
     ptr: u64,
     dtype: DType,
@@ -126,50 +126,19 @@ fn tensor_map(
     box_inner: u32,
     box_rows: u32,
 ) -> Result<CUtensorMap> {
-    use sys::{
-        CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
-        CUtensorMapL2promotion, CUtensorMapSwizzle,
-    };
-    let element = match dtype {
-        DType::F32 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        other => {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "the grouped GEMM kernel reads bf16 and f32 arrays only, not {other}; pass \
-                 only problems `grouped_gemm_takes` accepts"
-            )));
-        }
-    };
-    let dims = [inner as u64, rows as u64];
-    let strides = [(inner * dtype.bytes()) as u64];
-    let boxes = [box_inner, box_rows];
-    let steps = [1u32, 1];
-    let mut map = CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer is to a live local of the rank (2) the call
-    // reads; encoding reads no device memory.
-    let result = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            element,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if result != sys::CUresult::CUDA_SUCCESS {
-        return Err(setup_error(format!(
-            "encoding the TMA map of a {rows} x {inner} {dtype} array at {ptr:#x} failed \
-             ({result:?}); `--expert-gemm cublas` runs the experts without the grouped kernel"
-        )));
-    }
-    Ok(map)
+    let row_bytes = (inner * dtype.bytes()) as u64;
+    tiled_map(
+        ptr,
+        dtype,
+        [inner as u64, rows as u64],
+        &[row_bytes],
+        [box_inner, box_rows],
+    )
+    .map_err(|why| {
+        setup_error(format!(
+            "{why}; `--expert-gemm cublas` runs the experts without the grouped kernel"
+        ))
+    })
 }
 
 /// The tensor maps of a problem's A and B: a K-major operand is read in

@@ -46,6 +46,7 @@ pub use attention_flash::{
     FLASH_HEAD_DIMS, flash_attention_dims, flash_attention_scratch_len, flash_attention_takes,
 };
 mod grouped_gemm;
+mod tensor_map;
 pub use grouped_gemm::grouped_gemm_takes;
 mod lookup;
 pub use lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
