@@ -641,7 +641,11 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 // next 8 rows 1024 bytes on) or as an MN-major B (K along the rows: v in
 // O = P V, k in dQ = dS K, q and dout in dK and dV; K-step kk starts at row
 // 16 kk, the next 8 rows 1024 bytes on, the second 64 channels an atom on).
-// One staged tile serves both.
+// One staged tile serves both. Tiles of q, k, v and dout arrive by TMA:
+// one thread issues a tile as two boxes (its atoms), TMA writes them in
+// this swizzle, and the threads wait on the buffer's mbarrier, so no thread
+// computes a fetch's address and the only block barrier an iteration is
+// the one that frees the buffers the next loads fill.
 #define WG_THREADS 256
 // The forward's and dq's query tile (64 rows a warpgroup), the key tiles
 // they walk, the dk/dv key tile (64 keys a warpgroup) and its query tile.
@@ -659,6 +663,13 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 struct FlashMaps {
     TensorMap q, k, v;
 };
+// The backward kernels' operands the same way, dout [batch, seq, heads, D]
+// too; the boxes are each kernel's tiles: dq's query tile for q and dout
+// and its key tile for k and v, dk/dv's key tile for k and v and its query
+// tile for q and dout.
+struct FlashGradMaps {
+    TensorMap q, k, v, dout;
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -675,14 +686,16 @@ __device__ __forceinline__ u64 mn_major(const bf16* tile, u32 kk) {
     return swizzled_desc(shared_address(tile) + kk * 2048, ROWS * 128, 1024);
 }
 
-// Closes this thread's fetches into a group and waits for all but the
-// newest group (the next tile's, in flight), then for every thread's: the
-// current tile is in shared memory, visible to `wgmma`.
-__device__ __forceinline__ void await_staged_tile() {
-    commit_async();
-    wait_async<1>();
-    fence_async_shared();
-    __syncthreads();
+// ROWS rows of head `head` from row `t` of sequence `b` into `tile` (both
+// channel halves, an atom each) through `map`, whose box is ROWS rows of
+// 64 channels, completing on barrier `bar`; rows past the sequence load
+// as zeros. Issued by one thread.
+template <u32 ROWS>
+__device__ __forceinline__ void load_head_rows(const TensorMap* map, bf16* tile, u32 head, u32 t, u32 b, u32 bar) {
+    const u32 at = shared_address(tile);
+    mbarrier_expect(bar, ROWS * WG_D * 2);
+    tma_load_4d(at, map, 0, head, t, b, bar);
+    tma_load_4d(at + ROWS * 128, map, 64, head, t, b, bar);
 }
 
 // Issues d = A B^T over the WG_D channels, d 64 x B_ROWS: A the 64 rows
@@ -704,23 +717,6 @@ __device__ __forceinline__ void issue_weighted_rows(float (&d)[WG_D / 2], const 
 #pragma unroll
     for (int kk = 0; kk < B_ROWS / 16; ++kk) {
         wgmma_rs(d, a[kk], mn_major<B_ROWS>(b, kk));
-    }
-}
-
-// Stages ROWS rows of WG_D channels (`stride` elements apart from `first`)
-// into `tile` in the swizzled layout; rows from `valid` on are zeros.
-// Consecutive threads take consecutive chunks of a row: whole rows from
-// global memory, and each 8 threads fill one 128-byte row of an atom.
-template <int ROWS>
-__device__ __forceinline__ void stage_swizzled(bf16* tile, const bf16* first, u64 stride, u32 valid) {
-    constexpr u32 ROW_CHUNKS = WG_D / 8;
-    const u32 base = shared_address(tile);
-    for (u32 i = threadIdx.x; i < ROWS * ROW_CHUNKS; i += WG_THREADS) {
-        const u32 r = i / ROW_CHUNKS;
-        const u32 c = i % ROW_CHUNKS;
-        const u32 at = base + (c / 8) * ROWS * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16;
-        const bool ok = r < valid;
-        copy16_async(at, ok ? first + r * stride + c * 8 : first, ok);
     }
 }
 
@@ -935,14 +931,8 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
         mbarrier_init_fence();
     }
     __syncthreads();
-    // 128 rows of head `head` from row `t` of the sequence (both channel
-    // halves, an atom each) into `tile`, on barrier `bar`; rows past the
-    // sequence load as zeros.
     auto load = [&](const TensorMap* map, bf16* dst, u32 head, u32 t, u32 bar) {
-        const u32 at = shared_address(dst);
-        mbarrier_expect(bar, KEY_ELEMS * 2);
-        tma_load_4d(at, map, 0, head, t, b, bar);
-        tma_load_4d(at + KEYS * 128, map, 64, head, t, b, bar);
+        load_head_rows<KEYS>(map, dst, head, t, b, bar);
     };
     // Fetches K_{j+1} and V_j, and waits for K_j and V_{j-1}. The block's
     // one barrier an iteration comes first: once every thread is past it,
@@ -1054,10 +1044,9 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
 // K_{j-1} and V_{j-1}: K has four buffers and V three, so the fetches
 // never go where a product reads, and the warpgroups meet once an
 // iteration, not twice.
-__device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf16* k, const bf16* v,
-                                                        const bf16* out, const float* lse, const bf16* dout,
-                                                        bf16* dq, float* delta, u32 batch, u32 seq, u32 heads,
-                                                        u32 kv_heads, float scale) {
+__device__ __forceinline__ void flash_backward_dq_wgmma(const FlashGradMaps& maps, const bf16* out,
+                                                        const float* lse, const bf16* dout, bf16* dq, float* delta,
+                                                        u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
     constexpr u32 D = WG_D;
     constexpr u32 QUERY_ELEMS = WG_QUERY_ROWS * D;
     constexpr u32 KEY_ELEMS = WG_DQ_KEYS * D;
@@ -1067,14 +1056,18 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     bf16* dos = qs + QUERY_ELEMS;
     bf16* ks = dos + QUERY_ELEMS;  // four buffers
     bf16* vs = ks + 4 * KEY_ELEMS;  // three buffers
+    // The tiles' barriers: q's and dout's (one), then K's and V's, one a
+    // buffer.
+    const u32 q_bar = shared_address(vs + 3 * KEY_ELEMS);
+    const u32 k_bar = q_bar + 8;
+    const u32 v_bar = k_bar + 4 * 8;
     u32 tile, pair;
     flash_block((seq + WG_QUERY_ROWS - 1) / WG_QUERY_ROWS, batch * heads, true, tile, pair);
     const u32 h = pair % heads;
     const u32 g = h / (heads / kv_heads);
     const u32 t0 = tile * WG_QUERY_ROWS;
-    const u64 row0 = static_cast<u64>(pair / heads) * seq;
-    const u64 q_stride = static_cast<u64>(heads) * D;
-    const u64 kv_stride = static_cast<u64>(kv_heads) * D;
+    const u32 b = pair / heads;
+    const u64 row0 = static_cast<u64>(b) * seq;
     // Named, not bound: the lambdas below capture them.
     const GroupLane at = group_lane();
     const u32 group = at.group, lane = at.lane, row = at.row;
@@ -1084,17 +1077,34 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     // The tiles with a key at or before this warpgroup's last row: a
     // prefix of them (the first warpgroup's rows all precede the last).
     const u32 active = min(key_tiles, g0 / WG_DQ_KEYS + 1);
-    auto stage_keys_at = [&](u32 j) {
-        const u32 u = j * WG_DQ_KEYS;
-        const u64 first = ((row0 + u) * kv_heads + g) * D;
-        stage_swizzled<WG_DQ_KEYS>(ks + (j % 4) * KEY_ELEMS, k + first, kv_stride, seq - u);
-        stage_swizzled<WG_DQ_KEYS>(vs + (j % 3) * KEY_ELEMS, v + first, kv_stride, seq - u);
+    const bool producer = threadIdx.x == 0;
+    if (producer) {
+        // q's barrier waits for two arrivals, q's and dout's.
+        mbarrier_init(q_bar, 2);
+        for (u32 i = 1; i < 8; ++i) {
+            mbarrier_init(q_bar + 8 * i, 1);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    // Key tile j's K and V (one thread issues them).
+    auto load_keys_at = [&](u32 j) {
+        load_head_rows<WG_DQ_KEYS>(&maps.k, ks + (j % 4) * KEY_ELEMS, g, j * WG_DQ_KEYS, b, k_bar + 8 * (j % 4));
+        load_head_rows<WG_DQ_KEYS>(&maps.v, vs + (j % 3) * KEY_ELEMS, g, j * WG_DQ_KEYS, b, v_bar + 8 * (j % 3));
     };
-    const u64 first_query = ((row0 + t0) * heads + h) * D;
-    stage_swizzled<WG_QUERY_ROWS>(qs, q + first_query, q_stride, seq - t0);
-    stage_swizzled<WG_QUERY_ROWS>(dos, dout + first_query, q_stride, seq - t0);
-    stage_keys_at(0);
-    commit_async();
+    auto await_keys_at = [&](u32 j) {
+        mbarrier_wait(k_bar + 8 * (j % 4), (j / 4) & 1);
+        mbarrier_wait(v_bar + 8 * (j % 3), (j / 3) & 1);
+    };
+    if (producer) {
+        // q and dout on one barrier: twice the bytes.
+        load_head_rows<WG_QUERY_ROWS>(&maps.q, qs, h, t0, b, q_bar);
+        load_head_rows<WG_QUERY_ROWS>(&maps.dout, dos, h, t0, b, q_bar);
+        load_keys_at(0);
+        if (key_tiles > 1) {
+            load_keys_at(1);
+        }
+    }
     row_deltas<D, WG_THREADS, WG_QUERY_ROWS>(out, dout, delta, delta_tile, row0, t0, seq, heads, h);
     __syncthreads();
     // This thread's rows g0 + row + 8i: D_t, and lse in base 2 (rows past
@@ -1127,10 +1137,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
     // The previous tile's dS: the A operand of its dS K.
     u32 ds[WG_DQ_KEYS / 16][4];
     {
-        if (key_tiles > 1) {
-            stage_keys_at(1);
-        }
-        await_staged_tile();
+        mbarrier_wait(q_bar, 0);
+        await_keys_at(0);
         float s[WG_DQ_KEYS / 2];
         float dp[WG_DQ_KEYS / 2];
         wgmma_fence();
@@ -1143,11 +1151,17 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
         }
     }
     for (u32 j = 1; j <= key_tiles; ++j) {
-        if (j + 1 < key_tiles) {
-            stage_keys_at(j + 1);
+        // The block's one barrier an iteration: once every thread is past
+        // it, iteration j - 1 is done everywhere, so the buffers the next
+        // loads fill (K_{j-3}'s and V_{j-2}'s) are free.
+        __syncthreads();
+        if (producer && j + 1 < key_tiles) {
+            load_keys_at(j + 1);
         }
         // K_j and V_j are in shared memory; K_{j-1} still is.
-        await_staged_tile();
+        if (j < key_tiles) {
+            await_keys_at(j);
+        }
         const bf16* k_prev = ks + ((j - 1) % 4) * KEY_ELEMS;
         if (j < active) {
             float s[WG_DQ_KEYS / 2];
@@ -1177,37 +1191,40 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const bf16* q, const bf1
             wgmma_finish();
         }
     }
-    store_group_rows(dq + (row0 * heads + h) * D, q_stride, acc, g0, row, seq, scale);
+    store_group_rows(dq + (row0 * heads + h) * D, static_cast<u64>(heads) * D, acc, g0, row, seq, scale);
 }
 
 // dk and dv of `flash_backward_dkdv` on warpgroups: a block per 128-key
 // tile of one query head, query tiles of 64; the same outputs (dk and dv,
 // or each query head's f32 share of them).
-__device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const bf16* k, const bf16* v,
-                                                          const float* lse, const bf16* dout, const float* delta,
-                                                          bf16* dk, bf16* dv, float* dk_part, float* dv_part,
-                                                          u32 batch, u32 seq, u32 heads, u32 kv_heads,
-                                                          float scale) {
+__device__ __forceinline__ void flash_backward_dkdv_wgmma(const FlashGradMaps& maps, const float* lse,
+                                                          const float* delta, bf16* dk, bf16* dv, float* dk_part,
+                                                          float* dv_part, u32 batch, u32 seq, u32 heads,
+                                                          u32 kv_heads, float scale) {
     constexpr u32 D = WG_D;
     constexpr u32 KEY_ELEMS = WG_DKDV_KEYS * D;
     constexpr u32 QUERY_ELEMS = WG_DKDV_QUERIES * D;
     extern __shared__ __align__(128) unsigned char shared[];
     bf16* ks = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* vs = ks + KEY_ELEMS;
-    // Three buffers of each, so that step i's fetches never go where step
-    // i - 1's products read: every warp has passed step i's barrier, so
-    // step i - 1 is done everywhere, and the warpgroups meet once a step.
+    // Three buffers of each step's tiles (one would be read, one filled,
+    // and one free; the block meets once a step).
     bf16* qs = vs + KEY_ELEMS;
     bf16* dos = qs + 3 * QUERY_ELEMS;
     float* lses = reinterpret_cast<float*>(dos + 3 * QUERY_ELEMS);
     float* deltas = lses + 3 * WG_DKDV_QUERIES;
+    // The tiles' barriers: k's and v's (one), then each buffer's of q and
+    // dout (one a buffer); each waits for two arrivals, a tile's each.
+    const u32 kv_bar = shared_address(deltas + 3 * WG_DKDV_QUERIES);
+    const u32 q_bar = kv_bar + 8;
     u32 tile, pair;
     flash_block((seq + WG_DKDV_KEYS - 1) / WG_DKDV_KEYS, batch * heads, false, tile, pair);
     const u32 h = pair % heads;
     const u32 group_size = heads / kv_heads;
     const u32 g = h / group_size;
     const u32 k0 = tile * WG_DKDV_KEYS;
-    const u64 row0 = static_cast<u64>(pair / heads) * seq;
+    const u32 b = pair / heads;
+    const u64 row0 = static_cast<u64>(b) * seq;
     const u64 q_stride = static_cast<u64>(heads) * D;
     const u64 kv_stride = static_cast<u64>(kv_heads) * D;
     const auto [group, lane, row] = group_lane();
@@ -1215,20 +1232,35 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     const float c = scale * LOG2E;
     const u32 steps = (seq - k0 + WG_DKDV_QUERIES - 1) / WG_DKDV_QUERIES;
 
-    const u64 first_key = ((row0 + k0) * kv_heads + g) * D;
-    stage_swizzled<WG_DKDV_KEYS>(ks, k + first_key, kv_stride, seq - k0);
-    stage_swizzled<WG_DKDV_KEYS>(vs, v + first_key, kv_stride, seq - k0);
-    // Step i: queries from k0 + i * WG_DKDV_QUERIES.
+    const bool producer = threadIdx.x == 0;
+    if (producer) {
+        for (u32 i = 0; i < 4; ++i) {
+            mbarrier_init(kv_bar + 8 * i, 2);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+    // Step i: queries from k0 + i * WG_DKDV_QUERIES. One thread loads q's
+    // and dout's tiles with TMA; lse's and D's columns (4-byte values a
+    // row apart, below TMA's 16-byte boxes) come through the first threads'
+    // `cp.async`.
     auto stage_step = [&](u32 i, u32 buf) {
         const u32 t0 = k0 + i * WG_DKDV_QUERIES;
+        if (producer) {
+            const u32 bar = q_bar + 8 * buf;
+            load_head_rows<WG_DKDV_QUERIES>(&maps.q, qs + buf * QUERY_ELEMS, h, t0, b, bar);
+            load_head_rows<WG_DKDV_QUERIES>(&maps.dout, dos + buf * QUERY_ELEMS, h, t0, b, bar);
+        }
         const u64 first = (row0 + t0) * heads + h;
-        stage_swizzled<WG_DKDV_QUERIES>(qs + buf * QUERY_ELEMS, q + first * D, q_stride, seq - t0);
-        stage_swizzled<WG_DKDV_QUERIES>(dos + buf * QUERY_ELEMS, dout + first * D, q_stride, seq - t0);
         stage_column<WG_DKDV_QUERIES>(lses + buf * WG_DKDV_QUERIES, lse + first, heads, seq - t0);
         stage_column<WG_DKDV_QUERIES>(deltas + buf * WG_DKDV_QUERIES, delta + first, heads, seq - t0);
+        commit_async();
     };
+    if (producer) {
+        load_head_rows<WG_DKDV_KEYS>(&maps.k, ks, g, k0, b, kv_bar);
+        load_head_rows<WG_DKDV_KEYS>(&maps.v, vs, g, k0, b, kv_bar);
+    }
     stage_step(0, 0);
-    commit_async();
 
     float acc_k[D / 2];
     float acc_v[D / 2];
@@ -1236,10 +1268,18 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const bf16* q, const b
     zero(acc_v);
     for (u32 i = 0; i < steps; ++i) {
         const u32 buf = i % 3;
+        // This thread's columns of step i have landed; after the block's
+        // barrier everyone's have, and step i - 1 is done everywhere, so
+        // the buffers step i + 1 fills (step i - 2's) are free.
+        wait_async<0>();
+        __syncthreads();
         if (i + 1 < steps) {
             stage_step(i + 1, (i + 1) % 3);
         }
-        await_staged_tile();
+        if (i == 0) {
+            mbarrier_wait(kv_bar, 0);
+        }
+        mbarrier_wait(q_bar + 8 * buf, (i / 3) & 1);
         const u32 t0 = k0 + i * WG_DKDV_QUERIES;
         // A warpgroup whose keys all follow the step's queries has nothing
         // to add.
@@ -1299,20 +1339,19 @@ grid_dependency_sync();
 #endif
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dq_wgmma_d128(
-    const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
+    const __grid_constant__ FlashGradMaps maps, const bf16* out, const float* lse, const bf16* dout, bf16* dq,
     float* delta, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
 grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    flash_backward_dq_wgmma(q, k, v, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);
+    flash_backward_dq_wgmma(maps, out, lse, dout, dq, delta, batch, seq, heads, kv_heads, scale);
 #endif
 }
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_backward_dkdv_wgmma_d128(
-    const bf16* q, const bf16* k, const bf16* v, const float* lse, const bf16* dout, const float* delta, bf16* dk,
-    bf16* dv, float* dk_part, float* dv_part, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
+    const __grid_constant__ FlashGradMaps maps, const float* lse, const float* delta, bf16* dk, bf16* dv,
+    float* dk_part, float* dv_part, u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
 grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    flash_backward_dkdv_wgmma(q, k, v, lse, dout, delta, dk, dv, dk_part, dv_part, batch, seq, heads, kv_heads,
-                              scale);
+    flash_backward_dkdv_wgmma(maps, lse, delta, dk, dv, dk_part, dv_part, batch, seq, heads, kv_heads, scale);
 #endif
 }
 

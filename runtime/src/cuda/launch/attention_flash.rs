@@ -134,13 +134,17 @@ impl FlashKernel {
                         FlashKernel::Forward => (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row + 7 * 8,
                         // q and dout, then k four times and v three
                         // times (the pipeline reads the previous tile's
-                        // k, and a warpgroup may be an iteration behind).
-                        FlashKernel::BackwardDq => (2 * WG_QUERY_ROWS + 7 * WG_DQ_KEYS) * row,
-                        // k and v, then q and dout three times, and lse
-                        // and D three times.
+                        // k, and a warpgroup may be an iteration behind),
+                        // then the tiles' eight 8-byte barriers.
+                        FlashKernel::BackwardDq => {
+                            (2 * WG_QUERY_ROWS + 7 * WG_DQ_KEYS) * row + 8 * 8
+                        }
+                        // k and v, then q and dout three times, lse and
+                        // D three times, and the tiles' four barriers.
                         FlashKernel::BackwardDkdv => {
                             (2 * WG_DKDV_KEYS + 6 * WG_DKDV_QUERIES) * row
                                 + f32s(6 * WG_DKDV_QUERIES)
+                                + 4 * 8
                         }
                     }
             }
@@ -183,10 +187,41 @@ pub(super) fn reserve_shared_memory(
     })
 }
 
-/// The `wgmma` forward's tensor maps of q, k and v (`FlashMaps` in
-/// `attention_flash.cu`): each a `[batch, seq, heads, D]` array read in
-/// boxes of one head's [`WG_QUERY_ROWS`] rows (= [`WG_FWD_KEYS`]) of 64
-/// channels, 128 bytes swizzled; rows past a sequence load as zeros.
+/// The tensor map of a `[batch, seq, heads, D]` bf16 array (q, k, v or
+/// dout, D = [`WG_HEAD_DIM`]) that the `wgmma` kernels load with TMA: in
+/// boxes of one head's `rows` rows of 64 channels (a staged tile is two,
+/// its two 128-byte swizzled atoms); rows past a sequence load as zeros.
+fn head_map(
+    kn: &str,
+    view: &GpuView,
+    heads: usize,
+    dims: AttentionDims,
+    rows: usize,
+) -> Result<CUtensorMap> {
+    let d = WG_HEAD_DIM as u64;
+    let (heads, seq, batch) = (
+        heads as u64,
+        dims.tokens.seq as u64,
+        dims.tokens.batch as u64,
+    );
+    let bytes = DType::Bf16.bytes() as u64;
+    tiled_map(
+        view.ptr,
+        DType::Bf16,
+        [d, heads, seq, batch],
+        &[d * bytes, heads * d * bytes, seq * heads * d * bytes],
+        [64, 1, rows as u32, 1],
+    )
+    .map_err(|why| {
+        RuntimeError::Unsupported(format!(
+            "{kn}: {why}; `--attention-backend unfused` runs attention without the flash kernels"
+        ))
+    })
+}
+
+/// The `wgmma` forward's tensor maps (`FlashMaps` in `attention_flash.cu`):
+/// q, k and v in boxes of its query and key tiles' rows (both
+/// [`WG_QUERY_ROWS`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct FlashMaps {
@@ -202,32 +237,42 @@ unsafe impl DeviceRepr for FlashMaps {}
 impl FlashMaps {
     fn new(kn: &str, inputs: &AttentionInputs<GpuView>, dims: AttentionDims) -> Result<FlashMaps> {
         const { assert!(WG_QUERY_ROWS == WG_FWD_KEYS) };
-        let map = |view: &GpuView, heads: usize| {
-            let d = WG_HEAD_DIM as u64;
-            let (heads, seq, batch) = (
-                heads as u64,
-                dims.tokens.seq as u64,
-                dims.tokens.batch as u64,
-            );
-            let bytes = DType::Bf16.bytes() as u64;
-            tiled_map(
-                view.ptr,
-                DType::Bf16,
-                [d, heads, seq, batch],
-                &[d * bytes, heads * d * bytes, seq * heads * d * bytes],
-                [64, 1, WG_FWD_KEYS as u32, 1],
-            )
-            .map_err(|why| {
-                RuntimeError::Unsupported(format!(
-                    "{kn}: {why}; `--attention-backend unfused` runs attention without the flash \
-                     kernels"
-                ))
-            })
-        };
         Ok(FlashMaps {
-            q: map(&inputs.q, dims.heads)?,
-            k: map(&inputs.k, dims.kv_heads)?,
-            v: map(&inputs.v, dims.kv_heads)?,
+            q: head_map(kn, &inputs.q, dims.heads, dims, WG_QUERY_ROWS)?,
+            k: head_map(kn, &inputs.k, dims.kv_heads, dims, WG_FWD_KEYS)?,
+            v: head_map(kn, &inputs.v, dims.kv_heads, dims, WG_FWD_KEYS)?,
+        })
+    }
+}
+
+/// A `wgmma` backward kernel's tensor maps (`FlashGradMaps`): q and dout
+/// in boxes of `query_rows`, k and v of `key_rows` (the kernel's tiles).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct FlashGradMaps {
+    q: CUtensorMap,
+    k: CUtensorMap,
+    v: CUtensorMap,
+    dout: CUtensorMap,
+}
+
+// SAFETY: plain data, laid out (`repr(C)`) as `FlashGradMaps` in
+// attention_flash.cu: four 128-byte maps.
+unsafe impl DeviceRepr for FlashGradMaps {}
+
+impl FlashGradMaps {
+    fn new(
+        kn: &str,
+        inputs: &AttentionInputs<GpuView>,
+        dout: &GpuView,
+        dims: AttentionDims,
+        (query_rows, key_rows): (usize, usize),
+    ) -> Result<FlashGradMaps> {
+        Ok(FlashGradMaps {
+            q: head_map(kn, &inputs.q, dims.heads, dims, query_rows)?,
+            k: head_map(kn, &inputs.k, dims.kv_heads, dims, key_rows)?,
+            v: head_map(kn, &inputs.v, dims.kv_heads, dims, key_rows)?,
+            dout: head_map(kn, dout, dims.heads, dims, query_rows)?,
         })
     }
 }
@@ -444,13 +489,19 @@ impl KernelSet {
         let seq = dims.tokens.seq;
         let path = FlashPath::of(self.target, d);
 
+        // The wgmma kernels read q, k, v and dout through TMA.
+        let wgmma = path == FlashPath::Wgmma;
         let kernel = FlashKernel::BackwardDq;
         let config = flash_grid(kernel, d, path, seq, dims.tokens.batch * dims.heads)?;
         let mut b = KernelArgs::new(stream, self.flash_function(kernel, d)?);
-        b.arg(&inputs.q.ptr)
-            .arg(&inputs.k.ptr)
-            .arg(&inputs.v.ptr)
-            .arg(&out.ptr)
+        let dq_maps;
+        if wgmma {
+            dq_maps = FlashGradMaps::new(kn, &inputs, &dout, dims, (WG_QUERY_ROWS, WG_DQ_KEYS))?;
+            b.arg(&dq_maps);
+        } else {
+            b.arg(&inputs.q.ptr).arg(&inputs.k.ptr).arg(&inputs.v.ptr);
+        }
+        b.arg(&out.ptr)
             .arg(&lse.ptr)
             .arg(&dout.ptr)
             .arg(&grads.q.ptr)
@@ -461,13 +512,20 @@ impl KernelSet {
         let kernel = FlashKernel::BackwardDkdv;
         let config = flash_grid(kernel, d, path, seq, dims.tokens.batch * dims.heads)?;
         let mut b = KernelArgs::new(stream, self.flash_function(kernel, d)?);
-        b.arg(&inputs.q.ptr)
-            .arg(&inputs.k.ptr)
-            .arg(&inputs.v.ptr)
-            .arg(&lse.ptr)
-            .arg(&dout.ptr)
-            .arg(&delta.ptr)
-            .arg(&grads.k.ptr)
+        let dkdv_maps;
+        if wgmma {
+            dkdv_maps =
+                FlashGradMaps::new(kn, &inputs, &dout, dims, (WG_DKDV_QUERIES, WG_DKDV_KEYS))?;
+            b.arg(&dkdv_maps).arg(&lse.ptr).arg(&delta.ptr);
+        } else {
+            b.arg(&inputs.q.ptr)
+                .arg(&inputs.k.ptr)
+                .arg(&inputs.v.ptr)
+                .arg(&lse.ptr)
+                .arg(&dout.ptr)
+                .arg(&delta.ptr);
+        }
+        b.arg(&grads.k.ptr)
             .arg(&grads.v.ptr)
             .arg(&dk_part.ptr)
             .arg(&dv_part.ptr);
@@ -527,12 +585,17 @@ mod tests {
         // q, then k and v three times; 128 channels of bf16 a row; then
         // seven barriers.
         assert_eq!(tiles(FlashKernel::Forward), (128 + 6 * 128) * 256 + 56);
-        // q and dout, then k four times and v three times.
-        assert_eq!(tiles(FlashKernel::BackwardDq), (2 * 128 + 7 * 64) * 256);
-        // k and v, then q and dout three times, then lse and D three times.
+        // q and dout, then k four times and v three times; then eight
+        // barriers.
+        assert_eq!(
+            tiles(FlashKernel::BackwardDq),
+            (2 * 128 + 7 * 64) * 256 + 64
+        );
+        // k and v, then q and dout three times, then lse and D three times;
+        // then four barriers.
         assert_eq!(
             tiles(FlashKernel::BackwardDkdv),
-            (2 * 128 + 6 * 64) * 256 + 6 * 64 * 4
+            (2 * 128 + 6 * 64) * 256 + 6 * 64 * 4 + 32
         );
         for d in FLASH_HEAD_DIMS {
             let path = FlashPath::of(Target::HOPPER, d);
