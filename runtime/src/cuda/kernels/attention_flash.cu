@@ -655,6 +655,12 @@ extern "C" __global__ void flash_group_sum(const float* dk_part, const float* dv
 #define WG_DKDV_KEYS 128
 #define WG_DKDV_QUERIES 64
 #define WG_D 128
+// The mbarriers after each kernel's tiles (8 bytes each): the forward's q
+// and three of K and V each; dq's q-and-dout, four of K and three of V;
+// dk/dv's K-and-V and three of q-and-dout.
+#define WG_FWD_BARRIERS 7
+#define WG_DQ_BARRIERS 8
+#define WG_DKDV_BARRIERS 4
 
 // The forward's operands as TMA reads them: q [batch, seq, heads, D] and k,
 // v [batch, seq, kv_heads, D], each a four-dimensional map (D contiguous)
@@ -925,7 +931,7 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
     const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + KEYS - 1) / KEYS;
     const bool producer = threadIdx.x == 0;
     if (producer) {
-        for (u32 i = 0; i < 7; ++i) {
+        for (u32 i = 0; i < WG_FWD_BARRIERS; ++i) {
             mbarrier_init(q_bar + 8 * i, 1);
         }
         mbarrier_init_fence();
@@ -1081,7 +1087,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const FlashGradMaps& map
     if (producer) {
         // q's barrier waits for two arrivals, q's and dout's.
         mbarrier_init(q_bar, 2);
-        for (u32 i = 1; i < 8; ++i) {
+        for (u32 i = 1; i < WG_DQ_BARRIERS; ++i) {
             mbarrier_init(q_bar + 8 * i, 1);
         }
         mbarrier_init_fence();
@@ -1234,7 +1240,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const FlashGradMaps& m
 
     const bool producer = threadIdx.x == 0;
     if (producer) {
-        for (u32 i = 0; i < 4; ++i) {
+        for (u32 i = 0; i < WG_DKDV_BARRIERS; ++i) {
             mbarrier_init(kv_bar + 8 * i, 2);
         }
         mbarrier_init_fence();

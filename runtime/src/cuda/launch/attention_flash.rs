@@ -50,6 +50,12 @@ const WG_FWD_KEYS: usize = 128;
 const WG_DQ_KEYS: usize = 64;
 const WG_DKDV_KEYS: usize = 128;
 const WG_DKDV_QUERIES: usize = 64;
+/// The 8-byte mbarriers after each `wgmma` kernel's tiles
+/// (`WG_FWD_BARRIERS`, `WG_DQ_BARRIERS`, `WG_DKDV_BARRIERS`).
+const WG_FWD_BARRIERS: usize = 7;
+const WG_DQ_BARRIERS: usize = 8;
+const WG_DKDV_BARRIERS: usize = 4;
+const BARRIER_BYTES: usize = 8;
 
 /// The three kernels of one head dim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,20 +137,24 @@ impl FlashKernel {
                         // q, then k and v three times (what the
                         // pipeline reads and what it fetches), then the
                         // tiles' seven 8-byte barriers.
-                        FlashKernel::Forward => (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row + 7 * 8,
+                        FlashKernel::Forward => {
+                            (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row
+                                + WG_FWD_BARRIERS * BARRIER_BYTES
+                        }
                         // q and dout, then k four times and v three
                         // times (the pipeline reads the previous tile's
                         // k, and a warpgroup may be an iteration behind),
                         // then the tiles' eight 8-byte barriers.
                         FlashKernel::BackwardDq => {
-                            (2 * WG_QUERY_ROWS + 7 * WG_DQ_KEYS) * row + 8 * 8
+                            (2 * WG_QUERY_ROWS + 7 * WG_DQ_KEYS) * row
+                                + WG_DQ_BARRIERS * BARRIER_BYTES
                         }
                         // k and v, then q and dout three times, lse and
                         // D three times, and the tiles' four barriers.
                         FlashKernel::BackwardDkdv => {
                             (2 * WG_DKDV_KEYS + 6 * WG_DKDV_QUERIES) * row
                                 + f32s(6 * WG_DKDV_QUERIES)
-                                + 4 * 8
+                                + WG_DKDV_BARRIERS * BARRIER_BYTES
                         }
                     }
             }
@@ -573,6 +583,36 @@ mod tests {
                 assert!(!name.contains("wgmma"), "{name}");
             }
         }
+    }
+
+    /// The launcher's threads, tiles and barriers are the ones
+    /// attention_flash.cu defines, and the maps it passes are the kernels'
+    /// structs of 128-byte maps.
+    #[test]
+    fn the_launchers_sizes_are_the_kernels_defines() {
+        super::super::source_with_defines(
+            "attention_flash.cu",
+            &[
+                ("FLASH_THREADS", THREADS as usize),
+                ("QUERY_ROWS", QUERY_ROWS),
+                ("FWD_KEYS", FWD_KEYS),
+                ("DQ_KEYS", DQ_KEYS),
+                ("DKDV_KEYS", DKDV_KEYS),
+                ("DKDV_QUERIES", DKDV_QUERIES),
+                ("WG_THREADS", WG_THREADS as usize),
+                ("WG_QUERY_ROWS", WG_QUERY_ROWS),
+                ("WG_FWD_KEYS", WG_FWD_KEYS),
+                ("WG_DQ_KEYS", WG_DQ_KEYS),
+                ("WG_DKDV_KEYS", WG_DKDV_KEYS),
+                ("WG_DKDV_QUERIES", WG_DKDV_QUERIES),
+                ("WG_D", WG_HEAD_DIM),
+                ("WG_FWD_BARRIERS", WG_FWD_BARRIERS),
+                ("WG_DQ_BARRIERS", WG_DQ_BARRIERS),
+                ("WG_DKDV_BARRIERS", WG_DKDV_BARRIERS),
+            ],
+        );
+        assert_eq!(std::mem::size_of::<FlashMaps>(), 3 * 128);
+        assert_eq!(std::mem::size_of::<FlashGradMaps>(), 4 * 128);
     }
 
     /// Every kernel a Hopper runs gets the tiles its source lays out (the

@@ -65,3 +65,31 @@ pub(super) fn tiled_map<const RANK: usize>(
     }
     Ok(map)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Arguments the driver would misread are refused before it is called
+    /// (so these run without a GPU): a stride for each dimension after the
+    /// first, and an element type the kernels read.
+    #[test]
+    fn a_map_needs_a_stride_a_dimension_after_the_first_and_a_kernels_dtype() {
+        let two = tiled_map(
+            0,
+            DType::Bf16,
+            [128u64, 16, 4096, 1],
+            &[256, 4096],
+            [64, 1, 128, 1],
+        );
+        assert!(
+            two.as_ref().unwrap_err().contains("takes 3 strides, not 2"),
+            "{two:?}"
+        );
+        let int = tiled_map(0, DType::U32, [128u64, 64], &[512], [32, 64]);
+        assert!(
+            int.as_ref().unwrap_err().contains("bf16 or f32, not"),
+            "{int:?}"
+        );
+    }
+}
