@@ -692,6 +692,24 @@ __device__ __forceinline__ u64 mn_major(const bf16* tile, u32 kk) {
     return swizzled_desc(shared_address(tile) + kk * 2048, ROWS * 128, 1024);
 }
 
+// Thread 0 initialises `count` mbarriers 8 bytes apart from `first`, each
+// completing a phase at `arrivals` arrivals (and its loads' bytes).
+__device__ __forceinline__ void init_barriers(u32 first, u32 count, u32 arrivals) {
+    if (threadIdx.x == 0) {
+        for (u32 i = 0; i < count; ++i) {
+            mbarrier_init(first + 8 * i, arrivals);
+        }
+    }
+}
+// Makes the initialised barriers visible to TMA and to every thread
+// before any load is issued or waited for.
+__device__ __forceinline__ void publish_barriers() {
+    if (threadIdx.x == 0) {
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+}
+
 // ROWS rows of head `head` from row `t` of sequence `b` into `tile` (both
 // channel halves, an atom each) through `map`, whose box is ROWS rows of
 // 64 channels, completing on barrier `bar`; rows past the sequence load
@@ -930,13 +948,8 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
     // tiles (t0 is a multiple of the key tile), so they walk them all.
     const u32 key_tiles = (min(t0 + WG_QUERY_ROWS, seq) + KEYS - 1) / KEYS;
     const bool producer = threadIdx.x == 0;
-    if (producer) {
-        for (u32 i = 0; i < WG_FWD_BARRIERS; ++i) {
-            mbarrier_init(q_bar + 8 * i, 1);
-        }
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    init_barriers(q_bar, WG_FWD_BARRIERS, 1);
+    publish_barriers();
     auto load = [&](const TensorMap* map, bf16* dst, u32 head, u32 t, u32 bar) {
         load_head_rows<KEYS>(map, dst, head, t, b, bar);
     };
@@ -1084,15 +1097,10 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(const FlashGradMaps& map
     // prefix of them (the first warpgroup's rows all precede the last).
     const u32 active = min(key_tiles, g0 / WG_DQ_KEYS + 1);
     const bool producer = threadIdx.x == 0;
-    if (producer) {
-        // q's barrier waits for two arrivals, q's and dout's.
-        mbarrier_init(q_bar, 2);
-        for (u32 i = 1; i < WG_DQ_BARRIERS; ++i) {
-            mbarrier_init(q_bar + 8 * i, 1);
-        }
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    // q's barrier waits for two arrivals, q's and dout's.
+    init_barriers(q_bar, 1, 2);
+    init_barriers(k_bar, WG_DQ_BARRIERS - 1, 1);
+    publish_barriers();
     // Key tile j's K and V (one thread issues them).
     auto load_keys_at = [&](u32 j) {
         load_head_rows<WG_DQ_KEYS>(&maps.k, ks + (j % 4) * KEY_ELEMS, g, j * WG_DQ_KEYS, b, k_bar + 8 * (j % 4));
@@ -1239,13 +1247,8 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const FlashGradMaps& m
     const u32 steps = (seq - k0 + WG_DKDV_QUERIES - 1) / WG_DKDV_QUERIES;
 
     const bool producer = threadIdx.x == 0;
-    if (producer) {
-        for (u32 i = 0; i < WG_DKDV_BARRIERS; ++i) {
-            mbarrier_init(kv_bar + 8 * i, 2);
-        }
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    init_barriers(kv_bar, WG_DKDV_BARRIERS, 2);
+    publish_barriers();
     // Step i: queries from k0 + i * WG_DKDV_QUERIES. One thread loads q's
     // and dout's tiles with TMA; lse's and D's columns (4-byte values a
     // row apart, below TMA's 16-byte boxes) come through the first threads'
