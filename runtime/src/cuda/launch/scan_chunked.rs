@@ -54,6 +54,8 @@ const SUMS_MAX_HEADS: usize = 16;
 const MMA_SUMS_P: usize = 64;
 const MMA_SUMS_HEADS: usize = 8;
 const MMA_SUMS_WIDTH: usize = 512;
+// A group the head checks admit fits its shared memory.
+const _: () = assert!(MMA_SUMS_HEADS * MMA_SUMS_P <= MMA_SUMS_WIDTH);
 /// Its warps, which its launch bound holds it to (`MMA_SUMS_WARPS`).
 const MMA_SUMS_WARPS: usize = 4;
 const MMA_SUMS_THREADS: u32 = (MMA_SUMS_WARPS * 32) as u32;
@@ -1220,15 +1222,13 @@ fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts)
 /// Whether `ssd_chunk_scores_sums_mma` takes a call's backward scores: where
 /// `ssd_chunk_scores_sums` would, the operands are bf16 (tensor-core
 /// products, as the GEMMs it replaces), P is the width its fragments are
-/// laid out for (Mamba-2's 64), and a group's rows fit the kernel's shared
-/// memory.
+/// laid out for (Mamba-2's 64), and a group has at most `MMA_SUMS_HEADS`
+/// heads (so its rows fit the kernel's shared memory).
 fn takes_mma_sums(dims: ScanDims, parts: &Parts) -> bool {
-    let j = dims.heads / dims.groups;
     parts.fused_sums
         && parts.bf16()
         && dims.head_dim == MMA_SUMS_P
-        && j <= MMA_SUMS_HEADS
-        && j * dims.head_dim <= MMA_SUMS_WIDTH
+        && dims.heads / dims.groups <= MMA_SUMS_HEADS
 }
 
 /// Whether `ssd_chunk_scores_times_mma` takes a call's forward M X: where
@@ -1329,13 +1329,13 @@ mod tests {
                 ("MMA_TIMES_MAX_CHUNK", MMA_TIMES_MAX_CHUNK),
             ],
         );
-        // The forward kernel's launch bound is a warp per 16 rows.
+        // The forward kernel's launch bound is a warp per 16 rows, which
+        // is how MMA_TIMES_THREADS is defined here.
         assert!(
             source
                 .text
                 .contains("__launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk_scores_times_mma")
         );
-        assert_eq!(MMA_TIMES_THREADS as usize, MMA_TIMES_ROWS / 16 * 32);
     }
 
     #[test]
