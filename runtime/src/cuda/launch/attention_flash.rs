@@ -208,21 +208,8 @@ fn head_map(
     dims: AttentionDims,
     rows: usize,
 ) -> Result<CUtensorMap> {
-    let d = WG_HEAD_DIM as u64;
-    let (heads, seq, batch) = (
-        heads as u64,
-        dims.tokens.seq as u64,
-        dims.tokens.batch as u64,
-    );
-    let bytes = DType::Bf16.bytes() as u64;
-    tiled_map(
-        view.ptr,
-        DType::Bf16,
-        [d, heads, seq, batch],
-        &[d * bytes, heads * d * bytes, seq * heads * d * bytes],
-        [64, 1, rows as u32, 1],
-    )
-    .map_err(|why| {
+    let sizes = [WG_HEAD_DIM, heads, dims.tokens.seq, dims.tokens.batch].map(|n| n as u64);
+    tiled_map(view.ptr, DType::Bf16, sizes, [64, 1, rows as u32, 1]).map_err(|why| {
         RuntimeError::Unsupported(format!(
             "{kn}: {why}; `--attention-backend unfused` runs attention without the flash kernels"
         ))

@@ -126,12 +126,10 @@ fn tensor_map(
     box_inner: u32,
     box_rows: u32,
 ) -> Result<CUtensorMap> {
-    let row_bytes = (inner * dtype.bytes()) as u64;
     tiled_map(
         ptr,
         dtype,
         [inner as u64, rows as u64],
-        &[row_bytes],
         [box_inner, box_rows],
     )
     .map_err(|why| {

@@ -8,17 +8,16 @@
 use crate::view::DType;
 use cudarc::driver::sys::{self, CUtensorMap};
 
-/// The map of an array of `dtype` (bf16 or f32) at `ptr` with `sizes`
-/// elements along each dimension (the first contiguous), `strides` bytes
-/// between consecutive indices of each dimension after the first, read
-/// or written in boxes of `boxes` elements. The error says why the driver
-/// refused it (the caller says what runs instead); TMA needs a 16-byte
-/// aligned base and strides that are multiples of 16 bytes.
+/// The map of a dense array of `dtype` (bf16 or f32) at `ptr` with `sizes`
+/// elements along each dimension (the first contiguous, each next one
+/// right after the one before), read or written in boxes of `boxes`
+/// elements. The error says why the driver refused it (the caller says
+/// what runs instead); TMA needs a 16-byte aligned base and rows of a
+/// multiple of 16 bytes.
 pub(super) fn tiled_map<const RANK: usize>(
     ptr: u64,
     dtype: DType,
     sizes: [u64; RANK],
-    strides: &[u64],
     boxes: [u32; RANK],
 ) -> Result<CUtensorMap, String> {
     use sys::{
@@ -30,13 +29,8 @@ pub(super) fn tiled_map<const RANK: usize>(
         DType::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         other => return Err(format!("TMA maps here hold bf16 or f32, not {other}")),
     };
-    if strides.len() + 1 != RANK {
-        return Err(format!(
-            "a {RANK}-dimensional map takes {} strides, not {}",
-            RANK - 1,
-            strides.len()
-        ));
-    }
+    let strides = dense_strides(dtype, sizes);
+    let strides = &strides[..RANK.saturating_sub(1)];
     let steps = [1u32; RANK];
     let mut map = CUtensorMap { opaque: [0; 16] };
     // SAFETY: every pointer is to a live local holding the rank's (or,
@@ -66,27 +60,39 @@ pub(super) fn tiled_map<const RANK: usize>(
     Ok(map)
 }
 
+/// Bytes from one index of dimension i + 1 to the next, for each i, of a
+/// dense array of `sizes` (the driver reads the first RANK - 1).
+fn dense_strides<const RANK: usize>(dtype: DType, sizes: [u64; RANK]) -> [u64; RANK] {
+    let mut strides = [0u64; RANK];
+    let mut bytes = dtype.bytes() as u64;
+    for (stride, size) in strides.iter_mut().zip(sizes) {
+        bytes = bytes.saturating_mul(size);
+        *stride = bytes;
+    }
+    strides
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Arguments the driver would misread are refused before it is called
-    /// (so these run without a GPU): a stride for each dimension after the
-    /// first, and an element type the kernels read.
+    /// A dense array's strides: a q of 16 heads of 128 bf16 channels and
+    /// 4,096 rows a sequence is 256 bytes a head, 4 KiB a row and 16 MiB a
+    /// sequence; a [rows, 1024] f32 matrix 4 KiB a row.
     #[test]
-    fn a_map_needs_a_stride_a_dimension_after_the_first_and_a_kernels_dtype() {
-        let two = tiled_map(
-            0,
-            DType::Bf16,
-            [128u64, 16, 4096, 1],
-            &[256, 4096],
-            [64, 1, 128, 1],
+    fn strides_are_the_sizes_before_them_in_bytes() {
+        assert_eq!(
+            dense_strides(DType::Bf16, [128u64, 16, 4096, 2]),
+            [256, 4096, 16 << 20, 32 << 20]
         );
-        assert!(
-            two.as_ref().unwrap_err().contains("takes 3 strides, not 2"),
-            "{two:?}"
-        );
-        let int = tiled_map(0, DType::U32, [128u64, 64], &[512], [32, 64]);
+        assert_eq!(dense_strides(DType::F32, [1024u64, 300]), [4096, 1_228_800]);
+    }
+
+    /// An element type the kernels do not read is refused before the driver
+    /// is called (so this runs without a GPU).
+    #[test]
+    fn a_map_holds_bf16_or_f32() {
+        let int = tiled_map(0, DType::U32, [128u64, 64], [32, 64]);
         assert!(
             int.as_ref().unwrap_err().contains("bf16 or f32, not"),
             "{int:?}"
