@@ -916,11 +916,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], u32 u0, u32
 // tile j - 1's P V into the output. The output still takes each tile's
 // rescale after that tile's P V and before the next one's, so every sum
 // keeps the unpipelined kernel's order (and bits). K runs one tile ahead
-// of V: iteration j fetches K of tile j + 1 and V of tile j, into three
-// buffers of each, so that what it fetches never goes where the previous
-// iteration's products read (K_{j-1}, V_{j-2}): every warp has passed this
-// iteration's barrier, so the previous one is done everywhere, and the
-// warpgroups meet once an iteration, not twice.
+// of V: iteration j fetches K of tile j + 1 and V of tile j. The block's
+// one barrier an iteration comes before those loads, so iteration j - 1
+// is done everywhere when they are issued. Rings of two would then do
+// (the loads replace K_{j-1} and V_{j-2}); they have three, the size
+// measured when the loads came before the barrier (`cp.async`, where a
+// warpgroup could still be an iteration behind), and two are not yet
+// measured.
 __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16* out, float* lse, u32 batch,
                                                     u32 seq, u32 heads, u32 kv_heads, float scale) {
     constexpr u32 D = WG_D;
@@ -950,9 +952,6 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
     const bool producer = threadIdx.x == 0;
     init_barriers(q_bar, WG_FWD_BARRIERS, 1);
     publish_barriers();
-    auto load = [&](const TensorMap* map, bf16* dst, u32 head, u32 t, u32 bar) {
-        load_head_rows<KEYS>(map, dst, head, t, b, bar);
-    };
     // Fetches K_{j+1} and V_j, and waits for K_j and V_{j-1}. The block's
     // one barrier an iteration comes first: once every thread is past it,
     // iteration j - 1 is done everywhere, so the buffers these loads fill
@@ -961,10 +960,11 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
         __syncthreads();
         if (producer) {
             if (j + 1 < key_tiles) {
-                load(&maps.k, ks + ((j + 1) % 3) * KEY_ELEMS, g, (j + 1) * KEYS, k_bar + 8 * ((j + 1) % 3));
+                const u32 u = j + 1;
+                load_head_rows<KEYS>(&maps.k, ks + (u % 3) * KEY_ELEMS, g, u * KEYS, b, k_bar + 8 * (u % 3));
             }
             if (j < key_tiles) {
-                load(&maps.v, vs + (j % 3) * KEY_ELEMS, g, j * KEYS, v_bar + 8 * (j % 3));
+                load_head_rows<KEYS>(&maps.v, vs + (j % 3) * KEY_ELEMS, g, j * KEYS, b, v_bar + 8 * (j % 3));
             }
         }
         if (j < key_tiles) {
@@ -975,8 +975,8 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
         }
     };
     if (producer) {
-        load(&maps.q, qs, h, t0, q_bar);
-        load(&maps.k, ks, g, 0, k_bar);
+        load_head_rows<KEYS>(&maps.q, qs, h, t0, b, q_bar);
+        load_head_rows<KEYS>(&maps.k, ks, g, 0, b, k_bar);
     }
     mbarrier_wait(q_bar, 0);
 
@@ -1058,11 +1058,12 @@ __device__ __forceinline__ void flash_forward_wgmma(const FlashMaps& maps, bf16*
 // per 128-row query tile, key tiles of 64, pipelined as the forward: while
 // the warpgroup turns tile j's S and dP into dS, its tensor cores add tile
 // j - 1's dS K into dq (the same sums in the same order). Iteration j
-// reads K_{j-1}, K_j and V_j and fetches K_{j+1} and V_{j+1}, while a
-// warpgroup behind may still be in iteration j - 1, reading K_{j-2},
-// K_{j-1} and V_{j-1}: K has four buffers and V three, so the fetches
-// never go where a product reads, and the warpgroups meet once an
-// iteration, not twice.
+// reads K_{j-1}, K_j and V_j and fetches K_{j+1} and V_{j+1}, after the
+// block's one barrier an iteration (iteration j - 1 is then done
+// everywhere). K has four buffers and V three, one more each than that
+// order needs: the sizes measured when the loads came before the barrier
+// (a warpgroup could then still read K_{j-2}, K_{j-1} and V_{j-1}); the
+// smaller rings are not yet measured.
 __device__ __forceinline__ void flash_backward_dq_wgmma(const FlashGradMaps& maps, const bf16* out,
                                                         const float* lse, const bf16* dout, bf16* dq, float* delta,
                                                         u32 batch, u32 seq, u32 heads, u32 kv_heads, float scale) {
@@ -1221,8 +1222,9 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(const FlashGradMaps& m
     extern __shared__ __align__(128) unsigned char shared[];
     bf16* ks = reinterpret_cast<bf16*>(aligned_shared(shared));
     bf16* vs = ks + KEY_ELEMS;
-    // Three buffers of each step's tiles (one would be read, one filled,
-    // and one free; the block meets once a step).
+    // Three buffers of each step's tiles, one more than the order of the
+    // loop below needs (its barrier comes before a step's loads): the size
+    // measured when the loads came first; two are not yet measured.
     bf16* qs = vs + KEY_ELEMS;
     bf16* dos = qs + 3 * QUERY_ELEMS;
     float* lses = reinterpret_cast<float*>(dos + 3 * QUERY_ELEMS);

@@ -134,17 +134,16 @@ impl FlashKernel {
                 let row = WG_HEAD_DIM * DType::Bf16.bytes();
                 WGMMA_SHARED_ALIGN
                     + match self {
-                        // q, then k and v three times (what the
-                        // pipeline reads and what it fetches), then the
-                        // tiles' seven 8-byte barriers.
+                        // q, then k and v three times (see the kernel on
+                        // the rings' sizes), then the tiles' seven 8-byte
+                        // barriers.
                         FlashKernel::Forward => {
                             (WG_QUERY_ROWS + 6 * WG_FWD_KEYS) * row
                                 + WG_FWD_BARRIERS * BARRIER_BYTES
                         }
                         // q and dout, then k four times and v three
-                        // times (the pipeline reads the previous tile's
-                        // k, and a warpgroup may be an iteration behind),
-                        // then the tiles' eight 8-byte barriers.
+                        // times (see the kernel on the rings' sizes), then
+                        // the tiles' eight 8-byte barriers.
                         FlashKernel::BackwardDq => {
                             (2 * WG_QUERY_ROWS + 7 * WG_DQ_KEYS) * row
                                 + WG_DQ_BARRIERS * BARRIER_BYTES
