@@ -531,45 +531,36 @@ pub fn compile_each<F>(
 where
     F: Fn(&KernelSource) -> Result<CompiledSource, KernelBuildError> + Sync,
 {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
-        .min(sources.len());
-    if workers <= 1 {
-        return sources.iter().map(compile).collect();
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut results: Vec<Option<Result<CompiledSource, KernelBuildError>>> =
-        sources.iter().map(|_| None).collect();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(source) = sources.get(i) else {
-                            return done;
-                        };
-                        done.push((i, compile(source)));
-                    }
+        .min(sources.len())
+        .max(1);
+    // Each worker takes the next source not yet taken and keeps its index.
+    let next = AtomicUsize::new(0);
+    let mut done: Vec<(usize, Result<CompiledSource, KernelBuildError>)> =
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..workers)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(source) = sources.get(i) else {
+                                return mine;
+                            };
+                            mine.push((i, compile(source)));
+                        }
+                    })
                 })
-            })
-            .collect();
-        for handle in handles {
-            match handle.join() {
-                Ok(done) => {
-                    for (i, result) in done {
-                        results[i] = Some(result);
-                    }
-                }
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
-        }
-    });
-    results
-        .into_iter()
-        .map(|result| result.expect("every source is taken by one worker"))
-        .collect()
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, result)| result).collect()
 }
 
 /// The options every source is compiled with for `target`: what NVRTC is
