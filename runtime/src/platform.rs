@@ -59,6 +59,22 @@ impl RankSettings {
     }
 }
 
+/// How the GPU ranks of one process exchange data.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// NCCL: one rank a GPU, in one process or many (torchrun, srun).
+    #[default]
+    Nccl,
+    /// The GPUs' copy engines, between the ranks of one process
+    /// ([`crate::cuda::peer_copy`]): all-gathers and all-to-alls take no
+    /// SMs, and ranks may share a GPU (`--ranks` above the GPUs puts them
+    /// round-robin), which runs the multi-rank code on one GPU.
+    Copy,
+}
+
 /// The ranks of a run and the device they run on.
 pub trait Platform: Sync {
     type Device: Device;
@@ -196,11 +212,13 @@ pub fn choose_device(choice: DeviceChoice) -> Result<ChosenDevice> {
 }
 
 /// Makes the platform of `device` for a run of `ranks` ranks whose
-/// collectives give up after `timeout`, and runs `work` on it.
+/// collectives give up after `timeout` (on GPUs, over `transport`), and
+/// runs `work` on it.
 pub fn with_platform<W: OnPlatform>(
     device: &ChosenDevice,
     ranks: usize,
     timeout: Duration,
+    transport: Transport,
     work: W,
 ) -> Result<W::Output> {
     match device {
@@ -209,7 +227,7 @@ pub fn with_platform<W: OnPlatform>(
             Ok(work.run(&platform))
         }
         ChosenDevice::Cuda { info, launch } => {
-            let platform = CudaPlatform::new(info, launch.clone(), ranks)?;
+            let platform = CudaPlatform::new(info, launch.clone(), ranks, transport, timeout)?;
             Ok(work.run(&platform))
         }
     }

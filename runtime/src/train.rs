@@ -21,7 +21,8 @@ use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLa
 use crate::model::ModelRuntime;
 use crate::optimizer::{NonFinite, Optimizer, OptimizerConfig};
 use crate::platform::{
-    ChosenDevice, DeviceChoice, OnPlatform, Platform, RankSettings, choose_device, with_platform,
+    ChosenDevice, DeviceChoice, OnPlatform, Platform, RankSettings, Transport, choose_device,
+    with_platform,
 };
 use crate::recompute::Recompute;
 use crate::schedule::{
@@ -86,6 +87,8 @@ pub struct TrainConfig {
     /// Whether GPU kernels launch while the one before them drains
     /// (programmatic dependent launch, Hopper; the same bits either way).
     pub dependent_launch: bool,
+    /// How the GPU ranks of one process exchange data ([`Transport`]).
+    pub transport: Transport,
     /// Parameters and activations in bf16 or f32 (master weights, gradients
     /// and optimizer state are f32 either way).
     pub precision: Precision,
@@ -155,6 +158,7 @@ impl TrainConfig {
             attention: AttentionBackend::Flash,
             expert_gemm: ExpertGemm::default(),
             dependent_launch: true,
+            transport: Transport::default(),
             precision: Precision::F32,
             data: DataChoice::Synthetic,
             seed: 0,
@@ -392,7 +396,9 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             source: "the configured limit".into(),
         }),
         (None, ChosenDevice::Cpu { .. }) => crate::memory::available(),
-        (None, ChosenDevice::Cuda { info, launch }) => gpu_available(info, launch, config.ranks),
+        (None, ChosenDevice::Cuda { info, launch }) => {
+            gpu_available(info, launch, config.ranks, config.transport)
+        }
     };
     // On GPUs each rank has a device of its own, and its kernels' scratch.
     let gpu_scratch = hybridgen_dsl::Pattern::parse(&config.model.pattern).map_or(0, |p| {
@@ -520,8 +526,20 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
 pub const GPU_OVERHEAD: u64 = 5 << 28;
 
 /// The least free memory among the GPUs this process's ranks run on, as
-/// the device reported it when probed.
-fn gpu_available(info: &GpuInfo, launch: &Launch, ranks: usize) -> Option<AvailableMemory> {
+/// the device reported it when probed; a rank's share of it where ranks
+/// share GPUs (the copy transport's ranks beyond the GPUs).
+fn gpu_available(
+    info: &GpuInfo,
+    launch: &Launch,
+    ranks: usize,
+    transport: Transport,
+) -> Option<AvailableMemory> {
+    let sharing = match (launch, transport) {
+        (Launch::SingleProcess, Transport::Copy) if !info.devices.is_empty() => {
+            ranks.div_ceil(info.devices.len()).max(1)
+        }
+        _ => 1,
+    };
     let used: Vec<&GpuDevice> = match launch {
         Launch::SingleProcess => info.devices.iter().take(ranks.max(1)).collect(),
         Launch::Distributed(r) => {
@@ -532,10 +550,14 @@ fn gpu_available(info: &GpuInfo, launch: &Launch, ranks: usize) -> Option<Availa
         }
     };
     let least = used.into_iter().min_by_key(|d| d.free_memory)?;
+    let shared = match sharing {
+        1 => String::new(),
+        n => format!(", shared by {n} ranks"),
+    };
     Some(AvailableMemory {
-        bytes: least.free_memory as u64,
+        bytes: least.free_memory as u64 / sharing as u64,
         source: format!(
-            "free on cuda:{} ({}) of {}",
+            "free on cuda:{} ({}) of {}{shared}",
             least.ordinal,
             least.name,
             crate::memory::bytes(least.total_memory as u64)
@@ -668,6 +690,7 @@ pub fn train_prepared(
         &prepared.device,
         config.ranks,
         config.timeout,
+        config.transport,
         TrainOn {
             prepared,
             on_step,

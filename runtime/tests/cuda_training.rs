@@ -7,6 +7,8 @@
 //! - on two GPUs (EP 2, ZeRO-3, bf16): overlap equals plain bit for bit,
 //!   the same run twice gives the same bits, ZeRO-3 and no_shard agree
 //!   within a tolerance (different collectives sum in different orders);
+//! - two ranks sharing one GPU over the copy transport: the same checks,
+//!   and in f32 the CPU's two-rank run's losses;
 //! - bf16 converges like f32 on the default model;
 //! - a run saved on the GPU resumes on the CPU, and the other way round;
 //! - refusals: a run that does not fit the GPU, a rank that fails.
@@ -19,7 +21,7 @@ use hybridgen_runtime::backend::AttentionBackend;
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::cuda::probe;
 use hybridgen_runtime::fsdp::Sharding;
-use hybridgen_runtime::platform::DeviceChoice;
+use hybridgen_runtime::platform::{DeviceChoice, Transport};
 use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
@@ -338,6 +340,64 @@ fn on_two_gpus_overlap_equals_plain_bit_for_bit_and_repeats() {
     for (a, b) in zero3.iter().zip(&no_shard) {
         println!("step {}: zero3 {} no_shard {}", a.step, a.loss, b.loss);
         assert!(relative(a.loss, b.loss) <= 1e-2, "{} vs {}", a.loss, b.loss);
+    }
+}
+
+/// Two ranks on one GPU over the copy transport: ZeRO-3's gathers and
+/// scatters and EP's all-to-alls run for real on the device, between the
+/// ranks' own streams. Overlap equals plain and repeats bit for bit; in
+/// f32, the losses are the CPU's two-rank run's (both sum in rank order).
+#[test]
+fn two_ranks_sharing_a_gpu_over_the_copy_transport_train_like_the_cpu() {
+    if gpus(1).is_none() {
+        return;
+    }
+    let shared = |schedule, sharding| {
+        let mut c = two_gpu_config(schedule, sharding);
+        c.transport = Transport::Copy;
+        c
+    };
+    let (r, s) = run(&shared(ScheduleKind::Overlap, Sharding::Zero3));
+    let overlap = bits(&r, &s);
+    let (r, s) = run(&shared(ScheduleKind::Plain, Sharding::Zero3));
+    let plain = bits(&r, &s);
+    let (r, s) = run(&shared(ScheduleKind::Overlap, Sharding::Zero3));
+    let again = bits(&r, &s);
+    assert_eq!(overlap, plain, "overlap vs plain");
+    assert_eq!(overlap, again, "the same run twice");
+    // no_shard all-reduces what ZeRO-3 reduce-scatters (the same sums);
+    // the gradient norm's partial sums differ.
+    let (zero3, _) = run(&shared(ScheduleKind::Overlap, Sharding::Zero3));
+    let (no_shard, _) = run(&shared(ScheduleKind::Overlap, Sharding::NoShard));
+    for (a, b) in zero3.iter().zip(&no_shard) {
+        assert!(relative(a.loss, b.loss) <= 1e-3, "{} vs {}", a.loss, b.loss);
+    }
+
+    let f32_run = |device| {
+        let mut c = shared(ScheduleKind::Overlap, Sharding::Zero3);
+        c.device = device;
+        c.precision = Precision::F32;
+        run(&c).0
+    };
+    let cpu = f32_run(DeviceChoice::Cpu);
+    let gpu = f32_run(DeviceChoice::Cuda);
+    assert_eq!(cpu.len(), gpu.len());
+    for (c, g) in cpu.iter().zip(&gpu) {
+        println!(
+            "2 ranks, 1 GPU, step {}: cpu {:.9} gpu {:.9} (rel {:.1e}), grad norm rel {:.1e}",
+            c.step,
+            c.loss,
+            g.loss,
+            relative(g.loss, c.loss),
+            relative(g.grad_norm, c.grad_norm)
+        );
+        assert!(
+            relative(g.loss, c.loss) <= 1e-4,
+            "step {}: {} vs {}",
+            c.step,
+            g.loss,
+            c.loss
+        );
     }
 }
 

@@ -13,7 +13,7 @@ use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{
     LrDecayStyle, LrSchedule, OptimizerConfig, OptimizerKind, WsdDecayStyle,
 };
-use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, choose_device};
+use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, Transport, choose_device};
 use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
@@ -102,6 +102,14 @@ pub(crate) struct TrainArgs {
     /// either way; other GPUs and the CPU ignore it.
     #[arg(long, value_enum, default_value = "on")]
     dependent_launch: Switch,
+    /// How the GPU ranks of one process exchange data: `nccl` (one rank a
+    /// GPU; the only choice under torchrun or srun) or `copy` (the GPUs'
+    /// copy engines move all-gathers and all-to-alls without SMs and sums
+    /// run on the receiving GPU in rank order; `--ranks` may exceed the
+    /// GPUs, which then hold ranks round-robin, so one GPU runs ZeRO-3 and
+    /// expert parallelism). The CPU ignores it.
+    #[arg(long, value_enum, default_value = "nccl")]
+    transport: TransportArg,
     /// ZeRO stage: 3 shards parameters, gradients and optimizer state; 0 is
     /// plain data parallelism (no_shard).
     #[arg(long, value_parser = ["0", "3"], default_value = "3")]
@@ -243,6 +251,12 @@ enum AttentionBackendArg {
 enum Switch {
     On,
     Off,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum TransportArg {
+    Nccl,
+    Copy,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -687,6 +701,10 @@ fn config(
         ExpertGemmArg::Grouped => ExpertGemm::Grouped,
     };
     config.dependent_launch = args.dependent_launch == Switch::On;
+    config.transport = match args.transport {
+        TransportArg::Nccl => Transport::Nccl,
+        TransportArg::Copy => Transport::Copy,
+    };
     config.sharding = if args.zero == "0" {
         Sharding::NoShard
     } else {

@@ -27,6 +27,7 @@ use crate::cpu::CpuBackend;
 use crate::cpu::buffer::KernelAccess;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
+use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,7 +38,7 @@ pub use crate::collective::DEFAULT_TIMEOUT;
 
 /// Which collective a call is; with its size, what every rank must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum OpKind {
+pub(crate) enum OpKind {
     AllGather,
     ReduceScatter,
     AllReduce,
@@ -115,6 +116,20 @@ enum Payload {
     Color(usize),
     /// The groups a split made: (color, group id, world ranks).
     Groups(Vec<(usize, u64, Arc<[usize]>)>),
+    /// Another transport's posting, opaque here ([`DeviceRound`]).
+    Token(Token),
+}
+
+/// What another transport's rank posts in a round: its device buffers'
+/// addresses and the events that say when they are ready, say. This module
+/// only carries it.
+#[derive(Clone)]
+struct Token(Arc<dyn Any + Send + Sync>);
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token")
+    }
 }
 
 #[derive(Debug)]
@@ -731,6 +746,96 @@ impl CpuComm {
     }
 }
 
+/// One collective of a transport that moves its data elsewhere (the CUDA
+/// copy transport, between the GPUs of this process), numbered and checked
+/// here like a CPU collective: every rank of the group must call the same
+/// kind, size and dtype in the same order, and a rank that errs, aborts,
+/// leaves or stalls past the timeout fails its peers' calls instead of
+/// hanging them. Each [`DeviceRound::exchange`] is one more round of the
+/// call (a phase): every rank posts a token and gets every rank's, in
+/// group-rank order.
+pub(crate) struct DeviceRound<'a> {
+    comm: &'a CpuComm,
+    _in_call: InCall<'a>,
+    call: Call,
+}
+
+impl DeviceRound<'_> {
+    /// Posts this rank's `token` and returns every rank's, in group-rank
+    /// order, once all have posted.
+    pub(crate) fn exchange<T: Any + Send + Sync>(&mut self, token: T) -> Result<Vec<Arc<T>>> {
+        let exchanged =
+            self.comm
+                .exchange(&self.call, Payload::Token(Token(Arc::new(token))), None)?;
+        self.call.phase = self.call.phase.wrapping_add(1);
+        exchanged
+            .contributions
+            .iter()
+            .map(|p| match &**p {
+                Payload::Token(Token(t)) => t.clone().downcast::<T>().ok(),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                self.comm
+                    .internal(&self.call, "a rank posted another kind of token")
+            })
+    }
+
+    /// Refuses the call for `problem` on this rank, failing the peers
+    /// waiting in it (see [`CpuComm::reject`]).
+    pub(crate) fn reject(&self, problem: String) -> RuntimeError {
+        self.comm.reject(&self.call, problem)
+    }
+
+    /// Breaks the group after this rank failed in the call with `error`,
+    /// so peers waiting in a later round of it fail now, naming this rank,
+    /// instead of at the timeout.
+    pub(crate) fn abandon(&self, error: &RuntimeError) {
+        let mut state = self.comm.family.lock();
+        if let Some(group) = state.groups.get_mut(&self.comm.group)
+            && group.broken.is_none()
+        {
+            group.broken = Some(RuntimeError::Peer {
+                rank: self.comm.world_rank(),
+                message: format!(
+                    "failed in {} on {}: {error}",
+                    self.call, self.comm.group_name
+                ),
+            });
+        }
+        drop(state);
+        self.comm.family.changed.notify_all();
+    }
+
+    /// A fault found after the exchange that every rank sees alike (they
+    /// all check the same tokens), attributed to `rank` (a group rank).
+    pub(crate) fn peer_error(&self, rank: usize, problem: String) -> RuntimeError {
+        RuntimeError::Peer {
+            rank: self.comm.members[rank],
+            message: format!("{problem} in {} on {}", self.call, self.comm.group_name),
+        }
+    }
+}
+
+impl CpuComm {
+    /// Begins a collective whose data another transport moves: `kind` with
+    /// `elements` and `dtype` for the peers to agree on ([`DeviceRound`]).
+    pub(crate) fn device_round(
+        &self,
+        kind: OpKind,
+        elements: Option<usize>,
+        dtype: Option<DType>,
+    ) -> Result<DeviceRound<'_>> {
+        let (in_call, call) = self.begin(kind, elements, dtype)?;
+        Ok(DeviceRound {
+            comm: self,
+            _in_call: in_call,
+            call,
+        })
+    }
+}
+
 impl Drop for CpuComm {
     fn drop(&mut self) {
         if std::thread::panicking() {
@@ -1086,5 +1191,87 @@ mod tests {
                 .to_string()
                 .contains("out of range")
         );
+    }
+
+    /// Another transport's rounds: every rank gets every token in rank
+    /// order, phase after phase of one call; a rank that calls another
+    /// collective, or fails between rounds, fails its peers at once.
+    #[test]
+    fn device_rounds_exchange_tokens_in_rank_order_and_fail_together() {
+        let world = CpuWorld::with_timeout(3, Duration::from_secs(30)).unwrap();
+        let comms = world.comms().unwrap();
+        std::thread::scope(|scope| {
+            for comm in &comms {
+                scope.spawn(move || {
+                    let me = Collective::<CpuBackend>::rank(comm);
+                    let mut round = comm
+                        .device_round(OpKind::AllGather, Some(4), Some(DType::F32))
+                        .unwrap();
+                    let first = round.exchange(10 * me).unwrap();
+                    assert_eq!(first.iter().map(|t| **t).collect::<Vec<_>>(), [0, 10, 20]);
+                    let second = round.exchange(format!("done {me}")).unwrap();
+                    assert_eq!(*second[2], "done 2");
+                });
+            }
+        });
+        // The next call: rank 2 calls another collective.
+        let started = Instant::now();
+        let errors: Vec<String> = std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .iter()
+                .map(|comm| {
+                    scope.spawn(move || {
+                        let kind = match Collective::<CpuBackend>::rank(comm) {
+                            2 => OpKind::ReduceScatter,
+                            _ => OpKind::AllGather,
+                        };
+                        let mut round = comm.device_round(kind, Some(4), Some(DType::F32))?;
+                        round.exchange(0u8).map(|_| ())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap_err().to_string())
+                .collect()
+        });
+        // Whoever came first, every rank's error names both calls.
+        assert!(
+            errors
+                .iter()
+                .all(|e| e.contains("reduce_scatter #2 (4 f32 elements)")
+                    && e.contains("all_gather #2 (4 f32 elements per rank)")),
+            "{errors:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{errors:?}");
+
+        // A rank that fails between its rounds fails the peers waiting in
+        // the next one at once, naming it.
+        let world = CpuWorld::with_timeout(2, Duration::from_secs(30)).unwrap();
+        let comms = world.comms().unwrap();
+        let started = Instant::now();
+        let waiting = std::thread::scope(|scope| {
+            let failing = scope.spawn(|| {
+                let mut round = comms[1]
+                    .device_round(OpKind::AllReduce, Some(1), None)
+                    .unwrap();
+                round.exchange(()).unwrap();
+                round.abandon(&RuntimeError::InvalidArgument("out of memory".into()));
+            });
+            let waiting = scope.spawn(|| {
+                let mut round = comms[0]
+                    .device_round(OpKind::AllReduce, Some(1), None)
+                    .unwrap();
+                round.exchange(()).unwrap();
+                round.exchange(()).map(|_| ()).unwrap_err().to_string()
+            });
+            failing.join().unwrap();
+            waiting.join().unwrap()
+        });
+        assert!(
+            waiting.contains("rank 1") && waiting.contains("out of memory"),
+            "{waiting}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{waiting}");
     }
 }

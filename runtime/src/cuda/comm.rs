@@ -1,7 +1,8 @@
-//! The CUDA device's communicator: NCCL between GPUs, and a group of one
-//! (a run on one GPU, or a group the layout makes of one rank, such as the
-//! expert-parallel group at `--ep 1`) without NCCL at all, so one GPU
-//! trains without libnccl.
+//! The CUDA device's communicator: NCCL between GPUs, the copy transport
+//! between the GPUs (or ranks sharing a GPU) of this process
+//! ([`super::peer_copy`]), and a group of one (a run on one GPU, or a
+//! group the layout makes of one rank, such as the expert-parallel group at
+//! `--ep 1`) without either, so one GPU trains without libnccl.
 //!
 //! A communicator is bound to one queue's stream (the comm lane's, or the
 //! rank's host queue for host-side exchanges): its collectives are enqueued
@@ -12,6 +13,7 @@ use super::CudaBackend;
 use super::buffer::{view_mut_on, view_on};
 use super::launch::GpuView;
 use super::nccl::NcclComm;
+use super::peer_copy::PeerCopyComm;
 use super::queue::QueueSet;
 use crate::backend::{Slice, SliceMut};
 use crate::collective::Collective;
@@ -29,6 +31,7 @@ pub struct SoloComm {
 enum Group {
     Solo(SoloComm),
     Nccl(Box<NcclComm>),
+    Copy(Box<PeerCopyComm>),
 }
 
 /// One rank's communicator on a GPU.
@@ -58,11 +61,20 @@ impl CudaComm {
         }
     }
 
-    /// The NCCL communicator, when the group has more than one rank.
+    /// The copy transport's communicator on its backend's queue.
+    pub fn copy(comm: PeerCopyComm) -> CudaComm {
+        let queue = comm.backend().queue_index();
+        CudaComm {
+            group: Group::Copy(Box::new(comm)),
+            queue,
+        }
+    }
+
+    /// The NCCL communicator, when the group is NCCL's.
     pub fn as_nccl(&self) -> Option<&NcclComm> {
         match &self.group {
             Group::Nccl(comm) => Some(comm),
-            Group::Solo(_) => None,
+            Group::Solo(_) | Group::Copy(_) => None,
         }
     }
 
@@ -76,6 +88,7 @@ impl CudaComm {
                 group: Group::Nccl(Box::new(comm.split_on(0, backend.stream().clone())?)),
                 queue: backend.queue_index(),
             },
+            Group::Copy(comm) => CudaComm::copy(comm.split_on(0, backend)?),
         })
     }
 
@@ -118,6 +131,7 @@ impl Collective<CudaBackend> for CudaComm {
         match &self.group {
             Group::Solo(_) => 0,
             Group::Nccl(comm) => comm.rank(),
+            Group::Copy(comm) => comm.rank(),
         }
     }
 
@@ -125,6 +139,7 @@ impl Collective<CudaBackend> for CudaComm {
         match &self.group {
             Group::Solo(_) => 1,
             Group::Nccl(comm) => comm.size(),
+            Group::Copy(comm) => comm.size(),
         }
     }
 
@@ -133,10 +148,10 @@ impl Collective<CudaBackend> for CudaComm {
         shard: Slice<'_, CudaBackend>,
         full: SliceMut<'_, CudaBackend>,
     ) -> Result<()> {
-        let (shard, full) = (self.v(shard), self.m(&full));
         match &self.group {
-            Group::Solo(solo) => solo.copy("all_gather", shard, full),
-            Group::Nccl(comm) => comm.all_gather(shard, full),
+            Group::Solo(solo) => solo.copy("all_gather", self.v(shard), self.m(&full)),
+            Group::Nccl(comm) => comm.all_gather(self.v(shard), self.m(&full)),
+            Group::Copy(comm) => comm.all_gather(shard, full),
         }
     }
 
@@ -145,30 +160,33 @@ impl Collective<CudaBackend> for CudaComm {
         full: Slice<'_, CudaBackend>,
         shard: SliceMut<'_, CudaBackend>,
     ) -> Result<()> {
-        let (full, shard) = (self.v(full), self.m(&shard));
-        if full.dtype != DType::F32 {
+        if full.dtype() != DType::F32 {
             return Err(mismatch(
                 "reduce_scatter",
-                format!("`full` is {}, but gradients are reduced in f32", full.dtype),
+                format!(
+                    "`full` is {}, but gradients are reduced in f32",
+                    full.dtype()
+                ),
             ));
         }
         match &self.group {
-            Group::Solo(solo) => solo.copy("reduce_scatter", full, shard),
-            Group::Nccl(comm) => comm.reduce_scatter(full, shard),
+            Group::Solo(solo) => solo.copy("reduce_scatter", self.v(full), self.m(&shard)),
+            Group::Nccl(comm) => comm.reduce_scatter(self.v(full), self.m(&shard)),
+            Group::Copy(comm) => comm.reduce_scatter(full, shard),
         }
     }
 
     fn all_reduce(&self, buf: SliceMut<'_, CudaBackend>) -> Result<()> {
-        let buf = self.m(&buf);
-        if buf.dtype != DType::F32 {
+        if buf.dtype() != DType::F32 {
             return Err(mismatch(
                 "all_reduce",
-                format!("`buf` is {}, but sums are taken in f32", buf.dtype),
+                format!("`buf` is {}, but sums are taken in f32", buf.dtype()),
             ));
         }
         match &self.group {
             Group::Solo(_) => Ok(()),
-            Group::Nccl(comm) => comm.all_reduce(buf),
+            Group::Nccl(comm) => comm.all_reduce(self.m(&buf)),
+            Group::Copy(comm) => comm.all_reduce(buf),
         }
     }
 
@@ -179,9 +197,9 @@ impl Collective<CudaBackend> for CudaComm {
         recv: SliceMut<'_, CudaBackend>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let (send, recv) = (self.v(send), self.m(&recv));
         match &self.group {
             Group::Solo(solo) => {
+                let (send, recv) = (self.v(send), self.m(&recv));
                 if send_counts != [send.len] || recv_counts != [recv.len] {
                     return Err(mismatch(
                         "all_to_all",
@@ -195,7 +213,10 @@ impl Collective<CudaBackend> for CudaComm {
                 }
                 solo.copy("all_to_all", send, recv)
             }
-            Group::Nccl(comm) => comm.all_to_all(send, send_counts, recv, recv_counts),
+            Group::Nccl(comm) => {
+                comm.all_to_all(self.v(send), send_counts, self.m(&recv), recv_counts)
+            }
+            Group::Copy(comm) => comm.all_to_all(send, send_counts, recv, recv_counts),
         }
     }
 
@@ -209,6 +230,7 @@ impl Collective<CudaBackend> for CudaComm {
                 )),
             },
             Group::Nccl(comm) => comm.all_to_all_counts(send),
+            Group::Copy(comm) => comm.host().all_to_all_counts(send),
         }
     }
 
@@ -216,6 +238,7 @@ impl Collective<CudaBackend> for CudaComm {
         match &self.group {
             Group::Solo(_) => Ok(vec![values.to_vec()]),
             Group::Nccl(comm) => comm.all_gather_host(values),
+            Group::Copy(comm) => comm.host().all_gather_host(values),
         }
     }
 
@@ -223,6 +246,7 @@ impl Collective<CudaBackend> for CudaComm {
         match &self.group {
             Group::Solo(_) => Ok(()),
             Group::Nccl(comm) => comm.barrier(),
+            Group::Copy(comm) => comm.host().barrier(),
         }
     }
 
@@ -240,6 +264,7 @@ impl Collective<CudaBackend> for CudaComm {
                 group: Group::Nccl(Box::new(comm.split(color)?)),
                 queue: self.queue,
             }),
+            Group::Copy(comm) => Ok(CudaComm::copy(comm.split_on(color, comm.backend())?)),
         }
     }
 }

@@ -16,6 +16,8 @@
 //!   lengths against its dimensions first.
 //! - [`nccl`]: the communicator between GPU ranks (NCCL, non-blocking,
 //!   every wait bounded).
+//! - [`peer_copy`]: the copy transport between the ranks of one process
+//!   (copy engines; ranks may share a GPU).
 
 mod arena;
 pub mod backend;
@@ -29,6 +31,7 @@ pub mod kernels;
 pub mod lane;
 pub mod launch;
 pub mod nccl;
+pub mod peer_copy;
 pub mod platform;
 pub mod probe;
 pub mod queue;

@@ -1,22 +1,29 @@
 //! The CUDA platform: one rank per GPU, either every visible GPU driven by
 //! a thread of this process, or one GPU per process for jobs started by
-//! torchrun or srun ([`crate::launch`]), NCCL between them either way.
+//! torchrun or srun ([`crate::launch`]), NCCL between them either way; or,
+//! with the copy transport ([`Transport::Copy`]), the ranks of this process
+//! on its GPUs round-robin (several may share one), exchanging through the
+//! copy engines.
 
 use super::CudaBackend;
 use super::backend::Gpu;
 use super::comm::CudaComm;
 use super::lane::CudaLane;
 use super::nccl::{AbortSignal, NcclComm, NcclUniqueId};
+use super::peer_copy::{PeerCopyComm, RetiredEvents};
 use super::probe::GpuInfo;
 use crate::backend::{AttentionBackend, ExpertGemm};
 use crate::collective::Collective;
+use crate::cpu::collective::CpuWorld;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::lane::Lane;
 use crate::launch::{Launch, RankInfo};
-use crate::platform::{Platform, RankSettings};
+use crate::platform::{Platform, RankSettings, Transport};
+use cudarc::driver::{CudaContext, sys};
 use std::ops::Range;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 /// The types of the CUDA platform.
 #[derive(Clone, Copy, Debug, Default)]
@@ -54,23 +61,51 @@ pub struct CudaPlatform {
     /// rank's waits end with an error naming it, and its communicators are
     /// aborted, so nothing waits on a GPU stuck in a collective.
     signal: AbortSignal,
+    /// The copy transport's rendezvous of this process's ranks, when it is
+    /// the transport, and the events of its communicators that are gone
+    /// (destroyed with the platform, after every rank's thread).
+    copy: Option<(CpuWorld, Arc<RetiredEvents>)>,
 }
 
 impl CudaPlatform {
     /// `ranks` ranks on the GPUs `info` found, started as `launch` says:
-    /// alone, a thread per GPU (`ranks` at most the GPUs); under torchrun or
-    /// srun, this process's rank on GPU `LOCAL_RANK` (or on its only GPU).
-    pub fn new(info: &GpuInfo, launch: Launch, ranks: usize) -> Result<Self> {
+    /// alone, a thread per GPU (`ranks` at most the GPUs, or any number on
+    /// them round-robin with the copy transport); under torchrun or srun,
+    /// this process's rank on GPU `LOCAL_RANK` (or on its only GPU). The
+    /// copy transport's collectives give up after `timeout`.
+    pub fn new(
+        info: &GpuInfo,
+        launch: Launch,
+        ranks: usize,
+        transport: Transport,
+        timeout: Duration,
+    ) -> Result<Self> {
         let gpus = info.devices.len();
+        if let (Transport::Copy, Launch::Distributed(_)) = (transport, &launch) {
+            return Err(RuntimeError::Unsupported(
+                "--transport copy moves data between the GPUs of one process, but the \
+                 launcher started a process a GPU; give --transport nccl, or start one process \
+                 (without torchrun or srun) that drives every GPU"
+                    .into(),
+            ));
+        }
         let (world, local, ordinals) = match &launch {
+            Launch::SingleProcess if transport == Transport::Copy => {
+                if gpus == 0 {
+                    return Err(RuntimeError::Unsupported("no GPU is visible".into()));
+                }
+                (ranks, 0..ranks, (0..ranks).map(|r| r % gpus).collect())
+            }
             Launch::SingleProcess => {
                 if ranks > gpus {
-                    return Err(RuntimeError::Unsupported(format!(
-                        "--ranks {ranks} needs {ranks} GPUs but {gpus} {} visible \
+                    return Err(RuntimeError::Unsupported(
+                        format!(
+                            "--ranks {ranks} needs {ranks} GPUs but {gpus} {} visible \
                          (CUDA_VISIBLE_DEVICES counts); lower --ranks, or start one process \
                          per GPU on several machines with torchrun or srun",
-                        if gpus == 1 { "is" } else { "are" }
-                    )));
+                            if gpus == 1 { "is" } else { "are" }
+                        ) + "; or give --transport copy, which puts ranks on the GPUs round-robin",
+                    ));
                 }
                 (ranks, 0..ranks, (0..ranks).collect())
             }
@@ -97,7 +132,7 @@ impl CudaPlatform {
                 (*world_size, *rank..*rank + 1, vec![ordinal])
             }
         };
-        if world > 1 && !info.nccl {
+        if world > 1 && transport == Transport::Nccl && !info.nccl {
             return Err(RuntimeError::Device {
                 device: "cuda".into(),
                 message: "a run on more than one GPU needs NCCL, and libnccl.so.2 could not \
@@ -110,9 +145,16 @@ impl CudaPlatform {
             .iter()
             .map(|&o| info.devices[o].name.clone())
             .collect();
-        let unique_id = match (&launch, world) {
-            (Launch::SingleProcess, 2..) => Some(NcclUniqueId::new()?),
+        let unique_id = match (&launch, world, transport) {
+            (Launch::SingleProcess, 2.., Transport::Nccl) => Some(NcclUniqueId::new()?),
             _ => None,
+        };
+        let copy = match transport {
+            Transport::Copy => Some((
+                CpuWorld::with_timeout(world, timeout)?,
+                Arc::new(RetiredEvents::default()),
+            )),
+            Transport::Nccl => None,
         };
         Ok(CudaPlatform {
             world,
@@ -122,8 +164,49 @@ impl CudaPlatform {
             launch,
             unique_id,
             signal: AbortSignal::new(),
+            copy,
         })
     }
+}
+
+/// Lets `context`'s kernels and copies reach the memory of the other GPUs
+/// this process's ranks run on, where the hardware can (NVLink or PCIe peer
+/// access): the copy transport's peer copies then go GPU to GPU instead of
+/// through the host.
+fn enable_peer_access(context: &CudaContext, ordinals: &[usize], name: &str) -> Result<()> {
+    let fail = |what: &str, e: sys::CUresult| RuntimeError::Device {
+        device: name.to_string(),
+        message: format!("{what}: {e:?}"),
+    };
+    context
+        .bind_to_thread()
+        .map_err(|e| fail("binding the context", e.0))?;
+    let mine = context.cu_device();
+    let mut others: Vec<usize> = ordinals
+        .iter()
+        .copied()
+        .filter(|&o| o != context.ordinal())
+        .collect();
+    others.sort_unstable();
+    others.dedup();
+    for ordinal in others {
+        let peer = CudaContext::new(ordinal).map_err(|e| fail("opening a peer GPU", e.0))?;
+        let mut can = 0;
+        // SAFETY: both are valid device handles; `can` outlives the call.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, mine, peer.cu_device()) }
+            .result()
+            .map_err(|e| fail("asking for peer access", e.0))?;
+        if can == 0 {
+            continue;
+        }
+        // SAFETY: `peer`'s primary context is live; this context is current.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            }
+            e => return Err(fail("enabling peer access", e)),
+        }
+    }
+    Ok(())
 }
 
 impl Platform for CudaPlatform {
@@ -151,7 +234,20 @@ impl Platform for CudaPlatform {
         let comm = CudaLane::on_gpu("comm", &host, r, wait, trace)?;
         let ep = settings.ep.max(1);
         let on_comm = comm.backend();
-        let (dp, ep_group, edp, host_comm) = if self.world == 1 {
+        let (dp, ep_group, edp, host_comm) = if let Some((world, retired)) = &self.copy {
+            enable_peer_access(gpu.context(), &self.ordinals, gpu.name())?;
+            let world = CudaComm::copy(PeerCopyComm::new(
+                world.comm(r)?,
+                on_comm.clone(),
+                retired.clone(),
+            )?);
+            // Every rank splits in the same order (the splits are
+            // collective over the world).
+            let ep_group = world.split(r / ep)?;
+            let edp = world.split(r % ep)?;
+            let host_comm = world.split_onto(&host)?;
+            (world, ep_group, edp, host_comm)
+        } else if self.world == 1 {
             let world = CudaComm::solo(on_comm);
             (
                 world.split(0)?,
@@ -224,6 +320,9 @@ impl Platform for CudaPlatform {
 
     fn abort(&self, rank: usize, reason: &str) {
         self.signal.raise(rank, reason);
+        if let Some((world, _)) = &self.copy {
+            world.abort(rank, reason);
+        }
     }
 
     fn describe(&self) -> String {
@@ -231,6 +330,15 @@ impl Platform for CudaPlatform {
         let mut names: Vec<&str> = self.names.iter().map(String::as_str).collect();
         names.dedup();
         match &self.launch {
+            Launch::SingleProcess if self.copy.is_some() => {
+                let gpus = self.ordinals.iter().max().map_or(0, |m| m + 1);
+                format!(
+                    "{n} rank{} on {gpus} GPU{} ({}), copy transport",
+                    if n == 1 { "" } else { "s" },
+                    if gpus == 1 { "" } else { "s" },
+                    names.join(", ")
+                )
+            }
             Launch::SingleProcess => format!(
                 "{n} GPU{} ({})",
                 if n == 1 { "" } else { "s" },
@@ -259,6 +367,17 @@ mod tests {
     use crate::cuda::{GpuDevice, GpuInfo};
     use crate::error::RuntimeError;
     use crate::launch::{Launch, Launcher, RankInfo};
+    use crate::platform::{Platform, Transport};
+    use std::time::Duration;
+
+    fn platform(
+        info: &GpuInfo,
+        launch: Launch,
+        ranks: usize,
+        transport: Transport,
+    ) -> crate::error::Result<CudaPlatform> {
+        CudaPlatform::new(info, launch, ranks, transport, Duration::from_secs(60))
+    }
 
     fn info(gpus: usize, nccl: bool) -> GpuInfo {
         GpuInfo {
@@ -290,7 +409,11 @@ mod tests {
     }
 
     fn refusal(info: &GpuInfo, launch: Launch, ranks: usize) -> String {
-        match CudaPlatform::new(info, launch, ranks) {
+        refusal_on(info, launch, ranks, Transport::Nccl)
+    }
+
+    fn refusal_on(info: &GpuInfo, launch: Launch, ranks: usize, transport: Transport) -> String {
+        match platform(info, launch, ranks, transport) {
             Ok(p) => panic!("accepted: {p:?}"),
             Err(e) => e.to_string(),
         }
@@ -302,6 +425,12 @@ mod tests {
     fn impossible_gpu_layouts_are_refused_with_what_to_change() {
         let m = refusal(&info(1, true), Launch::SingleProcess, 2);
         assert!(m.contains("--ranks 2 needs 2 GPUs but 1 is visible"), "{m}");
+        assert!(m.contains("--transport copy"), "{m}");
+        let m = refusal_on(&info(8, true), launched(0, 8, 0), 8, Transport::Copy);
+        assert!(
+            m.contains("--transport copy") && m.contains("--transport nccl"),
+            "{m}"
+        );
         let m = refusal(&info(8, true), launched(0, 4, 0), 8);
         assert!(
             m.contains("started 4 processes") && m.contains("--ranks 4"),
@@ -309,7 +438,7 @@ mod tests {
         );
         let m = refusal(&info(2, true), launched(3, 4, 3), 4);
         assert!(m.contains("local rank 3 but 2 GPUs"), "{m}");
-        let err = CudaPlatform::new(&info(2, false), Launch::SingleProcess, 2).unwrap_err();
+        let err = platform(&info(2, false), Launch::SingleProcess, 2, Transport::Nccl).unwrap_err();
         assert!(matches!(err, RuntimeError::Device { .. }), "{err}");
         assert!(err.to_string().contains("needs NCCL"), "{err}");
     }
@@ -318,16 +447,33 @@ mod tests {
     /// local rank's GPU.
     #[test]
     fn possible_layouts_describe_what_they_run() {
-        let one = CudaPlatform::new(&info(1, false), Launch::SingleProcess, 1).unwrap();
+        let one = platform(&info(1, false), Launch::SingleProcess, 1, Transport::Nccl).unwrap();
         assert_eq!(one.describe(), "1 GPU (NVIDIA H200)");
-        let third = CudaPlatform::new(&info(8, true), launched(10, 16, 2), 16).unwrap();
-        use crate::platform::Platform;
+        let third = platform(&info(8, true), launched(10, 16, 2), 16, Transport::Nccl).unwrap();
         assert_eq!(third.world(), 16);
         assert_eq!(third.local_ranks(), 10..11);
         assert_eq!(
             third.describe(),
             "GPU 2 (NVIDIA H200) as rank 10 of 16 processes"
         );
+    }
+
+    /// The copy transport puts any number of ranks on the GPUs round-robin,
+    /// without NCCL.
+    #[test]
+    fn the_copy_transport_shares_gpus_round_robin_without_nccl() {
+        let shared = platform(&info(1, false), Launch::SingleProcess, 3, Transport::Copy).unwrap();
+        assert_eq!(shared.world(), 3);
+        assert_eq!(shared.ordinals, [0, 0, 0]);
+        assert_eq!(
+            shared.describe(),
+            "3 ranks on 1 GPU (NVIDIA H200), copy transport"
+        );
+        let spread = platform(&info(2, false), Launch::SingleProcess, 3, Transport::Copy).unwrap();
+        assert_eq!(spread.ordinals, [0, 1, 0]);
+        let one_each =
+            platform(&info(4, false), Launch::SingleProcess, 2, Transport::Copy).unwrap();
+        assert_eq!(one_each.ordinals, [0, 1]);
     }
 
     #[test]

@@ -1,0 +1,511 @@
+//! The copy transport (`--transport copy`): collectives between the ranks
+//! of this process, a thread each, on GPUs of their own or sharing one,
+//! whose data the GPUs' copy engines move. All-gathers and all-to-alls take
+//! no SM from the compute running beside them; sums run on the receiving
+//! GPU in rank order (`((p0 + p1) + p2) + ...`), so every rank gets the
+//! same bits, as the CPU's collectives give. Ranks sharing a GPU is how one
+//! GPU runs the multi-rank code (ZeRO-3, expert parallelism, the overlap
+//! schedule) for real; NCCL refuses two ranks on one device.
+//!
+//! Every rank pulls: its queue copies what it receives out of its peers'
+//! buffers into its own. A collective is two rounds of the host-side
+//! rendezvous the CPU's collectives use ([`DeviceRound`]: the group's calls
+//! numbered and checked alike, a peer that fails, leaves or stalls past the
+//! timeout reported instead of waited on):
+//! 1. each rank posts its buffer's address and an event recorded on its
+//!    queue, which says the buffer is ready (everything its queue was
+//!    given before the call is done); each queue waits on its peers'
+//!    events, then copies;
+//! 2. each rank posts an event recorded after its copies, and its queue
+//!    waits on its peers': no queue goes on to reuse or free a buffer (or,
+//!    in an all-reduce, to write the sum over it) while a peer still reads
+//!    it. Arena regions are fenced on the queues that used them, so a
+//!    buffer freed after the call is safe too.
+//!
+//! Events are made once, two sets a communicator used by alternate calls.
+//! A peer issues its waits on call k's events before it leaves call k, and
+//! this rank records the same set again in call k + 2, after call k + 1's
+//! first round, which every peer has entered, so no wait still pending on
+//! the host can see a later record. The events go, when the communicator
+//! does, to the platform's [`RetiredEvents`], destroyed when the platform
+//! is (after every rank's thread has ended), so no peer thread can pass
+//! a destroyed event to the driver.
+
+use super::CudaBackend;
+use super::buffer::{view_mut_on, view_on};
+use super::launch::GpuView;
+use crate::backend::{Backend, Slice, SliceMut};
+use crate::collective::Collective;
+use crate::cpu::collective::{CpuComm, DeviceRound, OpKind};
+use crate::error::{Result, RuntimeError};
+use crate::view::DType;
+use cudarc::driver::{CudaContext, result, sys};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// One CUDA event of this transport, destroyed (in its context) when
+/// dropped.
+struct PeerEvent {
+    context: Arc<CudaContext>,
+    event: sys::CUevent,
+}
+
+// SAFETY: a CUevent is a driver handle, usable from any thread; this type
+// only records, waits on and destroys it, each through the driver.
+unsafe impl Send for PeerEvent {}
+unsafe impl Sync for PeerEvent {}
+
+impl PeerEvent {
+    fn new(context: &Arc<CudaContext>) -> std::result::Result<Self, String> {
+        context.bind_to_thread().map_err(|e| e.to_string())?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| e.to_string())?;
+        Ok(PeerEvent {
+            context: context.clone(),
+            event,
+        })
+    }
+}
+
+impl Drop for PeerEvent {
+    fn drop(&mut self) {
+        // Errors here can only mean the context is already gone, taking its
+        // events with it.
+        if self.context.bind_to_thread().is_ok() {
+            // SAFETY: made by `PeerEvent::new`, destroyed once, here.
+            let _ = unsafe { result::event::destroy(self.event) };
+        }
+    }
+}
+
+/// Events of communicators that are gone, kept until every rank's thread
+/// has ended (see the module's comment). The platform holds one.
+#[derive(Default)]
+pub struct RetiredEvents(Mutex<Vec<PeerEvent>>);
+
+impl RetiredEvents {
+    fn keep(&self, events: impl IntoIterator<Item = PeerEvent>) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(events);
+    }
+}
+
+/// What a rank posts in a round: its buffer (in its GPU's context), what
+/// it sends each rank (all-to-all only), and an event recorded on its
+/// queue. Plain numbers: the handles stay valid while any peer can use
+/// them (see the module's comment).
+struct Posting {
+    ptr: u64,
+    context: usize,
+    event: usize,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+}
+
+/// One rank's communicator on the copy transport.
+pub struct PeerCopyComm {
+    /// The rendezvous, and every host-side collective.
+    host: CpuComm,
+    /// The queue the copies and sums run on, and the arena of the sums'
+    /// scratch.
+    backend: CudaBackend,
+    /// Two sets of (ready, done) events, for alternate calls: set `k % 2`
+    /// at `2 (k % 2)` and the next index.
+    events: Vec<PeerEvent>,
+    calls: AtomicU64,
+    retired: Arc<RetiredEvents>,
+}
+
+impl PeerCopyComm {
+    /// `host`'s group on the GPU of `backend`, whose queue runs the copies.
+    pub fn new(host: CpuComm, backend: CudaBackend, retired: Arc<RetiredEvents>) -> Result<Self> {
+        let context = backend.gpu().context().clone();
+        let event = || {
+            PeerEvent::new(&context).map_err(|e| {
+                backend
+                    .gpu()
+                    .queues()
+                    .error("making the copy transport's events", e)
+            })
+        };
+        let events = (0..4).map(|_| event()).collect::<Result<Vec<_>>>()?;
+        Ok(PeerCopyComm {
+            host,
+            backend,
+            events,
+            calls: AtomicU64::new(0),
+            retired,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        Collective::<crate::cpu::CpuBackend>::rank(&self.host)
+    }
+
+    pub fn size(&self) -> usize {
+        Collective::<crate::cpu::CpuBackend>::size(&self.host)
+    }
+
+    /// The host-side rendezvous (and its host collectives).
+    pub fn host(&self) -> &CpuComm {
+        &self.host
+    }
+
+    /// A communicator of the ranks that pass the same `color`, on
+    /// `backend`'s queue (collective, as [`Collective::split`]).
+    pub fn split_on(&self, color: usize, backend: &CudaBackend) -> Result<PeerCopyComm> {
+        PeerCopyComm::new(
+            self.host.split(color)?,
+            backend.clone(),
+            self.retired.clone(),
+        )
+    }
+
+    /// The backend the copies run on.
+    pub fn backend(&self) -> &CudaBackend {
+        &self.backend
+    }
+
+    fn raw_stream(&self) -> sys::CUstream {
+        self.backend.stream().cu_stream()
+    }
+
+    fn error(&self, what: &str, e: impl std::fmt::Display) -> RuntimeError {
+        self.backend.gpu().queues().error(what, e)
+    }
+
+    /// Records `event` on this rank's queue and posts it with `ptr` and
+    /// `send_counts`; returns every rank's posting.
+    fn post(
+        &self,
+        round: &mut DeviceRound<'_>,
+        event: &PeerEvent,
+        ptr: u64,
+        counts: (Vec<usize>, Vec<usize>),
+    ) -> Result<Vec<Arc<Posting>>> {
+        self.backend
+            .gpu()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| self.error("binding the context", e))?;
+        // SAFETY: the event and the stream are live handles of this context.
+        unsafe { result::event::record(event.event, self.raw_stream()) }
+            .map_err(|e| self.error("recording the copy transport's event", e))?;
+        round.exchange(Posting {
+            ptr,
+            context: self.backend.gpu().context().cu_ctx() as usize,
+            event: event.event as usize,
+            send_counts: counts.0,
+            recv_counts: counts.1,
+        })
+    }
+
+    /// Makes this rank's queue wait on every peer's posted event.
+    fn wait_for_peers(&self, postings: &[Arc<Posting>]) -> Result<()> {
+        let me = self.rank();
+        for (j, posting) in postings.iter().enumerate() {
+            if j == me {
+                continue;
+            }
+            // SAFETY: the peer's event stays live while it can be waited
+            // on (the module's comment); waiting on another device's event
+            // is allowed.
+            unsafe {
+                result::stream::wait_event(
+                    self.raw_stream(),
+                    posting.event as sys::CUevent,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| self.error("waiting on a peer's event", e))?;
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` from `src` in `from`'s context to `dst` in this
+    /// rank's, on this rank's queue: within one GPU a device copy, else a
+    /// peer copy (the copy engines, over NVLink where peers can reach each
+    /// other).
+    fn copy(&self, from: &Posting, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let mine = self.backend.gpu().context().cu_ctx();
+        // SAFETY: both ranges are live device memory of `bytes` bytes: the
+        // caller checked the lengths, and the peer's buffer is held until
+        // this queue's copies are done (the second round).
+        unsafe {
+            if from.context == mine as usize {
+                result::memcpy_dtod_async(dst, src, bytes, self.raw_stream())
+            } else {
+                result::memcpy_peer_async(
+                    mine,
+                    dst,
+                    from.context as sys::CUcontext,
+                    src,
+                    bytes,
+                    self.raw_stream(),
+                )
+            }
+        }
+        .map_err(|e| self.error("a copy transport copy", e))
+    }
+
+    /// The (ready, done) events of this call, alternating between the sets.
+    fn call_events(&self) -> (&PeerEvent, &PeerEvent) {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let set = 2 * (call % 2) as usize;
+        (&self.events[set], &self.events[set + 1])
+    }
+
+    /// The second round: posts `done` (recorded after this rank's reads of
+    /// its peers' buffers) and makes this queue wait on the peers'.
+    fn finish(&self, round: &mut DeviceRound<'_>, done: &PeerEvent) -> Result<()> {
+        let postings = self.post(round, done, 0, Default::default())?;
+        self.wait_for_peers(&postings)
+    }
+
+    /// Runs the rest of a call after its checks; a failure breaks the
+    /// round, so the peers stop waiting for this rank's second round.
+    fn finish_or_abandon(
+        &self,
+        mut round: DeviceRound<'_>,
+        body: impl FnOnce(&mut DeviceRound<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let result = body(&mut round);
+        if let Err(error) = &result {
+            round.abandon(error);
+        }
+        result
+    }
+
+    pub fn all_gather(
+        &self,
+        shard: Slice<'_, CudaBackend>,
+        full: SliceMut<'_, CudaBackend>,
+    ) -> Result<()> {
+        let n = self.size();
+        let queue = self.backend.queue_index();
+        let (shard, full) = (view_on(shard, queue), view_mut_on(&full, queue));
+        let round =
+            self.host
+                .device_round(OpKind::AllGather, Some(shard.len), Some(shard.dtype))?;
+        if full.len != shard.len * n || full.dtype != shard.dtype {
+            return Err(round.reject(format!(
+                "the output holds {} {} elements but {n} ranks x {} shard elements of {} = {}",
+                full.len,
+                full.dtype,
+                shard.len,
+                shard.dtype,
+                shard.len * n
+            )));
+        }
+        self.finish_or_abandon(round, |round| {
+            let (ready, done) = self.call_events();
+            let postings = self.post(round, ready, shard.ptr, Default::default())?;
+            self.wait_for_peers(&postings)?;
+            let bytes = shard.len * shard.dtype.bytes();
+            for (j, posting) in postings.iter().enumerate() {
+                self.copy(posting, posting.ptr, full.ptr + (j * bytes) as u64, bytes)?;
+            }
+            self.finish(round, done)
+        })
+    }
+
+    pub fn reduce_scatter(
+        &self,
+        full: Slice<'_, CudaBackend>,
+        mut shard: SliceMut<'_, CudaBackend>,
+    ) -> Result<()> {
+        let (n, me) = (self.size(), self.rank());
+        let queue = self.backend.queue_index();
+        let (full_view, shard_view) = (view_on(full, queue), view_mut_on(&shard, queue));
+        let round = self.host.device_round(
+            OpKind::ReduceScatter,
+            Some(full_view.len),
+            Some(full_view.dtype),
+        )?;
+        if full_view.len != shard_view.len * n
+            || full_view.dtype != DType::F32
+            || shard_view.dtype != DType::F32
+        {
+            return Err(round.reject(format!(
+                "the input holds {} {} elements and the output {} {}; they must be f32 and \
+                 {n} ranks x the output's length",
+                full_view.len, full_view.dtype, shard_view.len, shard_view.dtype
+            )));
+        }
+        let s = shard_view.len;
+        self.finish_or_abandon(round, |round| {
+            let (ready, done) = self.call_events();
+            let postings = self.post(round, ready, full_view.ptr, Default::default())?;
+            self.wait_for_peers(&postings)?;
+            // Each peer's share of this rank's segment, in a slot of its
+            // own (slot `me` is unused: that share is in `full`).
+            let b = &self.backend;
+            let parts = b.alloc_uninit(s * n, DType::F32)?;
+            let slots = view_on(b.view(&parts)?, queue).ptr;
+            let bytes = s * 4;
+            for (j, posting) in postings.iter().enumerate() {
+                if j != me {
+                    let segment = posting.ptr + (me * bytes) as u64;
+                    self.copy(posting, segment, slots + (j * bytes) as u64, bytes)?;
+                }
+            }
+            let part = |j: usize| {
+                if j == me {
+                    full.slice(me * s..(me + 1) * s)
+                } else {
+                    b.view(&parts)?.slice(j * s..(j + 1) * s)
+                }
+            };
+            sum_in_rank_order(b, n, part, shard.reborrow())?;
+            self.finish(round, done)
+        })
+    }
+
+    pub fn all_reduce(&self, mut buf: SliceMut<'_, CudaBackend>) -> Result<()> {
+        let (n, me) = (self.size(), self.rank());
+        let queue = self.backend.queue_index();
+        let view = view_mut_on(&buf, queue);
+        let round = self
+            .host
+            .device_round(OpKind::AllReduce, Some(view.len), Some(view.dtype))?;
+        if view.dtype != DType::F32 {
+            return Err(round.reject(format!(
+                "`buf` is {}, but sums are taken in f32",
+                view.dtype
+            )));
+        }
+        let s = view.len;
+        self.finish_or_abandon(round, |round| {
+            let (ready, done) = self.call_events();
+            let postings = self.post(round, ready, view.ptr, Default::default())?;
+            self.wait_for_peers(&postings)?;
+            let b = &self.backend;
+            let parts = b.alloc_uninit(s * n, DType::F32)?;
+            let slots = view_on(b.view(&parts)?, queue).ptr;
+            for (j, posting) in postings.iter().enumerate() {
+                if j != me {
+                    self.copy(posting, posting.ptr, slots + (j * s * 4) as u64, s * 4)?;
+                }
+            }
+            // The sum goes to scratch first: the peers read `buf` until the
+            // second round.
+            let sum = b.alloc_uninit(s, DType::F32)?;
+            let part = |j: usize| {
+                if j == me {
+                    Ok(buf.as_view())
+                } else {
+                    b.view(&parts)?.slice(j * s..(j + 1) * s)
+                }
+            };
+            sum_in_rank_order(b, n, part, b.view_mut(&sum)?)?;
+            self.finish(round, done)?;
+            b.copy(b.view(&sum)?, buf.reborrow())
+        })
+    }
+
+    pub fn all_to_all(
+        &self,
+        send: Slice<'_, CudaBackend>,
+        send_counts: &[usize],
+        recv: SliceMut<'_, CudaBackend>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size(), self.rank());
+        let queue = self.backend.queue_index();
+        let (send, recv) = (view_on(send, queue), view_mut_on(&recv, queue));
+        let round = self
+            .host
+            .device_round(OpKind::AllToAll, None, Some(send.dtype))?;
+        if let Some(problem) = all_to_all_problem(n, &send, send_counts, &recv, recv_counts) {
+            return Err(round.reject(problem));
+        }
+        self.finish_or_abandon(round, |round| {
+            let (ready, done) = self.call_events();
+            let counts = (send_counts.to_vec(), recv_counts.to_vec());
+            let postings = self.post(round, ready, send.ptr, counts)?;
+            // Every rank checks every pair alike, so all fail alike.
+            for (i, sender) in postings.iter().enumerate() {
+                for (j, receiver) in postings.iter().enumerate() {
+                    if sender.send_counts[j] != receiver.recv_counts[i] {
+                        return Err(round.peer_error(
+                            i,
+                            format!(
+                                "sends {} elements to rank {j} but rank {j} expects \
+                                 recv_counts[{i}] = {}; exchange the counts first \
+                                 (all_to_all_counts) so both sides agree",
+                                sender.send_counts[j], receiver.recv_counts[i]
+                            ),
+                        ));
+                    }
+                }
+            }
+            self.wait_for_peers(&postings)?;
+            let size = send.dtype.bytes();
+            let mut at = 0;
+            for (i, sender) in postings.iter().enumerate() {
+                let offset: usize = sender.send_counts[..me].iter().sum();
+                let count = recv_counts[i];
+                let src = sender.ptr + (offset * size) as u64;
+                self.copy(sender, src, recv.ptr + (at * size) as u64, count * size)?;
+                at += count;
+            }
+            self.finish(round, done)
+        })
+    }
+}
+
+impl Drop for PeerCopyComm {
+    fn drop(&mut self) {
+        self.retired.keep(self.events.drain(..));
+    }
+}
+
+/// `out = ((part(0) + part(1)) + part(2)) + ...`, f32, on `b`'s queue.
+fn sum_in_rank_order<'a>(
+    b: &CudaBackend,
+    n: usize,
+    part: impl Fn(usize) -> Result<Slice<'a, CudaBackend>>,
+    mut out: SliceMut<'_, CudaBackend>,
+) -> Result<()> {
+    b.copy(part(0)?, out.reborrow())?;
+    for j in 1..n {
+        b.axpy(1.0, part(j)?, out.reborrow())?;
+    }
+    Ok(())
+}
+
+/// What is wrong with an all-to-all's arguments on this rank, if anything.
+fn all_to_all_problem(
+    n: usize,
+    send: &GpuView,
+    send_counts: &[usize],
+    recv: &GpuView,
+    recv_counts: &[usize],
+) -> Option<String> {
+    if send.dtype != recv.dtype {
+        return Some(format!("send is {} but recv is {}", send.dtype, recv.dtype));
+    }
+    for (what, counts, buffer) in [
+        ("send", send_counts, send.len),
+        ("recv", recv_counts, recv.len),
+    ] {
+        if counts.len() != n {
+            return Some(format!(
+                "{what}_counts has {} entries but the group has {n} ranks",
+                counts.len()
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        if total != buffer {
+            return Some(format!(
+                "{what}_counts add up to {total} but the {what} buffer holds {buffer} elements"
+            ));
+        }
+    }
+    None
+}

@@ -1,0 +1,279 @@
+//! The copy transport on GPUs (`--transport copy`): every collective
+//! between ranks sharing the machine's GPUs (one GPU runs them all, round
+//! robin) against the values the CPU's collectives give, bit for bit (both
+//! sum in rank order); calls that disagree fail on every rank at once.
+//!
+//! Without a GPU each test prints why and passes: the binary is built on a
+//! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
+
+use half::bf16;
+use hybridgen_runtime::backend::Backend;
+use hybridgen_runtime::cuda::peer_copy::{PeerCopyComm, RetiredEvents};
+use hybridgen_runtime::cuda::{CudaBackend, CudaBuf, CudaComm, Gpu, probe};
+use hybridgen_runtime::view::{DType, Scalar, View, ViewMut};
+use hybridgen_runtime::{Collective, CpuWorld, Precision, RuntimeError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Runs `body` on `n` thread ranks, rank r on GPU `r % gpus`, each with its
+/// copy transport communicator on a queue of its own; returns each rank's
+/// result in rank order. `None` (printing why) without a GPU.
+fn ranks<R: Send>(
+    n: usize,
+    body: impl Fn(usize, &CudaBackend, &CudaComm) -> R + Sync,
+) -> Option<Vec<R>> {
+    let gpus = match probe() {
+        Ok(info) => info.devices.len(),
+        Err(why) => {
+            println!("skipped: {why}");
+            return None;
+        }
+    };
+    let world = CpuWorld::with_timeout(n, Duration::from_secs(60)).unwrap();
+    let retired = Arc::new(RetiredEvents::default());
+    let comms = world.comms().unwrap();
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, host)| {
+                let (retired, body) = (retired.clone(), &body);
+                scope.spawn(move || {
+                    let gpu = Gpu::open(r % gpus, Precision::F32, Duration::from_secs(60))
+                        .expect("the probed GPU opens");
+                    let backend = gpu.backend("comm").expect("a queue");
+                    let comm = CudaComm::copy(
+                        PeerCopyComm::new(host, backend.clone(), retired).expect("events"),
+                    );
+                    body(r, &backend, &comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    });
+    Some(results)
+}
+
+/// Values of order one, different for every rank and element.
+fn noise(seed: usize, i: usize) -> f32 {
+    let x = (seed as u64 * 0x9E37_79B9 + i as u64 * 0x85EB_CA6B) % 2_000_003;
+    x as f32 / 1_000_001.5 - 1.0 + 0.37 * (i % 7) as f32
+}
+
+fn up<T: Scalar>(b: &CudaBackend, values: &[T]) -> CudaBuf {
+    let buf = b.alloc(values.len(), T::DTYPE).unwrap();
+    b.upload(values, ViewMut::whole(&buf)).unwrap();
+    buf
+}
+
+/// A buffer's values (bf16 widened) on the host.
+fn down(b: &CudaBackend, buf: &CudaBuf) -> Vec<f32> {
+    let len = b.buf_len(buf);
+    if View::whole(buf).dtype() == DType::Bf16 {
+        let mut out = vec![bf16::ZERO; len];
+        b.download(View::whole(buf), &mut out).unwrap();
+        return out.iter().map(|x| x.to_f32()).collect();
+    }
+    let mut out = vec![0.0f32; len];
+    b.download(View::whole(buf), &mut out).unwrap();
+    out
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// `((x0 + x1) + x2) + ...` element by element, as every rank must get it.
+fn sum_in_rank_order(parts: &[Vec<f32>]) -> Vec<f32> {
+    let mut out = parts[0].clone();
+    for part in &parts[1..] {
+        for (o, x) in out.iter_mut().zip(part) {
+            *o += *x;
+        }
+    }
+    out
+}
+
+/// All-to-all counts: rank i sends `counts(i, j)` elements to rank j,
+/// uneven, and none from rank 1 to rank 0.
+fn count(i: usize, j: usize) -> usize {
+    if (i, j) == (1, 0) {
+        0
+    } else {
+        3 + 5 * i + 7 * j
+    }
+}
+
+#[test]
+fn every_collective_gives_the_cpus_values_bit_for_bit() {
+    for n in [1, 2, 3] {
+        const S: usize = 777;
+        let Some(results) = ranks(n, |r, b, comm| {
+            // Twice over, so each of the two event sets is used again.
+            let mut outputs = Vec::new();
+            for round in 0..2 {
+                let seed = 100 * round + r;
+                // all_gather, f32 and bf16.
+                let shard: Vec<f32> = (0..S).map(|i| noise(seed, i)).collect();
+                let shard_buf = up(b, &shard);
+                let full = b.alloc(n * S, DType::F32).unwrap();
+                comm.all_gather(View::whole(&shard_buf), ViewMut::whole(&full))
+                    .unwrap();
+                outputs.push(down(b, &full));
+                let half: Vec<bf16> = shard.iter().map(|x| bf16::from_f32(*x)).collect();
+                let half_buf = up(b, &half);
+                let half_full = b.alloc(n * S, DType::Bf16).unwrap();
+                comm.all_gather(View::whole(&half_buf), ViewMut::whole(&half_full))
+                    .unwrap();
+                outputs.push(down(b, &half_full));
+                // reduce_scatter.
+                let contribution: Vec<f32> = (0..n * S).map(|i| noise(seed + 7, i)).collect();
+                let contribution_buf = up(b, &contribution);
+                let mine = b.alloc(S, DType::F32).unwrap();
+                comm.reduce_scatter(View::whole(&contribution_buf), ViewMut::whole(&mine))
+                    .unwrap();
+                outputs.push(down(b, &mine));
+                // all_reduce, in place.
+                let summed = up(b, &shard);
+                comm.all_reduce(ViewMut::whole(&summed)).unwrap();
+                outputs.push(down(b, &summed));
+                // all_to_all, uneven and empty segments.
+                let send_counts: Vec<usize> = (0..n).map(|j| count(r, j)).collect();
+                let recv_counts: Vec<usize> = (0..n).map(|i| count(i, r)).collect();
+                let send: Vec<f32> = (0..send_counts.iter().sum())
+                    .map(|i| noise(seed + 13, i))
+                    .collect();
+                let send_buf = up(b, &send);
+                let recv = b.alloc(recv_counts.iter().sum(), DType::F32).unwrap();
+                comm.all_to_all(
+                    View::whole(&send_buf),
+                    &send_counts,
+                    ViewMut::whole(&recv),
+                    &recv_counts,
+                )
+                .unwrap();
+                outputs.push(down(b, &recv));
+            }
+            outputs
+        }) else {
+            return;
+        };
+        for round in 0..2 {
+            let seed = |r: usize| 100 * round + r;
+            let shards: Vec<Vec<f32>> = (0..n)
+                .map(|r| (0..S).map(|i| noise(seed(r), i)).collect())
+                .collect();
+            let gathered: Vec<f32> = shards.concat();
+            let gathered_bf16: Vec<f32> = gathered
+                .iter()
+                .map(|x| bf16::from_f32(*x).to_f32())
+                .collect();
+            let contributions: Vec<Vec<f32>> = (0..n)
+                .map(|r| (0..n * S).map(|i| noise(seed(r) + 7, i)).collect())
+                .collect();
+            let all_reduced = sum_in_rank_order(&shards);
+            for (r, outputs) in results.iter().enumerate() {
+                let o = &outputs[5 * round..5 * round + 5];
+                let what = format!("{n} ranks, rank {r}, round {round}");
+                assert_eq!(bits(&o[0]), bits(&gathered), "{what}: all_gather f32");
+                assert_eq!(bits(&o[1]), bits(&gathered_bf16), "{what}: all_gather bf16");
+                let segments: Vec<Vec<f32>> = contributions
+                    .iter()
+                    .map(|c| c[r * S..(r + 1) * S].to_vec())
+                    .collect();
+                assert_eq!(
+                    bits(&o[2]),
+                    bits(&sum_in_rank_order(&segments)),
+                    "{what}: reduce_scatter"
+                );
+                assert_eq!(bits(&o[3]), bits(&all_reduced), "{what}: all_reduce");
+                let mut received = Vec::new();
+                for i in 0..n {
+                    let offset: usize = (0..r).map(|j| count(i, j)).sum();
+                    received.extend((offset..offset + count(i, r)).map(|k| noise(seed(i) + 13, k)));
+                }
+                assert_eq!(bits(&o[4]), bits(&received), "{what}: all_to_all");
+            }
+        }
+        println!("{n} ranks: every collective as on the CPU, bit for bit");
+    }
+}
+
+/// Host-side exchanges and splits ride on the same rendezvous; a split's
+/// groups move data among their own members only.
+#[test]
+fn host_exchanges_and_splits() {
+    let Some(results) = ranks(4, |r, b, comm| {
+        let counts = comm
+            .all_to_all_counts(&(0..4).map(|j| vec![r, j]).collect::<Vec<_>>())
+            .unwrap();
+        assert_eq!(counts, (0..4).map(|i| vec![i, r]).collect::<Vec<_>>());
+        let host = comm.all_gather_host(&[r as f64]).unwrap();
+        assert_eq!(host, (0..4).map(|i| vec![i as f64]).collect::<Vec<_>>());
+        comm.barrier().unwrap();
+        // EP 2's groups: {0, 1} and {2, 3}.
+        let ep = comm.split(r / 2).unwrap();
+        assert_eq!((ep.rank(), ep.size()), (r % 2, 2));
+        let mine = up(b, &[r as f32 + 0.5]);
+        let both = b.alloc(2, DType::F32).unwrap();
+        ep.all_gather(View::whole(&mine), ViewMut::whole(&both))
+            .unwrap();
+        down(b, &both)
+    }) else {
+        return;
+    };
+    for (r, got) in results.iter().enumerate() {
+        let first = (r / 2 * 2) as f32;
+        assert_eq!(got, &[first + 0.5, first + 1.5], "rank {r}");
+    }
+}
+
+/// Counts that do not agree fail every rank at once, naming the sender;
+/// a call with a wrong output fails its rank and its waiting peers.
+#[test]
+fn disagreeing_calls_fail_every_rank_at_once() {
+    let started = Instant::now();
+    let Some(errors) = ranks(2, |r, b, comm| {
+        let send = up(b, &[1.0f32; 4]);
+        let recv = b.alloc(4, DType::F32).unwrap();
+        // Rank 0 sends 1 + 3, but rank 1 expects 2 from rank 0.
+        let recv_counts = if r == 0 { [1, 3] } else { [2, 2] };
+        let send_counts = if r == 0 { [1, 3] } else { [2, 2] };
+        comm.all_to_all(
+            View::whole(&send),
+            &send_counts,
+            ViewMut::whole(&recv),
+            &recv_counts,
+        )
+        .unwrap_err()
+    }) else {
+        return;
+    };
+    for e in &errors {
+        let m = e.to_string();
+        assert!(matches!(e, RuntimeError::Peer { .. }), "{m}");
+        assert!(
+            m.contains("sends 3 elements to rank 1") && m.contains("all_to_all_counts"),
+            "{m}"
+        );
+    }
+    let Some(errors) = ranks(2, |r, b, comm| {
+        let shard = up(b, &[1.0f32; 4]);
+        let full = b.alloc(if r == 1 { 7 } else { 8 }, DType::F32).unwrap();
+        comm.all_gather(View::whole(&shard), ViewMut::whole(&full))
+            .unwrap_err()
+            .to_string()
+    }) else {
+        return;
+    };
+    assert!(
+        errors[1].contains("the output holds 7 f32 elements"),
+        "{}",
+        errors[1]
+    );
+    assert!(errors[0].contains("rank 1"), "{}", errors[0]);
+    assert!(started.elapsed() < Duration::from_secs(30), "{errors:?}");
+}
