@@ -39,13 +39,16 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 
 # One hybridgen row: 13 steps, the median step time of the last 10. The
 # model is the benchmark's with EP = ranks unless `row_model` says
-# otherwise (the flags naming the model and its layout).
+# otherwise (the flags naming the model and its layout); the ranks run a
+# GPU each unless `row_gpus` says fewer (the copy transport's shared GPUs).
 row_model=()
+row_gpus=
 row() {
   local name=$1 ranks=$2
   shift 2
-  if [ "$gpus" -lt "$ranks" ]; then
-    echo "{\"row\": \"$name\", \"skipped\": \"needs $ranks GPUs, $gpus here\"}" >> "$out/rows.jsonl"
+  local used=${row_gpus:-$ranks}
+  if [ "$gpus" -lt "$used" ]; then
+    echo "{\"row\": \"$name\", \"skipped\": \"needs $used GPUs, $gpus here\"}" >> "$out/rows.jsonl"
     return
   fi
   local peak_file="$out/$name.memory"
@@ -65,19 +68,20 @@ row() {
   local rc=$?
   kill "$sampler" 2>/dev/null
   wait "$sampler" 2>/dev/null
-  python3 - "$here" "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" >> "$out/rows.jsonl" <<'PY'
+  python3 - "$here" "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" "$used" >> "$out/rows.jsonl" <<'PY'
 import json, statistics, sys
 sys.path.insert(0, sys.argv[1])
 from run_log import read
 name, ranks, rc, log, peak = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+gpus = int(sys.argv[7])
 steps, _, summary = read(log)
 used = [float(v) for v in open(peak).read().split() if v.strip()]
-row = {"row": name, "ranks": ranks}
+row = {"row": name, "ranks": ranks, "gpus": gpus}
 # The run's own model FLOPs a token and tokens a GPU step (other models
 # than the benchmark's carry theirs).
 if summary.get("flops_per_token") and summary.get("steps"):
     row["flops_per_token"] = summary["flops_per_token"]
-    row["tokens_per_gpu_step"] = summary["tokens"] / summary["steps"] / ranks
+    row["tokens_per_gpu_step"] = summary["tokens"] / summary["steps"] / gpus
 if rc != 0 or len(steps) < 13:
     row["failed"] = f"exit {rc}, {len(steps)} steps; see {log}"
 else:
@@ -93,6 +97,13 @@ row hybridgen-1gpu 1 --schedule overlap
 row hybridgen-1gpu-plain 1 --schedule plain
 row hybridgen-2gpu-overlap 2 --schedule overlap
 row hybridgen-2gpu-plain 2 --schedule plain
+# Two ranks sharing one GPU over the copy transport (EP 2, ZeRO-3): the
+# 2-GPU rows' collectives run, all on one device; its `exposed` is the
+# step minus two 1-GPU steps (the same work without communication).
+row_gpus=1
+row hybridgen-copy-2rk-1gpu 2 --schedule overlap --transport copy
+row hybridgen-copy-2rk-plain 2 --schedule plain --transport copy
+row_gpus=
 
 # Real scale: the 9B Nemotron-H at 4,096 tokens on 2 GPUs under ZeRO-3,
 # overlap schedule, its layers recomputed (without, the two micro-batches
@@ -180,8 +191,11 @@ for r in rows:
     tokens = r.get("tokens_per_gpu_step", TOKENS_PER_GPU_STEP)
     tps = tokens / (ms / 1e3)
     tflops = r.get("flops_per_token", FLOPS_PER_TOKEN) * tokens / (ms / 1e3) / 1e12
-    exposed = f"{ms - one:8.1f}" if r["ranks"] == 2 and one and r["row"].startswith("hybridgen") else f"{'':8}"
-    ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu")
+    # What the same work costs without communication: one 1-GPU step a
+    # GPU, or one a rank where ranks share a GPU.
+    alone = one * r["ranks"] / r.get("gpus", r["ranks"]) if one else None
+    exposed = f"{ms - alone:8.1f}" if r["ranks"] == 2 and alone and r["row"].startswith("hybridgen") else f"{'':8}"
+    ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu") if r.get("gpus", r["ranks"]) == r["ranks"] else None
     ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"
     peak = f"{r['peak_gib']:9.1f}" if r.get("peak_gib") else f"{'':9}"
     print(f"{r['row']:24} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
