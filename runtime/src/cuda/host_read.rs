@@ -14,8 +14,9 @@
 //!
 //! Pinned buffers come from a pool on the GPU, so after the first step no
 //! read allocates. Reads larger than [`STAGED_READ_MAX_BYTES`] (tests,
-//! checkpoints, hashes: none latency-bound) skip the pool and copy straight
-//! into the caller's memory once the stream is idle.
+//! checkpoints, hashes: none latency-bound) go through it a chunk at a
+//! time, the next chunk's copy in flight while one is copied out
+//! (`CudaBackend::read_into`).
 
 use super::launch::{DeviceFault, KernelSet};
 use super::queue::{QueueSet, RawEvent};
