@@ -177,7 +177,8 @@ impl PeerCopyComm {
     }
 
     /// Records `event` on this rank's queue and posts it with `ptr` and
-    /// `send_counts`; returns every rank's posting.
+    /// `counts` (an all-to-all's send and receive counts, else empty);
+    /// returns every rank's posting.
     fn post(
         &self,
         round: &mut DeviceRound<'_>,

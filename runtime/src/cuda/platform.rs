@@ -22,7 +22,7 @@ use crate::launch::{Launch, RankInfo};
 use crate::platform::{Platform, RankSettings, Transport};
 use cudarc::driver::{CudaContext, sys};
 use std::ops::Range;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 /// The types of the CUDA platform.
@@ -61,10 +61,20 @@ pub struct CudaPlatform {
     /// rank's waits end with an error naming it, and its communicators are
     /// aborted, so nothing waits on a GPU stuck in a collective.
     signal: AbortSignal,
-    /// The copy transport's rendezvous of this process's ranks, when it is
-    /// the transport, and the events of its communicators that are gone
-    /// (destroyed with the platform, after every rank's thread).
-    copy: Option<(CpuWorld, Arc<RetiredEvents>)>,
+    /// The copy transport's state, when it is the transport.
+    copy: Option<CopyTransport>,
+}
+
+/// What the copy transport's ranks share, for as long as the platform
+/// lives (past every rank's thread).
+struct CopyTransport {
+    /// The host-side rendezvous of this process's ranks.
+    world: CpuWorld,
+    /// The events of communicators that are gone.
+    retired: Arc<RetiredEvents>,
+    /// The peer GPUs' contexts each rank enabled access to, held so that
+    /// none is released (taking the access with it) mid-run.
+    peers: Mutex<Vec<Arc<CudaContext>>>,
 }
 
 impl CudaPlatform {
@@ -150,10 +160,11 @@ impl CudaPlatform {
             _ => None,
         };
         let copy = match transport {
-            Transport::Copy => Some((
-                CpuWorld::with_timeout(world, timeout)?,
-                Arc::new(RetiredEvents::default()),
-            )),
+            Transport::Copy => Some(CopyTransport {
+                world: CpuWorld::with_timeout(world, timeout)?,
+                retired: Arc::new(RetiredEvents::default()),
+                peers: Mutex::new(Vec::new()),
+            }),
             Transport::Nccl => None,
         };
         Ok(CudaPlatform {
@@ -172,8 +183,13 @@ impl CudaPlatform {
 /// Lets `context`'s kernels and copies reach the memory of the other GPUs
 /// this process's ranks run on, where the hardware can (NVLink or PCIe peer
 /// access): the copy transport's peer copies then go GPU to GPU instead of
-/// through the host.
-fn enable_peer_access(context: &CudaContext, ordinals: &[usize], name: &str) -> Result<()> {
+/// through the host. Returns the peers' contexts, which must outlive the
+/// run.
+fn enable_peer_access(
+    context: &CudaContext,
+    ordinals: &[usize],
+    name: &str,
+) -> Result<Vec<Arc<CudaContext>>> {
     let fail = |what: &str, e: sys::CUresult| RuntimeError::Device {
         device: name.to_string(),
         message: format!("{what}: {e:?}"),
@@ -189,6 +205,7 @@ fn enable_peer_access(context: &CudaContext, ordinals: &[usize], name: &str) -> 
         .collect();
     others.sort_unstable();
     others.dedup();
+    let mut peers = Vec::new();
     for ordinal in others {
         let peer = CudaContext::new(ordinal).map_err(|e| fail("opening a peer GPU", e.0))?;
         let mut can = 0;
@@ -205,8 +222,9 @@ fn enable_peer_access(context: &CudaContext, ordinals: &[usize], name: &str) -> 
             }
             e => return Err(fail("enabling peer access", e)),
         }
+        peers.push(peer);
     }
-    Ok(())
+    Ok(peers)
 }
 
 impl Platform for CudaPlatform {
@@ -234,12 +252,16 @@ impl Platform for CudaPlatform {
         let comm = CudaLane::on_gpu("comm", &host, r, wait, trace)?;
         let ep = settings.ep.max(1);
         let on_comm = comm.backend();
-        let (dp, ep_group, edp, host_comm) = if let Some((world, retired)) = &self.copy {
-            enable_peer_access(gpu.context(), &self.ordinals, gpu.name())?;
+        let (dp, ep_group, edp, host_comm) = if let Some(copy) = &self.copy {
+            let peers = enable_peer_access(gpu.context(), &self.ordinals, gpu.name())?;
+            copy.peers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(peers);
             let world = CudaComm::copy(PeerCopyComm::new(
-                world.comm(r)?,
+                copy.world.comm(r)?,
                 on_comm.clone(),
-                retired.clone(),
+                copy.retired.clone(),
             )?);
             // Every rank splits in the same order (the splits are
             // collective over the world).
@@ -320,8 +342,8 @@ impl Platform for CudaPlatform {
 
     fn abort(&self, rank: usize, reason: &str) {
         self.signal.raise(rank, reason);
-        if let Some((world, _)) = &self.copy {
-            world.abort(rank, reason);
+        if let Some(copy) = &self.copy {
+            copy.world.abort(rank, reason);
         }
     }
 
