@@ -33,7 +33,7 @@
 
 use super::CudaBackend;
 use super::buffer::{view_mut_on, view_on};
-use super::launch::GpuView;
+use super::nccl::arguments;
 use crate::backend::{Backend, Slice, SliceMut};
 use crate::collective::Collective;
 use crate::cpu::collective::{CpuComm, DeviceRound, OpKind};
@@ -230,7 +230,8 @@ impl PeerCopyComm {
     /// peer copy (the copy engines, over NVLink where peers can reach each
     /// other).
     fn copy(&self, from: &Posting, src: u64, dst: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
+        // An in-place all-gather's own shard is where it goes already.
+        if bytes == 0 || src == dst {
             return Ok(());
         }
         let mine = self.backend.gpu().context().cu_ctx();
@@ -293,15 +294,8 @@ impl PeerCopyComm {
         let round =
             self.host
                 .device_round(OpKind::AllGather, Some(shard.len), Some(shard.dtype))?;
-        if full.len != shard.len * n || full.dtype != shard.dtype {
-            return Err(round.reject(format!(
-                "the output holds {} {} elements but {n} ranks x {} shard elements of {} = {}",
-                full.len,
-                full.dtype,
-                shard.len,
-                shard.dtype,
-                shard.len * n
-            )));
+        if let Err(problem) = arguments::all_gather(n, self.rank(), &shard, &full) {
+            return Err(round.reject(problem));
         }
         self.finish_or_abandon(round, |round| {
             let (ready, done) = self.call_events();
@@ -328,40 +322,25 @@ impl PeerCopyComm {
             Some(full_view.len),
             Some(full_view.dtype),
         )?;
-        if full_view.len != shard_view.len * n
-            || full_view.dtype != DType::F32
-            || shard_view.dtype != DType::F32
-        {
-            return Err(round.reject(format!(
-                "the input holds {} {} elements and the output {} {}; they must be f32 and \
-                 {n} ranks x the output's length",
-                full_view.len, full_view.dtype, shard_view.len, shard_view.dtype
-            )));
+        if let Err(problem) = arguments::reduce_scatter(n, me, &full_view, &shard_view) {
+            return Err(round.reject(problem));
         }
         let s = shard_view.len;
         self.finish_or_abandon(round, |round| {
             let (ready, done) = self.call_events();
             let postings = self.post(round, ready, full_view.ptr, Default::default())?;
             self.wait_for_peers(&postings)?;
-            // Each peer's share of this rank's segment, in a slot of its
-            // own (slot `me` is unused: that share is in `full`).
+            // Every rank's share of this rank's segment, in a slot of its
+            // own (this rank's too: `shard` may be that share, in place).
             let b = &self.backend;
             let parts = b.alloc_uninit(s * n, DType::F32)?;
             let slots = view_on(b.view(&parts)?, queue).ptr;
             let bytes = s * 4;
             for (j, posting) in postings.iter().enumerate() {
-                if j != me {
-                    let segment = posting.ptr + (me * bytes) as u64;
-                    self.copy(posting, segment, slots + (j * bytes) as u64, bytes)?;
-                }
+                let segment = posting.ptr + (me * bytes) as u64;
+                self.copy(posting, segment, slots + (j * bytes) as u64, bytes)?;
             }
-            let part = |j: usize| {
-                if j == me {
-                    full.slice(me * s..(me + 1) * s)
-                } else {
-                    b.view(&parts)?.slice(j * s..(j + 1) * s)
-                }
-            };
+            let part = |j: usize| b.view(&parts)?.slice(j * s..(j + 1) * s);
             sum_in_rank_order(b, n, part, shard.reborrow())?;
             self.finish(round, done)
         })
@@ -422,7 +401,7 @@ impl PeerCopyComm {
         let round = self
             .host
             .device_round(OpKind::AllToAll, None, Some(send.dtype))?;
-        if let Some(problem) = all_to_all_problem(n, &send, send_counts, &recv, recv_counts) {
+        if let Err(problem) = arguments::all_to_all(n, me, &send, send_counts, &recv, recv_counts) {
             return Err(round.reject(problem));
         }
         self.finish_or_abandon(round, |round| {
@@ -478,35 +457,4 @@ fn sum_in_rank_order<'a>(
         b.axpy(1.0, part(j)?, out.reborrow())?;
     }
     Ok(())
-}
-
-/// What is wrong with an all-to-all's arguments on this rank, if anything.
-fn all_to_all_problem(
-    n: usize,
-    send: &GpuView,
-    send_counts: &[usize],
-    recv: &GpuView,
-    recv_counts: &[usize],
-) -> Option<String> {
-    if send.dtype != recv.dtype {
-        return Some(format!("send is {} but recv is {}", send.dtype, recv.dtype));
-    }
-    for (what, counts, buffer) in [
-        ("send", send_counts, send.len),
-        ("recv", recv_counts, recv.len),
-    ] {
-        if counts.len() != n {
-            return Some(format!(
-                "{what}_counts has {} entries but the group has {n} ranks",
-                counts.len()
-            ));
-        }
-        let total: usize = counts.iter().sum();
-        if total != buffer {
-            return Some(format!(
-                "{what}_counts add up to {total} but the {what} buffer holds {buffer} elements"
-            ));
-        }
-    }
-    None
 }

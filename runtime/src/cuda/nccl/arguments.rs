@@ -3,12 +3,13 @@
 //! the group's size, count vectors against their buffers, and overlaps
 //! (NCCL allows only its exact in-place layouts; any other overlap would
 //! race on the GPU). Each returns the problem in words; the communicator
-//! adds the rank, the call and the group.
+//! adds the rank, the call and the group. The copy transport
+//! ([`crate::cuda::peer_copy`]) makes the same checks.
 
 use crate::cuda::GpuView;
 use crate::view::DType;
 
-pub(super) type Problem = String;
+pub(crate) type Problem = String;
 
 /// `[start, end)` of a view's bytes; `None` when it overflows the address
 /// space (a view no allocation can have).
@@ -38,7 +39,7 @@ fn times(len: usize, ranks: usize) -> Result<usize, Problem> {
 /// `shard` (S elements) gathered from `ranks` ranks into `full` (S x
 /// ranks, same dtype). In place only as `shard` = this rank's slot of
 /// `full`.
-pub(super) fn all_gather(
+pub(crate) fn all_gather(
     ranks: usize,
     rank: usize,
     shard: &GpuView,
@@ -56,7 +57,7 @@ pub(super) fn all_gather(
 
 /// `full` (S x ranks f32) summed over the ranks, this rank's S into
 /// `shard`. In place only as `shard` = this rank's slot of `full`.
-pub(super) fn reduce_scatter(
+pub(crate) fn reduce_scatter(
     ranks: usize,
     rank: usize,
     full: &GpuView,
@@ -75,7 +76,7 @@ pub(super) fn reduce_scatter(
 }
 
 /// An f32 buffer summed in place.
-pub(super) fn all_reduce(buf: &GpuView) -> Result<(), Problem> {
+pub(crate) fn all_reduce(buf: &GpuView) -> Result<(), Problem> {
     f32_only("buf", buf)?;
     range_of("buf", buf).map(|_| ())
 }
@@ -84,7 +85,7 @@ pub(super) fn all_reduce(buf: &GpuView) -> Result<(), Problem> {
 /// `recv_counts` from them: one count per rank, counts adding up to the
 /// buffers, the same dtype, no overlap, and what this rank sends itself
 /// equal to what it expects from itself.
-pub(super) fn all_to_all(
+pub(crate) fn all_to_all(
     ranks: usize,
     rank: usize,
     send: &GpuView,

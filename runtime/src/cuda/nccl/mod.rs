@@ -33,7 +33,7 @@
 //! the same bits; its order differs from the CPU's rank order, so results
 //! agree with the CPU's to rounding only.
 
-mod arguments;
+pub(crate) mod arguments;
 mod host_exchange;
 mod library;
 mod wait;
