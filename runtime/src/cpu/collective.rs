@@ -717,14 +717,33 @@ impl CpuComm {
     /// i sends to rank j is what rank j expects from rank i. Every rank runs
     /// the same check over the same data, so all fail alike.
     fn check_all_to_all(&self, call: &Call, contributions: &[Arc<Payload>]) -> Result<()> {
-        for (i, sender) in contributions.iter().enumerate() {
-            let Payload::AllToAll { send_counts, .. } = &**sender else {
+        let mut send = Vec::with_capacity(contributions.len());
+        let mut recv = Vec::with_capacity(contributions.len());
+        for payload in contributions {
+            let Payload::AllToAll {
+                send_counts,
+                recv_counts,
+                ..
+            } = &**payload
+            else {
                 return Err(self.internal(call, "a rank deposited no all_to_all data"));
             };
-            for (j, receiver) in contributions.iter().enumerate() {
-                let Payload::AllToAll { recv_counts, .. } = &**receiver else {
-                    return Err(self.internal(call, "a rank deposited no all_to_all data"));
-                };
+            send.push(send_counts.as_slice());
+            recv.push(recv_counts.as_slice());
+        }
+        self.check_all_to_all_counts(call, &send, &recv)
+    }
+
+    /// The pairwise check of [`CpuComm::check_all_to_all`], on every rank's
+    /// `send` and `recv` counts in group-rank order.
+    fn check_all_to_all_counts(
+        &self,
+        call: &Call,
+        send: &[&[usize]],
+        recv: &[&[usize]],
+    ) -> Result<()> {
+        for (i, send_counts) in send.iter().enumerate() {
+            for (j, recv_counts) in recv.iter().enumerate() {
                 if send_counts[j] != recv_counts[i] {
                     return Err(RuntimeError::Peer {
                         rank: self.members[i],
@@ -808,13 +827,11 @@ impl DeviceRound<'_> {
         self.comm.family.changed.notify_all();
     }
 
-    /// A fault found after the exchange that every rank sees alike (they
-    /// all check the same tokens), attributed to `rank` (a group rank).
-    pub(crate) fn peer_error(&self, rank: usize, problem: String) -> RuntimeError {
-        RuntimeError::Peer {
-            rank: self.comm.members[rank],
-            message: format!("{problem} in {} on {}", self.call, self.comm.group_name),
-        }
+    /// An all-to-all's counts, every rank's in group-rank order, checked
+    /// pairwise as the CPU's all-to-all checks them (every rank sees the
+    /// same counts, so all fail alike).
+    pub(crate) fn check_all_to_all(&self, send: &[&[usize]], recv: &[&[usize]]) -> Result<()> {
+        self.comm.check_all_to_all_counts(&self.call, send, recv)
     }
 }
 

@@ -14,7 +14,6 @@ use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
-
 use super::launch::{
     self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, EMBEDDING_BACKWARD_SCRATCH_PER_ROW,
     GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len,

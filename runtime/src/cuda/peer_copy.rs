@@ -22,84 +22,61 @@
 //!    it. Arena regions are fenced on the queues that used them, so a
 //!    buffer freed after the call is safe too.
 //!
-//! Events are made once, two sets a communicator used by alternate calls.
+//! Events are taken once from the GPU's pool, two sets a communicator used
+//! by alternate calls.
 //! A peer issues its waits on call k's events before it leaves call k, and
 //! this rank records the same set again in call k + 2, after call k + 1's
 //! first round, which every peer has entered, so no wait still pending on
 //! the host can see a later record. The events go, when the communicator
-//! does, to the platform's [`RetiredEvents`], destroyed when the platform
-//! is (after every rank's thread has ended), so no peer thread can pass
-//! a destroyed event to the driver.
+//! does, to the platform's [`RetiredEvents`], back to their pools only
+//! when the platform goes (after every rank's thread has ended), so no
+//! peer thread can pass a destroyed or reused event to the driver.
 
 use super::CudaBackend;
 use super::buffer::{view_mut_on, view_on};
 use super::nccl::arguments;
+use super::queue::{QueueSet, RawEvent};
 use crate::backend::{Backend, Slice, SliceMut};
 use crate::collective::Collective;
 use crate::cpu::collective::{CpuComm, DeviceRound, OpKind};
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use crate::view::DType;
-use cudarc::driver::{CudaContext, result, sys};
+use cudarc::driver::{result, sys};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// One CUDA event of this transport, destroyed (in its context) when
-/// dropped.
-struct PeerEvent {
-    context: Arc<CudaContext>,
-    event: sys::CUevent,
-}
+/// Events of communicators that are gone, kept out of their GPUs' pools
+/// until every rank's thread has ended (see the module's comment), then
+/// given back. The platform holds one.
+#[derive(Default)]
+pub struct RetiredEvents(Mutex<Vec<(Arc<QueueSet>, RawEvent)>>);
 
-// SAFETY: a CUevent is a driver handle, usable from any thread; this type
-// only records, waits on and destroys it, each through the driver.
-unsafe impl Send for PeerEvent {}
-unsafe impl Sync for PeerEvent {}
-
-impl PeerEvent {
-    fn new(context: &Arc<CudaContext>) -> std::result::Result<Self, String> {
-        context.bind_to_thread().map_err(|e| e.to_string())?;
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| e.to_string())?;
-        Ok(PeerEvent {
-            context: context.clone(),
-            event,
-        })
+impl RetiredEvents {
+    fn keep(&self, queues: &Arc<QueueSet>, events: impl IntoIterator<Item = RawEvent>) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(events.into_iter().map(|e| (queues.clone(), e)));
     }
 }
 
-impl Drop for PeerEvent {
+impl Drop for RetiredEvents {
     fn drop(&mut self) {
-        // Errors here can only mean the context is already gone, taking its
-        // events with it.
-        if self.context.bind_to_thread().is_ok() {
-            // SAFETY: made by `PeerEvent::new`, destroyed once, here.
-            let _ = unsafe { result::event::destroy(self.event) };
+        let retired = self.0.get_mut().unwrap_or_else(PoisonError::into_inner);
+        for (queues, event) in retired.drain(..) {
+            queues.give_event(event);
         }
     }
 }
 
-/// Events of communicators that are gone, kept until every rank's thread
-/// has ended (see the module's comment). The platform holds one.
-#[derive(Default)]
-pub struct RetiredEvents(Mutex<Vec<PeerEvent>>);
-
-impl RetiredEvents {
-    fn keep(&self, events: impl IntoIterator<Item = PeerEvent>) {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(events);
-    }
-}
-
-/// What a rank posts in a round: its buffer (in its GPU's context), what
-/// it sends each rank (all-to-all only), and an event recorded on its
-/// queue. Plain numbers: the handles stay valid while any peer can use
-/// them (see the module's comment).
+/// What a rank posts in a round: its buffer (in its GPU's context, the
+/// context as a plain number), an all-to-all's send and receive counts,
+/// and an event recorded on its queue. The handles stay valid while any
+/// peer can use them (see the module's comment).
 struct Posting {
     ptr: u64,
     context: usize,
-    event: usize,
+    event: RawEvent,
     send_counts: Vec<usize>,
     recv_counts: Vec<usize>,
 }
@@ -111,9 +88,11 @@ pub struct PeerCopyComm {
     /// The queue the copies and sums run on, and the arena of the sums'
     /// scratch.
     backend: CudaBackend,
+    /// Its GPU's streams and events.
+    queues: Arc<QueueSet>,
     /// Two sets of (ready, done) events, for alternate calls: set `k % 2`
     /// at `2 (k % 2)` and the next index.
-    events: Vec<PeerEvent>,
+    events: Vec<RawEvent>,
     calls: AtomicU64,
     retired: Arc<RetiredEvents>,
 }
@@ -121,19 +100,14 @@ pub struct PeerCopyComm {
 impl PeerCopyComm {
     /// `host`'s group on the GPU of `backend`, whose queue runs the copies.
     pub fn new(host: CpuComm, backend: CudaBackend, retired: Arc<RetiredEvents>) -> Result<Self> {
-        let context = backend.gpu().context().clone();
-        let event = || {
-            PeerEvent::new(&context).map_err(|e| {
-                backend
-                    .gpu()
-                    .queues()
-                    .error("making the copy transport's events", e)
-            })
-        };
-        let events = (0..4).map(|_| event()).collect::<Result<Vec<_>>>()?;
+        let queues = backend.gpu().queues().clone();
+        let events = (0..4)
+            .map(|_| queues.take_event())
+            .collect::<Result<Vec<_>>>()?;
         Ok(PeerCopyComm {
             host,
             backend,
+            queues,
             events,
             calls: AtomicU64::new(0),
             retired,
@@ -172,32 +146,21 @@ impl PeerCopyComm {
         self.backend.stream().cu_stream()
     }
 
-    fn error(&self, what: &str, e: impl std::fmt::Display) -> RuntimeError {
-        self.backend.gpu().queues().error(what, e)
-    }
-
     /// Records `event` on this rank's queue and posts it with `ptr` and
     /// `counts` (an all-to-all's send and receive counts, else empty);
     /// returns every rank's posting.
     fn post(
         &self,
         round: &mut DeviceRound<'_>,
-        event: &PeerEvent,
+        event: RawEvent,
         ptr: u64,
         counts: (Vec<usize>, Vec<usize>),
     ) -> Result<Vec<Arc<Posting>>> {
-        self.backend
-            .gpu()
-            .context()
-            .bind_to_thread()
-            .map_err(|e| self.error("binding the context", e))?;
-        // SAFETY: the event and the stream are live handles of this context.
-        unsafe { result::event::record(event.event, self.raw_stream()) }
-            .map_err(|e| self.error("recording the copy transport's event", e))?;
+        self.queues.record(event, self.backend.stream())?;
         round.exchange(Posting {
             ptr,
             context: self.backend.gpu().context().cu_ctx() as usize,
-            event: event.event as usize,
+            event,
             send_counts: counts.0,
             recv_counts: counts.1,
         })
@@ -210,17 +173,9 @@ impl PeerCopyComm {
             if j == me {
                 continue;
             }
-            // SAFETY: the peer's event stays live while it can be waited
-            // on (the module's comment); waiting on another device's event
-            // is allowed.
-            unsafe {
-                result::stream::wait_event(
-                    self.raw_stream(),
-                    posting.event as sys::CUevent,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(|e| self.error("waiting on a peer's event", e))?;
+            // The peer's event stays live while it can be waited on (the
+            // module's comment); a stream may wait on another GPU's event.
+            self.queues.wait_on(self.backend.stream(), posting.event)?;
         }
         Ok(())
     }
@@ -252,19 +207,19 @@ impl PeerCopyComm {
                 )
             }
         }
-        .map_err(|e| self.error("a copy transport copy", e))
+        .map_err(|e| self.queues.error("a copy transport copy", e))
     }
 
     /// The (ready, done) events of this call, alternating between the sets.
-    fn call_events(&self) -> (&PeerEvent, &PeerEvent) {
+    fn call_events(&self) -> (RawEvent, RawEvent) {
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
         let set = 2 * (call % 2) as usize;
-        (&self.events[set], &self.events[set + 1])
+        (self.events[set], self.events[set + 1])
     }
 
     /// The second round: posts `done` (recorded after this rank's reads of
     /// its peers' buffers) and makes this queue wait on the peers'.
-    fn finish(&self, round: &mut DeviceRound<'_>, done: &PeerEvent) -> Result<()> {
+    fn finish(&self, round: &mut DeviceRound<'_>, done: RawEvent) -> Result<()> {
         let postings = self.post(round, done, 0, Default::default())?;
         self.wait_for_peers(&postings)
     }
@@ -309,10 +264,39 @@ impl PeerCopyComm {
         })
     }
 
+    /// Copies every rank's `s` f32 at byte `offset` of its posted buffer
+    /// into a slot of new scratch, and sums the slots in rank order into
+    /// `out`. Every share goes through scratch, this rank's too: `out`
+    /// may be what the peers read, or this rank's share itself (in place).
+    fn sum_of_shares(
+        &self,
+        postings: &[Arc<Posting>],
+        offset: u64,
+        s: usize,
+        mut out: SliceMut<'_, CudaBackend>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let parts = b.alloc_uninit(s * postings.len(), DType::F32)?;
+        let slots = view_on(b.view(&parts)?, b.queue_index()).ptr;
+        for (j, posting) in postings.iter().enumerate() {
+            let slot = slots + (j * s * 4) as u64;
+            self.copy(posting, posting.ptr + offset, slot, s * 4)?;
+        }
+        b.copy(b.view(&parts)?.slice(0..s)?, out.reborrow())?;
+        for j in 1..postings.len() {
+            b.axpy(
+                1.0,
+                b.view(&parts)?.slice(j * s..(j + 1) * s)?,
+                out.reborrow(),
+            )?;
+        }
+        Ok(())
+    }
+
     pub fn reduce_scatter(
         &self,
         full: Slice<'_, CudaBackend>,
-        mut shard: SliceMut<'_, CudaBackend>,
+        shard: SliceMut<'_, CudaBackend>,
     ) -> Result<()> {
         let (n, me) = (self.size(), self.rank());
         let queue = self.backend.queue_index();
@@ -330,59 +314,28 @@ impl PeerCopyComm {
             let (ready, done) = self.call_events();
             let postings = self.post(round, ready, full_view.ptr, Default::default())?;
             self.wait_for_peers(&postings)?;
-            // Every rank's share of this rank's segment, in a slot of its
-            // own (this rank's too: `shard` may be that share, in place).
-            let b = &self.backend;
-            let parts = b.alloc_uninit(s * n, DType::F32)?;
-            let slots = view_on(b.view(&parts)?, queue).ptr;
-            let bytes = s * 4;
-            for (j, posting) in postings.iter().enumerate() {
-                let segment = posting.ptr + (me * bytes) as u64;
-                self.copy(posting, segment, slots + (j * bytes) as u64, bytes)?;
-            }
-            let part = |j: usize| b.view(&parts)?.slice(j * s..(j + 1) * s);
-            sum_in_rank_order(b, n, part, shard.reborrow())?;
+            self.sum_of_shares(&postings, (me * s * 4) as u64, s, shard)?;
             self.finish(round, done)
         })
     }
 
     pub fn all_reduce(&self, mut buf: SliceMut<'_, CudaBackend>) -> Result<()> {
-        let (n, me) = (self.size(), self.rank());
-        let queue = self.backend.queue_index();
-        let view = view_mut_on(&buf, queue);
+        let view = view_mut_on(&buf, self.backend.queue_index());
         let round = self
             .host
             .device_round(OpKind::AllReduce, Some(view.len), Some(view.dtype))?;
-        if view.dtype != DType::F32 {
-            return Err(round.reject(format!(
-                "`buf` is {}, but sums are taken in f32",
-                view.dtype
-            )));
+        if let Err(problem) = arguments::all_reduce(&view) {
+            return Err(round.reject(problem));
         }
-        let s = view.len;
         self.finish_or_abandon(round, |round| {
             let (ready, done) = self.call_events();
             let postings = self.post(round, ready, view.ptr, Default::default())?;
             self.wait_for_peers(&postings)?;
-            let b = &self.backend;
-            let parts = b.alloc_uninit(s * n, DType::F32)?;
-            let slots = view_on(b.view(&parts)?, queue).ptr;
-            for (j, posting) in postings.iter().enumerate() {
-                if j != me {
-                    self.copy(posting, posting.ptr, slots + (j * s * 4) as u64, s * 4)?;
-                }
-            }
             // The sum goes to scratch first: the peers read `buf` until the
             // second round.
-            let sum = b.alloc_uninit(s, DType::F32)?;
-            let part = |j: usize| {
-                if j == me {
-                    Ok(buf.as_view())
-                } else {
-                    b.view(&parts)?.slice(j * s..(j + 1) * s)
-                }
-            };
-            sum_in_rank_order(b, n, part, b.view_mut(&sum)?)?;
+            let b = &self.backend;
+            let sum = b.alloc_uninit(view.len, DType::F32)?;
+            self.sum_of_shares(&postings, 0, view.len, b.view_mut(&sum)?)?;
             self.finish(round, done)?;
             b.copy(b.view(&sum)?, buf.reborrow())
         })
@@ -408,22 +361,9 @@ impl PeerCopyComm {
             let (ready, done) = self.call_events();
             let counts = (send_counts.to_vec(), recv_counts.to_vec());
             let postings = self.post(round, ready, send.ptr, counts)?;
-            // Every rank checks every pair alike, so all fail alike.
-            for (i, sender) in postings.iter().enumerate() {
-                for (j, receiver) in postings.iter().enumerate() {
-                    if sender.send_counts[j] != receiver.recv_counts[i] {
-                        return Err(round.peer_error(
-                            i,
-                            format!(
-                                "sends {} elements to rank {j} but rank {j} expects \
-                                 recv_counts[{i}] = {}; exchange the counts first \
-                                 (all_to_all_counts) so both sides agree",
-                                sender.send_counts[j], receiver.recv_counts[i]
-                            ),
-                        ));
-                    }
-                }
-            }
+            let sends: Vec<&[usize]> = postings.iter().map(|p| p.send_counts.as_slice()).collect();
+            let recvs: Vec<&[usize]> = postings.iter().map(|p| p.recv_counts.as_slice()).collect();
+            round.check_all_to_all(&sends, &recvs)?;
             self.wait_for_peers(&postings)?;
             let size = send.dtype.bytes();
             let mut at = 0;
@@ -441,20 +381,6 @@ impl PeerCopyComm {
 
 impl Drop for PeerCopyComm {
     fn drop(&mut self) {
-        self.retired.keep(self.events.drain(..));
+        self.retired.keep(&self.queues, self.events.drain(..));
     }
-}
-
-/// `out = ((part(0) + part(1)) + part(2)) + ...`, f32, on `b`'s queue.
-fn sum_in_rank_order<'a>(
-    b: &CudaBackend,
-    n: usize,
-    part: impl Fn(usize) -> Result<Slice<'a, CudaBackend>>,
-    mut out: SliceMut<'_, CudaBackend>,
-) -> Result<()> {
-    b.copy(part(0)?, out.reborrow())?;
-    for j in 1..n {
-        b.axpy(1.0, part(j)?, out.reborrow())?;
-    }
-    Ok(())
 }

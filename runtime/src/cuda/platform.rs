@@ -102,20 +102,23 @@ impl CudaPlatform {
         let (world, local, ordinals) = match &launch {
             Launch::SingleProcess if transport == Transport::Copy => {
                 if gpus == 0 {
-                    return Err(RuntimeError::Unsupported("no GPU is visible".into()));
+                    return Err(RuntimeError::Unsupported(
+                        "--transport copy found no GPU (CUDA_VISIBLE_DEVICES counts); make one \
+                         visible, or train on the CPU (--device cpu)"
+                            .into(),
+                    ));
                 }
                 (ranks, 0..ranks, (0..ranks).map(|r| r % gpus).collect())
             }
             Launch::SingleProcess => {
                 if ranks > gpus {
-                    return Err(RuntimeError::Unsupported(
-                        format!(
-                            "--ranks {ranks} needs {ranks} GPUs but {gpus} {} visible \
-                         (CUDA_VISIBLE_DEVICES counts); lower --ranks, or start one process \
-                         per GPU on several machines with torchrun or srun",
-                            if gpus == 1 { "is" } else { "are" }
-                        ) + "; or give --transport copy, which puts ranks on the GPUs round-robin",
-                    ));
+                    return Err(RuntimeError::Unsupported(format!(
+                        "--ranks {ranks} needs {ranks} GPUs but {gpus} {} visible \
+                         (CUDA_VISIBLE_DEVICES counts); lower --ranks, give --transport copy \
+                         (ranks on the GPUs round-robin), or start one process per GPU on \
+                         several machines with torchrun or srun",
+                        if gpus == 1 { "is" } else { "are" }
+                    )));
                 }
                 (ranks, 0..ranks, (0..ranks).collect())
             }
