@@ -1226,9 +1226,14 @@ fn every_ranks_shard<D: Device>(
         let full = backend.alloc(n * len, crate::view::DType::F32)?;
         rank.host
             .all_gather(backend.view(shard)?, backend.view_mut(&full)?)?;
-        let mut all = vec![0.0f32; n * len];
-        backend.download(backend.view(&full)?, &mut all)?;
-        return Ok(all.chunks(len.max(1)).map(<[f32]>::to_vec).collect());
+        return (0..n)
+            .map(|r| {
+                let mut host = vec![0.0f32; len];
+                let theirs = backend.view(&full)?.slice(r * len..(r + 1) * len)?;
+                backend.download(theirs, &mut host)?;
+                Ok(host)
+            })
+            .collect();
     }
     let mine: Vec<f64> = download()?.iter().map(|&v| f64::from(v)).collect();
     // f32 -> f64 -> f32 is exact.
