@@ -99,33 +99,40 @@ fn f32_training_on_a_gpu_matches_the_cpu() {
     for pattern in ["M[*E]M-[*E]", "[M+]-[+E]M", "[M*E]-/*E", "+[ME]-/+E"] {
         let cpu = run(&config(pattern, DeviceChoice::Cpu, Precision::F32)).0;
         let gpu = run(&config(pattern, DeviceChoice::Cuda, Precision::F32)).0;
-        for (c, g) in cpu.iter().zip(&gpu) {
-            println!(
-                "{pattern:14} step {}: cpu {:.9} gpu {:.9} (rel {:.1e}), grad norm rel {:.1e}",
-                c.step,
-                c.loss,
-                g.loss,
-                relative(g.loss, c.loss),
-                relative(g.grad_norm, c.grad_norm)
-            );
-        }
-        assert!(
-            relative(gpu[0].loss, cpu[0].loss) <= 1e-5,
-            "{pattern}: first loss {} vs {}",
-            gpu[0].loss,
-            cpu[0].loss
+        follows_the_cpu(pattern, &cpu, &gpu);
+    }
+}
+
+/// An f32 run on GPUs against the same run on the CPU: the first loss
+/// within 1e-5 relative, every step's (and MTP's) within 1e-4.
+fn follows_the_cpu(label: &str, cpu: &[StepReport], gpu: &[StepReport]) {
+    assert_eq!(cpu.len(), gpu.len(), "{label}: steps");
+    for (c, g) in cpu.iter().zip(gpu) {
+        println!(
+            "{label:14} step {}: cpu {:.9} gpu {:.9} (rel {:.1e}), grad norm rel {:.1e}",
+            c.step,
+            c.loss,
+            g.loss,
+            relative(g.loss, c.loss),
+            relative(g.grad_norm, c.grad_norm)
         );
-        for (c, g) in cpu.iter().zip(&gpu) {
-            assert!(
-                relative(g.loss, c.loss) <= 1e-4,
-                "{pattern} step {}: {} vs {}",
-                c.step,
-                g.loss,
-                c.loss
-            );
-            if let (Some(cm), Some(gm)) = (c.mtp_loss, g.mtp_loss) {
-                assert!(relative(gm, cm) <= 1e-4, "{pattern} mtp: {gm} vs {cm}");
-            }
+    }
+    assert!(
+        relative(gpu[0].loss, cpu[0].loss) <= 1e-5,
+        "{label}: first loss {} vs {}",
+        gpu[0].loss,
+        cpu[0].loss
+    );
+    for (c, g) in cpu.iter().zip(gpu) {
+        assert!(
+            relative(g.loss, c.loss) <= 1e-4,
+            "{label} step {}: {} vs {}",
+            c.step,
+            g.loss,
+            c.loss
+        );
+        if let (Some(cm), Some(gm)) = (c.mtp_loss, g.mtp_loss) {
+            assert!(relative(gm, cm) <= 1e-4, "{label} mtp: {gm} vs {cm}");
         }
     }
 }
@@ -379,24 +386,7 @@ fn two_ranks_sharing_a_gpu_over_the_copy_transport_train_like_the_cpu() {
     };
     let cpu = f32_run(DeviceChoice::Cpu);
     let gpu = f32_run(DeviceChoice::Cuda);
-    assert_eq!(cpu.len(), gpu.len());
-    for (c, g) in cpu.iter().zip(&gpu) {
-        println!(
-            "2 ranks, 1 GPU, step {}: cpu {:.9} gpu {:.9} (rel {:.1e}), grad norm rel {:.1e}",
-            c.step,
-            c.loss,
-            g.loss,
-            relative(g.loss, c.loss),
-            relative(g.grad_norm, c.grad_norm)
-        );
-        assert!(
-            relative(g.loss, c.loss) <= 1e-4,
-            "step {}: {} vs {}",
-            c.step,
-            g.loss,
-            c.loss
-        );
-    }
+    follows_the_cpu("2 ranks, 1 GPU", &cpu, &gpu);
 }
 
 #[test]
