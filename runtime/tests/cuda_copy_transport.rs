@@ -42,8 +42,11 @@ fn ranks<R: Send>(
                     let gpu = Gpu::open(r % gpus, Precision::F32, Duration::from_secs(60))
                         .expect("the probed GPU opens");
                     let backend = gpu.backend("comm").expect("a queue");
+                    // No peer access: ranks on other GPUs (where there
+                    // are several) take the sums' copy path.
                     let comm = CudaComm::copy(
-                        PeerCopyComm::new(host, backend.clone(), retired).expect("events"),
+                        PeerCopyComm::new(host, backend.clone(), retired, Arc::from([]))
+                            .expect("events"),
                     );
                     body(r, &backend, &comm)
                 })
@@ -107,35 +110,52 @@ fn count(i: usize, j: usize) -> usize {
     }
 }
 
+/// Sizes of 777 (the sums' one float at a time) and 1,024 (four at a
+/// time); 17 ranks are past what one sum kernel adds (16), so their sums
+/// take the copies into scratch.
 #[test]
 fn every_collective_gives_the_cpus_values_bit_for_bit() {
-    for n in [1, 2, 3] {
-        const S: usize = 777;
+    for (n, s) in [
+        (1, 777),
+        (2, 777),
+        (3, 777),
+        (2, 1024),
+        (3, 1024),
+        (17, 777),
+    ] {
         let Some(results) = ranks(n, |r, b, comm| {
             // Twice over, so each of the two event sets is used again.
             let mut outputs = Vec::new();
             for round in 0..2 {
                 let seed = 100 * round + r;
                 // all_gather, f32 and bf16.
-                let shard: Vec<f32> = (0..S).map(|i| noise(seed, i)).collect();
+                let shard: Vec<f32> = (0..s).map(|i| noise(seed, i)).collect();
                 let shard_buf = up(b, &shard);
-                let full = b.alloc(n * S, DType::F32).unwrap();
+                let full = b.alloc(n * s, DType::F32).unwrap();
                 comm.all_gather(View::whole(&shard_buf), ViewMut::whole(&full))
                     .unwrap();
                 outputs.push(down(b, &full));
                 let half: Vec<bf16> = shard.iter().map(|x| bf16::from_f32(*x)).collect();
                 let half_buf = up(b, &half);
-                let half_full = b.alloc(n * S, DType::Bf16).unwrap();
+                let half_full = b.alloc(n * s, DType::Bf16).unwrap();
                 comm.all_gather(View::whole(&half_buf), ViewMut::whole(&half_full))
                     .unwrap();
                 outputs.push(down(b, &half_full));
                 // reduce_scatter.
-                let contribution: Vec<f32> = (0..n * S).map(|i| noise(seed + 7, i)).collect();
+                let contribution: Vec<f32> = (0..n * s).map(|i| noise(seed + 7, i)).collect();
                 let contribution_buf = up(b, &contribution);
-                let mine = b.alloc(S, DType::F32).unwrap();
+                let mine = b.alloc(s, DType::F32).unwrap();
                 comm.reduce_scatter(View::whole(&contribution_buf), ViewMut::whole(&mine))
                     .unwrap();
                 outputs.push(down(b, &mine));
+                // reduce_scatter in place: the shard is this rank's slot.
+                let in_place = up(b, &contribution);
+                comm.reduce_scatter(
+                    View::whole(&in_place),
+                    b.slice_mut(&in_place, r * s..(r + 1) * s).unwrap(),
+                )
+                .unwrap();
+                outputs.push(down(b, &in_place)[r * s..(r + 1) * s].to_vec());
                 // all_reduce, in place.
                 let summed = up(b, &shard);
                 comm.all_reduce(ViewMut::whole(&summed)).unwrap();
@@ -164,7 +184,7 @@ fn every_collective_gives_the_cpus_values_bit_for_bit() {
         for round in 0..2 {
             let seed = |r: usize| 100 * round + r;
             let shards: Vec<Vec<f32>> = (0..n)
-                .map(|r| (0..S).map(|i| noise(seed(r), i)).collect())
+                .map(|r| (0..s).map(|i| noise(seed(r), i)).collect())
                 .collect();
             let gathered: Vec<f32> = shards.concat();
             let gathered_bf16: Vec<f32> = gathered
@@ -172,33 +192,31 @@ fn every_collective_gives_the_cpus_values_bit_for_bit() {
                 .map(|x| bf16::from_f32(*x).to_f32())
                 .collect();
             let contributions: Vec<Vec<f32>> = (0..n)
-                .map(|r| (0..n * S).map(|i| noise(seed(r) + 7, i)).collect())
+                .map(|r| (0..n * s).map(|i| noise(seed(r) + 7, i)).collect())
                 .collect();
             let all_reduced = sum_in_rank_order(&shards);
             for (r, outputs) in results.iter().enumerate() {
-                let o = &outputs[5 * round..5 * round + 5];
+                let o = &outputs[6 * round..6 * round + 6];
                 let what = format!("{n} ranks, rank {r}, round {round}");
                 assert_eq!(bits(&o[0]), bits(&gathered), "{what}: all_gather f32");
                 assert_eq!(bits(&o[1]), bits(&gathered_bf16), "{what}: all_gather bf16");
                 let segments: Vec<Vec<f32>> = contributions
                     .iter()
-                    .map(|c| c[r * S..(r + 1) * S].to_vec())
+                    .map(|c| c[r * s..(r + 1) * s].to_vec())
                     .collect();
-                assert_eq!(
-                    bits(&o[2]),
-                    bits(&sum_in_rank_order(&segments)),
-                    "{what}: reduce_scatter"
-                );
-                assert_eq!(bits(&o[3]), bits(&all_reduced), "{what}: all_reduce");
+                let reduced = bits(&sum_in_rank_order(&segments));
+                assert_eq!(bits(&o[2]), reduced, "{what}: reduce_scatter");
+                assert_eq!(bits(&o[3]), reduced, "{what}: reduce_scatter in place");
+                assert_eq!(bits(&o[4]), bits(&all_reduced), "{what}: all_reduce");
                 let mut received = Vec::new();
                 for i in 0..n {
                     let offset: usize = (0..r).map(|j| count(i, j)).sum();
                     received.extend((offset..offset + count(i, r)).map(|k| noise(seed(i) + 13, k)));
                 }
-                assert_eq!(bits(&o[4]), bits(&received), "{what}: all_to_all");
+                assert_eq!(bits(&o[5]), bits(&received), "{what}: all_to_all");
             }
         }
-        println!("{n} ranks: every collective as on the CPU, bit for bit");
+        println!("{n} ranks, {s} a shard: every collective as on the CPU, bit for bit");
     }
 }
 

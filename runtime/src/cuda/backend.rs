@@ -299,6 +299,18 @@ impl CudaBackend {
         )
     }
 
+    /// `out = ((shares[0] + shares[1]) + ...)` in f32 on this queue, the
+    /// shares read where they lie (`KernelSet::sum_shares`).
+    ///
+    /// # Safety
+    /// Every address in `shares` is the start of `out`'s length of f32 in
+    /// device memory this queue's context may read, left alone by every
+    /// other queue until the sum has run.
+    pub(crate) unsafe fn sum_shares(&self, shares: &[u64], out: SliceMut<'_, Self>) -> Result<()> {
+        // SAFETY: as this function's.
+        unsafe { self.k().sum_shares(self.s(), shares, self.m(&out)) }
+    }
+
     /// A view as kernels take it, noted as used by this queue.
     fn v(&self, view: Slice<'_, Self>) -> GpuView {
         self.queue.ops.fetch_add(1, Ordering::Relaxed);

@@ -64,7 +64,8 @@ pub const SOURCES: &[KernelSource] = &[
             "accumulate_sum",
             "column_sum",
             "sum_squares_tiles",
-            "sum_squares_pieces"
+            "sum_squares_pieces",
+            "sum_shares"
         ]
     ),
     source!(

@@ -8,7 +8,10 @@
 //! schedule) for real; NCCL refuses two ranks on one device.
 //!
 //! Every rank pulls: its queue copies what it receives out of its peers'
-//! buffers into its own. A collective is two rounds of the host-side
+//! buffers into its own, and a sum reads every rank's share where it lies
+//! (this GPU's memory, or a peer GPU's the context has peer access to) in
+//! one kernel; only where a peer's memory is out of reach do its shares
+//! come over by copy first. A collective is two rounds of the host-side
 //! rendezvous the CPU's collectives use ([`DeviceRound`]: the group's calls
 //! numbered and checked alike, a peer that fails, leaves or stalls past the
 //! timeout reported instead of waited on):
@@ -34,6 +37,7 @@
 
 use super::CudaBackend;
 use super::buffer::{view_mut_on, view_on};
+use super::launch::MAX_SHARES;
 use super::nccl::arguments;
 use super::queue::{QueueSet, RawEvent};
 use crate::backend::{Backend, Slice, SliceMut};
@@ -95,11 +99,20 @@ pub struct PeerCopyComm {
     events: Vec<RawEvent>,
     calls: AtomicU64,
     retired: Arc<RetiredEvents>,
+    /// The peers' contexts (as plain numbers) this rank's kernels may read
+    /// the memory of: peer access is on.
+    reachable: Arc<[usize]>,
 }
 
 impl PeerCopyComm {
-    /// `host`'s group on the GPU of `backend`, whose queue runs the copies.
-    pub fn new(host: CpuComm, backend: CudaBackend, retired: Arc<RetiredEvents>) -> Result<Self> {
+    /// `host`'s group on the GPU of `backend`, whose queue runs the copies;
+    /// its kernels may read the memory of the `reachable` contexts' GPUs.
+    pub fn new(
+        host: CpuComm,
+        backend: CudaBackend,
+        retired: Arc<RetiredEvents>,
+        reachable: Arc<[usize]>,
+    ) -> Result<Self> {
         let queues = backend.gpu().queues().clone();
         let events = (0..4)
             .map(|_| queues.take_event())
@@ -111,6 +124,7 @@ impl PeerCopyComm {
             events,
             calls: AtomicU64::new(0),
             retired,
+            reachable,
         })
     }
 
@@ -134,6 +148,7 @@ impl PeerCopyComm {
             self.host.split(color)?,
             backend.clone(),
             self.retired.clone(),
+            self.reachable.clone(),
         )
     }
 
@@ -264,10 +279,18 @@ impl PeerCopyComm {
         })
     }
 
-    /// Copies every rank's `s` f32 at byte `offset` of its posted buffer
-    /// into a slot of new scratch, and sums the slots in rank order into
-    /// `out`. Every share goes through scratch, this rank's too: `out`
-    /// may be what the peers read, or this rank's share itself (in place).
+    /// Whether this rank's kernels may read `posting`'s buffer where it
+    /// lies: on this GPU, or a peer's with peer access on.
+    fn reads_directly(&self, posting: &Posting) -> bool {
+        posting.context == self.backend.gpu().context().cu_ctx() as usize
+            || self.reachable.contains(&posting.context)
+    }
+
+    /// Sums every rank's `s` f32 at byte `offset` of its posted buffer, in
+    /// rank order, into `out` (which may be this rank's share itself, in
+    /// place, but none a peer reads). One kernel reads the shares where
+    /// they lie when it can reach them all; else each share is copied into
+    /// a slot of new scratch first, and the slots are added.
     fn sum_of_shares(
         &self,
         postings: &[Arc<Posting>],
@@ -276,6 +299,18 @@ impl PeerCopyComm {
         mut out: SliceMut<'_, CudaBackend>,
     ) -> Result<()> {
         let b = &self.backend;
+        if postings.len() <= MAX_SHARES && postings.iter().all(|p| self.reads_directly(p)) {
+            let mut shares = [0u64; MAX_SHARES];
+            for (share, posting) in shares.iter_mut().zip(postings) {
+                *share = posting.ptr + offset;
+            }
+            // SAFETY: each share is `s` f32 at `offset` of a buffer whose
+            // length the call's checks held to it, which this context may
+            // read (`reads_directly`); its rank leaves it alone until this
+            // queue's copies are done (the second round), and `out` is none
+            // a peer reads.
+            return unsafe { b.sum_shares(&shares[..postings.len()], out) };
+        }
         let parts = b.alloc_uninit(s * postings.len(), DType::F32)?;
         let slots = view_on(b.view(&parts)?, b.queue_index()).ptr;
         for (j, posting) in postings.iter().enumerate() {

@@ -257,6 +257,7 @@ impl Platform for CudaPlatform {
         let on_comm = comm.backend();
         let (dp, ep_group, edp, host_comm) = if let Some(copy) = &self.copy {
             let peers = enable_peer_access(gpu.context(), &self.ordinals, gpu.name())?;
+            let reachable = peers.iter().map(|p| p.cu_ctx() as usize).collect();
             copy.peers
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -265,6 +266,7 @@ impl Platform for CudaPlatform {
                 copy.world.comm(r)?,
                 on_comm.clone(),
                 copy.retired.clone(),
+                reachable,
             )?);
             // Every rank splits in the same order (the splits are
             // collective over the world).

@@ -1,6 +1,7 @@
 // Sums: `Backend::accumulate_sum` (a loss slot), `column_sum` (a bias
-// gradient) and `sum_squares` (the gradient norm's partials). Each has a
-// fixed reduction shape for given sizes, so equal inputs give equal bits.
+// gradient), `sum_squares` (the gradient norm's partials) and `sum_shares`
+// (the copy transport's reduce-scatters and all-reduces). Each has a fixed
+// reduction shape for given sizes, so equal inputs give equal bits.
 #include "common.cuh"
 
 __device__ __forceinline__ double load_f64(const void* p, int dtype, u64 i) {
@@ -110,5 +111,57 @@ extern "C" __global__ void sum_squares_pieces(const double* partials, u64 tiles,
     sum = block_sum(sum, scratch);
     if (threadIdx.x == 0) {
         out[blockIdx.x] = sum;
+    }
+}
+
+// The most shares one `sum_shares` launch adds (a launcher's test holds
+// `cuda::launch` to it).
+#define MAX_SHARES 16
+
+// Where each rank's share lies: in this GPU's memory, or a peer GPU's this
+// context may read (peer access).
+struct Shares {
+    const float* at[MAX_SHARES];
+};
+
+// out[i] = ((share0[i] + share1[i]) + share2[i]) + ...: the ranks' shares of
+// a reduce-scatter or an all-reduce added in rank order, in f32, as the
+// CPU's collectives add them, read straight from where they lie. `out` may
+// be one of the shares (in place: each element is read before it is
+// written, by the same thread). `words`: every pointer is 16-byte aligned
+// and n a multiple of 4, so a thread moves 4 floats at a time.
+extern "C" __global__ void sum_shares(Shares shares, int count, float* out, u64 n, int words) {
+    grid_dependency_sync();
+    if (words) {
+        const u64 n4 = n / 4;
+        for (u64 i = grid_start(); i < n4; i += grid_stride()) {
+            float4 acc = reinterpret_cast<const float4*>(shares.at[0])[i];
+            // Unrolled, so the shares' addresses are read from the kernel's
+            // parameters by constant index instead of copied to local memory.
+#pragma unroll
+            for (int j = 1; j < MAX_SHARES; ++j) {
+                if (j >= count) {
+                    break;
+                }
+                const float4 v = reinterpret_cast<const float4*>(shares.at[j])[i];
+                acc.x += v.x;
+                acc.y += v.y;
+                acc.z += v.z;
+                acc.w += v.w;
+            }
+            reinterpret_cast<float4*>(out)[i] = acc;
+        }
+        return;
+    }
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        float acc = shares.at[0][i];
+#pragma unroll
+        for (int j = 1; j < MAX_SHARES; ++j) {
+            if (j >= count) {
+                break;
+            }
+            acc += shares.at[j][i];
+        }
+        out[i] = acc;
     }
 }

@@ -171,6 +171,8 @@ const BLOCK: u32 = 256;
 const MAX_BLOCKS: u64 = 8192;
 /// The routing kernels hold a row's experts in registers, eight a lane.
 const MAX_EXPERTS: usize = 256;
+/// The most shares one `sum_shares` launch adds (`MAX_SHARES` of reduce.cu).
+pub(crate) const MAX_SHARES: usize = 16;
 /// The sort's block (`SORT_THREADS` in `dispatch.cu`).
 const SORT_THREADS: u32 = 1024;
 
@@ -717,6 +719,45 @@ impl KernelSet {
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr).arg(&xt).arg(&n).arg(&out.ptr);
         self.go(k, &mut b, per_item(1, reduce_threads(x.len, 1024))?)
+    }
+
+    /// `out = ((shares[0] + shares[1]) + shares[2]) + ...` in f32, read
+    /// straight from where each share lies (this GPU, or a peer GPU this
+    /// context has peer access to): the copy transport's sums, one pass
+    /// instead of a copy of each share and an add. `out` may be one of the
+    /// shares.
+    ///
+    /// # Safety
+    /// Every address in `shares` is the start of `out.len` f32 of device
+    /// memory this context may read, left alone by every other queue
+    /// until this launch has run.
+    pub unsafe fn sum_shares(
+        &self,
+        stream: &CudaStream,
+        shares: &[u64],
+        out: GpuView,
+    ) -> Result<()> {
+        let k = "sum_shares";
+        exactly(k, "out", &out, DType::F32)?;
+        ensure(!shares.is_empty() && shares.len() <= MAX_SHARES, || {
+            format!(
+                "kernel `{k}`: {} shares, but it adds 1 to {MAX_SHARES}",
+                shares.len()
+            )
+        })?;
+        if out.len == 0 {
+            return Ok(());
+        }
+        let mut at = [0u64; MAX_SHARES];
+        at[..shares.len()].copy_from_slice(shares);
+        let count = shares.len() as i32;
+        let n = out.len as u64;
+        let words = n.is_multiple_of(4) && shares.iter().chain([&out.ptr]).all(|p| p % 16 == 0);
+        let grid = grid_for(if words { out.len / 4 } else { out.len });
+        let words = i32::from(words);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&at).arg(&count).arg(&out.ptr).arg(&n).arg(&words);
+        self.go(k, &mut b, grid)
     }
 
     /// The f64 scratch `sum_squares` needs for `len` elements in pieces of
@@ -2214,6 +2255,13 @@ fn source_with_defines(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `sum_shares` takes as many share addresses as reduce.cu's struct
+    /// holds.
+    #[test]
+    fn the_sum_of_shares_takes_the_kernels_count() {
+        source_with_defines("reduce.cu", &[("MAX_SHARES", MAX_SHARES)]);
+    }
 
     /// The one-pass norm backward's blocks: a row of whole warps, a group
     /// of whole warps where a row holds several, a row whose groups are
