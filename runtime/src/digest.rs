@@ -1,8 +1,8 @@
 //! The parameter hash a run prints (`param_hash`): a 64-bit digest of a
 //! stream of f32 bit patterns that splits over threads. The stream is cut
-//! into blocks of [`BLOCK`] values; each block's FNV-1a is computed on a
-//! thread of its own, and the digest is the FNV-1a of the blocks' hashes and
-//! the stream's length. The result depends on the values and their order
+//! into blocks of [`BLOCK`] values; the blocks' FNV-1a hashes are computed
+//! on threads, straight from the slices the values lie in, and the digest
+//! is the FNV-1a of the blocks' hashes and the stream's length. The result depends on the values and their order
 //! alone, never on the thread count: the 36 GB of an 8.9 B-parameter model
 //! take seconds on a GPU host's cores instead of the half minute one
 //! byte-serial FNV-1a takes.
@@ -22,19 +22,63 @@ fn fnv(mut hash: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
     hash
 }
 
-/// One block's hash: FNV-1a over its values' little-endian bytes.
-fn block_hash(values: &[u32]) -> u64 {
-    fnv(FNV_OFFSET, values.iter().flat_map(|v| v.to_le_bytes()))
+/// FNV-1a over `values`' bit patterns' little-endian bytes, continuing
+/// from `hash`.
+fn fnv_values(hash: u64, values: &[f32]) -> u64 {
+    fnv(hash, values.iter().flat_map(|v| v.to_bits().to_le_bytes()))
 }
 
-/// A digest being built: values pushed in order, whole blocks hashed in
-/// parallel once enough are pending.
+/// Values given as runs of slices, one stream: where each run starts in it.
+struct Runs<'a> {
+    runs: &'a [&'a [f32]],
+    starts: Vec<usize>,
+}
+
+impl<'a> Runs<'a> {
+    fn new(runs: &'a [&'a [f32]]) -> Runs<'a> {
+        let starts = runs
+            .iter()
+            .scan(0, |at, run| {
+                let start = *at;
+                *at += run.len();
+                Some(start)
+            })
+            .collect();
+        Runs { runs, starts }
+    }
+
+    /// FNV-1a of the stream's values `from..to`, continuing from `hash`.
+    fn fnv(&self, mut hash: u64, from: usize, to: usize) -> u64 {
+        // The last run starting at or before `from` (empty runs skipped by
+        // the clamps below).
+        let mut r = self
+            .starts
+            .partition_point(|&s| s <= from)
+            .saturating_sub(1);
+        let mut at = from;
+        while at < to && r < self.runs.len() {
+            let (run, start) = (self.runs[r], self.starts[r]);
+            let (a, b) = (at - start, (to - start).min(run.len()));
+            if a < b {
+                hash = fnv_values(hash, &run[a..b]);
+                at = start + b;
+            }
+            r += 1;
+        }
+        hash
+    }
+}
+
+/// A digest being built: values given in order, whole blocks hashed in
+/// parallel straight from the caller's slices (no copy), the block being
+/// filled kept as its hash so far.
 pub struct StreamDigest {
-    pending: Vec<u32>,
+    /// The hash and length of the block being filled.
+    open: (u64, usize),
     block_hashes: Vec<u64>,
     len: u64,
-    /// Blocks hashed at once (one a thread).
-    batch: usize,
+    /// Threads that hash whole blocks.
+    threads: usize,
 }
 
 impl Default for StreamDigest {
@@ -45,68 +89,73 @@ impl Default for StreamDigest {
 
 impl StreamDigest {
     pub fn new() -> StreamDigest {
-        let batch = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        StreamDigest::with_threads(threads)
+    }
+
+    /// A digest that hashes on up to `threads` threads (the digest is the
+    /// same for any count).
+    pub fn with_threads(threads: usize) -> StreamDigest {
         StreamDigest {
-            pending: Vec::new(),
+            open: (FNV_OFFSET, 0),
             block_hashes: Vec::new(),
             len: 0,
-            batch,
+            threads: threads.max(1),
         }
     }
 
-    pub fn push(&mut self, bits: u32) {
-        self.pending.push(bits);
-        self.len += 1;
-        if self.pending.len() == self.batch * BLOCK {
-            self.hash_pending();
-        }
-    }
-
-    /// [`StreamDigest::push`] of every value, in order, a batch at a time
-    /// (one length check a batch, not one a value).
-    pub fn extend(&mut self, bits: impl IntoIterator<Item = u32>) {
-        let mut bits = bits.into_iter();
-        loop {
-            let room = self.batch * BLOCK - self.pending.len();
-            let before = self.pending.len();
-            self.pending.extend(bits.by_ref().take(room));
-            let added = self.pending.len() - before;
-            self.len += added as u64;
-            if self.pending.len() == self.batch * BLOCK {
-                self.hash_pending();
-            }
-            if added < room {
+    /// Every value of `runs`, in order, as one stream. The more a call
+    /// gives, the more of it is hashed in parallel: the block left open
+    /// by the call before is finished, and this call's last part block
+    /// is begun, on this thread.
+    pub fn extend(&mut self, runs: &[&[f32]]) {
+        let runs = Runs::new(runs);
+        let total: usize = runs.runs.iter().map(|r| r.len()).sum();
+        self.len += total as u64;
+        // The block left open, finished (or carried on) here.
+        let mut first = 0;
+        if self.open.1 > 0 {
+            first = (BLOCK - self.open.1).min(total);
+            self.open = (runs.fnv(self.open.0, 0, first), self.open.1 + first);
+            if self.open.1 < BLOCK {
                 return;
             }
+            self.block_hashes.push(self.open.0);
         }
-    }
-
-    /// Hashes the pending values' blocks (the last one may be short), a
-    /// thread each.
-    fn hash_pending(&mut self) {
-        let blocks: Vec<&[u32]> = self.pending.chunks(BLOCK).collect();
-        let hashes: Vec<u64> = if blocks.len() > 1 {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = blocks
-                    .iter()
-                    .map(|&block| scope.spawn(move || block_hash(block)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("hashing a block does not panic"))
-                    .collect()
-            })
-        } else {
-            blocks.iter().map(|block| block_hash(block)).collect()
+        // Whole blocks, a share of them a thread.
+        let whole = (total - first) / BLOCK;
+        let block = |k: usize| {
+            let from = first + k * BLOCK;
+            runs.fnv(FNV_OFFSET, from, from + BLOCK)
         };
+        let mut hashes = vec![0u64; whole];
+        let per_thread = whole.div_ceil(self.threads).max(1);
+        if whole > per_thread {
+            std::thread::scope(|scope| {
+                for (t, chunk) in hashes.chunks_mut(per_thread).enumerate() {
+                    let block = &block;
+                    scope.spawn(move || {
+                        for (i, hash) in chunk.iter_mut().enumerate() {
+                            *hash = block(t * per_thread + i);
+                        }
+                    });
+                }
+            });
+        } else {
+            for (k, hash) in hashes.iter_mut().enumerate() {
+                *hash = block(k);
+            }
+        }
         self.block_hashes.extend(hashes);
-        self.pending.clear();
+        // The rest begins the next open block.
+        let rest = first + whole * BLOCK;
+        self.open = (runs.fnv(FNV_OFFSET, rest, total), total - rest);
     }
 
-    /// The digest of every value pushed.
+    /// The digest of every value given.
     pub fn finish(mut self) -> u64 {
-        if !self.pending.is_empty() {
-            self.hash_pending();
+        if self.open.1 > 0 {
+            self.block_hashes.push(self.open.0);
         }
         let hashes = self.block_hashes.iter().flat_map(|h| h.to_le_bytes());
         fnv(fnv(FNV_OFFSET, hashes), self.len.to_le_bytes())
@@ -117,67 +166,85 @@ impl StreamDigest {
 mod tests {
     use super::*;
 
-    fn digest_with(batch: usize, values: &[u32]) -> u64 {
-        let mut d = StreamDigest {
-            batch,
-            ..StreamDigest::new()
-        };
-        for &v in values {
-            d.push(v);
+    /// The digest's definition, one value at a time on one thread: each
+    /// block's FNV-1a, then the FNV-1a of the blocks' hashes and the length.
+    fn reference(values: &[u32]) -> u64 {
+        let hashes: Vec<u64> = values
+            .chunks(BLOCK)
+            .map(|block| fnv(FNV_OFFSET, block.iter().flat_map(|v| v.to_le_bytes())))
+            .collect();
+        let bytes = hashes.iter().flat_map(|h| h.to_le_bytes());
+        fnv(fnv(FNV_OFFSET, bytes), (values.len() as u64).to_le_bytes())
+    }
+
+    fn floats(bits: &[u32]) -> Vec<f32> {
+        bits.iter().map(|&b| f32::from_bits(b)).collect()
+    }
+
+    /// The digest of `values` given in calls of `calls` values each, every
+    /// call's values cut into runs of `run`, on `threads` threads.
+    fn digest(values: &[f32], calls: usize, run: usize, threads: usize) -> u64 {
+        let mut d = StreamDigest::with_threads(threads);
+        for call in values.chunks(calls) {
+            let mut runs: Vec<&[f32]> = call.chunks(run).collect();
+            // Empty runs anywhere change nothing.
+            runs.insert(runs.len() / 2, &[]);
+            runs.push(&[]);
+            d.extend(&runs);
         }
         d.finish()
     }
 
-    /// Values given in runs of any length (across batch boundaries too)
-    /// digest as values pushed one by one.
+    /// However the values are cut into calls and runs (across block
+    /// boundaries too), on any number of threads, the digest is the
+    /// definition's.
     #[test]
-    fn extending_is_pushing_every_value() {
-        let values: Vec<u32> = (0..(3 * BLOCK + 99) as u32)
-            .map(|i| i ^ 0x5bd1_e995)
+    fn calls_runs_and_threads_do_not_change_the_digest() {
+        let bits: Vec<u32> = (0..(3 * BLOCK + 99) as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) ^ 0x5bd1_e995)
             .collect();
-        let one_by_one = digest_with(2, &values);
-        for run in [1, 7, BLOCK - 1, 2 * BLOCK + 5] {
-            let mut d = StreamDigest {
-                batch: 2,
-                ..StreamDigest::new()
-            };
-            for piece in values.chunks(run) {
-                d.extend(piece.iter().copied());
+        let want = reference(&bits);
+        let values = floats(&bits);
+        for (calls, run) in [
+            (values.len(), values.len()),
+            (values.len(), 7),
+            (values.len(), BLOCK - 1),
+            (BLOCK + 3, 1000),
+            (BLOCK - 1, BLOCK + 1),
+            (2 * BLOCK + 5, 2 * BLOCK + 5),
+            (100_003, 4099),
+        ] {
+            for threads in [1, 2, 3, 8] {
+                assert_eq!(
+                    digest(&values, calls, run, threads),
+                    want,
+                    "calls of {calls}, runs of {run}, {threads} threads"
+                );
             }
-            assert_eq!(d.finish(), one_by_one, "runs of {run}");
-        }
-    }
-
-    #[test]
-    fn the_digest_does_not_depend_on_the_threads() {
-        let values: Vec<u32> = (0..(2 * BLOCK + 12_345) as u32)
-            .map(|i| i.wrapping_mul(2_654_435_761))
-            .collect();
-        let one = digest_with(1, &values);
-        for batch in [2, 3, 8] {
-            assert_eq!(digest_with(batch, &values), one, "{batch} blocks at once");
         }
     }
 
     #[test]
     fn the_digest_sees_every_value_its_place_and_the_length() {
-        let values: Vec<u32> = (0..(BLOCK + 7) as u32).collect();
-        let base = digest_with(2, &values);
+        let bits: Vec<u32> = (0..(BLOCK + 7) as u32).collect();
+        let of = |bits: &[u32]| digest(&floats(bits), bits.len().max(1), 1000, 2);
+        let base = of(&bits);
+        assert_eq!(base, reference(&bits));
         // A change in the last, short block; in a whole block; a swap of
         // two values; one value more.
-        let mut last = values.clone();
+        let mut last = bits.clone();
         *last.last_mut().unwrap() ^= 1;
-        let mut first = values.clone();
+        let mut first = bits.clone();
         first[3] ^= 1 << 31;
-        let mut swapped = values.clone();
+        let mut swapped = bits.clone();
         swapped.swap(10, 11);
-        let mut longer = values.clone();
+        let mut longer = bits.clone();
         longer.push(0);
         for other in [last, first, swapped, longer] {
-            assert_ne!(digest_with(2, &other), base);
+            assert_ne!(of(&other), base);
         }
         // Streams of zeros of different lengths differ too.
-        assert_ne!(digest_with(1, &[0; 3]), digest_with(1, &[0; 4]));
-        assert_ne!(digest_with(1, &[]), digest_with(1, &[0]));
+        assert_ne!(of(&[0; 3]), of(&[0; 4]));
+        assert_ne!(of(&[]), of(&[0]));
     }
 }
