@@ -12,7 +12,7 @@
 # Here (no GPU needed):
 #   scripts/cuda_bundle.sh && cp -r ../shared/bench/torch_ref gpu-bundle/
 # There (2 x H200; the bundle carries this script):
-#   bash gpu-bundle/bench_gpu.sh LOGDIR          # everything, about 8 minutes
+#   bash gpu-bundle/bench_gpu.sh LOGDIR          # everything, about 10 minutes
 #   TORCH_REF=none bash gpu-bundle/bench_gpu.sh LOGDIR   # hybridgen's rows only
 # On a machine with one GPU the 2-GPU rows say they were skipped, and of
 # PyTorch's stage only its 1-GPU `--fast` row runs (about 2 minutes).
@@ -41,8 +41,11 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 # model is the benchmark's with EP = ranks unless `row_model` says
 # otherwise (the flags naming the model and its layout); the ranks run a
 # GPU each unless `row_gpus` says fewer (the copy transport's shared GPUs).
+# A multi-rank row's `exposed` is its step minus the `row_base` row's
+# (the same model on one rank) times the ranks a GPU; none without a base.
 row_model=()
 row_gpus=
+row_base=hybridgen-1gpu
 row() {
   local name=$1 ranks=$2
   shift 2
@@ -68,15 +71,18 @@ row() {
   local rc=$?
   kill "$sampler" 2>/dev/null
   wait "$sampler" 2>/dev/null
-  python3 - "$here" "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" "$used" >> "$out/rows.jsonl" <<'PY'
+  python3 - "$here" "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" "$used" "$row_base" \
+    >> "$out/rows.jsonl" <<'PY'
 import json, statistics, sys
 sys.path.insert(0, sys.argv[1])
 from run_log import read
 name, ranks, rc, log, peak = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-gpus = int(sys.argv[7])
+gpus, base = int(sys.argv[7]), sys.argv[8]
 steps, _, summary = read(log)
 used = [float(v) for v in open(peak).read().split() if v.strip()]
 row = {"row": name, "ranks": ranks, "gpus": gpus}
+if base and base != name:
+    row["base"] = base
 # The run's own model FLOPs a token and tokens a GPU step (other models
 # than the benchmark's carry theirs).
 if summary.get("flops_per_token") and summary.get("steps"):
@@ -108,10 +114,22 @@ row_gpus=
 # Real scale: the 9B Nemotron-H at 4,096 tokens on 2 GPUs under ZeRO-3,
 # overlap schedule, its layers recomputed (without, the two micro-batches
 # in flight need 147 GiB a GPU: `hybridgen plan --preset
-# nemotron-nano-9b-v2 --dp 2 --seq-len 4096`).
+# nemotron-nano-9b-v2 --dp 2 --seq-len 4096`). No 1-GPU row holds it.
 row_model=(--preset nemotron-nano-9b-v2 --ep 1 --seq-len 4096 --recompute full)
+row_base=
 row nemotron-9b-2gpu 2 --schedule overlap
-row_model=()
+# Its real dimensions on one GPU: the first 29 layers of its pattern (5.2 B
+# parameters; `hybridgen plan PATTERN --preset nemotron-nano-9b-v2`), one
+# rank, then two ranks sharing the GPU over the copy transport under
+# ZeRO-3 with the plain schedule (the overlap schedule's second
+# micro-batch in flight does not fit half a GPU, and the run's memory
+# check says so).
+row_model=(--preset nemotron-nano-9b-v2 --pattern "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-" --ep 1
+  --seq-len 4096 --recompute full)
+row nemotron-9b-half-1gpu 1 --schedule overlap
+row_gpus=1 row_base=nemotron-9b-half-1gpu
+row nemotron-9b-half-copy-2rk 2 --schedule plain --transport copy
+row_model=() row_gpus= row_base=hybridgen-1gpu
 
 # Start-up with a warm kernel cache (the rows above filled it): a whole
 # one-step run on 1 GPU. The issue's target (under 10 s) is start-up and
@@ -158,13 +176,13 @@ for key, r in sorted(torch.items()):
     peak = max(r.get("peak_mem_alloc_gib_per_rank") or [0.0])
     rows.append({"row": f"pytorch-fast-{key}", "ranks": 1 if key == "1gpu" else 2,
                  "step_ms": r["step_ms_median"], "peak_gib": peak})
-one = next((r.get("step_ms") for r in rows if r["row"] == "hybridgen-1gpu"), None)
-print(f"{'row':24} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+step_of = {r["row"]: r.get("step_ms") for r in rows}
+print(f"{'row':26} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
       f"{'exposed':>8} {'vs torch':>8}")
 for r in rows:
     if "wall_s" in r:
         if r["rc"] != 0:
-            print(f"{r['row']:24} FAILED (exit {r['rc']})")
+            print(f"{r['row']:26} FAILED (exit {r['rc']})")
             continue
         # The run's own account: the command's clock to the end of the
         # first step, phase by phase, then what came after it.
@@ -173,31 +191,32 @@ for r in rows:
             s = next(l["summary"] for l in lines if "summary" in l)
             first = next(l["step_ms"] for l in lines if l.get("step") == 1)
             t, c = s["startup_s"], s["clock_s"]
-            print(f"{r['row']:24} to the end of the first step {c['first_step']:.1f} s: "
+            print(f"{r['row']:26} to the end of the first step {c['first_step']:.1f} s: "
                   f"checks {c['prepared']:.1f} s, platform {t['platform']:.1f} s, "
                   f"device {t['device']:.1f} s, parameters {t['params']:.1f} s "
                   f"(drawn {t['params_drawn']:.1f} s), optimizer {t['optimizer']:.1f} s, "
                   f"first step {first / 1e3:.1f} s")
-            print(f"{'':24} the whole run {r['wall_s']:.1f} s: after the step, the hash "
+            print(f"{'':26} the whole run {r['wall_s']:.1f} s: after the step, the hash "
                   f"{s['hash_s']:.1f} s, the run's end {c['trained'] - c['first_step']:.1f} s, "
                   f"then the process's exit {r['wall_s'] - c['trained']:.1f} s (with its start)")
         except (OSError, StopIteration, KeyError, ValueError, TypeError):
-            print(f"{r['row']:24} whole one-step run: {r['wall_s']:.1f} s")
+            print(f"{r['row']:26} whole one-step run: {r['wall_s']:.1f} s")
         continue
     if "step_ms" not in r:
-        print(f"{r['row']:24} {r.get('skipped') or r.get('failed')}")
+        print(f"{r['row']:26} {r.get('skipped') or r.get('failed')}")
         continue
     ms = r["step_ms"]
     tokens = r.get("tokens_per_gpu_step", TOKENS_PER_GPU_STEP)
     tps = tokens / (ms / 1e3)
     tflops = r.get("flops_per_token", FLOPS_PER_TOKEN) * tokens / (ms / 1e3) / 1e12
-    # What the same work costs without communication: one 1-GPU step a
-    # GPU, or one a rank where ranks share a GPU.
+    # What the same work costs without communication: its base row's
+    # 1-rank step a GPU, or one a rank where ranks share a GPU.
+    one = step_of.get(r.get("base"))
     alone = one * r["ranks"] / r.get("gpus", r["ranks"]) if one else None
-    exposed = f"{ms - alone:8.1f}" if r["ranks"] == 2 and alone and r["row"].startswith("hybridgen") else f"{'':8}"
+    exposed = f"{ms - alone:8.1f}" if r["ranks"] > 1 and alone else f"{'':8}"
     ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu") if r.get("gpus", r["ranks"]) == r["ranks"] else None
     ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"
     peak = f"{r['peak_gib']:9.1f}" if r.get("peak_gib") else f"{'':9}"
-    print(f"{r['row']:24} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
+    print(f"{r['row']:26} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
           f"{peak} {exposed} {ratio}")
 PY

@@ -868,7 +868,7 @@ impl MemoryNeed {
                 bytes(self.total)
             ),
             Some(overhead) => format!(
-                "\n  one rank per GPU, plus {} for the CUDA context, cuBLAS and NCCL: {}\n  to \
+                "\n  each GPU rank, plus {} for its CUDA context, cuBLAS and NCCL: {}\n  to \
                  fit, try:",
                 bytes(overhead),
                 bytes(self.total)
