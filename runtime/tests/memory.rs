@@ -197,10 +197,7 @@ fn a_gpu_run_is_checked_per_gpu_with_the_devices_overhead() {
     };
     assert_eq!(per_gpu.check(&free(per_gpu.total), &hints), None);
     let refusal = per_gpu.check(&free(GPU_OVERHEAD), &hints).unwrap();
-    assert!(
-        refusal.contains("each GPU rank, plus 1.2 GiB"),
-        "{refusal}"
-    );
+    assert!(refusal.contains("each GPU rank, plus 1.2 GiB"), "{refusal}");
     assert!(refusal.contains("free on cuda:0"), "{refusal}");
     assert!(refusal.contains("more GPUs"), "{refusal}");
     assert!(!refusal.contains("fewer --ranks"), "{refusal}");

@@ -11,16 +11,21 @@
 //! tensors'), checked on load, so damage is found and named rather than
 //! trained on.
 //!
+//! Rank files are written and read a chunk at a time (`stream`), so saving
+//! and resuming take the host memory of a chunk, not of the rank's state.
+//!
 //! Modules: [`root`] (the root's layout, `latest`, the lock, `--keep-last`),
 //! [`index`] (the index, its seal and its range checks), [`run`] (the run's
-//! state and how a resume settles against it), [`durable`] (fsynced writes
-//! and failpoints), [`crc32c`].
+//! state and how a resume settles against it), `stream` (rank files
+//! written and read a chunk at a time), [`durable`] (fsynced writes and
+//! failpoints), [`crc32c`].
 
 pub mod crc32c;
 pub mod durable;
 pub mod index;
 pub mod root;
 pub mod run;
+mod stream;
 
 pub use durable::{FAILPOINT_ENV, FAILPOINTS};
 pub use index::{
@@ -37,13 +42,11 @@ use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout};
 use crate::layers::ExpertBalance;
 use crate::optimizer::{Optimizer, OptimizerKind};
-use crate::tensor_file::Header;
 use crate::train::TrainConfig;
-use crc32c::{Crc32c, crc32c, hex};
+use crc32c::hex;
 use hybridgen_dsl::Plan;
 use root::rank_file;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -255,15 +258,11 @@ fn written_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, Ow
         .collect()
 }
 
-fn to_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-fn from_bytes(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+/// Where a tensor `save` writes comes from: a range of a device buffer, or
+/// values on the host.
+enum TensorSource<'a, B: Backend> {
+    Device(&'a B::Buf, Range<usize>),
+    Host(&'a [f32]),
 }
 
 /// The tensor names a piece is stored under in its rank file.
@@ -294,23 +293,24 @@ pub fn save<D: Device>(
     }
     rank.host.barrier()?;
 
-    // This rank's file.
+    // This rank's file, a chunk at a time: memory holds a chunk, not the
+    // rank's state.
     let backend = &rank.backend;
-    let mut tensors: Vec<(String, Vec<u8>, usize)> = Vec::new();
+    let mut tensors: Vec<(String, usize)> = Vec::new();
+    let mut sources: Vec<TensorSource<'_, D::Backend>> = Vec::new();
     for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
         let shard = &engine.shards()[b];
         let state = &optimizer.states()[b];
         let [p, m, v] = names(&piece.key);
-        let read = |buf: &<D::Backend as Backend>::Buf| -> Result<Vec<u8>> {
-            let mut host = vec![0.0f32; piece.in_shard.len()];
-            backend.download(backend.slice(buf, piece.in_shard.clone())?, &mut host)?;
-            Ok(to_bytes(&host))
-        };
         let n = piece.in_shard.len();
-        tensors.push((p, read(&shard.master)?, n));
-        tensors.push((m, read(&state.exp_avg)?, n));
+        let mut put = |name: String, buf| {
+            tensors.push((name, n));
+            sources.push(TensorSource::Device(buf, piece.in_shard.clone()));
+        };
+        put(p, &shard.master);
+        put(m, &state.exp_avg);
         if backend.buf_len(&state.exp_avg_sq) > 0 {
-            tensors.push((v, read(&state.exp_avg_sq)?, n));
+            put(v, &state.exp_avg_sq);
         }
     }
     // The expert biases are the same on every rank: rank 0 keeps them.
@@ -318,31 +318,30 @@ pub fn save<D: Device>(
     if rank.rank == 0 {
         for (key, values) in &biases {
             let [p, _, _] = names(key);
-            tensors.push((p, to_bytes(values), values.len()));
+            tensors.push((p, values.len()));
+            sources.push(TensorSource::Host(values));
         }
     }
-    // Each tensor's own checksum rides in the file's metadata, so a damaged
-    // file can say which tensor the damage is in.
-    let sums: HashMap<String, String> = tensors
-        .iter()
-        .map(|(name, bytes, _)| (name.clone(), hex(crc32c(bytes))))
-        .collect();
-    let views = tensors
-        .iter()
-        .map(|(name, bytes, n)| {
-            TensorView::new(Dtype::F32, vec![*n], bytes)
-                .map(|view| (name.clone(), view))
-                .map_err(|e| RuntimeError::io(name, e))
-        })
-        .collect::<Result<Vec<_>>>()?;
     let path = partial.join(rank_file(rank.rank));
-    let bytes = safetensors::serialize(views, Some(sums))
-        .map_err(|e| RuntimeError::io(path.display(), e))?;
-    durable::write_file(&path, &bytes, "rank-file")?;
+    let longest = tensors.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    let mut writer = stream::RankFileWriter::create(&path, "rank-file", tensors)?;
+    let mut chunk = vec![0.0f32; longest.min(stream::CHUNK)];
+    for source in &sources {
+        match source {
+            TensorSource::Host(values) => writer.put(values)?,
+            TensorSource::Device(buf, range) => {
+                for start in range.clone().step_by(stream::CHUNK) {
+                    let end = (start + stream::CHUNK).min(range.end);
+                    let host = &mut chunk[..end - start];
+                    backend.download(backend.slice(buf, start..end)?, host)?;
+                    writer.put(host)?;
+                }
+            }
+        }
+    }
+    let (bytes, crc) = writer.finish()?;
     // Every rank's size and checksum, for rank 0's index (both exact in f64).
-    let all = rank
-        .host
-        .all_gather_host(&[f64::from(crc32c(&bytes)), bytes.len() as f64])?;
+    let all = rank.host.all_gather_host(&[f64::from(crc), bytes as f64])?;
 
     if rank.rank == 0 {
         let files = all
@@ -427,7 +426,9 @@ pub fn load<D: Device>(
             optimizer.config().kind
         )));
     }
-    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    // Each rank file this rank reads from, checked whole once (a chunk at a
+    // time) when first needed: where its tensors are.
+    let mut files: BTreeMap<String, stream::StoredTensors> = BTreeMap::new();
     let backend = &rank.backend;
     for (b, piece) in held_pieces(plan, &engine.layout(), rank.rank) {
         let entry = index.tensors.get(&piece.key).ok_or_else(|| {
@@ -479,75 +480,21 @@ pub fn load<D: Device>(
 pub fn verify(dir: &Path) -> Result<CheckpointIndex> {
     let index = read_index(dir)?;
     for (name, entry) in &index.files {
-        read_checked(dir, name, entry)?;
+        stream::checked(dir, name, entry)?;
     }
     Ok(index)
 }
 
-/// Reads file `name` of checkpoint `dir`, refusing it unless its size and
-/// CRC-32C are the index's.
-fn read_checked(dir: &Path, name: &str, entry: &FileEntry) -> Result<Vec<u8>> {
-    let path = dir.join(name);
-    let damaged = |what: String| {
-        RuntimeError::io(
-            path.display(),
-            format!(
-                "{what}. The checkpoint is damaged; {}",
-                root::other_step_hint(dir)
-            ),
-        )
-    };
-    let len = std::fs::metadata(&path)
-        .map_err(|e| RuntimeError::io(path.display(), e))?
-        .len();
-    if len != entry.bytes {
-        return Err(damaged(format!(
-            "{len} bytes, but the index records {}",
-            entry.bytes
-        )));
-    }
-    let bytes = std::fs::read(&path).map_err(|e| RuntimeError::io(path.display(), e))?;
-    let crc = hex(crc32c(&bytes));
-    if crc != entry.crc32c {
-        return Err(damaged(format!(
-            "checksum mismatch (the index records CRC-32C {}, the file's bytes give {crc}); {}",
-            entry.crc32c,
-            damage_site(&bytes)
-        )));
-    }
-    Ok(bytes)
-}
-
-/// Where in a rank file whose checksum failed the damage is: the first
-/// tensor whose data no longer matches its own checksum, or the header.
-fn damage_site(bytes: &[u8]) -> String {
-    let Ok((_, metadata)) = SafeTensors::read_metadata(bytes) else {
-        return "its safetensors header is damaged".to_string();
-    };
-    let Ok(tensors) = SafeTensors::deserialize(bytes) else {
-        return "its safetensors header is damaged".to_string();
-    };
-    let sums = metadata.metadata().clone().unwrap_or_default();
-    let mut views = tensors.tensors();
-    views.sort_by(|a, b| a.0.cmp(&b.0));
-    for (name, view) in views {
-        if sums.get(&name) != Some(&hex(crc32c(view.data()))) {
-            return format!("the damage is in tensor `{name}`");
-        }
-    }
-    "every tensor's data matches its own checksum, so the damage is in the file's header"
-        .to_string()
-}
-
 /// Elements `want` of tensor `name` (one of a key's three), assembled from
-/// the pieces of `entry` across rank files.
+/// the pieces of `entry` across rank files: each stored piece read and
+/// checked on its own, so memory holds one piece, not a file.
 fn assemble(
     dir: &Path,
     index: &CheckpointIndex,
     entry: &TensorEntry,
     name: &str,
     want: &Range<usize>,
-    files: &mut BTreeMap<String, Vec<u8>>,
+    files: &mut BTreeMap<String, stream::StoredTensors>,
 ) -> Result<Vec<f32>> {
     let mut out = vec![0.0f32; want.len()];
     let mut covered = 0;
@@ -563,31 +510,26 @@ fn assemble(
                     format!("`{}` is not a file of the checkpoint", piece.file),
                 )
             })?;
-            files.insert(piece.file.clone(), read_checked(dir, &piece.file, listed)?);
+            files.insert(
+                piece.file.clone(),
+                stream::checked(dir, &piece.file, listed)?,
+            );
         }
-        let path = || dir.join(&piece.file).display().to_string();
-        let bytes = &files[&piece.file];
-        let tensors = SafeTensors::deserialize(bytes).map_err(|e| RuntimeError::io(path(), e))?;
-        let view = tensors
-            .tensor(name)
-            .map_err(|e| RuntimeError::io(path(), format!("{name}: {e}")))?;
-        if view.dtype() != Dtype::F32 {
+        let path = dir.join(&piece.file);
+        let stored = files[&piece.file]
+            .get(name)
+            .ok_or_else(|| RuntimeError::io(path.display(), format!("no tensor {name}")))?;
+        if stored.len != (piece.end - piece.start) as u64 * 4 {
             return Err(RuntimeError::io(
-                path(),
-                format!("{name} is {:?}, not F32", view.dtype()),
-            ));
-        }
-        let values = from_bytes(view.data());
-        if values.len() != piece.end - piece.start {
-            return Err(RuntimeError::io(
-                path(),
+                path.display(),
                 format!(
-                    "{name} holds {} elements, the index says {}",
-                    values.len(),
+                    "{name} holds {} bytes, the index says {} elements",
+                    stored.len,
                     piece.end - piece.start
                 ),
             ));
         }
+        let values = stream::read_tensor(&path, name, stored)?;
         out[start - want.start..end - want.start]
             .copy_from_slice(&values[start - piece.start..end - piece.start]);
         covered += end - start;
@@ -615,14 +557,7 @@ pub struct CheckpointReader {
     pub dir: PathBuf,
     pub index: CheckpointIndex,
     /// Per rank file: each tensor's byte range and CRC-32C.
-    files: BTreeMap<String, BTreeMap<String, StoredPiece>>,
-}
-
-/// Where one tensor of a rank file is.
-struct StoredPiece {
-    start: u64,
-    len: u64,
-    crc32c: Option<String>,
+    files: BTreeMap<String, stream::StoredTensors>,
 }
 
 impl CheckpointReader {
@@ -632,7 +567,7 @@ impl CheckpointReader {
         let (step, index) = open_index(dir, what)?;
         let mut files = BTreeMap::new();
         for (name, entry) in &index.files {
-            files.insert(name.clone(), stream_checked(&step, name, entry)?);
+            files.insert(name.clone(), stream::checked(&step, name, entry)?);
         }
         Ok(CheckpointReader {
             dir: step,
@@ -643,7 +578,6 @@ impl CheckpointReader {
 
     /// The whole value of the parameter with checkpoint key `key`.
     pub fn param(&self, key: &str) -> Result<Vec<f32>> {
-        use std::io::{Read, Seek, SeekFrom};
         let index_path = || self.dir.join(INDEX).display().to_string();
         let entry = self.index.tensors.get(key).ok_or_else(|| {
             RuntimeError::io(index_path(), format!("no tensor `{key}` in the checkpoint"))
@@ -675,24 +609,8 @@ impl CheckpointReader {
                     ),
                 ));
             }
-            let mut bytes = vec![0u8; stored.len as usize];
-            let mut file =
-                std::fs::File::open(&path).map_err(|e| RuntimeError::io(path.display(), e))?;
-            file.seek(SeekFrom::Start(stored.start))
-                .and_then(|_| file.read_exact(&mut bytes))
-                .map_err(|e| RuntimeError::io(path.display(), format!("{name}: {e}")))?;
-            if let Some(want) = &stored.crc32c
-                && *want != hex(crc32c(&bytes))
-            {
-                return Err(RuntimeError::io(
-                    path.display(),
-                    format!(
-                        "tensor `{name}` does not match its checksum: the file changed after it was checked, or is damaged; {}",
-                        root::other_step_hint(&self.dir)
-                    ),
-                ));
-            }
-            out[piece.start..piece.end].copy_from_slice(&from_bytes(&bytes));
+            let values = stream::read_tensor(&path, &name, stored)?;
+            out[piece.start..piece.end].copy_from_slice(&values);
             covered += n;
         }
         if covered != numel {
@@ -703,81 +621,6 @@ impl CheckpointReader {
         }
         Ok(out)
     }
-}
-
-/// Checks rank file `name` of checkpoint `dir` against the index's size and
-/// CRC-32C, reading it in blocks, and returns where its F32 tensors are.
-fn stream_checked(
-    dir: &Path,
-    name: &str,
-    entry: &FileEntry,
-) -> Result<BTreeMap<String, StoredPiece>> {
-    use std::io::Read;
-    let path = dir.join(name);
-    let io = |e: String| RuntimeError::io(path.display(), e);
-    let damaged = |what: String| {
-        io(format!(
-            "{what}. The checkpoint is damaged; {}",
-            root::other_step_hint(dir)
-        ))
-    };
-    let mut file = std::fs::File::open(&path).map_err(|e| io(e.to_string()))?;
-    let len = file.metadata().map_err(|e| io(e.to_string()))?.len();
-    if len != entry.bytes {
-        return Err(damaged(format!(
-            "{len} bytes, but the index records {}",
-            entry.bytes
-        )));
-    }
-    let mut crc = crc32c::Crc32c::default();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(|e| io(e.to_string()))?;
-        if n == 0 {
-            break;
-        }
-        crc.update(&buf[..n]);
-    }
-    let sum = hex(crc.finish());
-    if sum != entry.crc32c {
-        return Err(damaged(format!(
-            "checksum mismatch (the index records CRC-32C {}, the file's bytes give {sum})",
-            entry.crc32c
-        )));
-    }
-    // The bytes are sound; read the header again from the front (only
-    // the header is held, however large the file).
-    use std::io::{Seek, SeekFrom};
-    let mut prefix = [0u8; 8];
-    file.seek(SeekFrom::Start(0))
-        .and_then(|_| file.read_exact(&mut prefix))
-        .map_err(|_| damaged("no safetensors header".into()))?;
-    let header_len = Header::length(prefix, len).map_err(damaged)?;
-    let mut bytes = vec![0u8; header_len as usize];
-    file.read_exact(&mut bytes).map_err(|e| io(e.to_string()))?;
-    let header = Header::parse(&bytes).map_err(damaged)?;
-    let mut out = BTreeMap::new();
-    for (tensor, info) in &header.tensors {
-        if info.get("dtype").and_then(|d| d.as_str()) != Some("F32") {
-            return Err(damaged(format!("{tensor} is not F32")));
-        }
-        let offsets = header
-            .range(info, len)
-            .ok_or_else(|| damaged(format!("{tensor} has no byte range inside the file")))?;
-        out.insert(
-            tensor.clone(),
-            StoredPiece {
-                start: header.data_start + offsets.0,
-                len: offsets.1 - offsets.0,
-                crc32c: header
-                    .metadata
-                    .get(tensor)
-                    .and_then(|v| v.as_str())
-                    .map(str::to_string),
-            },
-        );
-    }
-    Ok(out)
 }
 
 /// The newest complete step of checkpoint `dir` (a root or one step's
@@ -810,74 +653,10 @@ pub fn write_fresh(
     value: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
     biases: &[(String, Vec<f32>)],
 ) -> Result<PathBuf> {
-    use std::io::{BufWriter, Write};
     if plan.layout.ep.max(1) != 1 {
         return Err(RuntimeError::InvalidArgument(
             "write_fresh needs a plan holding every expert (ep 1)".into(),
         ));
-    }
-    let root = CheckpointRoot::open(dir, 0, None)?;
-    let partial = root.begin(0)?;
-    let file = rank_file(0);
-    let adam = run.optimizer.kind == OptimizerKind::Adam;
-    // One parameter in memory at a time: the tensors' bytes stream into a
-    // scratch file with their checksums, then the rank file is its
-    // safetensors header followed by those bytes (a published 30B model
-    // imports in the memory of its largest tensor, not three copies of it).
-    let data_path = partial.join(format!("{file}.data"));
-    let io = |e: std::io::Error| RuntimeError::io(data_path.display(), e);
-    let mut data = BufWriter::new(std::fs::File::create(&data_path).map_err(io)?);
-    let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
-    let zeros = [0u8; 1 << 16];
-    let put_zeros = |data: &mut BufWriter<std::fs::File>, name: String, n: usize| {
-        let mut crc = Crc32c::default();
-        let mut left = n * 4;
-        while left > 0 {
-            let chunk = &zeros[..left.min(zeros.len())];
-            data.write_all(chunk).map_err(io)?;
-            crc.update(chunk);
-            left -= chunk.len();
-        }
-        Ok::<(String, usize, String), RuntimeError>((name, n, hex(crc.finish())))
-    };
-    let put_values = |data: &mut BufWriter<std::fs::File>, name: String, values: &[f32]| {
-        let bytes = to_bytes(values);
-        data.write_all(&bytes).map_err(io)?;
-        Ok::<(String, usize, String), RuntimeError>((name, values.len(), hex(crc32c(&bytes))))
-    };
-    let piece = |n: usize| Piece {
-        file: file.clone(),
-        start: 0,
-        end: n,
-    };
-    // (name, elements, checksum) in the order written.
-    let mut order: Vec<(String, usize, String)> = Vec::new();
-    for (p, param) in plan.params.iter().enumerate() {
-        let def = plan.def(param);
-        let key = plan.checkpoint_key(param, 0);
-        let values = value(p)?;
-        if values.len() != def.numel() {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "`{key}` came with {} values, not {}",
-                values.len(),
-                def.numel()
-            )));
-        }
-        let n = values.len();
-        let [pn, mn, vn] = names(&key);
-        order.push(put_values(&mut data, pn, &values)?);
-        drop(values);
-        order.push(put_zeros(&mut data, mn, n)?);
-        if adam {
-            order.push(put_zeros(&mut data, vn, n)?);
-        }
-        entries.insert(
-            key,
-            TensorEntry {
-                shape: def.shape.to_vec(),
-                pieces: vec![piece(n)],
-            },
-        );
     }
     // The routers' expert biases, as `save` keeps them (no optimizer state):
     // exactly the model's, one value an expert, or the loader refuses the
@@ -895,15 +674,47 @@ pub fn write_fresh(
         )));
     }
     let experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts);
-    for (key, values) in biases {
-        if values.len() != experts {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "`{key}` came with {} values, not one for each of the {experts} experts",
-                values.len()
-            )));
+    if let Some((key, values)) = biases.iter().find(|(_, v)| v.len() != experts) {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "`{key}` came with {} values, not one for each of the {experts} experts",
+            values.len()
+        )));
+    }
+    let root = CheckpointRoot::open(dir, 0, None)?;
+    let partial = root.begin(0)?;
+    let file = rank_file(0);
+    let adam = run.optimizer.kind == OptimizerKind::Adam;
+    let piece = |n: usize| Piece {
+        file: file.clone(),
+        start: 0,
+        end: n,
+    };
+    // Every tensor's name and length first (the writer puts the header
+    // before the bytes), then one parameter in memory at a time: a
+    // published 30B model imports in the memory of its largest tensor.
+    let mut tensors: Vec<(String, usize)> = Vec::new();
+    let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    for param in plan.params.iter() {
+        let def = plan.def(param);
+        let key = plan.checkpoint_key(param, 0);
+        let n = def.numel();
+        let [pn, mn, vn] = names(&key);
+        tensors.push((pn, n));
+        tensors.push((mn, n));
+        if adam {
+            tensors.push((vn, n));
         }
+        entries.insert(
+            key,
+            TensorEntry {
+                shape: def.shape.to_vec(),
+                pieces: vec![piece(n)],
+            },
+        );
+    }
+    for (key, values) in biases {
         let [pn, _, _] = names(key);
-        order.push(put_values(&mut data, pn, values)?);
+        tensors.push((pn, values.len()));
         entries.insert(
             key.clone(),
             TensorEntry {
@@ -912,11 +723,38 @@ pub fn write_fresh(
             },
         );
     }
-    // Read once into the rank file and deleted: flushed, never synced.
-    data.into_inner().map_err(|e| io(e.into_error()))?;
     let path = partial.join(&file);
-    let (bytes, crc) = write_safetensors(&path, &data_path, &order)?;
-    std::fs::remove_file(&data_path).map_err(io)?;
+    let mut writer = stream::RankFileWriter::create(&path, "rank-file", tensors)?;
+    let zeros = vec![0.0f32; stream::CHUNK];
+    let put_zeros = |writer: &mut stream::RankFileWriter, mut n: usize| {
+        while n > 0 {
+            let now = n.min(zeros.len());
+            writer.put(&zeros[..now])?;
+            n -= now;
+        }
+        Ok::<(), RuntimeError>(())
+    };
+    for (p, param) in plan.params.iter().enumerate() {
+        let n = plan.def(param).numel();
+        let values = value(p)?;
+        if values.len() != n {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "`{}` came with {} values, not {n}",
+                plan.checkpoint_key(param, 0),
+                values.len(),
+            )));
+        }
+        writer.put(&values)?;
+        drop(values);
+        put_zeros(&mut writer, n)?;
+        if adam {
+            put_zeros(&mut writer, n)?;
+        }
+    }
+    for (_, values) in biases {
+        writer.put(values)?;
+    }
+    let (bytes, crc) = writer.finish()?;
     let index = CheckpointIndex {
         crc32c: String::new(),
         format: FORMAT.to_string(),
@@ -943,62 +781,4 @@ pub fn write_fresh(
     let text = index.to_sealed_text()?;
     durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
     root.commit(0)
-}
-
-/// Writes `path` as a safetensors file of the f32 tensors `order` lists
-/// (name, elements, checksum), whose bytes lie back to back in `data`: the
-/// header (its length, then the JSON, spaces to a multiple of 8, each
-/// tensor's checksum in the metadata as `save` writes them), then the
-/// bytes. Returns the file's size and checksum.
-fn write_safetensors(
-    path: &Path,
-    data: &Path,
-    order: &[(String, usize, String)],
-) -> Result<(u64, u32)> {
-    use std::io::{Read, Write};
-    let io = |p: &Path| {
-        let p = p.display().to_string();
-        move |e: std::io::Error| RuntimeError::io(&p, e)
-    };
-    let mut header = serde_json::Map::new();
-    let sums: serde_json::Map<String, serde_json::Value> = order
-        .iter()
-        .map(|(name, _, crc)| (name.clone(), serde_json::Value::from(crc.clone())))
-        .collect();
-    header.insert("__metadata__".into(), serde_json::Value::Object(sums));
-    let mut offset = 0usize;
-    for (name, n, _) in order {
-        let end = offset + n * 4;
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [offset, end]}),
-        );
-        offset = end;
-    }
-    let mut json =
-        serde_json::to_vec(&header).map_err(|e| RuntimeError::io(path.display(), e.to_string()))?;
-    json.resize(json.len().next_multiple_of(8), b' ');
-    let mut out = std::fs::File::create(path).map_err(io(path))?;
-    let mut crc = Crc32c::default();
-    let mut bytes = 0u64;
-    let mut put = |out: &mut std::fs::File, chunk: &[u8]| {
-        out.write_all(chunk).map_err(io(path))?;
-        crc.update(chunk);
-        bytes += chunk.len() as u64;
-        Ok::<(), RuntimeError>(())
-    };
-    put(&mut out, &(json.len() as u64).to_le_bytes())?;
-    put(&mut out, &json)?;
-    let mut source = std::fs::File::open(data).map_err(io(data))?;
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let n = source.read(&mut buffer).map_err(io(data))?;
-        if n == 0 {
-            break;
-        }
-        put(&mut out, &buffer[..n])?;
-    }
-    durable::failpoint("rank-file", "fsync");
-    out.sync_all().map_err(io(path))?;
-    Ok((bytes, crc.finish()))
 }
