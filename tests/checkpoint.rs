@@ -465,6 +465,13 @@ fn resume_auto_without_a_checkpoint_starts_fresh_and_needs_save() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(summary(&out)["resumed_from"], Value::Null);
     assert_eq!(summary(&out)["checkpoint"], "ckpt/step-000004");
+    // The save's own time is part of the run's.
+    let save = summary(&out)["save_s"].as_f64().unwrap();
+    assert!(
+        save > 0.0 && save < summary(&out)["wall_s"].as_f64().unwrap(),
+        "{}",
+        summary(&out)
+    );
     // Run again, the job is done: no step, nothing written.
     let again = hybridgen_in(
         &base,
@@ -474,6 +481,7 @@ fn resume_auto_without_a_checkpoint_starts_fresh_and_needs_save() {
     assert!(again.status.success(), "{}", stderr(&again));
     assert!(step_lines(&again).is_empty());
     assert_eq!(summary(&again)["resumed_from"], 4);
+    assert_eq!(summary(&again)["save_s"], 0.0);
     // Without --save, auto has nowhere to look.
     let out = hybridgen_in(&base, &run_args("4", &["--resume", "auto"]), &[]);
     assert_eq!(out.status.code(), Some(1));

@@ -263,6 +263,10 @@ pub struct TrainSummary {
     pub resumed_dir: Option<PathBuf>,
     /// The last checkpoint saved: its step directory.
     pub saved_to: Option<PathBuf>,
+    /// The time the first local rank spent saving checkpoints, all of
+    /// them (writing its rank file, then waiting for its peers' and the
+    /// index).
+    pub save_time: Duration,
     pub trace: Option<PathBuf>,
     /// Where the first local rank's start-up went, before its first step.
     pub startup: StartupTimes,
@@ -829,6 +833,7 @@ pub fn train_on<P: Platform>(
         param_hash,
         startup,
         hash_time,
+        save_time,
     } = first
         .ok_or_else(|| RuntimeError::InvalidArgument("no rank returned a parameter hash".into()))?;
     let stats = recorder.stats();
@@ -863,6 +868,7 @@ pub fn train_on<P: Platform>(
         trace: config.trace.clone(),
         startup,
         hash_time,
+        save_time,
         flops_per_token: hybridgen_dsl::flops::flops_per_token(&config.model, config.seq_length),
     })
 }
@@ -917,6 +923,8 @@ struct RankOutcome {
     startup: StartupTimes,
     /// The final parameter hash's time.
     hash_time: Duration,
+    /// The checkpoints' time.
+    save_time: Duration,
 }
 
 /// One rank's whole run, on the thread that drives it (`opening`: how
@@ -1005,6 +1013,7 @@ fn run_rank<D: Device>(
     // The newest step in the save root: the end of the run saves unless
     // this step is there already.
     let mut saved = save.and_then(|s| s.root.newest_at_open());
+    let mut save_time = Duration::ZERO;
     let depths = plan.mtp_depths();
     // The training stream's micro-batches, made ahead on a thread of their
     // own so the executor never stops issuing work to make one.
@@ -1130,14 +1139,18 @@ fn run_rank<D: Device>(
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
+            let saving = Instant::now();
             checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
+            save_time += saving.elapsed();
             saved = Some(step);
         }
     }
     if let Some(save) = save
         && saved != Some(step)
     {
+        let saving = Instant::now();
         checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
+        save_time += saving.elapsed();
     }
     let hashing = Instant::now();
     let param_hash = param_hash(&plan, &engine, &rank)?;
@@ -1145,6 +1158,7 @@ fn run_rank<D: Device>(
         param_hash,
         startup,
         hash_time: hashing.elapsed(),
+        save_time,
     })
 }
 

@@ -981,7 +981,11 @@ fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
         );
     }
     if let Some(dir) = &s.saved_to {
-        out += &format!("  checkpoint      {}\n", dir.display());
+        out += &format!(
+            "  checkpoint      {} (saving took {:.1} s)\n",
+            dir.display(),
+            s.save_time.as_secs_f64()
+        );
     }
     if let Some(path) = &s.trace {
         out += &format!(
@@ -1015,6 +1019,7 @@ fn summary_json(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
             "trace": s.trace.as_ref().map(|p| p.display().to_string()),
             "flops_per_token": s.flops_per_token,
             "hash_s": s.hash_time.as_secs_f64(),
+            "save_s": s.save_time.as_secs_f64(),
             // Seconds from the command's start at which each point came.
             "clock_s": {
                 "prepared": clock.prepared.as_secs_f64(),
