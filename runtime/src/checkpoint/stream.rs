@@ -69,11 +69,43 @@ pub(crate) struct RankFileWriter {
     tensor_crc: Crc32c,
     written: usize,
     header_len: usize,
-    data_crc: Crc32c,
+    /// The CRC-32C of the tensors closed so far, back to back.
+    data_crc: u32,
     data_bytes: u64,
     /// Past half the data: the write failpoint has been passed.
     halfway_passed: bool,
+    /// Little-endian bytes of a piece, where the machine's are not.
     bytes: Vec<u8>,
+}
+
+/// `values` as little-endian bytes: their own memory on a little-endian
+/// machine (every one hybridgen runs on), else converted into `scratch`.
+fn le_bytes<'a>(values: &'a [f32], scratch: &'a mut Vec<u8>) -> &'a [u8] {
+    if cfg!(target_endian = "little") {
+        // SAFETY: an f32 is 4 initialised bytes with no padding, u8 needs
+        // no alignment, and the length is the values' bytes.
+        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size_of_val(values)) }
+    } else {
+        scratch.clear();
+        scratch.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        scratch
+    }
+}
+
+/// Where `values`' little-endian bytes are read into: their own memory on a
+/// little-endian machine, else `scratch` (converted by the caller).
+fn le_bytes_mut<'a>(values: &'a mut [f32], scratch: &'a mut Vec<u8>) -> &'a mut [u8] {
+    if cfg!(target_endian = "little") {
+        // SAFETY: every bit pattern is a valid f32, u8 needs no alignment,
+        // and the length is the values' bytes.
+        unsafe {
+            std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), size_of_val(values))
+        }
+    } else {
+        scratch.clear();
+        scratch.resize(size_of_val(values), 0);
+        scratch
+    }
 }
 
 impl RankFileWriter {
@@ -98,7 +130,7 @@ impl RankFileWriter {
             tensor_crc: Crc32c::default(),
             written: 0,
             header_len: placeholder.len(),
-            data_crc: Crc32c::default(),
+            data_crc: 0,
             data_bytes: 0,
             halfway_passed: false,
             bytes: Vec::new(),
@@ -115,8 +147,12 @@ impl RankFileWriter {
     /// ones included), recording their checksums.
     fn close_empty_tensors(&mut self) {
         while self.current < self.tensors.len() && self.written == self.tensors[self.current].1 {
-            self.sums
-                .push(std::mem::take(&mut self.tensor_crc).finish());
+            let sum = std::mem::take(&mut self.tensor_crc).finish();
+            // The data's checksum from the tensors', so each byte is
+            // summed once.
+            let len = self.tensors[self.current].1 as u64 * 4;
+            self.data_crc = crc32c::combine(self.data_crc, sum, len);
+            self.sums.push(sum);
             self.current += 1;
             self.written = 0;
         }
@@ -135,14 +171,12 @@ impl RankFileWriter {
             };
             let take = (n - self.written).min(values.len());
             let (now, rest) = values.split_at(take);
-            self.bytes.clear();
-            self.bytes.extend(now.iter().flat_map(|v| v.to_le_bytes()));
+            let bytes = le_bytes(now, &mut self.bytes);
             self.file
-                .write_all(&self.bytes)
+                .write_all(bytes)
                 .map_err(|e| RuntimeError::io(self.path.display(), format!("{name}: {e}")))?;
-            self.tensor_crc.update(&self.bytes);
-            self.data_crc.update(&self.bytes);
-            self.data_bytes += self.bytes.len() as u64;
+            self.tensor_crc.update(bytes);
+            self.data_bytes += bytes.len() as u64;
             self.written += take;
             values = rest;
             self.close_empty_tensors();
@@ -189,7 +223,7 @@ impl RankFileWriter {
         let mut head = Crc32c::default();
         head.update(&(header.len() as u64).to_le_bytes());
         head.update(&header);
-        let crc = crc32c::combine(head.finish(), self.data_crc.finish(), self.data_bytes);
+        let crc = crc32c::combine(head.finish(), self.data_crc, self.data_bytes);
         durable::failpoint(self.op, "fsync");
         file.sync_all().map_err(io)?;
         Ok((8 + header.len() as u64 + self.data_bytes, crc))
@@ -321,21 +355,19 @@ pub(crate) fn read_tensor(path: &Path, name: &str, stored: &StoredTensor) -> Res
     let mut file = File::open(path).map_err(|e| io(e.to_string()))?;
     file.seek(SeekFrom::Start(stored.start))
         .map_err(|e| io(format!("{name}: {e}")))?;
-    let mut out = Vec::with_capacity((stored.len / 4) as usize);
+    let mut out = vec![0.0f32; (stored.len / 4) as usize];
     let mut crc = Crc32c::default();
-    let mut buf = vec![0u8; (CHUNK * 4).min(stored.len as usize)];
-    let mut left = stored.len;
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        file.read_exact(&mut buf[..n])
+    let mut scratch = Vec::new();
+    for part in out.chunks_mut(CHUNK) {
+        let bytes = le_bytes_mut(part, &mut scratch);
+        file.read_exact(bytes)
             .map_err(|e| io(format!("{name}: {e}")))?;
-        crc.update(&buf[..n]);
-        out.extend(
-            buf[..n]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        );
-        left -= n as u64;
+        crc.update(bytes);
+        if cfg!(target_endian = "big") {
+            for (v, c) in part.iter_mut().zip(scratch.chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
     }
     if let Some(want) = &stored.crc32c
         && *want != hex(crc.finish())
