@@ -71,7 +71,9 @@ pub(crate) struct RankFileWriter {
     header_len: usize,
     /// The CRC-32C of the tensors closed so far, back to back.
     data_crc: u32,
+    /// The data's bytes written so far, and in all.
     data_bytes: u64,
+    total_bytes: u64,
     /// Past half the data: the write failpoint has been passed.
     halfway_passed: bool,
     /// Little-endian bytes of a piece, where the machine's are not.
@@ -120,6 +122,7 @@ impl RankFileWriter {
         file.write_all(&(placeholder.len() as u64).to_le_bytes())
             .and_then(|()| file.write_all(&placeholder))
             .map_err(io)?;
+        let total_bytes = tensors.iter().map(|(_, n)| *n as u64 * 4).sum();
         let mut writer = RankFileWriter {
             path: path.to_path_buf(),
             op,
@@ -132,20 +135,17 @@ impl RankFileWriter {
             header_len: placeholder.len(),
             data_crc: 0,
             data_bytes: 0,
+            total_bytes,
             halfway_passed: false,
             bytes: Vec::new(),
         };
-        writer.close_empty_tensors();
+        writer.close_complete_tensors();
         Ok(writer)
-    }
-
-    fn total_data_bytes(&self) -> u64 {
-        self.tensors.iter().map(|(_, n)| *n as u64 * 4).sum()
     }
 
     /// Closes the tensors from the current one on that are complete (empty
     /// ones included), recording their checksums.
-    fn close_empty_tensors(&mut self) {
+    fn close_complete_tensors(&mut self) {
         while self.current < self.tensors.len() && self.written == self.tensors[self.current].1 {
             let sum = std::mem::take(&mut self.tensor_crc).finish();
             // The data's checksum from the tensors', so each byte is
@@ -179,8 +179,8 @@ impl RankFileWriter {
             self.data_bytes += bytes.len() as u64;
             self.written += take;
             values = rest;
-            self.close_empty_tensors();
-            if !self.halfway_passed && self.data_bytes * 2 >= self.total_data_bytes() {
+            self.close_complete_tensors();
+            if !self.halfway_passed && self.data_bytes * 2 >= self.total_bytes {
                 self.halfway_passed = true;
                 self.file
                     .flush()
