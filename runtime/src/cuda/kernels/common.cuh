@@ -54,6 +54,39 @@ __device__ __forceinline__ u64 grid_stride() {
     return static_cast<u64>(gridDim.x) * blockDim.x;
 }
 
+// W consecutive f32 (W = 1 or 4: one 16-byte word, the pointer 16-byte
+// aligned) loaded and stored as one access, and stored rounded to bf16
+// (W = 4: one 8-byte word, the pointer 8-byte aligned).
+template <int W>
+__device__ __forceinline__ void load_run(const float* p, float (&v)[W]) {
+    if constexpr (W == 4) {
+        const float4 q = *reinterpret_cast<const float4*>(p);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+    } else {
+        v[0] = p[0];
+    }
+}
+template <int W>
+__device__ __forceinline__ void store_run(float* p, const float (&v)[W]) {
+    if constexpr (W == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+        p[0] = v[0];
+    }
+}
+template <int W>
+__device__ __forceinline__ void store_run_bf16(bf16* p, const float (&v)[W]) {
+    if constexpr (W == 4) {
+        __nv_bfloat162 pair[2] = {__floats2bfloat162_rn(v[0], v[1]), __floats2bfloat162_rn(v[2], v[3])};
+        *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(pair);
+    } else {
+        p[0] = __float2bfloat16_rn(v[0]);
+    }
+}
+
 // Programmatic dependent launch (`cuda::launch::args`). Every kernel calls
 // this first: launched with the attribute, it may start while the kernel
 // before it on the stream drains, and `griddepcontrol.wait` holds it until

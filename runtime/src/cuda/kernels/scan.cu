@@ -317,32 +317,34 @@ SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n64, 2)
 SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n128, 4)
 SCAN_CHUNK_CARRY(ssd_scan_chunk_carry_n256, 8)
 
-// The carries K_c from the chunks' own L_c, per (sequence, head, state
-// element), last chunk first: K_last = 0, K_{c-1} = L_c + decay_c K_c
-// (overwriting L_c's slot with K_c as it goes). `carry` is `[batch, chunks,
-// H, P, N]` and `chunk_decay` `[batch, chunks, H]`; the chunked backward
-// (`scan_chunked.cu`) shares this kernel, and may pass `copy` (same layout,
-// bf16) for the carries as its GEMMs' bf16 operands (null: none).
-extern "C" __global__ void ssd_scan_carry_combine(
-    float* carry, __nv_bfloat16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn,
-    u64 chunks) {
-    grid_dependency_sync();
-    const u64 n = batch * heads * pn;
+// A thread takes W consecutive state elements (W = 4 where `pn` is a
+// multiple of 4 and the arrays are aligned to it).
+template <int W>
+__device__ __forceinline__ void carry_combine(float* carry, __nv_bfloat16* copy,
+                                              const float* chunk_decay, u64 batch, u64 heads,
+                                              u64 pn, u64 chunks) {
+    const u64 n = batch * heads * pn / W;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
-        const u64 e = i % pn;
-        const u64 h = (i / pn) % heads;
-        const u64 b = i / (pn * heads);
-        float next = 0.0f;
+        const u64 e = (i % (pn / W)) * W;
+        const u64 h = (i / (pn / W)) % heads;
+        const u64 b = i / (pn / W * heads);
+        float next[W];
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            next[w] = 0.0f;
+        }
         // CARRY_RUN chunks' loads at a time (last first), then their
         // sequential updates: the loads do not wait on the stores before
         // them.
         for (u64 end = chunks; end > 0; end = end > CARRY_RUN ? end - CARRY_RUN : 0) {
-            float own[CARRY_RUN], decay[CARRY_RUN];
+            float own[CARRY_RUN][W], decay[CARRY_RUN];
 #pragma unroll
             for (int u = 0; u < CARRY_RUN; ++u) {
                 if (static_cast<u64>(u) < end) {
                     const u64 c = end - 1 - u;
-                    own[u] = c > 0 ? carry[((b * chunks + c) * heads + h) * pn + e] : 0.0f;
+                    if (c > 0) {
+                        load_run<W>(carry + ((b * chunks + c) * heads + h) * pn + e, own[u]);
+                    }
                     decay[u] = chunk_decay[(b * chunks + c) * heads + h];
                 }
             }
@@ -351,16 +353,37 @@ extern "C" __global__ void ssd_scan_carry_combine(
                 if (static_cast<u64>(u) < end) {
                     const u64 c = end - 1 - u;
                     const u64 at = ((b * chunks + c) * heads + h) * pn + e;
-                    carry[at] = next;
+                    store_run<W>(carry + at, next);
                     if (copy != nullptr) {
-                        copy[at] = __float2bfloat16_rn(next);
+                        store_run_bf16<W>(copy + at, next);
                     }
                     if (c > 0) {
-                        next = own[u] + decay[u] * next;
+#pragma unroll
+                        for (int w = 0; w < W; ++w) {
+                            next[w] = own[u][w] + decay[u] * next[w];
+                        }
                     }
                 }
             }
         }
+    }
+}
+
+// The carries K_c from the chunks' own L_c, per (sequence, head, state
+// element), last chunk first: K_last = 0, K_{c-1} = L_c + decay_c K_c
+// (overwriting L_c's slot with K_c as it goes). `carry` is `[batch, chunks,
+// H, P, N]` and `chunk_decay` `[batch, chunks, H]`; the chunked backward
+// (`scan_chunked.cu`) shares this kernel, and may pass `copy` (same layout,
+// bf16) for the carries as its GEMMs' bf16 operands (null: none).
+// `quads`: four elements a thread (see `carry_combine`).
+extern "C" __global__ void ssd_scan_carry_combine(
+    float* carry, __nv_bfloat16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn,
+    u64 chunks, int quads) {
+    grid_dependency_sync();
+    if (quads) {
+        carry_combine<4>(carry, copy, chunk_decay, batch, heads, pn, chunks);
+    } else {
+        carry_combine<1>(carry, copy, chunk_decay, batch, heads, pn, chunks);
     }
 }
 

@@ -1174,30 +1174,31 @@ extern "C" __global__ void ssd_chunk_unpack(
 
 // ---- forward ------------------------------------------------------------------------
 
-// The states entering each chunk from the chunks' own X^T diag(w) B
-// (`states`, `[batch, chunks, H, P, N]`, in place) and their total decays
-// (`chunk_decay`, `[batch, chunks, H]`), per (sequence, head, state
-// element), first chunk first: S_0 = 0, S_{c+1} = e^Lam_last,c S_c + own_c.
-// With `copy` (same layout, bf16) the states also go there as the GEMMs'
-// bf16 operands.
-extern "C" __global__ void ssd_scan_state_combine(
-    float* states, bf16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks) {
-    grid_dependency_sync();
-    const u64 n = batch * heads * pn;
+// A thread takes W consecutive state elements (W = 4 where `pn` is a
+// multiple of 4 and the arrays are aligned to it: one 16-byte access a
+// chunk instead of four).
+template <int W>
+__device__ __forceinline__ void state_combine(float* states, bf16* copy, const float* chunk_decay,
+                                              u64 batch, u64 heads, u64 pn, u64 chunks) {
+    const u64 n = batch * heads * pn / W;
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
-        const u64 e = i % pn;
-        const u64 h = (i / pn) % heads;
-        const u64 b = i / (pn * heads);
-        float running = 0.0f;
+        const u64 e = (i % (pn / W)) * W;
+        const u64 h = (i / (pn / W)) % heads;
+        const u64 b = i / (pn / W * heads);
+        float running[W];
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            running[w] = 0.0f;
+        }
         // COMBINE_RUN chunks' loads at a time, then their sequential
         // updates: the loads do not wait on the stores before them.
         for (u64 c0 = 0; c0 < chunks; c0 += COMBINE_RUN) {
-            float own[COMBINE_RUN], decay[COMBINE_RUN];
+            float own[COMBINE_RUN][W], decay[COMBINE_RUN];
 #pragma unroll
             for (int u = 0; u < COMBINE_RUN; ++u) {
                 const u64 c = c0 + u;
                 if (c < chunks) {
-                    own[u] = states[((b * chunks + c) * heads + h) * pn + e];
+                    load_run<W>(states + ((b * chunks + c) * heads + h) * pn + e, own[u]);
                     decay[u] = chunk_decay[(b * chunks + c) * heads + h];
                 }
             }
@@ -1206,14 +1207,34 @@ extern "C" __global__ void ssd_scan_state_combine(
                 const u64 c = c0 + u;
                 if (c < chunks) {
                     const u64 at = ((b * chunks + c) * heads + h) * pn + e;
-                    states[at] = running;
+                    store_run<W>(states + at, running);
                     if (copy != nullptr) {
-                        copy[at] = __float2bfloat16_rn(running);
+                        store_run_bf16<W>(copy + at, running);
                     }
-                    running = decay[u] * running + own[u];
+#pragma unroll
+                    for (int w = 0; w < W; ++w) {
+                        running[w] = decay[u] * running[w] + own[u][w];
+                    }
                 }
             }
         }
+    }
+}
+
+// The states entering each chunk from the chunks' own X^T diag(w) B
+// (`states`, `[batch, chunks, H, P, N]`, in place) and their total decays
+// (`chunk_decay`, `[batch, chunks, H]`), per (sequence, head, state
+// element), first chunk first: S_0 = 0, S_{c+1} = e^Lam_last,c S_c + own_c.
+// With `copy` (same layout, bf16) the states also go there as the GEMMs'
+// bf16 operands. `quads`: four elements a thread (see `state_combine`).
+extern "C" __global__ void ssd_scan_state_combine(
+    float* states, bf16* copy, const float* chunk_decay, u64 batch, u64 heads, u64 pn, u64 chunks,
+    int quads) {
+    grid_dependency_sync();
+    if (quads) {
+        state_combine<4>(states, copy, chunk_decay, batch, heads, pn, chunks);
+    } else {
+        state_combine<1>(states, copy, chunk_decay, batch, heads, pn, chunks);
     }
 }
 

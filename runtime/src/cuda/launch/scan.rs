@@ -520,18 +520,23 @@ impl KernelSet {
             chunks,
         ]
         .map(|v| v as u64);
+        let quads = combine_quads(pn, carry, copy);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&carry)
             .arg(&copy)
             .arg(&chunk_decay)
             .arg(&batch)
             .arg(&heads);
-        b.arg(&pn).arg(&chunks_u);
+        b.arg(&pn).arg(&chunks_u).arg(&quads);
         let elements = product(
             k,
             &[dims.tokens.batch, dims.heads, dims.head_dim, dims.state],
         )?;
-        self.go(k, &mut b, grid_for(elements))
+        self.go(
+            k,
+            &mut b,
+            grid_for(elements / if quads == 1 { 4 } else { 1 }),
+        )
     }
 
     /// `ssd_scan_backward_params`: adds the chunks' A_log and D gradient
@@ -578,6 +583,13 @@ impl SequentialScratch {
             carry: chunk_decay + per_chunk * f32_bytes,
         }
     }
+}
+
+/// Whether the carry and state combines take four elements a thread (their
+/// `quads`, 1 or 0): `[.., P N]` rows of a multiple of 4, the f32 array
+/// 16-byte and its bf16 copy (if any, else 0) 8-byte aligned.
+pub(super) fn combine_quads(pn: u64, values: u64, copy: u64) -> i32 {
+    i32::from(pn.is_multiple_of(4) && values.is_multiple_of(16) && copy.is_multiple_of(8))
 }
 
 #[cfg(test)]

@@ -692,16 +692,18 @@ impl KernelSet {
         let states_op = parts.states_op.map(|copy| part(copy, 0, states.len));
         let copy = states_op.map_or(0, |v| v.ptr);
         let states_op = states_op.unwrap_or(states);
+        let quads = super::scan::combine_quads(pn_u, states.ptr, copy);
         let mut b = KernelArgs::new(stream, self.function(ks)?);
         b.arg(&states.ptr)
             .arg(&copy)
             .arg(&parts.chunk_decay.ptr)
             .arg(&batch_u);
-        b.arg(&heads_u).arg(&pn_u).arg(&chunks_u);
+        b.arg(&heads_u).arg(&pn_u).arg(&chunks_u).arg(&quads);
+        let elements = product(k, &[dims.tokens.batch, dims.heads, s.pn])?;
         self.go(
             ks,
             &mut b,
-            grid_for(product(k, &[dims.tokens.batch, dims.heads, s.pn])?),
+            grid_for(elements / if quads == 1 { 4 } else { 1 }),
         )?;
 
         // Second pass: y, slice by slice.
