@@ -265,6 +265,16 @@ enum TensorSource<'a, B: Backend> {
     Host(&'a [f32]),
 }
 
+impl<B: Backend> TensorSource<'_, B> {
+    /// Its values.
+    fn len(&self) -> usize {
+        match self {
+            TensorSource::Device(_, range) => range.len(),
+            TensorSource::Host(values) => values.len(),
+        }
+    }
+}
+
 /// The tensor names a piece is stored under in its rank file.
 fn names(key: &str) -> [String; 3] {
     [
@@ -296,21 +306,17 @@ pub fn save<D: Device>(
     // This rank's file, a chunk at a time: memory holds a chunk, not the
     // rank's state.
     let backend = &rank.backend;
-    let mut tensors: Vec<(String, usize)> = Vec::new();
-    let mut sources: Vec<TensorSource<'_, D::Backend>> = Vec::new();
+    // Each tensor's name and where its values come from.
+    let mut tensors: Vec<(String, TensorSource<'_, D::Backend>)> = Vec::new();
     for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
         let shard = &engine.shards()[b];
         let state = &optimizer.states()[b];
         let [p, m, v] = names(&piece.key);
-        let n = piece.in_shard.len();
-        let mut put = |name: String, buf| {
-            tensors.push((name, n));
-            sources.push(TensorSource::Device(buf, piece.in_shard.clone()));
-        };
-        put(p, &shard.master);
-        put(m, &state.exp_avg);
+        let from = |buf| TensorSource::Device(buf, piece.in_shard.clone());
+        tensors.push((p, from(&shard.master)));
+        tensors.push((m, from(&state.exp_avg)));
         if backend.buf_len(&state.exp_avg_sq) > 0 {
-            put(v, &state.exp_avg_sq);
+            tensors.push((v, from(&state.exp_avg_sq)));
         }
     }
     // The expert biases are the same on every rank: rank 0 keeps them.
@@ -318,15 +324,18 @@ pub fn save<D: Device>(
     if rank.rank == 0 {
         for (key, values) in &biases {
             let [p, _, _] = names(key);
-            tensors.push((p, values.len()));
-            sources.push(TensorSource::Host(values));
+            tensors.push((p, TensorSource::Host(values)));
         }
     }
     let path = partial.join(rank_file(rank.rank));
-    let longest = tensors.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    let mut writer = stream::RankFileWriter::create(&path, "rank-file", tensors)?;
+    let lengths: Vec<(String, usize)> = tensors
+        .iter()
+        .map(|(name, source)| (name.clone(), source.len()))
+        .collect();
+    let longest = lengths.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    let mut writer = stream::RankFileWriter::create(&path, "rank-file", lengths)?;
     let mut chunk = vec![0.0f32; longest.min(stream::CHUNK)];
-    for source in &sources {
+    for (_, source) in &tensors {
         match source {
             TensorSource::Host(values) => writer.put(values)?,
             TensorSource::Device(buf, range) => {
