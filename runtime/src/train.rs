@@ -1139,18 +1139,18 @@ fn run_rank<D: Device>(
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            let saving = Instant::now();
-            checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
-            save_time += saving.elapsed();
+            timed(&mut save_time, || {
+                checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+            })?;
             saved = Some(step);
         }
     }
     if let Some(save) = save
         && saved != Some(step)
     {
-        let saving = Instant::now();
-        checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)?;
-        save_time += saving.elapsed();
+        timed(&mut save_time, || {
+            checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+        })?;
     }
     let hashing = Instant::now();
     let param_hash = param_hash(&plan, &engine, &rank)?;
@@ -1160,6 +1160,14 @@ fn run_rank<D: Device>(
         hash_time: hashing.elapsed(),
         save_time,
     })
+}
+
+/// Runs `work`, adding its time to `total`.
+fn timed<T>(total: &mut Duration, work: impl FnOnce() -> Result<T>) -> Result<T> {
+    let start = Instant::now();
+    let out = work();
+    *total += start.elapsed();
+    out
 }
 
 /// One evaluation: the forward of `batches` fixed evaluation batches
