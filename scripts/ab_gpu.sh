@@ -18,10 +18,16 @@
 # There:
 #   ROUNDS=2 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
 # Extra flags for every run go in EXTRA (e.g. EXTRA="--schedule plain");
+# MODEL replaces the model's flags (default `--preset bench-hybrid-moe`) and
+# STEPS the steps (default 13), e.g. the 9B's first 29 layers:
+#   MODEL="--preset nemotron-nano-9b-v2 --pattern M-M-M-MM-M-M-M*-M-M-M*-M-M-M- \
+#     --seq-len 4096 --recompute full" STEPS=8 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
 # flags for one entry follow its name after a colon, comma-separated, so
 # one build can be weighed against itself with another option:
 #   bash gpu-bundle/ab_gpu.sh hybridgen hybridgen:--expert-gemm=grouped
 set -uo pipefail
+# No globbing: MODEL's pattern (`*` is attention) goes to hybridgen as typed.
+set -f
 here=$(cd "$(dirname "$0")" && pwd)
 [ $# -ge 1 ] || { echo "usage: ab_gpu.sh BINARY[:FLAG,...]... (names in the bundle)" >&2; exit 2; }
 log=$(mktemp -d)
@@ -38,9 +44,9 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       flags=${flags//,/ }
     fi
     name=$(printf '%s' "$entry" | tr -c 'A-Za-z0-9_.=-' '_')
-    # shellcheck disable=SC2086 # EXTRA and the entry's flags are word lists
-    "$here/$binary" train --device cuda --ranks 1 --ep 1 --preset bench-hybrid-moe \
-      --micro-batch-size 1 --micro-batches 4 --steps 13 --lr 1e-4 --weight-decay 0.1 \
+    # shellcheck disable=SC2086 # EXTRA, MODEL and the entry's flags are word lists
+    "$here/$binary" train --device cuda --ranks 1 --ep 1 ${MODEL:---preset bench-hybrid-moe} \
+      --micro-batch-size 1 --micro-batches 4 --steps "${STEPS:-13}" --lr 1e-4 --weight-decay 0.1 \
       --clip-grad 0 --format json ${EXTRA:-} $flags > "$log/$name-$round.jsonl" 2> "$log/$name-$round.err"
     rc=$?
     python3 - "$here" "$entry" "$round" "$rc" "$log/$name-$round.jsonl" <<'PY'

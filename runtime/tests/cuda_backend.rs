@@ -511,10 +511,16 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
             // their sums, and in bf16 the forward's M X as GEMMs (chunks of
             // 48 are not whole blocks of `ssd_chunk_scores_times_mma`).
             (1, 200, 20, 64, 1, 16, 48, false),
-            // 12 heads a group: in bf16 the backward's dM as GEMMs and
-            // `ssd_chunk_scores_sums_bf16` (the `_mma` kernels take the
-            // first three cases, at most 8 heads a group and P = 64).
-            (1, 256, 12, 64, 1, 32, 64, false),
+            // 12 heads of 48 a group: in bf16 the backward's dM as GEMMs
+            // and `ssd_chunk_scores_sums_bf16` (the `_mma` kernels take
+            // the first three cases and the last: heads of 64 or 80, at
+            // most 16 a group).
+            (1, 256, 12, 48, 1, 32, 64, false),
+            // Nemotron-H 9B's group: 16 heads of 80; the same with partial
+            // last chunks; 16 heads of 64.
+            (1, 512, 32, 80, 2, 128, 256, false),
+            (2, 300, 32, 80, 2, 64, 128, false),
+            (1, 200, 16, 64, 1, 32, 64, false),
         ] {
             let dims = ScanDims {
                 tokens: Tokens::new(batch, seq),

@@ -634,20 +634,20 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // slower than the GEMMs). A thread's fragments are rows g = lane / 4 and g + 8
 // and columns 2c, 2c + 1 of each 8-column block (c = lane % 4). The
 // product's k order is permuted in both operands alike (thread c holds
-// channels 8c .. 8c + 7 of each 32, one 16-byte load), which leaves every
-// dot product's terms the same. The decays are computed without a branch
-// (`masked_decay`), and M and dCB leave through the warp's staging rows
-// as whole 32-byte sectors (the fragments' 4-byte stores touched 8 rows
-// each). The launcher takes it where the `_quads` kernels do, the operands
-// are bf16, P is MMA_SUMS_P, J is at most MMA_SUMS_HEADS and J P at most
-// MMA_SUMS_WIDTH.
-#define MMA_SUMS_P 64
-#define MMA_SUMS_HEADS 8
-#define MMA_SUMS_WIDTH 512
+// channels 8c .. 8c + 7 of each 32, one 16-byte load, and 4c .. 4c + 3 of
+// a last 16, one 8-byte load), which leaves every dot product's terms the
+// same. The decays are computed without a branch (`masked_decay`), and M
+// and dCB leave through the warp's staging rows as whole 32-byte sectors
+// (the fragments' 4-byte stores touched 8 rows each). P, the head width,
+// is a template parameter (a multiple of 16: Mamba-2's 64, Nemotron-H
+// 9B's 80); the group's X rows take dynamic shared memory
+// (`mma_sums_shared_bytes`, up to MMA_SUMS_MAX_SHARED: 16 heads of 80 take
+// 99 KiB), which the kernel set reserves at load. The launcher takes it
+// where the `_quads` kernels do, the operands are bf16, P has a kernel, J
+// is at most MMA_SUMS_HEADS and the reservation held.
+#define MMA_SUMS_HEADS 16
 #define MMA_SUMS_WARPS 4
-// The staged rows' pitch: 1,088 bytes puts the 8 rows a 16-byte load
-// phase reads 64 bytes apart in the banks, so they never collide.
-#define MMA_SUMS_PITCH (MMA_SUMS_WIDTH + 32)
+#define MMA_SUMS_MAX_SHARED 101376
 // A warp's staging rows: 80 bytes apart, so that the fragments' 4-byte
 // writes (8 rows, 4 words each) fall in 32 different banks.
 #define MMA_STAGE_PITCH (SUMS_COLUMNS + 8)
@@ -697,45 +697,80 @@ __device__ __forceinline__ void zero_tile(bf16* dst, u64 pitch, u32 lane) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_scores_sums_mma(
-    const bf16* dy_op, const bf16* x_op, const float* cb, bf16* m, bf16* dcb, float* row_parts,
-    float* values, u32 items, u32 heads, u32 groups, u32 chunk) {
-    grid_dependency_sync();
-    constexpr u32 KB = MMA_SUMS_P / 32;
-    __shared__ __align__(16) bf16 xs[SUMS_COLUMNS * MMA_SUMS_PITCH];
-    __shared__ __align__(16) bf16 stage[MMA_SUMS_WARPS][16 * MMA_STAGE_PITCH];
-    __shared__ __align__(8) float lam_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
-    __shared__ __align__(8) float dt_s[MMA_SUMS_HEADS][SUMS_COLUMNS];
-    // Each warp's sums of E down its rows, per head and column.
-    __shared__ float col_part[MMA_SUMS_WARPS][MMA_SUMS_HEADS][SUMS_COLUMNS];
+// The staged X rows' pitch in elements: J P rounded up to 64, plus 32.
+// Rows 64 bytes apart modulo 128 put the 8 rows a 16-byte load phase reads
+// in different banks, so they never collide (the 8-byte loads of a last
+// 16 channels collide two ways).
+__device__ __forceinline__ u32 mma_sums_pitch(u32 jp) {
+    return (jp + 63) / 64 * 64 + 32;
+}
+
+// The dynamic shared memory of a block (`mma_sums_shared_bytes` in
+// `cuda::launch::scan_chunked` computes the same): X's SUMS_COLUMNS rows,
+// the warps' staging rows, Lam_s and dt_s of each head's columns, and
+// each warp's column sums per head.
+struct MmaSumsShared {
+    bf16* xs;
+    bf16* stage;
+    float* lam_s;
+    float* dt_s;
+    float* col_part;
+};
+
+__device__ __forceinline__ MmaSumsShared mma_sums_shared(unsigned char* base, u32 pitch, u32 group_heads) {
+    MmaSumsShared sh;
+    sh.xs = reinterpret_cast<bf16*>(base);
+    sh.stage = sh.xs + SUMS_COLUMNS * pitch;
+    sh.lam_s = reinterpret_cast<float*>(sh.stage + MMA_SUMS_WARPS * 16 * MMA_STAGE_PITCH);
+    sh.dt_s = sh.lam_s + group_heads * SUMS_COLUMNS;
+    sh.col_part = sh.dt_s + group_heads * SUMS_COLUMNS;
+    return sh;
+}
+
+template <u32 P>
+__device__ __forceinline__ void scores_sums_mma(const bf16* dy_op, const bf16* x_op, const float* cb, bf16* m,
+                                                bf16* dcb, float* row_parts, float* values, u32 items, u32 heads,
+                                                u32 groups, u32 chunk) {
+    static_assert(P % 16 == 0, "the head width is whole 16-channel blocks");
+    // Whole 32-channel blocks (two products each), then a last 16 if any.
+    constexpr u32 KB = P / 32;
+    constexpr u32 TAIL = (P % 32) / 16;
+    extern __shared__ __align__(16) unsigned char scan_shared[];
     const StepValues v = step_values(values, items, heads, chunk);
     const u32 column_blocks = chunk / SUMS_COLUMNS;
     const u32 cblock = blockIdx.x % column_blocks;
     const u32 ig = blockIdx.x / column_blocks;  // item * groups + g
     const u32 group_heads = heads / groups;
-    const u32 jp = group_heads * MMA_SUMS_P;
+    const u32 jp = group_heads * P;
+    const u32 pitch = mma_sums_pitch(jp);
+    const MmaSumsShared sh = mma_sums_shared(scan_shared, pitch, group_heads);
+    bf16* const xs = sh.xs;
+    // Lam_s, dt_s: [J][SUMS_COLUMNS]; col_part: [MMA_SUMS_WARPS][J][SUMS_COLUMNS].
+    float* const lam_s = sh.lam_s;
+    float* const dt_s = sh.dt_s;
+    float* const col_part = sh.col_part;
     const u32 s0 = cblock * SUMS_COLUMNS;
     const u32 lane = threadIdx.x % 32;
     const u32 warp = threadIdx.x / 32;
     const u32 g = lane / 4;
     const u32 c = lane % 4;
     const u64 qq = static_cast<u64>(chunk) * chunk;
+    bf16* const stage = sh.stage + warp * 16 * MMA_STAGE_PITCH;
 
     const u32 row_words = jp / 8;
     const uint4* x_rows = reinterpret_cast<const uint4*>(x_op + (static_cast<u64>(ig) * chunk + s0) * jp);
     for (u32 i = threadIdx.x; i < SUMS_COLUMNS * row_words; i += blockDim.x) {
-        *reinterpret_cast<uint4*>(xs + (i / row_words) * MMA_SUMS_PITCH + (i % row_words) * 8) = x_rows[i];
+        *reinterpret_cast<uint4*>(xs + (i / row_words) * pitch + (i % row_words) * 8) = x_rows[i];
     }
     for (u32 i = threadIdx.x; i < group_heads * SUMS_COLUMNS; i += blockDim.x) {
         const u32 at = (ig * group_heads + i / SUMS_COLUMNS) * chunk + s0 + i % SUMS_COLUMNS;
-        lam_s[i / SUMS_COLUMNS][i % SUMS_COLUMNS] = v.lam[at];
-        dt_s[i / SUMS_COLUMNS][i % SUMS_COLUMNS] = v.dt[at];
+        lam_s[i] = v.lam[at];
+        dt_s[i] = v.dt[at];
     }
-    for (u32 i = threadIdx.x; i < MMA_SUMS_WARPS * MMA_SUMS_HEADS * SUMS_COLUMNS; i += blockDim.x) {
-        (&col_part[0][0][0])[i] = 0.0f;
+    for (u32 i = threadIdx.x; i < MMA_SUMS_WARPS * group_heads * SUMS_COLUMNS; i += blockDim.x) {
+        col_part[i] = 0.0f;
     }
     __syncthreads();
-
     for (u32 tile = warp; tile < chunk / 16; tile += MMA_SUMS_WARPS) {
         const u32 t0 = tile * 16;
         // The tile's first row of dCB's [Q, Q] block, at column s0.
@@ -771,13 +806,17 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
                                   dy_op + (static_cast<u64>(ig) * chunk + rows[1]) * jp};
         // Head j's dY words (rows g and g + 8) and Lam_t, fetched a head ahead.
         uint4 next[2][KB];
+        uint2 next_tail[2];
         float next_lam[2];
         auto fetch = [&](u32 j) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
 #pragma unroll
                 for (u32 kb = 0; kb < KB; ++kb) {
-                    next[r][kb] = *reinterpret_cast<const uint4*>(dy_rows[r] + j * MMA_SUMS_P + kb * 32 + 8 * c);
+                    next[r][kb] = *reinterpret_cast<const uint4*>(dy_rows[r] + j * P + kb * 32 + 8 * c);
+                }
+                if (TAIL) {
+                    next_tail[r] = *reinterpret_cast<const uint2*>(dy_rows[r] + j * P + KB * 32 + 4 * c);
                 }
                 next_lam[r] = v.lam[(ig * group_heads + j) * chunk + rows[r]];
             }
@@ -800,10 +839,19 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
                 const u32 hi[4] = {wa.z, wb.z, wa.w, wb.w};
 #pragma unroll
                 for (int n = 0; n < 4; ++n) {
-                    const uint4 xw = *reinterpret_cast<const uint4*>(
-                        xs + (8 * n + g) * MMA_SUMS_PITCH + j * MMA_SUMS_P + kb * 32 + 8 * c);
+                    const uint4 xw =
+                        *reinterpret_cast<const uint4*>(xs + (8 * n + g) * pitch + j * P + kb * 32 + 8 * c);
                     mma_bf16(acc[n], lo, xw.x, xw.y);
                     mma_bf16(acc[n], hi, xw.z, xw.w);
+                }
+            }
+            if (TAIL) {
+                const u32 tail[4] = {next_tail[0].x, next_tail[1].x, next_tail[0].y, next_tail[1].y};
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const uint2 xw =
+                        *reinterpret_cast<const uint2*>(xs + (8 * n + g) * pitch + j * P + KB * 32 + 4 * c);
+                    mma_bf16(acc[n], tail, xw.x, xw.y);
                 }
             }
             // The next head's operands load while this one's epilogue runs.
@@ -814,8 +862,8 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
             float2 ls[4], ds[4];
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
-                ls[n] = *reinterpret_cast<const float2*>(&lam_s[j][8 * n + 2 * c]);
-                ds[n] = *reinterpret_cast<const float2*>(&dt_s[j][8 * n + 2 * c]);
+                ls[n] = *reinterpret_cast<const float2*>(&lam_s[j * SUMS_COLUMNS + 8 * n + 2 * c]);
+                ds[n] = *reinterpret_cast<const float2*>(&dt_s[j * SUMS_COLUMNS + 8 * n + 2 * c]);
             }
             const u32 ih = ig * group_heads + j;  // item * heads + h
             u32 out[2][4];
@@ -850,7 +898,7 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
                     row_parts[(ih * chunk + t) * column_blocks + cblock] = row;
                 }
             }
-            store_tile(stage[warp], out, m + static_cast<u64>(ih) * qq + static_cast<u64>(t0) * chunk + s0, chunk,
+            store_tile(stage, out, m + static_cast<u64>(ih) * qq + static_cast<u64>(t0) * chunk + s0, chunk,
                        lane);
             // The tile's column sums: over its 16 rows (lanes differing in
             // bits 2-4), onto the warp's.
@@ -863,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
                     sum += __shfl_xor_sync(0xffffffffu, sum, 8);
                     sum += __shfl_xor_sync(0xffffffffu, sum, 16);
                     if (g == 0) {
-                        col_part[warp][j][8 * n + 2 * c + e] += sum;
+                        col_part[(warp * group_heads + j) * SUMS_COLUMNS + 8 * n + 2 * c + e] += sum;
                     }
                 }
             }
@@ -876,7 +924,7 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
                 scores[r][n] = pack_bf16(d_score[r][n][0], d_score[r][n][1]);
             }
         }
-        store_tile(stage[warp], scores, dcb_tile, chunk, lane);
+        store_tile(stage, scores, dcb_tile, chunk, lane);
     }
 
     // The columns' sums over the warps, in order.
@@ -885,36 +933,52 @@ extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3) ssd_chunk_s
         float sum = 0.0f;
 #pragma unroll
         for (int w = 0; w < MMA_SUMS_WARPS; ++w) {
-            sum += col_part[w][i / SUMS_COLUMNS][i % SUMS_COLUMNS];
+            sum += col_part[w * group_heads * SUMS_COLUMNS + i];
         }
         v.col_v[(ig * group_heads + i / SUMS_COLUMNS) * chunk + s0 + i % SUMS_COLUMNS] = sum;
     }
 }
 
+#define CHUNK_SCORES_SUMS_MMA(NAME, P)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMA_SUMS_WARPS * 32, 3)                                   \
+        NAME(const bf16* dy_op, const bf16* x_op, const float* cb, bf16* m, bf16* dcb, float* row_parts,  \
+             float* values, u32 items, u32 heads, u32 groups, u32 chunk) {                                \
+        grid_dependency_sync();                                                                           \
+        scores_sums_mma<P>(dy_op, x_op, cb, m, dcb, row_parts, values, items, heads, groups, chunk);      \
+    }
+CHUNK_SCORES_SUMS_MMA(ssd_chunk_scores_sums_mma_p64, 64)
+CHUNK_SCORES_SUMS_MMA(ssd_chunk_scores_sums_mma_p80, 80)
+
 // ---- the forward's scores times x on tensor cores --------------------------------
-// `ssd_chunk_scores_times_mma` does, for bf16 operands, what the forward's
-// `ssd_chunk_scores_quads_bf16` and its J M X GEMMs do, without M in
-// memory: M X (into `t_acc`, f32 `[item, G, Q, J P]`) with each head's M
-// made where it is multiplied, rounded to bf16 as the GEMMs' operand was
-// (the same expression, so the same operand bits; the products are summed
-// in another order). Only the lower triangle (s <= t) is multiplied. A
-// block per (item, head, block of MMA_TIMES_ROWS rows t), the last rows'
-// blocks first (they walk the most columns); X's rows s up to the block's
-// last staged in shared memory; warp w takes 16 rows and walks the
-// columns s 16 at a time, making its M fragment (rows g, g + 8; columns
+// `ssd_chunk_scores_times_mma_p{64,80}` do, for bf16 operands, what the
+// forward's `ssd_chunk_scores_quads_bf16` and its J M X GEMMs do, without
+// M in memory: M X (into `t_acc`, f32 `[item, G, Q, J P]`) with each
+// head's M made where it is multiplied, rounded to bf16 as the GEMMs'
+// operand was (the same expression, so the same operand bits; the products
+// are summed in another order). Only the lower triangle (s <= t) is
+// multiplied. A block per (item, head, block of MMA_TIMES_ROWS rows t), the
+// last rows' blocks first (they walk the most columns); X's rows s up to
+// the block's last staged in shared memory; warp w takes 16 rows and walks
+// the columns s 16 at a time, making its M fragment (rows g, g + 8; columns
 // 2c, 2c + 1 and 2c + 8, 2c + 9) from CB and the decays (`masked_decay`,
-// no branch). The launcher takes it where the `_quads` kernels do, the operands are bf16, P is
-// MMA_SUMS_P, and Q is whole blocks of rows up to MMA_TIMES_MAX_CHUNK.
+// no branch). P, the head width, is a template parameter (a multiple of
+// 16: Mamba-2's 64, Nemotron-H 9B's 80), so its P / 8 accumulator blocks
+// stay in registers. The launcher takes it where the `_quads` kernels do,
+// the operands are bf16, P has a kernel, and Q is whole blocks of rows up
+// to MMA_TIMES_MAX_CHUNK.
 #define MMA_TIMES_ROWS 64
 #define MMA_TIMES_MAX_CHUNK 256
-// 144 bytes: the 8 rows an `ldmatrix` reads fall in different banks.
-#define MMA_TIMES_PITCH (MMA_SUMS_P + 8)
 
-extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk_scores_times_mma(
-    const bf16* x_op, const float* cb, float* t_acc, const float* values, u32 items, u32 heads, u32 groups,
-    u32 chunk) {
-    grid_dependency_sync();
-    __shared__ __align__(16) bf16 xs[MMA_TIMES_MAX_CHUNK * MMA_TIMES_PITCH];
+template <u32 P>
+__device__ __forceinline__ void scores_times_mma(const bf16* x_op, const float* cb, float* t_acc,
+                                                 const float* values, u32 items, u32 heads, u32 groups, u32 chunk) {
+    static_assert(P % 16 == 0, "the head width is whole 16-column blocks");
+    // P + 8 elements: the 8 rows an `ldmatrix` reads fall in different
+    // banks (144 bytes apart at P = 64, 176 at P = 80).
+    constexpr u32 PITCH = P + 8;
+    // The most shared memory a block takes without asking for more.
+    static_assert(MMA_TIMES_MAX_CHUNK * (PITCH * 2 + 8) <= 48 * 1024, "X's rows fit static shared memory");
+    __shared__ __align__(16) bf16 xs[MMA_TIMES_MAX_CHUNK * PITCH];
     __shared__ __align__(8) float lam[MMA_TIMES_MAX_CHUNK];
     __shared__ __align__(8) float dts[MMA_TIMES_MAX_CHUNK];
     const StepValues v = step_values(const_cast<float*>(values), items, heads, chunk);
@@ -924,14 +988,13 @@ extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk
     const u32 group_heads = heads / groups;
     const u32 ig = ih / group_heads;  // item * groups + g
     const u32 j = ih % group_heads;
-    const u32 jp = group_heads * MMA_SUMS_P;
+    const u32 jp = group_heads * P;
     const u32 rows_end = (rb + 1) * MMA_TIMES_ROWS;
-    const bf16* x_rows = x_op + static_cast<u64>(ig) * chunk * jp + j * MMA_SUMS_P;
-    for (u32 i = threadIdx.x; i < rows_end * (MMA_SUMS_P / 8); i += blockDim.x) {
-        const u32 r = i / (MMA_SUMS_P / 8);
-        const u32 w = i % (MMA_SUMS_P / 8);
-        copy16_async(shared_address(xs + r * MMA_TIMES_PITCH + w * 8), x_rows + static_cast<u64>(r) * jp + w * 8,
-                     true);
+    const bf16* x_rows = x_op + static_cast<u64>(ig) * chunk * jp + j * P;
+    for (u32 i = threadIdx.x; i < rows_end * (P / 8); i += blockDim.x) {
+        const u32 r = i / (P / 8);
+        const u32 w = i % (P / 8);
+        copy16_async(shared_address(xs + r * PITCH + w * 8), x_rows + static_cast<u64>(r) * jp + w * 8, true);
     }
     commit_async();
     for (u32 i = threadIdx.x; i < rows_end; i += blockDim.x) {
@@ -949,9 +1012,10 @@ extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk
     const float lam_t[2] = {lam[rows[0]], lam[rows[1]]};
     const float* cb_rows[2] = {cb + (static_cast<u64>(ig) * chunk + rows[0]) * chunk,
                                cb + (static_cast<u64>(ig) * chunk + rows[1]) * chunk};
-    float acc[8][4];
+    constexpr int NB = P / 8;
+    float acc[NB][4];
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
+    for (int n = 0; n < NB; ++n) {
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
     for (u32 s0 = 0; s0 < t0 + 16; s0 += 16) {
@@ -972,24 +1036,34 @@ extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk
             }
         }
 #pragma unroll
-        for (int n = 0; n < 8; n += 2) {
+        for (int n = 0; n < NB; n += 2) {
             u32 b[4];
             const u32 row = s0 + (lane & 7) + ((lane >> 3) & 1) * 8;
             const u32 col = n * 8 + (lane >> 4) * 8;
-            ldmatrix_x4_trans(b, shared_address(xs + row * MMA_TIMES_PITCH + col));
+            ldmatrix_x4_trans(b, shared_address(xs + row * PITCH + col));
             mma_bf16(acc[n], a, b[0], b[1]);
             mma_bf16(acc[n + 1], a, b[2], b[3]);
         }
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float* out = t_acc + (static_cast<u64>(ig) * chunk + rows[r]) * jp + j * MMA_SUMS_P + 2 * c;
+        float* out = t_acc + (static_cast<u64>(ig) * chunk + rows[r]) * jp + j * P + 2 * c;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < NB; ++n) {
             *reinterpret_cast<float2*>(out + 8 * n) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
         }
     }
 }
+
+#define CHUNK_SCORES_TIMES_MMA(NAME, P)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MMA_TIMES_ROWS / 16 * 32)                             \
+        NAME(const bf16* x_op, const float* cb, float* t_acc, const float* values, u32 items, u32 heads, \
+             u32 groups, u32 chunk) {                                                                  \
+        grid_dependency_sync();                                                                        \
+        scores_times_mma<P>(x_op, cb, t_acc, values, items, heads, groups, chunk);                     \
+    }
+CHUNK_SCORES_TIMES_MMA(ssd_chunk_scores_times_mma_p64, 64)
+CHUNK_SCORES_TIMES_MMA(ssd_chunk_scores_times_mma_p80, 80)
 
 // One block per (item, head): the row sums sum_s E_ts dt_s (= R's), the
 // column sums sum_t E_ts of E = dM o CB o e^(Lam_t - Lam_s), and dY_t .

@@ -394,6 +394,9 @@ pub struct KernelSet {
     functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
     flash_attention: bool,
+    /// Whether the Mamba scan's tensor-core backward scores have their
+    /// shared memory ([`scan_chunked::reserve_shared_memory`]).
+    scan_mma_sums: bool,
     /// The grouped GEMM kernels' persistent grid (a block an SM), where
     /// they got their shared memory (Hopper).
     grouped_gemm_grid: Option<u32>,
@@ -455,6 +458,7 @@ impl KernelSet {
         }
         let flash_attention = attention_flash::reserve_shared_memory(&functions, target);
         let grouped_gemm_grid = grouped_gemm::reserve_shared_memory(context, &functions, target);
+        let scan_mma_sums = scan_chunked::reserve_shared_memory(&functions);
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -471,6 +475,7 @@ impl KernelSet {
             _modules: modules,
             functions,
             flash_attention,
+            scan_mma_sums,
             grouped_gemm_grid,
             dependent_launch: AtomicBool::new(target.dependent_launch()),
             fault,

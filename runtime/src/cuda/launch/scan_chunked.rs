@@ -27,7 +27,9 @@ use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
-use cudarc::driver::{CudaStream, DeviceRepr};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr};
+use std::collections::HashMap;
 
 /// The most scratch a chunked call takes by default (1.25 GiB): a
 /// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
@@ -48,17 +50,23 @@ const STEP_ARRAYS: usize = 7;
 /// most heads a group it takes (`SUMS_MAX_HEADS`).
 const SUMS_COLUMNS: usize = 32;
 const SUMS_MAX_HEADS: usize = 16;
-/// The head width, the most heads a group and the most channels a group
-/// (J P) that `ssd_chunk_scores_sums_mma` takes (`MMA_SUMS_P`,
-/// `MMA_SUMS_HEADS`, `MMA_SUMS_WIDTH`).
-const MMA_SUMS_P: usize = 64;
-const MMA_SUMS_HEADS: usize = 8;
-const MMA_SUMS_WIDTH: usize = 512;
-// A group the head checks admit fits its shared memory.
-const _: () = assert!(MMA_SUMS_HEADS * MMA_SUMS_P <= MMA_SUMS_WIDTH);
-/// Its warps, which its launch bound holds it to (`MMA_SUMS_WARPS`).
+/// The head widths the tensor-core scores kernels are compiled for
+/// (`ssd_chunk_scores_sums_mma_p{P}`, `ssd_chunk_scores_times_mma_p{P}`):
+/// Mamba-2's 64 and Nemotron-H 9B's 80.
+const MMA_HEAD_WIDTHS: [usize; 2] = [64, 80];
+/// The most heads a group `ssd_chunk_scores_sums_mma` takes
+/// (`MMA_SUMS_HEADS`), its warps, which its launch bound holds it to
+/// (`MMA_SUMS_WARPS`), and the most dynamic shared memory it takes
+/// (`MMA_SUMS_MAX_SHARED`: 16 heads of 80).
+const MMA_SUMS_HEADS: usize = 16;
 const MMA_SUMS_WARPS: usize = 4;
 const MMA_SUMS_THREADS: u32 = (MMA_SUMS_WARPS * 32) as u32;
+const MMA_SUMS_MAX_SHARED: usize = 101_376;
+/// A warp's staging rows' pitch in the kernel (`MMA_STAGE_PITCH`).
+const MMA_STAGE_PITCH: usize = SUMS_COLUMNS + 8;
+// The widest group the checks admit fits the reservation.
+const _: () =
+    assert!(mma_sums_shared_bytes(MMA_SUMS_HEADS, MMA_HEAD_WIDTHS[1]) == MMA_SUMS_MAX_SHARED);
 /// The rows of a block of `ssd_chunk_scores_times_mma` and the longest
 /// chunk it stages (`MMA_TIMES_ROWS`, `MMA_TIMES_MAX_CHUNK`).
 const MMA_TIMES_ROWS: usize = 64;
@@ -190,11 +198,26 @@ impl ScanChunkPlan {
     }
 
     /// The slices of `items` (sequence, chunk) items, as `[first, end)`.
-    fn slices(&self, items: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
+    fn slices(&self, items: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> + Clone {
         let per_slice = self.items_per_slice.max(1);
         (0..items)
             .step_by(per_slice)
             .map(move |i0| (i0, (i0 + per_slice).min(items)))
+    }
+
+    /// The second pass's order over the slices: last first, each with
+    /// whether its operands are still prepared in the scratch. The first
+    /// pass leaves its last slice's there (nothing between the passes
+    /// writes the slice's scratch), so that slice is not prepared again;
+    /// each slice's work in the second pass stands alone (its outputs and
+    /// per-chunk partials go to its own items), so the order changes no
+    /// bits. With two slices (the 9B's widths) that is 3 preparations a
+    /// call instead of 4.
+    fn second_pass(&self, items: usize) -> impl Iterator<Item = (usize, usize, bool)> {
+        self.slices(items)
+            .rev()
+            .enumerate()
+            .map(|(n, (i0, i1))| (i0, i1, n == 0))
     }
 
     /// Bytes of [`ScanChunkPlan::scratch_len`].
@@ -300,6 +323,7 @@ impl Parts {
         plan: ScanChunkPlan,
         items: usize,
         operand: DType,
+        mma_reserved: bool,
     ) -> Parts {
         let lens = ItemLens::new(dims).expect("the plan checked the sizes");
         let n = plan.items_per_slice;
@@ -358,7 +382,7 @@ impl Parts {
         parts.fused_sums = parts.quads
             && dims.chunk.is_multiple_of(SUMS_COLUMNS)
             && dims.heads / dims.groups <= SUMS_MAX_HEADS;
-        parts.mma_sums = takes_mma_sums(dims, &parts);
+        parts.mma_sums = takes_mma_sums(dims, &parts, mma_reserved);
         parts.mma_times = takes_mma_times(dims, &parts);
         parts
     }
@@ -559,7 +583,7 @@ impl KernelSet {
         } = grads;
         let call = Call::new(
             k,
-            (blas, queues),
+            (blas, queues, self.scan_mma_sums),
             (inputs, Some(dy), states),
             Tags::new(checked.inputs, [dyt, dxt, ddtt]),
             (scratch, dims, plan, checked.chunks),
@@ -611,8 +635,8 @@ impl KernelSet {
         };
 
         // Second pass: the gradients, slice by slice.
-        for (i0, i1) in slices.clone() {
-            if call.items > call.plan.items_per_slice {
+        for (i0, i1, prepared) in call.plan.second_pass(call.items) {
+            if !prepared {
                 self.chunk_prepare(stream, operands, tags, parts, dims, i0, i1 - i0)?;
             }
             self.chunk_gradients(
@@ -653,7 +677,7 @@ impl KernelSet {
         let chunks = checked.chunks;
         let call = Call::new(
             k,
-            (blas, queues),
+            (blas, queues, self.scan_mma_sums),
             (inputs, None, states),
             Tags::new(checked.inputs, [0, yt, 0]),
             (scratch, dims, plan, chunks),
@@ -707,9 +731,9 @@ impl KernelSet {
         )?;
 
         // Second pass: y, slice by slice.
-        for (i0, i1) in slices.clone() {
+        for (i0, i1, prepared) in call.plan.second_pass(call.items) {
             let count = i1 - i0;
-            if call.items > call.plan.items_per_slice {
+            if !prepared {
                 self.chunk_prepare(stream, o, tags, parts, dims, i0, count)?;
             }
             let pair_count = count * dims.groups;
@@ -725,12 +749,11 @@ impl KernelSet {
             if parts.mma_times {
                 // M made and multiplied where it is needed, never stored: a
                 // block per (item, head, block of rows).
-                let k = "ssd_chunk_scores_times_mma";
                 let blocks = product(k, &[count, dims.heads, dims.chunk / MMA_TIMES_ROWS])?;
                 let pointers = [parts.x_op, parts.cb, parts.t_acc, parts.steps].map(|v| v.ptr);
                 self.scores_mma(
                     stream,
-                    k,
+                    MmaScores::Times,
                     &pointers,
                     (dims, count),
                     (blocks, MMA_TIMES_THREADS),
@@ -894,18 +917,25 @@ impl KernelSet {
         self.go(k, &mut b, block_per_row(rows))
     }
 
-    /// One of the tensor-core scores kernels (`ssd_chunk_scores_sums_mma`,
-    /// `ssd_chunk_scores_times_mma`) over a slice of `count` items: its
-    /// `pointers`, then the slice's items, heads, groups and chunk in 32
-    /// bits (the `_quads` kernels' indices), on `blocks` of `threads`.
+    /// One of the tensor-core scores kernels (`which`, for the call's head
+    /// width) over a slice of `count` items: its `pointers`, then the
+    /// slice's items, heads, groups and chunk in 32 bits (the `_quads`
+    /// kernels' indices), on `blocks` of `threads` (and, for the sums, the
+    /// group's dynamic shared memory).
     fn scores_mma(
         &self,
         stream: &CudaStream,
-        k: &'static str,
+        which: MmaScores,
         pointers: &[u64],
         (dims, count): (ScanDims, usize),
         (blocks, threads): (usize, u32),
     ) -> Result<()> {
+        let k = which.kernel(dims.head_dim).ok_or_else(|| {
+            crate::error::RuntimeError::Unsupported(format!(
+                "ssd_chunk_scores {which:?} on tensor cores: no kernel for heads of {} channels",
+                dims.head_dim
+            ))
+        })?;
         let sizes = [count, dims.heads, dims.groups, dims.chunk].map(|v| v as u32);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         for p in pointers {
@@ -914,7 +944,12 @@ impl KernelSet {
         for v in &sizes {
             b.arg(v);
         }
-        self.go(k, &mut b, per_item(blocks, threads)?)
+        let mut config = per_item(blocks, threads)?;
+        if which == MmaScores::Sums {
+            config.shared_mem_bytes =
+                mma_sums_shared_bytes(dims.heads / dims.groups, dims.head_dim) as u32;
+        }
+        self.go(k, &mut b, config)
     }
 
     /// The second pass over one slice of `count` items from `first`.
@@ -953,7 +988,6 @@ impl KernelSet {
         if parts.mma_sums {
             // dM made and used where it is needed, never stored: a block
             // per (item, group, block of columns).
-            let k = "ssd_chunk_scores_sums_mma";
             let blocks = product(k, &[count, dims.groups, dims.chunk / SUMS_COLUMNS])?;
             let pointers = [
                 parts.dy_op,
@@ -967,7 +1001,7 @@ impl KernelSet {
             .map(|v| v.ptr);
             self.scores_mma(
                 stream,
-                k,
+                MmaScores::Sums,
                 &pointers,
                 (dims, count),
                 (blocks, MMA_SUMS_THREADS),
@@ -1221,26 +1255,81 @@ fn takes_quads(dims: ScanDims, plan: ScanChunkPlan, items: usize, parts: &Parts)
         && within(&[dims.tokens.seq.saturating_add(q)])
 }
 
+/// The dynamic shared memory of an `ssd_chunk_scores_sums_mma` block for
+/// `heads` heads a group of `p` channels (`mma_sums_shared` in the
+/// kernel): the group's X rows for a block of columns, J P rounded up to 64
+/// plus 32 apart (bf16), the warps' 16 staging rows, Lam and dt of each
+/// head's columns, and each warp's column sums per head (f32).
+const fn mma_sums_shared_bytes(heads: usize, p: usize) -> usize {
+    let pitch = (heads * p).div_ceil(64) * 64 + 32;
+    2 * SUMS_COLUMNS * pitch
+        + 2 * MMA_SUMS_WARPS * 16 * MMA_STAGE_PITCH
+        + 4 * 2 * heads * SUMS_COLUMNS
+        + 4 * MMA_SUMS_WARPS * heads * SUMS_COLUMNS
+}
+
+/// The tensor-core scores kernels, each compiled for [`MMA_HEAD_WIDTHS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MmaScores {
+    /// The backward's dM products, scores and sums.
+    Sums,
+    /// The forward's M X.
+    Times,
+}
+
+impl MmaScores {
+    /// The kernel for heads of `p` channels, if one is compiled.
+    fn kernel(self, p: usize) -> Option<&'static str> {
+        Some(match (self, p) {
+            (MmaScores::Sums, 64) => "ssd_chunk_scores_sums_mma_p64",
+            (MmaScores::Sums, 80) => "ssd_chunk_scores_sums_mma_p80",
+            (MmaScores::Times, 64) => "ssd_chunk_scores_times_mma_p64",
+            (MmaScores::Times, 80) => "ssd_chunk_scores_times_mma_p80",
+            _ => return None,
+        })
+    }
+}
+
+/// Lets every `ssd_chunk_scores_sums_mma` kernel take its dynamic shared
+/// memory (past the 48 KiB a launch gets without asking). False where the
+/// device cannot give it: the backward's scores then take the GEMMs and
+/// `ssd_chunk_scores_sums`.
+pub(super) fn reserve_shared_memory(functions: &HashMap<&'static str, CudaFunction>) -> bool {
+    MMA_HEAD_WIDTHS.iter().all(|&p| {
+        MmaScores::Sums
+            .kernel(p)
+            .and_then(|name| functions.get(name))
+            .is_some_and(|f| {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    MMA_SUMS_MAX_SHARED as i32,
+                )
+                .is_ok()
+            })
+    })
+}
+
 /// Whether `ssd_chunk_scores_sums_mma` takes a call's backward scores: where
 /// `ssd_chunk_scores_sums` would, the operands are bf16 (tensor-core
-/// products, as the GEMMs it replaces), P is the width its fragments are
-/// laid out for (Mamba-2's 64), and a group has at most `MMA_SUMS_HEADS`
-/// heads (so its rows fit the kernel's shared memory).
-fn takes_mma_sums(dims: ScanDims, parts: &Parts) -> bool {
-    parts.fused_sums
+/// products, as the GEMMs it replaces), P has a kernel, a group has at most
+/// `MMA_SUMS_HEADS` heads (so its rows fit the reserved shared memory), and
+/// the kernel set reserved that memory (`reserved`).
+fn takes_mma_sums(dims: ScanDims, parts: &Parts, reserved: bool) -> bool {
+    reserved
+        && parts.fused_sums
         && parts.bf16()
-        && dims.head_dim == MMA_SUMS_P
+        && MmaScores::Sums.kernel(dims.head_dim).is_some()
         && dims.heads / dims.groups <= MMA_SUMS_HEADS
 }
 
 /// Whether `ssd_chunk_scores_times_mma` takes a call's forward M X: where
-/// the `_quads` kernels do, the operands are bf16, P is the width its
-/// fragments are laid out for, and Q is whole blocks of its rows, short
-/// enough that one head's rows of a chunk fit its shared memory.
+/// the `_quads` kernels do, the operands are bf16, P has a kernel, and Q is
+/// whole blocks of its rows, short enough that one head's rows of a chunk
+/// fit its shared memory.
 fn takes_mma_times(dims: ScanDims, parts: &Parts) -> bool {
     parts.quads
         && parts.bf16()
-        && dims.head_dim == MMA_SUMS_P
+        && MmaScores::Times.kernel(dims.head_dim).is_some()
         && dims.chunk.is_multiple_of(MMA_TIMES_ROWS)
         && dims.chunk <= MMA_TIMES_MAX_CHUNK
 }
@@ -1250,7 +1339,7 @@ impl<'a> Call<'a> {
     /// cuts it; `outputs` decide the GEMMs' operands ([`Shape::operand`]).
     fn new(
         k: &str,
-        (blas, queues): (&'a Blas, &'a QueueSet),
+        (blas, queues, mma_reserved): (&'a Blas, &'a QueueSet, bool),
         (inputs, dy, states): (ScanInputs<GpuView>, Option<GpuView>, GpuView),
         tags: Tags,
         (scratch, dims, plan, chunks): (GpuView, ScanDims, ScanChunkPlan, usize),
@@ -1269,7 +1358,7 @@ impl<'a> Call<'a> {
         Ok(Call {
             blas,
             queues,
-            parts: Parts::new(scratch, dims, plan, items, shape.operand),
+            parts: Parts::new(scratch, dims, plan, items, shape.operand, mma_reserved),
             plan,
             items,
             operands: Operands {
@@ -1323,21 +1412,34 @@ mod tests {
                 ("SUMS_COLUMNS", SUMS_COLUMNS),
                 ("SUMS_MAX_HEADS", SUMS_MAX_HEADS),
                 ("SUMS_WARPS", THREADS as usize / 32),
-                ("MMA_SUMS_P", MMA_SUMS_P),
                 ("MMA_SUMS_HEADS", MMA_SUMS_HEADS),
-                ("MMA_SUMS_WIDTH", MMA_SUMS_WIDTH),
-                ("MMA_SUMS_WARPS", MMA_SUMS_THREADS as usize / 32),
+                ("MMA_SUMS_WARPS", MMA_SUMS_WARPS),
+                ("MMA_SUMS_MAX_SHARED", MMA_SUMS_MAX_SHARED),
                 ("MMA_TIMES_ROWS", MMA_TIMES_ROWS),
                 ("MMA_TIMES_MAX_CHUNK", MMA_TIMES_MAX_CHUNK),
             ],
         );
         // The forward kernel's launch bound is a warp per 16 rows, which
-        // is how MMA_TIMES_THREADS is defined here.
-        assert!(
-            source
-                .text
-                .contains("__launch_bounds__(MMA_TIMES_ROWS / 16 * 32) ssd_chunk_scores_times_mma")
-        );
+        // is how MMA_TIMES_THREADS is defined here; the sums' staging
+        // pitch is this one's.
+        for needle in [
+            "__launch_bounds__(MMA_TIMES_ROWS / 16 * 32)",
+            "__launch_bounds__(MMA_SUMS_WARPS * 32, 3)",
+            "#define MMA_STAGE_PITCH (SUMS_COLUMNS + 8)",
+            "return (jp + 63) / 64 * 64 + 32;",
+        ] {
+            assert!(source.text.contains(needle), "{needle}");
+        }
+        // Every width's kernels are compiled (named in the source and its
+        // entry points).
+        for p in MMA_HEAD_WIDTHS {
+            for which in [MmaScores::Sums, MmaScores::Times] {
+                let name = which.kernel(p).unwrap();
+                let macro_call = format!("({name}, {p})");
+                assert!(source.text.contains(&macro_call), "{macro_call}");
+                assert!(source.entry_points.contains(&name), "{name}");
+            }
+        }
     }
 
     #[test]
@@ -1437,7 +1539,7 @@ mod tests {
         let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
         let items = 16;
         let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
-        let parts = Parts::new(scratch, d, plan, items, DType::Bf16);
+        let parts = Parts::new(scratch, d, plan, items, DType::Bf16, true);
         let shape = Shape::new(d, &[GpuView::new(0, 1, DType::Bf16)]);
         assert_eq!(shape.operand, DType::Bf16);
         let calls = std::cell::RefCell::new(Vec::new());
@@ -1482,7 +1584,7 @@ mod tests {
             let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
             let scratch = GpuView::new(base, plan.scratch_len(d), DType::F32);
             let [f32, bf16] =
-                [DType::F32, DType::Bf16].map(|t| Parts::new(scratch, d, plan, items, t));
+                [DType::F32, DType::Bf16].map(|t| Parts::new(scratch, d, plan, items, t, true));
             assert_eq!(
                 f32.quads, bf16.quads,
                 "the operands' dtype does not decide it"
@@ -1524,7 +1626,7 @@ mod tests {
             let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
             let end = scratch.ptr + (scratch.len * 4) as u64;
             for operand in [DType::F32, DType::Bf16] {
-                let parts = Parts::new(scratch, d, plan, items, operand);
+                let parts = Parts::new(scratch, d, plan, items, operand, true);
                 assert_eq!(parts.bf16(), operand == DType::Bf16);
                 let mut spans: Vec<(u64, u64)> = parts
                     .all()
@@ -1554,7 +1656,7 @@ mod tests {
             let plan = ScanChunkPlan::new(d, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
             let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
             let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
-            Parts::new(scratch, d, plan, items, DType::Bf16).fused_sums
+            Parts::new(scratch, d, plan, items, DType::Bf16, true).fused_sums
         };
         // The benchmark's 8 heads a group in chunks of 256; 16 heads a group.
         assert!(fused(dims(1, 4096, 256)));
@@ -1573,6 +1675,94 @@ mod tests {
             state: 130,
             ..dims(1, 4096, 256)
         }));
+    }
+
+    #[test]
+    fn the_tensor_core_scores_take_heads_of_64_and_80_channels() {
+        let takes = |d: ScanDims, reserved: bool| {
+            let plan = ScanChunkPlan::new(d, usize::MAX).unwrap();
+            let items = d.tokens.batch * d.tokens.seq.div_ceil(d.chunk);
+            let scratch = GpuView::new(1 << 20, plan.scratch_len(d), DType::F32);
+            let parts = Parts::new(scratch, d, plan, items, DType::Bf16, reserved);
+            (parts.mma_sums, parts.mma_times)
+        };
+        // The benchmark model (8 heads of 64 a group), Nemotron-H 9B (16
+        // heads of 80 a group), 16 heads of 64.
+        let nine_b = ScanDims {
+            heads: 128,
+            head_dim: 80,
+            ..dims(1, 4096, 256)
+        };
+        assert_eq!(takes(dims(1, 4096, 256), true), (true, true));
+        assert_eq!(takes(nine_b, true), (true, true));
+        assert_eq!(
+            takes(
+                ScanDims {
+                    heads: 128,
+                    ..dims(1, 4096, 256)
+                },
+                true
+            ),
+            (true, true)
+        );
+        // Without the shared memory reserved, the sums take the GEMMs.
+        assert_eq!(takes(nine_b, false), (false, true));
+        // A width without kernels; chunks of 512 (past the forward's
+        // staging) and of 32 (not whole blocks of its rows).
+        assert_eq!(
+            takes(
+                ScanDims {
+                    head_dim: 72,
+                    ..nine_b
+                },
+                true
+            ),
+            (false, false)
+        );
+        assert_eq!(
+            takes(
+                ScanDims {
+                    chunk: 512,
+                    ..nine_b
+                },
+                true
+            ),
+            (true, false)
+        );
+        assert_eq!(
+            takes(
+                ScanDims {
+                    chunk: 32,
+                    ..nine_b
+                },
+                true
+            ),
+            (true, false)
+        );
+        // f32 operands take the GEMMs.
+        let plan = ScanChunkPlan::new(nine_b, SCAN_CHUNKED_SCRATCH_BYTES).unwrap();
+        let scratch = GpuView::new(1 << 20, plan.scratch_len(nine_b), DType::F32);
+        let f32_parts = Parts::new(scratch, nine_b, plan, 16, DType::F32, true);
+        assert!(!f32_parts.mma_sums && !f32_parts.mma_times);
+        // The shared memory of a block grows with the group, up to the
+        // reservation at its widest.
+        assert!(mma_sums_shared_bytes(8, 64) < 48 * 1024);
+        assert_eq!(mma_sums_shared_bytes(16, 80), MMA_SUMS_MAX_SHARED);
+    }
+
+    #[test]
+    fn the_second_pass_starts_with_the_slice_the_first_left_prepared() {
+        let plan = ScanChunkPlan { items_per_slice: 2 };
+        assert_eq!(plan.slices(5).collect::<Vec<_>>(), [(0, 2), (2, 4), (4, 5)]);
+        assert_eq!(
+            plan.second_pass(5).collect::<Vec<_>>(),
+            [(4, 5, true), (2, 4, false), (0, 2, false)]
+        );
+        // One slice: prepared once, by the first pass.
+        let whole = ScanChunkPlan {
+            items_per_slice: 16,
+        };
+        assert_eq!(whole.second_pass(16).collect::<Vec<_>>(), [(0, 16, true)]);
     }
 
     #[test]
