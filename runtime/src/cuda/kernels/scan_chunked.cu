@@ -74,6 +74,26 @@ __device__ __forceinline__ void put4(bf16* p, u32 k, const float (&v)[4]) {
     reinterpret_cast<uint2*>(p)[k] = pack4(v[0], v[1], v[2], v[3]);
 }
 
+// Quad k of an operand array (f32, or bf16 where the operands are) as four
+// floats: one 16-byte load in f32, one 8-byte load in bf16.
+__device__ __forceinline__ void load4(const void* p, int dtype, u32 k, float (&v)[4]) {
+    if (dtype == DTYPE_BF16) {
+        const uint2 w = static_cast<const uint2*>(p)[k];
+        const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&w.x);
+        const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&w.y);
+        v[0] = __low2float(lo);
+        v[1] = __high2float(lo);
+        v[2] = __low2float(hi);
+        v[3] = __high2float(hi);
+    } else {
+        const float4 f = static_cast<const float4*>(p)[k];
+        v[0] = f.x;
+        v[1] = f.y;
+        v[2] = f.z;
+        v[3] = f.w;
+    }
+}
+
 // What every kernel needs to place a slice's item i: its sequence, chunk
 // and first row, and the problem's shape.
 struct ChunkShape {
@@ -189,12 +209,14 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_factors(
     }
 }
 
-// The slice's operands, zero past the sequence's end: x and dY in f32
-// (`x_p`, `dy_p`; the per-step kernels read them), and as the GEMMs'
-// operands (`T`): w x, e^Lam dY, B and C, and x and dY again (`x_o`, `dy_o`;
-// null where `T` is f32, whose operands are `x_p` and `dy_p` themselves).
-// Wide arrays are `[item, G, Q, J * P]`, B and C `[item, G, Q, N]`; the
-// forward passes no dy, and gets no dY or e^Lam dY.
+// The slice's operands, zero past the sequence's end, as the GEMMs'
+// operands (`T`): w x, e^Lam dY, B and C, and x and dY themselves, which
+// the per-step kernels read too: in f32 `x_p` and `dy_p` (`x_o`, `dy_o`
+// null), in bf16 `x_o` and `dy_o` (`x_p`, `dy_p` null: x and dY are bf16
+// inputs, so their bf16 copies are exact, and an f32 copy would double
+// this kernel's writes for nothing). Wide arrays are `[item, G, Q, J * P]`,
+// B and C `[item, G, Q, N]`; the forward passes no dy, and gets no dY or
+// e^Lam dY.
 template <typename T>
 __device__ __forceinline__ void chunk_pack(
     const void* xbc, int xbc_dtype, const void* dy, int dy_dtype, const float* values, float* x_p,
@@ -221,13 +243,17 @@ __device__ __forceinline__ void chunk_pack(
                     g_y = load(dy, dy_dtype, at.row * s.d_inner() + at.column + e);
                 }
             }
-            x_p[k] = x;
+            if (x_p != nullptr) {
+                x_p[k] = x;
+            }
             put(x_w, k, x * v.w[step]);
             if (x_o != nullptr) {
                 put(x_o, k, x);
             }
             if (dy != nullptr) {
-                dy_p[k] = g_y;
+                if (dy_p != nullptr) {
+                    dy_p[k] = g_y;
+                }
                 put(dy_e, k, g_y * v.elam[step]);
                 if (dy_o != nullptr) {
                     put(dy_o, k, g_y);
@@ -324,7 +350,9 @@ __device__ __forceinline__ void chunk_pack_quads(
                 }
             }
             const float w = v.w[step];
-            x_p[k] = make_float4(x[0], x[1], x[2], x[3]);
+            if (x_p != nullptr) {
+                x_p[k] = make_float4(x[0], x[1], x[2], x[3]);
+            }
             const float xw[4] = {x[0] * w, x[1] * w, x[2] * w, x[3] * w};
             put4(x_w, k, xw);
             if (x_o != nullptr) {
@@ -332,7 +360,9 @@ __device__ __forceinline__ void chunk_pack_quads(
             }
             if (dy != nullptr) {
                 const float el = v.elam[step];
-                dy_p[k] = make_float4(g_y[0], g_y[1], g_y[2], g_y[3]);
+                if (dy_p != nullptr) {
+                    dy_p[k] = make_float4(g_y[0], g_y[1], g_y[2], g_y[3]);
+                }
                 const float ye[4] = {g_y[0] * el, g_y[1] * el, g_y[2] * el, g_y[3] * el};
                 put4(dy_e, k, ye);
                 if (dy_o != nullptr) {
@@ -1070,10 +1100,11 @@ CHUNK_SCORES_TIMES_MMA(ssd_chunk_scores_times_mma_p80, 80)
 // Yo_t with Yo = C S_in^T (in `y_off`, `[item, G, Q, J * P]`). With
 // `row_parts` (from `ssd_chunk_scores_sums`, `e` then unused) the row
 // sums are its `column_blocks` partials added in order, and the column
-// sums are already in place.
+// sums are already in place. dY (`dy_p`) is the operands' copy, of
+// `dy_dtype`.
 extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
     const float* e, const float* row_parts, u64 column_blocks, const float* y_off,
-    const float* dy_p, float* values, u64 items, u64 heads, u64 head_dim, u64 groups, u64 chunk) {
+    const void* dy_p, int dy_dtype, float* values, u64 items, u64 heads, u64 head_dim, u64 groups, u64 chunk) {
     grid_dependency_sync();
     const StepValues v = step_values(values, items, heads, chunk);
     const int lane = threadIdx.x & 31;
@@ -1101,7 +1132,7 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
         float dot = 0.0f;
         const u64 at = (ig * chunk + t) * jp + j * head_dim;
         for (u64 p = lane; p < head_dim; p += 32) {
-            dot += dy_p[at + p] * y_off[at + p];
+            dot += load(dy_p, dy_dtype, at + p) * y_off[at + p];
         }
         dot = warp_sum(dot);
         if (lane == 0) {
@@ -1125,12 +1156,13 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_sums(
 // chunk's steps, and the chunk's A_log and D gradient partials
 // (`partials`, `[batch, H, chunks, 2]`). `t_acc` holds M^T dY and `u` B
 // K^T (both `[item, G, Q, J * P]`); `carry` is K (`[batch * chunks, H, P,
-// N]`) and `states` S_in (the same layout).
+// N]`) and `states` S_in (the same layout); x and dY (`x_p`, `dy_p`) are
+// the operands' copies, of `x_dtype`.
 extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
     const void* dt_raw, int dt_dtype, const void* dt_bias, int bias_dtype, const void* a_log,
     int a_dtype, const void* d_skip, int d_dtype, const float* states, const float* carry,
-    const float* x_p, const float* dy_p, const float* t_acc, const float* u, const float* values,
-    void* dxbc, int dxbc_dtype, void* ddt, int ddt_dtype, float* partials, u64 first_item,
+    const void* x_p, const void* dy_p, int x_dtype, const float* t_acc, const float* u,
+    const float* values, void* dxbc, int dxbc_dtype, void* ddt, int ddt_dtype, float* partials, u64 first_item,
     u64 items, u64 seq, u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     grid_dependency_sync();
     __shared__ float d_lam[CHUNKED_MAX_CHUNK];
@@ -1181,8 +1213,8 @@ extern "C" __global__ void __launch_bounds__(256) ssd_chunk_final(
         const float w = v.w[steps + t];
         float xu = 0.0f;
         for (u64 p = lane; p < head_dim; p += 32) {
-            const float x = x_p[at + p];
-            const float g_y = dy_p[at + p];
+            const float x = load(x_p, x_dtype, at + p);
+            const float g_y = load(dy_p, x_dtype, at + p);
             xu += x * u[at + p];
             skip_part += g_y * x;
             if (t_abs < seq) {
@@ -1313,9 +1345,10 @@ extern "C" __global__ void ssd_scan_state_combine(
 }
 
 // y = M X + e^Lam (C S_in^T) + D x of the slice's real steps, from M X in
-// `t_acc` and C S_in^T in `y_off` (both `[item, G, Q, J * P]`).
+// `t_acc` and C S_in^T in `y_off` (both `[item, G, Q, J * P]`); x (`x_p`)
+// is the operands' copy, of `x_dtype`.
 extern "C" __global__ void ssd_chunk_output(
-    const float* x_p, const float* t_acc, const float* y_off, const float* values,
+    const void* x_p, int x_dtype, const float* t_acc, const float* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u64 first_item, u64 items, u64 seq,
     u64 heads, u64 head_dim, u64 groups, u64 state, u64 chunk) {
     grid_dependency_sync();
@@ -1326,14 +1359,14 @@ extern "C" __global__ void ssd_chunk_output(
         const WideAt at = wide_at(s, k, first_item);
         if (at.real) {
             store(y, y_dtype, at.row * s.d_inner() + at.column,
-                  t_acc[k] + v.elam[at.step] * y_off[k] + load(d_skip, d_dtype, at.head) * x_p[k]);
+                  t_acc[k] + v.elam[at.step] * y_off[k] + load(d_skip, d_dtype, at.head) * load(x_p, x_dtype, k));
         }
     }
 }
 
 // `ssd_chunk_output` a quad a thread.
 extern "C" __global__ void ssd_chunk_output_quads(
-    const float4* x_p, const float4* t_acc, const float4* y_off, const float* values,
+    const void* x_p, int x_dtype, const float4* t_acc, const float4* y_off, const float* values,
     const void* d_skip, int d_dtype, void* y, int y_dtype, u32 first_item, u32 items, u32 seq,
     u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
     grid_dependency_sync();
@@ -1350,9 +1383,10 @@ extern "C" __global__ void ssd_chunk_output_quads(
         const u32 head = q.g * (heads / groups) + q.column / head_dim;
         const float el = v.elam[(q.i * heads + head) * chunk + q.t];
         const float skip = load(d_skip, d_dtype, head);
-        const float4 a4 = t_acc[k], o4 = y_off[k], x4 = x_p[k];
+        const float4 a4 = t_acc[k], o4 = y_off[k];
         const float a[4] = {a4.x, a4.y, a4.z, a4.w}, o[4] = {o4.x, o4.y, o4.z, o4.w};
-        const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+        float x[4];
+        load4(x_p, x_dtype, k, x);
         const u64 at = q.source_row * d_inner + static_cast<u64>(q.g) * jp + q.column;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {

@@ -251,6 +251,8 @@ struct Parts {
     chunk_decay: GpuView,
     partials: GpuView,
     steps: GpuView,
+    /// x and dY in f32, written only where the operands are f32 (they
+    /// are then `x_op` and `dy_op`); in bf16 these slots go unused.
     x: GpuView,
     dy: GpuView,
     x_op: GpuView,
@@ -286,6 +288,13 @@ impl Parts {
     /// Whether the GEMMs' operands are bf16.
     fn bf16(&self) -> bool {
         self.b.dtype == DType::Bf16
+    }
+
+    /// The kernels' tag of the operands' dtype: how the per-step kernels
+    /// read x and dY from `x_op` and `dy_op` (in bf16 the `x` and `dy`
+    /// slots go unwritten).
+    fn operand_tag(&self) -> i32 {
+        super::dtype_tag(self.x_op.dtype)
     }
 
     /// Every part, for checks that hold for all of them.
@@ -771,7 +780,9 @@ impl KernelSet {
             let slice = SliceArgs::new(dims, i0, count);
             let narrow = slice.narrow();
             let mut b = KernelArgs::new(stream, self.function(ko)?);
-            b.arg(&parts.x.ptr)
+            let op_tag = parts.operand_tag();
+            b.arg(&parts.x_op.ptr)
+                .arg(&op_tag)
                 .arg(&parts.t_acc.ptr)
                 .arg(&parts.u.ptr)
                 .arg(&parts.steps.ptr)
@@ -826,11 +837,13 @@ impl KernelSet {
             (false, true) => "ssd_chunk_pack_bf16",
             (false, false) => "ssd_chunk_pack",
         };
-        // x's and dY's bf16 operand copies (none when the operands are f32).
-        let (x_copy, dy_copy) = if parts.bf16() {
-            (parts.x_op.ptr, parts.dy_op.ptr)
+        // x and dY in f32 where the operands are f32, else their bf16
+        // operand copies (the per-step kernels read `x_op` and `dy_op`
+        // either way).
+        let ((x_f32, dy_f32), (x_copy, dy_copy)) = if parts.bf16() {
+            ((0, 0), (parts.x_op.ptr, parts.dy_op.ptr))
         } else {
-            (0, 0)
+            ((parts.x.ptr, parts.dy.ptr), (0, 0))
         };
         let mut b = KernelArgs::new(stream, self.function(kp)?);
         b.arg(&o.xbc.ptr)
@@ -838,8 +851,8 @@ impl KernelSet {
             .arg(&dy_ptr)
             .arg(&tags.dy)
             .arg(&parts.steps.ptr);
-        b.arg(&parts.x.ptr)
-            .arg(&parts.dy.ptr)
+        b.arg(&x_f32)
+            .arg(&dy_f32)
             .arg(&parts.dy_e.ptr)
             .arg(&parts.x_w.ptr)
             .arg(&parts.b.ptr)
@@ -1037,12 +1050,14 @@ impl KernelSet {
         } else {
             (0, 0)
         };
+        let op_tag = parts.operand_tag();
         let mut b = KernelArgs::new(stream, self.function(kr)?);
         b.arg(&parts.d_m.ptr)
             .arg(&row_parts)
             .arg(&column_blocks)
             .arg(&parts.u.ptr)
-            .arg(&parts.dy.ptr)
+            .arg(&parts.dy_op.ptr)
+            .arg(&op_tag)
             .arg(&parts.steps.ptr);
         b.arg(&count_u)
             .arg(&heads)
@@ -1094,8 +1109,9 @@ impl KernelSet {
         b.arg(&o.d.ptr).arg(&tags.skip);
         b.arg(&o.states.ptr)
             .arg(&parts.carry.ptr)
-            .arg(&parts.x.ptr)
-            .arg(&parts.dy.ptr)
+            .arg(&parts.x_op.ptr)
+            .arg(&parts.dy_op.ptr)
+            .arg(&op_tag)
             .arg(&parts.t_acc.ptr)
             .arg(&parts.u.ptr)
             .arg(&parts.steps.ptr);
