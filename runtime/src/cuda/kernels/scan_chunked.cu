@@ -76,7 +76,7 @@ __device__ __forceinline__ void put4(bf16* p, u32 k, const float (&v)[4]) {
 
 // Quad k of an operand array (f32, or bf16 where the operands are) as four
 // floats: one 16-byte load in f32, one 8-byte load in bf16.
-__device__ __forceinline__ void load4(const void* p, int dtype, u64 k, float (&v)[4]) {
+__device__ __forceinline__ void load4(const void* p, int dtype, u32 k, float (&v)[4]) {
     if (dtype == DTYPE_BF16) {
         const uint2 w = static_cast<const uint2*>(p)[k];
         const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&w.x);
@@ -92,24 +92,6 @@ __device__ __forceinline__ void load4(const void* p, int dtype, u64 k, float (&v
         v[2] = f.z;
         v[3] = f.w;
     }
-}
-
-// Elements i .. i + 3 of an input (f32 or bf16, `dtype`): one vector load
-// where `aligned` (the array 16-byte aligned; i is a multiple of 4 in the
-// `_quads` kernels), else four.
-__device__ __forceinline__ void load_quad(const void* p, int dtype, u64 i, bool aligned, float (&v)[4]) {
-    if (aligned) {
-        load4(p, dtype, i / 4, v);
-    } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            v[e] = load(p, dtype, i + e);
-        }
-    }
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (reinterpret_cast<u64>(p) & 15) == 0;
 }
 
 // What every kernel needs to place a slice's item i: its sequence, chunk
@@ -350,10 +332,6 @@ __device__ __forceinline__ void chunk_pack_quads(
     const u64 width = d_inner + 2ull * groups * state;
     const u32 wide = items * groups * chunk * (jp / 4);
     const u32 narrow = items * groups * chunk * (state / 4);
-    // Every quad's first element is a multiple of 4 (P, N and so the row
-    // width are), so an aligned array is read a quad a load.
-    const bool xbc_aligned = aligned16(xbc);
-    const bool dy_aligned = aligned16(dy);
     for (u32 k = static_cast<u32>(grid_start()); k < wide + narrow;
          k += static_cast<u32>(grid_stride())) {
         if (k < wide) {
@@ -363,9 +341,12 @@ __device__ __forceinline__ void chunk_pack_quads(
             const u64 col = static_cast<u64>(q.g) * jp + q.column;
             float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, g_y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (q.real) {
-                load_quad(xbc, xbc_dtype, q.source_row * width + col, xbc_aligned, x);
-                if (dy != nullptr) {
-                    load_quad(dy, dy_dtype, q.source_row * d_inner + col, dy_aligned, g_y);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    x[e] = load(xbc, xbc_dtype, q.source_row * width + col + e);
+                    if (dy != nullptr) {
+                        g_y[e] = load(dy, dy_dtype, q.source_row * d_inner + col + e);
+                    }
                 }
             }
             const float w = v.w[step];
@@ -394,8 +375,11 @@ __device__ __forceinline__ void chunk_pack_quads(
             float b[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (q.real) {
                 const u64 at = q.source_row * width + d_inner + static_cast<u64>(q.g) * state + q.column;
-                load_quad(xbc, xbc_dtype, at, xbc_aligned, b);
-                load_quad(xbc, xbc_dtype, at + static_cast<u64>(groups) * state, xbc_aligned, c);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    b[e] = load(xbc, xbc_dtype, at + e);
+                    c[e] = load(xbc, xbc_dtype, at + e + static_cast<u64>(groups) * state);
+                }
             }
             put4(b_p, kn, b);
             put4(c_p, kn, c);
