@@ -51,8 +51,9 @@
 #include "common.cuh"
 
 #define FULL_MASK 0xffffffffu
-// Chunks whose carries `ssd_scan_carry_combine` loads before it updates them.
-#define CARRY_RUN 8
+// Chunks whose carries `ssd_scan_carry_combine` loads before it updates them:
+// 16, a 4,096-token sequence's chunks of 256 in one run of loads.
+#define CARRY_RUN 16
 // Steps whose per-warp partials are gathered before they are reduced.
 #define WINDOW 32
 // State elements one thread of the backward head kernel holds (per array):
