@@ -451,6 +451,32 @@ mod tests {
         }
     }
 
+    /// The recurrence of layers.md, in f64, for head `h` of sequence `b`
+    /// with `A_log[h] = a_log`: its y, `[seq, P]`.
+    fn reference_head(c: &Case, b: usize, h: usize, a_log: f64) -> Vec<f64> {
+        let l = Layout::new(c.dims);
+        let seq = c.dims.tokens.seq;
+        let mut y = vec![0.0; seq * l.p];
+        let mut s = vec![0.0f64; l.p * l.n];
+        let a = -a_log.exp();
+        for t in 0..seq {
+            let r = b * seq + t;
+            let row = &c.xbc[r * l.width..];
+            let raw = (c.dt[r * l.heads + h] + c.dt_bias[h]) as f64;
+            let dt = raw.exp().ln_1p();
+            for p in 0..l.p {
+                let mut acc = 0.0;
+                for n in 0..l.n {
+                    let v = &mut s[p * l.n + n];
+                    *v = (dt * a).exp() * *v + dt * row[l.x(h) + p] as f64 * row[l.b(h) + n] as f64;
+                    acc += *v * row[l.c(h) + n] as f64;
+                }
+                y[t * l.p + p] = acc + c.d[h] as f64 * row[l.x(h) + p] as f64;
+            }
+        }
+        y
+    }
+
     /// The recurrence of layers.md, in f64, one (sequence, head) at a time.
     fn reference(c: &Case) -> Vec<f64> {
         let dims = c.dims;
@@ -459,28 +485,35 @@ mod tests {
         let mut y = vec![0.0; dims.tokens.batch * seq * l.d_inner];
         for b in 0..dims.tokens.batch {
             for h in 0..l.heads {
-                let mut s = vec![0.0f64; l.p * l.n];
-                let a = -(c.a_log[h] as f64).exp();
-                for t in 0..seq {
+                let head = reference_head(c, b, h, c.a_log[h] as f64);
+                for (t, values) in head.chunks_exact(l.p).enumerate() {
                     let r = b * seq + t;
-                    let row = &c.xbc[r * l.width..];
-                    let raw = (c.dt[r * l.heads + h] + c.dt_bias[h]) as f64;
-                    let dt = raw.exp().ln_1p();
-                    for p in 0..l.p {
-                        let mut acc = 0.0;
-                        for n in 0..l.n {
-                            let v = &mut s[p * l.n + n];
-                            *v = (dt * a).exp() * *v
-                                + dt * row[l.x(h) + p] as f64 * row[l.b(h) + n] as f64;
-                            acc += *v * row[l.c(h) + n] as f64;
-                        }
-                        y[r * l.d_inner + l.x(h) + p] =
-                            acc + c.d[h] as f64 * row[l.x(h) + p] as f64;
-                    }
+                    y[r * l.d_inner + l.x(h)..][..l.p].copy_from_slice(values);
                 }
             }
         }
         y
+    }
+
+    /// The backward's gradients (xbc, dt, A_log, D) of `c` given dy, with
+    /// the forward's chunk states.
+    fn gradients(c: &Case, states: &[f32], dy: &[f32]) -> [Vec<f32>; 4] {
+        let heads = c.dims.heads;
+        let mut out = [
+            vec![0.0; c.xbc.len()],
+            vec![0.0; c.dt.len()],
+            vec![0.0; heads],
+            vec![0.0; heads],
+        ];
+        let [gx, gdt, ga, gd] = &mut out;
+        let grads = ScanGrads {
+            xbc: &mut gx[..],
+            dt: &mut gdt[..],
+            a_log: &mut ga[..],
+            d: &mut gd[..],
+        };
+        ssd_scan_backward(inputs(c), states, dy, grads, c.dims).unwrap();
+        out
     }
 
     fn run(c: &Case) -> (Vec<f32>, Vec<f32>) {
@@ -506,16 +539,7 @@ mod tests {
         for chunk in [1, 2, 3, 5, 8] {
             let c = case(chunk);
             let (y, states) = run(&c);
-            let mut gx = vec![0.0; c.xbc.len()];
-            let mut gdt = vec![0.0; c.dt.len()];
-            let (mut ga, mut gd) = (vec![0.0; 4], vec![0.0; 4]);
-            let grads = ScanGrads {
-                xbc: &mut gx[..],
-                dt: &mut gdt[..],
-                a_log: &mut ga[..],
-                d: &mut gd[..],
-            };
-            ssd_scan_backward(inputs(&c), &states, &dy, grads, c.dims).unwrap();
+            let [gx, gdt, ga, gd] = gradients(&c, &states, &dy);
             results.push((y, gx, gdt, ga, gd));
         }
         for r in &results[1..] {
@@ -596,39 +620,17 @@ mod tests {
         let mut y = vec![0.0; rows * l.d_inner];
         let mut states = vec![0.0; dims.states_len()];
         ssd_scan_forward(inputs(&c), &mut y, &mut states, dims).unwrap();
-        let mut gx = vec![0.0; c.xbc.len()];
-        let mut gdt = vec![0.0; c.dt.len()];
-        let (mut ga, mut gd) = (vec![0.0; 32], vec![0.0; 32]);
-        let grads = ScanGrads {
-            xbc: &mut gx[..],
-            dt: &mut gdt[..],
-            a_log: &mut ga[..],
-            d: &mut gd[..],
-        };
-        ssd_scan_backward(inputs(&c), &states, &dy, grads, dims).unwrap();
+        let [_, _, ga, _] = gradients(&c, &states, &dy);
         // sum_t dy_t . y_t of head h in f64, with A_log[h] = a_log.
         let head_loss = |h: usize, a_log: f64| -> f64 {
-            let a = -a_log.exp();
-            let mut s = vec![0.0f64; l.p * l.n];
-            let mut total = 0.0;
-            for t in 0..rows {
-                let row = &c.xbc[t * l.width..];
-                let dt = ((c.dt[t * l.heads + h] + c.dt_bias[h]) as f64)
-                    .exp()
-                    .ln_1p();
-                for p in 0..l.p {
-                    let mut acc = 0.0;
-                    for n in 0..l.n {
-                        let v = &mut s[p * l.n + n];
-                        *v = (dt * a).exp() * *v
-                            + dt * row[l.x(h) + p] as f64 * row[l.b(h) + n] as f64;
-                        acc += *v * row[l.c(h) + n] as f64;
-                    }
-                    let y = acc + c.d[h] as f64 * row[l.x(h) + p] as f64;
-                    total += y * dy[t * l.d_inner + l.x(h) + p] as f64;
-                }
-            }
-            total
+            reference_head(&c, 0, h, a_log)
+                .chunks_exact(l.p)
+                .enumerate()
+                .map(|(t, y)| {
+                    let dy = &dy[t * l.d_inner + l.x(h)..][..l.p];
+                    y.iter().zip(dy).map(|(y, d)| y * *d as f64).sum::<f64>()
+                })
+                .sum()
         };
         let (mut diff, mut norm) = (0.0f64, 0.0f64);
         for (h, &got) in ga.iter().enumerate() {
