@@ -205,10 +205,16 @@ launch_modes() {
 # by layer piece (scripts/trace_breakdown.py), and a kernel table from
 # Nsight Systems where the machine has it.
 # The run both look at: the benchmark model on one GPU (SCHEDULE picks the
-# schedule; EXTRA adds flags, e.g. EXTRA="--dependent-launch off").
-# shellcheck disable=SC2206 # EXTRA is a word list
-profile_args=(train --device cuda --ranks 1 --ep 1 --format json --preset bench-hybrid-moe
+# schedule; EXTRA adds flags, e.g. EXTRA="--dependent-launch off"; MODEL
+# replaces the model's flags, e.g. the 9B's first 29 layers: MODEL="--preset
+# nemotron-nano-9b-v2 --pattern M-M-M-MM-M-M-M*-M-M-M*-M-M-M- --seq-len 4096
+# --recompute full"). Globbing is off while the words are split, so a
+# pattern's `*` stays as typed.
+set -f
+# shellcheck disable=SC2206 # EXTRA and MODEL are word lists
+profile_args=(train --device cuda --ranks 1 --ep 1 --format json ${MODEL:---preset bench-hybrid-moe}
   --micro-batch-size 1 --lr 3e-4 --warmup 4 --schedule "${SCHEDULE:-plain}" ${EXTRA:-})
+set +f
 profile() {
   local args=("${profile_args[@]}")
   "$here/hybridgen" "${args[@]}" --micro-batches 4 --steps 4 --trace "$out/profile-trace.json" > "$out/profile.jsonl" 2>&1
