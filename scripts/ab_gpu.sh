@@ -18,13 +18,13 @@
 # There:
 #   ROUNDS=2 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
 # Extra flags for every run go in EXTRA (e.g. EXTRA="--schedule plain");
+# flags for one entry follow its name after a colon, comma-separated, so
+# one build can be weighed against itself with another option:
+#   bash gpu-bundle/ab_gpu.sh hybridgen hybridgen:--expert-gemm=grouped
 # MODEL replaces the model's flags (default `--preset bench-hybrid-moe`) and
 # STEPS the steps (default 13), e.g. the 9B's first 29 layers:
 #   MODEL="--preset nemotron-nano-9b-v2 --pattern M-M-M-MM-M-M-M*-M-M-M*-M-M-M- \
 #     --seq-len 4096 --recompute full" STEPS=8 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
-# flags for one entry follow its name after a colon, comma-separated, so
-# one build can be weighed against itself with another option:
-#   bash gpu-bundle/ab_gpu.sh hybridgen hybridgen:--expert-gemm=grouped
 set -uo pipefail
 # No globbing: MODEL's pattern (`*` is attention) goes to hybridgen as typed.
 set -f

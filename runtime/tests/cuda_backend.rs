@@ -513,8 +513,8 @@ fn both_scan_paths_match_the_cpu_at_real_widths() {
             (1, 200, 20, 64, 1, 16, 48, false),
             // 12 heads of 48 a group: in bf16 the backward's dM as GEMMs
             // and `ssd_chunk_scores_sums_bf16` (the `_mma` kernels take
-            // the first three cases and the last: heads of 64 or 80, at
-            // most 16 a group).
+            // the first three cases and the three below: heads of 64 or
+            // 80, at most 16 a group).
             (1, 256, 12, 48, 1, 32, 64, false),
             // Nemotron-H 9B's group: 16 heads of 80; the same with partial
             // last chunks; 16 heads of 64.

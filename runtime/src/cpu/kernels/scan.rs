@@ -516,8 +516,10 @@ mod tests {
         out
     }
 
+    /// The forward's y and chunk states.
     fn run(c: &Case) -> (Vec<f32>, Vec<f32>) {
-        let mut y = vec![0.0; 10 * 12];
+        let rows = c.dims.tokens.batch * c.dims.tokens.seq;
+        let mut y = vec![0.0; rows * c.dims.heads * c.dims.head_dim];
         let mut states = vec![0.0; c.dims.states_len()];
         ssd_scan_forward(inputs(c), &mut y, &mut states, c.dims).unwrap();
         (y, states)
@@ -596,7 +598,7 @@ mod tests {
             chunk: 128,
         };
         let l = Layout::new(dims);
-        let rows = 130;
+        let (rows, heads) = (dims.tokens.seq, dims.heads);
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut uniform = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
             (0..n)
@@ -611,15 +613,13 @@ mod tests {
         let c = Case {
             dims,
             xbc: uniform(rows * dims.xbc_width(), -1.5, 1.5),
-            dt: uniform(rows * 32, -2.0, 1.0),
-            dt_bias: uniform(32, -1.0, 0.5),
-            a_log: uniform(32, -1.0, 1.0),
-            d: uniform(32, -1.0, 1.0),
+            dt: uniform(rows * heads, -2.0, 1.0),
+            dt_bias: uniform(heads, -1.0, 0.5),
+            a_log: uniform(heads, -1.0, 1.0),
+            d: uniform(heads, -1.0, 1.0),
         };
         let dy = uniform(rows * l.d_inner, -1.0, 1.0);
-        let mut y = vec![0.0; rows * l.d_inner];
-        let mut states = vec![0.0; dims.states_len()];
-        ssd_scan_forward(inputs(&c), &mut y, &mut states, dims).unwrap();
+        let (_, states) = run(&c);
         let [_, _, ga, _] = gradients(&c, &states, &dy);
         // sum_t dy_t . y_t of head h in f64, with A_log[h] = a_log.
         let head_loss = |h: usize, a_log: f64| -> f64 {

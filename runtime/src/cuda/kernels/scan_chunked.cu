@@ -671,14 +671,12 @@ CHUNK_SCORES_SUMS(ssd_chunk_scores_sums_bf16, bf16)
 // and dCB leave through the warp's staging rows as whole 32-byte sectors
 // (the fragments' 4-byte stores touched 8 rows each). P, the head width,
 // is a template parameter (a multiple of 16: Mamba-2's 64, Nemotron-H
-// 9B's 80); the group's X rows take dynamic shared memory
-// (`mma_sums_shared_bytes`, up to MMA_SUMS_MAX_SHARED: 16 heads of 80 take
-// 99 KiB), which the kernel set reserves at load. The launcher takes it
-// where the `_quads` kernels do, the operands are bf16, P has a kernel, J
-// is at most MMA_SUMS_HEADS and the reservation held.
-#define MMA_SUMS_HEADS 16
+// 9B's 80); the group's X rows take dynamic shared memory (`mma_sums_shared`;
+// 16 heads of 80 take 99 KiB), which the kernel set reserves at load. The
+// launcher takes it where the `_quads` kernels do, the operands are bf16, P
+// has a kernel, J is at most its `MMA_SUMS_HEADS` (16: what the reservation
+// holds) and the reservation held.
 #define MMA_SUMS_WARPS 4
-#define MMA_SUMS_MAX_SHARED 101376
 // A warp's staging rows: 80 bytes apart, so that the fragments' 4-byte
 // writes (8 rows, 4 words each) fall in 32 different banks.
 #define MMA_STAGE_PITCH (SUMS_COLUMNS + 8)

@@ -54,19 +54,18 @@ const SUMS_MAX_HEADS: usize = 16;
 /// (`ssd_chunk_scores_sums_mma_p{P}`, `ssd_chunk_scores_times_mma_p{P}`):
 /// Mamba-2's 64 and Nemotron-H 9B's 80.
 const MMA_HEAD_WIDTHS: [usize; 2] = [64, 80];
-/// The most heads a group `ssd_chunk_scores_sums_mma` takes
-/// (`MMA_SUMS_HEADS`), its warps, which its launch bound holds it to
-/// (`MMA_SUMS_WARPS`), and the most dynamic shared memory it takes
-/// (`MMA_SUMS_MAX_SHARED`: 16 heads of 80).
+/// The most heads a group `ssd_chunk_scores_sums_mma` is given, its warps,
+/// which its launch bound holds it to (`MMA_SUMS_WARPS`), and the dynamic
+/// shared memory reserved for it: what 16 heads of 80 take
+/// ([`mma_sums_shared_bytes`], the kernel's `mma_sums_shared`).
 const MMA_SUMS_HEADS: usize = 16;
 const MMA_SUMS_WARPS: usize = 4;
 const MMA_SUMS_THREADS: u32 = (MMA_SUMS_WARPS * 32) as u32;
-const MMA_SUMS_MAX_SHARED: usize = 101_376;
+const MMA_SUMS_MAX_SHARED: usize = mma_sums_shared_bytes(MMA_SUMS_HEADS, MMA_HEAD_WIDTHS[1]);
 /// A warp's staging rows' pitch in the kernel (`MMA_STAGE_PITCH`).
 const MMA_STAGE_PITCH: usize = SUMS_COLUMNS + 8;
-// The widest group the checks admit fits the reservation.
-const _: () =
-    assert!(mma_sums_shared_bytes(MMA_SUMS_HEADS, MMA_HEAD_WIDTHS[1]) == MMA_SUMS_MAX_SHARED);
+// The reservation is the widest group's: 80 is the widest width.
+const _: () = assert!(MMA_HEAD_WIDTHS[1] >= MMA_HEAD_WIDTHS[0]);
 /// The rows of a block of `ssd_chunk_scores_times_mma` and the longest
 /// chunk it stages (`MMA_TIMES_ROWS`, `MMA_TIMES_MAX_CHUNK`).
 const MMA_TIMES_ROWS: usize = 64;
@@ -945,7 +944,9 @@ impl KernelSet {
     ) -> Result<()> {
         let k = which.kernel(dims.head_dim).ok_or_else(|| {
             crate::error::RuntimeError::Unsupported(format!(
-                "ssd_chunk_scores {which:?} on tensor cores: no kernel for heads of {} channels",
+                "ssd_chunk_scores {which:?} on tensor cores: no kernel for heads of {} channels \
+                 (kernels exist for {MMA_HEAD_WIDTHS:?}; `takes_mma_sums` and `takes_mma_times` \
+                 should have sent this call to the GEMMs: a launcher bug to report)",
                 dims.head_dim
             ))
         })?;
@@ -1428,9 +1429,7 @@ mod tests {
                 ("SUMS_COLUMNS", SUMS_COLUMNS),
                 ("SUMS_MAX_HEADS", SUMS_MAX_HEADS),
                 ("SUMS_WARPS", THREADS as usize / 32),
-                ("MMA_SUMS_HEADS", MMA_SUMS_HEADS),
                 ("MMA_SUMS_WARPS", MMA_SUMS_WARPS),
-                ("MMA_SUMS_MAX_SHARED", MMA_SUMS_MAX_SHARED),
                 ("MMA_TIMES_ROWS", MMA_TIMES_ROWS),
                 ("MMA_TIMES_MAX_CHUNK", MMA_TIMES_MAX_CHUNK),
             ],
@@ -1763,7 +1762,10 @@ mod tests {
         // The shared memory of a block grows with the group, up to the
         // reservation at its widest.
         assert!(mma_sums_shared_bytes(8, 64) < 48 * 1024);
-        assert_eq!(mma_sums_shared_bytes(16, 80), MMA_SUMS_MAX_SHARED);
+        assert!(mma_sums_shared_bytes(16, 64) < MMA_SUMS_MAX_SHARED);
+        // 99 KiB: 32 rows of 1,312 bf16, 4 warps' 16 staging rows of 40,
+        // and 16 heads' Lam, dt and 4 warps' column sums of 32.
+        assert_eq!(MMA_SUMS_MAX_SHARED, 101_376);
     }
 
     #[test]
