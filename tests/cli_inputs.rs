@@ -196,20 +196,26 @@ fn a_refusal_for_activations_offers_recomputation_and_recomputation_needs_less()
     };
     let keep = train(&args, PROMPT);
     assert_eq!(keep.code, Some(1), "{}", keep.stderr);
-    assert!(keep.stderr.contains("--recompute full"), "{}", keep.stderr);
-    let mut recomputed = args.to_vec();
-    recomputed.extend(["--recompute", "full"]);
-    let again = train(&recomputed, PROMPT);
-    assert!(
-        !again.stderr.contains("--recompute full"),
-        "{}",
-        again.stderr
-    );
-    match (need(&keep), need(&again)) {
-        (Some(a), Some(b)) => assert!(b < a, "{b} GiB with recomputation, {a} without"),
+    assert!(keep.stderr.contains("--recompute auto"), "{}", keep.stderr);
+    let with = |recompute: &'static str| {
+        let mut args = args.to_vec();
+        args.extend(["--recompute", recompute]);
+        train(&args, PROMPT)
+    };
+    let (again, auto) = (with("full"), with("auto"));
+    for run in [&again, &auto] {
+        assert_eq!(run.code, Some(1), "{}", run.stderr);
+        assert!(!run.stderr.contains("--recompute auto"), "{}", run.stderr);
+    }
+    match (need(&keep), need(&again), need(&auto)) {
+        (Some(a), Some(b), Some(c)) => {
+            assert!(b < a, "{b} GiB with recomputation, {a} without");
+            // Where nothing fits, auto recomputes all it can.
+            assert_eq!(c, b);
+        }
         other => panic!(
-            "no per-rank figures: {other:?}\n{}\n{}",
-            keep.stderr, again.stderr
+            "no per-rank figures: {other:?}\n{}\n{}\n{}",
+            keep.stderr, again.stderr, auto.stderr
         ),
     }
 }

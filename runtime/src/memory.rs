@@ -115,7 +115,8 @@ pub struct ActivationEstimate {
 /// kind's dimensions taken from `model`; MoE layers route `top_k` rows per
 /// token to experts (balanced: the expected rows per rank). A layer
 /// `recompute` recomputes keeps its `[tokens, hidden]` input, and what it
-/// would have kept is working set while its forward or backward runs.
+/// would have kept is working set while its forward or backward runs
+/// (`Auto` counts as `Full`: see [`Recompute::Auto`]).
 pub fn activations(
     model: &ModelConfig,
     kinds: impl IntoIterator<Item = LayerKind>,
@@ -131,10 +132,11 @@ pub fn activations(
     // Each kind's footprint is the same for every layer of it: compute once.
     let mut by_kind: [Option<(Elements, Elements)>; LayerKind::ALL.len()] =
         [None; LayerKind::ALL.len()];
-    for kind in kinds {
+    let kinds: Vec<LayerKind> = kinds.into_iter().collect();
+    for (&kind, recomputes) in kinds.iter().zip(recompute.chosen(kinds.iter().copied())) {
         let (saved, extra) =
             *by_kind[kind as usize].get_or_insert_with(|| layer(model, kind, tokens));
-        let (kept, extra) = if recompute.recomputes(kind) {
+        let (kept, extra) = if recomputes {
             (Elements::new(n.saturating_mul(h), 0), extra.plus(saved))
         } else {
             (saved, extra)
@@ -177,8 +179,9 @@ pub fn activations(
     }
 }
 
-/// Every decoder and MTP layer's kind, in order.
-fn layer_kinds(plan: &Plan) -> impl Iterator<Item = LayerKind> + Clone + '_ {
+/// Every decoder and MTP layer's kind, in order: the order
+/// [`Recompute::chosen`] counts in and the runtime indexes layers in.
+pub(crate) fn layer_kinds(plan: &Plan) -> impl Iterator<Item = LayerKind> + Clone + '_ {
     plan.layers
         .iter()
         .map(|l| l.kind)
@@ -887,10 +890,13 @@ impl MemoryNeed {
                     self.live_micro_batches
                 ));
             }
-            if hints.recompute == Recompute::None && self.activations.layers > 0 {
+            if matches!(hints.recompute, Recompute::None | Recompute::Layers(_))
+                && self.activations.layers > 0
+            {
                 tips.push(format!(
-                    "--recompute full: layers (but MoE ones) keep only their input and run their \
-                     forward again in the backward (layers now keep {} a micro-batch)",
+                    "--recompute auto: as few layers as it takes (up to all but MoE ones) keep \
+                     only their input and run their forward again in the backward (layers now \
+                     keep {} a micro-batch)",
                     bytes(self.activations.layers)
                 ));
             }

@@ -340,6 +340,17 @@ impl Prepared {
     pub fn resume_step(&self) -> Option<u64> {
         self.checkpoints.resume.as_ref().map(|r| r.step())
     }
+
+    /// The layers that recompute their forward in the backward (as
+    /// `config.recompute`, settled, chooses them), and those that could:
+    /// every layer but the MoE ones.
+    pub fn recomputed_layers(&self) -> (usize, usize) {
+        let kinds = crate::memory::layer_kinds(&self.plan);
+        (
+            self.config.recompute.count(kinds.clone()),
+            Recompute::candidates(kinds),
+        )
+    }
 }
 
 /// Checks a configuration completely before any work starts. A resume's
@@ -462,7 +473,10 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     }
     // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
     ModelRuntime::new(plan.clone())?;
-    let memory = on_device(memory_need(config, &plan)?);
+    let program = build(&plan.schedule, config.micro_batches.min(3), config.schedule)?;
+    let need = |recompute| on_device(need_of(config, &plan, &program, recompute));
+    let recompute = settle_recompute(config.recompute, &plan, available.as_ref(), need);
+    let memory = need(recompute);
     if let Some(available) = &available
         && let Some(refusal) = memory.check(available, &fit_hints(config))
     {
@@ -508,7 +522,8 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     }
     // Last: the checks that write (the save root, the trace file).
     let trace_file = config.trace.as_deref().map(open_trace).transpose()?;
-    let (config, checkpoints) = settled.open(&plan)?;
+    let (mut config, checkpoints) = settled.open(&plan)?;
+    config.recompute = recompute;
     Ok(Prepared {
         config,
         plan,
@@ -605,14 +620,65 @@ fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
 /// the activations of the micro-batches its schedule keeps in flight.
 pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
     let program = build(&plan.schedule, config.micro_batches.min(3), config.schedule)?;
-    Ok(MemoryNeed::of_plan(
+    Ok(need_of(config, plan, &program, config.recompute))
+}
+
+/// [`memory_need`] with `recompute` and the run's schedule `program`.
+fn need_of(
+    config: &TrainConfig,
+    plan: &Plan,
+    program: &Program,
+    recompute: Recompute,
+) -> MemoryNeed {
+    MemoryNeed::of_plan(
         plan,
         state_layout(config, program.max_resident_units, program.max_grad_buffers),
         Tokens::new(config.micro_batch_size, config.seq_length),
         program.in_flight(),
         ElementSizes::cpu(config.precision),
-        config.recompute,
-    ))
+        recompute,
+    )
+}
+
+/// `recompute` with [`Recompute::Auto`] settled for `plan`: the fewest
+/// layers recomputed (counted as [`Recompute::Layers`] counts them) with
+/// which the run's `need` fits `available`. Each layer recomputed keeps
+/// its input instead of all it saves, so the need falls as layers are
+/// added and a bisection finds the fewest in a few estimates (6 for the
+/// 9B's 56 layers). Where even all of them do not fit, all of them: the
+/// check then refuses with the figures of the smallest need. Where the
+/// memory available is unknown (the check is skipped), none.
+fn settle_recompute(
+    recompute: Recompute,
+    plan: &Plan,
+    available: Option<&AvailableMemory>,
+    need: impl Fn(Recompute) -> MemoryNeed,
+) -> Recompute {
+    let (Recompute::Auto, Some(available)) = (recompute, available) else {
+        return match recompute {
+            Recompute::Auto => Recompute::None,
+            fixed => fixed,
+        };
+    };
+    let fits = |n| need(Recompute::Layers(n)).total <= available.bytes;
+    let candidates = Recompute::candidates(crate::memory::layer_kinds(plan));
+    if !fits(candidates) {
+        return Recompute::Full;
+    }
+    let (mut fewest, mut most) = (0, candidates);
+    while fewest < most {
+        let mid = fewest + (most - fewest) / 2;
+        if fits(mid) {
+            most = mid;
+        } else {
+            fewest = mid + 1;
+        }
+    }
+    match fewest {
+        0 => Recompute::None,
+        n if n == candidates => Recompute::Full,
+        n => Recompute::Layers(n),
+    }
 }
 
 fn state_layout(config: &TrainConfig, resident_units: usize, grad_buffers: usize) -> StateLayout {

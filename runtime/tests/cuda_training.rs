@@ -306,11 +306,15 @@ fn on_one_gpu_recomputation_changes_no_bits() {
             let (r, s) = run(&c);
             bits(&r, &s)
         };
-        assert_eq!(
-            with(Recompute::None),
-            with(Recompute::Full),
-            "{schedule:?}: recomputed vs kept"
-        );
+        let keep = with(Recompute::None);
+        // All of them, and the first two (a group's layers split).
+        for recompute in [Recompute::Full, Recompute::Layers(2)] {
+            assert_eq!(
+                keep,
+                with(recompute),
+                "{schedule:?}: recompute {recompute} vs kept"
+            );
+        }
     }
 }
 

@@ -120,6 +120,67 @@ fn runs_that_cannot_fit_are_refused_with_the_figures_before_any_allocation() {
     train(&fits, &mut |_| {}).unwrap();
 }
 
+/// `--recompute auto` recomputes the fewest layers with which the run's
+/// estimate fits, and all of them, refused with that need's figures, when
+/// nothing fits.
+#[test]
+fn auto_recomputation_takes_the_fewest_layers_that_fit() {
+    use hybridgen_runtime::recompute::Recompute;
+    use hybridgen_runtime::train::{memory_need, prepare};
+    // Six layers that can recompute, two MoE ones that cannot.
+    let mut c = config("tiny", Some("MM*E-M*E"));
+    c.micro_batch_size = 8;
+    c.seq_length = 256;
+    let plan = hybridgen_dsl::Plan::new(
+        &c.model,
+        &hybridgen_dsl::PlanOptions {
+            layout: hybridgen_dsl::ParallelLayout::new(c.ranks, c.ep),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let base = c.clone();
+    let need = |recompute| {
+        let mut c = base.clone();
+        c.recompute = recompute;
+        memory_need(&c, &plan).unwrap().total
+    };
+    let needs: Vec<u64> = (0..=6).map(|n| need(Recompute::Layers(n))).collect();
+    assert!(
+        needs.windows(2).all(|w| w[1] < w[0]),
+        "each layer recomputed needs less: {needs:?}"
+    );
+    assert_eq!(need(Recompute::Full), needs[6]);
+    assert_eq!(need(Recompute::None), needs[0]);
+    c.recompute = Recompute::Auto;
+    for (available, settled) in [
+        (needs[0], Recompute::None),
+        (needs[2], Recompute::Layers(2)),
+        (needs[2] - 1, Recompute::Layers(3)),
+        (needs[5], Recompute::Layers(5)),
+        (needs[6], Recompute::Full),
+    ] {
+        c.memory_available = Some(available);
+        let prepared = prepare(&c).unwrap();
+        assert_eq!(prepared.config.recompute, settled, "{available} bytes");
+        assert_eq!(prepared.memory.total, need(settled));
+        let n = match settled {
+            Recompute::None => 0,
+            Recompute::Layers(n) => n,
+            _ => 6,
+        };
+        assert_eq!(prepared.recomputed_layers(), (n, 6));
+    }
+    c.memory_available = Some(needs[6] - 1);
+    let message = refused(&c).to_string();
+    let about = format!("needs about {}", hybridgen_runtime::memory::bytes(needs[6]));
+    assert!(message.contains(&about), "{about}: {message}");
+    // A number of layers is taken as given.
+    c.recompute = Recompute::Layers(4);
+    c.memory_available = Some(u64::MAX);
+    assert_eq!(prepare(&c).unwrap().config.recompute, Recompute::Layers(4));
+}
+
 #[test]
 fn timeouts_outside_a_week_are_refused_and_long_ones_run() {
     for timeout in [Duration::ZERO, Duration::MAX, Duration::from_secs(u64::MAX)] {

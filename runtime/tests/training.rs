@@ -474,11 +474,15 @@ fn recomputation_changes_no_bits_and_keeps_less() {
             c.schedule = schedule;
         };
         let keep = with(pattern, setup);
-        let again = with(pattern, |c| {
-            setup(c);
-            c.recompute = Recompute::Full;
-        });
-        assert_eq!(keep, again, "{pattern}");
+        // All of them, and only the first two (a group's layer recomputed,
+        // its other one kept).
+        for recompute in [Recompute::Full, Recompute::Layers(2)] {
+            let again = with(pattern, |c| {
+                setup(c);
+                c.recompute = recompute;
+            });
+            assert_eq!(keep, again, "{pattern} {recompute}");
+        }
     }
     // What it is for: a dense model's layers keep only their inputs.
     let peak = |run: &Run| {
@@ -501,6 +505,18 @@ fn recomputation_changes_no_bits_and_keeps_less() {
         4 * peak(&again) < 3 * peak(&keep),
         "peak {} with recomputation, {} without",
         peak(&again),
+        peak(&keep)
+    );
+    // Half the layers recomputed: a peak between the two.
+    let half = run_with("MMMM**--", |c| {
+        dense(c);
+        c.recompute = Recompute::Layers(4);
+    });
+    assert!(
+        peak(&again) < peak(&half) && peak(&half) < peak(&keep),
+        "peak {} with all recomputed, {} with half, {} with none",
+        peak(&again),
+        peak(&half),
         peak(&keep)
     );
 }

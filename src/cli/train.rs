@@ -77,9 +77,13 @@ pub(crate) struct TrainArgs {
     /// `full`: every layer but the MoE (`E`) ones keeps only its input and
     /// runs its forward again in the backward (Megatron's full
     /// recomputation): far less activation memory for about one more
-    /// forward pass, the same bits; `none` keeps every activation.
-    #[arg(long, value_enum, default_value = "none")]
-    recompute: RecomputeArg,
+    /// forward pass, the same bits; `none` keeps every activation; a
+    /// number N: the first N layers but MoE ones (Megatron's `block`
+    /// method); `auto`: the fewest such layers with which the run fits the
+    /// memory available (the memory check's estimate), the fastest run that
+    /// fits.
+    #[arg(long, value_name = "none|full|auto|N", default_value = "none")]
+    recompute: Recompute,
     /// Attention kernels on GPUs: `flash` runs bf16 heads of 64 or 128
     /// channels fused (FlashAttention-2's tiling; the probabilities and
     /// score gradients round to bf16 between their two products, as
@@ -233,12 +237,6 @@ pub(crate) struct TrainArgs {
 enum ScheduleArg {
     Overlap,
     Plain,
-}
-
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
-enum RecomputeArg {
-    None,
-    Full,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -459,7 +457,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         let model_inherited =
             resume.is_some() && config.from_checkpoint.contains(&RunSetting::Model);
         super::emit(&format!(
-            "training {} ({}) on {}, {} rank{}, ep {}, {} schedule, ZeRO-{}, {}, {} steps of {} tokens\n",
+            "training {} ({}) on {}, {} rank{}, ep {}, {} schedule, ZeRO-{}, {}, {}{} steps of {} tokens\n",
             config.model.pattern,
             if model_inherited {
                 "the checkpoint's model".to_string()
@@ -483,6 +481,10 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
                 0
             },
             config.precision,
+            match prepared.recomputed_layers() {
+                (0, _) => String::new(),
+                (n, of) => format!("recomputing {n} of {of} layers, "),
+            },
             steps,
             config.tokens_per_step(),
         ))?;
@@ -575,15 +577,28 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         json,
     })?;
     if let Some(log) = &mut log {
-        log.append(&summary_json(&summary, &clock, config.precision).to_string())
-            .map_err(|e| e.coded("io", json))?;
+        log.append(
+            &summary_json(
+                &summary,
+                &clock,
+                config.precision,
+                prepared.recomputed_layers().0,
+            )
+            .to_string(),
+        )
+        .map_err(|e| e.coded("io", json))?;
     }
     if text {
         super::emit(&summary_text(&summary, &clock, config.precision))
     } else {
         super::emit(&format!(
             "{}\n",
-            summary_json(&summary, &clock, config.precision)
+            summary_json(
+                &summary,
+                &clock,
+                config.precision,
+                prepared.recomputed_layers().0
+            )
         ))
     }
 }
@@ -688,10 +703,7 @@ fn config(
         ScheduleArg::Overlap => ScheduleKind::Overlap,
         ScheduleArg::Plain => ScheduleKind::Plain,
     };
-    config.recompute = match args.recompute {
-        RecomputeArg::None => Recompute::None,
-        RecomputeArg::Full => Recompute::Full,
-    };
+    config.recompute = args.recompute;
     config.attention = match args.attention_backend {
         AttentionBackendArg::Flash => AttentionBackend::Flash,
         AttentionBackendArg::Unfused => AttentionBackend::Unfused,
@@ -996,7 +1008,12 @@ fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
     out
 }
 
-fn summary_json(s: &TrainSummary, clock: &CommandClock, precision: Precision) -> serde_json::Value {
+fn summary_json(
+    s: &TrainSummary,
+    clock: &CommandClock,
+    precision: Precision,
+    recomputed_layers: usize,
+) -> serde_json::Value {
     json!({
         "summary": {
             "steps": s.steps,
@@ -1005,6 +1022,7 @@ fn summary_json(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
             "final_eval_loss": s.final_eval_loss,
             "entropy_floor": s.entropy_floor,
             "precision": precision.to_string(),
+            "recomputed_layers": recomputed_layers,
             "tokens": s.tokens,
             "wall_s": s.wall.as_secs_f64(),
             "tokens_per_s": s.tokens_per_second,

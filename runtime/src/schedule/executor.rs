@@ -56,9 +56,10 @@ pub struct StepContext<D: Device> {
     /// The expert biases of aux-loss-free balancing and the step's loads
     /// (copied to the device by [`run_step`] before the first routing).
     pub balance: ExpertBalance<D::Backend>,
-    /// Which layers keep only their input and recompute their forward in
-    /// the backward.
-    pub recompute: Recompute,
+    /// For each layer (decoder, then MTP, as [`ModelRuntime::layer_index`]
+    /// numbers them) whether it keeps only its input and recomputes its
+    /// forward in the backward.
+    pub recomputed: Box<[bool]>,
 }
 
 impl<D: Device> StepContext<D> {
@@ -76,6 +77,7 @@ impl<D: Device> StepContext<D> {
         let plan = &model.plan;
         let totals = StepTotals::new(backend, plan.mtp_depths(), plan.buckets.len())?;
         let balance = ExpertBalance::new(&model, backend)?;
+        let recomputed = recompute.chosen(crate::memory::layer_kinds(plan)).collect();
         Ok(StepContext {
             balance,
             model,
@@ -84,7 +86,7 @@ impl<D: Device> StepContext<D> {
             tokens,
             mb_weight,
             totals,
-            recompute,
+            recomputed,
         })
     }
 }
@@ -532,9 +534,7 @@ fn forward_op<D: Device>(
             let runtime = model.layer(layer)?;
             // A recomputed layer keeps a copy of its input (the forward
             // adds into the residual stream in place) and drops the rest.
-            let input = cx
-                .recompute
-                .recomputes(runtime.kind())
+            let input = cx.recomputed[i]
                 .then(|| copy_of(b, b.view(x)?))
                 .transpose()?;
             let saved = runtime.forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
