@@ -24,8 +24,9 @@
 # (torch_ref/README.md, section 3; dsl/tests/plan.rs checks that the preset
 # is that model, and dsl/src/flops.rs, which gives every run's summary its
 # `flops_per_token`, gives that figure for it), against the H200's 989
-# TFLOP/s of dense bf16; the 9B row (`nemotron-nano-9b-v2` at 4,096 tokens
-# on 2 GPUs, recomputed) takes its own count from its summary. Peak memory
+# TFLOP/s of dense bf16; the 9B rows (`nemotron-nano-9b-v2` at 4,096
+# tokens) take their own count from their summaries (model FLOPs: a
+# recomputed forward is not counted). Peak memory
 # is the most `nvidia-smi` saw in use on any GPU during the row, sampled
 # every 0.2 s: what the process holds, its arena and libraries included.
 set -uo pipefail
@@ -88,6 +89,8 @@ if base and base != name:
 if summary.get("flops_per_token") and summary.get("steps"):
     row["flops_per_token"] = summary["flops_per_token"]
     row["tokens_per_gpu_step"] = summary["tokens"] / summary["steps"] / gpus
+if summary.get("recomputed_layers") is not None:
+    row["recomputed"] = summary["recomputed_layers"]
 if rc != 0 or len(steps) < 13:
     row["failed"] = f"exit {rc}, {len(steps)} steps; see {log}"
 else:
@@ -112,22 +115,30 @@ row hybridgen-copy-2rk-plain 2 --schedule plain --transport copy
 row_gpus=
 
 # Real scale: the 9B Nemotron-H at 4,096 tokens on 2 GPUs under ZeRO-3,
-# overlap schedule, its layers recomputed (without, the two micro-batches
-# in flight need 147 GiB a GPU: `hybridgen plan --preset
-# nemotron-nano-9b-v2 --dp 2 --seq-len 4096`). No 1-GPU row holds it.
-row_model=(--preset nemotron-nano-9b-v2 --ep 1 --seq-len 4096 --recompute full)
+# recomputing the fewest layers that fit (`--recompute auto`): with the
+# plain schedule none (one micro-batch in flight, 113 GiB a GPU by the
+# memory plan), with the overlap schedule some (its two micro-batches in
+# flight would need 147 GiB a GPU kept: `hybridgen plan --preset
+# nemotron-nano-9b-v2 --dp 2 --seq-len 4096`). A dense model has no
+# expert all-to-all for the overlap schedule to hide. No 1-GPU row holds
+# it. The `recomp` column is the layers each row recomputed.
+row_model=(--preset nemotron-nano-9b-v2 --ep 1 --seq-len 4096 --recompute auto)
 row_base=
-row nemotron-9b-2gpu 2 --schedule overlap
+row nemotron-9b-2gpu 2 --schedule plain
+row nemotron-9b-2gpu-overlap 2 --schedule overlap
 # Its real dimensions on one GPU: the first 29 layers of its pattern (5.2 B
 # parameters; `hybridgen plan PATTERN --preset nemotron-nano-9b-v2`), one
-# rank, then two ranks sharing the GPU over the copy transport under
-# ZeRO-3 with the plain schedule (the overlap schedule's second
-# micro-batch in flight does not fit half a GPU, and the run's memory
-# check says so).
+# rank with each schedule, then two ranks sharing the GPU over the copy
+# transport under ZeRO-3 with the plain schedule (the overlap schedule's
+# second micro-batch in flight does not fit half a GPU even recomputed,
+# and the run's memory check says so). The two ranks recompute layers
+# the one rank keeps, so their step is not compared with it (no
+# `exposed`).
 row_model=(--preset nemotron-nano-9b-v2 --pattern "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-" --ep 1
-  --seq-len 4096 --recompute full)
-row nemotron-9b-half-1gpu 1 --schedule overlap
-row_gpus=1 row_base=nemotron-9b-half-1gpu
+  --seq-len 4096 --recompute auto)
+row nemotron-9b-half-1gpu 1 --schedule plain
+row nemotron-9b-half-1gpu-overlap 1 --schedule overlap
+row_gpus=1
 row nemotron-9b-half-copy-2rk 2 --schedule plain --transport copy
 row_model=() row_gpus= row_base=hybridgen-1gpu
 
@@ -178,7 +189,7 @@ for key, r in sorted(torch.items()):
                  "step_ms": r["step_ms_median"], "peak_gib": peak})
 step_of = {r["row"]: r.get("step_ms") for r in rows}
 print(f"{'row':26} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
-      f"{'exposed':>8} {'vs torch':>8}")
+      f"{'exposed':>8} {'vs torch':>8} {'recomp':>6}")
 for r in rows:
     if "wall_s" in r:
         if r["rc"] != 0:
@@ -217,6 +228,7 @@ for r in rows:
     ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu") if r.get("gpus", r["ranks"]) == r["ranks"] else None
     ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"
     peak = f"{r['peak_gib']:9.1f}" if r.get("peak_gib") else f"{'':9}"
+    recomputed = f"{r['recomputed']:6d}" if r.get("recomputed") is not None else f"{'':6}"
     print(f"{r['row']:26} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
-          f"{peak} {exposed} {ratio}")
+          f"{peak} {exposed} {ratio} {recomputed}")
 PY

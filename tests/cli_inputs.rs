@@ -184,6 +184,11 @@ fn a_refusal_for_activations_offers_recomputation_and_recomputation_needs_less()
         "--seq-len",
         "16384",
     ];
+    let with = |recompute: &'static str| {
+        let mut args = args.to_vec();
+        args.extend(["--recompute", recompute]);
+        train(&args, PROMPT)
+    };
     let need = |run: &Run| {
         let line = run
             .stderr
@@ -194,15 +199,11 @@ fn a_refusal_for_activations_offers_recomputation_and_recomputation_needs_less()
             .nth(2)
             .and_then(|v| v.parse::<f64>().ok())
     };
-    let keep = train(&args, PROMPT);
+    let keep = with("none");
     assert_eq!(keep.code, Some(1), "{}", keep.stderr);
     assert!(keep.stderr.contains("--recompute auto"), "{}", keep.stderr);
-    let with = |recompute: &'static str| {
-        let mut args = args.to_vec();
-        args.extend(["--recompute", recompute]);
-        train(&args, PROMPT)
-    };
-    let (again, auto) = (with("full"), with("auto"));
+    // auto is the default.
+    let (again, auto) = (with("full"), train(&args, PROMPT));
     for run in [&again, &auto] {
         assert_eq!(run.code, Some(1), "{}", run.stderr);
         assert!(!run.stderr.contains("--recompute auto"), "{}", run.stderr);
@@ -218,6 +219,76 @@ fn a_refusal_for_activations_offers_recomputation_and_recomputation_needs_less()
             keep.stderr, again.stderr, auto.stderr
         ),
     }
+}
+
+/// The default, `--recompute auto`, trains where `none` is refused: with
+/// memory between what keeping everything and recomputing everything need,
+/// it recomputes some of the layers, and the start line says how many.
+#[test]
+fn auto_recomputation_trains_what_keeping_everything_cannot() {
+    let args = [
+        "--pattern",
+        "M*-M*-",
+        "--micro-batch-size",
+        "8",
+        "--seq-len",
+        "512",
+        "--steps",
+        "1",
+    ];
+    // The refusal's figure: "this run needs at least 165.4 MiB" (the bound
+    // made before planning), or "about" (the full estimate) once the memory
+    // given passes the bound.
+    let refused = |recompute: &str, available: &str| {
+        let mut args = args.to_vec();
+        args.extend(["--recompute", recompute]);
+        let run = train_with(&args, PROMPT, &[("HYBRIDGEN_MEMORY_AVAILABLE", available)]);
+        assert_eq!(run.code, Some(1), "{}", run.stderr);
+        let figure = run
+            .stderr
+            .split_once("this run needs ")
+            .map(|(_, rest)| {
+                rest.trim_start_matches("at least ")
+                    .trim_start_matches("about ")
+            })
+            .unwrap_or_else(|| panic!("no need figure: {}", run.stderr));
+        let words: Vec<&str> = figure.split_whitespace().take(2).collect();
+        let unit = match words[1] {
+            "KiB" => 1u64 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            other => panic!("unit {other}: {}", run.stderr),
+        };
+        let bytes = (words[0].parse::<f64>().unwrap() * unit as f64) as u64;
+        (bytes, run.stderr.contains("needs about"))
+    };
+    let need = |recompute: &str| {
+        let (bound, estimate) = refused(recompute, "1K");
+        assert!(!estimate);
+        // 1% over the bound (its figure rounds to 0.1 MiB) passes it; the
+        // full estimate, with the arenas' headroom, is well above.
+        let (need, estimate) = refused(recompute, &(bound + bound / 100).to_string());
+        assert!(estimate && need > bound);
+        need
+    };
+    let (keep, again) = (need("none"), need("full"));
+    assert!(again < keep, "{again} recomputed, {keep} kept");
+    let between = ((keep + again) / 2).to_string();
+    let env = [("HYBRIDGEN_MEMORY_AVAILABLE", between.as_str())];
+    let mut none = args.to_vec();
+    none.extend(["--recompute", "none"]);
+    let run = train_with(&none, PROMPT, &env);
+    assert_eq!(run.code, Some(1), "none is refused: {}", run.stderr);
+    let run = train_with(&args, PROMPT, &env);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    // "..., recomputing 3 of 6 layers, 1 steps of ..."
+    let start = run.stdout.lines().next().unwrap_or("");
+    let n = start
+        .split_once("recomputing ")
+        .and_then(|(_, rest)| rest.split_once(" of 6 layers"))
+        .and_then(|(n, _)| n.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("no recomputation in the start line: {start}"));
+    assert!((1..6).contains(&n), "{start}");
 }
 
 #[test]

@@ -78,7 +78,8 @@ pub struct TrainConfig {
     pub schedule: ScheduleKind,
     pub sharding: Sharding,
     /// Which layers run their forward again in the backward instead of
-    /// keeping their activations ([`Recompute`]).
+    /// keeping their activations ([`Recompute`]). `Auto` by default: none
+    /// where the run fits, else the fewest that make it fit.
     pub recompute: Recompute,
     /// The attention kernels on GPUs ([`AttentionBackend`]).
     pub attention: AttentionBackend,
@@ -154,7 +155,7 @@ impl TrainConfig {
             steps: 120,
             schedule: ScheduleKind::Overlap,
             sharding: Sharding::Zero3,
-            recompute: Recompute::None,
+            recompute: Recompute::Auto,
             attention: AttentionBackend::Flash,
             expert_gemm: ExpertGemm::default(),
             dependent_launch: true,
@@ -405,11 +406,8 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             MAX_TIMEOUT.as_secs()
         ));
     }
-    let available = match (config.memory_available, &device) {
-        (Some(bytes), _) => Some(AvailableMemory {
-            bytes,
-            source: "the configured limit".into(),
-        }),
+    let available = match (configured_memory(config), &device) {
+        (Some(configured), _) => Some(configured),
         (None, ChosenDevice::Cpu { .. }) => crate::memory::available(),
         (None, ChosenDevice::Cuda { info, launch }) => {
             gpu_available(info, launch, config.ranks, config.transport)
@@ -616,11 +614,28 @@ fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
     )))
 }
 
-/// What a run of `config` needs in memory, from its plan: state per rank,
-/// the activations of the micro-batches its schedule keeps in flight.
+/// What a run of `config` needs in memory on the CPU, from its plan: state
+/// per rank, the activations of the micro-batches its schedule keeps in
+/// flight. [`Recompute::Auto`] is settled as a CPU run settles it, against
+/// `config.memory_available` or else what the host has available.
 pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
     let program = build(&plan.schedule, config.micro_batches.min(3), config.schedule)?;
-    Ok(need_of(config, plan, &program, config.recompute))
+    let available = configured_memory(config).or_else(crate::memory::available);
+    let need = |recompute| need_of(config, plan, &program, recompute);
+    Ok(need(settle_recompute(
+        config.recompute,
+        plan,
+        available.as_ref(),
+        need,
+    )))
+}
+
+/// `config.memory_available` as the memory check takes it.
+fn configured_memory(config: &TrainConfig) -> Option<AvailableMemory> {
+    config.memory_available.map(|bytes| AvailableMemory {
+        bytes,
+        source: "the configured limit".into(),
+    })
 }
 
 /// [`memory_need`] with `recompute` and the run's schedule `program`.

@@ -80,9 +80,9 @@ pub(crate) struct TrainArgs {
     /// forward pass, the same bits; `none` keeps every activation; a
     /// number N: the first N layers but MoE ones (Megatron's `block`
     /// method); `auto`: the fewest such layers with which the run fits the
-    /// memory available (the memory check's estimate), the fastest run that
-    /// fits.
-    #[arg(long, value_name = "none|full|auto|N", default_value = "none")]
+    /// memory available (the memory check's estimate; none where it fits
+    /// as it is), the fastest run that fits.
+    #[arg(long, value_name = "none|full|auto|N", default_value = "auto")]
     recompute: Recompute,
     /// Attention kernels on GPUs: `flash` runs bf16 heads of 64 or 128
     /// channels fused (FlashAttention-2's tiling; the probabilities and
