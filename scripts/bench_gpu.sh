@@ -137,7 +137,7 @@ row nemotron-9b-2gpu-overlap 2 --schedule overlap
 row_model=(--preset nemotron-nano-9b-v2 --pattern "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-" --ep 1
   --seq-len 4096 --recompute auto)
 row nemotron-9b-half-1gpu 1 --schedule plain
-row nemotron-9b-half-1gpu-overlap 1 --schedule overlap
+row nemotron-9b-half-overlap 1 --schedule overlap
 row_gpus=1
 row nemotron-9b-half-copy-2rk 2 --schedule plain --transport copy
 row_model=() row_gpus= row_base=hybridgen-1gpu
