@@ -224,6 +224,7 @@ pub const SOURCES: &[KernelSource] = &[
             "ssd_chunk_sums",
             "ssd_chunk_final",
             "ssd_chunk_unpack",
+            "ssd_chunk_unpack_quads",
             "ssd_scan_state_combine",
             "ssd_chunk_output",
             "ssd_chunk_output_quads"

@@ -1277,6 +1277,41 @@ extern "C" __global__ void ssd_chunk_unpack(
     }
 }
 
+// `ssd_chunk_unpack` a quad of state columns a thread (`takes_quads`, and
+// `dxbc` 16-byte aligned: its rows are whole quads, since P and N are):
+// a 16-byte load of dB and of dC and one 8- or 16-byte store of each, its
+// position worked out once a quad in 32 bits, where the scalar kernel
+// spent most of its time on 64-bit divisions for every element. The same
+// values round the same way, so the same bits.
+extern "C" __global__ void ssd_chunk_unpack_quads(
+    const float4* d_b, const float4* d_c, void* dxbc, int dxbc_dtype, u32 first_item, u32 items,
+    u32 seq, u32 heads, u32 head_dim, u32 groups, u32 state, u32 chunk) {
+    grid_dependency_sync();
+    const u32 chunks = (seq + chunk - 1) / chunk;
+    const u64 d_inner = static_cast<u64>(heads) * head_dim;
+    const u64 width = d_inner + 2ull * groups * state;
+    const u64 c_offset = static_cast<u64>(groups) * state;
+    const u32 n = items * groups * chunk * (state / 4);
+    for (u32 k = static_cast<u32>(grid_start()); k < n; k += static_cast<u32>(grid_stride())) {
+        const QuadAt q = quad_at(k, state, first_item, seq, groups, chunk, chunks);
+        if (!q.real) {
+            continue;
+        }
+        const u64 at = q.source_row * width + d_inner + static_cast<u64>(q.g) * state + q.column;
+        const float4 b4 = d_b[k];
+        const float4 c4 = d_c[k];
+        const float b[4] = {b4.x, b4.y, b4.z, b4.w};
+        const float c[4] = {c4.x, c4.y, c4.z, c4.w};
+        if (dxbc_dtype == DTYPE_BF16) {
+            store_run_bf16<4>(static_cast<bf16*>(dxbc) + at, b);
+            store_run_bf16<4>(static_cast<bf16*>(dxbc) + at + c_offset, c);
+        } else {
+            store_run<4>(static_cast<float*>(dxbc) + at, b);
+            store_run<4>(static_cast<float*>(dxbc) + at + c_offset, c);
+        }
+    }
+}
+
 // ---- forward ------------------------------------------------------------------------
 
 // A thread takes W consecutive state elements (W = 4 where `pn` is a

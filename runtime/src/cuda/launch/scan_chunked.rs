@@ -1128,14 +1128,25 @@ impl KernelSet {
             per_item(product(k, &[count, dims.heads])?, THREADS)?,
         )?;
 
-        let ku = "ssd_chunk_unpack";
+        let elements = product(k, &[pair_count, s.q, s.n])?;
+        let quads = parts.quads && d_xbc.ptr.is_multiple_of(16);
+        let ku = if quads {
+            "ssd_chunk_unpack_quads"
+        } else {
+            "ssd_chunk_unpack"
+        };
         let mut b = KernelArgs::new(stream, self.function(ku)?);
         b.arg(&parts.d_b.ptr)
             .arg(&parts.d_c.ptr)
             .arg(&d_xbc.ptr)
             .arg(&tags.dxbc);
+        if quads {
+            let narrow = slice.narrow();
+            narrow.push(&mut b);
+            return self.go(ku, &mut b, grid_for(elements / 4));
+        }
         slice.push(&mut b);
-        self.go(ku, &mut b, grid_for(product(k, &[pair_count, s.q, s.n])?))
+        self.go(ku, &mut b, grid_for(elements))
     }
 }
 
