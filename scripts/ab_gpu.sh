@@ -22,9 +22,10 @@
 # one build can be weighed against itself with another option:
 #   bash gpu-bundle/ab_gpu.sh hybridgen hybridgen:--expert-gemm=grouped
 # MODEL replaces the model's flags (default `--preset bench-hybrid-moe`) and
-# STEPS the steps (default 13), e.g. the 9B's first 29 layers:
+# STEPS the steps (default 13), e.g. the 9B's first 29 layers, every layer
+# kept (the plain schedule fits them):
 #   MODEL="--preset nemotron-nano-9b-v2 --pattern M-M-M-MM-M-M-M*-M-M-M*-M-M-M- \
-#     --seq-len 4096 --recompute full" STEPS=8 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
+#     --seq-len 4096" EXTRA="--schedule plain" STEPS=7 bash gpu-bundle/ab_gpu.sh hybridgen-base hybridgen
 set -uo pipefail
 # No globbing: MODEL's pattern (`*` is attention) goes to hybridgen as typed.
 set -f

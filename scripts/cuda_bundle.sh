@@ -207,8 +207,8 @@ launch_modes() {
 # The run both look at: the benchmark model on one GPU (SCHEDULE picks the
 # schedule; EXTRA adds flags, e.g. EXTRA="--dependent-launch off"; MODEL
 # replaces the model's flags, e.g. the 9B's first 29 layers: MODEL="--preset
-# nemotron-nano-9b-v2 --pattern M-M-M-MM-M-M-M*-M-M-M*-M-M-M- --seq-len 4096
-# --recompute full"). Globbing is off while the words are split, so a
+# nemotron-nano-9b-v2 --pattern M-M-M-MM-M-M-M*-M-M-M*-M-M-M- --seq-len 4096"
+# SCHEDULE=plain). Globbing is off while the words are split, so a
 # pattern's `*` stays as typed.
 set -f
 # shellcheck disable=SC2206 # EXTRA and MODEL are word lists
