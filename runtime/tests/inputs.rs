@@ -23,6 +23,18 @@ fn config(preset: &str, pattern: Option<&str>) -> TrainConfig {
     config
 }
 
+/// The plan a run of `config` makes.
+fn plan_of(config: &TrainConfig) -> hybridgen_dsl::Plan {
+    hybridgen_dsl::Plan::new(
+        &config.model,
+        &hybridgen_dsl::PlanOptions {
+            layout: hybridgen_dsl::ParallelLayout::new(config.ranks, config.ep),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
 /// The error of a run that must fail before its first step.
 fn refused(config: &TrainConfig) -> RuntimeError {
     train(config, &mut |r| panic!("step {} ran", r.step)).unwrap_err()
@@ -101,14 +113,7 @@ fn runs_that_cannot_fit_are_refused_with_the_figures_before_any_allocation() {
     )
     .unwrap()
     .total;
-    let plan = hybridgen_dsl::Plan::new(
-        &c.model,
-        &hybridgen_dsl::PlanOptions {
-            layout: hybridgen_dsl::ParallelLayout::new(c.ranks, c.ep),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let plan = plan_of(&c);
     let full = hybridgen_runtime::train::memory_need(&c, &plan)
         .unwrap()
         .total;
@@ -133,14 +138,7 @@ fn auto_recomputation_takes_the_fewest_layers_that_fit() {
     let mut c = config("tiny", Some("MM*E-M*E"));
     c.micro_batch_size = 8;
     c.seq_length = 256;
-    let plan = hybridgen_dsl::Plan::new(
-        &c.model,
-        &hybridgen_dsl::PlanOptions {
-            layout: hybridgen_dsl::ParallelLayout::new(c.ranks, c.ep),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let plan = plan_of(&c);
     let base = c.clone();
     let need = |recompute| {
         let mut c = base.clone();
