@@ -210,6 +210,32 @@ fn plan_prints_a_micro_batchs_activations_kept_and_recomputed() {
         gib.len() == 2 && gib[1] < gib[0] && gib[1] > 0.0,
         "{layers}"
     );
+    // What one layer of each kind that can recompute saves: a Mamba
+    // layer's 64 heads of 64 channels keep more than attention's outputs,
+    // and `E` layers, which keep theirs, are not named.
+    let saves = text
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("a layer recomputed saves "))
+        .and_then(|l| l.split(" (").next())
+        .unwrap_or_else(|| panic!("{text}"));
+    let mib = |kind: &str| -> f64 {
+        let figure = saves
+            .split(", ")
+            .find_map(|part| part.strip_prefix(&format!("{kind} ")))
+            .unwrap_or_else(|| panic!("no {kind}: {saves}"));
+        let mut words = figure.split_whitespace();
+        let value: f64 = words.next().unwrap().parse().unwrap();
+        match words.next() {
+            Some("GiB") => value * 1024.0,
+            Some("MiB") => value,
+            other => panic!("{other:?}: {saves}"),
+        }
+    };
+    assert!(mib("M") > mib("*") && mib("*") > 0.0, "{saves}");
+    assert!(
+        saves.split(", ").all(|part| !part.starts_with("E ")),
+        "{saves}"
+    );
 }
 
 #[test]

@@ -2,12 +2,13 @@
 
 use super::{Failure, human};
 use hybridgen_dsl::config::ModelConfig;
+use hybridgen_dsl::pattern::LayerKind;
 use hybridgen_dsl::plan::{
     Bucket, FsdpUnit, LayerInfo, MtpLayerInfo, ScheduleNode, Slot, Stage, UnitFilter, UnitShape,
 };
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::backend::{Precision, Tokens};
-use hybridgen_runtime::memory::{ElementSizes, plan_activations};
+use hybridgen_runtime::memory::{ElementSizes, activations, plan_activations};
 use hybridgen_runtime::recompute::Recompute;
 use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
@@ -307,6 +308,37 @@ fn write_activations(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Re
             "  {what:<30} {:>12}   {:>12}",
             human::bytes(a),
             human::bytes(b)
+        )?;
+    }
+    // What one layer of each kind saves recomputed (it keeps its input
+    // instead of all it saves): how many `--recompute N` takes to fit.
+    let mut kinds: Vec<LayerKind> = plan
+        .layers
+        .iter()
+        .map(|l| l.kind)
+        .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind))
+        .filter(|&k| Recompute::can_recompute(k))
+        .collect();
+    kinds.sort_by_key(|&k| k as usize);
+    kinds.dedup();
+    if !kinds.is_empty() {
+        let saves = kinds
+            .iter()
+            .map(|&kind| {
+                let [kept, recomputed] = [Recompute::None, Recompute::Full]
+                    .map(|r| activations(&plan.model, [kind], 0, tokens, sizes, r).layers);
+                format!(
+                    "{} {}",
+                    kind.symbol(),
+                    human::bytes(kept.saturating_sub(recomputed))
+                )
+            })
+            .collect::<Vec<_>>();
+        writeln!(
+            out,
+            "  a layer recomputed saves {} (--recompute N: the first N layers but MoE ones; \
+             auto: the fewest that fit)",
+            saves.join(", ")
         )?;
     }
     Ok(())
