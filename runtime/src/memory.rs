@@ -133,7 +133,8 @@ pub fn activations(
     let mut by_kind: [Option<(Elements, Elements)>; LayerKind::ALL.len()] =
         [None; LayerKind::ALL.len()];
     let kinds: Vec<LayerKind> = kinds.into_iter().collect();
-    for (&kind, recomputes) in kinds.iter().zip(recompute.chosen(kinds.iter().copied())) {
+    let chosen = recompute.chosen(&kinds, &kinds_by_kept(model, tokens));
+    for (&kind, recomputes) in kinds.iter().zip(chosen) {
         let (saved, extra) =
             *by_kind[kind as usize].get_or_insert_with(|| layer(model, kind, tokens));
         let (kept, extra) = if recomputes {
@@ -180,7 +181,7 @@ pub fn activations(
 }
 
 /// Every decoder and MTP layer's kind, in order: the order
-/// [`Recompute::chosen`] counts in and the runtime indexes layers in.
+/// [`Recompute::chosen`] takes them in and the runtime indexes layers in.
 pub(crate) fn layer_kinds(plan: &Plan) -> impl Iterator<Item = LayerKind> + Clone + '_ {
     plan.layers
         .iter()
@@ -203,6 +204,22 @@ pub fn plan_activations(
         sizes,
         recompute,
     )
+}
+
+/// The kinds of layer that can recompute, the one whose layer keeps the
+/// most (elements of both widths) at `tokens` first, ties in
+/// [`LayerKind::ALL`]'s order: the order [`Recompute::Largest`] takes them
+/// in, for the memory plan and the runtime alike.
+pub fn kinds_by_kept(model: &ModelConfig, tokens: Tokens) -> Vec<LayerKind> {
+    let mut kinds: Vec<LayerKind> = LayerKind::ALL
+        .into_iter()
+        .filter(|&k| Recompute::can_recompute(k))
+        .collect();
+    kinds.sort_by_key(|&kind| {
+        let (saved, _) = layer(model, kind, tokens);
+        std::cmp::Reverse(saved.compute.saturating_add(saved.f32))
+    });
+    kinds
 }
 
 /// What one layer of `kind` keeps from forward to backward, and the extra

@@ -346,9 +346,9 @@ impl Prepared {
     /// `config.recompute`, settled, chooses them), and those that could:
     /// every layer but the MoE ones.
     pub fn recomputed_layers(&self) -> (usize, usize) {
-        let kinds = crate::memory::layer_kinds(&self.plan);
+        let kinds: Vec<_> = crate::memory::layer_kinds(&self.plan).collect();
         (
-            self.config.recompute.count(kinds.clone()),
+            self.config.recompute.count(&kinds),
             Recompute::candidates(kinds),
         )
     }
@@ -656,8 +656,9 @@ fn need_of(
 }
 
 /// `recompute` with [`Recompute::Auto`] settled for `plan`: the fewest
-/// layers recomputed (counted as [`Recompute::Layers`] counts them) with
-/// which the run's `need` fits `available`. Each layer recomputed keeps
+/// layers recomputed (taken as [`Recompute::Largest`] takes them: those
+/// that keep the most first) with which the run's `need` fits
+/// `available`. Each layer recomputed keeps
 /// its input instead of all it saves, so the need falls as layers are
 /// added and a bisection finds the fewest in a few estimates (6 for the
 /// 9B's 56 layers). Where even all of them do not fit, all of them: the
@@ -675,7 +676,7 @@ fn settle_recompute(
             fixed => fixed,
         };
     };
-    let fits = |n| need(Recompute::Layers(n)).total <= available.bytes;
+    let fits = |n| need(Recompute::Largest(n)).total <= available.bytes;
     let candidates = Recompute::candidates(crate::memory::layer_kinds(plan));
     if !fits(candidates) {
         return Recompute::Full;
@@ -692,7 +693,7 @@ fn settle_recompute(
     match fewest {
         0 => Recompute::None,
         n if n == candidates => Recompute::Full,
-        n => Recompute::Layers(n),
+        n => Recompute::Largest(n),
     }
 }
 

@@ -307,8 +307,9 @@ fn on_one_gpu_recomputation_changes_no_bits() {
             bits(&r, &s)
         };
         let keep = with(Recompute::None);
-        // All of them, and the first two (a group's layers split).
-        for recompute in [Recompute::Full, Recompute::Layers(2)] {
+        // All of them, the first two (a group's layers split), and the two
+        // that keep the most.
+        for recompute in [Recompute::Full, Recompute::Layers(2), Recompute::Largest(2)] {
             assert_eq!(
                 keep,
                 with(recompute),

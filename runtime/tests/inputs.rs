@@ -145,19 +145,22 @@ fn auto_recomputation_takes_the_fewest_layers_that_fit() {
         c.recompute = recompute;
         memory_need(&c, &plan).unwrap().total
     };
-    let needs: Vec<u64> = (0..=6).map(|n| need(Recompute::Layers(n))).collect();
+    let needs: Vec<u64> = (0..=6).map(|n| need(Recompute::Largest(n))).collect();
     assert!(
         needs.windows(2).all(|w| w[1] < w[0]),
         "each layer recomputed needs less: {needs:?}"
     );
     assert_eq!(need(Recompute::Full), needs[6]);
+    // The Mamba layers keep the most, so three of them fit in less than
+    // the first three layers (two Mamba, one attention).
+    assert!(needs[3] < need(Recompute::Layers(3)), "{needs:?}");
     assert_eq!(need(Recompute::None), needs[0]);
     c.recompute = Recompute::Auto;
     for (available, settled) in [
         (needs[0], Recompute::None),
-        (needs[2], Recompute::Layers(2)),
-        (needs[2] - 1, Recompute::Layers(3)),
-        (needs[5], Recompute::Layers(5)),
+        (needs[2], Recompute::Largest(2)),
+        (needs[2] - 1, Recompute::Largest(3)),
+        (needs[5], Recompute::Largest(5)),
         (needs[6], Recompute::Full),
     ] {
         c.memory_available = Some(available);
@@ -166,7 +169,7 @@ fn auto_recomputation_takes_the_fewest_layers_that_fit() {
         assert_eq!(prepared.memory.total, need(settled));
         let n = match settled {
             Recompute::None => 0,
-            Recompute::Layers(n) => n,
+            Recompute::Largest(n) => n,
             _ => 6,
         };
         assert_eq!(prepared.recomputed_layers(), (n, 6));

@@ -474,9 +474,9 @@ fn recomputation_changes_no_bits_and_keeps_less() {
             c.schedule = schedule;
         };
         let keep = with(pattern, setup);
-        // All of them, and only the first two (a group's layer recomputed,
-        // its other one kept).
-        for recompute in [Recompute::Full, Recompute::Layers(2)] {
+        // All of them, only the first two (a group's layer recomputed,
+        // its other one kept), and the two that keep the most.
+        for recompute in [Recompute::Full, Recompute::Layers(2), Recompute::Largest(2)] {
             let again = with(pattern, |c| {
                 setup(c);
                 c.recompute = recompute;

@@ -79,10 +79,16 @@ pub(crate) struct TrainArgs {
     /// recomputation): far less activation memory for about one more
     /// forward pass, the same bits; `none` keeps every activation; a
     /// number N: the first N layers but MoE ones (Megatron's `block`
-    /// method); `auto`: the fewest such layers with which the run fits the
-    /// memory available (the memory check's estimate; none where it fits
-    /// as it is), the fastest run that fits.
-    #[arg(long, value_name = "none|full|auto|N", default_value = "auto")]
+    /// method); `largest:N`: the N of them that keep the most (the kind
+    /// whose layers keep the most first); `auto`: the fewest with which the
+    /// run fits the memory available, taken as `largest:N` takes them (the
+    /// memory check's estimate; none where it fits as it is), the fastest
+    /// run that fits.
+    #[arg(
+        long,
+        value_name = "none|full|auto|N|largest:N",
+        default_value = "auto"
+    )]
     recompute: Recompute,
     /// Attention kernels on GPUs: `flash` runs bf16 heads of 64 or 128
     /// channels fused (FlashAttention-2's tiling; the probabilities and

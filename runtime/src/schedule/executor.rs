@@ -77,7 +77,10 @@ impl<D: Device> StepContext<D> {
         let plan = &model.plan;
         let totals = StepTotals::new(backend, plan.mtp_depths(), plan.buckets.len())?;
         let balance = ExpertBalance::new(&model, backend)?;
-        let recomputed = recompute.chosen(crate::memory::layer_kinds(plan)).collect();
+        let kinds: Vec<_> = crate::memory::layer_kinds(plan).collect();
+        let recomputed = recompute
+            .chosen(&kinds, &crate::memory::kinds_by_kept(&plan.model, tokens))
+            .into();
         Ok(StepContext {
             balance,
             model,
