@@ -660,7 +660,7 @@ fn need_of(
 /// that keep the most first) with which the run's `need` fits
 /// `available`. Each layer recomputed keeps
 /// its input instead of all it saves, so the need falls as layers are
-/// added and a bisection finds the fewest in a few estimates (6 for the
+/// added and a bisection finds the fewest in a few estimates (7 for the
 /// 9B's 56 layers). Where even all of them do not fit, all of them: the
 /// check then refuses with the figures of the smallest need. Where the
 /// memory available is unknown (the check is skipped), none.

@@ -321,23 +321,21 @@ fn write_activations(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Re
         .collect();
     kinds.sort_by_key(|&k| k as usize);
     kinds.dedup();
-    if !kinds.is_empty() {
-        let saves = kinds
-            .iter()
-            .map(|&kind| {
-                let [kept, recomputed] = [Recompute::None, Recompute::Full]
-                    .map(|r| activations(&plan.model, [kind], 0, tokens, sizes, r).layers);
-                format!(
-                    "{} {}",
-                    kind.symbol(),
-                    human::bytes(kept.saturating_sub(recomputed))
-                )
-            })
-            .collect::<Vec<_>>();
+    // Kinds the runtime lacks (`G`) have no activations to save.
+    let saves = kinds
+        .iter()
+        .filter_map(|&kind| {
+            let [kept, recomputed] = [Recompute::None, Recompute::Full]
+                .map(|r| activations(&plan.model, [kind], 0, tokens, sizes, r).layers);
+            let saved = kept.saturating_sub(recomputed);
+            (saved > 0).then(|| format!("{} {}", kind.symbol(), human::bytes(saved)))
+        })
+        .collect::<Vec<_>>();
+    if !saves.is_empty() {
         writeln!(
             out,
             "  a layer recomputed saves {} (--recompute N: the first N layers but MoE ones; \
-             auto: the fewest that fit)",
+             largest:N and auto: the kinds that save the most first)",
             saves.join(", ")
         )?;
     }
