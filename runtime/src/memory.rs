@@ -133,7 +133,7 @@ pub fn activations(
     let mut by_kind: [Option<(Elements, Elements)>; LayerKind::ALL.len()] =
         [None; LayerKind::ALL.len()];
     let kinds: Vec<LayerKind> = kinds.into_iter().collect();
-    let chosen = recompute.chosen(&kinds, &kinds_by_kept(model, tokens));
+    let chosen = recomputed(model, &kinds, tokens, recompute);
     for (&kind, recomputes) in kinds.iter().zip(chosen) {
         let (saved, extra) =
             *by_kind[kind as usize].get_or_insert_with(|| layer(model, kind, tokens));
@@ -182,7 +182,7 @@ pub fn activations(
 
 /// Every decoder and MTP layer's kind, in order: the order
 /// [`Recompute::chosen`] takes them in and the runtime indexes layers in.
-pub(crate) fn layer_kinds(plan: &Plan) -> impl Iterator<Item = LayerKind> + Clone + '_ {
+pub fn layer_kinds(plan: &Plan) -> impl Iterator<Item = LayerKind> + Clone + '_ {
     plan.layers
         .iter()
         .map(|l| l.kind)
@@ -206,11 +206,23 @@ pub fn plan_activations(
     )
 }
 
+/// For each of `model`'s layers of `kinds` (the decoder's, then each MTP
+/// depth's), whether `recompute` has it keep only its input at `tokens` a
+/// micro-batch: what the memory plan counts and the runtime runs.
+pub fn recomputed(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    tokens: Tokens,
+    recompute: Recompute,
+) -> Vec<bool> {
+    recompute.chosen(kinds, &kinds_by_kept(model, tokens))
+}
+
 /// The kinds of layer that can recompute, the one whose layer keeps the
 /// most (elements of both widths) at `tokens` first, ties in
 /// [`LayerKind::ALL`]'s order: the order [`Recompute::Largest`] takes them
-/// in, for the memory plan and the runtime alike.
-pub fn kinds_by_kept(model: &ModelConfig, tokens: Tokens) -> Vec<LayerKind> {
+/// in.
+fn kinds_by_kept(model: &ModelConfig, tokens: Tokens) -> Vec<LayerKind> {
     let mut kinds: Vec<LayerKind> = LayerKind::ALL
         .into_iter()
         .filter(|&k| Recompute::can_recompute(k))

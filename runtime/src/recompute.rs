@@ -36,7 +36,7 @@ pub enum Recompute {
     Layers(usize),
     /// The `n` layers that can recompute and keep the most: every layer of
     /// the kind whose layers keep the most first, in order, then the next
-    /// kind's ([`crate::memory::kinds_by_kept`] ranks them). A Mamba layer
+    /// kind's ([`crate::memory::recomputed`] ranks them). A Mamba layer
     /// of the 9B keeps 2.9 times what its MLP layers do for about the same
     /// forward compute, so these make a run fit with fewer forwards run
     /// again than the first `n`.
@@ -66,31 +66,28 @@ impl Recompute {
 
     /// For each layer of `kinds` (the decoder's, then each MTP depth's),
     /// whether it keeps only its input; `largest_first` ranks the kinds
-    /// for [`Recompute::Largest`] ([`crate::memory::kinds_by_kept`]), which
-    /// takes them in that order and each kind's layers in theirs.
+    /// for [`Recompute::Largest`] ([`crate::memory::recomputed`] gives the
+    /// model's ranking), which takes them in that order and each kind's
+    /// layers in theirs.
     pub fn chosen(self, kinds: &[LayerKind], largest_first: &[LayerKind]) -> Vec<bool> {
-        let mut chosen = vec![false; kinds.len()];
-        let mut left = match self {
+        let take = match self {
             Recompute::None => 0,
             Recompute::Full | Recompute::Auto => usize::MAX,
             Recompute::Layers(n) | Recompute::Largest(n) => n,
         };
-        // Takes the layers `of` allows, in order, while any are left.
-        let mut take = |of: &dyn Fn(LayerKind) -> bool| {
-            for (i, &kind) in kinds.iter().enumerate() {
-                if left > 0 && !chosen[i] && Recompute::can_recompute(kind) && of(kind) {
-                    chosen[i] = true;
-                    left -= 1;
-                }
-            }
+        let rank = |kind: LayerKind| match self {
+            Recompute::Largest(_) => largest_first.iter().position(|&k| k == kind),
+            _ => Some(0),
         };
-        match self {
-            Recompute::Largest(_) => {
-                for &rank in largest_first {
-                    take(&|kind| kind == rank);
-                }
-            }
-            _ => take(&|_| true),
+        // The candidates in the order they are taken: a stable sort keeps
+        // each kind's layers in order.
+        let mut order: Vec<usize> = (0..kinds.len())
+            .filter(|&i| Recompute::can_recompute(kinds[i]))
+            .collect();
+        order.sort_by_key(|&i| rank(kinds[i]).unwrap_or(usize::MAX));
+        let mut chosen = vec![false; kinds.len()];
+        for &i in order.iter().take(take) {
+            chosen[i] = true;
         }
         chosen
     }

@@ -658,10 +658,9 @@ fn need_of(
 /// `recompute` with [`Recompute::Auto`] settled for `plan`: the fewest
 /// layers recomputed (taken as [`Recompute::Largest`] takes them: those
 /// that keep the most first) with which the run's `need` fits
-/// `available`. Each layer recomputed keeps
-/// its input instead of all it saves, so the need falls as layers are
-/// added and a bisection finds the fewest in a few estimates (7 for the
-/// 9B's 56 layers). Where even all of them do not fit, all of them: the
+/// `available`. Each layer recomputed keeps its input instead of all it
+/// saves, so the need falls as layers are added and a bisection finds the
+/// fewest in a few estimates (7 for the 9B's 56 layers). Where even all of them do not fit, all of them: the
 /// check then refuses with the figures of the smallest need. Where the
 /// memory available is unknown (the check is skipped), none.
 fn settle_recompute(

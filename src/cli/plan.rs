@@ -8,7 +8,7 @@ use hybridgen_dsl::plan::{
 };
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::backend::{Precision, Tokens};
-use hybridgen_runtime::memory::{ElementSizes, activations, plan_activations};
+use hybridgen_runtime::memory::{ElementSizes, activations, layer_kinds, plan_activations};
 use hybridgen_runtime::recompute::Recompute;
 use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
@@ -312,11 +312,7 @@ fn write_activations(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Re
     }
     // What one layer of each kind saves recomputed (it keeps its input
     // instead of all it saves): how many `--recompute N` takes to fit.
-    let mut kinds: Vec<LayerKind> = plan
-        .layers
-        .iter()
-        .map(|l| l.kind)
-        .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind))
+    let mut kinds: Vec<LayerKind> = layer_kinds(plan)
         .filter(|&k| Recompute::can_recompute(k))
         .collect();
     kinds.sort_by_key(|&k| k as usize);

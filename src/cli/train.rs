@@ -582,30 +582,20 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         message: runtime_message(&e),
         json,
     })?;
+    let record = summary_json(
+        &summary,
+        &clock,
+        config.precision,
+        prepared.recomputed_layers().0,
+    );
     if let Some(log) = &mut log {
-        log.append(
-            &summary_json(
-                &summary,
-                &clock,
-                config.precision,
-                prepared.recomputed_layers().0,
-            )
-            .to_string(),
-        )
-        .map_err(|e| e.coded("io", json))?;
+        log.append(&record.to_string())
+            .map_err(|e| e.coded("io", json))?;
     }
     if text {
         super::emit(&summary_text(&summary, &clock, config.precision))
     } else {
-        super::emit(&format!(
-            "{}\n",
-            summary_json(
-                &summary,
-                &clock,
-                config.precision,
-                prepared.recomputed_layers().0
-            )
-        ))
+        super::emit(&format!("{record}\n"))
     }
 }
 

@@ -78,9 +78,7 @@ impl<D: Device> StepContext<D> {
         let totals = StepTotals::new(backend, plan.mtp_depths(), plan.buckets.len())?;
         let balance = ExpertBalance::new(&model, backend)?;
         let kinds: Vec<_> = crate::memory::layer_kinds(plan).collect();
-        let recomputed = recompute
-            .chosen(&kinds, &crate::memory::kinds_by_kept(&plan.model, tokens))
-            .into();
+        let recomputed = crate::memory::recomputed(&plan.model, &kinds, tokens, recompute).into();
         Ok(StepContext {
             balance,
             model,
