@@ -435,8 +435,9 @@ pub fn load<D: Device>(
             optimizer.config().kind
         )));
     }
-    // Each rank file this rank reads from, checked whole once (a chunk at a
-    // time) when first needed: where its tensors are.
+    // Each rank file this rank reads from, opened against the index when
+    // first needed: where its tensors are. Each tensor's bytes are checked
+    // as they are read, so nothing is read twice.
     let mut files: BTreeMap<String, stream::StoredTensors> = BTreeMap::new();
     let backend = &rank.backend;
     for (b, piece) in held_pieces(plan, &engine.layout(), rank.rank) {
@@ -521,7 +522,7 @@ fn assemble(
             })?;
             files.insert(
                 piece.file.clone(),
-                stream::checked(dir, &piece.file, listed)?,
+                stream::opened(dir, &piece.file, listed)?,
             );
         }
         let path = dir.join(&piece.file);

@@ -286,9 +286,68 @@ pub(crate) fn checked(dir: &Path, name: &str, entry: &FileEntry) -> Result<Store
     tensors.map_err(damaged)
 }
 
+/// Rank file `name` of checkpoint `dir`, opened against the index without
+/// reading its data: its size, and its CRC-32C as the index records it
+/// rebuilt from the header's bytes and the checksums the header records
+/// for its tensors ([`crc32c::combine`], as the writer made it). That
+/// vouches for every tensor's own checksum, which [`read_tensor`] checks
+/// as it reads the tensor, so a resume reads each byte once rather than
+/// once to check the file and again to load it. A file this does not
+/// vouch for (a damaged header, a tensor without its checksum, gaps
+/// between tensors) is checked whole by [`checked`], which also says where
+/// the damage is.
+pub(crate) fn opened(dir: &Path, name: &str, entry: &FileEntry) -> Result<StoredTensors> {
+    let path = dir.join(name);
+    let mut file = File::open(&path).map_err(|e| RuntimeError::io(path.display(), e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| RuntimeError::io(path.display(), e))?
+        .len();
+    if len == entry.bytes
+        && let Ok(header) = read_header(&mut file, len)
+        && combined_crc(&header, len).is_some_and(|crc| hex(crc) == entry.crc32c)
+    {
+        return Ok(header.tensors);
+    }
+    checked(dir, name, entry)
+}
+
+/// A file's CRC-32C from its header's and its tensors' own, where the
+/// tensors, each with its checksum, fill the data back to back from the
+/// header's end to the file's (`len`).
+fn combined_crc(header: &RankFileHeader, len: u64) -> Option<u32> {
+    let mut in_file: Vec<&StoredTensor> = header.tensors.values().collect();
+    // Empty tensors first where they share an offset with the next one.
+    in_file.sort_by_key(|t| (t.start, t.len));
+    let (mut crc, mut at) = (header.crc32c, header.data_start);
+    for tensor in in_file {
+        let sum = u32::from_str_radix(tensor.crc32c.as_deref()?, 16).ok()?;
+        if tensor.start != at {
+            return None;
+        }
+        crc = crc32c::combine(crc, sum, tensor.len);
+        at += tensor.len;
+    }
+    (at == len).then_some(crc)
+}
+
+/// A rank file's header as read: its tensors, where its data starts, and
+/// the CRC-32C of its bytes (the length prefix included).
+struct RankFileHeader {
+    tensors: StoredTensors,
+    data_start: u64,
+    crc32c: u32,
+}
+
 /// The tensors a rank file's header lists (F32 only, each inside the
 /// file); `Err` says what is wrong with the header.
 fn stored_tensors(file: &mut File, len: u64) -> std::result::Result<StoredTensors, String> {
+    read_header(file, len).map(|header| header.tensors)
+}
+
+/// A rank file's header: [`stored_tensors`], where the data starts and
+/// the header's own checksum.
+fn read_header(file: &mut File, len: u64) -> std::result::Result<RankFileHeader, String> {
     let mut prefix = [0u8; 8];
     file.seek(SeekFrom::Start(0))
         .and_then(|_| file.read_exact(&mut prefix))
@@ -296,6 +355,9 @@ fn stored_tensors(file: &mut File, len: u64) -> std::result::Result<StoredTensor
     let header_len = Header::length(prefix, len)?;
     let mut bytes = vec![0u8; header_len as usize];
     file.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+    let mut head_crc = Crc32c::default();
+    head_crc.update(&prefix);
+    head_crc.update(&bytes);
     let header = Header::parse(&bytes)?;
     let mut out = BTreeMap::new();
     for (tensor, info) in &header.tensors {
@@ -318,7 +380,11 @@ fn stored_tensors(file: &mut File, len: u64) -> std::result::Result<StoredTensor
             },
         );
     }
-    Ok(out)
+    Ok(RankFileHeader {
+        tensors: out,
+        data_start: header.data_start,
+        crc32c: head_crc.finish(),
+    })
 }
 
 /// Where the damage is in a rank file whose checksum failed but whose
@@ -347,9 +413,10 @@ fn damage_site(file: &mut File, tensors: &StoredTensors) -> std::io::Result<Stri
     )
 }
 
-/// Tensor `name` of rank file `path` (checked by [`checked`]): its values,
-/// after its bytes are checked against its own checksum once more (the file
-/// may have changed since).
+/// Tensor `name` of rank file `path` (opened by [`opened`] or [`checked`]):
+/// its values, after its bytes are checked against its own checksum (the
+/// one check of its data after [`opened`]; the file may also have changed
+/// since it was checked).
 pub(crate) fn read_tensor(path: &Path, name: &str, stored: &StoredTensor) -> Result<Vec<f32>> {
     let io = |e: String| RuntimeError::io(path.display(), e);
     let mut file = File::open(path).map_err(|e| io(e.to_string()))?;
@@ -369,11 +436,12 @@ pub(crate) fn read_tensor(path: &Path, name: &str, stored: &StoredTensor) -> Res
             }
         }
     }
+    let sum = hex(crc.finish());
     if let Some(want) = &stored.crc32c
-        && *want != hex(crc.finish())
+        && *want != sum
     {
         return Err(io(format!(
-            "tensor `{name}` does not match its checksum: the file changed after it was checked, or is damaged; {}",
+            "checksum mismatch (the header records CRC-32C {want} for tensor `{name}`, its bytes give {sum}); the damage is in tensor `{name}`. The checkpoint is damaged (or changed while it was read); {}",
             root::other_step_hint(path.parent().unwrap_or(Path::new(".")))
         )));
     }
@@ -502,13 +570,75 @@ mod tests {
         let err = read_tensor(&path, "t05", &stored["t05"])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("does not match its checksum"), "{err}");
+        assert!(err.contains("the damage is in tensor `t05`"), "{err}");
         flip(20);
         let err = checked(&dir, "rank-00000.safetensors", &entry)
             .err()
             .unwrap()
             .to_string();
         assert!(err.contains("header"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Opening a file reads its header only: a file whose data is damaged
+    /// opens, and the damaged tensor is refused when it is read (while
+    /// the others read back), so a resume reads each byte once. Damage
+    /// in the header, or a size that is not the index's, is refused on
+    /// opening, with the same words as [`checked`].
+    #[test]
+    fn opening_reads_the_header_and_reading_checks_each_tensor() {
+        let dir = scratch("open");
+        let name = "rank-00000.safetensors";
+        let (path, entry) = write(&dir, CHUNK);
+        let stored = opened(&dir, name, &entry).unwrap();
+        assert_eq!(stored.len(), tensors().len());
+        let original = std::fs::read(&path).unwrap();
+        let write_flipped = |at: u64| {
+            let mut bytes = original.clone();
+            bytes[at as usize] ^= 0x10;
+            std::fs::write(&path, bytes).unwrap();
+        };
+        write_flipped(stored["t02"].start + 4 * CHUNK as u64);
+        let stored = opened(&dir, name, &entry).unwrap();
+        let err = read_tensor(&path, "t02", &stored["t02"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("checksum mismatch"), "{err}");
+        assert!(err.contains("the damage is in tensor `t02`"), "{err}");
+        assert_eq!(
+            read_tensor(&path, "t05", &stored["t05"]).unwrap(),
+            values(5, 2 * CHUNK)
+        );
+        write_flipped(20);
+        let err = opened(&dir, name, &entry).err().unwrap().to_string();
+        assert!(
+            err.contains("checksum mismatch") && err.contains("header"),
+            "{err}"
+        );
+        std::fs::write(&path, &original).unwrap();
+        let other = FileEntry {
+            crc32c: hex(0x1234_5678),
+            ..entry.clone()
+        };
+        let err = opened(&dir, name, &other).err().unwrap().to_string();
+        assert!(err.contains("the index records CRC-32C 12345678"), "{err}");
+        std::fs::write(&path, &original[..original.len() - 1]).unwrap();
+        let err = opened(&dir, name, &entry).err().unwrap().to_string();
+        assert!(err.contains("but the index records"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The file's checksum rebuilt from the header's tensors is the file's
+    /// own, however its tensors fall (empty ones between, first and last).
+    #[test]
+    fn the_checksum_from_the_header_is_the_files() {
+        let dir = scratch("combined");
+        let (path, entry) = write(&dir, 1_000_003);
+        let mut file = File::open(&path).unwrap();
+        let header = read_header(&mut file, entry.bytes).unwrap();
+        let crc = combined_crc(&header, entry.bytes).unwrap();
+        assert_eq!(hex(crc), entry.crc32c);
+        assert_eq!(combined_crc(&header, entry.bytes + 4), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
