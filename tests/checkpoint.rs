@@ -97,23 +97,36 @@ fn nth_hit(name: &str, save: u64) -> u64 {
 
 #[test]
 fn a_kill_at_any_failpoint_resumes_onto_the_same_curve() {
-    let base = scratch("failpoints");
+    kill_at_each_failpoint_then_resume("failpoints", &[]);
+}
+
+/// The same with the files written behind the steps: a kill in a writer
+/// thread, or at a commit made steps after the save began, leaves a root
+/// the same command resumes from.
+#[test]
+fn a_kill_at_any_failpoint_of_an_async_save_resumes_onto_the_same_curve() {
+    kill_at_each_failpoint_then_resume("failpoints-async", &["--async-save"]);
+}
+
+/// Kills the run at each failpoint (with `extra` flags), checks what it
+/// leaves, and resumes it with the same command.
+fn kill_at_each_failpoint_then_resume(name: &str, extra: &[&str]) {
+    let base = scratch(name);
     let command = |root: &Path| -> Vec<String> {
-        let mut args: Vec<String> = run_args(
-            "4",
-            &[
-                "--save-every",
-                "1",
-                "--keep-last",
-                "1",
-                "--resume",
-                "auto",
-                "--save",
-            ],
-        )
-        .into_iter()
-        .map(String::from)
-        .collect();
+        let mut flags = extra.to_vec();
+        flags.extend([
+            "--save-every",
+            "1",
+            "--keep-last",
+            "1",
+            "--resume",
+            "auto",
+            "--save",
+        ]);
+        let mut args: Vec<String> = run_args("4", &flags)
+            .into_iter()
+            .map(String::from)
+            .collect();
         args.push(root.display().to_string());
         args
     };

@@ -5,7 +5,7 @@
 //! checkpoints.
 
 use crate::backend::{AttentionBackend, Backend, DeviceStats, ExpertGemm, Precision, Tokens};
-use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting};
+use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting, SaveInFlight};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
 use crate::data::{
@@ -14,7 +14,7 @@ use crate::data::{
 };
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
-use crate::fsdp::{FsdpEngine, Sharding};
+use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::launch::Launch;
 use crate::loader::{MicroBatchLoader, StreamRange, micro_batch_tokens};
 use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
@@ -103,6 +103,12 @@ pub struct TrainConfig {
     pub save_every: Option<u64>,
     /// Keep only the newest N steps in the save root.
     pub keep_last: Option<u64>,
+    /// Write each checkpoint behind the steps (`checkpoint::SaveInFlight`):
+    /// the steps wait for a copy of each rank's tensors into host memory,
+    /// not for the files, at the cost of that copy's host memory until the
+    /// files are written. Off: each rank file is streamed from the device
+    /// a chunk at a time while the steps wait.
+    pub async_save: bool,
     pub resume: Option<ResumeFrom>,
     /// Settings a resume takes from its checkpoint instead of from this
     /// configuration (the CLI lists the flags the user left out). Every
@@ -168,6 +174,7 @@ impl TrainConfig {
             save: None,
             save_every: None,
             keep_last: None,
+            async_save: false,
             resume: None,
             from_checkpoint: BTreeSet::new(),
             trace: None,
@@ -264,9 +271,9 @@ pub struct TrainSummary {
     pub resumed_dir: Option<PathBuf>,
     /// The last checkpoint saved: its step directory.
     pub saved_to: Option<PathBuf>,
-    /// The time the first local rank spent saving checkpoints, all of
-    /// them (writing its rank file, then waiting for its peers' and the
-    /// index).
+    /// The time the first local rank's steps waited on checkpoints, all of
+    /// them: writing its rank file (with `async_save`, copying its tensors
+    /// to host memory instead), waiting for its peers' and the index.
     pub save_time: Duration,
     pub trace: Option<PathBuf>,
     /// Where the first local rank's start-up went, before its first step.
@@ -518,6 +525,9 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     if config.save_every == Some(0) {
         return refuse("--save-every must be at least 1".into());
     }
+    if config.async_save {
+        check_async_save(config, &plan, &device, available.as_ref(), &memory)?;
+    }
     // Last: the checks that write (the save root, the trace file).
     let trace_file = config.trace.as_deref().map(open_trace).transpose()?;
     let (mut config, checkpoints) = settled.open(&plan)?;
@@ -531,6 +541,59 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         device,
         trace_file,
     })
+}
+
+/// Refuses `--async-save` without `--save`, and where the host lacks the
+/// memory for the copies of the checkpoint tensors it keeps while the files
+/// are written: every rank of this process on the CPU, beside the run's
+/// own need; on GPUs this process's ranks, times the processes a launcher
+/// started on this host (their shares are near equal).
+fn check_async_save(
+    config: &TrainConfig,
+    plan: &Plan,
+    device: &ChosenDevice,
+    available: Option<&AvailableMemory>,
+    memory: &MemoryNeed,
+) -> Result<()> {
+    if config.save.is_none() {
+        return Err(RuntimeError::Unsupported(
+            "--async-save writes the checkpoints of --save DIR behind the steps; give --save"
+                .into(),
+        ));
+    }
+    let layout = ShardLayout {
+        sharding: config.sharding,
+        world: config.ranks,
+        ep: config.ep,
+    };
+    let copy = |r| checkpoint::snapshot_bytes(plan, &layout, config.optimizer.kind, r);
+    let (host, copies, beside) = match device {
+        ChosenDevice::Cpu { .. } => (
+            available.cloned(),
+            (0..config.ranks).map(copy).sum(),
+            memory.total,
+        ),
+        ChosenDevice::Cuda { launch, .. } => {
+            let copies = match launch {
+                Launch::SingleProcess => (0..config.ranks).map(copy).sum(),
+                Launch::Distributed(info) => copy(info.rank) * info.local_world_size as u64,
+            };
+            (crate::memory::available(), copies, 0)
+        }
+    };
+    let Some(host) = host else { return Ok(()) };
+    if beside.saturating_add(copies) > host.bytes {
+        return Err(RuntimeError::OutOfMemory(format!(
+            "--async-save keeps a copy of each rank's checkpoint tensors in host memory while the files are written: \
+             {} for this host's ranks, beside the run's {}, but {} is available ({})\n\
+             tip: leave out --async-save: each rank file is then streamed a chunk at a time while the steps wait",
+            crate::memory::bytes(copies),
+            crate::memory::bytes(beside),
+            crate::memory::bytes(host.bytes),
+            host.source
+        )));
+    }
+    Ok(())
 }
 
 /// What each GPU holds besides the run's buffers: the CUDA context and
@@ -1095,6 +1158,8 @@ fn run_rank<D: Device>(
     // this step is there already.
     let mut saved = save.and_then(|s| s.root.newest_at_open());
     let mut save_time = Duration::ZERO;
+    // A checkpoint being written behind the steps (`async_save`).
+    let mut in_flight: Option<SaveInFlight> = None;
     let depths = plan.mtp_depths();
     // The training stream's micro-batches, made ahead on a thread of their
     // own so the executor never stops issuing work to make one.
@@ -1217,14 +1282,33 @@ fn run_rank<D: Device>(
                 device,
             });
         }
+        if let (Some(save), Some(saving)) = (save, &mut in_flight)
+            && timed(&mut save_time, || saving.try_commit(save, &rank))?.is_some()
+        {
+            in_flight = None;
+        }
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            timed(&mut save_time, || {
-                checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
-            })?;
+            if config.async_save {
+                // One save in flight at a time: its host copy is the
+                // memory the check allowed for.
+                if let Some(saving) = in_flight.take() {
+                    timed(&mut save_time, || saving.commit_when_written(save, &rank))?;
+                }
+                in_flight = Some(timed(&mut save_time, || {
+                    SaveInFlight::start(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+                })?);
+            } else {
+                timed(&mut save_time, || {
+                    checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+                })?;
+            }
             saved = Some(step);
         }
+    }
+    if let (Some(save), Some(saving)) = (save, in_flight.take()) {
+        timed(&mut save_time, || saving.commit_when_written(save, &rank))?;
     }
     if let Some(save) = save
         && saved != Some(step)

@@ -6,7 +6,10 @@
 
 use hybridgen_dsl::ModelConfig;
 use hybridgen_runtime::checkpoint::{self, ResumeFrom, RunSetting};
-use hybridgen_runtime::train::{StepReport, TrainConfig, train};
+use hybridgen_runtime::fsdp::ShardLayout;
+use hybridgen_runtime::optimizer::OptimizerKind;
+use hybridgen_runtime::recompute::Recompute;
+use hybridgen_runtime::train::{StepReport, TrainConfig, memory_need, prepare, train};
 use safetensors::SafeTensors;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -311,5 +314,106 @@ fn a_layout_left_out_is_the_checkpoints_where_it_fits() {
     let prepared = hybridgen_runtime::train::prepare(&c).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((prepared.config.ranks, prepared.config.ep), (2, 2));
     drop(prepared);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A fresh scratch root for `name`.
+fn scratch_root(name: &str) -> PathBuf {
+    let root =
+        std::env::temp_dir().join(format!("hybridgen-ckpt-lib-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    root
+}
+
+/// Two ranks, experts split between them, saving every second step.
+fn two_ranks_saving(root: &Path, async_save: bool) -> TrainConfig {
+    let mut c = config();
+    c.ranks = 2;
+    c.ep = 2;
+    c.steps = 5;
+    c.save_every = Some(2);
+    c.save = Some(root.to_path_buf());
+    c.async_save = async_save;
+    c
+}
+
+/// Files written behind the steps are the streamed save's bytes, at every
+/// step saved (2 and 4 behind the steps, 5 at the end) and on every rank;
+/// each rank file's data is exactly the host copy `snapshot_bytes` counts
+/// (what the memory check allows for).
+#[test]
+fn an_async_save_writes_the_bytes_a_streamed_save_writes() {
+    let (streamed, behind) = (scratch_root("streamed"), scratch_root("behind"));
+    let plain = train(&two_ranks_saving(&streamed, false), &mut |_| {}).unwrap();
+    let summary = train(&two_ranks_saving(&behind, true), &mut |_| {}).unwrap();
+    assert_eq!(summary.param_hash, plain.param_hash);
+    assert_eq!(summary.saved_to, Some(behind.join("step-000005")));
+    let plan = prepare(&two_ranks_saving(&scratch_root("plan"), true))
+        .unwrap()
+        .plan;
+    let layout = ShardLayout {
+        sharding: config().sharding,
+        world: 2,
+        ep: 2,
+    };
+    for step in ["step-000002", "step-000004", "step-000005"] {
+        checkpoint::verify(&behind.join(step)).unwrap();
+        for file in [
+            "checkpoint.json",
+            "rank-00000.safetensors",
+            "rank-00001.safetensors",
+        ] {
+            let (a, b) = (behind.join(step).join(file), streamed.join(step).join(file));
+            assert!(
+                std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+                "{} differs from the streamed save's",
+                a.display()
+            );
+        }
+        for r in 0..2 {
+            let bytes =
+                std::fs::read(behind.join(step).join(format!("rank-0000{r}.safetensors"))).unwrap();
+            let (header, _) = SafeTensors::read_metadata(&bytes).unwrap();
+            let copy = checkpoint::snapshot_bytes(&plan, &layout, OptimizerKind::Adam, r);
+            assert_eq!((bytes.len() - 8 - header) as u64, copy, "rank {r}");
+        }
+    }
+    for root in [streamed, behind, scratch_root("plan")] {
+        let _ = std::fs::remove_dir_all(root);
+    }
+}
+
+/// `async_save` needs a save root, and host memory for its copies beside
+/// the run's own need: one byte short is refused before anything is
+/// written, naming the way out; exactly enough runs.
+#[test]
+fn an_async_save_needs_a_root_and_host_memory_for_its_copy() {
+    let root = scratch_root("async-memory");
+    let mut c = two_ranks_saving(&root, true);
+    c.recompute = Recompute::None;
+    c.save = None;
+    c.save_every = None;
+    let err = prepare(&c).err().unwrap().to_string();
+    assert!(err.contains("give --save"), "{err}");
+
+    c.save = Some(root.clone());
+    let plan = prepare(&c).unwrap().plan;
+    let _ = std::fs::remove_dir_all(&root);
+    let layout = ShardLayout {
+        sharding: c.sharding,
+        world: 2,
+        ep: 2,
+    };
+    let copies: u64 = (0..2)
+        .map(|r| checkpoint::snapshot_bytes(&plan, &layout, OptimizerKind::Adam, r))
+        .sum();
+    let need = memory_need(&c, &plan).unwrap().total;
+    c.memory_available = Some(need + copies - 1);
+    let err = prepare(&c).err().unwrap().to_string();
+    assert!(err.contains("--async-save keeps a copy"), "{err}");
+    assert!(err.contains("leave out --async-save"), "{err}");
+    assert!(!root.exists(), "a refused run made its save root");
+    c.memory_available = Some(need + copies);
+    prepare(&c).unwrap();
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -198,6 +198,11 @@ pub(crate) struct TrainArgs {
     /// once a newer one is complete).
     #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
     keep_last: Option<u64>,
+    /// Write checkpoints behind the steps: the steps wait for a copy of
+    /// each rank's tensors in host memory, not for the files (refused when
+    /// the host lacks the memory for the copy).
+    #[arg(long, requires = "save")]
+    async_save: bool,
     /// Resume from a checkpoint root (its newest complete step), one step's
     /// directory, or `auto`: the --save root's newest step when it has one,
     /// else a fresh start. Settings left out (seed, data, batch sizes,
@@ -766,6 +771,7 @@ fn config(
     config.save = args.save.clone();
     config.save_every = args.save_every;
     config.keep_last = args.keep_last;
+    config.async_save = args.async_save;
     config.resume = args.resume.as_ref().map(|dir| {
         if dir.as_os_str() == "auto" {
             ResumeFrom::Auto

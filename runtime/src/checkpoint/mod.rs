@@ -12,19 +12,23 @@
 //! trained on.
 //!
 //! Rank files are written and read a chunk at a time (`stream`), so saving
-//! and resuming take the host memory of a chunk, not of the rank's state.
+//! and resuming take the host memory of a chunk, not of the rank's state;
+//! or, with `--async-save`, written from a host copy behind the steps
+//! (`save`). A resume reads each byte once: the index vouches for each
+//! tensor's own checksum, checked as the tensor loads.
 //!
 //! Modules: [`root`] (the root's layout, `latest`, the lock, `--keep-last`),
 //! [`index`] (the index, its seal and its range checks), [`run`] (the run's
-//! state and how a resume settles against it), `stream` (rank files
-//! written and read a chunk at a time), [`durable`] (fsynced writes and
-//! failpoints), [`crc32c`].
+//! state and how a resume settles against it), `save` (a save, streamed or
+//! behind the steps), `stream` (rank files written and read a chunk at a
+//! time), [`durable`] (fsynced writes and failpoints), [`crc32c`].
 
 pub mod crc32c;
 pub mod durable;
 pub mod index;
 pub mod root;
 pub mod run;
+mod save;
 mod stream;
 
 pub use durable::{FAILPOINT_ENV, FAILPOINTS};
@@ -34,6 +38,7 @@ pub use index::{
 };
 pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
 pub use run::{DataRecord, RunSetting, RunState};
+pub use save::{SaveInFlight, save, snapshot_bytes};
 
 use crate::backend::Backend;
 use crate::collective::Collective;
@@ -282,136 +287,6 @@ fn names(key: &str) -> [String; 3] {
         format!("exp_avg/{key}"),
         format!("exp_avg_sq/{key}"),
     ]
-}
-
-/// Writes the checkpoint of the state after `step` steps into `target`'s
-/// root as `step-N`, durably, then points `latest` at it. Every rank calls
-/// it (it synchronises them). Returns the step's directory.
-pub fn save<D: Device>(
-    target: &SaveTarget,
-    step: u64,
-    plan: &Plan,
-    engine: &FsdpEngine<D>,
-    optimizer: &Optimizer<D>,
-    balance: &ExpertBalance<D::Backend>,
-    rank: &RankContext<D>,
-) -> Result<PathBuf> {
-    let root = &target.root;
-    let partial = root.partial_dir(step);
-    if rank.rank == 0 {
-        root.begin(step)?;
-    }
-    rank.host.barrier()?;
-
-    // This rank's file, a chunk at a time: memory holds a chunk, not the
-    // rank's state.
-    let backend = &rank.backend;
-    // Each tensor's name and where its values come from.
-    let mut tensors: Vec<(String, TensorSource<'_, D::Backend>)> = Vec::new();
-    for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
-        let shard = &engine.shards()[b];
-        let state = &optimizer.states()[b];
-        let [p, m, v] = names(&piece.key);
-        let from = |buf| TensorSource::Device(buf, piece.in_shard.clone());
-        tensors.push((p, from(&shard.master)));
-        tensors.push((m, from(&state.exp_avg)));
-        if backend.buf_len(&state.exp_avg_sq) > 0 {
-            tensors.push((v, from(&state.exp_avg_sq)));
-        }
-    }
-    // The expert biases are the same on every rank: rank 0 keeps them.
-    let biases = balance.biases();
-    if rank.rank == 0 {
-        for (key, values) in &biases {
-            let [p, _, _] = names(key);
-            tensors.push((p, TensorSource::Host(values)));
-        }
-    }
-    let path = partial.join(rank_file(rank.rank));
-    let lengths: Vec<(String, usize)> = tensors
-        .iter()
-        .map(|(name, source)| (name.clone(), source.len()))
-        .collect();
-    let longest = lengths.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    let mut writer = stream::RankFileWriter::create(&path, "rank-file", lengths)?;
-    let mut chunk = vec![0.0f32; longest.min(stream::CHUNK)];
-    for (_, source) in &tensors {
-        match source {
-            TensorSource::Host(values) => writer.put(values)?,
-            TensorSource::Device(buf, range) => {
-                for start in range.clone().step_by(stream::CHUNK) {
-                    let end = (start + stream::CHUNK).min(range.end);
-                    let host = &mut chunk[..end - start];
-                    backend.download(backend.slice(buf, start..end)?, host)?;
-                    writer.put(host)?;
-                }
-            }
-        }
-    }
-    let (bytes, crc) = writer.finish()?;
-    // Every rank's size and checksum, for rank 0's index (both exact in f64).
-    let all = rank.host.all_gather_host(&[f64::from(crc), bytes as f64])?;
-
-    if rank.rank == 0 {
-        let files = all
-            .iter()
-            .enumerate()
-            .map(|(r, v)| {
-                let entry = FileEntry {
-                    bytes: v[1] as u64,
-                    crc32c: hex(v[0] as u32),
-                };
-                (rank_file(r), entry)
-            })
-            .collect();
-        let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
-        for r in 0..rank.world {
-            for (_, piece) in written_pieces(plan, &engine.layout(), r) {
-                let shape = plan.def(&plan.params[piece.param]).shape.to_vec();
-                entries
-                    .entry(piece.key)
-                    .or_insert_with(|| TensorEntry {
-                        shape,
-                        pieces: Vec::new(),
-                    })
-                    .pieces
-                    .push(Piece {
-                        file: rank_file(r),
-                        start: piece.elements.start,
-                        end: piece.elements.end,
-                    });
-            }
-        }
-        for (key, values) in biases {
-            let piece = Piece {
-                file: rank_file(0),
-                start: 0,
-                end: values.len(),
-            };
-            let entry = TensorEntry {
-                shape: vec![values.len()],
-                pieces: vec![piece],
-            };
-            entries.insert(key, entry);
-        }
-        let index = CheckpointIndex {
-            crc32c: String::new(),
-            format: FORMAT.to_string(),
-            version: VERSION,
-            step,
-            pattern: plan.pattern.canonical(),
-            model: plan.model.clone(),
-            layout: target.layout.clone(),
-            run: target.run.clone(),
-            files,
-            tensors: entries,
-        };
-        let text = index.to_sealed_text()?;
-        durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
-        root.commit(step)?;
-    }
-    rank.host.barrier()?;
-    Ok(root.step_dir(step))
 }
 
 /// Loads checkpoint `resume` into this rank's shards and optimizer state,

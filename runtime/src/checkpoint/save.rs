@@ -1,0 +1,459 @@
+//! Saving a checkpoint: each rank writes its rank file into the step's
+//! `.partial` directory, then rank 0 writes the index and commits the step
+//! (`root`). The rank file is written one of two ways:
+//!
+//! - [`save`] streams it from the device a chunk at a time while the steps
+//!   wait: a chunk of host memory, and the step time of the whole write.
+//! - [`SaveInFlight::start`] (`--async-save`, Megatron's `--async-save`)
+//!   copies the rank's tensors into host memory at the step boundary and
+//!   writes them on a thread of its own while training goes on. The steps
+//!   wait only for the copy; the host holds the rank's state once more
+//!   until the file is written. The step is committed at the first step
+//!   boundary where every rank's file is written, or before the next save
+//!   starts, or at the run's end: one save is in flight at a time, and the
+//!   previous complete step stays in the root until the new one is.
+//!
+//! Both write the same bytes, and a crash at any point leaves the previous
+//! step loadable, as a crash during a streamed save does.
+
+use super::crc32c::hex;
+use super::durable;
+use super::index::{CheckpointIndex, FORMAT, FileEntry, INDEX, Piece, TensorEntry, VERSION};
+use super::root::rank_file;
+use super::stream::{self, RankFileWriter};
+use super::{SaveTarget, TensorSource, names, written_pieces};
+use crate::backend::Backend;
+use crate::collective::Collective;
+use crate::device::{Device, RankContext};
+use crate::error::{Result, RuntimeError};
+use crate::fsdp::{FsdpEngine, ShardLayout};
+use crate::layers::ExpertBalance;
+use crate::optimizer::{Optimizer, OptimizerKind};
+use hybridgen_dsl::Plan;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+/// Writes the checkpoint of the state after `step` steps into `target`'s
+/// root as `step-N`, durably, then points `latest` at it, streaming this
+/// rank's file from the device. Every rank calls it (it synchronises
+/// them). Returns the step's directory.
+pub fn save<D: Device>(
+    target: &SaveTarget,
+    step: u64,
+    plan: &Plan,
+    engine: &FsdpEngine<D>,
+    optimizer: &Optimizer<D>,
+    balance: &ExpertBalance<D::Backend>,
+    rank: &RankContext<D>,
+) -> Result<PathBuf> {
+    let biases = balance.biases();
+    let begun = Begun::new(target, step, plan, &engine.layout(), &biases, rank)?;
+    let tensors = rank_tensors(plan, engine, optimizer, &biases, rank);
+    let written = write_streamed(&begun.path, &tensors, &rank.backend)?;
+    begun.commit(target, written, rank)
+}
+
+/// A save begun: its `.partial` directory made, this rank's file named,
+/// and on rank 0 the index without its files' sizes and checksums (the
+/// layout and the expert biases' keys fix everything else at the start).
+struct Begun {
+    step: u64,
+    path: PathBuf,
+    draft: Option<CheckpointIndex>,
+}
+
+impl Begun {
+    fn new<D: Device>(
+        target: &SaveTarget,
+        step: u64,
+        plan: &Plan,
+        layout: &ShardLayout,
+        biases: &[(String, Vec<f32>)],
+        rank: &RankContext<D>,
+    ) -> Result<Begun> {
+        let root = &target.root;
+        if rank.rank == 0 {
+            root.begin(step)?;
+        }
+        rank.host.barrier()?;
+        let draft =
+            (rank.rank == 0).then(|| draft_index(target, step, plan, layout, biases, rank.world));
+        Ok(Begun {
+            step,
+            path: root.partial_dir(step).join(rank_file(rank.rank)),
+            draft,
+        })
+    }
+
+    /// Gathers every rank's file size and checksum; rank 0 writes the index
+    /// and commits the step. Every rank calls it.
+    fn commit<D: Device>(
+        &self,
+        target: &SaveTarget,
+        (bytes, crc): (u64, u32),
+        rank: &RankContext<D>,
+    ) -> Result<PathBuf> {
+        // Both exact in f64.
+        let all = rank.host.all_gather_host(&[f64::from(crc), bytes as f64])?;
+        if let Some(draft) = &self.draft {
+            let mut index = draft.clone();
+            index.files = all
+                .iter()
+                .enumerate()
+                .map(|(r, v)| {
+                    let entry = FileEntry {
+                        bytes: v[1] as u64,
+                        crc32c: hex(v[0] as u32),
+                    };
+                    (rank_file(r), entry)
+                })
+                .collect();
+            let text = index.to_sealed_text()?;
+            let partial = target.root.partial_dir(self.step);
+            durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
+            target.root.commit(self.step)?;
+        }
+        rank.host.barrier()?;
+        Ok(target.root.step_dir(self.step))
+    }
+}
+
+/// The index of step `step` as `world` ranks of `layout` write it, with no
+/// files yet: which file holds which elements of each key.
+fn draft_index(
+    target: &SaveTarget,
+    step: u64,
+    plan: &Plan,
+    layout: &ShardLayout,
+    biases: &[(String, Vec<f32>)],
+    world: usize,
+) -> CheckpointIndex {
+    let mut entries: BTreeMap<String, TensorEntry> = BTreeMap::new();
+    for r in 0..world {
+        for (_, piece) in written_pieces(plan, layout, r) {
+            let shape = plan.def(&plan.params[piece.param]).shape.to_vec();
+            entries
+                .entry(piece.key)
+                .or_insert_with(|| TensorEntry {
+                    shape,
+                    pieces: Vec::new(),
+                })
+                .pieces
+                .push(Piece {
+                    file: rank_file(r),
+                    start: piece.elements.start,
+                    end: piece.elements.end,
+                });
+        }
+    }
+    // The expert biases are the same on every rank: rank 0 keeps them.
+    for (key, values) in biases {
+        let piece = Piece {
+            file: rank_file(0),
+            start: 0,
+            end: values.len(),
+        };
+        let entry = TensorEntry {
+            shape: vec![values.len()],
+            pieces: vec![piece],
+        };
+        entries.insert(key.clone(), entry);
+    }
+    CheckpointIndex {
+        crc32c: String::new(),
+        format: FORMAT.to_string(),
+        version: VERSION,
+        step,
+        pattern: plan.pattern.canonical(),
+        model: plan.model.clone(),
+        layout: target.layout.clone(),
+        run: target.run.clone(),
+        files: BTreeMap::new(),
+        tensors: entries,
+    }
+}
+
+/// This rank's tensors in its file's order, each named and with where its
+/// values come from: each written piece's master weights and moments, and
+/// on rank 0 the expert biases.
+fn rank_tensors<'a, D: Device>(
+    plan: &Plan,
+    engine: &'a FsdpEngine<D>,
+    optimizer: &'a Optimizer<D>,
+    biases: &'a [(String, Vec<f32>)],
+    rank: &RankContext<D>,
+) -> Vec<(String, TensorSource<'a, D::Backend>)> {
+    let backend = &rank.backend;
+    let mut tensors = Vec::new();
+    for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
+        let shard = &engine.shards()[b];
+        let state = &optimizer.states()[b];
+        let [p, m, v] = names(&piece.key);
+        let from = |buf| TensorSource::Device(buf, piece.in_shard.clone());
+        tensors.push((p, from(&shard.master)));
+        tensors.push((m, from(&state.exp_avg)));
+        if backend.buf_len(&state.exp_avg_sq) > 0 {
+            tensors.push((v, from(&state.exp_avg_sq)));
+        }
+    }
+    if rank.rank == 0 {
+        for (key, values) in biases {
+            let [p, _, _] = names(key);
+            tensors.push((p, TensorSource::Host(values)));
+        }
+    }
+    tensors
+}
+
+/// Each tensor's name and length, for the file's header.
+fn lengths<B: Backend>(tensors: &[(String, TensorSource<'_, B>)]) -> Vec<(String, usize)> {
+    tensors
+        .iter()
+        .map(|(name, source)| (name.clone(), source.len()))
+        .collect()
+}
+
+/// Writes `tensors` into the rank file at `path` a chunk at a time:
+/// memory holds a chunk, not the rank's state. Returns its size and
+/// CRC-32C.
+fn write_streamed<B: Backend>(
+    path: &std::path::Path,
+    tensors: &[(String, TensorSource<'_, B>)],
+    backend: &B,
+) -> Result<(u64, u32)> {
+    let lengths = lengths(tensors);
+    let longest = lengths.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    let mut writer = RankFileWriter::create(path, "rank-file", lengths)?;
+    let mut chunk = vec![0.0f32; longest.min(stream::CHUNK)];
+    for (_, source) in tensors {
+        match source {
+            TensorSource::Host(values) => writer.put(values)?,
+            TensorSource::Device(buf, range) => {
+                for start in range.clone().step_by(stream::CHUNK) {
+                    let end = (start + stream::CHUNK).min(range.end);
+                    let host = &mut chunk[..end - start];
+                    backend.download(backend.slice(buf, start..end)?, host)?;
+                    writer.put(host)?;
+                }
+            }
+        }
+    }
+    writer.finish()
+}
+
+/// The host memory [`SaveInFlight::start`] takes for world rank `r`'s
+/// copy of its checkpoint tensors (bytes): its written pieces' master
+/// weights and moments, and on rank 0 the expert biases.
+pub fn snapshot_bytes(
+    plan: &Plan,
+    layout: &ShardLayout,
+    optimizer: OptimizerKind,
+    r: usize,
+) -> u64 {
+    let tensors_a_piece = if optimizer == OptimizerKind::Adam {
+        3
+    } else {
+        2
+    };
+    let pieces: usize = written_pieces(plan, layout, r)
+        .iter()
+        .map(|(_, piece)| piece.in_shard.len() * tensors_a_piece)
+        .sum();
+    let biases = if r == 0 {
+        crate::layers::expert_bias_keys(plan).len()
+            * plan.model.moe.as_ref().map_or(0, |m| m.num_experts)
+    } else {
+        0
+    };
+    (pieces + biases) as u64 * 4
+}
+
+/// A rank file's writing as [`SaveInFlight`]'s thread reports it to the
+/// other ranks (exact in f64).
+const WRITING: f64 = 0.0;
+const WRITTEN: f64 = 1.0;
+const FAILED: f64 = 2.0;
+
+/// A checkpoint being written behind the training steps (`--async-save`):
+/// this rank's tensors copied to host memory at its step, its rank file
+/// written by a thread of its own. Every rank holds one for the same step;
+/// [`SaveInFlight::try_commit`] at each step boundary commits the step
+/// once every rank's file is written. Dropped before that (the run
+/// failed), it stops the thread and leaves the step `.partial`, for the
+/// next run to remove.
+pub struct SaveInFlight {
+    begun: Begun,
+    writer: Option<JoinHandle<Result<(u64, u32)>>>,
+    /// The thread's result, once joined.
+    written: Option<Result<(u64, u32)>>,
+    /// Set when the save is abandoned: the thread stops at its next chunk.
+    abandon: Arc<AtomicBool>,
+}
+
+impl SaveInFlight {
+    /// Copies this rank's checkpoint tensors of the state after `step`
+    /// steps into host memory and starts writing them. Every rank calls
+    /// it. Where the host cannot give the copy its memory, the file is
+    /// streamed now instead, as [`save`] writes it.
+    pub fn start<D: Device>(
+        target: &SaveTarget,
+        step: u64,
+        plan: &Plan,
+        engine: &FsdpEngine<D>,
+        optimizer: &Optimizer<D>,
+        balance: &ExpertBalance<D::Backend>,
+        rank: &RankContext<D>,
+    ) -> Result<SaveInFlight> {
+        let biases = balance.biases();
+        let begun = Begun::new(target, step, plan, &engine.layout(), &biases, rank)?;
+        let tensors = rank_tensors(plan, engine, optimizer, &biases, rank);
+        let lengths = lengths(&tensors);
+        let total: usize = lengths.iter().map(|(_, n)| n).sum();
+        let abandon = Arc::new(AtomicBool::new(false));
+        let mut snapshot: Vec<f32> = Vec::new();
+        if snapshot.try_reserve_exact(total).is_err() {
+            let written = write_streamed(&begun.path, &tensors, &rank.backend);
+            return Ok(SaveInFlight {
+                begun,
+                writer: None,
+                written: Some(written),
+                abandon,
+            });
+        }
+        let backend = &rank.backend;
+        for (_, source) in &tensors {
+            let at = snapshot.len();
+            snapshot.resize(at + source.len(), 0.0);
+            match source {
+                TensorSource::Host(values) => snapshot[at..].copy_from_slice(values),
+                TensorSource::Device(buf, range) => {
+                    backend.download(backend.slice(buf, range.clone())?, &mut snapshot[at..])?
+                }
+            }
+        }
+        let mut file = RankFileWriter::create(&begun.path, "rank-file", lengths)?;
+        let stop = abandon.clone();
+        let path = begun.path.clone();
+        let writer = std::thread::Builder::new()
+            .name(format!("save-rank-{}", rank.rank))
+            .spawn(move || {
+                for part in snapshot.chunks(stream::CHUNK) {
+                    if stop.load(Ordering::Relaxed) {
+                        return Err(RuntimeError::io(path.display(), "the save was abandoned"));
+                    }
+                    file.put(part)?;
+                }
+                file.finish()
+            })
+            .map_err(|e| {
+                RuntimeError::io(
+                    begun.path.display(),
+                    format!("cannot start the writer thread: {e}"),
+                )
+            })?;
+        Ok(SaveInFlight {
+            begun,
+            writer: Some(writer),
+            written: None,
+            abandon,
+        })
+    }
+
+    /// The step being saved.
+    pub fn step(&self) -> u64 {
+        self.begun.step
+    }
+
+    /// Commits the step if every rank's file is written: `Some` of its
+    /// directory, `None` while a rank still writes. Every rank calls it at
+    /// the same step boundary (it exchanges each rank's progress); a rank
+    /// whose file failed fails them all.
+    pub fn try_commit<D: Device>(
+        &mut self,
+        target: &SaveTarget,
+        rank: &RankContext<D>,
+    ) -> Result<Option<PathBuf>> {
+        self.exchange(false, target, rank)
+    }
+
+    /// Waits for this rank's file, then commits the step once every rank's
+    /// is written. Every rank calls it.
+    pub fn commit_when_written<D: Device>(
+        mut self,
+        target: &SaveTarget,
+        rank: &RankContext<D>,
+    ) -> Result<PathBuf> {
+        match self.exchange(true, target, rank)? {
+            Some(dir) => Ok(dir),
+            None => Err(RuntimeError::Unsupported(format!(
+                "the save of step {} was waited for but a rank reported it still writing",
+                self.begun.step
+            ))),
+        }
+    }
+
+    /// Joins the writer if it is done (or `wait`s for it), tells the other
+    /// ranks, and commits when every file is written.
+    fn exchange<D: Device>(
+        &mut self,
+        wait: bool,
+        target: &SaveTarget,
+        rank: &RankContext<D>,
+    ) -> Result<Option<PathBuf>> {
+        if self
+            .writer
+            .as_ref()
+            .is_some_and(|w| wait || w.is_finished())
+            && let Some(writer) = self.writer.take()
+        {
+            self.written = Some(writer.join().unwrap_or_else(|_| {
+                Err(RuntimeError::io(
+                    self.begun.path.display(),
+                    "the writer thread panicked",
+                ))
+            }));
+        }
+        let state = match &self.written {
+            None => WRITING,
+            Some(Ok(_)) => WRITTEN,
+            Some(Err(_)) => FAILED,
+        };
+        let all = rank.host.all_gather_host(&[state])?;
+        if state == FAILED
+            && let Some(Err(e)) = self.written.take()
+        {
+            return Err(e);
+        }
+        if let Some(failed) = all.iter().position(|v| v[0] == FAILED) {
+            return Err(RuntimeError::io(
+                self.begun.path.display(),
+                format!(
+                    "rank {failed} could not write its file of step {}; its own error says why",
+                    self.begun.step
+                ),
+            ));
+        }
+        if all.iter().any(|v| v[0] != WRITTEN) {
+            return Ok(None);
+        }
+        match self.written.take() {
+            Some(Ok(written)) => self.begun.commit(target, written, rank).map(Some),
+            _ => Err(RuntimeError::io(
+                self.begun.path.display(),
+                "reported written but holds no result",
+            )),
+        }
+    }
+}
+
+impl Drop for SaveInFlight {
+    fn drop(&mut self) {
+        if let Some(writer) = self.writer.take() {
+            self.abandon.store(true, Ordering::Relaxed);
+            let _ = writer.join();
+        }
+    }
+}
