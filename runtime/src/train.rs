@@ -5,7 +5,9 @@
 //! checkpoints.
 
 use crate::backend::{AttentionBackend, Backend, DeviceStats, ExpertGemm, Precision, Tokens};
-use crate::checkpoint::{self, ResumeFrom, RunCheckpoints, RunSetting, SaveInFlight};
+use crate::checkpoint::{
+    self, ResumeFrom, RunCheckpoints, RunSetting, SaveInFlight, SnapshotBuffer,
+};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
 use crate::data::{
@@ -1158,8 +1160,18 @@ fn run_rank<D: Device>(
     // this step is there already.
     let mut saved = save.and_then(|s| s.root.newest_at_open());
     let mut save_time = Duration::ZERO;
-    // A checkpoint being written behind the steps (`async_save`).
+    // A checkpoint being written behind the steps (`async_save`), and the
+    // host memory its copy goes into, allocated while the first steps run
+    // (only where a save behind the steps will come before the last step).
     let mut in_flight: Option<SaveInFlight> = None;
+    let mut snapshot = match (save, config.save_every) {
+        (Some(_), Some(every)) if config.async_save && every < config.steps => {
+            let bytes =
+                checkpoint::snapshot_bytes(&plan, &engine.layout(), config.optimizer.kind, r);
+            Some(SnapshotBuffer::allocate((bytes / 4) as usize))
+        }
+        _ => None,
+    };
     let depths = plan.mtp_depths();
     // The training stream's micro-batches, made ahead on a thread of their
     // own so the executor never stops issuing work to make one.
@@ -1282,24 +1294,43 @@ fn run_rank<D: Device>(
                 device,
             });
         }
-        if let (Some(save), Some(saving)) = (save, &mut in_flight)
-            && timed(&mut save_time, || saving.try_commit(save, &rank))?.is_some()
+        if let (Some(save), Some(saving), Some(buffer)) = (save, &mut in_flight, &mut snapshot)
+            && timed(&mut save_time, || saving.try_commit(save, buffer, &rank))?.is_some()
         {
             in_flight = None;
         }
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
-            if config.async_save {
+            // The last step's save would be waited for at once: it streams.
+            if let (Some(buffer), true) = (&mut snapshot, step < config.steps) {
                 // One save in flight at a time: its host copy is the
                 // memory the check allowed for.
                 if let Some(saving) = in_flight.take() {
-                    timed(&mut save_time, || saving.commit_when_written(save, &rank))?;
+                    timed(&mut save_time, || {
+                        saving.commit_when_written(save, buffer, &rank)
+                    })?;
                 }
                 in_flight = Some(timed(&mut save_time, || {
-                    SaveInFlight::start(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+                    SaveInFlight::start(
+                        save,
+                        step,
+                        &plan,
+                        &engine,
+                        &optimizer,
+                        &cx.balance,
+                        buffer,
+                        &rank,
+                    )
                 })?);
             } else {
+                // A save still in flight is committed first, so `latest`
+                // and `--keep-last` see the steps in order.
+                if let (Some(saving), Some(buffer)) = (in_flight.take(), &mut snapshot) {
+                    timed(&mut save_time, || {
+                        saving.commit_when_written(save, buffer, &rank)
+                    })?;
+                }
                 timed(&mut save_time, || {
                     checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
                 })?;
@@ -1307,8 +1338,10 @@ fn run_rank<D: Device>(
             saved = Some(step);
         }
     }
-    if let (Some(save), Some(saving)) = (save, in_flight.take()) {
-        timed(&mut save_time, || saving.commit_when_written(save, &rank))?;
+    if let (Some(save), Some(saving), Some(buffer)) = (save, in_flight.take(), &mut snapshot) {
+        timed(&mut save_time, || {
+            saving.commit_when_written(save, buffer, &rank)
+        })?;
     }
     if let Some(save) = save
         && saved != Some(step)

@@ -383,6 +383,25 @@ fn an_async_save_writes_the_bytes_a_streamed_save_writes() {
     }
 }
 
+/// A last step's save streams (it would be waited for at once), after the
+/// save still in flight is committed: `latest` names the last step.
+#[test]
+fn a_save_in_flight_is_committed_before_the_last_steps() {
+    let root = scratch_root("in-order");
+    let mut c = two_ranks_saving(&root, true);
+    c.steps = 4;
+    let summary = train(&c, &mut |_| {}).unwrap();
+    assert_eq!(summary.saved_to, Some(root.join("step-000004")));
+    assert_eq!(
+        std::fs::read_to_string(root.join("latest")).unwrap(),
+        "step-000004\n"
+    );
+    for step in ["step-000002", "step-000004"] {
+        checkpoint::verify(&root.join(step)).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 /// `async_save` needs a save root, and host memory for its copies beside
 /// the run's own need: one byte short is refused before anything is
 /// written, naming the way out; exactly enough runs.
