@@ -57,7 +57,7 @@ cargo build --release --bin hybridgen
 cp target/release/hybridgen "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
-cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh \
+cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh scripts/checkpoint_gpu.sh \
   scripts/run_log.py scripts/timeline_gaps.py "$bundle/"
 
 # The CUPTI timeline library (`run.sh LOGDIR timeline`), compiled here
