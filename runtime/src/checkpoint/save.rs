@@ -413,11 +413,6 @@ impl SaveInFlight {
         })
     }
 
-    /// The step being saved.
-    pub fn step(&self) -> u64 {
-        self.begun.step
-    }
-
     /// Commits the step if every rank's file is written: `Some` of its
     /// directory, `None` while a rank still writes. Every rank calls it at
     /// the same step boundary (it exchanges each rank's progress); a rank
