@@ -6,7 +6,7 @@
 
 use crate::backend::{AttentionBackend, Backend, DeviceStats, ExpertGemm, Precision, Tokens};
 use crate::checkpoint::{
-    self, ResumeFrom, RunCheckpoints, RunSetting, SaveInFlight, SnapshotBuffer,
+    self, ResumeFrom, RunCheckpoints, RunSetting, SaveInFlight, SavedState, SnapshotBuffer,
 };
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
@@ -1299,6 +1299,12 @@ fn run_rank<D: Device>(
         {
             in_flight = None;
         }
+        let state = SavedState {
+            plan: &plan,
+            engine: &engine,
+            optimizer: &optimizer,
+            balance: &cx.balance,
+        };
         if let (Some(save), Some(every)) = (save, config.save_every)
             && step % every == 0
         {
@@ -1312,16 +1318,7 @@ fn run_rank<D: Device>(
                     })?;
                 }
                 in_flight = Some(timed(&mut save_time, || {
-                    SaveInFlight::start(
-                        save,
-                        step,
-                        &plan,
-                        &engine,
-                        &optimizer,
-                        &cx.balance,
-                        buffer,
-                        &rank,
-                    )
+                    SaveInFlight::start(save, step, &state, buffer, &rank)
                 })?);
             } else {
                 // A save still in flight is committed first, so `latest`
@@ -1332,7 +1329,7 @@ fn run_rank<D: Device>(
                     })?;
                 }
                 timed(&mut save_time, || {
-                    checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+                    checkpoint::save(save, step, &state, &rank)
                 })?;
             }
             saved = Some(step);
@@ -1343,11 +1340,17 @@ fn run_rank<D: Device>(
             saving.commit_when_written(save, buffer, &rank)
         })?;
     }
+    let state = SavedState {
+        plan: &plan,
+        engine: &engine,
+        optimizer: &optimizer,
+        balance: &cx.balance,
+    };
     if let Some(save) = save
         && saved != Some(step)
     {
         timed(&mut save_time, || {
-            checkpoint::save(save, step, &plan, &engine, &optimizer, &cx.balance, &rank)
+            checkpoint::save(save, step, &state, &rank)
         })?;
     }
     let hashing = Instant::now();

@@ -38,7 +38,7 @@ pub use index::{
 };
 pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
 pub use run::{DataRecord, RunSetting, RunState};
-pub use save::{SaveInFlight, SnapshotBuffer, save, snapshot_bytes};
+pub use save::{SaveInFlight, SavedState, SnapshotBuffer, save, snapshot_bytes};
 
 use crate::backend::Backend;
 use crate::collective::Collective;

@@ -36,22 +36,28 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
-/// Writes the checkpoint of the state after `step` steps into `target`'s
+/// What a save writes from: the run's plan, and this rank's parameters,
+/// optimizer state and expert biases.
+pub struct SavedState<'a, D: Device> {
+    pub plan: &'a Plan,
+    pub engine: &'a FsdpEngine<D>,
+    pub optimizer: &'a Optimizer<D>,
+    pub balance: &'a ExpertBalance<D::Backend>,
+}
+
+/// Writes the checkpoint of `state` after `step` steps into `target`'s
 /// root as `step-N`, durably, then points `latest` at it, streaming this
 /// rank's file from the device. Every rank calls it (it synchronises
 /// them). Returns the step's directory.
 pub fn save<D: Device>(
     target: &SaveTarget,
     step: u64,
-    plan: &Plan,
-    engine: &FsdpEngine<D>,
-    optimizer: &Optimizer<D>,
-    balance: &ExpertBalance<D::Backend>,
+    state: &SavedState<'_, D>,
     rank: &RankContext<D>,
 ) -> Result<PathBuf> {
-    let biases = balance.biases();
-    let begun = Begun::new(target, step, plan, &engine.layout(), &biases, rank)?;
-    let tensors = rank_tensors(plan, engine, optimizer, &biases, rank);
+    let biases = state.balance.biases();
+    let begun = Begun::new(target, step, state, &biases, rank)?;
+    let tensors = rank_tensors(state, &biases, rank);
     let written = write_streamed(&begun.path, &tensors, &rank.backend)?;
     begun.commit(target, written, rank)
 }
@@ -69,8 +75,7 @@ impl Begun {
     fn new<D: Device>(
         target: &SaveTarget,
         step: u64,
-        plan: &Plan,
-        layout: &ShardLayout,
+        state: &SavedState<'_, D>,
         biases: &[(String, Vec<f32>)],
         rank: &RankContext<D>,
     ) -> Result<Begun> {
@@ -79,8 +84,9 @@ impl Begun {
             root.begin(step)?;
         }
         rank.host.barrier()?;
-        let draft =
-            (rank.rank == 0).then(|| draft_index(target, step, plan, layout, biases, rank.world));
+        let layout = state.engine.layout();
+        let draft = (rank.rank == 0)
+            .then(|| draft_index(target, step, state.plan, &layout, biases, rank.world));
         Ok(Begun {
             step,
             path: root.partial_dir(step).join(rank_file(rank.rank)),
@@ -180,15 +186,14 @@ fn draft_index(
 /// values come from: each written piece's master weights and moments, and
 /// on rank 0 the expert biases.
 fn rank_tensors<'a, D: Device>(
-    plan: &Plan,
-    engine: &'a FsdpEngine<D>,
-    optimizer: &'a Optimizer<D>,
+    state: &SavedState<'a, D>,
     biases: &'a [(String, Vec<f32>)],
     rank: &RankContext<D>,
 ) -> Vec<(String, TensorSource<'a, D::Backend>)> {
     let backend = &rank.backend;
+    let (engine, optimizer) = (state.engine, state.optimizer);
     let mut tensors = Vec::new();
-    for (b, piece) in written_pieces(plan, &engine.layout(), rank.rank) {
+    for (b, piece) in written_pieces(state.plan, &engine.layout(), rank.rank) {
         let shard = &engine.shards()[b];
         let state = &optimizer.states()[b];
         let [p, m, v] = names(&piece.key);
@@ -341,20 +346,16 @@ impl SaveInFlight {
     /// steps into `buffer` and starts writing them. Every rank calls it.
     /// Where the buffer could not be allocated, the file is streamed now
     /// instead, as [`save`] writes it.
-    #[allow(clippy::too_many_arguments)]
     pub fn start<D: Device>(
         target: &SaveTarget,
         step: u64,
-        plan: &Plan,
-        engine: &FsdpEngine<D>,
-        optimizer: &Optimizer<D>,
-        balance: &ExpertBalance<D::Backend>,
+        state: &SavedState<'_, D>,
         buffer: &mut SnapshotBuffer,
         rank: &RankContext<D>,
     ) -> Result<SaveInFlight> {
-        let biases = balance.biases();
-        let begun = Begun::new(target, step, plan, &engine.layout(), &biases, rank)?;
-        let tensors = rank_tensors(plan, engine, optimizer, &biases, rank);
+        let biases = state.balance.biases();
+        let begun = Begun::new(target, step, state, &biases, rank)?;
+        let tensors = rank_tensors(state, &biases, rank);
         let lengths = lengths(&tensors);
         let total: usize = lengths.iter().map(|(_, n)| n).sum();
         let abandon = Arc::new(AtomicBool::new(false));
