@@ -11,6 +11,7 @@
 //!   and in f32 the CPU's two-rank run's losses;
 //! - bf16 converges like f32 on the default model;
 //! - a run saved on the GPU resumes on the CPU, and the other way round;
+//!   saves behind the steps write the streamed saves' bytes;
 //! - refusals: a run that does not fit the GPU, a rank that fails.
 //!
 //! Without a GPU (or with too few) each test prints why and passes; the
@@ -455,6 +456,53 @@ fn a_run_saved_on_the_gpu_resumes_on_the_cpu_and_back() {
     }
     save_and_resume(DeviceChoice::Cuda, DeviceChoice::Cpu);
     save_and_resume(DeviceChoice::Cpu, DeviceChoice::Cuda);
+}
+
+/// Checkpoints written behind the steps on the GPU (`async_save`: the
+/// tensors copied off the device at the save step, the files written on
+/// threads) are the bytes of streamed saves, at each step saved, for two
+/// ranks sharing the GPU over the copy transport.
+#[test]
+fn a_save_behind_the_steps_on_the_gpu_writes_the_streamed_bytes() {
+    if gpus(1).is_none() {
+        return;
+    }
+    let root = |name: &str| {
+        let dir = std::env::temp_dir().join(format!(
+            "hybridgen-cuda-async-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    };
+    let (streamed, behind) = (root("streamed"), root("behind"));
+    let saving = |dir: &std::path::Path, async_save| {
+        let mut c = two_gpu_config(ScheduleKind::Overlap, Sharding::Zero3);
+        c.transport = Transport::Copy;
+        c.steps = 5;
+        c.save_every = Some(2);
+        c.save = Some(dir.to_path_buf());
+        c.async_save = async_save;
+        run(&c).1
+    };
+    let (a, b) = (saving(&streamed, false), saving(&behind, true));
+    assert_eq!(a.param_hash, b.param_hash);
+    for step in ["step-000002", "step-000004", "step-000005"] {
+        for file in [
+            "checkpoint.json",
+            "rank-00000.safetensors",
+            "rank-00001.safetensors",
+        ] {
+            let (x, y) = (streamed.join(step).join(file), behind.join(step).join(file));
+            assert!(
+                std::fs::read(&x).unwrap() == std::fs::read(&y).unwrap(),
+                "{} differs from the streamed save's",
+                y.display()
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&streamed);
+    let _ = std::fs::remove_dir_all(&behind);
 }
 
 #[test]
