@@ -26,6 +26,7 @@
 pub mod crc32c;
 pub mod durable;
 pub mod index;
+mod load;
 pub mod root;
 pub mod run;
 mod save;
@@ -36,17 +37,15 @@ pub use index::{
     CheckpointIndex, FORMAT, FileEntry, INDEX, LayoutRecord, Piece, TensorEntry, VERSION,
     read_index, seal,
 };
+pub use load::load;
 pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
 pub use run::{DataRecord, RunSetting, RunState};
 pub use save::{SaveInFlight, SavedState, SnapshotBuffer, save, snapshot_bytes};
 
 use crate::backend::Backend;
-use crate::collective::Collective;
-use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
-use crate::fsdp::{FsdpEngine, ShardLayout};
-use crate::layers::ExpertBalance;
-use crate::optimizer::{Optimizer, OptimizerKind};
+use crate::fsdp::ShardLayout;
+use crate::optimizer::OptimizerKind;
 use crate::train::TrainConfig;
 use crc32c::hex;
 use hybridgen_dsl::Plan;
@@ -289,76 +288,6 @@ fn names(key: &str) -> [String; 3] {
     ]
 }
 
-/// Loads checkpoint `resume` into this rank's shards and optimizer state,
-/// whatever layout wrote it. Each file is checked against its size and
-/// checksum before anything is taken from it. Every rank calls it (it
-/// synchronises them).
-pub fn load<D: Device>(
-    resume: &Resume,
-    plan: &Plan,
-    engine: &FsdpEngine<D>,
-    optimizer: &mut Optimizer<D>,
-    balance: &ExpertBalance<D::Backend>,
-    rank: &RankContext<D>,
-) -> Result<()> {
-    let (dir, index) = (&resume.dir, &resume.index);
-    let kind = index.run.optimizer.kind;
-    if kind != optimizer.config().kind {
-        return Err(RuntimeError::InvalidArgument(format!(
-            "the checkpoint in {} holds {kind:?} state but the optimizer is {:?}",
-            dir.display(),
-            optimizer.config().kind
-        )));
-    }
-    // Each rank file this rank reads from, opened against the index when
-    // first needed: where its tensors are. Each tensor's bytes are checked
-    // as they are read, so nothing is read twice.
-    let mut files: BTreeMap<String, stream::StoredTensors> = BTreeMap::new();
-    let backend = &rank.backend;
-    for (b, piece) in held_pieces(plan, &engine.layout(), rank.rank) {
-        let entry = index.tensors.get(&piece.key).ok_or_else(|| {
-            RuntimeError::io(
-                dir.join(INDEX).display(),
-                format!("no tensor `{}` in the checkpoint", piece.key),
-            )
-        })?;
-        let (shard, state) = (&engine.shards()[b], &optimizer.states()[b]);
-        let [p, m, v] = names(&piece.key);
-        let targets: [(&str, Option<&<D::Backend as Backend>::Buf>); 3] = [
-            (&p, Some(&shard.master)),
-            (&m, Some(&state.exp_avg)),
-            (
-                &v,
-                (kind == OptimizerKind::Adam).then_some(&state.exp_avg_sq),
-            ),
-        ];
-        for (name, target) in targets {
-            let Some(target) = target else { continue };
-            let values = assemble(dir, index, entry, name, &piece.elements, &mut files)?;
-            backend.upload(&values, backend.slice_mut(target, piece.in_shard.clone())?)?;
-        }
-        backend.cast(
-            backend.slice(&shard.master, piece.in_shard.clone())?,
-            shard.param.piece_mut(backend, piece.in_shard.clone())?,
-        )?;
-    }
-    for (key, values) in balance.biases() {
-        let entry = index.tensors.get(&key).ok_or_else(|| {
-            RuntimeError::io(
-                dir.join(INDEX).display(),
-                format!("no expert bias `{key}` in the checkpoint"),
-            )
-        })?;
-        let [p, _, _] = names(&key);
-        let bias = assemble(dir, index, entry, &p, &(0..values.len()), &mut files)?;
-        balance.set_bias(&key, &bias)?;
-    }
-    optimizer.set_steps(index.step);
-    // Collective: a rank that fails to load stops its peers here, before
-    // any of them starts a step, so the error reported is the load's.
-    rank.host.barrier()
-}
-
 /// Checks checkpoint `dir` whole: its index, and every file's size and
 /// checksum. Loading checks the same as it reads; this is for tools, and
 /// for tests that a crash left only complete checkpoints behind.
@@ -368,67 +297,6 @@ pub fn verify(dir: &Path) -> Result<CheckpointIndex> {
         stream::checked(dir, name, entry)?;
     }
     Ok(index)
-}
-
-/// Elements `want` of tensor `name` (one of a key's three), assembled from
-/// the pieces of `entry` across rank files: each stored piece read and
-/// checked on its own, so memory holds one piece, not a file.
-fn assemble(
-    dir: &Path,
-    index: &CheckpointIndex,
-    entry: &TensorEntry,
-    name: &str,
-    want: &Range<usize>,
-    files: &mut BTreeMap<String, stream::StoredTensors>,
-) -> Result<Vec<f32>> {
-    let mut out = vec![0.0f32; want.len()];
-    let mut covered = 0;
-    for piece in &entry.pieces {
-        let (start, end) = (piece.start.max(want.start), piece.end.min(want.end));
-        if start >= end {
-            continue;
-        }
-        if !files.contains_key(&piece.file) {
-            let listed = index.files.get(&piece.file).ok_or_else(|| {
-                RuntimeError::io(
-                    dir.join(INDEX).display(),
-                    format!("`{}` is not a file of the checkpoint", piece.file),
-                )
-            })?;
-            files.insert(
-                piece.file.clone(),
-                stream::opened(dir, &piece.file, listed)?,
-            );
-        }
-        let path = dir.join(&piece.file);
-        let stored = files[&piece.file]
-            .get(name)
-            .ok_or_else(|| RuntimeError::io(path.display(), format!("no tensor {name}")))?;
-        if stored.len != (piece.end - piece.start) as u64 * 4 {
-            return Err(RuntimeError::io(
-                path.display(),
-                format!(
-                    "{name} holds {} bytes, the index says {} elements",
-                    stored.len,
-                    piece.end - piece.start
-                ),
-            ));
-        }
-        let values = stream::read_tensor(&path, name, stored)?;
-        out[start - want.start..end - want.start]
-            .copy_from_slice(&values[start - piece.start..end - piece.start]);
-        covered += end - start;
-    }
-    if covered != want.len() {
-        return Err(RuntimeError::io(
-            dir.join(INDEX).display(),
-            format!(
-                "the pieces of {name} cover {covered} of the {} elements needed",
-                want.len()
-            ),
-        ));
-    }
-    Ok(out)
 }
 
 /// Whole parameters read from a checkpoint, whatever layout wrote it: for

@@ -231,6 +231,7 @@ impl RankFileWriter {
 }
 
 /// Where one tensor of a rank file is, and its own checksum.
+#[derive(Clone)]
 pub(crate) struct StoredTensor {
     pub start: u64,
     pub len: u64,
