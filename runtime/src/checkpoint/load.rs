@@ -6,9 +6,10 @@
 //! which elements of which target), then a thread of their own reads them
 //! in that order a tensor or two ahead, checking each against its own
 //! checksum, while this thread copies and uploads the ones before: disk,
-//! checksum and upload overlap instead of taking turns. On an H200 host
-//! whose disk reads 1.9 GB/s cold, the benchmark model's 10.8 GB took
-//! 11.2 s to load one after another.
+//! checksum and upload overlap instead of taking turns: on an H200 host,
+//! the benchmark model's 10.8 GB from a cold page cache loaded in
+//! 9.5/10.4 s against 15.0/13.6 s one after another (README,
+//! Checkpoints).
 
 use super::index::{CheckpointIndex, INDEX, TensorEntry};
 use super::stream::{self, StoredTensor};
