@@ -11,17 +11,19 @@
 //! tensors'), checked on load, so damage is found and named rather than
 //! trained on.
 //!
-//! Rank files are written and read a chunk at a time (`stream`), so saving
-//! and resuming take the host memory of a chunk, not of the rank's state;
-//! or, with `--async-save`, written from a host copy behind the steps
-//! (`save`). A resume reads each byte once: the index vouches for each
-//! tensor's own checksum, checked as the tensor loads.
+//! Rank files are written a chunk at a time and read a tensor at a time
+//! (`stream`), so saving takes the host memory of a chunk and resuming that
+//! of a few tensors, not of the rank's state; or, with `--async-save`, they
+//! are written from a host copy behind the steps (`save`). A resume reads each byte once, a tensor ahead of the uploads:
+//! the index vouches for each tensor's own checksum, checked as the tensor
+//! is read.
 //!
 //! Modules: [`root`] (the root's layout, `latest`, the lock, `--keep-last`),
 //! [`index`] (the index, its seal and its range checks), [`run`] (the run's
 //! state and how a resume settles against it), `save` (a save, streamed or
-//! behind the steps), `stream` (rank files written and read a chunk at a
-//! time), [`durable`] (fsynced writes and failpoints), [`crc32c`].
+//! behind the steps), `load` (a resume's reads, planned, then read ahead),
+//! `stream` (rank files written and read a chunk at a time), [`durable`]
+//! (fsynced writes and failpoints), [`crc32c`].
 
 pub mod crc32c;
 pub mod durable;
