@@ -996,7 +996,7 @@ fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
     }
     if let Some(dir) = &s.saved_to {
         out += &format!(
-            "  checkpoint      {} (saving took {:.1} s)\n",
+            "  checkpoint      {} (the steps waited {:.1} s on saves)\n",
             dir.display(),
             s.save_time.as_secs_f64()
         );
