@@ -25,7 +25,7 @@ use hybridgen_dsl::Plan;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
 /// Loads checkpoint `resume` into this rank's shards and optimizer state,
@@ -98,7 +98,6 @@ pub fn load<D: Device>(
             }
             Target::Bias(key) => balance.set_bias(&key, &values)?,
         }
-        reader.give_back(values);
     }
     optimizer.set_steps(index.step);
     // Collective: a rank that fails to load stops its peers here, before
@@ -158,7 +157,6 @@ impl Assembly {
         for part in &self.parts {
             let values = reader.next(&part.read)?;
             out[part.into.clone()].copy_from_slice(&values[part.from.clone()]);
-            reader.give_back(values);
         }
         Ok(out)
     }
@@ -264,12 +262,10 @@ impl<'a> ReadPlans<'a> {
 
 /// Reads planned tensors in order on a thread of its own, at most
 /// [`READ_AHEAD`] tensors ahead of the one taken, each checked against its
-/// own checksum, into buffers handed back as they are used. Dropped early
-/// (an error), the thread stops after its current read.
+/// own checksum. Dropped early (an error), the thread stops after its
+/// current read.
 struct ReadAhead {
     values: Option<Receiver<Result<Vec<f32>>>>,
-    /// Buffers used and handed back, for the thread to read into again.
-    spent: Sender<Vec<f32>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -280,17 +276,13 @@ const READ_AHEAD: usize = 1;
 impl ReadAhead {
     fn start(dir: &Path, reads: Vec<TensorRead>) -> Result<ReadAhead> {
         let (send, values): (SyncSender<Result<Vec<f32>>>, _) = sync_channel(READ_AHEAD);
-        let (spent, reuse) = channel::<Vec<f32>>();
         let thread = std::thread::Builder::new()
             .name("checkpoint-read".into())
             .spawn(move || {
                 for read in reads {
-                    let mut values = reuse.try_recv().unwrap_or_default();
-                    let read =
-                        stream::read_tensor_into(&read.path, &read.name, &read.stored, &mut values)
-                            .map(|()| values);
-                    let failed = read.is_err();
-                    if send.send(read).is_err() || failed {
+                    let values = stream::read_tensor(&read.path, &read.name, &read.stored);
+                    let failed = values.is_err();
+                    if send.send(values).is_err() || failed {
                         return;
                     }
                 }
@@ -303,16 +295,8 @@ impl ReadAhead {
             })?;
         Ok(ReadAhead {
             values: Some(values),
-            spent,
             thread: Some(thread),
         })
-    }
-
-    /// Hands a tensor's buffer back once used: the thread reads a later
-    /// tensor into its memory, already faulted in, instead of fresh pages.
-    fn give_back(&self, values: Vec<f32>) {
-        // The thread may have ended (every tensor read): then it drops.
-        let _ = self.spent.send(values);
     }
 
     /// The next tensor's values; `read` (the one expected) names it in
