@@ -277,6 +277,10 @@ pub struct TrainSummary {
     /// them: writing its rank file (with `async_save`, copying its tensors
     /// to host memory instead), waiting for its peers' and the index.
     pub save_time: Duration,
+    /// Checkpoints the first local rank wrote behind the steps
+    /// (`async_save`); the others streamed (the last step's, or where the
+    /// host gave no memory for the copy).
+    pub saves_behind: u64,
     pub trace: Option<PathBuf>,
     /// Where the first local rank's start-up went, before its first step.
     pub startup: StartupTimes,
@@ -980,6 +984,7 @@ pub fn train_on<P: Platform>(
         startup,
         hash_time,
         save_time,
+        saves_behind,
     } = first
         .ok_or_else(|| RuntimeError::InvalidArgument("no rank returned a parameter hash".into()))?;
     let stats = recorder.stats();
@@ -1015,6 +1020,7 @@ pub fn train_on<P: Platform>(
         startup,
         hash_time,
         save_time,
+        saves_behind,
         flops_per_token: hybridgen_dsl::flops::flops_per_token(&config.model, config.seq_length),
     })
 }
@@ -1071,6 +1077,8 @@ struct RankOutcome {
     hash_time: Duration,
     /// The checkpoints' time.
     save_time: Duration,
+    /// Checkpoints written behind the steps.
+    saves_behind: u64,
 }
 
 /// One rank's whole run, on the thread that drives it (`opening`: how
@@ -1160,12 +1168,16 @@ fn run_rank<D: Device>(
     // this step is there already.
     let mut saved = save.and_then(|s| s.root.newest_at_open());
     let mut save_time = Duration::ZERO;
+    let mut saves_behind = 0;
     // A checkpoint being written behind the steps (`async_save`), and the
     // host memory its copy goes into, allocated while the first steps run
     // (only where a save behind the steps will come before the last step).
     let mut in_flight: Option<SaveInFlight> = None;
     let mut snapshot = match (save, config.save_every) {
-        (Some(_), Some(every)) if config.async_save && every < config.steps => {
+        // The first save after this run's first step, before its last.
+        (Some(_), Some(every))
+            if config.async_save && (step / every + 1).saturating_mul(every) < config.steps =>
+        {
             let bytes =
                 checkpoint::snapshot_bytes(&plan, &engine.layout(), config.optimizer.kind, r);
             Some(SnapshotBuffer::allocate((bytes / 4) as usize))
@@ -1317,9 +1329,11 @@ fn run_rank<D: Device>(
                         saving.commit_when_written(save, buffer, &rank)
                     })?;
                 }
-                in_flight = Some(timed(&mut save_time, || {
+                let saving = timed(&mut save_time, || {
                     SaveInFlight::start(save, step, &state, buffer, &rank)
-                })?);
+                })?;
+                saves_behind += u64::from(saving.is_behind());
+                in_flight = Some(saving);
             } else {
                 // A save still in flight is committed first, so `latest`
                 // and `--keep-last` see the steps in order.
@@ -1360,6 +1374,7 @@ fn run_rank<D: Device>(
         startup,
         hash_time: hashing.elapsed(),
         save_time,
+        saves_behind,
     })
 }
 

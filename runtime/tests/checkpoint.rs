@@ -348,6 +348,8 @@ fn an_async_save_writes_the_bytes_a_streamed_save_writes() {
     let summary = train(&two_ranks_saving(&behind, true), &mut |_| {}).unwrap();
     assert_eq!(summary.param_hash, plain.param_hash);
     assert_eq!(summary.saved_to, Some(behind.join("step-000005")));
+    // Steps 2 and 4 behind the steps; 5, the last, streamed.
+    assert_eq!((plain.saves_behind, summary.saves_behind), (0, 2));
     let plan = prepare(&two_ranks_saving(&scratch_root("plan"), true))
         .unwrap()
         .plan;
@@ -392,6 +394,7 @@ fn a_save_in_flight_is_committed_before_the_last_steps() {
     c.steps = 4;
     let summary = train(&c, &mut |_| {}).unwrap();
     assert_eq!(summary.saved_to, Some(root.join("step-000004")));
+    assert_eq!(summary.saves_behind, 1);
     assert_eq!(
         std::fs::read_to_string(root.join("latest")).unwrap(),
         "step-000004\n"

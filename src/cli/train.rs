@@ -996,9 +996,13 @@ fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
     }
     if let Some(dir) = &s.saved_to {
         out += &format!(
-            "  checkpoint      {} (the steps waited {:.1} s on saves)\n",
+            "  checkpoint      {} (the steps waited {:.1} s on saves{})\n",
             dir.display(),
-            s.save_time.as_secs_f64()
+            s.save_time.as_secs_f64(),
+            match s.saves_behind {
+                0 => String::new(),
+                n => format!("; {n} written behind them"),
+            }
         );
     }
     if let Some(path) = &s.trace {
@@ -1040,6 +1044,7 @@ fn summary_json(
             "flops_per_token": s.flops_per_token,
             "hash_s": s.hash_time.as_secs_f64(),
             "save_s": s.save_time.as_secs_f64(),
+            "saves_behind": s.saves_behind,
             // Seconds from the command's start at which each point came.
             "clock_s": {
                 "prepared": clock.prepared.as_secs_f64(),

@@ -415,6 +415,13 @@ impl SaveInFlight {
         })
     }
 
+    /// Whether the file is being written behind the steps, asked before
+    /// the save is committed (else it was streamed at the start, the host
+    /// having given no memory for the copy).
+    pub fn is_behind(&self) -> bool {
+        self.writer.is_some()
+    }
+
     /// Commits the step if every rank's file is written: `Some` of its
     /// directory, `None` while a rank still writes. Every rank calls it at
     /// the same step boundary (it exchanges each rank's progress); a rank
