@@ -5,9 +5,7 @@
 //! checkpoints.
 
 use crate::backend::{AttentionBackend, Backend, DeviceStats, ExpertGemm, Precision, Tokens};
-use crate::checkpoint::{
-    self, ResumeFrom, RunCheckpoints, RunSetting, SaveInFlight, SavedState, SnapshotBuffer,
-};
+use crate::checkpoint::{self, RankSaves, ResumeFrom, RunCheckpoints, RunSetting, SavedState};
 use crate::collective::Collective;
 use crate::cuda::{GpuDevice, GpuInfo};
 use crate::data::{
@@ -105,7 +103,8 @@ pub struct TrainConfig {
     pub save_every: Option<u64>,
     /// Keep only the newest N steps in the save root.
     pub keep_last: Option<u64>,
-    /// Write each checkpoint behind the steps (`checkpoint::SaveInFlight`):
+    /// Write each checkpoint before the last behind the steps
+    /// ([`checkpoint::RankSaves`]):
     /// the steps wait for a copy of each rank's tensors into host memory,
     /// not for the files, at the cost of that copy's host memory until the
     /// files are written. Off: each rank file is streamed from the device
@@ -1163,27 +1162,21 @@ fn run_rank<D: Device>(
     let eval_program = config
         .eval_every
         .map(|_| build_forward_only(&plan.schedule, config.micro_batches));
-    let save = prepared.checkpoints.save.as_ref();
-    // The newest step in the save root: the end of the run saves unless
-    // this step is there already.
-    let mut saved = save.and_then(|s| s.root.newest_at_open());
-    let mut save_time = Duration::ZERO;
-    let mut saves_behind = 0;
-    // A checkpoint being written behind the steps (`async_save`), and the
-    // host memory its copy goes into, allocated while the first steps run
-    // (only where a save behind the steps will come before the last step).
-    let mut in_flight: Option<SaveInFlight> = None;
-    let mut snapshot = match (save, config.save_every) {
-        // The first save after this run's first step, before its last.
-        (Some(_), Some(every))
-            if config.async_save && (step / every + 1).saturating_mul(every) < config.steps =>
-        {
-            let bytes =
-                checkpoint::snapshot_bytes(&plan, &engine.layout(), config.optimizer.kind, r);
-            Some(SnapshotBuffer::allocate((bytes / 4) as usize))
-        }
-        _ => None,
-    };
+    // This rank's saves, the first behind the steps (`async_save`) given
+    // its host memory from now on, while the first steps run.
+    let mut saves = prepared.checkpoints.save.as_ref().map(|target| {
+        RankSaves::new(
+            target,
+            config.save_every,
+            config.async_save,
+            (step, config.steps),
+            || {
+                let bytes =
+                    checkpoint::snapshot_bytes(&plan, &engine.layout(), config.optimizer.kind, r);
+                (bytes / 4) as usize
+            },
+        )
+    });
     let depths = plan.mtp_depths();
     // The training stream's micro-batches, made ahead on a thread of their
     // own so the executor never stops issuing work to make one.
@@ -1306,66 +1299,30 @@ fn run_rank<D: Device>(
                 device,
             });
         }
-        if let (Some(save), Some(saving), Some(buffer)) = (save, &mut in_flight, &mut snapshot)
-            && timed(&mut save_time, || saving.try_commit(save, buffer, &rank))?.is_some()
-        {
-            in_flight = None;
-        }
-        let state = SavedState {
-            plan: &plan,
-            engine: &engine,
-            optimizer: &optimizer,
-            balance: &cx.balance,
-        };
-        if let (Some(save), Some(every)) = (save, config.save_every)
-            && step % every == 0
-        {
-            // The last step's save would be waited for at once: it streams.
-            if let (Some(buffer), true) = (&mut snapshot, step < config.steps) {
-                // One save in flight at a time: its host copy is the
-                // memory the check allowed for.
-                if let Some(saving) = in_flight.take() {
-                    timed(&mut save_time, || {
-                        saving.commit_when_written(save, buffer, &rank)
-                    })?;
-                }
-                let saving = timed(&mut save_time, || {
-                    SaveInFlight::start(save, step, &state, buffer, &rank)
-                })?;
-                saves_behind += u64::from(saving.is_behind());
-                in_flight = Some(saving);
-            } else {
-                // A save still in flight is committed first, so `latest`
-                // and `--keep-last` see the steps in order.
-                if let (Some(saving), Some(buffer)) = (in_flight.take(), &mut snapshot) {
-                    timed(&mut save_time, || {
-                        saving.commit_when_written(save, buffer, &rank)
-                    })?;
-                }
-                timed(&mut save_time, || {
-                    checkpoint::save(save, step, &state, &rank)
-                })?;
-            }
-            saved = Some(step);
+        if let Some(saves) = &mut saves {
+            saves.after_step(
+                step,
+                &SavedState {
+                    plan: &plan,
+                    engine: &engine,
+                    optimizer: &optimizer,
+                    balance: &cx.balance,
+                },
+                &rank,
+            )?;
         }
     }
-    if let (Some(save), Some(saving), Some(buffer)) = (save, in_flight.take(), &mut snapshot) {
-        timed(&mut save_time, || {
-            saving.commit_when_written(save, buffer, &rank)
-        })?;
-    }
-    let state = SavedState {
-        plan: &plan,
-        engine: &engine,
-        optimizer: &optimizer,
-        balance: &cx.balance,
-    };
-    if let Some(save) = save
-        && saved != Some(step)
-    {
-        timed(&mut save_time, || {
-            checkpoint::save(save, step, &state, &rank)
-        })?;
+    if let Some(saves) = &mut saves {
+        saves.finish(
+            step,
+            &SavedState {
+                plan: &plan,
+                engine: &engine,
+                optimizer: &optimizer,
+                balance: &cx.balance,
+            },
+            &rank,
+        )?;
     }
     let hashing = Instant::now();
     let param_hash = param_hash(&plan, &engine, &rank)?;
@@ -1373,17 +1330,9 @@ fn run_rank<D: Device>(
         param_hash,
         startup,
         hash_time: hashing.elapsed(),
-        save_time,
-        saves_behind,
+        save_time: saves.as_ref().map_or(Duration::ZERO, |s| s.waited),
+        saves_behind: saves.as_ref().map_or(0, |s| s.behind),
     })
-}
-
-/// Runs `work`, adding its time to `total`.
-fn timed<T>(total: &mut Duration, work: impl FnOnce() -> Result<T>) -> Result<T> {
-    let start = Instant::now();
-    let out = work();
-    *total += start.elapsed();
-    out
 }
 
 /// One evaluation: the forward of `batches` fixed evaluation batches

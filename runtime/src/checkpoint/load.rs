@@ -4,11 +4,11 @@
 //!
 //! The reads are planned first (which stored tensor, in which file, gives
 //! which elements of which target), then a thread of their own reads them
-//! in that order a tensor or two ahead, checking each against its own
-//! checksum, while this thread copies and uploads the ones before: disk,
-//! checksum and upload overlap instead of taking turns: on an H200 host,
-//! the benchmark model's 10.8 GB from a cold page cache loaded in
-//! 9.5/10.4 s against 15.0/13.6 s one after another (README,
+//! in that order a tensor ahead, checking each against its own checksum,
+//! while this thread copies and uploads the ones before, so the disk, the
+//! checksums and the uploads overlap instead of taking turns. On an H200
+//! host the benchmark model's 10.8 GB loaded from a cold page cache in
+//! 9.5/10.4 s, against 15.0/13.6 s one after another (README,
 //! Checkpoints).
 
 use super::index::{CheckpointIndex, INDEX, TensorEntry};
@@ -76,10 +76,10 @@ pub fn load<D: Device>(
         .iter()
         .flat_map(|(_, assembly)| assembly.parts.iter().map(|part| part.read.clone()))
         .collect();
-    let mut reader = ReadAhead::start(dir, reads)?;
+    let reader = ReadAhead::start(dir, reads)?;
     let backend = &rank.backend;
     for (target, assembly) in targets {
-        let values = assembly.values(&mut reader)?;
+        let values = assembly.values(&reader)?;
         match target {
             Target::Shard(b, which, in_shard) => {
                 let (shard, state) = (&engine.shards()[b], &optimizer.states()[b]);
@@ -146,7 +146,7 @@ impl Assembly {
     /// The piece's values, its parts taken from `reader` in order. A stored
     /// tensor that is the whole piece is taken as it was read, without a
     /// copy.
-    fn values(&self, reader: &mut ReadAhead) -> Result<Vec<f32>> {
+    fn values(&self, reader: &ReadAhead) -> Result<Vec<f32>> {
         if let [part] = self.parts.as_slice()
             && part.read.stored.len == self.len as u64 * 4
             && part.into == (0..self.len)
@@ -301,7 +301,7 @@ impl ReadAhead {
 
     /// The next tensor's values; `read` (the one expected) names it in
     /// errors.
-    fn next(&mut self, read: &TensorRead) -> Result<Vec<f32>> {
+    fn next(&self, read: &TensorRead) -> Result<Vec<f32>> {
         let lost = || {
             RuntimeError::io(
                 read.path.display(),

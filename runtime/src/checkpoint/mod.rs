@@ -42,7 +42,7 @@ pub use index::{
 pub use load::load;
 pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
 pub use run::{DataRecord, RunSetting, RunState};
-pub use save::{SaveInFlight, SavedState, SnapshotBuffer, save, snapshot_bytes};
+pub use save::{RankSaves, SavedState, save, snapshot_bytes};
 
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};

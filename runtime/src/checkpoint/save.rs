@@ -4,7 +4,7 @@
 //!
 //! - [`save`] streams it from the device a chunk at a time while the steps
 //!   wait: a chunk of host memory, and the step time of the whole write.
-//! - [`SaveInFlight::start`] (`--async-save`, Megatron's `--async-save`)
+//! - `SaveInFlight` (`--async-save`, Megatron's `--async-save`)
 //!   copies the rank's tensors into host memory at the step boundary and
 //!   writes them on a thread of its own while training goes on. The steps
 //!   wait only for the copy; the host holds the rank's state once more
@@ -35,6 +35,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// What a save writes from: the run's plan, and this rank's parameters,
 /// optimizer state and expert biases.
@@ -249,9 +250,9 @@ fn write_streamed<B: Backend>(
     writer.finish()
 }
 
-/// The host memory [`SaveInFlight::start`] takes for world rank `r`'s
-/// copy of its checkpoint tensors (bytes): its written pieces' master
-/// weights and moments, and on rank 0 the expert biases.
+/// The host memory a save behind the steps (`SaveInFlight`) takes for
+/// world rank `r`'s copy of its checkpoint tensors (bytes): its written
+/// pieces' master weights and moments, and on rank 0 the expert biases.
 pub fn snapshot_bytes(
     plan: &Plan,
     layout: &ShardLayout,
@@ -274,6 +275,135 @@ pub fn snapshot_bytes(
         0
     };
     (pieces + biases) as u64 * 4
+}
+
+/// One rank's saves over a run: which steps save, whether a save goes
+/// behind the steps (`SaveInFlight`) or streams ([`save`]), and the time
+/// the steps waited on them. Every rank drives its own at the same steps.
+pub struct RankSaves<'a> {
+    target: &'a SaveTarget,
+    every: Option<u64>,
+    last_step: u64,
+    /// The newest step in the root: the run's end saves unless it is the
+    /// last step.
+    saved: Option<u64>,
+    /// Where saves behind the steps copy to: `async_save` and a save due
+    /// after the run's first step and before its last.
+    buffer: Option<SnapshotBuffer>,
+    in_flight: Option<SaveInFlight>,
+    /// The time the steps waited on saves.
+    pub waited: Duration,
+    /// Saves written behind the steps.
+    pub behind: u64,
+}
+
+impl<'a> RankSaves<'a> {
+    /// The saves of a run from `first_step` (0, or the step resumed) to
+    /// `last_step`, every `every` steps and at the end; `async_save` puts
+    /// those before the last step behind the steps, into a buffer of
+    /// `snapshot_elements()` allocated from now on.
+    pub fn new(
+        target: &'a SaveTarget,
+        every: Option<u64>,
+        async_save: bool,
+        (first_step, last_step): (u64, u64),
+        snapshot_elements: impl FnOnce() -> usize,
+    ) -> Self {
+        let behind_due = every.is_some_and(|every| {
+            async_save && (first_step / every + 1).saturating_mul(every) < last_step
+        });
+        RankSaves {
+            target,
+            every,
+            last_step,
+            saved: target.root.newest_at_open(),
+            buffer: behind_due.then(|| SnapshotBuffer::allocate(snapshot_elements())),
+            in_flight: None,
+            waited: Duration::ZERO,
+            behind: 0,
+        }
+    }
+
+    /// After step `step`: commits the save in flight once every rank's
+    /// file is written, then saves if `step` is due.
+    pub fn after_step<D: Device>(
+        &mut self,
+        step: u64,
+        state: &SavedState<'_, D>,
+        rank: &RankContext<D>,
+    ) -> Result<()> {
+        let due = self.every.is_some_and(|every| step.is_multiple_of(every));
+        if self.in_flight.is_none() && !due {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let out = self.settle_and_save(due, step, state, rank);
+        self.waited += started.elapsed();
+        out
+    }
+
+    /// [`RankSaves::after_step`]'s work, `due` whether `step` saves.
+    fn settle_and_save<D: Device>(
+        &mut self,
+        due: bool,
+        step: u64,
+        state: &SavedState<'_, D>,
+        rank: &RankContext<D>,
+    ) -> Result<()> {
+        if let (Some(saving), Some(buffer)) = (&mut self.in_flight, &mut self.buffer)
+            && saving.try_commit(self.target, buffer, rank)?.is_some()
+        {
+            self.in_flight = None;
+        }
+        if !due {
+            return Ok(());
+        }
+        // One save in flight at a time (its copy is the memory the check
+        // allowed for), and committed before the next, so `latest` and
+        // `--keep-last` see the steps in order.
+        self.commit_in_flight(rank)?;
+        match &mut self.buffer {
+            // The last step's save would be waited for at once: it streams.
+            Some(buffer) if step < self.last_step => {
+                let saving = SaveInFlight::start(self.target, step, state, buffer, rank)?;
+                self.behind += u64::from(saving.is_behind());
+                self.in_flight = Some(saving);
+            }
+            _ => {
+                save(self.target, step, state, rank)?;
+            }
+        }
+        self.saved = Some(step);
+        Ok(())
+    }
+
+    /// At the run's end, after step `step`: commits the save in flight,
+    /// then saves `step` unless it is saved already.
+    pub fn finish<D: Device>(
+        &mut self,
+        step: u64,
+        state: &SavedState<'_, D>,
+        rank: &RankContext<D>,
+    ) -> Result<()> {
+        if self.in_flight.is_none() && self.saved == Some(step) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut out = self.commit_in_flight(rank);
+        if out.is_ok() && self.saved != Some(step) {
+            out = save(self.target, step, state, rank).map(|_| ());
+        }
+        self.waited += started.elapsed();
+        out
+    }
+
+    /// Waits for the save in flight, if any, and commits it.
+    fn commit_in_flight<D: Device>(&mut self, rank: &RankContext<D>) -> Result<()> {
+        if let (Some(saving), Some(buffer)) = (self.in_flight.take(), &mut self.buffer) {
+            saving.commit_when_written(self.target, buffer, rank)?;
+        }
+        Ok(())
+    }
 }
 
 /// A rank file's writing as [`SaveInFlight`]'s thread reports it to the

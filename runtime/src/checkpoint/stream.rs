@@ -273,7 +273,7 @@ pub(crate) fn checked(dir: &Path, name: &str, entry: &FileEntry) -> Result<Store
         crc.update(&buf[..n]);
     }
     let sum = hex(crc.finish());
-    let tensors = stored_tensors(&mut file, len);
+    let tensors = read_header(&mut file, len).map(|header| header.tensors);
     if sum != entry.crc32c {
         let site = match &tensors {
             Err(_) => "its safetensors header is damaged".to_string(),
@@ -340,14 +340,9 @@ struct RankFileHeader {
     crc32c: u32,
 }
 
-/// The tensors a rank file's header lists (F32 only, each inside the
-/// file); `Err` says what is wrong with the header.
-fn stored_tensors(file: &mut File, len: u64) -> std::result::Result<StoredTensors, String> {
-    read_header(file, len).map(|header| header.tensors)
-}
-
-/// A rank file's header: [`stored_tensors`], where the data starts and
-/// the header's own checksum.
+/// A rank file's header: the tensors it lists (F32 only, each inside the
+/// file), where the data starts and the header's own checksum; `Err` says
+/// what is wrong with the header.
 fn read_header(file: &mut File, len: u64) -> std::result::Result<RankFileHeader, String> {
     let mut prefix = [0u8; 8];
     file.seek(SeekFrom::Start(0))
