@@ -97,7 +97,7 @@ fn nth_hit(name: &str, save: u64) -> u64 {
 
 #[test]
 fn a_kill_at_any_failpoint_resumes_onto_the_same_curve() {
-    kill_at_each_failpoint_then_resume("failpoints", &[]);
+    kill_at_each_failpoint_then_resume("failpoints", &[], 0);
 }
 
 /// The same with the files written behind the steps: a kill in a writer
@@ -105,12 +105,14 @@ fn a_kill_at_any_failpoint_resumes_onto_the_same_curve() {
 /// the same command resumes from.
 #[test]
 fn a_kill_at_any_failpoint_of_an_async_save_resumes_onto_the_same_curve() {
-    kill_at_each_failpoint_then_resume("failpoints-async", &["--async-save"]);
+    // Steps 1 to 3 save behind the steps; the last, 4, streams.
+    kill_at_each_failpoint_then_resume("failpoints-async", &["--async-save"], 3);
 }
 
-/// Kills the run at each failpoint (with `extra` flags), checks what it
-/// leaves, and resumes it with the same command.
-fn kill_at_each_failpoint_then_resume(name: &str, extra: &[&str]) {
+/// Kills the run at each failpoint (with `extra` flags, under which the
+/// uninterrupted run writes `behind` saves behind the steps), checks what
+/// it leaves, and resumes it with the same command.
+fn kill_at_each_failpoint_then_resume(name: &str, extra: &[&str], behind: u64) {
     let base = scratch(name);
     let command = |root: &Path| -> Vec<String> {
         let mut flags = extra.to_vec();
@@ -140,6 +142,7 @@ fn kill_at_each_failpoint_then_resume(name: &str, extra: &[&str]) {
     let curve = step_lines(&straight);
     assert_eq!(curve.len(), 4);
     let hash = summary(&straight)["param_hash"].clone();
+    assert_eq!(summary(&straight)["saves_behind"], behind);
 
     // Every failpoint, each during the second or the third save (or at the
     // start, for those reached only there): the cases run in a few threads,
