@@ -1302,12 +1302,7 @@ fn run_rank<D: Device>(
         if let Some(saves) = &mut saves {
             saves.after_step(
                 step,
-                &SavedState {
-                    plan: &plan,
-                    engine: &engine,
-                    optimizer: &optimizer,
-                    balance: &cx.balance,
-                },
+                &SavedState::new(&plan, &engine, &optimizer, &cx.balance),
                 &rank,
             )?;
         }
@@ -1315,12 +1310,7 @@ fn run_rank<D: Device>(
     if let Some(saves) = &mut saves {
         saves.finish(
             step,
-            &SavedState {
-                plan: &plan,
-                engine: &engine,
-                optimizer: &optimizer,
-                balance: &cx.balance,
-            },
+            &SavedState::new(&plan, &engine, &optimizer, &cx.balance),
             &rank,
         )?;
     }

@@ -46,6 +46,22 @@ pub struct SavedState<'a, D: Device> {
     pub balance: &'a ExpertBalance<D::Backend>,
 }
 
+impl<'a, D: Device> SavedState<'a, D> {
+    pub fn new(
+        plan: &'a Plan,
+        engine: &'a FsdpEngine<D>,
+        optimizer: &'a Optimizer<D>,
+        balance: &'a ExpertBalance<D::Backend>,
+    ) -> Self {
+        SavedState {
+            plan,
+            engine,
+            optimizer,
+            balance,
+        }
+    }
+}
+
 /// Writes the checkpoint of `state` after `step` steps into `target`'s
 /// root as `step-N`, durably, then points `latest` at it, streaming this
 /// rank's file from the device. Every rank calls it (it synchronises
