@@ -588,13 +588,16 @@ impl ProgramBuilder {
     /// Acquires for the forward of node `i`: its unit (if it starts one) and
     /// a prefetch of the next. A unit prefetched earlier is not acquired
     /// twice.
+    ///
+    /// The prefetch is held until the unit it names starts: nodes in no
+    /// unit may lie between the two, and they leave it alone.
     fn forward_acquires(&mut self, i: usize, prefetched: &mut Option<usize>) {
-        if let Some(unit) = self.starts_unit(i)
-            && *prefetched != Some(unit)
-        {
-            self.acquire(unit);
+        if let Some(unit) = self.starts_unit(i) {
+            // A prefetched unit's reference is handed over to this use.
+            if prefetched.take() != Some(unit) {
+                self.acquire(unit);
+            }
         }
-        *prefetched = None;
         if self.ends_unit(i).is_some()
             && let Some((_, next)) = self.next_unit_forward(i)
         {
@@ -606,15 +609,17 @@ impl ProgramBuilder {
     /// Acquires for the backward of node `i` (reverse order): the unit with
     /// a gradient buffer when node `i` is the unit's last node, and a
     /// prefetch of the unit before it.
+    ///
+    /// As in the forward, nodes in no unit between the two leave the
+    /// prefetch alone.
     fn backward_acquires(&mut self, i: usize, prefetched: &mut Option<usize>) {
         if let Some(unit) = self.ends_unit(i) {
             // A prefetched unit's reference is handed over to this use.
-            if *prefetched != Some(unit) {
+            if prefetched.take() != Some(unit) {
                 self.acquire(unit);
             }
             self.grad_buffer(unit);
         }
-        *prefetched = None;
         if self.starts_unit(i).is_some()
             && let Some((_, next)) = self.next_unit_backward(i)
         {
@@ -881,6 +886,59 @@ mod tests {
                 for n in [1, 2, 4] {
                     let program = build(&plan.schedule, n, kind).unwrap();
                     check_complete(&plan, &program, n);
+                }
+            }
+        }
+    }
+
+    /// Every kind-list filter over patterns whose unit-less layers sit
+    /// between units (and at the ends, and in MTP depths): both schedules
+    /// build, pass [`Program::check`] and run everything once, and a unit
+    /// prefetched across unit-less layers is gathered once, not twice.
+    #[test]
+    fn every_kind_filter_builds_with_layers_between_units() {
+        use hybridgen_dsl::LayerKind;
+        use hybridgen_dsl::plan::{UnitFilter, UnitKind};
+        let kinds = [
+            UnitKind::Group,
+            UnitKind::Mtp,
+            UnitKind::Layer(LayerKind::Mamba),
+            UnitKind::Layer(LayerKind::Attention),
+            UnitKind::Layer(LayerKind::Mlp),
+            UnitKind::Layer(LayerKind::Moe),
+        ];
+        for pattern in ["[*E]M[*E]", "M[*E]M[*E]", "M[*E]M-M[*E]/*E", "-M*[ME]-*"] {
+            let mut model = ModelConfig::preset("tiny").unwrap();
+            model.pattern = pattern.to_string();
+            for subset in 0u32..1 << kinds.len() {
+                let chosen: Vec<UnitKind> = (0..kinds.len())
+                    .filter(|&k| subset & (1 << k) != 0)
+                    .map(|k| kinds[k])
+                    .collect();
+                let options = PlanOptions {
+                    unit_filter: UnitFilter::kinds(&chosen),
+                    ..PlanOptions::default()
+                };
+                let plan = Plan::new(&model, &options).unwrap();
+                for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
+                    for n in [1, 2, 3] {
+                        let program = build(&plan.schedule, n, kind)
+                            .unwrap_or_else(|e| panic!("{pattern} {chosen:?} {kind:?} {n}: {e}"));
+                        check_complete(&plan, &program, n);
+                        // The plain schedule's forward gathers each unit once
+                        // a micro-batch, whatever lies between the units.
+                        if kind == ScheduleKind::Plain {
+                            let acquires = program
+                                .instrs()
+                                .filter(|x| matches!(x, Instr::Acquire { .. }))
+                                .count();
+                            assert_eq!(
+                                acquires,
+                                2 * plan.units.len() * n,
+                                "{pattern} {chosen:?}: one acquire a unit forward and one backward"
+                            );
+                        }
+                    }
                 }
             }
         }
