@@ -13,6 +13,13 @@ pub enum RuntimeError {
     /// a bug in the caller, reported instead of a panic.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// An internal consistency check failed: hybridgen made something it
+    /// should not have (a schedule out of order for a plan the planner
+    /// accepted, ...). A bug in hybridgen, never the user's configuration.
+    #[error(
+        "internal error: {0}\n  this is a bug in hybridgen, not in the configuration: please report it with the command that hit it"
+    )]
+    Internal(String),
     /// The run would need more memory than the machine has available; found
     /// before anything is allocated. The message gives the figures and what
     /// to change.
@@ -98,7 +105,7 @@ impl RuntimeError {
     pub fn code(&self) -> &'static str {
         match self.root_cause() {
             RuntimeError::Unsupported(_) => "invalid_config",
-            RuntimeError::InvalidArgument(_) => "internal",
+            RuntimeError::InvalidArgument(_) | RuntimeError::Internal(_) => "internal",
             RuntimeError::OutOfMemory(_) => "out_of_memory",
             RuntimeError::Peer { .. } => "peer_failed",
             RuntimeError::Lane { .. } => "lane_failed",

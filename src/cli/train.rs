@@ -415,8 +415,13 @@ fn memory_override() -> Result<Option<u64>, String> {
     number.checked_mul(1 << shift).map(Some).ok_or_else(bad)
 }
 
-/// The code of an error found before the run started.
+/// The code of an error found before the run started: the configuration's
+/// fault unless a file, the memory, the device or hybridgen itself (an
+/// internal check on what it built from a valid plan) failed.
 fn prepare_code(error: &RuntimeError) -> &'static str {
+    if matches!(error.root_cause(), RuntimeError::Internal(_)) {
+        return "internal";
+    }
     match error.code() {
         code @ ("io" | "out_of_memory" | "device_failed") => code,
         _ => "invalid_config",
@@ -1061,4 +1066,18 @@ fn summary_json(
             },
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_internal_failure_before_the_run_is_not_the_configurations() {
+        let internal = RuntimeError::Internal("a schedule out of order".into());
+        assert_eq!(prepare_code(&internal), "internal");
+        assert!(runtime_message(&internal).contains("a bug in hybridgen"));
+        let refused = RuntimeError::Unsupported("`G` layers do not train".into());
+        assert_eq!(prepare_code(&refused), "invalid_config");
+    }
 }

@@ -420,14 +420,20 @@ pub fn build(
     micro_batches: usize,
     kind: ScheduleKind,
 ) -> crate::error::Result<Program> {
-    layout(schedule, micro_batches.min(3), kind)
-        .check(schedule)
-        .map_err(|why| {
-            crate::error::RuntimeError::InvalidArgument(format!(
-                "the {kind:?} schedule is out of order: {why}"
-            ))
-        })?;
+    checked(&layout(schedule, micro_batches.min(3), kind), schedule)?;
     Ok(layout(schedule, micro_batches, kind))
+}
+
+/// `program`, checked against the plan it was built for. The planner
+/// accepted the plan, so a program that breaks an order rule is hybridgen's
+/// fault, reported as an internal error, never as the configuration's.
+fn checked(program: &Program, schedule: &SchedulePlan) -> crate::error::Result<()> {
+    program.check(schedule).map_err(|why| {
+        crate::error::RuntimeError::Internal(format!(
+            "the {:?} schedule built for this plan is out of order: {why}",
+            program.kind
+        ))
+    })
 }
 
 /// A forward-only program for evaluation: each micro-batch runs every
@@ -1074,6 +1080,13 @@ mod tests {
         let swapped = edited(&good, |i| i.swap(work[0], work[1]));
         let err = swapped.check(&plan.schedule).unwrap_err();
         assert!(err.contains("micro-batch 0 expected"), "{err}");
+        // Refused as hybridgen's own bug, not the configuration's.
+        let refused = checked(&swapped, &plan.schedule).unwrap_err();
+        assert_eq!(refused.code(), "internal");
+        assert!(
+            refused.to_string().contains("a bug in hybridgen"),
+            "{refused}"
+        );
         // A piece dropped: the one after it is out of order.
         let dropped = edited(&good, |i| {
             i.remove(work[2]);
