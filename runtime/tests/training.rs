@@ -10,7 +10,7 @@
 //! where NCCL promises determinism only for equal calls, those comparisons
 //! become tolerances.
 
-use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions};
+use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::fsdp::{ShardLayout, Sharding};
@@ -315,6 +315,80 @@ fn overlap_schedule_equals_plain_bit_for_bit() {
             );
         }
     }
+}
+
+/// Unit choices that leave layers in no unit between units (the case the
+/// unit filter exists for): three steps of the overlap schedule give the
+/// plain schedule's bits, with the shared expert and without, and ZeRO-3
+/// gives no-shard's. The trace shows the engine gathered exactly the units
+/// the filter picked, never a layer outside them.
+fn filtered_units_keep_parity(cases: &[(&str, &str)]) {
+    for &(pattern, units) in cases {
+        for shared in [true, false] {
+            let edit = |c: &mut TrainConfig| {
+                c.unit_filter = UnitFilter::parse_kinds(units).unwrap();
+                if !shared {
+                    c.model.moe.as_mut().unwrap().shared_expert_ffn_hidden_size = None;
+                }
+            };
+            let label = format!("{pattern} --units {units}, shared expert {shared}");
+            let overlap = run_with(pattern, |c| {
+                edit(c);
+                c.schedule = ScheduleKind::Overlap;
+            });
+            let plain = with(pattern, |c| {
+                edit(c);
+                c.schedule = ScheduleKind::Plain;
+            });
+            assert_eq!(overlap.curve, plain, "{label}: overlap vs plain");
+            assert!(
+                overlap.curve.0.iter().all(|s| f64::from_bits(s[2]) > 0.0),
+                "{label}: the aux loss compared must be live"
+            );
+            let no_shard = with(pattern, |c| {
+                edit(c);
+                c.sharding = Sharding::NoShard;
+            });
+            assert_eq!(overlap.curve, no_shard, "{label}: ZeRO-3 vs no-shard");
+            let mut c = config(pattern);
+            edit(&mut c);
+            let picked: std::collections::BTreeSet<String> =
+                plan(&c).units.iter().map(|u| u.name.to_string()).collect();
+            assert!(
+                picked.len() < plan(&c).logical_layers.len(),
+                "{label}: the filter must leave a layer out"
+            );
+            assert_eq!(gathered(&overlap.trace), picked, "{label}: units gathered");
+        }
+    }
+}
+
+#[test]
+fn filtered_attention_units_overlap_equals_plain() {
+    filtered_units_keep_parity(&[
+        // Grouped: `M` between the groups is in no unit.
+        ("[*E]M[*E]", "group"),
+        // Mixed: the `E` kind picks the groups, not the `M` between them.
+        ("M[*E]M[*E]", "E"),
+        // Ungrouped: `M` and `*` between the `E` units.
+        ("M*EM*E", "E"),
+        // A regrouped Nemotron-3 pattern with an MTP depth.
+        ("[ME][ME]M[*E][ME]M[*E]/*E", "group,mtp"),
+    ]);
+}
+
+#[test]
+fn filtered_mamba_units_overlap_equals_plain() {
+    filtered_units_keep_parity(&[("[ME]*[ME]", "group"), ("*[ME]-[ME]", "E"), ("M*EM*E", "M")]);
+}
+
+#[test]
+fn filtered_mla_units_overlap_equals_plain() {
+    filtered_units_keep_parity(&[
+        ("[+E]M[+E]", "group"),
+        ("M[+E]-[+E]", "E"),
+        ("+M-E+ME", "+,-"),
+    ]);
 }
 
 #[test]
@@ -794,14 +868,19 @@ fn converges_to_near_the_entropy_floor() {
 
 /// The units the FSDP engine gathered in a run, from its trace.
 fn gathered_units(pattern: &str) -> std::collections::BTreeSet<String> {
-    let trace = run_with(pattern, |c| c.steps = 1).trace;
+    gathered(&run_with(pattern, |c| c.steps = 1).trace)
+}
+
+/// The units a trace shows gathered (decoder layers and MTP depths).
+fn gathered(trace: &Value) -> std::collections::BTreeSet<String> {
     trace["traceEvents"]
         .as_array()
         .unwrap()
         .iter()
         .filter_map(|e| e["name"].as_str())
-        .filter_map(|name| name.strip_prefix("gather decoder.layers."))
-        .map(|unit| format!("decoder.layers.{unit}"))
+        .filter_map(|name| name.strip_prefix("gather "))
+        .filter(|unit| unit.starts_with("decoder.layers.") || unit.starts_with("mtp.layers."))
+        .map(str::to_string)
         .collect()
 }
 
