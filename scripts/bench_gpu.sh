@@ -2,18 +2,21 @@
 # The GPU benchmark of issue "Speed on GPUs": hybridgen on the
 # `bench-hybrid-moe` preset on 1 GPU (EP 1, no communication) and on 2 GPUs
 # (EP 2, ZeRO-3), each with the overlap and the plain schedule, then PyTorch's rows
-# of the same model (shared/bench/torch_ref, its `fast` stage) in the same
-# run, and one table: step ms (median of 10 after 3 warm-up steps),
-# tokens/s per GPU, TFLOP/s per GPU, MFU, peak GPU memory, exposed
+# of the same model (the PyTorch baseline's folder named by TORCH_REF, its
+# `fast` stage) in the same run, and one table: step ms (median of 10 after
+# 3 warm-up steps), tokens/s per GPU, TFLOP/s per GPU, MFU, peak GPU memory, exposed
 # communication (a 2-GPU step minus the 1-GPU step) and each row's ratio to
 # PyTorch's matching row measured here; last, the wall time of a whole
 # one-step run with a warm kernel cache (start-up).
 #
-# Here (no GPU needed):
-#   scripts/cuda_bundle.sh && cp -r ../shared/bench/torch_ref gpu-bundle/
+# Here (no GPU needed), with a copy of the PyTorch baseline's folder if you
+# have one (it is not part of this repository):
+#   scripts/cuda_bundle.sh && cp -r /path/to/torch_ref gpu-bundle/
 # There (2 x H200; the bundle carries this script):
-#   bash gpu-bundle/bench_gpu.sh LOGDIR          # everything, about 10 minutes
-#   TORCH_REF=none bash gpu-bundle/bench_gpu.sh LOGDIR   # hybridgen's rows only
+#   TORCH_REF=$PWD/gpu-bundle/torch_ref bash gpu-bundle/bench_gpu.sh LOGDIR  # everything, about 10 minutes
+#   bash gpu-bundle/bench_gpu.sh LOGDIR                  # hybridgen's rows only
+# With TORCH_REF unset (or `none`) PyTorch's rows are skipped, with a
+# message, and the `vs torch` column stays empty.
 # On a machine with one GPU the 2-GPU rows say they were skipped, and of
 # PyTorch's stage only its 1-GPU `--fast` row runs (about 2 minutes).
 #
@@ -21,7 +24,7 @@
 # 0.1, no gradient clipping, bf16 with f32 master weights, ZeRO-3.
 #
 # FLOPs are the baseline's count for this model, 3,031,695,360 a token
-# (torch_ref/README.md, section 3; dsl/tests/plan.rs checks that the preset
+# (the baseline's README, section 3; dsl/tests/plan.rs checks that the preset
 # is that model, and dsl/src/flops.rs, which gives every run's summary its
 # `flops_per_token`, gives that figure for it), against the H200's 989
 # TFLOP/s of dense bf16; the 9B rows (`nemotron-nano-9b-v2` at 4,096
@@ -33,7 +36,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/bench-logs}
 mkdir -p "$out"
-torch_ref=${TORCH_REF:-$here/torch_ref}
+torch_ref=${TORCH_REF:-none}
 . "$here/env.sh"
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 : > "$out/rows.jsonl"
@@ -155,7 +158,11 @@ end=$(date +%s%N)
 echo "{\"row\": \"startup-warm-cache\", \"ranks\": 1, \"wall_s\": $(( (end - start) / 1000000 ))e-3, \"rc\": $startup_rc}" \
   >> "$out/rows.jsonl"
 
-if [ "$torch_ref" != none ] && [ -f "$torch_ref/run_device.sh" ]; then
+if [ "$torch_ref" = none ]; then
+  echo "TORCH_REF is not set: skipping PyTorch's rows (set TORCH_REF=/path/to/torch_ref to run them)" >&2
+elif [ ! -f "$torch_ref/run_device.sh" ]; then
+  echo "TORCH_REF=$torch_ref has no run_device.sh: skipping PyTorch's rows" >&2
+else
   if [ "$gpus" -ge 2 ]; then
     OUT="$out/torch" bash "$torch_ref/run_device.sh" fast > "$out/torch.log" 2>&1
   else

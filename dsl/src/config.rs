@@ -1,4 +1,4 @@
-//! Model dimensions: one section per layer kind (shared/spec/params.md),
+//! Model dimensions: one section per layer kind (docs/layers.md),
 //! read from TOML model files or taken from a built-in preset.
 
 use crate::diagnostic::{Code, Diagnostic};

@@ -1,6 +1,6 @@
 //! Model FLOPs per token, forward and backward: what MFU divides by. The
-//! formula is the PyTorch baseline's (`shared/bench/torch_ref/README.md`,
-//! section 3), taken from the model instead of written out for one:
+//! formula is the PyTorch baseline's (docs/benchmarks.md,
+//! "FLOPs"), taken from the model instead of written out for one:
 //!
 //! - 6 × the matrix parameters a token passes through: every layer's
 //!   projections, a MoE layer's router, `top_k` of its experts and its

@@ -1,4 +1,4 @@
-//! Each layer kind's parameters: names, shapes and order (shared/spec/params.md).
+//! Each layer kind's parameters: names, shapes and order (docs/layers.md).
 //! Names are relative to the layer's prefix (`decoder.layers.{i}.`).
 
 use crate::config::ModelConfig;

@@ -1,4 +1,4 @@
-//! The pattern language against shared/spec/pattern.md: every rule's code at
+//! The pattern language against docs/pattern-language.md: every rule's code at
 //! its exact line:column, Megatron's own examples, sugar, counts, canonical
 //! printing and the terminal rendering of errors.
 //!

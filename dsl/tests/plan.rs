@@ -1,5 +1,5 @@
-//! The planner against shared/spec/fsdp.md, pattern.md, params.md and
-//! ep-overlap.md, on inputs small enough to work out by hand.
+//! The planner against docs/fsdp.md, pattern-language.md, layers.md and
+//! overlap-schedule.md, on inputs small enough to work out by hand.
 //!
 //! Most bucket checks use `handmade()`: hidden 8, vocabulary 100 (padded to
 //! 128), attention with 2 heads and 1 KV group (head dim 4), an MLP of width

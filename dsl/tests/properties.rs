@@ -2,7 +2,7 @@
 //! valid patterns round-trip through the canonical form (plain and sugared),
 //! no input makes the parser panic or point outside itself, and plans of
 //! random valid patterns and layouts keep every bucket and unit invariant of
-//! shared/spec/fsdp.md.
+//! docs/fsdp.md.
 
 use hybridgen_dsl::plan::{LayerRef, Op, Owner, Slot};
 use hybridgen_dsl::{Code, ModelConfig, ParallelLayout, Pattern, Plan, PlanOptions, UnitFilter};

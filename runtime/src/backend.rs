@@ -1,5 +1,5 @@
 //! The `Backend` trait: device memory and the kernels layers need
-//! (shared/spec/runtime.md). Layers, the FSDP engine and the optimizer are
+//! (docs/architecture.md). Layers, the FSDP engine and the optimizer are
 //! written once against it; the CPU backend (deterministic kernels, bf16
 //! stored for real) is the reference the CUDA backend (cuBLAS, NVRTC) is
 //! checked against.

@@ -1,4 +1,4 @@
-//! Collectives (shared/spec/runtime.md): all-gather, reduce-scatter,
+//! Collectives (docs/architecture.md): all-gather, reduce-scatter,
 //! all-reduce, variable-size all-to-all, barrier and split, each called from
 //! the lane it runs on. CPU: ranks are threads of one process exchanging
 //! through shared memory. CUDA: NCCL, one process (or one thread) per GPU.

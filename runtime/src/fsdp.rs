@@ -1,4 +1,4 @@
-//! The FSDP engine (shared/spec/fsdp.md): ZeRO-3 and `no_shard`, driven by
+//! The FSDP engine (docs/fsdp.md): ZeRO-3 and `no_shard`, driven by
 //! the plan's static bucket layout.
 //!
 //! Each rank keeps, per bucket, its shard of the f32 master weights, of the

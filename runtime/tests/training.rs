@@ -1,7 +1,7 @@
 //! End-to-end training on the CPU backend: the schedules, the sharding
 //! strategies and expert parallelism change when work runs, never what is
 //! computed, so losses and parameters must agree bit for bit
-//! (shared/spec/ep-overlap.md, "Correctness bar"). Every run also checks,
+//! (docs/overlap-schedule.md, "Correctness"). Every run also checks,
 //! from its trace, that the schedule and sharding it asked for are the ones
 //! that ran: equal bits from two runs of the same path would prove nothing.
 //!

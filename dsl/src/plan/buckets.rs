@@ -1,5 +1,5 @@
 //! Buckets: flat, padded buffers of one unit's parameters of one dtype and
-//! kind (dense or expert), and the shards ranks own (shared/spec/fsdp.md).
+//! kind (dense or expert), and the shards ranks own (docs/fsdp.md).
 //!
 //! Everything here but the shard-group size `W` is known at build time, so
 //! offsets are plain numbers and the padded length and shard range are

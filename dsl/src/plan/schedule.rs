@@ -1,4 +1,4 @@
-//! The overlap schedule's static part (shared/spec/ep-overlap.md): the chain
+//! The overlap schedule's static part (docs/overlap-schedule.md): the chain
 //! of schedule nodes (one per logical layer) and, for each node, the work of
 //! its five slots. The runtime executes these tables; the macro emits them as
 //! `const` data.

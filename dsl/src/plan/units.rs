@@ -1,4 +1,4 @@
-//! FSDP units: one filter decides (shared/spec/fsdp.md).
+//! FSDP units: one filter decides (docs/fsdp.md).
 //!
 //! The filter is a single predicate over the module tree. It alone picks the
 //! units, and the bucket layout is built from the units it picked, so hook

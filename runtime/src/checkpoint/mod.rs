@@ -1,4 +1,4 @@
-//! Checkpoints (shared/spec/runtime.md): sharded safetensors for tensors plus
+//! Checkpoints (docs/checkpoints.md): sharded safetensors for tensors plus
 //! one small JSON index for the plan, the step and the run's state, in a
 //! checkpoint root that holds one directory per saved step.
 //!

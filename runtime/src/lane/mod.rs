@@ -1,5 +1,5 @@
 //! Lanes and events: ordered queues of work, and markers another lane can
-//! wait on (shared/spec/runtime.md). CUDA: a stream and an event, driven by a
+//! wait on (docs/architecture.md). CUDA: a stream and an event, driven by a
 //! host thread per lane. CPU: a worker thread per lane with a queue, and a
 //! flag with a condition variable. The schedules are written once against
 //! these traits, so the CPU run really overlaps too.

@@ -1,5 +1,5 @@
 //! Layers with hand-written forward, input-gradient and weight-gradient
-//! backward (shared/spec/layers.md), written once against [`Backend`].
+//! backward (docs/layers.md), written once against [`Backend`].
 //!
 //! Conventions every layer follows (the schedules rely on them):
 //! - Activations of a micro-batch are `[rows, h]` row-major, `rows = batch *

@@ -1,7 +1,7 @@
 //! A schedule as data: the exact order in which one rank issues the work of
 //! one optimizer step. The executor walks a [`Program`] and turns each
 //! instruction into lane work; keeping the order here, as plain data, lets the
-//! interleave of shared/spec/ep-overlap.md be tested without running a model,
+//! interleave of docs/overlap-schedule.md be tested without running a model,
 //! and lets the buffer pool be sized by a dry run before any memory is
 //! touched.
 //!
@@ -484,7 +484,7 @@ fn layout(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) -> 
 }
 
 /// Tracks which units are acquired, so acquires, prefetches and releases
-/// land where the FSDP lifecycle (shared/spec/fsdp.md) puts them.
+/// land where the FSDP lifecycle (docs/fsdp.md) puts them.
 struct ProgramBuilder {
     units: Vec<Option<usize>>,
     shapes: Vec<NodeShape>,
