@@ -733,7 +733,7 @@ fn checkpoint_keys_are_unique() {
 // ---- totals -------------------------------------------------------------------------------------
 
 /// `bench-hybrid-moe` is the PyTorch baseline's model
-/// (shared/bench/torch_ref/README.md, section 2): its count of 428,605,440
+/// (docs/benchmarks.md): its count of 428,605,440
 /// active matrix parameters (output layer in, input embedding out) plus the
 /// vectors it leaves out: per Mamba layer the conv (6,144 x 4 + 6,144),
 /// A_log, D and dt_bias (64 each), its pre-norm (2,048) and gated norm
