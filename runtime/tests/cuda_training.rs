@@ -9,6 +9,8 @@
 //!   within a tolerance (different collectives sum in different orders);
 //! - two ranks sharing one GPU over the copy transport: the same checks,
 //!   and in f32 the CPU's two-rank run's losses;
+//! - unit filters that leave layers in no unit between units: the same
+//!   checks over the copy transport, in bf16 and f32;
 //! - bf16 converges like f32 on the default model;
 //! - a run saved on the GPU resumes on the CPU, and the other way round;
 //!   saves behind the steps write the streamed saves' bytes;
@@ -17,7 +19,7 @@
 //! Without a GPU (or with too few) each test prints why and passes; the
 //! refusal of `--device cuda` without a GPU is checked where there is none.
 
-use hybridgen_dsl::ModelConfig;
+use hybridgen_dsl::{ModelConfig, UnitFilter};
 use hybridgen_runtime::backend::AttentionBackend;
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::cuda::probe;
@@ -393,6 +395,67 @@ fn two_ranks_sharing_a_gpu_over_the_copy_transport_train_like_the_cpu() {
     let cpu = f32_run(DeviceChoice::Cpu);
     let gpu = f32_run(DeviceChoice::Cuda);
     follows_the_cpu("2 ranks, 1 GPU", &cpu, &gpu);
+}
+
+/// The filtered patterns below, on two GPUs over NCCL (EP 2, bf16):
+/// overlap equals plain and repeats bit for bit.
+#[test]
+fn filtered_units_on_two_gpus_keep_parity_over_nccl() {
+    if gpus(2).is_none() {
+        return;
+    }
+    for (pattern, units) in FILTERED {
+        println!("{pattern} --units {units}");
+        let filtered = |schedule, sharding| {
+            let mut c = two_gpu_config(schedule, sharding);
+            c.model.pattern = pattern.to_string();
+            c.unit_filter = UnitFilter::parse_kinds(units).unwrap();
+            c
+        };
+        schedules_agree(filtered, 1e-2);
+    }
+}
+
+/// Patterns and unit choices that leave layers in no unit between units.
+const FILTERED: [(&str, &str); 4] = [
+    ("[*E]M[*E]", "group"),
+    ("M[*E]M[*E]", "E"),
+    ("[ME][ME]M[*E]/*E", "group,mtp"),
+    ("M[+E]-[+E]", "E"),
+];
+
+/// Unit filters that leave layers in no unit between units, on one GPU
+/// with two ranks over the copy transport (EP 2, ZeRO-3's gathers and
+/// scatters for real): in bf16 and f32 the overlap schedule gives the plain
+/// schedule's bits and repeats them, no-shard follows ZeRO-3, and in f32
+/// the losses are the CPU's two-rank run's.
+#[test]
+fn filtered_units_on_one_gpu_keep_parity_over_the_copy_transport() {
+    if gpus(1).is_none() {
+        return;
+    }
+    for (pattern, units) in FILTERED {
+        for (precision, tolerance) in [(Precision::Bf16, 1e-3), (Precision::F32, 1e-5)] {
+            println!("{pattern} --units {units}, {precision:?}");
+            let shared = |schedule, sharding| {
+                let mut c = two_gpu_config(schedule, sharding);
+                c.model.pattern = pattern.to_string();
+                c.unit_filter = UnitFilter::parse_kinds(units).unwrap();
+                c.transport = Transport::Copy;
+                c.precision = precision;
+                c
+            };
+            schedules_agree(shared, tolerance);
+            if precision == Precision::F32 {
+                let on = |device| {
+                    let mut c = shared(ScheduleKind::Overlap, Sharding::Zero3);
+                    c.device = device;
+                    run(&c).0
+                };
+                follows_the_cpu(pattern, &on(DeviceChoice::Cpu), &on(DeviceChoice::Cuda));
+            }
+        }
+    }
 }
 
 #[test]
