@@ -4,8 +4,9 @@
 //! streams ordered by events, the host queue's fence, arenas that reuse
 //! memory only after its last users ran, and traces in GPU time.
 //!
-//! Without a GPU each test prints why and passes: the binary is built on a
-//! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
+//! Each test is `#[ignore = "needs a GPU"]`: the binary is built on a
+//! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it
+//! with `--include-ignored`; run without a GPU, a test fails saying why.
 
 use hybridgen_runtime::backend::{
     Backend, GroupedMatmul, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, Tokens,
@@ -21,14 +22,15 @@ use hybridgen_runtime::{Precision, RuntimeError};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The first GPU bound to a host queue, or why there is none.
-fn gpu(precision: Precision) -> Option<CudaBackend> {
+/// The first GPU bound to a host queue. The tests that call this are
+/// `#[ignore]`d: a machine without a GPU fails them rather than passing
+/// them unrun.
+fn gpu(precision: Precision) -> CudaBackend {
     if let Err(why) = probe() {
-        println!("skipped: {why}");
-        return None;
+        panic!("needs a GPU: {why}");
     }
     let gpu = Gpu::open(0, precision, Duration::from_secs(60)).expect("the probed GPU opens");
-    Some(gpu.backend("host").expect("a host queue"))
+    gpu.backend("host").expect("a host queue")
 }
 
 // CUDA's expf/logf/tanhf are within 2 ulp of libm's (CUDA C Programming
@@ -57,10 +59,9 @@ fn family_conforms(backend: &CudaBackend, family: conformance::Family) {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn cuda_backend_conforms_in_f32() {
-    let Some(backend) = gpu(Precision::F32) else {
-        return;
-    };
+    let backend = gpu(Precision::F32);
     conformance_of(&backend);
 }
 
@@ -68,10 +69,9 @@ fn cuda_backend_conforms_in_f32() {
 /// path's products take bf16 operands (see [`every_scan_path_conforms`]),
 /// which `both_scan_paths_match_the_cpu_at_real_widths` holds instead.
 #[test]
+#[ignore = "needs a GPU"]
 fn cuda_backend_conforms_in_bf16() {
-    let Some(backend) = gpu(Precision::Bf16) else {
-        return;
-    };
+    let backend = gpu(Precision::Bf16);
     conformance_of(&backend.with_scan_scratch(0));
 }
 
@@ -82,11 +82,10 @@ fn cuda_backend_conforms_in_bf16() {
 /// and in split bf16) and sends its 17-token cases to the tiled kernels; a
 /// cap of 0 sends every case there. Each path must conform on its own.
 #[test]
+#[ignore = "needs a GPU"]
 fn every_attention_path_conforms() {
     for precision in [Precision::F32, Precision::Bf16] {
-        let Some(backend) = gpu(precision) else {
-            return;
-        };
+        let backend = gpu(precision);
         for cap in [700, 0] {
             println!("{precision:?}, attention scratch capped at {cap} bytes");
             family_conforms(
@@ -107,11 +106,10 @@ fn every_attention_path_conforms() {
 /// reaches 0.99 of), so there `both_scan_paths_match_the_cpu_at_real_widths`
 /// holds it, at odd shapes too.
 #[test]
+#[ignore = "needs a GPU"]
 fn every_scan_path_conforms() {
     for precision in [Precision::F32, Precision::Bf16] {
-        let Some(backend) = gpu(precision) else {
-            return;
-        };
+        let backend = gpu(precision);
         for cap in [6 << 10, 0] {
             if precision == Precision::Bf16 && cap != 0 {
                 continue;
@@ -130,11 +128,10 @@ fn every_scan_path_conforms() {
 /// cuBLAS); with it off (`--expert-gemm cublas`) every grouped case takes
 /// cuBLAS, which must conform on its own too.
 #[test]
+#[ignore = "needs a GPU"]
 fn the_cublas_expert_path_conforms() {
     for precision in [Precision::F32, Precision::Bf16] {
-        let Some(backend) = gpu(precision) else {
-            return;
-        };
+        let backend = gpu(precision);
         family_conforms(
             &backend.with_grouped_gemm(false),
             conformance::Family::Dense,
@@ -149,10 +146,9 @@ fn the_cublas_expert_path_conforms() {
 /// gradients) give the same bits either way, and `--expert-gemm` changes
 /// speed only. Off Hopper both take cuBLAS.
 #[test]
+#[ignore = "needs a GPU"]
 fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
-    let Some(host) = gpu(Precision::Bf16) else {
-        return;
-    };
+    let host = gpu(Precision::Bf16);
     let (hidden, width) = (2048, 1024);
     let rows = [700usize, 1024, 1301];
     let mut seed = 7u64;
@@ -252,10 +248,9 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
 /// 2,048 and 512 channels (the benchmark's pre-norm and Mamba's gated
 /// norm), and of 264 (no one-pass kernel: the two-pass way either way).
 #[test]
+#[ignore = "needs a GPU"]
 fn the_norm_backward_in_one_pass_matches_the_two_pass_way() {
-    let Some(dev) = gpu(Precision::Bf16) else {
-        return;
-    };
+    let dev = gpu(Precision::Bf16);
     let rows = 1100usize;
     let mut seed = 11u64;
     for (dim, groups, one_pass) in [(2048usize, 1usize, true), (4096, 8, true), (2112, 8, false)] {
@@ -489,11 +484,10 @@ fn scan_backward<B: Backend>(
 /// kernels replace). Each output's largest
 /// error, relative to its largest value, is printed and bounded.
 #[test]
+#[ignore = "needs a GPU"]
 fn both_scan_paths_match_the_cpu_at_real_widths() {
     for precision in [Precision::F32, Precision::Bf16] {
-        let Some(gpu) = gpu(precision) else {
-            return;
-        };
+        let gpu = gpu(precision);
         let cpu = CpuBackend::new(precision);
         let dtype = precision.compute_dtype();
         // Output rounding: bf16 keeps 8 bits.
@@ -592,10 +586,9 @@ fn lane(host: &CudaBackend, name: &str, trace: Option<Arc<TraceRecorder>>) -> Cu
 /// lane's work: the lane fences on the host queue on the GPU, the host never
 /// waits, so a missing fence shows as the lane reading `a` too early.
 #[test]
+#[ignore = "needs a GPU"]
 fn lane_work_is_ordered_after_the_host_queues_work() {
-    let Some(host) = gpu(Precision::F32) else {
-        return;
-    };
+    let host = gpu(Precision::F32);
     use hybridgen_runtime::view::DType;
     let n = 1 << 22;
     let a = Arc::new(host.alloc(n, DType::F32).unwrap());
@@ -623,10 +616,9 @@ fn lane_work_is_ordered_after_the_host_queues_work() {
 /// results, however long the first takes on the GPU: the wait is on the
 /// GPU (`cuStreamWaitEvent`), so one left out shows as wrong values.
 #[test]
+#[ignore = "needs a GPU"]
 fn lanes_are_ordered_by_events() {
-    let Some(host) = gpu(Precision::F32) else {
-        return;
-    };
+    let host = gpu(Precision::F32);
     use hybridgen_runtime::view::DType;
     let n = 1 << 22;
     let a = Arc::new(host.alloc(n, DType::F32).unwrap());
@@ -669,10 +661,9 @@ fn lanes_are_ordered_by_events() {
 /// lane's new buffer. Once a step's allocations have been made, repeating
 /// the step allocates nothing.
 #[test]
+#[ignore = "needs a GPU"]
 fn arenas_reuse_memory_only_after_its_last_users_ran() {
-    let Some(host) = gpu(Precision::F32) else {
-        return;
-    };
+    let host = gpu(Precision::F32);
     use hybridgen_runtime::view::DType;
     let compute = lane(&host, "compute", None);
     let comm = lane(&host, "comm", None);
@@ -727,10 +718,9 @@ fn arenas_reuse_memory_only_after_its_last_users_ran() {
 /// order on each lane, and work that waited on another lane's event starts
 /// after that work ended.
 #[test]
+#[ignore = "needs a GPU"]
 fn traces_show_work_at_gpu_times() {
-    let Some(host) = gpu(Precision::F32) else {
-        return;
-    };
+    let host = gpu(Precision::F32);
     let trace = Arc::new(TraceRecorder::new());
     let compute = lane(&host, "compute", Some(trace.clone()));
     let comm = lane(&host, "comm", Some(trace.clone()));
@@ -772,10 +762,9 @@ fn traces_show_work_at_gpu_times() {
 /// A bad index found on the device is reported at the next host read, as
 /// the CPU reports it at the call.
 #[test]
+#[ignore = "needs a GPU"]
 fn device_found_bad_indices_surface_at_the_next_read() {
-    let Some(host) = gpu(Precision::F32) else {
-        return;
-    };
+    let host = gpu(Precision::F32);
     use hybridgen_runtime::view::DType;
     let src = host.alloc(4 * 3, DType::F32).unwrap();
     let index = host.alloc(2, DType::U32).unwrap();

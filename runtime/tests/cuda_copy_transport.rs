@@ -3,8 +3,9 @@
 //! robin) against the values the CPU's collectives give, bit for bit (both
 //! sum in rank order); calls that disagree fail on every rank at once.
 //!
-//! Without a GPU each test prints why and passes: the binary is built on a
-//! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it.
+//! Each test is `#[ignore = "needs a GPU"]`: the binary is built on a
+//! machine without CUDA (`scripts/cuda_bundle.sh`) and run on one with it
+//! with `--include-ignored`; run without a GPU, a test fails saying why.
 
 use half::bf16;
 use hybridgen_runtime::backend::Backend;
@@ -17,17 +18,12 @@ use std::time::{Duration, Instant};
 
 /// Runs `body` on `n` thread ranks, rank r on GPU `r % gpus`, each with its
 /// copy transport communicator on a queue of its own; returns each rank's
-/// result in rank order. `None` (printing why) without a GPU.
-fn ranks<R: Send>(
-    n: usize,
-    body: impl Fn(usize, &CudaBackend, &CudaComm) -> R + Sync,
-) -> Option<Vec<R>> {
+/// result in rank order. The tests that call this are `#[ignore]`d: a
+/// machine without a GPU fails them rather than passing them unrun.
+fn ranks<R: Send>(n: usize, body: impl Fn(usize, &CudaBackend, &CudaComm) -> R + Sync) -> Vec<R> {
     let gpus = match probe() {
         Ok(info) => info.devices.len(),
-        Err(why) => {
-            println!("skipped: {why}");
-            return None;
-        }
+        Err(why) => panic!("needs a GPU: {why}"),
     };
     let world = CpuWorld::with_timeout(n, Duration::from_secs(60)).unwrap();
     let retired = Arc::new(RetiredEvents::default());
@@ -57,7 +53,7 @@ fn ranks<R: Send>(
             .map(|h| h.join().expect("a rank panicked"))
             .collect()
     });
-    Some(results)
+    results
 }
 
 /// Values of order one, different for every rank and element.
@@ -114,6 +110,7 @@ fn count(i: usize, j: usize) -> usize {
 /// time); 17 ranks are past what one sum kernel adds (16), so their sums
 /// take the copies into scratch.
 #[test]
+#[ignore = "needs a GPU"]
 fn every_collective_gives_the_cpus_values_bit_for_bit() {
     for (n, s) in [
         (1, 777),
@@ -123,7 +120,7 @@ fn every_collective_gives_the_cpus_values_bit_for_bit() {
         (3, 1024),
         (17, 777),
     ] {
-        let Some(results) = ranks(n, |r, b, comm| {
+        let results = ranks(n, |r, b, comm| {
             // Twice over, so each of the two event sets is used again.
             let mut outputs = Vec::new();
             for round in 0..2 {
@@ -178,9 +175,7 @@ fn every_collective_gives_the_cpus_values_bit_for_bit() {
                 outputs.push(down(b, &recv));
             }
             outputs
-        }) else {
-            return;
-        };
+        });
         for round in 0..2 {
             let seed = |r: usize| 100 * round + r;
             let shards: Vec<Vec<f32>> = (0..n)
@@ -223,8 +218,9 @@ fn every_collective_gives_the_cpus_values_bit_for_bit() {
 /// Host-side exchanges and splits ride on the same rendezvous; a split's
 /// groups move data among their own members only.
 #[test]
+#[ignore = "needs a GPU"]
 fn host_exchanges_and_splits() {
-    let Some(results) = ranks(4, |r, b, comm| {
+    let results = ranks(4, |r, b, comm| {
         let counts = comm
             .all_to_all_counts(&(0..4).map(|j| vec![r, j]).collect::<Vec<_>>())
             .unwrap();
@@ -240,9 +236,7 @@ fn host_exchanges_and_splits() {
         ep.all_gather(View::whole(&mine), ViewMut::whole(&both))
             .unwrap();
         down(b, &both)
-    }) else {
-        return;
-    };
+    });
     for (r, got) in results.iter().enumerate() {
         let first = (r / 2 * 2) as f32;
         assert_eq!(got, &[first + 0.5, first + 1.5], "rank {r}");
@@ -252,9 +246,10 @@ fn host_exchanges_and_splits() {
 /// Counts that do not agree fail every rank at once, naming the sender;
 /// a call with a wrong output fails its rank and its waiting peers.
 #[test]
+#[ignore = "needs a GPU"]
 fn disagreeing_calls_fail_every_rank_at_once() {
     let started = Instant::now();
-    let Some(errors) = ranks(2, |r, b, comm| {
+    let errors = ranks(2, |r, b, comm| {
         let send = up(b, &[1.0f32; 4]);
         let recv = b.alloc(4, DType::F32).unwrap();
         // Rank 0 sends 1 + 3, but rank 1 expects 2 from rank 0.
@@ -267,9 +262,7 @@ fn disagreeing_calls_fail_every_rank_at_once() {
             &recv_counts,
         )
         .unwrap_err()
-    }) else {
-        return;
-    };
+    });
     for e in &errors {
         let m = e.to_string();
         assert!(matches!(e, RuntimeError::Peer { .. }), "{m}");
@@ -278,15 +271,13 @@ fn disagreeing_calls_fail_every_rank_at_once() {
             "{m}"
         );
     }
-    let Some(errors) = ranks(2, |r, b, comm| {
+    let errors = ranks(2, |r, b, comm| {
         let shard = up(b, &[1.0f32; 4]);
         let full = b.alloc(if r == 1 { 7 } else { 8 }, DType::F32).unwrap();
         comm.all_gather(View::whole(&shard), ViewMut::whole(&full))
             .unwrap_err()
             .to_string()
-    }) else {
-        return;
-    };
+    });
     assert!(
         errors[1].contains("the output holds 7 f32 elements"),
         "{}",

@@ -16,10 +16,11 @@
 //! Kernels that find a bad index report it through the device fault word:
 //! a case with a bad target and one with a bad row index check that too.
 //!
-//! Without a GPU (no driver, no device, no NVRTC) the test prints why and
-//! passes: it is built on a machine without CUDA and run on one with it
+//! One test a kernel family, each `#[ignore]`d: it is built on a machine
+//! without CUDA and run on one with it with `--include-ignored`
 //! (`cargo test --release --no-run -p hybridgen-runtime --test cuda_kernels_run`
-//! names the binary). It prints a table of every case last.
+//! names the binary); without a GPU it fails, saying why. Each prints a
+//! table of its cases last.
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
@@ -2272,61 +2273,119 @@ fn print_table(rows: &[Row]) {
     println!("\n{} passed, {} failed", rows.len() - failed, failed);
 }
 
-#[test]
-fn gpu_kernels_match_the_cpu_backend_and_repeat_bit_for_bit() {
-    let info = match probe() {
-        Ok(info) => info,
-        Err(why) => {
-            println!("skipped: {why}");
-            return;
+/// The kernel families, one test each: a failure names its family, and a
+/// family can be run alone (`cargo test --test cuda_kernels_run -- --ignored norm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// Casts, fills and the copies that split and join projections.
+    Layout,
+    /// Element-wise kernels and sums.
+    Elementwise,
+    Norm,
+    Conv,
+    Scan,
+    /// Attention (unfused and flash) and rotary embeddings.
+    Attention,
+    /// Routing, dispatch and combine.
+    Moe,
+    /// Embedding lookups and the cross-entropy loss.
+    Lookup,
+    Optimizer,
+}
+
+impl Family {
+    /// The family of a case's kernel, by its name.
+    fn of(kernel: &str) -> Family {
+        let starts = |prefixes: &[&str]| prefixes.iter().any(|p| kernel.starts_with(p));
+        if starts(&["rmsnorm"]) {
+            Family::Norm
+        } else if starts(&["ssd_scan"]) {
+            Family::Scan
+        } else if starts(&["conv1d"]) {
+            Family::Conv
+        } else if starts(&["attention", "rotary"]) {
+            Family::Attention
+        } else if starts(&["moe_", "gather_rows", "scatter_rows"]) {
+            Family::Moe
+        } else if starts(&["embedding", "cross_entropy"]) {
+            Family::Lookup
+        } else if starts(&["adam", "sgd", "sum_squares"]) {
+            Family::Optimizer
+        } else if starts(&["cast", "fill", "copy_cols", "qkv_", "mla_kv_"]) {
+            Family::Layout
+        } else {
+            Family::Elementwise
         }
-    };
+    }
+}
+
+/// Every kernel compiled once a process, for the GPU's own target and the
+/// portable one.
+fn compiled(
+    device: &hybridgen_runtime::cuda::GpuDevice,
+) -> &'static [(Target, Vec<kernels::CompiledSource>)] {
+    static COMPILED: std::sync::OnceLock<Vec<(Target, Vec<kernels::CompiledSource>)>> =
+        std::sync::OnceLock::new();
+    COMPILED.get_or_init(|| {
+        let include = kernels::include_dir().unwrap_or_else(|why| panic!("{why}"));
+        let mut targets = vec![device.target()];
+        if device.target() != Target::PORTABLE {
+            targets.push(Target::PORTABLE);
+        }
+        targets
+            .into_iter()
+            .map(|target| {
+                let started = Instant::now();
+                let compiled =
+                    kernels::compile_all(target, &include).unwrap_or_else(|e| panic!("{e}"));
+                println!(
+                    "{target}: compiled {} sources in {:.2} s",
+                    compiled.len(),
+                    started.elapsed().as_secs_f64()
+                );
+                (target, compiled)
+            })
+            .collect()
+    })
+}
+
+/// Runs every case of `family` (and its fault cases) on the first GPU for
+/// each target, prints their table and fails on any that failed. The cases
+/// are drawn as one sequence, so a family's inputs do not depend on which
+/// families run.
+fn family_matches_the_cpu(family: Family) {
+    // The GPU is shared by the tests of this binary: one at a time.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let info = probe().unwrap_or_else(|why| panic!("needs a GPU: {why}"));
     let device = &info.devices[0];
     println!(
-        "{device}; driver {}, NVRTC {}.{}",
+        "{device}; driver {}, NVRTC {}.{}; {family:?} kernels",
         info.driver_version, info.nvrtc_version.0, info.nvrtc_version.1
     );
-    let include = match kernels::include_dir() {
-        Ok(dir) => dir,
-        Err(why) => panic!("{why}"),
-    };
     let context = CudaContext::new(device.ordinal).expect("the probed device opens");
     // The kernels are ordered by the stream alone (as the backend orders its
-    // work with its own events).
-    // SAFETY: nothing has been allocated on this context yet.
+    // work with its own events). Each test's buffers are freed before the
+    // next test takes its turn.
+    // SAFETY: no buffer of this context is alive here.
     unsafe { context.disable_event_tracking() };
     let gpu = Gpu {
         stream: context.new_stream().expect("a stream"),
     };
-    let mut targets = vec![device.target()];
-    if device.target() != Target::PORTABLE {
-        targets.push(Target::PORTABLE);
-    }
     let mut rows = Vec::new();
-    for target in targets {
-        let started = Instant::now();
-        let compiled = match kernels::compile_all(target, &include) {
-            Ok(compiled) => compiled,
-            Err(e) => panic!("{e}"),
-        };
-        let compile_time = started.elapsed();
-        let started = Instant::now();
-        let set = match KernelSet::load(&context, &compiled) {
-            Ok(set) => set,
-            Err(e) => panic!("{e}"),
-        };
-        println!(
-            "{target}: compiled {} sources in {:.2} s, loaded in {:.3} s",
-            compiled.len(),
-            compile_time.as_secs_f64(),
-            started.elapsed().as_secs_f64()
-        );
+    for (_, compiled) in compiled(device) {
+        let set = KernelSet::load(&context, compiled).unwrap_or_else(|e| panic!("{e}"));
         for case in all_cases(0x5eed_cafe) {
-            rows.push(run_case(&gpu, &set, &case));
+            if Family::of(&case.kernel) == family {
+                rows.push(run_case(&gpu, &set, &case));
+            }
         }
-        rows.extend(fault_rows(&gpu, &set));
-        rows.extend(lookup_fault_rows(&gpu, &set));
+        let faults = fault_rows(&gpu, &set)
+            .into_iter()
+            .chain(lookup_fault_rows(&gpu, &set));
+        rows.extend(faults.filter(|r| Family::of(&r.kernel) == family));
     }
+    assert!(!rows.is_empty(), "no {family:?} cases");
     print_table(&rows);
     let failed: Vec<String> = rows
         .iter()
@@ -2334,4 +2393,69 @@ fn gpu_kernels_match_the_cpu_backend_and_repeat_bit_for_bit() {
         .map(|r| format!("{} {} {} {}", r.target.arch, r.kernel, r.mode, r.shape))
         .collect();
     assert!(failed.is_empty(), "failed: {failed:#?}");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn layout_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Layout);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn elementwise_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Elementwise);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn norm_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Norm);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn conv_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Conv);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn scan_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Scan);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn attention_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Attention);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn moe_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Moe);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn lookup_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Lookup);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn optimizer_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Optimizer);
+}
+
+/// Every kernel name the cases use falls in a family whose test runs it
+/// (no GPU needed: the cases are drawn on the host).
+#[test]
+fn every_case_has_a_family() {
+    let families: std::collections::BTreeSet<String> = all_cases(0x5eed_cafe)
+        .iter()
+        .map(|c| format!("{:?}", Family::of(&c.kernel)))
+        .collect();
+    assert_eq!(families.len(), 9, "{families:?}");
 }

@@ -16,7 +16,9 @@
 //!   saves behind the steps write the streamed saves' bytes;
 //! - refusals: a run that does not fit the GPU, a rank that fails.
 //!
-//! Without a GPU (or with too few) each test prints why and passes; the
+//! The GPU tests are `#[ignore]`d, `"needs a GPU"` or `"needs two GPUs"`
+//! (those have `two_gpus` in their names): they run on a GPU machine with
+//! `--include-ignored` and fail, saying why, where the GPUs are missing. The
 //! refusal of `--device cuda` without a GPU is checked where there is none.
 
 use hybridgen_dsl::{ModelConfig, UnitFilter};
@@ -30,21 +32,14 @@ use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
 use hybridgen_runtime::{Precision, RuntimeError};
 
-/// GPUs visible, or `None` (printing why) when fewer than `needed`.
-fn gpus(needed: usize) -> Option<usize> {
+/// GPUs visible, at least `needed` of them: a test that calls this is
+/// `#[ignore]`d (it runs where the GPUs are, with `--include-ignored`), so a
+/// machine without them fails it rather than passing it unrun.
+fn gpus(needed: usize) -> usize {
     match probe() {
-        Ok(info) if info.devices.len() >= needed => Some(info.devices.len()),
-        Ok(info) => {
-            println!(
-                "skipped: needs {needed} GPUs, {} visible",
-                info.devices.len()
-            );
-            None
-        }
-        Err(why) => {
-            println!("skipped: {why}");
-            None
-        }
+        Ok(info) if info.devices.len() >= needed => info.devices.len(),
+        Ok(info) => panic!("needs {needed} GPUs, {} visible", info.devices.len()),
+        Err(why) => panic!("needs a GPU: {why}"),
     }
 }
 
@@ -93,10 +88,9 @@ fn bits(reports: &[StepReport], summary: &TrainSummary) -> (Vec<[u64; 4]>, u64) 
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn f32_training_on_a_gpu_matches_the_cpu() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     // Every kind (M Mamba, * attention, + MLA, - MLP, E MoE with the tiny
     // preset's shared expert), groups, and MTP.
     for pattern in ["M[*E]M-[*E]", "[M+]-[+E]M", "[M*E]-/*E", "+[ME]-/+E"] {
@@ -147,10 +141,9 @@ fn follows_the_cpu(label: &str, cpu: &[StepReport], gpu: &[StepReport]) {
 /// which is another path (other bits). Sequences of 96 tokens end inside
 /// a tile.
 #[test]
+#[ignore = "needs a GPU"]
 fn bf16_training_with_flash_attention_follows_the_cpu() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     let flash = |device, backend| {
         let mut c = config("[*E]*-*", device, Precision::Bf16);
         let attention = c.model.attention.as_mut().expect("tiny has attention");
@@ -203,10 +196,9 @@ fn bf16_training_with_flash_attention_follows_the_cpu() {
 /// step and copied to the GPU before the next step's routing): f32 on a GPU
 /// follows the CPU.
 #[test]
+#[ignore = "needs a GPU"]
 fn balanced_routing_on_a_gpu_matches_the_cpu() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     let balanced = |device| {
         let mut c = config("[M*E]-[*E]", device, Precision::F32);
         let moe = c.model.moe.as_mut().unwrap();
@@ -247,10 +239,9 @@ fn balanced_routing_on_a_gpu_matches_the_cpu() {
 /// inputs as the plain one, in another order across two streams, so every
 /// loss and the parameter hash are the same bits; so is a repeat.
 #[test]
+#[ignore = "needs a GPU"]
 fn on_one_gpu_overlap_equals_plain_bit_for_bit_and_repeats() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     let with = |schedule| {
         let mut c = config("[M*E][M*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
         c.steps = 3;
@@ -270,10 +261,9 @@ fn on_one_gpu_overlap_equals_plain_bit_for_bit_and_repeats() {
 /// default) and off, under both schedules. A kernel that read its inputs
 /// before its wait would race with the kernel before it and show here.
 #[test]
+#[ignore = "needs a GPU"]
 fn on_one_gpu_dependent_launch_changes_no_bits() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     for schedule in [ScheduleKind::Overlap, ScheduleKind::Plain] {
         let with = |dependent_launch| {
             let mut c = config("[M*E]M-[*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
@@ -295,10 +285,9 @@ fn on_one_gpu_dependent_launch_changes_no_bits() {
 /// Recomputing the dense layers' forwards in the backward gives the same
 /// bits on a GPU as keeping their activations, under both schedules.
 #[test]
+#[ignore = "needs a GPU"]
 fn on_one_gpu_recomputation_changes_no_bits() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     for schedule in [ScheduleKind::Overlap, ScheduleKind::Plain] {
         let with = |recompute| {
             let mut c = config("[M*E]M-[*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
@@ -336,10 +325,9 @@ fn two_gpu_config(schedule: ScheduleKind, sharding: Sharding) -> TrainConfig {
 }
 
 #[test]
+#[ignore = "needs two GPUs"]
 fn on_two_gpus_overlap_equals_plain_bit_for_bit_and_repeats() {
-    if gpus(2).is_none() {
-        return;
-    }
+    gpus(2);
     // Different collectives (reduce-scatters vs all-reduces) sum in
     // different orders on NCCL: equal to bf16's resolution.
     schedules_agree(two_gpu_config, 1e-2);
@@ -373,10 +361,9 @@ fn schedules_agree(config: impl Fn(ScheduleKind, Sharding) -> TrainConfig, toler
 /// ranks' own streams. Overlap equals plain and repeats bit for bit; in
 /// f32, the losses are the CPU's two-rank run's (both sum in rank order).
 #[test]
+#[ignore = "needs a GPU"]
 fn two_ranks_sharing_a_gpu_over_the_copy_transport_train_like_the_cpu() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     let shared = |schedule, sharding| {
         let mut c = two_gpu_config(schedule, sharding);
         c.transport = Transport::Copy;
@@ -400,10 +387,9 @@ fn two_ranks_sharing_a_gpu_over_the_copy_transport_train_like_the_cpu() {
 /// The filtered patterns below, on two GPUs over NCCL (EP 2, bf16):
 /// overlap equals plain and repeats bit for bit.
 #[test]
+#[ignore = "needs two GPUs"]
 fn filtered_units_on_two_gpus_keep_parity_over_nccl() {
-    if gpus(2).is_none() {
-        return;
-    }
+    gpus(2);
     for (pattern, units) in FILTERED {
         println!("{pattern} --units {units}");
         let filtered = |schedule, sharding| {
@@ -430,10 +416,9 @@ const FILTERED: [(&str, &str); 4] = [
 /// schedule's bits and repeats them, no-shard follows ZeRO-3, and in f32
 /// the losses are the CPU's two-rank run's.
 #[test]
+#[ignore = "needs a GPU"]
 fn filtered_units_on_one_gpu_keep_parity_over_the_copy_transport() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     for (pattern, units) in FILTERED {
         for (precision, tolerance) in [(Precision::Bf16, 1e-3), (Precision::F32, 1e-5)] {
             println!("{pattern} --units {units}, {precision:?}");
@@ -459,10 +444,9 @@ fn filtered_units_on_one_gpu_keep_parity_over_the_copy_transport() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn bf16_converges_like_f32_on_the_default_model() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     let default = |precision| {
         let mut c = TrainConfig::new(ModelConfig::preset("tiny").unwrap());
         c.device = DeviceChoice::Cuda;
@@ -513,10 +497,9 @@ fn save_and_resume(first: DeviceChoice, second: DeviceChoice) {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn a_run_saved_on_the_gpu_resumes_on_the_cpu_and_back() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     save_and_resume(DeviceChoice::Cuda, DeviceChoice::Cpu);
     save_and_resume(DeviceChoice::Cpu, DeviceChoice::Cuda);
 }
@@ -526,10 +509,9 @@ fn a_run_saved_on_the_gpu_resumes_on_the_cpu_and_back() {
 /// threads) are the bytes of streamed saves, at each step saved, for two
 /// ranks sharing the GPU over the copy transport.
 #[test]
+#[ignore = "needs a GPU"]
 fn a_save_behind_the_steps_on_the_gpu_writes_the_streamed_bytes() {
-    if gpus(1).is_none() {
-        return;
-    }
+    gpus(1);
     let root = |name: &str| {
         let dir = std::env::temp_dir().join(format!(
             "hybridgen-cuda-async-{name}-{}",
@@ -569,10 +551,9 @@ fn a_save_behind_the_steps_on_the_gpu_writes_the_streamed_bytes() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn a_run_too_large_for_the_gpu_is_refused_before_it_allocates() {
-    let Some(_) = gpus(1) else {
-        return;
-    };
+    gpus(1);
     let mut c = config("M[*E]M-[*E]", DeviceChoice::Cuda, Precision::Bf16);
     c.model.vocab_size = 131_072;
     c.model.hidden_size = 8192;
