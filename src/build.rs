@@ -20,7 +20,7 @@
 
 use std::path::PathBuf;
 
-pub use hybridgen_dsl::codegen::build_script::{BuildError, GeneratedModule, ModelFile};
+pub use hybridgen_codegen::build_script::{BuildError, GeneratedModule, ModelFile};
 
 /// Where generated modules go: `$OUT_DIR/hybridgen/`.
 pub fn out_dir() -> Result<PathBuf, BuildError> {

@@ -19,7 +19,7 @@ pub use hybridgen_dsl::{
     UnitFilter,
 };
 
-pub use hybridgen_dsl::codegen::StaticModel;
+pub use hybridgen_dsl::StaticModel;
 pub use hybridgen_macros::model;
 
 pub mod build;

@@ -4,6 +4,12 @@
 //! planner that turns a pattern, model dimensions and a parallel layout into
 //! a validated [`Plan`](plan::Plan). The command line, the `model!` macro and
 //! build scripts all call into this crate, so they cannot disagree.
+//!
+//! The code generator behind `model!` and build scripts is the
+//! `hybridgen-codegen` crate; this one holds only what planning and generated
+//! modules use at run time, including [`static_model`] (the
+//! [`StaticModel`] trait and the `const` table types generated code is made
+//! of).
 
 pub mod diagnostic;
 pub mod pattern;
@@ -17,7 +23,8 @@ pub mod flops;
 pub mod params;
 
 pub use config::ModelConfig;
-pub mod codegen;
 pub mod plan;
+pub mod static_model;
 
 pub use plan::{ParallelLayout, Plan, PlanOptions, PlanTables, UnitFilter};
+pub use static_model::{LayerHandle, SlotTable, StaticModel};

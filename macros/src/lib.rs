@@ -1,6 +1,6 @@
 //! The `model!` macro. All of its logic (reading the declaration, planning,
-//! generating) lives in `hybridgen_dsl::codegen`, shared with the command
-//! line and with build scripts; use it through the `hybridgen` facade.
+//! generating) lives in `hybridgen-codegen`, shared with build scripts and
+//! tested there as plain functions; use it through the `hybridgen` facade.
 
 use proc_macro::TokenStream;
 
@@ -64,7 +64,7 @@ use proc_macro::TokenStream;
 /// names is emitted, so code using the model reports nothing further.
 #[proc_macro]
 pub fn model(input: TokenStream) -> TokenStream {
-    hybridgen_dsl::codegen::expand(input.into())
+    hybridgen_codegen::expand(input.into())
         .unwrap_or_else(|error| error.into_compile_error())
         .into()
 }

@@ -4,11 +4,11 @@
 //! compiler allows), dimension mistakes at the field they name, layout
 //! mistakes at the layout field.
 
-use super::errors::{Errors, field_message, pattern_message, pattern_span};
-use super::fields::{FieldSpans, Resolved};
-use crate::diagnostic::{Code, Diagnostic, Diagnostics};
-use crate::pattern::Pattern;
-use crate::plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};
+use crate::errors::{Errors, field_message, pattern_message, pattern_span};
+use crate::fields::{FieldSpans, Resolved};
+use hybridgen_dsl::diagnostic::{Code, Diagnostic, Diagnostics};
+use hybridgen_dsl::pattern::Pattern;
+use hybridgen_dsl::plan::{ParallelLayout, Plan, PlanOptions, UnitFilter};
 use proc_macro2::Span;
 
 /// The layout the static tables are planned for. Buckets do not depend on
@@ -175,8 +175,8 @@ fn macro_words(message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codegen::ast::ModelDecl;
-    use crate::codegen::fields::resolve;
+    use crate::ast::ModelDecl;
+    use crate::fields::resolve;
     use quote::quote;
 
     fn errors_of(tokens: proc_macro2::TokenStream) -> Vec<String> {

@@ -1,8 +1,8 @@
 //! The error collector: every mistake of one `model!` invocation is gathered
 //! here and reported in one compile, each at its culprit's span.
 
-use crate::diagnostic::Diagnostic;
-use crate::span::Span as ByteSpan;
+use hybridgen_dsl::diagnostic::Diagnostic;
+use hybridgen_dsl::span::Span as ByteSpan;
 use proc_macro2::{Span, TokenStream};
 use syn::LitStr;
 

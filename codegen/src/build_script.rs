@@ -4,12 +4,12 @@
 //! text, out. `hybridgen::build` writes it under `OUT_DIR` and tells cargo
 //! when to run again.
 
-use super::fields::Resolved;
-use super::generate::{ModelSpec, generate, module_name};
-use super::validate::plan_options;
-use crate::config::{ConfigError, ModelConfig};
-use crate::diagnostic::{Code, Diagnostic, Diagnostics};
-use crate::plan::{DEFAULT_NON_UNIT_BUCKET_CAP, Plan, UnitKind};
+use crate::fields::Resolved;
+use crate::generate::{ModelSpec, generate, module_name};
+use crate::validate::plan_options;
+use hybridgen_dsl::config::{ConfigError, ModelConfig};
+use hybridgen_dsl::diagnostic::{Code, Diagnostic, Diagnostics};
+use hybridgen_dsl::plan::{DEFAULT_NON_UNIT_BUCKET_CAP, Plan, UnitKind};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -202,7 +202,7 @@ impl ModelFile {
             vis: syn::parse_quote!(pub),
             docs: vec![syn::parse_quote!(#[doc = #description])],
             forwarded: Vec::new(),
-            krate: super::facade_path(),
+            krate: crate::facade_path(),
         };
         let tokens = generate(&spec, &resolved, &plan);
         let file: syn::File =

@@ -7,11 +7,11 @@
 //! the command line read dimensions through one code path. Every field
 //! records its span, so later checks can point at the field they concern.
 
-use super::ast::{Field, ModelDecl, Value};
-use super::errors::Errors;
-use crate::config::ModelConfig;
-use crate::diagnostic::Code;
-use crate::plan::{DEFAULT_NON_UNIT_BUCKET_CAP, UnitKind};
+use crate::ast::{Field, ModelDecl, Value};
+use crate::errors::Errors;
+use hybridgen_dsl::config::ModelConfig;
+use hybridgen_dsl::diagnostic::Code;
+use hybridgen_dsl::plan::{DEFAULT_NON_UNIT_BUCKET_CAP, UnitKind};
 use proc_macro2::Span;
 use std::collections::HashMap;
 use syn::{Lit, LitStr};
@@ -360,7 +360,7 @@ fn read_preset(field: &Field, spans: &mut FieldSpans, errors: &mut Errors) {
             format!(
                 "`preset` takes a preset's name as a string, like `preset: \"tiny\"`; found {}\n  help: the presets are: {}",
                 field.value.describe(),
-                crate::config::PRESET_NAMES.join(", ")
+                hybridgen_dsl::config::PRESET_NAMES.join(", ")
             ),
         );
         return;
@@ -368,12 +368,12 @@ fn read_preset(field: &Field, spans: &mut FieldSpans, errors: &mut Errors) {
     let name = lit.value();
     if ModelConfig::preset_source(&name).is_none() {
         let mut message = format!("unknown preset `{name}`");
-        if let Some(close) = closest(&name, &crate::config::PRESET_NAMES) {
+        if let Some(close) = closest(&name, &hybridgen_dsl::config::PRESET_NAMES) {
             message += &format!("; did you mean `{close}`?");
         }
         message += &format!(
             "\n  help: the presets are: {}",
-            crate::config::PRESET_NAMES.join(", ")
+            hybridgen_dsl::config::PRESET_NAMES.join(", ")
         );
         errors.push(lit.span(), message);
         return;
@@ -602,7 +602,7 @@ fn check_required(table: &toml::Table, decl: &ModelDecl, spans: &FieldSpans, err
                         "add `{}: {}`, or start from a preset: `preset: \"tiny\"` (the presets are: {})",
                         spec.name,
                         spec.example,
-                        crate::config::PRESET_NAMES.join(", ")
+                        hybridgen_dsl::config::PRESET_NAMES.join(", ")
                     )
                 };
                 errors.push(

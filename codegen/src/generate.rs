@@ -6,16 +6,18 @@
 //! Generated code reaches the library only through
 //! `<crate>::__private`, imported once at the top of the module under
 //! `__`-prefixed names so it cannot collide with the model's own names.
+//! `__private::dsl::codegen::{static_model, rows}` are the facade's names
+//! for `hybridgen_dsl::static_model` and its `rows` module.
 
-use super::fields::Resolved;
-use super::layer_structs::{ModelShape, kind_tokens};
-use super::tables::tables;
-use crate::config::{
+use crate::fields::Resolved;
+use crate::layer_structs::{ModelShape, kind_tokens};
+use crate::tables::tables;
+use hybridgen_dsl::config::{
     Activation, AttentionConfig, DsaConfig, GdnConfig, MambaConfig, MlaConfig, MlpConfig,
     ModelConfig, MoeConfig, MtpConfig, Position, ScoreFunction,
 };
-use crate::pattern::LayerKind;
-use crate::plan::{Plan, UnitKind};
+use hybridgen_dsl::pattern::LayerKind;
+use hybridgen_dsl::plan::{Plan, UnitKind};
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::quote;
 use syn::{Attribute, Visibility};
@@ -198,7 +200,7 @@ fn constants(spec: &ModelSpec, resolved: &Resolved, plan: &Plan) -> TokenStream 
 }
 
 /// The FSDP unit filter as code: the typed predicate the planner asks, the
-/// path predicate, and a [`UnitFilter`](crate::plan::UnitFilter) built from
+/// path predicate, and a [`UnitFilter`](hybridgen_dsl::plan::UnitFilter) built from
 /// them.
 fn unit_filter(plan: &Plan, resolved: &Resolved) -> TokenStream {
     let rule = plan.unit_filter.description();

@@ -1,11 +1,12 @@
 //! The plan's tables as `const` items of the planner's own types. Large
-//! tables are written in the compact row form of [`super::rows`] and decoded
-//! by `const fn`s while the compiler evaluates the constants; the small,
-//! shared ones (parameter definitions, stages) as plain expressions.
+//! tables are written in the compact row form of
+//! [`hybridgen_dsl::static_model::rows`] and decoded by `const fn`s while
+//! the compiler evaluates the constants; the small, shared ones (parameter
+//! definitions, stages) as plain expressions.
 
-use super::rows::{Writer, param_runs};
-use crate::params::ParamDef;
-use crate::plan::{LayerRef, Owner, Plan, Slot, Stage};
+use hybridgen_dsl::params::ParamDef;
+use hybridgen_dsl::plan::{LayerRef, Owner, Plan, Slot, Stage};
+use hybridgen_dsl::static_model::rows::{Writer, param_runs};
 use proc_macro2::{Literal, TokenStream};
 use quote::quote;
 use std::collections::HashMap;

@@ -5,7 +5,13 @@
 //! time.
 //!
 //! Everything here is `const`-constructible: the `model!` macro and
-//! `build.rs` generation emit values of these types as `const` items.
+//! `build.rs` generation (both in `hybridgen-codegen`) emit values of these
+//! types as `const` items, and large tables in the compact text form of
+//! [`rows`], whose `const fn` readers and writer live side by side here.
+//! Nothing here needs `syn`: the runtime and generated code use these types
+//! without compiling the generator.
+
+pub mod rows;
 
 use crate::config::ModelConfig;
 use crate::diagnostic::Diagnostics;

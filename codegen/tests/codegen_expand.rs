@@ -6,7 +6,7 @@
 //! same names as a real module, the tests tell them apart by the errors
 //! emitted and by the module's constants.
 
-use hybridgen_dsl::codegen::expand;
+use hybridgen_codegen::expand;
 use hybridgen_dsl::config::ModelConfig;
 use hybridgen_dsl::plan::{Plan, PlanOptions};
 use proc_macro2::TokenStream;

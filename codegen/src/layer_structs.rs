@@ -7,7 +7,7 @@
 //! by a `const fn`, so a model of any depth costs one struct per shape and a
 //! few tokens per layer.
 
-use crate::pattern::{Item, LayerKind, Pattern};
+use hybridgen_dsl::pattern::{Item, LayerKind, Pattern};
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote};
 

@@ -1,10 +1,10 @@
 //! How long `model!` takes to expand large patterns: a plain `main` that
-//! times `hybridgen_dsl::codegen::expand` and prints the figures (no
+//! times `hybridgen_codegen::expand` and prints the figures (no
 //! assertions: machines differ; the target is under 20 ms for 1,000 layers).
 //!
-//! `cargo bench -p hybridgen-dsl --bench expand`
+//! `cargo bench -p hybridgen-codegen --bench expand`
 
-use hybridgen_dsl::codegen::expand;
+use hybridgen_codegen::expand;
 use hybridgen_dsl::{ModelConfig, Plan, PlanOptions};
 use proc_macro2::TokenStream;
 use quote::quote;

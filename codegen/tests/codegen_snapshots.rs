@@ -1,9 +1,9 @@
 //! Snapshots of what `model!` expands to, formatted with prettyplease so a
 //! reviewer reads the generated module as a user's editor would show it.
-//! Update with `INSTA_UPDATE=always cargo test -p hybridgen-dsl --test codegen_snapshots`
+//! Update with `INSTA_UPDATE=always cargo test -p hybridgen-codegen --test codegen_snapshots`
 //! and review the diff.
 
-use hybridgen_dsl::codegen::expand;
+use hybridgen_codegen::expand;
 use proc_macro2::TokenStream;
 use quote::quote;
 

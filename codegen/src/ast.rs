@@ -1,6 +1,6 @@
 //! The `model!` input as written: a struct-like declaration whose fields are
 //! `name: value` pairs. This stage only reads tokens; what the fields mean is
-//! decided by [`super::fields`].
+//! decided by [`crate::fields`].
 //!
 //! ```text
 //! /// docs

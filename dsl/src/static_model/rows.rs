@@ -38,7 +38,7 @@
 //! error in a `const`; the generator writes what they read (round-trip tests
 //! below), so that cannot happen to generated code.
 
-use super::static_model::{LayerHandle, SlotTable};
+use super::{LayerHandle, SlotTable};
 use crate::pattern::LayerKind;
 use crate::plan::{Bucket, DType, FsdpUnit, LayerRef, Op, Owner, Param, ScheduleNode, UnitShape};
 use std::borrow::Cow;

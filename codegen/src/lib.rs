@@ -1,17 +1,27 @@
-//! The code generator behind `hybridgen::model!` and `hybridgen::build`:
-//! a model declaration in, a Rust module of `const` plan tables and typed
-//! layer structs out. Plain functions over `TokenStream`s, so the macro, the
-//! command line and build scripts share them and tests need no compiler.
+//! # hybridgen-codegen
+//!
+//! The code generator of the `model!` macro: a model declaration in, a Rust
+//! module of `const` plan tables and typed layer structs out. It is shared
+//! by the macro (`hybridgen-macros` is one line over [`expand`]) and the
+//! build-script API (`hybridgen::build`, over [`build_script`]), and it is
+//! plain Rust over `proc_macro2::TokenStream`s, so it is tested as ordinary
+//! functions (token streams in and out, snapshots of the formatted module)
+//! without a compiler in the loop.
+//!
+//! Planning is not done here: [`validate`] calls the one planner of
+//! `hybridgen-dsl`, and the types generated modules are made of (the
+//! `StaticModel` trait, `LayerHandle`, `SlotTable`, the compact `rows` table
+//! form) live in `hybridgen_dsl::static_model`, so neither the runtime nor
+//! generated code compiles `syn`.
 //!
 //! Stages, one module each, in the order serde_derive taught us:
 //! - [`ast`]: read the declaration's tokens (`pub struct Name { field: value, ... }`);
 //! - [`fields`]: give the fields meaning (typed schema, preset + overrides);
 //! - [`validate`]: plan with the one planner, every diagnostic at its span;
 //! - [`generate`]: emit the module, with [`tables`] (the plan as `const`
-//!   tables, large ones in the compact [`rows`] form) and [`layer_structs`]
+//!   tables, large ones in the compact `rows` form) and [`layer_structs`]
 //!   (the typed layers); [`stub`]: its stand-in on errors;
-//! - [`build_script`]: the same module from model files, for `build.rs`;
-//! - [`static_model`]: the types the generated module is made of.
+//! - [`build_script`]: the same module from model files, for `build.rs`.
 //!
 //! Errors are collected ([`errors::Errors`]) and reported together; an
 //! invalid declaration expands to its `compile_error!`s plus a stub module
@@ -23,19 +33,15 @@ pub mod errors;
 pub mod fields;
 pub mod generate;
 pub mod layer_structs;
-pub mod rows;
-pub mod static_model;
 pub mod stub;
 pub mod tables;
 pub mod validate;
 
-use crate::pattern::Pattern;
 use ast::ModelDecl;
 use errors::Errors;
 use generate::ModelSpec;
+use hybridgen_dsl::pattern::Pattern;
 use proc_macro2::TokenStream;
-
-pub use static_model::{LayerHandle, SlotTable, StaticModel};
 
 /// Expands a `model!` invocation. `Err` only when the input is not a model
 /// declaration at all (nothing to name a stub after); every other mistake

@@ -7,9 +7,9 @@
 //! would make the stub clash as the real module does) the model struct has no
 //! layer fields.
 
-use super::generate::ModelSpec;
-use super::layer_structs::ModelShape;
-use crate::pattern::Pattern;
+use crate::generate::ModelSpec;
+use crate::layer_structs::ModelShape;
+use hybridgen_dsl::pattern::Pattern;
 use proc_macro2::TokenStream;
 use quote::quote;
 
@@ -25,7 +25,7 @@ pub fn stub(spec: &ModelSpec, pattern: Option<&Pattern>) -> TokenStream {
     };
     // A literal `panic!` is allowed in the `const fn new()`; stubs never run.
     let unreachable = quote!(::core::panic!("the model declaration has errors"));
-    let model_traits = super::generate::model_traits(name);
+    let model_traits = crate::generate::model_traits(name);
     let body = quote! {
         pub const NAME: &str = "";
         pub const PATTERN: &str = "";
