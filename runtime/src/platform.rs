@@ -6,7 +6,7 @@
 //! and a comm lane, and its communicators) on the thread that will drive the
 //! rank. The CPU platform runs every rank as a thread of this process; a GPU
 //! platform runs one rank per GPU, either one process per GPU started by
-//! torchrun or srun (ranks found with `crate::launch`) or one process
+//! torchrun or srun (ranks found with `crate::rendezvous`) or one process
 //! driving every local GPU from a thread each.
 
 use crate::backend::{AttentionBackend, ExpertGemm, Precision};
@@ -17,7 +17,7 @@ use crate::device::{Cpu, Device, RankContext};
 use crate::error::Result;
 use crate::error::RuntimeError;
 use crate::lane::thread::{CpuLane, LaneConfig};
-use crate::launch::Launch;
+use crate::rendezvous::Launch;
 use crate::trace::TraceRecorder;
 use std::ops::Range;
 use std::sync::Arc;

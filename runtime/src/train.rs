@@ -15,7 +15,7 @@ use crate::data::{
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
-use crate::launch::Launch;
+use crate::rendezvous::Launch;
 use crate::loader::{MicroBatchLoader, StreamRange, micro_batch_tokens};
 use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
 use crate::model::ModelRuntime;

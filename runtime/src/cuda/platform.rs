@@ -1,6 +1,6 @@
 //! The CUDA platform: one rank per GPU, either every visible GPU driven by
 //! a thread of this process, or one GPU per process for jobs started by
-//! torchrun or srun ([`crate::launch`]), NCCL between them either way; or,
+//! torchrun or srun ([`crate::rendezvous`]), NCCL between them either way; or,
 //! with the copy transport ([`Transport::Copy`]), the ranks of this process
 //! on its GPUs round-robin (several may share one), exchanging through the
 //! copy engines.
@@ -18,7 +18,7 @@ use crate::cpu::collective::CpuWorld;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::lane::Lane;
-use crate::launch::{Launch, RankInfo};
+use crate::rendezvous::{Launch, RankInfo};
 use crate::platform::{Platform, RankSettings, Transport};
 use cudarc::driver::{CudaContext, sys};
 use std::ops::Range;
@@ -393,7 +393,7 @@ mod tests {
     use super::{CudaPlatform, launched_gpu};
     use crate::cuda::{GpuDevice, GpuInfo};
     use crate::error::RuntimeError;
-    use crate::launch::{Launch, Launcher, RankInfo};
+    use crate::rendezvous::{Launch, Launcher, RankInfo};
     use crate::platform::{Platform, Transport};
     use std::time::Duration;
 

@@ -287,7 +287,7 @@ const SYMBOLS: &[&str] = &[
 /// The identity of one NCCL communicator in the making: rank 0 creates it
 /// ([`NcclUniqueId::new`]) and every rank passes the same bytes to
 /// [`crate::cuda::NcclComm::from_unique_id`]. Across processes it travels
-/// through [`crate::launch::rendezvous`].
+/// through [`crate::rendezvous::hand_out`].
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct NcclUniqueId([u8; NcclUniqueId::BYTES]);
 

@@ -44,7 +44,7 @@ pub use wait::{AbortCause, AbortSignal, StreamWait};
 use crate::cuda::GpuView;
 use crate::error::{Result, RuntimeError};
 use crate::lane::thread::deadline_after;
-use crate::launch::{RankInfo, rendezvous};
+use crate::rendezvous::{self, RankInfo};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::sys;
 use host_exchange::{Contribution, HostCall, HostOp, Outgoing};
@@ -485,7 +485,7 @@ impl NcclComm {
         timeout: Duration,
         signal: AbortSignal,
     ) -> Result<NcclComm> {
-        let bytes = rendezvous(
+        let bytes = rendezvous::hand_out(
             info,
             || NcclUniqueId::new().map(|id| id.as_bytes().to_vec()),
             timeout,

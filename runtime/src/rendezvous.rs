@@ -1,4 +1,4 @@
-//! Finding ranks the way torchrun and srun set them, and the TCP rendezvous
+//! Rendezvous: finding ranks the way torchrun and srun set them, and the TCP exchange
 //! that hands rank 0's bytes to the others.
 //!
 //! [`Launch::discover`] reads the launcher's variables from an [`EnvVars`]
@@ -7,7 +7,7 @@
 //! `MASTER_PORT`, or srun's `SLURM_*` twins. With none set the process runs
 //! alone (and drives every local device, or N thread ranks on the CPU).
 //!
-//! [`rendezvous`] then moves one byte string (a 128-byte NCCL unique id)
+//! [`hand_out`] then moves one byte string (a 128-byte NCCL unique id)
 //! from rank 0 to every other rank over TCP: rank 0 listens on
 //! `MASTER_ADDR:MASTER_PORT`, the others connect with retries until a
 //! deadline. Everything is bounded in time; errors name the address and the
@@ -788,7 +788,7 @@ pub fn fetch_payload(
 /// Every rank calls this with the same `timeout`: rank 0 makes the payload
 /// with `make_payload` and hands it out; the others fetch it. All return
 /// the payload.
-pub fn rendezvous(
+pub fn hand_out(
     info: &RankInfo,
     make_payload: impl FnOnce() -> Result<Vec<u8>>,
     timeout: Duration,
@@ -1076,13 +1076,13 @@ mod tests {
         let got = std::thread::scope(|s| {
             let clients: Vec<_> = (1..3)
                 .map(|rank| {
-                    s.spawn(move || rendezvous(&info(rank), || Ok(b"unused".to_vec()), PATIENT))
+                    s.spawn(move || hand_out(&info(rank), || Ok(b"unused".to_vec()), PATIENT))
                 })
                 .collect();
             // The clients are (most likely) already retrying against a
             // closed port; the order does not matter for correctness.
             std::thread::sleep(Duration::from_millis(50));
-            let mine = rendezvous(&info(0), || Ok(b"nccl-id".to_vec()), PATIENT).unwrap();
+            let mine = hand_out(&info(0), || Ok(b"nccl-id".to_vec()), PATIENT).unwrap();
             let mut all = vec![mine];
             all.extend(clients.into_iter().map(|c| c.join().unwrap().unwrap()));
             all
