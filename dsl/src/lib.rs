@@ -20,6 +20,7 @@ pub use pattern::{Group, Item, Layer, LayerKind, MtpDepth, Pattern, Segment};
 pub use span::{LineCol, Span};
 pub mod config;
 pub mod flops;
+mod model_check;
 pub mod params;
 
 pub use config::ModelConfig;
