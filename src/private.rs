@@ -3,16 +3,9 @@
 
 pub use std::borrow::Cow;
 
-/// `hybridgen_dsl`, plus the names generated modules import the static
-/// model's types under.
+/// `hybridgen_dsl`: generated modules import its `static_model` (the
+/// `StaticModel` trait and the `const` table types) and
+/// `static_model::rows` (the compact table readers).
 pub mod dsl {
     pub use hybridgen_dsl::*;
-
-    /// Generated modules import `codegen::static_model` (the `StaticModel`
-    /// trait and the `const` table types) and `codegen::rows` (the compact
-    /// table readers); both live in `hybridgen_dsl::static_model`.
-    pub mod codegen {
-        pub use hybridgen_dsl::static_model;
-        pub use hybridgen_dsl::static_model::rows;
-    }
 }

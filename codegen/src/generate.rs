@@ -6,8 +6,8 @@
 //! Generated code reaches the library only through
 //! `<crate>::__private`, imported once at the top of the module under
 //! `__`-prefixed names so it cannot collide with the model's own names.
-//! `__private::dsl::codegen::{static_model, rows}` are the facade's names
-//! for `hybridgen_dsl::static_model` and its `rows` module.
+//! `__private::dsl` is the facade's name for `hybridgen_dsl`, whose
+//! `static_model` module (and its `rows`) generated tables are made of.
 
 use crate::fields::Resolved;
 use crate::layer_structs::{ModelShape, kind_tokens};
@@ -49,11 +49,11 @@ impl ModelSpec {
             #[allow(unused_imports)]
             use #krate::__private::dsl::plan as __plan;
             #[allow(unused_imports)]
-            use #krate::__private::dsl::codegen::static_model as __model;
+            use #krate::__private::dsl::static_model as __model;
             #[allow(unused_imports)]
-            use #krate::__private::dsl::codegen::rows as __rows;
+            use #krate::__private::dsl::static_model::rows as __rows;
             #[allow(unused_imports)]
-            use #krate::__private::dsl::codegen::static_model::param_def as __param_def;
+            use #krate::__private::dsl::static_model::param_def as __param_def;
             #[allow(unused_imports)]
             use #krate::__private::Cow as __Cow;
         }
