@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark of issue "Speed on GPUs": hybridgen on the
+# The GPU benchmark: hybridgen on the
 # `bench-hybrid-moe` preset on 1 GPU (EP 1, no communication) and on 2 GPUs
 # (EP 2, ZeRO-3), each with the overlap and the plain schedule, then PyTorch's rows
 # of the same model (the PyTorch baseline's folder named by TORCH_REF, its

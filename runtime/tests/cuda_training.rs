@@ -1,5 +1,4 @@
-//! Training on GPUs against the CPU and against itself (issue "The CUDA
-//! backend", Proof 2-7):
+//! Training on GPUs against the CPU and against itself:
 //!
 //! - f32 mode on one GPU against the CPU: first-step loss within 1e-5
 //!   relative, five steps within 1e-4, for the tiny preset and patterns
