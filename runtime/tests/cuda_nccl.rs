@@ -21,7 +21,7 @@ use hybridgen_runtime::cuda::nccl::{
     AbortSignal, NcclComm, NcclUniqueId, StreamWait, nccl_version,
 };
 use hybridgen_runtime::cuda::{GpuView, probe};
-use hybridgen_runtime::launch::{Launcher, RankInfo};
+use hybridgen_runtime::rendezvous::{Launcher, RankInfo};
 use hybridgen_runtime::view::DType;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
