@@ -23,6 +23,7 @@ pub use hybridgen_dsl::StaticModel;
 pub use hybridgen_macros::model;
 
 pub mod build;
+pub mod tensorboard;
 
 #[doc(hidden)]
 #[path = "private.rs"]
