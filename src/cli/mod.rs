@@ -6,6 +6,7 @@
 //! Exit codes: 0 success, 1 invalid input (a bad pattern, model or layout,
 //! reported with codes), 2 usage errors (bad flags).
 
+mod board;
 mod check;
 mod data;
 mod explain;

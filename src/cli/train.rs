@@ -2,7 +2,7 @@
 //! preset on synthetic data on the CPU with two thread ranks, expert
 //! parallelism 2 and the overlap schedule.
 
-use super::{Failure, human};
+use super::{Failure, board, human};
 use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
@@ -233,6 +233,13 @@ pub(crate) struct TrainArgs {
     /// --format says; `hybridgen plot FILE` draws its curves.
     #[arg(long, value_name = "FILE")]
     log_file: Option<PathBuf>,
+    /// Write the run's curves as TensorBoard event files into DIR (made if
+    /// missing; the process of rank 0 only), under Megatron's tags (`lm
+    /// loss`, `learning-rate`, `grad-norm`, ...), flushed at every logged
+    /// step so a TensorBoard watching DIR shows the run live. A resumed run
+    /// adds a file whose steps continue the same curves.
+    #[arg(long, value_name = "DIR")]
+    tensorboard_dir: Option<PathBuf>,
     /// Seconds a rank waits for its peers before reporting them stalled (1
     /// to 604800, a week).
     #[arg(long, default_value_t = 60, allow_hyphen_values = true, value_parser = timeout_seconds)]
@@ -450,6 +457,14 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
     let steps = config
         .steps
         .saturating_sub(prepared.resume_step().unwrap_or(0));
+    // Opened before anything is printed: a directory that cannot be
+    // written is refused before the first step.
+    let board = match &args.tensorboard_dir {
+        Some(dir) if first_rank() => {
+            Some(open_board(dir, &prepared, args).map_err(|e| e.coded("io", json))?)
+        }
+        _ => None,
+    };
     let text = args.format == FormatArg::Text;
     if text {
         match (resume, &config.resume, &config.save) {
@@ -556,6 +571,12 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         } else {
             Some(step_json(report, &config.optimizer))
         };
+        if let Some(board) = &board {
+            let due = report.step.is_multiple_of(args.log_every)
+                || report.step == config.steps
+                || report.eval_loss.is_some();
+            board.step(report, config.optimizer.lr_at(report.step), due);
+        }
         if let Some(log) = &mut log {
             let json = if text {
                 step_json(report, &config.optimizer)
@@ -592,6 +613,9 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         message: runtime_message(&e),
         json,
     })?;
+    if let Some(board) = board {
+        board.finish(&summary).map_err(|e| e.coded("io", json))?;
+    }
     let record = summary_json(
         &summary,
         &clock,
@@ -850,6 +874,69 @@ fn step_json(report: &StepReport, optimizer: &OptimizerConfig) -> String {
         value["eval_loss"] = json!(eval);
     }
     value.to_string()
+}
+
+/// Whether this process is rank 0 of its job (every single-process run
+/// is): the one that writes the run's TensorBoard curves.
+fn first_rank() -> bool {
+    use hybridgen_runtime::rendezvous::{EnvVars, Launch};
+    match Launch::discover(&EnvVars::from_process()) {
+        Ok(Launch::Distributed(info)) => info.rank == 0,
+        _ => true,
+    }
+}
+
+/// `--tensorboard-dir`'s event file for this run, with the run's settings
+/// written at the step it starts from.
+fn open_board(
+    dir: &std::path::Path,
+    prepared: &hybridgen_runtime::train::Prepared,
+    args: &TrainArgs,
+) -> Result<board::Board, Failure> {
+    let config = &prepared.config;
+    let plan = &prepared.plan;
+    let board = board::Board::open(
+        dir,
+        config.tokens_per_step(),
+        plan.layers
+            .iter()
+            .any(|l| l.kind == hybridgen_dsl::LayerKind::Moe),
+        plan.mtp_depths(),
+        config.ranks,
+    )?;
+    let settings = [
+        ("pattern", config.model.pattern.clone()),
+        (
+            "model",
+            args.model.as_ref().map_or_else(
+                || format!("preset {}", args.preset),
+                |p| p.display().to_string(),
+            ),
+        ),
+        ("device", prepared.device.describe()),
+        ("ranks", config.ranks.to_string()),
+        ("ep", config.ep.to_string()),
+        ("schedule", format!("{:?}", config.schedule).to_lowercase()),
+        (
+            "zero",
+            if config.sharding == Sharding::Zero3 {
+                "3"
+            } else {
+                "0"
+            }
+            .to_string(),
+        ),
+        ("precision", config.precision.to_string()),
+        ("micro-batches", config.micro_batches.to_string()),
+        ("micro-batch size", config.micro_batch_size.to_string()),
+        ("sequence length", config.seq_length.to_string()),
+        ("steps", config.steps.to_string()),
+        ("lr", config.optimizer.lr_at(1).to_string()),
+        ("seed", config.seed.to_string()),
+        ("units", config.unit_filter.description().to_string()),
+    ];
+    board.settings(prepared.resume_step().unwrap_or(0), &settings);
+    Ok(board)
 }
 
 /// `--log-file`: JSON lines appended, each flushed as it is written, so a
