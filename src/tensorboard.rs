@@ -156,7 +156,10 @@ impl EventWriter {
             .filter(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
             .unwrap_or_else(|| "localhost".to_string());
         let seconds = now() as u64;
-        let name = format!("events.out.tfevents.{seconds}.{host}.{}", std::process::id());
+        let name = format!(
+            "events.out.tfevents.{seconds}.{host}.{}",
+            std::process::id()
+        );
         let path = dir.join(name);
         let mut file = BufWriter::new(
             std::fs::OpenOptions::new()
@@ -177,9 +180,7 @@ impl EventWriter {
             .spawn(move || {
                 for request in queue {
                     match request {
-                        Request::Write(event) => {
-                            file.write_all(&record(&event.encode_to_vec()))?
-                        }
+                        Request::Write(event) => file.write_all(&record(&event.encode_to_vec()))?,
                         Request::Flush => file.flush()?,
                     }
                 }
@@ -319,7 +320,13 @@ mod tests {
         writer.scalars(2, &[("lm loss", 5.25)]);
         let path = writer.path().to_path_buf();
         writer.close().unwrap();
-        assert!(path.file_name().unwrap().to_str().unwrap().contains("tfevents"));
+        assert!(
+            path.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .contains("tfevents")
+        );
         let events: Vec<Event> = records(&std::fs::read(&path).unwrap())
             .iter()
             .map(|r| Event::decode(r.as_slice()).unwrap())
