@@ -7,4 +7,4 @@ mod state;
 
 pub use executor::{StepContext, run_step};
 pub use program::{BackwardPiece, Instr, Program, ScheduleKind, build, build_forward_only};
-pub use state::{MicroBatchTokens, StepLosses, StepReadout, StepTotals};
+pub use state::{MicroBatchTokens, StepLosses, StepReadout, StepSums, StepTotals};

@@ -133,14 +133,19 @@ pub struct StepReadout {
 }
 
 impl<B: Backend> StepTotals<B> {
+    /// The main head's loss sum.
     const MAIN: usize = 0;
+    /// The MoE load-balancing loss's sum.
     const AUX: usize = 1;
+    /// MTP depth 0's loss sum; depth `d`'s is at `MTP + d`, and the
+    /// gradient-norm partials follow the last depth's.
+    const MTP: usize = 2;
 
     /// Slots for the main loss, the aux loss, `depths` MTP depths and
     /// `buckets` gradient-norm partials.
     pub fn new(b: &B, depths: usize, buckets: usize) -> Result<Self> {
         Ok(StepTotals {
-            buf: Arc::new(b.alloc(2 + depths + buckets, DType::F64)?),
+            buf: Arc::new(b.alloc(Self::MTP + depths + buckets, DType::F64)?),
             depths,
             buckets,
         })
@@ -159,7 +164,7 @@ impl<B: Backend> StepTotals<B> {
     pub fn head(&self, head: usize) -> Result<SliceMut<'_, B>> {
         match head {
             0 => self.slot(Self::MAIN),
-            d if d <= self.depths => self.slot(Self::AUX + d),
+            d if d <= self.depths => self.slot(Self::mtp_at(d - 1)),
             _ => Err(RuntimeError::InvalidArgument(format!(
                 "step totals: no head {head} (the model has {} MTP depths)",
                 self.depths
@@ -178,9 +183,15 @@ impl<B: Backend> StepTotals<B> {
         self.buf.clone()
     }
 
-    /// Where the gradient-norm partials start.
+    /// MTP depth `d`'s loss slot.
+    fn mtp_at(d: usize) -> usize {
+        Self::MTP + d
+    }
+
+    /// Where the gradient-norm partials start: bucket `b`'s is at
+    /// `partials_at() + b`.
     pub fn partials_at(&self) -> usize {
-        2 + self.depths
+        Self::mtp_at(self.depths)
     }
 
     /// The step's one read: every slot, after the losses and the partials
@@ -195,12 +206,96 @@ impl<B: Backend> StepTotals<B> {
             losses: StepLosses {
                 main: (at(Self::MAIN), count(0)),
                 mtp: (0..self.depths)
-                    .map(|d| (at(2 + d), count(d + 1)))
+                    .map(|d| (at(Self::mtp_at(d)), count(d + 1)))
                     .collect(),
                 aux: at(Self::AUX),
             },
             norm_partials,
         })
+    }
+}
+
+/// A step's sums as the ranks add them up: this rank's loss sums and
+/// token counts and the tokens each expert got (aux-loss-free balancing),
+/// laid out for one host exchange ([`StepSums::mine`]), then every rank's
+/// added ([`StepSums::total`]). Token counts and loads are integers, exact
+/// in f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepSums {
+    /// The main loss's sum and count, the aux loss's sum, each MTP depth's
+    /// sum and count, then the expert loads.
+    values: Vec<f64>,
+    depths: usize,
+}
+
+impl StepSums {
+    const MAIN_SUM: usize = 0;
+    const MAIN_COUNT: usize = 1;
+    const AUX_SUM: usize = 2;
+    /// MTP depth 0's sum; its count follows, then the next depth's pair.
+    const MTP: usize = 3;
+
+    /// This rank's sums: `losses`, then `loads`.
+    pub fn mine(losses: &StepLosses, loads: impl IntoIterator<Item = f64>) -> Self {
+        let mut values = vec![losses.main.0, losses.main.1 as f64, losses.aux];
+        for (sum, count) in &losses.mtp {
+            values.extend([*sum, *count as f64]);
+        }
+        values.extend(loads);
+        StepSums {
+            values,
+            depths: losses.mtp.len(),
+        }
+    }
+
+    /// The values the host exchange sends.
+    pub fn values(&self) -> &[f64] {
+        &self.values
+    }
+
+    /// Every rank's sums (`all`, by rank, as the exchange returns them),
+    /// slot by slot, added in rank order from 0 (a slot a rank did not
+    /// send counts 0): the same bits on every rank.
+    pub fn total(&self, all: &[Vec<f64>]) -> StepSums {
+        let values = (0..self.values.len())
+            .map(|i| {
+                all.iter()
+                    .map(|v| v.get(i).copied().unwrap_or(0.0))
+                    .fold(0.0, |a, b| a + b)
+            })
+            .collect();
+        StepSums {
+            values,
+            depths: self.depths,
+        }
+    }
+
+    /// The main cross-entropy: mean over every token summed.
+    pub fn main_loss(&self) -> f64 {
+        self.values[Self::MAIN_SUM] / self.values[Self::MAIN_COUNT].max(1.0)
+    }
+
+    /// MTP depth `depth`'s cross-entropy: mean over its tokens.
+    pub fn mtp_loss(&self, depth: usize) -> f64 {
+        let at = Self::MTP + 2 * depth;
+        self.values[at] / self.values[at + 1].max(1.0)
+    }
+
+    /// The mean of the MTP depths' losses, when there are depths.
+    pub fn mean_mtp_loss(&self) -> Option<f64> {
+        (self.depths > 0)
+            .then(|| (0..self.depths).map(|d| self.mtp_loss(d)).sum::<f64>() / self.depths as f64)
+    }
+
+    /// The MoE load-balancing losses' sum.
+    pub fn aux_sum(&self) -> f64 {
+        self.values[Self::AUX_SUM]
+    }
+
+    /// The tokens each expert got, in [`crate::layers::ExpertBalance`]'s
+    /// order (empty without MoE layers).
+    pub fn expert_loads(&self) -> &[f64] {
+        &self.values[Self::MTP + 2 * self.depths..]
     }
 }
 
