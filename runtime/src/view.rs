@@ -118,6 +118,11 @@ impl<'a, T: DeviceBuffer> View<'a, T> {
         self.offset..self.offset + self.len
     }
 
+    /// Its length and dtype, as a kernel's check takes them.
+    pub fn operand(&self) -> Operand {
+        Operand::new(self.len, self.dtype())
+    }
+
     /// `self[range]`.
     pub fn slice(self, range: Range<usize>) -> Result<View<'a, T>> {
         if range.start > range.end || range.end > self.len {
@@ -188,6 +193,11 @@ impl<'a, T: DeviceBuffer> ViewMut<'a, T> {
 
     pub fn range(&self) -> Range<usize> {
         self.offset..self.offset + self.len
+    }
+
+    /// Its length and dtype, as a kernel's check takes them.
+    pub fn operand(&self) -> Operand {
+        Operand::new(self.len, self.dtype())
     }
 
     /// The same elements, read-only, for as long as this view is borrowed.
@@ -305,5 +315,64 @@ pub fn same_dtype(kernel: &str, (a, da): (&str, DType), (b, db): (&str, DType)) 
         Err(RuntimeError::InvalidArgument(format!(
             "kernel `{kernel}`: `{a}` is {da} but `{b}` is {db}; they must match (cast explicitly)"
         )))
+    }
+}
+
+/// A kernel argument as the checks see it: its length and dtype, which are
+/// the same facts on every device. Each kernel family's checks
+/// (`crate::backend`'s modules) take these, so one check serves the CPU
+/// and the GPU alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub len: usize,
+    pub dtype: DType,
+}
+
+impl Operand {
+    pub const fn new(len: usize, dtype: DType) -> Self {
+        Operand { len, dtype }
+    }
+
+    /// `Ok` when it is bf16 or f32, else an error for `kernel`'s `arg`.
+    pub fn float(self, kernel: &str, arg: &str) -> Result<()> {
+        DTypeRule::Float.check(kernel, arg, self.dtype)
+    }
+
+    /// `Ok` when it is `dtype`, else an error for `kernel`'s `arg`.
+    pub fn exactly(self, dtype: DType, kernel: &str, arg: &str) -> Result<()> {
+        DTypeRule::Exactly(dtype).check(kernel, arg, self.dtype)
+    }
+
+    /// `Ok` when it holds `want` elements, else an error saying which
+    /// argument of which kernel is wrong.
+    pub fn has_len(self, kernel: &str, arg: &str, want: usize) -> Result<()> {
+        if self.len == want {
+            Ok(())
+        } else {
+            Err(RuntimeError::InvalidArgument(format!(
+                "{kernel}: `{arg}` has {} elements, expected {want}",
+                self.len
+            )))
+        }
+    }
+}
+
+/// `a * b * ...`, or an error naming `kernel` when the product overflows
+/// (a size no view can have).
+pub fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!("{kernel}: size {factors:?} overflows"))
+        })
+}
+
+/// `Ok` when `ok`, else an `InvalidArgument` error saying `message`.
+pub fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidArgument(message()))
     }
 }

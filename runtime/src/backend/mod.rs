@@ -32,7 +32,7 @@ mod dense;
 mod layout;
 mod lookup;
 mod moe;
-mod norm;
+pub mod norm;
 mod optim;
 mod scan;
 
@@ -45,7 +45,7 @@ pub use moe::{
     AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
     RouterScores, UnpermuteDims, UnpermuteGrads,
 };
-pub use norm::{NormDims, Unary};
+pub use norm::{NormDims, NormKernels, Unary};
 pub use optim::{AdamMoments, AdamStep, SgdStep};
 pub use scan::{ScanDims, ScanGrads, ScanInputs};
 
@@ -120,7 +120,7 @@ impl std::ops::Sub for DeviceStats {
 }
 
 /// Device memory and kernels, bound to one lane.
-pub trait Backend: Clone + Send + Sync + 'static {
+pub trait Backend: Clone + Send + Sync + 'static + NormKernels<<Self as Backend>::Buf> {
     /// One device allocation.
     type Buf: DeviceBuffer;
     /// A read to the host in flight ([`Backend::start_download`]).
@@ -354,94 +354,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()>;
 
     // ---- kernels: normalisation and activations -----------------------------
-
-    /// RMSNorm over groups: each row of `dim` channels is cut into `groups`
-    /// groups of `dim / groups` consecutive channels (1 group is the plain
-    /// norm; `G` groups is Mamba's gated norm). Per group
-    /// `rstd = 1 / sqrt(mean(x^2) + eps)`, `y = x * rstd * w` (w over all
-    /// `dim` channels). Writes `y` `[rows, dim]` and `rstd` `[rows, groups]`
-    /// (kept for backward). Computed in f32. With `x_copy` (of `x`'s dtype
-    /// and length, else refused) it also copies `x` there: how a layer
-    /// keeps its input for its backward while the residual stream it reads
-    /// from moves on; a GPU writes the copy in the norm's own pass over `x`.
-    fn rmsnorm_forward(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: Option<SliceMut<'_, Self>>,
-        dims: NormDims,
-    ) -> Result<()>;
-
-    /// Input gradient of [`Backend::rmsnorm_forward`], accumulated:
-    /// per group, with `g = w * dy`,
-    /// `dx += rstd * g - x * rstd^3 * mean(g * x)`. With `dx_before` (of
-    /// `dx`'s dtype and length, else refused) it first copies `dx` as it was
-    /// there: how a layer keeps the gradient of its output for its weight
-    /// gradients while adding its input's gradient into the same buffer; a
-    /// GPU writes the copy in the norm's own pass over `dx`.
-    ///
-    /// It also writes the weight gradient's partial sums into `partials`
-    /// (f32, [`NormDims::weight_partials_len`]): `partials[s, j]` sums
-    /// `dy[r, j] * x[r, j] * rstd[r, group(j)]` over slice `s` of the rows
-    /// ([`NormDims::weight_slice_rows`] each). A GPU reads dy and x once for
-    /// both gradients, and the layer keeps the partials, not dy and x, for
-    /// [`Backend::rmsnorm_backward_weight`].
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward_input(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: Option<SliceMut<'_, Self>>,
-        partials: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()>;
-
-    /// Weight gradient of [`Backend::rmsnorm_forward`], accumulated from
-    /// the partial sums [`Backend::rmsnorm_backward_input`] wrote:
-    /// `dw[j] += sum_s partials[s, j]`, in an order fixed by the
-    /// dimensions.
-    fn rmsnorm_backward_weight(
-        &self,
-        partials: Slice<'_, Self>,
-        dw: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()>;
-
-    /// `y = f(x)` element-wise for `op` (see [`Unary`]).
-    fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()>;
-
-    /// `dx = dy * f'(x)` element-wise (overwrites `dx`).
-    fn unary_backward(
-        &self,
-        op: Unary,
-        x: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// `y = silu(gate) * up` element-wise: SwiGLU, and Mamba's `y * silu(z)`.
-    fn silu_mul_forward(
-        &self,
-        gate: Slice<'_, Self>,
-        up: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Gradients of [`Backend::silu_mul_forward`] (overwritten):
-    /// `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`.
-    fn silu_mul_backward(
-        &self,
-        gate: Slice<'_, Self>,
-        up: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        dgate: SliceMut<'_, Self>,
-        dup: SliceMut<'_, Self>,
-    ) -> Result<()>;
+    norm::norm_methods!();
 
     // ---- kernels: Mamba ------------------------------------------------------
 

@@ -11,9 +11,9 @@ use super::kernels;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
     CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
-    MatmulDims, MatmulProblem, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims,
-    RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep,
-    Slice, SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
+    MatmulDims, MatmulProblem, MlaKvDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
+    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
+    SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -84,7 +84,7 @@ impl CpuBackend {
         }
     }
 
-    fn access(&self, kernel: &'static str) -> KernelAccess<'_> {
+    pub(crate) fn access(&self, kernel: &'static str) -> KernelAccess<'_> {
         KernelAccess::new(kernel, &self.lane)
     }
 }
@@ -443,133 +443,6 @@ impl Backend for CpuBackend {
                 "kernel `accumulate_sum`: `x` is {other}, but it takes bf16, f32 or f64"
             ))),
         }
-    }
-
-    fn rmsnorm_forward(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: Option<SliceMut<'_, Self>>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let kernel = "rmsnorm_forward";
-        let k = self.access(kernel);
-        // Every view is checked before anything is written.
-        let copy = match x_copy {
-            Some(copy) => {
-                same_dtype(kernel, ("x", x.dtype()), ("x_copy", copy.dtype()))?;
-                let (src, dst) = (k.bytes_in(x)?, k.bytes_out(copy)?);
-                same_len(kernel, src.len(), dst.len())?;
-                Some((src, dst))
-            }
-            None => None,
-        };
-        let (xs, w) = (k.f32_in("x", x)?, k.f32_in("weight", weight)?);
-        let rstd = k.typed_out::<f32>("rstd", rstd)?;
-        kernels::rmsnorm_forward(kernel, &xs, &w, &mut k.f32_out("y", y)?, rstd, dims)?;
-        if let Some((src, dst)) = copy {
-            dst.copy_from_slice(src);
-        }
-        Ok(())
-    }
-
-    fn rmsnorm_backward_input(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: Option<SliceMut<'_, Self>>,
-        partials: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let kernel = "rmsnorm_backward_input";
-        let k = self.access(kernel);
-        if let Some(before) = &dx_before {
-            same_dtype(kernel, ("dx", dx.dtype()), ("dx_before", before.dtype()))?;
-        }
-        let (dy, x, w) = (
-            k.f32_in("dy", dy)?,
-            k.f32_in("x", x)?,
-            k.f32_in("weight", weight)?,
-        );
-        let rstd = k.typed_in::<f32>("rstd", rstd)?;
-        let partials = k.typed_out::<f32>("partials", partials)?;
-        let mut dx = k.f32_out("dx", dx)?;
-        if let Some(before) = dx_before {
-            let mut before = k.f32_out("dx_before", before)?;
-            same_len(kernel, dx.len(), before.len())?;
-            // Exact: dx's values widened to f32 go back to the same dtype.
-            before.copy_from_slice(&dx);
-        }
-        kernels::rmsnorm_backward_input(kernel, &dy, &x, &w, rstd, &mut dx, dims)?;
-        kernels::rmsnorm_weight_partials(kernel, &dy, &x, rstd, partials, dims)
-    }
-
-    fn rmsnorm_backward_weight(
-        &self,
-        partials: Slice<'_, Self>,
-        dw: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        let k = self.access("rmsnorm_backward_weight");
-        let partials = k.typed_in::<f32>("partials", partials)?;
-        kernels::rmsnorm_backward_weight(partials, &mut k.f32_out("dw", dw)?, dims)
-    }
-
-    fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
-        let k = self.access("unary_forward");
-        let x = k.f32_in("x", x)?;
-        kernels::unary_forward(op, &x, &mut k.f32_out("y", y)?)
-    }
-
-    fn unary_backward(
-        &self,
-        op: Unary,
-        x: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-    ) -> Result<()> {
-        let k = self.access("unary_backward");
-        let (x, dy) = (k.f32_in("x", x)?, k.f32_in("dy", dy)?);
-        kernels::unary_backward(op, &x, &dy, &mut k.f32_out("dx", dx)?)
-    }
-
-    fn silu_mul_forward(
-        &self,
-        gate: Slice<'_, Self>,
-        up: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-    ) -> Result<()> {
-        let k = self.access("silu_mul_forward");
-        let (gate, up) = (k.f32_in("gate", gate)?, k.f32_in("up", up)?);
-        kernels::silu_mul_forward(&gate, &up, &mut k.f32_out("y", y)?)
-    }
-
-    fn silu_mul_backward(
-        &self,
-        gate: Slice<'_, Self>,
-        up: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        dgate: SliceMut<'_, Self>,
-        dup: SliceMut<'_, Self>,
-    ) -> Result<()> {
-        let k = self.access("silu_mul_backward");
-        let (gate, up, dy) = (
-            k.f32_in("gate", gate)?,
-            k.f32_in("up", up)?,
-            k.f32_in("dy", dy)?,
-        );
-        kernels::silu_mul_backward(
-            &gate,
-            &up,
-            &dy,
-            &mut k.f32_out("dgate", dgate)?,
-            &mut k.f32_out("dup", dup)?,
-        )
     }
 
     fn conv1d_forward(

@@ -7,7 +7,6 @@
 //! loops after that index within the checked bounds. Loop orders are fixed
 //! and no kernel uses threads, so equal inputs give equal bits.
 
-mod activation;
 mod attention;
 mod check;
 mod conv;
@@ -15,13 +14,11 @@ mod dense;
 mod grouped;
 mod lookup;
 mod moe;
-mod norm;
 mod optim;
 mod rotary;
 mod scan;
 mod split;
 
-pub use activation::{silu_mul_backward, silu_mul_forward, unary_backward, unary_forward};
 pub use attention::{attention_backward, attention_forward};
 pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
 pub use dense::{accumulate_sum, axpy, column_sum, copy_cols, matmul, scale};
@@ -34,9 +31,6 @@ pub use moe::{
     gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_combine, moe_expert_counts,
     moe_expert_major_order, moe_route_backward, moe_route_forward, moe_sort_by_expert,
     moe_unpermute, moe_unpermute_backward, scatter_rows,
-};
-pub use norm::{
-    rmsnorm_backward_input, rmsnorm_backward_weight, rmsnorm_forward, rmsnorm_weight_partials,
 };
 pub use optim::{adam_update, sgd_update, sum_squares};
 pub use rotary::{rotary_backward, rotary_forward};

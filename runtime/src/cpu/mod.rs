@@ -7,6 +7,7 @@ mod backend;
 mod buffer;
 pub mod collective;
 pub mod kernels;
+pub mod ops;
 
 pub use backend::{CpuBackend, round_bf16};
 pub use buffer::CpuBuf;

@@ -23,9 +23,9 @@ use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
     CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
-    MatmulDims, MlaKvDims, NormDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
-    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
-    SliceMut, Unary, UnpermuteDims, UnpermuteGrads,
+    MatmulDims, MlaKvDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs,
+    RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut,
+    UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -312,12 +312,12 @@ impl CudaBackend {
     }
 
     /// A view as kernels take it, noted as used by this queue.
-    fn v(&self, view: Slice<'_, Self>) -> GpuView {
+    pub(crate) fn v(&self, view: Slice<'_, Self>) -> GpuView {
         self.queue.ops.fetch_add(1, Ordering::Relaxed);
         view_on(view, self.queue.index)
     }
 
-    fn m(&self, view: &SliceMut<'_, Self>) -> GpuView {
+    pub(crate) fn m(&self, view: &SliceMut<'_, Self>) -> GpuView {
         self.queue.ops.fetch_add(1, Ordering::Relaxed);
         view_mut_on(view, self.queue.index)
     }
@@ -332,11 +332,11 @@ impl CudaBackend {
         }
     }
 
-    fn k(&self) -> &KernelSet {
+    pub(crate) fn k(&self) -> &KernelSet {
         &self.gpu.kernels
     }
 
-    fn s(&self) -> &CudaStream {
+    pub(crate) fn s(&self) -> &CudaStream {
         &self.queue.stream
     }
 
@@ -888,103 +888,6 @@ impl Backend for CudaBackend {
 
     fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
         self.k().accumulate_sum(self.s(), self.v(x), self.m(&out))
-    }
-
-    fn rmsnorm_forward(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        rstd: SliceMut<'_, Self>,
-        x_copy: Option<SliceMut<'_, Self>>,
-        dims: NormDims,
-    ) -> Result<()> {
-        self.k().rmsnorm_forward(
-            self.s(),
-            self.v(x),
-            self.v(weight),
-            self.m(&y),
-            self.m(&rstd),
-            x_copy.map(|copy| self.m(&copy)),
-            dims,
-        )
-    }
-
-    fn rmsnorm_backward_input(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        rstd: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dx_before: Option<SliceMut<'_, Self>>,
-        partials: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        self.k().rmsnorm_backward_input(
-            self.s(),
-            self.v(dy),
-            self.v(x),
-            self.v(weight),
-            self.v(rstd),
-            self.m(&dx),
-            dx_before.map(|before| self.m(&before)),
-            self.m(&partials),
-            dims,
-        )
-    }
-
-    fn rmsnorm_backward_weight(
-        &self,
-        partials: Slice<'_, Self>,
-        dw: SliceMut<'_, Self>,
-        dims: NormDims,
-    ) -> Result<()> {
-        self.k()
-            .rmsnorm_backward_weight(self.s(), self.v(partials), self.m(&dw), dims)
-    }
-
-    fn unary_forward(&self, op: Unary, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
-        self.k().unary_forward(self.s(), op, self.v(x), self.m(&y))
-    }
-
-    fn unary_backward(
-        &self,
-        op: Unary,
-        x: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-    ) -> Result<()> {
-        self.k()
-            .unary_backward(self.s(), op, self.v(x), self.v(dy), self.m(&dx))
-    }
-
-    fn silu_mul_forward(
-        &self,
-        gate: Slice<'_, Self>,
-        up: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-    ) -> Result<()> {
-        self.k()
-            .silu_mul_forward(self.s(), self.v(gate), self.v(up), self.m(&y))
-    }
-
-    fn silu_mul_backward(
-        &self,
-        gate: Slice<'_, Self>,
-        up: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        dgate: SliceMut<'_, Self>,
-        dup: SliceMut<'_, Self>,
-    ) -> Result<()> {
-        self.k().silu_mul_backward(
-            self.s(),
-            self.v(gate),
-            self.v(up),
-            self.v(dy),
-            self.m(&dgate),
-            self.m(&dup),
-        )
     }
 
     fn conv1d_forward(

@@ -31,6 +31,7 @@ pub mod kernels;
 pub mod lane;
 pub mod launch;
 pub mod nccl;
+pub mod ops;
 pub mod peer_copy;
 pub mod platform;
 pub mod probe;

@@ -25,9 +25,8 @@ pub use scan_chunked::{CHUNKED_MAX_CHUNK, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkP
 use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, CopyCols, ExpertBias, LossDims, MlaKvDims, NormDims,
-    QkvDims, ReceivedDims, RotaryDims, RotaryPairing, RouteDims, RoutedSlots, SgdStep, Unary,
-    UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, CopyCols, ExpertBias, LossDims, MlaKvDims, QkvDims,
+    ReceivedDims, RotaryDims, RotaryPairing, RouteDims, RoutedSlots, SgdStep, UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -78,7 +77,7 @@ impl GpuView {
 }
 
 /// The dtype tag a kernel reads (`DTYPE_*` in `common.cuh`).
-fn dtype_tag(dtype: DType) -> i32 {
+pub(crate) fn dtype_tag(dtype: DType) -> i32 {
     match dtype {
         DType::F32 => 0,
         DType::Bf16 => 1,
@@ -86,14 +85,6 @@ fn dtype_tag(dtype: DType) -> i32 {
         // No kernel takes a u32 view through a tag; the dtype checks refuse
         // one before it gets here.
         DType::U32 => -1,
-    }
-}
-
-fn unary_code(op: Unary) -> i32 {
-    match op {
-        Unary::Silu => 0,
-        Unary::Gelu => 1,
-        Unary::SquaredRelu => 2,
     }
 }
 
@@ -176,7 +167,7 @@ pub(crate) const MAX_SHARES: usize = 16;
 /// The sort's block (`SORT_THREADS` in `dispatch.cu`).
 const SORT_THREADS: u32 = 1024;
 
-fn grid_for(n: usize) -> LaunchConfig {
+pub(crate) fn grid_for(n: usize) -> LaunchConfig {
     let blocks = (n as u64).div_ceil(u64::from(BLOCK)).clamp(1, MAX_BLOCKS) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -188,7 +179,7 @@ fn grid_for(n: usize) -> LaunchConfig {
 /// Whether kernels with a `vec8` path can move these views 8 bf16 channels
 /// (16 bytes) at a time: all bf16 and 16-byte aligned, in rows (or groups)
 /// of `row` elements, a multiple of 8.
-fn bf16_words(views: &[GpuView], row: usize) -> bool {
+pub(crate) fn bf16_words(views: &[GpuView], row: usize) -> bool {
     row.is_multiple_of(8)
         && views
             .iter()
@@ -199,7 +190,7 @@ fn bf16_words(views: &[GpuView], row: usize) -> bool {
 /// `common.cuh`'s `Bf16Words8`, `F32Words8`, `AnyWords8`) can move these
 /// views 8 channels at a time: each bf16 or f32 (one or two 16-byte
 /// words) and 16-byte aligned, in rows of `row` elements, a multiple of 8.
-fn words8(views: &[GpuView], row: usize) -> bool {
+pub(crate) fn words8(views: &[GpuView], row: usize) -> bool {
     row.is_multiple_of(8)
         && views
             .iter()
@@ -208,14 +199,14 @@ fn words8(views: &[GpuView], row: usize) -> bool {
 
 /// Elements a thread of `qkv_split` / `qkv_join` moves: a 16-byte word's
 /// where every head is whole words and every view 16-byte aligned, else 1.
-fn qkv_words(views: &[GpuView], head_dim: usize) -> usize {
+pub(crate) fn qkv_words(views: &[GpuView], head_dim: usize) -> usize {
     let per_word = 16 / views[0].dtype.bytes();
     let whole = head_dim.is_multiple_of(per_word) && views.iter().all(|v| v.ptr.is_multiple_of(16));
     if whole { per_word } else { 1 }
 }
 
 /// A block of `threads` (a multiple of 32, at most 1024) per item.
-fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
+pub(crate) fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
     let blocks = u32::try_from(items)
         .ok()
         .filter(|&b| b < i32::MAX as u32)
@@ -232,52 +223,8 @@ fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
 /// Threads for a block that reduces `n` values: the power of two at least
 /// `n`, between 32 and `max`. A function of the size alone, so the
 /// reduction tree is too.
-fn reduce_threads(n: usize, max: u32) -> u32 {
+pub(crate) fn reduce_threads(n: usize, max: u32) -> u32 {
     (n.max(32).next_power_of_two() as u64).min(u64::from(max)) as u32
-}
-
-/// The block of an RMSNorm kernel's (row, group): a thread a channel, or
-/// a thread 8 channels on the `vec8` path, up to 256. Mamba's gated norm
-/// (groups of 512 channels) thus takes 64 threads, not 256 of which three
-/// quarters would idle. Its sums do not change: the block's reduction adds
-/// the idle threads' zeros.
-fn norm_threads(group_size: usize, vec8: bool) -> u32 {
-    reduce_threads(if vec8 { group_size / 8 } else { group_size }, 256)
-}
-
-/// `rmsnorm_backward`'s blocks for a norm of `dim` channels in groups of
-/// `group_size` (one pass for both gradients): `(threads, blocks a row)`,
-/// or `None` where it does not take the shape. A thread takes a word of 8
-/// channels; a group's words are summed by a shuffle tree inside a warp (a
-/// power of two up to 32) or by whole warps (a multiple of 32); a block is
-/// one group of whole warps where a row holds several, else a row (rounded
-/// up to whole warps); at most 512 threads a block (the kernel's launch
-/// bounds).
-fn fused_norm_blocks(dim: usize, group_size: usize) -> Option<(usize, usize)> {
-    let (words, group_words) = (dim / 8, group_size / 8);
-    if !group_size.is_multiple_of(8) || group_words == 0 {
-        return None;
-    }
-    let whole_warps = group_words.is_multiple_of(32);
-    let in_a_warp = group_words <= 32 && group_words.is_power_of_two();
-    let (threads, blocks_a_row) = if whole_warps && group_words < words {
-        (group_words, words / group_words)
-    } else if whole_warps || in_a_warp {
-        (words.next_multiple_of(32), 1)
-    } else {
-        return None;
-    };
-    (threads <= 512).then_some((threads, blocks_a_row))
-}
-
-/// The arguments both RMSNorm backward kernels begin with: dy, x, the
-/// weight (each with its dtype tag), rstd, dx (with its tag) and the copy
-/// of dx before (0: none); `pointers` and `tags` in that order.
-fn norm_backward_operands<'a>(b: &mut KernelArgs<'a>, pointers: &'a [u64; 6], tags: &'a [i32; 4]) {
-    let [dy, x, w, rstd, dx, before] = pointers;
-    let [dyt, xt, wt, dxt] = tags;
-    b.arg(dy).arg(dyt).arg(x).arg(xt).arg(w).arg(wt);
-    b.arg(rstd).arg(dx).arg(dxt).arg(before);
 }
 
 /// Tiles a piece of `sum_squares` is cut into: spans of at least
@@ -293,21 +240,10 @@ fn sum_squares_tiles(piece: usize) -> usize {
 }
 
 /// The column-sum shape: 32 columns by 32 row slices a block.
-fn column_blocks(cols: usize) -> LaunchConfig {
+pub(crate) fn column_blocks(cols: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1),
         block_dim: (32, 32, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// The column-sum shape 8 channels a thread: 8 column threads (64
-/// channels) by 32 row slices a block (`PARTIALS_COLUMN_THREADS` in
-/// `rmsnorm.cu`).
-fn column_word_blocks(cols: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (cols.div_ceil(64).max(1) as u32, 1, 1),
-        block_dim: (8, 32, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -322,7 +258,7 @@ pub(super) fn block_per_row(rows: usize) -> LaunchConfig {
 }
 
 /// One warp per item, 8 warps a block.
-fn warp_per_item(items: usize) -> LaunchConfig {
+pub(crate) fn warp_per_item(items: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (items.div_ceil(8).max(1) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -544,7 +480,7 @@ impl KernelSet {
         }
     }
 
-    fn function(&self, name: &'static str) -> Result<&CudaFunction> {
+    pub(crate) fn function(&self, name: &'static str) -> Result<&CudaFunction> {
         self.functions
             .get(name)
             .ok_or_else(|| setup_error(format!("kernel `{name}` was not loaded")))
@@ -812,319 +748,6 @@ impl KernelSet {
     }
 
     // ---- normalisation and activations -----------------------------------------
-
-    fn norm_group(&self, k: &str, d: NormDims, x: &GpuView, rstd: &GpuView) -> Result<usize> {
-        ensure(d.groups > 0 && d.dim.is_multiple_of(d.groups), || {
-            format!("{k}: {} groups do not divide dim {}", d.groups, d.dim)
-        })?;
-        len(k, "x", x, product(k, &[d.rows, d.dim])?)?;
-        exactly(k, "rstd", rstd, DType::F32)?;
-        len(k, "rstd", rstd, product(k, &[d.rows, d.groups])?)?;
-        Ok(d.dim / d.groups)
-    }
-
-    /// `Backend::rmsnorm_forward` (with `x_copy`, the copy in the same pass).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_forward(
-        &self,
-        stream: &CudaStream,
-        x: GpuView,
-        weight: GpuView,
-        y: GpuView,
-        rstd: GpuView,
-        x_copy: Option<GpuView>,
-        d: NormDims,
-    ) -> Result<()> {
-        let k = "rmsnorm_forward";
-        let (xt, wt, yt) = (
-            float(k, "x", &x)?,
-            float(k, "weight", &weight)?,
-            float(k, "y", &y)?,
-        );
-        let gs = self.norm_group(k, d, &x, &rstd)?;
-        len(k, "weight", &weight, d.dim)?;
-        len(k, "y", &y, x.len)?;
-        if let Some(copy) = &x_copy {
-            same_dtype(k, ("x", x.dtype), ("x_copy", copy.dtype))?;
-            len(k, "x_copy", copy, x.len)?;
-        }
-        if gs == 0 || d.rows == 0 {
-            return Ok(());
-        }
-        let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 =
-            bf16_words(&[x, weight, y], gs) && x_copy.is_none_or(|c| c.ptr.is_multiple_of(16));
-        // A null pointer: no copy.
-        let copy = x_copy.map_or(0u64, |c| c.ptr);
-        let threads = norm_threads(gs, vec8);
-        let vec8 = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&x.ptr)
-            .arg(&xt)
-            .arg(&weight.ptr)
-            .arg(&wt)
-            .arg(&y.ptr)
-            .arg(&yt);
-        b.arg(&rstd.ptr)
-            .arg(&copy)
-            .arg(&g)
-            .arg(&s)
-            .arg(&d.eps)
-            .arg(&vec8);
-        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
-    }
-
-    /// `Backend::rmsnorm_backward_input` (accumulates into `dx`; with
-    /// `dx_before`, the copy in the same pass; the weight gradient's
-    /// partial sums into `partials`). One kernel, `rmsnorm_backward`, where
-    /// the views and the shape allow it; else the input gradient's block per
-    /// (row, group) and the partials' column-sum kernel, two passes.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_backward_input(
-        &self,
-        stream: &CudaStream,
-        dy: GpuView,
-        x: GpuView,
-        weight: GpuView,
-        rstd: GpuView,
-        dx: GpuView,
-        dx_before: Option<GpuView>,
-        partials: GpuView,
-        d: NormDims,
-    ) -> Result<()> {
-        let k = "rmsnorm_backward_input";
-        let (dyt, xt) = (float(k, "dy", &dy)?, float(k, "x", &x)?);
-        let (wt, dxt) = (float(k, "weight", &weight)?, float(k, "dx", &dx)?);
-        let gs = self.norm_group(k, d, &x, &rstd)?;
-        len(k, "weight", &weight, d.dim)?;
-        len(k, "dy", &dy, x.len)?;
-        len(k, "dx", &dx, x.len)?;
-        if let Some(before) = &dx_before {
-            same_dtype(k, ("dx", dx.dtype), ("dx_before", before.dtype))?;
-            len(k, "dx_before", before, dx.len)?;
-        }
-        exactly(k, "partials", &partials, DType::F32)?;
-        len(k, "partials", &partials, d.weight_partials_len())?;
-        if gs == 0 {
-            return Ok(());
-        }
-        let (g, s) = (d.groups as u64, gs as u64);
-        let vec8 =
-            words8(&[dy, x, weight, dx], gs) && dx_before.is_none_or(|v| v.ptr.is_multiple_of(16));
-        // A null pointer: no copy.
-        let before = dx_before.map_or(0u64, |v| v.ptr);
-        let (rows, dim, slice_rows) = (d.rows as u64, d.dim as u64, d.weight_slice_rows() as u64);
-        let pointers = [dy.ptr, x.ptr, weight.ptr, rstd.ptr, dx.ptr, before];
-        let tags = [dyt, xt, wt, dxt];
-        let fused =
-            fused_norm_blocks(d.dim, gs).filter(|_| vec8 && partials.ptr.is_multiple_of(16));
-        if let Some((threads, blocks_a_row)) = fused {
-            let kf = "rmsnorm_backward";
-            let mut b = KernelArgs::new(stream, self.function(kf)?);
-            norm_backward_operands(&mut b, &pointers, &tags);
-            b.arg(&partials.ptr)
-                .arg(&rows)
-                .arg(&dim)
-                .arg(&g)
-                .arg(&s)
-                .arg(&slice_rows);
-            let mut config = per_item(d.weight_slices(), threads as u32)?;
-            config.grid_dim.1 = blocks_a_row as u32;
-            return self.go(kf, &mut b, config);
-        }
-        if d.rows > 0 {
-            let threads = norm_threads(gs, vec8);
-            let flag = i32::from(vec8);
-            let mut b = KernelArgs::new(stream, self.function(k)?);
-            norm_backward_operands(&mut b, &pointers, &tags);
-            b.arg(&g).arg(&s).arg(&flag);
-            self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)?;
-        }
-        // 8 channels a thread where the views allow (the same bits).
-        let (kp, mut config) = if words8(&[dy, x], gs) {
-            ("rmsnorm_weight_partials_vec8", column_word_blocks(d.dim))
-        } else {
-            ("rmsnorm_weight_partials", column_blocks(d.dim))
-        };
-        let mut b = KernelArgs::new(stream, self.function(kp)?);
-        b.arg(&dy.ptr)
-            .arg(&dyt)
-            .arg(&x.ptr)
-            .arg(&xt)
-            .arg(&rstd.ptr)
-            .arg(&partials.ptr);
-        let dims = [rows, dim, g, s];
-        for v in &dims {
-            b.arg(v);
-        }
-        config.grid_dim.1 = d.weight_slices() as u32;
-        self.go(kp, &mut b, config)
-    }
-
-    /// `Backend::rmsnorm_backward_weight`: `dw += ` the partials' slices,
-    /// summed per channel in `column_sum`'s fixed shape.
-    pub fn rmsnorm_backward_weight(
-        &self,
-        stream: &CudaStream,
-        partials: GpuView,
-        dw: GpuView,
-        d: NormDims,
-    ) -> Result<()> {
-        let k = "rmsnorm_backward_weight";
-        exactly(k, "partials", &partials, DType::F32)?;
-        len(k, "partials", &partials, d.weight_partials_len())?;
-        float(k, "dw", &dw)?;
-        len(k, "dw", &dw, d.dim)?;
-        self.column_sum(stream, partials, dw, d.weight_slices(), d.dim)
-    }
-
-    /// `Backend::unary_forward`.
-    pub fn unary_forward(
-        &self,
-        stream: &CudaStream,
-        op: Unary,
-        x: GpuView,
-        y: GpuView,
-    ) -> Result<()> {
-        let k = "unary_forward";
-        let (xt, yt) = (float(k, "x", &x)?, float(k, "y", &y)?);
-        len(k, "y", &y, x.len)?;
-        if x.len == 0 {
-            return Ok(());
-        }
-        let (code, n) = (unary_code(op), x.len as u64);
-        let vec8 = bf16_words(&[x, y], x.len);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&code)
-            .arg(&x.ptr)
-            .arg(&xt)
-            .arg(&y.ptr)
-            .arg(&yt)
-            .arg(&n);
-        let flag = i32::from(vec8);
-        b.arg(&flag);
-        self.go(k, &mut b, grid_for(if vec8 { x.len / 8 } else { x.len }))
-    }
-
-    /// `Backend::unary_backward`.
-    pub fn unary_backward(
-        &self,
-        stream: &CudaStream,
-        op: Unary,
-        x: GpuView,
-        dy: GpuView,
-        dx: GpuView,
-    ) -> Result<()> {
-        let k = "unary_backward";
-        let (xt, dyt, dxt) = (
-            float(k, "x", &x)?,
-            float(k, "dy", &dy)?,
-            float(k, "dx", &dx)?,
-        );
-        len(k, "dy", &dy, x.len)?;
-        len(k, "dx", &dx, x.len)?;
-        if x.len == 0 {
-            return Ok(());
-        }
-        let (code, n) = (unary_code(op), x.len as u64);
-        let vec8 = bf16_words(&[x, dy, dx], x.len);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&code)
-            .arg(&x.ptr)
-            .arg(&xt)
-            .arg(&dy.ptr)
-            .arg(&dyt)
-            .arg(&dx.ptr)
-            .arg(&dxt)
-            .arg(&n);
-        let flag = i32::from(vec8);
-        b.arg(&flag);
-        self.go(k, &mut b, grid_for(if vec8 { x.len / 8 } else { x.len }))
-    }
-
-    /// `Backend::silu_mul_forward`.
-    pub fn silu_mul_forward(
-        &self,
-        stream: &CudaStream,
-        gate: GpuView,
-        up: GpuView,
-        y: GpuView,
-    ) -> Result<()> {
-        let k = "silu_mul_forward";
-        let (gt, ut, yt) = (
-            float(k, "gate", &gate)?,
-            float(k, "up", &up)?,
-            float(k, "y", &y)?,
-        );
-        len(k, "up", &up, gate.len)?;
-        len(k, "y", &y, gate.len)?;
-        if gate.len == 0 {
-            return Ok(());
-        }
-        let n = gate.len as u64;
-        let vec8 = bf16_words(&[gate, up, y], gate.len);
-        let flag = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&gate.ptr)
-            .arg(&gt)
-            .arg(&up.ptr)
-            .arg(&ut)
-            .arg(&y.ptr)
-            .arg(&yt)
-            .arg(&n)
-            .arg(&flag);
-        self.go(
-            k,
-            &mut b,
-            grid_for(if vec8 { gate.len / 8 } else { gate.len }),
-        )
-    }
-
-    /// `Backend::silu_mul_backward`.
-    pub fn silu_mul_backward(
-        &self,
-        stream: &CudaStream,
-        gate: GpuView,
-        up: GpuView,
-        dy: GpuView,
-        dgate: GpuView,
-        dup: GpuView,
-    ) -> Result<()> {
-        let k = "silu_mul_backward";
-        let (gt, ut, dyt) = (
-            float(k, "gate", &gate)?,
-            float(k, "up", &up)?,
-            float(k, "dy", &dy)?,
-        );
-        let (dgt, dut) = (float(k, "dgate", &dgate)?, float(k, "dup", &dup)?);
-        for (name, view) in [("up", &up), ("dy", &dy), ("dgate", &dgate), ("dup", &dup)] {
-            len(k, name, view, gate.len)?;
-        }
-        if gate.len == 0 {
-            return Ok(());
-        }
-        let n = gate.len as u64;
-        let vec8 = bf16_words(&[gate, up, dy, dgate, dup], gate.len);
-        let flag = i32::from(vec8);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&gate.ptr)
-            .arg(&gt)
-            .arg(&up.ptr)
-            .arg(&ut)
-            .arg(&dy.ptr)
-            .arg(&dyt);
-        b.arg(&dgate.ptr)
-            .arg(&dgt)
-            .arg(&dup.ptr)
-            .arg(&dut)
-            .arg(&n)
-            .arg(&flag);
-        self.go(
-            k,
-            &mut b,
-            grid_for(if vec8 { gate.len / 8 } else { gate.len }),
-        )
-    }
 
     // ---- rotary, head splits --------------------------------------------------------
 
@@ -2224,7 +1847,12 @@ impl KernelSet {
     }
 
     /// Launches a built argument list.
-    fn go(&self, kernel: &str, args: &mut KernelArgs<'_>, config: LaunchConfig) -> Result<()> {
+    pub(crate) fn go(
+        &self,
+        kernel: &str,
+        args: &mut KernelArgs<'_>,
+        config: LaunchConfig,
+    ) -> Result<()> {
         // SAFETY: every argument was pushed in the order and with the types
         // of the kernel's C signature (one launch method per kernel, next to
         // its checks), and every pointer is a view whose length the method
@@ -2266,22 +1894,5 @@ mod tests {
     #[test]
     fn the_sum_of_shares_takes_the_kernels_count() {
         source_with_defines("reduce.cu", &[("MAX_SHARES", MAX_SHARES)]);
-    }
-
-    /// The one-pass norm backward's blocks: a row of whole warps, a group
-    /// of whole warps where a row holds several, a row whose groups are
-    /// sub-warp powers of two; the others (groups of 6 words, rows or
-    /// groups past the launch bounds) take the two-pass way.
-    #[test]
-    fn the_one_pass_norm_backward_takes_rows_or_groups_of_whole_warps() {
-        assert_eq!(fused_norm_blocks(2048, 2048), Some((256, 1)));
-        assert_eq!(fused_norm_blocks(4096, 512), Some((64, 8)));
-        assert_eq!(fused_norm_blocks(8192, 2048), Some((256, 4)));
-        assert_eq!(fused_norm_blocks(512, 128), Some((64, 1)));
-        assert_eq!(fused_norm_blocks(64, 32), Some((32, 1)));
-        assert_eq!(fused_norm_blocks(96, 48), None);
-        assert_eq!(fused_norm_blocks(8200, 8200), None);
-        assert_eq!(fused_norm_blocks(8192, 8192), None);
-        assert_eq!(fused_norm_blocks(24, 12), None);
     }
 }

@@ -1,0 +1,11 @@
+//! The CPU backend's kernels, one module a kernel family (mirroring
+//! `crate::backend`'s): each implements its family's trait for
+//! [`CpuBackend`](crate::cpu::CpuBackend) (registering the views, widening
+//! bf16 inputs, rounding bf16 outputs once at the store) over f32 loops on
+//! slices. The loops run on arguments the family's checks accepted, each
+//! next to the maths it computes (documented on the
+//! [`Backend`](crate::Backend) method) and, in its tests, next to a naive
+//! reference. Loop orders are fixed and no loop uses threads, so equal
+//! inputs give equal bits.
+
+pub mod norm;
