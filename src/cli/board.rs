@@ -12,6 +12,7 @@
 //! | `lm loss validation` | the evaluation loss, on steps that evaluate |
 //! | `iteration-time` | the step's seconds |
 //! | `tokens-per-second` | the step's tokens over its time, every rank's |
+//! | `mfu` | model FLOPs a second a rank over the GPU's dense bf16 peak (bf16 runs on GPUs whose peak is known) |
 //! | `mem-max-allocated-bytes` | the most device memory alive at once so far (rank 0) |
 //! | `comm-hidden-fraction` | at the last step: the share of the comm lane's time hidden under compute |
 //! | `throughput` | at the last step: model TFLOP/s a rank, over the run |
@@ -32,6 +33,22 @@ pub(crate) struct Board {
     moe: bool,
     mtp_depths: usize,
     ranks: usize,
+    /// Model FLOPs a token, and the peak FLOP/s of one rank's device, when
+    /// both are known: what `mfu` divides.
+    mfu: Option<(f64, f64)>,
+}
+
+/// Dense bf16 peak FLOP/s of the GPUs whose figure NVIDIA publishes, by
+/// the name the driver reports.
+pub(crate) fn bf16_peak(gpu_name: &str) -> Option<f64> {
+    let name = gpu_name.to_ascii_uppercase();
+    if name.contains("H100") || name.contains("H200") || name.contains("GH200") {
+        Some(989.4e12)
+    } else if name.contains("A100") {
+        Some(312e12)
+    } else {
+        None
+    }
 }
 
 impl Board {
@@ -43,6 +60,7 @@ impl Board {
         moe: bool,
         mtp_depths: usize,
         ranks: usize,
+        mfu: Option<(f64, f64)>,
     ) -> Result<Board, Failure> {
         let writer = EventWriter::create(dir).map_err(|e| {
             Failure::Message(format!(
@@ -56,6 +74,7 @@ impl Board {
             moe,
             mtp_depths,
             ranks,
+            mfu,
         })
     }
 
@@ -85,10 +104,12 @@ impl Board {
             ),
         ];
         if seconds > 0.0 {
-            scalars.push((
-                "tokens-per-second",
-                (self.tokens_per_step as f64 / seconds) as f32,
-            ));
+            let tokens_per_second = self.tokens_per_step as f64 / seconds;
+            scalars.push(("tokens-per-second", tokens_per_second as f32));
+            if let Some((flops_per_token, peak)) = self.mfu {
+                let per_rank = flops_per_token * tokens_per_second / self.ranks as f64;
+                scalars.push(("mfu", (per_rank / peak) as f32));
+            }
         }
         if self.moe {
             scalars.push(("load_balancing_loss", report.aux_loss as f32));
@@ -130,5 +151,18 @@ impl Board {
                 path.display()
             ))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hopper_and_ampere_peaks_are_known_by_name() {
+        assert_eq!(bf16_peak("NVIDIA H100 80GB HBM3"), Some(989.4e12));
+        assert_eq!(bf16_peak("NVIDIA H200"), Some(989.4e12));
+        assert_eq!(bf16_peak("NVIDIA A100-SXM4-80GB"), Some(312e12));
+        assert_eq!(bf16_peak("NVIDIA GeForce RTX 4090"), None);
     }
 }

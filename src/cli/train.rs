@@ -8,7 +8,7 @@ use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
 use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
-use hybridgen_runtime::data::{IndexedSpec, Split};
+use hybridgen_runtime::data::{DataChoice, IndexedSpec, Split};
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{
     LrDecayStyle, LrSchedule, OptimizerConfig, OptimizerKind, WsdDecayStyle,
@@ -17,7 +17,7 @@ use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, Transport, choose_
 use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{
-    DataChoice, MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare_on, train_prepared,
+    MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare_on, train_prepared,
 };
 use hybridgen_runtime::{Precision, RuntimeError};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -886,6 +886,21 @@ fn first_rank() -> bool {
     }
 }
 
+/// What MFU divides: the model's FLOPs a token and one rank's peak FLOP/s,
+/// for bf16 runs on GPUs whose dense bf16 peak is known.
+fn mfu_basis(prepared: &hybridgen_runtime::train::Prepared) -> Option<(f64, f64)> {
+    let config = &prepared.config;
+    let ChosenDevice::Cuda { info, .. } = &prepared.device else {
+        return None;
+    };
+    if config.precision != Precision::Bf16 {
+        return None;
+    }
+    let peak = board::bf16_peak(&info.devices.first()?.name)?;
+    let flops = hybridgen_dsl::flops::flops_per_token(&config.model, config.seq_length)?;
+    Some((flops as f64, peak))
+}
+
 /// `--tensorboard-dir`'s event file for this run, with the run's settings
 /// written at the step it starts from.
 fn open_board(
@@ -903,6 +918,7 @@ fn open_board(
             .any(|l| l.kind == hybridgen_dsl::LayerKind::Moe),
         plan.mtp_depths(),
         config.ranks,
+        mfu_basis(prepared),
     )?;
     let settings = [
         ("pattern", config.model.pattern.clone()),
