@@ -2,7 +2,7 @@
 //!
 //! The pattern language of hybrid Mamba / attention / MoE models and the
 //! planner that turns a pattern, model dimensions and a parallel layout into
-//! a validated [`Plan`](plan::Plan). The command line, the `model!` macro and
+//! a validated [`Plan`]. The command line, the `model!` macro and
 //! build scripts all call into this crate, so they cannot disagree.
 //!
 //! The code generator behind `model!` and build scripts is the
