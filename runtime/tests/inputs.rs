@@ -4,7 +4,8 @@
 use hybridgen_dsl::ModelConfig;
 use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::ResumeFrom;
-use hybridgen_runtime::train::{DataChoice, TrainConfig, train};
+use hybridgen_runtime::data::DataChoice;
+use hybridgen_runtime::train::{TrainConfig, train};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -505,7 +505,7 @@ fn multi_token_prediction_reads_nothing_past_the_sample() {
     std::fs::write(&path, b"abcdefghijklmnopq").unwrap();
     let result = std::panic::catch_unwind(|| {
         with("[M*E]/*E/*E", |c| {
-            c.data = hybridgen_runtime::train::DataChoice::File(path.clone());
+            c.data = hybridgen_runtime::data::DataChoice::File(path.clone());
             c.steps = 2;
         })
     });

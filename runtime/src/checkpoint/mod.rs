@@ -41,14 +41,13 @@ pub use index::{
 };
 pub use load::load;
 pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
-pub use run::{DataRecord, RunSetting, RunState};
+pub use run::{DataRecord, RunSetting, RunSettings, RunState};
 pub use save::{RankSaves, SavedState, save, snapshot_bytes};
 
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::ShardLayout;
 use crate::optimizer::OptimizerKind;
-use crate::train::TrainConfig;
 use crc32c::hex;
 use hybridgen_dsl::Plan;
 use root::rank_file;
@@ -99,27 +98,27 @@ pub struct RunCheckpoints {
     pub save: Option<SaveTarget>,
 }
 
-/// A configuration settled against the checkpoint it resumes (if any).
+/// A run's settings settled against the checkpoint it resumes (if any).
 pub struct Settled {
-    /// The configuration to run: the given one with the settings it left
-    /// to the checkpoint taken from it.
-    pub config: TrainConfig,
+    /// The settings to run with: the given ones with those left to the
+    /// checkpoint taken from it.
+    pub settings: RunSettings,
     resume: Option<Resume>,
     data: Option<DataRecord>,
 }
 
-/// Finds the checkpoint `config` resumes from, reads and checks its index,
-/// and settles the configuration against it. Changes nothing on disk.
-pub fn settle(config: &TrainConfig) -> Result<Settled> {
+/// Finds the checkpoint `settings` resume from, reads and checks its index,
+/// and settles the settings against it. Changes nothing on disk.
+pub fn settle(settings: &RunSettings) -> Result<Settled> {
     let fresh = || Settled {
-        config: config.clone(),
+        settings: settings.clone(),
         resume: None,
         data: None,
     };
-    let dir = match &config.resume {
+    let dir = match &settings.resume {
         None => return Ok(fresh()),
         Some(ResumeFrom::Auto) => {
-            let Some(save) = &config.save else {
+            let Some(save) = &settings.save else {
                 return Err(RuntimeError::Unsupported(
                     "--resume auto resumes from the --save directory; give --save DIR".into(),
                 ));
@@ -152,9 +151,9 @@ pub fn settle(config: &TrainConfig) -> Result<Settled> {
             ),
         ));
     }
-    let settled = run::settle(config, &index, &dir)?;
+    let settled = run::settle(settings, &index, &dir)?;
     Ok(Settled {
-        config: settled.config,
+        settings: settled.settings,
         resume: Some(Resume {
             dir,
             index,
@@ -172,33 +171,33 @@ impl Settled {
 
     /// Checks the resumed checkpoint against the run's plan and opens (makes,
     /// validates, locks) the save root: the last check before work starts.
-    /// Returns the configuration to run with them.
-    pub fn open(self, plan: &Plan) -> Result<(TrainConfig, RunCheckpoints)> {
-        let config = self.config;
+    /// Returns the settings to run with them.
+    pub fn open(self, plan: &Plan) -> Result<(RunSettings, RunCheckpoints)> {
+        let settings = self.settings;
         if let Some(resume) = &self.resume {
             resume.index.check_fits(plan, &resume.dir)?;
         }
-        if config.save.is_none() && config.keep_last.is_some() {
+        if settings.save.is_none() && settings.keep_last.is_some() {
             return Err(RuntimeError::Unsupported(
                 "--keep-last removes old checkpoints of --save DIR; give --save".into(),
             ));
         }
-        let save = match &config.save {
+        let save = match &settings.save {
             None => None,
             Some(dir) => {
                 let data = match self.data {
                     Some(data) => data,
-                    None => DataRecord::of(&config.data)?,
+                    None => DataRecord::of(&settings.data)?,
                 };
                 let start = self.resume.as_ref().map_or(0, Resume::step);
                 Some(SaveTarget {
-                    root: CheckpointRoot::open(dir, start, config.keep_last)?,
-                    run: RunState::of(&config, data),
+                    root: CheckpointRoot::open(dir, start, settings.keep_last)?,
+                    run: RunState::of(&settings, data),
                     layout: LayoutRecord {
-                        ranks: config.ranks,
-                        ep: config.ep,
-                        sharding: config.sharding,
-                        schedule: config.schedule,
+                        ranks: settings.ranks,
+                        ep: settings.ep,
+                        sharding: settings.sharding,
+                        schedule: settings.schedule,
                     },
                 })
             }
@@ -207,7 +206,7 @@ impl Settled {
             resume: self.resume,
             save,
         };
-        Ok((config, checkpoints))
+        Ok((settings, checkpoints))
     }
 }
 

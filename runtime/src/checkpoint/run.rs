@@ -8,18 +8,48 @@
 //! user gave must agree with it, except the layout (ranks, ep, ZeRO stage,
 //! schedule), which may change because checkpoints reshard.
 
+use super::ResumeFrom;
 use super::crc32c::{Crc32c, hex};
 use super::index::CheckpointIndex;
 use crate::backend::Precision;
+use crate::data::DataChoice;
 use crate::data::{IndexedDataset, IndexedSpec, Split};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
 use crate::optimizer::{OptimizerConfig, OptimizerKind};
 use crate::schedule::ScheduleKind;
-use crate::train::{DataChoice, TrainConfig};
+use hybridgen_dsl::ModelConfig;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// The settings of a run that its checkpoints record and a resume settles
+/// against them, with where the run resumes and saves: the part of a
+/// training configuration that checkpoints concern.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSettings {
+    pub model: ModelConfig,
+    pub seed: u64,
+    pub data: DataChoice,
+    pub micro_batches: usize,
+    pub micro_batch_size: usize,
+    pub seq_length: usize,
+    pub optimizer: OptimizerConfig,
+    pub precision: Precision,
+    pub ranks: usize,
+    pub ep: usize,
+    pub sharding: Sharding,
+    pub schedule: ScheduleKind,
+    /// The checkpoint root the run saves to.
+    pub save: Option<PathBuf>,
+    /// Keep only the newest N steps in the save root.
+    pub keep_last: Option<u64>,
+    pub resume: Option<ResumeFrom>,
+    /// The settings a resume takes from its checkpoint (those the user
+    /// left out); every other one must agree with it, except the layout.
+    pub from_checkpoint: BTreeSet<RunSetting>,
+}
 
 /// The settings that decide how a run continues.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -39,15 +69,15 @@ pub struct RunState {
 }
 
 impl RunState {
-    pub fn of(config: &TrainConfig, data: DataRecord) -> Self {
+    pub fn of(settings: &RunSettings, data: DataRecord) -> Self {
         RunState {
-            seed: config.seed,
+            seed: settings.seed,
             data,
-            micro_batches: config.micro_batches,
-            micro_batch_size: config.micro_batch_size,
-            seq_length: config.seq_length,
-            optimizer: config.optimizer.clone(),
-            precision: config.precision,
+            micro_batches: settings.micro_batches,
+            micro_batch_size: settings.micro_batch_size,
+            seq_length: settings.seq_length,
+            optimizer: settings.optimizer.clone(),
+            precision: settings.precision,
         }
     }
 
@@ -310,9 +340,9 @@ impl RunSetting {
     }
 }
 
-/// A resuming configuration settled against its checkpoint.
+/// A resume's settings settled against its checkpoint.
 pub(crate) struct Settled {
-    pub config: TrainConfig,
+    pub settings: RunSettings,
     /// `--seed 7` for each setting taken from the checkpoint that the
     /// configuration had another value for.
     pub inherited: Vec<String>,
@@ -321,7 +351,7 @@ pub(crate) struct Settled {
 }
 
 struct Settler<'a> {
-    config: TrainConfig,
+    settings: RunSettings,
     index: &'a CheckpointIndex,
     dir: &'a Path,
     inherited: Vec<String>,
@@ -329,7 +359,7 @@ struct Settler<'a> {
 
 impl Settler<'_> {
     fn inherits(&self, setting: RunSetting) -> bool {
-        self.config.from_checkpoint.contains(&setting)
+        self.settings.from_checkpoint.contains(&setting)
     }
 
     /// Settles one setting: equal, taken from the checkpoint, a layout
@@ -339,10 +369,10 @@ impl Settler<'_> {
         setting: RunSetting,
         theirs: &T,
         show: impl Fn(&T) -> String,
-        field: impl Fn(&mut TrainConfig) -> &mut T,
+        field: impl Fn(&mut RunSettings) -> &mut T,
     ) -> Result<()> {
         let inherit = self.inherits(setting);
-        let mine = field(&mut self.config);
+        let mine = field(&mut self.settings);
         if mine == theirs || (setting.is_layout() && !inherit) {
             return Ok(());
         }
@@ -396,13 +426,13 @@ impl Settler<'_> {
                     now.describe()
                 )));
             }
-            if self.config.data != choice {
+            if self.settings.data != choice {
                 self.inherited.push(format!("--data {}", theirs.describe()));
-                self.config.data = choice;
+                self.settings.data = choice;
             }
             return Ok(Some(now));
         }
-        let mine = DataRecord::of(&self.config.data)?;
+        let mine = DataRecord::of(&self.settings.data)?;
         if !mine.same_data(theirs) {
             return Err(self.contradiction(RunSetting::Data, &mine.describe(), &theirs.describe()));
         }
@@ -410,18 +440,22 @@ impl Settler<'_> {
     }
 }
 
-/// Settles `config` against the checkpoint `index` in `dir` that it
-/// resumes.
-pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) -> Result<Settled> {
+/// Settles `settings` against the checkpoint `index` in `dir` that they
+/// resume.
+pub(crate) fn settle(
+    settings: &RunSettings,
+    index: &CheckpointIndex,
+    dir: &Path,
+) -> Result<Settled> {
     let mut s = Settler {
-        config: config.clone(),
+        settings: settings.clone(),
         index,
         dir,
         inherited: Vec::new(),
     };
     // The model is compared with the plan once it is made (`check_fits`).
-    if s.inherits(RunSetting::Model) && s.config.model != index.model {
-        s.config.model = index.model.clone();
+    if s.inherits(RunSetting::Model) && s.settings.model != index.model {
+        s.settings.model = index.model.clone();
         s.inherited
             .push(format!("the model {}", index.model.pattern));
     }
@@ -522,7 +556,7 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
         |c| &mut c.ranks,
     )?;
     // The checkpoint's ep only where it divides the ranks this run has.
-    if s.config.ranks.is_multiple_of(layout.ep) {
+    if s.settings.ranks.is_multiple_of(layout.ep) {
         s.setting(RunSetting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
     }
     s.setting(
@@ -545,7 +579,7 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
     )?;
     let data = s.data()?;
     Ok(Settled {
-        config: s.config,
+        settings: s.settings,
         inherited: s.inherited,
         data,
     })
@@ -554,13 +588,18 @@ pub(crate) fn settle(config: &TrainConfig, index: &CheckpointIndex, dir: &Path) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hybridgen_dsl::ModelConfig;
 
     #[test]
     fn the_precision_is_recorded_and_older_states_read_as_f32() {
-        let mut config = TrainConfig::new(ModelConfig::preset("tiny").unwrap());
-        config.precision = Precision::Bf16;
-        let state = RunState::of(&config, DataRecord::Synthetic);
+        let state = RunState {
+            seed: 0,
+            data: DataRecord::Synthetic,
+            micro_batches: 4,
+            micro_batch_size: 4,
+            seq_length: 64,
+            optimizer: OptimizerConfig::default(),
+            precision: Precision::Bf16,
+        };
         let mut value = serde_json::to_value(&state).unwrap();
         assert_eq!(value["precision"], "bf16");
         let read: RunState = serde_json::from_value(value.clone()).unwrap();

@@ -31,8 +31,20 @@ pub use indexed::{IndexedDataset, IndexedWriter, TokenDtype};
 
 use crate::backend::{IGNORE_TARGET, Tokens};
 use crate::error::{Result, RuntimeError};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Where a run's tokens come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataChoice {
+    /// A seeded sparse Markov chain over the model's vocabulary, with a
+    /// known entropy floor ([`MarkovChain`]).
+    Synthetic,
+    /// A file read as bytes (tokens 0..256, [`ByteFile`]).
+    File(PathBuf),
+    /// Megatron indexed datasets, split into parts ([`IndexedSource`]).
+    Indexed(IndexedSpec),
+}
 
 // ---- random numbers -----------------------------------------------------
 

@@ -379,7 +379,10 @@ pub fn import_checkpoint(
     let weights = HfWeights::open(hf_dir, pattern)?;
     let model = weights.bound.clone();
     let plan = one_rank_plan(&model)?;
-    let run = RunState::of(&TrainConfig::new(model.clone()), DataRecord::Synthetic);
+    let run = RunState::of(
+        &TrainConfig::new(model.clone()).run_settings(),
+        DataRecord::Synthetic,
+    );
     let written = write_fresh(
         output,
         &plan,

@@ -15,8 +15,8 @@ pub use prepare::{GPU_OVERHEAD, Prepared, memory_need, prepare, prepare_on};
 pub use report::{StartupTimes, StepReport, TrainSummary};
 
 use crate::backend::{AttentionBackend, ExpertGemm, Precision};
-use crate::checkpoint::{ResumeFrom, RunSetting};
-use crate::data::IndexedSpec;
+use crate::checkpoint::{ResumeFrom, RunSetting, RunSettings};
+use crate::data::DataChoice;
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
 use crate::optimizer::OptimizerConfig;
@@ -40,18 +40,6 @@ pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 22;
 /// The longest a rank may wait for its peers: a week. Longer is a typo, and
 /// `Instant + timeout` must stay far from overflowing.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
-
-/// Where tokens come from.
-#[derive(Clone, Debug, PartialEq)]
-pub enum DataChoice {
-    /// A seeded sparse Markov chain over the model's vocabulary, with a
-    /// known entropy floor.
-    Synthetic,
-    /// A file read as bytes (tokens 0..256).
-    File(PathBuf),
-    /// Megatron indexed datasets (`--data-path`), split into parts.
-    Indexed(IndexedSpec),
-}
 
 /// Everything a training run needs.
 #[derive(Clone, Debug)]
@@ -198,6 +186,71 @@ impl TrainConfig {
         config.unit_filter = plan.unit_filter.clone();
         config.plan = Some(Arc::new(plan));
         config
+    }
+
+    /// The settings its checkpoints record and a resume settles against
+    /// them, and where it resumes and saves.
+    pub fn run_settings(&self) -> RunSettings {
+        RunSettings {
+            model: self.model.clone(),
+            seed: self.seed,
+            data: self.data.clone(),
+            micro_batches: self.micro_batches,
+            micro_batch_size: self.micro_batch_size,
+            seq_length: self.seq_length,
+            optimizer: self.optimizer.clone(),
+            precision: self.precision,
+            ranks: self.ranks,
+            ep: self.ep,
+            sharding: self.sharding,
+            schedule: self.schedule,
+            save: self.save.clone(),
+            keep_last: self.keep_last,
+            resume: self.resume.clone(),
+            from_checkpoint: self.from_checkpoint.clone(),
+        }
+    }
+
+    /// This configuration with `settings` (a resume's, settled against its
+    /// checkpoint) in place of its own.
+    fn with_run_settings(&self, settings: RunSettings) -> TrainConfig {
+        let RunSettings {
+            model,
+            seed,
+            data,
+            micro_batches,
+            micro_batch_size,
+            seq_length,
+            optimizer,
+            precision,
+            ranks,
+            ep,
+            sharding,
+            schedule,
+            save,
+            keep_last,
+            resume,
+            from_checkpoint,
+        } = settings;
+        TrainConfig {
+            model,
+            seed,
+            data,
+            micro_batches,
+            micro_batch_size,
+            seq_length,
+            optimizer,
+            precision,
+            ranks,
+            ep,
+            sharding,
+            schedule,
+            save,
+            keep_last,
+            resume,
+            from_checkpoint,
+            ..self.clone()
+        }
     }
 
     /// Tokens one step trains on, over all ranks.

@@ -3,11 +3,13 @@
 //! available, the data and the save root before any device memory is
 //! touched ([`prepare`]).
 
-use super::{DataChoice, MAX_MICRO_BATCH_TOKENS, MAX_TIMEOUT, TrainConfig};
+use super::{MAX_MICRO_BATCH_TOKENS, MAX_TIMEOUT, TrainConfig};
 use crate::backend::Tokens;
 use crate::checkpoint::{self, RunCheckpoints};
 use crate::cuda::{GpuDevice, GpuInfo};
-use crate::data::{BatchShape, ByteFile, DataSource, IndexedSource, MarkovChain, SampleLayout};
+use crate::data::{
+    BatchShape, ByteFile, DataChoice, DataSource, IndexedSource, MarkovChain, SampleLayout,
+};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::ShardLayout;
 use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
@@ -66,8 +68,8 @@ pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
 /// [`prepare`] on a device already chosen for `config.device` (the command
 /// line chooses it first, for its defaults, and probes the GPUs once).
 pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared> {
-    let settled = checkpoint::settle(config)?;
-    let config = &settled.config;
+    let settled = checkpoint::settle(&config.run_settings())?;
+    let config = &config.with_run_settings(settled.settings.clone());
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
     if config.ranks == 0 {
         return refuse("--ranks must be at least 1".into());
@@ -225,7 +227,8 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     }
     // Last: the checks that write (the save root, the trace file).
     let trace_file = config.trace.as_deref().map(open_trace).transpose()?;
-    let (mut config, checkpoints) = settled.open(&plan)?;
+    let (settings, checkpoints) = settled.open(&plan)?;
+    let mut config = config.with_run_settings(settings);
     config.recompute = recompute;
     Ok(Prepared {
         config,
