@@ -29,7 +29,7 @@ use std::ops::Range;
 mod attention;
 mod conv;
 mod dense;
-mod layout;
+pub mod layout;
 mod lookup;
 mod moe;
 pub mod norm;
@@ -39,7 +39,7 @@ mod scan;
 pub use attention::{AttentionBackend, AttentionDims, AttentionInputs, RotaryDims, RotaryPairing};
 pub use conv::ConvDims;
 pub use dense::{ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
-pub use layout::{CopyCols, MlaKvDims, QkvDims};
+pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LossDims};
 pub use moe::{
     AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
@@ -120,7 +120,14 @@ impl std::ops::Sub for DeviceStats {
 }
 
 /// Device memory and kernels, bound to one lane.
-pub trait Backend: Clone + Send + Sync + 'static + NormKernels<<Self as Backend>::Buf> {
+pub trait Backend:
+    Clone
+    + Send
+    + Sync
+    + 'static
+    + NormKernels<<Self as Backend>::Buf>
+    + LayoutKernels<<Self as Backend>::Buf>
+{
     /// One device allocation.
     type Buf: DeviceBuffer;
     /// A read to the host in flight ([`Backend::start_download`]).
@@ -275,18 +282,6 @@ pub trait Backend: Clone + Send + Sync + 'static + NormKernels<<Self as Backend>
     /// `x *= alpha`.
     fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()>;
 
-    /// A strided 2-D copy of a block of columns (cudaMemcpy2D): for every row
-    /// `r < rows` and column `j < cols`,
-    /// `dst[r*dst_stride + dst_offset + j] (+)= src[r*src_stride + src_offset + j]`
-    /// (`+=` with `accumulate`). Splits and joins column blocks, e.g. the MTP
-    /// entry's `[e | h]` rows. `src` and `dst` share a dtype (bf16 or f32).
-    fn copy_cols(
-        &self,
-        src: Slice<'_, Self>,
-        dst: SliceMut<'_, Self>,
-        dims: CopyCols,
-    ) -> Result<()>;
-
     /// `out[j] += sum_r x[r, j]` over `rows` rows of `cols` columns, rows in
     /// order (a bias gradient).
     fn column_sum(
@@ -297,61 +292,14 @@ pub trait Backend: Clone + Send + Sync + 'static + NormKernels<<Self as Backend>
         cols: usize,
     ) -> Result<()>;
 
-    /// The GQA split of the fused projection: each `qkv` row holds, per KV
-    /// group `g`, `[q heads of g | k_g | v_g]` (`heads_per_group + 2` heads of
-    /// `head_dim`); writes `q` `[rows, groups * heads_per_group, head_dim]`,
-    /// `k` and `v` `[rows, groups, head_dim]` (overwritten). One launch for
-    /// every group and head. All four views share a dtype (bf16 or f32);
-    /// values are copied exactly.
-    fn qkv_split(
-        &self,
-        qkv: Slice<'_, Self>,
-        out: AttentionInputs<SliceMut<'_, Self>>,
-        dims: QkvDims,
-    ) -> Result<()>;
-
-    /// The inverse of [`Backend::qkv_split`]: `dqkv` (overwritten) from `dq`,
-    /// `dk`, `dv`, in the fused layout.
-    fn qkv_join(
-        &self,
-        grads: AttentionInputs<Slice<'_, Self>>,
-        dqkv: SliceMut<'_, Self>,
-        dims: QkvDims,
-    ) -> Result<()>;
-
-    /// The MLA key/value split: each `kv` row holds, per head `i`,
-    /// `[k_nope_i (nope_dim) | v_i (v_dim)]`; `k_rope` `[rows, rope_dim]` is
-    /// shared by the heads. Writes `k` `[rows, heads, nope_dim + rope_dim]`
-    /// with `k_i = [k_nope_i | k_rope]` and `v` `[rows, heads, v_dim]`
-    /// (overwritten). All views share a dtype (bf16 or f32); exact copies.
-    fn mla_kv_split(
-        &self,
-        kv: Slice<'_, Self>,
-        k_rope: Slice<'_, Self>,
-        k: SliceMut<'_, Self>,
-        v: SliceMut<'_, Self>,
-        dims: MlaKvDims,
-    ) -> Result<()>;
-
-    /// The backward of [`Backend::mla_kv_split`] (both outputs overwritten):
-    /// `d_kv` in the fused layout from `dk`'s nope part and `dv`, and
-    /// `d_k_rope[r] = sum_i dk[r, i, rope part]`, heads in order from zero,
-    /// in f32 (one rounding at the store for bf16).
-    fn mla_kv_join(
-        &self,
-        dk: Slice<'_, Self>,
-        dv: Slice<'_, Self>,
-        d_kv: SliceMut<'_, Self>,
-        d_k_rope: SliceMut<'_, Self>,
-        dims: MlaKvDims,
-    ) -> Result<()>;
-
     /// `out[0] += sum_i x[i]`: the sum taken in f64 in an order fixed by the
     /// length alone (the CPU: index order from zero; a GPU: a fixed tree),
     /// then added to `out[0]`. `x` is bf16, f32 or f64; `out` is
     /// one f64 (a slot of a loss accumulator). Losses accumulate on the
     /// device this way and are read once per step.
     fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()>;
+
+    layout::layout_methods!();
 
     // ---- kernels: normalisation and activations -----------------------------
     norm::norm_methods!();

@@ -10,10 +10,10 @@ use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
-    MatmulDims, MatmulProblem, MlaKvDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims,
-    RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice,
-    SliceMut, UnpermuteDims, UnpermuteGrads,
+    DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
+    MatmulProblem, Precision, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
+    RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims,
+    UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -311,18 +311,6 @@ impl Backend for CpuBackend {
         kernels::scale(&mut k.f32_out("x", x)?, alpha)
     }
 
-    fn copy_cols(
-        &self,
-        src: Slice<'_, Self>,
-        dst: SliceMut<'_, Self>,
-        dims: CopyCols,
-    ) -> Result<()> {
-        let k = self.access("copy_cols");
-        same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
-        let src = k.f32_in("src", src)?;
-        kernels::copy_cols(&src, &mut k.f32_out("dst", dst)?, dims)
-    }
-
     fn column_sum(
         &self,
         x: Slice<'_, Self>,
@@ -333,104 +321,6 @@ impl Backend for CpuBackend {
         let k = self.access("column_sum");
         let x = k.f32_in("x", x)?;
         kernels::column_sum(&x, &mut k.f32_out("out", out)?, rows, cols)
-    }
-
-    fn qkv_split(
-        &self,
-        qkv: Slice<'_, Self>,
-        out: AttentionInputs<SliceMut<'_, Self>>,
-        dims: QkvDims,
-    ) -> Result<()> {
-        let k = self.access("qkv_split");
-        for (arg, dtype) in [
-            ("q", out.q.dtype()),
-            ("k", out.k.dtype()),
-            ("v", out.v.dtype()),
-        ] {
-            same_dtype(k.kernel(), ("qkv", qkv.dtype()), (arg, dtype))?;
-        }
-        let qkv = k.f32_in("qkv", qkv)?;
-        kernels::qkv_split(
-            &qkv,
-            &mut k.f32_out("q", out.q)?,
-            &mut k.f32_out("k", out.k)?,
-            &mut k.f32_out("v", out.v)?,
-            dims,
-        )
-    }
-
-    fn qkv_join(
-        &self,
-        grads: AttentionInputs<Slice<'_, Self>>,
-        dqkv: SliceMut<'_, Self>,
-        dims: QkvDims,
-    ) -> Result<()> {
-        let k = self.access("qkv_join");
-        for (arg, dtype) in [
-            ("dq", grads.q.dtype()),
-            ("dk", grads.k.dtype()),
-            ("dv", grads.v.dtype()),
-        ] {
-            same_dtype(k.kernel(), (arg, dtype), ("dqkv", dqkv.dtype()))?;
-        }
-        let (dq, dk, dv) = (
-            k.f32_in("dq", grads.q)?,
-            k.f32_in("dk", grads.k)?,
-            k.f32_in("dv", grads.v)?,
-        );
-        kernels::qkv_join(&dq, &dk, &dv, &mut k.f32_out("dqkv", dqkv)?, dims)
-    }
-
-    fn mla_kv_split(
-        &self,
-        kv: Slice<'_, Self>,
-        k_rope: Slice<'_, Self>,
-        k_out: SliceMut<'_, Self>,
-        v: SliceMut<'_, Self>,
-        dims: MlaKvDims,
-    ) -> Result<()> {
-        let k = self.access("mla_kv_split");
-        for (arg, dtype) in [
-            ("k_rope", k_rope.dtype()),
-            ("k", k_out.dtype()),
-            ("v", v.dtype()),
-        ] {
-            same_dtype(k.kernel(), ("kv", kv.dtype()), (arg, dtype))?;
-        }
-        let (kv, k_rope) = (k.f32_in("kv", kv)?, k.f32_in("k_rope", k_rope)?);
-        kernels::mla_kv_split(
-            &kv,
-            &k_rope,
-            &mut k.f32_out("k", k_out)?,
-            &mut k.f32_out("v", v)?,
-            dims,
-        )
-    }
-
-    fn mla_kv_join(
-        &self,
-        dk: Slice<'_, Self>,
-        dv: Slice<'_, Self>,
-        d_kv: SliceMut<'_, Self>,
-        d_k_rope: SliceMut<'_, Self>,
-        dims: MlaKvDims,
-    ) -> Result<()> {
-        let k = self.access("mla_kv_join");
-        for (arg, dtype) in [
-            ("dv", dv.dtype()),
-            ("d_kv", d_kv.dtype()),
-            ("d_k_rope", d_k_rope.dtype()),
-        ] {
-            same_dtype(k.kernel(), ("dk", dk.dtype()), (arg, dtype))?;
-        }
-        let (dk, dv) = (k.f32_in("dk", dk)?, k.f32_in("dv", dv)?);
-        kernels::mla_kv_join(
-            &dk,
-            &dv,
-            &mut k.f32_out("d_kv", d_kv)?,
-            &mut k.f32_out("d_k_rope", d_k_rope)?,
-            dims,
-        )
     }
 
     fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
@@ -1186,83 +1076,6 @@ mod tests {
         assert!(
             b.accumulate_sum(View::whole(&x), ViewMut::whole(&acc))
                 .is_err()
-        );
-    }
-
-    #[test]
-    fn head_splits_copy_bf16_exactly_and_refuse_mixed_dtypes() {
-        let b = CpuBackend::new(Precision::Bf16);
-        let dims = QkvDims {
-            rows: 2,
-            groups: 2,
-            heads_per_group: 1,
-            head_dim: 2,
-        };
-        let values: Vec<bf16> = (0..dims.rows * dims.width())
-            .map(|i| bf16::from_f32(i as f32 * 0.3 - 1.7))
-            .collect();
-        let qkv = buf(&b, values.len(), DType::Bf16);
-        b.upload(&values, ViewMut::whole(&qkv)).unwrap();
-        let [q, k, v] = [0; 3].map(|_| buf(&b, 8, DType::Bf16));
-        let out = |q, k, v| AttentionInputs {
-            q: ViewMut::whole(q),
-            k: ViewMut::whole(k),
-            v: ViewMut::whole(v),
-        };
-        b.qkv_split(View::whole(&qkv), out(&q, &k, &v), dims)
-            .unwrap();
-        let joined = buf(&b, values.len(), DType::Bf16);
-        let grads = AttentionInputs {
-            q: View::whole(&q),
-            k: View::whole(&k),
-            v: View::whole(&v),
-        };
-        b.qkv_join(grads, ViewMut::whole(&joined), dims).unwrap();
-        let mut back = vec![bf16::ZERO; values.len()];
-        b.download(View::whole(&joined), &mut back).unwrap();
-        assert_eq!(back, values);
-        let f32_k = buf(&b, 8, DType::F32);
-        refused(
-            b.qkv_split(View::whole(&qkv), out(&q, &f32_k, &v), dims),
-            "qkv_split",
-            "k",
-        );
-        let f32_joined = buf(&b, values.len(), DType::F32);
-        refused(
-            b.qkv_join(grads, ViewMut::whole(&f32_joined), dims),
-            "qkv_join",
-            "dqkv",
-        );
-        let mla = MlaKvDims {
-            rows: 1,
-            heads: 2,
-            nope_dim: 1,
-            rope_dim: 2,
-            v_dim: 1,
-        };
-        let (kv, rope) = (buf(&b, 4, DType::Bf16), buf(&b, 2, DType::F32));
-        let (mk, mv) = (buf(&b, 6, DType::Bf16), buf(&b, 2, DType::Bf16));
-        refused(
-            b.mla_kv_split(
-                View::whole(&kv),
-                View::whole(&rope),
-                ViewMut::whole(&mk),
-                ViewMut::whole(&mv),
-                mla,
-            ),
-            "mla_kv_split",
-            "k_rope",
-        );
-        refused(
-            b.mla_kv_join(
-                View::whole(&mk),
-                View::whole(&mv),
-                ViewMut::whole(&kv),
-                ViewMut::whole(&rope),
-                mla,
-            ),
-            "mla_kv_join",
-            "d_k_rope",
         );
     }
 

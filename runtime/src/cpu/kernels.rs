@@ -10,18 +10,17 @@
 mod attention;
 mod check;
 mod conv;
-mod dense;
+pub(crate) mod dense;
 mod grouped;
 mod lookup;
 mod moe;
 mod optim;
 mod rotary;
 mod scan;
-mod split;
 
 pub use attention::{attention_backward, attention_forward};
 pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
-pub use dense::{accumulate_sum, axpy, column_sum, copy_cols, matmul, scale};
+pub use dense::{accumulate_sum, axpy, column_sum, matmul, scale};
 pub use grouped::grouped_matmul;
 pub use lookup::{
     cross_entropy_backward, cross_entropy_forward, cross_entropy_gradient, cross_entropy_loss,
@@ -35,4 +34,3 @@ pub use moe::{
 pub use optim::{adam_update, sgd_update, sum_squares};
 pub use rotary::{rotary_backward, rotary_forward};
 pub use scan::{ssd_scan_backward, ssd_scan_forward, ssd_scan_forward_chunked};
-pub use split::{mla_kv_join, mla_kv_split, qkv_join, qkv_split};

@@ -22,10 +22,9 @@ use super::launch::{
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    CopyCols, DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims,
-    MatmulDims, MlaKvDims, Precision, QkvDims, ReceivedDims, RotaryDims, RouteDims, RouteOutputs,
-    RoutedSlots, RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut,
-    UnpermuteDims, UnpermuteGrads,
+    DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
+    Precision, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
+    ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -797,16 +796,6 @@ impl Backend for CudaBackend {
         self.k().scale(self.s(), self.m(&x), alpha)
     }
 
-    fn copy_cols(
-        &self,
-        src: Slice<'_, Self>,
-        dst: SliceMut<'_, Self>,
-        dims: CopyCols,
-    ) -> Result<()> {
-        self.k()
-            .copy_cols(self.s(), self.v(src), self.m(&dst), dims)
-    }
-
     fn column_sum(
         &self,
         x: Slice<'_, Self>,
@@ -816,74 +805,6 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.k()
             .column_sum(self.s(), self.v(x), self.m(&out), rows, cols)
-    }
-
-    fn qkv_split(
-        &self,
-        qkv: Slice<'_, Self>,
-        out: AttentionInputs<SliceMut<'_, Self>>,
-        dims: QkvDims,
-    ) -> Result<()> {
-        self.k().qkv_split(
-            self.s(),
-            self.v(qkv),
-            self.m(&out.q),
-            self.m(&out.k),
-            self.m(&out.v),
-            dims,
-        )
-    }
-
-    fn qkv_join(
-        &self,
-        grads: AttentionInputs<Slice<'_, Self>>,
-        dqkv: SliceMut<'_, Self>,
-        dims: QkvDims,
-    ) -> Result<()> {
-        self.k().qkv_join(
-            self.s(),
-            self.v(grads.q),
-            self.v(grads.k),
-            self.v(grads.v),
-            self.m(&dqkv),
-            dims,
-        )
-    }
-
-    fn mla_kv_split(
-        &self,
-        kv: Slice<'_, Self>,
-        k_rope: Slice<'_, Self>,
-        k: SliceMut<'_, Self>,
-        v: SliceMut<'_, Self>,
-        dims: MlaKvDims,
-    ) -> Result<()> {
-        self.k().mla_kv_split(
-            self.s(),
-            self.v(kv),
-            self.v(k_rope),
-            self.m(&k),
-            self.m(&v),
-            dims,
-        )
-    }
-
-    fn mla_kv_join(
-        &self,
-        dk: Slice<'_, Self>,
-        dv: Slice<'_, Self>,
-        d_kv: SliceMut<'_, Self>,
-        d_k_rope: SliceMut<'_, Self>,
-        dims: MlaKvDims,
-    ) -> Result<()> {
-        self.k().mla_kv_join(
-            self.s(),
-            self.v(dk),
-            self.v(dv),
-            self.m(&d_kv),
-            self.m(&d_k_rope),
-            dims,
-        )
     }
 
     fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {

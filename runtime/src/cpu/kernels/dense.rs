@@ -3,7 +3,7 @@
 //! accumulators are built from.
 
 use super::check;
-use crate::backend::{CopyCols, MatmulDims};
+use crate::backend::MatmulDims;
 use crate::error::Result;
 
 /// `sum_i a[i] b[i]` in a fixed order: eight interleaved partial sums (so
@@ -101,42 +101,6 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) -> Result<()> {
 pub fn scale(x: &mut [f32], alpha: f32) -> Result<()> {
     for v in x.iter_mut() {
         *v *= alpha;
-    }
-    Ok(())
-}
-
-pub fn copy_cols(src: &[f32], dst: &mut [f32], dims: CopyCols) -> Result<()> {
-    let kn = "copy_cols";
-    check::ensure(
-        dims.src_offset + dims.cols <= dims.src_stride
-            && dims.dst_offset + dims.cols <= dims.dst_stride,
-        || format!("{kn}: the column block does not fit its row stride ({dims:?})"),
-    )?;
-    check::len(
-        kn,
-        "src",
-        src.len(),
-        check::product(kn, &[dims.rows, dims.src_stride])?,
-    )?;
-    check::len(
-        kn,
-        "dst",
-        dst.len(),
-        check::product(kn, &[dims.rows, dims.dst_stride])?,
-    )?;
-    if dims.rows == 0 || dims.cols == 0 {
-        return Ok(());
-    }
-    let src_rows = src.chunks_exact(dims.src_stride);
-    let dst_rows = dst.chunks_exact_mut(dims.dst_stride);
-    for (s, d) in src_rows.zip(dst_rows) {
-        let s = &s[dims.src_offset..dims.src_offset + dims.cols];
-        let d = &mut d[dims.dst_offset..dims.dst_offset + dims.cols];
-        if dims.accumulate {
-            axpy_row(1.0, s, d);
-        } else {
-            d.copy_from_slice(s);
-        }
     }
     Ok(())
 }
@@ -428,45 +392,6 @@ mod tests {
             let want: f32 = (0..n).map(|i| (i * (i % 3)) as f32).sum();
             assert_eq!(dot(&a, &b), want);
         }
-    }
-
-    #[test]
-    fn copy_cols_moves_and_accumulates_a_column_block() {
-        let src: Vec<f32> = (0..12).map(|v| v as f32).collect(); // [3, 4]
-        let mut dst = vec![0.0; 6]; // [3, 2]
-        let dims = CopyCols {
-            rows: 3,
-            cols: 2,
-            src_stride: 4,
-            src_offset: 1,
-            dst_stride: 2,
-            dst_offset: 0,
-            accumulate: false,
-        };
-        copy_cols(&src, &mut dst, dims).unwrap();
-        assert_eq!(dst, vec![1.0, 2.0, 5.0, 6.0, 9.0, 10.0]);
-        copy_cols(
-            &src,
-            &mut dst,
-            CopyCols {
-                accumulate: true,
-                ..dims
-            },
-        )
-        .unwrap();
-        assert_eq!(dst, vec![2.0, 4.0, 10.0, 12.0, 18.0, 20.0]);
-        assert!(
-            copy_cols(
-                &src,
-                &mut dst,
-                CopyCols {
-                    src_offset: 3,
-                    ..dims
-                }
-            )
-            .is_err()
-        );
-        assert!(copy_cols(&src[..11], &mut dst, dims).is_err());
     }
 
     #[test]

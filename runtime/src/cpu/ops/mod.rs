@@ -8,4 +8,5 @@
 //! reference. Loop orders are fixed and no loop uses threads, so equal
 //! inputs give equal bits.
 
+pub mod layout;
 pub mod norm;

@@ -25,8 +25,8 @@ pub use scan_chunked::{CHUNKED_MAX_CHUNK, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkP
 use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, CopyCols, ExpertBias, LossDims, MlaKvDims, QkvDims,
-    ReceivedDims, RotaryDims, RotaryPairing, RouteDims, RoutedSlots, SgdStep, UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, ExpertBias, LossDims, ReceivedDims, RotaryDims,
+    RotaryPairing, RouteDims, RoutedSlots, SgdStep, UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -195,14 +195,6 @@ pub(crate) fn words8(views: &[GpuView], row: usize) -> bool {
         && views
             .iter()
             .all(|v| matches!(v.dtype, DType::Bf16 | DType::F32) && v.ptr.is_multiple_of(16))
-}
-
-/// Elements a thread of `qkv_split` / `qkv_join` moves: a 16-byte word's
-/// where every head is whole words and every view 16-byte aligned, else 1.
-pub(crate) fn qkv_words(views: &[GpuView], head_dim: usize) -> usize {
-    let per_word = 16 / views[0].dtype.bytes();
-    let whole = head_dim.is_multiple_of(per_word) && views.iter().all(|v| v.ptr.is_multiple_of(16));
-    if whole { per_word } else { 1 }
 }
 
 /// A block of `threads` (a multiple of 32, at most 1024) per item.
@@ -578,46 +570,6 @@ impl KernelSet {
         self.go(k, &mut b, grid_for(x.len))
     }
 
-    /// `Backend::copy_cols`.
-    pub fn copy_cols(
-        &self,
-        stream: &CudaStream,
-        src: GpuView,
-        dst: GpuView,
-        d: CopyCols,
-    ) -> Result<()> {
-        let k = "copy_cols";
-        let t = float(k, "src", &src)?;
-        same_dtype(k, ("src", src.dtype), ("dst", dst.dtype))?;
-        ensure(
-            d.src_offset + d.cols <= d.src_stride && d.dst_offset + d.cols <= d.dst_stride,
-            || format!("{k}: the column block does not fit its row stride ({d:?})"),
-        )?;
-        len(k, "src", &src, product(k, &[d.rows, d.src_stride])?)?;
-        len(k, "dst", &dst, product(k, &[d.rows, d.dst_stride])?)?;
-        let n = product(k, &[d.rows, d.cols])?;
-        if n == 0 {
-            return Ok(());
-        }
-        let dims = [
-            d.rows,
-            d.cols,
-            d.src_stride,
-            d.src_offset,
-            d.dst_stride,
-            d.dst_offset,
-        ]
-        .map(|v| v as u64);
-        let acc = i32::from(d.accumulate);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&src.ptr).arg(&dst.ptr).arg(&t);
-        for v in &dims {
-            b.arg(v);
-        }
-        b.arg(&acc);
-        self.go(k, &mut b, grid_for(n))
-    }
-
     /// `Backend::column_sum`: `out[j] += sum_r x[r, j]`.
     pub fn column_sum(
         &self,
@@ -797,174 +749,6 @@ impl KernelSet {
     /// `Backend::rotary_backward`, in place.
     pub fn rotary_backward(&self, stream: &CudaStream, dx: GpuView, d: RotaryDims) -> Result<()> {
         self.rotary(stream, ("rotary_backward", "dx"), dx, d, -1.0)
-    }
-
-    fn check_qkv(
-        k: &str,
-        // The arguments' names in the `Backend` method (errors use them).
-        [nqkv, nq, nk, nv]: [&str; 4],
-        fused: &GpuView,
-        q: &GpuView,
-        kk: &GpuView,
-        v: &GpuView,
-        d: QkvDims,
-    ) -> Result<i32> {
-        let t = float(k, nqkv, fused)?;
-        for (name, view) in [(nq, q), (nk, kk), (nv, v)] {
-            same_dtype(k, (nqkv, fused.dtype), (name, view.dtype))?;
-        }
-        let heads = product(k, &[d.groups, d.heads_per_group])?;
-        let width = product(k, &[d.groups, d.heads_per_group + 2, d.head_dim])?;
-        len(k, nqkv, fused, product(k, &[d.rows, width])?)?;
-        len(k, nq, q, product(k, &[d.rows, heads, d.head_dim])?)?;
-        let kv = product(k, &[d.rows, d.groups, d.head_dim])?;
-        len(k, nk, kk, kv)?;
-        len(k, nv, v, kv)?;
-        Ok(t)
-    }
-
-    /// `Backend::qkv_split`.
-    pub fn qkv_split(
-        &self,
-        stream: &CudaStream,
-        qkv: GpuView,
-        q: GpuView,
-        kk: GpuView,
-        v: GpuView,
-        d: QkvDims,
-    ) -> Result<()> {
-        let k = "qkv_split";
-        let names = ["qkv", "q", "k", "v"];
-        let t = Self::check_qkv(k, names, &qkv, &q, &kk, &v, d)?;
-        if qkv.len == 0 {
-            return Ok(());
-        }
-        let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
-        let per_word = qkv_words(&[qkv, q, kk, v], d.head_dim);
-        let words = i32::from(per_word > 1);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&qkv.ptr).arg(&q.ptr).arg(&kk.ptr).arg(&v.ptr).arg(&t);
-        for x in &dims {
-            b.arg(x);
-        }
-        b.arg(&words);
-        self.go(k, &mut b, grid_for(qkv.len / per_word))
-    }
-
-    /// `Backend::qkv_join`.
-    pub fn qkv_join(
-        &self,
-        stream: &CudaStream,
-        dq: GpuView,
-        dk: GpuView,
-        dv: GpuView,
-        dqkv: GpuView,
-        d: QkvDims,
-    ) -> Result<()> {
-        let k = "qkv_join";
-        let names = ["dqkv", "dq", "dk", "dv"];
-        let t = Self::check_qkv(k, names, &dqkv, &dq, &dk, &dv, d)?;
-        if dqkv.len == 0 {
-            return Ok(());
-        }
-        let dims = [d.rows, d.groups, d.heads_per_group, d.head_dim].map(|x| x as u64);
-        let per_word = qkv_words(&[dqkv, dq, dk, dv], d.head_dim);
-        let words = i32::from(per_word > 1);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&dq.ptr)
-            .arg(&dk.ptr)
-            .arg(&dv.ptr)
-            .arg(&dqkv.ptr)
-            .arg(&t);
-        for x in &dims {
-            b.arg(x);
-        }
-        b.arg(&words);
-        self.go(k, &mut b, grid_for(dqkv.len / per_word))
-    }
-
-    fn check_mla(
-        k: &str,
-        kv: &GpuView,
-        rope: &GpuView,
-        kk: &GpuView,
-        v: &GpuView,
-        d: MlaKvDims,
-    ) -> Result<i32> {
-        let t = float(k, "kv", kv)?;
-        let kv_w = product(k, &[d.heads, d.nope_dim + d.v_dim])?;
-        let k_w = product(k, &[d.heads, d.nope_dim + d.rope_dim])?;
-        let v_w = product(k, &[d.heads, d.v_dim])?;
-        len(k, "kv", kv, product(k, &[d.rows, kv_w])?)?;
-        len(k, "k_rope", rope, product(k, &[d.rows, d.rope_dim])?)?;
-        len(k, "k", kk, product(k, &[d.rows, k_w])?)?;
-        len(k, "v", v, product(k, &[d.rows, v_w])?)?;
-        Ok(t)
-    }
-
-    /// `Backend::mla_kv_split`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mla_kv_split(
-        &self,
-        stream: &CudaStream,
-        kv: GpuView,
-        k_rope: GpuView,
-        k_out: GpuView,
-        v: GpuView,
-        d: MlaKvDims,
-    ) -> Result<()> {
-        let k = "mla_kv_split";
-        for (name, view) in [("k_rope", &k_rope), ("k", &k_out), ("v", &v)] {
-            same_dtype(k, ("kv", kv.dtype), (name, view.dtype))?;
-        }
-        let t = Self::check_mla(k, &kv, &k_rope, &k_out, &v, d)?;
-        let n = k_out.len + v.len;
-        if n == 0 {
-            return Ok(());
-        }
-        let dims = [d.rows, d.heads, d.nope_dim, d.rope_dim, d.v_dim].map(|x| x as u64);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&kv.ptr)
-            .arg(&k_rope.ptr)
-            .arg(&k_out.ptr)
-            .arg(&v.ptr)
-            .arg(&t);
-        for x in &dims {
-            b.arg(x);
-        }
-        self.go(k, &mut b, grid_for(n))
-    }
-
-    /// `Backend::mla_kv_join`.
-    pub fn mla_kv_join(
-        &self,
-        stream: &CudaStream,
-        dk: GpuView,
-        dv: GpuView,
-        d_kv: GpuView,
-        d_k_rope: GpuView,
-        d: MlaKvDims,
-    ) -> Result<()> {
-        let k = "mla_kv_join";
-        for (name, view) in [("dv", &dv), ("d_kv", &d_kv), ("d_k_rope", &d_k_rope)] {
-            same_dtype(k, ("dk", dk.dtype), (name, view.dtype))?;
-        }
-        let t = Self::check_mla(k, &d_kv, &d_k_rope, &dk, &dv, d)?;
-        let n = d_kv.len + d_k_rope.len;
-        if n == 0 {
-            return Ok(());
-        }
-        let dims = [d.rows, d.heads, d.nope_dim, d.rope_dim, d.v_dim].map(|x| x as u64);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&dk.ptr)
-            .arg(&dv.ptr)
-            .arg(&d_kv.ptr)
-            .arg(&d_k_rope.ptr)
-            .arg(&t);
-        for x in &dims {
-            b.arg(x);
-        }
-        self.go(k, &mut b, grid_for(n))
     }
 
     // ---- loss -------------------------------------------------------------------------
