@@ -10,7 +10,7 @@
 //! disturbed).
 
 use hybridgen_runtime::backend::MatmulDims;
-use hybridgen_runtime::cpu::kernels::matmul;
+use hybridgen_runtime::cpu::ops::dense::matmul;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

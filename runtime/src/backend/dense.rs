@@ -1,7 +1,20 @@
-//! Dense algebra: matrix products (one, or many as one grouped call) and
-//! the element-wise sums and scalings built on them.
+//! Dense algebra: matrix products (one, or many as one grouped call), the
+//! element-wise sums and scalings built on them, column sums, and the f64
+//! sum that loss accumulators are built from.
+//!
+//! A kernel of this family is written in three places: its [`Backend`]
+//! method and its check here (the method in `dense_methods`, which the
+//! trait expands; the check a `check_` function of the kernel's name), and
+//! its [`DenseKernels`] method on each backend (`cpu::ops::dense`,
+//! `cuda::ops::dense`).
 
+#[cfg(doc)]
+use super::Backend;
 use super::{Slice, SliceMut};
+use crate::error::Result;
+use crate::view::{
+    DType, DTypeRule, DeviceBuffer, Operand, View, ViewMut, ensure, product, same_dtype,
+};
 
 /// Dimensions of [`Backend::matmul`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -87,3 +100,238 @@ pub struct MatmulProblem<S, M> {
 
 /// A [`MatmulProblem`] on `B`'s views.
 pub type GroupedMatmul<'a, B> = MatmulProblem<Slice<'a, B>, SliceMut<'a, B>>;
+
+/// The dense kernels as a backend implements them: each runs once
+/// [`Backend`]'s method of the same name (without `_unchecked`) has checked
+/// its arguments here, so their dtypes and lengths are right.
+pub trait DenseKernels<Buf: DeviceBuffer> {
+    fn matmul_unchecked(
+        &self,
+        a: View<'_, Buf>,
+        b: View<'_, Buf>,
+        c: ViewMut<'_, Buf>,
+        dims: MatmulDims,
+    ) -> Result<()>;
+
+    fn grouped_matmul_unchecked(
+        &self,
+        problems: Vec<MatmulProblem<View<'_, Buf>, ViewMut<'_, Buf>>>,
+    ) -> Result<()>;
+
+    fn axpy_unchecked(&self, alpha: f32, x: View<'_, Buf>, y: ViewMut<'_, Buf>) -> Result<()>;
+
+    fn scale_unchecked(&self, x: ViewMut<'_, Buf>, alpha: f32) -> Result<()>;
+
+    fn column_sum_unchecked(
+        &self,
+        x: View<'_, Buf>,
+        out: ViewMut<'_, Buf>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()>;
+
+    fn accumulate_sum_unchecked(&self, x: View<'_, Buf>, out: ViewMut<'_, Buf>) -> Result<()>;
+}
+
+/// One matmul's operands: float dtypes, `A` and `B` alike (and, in a
+/// group, like the first problem's: `group` is its `A` and `C` dtypes), and
+/// lengths that fit the dimensions. `name` spells an operand in errors; it
+/// runs only when there is one to report, so a grouped call formats
+/// nothing when its operands are right.
+fn check_operands(
+    kernel: &str,
+    name: impl Fn(&str) -> String,
+    [a, b, c]: [Operand; 3],
+    dims: MatmulDims,
+    group: Option<(DType, DType)>,
+) -> Result<()> {
+    let MatmulDims { m, n, k, .. } = dims;
+    let want = [
+        product(kernel, &[m, k])?,
+        product(kernel, &[k, n])?,
+        product(kernel, &[m, n])?,
+    ];
+    let (ab, out) = group.unwrap_or((a.dtype, c.dtype));
+    let right = [a, b, c].iter().all(|v| DTypeRule::Float.admits(v.dtype))
+        && (a.dtype, b.dtype, c.dtype) == (ab, ab, out)
+        && [a.len, b.len, c.len] == want;
+    if right {
+        return Ok(());
+    }
+    let names = ["A", "B", "C"].map(&name);
+    if group.is_some() {
+        let first = ["problems[0].A", "problems[0].C"];
+        same_dtype(kernel, (first[0], ab), (&names[0], a.dtype))?;
+        same_dtype(kernel, (first[0], ab), (&names[1], b.dtype))?;
+        same_dtype(kernel, (first[1], out), (&names[2], c.dtype))?;
+    }
+    for (name, operand) in names.iter().zip([a, b, c]) {
+        operand.float(kernel, name)?;
+    }
+    same_dtype(kernel, (&names[0], a.dtype), (&names[1], b.dtype))?;
+    for ((name, operand), want) in names.iter().zip([a, b, c]).zip(want) {
+        operand.has_len(kernel, name, want)?;
+    }
+    Ok(())
+}
+
+/// [`Backend::matmul`]'s arguments.
+pub fn check_matmul(a: Operand, b: Operand, c: Operand, dims: MatmulDims) -> Result<()> {
+    check_operands("matmul", str::to_string, [a, b, c], dims, None)
+}
+
+/// [`Backend::grouped_matmul`]'s problems, each a matmul whose `A`s and
+/// `B`s share the first problem's `A` dtype and whose `C`s share its `C`
+/// dtype. (That the `C`s do not overlap is each backend's to check: it
+/// takes where the views lie, not only their lengths.)
+pub fn check_grouped_matmul(
+    problems: impl IntoIterator<Item = MatmulProblem<Operand, Operand>>,
+) -> Result<()> {
+    let mut first = None;
+    for (i, p) in problems.into_iter().enumerate() {
+        let group = *first.get_or_insert((p.a.dtype, p.c.dtype));
+        let name = |operand: &str| format!("problems[{i}].{operand}");
+        check_operands("grouped_matmul", name, [p.a, p.b, p.c], p.dims, Some(group))?;
+    }
+    Ok(())
+}
+
+/// [`Backend::axpy`]'s arguments.
+pub fn check_axpy(x: Operand, y: Operand) -> Result<()> {
+    let k = "axpy";
+    x.float(k, "x")?;
+    y.float(k, "y")?;
+    y.has_len(k, "y", x.len)
+}
+
+/// [`Backend::scale`]'s argument.
+pub fn check_scale(x: Operand) -> Result<()> {
+    x.float("scale", "x")
+}
+
+/// [`Backend::column_sum`]'s arguments.
+pub fn check_column_sum(x: Operand, out: Operand, rows: usize, cols: usize) -> Result<()> {
+    let k = "column_sum";
+    x.float(k, "x")?;
+    out.float(k, "out")?;
+    x.has_len(k, "x", product(k, &[rows, cols])?)?;
+    out.has_len(k, "out", cols)
+}
+
+/// [`Backend::accumulate_sum`]'s arguments.
+pub fn check_accumulate_sum(x: Operand, out: Operand) -> Result<()> {
+    let k = "accumulate_sum";
+    ensure(x.dtype.is_float(), || {
+        format!(
+            "kernel `{k}`: `x` is {}, but it takes bf16, f32 or f64",
+            x.dtype
+        )
+    })?;
+    out.exactly(DType::F64, k, "out")?;
+    out.has_len(k, "out", 1)
+}
+
+/// [`Backend`]'s dense methods: each checks its arguments, then runs its
+/// [`DenseKernels`] method.
+macro_rules! dense_methods {
+    () => {
+        /// `C = op(A) op(B)`, or `C += op(A) op(B)` with `dims.accumulate`, with
+        /// `op(A)` `[m, k]` and `op(B)` `[k, n]`, all row-major. `A` is stored
+        /// `[m, k]`, or `[k, m]` when `a_trans`; `B` is stored `[k, n]`, or
+        /// `[n, k]` when `b_trans`. A linear layer is `y = x W^T` (`b_trans`),
+        /// its input gradient `dx = dy W`, its weight gradient `dW += dy^T x`
+        /// (`a_trans`, accumulate); see [`MatmulDims::linear`] and friends.
+        fn matmul(
+            &self,
+            a: Slice<'_, Self>,
+            b: Slice<'_, Self>,
+            c: SliceMut<'_, Self>,
+            dims: MatmulDims,
+        ) -> Result<()> {
+            $crate::backend::dense::check_matmul(a.operand(), b.operand(), c.operand(), dims)?;
+            self.matmul_unchecked(a, b, c, dims)
+        }
+
+        /// Many independent [`Backend::matmul`]s as one operation (with
+        /// [`ExpertGemm::Grouped`] on Hopper, one kernel launch): each problem
+        /// is the matmul its dims describe, and its bits depend on it alone
+        /// (its operands and dims, never the other problems or their order), so
+        /// grouping never changes a bit. Every `A` and `B` is of one float
+        /// dtype (bf16 or f32) and every `C` of one float dtype, as one grouped
+        /// GEMM call takes one type per operand; f32 accumulation.
+        /// The `C` views must be pairwise disjoint (the CPU backend refuses
+        /// overlapping ones) and none may overlap an `A` or `B`. The MoE experts
+        /// run each of their GEMMs this way over their row ranges.
+        fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()> {
+            $crate::backend::dense::check_grouped_matmul(problems.iter().map(|p| MatmulProblem {
+                a: p.a.operand(),
+                b: p.b.operand(),
+                c: p.c.operand(),
+                dims: p.dims,
+            }))?;
+            self.grouped_matmul_unchecked(problems)
+        }
+
+        /// `y += alpha x`.
+        fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
+            $crate::backend::dense::check_axpy(x.operand(), y.operand())?;
+            self.axpy_unchecked(alpha, x, y)
+        }
+
+        /// `x *= alpha`.
+        fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()> {
+            $crate::backend::dense::check_scale(x.operand())?;
+            self.scale_unchecked(x, alpha)
+        }
+
+        /// `out[j] += sum_r x[r, j]` over `rows` rows of `cols` columns, rows in
+        /// order (a bias gradient).
+        fn column_sum(
+            &self,
+            x: Slice<'_, Self>,
+            out: SliceMut<'_, Self>,
+            rows: usize,
+            cols: usize,
+        ) -> Result<()> {
+            $crate::backend::dense::check_column_sum(x.operand(), out.operand(), rows, cols)?;
+            self.column_sum_unchecked(x, out, rows, cols)
+        }
+
+        /// `out[0] += sum_i x[i]`: the sum taken in f64 in an order fixed by the
+        /// length alone (the CPU: index order from zero; a GPU: a fixed tree),
+        /// then added to `out[0]`. `x` is bf16, f32 or f64; `out` is
+        /// one f64 (a slot of a loss accumulator). Losses accumulate on the
+        /// device this way and are read once per step.
+        fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
+            $crate::backend::dense::check_accumulate_sum(x.operand(), out.operand())?;
+            self.accumulate_sum_unchecked(x, out)
+        }
+    };
+}
+pub(super) use dense_methods;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(len: usize) -> Operand {
+        Operand::new(len, DType::F32)
+    }
+
+    #[test]
+    fn a_bad_problem_is_named() {
+        let problem = |c, dims| MatmulProblem {
+            a: f32s(6),
+            b: f32s(6),
+            c: f32s(c),
+            dims,
+        };
+        let short = [
+            problem(4, MatmulDims::linear(2, 3, 2)),
+            problem(3, MatmulDims::linear(2, 3, 2)),
+        ];
+        let err = check_grouped_matmul(short).unwrap_err().to_string();
+        assert!(err.contains("problems[1].C"), "{err}");
+        assert!(check_matmul(f32s(6), f32s(6), f32s(4), MatmulDims::linear(2, 3, 2)).is_ok());
+    }
+}

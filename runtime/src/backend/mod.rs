@@ -28,7 +28,7 @@ use std::ops::Range;
 
 mod attention;
 mod conv;
-mod dense;
+pub mod dense;
 pub mod layout;
 mod lookup;
 mod moe;
@@ -38,7 +38,7 @@ mod scan;
 
 pub use attention::{AttentionBackend, AttentionDims, AttentionInputs, RotaryDims, RotaryPairing};
 pub use conv::ConvDims;
-pub use dense::{ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
+pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LossDims};
 pub use moe::{
@@ -127,6 +127,7 @@ pub trait Backend:
     + 'static
     + NormKernels<<Self as Backend>::Buf>
     + LayoutKernels<<Self as Backend>::Buf>
+    + DenseKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -249,56 +250,7 @@ pub trait Backend:
     // micro-batch; the MoE routing and permutation indices are `u32` device
     // views computed by kernels: the host reads only the per-expert counts
     // the all-to-all needs.
-
-    /// `C = op(A) op(B)`, or `C += op(A) op(B)` with `dims.accumulate`, with
-    /// `op(A)` `[m, k]` and `op(B)` `[k, n]`, all row-major. `A` is stored
-    /// `[m, k]`, or `[k, m]` when `a_trans`; `B` is stored `[k, n]`, or
-    /// `[n, k]` when `b_trans`. A linear layer is `y = x W^T` (`b_trans`),
-    /// its input gradient `dx = dy W`, its weight gradient `dW += dy^T x`
-    /// (`a_trans`, accumulate); see [`MatmulDims::linear`] and friends.
-    fn matmul(
-        &self,
-        a: Slice<'_, Self>,
-        b: Slice<'_, Self>,
-        c: SliceMut<'_, Self>,
-        dims: MatmulDims,
-    ) -> Result<()>;
-
-    /// Many independent [`Backend::matmul`]s as one operation (with
-    /// [`ExpertGemm::Grouped`] on Hopper, one kernel launch): each problem
-    /// is the matmul its dims describe, and its bits depend on it alone
-    /// (its operands and dims, never the other problems or their order), so
-    /// grouping never changes a bit. Every `A` and `B` is of one float
-    /// dtype (bf16 or f32) and every `C` of one float dtype, as one grouped
-    /// GEMM call takes one type per operand; f32 accumulation.
-    /// The `C` views must be pairwise disjoint (the CPU backend refuses
-    /// overlapping ones) and none may overlap an `A` or `B`. The MoE experts
-    /// run each of their GEMMs this way over their row ranges.
-    fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()>;
-
-    /// `y += alpha x`.
-    fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()>;
-
-    /// `x *= alpha`.
-    fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()>;
-
-    /// `out[j] += sum_r x[r, j]` over `rows` rows of `cols` columns, rows in
-    /// order (a bias gradient).
-    fn column_sum(
-        &self,
-        x: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()>;
-
-    /// `out[0] += sum_i x[i]`: the sum taken in f64 in an order fixed by the
-    /// length alone (the CPU: index order from zero; a GPU: a fixed tree),
-    /// then added to `out[0]`. `x` is bf16, f32 or f64; `out` is
-    /// one f64 (a slot of a loss accumulator). Losses accumulate on the
-    /// device this way and are read once per step.
-    fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()>;
-
+    dense::dense_methods!();
     layout::layout_methods!();
 
     // ---- kernels: normalisation and activations -----------------------------

@@ -10,12 +10,11 @@ use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
-    MatmulProblem, Precision, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores, ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims,
-    UnpermuteGrads,
+    DeviceStats, ExpertBias, ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims,
+    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads,
+    ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use crate::view::{DType, Scalar, same_dtype, same_len};
 use half::bf16;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -252,87 +251,6 @@ impl Backend for CpuBackend {
         let k = self.access("zero");
         k.bytes_out(dst)?.fill(0);
         Ok(())
-    }
-
-    fn matmul(
-        &self,
-        a: Slice<'_, Self>,
-        b: Slice<'_, Self>,
-        c: SliceMut<'_, Self>,
-        dims: MatmulDims,
-    ) -> Result<()> {
-        let k = self.access("matmul");
-        same_dtype(k.kernel(), ("A", a.dtype()), ("B", b.dtype()))?;
-        let (a, b) = (k.f32_in("A", a)?, k.f32_in("B", b)?);
-        kernels::matmul(&a, &b, &mut k.f32_out("C", c)?, dims)
-    }
-
-    fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()> {
-        let k = self.access("grouped_matmul");
-        let (Some(ab), Some(c)) = (
-            problems.first().map(|p| ("problems[0].A", p.a.dtype())),
-            problems.first().map(|p| ("problems[0].C", p.c.dtype())),
-        ) else {
-            return Ok(());
-        };
-        // Registering every view before any loop runs is what refuses
-        // overlapping `C`s (an aliasing error of this one call).
-        let mut operands = Vec::with_capacity(problems.len());
-        for (i, p) in problems.into_iter().enumerate() {
-            let name = |operand: &str| format!("problems[{i}].{operand}");
-            same_dtype(k.kernel(), ab, (&name("A"), p.a.dtype()))?;
-            same_dtype(k.kernel(), ab, (&name("B"), p.b.dtype()))?;
-            same_dtype(k.kernel(), c, (&name("C"), p.c.dtype()))?;
-            let a = k.f32_in(&name("A"), p.a)?;
-            let b = k.f32_in(&name("B"), p.b)?;
-            let out = k.f32_out(&name("C"), p.c)?;
-            operands.push((a, b, out, p.dims));
-        }
-        let mut problems: Vec<MatmulProblem<&[f32], &mut [f32]>> = operands
-            .iter_mut()
-            .map(|(a, b, c, dims)| MatmulProblem {
-                a: &**a,
-                b: &**b,
-                c: &mut **c,
-                dims: *dims,
-            })
-            .collect();
-        kernels::grouped_matmul(&mut problems)
-    }
-
-    fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
-        let k = self.access("axpy");
-        let x = k.f32_in("x", x)?;
-        kernels::axpy(alpha, &x, &mut k.f32_out("y", y)?)
-    }
-
-    fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()> {
-        let k = self.access("scale");
-        kernels::scale(&mut k.f32_out("x", x)?, alpha)
-    }
-
-    fn column_sum(
-        &self,
-        x: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        let k = self.access("column_sum");
-        let x = k.f32_in("x", x)?;
-        kernels::column_sum(&x, &mut k.f32_out("out", out)?, rows, cols)
-    }
-
-    fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
-        let k = self.access("accumulate_sum");
-        let out_values = k.typed_out::<f64>("out", out)?;
-        match x.dtype() {
-            DType::F64 => kernels::accumulate_sum(k.typed_in::<f64>("x", x)?, out_values),
-            DType::Bf16 | DType::F32 => kernels::accumulate_sum(&k.f32_in("x", x)?, out_values),
-            other => Err(RuntimeError::InvalidArgument(format!(
-                "kernel `accumulate_sum`: `x` is {other}, but it takes bf16, f32 or f64"
-            ))),
-        }
     }
 
     fn conv1d_forward(

@@ -10,8 +10,6 @@
 mod attention;
 mod check;
 mod conv;
-pub(crate) mod dense;
-mod grouped;
 mod lookup;
 mod moe;
 mod optim;
@@ -20,8 +18,6 @@ mod scan;
 
 pub use attention::{attention_backward, attention_forward};
 pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
-pub use dense::{accumulate_sum, axpy, column_sum, matmul, scale};
-pub use grouped::grouped_matmul;
 pub use lookup::{
     cross_entropy_backward, cross_entropy_forward, cross_entropy_gradient, cross_entropy_loss,
     embedding_backward, embedding_forward,

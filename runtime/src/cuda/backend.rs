@@ -15,16 +15,16 @@ use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
 use super::launch::{
-    self, ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, EMBEDDING_BACKWARD_SCRATCH_PER_ROW,
-    GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len,
-    flash_attention_takes, grouped_gemm_takes,
+    ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, EMBEDDING_BACKWARD_SCRATCH_PER_ROW, GpuView,
+    KernelSet, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len,
+    flash_attention_takes,
 };
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
-    DeviceStats, ExpertBias, ExpertOrder, GroupedMatmul, LookupDims, LossDims, MatmulDims,
-    Precision, ReceivedDims, RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
-    ScanDims, ScanGrads, ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    DeviceStats, ExpertBias, ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims,
+    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads,
+    ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -153,33 +153,9 @@ const SIDE_STREAMS: usize = 2;
 /// registered in the GPU's queue set: no buffer outlives a call's use of
 /// it, since the queue's own stream waits for it before the call returns.
 #[derive(Debug)]
-struct SideStream {
-    stream: Arc<CudaStream>,
-    blas: Blas,
-}
-
-/// The lane (0: the queue's own stream) of each of a grouped call's
-/// problems, given each movable one's work (`None`: it stays on the queue's
-/// stream): largest first, each to the lane with the least work so far,
-/// ties to the earlier problem and the lower lane. A function of the work
-/// alone, so a step deals its problems the same way every time.
-fn deal(work: &[Option<f64>], lanes: usize) -> Vec<usize> {
-    let mut order: Vec<(usize, f64)> = work
-        .iter()
-        .enumerate()
-        .filter_map(|(i, w)| w.map(|w| (i, w)))
-        .collect();
-    order.sort_by(|(i, a), (j, b)| b.total_cmp(a).then(i.cmp(j)));
-    let mut lane_of = vec![0usize; work.len()];
-    let mut load = vec![0.0f64; lanes.max(1)];
-    for (i, w) in order {
-        let lane = (0..load.len())
-            .min_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)))
-            .unwrap_or(0);
-        lane_of[i] = lane;
-        load[lane] += w;
-    }
-    lane_of
+pub(crate) struct SideStream {
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) blas: Blas,
 }
 
 /// One stream of a GPU with its cuBLAS handle.
@@ -189,7 +165,7 @@ pub(crate) struct Queue {
     pub(crate) index: usize,
     pub(crate) name: Arc<str>,
     pub(crate) stream: Arc<CudaStream>,
-    blas: Blas,
+    pub(crate) blas: Blas,
     /// Made at the first grouped GEMM with problems to spare.
     side: std::sync::OnceLock<Vec<SideStream>>,
     /// Views handed to work on this queue so far: lanes compare it with
@@ -212,7 +188,7 @@ pub struct CudaBackend {
     flash_attention: bool,
     /// Whether `grouped_matmul` takes the grouped kernel where it applies
     /// (see [`grouped_gemm_takes`]); on by default, as in training.
-    grouped_gemm: bool,
+    pub(crate) grouped_gemm: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
     scan_scratch: usize,
@@ -339,48 +315,6 @@ impl CudaBackend {
         &self.queue.stream
     }
 
-    /// Checks a matmul's operands as the CPU backend does: float dtypes,
-    /// `A` and `B` alike (and, in a group, like the first problem's), and
-    /// lengths that fit the dimensions. `name` spells an operand in errors;
-    /// it is only called when there is one to report, so a grouped call
-    /// formats nothing when its operands are right.
-    fn matmul_operands(
-        kernel: &str,
-        name: impl Fn(&str) -> String,
-        [a, b, c]: [GpuView; 3],
-        dims: MatmulDims,
-        group: Option<(DType, DType)>,
-    ) -> Result<()> {
-        let MatmulDims { m, n, k, .. } = dims;
-        let want = [
-            launch::product(kernel, &[m, k])?,
-            launch::product(kernel, &[k, n])?,
-            launch::product(kernel, &[m, n])?,
-        ];
-        let (ab, out) = group.unwrap_or((a.dtype, c.dtype));
-        let right = [a, b, c].iter().all(|v| DTypeRule::Float.admits(v.dtype))
-            && (a.dtype, b.dtype, c.dtype) == (ab, ab, out)
-            && [a.len, b.len, c.len] == want;
-        if right {
-            return Ok(());
-        }
-        let names = ["A", "B", "C"].map(&name);
-        if group.is_some() {
-            let first = ["problems[0].A", "problems[0].C"];
-            same_dtype(kernel, (first[0], ab), (&names[0], a.dtype))?;
-            same_dtype(kernel, (first[0], ab), (&names[1], b.dtype))?;
-            same_dtype(kernel, (first[1], out), (&names[2], c.dtype))?;
-        }
-        for (name, view) in names.iter().zip([a, b, c]) {
-            DTypeRule::Float.check(kernel, name, view.dtype)?;
-        }
-        same_dtype(kernel, (&names[0], a.dtype), (&names[1], b.dtype))?;
-        for ((name, view), want) in names.iter().zip([a, b, c]).zip(want) {
-            launch::len(kernel, name, &view, want)?;
-        }
-        Ok(())
-    }
-
     /// A buffer from this backend's arena, its bytes set to `fill` on its
     /// queue (`None`: left as they are).
     fn alloc_filled(&self, len: usize, dtype: DType, fill: Option<u8>) -> Result<CudaBuf> {
@@ -407,7 +341,7 @@ impl CudaBackend {
     }
 
     /// The queue's side streams, made on first use.
-    fn side_streams(&self) -> Result<&[SideStream]> {
+    pub(crate) fn side_streams(&self) -> Result<&[SideStream]> {
         if let Some(side) = self.queue.side.get() {
             return Ok(side);
         }
@@ -424,119 +358,6 @@ impl CudaBackend {
         }
         // One thread drives a queue at a time, so nothing raced to set it.
         Ok(self.queue.side.get_or_init(|| side))
-    }
-
-    /// Checked, non-overlapping GEMMs (a grouped call's problems): each
-    /// exactly the matmul it describes, with the same bits wherever it
-    /// runs (an algorithm is a function of the shape, and each stream has
-    /// a cuBLAS handle and workspace of its own). Problems with bf16
-    /// operands (but for sums into a bf16 C, which `gemm` takes through
-    /// scratch on the queue) are dealt, largest first, to whichever of the
-    /// queue's stream and its side streams has the fewest FLOPs so far (a
-    /// function of the shapes alone); the side streams start after everything the
-    /// queue enqueued before, and the queue waits for them before this
-    /// returns, so to every later call the group ran on the queue.
-    fn spread_gemms(&self, operands: Vec<(GpuView, GpuView, GpuView, MatmulDims)>) -> Result<()> {
-        let flops = |d: &MatmulDims| d.m as f64 * d.n as f64 * d.k as f64;
-        // Sums into bf16 stay on the queue's stream: `gemm` takes them
-        // through f32 scratch from the arena, which fences a dropped
-        // buffer on the queue's stream alone, not on a side stream.
-        let movable = |(a, _, c, d): &(GpuView, GpuView, GpuView, MatmulDims)| {
-            a.dtype == DType::Bf16
-                && !(c.dtype == DType::Bf16 && d.accumulate)
-                && d.m > 0
-                && d.n > 0
-                && d.k > 0
-        };
-        let spread = operands.iter().filter(|o| movable(o)).count() >= 2;
-        let side = if spread { self.side_streams()? } else { &[] };
-        let work: Vec<Option<f64>> = operands
-            .iter()
-            .map(|o| movable(o).then(|| flops(&o.3)))
-            .collect();
-        let lane_of = deal(&work, 1 + side.len());
-        let used: Vec<&SideStream> = side
-            .iter()
-            .enumerate()
-            .filter(|(l, _)| lane_of.contains(&(l + 1)))
-            .map(|(_, s)| s)
-            .collect();
-        let queues = &self.gpu.queues;
-        if !used.is_empty() {
-            let fork = queues.take_event()?;
-            let forked = queues.record(fork, self.s()).and_then(|()| {
-                used.iter()
-                    .try_for_each(|s| queues.wait_on(&s.stream, fork))
-            });
-            queues.give_event(fork);
-            forked?;
-        }
-        let mut launched = Ok(());
-        for ((a, b, c, dims), lane) in operands.into_iter().zip(lane_of) {
-            launched = match lane {
-                0 => self.gemm(a, b, c, dims),
-                l => side[l - 1].blas.gemm(queues, a, b, c, dims),
-            };
-            if launched.is_err() {
-                break;
-            }
-        }
-        // Join even after a failed launch: what did launch must finish
-        // before the queue's later work reuses its memory.
-        for s in used {
-            let join = queues.take_event()?;
-            let joined = queues
-                .record(join, &s.stream)
-                .and_then(|()| queues.wait_on(self.s(), join));
-            queues.give_event(join);
-            joined?;
-        }
-        launched
-    }
-
-    /// One GEMM of checked operands, on this queue.
-    fn gemm(&self, a: GpuView, b: GpuView, c: GpuView, dims: MatmulDims) -> Result<()> {
-        if dims.m == 0 || dims.n == 0 {
-            return Ok(());
-        }
-        if dims.k == 0 {
-            // An empty sum: C = 0, or C unchanged when accumulating.
-            return if dims.accumulate {
-                Ok(())
-            } else {
-                self.k().zero(self.s(), c)
-            };
-        }
-        if a.dtype == DType::F32 && c.dtype == DType::Bf16 {
-            // cuBLAS has no f32 x f32 -> bf16 GEMM: compute into f32 and
-            // round once at the store, as the contract says. The scratch
-            // comes from the arena, so a repeated step allocates nothing.
-            let scratch = self.alloc_uninit(c.len, DType::F32)?;
-            let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
-            if dims.accumulate {
-                self.k().cast(self.s(), c, wide)?;
-            }
-            self.queue.blas.gemm(&self.gpu.queues, a, b, wide, dims)?;
-            return self.k().cast(self.s(), wide, c);
-        }
-        if c.dtype == DType::Bf16 && dims.accumulate {
-            // cuBLAS's bf16 epilogue rounds the product to bf16 before it
-            // adds C (on an H200, sums into bf16 missed by up to 15 ulps of
-            // C: a rounding at the product's scale, not C's). The product
-            // goes to f32 scratch instead, and `axpy` adds it to C with the
-            // contract's one rounding.
-            let scratch = self.alloc_uninit(c.len, DType::F32)?;
-            let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
-            let product = MatmulDims {
-                accumulate: false,
-                ..dims
-            };
-            self.queue
-                .blas
-                .gemm(&self.gpu.queues, a, b, wide, product)?;
-            return self.k().axpy(self.s(), 1.0, wide, c);
-        }
-        self.queue.blas.gemm(&self.gpu.queues, a, b, c, dims)
     }
 
     /// `len` elements of `dtype` from the arena for one call's scratch: the
@@ -731,84 +552,6 @@ impl Backend for CudaBackend {
 
     fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
         self.k().zero(self.s(), self.m(&dst))
-    }
-
-    fn matmul(
-        &self,
-        a: Slice<'_, Self>,
-        b: Slice<'_, Self>,
-        c: SliceMut<'_, Self>,
-        dims: MatmulDims,
-    ) -> Result<()> {
-        let (a, b, c) = (self.v(a), self.v(b), self.m(&c));
-        Self::matmul_operands("matmul", str::to_string, [a, b, c], dims, None)?;
-        self.gemm(a, b, c, dims)
-    }
-
-    fn grouped_matmul(&self, problems: Vec<GroupedMatmul<'_, Self>>) -> Result<()> {
-        let k = "grouped_matmul";
-        let Some(first) = problems.first() else {
-            return Ok(());
-        };
-        let (ab, c) = (first.a.dtype(), first.c.dtype());
-        let mut operands = Vec::with_capacity(problems.len());
-        for (i, p) in problems.iter().enumerate() {
-            let (a, b, out) = (self.v(p.a), self.v(p.b), self.m(&p.c));
-            let name = |operand: &str| format!("problems[{i}].{operand}");
-            Self::matmul_operands(k, name, [a, b, out], p.dims, Some((ab, c)))?;
-            operands.push((a, b, out, p.dims));
-        }
-        // The C views must not overlap: sorted by address, each must end
-        // before the next starts.
-        let mut outs: Vec<(u64, u64, usize)> = operands
-            .iter()
-            .enumerate()
-            .map(|(i, (_, _, c, _))| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
-            .filter(|(start, end, _)| end > start)
-            .collect();
-        outs.sort_unstable();
-        for pair in outs.windows(2) {
-            if pair[1].0 < pair[0].1 {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "{k}: `problems[{}].C` and `problems[{}].C` overlap",
-                    pair[0].2, pair[1].2
-                )));
-            }
-        }
-        // With the grouped kernel on (Hopper), the bf16 problems it takes
-        // run as one launch a layout; the rest go to cuBLAS.
-        let kernels = self.k();
-        let on = self.grouped_gemm && kernels.has_grouped_gemm();
-        let (grouped, rest): (Vec<_>, Vec<_>) = operands
-            .into_iter()
-            .partition(|(a, b, c, d)| on && grouped_gemm_takes(kernels.target(), a, b, c, d));
-        if !grouped.is_empty() {
-            kernels.grouped_gemm(self.s(), &grouped)?;
-        }
-        self.spread_gemms(rest)
-    }
-
-    fn axpy(&self, alpha: f32, x: Slice<'_, Self>, y: SliceMut<'_, Self>) -> Result<()> {
-        self.k().axpy(self.s(), alpha, self.v(x), self.m(&y))
-    }
-
-    fn scale(&self, x: SliceMut<'_, Self>, alpha: f32) -> Result<()> {
-        self.k().scale(self.s(), self.m(&x), alpha)
-    }
-
-    fn column_sum(
-        &self,
-        x: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        self.k()
-            .column_sum(self.s(), self.v(x), self.m(&out), rows, cols)
-    }
-
-    fn accumulate_sum(&self, x: Slice<'_, Self>, out: SliceMut<'_, Self>) -> Result<()> {
-        self.k().accumulate_sum(self.s(), self.v(x), self.m(&out))
     }
 
     fn conv1d_forward(
@@ -1367,26 +1110,5 @@ impl Backend for CudaBackend {
         let (scratch, _partials) = self.scratch(len, DType::F64)?;
         self.k()
             .sum_squares(self.s(), self.v(x), piece, self.m(&out), scratch)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::deal;
-
-    #[test]
-    fn grouped_gemms_are_dealt_largest_first_to_the_least_loaded_stream() {
-        // Work 8, 1, 4, 4, 2 and one problem that stays put, over 3 lanes:
-        // 8 -> 0, 4 (index 2) -> 1, 4 (index 3) -> 2, 2 -> 1 (4 < 8 and
-        // 4 ties with lane 2, the lower wins), 1 -> 2 (lanes 1 and 2 hold
-        // 6 and 4).
-        let work = [Some(8.0), Some(1.0), Some(4.0), Some(4.0), Some(2.0), None];
-        assert_eq!(deal(&work, 3), vec![0, 2, 1, 2, 1, 0]);
-        // One lane: everything on the queue's stream.
-        assert_eq!(deal(&work, 1), vec![0; 6]);
-        // Nothing to deal.
-        assert_eq!(deal(&[None, None], 3), vec![0, 0]);
-        // Equal work: in problem order over the lanes.
-        assert_eq!(deal(&[Some(1.0); 4], 3), vec![0, 1, 2, 0]);
     }
 }

@@ -4,7 +4,7 @@
 //! `[seq, seq]` matrix outlives a call.
 
 use super::check;
-use super::dense::{axpy_row, dot};
+use crate::cpu::ops::dense::{axpy_row, dot};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::error::Result;
 

@@ -2,7 +2,7 @@
 //! cross-entropy of the output head.
 
 use super::check;
-use super::dense::axpy_row;
+use crate::cpu::ops::dense::axpy_row;
 use crate::backend::{IGNORE_TARGET, LookupDims, LossDims};
 use crate::error::Result;
 

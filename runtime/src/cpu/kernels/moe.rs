@@ -5,7 +5,7 @@
 //! Index arguments are `u32` (device views of `DType::U32` in the backend).
 
 use super::check;
-use super::dense::{axpy_row, dot};
+use crate::cpu::ops::dense::{axpy_row, dot};
 use crate::backend::{
     AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
     RouterScores, UnpermuteDims, UnpermuteGrads,

@@ -2,8 +2,8 @@
 //! splits (a fused projection's rows cut into per-head query, key and value
 //! tensors in one pass, and their gradients joined back the same way).
 
+use super::dense::axpy_row;
 use crate::backend::{AttentionInputs, CopyCols, LayoutKernels, MlaKvDims, QkvDims};
-use crate::cpu::kernels::dense::axpy_row;
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
 use crate::view::{View, ViewMut};

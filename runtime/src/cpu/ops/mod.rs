@@ -8,5 +8,6 @@
 //! reference. Loop orders are fixed and no loop uses threads, so equal
 //! inputs give equal bits.
 
+pub mod dense;
 pub mod layout;
 pub mod norm;

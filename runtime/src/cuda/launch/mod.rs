@@ -538,81 +538,9 @@ impl KernelSet {
 
     // ---- dense algebra ----------------------------------------------------------
 
-    /// `Backend::axpy`: `y += alpha x`.
-    pub fn axpy(&self, stream: &CudaStream, alpha: f32, x: GpuView, y: GpuView) -> Result<()> {
-        let k = "axpy";
-        let (xt, yt) = (float(k, "x", &x)?, float(k, "y", &y)?);
-        len(k, "y", &y, x.len)?;
-        if x.len == 0 {
-            return Ok(());
-        }
-        let n = x.len as u64;
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&alpha)
-            .arg(&x.ptr)
-            .arg(&xt)
-            .arg(&y.ptr)
-            .arg(&yt)
-            .arg(&n);
-        self.go(k, &mut b, grid_for(x.len))
-    }
 
-    /// `Backend::scale`: `x *= alpha`.
-    pub fn scale(&self, stream: &CudaStream, x: GpuView, alpha: f32) -> Result<()> {
-        let k = "scale";
-        let t = float(k, "x", &x)?;
-        if x.len == 0 {
-            return Ok(());
-        }
-        let n = x.len as u64;
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&x.ptr).arg(&t).arg(&n).arg(&alpha);
-        self.go(k, &mut b, grid_for(x.len))
-    }
 
-    /// `Backend::column_sum`: `out[j] += sum_r x[r, j]`.
-    pub fn column_sum(
-        &self,
-        stream: &CudaStream,
-        x: GpuView,
-        out: GpuView,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        let k = "column_sum";
-        let (xt, ot) = (float(k, "x", &x)?, float(k, "out", &out)?);
-        len(k, "x", &x, product(k, &[rows, cols])?)?;
-        len(k, "out", &out, cols)?;
-        if cols == 0 {
-            return Ok(());
-        }
-        let (r, c) = (rows as u64, cols as u64);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&x.ptr)
-            .arg(&xt)
-            .arg(&out.ptr)
-            .arg(&ot)
-            .arg(&r)
-            .arg(&c);
-        self.go(k, &mut b, column_blocks(cols))
-    }
 
-    /// `Backend::accumulate_sum`: `out[0] += sum_i x[i]` in f64.
-    pub fn accumulate_sum(&self, stream: &CudaStream, x: GpuView, out: GpuView) -> Result<()> {
-        let k = "accumulate_sum";
-        ensure(x.dtype.is_float(), || {
-            format!(
-                "kernel `{k}`: `x` is {}, but it takes bf16, f32 or f64",
-                x.dtype
-            )
-        })?;
-        exactly(k, "out", &out, DType::F64)?;
-        len(k, "out", &out, 1)?;
-        let (xt, n) = (dtype_tag(x.dtype), x.len as u64);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&x.ptr).arg(&xt).arg(&n).arg(&out.ptr);
-        self.go(k, &mut b, per_item(1, reduce_threads(x.len, 1024))?)
-    }
 
     /// `out = ((shares[0] + shares[1]) + shares[2]) + ...` in f32, read
     /// straight from where each share lies (this GPU, or a peer GPU this

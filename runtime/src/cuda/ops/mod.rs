@@ -7,5 +7,6 @@
 //! the grid from the dimensions alone (so a reduction's shape, and with it
 //! its bits, depends on nothing else) and enqueues the kernel.
 
+pub mod dense;
 pub mod layout;
 pub mod norm;

@@ -1,10 +1,98 @@
-//! Dense algebra: matmul with transpose and accumulate flags, axpy, scale,
-//! strided column copies, column sums, and the f64 sum of a view that loss
-//! accumulators are built from.
+//! Dense algebra: matmul with transpose and accumulate flags (one, or many
+//! as one grouped call), axpy, scale, column sums, and the f64 sum of a
+//! view that loss accumulators are built from.
 
-use super::check;
-use crate::backend::MatmulDims;
+use crate::backend::dense::check_matmul;
+use crate::backend::{DenseKernels, MatmulDims, MatmulProblem};
+use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
+use crate::view::{DType, Operand, View, ViewMut};
+
+impl DenseKernels<CpuBuf> for CpuBackend {
+    fn matmul_unchecked(
+        &self,
+        a: View<'_, CpuBuf>,
+        b: View<'_, CpuBuf>,
+        c: ViewMut<'_, CpuBuf>,
+        dims: MatmulDims,
+    ) -> Result<()> {
+        let k = self.access("matmul");
+        let (a, b) = (k.f32_in("A", a)?, k.f32_in("B", b)?);
+        matmul(&a, &b, &mut k.f32_out("C", c)?, dims)
+    }
+
+    fn grouped_matmul_unchecked(
+        &self,
+        problems: Vec<MatmulProblem<View<'_, CpuBuf>, ViewMut<'_, CpuBuf>>>,
+    ) -> Result<()> {
+        let k = self.access("grouped_matmul");
+        // Registering every view before any loop runs is what refuses
+        // overlapping `C`s (an aliasing error of this one call).
+        let mut operands = Vec::with_capacity(problems.len());
+        for (i, p) in problems.into_iter().enumerate() {
+            let name = |operand: &str| format!("problems[{i}].{operand}");
+            let a = k.f32_in(&name("A"), p.a)?;
+            let b = k.f32_in(&name("B"), p.b)?;
+            let out = k.f32_out(&name("C"), p.c)?;
+            operands.push((a, b, out, p.dims));
+        }
+        let mut problems: Vec<MatmulProblem<&[f32], &mut [f32]>> = operands
+            .iter_mut()
+            .map(|(a, b, c, dims)| MatmulProblem {
+                a: &**a,
+                b: &**b,
+                c: &mut **c,
+                dims: *dims,
+            })
+            .collect();
+        grouped_matmul(&mut problems)
+    }
+
+    fn axpy_unchecked(
+        &self,
+        alpha: f32,
+        x: View<'_, CpuBuf>,
+        y: ViewMut<'_, CpuBuf>,
+    ) -> Result<()> {
+        let k = self.access("axpy");
+        let x = k.f32_in("x", x)?;
+        axpy(alpha, &x, &mut k.f32_out("y", y)?);
+        Ok(())
+    }
+
+    fn scale_unchecked(&self, x: ViewMut<'_, CpuBuf>, alpha: f32) -> Result<()> {
+        let k = self.access("scale");
+        scale(&mut k.f32_out("x", x)?, alpha);
+        Ok(())
+    }
+
+    fn column_sum_unchecked(
+        &self,
+        x: View<'_, CpuBuf>,
+        out: ViewMut<'_, CpuBuf>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let k = self.access("column_sum");
+        let x = k.f32_in("x", x)?;
+        column_sum(&x, &mut k.f32_out("out", out)?, rows, cols);
+        Ok(())
+    }
+
+    fn accumulate_sum_unchecked(
+        &self,
+        x: View<'_, CpuBuf>,
+        out: ViewMut<'_, CpuBuf>,
+    ) -> Result<()> {
+        let k = self.access("accumulate_sum");
+        let out_values = k.typed_out::<f64>("out", out)?;
+        match x.dtype() {
+            DType::F64 => accumulate_sum(k.typed_in::<f64>("x", x)?, out_values),
+            _ => accumulate_sum(&k.f32_in("x", x)?, out_values),
+        }
+        Ok(())
+    }
+}
 
 /// `sum_i a[i] b[i]` in a fixed order: eight interleaved partial sums (so
 /// the loop vectorises) combined as a fixed tree, then the tail.
@@ -44,11 +132,11 @@ pub(crate) fn axpy_row(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// added onto `C` in turn), so results differ from a naive loop by rounding,
 /// and a CPU with other SIMD features may round differently.
 pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<()> {
+    // The lengths, checked here too: the unsafe block below relies on them,
+    // and this loop is public.
+    let f32s = |len| Operand::new(len, DType::F32);
+    check_matmul(f32s(a.len()), f32s(b.len()), f32s(c.len()), dims)?;
     let MatmulDims { m, n, k, .. } = dims;
-    let k_name = "matmul";
-    check::len(k_name, "A", a.len(), check::product(k_name, &[m, k])?)?;
-    check::len(k_name, "B", b.len(), check::product(k_name, &[k, n])?)?;
-    check::len(k_name, "C", c.len(), check::product(k_name, &[m, n])?)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -92,49 +180,46 @@ pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<(
     Ok(())
 }
 
-pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) -> Result<()> {
-    check::len("axpy", "y", y.len(), x.len())?;
+pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     axpy_row(alpha, x, y);
-    Ok(())
 }
 
-pub fn scale(x: &mut [f32], alpha: f32) -> Result<()> {
+pub fn scale(x: &mut [f32], alpha: f32) {
     for v in x.iter_mut() {
         *v *= alpha;
     }
-    Ok(())
 }
 
-pub fn column_sum(x: &[f32], out: &mut [f32], rows: usize, cols: usize) -> Result<()> {
-    check::len(
-        "column_sum",
-        "x",
-        x.len(),
-        check::product("column_sum", &[rows, cols])?,
-    )?;
-    check::len("column_sum", "out", out.len(), cols)?;
+pub fn column_sum(x: &[f32], out: &mut [f32], _rows: usize, cols: usize) {
     if cols == 0 {
-        return Ok(());
+        return;
     }
     for row in x.chunks_exact(cols) {
         axpy_row(1.0, row, out);
     }
-    Ok(())
 }
 
-pub fn accumulate_sum<T: Copy + Into<f64>>(x: &[T], out: &mut [f64]) -> Result<()> {
-    check::len("accumulate_sum", "out", out.len(), 1)?;
+pub fn accumulate_sum<T: Copy + Into<f64>>(x: &[T], out: &mut [f64]) {
     let mut sum = 0.0f64;
     for &v in x {
         sum += v.into();
     }
     out[0] += sum;
+}
+
+/// The grouped matmul: every problem in order, each exactly [`matmul`]
+/// with its dims, so grouping never changes the bits.
+pub fn grouped_matmul(problems: &mut [MatmulProblem<&[f32], &mut [f32]>]) -> Result<()> {
+    for p in problems.iter_mut() {
+        matmul(p.a, p.b, p.c, p.dims)?;
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::dense::{check_accumulate_sum, check_column_sum};
 
     fn pseudo(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -398,7 +483,7 @@ mod tests {
     fn accumulate_sum_adds_an_in_order_f64_sum() {
         let x = pseudo(37, 8);
         let mut out = [0.25f64];
-        accumulate_sum(&x, &mut out).unwrap();
+        accumulate_sum(&x, &mut out);
         let mut want = 0.0f64;
         for &v in &x {
             want += v as f64;
@@ -407,19 +492,276 @@ mod tests {
         // Summed from zero first, then added: not a running sum onto `out`.
         // (At 1e16 the f64 spacing is 2: each 1 added alone would be lost.)
         let mut out = [1e16f64];
-        accumulate_sum(&[1.0f32, 1.0, 1.0, 1.0], &mut out).unwrap();
+        accumulate_sum(&[1.0f32, 1.0, 1.0, 1.0], &mut out);
         assert_eq!(out[0], 1e16 + 4.0);
         assert_ne!(out[0], 1e16);
-        accumulate_sum(&[0.5f64, 0.25], &mut out[..]).unwrap();
-        assert!(accumulate_sum(&x, &mut [0.0, 0.0]).is_err());
+        accumulate_sum(&[0.5f64, 0.25], &mut out[..]);
+        let out = Operand::new(2, DType::F64);
+        assert!(check_accumulate_sum(Operand::new(37, DType::F32), out).is_err());
     }
 
     #[test]
     fn column_sum_adds_rows_into_the_output() {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         let mut out = [1.0, 1.0];
-        column_sum(&x, &mut out, 3, 2).unwrap();
+        column_sum(&x, &mut out, 3, 2);
         assert_eq!(out, [10.0, 13.0]);
-        assert!(column_sum(&x, &mut out, 2, 2).is_err());
+        let (x, out) = (Operand::new(6, DType::F32), Operand::new(2, DType::F32));
+        assert!(check_column_sum(x, out, 2, 2).is_err());
+    }
+
+    /// `C (+)= op(A) op(B)` by the definition, in f64.
+    fn naive(a: &[f32], b: &[f32], c: &[f32], d: MatmulDims) -> Vec<f64> {
+        let at = |i: usize, p: usize| {
+            if d.a_trans {
+                a[p * d.m + i]
+            } else {
+                a[i * d.k + p]
+            }
+        };
+        let bt = |p: usize, j: usize| {
+            if d.b_trans {
+                b[j * d.k + p]
+            } else {
+                b[p * d.n + j]
+            }
+        };
+        let mut out = Vec::with_capacity(d.m * d.n);
+        for i in 0..d.m {
+            for j in 0..d.n {
+                let base = if d.accumulate {
+                    c[i * d.n + j] as f64
+                } else {
+                    0.0
+                };
+                out.push(
+                    base + (0..d.k)
+                        .map(|p| at(i, p) as f64 * bt(p, j) as f64)
+                        .sum::<f64>(),
+                );
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32 + seed) * 0.731).sin()).collect()
+    }
+
+    #[test]
+    fn each_problem_is_its_own_matmul_bit_for_bit() {
+        let dims = [
+            MatmulDims::linear(3, 4, 5),
+            MatmulDims::linear_input_grad(2, 4, 5, true),
+            MatmulDims::linear_weight_grad(6, 3, 2),
+            MatmulDims::linear(0, 4, 5),
+        ];
+        let a: Vec<Vec<f32>> = dims
+            .iter()
+            .enumerate()
+            .map(|(i, d)| values(d.m * d.k, i as f32))
+            .collect();
+        let b: Vec<Vec<f32>> = dims
+            .iter()
+            .enumerate()
+            .map(|(i, d)| values(d.k * d.n, 10.0 + i as f32))
+            .collect();
+        let c0: Vec<Vec<f32>> = dims
+            .iter()
+            .enumerate()
+            .map(|(i, d)| values(d.m * d.n, 20.0 + i as f32))
+            .collect();
+        let mut grouped = c0.clone();
+        let mut problems: Vec<_> = grouped
+            .iter_mut()
+            .enumerate()
+            .map(|(i, c)| MatmulProblem {
+                a: &a[i][..],
+                b: &b[i][..],
+                c: &mut c[..],
+                dims: dims[i],
+            })
+            .collect();
+        grouped_matmul(&mut problems).unwrap();
+        for (i, d) in dims.iter().enumerate() {
+            let mut alone = c0[i].clone();
+            matmul(&a[i], &b[i], &mut alone, *d).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&grouped[i]), bits(&alone), "problem {i}");
+            for (got, want) in grouped[i].iter().zip(naive(&a[i], &b[i], &c0[i], *d)) {
+                assert!(
+                    (*got as f64 - want).abs() < 1e-5,
+                    "problem {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    mod backend {
+        use crate::backend::{Backend, MatmulDims, MatmulProblem};
+        use crate::cpu::{CpuBackend, CpuBuf, round_bf16};
+        use crate::view::{DType, DeviceBuffer, View, ViewMut};
+
+        fn filled(b: &CpuBackend, values: &[f32], dtype: DType) -> CpuBuf {
+            let f = b.alloc(values.len(), DType::F32).unwrap();
+            b.upload(values, ViewMut::whole(&f)).unwrap();
+            let buf = b.alloc(values.len(), dtype).unwrap();
+            b.cast(View::whole(&f), ViewMut::whole(&buf)).unwrap();
+            buf
+        }
+
+        fn read(b: &CpuBackend, buf: &CpuBuf) -> Vec<f32> {
+            let f = b.alloc(buf.len(), DType::F32).unwrap();
+            b.cast(View::whole(buf), ViewMut::whole(&f)).unwrap();
+            let mut out = vec![0.0; buf.len()];
+            b.download(View::whole(&f), &mut out).unwrap();
+            out
+        }
+
+        const DIMS: MatmulDims = MatmulDims::linear(2, 3, 2);
+
+        #[test]
+        fn operands_of_mixed_dtypes_and_overlapping_outputs_are_refused() {
+            let b = CpuBackend::default();
+            let x = [0.5f32, -1.0, 0.25, 1.5, 0.75, -0.5];
+            let (a32, b32, a16) = (
+                filled(&b, &x, DType::F32),
+                filled(&b, &x, DType::F32),
+                filled(&b, &x, DType::Bf16),
+            );
+            let c = b.alloc(8, DType::F32).unwrap();
+            let c16 = b.alloc(4, DType::Bf16).unwrap();
+            let err = b
+                .grouped_matmul(vec![
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 0..4).unwrap(),
+                        dims: DIMS,
+                    },
+                    MatmulProblem {
+                        a: View::whole(&a16),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 4..8).unwrap(),
+                        dims: DIMS,
+                    },
+                ])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(
+                    "kernel `grouped_matmul`: `problems[0].A` is f32 but `problems[1].A` is bf16"
+                ),
+                "{err}"
+            );
+            let err = b
+                .grouped_matmul(vec![
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 0..4).unwrap(),
+                        dims: DIMS,
+                    },
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::whole(&c16),
+                        dims: DIMS,
+                    },
+                ])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("`problems[1].C` is bf16"), "{err}");
+            let u = b.alloc(6, DType::U32).unwrap();
+            let err = b
+                .grouped_matmul(vec![MatmulProblem {
+                    a: View::whole(&u),
+                    b: View::whole(&u),
+                    c: ViewMut::of(&c, 0..4).unwrap(),
+                    dims: DIMS,
+                }])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("`problems[0].A` is u32, but it takes bf16 or f32"),
+                "{err}"
+            );
+            let err = b
+                .grouped_matmul(vec![
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 0..4).unwrap(),
+                        dims: DIMS,
+                    },
+                    MatmulProblem {
+                        a: View::whole(&a32),
+                        b: View::whole(&b32),
+                        c: ViewMut::of(&c, 2..6).unwrap(),
+                        dims: DIMS,
+                    },
+                ])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("aliases"), "{err}");
+        }
+
+        #[test]
+        fn bf16_outputs_are_the_f32_products_rounded_once() {
+            let b = CpuBackend::default();
+            // Representable in bf16; their products and sums are not.
+            let x = [1.0078125f32, -1.5, 0.25, 1.5, 0.75, -0.515625];
+            let y = [1.0078125f32, 0.5, -0.75, 0.125, 1.0, -1.5];
+            let (a16, b16) = (filled(&b, &x, DType::Bf16), filled(&b, &y, DType::Bf16));
+            let c16 = b.alloc(4, DType::Bf16).unwrap();
+            b.grouped_matmul(vec![MatmulProblem {
+                a: View::whole(&a16),
+                b: View::whole(&b16),
+                c: ViewMut::whole(&c16),
+                dims: DIMS,
+            }])
+            .unwrap();
+            let mut want = vec![0.0f32; 4];
+            super::matmul(&x, &y, &mut want, DIMS).unwrap();
+            round_bf16(&mut want);
+            assert_eq!(read(&b, &c16), want);
+            assert!(
+                b.grouped_matmul(Vec::new()).is_ok(),
+                "an empty group is a no-op"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_problem_is_named_and_nothing_is_written() {
+        use crate::Backend;
+        let b = CpuBackend::default();
+        let ones = |len| {
+            let buf = b.alloc(len, DType::F32).unwrap();
+            b.fill(ViewMut::whole(&buf), 1.0).unwrap();
+            buf
+        };
+        let (x, c0, c1) = (ones(6), ones(4), ones(3));
+        let err = b
+            .grouped_matmul(vec![
+                MatmulProblem {
+                    a: View::of(&x, 0..4).unwrap(),
+                    b: View::of(&x, 0..4).unwrap(),
+                    c: ViewMut::whole(&c0),
+                    dims: MatmulDims::linear(2, 2, 2),
+                },
+                MatmulProblem {
+                    a: View::whole(&x),
+                    b: View::whole(&x),
+                    c: ViewMut::whole(&c1),
+                    dims: MatmulDims::linear(2, 3, 2),
+                },
+            ])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("problems[1].C"), "{err}");
+        let mut c = [0.0f32; 4];
+        b.download(View::whole(&c0), &mut c).unwrap();
+        assert_eq!(c, [1.0; 4], "the good problem ran before the check");
     }
 }

@@ -1,0 +1,331 @@
+//! The dense kernels on a GPU: [`DenseKernels`] for [`CudaBackend`]
+//! (matrix products through cuBLAS, or `grouped_gemm.cu` for a group's
+//! bf16 problems on Hopper), and the launchers of the element-wise and
+//! reduction kernels on [`KernelSet`] (`elementwise.cu`, `reduce.cu`),
+//! which take views `backend::dense`'s checks accepted.
+
+use crate::backend::{Backend, DenseKernels, MatmulDims, MatmulProblem};
+use crate::cuda::backend::SideStream;
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{
+    GpuView, KernelSet, column_blocks, dtype_tag, grid_for, grouped_gemm_takes, per_item,
+    reduce_threads,
+};
+use crate::cuda::{CudaBackend, CudaBuf};
+use crate::error::{Result, RuntimeError};
+use crate::view::{DType, View, ViewMut};
+use cudarc::driver::CudaStream;
+
+impl DenseKernels<CudaBuf> for CudaBackend {
+    fn matmul_unchecked(
+        &self,
+        a: View<'_, CudaBuf>,
+        b: View<'_, CudaBuf>,
+        c: ViewMut<'_, CudaBuf>,
+        dims: MatmulDims,
+    ) -> Result<()> {
+        let (a, b, c) = (self.v(a), self.v(b), self.m(&c));
+        self.gemm(a, b, c, dims)
+    }
+
+    fn grouped_matmul_unchecked(
+        &self,
+        problems: Vec<MatmulProblem<View<'_, CudaBuf>, ViewMut<'_, CudaBuf>>>,
+    ) -> Result<()> {
+        let k = "grouped_matmul";
+        let operands: Vec<_> = problems
+            .iter()
+            .map(|p| (self.v(p.a), self.v(p.b), self.m(&p.c), p.dims))
+            .collect();
+        // The C views must not overlap: sorted by address, each must end
+        // before the next starts.
+        let mut outs: Vec<(u64, u64, usize)> = operands
+            .iter()
+            .enumerate()
+            .map(|(i, (_, _, c, _))| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
+            .filter(|(start, end, _)| end > start)
+            .collect();
+        outs.sort_unstable();
+        for pair in outs.windows(2) {
+            if pair[1].0 < pair[0].1 {
+                return Err(RuntimeError::InvalidArgument(format!(
+                    "{k}: `problems[{}].C` and `problems[{}].C` overlap",
+                    pair[0].2, pair[1].2
+                )));
+            }
+        }
+        // With the grouped kernel on (Hopper), the bf16 problems it takes
+        // run as one launch a layout; the rest go to cuBLAS.
+        let kernels = self.k();
+        let on = self.grouped_gemm && kernels.has_grouped_gemm();
+        let (grouped, rest): (Vec<_>, Vec<_>) = operands
+            .into_iter()
+            .partition(|(a, b, c, d)| on && grouped_gemm_takes(kernels.target(), a, b, c, d));
+        if !grouped.is_empty() {
+            kernels.grouped_gemm(self.s(), &grouped)?;
+        }
+        self.spread_gemms(rest)
+    }
+
+    fn axpy_unchecked(
+        &self,
+        alpha: f32,
+        x: View<'_, CudaBuf>,
+        y: ViewMut<'_, CudaBuf>,
+    ) -> Result<()> {
+        self.k().axpy(self.s(), alpha, self.v(x), self.m(&y))
+    }
+
+    fn scale_unchecked(&self, x: ViewMut<'_, CudaBuf>, alpha: f32) -> Result<()> {
+        self.k().scale(self.s(), self.m(&x), alpha)
+    }
+
+    fn column_sum_unchecked(
+        &self,
+        x: View<'_, CudaBuf>,
+        out: ViewMut<'_, CudaBuf>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.k()
+            .column_sum(self.s(), self.v(x), self.m(&out), rows, cols)
+    }
+
+    fn accumulate_sum_unchecked(
+        &self,
+        x: View<'_, CudaBuf>,
+        out: ViewMut<'_, CudaBuf>,
+    ) -> Result<()> {
+        self.k().accumulate_sum(self.s(), self.v(x), self.m(&out))
+    }
+}
+
+impl CudaBackend {
+    /// Checked, non-overlapping GEMMs (a grouped call's problems): each
+    /// exactly the matmul it describes, with the same bits wherever it
+    /// runs (an algorithm is a function of the shape, and each stream has
+    /// a cuBLAS handle and workspace of its own). Problems with bf16
+    /// operands (but for sums into a bf16 C, which `gemm` takes through
+    /// scratch on the queue) are dealt, largest first, to whichever of the
+    /// queue's stream and its side streams has the fewest FLOPs so far (a
+    /// function of the shapes alone); the side streams start after everything the
+    /// queue enqueued before, and the queue waits for them before this
+    /// returns, so to every later call the group ran on the queue.
+    pub(crate) fn spread_gemms(
+        &self,
+        operands: Vec<(GpuView, GpuView, GpuView, MatmulDims)>,
+    ) -> Result<()> {
+        let flops = |d: &MatmulDims| d.m as f64 * d.n as f64 * d.k as f64;
+        // Sums into bf16 stay on the queue's stream: `gemm` takes them
+        // through f32 scratch from the arena, which fences a dropped
+        // buffer on the queue's stream alone, not on a side stream.
+        let movable = |(a, _, c, d): &(GpuView, GpuView, GpuView, MatmulDims)| {
+            a.dtype == DType::Bf16
+                && !(c.dtype == DType::Bf16 && d.accumulate)
+                && d.m > 0
+                && d.n > 0
+                && d.k > 0
+        };
+        let spread = operands.iter().filter(|o| movable(o)).count() >= 2;
+        let side = if spread { self.side_streams()? } else { &[] };
+        let work: Vec<Option<f64>> = operands
+            .iter()
+            .map(|o| movable(o).then(|| flops(&o.3)))
+            .collect();
+        let lane_of = deal(&work, 1 + side.len());
+        let used: Vec<&SideStream> = side
+            .iter()
+            .enumerate()
+            .filter(|(l, _)| lane_of.contains(&(l + 1)))
+            .map(|(_, s)| s)
+            .collect();
+        let queues = &self.gpu().queues;
+        if !used.is_empty() {
+            let fork = queues.take_event()?;
+            let forked = queues.record(fork, self.s()).and_then(|()| {
+                used.iter()
+                    .try_for_each(|s| queues.wait_on(&s.stream, fork))
+            });
+            queues.give_event(fork);
+            forked?;
+        }
+        let mut launched = Ok(());
+        for ((a, b, c, dims), lane) in operands.into_iter().zip(lane_of) {
+            launched = match lane {
+                0 => self.gemm(a, b, c, dims),
+                l => side[l - 1].blas.gemm(queues, a, b, c, dims),
+            };
+            if launched.is_err() {
+                break;
+            }
+        }
+        // Join even after a failed launch: what did launch must finish
+        // before the queue's later work reuses its memory.
+        for s in used {
+            let join = queues.take_event()?;
+            let joined = queues
+                .record(join, &s.stream)
+                .and_then(|()| queues.wait_on(self.s(), join));
+            queues.give_event(join);
+            joined?;
+        }
+        launched
+    }
+
+    /// One GEMM of checked operands, on this queue.
+    pub(crate) fn gemm(&self, a: GpuView, b: GpuView, c: GpuView, dims: MatmulDims) -> Result<()> {
+        if dims.m == 0 || dims.n == 0 {
+            return Ok(());
+        }
+        if dims.k == 0 {
+            // An empty sum: C = 0, or C unchanged when accumulating.
+            return if dims.accumulate {
+                Ok(())
+            } else {
+                self.k().zero(self.s(), c)
+            };
+        }
+        if a.dtype == DType::F32 && c.dtype == DType::Bf16 {
+            // cuBLAS has no f32 x f32 -> bf16 GEMM: compute into f32 and
+            // round once at the store, as the contract says. The scratch
+            // comes from the arena, so a repeated step allocates nothing.
+            let scratch = self.alloc_uninit(c.len, DType::F32)?;
+            let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
+            if dims.accumulate {
+                self.k().cast(self.s(), c, wide)?;
+            }
+            self.queue.blas.gemm(&self.gpu().queues, a, b, wide, dims)?;
+            return self.k().cast(self.s(), wide, c);
+        }
+        if c.dtype == DType::Bf16 && dims.accumulate {
+            // cuBLAS's bf16 epilogue rounds the product to bf16 before it
+            // adds C (on an H200, sums into bf16 missed by up to 15 ulps of
+            // C: a rounding at the product's scale, not C's). The product
+            // goes to f32 scratch instead, and `axpy` adds it to C with the
+            // contract's one rounding.
+            let scratch = self.alloc_uninit(c.len, DType::F32)?;
+            let wide = GpuView::new(scratch.device_ptr(), c.len, DType::F32);
+            let product = MatmulDims {
+                accumulate: false,
+                ..dims
+            };
+            self.queue
+                .blas
+                .gemm(&self.gpu().queues, a, b, wide, product)?;
+            return self.k().axpy(self.s(), 1.0, wide, c);
+        }
+        self.queue.blas.gemm(&self.gpu().queues, a, b, c, dims)
+    }
+}
+
+/// The lane (0: the queue's own stream) of each of a grouped call's
+/// problems, given each movable one's work (`None`: it stays on the queue's
+/// stream): largest first, each to the lane with the least work so far,
+/// ties to the earlier problem and the lower lane. A function of the work
+/// alone, so a step deals its problems the same way every time.
+fn deal(work: &[Option<f64>], lanes: usize) -> Vec<usize> {
+    let mut order: Vec<(usize, f64)> = work
+        .iter()
+        .enumerate()
+        .filter_map(|(i, w)| w.map(|w| (i, w)))
+        .collect();
+    order.sort_by(|(i, a), (j, b)| b.total_cmp(a).then(i.cmp(j)));
+    let mut lane_of = vec![0usize; work.len()];
+    let mut load = vec![0.0f64; lanes.max(1)];
+    for (i, w) in order {
+        let lane = (0..load.len())
+            .min_by(|&x, &y| load[x].total_cmp(&load[y]).then(x.cmp(&y)))
+            .unwrap_or(0);
+        lane_of[i] = lane;
+        load[lane] += w;
+    }
+    lane_of
+}
+
+impl KernelSet {
+    /// `Backend::axpy`: `y += alpha x`.
+    pub fn axpy(&self, stream: &CudaStream, alpha: f32, x: GpuView, y: GpuView) -> Result<()> {
+        let k = "axpy";
+        let (xt, yt) = (dtype_tag(x.dtype), dtype_tag(y.dtype));
+        if x.len == 0 {
+            return Ok(());
+        }
+        let n = x.len as u64;
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&alpha)
+            .arg(&x.ptr)
+            .arg(&xt)
+            .arg(&y.ptr)
+            .arg(&yt)
+            .arg(&n);
+        self.go(k, &mut b, grid_for(x.len))
+    }
+
+    /// `Backend::scale`: `x *= alpha`.
+    pub fn scale(&self, stream: &CudaStream, x: GpuView, alpha: f32) -> Result<()> {
+        let k = "scale";
+        let t = dtype_tag(x.dtype);
+        if x.len == 0 {
+            return Ok(());
+        }
+        let n = x.len as u64;
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&x.ptr).arg(&t).arg(&n).arg(&alpha);
+        self.go(k, &mut b, grid_for(x.len))
+    }
+
+    /// `Backend::column_sum`: `out[j] += sum_r x[r, j]`.
+    pub fn column_sum(
+        &self,
+        stream: &CudaStream,
+        x: GpuView,
+        out: GpuView,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let k = "column_sum";
+        let (xt, ot) = (dtype_tag(x.dtype), dtype_tag(out.dtype));
+        if cols == 0 {
+            return Ok(());
+        }
+        let (r, c) = (rows as u64, cols as u64);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&x.ptr)
+            .arg(&xt)
+            .arg(&out.ptr)
+            .arg(&ot)
+            .arg(&r)
+            .arg(&c);
+        self.go(k, &mut b, column_blocks(cols))
+    }
+
+    /// `Backend::accumulate_sum`: `out[0] += sum_i x[i]` in f64.
+    pub fn accumulate_sum(&self, stream: &CudaStream, x: GpuView, out: GpuView) -> Result<()> {
+        let k = "accumulate_sum";
+        let (xt, n) = (dtype_tag(x.dtype), x.len as u64);
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&x.ptr).arg(&xt).arg(&n).arg(&out.ptr);
+        self.go(k, &mut b, per_item(1, reduce_threads(x.len, 1024))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deal;
+
+    #[test]
+    fn grouped_gemms_are_dealt_largest_first_to_the_least_loaded_stream() {
+        // Work 8, 1, 4, 4, 2 and one problem that stays put, over 3 lanes:
+        // 8 -> 0, 4 (index 2) -> 1, 4 (index 3) -> 2, 2 -> 1 (4 < 8 and
+        // 4 ties with lane 2, the lower wins), 1 -> 2 (lanes 1 and 2 hold
+        // 6 and 4).
+        let work = [Some(8.0), Some(1.0), Some(4.0), Some(4.0), Some(2.0), None];
+        assert_eq!(deal(&work, 3), vec![0, 2, 1, 2, 1, 0]);
+        // One lane: everything on the queue's stream.
+        assert_eq!(deal(&work, 1), vec![0; 6]);
+        // Nothing to deal.
+        assert_eq!(deal(&[None, None], 3), vec![0, 0]);
+        // Equal work: in problem order over the lanes.
+        assert_eq!(deal(&[Some(1.0); 4], 3), vec![0, 1, 2, 0]);
+    }
+}
