@@ -588,8 +588,8 @@ pub struct MemoryNeed {
 /// [`KernelSet::ssd_scan_backward_scratch_len`]). Calls run one at a time
 /// on a lane, so the largest counts; the arena reuses it.
 ///
-/// [`AttentionGemmPlan`]: crate::cuda::launch::AttentionGemmPlan
-/// [`ScanChunkPlan`]: crate::cuda::launch::ScanChunkPlan
+/// [`AttentionGemmPlan`]: crate::cuda::ops::attention::AttentionGemmPlan
+/// [`ScanChunkPlan`]: crate::cuda::ops::scan_chunked::ScanChunkPlan
 /// [`KernelSet::ssd_scan_backward_scratch_len`]: crate::cuda::KernelSet::ssd_scan_backward_scratch_len
 pub fn gpu_kernel_scratch(
     model: &ModelConfig,
@@ -600,12 +600,10 @@ pub fn gpu_kernel_scratch(
     (attention_cap, scan_cap): (usize, usize),
 ) -> u64 {
     use crate::backend::{AttentionDims, ScanDims};
-    use crate::cuda::{
-        KernelSet,
-        launch::{
-            AttentionGemmPlan, ScanChunkPlan, flash_attention_dims, flash_attention_scratch_len,
-        },
-    };
+    use crate::cuda::KernelSet;
+    use crate::cuda::ops::attention::AttentionGemmPlan;
+    use crate::cuda::ops::attention_flash::{flash_attention_dims, flash_attention_scratch_len};
+    use crate::cuda::ops::scan_chunked::ScanChunkPlan;
     let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
         let dims = AttentionDims {
             tokens,

@@ -13,7 +13,7 @@ use hybridgen_runtime::backend::{
 };
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
-use hybridgen_runtime::cuda::launch::ScanChunkPlan;
+use hybridgen_runtime::cuda::ops::scan_chunked::ScanChunkPlan;
 use hybridgen_runtime::cuda::{CudaBackend, CudaBuf, CudaLane, Gpu, probe};
 use hybridgen_runtime::lane::{Event, Label, Lane};
 use hybridgen_runtime::trace::TraceRecorder;

@@ -33,9 +33,8 @@ use hybridgen_runtime::backend::{
 };
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::cuda::kernels::{self, Target};
-use hybridgen_runtime::cuda::launch::{
-    EMBEDDING_BACKWARD_SCRATCH_PER_ROW, flash_attention_scratch_len,
-};
+use hybridgen_runtime::cuda::ops::attention_flash::flash_attention_scratch_len;
+use hybridgen_runtime::cuda::ops::lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
 use hybridgen_runtime::cuda::{GpuView, KernelSet, probe};
 use hybridgen_runtime::view::{DType, View, ViewMut};
 use hybridgen_runtime::{Backend, Precision, Result};

@@ -27,17 +27,17 @@ pub use crate::view::{DType, DTypeRule, DeviceBuffer, Scalar, View, ViewMut};
 use std::ops::Range;
 
 mod attention;
-mod conv;
+pub mod conv;
 pub mod dense;
 pub mod layout;
 mod lookup;
 mod moe;
 pub mod norm;
 mod optim;
-mod scan;
+pub mod scan;
 
 pub use attention::{AttentionBackend, AttentionDims, AttentionInputs, RotaryDims, RotaryPairing};
-pub use conv::ConvDims;
+pub use conv::{ConvDims, ConvKernels};
 pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LossDims};
@@ -47,7 +47,7 @@ pub use moe::{
 };
 pub use norm::{NormDims, NormKernels, Unary};
 pub use optim::{AdamMoments, AdamStep, SgdStep};
-pub use scan::{ScanDims, ScanGrads, ScanInputs};
+pub use scan::{ScanDims, ScanGrads, ScanInputs, ScanKernels};
 
 /// A read-only view of one of `B`'s buffers.
 pub type Slice<'a, B> = View<'a, <B as Backend>::Buf>;
@@ -128,6 +128,8 @@ pub trait Backend:
     + NormKernels<<Self as Backend>::Buf>
     + LayoutKernels<<Self as Backend>::Buf>
     + DenseKernels<<Self as Backend>::Buf>
+    + ConvKernels<<Self as Backend>::Buf>
+    + ScanKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -258,70 +260,9 @@ pub trait Backend:
 
     // ---- kernels: Mamba ------------------------------------------------------
 
-    /// Causal depthwise conv1d along time, restarting at every sequence:
-    /// `y[t, c] = bias[c] + sum_{j<K} w[c, j] * x[t - (K-1) + j, c]`, terms
-    /// before the sequence start being zero (PyTorch `conv1d` with padding
-    /// `K-1`, truncated). `x`, `y` `[rows, channels]`, `w` `[channels, K]`.
-    fn conv1d_forward(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        bias: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()>;
+    conv::conv_methods!();
 
-    /// `dx` of [`Backend::conv1d_forward`] (overwritten):
-    /// `dx[s, c] = sum_j w[c, j] * dy[s + (K-1) - j, c]` within the sequence.
-    fn conv1d_backward_input(
-        &self,
-        dy: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()>;
-
-    /// Weight and bias gradients of [`Backend::conv1d_forward`], accumulated:
-    /// `dw[c, j] += sum_t dy[t, c] * x[t - (K-1) + j, c]`,
-    /// `dbias[c] += sum_t dy[t, c]`.
-    fn conv1d_backward_weight(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        dw: SliceMut<'_, Self>,
-        dbias: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()>;
-
-    /// The Mamba-2 selective scan (layers.md `M` steps 3-4), per sequence
-    /// and head `h` (group `g = h / (H/G)`), state `S` `[P, N]` from zero:
-    /// `dt_t = softplus(dt_raw[t, h] + dt_bias[h])`, `A = -exp(A_log[h])`,
-    /// `S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T`, `y_t = S_t C_t + D[h] x_t`.
-    /// `xbc` is `[rows, H*P + 2*G*N]` holding `x | B | C` per row (the
-    /// conv output after SiLU), `dt` `[rows, H]` raw, `y` `[rows, H*P]`.
-    /// `states` receives the state at the start of every chunk of
-    /// `dims.chunk` steps, `[batch, ceil(seq/chunk), H, P, N]`, so backward
-    /// can recompute inside a chunk instead of keeping every step's state.
-    fn ssd_scan_forward(
-        &self,
-        inputs: ScanInputs<Slice<'_, Self>>,
-        y: SliceMut<'_, Self>,
-        states: SliceMut<'_, Self>,
-        dims: ScanDims,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::ssd_scan_forward`] given `dy`: overwrites
-    /// `grads.xbc` (all of `x | B | C`) and `grads.dt` (w.r.t. the raw `dt`),
-    /// and accumulates `grads.a_log` and `grads.d` (`[H]` each). The
-    /// `dt_bias` gradient is the column sum of `grads.dt`.
-    fn ssd_scan_backward(
-        &self,
-        inputs: ScanInputs<Slice<'_, Self>>,
-        states: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        grads: ScanGrads<SliceMut<'_, Self>>,
-        dims: ScanDims,
-    ) -> Result<()>;
+    scan::scan_methods!();
 
     // ---- kernels: attention ----------------------------------------------------
 

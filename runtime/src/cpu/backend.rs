@@ -9,10 +9,9 @@ use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
+    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend,
     DeviceStats, ExpertBias, ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims,
-    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads,
-    ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -253,121 +252,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn conv1d_forward(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        bias: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()> {
-        let k = self.access("conv1d_forward");
-        let (x, w, bias) = (
-            k.f32_in("x", x)?,
-            k.f32_in("weight", weight)?,
-            k.f32_in("bias", bias)?,
-        );
-        kernels::conv1d_forward(&x, &w, &bias, &mut k.f32_out("y", y)?, dims)
-    }
 
-    fn conv1d_backward_input(
-        &self,
-        dy: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()> {
-        let k = self.access("conv1d_backward_input");
-        let (dy, w) = (k.f32_in("dy", dy)?, k.f32_in("weight", weight)?);
-        kernels::conv1d_backward_input(&dy, &w, &mut k.f32_out("dx", dx)?, dims)
-    }
 
-    fn conv1d_backward_weight(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        dw: SliceMut<'_, Self>,
-        dbias: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()> {
-        let k = self.access("conv1d_backward_weight");
-        let (dy, x) = (k.f32_in("dy", dy)?, k.f32_in("x", x)?);
-        kernels::conv1d_backward_weight(
-            &dy,
-            &x,
-            &mut k.f32_out("dw", dw)?,
-            &mut k.f32_out("dbias", dbias)?,
-            dims,
-        )
-    }
 
-    fn ssd_scan_forward(
-        &self,
-        inputs: ScanInputs<Slice<'_, Self>>,
-        y: SliceMut<'_, Self>,
-        states: SliceMut<'_, Self>,
-        dims: ScanDims,
-    ) -> Result<()> {
-        let k = self.access("ssd_scan_forward");
-        let (xbc, dt, dt_bias, a_log, d) = (
-            k.f32_in("xbc", inputs.xbc)?,
-            k.f32_in("dt", inputs.dt)?,
-            k.f32_in("dt_bias", inputs.dt_bias)?,
-            k.f32_in("a_log", inputs.a_log)?,
-            k.f32_in("d", inputs.d)?,
-        );
-        let states = k.typed_out::<f32>("states", states)?;
-        kernels::ssd_scan_forward(
-            ScanInputs {
-                xbc: &xbc,
-                dt: &dt,
-                dt_bias: &dt_bias,
-                a_log: &a_log,
-                d: &d,
-            },
-            &mut k.f32_out("y", y)?,
-            states,
-            dims,
-        )
-    }
 
-    fn ssd_scan_backward(
-        &self,
-        inputs: ScanInputs<Slice<'_, Self>>,
-        states: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        grads: ScanGrads<SliceMut<'_, Self>>,
-        dims: ScanDims,
-    ) -> Result<()> {
-        let k = self.access("ssd_scan_backward");
-        let (xbc, dt, dt_bias, a_log, d) = (
-            k.f32_in("xbc", inputs.xbc)?,
-            k.f32_in("dt", inputs.dt)?,
-            k.f32_in("dt_bias", inputs.dt_bias)?,
-            k.f32_in("a_log", inputs.a_log)?,
-            k.f32_in("d", inputs.d)?,
-        );
-        let states = k.typed_in::<f32>("states", states)?;
-        let dy = k.f32_in("dy", dy)?;
-        kernels::ssd_scan_backward(
-            ScanInputs {
-                xbc: &xbc,
-                dt: &dt,
-                dt_bias: &dt_bias,
-                a_log: &a_log,
-                d: &d,
-            },
-            states,
-            &dy,
-            ScanGrads {
-                xbc: &mut k.f32_out("d_xbc", grads.xbc)?,
-                dt: &mut k.f32_out("d_dt", grads.dt)?,
-                a_log: &mut k.f32_out("d_a_log", grads.a_log)?,
-                d: &mut k.f32_out("d_d", grads.d)?,
-            },
-            dims,
-        )
-    }
 
     fn attention_forward(
         &self,

@@ -9,15 +9,12 @@
 
 mod attention;
 mod check;
-mod conv;
 mod lookup;
 mod moe;
 mod optim;
 mod rotary;
-mod scan;
 
 pub use attention::{attention_backward, attention_forward};
-pub use conv::{conv1d_backward_input, conv1d_backward_weight, conv1d_forward};
 pub use lookup::{
     cross_entropy_backward, cross_entropy_forward, cross_entropy_gradient, cross_entropy_loss,
     embedding_backward, embedding_forward,
@@ -29,4 +26,3 @@ pub use moe::{
 };
 pub use optim::{adam_update, sgd_update, sum_squares};
 pub use rotary::{rotary_backward, rotary_forward};
-pub use scan::{ssd_scan_backward, ssd_scan_forward, ssd_scan_forward_chunked};

@@ -14,17 +14,15 @@ use super::arena::GpuArena;
 use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
-use super::launch::{
-    ATTENTION_GEMM_SCRATCH_BYTES, AttentionGemmPlan, EMBEDDING_BACKWARD_SCRATCH_PER_ROW, GpuView,
-    KernelSet, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan, flash_attention_scratch_len,
-    flash_attention_takes,
-};
+use super::launch::{ATTENTION_GEMM_SCRATCH_BYTES, GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES};
+use super::ops::attention::AttentionGemmPlan;
+use super::ops::attention_flash::{flash_attention_scratch_len, flash_attention_takes};
+use super::ops::lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
 use super::queue::QueueSet;
 use crate::backend::{
-    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend, ConvDims,
+    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend,
     DeviceStats, ExpertBias, ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims,
-    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, ScanDims, ScanGrads,
-    ScanInputs, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -182,7 +180,7 @@ pub struct CudaBackend {
     arena: Arc<GpuArena>,
     /// The most scratch one attention call of the GEMM path takes (see
     /// [`AttentionGemmPlan`]).
-    attention_scratch: usize,
+    pub(crate) attention_scratch: usize,
     /// Whether attention takes the flash kernels where they apply (see
     /// [`flash_attention_takes`]).
     flash_attention: bool,
@@ -191,7 +189,7 @@ pub struct CudaBackend {
     pub(crate) grouped_gemm: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
     /// [`ScanChunkPlan`]).
-    scan_scratch: usize,
+    pub(crate) scan_scratch: usize,
 }
 
 impl CudaBackend {
@@ -247,7 +245,7 @@ impl CudaBackend {
     }
 
     /// Whether attention on these views takes the flash kernels.
-    fn flash_attention(&self, dims: AttentionDims, tensors: &[GpuView]) -> bool {
+    pub(crate) fn flash_attention(&self, dims: AttentionDims, tensors: &[GpuView]) -> bool {
         self.flash_attention
             && self.k().has_flash_attention()
             && flash_attention_takes(dims, tensors)
@@ -297,15 +295,6 @@ impl CudaBackend {
         view_mut_on(view, self.queue.index)
     }
 
-    fn scan_inputs(&self, inputs: ScanInputs<Slice<'_, Self>>) -> ScanInputs<GpuView> {
-        ScanInputs {
-            xbc: self.v(inputs.xbc),
-            dt: self.v(inputs.dt),
-            dt_bias: self.v(inputs.dt_bias),
-            a_log: self.v(inputs.a_log),
-            d: self.v(inputs.d),
-        }
-    }
 
     pub(crate) fn k(&self) -> &KernelSet {
         &self.gpu.kernels
@@ -363,28 +352,18 @@ impl CudaBackend {
     /// `len` elements of `dtype` from the arena for one call's scratch: the
     /// view, and the buffer that must live until the call's work is
     /// enqueued (dropping it fences the region on this queue's stream).
-    fn scratch(&self, len: usize, dtype: DType) -> Result<(GpuView, CudaBuf)> {
+    pub(crate) fn scratch(&self, len: usize, dtype: DType) -> Result<(GpuView, CudaBuf)> {
         let buf = self.alloc(len, dtype)?;
         Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
     }
 
     /// [`CudaBackend::scratch`] not zeroed, for scratch the call writes
     /// whole before reading it.
-    fn scratch_uninit(&self, len: usize, dtype: DType) -> Result<(GpuView, CudaBuf)> {
+    pub(crate) fn scratch_uninit(&self, len: usize, dtype: DType) -> Result<(GpuView, CudaBuf)> {
         let buf = self.alloc_uninit(len, dtype)?;
         Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
     }
 
-    /// The chunked scan's plan for `dims` under this backend's cap, with
-    /// its scratch from the arena (a repeated step allocates nothing);
-    /// `None`: the sequential kernels take the problem.
-    fn scan_chunk_plan(&self, dims: ScanDims) -> Result<Option<(ScanChunkPlan, GpuView, CudaBuf)>> {
-        let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) else {
-            return Ok(None);
-        };
-        let (scratch, buf) = self.scratch_uninit(plan.scratch_len(dims), DType::F32)?;
-        Ok(Some((plan, scratch, buf)))
-    }
 
     /// Starts reading `len` elements of `T` at `src` to the host, behind the
     /// queue's work so far: staged through pinned memory (one round trip,
@@ -552,120 +531,6 @@ impl Backend for CudaBackend {
 
     fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
         self.k().zero(self.s(), self.m(&dst))
-    }
-
-    fn conv1d_forward(
-        &self,
-        x: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        bias: Slice<'_, Self>,
-        y: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()> {
-        self.k().conv1d_forward(
-            self.s(),
-            self.v(x),
-            self.v(weight),
-            self.v(bias),
-            self.m(&y),
-            dims,
-        )
-    }
-
-    fn conv1d_backward_input(
-        &self,
-        dy: Slice<'_, Self>,
-        weight: Slice<'_, Self>,
-        dx: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()> {
-        self.k()
-            .conv1d_backward_input(self.s(), self.v(dy), self.v(weight), self.m(&dx), dims)
-    }
-
-    fn conv1d_backward_weight(
-        &self,
-        dy: Slice<'_, Self>,
-        x: Slice<'_, Self>,
-        dw: SliceMut<'_, Self>,
-        dbias: SliceMut<'_, Self>,
-        dims: ConvDims,
-    ) -> Result<()> {
-        self.k().conv1d_backward_weight(
-            self.s(),
-            self.v(dy),
-            self.v(x),
-            self.m(&dw),
-            self.m(&dbias),
-            dims,
-        )
-    }
-
-    fn ssd_scan_forward(
-        &self,
-        inputs: ScanInputs<Slice<'_, Self>>,
-        y: SliceMut<'_, Self>,
-        states: SliceMut<'_, Self>,
-        dims: ScanDims,
-    ) -> Result<()> {
-        let inputs = self.scan_inputs(inputs);
-        if let Some((plan, scratch, _scratch_buf)) = self.scan_chunk_plan(dims)? {
-            return self.k().ssd_scan_forward_chunked(
-                self.s(),
-                &self.queue.blas,
-                &self.gpu.queues,
-                inputs,
-                self.m(&y),
-                self.m(&states),
-                scratch,
-                dims,
-                plan,
-            );
-        }
-        self.k()
-            .ssd_scan_forward(self.s(), inputs, self.m(&y), self.m(&states), dims)
-    }
-
-    fn ssd_scan_backward(
-        &self,
-        inputs: ScanInputs<Slice<'_, Self>>,
-        states: Slice<'_, Self>,
-        dy: Slice<'_, Self>,
-        grads: ScanGrads<SliceMut<'_, Self>>,
-        dims: ScanDims,
-    ) -> Result<()> {
-        let inputs = self.scan_inputs(inputs);
-        let grads = ScanGrads {
-            xbc: self.m(&grads.xbc),
-            dt: self.m(&grads.dt),
-            a_log: self.m(&grads.a_log),
-            d: self.m(&grads.d),
-        };
-        if let Some((plan, scratch, _scratch_buf)) = self.scan_chunk_plan(dims)? {
-            return self.k().ssd_scan_backward_chunked(
-                self.s(),
-                &self.queue.blas,
-                &self.gpu.queues,
-                inputs,
-                self.v(states),
-                self.v(dy),
-                grads,
-                scratch,
-                dims,
-                plan,
-            );
-        }
-        let len = KernelSet::ssd_scan_backward_scratch_len(dims)?;
-        let (scratch, _partials) = self.scratch(len, DType::F32)?;
-        self.k().ssd_scan_backward(
-            self.s(),
-            inputs,
-            self.v(states),
-            self.v(dy),
-            grads,
-            scratch,
-            dims,
-        )
     }
 
     fn attention_forward(

@@ -8,7 +8,7 @@
 //! `C^T [n, m] = op(B)^T op(A)^T`, so every call swaps the operands.
 
 use super::blas_lt::LtGemm;
-use super::launch::GpuView;
+use super::buffer::GpuView;
 use super::queue::QueueSet;
 use crate::backend::MatmulDims;
 use crate::error::{Result, RuntimeError};

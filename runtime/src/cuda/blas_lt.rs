@@ -18,7 +18,7 @@
 //! does not support (cuBLASLt says so at the call) and a class with no
 //! algorithm go through `cublasGemmEx`, as before.
 
-use super::launch::GpuView;
+use super::buffer::GpuView;
 use super::queue::QueueSet;
 use crate::backend::MatmulDims;
 use crate::error::Result;

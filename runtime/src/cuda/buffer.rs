@@ -1,12 +1,35 @@
 //! GPU device memory: a buffer is a region of one of the GPU's arenas
 //! ([`super::arena`]), with a dtype and a length, and the set of streams
-//! that used it (so that dropping it fences the region on exactly those).
+//! that used it (so that dropping it fences the region on exactly those);
+//! and a view of device memory as kernels and cuBLAS take it
+//! ([`GpuView`]).
 
 use super::arena::{GpuArena, Region};
-use super::launch::GpuView;
-use crate::view::{DType, DeviceBuffer, View, ViewMut};
+use crate::view::{DType, DeviceBuffer, Operand, View, ViewMut};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A view of device memory as a kernel takes it: a device address, a
+/// length and a dtype (what a backend view becomes on a GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuView {
+    /// The device address of the first element.
+    pub ptr: u64,
+    /// Elements.
+    pub len: usize,
+    pub dtype: DType,
+}
+
+impl GpuView {
+    pub fn new(ptr: u64, len: usize, dtype: DType) -> Self {
+        GpuView { ptr, len, dtype }
+    }
+
+    /// Its length and dtype, as a kernel's check takes them.
+    pub fn operand(&self) -> Operand {
+        Operand::new(self.len, self.dtype)
+    }
+}
 
 /// One GPU allocation.
 pub struct CudaBuf {

@@ -18,7 +18,8 @@
 //! time, the next chunk's copy in flight while one is copied out
 //! (`CudaBackend::read_into`).
 
-use super::launch::{DeviceFault, KernelSet};
+use super::fault::DeviceFault;
+use super::launch::KernelSet;
 use super::queue::{QueueSet, RawEvent};
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::{CudaStream, result};

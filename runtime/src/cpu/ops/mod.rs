@@ -8,6 +8,8 @@
 //! reference. Loop orders are fixed and no loop uses threads, so equal
 //! inputs give equal bits.
 
+pub mod conv;
 pub mod dense;
 pub mod layout;
 pub mod norm;
+pub mod scan;

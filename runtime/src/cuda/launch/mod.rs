@@ -17,12 +17,8 @@
 //! anyway) and says which index of which kind was bad.
 
 pub(crate) mod args;
-mod conv;
-mod scan;
-mod scan_chunked;
-pub use scan_chunked::{CHUNKED_MAX_CHUNK, SCAN_CHUNKED_SCRATCH_BYTES, ScanChunkPlan};
+pub(crate) mod tensor_map;
 
-use super::kernel_cache;
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
     AdamMoments, AdamStep, AuxLossDims, ExpertBias, LossDims, ReceivedDims, RotaryDims,
@@ -38,43 +34,32 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-mod attention;
-pub use attention::{ATTENTION_GEMM_SCRATCH_BYTES, AttentionAccumulatorLens, AttentionGemmPlan};
-mod attention_flash;
-pub use attention_flash::{
-    FLASH_HEAD_DIMS, flash_attention_dims, flash_attention_scratch_len, flash_attention_takes,
-};
-mod grouped_gemm;
-mod tensor_map;
-pub use grouped_gemm::grouped_gemm_takes;
-mod lookup;
-pub use lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
+/// The most scratch (scores in f32 plus probabilities, 8 bytes an entry in
+/// f32 and in bf16) one batched call of attention's GEMM path takes by
+/// default. It bounds how many KV heads a call batches; a sequence whose
+/// one KV head alone does not fit (past about 9,400 tokens in bf16) takes
+/// the tiled kernels instead. The GPU's fixed memory overhead in the memory
+/// plan covers it.
+pub const ATTENTION_GEMM_SCRATCH_BYTES: usize = 512 << 20;
+
+/// The most scratch a chunked Mamba scan call takes by default (1.25 GiB):
+/// a sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
+/// 64 x 128 states, 16 chunks of 256: 1.08 GiB) in one slice. The memory
+/// plan counts it.
+pub const SCAN_CHUNKED_SCRATCH_BYTES: usize = 5 << 28;
 
 /// A CUDA grid's limits along x and along y.
-const MAX_GRID_X: usize = i32::MAX as usize;
-const MAX_GRID_Y: usize = 65_535;
+pub(crate) const MAX_GRID_X: usize = i32::MAX as usize;
+pub(crate) const MAX_GRID_Y: usize = 65_535;
 /// Where the `wgmma` kernels' swizzled tiles start: their dynamic shared
 /// memory's first 1024-byte boundary (`aligned_shared` in wgmma.cuh), so
 /// each asks for this much more than its tiles.
-const WGMMA_SHARED_ALIGN: usize = 1024;
+pub(crate) const WGMMA_SHARED_ALIGN: usize = 1024;
 /// The shared memory a Hopper block may have, static included.
-const HOPPER_SHARED_BYTES: usize = 227 * 1024;
+pub(crate) const HOPPER_SHARED_BYTES: usize = 227 * 1024;
 
-/// A view of device memory as a kernel takes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GpuView {
-    /// The device address of the first element.
-    pub ptr: u64,
-    /// Elements.
-    pub len: usize,
-    pub dtype: DType,
-}
-
-impl GpuView {
-    pub fn new(ptr: u64, len: usize, dtype: DType) -> Self {
-        GpuView { ptr, len, dtype }
-    }
-}
+pub use super::buffer::GpuView;
+pub use super::fault::DeviceFault;
 
 /// The dtype tag a kernel reads (`DTYPE_*` in `common.cuh`).
 pub(crate) fn dtype_tag(dtype: DType) -> i32 {
@@ -92,67 +77,6 @@ fn score_code(score: ScoreFunction) -> i32 {
     match score {
         ScoreFunction::Softmax => 0,
         ScoreFunction::Sigmoid => 1,
-    }
-}
-
-/// A bad index a kernel found on the device (`FAULT_*` in `common.cuh`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceFault {
-    pub code: u32,
-    /// The lowest bad element (row, slot or range) of that kind.
-    pub index: u64,
-}
-
-impl DeviceFault {
-    const NONE: u64 = u64::MAX;
-
-    /// The kernels that report this fault (what an error names).
-    pub fn kernels(&self) -> &'static str {
-        match self.code {
-            1 => {
-                "cross_entropy_forward / cross_entropy_backward / cross_entropy_loss / \
-                 cross_entropy_gradient"
-            }
-            2 => "moe_expert_counts / moe_sort_by_expert / moe_route_backward",
-            3 => "moe_sort_by_expert / moe_expert_major_order",
-            4 => "gather_rows / scatter_rows",
-            5 => "moe_unpermute / moe_unpermute_backward / moe_combine",
-            6 => "adam_update / sgd_update",
-            7 => "embedding_forward / embedding_backward",
-            _ => "an unknown kernel",
-        }
-    }
-
-    pub(crate) fn decode(word: u64) -> Option<DeviceFault> {
-        (word != Self::NONE).then_some(DeviceFault {
-            code: (word >> 40) as u32,
-            index: word & ((1 << 40) - 1),
-        })
-    }
-}
-
-impl fmt::Display for DeviceFault {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let i = self.index;
-        match self.code {
-            1 => write!(f, "the loss target of row {i} is past the vocabulary"),
-            2 => write!(
-                f,
-                "the expert selected in routing slot {i} is past the expert count"
-            ),
-            3 => write!(
-                f,
-                "the expert counts do not match the routing (at slot {i})"
-            ),
-            4 => write!(
-                f,
-                "the row index at position {i} of a gather or scatter is out of range"
-            ),
-            5 => write!(f, "the unpermute position of slot {i} is out of range"),
-            6 => write!(f, "decayed range {i} is out of order or outside the shard"),
-            7 => write!(f, "the token id of row {i} is past the vocabulary"),
-            code => write!(f, "unknown device fault {code} at {i}"),
-        }
     }
 }
 
@@ -241,7 +165,7 @@ pub(crate) fn column_blocks(cols: usize) -> LaunchConfig {
 }
 
 /// One block of 256 threads per row (rows past the grid's cap take turns).
-pub(super) fn block_per_row(rows: usize) -> LaunchConfig {
+pub(crate) fn block_per_row(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((rows as u64).clamp(1, MAX_BLOCKS) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -280,7 +204,7 @@ pub(crate) fn len(kernel: &str, name: &str, view: &GpuView, want: usize) -> Resu
     }
 }
 
-fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<()> {
+pub(crate) fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<()> {
     if ok {
         Ok(())
     } else {
@@ -289,22 +213,22 @@ fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<()> {
 }
 
 /// A bf16 or f32 view's tag.
-fn float(kernel: &str, name: &str, view: &GpuView) -> Result<i32> {
+pub(crate) fn float(kernel: &str, name: &str, view: &GpuView) -> Result<i32> {
     DTypeRule::Float.check(kernel, name, view.dtype)?;
     Ok(dtype_tag(view.dtype))
 }
 
-fn exactly(kernel: &str, name: &str, view: &GpuView, dtype: DType) -> Result<()> {
+pub(crate) fn exactly(kernel: &str, name: &str, view: &GpuView, dtype: DType) -> Result<()> {
     DTypeRule::Exactly(dtype).check(kernel, name, view.dtype)
 }
 
-fn as_u32(kernel: &str, what: &str, n: usize) -> Result<u32> {
+pub(crate) fn as_u32(kernel: &str, what: &str, n: usize) -> Result<u32> {
     u32::try_from(n)
         .map_err(|_| RuntimeError::InvalidArgument(format!("{kernel}: {what} {n} overflows u32")))
 }
 
 /// Everything [`KernelSet::new`] can fail with, as one message.
-fn setup_error(what: impl fmt::Display) -> RuntimeError {
+pub(crate) fn setup_error(what: impl fmt::Display) -> RuntimeError {
     RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
 }
 
@@ -312,27 +236,86 @@ fn setup_error(what: impl fmt::Display) -> RuntimeError {
 /// each; `LOSS_THREADS` in `cross_entropy.cu`).
 const LOSS_THREADS: u32 = 256;
 
+/// The compiled sources loaded on one device: the modules (kept alive for
+/// their functions) and every kernel entry point by name.
+pub(crate) struct LoadedModules {
+    pub(crate) target: Target,
+    pub(crate) modules: Vec<Arc<CudaModule>>,
+    pub(crate) functions: HashMap<&'static str, CudaFunction>,
+}
+
+/// Loads sources compiled for `context`'s device and finds every entry
+/// point [`kernels::SOURCES`] lists.
+pub(crate) fn load_modules(
+    context: &Arc<CudaContext>,
+    compiled: &[CompiledSource],
+) -> Result<LoadedModules> {
+    let mut modules = Vec::with_capacity(compiled.len());
+    let mut functions = HashMap::new();
+    let mut target = Target::PORTABLE;
+    for unit in compiled {
+        target = unit.target;
+        let image = match unit.target.output {
+            Output::Cubin => cudarc::nvrtc::Ptx::from_binary(unit.image.clone()),
+            Output::Ptx => {
+                cudarc::nvrtc::Ptx::from_src(String::from_utf8_lossy(&unit.image).into_owned())
+            }
+        };
+        let module = context
+            .load_module(image)
+            .map_err(|e| setup_error(format!("loading {} for {}: {e}", unit.file, unit.target)))?;
+        let source = kernels::SOURCES
+            .iter()
+            .find(|s| s.file == unit.file)
+            .ok_or_else(|| setup_error(format!("{} is not a kernel source", unit.file)))?;
+        for &entry in source.entry_points {
+            let function = module
+                .load_function(entry)
+                .map_err(|e| setup_error(format!("{}: kernel `{entry}`: {e}", unit.file)))?;
+            functions.insert(entry, function);
+        }
+        modules.push(module);
+    }
+    Ok(LoadedModules {
+        target,
+        modules,
+        functions,
+    })
+}
+
+/// What the kernel families set up on the loaded functions: the dynamic
+/// shared memory their largest kernels ask for, where the device gave it.
+pub(crate) struct Reserved {
+    /// Whether the flash attention kernels got their shared memory.
+    pub(crate) flash_attention: bool,
+    /// Whether the Mamba scan's tensor-core backward scores have theirs.
+    pub(crate) scan_mma_sums: bool,
+    /// The grouped GEMM kernels' persistent grid (a block an SM), where
+    /// they got theirs (Hopper).
+    pub(crate) grouped_gemm_grid: Option<u32>,
+}
+
 /// The kernels of [`kernels::SOURCES`] loaded on one device, and the
 /// device's fault word.
 pub struct KernelSet {
-    context: Arc<CudaContext>,
-    target: Target,
+    pub(crate) context: Arc<CudaContext>,
+    pub(crate) target: Target,
     /// Kept alive for the functions.
     _modules: Vec<Arc<CudaModule>>,
-    functions: HashMap<&'static str, CudaFunction>,
+    pub(crate) functions: HashMap<&'static str, CudaFunction>,
     /// Whether the flash attention kernels got their shared memory.
-    flash_attention: bool,
+    pub(crate) flash_attention: bool,
     /// Whether the Mamba scan's tensor-core backward scores have their
     /// shared memory ([`scan_chunked::reserve_shared_memory`]).
-    scan_mma_sums: bool,
+    pub(crate) scan_mma_sums: bool,
     /// The grouped GEMM kernels' persistent grid (a block an SM), where
     /// they got their shared memory (Hopper).
-    grouped_gemm_grid: Option<u32>,
+    pub(crate) grouped_gemm_grid: Option<u32>,
     /// Whether launches carry programmatic stream serialisation
     /// ([`args`]): on by default where the device has it (sm_90).
     dependent_launch: AtomicBool,
     fault: cudarc::driver::CudaSlice<u64>,
-    fault_ptr: u64,
+    pub(crate) fault_ptr: u64,
 }
 
 impl fmt::Debug for KernelSet {
@@ -346,47 +329,13 @@ impl fmt::Debug for KernelSet {
 }
 
 impl KernelSet {
-    /// Compiles every source for `context`'s device (once per process,
-    /// through the on-disk kernel cache) and loads it.
-    pub fn new(context: &Arc<CudaContext>) -> Result<KernelSet> {
-        let (major, minor) = context.compute_capability().map_err(setup_error)?;
-        let target = Target::for_device(major, minor);
-        let include = kernels::include_dir().map_err(setup_error)?;
-        let compiled = kernel_cache::compile_all_once(target, &include).map_err(setup_error)?;
-        KernelSet::load(context, &compiled.sources)
-    }
-
-    /// Loads sources compiled for `context`'s device.
-    pub fn load(context: &Arc<CudaContext>, compiled: &[CompiledSource]) -> Result<KernelSet> {
-        let mut modules = Vec::with_capacity(compiled.len());
-        let mut functions = HashMap::new();
-        let mut target = Target::PORTABLE;
-        for unit in compiled {
-            target = unit.target;
-            let image = match unit.target.output {
-                Output::Cubin => cudarc::nvrtc::Ptx::from_binary(unit.image.clone()),
-                Output::Ptx => {
-                    cudarc::nvrtc::Ptx::from_src(String::from_utf8_lossy(&unit.image).into_owned())
-                }
-            };
-            let module = context.load_module(image).map_err(|e| {
-                setup_error(format!("loading {} for {}: {e}", unit.file, unit.target))
-            })?;
-            let source = kernels::SOURCES
-                .iter()
-                .find(|s| s.file == unit.file)
-                .ok_or_else(|| setup_error(format!("{} is not a kernel source", unit.file)))?;
-            for &entry in source.entry_points {
-                let function = module
-                    .load_function(entry)
-                    .map_err(|e| setup_error(format!("{}: kernel `{entry}`: {e}", unit.file)))?;
-                functions.insert(entry, function);
-            }
-            modules.push(module);
-        }
-        let flash_attention = attention_flash::reserve_shared_memory(&functions, target);
-        let grouped_gemm_grid = grouped_gemm::reserve_shared_memory(context, &functions, target);
-        let scan_mma_sums = scan_chunked::reserve_shared_memory(&functions);
+    /// The set of `loaded`'s functions with what the families `reserved`,
+    /// and a fault word of its own.
+    pub(crate) fn assemble(
+        context: &Arc<CudaContext>,
+        loaded: LoadedModules,
+        reserved: Reserved,
+    ) -> Result<KernelSet> {
         let stream = context.default_stream();
         let fault = stream
             .clone_htod(&[DeviceFault::NONE])
@@ -397,14 +346,15 @@ impl KernelSet {
             ptr
         };
         stream.synchronize().map_err(setup_error)?;
+        let target = loaded.target;
         Ok(KernelSet {
             context: context.clone(),
             target,
-            _modules: modules,
-            functions,
-            flash_attention,
-            scan_mma_sums,
-            grouped_gemm_grid,
+            _modules: loaded.modules,
+            functions: loaded.functions,
+            flash_attention: reserved.flash_attention,
+            scan_mma_sums: reserved.scan_mma_sums,
+            grouped_gemm_grid: reserved.grouped_gemm_grid,
             dependent_launch: AtomicBool::new(target.dependent_launch()),
             fault,
             fault_ptr,
@@ -465,7 +415,7 @@ impl KernelSet {
             .map_err(|e| self.device_error("clearing the fault word", e))
     }
 
-    fn device_error(&self, what: &str, e: impl fmt::Display) -> RuntimeError {
+    pub(crate) fn device_error(&self, what: &str, e: impl fmt::Display) -> RuntimeError {
         RuntimeError::Lane {
             lane: format!("cuda:{}", self.context.ordinal()),
             message: format!("{what}: {e}"),
@@ -479,7 +429,7 @@ impl KernelSet {
     }
 
     /// Enqueues `memset(0)` of `bytes` bytes at `ptr`.
-    fn zero_bytes(&self, stream: &CudaStream, ptr: u64, bytes: usize) -> Result<()> {
+    pub(crate) fn zero_bytes(&self, stream: &CudaStream, ptr: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -537,10 +487,6 @@ impl KernelSet {
     }
 
     // ---- dense algebra ----------------------------------------------------------
-
-
-
-
 
     /// `out = ((shares[0] + shares[1]) + shares[2]) + ...` in f32, read
     /// straight from where each share lies (this GPU, or a peer GPU this
@@ -1578,7 +1524,7 @@ impl KernelSet {
 /// value` (an unsigned suffix allowed) for each of `defines`: how a
 /// launcher's tests hold its sizes to the kernels'.
 #[cfg(test)]
-fn source_with_defines(
+pub(crate) fn source_with_defines(
     file: &str,
     defines: &[(&str, usize)],
 ) -> &'static crate::cuda::kernels::KernelSource {

@@ -14,7 +14,7 @@ use cudarc::driver::sys::{self, CUtensorMap};
 /// elements. The error says why the driver refused it (the caller says
 /// what runs instead); TMA needs a 16-byte aligned base and rows of a
 /// multiple of 16 bytes.
-pub(super) fn tiled_map<const RANK: usize>(
+pub(crate) fn tiled_map<const RANK: usize>(
     ptr: u64,
     dtype: DType,
     sizes: [u64; RANK],

@@ -4,12 +4,12 @@
 //! reduction kernels on [`KernelSet`] (`elementwise.cu`, `reduce.cu`),
 //! which take views `backend::dense`'s checks accepted.
 
+use super::grouped_gemm::grouped_gemm_takes;
 use crate::backend::{Backend, DenseKernels, MatmulDims, MatmulProblem};
 use crate::cuda::backend::SideStream;
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
-    GpuView, KernelSet, column_blocks, dtype_tag, grid_for, grouped_gemm_takes, per_item,
-    reduce_threads,
+    GpuView, KernelSet, column_blocks, dtype_tag, grid_for, per_item, reduce_threads,
 };
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};

@@ -1,33 +1,62 @@
-//! Launchers of `kernels/conv.cu`: Mamba's causal depthwise conv1d
-//! (`Backend::conv1d_forward`, `conv1d_backward_input`,
-//! `conv1d_backward_weight`).
+//! Mamba's causal depthwise conv1d on a GPU: [`ConvKernels`] for
+//! [`CudaBackend`], and the launchers of `kernels/conv.cu` on
+//! [`KernelSet`], which take views `backend::conv`'s checks accepted.
 
-use super::KernelArgs;
-use super::{GpuView, KernelSet, bf16_words, ensure, float, grid_for, len, product};
-use crate::backend::ConvDims;
+use crate::backend::{ConvDims, ConvKernels};
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{GpuView, KernelSet, bf16_words, dtype_tag, grid_for};
+use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
+use crate::view::{View, ViewMut};
 use cudarc::driver::{CudaStream, LaunchConfig};
 
-/// The CPU kernels' checks: the kernel width, and `x` and `weight` (`x_len`
-/// and `w_len`, under those names whatever the caller's views are) against
-/// the dimensions. Returns the rows.
-fn check(kernel: &str, dims: ConvDims, x_len: usize, w_len: usize) -> Result<usize> {
-    let rows = dims.tokens.rows()?;
-    ensure(dims.kernel > 0, || {
-        format!("{kernel}: the kernel width is 0")
-    })?;
-    let want = |name: &str, len: usize, want: usize| {
-        ensure(len == want, || {
-            format!("{kernel}: `{name}` has {len} elements, expected {want}")
-        })
-    };
-    want("x", x_len, product(kernel, &[rows, dims.channels])?)?;
-    want(
-        "weight",
-        w_len,
-        product(kernel, &[dims.channels, dims.kernel])?,
-    )?;
-    Ok(rows)
+impl ConvKernels<CudaBuf> for CudaBackend {
+    fn conv1d_forward_unchecked(
+        &self,
+        x: View<'_, CudaBuf>,
+        weight: View<'_, CudaBuf>,
+        bias: View<'_, CudaBuf>,
+        y: ViewMut<'_, CudaBuf>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        self.k().conv1d_forward(
+            self.s(),
+            self.v(x),
+            self.v(weight),
+            self.v(bias),
+            self.m(&y),
+            dims,
+        )
+    }
+
+    fn conv1d_backward_input_unchecked(
+        &self,
+        dy: View<'_, CudaBuf>,
+        weight: View<'_, CudaBuf>,
+        dx: ViewMut<'_, CudaBuf>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        self.k()
+            .conv1d_backward_input(self.s(), self.v(dy), self.v(weight), self.m(&dx), dims)
+    }
+
+    fn conv1d_backward_weight_unchecked(
+        &self,
+        dy: View<'_, CudaBuf>,
+        x: View<'_, CudaBuf>,
+        dw: ViewMut<'_, CudaBuf>,
+        dbias: ViewMut<'_, CudaBuf>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        self.k().conv1d_backward_weight(
+            self.s(),
+            self.v(dy),
+            self.v(x),
+            self.m(&dw),
+            self.m(&dbias),
+            dims,
+        )
+    }
 }
 
 /// The dimensions as the kernels take them: rows, seq, channels, taps.
@@ -78,14 +107,12 @@ impl KernelSet {
     ) -> Result<()> {
         let k = "conv1d_forward";
         let (xt, wt, bt) = (
-            float(k, "x", &x)?,
-            float(k, "weight", &weight)?,
-            float(k, "bias", &bias)?,
+            dtype_tag(x.dtype),
+            dtype_tag(weight.dtype),
+            dtype_tag(bias.dtype),
         );
-        let yt = float(k, "y", &y)?;
-        let rows = check(k, dims, x.len, weight.len)?;
-        len(k, "bias", &bias, dims.channels)?;
-        len(k, "y", &y, x.len)?;
+        let yt = dtype_tag(y.dtype);
+        let rows = dims.tokens.batch * dims.tokens.seq;
         if y.len == 0 {
             return Ok(());
         }
@@ -128,10 +155,12 @@ impl KernelSet {
         dims: ConvDims,
     ) -> Result<()> {
         let k = "conv1d_backward_input";
-        let (dyt, wt) = (float(k, "dy", &dy)?, float(k, "weight", &weight)?);
-        let dxt = float(k, "dx", &dx)?;
-        let rows = check(k, dims, dy.len, weight.len)?;
-        len(k, "dx", &dx, dy.len)?;
+        let (dyt, wt, dxt) = (
+            dtype_tag(dy.dtype),
+            dtype_tag(weight.dtype),
+            dtype_tag(dx.dtype),
+        );
+        let rows = dims.tokens.batch * dims.tokens.seq;
         if dx.len == 0 {
             return Ok(());
         }
@@ -172,11 +201,9 @@ impl KernelSet {
         dims: ConvDims,
     ) -> Result<()> {
         let k = "conv1d_backward_weight";
-        let (dyt, xt) = (float(k, "dy", &dy)?, float(k, "x", &x)?);
-        let (dwt, dbt) = (float(k, "dw", &dw)?, float(k, "dbias", &dbias)?);
-        let rows = check(k, dims, x.len, dw.len)?;
-        len(k, "dy", &dy, x.len)?;
-        len(k, "dbias", &dbias, dims.channels)?;
+        let (dyt, xt) = (dtype_tag(dy.dtype), dtype_tag(x.dtype));
+        let (dwt, dbt) = (dtype_tag(dw.dtype), dtype_tag(dbias.dtype));
+        let rows = dims.tokens.batch * dims.tokens.seq;
         if dims.channels == 0 || rows == 0 {
             return Ok(());
         }

@@ -1,5 +1,8 @@
-//! Launchers of `kernels/scan.cu`: the Mamba-2 selective scan
-//! (`Backend::ssd_scan_forward`, `ssd_scan_backward`).
+//! The Mamba-2 selective scan on a GPU: [`ScanKernels`] for
+//! [`CudaBackend`] (the chunked form of [`super::scan_chunked`] where its
+//! plan fits the backend's scratch cap, else the sequential kernels), and
+//! the launchers of `kernels/scan.cu` on [`KernelSet`], which take views
+//! `backend::scan`'s checks accepted.
 //!
 //! The kernels keep a thread's state elements in registers, so they come
 //! in tiers by the state size N (a lane holds N/32 columns, rounded up to a
@@ -9,12 +12,110 @@
 //! size [`KernelSet::ssd_scan_backward_scratch_len`] gives, so that a step
 //! allocates nothing.
 
-use super::KernelArgs;
-use super::{GpuView, KernelSet, ensure, exactly, float, grid_for, len, per_item, product};
+use super::scan_chunked::ScanChunkPlan;
+use crate::backend::ScanKernels;
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{
+    GpuView, KernelSet, dtype_tag, ensure, exactly, float, grid_for, per_item, product,
+};
+use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
+use crate::view::{View, ViewMut};
 use cudarc::driver::CudaStream;
+
+impl ScanKernels<CudaBuf> for CudaBackend {
+    fn ssd_scan_forward_unchecked(
+        &self,
+        inputs: ScanInputs<View<'_, CudaBuf>>,
+        y: ViewMut<'_, CudaBuf>,
+        states: ViewMut<'_, CudaBuf>,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let inputs = self.scan_inputs(inputs);
+        if let Some((plan, scratch, _scratch_buf)) = self.scan_chunk_plan(dims)? {
+            return self.k().ssd_scan_forward_chunked(
+                self.s(),
+                &self.queue.blas,
+                &self.gpu().queues,
+                inputs,
+                self.m(&y),
+                self.m(&states),
+                scratch,
+                dims,
+                plan,
+            );
+        }
+        self.k()
+            .ssd_scan_forward(self.s(), inputs, self.m(&y), self.m(&states), dims)
+    }
+
+    fn ssd_scan_backward_unchecked(
+        &self,
+        inputs: ScanInputs<View<'_, CudaBuf>>,
+        states: View<'_, CudaBuf>,
+        dy: View<'_, CudaBuf>,
+        grads: ScanGrads<ViewMut<'_, CudaBuf>>,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let inputs = self.scan_inputs(inputs);
+        let grads = ScanGrads {
+            xbc: self.m(&grads.xbc),
+            dt: self.m(&grads.dt),
+            a_log: self.m(&grads.a_log),
+            d: self.m(&grads.d),
+        };
+        if let Some((plan, scratch, _scratch_buf)) = self.scan_chunk_plan(dims)? {
+            return self.k().ssd_scan_backward_chunked(
+                self.s(),
+                &self.queue.blas,
+                &self.gpu().queues,
+                inputs,
+                self.v(states),
+                self.v(dy),
+                grads,
+                scratch,
+                dims,
+                plan,
+            );
+        }
+        let len = KernelSet::ssd_scan_backward_scratch_len(dims)?;
+        let (scratch, _partials) = self.scratch(len, DType::F32)?;
+        self.k().ssd_scan_backward(
+            self.s(),
+            inputs,
+            self.v(states),
+            self.v(dy),
+            grads,
+            scratch,
+            dims,
+        )
+    }
+}
+
+impl CudaBackend {
+    fn scan_inputs(&self, inputs: ScanInputs<View<'_, CudaBuf>>) -> ScanInputs<GpuView> {
+        ScanInputs {
+            xbc: self.v(inputs.xbc),
+            dt: self.v(inputs.dt),
+            dt_bias: self.v(inputs.dt_bias),
+            a_log: self.v(inputs.a_log),
+            d: self.v(inputs.d),
+        }
+    }
+
+    /// The chunked scan's plan for `dims` under this backend's cap, with
+    /// its scratch from the arena (a repeated step allocates nothing);
+    /// `None`: the sequential kernels take the problem.
+    fn scan_chunk_plan(&self, dims: ScanDims) -> Result<Option<(ScanChunkPlan, GpuView, CudaBuf)>> {
+        let Some(plan) = ScanChunkPlan::new(dims, self.scan_scratch) else {
+            return Ok(None);
+        };
+        let (scratch, buf) = self.scratch_uninit(plan.scratch_len(dims), DType::F32)?;
+        Ok(Some((plan, scratch, buf)))
+    }
+}
 
 /// Warps of a forward block (one state row each).
 const FORWARD_WARPS: usize = 8;
@@ -82,122 +183,48 @@ fn tier(kernel: &str, state: usize) -> Result<&'static Tier> {
     })
 }
 
-/// The CPU kernels' checks of the inputs; returns `(rows, chunks)`.
-fn check_inputs(
-    kernel: &str,
-    dims: ScanDims,
-    inputs: &ScanInputs<GpuView>,
-) -> Result<(usize, usize)> {
-    let rows = dims.tokens.rows()?;
-    ensure(
-        dims.heads > 0 && dims.groups > 0 && dims.heads.is_multiple_of(dims.groups),
-        || {
-            format!(
-                "{kernel}: {} groups do not divide {} heads",
-                dims.groups, dims.heads
-            )
-        },
-    )?;
-    ensure(dims.chunk > 0, || {
-        format!("{kernel}: the chunk length is 0")
-    })?;
-    let width = product(kernel, &[dims.heads, dims.head_dim])?
-        .checked_add(product(kernel, &[2, dims.groups, dims.state])?)
-        .ok_or_else(|| RuntimeError::InvalidArgument(format!("{kernel}: width overflows")))?;
-    len(kernel, "xbc", &inputs.xbc, product(kernel, &[rows, width])?)?;
-    len(
-        kernel,
-        "dt",
-        &inputs.dt,
-        product(kernel, &[rows, dims.heads])?,
-    )?;
-    len(kernel, "dt_bias", &inputs.dt_bias, dims.heads)?;
-    len(kernel, "a_log", &inputs.a_log, dims.heads)?;
-    len(kernel, "d", &inputs.d, dims.heads)?;
-    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
-    product(
-        kernel,
-        &[
-            dims.tokens.batch,
-            chunks,
-            dims.heads,
-            dims.head_dim,
-            dims.state,
-        ],
-    )?;
-    Ok((rows, chunks))
-}
-
-/// The dtype tags of the inputs, checked in the CPU backend's order.
-fn input_tags(kernel: &str, inputs: &ScanInputs<GpuView>) -> Result<[i32; 5]> {
-    Ok([
-        float(kernel, "xbc", &inputs.xbc)?,
-        float(kernel, "dt", &inputs.dt)?,
-        float(kernel, "dt_bias", &inputs.dt_bias)?,
-        float(kernel, "a_log", &inputs.a_log)?,
-        float(kernel, "d", &inputs.d)?,
-    ])
-}
-
-/// What the checks of a scan call give: the inputs' dtype tags (xbc, dt,
-/// dt_bias, a_log, d), the other float views' (forward: y; backward: dy,
-/// d_xbc, d_dt), and the rows and chunks of the problem.
-pub(super) struct Checked<const N: usize> {
+/// What the launchers take of a scan call's views: the inputs' dtype tags
+/// (xbc, dt, dt_bias, a_log, d), the other float views' (forward: y;
+/// backward: dy, d_xbc, d_dt), and the rows and chunks of the problem.
+pub(super) struct Tagged<const N: usize> {
     pub inputs: [i32; 5],
     pub others: [i32; N],
     pub rows: usize,
     pub chunks: usize,
 }
 
-/// The CPU backend's checks of a scan forward's views (both CUDA paths).
-pub(super) fn check_forward(
-    k: &str,
-    dims: ScanDims,
-    inputs: &ScanInputs<GpuView>,
-    y: &GpuView,
-    states: &GpuView,
-) -> Result<Checked<1>> {
-    let tags = input_tags(k, inputs)?;
-    exactly(k, "states", states, DType::F32)?;
-    let yt = float(k, "y", y)?;
-    let (rows, chunks) = check_inputs(k, dims, inputs)?;
-    len(k, "y", y, rows * dims.heads * dims.head_dim)?;
-    len(k, "states", states, dims.states_len())?;
-    Ok(Checked {
-        inputs: tags,
-        others: [yt],
-        rows,
-        chunks,
-    })
+impl<const N: usize> Tagged<N> {
+    fn new(dims: ScanDims, inputs: &ScanInputs<GpuView>, others: [&GpuView; N]) -> Self {
+        let ScanInputs {
+            xbc,
+            dt,
+            dt_bias,
+            a_log,
+            d,
+        } = inputs;
+        Tagged {
+            inputs: [xbc, dt, dt_bias, a_log, d].map(|v| dtype_tag(v.dtype)),
+            others: others.map(|v| dtype_tag(v.dtype)),
+            rows: dims.tokens.batch * dims.tokens.seq,
+            chunks: dims.tokens.seq.div_ceil(dims.chunk),
+        }
+    }
 }
 
-/// The CPU backend's checks of a scan backward's views (both CUDA paths).
-pub(super) fn check_backward(
-    k: &str,
+/// A scan forward's tags: its inputs' and `y`'s.
+pub(super) fn forward_tags(dims: ScanDims, inputs: &ScanInputs<GpuView>, y: &GpuView) -> Tagged<1> {
+    Tagged::new(dims, inputs, [y])
+}
+
+/// A scan backward's tags: its inputs', `dy`'s and the two overwritten
+/// gradients'.
+pub(super) fn backward_tags(
     dims: ScanDims,
     inputs: &ScanInputs<GpuView>,
-    (states, dy): (&GpuView, &GpuView),
+    dy: &GpuView,
     grads: &ScanGrads<GpuView>,
-) -> Result<Checked<3>> {
-    let tags = input_tags(k, inputs)?;
-    exactly(k, "states", states, DType::F32)?;
-    let dyt = float(k, "dy", dy)?;
-    let (dxt, ddtt) = (float(k, "d_xbc", &grads.xbc)?, float(k, "d_dt", &grads.dt)?);
-    float(k, "d_a_log", &grads.a_log)?;
-    float(k, "d_d", &grads.d)?;
-    let (rows, chunks) = check_inputs(k, dims, inputs)?;
-    len(k, "states", states, dims.states_len())?;
-    len(k, "dy", dy, rows * dims.heads * dims.head_dim)?;
-    len(k, "grads.xbc", &grads.xbc, inputs.xbc.len)?;
-    len(k, "grads.dt", &grads.dt, inputs.dt.len)?;
-    len(k, "grads.a_log", &grads.a_log, dims.heads)?;
-    len(k, "grads.d", &grads.d, dims.heads)?;
-    Ok(Checked {
-        inputs: tags,
-        others: [dyt, dxt, ddtt],
-        rows,
-        chunks,
-    })
+) -> Tagged<3> {
+    Tagged::new(dims, inputs, [dy, &grads.xbc, &grads.dt])
 }
 
 /// The dimensions every scan kernel takes after its pointers:
@@ -301,12 +328,12 @@ impl KernelSet {
         dims: ScanDims,
     ) -> Result<()> {
         let k = "ssd_scan_forward";
-        let Checked {
+        let Tagged {
             inputs: [xt, dtt, bt, at, skt],
             others: [yt],
             rows,
             ..
-        } = check_forward(k, dims, &inputs, &y, &states)?;
+        } = forward_tags(dims, &inputs, &y);
         if dims.head_dim == 0 || dims.state == 0 {
             return self.zero(stream, y);
         }
@@ -374,12 +401,12 @@ impl KernelSet {
         dims: ScanDims,
     ) -> Result<()> {
         let k = "ssd_scan_backward";
-        let Checked {
+        let Tagged {
             inputs: [xt, dtt, bt, at, skt],
             others: [dyt, dxt, ddtt],
             rows,
             ..
-        } = check_backward(k, dims, &inputs, (&states, &dy), &grads)?;
+        } = backward_tags(dims, &inputs, &dy, &grads);
         let ScanGrads {
             xbc: d_xbc,
             dt: d_dt,

@@ -9,13 +9,13 @@
 //! launch takes up to [`MAX_PROBLEMS`] problems of one layout, and a longer
 //! group or one of mixed layouts takes several.
 
-use super::tensor_map::tiled_map;
-use super::{
-    GpuView, HOPPER_SHARED_BYTES, KernelArgs, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN,
-    setup_error,
-};
 use crate::backend::MatmulDims;
 use crate::cuda::kernels::Target;
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::tensor_map::tiled_map;
+use crate::cuda::launch::{
+    GpuView, HOPPER_SHARED_BYTES, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, setup_error,
+};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
@@ -377,7 +377,7 @@ mod tests {
             128 * 96 + 24 * 32 + 4 * 34
         );
         assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
-        let source = super::super::source_with_defines(
+        let source = crate::cuda::launch::source_with_defines(
             "grouped_gemm.cu",
             &[
                 ("GG_MAX_PROBLEMS", MAX_PROBLEMS),

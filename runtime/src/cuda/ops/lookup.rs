@@ -13,9 +13,11 @@
 //! table row (see `lookup.cu`). It adds in the CPU's order, so an f32 table
 //! gets the CPU's bits.
 
-use super::KernelArgs;
-use super::{GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, exactly, float, len, product, words8};
 use crate::backend::LookupDims;
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{
+    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, exactly, float, len, product, words8,
+};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, same_dtype};
 use cudarc::driver::{CudaStream, LaunchConfig};

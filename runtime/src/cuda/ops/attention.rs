@@ -9,12 +9,12 @@
 //! the dimensions alone, so every sum has one order and the same inputs give
 //! the same bits.
 
-use super::KernelArgs;
-use super::{
-    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, ensure, exactly, float, len, product,
-};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{
+    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, ensure, exactly, float, len, product,
+};
 use crate::cuda::queue::QueueSet;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
@@ -274,13 +274,6 @@ impl KernelSet {
 }
 
 // ---- the GEMM path ----------------------------------------------------------------
-
-/// The most scratch (scores in f32 plus probabilities, 8 bytes an entry in
-/// f32 and in bf16) one batched call of the GEMM path takes. It bounds how many KV
-/// heads a call batches; a sequence whose one KV head alone does not fit
-/// (past about 9,400 tokens in bf16) takes the tiled kernels instead. The
-/// GPU's fixed memory overhead in the memory plan covers it.
-pub const ATTENTION_GEMM_SCRATCH_BYTES: usize = 512 << 20;
 
 /// How [`KernelSet::attention_forward_gemm`] and
 /// [`KernelSet::attention_backward_gemm`] cut a problem: the dtype every
@@ -568,7 +561,11 @@ impl KernelSet {
         })?;
         Ok(LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
-            block_dim: (super::reduce_threads(shape.seq, THREADS), 1, 1),
+            block_dim: (
+                crate::cuda::launch::reduce_threads(shape.seq, THREADS),
+                1,
+                1,
+            ),
             shared_mem_bytes: 0,
         })
     }
@@ -587,7 +584,7 @@ impl KernelSet {
         let first = s.b * shape.seq * shape.heads + s.g0 * shape.group + s.j;
         let lse = at(lse, first);
         let (pt, seq) = (
-            super::dtype_tag(squares.high.dtype),
+            crate::cuda::launch::dtype_tag(squares.high.dtype),
             as_u32(kn, "seq", shape.seq)?,
         );
         let (row, item) = (
@@ -719,7 +716,10 @@ impl KernelSet {
         }
         let shape = GemmShape::new(dims);
         let squares = Squares::new(plan, dims, scores, probs);
-        let (pt, ot) = (super::dtype_tag(plan.dtype), super::dtype_tag(plan.dtype));
+        let (pt, ot) = (
+            crate::cuda::launch::dtype_tag(plan.dtype),
+            crate::cuda::launch::dtype_tag(plan.dtype),
+        );
         let seq = as_u32(kn, "seq", shape.seq)?;
         let o_row = as_u32(kn, "heads x v dim", shape.heads * shape.v)?;
         let o_item = as_u32(kn, "group x v dim", shape.group * shape.v)?;

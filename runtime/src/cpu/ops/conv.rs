@@ -1,42 +1,65 @@
-//! Causal depthwise conv1d along time (Mamba's short convolution), restarting
-//! at every sequence boundary.
+//! Causal depthwise conv1d along time (Mamba's short convolution),
+//! restarting at every sequence boundary.
 
-use super::check;
-use crate::backend::ConvDims;
+use crate::backend::{ConvDims, ConvKernels};
+use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
+use crate::view::{View, ViewMut};
 
-/// Checks the views; returns `rows`.
-fn validate(kernel: &str, dims: ConvDims, x: usize, w: usize) -> Result<usize> {
-    let rows = dims.tokens.rows()?;
-    check::ensure(dims.kernel > 0, || {
-        format!("{kernel}: the kernel width is 0")
-    })?;
-    check::len(
-        kernel,
-        "x",
-        x,
-        check::product(kernel, &[rows, dims.channels])?,
-    )?;
-    check::len(
-        kernel,
-        "weight",
-        w,
-        check::product(kernel, &[dims.channels, dims.kernel])?,
-    )?;
-    Ok(rows)
+impl ConvKernels<CpuBuf> for CpuBackend {
+    fn conv1d_forward_unchecked(
+        &self,
+        x: View<'_, CpuBuf>,
+        weight: View<'_, CpuBuf>,
+        bias: View<'_, CpuBuf>,
+        y: ViewMut<'_, CpuBuf>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let k = self.access("conv1d_forward");
+        let (x, w, bias) = (
+            k.f32_in("x", x)?,
+            k.f32_in("weight", weight)?,
+            k.f32_in("bias", bias)?,
+        );
+        conv1d_forward(&x, &w, &bias, &mut k.f32_out("y", y)?, dims);
+        Ok(())
+    }
+
+    fn conv1d_backward_input_unchecked(
+        &self,
+        dy: View<'_, CpuBuf>,
+        weight: View<'_, CpuBuf>,
+        dx: ViewMut<'_, CpuBuf>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let k = self.access("conv1d_backward_input");
+        let (dy, w) = (k.f32_in("dy", dy)?, k.f32_in("weight", weight)?);
+        conv1d_backward_input(&dy, &w, &mut k.f32_out("dx", dx)?, dims);
+        Ok(())
+    }
+
+    fn conv1d_backward_weight_unchecked(
+        &self,
+        dy: View<'_, CpuBuf>,
+        x: View<'_, CpuBuf>,
+        dw: ViewMut<'_, CpuBuf>,
+        dbias: ViewMut<'_, CpuBuf>,
+        dims: ConvDims,
+    ) -> Result<()> {
+        let k = self.access("conv1d_backward_weight");
+        let (dy, x) = (k.f32_in("dy", dy)?, k.f32_in("x", x)?);
+        conv1d_backward_weight(
+            &dy,
+            &x,
+            &mut k.f32_out("dw", dw)?,
+            &mut k.f32_out("dbias", dbias)?,
+            dims,
+        );
+        Ok(())
+    }
 }
 
-pub fn conv1d_forward(
-    x: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    y: &mut [f32],
-    dims: ConvDims,
-) -> Result<()> {
-    let kn = "conv1d_forward";
-    validate(kn, dims, x.len(), weight.len())?;
-    check::len(kn, "bias", bias.len(), dims.channels)?;
-    check::len(kn, "y", y.len(), x.len())?;
+pub fn conv1d_forward(x: &[f32], weight: &[f32], bias: &[f32], y: &mut [f32], dims: ConvDims) {
     let (c_n, k_n, seq) = (dims.channels, dims.kernel, dims.tokens.seq);
     for b in 0..dims.tokens.batch {
         for t in 0..seq {
@@ -52,18 +75,9 @@ pub fn conv1d_forward(
             }
         }
     }
-    Ok(())
 }
 
-pub fn conv1d_backward_input(
-    dy: &[f32],
-    weight: &[f32],
-    dx: &mut [f32],
-    dims: ConvDims,
-) -> Result<()> {
-    let kn = "conv1d_backward_input";
-    validate(kn, dims, dy.len(), weight.len())?;
-    check::len(kn, "dx", dx.len(), dy.len())?;
+pub fn conv1d_backward_input(dy: &[f32], weight: &[f32], dx: &mut [f32], dims: ConvDims) {
     let (c_n, k_n, seq) = (dims.channels, dims.kernel, dims.tokens.seq);
     for b in 0..dims.tokens.batch {
         for s in 0..seq {
@@ -82,7 +96,6 @@ pub fn conv1d_backward_input(
             }
         }
     }
-    Ok(())
 }
 
 pub fn conv1d_backward_weight(
@@ -91,11 +104,7 @@ pub fn conv1d_backward_weight(
     dw: &mut [f32],
     dbias: &mut [f32],
     dims: ConvDims,
-) -> Result<()> {
-    let kn = "conv1d_backward_weight";
-    validate(kn, dims, x.len(), dw.len())?;
-    check::len(kn, "dy", dy.len(), x.len())?;
-    check::len(kn, "dbias", dbias.len(), dims.channels)?;
+) {
     let (c_n, k_n, seq) = (dims.channels, dims.kernel, dims.tokens.seq);
     for b in 0..dims.tokens.batch {
         for t in 0..seq {
@@ -112,7 +121,6 @@ pub fn conv1d_backward_weight(
             }
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -157,7 +165,7 @@ mod tests {
         let w = data(12, 1.0);
         let bias = data(3, 2.0);
         let mut y = vec![0.0; 30];
-        conv1d_forward(&x, &w, &bias, &mut y, dims).unwrap();
+        conv1d_forward(&x, &w, &bias, &mut y, dims);
         for (a, b) in y.iter().zip(reference(&x, &w, &bias, dims)) {
             assert!((*a as f64 - b).abs() < 1e-5);
         }
@@ -173,14 +181,14 @@ mod tests {
         };
         let base = loss(&x, &w, &bias);
         let mut dx = vec![9.0; 30];
-        conv1d_backward_input(&dy, &w, &mut dx, dims).unwrap();
+        conv1d_backward_input(&dy, &w, &mut dx, dims);
         for i in 0..30 {
             let mut xp = x.clone();
             xp[i] += 1.0;
             assert!((dx[i] as f64 - (loss(&xp, &w, &bias) - base)).abs() < 1e-4);
         }
         let (mut dw, mut db) = (vec![0.0; 12], vec![0.0; 3]);
-        conv1d_backward_weight(&dy, &x, &mut dw, &mut db, dims).unwrap();
+        conv1d_backward_weight(&dy, &x, &mut dw, &mut db, dims);
         for i in 0..12 {
             let mut wp = w.clone();
             wp[i] += 1.0;
@@ -202,8 +210,7 @@ mod tests {
         };
         let x = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0];
         let mut y = [0.0; 6];
-        conv1d_forward(&x, &[1.0; 4], &[0.0], &mut y, dims).unwrap();
+        conv1d_forward(&x, &[1.0; 4], &[0.0], &mut y, dims);
         assert_eq!(y, [1.0, 2.0, 3.0, 0.0, 0.0, 0.0]);
-        assert!(conv1d_forward(&x, &[1.0; 3], &[0.0], &mut y, dims).is_err());
     }
 }

@@ -15,12 +15,14 @@
 //! architecture alone, and no floats are added with atomics, so the same
 //! inputs give the same bits on the same kind of GPU.
 
-use super::KernelArgs;
 use super::attention::{self, KernelDims};
-use super::tensor_map::tiled_map;
-use super::{GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure, exactly, len, product};
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::kernels::Target;
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::tensor_map::tiled_map;
+use crate::cuda::launch::{
+    GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure, exactly, len, product,
+};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::{CUfunction_attribute, CUtensorMap};
@@ -543,14 +545,14 @@ impl KernelSet {
             .arg(&shape.heads)
             .arg(&shape.kv_heads)
             .arg(&shape.qk_dim);
-        self.go(sum, &mut b, super::grid_for(channel_pairs))
+        self.go(sum, &mut b, crate::cuda::launch::grid_for(channel_pairs))
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::HOPPER_SHARED_BYTES;
     use super::*;
+    use crate::cuda::launch::HOPPER_SHARED_BYTES;
 
     /// `delta_tile`, the dq kernels' static shared memory.
     const DQ_STATIC_BYTES: usize = 4 * QUERY_ROWS;
@@ -576,7 +578,7 @@ mod tests {
     /// structs of 128-byte maps.
     #[test]
     fn the_launchers_sizes_are_the_kernels_defines() {
-        super::super::source_with_defines(
+        crate::cuda::launch::source_with_defines(
             "attention_flash.cu",
             &[
                 ("FLASH_THREADS", THREADS as usize),

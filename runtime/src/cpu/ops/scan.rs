@@ -5,11 +5,84 @@
 //! (the same operations in the same order, so the same bits), and runs the
 //! reverse recurrence of the state gradient `G_t = dy_t C_t^T + a_{t+1} G_{t+1}`.
 
-use super::check;
-use crate::backend::{ScanDims, ScanGrads, ScanInputs};
+use crate::backend::{ScanDims, ScanGrads, ScanInputs, ScanKernels};
+use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
+use crate::view::{View, ViewMut};
 
 /// `log(1 + exp(x))`, linear above 20 as PyTorch's default threshold.
+impl ScanKernels<CpuBuf> for CpuBackend {
+    fn ssd_scan_forward_unchecked(
+        &self,
+        inputs: ScanInputs<View<'_, CpuBuf>>,
+        y: ViewMut<'_, CpuBuf>,
+        states: ViewMut<'_, CpuBuf>,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let k = self.access("ssd_scan_forward");
+        let (xbc, dt, dt_bias, a_log, d) = (
+            k.f32_in("xbc", inputs.xbc)?,
+            k.f32_in("dt", inputs.dt)?,
+            k.f32_in("dt_bias", inputs.dt_bias)?,
+            k.f32_in("a_log", inputs.a_log)?,
+            k.f32_in("d", inputs.d)?,
+        );
+        let states = k.typed_out::<f32>("states", states)?;
+        ssd_scan_forward(
+            ScanInputs {
+                xbc: &xbc,
+                dt: &dt,
+                dt_bias: &dt_bias,
+                a_log: &a_log,
+                d: &d,
+            },
+            &mut k.f32_out("y", y)?,
+            states,
+            dims,
+        );
+        Ok(())
+    }
+
+    fn ssd_scan_backward_unchecked(
+        &self,
+        inputs: ScanInputs<View<'_, CpuBuf>>,
+        states: View<'_, CpuBuf>,
+        dy: View<'_, CpuBuf>,
+        grads: ScanGrads<ViewMut<'_, CpuBuf>>,
+        dims: ScanDims,
+    ) -> Result<()> {
+        let k = self.access("ssd_scan_backward");
+        let (xbc, dt, dt_bias, a_log, d) = (
+            k.f32_in("xbc", inputs.xbc)?,
+            k.f32_in("dt", inputs.dt)?,
+            k.f32_in("dt_bias", inputs.dt_bias)?,
+            k.f32_in("a_log", inputs.a_log)?,
+            k.f32_in("d", inputs.d)?,
+        );
+        let states = k.typed_in::<f32>("states", states)?;
+        let dy = k.f32_in("dy", dy)?;
+        ssd_scan_backward(
+            ScanInputs {
+                xbc: &xbc,
+                dt: &dt,
+                dt_bias: &dt_bias,
+                a_log: &a_log,
+                d: &d,
+            },
+            states,
+            &dy,
+            ScanGrads {
+                xbc: &mut k.f32_out("d_xbc", grads.xbc)?,
+                dt: &mut k.f32_out("d_dt", grads.dt)?,
+                a_log: &mut k.f32_out("d_a_log", grads.a_log)?,
+                d: &mut k.f32_out("d_d", grads.d)?,
+            },
+            dims,
+        );
+        Ok(())
+    }
+}
+
 fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
 }
@@ -21,55 +94,6 @@ fn softplus_derivative(x: f32) -> f32 {
     } else {
         1.0 / (1.0 + (-x).exp())
     }
-}
-
-/// Checks every view; returns `(rows, chunks per sequence)`.
-fn validate(kernel: &str, dims: ScanDims, inputs: &ScanInputs<&[f32]>) -> Result<(usize, usize)> {
-    let rows = dims.tokens.rows()?;
-    check::ensure(
-        dims.heads > 0 && dims.groups > 0 && dims.heads.is_multiple_of(dims.groups),
-        || {
-            format!(
-                "{kernel}: {} groups do not divide {} heads",
-                dims.groups, dims.heads
-            )
-        },
-    )?;
-    check::ensure(dims.chunk > 0, || {
-        format!("{kernel}: the chunk length is 0")
-    })?;
-    let width = check::product(kernel, &[dims.heads, dims.head_dim])?
-        .checked_add(check::product(kernel, &[2, dims.groups, dims.state])?)
-        .ok_or_else(|| {
-            crate::RuntimeError::InvalidArgument(format!("{kernel}: width overflows"))
-        })?;
-    check::len(
-        kernel,
-        "xbc",
-        inputs.xbc.len(),
-        check::product(kernel, &[rows, width])?,
-    )?;
-    check::len(
-        kernel,
-        "dt",
-        inputs.dt.len(),
-        check::product(kernel, &[rows, dims.heads])?,
-    )?;
-    check::len(kernel, "dt_bias", inputs.dt_bias.len(), dims.heads)?;
-    check::len(kernel, "a_log", inputs.a_log.len(), dims.heads)?;
-    check::len(kernel, "d", inputs.d.len(), dims.heads)?;
-    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
-    check::product(
-        kernel,
-        &[
-            dims.tokens.batch,
-            chunks,
-            dims.heads,
-            dims.head_dim,
-            dims.state,
-        ],
-    )?;
-    Ok((rows, chunks))
 }
 
 /// Where one head's pieces live in a row of `xbc`.
@@ -121,16 +145,13 @@ pub fn ssd_scan_forward(
     y: &mut [f32],
     states: &mut [f32],
     dims: ScanDims,
-) -> Result<()> {
-    let kn = "ssd_scan_forward";
-    let (rows, chunks) = validate(kn, dims, &inputs)?;
+) {
+    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
     let l = Layout::new(dims);
-    check::len(kn, "y", y.len(), rows * l.d_inner)?;
-    check::len(kn, "states", states.len(), dims.states_len())?;
     let (seq, pn) = (dims.tokens.seq, l.p * l.n);
     if pn == 0 {
         y.fill(0.0);
-        return Ok(());
+        return;
     }
     let mut state = vec![0.0f32; pn];
     for b in 0..dims.tokens.batch {
@@ -163,7 +184,6 @@ pub fn ssd_scan_forward(
             }
         }
     }
-    Ok(())
 }
 
 /// The same forward in the chunked "SSD" form (Mamba-2's
@@ -181,17 +201,14 @@ pub fn ssd_scan_forward_chunked(
     y: &mut [f32],
     states: &mut [f32],
     dims: ScanDims,
-) -> Result<()> {
-    let kn = "ssd_scan_forward_chunked";
-    let (rows, chunks) = validate(kn, dims, &inputs)?;
+) {
+    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
     let l = Layout::new(dims);
-    check::len(kn, "y", y.len(), rows * l.d_inner)?;
-    check::len(kn, "states", states.len(), dims.states_len())?;
     let (seq, pn) = (dims.tokens.seq, l.p * l.n);
     if pn == 0 || seq == 0 {
         y.fill(0.0);
         states.fill(0.0);
-        return Ok(());
+        return;
     }
     let chunk = dims.chunk.min(seq);
     let mut state = vec![0.0f32; pn];
@@ -256,7 +273,6 @@ pub fn ssd_scan_forward_chunked(
             }
         }
     }
-    Ok(())
 }
 
 pub fn ssd_scan_backward(
@@ -265,16 +281,9 @@ pub fn ssd_scan_backward(
     dy: &[f32],
     grads: ScanGrads<&mut [f32]>,
     dims: ScanDims,
-) -> Result<()> {
-    let kn = "ssd_scan_backward";
-    let (rows, chunks) = validate(kn, dims, &inputs)?;
+) {
+    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
     let l = Layout::new(dims);
-    check::len(kn, "states", states.len(), dims.states_len())?;
-    check::len(kn, "dy", dy.len(), rows * l.d_inner)?;
-    check::len(kn, "grads.xbc", grads.xbc.len(), inputs.xbc.len())?;
-    check::len(kn, "grads.dt", grads.dt.len(), inputs.dt.len())?;
-    check::len(kn, "grads.a_log", grads.a_log.len(), l.heads)?;
-    check::len(kn, "grads.d", grads.d.len(), l.heads)?;
     let ScanGrads {
         xbc: dxbc,
         dt: ddt,
@@ -285,7 +294,7 @@ pub fn ssd_scan_backward(
     ddt.fill(0.0);
     let (seq, pn) = (dims.tokens.seq, l.p * l.n);
     if pn == 0 || seq == 0 {
-        return Ok(());
+        return;
     }
     let chunk = dims.chunk.min(seq);
     // States after each step of the current chunk, and the state gradient.
@@ -398,7 +407,6 @@ pub fn ssd_scan_backward(
             dd[h] += d_skip;
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -512,7 +520,7 @@ mod tests {
             a_log: &mut ga[..],
             d: &mut gd[..],
         };
-        ssd_scan_backward(inputs(c), states, dy, grads, c.dims).unwrap();
+        ssd_scan_backward(inputs(c), states, dy, grads, c.dims);
         out
     }
 
@@ -521,7 +529,7 @@ mod tests {
         let rows = c.dims.tokens.batch * c.dims.tokens.seq;
         let mut y = vec![0.0; rows * c.dims.heads * c.dims.head_dim];
         let mut states = vec![0.0; c.dims.states_len()];
-        ssd_scan_forward(inputs(c), &mut y, &mut states, c.dims).unwrap();
+        ssd_scan_forward(inputs(c), &mut y, &mut states, c.dims);
         (y, states)
     }
 
@@ -650,7 +658,7 @@ mod tests {
             let (y, states) = run(&c);
             let mut y2 = vec![0.0; y.len()];
             let mut states2 = vec![0.0; states.len()];
-            ssd_scan_forward_chunked(inputs(&c), &mut y2, &mut states2, c.dims).unwrap();
+            ssd_scan_forward_chunked(inputs(&c), &mut y2, &mut states2, c.dims);
             for (a, b) in y.iter().zip(&y2).chain(states.iter().zip(&states2)) {
                 assert!(
                     (a - b).abs() <= 1e-5 * (1.0 + a.abs()),
@@ -658,18 +666,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn bad_shapes_are_errors() {
-        let mut c = case(2);
-        c.dims.groups = 3;
-        let mut y = vec![0.0; 120];
-        let mut states = vec![0.0; 1000];
-        assert!(ssd_scan_forward(inputs(&c), &mut y, &mut states, c.dims).is_err());
-        let c = case(2);
-        assert!(ssd_scan_forward(inputs(&c), &mut y, &mut states, c.dims).is_err());
-        let mut states = vec![0.0; c.dims.states_len()];
-        assert!(ssd_scan_forward(inputs(&c), &mut y[..119], &mut states, c.dims).is_err());
     }
 }

@@ -19,23 +19,19 @@
 //! the cap, or whose chunk is longer than [`CHUNKED_MAX_CHUNK`], takes the
 //! sequential kernels.
 
-use super::KernelArgs;
-use super::scan::{Checked, check_backward, check_forward};
-use super::{GpuView, KernelSet, block_per_row, ensure, exactly, grid_for, per_item, product};
+use super::scan::{Tagged, backward_tags, forward_tags};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{
+    GpuView, KernelSet, block_per_row, ensure, exactly, grid_for, per_item, product,
+};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr};
 use std::collections::HashMap;
-
-/// The most scratch a chunked call takes by default (1.25 GiB): a
-/// sequence of 4,096 tokens of the benchmark model's Mamba (64 heads of
-/// 64 x 128 states, 16 chunks of 256: 1.08 GiB) in one slice. The memory
-/// plan counts it.
-pub const SCAN_CHUNKED_SCRATCH_BYTES: usize = 5 << 28;
 
 /// The longest chunk the chunked path takes (`CHUNKED_MAX_CHUNK` in
 /// `scan_chunked.cu`: the final kernel keeps a chunk's steps in shared
@@ -293,7 +289,7 @@ impl Parts {
     /// read x and dY from `x_op` and `dy_op` (in bf16 the `x` and `dy`
     /// slots go unwritten).
     fn operand_tag(&self) -> i32 {
-        super::dtype_tag(self.x_op.dtype)
+        crate::cuda::launch::dtype_tag(self.x_op.dtype)
     }
 
     /// Every part, for checks that hold for all of them.
@@ -581,7 +577,7 @@ impl KernelSet {
         plan: ScanChunkPlan,
     ) -> Result<()> {
         let k = "ssd_scan_backward";
-        let checked = check_backward(k, dims, &inputs, (&states, &dy), &grads)?;
+        let checked = backward_tags(dims, &inputs, &dy, &grads);
         let [dyt, dxt, ddtt] = checked.others;
         let ScanGrads {
             xbc: d_xbc,
@@ -680,7 +676,7 @@ impl KernelSet {
         plan: ScanChunkPlan,
     ) -> Result<()> {
         let k = "ssd_scan_forward";
-        let checked: Checked<1> = check_forward(k, dims, &inputs, &y, &states)?;
+        let checked: Tagged<1> = forward_tags(dims, &inputs, &y);
         let [yt] = checked.others;
         let chunks = checked.chunks;
         let call = Call::new(
@@ -1414,6 +1410,7 @@ impl<'a> Call<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES;
     use crate::backend::Tokens;
 
     fn dims(batch: usize, seq: usize, chunk: usize) -> ScanDims {
@@ -1433,7 +1430,7 @@ mod tests {
     /// admits past a kernel's arrays would run over them.
     #[test]
     fn the_launchers_sizes_are_the_kernels_defines() {
-        let source = super::super::source_with_defines(
+        let source = crate::cuda::launch::source_with_defines(
             "scan_chunked.cu",
             &[
                 ("CHUNKED_MAX_CHUNK", CHUNKED_MAX_CHUNK),
