@@ -26,7 +26,7 @@ use crate::error::{Result, RuntimeError};
 pub use crate::view::{DType, DTypeRule, DeviceBuffer, Scalar, View, ViewMut};
 use std::ops::Range;
 
-mod attention;
+pub mod attention;
 pub mod conv;
 pub mod dense;
 pub mod layout;
@@ -36,7 +36,9 @@ pub mod norm;
 mod optim;
 pub mod scan;
 
-pub use attention::{AttentionBackend, AttentionDims, AttentionInputs, RotaryDims, RotaryPairing};
+pub use attention::{
+    AttentionBackend, AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing,
+};
 pub use conv::{ConvDims, ConvKernels};
 pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
@@ -130,6 +132,7 @@ pub trait Backend:
     + DenseKernels<<Self as Backend>::Buf>
     + ConvKernels<<Self as Backend>::Buf>
     + ScanKernels<<Self as Backend>::Buf>
+    + AttentionKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -266,46 +269,7 @@ pub trait Backend:
 
     // ---- kernels: attention ----------------------------------------------------
 
-    /// Causal softmax attention per sequence with grouped KV heads: query
-    /// head `j` uses KV head `j / (heads / kv_heads)`;
-    /// `o_t = sum_{u<=t} softmax_u(scale * q_t . k_u) v_u` (f32 softmax).
-    /// `q` `[rows, heads, qk_dim]`, `k` `[rows, kv_heads, qk_dim]`,
-    /// `v` `[rows, kv_heads, v_dim]`, `out` `[rows, heads, v_dim]`; `lse`
-    /// `[rows, heads]` receives each row's log-sum-exp of the scaled scores,
-    /// so backward recomputes the probabilities instead of keeping them.
-    fn attention_forward(
-        &self,
-        inputs: AttentionInputs<Slice<'_, Self>>,
-        out: SliceMut<'_, Self>,
-        lse: SliceMut<'_, Self>,
-        dims: AttentionDims,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::attention_forward`] given `dout`; overwrites
-    /// `grads.q`, `grads.k`, `grads.v`. With `p` the recomputed probabilities
-    /// and `D_t = dout_t . o_t`: `ds_tu = p_tu (dout_t . v_u - D_t)`,
-    /// `dq_t = scale sum_u ds_tu k_u`, `dk_u = scale sum_t ds_tu q_t`,
-    /// `dv_u = sum_t p_tu dout_t` (sums over the query heads of a group).
-    fn attention_backward(
-        &self,
-        inputs: AttentionInputs<Slice<'_, Self>>,
-        out: Slice<'_, Self>,
-        lse: Slice<'_, Self>,
-        dout: Slice<'_, Self>,
-        grads: AttentionInputs<SliceMut<'_, Self>>,
-        dims: AttentionDims,
-    ) -> Result<()>;
-
-    /// Rotary position embedding (rotate-half), in place on channels
-    /// `[offset, offset + dim)` of every head of `x` `[rows, heads, head_stride]`,
-    /// position `t` = the row's index inside its sequence. For `i < dim/2`,
-    /// `theta = t * base^(-2i/dim)`, `(a, b) = (x[i], x[i + dim/2])` becomes
-    /// `(a cos - b sin, b cos + a sin)`.
-    fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()>;
-
-    /// Backward of [`Backend::rotary_forward`], in place: the inverse rotation
-    /// `(da, db) <- (da cos + db sin, db cos - da sin)`.
-    fn rotary_backward(&self, dx: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()>;
+    attention::attention_methods!();
 
     // ---- kernels: embedding and loss -------------------------------------------
 

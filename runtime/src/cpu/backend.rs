@@ -9,9 +9,9 @@ use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend,
-    DeviceStats, ExpertBias, ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims,
-    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    AdamMoments, AdamStep, AuxLossDims, Backend, DeviceStats, ExpertBias, ExpertOrder, LookupDims,
+    LossDims, Precision, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep,
+    Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -250,82 +250,6 @@ impl Backend for CpuBackend {
         let k = self.access("zero");
         k.bytes_out(dst)?.fill(0);
         Ok(())
-    }
-
-
-
-
-
-
-    fn attention_forward(
-        &self,
-        inputs: AttentionInputs<Slice<'_, Self>>,
-        out: SliceMut<'_, Self>,
-        lse: SliceMut<'_, Self>,
-        dims: AttentionDims,
-    ) -> Result<()> {
-        let k = self.access("attention_forward");
-        let (q, kk, v) = (
-            k.f32_in("q", inputs.q)?,
-            k.f32_in("k", inputs.k)?,
-            k.f32_in("v", inputs.v)?,
-        );
-        let lse = k.typed_out::<f32>("lse", lse)?;
-        kernels::attention_forward(
-            AttentionInputs {
-                q: &q,
-                k: &kk,
-                v: &v,
-            },
-            &mut k.f32_out("out", out)?,
-            lse,
-            dims,
-        )
-    }
-
-    fn attention_backward(
-        &self,
-        inputs: AttentionInputs<Slice<'_, Self>>,
-        out: Slice<'_, Self>,
-        lse: Slice<'_, Self>,
-        dout: Slice<'_, Self>,
-        grads: AttentionInputs<SliceMut<'_, Self>>,
-        dims: AttentionDims,
-    ) -> Result<()> {
-        let k = self.access("attention_backward");
-        let (q, kk, v) = (
-            k.f32_in("q", inputs.q)?,
-            k.f32_in("k", inputs.k)?,
-            k.f32_in("v", inputs.v)?,
-        );
-        let (out, dout) = (k.f32_in("out", out)?, k.f32_in("dout", dout)?);
-        let lse = k.typed_in::<f32>("lse", lse)?;
-        kernels::attention_backward(
-            AttentionInputs {
-                q: &q,
-                k: &kk,
-                v: &v,
-            },
-            &out,
-            lse,
-            &dout,
-            AttentionInputs {
-                q: &mut k.f32_out("dq", grads.q)?,
-                k: &mut k.f32_out("dk", grads.k)?,
-                v: &mut k.f32_out("dv", grads.v)?,
-            },
-            dims,
-        )
-    }
-
-    fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
-        let k = self.access("rotary_forward");
-        kernels::rotary_forward(&mut k.f32_out("x", x)?, dims)
-    }
-
-    fn rotary_backward(&self, dx: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
-        let k = self.access("rotary_backward");
-        kernels::rotary_backward(&mut k.f32_out("dx", dx)?, dims)
     }
 
     fn embedding_forward(

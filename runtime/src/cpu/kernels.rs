@@ -7,14 +7,11 @@
 //! loops after that index within the checked bounds. Loop orders are fixed
 //! and no kernel uses threads, so equal inputs give equal bits.
 
-mod attention;
 mod check;
 mod lookup;
 mod moe;
 mod optim;
-mod rotary;
 
-pub use attention::{attention_backward, attention_forward};
 pub use lookup::{
     cross_entropy_backward, cross_entropy_forward, cross_entropy_gradient, cross_entropy_loss,
     embedding_backward, embedding_forward,
@@ -25,4 +22,3 @@ pub use moe::{
     moe_unpermute, moe_unpermute_backward, scatter_rows,
 };
 pub use optim::{adam_update, sgd_update, sum_squares};
-pub use rotary::{rotary_backward, rotary_forward};

@@ -15,14 +15,13 @@ use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
 use super::launch::{ATTENTION_GEMM_SCRATCH_BYTES, GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES};
-use super::ops::attention::AttentionGemmPlan;
-use super::ops::attention_flash::{flash_attention_scratch_len, flash_attention_takes};
+use super::ops::attention_flash::flash_attention_takes;
 use super::ops::lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
 use super::queue::QueueSet;
 use crate::backend::{
-    AdamMoments, AdamStep, AttentionDims, AttentionInputs, AuxLossDims, Backend,
-    DeviceStats, ExpertBias, ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims,
-    RotaryDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    AdamMoments, AdamStep, AttentionDims, AuxLossDims, Backend, DeviceStats, ExpertBias,
+    ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims, RouteDims, RouteOutputs,
+    RoutedSlots, RouterScores, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -295,7 +294,6 @@ impl CudaBackend {
         view_mut_on(view, self.queue.index)
     }
 
-
     pub(crate) fn k(&self) -> &KernelSet {
         &self.gpu.kernels
     }
@@ -363,7 +361,6 @@ impl CudaBackend {
         let buf = self.alloc_uninit(len, dtype)?;
         Ok((GpuView::new(buf.device_ptr(), len, dtype), buf))
     }
-
 
     /// Starts reading `len` elements of `T` at `src` to the host, behind the
     /// queue's work so far: staged through pinned memory (one round trip,
@@ -531,123 +528,6 @@ impl Backend for CudaBackend {
 
     fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
         self.k().zero(self.s(), self.m(&dst))
-    }
-
-    fn attention_forward(
-        &self,
-        inputs: AttentionInputs<Slice<'_, Self>>,
-        out: SliceMut<'_, Self>,
-        lse: SliceMut<'_, Self>,
-        dims: AttentionDims,
-    ) -> Result<()> {
-        let inputs = AttentionInputs {
-            q: self.v(inputs.q),
-            k: self.v(inputs.k),
-            v: self.v(inputs.v),
-        };
-        let (out, lse) = (self.m(&out), self.m(&lse));
-        if self.flash_attention(dims, &[inputs.q, inputs.k, inputs.v, out]) {
-            return self
-                .k()
-                .attention_forward_flash(self.s(), inputs, out, lse, dims);
-        }
-        let Some(plan) = AttentionGemmPlan::new(
-            dims,
-            &[inputs.q, inputs.k, inputs.v, out],
-            self.attention_scratch,
-        ) else {
-            return self.k().attention_forward(self.s(), inputs, out, lse, dims);
-        };
-        // The GEMM path: tensor-core products through cuBLAS, scratch from
-        // the arena (a repeated step allocates nothing).
-        let (scores, _scores_buf) = self.scratch_uninit(plan.scores_len(dims), DType::F32)?;
-        let (probs, _probs_buf) = self.scratch_uninit(plan.probs_len(dims), plan.dtype)?;
-        let lens = AttentionGemmPlan::accumulator_lens(dims);
-        let (acc_out, _acc_buf) = self.scratch(lens.out, DType::F32)?;
-        self.k().attention_forward_gemm(
-            self.s(),
-            &self.queue.blas,
-            &self.gpu.queues,
-            inputs,
-            out,
-            lse,
-            dims,
-            plan,
-            (scores, probs),
-            acc_out,
-        )
-    }
-
-    fn attention_backward(
-        &self,
-        inputs: AttentionInputs<Slice<'_, Self>>,
-        out: Slice<'_, Self>,
-        lse: Slice<'_, Self>,
-        dout: Slice<'_, Self>,
-        grads: AttentionInputs<SliceMut<'_, Self>>,
-        dims: AttentionDims,
-    ) -> Result<()> {
-        let inputs = AttentionInputs {
-            q: self.v(inputs.q),
-            k: self.v(inputs.k),
-            v: self.v(inputs.v),
-        };
-        let grads = AttentionInputs {
-            q: self.m(&grads.q),
-            k: self.m(&grads.k),
-            v: self.m(&grads.v),
-        };
-        let (out, lse, dout) = (self.v(out), self.v(lse), self.v(dout));
-        let views = [
-            inputs.q, inputs.k, inputs.v, out, dout, grads.q, grads.k, grads.v,
-        ];
-        if self.flash_attention(dims, &views) {
-            let (scratch, _scratch_buf) =
-                self.scratch_uninit(flash_attention_scratch_len(dims), DType::F32)?;
-            return self.k().attention_backward_flash(
-                self.s(),
-                inputs,
-                (out, lse, dout),
-                grads,
-                scratch,
-                dims,
-            );
-        }
-        let Some(plan) = AttentionGemmPlan::new(dims, &views, self.attention_scratch) else {
-            return self
-                .k()
-                .attention_backward(self.s(), inputs, out, lse, dout, grads, dims);
-        };
-        let (scores, _scores_buf) = self.scratch_uninit(plan.scores_len(dims), DType::F32)?;
-        let (probs, _probs_buf) = self.scratch_uninit(plan.probs_len(dims), plan.dtype)?;
-        let lens = AttentionGemmPlan::accumulator_lens(dims);
-        let (acc_q, _acc_q_buf) = self.scratch(lens.q, DType::F32)?;
-        let (acc_k, _acc_k_buf) = self.scratch(lens.k, DType::F32)?;
-        let (acc_v, _acc_v_buf) = self.scratch(lens.v, DType::F32)?;
-        self.k().attention_backward_gemm(
-            self.s(),
-            &self.queue.blas,
-            &self.gpu.queues,
-            inputs,
-            (out, lse, dout),
-            grads,
-            dims,
-            plan,
-            (scores, probs),
-            AttentionInputs {
-                q: acc_q,
-                k: acc_k,
-                v: acc_v,
-            },
-        )
-    }
-
-    fn rotary_forward(&self, x: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
-        self.k().rotary_forward(self.s(), self.m(&x), dims)
-    }
-
-    fn rotary_backward(&self, dx: SliceMut<'_, Self>, dims: RotaryDims) -> Result<()> {
-        self.k().rotary_backward(self.s(), self.m(&dx), dims)
     }
 
     fn embedding_forward(

@@ -8,6 +8,7 @@
 //! reference. Loop orders are fixed and no loop uses threads, so equal
 //! inputs give equal bits.
 
+pub mod attention;
 pub mod conv;
 pub mod dense;
 pub mod layout;

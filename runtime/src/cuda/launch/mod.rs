@@ -21,8 +21,8 @@ pub(crate) mod tensor_map;
 
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, ExpertBias, LossDims, ReceivedDims, RotaryDims,
-    RotaryPairing, RouteDims, RoutedSlots, SgdStep, UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, ExpertBias, LossDims, ReceivedDims, RouteDims, RoutedSlots,
+    SgdStep, UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -576,54 +576,6 @@ impl KernelSet {
     // ---- normalisation and activations -----------------------------------------
 
     // ---- rotary, head splits --------------------------------------------------------
-
-    fn rotary(
-        &self,
-        stream: &CudaStream,
-        (k, name): (&'static str, &str),
-        x: GpuView,
-        d: RotaryDims,
-        sign: f32,
-    ) -> Result<()> {
-        let t = float(k, name, &x)?;
-        ensure(d.dim.is_multiple_of(2), || {
-            format!("{k}: rotary dim {} is odd", d.dim)
-        })?;
-        ensure(d.offset + d.dim <= d.head_stride, || {
-            format!(
-                "{k}: channels {}..{} do not fit a head of {}",
-                d.offset,
-                d.offset + d.dim,
-                d.head_stride
-            )
-        })?;
-        let rows = d.tokens.rows()?;
-        len(k, name, &x, product(k, &[rows, d.heads, d.head_stride])?)?;
-        if product(k, &[rows, d.heads, d.dim / 2])? == 0 {
-            return Ok(());
-        }
-        // A thread per (row, pair index); it rotates that pair of every head.
-        let angles = product(k, &[rows, d.dim / 2])?;
-        let dims = [rows, d.tokens.seq, d.heads, d.head_stride, d.offset, d.dim].map(|v| v as u64);
-        let mut b = KernelArgs::new(stream, self.function("rotary")?);
-        b.arg(&x.ptr).arg(&t);
-        for v in &dims {
-            b.arg(v);
-        }
-        let interleaved = i32::from(d.pairing == RotaryPairing::Interleaved);
-        b.arg(&d.base).arg(&sign).arg(&interleaved);
-        self.go(k, &mut b, grid_for(angles))
-    }
-
-    /// `Backend::rotary_forward`, in place.
-    pub fn rotary_forward(&self, stream: &CudaStream, x: GpuView, d: RotaryDims) -> Result<()> {
-        self.rotary(stream, ("rotary_forward", "x"), x, d, 1.0)
-    }
-
-    /// `Backend::rotary_backward`, in place.
-    pub fn rotary_backward(&self, stream: &CudaStream, dx: GpuView, d: RotaryDims) -> Result<()> {
-        self.rotary(stream, ("rotary_backward", "dx"), dx, d, -1.0)
-    }
 
     // ---- loss -------------------------------------------------------------------------
 

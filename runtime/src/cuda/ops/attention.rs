@@ -1,6 +1,11 @@
-//! Launchers of `kernels/attention.cu`: causal attention with grouped KV
-//! heads, forward (`attention_forward`) and backward (`attention_backward_dq`
-//! then `attention_backward_dkdv`).
+//! Attention on a GPU: [`AttentionKernels`] for [`CudaBackend`] (the flash
+//! kernels of [`super::attention_flash`] where they take the problem, else
+//! the GEMM path through cuBLAS where its plan fits the scratch cap, else the
+//! tiled kernels), the launchers of `kernels/attention.cu` (causal attention
+//! with grouped KV heads, forward `attention_forward` and backward
+//! `attention_backward_dq` then `attention_backward_dkdv`) and of the rotary
+//! kernel, on [`KernelSet`]. The launchers take views `backend::attention`'s
+//! checks accepted.
 //!
 //! The kernels are tiled the flash-attention way (a block per 64-query or
 //! 32-key tile per head, scores only in registers and shared memory) and
@@ -9,16 +14,139 @@
 //! the dimensions alone, so every sum has one order and the same inputs give
 //! the same bits.
 
-use crate::backend::{AttentionDims, AttentionInputs};
+use super::attention_flash::flash_attention_scratch_len;
+use crate::backend::{AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
-    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, ensure, exactly, float, len, product,
+    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, dtype_tag, ensure, exactly, grid_for, len,
+    product,
 };
 use crate::cuda::queue::QueueSet;
+use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
+use crate::view::{View, ViewMut};
 use cudarc::driver::{CudaStream, LaunchConfig};
+
+impl AttentionKernels<CudaBuf> for CudaBackend {
+    fn attention_forward_unchecked(
+        &self,
+        inputs: AttentionInputs<View<'_, CudaBuf>>,
+        out: ViewMut<'_, CudaBuf>,
+        lse: ViewMut<'_, CudaBuf>,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let inputs = AttentionInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            v: self.v(inputs.v),
+        };
+        let (out, lse) = (self.m(&out), self.m(&lse));
+        if self.flash_attention(dims, &[inputs.q, inputs.k, inputs.v, out]) {
+            return self
+                .k()
+                .attention_forward_flash(self.s(), inputs, out, lse, dims);
+        }
+        let Some(plan) = AttentionGemmPlan::new(
+            dims,
+            &[inputs.q, inputs.k, inputs.v, out],
+            self.attention_scratch,
+        ) else {
+            return self.k().attention_forward(self.s(), inputs, out, lse, dims);
+        };
+        // The GEMM path: tensor-core products through cuBLAS, scratch from
+        // the arena (a repeated step allocates nothing).
+        let (scores, _scores_buf) = self.scratch_uninit(plan.scores_len(dims), DType::F32)?;
+        let (probs, _probs_buf) = self.scratch_uninit(plan.probs_len(dims), plan.dtype)?;
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        let (acc_out, _acc_buf) = self.scratch(lens.out, DType::F32)?;
+        self.k().attention_forward_gemm(
+            self.s(),
+            &self.queue.blas,
+            &self.gpu().queues,
+            inputs,
+            out,
+            lse,
+            dims,
+            plan,
+            (scores, probs),
+            acc_out,
+        )
+    }
+
+    fn attention_backward_unchecked(
+        &self,
+        inputs: AttentionInputs<View<'_, CudaBuf>>,
+        out: View<'_, CudaBuf>,
+        lse: View<'_, CudaBuf>,
+        dout: View<'_, CudaBuf>,
+        grads: AttentionInputs<ViewMut<'_, CudaBuf>>,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let inputs = AttentionInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            v: self.v(inputs.v),
+        };
+        let grads = AttentionInputs {
+            q: self.m(&grads.q),
+            k: self.m(&grads.k),
+            v: self.m(&grads.v),
+        };
+        let (out, lse, dout) = (self.v(out), self.v(lse), self.v(dout));
+        let views = [
+            inputs.q, inputs.k, inputs.v, out, dout, grads.q, grads.k, grads.v,
+        ];
+        if self.flash_attention(dims, &views) {
+            let (scratch, _scratch_buf) =
+                self.scratch_uninit(flash_attention_scratch_len(dims), DType::F32)?;
+            return self.k().attention_backward_flash(
+                self.s(),
+                inputs,
+                (out, lse, dout),
+                grads,
+                scratch,
+                dims,
+            );
+        }
+        let Some(plan) = AttentionGemmPlan::new(dims, &views, self.attention_scratch) else {
+            return self
+                .k()
+                .attention_backward(self.s(), inputs, out, lse, dout, grads, dims);
+        };
+        let (scores, _scores_buf) = self.scratch_uninit(plan.scores_len(dims), DType::F32)?;
+        let (probs, _probs_buf) = self.scratch_uninit(plan.probs_len(dims), plan.dtype)?;
+        let lens = AttentionGemmPlan::accumulator_lens(dims);
+        let (acc_q, _acc_q_buf) = self.scratch(lens.q, DType::F32)?;
+        let (acc_k, _acc_k_buf) = self.scratch(lens.k, DType::F32)?;
+        let (acc_v, _acc_v_buf) = self.scratch(lens.v, DType::F32)?;
+        self.k().attention_backward_gemm(
+            self.s(),
+            &self.queue.blas,
+            &self.gpu().queues,
+            inputs,
+            (out, lse, dout),
+            grads,
+            dims,
+            plan,
+            (scores, probs),
+            AttentionInputs {
+                q: acc_q,
+                k: acc_k,
+                v: acc_v,
+            },
+        )
+    }
+
+    fn rotary_forward_unchecked(&self, x: ViewMut<'_, CudaBuf>, dims: RotaryDims) -> Result<()> {
+        self.k().rotary_forward(self.s(), self.m(&x), dims)
+    }
+
+    fn rotary_backward_unchecked(&self, dx: ViewMut<'_, CudaBuf>, dims: RotaryDims) -> Result<()> {
+        self.k().rotary_backward(self.s(), self.m(&dx), dims)
+    }
+}
 
 /// Threads of every attention block (`ATT_THREADS`).
 const THREADS: u32 = 256;
@@ -93,38 +221,6 @@ fn tile_grid(kernel: &str, tiles: usize, pairs: usize, channels: usize) -> Resul
     }
 }
 
-/// The CPU backend's checks of q, k and v; returns the rows.
-pub(super) fn validate(
-    kernel: &str,
-    d: AttentionDims,
-    q: &GpuView,
-    k: &GpuView,
-    v: &GpuView,
-) -> Result<usize> {
-    let rows = d.tokens.rows()?;
-    ensure(d.kv_heads > 0 && d.heads.is_multiple_of(d.kv_heads), || {
-        format!(
-            "{kernel}: {} KV heads do not divide {} heads",
-            d.kv_heads, d.heads
-        )
-    })?;
-    len(kernel, "q", q, product(kernel, &[rows, d.heads, d.qk_dim])?)?;
-    len(
-        kernel,
-        "k",
-        k,
-        product(kernel, &[rows, d.kv_heads, d.qk_dim])?,
-    )?;
-    len(
-        kernel,
-        "v",
-        v,
-        product(kernel, &[rows, d.kv_heads, d.v_dim])?,
-    )?;
-    product(kernel, &[rows, d.heads, d.v_dim])?;
-    Ok(rows)
-}
-
 impl KernelSet {
     /// `Backend::attention_forward`: `out` (the dtype of the activations)
     /// and the f32 log-sum-exp of each (row, head) in `lse`.
@@ -138,21 +234,8 @@ impl KernelSet {
     ) -> Result<()> {
         let kn = "attention_forward";
         let AttentionInputs { q, k, v } = inputs;
-        let (qt, kt, vt) = (
-            float(kn, "q", &q)?,
-            float(kn, "k", &k)?,
-            float(kn, "v", &v)?,
-        );
-        exactly(kn, "lse", &lse, DType::F32)?;
-        let ot = float(kn, "out", &out)?;
-        let rows = validate(kn, dims, &q, &k, &v)?;
-        len(
-            kn,
-            "out",
-            &out,
-            product(kn, &[rows, dims.heads, dims.v_dim])?,
-        )?;
-        len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
+        let [qt, kt, vt, ot] = [q, k, v, out].map(|view| dtype_tag(view.dtype));
+        let rows = dims.tokens.batch * dims.tokens.seq;
         if rows == 0 || dims.heads == 0 {
             return Ok(());
         }
@@ -192,35 +275,14 @@ impl KernelSet {
     ) -> Result<()> {
         let kn = "attention_backward";
         let AttentionInputs { q, k, v } = inputs;
-        let (qt, kt, vt) = (
-            float(kn, "q", &q)?,
-            float(kn, "k", &k)?,
-            float(kn, "v", &v)?,
-        );
-        let (ot, gt) = (float(kn, "out", &out)?, float(kn, "dout", &dout)?);
-        exactly(kn, "lse", &lse, DType::F32)?;
+        let [qt, kt, vt, ot, gt] = [q, k, v, out, dout].map(|view| dtype_tag(view.dtype));
         let AttentionInputs {
             q: dq,
             k: dk,
             v: dv,
         } = grads;
-        let (dqt, dkt, dvt) = (
-            float(kn, "dq", &dq)?,
-            float(kn, "dk", &dk)?,
-            float(kn, "dv", &dv)?,
-        );
-        let rows = validate(kn, dims, &q, &k, &v)?;
-        len(
-            kn,
-            "out",
-            &out,
-            product(kn, &[rows, dims.heads, dims.v_dim])?,
-        )?;
-        len(kn, "dout", &dout, out.len)?;
-        len(kn, "lse", &lse, product(kn, &[rows, dims.heads])?)?;
-        len(kn, "grads.q", &dq, q.len)?;
-        len(kn, "grads.k", &dk, k.len)?;
-        len(kn, "grads.v", &dv, v.len)?;
+        let [dqt, dkt, dvt] = [dq, dk, dv].map(|view| dtype_tag(view.dtype));
+        let rows = dims.tokens.batch * dims.tokens.seq;
         if rows == 0 || dims.heads == 0 {
             return Ok(());
         }
@@ -632,7 +694,8 @@ impl KernelSet {
         acc_out: GpuView,
     ) -> Result<()> {
         let kn = "attention_forward";
-        let rows = check_operands(kn, dims, plan, &inputs, (&out, &lse), (scores, probs))?;
+        check_scratch(kn, dims, plan, scores, probs)?;
+        let rows = dims.tokens.batch * dims.tokens.seq;
         let AttentionInputs { q, k, v } = inputs;
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         accumulator(kn, "the output accumulator", &acc_out, lens.out)?;
@@ -686,12 +749,9 @@ impl KernelSet {
         acc: AttentionInputs<GpuView>,
     ) -> Result<()> {
         let kn = "attention_backward";
-        let rows = check_operands(kn, dims, plan, &inputs, (&out, &lse), (scores, probs))?;
+        check_scratch(kn, dims, plan, scores, probs)?;
+        let rows = dims.tokens.batch * dims.tokens.seq;
         let AttentionInputs { q, k, v } = inputs;
-        len(kn, "dout", &dout, out.len)?;
-        len(kn, "grads.q", &grads.q, q.len)?;
-        len(kn, "grads.k", &grads.k, k.len)?;
-        len(kn, "grads.v", &grads.v, v.len)?;
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         accumulator(kn, "the query accumulator", &acc.q, lens.q)?;
         accumulator(kn, "the key accumulator", &acc.k, lens.k)?;
@@ -814,30 +874,6 @@ fn accumulator(kernel: &str, name: &str, view: &GpuView, n: usize) -> Result<()>
     })
 }
 
-/// The checks both GEMM-path calls share: the inputs against `dims`, `out`
-/// and `lse` against the rows, and the scratch against the plan. Returns
-/// the rows.
-fn check_operands(
-    kn: &str,
-    dims: AttentionDims,
-    plan: AttentionGemmPlan,
-    inputs: &AttentionInputs<GpuView>,
-    (out, lse): (&GpuView, &GpuView),
-    (scores, probs): (GpuView, GpuView),
-) -> Result<usize> {
-    let rows = validate(kn, dims, &inputs.q, &inputs.k, &inputs.v)?;
-    exactly(kn, "lse", lse, DType::F32)?;
-    len(
-        kn,
-        "out",
-        out,
-        product(kn, &[rows, dims.heads, dims.v_dim])?,
-    )?;
-    len(kn, "lse", lse, product(kn, &[rows, dims.heads])?)?;
-    check_scratch(kn, dims, plan, scores, probs)?;
-    Ok(rows)
-}
-
 /// The scratch of a GEMM-path call: scores in f32 and probabilities in the
 /// plan's dtype, [`AttentionGemmPlan::scores_len`] and
 /// [`AttentionGemmPlan::probs_len`] elements.
@@ -866,4 +902,42 @@ fn check_scratch(
         &probs,
         plan.probs_len(dims),
     )
+}
+
+impl KernelSet {
+    fn rotary(
+        &self,
+        stream: &CudaStream,
+        k: &'static str,
+        x: GpuView,
+        d: RotaryDims,
+        sign: f32,
+    ) -> Result<()> {
+        let t = dtype_tag(x.dtype);
+        let rows = d.tokens.batch * d.tokens.seq;
+        if rows * d.heads * (d.dim / 2) == 0 {
+            return Ok(());
+        }
+        // A thread per (row, pair index); it rotates that pair of every head.
+        let angles = rows * (d.dim / 2);
+        let dims = [rows, d.tokens.seq, d.heads, d.head_stride, d.offset, d.dim].map(|v| v as u64);
+        let mut b = KernelArgs::new(stream, self.function("rotary")?);
+        b.arg(&x.ptr).arg(&t);
+        for v in &dims {
+            b.arg(v);
+        }
+        let interleaved = i32::from(d.pairing == RotaryPairing::Interleaved);
+        b.arg(&d.base).arg(&sign).arg(&interleaved);
+        self.go(k, &mut b, grid_for(angles))
+    }
+
+    /// `Backend::rotary_forward`, in place.
+    pub fn rotary_forward(&self, stream: &CudaStream, x: GpuView, d: RotaryDims) -> Result<()> {
+        self.rotary(stream, "rotary_forward", x, d, 1.0)
+    }
+
+    /// `Backend::rotary_backward`, in place.
+    pub fn rotary_backward(&self, stream: &CudaStream, dx: GpuView, d: RotaryDims) -> Result<()> {
+        self.rotary(stream, "rotary_backward", dx, d, -1.0)
+    }
 }

@@ -1410,8 +1410,8 @@ impl<'a> Call<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES;
     use crate::backend::Tokens;
+    use crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES;
 
     fn dims(batch: usize, seq: usize, chunk: usize) -> ScanDims {
         ScanDims {

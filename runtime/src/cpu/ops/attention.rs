@@ -1,45 +1,92 @@
 //! Causal softmax attention with grouped KV heads and separate q/k and v
-//! head dims. Forward keeps the log-sum-exp per (row, head); backward
+//! head dims: forward keeps the log-sum-exp per (row, head); backward
 //! recomputes the probabilities from it (the flash-attention split), so no
-//! `[seq, seq]` matrix outlives a call.
+//! `[seq, seq]` matrix outlives a call. And the rotary position embedding,
+//! in place on a channel block of every head, with positions counted from
+//! each sequence's start; rotate-half or interleaved pairs
+//! ([`RotaryPairing`](crate::backend::RotaryPairing)).
 
-use super::check;
-use crate::cpu::ops::dense::{axpy_row, dot};
-use crate::backend::{AttentionDims, AttentionInputs};
+use super::dense::{axpy_row, dot};
+use crate::backend::{AttentionDims, AttentionInputs, AttentionKernels, RotaryDims};
+use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
+use crate::view::{View, ViewMut};
 
-/// Checks every view; returns `rows`.
-fn validate(kernel: &str, dims: AttentionDims, inputs: &AttentionInputs<&[f32]>) -> Result<usize> {
-    let rows = dims.tokens.rows()?;
-    check::ensure(
-        dims.kv_heads > 0 && dims.heads.is_multiple_of(dims.kv_heads),
-        || {
-            format!(
-                "{kernel}: {} KV heads do not divide {} heads",
-                dims.kv_heads, dims.heads
-            )
-        },
-    )?;
-    check::len(
-        kernel,
-        "q",
-        inputs.q.len(),
-        check::product(kernel, &[rows, dims.heads, dims.qk_dim])?,
-    )?;
-    check::len(
-        kernel,
-        "k",
-        inputs.k.len(),
-        check::product(kernel, &[rows, dims.kv_heads, dims.qk_dim])?,
-    )?;
-    check::len(
-        kernel,
-        "v",
-        inputs.v.len(),
-        check::product(kernel, &[rows, dims.kv_heads, dims.v_dim])?,
-    )?;
-    check::product(kernel, &[rows, dims.heads, dims.v_dim])?;
-    Ok(rows)
+impl AttentionKernels<CpuBuf> for CpuBackend {
+    fn attention_forward_unchecked(
+        &self,
+        inputs: AttentionInputs<View<'_, CpuBuf>>,
+        out: ViewMut<'_, CpuBuf>,
+        lse: ViewMut<'_, CpuBuf>,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let k = self.access("attention_forward");
+        let (q, kk, v) = (
+            k.f32_in("q", inputs.q)?,
+            k.f32_in("k", inputs.k)?,
+            k.f32_in("v", inputs.v)?,
+        );
+        let lse = k.typed_out::<f32>("lse", lse)?;
+        attention_forward(
+            AttentionInputs {
+                q: &q,
+                k: &kk,
+                v: &v,
+            },
+            &mut k.f32_out("out", out)?,
+            lse,
+            dims,
+        );
+        Ok(())
+    }
+
+    fn attention_backward_unchecked(
+        &self,
+        inputs: AttentionInputs<View<'_, CpuBuf>>,
+        out: View<'_, CpuBuf>,
+        lse: View<'_, CpuBuf>,
+        dout: View<'_, CpuBuf>,
+        grads: AttentionInputs<ViewMut<'_, CpuBuf>>,
+        dims: AttentionDims,
+    ) -> Result<()> {
+        let k = self.access("attention_backward");
+        let (q, kk, v) = (
+            k.f32_in("q", inputs.q)?,
+            k.f32_in("k", inputs.k)?,
+            k.f32_in("v", inputs.v)?,
+        );
+        let (out, dout) = (k.f32_in("out", out)?, k.f32_in("dout", dout)?);
+        let lse = k.typed_in::<f32>("lse", lse)?;
+        attention_backward(
+            AttentionInputs {
+                q: &q,
+                k: &kk,
+                v: &v,
+            },
+            &out,
+            lse,
+            &dout,
+            AttentionInputs {
+                q: &mut k.f32_out("dq", grads.q)?,
+                k: &mut k.f32_out("dk", grads.k)?,
+                v: &mut k.f32_out("dv", grads.v)?,
+            },
+            dims,
+        );
+        Ok(())
+    }
+
+    fn rotary_forward_unchecked(&self, x: ViewMut<'_, CpuBuf>, dims: RotaryDims) -> Result<()> {
+        let k = self.access("rotary_forward");
+        rotary_forward(&mut k.f32_out("x", x)?, dims);
+        Ok(())
+    }
+
+    fn rotary_backward_unchecked(&self, dx: ViewMut<'_, CpuBuf>, dims: RotaryDims) -> Result<()> {
+        let k = self.access("rotary_backward");
+        rotary_backward(&mut k.f32_out("dx", dx)?, dims);
+        Ok(())
+    }
 }
 
 /// Row offsets of query head `j` at row `r`, and of its KV head.
@@ -80,11 +127,7 @@ pub fn attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
     dims: AttentionDims,
-) -> Result<()> {
-    let kn = "attention_forward";
-    let rows = validate(kn, dims, &inputs)?;
-    check::len(kn, "out", out.len(), rows * dims.heads * dims.v_dim)?;
-    check::len(kn, "lse", lse.len(), rows * dims.heads)?;
+) {
     let s = Strides::new(dims);
     let seq = dims.tokens.seq;
     let mut scores = vec![0.0f32; seq];
@@ -114,7 +157,6 @@ pub fn attention_forward(
             }
         }
     }
-    Ok(())
 }
 
 pub fn attention_backward(
@@ -124,15 +166,7 @@ pub fn attention_backward(
     dout: &[f32],
     grads: AttentionInputs<&mut [f32]>,
     dims: AttentionDims,
-) -> Result<()> {
-    let kn = "attention_backward";
-    let rows = validate(kn, dims, &inputs)?;
-    check::len(kn, "out", out.len(), rows * dims.heads * dims.v_dim)?;
-    check::len(kn, "dout", dout.len(), out.len())?;
-    check::len(kn, "lse", lse.len(), rows * dims.heads)?;
-    check::len(kn, "grads.q", grads.q.len(), inputs.q.len())?;
-    check::len(kn, "grads.k", grads.k.len(), inputs.k.len())?;
-    check::len(kn, "grads.v", grads.v.len(), inputs.v.len())?;
+) {
     let AttentionInputs {
         q: dq,
         k: dk,
@@ -164,7 +198,43 @@ pub fn attention_backward(
             }
         }
     }
-    Ok(())
+}
+
+// ---- rotary position embeddings ------------------------------------------------
+
+/// Rotates every pair by `sign * theta` (sign -1 is the inverse rotation).
+fn rotate(x: &mut [f32], dims: RotaryDims, sign: f32) {
+    let half = dims.dim / 2;
+    if half == 0 || dims.heads == 0 {
+        return;
+    }
+    // inv_freq_i = 1 / base^(2i/dim), as Megatron computes it in f32.
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / dims.base.powf((2 * i) as f32 / dims.dim as f32))
+        .collect();
+    let row_len = dims.heads * dims.head_stride;
+    for (r, row) in x.chunks_exact_mut(row_len).enumerate() {
+        let pos = (r % dims.tokens.seq) as f32;
+        for head in row.chunks_exact_mut(dims.head_stride) {
+            let block = &mut head[dims.offset..dims.offset + dims.dim];
+            for (i, &f) in inv_freq.iter().enumerate() {
+                let (sin, cos) = (pos * f).sin_cos();
+                let sin = sign * sin;
+                let (a, b) = dims.pairing.pair(i, dims.dim);
+                let (x1, x2) = (block[a], block[b]);
+                block[a] = x1 * cos - x2 * sin;
+                block[b] = x2 * cos + x1 * sin;
+            }
+        }
+    }
+}
+
+pub fn rotary_forward(x: &mut [f32], dims: RotaryDims) {
+    rotate(x, dims, 1.0);
+}
+
+pub fn rotary_backward(dx: &mut [f32], dims: RotaryDims) {
+    rotate(dx, dims, -1.0);
 }
 
 #[cfg(test)]
@@ -235,8 +305,7 @@ mod tests {
             &mut out,
             &mut lse,
             d,
-        )
-        .unwrap();
+        );
         for (a, b) in out.iter().zip(reference(&q, &k, &v, d)) {
             assert!((*a as f64 - b).abs() < 1e-5);
         }
@@ -258,8 +327,7 @@ mod tests {
             &dout,
             grads,
             d,
-        )
-        .unwrap();
+        );
         let loss = |q: &[f32], k: &[f32], v: &[f32]| -> f64 {
             reference(q, k, v, d)
                 .iter()
@@ -309,22 +377,87 @@ mod tests {
             &mut out,
             &mut lse,
             d,
-        )
-        .unwrap();
-        assert_eq!(out, vec![5.0, 6.0, 7.0]);
-        let bad = AttentionDims { kv_heads: 2, ..d };
-        assert!(
-            attention_forward(
-                AttentionInputs {
-                    q: &[1.0; 3],
-                    k: &[0.0; 3],
-                    v: &v
-                },
-                &mut out,
-                &mut lse,
-                bad
-            )
-            .is_err()
         );
+        assert_eq!(out, vec![5.0, 6.0, 7.0]);
+    }
+
+    mod rotary {
+        use super::super::*;
+        use crate::backend::attention::check_rotary_forward;
+        use crate::backend::{RotaryPairing, Tokens};
+        use crate::view::{DType, Operand};
+
+        fn dims() -> RotaryDims {
+            RotaryDims {
+                tokens: Tokens::new(2, 3),
+                heads: 2,
+                head_stride: 6,
+                offset: 2,
+                dim: 4,
+                base: 10_000.0,
+                pairing: RotaryPairing::RotateHalf,
+            }
+        }
+
+        /// Each pairing turns its pair (a, b) of the rotated channels by
+        /// `t * base^(-2i/dim)` and leaves the other channels: rotate-half
+        /// pairs channel i with i + dim/2; MLA's interleaved pairing
+        /// (Megatron's `mla_rotary_interleaved`) pairs 2i with 2i + 1.
+        #[test]
+        fn each_pairing_turns_its_pairs_and_leaves_other_channels() {
+            let x: Vec<f32> = (0..72).map(|i| (i as f32 * 0.3).cos()).collect();
+            for (pairing, pair) in [
+                (
+                    RotaryPairing::RotateHalf,
+                    (|i| (i, i + 2)) as fn(usize) -> (usize, usize),
+                ),
+                (RotaryPairing::Interleaved, |i| (2 * i, 2 * i + 1)),
+            ] {
+                let d = RotaryDims { pairing, ..dims() };
+                let mut y = x.clone();
+                rotary_forward(&mut y, d);
+                for r in 0..6 {
+                    let pos = (r % 3) as f64;
+                    for h in 0..2 {
+                        let base = (r * 2 + h) * 6;
+                        assert_eq!(&y[base..base + 2], &x[base..base + 2]);
+                        for i in 0..2 {
+                            let theta = pos * 10_000f64.powf(-(2.0 * i as f64) / 4.0);
+                            let (ia, ib) = pair(i);
+                            let (at, bt) = (base + 2 + ia, base + 2 + ib);
+                            let (a, b) = (x[at] as f64, x[bt] as f64);
+                            let want_a = a * theta.cos() - b * theta.sin();
+                            let want_b = b * theta.cos() + a * theta.sin();
+                            let why = format!("{pairing:?}: row {r} head {h} pair {i}");
+                            assert!((y[at] as f64 - want_a).abs() < 1e-5, "{why}");
+                            assert!((y[bt] as f64 - want_b).abs() < 1e-5, "{why}");
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn backward_is_the_transpose_of_forward() {
+            for pairing in [RotaryPairing::RotateHalf, RotaryPairing::Interleaved] {
+                transpose_holds(RotaryDims { pairing, ..dims() });
+            }
+        }
+
+        // <R x, g> == <x, R^T g> for random x and g.
+        fn transpose_holds(d: RotaryDims) {
+            let x: Vec<f32> = (0..72).map(|i| (i as f32 * 0.7).sin()).collect();
+            let g: Vec<f32> = (0..72).map(|i| (i as f32 * 1.1).cos()).collect();
+            let mut rx = x.clone();
+            rotary_forward(&mut rx, d);
+            let mut rtg = g.clone();
+            rotary_backward(&mut rtg, d);
+            let lhs: f64 = rx.iter().zip(&g).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let rhs: f64 = x.iter().zip(&rtg).map(|(a, b)| *a as f64 * *b as f64).sum();
+            assert!((lhs - rhs).abs() < 1e-4);
+            let (x, short) = (Operand::new(72, DType::F32), Operand::new(71, DType::F32));
+            assert!(check_rotary_forward(short, d).is_err());
+            assert!(check_rotary_forward(x, RotaryDims { offset: 3, ..d }).is_err());
+        }
     }
 }
