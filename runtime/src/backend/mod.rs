@@ -30,7 +30,7 @@ pub mod attention;
 pub mod conv;
 pub mod dense;
 pub mod layout;
-mod lookup;
+pub mod lookup;
 mod moe;
 pub mod norm;
 mod optim;
@@ -42,7 +42,7 @@ pub use attention::{
 pub use conv::{ConvDims, ConvKernels};
 pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
-pub use lookup::{IGNORE_TARGET, LookupDims, LossDims};
+pub use lookup::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
 pub use moe::{
     AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
     RouterScores, UnpermuteDims, UnpermuteGrads,
@@ -133,6 +133,7 @@ pub trait Backend:
     + ConvKernels<<Self as Backend>::Buf>
     + ScanKernels<<Self as Backend>::Buf>
     + AttentionKernels<<Self as Backend>::Buf>
+    + LookupKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -273,89 +274,7 @@ pub trait Backend:
 
     // ---- kernels: embedding and loss -------------------------------------------
 
-    /// `out[r] = table[ids[r]]`: `table` `[vocab, hidden]` (bf16 or f32),
-    /// `ids` u32 `[rows]`, `out` `[rows, hidden]` of the table's dtype. An id
-    /// at or past `vocab` is an error, and nothing is written.
-    fn embedding_forward(
-        &self,
-        table: Slice<'_, Self>,
-        ids: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        dims: LookupDims,
-    ) -> Result<()>;
-
-    /// `dtable[ids[r]] += dout[r]`, rows in order (deterministic: every
-    /// backend adds each id's rows in row order).
-    /// `dout` bf16 or f32, `ids` u32, `dtable` bf16 or f32 (f32 when it is a
-    /// gradient accumulator). A bad id is an error and nothing is added.
-    fn embedding_backward(
-        &self,
-        dout: Slice<'_, Self>,
-        ids: Slice<'_, Self>,
-        dtable: SliceMut<'_, Self>,
-        dims: LookupDims,
-    ) -> Result<()>;
-
-    /// Softmax cross-entropy in f32, in place: `logits` f32 `[rows, vocab]`
-    /// becomes the probabilities `softmax(logits)`; `losses` f32 `[rows]`
-    /// gets `logsumexp(logits_r) - logits_r[targets[r]]`, or exactly 0 where
-    /// `targets[r] == IGNORE_TARGET`, so the plain sum of `losses` is the
-    /// masked sum. `targets` is u32 `[rows]`; a target at or past `vocab`
-    /// (other than [`IGNORE_TARGET`]) is an error.
-    fn cross_entropy_forward(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        losses: SliceMut<'_, Self>,
-        dims: LossDims,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::cross_entropy_forward`] for loss `scale *
-    /// sum_r losses[r]`, in place on f32 `probs` `[rows, vocab]`: they become
-    /// `scale * (p - onehot(target))`, and rows with an ignored target 0.
-    /// `targets` is u32 `[rows]`.
-    fn cross_entropy_backward(
-        &self,
-        probs: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        scale: f32,
-        dims: LossDims,
-    ) -> Result<()>;
-
-    /// The losses of [`Backend::cross_entropy_forward`] without the
-    /// probabilities, from f32 or bf16 `logits` (widened to f32): `logits`
-    /// are left unspecified. The head's forward calls it (a GPU reads each
-    /// row once and writes no probabilities).
-    fn cross_entropy_loss(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        losses: SliceMut<'_, Self>,
-        dims: LossDims,
-    ) -> Result<()>;
-
-    /// [`Backend::cross_entropy_forward`] then
-    /// [`Backend::cross_entropy_backward`] without the losses: the gradient
-    /// of the loss `scale * sum_r losses[r]` with respect to `logits`
-    /// `[rows, vocab]` (f32, or bf16 widened to f32: the head's logits in
-    /// the compute dtype), the same values those two compute on the widened
-    /// logits. With `out` (`[rows, vocab]`, f32 or bf16) the gradients are
-    /// written there, rounded once, and `logits` are left unspecified;
-    /// without it they replace the logits, rounded once to their dtype.
-    /// With `losses` (`[rows]` f32), each row's loss too, as
-    /// [`Backend::cross_entropy_loss`] gives it. The head calls it
-    /// once a chunk (a GPU reads each row once, with no f32 probabilities in
-    /// between): its forward with the losses, keeping the gradients for the
-    /// backward, or its backward, recomputing them.
-    fn cross_entropy_gradient(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        scale: f32,
-        out: Option<SliceMut<'_, Self>>,
-        losses: Option<SliceMut<'_, Self>>,
-        dims: LossDims,
-    ) -> Result<()>;
+    lookup::lookup_methods!();
 
     // ---- kernels: mixture of experts -------------------------------------------
     // Routing state is f32 (logits, scores, weights, the softmax sums) and

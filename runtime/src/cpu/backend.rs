@@ -9,9 +9,9 @@ use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, Backend, DeviceStats, ExpertBias, ExpertOrder, LookupDims,
-    LossDims, Precision, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep,
-    Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    AdamMoments, AdamStep, AuxLossDims, Backend, DeviceStats, ExpertBias, ExpertOrder, Precision,
+    ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Slice, SliceMut,
+    UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -249,108 +249,6 @@ impl Backend for CpuBackend {
     fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
         let k = self.access("zero");
         k.bytes_out(dst)?.fill(0);
-        Ok(())
-    }
-
-    fn embedding_forward(
-        &self,
-        table: Slice<'_, Self>,
-        ids: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        dims: LookupDims,
-    ) -> Result<()> {
-        let k = self.access("embedding_forward");
-        same_dtype(k.kernel(), ("table", table.dtype()), ("out", out.dtype()))?;
-        let (table, ids) = (k.f32_in("table", table)?, k.typed_in::<u32>("ids", ids)?);
-        kernels::embedding_forward(&table, ids, &mut k.f32_out("out", out)?, dims)
-    }
-
-    fn embedding_backward(
-        &self,
-        dout: Slice<'_, Self>,
-        ids: Slice<'_, Self>,
-        dtable: SliceMut<'_, Self>,
-        dims: LookupDims,
-    ) -> Result<()> {
-        let k = self.access("embedding_backward");
-        let (dout, ids) = (k.f32_in("dout", dout)?, k.typed_in::<u32>("ids", ids)?);
-        kernels::embedding_backward(&dout, ids, &mut k.f32_out("dtable", dtable)?, dims)
-    }
-
-    fn cross_entropy_forward(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        losses: SliceMut<'_, Self>,
-        dims: LossDims,
-    ) -> Result<()> {
-        let k = self.access("cross_entropy_forward");
-        let targets = k.typed_in::<u32>("targets", targets)?;
-        kernels::cross_entropy_forward(
-            k.typed_out::<f32>("logits", logits)?,
-            targets,
-            k.typed_out::<f32>("losses", losses)?,
-            dims,
-        )
-    }
-
-    fn cross_entropy_backward(
-        &self,
-        probs: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        scale: f32,
-        dims: LossDims,
-    ) -> Result<()> {
-        let k = self.access("cross_entropy_backward");
-        let targets = k.typed_in::<u32>("targets", targets)?;
-        kernels::cross_entropy_backward(k.typed_out::<f32>("probs", probs)?, targets, scale, dims)
-    }
-
-    fn cross_entropy_loss(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        losses: SliceMut<'_, Self>,
-        dims: LossDims,
-    ) -> Result<()> {
-        let k = self.access("cross_entropy_loss");
-        let targets = k.typed_in::<u32>("targets", targets)?;
-        // bf16 logits are widened; the probabilities rounded back into them
-        // are unspecified.
-        kernels::cross_entropy_loss(
-            &mut k.f32_out("logits", logits)?,
-            targets,
-            k.typed_out::<f32>("losses", losses)?,
-            dims,
-        )
-    }
-
-    fn cross_entropy_gradient(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        scale: f32,
-        out: Option<SliceMut<'_, Self>>,
-        losses: Option<SliceMut<'_, Self>>,
-        dims: LossDims,
-    ) -> Result<()> {
-        let k = self.access("cross_entropy_gradient");
-        let targets = k.typed_in::<u32>("targets", targets)?;
-        // bf16 logits are widened (and the gradients computed in place are
-        // rounded back into them once).
-        let mut logits = k.f32_out("logits", logits)?;
-        let losses = match losses {
-            Some(l) => Some(k.typed_out::<f32>("losses", l)?),
-            None => None,
-        };
-        let Some(out) = out else {
-            return kernels::cross_entropy_gradient(&mut logits, targets, scale, losses, dims);
-        };
-        same_len(k.kernel(), logits.len(), out.len())?;
-        let mut out = k.f32_out("out", out)?;
-        kernels::cross_entropy_gradient(&mut logits, targets, scale, losses, dims)?;
-        // A bf16 `out` is rounded once, as a cast of the f32 gradients.
-        out.copy_from_slice(&logits);
         Ok(())
     }
 
@@ -689,87 +587,6 @@ mod tests {
         );
     }
 
-    #[test]
-    fn token_ids_and_targets_are_u32_device_views() {
-        let b = CpuBackend::default();
-        let dims = LookupDims {
-            vocab: 3,
-            hidden: 2,
-        };
-        let table = buf(&b, 6, DType::F32);
-        b.upload(
-            &[0.0f32, 1.0, 10.0, 11.0, 20.0, 21.0],
-            ViewMut::whole(&table),
-        )
-        .unwrap();
-        let ids = buf(&b, 2, DType::U32);
-        b.upload(&[2u32, 0], ViewMut::whole(&ids)).unwrap();
-        let out = buf(&b, 4, DType::F32);
-        b.embedding_forward(
-            View::whole(&table),
-            View::whole(&ids),
-            ViewMut::whole(&out),
-            dims,
-        )
-        .unwrap();
-        let mut host = [0.0f32; 4];
-        b.download(View::whole(&out), &mut host).unwrap();
-        assert_eq!(host, [20.0, 21.0, 0.0, 1.0]);
-        let float_ids = buf(&b, 2, DType::F32);
-        refused(
-            b.embedding_forward(
-                View::whole(&table),
-                View::whole(&float_ids),
-                ViewMut::whole(&out),
-                dims,
-            ),
-            "embedding_forward",
-            "ids",
-        );
-        refused(
-            b.embedding_backward(
-                View::whole(&out),
-                View::whole(&float_ids),
-                ViewMut::whole(&table),
-                dims,
-            ),
-            "embedding_backward",
-            "ids",
-        );
-        let bf16_out = buf(&b, 4, DType::Bf16);
-        refused(
-            b.embedding_forward(
-                View::whole(&table),
-                View::whole(&ids),
-                ViewMut::whole(&bf16_out),
-                dims,
-            ),
-            "embedding_forward",
-            "out",
-        );
-        let loss_dims = LossDims { rows: 2, vocab: 2 };
-        let (losses, float_targets) = (buf(&b, 2, DType::F32), buf(&b, 2, DType::F32));
-        refused(
-            b.cross_entropy_forward(
-                ViewMut::whole(&out),
-                View::whole(&float_targets),
-                ViewMut::whole(&losses),
-                loss_dims,
-            ),
-            "cross_entropy_forward",
-            "targets",
-        );
-        refused(
-            b.cross_entropy_backward(
-                ViewMut::whole(&out),
-                View::whole(&float_targets),
-                1.0,
-                loss_dims,
-            ),
-            "cross_entropy_backward",
-            "targets",
-        );
-    }
 
     #[test]
     fn accumulate_sum_takes_floats_into_one_f64() {

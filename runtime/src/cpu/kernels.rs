@@ -8,14 +8,9 @@
 //! and no kernel uses threads, so equal inputs give equal bits.
 
 mod check;
-mod lookup;
 mod moe;
 mod optim;
 
-pub use lookup::{
-    cross_entropy_backward, cross_entropy_forward, cross_entropy_gradient, cross_entropy_loss,
-    embedding_backward, embedding_forward,
-};
 pub use moe::{
     gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_combine, moe_expert_counts,
     moe_expert_major_order, moe_route_backward, moe_route_forward, moe_sort_by_expert,

@@ -16,12 +16,11 @@ use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
 use super::launch::{ATTENTION_GEMM_SCRATCH_BYTES, GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES};
 use super::ops::attention_flash::flash_attention_takes;
-use super::ops::lookup::EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
 use super::queue::QueueSet;
 use crate::backend::{
     AdamMoments, AdamStep, AttentionDims, AuxLossDims, Backend, DeviceStats, ExpertBias,
-    ExpertOrder, LookupDims, LossDims, Precision, ReceivedDims, RouteDims, RouteOutputs,
-    RoutedSlots, RouterScores, SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    ExpertOrder, Precision, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
+    SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -528,93 +527,6 @@ impl Backend for CudaBackend {
 
     fn zero(&self, dst: SliceMut<'_, Self>) -> Result<()> {
         self.k().zero(self.s(), self.m(&dst))
-    }
-
-    fn embedding_forward(
-        &self,
-        table: Slice<'_, Self>,
-        ids: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        dims: LookupDims,
-    ) -> Result<()> {
-        self.k()
-            .embedding_forward(self.s(), self.v(table), self.v(ids), self.m(&out), dims)
-    }
-
-    fn embedding_backward(
-        &self,
-        dout: Slice<'_, Self>,
-        ids: Slice<'_, Self>,
-        dtable: SliceMut<'_, Self>,
-        dims: LookupDims,
-    ) -> Result<()> {
-        let ids = self.v(ids);
-        // The rows' order by id, from the arena (a repeated step allocates
-        // nothing).
-        let scratch_len = ids.len * EMBEDDING_BACKWARD_SCRATCH_PER_ROW;
-        let scratch = self.alloc_uninit(scratch_len, DType::U32)?;
-        let scratch = GpuView::new(scratch.device_ptr(), scratch_len, DType::U32);
-        self.k()
-            .embedding_backward(self.s(), self.v(dout), ids, self.m(&dtable), scratch, dims)
-    }
-
-    fn cross_entropy_forward(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        losses: SliceMut<'_, Self>,
-        dims: LossDims,
-    ) -> Result<()> {
-        self.k().cross_entropy_forward(
-            self.s(),
-            self.m(&logits),
-            self.v(targets),
-            self.m(&losses),
-            dims,
-        )
-    }
-
-    fn cross_entropy_backward(
-        &self,
-        probs: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        scale: f32,
-        dims: LossDims,
-    ) -> Result<()> {
-        self.k()
-            .cross_entropy_backward(self.s(), self.m(&probs), self.v(targets), scale, dims)
-    }
-
-    fn cross_entropy_loss(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        losses: SliceMut<'_, Self>,
-        dims: LossDims,
-    ) -> Result<()> {
-        self.k().cross_entropy_loss(
-            self.s(),
-            self.m(&logits),
-            self.v(targets),
-            self.m(&losses),
-            dims,
-        )
-    }
-
-    fn cross_entropy_gradient(
-        &self,
-        logits: SliceMut<'_, Self>,
-        targets: Slice<'_, Self>,
-        scale: f32,
-        out: Option<SliceMut<'_, Self>>,
-        losses: Option<SliceMut<'_, Self>>,
-        dims: LossDims,
-    ) -> Result<()> {
-        let from = self.m(&logits);
-        let into = out.as_ref().map_or(from, |o| self.m(o));
-        let losses = losses.as_ref().map(|l| self.m(l));
-        self.k()
-            .cross_entropy_gradient(self.s(), from, self.v(targets), scale, into, losses, dims)
     }
 
     fn moe_route_forward(

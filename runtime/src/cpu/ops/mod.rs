@@ -12,5 +12,21 @@ pub mod attention;
 pub mod conv;
 pub mod dense;
 pub mod layout;
+pub mod lookup;
 pub mod norm;
 pub mod scan;
+
+use crate::error::Result;
+use crate::view::ensure;
+
+/// `x` as a row index below `rows`, or an error naming `what`: the range
+/// checks of index data (token ids, targets, selected experts, positions),
+/// which only the data itself can fail. The CPU makes them before a loop
+/// writes anything; a GPU's kernels report them through its fault word.
+pub(crate) fn index(kernel: &str, what: &str, x: u32, rows: usize) -> Result<usize> {
+    let i = x as usize;
+    ensure(i < rows, || {
+        format!("{kernel}: {what} {x} is out of range (there are {rows})")
+    })?;
+    Ok(i)
+}

@@ -21,8 +21,8 @@ pub(crate) mod tensor_map;
 
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, ExpertBias, LossDims, ReceivedDims, RouteDims, RoutedSlots,
-    SgdStep, UnpermuteDims,
+    AdamMoments, AdamStep, AuxLossDims, ExpertBias, ReceivedDims, RouteDims, RoutedSlots, SgdStep,
+    UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -231,10 +231,6 @@ pub(crate) fn as_u32(kernel: &str, what: &str, n: usize) -> Result<u32> {
 pub(crate) fn setup_error(what: impl fmt::Display) -> RuntimeError {
     RuntimeError::Unsupported(format!("the CUDA kernels could not be set up: {what}"))
 }
-
-/// The block of `cross_entropy_loss` and `cross_entropy_gradient` (a row
-/// each; `LOSS_THREADS` in `cross_entropy.cu`).
-const LOSS_THREADS: u32 = 256;
 
 /// The compiled sources loaded on one device: the modules (kept alive for
 /// their functions) and every kernel entry point by name.
@@ -578,169 +574,6 @@ impl KernelSet {
     // ---- rotary, head splits --------------------------------------------------------
 
     // ---- loss -------------------------------------------------------------------------
-
-    /// `name`: the f32 matrix's argument name in the `Backend` method
-    /// (`logits` or `probs`), which errors use.
-    fn check_loss(
-        (k, name): (&str, &str),
-        probs: &GpuView,
-        targets: &GpuView,
-        d: LossDims,
-    ) -> Result<()> {
-        exactly(k, name, probs, DType::F32)?;
-        Self::check_logits((k, name), probs, targets, d).map(|_| ())
-    }
-
-    /// The head's logits (f32, or bf16: the compute dtype; `name` as in
-    /// [`KernelSet::check_loss`]) and targets; gives the logits' dtype tag.
-    fn check_logits(
-        (k, name): (&str, &str),
-        logits: &GpuView,
-        targets: &GpuView,
-        d: LossDims,
-    ) -> Result<i32> {
-        let dtype = float(k, name, logits)?;
-        exactly(k, "targets", targets, DType::U32)?;
-        len(k, name, logits, product(k, &[d.rows, d.vocab])?)?;
-        len(k, "targets", targets, d.rows)?;
-        Ok(dtype)
-    }
-
-    /// Whether the loss kernels take bf16 `logits` (and `out`, f32 or
-    /// bf16, where they write one) 8 a 16-byte word: `words8`'s rule.
-    fn logit_words(logits: &GpuView, out: Option<&GpuView>, d: LossDims) -> i32 {
-        let aligned = match out {
-            Some(out) => words8(&[*logits, *out], d.vocab),
-            None => words8(&[*logits], d.vocab),
-        };
-        i32::from(logits.dtype == DType::Bf16 && aligned)
-    }
-
-    /// `losses`: f32, one a row.
-    fn check_losses(k: &str, losses: &GpuView, d: LossDims) -> Result<()> {
-        exactly(k, "losses", losses, DType::F32)?;
-        len(k, "losses", losses, d.rows)
-    }
-
-    /// `Backend::cross_entropy_forward`, in place.
-    pub fn cross_entropy_forward(
-        &self,
-        stream: &CudaStream,
-        logits: GpuView,
-        targets: GpuView,
-        losses: GpuView,
-        d: LossDims,
-    ) -> Result<()> {
-        let k = "cross_entropy_forward";
-        Self::check_loss((k, "logits"), &logits, &targets, d)?;
-        Self::check_losses(k, &losses, d)?;
-        if d.vocab == 0 || d.rows == 0 {
-            return Ok(());
-        }
-        let vocab = d.vocab as u64;
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&logits.ptr)
-            .arg(&targets.ptr)
-            .arg(&losses.ptr)
-            .arg(&vocab)
-            .arg(&self.fault_ptr);
-        self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
-    }
-
-    /// `Backend::cross_entropy_backward`, in place.
-    pub fn cross_entropy_backward(
-        &self,
-        stream: &CudaStream,
-        probs: GpuView,
-        targets: GpuView,
-        scale: f32,
-        d: LossDims,
-    ) -> Result<()> {
-        let k = "cross_entropy_backward";
-        Self::check_loss((k, "probs"), &probs, &targets, d)?;
-        if d.vocab == 0 || d.rows == 0 {
-            return Ok(());
-        }
-        let vocab = d.vocab as u64;
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&probs.ptr)
-            .arg(&targets.ptr)
-            .arg(&scale)
-            .arg(&vocab)
-            .arg(&self.fault_ptr);
-        self.go(k, &mut b, per_item(d.rows, reduce_threads(d.vocab, 1024))?)
-    }
-
-    /// `Backend::cross_entropy_gradient`: the gradients of `logits` (f32
-    /// or bf16, read only) into `out` (f32 or bf16, `[rows, vocab]`; it may
-    /// be `logits` itself), and with `losses` each row's loss.
-    #[allow(clippy::too_many_arguments)]
-    pub fn cross_entropy_gradient(
-        &self,
-        stream: &CudaStream,
-        logits: GpuView,
-        targets: GpuView,
-        scale: f32,
-        out: GpuView,
-        losses: Option<GpuView>,
-        d: LossDims,
-    ) -> Result<()> {
-        let k = "cross_entropy_gradient";
-        let logits_dtype = Self::check_logits((k, "logits"), &logits, &targets, d)?;
-        let out_dtype = float(k, "out", &out)?;
-        len(k, "out", &out, logits.len)?;
-        if let Some(losses) = &losses {
-            Self::check_losses(k, losses, d)?;
-        }
-        if d.vocab == 0 || d.rows == 0 {
-            return Ok(());
-        }
-        let vocab = d.vocab as u64;
-        let words = Self::logit_words(&logits, Some(&out), d);
-        // A null pointer: no losses.
-        let losses = losses.map_or(0u64, |l| l.ptr);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&logits.ptr)
-            .arg(&logits_dtype)
-            .arg(&words)
-            .arg(&targets.ptr)
-            .arg(&scale)
-            .arg(&out.ptr)
-            .arg(&out_dtype)
-            .arg(&losses)
-            .arg(&vocab)
-            .arg(&self.fault_ptr);
-        self.go(k, &mut b, per_item(d.rows, LOSS_THREADS)?)
-    }
-
-    /// `Backend::cross_entropy_loss`: the losses of f32 or bf16 `logits`,
-    /// which it only reads.
-    pub fn cross_entropy_loss(
-        &self,
-        stream: &CudaStream,
-        logits: GpuView,
-        targets: GpuView,
-        losses: GpuView,
-        d: LossDims,
-    ) -> Result<()> {
-        let k = "cross_entropy_loss";
-        let logits_dtype = Self::check_logits((k, "logits"), &logits, &targets, d)?;
-        Self::check_losses(k, &losses, d)?;
-        if d.vocab == 0 || d.rows == 0 {
-            return Ok(());
-        }
-        let vocab = d.vocab as u64;
-        let words = Self::logit_words(&logits, None, d);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&logits.ptr)
-            .arg(&logits_dtype)
-            .arg(&words)
-            .arg(&targets.ptr)
-            .arg(&losses.ptr)
-            .arg(&vocab)
-            .arg(&self.fault_ptr);
-        self.go(k, &mut b, per_item(d.rows, LOSS_THREADS)?)
-    }
 
     // ---- mixture of experts ---------------------------------------------------------
 

@@ -1,10 +1,115 @@
 //! Token embedding lookup and its deterministic scatter-add, and the softmax
-//! cross-entropy of the output head.
+//! cross-entropy of the output head. Ids and targets are data: the loops
+//! check each one's range before writing anything.
 
-use super::check;
-use crate::cpu::ops::dense::axpy_row;
-use crate::backend::{IGNORE_TARGET, LookupDims, LossDims};
+use super::dense::axpy_row;
+use super::index;
+use crate::backend::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
+use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
+use crate::view::{View, ViewMut};
+
+impl LookupKernels<CpuBuf> for CpuBackend {
+    fn embedding_forward_unchecked(
+        &self,
+        table: View<'_, CpuBuf>,
+        ids: View<'_, CpuBuf>,
+        out: ViewMut<'_, CpuBuf>,
+        dims: LookupDims,
+    ) -> Result<()> {
+        let k = self.access("embedding_forward");
+        let (table, ids) = (k.f32_in("table", table)?, k.typed_in::<u32>("ids", ids)?);
+        embedding_forward(&table, ids, &mut k.f32_out("out", out)?, dims)
+    }
+
+    fn embedding_backward_unchecked(
+        &self,
+        dout: View<'_, CpuBuf>,
+        ids: View<'_, CpuBuf>,
+        dtable: ViewMut<'_, CpuBuf>,
+        dims: LookupDims,
+    ) -> Result<()> {
+        let k = self.access("embedding_backward");
+        let (dout, ids) = (k.f32_in("dout", dout)?, k.typed_in::<u32>("ids", ids)?);
+        embedding_backward(&dout, ids, &mut k.f32_out("dtable", dtable)?, dims)
+    }
+
+    fn cross_entropy_forward_unchecked(
+        &self,
+        logits: ViewMut<'_, CpuBuf>,
+        targets: View<'_, CpuBuf>,
+        losses: ViewMut<'_, CpuBuf>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let k = self.access("cross_entropy_forward");
+        let targets = k.typed_in::<u32>("targets", targets)?;
+        cross_entropy_forward(
+            k.typed_out::<f32>("logits", logits)?,
+            targets,
+            k.typed_out::<f32>("losses", losses)?,
+            dims,
+        )
+    }
+
+    fn cross_entropy_backward_unchecked(
+        &self,
+        probs: ViewMut<'_, CpuBuf>,
+        targets: View<'_, CpuBuf>,
+        scale: f32,
+        dims: LossDims,
+    ) -> Result<()> {
+        let k = self.access("cross_entropy_backward");
+        let targets = k.typed_in::<u32>("targets", targets)?;
+        cross_entropy_backward(k.typed_out::<f32>("probs", probs)?, targets, scale, dims)
+    }
+
+    fn cross_entropy_loss_unchecked(
+        &self,
+        logits: ViewMut<'_, CpuBuf>,
+        targets: View<'_, CpuBuf>,
+        losses: ViewMut<'_, CpuBuf>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let k = self.access("cross_entropy_loss");
+        let targets = k.typed_in::<u32>("targets", targets)?;
+        // bf16 logits are widened; the probabilities rounded back into them
+        // are unspecified.
+        cross_entropy_loss(
+            &mut k.f32_out("logits", logits)?,
+            targets,
+            k.typed_out::<f32>("losses", losses)?,
+            dims,
+        )
+    }
+
+    fn cross_entropy_gradient_unchecked(
+        &self,
+        logits: ViewMut<'_, CpuBuf>,
+        targets: View<'_, CpuBuf>,
+        scale: f32,
+        out: Option<ViewMut<'_, CpuBuf>>,
+        losses: Option<ViewMut<'_, CpuBuf>>,
+        dims: LossDims,
+    ) -> Result<()> {
+        let k = self.access("cross_entropy_gradient");
+        let targets = k.typed_in::<u32>("targets", targets)?;
+        // bf16 logits are widened (and the gradients computed in place are
+        // rounded back into them once).
+        let mut logits = k.f32_out("logits", logits)?;
+        let losses = match losses {
+            Some(l) => Some(k.typed_out::<f32>("losses", l)?),
+            None => None,
+        };
+        let Some(out) = out else {
+            return cross_entropy_gradient(&mut logits, targets, scale, losses, dims);
+        };
+        let mut out = k.f32_out("out", out)?;
+        cross_entropy_gradient(&mut logits, targets, scale, losses, dims)?;
+        // A bf16 `out` is rounded once, as a cast of the f32 gradients.
+        out.copy_from_slice(&logits);
+        Ok(())
+    }
+}
 
 pub fn embedding_forward(
     table: &[f32],
@@ -13,22 +118,10 @@ pub fn embedding_forward(
     dims: LookupDims,
 ) -> Result<()> {
     let kn = "embedding_forward";
-    check::len(
-        kn,
-        "table",
-        table.len(),
-        check::product(kn, &[dims.vocab, dims.hidden])?,
-    )?;
-    check::len(
-        kn,
-        "out",
-        out.len(),
-        check::product(kn, &[ids.len(), dims.hidden])?,
-    )?;
     // Every id checked before any row is written: a refused call writes
     // nothing (the trait's promise).
     for &id in ids {
-        check::index(kn, "token id", id, dims.vocab)?;
+        index(kn, "token id", id, dims.vocab)?;
     }
     if dims.hidden == 0 {
         return Ok(());
@@ -46,20 +139,8 @@ pub fn embedding_backward(
     dims: LookupDims,
 ) -> Result<()> {
     let kn = "embedding_backward";
-    check::len(
-        kn,
-        "dtable",
-        dtable.len(),
-        check::product(kn, &[dims.vocab, dims.hidden])?,
-    )?;
-    check::len(
-        kn,
-        "dout",
-        dout.len(),
-        check::product(kn, &[ids.len(), dims.hidden])?,
-    )?;
     for &id in ids {
-        check::index(kn, "token id", id, dims.vocab)?;
+        index(kn, "token id", id, dims.vocab)?;
     }
     if dims.hidden == 0 {
         return Ok(());
@@ -75,10 +156,9 @@ pub fn embedding_backward(
 }
 
 fn validate_targets(kernel: &str, targets: &[u32], dims: LossDims) -> Result<()> {
-    check::len(kernel, "targets", targets.len(), dims.rows)?;
     for &t in targets {
         if t != IGNORE_TARGET {
-            check::index(kernel, "target", t, dims.vocab)?;
+            index(kernel, "target", t, dims.vocab)?;
         }
     }
     Ok(())
@@ -136,15 +216,6 @@ fn softmax_rows(
     mut losses: Option<&mut [f32]>,
     dims: LossDims,
 ) -> Result<()> {
-    check::len(
-        kn,
-        "logits",
-        logits.len(),
-        check::product(kn, &[dims.rows, dims.vocab])?,
-    )?;
-    if let Some(losses) = losses.as_deref() {
-        check::len(kn, "losses", losses.len(), dims.rows)?;
-    }
     validate_targets(kn, targets, dims)?;
     if dims.vocab == 0 {
         return Ok(());
@@ -179,12 +250,6 @@ fn gradient_rows(
     scale: f32,
     dims: LossDims,
 ) -> Result<()> {
-    check::len(
-        kn,
-        "probs",
-        probs.len(),
-        check::product(kn, &[dims.rows, dims.vocab])?,
-    )?;
     validate_targets(kn, targets, dims)?;
     if dims.vocab == 0 {
         return Ok(());
@@ -205,6 +270,8 @@ fn gradient_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Backend;
+    use crate::view::DType;
 
     #[test]
     fn embedding_gathers_and_scatters_in_row_order() {
@@ -277,5 +344,99 @@ mod tests {
             );
         }
         assert!(cross_entropy_forward(&mut probs, &[4, 0, 0], &mut losses, dims).is_err());
+    }
+
+    #[test]
+    fn token_ids_and_targets_are_u32_device_views() {
+        let b = CpuBackend::default();
+        let dims = LookupDims {
+            vocab: 3,
+            hidden: 2,
+        };
+        let table = buf(&b, 6, DType::F32);
+        b.upload(
+            &[0.0f32, 1.0, 10.0, 11.0, 20.0, 21.0],
+            ViewMut::whole(&table),
+        )
+        .unwrap();
+        let ids = buf(&b, 2, DType::U32);
+        b.upload(&[2u32, 0], ViewMut::whole(&ids)).unwrap();
+        let out = buf(&b, 4, DType::F32);
+        b.embedding_forward(
+            View::whole(&table),
+            View::whole(&ids),
+            ViewMut::whole(&out),
+            dims,
+        )
+        .unwrap();
+        let mut host = [0.0f32; 4];
+        b.download(View::whole(&out), &mut host).unwrap();
+        assert_eq!(host, [20.0, 21.0, 0.0, 1.0]);
+        let float_ids = buf(&b, 2, DType::F32);
+        refused(
+            b.embedding_forward(
+                View::whole(&table),
+                View::whole(&float_ids),
+                ViewMut::whole(&out),
+                dims,
+            ),
+            "embedding_forward",
+            "ids",
+        );
+        refused(
+            b.embedding_backward(
+                View::whole(&out),
+                View::whole(&float_ids),
+                ViewMut::whole(&table),
+                dims,
+            ),
+            "embedding_backward",
+            "ids",
+        );
+        let bf16_out = buf(&b, 4, DType::Bf16);
+        refused(
+            b.embedding_forward(
+                View::whole(&table),
+                View::whole(&ids),
+                ViewMut::whole(&bf16_out),
+                dims,
+            ),
+            "embedding_forward",
+            "out",
+        );
+        let loss_dims = LossDims { rows: 2, vocab: 2 };
+        let (losses, float_targets) = (buf(&b, 2, DType::F32), buf(&b, 2, DType::F32));
+        refused(
+            b.cross_entropy_forward(
+                ViewMut::whole(&out),
+                View::whole(&float_targets),
+                ViewMut::whole(&losses),
+                loss_dims,
+            ),
+            "cross_entropy_forward",
+            "targets",
+        );
+        refused(
+            b.cross_entropy_backward(
+                ViewMut::whole(&out),
+                View::whole(&float_targets),
+                1.0,
+                loss_dims,
+            ),
+            "cross_entropy_backward",
+            "targets",
+        );
+    }
+
+    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
+        b.alloc(len, dtype).unwrap()
+    }
+
+    fn refused(result: Result<()>, kernel: &str, arg: &str) {
+        let err = result.unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
+            "{err}"
+        );
     }
 }
