@@ -16,6 +16,7 @@ use hybridgen_runtime::data::{
     BatchKey, BatchShape, IndexedDataset, IndexedSource, IndexedSpec, IndexedWriter, SampleLayout,
     Split, TokenDtype, UPFRONT_TOKEN_SCAN, Xoshiro256,
 };
+use hybridgen_runtime::setting::SettingSpelling;
 use std::time::Instant;
 
 fn rate(n: u64, seconds: f64) -> String {
@@ -74,15 +75,24 @@ fn main() {
     let shape = BatchShape::new(8, 4096);
     let spec = IndexedSpec {
         blend: vec![(1.0, prefix.clone())],
-        split: Split::parse("99,1,0").expect("split"),
+        split: Split::parse("99,1,0", SettingSpelling::FIELDS).expect("split"),
     };
     let layout = SampleLayout {
         ranks: 1,
         micro_batches: 1,
     };
     let started = Instant::now();
-    let source = IndexedSource::open(&spec, 50_000, 0, shape, layout, true, UPFRONT_TOKEN_SCAN)
-        .expect("source");
+    let source = IndexedSource::open(
+        &spec,
+        50_000,
+        0,
+        shape,
+        layout,
+        true,
+        UPFRONT_TOKEN_SCAN,
+        SettingSpelling::FIELDS,
+    )
+    .expect("source");
     let source = hybridgen_runtime::data::DataSource::Indexed(std::sync::Arc::new(source));
     println!(
         "source open     {:>8.2} s  (every check, the token scan included)",

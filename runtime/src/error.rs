@@ -1,6 +1,6 @@
 //! Runtime errors: each says what failed, where (rank, lane, layer), and what
 //! to do about it. [`RuntimeError::code`] gives each kind a stable name for
-//! tools (`hybridgen train --format json` prints it).
+//! tools (the command line's JSON output prints it).
 
 /// Anything that can stop a training run.
 #[derive(Debug, Clone, thiserror::Error)]

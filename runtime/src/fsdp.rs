@@ -5,9 +5,9 @@
 //! compute-precision parameters that get all-gathered, and of the f32
 //! gradients accumulated over micro-batches.
 //!
-//! Buffer dtypes follow Megatron's mixed precision (`--bf16` with its
+//! Buffer dtypes follow Megatron's mixed precision (bf16 with its
 //! default fp32 `main_grad`): what all-gathers move and layers read is in
-//! the compute dtype (bf16, or f32 under `--precision f32`); every gradient
+//! the compute dtype (bf16, or f32 under `Precision::F32`); every gradient
 //! buffer is f32, because gradients are accumulated over micro-batches and
 //! reduce-scattered in f32 and never rounded to bf16 on the way:
 //!

@@ -29,6 +29,7 @@ use crate::device::{Device, EventOf, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout, Sharding};
 use crate::lane::{Event, Label, Lane};
+use crate::setting::{Setting, SettingSpelling};
 use crate::view::DType;
 use hybridgen_dsl::Plan;
 use hybridgen_dsl::plan::Bucket;
@@ -67,7 +68,7 @@ pub struct OptimizerConfig {
 }
 
 /// How the learning rate decays after the warm-up (Megatron's
-/// `--lr-decay-style`).
+/// `lr_decay_style`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LrDecayStyle {
@@ -84,7 +85,7 @@ pub enum LrDecayStyle {
 }
 
 /// The shape of a WSD schedule's final decay (Megatron's
-/// `--lr-wsd-decay-style`).
+/// `lr_wsd_decay_style`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WsdDecayStyle {
@@ -104,7 +105,7 @@ pub struct LrSchedule {
     /// The rate the decay ends at, and stays at after `decay_steps`.
     pub min_lr: f32,
     /// The step the decay ends at, counted from the start (warm-up
-    /// included), as Megatron's `--lr-decay-iters`.
+    /// included), as Megatron's `lr_decay_iters`.
     pub decay_steps: u64,
     /// WSD only: the steps of the final decay.
     pub wsd_decay_steps: u64,
@@ -157,13 +158,15 @@ impl Default for OptimizerConfig {
 }
 
 impl OptimizerConfig {
-    /// Refuses hyper-parameters that cannot train, naming the field and the
-    /// accepted range.
-    pub fn validate(&self) -> Result<()> {
+    /// Refuses hyper-parameters that cannot train, naming the setting (as
+    /// `spelling` spells it) and the accepted range.
+    pub fn validate(&self, spelling: SettingSpelling) -> Result<()> {
         let bad = |what: String| Err(RuntimeError::Unsupported(what));
+        let name = |setting| spelling.name(setting);
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!(
-                "the learning rate (lr) is {}; it must be a finite number above 0 (e.g. 3e-3)",
+                "the learning rate ({}) is {}; it must be a finite number above 0 (e.g. 3e-3)",
+                name(Setting::Lr),
                 self.lr
             ));
         }
@@ -192,36 +195,44 @@ impl OptimizerConfig {
             && !(c.is_finite() && c > 0.0)
         {
             return bad(format!(
-                "the gradient clip (clip_grad) is {c}; it must be a finite norm above 0, or \
-                 None to turn clipping off"
+                "the gradient clip ({}) is {c}; it must be a finite norm above 0, or \
+                 None to turn clipping off",
+                name(Setting::ClipGrad)
             ));
         }
         let s = &self.schedule;
         if !(s.min_lr.is_finite() && s.min_lr >= 0.0 && s.min_lr <= self.lr) {
             return bad(format!(
-                "the minimum learning rate (--min-lr) is {}; it must be a finite number from 0 \
-                 to the peak rate --lr {}",
+                "the minimum learning rate ({}) is {}; it must be a finite number from 0 \
+                 to the peak rate {}",
+                name(Setting::MinLr),
                 number(s.min_lr),
-                number(self.lr)
+                spelling.given(Setting::Lr, number(self.lr))
             ));
         }
         if s.decay_style != LrDecayStyle::Constant && s.decay_steps <= self.warmup_steps {
             return bad(format!(
-                "the learning rate decays until step {} (--lr-decay-steps), which must come \
-                 after the {} warm-up steps (--warmup); give --lr-decay-steps above {}",
-                s.decay_steps, self.warmup_steps, self.warmup_steps
+                "the learning rate decays until step {} ({}), which must come \
+                 after the {} warm-up steps ({}); give {} above {}",
+                s.decay_steps,
+                name(Setting::LrDecaySteps),
+                self.warmup_steps,
+                name(Setting::Warmup),
+                name(Setting::LrDecaySteps),
+                self.warmup_steps
             ));
         }
         if s.decay_style == LrDecayStyle::Wsd
             && !(1..=s.decay_steps - self.warmup_steps).contains(&s.wsd_decay_steps)
         {
             return bad(format!(
-                "the WSD schedule decays over the last {} steps (--lr-wsd-decay-steps); give 1 \
-                 to {} (the steps from the end of the warm-up, {}, to --lr-decay-steps {})",
+                "the WSD schedule decays over the last {} steps ({}); give 1 \
+                 to {} (the steps from the end of the warm-up, {}, to {})",
                 s.wsd_decay_steps,
+                name(Setting::LrWsdDecaySteps),
                 s.decay_steps - self.warmup_steps,
                 self.warmup_steps,
-                s.decay_steps
+                spelling.given(Setting::LrDecaySteps, s.decay_steps)
             ));
         }
         Ok(())
@@ -348,6 +359,8 @@ pub struct Optimizer<D: Device> {
     buckets: Arc<Vec<BucketLayout<D::Backend>>>,
     /// The engine's shard layout: where the norm's pieces are.
     layout: ShardLayout,
+    /// How a divergence's advice names the settings.
+    spelling: SettingSpelling,
 }
 
 /// The ZeRO-3 layout of `layout`'s ranks: where the norm's pieces are,
@@ -404,8 +417,9 @@ impl<D: Device> Optimizer<D> {
         plan: Arc<Plan>,
         engine: &FsdpEngine<D>,
         rank: &RankContext<D>,
+        spelling: SettingSpelling,
     ) -> Result<Self> {
-        config.validate()?;
+        config.validate(spelling)?;
         let backend = &rank.backend;
         let mut states = Vec::new();
         let mut buckets = Vec::new();
@@ -437,6 +451,7 @@ impl<D: Device> Optimizer<D> {
             states,
             buckets: Arc::new(buckets),
             layout: engine.layout(),
+            spelling,
         })
     }
 
@@ -526,15 +541,16 @@ impl<D: Device> Optimizer<D> {
     /// The error that stops a run whose step `steps + 1` produced the
     /// non-finite `quantity`: names it, the first parameter whose value or
     /// gradient is non-finite, the settings that matter (learning rate,
-    /// clipping, a resumed checkpoint), and the causes that fit them.
-    /// Collective: every rank calls it (the quantity is the same on every
-    /// rank) and gets the same message.
+    /// clipping, a resumed checkpoint, spelled as the run spells them), and
+    /// the causes that fit them. Collective: every rank calls it (the
+    /// quantity is the same on every rank) and gets the same message.
     pub fn divergence(
         &self,
         engine: &FsdpEngine<D>,
         rank: &RankContext<D>,
         quantity: NonFinite,
     ) -> Result<RuntimeError> {
+        let spelling = self.spelling;
         let step = self.steps + 1;
         let [bad_value, bad_grad] = self.first_non_finite(engine, rank)?;
         let name = |at: Option<(usize, usize)>| {
@@ -579,15 +595,18 @@ impl<D: Device> Optimizer<D> {
         // No update ran since the weights were made or loaded: the learning
         // rate cannot be the cause.
         let first_step = step == self.resumed_at.unwrap_or(0) + 1;
+        let lr_setting = spelling.name(Setting::Lr);
         let lower_lr = match self.config.clip_grad {
             None => format!(
-                "lower the learning rate (--lr, {lr} at this step), or turn gradient clipping \
-                 on (--clip-grad 1)"
+                "lower the learning rate ({lr_setting}, {lr} at this step), or turn gradient clipping \
+                 on ({})",
+                spelling.given(Setting::ClipGrad, 1)
             ),
             Some(c) => format!(
-                "lower the learning rate (--lr, {lr} at this step) or warm it up (--warmup): \
+                "lower the learning rate ({lr_setting}, {lr} at this step) or warm it up ({}): \
                  clipping at {c} bounds the gradient, not how far each update moves the \
-                 weights"
+                 weights",
+                spelling.name(Setting::Warmup)
             ),
         };
         let cause = match (bad_value.is_some(), first_step, self.resumed_at) {
@@ -852,15 +871,24 @@ mod tests {
         let refused = |edit: &dyn Fn(&mut OptimizerConfig)| {
             let mut config = OptimizerConfig::default();
             edit(&mut config);
-            config.validate().unwrap_err().to_string()
+            config
+                .validate(SettingSpelling::FIELDS)
+                .unwrap_err()
+                .to_string()
         };
-        assert!(refused(&|c| c.lr = f32::NEG_INFINITY).contains("learning rate (lr) is -inf"));
+        assert!(
+            refused(&|c| c.lr = f32::NEG_INFINITY)
+                .contains("learning rate (config.optimizer.lr) is -inf")
+        );
         assert!(refused(&|c| c.lr = 0.0).contains("above 0"));
         assert!(refused(&|c| c.weight_decay = -0.1).contains("weight decay is -0.1"));
         assert!(refused(&|c| c.weight_decay = f32::NAN).contains("weight decay is NaN"));
         for clip in [f32::NAN, -1.0, 0.0, f32::INFINITY] {
             let message = refused(&|c| c.clip_grad = Some(clip));
-            assert!(message.contains("gradient clip (clip_grad)"), "{message}");
+            assert!(
+                message.contains("gradient clip (config.optimizer.clip_grad)"),
+                "{message}"
+            );
             assert!(message.contains("None to turn clipping off"), "{message}");
         }
         assert!(refused(&|c| c.beta1 = f32::NAN).contains("betas"));
@@ -868,7 +896,7 @@ mod tests {
             clip_grad: None,
             ..OptimizerConfig::default()
         };
-        off.validate().unwrap();
+        off.validate(SettingSpelling::FIELDS).unwrap();
     }
 
     /// One rank of a tiny `*-` model whose parameter `poisoned` (if any) is
@@ -892,7 +920,14 @@ mod tests {
             Ok(())
         };
         let engine = FsdpEngine::new(plan.clone(), Sharding::Zero3, &rank, 2, 1, &init).unwrap();
-        let optimizer = Optimizer::new(config, plan.clone(), &engine, &rank).unwrap();
+        let optimizer = Optimizer::new(
+            config,
+            plan.clone(),
+            &engine,
+            &rank,
+            SettingSpelling::FIELDS,
+        )
+        .unwrap();
         (rank, engine, optimizer, plan)
     }
 
@@ -987,7 +1022,7 @@ mod tests {
         assert!(message.contains("the MTP loss is NaN"), "{message}");
         assert!(message.contains("no gradient clipping"), "{message}");
         assert!(
-            message.contains("turn gradient clipping on (--clip-grad 1)"),
+            message.contains("turn gradient clipping on (config.optimizer.clip_grad = 1)"),
             "{message}"
         );
         assert!(
@@ -1052,7 +1087,7 @@ mod tests {
         ];
         for (style, wsd, step, want) in cases {
             let config = scheduled(style, wsd);
-            config.validate().unwrap();
+            config.validate(SettingSpelling::FIELDS).unwrap();
             close(
                 config.lr_at(step),
                 want,
@@ -1079,14 +1114,17 @@ mod tests {
         let refused = |f: &dyn Fn(&mut OptimizerConfig)| {
             let mut c = scheduled(LrDecayStyle::Wsd, WsdDecayStyle::Linear);
             f(&mut c);
-            c.validate().unwrap_err().to_string()
+            c.validate(SettingSpelling::FIELDS).unwrap_err().to_string()
         };
-        assert!(refused(&|c| c.schedule.min_lr = 2.0).contains("--min-lr) is 2"));
-        assert!(refused(&|c| c.schedule.min_lr = f32::NAN).contains("--min-lr"));
+        assert!(refused(&|c| c.schedule.min_lr = 2.0).contains("min_lr) is 2"));
+        assert!(refused(&|c| c.schedule.min_lr = f32::NAN).contains("schedule.min_lr"));
         assert!(
-            refused(&|c| c.schedule.decay_steps = 10).contains("give --lr-decay-steps above 10")
+            refused(&|c| c.schedule.decay_steps = 10)
+                .contains("give config.optimizer.schedule.decay_steps above 10")
         );
         assert!(refused(&|c| c.schedule.wsd_decay_steps = 0).contains("give 1 to 100"));
-        assert!(refused(&|c| c.schedule.wsd_decay_steps = 101).contains("--lr-wsd-decay-steps"));
+        assert!(
+            refused(&|c| c.schedule.wsd_decay_steps = 101).contains("schedule.wsd_decay_steps")
+        );
     }
 }

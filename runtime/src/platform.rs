@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::error::RuntimeError;
 use crate::lane::thread::{CpuLane, LaneConfig};
 use crate::rendezvous::Launch;
+use crate::setting::{Setting, SettingSpelling};
 use crate::trace::TraceRecorder;
 use std::ops::Range;
 use std::sync::Arc;
@@ -70,7 +71,7 @@ pub enum Transport {
     Nccl,
     /// The GPUs' copy engines, between the ranks of one process
     /// ([`crate::cuda::peer_copy`]): all-gathers and all-to-alls take no
-    /// SMs, and ranks may share a GPU (`--ranks` above the GPUs puts them
+    /// SMs, and ranks may share a GPU (more ranks than GPUs puts them
     /// round-robin), which runs the multi-rank code on one GPU.
     Copy,
 }
@@ -107,7 +108,7 @@ pub trait OnPlatform {
     fn run<P: Platform>(self, platform: &P) -> Self::Output;
 }
 
-/// Which device a run asks for (`--device`).
+/// Which device a run asks for ([`Setting::Device`]).
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
 )]
@@ -135,18 +136,19 @@ impl std::fmt::Display for DeviceChoice {
 /// The device a run takes, and how it was started.
 #[derive(Clone, Debug)]
 pub enum ChosenDevice {
-    /// The CPU; with `--device auto`, why no GPU was taken.
+    /// The CPU; with [`DeviceChoice::Auto`], why no GPU was taken.
     Cpu { no_gpu: Option<String> },
     /// GPUs, as `probe` found them, started as `launch` says.
     Cuda { info: GpuInfo, launch: Launch },
 }
 
 impl ChosenDevice {
-    /// What was taken and why, for people (`--device auto` says which).
+    /// What was taken and why, for people ([`DeviceChoice::Auto`] says
+    /// which).
     pub fn describe(&self) -> String {
         match self {
             ChosenDevice::Cpu { no_gpu: None } => "the CPU".into(),
-            // The reason is `--device cuda`'s error; here it would only be
+            // The reason is `DeviceChoice::Cuda`'s error; here it would only be
             // noise on every machine without a GPU.
             ChosenDevice::Cpu { no_gpu: Some(_) } => "the CPU (no usable GPU)".into(),
             ChosenDevice::Cuda { info, launch } => {
@@ -191,8 +193,9 @@ impl ChosenDevice {
 
 /// Resolves `choice`: probes for a usable GPU (driver, device, compute
 /// capability, NVRTC, cuBLAS) unless the CPU was asked for, and reads the
-/// launcher's variables for a GPU run.
-pub fn choose_device(choice: DeviceChoice) -> Result<ChosenDevice> {
+/// launcher's variables for a GPU run. A refusal names the setting as
+/// `spelling` spells it.
+pub fn choose_device(choice: DeviceChoice, spelling: SettingSpelling) -> Result<ChosenDevice> {
     if choice == DeviceChoice::Cpu {
         return Ok(ChosenDevice::Cpu { no_gpu: None });
     }
@@ -206,7 +209,7 @@ pub fn choose_device(choice: DeviceChoice) -> Result<ChosenDevice> {
         }),
         Err(why) => Err(RuntimeError::Device {
             device: "cuda".into(),
-            message: format!("--device cuda: {why}"),
+            message: format!("{}: {why}", spelling.given(Setting::Device, "cuda")),
         }),
     }
 }

@@ -1,4 +1,4 @@
-//! Activation recomputation (Megatron's `--recompute-granularity full`):
+//! Activation recomputation (Megatron's full recompute granularity):
 //! a recomputed layer keeps only its input from its forward, and its
 //! backward runs the forward again from that input before it starts.
 //! Activations then grow with one `[tokens, hidden]` input a layer instead
@@ -31,7 +31,7 @@ pub enum Recompute {
     Full,
     /// The first `n` layers that can recompute (every kind but `E`), counted
     /// over the decoder's layers in order and then each MTP depth's
-    /// (Megatron's `--recompute-method block --recompute-num-layers n`);
+    /// (Megatron's `block` recompute method with `n` layers);
     /// `n` past their count is all of them.
     Layers(usize),
     /// The `n` layers that can recompute and keep the most: every layer of

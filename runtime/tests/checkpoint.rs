@@ -5,10 +5,11 @@
 //! allocation or a silent load.
 
 use hybridgen_dsl::ModelConfig;
-use hybridgen_runtime::checkpoint::{self, ResumeFrom, RunSetting};
+use hybridgen_runtime::checkpoint::{self, ResumeFrom};
 use hybridgen_runtime::fsdp::ShardLayout;
 use hybridgen_runtime::optimizer::OptimizerKind;
 use hybridgen_runtime::recompute::Recompute;
+use hybridgen_runtime::setting::Setting;
 use hybridgen_runtime::train::{StepReport, TrainConfig, memory_need, prepare, train};
 use safetensors::SafeTensors;
 use serde_json::{Value, json};
@@ -267,14 +268,14 @@ fn settings_left_to_the_checkpoint_are_taken_from_it() {
     c.seq_length = 32;
     c.optimizer.lr = 0.1;
     c.resume = Some(ResumeFrom::Dir(dir.clone()));
-    c.from_checkpoint = RunSetting::ALL.into_iter().collect();
+    c.from_checkpoint = Setting::ALL.into_iter().collect();
     let prepared = hybridgen_runtime::train::prepare(&c).unwrap();
     let inherited = &prepared.checkpoints.resume.as_ref().unwrap().inherited;
     for setting in [
-        "--seed 7",
-        "--micro-batches 2",
-        "--seq-len 16",
-        "--lr 0.003",
+        "config.seed = 7",
+        "config.micro_batches = 2",
+        "config.seq_length = 16",
+        "config.optimizer.lr = 0.003",
     ] {
         assert!(inherited.iter().any(|s| s == setting), "{inherited:?}");
     }
@@ -287,7 +288,7 @@ fn settings_left_to_the_checkpoint_are_taken_from_it() {
     let err = train(&c, &mut |_| panic!("no step may run"))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("--seed 0 contradicts"), "{err}");
+    assert!(err.contains("config.seed is 0 but"), "{err}");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
 
@@ -304,13 +305,13 @@ fn a_layout_left_out_is_the_checkpoints_where_it_fits() {
     let mut c = config();
     c.steps = 3;
     c.resume = Some(ResumeFrom::Dir(root.clone()));
-    c.from_checkpoint = [RunSetting::Ranks, RunSetting::Ep].into();
+    c.from_checkpoint = [Setting::Ranks, Setting::Ep].into();
     let prepared = hybridgen_runtime::train::prepare(&c).unwrap();
     assert_eq!((prepared.config.ranks, prepared.config.ep), (4, 4));
     drop(prepared);
     // Two ranks given: ep 4 cannot divide them, so this run's ep 2 stays.
     c.ranks = 2;
-    c.from_checkpoint = [RunSetting::Ep].into();
+    c.from_checkpoint = [Setting::Ep].into();
     let prepared = hybridgen_runtime::train::prepare(&c).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((prepared.config.ranks, prepared.config.ep), (2, 2));
     drop(prepared);
@@ -416,7 +417,7 @@ fn an_async_save_needs_a_root_and_host_memory_for_its_copy() {
     c.save = None;
     c.save_every = None;
     let err = prepare(&c).err().unwrap().to_string();
-    assert!(err.contains("give --save"), "{err}");
+    assert!(err.contains("give config.save"), "{err}");
 
     c.save = Some(root.clone());
     let plan = prepare(&c).unwrap().plan;
@@ -432,8 +433,8 @@ fn an_async_save_needs_a_root_and_host_memory_for_its_copy() {
     let need = memory_need(&c, &plan).unwrap().total;
     c.memory_available = Some(need + copies - 1);
     let err = prepare(&c).err().unwrap().to_string();
-    assert!(err.contains("--async-save keeps a copy"), "{err}");
-    assert!(err.contains("leave out --async-save"), "{err}");
+    assert!(err.contains("config.async_save keeps a copy"), "{err}");
+    assert!(err.contains("leave out config.async_save"), "{err}");
     assert!(!root.exists(), "a refused run made its save root");
     c.memory_available = Some(need + copies);
     prepare(&c).unwrap();

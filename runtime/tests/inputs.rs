@@ -254,7 +254,7 @@ fn divergence_says_what_went_non_finite_and_why_for_these_settings() {
     assert!(message.contains("no gradient clipping"), "{message}");
     assert!(message.contains("learning rate 1e30"), "{message}");
     assert!(
-        message.contains("turn gradient clipping on (--clip-grad 1)"),
+        message.contains("turn gradient clipping on (config.optimizer.clip_grad = 1)"),
         "{message}"
     );
     // Weights that overflow before any update: not the learning rate.

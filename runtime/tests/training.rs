@@ -825,7 +825,7 @@ fn impossible_layouts_are_refused_before_work_starts() {
     let err = train(&c, &mut |_| panic!("no step may run"))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("not divisible by --ep 2"), "{err}");
+    assert!(err.contains("not divisible by config.ep = 2"), "{err}");
     let mut c = config("[*E][*E]");
     c.ranks = 3;
     c.ep = 3;

@@ -7,7 +7,7 @@ use clap::ArgMatches;
 use clap::parser::ValueSource;
 use hybridgen_dsl::plan::UnitFilter;
 use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
-use hybridgen_runtime::checkpoint::{ResumeFrom, RunSetting};
+use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::data::{DataChoice, IndexedSpec, Split};
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::optimizer::{
@@ -16,6 +16,7 @@ use hybridgen_runtime::optimizer::{
 use hybridgen_runtime::platform::{ChosenDevice, DeviceChoice, Transport, choose_device};
 use hybridgen_runtime::recompute::Recompute;
 use hybridgen_runtime::schedule::ScheduleKind;
+use hybridgen_runtime::setting::{Setting, SettingSpelling};
 use hybridgen_runtime::train::{
     MAX_TIMEOUT, StepReport, TrainConfig, TrainSummary, prepare_on, train_prepared,
 };
@@ -354,7 +355,7 @@ fn min_lr(value: &str) -> Result<f32, String> {
 }
 
 fn split_arg(value: &str) -> Result<Split, String> {
-    Split::parse(value)
+    Split::parse(value, SPELLING)
 }
 
 fn weight_decay(value: &str) -> Result<f32, String> {
@@ -485,8 +486,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
             ))?,
             _ => {}
         }
-        let model_inherited =
-            resume.is_some() && config.from_checkpoint.contains(&RunSetting::Model);
+        let model_inherited = resume.is_some() && config.from_checkpoint.contains(&Setting::Model);
         super::emit(&format!(
             "training {} ({}) on {}, {} rank{}, ep {}, {} schedule, ZeRO-{}, {}, {}{} steps of {} tokens\n",
             config.model.pattern,
@@ -633,44 +633,104 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
     }
 }
 
+/// The flag that gives each setting: how the runtime's messages spell the
+/// settings for `hybridgen train` ([`SPELLING`]). The few settings without
+/// a flag keep their configuration field's name.
+const FLAGS: &[(Setting, &str)] = &[
+    (Setting::Model, "--preset, --model and --pattern"),
+    (Setting::Seed, "--seed"),
+    (Setting::Data, "--data"),
+    (Setting::MicroBatches, "--micro-batches"),
+    (Setting::MicroBatchSize, "--micro-batch-size"),
+    (Setting::SeqLength, "--seq-len"),
+    (Setting::Optimizer, "--optimizer"),
+    (Setting::Lr, "--lr"),
+    (Setting::Warmup, "--warmup"),
+    (Setting::WeightDecay, "--weight-decay"),
+    (Setting::ClipGrad, "--clip-grad"),
+    (Setting::LrSchedule, "--lr-decay-style"),
+    (Setting::Ranks, "--ranks"),
+    (Setting::Ep, "--ep"),
+    (Setting::Sharding, "--zero"),
+    (Setting::Schedule, "--schedule"),
+    (Setting::Precision, "--precision"),
+    (Setting::Pattern, "--pattern"),
+    (Setting::Pp, "--pp"),
+    (Setting::MinLr, "--min-lr"),
+    (Setting::LrDecaySteps, "--lr-decay-steps"),
+    (Setting::LrWsdDecaySteps, "--lr-wsd-decay-steps"),
+    (Setting::DataPath, "--data-path"),
+    (Setting::Split, "--split"),
+    (Setting::Save, "--save"),
+    (Setting::SaveEvery, "--save-every"),
+    (Setting::KeepLast, "--keep-last"),
+    (Setting::AsyncSave, "--async-save"),
+    (Setting::Resume, "--resume"),
+    (Setting::InitFrom, "--init-from"),
+    (Setting::Trace, "--trace"),
+    (Setting::EvalEvery, "--eval-every"),
+    (Setting::EvalSteps, "--eval-steps"),
+    (Setting::Device, "--device"),
+];
+
+/// The runtime's messages for `hybridgen train` name settings by flag.
+pub(crate) const SPELLING: SettingSpelling = SettingSpelling::flags(FLAGS);
+
 /// The `TrainArgs` fields (clap's argument ids) that set each setting.
-fn arg_ids(setting: RunSetting) -> &'static [&'static str] {
+fn arg_ids(setting: Setting) -> &'static [&'static str] {
     match setting {
-        RunSetting::Model => &["preset", "model", "pattern"],
-        RunSetting::Seed => &["seed"],
-        RunSetting::Data => &["data", "data_path", "split"],
-        RunSetting::MicroBatches => &["micro_batches"],
-        RunSetting::MicroBatchSize => &["micro_batch_size"],
-        RunSetting::SeqLength => &["seq_len"],
-        RunSetting::Optimizer => &["optimizer"],
-        RunSetting::Lr => &["lr"],
-        RunSetting::Warmup => &["warmup"],
-        RunSetting::WeightDecay => &["weight_decay"],
-        RunSetting::ClipGrad => &["clip_grad"],
-        RunSetting::LrSchedule => &[
+        Setting::Model => &["preset", "model", "pattern"],
+        Setting::Seed => &["seed"],
+        Setting::Data => &["data", "data_path", "split"],
+        Setting::MicroBatches => &["micro_batches"],
+        Setting::MicroBatchSize => &["micro_batch_size"],
+        Setting::SeqLength => &["seq_len"],
+        Setting::Optimizer => &["optimizer"],
+        Setting::Lr => &["lr"],
+        Setting::Warmup => &["warmup"],
+        Setting::WeightDecay => &["weight_decay"],
+        Setting::ClipGrad => &["clip_grad"],
+        Setting::LrSchedule => &[
             "lr_decay_style",
             "min_lr",
             "lr_decay_steps",
             "lr_wsd_decay_steps",
             "lr_wsd_decay_style",
         ],
-        RunSetting::Beta1 | RunSetting::Beta2 | RunSetting::Eps | RunSetting::Momentum => &[],
-        RunSetting::Ranks => &["ranks"],
-        RunSetting::Ep => &["ep"],
-        RunSetting::Sharding => &["zero"],
-        RunSetting::Schedule => &["schedule"],
-        RunSetting::Precision => &["precision"],
+        Setting::Beta1 | Setting::Beta2 | Setting::Eps | Setting::Momentum | Setting::Pp => &[],
+        Setting::Ranks => &["ranks"],
+        Setting::Ep => &["ep"],
+        Setting::Sharding => &["zero"],
+        Setting::Schedule => &["schedule"],
+        Setting::Precision => &["precision"],
+        Setting::Pattern => &["pattern"],
+        Setting::MinLr => &["min_lr"],
+        Setting::LrDecaySteps => &["lr_decay_steps"],
+        Setting::LrWsdDecaySteps => &["lr_wsd_decay_steps"],
+        Setting::DataPath => &["data_path"],
+        Setting::Split => &["split"],
+        Setting::Save => &["save"],
+        Setting::SaveEvery => &["save_every"],
+        Setting::KeepLast => &["keep_last"],
+        Setting::AsyncSave => &["async_save"],
+        Setting::Resume => &["resume"],
+        Setting::InitFrom => &["init_from"],
+        Setting::Trace => &["trace"],
+        Setting::EvalEvery => &["eval_every"],
+        Setting::EvalSteps => &["eval_steps"],
+        Setting::Device => &["device"],
     }
 }
 
-/// The settings whose flags the user left out: a resume takes them from
-/// its checkpoint. Without the matches, every flag counts as given.
-fn left_out(matches: Option<&ArgMatches>) -> BTreeSet<RunSetting> {
+/// The settings whose flags the user left out: a resume takes those it
+/// records from its checkpoint. Without the matches, every flag counts as
+/// given.
+fn left_out(matches: Option<&ArgMatches>) -> BTreeSet<Setting> {
     let Some(matches) = matches else {
         return BTreeSet::new();
     };
     let given = |id: &&str| matches.value_source(id) == Some(ValueSource::CommandLine);
-    RunSetting::ALL
+    Setting::ALL
         .into_iter()
         .filter(|s| !arg_ids(*s).iter().any(given))
         .collect()
@@ -698,6 +758,7 @@ fn config(
         )?,
     };
     let mut config = TrainConfig::new(model);
+    config.spelling = SPELLING;
     config.init_from = weights;
     // The device first: the defaults of --ranks, --ep and --precision
     // depend on it. The run takes the same one (`prepare_on`), so the GPUs
@@ -707,7 +768,7 @@ fn config(
         DeviceArg::Cpu => DeviceChoice::Cpu,
         DeviceArg::Cuda => DeviceChoice::Cuda,
     };
-    let device = choose_device(config.device).map_err(|e| Failure::Coded {
+    let device = choose_device(config.device, SPELLING).map_err(|e| Failure::Coded {
         code: e.code(),
         message: e.to_string(),
         json: args.format == FormatArg::Json,
@@ -760,7 +821,8 @@ fn config(
     };
     config.data = match args.data.as_str() {
         _ if !args.data_path.is_empty() => DataChoice::Indexed(
-            IndexedSpec::parse(&args.data_path, args.split.clone()).map_err(Failure::Message)?,
+            IndexedSpec::parse(&args.data_path, args.split.clone(), SPELLING)
+                .map_err(Failure::Message)?,
         ),
         "synthetic" => DataChoice::Synthetic,
         "" => {

@@ -26,7 +26,7 @@ pub const FAILPOINT_ENV: &str = "HYBRIDGEN_FAILPOINT";
 
 /// Every failpoint, in the order a run reaches them: creating the root,
 /// taking its lock, then each save (each rank's file, the index, the step
-/// directory, `latest`, and `--keep-last`'s removal of old steps).
+/// directory, `latest`, and `keep_last`'s removal of old steps).
 pub const FAILPOINTS: &[&str] = &[
     "root-marker-write",
     "root-marker-fsync",

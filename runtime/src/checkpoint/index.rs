@@ -14,6 +14,7 @@ use super::run::RunState;
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
 use crate::schedule::ScheduleKind;
+use crate::setting::{Setting, SettingSpelling};
 use hybridgen_dsl::{ModelConfig, Plan};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -206,12 +207,14 @@ impl CheckpointIndex {
     /// Checks the index against the plan of the run that loads it: the same
     /// pattern and dimensions, and exactly the plan's tensors with the
     /// plan's shapes.
-    pub fn check_fits(&self, plan: &Plan, dir: &Path) -> Result<()> {
+    /// `spelling` names the model's settings in a refusal.
+    pub fn check_fits(&self, plan: &Plan, dir: &Path, spelling: SettingSpelling) -> Result<()> {
         let refuse = |m: String| Err(RuntimeError::Unsupported(m));
+        let model = spelling.name(Setting::Model);
         if self.pattern != plan.pattern.canonical() {
             return refuse(format!(
-                "the checkpoint in {} is of pattern {} but this run trains {}; leave out --preset, --model and \
-                 --pattern to train the checkpoint's model, or give the ones that wrote it",
+                "the checkpoint in {} is of pattern {} but this run trains {}; leave out {model} \
+                 to train the checkpoint's model, or give the ones that wrote it",
                 dir.display(),
                 self.pattern,
                 plan.pattern.canonical()
@@ -221,8 +224,8 @@ impl CheckpointIndex {
         theirs.pattern = plan.model.pattern.clone();
         if theirs != plan.model {
             return refuse(format!(
-                "the checkpoint in {} was written for other model dimensions; leave out --preset, --model and \
-                 --pattern to train the checkpoint's model, or give the model file or preset that wrote it",
+                "the checkpoint in {} was written for other model dimensions; leave out {model} \
+                 to train the checkpoint's model, or give the model file or preset that wrote it",
                 dir.display()
             ));
         }
@@ -285,7 +288,7 @@ pub fn read_index(dir: &Path) -> Result<CheckpointIndex> {
     let err = |m: String| RuntimeError::io(path.display(), m);
     let file = std::fs::File::open(&path).map_err(|e| {
         err(format!(
-            "{e} (is {} a checkpoint written by `hybridgen train --save`?)",
+            "{e} (is {} a checkpoint a training run saved?)",
             dir.display()
         ))
     })?;

@@ -13,12 +13,12 @@
 //!
 //! Rank files are written a chunk at a time and read a tensor at a time
 //! (`stream`), so saving takes the host memory of a chunk and resuming that
-//! of a few tensors, not of the rank's state; or, with `--async-save`, they
+//! of a few tensors, not of the rank's state; or, with `async_save`, they
 //! are written from a host copy behind the steps (`save`). A resume reads each byte once, a tensor ahead of the uploads:
 //! the index vouches for each tensor's own checksum, checked as the tensor
 //! is read.
 //!
-//! Modules: [`root`] (the root's layout, `latest`, the lock, `--keep-last`),
+//! Modules: [`root`] (the root's layout, `latest`, the lock, `keep_last`),
 //! [`index`] (the index, its seal and its range checks), [`run`] (the run's
 //! state and how a resume settles against it), `save` (a save, streamed or
 //! behind the steps), `load` (a resume's reads, planned, then read ahead),
@@ -41,13 +41,14 @@ pub use index::{
 };
 pub use load::load;
 pub use root::{CheckpointRoot, LATEST, LOCK, ROOT_MARKER, step_dir_name};
-pub use run::{DataRecord, RunSetting, RunSettings, RunState};
+pub use run::{DataRecord, RunSettings, RunState};
 pub use save::{RankSaves, SavedState, save, snapshot_bytes};
 
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::ShardLayout;
 use crate::optimizer::OptimizerKind;
+use crate::setting::{Setting, SettingSpelling};
 use crc32c::hex;
 use hybridgen_dsl::Plan;
 use root::rank_file;
@@ -58,7 +59,7 @@ use std::path::{Path, PathBuf};
 /// Where a run resumes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ResumeFrom {
-    /// The newest complete step in the run's `--save` root; a fresh start
+    /// The newest complete step in the run's save root; a fresh start
     /// when it holds none (so a preempted job restarts with the same
     /// command).
     Auto,
@@ -72,8 +73,9 @@ pub struct Resume {
     /// The step's directory.
     pub dir: PathBuf,
     pub index: CheckpointIndex,
-    /// `--seed 7` for each setting taken from the checkpoint rather than
-    /// from the configuration.
+    /// Each setting taken from the checkpoint rather than from the
+    /// configuration, with its value, as the settings' spelling gives it
+    /// (`config.seed = 7`).
     pub inherited: Vec<String>,
 }
 
@@ -115,29 +117,37 @@ pub fn settle(settings: &RunSettings) -> Result<Settled> {
         resume: None,
         data: None,
     };
+    let spelling = &settings.spelling;
     let dir = match &settings.resume {
         None => return Ok(fresh()),
         Some(ResumeFrom::Auto) => {
             let Some(save) = &settings.save else {
-                return Err(RuntimeError::Unsupported(
-                    "--resume auto resumes from the --save directory; give --save DIR".into(),
-                ));
+                return Err(RuntimeError::Unsupported(format!(
+                    "{} resumes from the {} directory; give {}",
+                    spelling.given(Setting::Resume, "auto"),
+                    spelling.name(Setting::Save),
+                    spelling.given(Setting::Save, "DIR")
+                )));
             };
-            match root::newest_checkpoint(save, "--save")? {
+            match root::newest_checkpoint(save, spelling.name(Setting::Save))? {
                 Some(dir) => dir,
                 None => return Ok(fresh()),
             }
         }
-        Some(ResumeFrom::Dir(dir)) => root::newest_checkpoint(dir, "--resume")?.ok_or_else(|| {
-            RuntimeError::io(
-                dir.display(),
-                if dir.exists() {
-                    "holds no complete checkpoint yet; train with --resume auto to start fresh when there is none"
-                } else {
-                    "no such checkpoint"
-                },
-            )
-        })?,
+        Some(ResumeFrom::Dir(dir)) => root::newest_checkpoint(dir, spelling.name(Setting::Resume))?
+            .ok_or_else(|| {
+                RuntimeError::io(
+                    dir.display(),
+                    if dir.exists() {
+                        format!(
+                            "holds no complete checkpoint yet; train with {} to start fresh when there is none",
+                            spelling.given(Setting::Resume, "auto")
+                        )
+                    } else {
+                        "no such checkpoint".to_string()
+                    },
+                )
+            })?,
     };
     let index = read_index(&dir)?;
     if let Some(named) = root::step_of_dir(&dir)
@@ -174,13 +184,17 @@ impl Settled {
     /// Returns the settings to run with them.
     pub fn open(self, plan: &Plan) -> Result<(RunSettings, RunCheckpoints)> {
         let settings = self.settings;
+        let spelling = settings.spelling;
         if let Some(resume) = &self.resume {
-            resume.index.check_fits(plan, &resume.dir)?;
+            resume.index.check_fits(plan, &resume.dir, spelling)?;
         }
         if settings.save.is_none() && settings.keep_last.is_some() {
-            return Err(RuntimeError::Unsupported(
-                "--keep-last removes old checkpoints of --save DIR; give --save".into(),
-            ));
+            return Err(RuntimeError::Unsupported(format!(
+                "{} removes old checkpoints of {}; give {}",
+                spelling.name(Setting::KeepLast),
+                spelling.given(Setting::Save, "DIR"),
+                spelling.name(Setting::Save)
+            )));
         }
         let save = match &settings.save {
             None => None,
@@ -191,7 +205,7 @@ impl Settled {
                 };
                 let start = self.resume.as_ref().map_or(0, Resume::step);
                 Some(SaveTarget {
-                    root: CheckpointRoot::open(dir, start, settings.keep_last)?,
+                    root: CheckpointRoot::open(dir, start, settings.keep_last, spelling)?,
                     run: RunState::of(&settings, data),
                     layout: LayoutRecord {
                         ranks: settings.ranks,
@@ -399,7 +413,7 @@ pub fn open_index(dir: &Path, what: &str) -> Result<(PathBuf, CheckpointIndex)> 
 /// every parameter of `plan` (an `ep` 1 plan: every expert) whole, from
 /// `value(p)`, with zero optimizer moments, in one rank file, as a
 /// one-rank `no_shard` run would have saved it. It loads onto any layout
-/// like any checkpoint. `dir` is opened as `--save` opens its root.
+/// like any checkpoint. `dir` is opened as a run's save root is.
 pub fn write_fresh(
     dir: &Path,
     plan: &Plan,
@@ -434,7 +448,7 @@ pub fn write_fresh(
             values.len()
         )));
     }
-    let root = CheckpointRoot::open(dir, 0, None)?;
+    let root = CheckpointRoot::open(dir, 0, None, SettingSpelling::FIELDS)?;
     let partial = root.begin(0)?;
     let file = rank_file(0);
     let adam = run.optimizer.kind == OptimizerKind::Adam;

@@ -1,4 +1,4 @@
-//! The checkpoint root `--save DIR`: one directory per saved step, a
+//! The checkpoint root a run saves to: one directory per saved step, a
 //! `latest` pointer, a marker saying the directory is hybridgen's, and a
 //! lock so that one run at a time writes it.
 //!
@@ -10,7 +10,7 @@
 //!   step-000100/                 a complete checkpoint (checkpoint.json + rank-NNNNN.safetensors)
 //!   step-000120/
 //!   step-000140.partial/         a step being written (or left by a crash)
-//!   step-000100.deleting/        a step --keep-last is removing
+//!   step-000100.deleting/        a step `keep_last` is removing
 //! ```
 //!
 //! A step is written under `step-N.partial`, every file and the directory
@@ -18,7 +18,7 @@
 //! `step-N` is always complete. `latest` is replaced atomically after that,
 //! for people and scripts; a resume scans the step directories, so it also
 //! finds a step completed just before a crash kept `latest` from moving.
-//! Old steps go (`--keep-last`) only after a newer one is complete, renamed
+//! Old steps go (`keep_last`) only after a newer one is complete, renamed
 //! to `.deleting` first so a half-removed step is never taken for a
 //! checkpoint. Nothing is deleted but what these rules name: a root's other
 //! files are left alone, and a directory that is not a root is refused.
@@ -26,6 +26,7 @@
 use super::durable::{self, failpoint};
 use super::index::INDEX;
 use crate::error::{Result, RuntimeError};
+use crate::setting::{Setting, SettingSpelling};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -70,7 +71,7 @@ fn is_rank_file(name: &str) -> bool {
         .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// What a path given as `--save` or `--resume` is.
+/// What a path given to save to or resume from is.
 pub(crate) enum Found {
     Missing,
     /// An empty directory (or one holding only a root marker's temporary
@@ -151,7 +152,8 @@ fn check_marker(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Why `dir` cannot be a checkpoint root, with what to do instead.
+/// Why `dir` cannot be a checkpoint root, with what to do instead; `flag`
+/// names the setting that gave it.
 pub(crate) fn refusal(dir: &Path, found: &Found, flag: &str) -> Option<RuntimeError> {
     let shown = dir.display();
     let message = match found {
@@ -255,15 +257,22 @@ impl CheckpointRoot {
     /// it if missing or empty, refuses anything else that is not a root,
     /// takes its lock, clears what a crashed save left, and refuses a root
     /// holding steps newer than `start` (another history).
-    pub fn open(dir: &Path, start: u64, keep_last: Option<u64>) -> Result<Self> {
+    pub fn open(
+        dir: &Path,
+        start: u64,
+        keep_last: Option<u64>,
+        spelling: SettingSpelling,
+    ) -> Result<Self> {
         durable::check_failpoint_env()?;
+        let save = spelling.name(Setting::Save);
         if keep_last == Some(0) {
-            return Err(RuntimeError::Unsupported(
-                "--keep-last must be at least 1: the newest checkpoint is always kept".into(),
-            ));
+            return Err(RuntimeError::Unsupported(format!(
+                "{} must be at least 1: the newest checkpoint is always kept",
+                spelling.name(Setting::KeepLast)
+            )));
         }
         let found = inspect(dir)?;
-        if let Some(refusal) = refusal(dir, &found, "--save") {
+        if let Some(refusal) = refusal(dir, &found, save) {
             return Err(refusal);
         }
         if let Found::Missing = found {
@@ -280,7 +289,7 @@ impl CheckpointRoot {
                 "root-marker",
             )?;
         }
-        let lock = lock(dir)?;
+        let lock = lock(dir, save)?;
         for entry in std::fs::read_dir(dir).map_err(|e| io(dir, e))? {
             let entry = entry.map_err(|e| io(dir, e))?;
             if let Some((_, PARTIAL | DELETING)) =
@@ -292,10 +301,11 @@ impl CheckpointRoot {
         let newest_at_open = complete_steps(dir)?.last().copied();
         if let Some(newest) = newest_at_open.filter(|&n| n > start) {
             return Err(RuntimeError::Unsupported(format!(
-                "--save {}: it holds {}, newer than step {start} this run starts from; saving there would mix \
-                 two runs' histories. Resume its newest step (--resume auto), or --save to a new directory",
+                "{save} {}: it holds {}, newer than step {start} this run starts from; saving there would mix \
+                 two runs' histories. Resume its newest step ({}), or {save} to a new directory",
                 dir.display(),
-                dir.join(step_dir_name(newest)).display()
+                dir.join(step_dir_name(newest)).display(),
+                spelling.given(Setting::Resume, "auto")
             )));
         }
         Ok(CheckpointRoot {
@@ -340,7 +350,7 @@ impl CheckpointRoot {
 
     /// Completes step `step` once every file is written and fsynced in
     /// its partial directory: the directory is fsynced and renamed into
-    /// place, `latest` moves to it, and `--keep-last` removes old steps.
+    /// place, `latest` moves to it, and `keep_last` removes old steps.
     pub(crate) fn commit(&self, step: u64) -> Result<PathBuf> {
         let partial = self.partial_dir(step);
         let done = self.step_dir(step);
@@ -366,7 +376,7 @@ impl CheckpointRoot {
 }
 
 /// Takes `dir`'s lock, or says who holds it.
-fn lock(dir: &Path) -> Result<File> {
+fn lock(dir: &Path, save: &str) -> Result<File> {
     let path = dir.join(LOCK);
     let mut file = OpenOptions::new()
         .read(true)
@@ -385,8 +395,8 @@ fn lock(dir: &Path) -> Result<File> {
                 |h| format!("pid {} on {}, started {}", h.pid, h.host, h.started),
             );
             return Err(RuntimeError::Unsupported(format!(
-                "--save {}: another run is writing checkpoints there ({holder}; it holds {}). Two runs saving \
-                 to one directory would overwrite each other's steps: wait for it to finish, or --save to \
+                "{save} {}: another run is writing checkpoints there ({holder}; it holds {}). Two runs saving \
+                 to one directory would overwrite each other's steps: wait for it to finish, or {save} to \
                  another directory",
                 dir.display(),
                 path.display()
@@ -466,7 +476,7 @@ pub(crate) fn other_step_hint(dir: &Path) -> String {
         Some(root.join(step_dir_name(step)))
     });
     match other {
-        Some(other) => format!("resume from another step: --resume {}", other.display()),
+        Some(other) => format!("resume from another step: {}", other.display()),
         None => "no other complete step is beside it to resume from".to_string(),
     }
 }

@@ -18,6 +18,7 @@ use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
 use crate::optimizer::{OptimizerConfig, OptimizerKind};
 use crate::schedule::ScheduleKind;
+use crate::setting::{Setting, SettingSpelling};
 use hybridgen_dsl::ModelConfig;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -48,7 +49,9 @@ pub struct RunSettings {
     pub resume: Option<ResumeFrom>,
     /// The settings a resume takes from its checkpoint (those the user
     /// left out); every other one must agree with it, except the layout.
-    pub from_checkpoint: BTreeSet<RunSetting>,
+    pub from_checkpoint: BTreeSet<Setting>,
+    /// How messages name the settings.
+    pub spelling: SettingSpelling,
 }
 
 /// The settings that decide how a run continues.
@@ -89,7 +92,9 @@ impl RunState {
                 self.micro_batches, self.micro_batch_size, self.seq_length
             ));
         }
-        self.optimizer.validate().map_err(|e| e.to_string())?;
+        self.optimizer
+            .validate(SettingSpelling::FIELDS)
+            .map_err(|e| e.to_string())?;
         if let DataRecord::File { crc32c, .. } = &self.data
             && !(crc32c.len() == 8 && crc32c.bytes().all(|b| b.is_ascii_hexdigit()))
         {
@@ -180,7 +185,7 @@ impl DataRecord {
     }
 
     /// The data choice that reads this record's data.
-    fn choice(&self) -> Result<DataChoice> {
+    fn choice(&self, spelling: SettingSpelling) -> Result<DataChoice> {
         Ok(match self {
             DataRecord::Synthetic => DataChoice::Synthetic,
             DataRecord::File { path, .. } => DataChoice::File(PathBuf::from(path)),
@@ -189,7 +194,7 @@ impl DataRecord {
                     .iter()
                     .map(|d| (d.weight, PathBuf::from(&d.prefix)))
                     .collect(),
-                split: Split::parse(split).map_err(RuntimeError::InvalidArgument)?,
+                split: Split::parse(split, spelling).map_err(RuntimeError::InvalidArgument)?,
             }),
         })
     }
@@ -248,103 +253,12 @@ impl DataRecord {
     }
 }
 
-/// A setting that decides how a run continues (or, for the layout, how it
-/// is spread over ranks).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum RunSetting {
-    /// The model: pattern and dimensions.
-    Model,
-    Seed,
-    Data,
-    MicroBatches,
-    MicroBatchSize,
-    SeqLength,
-    Optimizer,
-    Lr,
-    Warmup,
-    WeightDecay,
-    ClipGrad,
-    /// The decay after the warm-up: style, minimum rate, decay steps.
-    LrSchedule,
-    Beta1,
-    Beta2,
-    Eps,
-    Momentum,
-    Ranks,
-    Ep,
-    Sharding,
-    Schedule,
-    Precision,
-}
-
-impl RunSetting {
-    pub const ALL: [RunSetting; 21] = [
-        RunSetting::Model,
-        RunSetting::Seed,
-        RunSetting::Data,
-        RunSetting::MicroBatches,
-        RunSetting::MicroBatchSize,
-        RunSetting::SeqLength,
-        RunSetting::Optimizer,
-        RunSetting::Lr,
-        RunSetting::Warmup,
-        RunSetting::WeightDecay,
-        RunSetting::ClipGrad,
-        RunSetting::LrSchedule,
-        RunSetting::Beta1,
-        RunSetting::Beta2,
-        RunSetting::Eps,
-        RunSetting::Momentum,
-        RunSetting::Ranks,
-        RunSetting::Ep,
-        RunSetting::Sharding,
-        RunSetting::Schedule,
-        RunSetting::Precision,
-    ];
-
-    /// The `hybridgen train` flag that sets it, or the `TrainConfig` field
-    /// for the few without a flag.
-    pub fn flag(self) -> &'static str {
-        match self {
-            RunSetting::Model => "--preset/--model/--pattern",
-            RunSetting::Seed => "--seed",
-            RunSetting::Data => "--data",
-            RunSetting::MicroBatches => "--micro-batches",
-            RunSetting::MicroBatchSize => "--micro-batch-size",
-            RunSetting::SeqLength => "--seq-len",
-            RunSetting::Optimizer => "--optimizer",
-            RunSetting::Lr => "--lr",
-            RunSetting::Warmup => "--warmup",
-            RunSetting::WeightDecay => "--weight-decay",
-            RunSetting::ClipGrad => "--clip-grad",
-            RunSetting::LrSchedule => "--lr-decay-style",
-            RunSetting::Beta1 => "TrainConfig.optimizer.beta1",
-            RunSetting::Beta2 => "TrainConfig.optimizer.beta2",
-            RunSetting::Eps => "TrainConfig.optimizer.eps",
-            RunSetting::Momentum => "TrainConfig.optimizer.momentum",
-            RunSetting::Ranks => "--ranks",
-            RunSetting::Ep => "--ep",
-            RunSetting::Sharding => "--zero",
-            RunSetting::Schedule => "--schedule",
-            RunSetting::Precision => "--precision",
-        }
-    }
-
-    /// How the run is spread over ranks: a resume may change it
-    /// (checkpoints reshard), and takes the checkpoint's only when left out.
-    pub fn is_layout(self) -> bool {
-        matches!(
-            self,
-            RunSetting::Ranks | RunSetting::Ep | RunSetting::Sharding | RunSetting::Schedule
-        )
-    }
-}
-
 /// A resume's settings settled against its checkpoint.
 pub(crate) struct Settled {
     pub settings: RunSettings,
-    /// `--seed 7` for each setting taken from the checkpoint that the
-    /// configuration had another value for.
+    /// Each setting taken from the checkpoint that the configuration had
+    /// another value for, with its value, as the settings' spelling gives
+    /// it (`config.seed = 7`).
     pub inherited: Vec<String>,
     /// The data's record, when settling computed it.
     pub data: Option<DataRecord>,
@@ -358,7 +272,7 @@ struct Settler<'a> {
 }
 
 impl Settler<'_> {
-    fn inherits(&self, setting: RunSetting) -> bool {
+    fn inherits(&self, setting: Setting) -> bool {
         self.settings.from_checkpoint.contains(&setting)
     }
 
@@ -366,19 +280,19 @@ impl Settler<'_> {
     /// change, or a contradiction.
     fn setting<T: PartialEq + Clone>(
         &mut self,
-        setting: RunSetting,
+        setting: Setting,
         theirs: &T,
         show: impl Fn(&T) -> String,
         field: impl Fn(&mut RunSettings) -> &mut T,
     ) -> Result<()> {
         let inherit = self.inherits(setting);
+        let spelling = self.settings.spelling;
         let mine = field(&mut self.settings);
         if mine == theirs || (setting.is_layout() && !inherit) {
             return Ok(());
         }
         if inherit {
-            self.inherited
-                .push(format!("{} {}", setting.flag(), show(theirs)));
+            self.inherited.push(spelling.given(setting, show(theirs)));
             *mine = theirs.clone();
             return Ok(());
         }
@@ -386,55 +300,63 @@ impl Settler<'_> {
         Err(self.contradiction(setting, &mine, &show(theirs)))
     }
 
-    fn contradiction(&self, setting: RunSetting, mine: &str, theirs: &str) -> RuntimeError {
-        let flag = setting.flag();
+    fn contradiction(&self, setting: Setting, mine: &str, theirs: &str) -> RuntimeError {
+        let spelling = &self.settings.spelling;
         let at = format!(
             "the checkpoint {} (step {})",
             self.dir.display(),
             self.index.step
         );
-        RuntimeError::Unsupported(if flag.starts_with("--") {
-            format!(
+        RuntimeError::Unsupported(match spelling.flag(setting) {
+            Some(flag) => format!(
                 "{flag} {mine} contradicts {at}, whose run used {flag} {theirs}: a resume continues that run, \
                  so it keeps its settings. Leave {flag} out to continue with {theirs}, or start a new run \
-                 (without --resume, and --save to a new directory)"
-            )
-        } else {
-            format!(
-                "{flag} is {mine} but {at} was trained with {theirs}; set it to {theirs} to continue that run"
-            )
+                 (without {}, and {} to a new directory)",
+                spelling.name(Setting::Resume),
+                spelling.name(Setting::Save)
+            ),
+            None => format!(
+                "{} is {mine} but {at} was trained with {theirs}; set it to {theirs} to continue that run",
+                setting.field()
+            ),
         })
     }
 
     fn data(&mut self) -> Result<Option<DataRecord>> {
         let theirs = &self.index.run.data;
-        if self.inherits(RunSetting::Data) {
-            let choice = theirs.choice()?;
+        if self.inherits(Setting::Data) {
+            let choice = theirs.choice(self.settings.spelling)?;
             let now = DataRecord::of(&choice).map_err(|e| {
                 RuntimeError::Unsupported(format!(
-                    "the checkpoint {} trained on {}, which cannot be read now ({e}); give --data with that file",
+                    "the checkpoint {} trained on {}, which cannot be read now ({e}); give {} with that file",
                     self.dir.display(),
-                    theirs.describe()
+                    theirs.describe(),
+                    self.settings.spelling.name(Setting::Data)
                 ))
             })?;
             if !now.same_data(theirs) {
                 return Err(RuntimeError::Unsupported(format!(
-                    "the checkpoint {} trained on {}, which has changed since: it is now {}; give --data with \
+                    "the checkpoint {} trained on {}, which has changed since: it is now {}; give {} with \
                      the original file",
                     self.dir.display(),
                     theirs.describe(),
-                    now.describe()
+                    now.describe(),
+                    self.settings.spelling.name(Setting::Data)
                 )));
             }
             if self.settings.data != choice {
-                self.inherited.push(format!("--data {}", theirs.describe()));
+                self.inherited.push(
+                    self.settings
+                        .spelling
+                        .given(Setting::Data, theirs.describe()),
+                );
                 self.settings.data = choice;
             }
             return Ok(Some(now));
         }
         let mine = DataRecord::of(&self.settings.data)?;
         if !mine.same_data(theirs) {
-            return Err(self.contradiction(RunSetting::Data, &mine.describe(), &theirs.describe()));
+            return Err(self.contradiction(Setting::Data, &mine.describe(), &theirs.describe()));
         }
         Ok(Some(mine))
     }
@@ -454,35 +376,35 @@ pub(crate) fn settle(
         inherited: Vec::new(),
     };
     // The model is compared with the plan once it is made (`check_fits`).
-    if s.inherits(RunSetting::Model) && s.settings.model != index.model {
+    if s.inherits(Setting::Model) && s.settings.model != index.model {
         s.settings.model = index.model.clone();
         s.inherited
             .push(format!("the model {}", index.model.pattern));
     }
     let run = &index.run;
     let plain = |v: &dyn std::fmt::Display| v.to_string();
-    s.setting(RunSetting::Seed, &run.seed, |v| plain(v), |c| &mut c.seed)?;
+    s.setting(Setting::Seed, &run.seed, |v| plain(v), |c| &mut c.seed)?;
     s.setting(
-        RunSetting::MicroBatches,
+        Setting::MicroBatches,
         &run.micro_batches,
         |v| plain(v),
         |c| &mut c.micro_batches,
     )?;
     s.setting(
-        RunSetting::MicroBatchSize,
+        Setting::MicroBatchSize,
         &run.micro_batch_size,
         |v| plain(v),
         |c| &mut c.micro_batch_size,
     )?;
     s.setting(
-        RunSetting::SeqLength,
+        Setting::SeqLength,
         &run.seq_length,
         |v| plain(v),
         |c| &mut c.seq_length,
     )?;
     let o = &run.optimizer;
     s.setting(
-        RunSetting::Optimizer,
+        Setting::Optimizer,
         &o.kind,
         |k| match k {
             OptimizerKind::Adam => "adam".into(),
@@ -490,51 +412,46 @@ pub(crate) fn settle(
         },
         |c| &mut c.optimizer.kind,
     )?;
-    s.setting(RunSetting::Lr, &o.lr, |v| plain(v), |c| &mut c.optimizer.lr)?;
+    s.setting(Setting::Lr, &o.lr, |v| plain(v), |c| &mut c.optimizer.lr)?;
     s.setting(
-        RunSetting::Warmup,
+        Setting::Warmup,
         &o.warmup_steps,
         |v| plain(v),
         |c| &mut c.optimizer.warmup_steps,
     )?;
     s.setting(
-        RunSetting::WeightDecay,
+        Setting::WeightDecay,
         &o.weight_decay,
         |v| plain(v),
         |c| &mut c.optimizer.weight_decay,
     )?;
     s.setting(
-        RunSetting::ClipGrad,
+        Setting::ClipGrad,
         &o.clip_grad,
         |v| v.map_or("0 (off)".to_string(), |c| c.to_string()),
         |c| &mut c.optimizer.clip_grad,
     )?;
     s.setting(
-        RunSetting::LrSchedule,
+        Setting::LrSchedule,
         &o.schedule,
         |v| v.describe(),
         |c| &mut c.optimizer.schedule,
     )?;
     s.setting(
-        RunSetting::Beta1,
+        Setting::Beta1,
         &o.beta1,
         |v| plain(v),
         |c| &mut c.optimizer.beta1,
     )?;
     s.setting(
-        RunSetting::Beta2,
+        Setting::Beta2,
         &o.beta2,
         |v| plain(v),
         |c| &mut c.optimizer.beta2,
     )?;
+    s.setting(Setting::Eps, &o.eps, |v| plain(v), |c| &mut c.optimizer.eps)?;
     s.setting(
-        RunSetting::Eps,
-        &o.eps,
-        |v| plain(v),
-        |c| &mut c.optimizer.eps,
-    )?;
-    s.setting(
-        RunSetting::Momentum,
+        Setting::Momentum,
         &o.momentum,
         |v| plain(v),
         |c| &mut c.optimizer.momentum,
@@ -543,24 +460,24 @@ pub(crate) fn settle(
     // but a run continued in another one would follow another curve than
     // the one it started: a contradiction, like a new seed.
     s.setting(
-        RunSetting::Precision,
+        Setting::Precision,
         &run.precision,
         |v| v.to_string(),
         |c| &mut c.precision,
     )?;
     let layout = &index.layout;
     s.setting(
-        RunSetting::Ranks,
+        Setting::Ranks,
         &layout.ranks,
         |v| plain(v),
         |c| &mut c.ranks,
     )?;
     // The checkpoint's ep only where it divides the ranks this run has.
     if s.settings.ranks.is_multiple_of(layout.ep) {
-        s.setting(RunSetting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
+        s.setting(Setting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
     }
     s.setting(
-        RunSetting::Sharding,
+        Setting::Sharding,
         &layout.sharding,
         |v| match v {
             Sharding::Zero3 => "3".into(),
@@ -569,7 +486,7 @@ pub(crate) fn settle(
         |c| &mut c.sharding,
     )?;
     s.setting(
-        RunSetting::Schedule,
+        Setting::Schedule,
         &layout.schedule,
         |v| match v {
             ScheduleKind::Overlap => "overlap".into(),

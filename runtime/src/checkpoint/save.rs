@@ -4,7 +4,7 @@
 //!
 //! - [`save`] streams it from the device a chunk at a time while the steps
 //!   wait: a chunk of host memory, and the step time of the whole write.
-//! - `SaveInFlight` (`--async-save`, Megatron's `--async-save`)
+//! - `SaveInFlight` (`async_save`, Megatron's asynchronous save)
 //!   copies the rank's tensors into host memory at the step boundary and
 //!   writes them on a thread of its own while training goes on. The steps
 //!   wait only for the copy; the host holds the rank's state once more
@@ -376,7 +376,7 @@ impl<'a> RankSaves<'a> {
         }
         // One save in flight at a time (its copy is the memory the check
         // allowed for), and committed before the next, so `latest` and
-        // `--keep-last` see the steps in order.
+        // `keep_last` see the steps in order.
         self.commit_in_flight(rank)?;
         match &mut self.buffer {
             // The last step's save would be waited for at once: it streams.
@@ -472,7 +472,7 @@ impl SnapshotBuffer {
 /// snapshot buffer for the next save.
 type Written = (Result<(u64, u32)>, Vec<f32>);
 
-/// A checkpoint being written behind the training steps (`--async-save`):
+/// A checkpoint being written behind the training steps (`async_save`):
 /// this rank's tensors copied to host memory at its step, its rank file
 /// written by a thread of its own. Every rank holds one for the same step;
 /// [`SaveInFlight::try_commit`] at each step boundary commits the step

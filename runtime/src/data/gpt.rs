@@ -2,7 +2,7 @@
 //! them (`megatron/core/datasets/gpt_dataset.py`), and weighted blends of
 //! several datasets (`blended_dataset.py`).
 //!
-//! - [`Split`]: `--split 969,30,1` cuts a dataset's documents into
+//! - [`Split`]: `969,30,1` cuts a dataset's documents into
 //!   train, validation and test parts by Megatron's rounding rule.
 //! - [`GptPart`]: one part's documents, in an order shuffled per epoch with
 //!   the seed, concatenated across document boundaries and cut into
@@ -24,6 +24,7 @@
 use super::indexed::IndexedDataset;
 use super::{Xoshiro256, mix64};
 use crate::error::{Result, RuntimeError};
+use crate::setting::{Setting, SettingSpelling};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -31,7 +32,8 @@ use std::sync::{Arc, Mutex};
 /// The names of the three parts of a split, in order.
 pub const PART_NAMES: [&str; 3] = ["train", "validation", "test"];
 
-/// `--split`: the relative sizes of the train, validation and test parts.
+/// The relative sizes of the train, validation and test parts of indexed
+/// data ([`Setting::Split`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Split {
     weights: [f64; 3],
@@ -50,12 +52,14 @@ impl Default for Split {
 
 impl Split {
     /// Parses `969,30,1` (Megatron also takes `/` between the numbers;
-    /// missing trailing parts are 0).
-    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+    /// missing trailing parts are 0); a refusal names the setting as
+    /// `spelling` spells it.
+    pub fn parse(text: &str, spelling: SettingSpelling) -> std::result::Result<Self, String> {
         let bad = |why: String| {
             Err(format!(
-                "--split {text}: {why}; give up to three sizes of the train, validation and \
-                 test parts, e.g. 969,30,1 or 90,10,0"
+                "{}: {why}; give up to three sizes of the train, validation and \
+                 test parts, e.g. 969,30,1 or 90,10,0",
+                spelling.given(Setting::Split, text)
             ))
         };
         let pieces: Vec<&str> = text.split([',', '/']).map(str::trim).collect();
@@ -154,18 +158,20 @@ pub struct GptPart {
 impl GptPart {
     /// Part `part` (an index into [`PART_NAMES`]) of `dataset`: the
     /// documents `documents`, samples of `stride + 1` tokens every
-    /// `stride`.
+    /// `stride`. Refusals name the settings as `spelling` spells them.
     pub fn new(
         dataset: Arc<IndexedDataset>,
         part: usize,
         documents: Range<usize>,
         seed: u64,
         stride: usize,
+        spelling: SettingSpelling,
     ) -> Result<Self> {
         let name = || format!("{} ({} part)", dataset.idx_name(), PART_NAMES[part]);
+        let seq_len = spelling.name(Setting::SeqLength);
         if stride == 0 {
             return Err(RuntimeError::InvalidArgument(format!(
-                "{}: samples need a sequence length above 0; give --seq-len 1 or more",
+                "{}: samples need a sequence length above 0; give {seq_len} 1 or more",
                 name()
             )));
         }
@@ -190,8 +196,9 @@ impl GptPart {
                 format!(
                     "its {} documents hold {tokens} tokens, but one sample needs {window} \
                      (sequence length {stride} + 1 target); use more data, a larger share of \
-                     it for this part (--split), or a shorter sequence (--seq-len)",
+                     it for this part ({}), or a shorter sequence ({seq_len})",
                     documents.len(),
+                    spelling.name(Setting::Split),
                 ),
             ));
         }
@@ -421,7 +428,8 @@ impl Blend {
     }
 }
 
-/// `--data-path`: one dataset, or several with weights.
+/// Megatron indexed datasets ([`Setting::DataPath`]): one dataset, or
+/// several with weights.
 #[derive(Clone, Debug, PartialEq)]
 pub struct IndexedSpec {
     /// (weight, prefix) per dataset; weights are relative.
@@ -430,17 +438,26 @@ pub struct IndexedSpec {
 }
 
 impl IndexedSpec {
-    /// Parses `--data-path` as Megatron takes it: `PREFIX`, or `WEIGHT
-    /// PREFIX` pairs (`0.3 A 0.7 B`).
-    pub fn parse(words: &[String], split: Split) -> std::result::Result<Self, String> {
-        let usage = "give one PREFIX (of PREFIX.idx and PREFIX.bin), or WEIGHT PREFIX pairs \
-                     such as `--data-path 0.3 A 0.7 B`";
+    /// Parses the datasets as Megatron's `data_path` takes them: `PREFIX`,
+    /// or `WEIGHT PREFIX` pairs (`0.3 A 0.7 B`); a refusal names the
+    /// setting as `spelling` spells it.
+    pub fn parse(
+        words: &[String],
+        split: Split,
+        spelling: SettingSpelling,
+    ) -> std::result::Result<Self, String> {
+        let data_path = spelling.name(Setting::DataPath);
+        let usage = format!(
+            "give one PREFIX (of PREFIX.idx and PREFIX.bin), or WEIGHT PREFIX pairs \
+             such as `{}`",
+            spelling.given(Setting::DataPath, "0.3 A 0.7 B")
+        );
         let blend = match words {
-            [] => return Err(format!("--data-path is empty: {usage}")),
+            [] => return Err(format!("{data_path} is empty: {usage}")),
             [prefix] => vec![(1.0, PathBuf::from(prefix))],
             _ if words.len() % 2 == 1 => {
                 return Err(format!(
-                    "--data-path has {} values, an odd number, so they are not WEIGHT PREFIX \
+                    "{data_path} has {} values, an odd number, so they are not WEIGHT PREFIX \
                      pairs: {usage}",
                     words.len()
                 ));
@@ -450,7 +467,7 @@ impl IndexedSpec {
                 .map(|pair| match pair[0].trim().parse::<f64>() {
                     Ok(w) if w.is_finite() && w > 0.0 => Ok((w, PathBuf::from(&pair[1]))),
                     _ => Err(format!(
-                        "--data-path: `{}` (before {}) is not a weight above 0: {usage}",
+                        "{data_path}: `{}` (before {}) is not a weight above 0: {usage}",
                         pair[0], pair[1]
                     )),
                 })
@@ -458,14 +475,14 @@ impl IndexedSpec {
         };
         if let Some((_, empty)) = blend.iter().find(|(_, p)| p.as_os_str().is_empty()) {
             return Err(format!(
-                "--data-path has an empty prefix ({}): {usage}",
+                "{data_path} has an empty prefix ({}): {usage}",
                 empty.display()
             ));
         }
         Ok(IndexedSpec { blend, split })
     }
 
-    /// `--data-path` as a user would write it.
+    /// The datasets as a user would write them (`0.3 A 0.7 B`).
     pub fn describe(&self) -> String {
         match self.blend.as_slice() {
             [(_, prefix)] => prefix.display().to_string(),
@@ -485,20 +502,20 @@ mod tests {
 
     #[test]
     fn split_ranges_follow_megatron_rounding() {
-        let split = Split::parse("969,30,1").unwrap();
+        let split = Split::parse("969,30,1", SettingSpelling::FIELDS).unwrap();
         // 1000 documents: 969 / 30 / 1.
         assert_eq!(split.ranges(1000), [0..969, 969..999, 999..1000]);
         // 10 documents: round(9.69) = 10, round(0.3) = 0, round(0.01) = 0.
         assert_eq!(split.ranges(10), [0..10, 10..10, 10..10]);
         // 90/10 of 25: round(22.5) = 22 (half to even), round(2.5) = 2, the
         // missing document shifts the boundaries: [0, 23, 25, 25].
-        let split = Split::parse("90/10").unwrap();
+        let split = Split::parse("90/10", SettingSpelling::FIELDS).unwrap();
         assert_eq!(split.ranges(25), [0..23, 23..25, 25..25]);
         for bad in ["", "1,2,3,4", "a,b", "-1,2", "0,0,0", "inf"] {
-            assert!(Split::parse(bad).is_err(), "{bad}");
+            assert!(Split::parse(bad, SettingSpelling::FIELDS).is_err(), "{bad}");
         }
         assert!(
-            Split::parse("1,2,3,4")
+            Split::parse("1,2,3,4", SettingSpelling::FIELDS)
                 .unwrap_err()
                 .contains("up to three sizes")
         );
@@ -519,7 +536,7 @@ mod tests {
         let prefix = dir.prefix("tiny");
         write_u16(&prefix, &[vec![1, 2, 3], vec![4, 5], vec![6, 7, 8, 9]]);
         let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-        GptPart::new(dataset, 0, 0..3, seed, 2).unwrap()
+        GptPart::new(dataset, 0, 0..3, seed, 2, SettingSpelling::FIELDS).unwrap()
     }
 
     #[test]
@@ -579,7 +596,7 @@ mod tests {
         let prefix = dir.prefix("tiny");
         write_u16(&prefix, &[vec![1, 2], vec![3]]);
         let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-        let m = GptPart::new(dataset, 1, 0..2, 0, 4)
+        let m = GptPart::new(dataset, 1, 0..2, 0, 4, SettingSpelling::FIELDS)
             .unwrap_err()
             .to_string();
         assert!(
@@ -598,7 +615,7 @@ mod tests {
             let docs: Vec<Vec<u16>> = (0..20).map(|d| vec![first + d, first + d]).collect();
             write_u16(&prefix, &docs);
             let dataset = Arc::new(IndexedDataset::open(&prefix).unwrap());
-            GptPart::new(dataset, 0, 0..20, 3, 1).unwrap()
+            GptPart::new(dataset, 0, 0..20, 3, 1, SettingSpelling::FIELDS).unwrap()
         };
         let blend = Blend::new(vec![part("a", 100), part("b", 200)], vec![3.0, 7.0]).unwrap();
         // Weights 0.3 / 0.7, by hand: sample i goes to the dataset with the
@@ -622,19 +639,44 @@ mod tests {
     #[test]
     fn data_path_takes_a_prefix_or_weighted_pairs() {
         let words = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let one = IndexedSpec::parse(&words(&["corpus"]), Split::default()).unwrap();
+        let one = IndexedSpec::parse(
+            &words(&["corpus"]),
+            Split::default(),
+            SettingSpelling::FIELDS,
+        )
+        .unwrap();
         assert_eq!(one.blend, vec![(1.0, PathBuf::from("corpus"))]);
-        let two = IndexedSpec::parse(&words(&["0.3", "a", "0.7", "b"]), Split::default()).unwrap();
+        let two = IndexedSpec::parse(
+            &words(&["0.3", "a", "0.7", "b"]),
+            Split::default(),
+            SettingSpelling::FIELDS,
+        )
+        .unwrap();
         assert_eq!(
             two.blend,
             vec![(0.3, PathBuf::from("a")), (0.7, PathBuf::from("b"))]
         );
         assert_eq!(two.describe(), "0.3 a 0.7 b");
-        let err = IndexedSpec::parse(&words(&["a", "b"]), Split::default()).unwrap_err();
+        let err = IndexedSpec::parse(
+            &words(&["a", "b"]),
+            Split::default(),
+            SettingSpelling::FIELDS,
+        )
+        .unwrap_err();
         assert!(err.contains("`a` (before b) is not a weight"), "{err}");
-        let err = IndexedSpec::parse(&words(&["0.3", "a", "b"]), Split::default()).unwrap_err();
+        let err = IndexedSpec::parse(
+            &words(&["0.3", "a", "b"]),
+            Split::default(),
+            SettingSpelling::FIELDS,
+        )
+        .unwrap_err();
         assert!(err.contains("an odd number"), "{err}");
-        let err = IndexedSpec::parse(&words(&["0", "a", "1", "b"]), Split::default()).unwrap_err();
+        let err = IndexedSpec::parse(
+            &words(&["0", "a", "1", "b"]),
+            Split::default(),
+            SettingSpelling::FIELDS,
+        )
+        .unwrap_err();
         assert!(err.contains("not a weight above 0"), "{err}");
     }
 }

@@ -233,8 +233,8 @@ impl IndexedDataset {
     pub fn open(prefix: &Path) -> Result<Self> {
         if prefix.as_os_str().is_empty() {
             return Err(RuntimeError::io(
-                "--data-path",
-                "the prefix is empty; give PREFIX of PREFIX.idx and PREFIX.bin",
+                "an indexed dataset",
+                "its prefix is empty; give PREFIX of PREFIX.idx and PREFIX.bin",
             ));
         }
         let (idx_path, bin_path) = paths(prefix);

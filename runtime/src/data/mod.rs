@@ -31,6 +31,7 @@ pub use indexed::{IndexedDataset, IndexedWriter, TokenDtype};
 
 use crate::backend::{IGNORE_TARGET, Tokens};
 use crate::error::{Result, RuntimeError};
+use crate::setting::{Setting, SettingSpelling};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -625,12 +626,13 @@ fn kind_of(file_type: &std::fs::FileType) -> &'static str {
 impl ByteFile {
     /// Opens `path` for a model whose vocabulary has `vocab` tokens. Only a
     /// regular, non-empty file is accepted: a FIFO or a device would block or
-    /// never end, and is refused by name before it is opened.
-    pub fn open(path: &Path, vocab: usize) -> Result<Self> {
+    /// never end, and is refused by name before it is opened (an empty
+    /// path by its setting's name, as `spelling` spells it).
+    pub fn open(path: &Path, vocab: usize, spelling: SettingSpelling) -> Result<Self> {
         let name = path.display().to_string();
         if path.as_os_str().is_empty() {
             return Err(RuntimeError::io(
-                "--data",
+                spelling.name(Setting::Data),
                 "the path is empty; give a file to train on, or `synthetic`",
             ));
         }
@@ -846,10 +848,11 @@ impl DataSource {
                 let total = self.check_shape(shape)?;
                 let validation = source.validation.as_ref().ok_or_else(|| {
                     RuntimeError::InvalidArgument(format!(
-                        "{}: evaluation needs a validation part, and --split {} leaves none; \
-                         give the second number of --split above 0 (e.g. 90,10,0)",
+                        "{}: evaluation needs a validation part, and {} leaves none; \
+                         give the second number of {} above 0 (e.g. 90,10,0)",
                         source.description,
-                        source.split.text()
+                        source.spelling.given(Setting::Split, source.split.text()),
+                        source.spelling.name(Setting::Split)
                     ))
                 })?;
                 let mut tokens = vec![0u32; total];
@@ -914,6 +917,8 @@ pub struct IndexedSource {
     /// vocabulary when they were too large to scan).
     vocab: usize,
     description: String,
+    /// How refusals name the settings.
+    spelling: SettingSpelling,
 }
 
 impl IndexedSource {
@@ -923,7 +928,9 @@ impl IndexedSource {
     /// `need_validation`: the run evaluates, so the validation part must
     /// not be empty. Token ids are checked by one scan before the run when
     /// the blend has at most `scan_limit` tokens (runs pass
-    /// [`UPFRONT_TOKEN_SCAN`]), else as they are read.
+    /// [`UPFRONT_TOKEN_SCAN`]), else as they are read. Refusals name the
+    /// settings as `spelling` spells them.
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         spec: &IndexedSpec,
         vocab: usize,
@@ -932,6 +939,7 @@ impl IndexedSource {
         layout: SampleLayout,
         need_validation: bool,
         scan_limit: u64,
+        spelling: SettingSpelling,
     ) -> Result<Self> {
         let seq = shape.seq;
         let mut trains = Vec::new();
@@ -971,37 +979,50 @@ impl IndexedSource {
             for (part, range) in ranges.iter().enumerate() {
                 let needed = weights[part] > 0.0 || (part == 1 && need_validation);
                 if range.is_empty() && needed {
+                    let split = spelling.given(Setting::Split, spec.split.text());
                     let why = if weights[part] > 0.0 {
                         format!(
-                            "--split {} gives its {} part no documents of the {}",
-                            spec.split.text(),
+                            "{split} gives its {} part no documents of the {}",
                             gpt::PART_NAMES[part],
                             dataset.sequences()
                         )
                     } else {
                         format!(
-                            "--eval-every evaluates on the validation part, but --split {} \
-                             gives it none",
-                            spec.split.text()
+                            "{} evaluates on the validation part, but {split} gives it none",
+                            spelling.name(Setting::EvalEvery)
                         )
                     };
                     return Err(RuntimeError::io(
                         dataset.idx_name(),
                         format!(
                             "{why}; use more documents, or a split whose parts each get one \
-                             (e.g. --split 90,10,0 for a small corpus)"
+                             (e.g. {} for a small corpus)",
+                            spelling.given(Setting::Split, "90,10,0")
                         ),
                     ));
                 }
             }
             // Each dataset's parts shuffle with their own seed.
             let part_seed = mix64(seed ^ (d as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            let train = GptPart::new(dataset.clone(), 0, ranges[0].clone(), part_seed, seq)?;
+            let train = GptPart::new(
+                dataset.clone(),
+                0,
+                ranges[0].clone(),
+                part_seed,
+                seq,
+                spelling,
+            )?;
             let mut line = format!("{} ({}", dataset.prefix().display(), train.describe());
             trains.push(train);
             if !ranges[1].is_empty() {
-                let validation =
-                    GptPart::new(dataset.clone(), 1, ranges[1].clone(), part_seed, seq)?;
+                let validation = GptPart::new(
+                    dataset.clone(),
+                    1,
+                    ranges[1].clone(),
+                    part_seed,
+                    seq,
+                    spelling,
+                )?;
                 line += &format!("; {}", validation.describe());
                 validations.push(validation);
             }
@@ -1034,6 +1055,7 @@ impl IndexedSource {
             seq,
             vocab: largest as usize + 1,
             description,
+            spelling,
         })
     }
 
@@ -1075,7 +1097,7 @@ mod tests {
         write_u16(&prefix, &[vec![1; 60], vec![2, 3, 300, 4], vec![5; 60]]);
         let spec = IndexedSpec {
             blend: vec![(1.0, prefix)],
-            split: Split::parse("100,0,0").unwrap(),
+            split: Split::parse("100,0,0", SettingSpelling::FIELDS).unwrap(),
         };
         let shape = BatchShape::new(1, 8);
         let layout = SampleLayout {
@@ -1083,7 +1105,18 @@ mod tests {
             micro_batches: 1,
         };
         let message = "c.bin: token 2 of sequence 1 is id 300, past the model's vocabulary of 256";
-        let open = |limit| IndexedSource::open(&spec, 256, 1, shape, layout, false, limit);
+        let open = |limit| {
+            IndexedSource::open(
+                &spec,
+                256,
+                1,
+                shape,
+                layout,
+                false,
+                limit,
+                SettingSpelling::FIELDS,
+            )
+        };
         let scanned = open(UPFRONT_TOKEN_SCAN).unwrap_err();
         assert!(scanned.to_string().contains(message), "{scanned}");
         let source = open(0).unwrap();
@@ -1342,7 +1375,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(small.contains("only 128 tokens"), "{small}");
-        let missing = ByteFile::open(Path::new("/nonexistent/corpus.txt"), 256).unwrap_err();
+        let missing = ByteFile::open(
+            Path::new("/nonexistent/corpus.txt"),
+            256,
+            SettingSpelling::FIELDS,
+        )
+        .unwrap_err();
         assert!(missing.to_string().starts_with("/nonexistent/corpus.txt:"));
     }
 
@@ -1373,7 +1411,8 @@ mod tests {
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
         let file = TempFile::new("golden", &bytes);
-        let on_disk = DataSource::Bytes(ByteFile::open(&file.0, 256).unwrap());
+        let on_disk =
+            DataSource::Bytes(ByteFile::open(&file.0, 256, SettingSpelling::FIELDS).unwrap());
         let in_memory = DataSource::Bytes(ByteFile::from_bytes("m", bytes, 256).unwrap());
         let at = |seed, step, dp_rank, micro_batch| BatchKey {
             seed,
@@ -1424,7 +1463,11 @@ mod tests {
 
     #[test]
     fn only_regular_non_empty_files_are_data() {
-        let err = |path: &Path| ByteFile::open(path, 256).unwrap_err().to_string();
+        let err = |path: &Path| {
+            ByteFile::open(path, 256, SettingSpelling::FIELDS)
+                .unwrap_err()
+                .to_string()
+        };
         let dir = std::env::temp_dir();
         let message = err(&dir);
         assert!(
@@ -1432,7 +1475,7 @@ mod tests {
             "{message}"
         );
         let empty = err(Path::new(""));
-        assert!(empty.contains("--data: the path is empty"), "{empty}");
+        assert!(empty.contains("config.data: the path is empty"), "{empty}");
         let file = TempFile::new("empty", b"");
         let message = err(&file.0);
         assert!(message.contains("the file is empty"), "{message}");
@@ -1455,7 +1498,8 @@ mod tests {
         }
         // A file that shrinks under a run fails its next read by name.
         let file = TempFile::new("shrinks", &[7u8; 64]);
-        let source = DataSource::Bytes(ByteFile::open(&file.0, 256).unwrap());
+        let source =
+            DataSource::Bytes(ByteFile::open(&file.0, 256, SettingSpelling::FIELDS).unwrap());
         std::fs::write(&file.0, [7u8; 4]).unwrap();
         let message = source
             .batch(key(0, 0, 0), BatchShape::new(2, 30))

@@ -1,5 +1,5 @@
 //! Export (checkpoint -> Hugging Face folder), import (Hugging Face folder
-//! -> checkpoint), and the weights `train --init-from` starts from, all
+//! -> checkpoint), and the weights a run starts from (`init_from`), all
 //! through [`hf_tensors`]: the mapping is applied in one place, so the
 //! three cannot disagree.
 
@@ -8,6 +8,7 @@ use super::files::{self, HfFolder, Planned};
 use super::mapping::{HfTensor, Source, hf_tensors};
 use crate::checkpoint::{CheckpointReader, DataRecord, RunState, write_fresh};
 use crate::error::{Result, RuntimeError};
+use crate::setting::{Setting, SettingSpelling};
 use crate::train::TrainConfig;
 use hybridgen_dsl::{LayerKind, ModelConfig, Pattern, Plan, PlanOptions};
 use serde_json::Value;
@@ -300,15 +301,17 @@ impl HfWeights {
         &self.bound
     }
 
-    /// Refuses `model` unless it is the one the weights were checked against.
-    pub fn check_model(&self, model: &ModelConfig) -> Result<()> {
+    /// Refuses `model` unless it is the one the weights were checked
+    /// against, naming the settings as `spelling` spells them.
+    pub fn check_model(&self, model: &ModelConfig, spelling: SettingSpelling) -> Result<()> {
         if *model == self.bound {
             return Ok(());
         }
+        let pattern = spelling.name(Setting::Pattern);
         Err(RuntimeError::Unsupported(format!(
-            "--init-from {}: the run's model differs from the one its config.json describes \
-             (with --pattern `{}`); train that model (give --pattern only to regroup it)",
-            self.folder.dir.display(),
+            "{}: the run's model differs from the one its config.json describes \
+             (with {pattern} `{}`); train that model (give {pattern} only to regroup it)",
+            spelling.given(Setting::InitFrom, self.folder.dir.display()),
             self.bound.pattern
         )))
     }

@@ -4,7 +4,7 @@
 //! [`mapping`] is the one table between the two sets of tensor names and
 //! layouts; [`config`] translates `config.json`; [`files`] reads and writes
 //! the safetensors folder; [`convert`] puts them together: export, import,
-//! and the weights `train --init-from` starts from.
+//! and the weights a run starts from (`init_from`).
 
 pub mod config;
 pub mod convert;

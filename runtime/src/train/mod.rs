@@ -15,7 +15,7 @@ pub use prepare::{GPU_OVERHEAD, Prepared, memory_need, prepare, prepare_on};
 pub use report::{StartupTimes, StepReport, TrainSummary};
 
 use crate::backend::{AttentionBackend, ExpertGemm, Precision};
-use crate::checkpoint::{ResumeFrom, RunSetting, RunSettings};
+use crate::checkpoint::{ResumeFrom, RunSettings};
 use crate::data::DataChoice;
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::Sharding;
@@ -23,6 +23,7 @@ use crate::optimizer::OptimizerConfig;
 use crate::platform::{DeviceChoice, OnPlatform, Platform, RankSettings, Transport, with_platform};
 use crate::recompute::Recompute;
 use crate::schedule::ScheduleKind;
+use crate::setting::{Setting, SettingSpelling};
 use crate::trace::TraceRecorder;
 use hybridgen_dsl::{ModelConfig, Plan, UnitFilter};
 use rank::{RankOutcome, run_rank};
@@ -98,7 +99,7 @@ pub struct TrainConfig {
     /// configuration (the CLI lists the flags the user left out). Every
     /// other setting must agree with the checkpoint, except the layout,
     /// which may change (checkpoints reshard).
-    pub from_checkpoint: BTreeSet<RunSetting>,
+    pub from_checkpoint: BTreeSet<Setting>,
     /// Write a Chrome trace of every lane here.
     pub trace: Option<PathBuf>,
     /// How long a rank waits for its peers before giving up (at most
@@ -127,6 +128,9 @@ pub struct TrainConfig {
     /// Start from these weights (a Hugging Face folder, checked against
     /// `model`) instead of the seeded initialisation; a fresh run otherwise.
     pub init_from: Option<Arc<crate::hf::HfWeights>>,
+    /// How messages name the settings: this configuration's fields by
+    /// default (`config.ranks`); a command line hands its flags.
+    pub spelling: SettingSpelling,
 }
 
 impl TrainConfig {
@@ -169,6 +173,7 @@ impl TrainConfig {
             eval_every: None,
             eval_steps: 10,
             init_from: None,
+            spelling: SettingSpelling::FIELDS,
         }
     }
 
@@ -208,6 +213,7 @@ impl TrainConfig {
             keep_last: self.keep_last,
             resume: self.resume.clone(),
             from_checkpoint: self.from_checkpoint.clone(),
+            spelling: self.spelling,
         }
     }
 
@@ -231,6 +237,7 @@ impl TrainConfig {
             keep_last,
             resume,
             from_checkpoint,
+            spelling,
         } = settings;
         TrainConfig {
             model,
@@ -249,6 +256,7 @@ impl TrainConfig {
             keep_last,
             resume,
             from_checkpoint,
+            spelling,
             ..self.clone()
         }
     }
@@ -324,10 +332,11 @@ pub fn train_on<P: Platform>(
     let config = &prepared.config;
     if platform.world() != config.ranks {
         return Err(RuntimeError::Unsupported(format!(
-            "the run has {} ranks but {} provides {}; set --ranks to {}",
+            "the run has {} ranks but {} provides {}; set {} to {}",
             config.ranks,
             platform.describe(),
             platform.world(),
+            config.spelling.name(Setting::Ranks),
             platform.world()
         )));
     }

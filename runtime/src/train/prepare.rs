@@ -18,6 +18,7 @@ use crate::platform::{ChosenDevice, Transport, choose_device};
 use crate::recompute::Recompute;
 use crate::rendezvous::Launch;
 use crate::schedule::{Program, ScheduleKind, build};
+use crate::setting::Setting;
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use std::sync::Arc;
 
@@ -62,7 +63,7 @@ impl Prepared {
 /// checkpoint is read first: the settings it supplies are checked like
 /// the rest. The save root is made and locked last.
 pub fn prepare(config: &TrainConfig) -> Result<Prepared> {
-    prepare_on(config, choose_device(config.device)?)
+    prepare_on(config, choose_device(config.device, config.spelling)?)
 }
 
 /// [`prepare`] on a device already chosen for `config.device` (the command
@@ -71,13 +72,18 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     let settled = checkpoint::settle(&config.run_settings())?;
     let config = &config.with_run_settings(settled.settings.clone());
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
+    let spelling = config.spelling;
     if config.ranks == 0 {
-        return refuse("--ranks must be at least 1".into());
+        return refuse(format!(
+            "{} must be at least 1",
+            spelling.name(Setting::Ranks)
+        ));
     }
     if config.ep == 0 || !config.ranks.is_multiple_of(config.ep) {
         return refuse(format!(
-            "--ranks {} is not divisible by --ep {}: expert-parallel groups are sets of ep consecutive ranks",
-            config.ranks, config.ep
+            "{} is not divisible by {}: expert-parallel groups are sets of ep consecutive ranks",
+            spelling.given(Setting::Ranks, config.ranks),
+            spelling.given(Setting::Ep, config.ep)
         ));
     }
     if config.micro_batches == 0 || config.micro_batch_size == 0 || config.seq_length == 0 {
@@ -94,14 +100,16 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             config.micro_batch_size, config.seq_length
         ));
     }
-    config.optimizer.validate()?;
+    config.optimizer.validate(spelling)?;
     if let Some(weights) = &config.init_from {
         if settled.resume_dir().is_some() {
-            return refuse(
-                "--init-from starts a run from other weights, --resume continues one; give one of them".into(),
-            );
+            return refuse(format!(
+                "{} starts a run from other weights, {} continues one; give one of them",
+                spelling.name(Setting::InitFrom),
+                spelling.name(Setting::Resume)
+            ));
         }
-        weights.check_model(&config.model)?;
+        weights.check_model(&config.model, spelling)?;
     }
     if config.timeout.is_zero() || config.timeout > MAX_TIMEOUT {
         return refuse(format!(
@@ -171,7 +179,10 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         }
     };
     if plan.stages.len() > 1 {
-        return refuse("this runtime trains without pipeline parallelism; plan with --pp 1".into());
+        return refuse(format!(
+            "this runtime trains without pipeline parallelism; plan with {}",
+            spelling.given(Setting::Pp, 1)
+        ));
     }
     // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
     ModelRuntime::new(plan.clone())?;
@@ -186,9 +197,9 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     }
     if config.eval_every == Some(0) || (config.eval_every.is_some() && config.eval_steps == 0) {
         return refuse(format!(
-            "--eval-every {} --eval-steps {}: both must be at least 1",
-            config.eval_every.unwrap_or(0),
-            config.eval_steps
+            "{} {}: both must be at least 1",
+            spelling.given(Setting::EvalEvery, config.eval_every.unwrap_or(0)),
+            spelling.given(Setting::EvalSteps, config.eval_steps)
         ));
     }
     let data = match &config.data {
@@ -197,7 +208,9 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             4,
             config.seed ^ 0xDA7A,
         )?),
-        DataChoice::File(path) => DataSource::Bytes(ByteFile::open(path, config.model.vocab_size)?),
+        DataChoice::File(path) => {
+            DataSource::Bytes(ByteFile::open(path, config.model.vocab_size, spelling)?)
+        }
         DataChoice::Indexed(spec) => DataSource::Indexed(Arc::new(IndexedSource::open(
             spec,
             config.model.vocab_size,
@@ -209,6 +222,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             },
             config.eval_every.is_some(),
             crate::data::UPFRONT_TOKEN_SCAN,
+            spelling,
         )?)),
     };
     if data.vocab() > config.model.vocab_size {
@@ -220,13 +234,20 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     }
     data.check_shape(batch_shape(config))?;
     if config.save_every == Some(0) {
-        return refuse("--save-every must be at least 1".into());
+        return refuse(format!(
+            "{} must be at least 1",
+            spelling.name(Setting::SaveEvery)
+        ));
     }
     if config.async_save {
         check_async_save(config, &plan, &device, available.as_ref(), &memory)?;
     }
     // Last: the checks that write (the save root, the trace file).
-    let trace_file = config.trace.as_deref().map(open_trace).transpose()?;
+    let trace_file = config
+        .trace
+        .as_deref()
+        .map(|path| open_trace(path, spelling.name(Setting::Trace)))
+        .transpose()?;
     let (settings, checkpoints) = settled.open(&plan)?;
     let mut config = config.with_run_settings(settings);
     config.recompute = recompute;
@@ -241,7 +262,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     })
 }
 
-/// Refuses `--async-save` without `--save`, and where the host lacks the
+/// Refuses `async_save` without `save`, and where the host lacks the
 /// memory for the copies of the checkpoint tensors it keeps while the files
 /// are written: every rank of this process on the CPU, beside the run's
 /// own need; on GPUs this process's ranks, times the processes a launcher
@@ -253,11 +274,14 @@ fn check_async_save(
     available: Option<&AvailableMemory>,
     memory: &MemoryNeed,
 ) -> Result<()> {
+    let spelling = config.spelling;
+    let async_save = spelling.name(Setting::AsyncSave);
     if config.save.is_none() {
-        return Err(RuntimeError::Unsupported(
-            "--async-save writes the checkpoints of --save DIR behind the steps; give --save"
-                .into(),
-        ));
+        return Err(RuntimeError::Unsupported(format!(
+            "{async_save} writes the checkpoints of {} behind the steps; give {}",
+            spelling.given(Setting::Save, "DIR"),
+            spelling.name(Setting::Save)
+        )));
     }
     let layout = ShardLayout {
         sharding: config.sharding,
@@ -282,9 +306,9 @@ fn check_async_save(
     let Some(host) = host else { return Ok(()) };
     if beside.saturating_add(copies) > host.bytes {
         return Err(RuntimeError::OutOfMemory(format!(
-            "--async-save keeps a copy of each rank's checkpoint tensors in host memory while the files are written: \
+            "{async_save} keeps a copy of each rank's checkpoint tensors in host memory while the files are written: \
              {} for this host's ranks, beside the run's {}, but {} is available ({})\n\
-             tip: leave out --async-save: each rank file is then streamed a chunk at a time while the steps wait",
+             tip: leave out {async_save}: each rank file is then streamed a chunk at a time while the steps wait",
             crate::memory::bytes(copies),
             crate::memory::bytes(beside),
             crate::memory::bytes(host.bytes),
@@ -479,12 +503,12 @@ fn fit_hints(config: &TrainConfig) -> FitHints {
 }
 
 /// Creates (or truncates) the trace file at `path`, refusing a directory or
-/// a missing parent by name.
-fn open_trace(path: &std::path::Path) -> Result<std::fs::File> {
+/// a missing parent by name (an empty path by its setting's, `setting`).
+fn open_trace(path: &std::path::Path, setting: &str) -> Result<std::fs::File> {
     let name = path.display();
     if path.as_os_str().is_empty() {
         return Err(RuntimeError::io(
-            "--trace",
+            setting,
             "the path is empty; give a file such as trace.json",
         ));
     }

@@ -158,7 +158,13 @@ impl<'a, D: Device> RankRun<'a, D> {
         startup.params = phase.elapsed();
         startup.params_drawn = Duration::from_nanos(drawn.load(Ordering::Relaxed));
         let phase = Instant::now();
-        let mut optimizer = Optimizer::new(config.optimizer.clone(), plan.clone(), &engine, &rank)?;
+        let mut optimizer = Optimizer::new(
+            config.optimizer.clone(),
+            plan.clone(),
+            &engine,
+            &rank,
+            config.spelling,
+        )?;
         let places = (0..plan.params.len())
             .map(|p| engine.param_place(p))
             .collect();
