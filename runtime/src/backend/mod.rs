@@ -33,7 +33,7 @@ pub mod layout;
 pub mod lookup;
 mod moe;
 pub mod norm;
-mod optim;
+pub mod optim;
 pub mod scan;
 
 pub use attention::{
@@ -48,7 +48,7 @@ pub use moe::{
     RouterScores, UnpermuteDims, UnpermuteGrads,
 };
 pub use norm::{NormDims, NormKernels, Unary};
-pub use optim::{AdamMoments, AdamStep, SgdStep};
+pub use optim::{AdamMoments, AdamStep, OptimKernels, SgdStep};
 pub use scan::{ScanDims, ScanGrads, ScanInputs, ScanKernels};
 
 /// A read-only view of one of `B`'s buffers.
@@ -134,6 +134,7 @@ pub trait Backend:
     + ScanKernels<<Self as Backend>::Buf>
     + AttentionKernels<<Self as Backend>::Buf>
     + LookupKernels<<Self as Backend>::Buf>
+    + OptimKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -458,51 +459,7 @@ pub trait Backend:
 
     // ---- kernels: optimizer -----------------------------------------------------
 
-    /// One AdamW step over a whole bucket's f32 shard (decoupled weight
-    /// decay, as torch `AdamW` and Megatron), with `g = grad * grad_scale`
-    /// (the clipping factor, 1 without clipping) and `wd = weight_decay` on
-    /// the elements inside `decayed`, 0 elsewhere:
-    /// `p *= 1 - lr * wd`; `m = b1 m + (1-b1) g`; `v = b2 v + (1-b2) g^2`;
-    /// `p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
-    /// `decayed` is u32 `[2n]`: `n` element ranges `[start, end)` of the
-    /// shard, ascending and disjoint (the matrices; norms, biases and other
-    /// 1-D parameters are not decayed). Alignment gaps and padding hold zero
-    /// parameters and gradients, which stay zero (so do their moments).
-    /// With `copy` (f32 or bf16, the shard's length), the updated parameters
-    /// are also written there, rounded once: the compute-precision copy,
-    /// which a cast would otherwise read the shard again for.
-    fn adam_update(
-        &self,
-        param: SliceMut<'_, Self>,
-        copy: Option<SliceMut<'_, Self>>,
-        grad: Slice<'_, Self>,
-        moments: AdamMoments<SliceMut<'_, Self>>,
-        decayed: Slice<'_, Self>,
-        step: AdamStep,
-    ) -> Result<()>;
-
-    /// One SGD step over a whole bucket's f32 shard (torch semantics), with
-    /// `g = grad * grad_scale` and `wd` as in [`Backend::adam_update`]:
-    /// `g' = g + wd * p`; with momentum `mu`, `buf = mu * buf + g'` and
-    /// `p -= lr * buf`, else `p -= lr * g'`. `momentum` must be `Some`
-    /// exactly when `step.momentum != 0`. `copy` as in
-    /// [`Backend::adam_update`].
-    fn sgd_update(
-        &self,
-        param: SliceMut<'_, Self>,
-        copy: Option<SliceMut<'_, Self>>,
-        grad: Slice<'_, Self>,
-        momentum: Option<SliceMut<'_, Self>>,
-        decayed: Slice<'_, Self>,
-        step: SgdStep,
-    ) -> Result<()>;
-
-    /// `out[i] = sum of x[j]^2` over piece `i` of `x`, pieces of `piece`
-    /// elements (the last may be shorter), each summed in f64 in an order
-    /// fixed by the piece's length (the CPU: index order from zero; a GPU: a
-    /// fixed tree): the gradient norm's partial sums. `x` is f32 (gradients),
-    /// `out` f64 with `ceil(len / piece)` elements; `piece` must be positive.
-    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()>;
+    optim::optim_methods!();
 }
 
 /// The shape of one micro-batch's activations: `[rows, width]` with

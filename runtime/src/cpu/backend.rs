@@ -9,9 +9,8 @@ use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
 use super::kernels;
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, Backend, DeviceStats, ExpertBias, ExpertOrder, Precision,
-    ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, SgdStep, Slice, SliceMut,
-    UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, Backend, DeviceStats, ExpertBias, ExpertOrder, Precision, ReceivedDims, RouteDims,
+    RouteOutputs, RoutedSlots, RouterScores, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::Result;
 use crate::view::{DType, Scalar, same_dtype, same_len};
@@ -85,30 +84,6 @@ impl CpuBackend {
     pub(crate) fn access(&self, kernel: &'static str) -> KernelAccess<'_> {
         KernelAccess::new(kernel, &self.lane)
     }
-}
-
-/// An optimizer step on the f32 shard `param` (`update`), then, with
-/// `copy` (the shard's length), the updated parameters written there,
-/// rounded once as a cast of the shard would (`Backend::adam_update`).
-fn updated_with_copy<'k>(
-    k: &KernelAccess<'k>,
-    param: SliceMut<'k, CpuBackend>,
-    copy: Option<SliceMut<'k, CpuBackend>>,
-    update: impl FnOnce(&mut [f32]) -> Result<()>,
-) -> Result<()> {
-    let param = k.typed_out::<f32>("param", param)?;
-    let mut copy = match copy {
-        Some(copy) => {
-            same_len(k.kernel(), param.len(), copy.len())?;
-            Some(k.f32_out("copy", copy)?)
-        }
-        None => None,
-    };
-    update(&mut *param)?;
-    if let Some(copy) = copy.as_mut() {
-        copy.copy_from_slice(param);
-    }
-    Ok(())
 }
 
 impl Backend for CpuBackend {
@@ -480,61 +455,6 @@ impl Backend for CpuBackend {
             dims,
         )
     }
-
-    fn adam_update(
-        &self,
-        param: SliceMut<'_, Self>,
-        copy: Option<SliceMut<'_, Self>>,
-        grad: Slice<'_, Self>,
-        moments: AdamMoments<SliceMut<'_, Self>>,
-        decayed: Slice<'_, Self>,
-        step: AdamStep,
-    ) -> Result<()> {
-        let k = self.access("adam_update");
-        updated_with_copy(&k, param, copy, |param| {
-            kernels::adam_update(
-                param,
-                k.typed_in::<f32>("grad", grad)?,
-                k.typed_out::<f32>("m", moments.m)?,
-                k.typed_out::<f32>("v", moments.v)?,
-                k.typed_in::<u32>("decayed", decayed)?,
-                step,
-            )
-        })
-    }
-
-    fn sgd_update(
-        &self,
-        param: SliceMut<'_, Self>,
-        copy: Option<SliceMut<'_, Self>>,
-        grad: Slice<'_, Self>,
-        momentum: Option<SliceMut<'_, Self>>,
-        decayed: Slice<'_, Self>,
-        step: SgdStep,
-    ) -> Result<()> {
-        let k = self.access("sgd_update");
-        updated_with_copy(&k, param, copy, |param| {
-            let momentum = momentum
-                .map(|m| k.typed_out::<f32>("momentum", m))
-                .transpose()?;
-            kernels::sgd_update(
-                param,
-                k.typed_in::<f32>("grad", grad)?,
-                momentum,
-                k.typed_in::<u32>("decayed", decayed)?,
-                step,
-            )
-        })
-    }
-
-    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
-        let k = self.access("sum_squares");
-        kernels::sum_squares(
-            k.typed_in::<f32>("x", x)?,
-            piece,
-            k.typed_out::<f64>("out", out)?,
-        )
-    }
 }
 
 /// `v` rounded once to the nearest bf16, ties to even. Through f32 it would
@@ -587,7 +507,6 @@ mod tests {
         );
     }
 
-
     #[test]
     fn accumulate_sum_takes_floats_into_one_f64() {
         let b = CpuBackend::default();
@@ -626,83 +545,4 @@ mod tests {
         );
     }
 
-    #[test]
-    fn optimizer_kernels_take_f32_state_u32_ranges_and_an_f64_norm() {
-        let b = CpuBackend::default();
-        let [p, g, m, v] = [0; 4].map(|_| buf(&b, 4, DType::F32));
-        let step = AdamStep {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            grad_scale: 1.0,
-            step: 1,
-        };
-        let moments = || AdamMoments {
-            m: ViewMut::whole(&m),
-            v: ViewMut::whole(&v),
-        };
-        let ranges = buf(&b, 2, DType::U32);
-        b.upload(&[0u32, 4], ViewMut::whole(&ranges)).unwrap();
-        b.adam_update(
-            ViewMut::whole(&p),
-            None,
-            View::whole(&g),
-            moments(),
-            View::whole(&ranges),
-            step,
-        )
-        .unwrap();
-        let float_ranges = buf(&b, 2, DType::F32);
-        refused(
-            b.adam_update(
-                ViewMut::whole(&p),
-                None,
-                View::whole(&g),
-                moments(),
-                View::whole(&float_ranges),
-                step,
-            ),
-            "adam_update",
-            "decayed",
-        );
-        let sgd = SgdStep {
-            lr: 0.1,
-            momentum: 0.0,
-            weight_decay: 0.0,
-            grad_scale: 1.0,
-        };
-        refused(
-            b.sgd_update(
-                ViewMut::whole(&p),
-                None,
-                View::whole(&g),
-                None,
-                View::whole(&float_ranges),
-                sgd,
-            ),
-            "sgd_update",
-            "decayed",
-        );
-        let bf16_grad = buf(&b, 4, DType::Bf16);
-        let partials = buf(&b, 2, DType::F64);
-        refused(
-            b.sum_squares(View::whole(&bf16_grad), 2, ViewMut::whole(&partials)),
-            "sum_squares",
-            "x",
-        );
-        refused(
-            b.sum_squares(View::whole(&g), 2, ViewMut::whole(&float_ranges)),
-            "sum_squares",
-            "out",
-        );
-        b.upload(&[1.0f32, 2.0, 3.0, 4.0], ViewMut::whole(&g))
-            .unwrap();
-        b.sum_squares(View::whole(&g), 2, ViewMut::whole(&partials))
-            .unwrap();
-        let mut host = [0.0f64; 2];
-        b.download(View::whole(&partials), &mut host).unwrap();
-        assert_eq!(host, [5.0, 25.0]);
-    }
 }

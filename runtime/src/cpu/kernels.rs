@@ -9,11 +9,9 @@
 
 mod check;
 mod moe;
-mod optim;
 
 pub use moe::{
     gather_rows, moe_aux_loss_backward, moe_aux_loss_forward, moe_combine, moe_expert_counts,
     moe_expert_major_order, moe_route_backward, moe_route_forward, moe_sort_by_expert,
     moe_unpermute, moe_unpermute_backward, scatter_rows,
 };
-pub use optim::{adam_update, sgd_update, sum_squares};

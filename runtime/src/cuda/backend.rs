@@ -18,9 +18,9 @@ use super::launch::{ATTENTION_GEMM_SCRATCH_BYTES, GpuView, KernelSet, SCAN_CHUNK
 use super::ops::attention_flash::flash_attention_takes;
 use super::queue::QueueSet;
 use crate::backend::{
-    AdamMoments, AdamStep, AttentionDims, AuxLossDims, Backend, DeviceStats, ExpertBias,
-    ExpertOrder, Precision, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores,
-    SgdStep, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    AttentionDims, AuxLossDims, Backend, DeviceStats, ExpertBias, ExpertOrder, Precision,
+    ReceivedDims, RouteDims, RouteOutputs, RoutedSlots, RouterScores, Slice, SliceMut,
+    UnpermuteDims, UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
@@ -716,56 +716,5 @@ impl Backend for CudaBackend {
             self.m(&grads.weights),
             dims,
         )
-    }
-
-    fn adam_update(
-        &self,
-        param: SliceMut<'_, Self>,
-        copy: Option<SliceMut<'_, Self>>,
-        grad: Slice<'_, Self>,
-        moments: AdamMoments<SliceMut<'_, Self>>,
-        decayed: Slice<'_, Self>,
-        step: AdamStep,
-    ) -> Result<()> {
-        let moments = AdamMoments {
-            m: self.m(&moments.m),
-            v: self.m(&moments.v),
-        };
-        self.k().adam_update(
-            self.s(),
-            (self.m(&param), copy.as_ref().map(|c| self.m(c))),
-            self.v(grad),
-            moments,
-            self.v(decayed),
-            step,
-        )
-    }
-
-    fn sgd_update(
-        &self,
-        param: SliceMut<'_, Self>,
-        copy: Option<SliceMut<'_, Self>>,
-        grad: Slice<'_, Self>,
-        momentum: Option<SliceMut<'_, Self>>,
-        decayed: Slice<'_, Self>,
-        step: SgdStep,
-    ) -> Result<()> {
-        let momentum = momentum.as_ref().map(|m| self.m(m));
-        self.k().sgd_update(
-            self.s(),
-            (self.m(&param), copy.as_ref().map(|c| self.m(c))),
-            self.v(grad),
-            momentum,
-            self.v(decayed),
-            step,
-        )
-    }
-
-    fn sum_squares(&self, x: Slice<'_, Self>, piece: usize, out: SliceMut<'_, Self>) -> Result<()> {
-        // Per-tile partials from the arena: a repeated step allocates nothing.
-        let len = KernelSet::sum_squares_scratch_len(x.len(), piece)?;
-        let (scratch, _partials) = self.scratch(len, DType::F64)?;
-        self.k()
-            .sum_squares(self.s(), self.v(x), piece, self.m(&out), scratch)
     }
 }

@@ -14,6 +14,7 @@ pub mod dense;
 pub mod layout;
 pub mod lookup;
 pub mod norm;
+pub mod optim;
 pub mod scan;
 
 use crate::error::Result;

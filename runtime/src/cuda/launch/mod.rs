@@ -21,8 +21,7 @@ pub(crate) mod tensor_map;
 
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::backend::{
-    AdamMoments, AdamStep, AuxLossDims, ExpertBias, ReceivedDims, RouteDims, RoutedSlots, SgdStep,
-    UnpermuteDims,
+    AuxLossDims, ExpertBias, ReceivedDims, RouteDims, RoutedSlots, UnpermuteDims,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, same_dtype};
@@ -141,18 +140,6 @@ pub(crate) fn per_item(items: usize, threads: u32) -> Result<LaunchConfig> {
 /// reduction tree is too.
 pub(crate) fn reduce_threads(n: usize, max: u32) -> u32 {
     (n.max(32).next_power_of_two() as u64).min(u64::from(max)) as u32
-}
-
-/// Tiles a piece of `sum_squares` is cut into: spans of at least
-/// `SUM_SQUARES_SPAN` elements (64 per thread of a 256-thread block), and at
-/// most `SUM_SQUARES_MAX_TILES` (8 blocks per SM of an H200), so a bucket of
-/// any size keeps every SM reading at full bandwidth.
-fn sum_squares_tiles(piece: usize) -> usize {
-    const SUM_SQUARES_SPAN: usize = 16_384;
-    const SUM_SQUARES_MAX_TILES: usize = 1_056;
-    piece
-        .div_ceil(SUM_SQUARES_SPAN)
-        .clamp(1, SUM_SQUARES_MAX_TILES)
 }
 
 /// The column-sum shape: 32 columns by 32 row slices a block.
@@ -521,52 +508,6 @@ impl KernelSet {
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&at).arg(&count).arg(&out.ptr).arg(&n).arg(&words);
         self.go(k, &mut b, grid)
-    }
-
-    /// The f64 scratch `sum_squares` needs for `len` elements in pieces of
-    /// `piece`: one partial per tile of every piece.
-    pub fn sum_squares_scratch_len(len: usize, piece: usize) -> Result<usize> {
-        let k = "sum_squares";
-        ensure(piece > 0, || {
-            format!("{k}: pieces must hold at least one element")
-        })?;
-        product(k, &[len.div_ceil(piece), sum_squares_tiles(piece)])
-    }
-
-    /// `Backend::sum_squares`: per-piece sums of squares in f64, each piece
-    /// cut into tiles summed by a block each (`sum_squares_tiles`), then the
-    /// tiles added per piece in a fixed order (`sum_squares_pieces`).
-    /// `scratch` holds [`Self::sum_squares_scratch_len`] f64s.
-    pub fn sum_squares(
-        &self,
-        stream: &CudaStream,
-        x: GpuView,
-        piece: usize,
-        out: GpuView,
-        scratch: GpuView,
-    ) -> Result<()> {
-        let k = "sum_squares";
-        exactly(k, "x", &x, DType::F32)?;
-        exactly(k, "out", &out, DType::F64)?;
-        exactly(k, "scratch", &scratch, DType::F64)?;
-        let partials = Self::sum_squares_scratch_len(x.len, piece)?;
-        let pieces = x.len.div_ceil(piece);
-        len(k, "out", &out, pieces)?;
-        len(k, "scratch", &scratch, partials)?;
-        if pieces == 0 {
-            return Ok(());
-        }
-        let tiles = sum_squares_tiles(piece);
-        let (n, p, t) = (x.len as u64, piece as u64, tiles as u64);
-        let span = piece.div_ceil(tiles);
-        let tk = "sum_squares_tiles";
-        let mut b = KernelArgs::new(stream, self.function(tk)?);
-        b.arg(&x.ptr).arg(&n).arg(&p).arg(&t).arg(&scratch.ptr);
-        self.go(tk, &mut b, per_item(partials, reduce_threads(span, 256))?)?;
-        let pk = "sum_squares_pieces";
-        let mut b = KernelArgs::new(stream, self.function(pk)?);
-        b.arg(&scratch.ptr).arg(&t).arg(&out.ptr);
-        self.go(pk, &mut b, per_item(pieces, reduce_threads(tiles, 256))?)
     }
 
     // ---- normalisation and activations -----------------------------------------
@@ -1160,134 +1101,6 @@ impl KernelSet {
     }
 
     // ---- optimizer ----------------------------------------------------------------
-
-    fn check_shard(k: &str, param: &GpuView, grad: &GpuView, decayed: &GpuView) -> Result<u32> {
-        exactly(k, "param", param, DType::F32)?;
-        exactly(k, "grad", grad, DType::F32)?;
-        exactly(k, "decayed", decayed, DType::U32)?;
-        len(k, "grad", grad, param.len)?;
-        ensure(decayed.len.is_multiple_of(2), || {
-            format!(
-                "{k}: `decayed` holds [start, end) pairs, but it has {} values",
-                decayed.len
-            )
-        })?;
-        as_u32(k, "shard length", param.len)?;
-        as_u32(k, "decayed ranges", decayed.len / 2)
-    }
-
-    /// An optimizer's `copy` argument: its address and dtype tag, after
-    /// checking its length and dtype; (0, 0) without one (the kernel never
-    /// reads the tag then).
-    fn copy_arg(k: &str, copy: Option<GpuView>, param: &GpuView) -> Result<(u64, i32)> {
-        match copy {
-            Some(c) => {
-                len(k, "copy", &c, param.len)?;
-                Ok((c.ptr, float(k, "copy", &c)?))
-            }
-            None => Ok((0, 0)),
-        }
-    }
-
-    /// `Backend::adam_update`.
-    pub fn adam_update(
-        &self,
-        stream: &CudaStream,
-        (param, copy): (GpuView, Option<GpuView>),
-        grad: GpuView,
-        moments: AdamMoments<GpuView>,
-        decayed: GpuView,
-        step: AdamStep,
-    ) -> Result<()> {
-        let k = "adam_update";
-        let ranges = Self::check_shard(k, &param, &grad, &decayed)?;
-        let AdamMoments { m, v } = moments;
-        exactly(k, "m", &m, DType::F32)?;
-        exactly(k, "v", &v, DType::F32)?;
-        len(k, "m", &m, param.len)?;
-        len(k, "v", &v, param.len)?;
-        let (copy_ptr, copy_dtype) = Self::copy_arg(k, copy, &param)?;
-        ensure(step.step >= 1, || format!("{k}: steps count from 1"))?;
-        if param.len == 0 {
-            return Ok(());
-        }
-        let t = i32::try_from(step.step).unwrap_or(i32::MAX);
-        // Bias corrections in f64 on the host, then f32, as the CPU does.
-        let bc1 = (1.0 - f64::from(step.beta1).powi(t)) as f32;
-        let bc2 = (1.0 - f64::from(step.beta2).powi(t)) as f32;
-        let decay = 1.0 - step.lr * step.weight_decay;
-        let n = param.len as u64;
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&param.ptr)
-            .arg(&copy_ptr)
-            .arg(&copy_dtype)
-            .arg(&grad.ptr)
-            .arg(&m.ptr)
-            .arg(&v.ptr)
-            .arg(&decayed.ptr)
-            .arg(&ranges);
-        b.arg(&n)
-            .arg(&step.lr)
-            .arg(&step.beta1)
-            .arg(&step.beta2)
-            .arg(&step.eps)
-            .arg(&decay);
-        b.arg(&step.grad_scale)
-            .arg(&bc1)
-            .arg(&bc2)
-            .arg(&self.fault_ptr);
-        self.go(k, &mut b, grid_for(param.len))
-    }
-
-    /// `Backend::sgd_update`.
-    pub fn sgd_update(
-        &self,
-        stream: &CudaStream,
-        (param, copy): (GpuView, Option<GpuView>),
-        grad: GpuView,
-        momentum: Option<GpuView>,
-        decayed: GpuView,
-        step: SgdStep,
-    ) -> Result<()> {
-        let k = "sgd_update";
-        let ranges = Self::check_shard(k, &param, &grad, &decayed)?;
-        let buffer = match momentum {
-            Some(buf) => {
-                ensure(step.momentum != 0.0, || {
-                    format!("{k}: a momentum buffer without momentum")
-                })?;
-                exactly(k, "momentum", &buf, DType::F32)?;
-                len(k, "momentum", &buf, param.len)?;
-                buf.ptr
-            }
-            None => {
-                ensure(step.momentum == 0.0, || {
-                    format!("{k}: momentum {} needs a buffer", step.momentum)
-                })?;
-                0
-            }
-        };
-        let (copy_ptr, copy_dtype) = Self::copy_arg(k, copy, &param)?;
-        if param.len == 0 {
-            return Ok(());
-        }
-        let n = param.len as u64;
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&param.ptr)
-            .arg(&copy_ptr)
-            .arg(&copy_dtype)
-            .arg(&grad.ptr)
-            .arg(&buffer)
-            .arg(&decayed.ptr)
-            .arg(&ranges)
-            .arg(&n);
-        b.arg(&step.lr)
-            .arg(&step.momentum)
-            .arg(&step.weight_decay)
-            .arg(&step.grad_scale);
-        b.arg(&self.fault_ptr);
-        self.go(k, &mut b, grid_for(param.len))
-    }
 
     /// Launches a built argument list.
     pub(crate) fn go(

@@ -15,6 +15,7 @@ pub mod grouped_gemm;
 pub mod layout;
 pub mod lookup;
 pub mod norm;
+pub mod optim;
 pub mod scan;
 pub mod scan_chunked;
 
