@@ -31,7 +31,7 @@ pub mod conv;
 pub mod dense;
 pub mod layout;
 pub mod lookup;
-mod moe;
+pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod scan;
@@ -44,8 +44,8 @@ pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProbl
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
 pub use moe::{
-    AuxLossDims, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs, RoutedSlots,
-    RouterScores, UnpermuteDims, UnpermuteGrads,
+    AuxLossDims, ExpertBias, ExpertOrder, MoeKernels, ReceivedDims, RouteDims, RouteOutputs,
+    RoutedSlots, RouterScores, UnpermuteDims, UnpermuteGrads,
 };
 pub use norm::{NormDims, NormKernels, Unary};
 pub use optim::{AdamMoments, AdamStep, OptimKernels, SgdStep};
@@ -135,6 +135,7 @@ pub trait Backend:
     + AttentionKernels<<Self as Backend>::Buf>
     + LookupKernels<<Self as Backend>::Buf>
     + OptimKernels<<Self as Backend>::Buf>
+    + MoeKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -282,180 +283,7 @@ pub trait Backend:
     // `u32` (selected experts, counts, permutations) in every precision; only
     // the rows moved between tokens and experts are in the compute dtype.
 
-    /// Router scoring and top-k selection (layers.md `E` step 2) on f32
-    /// `logits` `[rows, E]`: `scores` = softmax or sigmoid of the logits;
-    /// `selected[r*k..][..k]` = the k experts with the largest
-    /// `scores + expert_bias.bias` (bias for selection only), best first,
-    /// ties to the lower index; `weights[r, j]` = `topk_scale` times
-    /// `scores[r, sel_j] / sum_j scores[r, sel_j]` (with softmax this equals a
-    /// softmax over the k selected logits), or times the raw
-    /// `scores[r, sel_0]` with sigmoid and k = 1 (Megatron normalises only
-    /// when k > 1); `prob_sum[e] += sum_r p_r[e]`, rows in order, the
-    /// load-balancing loss's `T * P_e`, with `p_r` the row's scores normalised
-    /// over all experts (the softmax itself; sigmoid scores over their sum),
-    /// when `prob_sum` is given (a router without that loss passes none).
-    /// With a bias, `expert_bias.unbiased` gets the top-k of the scores
-    /// without it (what the load-balancing loss counts).
-    /// Dtypes: `logits`, `expert_bias.bias` (`[E]`), `scores`, `weights`,
-    /// `prob_sum` f32; `selected`, `expert_bias.unbiased` u32.
-    fn moe_route_forward(
-        &self,
-        logits: Slice<'_, Self>,
-        expert_bias: Option<ExpertBias<Slice<'_, Self>, SliceMut<'_, Self>>>,
-        out: RouteOutputs<SliceMut<'_, Self>>,
-        selected: SliceMut<'_, Self>,
-        dims: RouteDims,
-    ) -> Result<()>;
-
-    /// Backward of the routing: from `d_weights` `[rows, k]` and the
-    /// load-balancing term `aux_grad[e]` (= dLoss/d p_r[e], the same for
-    /// every row; see [`Backend::moe_aux_loss_backward`]) writes `d_logits`
-    /// `[rows, E]` (overwritten): the gradient through the scaling, the
-    /// weight normalisation and the score function, plus `aux_grad` through
-    /// the normalised scores `p_r` of [`Backend::moe_route_forward`].
-    /// Dtypes: `selected` u32; everything else f32.
-    fn moe_route_backward(
-        &self,
-        saved: RouterScores<Slice<'_, Self>>,
-        selected: Slice<'_, Self>,
-        d_weights: Slice<'_, Self>,
-        aux_grad: Slice<'_, Self>,
-        d_logits: SliceMut<'_, Self>,
-        dims: RouteDims,
-    ) -> Result<()>;
-
-    /// The per-expert histogram of a routing: `counts[e]` = the number of
-    /// (token, k-slot) pairs of `selected` `[tokens, k]` that chose expert
-    /// `e` (overwritten, `[E]`). An expert index at or past `E` is an error.
-    /// Dtypes: u32 both.
-    fn moe_expert_counts(
-        &self,
-        selected: Slice<'_, Self>,
-        counts: SliceMut<'_, Self>,
-        slots: RoutedSlots,
-    ) -> Result<()>;
-
-    /// The dispatch permutation: a stable counting sort of the (token,
-    /// k-slot) pairs by expert, then token, then k-slot. With `start[e]` the
-    /// exclusive prefix sum of `counts` (from [`Backend::moe_expert_counts`]),
-    /// the pair `(t, j)` choosing expert `e` as its `i`-th pair in that order
-    /// goes to send row `start[e] + i`: `positions[t*k + j]` = that row and
-    /// `sources[row] = t` (the token whose normed input the row carries).
-    /// `counts` not matching `selected` is an error. Dtypes: u32 all.
-    fn moe_sort_by_expert(
-        &self,
-        selected: Slice<'_, Self>,
-        counts: Slice<'_, Self>,
-        out: ExpertOrder<SliceMut<'_, Self>>,
-        slots: RoutedSlots,
-    ) -> Result<()>;
-
-    /// The regroup after the dispatch all-to-all. Received rows arrive
-    /// ordered by (source rank, local expert): `recv_counts[i*L + j]` rows
-    /// from rank `i` for local expert `j`. Writes `order[g]` = the received
-    /// row at grouped position `g` of the expert-major order (local expert,
-    /// then source rank, then arrival), so each expert's rows are one
-    /// contiguous range. `order` has `sum(recv_counts)` elements. Dtypes: u32
-    /// both.
-    fn moe_expert_major_order(
-        &self,
-        recv_counts: Slice<'_, Self>,
-        order: SliceMut<'_, Self>,
-        dims: ReceivedDims,
-    ) -> Result<()>;
-
-    /// The switch load-balancing loss `coeff * E * sum_e f_e P_e`, with
-    /// `f_e = counts[e] / (T k)` and `P_e = prob_sum[e] / T`, summed in
-    /// f64 in expert order, added to `loss[0]` (0 when `T = 0` or
-    /// `coeff = 0`). Dtypes: `counts` u32, `prob_sum` f32, `loss` f64
-    /// (`[1]`, accumulated, so a step can sum every layer and micro-batch on
-    /// the device and read it once).
-    fn moe_aux_loss_forward(
-        &self,
-        counts: Slice<'_, Self>,
-        prob_sum: Slice<'_, Self>,
-        loss: SliceMut<'_, Self>,
-        dims: AuxLossDims,
-    ) -> Result<()>;
-
-    /// The gradient of `scale` times [`Backend::moe_aux_loss_forward`]'s loss
-    /// with respect to each row's normalised scores (the counts held fixed):
-    /// `aux_grad[e] = coeff * E * (counts[e] / (T k)) / T * scale`, computed
-    /// in f64 and rounded once to f32 (overwritten; zeros when `T = 0`).
-    /// Dtypes: `counts` u32, `aux_grad` f32.
-    fn moe_aux_loss_backward(
-        &self,
-        counts: Slice<'_, Self>,
-        aux_grad: SliceMut<'_, Self>,
-        dims: AuxLossDims,
-        scale: f32,
-    ) -> Result<()>;
-
-    /// `dst[i] = src[index[i]]` for rows of `width` elements. Dtypes: `src`
-    /// and `dst` alike (bf16 or f32), `index` u32.
-    fn gather_rows(
-        &self,
-        src: Slice<'_, Self>,
-        index: Slice<'_, Self>,
-        dst: SliceMut<'_, Self>,
-        width: usize,
-    ) -> Result<()>;
-
-    /// `dst[index[i]] = src[i]` for rows of `width` elements; `index` must be
-    /// distinct (a permutation), which the CPU backend checks. Dtypes: `src`
-    /// and `dst` alike (bf16 or f32), `index` u32.
-    fn scatter_rows(
-        &self,
-        src: Slice<'_, Self>,
-        index: Slice<'_, Self>,
-        dst: SliceMut<'_, Self>,
-        width: usize,
-    ) -> Result<()>;
-
-    /// The MoE combine: `out[t] = sum_{j<k} w[t, j] * rows[positions[t*k + j]]`
-    /// (overwritten), `j` in order; `weights` `[tokens, k]`, or all ones when
-    /// `None` (the backward of the dispatch gather sums a token's k row
-    /// gradients this way). Dtypes: `rows` and `out` bf16 or f32, `weights`
-    /// f32, `positions` u32.
-    fn moe_unpermute(
-        &self,
-        rows: Slice<'_, Self>,
-        weights: Option<Slice<'_, Self>>,
-        positions: Slice<'_, Self>,
-        out: SliceMut<'_, Self>,
-        dims: UnpermuteDims,
-    ) -> Result<()>;
-
-    /// The MoE layer's combine into the residual stream:
-    /// `x[t] += sum_{j<k} w[t, j] * rows[positions[t*k + j]] + shared[t]`,
-    /// `j` in order, then `shared` (the shared expert's output, where there
-    /// is one), then `x`, summed in f32 and rounded once (one kernel
-    /// instead of a combine into scratch and two adds). Dtypes as
-    /// [`Backend::moe_unpermute`]'s, `shared` and `x` bf16 or f32.
-    fn moe_combine(
-        &self,
-        rows: Slice<'_, Self>,
-        weights: Slice<'_, Self>,
-        positions: Slice<'_, Self>,
-        shared: Option<Slice<'_, Self>>,
-        x: SliceMut<'_, Self>,
-        dims: UnpermuteDims,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::moe_unpermute`] with weights, overwriting
-    /// `grads.rows` (`d rows[positions[t*k+j]] = w[t, j] * dout[t]`) and
-    /// `grads.weights` (`d w[t, j] = dout[t] . rows[positions[t*k+j]]`).
-    /// Dtypes: `dout`, `rows`, `grads.rows` bf16 or f32; `weights` and
-    /// `grads.weights` f32; `positions` u32.
-    fn moe_unpermute_backward(
-        &self,
-        dout: Slice<'_, Self>,
-        rows: Slice<'_, Self>,
-        weights: Slice<'_, Self>,
-        positions: Slice<'_, Self>,
-        grads: UnpermuteGrads<SliceMut<'_, Self>>,
-        dims: UnpermuteDims,
-    ) -> Result<()>;
+    moe::moe_methods!();
 
     // ---- kernels: optimizer -----------------------------------------------------
 

@@ -6,7 +6,6 @@ mod arena;
 mod backend;
 mod buffer;
 pub mod collective;
-pub mod kernels;
 pub mod ops;
 
 pub use backend::{CpuBackend, round_bf16};

@@ -3,7 +3,7 @@
 //! check each one's range before writing anything.
 
 use super::dense::axpy_row;
-use super::index;
+use super::checked_index;
 use crate::backend::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
@@ -121,7 +121,7 @@ pub fn embedding_forward(
     // Every id checked before any row is written: a refused call writes
     // nothing (the trait's promise).
     for &id in ids {
-        index(kn, "token id", id, dims.vocab)?;
+        checked_index(kn, "token id", id, dims.vocab)?;
     }
     if dims.hidden == 0 {
         return Ok(());
@@ -140,7 +140,7 @@ pub fn embedding_backward(
 ) -> Result<()> {
     let kn = "embedding_backward";
     for &id in ids {
-        index(kn, "token id", id, dims.vocab)?;
+        checked_index(kn, "token id", id, dims.vocab)?;
     }
     if dims.hidden == 0 {
         return Ok(());
@@ -158,7 +158,7 @@ pub fn embedding_backward(
 fn validate_targets(kernel: &str, targets: &[u32], dims: LossDims) -> Result<()> {
     for &t in targets {
         if t != IGNORE_TARGET {
-            index(kernel, "target", t, dims.vocab)?;
+            checked_index(kernel, "target", t, dims.vocab)?;
         }
     }
     Ok(())

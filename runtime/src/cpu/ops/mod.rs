@@ -13,6 +13,7 @@ pub mod conv;
 pub mod dense;
 pub mod layout;
 pub mod lookup;
+pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod scan;
@@ -24,7 +25,7 @@ use crate::view::ensure;
 /// checks of index data (token ids, targets, selected experts, positions),
 /// which only the data itself can fail. The CPU makes them before a loop
 /// writes anything; a GPU's kernels report them through its fault word.
-pub(crate) fn index(kernel: &str, what: &str, x: u32, rows: usize) -> Result<usize> {
+pub(crate) fn checked_index(kernel: &str, what: &str, x: u32, rows: usize) -> Result<usize> {
     let i = x as usize;
     ensure(i < rows, || {
         format!("{kernel}: {what} {x} is out of range (there are {rows})")
