@@ -39,6 +39,7 @@ pub struct RankContext<D: Device> {
     pub rank: usize,
     /// Data-parallel size (every rank).
     pub world: usize,
+    /// Expert-parallel size: the plan's (at least 1, dividing `world`).
     pub ep: usize,
     pub backend: Arc<D::Backend>,
     pub compute: Arc<D::Lane>,
@@ -57,6 +58,6 @@ pub struct RankContext<D: Device> {
 
 impl<D: Device> RankContext<D> {
     pub fn ep_rank(&self) -> usize {
-        self.rank % self.ep.max(1)
+        self.rank % self.ep
     }
 }

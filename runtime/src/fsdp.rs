@@ -71,6 +71,8 @@ pub enum Sharding {
 /// Where the pieces of every bucket live: the one rule the engine, the
 /// optimizer's norm, checkpoints and the parameter hash all follow. Ranks are
 /// laid out as [`RankContext`] says: EP rank `r % ep`, EDP rank `r / ep`.
+/// `world` and `ep` are a checked layout's (a plan's: [`ShardLayout::of`]):
+/// `ep` is at least 1 and divides `world`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardLayout {
     pub sharding: Sharding,
@@ -80,6 +82,16 @@ pub struct ShardLayout {
 }
 
 impl ShardLayout {
+    /// The layout of `plan`'s ranks (its checked [`hybridgen_dsl::ParallelLayout`])
+    /// under `sharding`.
+    pub fn of(plan: &Plan, sharding: Sharding) -> Self {
+        ShardLayout {
+            sharding,
+            world: plan.layout.dp,
+            ep: plan.layout.ep,
+        }
+    }
+
     /// Ranks one copy of `bucket` is cut into (1: kept whole).
     pub fn group_size(&self, plan: &Plan, bucket: &Bucket) -> usize {
         match self.sharding {
@@ -92,7 +104,7 @@ impl ShardLayout {
     pub fn group_rank(&self, expert: bool, r: usize) -> usize {
         match self.sharding {
             Sharding::NoShard => 0,
-            Sharding::Zero3 if expert => r / self.ep.max(1),
+            Sharding::Zero3 if expert => r / self.ep,
             Sharding::Zero3 => r,
         }
     }
@@ -102,7 +114,7 @@ impl ShardLayout {
     /// do not, pass `e = 0`). Under `no_shard` that is one rank, the first
     /// holding it whole.
     pub fn holders(&self, expert: bool, e: usize) -> Vec<usize> {
-        let ep = self.ep.max(1);
+        let ep = self.ep;
         match (self.sharding, expert) {
             (Sharding::NoShard, false) => vec![0],
             (Sharding::NoShard, true) => vec![e],
@@ -362,11 +374,7 @@ impl<D: Device> FsdpEngine<D> {
     ) -> Result<Self> {
         let backend = &rank.backend;
         let compute = backend.compute_dtype();
-        let layout = ShardLayout {
-            sharding,
-            world: rank.world,
-            ep: rank.ep,
-        };
+        let layout = ShardLayout::of(&plan, sharding);
         let world_of = |b: &Bucket| layout.group_size(&plan, b);
 
         // Regions: a unit's gathered buckets back to back inside its pool

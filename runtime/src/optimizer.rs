@@ -520,7 +520,11 @@ impl<D: Device> Optimizer<D> {
         let buckets = self.plan.buckets.len();
         let mut total = 0.0f64;
         for bucket in self.plan.buckets.iter() {
-            let copies = if bucket.expert { rank.ep.max(1) } else { 1 };
+            let copies = if bucket.expert {
+                self.plan.layout.ep
+            } else {
+                1
+            };
             for e in 0..copies {
                 for r in pieces.holders(bucket.expert, e) {
                     let partial = all

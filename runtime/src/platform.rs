@@ -28,6 +28,7 @@ use std::time::Duration;
 #[derive(Clone)]
 pub struct RankSettings {
     /// Expert-parallel size: ranks `r` with equal `r / ep` form an EP group.
+    /// The plan's (its checked layout's): at least 1, dividing the ranks.
     pub ep: usize,
     pub precision: Precision,
     /// How long a rank waits for its peers before reporting them stalled.
@@ -279,7 +280,7 @@ impl Platform for CpuPlatform {
 /// Builds one CPU rank: its device (one arena set shared by both lanes),
 /// a compute and a comm lane, and its communicators split from the world.
 fn rank_context(world: &CpuWorld, r: usize, settings: &RankSettings) -> Result<RankContext<Cpu>> {
-    let ep = settings.ep.max(1);
+    let ep = settings.ep;
     let dp = world.comm(r)?;
     let ep_group = dp.split(r / ep)?;
     let edp = dp.split(r % ep)?;

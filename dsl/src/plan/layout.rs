@@ -46,8 +46,10 @@ impl ParallelLayout {
     }
 
     /// The expert-data-parallel size: ranks an expert's shard group spans.
+    /// For a layout that passed [`ParallelLayout::check`] (every plan's):
+    /// `ep` is at least 1 and divides `dp`.
     pub fn expert_dp(&self) -> usize {
-        (self.dp / self.ep.max(1)).max(1)
+        self.dp / self.ep
     }
 
     /// H023 (and H021/H022 for the explicit stage counts): sizes that cannot

@@ -348,7 +348,7 @@ impl Plan {
         self.model
             .moe
             .as_ref()
-            .map_or(0, |m| m.num_experts / self.layout.ep.max(1))
+            .map_or(0, |m| m.num_experts / self.layout.ep)
     }
 
     pub fn physical_layers(&self) -> usize {
@@ -428,7 +428,7 @@ impl<'o> Builder<'o> {
         let local = model
             .moe
             .as_ref()
-            .map_or(0, |m| m.num_experts / options.layout.ep.max(1));
+            .map_or(0, |m| m.num_experts / options.layout.ep);
         let mut defs = Vec::new();
         let mut kind_defs: [std::ops::Range<usize>; LayerKind::ALL.len()] = Default::default();
         for kind in pattern.kinds() {

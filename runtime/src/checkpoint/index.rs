@@ -231,7 +231,7 @@ impl CheckpointIndex {
         }
         let path = dir.join(INDEX);
         let bad = |m: String| Err(RuntimeError::io(path.display(), m));
-        let ep = plan.layout.ep.max(1);
+        let ep = plan.layout.ep;
         let mut expected: BTreeMap<String, &[usize]> = BTreeMap::new();
         for param in plan.params.iter() {
             let def = plan.def(param);

@@ -239,13 +239,13 @@ struct OwnedPiece {
 /// an EP rank's copy of a bucket write it (under `no_shard`, only the first
 /// of each group, since every rank holds whole buckets).
 fn writes(layout: &ShardLayout, expert: bool, r: usize) -> bool {
-    layout.holders(expert, r % layout.ep.max(1)).contains(&r)
+    layout.holders(expert, r % layout.ep).contains(&r)
 }
 
 /// The pieces world rank `r` holds: what it loads. Computable for any
 /// rank, so rank 0 can write the whole index without asking the others.
 fn held_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
-    let ep = layout.ep.max(1);
+    let ep = layout.ep;
     let mut out = Vec::new();
     for bucket in plan.buckets.iter() {
         let owned = layout.owned_range(plan, bucket, r);
@@ -421,7 +421,7 @@ pub fn write_fresh(
     value: &mut dyn FnMut(usize) -> Result<Vec<f32>>,
     biases: &[(String, Vec<f32>)],
 ) -> Result<PathBuf> {
-    if plan.layout.ep.max(1) != 1 {
+    if plan.layout.ep != 1 {
         return Err(RuntimeError::InvalidArgument(
             "write_fresh needs a plan holding every expert (ep 1)".into(),
         ));

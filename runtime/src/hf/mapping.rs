@@ -378,7 +378,7 @@ impl ScopeKey {
 /// its global index. The plan must be for one rank (`ep` 1) so that every
 /// expert is in it. A parameter the table lacks is an error naming it.
 pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
-    if plan.layout.ep.max(1) != 1 {
+    if plan.layout.ep != 1 {
         return Err(RuntimeError::InvalidArgument(format!(
             "the Hugging Face mapping needs a plan holding every expert (ep 1), not ep {}",
             plan.layout.ep

@@ -62,7 +62,7 @@ pub(super) fn param_hash<D: Device>(
     engine: &FsdpEngine<D>,
     rank: &RankContext<D>,
 ) -> Result<u64> {
-    let ep = rank.ep.max(1);
+    let ep = plan.layout.ep;
     let layout = engine.layout();
     let mut digest = crate::digest::StreamDigest::new();
     // Every rank's shard of the bucket in hand, by rank.

@@ -347,7 +347,7 @@ pub fn train_on<P: Platform>(
         None => TraceRecorder::statistics_only(),
     });
     let settings = RankSettings {
-        ep: config.ep,
+        ep: prepared.plan.layout.ep,
         precision: config.precision,
         timeout: config.timeout,
         trace: recorder.clone(),

@@ -152,7 +152,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     if let Some(available) = &available
         && let Some(need) = MemoryNeed::lower_bound(
             &config.model,
-            state_layout(config, 0, 0),
+            state_layout(config, &ParallelLayout::new(config.ranks, config.ep), 0, 0),
             Tokens::new(config.micro_batch_size, config.seq_length),
             schedule_live,
             ElementSizes::cpu(config.precision),
@@ -283,11 +283,7 @@ fn check_async_save(
             spelling.name(Setting::Save)
         )));
     }
-    let layout = ShardLayout {
-        sharding: config.sharding,
-        world: config.ranks,
-        ep: config.ep,
-    };
+    let layout = ShardLayout::of(plan, config.sharding);
     let copy = |r| checkpoint::snapshot_bytes(plan, &layout, config.optimizer.kind, r);
     let (host, copies, beside) = match device {
         ChosenDevice::Cpu { .. } => (
@@ -432,7 +428,12 @@ fn need_of(
 ) -> MemoryNeed {
     MemoryNeed::of_plan(
         plan,
-        state_layout(config, program.max_resident_units, program.max_grad_buffers),
+        state_layout(
+            config,
+            &plan.layout,
+            program.max_resident_units,
+            program.max_grad_buffers,
+        ),
         Tokens::new(config.micro_batch_size, config.seq_length),
         program.in_flight(),
         ElementSizes::cpu(config.precision),
@@ -481,11 +482,19 @@ fn settle_recompute(
     }
 }
 
-fn state_layout(config: &TrainConfig, resident_units: usize, grad_buffers: usize) -> StateLayout {
+/// The state `config` keeps on each rank under `layout` (checked: the
+/// plan's, or the configuration's ranks and ep once [`prepare_on`] checked
+/// them).
+fn state_layout(
+    config: &TrainConfig,
+    layout: &ParallelLayout,
+    resident_units: usize,
+    grad_buffers: usize,
+) -> StateLayout {
     StateLayout {
         sharding: config.sharding,
-        ranks: config.ranks,
-        ep: config.ep,
+        ranks: layout.dp,
+        ep: layout.ep,
         optimizer: config.optimizer.kind,
         resident_units,
         grad_buffers,
