@@ -88,7 +88,7 @@ pub struct TrainConfig {
     /// Keep only the newest N steps in the save root.
     pub keep_last: Option<u64>,
     /// Write each checkpoint before the last behind the steps
-    /// ([`checkpoint::RankSaves`]):
+    /// ([`crate::checkpoint::RankSaves`]):
     /// the steps wait for a copy of each rank's tensors into host memory,
     /// not for the files, at the cost of that copy's host memory until the
     /// files are written. Off: each rank file is streamed from the device
