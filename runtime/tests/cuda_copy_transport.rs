@@ -28,7 +28,7 @@ fn ranks<R: Send>(n: usize, body: impl Fn(usize, &CudaBackend, &CudaComm) -> R +
     let world = CpuWorld::with_timeout(n, Duration::from_secs(60)).unwrap();
     let retired = Arc::new(RetiredEvents::default());
     let comms = world.comms().unwrap();
-    let results = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
@@ -52,8 +52,7 @@ fn ranks<R: Send>(n: usize, body: impl Fn(usize, &CudaBackend, &CudaComm) -> R +
             .into_iter()
             .map(|h| h.join().expect("a rank panicked"))
             .collect()
-    });
-    results
+    })
 }
 
 /// Values of order one, different for every rank and element.
