@@ -4,14 +4,16 @@
 //! backends behind the same traits: the CPU backend ([`cpu`]: tests, CI,
 //! laptops, the default without a GPU) and the CUDA backend ([`cuda`]:
 //! NVRTC kernels, cuBLAS and NCCL, loaded when a run starts, so the crate
-//! builds without CUDA). [`conformance`] checks every kernel of either
-//! against an f64 reference; the GPU tests (`tests/cuda_*.rs`) skip, saying
+//! builds without CUDA). The conformance suite (module `conformance`, behind
+//! the feature of that name) checks every kernel of either against an f64
+//! reference; the GPU tests (`tests/cuda_*.rs`) skip, saying
 //! why, on a machine without a usable GPU, and run on one through
 //! `scripts/cuda_bundle.sh`.
 
 pub mod backend;
 pub mod checkpoint;
 pub mod collective;
+#[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod cpu;
 pub mod cuda;
