@@ -578,7 +578,8 @@ fn device_cuda_without_a_gpu_is_refused_and_auto_takes_the_cpu() {
     let message = err.to_string();
     assert!(matches!(err, RuntimeError::Device { .. }), "{message}");
     assert_eq!(err.code(), "device_failed");
-    assert!(message.contains("--device cuda"), "{message}");
+    // The library names the setting by its field (the CLI by its flag).
+    assert!(message.contains("config.device = cuda"), "{message}");
     let mut auto = c.clone();
     auto.device = DeviceChoice::Auto;
     auto.steps = 1;
