@@ -15,12 +15,13 @@ fn run(precision: Precision) -> conformance::Report {
 }
 
 /// The methods of `Backend` that are not kernels: identity, statistics,
-/// arena selection and the provided view helpers (plain view arithmetic,
-/// the same for every backend).
-const NOT_KERNELS: [&str; 15] = [
+/// the kernels' scratch estimate, arena selection and the provided view
+/// helpers (plain view arithmetic, the same for every backend).
+const NOT_KERNELS: [&str; 16] = [
     "name",
     "compute_dtype",
     "stats",
+    "kernel_scratch",
     "in_arena",
     "buf_len",
     "slice",

@@ -21,6 +21,19 @@
 //! accumulate flags, a norm forward and its two backwards, ...): small enough
 //! that the CUDA backend maps each to one cuBLAS call or one NVRTC kernel,
 //! coarse enough that a layer is a dozen calls.
+//!
+//! The kernels come in families, a module each ([`dense`], [`layout`],
+//! [`norm`], [`conv`], [`scan`], [`attention`], [`lookup`], [`moe`],
+//! [`optim`]): its dimension types, the trait of kernels a backend
+//! implements ([`NormKernels`], ...), and one check a kernel over
+//! device-neutral facts (each view's length and dtype, an
+//! [`Operand`](crate::view::Operand)). The [`Backend`] method of a kernel
+//! (written in its family's module, which the trait takes in) runs the
+//! check, then the backend's method of the same name with `_unchecked`:
+//! a check is written once, and both backends run it. Adding a kernel is
+//! its method and check in its family's module, its CPU body
+//! (`cpu::ops::<family>`) and its CUDA body (`cuda::ops::<family>`), and
+//! its conformance case.
 
 use crate::error::{Result, RuntimeError};
 pub use crate::view::{DType, DTypeRule, DeviceBuffer, Scalar, View, ViewMut};
@@ -31,6 +44,7 @@ pub mod conv;
 pub mod dense;
 pub mod layout;
 pub mod lookup;
+pub mod memory;
 pub mod moe;
 pub mod norm;
 pub mod optim;
@@ -121,6 +135,35 @@ impl std::ops::Sub for DeviceStats {
     }
 }
 
+/// A kernel call whose scratch memory is asked about before anything is
+/// allocated ([`Backend::kernel_scratch`]): the calls of a model's layers
+/// that may take scratch from the arena while they run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ScratchCall {
+    /// An attention forward or backward (the backward takes the more).
+    Attention(AttentionDims),
+    /// A Mamba scan forward or backward.
+    Scan(ScanDims),
+}
+
+/// What a backend's kernel scratch depends on besides the call: the
+/// activations' dtype and the backend's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchSettings {
+    /// The dtype activations are stored in.
+    pub dtype: DType,
+    /// Which attention kernels a GPU takes.
+    pub attention: AttentionBackend,
+    /// The most scratch one attention call of a GPU's GEMM path may take
+    /// (bytes; `crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES` by
+    /// default).
+    pub attention_cap: usize,
+    /// The most scratch one call of a GPU's chunked Mamba scan may take
+    /// (bytes; `crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES` by
+    /// default).
+    pub scan_cap: usize,
+}
+
 /// Device memory and kernels, bound to one lane.
 pub trait Backend:
     Clone
@@ -150,6 +193,15 @@ pub trait Backend:
 
     /// Allocations and host reads so far, over every lane of the device.
     fn stats(&self) -> DeviceStats;
+
+    /// The most scratch (bytes) one `call` of this backend's kernels takes
+    /// from the arena while it runs, under `settings`: what the memory plan
+    /// counts before anything is allocated. Asked of the backend's type,
+    /// since the plan is made before a device is opened; a backend whose
+    /// kernels take no scratch (the CPU's) says 0.
+    fn kernel_scratch(call: ScratchCall, settings: ScratchSettings) -> u64
+    where
+        Self: Sized;
 
     // ---- memory -----------------------------------------------------------
 

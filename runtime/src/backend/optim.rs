@@ -154,10 +154,16 @@ pub fn check_sum_squares(x: Operand, piece: usize, out: Operand) -> Result<()> {
     let k = "sum_squares";
     x.exactly(DType::F32, k, "x")?;
     out.exactly(DType::F64, k, "out")?;
+    out.has_len(k, "out", sum_squares_pieces(x.len, piece)?)
+}
+
+/// The pieces [`Backend::sum_squares`] cuts `len` elements into, `piece`
+/// a piece (the last may be shorter), or an error where a piece is empty.
+pub fn sum_squares_pieces(len: usize, piece: usize) -> Result<usize> {
     ensure(piece > 0, || {
-        format!("{k}: pieces must hold at least one element")
+        "sum_squares: pieces must hold at least one element".to_string()
     })?;
-    out.has_len(k, "out", x.len.div_ceil(piece))
+    Ok(len.div_ceil(piece))
 }
 
 /// [`Backend`]'s optimizer methods: each checks its arguments, then runs

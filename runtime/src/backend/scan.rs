@@ -145,9 +145,7 @@ fn check_inputs(kernel: &str, inputs: &ScanInputs<Operand>, dims: ScanDims) -> R
             )
         },
     )?;
-    ensure(dims.chunk > 0, || {
-        format!("{kernel}: the chunk length is 0")
-    })?;
+    let chunks = chunks(kernel, dims)?;
     let width = product(kernel, &[dims.heads, dims.head_dim])?
         .checked_add(product(kernel, &[2, dims.groups, dims.state])?)
         .ok_or_else(|| RuntimeError::InvalidArgument(format!("{kernel}: width overflows")))?;
@@ -160,7 +158,6 @@ fn check_inputs(kernel: &str, inputs: &ScanInputs<Operand>, dims: ScanDims) -> R
     inputs.dt_bias.has_len(kernel, "dt_bias", dims.heads)?;
     inputs.a_log.has_len(kernel, "a_log", dims.heads)?;
     inputs.d.has_len(kernel, "d", dims.heads)?;
-    let chunks = dims.tokens.seq.div_ceil(dims.chunk);
     let states = [
         dims.tokens.batch,
         chunks,
@@ -170,6 +167,15 @@ fn check_inputs(kernel: &str, inputs: &ScanInputs<Operand>, dims: ScanDims) -> R
     ];
     product(kernel, &states)?;
     Ok(ScanShape { rows, chunks })
+}
+
+/// The chunks of a sequence of `dims` (the last one possibly short), or an
+/// error for `kernel` where a chunk is empty.
+pub fn chunks(kernel: &str, dims: ScanDims) -> Result<usize> {
+    ensure(dims.chunk > 0, || {
+        format!("{kernel}: the chunk length is 0")
+    })?;
+    Ok(dims.tokens.seq.div_ceil(dims.chunk))
 }
 
 /// [`Backend::ssd_scan_forward`]'s arguments.

@@ -1,15 +1,17 @@
-//! `impl Backend for CpuBackend`: buffers in host memory ([`CpuBuf`]), and
-//! kernels as the f32 loops in [`super::kernels`]. Each method registers its
-//! views ([`KernelAccess`]: dtype rules and the hazard check), widens bf16
-//! inputs, runs the loop, and rounds bf16 outputs once when it stores them,
-//! which is where a GPU kernel rounds too. The loops stay plain functions on
-//! `f32` slices that tests call directly.
+//! `impl Backend for CpuBackend`: buffers in host memory ([`CpuBuf`]),
+//! uploads, downloads, copies and casts. The kernels are in
+//! [`super::ops`], one module a family: each registers its views
+//! ([`KernelAccess`]: the hazard check), widens bf16 inputs, runs its loop,
+//! and rounds bf16 outputs once when it stores them, which is where a GPU
+//! kernel rounds too.
 
 use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
-use crate::backend::{Backend, DeviceStats, Precision, Slice, SliceMut};
+use crate::backend::{
+    Backend, DeviceStats, Precision, ScratchCall, ScratchSettings, Slice, SliceMut, memory,
+};
 use crate::error::Result;
-use crate::view::{DType, Scalar, same_dtype, same_len};
+use crate::view::{DType, Scalar, same_len};
 use half::bf16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -111,6 +113,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn kernel_scratch(_call: ScratchCall, _settings: ScratchSettings) -> u64 {
+        0
+    }
+
     fn alloc(&self, len: usize, dtype: DType) -> Result<CpuBuf> {
         self.alloc_filled(len, dtype, Fill::Zero)
     }
@@ -131,17 +137,17 @@ impl Backend for CpuBackend {
     }
 
     fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()> {
+        memory::check_upload(T::DTYPE, src.len(), dst.operand())?;
         let k = self.access("upload");
         let dst = k.typed_out::<T>("dst", dst)?;
-        same_len("upload", src.len(), dst.len())?;
         dst.copy_from_slice(src);
         Ok(())
     }
 
     fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()> {
+        memory::check_download("download", src.operand(), T::DTYPE, Some(dst.len()))?;
         let k = self.access("download");
         let src = k.typed_in::<T>("src", src)?;
-        same_len("download", src.len(), dst.len())?;
         dst.copy_from_slice(src);
         self.counters.host_reads.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -150,6 +156,7 @@ impl Backend for CpuBackend {
     fn start_download<T: Scalar>(&self, src: Slice<'_, Self>) -> Result<Vec<T>> {
         // The lane's work has run by now (the CPU backend computes at the
         // call), so the read is done at the start.
+        memory::check_download("start_download", src.operand(), T::DTYPE, None)?;
         let k = self.access("start_download");
         Ok(k.typed_in::<T>("src", src)?.to_vec())
     }
@@ -162,18 +169,17 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
+        memory::check_copy(src.operand(), dst.operand())?;
         let k = self.access("copy");
-        same_dtype(k.kernel(), ("src", src.dtype()), ("dst", dst.dtype()))?;
         let src = k.bytes_in(src)?;
         let dst = k.bytes_out(dst)?;
-        same_len("copy", src.len(), dst.len())?;
         dst.copy_from_slice(src);
         Ok(())
     }
 
     fn cast(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
+        memory::check_cast(src.operand(), dst.operand())?;
         let k = self.access("cast");
-        same_len("cast", src.len(), dst.len())?;
         match (src.dtype(), dst.dtype()) {
             (DType::F64, DType::F64) => k
                 .typed_out::<f64>("dst", dst)?
@@ -208,6 +214,7 @@ impl Backend for CpuBackend {
     }
 
     fn fill(&self, dst: SliceMut<'_, Self>, value: f32) -> Result<()> {
+        memory::check_fill(dst.operand())?;
         let k = self.access("fill");
         if dst.dtype() == DType::F64 {
             k.typed_out::<f64>("dst", dst)?.fill(f64::from(value));

@@ -234,10 +234,6 @@ impl<'k> KernelAccess<'k> {
         }
     }
 
-    pub(crate) fn kernel(&self) -> &'static str {
-        self.kernel
-    }
-
     fn hold(&self, buf: &'k CpuBuf, elements: Range<usize>, write: bool) -> Result<()> {
         buf.register(Access {
             elements,

@@ -15,11 +15,16 @@ use super::blas::Blas;
 use super::buffer::{CudaBuf, view_mut_on, view_on};
 use super::host_read::{HostRead, ReadContext, STAGED_READ_MAX_BYTES, StagedRead, StagingPool};
 use super::launch::{ATTENTION_GEMM_SCRATCH_BYTES, GpuView, KernelSet, SCAN_CHUNKED_SCRATCH_BYTES};
+use super::ops::attention::attention_scratch_bytes;
 use super::ops::attention_flash::flash_attention_takes;
+use super::ops::scan::scan_scratch_bytes;
 use super::queue::QueueSet;
-use crate::backend::{AttentionDims, Backend, DeviceStats, Precision, Slice, SliceMut};
+use crate::backend::{
+    AttentionDims, Backend, DeviceStats, Precision, ScratchCall, ScratchSettings, Slice, SliceMut,
+    memory,
+};
 use crate::error::{Result, RuntimeError};
-use crate::view::{DType, DTypeRule, Scalar, same_dtype, same_len};
+use crate::view::{DType, Scalar, same_len};
 use cudarc::driver::{CudaContext, CudaStream, result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -173,16 +178,16 @@ pub struct CudaBackend {
     pub(crate) queue: Arc<Queue>,
     arena: Arc<GpuArena>,
     /// The most scratch one attention call of the GEMM path takes (see
-    /// [`AttentionGemmPlan`]).
+    /// [`AttentionGemmPlan`](super::ops::attention::AttentionGemmPlan)).
     pub(crate) attention_scratch: usize,
     /// Whether attention takes the flash kernels where they apply (see
     /// [`flash_attention_takes`]).
     flash_attention: bool,
     /// Whether `grouped_matmul` takes the grouped kernel where it applies
-    /// (see [`grouped_gemm_takes`]); on by default, as in training.
+    /// (see [`grouped_gemm_takes`](super::ops::grouped_gemm::grouped_gemm_takes)); on by default, as in training.
     pub(crate) grouped_gemm: bool,
     /// The most scratch one call of the chunked Mamba scan takes (see
-    /// [`ScanChunkPlan`]).
+    /// [`ScanChunkPlan`](super::ops::scan_chunked::ScanChunkPlan)).
     pub(crate) scan_scratch: usize,
 }
 
@@ -439,6 +444,13 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn kernel_scratch(call: ScratchCall, settings: ScratchSettings) -> u64 {
+        match call {
+            ScratchCall::Attention(dims) => attention_scratch_bytes(dims, settings),
+            ScratchCall::Scan(dims) => scan_scratch_bytes(dims, settings),
+        }
+    }
+
     fn alloc(&self, len: usize, dtype: DType) -> Result<CudaBuf> {
         self.alloc_filled(len, dtype, Some(0))
     }
@@ -463,8 +475,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()> {
-        DTypeRule::Exactly(T::DTYPE).check("upload", "dst", dst.dtype())?;
-        same_len("upload", src.len(), dst.len())?;
+        memory::check_upload(T::DTYPE, src.len(), dst.operand())?;
         let dst = self.m(&dst);
         if src.is_empty() {
             return Ok(());
@@ -477,8 +488,7 @@ impl Backend for CudaBackend {
     }
 
     fn download<T: Scalar>(&self, src: Slice<'_, Self>, dst: &mut [T]) -> Result<()> {
-        DTypeRule::Exactly(T::DTYPE).check("download", "src", src.dtype())?;
-        same_len("download", src.len(), dst.len())?;
+        memory::check_download("download", src.operand(), T::DTYPE, Some(dst.len()))?;
         if std::mem::size_of_val(dst) > STAGED_READ_MAX_BYTES {
             // Straight into `dst`, without a copy of the whole read.
             self.read_into(self.v(src), dst)?;
@@ -490,7 +500,7 @@ impl Backend for CudaBackend {
     }
 
     fn start_download<T: Scalar>(&self, src: Slice<'_, Self>) -> Result<HostRead<T>> {
-        DTypeRule::Exactly(T::DTYPE).check("start_download", "src", src.dtype())?;
+        memory::check_download("start_download", src.operand(), T::DTYPE, None)?;
         self.start_read(self.v(src), src.len())
     }
 
@@ -500,8 +510,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
-        same_dtype("copy", ("src", src.dtype()), ("dst", dst.dtype()))?;
-        same_len("copy", src.len(), dst.len())?;
+        memory::check_copy(src.operand(), dst.operand())?;
         let (src, dst) = (self.v(src), self.m(&dst));
         let bytes = src.len * src.dtype.bytes();
         if bytes == 0 {
@@ -513,11 +522,12 @@ impl Backend for CudaBackend {
     }
 
     fn cast(&self, src: Slice<'_, Self>, dst: SliceMut<'_, Self>) -> Result<()> {
-        same_len("cast", src.len(), dst.len())?;
+        memory::check_cast(src.operand(), dst.operand())?;
         self.k().cast(self.s(), self.v(src), self.m(&dst))
     }
 
     fn fill(&self, dst: SliceMut<'_, Self>, value: f32) -> Result<()> {
+        memory::check_fill(dst.operand())?;
         self.k().fill(self.s(), self.m(&dst), value)
     }
 

@@ -11,9 +11,12 @@
 //! - [`kernel_cache`]: the compiled kernels kept once per process and on
 //!   disk (`$HYBRIDGEN_KERNEL_CACHE`), so NVRTC runs once, not at every
 //!   start-up.
-//! - [`launch`]: the compiled kernels loaded on a device, one launch method
-//!   per [`Backend`](crate::Backend) kernel, each checking its views'
-//!   lengths against its dimensions first.
+//! - [`launch`]: the compiled kernels loaded on a device ([`KernelSet`]),
+//!   and what every launcher shares; [`fault`]: the bad indices kernels
+//!   report from the device.
+//! - [`ops`]: the kernels, one module a kernel family of
+//!   [`Backend`](crate::Backend): the family's trait for [`CudaBackend`]
+//!   and its launchers on [`KernelSet`].
 //! - [`nccl`]: the communicator between GPU ranks (NCCL, non-blocking,
 //!   every wait bounded).
 //! - [`peer_copy`]: the copy transport between the ranks of one process

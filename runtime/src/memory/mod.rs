@@ -15,7 +15,11 @@
 //! [`FsdpEngine::new`]: crate::fsdp::FsdpEngine::new
 //! [`Optimizer::new`]: crate::optimizer::Optimizer::new
 
-use crate::backend::{AttentionBackend, Precision, Tokens};
+use crate::backend::{
+    AttentionBackend, AttentionDims, Backend, Precision, ScanDims, ScratchCall, ScratchSettings,
+    Tokens,
+};
+use crate::cuda::CudaBackend;
 use crate::fsdp::{ShardLayout, Sharding};
 use crate::optimizer::OptimizerKind;
 use crate::recompute::Recompute;
@@ -580,17 +584,67 @@ pub struct MemoryNeed {
     pub gpu_overhead: Option<u64>,
 }
 
-/// The most scratch one call of the CUDA backend's kernels takes for
-/// `model`'s layers of `kinds` at `tokens` a micro-batch, activations in
-/// `dtype` (bytes): attention through cuBLAS ([`AttentionGemmPlan`] under
-/// `attention_cap`) and the Mamba scan (chunked, [`ScanChunkPlan`] under
-/// `scan_cap`, forward and backward alike; else the sequential backward's
-/// [`KernelSet::ssd_scan_backward_scratch_len`]). Calls run one at a time
-/// on a lane, so the largest counts; the arena reuses it.
-///
-/// [`AttentionGemmPlan`]: crate::cuda::ops::attention::AttentionGemmPlan
-/// [`ScanChunkPlan`]: crate::cuda::ops::scan_chunked::ScanChunkPlan
-/// [`KernelSet::ssd_scan_backward_scratch_len`]: crate::cuda::KernelSet::ssd_scan_backward_scratch_len
+/// The kernel calls of `model`'s layers of `kinds` at `tokens` a
+/// micro-batch that may take scratch while they run: attention (`*` and
+/// MLA layers) and the Mamba scan.
+pub fn scratch_calls(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> Vec<ScratchCall> {
+    let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
+        ScratchCall::Attention(AttentionDims {
+            tokens,
+            heads,
+            kv_heads,
+            qk_dim,
+            v_dim,
+            scale: 1.0,
+        })
+    };
+    let mut calls = Vec::new();
+    if kinds.contains(&LayerKind::Attention)
+        && let (Some(a), Some(c)) = (&model.attention, model.attention_head_dim())
+    {
+        calls.push(attention(a.num_heads, a.num_kv_groups, c, c));
+    }
+    if kinds.contains(&LayerKind::Mla)
+        && let Some(m) = &model.mla
+    {
+        let qk = m.qk_head_dim + m.qk_rope_head_dim;
+        calls.push(attention(m.num_heads, m.num_heads, qk, m.v_head_dim));
+    }
+    if kinds.contains(&LayerKind::Mamba)
+        && let Some(m) = &model.mamba
+    {
+        calls.push(ScratchCall::Scan(ScanDims {
+            tokens,
+            heads: m.num_heads,
+            head_dim: m.head_dim,
+            groups: m.num_groups,
+            state: m.state_size,
+            chunk: m.chunk_size,
+        }));
+    }
+    calls
+}
+
+/// The most scratch one call of `B`'s kernels takes for `model`'s layers
+/// of `kinds` at `tokens` a micro-batch ([`Backend::kernel_scratch`] of
+/// each of [`scratch_calls`]), in bytes. Calls run one at a time on a
+/// lane, so the largest counts; the arena reuses it.
+pub fn kernel_scratch<B: Backend>(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    tokens: Tokens,
+    settings: ScratchSettings,
+) -> u64 {
+    scratch_calls(model, kinds, tokens)
+        .into_iter()
+        .map(|call| B::kernel_scratch(call, settings))
+        .max()
+        .unwrap_or(0)
+}
+
+/// [`kernel_scratch`] of the CUDA backend, activations in `dtype`, its
+/// attention kernels `backend`, its GEMM attention and chunked scan capped
+/// at `attention_cap` and `scan_cap` bytes a call.
 pub fn gpu_kernel_scratch(
     model: &ModelConfig,
     kinds: &[LayerKind],
@@ -599,61 +653,13 @@ pub fn gpu_kernel_scratch(
     backend: AttentionBackend,
     (attention_cap, scan_cap): (usize, usize),
 ) -> u64 {
-    use crate::backend::{AttentionDims, ScanDims};
-    use crate::cuda::KernelSet;
-    use crate::cuda::ops::attention::AttentionGemmPlan;
-    use crate::cuda::ops::attention_flash::{flash_attention_dims, flash_attention_scratch_len};
-    use crate::cuda::ops::scan_chunked::ScanChunkPlan;
-    let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
-        let dims = AttentionDims {
-            tokens,
-            heads,
-            kv_heads,
-            qk_dim,
-            v_dim,
-            scale: 1.0,
-        };
-        // bf16 problems the flash kernels take need only the dk and dv
-        // shares and their row values.
-        if backend == AttentionBackend::Flash && dtype == DType::Bf16 && flash_attention_dims(dims)
-        {
-            return flash_attention_scratch_len(dims) * DType::F32.bytes();
-        }
-        AttentionGemmPlan::for_dtype(dims, dtype, attention_cap)
-            .map_or(0, |plan| plan.scratch_bytes(dims))
+    let settings = ScratchSettings {
+        dtype,
+        attention: backend,
+        attention_cap,
+        scan_cap,
     };
-    let mut most = 0usize;
-    if kinds.contains(&LayerKind::Attention)
-        && let (Some(a), Some(c)) = (&model.attention, model.attention_head_dim())
-    {
-        most = most.max(attention(a.num_heads, a.num_kv_groups, c, c));
-    }
-    if kinds.contains(&LayerKind::Mla)
-        && let Some(m) = &model.mla
-    {
-        let qk = m.qk_head_dim + m.qk_rope_head_dim;
-        most = most.max(attention(m.num_heads, m.num_heads, qk, m.v_head_dim));
-    }
-    if kinds.contains(&LayerKind::Mamba)
-        && let Some(m) = &model.mamba
-    {
-        let dims = ScanDims {
-            tokens,
-            heads: m.num_heads,
-            head_dim: m.head_dim,
-            groups: m.num_groups,
-            state: m.state_size,
-            chunk: m.chunk_size,
-        };
-        let bytes = match ScanChunkPlan::new(dims, scan_cap) {
-            Some(plan) => plan.scratch_bytes(dims),
-            None => KernelSet::ssd_scan_backward_scratch_len(dims)
-                .unwrap_or(usize::MAX / 4)
-                .saturating_mul(4),
-        };
-        most = most.max(bytes);
-    }
-    most as u64
+    kernel_scratch::<CudaBackend>(model, kinds, tokens, settings)
 }
 
 impl MemoryNeed {
@@ -1082,156 +1088,4 @@ pub fn bytes(bytes: u64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Recomputed layers keep their `[tokens, hidden]` input, and what they
-    /// would have kept moves to the working set; MoE layers keep theirs.
-    #[test]
-    fn recomputed_layers_keep_their_input() {
-        let model = ModelConfig::preset("bench-hybrid-moe").unwrap();
-        let tokens = Tokens::new(1, 4096);
-        let sizes = ElementSizes::cpu(crate::backend::Precision::Bf16);
-        let of = |kinds: &[LayerKind], recompute| {
-            activations(&model, kinds.iter().copied(), 0, tokens, sizes, recompute)
-        };
-        let dense = [LayerKind::Mamba, LayerKind::Attention, LayerKind::Mlp];
-        let (keep, again) = (of(&dense, Recompute::None), of(&dense, Recompute::Full));
-        let input = 4096 * model.hidden_size as u64 * sizes.compute;
-        assert_eq!(again.layers, 3 * input);
-        assert!(keep.layers > 5 * again.layers, "{keep:?}");
-        assert!(again.working_set > keep.working_set);
-        assert!(again.total < keep.total);
-        let moe = [LayerKind::Moe];
-        assert_eq!(of(&moe, Recompute::Full), of(&moe, Recompute::None));
-    }
-
-    /// bench-hybrid-moe at one 4,096-token sequence: attention batches all
-    /// 4 KV heads (128 MiB of scores and probabilities each) under the
-    /// 512 MiB cap, plus 4,096 x (16 x 128 + 4 x 256) f32 accumulators; the
-    /// scan's backward needs 3 x 4,096 x 64 step values, 3 x 64 x 16 chunk
-    /// values and 16 chunks' 64 x 64 x 128 carries, in f32, sequentially;
-    /// chunked, the carries and 3 values a chunk and head, and each of the
-    /// 16 chunks' step values (7 x 64 x 256), operands (6 x 4,096 x 256
-    /// and 4 x 8 x 128 x 256) and scores (2 x 8 and 2 x 64 of 256 x 256).
-    #[test]
-    fn gpu_kernel_scratch_is_the_largest_call() {
-        let model = ModelConfig::preset("bench-hybrid-moe").unwrap();
-        let kinds = [LayerKind::Mamba, LayerKind::Attention, LayerKind::Moe];
-        let tokens = Tokens::new(1, 4096);
-        let attention = 4 * 4096 * 4096 * 8 + 4096 * (16 * 128 + 4 * 256) * 4;
-        let scan = (3 * 4096 * 64 + 3 * 64 * 16 + 16 * 64 * 64 * 128) * 4;
-        // Per chunk: step values, wide, narrow, group and head scores, and
-        // the row sums' partials (8 blocks of 32 columns); across chunks:
-        // the carries, the states' and carries' bf16 copies, decays and
-        // partials.
-        let per_chunk = 7 * 64 * 256
-            + 6 * 4096 * 256
-            + 4 * 8 * 128 * 256
-            + (2 * 8 + 2 * 64) * 256 * 256
-            + 64 * 256 * 8;
-        let chunked = (16 * 64 * (2 * 64 * 128 + 3) + 16 * per_chunk) * 4;
-        // In bf16 the flash kernels take the benchmark's attention (128
-        // channels a head, 4 query heads a KV head): each query head's
-        // share of dk and dv and D_t, in f32: more than the sequential
-        // scan's, less than the chunked one's.
-        let bf16 = |kinds: &[LayerKind], caps| {
-            gpu_kernel_scratch(
-                &model,
-                kinds,
-                tokens,
-                DType::Bf16,
-                AttentionBackend::Flash,
-                caps,
-            )
-        };
-        let flash = 4096 * 16 * (2 * 128 + 1) * 4;
-        assert_eq!(bf16(&kinds, (512 << 20, 0)), flash);
-        assert_eq!(bf16(&[LayerKind::Attention], (512 << 20, 0)), flash);
-        let defaults = (512 << 20, crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES);
-        assert_eq!(bf16(&kinds, defaults), chunked);
-        // In f32, the GEMM path: f32 scores and probabilities, 8 bytes a
-        // score entry (bf16 problems it takes store split bf16
-        // probabilities, also 8 bytes).
-        let f32_scratch = |kinds: &[LayerKind], caps| {
-            gpu_kernel_scratch(
-                &model,
-                kinds,
-                tokens,
-                DType::F32,
-                AttentionBackend::Flash,
-                caps,
-            )
-        };
-        assert_eq!(f32_scratch(&kinds, (512 << 20, 0)), attention);
-        // A cap one KV head's scores do not fit: the tiled kernels, no
-        // scratch; the scan's is what is left.
-        assert_eq!(f32_scratch(&kinds, (1 << 20, 0)), scan);
-        // Without attention layers, only the scan counts.
-        let no_attention = [LayerKind::Mamba, LayerKind::Moe];
-        assert_eq!(f32_scratch(&no_attention, (512 << 20, 0)), scan);
-        // The chunked scan backward under the default cap: one slice of all
-        // 16 chunks, more than attention's.
-        assert_eq!(f32_scratch(&kinds, defaults), chunked);
-        // On a GPU the need takes it where it is more than the CPU's.
-        let need = MemoryNeed::new(
-            1,
-            StateEstimate::default(),
-            ActivationEstimate::default(),
-            1,
-            1 << 20,
-            1,
-            false,
-        );
-        let gpu = need.clone().on_one_gpu(1 << 30, attention);
-        assert_eq!(gpu.kernel_scratch, attention);
-        assert_eq!(gpu.total, need.per_rank - (1 << 20) + attention + (1 << 30));
-    }
-
-    #[test]
-    fn meminfo_and_cgroups_are_read() {
-        let meminfo =
-            "MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n";
-        assert_eq!(mem_available(meminfo), Some(20_000_000 * 1024));
-        assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
-
-        let root = std::env::temp_dir().join(format!("hybridgen-cgroup-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        // v2: the leaf has no limit, its parent 8 GiB with 3 GiB in use.
-        let leaf = root.join("user.slice/job");
-        std::fs::create_dir_all(&leaf).unwrap();
-        std::fs::write(leaf.join("memory.max"), "max\n").unwrap();
-        std::fs::write(leaf.join("memory.current"), "1000\n").unwrap();
-        std::fs::write(
-            root.join("user.slice/memory.max"),
-            format!("{}\n", 8u64 << 30),
-        )
-        .unwrap();
-        std::fs::write(
-            root.join("user.slice/memory.current"),
-            format!("{}\n", 3u64 << 30),
-        )
-        .unwrap();
-        let v2 = cgroup_headroom("0::/user.slice/job\n", &root).unwrap();
-        assert_eq!(v2.bytes, 5 << 30);
-        assert!(v2.source.contains("user.slice/memory.max"), "{}", v2.source);
-        // v1, unlimited: no figure; limited: limit - usage.
-        let v1 = root.join("memory/docker/abc");
-        std::fs::create_dir_all(&v1).unwrap();
-        std::fs::write(v1.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
-        assert_eq!(cgroup_headroom("4:memory:/docker/abc\n", &root), None);
-        std::fs::write(v1.join("memory.limit_in_bytes"), "4096\n").unwrap();
-        std::fs::write(v1.join("memory.usage_in_bytes"), "1024\n").unwrap();
-        let limited = cgroup_headroom("4:cpu,memory:/docker/abc\n", &root).unwrap();
-        assert_eq!(limited.bytes, 3072);
-        let _ = std::fs::remove_dir_all(&root);
-    }
-
-    #[test]
-    fn byte_figures_read_well() {
-        assert_eq!(bytes(512), "512 B");
-        assert_eq!(bytes(1536), "1.5 KiB");
-        assert_eq!(bytes(3 << 30), "3.0 GiB");
-        assert_eq!(bytes(u64::MAX), "16.0 EiB");
-    }
-}
+mod tests;

@@ -1,20 +1,19 @@
-//! The compiled kernels loaded on one device ([`KernelSet`]), with one
-//! launch method per [`Backend`](crate::Backend) kernel they implement.
-//!
-//! A launch method takes [`GpuView`]s (a device address, a length and a
-//! dtype: what a backend view becomes on a GPU), checks their dtypes and
-//! lengths against the dimensions exactly as the CPU backend does (a
-//! mismatch is `InvalidArgument`, never a bad access), sizes the grid from
-//! the dimensions alone (so a reduction's shape, and with it its bits,
-//! depends on nothing else), and enqueues the kernel on the given stream.
-//! Nothing here waits for the GPU except [`KernelSet::take_fault`] and
-//! [`KernelSet::clear_fault`].
+//! The compiled kernels loaded on one device ([`KernelSet`]): loading the
+//! modules and finding their entry points, the device's fault word, and
+//! what every launcher shares (the argument list, [`KernelSet::go`], the
+//! grid shapes, dtype tags and launch limits). The launchers themselves
+//! are in `crate::cuda::ops`, one module a kernel family; they take
+//! [`GpuView`]s the family's checks accepted and size the grid from the
+//! dimensions alone (so a reduction's shape, and with it its bits, depends
+//! on nothing else). Nothing here waits for the GPU except
+//! [`KernelSet::take_fault`] and [`KernelSet::clear_fault`].
 //!
 //! Index data (token targets, selected experts, row indices) lives on the
 //! device, so it is checked there: a kernel that finds a bad index reports
 //! it into the set's fault word and skips it; [`KernelSet::take_fault`]
 //! reads the word (at the end of a step, where the host reads the loss
-//! anyway) and says which index of which kind was bad.
+//! anyway) and says which index of which kind was bad
+//! ([`DeviceFault`]).
 
 pub(crate) mod args;
 pub(crate) mod tensor_map;
@@ -404,95 +403,6 @@ impl KernelSet {
         // SAFETY: the caller's view covers `bytes` bytes at `ptr`.
         unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
             .map_err(|e| self.device_error("memset", e))
-    }
-
-    // ---- memory ---------------------------------------------------------------
-
-    /// `Backend::cast`: bf16, f32 or f64 on either side.
-    pub fn cast(&self, stream: &CudaStream, src: GpuView, dst: GpuView) -> Result<()> {
-        let k = "cast";
-        len(k, "dst", &dst, src.len)?;
-        for (name, view) in [("src", &src), ("dst", &dst)] {
-            ensure(view.dtype.is_float(), || {
-                format!(
-                    "kernel `{k}`: `{name}` is {}, but it takes bf16, f32 or f64",
-                    view.dtype
-                )
-            })?;
-        }
-        if src.len == 0 {
-            return Ok(());
-        }
-        let f = self.function(k)?;
-        let (st, dt, n) = (dtype_tag(src.dtype), dtype_tag(dst.dtype), src.len as u64);
-        let mut b = KernelArgs::new(stream, f);
-        b.arg(&src.ptr).arg(&st).arg(&dst.ptr).arg(&dt).arg(&n);
-        self.go(k, &mut b, grid_for(src.len))
-    }
-
-    /// `Backend::fill`.
-    pub fn fill(&self, stream: &CudaStream, dst: GpuView, value: f32) -> Result<()> {
-        let k = "fill";
-        ensure(dst.dtype.is_float(), || {
-            format!(
-                "kernel `{k}`: `dst` is {}, but it takes bf16, f32 or f64",
-                dst.dtype
-            )
-        })?;
-        if dst.len == 0 {
-            return Ok(());
-        }
-        let f = self.function(k)?;
-        let (t, n) = (dtype_tag(dst.dtype), dst.len as u64);
-        let mut b = KernelArgs::new(stream, f);
-        b.arg(&dst.ptr).arg(&t).arg(&n).arg(&value);
-        self.go(k, &mut b, grid_for(dst.len))
-    }
-
-    /// `Backend::zero`: any dtype.
-    pub fn zero(&self, stream: &CudaStream, dst: GpuView) -> Result<()> {
-        self.zero_bytes(stream, dst.ptr, dst.len * dst.dtype.bytes())
-    }
-
-    // ---- dense algebra ----------------------------------------------------------
-
-    /// `out = ((shares[0] + shares[1]) + shares[2]) + ...` in f32, read
-    /// straight from where each share lies (this GPU, or a peer GPU this
-    /// context has peer access to): the copy transport's sums, one pass
-    /// instead of a copy of each share and an add. `out` may be one of the
-    /// shares.
-    ///
-    /// # Safety
-    /// Every address in `shares` is the start of `out.len` f32 of device
-    /// memory this context may read, left alone by every other queue
-    /// until this launch has run.
-    pub unsafe fn sum_shares(
-        &self,
-        stream: &CudaStream,
-        shares: &[u64],
-        out: GpuView,
-    ) -> Result<()> {
-        let k = "sum_shares";
-        exactly(k, "out", &out, DType::F32)?;
-        ensure(!shares.is_empty() && shares.len() <= MAX_SHARES, || {
-            format!(
-                "kernel `{k}`: {} shares, but it adds 1 to {MAX_SHARES}",
-                shares.len()
-            )
-        })?;
-        if out.len == 0 {
-            return Ok(());
-        }
-        let mut at = [0u64; MAX_SHARES];
-        at[..shares.len()].copy_from_slice(shares);
-        let count = shares.len() as i32;
-        let n = out.len as u64;
-        let words = n.is_multiple_of(4) && shares.iter().chain([&out.ptr]).all(|p| p % 16 == 0);
-        let grid = grid_for(if words { out.len / 4 } else { out.len });
-        let words = i32::from(words);
-        let mut b = KernelArgs::new(stream, self.function(k)?);
-        b.arg(&at).arg(&count).arg(&out.ptr).arg(&n).arg(&words);
-        self.go(k, &mut b, grid)
     }
 
     // ---- normalisation and activations -----------------------------------------

@@ -14,8 +14,11 @@
 //! the dimensions alone, so every sum has one order and the same inputs give
 //! the same bits.
 
-use super::attention_flash::flash_attention_scratch_len;
-use crate::backend::{AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing};
+use super::attention_flash::{flash_attention_dims, flash_attention_scratch_len};
+use crate::backend::{
+    AttentionBackend, AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing,
+    ScratchSettings,
+};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
@@ -940,4 +943,22 @@ impl KernelSet {
     pub fn rotary_backward(&self, stream: &CudaStream, dx: GpuView, d: RotaryDims) -> Result<()> {
         self.rotary(stream, "rotary_backward", dx, d, -1.0)
     }
+}
+
+/// The most scratch (bytes) one attention call takes under `settings`
+/// (`Backend::kernel_scratch`): the flash kernels' dk and dv shares and
+/// row values for the bf16 problems they take, else the GEMM path's
+/// scores, probabilities and accumulators where its plan fits the cap,
+/// else none (the tiled kernels).
+pub fn attention_scratch_bytes(dims: AttentionDims, settings: ScratchSettings) -> u64 {
+    let flash = settings.attention == AttentionBackend::Flash
+        && settings.dtype == DType::Bf16
+        && flash_attention_dims(dims);
+    let bytes = if flash {
+        flash_attention_scratch_len(dims) * DType::F32.bytes()
+    } else {
+        AttentionGemmPlan::for_dtype(dims, settings.dtype, settings.attention_cap)
+            .map_or(0, |plan| plan.scratch_bytes(dims))
+    };
+    bytes as u64
 }

@@ -14,6 +14,7 @@ pub mod dense;
 pub mod grouped_gemm;
 pub mod layout;
 pub mod lookup;
+pub mod memory;
 pub mod moe;
 pub mod norm;
 pub mod optim;

@@ -4,10 +4,11 @@
 //! of squares (`kernels/reduce.cu`) on [`KernelSet`], which take views
 //! `backend::optim`'s checks accepted.
 
+use crate::backend::optim::sum_squares_pieces;
 use crate::backend::{AdamMoments, AdamStep, OptimKernels, SgdStep};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
-    GpuView, KernelSet, as_u32, dtype_tag, ensure, exactly, grid_for, len, per_item, product,
+    GpuView, KernelSet, as_u32, dtype_tag, exactly, grid_for, len, per_item, product,
     reduce_threads,
 };
 use crate::cuda::{CudaBackend, CudaBuf};
@@ -89,11 +90,8 @@ impl KernelSet {
     /// The f64 scratch `sum_squares` needs for `len` elements in pieces of
     /// `piece`: one partial per tile of every piece.
     pub fn sum_squares_scratch_len(len: usize, piece: usize) -> Result<usize> {
-        let k = "sum_squares";
-        ensure(piece > 0, || {
-            format!("{k}: pieces must hold at least one element")
-        })?;
-        product(k, &[len.div_ceil(piece), sum_squares_tiles(piece)])
+        let pieces = sum_squares_pieces(len, piece)?;
+        product("sum_squares", &[pieces, sum_squares_tiles(piece)])
     }
 
     /// `Backend::sum_squares`: per-piece sums of squares in f64, each piece

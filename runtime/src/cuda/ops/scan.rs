@@ -14,7 +14,8 @@
 
 use super::scan_chunked::ScanChunkPlan;
 use crate::backend::ScanKernels;
-use crate::backend::{ScanDims, ScanGrads, ScanInputs};
+use crate::backend::scan;
+use crate::backend::{ScanDims, ScanGrads, ScanInputs, ScratchSettings};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
     GpuView, KernelSet, dtype_tag, ensure, exactly, float, grid_for, per_item, product,
@@ -295,8 +296,7 @@ impl KernelSet {
     /// (as many as `states`).
     pub fn ssd_scan_backward_scratch_len(dims: ScanDims) -> Result<usize> {
         let k = "ssd_scan_backward";
-        ensure(dims.chunk > 0, || format!("{k}: the chunk length is 0"))?;
-        let chunks = dims.tokens.seq.div_ceil(dims.chunk);
+        let chunks = scan::chunks(k, dims)?;
         let parts = [
             product(k, &[3, dims.tokens.rows()?, dims.heads])?,
             product(k, &[3, dims.tokens.batch, dims.heads, chunks])?,
@@ -617,6 +617,19 @@ impl SequentialScratch {
 /// 16-byte and its bf16 copy (if any, else 0) 8-byte aligned.
 pub(super) fn combine_quads(pn: u64, values: u64, copy: u64) -> i32 {
     i32::from(pn.is_multiple_of(4) && values.is_multiple_of(16) && copy.is_multiple_of(8))
+}
+
+/// The most scratch (bytes) one scan call takes under `settings`
+/// (`Backend::kernel_scratch`): the chunked form's, forward and backward
+/// alike, where its plan fits the cap, else the sequential backward's.
+pub fn scan_scratch_bytes(dims: ScanDims, settings: ScratchSettings) -> u64 {
+    let bytes = match ScanChunkPlan::new(dims, settings.scan_cap) {
+        Some(plan) => plan.scratch_bytes(dims),
+        None => KernelSet::ssd_scan_backward_scratch_len(dims)
+            .unwrap_or(usize::MAX / 4)
+            .saturating_mul(4),
+    };
+    bytes as u64
 }
 
 #[cfg(test)]
