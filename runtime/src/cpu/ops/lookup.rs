@@ -2,8 +2,8 @@
 //! cross-entropy of the output head. Ids and targets are data: the loops
 //! check each one's range before writing anything.
 
-use super::dense::axpy_row;
 use super::checked_index;
+use super::dense::axpy_row;
 use crate::backend::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;

@@ -4,8 +4,8 @@
 //! gathers/scatters, and the weighted unpermute (combine) with its backward.
 //! Index arguments are `u32` (device views of `DType::U32` in the backend).
 
-use super::dense::{axpy_row, dot};
 use super::checked_index;
+use super::dense::{axpy_row, dot};
 use crate::backend::{
     AuxLossDims, ExpertBias, ExpertOrder, MoeKernels, ReceivedDims, RouteDims, RouteOutputs,
     RoutedSlots, RouterScores, UnpermuteDims, UnpermuteGrads,
@@ -504,12 +504,7 @@ pub fn moe_expert_major_order(
     Ok(())
 }
 
-pub fn moe_aux_loss_forward(
-    counts: &[u32],
-    prob_sum: &[f32],
-    loss: &mut [f64],
-    dims: AuxLossDims,
-) {
+pub fn moe_aux_loss_forward(counts: &[u32], prob_sum: &[f32], loss: &mut [f64], dims: AuxLossDims) {
     let RoutedSlots {
         tokens,
         top_k,
@@ -527,12 +522,7 @@ pub fn moe_aux_loss_forward(
     loss[0] += dims.coeff as f64 * experts as f64 * sum;
 }
 
-pub fn moe_aux_loss_backward(
-    counts: &[u32],
-    aux_grad: &mut [f32],
-    dims: AuxLossDims,
-    scale: f32,
-) {
+pub fn moe_aux_loss_backward(counts: &[u32], aux_grad: &mut [f32], dims: AuxLossDims, scale: f32) {
     let RoutedSlots {
         tokens,
         top_k,
