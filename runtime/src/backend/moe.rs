@@ -563,7 +563,7 @@ macro_rules! moe_methods {
         }
 
         /// Backward of the routing: from `d_weights` `[rows, k]` and the
-        /// load-balancing term `aux_grad[e]` (= dLoss/d p_r[e], the same for
+        /// load-balancing term `aux_grad[e]` (= `dLoss/d p_r[e]`, the same for
         /// every row; see [`Backend::moe_aux_loss_backward`]) writes `d_logits`
         /// `[rows, E]` (overwritten): the gradient through the scaling, the
         /// weight normalisation and the score function, plus `aux_grad` through

@@ -1,6 +1,6 @@
 //! The compiled kernels loaded on one device ([`KernelSet`]): loading the
 //! modules and finding their entry points, the device's fault word, and
-//! what every launcher shares (the argument list, [`KernelSet::go`], the
+//! what every launcher shares (the argument list, the launch itself, the
 //! grid shapes, dtype tags and launch limits). The launchers themselves
 //! are in `crate::cuda::ops`, one module a kernel family; they take
 //! [`GpuView`]s the family's checks accepted and size the grid from the

@@ -352,7 +352,7 @@ pub struct AttentionGemmPlan {
 impl AttentionGemmPlan {
     /// The plan for `dims` when every view shares one float dtype and one
     /// KV head's scratch fits `scratch_bytes` (the backend's cap, by default
-    /// [`ATTENTION_GEMM_SCRATCH_BYTES`]); `None` sends the problem to the
+    /// [`ATTENTION_GEMM_SCRATCH_BYTES`](crate::cuda::launch::ATTENTION_GEMM_SCRATCH_BYTES)); `None` sends the problem to the
     /// tiled kernels.
     pub fn new(
         dims: AttentionDims,

@@ -10,7 +10,7 @@
 //!
 //! They need scratch proportional to the chunks they work on at once
 //! (about 68 MB a chunk at Nemotron-H's widths), so the backend caps it
-//! ([`SCAN_CHUNKED_SCRATCH_BYTES`] by default) and a problem is cut into
+//! ([`SCAN_CHUNKED_SCRATCH_BYTES`](crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES) by default) and a problem is cut into
 //! slices of (sequence, chunk) items. Two passes go over the slices, with
 //! what crosses chunks in between: the forward computes each chunk's own
 //! state, passes the states along the chunks, then y; the backward
@@ -130,7 +130,7 @@ impl ItemLens {
 
 impl ScanChunkPlan {
     /// The plan for `dims` under a cap of `scratch_bytes` (the backend's,
-    /// by default [`SCAN_CHUNKED_SCRATCH_BYTES`]); `None` sends the problem
+    /// by default [`SCAN_CHUNKED_SCRATCH_BYTES`](crate::cuda::launch::SCAN_CHUNKED_SCRATCH_BYTES)); `None` sends the problem
     /// to the sequential kernels: an empty problem, a chunk longer than
     /// [`CHUNKED_MAX_CHUNK`], or one whose single chunk does not fit.
     pub fn new(dims: ScanDims, scratch_bytes: usize) -> Option<ScanChunkPlan> {
