@@ -338,6 +338,17 @@ impl Operand {
         DTypeRule::Float.check(kernel, arg, self.dtype)
     }
 
+    /// `Ok` when it is bf16, f32 or f64, else an error for `kernel`'s
+    /// `arg`.
+    pub fn any_float(self, kernel: &str, arg: &str) -> Result<()> {
+        ensure(self.dtype.is_float(), || {
+            format!(
+                "kernel `{kernel}`: `{arg}` is {}, but it takes bf16, f32 or f64",
+                self.dtype
+            )
+        })
+    }
+
     /// `Ok` when it is `dtype`, else an error for `kernel`'s `arg`.
     pub fn exactly(self, dtype: DType, kernel: &str, arg: &str) -> Result<()> {
         DTypeRule::Exactly(dtype).check(kernel, arg, self.dtype)
@@ -366,6 +377,13 @@ pub fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
         .ok_or_else(|| {
             RuntimeError::InvalidArgument(format!("{kernel}: size {factors:?} overflows"))
         })
+}
+
+/// `n` as a u32 (what an index view holds, or a kernel takes), or an error
+/// naming `kernel` and `what` `n` counts.
+pub fn as_u32(kernel: &str, what: &str, n: usize) -> Result<u32> {
+    u32::try_from(n)
+        .map_err(|_| RuntimeError::InvalidArgument(format!("{kernel}: {what} {n} overflows u32")))
 }
 
 /// `Ok` when `ok`, else an `InvalidArgument` error saying `message`.

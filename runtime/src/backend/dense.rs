@@ -12,9 +12,7 @@
 use super::Backend;
 use super::{Slice, SliceMut};
 use crate::error::Result;
-use crate::view::{
-    DType, DTypeRule, DeviceBuffer, Operand, View, ViewMut, ensure, product, same_dtype,
-};
+use crate::view::{DType, DTypeRule, DeviceBuffer, Operand, View, ViewMut, product, same_dtype};
 
 /// Dimensions of [`Backend::matmul`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -221,12 +219,7 @@ pub fn check_column_sum(x: Operand, out: Operand, rows: usize, cols: usize) -> R
 /// [`Backend::accumulate_sum`]'s arguments.
 pub fn check_accumulate_sum(x: Operand, out: Operand) -> Result<()> {
     let k = "accumulate_sum";
-    ensure(x.dtype.is_float(), || {
-        format!(
-            "kernel `{k}`: `x` is {}, but it takes bf16, f32 or f64",
-            x.dtype
-        )
-    })?;
+    x.any_float(k, "x")?;
     out.exactly(DType::F64, k, "out")?;
     out.has_len(k, "out", 1)
 }

@@ -6,7 +6,7 @@
 #[cfg(doc)]
 use super::Backend;
 use crate::error::Result;
-use crate::view::{DType, DTypeRule, Operand, ensure, same_dtype, same_len};
+use crate::view::{DType, DTypeRule, Operand, same_dtype, same_len};
 
 /// An upload of `host_len` elements of `host` into `dst`.
 pub fn check_upload(host: DType, host_len: usize, dst: Operand) -> Result<()> {
@@ -35,24 +35,14 @@ pub fn check_copy(src: Operand, dst: Operand) -> Result<()> {
     same_len("copy", src.len, dst.len)
 }
 
-/// `kernel`'s view `arg` is bf16, f32 or f64.
-fn check_float(kernel: &str, arg: &str, view: Operand) -> Result<()> {
-    ensure(view.dtype.is_float(), || {
-        format!(
-            "kernel `{kernel}`: `{arg}` is {}, but it takes bf16, f32 or f64",
-            view.dtype
-        )
-    })
-}
-
 /// A cast: bf16, f32 or f64 either side, one length.
 pub fn check_cast(src: Operand, dst: Operand) -> Result<()> {
     same_len("cast", src.len, dst.len)?;
-    check_float("cast", "src", src)?;
-    check_float("cast", "dst", dst)
+    src.any_float("cast", "src")?;
+    dst.any_float("cast", "dst")
 }
 
 /// A fill: a bf16, f32 or f64 view.
 pub fn check_fill(dst: Operand) -> Result<()> {
-    check_float("fill", "dst", dst)
+    dst.any_float("fill", "dst")
 }

@@ -11,7 +11,9 @@
 #[cfg(doc)]
 use super::Backend;
 use crate::error::Result;
-use crate::view::{DType, DeviceBuffer, Operand, View, ViewMut, ensure, product, same_dtype};
+use crate::view::{
+    DType, DeviceBuffer, Operand, View, ViewMut, as_u32, ensure, product, same_dtype,
+};
 use hybridgen_dsl::config::ScoreFunction;
 
 /// Dimensions of the routing kernels.
@@ -214,14 +216,6 @@ pub trait MoeKernels<Buf: DeviceBuffer> {
     ) -> Result<()>;
 }
 
-/// `n` as a u32 (an expert index, a row index of the permutation), or an
-/// error naming `what`.
-fn fits_u32(kernel: &str, what: &str, n: usize) -> Result<()> {
-    ensure(u32::try_from(n).is_ok(), || {
-        format!("{kernel}: {what} {n} overflows u32")
-    })
-}
-
 /// The router's f32 logits `[rows, E]` and a top-k in `1..=E`.
 fn check_route(kernel: &str, logits: Operand, d: RouteDims) -> Result<()> {
     logits.exactly(DType::F32, kernel, "logits")?;
@@ -232,7 +226,7 @@ fn check_route(kernel: &str, logits: Operand, d: RouteDims) -> Result<()> {
         )
     })?;
     logits.has_len(kernel, "logits", product(kernel, &[d.rows, d.experts])?)?;
-    fits_u32(kernel, "experts", d.experts)
+    as_u32(kernel, "experts", d.experts).map(|_| ())
 }
 
 /// [`Backend::moe_route_forward`]'s arguments.
@@ -300,8 +294,8 @@ pub fn check_moe_route_backward(
 fn slot_count(kernel: &str, s: RoutedSlots) -> Result<usize> {
     ensure(s.top_k >= 1, || format!("{kernel}: top-k is 0"))?;
     let n = product(kernel, &[s.tokens, s.top_k])?;
-    fits_u32(kernel, "routed slots", n)?;
-    fits_u32(kernel, "experts", s.experts)?;
+    as_u32(kernel, "routed slots", n).map(|_| ())?;
+    as_u32(kernel, "experts", s.experts).map(|_| ())?;
     Ok(n)
 }
 
@@ -357,7 +351,7 @@ pub fn check_moe_expert_major_order(
     order.exactly(DType::U32, k, "order")?;
     let pairs = product(k, &[d.ranks, d.local_experts])?;
     recv_counts.has_len(k, "recv_counts", pairs)?;
-    fits_u32(k, "received rows", order.len)
+    as_u32(k, "received rows", order.len).map(|_| ())
 }
 
 /// The expert counts (u32, one an expert) and the loss coefficient.
@@ -455,7 +449,7 @@ fn check_unpermute(
     rows.has_len(kernel, "rows", product(kernel, &[d.rows, d.width])?)?;
     positions.has_len(kernel, "positions", product(kernel, &[d.tokens, d.top_k])?)?;
     out.has_len(kernel, out_name, product(kernel, &[d.tokens, d.width])?)?;
-    fits_u32(kernel, "rows", d.rows)
+    as_u32(kernel, "rows", d.rows).map(|_| ())
 }
 
 /// f32 weights, one a routed slot.

@@ -12,7 +12,7 @@ use crate::backend::{
 };
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
-use crate::view::{View, ViewMut, ensure};
+use crate::view::{DType, Operand, View, ViewMut, ensure};
 use hybridgen_dsl::config::ScoreFunction;
 
 impl MoeKernels<CpuBuf> for CpuBackend {
@@ -475,12 +475,8 @@ pub fn moe_expert_major_order(
     ensure(u32::try_from(total).is_ok(), || {
         format!("{kn}: {total} received rows overflow the u32 row indices")
     })?;
-    ensure(order.len() as u64 == total, || {
-        format!(
-            "{kn}: `order` has {} elements, expected {total}",
-            order.len()
-        )
-    })?;
+    let total = usize::try_from(total).unwrap_or(usize::MAX);
+    Operand::new(order.len(), DType::U32).has_len(kn, "order", total)?;
     if l == 0 {
         return Ok(());
     }

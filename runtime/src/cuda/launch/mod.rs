@@ -20,7 +20,7 @@ pub(crate) mod tensor_map;
 
 use super::kernels::{self, CompiledSource, Output, Target};
 use crate::error::{Result, RuntimeError};
-use crate::view::{DType, DTypeRule};
+use crate::view::DType;
 use args::KernelArgs;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use std::collections::HashMap;
@@ -54,6 +54,7 @@ pub(crate) const HOPPER_SHARED_BYTES: usize = 227 * 1024;
 
 pub use super::buffer::GpuView;
 pub use super::fault::DeviceFault;
+pub(crate) use crate::view::{as_u32, ensure, product};
 
 /// The dtype tag a kernel reads (`DTYPE_*` in `common.cuh`).
 pub(crate) fn dtype_tag(dtype: DType) -> i32 {
@@ -151,51 +152,6 @@ pub(crate) fn warp_per_item(items: usize) -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-// ---- argument checks (the CPU kernels' checks, on views) --------------------
-
-pub(crate) fn product(kernel: &str, factors: &[usize]) -> Result<usize> {
-    factors
-        .iter()
-        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
-        .ok_or_else(|| {
-            RuntimeError::InvalidArgument(format!("{kernel}: size {factors:?} overflows"))
-        })
-}
-
-pub(crate) fn len(kernel: &str, name: &str, view: &GpuView, want: usize) -> Result<()> {
-    if view.len == want {
-        Ok(())
-    } else {
-        Err(RuntimeError::InvalidArgument(format!(
-            "{kernel}: `{name}` has {} elements, expected {want}",
-            view.len
-        )))
-    }
-}
-
-pub(crate) fn ensure(ok: bool, message: impl FnOnce() -> String) -> Result<()> {
-    if ok {
-        Ok(())
-    } else {
-        Err(RuntimeError::InvalidArgument(message()))
-    }
-}
-
-/// A bf16 or f32 view's tag.
-pub(crate) fn float(kernel: &str, name: &str, view: &GpuView) -> Result<i32> {
-    DTypeRule::Float.check(kernel, name, view.dtype)?;
-    Ok(dtype_tag(view.dtype))
-}
-
-pub(crate) fn exactly(kernel: &str, name: &str, view: &GpuView, dtype: DType) -> Result<()> {
-    DTypeRule::Exactly(dtype).check(kernel, name, view.dtype)
-}
-
-pub(crate) fn as_u32(kernel: &str, what: &str, n: usize) -> Result<u32> {
-    u32::try_from(n)
-        .map_err(|_| RuntimeError::InvalidArgument(format!("{kernel}: {what} {n} overflows u32")))
 }
 
 /// Everything [`KernelSet::new`] can fail with, as one message.

@@ -22,8 +22,7 @@ use crate::backend::{
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
-    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, dtype_tag, ensure, exactly, grid_for, len,
-    product,
+    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, as_u32, dtype_tag, ensure, grid_for, product,
 };
 use crate::cuda::queue::QueueSet;
 use crate::cuda::{CudaBackend, CudaBuf};
@@ -703,7 +702,7 @@ impl KernelSet {
         let lens = AttentionGemmPlan::accumulator_lens(dims);
         accumulator(kn, "the output accumulator", &acc_out, lens.out)?;
         for (name, view) in [("q", &q), ("k", &k), ("v", &v), ("out", &out)] {
-            exactly(kn, name, view, plan.dtype)?;
+            view.operand().exactly(plan.dtype, kn, name)?;
         }
         if rows == 0 || dims.heads == 0 {
             return Ok(());
@@ -772,7 +771,7 @@ impl KernelSet {
             ("grads.v", &grads.v),
         ];
         for (name, view) in operands.into_iter().chain(gradients) {
-            exactly(kn, name, view, plan.dtype)?;
+            view.operand().exactly(plan.dtype, kn, name)?;
         }
         if rows == 0 || dims.heads == 0 {
             return Ok(());
@@ -868,7 +867,7 @@ impl KernelSet {
 /// An f32 accumulator of exactly `n` elements (a view of that length, so
 /// that [`KernelSet::store_sequence`] can take its length for a sequence's).
 fn accumulator(kernel: &str, name: &str, view: &GpuView, n: usize) -> Result<()> {
-    exactly(kernel, name, view, DType::F32)?;
+    view.operand().exactly(DType::F32, kernel, name)?;
     ensure(view.len == n, || {
         format!(
             "{kernel}: {name} has {} elements, one sequence needs exactly {n}",
@@ -887,8 +886,12 @@ fn check_scratch(
     scores: GpuView,
     probs: GpuView,
 ) -> Result<()> {
-    exactly(kernel, "the scores scratch", &scores, DType::F32)?;
-    exactly(kernel, "the probabilities scratch", &probs, plan.dtype)?;
+    scores
+        .operand()
+        .exactly(DType::F32, kernel, "the scores scratch")?;
+    probs
+        .operand()
+        .exactly(plan.dtype, kernel, "the probabilities scratch")?;
     ensure(
         plan.kv_heads_per_call > 0 && plan.kv_heads_per_call <= dims.kv_heads,
         || {
@@ -898,13 +901,12 @@ fn check_scratch(
             )
         },
     )?;
-    len(kernel, "the scores scratch", &scores, plan.scores_len(dims))?;
-    len(
-        kernel,
-        "the probabilities scratch",
-        &probs,
-        plan.probs_len(dims),
-    )
+    scores
+        .operand()
+        .has_len(kernel, "the scores scratch", plan.scores_len(dims))?;
+    probs
+        .operand()
+        .has_len(kernel, "the probabilities scratch", plan.probs_len(dims))
 }
 
 impl KernelSet {

@@ -20,9 +20,7 @@ use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::kernels::Target;
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::tensor_map::tiled_map;
-use crate::cuda::launch::{
-    GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure, exactly, len,
-};
+use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use cudarc::driver::sys::{CUfunction_attribute, CUtensorMap};
@@ -450,8 +448,10 @@ impl KernelSet {
             flash_attention_takes(dims, &[dout, grads.q, grads.k, grads.v]),
             || format!("{kn}: dout and the gradients must be bf16 views, 16-byte aligned"),
         )?;
-        exactly(kn, "scratch", &scratch, DType::F32)?;
-        len(kn, "scratch", &scratch, flash_attention_scratch_len(dims))?;
+        scratch.operand().exactly(DType::F32, kn, "scratch")?;
+        scratch
+            .operand()
+            .has_len(kn, "scratch", flash_attention_scratch_len(dims))?;
         if rows == 0 || dims.heads == 0 {
             return Ok(());
         }

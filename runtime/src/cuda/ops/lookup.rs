@@ -18,8 +18,8 @@
 use crate::backend::{Backend, LookupDims, LookupKernels, LossDims};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
-    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, dtype_tag, exactly, len, per_item, product,
-    reduce_threads, words8,
+    GpuView, KernelSet, MAX_GRID_X, MAX_GRID_Y, dtype_tag, per_item, product, reduce_threads,
+    words8,
 };
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
@@ -183,13 +183,9 @@ impl KernelSet {
     ) -> Result<()> {
         let kn = "embedding_backward";
         let (dt, tt) = (dtype_tag(dout.dtype), dtype_tag(dtable.dtype));
-        exactly(kn, "scratch", &scratch, DType::U32)?;
-        len(
-            kn,
-            "scratch",
-            &scratch,
-            product(kn, &[ids.len, EMBEDDING_BACKWARD_SCRATCH_PER_ROW])?,
-        )?;
+        scratch.operand().exactly(DType::U32, kn, "scratch")?;
+        let per_row = product(kn, &[ids.len, EMBEDDING_BACKWARD_SCRATCH_PER_ROW])?;
+        scratch.operand().has_len(kn, "scratch", per_row)?;
         if ids.len == 0 {
             return Ok(());
         }

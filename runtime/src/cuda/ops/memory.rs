@@ -4,7 +4,7 @@
 //! (`kernels/reduce.cu`).
 
 use crate::cuda::launch::args::KernelArgs;
-use crate::cuda::launch::{GpuView, KernelSet, MAX_SHARES, dtype_tag, ensure, exactly, grid_for};
+use crate::cuda::launch::{GpuView, KernelSet, MAX_SHARES, dtype_tag, ensure, grid_for};
 use crate::error::Result;
 use crate::view::DType;
 use cudarc::driver::CudaStream;
@@ -58,7 +58,7 @@ impl KernelSet {
         out: GpuView,
     ) -> Result<()> {
         let k = "sum_shares";
-        exactly(k, "out", &out, DType::F32)?;
+        out.operand().exactly(DType::F32, k, "out")?;
         ensure(!shares.is_empty() && shares.len() <= MAX_SHARES, || {
             format!(
                 "kernel `{k}`: {} shares, but it adds 1 to {MAX_SHARES}",

@@ -8,8 +8,7 @@ use crate::backend::optim::sum_squares_pieces;
 use crate::backend::{AdamMoments, AdamStep, OptimKernels, SgdStep};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
-    GpuView, KernelSet, as_u32, dtype_tag, exactly, grid_for, len, per_item, product,
-    reduce_threads,
+    GpuView, KernelSet, as_u32, dtype_tag, grid_for, per_item, product, reduce_threads,
 };
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::Result;
@@ -107,10 +106,10 @@ impl KernelSet {
         scratch: GpuView,
     ) -> Result<()> {
         let k = "sum_squares";
-        exactly(k, "scratch", &scratch, DType::F64)?;
+        scratch.operand().exactly(DType::F64, k, "scratch")?;
         let partials = Self::sum_squares_scratch_len(x.len, piece)?;
         let pieces = x.len.div_ceil(piece);
-        len(k, "scratch", &scratch, partials)?;
+        scratch.operand().has_len(k, "scratch", partials)?;
         if pieces == 0 {
             return Ok(());
         }

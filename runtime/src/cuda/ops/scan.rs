@@ -17,9 +17,7 @@ use crate::backend::ScanKernels;
 use crate::backend::scan;
 use crate::backend::{ScanDims, ScanGrads, ScanInputs, ScratchSettings};
 use crate::cuda::launch::args::KernelArgs;
-use crate::cuda::launch::{
-    GpuView, KernelSet, dtype_tag, ensure, exactly, float, grid_for, per_item, product,
-};
+use crate::cuda::launch::{GpuView, KernelSet, dtype_tag, ensure, grid_for, per_item, product};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
@@ -413,7 +411,7 @@ impl KernelSet {
             a_log: d_a_log,
             d: d_d,
         } = grads;
-        exactly(k, "scratch", &scratch, DType::F32)?;
+        scratch.operand().exactly(DType::F32, k, "scratch")?;
         let need = Self::ssd_scan_backward_scratch_len(dims)?;
         ensure(scratch.len >= need, || {
             format!(
@@ -579,7 +577,7 @@ impl KernelSet {
         d_d: GpuView,
     ) -> Result<()> {
         let k = "ssd_scan_backward_params";
-        let (dat, ddt) = (float(k, "d_a_log", &d_a_log)?, float(k, "d_d", &d_d)?);
+        let (dat, ddt) = (dtype_tag(d_a_log.dtype), dtype_tag(d_d.dtype));
         let [batch, heads, chunks_u] = [dims.tokens.batch, dims.heads, chunks].map(|v| v as u64);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&partials).arg(&batch).arg(&heads).arg(&chunks_u);

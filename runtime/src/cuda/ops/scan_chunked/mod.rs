@@ -23,9 +23,7 @@ use super::scan::{Tagged, backward_tags, forward_tags};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::launch::args::KernelArgs;
-use crate::cuda::launch::{
-    GpuView, KernelSet, block_per_row, ensure, exactly, grid_for, per_item, product,
-};
+use crate::cuda::launch::{GpuView, KernelSet, block_per_row, ensure, grid_for, per_item, product};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
@@ -543,7 +541,7 @@ fn check_scratch(
     scratch: GpuView,
     dims: ScanDims,
 ) -> Result<()> {
-    exactly(kernel, "scratch", &scratch, DType::F32)?;
+    scratch.operand().exactly(DType::F32, kernel, "scratch")?;
     ensure(plan.items_per_slice > 0, || {
         format!("{kernel}: a chunked plan of no items")
     })?;
