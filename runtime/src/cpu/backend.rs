@@ -267,19 +267,8 @@ mod tests {
     //! The wrappers' dtype rules for the kernels that take ids, losses and
     //! optimizer state (the loops themselves are tested in `kernels`).
     use super::*;
+    use crate::cpu::ops::refusals::{buf, refused};
     use crate::view::{View, ViewMut};
-
-    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
-        b.alloc(len, dtype).unwrap()
-    }
-
-    fn refused(result: Result<()>, kernel: &str, arg: &str) {
-        let err = result.unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
-            "{err}"
-        );
-    }
 
     #[test]
     fn accumulate_sum_takes_floats_into_one_f64() {

@@ -226,7 +226,8 @@ mod tests {
     use crate::Backend;
     use crate::backend::Precision;
     use crate::backend::layout::check_copy_cols;
-    use crate::error::Result;
+    use crate::cpu::ops::refusals::{buf, refused};
+
     use crate::view::{DType, Operand};
     use half::bf16;
 
@@ -458,18 +459,6 @@ mod tests {
             ),
             "mla_kv_join",
             "d_k_rope",
-        );
-    }
-
-    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
-        b.alloc(len, dtype).unwrap()
-    }
-
-    fn refused(result: Result<()>, kernel: &str, arg: &str) {
-        let err = result.unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
-            "{err}"
         );
     }
 }

@@ -271,6 +271,7 @@ fn gradient_rows(
 mod tests {
     use super::*;
     use crate::Backend;
+    use crate::cpu::ops::refusals::{buf, refused};
     use crate::view::DType;
 
     #[test]
@@ -425,18 +426,6 @@ mod tests {
             ),
             "cross_entropy_backward",
             "targets",
-        );
-    }
-
-    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
-        b.alloc(len, dtype).unwrap()
-    }
-
-    fn refused(result: Result<()>, kernel: &str, arg: &str) {
-        let err = result.unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
-            "{err}"
         );
     }
 }

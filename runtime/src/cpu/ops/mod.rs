@@ -32,3 +32,26 @@ pub(crate) fn checked_index(kernel: &str, what: &str, x: u32, rows: usize) -> Re
     })?;
     Ok(i)
 }
+
+/// What the families' tests of the CPU backend's refusals share: a
+/// buffer, and the assertion that a call was refused naming its kernel and
+/// argument.
+#[cfg(test)]
+pub(crate) mod refusals {
+    use crate::backend::Backend;
+    use crate::cpu::{CpuBackend, CpuBuf};
+    use crate::error::Result;
+    use crate::view::DType;
+
+    pub(crate) fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
+        b.alloc(len, dtype).unwrap()
+    }
+
+    pub(crate) fn refused(result: Result<()>, kernel: &str, arg: &str) {
+        let err = result.unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
+            "{err}"
+        );
+    }
+}

@@ -212,6 +212,7 @@ pub fn sum_squares(x: &[f32], piece: usize, out: &mut [f64]) {
 mod tests {
     use super::*;
     use crate::Backend;
+    use crate::cpu::ops::refusals::{buf, refused};
     use crate::view::DType;
 
     fn adam(lr: f32, weight_decay: f32, grad_scale: f32, step: u64) -> AdamStep {
@@ -530,17 +531,5 @@ mod tests {
         let mut host = [0.0f64; 2];
         b.download(View::whole(&partials), &mut host).unwrap();
         assert_eq!(host, [5.0, 25.0]);
-    }
-
-    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
-        b.alloc(len, dtype).unwrap()
-    }
-
-    fn refused(result: Result<()>, kernel: &str, arg: &str) {
-        let err = result.unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("kernel `{kernel}`")) && err.contains(&format!("`{arg}`")),
-            "{err}"
-        );
     }
 }

@@ -432,12 +432,18 @@ mod dtypes {
         AuxLossDims, Backend, ExpertBias, ExpertOrder, ReceivedDims, RouteDims, RouteOutputs,
         RoutedSlots, RouterScores, UnpermuteDims,
     };
+    use crate::cpu::ops::refusals::buf;
     use crate::cpu::{CpuBackend, CpuBuf};
     use crate::view::{DType, View, ViewMut};
     use hybridgen_dsl::config::ScoreFunction;
 
-    fn buf(b: &CpuBackend, len: usize, dtype: DType) -> CpuBuf {
-        b.alloc(len, dtype).unwrap()
+    /// Refused with a dtype error of `arg` (not only naming it).
+    fn refused(result: crate::Result<()>, kernel: &str, arg: &str) {
+        let err = result.unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("kernel `{kernel}`: `{arg}` is")),
+            "{kernel}/{arg}: {err}"
+        );
     }
 
     fn w(buf: &CpuBuf) -> View<'_, CpuBuf> {
@@ -446,14 +452,6 @@ mod dtypes {
 
     fn m(buf: &CpuBuf) -> ViewMut<'_, CpuBuf> {
         ViewMut::whole(buf)
-    }
-
-    fn refused(result: crate::Result<()>, kernel: &str, arg: &str) {
-        let err = result.unwrap_err().to_string();
-        assert!(
-            err.contains(&format!("kernel `{kernel}`: `{arg}` is")),
-            "{kernel}/{arg}: {err}"
-        );
     }
 
     #[test]
