@@ -165,20 +165,28 @@ pub struct ScratchSettings {
 }
 
 /// Device memory and kernels, bound to one lane.
+///
+/// The kernels' methods are written in their families' modules and
+/// expanded into this trait (`dense::dense_methods!()`, ...), not left on
+/// the family traits: callers name only `Backend`, and a supertrait's
+/// method is not found on a concrete backend, or on an associated type such
+/// as a device's `D::Backend`, unless that supertrait is imported as well.
+/// The family traits are what a backend implements: each kernel after its
+/// check.
 pub trait Backend:
     Clone
     + Send
     + Sync
     + 'static
-    + NormKernels<<Self as Backend>::Buf>
-    + LayoutKernels<<Self as Backend>::Buf>
     + DenseKernels<<Self as Backend>::Buf>
+    + LayoutKernels<<Self as Backend>::Buf>
+    + NormKernels<<Self as Backend>::Buf>
     + ConvKernels<<Self as Backend>::Buf>
     + ScanKernels<<Self as Backend>::Buf>
     + AttentionKernels<<Self as Backend>::Buf>
     + LookupKernels<<Self as Backend>::Buf>
-    + OptimKernels<<Self as Backend>::Buf>
     + MoeKernels<<Self as Backend>::Buf>
+    + OptimKernels<<Self as Backend>::Buf>
 {
     /// One device allocation.
     type Buf: DeviceBuffer;
@@ -302,7 +310,7 @@ pub trait Backend:
         Ok(ViewMut::whole(buf))
     }
 
-    // ---- kernels: dense algebra ---------------------------------------------
+    // ---- kernels ----------------------------------------------------------------
     // Every kernel validates the lengths of its views against its dimensions
     // and returns `RuntimeError::InvalidArgument` on a mismatch. Views a
     // kernel writes must not be views a kernel reads (the CPU backend checks
@@ -310,6 +318,8 @@ pub trait Backend:
     // micro-batch; the MoE routing and permutation indices are `u32` device
     // views computed by kernels: the host reads only the per-expert counts
     // the all-to-all needs.
+
+    // ---- kernels: dense algebra and layout moves --------------------------------
     dense::dense_methods!();
     layout::layout_methods!();
 
@@ -317,28 +327,22 @@ pub trait Backend:
     norm::norm_methods!();
 
     // ---- kernels: Mamba ------------------------------------------------------
-
     conv::conv_methods!();
-
     scan::scan_methods!();
 
     // ---- kernels: attention ----------------------------------------------------
-
     attention::attention_methods!();
 
     // ---- kernels: embedding and loss -------------------------------------------
-
     lookup::lookup_methods!();
 
     // ---- kernels: mixture of experts -------------------------------------------
     // Routing state is f32 (logits, scores, weights, the softmax sums) and
     // `u32` (selected experts, counts, permutations) in every precision; only
     // the rows moved between tokens and experts are in the compute dtype.
-
     moe::moe_methods!();
 
     // ---- kernels: optimizer -----------------------------------------------------
-
     optim::optim_methods!();
 }
 
