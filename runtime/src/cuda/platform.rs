@@ -18,8 +18,8 @@ use crate::cpu::collective::CpuWorld;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::lane::Lane;
-use crate::rendezvous::{Launch, RankInfo};
 use crate::platform::{Platform, RankSettings, Transport};
+use crate::rendezvous::{Launch, RankInfo};
 use cudarc::driver::{CudaContext, sys};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -393,8 +393,8 @@ mod tests {
     use super::{CudaPlatform, launched_gpu};
     use crate::cuda::{GpuDevice, GpuInfo};
     use crate::error::RuntimeError;
-    use crate::rendezvous::{Launch, Launcher, RankInfo};
     use crate::platform::{Platform, Transport};
+    use crate::rendezvous::{Launch, Launcher, RankInfo};
     use std::time::Duration;
 
     fn platform(
