@@ -346,7 +346,7 @@ fn slurm_local_world_size(env: &EnvVars, world_size: usize) -> Result<(&'static 
         _ => Err(env_error(
             "cannot tell how many tasks run on this node: none of SLURM_NTASKS_PER_NODE, \
              SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set (launch with srun, or \
-             pass --ntasks-per-node)"
+             pass srun's --ntasks-per-node)"
                 .into(),
         )),
     }

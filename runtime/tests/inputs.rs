@@ -84,7 +84,7 @@ fn runs_that_cannot_fit_are_refused_with_the_figures_before_any_allocation() {
     wide.seq_length = 16384;
     let message = refused(&wide).to_string();
     assert!(
-        message.contains("a smaller --micro-batch-size (now 128) or --seq-len (now 16384)"),
+        message.contains("a smaller micro-batch size (now 128) or sequence length (now 16384)"),
         "{message}"
     );
     // Between the bound made before planning and the full estimate: the

@@ -95,7 +95,7 @@ impl Precision {
     }
 }
 
-/// The name `--precision` takes: `f32` or `bf16`.
+/// The precision's name, as the setting takes it: `f32` or `bf16`.
 impl std::fmt::Display for Precision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -144,8 +144,8 @@ impl GpuArena {
                 let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| {
                     RuntimeError::OutOfMemory(format!(
                         "{}: out of GPU memory allocating {size} bytes for {} ({e}); the \
-                         memory estimate was too low: lower --micro-batch-size or \
-                         --seq-length, or use more GPUs",
+                         memory estimate was too low: lower the micro-batch size or the \
+                         sequence length, or use more GPUs",
                         self.queues.name,
                         what()
                     ))

@@ -37,7 +37,7 @@ impl Device for Cuda {
 
 /// The GPU a launched process runs on, among the `gpus` it sees: the one
 /// of its local rank, or the only one when the launcher gave each process
-/// its own (`srun --gpus-per-task 1` sets `CUDA_VISIBLE_DEVICES` per task).
+/// its own (srun's `--gpus-per-task 1` sets `CUDA_VISIBLE_DEVICES` per task).
 /// `None` when the local rank has no GPU.
 pub fn launched_gpu(gpus: usize, local_rank: usize) -> Option<usize> {
     match gpus {
@@ -93,9 +93,9 @@ impl CudaPlatform {
         let gpus = info.devices.len();
         if let (Transport::Copy, Launch::Distributed(_)) = (transport, &launch) {
             return Err(RuntimeError::Unsupported(
-                "--transport copy moves data between the GPUs of one process, but the \
-                 launcher started a process a GPU; give --transport nccl, or start one process \
-                 (without torchrun or srun) that drives every GPU"
+                "the copy transport moves data between the GPUs of one process, but the \
+                 launcher started a process a GPU; take the NCCL transport, or start one \
+                 process (without torchrun or srun) that drives every GPU"
                     .into(),
             ));
         }
@@ -103,8 +103,8 @@ impl CudaPlatform {
             Launch::SingleProcess if transport == Transport::Copy => {
                 if gpus == 0 {
                     return Err(RuntimeError::Unsupported(
-                        "--transport copy found no GPU (CUDA_VISIBLE_DEVICES counts); make one \
-                         visible, or train on the CPU (--device cpu)"
+                        "the copy transport found no GPU (CUDA_VISIBLE_DEVICES counts); make \
+                         one visible, or train on the CPU"
                             .into(),
                     ));
                 }
@@ -113,10 +113,10 @@ impl CudaPlatform {
             Launch::SingleProcess => {
                 if ranks > gpus {
                     return Err(RuntimeError::Unsupported(format!(
-                        "--ranks {ranks} needs {ranks} GPUs but {gpus} {} visible \
-                         (CUDA_VISIBLE_DEVICES counts); lower --ranks, give --transport copy \
-                         (ranks on the GPUs round-robin), or start one process per GPU on \
-                         several machines with torchrun or srun",
+                        "{ranks} ranks need {ranks} GPUs but {gpus} {} visible \
+                         (CUDA_VISIBLE_DEVICES counts); take fewer ranks, the copy transport \
+                         (ranks on the GPUs round-robin), or one process per GPU on several \
+                         machines started by torchrun or srun",
                         if gpus == 1 { "is" } else { "are" }
                     )));
                 }
@@ -131,15 +131,15 @@ impl CudaPlatform {
                 if *world_size != ranks {
                     return Err(RuntimeError::Unsupported(format!(
                         "the launcher started {world_size} processes (WORLD_SIZE) but the run \
-                         has --ranks {ranks}; give --ranks {world_size}, one rank per process"
+                         has {ranks} ranks; take {world_size} ranks, one per process"
                     )));
                 }
                 let Some(ordinal) = launched_gpu(gpus, *local_rank) else {
                     return Err(RuntimeError::Unsupported(format!(
                         "this process is local rank {local_rank} but {gpus} GPUs are \
-                         visible; start at most one process per GPU (torchrun \
-                         --nproc-per-node), or give each process one GPU \
-                         (srun --gpus-per-task 1)"
+                         visible; start at most one process per GPU (torchrun's \
+                         --nproc-per-node), or give each process one GPU (srun's \
+                         --gpus-per-task 1)"
                     )));
                 };
                 (*world_size, *rank..*rank + 1, vec![ordinal])
@@ -451,16 +451,16 @@ mod tests {
     #[test]
     fn impossible_gpu_layouts_are_refused_with_what_to_change() {
         let m = refusal(&info(1, true), Launch::SingleProcess, 2);
-        assert!(m.contains("--ranks 2 needs 2 GPUs but 1 is visible"), "{m}");
-        assert!(m.contains("--transport copy"), "{m}");
+        assert!(m.contains("2 ranks need 2 GPUs but 1 is visible"), "{m}");
+        assert!(m.contains("the copy transport"), "{m}");
         let m = refusal_on(&info(8, true), launched(0, 8, 0), 8, Transport::Copy);
         assert!(
-            m.contains("--transport copy") && m.contains("--transport nccl"),
+            m.contains("the copy transport") && m.contains("the NCCL transport"),
             "{m}"
         );
         let m = refusal(&info(8, true), launched(0, 4, 0), 8);
         assert!(
-            m.contains("started 4 processes") && m.contains("--ranks 4"),
+            m.contains("started 4 processes") && m.contains("take 4 ranks"),
             "{m}"
         );
         let m = refusal(&info(2, true), launched(3, 4, 3), 4);
@@ -506,7 +506,7 @@ mod tests {
     #[test]
     fn a_launched_process_takes_its_local_ranks_gpu_or_its_only_one() {
         assert_eq!(launched_gpu(8, 3), Some(3));
-        assert_eq!(launched_gpu(1, 3), Some(0), "srun --gpus-per-task 1");
+        assert_eq!(launched_gpu(1, 3), Some(0), "srun's --gpus-per-task 1");
         assert_eq!(launched_gpu(1, 0), Some(0));
         assert_eq!(launched_gpu(2, 2), None);
         assert_eq!(launched_gpu(0, 0), None);

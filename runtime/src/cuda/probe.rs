@@ -62,14 +62,14 @@ pub struct GpuInfo {
 pub enum CudaUnavailable {
     #[error(
         "no CUDA driver: libcuda could not be loaded (looked for {searched}); install the NVIDIA \
-         driver, or train on the CPU with --device cpu"
+         driver, or train on the CPU"
     )]
     NoDriver { searched: String },
     #[error("the CUDA driver failed: {call}: {message}")]
     Driver { call: &'static str, message: String },
     #[error(
         "no CUDA device is visible (the driver found none; check nvidia-smi and \
-         CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu"
+         CUDA_VISIBLE_DEVICES), or train on the CPU"
     )]
     NoDevice,
     #[error("NVRTC, which compiles the GPU kernels, is missing: {0}")]
@@ -82,7 +82,7 @@ pub enum CudaUnavailable {
     CublasMissing,
     #[error(
         "{device} is too old: the CUDA backend needs compute capability {}.{} or newer (bf16); \
-         hide it with CUDA_VISIBLE_DEVICES, or train on the CPU with --device cpu",
+         hide it with CUDA_VISIBLE_DEVICES, or train on the CPU",
         Target::MIN_COMPUTE_CAPABILITY.0,
         Target::MIN_COMPUTE_CAPABILITY.1
     )]

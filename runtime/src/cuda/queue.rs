@@ -222,7 +222,7 @@ impl QueueSet {
                         lane: self.name.clone(),
                         message: format!(
                             "{} did not finish within {:.0?}: a peer may have stalled or the \
-                             work is slower than --timeout allows (raise it)",
+                             work is slower than the timeout allows (raise it)",
                             what(),
                             timeout
                         ),

@@ -851,7 +851,10 @@ impl MemoryNeed {
     }
 
     /// The refusal when this need exceeds `available`, with the figures and
-    /// what to change; `None` when it fits.
+    /// what to change; `None` when it fits. The tips name settings by what
+    /// they are (the micro-batch size), not by a flag or field: `hints`
+    /// carries no [`SettingSpelling`](crate::setting::SettingSpelling), and
+    /// the wording reads the same from the command line and a library run.
     pub fn check(&self, available: &AvailableMemory, hints: &FitHints) -> Option<String> {
         if self.total <= available.bytes {
             return None;
@@ -913,13 +916,13 @@ impl MemoryNeed {
         let mut tips = Vec::new();
         if live > self.state.total / 8 {
             tips.push(format!(
-                "a smaller --micro-batch-size (now {}) or --seq-len (now {}): activations grow \
-                 with the tokens of a micro-batch",
+                "a smaller micro-batch size (now {}) or sequence length (now {}): activations \
+                 grow with the tokens of a micro-batch",
                 hints.micro_batch_size, hints.seq_length
             ));
             if self.live_micro_batches > 1 {
                 tips.push(format!(
-                    "--schedule plain: one micro-batch in flight instead of {}",
+                    "the plain schedule: one micro-batch in flight instead of {}",
                     self.live_micro_batches
                 ));
             }
@@ -927,34 +930,34 @@ impl MemoryNeed {
                 && self.activations.layers > 0
             {
                 tips.push(format!(
-                    "--recompute auto: as few layers as it takes (up to all but MoE ones) keep \
-                     only their input and run their forward again in the backward (layers now \
-                     keep {} a micro-batch)",
+                    "automatic recomputation: as few layers as it takes (up to all but MoE \
+                     ones) keep only their input and run their forward again in the backward \
+                     (layers now keep {} a micro-batch)",
                     bytes(self.activations.layers)
                 ));
             }
         }
         if hints.sharding == Sharding::NoShard {
             tips.push(
-                "--zero 3: shard parameters, gradients and optimizer state over the ranks"
+                "ZeRO-3: shard parameters, gradients and optimizer state over the ranks"
                     .to_string(),
             );
         }
         if self.gpu_overhead.is_some() && hints.sharding == Sharding::Zero3 {
             tips.push(
-                "more GPUs (more --ranks): ZeRO-3 shards parameters, gradients and optimizer \
+                "more GPUs (more ranks): ZeRO-3 shards parameters, gradients and optimizer \
                  state over them"
                     .to_string(),
             );
         }
         if self.ranks > 1 && self.gpu_overhead.is_none() {
             tips.push(format!(
-                "fewer --ranks (now {}): every thread rank holds its own activations and buffers",
+                "fewer ranks (now {}): every thread rank holds its own activations and buffers",
                 self.ranks
             ));
         }
         if hints.optimizer == OptimizerKind::Adam && self.state.optimizer > available.bytes / 4 {
-            tips.push("--optimizer sgd: one moment per parameter instead of Adam's two".into());
+            tips.push("the SGD optimizer: one moment per parameter instead of Adam's two".into());
         }
         tips.push("a smaller model (fewer or narrower layers, a smaller vocabulary)".into());
         for tip in tips {

@@ -210,7 +210,7 @@ fn head_map(
     let sizes = [WG_HEAD_DIM, heads, dims.tokens.seq, dims.tokens.batch].map(|n| n as u64);
     tiled_map(view.ptr, DType::Bf16, sizes, [64, 1, rows as u32, 1]).map_err(|why| {
         RuntimeError::Unsupported(format!(
-            "{kn}: {why}; `--attention-backend unfused` runs attention without the flash kernels"
+            "{kn}: {why}; the unfused attention backend runs attention without the flash kernels"
         ))
     })
 }
@@ -360,7 +360,7 @@ fn check_flash(
             format!(
                 "{kn}: the flash kernels take bf16 views, 16-byte aligned, with one head dim of \
                  {FLASH_HEAD_DIMS:?} (got qk {} and v {}); other problems take the unfused \
-                 attention (`--attention-backend unfused` takes it everywhere)",
+                 attention (the unfused attention backend takes it everywhere)",
                 d.qk_dim, d.v_dim
             )
         },
@@ -380,7 +380,7 @@ impl KernelSet {
         ensure(self.flash_attention, || {
             format!(
                 "{name}: this device cannot give the flash kernels their shared memory; \
-                 `--attention-backend unfused` runs attention without them"
+                 the unfused attention backend runs attention without them"
             )
         })?;
         self.function(name)

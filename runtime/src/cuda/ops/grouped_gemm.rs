@@ -134,7 +134,7 @@ fn tensor_map(
     )
     .map_err(|why| {
         setup_error(format!(
-            "{why}; `--expert-gemm cublas` runs the experts without the grouped kernel"
+            "{why}; the cuBLAS expert GEMMs run the experts without the grouped kernel"
         ))
     })
 }
@@ -252,7 +252,7 @@ impl KernelSet {
         let Some(persistent_grid) = self.grouped_gemm_grid else {
             return Err(setup_error(
                 "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
-                 and 225 KiB of shared memory a block); `--expert-gemm cublas` runs the \
+                 and 225 KiB of shared memory a block); the cuBLAS expert GEMMs run the \
                  experts without them",
             ));
         };
