@@ -253,7 +253,10 @@ impl Platform for CudaPlatform {
         let trace = Some(settings.trace.clone());
         let compute = CudaLane::on_gpu("compute", &host, r, wait, trace.clone())?;
         let comm = CudaLane::on_gpu("comm", &host, r, wait, trace)?;
-        let ep = settings.ep.max(1);
+        // The plan's checked layout: at least 1 and dividing the ranks
+        // (`RankSettings::ep`), so the EP and expert-data-parallel splits
+        // below divide by it as it is.
+        let ep = settings.ep;
         let on_comm = comm.backend();
         let (dp, ep_group, edp, host_comm) = if let Some(copy) = &self.copy {
             let peers = enable_peer_access(gpu.context(), &self.ordinals, gpu.name())?;

@@ -470,6 +470,8 @@ pub struct StateEstimate {
 pub struct StateLayout {
     pub sharding: Sharding,
     pub ranks: usize,
+    /// Expert-parallel size, checked as a plan's layout is: at least 1,
+    /// dividing `ranks`.
     pub ep: usize,
     pub optimizer: OptimizerKind,
     /// The schedule's dry run: units resident at once, gradient buffers.
@@ -744,7 +746,8 @@ impl MemoryNeed {
             .map(|d| d.numel() as u64)
             .max()
             .unwrap_or(0);
-        let local_experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts) / layout.ep.max(1);
+        // The plan's layout passed its check: ep is at least 1.
+        let local_experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts) / plan.layout.ep;
         let widened = widened_operands(
             &plan.model,
             layer_kinds(plan),
@@ -768,7 +771,9 @@ impl MemoryNeed {
     /// planning (which takes seconds for 100,000 layers): the parameters'
     /// shards, masters, gradients and moments without padding or buffers,
     /// and the activations. `None` when the pattern does not parse (planning
-    /// reports why).
+    /// reports why). `layout` is checked as a plan's would be (its `ep` at
+    /// least 1, dividing its ranks): the training checks its configuration's
+    /// ranks and ep before it asks.
     pub fn lower_bound(
         model: &ModelConfig,
         layout: StateLayout,
@@ -812,10 +817,11 @@ impl MemoryNeed {
         let ranks = layout.ranks.max(1) as u64;
         // Per rank, on average: ZeRO-3 shards everything over the ranks
         // (experts over their expert-data-parallel group, each EP rank
-        // holding its share of the experts); no_shard keeps it whole.
+        // holding its share of the experts); no_shard keeps it whole. The
+        // checked layout's ep is at least 1.
         let elems = match layout.sharding {
             Sharding::Zero3 => dense.saturating_add(experts) / ranks,
-            Sharding::NoShard => dense.saturating_add(experts / layout.ep.max(1) as u64),
+            Sharding::NoShard => dense.saturating_add(experts / layout.ep as u64),
         };
         let moments = match layout.optimizer {
             OptimizerKind::Adam => 2,
