@@ -1,9 +1,9 @@
 //! `impl Backend for CudaBackend`: buffers in GPU arenas ([`CudaBuf`]),
 //! kernels as NVRTC-compiled CUDA C ([`KernelSet`]) and cuBLAS GEMMs
-//! ([`Blas`]), each enqueued on the stream of the queue the value is bound
+//! (`Blas`), each enqueued on the stream of the queue the value is bound
 //! to. Nothing here waits for the GPU except a download (a host read, the
 //! one synchronisation the `Backend` contract has), and that wait is
-//! bounded ([`QueueSet::wait_event`]).
+//! bounded (`QueueSet::wait_event`).
 //!
 //! A [`Gpu`] is one device: its context, compiled kernels, arenas and
 //! counters, shared by every queue on it. A [`CudaBackend`] is that GPU
@@ -58,7 +58,7 @@ pub struct Gpu {
     uninit_fill: Option<u8>,
 }
 
-/// Set (to anything but empty or `0`): [`Gpu::uninit_fill`] poisons.
+/// Set (to anything but empty or `0`): `Gpu::uninit_fill` poisons.
 pub const POISON_UNINIT_ENV: &str = "HYBRIDGEN_POISON_UNINIT";
 
 impl std::fmt::Debug for Gpu {

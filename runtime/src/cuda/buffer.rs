@@ -1,5 +1,5 @@
 //! GPU device memory: a buffer is a region of one of the GPU's arenas
-//! ([`super::arena`]), with a dtype and a length, and the set of streams
+//! (`cuda::arena`), with a dtype and a length, and the set of streams
 //! that used it (so that dropping it fences the region on exactly those);
 //! and a view of device memory as kernels and cuBLAS take it
 //! ([`GpuView`]).

@@ -9,7 +9,7 @@
 //! counts that size the experts' GEMMs. Here a read enqueues the copies of
 //! the fault word and the data into pinned host memory behind the work
 //! queued so far, records one event, and waits for that event alone: one
-//! trip. Started early ([`StagedRead::start`]) and finished later, the trip
+//! trip. Started early (`StagedRead::start`) and finished later, the trip
 //! overlaps whatever the GPU runs in between.
 //!
 //! Pinned buffers come from a pool on the GPU, so after the first step no
@@ -145,7 +145,7 @@ pub(crate) struct ReadContext {
 }
 
 /// A read of `len` elements of `T` (the fault word with it) in flight to
-/// pinned memory: [`StagedRead::finish`] waits for it.
+/// pinned memory: `StagedRead::finish` waits for it.
 pub struct StagedRead<T> {
     cx: ReadContext,
     staging: Option<Staging>,

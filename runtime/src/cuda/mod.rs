@@ -4,7 +4,7 @@
 //! it, and on a machine without it every entry point here returns an error
 //! saying what is missing instead of panicking.
 //!
-//! - [`probe`]: is there a usable GPU (driver, device, compute capability,
+//! - [`probe`](mod@probe): is there a usable GPU (driver, device, compute capability,
 //!   free memory, NVRTC)?
 //! - [`kernels`]: the CUDA C sources (`kernels/*.cu`), compiled with NVRTC
 //!   for the device's architecture at start-up.

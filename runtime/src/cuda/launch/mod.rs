@@ -6,7 +6,7 @@
 //! [`GpuView`]s the family's checks accepted and size the grid from the
 //! dimensions alone (so a reduction's shape, and with it its bits, depends
 //! on nothing else). Nothing here waits for the GPU except
-//! [`KernelSet::take_fault`] and [`KernelSet::clear_fault`].
+//! [`KernelSet::take_fault`] and `KernelSet::clear_fault`.
 //!
 //! Index data (token targets, selected experts, row indices) lives on the
 //! device, so it is checked there: a kernel that finds a bad index reports

@@ -339,8 +339,8 @@ impl KernelSet {
 
 // ---- the GEMM path ----------------------------------------------------------------
 
-/// How [`KernelSet::attention_forward_gemm`] and
-/// [`KernelSet::attention_backward_gemm`] cut a problem: the dtype every
+/// How `KernelSet::attention_forward_gemm` and
+/// `KernelSet::attention_backward_gemm` cut a problem: the dtype every
 /// operand shares and the KV heads each batched call takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionGemmPlan {

@@ -370,7 +370,7 @@ fn check_flash(
 
 impl KernelSet {
     /// Whether this set's flash kernels can run on its device (see
-    /// [`reserve_shared_memory`]).
+    /// `reserve_shared_memory`).
     pub fn has_flash_attention(&self) -> bool {
         self.flash_attention
     }

@@ -6,7 +6,7 @@
 //!
 //! The problem table and each operand's tensor map (encoded here, on the
 //! host) travel in the kernel's parameters (no upload, no allocation); a
-//! launch takes up to [`MAX_PROBLEMS`] problems of one layout, and a longer
+//! launch takes up to `MAX_PROBLEMS` problems of one layout, and a longer
 //! group or one of mixed layouts takes several.
 
 use crate::backend::MatmulDims;
@@ -243,7 +243,7 @@ impl KernelSet {
     /// Enqueues `problems` (`A`, `B`, `C`, dims each; every one taken by
     /// [`grouped_gemm_takes`], their `C`s disjoint, checked by the caller
     /// as `grouped_matmul` checks them) on `stream`: one launch for each
-    /// layout present, more past [`MAX_PROBLEMS`].
+    /// layout present, more past `MAX_PROBLEMS`.
     pub fn grouped_gemm(
         &self,
         stream: &CudaStream,

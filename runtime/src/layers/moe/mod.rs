@@ -536,7 +536,7 @@ impl MoeLayer {
     /// Pre-dispatch: norm, routing, shared expert, permutation. Reads the
     /// residual `x` (the residual add happens in `combine`) and adds the
     /// load-balancing loss to `aux_acc` (one f64, on the device).
-    /// `expert_bias`: the training's (see [`MoeLayer::route`]).
+    /// `expert_bias`: the training's (see `MoeLayer::route`).
     pub fn prepare<B: Backend>(
         &self,
         b: &B,

@@ -173,7 +173,7 @@ impl ScanChunkPlan {
         items.checked_mul(per_item)
     }
 
-    /// Elements (f32) of the scratch [`KernelSet::ssd_scan_backward_chunked`]
+    /// Elements (f32) of the scratch `KernelSet::ssd_scan_backward_chunked`
     /// takes for `dims` with this plan.
     pub fn scratch_len(&self, dims: ScanDims) -> usize {
         let per_item = ItemLens::new(dims).and_then(|l| l.total()).unwrap_or(0);
