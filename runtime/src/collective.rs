@@ -65,6 +65,20 @@ pub trait Collective<B: Backend>: Send + Sync {
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
 
+    /// Point-to-point, a pipeline's stage-to-stage transfer: sends `send`
+    /// to rank `to` of this group and/or receives into `recv` from rank
+    /// `from` (each optional).
+    fn send_recv(
+        &self,
+        send: Option<(Slice<'_, B>, usize)>,
+        recv: Option<(SliceMut<'_, B>, usize)>,
+    ) -> Result<()> {
+        let _ = (send, recv);
+        Err(crate::error::RuntimeError::Unsupported(
+            "this transport has no point-to-point transfers yet".into(),
+        ))
+    }
+
     /// Collective: every rank of the group calls it; ranks that pass the
     /// same `color` form a new group, ordered by their rank in this group
     /// (NCCL: `ncclCommSplit`). `split(0)` everywhere duplicates the group,

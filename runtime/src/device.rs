@@ -32,32 +32,50 @@ pub type Buf<D> = <<D as Device>::Backend as Backend>::Buf;
 pub type EventOf<D> = <<D as Device>::Lane as Lane>::Event;
 
 /// One rank's handles: its lanes, its communicators and where it sits in the
-/// parallel layout. Ranks are laid out as Megatron does with no tensor or
-/// pipeline parallelism: expert-parallel groups are consecutive ranks, so
+/// parallel layout. Ranks are laid out as Megatron does with no tensor
+/// parallelism: pipeline-parallel outermost, so world rank `w` is pipeline
+/// rank `w / dp` and data-parallel rank `w % dp` of its stage; within a
+/// stage, expert-parallel groups are consecutive ranks, so data-parallel
 /// rank `r` is EP rank `r % ep` and expert-data-parallel rank `r / ep`.
 pub struct RankContext<D: Device> {
+    /// This rank's data-parallel rank within its pipeline stage.
     pub rank: usize,
-    /// Data-parallel size (every rank).
+    /// Data-parallel size: the ranks of one pipeline stage.
     pub world: usize,
     /// Expert-parallel size: the plan's (at least 1, dividing `world`).
     pub ep: usize,
+    /// Pipeline-parallel size (1: no pipeline).
+    pub pp: usize,
+    /// This rank's pipeline rank: which stages it runs.
+    pub pp_rank: usize,
     pub backend: Arc<D::Backend>,
     pub compute: Arc<D::Lane>,
     pub comm: Arc<D::Lane>,
-    /// All ranks: dense buckets are sharded over it. Used on the comm lane.
+    /// The stage's ranks: dense buckets are sharded over it. Comm lane.
     pub dp: Arc<D::Comm>,
     /// This rank's expert-parallel group: the all-to-alls. Comm lane.
     pub ep_group: Arc<D::Comm>,
     /// This rank's expert-data-parallel group: expert buckets. Comm lane.
     pub edp: Arc<D::Comm>,
-    /// All ranks again, for host-side exchanges from the driver thread
-    /// (losses, gradient-norm partials), so they never overlap the comm
-    /// lane's calls on one communicator.
+    /// The stage's ranks again, for host-side exchanges from the driver
+    /// thread (losses, gradient-norm partials), so they never overlap the
+    /// comm lane's calls on one communicator.
     pub host: Arc<D::Comm>,
+    /// The ranks of every pipeline stage with this rank's data-parallel
+    /// rank, by pipeline rank: stage-to-stage transfers. Comm lane.
+    pub pipe: Arc<D::Comm>,
+    /// `pipe` again, for host-side exchanges from the driver thread (the
+    /// stages' sums of the step's losses and norms).
+    pub pipe_host: Arc<D::Comm>,
 }
 
 impl<D: Device> RankContext<D> {
     pub fn ep_rank(&self) -> usize {
         self.rank % self.ep
+    }
+
+    /// This rank's index among every rank of the run.
+    pub fn world_rank(&self) -> usize {
+        self.pp_rank * self.world + self.rank
     }
 }

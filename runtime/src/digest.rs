@@ -152,6 +152,35 @@ impl StreamDigest {
         self.open = (runs.fnv(FNV_OFFSET, rest, total), total - rest);
     }
 
+    /// The digest's state as f64 words (every u64 as two exact 32-bit
+    /// halves), for a host exchange: a pipeline's stages hash their
+    /// parameters in turn, each going on from the state the one before
+    /// left ([`StreamDigest::resume`]).
+    pub fn state(&self) -> Vec<f64> {
+        let words = [self.open.0, self.open.1 as u64, self.len]
+            .into_iter()
+            .chain(self.block_hashes.iter().copied());
+        words
+            .flat_map(|w| [(w >> 32) as f64, (w & 0xFFFF_FFFF) as f64])
+            .collect()
+    }
+
+    /// A digest going on from `state` (what [`StreamDigest::state`] gave),
+    /// or `None` when it is not one.
+    pub fn resume(state: &[f64]) -> Option<StreamDigest> {
+        if state.len() < 6 || !state.len().is_multiple_of(2) {
+            return None;
+        }
+        let mut words = state.chunks(2).map(|p| ((p[0] as u64) << 32) | p[1] as u64);
+        let open = (words.next()?, usize::try_from(words.next()?).ok()?);
+        let len = words.next()?;
+        let mut digest = StreamDigest::new();
+        digest.open = open;
+        digest.len = len;
+        digest.block_hashes = words.collect();
+        Some(digest)
+    }
+
     /// The digest of every value given.
     pub fn finish(mut self) -> u64 {
         if self.open.1 > 0 {
@@ -165,6 +194,26 @@ impl StreamDigest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A digest carried through its state, in pieces at odd places, gives
+    /// the digest of the whole stream.
+    #[test]
+    fn a_resumed_state_goes_on_where_it_stopped() {
+        let values: Vec<f32> = (0..3 * BLOCK + 17).map(|i| i as f32 * 0.37 - 5.0).collect();
+        let mut whole = StreamDigest::with_threads(2);
+        whole.extend(&[&values]);
+        for cut in [0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 5, values.len()] {
+            let mut first = StreamDigest::with_threads(3);
+            first.extend(&[&values[..cut]]);
+            let mut second = StreamDigest::resume(&first.state()).unwrap();
+            second.extend(&[&values[cut..]]);
+            let mut again = StreamDigest::with_threads(2);
+            again.extend(&[&values]);
+            assert_eq!(second.finish(), again.finish(), "cut at {cut}");
+        }
+        assert_ne!(whole.finish(), StreamDigest::new().finish());
+        assert!(StreamDigest::resume(&[1.0; 5]).is_none());
+    }
 
     /// The digest's definition, one value at a time on one thread: each
     /// block's FNV-1a, then the FNV-1a of the blocks' hashes and the length.

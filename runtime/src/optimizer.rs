@@ -345,6 +345,8 @@ struct BucketLayout<B: Backend> {
     /// The elements of the shard whose squares make this rank's partial of
     /// the norm (its ZeRO-3 piece, clipped to the shard).
     norm_piece: Range<usize>,
+    /// Whether this rank holds the bucket (its pipeline stages' buckets).
+    held: bool,
 }
 
 /// The optimizer of one rank.
@@ -424,7 +426,12 @@ impl<D: Device> Optimizer<D> {
         let mut states = Vec::new();
         let mut buckets = Vec::new();
         for bucket in plan.buckets.iter() {
-            let owned = engine.owned_range(bucket.id, rank);
+            // Another pipeline stage's bucket: nothing here to update.
+            let held = engine.holds(bucket.id);
+            let owned = match held {
+                true => engine.owned_range(bucket.id, rank),
+                false => 0..0,
+            };
             let len = owned.len();
             let second = if config.kind == OptimizerKind::Adam {
                 len
@@ -438,9 +445,20 @@ impl<D: Device> Optimizer<D> {
             let decayed = decayed_ranges(&plan, bucket, owned)?;
             let ranges = backend.alloc_uninit(decayed.len(), DType::U32)?;
             backend.upload(&decayed, backend.view_mut(&ranges)?)?;
+            // The shared embedding's gradients are the same on both its
+            // stages' ranks once summed: the norm counts the first's.
+            let counted = held
+                && plan
+                    .bucket_stages(bucket)
+                    .next()
+                    .is_some_and(|s| plan.stages.get(s).map_or(0, |st| st.pp_rank) == rank.pp_rank);
             buckets.push(BucketLayout {
                 decayed: ranges,
-                norm_piece: norm_piece(&plan, engine.layout(), bucket, rank.rank),
+                norm_piece: match counted {
+                    true => norm_piece(&plan, engine.layout(), bucket, rank.rank),
+                    false => 0..0,
+                },
+                held,
             });
         }
         Ok(Optimizer {
@@ -539,6 +557,13 @@ impl<D: Device> Optimizer<D> {
                 }
             }
         }
+        // Every stage's total (the same on its ranks), added in pipeline
+        // order; without a pipeline, 0 + total is the total's bits.
+        let stages = rank.pipe_host.all_gather_host(&[total])?;
+        let total = stages
+            .iter()
+            .map(|v| v.first().copied().unwrap_or(0.0))
+            .fold(0.0, |a, b| a + b);
         Ok(total.sqrt())
     }
 
@@ -707,6 +732,9 @@ impl<D: Device> Optimizer<D> {
             &[],
             Box::new(move |backend: &D::Backend| {
                 for ((shard, state), bucket) in shards.iter().zip(&states).zip(buckets.iter()) {
+                    if !bucket.held {
+                        continue;
+                    }
                     let param = backend.view_mut(&shard.master)?;
                     let grad = shard.grad.view(backend)?;
                     let decayed = backend.view(&bucket.decayed)?;

@@ -30,6 +30,9 @@ pub struct RankSettings {
     /// Expert-parallel size: ranks `r` with equal `r / ep` form an EP group.
     /// The plan's (its checked layout's): at least 1, dividing the ranks.
     pub ep: usize,
+    /// Pipeline-parallel size: the run's ranks are `pp` stages of
+    /// `ranks / pp` data-parallel ranks each (pp divides the ranks).
+    pub pp: usize,
     pub precision: Precision,
     /// How long a rank waits for its peers before reporting them stalled.
     pub timeout: Duration,
@@ -51,6 +54,7 @@ impl RankSettings {
     pub(crate) fn for_tests() -> RankSettings {
         RankSettings {
             ep: 1,
+            pp: 1,
             precision: Precision::F32,
             timeout: crate::collective::DEFAULT_TIMEOUT,
             trace: Arc::new(TraceRecorder::statistics_only()),
@@ -278,23 +282,33 @@ impl Platform for CpuPlatform {
 }
 
 /// Builds one CPU rank: its device (one arena set shared by both lanes),
-/// a compute and a comm lane, and its communicators split from the world.
-fn rank_context(world: &CpuWorld, r: usize, settings: &RankSettings) -> Result<RankContext<Cpu>> {
-    let ep = settings.ep;
-    let dp = world.comm(r)?;
+/// a compute and a comm lane, and its communicators split from the world
+/// (`w` is its world rank; the layout is [`RankContext`]'s).
+fn rank_context(world: &CpuWorld, w: usize, settings: &RankSettings) -> Result<RankContext<Cpu>> {
+    let (ep, pp) = (settings.ep, settings.pp);
+    let dp_size = world.size() / pp;
+    let (pp_rank, r) = (w / dp_size, w % dp_size);
+    let all = world.comm(w)?;
+    // Every rank splits in the same order (the splits are collective over
+    // the world, then over the stage).
+    let dp = all.split(pp_rank)?;
+    let pipe = all.split(r)?;
     let ep_group = dp.split(r / ep)?;
     let edp = dp.split(r % ep)?;
     let host = dp.split(0)?;
+    let pipe_host = pipe.split(0)?;
     let device = CpuBackend::new(settings.precision);
     let lanes = LaneConfig::default()
         .device(device.clone())
-        .rank(r)
+        .rank(w)
         .wait_timeout(settings.timeout.saturating_mul(2))
         .trace(settings.trace.clone());
     Ok(RankContext::<Cpu> {
         rank: r,
-        world: world.size(),
+        world: dp_size,
         ep,
+        pp,
+        pp_rank,
         backend: Arc::new(device),
         compute: Arc::new(CpuLane::with_config("compute", lanes.clone())?),
         comm: Arc::new(CpuLane::with_config("comm", lanes)?),
@@ -302,5 +316,7 @@ fn rank_context(world: &CpuWorld, r: usize, settings: &RankSettings) -> Result<R
         ep_group: Arc::new(ep_group),
         edp: Arc::new(edp),
         host: Arc::new(host),
+        pipe: Arc::new(pipe),
+        pipe_host: Arc::new(pipe_host),
     })
 }

@@ -130,7 +130,7 @@ impl Setting {
             Setting::Schedule => "config.schedule",
             Setting::Precision => "config.precision",
             Setting::Pattern => "config.model.pattern",
-            Setting::Pp => "the plan's layout.pp",
+            Setting::Pp => "config.pp",
             Setting::MinLr => "config.optimizer.schedule.min_lr",
             Setting::LrDecaySteps => "config.optimizer.schedule.decay_steps",
             Setting::LrWsdDecaySteps => "config.optimizer.schedule.wsd_decay_steps",

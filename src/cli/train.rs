@@ -49,15 +49,22 @@ pub(crate) struct TrainArgs {
     /// NVIDIA GPUs, refusing to start without a usable one.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceArg,
-    /// Data-parallel ranks (CPU: threads of this process; GPUs: one per
-    /// GPU) [default: 2 on the CPU; on GPUs every visible GPU, or the
-    /// launcher's WORLD_SIZE].
+    /// Ranks (CPU: threads of this process; GPUs: one per GPU): --pp
+    /// pipeline stages of ranks / pp data-parallel ranks each [default: 2
+    /// on the CPU; on GPUs every visible GPU, or the launcher's
+    /// WORLD_SIZE].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     ranks: Option<u32>,
-    /// Expert-parallel size; must divide --ranks [default: 2, or 1 when
-    /// --ranks is odd on GPUs].
+    /// Expert-parallel size; must divide the data-parallel size (--ranks
+    /// over --pp) [default: 2, or 1 when that is odd on GPUs].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     ep: Option<u32>,
+    /// Pipeline-parallel size; must divide --ranks. The pattern's `|`
+    /// segments are the stages (a multiple of pp of them: segment s runs on
+    /// pipeline rank s % pp, several a rank interleaved), or else its
+    /// layers split evenly; the schedule is 1F1B [default: 1].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pp: Option<u32>,
     /// Micro-batches per step (per rank).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     micro_batches: u32,
@@ -488,7 +495,7 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
         }
         let model_inherited = resume.is_some() && config.from_checkpoint.contains(&Setting::Model);
         super::emit(&format!(
-            "training {} ({}) on {}, {} rank{}, ep {}, {} schedule, ZeRO-{}, {}, {}{} steps of {} tokens\n",
+            "training {} ({}) on {}, {} rank{}, ep {}{}, {} schedule, ZeRO-{}, {}, {}{} steps of {} tokens\n",
             config.model.pattern,
             if model_inherited {
                 "the checkpoint's model".to_string()
@@ -502,6 +509,10 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
             config.ranks,
             if config.ranks == 1 { "" } else { "s" },
             config.ep,
+            match config.pp {
+                1 => String::new(),
+                pp => format!(", pp {pp} (1F1B)"),
+            },
             match config.schedule {
                 ScheduleKind::Overlap => "overlap",
                 ScheduleKind::Plain => "plain",
@@ -697,7 +708,8 @@ fn arg_ids(setting: Setting) -> &'static [&'static str] {
             "lr_wsd_decay_steps",
             "lr_wsd_decay_style",
         ],
-        Setting::Beta1 | Setting::Beta2 | Setting::Eps | Setting::Momentum | Setting::Pp => &[],
+        Setting::Beta1 | Setting::Beta2 | Setting::Eps | Setting::Momentum => &[],
+        Setting::Pp => &["pp"],
         Setting::Ranks => &["ranks"],
         Setting::Ep => &["ep"],
         Setting::Sharding => &["zero"],
@@ -779,9 +791,10 @@ fn config(
         (None, Some(gpus)) => gpus,
         (None, None) => 2,
     };
+    config.pp = args.pp.map_or(1, |pp| pp as usize);
     config.ep = match args.ep {
         Some(ep) => ep as usize,
-        None if device.is_gpu() && config.ranks % 2 == 1 => 1,
+        None if !config.dp().is_multiple_of(2) && (device.is_gpu() || config.pp > 1) => 1,
         None => 2,
     };
     config.micro_batches = args.micro_batches as usize;
@@ -994,6 +1007,7 @@ fn open_board(
         ("device", prepared.device.describe()),
         ("ranks", config.ranks.to_string()),
         ("ep", config.ep.to_string()),
+        ("pp", config.pp.to_string()),
         ("schedule", format!("{:?}", config.schedule).to_lowercase()),
         (
             "zero",

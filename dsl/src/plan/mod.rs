@@ -5,6 +5,7 @@
 mod buckets;
 mod layout;
 mod memory;
+mod pipeline;
 mod schedule;
 mod units;
 
@@ -624,6 +625,19 @@ impl<'o> Builder<'o> {
             buckets: BucketLayout::new(&self.defs, self.options.non_unit_bucket_cap, candidates),
         };
 
+        // Non-unit buckets close where the pipeline rank changes
+        // (`pipeline`): every parameter is placed under its stage's rank,
+        // the embedding under a key of its own when the last stage's rank
+        // shares it. One rank: one key, and the buckets of a plan without
+        // pipeline stages.
+        let stage_of = |item: &LogicalLayer| {
+            let stage = layers[item.layers.start].stage;
+            self.stages.get(stage).map_or(0, |s| s.pp_rank)
+        };
+        let first_stage = logical.first().map_or(0, stage_of);
+        let last_stage = logical.last().map_or(0, stage_of);
+        let shared = first_stage != last_stage && (self.model.tie_embeddings || !mtp.is_empty());
+        walk.buckets.key = if shared { usize::MAX } else { first_stage };
         let unit = walk.leaf("embedding", ModuleKind::Embedding);
         walk.push(Owner::Embedding, self.model_def(ModelDef::Embedding), unit);
 
@@ -638,6 +652,7 @@ impl<'o> Builder<'o> {
             };
             let unit = walk.candidate(item.path(), kind, &kinds, shape, item.layers.clone(), None);
             walk.item_unit.push(unit);
+            walk.buckets.key = stage_of(item);
             walk.buckets.expect = sizes(&mut kinds.iter().copied(), 0);
             for i in item.layers.clone() {
                 for def in self.kind_defs[layers[i].kind as usize].clone() {
@@ -646,6 +661,7 @@ impl<'o> Builder<'o> {
             }
         }
 
+        walk.buckets.key = last_stage;
         let unit = walk.leaf("decoder.final_norm", ModuleKind::FinalNorm);
         walk.push(Owner::FinalNorm, self.model_def(ModelDef::FinalNorm), unit);
 
@@ -917,6 +933,11 @@ struct BucketLayout {
     /// Parameters the walk expects the current unit to put in its dense and
     /// expert buckets: the capacity a new unit bucket is created with.
     expect: [usize; 2],
+    /// The stage key of the parameters being placed: a non-unit bucket only
+    /// takes parameters of its own key.
+    key: usize,
+    /// Per bucket, the key it was opened under.
+    keys: Vec<usize>,
 }
 
 impl BucketLayout {
@@ -937,6 +958,8 @@ impl BucketLayout {
             members: Vec::with_capacity(buckets),
             unit_buckets: Vec::with_capacity(units),
             expect: [0, 0],
+            key: 0,
+            keys: Vec::with_capacity(buckets),
         }
     }
 
@@ -954,9 +977,12 @@ impl BucketLayout {
         let (numel, row, expert) = self.defs[def];
         let buckets = &mut self.buckets;
         let slot = &mut self.open[unit.map_or(0, |u| u + 1)][usize::from(expert)];
+        let (keys, key) = (&self.keys, self.key);
         let reuse = slot.filter(|&b| {
-            // Non-unit buckets close at the size cap.
-            unit.is_some() || buckets[b].numel == 0 || buckets[b].numel + numel <= self.cap
+            // Non-unit buckets close at the size cap and at stage boundaries.
+            unit.is_some()
+                || (keys[b] == key
+                    && (buckets[b].numel == 0 || buckets[b].numel + numel <= self.cap))
         });
         let b = match reuse {
             Some(b) => b,
@@ -973,6 +999,7 @@ impl BucketLayout {
                     megatron_row_lcm: Some(1),
                 });
                 *slot = Some(id);
+                self.keys.push(key);
                 self.members.push(match unit {
                     Some(u) => {
                         self.unit_buckets[u].push(id);

@@ -40,6 +40,7 @@ pub struct RunSettings {
     pub precision: Precision,
     pub ranks: usize,
     pub ep: usize,
+    pub pp: usize,
     pub sharding: Sharding,
     pub schedule: ScheduleKind,
     /// The checkpoint root the run saves to.

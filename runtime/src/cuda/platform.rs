@@ -256,35 +256,47 @@ impl Platform for CudaPlatform {
         // The plan's checked layout: at least 1 and dividing the ranks
         // (`RankSettings::ep`), so the EP and expert-data-parallel splits
         // below divide by it as it is.
-        let ep = settings.ep;
+        let (ep, pp) = (settings.ep, settings.pp);
+        let dp_size = self.world / pp;
+        let (pp_rank, dp_rank) = (r / dp_size, r % dp_size);
         let on_comm = comm.backend();
-        let (dp, ep_group, edp, host_comm) = if let Some(copy) = &self.copy {
+        // From the world: the stage's ranks (split by pipeline rank), then
+        // its EP, expert-data-parallel and host groups; the pipe (split by
+        // data-parallel rank) and its host copy. Every rank splits in the
+        // same order (the splits are collective over the world, then over
+        // the stage).
+        let groups = |world: CudaComm| -> Result<[CudaComm; 6]> {
+            let stage = world.split(pp_rank)?;
+            let pipe = world.split(dp_rank)?;
+            let ep_group = stage.split(dp_rank / ep)?;
+            let edp = stage.split(dp_rank % ep)?;
+            let host_comm = stage.split_onto(&host)?;
+            let pipe_host = pipe.split_onto(&host)?;
+            Ok([stage, ep_group, edp, host_comm, pipe, pipe_host])
+        };
+        let [dp, ep_group, edp, host_comm, pipe, pipe_host] = if let Some(copy) = &self.copy {
             let peers = enable_peer_access(gpu.context(), &self.ordinals, gpu.name())?;
             let reachable = peers.iter().map(|p| p.cu_ctx() as usize).collect();
             copy.peers
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .extend(peers);
-            let world = CudaComm::copy(PeerCopyComm::new(
+            groups(CudaComm::copy(PeerCopyComm::new(
                 copy.world.comm(r)?,
                 on_comm.clone(),
                 copy.retired.clone(),
                 reachable,
-            )?);
-            // Every rank splits in the same order (the splits are
-            // collective over the world).
-            let ep_group = world.split(r / ep)?;
-            let edp = world.split(r % ep)?;
-            let host_comm = world.split_onto(&host)?;
-            (world, ep_group, edp, host_comm)
+            )?))?
         } else if self.world == 1 {
             let world = CudaComm::solo(on_comm);
-            (
+            [
                 world.split(0)?,
                 world.split(0)?,
+                world.split(0)?,
+                CudaComm::solo(&host),
                 world,
                 CudaComm::solo(&host),
-            )
+            ]
         } else {
             let stream = on_comm.stream().clone();
             let (timeout, signal) = (settings.timeout, self.signal.clone());
@@ -301,23 +313,13 @@ impl Platform for CudaPlatform {
                     ));
                 }
             };
-            let world = CudaComm::nccl(world, on_comm.queue_index());
-            // Every rank splits in the same order (ncclCommSplit is
-            // collective over the world).
-            let ep_group = world.split(r / ep)?;
-            let edp = world.split(r % ep)?;
-            let host_comm = world.split_onto(&host)?;
-            (world, ep_group, edp, host_comm)
+            groups(CudaComm::nccl(world, on_comm.queue_index()))?
         };
-        let (dp, ep_group, edp, host_comm) = (
-            Arc::new(dp),
-            Arc::new(ep_group),
-            Arc::new(edp),
-            Arc::new(host_comm),
-        );
+        let [dp, ep_group, edp, host_comm, pipe, pipe_host] =
+            [dp, ep_group, edp, host_comm, pipe, pipe_host].map(Arc::new);
         // A wait on this GPU also ends when a peer failed or NCCL reported
         // an error: the communicators are aborted, so their kernels end.
-        let comms: Vec<Weak<CudaComm>> = [&dp, &ep_group, &edp, &host_comm]
+        let comms: Vec<Weak<CudaComm>> = [&dp, &ep_group, &edp, &host_comm, &pipe, &pipe_host]
             .into_iter()
             .map(Arc::downgrade)
             .collect();
@@ -335,9 +337,11 @@ impl Platform for CudaPlatform {
             Ok(())
         }));
         Ok(RankContext::<Cuda> {
-            rank: r,
-            world: self.world,
+            rank: dp_rank,
+            world: dp_size,
             ep,
+            pp,
+            pp_rank,
             backend: Arc::new(host),
             compute: Arc::new(compute),
             comm: Arc::new(comm),
@@ -345,6 +349,8 @@ impl Platform for CudaPlatform {
             ep_group,
             edp,
             host: host_comm,
+            pipe,
+            pipe_host,
         })
     }
 

@@ -72,7 +72,7 @@ impl<D: Device> FsdpEngine<D> {
                 self.units[u].ready = Some(event);
             }
         }
-        let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
+        let buckets = self.held_non_unit();
         let params = self.non_unit_params.clone();
         self.non_unit_ready = Some(match self.layout.sharding {
             // Sole non-unit parameters are their shards, which the last

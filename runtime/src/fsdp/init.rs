@@ -32,6 +32,13 @@ impl<D: Device> FsdpEngine<D> {
         let compute = backend.compute_dtype();
         let layout = ShardLayout::of(&plan, sharding);
         let world_of = |b: &Bucket| layout.group_size(&plan, b);
+        // Under pipeline parallelism a rank holds its stages' buckets only;
+        // the others get empty shards and no room anywhere.
+        let holds: Vec<bool> = plan
+            .buckets
+            .iter()
+            .map(|b| plan.holds(rank.pp_rank, b))
+            .collect();
 
         // Regions: a unit's gathered buckets back to back inside its pool
         // buffer, its held buckets back to back inside its held buffers,
@@ -41,7 +48,7 @@ impl<D: Device> FsdpEngine<D> {
         let mut held_len = vec![0usize; plan.units.len()];
         let mut gathered = vec![Vec::new(); plan.units.len()];
         let mut non_unit_len = 0usize;
-        for b in plan.buckets.iter() {
+        for b in plan.buckets.iter().filter(|b| holds[b.id]) {
             let len = b.padded_numel(world_of(b));
             let end = match b.unit {
                 Some(u) if layout.sole(&plan, b) => &mut held_len[u],
@@ -58,7 +65,10 @@ impl<D: Device> FsdpEngine<D> {
         // Held buffers and the non-unit buffers, when every non-unit
         // bucket is held, are their shards' storage; every other bucket's
         // shard has buffers of its own.
-        let non_unit_sole = layout.sole_non_unit(&plan);
+        let non_unit_sole = plan
+            .non_unit_buckets()
+            .filter(|b| holds[b.id])
+            .all(|b| layout.sole(&plan, b));
         let housed: Vec<bool> = plan
             .buckets
             .iter()
@@ -88,6 +98,9 @@ impl<D: Device> FsdpEngine<D> {
         // The shard's elements: each parameter's part inside it, zero in
         // the alignment gaps and padding.
         let shard_values = |b: &Bucket| -> Result<Vec<f32>> {
+            if !holds[b.id] {
+                return Ok(Vec::new());
+            }
             let shard_range = layout.owned_range(&plan, b, rank.rank);
             let mut host = vec![0.0; shard_range.len()];
             for &p in b.params.iter() {
@@ -112,6 +125,7 @@ impl<D: Device> FsdpEngine<D> {
             let master = backend.alloc_uninit(host.len(), DType::F32)?;
             backend.upload(host, backend.view_mut(&master)?)?;
             let home = match b.unit {
+                _ if !holds[b.id] => None,
                 Some(u) if housed[b.id] => held[u].as_ref().map(|h| (&h.params, &h.grads)),
                 Some(_) => None,
                 None => non_unit_sole.then_some((&non_unit_params, &non_unit_grads)),
@@ -233,6 +247,7 @@ impl<D: Device> FsdpEngine<D> {
             held,
             gathered,
             housed,
+            holds,
             clock: 0,
         })
     }

@@ -105,6 +105,9 @@ pub struct FsdpEngine<D: Device> {
     /// Per bucket: whether its shard lives in its unit's held buffers or in
     /// the held non-unit buffers.
     housed: Vec<bool>,
+    /// Per bucket: whether this rank's pipeline stages hold it (every
+    /// bucket without a pipeline).
+    holds: Vec<bool>,
     non_unit_params: Arc<Buf<D>>,
     non_unit_grads: Arc<Buf<D>>,
     /// Whether the non-unit buffers are the non-unit shards' storage (every
@@ -131,6 +134,21 @@ impl<D: Device> FsdpEngine<D> {
     /// checkpoints).
     pub fn shards(&self) -> &[Arc<ShardState<D::Backend>>] {
         &self.shards
+    }
+
+    /// Whether this rank holds bucket `b` (its pipeline stages' buckets;
+    /// every bucket without a pipeline). The shards of the others are empty.
+    pub fn holds(&self, b: usize) -> bool {
+        self.holds[b]
+    }
+
+    /// The non-unit buckets this rank holds, in id order.
+    fn held_non_unit(&self) -> Vec<usize> {
+        self.plan
+            .non_unit_buckets()
+            .filter(|b| self.holds[b.id])
+            .map(|b| b.id)
+            .collect()
     }
 
     /// Ranks a bucket is sharded over under this engine's sharding.

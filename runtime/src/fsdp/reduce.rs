@@ -112,7 +112,7 @@ impl<D: Device> FsdpEngine<D> {
         if self.non_unit_sole {
             return Ok(());
         }
-        let buckets: Vec<usize> = self.plan.non_unit_buckets().map(|b| b.id).collect();
+        let buckets = self.held_non_unit();
         self.reduce_into_shards(
             rank,
             &buckets,
@@ -121,6 +121,54 @@ impl<D: Device> FsdpEngine<D> {
             "reduce non-unit",
         )?;
         Ok(())
+    }
+
+    /// Adds the other holder's gradients into this rank's shards of the
+    /// shared embedding's bucket (held by the first and the last stage's
+    /// ranks, see `hybridgen_dsl::plan`'s pipeline rules), after `after`
+    /// (every reduce of the step): each side sends its shard's sum and adds
+    /// the other's, so both hold the same bits (an addition of two terms
+    /// does not depend on their order) and update alike. `pipe` is the
+    /// rank's pipeline group. Nothing to do without a shared bucket.
+    pub fn sum_shared(
+        &self,
+        rank: &RankContext<D>,
+        pipe: &Arc<D::Comm>,
+        after: &[EventOf<D>],
+    ) -> Option<EventOf<D>> {
+        let plan = &self.plan;
+        let jobs: Vec<_> = plan
+            .buckets
+            .iter()
+            .filter(|b| self.holds[b.id] && plan.is_shared_bucket(b))
+            .filter_map(|b| {
+                let peer = plan
+                    .bucket_stages(b)
+                    .map(|s| plan.stages[s].pp_rank)
+                    .find(|&r| r != rank.pp_rank)?;
+                Some((self.shards[b.id].clone(), peer))
+            })
+            .collect();
+        if jobs.is_empty() {
+            return None;
+        }
+        let scratch = self.scratch.clone();
+        let pipe = pipe.clone();
+        Some(rank.comm.submit(
+            Label::new("sum shared embedding gradients", "reduce"),
+            after,
+            Box::new(move |b: &D::Backend| {
+                for (shard, peer) in &jobs {
+                    let len = shard.grad.len();
+                    pipe.send_recv(
+                        Some((shard.grad.view(b)?, *peer)),
+                        Some((b.slice_mut(&scratch, 0..len)?, *peer)),
+                    )?;
+                    b.axpy(1.0, b.slice(&scratch, 0..len)?, shard.grad.view_mut(b)?)?;
+                }
+                Ok(())
+            }),
+        ))
     }
 
     fn reduce_into_shards(

@@ -15,7 +15,7 @@
 //! what ran before it on the other lane, which is why the plain and the
 //! overlap schedules give the same bits.
 
-use super::program::{BackwardPiece, Instr, Program};
+use super::program::{BackwardPiece, Flow, Instr, Program, Transfer};
 use super::state::{
     Handoff, HeadState, LayerState, MicroBatch, MtpEntryState, NormState, StepTotals, Stream,
 };
@@ -44,6 +44,9 @@ type SharedBatch<D> = Arc<Handoff<MicroBatch<<D as Device>::Backend>>>;
 pub struct StepContext<D: Device> {
     pub model: Arc<ModelRuntime>,
     pub ep_group: Arc<D::Comm>,
+    /// The pipeline's ranks of this data-parallel rank: stage-to-stage
+    /// transfers.
+    pub pipe: Arc<D::Comm>,
     /// Per parameter index: which holder buffer it lies in, and where.
     pub places: Arc<Vec<ParamPlace>>,
     pub tokens: Tokens,
@@ -65,9 +68,11 @@ pub struct StepContext<D: Device> {
 impl<D: Device> StepContext<D> {
     /// What the steps of a run share; allocates the step totals on
     /// `backend`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: Arc<ModelRuntime>,
         ep_group: Arc<D::Comm>,
+        pipe: Arc<D::Comm>,
         places: Arc<Vec<ParamPlace>>,
         tokens: Tokens,
         mb_weight: f32,
@@ -83,6 +88,7 @@ impl<D: Device> StepContext<D> {
             balance,
             model,
             ep_group,
+            pipe,
             places,
             tokens,
             mb_weight,
@@ -168,10 +174,11 @@ pub fn run_step<D: Device>(
         );
     }
     for instr in program.instrs() {
-        let mut arena_free = None;
-        if let Some(mb) = instr.micro_batch()
-            && !live.contains_key(&mb)
-        {
+        let mut arena_free = Vec::new();
+        for mb in instr.micro_batches() {
+            if live.contains_key(&mb) {
+                continue;
+            }
             if mb != started {
                 return Err(missing(&format!(
                     "micro-batch {mb} (issued after its retirement or out of order; the next \
@@ -184,18 +191,42 @@ pub fn run_step<D: Device>(
                 }
             }
             // The arena's previous micro-batch must be retired.
-            arena_free = mb
-                .checked_sub(arenas)
-                .and_then(|previous| retired.iter().find(|(m, _)| *m == previous))
-                .map(|(_, event)| event.clone());
+            arena_free.extend(
+                mb.checked_sub(arenas)
+                    .and_then(|previous| retired.iter().find(|(m, _)| *m == previous))
+                    .map(|(_, event)| event.clone()),
+            );
             let state = MicroBatch::new(micro_batch(mb)?, layers, depths, trains);
-            for (total, n) in counts.iter_mut().zip(&state.counts) {
-                *total += n;
+            // Only the rank running the heads counts their targets: every
+            // stage's counts are added into the step's.
+            if program.runs_heads() {
+                for (total, n) in counts.iter_mut().zip(&state.counts) {
+                    *total += n;
+                }
             }
             live.insert(mb, (Arc::new(Handoff::new(state)), None));
             started += 1;
         }
         match instr {
+            Instr::Exchange { .. } => {
+                let mut after = arena_free;
+                let mut transfers = Vec::with_capacity(4);
+                for (send, t) in instr.transfers() {
+                    let (state, last) = live
+                        .get(&t.mb)
+                        .ok_or_else(|| missing("a live micro-batch"))?;
+                    after.extend(last.clone());
+                    transfers.push((send, t, state.clone()));
+                }
+                let label = Label::new(exchange_name(&transfers), "p2p");
+                let work = exchange_work(cx.clone(), arenas, transfers);
+                let event = rank.comm.submit(label, &after, work);
+                for (_, t) in instr.transfers() {
+                    if let Some((_, last)) = live.get_mut(&t.mb) {
+                        *last = Some(event.clone());
+                    }
+                }
+            }
             Instr::Acquire { unit } => engine.acquire(unit, rank)?,
             Instr::Release { unit } => engine.release(unit),
             Instr::GradBuffer { unit } => engine.grad_buffer(unit, rank)?,
@@ -281,6 +312,8 @@ pub fn run_step<D: Device>(
     }
     let all: Vec<_> = retired.into_iter().map(|(_, event)| event).collect();
     engine.reduce_non_unit(rank, &all)?;
+    // The comm lane runs in order: behind every reduce of the step.
+    let _ = engine.sum_shared(rank, &cx.pipe, &all);
     // The reduces run in order on the comm lane: work behind them all.
     let reduced = rank.comm.submit(
         Label::new("gradients reduced", "reduce"),
@@ -291,6 +324,83 @@ pub fn run_step<D: Device>(
     rank.compute.synchronize()?;
     rank.comm.synchronize()?;
     Ok(counts)
+}
+
+/// An exchange's name in traces: `send act mb3 to 1 + recv grad mb1 from 1`.
+fn exchange_name<S>(transfers: &[(bool, Transfer, S)]) -> String {
+    let parts: Vec<String> = transfers
+        .iter()
+        .map(|(send, t, _)| {
+            let what = match t.flow {
+                Flow::Activation => "act",
+                Flow::Gradient => "grad",
+            };
+            match send {
+                true => format!("send {what} mb{} to {}", t.mb, t.peer),
+                false => format!("recv {what} mb{} from {}", t.mb, t.peer),
+            }
+        })
+        .collect();
+    parts.join(" + ")
+}
+
+/// The comm-lane work of one exchange: the sends' tensors taken from their
+/// micro-batches (the residual stream after a chunk's forward, or its
+/// gradient after a chunk's backward: the sender has no further use for
+/// either), the receives' buffers made in their micro-batches' arenas and
+/// left where the next chunk's work looks for them.
+fn exchange_work<D: Device>(
+    cx: Arc<StepContext<D>>,
+    arenas: usize,
+    transfers: Vec<(bool, Transfer, SharedBatch<D>)>,
+) -> crate::lane::Work<D::Backend> {
+    Box::new(move |lane: &D::Backend| {
+        let rows = cx.tokens.rows()?;
+        let h = cx.model.plan.model.hidden_size;
+        let mut sends = Vec::with_capacity(2);
+        let mut recvs = Vec::with_capacity(2);
+        for (send, t, state) in &transfers {
+            if *send {
+                let buf = state.with("a stage-to-stage send", |mb| {
+                    let stream = &mut mb.streams[0];
+                    let slot = match t.flow {
+                        Flow::Activation => &mut stream.x,
+                        Flow::Gradient => &mut stream.dx,
+                    };
+                    slot.take()
+                        .ok_or_else(|| missing("the tensor a stage sends on"))
+                })?;
+                sends.push((buf, t.peer));
+            } else {
+                let b = lane.in_arena(1 + t.mb % arenas);
+                // Written whole by the receive.
+                let buf = b.alloc_uninit(rows * h, b.compute_dtype())?;
+                recvs.push((buf, t.peer, *t, state.clone()));
+            }
+        }
+        for i in 0..sends.len().max(recvs.len()) {
+            let send = sends
+                .get(i)
+                .map(|(buf, peer)| Ok::<_, RuntimeError>((lane.view(buf)?, *peer)))
+                .transpose()?;
+            let recv = recvs
+                .get(i)
+                .map(|(buf, peer, _, _)| Ok::<_, RuntimeError>((lane.view_mut(buf)?, *peer)))
+                .transpose()?;
+            crate::collective::Collective::send_recv(&*cx.pipe, send, recv)?;
+        }
+        for (buf, _, t, state) in recvs {
+            state.with("a stage-to-stage receive", |mb| {
+                let stream = &mut mb.streams[0];
+                match t.flow {
+                    Flow::Activation => stream.x = Some(buf),
+                    Flow::Gradient => stream.dx = Some(buf),
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    })
 }
 
 /// One piece of lane work's share of the step.

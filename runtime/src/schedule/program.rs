@@ -9,6 +9,8 @@
 //! order across micro-batches differs. That is what makes the overlap
 //! schedule bit-identical to the plain one.
 
+use super::pipeline::{Chunk, Pass, PipelineShape, passes};
+use hybridgen_dsl::Plan;
 use hybridgen_dsl::plan::{ScheduleNode, SchedulePlan, Slot};
 
 /// The pieces of one node's backward, in the order they run. Input-gradient
@@ -64,9 +66,47 @@ impl BackwardPiece {
     }
 }
 
+/// What crosses a stage boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Flow {
+    /// The residual stream after a chunk's last node, to the next stage.
+    Activation,
+    /// Its gradient, from the next stage back.
+    Gradient,
+}
+
+/// One stage-to-stage transfer of one micro-batch: what, for which of this
+/// rank's chunks (by its first stage), with which pipeline rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Transfer {
+    pub mb: usize,
+    pub flow: Flow,
+    /// The stage of this rank's chunk that sends or receives.
+    pub stage: usize,
+    /// The pipeline rank at the other end.
+    pub peer: usize,
+}
+
+impl Transfer {
+    fn shifted(self, by: usize) -> Transfer {
+        Transfer {
+            mb: self.mb + by,
+            ..self
+        }
+    }
+}
+
 /// One instruction of a program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Instr {
+    /// Stage-to-stage transfers issued together (comm lane): the sends of
+    /// the passes just issued and the receives of the passes next, as one
+    /// group, so two neighbours sending to each other never wait on each
+    /// other (Megatron's paired send/receive).
+    Exchange {
+        sends: [Option<Transfer>; 2],
+        recvs: [Option<Transfer>; 2],
+    },
     /// One more user of a unit's parameters: make them resident (all-gather
     /// them unless they still are).
     Acquire { unit: usize },
@@ -108,19 +148,41 @@ impl Instr {
             },
             Instr::Reduce { unit, mb } => Instr::Reduce { unit, mb: mb + by },
             Instr::Retire { mb } => Instr::Retire { mb: mb + by },
+            Instr::Exchange { sends, recvs } => Instr::Exchange {
+                sends: sends.map(|t| t.map(|t| t.shifted(by))),
+                recvs: recvs.map(|t| t.map(|t| t.shifted(by))),
+            },
             other => other,
         }
     }
 
-    /// The micro-batch the instruction works on, if any.
-    pub fn micro_batch(self) -> Option<usize> {
-        match self {
+    /// The micro-batches the instruction works on (an exchange's: its
+    /// transfers', sends first).
+    pub fn micro_batches(self) -> impl Iterator<Item = usize> {
+        let one = |mb| [Some(mb), None, None, None];
+        let mbs = match self {
             Instr::Forward { mb, .. }
             | Instr::Backward { mb, .. }
             | Instr::Reduce { mb, .. }
-            | Instr::Retire { mb } => Some(mb),
-            Instr::Acquire { .. } | Instr::GradBuffer { .. } | Instr::Release { .. } => None,
-        }
+            | Instr::Retire { mb } => one(mb),
+            Instr::Exchange { sends, recvs } => {
+                let mb = |t: Option<Transfer>| t.map(|t| t.mb);
+                [mb(sends[0]), mb(sends[1]), mb(recvs[0]), mb(recvs[1])]
+            }
+            Instr::Acquire { .. } | Instr::GradBuffer { .. } | Instr::Release { .. } => [None; 4],
+        };
+        mbs.into_iter().flatten()
+    }
+
+    /// The transfers of an exchange, sends first, each with whether it is
+    /// a send.
+    pub fn transfers(self) -> impl Iterator<Item = (bool, Transfer)> {
+        let (sends, recvs) = match self {
+            Instr::Exchange { sends, recvs } => (sends, recvs),
+            _ => ([None; 2], [None; 2]),
+        };
+        let sends = sends.into_iter().flatten().map(|t| (true, t));
+        sends.chain(recvs.into_iter().flatten().map(|t| (false, t)))
     }
 }
 
@@ -154,6 +216,9 @@ pub enum ScheduleKind {
 pub struct Program {
     kind: ScheduleKind,
     micro_batches: usize,
+    /// The rank's chunks of the pipeline (one, with every node, without
+    /// one).
+    chunks: Vec<Chunk>,
     blocks: Vec<Block>,
     /// The most units resident (acquired and not yet released) at once.
     pub max_resident_units: usize,
@@ -192,6 +257,12 @@ impl Program {
         self.micro_batches
     }
 
+    /// Whether this rank runs the heads (the last stage's chunk): the
+    /// step's losses and token counts are its.
+    pub fn runs_heads(&self) -> bool {
+        self.chunks.last().is_some_and(|c| c.next.is_none())
+    }
+
     /// Whether the program runs backward work (a training step; not an
     /// evaluation's forward-only program).
     pub fn trains(&self) -> bool {
@@ -223,19 +294,43 @@ impl Program {
             .map_or(0, |u| u + 1);
         // Per micro-batch: the next (node, step) expected, as a position in
         // that micro-batch's sequence of work.
-        let sequence: Vec<(usize, Work)> = sequence_of(&shapes);
+        let sequence: Vec<(usize, Work)> = sequence_of(&shapes, &self.chunks);
+        // A pipeline rank whose stages have no layers runs nothing.
+        if self.chunks.is_empty() {
+            return match self.instrs().next() {
+                None => Ok(()),
+                Some(instr) => Err(format!("a rank with no layers issues {instr:?}")),
+            };
+        }
         let mut next = vec![0usize; self.micro_batches];
         let mut refs = vec![0usize; units];
         let mut grads = vec![0usize; units];
         let mut retired = vec![false; self.micro_batches];
         for (at, instr) in self.instrs().enumerate() {
             let fail = |why: String| Err(format!("instruction {at} ({instr:?}): {why}"));
-            if let Some(mb) = instr.micro_batch()
-                && retired.get(mb).copied().unwrap_or(false)
+            if let Some(mb) = instr
+                .micro_batches()
+                .find(|&mb| retired.get(mb).copied().unwrap_or(false))
             {
                 return fail(format!("micro-batch {mb} was retired"));
             }
             match instr {
+                Instr::Exchange { .. } => {
+                    for (send, t) in instr.transfers() {
+                        if t.mb >= self.micro_batches {
+                            return fail(format!("micro-batch {} is not in the step", t.mb));
+                        }
+                        let work = match send {
+                            true => Work::Send(t.flow, t.peer),
+                            false => Work::Recv(t.flow, t.peer),
+                        };
+                        let want = sequence.get(next[t.mb]);
+                        if want != Some(&(t.stage, work)) {
+                            return fail(format!("micro-batch {} expected {want:?} next", t.mb));
+                        }
+                        next[t.mb] += 1;
+                    }
+                }
                 Instr::Acquire { unit } if unit < units => refs[unit] += 1,
                 Instr::Release { unit } if unit < units => {
                     if refs[unit] == 0 {
@@ -326,18 +421,19 @@ impl Program {
     }
 
     /// The most micro-batches between their first instruction and their
-    /// retirement. Every repeat of a block has the same shape, so two
-    /// repeats of each show every transition there is.
+    /// retirement, over the whole step: linear in the micro-batches, which
+    /// is why [`build`] counts them on a program of a few and takes that
+    /// for more (the steady state repeats).
     fn live_micro_batches(blocks: &[Block]) -> usize {
         let mut live = std::collections::BTreeSet::new();
         let mut most = 0;
-        for instr in blocks.iter().flat_map(|b| b.expand(b.repeats.min(2))) {
+        for instr in blocks.iter().flat_map(|b| b.expand(b.repeats)) {
             match instr {
                 Instr::Retire { mb } => {
                     live.remove(&mb);
                 }
                 other => {
-                    if let Some(mb) = other.micro_batch() {
+                    for mb in other.micro_batches() {
                         live.insert(mb);
                         most = most.max(live.len());
                     }
@@ -348,27 +444,53 @@ impl Program {
     }
 }
 
-/// One piece of work of one node for one micro-batch.
+/// One piece of work of one node (or, for a transfer, of one chunk, by
+/// its stage) for one micro-batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Work {
     Forward(Slot),
     Backward(BackwardPiece),
+    /// A transfer to and from a pipeline rank.
+    Send(Flow, usize),
+    Recv(Flow, usize),
 }
 
-/// The order every micro-batch runs its work in, whatever the schedule:
-/// nodes forward with their slots in order, then nodes in reverse with
-/// their backward pieces in order.
-fn sequence_of(shapes: &[NodeShape]) -> Vec<(usize, Work)> {
+/// The order every micro-batch runs its work in on this rank, whatever the
+/// schedule: chunk by chunk, its input received, its nodes forward with
+/// their slots in order, its output sent; then the chunks in reverse, the
+/// output's gradient received, the nodes in reverse with their backward
+/// pieces in order, the input's gradient sent.
+fn sequence_of(shapes: &[NodeShape], chunks: &[Chunk]) -> Vec<(usize, Work)> {
     let mut out = Vec::new();
-    for (i, shape) in shapes.iter().enumerate() {
-        out.extend(shape.forward_slots().map(|s| (i, Work::Forward(s))));
-    }
-    for (i, shape) in shapes.iter().enumerate().rev() {
+    for c in chunks {
         out.extend(
-            PIECES
-                .iter()
-                .filter(|&&p| shape.has_backward(p))
-                .map(|&p| (i, Work::Backward(p))),
+            c.prev
+                .map(|(_, peer)| (c.stage, Work::Recv(Flow::Activation, peer))),
+        );
+        for i in c.nodes.clone() {
+            out.extend(shapes[i].forward_slots().map(|s| (i, Work::Forward(s))));
+        }
+        out.extend(
+            c.next
+                .map(|(_, peer)| (c.stage, Work::Send(Flow::Activation, peer))),
+        );
+    }
+    for c in chunks.iter().rev() {
+        out.extend(
+            c.next
+                .map(|(_, peer)| (c.stage, Work::Recv(Flow::Gradient, peer))),
+        );
+        for i in c.nodes.clone().rev() {
+            out.extend(
+                PIECES
+                    .iter()
+                    .filter(|&&p| shapes[i].has_backward(p))
+                    .map(|&p| (i, Work::Backward(p))),
+            );
+        }
+        out.extend(
+            c.prev
+                .map(|(_, peer)| (c.stage, Work::Send(Flow::Gradient, peer))),
         );
     }
     out
@@ -412,16 +534,29 @@ impl NodeShape {
     }
 }
 
-/// Builds a step's program for `micro_batches` micro-batches, and checks
-/// it. Every repeat of a block has the same shape, so the check runs on the
-/// program of at most three micro-batches, whose blocks are the same.
+/// Builds pipeline rank `rank`'s program of one step of `micro_batches`
+/// micro-batches (`rank` 0 of one for a plan without pipeline stages), and
+/// checks it.
 pub fn build(
-    schedule: &SchedulePlan,
+    plan: &Plan,
+    rank: usize,
     micro_batches: usize,
     kind: ScheduleKind,
 ) -> crate::error::Result<Program> {
-    checked(&layout(schedule, micro_batches.min(3), kind), schedule)?;
-    Ok(layout(schedule, micro_batches, kind))
+    // Past the warm-up and cool-down, more micro-batches only repeat the
+    // steady state's blocks, so the check runs on a program long enough to
+    // hold every transition (a multiple of pp, as interleaving needs).
+    let pp = plan.layout.pp.max(1);
+    let enough = (4 * plan.stages.len().max(1) + 4).div_ceil(pp) * pp;
+    if micro_batches > enough {
+        let short = layout(plan, rank, enough, kind, false, None);
+        checked(&short, &plan.schedule)?;
+        let live = Some(short.max_live_micro_batches);
+        return Ok(layout(plan, rank, micro_batches, kind, false, live));
+    }
+    let program = layout(plan, rank, micro_batches, kind, false, None);
+    checked(&program, &plan.schedule)?;
+    Ok(program)
 }
 
 /// `program`, checked against the plan it was built for. The planner
@@ -437,50 +572,125 @@ fn checked(program: &Program, schedule: &SchedulePlan) -> crate::error::Result<(
 }
 
 /// A forward-only program for evaluation: each micro-batch runs every
-/// forward slot of every node, in order, and is retired; nothing runs
-/// backward, takes a gradient buffer or reduces. Units are acquired and
-/// released (with the next one prefetched) as in a training forward.
-pub fn build_forward_only(schedule: &SchedulePlan, micro_batches: usize) -> Program {
-    let nodes = &schedule.nodes;
-    let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
-    let mut b = ProgramBuilder::new(nodes.iter().map(|n| n.unit).collect(), shapes);
-    if micro_batches > 0 {
-        b.forward_all(0);
-        b.instrs.push(Instr::Retire { mb: 0 });
-        b.end_block(0, micro_batches);
-    }
-    b.finish(ScheduleKind::Plain, micro_batches)
+/// forward slot of every node of the rank's chunks, in order, and is
+/// retired; nothing runs backward, takes a gradient buffer or reduces.
+/// Units are acquired and released (with the next one prefetched) as in a
+/// training forward.
+pub fn build_forward_only(plan: &Plan, rank: usize, micro_batches: usize) -> Program {
+    layout(plan, rank, micro_batches, ScheduleKind::Plain, true, None)
 }
 
-fn layout(schedule: &SchedulePlan, micro_batches: usize, kind: ScheduleKind) -> Program {
-    let nodes = &schedule.nodes;
+/// The program: the rank's passes ([`passes`]) as instructions, with each
+/// pass's transfers merged into one exchange with the next pass's, then
+/// stored compactly (a run of segments that repeat with the micro-batches
+/// moved on by one is one block).
+fn layout(
+    plan: &Plan,
+    rank: usize,
+    micro_batches: usize,
+    kind: ScheduleKind,
+    forward_only: bool,
+    live: Option<usize>,
+) -> Program {
+    let nodes = &plan.schedule.nodes;
     let shapes: Vec<NodeShape> = nodes.iter().map(NodeShape::of).collect();
+    let shape = PipelineShape::of(plan);
+    let chunks = shape.chunks.get(rank).cloned().unwrap_or_default();
     let mut b = ProgramBuilder::new(nodes.iter().map(|n| n.unit).collect(), shapes);
-    // Each block is built once, for micro-batch 0 (and 1); the builder's
-    // counts of resident units and gradient buffers start every repeat from
-    // the same state (nothing acquired), so one pass gives their maxima.
-    match kind {
-        ScheduleKind::Plain => {
-            if micro_batches > 0 {
-                b.forward_all(0);
-                b.backward_all(0);
-                b.end_block(0, micro_batches);
-            }
+    let combine = kind == ScheduleKind::Overlap;
+    let mut order = passes(&shape, rank, micro_batches, combine, forward_only).peekable();
+    let receives = |pass: &Pass| -> Vec<Transfer> { transfers_of(&chunks, pass, false) };
+    // Segments are compressed as they are made: a segment that repeats the
+    // last block's with the micro-batches moved on by one more is another
+    // repeat of it.
+    let mut blocks: Vec<Block> = Vec::new();
+    let mut close = |segment: Vec<Instr>| {
+        if let Some(last) = blocks.last_mut()
+            && last.instrs.len() == segment.len()
+            && last
+                .instrs
+                .iter()
+                .zip(&segment)
+                .all(|(a, b)| a.shifted(last.repeats) == *b)
+        {
+            last.repeats += 1;
+        } else {
+            blocks.push(Block {
+                instrs: segment,
+                first: 0,
+                repeats: 1,
+            });
         }
-        ScheduleKind::Overlap => {
-            if micro_batches > 0 {
-                b.forward_all(0);
-                b.end_block(0, 1);
-                if micro_batches > 1 {
-                    b.combined(1, 0);
-                    b.end_block(0, micro_batches - 1);
-                }
-                b.backward_all(0);
-                b.end_block(micro_batches - 1, 1);
-            }
+    };
+    // Every segment is one pass (or a combined pair, or the plain steady
+    // state's forward and backward) and the exchange after it, which holds
+    // the pass's sends and the next pass's receives.
+    let first = order.peek().map(receives).unwrap_or_default();
+    if !first.is_empty() {
+        close(vec![exchange(&[], &first)]);
+    }
+    while let Some(pass) = order.next() {
+        let done = b.pass(&pass, &chunks, forward_only);
+        let sends = transfers_of(&chunks, &pass, true);
+        let next = order.peek();
+        let receives = next.map(receives).unwrap_or_default();
+        if !sends.is_empty() || !receives.is_empty() {
+            b.instrs.push(exchange(&sends, &receives));
+        }
+        if let Some(mb) = done {
+            b.instrs.push(Instr::Retire { mb });
+        }
+        let pairs =
+            matches!(pass, Pass::Forward { .. }) && matches!(next, Some(Pass::Backward { .. }));
+        if !pairs {
+            close(std::mem::take(&mut b.instrs));
         }
     }
-    b.finish(kind, micro_batches)
+    b.blocks = blocks;
+    b.finish(kind, micro_batches, chunks, live)
+}
+
+/// The transfers of `pass`: its sends (the activations after its forwards,
+/// the gradients after its backwards) or its receives (their inputs).
+fn transfers_of(chunks: &[Chunk], pass: &Pass, sends: bool) -> Vec<Transfer> {
+    let mut out = Vec::new();
+    let mut add = |chunk: usize, mb: usize, forward: bool| {
+        let Some(c) = chunks.get(chunk) else { return };
+        // A forward receives from the previous stage and sends to the
+        // next; a backward the other way round.
+        let (flow, end) = match (forward, sends) {
+            (true, false) => (Flow::Activation, c.prev),
+            (true, true) => (Flow::Activation, c.next),
+            (false, false) => (Flow::Gradient, c.next),
+            (false, true) => (Flow::Gradient, c.prev),
+        };
+        if let Some((_, peer)) = end {
+            out.push(Transfer {
+                mb,
+                flow,
+                stage: c.stage,
+                peer,
+            });
+        }
+    };
+    match *pass {
+        Pass::Forward { chunk, mb } => add(chunk, mb, true),
+        Pass::Backward { chunk, mb } => add(chunk, mb, false),
+        Pass::Combined { forward, backward } | Pass::Pair { forward, backward } => {
+            add(forward.0, forward.1, true);
+            add(backward.0, backward.1, false);
+        }
+    }
+    out
+}
+
+/// An exchange of up to two sends and two receives (a combined pass's).
+fn exchange(sends: &[Transfer], recvs: &[Transfer]) -> Instr {
+    let two = |ts: &[Transfer]| [ts.first().copied(), ts.get(1).copied()];
+    Instr::Exchange {
+        sends: two(sends),
+        recvs: two(recvs),
+    }
 }
 
 /// Tracks which units are acquired, so acquires, prefetches and releases
@@ -496,6 +706,10 @@ struct ProgramBuilder {
     grads_in_use: usize,
     max_resident: usize,
     max_grads: usize,
+    /// The nodes of the chunk the forward (backward) being built runs:
+    /// prefetches look no further.
+    forward_nodes: std::ops::Range<usize>,
+    backward_nodes: std::ops::Range<usize>,
 }
 
 impl ProgramBuilder {
@@ -509,24 +723,26 @@ impl ProgramBuilder {
             grads_in_use: 0,
             max_resident: 0,
             max_grads: 0,
+            forward_nodes: 0..0,
+            backward_nodes: 0..0,
         }
     }
 
-    /// Closes the block built so far: issued `repeats` times from
-    /// micro-batch `first` on.
-    fn end_block(&mut self, first: usize, repeats: usize) {
-        self.blocks.push(Block {
-            instrs: std::mem::take(&mut self.instrs),
-            first,
-            repeats,
-        });
-    }
-
-    fn finish(self, kind: ScheduleKind, micro_batches: usize) -> Program {
+    /// The program; `live` is its most micro-batches in flight when known
+    /// (a shorter program's of the same shape), else counted.
+    fn finish(
+        self,
+        kind: ScheduleKind,
+        micro_batches: usize,
+        chunks: Vec<Chunk>,
+        live: Option<usize>,
+    ) -> Program {
         Program {
             kind,
             micro_batches,
-            max_live_micro_batches: Program::live_micro_batches(&self.blocks),
+            chunks,
+            max_live_micro_batches: live
+                .unwrap_or_else(|| Program::live_micro_batches(&self.blocks)),
             blocks: self.blocks,
             max_resident_units: self.max_resident,
             max_grad_buffers: self.max_grads,
@@ -573,22 +789,26 @@ impl ProgramBuilder {
         (i + 1 == self.units.len() || self.units[i + 1] != Some(unit)).then_some(unit)
     }
 
-    /// The next unit after node `i` in forward order, for prefetching.
+    /// The next unit after node `i` in forward order in its chunk, for
+    /// prefetching.
     fn next_unit_forward(&self, i: usize) -> Option<(usize, usize)> {
         let current = self.units[i];
-        (i + 1..self.units.len()).find_map(|j| match self.units[j] {
+        (i + 1..self.forward_nodes.end).find_map(|j| match self.units[j] {
             Some(u) if Some(u) != current => Some((j, u)),
             _ => None,
         })
     }
 
-    /// The next unit before node `i` in backward order, for prefetching.
+    /// The next unit before node `i` in backward order in its chunk, for
+    /// prefetching.
     fn next_unit_backward(&self, i: usize) -> Option<(usize, usize)> {
         let current = self.units[i];
-        (0..i).rev().find_map(|j| match self.units[j] {
-            Some(u) if Some(u) != current => Some((j, u)),
-            _ => None,
-        })
+        (self.backward_nodes.start..i)
+            .rev()
+            .find_map(|j| match self.units[j] {
+                Some(u) if Some(u) != current => Some((j, u)),
+                _ => None,
+            })
     }
 
     /// Acquires for the forward of node `i`: its unit (if it starts one) and
@@ -659,9 +879,38 @@ impl ProgramBuilder {
         }
     }
 
-    fn forward_all(&mut self, mb: usize) {
+    /// One pass of the rank's order; returns the micro-batch whose last
+    /// work on this rank it was (the backward of its first chunk, or an
+    /// evaluation's forward of its last), to be retired once the pass's
+    /// sends are issued.
+    fn pass(&mut self, pass: &Pass, chunks: &[Chunk], forward_only: bool) -> Option<usize> {
+        let nodes = |chunk: usize| chunks.get(chunk).map_or(0..0, |c| c.nodes.clone());
+        let last = chunks.len().saturating_sub(1);
+        match *pass {
+            Pass::Forward { chunk, mb } => {
+                self.forward_pass(mb, nodes(chunk));
+                (forward_only && chunk == last).then_some(mb)
+            }
+            Pass::Backward { chunk, mb } => {
+                self.backward_pass(mb, nodes(chunk));
+                (chunk == 0).then_some(mb)
+            }
+            Pass::Combined { forward, backward } => {
+                self.combined(forward.1, nodes(forward.0), backward.1, nodes(backward.0));
+                (backward.0 == 0).then_some(backward.1)
+            }
+            Pass::Pair { forward, backward } => {
+                self.forward_pass(forward.1, nodes(forward.0));
+                self.backward_pass(backward.1, nodes(backward.0));
+                (backward.0 == 0).then_some(backward.1)
+            }
+        }
+    }
+
+    fn forward_pass(&mut self, mb: usize, nodes: std::ops::Range<usize>) {
+        self.forward_nodes = nodes.clone();
         let mut prefetched = None;
-        for i in 0..self.units.len() {
+        for i in nodes {
             self.forward_acquires(i, &mut prefetched);
             self.forward_node(mb, i);
             self.forward_done(i);
@@ -671,9 +920,10 @@ impl ProgramBuilder {
         }
     }
 
-    fn backward_all(&mut self, mb: usize) {
+    fn backward_pass(&mut self, mb: usize, nodes: std::ops::Range<usize>) {
+        self.backward_nodes = nodes.clone();
         let mut prefetched = None;
-        for i in (0..self.units.len()).rev() {
+        for i in nodes.rev() {
             self.backward_acquires(i, &mut prefetched);
             for piece in PIECES {
                 self.backward_piece(mb, i, piece);
@@ -683,22 +933,36 @@ impl ProgramBuilder {
         if let Some(unit) = prefetched {
             self.release(unit);
         }
-        self.instrs.push(Instr::Retire { mb });
     }
 
-    /// Forward of micro-batch `f` combined with backward of micro-batch `b`,
-    /// layer by layer: forward node i with backward node L-1-i, in the issue
-    /// order of ep-overlap.md.
-    fn combined(&mut self, f: usize, b: usize) {
+    /// Forward of micro-batch `f` over nodes `fwd` combined with backward
+    /// of micro-batch `b` over nodes `bwd`, layer by layer: the t-th
+    /// forward node with the t-th backward node (from the end), in the
+    /// issue order of docs/overlap-schedule.md.
+    fn combined(
+        &mut self,
+        f: usize,
+        fwd: std::ops::Range<usize>,
+        b: usize,
+        bwd: std::ops::Range<usize>,
+    ) {
         use BackwardPiece as P;
-        let n = self.units.len();
+        self.forward_nodes = fwd.clone();
+        self.backward_nodes = bwd.clone();
         let (mut f_pre, mut b_pre) = (None, None);
-        for i in 0..n {
-            let j = n - 1 - i;
-            self.forward_acquires(i, &mut f_pre);
-            self.backward_acquires(j, &mut b_pre);
+        for t in 0..fwd.len().max(bwd.len()) {
+            let i = (t < fwd.len()).then(|| fwd.start + t);
+            let j = (t < bwd.len()).then(|| bwd.end - 1 - t);
+            if let Some(i) = i {
+                self.forward_acquires(i, &mut f_pre);
+            }
+            if let Some(j) = j {
+                self.backward_acquires(j, &mut b_pre);
+            }
             let fwd = |s: &mut Self, slot: Slot| {
-                if s.shapes[i].slots[Slot::ALL.iter().position(|&x| x == slot).unwrap_or(0)] {
+                if let Some(i) = i
+                    && s.shapes[i].slots[Slot::ALL.iter().position(|&x| x == slot).unwrap_or(0)]
+                {
                     s.instrs.push(Instr::Forward {
                         mb: f,
                         node: i,
@@ -706,35 +970,43 @@ impl ProgramBuilder {
                     });
                 }
             };
+            let bwd = |s: &mut Self, piece: P| {
+                if let Some(j) = j {
+                    s.backward_piece(b, j, piece);
+                }
+            };
             // 1. b: post-process bwd; b: combine bwd (comm) || 2
-            self.backward_piece(b, j, P::PostProcess);
-            self.backward_piece(b, j, P::Combine);
+            bwd(self, P::PostProcess);
+            bwd(self, P::Combine);
             // 2. f: pre-dispatch
             fwd(self, Slot::PreDispatch);
             // 3. b: mlp bwd || 4
-            self.backward_piece(b, j, P::Mlp);
+            bwd(self, P::Mlp);
             // 4. f: dispatch (comm)
             fwd(self, Slot::Dispatch);
             // 5. b: mlp wgrad; b: dispatch bwd (comm) || 6
-            self.backward_piece(b, j, P::MlpWeights);
-            self.backward_piece(b, j, P::Dispatch);
+            bwd(self, P::MlpWeights);
+            bwd(self, P::Dispatch);
             // 6. f: mlp
             fwd(self, Slot::Mlp);
             // 7. f: combine (comm) || 8
             fwd(self, Slot::Combine);
             // 8. b: pre-dispatch bwd
-            self.backward_piece(b, j, P::PreDispatch);
+            bwd(self, P::PreDispatch);
             // 9. f: mtp post-process
             fwd(self, Slot::MtpPostProcess);
             // 10. b: pre-dispatch wgrad
-            self.backward_piece(b, j, P::PreDispatchWeights);
-            self.forward_done(i);
-            self.backward_done(b, j);
+            bwd(self, P::PreDispatchWeights);
+            if let Some(i) = i {
+                self.forward_done(i);
+            }
+            if let Some(j) = j {
+                self.backward_done(b, j);
+            }
         }
         for unit in [f_pre, b_pre].into_iter().flatten() {
             self.release(unit);
         }
-        self.instrs.push(Instr::Retire { mb: b });
     }
 }
 
@@ -753,7 +1025,7 @@ mod tests {
     fn forward_only_programs_run_every_forward_slot_and_nothing_else() {
         for pattern in ["M[*E]M-[*E]", "M*-/*E", "[M*]"] {
             let plan = plan(pattern);
-            let program = build_forward_only(&plan.schedule, 3);
+            let program = build_forward_only(&plan, 0, 3);
             let instrs: Vec<Instr> = program.instrs().collect();
             let mut refs = vec![0isize; plan.units.len()];
             for mb in 0..3 {
@@ -831,9 +1103,9 @@ mod tests {
                 .filter(|&i| instrs[i] == Instr::Retire { mb })
                 .collect();
             assert_eq!(retired.len(), 1, "mb {mb} retired {retired:?}");
-            let last_work = instrs
-                .iter()
-                .rposition(|x| !matches!(x, Instr::Retire { .. }) && x.micro_batch() == Some(mb));
+            let last_work = instrs.iter().rposition(|x| {
+                !matches!(x, Instr::Retire { .. }) && x.micro_batches().any(|m| m == mb)
+            });
             assert!(last_work < Some(retired[0]), "mb {mb} works after retiring");
         }
         // References balance, work only touches acquired units, and every
@@ -858,7 +1130,7 @@ mod tests {
                     );
                     grads[unit] -= 1;
                 }
-                Instr::Retire { .. } => {}
+                Instr::Retire { .. } | Instr::Exchange { .. } => {}
                 Instr::Forward { node, .. } | Instr::Backward { node, .. } => {
                     if let Some(unit) = plan.schedule.nodes[node].unit {
                         assert!(
@@ -890,7 +1162,7 @@ mod tests {
             let plan = plan(pattern);
             for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
                 for n in [1, 2, 4] {
-                    let program = build(&plan.schedule, n, kind).unwrap();
+                    let program = build(&plan, 0, n, kind).unwrap();
                     check_complete(&plan, &program, n);
                 }
             }
@@ -928,7 +1200,7 @@ mod tests {
                 let plan = Plan::new(&model, &options).unwrap();
                 for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
                     for n in [1, 2, 3] {
-                        let program = build(&plan.schedule, n, kind)
+                        let program = build(&plan, 0, n, kind)
                             .unwrap_or_else(|e| panic!("{pattern} {chosen:?} {kind:?} {n}: {e}"));
                         check_complete(&plan, &program, n);
                         // The plain schedule's forward gathers each unit once
@@ -953,7 +1225,7 @@ mod tests {
     #[test]
     fn overlap_interleaves_forward_and_backward_as_the_spec_orders() {
         let plan = plan("[*E][*E]");
-        let program = build(&plan.schedule, 2, ScheduleKind::Overlap).unwrap();
+        let program = build(&plan, 0, 2, ScheduleKind::Overlap).unwrap();
         let work: Vec<String> = program
             .instrs()
             .filter_map(|x| match x {
@@ -999,19 +1271,25 @@ mod tests {
             nodes.iter().map(|n| n.unit).collect(),
             nodes.iter().map(NodeShape::of).collect(),
         );
+        let all = 0..nodes.len();
+        let backward_all = |b: &mut ProgramBuilder, mb: usize| {
+            b.backward_pass(mb, all.clone());
+            b.instrs.push(Instr::Retire { mb });
+        };
         match kind {
             ScheduleKind::Plain => {
                 for mb in 0..n {
-                    b.forward_all(mb);
-                    b.backward_all(mb);
+                    b.forward_pass(mb, all.clone());
+                    backward_all(&mut b, mb);
                 }
             }
             ScheduleKind::Overlap => {
-                b.forward_all(0);
+                b.forward_pass(0, all.clone());
                 for k in 1..n {
-                    b.combined(k, k - 1);
+                    b.combined(k, all.clone(), k - 1, all.clone());
+                    b.instrs.push(Instr::Retire { mb: k - 1 });
                 }
-                b.backward_all(n - 1);
+                backward_all(&mut b, n - 1);
             }
         }
         (b.instrs, b.max_resident, b.max_grads)
@@ -1023,7 +1301,7 @@ mod tests {
             let plan = plan(pattern);
             for kind in [ScheduleKind::Plain, ScheduleKind::Overlap] {
                 for n in 1..6 {
-                    let program = build(&plan.schedule, n, kind).unwrap();
+                    let program = build(&plan, 0, n, kind).unwrap();
                     let (full, resident, grads) = built_in_full(&plan, n, kind);
                     assert_eq!(
                         program.instrs().collect::<Vec<_>>(),
@@ -1041,11 +1319,11 @@ mod tests {
                 }
                 // A million micro-batches: the stored program is the size of
                 // three's.
-                let small = build(&plan.schedule, 3, kind).unwrap();
-                let huge = build(&plan.schedule, 1_000_000, kind).unwrap();
+                let small = build(&plan, 0, 3, kind).unwrap();
+                let huge = build(&plan, 0, 1_000_000, kind).unwrap();
                 assert_eq!(huge.stored_len(), small.stored_len());
                 assert!(huge.len() > 1_000_000 * (small.len() / 4), "{}", huge.len());
-                let many = build(&plan.schedule, 10_000, kind).unwrap();
+                let many = build(&plan, 0, 10_000, kind).unwrap();
                 assert_eq!(many.instrs().last(), Some(Instr::Retire { mb: 9_999 }));
             }
         }
@@ -1068,7 +1346,7 @@ mod tests {
     #[test]
     fn out_of_order_programs_are_refused() {
         let plan = plan("M[*E]-");
-        let good = build(&plan.schedule, 2, ScheduleKind::Overlap).unwrap();
+        let good = build(&plan, 0, 2, ScheduleKind::Overlap).unwrap();
         assert_eq!(good.check(&plan.schedule), Ok(()));
         let work: Vec<usize> = good
             .instrs()
@@ -1135,8 +1413,8 @@ mod tests {
     #[test]
     fn pool_needs_are_bounded() {
         let plan = plan("[*E][*E][*E][*E][*E][*E]");
-        let plain = build(&plan.schedule, 4, ScheduleKind::Plain).unwrap();
-        let overlap = build(&plan.schedule, 4, ScheduleKind::Overlap).unwrap();
+        let plain = build(&plan, 0, 4, ScheduleKind::Plain).unwrap();
+        let overlap = build(&plan, 0, 4, ScheduleKind::Overlap).unwrap();
         // A unit and its prefetch; the overlap schedule runs a forward and a
         // backward unit, each with its prefetch.
         assert!(

@@ -67,9 +67,25 @@ pub(super) fn param_hash<D: Device>(
     let mut digest = crate::digest::StreamDigest::new();
     // Every rank's shard of the bucket in hand, by rank.
     let mut all: Vec<Vec<f32>> = Vec::new();
+    // The pipeline rank that hashes a bucket: its first stage's (the
+    // shared embedding is hashed once).
+    let hasher = |b: usize| {
+        let stage = plan.bucket_stages(&plan.buckets[b]).next().unwrap_or(0);
+        plan.stages.get(stage).map_or(0, |s| s.pp_rank)
+    };
+    let mut turn = hasher(plan.params.first().map_or(0, |p| p.bucket));
     // The plan's parameters in runs of one bucket each.
     for params in plan.params.chunk_by(|a, b| a.bucket == b.bucket) {
         let b = params[0].bucket;
+        // The stages take turns in plan order, each going on from the
+        // digest the one before left.
+        if hasher(b) != turn {
+            digest = hand_over(rank, digest, turn)?;
+            turn = hasher(b);
+        }
+        if turn != rank.pp_rank {
+            continue;
+        }
         every_ranks_shard(rank, &engine.shards()[b].master, &mut all)?;
         let bucket = &plan.buckets[b];
         let piece = bucket.shard_numel(engine.world_of(bucket)).max(1);
@@ -103,5 +119,29 @@ pub(super) fn param_hash<D: Device>(
         }
         digest.extend(&runs);
     }
-    Ok(digest.finish())
+    Ok(hand_over(rank, digest, turn)?.finish())
+}
+
+/// The digest as pipeline rank `from` left it, on every rank (collective
+/// over the rank's pipeline group; without a pipeline, `digest` itself).
+fn hand_over<D: Device>(
+    rank: &RankContext<D>,
+    digest: crate::digest::StreamDigest,
+    from: usize,
+) -> Result<crate::digest::StreamDigest> {
+    if rank.pp == 1 {
+        return Ok(digest);
+    }
+    let mine = if rank.pp_rank == from {
+        digest.state()
+    } else {
+        Vec::new()
+    };
+    let all = rank.pipe_host.all_gather_host(&mine)?;
+    all.get(from)
+        .and_then(|state| crate::digest::StreamDigest::resume(state))
+        .ok_or_else(|| RuntimeError::Peer {
+            rank: from,
+            message: "sent no parameter digest to go on from".into(),
+        })
 }

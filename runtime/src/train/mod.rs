@@ -46,10 +46,15 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
     pub model: ModelConfig,
-    /// Data-parallel thread ranks.
+    /// Ranks of the run: `pp` pipeline stages of `ranks / pp`
+    /// data-parallel ranks each ([`TrainConfig::dp`]).
     pub ranks: usize,
-    /// Expert-parallel size (divides `ranks`).
+    /// Expert-parallel size (divides the data-parallel size).
     pub ep: usize,
+    /// Pipeline-parallel size (divides `ranks`): the pattern's `|` segments
+    /// (or, without them, an even split of its layers) run on `pp` ranks,
+    /// several segments a rank interleaved when there are more than `pp`.
+    pub pp: usize,
     pub micro_batches: usize,
     /// Sequences per micro-batch.
     pub micro_batch_size: usize,
@@ -143,6 +148,7 @@ impl TrainConfig {
             model,
             ranks: 2,
             ep: 2,
+            pp: 1,
             micro_batches: 4,
             micro_batch_size: 4,
             seq_length,
@@ -186,8 +192,9 @@ impl TrainConfig {
     /// ```
     pub fn from_plan(plan: Plan) -> Self {
         let mut config = TrainConfig::new(plan.model.clone());
-        config.ranks = plan.layout.dp;
+        config.ranks = plan.layout.dp * plan.layout.pp;
         config.ep = plan.layout.ep;
+        config.pp = plan.layout.pp;
         config.unit_filter = plan.unit_filter.clone();
         config.plan = Some(Arc::new(plan));
         config
@@ -207,6 +214,7 @@ impl TrainConfig {
             precision: self.precision,
             ranks: self.ranks,
             ep: self.ep,
+            pp: self.pp,
             sharding: self.sharding,
             schedule: self.schedule,
             save: self.save.clone(),
@@ -231,6 +239,7 @@ impl TrainConfig {
             precision,
             ranks,
             ep,
+            pp,
             sharding,
             schedule,
             save,
@@ -250,6 +259,7 @@ impl TrainConfig {
             precision,
             ranks,
             ep,
+            pp,
             sharding,
             schedule,
             save,
@@ -261,10 +271,15 @@ impl TrainConfig {
         }
     }
 
+    /// Data-parallel ranks: the ranks of one pipeline stage.
+    pub fn dp(&self) -> usize {
+        self.ranks / self.pp.max(1)
+    }
+
     /// Tokens one step trains on, over all ranks.
     pub fn tokens_per_step(&self) -> u64 {
         [
-            self.ranks,
+            self.dp(),
             self.micro_batches,
             self.micro_batch_size,
             self.seq_length,
@@ -348,6 +363,7 @@ pub fn train_on<P: Platform>(
     });
     let settings = RankSettings {
         ep: prepared.plan.layout.ep,
+        pp: prepared.plan.layout.pp,
         precision: config.precision,
         timeout: config.timeout,
         trace: recorder.clone(),

@@ -79,10 +79,21 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             spelling.name(Setting::Ranks)
         ));
     }
-    if config.ep == 0 || !config.ranks.is_multiple_of(config.ep) {
+    if config.pp == 0 || !config.ranks.is_multiple_of(config.pp) {
         return refuse(format!(
-            "{} is not divisible by {}: expert-parallel groups are sets of ep consecutive ranks",
+            "{} is not divisible by {}: the ranks are pp pipeline stages of ranks / pp \
+             data-parallel ranks each",
             spelling.given(Setting::Ranks, config.ranks),
+            spelling.given(Setting::Pp, config.pp)
+        ));
+    }
+    if config.ep == 0 || !config.dp().is_multiple_of(config.ep) {
+        return refuse(format!(
+            "{} data-parallel ranks ({} over {}) are not divisible by {}: expert-parallel \
+             groups are sets of ep consecutive ranks of one stage",
+            config.dp(),
+            spelling.given(Setting::Ranks, config.ranks),
+            spelling.given(Setting::Pp, config.pp),
             spelling.given(Setting::Ep, config.ep)
         ));
     }
@@ -152,7 +163,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     if let Some(available) = &available
         && let Some(need) = MemoryNeed::lower_bound(
             &config.model,
-            state_layout(config, &ParallelLayout::new(config.ranks, config.ep), 0, 0),
+            state_layout(config, &parallel_layout(config), 0, 0),
             Tokens::new(config.micro_batch_size, config.seq_length),
             schedule_live,
             ElementSizes::cpu(config.precision),
@@ -169,7 +180,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         }
         None => {
             let options = PlanOptions {
-                layout: ParallelLayout::new(config.ranks, config.ep),
+                layout: parallel_layout(config),
                 unit_filter: config.unit_filter.clone(),
                 ..PlanOptions::default()
             };
@@ -178,15 +189,10 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             Arc::new(plan)
         }
     };
-    if plan.stages.len() > 1 {
-        return refuse(format!(
-            "this runtime trains without pipeline parallelism; plan with {}",
-            spelling.given(Setting::Pp, 1)
-        ));
-    }
+    crate::schedule::check_pipeline(&plan, config.micro_batches, spelling)?;
     // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
     ModelRuntime::new(plan.clone())?;
-    let program = build(&plan.schedule, config.micro_batches.min(3), config.schedule)?;
+    let program = busiest_program(config, &plan)?;
     let need = |recompute| on_device(need_of(config, &plan, &program, recompute));
     let recompute = settle_recompute(config.recompute, &plan, available.as_ref(), need);
     let memory = need(recompute);
@@ -217,7 +223,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             config.seed,
             batch_shape(config),
             SampleLayout {
-                ranks: config.ranks,
+                ranks: config.dp(),
                 micro_batches: config.micro_batches,
             },
             config.eval_every.is_some(),
@@ -363,14 +369,25 @@ fn gpu_available(
     })
 }
 
+/// The parallel layout `config` asks for.
+fn parallel_layout(config: &TrainConfig) -> ParallelLayout {
+    ParallelLayout {
+        pp: config.pp,
+        ..ParallelLayout::new(config.dp(), config.ep)
+    }
+}
+
 /// Refuses a plan given with the configuration that is not the plan of its
 /// model and layout: the run would train other shapes than it reports.
 fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
     let mut wrong = Vec::new();
-    if plan.layout.dp != config.ranks {
+    if plan.layout.dp != config.dp() || plan.layout.pp != config.pp {
         wrong.push(format!(
-            "it was made for {} data-parallel ranks, the run has {}",
-            plan.layout.dp, config.ranks
+            "it was made for {} pipeline stages of {} data-parallel ranks, the run has {} of {}",
+            plan.layout.pp,
+            plan.layout.dp,
+            config.pp,
+            config.dp()
         ));
     }
     if plan.layout.ep != config.ep {
@@ -400,7 +417,7 @@ fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
 /// flight. [`Recompute::Auto`] is settled as a CPU run settles it, against
 /// `config.memory_available` or else what the host has available.
 pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
-    let program = build(&plan.schedule, config.micro_batches.min(3), config.schedule)?;
+    let program = busiest_program(config, plan)?;
     let available = configured_memory(config).or_else(crate::memory::available);
     let need = |recompute| need_of(config, plan, &program, recompute);
     Ok(need(settle_recompute(
@@ -409,6 +426,28 @@ pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
         available.as_ref(),
         need,
     )))
+}
+
+/// Every pipeline rank's program (checked as it is built), and the one
+/// that keeps the most micro-batches in flight: the first stage's under
+/// 1F1B. Without a pipeline, the one program; its figures settle once a
+/// step has three micro-batches, so more are not built.
+fn busiest_program(config: &TrainConfig, plan: &Plan) -> Result<Program> {
+    let micro_batches = match plan.layout.pp {
+        1 => config.micro_batches.min(3),
+        _ => config.micro_batches,
+    };
+    let mut busiest: Option<Program> = None;
+    for rank in 0..plan.layout.pp.max(1) {
+        let program = build(plan, rank, micro_batches, config.schedule)?;
+        if busiest
+            .as_ref()
+            .is_none_or(|b| program.in_flight() > b.in_flight())
+        {
+            busiest = Some(program);
+        }
+    }
+    busiest.ok_or_else(|| RuntimeError::Internal("a plan with no pipeline rank".into()))
 }
 
 /// `config.memory_available` as the memory check takes it.

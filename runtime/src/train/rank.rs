@@ -126,7 +126,7 @@ impl<'a, D: Device> RankRun<'a, D> {
         let phase = Instant::now();
         let plan = prepared.plan.clone();
         let model = Arc::new(ModelRuntime::new(plan.clone())?);
-        let program = build(&plan.schedule, config.micro_batches, config.schedule)?;
+        let program = build(&plan, rank.pp_rank, config.micro_batches, config.schedule)?;
         let ep_rank = rank.ep_rank();
         let drawn = AtomicU64::new(0);
         // A resume overwrites every parameter element this rank holds from
@@ -171,9 +171,10 @@ impl<'a, D: Device> RankRun<'a, D> {
         let cx = Arc::new(StepContext::<D>::new(
             model,
             rank.ep_group.clone(),
+            rank.pipe.clone(),
             Arc::new(places),
             Tokens::new(config.micro_batch_size, config.seq_length),
-            1.0 / (config.micro_batches * config.ranks) as f32,
+            1.0 / (config.micro_batches * config.dp()) as f32,
             config.recompute,
             &rank.backend,
         )?);
@@ -193,7 +194,7 @@ impl<'a, D: Device> RankRun<'a, D> {
         }
         let eval_program = config
             .eval_every
-            .map(|_| build_forward_only(&plan.schedule, config.micro_batches));
+            .map(|_| build_forward_only(&plan, rank.pp_rank, config.micro_batches));
         let run = RankRun {
             config,
             prepared,
@@ -319,10 +320,15 @@ impl<'a, D: Device> RankRun<'a, D> {
         totals.read(&self.rank.backend, &counts)
     }
 
-    /// Every rank's sums, added in rank order: the same bits everywhere.
+    /// Every rank's sums, added in rank order within each stage, then the
+    /// stages' in pipeline order: the same bits everywhere. A stage adds
+    /// only its own (the heads' losses are the last stage's, a MoE layer's
+    /// load its stage's), so without a pipeline this is the stage's sum,
+    /// and with one every sum but the MoE layers' aux losses is made of the
+    /// same additions as without.
     fn reduce(&self, mine: StepSums) -> Result<StepSums> {
-        let all = self.rank.host.all_gather_host(mine.values())?;
-        Ok(mine.total(&all))
+        let stage = mine.total(&self.rank.host.all_gather_host(mine.values())?);
+        Ok(stage.total(&self.rank.pipe_host.all_gather_host(stage.values())?))
     }
 
     /// The step's losses from every rank's sums.
@@ -330,7 +336,7 @@ impl<'a, D: Device> RankRun<'a, D> {
         StepLossValues {
             loss: sums.main_loss(),
             mtp_loss: sums.mean_mtp_loss(),
-            aux_loss: sums.aux_sum() / (self.config.micro_batches * self.config.ranks) as f64,
+            aux_loss: sums.aux_sum() / (self.config.micro_batches * self.config.dp()) as f64,
         }
     }
 
@@ -436,13 +442,21 @@ impl<D: Device> Evaluation<'_, D> {
         }
         let all = rank.host.all_gather_host(&mine)?;
         // Added batch by batch, in rank order within a batch: the same
-        // bits on every rank.
+        // bits on every rank of the stage.
         let (mut sum, mut count) = (0.0f64, 0.0f64);
         for k in 0..self.batches as usize {
             for theirs in &all {
                 sum += theirs.get(2 * k).copied().unwrap_or(0.0);
                 count += theirs.get(2 * k + 1).copied().unwrap_or(0.0);
             }
+        }
+        // The last stage's heads made the losses: every stage takes its
+        // sums, added in pipeline order (the others' are zero).
+        let stages = rank.pipe_host.all_gather_host(&[sum, count])?;
+        let (mut sum, mut count) = (0.0f64, 0.0f64);
+        for theirs in &stages {
+            sum += theirs.first().copied().unwrap_or(0.0);
+            count += theirs.get(1).copied().unwrap_or(0.0);
         }
         Ok(sum / count.max(1.0))
     }
