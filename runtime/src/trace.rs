@@ -72,6 +72,9 @@ pub struct TraceRecorder {
     /// Set by [`TraceRecorder::statistics_only`]: spans are folded into
     /// these as they arrive and not kept.
     running: Option<Mutex<RunningStats>>,
+    /// Ranks a pipeline stage, when the run has stages: each rank's track
+    /// is then named with its stage too.
+    stage_ranks: std::sync::OnceLock<usize>,
 }
 
 impl Default for TraceRecorder {
@@ -87,7 +90,14 @@ impl TraceRecorder {
             epoch: Instant::now(),
             spans: Mutex::new(Vec::new()),
             running: None,
+            stage_ranks: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Names each rank's track with its pipeline stage: world rank `w` runs
+    /// pipeline rank `w / ranks_a_stage`.
+    pub fn name_stages(&self, ranks_a_stage: usize) {
+        let _ = self.stage_ranks.set(ranks_a_stage.max(1));
     }
 
     /// A recorder that keeps no spans, only what [`Self::stats`] reports,
@@ -160,7 +170,21 @@ impl TraceRecorder {
 
     /// The recorded spans as Chrome trace JSON.
     pub fn chrome_trace(&self) -> Value {
-        chrome_trace(&self.spans())
+        let mut trace = chrome_trace(&self.spans());
+        if let (Some(&per_stage), Some(events)) = (
+            self.stage_ranks.get(),
+            trace.get_mut("traceEvents").and_then(Value::as_array_mut),
+        ) {
+            for event in events.iter_mut() {
+                if event["name"] == "process_name"
+                    && let Some(rank) = event["pid"].as_u64()
+                {
+                    event["args"]["name"] =
+                        json!(format!("rank {rank} (stage {})", rank as usize / per_stage));
+                }
+            }
+        }
+        trace
     }
 
     /// Writes the Chrome trace JSON to `path` (open it in ui.perfetto.dev or
@@ -270,6 +294,10 @@ pub struct RankStats {
     pub comm_busy: Duration,
     /// Comm busy time during which the compute lane was busy too.
     pub hidden: Duration,
+    /// Time in stage-to-stage exchanges (category [`P2P`]) during which the
+    /// compute lane had nothing to run: what a pipeline stage waited for
+    /// its neighbours, the measured bubble.
+    pub waited: Duration,
     /// From the first span's start to the last span's end.
     pub wall: Duration,
 }
@@ -285,7 +313,15 @@ impl RankStats {
     pub fn exposed(&self) -> Duration {
         self.comm_busy.saturating_sub(self.hidden)
     }
+
+    /// [`RankStats::waited`] over the rank's wall time.
+    pub fn waited_fraction(&self) -> f64 {
+        self.waited.as_secs_f64() / self.wall.as_secs_f64().max(1e-12)
+    }
 }
+
+/// The category of a stage-to-stage exchange's span.
+pub const P2P: &str = "p2p";
 
 /// A time interval `[start, end)` since the epoch.
 type Interval = (Duration, Duration);
@@ -330,6 +366,7 @@ fn intersection(a: &[Interval], b: &[Interval]) -> Duration {
 /// Busy and hidden time for every rank that has spans, in rank order.
 pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
     let mut by_rank: BTreeMap<usize, BTreeMap<&str, Vec<Interval>>> = BTreeMap::new();
+    let mut exchanges: BTreeMap<usize, Vec<Interval>> = BTreeMap::new();
     for span in spans {
         by_rank
             .entry(span.rank)
@@ -337,6 +374,12 @@ pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
             .entry(span.lane.as_ref())
             .or_default()
             .push((span.start, span.end));
+        if span.category == P2P {
+            exchanges
+                .entry(span.rank)
+                .or_default()
+                .push((span.start, span.end));
+        }
     }
     by_rank
         .into_iter()
@@ -350,6 +393,7 @@ pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
             let empty = Vec::new();
             let compute = merged.get(COMPUTE_LANE).unwrap_or(&empty);
             let comm = merged.get(COMM_LANE).unwrap_or(&empty);
+            let p2p = union(exchanges.remove(&rank).unwrap_or_default());
             RankStats {
                 rank,
                 busy: merged
@@ -359,6 +403,7 @@ pub fn rank_stats(spans: &[Span]) -> Vec<RankStats> {
                 compute_busy: total(compute),
                 comm_busy: total(comm),
                 hidden: intersection(comm, compute),
+                waited: total(&p2p).saturating_sub(intersection(&p2p, compute)),
                 wall: match (first, last) {
                     (Some(f), Some(l)) => l.saturating_sub(f),
                     _ => Duration::ZERO,
@@ -384,9 +429,14 @@ struct RunningRank {
     first: Option<Duration>,
     last: Option<Duration>,
     hidden: Duration,
-    /// Compute and comm spans a later span of the other lane may overlap.
+    /// Exchange time, and the part of it under compute.
+    p2p: Duration,
+    p2p_hidden: Duration,
+    /// Compute and comm spans a later span of the other lane may overlap,
+    /// and the exchanges among the comm spans.
     compute: std::collections::VecDeque<Interval>,
     comm: std::collections::VecDeque<Interval>,
+    exchanges: std::collections::VecDeque<Interval>,
 }
 
 impl RunningStats {
@@ -395,22 +445,43 @@ impl RunningStats {
         *rank.busy.entry(span.lane.to_string()).or_default() += span.duration();
         rank.first = Some(rank.first.map_or(span.start, |f| f.min(span.start)));
         rank.last = Some(rank.last.map_or(span.end, |l| l.max(span.end)));
-        let (mine, theirs) = match span.lane.as_ref() {
-            COMPUTE_LANE => (&mut rank.compute, &mut rank.comm),
-            COMM_LANE => (&mut rank.comm, &mut rank.compute),
-            _ => return,
-        };
-        for other in theirs.iter() {
-            let start = span.start.max(other.0);
-            let end = span.end.min(other.1);
-            if end > start {
-                rank.hidden += end - start;
+        let overlap = |span: &Span, others: &std::collections::VecDeque<Interval>| {
+            let mut sum = Duration::ZERO;
+            for other in others {
+                let start = span.start.max(other.0);
+                let end = span.end.min(other.1);
+                if end > start {
+                    sum += end - start;
+                }
             }
-        }
-        // Later spans of this lane start after this one ends.
-        theirs.retain(|other| other.1 > span.end);
-        if span.end > span.start {
-            mine.push_back((span.start, span.end));
+            sum
+        };
+        match span.lane.as_ref() {
+            COMPUTE_LANE => {
+                rank.hidden += overlap(span, &rank.comm);
+                rank.p2p_hidden += overlap(span, &rank.exchanges);
+                // Later spans of this lane start after this one ends.
+                rank.comm.retain(|other| other.1 > span.end);
+                rank.exchanges.retain(|other| other.1 > span.end);
+                if span.end > span.start {
+                    rank.compute.push_back((span.start, span.end));
+                }
+            }
+            COMM_LANE => {
+                rank.hidden += overlap(span, &rank.compute);
+                if span.category == P2P {
+                    rank.p2p += span.duration();
+                    rank.p2p_hidden += overlap(span, &rank.compute);
+                    if span.end > span.start {
+                        rank.exchanges.push_back((span.start, span.end));
+                    }
+                }
+                rank.compute.retain(|other| other.1 > span.end);
+                if span.end > span.start {
+                    rank.comm.push_back((span.start, span.end));
+                }
+            }
+            _ => {}
         }
     }
 
@@ -425,6 +496,7 @@ impl RunningStats {
                     compute_busy: lane(COMPUTE_LANE),
                     comm_busy: lane(COMM_LANE),
                     hidden: r.hidden,
+                    waited: r.p2p.saturating_sub(r.p2p_hidden),
                     wall: match (r.first, r.last) {
                         (Some(f), Some(l)) => l.saturating_sub(f),
                         _ => Duration::ZERO,

@@ -1166,6 +1166,19 @@ fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
                 f * 100.0
             ))
     );
+    if let Some(ideal) = s.ideal_bubble {
+        let stages: Vec<String> = s
+            .stage_waits
+            .iter()
+            .enumerate()
+            .map(|(r, w)| format!("{r}: {:.0}%", w * 100.0))
+            .collect();
+        out += &format!(
+            "  pipeline        stages waited {} of the run (1F1B's bubble: {:.0}%)\n",
+            stages.join(", "),
+            ideal * 100.0
+        );
+    }
     out += &format!(
         "  parameters      hash {:016x} ({:.1} s)\n",
         s.param_hash,
@@ -1220,6 +1233,8 @@ fn summary_json(
             "comm_busy_s": s.comm_busy.as_secs_f64(),
             "comm_hidden_s": s.comm_hidden.as_secs_f64(),
             "hidden_fraction": s.hidden_fraction(),
+            "stage_waits": s.stage_waits,
+            "ideal_bubble": s.ideal_bubble,
             "param_hash": format!("{:016x}", s.param_hash),
             "resumed_from": s.resumed_from,
             "resumed_dir": s.resumed_dir.as_ref().map(|p| p.display().to_string()),

@@ -218,7 +218,7 @@ pub fn run_step<D: Device>(
                     after.extend(last.clone());
                     transfers.push((send, t, state.clone()));
                 }
-                let label = Label::new(exchange_name(&transfers), "p2p");
+                let label = Label::new(exchange_name(&transfers), crate::trace::P2P);
                 let work = exchange_work(cx.clone(), arenas, transfers);
                 let event = rank.comm.submit(label, &after, work);
                 for (_, t) in instr.transfers() {

@@ -361,6 +361,9 @@ pub fn train_on<P: Platform>(
         Some(_) => TraceRecorder::new(),
         None => TraceRecorder::statistics_only(),
     });
+    if config.pp > 1 {
+        recorder.name_stages(config.dp());
+    }
     let settings = RankSettings {
         ep: prepared.plan.layout.ep,
         pp: prepared.plan.layout.pp,
@@ -455,6 +458,25 @@ pub fn train_on<P: Platform>(
     let stats = recorder.stats();
     let comm_busy = stats.iter().map(|s| s.comm_busy).sum();
     let comm_hidden = stats.iter().map(|s| s.hidden).sum();
+    let (pp, dp) = (config.pp.max(1), config.dp().max(1));
+    let stage_waits = match pp {
+        1 => Vec::new(),
+        _ => (0..pp)
+            .map(|stage| {
+                let waits: Vec<f64> = stats
+                    .iter()
+                    .filter(|s| s.rank / dp == stage)
+                    .map(|s| s.waited_fraction())
+                    .collect();
+                waits.iter().sum::<f64>() / waits.len().max(1) as f64
+            })
+            .collect(),
+    };
+    let ideal_bubble = (pp > 1).then(|| {
+        let shape = crate::schedule::PipelineShape::of(&prepared.plan);
+        let v = shape.virtual_stages().unwrap_or(1).max(1);
+        (pp - 1) as f64 / (v * config.micro_batches + pp - 1) as f64
+    });
     let start = prepared.resume_step().unwrap_or(0);
     let (steps, last_step) = (config.steps.saturating_sub(start), start.max(config.steps));
     let tokens = config.tokens_per_step() * steps;
@@ -474,6 +496,8 @@ pub fn train_on<P: Platform>(
         mean_step_time: wall.div_f64(steps.max(1) as f64),
         comm_busy,
         comm_hidden,
+        stage_waits,
+        ideal_bubble,
         param_hash,
         resumed_from: prepared.resume_step(),
         resumed_dir: checkpoints.resume.as_ref().map(|r| r.dir.clone()),

@@ -51,6 +51,15 @@ pub struct TrainSummary {
     /// compute.
     pub comm_busy: Duration,
     pub comm_hidden: Duration,
+    /// Under pipeline parallelism, per pipeline rank: the measured bubble,
+    /// the share of its ranks' time their compute lane sat idle while a
+    /// stage-to-stage exchange was in flight (`trace::RankStats::waited`),
+    /// over the ranks this process ran. Empty without a pipeline.
+    pub stage_waits: Vec<f64>,
+    /// 1F1B's bubble in theory, `(p - 1) / (m + p - 1)` for `p` pipeline
+    /// ranks and `m` micro-batches (`(p - 1) / (v m + p - 1)` with `v`
+    /// virtual stages a rank); `None` without a pipeline.
+    pub ideal_bubble: Option<f64>,
     /// A hash of every final parameter's bits, in plan order (experts of
     /// every EP rank included): equal hashes mean equal parameters.
     pub param_hash: u64,
