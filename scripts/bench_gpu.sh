@@ -94,6 +94,9 @@ if summary.get("flops_per_token") and summary.get("steps"):
     row["tokens_per_gpu_step"] = summary["tokens"] / summary["steps"] / gpus
 if summary.get("recomputed_layers") is not None:
     row["recomputed"] = summary["recomputed_layers"]
+if summary.get("ideal_bubble") is not None:
+    row["stage_waits"] = summary.get("stage_waits")
+    row["ideal_bubble"] = summary["ideal_bubble"]
 if rc != 0 or len(steps) < 13:
     row["failed"] = f"exit {rc}, {len(steps)} steps; see {log}"
 else:
@@ -115,7 +118,16 @@ row hybridgen-2gpu-plain 2 --schedule plain
 row_gpus=1
 row hybridgen-copy-2rk-1gpu 2 --schedule overlap --transport copy
 row hybridgen-copy-2rk-plain 2 --schedule plain --transport copy
-row_gpus=
+# Two pipeline stages sharing one GPU over the copy transport (pp 2, 8
+# layers a stage, 1F1B over 4 micro-batches): its `exposed` is the step
+# minus the 1-GPU step (the stages split one model's work), and the row
+# carries each stage's measured bubble
+# (the share of the run its compute waited on the other stage) beside
+# 1F1B's (p - 1) / (m + p - 1) = 20%.
+row_model=(--preset bench-hybrid-moe --ep 1)
+row hybridgen-copy-pp2-1gpu 2 --pp 2 --schedule overlap --transport copy
+row hybridgen-copy-pp2-plain 2 --pp 2 --schedule plain --transport copy
+row_model=() row_gpus=
 
 # Real scale: the 9B Nemotron-H at 4,096 tokens on 2 GPUs under ZeRO-3,
 # recomputing the fewest layers that fit (`--recompute auto`): with the
@@ -230,7 +242,10 @@ for r in rows:
     # What the same work costs without communication: its base row's
     # 1-rank step a GPU, or one a rank where ranks share a GPU.
     one = step_of.get(r.get("base"))
-    alone = one * r["ranks"] / r.get("gpus", r["ranks"]) if one else None
+    # A pipeline's ranks split one model's work: the same work is one
+    # 1-rank step, not one a rank.
+    share = 1 if r.get("ideal_bubble") is not None else r["ranks"] / r.get("gpus", r["ranks"])
+    alone = one * share if one else None
     exposed = f"{ms - alone:8.1f}" if r["ranks"] > 1 and alone else f"{'':8}"
     ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu") if r.get("gpus", r["ranks"]) == r["ranks"] else None
     ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"
@@ -238,4 +253,7 @@ for r in rows:
     recomputed = f"{r['recomputed']:6d}" if r.get("recomputed") is not None else f"{'':6}"
     print(f"{r['row']:26} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
           f"{peak} {exposed} {ratio} {recomputed}")
+    if r.get("ideal_bubble") is not None:
+        waits = ", ".join(f"stage {i} {100 * w:.0f}%" for i, w in enumerate(r.get("stage_waits") or []))
+        print(f"{'':26} bubble measured: {waits}; 1F1B's (p-1)/(m+p-1): {100 * r['ideal_bubble']:.0f}%")
 PY
