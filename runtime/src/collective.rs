@@ -79,6 +79,27 @@ pub trait Collective<B: Backend>: Send + Sync {
         ))
     }
 
+    /// A pipeline rank's stage-to-stage exchange: every send of `sends`
+    /// and every receive of `recvs` (views with the peer's rank in this
+    /// group) as one step, so that neighbours exchanging in both
+    /// directions at once never wait on each other. The default posts the
+    /// sends first, then the receives, for transports whose sends do not
+    /// wait for their receive (the CPU, the copy transport); NCCL issues
+    /// them all as one group.
+    fn exchange(
+        &self,
+        sends: Vec<(Slice<'_, B>, usize)>,
+        recvs: Vec<(SliceMut<'_, B>, usize)>,
+    ) -> Result<()> {
+        for send in sends {
+            self.send_recv(Some(send), None)?;
+        }
+        for recv in recvs {
+            self.send_recv(None, Some(recv))?;
+        }
+        Ok(())
+    }
+
     /// Collective: every rank of the group calls it; ranks that pass the
     /// same `color` form a new group, ordered by their rank in this group
     /// (NCCL: `ncclCommSplit`). `split(0)` everywhere duplicates the group,

@@ -84,7 +84,9 @@ fn same_as_one_stage(pattern: &str, dp: usize, ep: usize, pps: &[usize], units: 
                     close(w.aux_loss, g.aux_loss, 1e-9),
                     "{case} step {step} aux"
                 );
-                let tol = if exact { 1e-12 } else { 1e-4 };
+                // A shared embedding's gradient differs in its last bits
+                // from the first step on, and the norm with it.
+                let tol = if shared { 1e-4 } else { 1e-12 };
                 assert!(
                     close(w.grad_norm, g.grad_norm, tol),
                     "{case} step {step} norm"

@@ -378,17 +378,15 @@ fn exchange_work<D: Device>(
                 recvs.push((buf, t.peer, *t, state.clone()));
             }
         }
-        for i in 0..sends.len().max(recvs.len()) {
-            let send = sends
-                .get(i)
-                .map(|(buf, peer)| Ok::<_, RuntimeError>((lane.view(buf)?, *peer)))
-                .transpose()?;
-            let recv = recvs
-                .get(i)
-                .map(|(buf, peer, _, _)| Ok::<_, RuntimeError>((lane.view_mut(buf)?, *peer)))
-                .transpose()?;
-            crate::collective::Collective::send_recv(&*cx.pipe, send, recv)?;
-        }
+        let views = sends
+            .iter()
+            .map(|(buf, peer)| Ok((lane.view(buf)?, *peer)))
+            .collect::<Result<Vec<_>>>()?;
+        let into = recvs
+            .iter()
+            .map(|(buf, peer, _, _)| Ok((lane.view_mut(buf)?, *peer)))
+            .collect::<Result<Vec<_>>>()?;
+        crate::collective::Collective::exchange(&*cx.pipe, views, into)?;
         for (buf, _, t, state) in recvs {
             state.with("a stage-to-stage receive", |mb| {
                 let stream = &mut mb.streams[0];
