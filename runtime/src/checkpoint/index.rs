@@ -63,10 +63,24 @@ pub struct CheckpointIndex {
 /// How the run that wrote a checkpoint was laid out.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LayoutRecord {
+    /// Every rank, every pipeline stage's: the rank files.
     pub ranks: usize,
     pub ep: usize,
+    /// Pipeline stages (`ranks / pp` data-parallel ranks each). Written
+    /// only when above 1, so a run without a pipeline writes the index it
+    /// always did; checkpoints written before the field existed read as 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pp: usize,
     pub sharding: Sharding,
     pub schedule: ScheduleKind,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -145,6 +159,13 @@ impl CheckpointIndex {
             return bad(format!(
                 "layout of {} ranks with ep {} is impossible (1 to {MAX_RANKS} ranks, ep dividing them); the index is damaged",
                 l.ranks, l.ep
+            ));
+        }
+        if l.pp == 0 || !l.ranks.is_multiple_of(l.pp) || !(l.ranks / l.pp).is_multiple_of(l.ep) {
+            return bad(format!(
+                "layout of {} ranks with pp {} and ep {} is impossible (pp dividing the ranks, ep the \
+                 data-parallel ranks of a stage); the index is damaged",
+                l.ranks, l.pp, l.ep
             ));
         }
         self.run
@@ -371,6 +392,32 @@ mod tests {
         ] {
             assert!(!is_plain_file_name(bad), "{bad:?}");
         }
+    }
+
+    /// A pipeline size is recorded where there is a pipeline; an index
+    /// without one (a run without a pipeline, or one written before the
+    /// field existed) reads as pp 1.
+    #[test]
+    fn the_pipeline_size_is_recorded_above_one_and_reads_as_one_when_absent() {
+        let record = |pp| LayoutRecord {
+            ranks: 4,
+            ep: 2,
+            pp,
+            sharding: Sharding::Zero3,
+            schedule: ScheduleKind::Overlap,
+        };
+        let two = serde_json::to_value(record(2)).unwrap();
+        assert_eq!(two["pp"], 2);
+        assert_eq!(
+            serde_json::from_value::<LayoutRecord>(two).unwrap(),
+            record(2)
+        );
+        let one = serde_json::to_value(record(1)).unwrap();
+        assert!(one.get("pp").is_none(), "{one}");
+        assert_eq!(
+            serde_json::from_value::<LayoutRecord>(one).unwrap(),
+            record(1)
+        );
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Loading a checkpoint onto this rank, whatever layout wrote it: each
 //! piece of a parameter (master weights and moments) this rank holds is
 //! assembled from the stored pieces that cover it, across rank files.
+//! Under pipeline parallelism a rank holds its stages' buckets only (both
+//! stages holding the shared embedding load it), whatever pipeline size
+//! wrote the checkpoint.
 //!
 //! The reads are planned first (which stored tensor, in which file, gives
 //! which elements of which target), then a thread of their own reads them
@@ -13,9 +16,8 @@
 
 use super::index::{CheckpointIndex, INDEX, TensorEntry};
 use super::stream::{self, StoredTensor};
-use super::{Resume, held_pieces, names};
+use super::{Resume, held_pieces, names, world_barrier};
 use crate::backend::Backend;
-use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::FsdpEngine;
@@ -53,7 +55,7 @@ pub fn load<D: Device>(
     // Where each assembled piece goes: a parameter piece's master weights
     // or moments (bucket, which, elements of the shard), or a bias.
     let mut targets: Vec<(Target, Assembly)> = Vec::new();
-    for (b, piece) in held_pieces(plan, &engine.layout(), rank.rank) {
+    for (b, piece) in held_pieces(plan, &engine.layout(), rank.world_rank()) {
         let entry = plans.entry(&piece.key, "tensor")?;
         let [p, m, v] = names(&piece.key);
         let mut tensors = vec![(p, Which::Master), (m, Which::ExpAvg)];
@@ -100,9 +102,10 @@ pub fn load<D: Device>(
         }
     }
     optimizer.set_steps(index.step);
-    // Collective: a rank that fails to load stops its peers here, before
-    // any of them starts a step, so the error reported is the load's.
-    rank.host.barrier()
+    // Collective over every stage's ranks: a rank that fails to load stops
+    // its peers here, before any of them starts a step, so the error
+    // reported is the load's.
+    world_barrier(rank)
 }
 
 /// Which of a bucket's buffers a piece loads into.

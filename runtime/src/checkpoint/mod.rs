@@ -4,10 +4,13 @@
 //!
 //! Each rank writes the pieces of parameters it owns, under their checkpoint
 //! keys (groups flattened, experts by global index; pattern.md), with its
-//! optimizer moments beside them. The index says which file holds which
-//! element range of each key, so a checkpoint can be loaded onto another
-//! layout (other rank counts, ZeRO-3 or `no_shard`) as well as the one that
-//! wrote it. It also records every file's CRC-32C (and each rank file its
+//! optimizer moments beside them. Under pipeline parallelism a rank owns
+//! pieces of its stages' buckets only, and its file is named by its world
+//! rank; the shared embedding's bucket is written by the first stage's
+//! ranks alone. The index says which file holds which element range of
+//! each key, so a checkpoint can be loaded onto another layout (other rank
+//! counts, ZeRO-3 or `no_shard`, another pipeline size) as well as the one
+//! that wrote it. It also records every file's CRC-32C (and each rank file its
 //! tensors'), checked on load, so damage is found and named rather than
 //! trained on.
 //!
@@ -45,6 +48,8 @@ pub use run::{DataRecord, RunSettings, RunState};
 pub use save::{RankSaves, SavedState, save, snapshot_bytes};
 
 use crate::backend::Backend;
+use crate::collective::Collective;
+use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::ShardLayout;
 use crate::optimizer::OptimizerKind;
@@ -210,6 +215,7 @@ impl Settled {
                     layout: LayoutRecord {
                         ranks: settings.ranks,
                         ep: settings.ep,
+                        pp: settings.pp,
                         sharding: settings.sharding,
                         schedule: settings.schedule,
                     },
@@ -235,19 +241,37 @@ struct OwnedPiece {
     in_shard: Range<usize>,
 }
 
-/// Whether world rank `r` writes the bucket kind at all: the ranks holding
-/// an EP rank's copy of a bucket write it (under `no_shard`, only the first
-/// of each group, since every rank holds whole buckets).
+/// Whether data-parallel rank `r` writes the bucket kind at all: the ranks
+/// holding an EP rank's copy of a bucket write it (under `no_shard`, only
+/// the first of each group, since every rank holds whole buckets).
 fn writes(layout: &ShardLayout, expert: bool, r: usize) -> bool {
     layout.holders(expert, r % layout.ep).contains(&r)
 }
 
-/// The pieces world rank `r` holds: what it loads. Computable for any
-/// rank, so rank 0 can write the whole index without asking the others.
-fn held_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
+/// Where world rank `w` is: its pipeline rank and its data-parallel rank
+/// within the stage (ranks are laid out pp x dp, `w = pp_rank * dp +
+/// dp_rank`, `layout.world` being dp). Without a pipeline, `(0, w)`.
+fn placed(layout: &ShardLayout, w: usize) -> (usize, usize) {
+    let dp = layout.world.max(1);
+    (w / dp, w % dp)
+}
+
+/// The pipeline rank that writes `bucket`: its first holder's (the shared
+/// embedding's bucket is held by the first and the last stage's ranks, and
+/// written once, by the first).
+fn writing_stage(plan: &Plan, bucket: &hybridgen_dsl::plan::Bucket) -> usize {
+    let stage = plan.bucket_stages(bucket).next().unwrap_or(0);
+    plan.stages.get(stage).map_or(0, |s| s.pp_rank)
+}
+
+/// The pieces world rank `w` holds: what it loads (its pipeline stages'
+/// buckets only). Computable for any rank, so rank 0 can write the whole
+/// index without asking the others.
+fn held_pieces(plan: &Plan, layout: &ShardLayout, w: usize) -> Vec<(usize, OwnedPiece)> {
     let ep = layout.ep;
+    let (pp_rank, r) = placed(layout, w);
     let mut out = Vec::new();
-    for bucket in plan.buckets.iter() {
+    for bucket in plan.buckets.iter().filter(|b| plan.holds(pp_rank, b)) {
         let owned = layout.owned_range(plan, bucket, r);
         for &p in bucket.params.iter() {
             let param = &plan.params[p];
@@ -269,12 +293,47 @@ fn held_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, Owned
     out
 }
 
-/// The pieces world rank `r` writes: those it holds, once per copy.
-fn written_pieces(plan: &Plan, layout: &ShardLayout, r: usize) -> Vec<(usize, OwnedPiece)> {
-    held_pieces(plan, layout, r)
+/// The pieces world rank `w` writes: those it holds, once per copy, and
+/// of a bucket two stages hold (the shared embedding), the first stage's.
+fn written_pieces(plan: &Plan, layout: &ShardLayout, w: usize) -> Vec<(usize, OwnedPiece)> {
+    let (pp_rank, r) = placed(layout, w);
+    held_pieces(plan, layout, w)
         .into_iter()
-        .filter(|(b, _)| writes(layout, plan.buckets[*b].expert, r))
+        .filter(|(b, _)| {
+            let bucket = &plan.buckets[*b];
+            writes(layout, bucket.expert, r) && writing_stage(plan, bucket) == pp_rank
+        })
         .collect()
+}
+
+/// Every world rank's `values` (the same length on every rank), by world
+/// rank: the stage's ranks' gathered over `host`, then the stages' over
+/// `pipe_host`, in pipeline order. Without a pipeline, `host`'s alone.
+fn world_all_gather_host<D: Device>(
+    rank: &RankContext<D>,
+    values: &[f64],
+) -> Result<Vec<Vec<f64>>> {
+    let stage = rank.host.all_gather_host(values)?;
+    if rank.pipe_host.size() <= 1 {
+        return Ok(stage);
+    }
+    let n = values.len().max(1);
+    let stages = rank.pipe_host.all_gather_host(&stage.concat())?;
+    Ok(stages
+        .iter()
+        .flat_map(|theirs| theirs.chunks(n).map(<[f64]>::to_vec))
+        .collect())
+}
+
+/// Returns once every rank of the run (every stage's) has called it: the
+/// stage's ranks meet, then each with its peers of the other stages, so
+/// no rank leaves before every rank has come.
+fn world_barrier<D: Device>(rank: &RankContext<D>) -> Result<()> {
+    rank.host.barrier()?;
+    if rank.pipe_host.size() > 1 {
+        rank.pipe_host.barrier()?;
+    }
+    Ok(())
 }
 
 /// Where a tensor `save` writes comes from: a range of a device buffer, or
@@ -533,6 +592,7 @@ pub fn write_fresh(
         layout: LayoutRecord {
             ranks: 1,
             ep: 1,
+            pp: 1,
             sharding: crate::fsdp::Sharding::NoShard,
             schedule: crate::schedule::ScheduleKind::Overlap,
         },
@@ -549,4 +609,109 @@ pub fn write_fresh(
     let text = index.to_sealed_text()?;
     durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
     root.commit(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fsdp::Sharding;
+    use hybridgen_dsl::plan::Owner;
+    use hybridgen_dsl::{ModelConfig, ParallelLayout, PlanOptions};
+
+    fn plan(pattern: &str, pp: usize, dp: usize, ep: usize) -> Plan {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.pattern = pattern.into();
+        let options = PlanOptions {
+            layout: ParallelLayout {
+                pp,
+                ..ParallelLayout::new(dp, ep)
+            },
+            ..PlanOptions::default()
+        };
+        Plan::new(&model, &options).unwrap_or_else(|e| panic!("{pattern} pp {pp}: {e}"))
+    }
+
+    /// Under every pipeline layout the world ranks' written pieces tile
+    /// every key exactly once (the shared embedding's included), each
+    /// rank writes and loads its own stages' buckets only, and both
+    /// holders of the shared embedding load it.
+    #[test]
+    fn world_ranks_write_every_element_once_and_load_their_stages() {
+        for (pattern, pp, dp, ep) in [
+            ("M[*E]|M-[*E]", 2, 1, 1),
+            ("M[*E]|M-[*E]", 2, 2, 2),
+            ("M[*E]|M-[*E]/*E", 2, 2, 2),
+            ("[ME]*|E[*E]|M-|[*E]E", 4, 2, 2),
+            ("[ME]*|E[*E]|M-|[*E]E", 2, 2, 1),
+            ("M[*E]-", 1, 2, 2),
+        ] {
+            let plan = plan(pattern, pp, dp, ep);
+            let shared = plan.shares_embedding();
+            let tied = plan.model.tie_embeddings;
+            assert_eq!(
+                shared,
+                pp > 1 && (tied || pattern.contains('/')),
+                "{pattern} pp {pp}"
+            );
+            for sharding in [Sharding::Zero3, Sharding::NoShard] {
+                let layout = ShardLayout::of(&plan, sharding);
+                let case = format!("{pattern} pp {pp} dp {dp} ep {ep} {sharding:?}");
+                let mut written: BTreeMap<String, Vec<Range<usize>>> = BTreeMap::new();
+                for w in 0..pp * dp {
+                    let pp_rank = w / dp;
+                    for (b, piece) in written_pieces(&plan, &layout, w) {
+                        let bucket = &plan.buckets[b];
+                        assert_eq!(writing_stage(&plan, bucket), pp_rank, "{case}: rank {w}");
+                        written.entry(piece.key).or_default().push(piece.elements);
+                    }
+                    for (b, piece) in held_pieces(&plan, &layout, w) {
+                        assert!(plan.holds(pp_rank, &plan.buckets[b]), "{case}: rank {w}");
+                        let embedding = plan.params[piece.param].owner == Owner::Embedding;
+                        if embedding && shared {
+                            assert!(plan.is_shared_bucket(&plan.buckets[b]), "{case}");
+                        }
+                    }
+                    // A holder of the embedding loads all of it over its
+                    // stage's ranks: the last stage too where it is shared.
+                    let embedding_loaded = (0..dp)
+                        .flat_map(|r| held_pieces(&plan, &layout, pp_rank * dp + r))
+                        .filter(|(_, p)| plan.params[p.param].owner == Owner::Embedding)
+                        .count()
+                        > 0;
+                    let pp_rank_of = |s: usize| plan.stages.get(s).map_or(0, |s| s.pp_rank);
+                    let (first, last) = (
+                        pp_rank_of(plan.first_stage()),
+                        pp_rank_of(plan.last_stage()),
+                    );
+                    assert_eq!(
+                        embedding_loaded,
+                        pp_rank == first || (shared && pp_rank == last),
+                        "{case}: rank {w}"
+                    );
+                }
+                let mut expected = BTreeMap::new();
+                for param in plan.params.iter() {
+                    let def = plan.def(param);
+                    let copies = if def.local_expert.is_some() { ep } else { 1 };
+                    for e in 0..copies {
+                        expected.insert(plan.checkpoint_key(param, e), def.numel());
+                    }
+                }
+                assert_eq!(
+                    written.keys().collect::<Vec<_>>(),
+                    expected.keys().collect::<Vec<_>>(),
+                    "{case}"
+                );
+                for (key, mut pieces) in written {
+                    pieces.sort_by_key(|p| p.start);
+                    let mut at = 0;
+                    for piece in pieces {
+                        assert_eq!(piece.start, at, "{case}: {key} written twice or not at all");
+                        at = piece.end;
+                    }
+                    assert_eq!(at, expected[&key], "{case}: {key}");
+                }
+            }
+        }
+    }
 }

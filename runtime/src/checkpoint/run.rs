@@ -5,8 +5,8 @@
 //! deterministic, so the data's position is the step, and the run's future
 //! is decided by the tensors, the step and the settings recorded here. A
 //! resume takes each setting the user left out from the checkpoint; one the
-//! user gave must agree with it, except the layout (ranks, ep, ZeRO stage,
-//! schedule), which may change because checkpoints reshard.
+//! user gave must agree with it, except the layout (ranks, ep, pp, ZeRO
+//! stage, schedule), which may change because checkpoints reshard.
 
 use super::ResumeFrom;
 use super::crc32c::{Crc32c, hex};
@@ -254,6 +254,12 @@ impl DataRecord {
     }
 }
 
+/// Whether `setting` is part of the layout, which a resume may change
+/// (checkpoints reshard): [`Setting::is_layout`]'s, and the pipeline size.
+fn is_layout(setting: Setting) -> bool {
+    setting.is_layout() || setting == Setting::Pp
+}
+
 /// A resume's settings settled against its checkpoint.
 pub(crate) struct Settled {
     pub settings: RunSettings,
@@ -289,7 +295,7 @@ impl Settler<'_> {
         let inherit = self.inherits(setting);
         let spelling = self.settings.spelling;
         let mine = field(&mut self.settings);
-        if mine == theirs || (setting.is_layout() && !inherit) {
+        if mine == theirs || (is_layout(setting) && !inherit) {
             return Ok(());
         }
         if inherit {
@@ -473,8 +479,13 @@ pub(crate) fn settle(
         |v| plain(v),
         |c| &mut c.ranks,
     )?;
-    // The checkpoint's ep only where it divides the ranks this run has.
-    if s.settings.ranks.is_multiple_of(layout.ep) {
+    // The checkpoint's pp only where it divides the ranks this run has,
+    // and its ep only where it divides their stages' data-parallel ranks.
+    if s.settings.ranks.is_multiple_of(layout.pp) {
+        s.setting(Setting::Pp, &layout.pp, |v| plain(v), |c| &mut c.pp)?;
+    }
+    let dp = s.settings.ranks / s.settings.pp.max(1);
+    if dp.is_multiple_of(layout.ep) {
         s.setting(Setting::Ep, &layout.ep, |v| plain(v), |c| &mut c.ep)?;
     }
     s.setting(

@@ -1,6 +1,10 @@
-//! Saving a checkpoint: each rank writes its rank file into the step's
-//! `.partial` directory, then rank 0 writes the index and commits the step
-//! (`root`). The rank file is written one of two ways:
+//! Saving a checkpoint: each rank writes its rank file (named by its world
+//! rank, every pipeline stage's ranks counted) into the step's `.partial`
+//! directory, then world rank 0 writes the index and commits the step
+//! (`root`). The exchanges of a save (the directory made before any file,
+//! the files' sizes and checksums, the progress of saves behind the steps)
+//! span every stage's ranks: the stage's over `host`, then the stages'
+//! over `pipe_host`. The rank file is written one of two ways:
 //!
 //! - [`save`] streams it from the device a chunk at a time while the steps
 //!   wait: a chunk of host memory, and the step time of the whole write.
@@ -21,9 +25,10 @@ use super::durable;
 use super::index::{CheckpointIndex, FORMAT, FileEntry, INDEX, Piece, TensorEntry, VERSION};
 use super::root::rank_file;
 use super::stream::{self, RankFileWriter};
-use super::{SaveTarget, TensorSource, names, written_pieces};
+use super::{
+    SaveTarget, TensorSource, names, world_all_gather_host, world_barrier, written_pieces,
+};
 use crate::backend::Backend;
-use crate::collective::Collective;
 use crate::device::{Device, RankContext};
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::{FsdpEngine, ShardLayout};
@@ -80,8 +85,9 @@ pub fn save<D: Device>(
 }
 
 /// A save begun: its `.partial` directory made, this rank's file named,
-/// and on rank 0 the index without its files' sizes and checksums (the
-/// layout and the expert biases' keys fix everything else at the start).
+/// and on world rank 0 the index without its files' sizes and checksums
+/// (the layout and the expert biases' keys fix everything else at the
+/// start).
 struct Begun {
     step: u64,
     path: PathBuf,
@@ -97,22 +103,25 @@ impl Begun {
         rank: &RankContext<D>,
     ) -> Result<Begun> {
         let root = &target.root;
-        if rank.rank == 0 {
+        let me = rank.world_rank();
+        if me == 0 {
             root.begin(step)?;
         }
-        rank.host.barrier()?;
+        // Every stage's ranks write into the directory world rank 0 made.
+        world_barrier(rank)?;
         let layout = state.engine.layout();
-        let draft = (rank.rank == 0)
-            .then(|| draft_index(target, step, state.plan, &layout, biases, rank.world));
+        let world = rank.world * rank.pp.max(1);
+        let draft =
+            (me == 0).then(|| draft_index(target, step, state.plan, &layout, biases, world));
         Ok(Begun {
             step,
-            path: root.partial_dir(step).join(rank_file(rank.rank)),
+            path: root.partial_dir(step).join(rank_file(me)),
             draft,
         })
     }
 
-    /// Gathers every rank's file size and checksum; rank 0 writes the index
-    /// and commits the step. Every rank calls it.
+    /// Gathers every rank's file size and checksum (by world rank); world
+    /// rank 0 writes the index and commits the step. Every rank calls it.
     fn commit<D: Device>(
         &self,
         target: &SaveTarget,
@@ -120,7 +129,7 @@ impl Begun {
         rank: &RankContext<D>,
     ) -> Result<PathBuf> {
         // Both exact in f64.
-        let all = rank.host.all_gather_host(&[f64::from(crc), bytes as f64])?;
+        let all = world_all_gather_host(rank, &[f64::from(crc), bytes as f64])?;
         if let Some(draft) = &self.draft {
             let mut index = draft.clone();
             index.files = all
@@ -139,13 +148,14 @@ impl Begun {
             durable::write_file(&partial.join(INDEX), text.as_bytes(), "index")?;
             target.root.commit(self.step)?;
         }
-        rank.host.barrier()?;
+        world_barrier(rank)?;
         Ok(target.root.step_dir(self.step))
     }
 }
 
-/// The index of step `step` as `world` ranks of `layout` write it, with no
-/// files yet: which file holds which elements of each key.
+/// The index of step `step` as the `world` ranks (every stage's, `layout`
+/// giving a stage's) write it, with no files yet: which file holds which
+/// elements of each key.
 fn draft_index(
     target: &SaveTarget,
     step: u64,
@@ -172,7 +182,9 @@ fn draft_index(
                 });
         }
     }
-    // The expert biases are the same on every rank: rank 0 keeps them.
+    // The expert biases are the same on every rank (every stage's too: each
+    // keeps every layer's, moved by the loads summed over all ranks):
+    // world rank 0 keeps them.
     for (key, values) in biases {
         let piece = Piece {
             file: rank_file(0),
@@ -201,7 +213,7 @@ fn draft_index(
 
 /// This rank's tensors in its file's order, each named and with where its
 /// values come from: each written piece's master weights and moments, and
-/// on rank 0 the expert biases.
+/// on world rank 0 the expert biases.
 fn rank_tensors<'a, D: Device>(
     state: &SavedState<'a, D>,
     biases: &'a [(String, Vec<f32>)],
@@ -210,7 +222,8 @@ fn rank_tensors<'a, D: Device>(
     let backend = &rank.backend;
     let (engine, optimizer) = (state.engine, state.optimizer);
     let mut tensors = Vec::new();
-    for (b, piece) in written_pieces(state.plan, &engine.layout(), rank.rank) {
+    let me = rank.world_rank();
+    for (b, piece) in written_pieces(state.plan, &engine.layout(), me) {
         let shard = &engine.shards()[b];
         let state = &optimizer.states()[b];
         let [p, m, v] = names(&piece.key);
@@ -221,7 +234,7 @@ fn rank_tensors<'a, D: Device>(
             tensors.push((v, from(&state.exp_avg_sq)));
         }
     }
-    if rank.rank == 0 {
+    if me == 0 {
         for (key, values) in biases {
             let [p, _, _] = names(key);
             tensors.push((p, TensorSource::Host(values)));
@@ -268,7 +281,9 @@ fn write_streamed<B: Backend>(
 
 /// The host memory a save behind the steps (`SaveInFlight`) takes for
 /// world rank `r`'s copy of its checkpoint tensors (bytes): its written
-/// pieces' master weights and moments, and on rank 0 the expert biases.
+/// pieces' master weights and moments (of its pipeline stages' buckets),
+/// and on world rank 0 the expert biases. `r` counts every stage's ranks
+/// (`pp_rank * dp + dp_rank`, `layout.world` being dp).
 pub fn snapshot_bytes(
     plan: &Plan,
     layout: &ShardLayout,
@@ -533,7 +548,7 @@ impl SaveInFlight {
         let stop = abandon.clone();
         let path = begun.path.clone();
         let writer = std::thread::Builder::new()
-            .name(format!("save-rank-{}", rank.rank))
+            .name(format!("save-rank-{}", rank.world_rank()))
             .spawn(move || {
                 let write = || {
                     for part in snapshot.chunks(stream::CHUNK) {
@@ -630,7 +645,7 @@ impl SaveInFlight {
             Some(Ok(_)) => WRITTEN,
             Some(Err(_)) => FAILED,
         };
-        let all = rank.host.all_gather_host(&[state])?;
+        let all = world_all_gather_host(rank, &[state])?;
         if state == FAILED
             && let Some(Err(e)) = self.written.take()
         {

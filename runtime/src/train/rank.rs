@@ -225,7 +225,7 @@ impl<'a, D: Device> RankRun<'a, D> {
                         &self.plan,
                         &self.engine.layout(),
                         config.optimizer.kind,
-                        self.rank.rank,
+                        self.rank.world_rank(),
                     );
                     (bytes / 4) as usize
                 },
