@@ -14,6 +14,18 @@
 //! Every rank of a group must call the same collectives in the same order;
 //! an implementation detects a mismatch or a rank that stalls past its
 //! timeout and fails with an error naming the rank, rather than hanging.
+//!
+//! Point-to-point ([`Collective::send_recv`]) is the exception: a pipeline
+//! stage sends its activations to the next stage and its gradients back, so
+//! only the two ranks of a transfer take part, and the other ranks of the
+//! group go on with their own calls. Messages from one rank to another are
+//! matched in the order they were sent; a call's send and receive progress
+//! together, so neighbours that exchange in one call never wait on each
+//! other. The CPU and the copy transport buffer a send (it returns before
+//! the receive is posted) and check that the receiving view has the sent
+//! dtype and length; NCCL moves the data once both halves are posted, and
+//! sees no peer's arguments (as for all-to-all's counts), so there the
+//! callers must pair them right.
 
 use crate::backend::{Backend, Slice, SliceMut};
 use crate::error::Result;
@@ -67,17 +79,32 @@ pub trait Collective<B: Backend>: Send + Sync {
 
     /// Point-to-point, a pipeline's stage-to-stage transfer: sends `send`
     /// to rank `to` of this group and/or receives into `recv` from rank
-    /// `from` (each optional).
+    /// `from` (each optional; a call with neither is an error). Only the
+    /// two ranks of a transfer take part; it is no round of the whole
+    /// group. Messages from one rank to another are matched in the order
+    /// they were sent. The receiving view must have the sent dtype and
+    /// length: where the transport sees both (the CPU, the copy transport)
+    /// a mismatch fails the receiver, and the sender at its next call on
+    /// the group (or at once if it is waiting in one), with an error naming
+    /// the two ranks, dtypes and lengths; NCCL cannot see the peer's
+    /// arguments without a host round trip, so there a mismatch is the
+    /// callers' error, shown as a stall that the timeout ends.
+    ///
+    /// The two halves of one call progress together (NCCL: one group), so
+    /// two ranks that send to each other in the same call never wait on
+    /// each other. A send may be done before its receive is posted (the CPU
+    /// and the copy transport buffer it) or may not (NCCL enqueues it, and
+    /// its stream waits there for the peer); callers pair their calls so
+    /// that neither matters (each rank's schedule issues the partner halves
+    /// in the same order). Sending to or receiving from oneself, or a rank
+    /// outside the group, is an error. A peer that never posts the matching
+    /// half makes the call fail after the group's timeout, naming the peer
+    /// (NCCL: the bounded wait on the stream that holds the transfer).
     fn send_recv(
         &self,
         send: Option<(Slice<'_, B>, usize)>,
         recv: Option<(SliceMut<'_, B>, usize)>,
-    ) -> Result<()> {
-        let _ = (send, recv);
-        Err(crate::error::RuntimeError::Unsupported(
-            "this transport has no point-to-point transfers yet".into(),
-        ))
-    }
+    ) -> Result<()>;
 
     /// A pipeline rank's stage-to-stage exchange: every send of `sends`
     /// and every receive of `recvs` (views with the peer's rank in this

@@ -1,8 +1,9 @@
-//! The NCCL communicator on GPUs: every collective against the values it
-//! must give, the host-side exchanges, splits, repeatability, and the ways
-//! it fails (a rank that never joins, a peer that never calls, an abort
-//! from another thread, a raised signal) ending within their deadlines
-//! with errors that name the ranks.
+//! The NCCL communicator on GPUs: every collective and point-to-point
+//! transfer against the values it must give, the host-side exchanges,
+//! splits, repeatability, and the ways it fails (a rank that never joins,
+//! a peer that never calls or never sends, an abort from another thread, a
+//! raised signal) ending within their deadlines with errors that name the
+//! ranks.
 //!
 //! One process, a thread per GPU (as the single-process platform runs).
 //! What runs on one GPU is checked with a communicator of one rank. The
@@ -878,6 +879,174 @@ fn on_two_gpus_an_abort_or_a_signal_ends_a_pending_collective() {
             assert_contains(&err, &["rank 1: aborted: its optimizer step failed"]);
             assert!(start.elapsed() < Duration::from_secs(20));
             assert!(comm.is_aborted());
+        });
+    });
+}
+
+/// Point-to-point between two GPUs: the ranks send to each other in one
+/// call (one NCCL group, so neither waits on the other), large and small;
+/// messages of several dtypes from one rank to the other arrive in order,
+/// bit for bit, in calls of their own and several to a group; empty views
+/// move nothing; bad peers and overlapping views are refused, naming the
+/// call, and leave the communicator usable.
+#[test]
+#[ignore = "needs two GPUs"]
+fn on_two_gpus_point_to_point_passes_messages_both_ways_and_in_order() {
+    with_gpus(2, || {
+        world(2, Duration::from_secs(60), |r, comm, stream| {
+            let other = 1 - r;
+            for (round, len) in [(0u64, 1001), (1, 1 << 20), (2, 3)] {
+                let mine: Vec<f32> = (0..len).map(|i| noise(10 * round + r as u64, i)).collect();
+                let send = Buf::new(&stream, &mine, DType::F32);
+                let recv = Buf::<f32>::zeros(&stream, len, DType::F32);
+                comm.send_recv(
+                    Some((send.view(&stream), other)),
+                    Some((recv.view(&stream), other)),
+                )
+                .unwrap();
+                let want: Vec<f32> = (0..len)
+                    .map(|i| noise(10 * round + other as u64, i))
+                    .collect();
+                assert_eq!(
+                    bits_f32(&recv.read(&stream, &comm)),
+                    bits_f32(&want),
+                    "rank {r}, round {round}"
+                );
+            }
+            let halves: Vec<bf16> = (0..777).map(|i| bf16::from_f32(noise(7, i))).collect();
+            let words: Vec<u32> = (0..513u32).map(|i| i.wrapping_mul(0x9E37_79B9)).collect();
+            let floats: Vec<f32> = (0..65).map(|i| noise(8, i)).collect();
+            if r == 0 {
+                let a = Buf::new(&stream, &halves, DType::Bf16);
+                let b = Buf::new(&stream, &words, DType::U32);
+                let c = Buf::new(&stream, &floats, DType::F32);
+                for view in [a.view(&stream), b.view(&stream), c.view(&stream)] {
+                    comm.send_recv(Some((view, 1)), None).unwrap();
+                }
+                comm.send_recv(Some((c.part(&stream, 0, 0), 1)), None)
+                    .unwrap();
+                settle(&stream, &comm);
+            } else {
+                let a = Buf::<bf16>::zeros(&stream, 777, DType::Bf16);
+                let b = Buf::<u32>::zeros(&stream, 513, DType::U32);
+                let c = Buf::<f32>::zeros(&stream, 65, DType::F32);
+                for view in [a.view(&stream), b.view(&stream), c.view(&stream)] {
+                    comm.send_recv(None, Some((view, 0))).unwrap();
+                }
+                comm.send_recv(None, Some((c.part(&stream, 0, 0), 0)))
+                    .unwrap();
+                assert_eq!(a.read(&stream, &comm), halves);
+                assert_eq!(b.read(&stream, &comm), words);
+                assert_eq!(bits_f32(&c.read(&stream, &comm)), bits_f32(&floats));
+            }
+            // Several transfers as one group: two each way, matched in the
+            // order they were posted.
+            let first: Vec<f32> = (0..300).map(|i| noise(20 + r as u64, i)).collect();
+            let second: Vec<bf16> = (0..77)
+                .map(|i| bf16::from_f32(noise(30 + r as u64, i)))
+                .collect();
+            let (x, y) = (
+                Buf::new(&stream, &first, DType::F32),
+                Buf::new(&stream, &second, DType::Bf16),
+            );
+            let (rx, ry) = (
+                Buf::<f32>::zeros(&stream, 300, DType::F32),
+                Buf::<bf16>::zeros(&stream, 77, DType::Bf16),
+            );
+            comm.send_recv_all(
+                &[(x.view(&stream), other), (y.view(&stream), other)],
+                &[(rx.view(&stream), other), (ry.view(&stream), other)],
+            )
+            .unwrap();
+            let want: Vec<f32> = (0..300).map(|i| noise(20 + other as u64, i)).collect();
+            assert_eq!(bits_f32(&rx.read(&stream, &comm)), bits_f32(&want));
+            let want: Vec<bf16> = (0..77)
+                .map(|i| bf16::from_f32(noise(30 + other as u64, i)))
+                .collect();
+            assert_eq!(ry.read(&stream, &comm), want);
+            let buf = Buf::<f32>::zeros(&stream, 8, DType::F32);
+            let err = comm
+                .send_recv(Some((buf.view(&stream), r)), None)
+                .unwrap_err();
+            let call = format!("rank {r}: send_recv (sending 8 f32 elements to rank {r}) on world");
+            assert_contains(&err, &[&call, "cannot send to itself"]);
+            let err = comm
+                .send_recv(None, Some((buf.view(&stream), 2)))
+                .unwrap_err();
+            assert_contains(&err, &["cannot receive from rank 2: the group has 2 ranks"]);
+            let err = comm
+                .send_recv(
+                    Some((buf.part(&stream, 0, 6), other)),
+                    Some((buf.part(&stream, 4, 4), other)),
+                )
+                .unwrap_err();
+            assert_contains(&err, &["the send and recv buffers overlap"]);
+            let err = comm.send_recv(None, None).unwrap_err();
+            assert_contains(
+                &err,
+                &["send_recv (nothing)", "neither a send nor a receive"],
+            );
+            comm.barrier().unwrap();
+            comm.check().unwrap();
+        });
+    });
+}
+
+/// A receive whose peer never sends stalls the stream until the wait on it
+/// times out, naming the peer's group, and aborts the communicator, which
+/// ends the stalled receive.
+#[test]
+#[ignore = "needs two GPUs"]
+fn on_two_gpus_a_receive_nobody_sends_times_out_and_the_stream_drains() {
+    with_gpus(2, || {
+        let timeout = Duration::from_secs(2);
+        world(2, timeout, |r, comm, stream| {
+            // One exchange both ways first: NCCL connects a pair's
+            // point-to-point channels on first use.
+            let send = Buf::new(&stream, &vec![1.0f32; 1024], DType::F32);
+            let recv = Buf::<f32>::zeros(&stream, 1024, DType::F32);
+            comm.send_recv(
+                Some((send.view(&stream), 1 - r)),
+                Some((recv.view(&stream), 1 - r)),
+            )
+            .unwrap();
+            settle(&stream, &comm);
+            comm.barrier().unwrap();
+            if r == 1 {
+                // Rank 1 never sends; it keeps its communicator until rank 0
+                // has given up.
+                std::thread::sleep(timeout * 3);
+                return;
+            }
+            comm.send_recv(None, Some((recv.view(&stream), 1))).unwrap();
+            let start = Instant::now();
+            let err = StreamWait {
+                rank: 0,
+                timeout,
+                comms: &[&comm],
+                signal: None,
+            }
+            .stream(&stream, "the receive from rank 1")
+            .unwrap_err();
+            let waited = start.elapsed();
+            println!("a receive nobody sends: {err} (after {waited:?})");
+            assert_contains(
+                &err,
+                &[
+                    "rank 0: timed out after 2s waiting for the receive from rank 1 on cuda:0",
+                    "ranks [1] of world",
+                ],
+            );
+            assert!(waited < timeout + Duration::from_secs(10), "{waited:?}");
+            assert!(comm.is_aborted());
+            StreamWait {
+                rank: 0,
+                timeout: Duration::from_secs(30),
+                comms: &[],
+                signal: None,
+            }
+            .stream(&stream, "the stream after the abort")
+            .expect("the aborted receive ends");
         });
     });
 }

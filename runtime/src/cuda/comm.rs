@@ -250,6 +250,72 @@ impl Collective<CudaBackend> for CudaComm {
         }
     }
 
+    fn send_recv(
+        &self,
+        send: Option<(Slice<'_, CudaBackend>, usize)>,
+        recv: Option<(SliceMut<'_, CudaBackend>, usize)>,
+    ) -> Result<()> {
+        match &self.group {
+            Group::Solo(_) => {
+                let peers: Vec<String> = [
+                    send.as_ref().map(|(_, to)| format!("send to rank {to}")),
+                    recv.as_ref()
+                        .map(|(_, from)| format!("receive from rank {from}")),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                let asked = if peers.is_empty() {
+                    "neither a send nor a receive was given".to_string()
+                } else {
+                    format!("asked to {}", peers.join(" and "))
+                };
+                Err(mismatch(
+                    "send_recv",
+                    format!(
+                        "a group of one rank has no peer to send to or receive from ({asked}); \
+                         point-to-point transfers need a group of two ranks or more"
+                    ),
+                ))
+            }
+            Group::Nccl(comm) => comm.send_recv(
+                send.map(|(view, to)| (self.v(view), to)),
+                recv.map(|(view, from)| (self.m(&view), from)),
+            ),
+            Group::Copy(comm) => comm.send_recv(send, recv),
+        }
+    }
+
+    fn exchange(
+        &self,
+        sends: Vec<(Slice<'_, CudaBackend>, usize)>,
+        recvs: Vec<(SliceMut<'_, CudaBackend>, usize)>,
+    ) -> Result<()> {
+        match &self.group {
+            // An NCCL send waits on its stream for its receive: one group,
+            // or two neighbours sending to each other first would wait on
+            // each other.
+            Group::Nccl(comm) if !sends.is_empty() || !recvs.is_empty() => {
+                let sends: Vec<(GpuView, usize)> =
+                    sends.into_iter().map(|(v, to)| (self.v(v), to)).collect();
+                let recvs: Vec<(GpuView, usize)> =
+                    recvs.iter().map(|(v, from)| (self.m(v), *from)).collect();
+                comm.send_recv_all(&sends, &recvs)
+            }
+            // Buffered sends (the copy transport) need no group; a group of
+            // one refuses any transfer.
+            _ => {
+                for send in sends {
+                    self.send_recv(Some(send), None)?;
+                }
+                for recv in recvs {
+                    self.send_recv(None, Some(recv))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     fn split(&self, color: usize) -> Result<Self> {
         match &self.group {
             // A group of one splits into itself, whatever the colour.

@@ -34,15 +34,26 @@
 //! does, to the platform's [`RetiredEvents`], back to their pools only
 //! when the platform goes (after every rank's thread has ended), so no
 //! peer thread can pass a destroyed or reused event to the driver.
+//!
+//! Point-to-point transfers ([`PeerCopyComm::send_recv`]) are buffered, as
+//! on the CPU, and take no round: the send copies its view into a new
+//! buffer of its GPU, records an event after the copy on its queue, and
+//! leaves both (a [`Parcel`]) in the rendezvous's mailbox to the receiver
+//! ([`DeviceP2p`]: matched in order, checked for dtype and length, waited
+//! for under the timeout); the receiver's queue waits on the event, on the
+//! GPU, and copies the buffer out. The event goes back to its pool once
+//! that wait is issued; the buffer is freed once the receiver's copy has
+//! run, which its next transfer (or its communicator's drop) finds by an
+//! event recorded after the copy.
 
-use super::CudaBackend;
 use super::buffer::{view_mut_on, view_on};
 use super::launch::MAX_SHARES;
 use super::nccl::arguments;
 use super::queue::{QueueSet, RawEvent};
+use super::{CudaBackend, CudaBuf, GpuView};
 use crate::backend::{Backend, Slice, SliceMut};
 use crate::collective::Collective;
-use crate::cpu::collective::{CpuComm, DeviceRound, OpKind};
+use crate::cpu::collective::{CpuComm, DeviceP2p, DeviceRound, Half, OpKind};
 use crate::error::Result;
 use crate::view::DType;
 use cudarc::driver::{result, sys};
@@ -85,6 +96,42 @@ struct Posting {
     recv_counts: Vec<usize>,
 }
 
+/// A point-to-point message: the sent elements, copied into a buffer of
+/// the sender's GPU (none when empty), and an event recorded on the
+/// sender's queue after that copy. The event goes back to the sender's
+/// pool when the parcel is dropped: by then the receiver's wait on it has
+/// been issued (a wait captures the record it waits for), or never will be.
+struct Parcel {
+    stage: Option<CudaBuf>,
+    /// The buffer's device address (0 when empty).
+    ptr: u64,
+    /// The sender's context, as a plain number.
+    context: usize,
+    ready: RawEvent,
+    queues: Arc<QueueSet>,
+}
+
+impl Parcel {
+    /// Gives up the buffer without freeing it: a copy out of it may still
+    /// be queued, with no event to say when it has run.
+    fn leak(&mut self) {
+        std::mem::forget(self.stage.take());
+    }
+}
+
+impl Drop for Parcel {
+    fn drop(&mut self) {
+        self.queues.give_event(self.ready);
+    }
+}
+
+/// A received parcel whose buffer this rank's queue may still be copying
+/// out of, until `copied` (recorded after the copy) completes.
+struct Received {
+    parcel: Parcel,
+    copied: RawEvent,
+}
+
 /// One rank's communicator on the copy transport.
 pub struct PeerCopyComm {
     /// The rendezvous, and every host-side collective.
@@ -102,6 +149,8 @@ pub struct PeerCopyComm {
     /// The peers' contexts (as plain numbers) this rank's kernels may read
     /// the memory of: peer access is on.
     reachable: Arc<[usize]>,
+    /// Parcels received, freed once their copies have run.
+    received: Mutex<Vec<Received>>,
 }
 
 impl PeerCopyComm {
@@ -125,6 +174,7 @@ impl PeerCopyComm {
             calls: AtomicU64::new(0),
             retired,
             reachable,
+            received: Mutex::new(Vec::new()),
         })
     }
 
@@ -195,11 +245,11 @@ impl PeerCopyComm {
         Ok(())
     }
 
-    /// Copies `bytes` from `src` in `from`'s context to `dst` in this
+    /// Copies `bytes` from `src` in context `from_context` to `dst` in this
     /// rank's, on this rank's queue: within one GPU a device copy, else a
     /// peer copy (the copy engines, over NVLink where peers can reach each
     /// other).
-    fn copy(&self, from: &Posting, src: u64, dst: u64, bytes: usize) -> Result<()> {
+    fn copy(&self, from_context: usize, src: u64, dst: u64, bytes: usize) -> Result<()> {
         // An in-place all-gather's own shard is where it goes already.
         if bytes == 0 || src == dst {
             return Ok(());
@@ -209,13 +259,13 @@ impl PeerCopyComm {
         // caller checked the lengths, and the peer's buffer is held until
         // this queue's copies are done (the second round).
         unsafe {
-            if from.context == mine as usize {
+            if from_context == mine as usize {
                 result::memcpy_dtod_async(dst, src, bytes, self.raw_stream())
             } else {
                 result::memcpy_peer_async(
                     mine,
                     dst,
-                    from.context as sys::CUcontext,
+                    from_context as sys::CUcontext,
                     src,
                     bytes,
                     self.raw_stream(),
@@ -273,7 +323,12 @@ impl PeerCopyComm {
             self.wait_for_peers(&postings)?;
             let bytes = shard.len * shard.dtype.bytes();
             for (j, posting) in postings.iter().enumerate() {
-                self.copy(posting, posting.ptr, full.ptr + (j * bytes) as u64, bytes)?;
+                self.copy(
+                    posting.context,
+                    posting.ptr,
+                    full.ptr + (j * bytes) as u64,
+                    bytes,
+                )?;
             }
             self.finish(round, done)
         })
@@ -315,7 +370,7 @@ impl PeerCopyComm {
         let slots = view_on(b.view(&parts)?, b.queue_index()).ptr;
         for (j, posting) in postings.iter().enumerate() {
             let slot = slots + (j * s * 4) as u64;
-            self.copy(posting, posting.ptr + offset, slot, s * 4)?;
+            self.copy(posting.context, posting.ptr + offset, slot, s * 4)?;
         }
         b.copy(b.view(&parts)?.slice(0..s)?, out.reborrow())?;
         for j in 1..postings.len() {
@@ -406,7 +461,12 @@ impl PeerCopyComm {
                 let offset: usize = sender.send_counts[..me].iter().sum();
                 let count = recv_counts[i];
                 let src = sender.ptr + (offset * size) as u64;
-                self.copy(sender, src, recv.ptr + (at * size) as u64, count * size)?;
+                self.copy(
+                    sender.context,
+                    src,
+                    recv.ptr + (at * size) as u64,
+                    count * size,
+                )?;
                 at += count;
             }
             self.finish(round, done)
@@ -414,8 +474,156 @@ impl PeerCopyComm {
     }
 }
 
+impl PeerCopyComm {
+    /// Point-to-point ([`Collective::send_recv`]): `send` to a rank of the
+    /// group and/or `recv` from one, buffered (see the module's comment).
+    /// The send's copy and the receive's wait and copy run on this rank's
+    /// queue; the host waits only for the peer's message to be posted.
+    pub fn send_recv(
+        &self,
+        send: Option<(Slice<'_, CudaBackend>, usize)>,
+        recv: Option<(SliceMut<'_, CudaBackend>, usize)>,
+    ) -> Result<()> {
+        let queue = self.backend.queue_index();
+        let send_view = send.map(|(view, to)| (view_on(view, queue), to));
+        let recv_view = recv
+            .as_ref()
+            .map(|(view, from)| (view_mut_on(view, queue), *from));
+        let half = |(view, peer): &(GpuView, usize)| Half {
+            peer: *peer,
+            dtype: view.dtype,
+            len: view.len,
+        };
+        let p2p = self
+            .host
+            .device_p2p(send_view.as_ref().map(half), recv_view.as_ref().map(half))?;
+        if let Err(problem) = arguments::send_recv(
+            self.size(),
+            self.rank(),
+            send_view.as_slice(),
+            recv_view.as_slice(),
+        ) {
+            return Err(p2p.reject(problem));
+        }
+        let result = (|| {
+            self.reclaim()?;
+            if let Some((view, _)) = send {
+                self.send_parcel(&p2p, view)?;
+            }
+            if let Some((view, _)) = recv_view {
+                self.receive_parcel(&p2p, view)?;
+            }
+            Ok(())
+        })();
+        if let Err(error) = &result {
+            p2p.abandon(error);
+        }
+        result
+    }
+
+    /// Copies `view` into a new buffer on this rank's queue, records the
+    /// parcel's event after it and posts the parcel.
+    fn send_parcel(&self, p2p: &DeviceP2p<'_>, view: Slice<'_, CudaBackend>) -> Result<()> {
+        let b = &self.backend;
+        let stage = if !view.is_empty() {
+            let stage = b.alloc_uninit(view.len(), view.dtype())?;
+            b.copy(view, b.view_mut(&stage)?)?;
+            Some(stage)
+        } else {
+            None
+        };
+        let parcel = Parcel {
+            ptr: stage.as_ref().map_or(0, CudaBuf::device_ptr),
+            stage,
+            context: b.gpu().context().cu_ctx() as usize,
+            ready: self.queues.take_event()?,
+            queues: self.queues.clone(),
+        };
+        // A parcel dropped on a failure frees its buffer fenced on this
+        // queue, behind the copy into it.
+        self.queues.record(parcel.ready, b.stream())?;
+        p2p.send(parcel)
+    }
+
+    /// Takes the peer's parcel, makes this rank's queue wait for its event
+    /// and copies it into `view`; the parcel is kept until the copy has run.
+    fn receive_parcel(&self, p2p: &DeviceP2p<'_>, view: GpuView) -> Result<()> {
+        let mut parcel: Parcel = p2p.receive()?;
+        let stream = self.backend.stream();
+        // Taken before the copy is queued, so that a failure to take one
+        // leaves nothing reading the parcel's buffer.
+        let copied = self.queues.take_event()?;
+        let queued = (|| {
+            self.queues.wait_on(stream, parcel.ready)?;
+            self.copy(
+                parcel.context,
+                parcel.ptr,
+                view.ptr,
+                view.len * view.dtype.bytes(),
+            )?;
+            self.queues.record(copied, stream)
+        })();
+        if let Err(error) = queued {
+            // Whether the copy was queued is unknown: the buffer stays
+            // allocated rather than be reused under it.
+            parcel.leak();
+            self.queues.give_event(copied);
+            return Err(error);
+        }
+        self.received
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Received { parcel, copied });
+        Ok(())
+    }
+
+    /// Frees the parcels whose copies out have run.
+    fn reclaim(&self) -> Result<()> {
+        self.queues.bind()?;
+        let done = {
+            let mut received = self.received.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut done = Vec::new();
+            let mut i = 0;
+            while i < received.len() {
+                if self.queues.query(received[i].copied)? {
+                    done.push(received.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            done
+        };
+        if done.is_empty() {
+            return Ok(());
+        }
+        for Received { parcel, copied } in done {
+            self.queues.give_event(copied);
+            drop(parcel);
+        }
+        // Freeing a buffer of another GPU made its context current here.
+        self.queues.bind()
+    }
+}
+
 impl Drop for PeerCopyComm {
     fn drop(&mut self) {
         self.retired.keep(&self.queues, self.events.drain(..));
+        // The parcels still being copied out are freed once the copies have
+        // run (a bounded wait: the queue is normally idle by now), or
+        // leaked if they never do.
+        let received = std::mem::take(
+            self.received
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for Received { mut parcel, copied } in received {
+            let what = || "the copy out of a point-to-point message".to_string();
+            if self.queues.wait_event(copied, &what).is_ok() {
+                self.queues.give_event(copied);
+            } else {
+                parcel.leak();
+                self.retired.keep(&self.queues, [copied]);
+            }
+        }
     }
 }

@@ -215,6 +215,49 @@ impl Collective<CpuBackend> for CpuComm {
     fn split(&self, color: usize) -> Result<CpuComm> {
         CpuComm::split(self, color)
     }
+
+    fn send_recv(
+        &self,
+        send: Option<(Slice<'_, CpuBackend>, usize)>,
+        recv: Option<(SliceMut<'_, CpuBackend>, usize)>,
+    ) -> Result<()> {
+        let half = |peer: usize, dtype: DType, len: usize| Half { peer, dtype, len };
+        let (_in_call, p2p) = self.begin_p2p(
+            send.as_ref().map(|(v, to)| half(*to, v.dtype(), v.len())),
+            recv.as_ref()
+                .map(|(v, from)| half(*from, v.dtype(), v.len())),
+        )?;
+        // Both views are registered before anything moves, so a receive
+        // that aliases the send is refused rather than half done.
+        let k = KernelAccess::new("send_recv", "comm");
+        let outgoing = match send {
+            Some((view, _)) => Some(
+                k.bytes_in(view)
+                    .map_err(|e| self.reject(&p2p, e.to_string()))?
+                    .to_vec(),
+            ),
+            None => None,
+        };
+        let incoming = match recv {
+            Some((view, _)) => Some(
+                k.bytes_out(view)
+                    .map_err(|e| self.reject(&p2p, e.to_string()))?,
+            ),
+            None => None,
+        };
+        if let (Some(bytes), Some(half)) = (outgoing, p2p.send) {
+            self.post(&p2p, half, Contents::Bytes(bytes))?;
+        }
+        if let (Some(out), Some(half)) = (incoming, p2p.recv) {
+            match self.collect(&p2p, half)? {
+                Contents::Bytes(bytes) => out.copy_from_slice(&bytes),
+                Contents::Parcel(_) => {
+                    return Err(self.internal(&p2p, "a rank sent a parcel, not bytes"));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `out[k] = ((c0[range][k] + c1[range][k]) + c2[range][k]) + ...`.

@@ -130,6 +130,49 @@ pub(crate) fn all_to_all(
     Ok(())
 }
 
+/// Point-to-point transfers issued together, each a view and a peer (a
+/// rank of the group): at least one, peers in the group and none this
+/// rank, and no byte a receive writes shared with any other view (they
+/// all run at once).
+pub(crate) fn send_recv(
+    ranks: usize,
+    rank: usize,
+    sends: &[(GpuView, usize)],
+    recvs: &[(GpuView, usize)],
+) -> Result<(), Problem> {
+    if sends.is_empty() && recvs.is_empty() {
+        return Err("neither a send nor a receive was given".into());
+    }
+    let halves = sends
+        .iter()
+        .map(|half| (half, "send to", "send"))
+        .chain(recvs.iter().map(|half| (half, "receive from", "recv")));
+    for ((_, peer), verb, _) in halves.clone() {
+        if *peer >= ranks {
+            return Err(format!(
+                "cannot {verb} rank {peer}: the group has {ranks} ranks"
+            ));
+        }
+        if *peer == rank {
+            return Err(format!("cannot {verb} itself (rank {peer} is this rank)"));
+        }
+    }
+    let ranges = halves
+        .map(|((view, _), _, name)| range_of(name, view).map(|range| (range, name)))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Receives come after the sends: each is checked against every view
+    // before it.
+    for (i, (written, _)) in ranges.iter().enumerate().skip(sends.len()) {
+        if let Some((_, other)) = ranges[..i].iter().find(|(r, _)| overlaps(*r, *written)) {
+            return Err(match *other {
+                "send" => "the send and recv buffers overlap".into(),
+                _ => "two recv buffers overlap".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn f32_only(name: &str, view: &GpuView) -> Result<(), Problem> {
     if view.dtype == DType::F32 {
         Ok(())
@@ -271,6 +314,39 @@ mod tests {
         assert_eq!(err, "the send and recv buffers overlap");
         let err = all_to_all(2, 0, &send, &[usize::MAX, 1], &recv, &[2, 2]).unwrap_err();
         assert!(err.contains("overflow"), "{err}");
+    }
+
+    #[test]
+    fn send_recv_checks_peers_and_overlap() {
+        let a = view(0x1000, 4, DType::F32);
+        let b = view(0x2000, 4, DType::Bf16);
+        assert!(send_recv(3, 1, &[(a, 2)], &[(b, 0)]).is_ok());
+        assert!(send_recv(3, 1, &[(a, 0)], &[]).is_ok());
+        assert!(send_recv(3, 1, &[], &[(b, 2)]).is_ok());
+        let err = send_recv(3, 1, &[], &[]).unwrap_err();
+        assert_eq!(err, "neither a send nor a receive was given");
+        let err = send_recv(3, 1, &[(a, 1)], &[]).unwrap_err();
+        assert_eq!(err, "cannot send to itself (rank 1 is this rank)");
+        let err = send_recv(3, 1, &[], &[(b, 3)]).unwrap_err();
+        assert_eq!(err, "cannot receive from rank 3: the group has 3 ranks");
+        let err = send_recv(3, 1, &[(a, 0)], &[(view(0x100c, 2, DType::F32), 2)]).unwrap_err();
+        assert_eq!(err, "the send and recv buffers overlap");
+        // Views that only touch share no byte.
+        assert!(send_recv(3, 1, &[(a, 0)], &[(view(0x1010, 2, DType::F32), 2)]).is_ok());
+        // Several at once: sends may share bytes (they are only read), two
+        // receives may not.
+        assert!(
+            send_recv(
+                3,
+                1,
+                &[(a, 0), (a, 2)],
+                &[(b, 0), (view(0x2008, 4, DType::Bf16), 2)]
+            )
+            .is_ok()
+        );
+        let err =
+            send_recv(3, 1, &[(a, 0)], &[(b, 0), (view(0x2004, 1, DType::F32), 2)]).unwrap_err();
+        assert_eq!(err, "two recv buffers overlap");
     }
 
     #[test]

@@ -187,6 +187,132 @@ impl NcclComm {
         })
     }
 
+    /// Point-to-point: `send` (a view and a rank of this group) is sent to
+    /// that rank and/or `recv` receives from one, as one NCCL group, so
+    /// two ranks that send to each other in one call do not wait on each
+    /// other ([`Self::send_recv_all`] with at most one of each).
+    pub fn send_recv(
+        &self,
+        send: Option<(GpuView, usize)>,
+        recv: Option<(GpuView, usize)>,
+    ) -> Result<()> {
+        self.send_recv_all(send.as_slice(), recv.as_slice())
+    }
+
+    /// Every transfer of `sends` and `recvs` (each a view and a rank of
+    /// this group) as one NCCL group (`ncclSend` and `ncclRecv` between
+    /// `ncclGroupStart` and `ncclGroupEnd`): none waits on another, so a
+    /// stage can exchange with both neighbours at once. Enqueued on the
+    /// stream like the other device collectives: NCCL moves each transfer
+    /// once both ranks have posted it, pairs a pair's transfers in the
+    /// order they were posted, and the stream waits there until then. The
+    /// peers' dtypes and lengths are not checked (NCCL does not see them
+    /// without a host round trip, as for [`Self::all_to_all`]'s counts): a
+    /// mismatch shows as a stall that the timeout ends. Empty views move
+    /// nothing.
+    pub fn send_recv_all(
+        &self,
+        sends: &[(GpuView, usize)],
+        recvs: &[(GpuView, usize)],
+    ) -> Result<()> {
+        let call = self.p2p_name(sends, recvs);
+        let _busy = self.begin(&call)?;
+        arguments::send_recv(self.size, self.rank, sends, recvs)
+            .map_err(|p| self.refuse(&call, p))?;
+        self.check()?;
+        let moving = |halves: &[(GpuView, usize)]| -> Vec<(GpuView, usize)> {
+            halves
+                .iter()
+                .copied()
+                .filter(|(view, _)| view.len > 0)
+                .collect()
+        };
+        let (sends, recvs) = (moving(sends), moving(recvs));
+        let mut peers: Vec<usize> = sends
+            .iter()
+            .chain(&recvs)
+            .map(|(_, p)| self.members[*p])
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let peers = match peers.as_slice() {
+            [] => return Ok(()),
+            [one] => format!("rank {one}"),
+            many => format!("ranks {many:?}"),
+        };
+        self.issue_with(&call, &peers, |api, raw, stream| {
+            // SAFETY: each view lies inside a live buffer (its length and
+            // dtype are the view's), no receive shares a byte with another
+            // view (checked), and the peers are ranks of this communicator
+            // other than this one (checked). The group is always closed, so
+            // NCCL's thread-local group state stays balanced even when a
+            // call in it fails.
+            unsafe {
+                let started = (api.group_start)();
+                if started != 0 {
+                    return started;
+                }
+                let mut first_failure = 0;
+                for (view, to) in &sends {
+                    let sent = (api.send)(
+                        view.ptr as *const c_void,
+                        view.len,
+                        arguments::nccl_type(view.dtype),
+                        *to as c_int,
+                        raw,
+                        stream,
+                    );
+                    if first_failure == 0 {
+                        first_failure = sent;
+                    }
+                }
+                for (view, from) in &recvs {
+                    let received = (api.recv)(
+                        view.ptr as *mut c_void,
+                        view.len,
+                        arguments::nccl_type(view.dtype),
+                        *from as c_int,
+                        raw,
+                        stream,
+                    );
+                    if first_failure == 0 {
+                        first_failure = received;
+                    }
+                }
+                let ended = (api.group_end)();
+                if first_failure == 0 {
+                    ended
+                } else {
+                    first_failure
+                }
+            }
+        })
+    }
+
+    /// "send_recv (sending 4 f32 elements to rank 1, receiving 4 f32
+    /// elements from rank 3)", in world ranks.
+    fn p2p_name(&self, sends: &[(GpuView, usize)], recvs: &[(GpuView, usize)]) -> String {
+        let world = |peer: usize| self.members.get(peer).copied().unwrap_or(peer);
+        let halves: Vec<String> = sends
+            .iter()
+            .map(|half| (half, "sending", "to"))
+            .chain(recvs.iter().map(|half| (half, "receiving", "from")))
+            .map(|((view, peer), verb, preposition)| {
+                format!(
+                    "{verb} {} {} elements {preposition} rank {}",
+                    view.len,
+                    view.dtype,
+                    world(*peer)
+                )
+            })
+            .collect();
+        if halves.is_empty() {
+            "send_recv (nothing)".into()
+        } else {
+            format!("send_recv ({})", halves.join(", "))
+        }
+    }
+
     // ---- host-side exchanges -------------------------------------------------------------
 
     /// Host-side all-to-all of small count vectors: `send[j]` goes to rank

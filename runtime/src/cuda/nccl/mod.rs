@@ -699,6 +699,17 @@ impl NcclComm {
         call: &str,
         enqueue: impl FnOnce(&NcclApi, sys::ncclComm_t, sys::cudaStream_t) -> u32,
     ) -> Result<()> {
+        self.issue_with(call, &self.peers(), enqueue)
+    }
+
+    /// [`Self::issue`], naming `peers` (the ranks the call connects to) if
+    /// NCCL is still connecting at the timeout.
+    fn issue_with(
+        &self,
+        call: &str,
+        peers: &str,
+        enqueue: impl FnOnce(&NcclApi, sys::ncclComm_t, sys::cudaStream_t) -> u32,
+    ) -> Result<()> {
         self.stream
             .context()
             .bind_to_thread()
@@ -732,10 +743,9 @@ impl NcclComm {
         self.settle(&doing, || {
             format!(
                 "timed out after {timeout:?} issuing {call} on {}: NCCL was still connecting \
-                 to {} (a peer that stalled or died says why in its own error); if the peers \
-                 are only slow, raise --timeout",
+                 to {peers} (a peer that stalled or died says why in its own error); if the \
+                 peers are only slow, raise --timeout",
                 self.group_name,
-                self.peers()
             )
         })
     }
