@@ -55,7 +55,7 @@ mkdir -p "$bundle/bench"
 cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --message-format=json \
   | collect bench "$bundle/bench"
 cargo build --release --bin hybridgen
-cp target/release/hybridgen "$bundle/hybridgen"
+cp "${CARGO_TARGET_DIR:-target}/release/hybridgen" "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
 cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh scripts/checkpoint_gpu.sh \
