@@ -7,8 +7,12 @@
 //! The inputs are generated: patterns of every symbol, grouped and
 //! ungrouped, with and without MTP depths; every kind of unit choice (the
 //! default, `group`, kind lists, mixes of both, the empty filter, which
-//! leaves layers in no unit between units); ranks, expert parallelism,
-//! schedule, sharding, recomputation and precision. The seed is fixed, so a
+//! leaves layers in no unit between units); `|` stage boundaries (empty
+//! segments included) and pipeline parallelism, with and without virtual
+//! stages; ranks, expert parallelism, schedule, sharding, recomputation and
+//! precision. A case with stages also trains as one stage, and the two
+//! agree: bit for bit, but for the sums pipeline parallelism groups
+//! otherwise (docs/pipeline.md). The seed is fixed, so a
 //! run is reproducible, and a failure is shrunk to a minimal case before it
 //! is reported. `HYBRIDGEN_PLAN_CASES=N` runs N cases instead of the
 //! default; `HYBRIDGEN_PLAN_SEED=S` draws another set.
@@ -65,8 +69,13 @@ struct Case {
     mtp: Vec<char>,
     mtp_depths: usize,
     units: Units,
+    /// Data-parallel ranks a stage.
     ranks: usize,
     ep: usize,
+    /// Pipeline ranks, and where the `|`s go: before item `i` for each `i`
+    /// listed (repeats make empty segments); `pp x` virtual stages of them.
+    pp: usize,
+    bars: Vec<usize>,
     micro_batches: usize,
     schedule: ScheduleKind,
     sharding: Sharding,
@@ -77,7 +86,10 @@ struct Case {
 impl Case {
     fn pattern(&self) -> String {
         let mut out = String::new();
-        for item in &self.items {
+        for (i, item) in self.items.iter().enumerate() {
+            for _ in self.bars.iter().filter(|&&b| b == i) {
+                out.push('|');
+            }
             match item {
                 Item::Layer(c) => out.push(*c),
                 Item::Group(pre, terminal) => {
@@ -88,11 +100,30 @@ impl Case {
                 }
             }
         }
+        for _ in self.bars.iter().filter(|&&b| b >= self.items.len()) {
+            out.push('|');
+        }
         for _ in 0..self.mtp_depths {
             out.push('/');
             out.extend(self.mtp.iter());
         }
         out
+    }
+
+    /// The same model on one pipeline rank: no bars, every stage's ranks'
+    /// data-parallel rank alone.
+    fn one_stage(&self) -> Case {
+        Case {
+            pp: 1,
+            bars: Vec::new(),
+            ..self.clone()
+        }
+    }
+
+    /// Whether the first and the last stage's ranks each hold the
+    /// embedding (MTP depths look it up on the last).
+    fn shares_embedding(&self, plan: &Plan) -> bool {
+        plan.shares_embedding()
     }
 
     /// The training configuration of this case, on `schedule` and
@@ -105,8 +136,9 @@ impl Case {
         config.micro_batches = self.micro_batches;
         config.micro_batch_size = 1;
         config.seq_length = 16;
-        config.ranks = self.ranks;
+        config.ranks = self.ranks * self.pp;
         config.ep = self.ep;
+        config.pp = self.pp;
         config.schedule = schedule;
         config.sharding = sharding;
         config.recompute = self.recompute;
@@ -119,7 +151,10 @@ impl Case {
         let mut model = ModelConfig::preset("tiny").unwrap();
         model.pattern = self.pattern();
         let options = PlanOptions {
-            layout: ParallelLayout::new(self.ranks, self.ep),
+            layout: ParallelLayout {
+                pp: self.pp,
+                ..ParallelLayout::new(self.ranks, self.ep)
+            },
             unit_filter: self.units.filter(),
             ..PlanOptions::default()
         };
@@ -150,12 +185,13 @@ impl fmt::Debug for Case {
         };
         write!(
             f,
-            "hybridgen train --device cpu --pattern '{}'{units} --ranks {} --ep {} \
+            "hybridgen train --device cpu --pattern '{}'{units} --ranks {} --ep {} --pp {} \
              --micro-batches {} --micro-batch-size 1 --seq-len 16 --steps 2 --schedule {} \
              --zero {} --recompute {recompute} --precision {}",
             self.pattern(),
-            self.ranks,
+            self.ranks * self.pp,
             self.ep,
+            self.pp,
             self.micro_batches,
             match self.schedule {
                 ScheduleKind::Overlap => "overlap",
@@ -247,11 +283,24 @@ fn layout() -> impl Strategy<Value = (usize, usize)> {
     ]
 }
 
+/// (pp, virtual stages a rank): one rank now and then with `|`s anyway.
+fn pipeline() -> impl Strategy<Value = (usize, usize)> {
+    prop_oneof![
+        4 => Just((1, 1)),
+        1 => Just((1, 2)),
+        3 => Just((2, 1)),
+        1 => Just((2, 2)),
+        1 => Just((4, 1)),
+    ]
+}
+
 fn case() -> impl Strategy<Value = Case> {
     prop_oneof![3 => Just('*'), 1 => Just('+')]
         .prop_flat_map(|attention| {
             (
                 proptest::collection::vec(item(attention), 0..6),
+                pipeline(),
+                proptest::collection::vec(any::<u8>(), 8),
                 proptest::collection::vec(layer(attention), 1..3),
                 prop_oneof![3 => Just(0usize), 2 => Just(1), 1 => Just(2)],
                 units(),
@@ -270,6 +319,8 @@ fn case() -> impl Strategy<Value = Case> {
         .prop_map(
             |(
                 items,
+                (pp, virtual_stages),
+                cuts,
                 mtp,
                 mtp_depths,
                 units,
@@ -279,18 +330,42 @@ fn case() -> impl Strategy<Value = Case> {
                 sharding,
                 recompute,
                 precision,
-            )| Case {
-                items,
-                mtp,
-                mtp_depths,
-                units,
-                ranks,
-                ep,
-                micro_batches,
-                schedule,
-                sharding,
-                recompute,
-                precision,
+            )| {
+                // Segments at item boundaries, so no bar cuts a group;
+                // empty ones now and then.
+                let segments = pp * virtual_stages;
+                let mut bars: Vec<usize> = cuts
+                    .iter()
+                    .take(segments - 1)
+                    .map(|&c| usize::from(c) % (items.len() + 1))
+                    .collect();
+                bars.sort_unstable();
+                // Eight threads at most: pp 4 with two ranks a stage.
+                let (ranks, ep) = if pp * ranks > 8 {
+                    (2, ep.min(2))
+                } else {
+                    (ranks, ep)
+                };
+                // Interleaving takes micro-batches in groups of pp.
+                let micro_batches = match virtual_stages {
+                    1 => micro_batches,
+                    _ => micro_batches.div_ceil(pp) * pp,
+                };
+                Case {
+                    items,
+                    mtp,
+                    mtp_depths,
+                    units,
+                    ranks,
+                    ep,
+                    pp,
+                    bars,
+                    micro_batches,
+                    schedule,
+                    sharding,
+                    recompute,
+                    precision,
+                }
             },
         )
         // A model needs a layer somewhere.
@@ -307,8 +382,15 @@ fn trained(case: &Case, config: &TrainConfig) -> Result<Option<Curve>, TestCaseE
     let prepared = match prepare(config) {
         Ok(prepared) => prepared,
         Err(e) => {
-            // The only refusal a valid plan may meet here: a layer kind the
-            // runtime cannot train yet, named, as the configuration's fault.
+            // The refusals a valid plan may meet here: virtual stages that
+            // empty segments leave uneven over the ranks, named as such; a
+            // layer kind the runtime cannot train yet, named, as the
+            // configuration's fault.
+            let message = e.to_string();
+            if message.contains("different numbers of virtual stages") {
+                prop_assert_eq!(e.code(), "invalid_config", "{}", e);
+                return Ok(None);
+            }
             let pattern = case.pattern();
             let lacking = pattern.contains('G') || pattern.contains('D');
             prop_assert!(lacking, "refused a plan it must train: {e}");
@@ -385,7 +467,53 @@ fn agrees(case: &Case) -> Result<(), TestCaseError> {
         "ZeRO-3 and no-shard disagree ({} units)",
         plan.units.len()
     );
+    if case.pp > 1 || !case.bars.is_empty() {
+        let one = case.one_stage();
+        let Some(alone) = trained(&one, &one.config(case.schedule, case.sharding))? else {
+            return Err(TestCaseError::fail("one stage refused what stages trained"));
+        };
+        stages_agree(&first, &alone, case.shares_embedding(&plan))?;
+    }
     TRAINED.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A pipeline's curve against one stage's: the losses bit for bit and the
+/// parameter hash; the aux loss's report and the gradient norm, which
+/// stages sum in other groups, to rounding. Where the last stage shares the
+/// embedding, its gradient is summed in another order too: the first
+/// step's losses are still equal, the rest to a tolerance.
+fn stages_agree(staged: &Curve, alone: &Curve, shared: bool) -> Result<(), TestCaseError> {
+    let close = |a: u64, b: u64, rel: f64| {
+        let (a, b) = (f64::from_bits(a), f64::from_bits(b));
+        (a.is_nan() && b.is_nan()) || (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-30)
+    };
+    for (step, (s, a)) in staged.0.iter().zip(&alone.0).enumerate() {
+        let exact = !shared || step == 0;
+        for (i, what) in ["loss", "MTP loss"].into_iter().enumerate() {
+            if exact {
+                prop_assert_eq!(
+                    s[i],
+                    a[i],
+                    "step {} {} with stages vs one stage",
+                    step,
+                    what
+                );
+            } else {
+                prop_assert!(close(s[i], a[i], 1e-4), "step {} {}", step, what);
+            }
+        }
+        let rel = if shared { 1e-4 } else { 1e-9 };
+        prop_assert!(close(s[2], a[2], rel), "step {} aux loss", step);
+        prop_assert!(close(s[3], a[3], rel), "step {} gradient norm", step);
+    }
+    if !shared {
+        prop_assert_eq!(
+            staged.1,
+            alone.1,
+            "final parameters with stages vs one stage"
+        );
+    }
     Ok(())
 }
 
