@@ -44,7 +44,7 @@ pub(crate) struct PrepareArgs {
     #[arg(long, value_name = "KEY", default_value = "text")]
     json_key: String,
     /// The end-of-document token appended to every document [default: the
-    /// tokenizer's first of <|endoftext|>, </s>, <eos>, <|end_of_text|>,
+    /// tokenizer's first of `<|endoftext|>`, `</s>`, `<eos>`, `<|end_of_text|>`,
     /// [SEP]].
     #[arg(long, value_name = "TOKEN")]
     eod_token: Option<String>,

@@ -46,7 +46,7 @@ impl ParallelLayout {
     }
 
     /// The expert-data-parallel size: ranks an expert's shard group spans.
-    /// For a layout that passed [`ParallelLayout::check`] (every plan's):
+    /// For a layout that passed `ParallelLayout::check` (every plan's):
     /// `ep` is at least 1 and divides `dp`.
     pub fn expert_dp(&self) -> usize {
         self.dp / self.ep

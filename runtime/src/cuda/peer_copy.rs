@@ -12,7 +12,7 @@
 //! (this GPU's memory, or a peer GPU's the context has peer access to) in
 //! one kernel; only where a peer's memory is out of reach do its shares
 //! come over by copy first. A collective is two rounds of the host-side
-//! rendezvous the CPU's collectives use ([`DeviceRound`]: the group's calls
+//! rendezvous the CPU's collectives use (`DeviceRound`: the group's calls
 //! numbered and checked alike, a peer that fails, leaves or stalls past the
 //! timeout reported instead of waited on):
 //! 1. each rank posts its buffer's address and an event recorded on its
@@ -38,8 +38,8 @@
 //! Point-to-point transfers ([`PeerCopyComm::send_recv`]) are buffered, as
 //! on the CPU, and take no round: the send copies its view into a new
 //! buffer of its GPU, records an event after the copy on its queue, and
-//! leaves both (a [`Parcel`]) in the rendezvous's mailbox to the receiver
-//! ([`DeviceP2p`]: matched in order, checked for dtype and length, waited
+//! leaves both (a `Parcel`) in the rendezvous's mailbox to the receiver
+//! (`DeviceP2p`: matched in order, checked for dtype and length, waited
 //! for under the timeout); the receiver's queue waits on the event, on the
 //! GPU, and copies the buffer out. The event goes back to its pool once
 //! that wait is issued; the buffer is freed once the receiver's copy has

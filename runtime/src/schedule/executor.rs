@@ -133,7 +133,7 @@ pub type AfterStep<'a, D> = dyn FnMut(&FsdpEngine<D>, &[EventOf<D>]) + 'a;
 /// arena, has been retired, so every arena sees the same sequence of
 /// allocations in every step: after the first step, nothing is allocated.
 /// The host waits for old retirements before starting more than
-/// [`RETIRED_IN_FLIGHT`] beyond them, so what it holds does not grow with
+/// `RETIRED_IN_FLIGHT` beyond them, so what it holds does not grow with
 /// the number of micro-batches either.
 pub fn run_step<D: Device>(
     program: &Program,

@@ -205,7 +205,7 @@ pub enum ScheduleKind {
 ///
 /// Stored compactly: both schedules repeat one stretch of instructions per
 /// micro-batch with only the micro-batch indices moving on, so a program is a
-/// few [`Block`]s whose size depends on the model, not on the number of
+/// few `Block`s whose size depends on the model, not on the number of
 /// micro-batches; [`Program::instrs`] expands them as the executor walks.
 ///
 /// Only [`build`] makes one, and it checks what it made ([`Program::check`]):

@@ -174,7 +174,7 @@ pub(super) fn api() -> Result<&'static NcclApi> {
         .map_err(|what| unavailable(what.clone()))
 }
 
-/// The loaded library's version; see [`api`].
+/// The loaded library's version; see `api`.
 pub fn nccl_version() -> Result<NcclVersion> {
     api().map(|api| api.version)
 }

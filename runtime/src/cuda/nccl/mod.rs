@@ -10,7 +10,7 @@
 //! - Host-side exchanges (count vectors, small f64 vectors, barriers, the
 //!   colours of a split) go through NCCL too, on a small device staging
 //!   buffer allocated at construction (grown only when a call needs more),
-//!   followed by a bounded wait; their encoding is in [`host_exchange`].
+//!   followed by a bounded wait; their encoding is in `host_exchange`.
 //! - Every communicator is non-blocking (`ncclCommInitRankConfig` with
 //!   `blocking = 0`): NCCL calls return at once and the caller polls
 //!   `ncclCommGetAsyncError`, so joining a communicator, splitting one and
