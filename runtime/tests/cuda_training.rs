@@ -482,7 +482,12 @@ fn pipeline_stages_on_one_gpu_train_like_one_stage() {
             };
             for (a, b) in one.iter().zip(&r) {
                 println!("step {}: pp 1 {} pp {pp} {}", a.step, a.loss, b.loss);
-                assert!(relative(b.loss, a.loss) <= tolerance, "{} vs {}", b.loss, a.loss);
+                assert!(
+                    relative(b.loss, a.loss) <= tolerance,
+                    "{} vs {}",
+                    b.loss,
+                    a.loss
+                );
             }
             println!(
                 "stages waited {:?} (1F1B's bubble {:?})",
