@@ -154,7 +154,7 @@ impl Setting {
     pub fn is_layout(self) -> bool {
         matches!(
             self,
-            Setting::Ranks | Setting::Ep | Setting::Sharding | Setting::Schedule
+            Setting::Ranks | Setting::Ep | Setting::Pp | Setting::Sharding | Setting::Schedule
         )
     }
 }

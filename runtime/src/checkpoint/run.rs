@@ -254,12 +254,6 @@ impl DataRecord {
     }
 }
 
-/// Whether `setting` is part of the layout, which a resume may change
-/// (checkpoints reshard): [`Setting::is_layout`]'s, and the pipeline size.
-fn is_layout(setting: Setting) -> bool {
-    setting.is_layout() || setting == Setting::Pp
-}
-
 /// A resume's settings settled against its checkpoint.
 pub(crate) struct Settled {
     pub settings: RunSettings,
@@ -295,7 +289,7 @@ impl Settler<'_> {
         let inherit = self.inherits(setting);
         let spelling = self.settings.spelling;
         let mine = field(&mut self.settings);
-        if mine == theirs || (is_layout(setting) && !inherit) {
+        if mine == theirs || (setting.is_layout() && !inherit) {
             return Ok(());
         }
         if inherit {
