@@ -23,8 +23,8 @@
 //! coarse enough that a layer is a dozen calls.
 //!
 //! The kernels come in families, a module each ([`dense`], [`layout`],
-//! [`norm`], [`conv`], [`scan`], [`attention`], [`lookup`], [`moe`],
-//! [`optim`]): its dimension types, the trait of kernels a backend
+//! [`norm`], [`conv`], [`scan`], [`delta`], [`attention`], [`lookup`],
+//! [`moe`], [`optim`]): its dimension types, the trait of kernels a backend
 //! implements ([`NormKernels`], ...), and one check a kernel over
 //! device-neutral facts (each view's length and dtype, an
 //! [`Operand`](crate::view::Operand)). The [`Backend`] method of a kernel
@@ -41,6 +41,7 @@ use std::ops::Range;
 
 pub mod attention;
 pub mod conv;
+pub mod delta;
 pub mod dense;
 pub mod layout;
 pub mod lookup;
@@ -54,6 +55,7 @@ pub use attention::{
     AttentionBackend, AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing,
 };
 pub use conv::{ConvDims, ConvKernels};
+pub use delta::{DeltaDims, DeltaGrads, DeltaInputs, DeltaKernels};
 pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
@@ -183,6 +185,7 @@ pub trait Backend:
     + NormKernels<<Self as Backend>::Buf>
     + ConvKernels<<Self as Backend>::Buf>
     + ScanKernels<<Self as Backend>::Buf>
+    + DeltaKernels<<Self as Backend>::Buf>
     + AttentionKernels<<Self as Backend>::Buf>
     + LookupKernels<<Self as Backend>::Buf>
     + MoeKernels<<Self as Backend>::Buf>
@@ -329,6 +332,9 @@ pub trait Backend:
     // ---- kernels: Mamba ------------------------------------------------------
     conv::conv_methods!();
     scan::scan_methods!();
+
+    // ---- kernels: gated delta net ------------------------------------------
+    delta::delta_methods!();
 
     // ---- kernels: attention ----------------------------------------------------
     attention::attention_methods!();

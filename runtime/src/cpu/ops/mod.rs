@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod conv;
+pub mod delta;
 pub mod dense;
 pub mod layout;
 pub mod lookup;

@@ -10,6 +10,7 @@
 pub mod attention;
 pub mod attention_flash;
 pub mod conv;
+pub mod delta;
 pub mod dense;
 pub mod grouped_gemm;
 pub mod layout;
