@@ -4,11 +4,14 @@ use super::{Failure, human};
 use hybridgen_dsl::config::ModelConfig;
 use hybridgen_dsl::pattern::LayerKind;
 use hybridgen_dsl::plan::{
-    Bucket, FsdpUnit, LayerInfo, MtpLayerInfo, ScheduleNode, Slot, Stage, UnitFilter, UnitShape,
+    Bucket, FsdpUnit, LayerInfo, MtpLayerInfo, ScheduleNode, Slot, Stage, StageMemory, UnitFilter,
+    UnitShape,
 };
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::backend::{Precision, Tokens};
-use hybridgen_runtime::memory::{ElementSizes, activations, layer_kinds, plan_activations};
+use hybridgen_runtime::memory::{
+    ElementSizes, activations, layer_kinds, plan_activations, stage_activations,
+};
 use hybridgen_runtime::recompute::Recompute;
 use serde::Serialize;
 use serde::ser::{SerializeMap, SerializeStruct, Serializer};
@@ -275,7 +278,67 @@ fn write_text(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Result<()
         human::bytes(m.total),
         human::bytes(plan.memory_plain.total)
     )?;
+    if plan.layout.pp > 1 {
+        write_stage_memory(plan, tokens, out)?;
+    }
     write_activations(plan, tokens, out)
+}
+
+/// Under pipeline parallelism, a row per pipeline rank: the buckets of its
+/// stages (what a rank of it holds, the shared embedding on the first and
+/// the last stage's rank) as the block above counts a rank's, and one
+/// micro-batch's activations of its stages' layers in bf16.
+fn write_stage_memory(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Result<()> {
+    let sizes = ElementSizes::cpu(Precision::Bf16);
+    writeln!(
+        out,
+        "\nmemory per pipeline rank, ZeRO-3: the buckets of its stages (the figures above count \
+         every stage's), and one micro-batch's activations of its stages' layers in bf16, kept"
+    )?;
+    writeln!(
+        out,
+        "  {:<8} {:<7} {:<11} {:>9} {:>12} {:>12} {:>12}  also runs",
+        "pp rank", "stages", "layers", "params", "overlap", "plain", "activations"
+    )?;
+    for stage in plan.stage_memory() {
+        let join = |items: Vec<String>| items.join(",");
+        let stages = join(stage.stages.iter().map(usize::to_string).collect());
+        let layers = join(
+            stage
+                .layers
+                .iter()
+                .map(|l| format!("{}..{}", l.start, l.end))
+                .collect(),
+        );
+        let activations =
+            stage_activations(plan, stage.pp_rank, tokens, sizes, Recompute::None).total;
+        let mut also = Vec::new();
+        if stage.embedding {
+            also.push("embedding");
+        }
+        if stage.heads {
+            also.push("final norm");
+            if plan.mtp_depths() > 0 {
+                also.push("MTP");
+            }
+            also.push("heads");
+        }
+        let also = if also.is_empty() {
+            "-".to_string()
+        } else {
+            also.join(", ")
+        };
+        writeln!(
+            out,
+            "  {:<8} {stages:<7} {layers:<11} {:>9} {:>12} {:>12} {:>12}  {also}",
+            stage.pp_rank,
+            human::count(stage.params),
+            human::bytes(stage.memory.total),
+            human::bytes(stage.memory_plain.total),
+            human::bytes(activations),
+        )?;
+    }
+    Ok(())
 }
 
 /// One micro-batch's activations in bf16 (as on GPUs), with every layer
@@ -408,7 +471,7 @@ struct PlanJson<'p>(&'p Plan);
 impl Serialize for PlanJson<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let plan = self.0;
-        let mut doc = serializer.serialize_struct("Plan", 16)?;
+        let mut doc = serializer.serialize_struct("Plan", 17)?;
         doc.serialize_field("active_params", &plan.active_params)?;
         doc.serialize_field(
             "layers",
@@ -442,6 +505,15 @@ impl Serialize for PlanJson<'_> {
         )?;
         doc.serialize_field("pattern", &Displayed(&plan.pattern))?;
         doc.serialize_field("physical_layers", &plan.physical_layers())?;
+        // Under pipeline parallelism only: without one it is `memory`.
+        if plan.layout.pp > 1 {
+            doc.serialize_field(
+                "pipeline_memory",
+                &Streamed(|| plan.stage_memory().into_iter().map(StageMemoryJson)),
+            )?;
+        } else {
+            doc.skip_field("pipeline_memory")?;
+        }
         doc.serialize_field(
             "schedule",
             &Streamed(|| plan.schedule.nodes.iter().map(NodeJson)),
@@ -457,6 +529,17 @@ impl Serialize for PlanJson<'_> {
             &Streamed(|| plan.units.iter().map(|unit| UnitJson { plan, unit })),
         )?;
         doc.end()
+    }
+}
+
+/// One pipeline rank's memory, its keys sorted (through a `Value`).
+struct StageMemoryJson(StageMemory);
+
+impl Serialize for StageMemoryJson {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serde_json::to_value(&self.0)
+            .map_err(serde::ser::Error::custom)?
+            .serialize(serializer)
     }
 }
 

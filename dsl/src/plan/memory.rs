@@ -1,7 +1,11 @@
-//! Per-rank memory of ZeRO-3 training, from the static layout.
+//! Per-rank memory of ZeRO-3 training, from the static layout: a rank
+//! holding every bucket ([`Plan::memory`]), or, under pipeline
+//! parallelism, the buckets of one pipeline rank's stages
+//! ([`Plan::stage_memory`]).
 
-use super::{Bucket, FsdpUnit, ParallelLayout, SHARD_ALIGN};
+use super::{Bucket, FsdpUnit, ParallelLayout, Plan, SHARD_ALIGN};
 use serde::Serialize;
+use std::ops::Range;
 
 /// Bytes one rank holds for parameters, gradients and optimizer state under
 /// ZeRO-3 (activations not included: they depend on batch and sequence).
@@ -43,6 +47,20 @@ impl MemoryEstimate {
         layout: &ParallelLayout,
         live_units: [usize; N],
     ) -> [MemoryEstimate; N] {
+        Self::of_held(units, buckets, layout, live_units, |_| true)
+    }
+
+    /// [`MemoryEstimate::of`] for a rank that holds only the buckets `held`
+    /// says it does: the others take no shard, no room in the pool and no
+    /// non-unit buffer (the runtime's FSDP engine under pipeline
+    /// parallelism).
+    fn of_held<const N: usize>(
+        units: &[FsdpUnit],
+        buckets: &[Bucket],
+        layout: &ParallelLayout,
+        live_units: [usize; N],
+        held: impl Fn(&Bucket) -> bool,
+    ) -> [MemoryEstimate; N] {
         let world = |b: &Bucket| {
             if b.expert {
                 layout.expert_dp()
@@ -56,6 +74,10 @@ impl MemoryEstimate {
         // Per bucket: its padded length where it is gathered, 0 where held.
         let mut gathered = Vec::with_capacity(buckets.len());
         for bucket in buckets {
+            if !held(bucket) {
+                gathered.push(0);
+                continue;
+            }
             // One division: the padded length is `blocks * world * 128` and
             // each rank's shard `blocks * 128`.
             let world = world(bucket) as u64;
@@ -108,5 +130,68 @@ impl MemoryEstimate {
                     + non_unit,
             }
         })
+    }
+}
+
+/// What one pipeline rank holds and what that takes under ZeRO-3
+/// ([`Plan::stage_memory`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StageMemory {
+    pub pp_rank: usize,
+    /// Its stages (indices into [`Plan::stages`]), in model order.
+    pub stages: Vec<usize>,
+    /// The physical decoder layers of those stages, one range a stage.
+    pub layers: Vec<Range<usize>>,
+    /// Whether it runs the embedding (the first stage's rank).
+    pub embedding: bool,
+    /// Whether it runs the final norm, the output layer and the MTP
+    /// depths (the last stage's rank).
+    pub heads: bool,
+    /// Parameters in the buckets it holds (the shared embedding counted on
+    /// both its ranks).
+    pub params: u64,
+    /// Under the overlap schedule.
+    pub memory: MemoryEstimate,
+    /// Under the plain schedule.
+    pub memory_plain: MemoryEstimate,
+}
+
+impl Plan {
+    /// Per pipeline rank, in rank order: the buckets of its stages
+    /// ([`Plan::holds`], the shared embedding on both the first and the last
+    /// stage's rank) as [`Plan::memory`] counts a rank's. Without a
+    /// pipeline, one entry, the same figures as [`Plan::memory`] and
+    /// [`Plan::memory_plain`].
+    pub fn stage_memory(&self) -> Vec<StageMemory> {
+        let (first, last) = (self.first_stage(), self.last_stage());
+        let rank_of = |s: usize| self.stages.get(s).map_or(0, |st| st.pp_rank);
+        (0..self.layout.pp.max(1))
+            .map(|pp_rank| {
+                let held = |b: &Bucket| self.holds(pp_rank, b);
+                let [memory, memory_plain] =
+                    MemoryEstimate::of_held(&self.units, &self.buckets, &self.layout, [4, 2], held);
+                let stages: Vec<usize> = (0..self.stages.len())
+                    .filter(|&s| self.stages[s].pp_rank == pp_rank)
+                    .collect();
+                StageMemory {
+                    pp_rank,
+                    layers: stages
+                        .iter()
+                        .map(|&s| self.stages[s].layers.clone())
+                        .collect(),
+                    stages,
+                    embedding: rank_of(first) == pp_rank,
+                    heads: rank_of(last) == pp_rank,
+                    params: self
+                        .buckets
+                        .iter()
+                        .filter(|b| held(b))
+                        .map(|b| b.numel as u64)
+                        .sum(),
+                    memory,
+                    memory_plain,
+                }
+            })
+            .collect()
     }
 }

@@ -14,7 +14,7 @@ pub use buckets::{
     shard_numel, shard_range,
 };
 pub use layout::{ParallelLayout, Stage};
-pub use memory::MemoryEstimate;
+pub use memory::{MemoryEstimate, StageMemory};
 pub use schedule::{LaneKind, LayerRef, Op, ScheduleNode, SchedulePlan, Slot};
 pub use units::{FsdpUnit, Module, ModuleKind, UnitFilter, UnitKind, UnitShape};
 
@@ -190,7 +190,9 @@ pub struct Plan {
     /// Every bucket, indexed by id (forward order).
     pub buckets: Cow<'static, [Bucket]>,
     pub schedule: SchedulePlan,
-    /// ZeRO-3 memory per rank under the overlap schedule.
+    /// ZeRO-3 memory per rank under the overlap schedule, every bucket
+    /// counted: under pipeline parallelism a rank holds its stages' only
+    /// ([`Plan::stage_memory`]).
     pub memory: MemoryEstimate,
     /// The same under the plain schedule.
     pub memory_plain: MemoryEstimate,

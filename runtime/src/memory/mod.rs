@@ -26,6 +26,7 @@ use crate::recompute::Recompute;
 use crate::view::DType;
 use hybridgen_dsl::config::Activation;
 use hybridgen_dsl::params::layer_params;
+use hybridgen_dsl::plan::{Bucket, LayerRef};
 use hybridgen_dsl::{LayerKind, ModelConfig, Plan};
 use std::path::Path;
 
@@ -129,6 +130,36 @@ pub fn activations(
     sizes: ElementSizes,
     recompute: Recompute,
 ) -> ActivationEstimate {
+    let kinds: Vec<LayerKind> = kinds.into_iter().collect();
+    let chosen = recomputed(model, &kinds, tokens, recompute);
+    let ends = Ends {
+        first: true,
+        last: true,
+        mtp_depths,
+    };
+    activations_of(model, &kinds, &chosen, ends, tokens, sizes)
+}
+
+/// What a rank runs besides its layers: the embedding (`first`), the final
+/// norm and the heads (`last`), and `mtp_depths` MTP depths. Every rank
+/// holds the residual stream and its gradient.
+#[derive(Clone, Copy, Debug)]
+struct Ends {
+    first: bool,
+    last: bool,
+    mtp_depths: usize,
+}
+
+/// [`activations`] of the layers `kinds`, those `chosen` recomputing, on a
+/// rank running `ends`.
+fn activations_of(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    chosen: &[bool],
+    ends: Ends,
+    tokens: Tokens,
+    sizes: ElementSizes,
+) -> ActivationEstimate {
     let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
     let h = model.hidden_size as u64;
     let mut layers = Elements::default();
@@ -136,9 +167,7 @@ pub fn activations(
     // Each kind's footprint is the same for every layer of it: compute once.
     let mut by_kind: [Option<(Elements, Elements)>; LayerKind::ALL.len()] =
         [None; LayerKind::ALL.len()];
-    let kinds: Vec<LayerKind> = kinds.into_iter().collect();
-    let chosen = recomputed(model, &kinds, tokens, recompute);
-    for (&kind, recomputes) in kinds.iter().zip(chosen) {
+    for (&kind, &recomputes) in kinds.iter().zip(chosen) {
         let (saved, extra) =
             *by_kind[kind as usize].get_or_insert_with(|| layer(model, kind, tokens));
         let (kept, extra) = if recomputes {
@@ -152,24 +181,32 @@ pub fn activations(
             working.f32.max(extra.f32),
         );
     }
-    let depths = mtp_depths as u64;
+    let depths = ends.mtp_depths as u64;
     // x, dx, the final norm's output and its saved input (its weight
     // gradient keeps partial sums, not its input's gradient); per MTP depth
     // its entry (embedding, normed inputs, concatenation), its stream, final
     // norm and their gradients; the tokens (inputs, targets per head, MTP
-    // inputs).
-    let streams = Elements::new(
-        n.saturating_mul(h)
-            .saturating_mul(4u64.saturating_add(depths.saturating_mul(12))),
-        n.saturating_mul(1 + depths.saturating_mul(3) + 1 + (depths + 1) + depths),
-    );
+    // inputs), on the ranks that embed or run the heads.
+    let stream_width = 2u64
+        .saturating_add(if ends.last { 2 } else { 0 })
+        .saturating_add(depths.saturating_mul(12));
+    let token_rows = if ends.first || ends.last {
+        n.saturating_mul(1 + depths.saturating_mul(3) + 1 + (depths + 1) + depths)
+    } else {
+        0
+    };
+    let streams = Elements::new(n.saturating_mul(h).saturating_mul(stream_width), token_rows);
     // Each head keeps its input and at most `[tokens, vocab]` f32.
     let vocab = model.padded_vocab_size() as u64;
-    let heads = Elements::new(
-        n.saturating_mul(h).saturating_mul(depths + 1),
-        n.saturating_mul(vocab.saturating_add(2))
-            .saturating_mul(depths + 1),
-    );
+    let heads = if ends.last {
+        Elements::new(
+            n.saturating_mul(h).saturating_mul(depths + 1),
+            n.saturating_mul(vocab.saturating_add(2))
+                .saturating_mul(depths + 1),
+        )
+    } else {
+        Elements::default()
+    };
     let [layers, streams, heads, working_set] =
         [layers, streams, heads, working].map(|e| e.bytes(sizes));
     ActivationEstimate {
@@ -182,6 +219,65 @@ pub fn activations(
             .saturating_add(heads)
             .saturating_add(working_set),
     }
+}
+
+/// What pipeline rank `pp_rank` of `plan` runs: the indices (into
+/// [`layer_kinds`]) of the layers of its stages' schedule nodes, in order,
+/// and the ends it runs (the embedding, the final norm and heads, MTP
+/// depths). Without a pipeline, every layer and both ends.
+fn rank_share(plan: &Plan, pp_rank: usize) -> (Vec<usize>, Ends) {
+    let decoder = plan.layers.len();
+    let mut mtp_offsets = Vec::with_capacity(plan.mtp_layers.len());
+    let mut offset = decoder;
+    for depth in &plan.mtp_layers {
+        mtp_offsets.push(offset);
+        offset += depth.len();
+    }
+    let index = |layer: LayerRef| match layer {
+        LayerRef::Decoder(i) => i,
+        LayerRef::Mtp { depth, index } => mtp_offsets.get(depth).map_or(offset, |o| o + index),
+    };
+    let mut layers = Vec::new();
+    let mut ends = Ends {
+        first: false,
+        last: false,
+        mtp_depths: 0,
+    };
+    for (stage, nodes) in plan.stage_nodes().into_iter().enumerate() {
+        if plan.stages.get(stage).map_or(0, |s| s.pp_rank) != pp_rank {
+            continue;
+        }
+        for node in &plan.schedule.nodes[nodes] {
+            layers.extend(node.pre_layers.iter().map(|&l| index(l)));
+            layers.extend(node.terminal.map(|(l, _)| index(l)));
+            ends.first |= node.embed;
+            ends.last |= node.final_norm || !node.heads.is_empty();
+            ends.mtp_depths += usize::from(node.mtp_enter.is_some());
+        }
+    }
+    layers.sort_unstable();
+    (layers, ends)
+}
+
+/// [`plan_activations`] of one pipeline rank: the layers of its stages
+/// (with what `recompute` chooses for the whole model: the runtime numbers
+/// layers across stages), the residual stream and its gradient, and the
+/// embedding's tokens, the final norm and the heads where it runs them
+/// (the first and the last stage's rank). Without a pipeline, the same as
+/// [`plan_activations`].
+pub fn stage_activations(
+    plan: &Plan,
+    pp_rank: usize,
+    tokens: Tokens,
+    sizes: ElementSizes,
+    recompute: Recompute,
+) -> ActivationEstimate {
+    let kinds: Vec<LayerKind> = layer_kinds(plan).collect();
+    let chosen = recomputed(&plan.model, &kinds, tokens, recompute);
+    let (layers, ends) = rank_share(plan, pp_rank);
+    let (kinds, chosen): (Vec<LayerKind>, Vec<bool>) =
+        layers.iter().map(|&i| (kinds[i], chosen[i])).unzip();
+    activations_of(&plan.model, &kinds, &chosen, ends, tokens, sizes)
 }
 
 /// Every decoder and MTP layer's kind, in order: the order
@@ -377,10 +473,12 @@ fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Ele
 /// it runs: the weight (the largest parameter, or a MoE layer's
 /// `local_experts` fc1 weights, one grouped product), and the widest input
 /// and output rows of any product of the layers `kinds` or the head, one
-/// per token (the routed rows of a MoE layer: `top_k` per token).
+/// per token (the routed rows of a MoE layer: `top_k` per token); the
+/// head's only where the rank runs it (`head`).
 fn widened_operands(
     model: &ModelConfig,
     kinds: impl IntoIterator<Item = LayerKind>,
+    head: bool,
     local_experts: usize,
     largest_param: u64,
     tokens: Tokens,
@@ -389,7 +487,11 @@ fn widened_operands(
     let h = model.hidden_size as u64;
     let mut weight = largest_param;
     // The head: `[tokens, h] x [V, h]^T`, or its logit gradients back.
-    let mut rows = h.saturating_add(model.padded_vocab_size() as u64);
+    let mut rows = if head {
+        h.saturating_add(model.padded_vocab_size() as u64)
+    } else {
+        0
+    };
     let mut seen = [false; LayerKind::ALL.len()];
     for kind in kinds {
         if std::mem::replace(&mut seen[kind as usize], true) {
@@ -481,6 +583,29 @@ pub struct StateLayout {
 
 /// The state of one rank of `plan` under `layout`.
 pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEstimate {
+    state_held(plan, layout, sizes, |_| true)
+}
+
+/// The state of one rank of pipeline rank `pp_rank` of `plan` under
+/// `layout`: its stages' buckets ([`Plan::holds`]), sharded over the
+/// stage's data-parallel ranks; the FSDP engine gives the others no shard
+/// and no room. Without a pipeline, [`state`].
+pub fn stage_state(
+    plan: &Plan,
+    pp_rank: usize,
+    layout: StateLayout,
+    sizes: ElementSizes,
+) -> StateEstimate {
+    state_held(plan, layout, sizes, |b| plan.holds(pp_rank, b))
+}
+
+/// [`state`] of a rank holding the buckets `held` says it does.
+fn state_held(
+    plan: &Plan,
+    layout: StateLayout,
+    sizes: ElementSizes,
+    held: impl Fn(&Bucket) -> bool,
+) -> StateEstimate {
     let shard_layout = ShardLayout {
         sharding: layout.sharding,
         world: layout.ranks,
@@ -491,7 +616,7 @@ pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEsti
     let mut max_padded = 0u64;
     let mut non_unit = 0u64;
     let mut unit_len = vec![0u64; plan.units.len()];
-    for bucket in plan.buckets.iter() {
+    for bucket in plan.buckets.iter().filter(|b| held(b)) {
         let world = shard_layout.group_size(plan, bucket).max(1);
         let padded = bucket.padded_numel(world) as u64;
         let shard = bucket.shard_numel(world) as u64;
@@ -508,7 +633,11 @@ pub fn state(plan: &Plan, layout: StateLayout, sizes: ElementSizes) -> StateEsti
         }
     }
     let pooled: Vec<u64> = unit_len.iter().copied().filter(|&len| len > 0).collect();
-    if shard_layout.sole_non_unit(plan) {
+    if plan
+        .non_unit_buckets()
+        .filter(|b| held(b))
+        .all(|b| shard_layout.sole(plan, b))
+    {
         non_unit = 0;
     }
     let slot = pooled.iter().copied().max().unwrap_or(0);
@@ -573,17 +702,62 @@ pub struct MemoryNeed {
     /// schedule and the engine's tables (about 1 MiB plus 2 KiB a layer,
     /// measured on the CPU backend).
     pub bookkeeping: u64,
+    /// Per rank: the stage-to-stage receive buffers, one `[tokens, hidden]`
+    /// tensor a receive of one exchange (0 without a pipeline).
+    pub transfers: u64,
     /// Per rank: state plus the larger of the live micro-batches'
     /// activations and the scratch (they are never needed at once).
     pub per_rank: u64,
-    /// Every rank of the process.
+    /// Every rank of the process (on the CPU), or one GPU rank.
     pub total: u64,
+    /// Pipeline ranks: 1 without pipeline parallelism.
+    pub pp: usize,
+    /// With pp > 1, every pipeline rank's figures, in rank order: a rank
+    /// holds its stages' buckets and the activations of its stages' layers
+    /// only. The per-rank fields above are then those of the rank that
+    /// needs the most. Empty without a pipeline, and in a lower bound (whose
+    /// per-rank fields are then a pipeline rank's share on average).
+    pub stages: Vec<StageNeed>,
     /// A lower bound made before planning (state without padding or
     /// buffers), or the full estimate.
     pub lower_bound: bool,
     /// On GPUs: what each GPU holds besides the run's buffers (the CUDA
     /// context, cuBLAS workspaces, NCCL's buffers); `None` on the CPU.
     pub gpu_overhead: Option<u64>,
+}
+
+/// What one pipeline rank needs ([`MemoryNeed::stages`]), per rank of it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StageNeed {
+    pub pp_rank: usize,
+    /// What it runs, for people: `stage 1 (layers 6..9) with the final
+    /// norm and the heads`.
+    pub runs: String,
+    pub state: StateEstimate,
+    /// Per micro-batch: its stages' layers, and the heads where it runs
+    /// them.
+    pub activations: ActivationEstimate,
+    /// Micro-batches its program keeps in flight (1F1B: about pp on the
+    /// first stage, 1 or 2 on the last).
+    pub live_micro_batches: usize,
+    pub kernel_scratch: u64,
+    pub arena_headroom: u64,
+    pub transfers: u64,
+    pub per_rank: u64,
+}
+
+/// One pipeline rank's program, as the memory check takes it
+/// ([`MemoryNeed::of_pipeline`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RankProgram {
+    pub pp_rank: usize,
+    /// The state its program keeps (its units resident at once, its
+    /// gradient buffers).
+    pub layout: StateLayout,
+    /// Micro-batches its program keeps in flight.
+    pub in_flight: usize,
+    /// The most stage-to-stage receives one exchange of its program makes.
+    pub receives: usize,
 }
 
 /// The kernel calls of `model`'s layers of `kinds` at `tokens` a
@@ -678,9 +852,7 @@ impl MemoryNeed {
         let arena_headroom = if lower_bound {
             0
         } else {
-            (activations.total / 4)
-                .saturating_add(1 << 20)
-                .saturating_mul(live_micro_batches as u64)
+            arena_headroom(&activations, live_micro_batches)
         };
         let mut need = MemoryNeed {
             ranks,
@@ -692,21 +864,60 @@ impl MemoryNeed {
             kernel_scratch,
             arena_headroom,
             bookkeeping,
+            transfers: 0,
             lower_bound,
             gpu_overhead: None,
+            pp: 1,
+            stages: Vec::new(),
         };
         need.settle();
         need
     }
 
-    /// Per rank and in all, from the parts.
+    /// Per rank and in all, from the parts: with pipeline stages, each
+    /// pipeline rank's, the per-rank fields taken from the one that needs
+    /// the most, and in all every rank's (thread ranks share the process).
     fn settle(&mut self) {
-        self.per_rank = self
-            .state
-            .total
-            .saturating_add(self.bookkeeping)
-            .saturating_add(self.live().max(self.state.scratch));
-        self.total = self.per_rank.saturating_mul(self.ranks as u64);
+        if self.stages.is_empty() {
+            self.per_rank = self
+                .state
+                .total
+                .saturating_add(self.bookkeeping)
+                .saturating_add(self.live().max(self.state.scratch));
+            self.total = self.per_rank.saturating_mul(self.ranks as u64);
+            return;
+        }
+        let mut sum = 0u64;
+        for stage in &mut self.stages {
+            stage.per_rank = stage
+                .state
+                .total
+                .saturating_add(self.bookkeeping)
+                .saturating_add(stage.live().max(stage.state.scratch));
+            sum = sum.saturating_add(stage.per_rank);
+        }
+        let largest = self.largest_stage().clone();
+        self.state = largest.state;
+        self.activations = largest.activations;
+        self.live_micro_batches = largest.live_micro_batches;
+        self.kernel_scratch = largest.kernel_scratch;
+        self.arena_headroom = largest.arena_headroom;
+        self.transfers = largest.transfers;
+        self.per_rank = largest.per_rank;
+        // Each pipeline rank has ranks / pp data-parallel ranks.
+        self.total = sum.saturating_mul((self.ranks / self.pp.max(1)) as u64);
+    }
+
+    /// The pipeline rank that needs the most (the first of equals). Only
+    /// with [`MemoryNeed::stages`].
+    fn largest_stage(&self) -> &StageNeed {
+        let mut largest = &self.stages[0];
+        for stage in &self.stages[1..] {
+            if stage.per_rank > largest.per_rank {
+                largest = stage;
+            }
+        }
+        largest
     }
 
     /// The need of one GPU, which runs one rank: the rank's memory, with
@@ -714,6 +925,9 @@ impl MemoryNeed {
     /// than the CPU's, plus `overhead` for what the device itself takes.
     pub fn on_one_gpu(mut self, overhead: u64, kernel_scratch: u64) -> Self {
         self.kernel_scratch = self.kernel_scratch.max(kernel_scratch);
+        for stage in &mut self.stages {
+            stage.kernel_scratch = stage.kernel_scratch.max(kernel_scratch);
+        }
         self.settle();
         self.gpu_overhead = Some(overhead);
         self.total = self.per_rank.saturating_add(overhead);
@@ -721,13 +935,15 @@ impl MemoryNeed {
     }
 
     /// Per rank: the activations of the micro-batches in flight, with the
-    /// kernel scratch and the arenas' headroom.
+    /// kernel scratch, the arenas' headroom and the receive buffers.
     fn live(&self) -> u64 {
-        self.activations
-            .total
-            .saturating_mul(self.live_micro_batches as u64)
-            .saturating_add(self.kernel_scratch)
-            .saturating_add(self.arena_headroom)
+        live(
+            &self.activations,
+            self.live_micro_batches,
+            self.kernel_scratch,
+            self.arena_headroom,
+            self.transfers,
+        )
     }
 
     /// The full estimate for a planned run.
@@ -751,6 +967,7 @@ impl MemoryNeed {
         let widened = widened_operands(
             &plan.model,
             layer_kinds(plan),
+            true,
             local_experts,
             largest,
             tokens,
@@ -765,6 +982,124 @@ impl MemoryNeed {
             plan.layers.len() + plan.mtp_layers.iter().map(Vec::len).sum::<usize>(),
             false,
         )
+    }
+
+    /// The full estimate for a planned run with pipeline stages: each
+    /// pipeline rank of `programs` (every one of the plan's, in rank
+    /// order) holds its stages' buckets ([`stage_state`]), sharded over its
+    /// `layout.ranks` data-parallel ranks, with its program's units and
+    /// gradient buffers, and keeps its program's micro-batches in flight
+    /// through its stages' layers ([`stage_activations`]), plus a
+    /// `[tokens, hidden]` buffer a receive. The run needs the most any
+    /// pipeline rank needs on a GPU of its own; on the CPU, every rank's
+    /// share. Without a pipeline (one program), [`MemoryNeed::of_plan`].
+    pub fn of_pipeline(
+        plan: &Plan,
+        programs: &[RankProgram],
+        tokens: Tokens,
+        sizes: ElementSizes,
+        recompute: Recompute,
+    ) -> Self {
+        let layers = plan.layers.len() + plan.mtp_layers.iter().map(Vec::len).sum::<usize>();
+        if let [program] = programs
+            && plan.layout.pp <= 1
+        {
+            return Self::of_plan(
+                plan,
+                program.layout,
+                tokens,
+                program.in_flight,
+                sizes,
+                recompute,
+            );
+        }
+        let kinds: Vec<LayerKind> = layer_kinds(plan).collect();
+        let local_experts = plan.model.moe.as_ref().map_or(0, |m| m.num_experts) / plan.layout.ep;
+        let rows = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
+        let hidden = rows.saturating_mul(plan.model.hidden_size as u64);
+        let stages: Vec<StageNeed> = programs
+            .iter()
+            .map(|program| {
+                let r = program.pp_rank;
+                let activations = stage_activations(plan, r, tokens, sizes, recompute);
+                let (own, ends) = rank_share(plan, r);
+                let largest = plan
+                    .buckets
+                    .iter()
+                    .filter(|b| plan.holds(r, b))
+                    .flat_map(|b| b.params.iter())
+                    .map(|&p| plan.def(&plan.params[p]).numel() as u64)
+                    .max()
+                    .unwrap_or(0);
+                let widened = widened_operands(
+                    &plan.model,
+                    own.iter().map(|&i| kinds[i]),
+                    ends.last,
+                    local_experts,
+                    largest,
+                    tokens,
+                )
+                .saturating_mul(sizes.widened);
+                let live_micro_batches = program.in_flight;
+                StageNeed {
+                    pp_rank: r,
+                    runs: describe_share(plan, r, ends),
+                    state: stage_state(plan, r, program.layout, sizes),
+                    arena_headroom: arena_headroom(&activations, live_micro_batches),
+                    activations,
+                    live_micro_batches,
+                    kernel_scratch: largest.saturating_mul(sizes.f32).saturating_add(widened),
+                    transfers: hidden
+                        .saturating_mul(program.receives as u64)
+                        .saturating_mul(sizes.compute),
+                    per_rank: 0,
+                }
+            })
+            .collect();
+        let first = programs.first().map(|p| p.layout);
+        let mut need = Self::new(
+            first.map_or(1, |l| l.ranks).saturating_mul(programs.len()),
+            StateEstimate::default(),
+            ActivationEstimate::default(),
+            1,
+            0,
+            layers,
+            false,
+        );
+        need.pp = programs.len();
+        need.stages = stages;
+        need.settle();
+        need
+    }
+
+    /// This lower bound (made for one stage holding the whole model) for
+    /// `pp` pipeline ranks of `self.ranks` data-parallel ranks each. The
+    /// ranks' states and activations (one micro-batch in flight, the least
+    /// a stage keeps) add up to at least the whole model's, so a pipeline
+    /// rank's share of them on average bounds the rank that needs the
+    /// most from below, and `pp` times it every pipeline rank's. Without a
+    /// pipeline (`pp` 1), unchanged.
+    pub fn over_pipeline(mut self, pp: usize) -> Self {
+        if pp <= 1 {
+            return self;
+        }
+        let share = |bytes: u64| bytes / pp as u64;
+        let state = &mut self.state;
+        state.shards = share(state.shards);
+        state.optimizer = share(state.optimizer);
+        state.buffers = share(state.buffers);
+        state.total = state.shards + state.optimizer + state.buffers;
+        let a = &mut self.activations;
+        a.layers = share(a.layers);
+        a.streams = share(a.streams);
+        a.heads = share(a.heads);
+        a.working_set = share(a.working_set);
+        a.total = a.layers + a.streams + a.heads + a.working_set;
+        self.live_micro_batches = 1;
+        self.ranks = self.ranks.saturating_mul(pp);
+        self.pp = pp;
+        self.settle();
+        self
     }
 
     /// A lower bound from the pattern alone, cheap enough to run before
@@ -877,40 +1212,73 @@ impl MemoryNeed {
             bytes(available.bytes),
             available.source
         );
-        out += &format!(
-            "  per rank: {} = {} parameters, gradients and optimizer state + {} activations \
-             ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
-             kernel scratch {}; arena headroom {})",
-            bytes(self.per_rank),
-            bytes(self.state.total),
-            bytes(live),
-            self.live_micro_batches,
-            if self.live_micro_batches == 1 {
-                ""
-            } else {
-                "es"
-            },
-            bytes(self.activations.total),
-            bytes(self.activations.layers),
-            bytes(self.activations.heads),
-            bytes(self.activations.streams),
-            bytes(self.activations.working_set),
-            bytes(self.kernel_scratch),
-            bytes(self.arena_headroom),
-        );
-        if self.state.scratch > live {
-            out += &format!(
-                " (the largest bucket's scratch, at the start and the end, takes {} more than \
-                 the activations)",
-                bytes(self.state.scratch - live)
+        if self.stages.is_empty() {
+            let per_rank = match self.pp {
+                1 => "per rank".to_string(),
+                pp => format!("per rank, a pipeline rank's share on average over {pp}"),
+            };
+            out += &format!("  {per_rank}: ");
+            out += &rank_figures(
+                self.per_rank,
+                &self.state,
+                &self.activations,
+                self.live_micro_batches,
+                self.kernel_scratch,
+                self.arena_headroom,
+                self.transfers,
             );
+        } else {
+            // Every pipeline rank's figures, the ones that do not fit (on
+            // a GPU of their own) or the one that needs the most (in a
+            // process of all of them) named.
+            let largest = self.largest_stage().pp_rank;
+            for (i, stage) in self.stages.iter().enumerate() {
+                let verdict = match self.gpu_overhead {
+                    Some(overhead) if stage.per_rank.saturating_add(overhead) > available.bytes => {
+                        ", does not fit"
+                    }
+                    Some(_) => ", fits",
+                    None if stage.pp_rank == largest => ", needs the most",
+                    None => "",
+                };
+                if i > 0 {
+                    out += "\n";
+                }
+                out += &format!(
+                    "  pipeline rank {}: {}{verdict}\n    per rank: ",
+                    stage.pp_rank, stage.runs
+                );
+                out += &rank_figures(
+                    stage.per_rank,
+                    &stage.state,
+                    &stage.activations,
+                    stage.live_micro_batches,
+                    stage.kernel_scratch,
+                    stage.arena_headroom,
+                    stage.transfers,
+                );
+            }
         }
+        let of_pipeline = match self.pp {
+            1 => String::new(),
+            pp => format!(
+                " ({pp} pipeline ranks of {} data-parallel ranks)",
+                self.ranks / pp
+            ),
+        };
         out += &match self.gpu_overhead {
             None => format!(
-                "\n  {} thread rank{} in this process: {}\n  to fit, try:",
+                "\n  {} thread rank{} in this process{of_pipeline}: {}\n  to fit, try:",
                 self.ranks,
                 if self.ranks == 1 { "" } else { "s" },
                 bytes(self.total)
+            ),
+            Some(overhead) if !self.stages.is_empty() => format!(
+                "\n  each GPU rank, plus {} for its CUDA context, cuBLAS and NCCL: {} on \
+                 pipeline rank {}'s\n  to fit, try:",
+                bytes(overhead),
+                bytes(self.total),
+                self.largest_stage().pp_rank
             ),
             Some(overhead) => format!(
                 "\n  each GPU rank, plus {} for its CUDA context, cuBLAS and NCCL: {}\n  to \
@@ -926,7 +1294,9 @@ impl MemoryNeed {
                  grow with the tokens of a micro-batch",
                 hints.micro_batch_size, hints.seq_length
             ));
-            if self.live_micro_batches > 1 {
+            // Under a pipeline, 1F1B keeps its micro-batches in flight
+            // whichever schedule runs inside a stage.
+            if self.live_micro_batches > 1 && self.pp == 1 {
                 tips.push(format!(
                     "the plain schedule: one micro-batch in flight instead of {}",
                     self.live_micro_batches
@@ -948,6 +1318,13 @@ impl MemoryNeed {
                 "ZeRO-3: shard parameters, gradients and optimizer state over the ranks"
                     .to_string(),
             );
+        }
+        if self.gpu_overhead.is_some() && self.pp > 1 {
+            tips.push(format!(
+                "more pipeline stages (now {}): a GPU rank holds the buckets and the activations \
+                 of its own stages' layers only",
+                self.pp
+            ));
         }
         if self.gpu_overhead.is_some() && hints.sharding == Sharding::Zero3 {
             tips.push(
@@ -971,6 +1348,134 @@ impl MemoryNeed {
         }
         Some(out)
     }
+}
+
+impl StageNeed {
+    /// As [`MemoryNeed::live`], for this pipeline rank.
+    fn live(&self) -> u64 {
+        live(
+            &self.activations,
+            self.live_micro_batches,
+            self.kernel_scratch,
+            self.arena_headroom,
+            self.transfers,
+        )
+    }
+}
+
+/// The activations of `in_flight` micro-batches, with the kernel scratch,
+/// the arenas' headroom and the receive buffers.
+fn live(
+    activations: &ActivationEstimate,
+    in_flight: usize,
+    kernel_scratch: u64,
+    arena_headroom: u64,
+    transfers: u64,
+) -> u64 {
+    activations
+        .total
+        .saturating_mul(in_flight as u64)
+        .saturating_add(kernel_scratch)
+        .saturating_add(arena_headroom)
+        .saturating_add(transfers)
+}
+
+/// What the arenas of `in_flight` micro-batches may hold beyond their
+/// activations ([`MemoryNeed::arena_headroom`]).
+fn arena_headroom(activations: &ActivationEstimate, in_flight: usize) -> u64 {
+    (activations.total / 4)
+        .saturating_add(1 << 20)
+        .saturating_mul(in_flight as u64)
+}
+
+/// Pipeline rank `pp_rank`'s stages and what it runs besides their layers,
+/// for people: `stages 0 and 2 (layers 0..2, 4..6) with the embedding`.
+fn describe_share(plan: &Plan, pp_rank: usize, ends: Ends) -> String {
+    let stages: Vec<usize> = (0..plan.stages.len())
+        .filter(|&s| plan.stages[s].pp_rank == pp_rank)
+        .collect();
+    let names: Vec<String> = stages.iter().map(usize::to_string).collect();
+    let layers: Vec<String> = stages
+        .iter()
+        .map(|&s| {
+            let l = &plan.stages[s].layers;
+            format!("{}..{}", l.start, l.end)
+        })
+        .collect();
+    let mut out = match names.len() {
+        1 => format!("stage {} (layers {})", names[0], layers[0]),
+        _ => format!("stages {} (layers {})", names.join(", "), layers.join(", ")),
+    };
+    let mut with = Vec::new();
+    if ends.first {
+        with.push("the embedding");
+    }
+    if ends.last {
+        with.push("the final norm");
+        if ends.mtp_depths > 0 {
+            with.push("the MTP depths");
+        }
+        with.push("the heads");
+    }
+    if let Some((last, rest)) = with.split_last() {
+        out += " with ";
+        if !rest.is_empty() {
+            out += &rest.join(", ");
+            out += " and ";
+        }
+        out += last;
+    }
+    out
+}
+
+/// One rank's figures in a refusal: its need, its state and what is live
+/// (the micro-batches in flight, scratch, headroom, receive buffers), and
+/// the largest bucket's scratch where it takes more than that.
+fn rank_figures(
+    per_rank: u64,
+    state: &StateEstimate,
+    activations: &ActivationEstimate,
+    live_micro_batches: usize,
+    kernel_scratch: u64,
+    arena_headroom: u64,
+    transfers: u64,
+) -> String {
+    let live = live(
+        activations,
+        live_micro_batches,
+        kernel_scratch,
+        arena_headroom,
+        transfers,
+    );
+    let receives = match transfers {
+        0 => String::new(),
+        t => format!("; receive buffers {}", bytes(t)),
+    };
+    let mut out = format!(
+        "{} = {} parameters, gradients and optimizer state + {} activations \
+         ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
+         kernel scratch {}; arena headroom {}{receives})",
+        bytes(per_rank),
+        bytes(state.total),
+        bytes(live),
+        live_micro_batches,
+        if live_micro_batches == 1 { "" } else { "es" },
+        bytes(activations.total),
+        bytes(activations.layers),
+        bytes(activations.heads),
+        bytes(activations.streams),
+        bytes(activations.working_set),
+        bytes(kernel_scratch),
+        bytes(arena_headroom),
+    );
+    if state.scratch > live {
+        out += &format!(
+            " (the largest bucket's scratch, at the start and the end, takes {} more than \
+             the activations)",
+            bytes(state.scratch - live)
+        );
+    }
+    out
 }
 
 /// The settings a refusal suggests changing.

@@ -12,12 +12,14 @@ use crate::data::{
 };
 use crate::error::{Result, RuntimeError};
 use crate::fsdp::ShardLayout;
-use crate::memory::{AvailableMemory, ElementSizes, FitHints, MemoryNeed, StateLayout};
+use crate::memory::{
+    AvailableMemory, ElementSizes, FitHints, MemoryNeed, RankProgram, StateLayout,
+};
 use crate::model::ModelRuntime;
 use crate::platform::{ChosenDevice, Transport, choose_device};
 use crate::recompute::Recompute;
 use crate::rendezvous::Launch;
-use crate::schedule::{Program, ScheduleKind, build};
+use crate::schedule::{Instr, Program, ScheduleKind, build};
 use crate::setting::Setting;
 use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use std::sync::Arc;
@@ -160,6 +162,7 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         ScheduleKind::Plain => 1,
         ScheduleKind::Overlap => config.micro_batches.min(2),
     };
+    // Under a pipeline, a stage's share of the whole model's bound.
     if let Some(available) = &available
         && let Some(need) = MemoryNeed::lower_bound(
             &config.model,
@@ -169,7 +172,8 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
             ElementSizes::cpu(config.precision),
             config.recompute,
         )
-        && let Some(refusal) = on_device(need).check(available, &fit_hints(config))
+        && let Some(refusal) =
+            on_device(need.over_pipeline(config.pp)).check(available, &fit_hints(config))
     {
         return Err(RuntimeError::OutOfMemory(refusal));
     }
@@ -190,10 +194,10 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
         }
     };
     crate::schedule::check_pipeline(&plan, config.micro_batches, spelling)?;
-    // Builds every layer: refuses kinds the runtime lacks (`G`, `D`).
+    // Builds every layer: refuses kinds the runtime lacks (`D`).
     ModelRuntime::new(plan.clone())?;
-    let program = busiest_program(config, &plan)?;
-    let need = |recompute| on_device(need_of(config, &plan, &program, recompute));
+    let programs = rank_programs(config, &plan)?;
+    let need = |recompute| on_device(need_of(config, &plan, &programs, recompute));
     let recompute = settle_recompute(config.recompute, &plan, available.as_ref(), need);
     let memory = need(recompute);
     if let Some(available) = &available
@@ -414,12 +418,15 @@ fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
 
 /// What a run of `config` needs in memory on the CPU, from its plan: state
 /// per rank, the activations of the micro-batches its schedule keeps in
-/// flight. [`Recompute::Auto`] is settled as a CPU run settles it, against
-/// `config.memory_available` or else what the host has available.
+/// flight; under a pipeline, each pipeline rank's (its stages' buckets and
+/// layers, its program's micro-batches in flight), every rank's added up
+/// ([`MemoryNeed::stages`]). [`Recompute::Auto`] is settled as a CPU run
+/// settles it, against `config.memory_available` or else what the host has
+/// available.
 pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
-    let program = busiest_program(config, plan)?;
+    let programs = rank_programs(config, plan)?;
     let available = configured_memory(config).or_else(crate::memory::available);
-    let need = |recompute| need_of(config, plan, &program, recompute);
+    let need = |recompute| need_of(config, plan, &programs, recompute);
     Ok(need(settle_recompute(
         config.recompute,
         plan,
@@ -428,26 +435,47 @@ pub fn memory_need(config: &TrainConfig, plan: &Plan) -> Result<MemoryNeed> {
     )))
 }
 
-/// Every pipeline rank's program (checked as it is built), and the one
-/// that keeps the most micro-batches in flight: the first stage's under
-/// 1F1B. Without a pipeline, the one program; its figures settle once a
-/// step has three micro-batches, so more are not built.
-fn busiest_program(config: &TrainConfig, plan: &Plan) -> Result<Program> {
+/// Every pipeline rank's program (checked as it is built), in rank order,
+/// as the memory check takes it: 1F1B keeps about pp micro-batches in
+/// flight on the first stage, 1 or 2 on the last. Without a pipeline, the
+/// one program; its figures settle once a step has three micro-batches,
+/// so more are not built.
+fn rank_programs(config: &TrainConfig, plan: &Plan) -> Result<Vec<RankProgram>> {
     let micro_batches = match plan.layout.pp {
         1 => config.micro_batches.min(3),
         _ => config.micro_batches,
     };
-    let mut busiest: Option<Program> = None;
-    for rank in 0..plan.layout.pp.max(1) {
-        let program = build(plan, rank, micro_batches, config.schedule)?;
-        if busiest
-            .as_ref()
-            .is_none_or(|b| program.in_flight() > b.in_flight())
-        {
-            busiest = Some(program);
+    (0..plan.layout.pp.max(1))
+        .map(|pp_rank| {
+            let program = build(plan, pp_rank, micro_batches, config.schedule)?;
+            Ok(RankProgram {
+                pp_rank,
+                layout: state_layout(
+                    config,
+                    &plan.layout,
+                    program.max_resident_units,
+                    program.max_grad_buffers,
+                ),
+                in_flight: program.in_flight(),
+                receives: most_receives(&program),
+            })
+        })
+        .collect()
+}
+
+/// The most stage-to-stage receives one exchange of `program` makes (each
+/// a `[tokens, hidden]` buffer): 0 without a pipeline, at most 2.
+fn most_receives(program: &Program) -> usize {
+    let mut most = 0;
+    for instr in program.instrs() {
+        if let Instr::Exchange { recvs, .. } = instr {
+            most = most.max(recvs.iter().flatten().count());
+            if most >= recvs.len() {
+                break;
+            }
         }
     }
-    busiest.ok_or_else(|| RuntimeError::Internal("a plan with no pipeline rank".into()))
+    most
 }
 
 /// `config.memory_available` as the memory check takes it.
@@ -458,23 +486,18 @@ fn configured_memory(config: &TrainConfig) -> Option<AvailableMemory> {
     })
 }
 
-/// [`memory_need`] with `recompute` and the run's schedule `program`.
+/// [`memory_need`] with `recompute` and the run's pipeline ranks'
+/// `programs` (one without a pipeline).
 fn need_of(
     config: &TrainConfig,
     plan: &Plan,
-    program: &Program,
+    programs: &[RankProgram],
     recompute: Recompute,
 ) -> MemoryNeed {
-    MemoryNeed::of_plan(
+    MemoryNeed::of_pipeline(
         plan,
-        state_layout(
-            config,
-            &plan.layout,
-            program.max_resident_units,
-            program.max_grad_buffers,
-        ),
+        programs,
         Tokens::new(config.micro_batch_size, config.seq_length),
-        program.in_flight(),
         ElementSizes::cpu(config.precision),
         recompute,
     )
@@ -483,7 +506,8 @@ fn need_of(
 /// `recompute` with [`Recompute::Auto`] settled for `plan`: the fewest
 /// layers recomputed (taken as [`Recompute::Largest`] takes them: those
 /// that keep the most first) with which the run's `need` fits
-/// `available`. Each layer recomputed keeps its input instead of all it
+/// `available` (under a pipeline, every stage's: the choice is the whole
+/// model's, so the stage that needs the most settles it). Each layer recomputed keeps its input instead of all it
 /// saves, so the need falls as layers are added and a bisection finds the
 /// fewest in a few estimates (7 for the 9B's 56 layers). Where even all of them do not fit, all of them: the
 /// check then refuses with the figures of the smallest need. Where the
