@@ -16,6 +16,7 @@ fn main() {
         std: 0.02,
         num_layers: 8,
         conv_kernel: 4,
+        gdn_conv_kernel: 4,
     };
     // One expert's fc1 of the benchmark model, and a large weight.
     for (name, shape) in [

@@ -8,9 +8,11 @@
 //! | --- | --- |
 //! | norms (`*norm*.weight`, `layer_norm_weight`), Mamba `D` | 1 |
 //! | Mamba `conv1d_weight`, `conv1d_bias` | uniform in `+-1/sqrt(K)` (PyTorch's conv default, which Megatron's `MambaMixer` keeps) |
+//! | `G`'s `conv1d.weight` | uniform in `+-1/sqrt(kg)` (the same default, which Megatron's `GatedDeltaNet` keeps) |
 //! | other biases | 0 |
 //! | `A_log` | `log(U(1, 16))` |
-//! | `dt_bias` | `softplus^-1(dt0)`, `dt0` log-uniform in [1e-3, 0.1] (floor 1e-4) |
+//! | Mamba `dt_bias` | `softplus^-1(dt0)`, `dt0` log-uniform in [1e-3, 0.1] (floor 1e-4) |
+//! | `G`'s `dt_bias` | 1 |
 //! | `linear_proj`, `out_proj`, `linear_fc2` (experts and shared too) | normal(0, std / sqrt(2 * layers)) |
 //! | everything else | normal(0, std) |
 
@@ -19,12 +21,14 @@ use hybridgen_dsl::ModelConfig;
 use hybridgen_dsl::params::ParamDef;
 
 /// The scales the rules need: `init_std`, the number of decoder layers
-/// the output projections are scaled by, and Mamba's conv kernel K.
+/// the output projections are scaled by, and the conv kernels of Mamba (K)
+/// and of the gated delta net (kg).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct InitScale {
     pub std: f32,
     pub num_layers: usize,
     pub conv_kernel: usize,
+    pub gdn_conv_kernel: usize,
 }
 
 impl InitScale {
@@ -34,6 +38,7 @@ impl InitScale {
             std: config.init_std,
             num_layers,
             conv_kernel: config.mamba.as_ref().map_or(4, |m| m.conv_kernel),
+            gdn_conv_kernel: config.gdn.as_ref().map_or(4, |g| g.conv_kernel),
         }
     }
 
@@ -41,6 +46,13 @@ impl InitScale {
     /// and bias (fan-in K), which Megatron's `MambaMixer` leaves in place.
     pub fn conv_bound(&self) -> f32 {
         (1.0 / (self.conv_kernel.max(1) as f64).sqrt()) as f32
+    }
+
+    /// `1 / sqrt(kg)`: the same default for the gated delta net's conv
+    /// weight (fan-in kg), which Megatron's `GatedDeltaNet` leaves in place
+    /// (its `conv_init` is unset in the hybrid layer spec).
+    pub fn gdn_conv_bound(&self) -> f32 {
+        (1.0 / (self.gdn_conv_kernel.max(1) as f64).sqrt()) as f32
     }
 
     /// `std / sqrt(2 * layers)`, Megatron's scaled init for output projections.
@@ -80,6 +92,17 @@ impl ParamInit {
             return ParamInit::Uniform {
                 bound: scale.conv_bound(),
             };
+        }
+        // The gated delta net's (`self_attention.conv1d.weight`, no bias),
+        // and its dt_bias, which Megatron's `GatedDeltaNet` sets to ones.
+        let mut above = parts.clone();
+        if (owner, last) == ("conv1d", "weight") && above.next() == Some("self_attention") {
+            return ParamInit::Uniform {
+                bound: scale.gdn_conv_bound(),
+            };
+        }
+        if (owner, last) == ("self_attention", "dt_bias") {
+            return ParamInit::Ones;
         }
         match last {
             "A_log" => return ParamInit::MambaALog,
@@ -298,6 +321,7 @@ mod tests {
             std: 0.02,
             num_layers: 8,
             conv_kernel: 4,
+            gdn_conv_kernel: 4,
         }
     }
 
@@ -319,8 +343,12 @@ mod tests {
             ),
             (
                 "decoder.layers.3.self_attention.conv1d.weight",
-                ParamInit::Normal { std: 0.02 },
+                ParamInit::Uniform { bound: 0.5 },
             ),
+            ("decoder.layers.3.self_attention.dt_bias", ParamInit::Ones),
+            ("decoder.layers.3.self_attention.A_log", ParamInit::MambaALog),
+            ("decoder.layers.3.self_attention.out_norm.weight", ParamInit::Ones),
+            ("decoder.layers.3.self_attention.out_proj.weight", out),
             (
                 "decoder.layers.0.mixer.in_proj.layer_norm_weight",
                 ParamInit::Ones,

@@ -21,6 +21,7 @@
 pub mod attention;
 mod core_attention;
 pub mod embedding;
+pub mod gdn;
 pub mod head;
 pub mod init;
 pub mod mamba;
@@ -33,6 +34,7 @@ pub mod norm;
 pub use crate::backend::Tokens;
 pub use attention::{AttentionLayer, AttentionSaved, AttentionWgrad};
 pub use embedding::Embedding;
+pub use gdn::{GdnLayer, GdnSaved, GdnWgrad};
 pub use head::{HEAD_CHUNK_ELEMENTS, Head, HeadSaved, counted_targets};
 pub use init::{InitScale, ParamInit, global_expert_name, init_param, init_param_range};
 
@@ -67,6 +69,7 @@ use std::ops::Range;
 #[derive(Clone, Debug)]
 pub enum LayerImpl {
     Mamba(MambaLayer),
+    Gdn(GdnLayer),
     Attention(AttentionLayer),
     Mla(MlaLayer),
     Mlp(MlpLayer),
@@ -76,6 +79,7 @@ pub enum LayerImpl {
 /// What a layer's forward kept for its backward, per micro-batch.
 pub enum LayerSaved<B: Backend> {
     Mamba(MambaSaved<B>),
+    Gdn(GdnSaved<B>),
     Attention(AttentionSaved<B>),
     Mla(MlaSaved<B>),
     Mlp(MlpSaved<B>),
@@ -85,6 +89,7 @@ pub enum LayerSaved<B: Backend> {
 /// What a layer's input-gradient backward kept for its weight gradient.
 pub enum LayerWgrad<B: Backend> {
     Mamba(MambaWgrad<B>),
+    Gdn(GdnWgrad<B>),
     Attention(AttentionWgrad<B>),
     Mla(MlaWgrad<B>),
     Mlp(MlpWgrad<B>),
@@ -105,9 +110,9 @@ impl<B: Backend> LayerSaved<B> {
 
 impl LayerImpl {
     /// The layer for `kind` under `config`. `local_experts` is the number of
-    /// experts this rank holds (`E / ep`) for `E`, ignored otherwise. `G` and
-    /// `D` are refused with `Unsupported`; a missing config section or
-    /// inconsistent dimensions with `InvalidArgument`.
+    /// experts this rank holds (`E / ep`) for `E`, ignored otherwise. `D` is
+    /// refused with `Unsupported`; a missing config section or inconsistent
+    /// dimensions with `InvalidArgument`.
     pub fn new(kind: LayerKind, config: &ModelConfig, local_experts: usize) -> Result<Self> {
         Ok(match kind {
             LayerKind::Mamba => LayerImpl::Mamba(MambaLayer::new(config)?),
@@ -115,13 +120,7 @@ impl LayerImpl {
             LayerKind::Mla => LayerImpl::Mla(MlaLayer::new(config)?),
             LayerKind::Mlp => LayerImpl::Mlp(MlpLayer::new(config)?),
             LayerKind::Moe => LayerImpl::Moe(MoeLayer::new(config, local_experts)?),
-            LayerKind::GatedDeltaNet => {
-                return Err(RuntimeError::Unsupported(
-                    "`G` (gated delta net) is not supported by this runtime yet; plans cover \
-                     it, training does not"
-                        .into(),
-                ));
-            }
+            LayerKind::GatedDeltaNet => LayerImpl::Gdn(GdnLayer::new(config)?),
             LayerKind::Dsa => {
                 return Err(RuntimeError::Unsupported(
                     "`D` (DeepSeek sparse attention) is not supported by this runtime yet; \
@@ -135,6 +134,7 @@ impl LayerImpl {
     pub fn kind(&self) -> LayerKind {
         match self {
             LayerImpl::Mamba(_) => LayerKind::Mamba,
+            LayerImpl::Gdn(_) => LayerKind::GatedDeltaNet,
             LayerImpl::Attention(_) => LayerKind::Attention,
             LayerImpl::Mla(_) => LayerKind::Mla,
             LayerImpl::Mlp(_) => LayerKind::Mlp,
@@ -146,6 +146,7 @@ impl LayerImpl {
     pub fn params(&self) -> &[ParamDef] {
         match self {
             LayerImpl::Mamba(l) => l.params(),
+            LayerImpl::Gdn(l) => l.params(),
             LayerImpl::Attention(l) => l.params(),
             LayerImpl::Mla(l) => l.params(),
             LayerImpl::Mlp(l) => l.params(),
@@ -178,6 +179,7 @@ impl LayerImpl {
     ) -> Result<LayerSaved<B>> {
         Ok(match self {
             LayerImpl::Mamba(l) => LayerSaved::Mamba(l.forward(b, weights, x, tokens)?),
+            LayerImpl::Gdn(l) => LayerSaved::Gdn(l.forward(b, weights, x, tokens)?),
             LayerImpl::Attention(l) => LayerSaved::Attention(l.forward(b, weights, x, tokens)?),
             LayerImpl::Mla(l) => LayerSaved::Mla(l.forward(b, weights, x, tokens)?),
             LayerImpl::Mlp(l) => LayerSaved::Mlp(l.forward(b, weights, x, tokens)?),
@@ -201,6 +203,9 @@ impl LayerImpl {
         Ok(match (self, saved) {
             (LayerImpl::Mamba(l), LayerSaved::Mamba(s)) => {
                 LayerWgrad::Mamba(l.backward_input(b, weights, s, dx)?)
+            }
+            (LayerImpl::Gdn(l), LayerSaved::Gdn(s)) => {
+                LayerWgrad::Gdn(l.backward_input(b, weights, s, dx)?)
             }
             (LayerImpl::Attention(l), LayerSaved::Attention(s)) => {
                 LayerWgrad::Attention(l.backward_input(b, weights, s, dx)?)
@@ -232,6 +237,7 @@ impl LayerImpl {
     ) -> Result<()> {
         match (self, wgrad) {
             (LayerImpl::Mamba(l), LayerWgrad::Mamba(w)) => l.backward_weight(b, w, grads),
+            (LayerImpl::Gdn(l), LayerWgrad::Gdn(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Attention(l), LayerWgrad::Attention(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Mla(l), LayerWgrad::Mla(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Mlp(l), LayerWgrad::Mlp(w)) => l.backward_weight(b, w, grads),
