@@ -211,6 +211,51 @@ fn a_resumed_run_adds_a_file_whose_steps_continue_the_curves() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A pipeline's run logs each stage's measured bubble beside 1F1B's, at
+/// its last step, with the summary's values.
+#[test]
+fn a_pipeline_logs_each_stages_bubble() {
+    let dir = scratch("tensorboard", "pipeline");
+    let tb = dir.join("tb");
+    let out = hybridgen(&[
+        "train",
+        "--device",
+        "cpu",
+        "--pattern",
+        "M[*E]|M-[*E]",
+        "--ranks",
+        "2",
+        "--pp",
+        "2",
+        "--ep",
+        "1",
+        "--steps",
+        "3",
+        "--format",
+        "json",
+        "--tensorboard-dir",
+        tb.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary: Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find_map(|l| l.get("summary").cloned())
+        .expect("a summary line");
+    let read = tensorboard_reads(&tb);
+    let waits = summary["stage_waits"].as_array().unwrap();
+    assert_eq!(waits.len(), 2);
+    for (s, wait) in waits.iter().enumerate() {
+        assert_eq!(at(&read, &format!("pipeline-bubble/stage-{s}"), 3), as_f32(wait));
+    }
+    assert_eq!(
+        at(&read, "pipeline-bubble/1f1b", 3),
+        as_f32(&summary["ideal_bubble"])
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_directory_that_cannot_be_written_is_refused_before_the_first_step() {
     let dir = scratch("tensorboard", "refused");

@@ -141,6 +141,16 @@ impl Board {
             let per_rank = flops as f64 * summary.tokens_per_second / self.ranks as f64;
             scalars.push(("throughput", (per_rank / 1e12) as f32));
         }
+        // The measured pipeline bubble per stage, beside 1F1B's.
+        let stages: Vec<String> = (0..summary.stage_waits.len())
+            .map(|s| format!("pipeline-bubble/stage-{s}"))
+            .collect();
+        for (tag, wait) in stages.iter().zip(&summary.stage_waits) {
+            scalars.push((tag.as_str(), *wait as f32));
+        }
+        if let Some(ideal) = summary.ideal_bubble {
+            scalars.push(("pipeline-bubble/1f1b", ideal as f32));
+        }
         if !scalars.is_empty() {
             self.writer.scalars(summary.last_step, &scalars);
         }
