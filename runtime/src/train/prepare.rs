@@ -386,13 +386,20 @@ fn parallel_layout(config: &TrainConfig) -> ParallelLayout {
 fn check_given_plan(plan: &Plan, config: &TrainConfig) -> Result<()> {
     let mut wrong = Vec::new();
     if plan.layout.dp != config.dp() || plan.layout.pp != config.pp {
-        wrong.push(format!(
-            "it was made for {} pipeline stages of {} data-parallel ranks, the run has {} of {}",
-            plan.layout.pp,
-            plan.layout.dp,
-            config.pp,
-            config.dp()
-        ));
+        wrong.push(match (plan.layout.pp, config.pp) {
+            (1, 1) => format!(
+                "it was made for {} data-parallel ranks, the run has {}",
+                plan.layout.dp,
+                config.dp()
+            ),
+            (pp, _) => format!(
+                "it was made for {pp} pipeline stage{} of {} data-parallel ranks, the run has {} of {}",
+                if pp == 1 { "" } else { "s" },
+                plan.layout.dp,
+                config.pp,
+                config.dp()
+            ),
+        });
     }
     if plan.layout.ep != config.ep {
         wrong.push(format!(
