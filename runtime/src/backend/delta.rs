@@ -195,7 +195,9 @@ fn check_inputs(
     let per_head = product(kernel, &[rows, dims.value_heads])?;
     inputs.beta.has_len(kernel, "beta", per_head)?;
     inputs.alpha.has_len(kernel, "alpha", per_head)?;
-    inputs.dt_bias.has_len(kernel, "dt_bias", dims.value_heads)?;
+    inputs
+        .dt_bias
+        .has_len(kernel, "dt_bias", dims.value_heads)?;
     inputs.a_log.has_len(kernel, "a_log", dims.value_heads)?;
     product(
         kernel,

@@ -4,8 +4,8 @@
 
 use super::norm::{NormPartials, RmsNorm};
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_rows, positive,
-    section, uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
+    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_rows, positive, section,
+    uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
 };
 use crate::backend::{
     Backend, ConvDims, DeltaDims, DeltaGrads, DeltaInputs, MatmulDims, Slice, SliceMut, Unary,
@@ -151,7 +151,12 @@ impl GdnLayer {
     /// input), `z`, `beta`, `alpha`.
     fn proj_blocks(&self) -> [Range<usize>; 4] {
         let (c, v, hv) = (self.conv_dim(), self.value_width(), self.value_heads);
-        [0..c, c..c + v, c + v..c + v + hv, c + v + hv..c + v + 2 * hv]
+        [
+            0..c,
+            c..c + v,
+            c + v..c + v + hv,
+            c + v + hv..c + v + 2 * hv,
+        ]
     }
 
     pub fn forward<B: Backend>(

@@ -346,8 +346,14 @@ mod tests {
                 ParamInit::Uniform { bound: 0.5 },
             ),
             ("decoder.layers.3.self_attention.dt_bias", ParamInit::Ones),
-            ("decoder.layers.3.self_attention.A_log", ParamInit::MambaALog),
-            ("decoder.layers.3.self_attention.out_norm.weight", ParamInit::Ones),
+            (
+                "decoder.layers.3.self_attention.A_log",
+                ParamInit::MambaALog,
+            ),
+            (
+                "decoder.layers.3.self_attention.out_norm.weight",
+                ParamInit::Ones,
+            ),
             ("decoder.layers.3.self_attention.out_proj.weight", out),
             (
                 "decoder.layers.0.mixer.in_proj.layer_norm_weight",

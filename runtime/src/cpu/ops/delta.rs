@@ -344,10 +344,8 @@ pub fn gated_delta_backward(
                             let ds_row = &mut ds[p * dk..][..dk];
                             let st_row = &s_t[p * dk..][..dk];
                             // out_p = S_t,p . q: dS_t,p += d_out_p q; dq += d_out_p S_t,p.
-                            for ((d, &qx), (dqx, &sx)) in ds_row
-                                .iter_mut()
-                                .zip(q)
-                                .zip(dq_t.iter_mut().zip(st_row))
+                            for ((d, &qx), (dqx, &sx)) in
+                                ds_row.iter_mut().zip(q).zip(dq_t.iter_mut().zip(st_row))
                             {
                                 *d += d_o[p] * qx;
                                 *dqx += d_o[p] * sx;
@@ -367,11 +365,8 @@ pub fn gated_delta_backward(
                             let d_pred = -gates.beta * du;
                             // dk += dS u + d_pred A_p; dA_p = dS + d_pred k;
                             // dg += A_p . dA_p; dS_{t-1} = decay dA_p.
-                            for (((d, &kx), &a_x), dkx) in ds_row
-                                .iter_mut()
-                                .zip(k)
-                                .zip(&decayed)
-                                .zip(dk_t.iter_mut())
+                            for (((d, &kx), &a_x), dkx) in
+                                ds_row.iter_mut().zip(k).zip(&decayed).zip(dk_t.iter_mut())
                             {
                                 *dkx += *d * u + d_pred * a_x;
                                 let da = *d + d_pred * kx;
@@ -396,8 +391,20 @@ pub fn gated_delta_backward(
                 let row = &inputs.qkv[r * l.width..][..l.width];
                 let drow = &mut d_qkv[r * l.width..][..l.width];
                 for (x, rstd, dy, s, at) in [
-                    (&row[l.q(i)..][..dk], norm.rq[t], &dq[t * dk..][..dk], scale, l.q(i)),
-                    (&row[l.k(i)..][..dk], norm.rk[t], &dk_norm[t * dk..][..dk], 1.0, l.k(i)),
+                    (
+                        &row[l.q(i)..][..dk],
+                        norm.rq[t],
+                        &dq[t * dk..][..dk],
+                        scale,
+                        l.q(i),
+                    ),
+                    (
+                        &row[l.k(i)..][..dk],
+                        norm.rk[t],
+                        &dk_norm[t * dk..][..dk],
+                        1.0,
+                        l.k(i),
+                    ),
                 ] {
                     let mut y_dy = 0.0f32;
                     for (&xv, &g) in x.iter().zip(dy) {
@@ -594,7 +601,11 @@ mod tests {
         // dt_bias enters as alpha does: its gradient is alpha's column sum.
         for j in 0..4 {
             let sum: f64 = ga.iter().skip(j).step_by(4).map(|&g| g as f64).sum();
-            close(sum as f32, fd(|c| &mut c.dt_bias, j), &format!("dt_bias[{j}]"));
+            close(
+                sum as f32,
+                fd(|c| &mut c.dt_bias, j),
+                &format!("dt_bias[{j}]"),
+            );
         }
     }
 
