@@ -50,6 +50,7 @@ fn backend_kernels() -> Vec<String> {
     for family in [
         include_str!("../src/backend/attention.rs"),
         include_str!("../src/backend/conv.rs"),
+        include_str!("../src/backend/delta.rs"),
         include_str!("../src/backend/dense.rs"),
         include_str!("../src/backend/layout.rs"),
         include_str!("../src/backend/lookup.rs"),

@@ -43,8 +43,16 @@ fn options() -> Options {
     }
 }
 
+/// Every family but the gated delta rule's, which has no GPU kernel yet
+/// (`cuda::ops::delta` refuses it, and `train` refuses `G` on a GPU).
 fn conformance_of(backend: &CudaBackend) {
-    let report = conformance::run_all(backend, &options());
+    let mut suite = conformance::Suite::new(backend, &options());
+    for family in conformance::Family::ALL {
+        if family != conformance::Family::Delta {
+            suite.run(family);
+        }
+    }
+    let report = suite.finish();
     println!("{report}");
     assert!(report.is_clean(), "{report}");
 }

@@ -54,6 +54,7 @@
 mod activation;
 mod attention;
 mod case;
+mod delta;
 mod dense;
 mod lookup;
 mod mamba;
@@ -105,6 +106,8 @@ pub enum Family {
     Activation,
     /// conv1d and the SSD scan.
     Mamba,
+    /// The gated delta rule.
+    Delta,
     /// attention, rotary, qkv_split/join, mla_kv_split/join.
     Attention,
     /// embedding and cross-entropy.
@@ -117,12 +120,13 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 9] = [
+    pub const ALL: [Family; 10] = [
         Family::Memory,
         Family::Dense,
         Family::Norm,
         Family::Activation,
         Family::Mamba,
+        Family::Delta,
         Family::Attention,
         Family::Lookup,
         Family::Moe,
@@ -166,6 +170,7 @@ impl<'d, B: Backend> Suite<'d, B> {
             Family::Norm => norm::check(self),
             Family::Activation => activation::check(self),
             Family::Mamba => mamba::check(self),
+            Family::Delta => delta::check(self),
             Family::Attention => attention::check(self),
             Family::Lookup => lookup::check(self),
             Family::Moe => moe::check(self),

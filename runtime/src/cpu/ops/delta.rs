@@ -554,6 +554,24 @@ mod tests {
         }
     }
 
+    /// Queries and keys whose squared norms are near the epsilon: the
+    /// normalisation divides by `sqrt(|x|^2 + 1e-6)`, flash-linear-attention's
+    /// `l2norm` (another epsilon moves these outputs by a third).
+    #[test]
+    fn the_l2_norm_takes_its_epsilon_as_fla_does() {
+        let mut c = case(2);
+        for v in c.qkv.iter_mut() {
+            *v *= 1e-3;
+        }
+        let (out, _) = run(&c);
+        let want = reference(&c);
+        let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+        assert!(scale > 0.0);
+        for (a, b) in out.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-4 * scale, "{a} vs {b}");
+        }
+    }
+
     #[test]
     fn backward_matches_finite_differences_and_is_chunk_independent() {
         let d_out = data(10 * 8, 4.4, 1.0);
