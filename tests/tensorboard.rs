@@ -247,7 +247,10 @@ fn a_pipeline_logs_each_stages_bubble() {
     let waits = summary["stage_waits"].as_array().unwrap();
     assert_eq!(waits.len(), 2);
     for (s, wait) in waits.iter().enumerate() {
-        assert_eq!(at(&read, &format!("pipeline-bubble/stage-{s}"), 3), as_f32(wait));
+        assert_eq!(
+            at(&read, &format!("pipeline-bubble/stage-{s}"), 3),
+            as_f32(wait)
+        );
     }
     assert_eq!(
         at(&read, "pipeline-bubble/1f1b", 3),
