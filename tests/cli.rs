@@ -346,7 +346,7 @@ fn train_refuses_bad_layouts_before_starting() {
     let out = hybridgen(&[
         "train",
         "--pattern",
-        "M[GE]",
+        "M[DE]",
         "--ep",
         "1",
         "--format",
@@ -354,7 +354,7 @@ fn train_refuses_bad_layouts_before_starting() {
     ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        stderr(&out).contains("`G` (gated delta net) is not supported"),
+        stderr(&out).contains("`D` (DeepSeek sparse attention) is not supported"),
         "{}",
         stderr(&out)
     );

@@ -804,7 +804,7 @@ fn a_checkpoint_loads_onto_another_layout() {
 
 #[test]
 fn kinds_the_runtime_lacks_are_refused_before_work_starts() {
-    for (pattern, symbol) in [("M[GE]", "`G`"), ("M[DE]", "`D`")] {
+    for (pattern, symbol) in [("M[DE]", "`D`"), ("[+E]/DE", "`D`")] {
         let mut c = config(pattern);
         c.ep = 1;
         let err = train(&c, &mut |_| panic!("no step may run")).unwrap_err();
