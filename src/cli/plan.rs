@@ -380,7 +380,7 @@ fn write_activations(plan: &Plan, tokens: Tokens, out: &mut dyn Write) -> io::Re
         .collect();
     kinds.sort_by_key(|&k| k as usize);
     kinds.dedup();
-    // Kinds the runtime lacks (`G`) have no activations to save.
+    // A kind with nothing to save (none today) is left out.
     let saves = kinds
         .iter()
         .filter_map(|&kind| {

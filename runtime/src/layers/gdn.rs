@@ -27,7 +27,7 @@ const OUT_PROJ: usize = 6;
 
 /// Steps between the states the forward keeps for the backward (the chunk
 /// of Megatron's chunked kernel); any value gives the same bits.
-const STATE_CHUNK: usize = 64;
+pub const STATE_CHUNK: usize = 64;
 
 /// `G`: `x += W_out (RMSNorm_head(Delta(SiLU(Conv(qkv)), beta, alpha)) *
 /// silu(z))` on `[qkv | z | beta | alpha] = RMSNorm(x) W_in^T`.

@@ -463,8 +463,37 @@ fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Ele
             extra.f32 = n.saturating_mul(e + k + h);
             (saved, extra)
         }
-        // Planned, not trained by this runtime (refused before estimating).
-        LayerKind::GatedDeltaNet => Default::default(),
+        LayerKind::GatedDeltaNet => {
+            let Some(g) = &model.gdn else {
+                return Default::default();
+            };
+            let (hv, kd, vd) = (
+                g.value_heads as u64,
+                (g.key_heads * g.key_head_dim) as u64,
+                (g.value_heads * g.value_head_dim) as u64,
+            );
+            let c = 2 * kd + vd;
+            // x_in, u, q|k|v before and after conv and SiLU, o, its norm,
+            // z, the gated output, beta and alpha; the norms' rstd and the
+            // heads' g in f32. Backward: d_out and the same widths' gradients;
+            // d_u and the gates' in f32 (`layers/gdn.rs`).
+            let (mut saved, mut extra) = per_token(
+                2 * h + 3 * c + 4 * vd + 2 * hv,
+                1 + hv,
+                h + 3 * c + 4 * vd + 2 * hv,
+            );
+            extra.f32 = n.saturating_mul(h + hv);
+            // The recurrence's states at every chunk start: per sequence,
+            // chunk and value head, dv' x dk in f32.
+            let chunks = tokens.seq.div_ceil(crate::layers::gdn::STATE_CHUNK) as u64;
+            saved.f32 = saved.f32.saturating_add(
+                (tokens.batch as u64)
+                    .saturating_mul(chunks)
+                    .saturating_mul(hv)
+                    .saturating_mul((g.value_head_dim * g.key_head_dim) as u64),
+            );
+            (saved, extra)
+        }
     }
 }
 
@@ -540,7 +569,15 @@ fn widened_operands(
                     .map_or(0, |s| h + s as u64 * m.activation.fc1_factor() as u64);
                 vec![h + m.num_experts as u64, k * (h + pre), k * (w + h), shared]
             }),
-            LayerKind::GatedDeltaNet => vec![],
+            LayerKind::GatedDeltaNet => model.gdn.as_ref().map_or(vec![], |g| {
+                let (hv, kd, vd) = (
+                    g.value_heads as u64,
+                    (g.key_heads * g.key_head_dim) as u64,
+                    (g.value_heads * g.value_head_dim) as u64,
+                );
+                // in_proj's q|k|v, z, beta and alpha; out_proj.
+                vec![h + 2 * kd + 2 * vd + 2 * hv, vd + h]
+            }),
         };
         rows = widths.into_iter().fold(rows, u64::max);
     }
