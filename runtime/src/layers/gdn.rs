@@ -2,13 +2,14 @@
 //! with the recurrence evaluated sequentially per value head and the state
 //! kept only at chunk starts.
 
+use super::conv_silu;
 use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_rows, positive, section,
     uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
 };
 use crate::backend::{
-    Backend, ConvDims, DeltaDims, DeltaGrads, DeltaInputs, MatmulDims, Slice, SliceMut, Unary,
+    Backend, ConvDims, DeltaDims, DeltaGrads, DeltaInputs, MatmulDims, Slice, SliceMut,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -202,16 +203,13 @@ impl GdnLayer {
         }
         // Megatron's conv has no bias; the kernel takes one, so a zero one.
         let no_bias = zeros(b, c)?;
-        let qkv_conv = uninit(b, rows * c)?;
-        b.conv1d_forward(
+        let (qkv_conv, qkv) = conv_silu::forward(
+            b,
             b.view(&qkv_in)?,
             w(CONV_W)?,
             b.view(&no_bias)?,
-            b.view_mut(&qkv_conv)?,
             self.conv_dims(tokens),
         )?;
-        let qkv = uninit(b, rows * c)?;
-        b.unary_forward(Unary::Silu, b.view(&qkv_conv)?, b.view_mut(&qkv)?)?;
         let dims = self.delta_dims(tokens);
         let out = uninit(b, rows * vd)?;
         let states = uninit_f32(b, dims.states_len())?;
@@ -319,18 +317,11 @@ impl GdnLayer {
             grads,
             self.delta_dims(tokens),
         )?;
-        let d_qkv_conv = uninit(b, rows * c)?;
-        b.unary_backward(
-            Unary::Silu,
+        let (d_qkv_conv, d_qkv_in) = conv_silu::backward_input(
+            b,
             b.view(&s.qkv_conv)?,
             b.view(&d_qkv)?,
-            b.view_mut(&d_qkv_conv)?,
-        )?;
-        let d_qkv_in = uninit(b, rows * c)?;
-        b.conv1d_backward_input(
-            b.view(&d_qkv_conv)?,
             w(CONV_W)?,
-            b.view_mut(&d_qkv_in)?,
             self.conv_dims(tokens),
         )?;
         // The four blocks' input gradients sum in f32 (a GEMM's sum into

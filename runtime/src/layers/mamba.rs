@@ -1,13 +1,14 @@
 //! `M`: the Mamba-2 mixer (layers.md `M`), with the scan evaluated
 //! sequentially per head and the state kept only at chunk starts.
 
+use super::conv_silu;
 use super::norm::{NormPartials, RmsNorm};
 use super::{
     Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, grad_rows,
     positive, section, uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
 };
 use crate::backend::{
-    Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, SliceMut, Unary,
+    Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, SliceMut,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -175,16 +176,13 @@ impl MambaLayer {
                 MatmulDims::linear(rows, h, width),
             )?;
         }
-        let xbc_conv = uninit(b, rows * c)?;
-        b.conv1d_forward(
+        let (xbc_conv, xbc) = conv_silu::forward(
+            b,
             b.view(&xbc_in)?,
             w(CONV_W)?,
             w(CONV_B)?,
-            b.view_mut(&xbc_conv)?,
             self.conv_dims(tokens),
         )?;
-        let xbc = uninit(b, rows * c)?;
-        b.unary_forward(Unary::Silu, b.view(&xbc_conv)?, b.view_mut(&xbc)?)?;
         let scan = self.scan_dims(tokens);
         let y = uninit(b, rows * d)?;
         let states = uninit_f32(b, scan.states_len())?;
@@ -286,18 +284,11 @@ impl MambaLayer {
             grads,
             self.scan_dims(tokens),
         )?;
-        let d_xbc_conv = uninit(b, rows * c)?;
-        b.unary_backward(
-            Unary::Silu,
+        let (d_xbc_conv, d_xbc_in) = conv_silu::backward_input(
+            b,
             b.view(&s.xbc_conv)?,
             b.view(&d_xbc)?,
-            b.view_mut(&d_xbc_conv)?,
-        )?;
-        let d_xbc_in = uninit(b, rows * c)?;
-        b.conv1d_backward_input(
-            b.view(&d_xbc_conv)?,
             w(CONV_W)?,
-            b.view_mut(&d_xbc_in)?,
             self.conv_dims(tokens),
         )?;
         // The three blocks' input gradients sum in f32 (a GEMM's sum into

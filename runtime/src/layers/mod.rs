@@ -19,6 +19,7 @@
 //!   order varies.
 
 pub mod attention;
+mod conv_silu;
 mod core_attention;
 pub mod embedding;
 pub mod gdn;
