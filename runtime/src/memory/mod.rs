@@ -12,23 +12,33 @@
 //! probabilities are often the largest single buffer. Thread ranks share one
 //! process, so the process needs every rank's share.
 //!
+//! Modules: `layer_sizes` (what each layer kind keeps and works in),
+//! `scratch` (the GPU kernels' scratch), `refusal` (a rank's figures and
+//! stages as a refusal words them), `available` (what the machine has:
+//! Linux's `MemAvailable`, a cgroup's limit).
+//!
 //! [`FsdpEngine::new`]: crate::fsdp::FsdpEngine::new
 //! [`Optimizer::new`]: crate::optimizer::Optimizer::new
 
-use crate::backend::{
-    AttentionBackend, AttentionDims, Backend, Precision, ScanDims, ScratchCall, ScratchSettings,
-    Tokens,
-};
-use crate::cuda::CudaBackend;
+mod available;
+mod layer_sizes;
+mod refusal;
+mod scratch;
+
+pub use available::{AvailableMemory, available};
+#[cfg(test)]
+use available::{cgroup_headroom, mem_available};
+use layer_sizes::{layer, widened_operands};
+use refusal::{describe_share, rank_figures};
+pub use scratch::{gpu_kernel_scratch, kernel_scratch, scratch_calls};
+
+use crate::backend::{Precision, Tokens};
 use crate::fsdp::{ShardLayout, Sharding};
 use crate::optimizer::OptimizerKind;
 use crate::recompute::Recompute;
-use crate::view::DType;
-use hybridgen_dsl::config::Activation;
 use hybridgen_dsl::params::layer_params;
 use hybridgen_dsl::plan::{Bucket, LayerRef};
 use hybridgen_dsl::{LayerKind, ModelConfig, Plan};
-use std::path::Path;
 
 /// Bytes per element of each precision ([`crate::Precision`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,7 +81,7 @@ impl ElementSizes {
 
 /// Elements of each precision (host index vectors count as `f32`: 4 bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Elements {
+pub(super) struct Elements {
     compute: u64,
     f32: u64,
 }
@@ -144,7 +154,7 @@ pub fn activations(
 /// norm and the heads (`last`), and `mtp_depths` MTP depths. Every rank
 /// holds the residual stream and its gradient.
 #[derive(Clone, Copy, Debug)]
-struct Ends {
+pub(super) struct Ends {
     first: bool,
     last: bool,
     mtp_depths: usize,
@@ -332,256 +342,6 @@ fn kinds_by_kept(model: &ModelConfig, tokens: Tokens) -> Vec<LayerKind> {
         std::cmp::Reverse(saved.compute.saturating_add(saved.f32))
     });
     kinds
-}
-
-/// What one layer of `kind` keeps from forward to backward, and the extra
-/// working set while it runs, for one micro-batch (`layers/*.rs`).
-fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (Elements, Elements) {
-    let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
-    let h = model.hidden_size as u64;
-    let per_token = |saved_compute: u64, saved_f32: u64, extra_compute: u64| {
-        (
-            Elements::new(n.saturating_mul(saved_compute), n.saturating_mul(saved_f32)),
-            Elements::new(n.saturating_mul(extra_compute), 0),
-        )
-    };
-    let ffn = |width: usize, activation: Activation| {
-        let w = width as u64;
-        (w * activation.fc1_factor() as u64, w)
-    };
-    match kind {
-        LayerKind::Mamba => {
-            let Some(m) = &model.mamba else {
-                return Default::default();
-            };
-            let (heads, d, groups) = (
-                m.num_heads as u64,
-                (m.num_heads * m.head_dim) as u64,
-                m.num_groups as u64,
-            );
-            let c = d + 2 * groups * m.state_size as u64;
-            // x_in, u, z, xBC before and after conv and SiLU, dt, y, gated,
-            // normed; rstd of both norms. Backward: d_out, d_normed,
-            // d_gated, d_z, d_y, d_xBC (three), d_dt; d_u in f32.
-            let (mut saved, mut extra) = per_token(
-                2 * h + 4 * d + 3 * c + heads,
-                1 + groups,
-                h + 4 * d + 3 * c + heads,
-            );
-            extra.f32 = n.saturating_mul(h);
-            // The scan's chunk states: per sequence, chunk, head, P x N.
-            let chunks = (tokens.seq.div_ceil(m.chunk_size.max(1))) as u64;
-            saved.f32 = saved.f32.saturating_add(
-                (tokens.batch as u64)
-                    .saturating_mul(chunks)
-                    .saturating_mul(d)
-                    .saturating_mul(m.state_size as u64),
-            );
-            (saved, extra)
-        }
-        LayerKind::Attention => {
-            let Some(a) = &model.attention else {
-                return Default::default();
-            };
-            let c = model.attention_head_dim().unwrap_or(0) as u64;
-            let (q, kv) = (a.num_heads as u64 * c, a.num_kv_groups as u64 * c);
-            let norm = if a.qk_norm {
-                (q + kv, a.num_heads + a.num_kv_groups)
-            } else {
-                (0, 0)
-            };
-            // x_in, u, q, k, v, o (+ pre-norm q, k); rstd, lse (+ q/k rstd).
-            // Forward drops the fused qkv; backward holds d_out, d_o, dq,
-            // dk, dv, d_qkv, d_u.
-            per_token(
-                2 * h + 2 * q + 2 * kv + norm.0,
-                1 + a.num_heads as u64 + norm.1 as u64,
-                2 * h + 3 * q + 4 * kv + norm.0,
-            )
-        }
-        LayerKind::Mla | LayerKind::Dsa => {
-            let Some(m) = &model.mla else {
-                return Default::default();
-            };
-            let a = m.num_heads as u64;
-            let (dqk, dv) = (
-                (m.qk_head_dim + m.qk_rope_head_dim) as u64,
-                m.v_head_dim as u64,
-            );
-            let (kr, qr) = (m.kv_lora_rank as u64, m.q_lora_rank.unwrap_or(0) as u64);
-            // x_in, u, the latents (raw and normed), q, k, v, o; rstds, lse.
-            // Backward: d_out, d_o, dq, dk, dv, d_kv, d_k_rope, the latents'
-            // gradients, d_u.
-            per_token(
-                2 * h + 2 * qr + 2 * kr + 2 * a * dqk + 2 * a * dv,
-                3 + a,
-                2 * h
-                    + 2 * a * dqk
-                    + 2 * a * dv
-                    + a * (m.qk_head_dim as u64 + dv)
-                    + m.qk_rope_head_dim as u64
-                    + 2 * kr
-                    + 2 * qr,
-            )
-        }
-        LayerKind::Mlp => {
-            let Some(m) = &model.mlp else {
-                return Default::default();
-            };
-            let (pre, act) = ffn(m.ffn_hidden_size, m.activation);
-            // x_in, u, fc1 output, activation; rstd. Backward: d_out, d_pre,
-            // d_act, d_u.
-            per_token(2 * h + pre + act, 1, 2 * h + pre + act)
-        }
-        LayerKind::Moe => {
-            let Some(m) = &model.moe else {
-                return Default::default();
-            };
-            let (e, k) = (m.num_experts as u64, m.top_k as u64);
-            let (pre, act) = ffn(m.ffn_hidden_size, m.activation);
-            let (shared_pre, shared_act) = m
-                .shared_expert_ffn_hidden_size
-                .map_or((0, 0), |w| ffn(w, m.activation));
-            let shared = if m.shared_expert_ffn_hidden_size.is_some() {
-                shared_pre + shared_act + h
-            } else {
-                0
-            };
-            // x_in, u, the shared expert; per routed row (k per token): the
-            // experts' input, fc1 output and activation, and the returned
-            // row. In f32: rstd, the router's logits, scores and weights,
-            // and the u32 indices (selected, positions, regroup). Forward
-            // also holds the send, received and output rows for a while;
-            // backward their gradients, the logits' gradient (f32, and
-            // cast to the compute dtype for the router's GEMMs), the
-            // weights' gradient and the norm's output gradient (f32).
-            let (saved, mut extra) = per_token(
-                2 * h + shared + k * (2 * h + pre + act),
-                1 + 2 * e + k + 3 * k,
-                h + e + shared + k * (4 * h + pre + act),
-            );
-            extra.f32 = n.saturating_mul(e + k + h);
-            (saved, extra)
-        }
-        LayerKind::GatedDeltaNet => {
-            let Some(g) = &model.gdn else {
-                return Default::default();
-            };
-            let (hv, kd, vd) = (
-                g.value_heads as u64,
-                (g.key_heads * g.key_head_dim) as u64,
-                (g.value_heads * g.value_head_dim) as u64,
-            );
-            let c = 2 * kd + vd;
-            // x_in, u, q|k|v before and after conv and SiLU, o, its norm,
-            // z, the gated output, beta and alpha; the norms' rstd and the
-            // heads' g in f32. Backward: d_out and the same widths' gradients;
-            // d_u and the gates' in f32 (`layers/gdn.rs`).
-            let (mut saved, mut extra) = per_token(
-                2 * h + 3 * c + 4 * vd + 2 * hv,
-                1 + hv,
-                h + 3 * c + 4 * vd + 2 * hv,
-            );
-            extra.f32 = n.saturating_mul(h + hv);
-            // The recurrence's states at every chunk start: per sequence,
-            // chunk and value head, dv' x dk in f32.
-            let chunks = tokens.seq.div_ceil(crate::layers::gdn::STATE_CHUNK) as u64;
-            saved.f32 = saved.f32.saturating_add(
-                (tokens.batch as u64)
-                    .saturating_mul(chunks)
-                    .saturating_mul(hv)
-                    .saturating_mul((g.value_head_dim * g.key_head_dim) as u64),
-            );
-            (saved, extra)
-        }
-    }
-}
-
-/// The elements of the largest matrix product's operands, which a backend
-/// that widens bf16 operands ([`ElementSizes::widened`]) copies to f32 while
-/// it runs: the weight (the largest parameter, or a MoE layer's
-/// `local_experts` fc1 weights, one grouped product), and the widest input
-/// and output rows of any product of the layers `kinds` or the head, one
-/// per token (the routed rows of a MoE layer: `top_k` per token); the
-/// head's only where the rank runs it (`head`).
-fn widened_operands(
-    model: &ModelConfig,
-    kinds: impl IntoIterator<Item = LayerKind>,
-    head: bool,
-    local_experts: usize,
-    largest_param: u64,
-    tokens: Tokens,
-) -> u64 {
-    let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
-    let h = model.hidden_size as u64;
-    let mut weight = largest_param;
-    // The head: `[tokens, h] x [V, h]^T`, or its logit gradients back.
-    let mut rows = if head {
-        h.saturating_add(model.padded_vocab_size() as u64)
-    } else {
-        0
-    };
-    let mut seen = [false; LayerKind::ALL.len()];
-    for kind in kinds {
-        if std::mem::replace(&mut seen[kind as usize], true) {
-            continue;
-        }
-        // Input plus output width per token, for each product of the layer.
-        let widths: Vec<u64> = match kind {
-            LayerKind::Mamba => model.mamba.as_ref().map_or(vec![], |m| {
-                let d = (m.num_heads * m.head_dim) as u64;
-                let xbc = d + 2 * (m.num_groups * m.state_size) as u64;
-                vec![h + d + xbc + m.num_heads as u64, d + h]
-            }),
-            LayerKind::Attention => model.attention.as_ref().map_or(vec![], |a| {
-                let c = model.attention_head_dim().unwrap_or(0) as u64;
-                let (q, kv) = (a.num_heads as u64 * c, a.num_kv_groups as u64 * c);
-                vec![h + q + 2 * kv, q + h]
-            }),
-            LayerKind::Mla | LayerKind::Dsa => model.mla.as_ref().map_or(vec![], |m| {
-                let a = m.num_heads as u64;
-                let (kr, qr) = (m.kv_lora_rank as u64, m.q_lora_rank.unwrap_or(0) as u64);
-                let (dqk, rope, dv) = (
-                    m.qk_head_dim as u64,
-                    m.qk_rope_head_dim as u64,
-                    m.v_head_dim as u64,
-                );
-                // Queries through the low-rank latent when there is one.
-                let q = a * (dqk + rope);
-                vec![
-                    h + if qr > 0 { qr } else { q },
-                    qr + q,
-                    h + kr + rope,
-                    kr + a * (dqk + dv),
-                    a * dv + h,
-                ]
-            }),
-            LayerKind::Mlp => model.mlp.as_ref().map_or(vec![], |m| {
-                let w = m.ffn_hidden_size as u64;
-                vec![h + w * m.activation.fc1_factor() as u64, w + h]
-            }),
-            LayerKind::Moe => model.moe.as_ref().map_or(vec![], |m| {
-                let (w, k) = (m.ffn_hidden_size as u64, m.top_k as u64);
-                let pre = w * m.activation.fc1_factor() as u64;
-                weight = weight.max((local_experts as u64).saturating_mul(pre * h));
-                let shared = m
-                    .shared_expert_ffn_hidden_size
-                    .map_or(0, |s| h + s as u64 * m.activation.fc1_factor() as u64);
-                vec![h + m.num_experts as u64, k * (h + pre), k * (w + h), shared]
-            }),
-            LayerKind::GatedDeltaNet => model.gdn.as_ref().map_or(vec![], |g| {
-                let (hv, kd, vd) = (
-                    g.value_heads as u64,
-                    (g.key_heads * g.key_head_dim) as u64,
-                    (g.value_heads * g.value_head_dim) as u64,
-                );
-                // in_proj's q|k|v, z, beta and alpha; out_proj.
-                vec![h + 2 * kd + 2 * vd + 2 * hv, vd + h]
-            }),
-        };
-        rows = widths.into_iter().fold(rows, u64::max);
-    }
-    weight.saturating_add(n.saturating_mul(rows))
 }
 
 /// Memory of one rank's weights, gradients, optimizer state and parameter
@@ -797,84 +557,6 @@ pub struct RankProgram {
     pub receives: usize,
 }
 
-/// The kernel calls of `model`'s layers of `kinds` at `tokens` a
-/// micro-batch that may take scratch while they run: attention (`*` and
-/// MLA layers) and the Mamba scan.
-pub fn scratch_calls(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> Vec<ScratchCall> {
-    let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
-        ScratchCall::Attention(AttentionDims {
-            tokens,
-            heads,
-            kv_heads,
-            qk_dim,
-            v_dim,
-            scale: 1.0,
-        })
-    };
-    let mut calls = Vec::new();
-    if kinds.contains(&LayerKind::Attention)
-        && let (Some(a), Some(c)) = (&model.attention, model.attention_head_dim())
-    {
-        calls.push(attention(a.num_heads, a.num_kv_groups, c, c));
-    }
-    if kinds.contains(&LayerKind::Mla)
-        && let Some(m) = &model.mla
-    {
-        let qk = m.qk_head_dim + m.qk_rope_head_dim;
-        calls.push(attention(m.num_heads, m.num_heads, qk, m.v_head_dim));
-    }
-    if kinds.contains(&LayerKind::Mamba)
-        && let Some(m) = &model.mamba
-    {
-        calls.push(ScratchCall::Scan(ScanDims {
-            tokens,
-            heads: m.num_heads,
-            head_dim: m.head_dim,
-            groups: m.num_groups,
-            state: m.state_size,
-            chunk: m.chunk_size,
-        }));
-    }
-    calls
-}
-
-/// The most scratch one call of `B`'s kernels takes for `model`'s layers
-/// of `kinds` at `tokens` a micro-batch ([`Backend::kernel_scratch`] of
-/// each of [`scratch_calls`]), in bytes. Calls run one at a time on a
-/// lane, so the largest counts; the arena reuses it.
-pub fn kernel_scratch<B: Backend>(
-    model: &ModelConfig,
-    kinds: &[LayerKind],
-    tokens: Tokens,
-    settings: ScratchSettings,
-) -> u64 {
-    scratch_calls(model, kinds, tokens)
-        .into_iter()
-        .map(|call| B::kernel_scratch(call, settings))
-        .max()
-        .unwrap_or(0)
-}
-
-/// [`kernel_scratch`] of the CUDA backend, activations in `dtype`, its
-/// attention kernels `backend`, its GEMM attention and chunked scan capped
-/// at `attention_cap` and `scan_cap` bytes a call.
-pub fn gpu_kernel_scratch(
-    model: &ModelConfig,
-    kinds: &[LayerKind],
-    tokens: Tokens,
-    dtype: DType,
-    backend: AttentionBackend,
-    (attention_cap, scan_cap): (usize, usize),
-) -> u64 {
-    let settings = ScratchSettings {
-        dtype,
-        attention: backend,
-        attention_cap,
-        scan_cap,
-    };
-    kernel_scratch::<CudaBackend>(model, kinds, tokens, settings)
-}
-
 impl MemoryNeed {
     fn new(
         ranks: usize,
@@ -973,7 +655,7 @@ impl MemoryNeed {
 
     /// Per rank: the activations of the micro-batches in flight, with the
     /// kernel scratch, the arenas' headroom and the receive buffers.
-    fn live(&self) -> u64 {
+    pub(super) fn live(&self) -> u64 {
         live(
             &self.activations,
             self.live_micro_batches,
@@ -1425,96 +1107,6 @@ fn arena_headroom(activations: &ActivationEstimate, in_flight: usize) -> u64 {
         .saturating_mul(in_flight as u64)
 }
 
-/// Pipeline rank `pp_rank`'s stages and what it runs besides their layers,
-/// for people: `stages 0 and 2 (layers 0..2, 4..6) with the embedding`.
-fn describe_share(plan: &Plan, pp_rank: usize, ends: Ends) -> String {
-    let stages: Vec<usize> = (0..plan.stages.len())
-        .filter(|&s| plan.stages[s].pp_rank == pp_rank)
-        .collect();
-    let names: Vec<String> = stages.iter().map(usize::to_string).collect();
-    let layers: Vec<String> = stages
-        .iter()
-        .map(|&s| {
-            let l = &plan.stages[s].layers;
-            format!("{}..{}", l.start, l.end)
-        })
-        .collect();
-    let mut out = match names.len() {
-        1 => format!("stage {} (layers {})", names[0], layers[0]),
-        _ => format!("stages {} (layers {})", names.join(", "), layers.join(", ")),
-    };
-    let mut with = Vec::new();
-    if ends.first {
-        with.push("the embedding");
-    }
-    if ends.last {
-        with.push("the final norm");
-        if ends.mtp_depths > 0 {
-            with.push("the MTP depths");
-        }
-        with.push("the heads");
-    }
-    if let Some((last, rest)) = with.split_last() {
-        out += " with ";
-        if !rest.is_empty() {
-            out += &rest.join(", ");
-            out += " and ";
-        }
-        out += last;
-    }
-    out
-}
-
-/// One rank's figures in a refusal: its need, its state and what is live
-/// (the micro-batches in flight, scratch, headroom, receive buffers), and
-/// the largest bucket's scratch where it takes more than that.
-fn rank_figures(
-    per_rank: u64,
-    state: &StateEstimate,
-    activations: &ActivationEstimate,
-    live_micro_batches: usize,
-    kernel_scratch: u64,
-    arena_headroom: u64,
-    transfers: u64,
-) -> String {
-    let live = live(
-        activations,
-        live_micro_batches,
-        kernel_scratch,
-        arena_headroom,
-        transfers,
-    );
-    let receives = match transfers {
-        0 => String::new(),
-        t => format!("; receive buffers {}", bytes(t)),
-    };
-    let mut out = format!(
-        "{} = {} parameters, gradients and optimizer state + {} activations \
-         ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
-         kernel scratch {}; arena headroom {}{receives})",
-        bytes(per_rank),
-        bytes(state.total),
-        bytes(live),
-        live_micro_batches,
-        if live_micro_batches == 1 { "" } else { "es" },
-        bytes(activations.total),
-        bytes(activations.layers),
-        bytes(activations.heads),
-        bytes(activations.streams),
-        bytes(activations.working_set),
-        bytes(kernel_scratch),
-        bytes(arena_headroom),
-    );
-    if state.scratch > live {
-        out += &format!(
-            " (the largest bucket's scratch, at the start and the end, takes {} more than \
-             the activations)",
-            bytes(state.scratch - live)
-        );
-    }
-    out
-}
-
 /// The settings a refusal suggests changing.
 #[derive(Clone, Copy, Debug)]
 pub struct FitHints {
@@ -1523,103 +1115,6 @@ pub struct FitHints {
     pub sharding: Sharding,
     pub optimizer: OptimizerKind,
     pub recompute: Recompute,
-}
-
-/// Memory this process may still use, and where the figure comes from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AvailableMemory {
-    pub bytes: u64,
-    pub source: String,
-}
-
-/// What the operating system says this process may still allocate: Linux's
-/// `MemAvailable`, or less when a cgroup (v2 or v1) limits the process
-/// (a container). `None` where neither can be read (other systems).
-pub fn available() -> Option<AvailableMemory> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|text| mem_available(&text))
-        .map(|bytes| AvailableMemory {
-            bytes,
-            source: "MemAvailable in /proc/meminfo".into(),
-        });
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|text| cgroup_headroom(&text, Path::new("/sys/fs/cgroup")));
-    match (meminfo, cgroup) {
-        (Some(m), Some(c)) => Some(if c.bytes < m.bytes { c } else { m }),
-        (m, c) => m.or(c),
-    }
-}
-
-/// `MemAvailable` of `/proc/meminfo`, in bytes.
-fn mem_available(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut words = line.split_whitespace().skip(1);
-    let value: u64 = words.next()?.parse().ok()?;
-    let unit = match words.next() {
-        Some("kB") => 1024,
-        None => 1,
-        Some(_) => return None,
-    };
-    value.checked_mul(unit)
-}
-
-/// The least headroom (limit minus usage) of the cgroups this process is in
-/// and their ancestors: `cgroup` is `/proc/self/cgroup`, `root` where the
-/// cgroup file systems are mounted.
-fn cgroup_headroom(cgroup: &str, root: &Path) -> Option<AvailableMemory> {
-    let read = |path: &Path| -> Option<u64> {
-        let text = std::fs::read_to_string(path).ok()?;
-        text.trim().parse().ok()
-    };
-    let mut best: Option<AvailableMemory> = None;
-    let mut consider = |limit: Option<u64>, usage: Option<u64>, path: &Path| {
-        // v1 writes "no limit" as a number near i64::MAX.
-        if let Some(limit) = limit.filter(|&l| l < 1 << 60) {
-            let bytes = limit.saturating_sub(usage.unwrap_or(0));
-            if best.as_ref().is_none_or(|b| bytes < b.bytes) {
-                best = Some(AvailableMemory {
-                    bytes,
-                    source: format!("the cgroup limit in {}", path.display()),
-                });
-            }
-        }
-    };
-    for line in cgroup.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
-            continue;
-        };
-        let relative = path.trim_start_matches('/');
-        if id == "0" && controllers.is_empty() {
-            // v2: the limit may sit on any ancestor.
-            let mut dir = root.join(relative);
-            loop {
-                let max = dir.join("memory.max");
-                consider(read(&max), read(&dir.join("memory.current")), &max);
-                if dir == root || !dir.pop() || !dir.starts_with(root) {
-                    break;
-                }
-            }
-        } else if controllers.split(',').any(|c| c == "memory") {
-            // v1; inside a container the path may not exist under the mount.
-            let base = root.join("memory");
-            for dir in [base.join(relative), base.clone()] {
-                let limit = dir.join("memory.limit_in_bytes");
-                if limit.exists() {
-                    consider(
-                        read(&limit),
-                        read(&dir.join("memory.usage_in_bytes")),
-                        &limit,
-                    );
-                    break;
-                }
-            }
-        }
-    }
-    best
 }
 
 /// `bytes` for people: `1.5 GiB`, `640.0 KiB`.

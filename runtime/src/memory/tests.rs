@@ -2,6 +2,8 @@
 //! kernels' scratch), and what the machine reports (meminfo, cgroups).
 
 use super::*;
+use crate::backend::AttentionBackend;
+use crate::view::DType;
 
 /// Recomputed layers keep their `[tokens, hidden]` input, and what they
 /// would have kept moves to the working set; MoE layers keep theirs.

@@ -1,0 +1,88 @@
+//! The scratch the GPU kernels take while they run (attention's and the
+//! Mamba scan's), for the memory check, computed by the backend's own rule
+//! ([`crate::backend::Backend::kernel_scratch`]).
+
+use crate::backend::{
+    AttentionBackend, AttentionDims, Backend, ScanDims, ScratchCall, ScratchSettings, Tokens,
+};
+use crate::cuda::CudaBackend;
+use crate::view::DType;
+use hybridgen_dsl::{LayerKind, ModelConfig};
+
+/// The kernel calls of `model`'s layers of `kinds` at `tokens` a
+/// micro-batch that may take scratch while they run: attention (`*` and
+/// MLA layers) and the Mamba scan.
+pub fn scratch_calls(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> Vec<ScratchCall> {
+    let attention = |heads: usize, kv_heads: usize, qk_dim: usize, v_dim: usize| {
+        ScratchCall::Attention(AttentionDims {
+            tokens,
+            heads,
+            kv_heads,
+            qk_dim,
+            v_dim,
+            scale: 1.0,
+        })
+    };
+    let mut calls = Vec::new();
+    if kinds.contains(&LayerKind::Attention)
+        && let (Some(a), Some(c)) = (&model.attention, model.attention_head_dim())
+    {
+        calls.push(attention(a.num_heads, a.num_kv_groups, c, c));
+    }
+    if kinds.contains(&LayerKind::Mla)
+        && let Some(m) = &model.mla
+    {
+        let qk = m.qk_head_dim + m.qk_rope_head_dim;
+        calls.push(attention(m.num_heads, m.num_heads, qk, m.v_head_dim));
+    }
+    if kinds.contains(&LayerKind::Mamba)
+        && let Some(m) = &model.mamba
+    {
+        calls.push(ScratchCall::Scan(ScanDims {
+            tokens,
+            heads: m.num_heads,
+            head_dim: m.head_dim,
+            groups: m.num_groups,
+            state: m.state_size,
+            chunk: m.chunk_size,
+        }));
+    }
+    calls
+}
+
+/// The most scratch one call of `B`'s kernels takes for `model`'s layers
+/// of `kinds` at `tokens` a micro-batch ([`Backend::kernel_scratch`] of
+/// each of [`scratch_calls`]), in bytes. Calls run one at a time on a
+/// lane, so the largest counts; the arena reuses it.
+pub fn kernel_scratch<B: Backend>(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    tokens: Tokens,
+    settings: ScratchSettings,
+) -> u64 {
+    scratch_calls(model, kinds, tokens)
+        .into_iter()
+        .map(|call| B::kernel_scratch(call, settings))
+        .max()
+        .unwrap_or(0)
+}
+
+/// [`kernel_scratch`] of the CUDA backend, activations in `dtype`, its
+/// attention kernels `backend`, its GEMM attention and chunked scan capped
+/// at `attention_cap` and `scan_cap` bytes a call.
+pub fn gpu_kernel_scratch(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    tokens: Tokens,
+    dtype: DType,
+    backend: AttentionBackend,
+    (attention_cap, scan_cap): (usize, usize),
+) -> u64 {
+    let settings = ScratchSettings {
+        dtype,
+        attention: backend,
+        attention_cap,
+        scan_cap,
+    };
+    kernel_scratch::<CudaBackend>(model, kinds, tokens, settings)
+}
