@@ -447,11 +447,7 @@ impl<D: Device> Optimizer<D> {
             backend.upload(&decayed, backend.view_mut(&ranges)?)?;
             // The shared embedding's gradients are the same on both its
             // stages' ranks once summed: the norm counts the first's.
-            let counted = held
-                && plan
-                    .bucket_stages(bucket)
-                    .next()
-                    .is_some_and(|s| plan.stages.get(s).map_or(0, |st| st.pp_rank) == rank.pp_rank);
+            let counted = held && plan.bucket_owner(bucket) == rank.pp_rank;
             buckets.push(BucketLayout {
                 decayed: ranges,
                 norm_piece: match counted {

@@ -120,12 +120,6 @@ impl Case {
         }
     }
 
-    /// Whether the first and the last stage's ranks each hold the
-    /// embedding (MTP depths look it up on the last).
-    fn shares_embedding(&self, plan: &Plan) -> bool {
-        plan.shares_embedding()
-    }
-
     /// The training configuration of this case, on `schedule` and
     /// `sharding`.
     fn config(&self, schedule: ScheduleKind, sharding: Sharding) -> TrainConfig {
@@ -473,7 +467,7 @@ fn agrees(case: &Case) -> Result<(), TestCaseError> {
         let Some(alone) = trained(&one, &one.config(case.schedule, case.sharding))? else {
             return Err(TestCaseError::fail("one stage refused what stages trained"));
         };
-        stages_agree(&first, &alone, case.shares_embedding(&plan))?;
+        stages_agree(&first, &alone, plan.shares_embedding())?;
     }
     TRAINED.fetch_add(1, Ordering::Relaxed);
     Ok(())

@@ -95,6 +95,14 @@ impl Plan {
         std::iter::once(first).chain(shared.then(|| self.last_stage()))
     }
 
+    /// The pipeline rank of `bucket`'s first holder: the one rank that
+    /// counts, hashes and writes it (the shared embedding's bucket is held
+    /// by two).
+    pub fn bucket_owner(&self, bucket: &Bucket) -> usize {
+        let stage = self.bucket_stages(bucket).next().unwrap_or(0);
+        self.stages.get(stage).map_or(0, |s| s.pp_rank)
+    }
+
     /// Whether pipeline rank `pp_rank` holds `bucket`.
     pub fn holds(&self, pp_rank: usize, bucket: &Bucket) -> bool {
         self.bucket_stages(bucket)

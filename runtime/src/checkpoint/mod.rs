@@ -256,14 +256,6 @@ fn placed(layout: &ShardLayout, w: usize) -> (usize, usize) {
     (w / dp, w % dp)
 }
 
-/// The pipeline rank that writes `bucket`: its first holder's (the shared
-/// embedding's bucket is held by the first and the last stage's ranks, and
-/// written once, by the first).
-fn writing_stage(plan: &Plan, bucket: &hybridgen_dsl::plan::Bucket) -> usize {
-    let stage = plan.bucket_stages(bucket).next().unwrap_or(0);
-    plan.stages.get(stage).map_or(0, |s| s.pp_rank)
-}
-
 /// The pieces world rank `w` holds: what it loads (its pipeline stages'
 /// buckets only). Computable for any rank, so rank 0 can write the whole
 /// index without asking the others.
@@ -301,7 +293,7 @@ fn written_pieces(plan: &Plan, layout: &ShardLayout, w: usize) -> Vec<(usize, Ow
         .into_iter()
         .filter(|(b, _)| {
             let bucket = &plan.buckets[*b];
-            writes(layout, bucket.expert, r) && writing_stage(plan, bucket) == pp_rank
+            writes(layout, bucket.expert, r) && plan.bucket_owner(bucket) == pp_rank
         })
         .collect()
 }
@@ -661,7 +653,7 @@ mod tests {
                     let pp_rank = w / dp;
                     for (b, piece) in written_pieces(&plan, &layout, w) {
                         let bucket = &plan.buckets[b];
-                        assert_eq!(writing_stage(&plan, bucket), pp_rank, "{case}: rank {w}");
+                        assert_eq!(plan.bucket_owner(bucket), pp_rank, "{case}: rank {w}");
                         written.entry(piece.key).or_default().push(piece.elements);
                     }
                     for (b, piece) in held_pieces(&plan, &layout, w) {

@@ -69,10 +69,7 @@ pub(super) fn param_hash<D: Device>(
     let mut all: Vec<Vec<f32>> = Vec::new();
     // The pipeline rank that hashes a bucket: its first stage's (the
     // shared embedding is hashed once).
-    let hasher = |b: usize| {
-        let stage = plan.bucket_stages(&plan.buckets[b]).next().unwrap_or(0);
-        plan.stages.get(stage).map_or(0, |s| s.pp_rank)
-    };
+    let hasher = |b: usize| plan.bucket_owner(&plan.buckets[b]);
     let mut turn = hasher(plan.params.first().map_or(0, |p| p.bucket));
     // The plan's parameters in runs of one bucket each.
     for params in plan.params.chunk_by(|a, b| a.bucket == b.bucket) {
