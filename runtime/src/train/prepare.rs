@@ -91,19 +91,23 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     if config.pp == 0 || !config.ranks.is_multiple_of(config.pp) {
         return refuse(format!(
             "{} is not divisible by {}: the ranks are pp pipeline stages of ranks / pp \
-             data-parallel ranks each",
+             data-parallel ranks each; give a {} that is a multiple of {}",
             spelling.given(Setting::Ranks, config.ranks),
-            spelling.given(Setting::Pp, config.pp)
+            spelling.given(Setting::Pp, config.pp),
+            spelling.name(Setting::Ranks),
+            spelling.name(Setting::Pp)
         ));
     }
     if config.ep == 0 || !config.dp().is_multiple_of(config.ep) {
         return refuse(format!(
             "{} data-parallel ranks ({} over {}) are not divisible by {}: expert-parallel \
-             groups are sets of ep consecutive ranks of one stage",
+             groups are sets of ep consecutive ranks of one stage; pick an {} that divides {}",
             config.dp(),
             spelling.given(Setting::Ranks, config.ranks),
             spelling.given(Setting::Pp, config.pp),
-            spelling.given(Setting::Ep, config.ep)
+            spelling.given(Setting::Ep, config.ep),
+            spelling.name(Setting::Ep),
+            config.dp()
         ));
     }
     if config.micro_batches == 0 || config.micro_batch_size == 0 || config.seq_length == 0 {
