@@ -183,6 +183,17 @@ pub const SOURCES: &[KernelSource] = &[
         ]
     ),
     source!(
+        "delta.cu",
+        [
+            "delta_chunk_prep",
+            "delta_forward_states",
+            "delta_backward_states",
+            "delta_backward_chunk",
+            "delta_backward_norm",
+            "delta_backward_a_log"
+        ]
+    ),
+    source!(
         "scan.cu",
         [
             "ssd_scan_forward_n32",

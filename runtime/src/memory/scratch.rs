@@ -1,9 +1,11 @@
-//! The scratch the GPU kernels take while they run (attention's and the
-//! Mamba scan's), for the memory check, computed by the backend's own rule
+//! The scratch the GPU kernels take while they run (attention's, the
+//! Mamba scan's and the gated delta rule's), for the memory check,
+//! computed by the backend's own rule
 //! ([`crate::backend::Backend::kernel_scratch`]).
 
 use crate::backend::{
-    AttentionBackend, AttentionDims, Backend, ScanDims, ScratchCall, ScratchSettings, Tokens,
+    AttentionBackend, AttentionDims, Backend, DeltaDims, ScanDims, ScratchCall, ScratchSettings,
+    Tokens,
 };
 use crate::cuda::CudaBackend;
 use crate::view::DType;
@@ -85,4 +87,30 @@ pub fn gpu_kernel_scratch(
         scan_cap,
     };
     kernel_scratch::<CudaBackend>(model, kinds, tokens, settings)
+        .max(gdn_scratch(model, kinds, tokens, settings))
+}
+
+/// The GPU's gated delta rule scratch for `model`'s `G` layers (its
+/// backward's, the larger), 0 without them. Counted here rather than as a
+/// [`ScratchCall`]: only the CUDA backend takes scratch for it.
+fn gdn_scratch(
+    model: &ModelConfig,
+    kinds: &[LayerKind],
+    tokens: Tokens,
+    settings: ScratchSettings,
+) -> u64 {
+    match &model.gdn {
+        Some(g) if kinds.contains(&LayerKind::GatedDeltaNet) => {
+            let dims = DeltaDims {
+                tokens,
+                key_heads: g.key_heads,
+                value_heads: g.value_heads,
+                key_dim: g.key_head_dim,
+                value_dim: g.value_head_dim,
+                chunk: crate::layers::gdn::STATE_CHUNK,
+            };
+            crate::cuda::ops::delta::delta_scratch_bytes(dims, settings)
+        }
+        _ => 0,
+    }
 }

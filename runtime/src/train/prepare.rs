@@ -21,7 +21,7 @@ use crate::recompute::Recompute;
 use crate::rendezvous::Launch;
 use crate::schedule::{Instr, Program, ScheduleKind, build};
 use crate::setting::Setting;
-use hybridgen_dsl::{LayerKind, ParallelLayout, Plan, PlanOptions};
+use hybridgen_dsl::{ParallelLayout, Plan, PlanOptions};
 use std::sync::Arc;
 
 /// The plan and data a run will use, or why the run cannot start. Nothing
@@ -75,13 +75,6 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     let config = &config.with_run_settings(settled.settings.clone());
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
     let spelling = config.spelling;
-    // `G` has no GPU kernel yet: refused before anything else is checked.
-    let uses_gdn = |p: hybridgen_dsl::Pattern| p.kinds().contains(&LayerKind::GatedDeltaNet);
-    if matches!(device, ChosenDevice::Cuda { .. })
-        && hybridgen_dsl::Pattern::parse(&config.model.pattern).is_ok_and(uses_gdn)
-    {
-        return refuse(crate::cuda::ops::delta::NO_GPU_KERNEL.into());
-    }
     if config.ranks == 0 {
         return refuse(format!(
             "{} must be at least 1",

@@ -1,36 +1,492 @@
-//! The gated delta rule on a GPU: [`DeltaKernels`] for [`CudaBackend`].
-//! There is no CUDA kernel for it yet, so both methods refuse with
-//! `Unsupported`; `train::prepare` refuses a `G` layer on a GPU before any
-//! work with the same message, so a run never gets this far.
+//! The gated delta rule on a GPU: [`DeltaKernels`] for [`CudaBackend`],
+//! and the launchers of `kernels/delta.cu` (which has the maths) on
+//! [`KernelSet`], taking views `backend::delta`'s checks accepted.
+//!
+//! The recurrence runs in chunked form, chunks of [`DELTA_CHUNK`] steps:
+//! a kernel prepares every chunk at once (the UT transform: the chunk's
+//! `T = (I + A)^-1`, `W` and `U`, and its intra-chunk scores), one block
+//! a (sequence, value head, 32 state columns) then walks the chunks in
+//! order with the state in shared memory. The backward prepares the
+//! chunks again from the saved states, walks them in reverse with the
+//! state's gradient, then computes every chunk's gradients at once. All of
+//! it is f32; only the inputs and outputs keep their dtype.
+//!
+//! The kernels need scratch in proportion to the chunks
+//! ([`delta_scratch_len`]), taken from the arena through
+//! [`CudaBackend::scratch_uninit`] (a repeated step allocates nothing) and
+//! counted by the memory plan ([`delta_scratch_bytes`]). The chunk must be
+//! [`DELTA_CHUNK`] (the `G` layer's `STATE_CHUNK`) and the key head at most
+//! [`DELTA_MAX_DK`] wide; other shapes are refused as `Unsupported`.
 
-use crate::backend::{DeltaDims, DeltaGrads, DeltaInputs, DeltaKernels};
+use crate::backend::{DeltaDims, DeltaGrads, DeltaInputs, DeltaKernels, ScratchSettings};
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{GpuView, KernelSet, dtype_tag, per_item};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
-use crate::view::{View, ViewMut};
+use crate::view::{DType, View, ViewMut};
+use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
 
-/// Why a `G` layer does not run on a GPU.
-pub const NO_GPU_KERNEL: &str =
-    "the gated delta rule has no GPU kernel yet; train G layers on the CPU";
+/// The steps of a chunk (`DELTA_CHUNK` in `delta.cu`).
+pub const DELTA_CHUNK: usize = 64;
+/// The widest key head (`DELTA_MAX_DK`): the state kernels keep a key
+/// head's rows of 32 state columns in shared memory.
+pub const DELTA_MAX_DK: usize = 128;
+/// State columns a state block takes (`DELTA_TILE`).
+const DELTA_TILE: usize = 32;
+/// Threads of every block (`DELTA_THREADS`).
+const THREADS: u32 = 256;
+/// The most blocks (each with a workspace of its own) the per-chunk
+/// backward runs: two an SM of an H100 or H200, and a fixed number, so
+/// that the scratch does not depend on the device.
+const WORKSPACES: usize = 264;
+
+/// The launch's views and dimensions, laid out as `DeltaParams` in
+/// `delta.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct DeltaParams {
+    qkv: u64,
+    beta: u64,
+    alpha: u64,
+    dt_bias: u64,
+    a_log: u64,
+    out: u64,
+    states: u64,
+    scratch: u64,
+    d_qkv: u64,
+    d_beta: u64,
+    d_alpha: u64,
+    d_a_log: u64,
+    t_qkv: i32,
+    t_beta: i32,
+    t_alpha: i32,
+    t_dt_bias: i32,
+    t_a_log: i32,
+    t_out: i32,
+    t_d_qkv: i32,
+    t_d_beta: i32,
+    t_d_alpha: i32,
+    t_d_a_log: i32,
+    batch: i32,
+    seq: i32,
+    key_heads: i32,
+    value_heads: i32,
+    dk: i32,
+    dv: i32,
+    chunks: i32,
+    workspaces: i32,
+    scale: f32,
+    pad: i32,
+}
+
+// SAFETY: plain data, laid out (`repr(C)`) as `DeltaParams` in delta.cu:
+// twelve u64, then twenty 4-byte fields (176 bytes, no padding).
+unsafe impl DeviceRepr for DeltaParams {}
+const _: () = assert!(std::mem::size_of::<DeltaParams>() == 176);
+
+/// The shape the kernels take, or why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DeltaPlan {
+    rows: usize,
+    chunks: usize,
+    /// (sequence, chunk, value head) items.
+    items: usize,
+    /// State blocks: (sequence, value head, 32 state columns).
+    state_blocks: usize,
+    workspaces: usize,
+}
+
+impl DeltaPlan {
+    fn new(kernel: &str, dims: DeltaDims) -> Result<DeltaPlan> {
+        let unsupported = |why: String| Err(RuntimeError::Unsupported(format!("{kernel}: {why}")));
+        if dims.chunk != DELTA_CHUNK {
+            return unsupported(format!(
+                "the GPU kernels take chunks of {DELTA_CHUNK} steps, not {} (the G layer's \
+                 STATE_CHUNK)",
+                dims.chunk
+            ));
+        }
+        if dims.key_dim > DELTA_MAX_DK {
+            return unsupported(format!(
+                "key heads of {} exceed the GPU kernels' {DELTA_MAX_DK}",
+                dims.key_dim
+            ));
+        }
+        let rows = dims.tokens.rows()?;
+        let chunks = dims.tokens.seq.div_ceil(DELTA_CHUNK);
+        let items = dims.tokens.batch * chunks * dims.value_heads;
+        let state_blocks =
+            dims.tokens.batch * dims.value_heads * dims.value_dim.div_ceil(DELTA_TILE);
+        let fits = |n: usize| i32::try_from(n).is_ok();
+        let big = [
+            rows,
+            items,
+            state_blocks,
+            rows * dims.key_heads,
+            dims.value_heads * dims.value_dim,
+        ];
+        if !big.into_iter().all(fits) || delta_scratch_len(dims, true).is_none() {
+            return unsupported(format!(
+                "{} sequences of {} steps with {} value heads exceed the kernels' indexing",
+                dims.tokens.batch, dims.tokens.seq, dims.value_heads
+            ));
+        }
+        Ok(DeltaPlan {
+            rows,
+            chunks,
+            items,
+            state_blocks,
+            workspaces: items.min(WORKSPACES),
+        })
+    }
+}
+
+/// Elements (f32) of the scratch the forward (`backward` false) or the
+/// backward takes for `dims` (the layout at the top of `delta.cu`): per
+/// (sequence, chunk, value head) the chunk's preparation, and for the
+/// backward also its `V'`, `dV'` and end-state gradient, the per-value-head
+/// query and key gradients of every row, A_log's partials and the
+/// per-chunk blocks' workspaces. `None` past `usize`.
+pub fn delta_scratch_len(dims: DeltaDims, backward: bool) -> Option<usize> {
+    let (dk, dv) = (dims.key_dim, dims.value_dim);
+    let chunks = dims.tokens.seq.div_ceil(DELTA_CHUNK);
+    let items = dims
+        .tokens
+        .batch
+        .checked_mul(chunks)?
+        .checked_mul(dims.value_heads)?;
+    let square = DELTA_CHUNK * DELTA_CHUNK;
+    let prep = (5 * dk)
+        .checked_add(dv)?
+        .checked_mul(DELTA_CHUNK)?
+        .checked_add(2 * DELTA_CHUNK + 3 * square)?;
+    let forward = items.checked_mul(prep)?;
+    if !backward {
+        return Some(forward);
+    }
+    let back = dv.checked_mul(2 * DELTA_CHUNK + dk)?;
+    let rows = dims.tokens.rows().ok()?;
+    let per_row = rows.checked_mul(dims.value_heads)?.checked_mul(dk)?;
+    let partials = dims
+        .tokens
+        .batch
+        .checked_mul(dims.value_heads)?
+        .checked_mul(chunks)?;
+    let work = (4 * dk)
+        .checked_add(dv)?
+        .checked_mul(DELTA_CHUNK)?
+        .checked_add(4 * square)?;
+    forward
+        .checked_add(items.checked_mul(back)?)?
+        .checked_add(per_row.checked_mul(2)?)?
+        .checked_add(partials)?
+        .checked_add(items.min(WORKSPACES).checked_mul(work)?)
+}
+
+/// The most scratch (bytes) one gated delta rule call takes
+/// (`Backend::kernel_scratch`): the backward's.
+pub fn delta_scratch_bytes(dims: DeltaDims, _settings: ScratchSettings) -> u64 {
+    delta_scratch_len(dims, true)
+        .map_or(u64::MAX / 4, |len| len as u64)
+        .saturating_mul(DType::F32.bytes() as u64)
+}
 
 impl DeltaKernels<CudaBuf> for CudaBackend {
     fn gated_delta_forward_unchecked(
         &self,
-        _inputs: DeltaInputs<View<'_, CudaBuf>>,
-        _out: ViewMut<'_, CudaBuf>,
-        _states: ViewMut<'_, CudaBuf>,
-        _dims: DeltaDims,
+        inputs: DeltaInputs<View<'_, CudaBuf>>,
+        out: ViewMut<'_, CudaBuf>,
+        states: ViewMut<'_, CudaBuf>,
+        dims: DeltaDims,
     ) -> Result<()> {
-        Err(RuntimeError::Unsupported(NO_GPU_KERNEL.into()))
+        let plan = DeltaPlan::new("gated_delta_forward", dims)?;
+        if plan.rows == 0 {
+            return Ok(());
+        }
+        let len = delta_scratch_len(dims, false).unwrap_or(0);
+        let (scratch, _scratch_buf) = self.scratch_uninit(len, DType::F32)?;
+        self.k().gated_delta_forward(
+            self.s(),
+            self.delta_inputs(inputs),
+            self.m(&out),
+            self.m(&states),
+            scratch,
+            dims,
+        )
     }
 
     fn gated_delta_backward_unchecked(
         &self,
-        _inputs: DeltaInputs<View<'_, CudaBuf>>,
-        _states: View<'_, CudaBuf>,
-        _d_out: View<'_, CudaBuf>,
-        _grads: DeltaGrads<ViewMut<'_, CudaBuf>>,
-        _dims: DeltaDims,
+        inputs: DeltaInputs<View<'_, CudaBuf>>,
+        states: View<'_, CudaBuf>,
+        d_out: View<'_, CudaBuf>,
+        grads: DeltaGrads<ViewMut<'_, CudaBuf>>,
+        dims: DeltaDims,
     ) -> Result<()> {
-        Err(RuntimeError::Unsupported(NO_GPU_KERNEL.into()))
+        let plan = DeltaPlan::new("gated_delta_backward", dims)?;
+        if plan.rows == 0 {
+            return Ok(());
+        }
+        let len = delta_scratch_len(dims, true).unwrap_or(0);
+        let (scratch, _scratch_buf) = self.scratch_uninit(len, DType::F32)?;
+        let grads = DeltaGrads {
+            qkv: self.m(&grads.qkv),
+            beta: self.m(&grads.beta),
+            alpha: self.m(&grads.alpha),
+            a_log: self.m(&grads.a_log),
+        };
+        self.k().gated_delta_backward(
+            self.s(),
+            self.delta_inputs(inputs),
+            self.v(states),
+            self.v(d_out),
+            grads,
+            scratch,
+            dims,
+        )
+    }
+}
+
+impl CudaBackend {
+    fn delta_inputs(&self, inputs: DeltaInputs<View<'_, CudaBuf>>) -> DeltaInputs<GpuView> {
+        DeltaInputs {
+            qkv: self.v(inputs.qkv),
+            beta: self.v(inputs.beta),
+            alpha: self.v(inputs.alpha),
+            dt_bias: self.v(inputs.dt_bias),
+            a_log: self.v(inputs.a_log),
+        }
+    }
+}
+
+/// The parameters every kernel of a call reads: the inputs, dimensions
+/// and scratch; the caller sets the outputs.
+fn params(
+    inputs: &DeltaInputs<GpuView>,
+    scratch: GpuView,
+    dims: DeltaDims,
+    plan: &DeltaPlan,
+) -> DeltaParams {
+    // DeltaPlan::new checked that every count fits an i32.
+    let int = |n: usize| n as i32;
+    DeltaParams {
+        qkv: inputs.qkv.ptr,
+        beta: inputs.beta.ptr,
+        alpha: inputs.alpha.ptr,
+        dt_bias: inputs.dt_bias.ptr,
+        a_log: inputs.a_log.ptr,
+        scratch: scratch.ptr,
+        t_qkv: dtype_tag(inputs.qkv.dtype),
+        t_beta: dtype_tag(inputs.beta.dtype),
+        t_alpha: dtype_tag(inputs.alpha.dtype),
+        t_dt_bias: dtype_tag(inputs.dt_bias.dtype),
+        t_a_log: dtype_tag(inputs.a_log.dtype),
+        batch: int(dims.tokens.batch),
+        seq: int(dims.tokens.seq),
+        key_heads: int(dims.key_heads),
+        value_heads: int(dims.value_heads),
+        dk: int(dims.key_dim),
+        dv: int(dims.value_dim),
+        chunks: int(plan.chunks),
+        workspaces: int(plan.workspaces),
+        scale: dims.scale(),
+        ..DeltaParams::default()
+    }
+}
+
+impl KernelSet {
+    /// One launch of `kernel` with `params` as its only argument.
+    fn delta_launch(
+        &self,
+        stream: &CudaStream,
+        kernel: &'static str,
+        params: &DeltaParams,
+        config: LaunchConfig,
+    ) -> Result<()> {
+        let mut b = KernelArgs::new(stream, self.function(kernel)?);
+        b.arg(params);
+        self.go(kernel, &mut b, config)
+    }
+
+    /// The scratch view's length, checked against what `dims` need.
+    fn delta_scratch(kernel: &str, scratch: GpuView, need: Option<usize>) -> Result<()> {
+        scratch.operand().exactly(DType::F32, kernel, "scratch")?;
+        let need = need.unwrap_or(usize::MAX);
+        crate::cuda::launch::ensure(scratch.len >= need, || {
+            format!(
+                "{kernel}: `scratch` has {} elements, these dimensions need {need} \
+                 (delta_scratch_len)",
+                scratch.len
+            )
+        })
+    }
+
+    /// `Backend::gated_delta_forward`, with `scratch` f32 of at least
+    /// [`delta_scratch_len`]`(dims, false)` elements.
+    pub fn gated_delta_forward(
+        &self,
+        stream: &CudaStream,
+        inputs: DeltaInputs<GpuView>,
+        out: GpuView,
+        states: GpuView,
+        scratch: GpuView,
+        dims: DeltaDims,
+    ) -> Result<()> {
+        let k = "gated_delta_forward";
+        let plan = DeltaPlan::new(k, dims)?;
+        if plan.rows == 0 {
+            return Ok(());
+        }
+        Self::delta_scratch(k, scratch, delta_scratch_len(dims, false))?;
+        let mut p = params(&inputs, scratch, dims, &plan);
+        p.out = out.ptr;
+        p.t_out = dtype_tag(out.dtype);
+        p.states = states.ptr;
+        self.delta_launch(
+            stream,
+            "delta_chunk_prep",
+            &p,
+            per_item(plan.items, THREADS)?,
+        )?;
+        self.delta_launch(
+            stream,
+            "delta_forward_states",
+            &p,
+            per_item(plan.state_blocks, THREADS)?,
+        )
+    }
+
+    /// `Backend::gated_delta_backward`, with `scratch` f32 of at least
+    /// [`delta_scratch_len`]`(dims, true)` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_backward(
+        &self,
+        stream: &CudaStream,
+        inputs: DeltaInputs<GpuView>,
+        states: GpuView,
+        d_out: GpuView,
+        grads: DeltaGrads<GpuView>,
+        scratch: GpuView,
+        dims: DeltaDims,
+    ) -> Result<()> {
+        let k = "gated_delta_backward";
+        let plan = DeltaPlan::new(k, dims)?;
+        if plan.rows == 0 {
+            return Ok(());
+        }
+        Self::delta_scratch(k, scratch, delta_scratch_len(dims, true))?;
+        let mut p = params(&inputs, scratch, dims, &plan);
+        p.out = d_out.ptr;
+        p.t_out = dtype_tag(d_out.dtype);
+        p.states = states.ptr;
+        p.d_qkv = grads.qkv.ptr;
+        p.t_d_qkv = dtype_tag(grads.qkv.dtype);
+        p.d_beta = grads.beta.ptr;
+        p.t_d_beta = dtype_tag(grads.beta.dtype);
+        p.d_alpha = grads.alpha.ptr;
+        p.t_d_alpha = dtype_tag(grads.alpha.dtype);
+        p.d_a_log = grads.a_log.ptr;
+        p.t_d_a_log = dtype_tag(grads.a_log.dtype);
+        self.delta_launch(
+            stream,
+            "delta_chunk_prep",
+            &p,
+            per_item(plan.items, THREADS)?,
+        )?;
+        self.delta_launch(
+            stream,
+            "delta_backward_states",
+            &p,
+            per_item(plan.state_blocks, THREADS)?,
+        )?;
+        self.delta_launch(
+            stream,
+            "delta_backward_chunk",
+            &p,
+            per_item(plan.workspaces, THREADS)?,
+        )?;
+        let pairs = plan.rows * dims.key_heads;
+        self.delta_launch(
+            stream,
+            "delta_backward_norm",
+            &p,
+            per_item(pairs.div_ceil(THREADS as usize / 32), THREADS)?,
+        )?;
+        self.delta_launch(
+            stream,
+            "delta_backward_a_log",
+            &p,
+            per_item(dims.value_heads.div_ceil(THREADS as usize), THREADS)?,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Tokens;
+    use crate::cuda::launch::source_with_defines;
+
+    fn dims(seq: usize, dk: usize, dv: usize) -> DeltaDims {
+        DeltaDims {
+            tokens: Tokens::new(2, seq),
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: dk,
+            value_dim: dv,
+            chunk: DELTA_CHUNK,
+        }
+    }
+
+    #[test]
+    fn the_sizes_are_the_kernels() {
+        source_with_defines(
+            "delta.cu",
+            &[
+                ("DELTA_CHUNK", DELTA_CHUNK),
+                ("DELTA_MAX_DK", DELTA_MAX_DK),
+                ("DELTA_TILE", DELTA_TILE),
+                ("DELTA_THREADS", THREADS as usize),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_scratch_counts_each_part() {
+        // 2 sequences of 100 steps: 2 chunks each, 16 items.
+        let d = dims(100, 32, 64);
+        let prep = 64 * (5 * 32 + 64) + 128 + 3 * 4096;
+        assert_eq!(delta_scratch_len(d, false), Some(16 * prep));
+        let back = 128 * 64 + 32 * 64;
+        let work = 64 * (4 * 32 + 64) + 4 * 4096;
+        assert_eq!(
+            delta_scratch_len(d, true),
+            Some(16 * (prep + back) + 2 * 200 * 4 * 32 + 2 * 4 * 2 + 16 * work)
+        );
+        let huge = DeltaDims {
+            tokens: Tokens::new(usize::MAX / 2, 3),
+            ..d
+        };
+        assert_eq!(delta_scratch_len(huge, true), None);
+    }
+
+    #[test]
+    fn other_chunks_and_wide_keys_are_refused_naming_the_limit() {
+        let err = DeltaPlan::new(
+            "k",
+            DeltaDims {
+                chunk: 32,
+                ..dims(10, 8, 8)
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, RuntimeError::Unsupported(_)));
+        assert!(err.to_string().contains("64"), "{err}");
+        let err = DeltaPlan::new("k", dims(10, 256, 8)).unwrap_err();
+        assert!(err.to_string().contains("128"), "{err}");
+        let plan = DeltaPlan::new("k", dims(100, 128, 100)).unwrap();
+        assert_eq!(plan.items, 16);
+        assert_eq!(plan.state_blocks, 2 * 4 * 4);
+        assert_eq!(plan.workspaces, 16);
     }
 }

@@ -1,0 +1,874 @@
+// The gated delta rule of `G` layers (`backend::delta`), forward and
+// backward, in chunked form: the steps of a sequence are cut into chunks of
+// DELTA_CHUNK, and inside a chunk the recurrence
+//   S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  o_t = S_t q_t
+// becomes matrix products. Written with the state transposed, H = S^T
+// [dk, dv], and G_t the cumulative sum of g from the chunk's start
+// (gamma_t = exp(G_t), e_ts = exp(G_t - G_s)):
+//   A_ts = beta_t (k_t . k_s) e_ts for s < t (strictly lower), T = (I + A)^-1,
+//   W = T (beta gamma K), U = T (beta V)              (the WY / UT transform)
+//   V' = U - W H_0                                    (each step's update u_t)
+//   o_t = gamma_t H_0^T q_t + sum_{s<=t} (q_t . k_s) e_ts V'_s
+//   H_L = gamma_L H_0 + sum_s exp(G_L - G_s) k_s V'_s^T
+// That the u_t of the step-by-step form equal V': unrolled, H_t = gamma_t
+// H_0 + sum_{s<=t} e_ts k_s u_s^T, so u_t = beta_t (v_t - decayed H^T k_t)
+// reads (I + A) U' = beta V - beta gamma K H_0.
+//
+// Forward: `delta_chunk_prep` (one block a (sequence, chunk, value head),
+// every chunk at once) normalises q and k, computes G, A, T, W, U and the
+// intra-chunk scores; `delta_forward_states` (one block a (sequence, value
+// head, 32 state columns)) walks the chunks in order with the state in
+// shared memory, saving each chunk's starting state (the `states` the
+// backward reads) and writing o. Backward: the same preparation, then
+// `delta_backward_states` walks the chunks in reverse with the state
+// gradient, `delta_backward_chunk` turns each chunk's V' and state
+// gradients into the gradients of q, k (per value head), v, beta and G,
+// and `delta_backward_norm` sums the query and key gradients over a key
+// head's value heads (in order) and takes them through the L2 norm;
+// `delta_backward_a_log` adds A_log's per-chunk partials in a fixed order.
+//
+// Everything is f32 (the state, the products, the saved states, the
+// scratch); only the inputs and outputs are stored in their own dtype.
+// Every sum runs in a fixed order set by the dimensions alone, and no
+// float is added with atomics, so equal inputs give equal bits.
+#include "common.cuh"
+
+#define DELTA_CHUNK 64
+#define DELTA_THREADS 256
+// The widest key head the state kernels hold in shared memory.
+#define DELTA_MAX_DK 128
+// State columns (value channels) a state block takes.
+#define DELTA_TILE 32
+// `backend::delta::DELTA_L2_EPS`.
+#define DELTA_L2_EPS 1e-6f
+
+// The launch's views and dimensions (`DeltaParams` in `cuda/ops/delta.rs`,
+// the same layout).
+struct DeltaParams {
+    u64 qkv, beta, alpha, dt_bias, a_log;
+    // The forward's `out`, the backward's `d_out`.
+    u64 out;
+    // f32 `[batch, chunks, Hv, dv, dk]`.
+    u64 states;
+    // f32, `delta_scratch_len` elements.
+    u64 scratch;
+    u64 d_qkv, d_beta, d_alpha, d_a_log;
+    int t_qkv, t_beta, t_alpha, t_dt_bias, t_a_log, t_out;
+    int t_d_qkv, t_d_beta, t_d_alpha, t_d_a_log;
+    int batch, seq, key_heads, value_heads, dk, dv, chunks, workspaces;
+    float scale;
+    int pad;
+};
+
+// ---- the scratch's layout (f32 elements) -------------------------------------
+// [items][prep] | [items][back] | dq [rows, Hv, dk] | dk [rows, Hv, dk] |
+// A_log partials [batch, Hv, chunks] | [workspaces][ws], items ordered
+// (sequence, chunk, value head) as `states`. The forward uses the first part
+// only. `delta_scratch_len` in `cuda/ops/delta.rs` sums the same sizes.
+struct Prep {
+    float* g;     // G [64]
+    float* beta;  // beta [64]
+    float* kn;    // normalised k [64, dk]
+    float* qn;    // normalised, scaled q [64, dk]
+    float* w;     // W [64, dk]
+    float* qg;    // gamma_t q_t [64, dk]
+    float* kd;    // exp(G_L - G_s) k_s [64, dk]
+    float* u;     // U [64, dv]
+    float* m;     // (q_t . k_s) e_ts, s <= t [64, 64]
+    float* t;     // T [64, 64]
+    float* kke;   // (k_t . k_s) e_ts, s < t [64, 64]
+};
+
+__device__ __forceinline__ u64 prep_len(const DeltaParams& p) {
+    return 128ull + 64ull * (5ull * p.dk + p.dv) + 3ull * 4096ull;
+}
+
+__device__ __forceinline__ u64 back_len(const DeltaParams& p) {
+    return 128ull * p.dv + static_cast<u64>(p.dk) * p.dv;
+}
+
+__device__ __forceinline__ u64 items_of(const DeltaParams& p) {
+    return static_cast<u64>(p.batch) * p.chunks * p.value_heads;
+}
+
+__device__ __forceinline__ Prep prep_at(const DeltaParams& p, u64 item) {
+    float* base = reinterpret_cast<float*>(p.scratch) + item * prep_len(p);
+    const u64 dk64 = 64ull * p.dk;
+    Prep r;
+    r.g = base;
+    r.beta = base + 64;
+    r.kn = base + 128;
+    r.qn = r.kn + dk64;
+    r.w = r.qn + dk64;
+    r.qg = r.w + dk64;
+    r.kd = r.qg + dk64;
+    r.u = r.kd + dk64;
+    r.m = r.u + 64ull * p.dv;
+    r.t = r.m + 4096;
+    r.kke = r.t + 4096;
+    return r;
+}
+
+// What the reverse walk over the chunks leaves for each item: V', its
+// gradient and the gradient of the state at the chunk's end (H layout).
+struct Back {
+    float* vn;   // V' [64, dv]
+    float* dvn;  // dV' [64, dv]
+    float* dh;   // dH_L [dk, dv]
+};
+
+__device__ __forceinline__ Back back_at(const DeltaParams& p, u64 item) {
+    float* base = reinterpret_cast<float*>(p.scratch) + items_of(p) * prep_len(p) + item * back_len(p);
+    Back r;
+    r.vn = base;
+    r.dvn = base + 64ull * p.dv;
+    r.dh = base + 128ull * p.dv;
+    return r;
+}
+
+// The per-value-head gradients of the normalised q and k, `[rows, Hv, dk]`.
+__device__ __forceinline__ float* dq_rows(const DeltaParams& p) {
+    return reinterpret_cast<float*>(p.scratch) + items_of(p) * (prep_len(p) + back_len(p));
+}
+__device__ __forceinline__ float* dk_rows(const DeltaParams& p) {
+    return dq_rows(p) + static_cast<u64>(p.batch) * p.seq * p.value_heads * p.dk;
+}
+__device__ __forceinline__ float* a_log_parts(const DeltaParams& p) {
+    return dk_rows(p) + static_cast<u64>(p.batch) * p.seq * p.value_heads * p.dk;
+}
+
+// A `delta_backward_chunk` block's workspace.
+struct Work {
+    float* dqi;  // dO H_0^T [64, dk]
+    float* dkd;  // V' dH_L^T [64, dk]
+    float* dw;   // dW [64, dk]
+    float* dbk;  // d(beta gamma K) [64, dk]
+    float* dbv;  // d(beta V) [64, dv]
+    float* dm;   // dM [64, 64]
+    float* dt;   // dT [64, 64]
+    float* x;    // T^T dT [64, 64]
+    float* da;   // dA [64, 64]
+};
+
+__device__ __forceinline__ u64 work_len(const DeltaParams& p) {
+    return 64ull * (4ull * p.dk + p.dv) + 4ull * 4096ull;
+}
+
+__device__ __forceinline__ Work work_at(const DeltaParams& p, u64 block) {
+    float* base = a_log_parts(p) + static_cast<u64>(p.batch) * p.value_heads * p.chunks + block * work_len(p);
+    const u64 dk64 = 64ull * p.dk;
+    Work r;
+    r.dqi = base;
+    r.dkd = base + dk64;
+    r.dw = base + 2 * dk64;
+    r.dbk = base + 3 * dk64;
+    r.dbv = base + 4 * dk64;
+    r.dm = r.dbv + 64ull * p.dv;
+    r.dt = r.dm + 4096;
+    r.x = r.dt + 4096;
+    r.da = r.x + 4096;
+    return r;
+}
+
+// ---- gates -----------------------------------------------------------------
+// As the CPU reference computes them (`cpu::ops::delta`): softplus linear
+// above 20.
+__device__ __forceinline__ float delta_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+__device__ __forceinline__ float delta_softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+__device__ __forceinline__ float delta_softplus_derivative(float x) {
+    return x > 20.0f ? 1.0f : delta_sigmoid(x);
+}
+
+// Where an item is: sequence, chunk, value head, key head, first step and
+// steps (the last chunk may be short).
+struct Item {
+    int b, c, j, i, t0, len;
+};
+
+__device__ __forceinline__ Item item_of(const DeltaParams& p, u64 item) {
+    Item it;
+    it.j = static_cast<int>(item % p.value_heads);
+    it.c = static_cast<int>((item / p.value_heads) % p.chunks);
+    it.b = static_cast<int>(item / (static_cast<u64>(p.value_heads) * p.chunks));
+    it.i = it.j / (p.value_heads / p.key_heads);
+    it.t0 = it.c * DELTA_CHUNK;
+    it.len = min(DELTA_CHUNK, p.seq - it.t0);
+    return it;
+}
+
+__device__ __forceinline__ u64 qkv_width(const DeltaParams& p) {
+    return 2ull * p.key_heads * p.dk + static_cast<u64>(p.value_heads) * p.dv;
+}
+
+// The row of step `t` of the item's chunk.
+__device__ __forceinline__ u64 row_of(const DeltaParams& p, const Item& it, int t) {
+    return static_cast<u64>(it.b) * p.seq + it.t0 + t;
+}
+
+// ---- the chunk's preparation ------------------------------------------------
+// One block a (sequence, chunk, value head): the normalised q and k (a warp a
+// step), beta, g and its cumulative sum G, then A's entries, T by forward
+// substitution (a row at a time), W, U, gamma q, the decayed keys, and the
+// masked scores. Steps past the sequence's end are zeros with g = 0 and
+// beta = 0: steps that change nothing.
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_prep(DeltaParams p) {
+    grid_dependency_sync();
+    __shared__ float s_g[DELTA_CHUNK];
+    __shared__ float s_beta[DELTA_CHUNK];
+    __shared__ float s_cum[DELTA_CHUNK];
+    __shared__ float s_a[DELTA_CHUNK * DELTA_CHUNK];
+    __shared__ float s_t[DELTA_CHUNK * DELTA_CHUNK];
+    const u64 item = blockIdx.x;
+    const Item it = item_of(p, item);
+    const Prep pr = prep_at(p, item);
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = DELTA_THREADS / 32;
+    const u64 width = qkv_width(p);
+    const float a = expf(load(reinterpret_cast<const void*>(p.a_log), p.t_a_log, it.j));
+    const float dt_bias = load(reinterpret_cast<const void*>(p.dt_bias), p.t_dt_bias, it.j);
+    for (int t = warp; t < DELTA_CHUNK; t += warps) {
+        if (t >= it.len) {
+            for (int x = lane; x < dk; x += 32) {
+                pr.kn[t * dk + x] = 0.0f;
+                pr.qn[t * dk + x] = 0.0f;
+            }
+            if (lane == 0) {
+                s_g[t] = 0.0f;
+                s_beta[t] = 0.0f;
+            }
+            continue;
+        }
+        const u64 r = row_of(p, it, t);
+        const void* qkv = reinterpret_cast<const void*>(p.qkv);
+        const u64 q_at = r * width + static_cast<u64>(it.i) * dk;
+        const u64 k_at = r * width + static_cast<u64>(p.key_heads + it.i) * dk;
+        float qq = 0.0f;
+        float kk = 0.0f;
+        for (int x = lane; x < dk; x += 32) {
+            const float q = load(qkv, p.t_qkv, q_at + x);
+            const float k = load(qkv, p.t_qkv, k_at + x);
+            qq += q * q;
+            kk += k * k;
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        const float rq = 1.0f / sqrtf(qq + DELTA_L2_EPS);
+        const float rk = 1.0f / sqrtf(kk + DELTA_L2_EPS);
+        for (int x = lane; x < dk; x += 32) {
+            pr.qn[t * dk + x] = load(qkv, p.t_qkv, q_at + x) * rq * p.scale;
+            pr.kn[t * dk + x] = load(qkv, p.t_qkv, k_at + x) * rk;
+        }
+        if (lane == 0) {
+            const u64 at = r * p.value_heads + it.j;
+            const float raw = load(reinterpret_cast<const void*>(p.alpha), p.t_alpha, at) + dt_bias;
+            s_g[t] = -a * delta_softplus(raw);
+            s_beta[t] = delta_sigmoid(load(reinterpret_cast<const void*>(p.beta), p.t_beta, at));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int t = 0; t < DELTA_CHUNK; ++t) {
+            sum += s_g[t];
+            s_cum[t] = sum;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < DELTA_CHUNK) {
+        pr.g[threadIdx.x] = s_cum[threadIdx.x];
+        pr.beta[threadIdx.x] = s_beta[threadIdx.x];
+    }
+    // A (in shared memory, for the substitution), K K^T and the scores.
+    for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+        const int t = idx / DELTA_CHUNK;
+        const int s = idx % DELTA_CHUNK;
+        float kk = 0.0f;
+        float qk = 0.0f;
+        if (s <= t) {
+            for (int x = 0; x < dk; ++x) {
+                const float ks = pr.kn[s * dk + x];
+                kk = __fmaf_rn(pr.kn[t * dk + x], ks, kk);
+                qk = __fmaf_rn(pr.qn[t * dk + x], ks, qk);
+            }
+        }
+        const float e = s <= t ? expf(s_cum[t] - s_cum[s]) : 0.0f;
+        const float kke = s < t ? kk * e : 0.0f;
+        pr.kke[idx] = kke;
+        s_a[idx] = s_beta[t] * kke;
+        pr.m[idx] = qk * e;
+    }
+    __syncthreads();
+    // T = (I + A)^-1, lower triangular with a unit diagonal: row t is
+    // e_t - sum_{s<t} A_ts T_s, from the rows before it.
+    for (int t = 0; t < DELTA_CHUNK; ++t) {
+        if (threadIdx.x < DELTA_CHUNK) {
+            const int col = threadIdx.x;
+            float v = col == t ? 1.0f : 0.0f;
+            for (int s = col; s < t; ++s) {
+                v = __fmaf_rn(-s_a[t * DELTA_CHUNK + s], s_t[s * DELTA_CHUNK + col], v);
+            }
+            s_t[t * DELTA_CHUNK + col] = col <= t ? v : 0.0f;
+        }
+        __syncthreads();
+    }
+    for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+        pr.t[idx] = s_t[idx];
+    }
+    const float g_last = s_cum[DELTA_CHUNK - 1];
+    // W = T (beta gamma K), gamma q, the decayed keys.
+    for (int idx = threadIdx.x; idx < DELTA_CHUNK * dk; idx += DELTA_THREADS) {
+        const int t = idx / dk;
+        const int x = idx % dk;
+        float w = 0.0f;
+        for (int s = 0; s <= t; ++s) {
+            const float bk = s_beta[s] * expf(s_cum[s]) * pr.kn[s * dk + x];
+            w = __fmaf_rn(s_t[t * DELTA_CHUNK + s], bk, w);
+        }
+        pr.w[idx] = w;
+        pr.qg[idx] = expf(s_cum[t]) * pr.qn[idx];
+        pr.kd[idx] = expf(g_last - s_cum[t]) * pr.kn[idx];
+    }
+    // U = T (beta V).
+    const void* qkv = reinterpret_cast<const void*>(p.qkv);
+    const u64 v_col = 2ull * p.key_heads * dk + static_cast<u64>(it.j) * dv;
+    for (int idx = threadIdx.x; idx < DELTA_CHUNK * dv; idx += DELTA_THREADS) {
+        const int t = idx / dv;
+        const int c = idx % dv;
+        float u = 0.0f;
+        const int last = min(t, it.len - 1);
+        for (int s = 0; s <= last; ++s) {
+            const float bv = s_beta[s] * load(qkv, p.t_qkv, row_of(p, it, s) * width + v_col + c);
+            u = __fmaf_rn(s_t[t * DELTA_CHUNK + s], bv, u);
+        }
+        pr.u[idx] = u;
+    }
+}
+
+// ---- the forward's walk over the chunks ---------------------------------------
+// One block a (sequence, value head, DELTA_TILE state columns): the state's
+// columns H [dk, tile] stay in shared memory from chunk to chunk. Per chunk:
+// save H (as S = H^T, the `states` layout), V' = U - W H, o = gamma Q H +
+// M V', H = gamma_L H + Kd^T V'.
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_forward_states(DeltaParams p) {
+    grid_dependency_sync();
+    __shared__ float s_h[DELTA_MAX_DK * DELTA_TILE];
+    __shared__ float s_vn[DELTA_CHUNK * DELTA_TILE];
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int tiles = (dv + DELTA_TILE - 1) / DELTA_TILE;
+    const int tile = blockIdx.x % tiles;
+    const int j = (blockIdx.x / tiles) % p.value_heads;
+    const int b = blockIdx.x / (tiles * p.value_heads);
+    const int p0 = tile * DELTA_TILE;
+    const int cols = min(DELTA_TILE, dv - p0);
+    const int out_width = p.value_heads * dv;
+    constexpr int PER_THREAD = DELTA_MAX_DK * DELTA_TILE / DELTA_THREADS;
+    for (int idx = threadIdx.x; idx < DELTA_MAX_DK * DELTA_TILE; idx += DELTA_THREADS) {
+        s_h[idx] = 0.0f;
+    }
+    __syncthreads();
+    for (int c = 0; c < p.chunks; ++c) {
+        const u64 item = (static_cast<u64>(b) * p.chunks + c) * p.value_heads + j;
+        const Item it = item_of(p, item);
+        const Prep pr = prep_at(p, item);
+        float* state = reinterpret_cast<float*>(p.states) + item * dv * dk;
+        for (int idx = threadIdx.x; idx < cols * dk; idx += DELTA_THREADS) {
+            const int col = idx / dk;
+            const int x = idx % dk;
+            state[static_cast<u64>(p0 + col) * dk + x] = s_h[x * DELTA_TILE + col];
+        }
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_TILE;
+            const int col = idx % DELTA_TILE;
+            float v = 0.0f;
+            if (col < cols) {
+                for (int x = 0; x < dk; ++x) {
+                    v = __fmaf_rn(pr.w[t * dk + x], s_h[x * DELTA_TILE + col], v);
+                }
+                v = pr.u[t * dv + p0 + col] - v;
+            }
+            s_vn[idx] = v;
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_TILE;
+            const int col = idx % DELTA_TILE;
+            if (t >= it.len || col >= cols) {
+                continue;
+            }
+            float o = 0.0f;
+            for (int x = 0; x < dk; ++x) {
+                o = __fmaf_rn(pr.qg[t * dk + x], s_h[x * DELTA_TILE + col], o);
+            }
+            for (int s = 0; s <= t; ++s) {
+                o = __fmaf_rn(pr.m[t * DELTA_CHUNK + s], s_vn[s * DELTA_TILE + col], o);
+            }
+            const u64 r = row_of(p, it, t);
+            store(reinterpret_cast<void*>(p.out), p.t_out, r * out_width + static_cast<u64>(j) * dv + p0 + col, o);
+        }
+        if (c + 1 == p.chunks) {
+            break;
+        }
+        const float decay = expf(pr.g[DELTA_CHUNK - 1]);
+        float next[PER_THREAD];
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; ++e) {
+            const int idx = threadIdx.x + e * DELTA_THREADS;
+            const int x = idx / DELTA_TILE;
+            const int col = idx % DELTA_TILE;
+            float h = 0.0f;
+            if (x < dk) {
+                for (int s = 0; s < DELTA_CHUNK; ++s) {
+                    h = __fmaf_rn(pr.kd[s * dk + x], s_vn[s * DELTA_TILE + col], h);
+                }
+                h = __fmaf_rn(decay, s_h[idx], h);
+            }
+            next[e] = h;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; ++e) {
+            s_h[threadIdx.x + e * DELTA_THREADS] = next[e];
+        }
+        __syncthreads();
+    }
+}
+
+// ---- the backward's reverse walk ---------------------------------------------------
+// One block a (sequence, value head, DELTA_TILE columns), the chunks in
+// reverse with dH (the gradient of the state at the current chunk's end) in
+// shared memory. Per chunk: V' = U - W H_0 again (H_0 the saved state),
+// dV' = M^T dO + Kd dH, both kept for `delta_backward_chunk` with dH, then
+// dH_0 = gamma_L dH + (gamma Q)^T dO - W^T dV' becomes the previous chunk's.
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_states(DeltaParams p) {
+    grid_dependency_sync();
+    __shared__ float s_h[DELTA_MAX_DK * DELTA_TILE];
+    __shared__ float s_dh[DELTA_MAX_DK * DELTA_TILE];
+    __shared__ float s_do[DELTA_CHUNK * DELTA_TILE];
+    __shared__ float s_dvn[DELTA_CHUNK * DELTA_TILE];
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int tiles = (dv + DELTA_TILE - 1) / DELTA_TILE;
+    const int tile = blockIdx.x % tiles;
+    const int j = (blockIdx.x / tiles) % p.value_heads;
+    const int b = blockIdx.x / (tiles * p.value_heads);
+    const int p0 = tile * DELTA_TILE;
+    const int cols = min(DELTA_TILE, dv - p0);
+    const int out_width = p.value_heads * dv;
+    constexpr int PER_THREAD = DELTA_MAX_DK * DELTA_TILE / DELTA_THREADS;
+    for (int idx = threadIdx.x; idx < DELTA_MAX_DK * DELTA_TILE; idx += DELTA_THREADS) {
+        s_dh[idx] = 0.0f;
+        s_h[idx] = 0.0f;
+    }
+    __syncthreads();
+    for (int c = p.chunks - 1; c >= 0; --c) {
+        const u64 item = (static_cast<u64>(b) * p.chunks + c) * p.value_heads + j;
+        const Item it = item_of(p, item);
+        const Prep pr = prep_at(p, item);
+        const Back bk = back_at(p, item);
+        const float* state = reinterpret_cast<const float*>(p.states) + item * dv * dk;
+        for (int idx = threadIdx.x; idx < cols * dk; idx += DELTA_THREADS) {
+            const int col = idx / dk;
+            const int x = idx % dk;
+            s_h[x * DELTA_TILE + col] = state[static_cast<u64>(p0 + col) * dk + x];
+        }
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_TILE;
+            const int col = idx % DELTA_TILE;
+            float d = 0.0f;
+            if (t < it.len && col < cols) {
+                const u64 r = row_of(p, it, t);
+                d = load(reinterpret_cast<const void*>(p.out), p.t_out, r * out_width + static_cast<u64>(j) * dv + p0 + col);
+            }
+            s_do[idx] = d;
+        }
+        // The state gradient at this chunk's end, for the chunk's own
+        // gradients.
+        for (int idx = threadIdx.x; idx < dk * cols; idx += DELTA_THREADS) {
+            const int x = idx / cols;
+            const int col = idx % cols;
+            bk.dh[static_cast<u64>(x) * dv + p0 + col] = s_dh[x * DELTA_TILE + col];
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_TILE;
+            const int col = idx % DELTA_TILE;
+            float dvn = 0.0f;
+            if (col < cols) {
+                float v = 0.0f;
+                for (int x = 0; x < dk; ++x) {
+                    v = __fmaf_rn(pr.w[t * dk + x], s_h[x * DELTA_TILE + col], v);
+                }
+                bk.vn[t * dv + p0 + col] = pr.u[t * dv + p0 + col] - v;
+                for (int s = t; s < DELTA_CHUNK; ++s) {
+                    dvn = __fmaf_rn(pr.m[s * DELTA_CHUNK + t], s_do[s * DELTA_TILE + col], dvn);
+                }
+                for (int x = 0; x < dk; ++x) {
+                    dvn = __fmaf_rn(pr.kd[t * dk + x], s_dh[x * DELTA_TILE + col], dvn);
+                }
+                bk.dvn[t * dv + p0 + col] = dvn;
+            }
+            s_dvn[idx] = dvn;
+        }
+        __syncthreads();
+        if (c == 0) {
+            break;
+        }
+        const float decay = expf(pr.g[DELTA_CHUNK - 1]);
+        float next[PER_THREAD];
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; ++e) {
+            const int idx = threadIdx.x + e * DELTA_THREADS;
+            const int x = idx / DELTA_TILE;
+            const int col = idx % DELTA_TILE;
+            float d = 0.0f;
+            if (x < dk) {
+                for (int t = 0; t < DELTA_CHUNK; ++t) {
+                    d = __fmaf_rn(pr.qg[t * dk + x], s_do[t * DELTA_TILE + col], d);
+                    d = __fmaf_rn(-pr.w[t * dk + x], s_dvn[t * DELTA_TILE + col], d);
+                }
+                d = __fmaf_rn(decay, s_dh[idx], d);
+            }
+            next[e] = d;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < PER_THREAD; ++e) {
+            s_dh[threadIdx.x + e * DELTA_THREADS] = next[e];
+        }
+        __syncthreads();
+    }
+}
+
+// ---- a chunk's gradients ------------------------------------------------------------
+// A block takes items `blockIdx.x, + gridDim.x, ...` with a workspace of its
+// own. From dO, V', dV', dH_L and the saved H_0 (S layout: S_0[p][x]):
+//   dM = dO V'^T (s <= t), dQi = dO S_0 (the state's part of dq),
+//   dKd = V' dH_L^T, dW = -dV' S_0, d(beta V) = T^T dV', d(beta gamma K) = T^T dW,
+//   dT = dV' (beta V)^T + dW (beta gamma K)^T (strictly lower),
+//   dA = -(T^T dT) T^T (strictly lower),
+// then per step the gradients of q, k, v, beta and G, and from G's the
+// gates' (g's is the reverse cumulative sum of G's).
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk(DeltaParams p) {
+    grid_dependency_sync();
+    __shared__ float s_g[DELTA_CHUNK];
+    __shared__ float s_beta[DELTA_CHUNK];
+    __shared__ float s_dg[DELTA_CHUNK];
+    __shared__ float s_dbeta[DELTA_CHUNK];
+    __shared__ float s_kd[DELTA_CHUNK];
+    __shared__ float s_sum[32];
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = DELTA_THREADS / 32;
+    const u64 width = qkv_width(p);
+    const int out_width = p.value_heads * dv;
+    const Work wk = work_at(p, blockIdx.x);
+    const void* qkv = reinterpret_cast<const void*>(p.qkv);
+    const void* d_out = reinterpret_cast<const void*>(p.out);
+    float* dq_all = dq_rows(p);
+    float* dk_all = dk_rows(p);
+    for (u64 item = blockIdx.x; item < items_of(p); item += gridDim.x) {
+        const Item it = item_of(p, item);
+        const Prep pr = prep_at(p, item);
+        const Back bk = back_at(p, item);
+        const float* s0 = reinterpret_cast<const float*>(p.states) + item * dv * dk;
+        const u64 v_col = 2ull * p.key_heads * dk + static_cast<u64>(it.j) * dv;
+        const u64 o_col = static_cast<u64>(it.j) * dv;
+        if (threadIdx.x < DELTA_CHUNK) {
+            s_g[threadIdx.x] = pr.g[threadIdx.x];
+            s_beta[threadIdx.x] = pr.beta[threadIdx.x];
+        }
+        // <S_0, dH_L> (H_0 = S_0^T), for G_L's gradient.
+        float hd = 0.0f;
+        for (int idx = threadIdx.x; idx < dk * dv; idx += DELTA_THREADS) {
+            const int x = idx / dv;
+            const int c = idx % dv;
+            hd = __fmaf_rn(s0[static_cast<u64>(c) * dk + x], bk.dh[idx], hd);
+        }
+        hd = block_sum(hd, s_sum);
+        // dM, masked to s <= t within the chunk.
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_CHUNK;
+            const int s = idx % DELTA_CHUNK;
+            float d = 0.0f;
+            if (s <= t && t < it.len) {
+                const u64 at = row_of(p, it, t) * out_width + o_col;
+                for (int c = 0; c < dv; ++c) {
+                    d = __fmaf_rn(load(d_out, p.t_out, at + c), bk.vn[s * dv + c], d);
+                }
+            }
+            wk.dm[idx] = d;
+        }
+        // dQi, dKd, dW: [64, dk] each.
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * dk; idx += DELTA_THREADS) {
+            const int t = idx / dk;
+            const int x = idx % dk;
+            float qi = 0.0f;
+            float kd = 0.0f;
+            float w = 0.0f;
+            const bool live = t < it.len;
+            const u64 at = live ? row_of(p, it, t) * out_width + o_col : 0;
+            for (int c = 0; c < dv; ++c) {
+                const float s = s0[static_cast<u64>(c) * dk + x];
+                if (live) {
+                    qi = __fmaf_rn(load(d_out, p.t_out, at + c), s, qi);
+                }
+                kd = __fmaf_rn(bk.vn[t * dv + c], bk.dh[static_cast<u64>(x) * dv + c], kd);
+                w = __fmaf_rn(-bk.dvn[t * dv + c], s, w);
+            }
+            wk.dqi[idx] = qi;
+            wk.dkd[idx] = kd;
+            wk.dw[idx] = w;
+        }
+        // d(beta V) = T^T dV'.
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * dv; idx += DELTA_THREADS) {
+            const int t = idx / dv;
+            const int c = idx % dv;
+            float d = 0.0f;
+            for (int s = t; s < DELTA_CHUNK; ++s) {
+                d = __fmaf_rn(pr.t[s * DELTA_CHUNK + t], bk.dvn[s * dv + c], d);
+            }
+            wk.dbv[idx] = d;
+        }
+        __syncthreads();
+        // d(beta gamma K) = T^T dW; dT (strictly lower).
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * dk; idx += DELTA_THREADS) {
+            const int t = idx / dk;
+            const int x = idx % dk;
+            float d = 0.0f;
+            for (int s = t; s < DELTA_CHUNK; ++s) {
+                d = __fmaf_rn(pr.t[s * DELTA_CHUNK + t], wk.dw[s * dk + x], d);
+            }
+            wk.dbk[idx] = d;
+        }
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_CHUNK;
+            const int s = idx % DELTA_CHUNK;
+            float d = 0.0f;
+            if (s < t && s < it.len) {
+                float dvv = 0.0f;
+                const u64 at = row_of(p, it, s) * width + v_col;
+                for (int c = 0; c < dv; ++c) {
+                    dvv = __fmaf_rn(bk.dvn[t * dv + c], load(qkv, p.t_qkv, at + c), dvv);
+                }
+                float dkk = 0.0f;
+                for (int x = 0; x < dk; ++x) {
+                    dkk = __fmaf_rn(wk.dw[t * dk + x], pr.kn[s * dk + x], dkk);
+                }
+                d = s_beta[s] * dvv + s_beta[s] * expf(s_g[s]) * dkk;
+            }
+            wk.dt[idx] = d;
+        }
+        __syncthreads();
+        // X = T^T dT.
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_CHUNK;
+            const int s = idx % DELTA_CHUNK;
+            float d = 0.0f;
+            for (int a = max(t, s + 1); a < DELTA_CHUNK; ++a) {
+                d = __fmaf_rn(pr.t[a * DELTA_CHUNK + t], wk.dt[a * DELTA_CHUNK + s], d);
+            }
+            wk.x[idx] = d;
+        }
+        __syncthreads();
+        // dA = -X T^T, strictly lower.
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+            const int t = idx / DELTA_CHUNK;
+            const int s = idx % DELTA_CHUNK;
+            float d = 0.0f;
+            if (s < t) {
+                for (int b = 0; b <= s; ++b) {
+                    d = __fmaf_rn(-wk.x[t * DELTA_CHUNK + b], pr.t[s * DELTA_CHUNK + b], d);
+                }
+            }
+            wk.da[idx] = d;
+        }
+        __syncthreads();
+        // Per step (a warp a step): beta's and G's gradients, and v's.
+        for (int t = warp; t < DELTA_CHUNK; t += warps) {
+            float dbeta = 0.0f;
+            float dg = 0.0f;
+            float kd = 0.0f;
+            if (t < it.len) {
+                const float gamma = expf(s_g[t]);
+                float qi = 0.0f;
+                float kb = 0.0f;
+                float kdd = 0.0f;
+                for (int x = lane; x < dk; x += 32) {
+                    qi = __fmaf_rn(wk.dqi[t * dk + x], pr.qn[t * dk + x], qi);
+                    kb = __fmaf_rn(pr.kn[t * dk + x], wk.dbk[t * dk + x], kb);
+                    kdd = __fmaf_rn(pr.kd[t * dk + x], wk.dkd[t * dk + x], kdd);
+                }
+                float vb = 0.0f;
+                const u64 v_at = row_of(p, it, t) * width + v_col;
+                for (int c = lane; c < dv; c += 32) {
+                    const float dbv = wk.dbv[t * dv + c];
+                    vb = __fmaf_rn(load(qkv, p.t_qkv, v_at + c), dbv, vb);
+                    store(reinterpret_cast<void*>(p.d_qkv), p.t_d_qkv, v_at + c, s_beta[t] * dbv);
+                }
+                // The scores' and A's entries of row t (as the later step)
+                // and column t (as the earlier one).
+                float m_row = 0.0f;
+                float a_row = 0.0f;
+                float m_col = 0.0f;
+                float a_col = 0.0f;
+                for (int s = lane; s < DELTA_CHUNK; s += 32) {
+                    if (s <= t) {
+                        m_row = __fmaf_rn(wk.dm[t * DELTA_CHUNK + s], pr.m[t * DELTA_CHUNK + s], m_row);
+                        a_row = __fmaf_rn(wk.da[t * DELTA_CHUNK + s], pr.kke[t * DELTA_CHUNK + s], a_row);
+                    }
+                    if (s >= t) {
+                        m_col = __fmaf_rn(wk.dm[s * DELTA_CHUNK + t], pr.m[s * DELTA_CHUNK + t], m_col);
+                        a_col = __fmaf_rn(wk.da[s * DELTA_CHUNK + t] * s_beta[s], pr.kke[s * DELTA_CHUNK + t], a_col);
+                    }
+                }
+                qi = warp_sum(qi);
+                kb = warp_sum(kb);
+                kdd = warp_sum(kdd);
+                vb = warp_sum(vb);
+                m_row = warp_sum(m_row);
+                a_row = warp_sum(a_row);
+                m_col = warp_sum(m_col);
+                a_col = warp_sum(a_col);
+                dbeta = vb + gamma * kb + a_row;
+                dg = gamma * qi + m_row - m_col + s_beta[t] * gamma * kb + s_beta[t] * a_row - a_col - kdd;
+                kd = kdd;
+            }
+            if (lane == 0) {
+                s_dbeta[t] = dbeta;
+                s_dg[t] = dg;
+                s_kd[t] = kd;
+            }
+        }
+        // The normalised q's and k's gradients of this value head.
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * dk; idx += DELTA_THREADS) {
+            const int t = idx / dk;
+            const int x = idx % dk;
+            if (t >= it.len) {
+                continue;
+            }
+            const float gt = s_g[t];
+            float dq = expf(gt) * wk.dqi[idx];
+            float dkx = expf(s_g[it.len - 1] - gt) * wk.dkd[idx];
+            dkx = __fmaf_rn(s_beta[t] * expf(gt), wk.dbk[idx], dkx);
+            for (int s = 0; s <= t; ++s) {
+                const float e = expf(gt - s_g[s]);
+                dq = __fmaf_rn(wk.dm[t * DELTA_CHUNK + s] * e, pr.kn[s * dk + x], dq);
+                if (s < t) {
+                    dkx = __fmaf_rn(s_beta[t] * wk.da[t * DELTA_CHUNK + s] * e, pr.kn[s * dk + x], dkx);
+                }
+            }
+            for (int s = t; s < it.len; ++s) {
+                const float e = expf(s_g[s] - gt);
+                dkx = __fmaf_rn(wk.dm[s * DELTA_CHUNK + t] * e, pr.qn[s * dk + x], dkx);
+                if (s > t) {
+                    dkx = __fmaf_rn(s_beta[s] * wk.da[s * DELTA_CHUNK + t] * e, pr.kn[s * dk + x], dkx);
+                }
+            }
+            const u64 at = (row_of(p, it, t) * p.value_heads + it.j) * dk + x;
+            dq_all[at] = dq;
+            dk_all[at] = dkx;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            // G_L's own terms: through gamma_L H_0 and the decayed keys.
+            float last = expf(s_g[it.len - 1]) * hd;
+            for (int s = 0; s < it.len; ++s) {
+                last += s_kd[s];
+            }
+            s_dg[it.len - 1] += last;
+            const float a = expf(load(reinterpret_cast<const void*>(p.a_log), p.t_a_log, it.j));
+            const float dt_bias = load(reinterpret_cast<const void*>(p.dt_bias), p.t_dt_bias, it.j);
+            float dg = 0.0f;
+            float a_log = 0.0f;
+            for (int t = it.len - 1; t >= 0; --t) {
+                dg += s_dg[t];
+                const u64 at = row_of(p, it, t) * p.value_heads + it.j;
+                const float raw = load(reinterpret_cast<const void*>(p.alpha), p.t_alpha, at) + dt_bias;
+                const float g = -a * delta_softplus(raw);
+                const float beta = s_beta[t];
+                store(reinterpret_cast<void*>(p.d_beta), p.t_d_beta, at, s_dbeta[t] * beta * (1.0f - beta));
+                store(reinterpret_cast<void*>(p.d_alpha), p.t_d_alpha, at, dg * -a * delta_softplus_derivative(raw));
+                a_log += dg * g;
+            }
+            a_log_parts(p)[(static_cast<u64>(it.b) * p.value_heads + it.j) * p.chunks + it.c] = a_log;
+        }
+        __syncthreads();
+    }
+}
+
+// ---- through the L2 norms ---------------------------------------------------------
+// A warp a (row, key head): the normalised q's and k's gradients summed over
+// the key head's value heads in order, then y = x r (times the scale for q):
+// dx = r (s dy - y (y . s dy)) with y = x r, as the CPU reference.
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_norm(DeltaParams p) {
+    grid_dependency_sync();
+    const int lane = threadIdx.x & 31;
+    const u64 pair = static_cast<u64>(blockIdx.x) * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
+    const u64 rows = static_cast<u64>(p.batch) * p.seq;
+    if (pair >= rows * p.key_heads) {
+        return;
+    }
+    const u64 r = pair / p.key_heads;
+    const int i = static_cast<int>(pair % p.key_heads);
+    const int dk = p.dk;
+    const int per_key = p.value_heads / p.key_heads;
+    const u64 width = qkv_width(p);
+    const void* qkv = reinterpret_cast<const void*>(p.qkv);
+    for (int which = 0; which < 2; ++which) {
+        const float* grads = which == 0 ? dq_rows(p) : dk_rows(p);
+        const float s = which == 0 ? p.scale : 1.0f;
+        const u64 at = r * width + static_cast<u64>(which * p.key_heads + i) * dk;
+        float ss = 0.0f;
+        for (int x = lane; x < dk; x += 32) {
+            const float v = load(qkv, p.t_qkv, at + x);
+            ss += v * v;
+        }
+        const float rstd = 1.0f / sqrtf(warp_sum(ss) + DELTA_L2_EPS);
+        float y_dy = 0.0f;
+        for (int x = lane; x < dk; x += 32) {
+            float dy = 0.0f;
+            for (int j = i * per_key; j < (i + 1) * per_key; ++j) {
+                dy += grads[(r * p.value_heads + j) * dk + x];
+            }
+            y_dy += load(qkv, p.t_qkv, at + x) * rstd * (dy * s);
+        }
+        y_dy = warp_sum(y_dy);
+        for (int x = lane; x < dk; x += 32) {
+            float dy = 0.0f;
+            for (int j = i * per_key; j < (i + 1) * per_key; ++j) {
+                dy += grads[(r * p.value_heads + j) * dk + x];
+            }
+            const float xv = load(qkv, p.t_qkv, at + x);
+            store(reinterpret_cast<void*>(p.d_qkv), p.t_d_qkv, at + x, rstd * (dy * s - xv * rstd * y_dy));
+        }
+    }
+}
+
+// A_log's gradient: a thread a value head adds its (sequence, chunk)
+// partials in order, then onto what `d_a_log` holds.
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_a_log(DeltaParams p) {
+    grid_dependency_sync();
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= p.value_heads) {
+        return;
+    }
+    const float* parts = a_log_parts(p);
+    float sum = 0.0f;
+    for (int b = 0; b < p.batch; ++b) {
+        for (int c = 0; c < p.chunks; ++c) {
+            sum += parts[(static_cast<u64>(b) * p.value_heads + j) * p.chunks + c];
+        }
+    }
+    void* d = reinterpret_cast<void*>(p.d_a_log);
+    store(d, p.t_d_a_log, j, load(d, p.t_d_a_log, j) + sum);
+}
