@@ -167,6 +167,41 @@ fn usage_errors_exit_2() {
     }
 }
 
+/// Every built-in preset prints as a model file that plans; the ones made
+/// for the CPU (`tiny*`) train on it, their loss falling over a few steps.
+#[test]
+fn every_preset_plans_and_the_cpu_presets_train() {
+    let list = hybridgen(&["preset"]);
+    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+    let names: Vec<String> = hybridgen_dsl::config::PRESET_NAMES
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    for name in &names {
+        assert!(stdout(&list).contains(name.as_str()), "{name} is listed");
+        let out = hybridgen(&["plan", "--preset", name, "--format", "json"]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", stderr(&out));
+        if !name.starts_with("tiny") {
+            continue;
+        }
+        let out = hybridgen(&[
+            "train", "--preset", name, "--steps", "6", "--lr", "3e-3", "--format", "json",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", stderr(&out));
+        let losses: Vec<f64> = stdout(&out)
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
+            .filter_map(|l| l["loss"].as_f64())
+            .collect();
+        assert_eq!(losses.len(), 6, "{name}");
+        assert!(
+            losses[5] < losses[0],
+            "{name}: the loss did not fall: {losses:?}"
+        );
+    }
+    assert!(names.iter().any(|n| n == "tiny-gdn"));
+}
+
 #[test]
 fn missing_model_files_and_presets_are_invalid_input() {
     let out = hybridgen(&["plan", "--model", "/nonexistent/model.toml"]);

@@ -119,6 +119,15 @@ pub struct DsaConfig {
     pub index_head_dim: usize,
     /// Keys each query attends to.
     pub index_topk: usize,
+    /// The indexer's KL loss coefficient (Megatron's
+    /// `dsa_indexer_loss_coeff`; unset there, which is 0: no indexer loss,
+    /// and the indexer does not train).
+    #[serde(default)]
+    pub indexer_loss_coeff: f32,
+    /// The indexer loss over the selected keys only, instead of every causal
+    /// key (Megatron's `dsa_indexer_use_sparse_loss`, off by default).
+    #[serde(default)]
+    pub indexer_sparse_loss: bool,
 }
 
 /// `G`: gated delta net.
@@ -403,14 +412,16 @@ fn shorten_lines(message: &str) -> String {
 }
 
 /// Built-in presets, by name.
-pub const PRESET_NAMES: [&str; 4] = [
+pub const PRESET_NAMES: [&str; 5] = [
     "tiny",
+    "tiny-gdn",
     "nemotron-nano-9b-v2",
     "nemotron-3-nano-30b-a3b",
     "bench-hybrid-moe",
 ];
 
 const TINY: &str = include_str!("../presets/tiny.toml");
+const TINY_GDN: &str = include_str!("../presets/tiny-gdn.toml");
 const NEMOTRON_NANO_9B_V2: &str = include_str!("../presets/nemotron-nano-9b-v2.toml");
 const NEMOTRON_3_NANO_30B_A3B: &str = include_str!("../presets/nemotron-3-nano-30b-a3b.toml");
 const BENCH_HYBRID_MOE: &str = include_str!("../presets/bench-hybrid-moe.toml");
@@ -428,6 +439,7 @@ impl ModelConfig {
     pub fn preset_source(name: &str) -> Option<&'static str> {
         match name {
             "tiny" => Some(TINY),
+            "tiny-gdn" => Some(TINY_GDN),
             "nemotron-nano-9b-v2" => Some(NEMOTRON_NANO_9B_V2),
             "nemotron-3-nano-30b-a3b" => Some(NEMOTRON_3_NANO_30B_A3B),
             "bench-hybrid-moe" => Some(BENCH_HYBRID_MOE),
@@ -646,6 +658,27 @@ impl ModelConfig {
             positive("dsa.index_heads", d.index_heads, &mut bad);
             positive("dsa.index_head_dim", d.index_head_dim, &mut bad);
             positive("dsa.index_topk", d.index_topk, &mut bad);
+            if !(d.indexer_loss_coeff.is_finite() && d.indexer_loss_coeff >= 0.0) {
+                bad(
+                    format!(
+                        "`dsa.indexer_loss_coeff = {}` is not a finite number of at least 0",
+                        d.indexer_loss_coeff
+                    ),
+                    "give 0 (no indexer loss) or a small positive coefficient such as 0.01",
+                );
+            }
+            if let Some(m) = &self.mla
+                && d.index_head_dim < m.qk_rope_head_dim
+            {
+                bad(
+                    format!(
+                        "`dsa.index_head_dim = {}` is below `mla.qk_rope_head_dim = {}`",
+                        d.index_head_dim, m.qk_rope_head_dim
+                    ),
+                    "the indexer rotates its first qk_rope_head_dim channels: make \
+                     index_head_dim at least that",
+                );
+            }
             if self.mla.as_ref().is_some_and(|m| m.q_lora_rank.is_none()) {
                 bad(
                     "DSA needs `mla.q_lora_rank`: its indexer reads the compressed query".into(),
