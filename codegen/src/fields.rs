@@ -98,6 +98,8 @@ const DSA: &[Spec] = &[
     req("index_heads", Kind::Int, "64"),
     req("index_head_dim", Kind::Int, "128"),
     req("index_topk", Kind::Int, "2048"),
+    opt("indexer_loss_coeff", Kind::Float, "0.0"),
+    opt("indexer_sparse_loss", Kind::Bool, "false"),
 ];
 const GDN: &[Spec] = &[
     req("key_heads", Kind::Int, "16"),

@@ -461,9 +461,12 @@ fn config_tokens(c: &ModelConfig) -> TokenStream {
             index_heads,
             index_head_dim,
             index_topk,
+            indexer_loss_coeff,
+            indexer_sparse_loss,
         } = d;
         let (a, b, c) = (lit(*index_heads), lit(*index_head_dim), lit(*index_topk));
-        quote!(__dsl::config::DsaConfig { index_heads: #a, index_head_dim: #b, index_topk: #c })
+        let coeff = float(*indexer_loss_coeff);
+        quote!(__dsl::config::DsaConfig { index_heads: #a, index_head_dim: #b, index_topk: #c, indexer_loss_coeff: #coeff, indexer_sparse_loss: #indexer_sparse_loss })
     });
     let gdn = some(gdn, |g| {
         let GdnConfig {
