@@ -58,6 +58,7 @@ fn backend_kernels() -> Vec<String> {
         include_str!("../src/backend/norm.rs"),
         include_str!("../src/backend/optim.rs"),
         include_str!("../src/backend/scan.rs"),
+        include_str!("../src/backend/sparse_attention.rs"),
     ] {
         if let Some(start) = family.find("macro_rules!") {
             let methods = &family[start..];

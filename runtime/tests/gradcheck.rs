@@ -311,7 +311,8 @@ impl LayerCase {
                 .expect("selected"),
             _ => Vec::new(),
         };
-        let aux = saved.aux_loss(dev()).expect("aux loss");
+        let aux = saved.aux_loss(dev()).expect("aux loss")
+            + saved.indexer_loss(dev()).expect("indexer loss");
         (delta + self.aux_scale as f64 * aux, routing)
     }
 
@@ -328,6 +329,13 @@ impl LayerCase {
     }
 
     fn check(&self) {
+        let all: Vec<usize> = (0..self.weights.len()).collect();
+        self.check_some(true, &all);
+    }
+
+    /// Checks `dL/dx` (when `with_dx`) and the gradients of the parameters
+    /// at `params`.
+    fn check_some(&self, with_dx: bool, params: &[usize]) {
         let (_, dx, grads) = self.gradients(&self.weights, &self.x);
         let (_, routing) = self.loss(&self.weights, &self.x);
         let mut rng = Rng(99);
@@ -351,18 +359,23 @@ impl LayerCase {
                 self.name
             )
         };
-        check_gradient(
-            &format!("{} dx", self.name),
-            &dx,
-            &self.x,
-            &|x| {
-                let (l, r) = self.loss(&self.weights, x);
-                stable(&r);
-                l
-            },
-            &mut rng,
-        );
+        if with_dx {
+            check_gradient(
+                &format!("{} dx", self.name),
+                &dx,
+                &self.x,
+                &|x| {
+                    let (l, r) = self.loss(&self.weights, x);
+                    stable(&r);
+                    l
+                },
+                &mut rng,
+            );
+        }
         for (i, (def, g)) in self.layer.params().iter().zip(&grads).enumerate() {
+            if !params.contains(&i) {
+                continue;
+            }
             check_gradient(
                 &format!("{} d[{}]", self.name, def.name),
                 g,
@@ -602,6 +615,147 @@ fn mla_forward_matches_the_reference_with_interleaved_rotary() {
         worst(&rotate_half) > 1e-2,
         "the case cannot tell the pairings apart"
     );
+}
+
+/// A `D` layer: MLA with q LoRA (the indexer reads the compressed query),
+/// two indexer heads of 3 channels (rotary on the first 2), top `topk`.
+fn dsa(qk_norm: bool, topk: usize, coeff: f32, sparse_loss: bool) -> ModelConfig {
+    config(&format!(
+        "[mla]\nnum_heads = 2\nq_lora_rank = 6\nkv_lora_rank = 5\nqk_head_dim = 3\nqk_rope_head_dim = 2\nv_head_dim = 3\nqk_norm = {qk_norm}\n\
+         [dsa]\nindex_heads = 2\nindex_head_dim = 3\nindex_topk = {topk}\nindexer_loss_coeff = {coeff}\nindexer_sparse_loss = {sparse_loss}\n"
+    ))
+}
+
+/// The indexer's parameters in `D`'s list: its input never sees the
+/// attention's gradient, and the MLA's never see the indexer loss's.
+const INDEXER_PARAMS: [usize; 5] = [1, 2, 3, 4, 5];
+
+#[test]
+fn dsa_gradients_through_the_sparse_attention_and_the_indexer_loss() {
+    // Without the loss: dx and every MLA parameter through attention over
+    // 3 of up to 5 keys. The selection is piecewise constant in everything
+    // upstream of the indexer, so a perturbation that flips it would make a
+    // finite difference meaningless: zero per-head weights make every score
+    // 0, and the ties then always pick the 3 lowest positions.
+    for qk_norm in [true, false] {
+        let mut case = LayerCase::new(
+            &format!("D top 3 qk_norm={qk_norm}"),
+            LayerKind::Dsa,
+            &dsa(qk_norm, 3, 0.0, false),
+            TWO_SEQUENCES,
+            41,
+        );
+        case.weights[5].fill(0.0);
+        let mla_params: Vec<usize> = (0..case.weights.len())
+            .filter(|i| !INDEXER_PARAMS.contains(i))
+            .collect();
+        case.check_some(true, &mla_params);
+    }
+    // With the loss: the indexer's parameters against finite differences of
+    // the whole loss (the target, the main attention's distribution, does
+    // not depend on them). Every key selected (top 5 of 5) keeps the
+    // output independent of them; the sparse loss over 3 keys is checked
+    // with a zero probe, so only the loss term moves.
+    let dense = LayerCase::new(
+        "D indexer loss",
+        LayerKind::Dsa,
+        &dsa(true, 5, 0.5, false),
+        TWO_SEQUENCES,
+        43,
+    );
+    dense.check_some(false, &INDEXER_PARAMS);
+    let mut sparse = LayerCase::new(
+        "D sparse indexer loss",
+        LayerKind::Dsa,
+        &dsa(true, 3, 0.5, true),
+        TWO_SEQUENCES,
+        47,
+    );
+    sparse.probe.fill(0.0);
+    sparse.check_some(false, &INDEXER_PARAMS);
+}
+
+/// `D`'s weights as a `+` layer's list (layers.md's parameter tables).
+fn mla_weights_of_dsa(w: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    [0, 6, 7, 11, 8, 9, 12, 10]
+        .iter()
+        .map(|&i| w[i].clone())
+        .collect()
+}
+
+#[test]
+fn dsa_with_every_causal_key_selected_is_mla_bit_for_bit() {
+    // top 5 of sequences of 5: every query selects every causal key.
+    let d = LayerCase::new(
+        "D",
+        LayerKind::Dsa,
+        &dsa(true, 5, 0.1, false),
+        TWO_SEQUENCES,
+        51,
+    );
+    let m = LayerImpl::new(LayerKind::Mla, &mla(true, true), 0).expect("+ builds");
+    let mla_w = mla_weights_of_dsa(&d.weights);
+    let (d_out, d_dx, d_grads) = d.gradients(&d.weights, &d.x);
+    let (m_out, m_saved) = layer_forward(&m, &mla_w, &d.x, d.tokens).expect("+ forward");
+    let (m_dx, m_wgrad) =
+        layer_backward_input(&m, &mla_w, m_saved, &d.probe, 0.7).expect("+ backward");
+    let mut m_grads = zeros_like(&mla_w);
+    layer_backward_weight(&m, m_wgrad, &mut m_grads).expect("+ weights");
+    assert_eq!(bits(&d_out), bits(&m_out), "outputs");
+    let m_jt: Vec<f32> = m_dx.iter().zip(&d.probe).map(|(a, r)| a - r).collect();
+    assert_eq!(bits(&d_dx), bits(&m_jt), "input gradients");
+    assert_eq!(
+        mla_weights_of_dsa(&d_grads)
+            .iter()
+            .map(|g| bits(g))
+            .collect::<Vec<_>>(),
+        m_grads.iter().map(|g| bits(g)).collect::<Vec<_>>(),
+        "MLA weight gradients"
+    );
+    // And the indexer trained: its loss gradient reaches its parameters.
+    assert!(
+        INDEXER_PARAMS
+            .iter()
+            .all(|&i| d_grads[i].iter().any(|g| *g != 0.0))
+    );
+}
+
+#[test]
+fn dsa_selects_each_querys_top_keys_and_the_loss_is_zero_without_a_coefficient() {
+    let case = LayerCase::new(
+        "D",
+        LayerKind::Dsa,
+        &dsa(true, 2, 0.0, false),
+        TWO_SEQUENCES,
+        61,
+    );
+    let (_, saved) = layer_forward(&case.layer, &case.weights, &case.x, case.tokens).expect("fwd");
+    assert_eq!(saved.indexer_loss(dev()).expect("loss"), 0.0);
+    let LayerSaved::Dsa(s) = &saved else {
+        panic!("a D layer's saved state")
+    };
+    let mut indices = vec![0u32; 20];
+    dev()
+        .download(View::whole(s.indices()), &mut indices)
+        .expect("download");
+    for (r, row) in indices.chunks(2).enumerate() {
+        let t = (r % 5) as u32;
+        if t == 0 {
+            assert_eq!(row, [0, u32::MAX], "one causal key, padded");
+        } else {
+            assert!(row[0] < row[1] && row[1] <= t, "row {r}: {row:?}");
+        }
+    }
+    let with = LayerCase::new(
+        "D",
+        LayerKind::Dsa,
+        &dsa(true, 2, 0.25, false),
+        TWO_SEQUENCES,
+        61,
+    );
+    let (_, saved) = layer_forward(&with.layer, &with.weights, &with.x, with.tokens).expect("fwd");
+    let loss = saved.indexer_loss(dev()).expect("loss");
+    assert!(loss > 0.0 && loss.is_finite(), "{loss}");
 }
 
 #[test]
@@ -1410,6 +1564,13 @@ fn every_kind() -> Vec<LayerCase> {
         ),
         LayerCase::new("+", LayerKind::Mla, &mla(true, true), TWO_SEQUENCES, 3),
         LayerCase::new(
+            "D",
+            LayerKind::Dsa,
+            &dsa(true, 3, 0.5, false),
+            TWO_SEQUENCES,
+            7,
+        ),
+        LayerCase::new(
             "G",
             LayerKind::GatedDeltaNet,
             &gdn(1, 2, 4, 3, 4),
@@ -1880,16 +2041,12 @@ fn moe_in_bf16_follows_the_f32_layer() {
 // ---- refusals and bad input -------------------------------------------------------------
 
 #[test]
-fn dsa_is_refused_at_construction_and_gated_delta_net_is_built() {
-    let c = config(
-        "[gdn]\nkey_heads = 1\nvalue_heads = 2\nkey_head_dim = 4\nvalue_head_dim = 4\n\
-         [mla]\nnum_heads = 2\nq_lora_rank = 4\nkv_lora_rank = 4\nqk_head_dim = 2\nqk_rope_head_dim = 2\nv_head_dim = 2\n\
-         [dsa]\nindex_heads = 1\nindex_head_dim = 2\nindex_topk = 2\n",
-    );
+fn missing_sections_are_refused_at_construction() {
+    let c = config("[gdn]\nkey_heads = 1\nvalue_heads = 2\nkey_head_dim = 4\nvalue_head_dim = 4\n");
     let g = LayerImpl::new(LayerKind::GatedDeltaNet, &c, 0).expect("G builds");
     assert_eq!(g.kind(), LayerKind::GatedDeltaNet);
     assert!(
-        matches!(LayerImpl::new(LayerKind::Dsa, &c, 0), Err(RuntimeError::Unsupported(m)) if m.starts_with("`D`"))
+        matches!(LayerImpl::new(LayerKind::Dsa, &c, 0), Err(RuntimeError::InvalidArgument(m)) if m.contains("[dsa]"))
     );
     assert!(
         matches!(LayerImpl::new(LayerKind::GatedDeltaNet, &config(""), 0), Err(RuntimeError::InvalidArgument(m)) if m.contains("[gdn]"))

@@ -23,7 +23,8 @@
 //! coarse enough that a layer is a dozen calls.
 //!
 //! The kernels come in families, a module each ([`dense`], [`layout`],
-//! [`norm`], [`conv`], [`scan`], [`delta`], [`attention`], [`lookup`],
+//! [`norm`], [`conv`], [`scan`], [`delta`], [`attention`],
+//! [`sparse_attention`], [`lookup`],
 //! [`moe`], [`optim`]): its dimension types, the trait of kernels a backend
 //! implements ([`NormKernels`], ...), and one check a kernel over
 //! device-neutral facts (each view's length and dtype, an
@@ -50,6 +51,7 @@ pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod scan;
+pub mod sparse_attention;
 
 pub use attention::{
     AttentionBackend, AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing,
@@ -66,6 +68,10 @@ pub use moe::{
 pub use norm::{NormDims, NormKernels, Unary};
 pub use optim::{AdamMoments, AdamStep, OptimKernels, SgdStep};
 pub use scan::{ScanDims, ScanGrads, ScanInputs, ScanKernels};
+pub use sparse_attention::{
+    IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionDims,
+    SparseAttentionKernels,
+};
 
 /// A read-only view of one of `B`'s buffers.
 pub type Slice<'a, B> = View<'a, <B as Backend>::Buf>;
@@ -187,6 +193,7 @@ pub trait Backend:
     + ScanKernels<<Self as Backend>::Buf>
     + DeltaKernels<<Self as Backend>::Buf>
     + AttentionKernels<<Self as Backend>::Buf>
+    + SparseAttentionKernels<<Self as Backend>::Buf>
     + LookupKernels<<Self as Backend>::Buf>
     + MoeKernels<<Self as Backend>::Buf>
     + OptimKernels<<Self as Backend>::Buf>
@@ -338,6 +345,9 @@ pub trait Backend:
 
     // ---- kernels: attention ----------------------------------------------------
     attention::attention_methods!();
+
+    // ---- kernels: DeepSeek sparse attention ----------------------------------
+    sparse_attention::sparse_attention_methods!();
 
     // ---- kernels: embedding and loss -------------------------------------------
     lookup::lookup_methods!();

@@ -64,6 +64,7 @@ mod norm;
 mod optim;
 mod reference;
 mod report;
+mod sparse_attention;
 
 pub use report::{Check, CheckKind, Report, Tolerance};
 
@@ -110,6 +111,9 @@ pub enum Family {
     Delta,
     /// attention, rotary, qkv_split/join, mla_kv_split/join.
     Attention,
+    /// DeepSeek sparse attention: the indexer, its top-k and loss, sparse
+    /// attention, the LayerNorm with bias.
+    SparseAttention,
     /// embedding and cross-entropy.
     Lookup,
     /// routing, expert counts, the dispatch sort, the expert-major regroup,
@@ -120,7 +124,7 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Memory,
         Family::Dense,
         Family::Norm,
@@ -128,6 +132,7 @@ impl Family {
         Family::Mamba,
         Family::Delta,
         Family::Attention,
+        Family::SparseAttention,
         Family::Lookup,
         Family::Moe,
         Family::Optimizer,
@@ -172,6 +177,7 @@ impl<'d, B: Backend> Suite<'d, B> {
             Family::Mamba => mamba::check(self),
             Family::Delta => delta::check(self),
             Family::Attention => attention::check(self),
+            Family::SparseAttention => sparse_attention::check(self),
             Family::Lookup => lookup::check(self),
             Family::Moe => moe::check(self),
             Family::Optimizer => optim::check(self),

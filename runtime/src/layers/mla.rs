@@ -58,6 +58,22 @@ impl Indices {
             kv_up,
         }
     }
+
+    /// `D`'s order (params.md): the input norm, the five indexer
+    /// parameters, the MLA projections (q LoRA required), then the two
+    /// latent norms standalone.
+    fn dsa(qk_norm: bool) -> Self {
+        Indices {
+            in_norm: 0,
+            proj: 6,
+            q_down: Some(7),
+            q_norm: qk_norm.then_some(11),
+            q_up: 8,
+            kv_down: 9,
+            kv_norm: qk_norm.then_some(12),
+            kv_up: 10,
+        }
+    }
 }
 
 /// `+`: `x += Attn(q, [k_nope | rope(k_rope)], v) W_proj^T`.
@@ -163,17 +179,42 @@ impl<B: Backend> Latent<B> {
     }
 }
 
-/// What [`MlaLayer::forward`] keeps.
-pub struct MlaSaved<B: Backend> {
+/// The queries, keys and values an MLA projection made, and what its
+/// backward needs (shared by `+` and `D`).
+pub(crate) struct Projected<B: Backend> {
     tokens: Tokens,
     x_in: B::Buf,
     rstd_in: B::Buf,
     u: B::Buf,
     cq: Option<Latent<B>>,
     ckv: Latent<B>,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
+    /// `[rows, a, dn + dr]`, after rotary.
+    pub(crate) q: B::Buf,
+    /// `[rows, a, dn + dr]`: `[k_nope | rope(k_rope)]` per head.
+    pub(crate) k: B::Buf,
+    /// `[rows, a, dv]`.
+    pub(crate) v: B::Buf,
+}
+
+impl<B: Backend> Projected<B> {
+    pub(crate) fn tokens(&self) -> Tokens {
+        self.tokens
+    }
+
+    /// The normalised input `u = RMSNorm(x)`.
+    pub(crate) fn normed_input(&self) -> &B::Buf {
+        &self.u
+    }
+
+    /// The compressed query after its norm (`cq`), with q LoRA.
+    pub(crate) fn query_latent(&self) -> Option<&B::Buf> {
+        self.cq.as_ref().map(|l| &l.out)
+    }
+}
+
+/// What [`MlaLayer::forward`] keeps.
+pub struct MlaSaved<B: Backend> {
+    p: Projected<B>,
     o: B::Buf,
     lse: B::Buf,
 }
@@ -191,6 +232,18 @@ pub struct MlaWgrad<B: Backend> {
     d_ckv: LatentGrad<B>,
     d_k_rope: B::Buf,
     d_kv: B::Buf,
+}
+
+impl<B: Backend> MlaWgrad<B> {
+    /// The normalised input `u`.
+    pub(crate) fn normed_input(&self) -> &B::Buf {
+        &self.u
+    }
+
+    /// The compressed query after its norm, with q LoRA.
+    pub(crate) fn query_latent(&self) -> Option<&B::Buf> {
+        self.cq.as_ref().map(|(l, _)| &l.out)
+    }
 }
 
 impl MlaLayer {
@@ -219,12 +272,51 @@ impl MlaLayer {
         })
     }
 
+    /// The MLA inside a `D` layer: `[mla]`'s dimensions, `D`'s parameter
+    /// list and order.
+    pub(crate) fn for_dsa(config: &ModelConfig) -> Result<Self> {
+        let m = section(&config.mla, LayerKind::Dsa, "mla")?;
+        if m.q_lora_rank.is_none() {
+            return Err(RuntimeError::InvalidArgument(
+                "a `D` layer needs `mla.q_lora_rank`: its indexer reads the compressed query; \
+                 set `q_lora_rank` in [mla]"
+                    .into(),
+            ));
+        }
+        Ok(MlaLayer {
+            at: Indices::dsa(m.qk_norm),
+            params: layer_params(LayerKind::Dsa, config, 0),
+            ..MlaLayer::new(config)?
+        })
+    }
+
+    pub(crate) fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    pub(crate) fn q_rank(&self) -> Option<usize> {
+        self.q_rank
+    }
+
+    pub(crate) fn rope_dim(&self) -> usize {
+        self.rope_dim
+    }
+
+    pub(crate) fn rope_base(&self) -> f32 {
+        self.rope_base
+    }
+
+    /// Where `linear_proj` sits in the weight list.
+    pub(crate) fn proj_index(&self) -> usize {
+        self.at.proj
+    }
+
     pub fn params(&self) -> &[ParamDef] {
         &self.params
     }
 
     /// Per-head query/key width `dn + dr`.
-    fn qk_dim(&self) -> usize {
+    pub(crate) fn qk_dim(&self) -> usize {
         self.nope_dim + self.rope_dim
     }
 
@@ -247,7 +339,7 @@ impl MlaLayer {
         }
     }
 
-    fn attention_dims(&self, tokens: Tokens) -> AttentionDims {
+    pub(crate) fn attention_dims(&self, tokens: Tokens) -> AttentionDims {
         AttentionDims {
             tokens,
             heads: self.heads,
@@ -277,9 +369,35 @@ impl MlaLayer {
         mut x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<MlaSaved<B>> {
-        let name = "`+` layer";
+        let p = self.project(b, weights, b.as_slice(&x), tokens, "`+` layer")?;
+        let (o, lse) = core_attention::forward(
+            b,
+            AttentionInputs {
+                q: &p.q,
+                k: &p.k,
+                v: &p.v,
+            },
+            weight::<B>(weights, self.at.proj)?,
+            b.reborrow_mut(&mut x),
+            self.attention_dims(tokens),
+            self.hidden,
+        )?;
+        Ok(MlaSaved { p, o, lse })
+    }
+
+    /// The input norm, the query and key/value projections with their
+    /// latent norms, rotary and the per-head split: q, k, v for the
+    /// attention, and what the backward of all that needs.
+    pub(crate) fn project<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        x: Slice<'_, B>,
+        tokens: Tokens,
+        name: &str,
+    ) -> Result<Projected<B>> {
         check_weights(b, name, &self.params, weights)?;
-        let rows = check_rows(name, "x", b.slice_len(b.as_slice(&x)), tokens, self.hidden)?;
+        let rows = check_rows(name, "x", b.slice_len(x), tokens, self.hidden)?;
         let (h, a, kr, dr, dv) = (
             self.hidden,
             self.heads,
@@ -290,12 +408,8 @@ impl MlaLayer {
         let dqk = self.qk_dim();
         let w = |i| weight::<B>(weights, i);
         let opt = |i: Option<usize>| i.map(w).transpose();
-        let (u, rstd_in, x_in) = RmsNorm::plain(h).forward_keeping_input(
-            b,
-            w(self.at.in_norm)?,
-            b.as_slice(&x),
-            rows,
-        )?;
+        let (u, rstd_in, x_in) =
+            RmsNorm::plain(h).forward_keeping_input(b, w(self.at.in_norm)?, x, rows)?;
         // Queries.
         let q = uninit(b, rows * a * dqk)?;
         let cq = match (self.q_rank, self.at.q_down) {
@@ -362,19 +476,7 @@ impl MlaLayer {
             self.kv_dims(rows),
         )?;
         drop((kv, k_rope));
-        let (o, lse) = core_attention::forward(
-            b,
-            AttentionInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-            },
-            w(self.at.proj)?,
-            b.reborrow_mut(&mut x),
-            self.attention_dims(tokens),
-            h,
-        )?;
-        Ok(MlaSaved {
+        Ok(Projected {
             tokens,
             x_in,
             rstd_in,
@@ -384,8 +486,6 @@ impl MlaLayer {
             q,
             k,
             v,
-            o,
-            lse,
         })
     }
 
@@ -394,13 +494,45 @@ impl MlaLayer {
         b: &B,
         weights: &[Slice<'_, B>],
         s: MlaSaved<B>,
-        mut dx: SliceMut<'_, B>,
+        dx: SliceMut<'_, B>,
     ) -> Result<MlaWgrad<B>> {
         let name = "`+` layer backward";
         check_weights(b, name, &self.params, weights)?;
+        let rows = s.p.tokens.rows()?;
+        check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
+        let saved = core_attention::Saved {
+            q: &s.p.q,
+            k: &s.p.k,
+            v: &s.p.v,
+            o: &s.o,
+            lse: &s.lse,
+        };
+        let (dq, dk, d_v) = core_attention::backward_input(
+            b,
+            saved,
+            weight::<B>(weights, self.at.proj)?,
+            b.as_slice(&dx),
+            self.attention_dims(s.p.tokens),
+            self.hidden,
+        )?;
+        self.backward_projection(b, weights, s.p, s.o, [dq, dk, d_v], dx)
+    }
+
+    /// Back through [`MlaLayer::project`] from the gradients of q, k and v
+    /// (`dx` still holds the layer output's gradient, which becomes the
+    /// input's); `o` is the attention output, for the projection's weight
+    /// gradient.
+    pub(crate) fn backward_projection<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        s: Projected<B>,
+        o: B::Buf,
+        [dq, dk, d_v]: [B::Buf; 3],
+        dx: SliceMut<'_, B>,
+    ) -> Result<MlaWgrad<B>> {
         let tokens = s.tokens;
         let rows = tokens.rows()?;
-        check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
         let (h, a, kr, dr, dv) = (
             self.hidden,
             self.heads,
@@ -411,21 +543,6 @@ impl MlaLayer {
         let dqk = self.qk_dim();
         let w = |i| weight::<B>(weights, i);
         let opt = |i: Option<usize>| i.map(w).transpose();
-        let saved = core_attention::Saved {
-            q: &s.q,
-            k: &s.k,
-            v: &s.v,
-            o: &s.o,
-            lse: &s.lse,
-        };
-        let (dq, dk, d_v) = core_attention::backward_input(
-            b,
-            saved,
-            w(self.at.proj)?,
-            b.as_slice(&dx),
-            self.attention_dims(tokens),
-            h,
-        )?;
         // Back through the split: k_rope is shared, so its gradient sums the heads in order.
         let kv_width = a * (self.nope_dim + dv);
         let d_kv = uninit(b, rows * kv_width)?;
@@ -507,7 +624,7 @@ impl MlaLayer {
             &s.x_in,
             &s.rstd_in,
             b.view(&d_u)?,
-            b.reborrow_mut(&mut dx),
+            dx,
             rows,
         )?;
         Ok(MlaWgrad {
@@ -515,7 +632,7 @@ impl MlaLayer {
             norm,
             u: s.u,
             d_out,
-            o: s.o,
+            o,
             dq,
             cq,
             ckv: s.ckv,

@@ -21,6 +21,7 @@
 pub mod attention;
 mod conv_silu;
 mod core_attention;
+pub mod dsa;
 pub mod embedding;
 pub mod gdn;
 pub mod head;
@@ -34,6 +35,7 @@ pub mod norm;
 
 pub use crate::backend::Tokens;
 pub use attention::{AttentionLayer, AttentionSaved, AttentionWgrad};
+pub use dsa::{DsaLayer, DsaSaved, DsaWgrad};
 pub use embedding::Embedding;
 pub use gdn::{GdnLayer, GdnSaved, GdnWgrad};
 pub use head::{HEAD_CHUNK_ELEMENTS, Head, HeadSaved, counted_targets};
@@ -73,6 +75,7 @@ pub enum LayerImpl {
     Gdn(GdnLayer),
     Attention(AttentionLayer),
     Mla(MlaLayer),
+    Dsa(DsaLayer),
     Mlp(MlpLayer),
     Moe(MoeLayer),
 }
@@ -83,6 +86,7 @@ pub enum LayerSaved<B: Backend> {
     Gdn(GdnSaved<B>),
     Attention(AttentionSaved<B>),
     Mla(MlaSaved<B>),
+    Dsa(DsaSaved<B>),
     Mlp(MlpSaved<B>),
     Moe(MoeSaved<B>),
 }
@@ -93,6 +97,7 @@ pub enum LayerWgrad<B: Backend> {
     Gdn(GdnWgrad<B>),
     Attention(AttentionWgrad<B>),
     Mla(MlaWgrad<B>),
+    Dsa(DsaWgrad<B>),
     Mlp(MlpWgrad<B>),
     Moe(MoeWgrad<B>),
 }
@@ -107,13 +112,32 @@ impl<B: Backend> LayerSaved<B> {
             _ => Ok(0.0),
         }
     }
+
+    /// The DSA indexer loss of this forward (already multiplied by its
+    /// coefficient), read back from the device (for tests); 0 for other
+    /// kinds.
+    pub fn indexer_loss(&self, b: &B) -> Result<f64> {
+        match self {
+            LayerSaved::Dsa(saved) => saved.indexer_loss(b),
+            _ => Ok(0.0),
+        }
+    }
+
+    /// Adds a `D` layer's indexer loss into the step's f64 slot, on the
+    /// lane; nothing for other kinds.
+    pub fn add_indexer_loss(&self, b: &B, slot: SliceMut<'_, B>) -> Result<()> {
+        match self {
+            LayerSaved::Dsa(saved) => saved.add_indexer_loss(b, slot),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl LayerImpl {
     /// The layer for `kind` under `config`. `local_experts` is the number of
-    /// experts this rank holds (`E / ep`) for `E`, ignored otherwise. `D` is
-    /// refused with `Unsupported`; a missing config section or inconsistent
-    /// dimensions with `InvalidArgument`.
+    /// experts this rank holds (`E / ep`) for `E`, ignored otherwise. A
+    /// missing config section or inconsistent dimensions are refused with
+    /// `InvalidArgument`.
     pub fn new(kind: LayerKind, config: &ModelConfig, local_experts: usize) -> Result<Self> {
         Ok(match kind {
             LayerKind::Mamba => LayerImpl::Mamba(MambaLayer::new(config)?),
@@ -122,13 +146,7 @@ impl LayerImpl {
             LayerKind::Mlp => LayerImpl::Mlp(MlpLayer::new(config)?),
             LayerKind::Moe => LayerImpl::Moe(MoeLayer::new(config, local_experts)?),
             LayerKind::GatedDeltaNet => LayerImpl::Gdn(GdnLayer::new(config)?),
-            LayerKind::Dsa => {
-                return Err(RuntimeError::Unsupported(
-                    "`D` (DeepSeek sparse attention) is not supported by this runtime yet; \
-                     plans cover it, training does not"
-                        .into(),
-                ));
-            }
+            LayerKind::Dsa => LayerImpl::Dsa(DsaLayer::new(config)?),
         })
     }
 
@@ -138,6 +156,7 @@ impl LayerImpl {
             LayerImpl::Gdn(_) => LayerKind::GatedDeltaNet,
             LayerImpl::Attention(_) => LayerKind::Attention,
             LayerImpl::Mla(_) => LayerKind::Mla,
+            LayerImpl::Dsa(_) => LayerKind::Dsa,
             LayerImpl::Mlp(_) => LayerKind::Mlp,
             LayerImpl::Moe(_) => LayerKind::Moe,
         }
@@ -150,6 +169,7 @@ impl LayerImpl {
             LayerImpl::Gdn(l) => l.params(),
             LayerImpl::Attention(l) => l.params(),
             LayerImpl::Mla(l) => l.params(),
+            LayerImpl::Dsa(l) => l.params(),
             LayerImpl::Mlp(l) => l.params(),
             LayerImpl::Moe(l) => l.params(),
         }
@@ -183,6 +203,7 @@ impl LayerImpl {
             LayerImpl::Gdn(l) => LayerSaved::Gdn(l.forward(b, weights, x, tokens)?),
             LayerImpl::Attention(l) => LayerSaved::Attention(l.forward(b, weights, x, tokens)?),
             LayerImpl::Mla(l) => LayerSaved::Mla(l.forward(b, weights, x, tokens)?),
+            LayerImpl::Dsa(l) => LayerSaved::Dsa(l.forward(b, weights, x, tokens)?),
             LayerImpl::Mlp(l) => LayerSaved::Mlp(l.forward(b, weights, x, tokens)?),
             LayerImpl::Moe(l) => {
                 LayerSaved::Moe(l.forward_with(b, weights, x, tokens, &LocalExchange)?)
@@ -191,8 +212,9 @@ impl LayerImpl {
     }
 
     /// `dx += J^T dx`. `aux_loss_scale` multiplies the gradient of an `E`
-    /// layer's load-balancing loss (pass the scale used for the cross-entropy
-    /// gradients); other kinds ignore it.
+    /// layer's load-balancing loss and of a `D` layer's indexer loss (pass
+    /// the scale used for the cross-entropy gradients); other kinds ignore
+    /// it.
     pub fn backward_input<B: Backend>(
         &self,
         b: &B,
@@ -213,6 +235,9 @@ impl LayerImpl {
             }
             (LayerImpl::Mla(l), LayerSaved::Mla(s)) => {
                 LayerWgrad::Mla(l.backward_input(b, weights, s, dx)?)
+            }
+            (LayerImpl::Dsa(l), LayerSaved::Dsa(s)) => {
+                LayerWgrad::Dsa(l.backward_input(b, weights, s, dx, aux_loss_scale)?)
             }
             (LayerImpl::Mlp(l), LayerSaved::Mlp(s)) => {
                 LayerWgrad::Mlp(l.backward_input(b, weights, s, dx)?)
@@ -241,6 +266,7 @@ impl LayerImpl {
             (LayerImpl::Gdn(l), LayerWgrad::Gdn(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Attention(l), LayerWgrad::Attention(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Mla(l), LayerWgrad::Mla(w)) => l.backward_weight(b, w, grads),
+            (LayerImpl::Dsa(l), LayerWgrad::Dsa(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Mlp(l), LayerWgrad::Mlp(w)) => l.backward_weight(b, w, grads),
             (LayerImpl::Moe(l), LayerWgrad::Moe(w)) => l.backward_weight_with(b, w, grads),
             (layer, _) => Err(mismatch(layer.kind(), "weight-gradient state")),

@@ -18,6 +18,7 @@ pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod scan;
+pub mod sparse_attention;
 
 use crate::error::Result;
 use crate::view::ensure;

@@ -21,6 +21,7 @@ pub mod norm;
 pub mod optim;
 pub mod scan;
 pub mod scan_chunked;
+pub mod sparse_attention;
 
 use crate::cuda::kernel_cache;
 use crate::cuda::kernels::{self, CompiledSource, Target};
