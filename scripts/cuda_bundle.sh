@@ -14,6 +14,9 @@
 #   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
 #   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
 #   gpu-bundle/bench/expert_gemm           # the experts' GEMMs, cuBLAS vs grouped
+#   gpu-bundle/bench/delta_rule            # G's gated delta rule kernels, timed
+#   python3 gpu-bundle/bench_delta_fla.py  # the same against flash-linear-attention
+#                                          # (its wheels in gpu-bundle/wheels)
 #
 # Tests that need more GPUs than the machine has say so and pass; so do the
 # benchmarks' two-GPU rows.
@@ -52,14 +55,18 @@ cargo test --release --no-run -p hybridgen-runtime "${tests[@]}" --message-forma
 # The GPU micro-benchmarks, under bench/ so that run.sh's test loop does
 # not take them for tests (they say why and exit without a GPU).
 mkdir -p "$bundle/bench"
-cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --message-format=json \
+cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --bench delta_rule --message-format=json \
   | collect bench "$bundle/bench"
 cargo build --release --bin hybridgen
 cp "${CARGO_TARGET_DIR:-target}/release/hybridgen" "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
 cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh scripts/checkpoint_gpu.sh \
-  scripts/run_log.py scripts/timeline_gaps.py "$bundle/"
+  scripts/run_log.py scripts/timeline_gaps.py scripts/bench_delta_fla.py "$bundle/"
+# flash-linear-attention's wheels for bench_delta_fla.py (the GPU machine
+# has no internet); skipped, saying so, where they cannot be fetched.
+scripts/fla_wheels.sh >/dev/null \
+  || echo "cuda_bundle: flash-linear-attention's wheels could not be fetched: bench_delta_fla.py needs fla installed there" >&2
 
 # The CUPTI timeline library (`run.sh LOGDIR timeline`), compiled here
 # against the headers of NVIDIA's CUPTI and CRT wheels (fetched once into

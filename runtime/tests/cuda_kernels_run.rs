@@ -1450,6 +1450,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
     cases.extend(flash_attention_cases(seed));
     cases.extend(lookup_cases(seed));
     cases.extend(mamba_cases(seed ^ 0x006d_616d_6261));
+    cases.extend(delta_cases(seed ^ 0x0064_656c_7461));
     cases
 }
 
@@ -1718,6 +1719,163 @@ fn mamba_cases(seed: u64) -> Vec<Case<'static>> {
                             dt: x[8],
                             a_log: x[9],
                             d: x[10],
+                        },
+                        x[11],
+                        d,
+                    )
+                }),
+                reference: None,
+            });
+        }
+    }
+    cases
+}
+
+// ---- the gated delta rule ------------------------------------------------------
+
+use hybridgen_runtime::backend::{DeltaDims, DeltaGrads, DeltaInputs};
+use hybridgen_runtime::cuda::ops::delta::{DELTA_CHUNK, delta_scratch_len};
+
+fn delta_inputs_cpu(x: &[CpuBuf]) -> DeltaInputs<View<'_, CpuBuf>> {
+    DeltaInputs {
+        qkv: v(&x[0]),
+        beta: v(&x[1]),
+        alpha: v(&x[2]),
+        dt_bias: v(&x[3]),
+        a_log: v(&x[4]),
+    }
+}
+
+fn delta_inputs_gpu(x: &[GpuView]) -> DeltaInputs<GpuView> {
+    DeltaInputs {
+        qkv: x[0],
+        beta: x[1],
+        alpha: x[2],
+        dt_bias: x[3],
+        a_log: x[4],
+    }
+}
+
+/// The chunk-start states the CPU forward saves for `inputs` (qkv, beta,
+/// alpha, dt_bias, a_log): what the backward is given.
+fn cpu_delta_states(inputs: &[Host], dims: DeltaDims) -> Host {
+    let cpu = CpuBackend::default();
+    let bufs: Vec<CpuBuf> = inputs.iter().map(|h| cpu_upload(&cpu, h)).collect();
+    let rows = dims.tokens.batch * dims.tokens.seq;
+    let out = cpu_upload(&cpu, &nan(rows * dims.out_width(), DType::F32));
+    let like = nan(dims.states_len(), DType::F32);
+    let states = cpu_upload(&cpu, &like);
+    cpu.gated_delta_forward(delta_inputs_cpu(&bufs), m(&out), m(&states), dims)
+        .expect("the gated delta rule forward on the CPU");
+    cpu_download(&cpu, &states, &like)
+}
+
+/// The gated delta rule, chunked on the GPU against the CPU's step-by-step
+/// recurrence: key heads shared by one and by two value heads, head dims
+/// of 32, 64 and 128 (and odd ones), sequences that end inside a chunk,
+/// two sequences. Outputs start as NaN (a value left unwritten shows);
+/// `d_a_log` accumulates onto random values. The forward's outputs are
+/// `out` and the saved states; the backward's, from the CPU's states, the
+/// gradients of qkv, beta, alpha and A_log (the case's "output i of 4"
+/// names which one is furthest off).
+fn delta_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed);
+    let mut cases: Vec<Case<'static>> = Vec::new();
+    for (mode, a) in MODES {
+        // batch, seq, key heads, value heads, dk, dv'
+        for (batch, seq, hk, hv, dk, dv) in [
+            (2usize, 100usize, 2usize, 2usize, 32usize, 32usize),
+            (2, 150, 2, 4, 64, 32),
+            (2, 70, 1, 2, 128, 128),
+            (2, 130, 2, 4, 32, 128),
+            (2, 67, 2, 2, 128, 64),
+            (2, 200, 1, 1, 64, 64),
+            (1, 5, 1, 1, 16, 8),
+            (2, 90, 1, 2, 48, 40),
+        ] {
+            let d = DeltaDims {
+                tokens: Tokens::new(batch, seq),
+                key_heads: hk,
+                value_heads: hv,
+                key_dim: dk,
+                value_dim: dv,
+                chunk: DELTA_CHUNK,
+            };
+            let rows = batch * seq;
+            let shape = format!("{batch}x{seq} Hk{hk} Hv{hv} dk{dk} dv{dv}");
+            // beta = sigmoid(-3..3); softplus(alpha + dt_bias) ~0.1..1.5
+            // and exp(A_log) ~0.4..1.6: decays ~0.1..0.96 a step.
+            let inputs = vec![
+                Host::floats(rng.vec(rows * d.qkv_width(), 1.5), a),
+                Host::floats(rng.vec(rows * hv, 3.0), a),
+                uniform(&mut rng, rows * hv, -2.0, 1.0, a),
+                uniform(&mut rng, hv, -0.5, 0.5, a),
+                uniform(&mut rng, hv, -1.0, 0.5, a),
+            ];
+            let out_len = rows * d.out_width();
+            let mut buffers = inputs.clone();
+            let forward_scratch = delta_scratch_len(d, false).expect("scratch size");
+            buffers.extend([
+                nan(out_len, a),
+                nan(d.states_len(), DType::F32),
+                nan(forward_scratch, DType::F32),
+            ]);
+            cases.push(Case {
+                kernel: "gated_delta_forward".into(),
+                mode,
+                shape: shape.clone(),
+                buffers,
+                outputs: vec![5, 6],
+                cpu: Box::new(move |b, x| {
+                    b.gated_delta_forward(delta_inputs_cpu(x), m(&x[5]), m(&x[6]), d)
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.gated_delta_forward(st, delta_inputs_gpu(x), x[5], x[6], x[7], d)
+                }),
+                reference: None,
+            });
+            let backward_scratch = delta_scratch_len(d, true).expect("scratch size");
+            let mut buffers = inputs.clone();
+            buffers.extend([
+                cpu_delta_states(&inputs, d),
+                rng.floats(out_len, a),
+                nan(rows * d.qkv_width(), a),
+                nan(rows * hv, a),
+                nan(rows * hv, a),
+                rng.floats(hv, DType::F32),
+                nan(backward_scratch, DType::F32),
+            ]);
+            cases.push(Case {
+                kernel: "gated_delta_backward".into(),
+                mode,
+                shape,
+                buffers,
+                outputs: vec![7, 8, 9, 10],
+                cpu: Box::new(move |b, x| {
+                    b.gated_delta_backward(
+                        delta_inputs_cpu(x),
+                        v(&x[5]),
+                        v(&x[6]),
+                        DeltaGrads {
+                            qkv: m(&x[7]),
+                            beta: m(&x[8]),
+                            alpha: m(&x[9]),
+                            a_log: m(&x[10]),
+                        },
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.gated_delta_backward(
+                        st,
+                        delta_inputs_gpu(x),
+                        x[5],
+                        x[6],
+                        DeltaGrads {
+                            qkv: x[7],
+                            beta: x[8],
+                            alpha: x[9],
+                            a_log: x[10],
                         },
                         x[11],
                         d,
@@ -2283,6 +2441,8 @@ enum Family {
     Norm,
     Conv,
     Scan,
+    /// The gated delta rule of `G` layers.
+    Delta,
     /// Attention (unfused and flash) and rotary embeddings.
     Attention,
     /// Routing, dispatch and combine.
@@ -2300,6 +2460,8 @@ impl Family {
             Family::Norm
         } else if starts(&["ssd_scan"]) {
             Family::Scan
+        } else if starts(&["gated_delta"]) {
+            Family::Delta
         } else if starts(&["conv1d"]) {
             Family::Conv
         } else if starts(&["attention", "rotary"]) {
@@ -2426,6 +2588,12 @@ fn scan_kernels_match_the_cpu_and_repeat() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn delta_kernels_match_the_cpu_and_repeat() {
+    family_matches_the_cpu(Family::Delta);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn attention_kernels_match_the_cpu_and_repeat() {
     family_matches_the_cpu(Family::Attention);
 }
@@ -2456,5 +2624,5 @@ fn every_case_has_a_family() {
         .iter()
         .map(|c| format!("{:?}", Family::of(&c.kernel)))
         .collect();
-    assert_eq!(families.len(), 9, "{families:?}");
+    assert_eq!(families.len(), 10, "{families:?}");
 }

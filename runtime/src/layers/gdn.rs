@@ -27,7 +27,11 @@ const OUT_NORM: usize = 5;
 const OUT_PROJ: usize = 6;
 
 /// Steps between the states the forward keeps for the backward (the chunk
-/// of Megatron's chunked kernel); any value gives the same bits.
+/// of Megatron's chunked kernel). On the CPU any value gives the same
+/// bits; the GPU's kernels evaluate the recurrence in chunks of exactly
+/// this many steps (their `DELTA_CHUNK`: 64 keeps a chunk's triangular
+/// solve and scores in a block's shared memory) and save the state at
+/// each chunk's start, so they take no other value.
 pub const STATE_CHUNK: usize = 64;
 
 /// `G`: `x += W_out (RMSNorm_head(Delta(SiLU(Conv(qkv)), beta, alpha)) *
