@@ -299,6 +299,8 @@ pub enum NonFinite {
     MtpLoss(f64),
     /// The MoE load-balancing loss.
     AuxLoss(f64),
+    /// The `D` layers' indexer loss.
+    IndexerLoss(f64),
     /// The global gradient norm (the losses were finite).
     GradNorm(f64),
 }
@@ -310,6 +312,7 @@ impl NonFinite {
             NonFinite::Loss(v)
             | NonFinite::MtpLoss(v)
             | NonFinite::AuxLoss(v)
+            | NonFinite::IndexerLoss(v)
             | NonFinite::GradNorm(v) => v,
         }
     }
@@ -324,6 +327,9 @@ impl std::fmt::Display for NonFinite {
                 f,
                 "the MoE load-balancing loss is {v} (the main loss is finite)"
             ),
+            NonFinite::IndexerLoss(v) => {
+                write!(f, "the DSA indexer loss is {v} (the main loss is finite)")
+            }
             NonFinite::GradNorm(v) => write!(f, "the gradient norm is {v}"),
         }
     }

@@ -13,10 +13,13 @@
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::ResumeFrom;
+use hybridgen_runtime::cuda::{GpuDevice, GpuInfo};
 use hybridgen_runtime::fsdp::{ShardLayout, Sharding};
+use hybridgen_runtime::platform::ChosenDevice;
 use hybridgen_runtime::recompute::Recompute;
+use hybridgen_runtime::rendezvous::Launch;
 use hybridgen_runtime::schedule::ScheduleKind;
-use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
+use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, prepare, prepare_on, train};
 use serde_json::Value;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -802,17 +805,44 @@ fn a_checkpoint_loads_onto_another_layout() {
     assert_ne!(zero3.1, saved.1);
 }
 
+/// A GPU that `probe` could have found, for `prepare_on` (which touches no
+/// device itself).
+fn a_gpu() -> ChosenDevice {
+    ChosenDevice::Cuda {
+        info: GpuInfo {
+            driver_version: 13000,
+            nvrtc_version: (13, 0),
+            nccl: true,
+            devices: (0..2)
+                .map(|ordinal| GpuDevice {
+                    ordinal,
+                    name: "NVIDIA H100".into(),
+                    compute_capability: (9, 0),
+                    total_memory: 80 << 30,
+                    free_memory: 79 << 30,
+                })
+                .collect(),
+        },
+        launch: Launch::SingleProcess,
+    }
+}
+
+/// `D` trains on the CPU (`tests/dsa.rs`); a GPU, which has no kernels for
+/// it, refuses it before any work, naming the kind and the way out, in the
+/// decoder and in an MTP depth alike.
 #[test]
-fn kinds_the_runtime_lacks_are_refused_before_work_starts() {
-    for (pattern, symbol) in [("M[DE]", "`D`"), ("[+E]/DE", "`D`")] {
+fn kinds_the_device_lacks_are_refused_before_work_starts() {
+    for pattern in ["M[DE]", "[+E]/DE"] {
         let mut c = config(pattern);
         c.ep = 1;
-        let err = train(&c, &mut |_| panic!("no step may run")).unwrap_err();
-        match err {
-            RuntimeError::Unsupported(m) => {
-                assert!(m.contains(symbol) && m.contains("not supported"), "{m}")
-            }
-            other => panic!("{other}"),
+        prepare(&c).unwrap_or_else(|e| panic!("{pattern} on the CPU: {e}"));
+        match prepare_on(&c, a_gpu()) {
+            Err(RuntimeError::Unsupported(m)) => assert!(
+                m.contains("`D`") && m.contains("no GPU kernels") && m.contains("--device cpu"),
+                "{m}"
+            ),
+            Err(other) => panic!("{pattern}: {other}"),
+            Ok(_) => panic!("{pattern}: a GPU took `D`"),
         }
     }
 }

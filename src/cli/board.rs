@@ -8,6 +8,7 @@
 //! | `learning-rate` | the step's rate (the optimizer's f32) |
 //! | `grad-norm` | the global gradient norm before clipping |
 //! | `load_balancing_loss` | the MoE auxiliary loss (models with `E`) |
+//! | `indexer loss` | the DSA indexer loss (models with `D` and a nonzero `dsa.indexer_loss_coeff`) |
 //! | `mtp_1 loss` | the MTP loss (one depth; `mtp loss`, the mean over depths, with several) |
 //! | `lm loss validation` | the evaluation loss, on steps that evaluate |
 //! | `iteration-time` | the step's seconds |
@@ -113,6 +114,9 @@ impl Board {
         }
         if self.moe {
             scalars.push(("load_balancing_loss", report.aux_loss as f32));
+        }
+        if let Some(indexer) = report.indexer_loss {
+            scalars.push(("indexer loss", indexer as f32));
         }
         if let Some(mtp) = report.mtp_loss {
             let tag = if self.mtp_depths == 1 {

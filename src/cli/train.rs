@@ -574,6 +574,9 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
                 if report.aux_loss != 0.0 {
                     line += &format!("  aux {:.4}", report.aux_loss);
                 }
+                if let Some(indexer) = report.indexer_loss {
+                    line += &format!("  indexer {indexer:.4}");
+                }
                 if let Some(eval) = report.eval_loss {
                     line += &format!("  eval loss {eval:.4}");
                 }
@@ -931,7 +934,8 @@ fn runtime_message(error: &RuntimeError) -> String {
 }
 
 /// A step's JSON line. Shortest round-trip formatting: equal strings mean
-/// equal bits. `eval_loss` only on steps that evaluated.
+/// equal bits. `eval_loss` only on steps that evaluated, `indexer_loss` only
+/// for a model that trains a DSA indexer.
 fn step_json(report: &StepReport, optimizer: &OptimizerConfig) -> String {
     let lr = optimizer.lr_at(report.step);
     // The f32 rate as people write it (0.0006, not 0.0006000000284984708).
@@ -945,6 +949,9 @@ fn step_json(report: &StepReport, optimizer: &OptimizerConfig) -> String {
         "lr": lr_json,
         "step_ms": report.elapsed.as_secs_f64() * 1e3,
     });
+    if let Some(indexer) = report.indexer_loss {
+        value["indexer_loss"] = json!(indexer);
+    }
     if let Some(eval) = report.eval_loss {
         value["eval_loss"] = json!(eval);
     }

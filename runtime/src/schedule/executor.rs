@@ -647,6 +647,11 @@ fn forward_op<D: Device>(
                 .then(|| copy_of(b, b.view(x)?))
                 .transpose()?;
             let saved = runtime.forward(b, &weights, b.view_mut(x)?, cx.tokens)?;
+            // A `D` layer's indexer loss joins the step's sum here, on the
+            // compute lane in forward issue order (see `StepTotals`), once
+            // a micro-batch: a recomputed forward in the backward adds
+            // nothing.
+            saved.add_indexer_loss(b, cx.totals.indexer()?)?;
             mb.layers[i] = match input {
                 Some(input) => LayerState::Input(input),
                 None => LayerState::Saved(saved),

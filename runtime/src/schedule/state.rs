@@ -99,10 +99,14 @@ pub struct StepLosses {
     pub mtp: Vec<(f64, usize)>,
     /// Sum of the MoE load-balancing losses over layers and micro-batches.
     pub aux: f64,
+    /// Sum of the `D` layers' indexer losses (each with its coefficient,
+    /// a mean over its micro-batch's rows) over layers and micro-batches.
+    pub indexer: f64,
 }
 
 /// What a step reads back at its end, in one device buffer of f64 slots: the
-/// loss sums (the main loss, the MoE aux loss, then each MTP depth's loss),
+/// loss sums (the main loss, the MoE aux loss, the `D` layers' indexer
+/// loss, then each MTP depth's loss),
 /// zeroed when a step starts, then this rank's gradient-norm partials, one
 /// per bucket (written by [`Optimizer::norm_partials`]). The host reads the
 /// buffer once per step ([`StepTotals::read`]); token counts are not here:
@@ -110,7 +114,8 @@ pub struct StepLosses {
 ///
 /// Each loss slot is a running f64 sum, so the order of the additions is part
 /// of the result. Every addition runs on the compute lane inside a forward
-/// slot (heads in the post-process slot, MoE aux losses in pre-dispatch),
+/// slot (heads in the post-process slot, MoE aux losses in pre-dispatch,
+/// indexer losses in their layer's forward),
 /// and both schedules issue every micro-batch's forward slots in micro-batch
 /// order, all of micro-batch k's before any of k + 1's; the lane runs its
 /// work in issue order. So the additions happen in one order, the same for
@@ -137,12 +142,14 @@ impl<B: Backend> StepTotals<B> {
     const MAIN: usize = 0;
     /// The MoE load-balancing loss's sum.
     const AUX: usize = 1;
+    /// The `D` layers' indexer loss's sum.
+    const INDEXER: usize = 2;
     /// MTP depth 0's loss sum; depth `d`'s is at `MTP + d`, and the
     /// gradient-norm partials follow the last depth's.
-    const MTP: usize = 2;
+    const MTP: usize = 3;
 
-    /// Slots for the main loss, the aux loss, `depths` MTP depths and
-    /// `buckets` gradient-norm partials.
+    /// Slots for the main loss, the aux loss, the indexer loss, `depths`
+    /// MTP depths and `buckets` gradient-norm partials.
     pub fn new(b: &B, depths: usize, buckets: usize) -> Result<Self> {
         Ok(StepTotals {
             buf: Arc::new(b.alloc(Self::MTP + depths + buckets, DType::F64)?),
@@ -177,6 +184,11 @@ impl<B: Backend> StepTotals<B> {
         self.slot(Self::AUX)
     }
 
+    /// The `D` layers' indexer loss's slot.
+    pub fn indexer(&self) -> Result<SliceMut<'_, B>> {
+        self.slot(Self::INDEXER)
+    }
+
     /// The buffer, for lane work that writes the partials from index
     /// [`StepTotals::partials_at`] on.
     pub fn buffer(&self) -> Arc<B::Buf> {
@@ -209,6 +221,7 @@ impl<B: Backend> StepTotals<B> {
                     .map(|d| (at(Self::mtp_at(d)), count(d + 1)))
                     .collect(),
                 aux: at(Self::AUX),
+                indexer: at(Self::INDEXER),
             },
             norm_partials,
         })
@@ -222,8 +235,8 @@ impl<B: Backend> StepTotals<B> {
 /// in f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepSums {
-    /// The main loss's sum and count, the aux loss's sum, each MTP depth's
-    /// sum and count, then the expert loads.
+    /// The main loss's sum and count, the aux loss's sum, the indexer
+    /// loss's sum, each MTP depth's sum and count, then the expert loads.
     values: Vec<f64>,
     depths: usize,
 }
@@ -232,12 +245,18 @@ impl StepSums {
     const MAIN_SUM: usize = 0;
     const MAIN_COUNT: usize = 1;
     const AUX_SUM: usize = 2;
+    const INDEXER_SUM: usize = 3;
     /// MTP depth 0's sum; its count follows, then the next depth's pair.
-    const MTP: usize = 3;
+    const MTP: usize = 4;
 
     /// This rank's sums: `losses`, then `loads`.
     pub fn mine(losses: &StepLosses, loads: impl IntoIterator<Item = f64>) -> Self {
-        let mut values = vec![losses.main.0, losses.main.1 as f64, losses.aux];
+        let mut values = vec![
+            losses.main.0,
+            losses.main.1 as f64,
+            losses.aux,
+            losses.indexer,
+        ];
         for (sum, count) in &losses.mtp {
             values.extend([*sum, *count as f64]);
         }
@@ -290,6 +309,11 @@ impl StepSums {
     /// The MoE load-balancing losses' sum.
     pub fn aux_sum(&self) -> f64 {
         self.values[Self::AUX_SUM]
+    }
+
+    /// The `D` layers' indexer losses' sum.
+    pub fn indexer_sum(&self) -> f64 {
+        self.values[Self::INDEXER_SUM]
     }
 
     /// The tokens each expert got, in [`crate::layers::ExpertBalance`]'s

@@ -22,7 +22,7 @@ use crate::schedule::{
     MicroBatchTokens, Program, StepContext, StepReadout, StepSums, build, build_forward_only,
     run_step,
 };
-use hybridgen_dsl::Plan;
+use hybridgen_dsl::{LayerKind, Plan};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -88,6 +88,24 @@ struct StepLossValues {
     mtp_loss: Option<f64>,
     /// MoE load-balancing loss, mean over micro-batches and ranks.
     aux_loss: f64,
+    /// The `D` layers' indexer loss, mean over micro-batches, ranks and
+    /// `D` layers, when the model trains an indexer.
+    indexer_loss: Option<f64>,
+}
+
+/// The `D` layers a step's indexer loss is averaged over (the decoder's
+/// and the MTP depths'), when there are any and their loss is on: a zero
+/// coefficient computes no loss, so none is reported.
+pub(crate) fn indexer_layers(plan: &Plan) -> Option<usize> {
+    let coeff = plan.model.dsa.as_ref()?.indexer_loss_coeff;
+    let layers = plan
+        .layers
+        .iter()
+        .map(|l| l.kind)
+        .chain(plan.mtp_layers.iter().flatten().map(|l| l.kind))
+        .filter(|&kind| kind == LayerKind::Dsa)
+        .count();
+    (coeff > 0.0 && layers > 0).then_some(layers)
 }
 
 /// One rank between steps: what its start-up built, and the steps done.
@@ -276,6 +294,7 @@ impl<'a, D: Device> RankRun<'a, D> {
             loss: losses.loss,
             mtp_loss: losses.mtp_loss,
             aux_loss: losses.aux_loss,
+            indexer_loss: losses.indexer_loss,
             grad_norm,
             elapsed,
             eval_loss,
@@ -333,10 +352,15 @@ impl<'a, D: Device> RankRun<'a, D> {
 
     /// The step's losses from every rank's sums.
     fn losses(&self, sums: &StepSums) -> StepLossValues {
+        let per_micro_batch = (self.config.micro_batches * self.config.dp()) as f64;
         StepLossValues {
             loss: sums.main_loss(),
             mtp_loss: sums.mean_mtp_loss(),
-            aux_loss: sums.aux_sum() / (self.config.micro_batches * self.config.dp()) as f64,
+            aux_loss: sums.aux_sum() / per_micro_batch,
+            // Megatron's "indexer loss": each layer's loss over the
+            // micro-batches, averaged over the `D` layers.
+            indexer_loss: indexer_layers(&self.plan)
+                .map(|layers| sums.indexer_sum() / (per_micro_batch * layers as f64)),
         }
     }
 
@@ -355,6 +379,7 @@ impl<'a, D: Device> RankRun<'a, D> {
             NonFinite::Loss(losses.loss),
             NonFinite::MtpLoss(losses.mtp_loss.unwrap_or(0.0)),
             NonFinite::AuxLoss(losses.aux_loss),
+            NonFinite::IndexerLoss(losses.indexer_loss.unwrap_or(0.0)),
         ]
         .into_iter()
         .find(|q| !q.value().is_finite());

@@ -16,6 +16,11 @@ pub struct StepReport {
     pub mtp_loss: Option<f64>,
     /// MoE load-balancing loss, mean over micro-batches and ranks.
     pub aux_loss: f64,
+    /// The `D` layers' indexer loss (Megatron's "indexer loss": its
+    /// coefficient applied, mean over micro-batches, ranks and `D` layers),
+    /// when the model has `D` layers and a nonzero
+    /// `dsa.indexer_loss_coeff`.
+    pub indexer_loss: Option<f64>,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     pub elapsed: Duration,
