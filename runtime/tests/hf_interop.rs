@@ -298,6 +298,14 @@ fn what_cannot_be_mapped_is_refused_by_name_before_anything_is_written() {
             &["`hybrid_override_pattern`", "`+`"],
         ),
         (
+            "kind-dsa",
+            keep(),
+            Box::new(|c| {
+                c.insert("hybrid_override_pattern".into(), Value::from("M*ED"));
+            }),
+            &["`hybrid_override_pattern`", "`D`"],
+        ),
+        (
             "layers",
             keep(),
             Box::new(|c| {
@@ -365,6 +373,11 @@ fn exports_transformers_cannot_compute_are_refused_with_nothing_written() {
         ),
         (tiny_hf("M+E"), "decoder layer 1 is `+`"),
         (tiny_hf("M/G"), "MTP layer 0 is `G`"),
+        (
+            tiny_hf("M[DE]"),
+            "decoder layer 1 is `D` (DeepSeek sparse attention)",
+        ),
+        (tiny_hf("M-/D"), "MTP layer 0 is `D`"),
         (
             {
                 let mut m = tiny_hf("M*E");

@@ -287,9 +287,19 @@ pub fn check_kind(kind: LayerKind, at: &str) -> Result<()> {
     if HF_KINDS.iter().any(|(k, _)| *k == kind) {
         return Ok(());
     }
+    // transformers computes DeepSeek sparse attention only in its own
+    // model type, which a hybrid with Mamba layers is not, and which this
+    // export does not write.
+    let elsewhere = match kind {
+        LayerKind::Dsa => {
+            " (transformers computes `D` only in its deepseek_v32 models, which this export \
+             does not write)"
+        }
+        _ => "",
+    };
     Err(RuntimeError::Unsupported(format!(
-        "{at} is {}: transformers' nemotron_h has no such layer (it has `M`, `*`, `-` and `E`); \
-         export a pattern without it",
+        "{at} is {}: transformers' nemotron_h has no such layer (it has `M`, `*`, `-` and \
+         `E`){elsewhere}; export a pattern without it",
         kind_name(kind)
     )))
 }
