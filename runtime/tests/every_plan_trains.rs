@@ -1,6 +1,7 @@
 //! The planner and the trainer agree, from the grammar up: every plan the
 //! planner accepts either trains, or is refused before any work with a
-//! coded reason that names what the runtime lacks; and where it trains, the
+//! coded reason (virtual stages that empty segments leave uneven over the
+//! ranks); and where it trains, the
 //! overlap schedule gives the plain schedule's bits and ZeRO-3 gives
 //! no-shard's, step by step and in the final parameter hash.
 //!
@@ -60,6 +61,10 @@ impl Units {
         }
     }
 }
+
+/// The `[dsa]` settings every case trains with (see [`Case::model`]).
+const DSA_TOPK: usize = 4;
+const DSA_COEFF: f32 = 0.01;
 
 /// One generated run: a pattern, its units and a layout to train it on.
 #[derive(Clone)]
@@ -123,9 +128,7 @@ impl Case {
     /// The training configuration of this case, on `schedule` and
     /// `sharding`.
     fn config(&self, schedule: ScheduleKind, sharding: Sharding) -> TrainConfig {
-        let mut model = ModelConfig::preset("tiny").unwrap();
-        model.pattern = self.pattern();
-        let mut config = TrainConfig::new(model);
+        let mut config = TrainConfig::new(self.model());
         config.steps = 2;
         config.micro_batches = self.micro_batches;
         config.micro_batch_size = 1;
@@ -141,9 +144,20 @@ impl Case {
         config
     }
 
-    fn plan(&self) -> Result<Plan, String> {
+    /// The tiny preset with this pattern, and its `D` layers' indexer
+    /// choosing 4 of the 16 keys and trained (the preset keeps every key
+    /// and leaves the indexer untrained).
+    fn model(&self) -> ModelConfig {
         let mut model = ModelConfig::preset("tiny").unwrap();
         model.pattern = self.pattern();
+        let dsa = model.dsa.as_mut().unwrap();
+        dsa.index_topk = DSA_TOPK;
+        dsa.indexer_loss_coeff = DSA_COEFF;
+        model
+    }
+
+    fn plan(&self) -> Result<Plan, String> {
+        let model = self.model();
         let options = PlanOptions {
             layout: ParallelLayout {
                 pp: self.pp,
@@ -177,11 +191,21 @@ impl fmt::Debug for Case {
             Recompute::Largest(n) => format!("largest:{n}"),
             Recompute::Auto => "auto".to_string(),
         };
+        // The command line has no flags for `[dsa]`: a case with `D`
+        // layers says what to put in a model file.
+        let dsa = if self.pattern().contains('D') {
+            format!(
+                " (with the tiny preset's [dsa] index_topk = {DSA_TOPK}, indexer_loss_coeff = \
+                 {DSA_COEFF}: --model)"
+            )
+        } else {
+            String::new()
+        };
         write!(
             f,
             "hybridgen train --device cpu --pattern '{}'{units} --ranks {} --ep {} --pp {} \
              --micro-batches {} --micro-batch-size 1 --seq-len 16 --steps 2 --schedule {} \
-             --zero {} --recompute {recompute} --precision {}",
+             --zero {} --recompute {recompute} --precision {}{dsa}",
             self.pattern(),
             self.ranks * self.pp,
             self.ep,
@@ -204,9 +228,8 @@ impl fmt::Debug for Case {
 }
 
 /// A layer symbol of the model's attention family (`*`, or `+` with `D`
-/// beside it now and then), the dense and MoE terminals, Mamba, and `G`
-/// now and then: `G` trains, `D` plans but does not train, so it tests
-/// refusals.
+/// beside it now and then: H009 keeps `*` and `D` apart), the dense and MoE
+/// terminals, Mamba, and `G` now and then.
 fn layer(attention: char) -> impl Strategy<Value = char> {
     let rare = if attention == '+' { 'D' } else { 'G' };
     prop_oneof![
@@ -256,6 +279,7 @@ fn units() -> impl Strategy<Value = Units> {
         UnitKind::Layer(LayerKind::Mamba),
         UnitKind::Layer(LayerKind::Attention),
         UnitKind::Layer(LayerKind::Mla),
+        UnitKind::Layer(LayerKind::Dsa),
         UnitKind::Layer(LayerKind::Mlp),
         UnitKind::Layer(LayerKind::Moe),
     ];
@@ -367,9 +391,9 @@ fn case() -> impl Strategy<Value = Case> {
         .prop_filter("no layers", |c| !c.items.is_empty() || c.mtp_depths > 0)
 }
 
-/// Per step, the bits of the main, MTP and aux losses and the gradient
-/// norm; then the final parameter hash.
-type Curve = (Vec<[u64; 4]>, u64);
+/// Per step, the bits of the main, MTP, aux and indexer losses and the
+/// gradient norm; then the final parameter hash.
+type Curve = (Vec<[u64; 5]>, u64);
 
 /// Trains `config`: `Ok(None)` when it was refused before any work (with
 /// the refusal checked), the curve when it trained.
@@ -377,25 +401,17 @@ fn trained(case: &Case, config: &TrainConfig) -> Result<Option<Curve>, TestCaseE
     let prepared = match prepare(config) {
         Ok(prepared) => prepared,
         Err(e) => {
-            // The refusals a valid plan may meet here: virtual stages that
-            // empty segments leave uneven over the ranks, named as such; a
-            // layer kind the runtime cannot train yet, named, as the
-            // configuration's fault.
-            let message = e.to_string();
-            if message.contains("different numbers of virtual stages") {
-                prop_assert_eq!(e.code(), "invalid_config", "{}", e);
-                return Ok(None);
-            }
-            let pattern = case.pattern();
-            let lacking = pattern.contains('D');
-            prop_assert!(lacking, "refused a plan it must train: {e}");
-            prop_assert_eq!(e.code(), "invalid_config", "{}", e);
+            // The one refusal a valid plan may meet here: virtual stages
+            // that empty segments leave uneven over the ranks, named as
+            // such, as the configuration's fault. Every layer kind trains
+            // on the CPU.
             let message = e.to_string();
             prop_assert!(
-                message.contains("`D`"),
-                "the refusal must name the kind it lacks: {}",
-                message
+                message.contains("different numbers of virtual stages"),
+                "refused a plan it must train: {}",
+                e
             );
+            prop_assert_eq!(e.code(), "invalid_config", "{}", e);
             return Ok(None);
         }
     };
@@ -405,6 +421,7 @@ fn trained(case: &Case, config: &TrainConfig) -> Result<Option<Curve>, TestCaseE
             r.loss.to_bits(),
             r.mtp_loss.unwrap_or(f64::NAN).to_bits(),
             r.aux_loss.to_bits(),
+            r.indexer_loss.unwrap_or(f64::NAN).to_bits(),
             r.grad_norm.to_bits(),
         ])
     })
@@ -413,6 +430,24 @@ fn trained(case: &Case, config: &TrainConfig) -> Result<Option<Curve>, TestCaseE
     prop_assert!(
         steps.iter().all(|s| f64::from_bits(s[0]).is_finite()),
         "a non-finite loss"
+    );
+    // An indexer loss exactly when the model has `D` layers (their
+    // coefficient is on), and then above 0.
+    let dsa = config.model.pattern.contains('D');
+    prop_assert!(
+        steps.iter().all(|s| {
+            let indexer = f64::from_bits(s[3]);
+            if dsa {
+                indexer.is_finite() && indexer > 0.0
+            } else {
+                indexer.is_nan()
+            }
+        }),
+        "indexer losses {:?}",
+        steps
+            .iter()
+            .map(|s| f64::from_bits(s[3]))
+            .collect::<Vec<_>>()
     );
     Ok(Some((steps, summary.param_hash)))
 }
@@ -474,8 +509,8 @@ fn agrees(case: &Case) -> Result<(), TestCaseError> {
 }
 
 /// A pipeline's curve against one stage's: the losses bit for bit and the
-/// parameter hash; the aux loss's report and the gradient norm, which
-/// stages sum in other groups, to rounding. Where the last stage shares the
+/// parameter hash; the aux and indexer losses' reports and the gradient
+/// norm, which stages sum in other groups, to rounding. Where the last stage shares the
 /// embedding, its gradient is summed in another order too: the first
 /// step's losses are still equal, the rest to a tolerance.
 fn stages_agree(staged: &Curve, alone: &Curve, shared: bool) -> Result<(), TestCaseError> {
@@ -500,7 +535,8 @@ fn stages_agree(staged: &Curve, alone: &Curve, shared: bool) -> Result<(), TestC
         }
         let rel = if shared { 1e-4 } else { 1e-9 };
         prop_assert!(close(s[2], a[2], rel), "step {} aux loss", step);
-        prop_assert!(close(s[3], a[3], rel), "step {} gradient norm", step);
+        prop_assert!(close(s[3], a[3], rel), "step {} indexer loss", step);
+        prop_assert!(close(s[4], a[4], rel), "step {} gradient norm", step);
     }
     if !shared {
         prop_assert_eq!(
