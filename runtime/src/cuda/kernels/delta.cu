@@ -17,7 +17,7 @@
 // Forward: `delta_chunk_prep` (one block a (sequence, chunk, value head),
 // every chunk at once) normalises q and k, computes G, A, T, W, U and the
 // intra-chunk scores; `delta_forward_states` (one block a (sequence, value
-// head, 32 state columns)) walks the chunks in order with the state in
+// head, 16 state columns)) walks the chunks in order with the state in
 // shared memory, saving each chunk's starting state (the `states` the
 // backward reads) and writing o. Backward: the same preparation, then
 // `delta_backward_states` walks the chunks in reverse with the state
@@ -38,7 +38,9 @@
 // The widest key head the state kernels hold in shared memory.
 #define DELTA_MAX_DK 128
 // State columns (value channels) a state block takes.
-#define DELTA_TILE 32
+#define DELTA_TILE 16
+// Columns of the operands' slices `gram_64` stages in shared memory.
+#define DELTA_SLICE 16
 // `backend::delta::DELTA_L2_EPS`.
 #define DELTA_L2_EPS 1e-6f
 
@@ -114,7 +116,7 @@ __device__ __forceinline__ Prep prep_at(const DeltaParams& p, u64 item) {
 struct Back {
     float* vn;   // V' [64, dv]
     float* dvn;  // dV' [64, dv]
-    float* dh;   // dH_L [dk, dv]
+    float* dh;   // dH_L, transposed as the states: [dv, dk]
 };
 
 __device__ __forceinline__ Back back_at(const DeltaParams& p, u64 item) {
@@ -148,10 +150,11 @@ struct Work {
     float* dt;   // dT [64, 64]
     float* x;    // T^T dT [64, 64]
     float* da;   // dA [64, 64]
+    float* e;    // e_ts = exp(G_t - G_s), s <= t [64, 64]
 };
 
 __device__ __forceinline__ u64 work_len(const DeltaParams& p) {
-    return 64ull * (4ull * p.dk + p.dv) + 4ull * 4096ull;
+    return 64ull * (4ull * p.dk + p.dv) + 5ull * 4096ull;
 }
 
 __device__ __forceinline__ Work work_at(const DeltaParams& p, u64 block) {
@@ -167,6 +170,7 @@ __device__ __forceinline__ Work work_at(const DeltaParams& p, u64 block) {
     r.dt = r.dm + 4096;
     r.x = r.dt + 4096;
     r.da = r.x + 4096;
+    r.e = r.da + 4096;
     return r;
 }
 
@@ -209,6 +213,43 @@ __device__ __forceinline__ u64 row_of(const DeltaParams& p, const Item& it, int 
     return static_cast<u64>(it.b) * p.seq + it.t0 + t;
 }
 
+// ---- 64 x 64 products ---------------------------------------------------------
+// acc (entry (t, s) = threadIdx.x + e * DELTA_THREADS as t * 64 + s) += the
+// sum over x < width of a(t, x) b(s, x): both operands staged in slices of
+// DELTA_SLICE columns (row by row, so the loads run along rows), each slice
+// added in order. The rows' reductions run along contiguous memory; read
+// straight from global memory, each lane of a warp would read another row.
+// `s_a` and `s_b` hold 64 * (DELTA_SLICE + 1) floats each (the pad keeps
+// the rows of `s_b` that a warp reads in distinct banks).
+#define GRAM_PER_THREAD (DELTA_CHUNK * DELTA_CHUNK / DELTA_THREADS)
+template <typename A, typename B>
+__device__ __forceinline__ void gram_64(float (&acc)[GRAM_PER_THREAD], int width, A a, B b, float* s_a, float* s_b) {
+    constexpr int pitch = DELTA_SLICE + 1;
+    for (int x0 = 0; x0 < width; x0 += DELTA_SLICE) {
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_SLICE; idx += DELTA_THREADS) {
+            const int r = idx / DELTA_SLICE;
+            const int x = idx % DELTA_SLICE;
+            const bool in = x0 + x < width;
+            s_a[r * pitch + x] = in ? a(r, x0 + x) : 0.0f;
+            s_b[r * pitch + x] = in ? b(r, x0 + x) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+            const int idx = threadIdx.x + e * DELTA_THREADS;
+            const int t = idx / DELTA_CHUNK;
+            const int s = idx % DELTA_CHUNK;
+            float v = acc[e];
+#pragma unroll
+            for (int x = 0; x < DELTA_SLICE; ++x) {
+                v = __fmaf_rn(s_a[t * pitch + x], s_b[s * pitch + x], v);
+            }
+            acc[e] = v;
+        }
+        __syncthreads();
+    }
+}
+
 // ---- the chunk's preparation ------------------------------------------------
 // One block a (sequence, chunk, value head): the normalised q and k (a warp a
 // step), beta, g and its cumulative sum G, then A's entries, T by forward
@@ -220,8 +261,11 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_prep(Del
     __shared__ float s_g[DELTA_CHUNK];
     __shared__ float s_beta[DELTA_CHUNK];
     __shared__ float s_cum[DELTA_CHUNK];
+    __shared__ float s_bk[DELTA_CHUNK];
     __shared__ float s_a[DELTA_CHUNK * DELTA_CHUNK];
     __shared__ float s_t[DELTA_CHUNK * DELTA_CHUNK];
+    __shared__ float s_slice_a[DELTA_CHUNK * (DELTA_SLICE + 1)];
+    __shared__ float s_slice_b[DELTA_CHUNK * (DELTA_SLICE + 1)];
     const u64 item = blockIdx.x;
     const Item it = item_of(p, item);
     const Prep pr = prep_at(p, item);
@@ -282,27 +326,35 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_prep(Del
     }
     __syncthreads();
     if (threadIdx.x < DELTA_CHUNK) {
-        pr.g[threadIdx.x] = s_cum[threadIdx.x];
-        pr.beta[threadIdx.x] = s_beta[threadIdx.x];
+        const int t = threadIdx.x;
+        pr.g[t] = s_cum[t];
+        pr.beta[t] = s_beta[t];
+        s_bk[t] = s_beta[t] * expf(s_cum[t]);
     }
     // A (in shared memory, for the substitution), K K^T and the scores.
-    for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
+    float kk[GRAM_PER_THREAD];
+    float qk[GRAM_PER_THREAD];
+#pragma unroll
+    for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+        kk[e] = 0.0f;
+        qk[e] = 0.0f;
+    }
+    const float* kn = pr.kn;
+    const float* qn = pr.qn;
+    auto key = [=](int r, int x) { return kn[r * dk + x]; };
+    auto query = [=](int r, int x) { return qn[r * dk + x]; };
+    gram_64(kk, dk, key, key, s_slice_a, s_slice_b);
+    gram_64(qk, dk, query, key, s_slice_a, s_slice_b);
+#pragma unroll
+    for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+        const int idx = threadIdx.x + e * DELTA_THREADS;
         const int t = idx / DELTA_CHUNK;
         const int s = idx % DELTA_CHUNK;
-        float kk = 0.0f;
-        float qk = 0.0f;
-        if (s <= t) {
-            for (int x = 0; x < dk; ++x) {
-                const float ks = pr.kn[s * dk + x];
-                kk = __fmaf_rn(pr.kn[t * dk + x], ks, kk);
-                qk = __fmaf_rn(pr.qn[t * dk + x], ks, qk);
-            }
-        }
-        const float e = s <= t ? expf(s_cum[t] - s_cum[s]) : 0.0f;
-        const float kke = s < t ? kk * e : 0.0f;
+        const float decay = s <= t ? expf(s_cum[t] - s_cum[s]) : 0.0f;
+        const float kke = s < t ? kk[e] * decay : 0.0f;
         pr.kke[idx] = kke;
         s_a[idx] = s_beta[t] * kke;
-        pr.m[idx] = qk * e;
+        pr.m[idx] = s <= t ? qk[e] * decay : 0.0f;
     }
     __syncthreads();
     // T = (I + A)^-1, lower triangular with a unit diagonal: row t is
@@ -328,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_prep(Del
         const int x = idx % dk;
         float w = 0.0f;
         for (int s = 0; s <= t; ++s) {
-            const float bk = s_beta[s] * expf(s_cum[s]) * pr.kn[s * dk + x];
+            const float bk = s_bk[s] * pr.kn[s * dk + x];
             w = __fmaf_rn(s_t[t * DELTA_CHUNK + s], bk, w);
         }
         pr.w[idx] = w;
@@ -491,10 +543,10 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_state
         }
         // The state gradient at this chunk's end, for the chunk's own
         // gradients.
-        for (int idx = threadIdx.x; idx < dk * cols; idx += DELTA_THREADS) {
-            const int x = idx / cols;
-            const int col = idx % cols;
-            bk.dh[static_cast<u64>(x) * dv + p0 + col] = s_dh[x * DELTA_TILE + col];
+        for (int idx = threadIdx.x; idx < cols * dk; idx += DELTA_THREADS) {
+            const int col = idx / dk;
+            const int x = idx % dk;
+            bk.dh[static_cast<u64>(p0 + col) * dk + x] = s_dh[x * DELTA_TILE + col];
         }
         __syncthreads();
         for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
@@ -564,6 +616,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
     __shared__ float s_dbeta[DELTA_CHUNK];
     __shared__ float s_kd[DELTA_CHUNK];
     __shared__ float s_sum[32];
+    __shared__ float s_slice_a[DELTA_CHUNK * (DELTA_SLICE + 1)];
+    __shared__ float s_slice_b[DELTA_CHUNK * (DELTA_SLICE + 1)];
     const int dk = p.dk;
     const int dv = p.dv;
     const int lane = threadIdx.x & 31;
@@ -590,23 +644,33 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
         // <S_0, dH_L> (H_0 = S_0^T), for G_L's gradient.
         float hd = 0.0f;
         for (int idx = threadIdx.x; idx < dk * dv; idx += DELTA_THREADS) {
-            const int x = idx / dv;
-            const int c = idx % dv;
-            hd = __fmaf_rn(s0[static_cast<u64>(c) * dk + x], bk.dh[idx], hd);
+            hd = __fmaf_rn(s0[idx], bk.dh[idx], hd);
         }
         hd = block_sum(hd, s_sum);
-        // dM, masked to s <= t within the chunk.
-        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
-            const int t = idx / DELTA_CHUNK;
-            const int s = idx % DELTA_CHUNK;
-            float d = 0.0f;
-            if (s <= t && t < it.len) {
-                const u64 at = row_of(p, it, t) * out_width + o_col;
-                for (int c = 0; c < dv; ++c) {
-                    d = __fmaf_rn(load(d_out, p.t_out, at + c), bk.vn[s * dv + c], d);
-                }
+        // dM = dO V'^T, masked to s <= t within the chunk; the decays.
+        {
+            float acc[GRAM_PER_THREAD];
+#pragma unroll
+            for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+                acc[e] = 0.0f;
             }
-            wk.dm[idx] = d;
+            const int len = it.len;
+            const Item at_item = it;
+            const int t_out = p.t_out;
+            const float* vn = bk.vn;
+            auto grad_out = [=](int t, int c) {
+                return t < len ? load(d_out, t_out, row_of(p, at_item, t) * out_width + o_col + c) : 0.0f;
+            };
+            auto update = [=](int s, int c) { return vn[s * dv + c]; };
+            gram_64(acc, dv, grad_out, update, s_slice_a, s_slice_b);
+#pragma unroll
+            for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+                const int idx = threadIdx.x + e * DELTA_THREADS;
+                const int t = idx / DELTA_CHUNK;
+                const int s = idx % DELTA_CHUNK;
+                wk.dm[idx] = s <= t ? acc[e] : 0.0f;
+                wk.e[idx] = s <= t ? expf(s_g[t] - s_g[s]) : 0.0f;
+            }
         }
         // dQi, dKd, dW: [64, dk] each.
         for (int idx = threadIdx.x; idx < DELTA_CHUNK * dk; idx += DELTA_THREADS) {
@@ -622,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
                 if (live) {
                     qi = __fmaf_rn(load(d_out, p.t_out, at + c), s, qi);
                 }
-                kd = __fmaf_rn(bk.vn[t * dv + c], bk.dh[static_cast<u64>(x) * dv + c], kd);
+                kd = __fmaf_rn(bk.vn[t * dv + c], bk.dh[static_cast<u64>(c) * dk + x], kd);
                 w = __fmaf_rn(-bk.dvn[t * dv + c], s, w);
             }
             wk.dqi[idx] = qi;
@@ -650,23 +714,36 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
             }
             wk.dbk[idx] = d;
         }
-        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_CHUNK; idx += DELTA_THREADS) {
-            const int t = idx / DELTA_CHUNK;
-            const int s = idx % DELTA_CHUNK;
-            float d = 0.0f;
-            if (s < t && s < it.len) {
-                float dvv = 0.0f;
-                const u64 at = row_of(p, it, s) * width + v_col;
-                for (int c = 0; c < dv; ++c) {
-                    dvv = __fmaf_rn(bk.dvn[t * dv + c], load(qkv, p.t_qkv, at + c), dvv);
-                }
-                float dkk = 0.0f;
-                for (int x = 0; x < dk; ++x) {
-                    dkk = __fmaf_rn(wk.dw[t * dk + x], pr.kn[s * dk + x], dkk);
-                }
-                d = s_beta[s] * dvv + s_beta[s] * expf(s_g[s]) * dkk;
+        {
+            float dvv[GRAM_PER_THREAD];
+            float dkk[GRAM_PER_THREAD];
+#pragma unroll
+            for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+                dvv[e] = 0.0f;
+                dkk[e] = 0.0f;
             }
-            wk.dt[idx] = d;
+            const int len = it.len;
+            const Item at_item = it;
+            const int t_qkv = p.t_qkv;
+            const float* dvn = bk.dvn;
+            const float* dw = wk.dw;
+            const float* kn = pr.kn;
+            auto update_grad = [=](int t, int c) { return dvn[t * dv + c]; };
+            auto value = [=](int s, int c) {
+                return s < len ? load(qkv, t_qkv, row_of(p, at_item, s) * width + v_col + c) : 0.0f;
+            };
+            auto w_grad = [=](int t, int x) { return dw[t * dk + x]; };
+            auto key = [=](int s, int x) { return kn[s * dk + x]; };
+            gram_64(dvv, dv, update_grad, value, s_slice_a, s_slice_b);
+            gram_64(dkk, dk, w_grad, key, s_slice_a, s_slice_b);
+#pragma unroll
+            for (int e = 0; e < GRAM_PER_THREAD; ++e) {
+                const int idx = threadIdx.x + e * DELTA_THREADS;
+                const int t = idx / DELTA_CHUNK;
+                const int s = idx % DELTA_CHUNK;
+                const bool live = s < t && s < len;
+                wk.dt[idx] = live ? s_beta[s] * dvv[e] + s_beta[s] * expf(s_g[s]) * dkk[e] : 0.0f;
+            }
         }
         __syncthreads();
         // X = T^T dT.
@@ -761,14 +838,14 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
             float dkx = expf(s_g[it.len - 1] - gt) * wk.dkd[idx];
             dkx = __fmaf_rn(s_beta[t] * expf(gt), wk.dbk[idx], dkx);
             for (int s = 0; s <= t; ++s) {
-                const float e = expf(gt - s_g[s]);
+                const float e = wk.e[t * DELTA_CHUNK + s];
                 dq = __fmaf_rn(wk.dm[t * DELTA_CHUNK + s] * e, pr.kn[s * dk + x], dq);
                 if (s < t) {
                     dkx = __fmaf_rn(s_beta[t] * wk.da[t * DELTA_CHUNK + s] * e, pr.kn[s * dk + x], dkx);
                 }
             }
             for (int s = t; s < it.len; ++s) {
-                const float e = expf(s_g[s] - gt);
+                const float e = wk.e[s * DELTA_CHUNK + t];
                 dkx = __fmaf_rn(wk.dm[s * DELTA_CHUNK + t] * e, pr.qn[s * dk + x], dkx);
                 if (s > t) {
                     dkx = __fmaf_rn(s_beta[s] * wk.da[s * DELTA_CHUNK + t] * e, pr.kn[s * dk + x], dkx);
@@ -788,19 +865,23 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
             s_dg[it.len - 1] += last;
             const float a = expf(load(reinterpret_cast<const void*>(p.a_log), p.t_a_log, it.j));
             const float dt_bias = load(reinterpret_cast<const void*>(p.dt_bias), p.t_dt_bias, it.j);
-            float dg = 0.0f;
-            float a_log = 0.0f;
+            // g's gradient is the reverse running sum of G's, and A_log's a
+            // sum over steps with cancellation: both are kept in f64.
+            double dg_sum = 0.0;
+            double a_log = 0.0;
             for (int t = it.len - 1; t >= 0; --t) {
-                dg += s_dg[t];
+                dg_sum += s_dg[t];
+                const float dg = static_cast<float>(dg_sum);
                 const u64 at = row_of(p, it, t) * p.value_heads + it.j;
                 const float raw = load(reinterpret_cast<const void*>(p.alpha), p.t_alpha, at) + dt_bias;
                 const float g = -a * delta_softplus(raw);
                 const float beta = s_beta[t];
                 store(reinterpret_cast<void*>(p.d_beta), p.t_d_beta, at, s_dbeta[t] * beta * (1.0f - beta));
                 store(reinterpret_cast<void*>(p.d_alpha), p.t_d_alpha, at, dg * -a * delta_softplus_derivative(raw));
-                a_log += dg * g;
+                a_log += dg_sum * g;
             }
-            a_log_parts(p)[(static_cast<u64>(it.b) * p.value_heads + it.j) * p.chunks + it.c] = a_log;
+            a_log_parts(p)[(static_cast<u64>(it.b) * p.value_heads + it.j) * p.chunks + it.c] =
+                static_cast<float>(a_log);
         }
         __syncthreads();
     }
@@ -863,12 +944,12 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_a_log
         return;
     }
     const float* parts = a_log_parts(p);
-    float sum = 0.0f;
+    double sum = 0.0;
     for (int b = 0; b < p.batch; ++b) {
         for (int c = 0; c < p.chunks; ++c) {
             sum += parts[(static_cast<u64>(b) * p.value_heads + j) * p.chunks + c];
         }
     }
     void* d = reinterpret_cast<void*>(p.d_a_log);
-    store(d, p.t_d_a_log, j, load(d, p.t_d_a_log, j) + sum);
+    store(d, p.t_d_a_log, j, load(d, p.t_d_a_log, j) + static_cast<float>(sum));
 }

@@ -5,7 +5,7 @@
 //! The recurrence runs in chunked form, chunks of [`DELTA_CHUNK`] steps:
 //! a kernel prepares every chunk at once (the UT transform: the chunk's
 //! `T = (I + A)^-1`, `W` and `U`, and its intra-chunk scores), one block
-//! a (sequence, value head, 32 state columns) then walks the chunks in
+//! a (sequence, value head, 16 state columns) then walks the chunks in
 //! order with the state in shared memory. The backward prepares the
 //! chunks again from the saved states, walks them in reverse with the
 //! state's gradient, then computes every chunk's gradients at once. All of
@@ -29,10 +29,10 @@ use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
 /// The steps of a chunk (`DELTA_CHUNK` in `delta.cu`).
 pub const DELTA_CHUNK: usize = 64;
 /// The widest key head (`DELTA_MAX_DK`): the state kernels keep a key
-/// head's rows of 32 state columns in shared memory.
+/// head's rows of 16 state columns in shared memory.
 pub const DELTA_MAX_DK: usize = 128;
 /// State columns a state block takes (`DELTA_TILE`).
-const DELTA_TILE: usize = 32;
+const DELTA_TILE: usize = 16;
 /// Threads of every block (`DELTA_THREADS`).
 const THREADS: u32 = 256;
 /// The most blocks (each with a workspace of its own) the per-chunk
@@ -91,7 +91,7 @@ struct DeltaPlan {
     chunks: usize,
     /// (sequence, chunk, value head) items.
     items: usize,
-    /// State blocks: (sequence, value head, 32 state columns).
+    /// State blocks: (sequence, value head, 16 state columns).
     state_blocks: usize,
     workspaces: usize,
 }
@@ -175,7 +175,7 @@ pub fn delta_scratch_len(dims: DeltaDims, backward: bool) -> Option<usize> {
     let work = (4 * dk)
         .checked_add(dv)?
         .checked_mul(DELTA_CHUNK)?
-        .checked_add(4 * square)?;
+        .checked_add(5 * square)?;
     forward
         .checked_add(items.checked_mul(back)?)?
         .checked_add(per_row.checked_mul(2)?)?
@@ -458,7 +458,7 @@ mod tests {
         let prep = 64 * (5 * 32 + 64) + 128 + 3 * 4096;
         assert_eq!(delta_scratch_len(d, false), Some(16 * prep));
         let back = 128 * 64 + 32 * 64;
-        let work = 64 * (4 * 32 + 64) + 4 * 4096;
+        let work = 64 * (4 * 32 + 64) + 5 * 4096;
         assert_eq!(
             delta_scratch_len(d, true),
             Some(16 * (prep + back) + 2 * 200 * 4 * 32 + 2 * 4 * 2 + 16 * work)
@@ -486,7 +486,7 @@ mod tests {
         assert!(err.to_string().contains("128"), "{err}");
         let plan = DeltaPlan::new("k", dims(100, 128, 100)).unwrap();
         assert_eq!(plan.items, 16);
-        assert_eq!(plan.state_blocks, 2 * 4 * 4);
+        assert_eq!(plan.state_blocks, 2 * 4 * 7);
         assert_eq!(plan.workspaces, 16);
     }
 }
