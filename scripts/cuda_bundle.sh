@@ -15,6 +15,7 @@
 #   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
 #   gpu-bundle/bench/expert_gemm           # the experts' GEMMs, cuBLAS vs grouped
 #   gpu-bundle/bench/delta_rule            # G's gated delta rule kernels, timed
+#   gpu-bundle/bench/sparse_attention      # D against dense flash attention, 4k-32k tokens
 #   python3 gpu-bundle/bench_delta_fla.py  # the same against flash-linear-attention
 #                                          # (its wheels in gpu-bundle/wheels)
 #
@@ -55,7 +56,7 @@ cargo test --release --no-run -p hybridgen-runtime "${tests[@]}" --message-forma
 # The GPU micro-benchmarks, under bench/ so that run.sh's test loop does
 # not take them for tests (they say why and exit without a GPU).
 mkdir -p "$bundle/bench"
-cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --bench delta_rule --message-format=json \
+cargo bench --no-run -p hybridgen-runtime --bench expert_gemm --bench delta_rule --bench sparse_attention --message-format=json \
   | collect bench "$bundle/bench"
 cargo build --release --bin hybridgen
 cp "${CARGO_TARGET_DIR:-target}/release/hybridgen" "$bundle/hybridgen"
