@@ -75,13 +75,6 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     let config = &config.with_run_settings(settled.settings.clone());
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
     let spelling = config.spelling;
-    // `D` has no GPU kernels yet: refused before anything else is checked.
-    let uses_dsa = |p: hybridgen_dsl::Pattern| p.kinds().contains(&hybridgen_dsl::LayerKind::Dsa);
-    if matches!(device, ChosenDevice::Cuda { .. })
-        && hybridgen_dsl::Pattern::parse(&config.model.pattern).is_ok_and(uses_dsa)
-    {
-        return refuse(crate::cuda::ops::sparse_attention::NO_GPU_KERNEL.into());
-    }
     if config.ranks == 0 {
         return refuse(format!(
             "{} must be at least 1",
