@@ -4,7 +4,7 @@
 
 use super::Elements;
 use crate::backend::Tokens;
-use hybridgen_dsl::config::Activation;
+use hybridgen_dsl::config::{Activation, DsaConfig};
 use hybridgen_dsl::{LayerKind, ModelConfig};
 
 /// What one layer of `kind` keeps from forward to backward, and the extra
@@ -85,7 +85,7 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
             // x_in, u, the latents (raw and normed), q, k, v, o; rstds, lse.
             // Backward: d_out, d_o, dq, dk, dv, d_kv, d_k_rope, the latents'
             // gradients, d_u.
-            per_token(
+            let (mut saved, mut extra) = per_token(
                 2 * h + 2 * qr + 2 * kr + 2 * a * dqk + 2 * a * dv,
                 3 + a,
                 2 * h
@@ -95,7 +95,13 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                     + m.qk_rope_head_dim as u64
                     + 2 * kr
                     + 2 * qr,
-            )
+            );
+            if let (LayerKind::Dsa, Some(d)) = (kind, &model.dsa) {
+                let (kept, forward, backward) = dsa_indexer(d, tokens);
+                saved = saved.plus(kept);
+                extra = either(forward, extra.plus(backward));
+            }
+            (saved, extra)
         }
         LayerKind::Mlp => {
             let Some(m) = &model.mlp else {
@@ -170,6 +176,59 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
     }
 }
 
+/// What a `D` layer's lightning indexer adds to its MLA's activations
+/// (`layers/dsa.rs`), for one micro-batch: what it keeps, its forward's
+/// working set, and its backward's. Kept: each query's selected keys
+/// (u32, counted with the f32s) and, with the indexer loss on, the
+/// indexer's q, raw and normed k and head weights, its key norm's stats,
+/// the loss's per-row shares and its score gradient, f32 `[rows, seq]` (a
+/// row a query, a column a key: `seq` floats a token). The forward holds
+/// the scores, f32 `[rows, seq]` again, until the keys are chosen (and the
+/// indexer's outputs, when no loss keeps them); the backward, the
+/// indexer's gradients.
+fn dsa_indexer(d: &DsaConfig, tokens: Tokens) -> (Elements, Elements, Elements) {
+    let n = (tokens.batch as u64).saturating_mul(tokens.seq as u64);
+    let (ni, di, seq) = (
+        d.index_heads as u64,
+        d.index_head_dim as u64,
+        tokens.seq as u64,
+    );
+    let outputs = ni * di + 2 * di + ni;
+    let topk = d.index_topk as u64;
+    let per_token =
+        |compute: u64, f32s: u64| Elements::new(n.saturating_mul(compute), n.saturating_mul(f32s));
+    if d.indexer_loss_coeff > 0.0 {
+        (
+            per_token(outputs, topk + 2 + 1 + seq),
+            per_token(0, seq),
+            per_token(outputs, 0),
+        )
+    } else {
+        (
+            per_token(0, topk),
+            per_token(outputs, seq + 2),
+            Elements::default(),
+        )
+    }
+}
+
+/// A bound on the larger of two working sets that are never alive
+/// together (a layer's forward and its backward), whether a compute
+/// element takes 2 bytes or 4: the larger compute count, and the f32s the
+/// other needs beyond what the compute elements it lacks already cover (at
+/// least 2 bytes each, so half an f32 each). Adding them would count the
+/// indexer's `[rows, seq]` scores on top of the MLA's backward, which the
+/// forward has long freed.
+fn either(a: Elements, b: Elements) -> Elements {
+    let (big, small) = if a.compute >= b.compute {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    let covered = (big.compute - small.compute) / 2;
+    Elements::new(big.compute, big.f32.max(small.f32.saturating_sub(covered)))
+}
+
 /// The elements of the largest matrix product's operands, which a backend
 /// that widens bf16 operands ([`ElementSizes::widened`]) copies to f32 while
 /// it runs: the weight (the largest parameter, or a MoE layer's
@@ -221,13 +280,20 @@ pub(super) fn widened_operands(
                 );
                 // Queries through the low-rank latent when there is one.
                 let q = a * (dqk + rope);
-                vec![
+                let mut widths = vec![
                     h + if qr > 0 { qr } else { q },
                     qr + q,
                     h + kr + rope,
                     kr + a * (dqk + dv),
                     a * dv + h,
-                ]
+                ];
+                // A `D` layer's indexer: its queries from the compressed
+                // query, its key and head weights from the input.
+                if let (LayerKind::Dsa, Some(d)) = (kind, &model.dsa) {
+                    let (ni, di) = (d.index_heads as u64, d.index_head_dim as u64);
+                    widths.extend([qr + ni * di, h + di, h + ni]);
+                }
+                widths
             }),
             LayerKind::Mlp => model.mlp.as_ref().map_or(vec![], |m| {
                 let w = m.ffn_hidden_size as u64;
