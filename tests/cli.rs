@@ -188,18 +188,31 @@ fn every_preset_plans_and_the_cpu_presets_train() {
             "train", "--preset", name, "--steps", "6", "--lr", "3e-3", "--format", "json",
         ]);
         assert_eq!(out.status.code(), Some(0), "{name}: {}", stderr(&out));
-        let losses: Vec<f64> = stdout(&out)
+        let lines: Vec<Value> = stdout(&out)
             .lines()
             .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line"))
-            .filter_map(|l| l["loss"].as_f64())
             .collect();
+        let losses: Vec<f64> = lines.iter().filter_map(|l| l["loss"].as_f64()).collect();
         assert_eq!(losses.len(), 6, "{name}");
+        // The indexer loss on every step of a model that trains a DSA
+        // indexer, on none of the others.
+        let indexer: Vec<f64> = lines
+            .iter()
+            .filter_map(|l| l["indexer_loss"].as_f64())
+            .collect();
+        let want = if name == "tiny-dsa" { 6 } else { 0 };
+        assert_eq!(indexer.len(), want, "{name}: {indexer:?}");
+        assert!(
+            indexer.iter().all(|l| l.is_finite() && *l > 0.0),
+            "{name}: {indexer:?}"
+        );
         assert!(
             losses[5] < losses[0],
             "{name}: the loss did not fall: {losses:?}"
         );
     }
     assert!(names.iter().any(|n| n == "tiny-gdn"));
+    assert!(names.iter().any(|n| n == "tiny-dsa"));
 }
 
 #[test]

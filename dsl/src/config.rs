@@ -412,9 +412,10 @@ fn shorten_lines(message: &str) -> String {
 }
 
 /// Built-in presets, by name.
-pub const PRESET_NAMES: [&str; 5] = [
+pub const PRESET_NAMES: [&str; 6] = [
     "tiny",
     "tiny-gdn",
+    "tiny-dsa",
     "nemotron-nano-9b-v2",
     "nemotron-3-nano-30b-a3b",
     "bench-hybrid-moe",
@@ -422,6 +423,7 @@ pub const PRESET_NAMES: [&str; 5] = [
 
 const TINY: &str = include_str!("../presets/tiny.toml");
 const TINY_GDN: &str = include_str!("../presets/tiny-gdn.toml");
+const TINY_DSA: &str = include_str!("../presets/tiny-dsa.toml");
 const NEMOTRON_NANO_9B_V2: &str = include_str!("../presets/nemotron-nano-9b-v2.toml");
 const NEMOTRON_3_NANO_30B_A3B: &str = include_str!("../presets/nemotron-3-nano-30b-a3b.toml");
 const BENCH_HYBRID_MOE: &str = include_str!("../presets/bench-hybrid-moe.toml");
@@ -440,6 +442,7 @@ impl ModelConfig {
         match name {
             "tiny" => Some(TINY),
             "tiny-gdn" => Some(TINY_GDN),
+            "tiny-dsa" => Some(TINY_DSA),
             "nemotron-nano-9b-v2" => Some(NEMOTRON_NANO_9B_V2),
             "nemotron-3-nano-30b-a3b" => Some(NEMOTRON_3_NANO_30B_A3B),
             "bench-hybrid-moe" => Some(BENCH_HYBRID_MOE),
