@@ -32,6 +32,7 @@ impl DeviceFault {
             5 => "moe_unpermute / moe_unpermute_backward / moe_combine",
             6 => "adam_update / sgd_update",
             7 => "embedding_forward / embedding_backward",
+            8 => "dsa_sparse_forward / dsa_sparse_backward_dq / dsa_indexer_loss",
             _ => "an unknown kernel",
         }
     }
@@ -64,6 +65,11 @@ impl fmt::Display for DeviceFault {
             5 => write!(f, "the unpermute position of slot {i} is out of range"),
             6 => write!(f, "decayed range {i} is out of order or outside the shard"),
             7 => write!(f, "the token id of row {i} is past the vocabulary"),
+            8 => write!(
+                f,
+                "the selected key at slot {i} of the sparse attention's indices is out of range \
+                 or repeated in its row"
+            ),
             code => write!(f, "unknown device fault {code} at {i}"),
         }
     }

@@ -194,6 +194,22 @@ pub const SOURCES: &[KernelSource] = &[
         ]
     ),
     source!(
+        "sparse_attention.cu",
+        [
+            "dsa_indexer_scores",
+            "dsa_indexer_topk",
+            "dsa_indexer_loss",
+            "dsa_indexer_backward_q",
+            "dsa_indexer_backward_k",
+            "dsa_sparse_forward",
+            "dsa_sparse_backward_dq",
+            "dsa_sparse_backward_dkdv",
+            "dsa_layer_norm_forward",
+            "dsa_layer_norm_backward",
+            "dsa_layer_norm_weight_grad"
+        ]
+    ),
+    source!(
         "scan.cu",
         [
             "ssd_scan_forward_n32",

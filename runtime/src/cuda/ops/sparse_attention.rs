@@ -1,125 +1,756 @@
 //! DeepSeek sparse attention on a GPU: [`SparseAttentionKernels`] for
-//! [`CudaBackend`]. There are no CUDA kernels for it yet, so every method
-//! refuses with `Unsupported`; `train::prepare` refuses a `D` layer on a GPU
-//! before any work with the same message, so a run never gets this far.
+//! [`CudaBackend`], and the launchers of `kernels/sparse_attention.cu`
+//! (which has the maths) on [`KernelSet`], taking views
+//! `backend::sparse_attention`'s checks accepted.
+//!
+//! - The indexer's scores: a block a (32-key tile, 32-query tile,
+//!   sequence), the key tile in shared memory while each head's query tile
+//!   passes; every dot product in the CPU's order, so the scores are the
+//!   CPU's bits.
+//! - Top-k: a block a query row, a radix select on the scores' bits (in
+//!   `total_cmp`'s order) then one pass in position order writing the keys
+//!   above the k-th and the lowest-positioned ties.
+//! - The indexer's loss: a block a query row; its backward: a query-tile
+//!   kernel (dq, d_weights) and a key-tile kernel (dk), each summing in a
+//!   fixed order.
+//! - Sparse attention: a block a (query row, head) over its selected keys
+//!   (online softmax in f32); the backward's dq the same way, and its dk
+//!   and dv key-major over a bitmap of the (key, query) pairs selected,
+//!   each key's queries in ascending order: no float atomics anywhere.
+//! - LayerNorm: a warp a row; its parameter gradients as column sums.
+//!
+//! The backward's bitmap and per-(row, head) `dout . out` are scratch
+//! ([`sparse_attention_scratch_len`]) from the arena; the memory plan
+//! counts them ([`sparse_attention_scratch_bytes`]). The indexer's heads
+//! must be at most [`INDEXER_MAX_DIM`] channels and the attention's at most
+//! [`SPARSE_MAX_DIM`]; other shapes are refused as `Unsupported`.
 
 use crate::backend::{
     AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
     SparseAttentionDims, SparseAttentionKernels,
 };
+use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
-use crate::view::{View, ViewMut};
+use crate::view::{DType, View, ViewMut};
+use cudarc::driver::{CudaStream, LaunchConfig};
 
-/// Why a `D` layer does not run on a GPU.
-pub const NO_GPU_KERNEL: &str = "DeepSeek sparse attention (`D`) has no GPU kernels yet \
-     (the indexer, its top-k and the sparse attention run on the CPU only); train D layers \
-     with --device cpu";
+/// The widest indexer head the tiled indexer kernels take (`IX_MAX_DIM`).
+pub const INDEXER_MAX_DIM: usize = 128;
+/// The widest q/k and v head of the sparse attention kernels and of the
+/// indexer loss (`SA_MAX_DIM`).
+pub const SPARSE_MAX_DIM: usize = 512;
+/// Query and key rows of an indexer tile (`IX_TILE`).
+const IX_TILE: usize = 32;
+/// Threads of a sparse attention block (`SA_THREADS`).
+const SA_THREADS: u32 = 128;
+/// Threads of a top-k block (`TOPK_THREADS`).
+const TOPK_THREADS: u32 = 512;
+/// Threads of an indexer loss block (`LOSS_THREADS`).
+const LOSS_THREADS: u32 = 256;
 
-fn refused() -> Result<()> {
-    Err(RuntimeError::Unsupported(NO_GPU_KERNEL.into()))
+/// u32 words of one key's bitmap row: a bit a query position.
+fn bitmap_words(seq: usize) -> usize {
+    seq.div_ceil(32)
+}
+
+/// Elements (4 bytes each, taken as f32) of the scratch
+/// [`KernelSet::sparse_attention_backward`] takes: `dout . out` a (row,
+/// head), then the `[rows, ceil(seq / 32)]` u32 bitmap of selected (key,
+/// query) pairs. `None` past `usize`.
+pub fn sparse_attention_scratch_len(dims: SparseAttentionDims) -> Option<usize> {
+    let rows = dims.tokens.rows().ok()?;
+    rows.checked_mul(dims.heads)?
+        .checked_add(rows.checked_mul(bitmap_words(dims.tokens.seq))?)
+}
+
+/// The most scratch (bytes) one sparse attention call takes: the
+/// backward's ([`sparse_attention_scratch_len`]).
+pub fn sparse_attention_scratch_bytes(dims: SparseAttentionDims) -> u64 {
+    sparse_attention_scratch_len(dims)
+        .map_or(u64::MAX / 4, |len| len as u64)
+        .saturating_mul(DType::F32.bytes() as u64)
+}
+
+fn unsupported(kernel: &str, why: String) -> RuntimeError {
+    RuntimeError::Unsupported(format!("{kernel}: {why}"))
+}
+
+/// A u32 the kernels take, or `Unsupported`.
+fn u32_of(kernel: &str, what: &str, n: usize) -> Result<u32> {
+    u32::try_from(n)
+        .ok()
+        .filter(|&v| v < i32::MAX as u32)
+        .ok_or_else(|| unsupported(kernel, format!("{what} {n} exceeds the GPU kernels' range")))
+}
+
+/// The indexer kernels' tile grid: (key or query tiles, `y`, sequences).
+fn tile_grid(kernel: &str, seq: usize, y: usize, batch: usize) -> Result<LaunchConfig> {
+    let tiles = seq.div_ceil(IX_TILE);
+    if tiles > MAX_GRID_Y || y > MAX_GRID_Y || batch > MAX_GRID_Y {
+        return Err(unsupported(
+            kernel,
+            format!("{batch} sequences of {seq} tokens exceed a CUDA grid"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (tiles as u32, y as u32, batch as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A block a (row, head) of `threads` threads, rows along x.
+fn row_head_grid(kernel: &str, rows: usize, heads: usize, threads: u32) -> Result<LaunchConfig> {
+    let rows = u32_of(kernel, "rows", rows)?;
+    if heads > MAX_GRID_Y {
+        return Err(unsupported(
+            kernel,
+            format!("{heads} heads exceed a CUDA grid"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (rows, heads as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn indexer_shape(kernel: &str, d: IndexerDims) -> Result<(u32, u32, u32)> {
+    if d.head_dim > INDEXER_MAX_DIM {
+        return Err(unsupported(
+            kernel,
+            format!(
+                "indexer heads of {} channels exceed the GPU kernels' {INDEXER_MAX_DIM}",
+                d.head_dim
+            ),
+        ));
+    }
+    Ok((
+        u32_of(kernel, "sequence length", d.tokens.seq)?,
+        u32_of(kernel, "indexer heads", d.heads)?,
+        d.head_dim as u32,
+    ))
+}
+
+fn attention_widths(kernel: &str, qk: usize, v: usize) -> Result<()> {
+    if qk > SPARSE_MAX_DIM || v > SPARSE_MAX_DIM {
+        return Err(unsupported(
+            kernel,
+            format!(
+                "heads of {qk} (q/k) and {v} (v) channels; the GPU kernels take at most \
+                 {SPARSE_MAX_DIM}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl SparseAttentionKernels<CudaBuf> for CudaBackend {
     fn indexer_scores_unchecked(
         &self,
-        _inputs: IndexerInputs<View<'_, CudaBuf>>,
-        _scores: ViewMut<'_, CudaBuf>,
-        _dims: IndexerDims,
+        inputs: IndexerInputs<View<'_, CudaBuf>>,
+        scores: ViewMut<'_, CudaBuf>,
+        dims: IndexerDims,
     ) -> Result<()> {
-        refused()
+        let inputs = self.indexer_inputs(inputs);
+        self.k()
+            .indexer_scores(self.s(), inputs, self.m(&scores), dims)
     }
 
     fn indexer_topk_unchecked(
         &self,
-        _scores: View<'_, CudaBuf>,
-        _indices: ViewMut<'_, CudaBuf>,
-        _dims: IndexerDims,
+        scores: View<'_, CudaBuf>,
+        indices: ViewMut<'_, CudaBuf>,
+        dims: IndexerDims,
     ) -> Result<()> {
-        refused()
+        self.k()
+            .indexer_topk(self.s(), self.v(scores), self.m(&indices), dims)
     }
 
     fn indexer_loss_unchecked(
         &self,
-        _scores: View<'_, CudaBuf>,
-        _q: View<'_, CudaBuf>,
-        _k: View<'_, CudaBuf>,
-        _indices: View<'_, CudaBuf>,
-        _loss: ViewMut<'_, CudaBuf>,
-        _d_scores: ViewMut<'_, CudaBuf>,
-        _dims: IndexerLossDims,
+        scores: View<'_, CudaBuf>,
+        q: View<'_, CudaBuf>,
+        k: View<'_, CudaBuf>,
+        indices: View<'_, CudaBuf>,
+        loss: ViewMut<'_, CudaBuf>,
+        d_scores: ViewMut<'_, CudaBuf>,
+        dims: IndexerLossDims,
     ) -> Result<()> {
-        refused()
+        self.k().indexer_loss(
+            self.s(),
+            self.v(scores),
+            (self.v(q), self.v(k)),
+            self.v(indices),
+            self.m(&loss),
+            self.m(&d_scores),
+            dims,
+        )
     }
 
     fn indexer_backward_unchecked(
         &self,
-        _inputs: IndexerInputs<View<'_, CudaBuf>>,
-        _d_scores: View<'_, CudaBuf>,
-        _grads: IndexerInputs<ViewMut<'_, CudaBuf>>,
-        _dims: IndexerDims,
-        _scale: f32,
+        inputs: IndexerInputs<View<'_, CudaBuf>>,
+        d_scores: View<'_, CudaBuf>,
+        grads: IndexerInputs<ViewMut<'_, CudaBuf>>,
+        dims: IndexerDims,
+        scale: f32,
     ) -> Result<()> {
-        refused()
+        let inputs = self.indexer_inputs(inputs);
+        let grads = IndexerInputs {
+            q: self.m(&grads.q),
+            k: self.m(&grads.k),
+            weights: self.m(&grads.weights),
+        };
+        self.k()
+            .indexer_backward(self.s(), inputs, self.v(d_scores), grads, dims, scale)
     }
 
     fn sparse_attention_forward_unchecked(
         &self,
-        _inputs: AttentionInputs<View<'_, CudaBuf>>,
-        _indices: View<'_, CudaBuf>,
-        _out: ViewMut<'_, CudaBuf>,
-        _lse: ViewMut<'_, CudaBuf>,
-        _dims: SparseAttentionDims,
+        inputs: AttentionInputs<View<'_, CudaBuf>>,
+        indices: View<'_, CudaBuf>,
+        out: ViewMut<'_, CudaBuf>,
+        lse: ViewMut<'_, CudaBuf>,
+        dims: SparseAttentionDims,
     ) -> Result<()> {
-        refused()
+        let inputs = AttentionInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            v: self.v(inputs.v),
+        };
+        self.k().sparse_attention_forward(
+            self.s(),
+            inputs,
+            self.v(indices),
+            self.m(&out),
+            self.m(&lse),
+            dims,
+        )
     }
 
     fn sparse_attention_backward_unchecked(
         &self,
-        _inputs: AttentionInputs<View<'_, CudaBuf>>,
-        _indices: View<'_, CudaBuf>,
-        _out: View<'_, CudaBuf>,
-        _lse: View<'_, CudaBuf>,
-        _dout: View<'_, CudaBuf>,
-        _grads: AttentionInputs<ViewMut<'_, CudaBuf>>,
-        _dims: SparseAttentionDims,
+        inputs: AttentionInputs<View<'_, CudaBuf>>,
+        indices: View<'_, CudaBuf>,
+        out: View<'_, CudaBuf>,
+        lse: View<'_, CudaBuf>,
+        dout: View<'_, CudaBuf>,
+        grads: AttentionInputs<ViewMut<'_, CudaBuf>>,
+        dims: SparseAttentionDims,
     ) -> Result<()> {
-        refused()
+        let inputs = AttentionInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            v: self.v(inputs.v),
+        };
+        let grads = AttentionInputs {
+            q: self.m(&grads.q),
+            k: self.m(&grads.k),
+            v: self.m(&grads.v),
+        };
+        let len = sparse_attention_scratch_len(dims).ok_or_else(|| {
+            unsupported(
+                "sparse_attention_backward",
+                "the scratch overflows".to_string(),
+            )
+        })?;
+        let (scratch, _scratch_buf) = self.scratch_uninit(len.max(1), DType::F32)?;
+        self.k().sparse_attention_backward(
+            self.s(),
+            inputs,
+            self.v(indices),
+            (self.v(out), self.v(lse), self.v(dout)),
+            grads,
+            scratch,
+            dims,
+        )
     }
 
     fn layer_norm_forward_unchecked(
         &self,
-        _x: View<'_, CudaBuf>,
-        _weight: View<'_, CudaBuf>,
-        _bias: View<'_, CudaBuf>,
-        _y: ViewMut<'_, CudaBuf>,
-        _stats: ViewMut<'_, CudaBuf>,
-        _dims: LayerNormDims,
+        x: View<'_, CudaBuf>,
+        weight: View<'_, CudaBuf>,
+        bias: View<'_, CudaBuf>,
+        y: ViewMut<'_, CudaBuf>,
+        stats: ViewMut<'_, CudaBuf>,
+        dims: LayerNormDims,
     ) -> Result<()> {
-        refused()
+        self.k().layer_norm_forward(
+            self.s(),
+            (self.v(x), self.v(weight), self.v(bias)),
+            self.m(&y),
+            self.m(&stats),
+            dims,
+        )
     }
 
     fn layer_norm_backward_unchecked(
         &self,
-        _x: View<'_, CudaBuf>,
-        _weight: View<'_, CudaBuf>,
-        _stats: View<'_, CudaBuf>,
-        _dy: View<'_, CudaBuf>,
-        _dx: ViewMut<'_, CudaBuf>,
-        _dims: LayerNormDims,
+        x: View<'_, CudaBuf>,
+        weight: View<'_, CudaBuf>,
+        stats: View<'_, CudaBuf>,
+        dy: View<'_, CudaBuf>,
+        dx: ViewMut<'_, CudaBuf>,
+        dims: LayerNormDims,
     ) -> Result<()> {
-        refused()
+        self.k().layer_norm_backward(
+            self.s(),
+            (self.v(x), self.v(weight), self.v(stats)),
+            self.v(dy),
+            self.m(&dx),
+            dims,
+        )
     }
 
     fn layer_norm_weight_grad_unchecked(
         &self,
-        _x: View<'_, CudaBuf>,
-        _stats: View<'_, CudaBuf>,
-        _dy: View<'_, CudaBuf>,
-        _d_weight: ViewMut<'_, CudaBuf>,
-        _d_bias: ViewMut<'_, CudaBuf>,
-        _dims: LayerNormDims,
+        x: View<'_, CudaBuf>,
+        stats: View<'_, CudaBuf>,
+        dy: View<'_, CudaBuf>,
+        d_weight: ViewMut<'_, CudaBuf>,
+        d_bias: ViewMut<'_, CudaBuf>,
+        dims: LayerNormDims,
     ) -> Result<()> {
-        refused()
+        self.k().layer_norm_weight_grad(
+            self.s(),
+            (self.v(x), self.v(stats), self.v(dy)),
+            (self.m(&d_weight), self.m(&d_bias)),
+            dims,
+        )
+    }
+}
+
+impl CudaBackend {
+    fn indexer_inputs(&self, inputs: IndexerInputs<View<'_, CudaBuf>>) -> IndexerInputs<GpuView> {
+        IndexerInputs {
+            q: self.v(inputs.q),
+            k: self.v(inputs.k),
+            weights: self.v(inputs.weights),
+        }
+    }
+}
+
+impl KernelSet {
+    /// `Backend::indexer_scores` (`scores` f32 `[rows, seq]`).
+    pub fn indexer_scores(
+        &self,
+        stream: &CudaStream,
+        inputs: IndexerInputs<GpuView>,
+        scores: GpuView,
+        dims: IndexerDims,
+    ) -> Result<()> {
+        let kn = "dsa_indexer_scores";
+        let (seq, heads, dim) = indexer_shape(kn, dims)?;
+        if dims.tokens.rows()? == 0 {
+            return Ok(());
+        }
+        let config = tile_grid(
+            kn,
+            dims.tokens.seq,
+            dims.tokens.seq.div_ceil(IX_TILE),
+            dims.tokens.batch,
+        )?;
+        let IndexerInputs { q, k, weights: w } = inputs;
+        let [qt, kt, wt] = [q, k, w].map(|v| dtype_tag(v.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&q.ptr)
+            .arg(&qt)
+            .arg(&k.ptr)
+            .arg(&kt)
+            .arg(&w.ptr)
+            .arg(&wt);
+        b.arg(&scores.ptr).arg(&seq).arg(&heads).arg(&dim);
+        b.arg(&dims.weight_scale);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::indexer_topk` (`indices` u32 `[rows, topk]`).
+    pub fn indexer_topk(
+        &self,
+        stream: &CudaStream,
+        scores: GpuView,
+        indices: GpuView,
+        dims: IndexerDims,
+    ) -> Result<()> {
+        let kn = "dsa_indexer_topk";
+        let rows = dims.tokens.rows()?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let seq = u32_of(kn, "sequence length", dims.tokens.seq)?;
+        let topk = u32_of(kn, "top-k", dims.topk)?;
+        let config = row_head_grid(kn, rows, 1, TOPK_THREADS)?;
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&scores.ptr).arg(&indices.ptr).arg(&seq).arg(&topk);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::indexer_loss`: `loss` f32 `[rows]`, `d_scores` f32
+    /// `[rows, seq]` (every entry written).
+    #[allow(clippy::too_many_arguments)]
+    pub fn indexer_loss(
+        &self,
+        stream: &CudaStream,
+        scores: GpuView,
+        (q, k): (GpuView, GpuView),
+        indices: GpuView,
+        loss: GpuView,
+        d_scores: GpuView,
+        dims: IndexerLossDims,
+    ) -> Result<()> {
+        let kn = "dsa_indexer_loss";
+        attention_widths(kn, dims.qk_dim, 0)?;
+        let rows = dims.tokens.rows()?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let seq = u32_of(kn, "sequence length", dims.tokens.seq)?;
+        let topk = u32_of(kn, "top-k", dims.topk)?;
+        let heads = u32_of(kn, "heads", dims.heads)?;
+        let dim = dims.qk_dim as u32;
+        let factor = dims.coeff / rows as f32;
+        let sparse = i32::from(dims.sparse);
+        let config = row_head_grid(kn, rows, 1, LOSS_THREADS)?;
+        let [qt, kt] = [q, k].map(|v| dtype_tag(v.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&scores.ptr).arg(&q.ptr).arg(&qt).arg(&k.ptr).arg(&kt);
+        b.arg(&indices.ptr).arg(&loss.ptr).arg(&d_scores.ptr);
+        b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
+        b.arg(&dims.scale)
+            .arg(&factor)
+            .arg(&sparse)
+            .arg(&self.fault_ptr);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::indexer_backward`: overwrites `grads` (two kernels, the
+    /// query side then the key side).
+    pub fn indexer_backward(
+        &self,
+        stream: &CudaStream,
+        inputs: IndexerInputs<GpuView>,
+        d_scores: GpuView,
+        grads: IndexerInputs<GpuView>,
+        dims: IndexerDims,
+        scale: f32,
+    ) -> Result<()> {
+        let kq = "dsa_indexer_backward_q";
+        let (seq, heads, dim) = indexer_shape(kq, dims)?;
+        if dims.tokens.rows()? == 0 {
+            return Ok(());
+        }
+        let IndexerInputs { q, k, weights: w } = inputs;
+        let [qt, kt, wt] = [q, k, w].map(|v| dtype_tag(v.dtype));
+        let [dqt, dkt, dwt] = [grads.q, grads.k, grads.weights].map(|v| dtype_tag(v.dtype));
+        let config = tile_grid(kq, dims.tokens.seq, dims.heads, dims.tokens.batch)?;
+        let mut b = KernelArgs::new(stream, self.function(kq)?);
+        b.arg(&q.ptr)
+            .arg(&qt)
+            .arg(&k.ptr)
+            .arg(&kt)
+            .arg(&w.ptr)
+            .arg(&wt);
+        b.arg(&d_scores.ptr).arg(&grads.q.ptr).arg(&dqt);
+        b.arg(&grads.weights.ptr).arg(&dwt);
+        b.arg(&seq)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&dims.weight_scale)
+            .arg(&scale);
+        self.go(kq, &mut b, config)?;
+        let kk = "dsa_indexer_backward_k";
+        let config = tile_grid(kk, dims.tokens.seq, 1, dims.tokens.batch)?;
+        let mut b = KernelArgs::new(stream, self.function(kk)?);
+        b.arg(&q.ptr)
+            .arg(&qt)
+            .arg(&k.ptr)
+            .arg(&kt)
+            .arg(&w.ptr)
+            .arg(&wt);
+        b.arg(&d_scores.ptr).arg(&grads.k.ptr).arg(&dkt);
+        b.arg(&seq)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&dims.weight_scale)
+            .arg(&scale);
+        self.go(kk, &mut b, config)
+    }
+
+    /// `Backend::sparse_attention_forward`: `out` in its dtype and `lse`
+    /// f32 `[rows, heads]`.
+    pub fn sparse_attention_forward(
+        &self,
+        stream: &CudaStream,
+        inputs: AttentionInputs<GpuView>,
+        indices: GpuView,
+        out: GpuView,
+        lse: GpuView,
+        dims: SparseAttentionDims,
+    ) -> Result<()> {
+        let kn = "dsa_sparse_forward";
+        attention_widths(kn, dims.qk_dim, dims.v_dim)?;
+        let rows = dims.tokens.rows()?;
+        if rows == 0 || dims.heads == 0 {
+            return Ok(());
+        }
+        let shape = SparseShape::new(kn, dims)?;
+        let config = row_head_grid(kn, rows, dims.heads, SA_THREADS)?;
+        let AttentionInputs { q, k, v } = inputs;
+        let [qt, kt, vt, ot] = [q, k, v, out].map(|x| dtype_tag(x.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&q.ptr)
+            .arg(&qt)
+            .arg(&k.ptr)
+            .arg(&kt)
+            .arg(&v.ptr)
+            .arg(&vt);
+        b.arg(&indices.ptr).arg(&out.ptr).arg(&ot).arg(&lse.ptr);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::sparse_attention_backward`, with `scratch` (4-byte
+    /// elements) of at least [`sparse_attention_scratch_len`]: the query
+    /// side (dq, and the bitmap of selected pairs, zeroed here first), then
+    /// the key side (dk, dv).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sparse_attention_backward(
+        &self,
+        stream: &CudaStream,
+        inputs: AttentionInputs<GpuView>,
+        indices: GpuView,
+        (out, lse, dout): (GpuView, GpuView, GpuView),
+        grads: AttentionInputs<GpuView>,
+        scratch: GpuView,
+        dims: SparseAttentionDims,
+    ) -> Result<()> {
+        let kq = "dsa_sparse_backward_dq";
+        attention_widths(kq, dims.qk_dim, dims.v_dim)?;
+        let rows = dims.tokens.rows()?;
+        if rows == 0 || dims.heads == 0 {
+            return Ok(());
+        }
+        let need = sparse_attention_scratch_len(dims)
+            .ok_or_else(|| unsupported(kq, "the scratch overflows".to_string()))?;
+        ensure(scratch.len >= need && scratch.dtype.bytes() == 4, || {
+            format!(
+                "{kq}: `scratch` has {} elements of {}, these dimensions need {need} of 4 bytes \
+                 (sparse_attention_scratch_len)",
+                scratch.len, scratch.dtype
+            )
+        })?;
+        let shape = SparseShape::new(kq, dims)?;
+        let delta = scratch.ptr;
+        let bitmap = scratch.ptr + (rows * dims.heads * 4) as u64;
+        let words = bitmap_words(dims.tokens.seq);
+        self.zero_bytes(stream, bitmap, rows * words * 4)?;
+        let words = u32_of(kq, "bitmap words", words)?;
+        let config = row_head_grid(kq, rows, dims.heads, SA_THREADS)?;
+        let AttentionInputs { q, k, v } = inputs;
+        let [qt, kt, vt, ot, gt] = [q, k, v, out, dout].map(|x| dtype_tag(x.dtype));
+        let [dqt, dkt, dvt] = [grads.q, grads.k, grads.v].map(|x| dtype_tag(x.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kq)?);
+        b.arg(&q.ptr)
+            .arg(&qt)
+            .arg(&k.ptr)
+            .arg(&kt)
+            .arg(&v.ptr)
+            .arg(&vt);
+        b.arg(&indices.ptr).arg(&out.ptr).arg(&ot).arg(&lse.ptr);
+        b.arg(&dout.ptr).arg(&gt).arg(&grads.q.ptr).arg(&dqt);
+        b.arg(&delta).arg(&bitmap).arg(&words);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
+        self.go(kq, &mut b, config)?;
+        let kk = "dsa_sparse_backward_dkdv";
+        let mut b = KernelArgs::new(stream, self.function(kk)?);
+        b.arg(&q.ptr)
+            .arg(&qt)
+            .arg(&k.ptr)
+            .arg(&kt)
+            .arg(&v.ptr)
+            .arg(&vt);
+        b.arg(&lse.ptr)
+            .arg(&dout.ptr)
+            .arg(&gt)
+            .arg(&delta)
+            .arg(&bitmap);
+        b.arg(&words)
+            .arg(&grads.k.ptr)
+            .arg(&dkt)
+            .arg(&grads.v.ptr)
+            .arg(&dvt);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&dims.scale);
+        self.go(kk, &mut b, config)
+    }
+
+    /// `Backend::layer_norm_forward` (`stats` f32 `[rows, 2]`).
+    pub fn layer_norm_forward(
+        &self,
+        stream: &CudaStream,
+        (x, w, bias): (GpuView, GpuView, GpuView),
+        y: GpuView,
+        stats: GpuView,
+        dims: LayerNormDims,
+    ) -> Result<()> {
+        let kn = "dsa_layer_norm_forward";
+        if dims.rows == 0 {
+            return Ok(());
+        }
+        let (rows, width) = (dims.rows as u64, u32_of(kn, "width", dims.width)?);
+        let config = warp_rows(kn, dims.rows)?;
+        let [xt, wt, bt, yt] = [x, w, bias, y].map(|v| dtype_tag(v.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&x.ptr)
+            .arg(&xt)
+            .arg(&w.ptr)
+            .arg(&wt)
+            .arg(&bias.ptr)
+            .arg(&bt);
+        b.arg(&y.ptr)
+            .arg(&yt)
+            .arg(&stats.ptr)
+            .arg(&rows)
+            .arg(&width);
+        b.arg(&dims.eps);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::layer_norm_backward`: overwrites `dx`.
+    pub fn layer_norm_backward(
+        &self,
+        stream: &CudaStream,
+        (x, w, stats): (GpuView, GpuView, GpuView),
+        dy: GpuView,
+        dx: GpuView,
+        dims: LayerNormDims,
+    ) -> Result<()> {
+        let kn = "dsa_layer_norm_backward";
+        if dims.rows == 0 {
+            return Ok(());
+        }
+        let (rows, width) = (dims.rows as u64, u32_of(kn, "width", dims.width)?);
+        let config = warp_rows(kn, dims.rows)?;
+        let [xt, wt, gt, dxt] = [x, w, dy, dx].map(|v| dtype_tag(v.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&x.ptr).arg(&xt).arg(&w.ptr).arg(&wt).arg(&stats.ptr);
+        b.arg(&dy.ptr)
+            .arg(&gt)
+            .arg(&dx.ptr)
+            .arg(&dxt)
+            .arg(&rows)
+            .arg(&width);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::layer_norm_weight_grad`: adds to `d_weight` and `d_bias`.
+    pub fn layer_norm_weight_grad(
+        &self,
+        stream: &CudaStream,
+        (x, stats, dy): (GpuView, GpuView, GpuView),
+        (dw, db): (GpuView, GpuView),
+        dims: LayerNormDims,
+    ) -> Result<()> {
+        let kn = "dsa_layer_norm_weight_grad";
+        if dims.rows == 0 {
+            return Ok(());
+        }
+        let (rows, width) = (dims.rows as u64, u32_of(kn, "width", dims.width)?);
+        let config = LaunchConfig {
+            grid_dim: (dims.width.div_ceil(32) as u32, 1, 1),
+            block_dim: (32, 32, 1),
+            shared_mem_bytes: 0,
+        };
+        let [xt, gt, dwt, dbt] = [x, dy, dw, db].map(|v| dtype_tag(v.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&x.ptr).arg(&xt).arg(&stats.ptr).arg(&dy.ptr).arg(&gt);
+        b.arg(&dw.ptr)
+            .arg(&dwt)
+            .arg(&db.ptr)
+            .arg(&dbt)
+            .arg(&rows)
+            .arg(&width);
+        self.go(kn, &mut b, config)
+    }
+}
+
+/// A warp a row, 8 rows a block.
+fn warp_rows(kernel: &str, rows: usize) -> Result<LaunchConfig> {
+    let blocks = u32_of(kernel, "row blocks", rows.div_ceil(8))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// The sparse attention kernels' dimensions as they take them.
+struct SparseShape {
+    seq: u32,
+    heads: u32,
+    qk: u32,
+    v: u32,
+    topk: u32,
+}
+
+impl SparseShape {
+    fn new(kernel: &str, d: SparseAttentionDims) -> Result<SparseShape> {
+        Ok(SparseShape {
+            seq: u32_of(kernel, "sequence length", d.tokens.seq)?,
+            heads: u32_of(kernel, "heads", d.heads)?,
+            qk: d.qk_dim as u32,
+            v: d.v_dim as u32,
+            topk: u32_of(kernel, "top-k", d.topk)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::launch::source_with_defines;
+
+    /// The launcher's sizes are the kernels'.
+    #[test]
+    fn the_launchers_sizes_are_the_kernels() {
+        source_with_defines(
+            "sparse_attention.cu",
+            &[
+                ("IX_MAX_DIM", INDEXER_MAX_DIM),
+                ("IX_TILE", IX_TILE),
+                ("SA_THREADS", SA_THREADS as usize),
+                ("SA_MAX_DIM", SPARSE_MAX_DIM),
+                ("TOPK_THREADS", TOPK_THREADS as usize),
+                ("LOSS_THREADS", LOSS_THREADS as usize),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_scratch_holds_a_value_a_row_and_head_and_a_bit_a_pair() {
+        let dims = SparseAttentionDims {
+            tokens: crate::backend::Tokens::new(2, 33),
+            heads: 3,
+            qk_dim: 8,
+            v_dim: 8,
+            topk: 4,
+            scale: 1.0,
+        };
+        assert_eq!(sparse_attention_scratch_len(dims), Some(66 * 3 + 66 * 2));
+        assert_eq!(sparse_attention_scratch_bytes(dims), 4 * (66 * 5));
     }
 }
