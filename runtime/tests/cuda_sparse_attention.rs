@@ -1,0 +1,725 @@
+//! DeepSeek sparse attention (`D`) on a GPU against the CPU backend.
+//!
+//! - Every kernel of the family (`indexer_scores`, `indexer_topk`,
+//!   `indexer_loss` dense and sparse, `indexer_backward`,
+//!   `sparse_attention_forward` and `_backward`, `layer_norm_forward`,
+//!   `_backward`, `_weight_grad`) on random order-one inputs over several
+//!   shapes (sequences that are no multiple of a tile, top-k below and at
+//!   or past the sequence, a row past a top-k block's threads, rows of
+//!   selected keys past an attention block's), f32 and bf16 storage, with
+//!   tied scores (key rows repeated). Each GPU kernel takes the CPU's
+//!   inputs (the CPU's scores into top-k, its indices into the loss and the
+//!   attention, ...), so each is compared alone. Its outputs are poisoned
+//!   (NaN, or a bad index) before each call, it runs twice and must give
+//!   the same bits, and it must match the CPU: the indices exactly, f32
+//!   outputs within 1e-5 of their norm, bf16 outputs within 2^-8.
+//! - The conformance suite's sparse attention family (f64 references).
+//! - Training: `[DE]-` and `M[DE]` on one GPU in f32 follow the CPU's run
+//!   (every step's loss and indexer loss within 1e-5 relative), and the
+//!   overlap schedule gives the plain schedule's bits (f32 and bf16).
+//!
+//! The tests are `#[ignore = "needs a GPU"]`: built anywhere, run on a GPU
+//! machine with `--include-ignored` (the GPU bundle's `run.sh` does);
+//! without a GPU they fail, saying why. Each prints what it compared.
+
+use half::bf16;
+use hybridgen_dsl::ModelConfig;
+use hybridgen_runtime::backend::{
+    AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
+    SparseAttentionDims, Tokens,
+};
+use hybridgen_runtime::conformance::{self, Options};
+use hybridgen_runtime::cpu::CpuBackend;
+use hybridgen_runtime::cuda::{CudaBackend, Gpu, probe};
+use hybridgen_runtime::platform::DeviceChoice;
+use hybridgen_runtime::recompute::Recompute;
+use hybridgen_runtime::schedule::ScheduleKind;
+use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, train};
+use hybridgen_runtime::view::DType;
+use hybridgen_runtime::{Backend, Precision};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The first GPU bound to a host queue; a machine without one fails the
+/// test, saying why.
+fn gpu(precision: Precision) -> CudaBackend {
+    if let Err(why) = probe() {
+        panic!("needs a GPU: {why}");
+    }
+    let gpu = Gpu::open(0, precision, Duration::from_secs(60)).expect("the probed GPU opens");
+    gpu.backend("host").expect("a host queue")
+}
+
+/// splitmix64: a seed always gives the same inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[-scale, scale)`.
+    fn sym(&mut self, scale: f32) -> f32 {
+        let unit = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+        ((unit * 2.0 - 1.0) * f64::from(scale)) as f32
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym(scale)).collect()
+    }
+}
+
+/// One shape of the family.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    batch: usize,
+    seq: usize,
+    /// Indexer heads and their width.
+    ni: usize,
+    di: usize,
+    topk: usize,
+    /// Attention heads, q/k and v widths.
+    heads: usize,
+    qk: usize,
+    v: usize,
+    /// Indexer key rows repeat every `ties` positions (0: never), so that
+    /// scores tie.
+    ties: usize,
+}
+
+const SHAPES: &[Shape] = &[
+    Shape {
+        batch: 2,
+        seq: 37,
+        ni: 3,
+        di: 20,
+        topk: 8,
+        heads: 2,
+        qk: 24,
+        v: 20,
+        ties: 0,
+    },
+    Shape {
+        batch: 1,
+        seq: 45,
+        ni: 4,
+        di: 64,
+        topk: 16,
+        heads: 3,
+        qk: 72,
+        v: 40,
+        ties: 5,
+    },
+    // top-k at and past the sequence: every causal key.
+    Shape {
+        batch: 2,
+        seq: 29,
+        ni: 2,
+        di: 16,
+        topk: 29,
+        heads: 2,
+        qk: 16,
+        v: 16,
+        ties: 0,
+    },
+    Shape {
+        batch: 1,
+        seq: 33,
+        ni: 2,
+        di: 16,
+        topk: 40,
+        heads: 1,
+        qk: 16,
+        v: 8,
+        ties: 3,
+    },
+    // Rows longer than a top-k block (512 threads), selections longer than
+    // an attention block's chunk (128), 128-channel indexer heads.
+    Shape {
+        batch: 1,
+        seq: 700,
+        ni: 2,
+        di: 128,
+        topk: 200,
+        heads: 2,
+        qk: 192,
+        v: 128,
+        ties: 7,
+    },
+];
+
+/// A result of one backend: f32 values (widened from bf16) or indices.
+#[derive(Clone, Debug)]
+enum Out {
+    F(Vec<f32>, DType),
+    U(Vec<u32>),
+}
+
+impl Out {
+    fn bits(&self) -> Vec<u32> {
+        match self {
+            Out::F(v, _) => v.iter().map(|x| x.to_bits()).collect(),
+            Out::U(v) => v.clone(),
+        }
+    }
+}
+
+type Outs = BTreeMap<&'static str, Out>;
+
+/// The host inputs of a shape.
+struct Inputs {
+    iq: Vec<f32>,
+    ik: Vec<f32>,
+    iw: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+    ln_w: Vec<f32>,
+    ln_b: Vec<f32>,
+    ln_dy: Vec<f32>,
+    dw0: Vec<f32>,
+    db0: Vec<f32>,
+}
+
+fn inputs(s: Shape, seed: u64) -> Inputs {
+    let mut rng = Rng(seed);
+    let rows = s.batch * s.seq;
+    let mut ik = rng.vec(rows * s.di, 1.0);
+    if s.ties > 0 {
+        for r in 0..rows {
+            let from = r - r % s.ties;
+            let row: Vec<f32> = ik[from * s.di..][..s.di].to_vec();
+            ik[r * s.di..][..s.di].copy_from_slice(&row);
+        }
+    }
+    Inputs {
+        iq: rng.vec(rows * s.ni * s.di, 1.0),
+        ik,
+        // Equal indexer weights where keys tie, otherwise order one.
+        iw: if s.ties > 0 {
+            vec![0.75; rows * s.ni]
+        } else {
+            rng.vec(rows * s.ni, 1.0)
+        },
+        q: rng.vec(rows * s.heads * s.qk, 1.0),
+        k: rng.vec(rows * s.heads * s.qk, 1.0),
+        v: rng.vec(rows * s.heads * s.v, 1.0),
+        dout: rng.vec(rows * s.heads * s.v, 1.0),
+        ln_w: rng.vec(s.di, 1.0),
+        ln_b: rng.vec(s.di, 1.0),
+        ln_dy: rng.vec(rows * s.di, 1.0),
+        dw0: rng.vec(s.di, 1.0),
+        db0: rng.vec(s.di, 1.0),
+    }
+}
+
+/// A buffer of `dtype` holding `values`.
+fn up<B: Backend>(b: &B, values: &[f32], dtype: DType) -> B::Buf {
+    let buf = b.alloc(values.len(), dtype).expect("alloc");
+    let dst = b.view_mut(&buf).expect("view");
+    match dtype {
+        DType::Bf16 => {
+            let v: Vec<bf16> = values.iter().map(|&x| bf16::from_f32(x)).collect();
+            b.upload(&v, dst).expect("upload");
+        }
+        _ => b.upload(values, dst).expect("upload"),
+    }
+    buf
+}
+
+fn up_u32<B: Backend>(b: &B, values: &[u32]) -> B::Buf {
+    let buf = b.alloc(values.len(), DType::U32).expect("alloc");
+    b.upload(values, b.view_mut(&buf).expect("view"))
+        .expect("upload");
+    buf
+}
+
+fn down<B: Backend>(b: &B, buf: &B::Buf, dtype: DType) -> Out {
+    let n = b.buf_len(buf);
+    let src = b.view(buf).expect("view");
+    match dtype {
+        DType::U32 => {
+            let mut v = vec![0u32; n];
+            b.download(src, &mut v).expect("download");
+            Out::U(v)
+        }
+        DType::Bf16 => {
+            let mut v = vec![bf16::ZERO; n];
+            b.download(src, &mut v).expect("download");
+            Out::F(v.iter().map(|x| x.to_f32()).collect(), dtype)
+        }
+        _ => {
+            let mut v = vec![0f32; n];
+            b.download(src, &mut v).expect("download");
+            Out::F(v, dtype)
+        }
+    }
+}
+
+/// An output buffer poisoned: NaN, or for indices a value no kernel
+/// writes.
+fn poisoned<B: Backend>(b: &B, len: usize, dtype: DType) -> B::Buf {
+    if dtype == DType::U32 {
+        return up_u32(b, &vec![0xdead_beef; len]);
+    }
+    let buf = b.alloc(len, dtype).expect("alloc");
+    b.fill(b.view_mut(&buf).expect("view"), f32::NAN)
+        .expect("fill");
+    buf
+}
+
+fn f32s(out: &Out) -> Vec<f32> {
+    match out {
+        Out::F(v, _) => v.clone(),
+        Out::U(v) => panic!("expected floats, found {} indices", v.len()),
+    }
+}
+
+fn u32s(out: &Out) -> Vec<u32> {
+    match out {
+        Out::U(v) => v.clone(),
+        Out::F(..) => panic!("expected indices"),
+    }
+}
+
+/// Runs every kernel of the family on `b`. With `chain`, each kernel takes
+/// its inputs that another kernel makes (scores, indices, the loss's
+/// gradient, the attention's out and lse) from `chain` (the CPU's), so each
+/// is compared alone; without, from its own results.
+fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&Outs>) -> Outs {
+    let tokens = Tokens::new(s.batch, s.seq);
+    let rows = s.batch * s.seq;
+    let mut outs = Outs::new();
+    let idims = IndexerDims {
+        tokens,
+        heads: s.ni,
+        head_dim: s.di,
+        topk: s.topk,
+        weight_scale: 1.0 / ((s.ni * s.di) as f32).sqrt(),
+    };
+    let (iq, ik, iw) = (up(b, &x.iq, a), up(b, &x.ik, a), up(b, &x.iw, a));
+    let iview = || IndexerInputs {
+        q: b.view(&iq).unwrap(),
+        k: b.view(&ik).unwrap(),
+        weights: b.view(&iw).unwrap(),
+    };
+    // Scores.
+    let scores = poisoned(b, rows * s.seq, DType::F32);
+    b.indexer_scores(iview(), b.view_mut(&scores).unwrap(), idims)
+        .expect("indexer_scores");
+    outs.insert("scores", down(b, &scores, DType::F32));
+    let scores_in = match chain {
+        Some(c) => up(b, &f32s(&c["scores"]), DType::F32),
+        None => scores,
+    };
+    // Top-k.
+    let indices = poisoned(b, rows * s.topk, DType::U32);
+    b.indexer_topk(
+        b.view(&scores_in).unwrap(),
+        b.view_mut(&indices).unwrap(),
+        idims,
+    )
+    .expect("indexer_topk");
+    outs.insert("indices", down(b, &indices, DType::U32));
+    let indices_in = match chain {
+        Some(c) => up_u32(b, &u32s(&c["indices"])),
+        None => indices,
+    };
+    // The loss, dense and sparse.
+    let (q, k, v) = (up(b, &x.q, a), up(b, &x.k, a), up(b, &x.v, a));
+    let scale = 1.0 / (s.qk as f32).sqrt();
+    for (sparse, loss_name, grad_name) in [
+        (false, "loss", "d_scores"),
+        (true, "loss_sparse", "d_scores_sparse"),
+    ] {
+        let loss = poisoned(b, rows, DType::F32);
+        let d_scores = poisoned(b, rows * s.seq, DType::F32);
+        b.indexer_loss(
+            b.view(&scores_in).unwrap(),
+            b.view(&q).unwrap(),
+            b.view(&k).unwrap(),
+            b.view(&indices_in).unwrap(),
+            b.view_mut(&loss).unwrap(),
+            b.view_mut(&d_scores).unwrap(),
+            IndexerLossDims {
+                tokens,
+                topk: s.topk,
+                heads: s.heads,
+                qk_dim: s.qk,
+                scale,
+                coeff: 0.37,
+                sparse,
+            },
+        )
+        .expect("indexer_loss");
+        outs.insert(loss_name, down(b, &loss, DType::F32));
+        outs.insert(grad_name, down(b, &d_scores, DType::F32));
+    }
+    // The indexer's backward from the dense loss's gradient.
+    let d_scores_in = up(
+        b,
+        &f32s(chain.map_or(&outs["d_scores"], |c| &c["d_scores"])),
+        DType::F32,
+    );
+    let (dq, dk, dw) = (
+        poisoned(b, rows * s.ni * s.di, a),
+        poisoned(b, rows * s.di, a),
+        poisoned(b, rows * s.ni, a),
+    );
+    b.indexer_backward(
+        iview(),
+        b.view(&d_scores_in).unwrap(),
+        IndexerInputs {
+            q: b.view_mut(&dq).unwrap(),
+            k: b.view_mut(&dk).unwrap(),
+            weights: b.view_mut(&dw).unwrap(),
+        },
+        idims,
+        1.5,
+    )
+    .expect("indexer_backward");
+    outs.insert("indexer_dq", down(b, &dq, a));
+    outs.insert("indexer_dk", down(b, &dk, a));
+    outs.insert("indexer_dw", down(b, &dw, a));
+    // Sparse attention.
+    let adims = SparseAttentionDims {
+        tokens,
+        heads: s.heads,
+        qk_dim: s.qk,
+        v_dim: s.v,
+        topk: s.topk,
+        scale,
+    };
+    let qkv = || AttentionInputs {
+        q: b.view(&q).unwrap(),
+        k: b.view(&k).unwrap(),
+        v: b.view(&v).unwrap(),
+    };
+    let out = poisoned(b, rows * s.heads * s.v, a);
+    let lse = poisoned(b, rows * s.heads, DType::F32);
+    b.sparse_attention_forward(
+        qkv(),
+        b.view(&indices_in).unwrap(),
+        b.view_mut(&out).unwrap(),
+        b.view_mut(&lse).unwrap(),
+        adims,
+    )
+    .expect("sparse_attention_forward");
+    outs.insert("out", down(b, &out, a));
+    outs.insert("lse", down(b, &lse, DType::F32));
+    let (out_in, lse_in) = match chain {
+        Some(c) => (
+            up(b, &f32s(&c["out"]), a),
+            up(b, &f32s(&c["lse"]), DType::F32),
+        ),
+        None => (out, lse),
+    };
+    let dout = up(b, &x.dout, a);
+    let (gq, gk, gv) = (
+        poisoned(b, rows * s.heads * s.qk, a),
+        poisoned(b, rows * s.heads * s.qk, a),
+        poisoned(b, rows * s.heads * s.v, a),
+    );
+    b.sparse_attention_backward(
+        qkv(),
+        b.view(&indices_in).unwrap(),
+        b.view(&out_in).unwrap(),
+        b.view(&lse_in).unwrap(),
+        b.view(&dout).unwrap(),
+        AttentionInputs {
+            q: b.view_mut(&gq).unwrap(),
+            k: b.view_mut(&gk).unwrap(),
+            v: b.view_mut(&gv).unwrap(),
+        },
+        adims,
+    )
+    .expect("sparse_attention_backward");
+    outs.insert("dq", down(b, &gq, a));
+    outs.insert("dk", down(b, &gk, a));
+    outs.insert("dv", down(b, &gv, a));
+    // LayerNorm over the indexer keys' rows.
+    let ldims = LayerNormDims {
+        rows,
+        width: s.di,
+        eps: 1e-5,
+    };
+    let (w, bias, dy) = (up(b, &x.ln_w, a), up(b, &x.ln_b, a), up(b, &x.ln_dy, a));
+    let y = poisoned(b, rows * s.di, a);
+    let stats = poisoned(b, rows * 2, DType::F32);
+    b.layer_norm_forward(
+        b.view(&ik).unwrap(),
+        b.view(&w).unwrap(),
+        b.view(&bias).unwrap(),
+        b.view_mut(&y).unwrap(),
+        b.view_mut(&stats).unwrap(),
+        ldims,
+    )
+    .expect("layer_norm_forward");
+    outs.insert("ln_y", down(b, &y, a));
+    outs.insert("ln_stats", down(b, &stats, DType::F32));
+    let stats_in = match chain {
+        Some(c) => up(b, &f32s(&c["ln_stats"]), DType::F32),
+        None => stats,
+    };
+    let dx = poisoned(b, rows * s.di, a);
+    b.layer_norm_backward(
+        b.view(&ik).unwrap(),
+        b.view(&w).unwrap(),
+        b.view(&stats_in).unwrap(),
+        b.view(&dy).unwrap(),
+        b.view_mut(&dx).unwrap(),
+        ldims,
+    )
+    .expect("layer_norm_backward");
+    outs.insert("ln_dx", down(b, &dx, a));
+    // The parameter gradients accumulate onto f32 sums.
+    let (gw, gb) = (up(b, &x.dw0, DType::F32), up(b, &x.db0, DType::F32));
+    b.layer_norm_weight_grad(
+        b.view(&ik).unwrap(),
+        b.view(&stats_in).unwrap(),
+        b.view(&dy).unwrap(),
+        b.view_mut(&gw).unwrap(),
+        b.view_mut(&gb).unwrap(),
+        ldims,
+    )
+    .expect("layer_norm_weight_grad");
+    outs.insert("ln_dw", down(b, &gw, DType::F32));
+    outs.insert("ln_db", down(b, &gb, DType::F32));
+    outs
+}
+
+/// `|gpu - cpu| / |cpu|` over the whole output (norms), with non-finite
+/// values compared by position: a NaN where the CPU has a finite value
+/// (poison left unwritten) is infinitely wrong.
+fn error(gpu: &[f32], cpu: &[f32]) -> f64 {
+    assert_eq!(gpu.len(), cpu.len());
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        if !c.is_finite() || !g.is_finite() {
+            if g.to_bits() != c.to_bits() && !(g.is_nan() && c.is_nan()) {
+                return f64::INFINITY;
+            }
+            continue;
+        }
+        diff += (f64::from(g) - f64::from(c)).powi(2);
+        norm += f64::from(c).powi(2);
+    }
+    diff.sqrt() / norm.sqrt().max(1e-30)
+}
+
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::Bf16 => 1.0 / 256.0,
+        _ => 1e-5,
+    }
+}
+
+/// Every kernel of every shape, in `a` storage, against the CPU.
+fn family_matches_the_cpu(a: DType, precision: Precision) {
+    let cuda = gpu(precision);
+    let cpu = CpuBackend::new(precision);
+    let mut failures = Vec::new();
+    for (i, &s) in SHAPES.iter().enumerate() {
+        let x = inputs(s, 0x5eed + i as u64);
+        let want = run_family(&cpu, s, &x, a, None);
+        let got = run_family(&cuda, s, &x, a, Some(&want));
+        let again = run_family(&cuda, s, &x, a, Some(&want));
+        // The GPU's top-k on its own scores too (they are the CPU's bits
+        // when the scores kernel sums in the CPU's order).
+        let own = run_family(&cuda, s, &x, a, None);
+        let label = format!(
+            "{a} b{} s{} ni{} di{} k{} h{} qk{} v{} ties{}",
+            s.batch, s.seq, s.ni, s.di, s.topk, s.heads, s.qk, s.v, s.ties
+        );
+        for (name, w) in &want {
+            let g = &got[name];
+            let repeat = g.bits() == again[name].bits();
+            let (err, tol, exact) = match (g, w) {
+                (Out::U(gv), Out::U(wv)) => {
+                    let wrong = gv.iter().zip(wv).filter(|(x, y)| x != y).count();
+                    (wrong as f64, 0.0, wrong == 0)
+                }
+                (Out::F(gv, dt), Out::F(wv, _)) => {
+                    let same = gv.iter().zip(wv).all(|(x, y)| x.to_bits() == y.to_bits());
+                    (error(gv, wv), tolerance(*dt), same)
+                }
+                _ => panic!("{name}: kinds differ"),
+            };
+            let ok = err <= tol && repeat;
+            println!(
+                "{label:44} {name:16} err {err:9.2e} (tol {tol:.1e}) {} {}{}",
+                if exact { "bit-exact" } else { "         " },
+                if repeat {
+                    "repeats"
+                } else {
+                    "DIFFERS between runs"
+                },
+                if ok { "" } else { "  FAIL" }
+            );
+            if !ok {
+                failures.push(format!("{label} {name}: err {err:.3e} repeat {repeat}"));
+            }
+        }
+        let own_indices = u32s(&own["indices"]);
+        let cpu_indices = u32s(&want["indices"]);
+        let wrong = own_indices
+            .iter()
+            .zip(&cpu_indices)
+            .filter(|(x, y)| x != y)
+            .count();
+        println!("{label:44} top-k of the GPU's own scores: {wrong} slots differ from the CPU's");
+        if wrong != 0 {
+            failures.push(format!(
+                "{label} top-k of the GPU's scores: {wrong} slots differ"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sparse_attention_kernels_match_the_cpu_in_f32() {
+    family_matches_the_cpu(DType::F32, Precision::F32);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn sparse_attention_kernels_match_the_cpu_in_bf16() {
+    family_matches_the_cpu(DType::Bf16, Precision::Bf16);
+}
+
+/// The conformance suite's sparse attention family (its f64 references),
+/// with the slack `cuda_backend` gives the other families (CUDA's expf and
+/// logf are within 2 ulp of libm's).
+#[test]
+#[ignore = "needs a GPU"]
+fn sparse_attention_conforms() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        let backend = gpu(precision);
+        let options = Options {
+            slack: 2.0,
+            ..Options::default()
+        };
+        let mut suite = conformance::Suite::new(&backend, &options);
+        suite.run(conformance::Family::SparseAttention);
+        let report = suite.finish();
+        println!("{precision:?}:\n{report}");
+        assert!(report.is_clean(), "{report}");
+    }
+}
+
+// ---- training --------------------------------------------------------------------
+
+/// A small run of `pattern` on the tiny preset (its `[dsa]`: 2 indexer
+/// heads of 16) on one rank: 40-token sequences of which each query keeps
+/// 8 keys, the indexer loss on.
+fn config(pattern: &str, device: DeviceChoice, precision: Precision) -> TrainConfig {
+    let mut model = ModelConfig::preset("tiny").unwrap();
+    model.pattern = pattern.to_string();
+    let dsa = model.dsa.as_mut().expect("tiny has [dsa]");
+    dsa.index_topk = 8;
+    dsa.indexer_loss_coeff = 0.01;
+    let mut config = TrainConfig::new(model);
+    config.device = device;
+    config.precision = precision;
+    config.ranks = 1;
+    config.ep = 1;
+    config.steps = 4;
+    config.micro_batches = 2;
+    config.micro_batch_size = 2;
+    config.seq_length = 40;
+    config.recompute = Recompute::None;
+    config
+}
+
+fn run(config: &TrainConfig) -> (Vec<StepReport>, TrainSummary) {
+    let mut reports = Vec::new();
+    let summary = train(config, &mut |r| reports.push(r.clone()))
+        .unwrap_or_else(|e| panic!("{} on {}: {e}", config.model.pattern, config.device));
+    (reports, summary)
+}
+
+fn relative(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+/// Per step the bits of the loss, the aux and indexer losses and the
+/// gradient norm; then the parameter hash.
+type Curve = (Vec<[u64; 4]>, u64);
+
+fn curve(reports: &[StepReport], summary: &TrainSummary) -> Curve {
+    let steps = reports
+        .iter()
+        .map(|r| {
+            [
+                r.loss.to_bits(),
+                r.aux_loss.to_bits(),
+                r.indexer_loss.unwrap_or(f64::NAN).to_bits(),
+                r.grad_norm.to_bits(),
+            ]
+        })
+        .collect();
+    (steps, summary.param_hash)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn dsa_training_on_a_gpu_matches_the_cpu_and_overlap_equals_plain() {
+    if let Err(why) = probe() {
+        panic!("needs a GPU: {why}");
+    }
+    let mut failures = Vec::new();
+    for pattern in ["[DE]-", "M[DE]"] {
+        let cpu = run(&config(pattern, DeviceChoice::Cpu, Precision::F32)).0;
+        let gpu = run(&config(pattern, DeviceChoice::Cuda, Precision::F32)).0;
+        assert_eq!(cpu.len(), gpu.len(), "{pattern}: steps");
+        for (c, g) in cpu.iter().zip(&gpu) {
+            let (ci, gi) = (
+                c.indexer_loss.unwrap_or(f64::NAN),
+                g.indexer_loss.unwrap_or(f64::NAN),
+            );
+            let (rl, ri) = (relative(g.loss, c.loss), relative(gi, ci));
+            println!(
+                "{pattern:8} step {}: loss cpu {:.9} gpu {:.9} (rel {rl:.1e}); indexer cpu {ci:.9e} \
+                 gpu {gi:.9e} (rel {ri:.1e}); grad norm rel {:.1e}",
+                c.step,
+                c.loss,
+                g.loss,
+                relative(g.grad_norm, c.grad_norm)
+            );
+            if !(rl <= 1e-5 && ri <= 1e-5) {
+                failures.push(format!(
+                    "{pattern} step {}: loss rel {rl:.2e}, indexer loss rel {ri:.2e}",
+                    c.step
+                ));
+            }
+        }
+        for precision in [Precision::F32, Precision::Bf16] {
+            let with = |schedule| {
+                let mut c = config(pattern, DeviceChoice::Cuda, precision);
+                c.micro_batches = 3;
+                c.schedule = schedule;
+                let (r, s) = run(&c);
+                curve(&r, &s)
+            };
+            let overlap = with(ScheduleKind::Overlap);
+            let plain = with(ScheduleKind::Plain);
+            let again = with(ScheduleKind::Overlap);
+            println!(
+                "{pattern:8} {precision:?}: overlap {} plain, {} the same run again",
+                if overlap == plain { "==" } else { "!=" },
+                if overlap == again { "==" } else { "!=" }
+            );
+            if overlap != plain || overlap != again {
+                failures.push(format!(
+                    "{pattern} {precision:?}: overlap {overlap:?}\nplain {plain:?}\nagain {again:?}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
