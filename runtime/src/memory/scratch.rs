@@ -1,5 +1,6 @@
 //! The scratch the GPU kernels take while they run (attention's, the
-//! Mamba scan's and the gated delta rule's), for the memory check,
+//! Mamba scan's, the gated delta rule's and sparse attention's), for the
+//! memory check,
 //! computed by the backend's own rule
 //! ([`crate::backend::Backend::kernel_scratch`]).
 
@@ -88,6 +89,29 @@ pub fn gpu_kernel_scratch(
     };
     kernel_scratch::<CudaBackend>(model, kinds, tokens, settings)
         .max(gdn_scratch(model, kinds, tokens, settings))
+        .max(dsa_scratch(model, kinds, tokens))
+}
+
+/// The GPU's sparse attention scratch for `model`'s `D` layers (its
+/// backward's: `dout . out` a row and head, and a bit a (key, query) pair),
+/// 0 without them. Counted here rather than as a [`ScratchCall`]: only the
+/// CUDA backend takes scratch for it.
+fn dsa_scratch(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> u64 {
+    match &model.mla {
+        Some(m) if kinds.contains(&LayerKind::Dsa) => {
+            let dims = crate::backend::SparseAttentionDims {
+                tokens,
+                heads: m.num_heads,
+                qk_dim: m.qk_head_dim + m.qk_rope_head_dim,
+                v_dim: m.v_head_dim,
+                // The scratch does not depend on the selection's width.
+                topk: 1,
+                scale: 1.0,
+            };
+            crate::cuda::ops::sparse_attention::sparse_attention_scratch_bytes(dims)
+        }
+        _ => 0,
+    }
 }
 
 /// The GPU's gated delta rule scratch for `model`'s `G` layers (its
@@ -112,5 +136,32 @@ fn gdn_scratch(
             crate::cuda::ops::delta::delta_scratch_bytes(dims, settings)
         }
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `D` layer's GPU scratch: `dout . out` a row and head and a bit a
+    /// (key, query) pair, in 4-byte words, for the tiny preset's MLA.
+    #[test]
+    fn dsa_layers_count_the_sparse_attention_backwards_scratch() {
+        let model = ModelConfig::preset("tiny").unwrap();
+        let m = model.mla.as_ref().expect("tiny has MLA");
+        let tokens = Tokens::new(2, 100);
+        let words = 200 * m.num_heads + 200 * 100usize.div_ceil(32);
+        let scratch = |kinds: &[LayerKind]| {
+            gpu_kernel_scratch(
+                &model,
+                kinds,
+                tokens,
+                DType::F32,
+                AttentionBackend::Flash,
+                (0, 0),
+            )
+        };
+        assert_eq!(scratch(&[LayerKind::Dsa]), 4 * words as u64);
+        assert_eq!(scratch(&[LayerKind::Mlp]), 0);
     }
 }
