@@ -397,7 +397,7 @@ type Curve = (Vec<[u64; 5]>, u64);
 
 /// Trains `config`: `Ok(None)` when it was refused before any work (with
 /// the refusal checked), the curve when it trained.
-fn trained(case: &Case, config: &TrainConfig) -> Result<Option<Curve>, TestCaseError> {
+fn trained(config: &TrainConfig) -> Result<Option<Curve>, TestCaseError> {
     let prepared = match prepare(config) {
         Ok(prepared) => prepared,
         Err(e) => {
@@ -473,24 +473,18 @@ fn agrees(case: &Case) -> Result<(), TestCaseError> {
     let plan = case
         .plan()
         .map_err(|e| TestCaseError::fail(format!("the planner refused a valid pattern: {e}")))?;
-    let first = trained(case, &case.config(case.schedule, case.sharding))?;
+    let first = trained(&case.config(case.schedule, case.sharding))?;
     let Some(first) = first else {
         return Ok(());
     };
-    let schedule = trained(
-        case,
-        &case.config(other_schedule(case.schedule), case.sharding),
-    )?;
+    let schedule = trained(&case.config(other_schedule(case.schedule), case.sharding))?;
     prop_assert_eq!(
         Some(&first),
         schedule.as_ref(),
         "the overlap and plain schedules disagree ({} units)",
         plan.units.len()
     );
-    let sharding = trained(
-        case,
-        &case.config(case.schedule, other_sharding(case.sharding)),
-    )?;
+    let sharding = trained(&case.config(case.schedule, other_sharding(case.sharding)))?;
     prop_assert_eq!(
         Some(&first),
         sharding.as_ref(),
@@ -499,7 +493,7 @@ fn agrees(case: &Case) -> Result<(), TestCaseError> {
     );
     if case.pp > 1 || !case.bars.is_empty() {
         let one = case.one_stage();
-        let Some(alone) = trained(&one, &one.config(case.schedule, case.sharding))? else {
+        let Some(alone) = trained(&one.config(case.schedule, case.sharding))? else {
             return Err(TestCaseError::fail("one stage refused what stages trained"));
         };
         stages_agree(&first, &alone, plan.shares_embedding())?;
