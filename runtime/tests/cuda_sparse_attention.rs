@@ -612,6 +612,103 @@ fn sparse_attention_conforms() {
     }
 }
 
+/// A selected key past the sequence (forward) or selected twice by one
+/// query (backward) is reported through the device fault word, naming the
+/// query row, at the next host read.
+#[test]
+#[ignore = "needs a GPU"]
+fn bad_selections_are_device_faults() {
+    let b = gpu(Precision::F32);
+    let s = SHAPES[0];
+    let x = inputs(s, 7);
+    let rows = s.batch * s.seq;
+    let tokens = Tokens::new(s.batch, s.seq);
+    let adims = SparseAttentionDims {
+        tokens,
+        heads: s.heads,
+        qk_dim: s.qk,
+        v_dim: s.v,
+        topk: s.topk,
+        scale: 0.25,
+    };
+    // Every row selects its first min(t + 1, topk) keys.
+    let good: Vec<u32> = (0..rows * s.topk)
+        .map(|i| {
+            let (t, slot) = ((i / s.topk) % s.seq, i % s.topk);
+            if slot <= t { slot as u32 } else { u32::MAX }
+        })
+        .collect();
+    let (q, k, v) = (
+        up(&b, &x.q, DType::F32),
+        up(&b, &x.k, DType::F32),
+        up(&b, &x.v, DType::F32),
+    );
+    let qkv = || AttentionInputs {
+        q: b.view(&q).unwrap(),
+        k: b.view(&k).unwrap(),
+        v: b.view(&v).unwrap(),
+    };
+    let out = poisoned(&b, rows * s.heads * s.v, DType::F32);
+    let lse = poisoned(&b, rows * s.heads, DType::F32);
+    let read = |buf| {
+        let mut host = vec![0f32; b.buf_len(buf)];
+        b.download(b.view(buf).unwrap(), &mut host)
+    };
+    // Row 9's slot 2 past the sequence.
+    let mut past = good.clone();
+    past[9 * s.topk + 2] = s.seq as u32;
+    let ix = up_u32(&b, &past);
+    b.sparse_attention_forward(
+        qkv(),
+        b.view(&ix).unwrap(),
+        b.view_mut(&out).unwrap(),
+        b.view_mut(&lse).unwrap(),
+        adims,
+    )
+    .expect("launches");
+    let err = read(&out).expect_err("a key past the sequence is a fault");
+    println!("past the sequence: {err}");
+    assert!(err.to_string().contains("query row 9 "), "{err}");
+    // The faults are cleared once read: a good selection runs clean.
+    let ix = up_u32(&b, &good);
+    b.sparse_attention_forward(
+        qkv(),
+        b.view(&ix).unwrap(),
+        b.view_mut(&out).unwrap(),
+        b.view_mut(&lse).unwrap(),
+        adims,
+    )
+    .expect("launches");
+    read(&out).expect("a good selection");
+    // Row 12 (token 12, 8 keys selected) selects key 3 twice.
+    let mut twice = good;
+    twice[12 * s.topk + 5] = 3;
+    let ix = up_u32(&b, &twice);
+    let dout = up(&b, &x.dout, DType::F32);
+    let grads = [
+        poisoned(&b, rows * s.heads * s.qk, DType::F32),
+        poisoned(&b, rows * s.heads * s.qk, DType::F32),
+        poisoned(&b, rows * s.heads * s.v, DType::F32),
+    ];
+    b.sparse_attention_backward(
+        qkv(),
+        b.view(&ix).unwrap(),
+        b.view(&out).unwrap(),
+        b.view(&lse).unwrap(),
+        b.view(&dout).unwrap(),
+        AttentionInputs {
+            q: b.view_mut(&grads[0]).unwrap(),
+            k: b.view_mut(&grads[1]).unwrap(),
+            v: b.view_mut(&grads[2]).unwrap(),
+        },
+        adims,
+    )
+    .expect("launches");
+    let err = read(&grads[1]).expect_err("a key selected twice is a fault");
+    println!("selected twice: {err}");
+    assert!(err.to_string().contains("query row 12 "), "{err}");
+}
+
 // ---- training --------------------------------------------------------------------
 
 /// A small run of `pattern` on the tiny preset (its `[dsa]`: 2 indexer

@@ -67,8 +67,8 @@ impl fmt::Display for DeviceFault {
             7 => write!(f, "the token id of row {i} is past the vocabulary"),
             8 => write!(
                 f,
-                "the selected key at slot {i} of the sparse attention's indices is out of range \
-                 or repeated in its row"
+                "query row {i} of the sparse attention selected a key out of range or the same \
+                 key twice"
             ),
             code => write!(f, "unknown device fault {code} at {i}"),
         }

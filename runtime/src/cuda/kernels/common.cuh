@@ -115,7 +115,7 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #define FAULT_POSITION 5u      // an unpermute position out of range
 #define FAULT_DECAYED 6u       // a decayed range out of order or out of the shard
 #define FAULT_TOKEN 7u         // a token id at or past the vocabulary
-#define FAULT_SELECTED_KEY 8u  // a selected key out of range or repeated in its row
+#define FAULT_SELECTED_KEY 8u  // a query row whose selected keys are out of range or repeated
 
 __device__ __forceinline__ void report_fault(u64* status, u32 code, u64 index) {
     atomicMin(status, (static_cast<u64>(code) << 40) | (index & ((1ull << 40) - 1)));

@@ -301,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) dsa_indexer_topk(
 // The loss's keys of query t: item i of the row is key i (every causal key)
 // or the row's slot i (sparse: valid if selected and causal). Gives the key
 // position, or NO_KEY for an item that is not a valid key.
-__device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq, int sparse, u64* status, u64 slot) {
+__device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq, int sparse, u64* status, u64 row) {
     if (!sparse) {
         return i;
     }
@@ -310,7 +310,7 @@ __device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq
         return NO_KEY;
     }
     if (u >= seq) {
-        report_fault(status, FAULT_SELECTED_KEY, slot);
+        report_fault(status, FAULT_SELECTED_KEY, row);
         return NO_KEY;
     }
     return u <= t ? u : NO_KEY;
@@ -347,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
         float m = neg_inf();
         float l = 0.0f;
         for (u32 i = threadIdx.x; i < items; i += blockDim.x) {
-            const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r * topk + i);
+            const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r);
             if (u == NO_KEY) {
                 continue;
             }
@@ -360,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
         const float mine = m == neg_inf() ? 0.0f : l * expf(m - big);
         const float sum = block_sum(mine, red);
         for (u32 i = threadIdx.x; i < items; i += blockDim.x) {
-            const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r * topk + i);
+            const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r);
             if (u == NO_KEY) {
                 continue;
             }
@@ -373,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     float part = 0.0f;
     float smax = neg_inf();
     for (u32 i = threadIdx.x; i < items; i += blockDim.x) {
-        const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r * topk + i);
+        const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r);
         if (u != NO_KEY) {
             part += d_row[u];
             smax = fmaxf(smax, row[u]);
@@ -383,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     smax = block_max(smax, red);
     float e = 0.0f;
     for (u32 i = threadIdx.x; i < items; i += blockDim.x) {
-        const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r * topk + i);
+        const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r);
         if (u != NO_KEY) {
             e += expf(row[u] - smax);
         }
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     const float log_sum = logf(block_sum(e, red));
     float kl = 0.0f;
     for (u32 i = threadIdx.x; i < items; i += blockDim.x) {
-        const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r * topk + i);
+        const u32 u = loss_key(row_ix, i, t, seq, sparse, status, r);
         if (u == NO_KEY) {
             continue;
         }
@@ -570,14 +570,14 @@ extern "C" __global__ void __launch_bounds__(256) dsa_indexer_backward_k(
 // ---- sparse attention ------------------------------------------------------------
 
 // Key slot `slot` of query row r (token t): its position, or NO_KEY when it
-// is padding, after the query, or out of range (reported).
+// is padding, after the query, or out of range (reported with the row).
 __device__ __forceinline__ u32 selected_key(const u32* indices, u64 r, u32 topk, u32 slot, u32 t, u32 seq, u64* status) {
     const u32 u = indices[r * topk + slot];
     if (u == NO_KEY) {
         return NO_KEY;
     }
     if (u >= seq) {
-        report_fault(status, FAULT_SELECTED_KEY, r * topk + slot);
+        report_fault(status, FAULT_SELECTED_KEY, r);
         return NO_KEY;
     }
     return u <= t ? u : NO_KEY;
@@ -720,7 +720,7 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_sparse_backward_dq(
                 const u32 bit = 1u << (t & 31u);
                 const u32 old = atomicOr(&bitmap[(base + u) * words + t / 32], bit);
                 if (old & bit) {
-                    report_fault(status, FAULT_SELECTED_KEY, r * topk + slot);
+                    report_fault(status, FAULT_SELECTED_KEY, r);
                 }
             }
         }
