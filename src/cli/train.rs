@@ -574,8 +574,11 @@ pub(crate) fn run(args: &TrainArgs, matches: Option<&ArgMatches>) -> Result<(), 
                 if report.aux_loss != 0.0 {
                     line += &format!("  aux {:.4}", report.aux_loss);
                 }
+                // Scientific, as Megatron prints its losses: the indexer
+                // loss carries its coefficient (0.01 in Megatron's DSA
+                // test), which leaves nothing to see in four decimals.
                 if let Some(indexer) = report.indexer_loss {
-                    line += &format!("  indexer {indexer:.4}");
+                    line += &format!("  indexer {indexer:.3e}");
                 }
                 if let Some(eval) = report.eval_loss {
                     line += &format!("  eval loss {eval:.4}");
