@@ -418,3 +418,30 @@ fn two_stages_train_like_one() {
         }
     }
 }
+
+/// The reported indexer loss is a mean, as Megatron's is: over the
+/// micro-batches (scaled by 1/num_microbatches), the data-parallel ranks
+/// and the `D` layers. Each is a mean of values of one order at the first
+/// step (the same initial weights, other tokens or another layer), so four
+/// micro-batches, two ranks or a second `D` layer report about what one
+/// does; a sum would report about twice or four times as much.
+#[test]
+fn the_indexer_loss_is_a_mean_over_micro_batches_ranks_and_layers() {
+    let first = |pattern: &str, ranks: usize, micro_batches: usize| {
+        let mut c = config(pattern);
+        (c.ranks, c.ep, c.micro_batches, c.steps) = (ranks, 1, micro_batches, 1);
+        run(&c, false).reports[0].indexer_loss.unwrap()
+    };
+    let one = first("[DE]-", 1, 1);
+    for (what, other) in [
+        ("four micro-batches", first("[DE]-", 1, 4)),
+        ("two ranks", first("[DE]-", 2, 1)),
+        ("a D layer in an MTP depth too", first("[DE]-/DE", 1, 1)),
+    ] {
+        let ratio = other / one;
+        assert!(
+            (0.6..1.6).contains(&ratio),
+            "{what}: {other} against {one} with one"
+        );
+    }
+}
