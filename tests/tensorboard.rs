@@ -3,7 +3,8 @@
 //! accumulator, which `.ci/run` installs), every tag holding the values of
 //! the run's JSON lines: bit for bit where the value is an f32 (the learning
 //! rate), and as the f32 TensorBoard stores for the f64 losses and norms.
-//! A resumed run adds a file of its own whose steps continue the curves; a
+//! A model with `D` layers logs its indexer loss, others do not. A resumed
+//! run adds a file of its own whose steps continue the curves; a
 //! directory that cannot be written is refused before the first step.
 
 mod support;
@@ -189,6 +190,55 @@ fn tensorboard_reads_every_tag_with_the_values_of_the_json_lines() {
         "{}",
         settings[0].2
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A model that trains a DSA indexer logs Megatron's `indexer loss` with
+/// the values of the JSON lines' `indexer_loss`; the run above, which has no
+/// `D` layer, logs none.
+#[test]
+fn a_dsa_model_logs_its_indexer_loss() {
+    let dir = scratch("tensorboard", "indexer");
+    let (tb, log) = (dir.join("tb"), dir.join("run.jsonl"));
+    let out = hybridgen(&[
+        "train",
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny-dsa",
+        "--seq-len",
+        "32",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "3",
+        "--tensorboard-dir",
+        tb.to_str().unwrap(),
+        "--log-file",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let read = tensorboard_reads(&tb);
+    let lines = json_lines(&log);
+    assert_eq!(lines.len(), 3);
+    for line in &lines {
+        let step = line["step"].as_u64().unwrap();
+        assert!(
+            line["indexer_loss"].as_f64().is_some_and(|l| l > 0.0),
+            "{line}"
+        );
+        assert_eq!(
+            at(&read, "indexer loss", step),
+            as_f32(&line["indexer_loss"]),
+            "step {step}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch("tensorboard", "no-indexer");
+    train(&dir, &["--steps", "1"]);
+    let read = tensorboard_reads(&dir.join("tb"));
+    assert!(read.scalars.contains_key("lm loss"));
+    assert!(!read.scalars.contains_key("indexer loss"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
