@@ -1,15 +1,18 @@
 //! `D` (DeepSeek sparse attention) trains on the CPU end to end, its
-//! indexer loss on: grouped with experts, after Mamba, beside MLA (`*`
-//! cannot share a model with `D`: H009) and in an MTP depth, the overlap
-//! schedule gives the plain schedule's bits, ZeRO-3
-//! gives no_shard's, recomputation changes nothing, a resume continues the
-//! same curve, two pipeline stages train like one, and the loss falls. The
-//! step reports the indexer loss (Megatron's "indexer loss") when the model
-//! trains an indexer, and with a zero coefficient the indexer does not
-//! train. Every parity run reads its trace to check that the schedule and
-//! sharding compared are the ones that ran.
+//! indexer loss on, at expert parallelism 2: grouped with experts, after
+//! Mamba, beside MLA (`*` cannot share a model with `D`: H009), in an MTP
+//! depth and in bf16, the overlap schedule gives the plain schedule's bits,
+//! ZeRO-3 gives no_shard's and recomputation changes nothing; a resume
+//! continues the same curve, two pipeline stages train like one,
+//! evaluation changes no training bit, and the loss falls. The step
+//! reports the indexer loss (Megatron's "indexer loss", a mean over
+//! micro-batches, ranks and `D` layers) when the model trains an indexer,
+//! and with a zero coefficient the indexer does not train. Every parity run
+//! reads its trace to check that the schedule and sharding compared are the
+//! ones that ran.
 
 use hybridgen_dsl::ModelConfig;
+use hybridgen_runtime::Precision;
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::fsdp::Sharding;
 use hybridgen_runtime::recompute::Recompute;
@@ -172,8 +175,14 @@ fn assert_indexer_loss_reported(case: &str, reports: &[StepReport]) {
 /// none: the same bits (the indexer loss's among them), each run having run
 /// what it asked for.
 fn parity(pattern: &str) {
+    parity_with(pattern, |_| {});
+}
+
+/// [`parity`] with `edit` applied to every run.
+fn parity_with(pattern: &str, edit: impl Fn(&mut TrainConfig)) {
     let with = |f: &dyn Fn(&mut TrainConfig)| {
         let mut c = config(pattern);
+        edit(&mut c);
         f(&mut c);
         run(&c, true)
     };
@@ -233,6 +242,33 @@ fn ungrouped_dsa_beside_mla_keeps_parity() {
 #[test]
 fn dsa_in_an_mtp_depth_keeps_parity() {
     parity("[DE]-/DE");
+}
+
+/// bf16 activations: the indexer's and the attention's inputs widened to
+/// f32 by the CPU's kernels, the scores and the loss in f32 either way.
+#[test]
+fn dsa_in_bf16_keeps_parity() {
+    parity_with("M[DE]", |c| c.precision = Precision::Bf16);
+}
+
+/// Evaluation runs the `D` layers forward only (their indexer loss is
+/// computed and not reported) and changes nothing of the training: the
+/// curve and parameters are those of a run that does not evaluate.
+#[test]
+fn evaluating_a_dsa_model_changes_no_training_bit() {
+    let mut c = config("M[DE]");
+    let plain = run(&c, false);
+    (c.eval_every, c.eval_steps) = (Some(1), 2);
+    let evaluated = run(&c, false);
+    assert_eq!(plain.curve, evaluated.curve);
+    for r in &evaluated.reports {
+        let eval = r.eval_loss;
+        assert!(
+            eval.is_some_and(f64::is_finite),
+            "step {}: {eval:?}",
+            r.step
+        );
+    }
 }
 
 /// The loss falls: thirty steps of `[DE]-`, the indexer loss reported on
