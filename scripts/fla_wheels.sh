@@ -3,8 +3,8 @@
 # dependencies fetched) into gpu-bundle/wheels/, for a GPU machine without
 # internet: scripts/bench_delta_fla.py installs them there from the bundle
 # (`pip install --no-deps --no-index gpu-bundle/wheels/*.whl`). PyTorch and
-# Triton are expected on that machine already. Run it after
-# scripts/cuda_bundle.sh (which starts gpu-bundle/ afresh).
+# Triton are expected on that machine already. scripts/cuda_bundle.sh runs
+# it (after starting gpu-bundle/ afresh).
 #
 #   scripts/fla_wheels.sh            # the latest release
 #   FLA_VERSION=0.4.1 scripts/fla_wheels.sh
