@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks a hybridgen export against transformers' own Nemotron-H.
+"""Checks a hybridgen export against transformers' own Nemotron-H or Qwen3-Next.
 
     python3 scripts/hf_check.py EXPORT_DIR TOKENS_AND_LOSS.json
 
@@ -10,8 +10,9 @@ predicting tokens 1..S from tokens 0..S-1). This script loads the folder
 with AutoModelForCausalLM in f32, computes transformers' loss on the same
 tokens (labels = input_ids: transformers shifts them itself) and prints
 both. It exits 0 when they agree to 1e-4 relative, 1 when they do not, 2 on
-bad arguments. Needs torch and transformers (a version with the native
-`nemotron_h` model); no cargo. Runs on a GPU when one is visible, else on
+bad arguments, 3 when transformers reports a tensor missing, unexpected or
+misshapen on load. Needs torch and transformers (a version with the native
+`nemotron_h` or `qwen3_next` model); no cargo. Runs on a GPU when one is visible, else on
 the CPU; TF32 is switched off so f32 means f32.
 """
 
@@ -44,13 +45,23 @@ def main(argv):
     # attention: the plainest f32 maths transformers has.
     # transformers 5 names the dtype argument `dtype`; 4.x `torch_dtype`.
     major = int(transformers.__version__.split(".")[0])
-    dtype_arg = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
-    model = AutoModelForCausalLM.from_pretrained(
+    kwargs = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+    with open(f"{export_dir}/config.json") as f:
+        model_type = json.load(f).get("model_type")
+    if model_type == "nemotron_h":
+        kwargs["use_mamba_kernels"] = False
+    model, info = AutoModelForCausalLM.from_pretrained(
         export_dir,
         attn_implementation="eager",
-        use_mamba_kernels=False,
-        **dtype_arg,
+        output_loading_info=True,
+        **kwargs,
     )
+    problems = {k: v for k, v in info.items() if k != "error_msgs" and v} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
+    )
+    if problems:
+        print(f"transformers did not load every tensor as written: {problems}", file=sys.stderr)
+        return 3
     model.to(device).eval()
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
     with torch.no_grad():

@@ -8,7 +8,7 @@
 //! and a field it does not know at all is refused, so nothing is dropped
 //! without a word.
 
-use super::mapping::{HF_KINDS, check_kind, kind_name};
+use super::mapping::{Family, HF_KINDS, check_kind, kind_name};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::config::{
     Activation, AttentionConfig, MambaConfig, MlpConfig, MoeConfig, MtpConfig, Position,
@@ -39,7 +39,7 @@ impl HfDtype {
 const MAX_MTP_DEPTHS: u64 = 1024;
 
 /// RMSNorm's epsilon: fixed in hybridgen (layers.md).
-const NORM_EPS: f64 = 1e-5;
+pub(super) const NORM_EPS: f64 = 1e-5;
 
 /// A pattern's layers flattened to transformers' symbols: the main
 /// decoder and one MTP depth's (all depths are alike, H010).
@@ -65,14 +65,62 @@ fn symbols(kinds: &[LayerKind]) -> String {
     kinds.iter().map(|k| k.symbol()).collect()
 }
 
-fn refuse(message: String) -> RuntimeError {
+pub(super) fn refuse(message: String) -> RuntimeError {
     RuntimeError::Unsupported(message)
+}
+
+/// The transformers model type `model` exports as: `qwen3_next` for a
+/// pattern with `G` (which nemotron_h lacks); otherwise `nemotron_h` when it
+/// computes the model, else `qwen3_next` when that does; a model neither
+/// computes is refused with both reasons.
+pub fn family_of(model: &ModelConfig) -> Result<Family> {
+    let has_g = Pattern::parse(&model.pattern).is_ok_and(|p| {
+        p.layers()
+            .chain(p.mtp_depths.iter().flat_map(|d| d.layers.iter()))
+            .any(|l| l.kind == LayerKind::GatedDeltaNet)
+    });
+    let qwen = || super::qwen3_next::check(model).map(|_| Family::Qwen3Next);
+    if has_g {
+        return qwen().map_err(|e| {
+            refuse(format!(
+                "{} (a pattern with `G` exports as transformers' qwen3_next: nemotron_h has no                  gated delta net)",
+                strip(&e)
+            ))
+        });
+    }
+    let nemotron = match nemotron_h_config(model, HfDtype::F32) {
+        Ok(_) => return Ok(Family::NemotronH),
+        Err(e) => e,
+    };
+    qwen().map_err(|q| {
+        refuse(format!(
+            "neither transformers' nemotron_h nor its qwen3_next computes this model: for nemotron_h,              {}; for qwen3_next, {}",
+            strip(&nemotron),
+            strip(&q)
+        ))
+    })
+}
+
+/// A refusal's message without its prefix.
+fn strip(e: &RuntimeError) -> String {
+    match e {
+        RuntimeError::Unsupported(m) => m.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// The `config.json` of `model` exported in `dtype`, and the notes an
 /// export prints (what it flattened). Refuses what transformers cannot
 /// compute as hybridgen does.
 pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<String>)> {
+    match family_of(model)? {
+        Family::NemotronH => nemotron_h_config(model, dtype),
+        Family::Qwen3Next => super::qwen3_next::to_config(model, dtype),
+    }
+}
+
+/// [`to_hf_config`] as transformers' nemotron_h.
+fn nemotron_h_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<String>)> {
     let pattern = Pattern::parse(&model.pattern).map_err(|d| {
         refuse(format!(
             "the model's pattern `{}` is not valid: {d:?}",
@@ -217,7 +265,7 @@ pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<S
 
 /// An f32 as the f64 its shortest decimal text reads as (0.02, not the
 /// 0.019999999552965164 a widening gives): what a config.json writer means.
-fn decimal(x: f32) -> f64 {
+pub(super) fn decimal(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(f64::from(x))
 }
 
@@ -353,11 +401,13 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
     };
     match c.get("model_type").and_then(Value::as_str) {
         Some("nemotron_h") => {}
+        Some("qwen3_next") => return super::qwen3_next::from_config(c, origin),
         other => {
             return Err(field_error(
                 "model_type",
                 format!(
-                    "is {}, not \"nemotron_h\": hybridgen imports transformers' Nemotron-H models only",
+                    "is {}, not \"nemotron_h\" or \"qwen3_next\": hybridgen imports transformers' \
+                     Nemotron-H and Qwen3-Next models only",
                     other.map_or("missing".to_string(), |s| format!("\"{s}\""))
                 ),
             ));

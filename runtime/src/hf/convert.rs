@@ -3,9 +3,10 @@
 //! through [`hf_tensors`]: the mapping is applied in one place, so the
 //! three cannot disagree.
 
-use super::config::{HfDtype, from_hf_config, to_hf_config};
+use super::config::{HfDtype, family_of, from_hf_config, to_hf_config};
 use super::files::{self, HfFolder, Planned};
-use super::mapping::{HfTensor, Source, hf_tensors};
+use super::mapping::{Family, HfTensor, Piece, Source, ValueMap, hf_tensors};
+use super::qwen3_next::{export_value, import_value};
 use crate::checkpoint::{CheckpointReader, DataRecord, RunState, write_fresh};
 use crate::error::{Result, RuntimeError};
 use crate::setting::{Setting, SettingSpelling};
@@ -47,7 +48,7 @@ fn planned(tensors: &[HfTensor], dtype: HfDtype) -> Vec<Planned> {
 pub fn dry_run(model: &ModelConfig, dtype: HfDtype) -> Result<DryRun> {
     let (config, notes) = to_hf_config(model, dtype)?;
     let plan = one_rank_plan(model)?;
-    let tensors = planned(&hf_tensors(&plan)?, dtype);
+    let tensors = planned(&hf_tensors(&plan, family_of(model)?)?, dtype);
     let files = files::shard(&tensors, files::SHARD_BYTES);
     Ok(DryRun {
         config,
@@ -69,13 +70,39 @@ pub struct ExportReport {
     pub notes: Vec<String>,
 }
 
-/// Rows `rows` of a `[n, cols]` row-major tensor, concatenated.
-fn gather_rows(values: &[f32], cols: usize, rows: &[Range<usize>]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.iter().map(|r| r.len()).sum::<usize>() * cols);
-    for r in rows {
-        out.extend_from_slice(&values[r.start * cols..r.end * cols]);
+/// The pieces of a `[n, cols]` row-major tensor, concatenated (zero rows
+/// for [`Piece::Zeros`]).
+fn gather_rows(values: &[f32], cols: usize, pieces: &[Piece]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(pieces.iter().map(Piece::len).sum::<usize>() * cols);
+    for piece in pieces {
+        match piece {
+            Piece::Rows(r) => out.extend_from_slice(&values[r.start * cols..r.end * cols]),
+            Piece::Zeros(n) => out.resize(out.len() + n * cols, 0.0),
+        }
     }
     out
+}
+
+/// `values` as the export stores them under `map`. In f32 every value must
+/// come back exactly (transformers computes hybridgen's weight from it);
+/// bf16 rounds anyway.
+fn export_values(values: &mut [f32], map: ValueMap, dtype: HfDtype, name: &str) -> Result<()> {
+    if map == ValueMap::Same {
+        return Ok(());
+    }
+    for (at, v) in values.iter_mut().enumerate() {
+        *v = match (export_value(map, *v), dtype) {
+            (Ok(e), _) => e,
+            (Err(_), HfDtype::Bf16) if map == ValueMap::ZeroCentred => *v - 1.0,
+            (Err(why), _) => {
+                return Err(RuntimeError::Unsupported(format!(
+                    "`{name}` element {at}: {why}; the export cannot be exact (a bf16 export, which \
+                     rounds every weight, stores it rounded)"
+                )));
+            }
+        };
+    }
+    Ok(())
 }
 
 /// Exports checkpoint `checkpoint` (a root's newest step, or a step
@@ -87,7 +114,7 @@ pub fn export(checkpoint: &Path, out: &Path, dtype: HfDtype) -> Result<ExportRep
     let model = reader.index.model.clone();
     let plan = one_rank_plan(&model)?;
     let (config, notes) = to_hf_config(&model, dtype)?;
-    let tensors = hf_tensors(&plan)?;
+    let tensors = hf_tensors(&plan, family_of(&model)?)?;
     let planned = planned(&tensors, dtype);
     files::check_output(out)?;
     // Each parameter once, even when it feeds several tensors (q, k, v).
@@ -98,6 +125,7 @@ pub fn export(checkpoint: &Path, out: &Path, dtype: HfDtype) -> Result<ExportRep
             Source::ExpertBias { key: None } => {
                 Ok(files::encode(&vec![0.0; t.numel()], HfDtype::F32))
             }
+            Source::Zeros => Ok(files::encode(&vec![0.0; t.numel()], planned[i].dtype)),
             Source::ExpertBias { key: Some(key) } => {
                 let bias = reader.param(key)?;
                 if bias.len() != t.numel() {
@@ -112,7 +140,12 @@ pub fn export(checkpoint: &Path, out: &Path, dtype: HfDtype) -> Result<ExportRep
                 }
                 Ok(files::encode(&bias, HfDtype::F32))
             }
-            Source::Rows { param, key, rows } => {
+            Source::Rows {
+                param,
+                key,
+                pieces,
+                map,
+            } => {
                 if cached.as_ref().is_none_or(|(p, _)| p != param) {
                     cached = Some((*param, reader.param(key)?));
                 }
@@ -129,10 +162,9 @@ pub fn export(checkpoint: &Path, out: &Path, dtype: HfDtype) -> Result<ExportRep
                         ),
                     ));
                 }
-                Ok(files::encode(
-                    &gather_rows(values, def.row_numel(), rows),
-                    planned[i].dtype,
-                ))
+                let mut stored = gather_rows(values, def.row_numel(), pieces);
+                export_values(&mut stored, *map, planned[i].dtype, key)?;
+                Ok(files::encode(&stored, planned[i].dtype))
             }
         }
     };
@@ -167,7 +199,7 @@ fn flat_kinds(pattern: &str) -> Result<Vec<LayerKind>> {
 struct ParamParts {
     numel: usize,
     cols: usize,
-    parts: Vec<(String, Vec<Range<usize>>)>,
+    parts: Vec<(String, Vec<Piece>, ValueMap)>,
 }
 
 /// A Hugging Face folder checked against a model: every tensor present,
@@ -176,6 +208,7 @@ struct ParamParts {
 #[derive(Debug)]
 pub struct HfWeights {
     folder: HfFolder,
+    family: Family,
     /// The model the folder's `config.json` describes.
     pub model: ModelConfig,
     /// The model the weights were checked against (perhaps regrouped).
@@ -194,12 +227,17 @@ impl HfWeights {
         let folder = HfFolder::open(dir)?;
         let origin = dir.join(files::CONFIG).display().to_string();
         let model = from_hf_config(&folder.config, &origin)?;
+        let family = match folder.config.get("model_type").and_then(Value::as_str) {
+            Some("qwen3_next") => Family::Qwen3Next,
+            _ => Family::NemotronH,
+        };
         let mut bound = model.clone();
         if let Some(pattern) = pattern {
             bound.pattern = pattern.to_string();
         }
         let mut weights = HfWeights {
             folder,
+            family,
             model,
             bound: bound.clone(),
             by_key: HashMap::new(),
@@ -234,7 +272,7 @@ impl HfWeights {
             )));
         }
         let plan = one_rank_plan(model)?;
-        let tensors = hf_tensors(&plan)?;
+        let tensors = hf_tensors(&plan, self.family)?;
         let dir = self.folder.dir.clone();
         let bad = |m: String| RuntimeError::io(dir.display(), m);
         let mut expected = BTreeSet::new();
@@ -267,7 +305,24 @@ impl HfWeights {
                         t.name
                     )));
                 }
-                Source::Rows { param, key, rows } => {
+                Source::Zeros => {
+                    // A gate hybridgen does not have: exact only when it is
+                    // zero (sigmoid 0.5 for every token).
+                    let values = self.folder.read_f32(&t.name)?;
+                    if let Some(at) = values.iter().position(|v| *v != 0.0) {
+                        return Err(bad(format!(
+                            "tensor `{}` element {at} is {:e}: hybridgen's layer has no such gate, so \
+                             it imports only an all-zero one (a constant 0.5)",
+                            t.name, values[at]
+                        )));
+                    }
+                }
+                Source::Rows {
+                    param,
+                    key,
+                    pieces,
+                    map,
+                } => {
                     let def = plan.def(&plan.params[*param]);
                     by_key
                         .entry(key.clone())
@@ -277,7 +332,7 @@ impl HfWeights {
                             parts: Vec::new(),
                         })
                         .parts
-                        .push((t.name.clone(), rows.clone()));
+                        .push((t.name.clone(), pieces.clone(), *map));
                 }
             }
         }
@@ -322,12 +377,37 @@ impl HfWeights {
             RuntimeError::InvalidArgument(format!("no Hugging Face tensor holds `{key}`"))
         })?;
         let mut out = vec![0.0f32; parts.numel];
-        for (name, rows) in &parts.parts {
+        let bad = |name: &str, m: String| {
+            RuntimeError::io(self.folder.dir.display(), format!("tensor `{name}` {m}"))
+        };
+        for (name, pieces, map) in &parts.parts {
             let values = self.folder.read_f32(name)?;
             let mut at = 0;
-            for r in rows {
-                let n = r.len() * parts.cols;
-                out[r.start * parts.cols..r.end * parts.cols].copy_from_slice(&values[at..at + n]);
+            for piece in pieces {
+                let n = piece.len() * parts.cols;
+                let stored = &values[at..at + n];
+                match piece {
+                    Piece::Rows(r) => {
+                        let into = &mut out[r.start * parts.cols..r.end * parts.cols];
+                        for (k, (o, v)) in into.iter_mut().zip(stored).enumerate() {
+                            *o = import_value(*map, *v)
+                                .map_err(|why| bad(name, format!("element {}: {why}", at + k)))?;
+                        }
+                    }
+                    Piece::Zeros(_) => {
+                        if let Some(k) = stored.iter().position(|v| *v != 0.0) {
+                            return Err(bad(
+                                name,
+                                format!(
+                                    "element {} is {:e}: it is an output gate hybridgen's layer \
+                                     does not have, so it imports only as zero (a constant 0.5)",
+                                    at + k,
+                                    stored[k]
+                                ),
+                            ));
+                        }
+                    }
+                }
                 at += n;
             }
         }

@@ -232,17 +232,61 @@ pub const HF_KINDS: [(LayerKind, &str); 4] = [
     (Moe, "moe"),
 ];
 
+/// A run of a Hugging Face tensor's rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Piece {
+    /// These rows of the hybridgen parameter (its leading dimension).
+    Rows(Range<usize>),
+    /// This many rows of zeros, which hybridgen has no parameter for (the
+    /// output gates of qwen3_next's `q_proj`): an export writes zeros, an
+    /// import takes them only when they are all zero.
+    Zeros(usize),
+}
+
+impl Piece {
+    /// Rows this piece takes in the Hugging Face tensor.
+    pub fn len(&self) -> usize {
+        match self {
+            Piece::Rows(r) => r.len(),
+            Piece::Zeros(n) => *n,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// How the stored values relate to hybridgen's (after the rows are
+/// gathered). Each is exact both ways in f32 where the export allows it
+/// (see `qwen3_next`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueMap {
+    /// The same values.
+    Same,
+    /// A zero-centred norm weight (transformers' `x_normed * (1 + w)`):
+    /// `w - 1` stored, `w + 1` read back.
+    ZeroCentred,
+    /// A projection that follows a zero-weight sigmoid gate (0.5 for every
+    /// token): `2 w` stored, `w / 2` read back.
+    Doubled,
+}
+
 /// What a Hugging Face tensor holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
     /// Rows of a hybridgen parameter (index into `plan.params`), taken in
-    /// the order of `rows` (each a range of the parameter's leading
-    /// dimension); one range covering every row for [`Layout::Same`].
+    /// the order of `pieces` (ranges of the parameter's leading dimension,
+    /// or zero rows); one range covering every row for [`Layout::Same`].
     Rows {
         param: usize,
         key: String,
-        rows: Vec<Range<usize>>,
+        pieces: Vec<Piece>,
+        map: ValueMap,
     },
+    /// No hybridgen tensor: a gate whose weight hybridgen exports as zeros
+    /// (qwen3_next's `shared_expert_gate`) and imports only when all zero.
+    Zeros,
     /// The router's expert bias, stored in f32 whatever the export's
     /// dtype: the checkpoint's trained `...mlp.router.expert_bias` under
     /// `key`, or all zeros for a model without one.
@@ -266,6 +310,27 @@ impl HfTensor {
     /// `e_score_correction_bias` (`_keep_in_fp32_modules_strict`).
     pub fn always_f32(&self) -> bool {
         matches!(self.source, Source::ExpertBias { .. })
+    }
+}
+
+/// The transformers model type an export writes, or an import reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `nemotron_h` (`NemotronHForCausalLM`): `M`, `*`, `-`, `E`, each
+    /// layer its own block.
+    NemotronH,
+    /// `qwen3_next` (`Qwen3NextForCausalLM`): decoder layers of a token
+    /// mixer (`G` or `*`) and an MLP (`-` or `E`).
+    Qwen3Next,
+}
+
+impl Family {
+    /// transformers' `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::NemotronH => "nemotron_h",
+            Family::Qwen3Next => "qwen3_next",
+        }
     }
 }
 
@@ -387,7 +452,10 @@ impl ScopeKey {
 /// order (the router's zero bias right after the router), each expert by
 /// its global index. The plan must be for one rank (`ep` 1) so that every
 /// expert is in it. A parameter the table lacks is an error naming it.
-pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
+pub fn hf_tensors(plan: &Plan, family: Family) -> Result<Vec<HfTensor>> {
+    if family == Family::Qwen3Next {
+        return super::qwen3_next::hf_tensors(plan);
+    }
     if plan.layout.ep != 1 {
         return Err(RuntimeError::InvalidArgument(format!(
             "the Hugging Face mapping needs a plan holding every expert (ep 1), not ep {}",
@@ -455,7 +523,8 @@ pub fn hf_tensors(plan: &Plan) -> Result<Vec<HfTensor>> {
                 source: Source::Rows {
                     param: p,
                     key: key.clone(),
-                    rows,
+                    pieces: rows.into_iter().map(Piece::Rows).collect(),
+                    map: ValueMap::Same,
                 },
             });
         }
@@ -478,22 +547,23 @@ mod tests {
     #[test]
     fn every_row_of_every_parameter_lands_in_exactly_one_tensor() {
         let plan = plan("M[*E]-E/*E/*E");
-        let tensors = hf_tensors(&plan).unwrap();
+        let tensors = hf_tensors(&plan, Family::NemotronH).unwrap();
         let mut covered: Vec<Vec<u32>> = plan
             .params
             .iter()
             .map(|p| vec![0; plan.def(p).shape[0]])
             .collect();
         for t in &tensors {
-            if let Source::Rows { param, rows, .. } = &t.source {
+            if let Source::Rows { param, pieces, .. } = &t.source {
                 let cols: usize = plan.def(&plan.params[*param]).shape[1..].iter().product();
                 assert_eq!(
                     t.numel(),
-                    rows.iter().map(|r| r.len()).sum::<usize>() * cols,
+                    pieces.iter().map(Piece::len).sum::<usize>() * cols,
                     "{}",
                     t.name
                 );
-                for r in rows {
+                for piece in pieces {
+                    let Piece::Rows(r) = piece else { continue };
                     for row in r.clone() {
                         covered[*param][row] += 1;
                     }
@@ -549,9 +619,13 @@ mod tests {
 
     #[test]
     fn kinds_transformers_lacks_are_refused_by_position() {
-        let err = hf_tensors(&plan("M+")).unwrap_err().to_string();
+        let err = hf_tensors(&plan("M+"), Family::NemotronH)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("decoder layer 1 is `+`"), "{err}");
-        let err = hf_tensors(&plan("M/G")).unwrap_err().to_string();
+        let err = hf_tensors(&plan("M/G"), Family::NemotronH)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("layer 0 of MTP depth 0 is `G`"), "{err}");
     }
 }
