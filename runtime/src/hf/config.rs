@@ -79,24 +79,20 @@ pub fn family_of(model: &ModelConfig) -> Result<Family> {
             .chain(p.mtp_depths.iter().flat_map(|d| d.layers.iter()))
             .any(|l| l.kind == LayerKind::GatedDeltaNet)
     });
-    let qwen = || super::qwen3_next::check(model).map(|_| Family::Qwen3Next);
-    if has_g {
-        return qwen().map_err(|e| {
-            refuse(format!(
-                "{} (a pattern with `G` exports as transformers' qwen3_next: nemotron_h has no                  gated delta net)",
-                strip(&e)
-            ))
-        });
+    let qwen = super::qwen3_next::check(model).map(|_| Family::Qwen3Next);
+    if has_g && qwen.is_ok() {
+        return qwen;
     }
     let nemotron = match nemotron_h_config(model, HfDtype::F32) {
         Ok(_) => return Ok(Family::NemotronH),
         Err(e) => e,
     };
-    qwen().map_err(|q| {
+    qwen.map_err(|q| {
         refuse(format!(
-            "neither transformers' nemotron_h nor its qwen3_next computes this model: for nemotron_h,              {}; for qwen3_next, {}",
-            strip(&nemotron),
-            strip(&q)
+            "neither transformers' nemotron_h nor its qwen3_next computes this model: for \
+             qwen3_next, {}; for nemotron_h, {}",
+            strip(&q),
+            strip(&nemotron)
         ))
     })
 }

@@ -597,7 +597,7 @@ mod tests {
     #[test]
     fn groups_flatten_and_mtp_layers_number_flat() {
         let plan = plan("M[*E]/*E/*E");
-        let names: Vec<String> = hf_tensors(&plan)
+        let names: Vec<String> = hf_tensors(&plan, Family::NemotronH)
             .unwrap()
             .into_iter()
             .map(|t| t.name)

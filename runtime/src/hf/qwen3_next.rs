@@ -963,3 +963,75 @@ pub fn import_value(map: ValueMap, v: f32) -> std::result::Result<f32, String> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_gdn() -> ModelConfig {
+        ModelConfig::preset("tiny-gdn").unwrap()
+    }
+
+    #[test]
+    fn the_preset_exports_and_reads_back_flat() {
+        let model = tiny_gdn();
+        let (config, notes) = to_config(&model, HfDtype::F32).unwrap();
+        assert!(
+            notes[0].contains("4 qwen3_next decoder layers"),
+            "{notes:?}"
+        );
+        let back = from_config(config.as_object().unwrap(), "c").unwrap();
+        assert_eq!(back.pattern, "GEGEGE*E");
+        let mut want = model;
+        want.pattern = back.pattern.clone();
+        want.mla = None;
+        want.dsa = None;
+        want.mamba = None;
+        want.mlp = None;
+        assert_eq!(back, want);
+    }
+
+    #[test]
+    fn a_published_style_config_reads_its_layers_and_refuses_what_differs() {
+        // The fields of the published Qwen3-Next config (its dimensions
+        // shrunk): every fourth layer full attention, every layer MoE.
+        let mut c = json!({
+            "model_type": "qwen3_next",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 4,
+            "hidden_size": 64,
+            "vocab_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "intermediate_size": 96,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [2],
+            "norm_topk_prob": true,
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "rms_norm_eps": 1e-6,
+            "rope_scaling": null,
+        });
+        let read = |c: &Value| from_config(c.as_object().unwrap(), "c").map_err(|e| e.to_string());
+        let err = read(&c).unwrap_err();
+        assert!(err.contains("`rms_norm_eps` is 1e-6"), "{err}");
+        c["rms_norm_eps"] = json!(1e-5);
+        let err = read(&c).unwrap_err();
+        assert!(err.contains("`partial_rotary_factor` is 0.25"), "{err}");
+        c["partial_rotary_factor"] = json!(1.0);
+        let model = read(&c).unwrap();
+        assert_eq!(model.pattern, "GEGEG-*E");
+        assert_eq!(model.attention.as_ref().unwrap().rope_base, 1e7);
+        c["norm_topk_prob"] = json!(false);
+        assert!(read(&c).unwrap_err().contains("`norm_topk_prob` is false"));
+    }
+}
