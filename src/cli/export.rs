@@ -1,5 +1,6 @@
 //! `hybridgen export CHECKPOINT --to hf OUT_DIR`: a checkpoint as a folder
-//! transformers' `NemotronHForCausalLM` and vLLM load as they are.
+//! transformers' `NemotronHForCausalLM` (and vLLM) or `Qwen3NextForCausalLM`
+//! load as they are.
 
 use super::Failure;
 use hybridgen_runtime::hf::{self, HfDtype};
@@ -8,7 +9,7 @@ use std::path::PathBuf;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Target {
-    /// A Hugging Face folder for transformers' nemotron_h.
+    /// A Hugging Face folder for transformers' nemotron_h or qwen3_next.
     Hf,
 }
 

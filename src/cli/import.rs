@@ -1,5 +1,5 @@
 //! `hybridgen import HF_DIR --output CHECKPOINT`: a Hugging Face Nemotron-H
-//! folder as a hybridgen checkpoint to train from; `--model-only` prints
+//! or Qwen3-Next folder as a hybridgen checkpoint to train from; `--model-only` prints
 //! its `config.json` as a model file.
 
 use super::Failure;

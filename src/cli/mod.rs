@@ -58,9 +58,10 @@ enum Command {
     /// an SVG.
     Plot(plot::PlotArgs),
     /// Export a checkpoint as a Hugging Face folder (transformers' and
-    /// vLLM's nemotron_h), or list what it would write (--dry-run).
+    /// vLLM's nemotron_h, or qwen3_next), or list what it would write
+    /// (--dry-run).
     Export(Box<export::ExportArgs>),
-    /// Import a Hugging Face Nemotron-H folder as a checkpoint, or print
+    /// Import a Hugging Face Nemotron-H or Qwen3-Next folder as a checkpoint, or print
     /// its model file (--model-only).
     Import(import::ImportArgs),
 }

@@ -219,7 +219,7 @@ pub(crate) struct TrainArgs {
     /// directory named `auto` is `./auto`.
     #[arg(long, value_name = "auto|DIR")]
     resume: Option<PathBuf>,
-    /// Start from the weights of a Hugging Face Nemotron-H folder; its
+    /// Start from the weights of a Hugging Face Nemotron-H or Qwen3-Next folder; its
     /// config.json is the model (--pattern may regroup its layers).
     #[arg(long, value_name = "HF_DIR", conflicts_with_all = ["preset", "model", "resume"])]
     init_from: Option<PathBuf>,
