@@ -376,3 +376,27 @@ fn transformers_computes_hybridgens_loss_on_a_tiny_gdn_export() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The config.json transformers writes when it saves a loaded export of
+/// tiny-gdn again (`save_pretrained`, with the fields it adds) imports as
+/// the same model as the export's own.
+#[test]
+fn a_config_transformers_saved_again_imports_as_the_same_model() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hf/qwen3-next-tiny-gdn-resaved-config.json");
+    let saved: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let ours = hf::to_hf_config(&ModelConfig::preset("tiny-gdn").unwrap(), HfDtype::F32)
+        .unwrap()
+        .0;
+    assert_eq!(
+        hf::from_hf_config(&saved, "saved").unwrap(),
+        hf::from_hf_config(&ours, "ours").unwrap()
+    );
+    if let Ok(dir) = std::env::var("HYBRIDGEN_QWEN3_NEXT_RESAVED") {
+        // A whole folder transformers saved (not in the repository).
+        let dir = PathBuf::from(dir);
+        let scratch = scratch("resaved");
+        hf::import_checkpoint(&dir, &scratch.join("back"), None).unwrap();
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+}
