@@ -194,7 +194,8 @@ fn the_folder_holds_qwen3_next_layouts() {
 
 #[test]
 fn what_qwen3_next_cannot_compute_is_refused_before_anything_is_written() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut ModelConfig)>, &[&str])> = vec![
+    type Edit = Box<dyn Fn(&mut ModelConfig)>;
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
         (
             "GGE-",
             Box::new(|_| {}),
