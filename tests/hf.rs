@@ -2,7 +2,7 @@
 //! and the exports of the Nemotron presets held against the published
 //! models (tests/fixtures/hf: their public configs, and tensor lists
 //! derived from transformers' modeling code; each file says where its data
-//! came from).
+//! came from), and tiny-gdn as transformers' qwen3_next.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -385,5 +385,119 @@ fn export_import_and_init_from_on_the_command_line() {
     let out = hybridgen_in(&dir, &["export", "ckpt", "--to", "hf"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("OUT_DIR"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tiny_gdn_exports_as_qwen3_next_and_trains_from_it_on_the_command_line() {
+    let dir = scratch("qwen3-next");
+    let run = |args: &[&str]| ok(hybridgen_in(&dir, args));
+    // The dry run names the model type and lists qwen3_next's tensors.
+    let listing: Value = serde_json::from_str(&run(&[
+        "export",
+        "--preset",
+        "tiny-gdn",
+        "--to",
+        "hf",
+        "--dry-run",
+        "--format",
+        "json",
+    ]))
+    .unwrap();
+    assert_eq!(listing["config"]["model_type"], "qwen3_next");
+    let names = listing.to_string();
+    for want in [
+        "model.layers.0.linear_attn.in_proj_qkvz.weight",
+        "model.layers.3.self_attn.q_norm.weight",
+        "model.layers.3.mlp.shared_expert_gate.weight",
+    ] {
+        assert!(names.contains(want), "{want} not listed");
+    }
+    let common = [
+        "--ranks",
+        "1",
+        "--ep",
+        "1",
+        "--micro-batches",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--seq-len",
+        "32",
+        "--format",
+        "json",
+        "--device",
+        "cpu",
+    ];
+    run(&[
+        &[
+            "train", "--preset", "tiny-gdn", "--steps", "2", "--save", "ckpt",
+        ][..],
+        &common,
+    ]
+    .concat());
+    let text = run(&[
+        "export",
+        "ckpt",
+        "--to",
+        "hf",
+        "out",
+        "--dtype",
+        "f32",
+        "--loss-check",
+        "loss.json",
+        "--loss-tokens",
+        "32",
+    ]);
+    assert!(text.contains("4 qwen3_next decoder layers"), "{text}");
+    let check: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("loss.json")).unwrap()).unwrap();
+    // Training from the folder starts from the same weights: its first
+    // step's loss on the check's sequence is the check's.
+    let one = run(&[
+        &["train", "--init-from", "out", "--steps", "1"][..],
+        &common,
+    ]
+    .concat());
+    let first: Value = serde_json::from_str(one.lines().next().unwrap()).unwrap();
+    assert_eq!(first["loss"], check["loss"]);
+    // The import regroups back into the preset's pattern.
+    let toml = run(&[
+        "import",
+        "out",
+        "--model-only",
+        "--pattern",
+        "[GE][GE][GE][*E]",
+    ]);
+    let printed = hybridgen_dsl::ModelConfig::from_toml(&toml, "printed").unwrap();
+    let mut preset = hybridgen_dsl::ModelConfig::preset("tiny-gdn").unwrap();
+    preset.mla = None;
+    preset.dsa = None;
+    preset.mamba = None;
+    preset.mlp = None;
+    assert_eq!(printed, preset);
+    // A `G` model qwen3_next cannot compute: the layer, the reason, the fix.
+    let model = dir.join("odd.toml");
+    let source = hybridgen_dsl::ModelConfig::preset_source("tiny-gdn")
+        .unwrap()
+        .replace("[GE][GE][GE][*E]", "[GE][GE]G");
+    std::fs::write(&model, source).unwrap();
+    let out = hybridgen_in(
+        &dir,
+        &[
+            "export",
+            "--model",
+            model.to_str().unwrap(),
+            "--to",
+            "hf",
+            "--dry-run",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("decoder layer 4 is `G` (gated delta net) with no MLP after it"),
+        "{}",
+        stderr(&out)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
