@@ -1034,4 +1034,18 @@ mod tests {
         c["norm_topk_prob"] = json!(false);
         assert!(read(&c).unwrap_err().contains("`norm_topk_prob` is false"));
     }
+
+    #[test]
+    fn value_maps_are_exact_or_refused() {
+        // w - 1 is exact on [0.5, 2]; 0.1 - 1 loses 0.1's low bits.
+        assert_eq!(export_value(ValueMap::ZeroCentred, 1.25), Ok(0.25));
+        assert_eq!(export_value(ValueMap::ZeroCentred, 0.5), Ok(-0.5));
+        assert!(export_value(ValueMap::ZeroCentred, 0.1).is_err());
+        assert_eq!(import_value(ValueMap::ZeroCentred, 0.25), Ok(1.25));
+        assert_eq!(export_value(ValueMap::Doubled, 0.3), Ok(0.6));
+        assert_eq!(import_value(ValueMap::Doubled, 0.6), Ok(0.3));
+        assert!(export_value(ValueMap::Doubled, f32::MAX).is_err());
+        // The smallest subnormal has no half.
+        assert!(import_value(ValueMap::Doubled, f32::from_bits(1)).is_err());
+    }
 }
