@@ -391,18 +391,26 @@ fn train_refuses_bad_layouts_before_starting() {
         "{}",
         stderr(&out)
     );
+    // Pipeline stages: the ranks must split into --pp stages evenly.
     let out = hybridgen(&[
         "train",
         "--pattern",
-        "M[DE]",
+        "M[*E]|M-[*E]",
+        "--ranks",
+        "3",
+        "--pp",
+        "2",
         "--ep",
         "1",
         "--format",
         "json",
     ]);
     assert_eq!(out.status.code(), Some(1));
+    let error: Value = serde_json::from_str(stdout(&out).trim()).expect("one JSON object");
+    assert_eq!(error["error"]["code"], "invalid_config");
     assert!(
-        stderr(&out).contains("`D` (DeepSeek sparse attention) is not supported"),
+        stderr(&out).contains("--ranks 3 is not divisible by --pp 2")
+            && stderr(&out).contains("a multiple of --pp"),
         "{}",
         stderr(&out)
     );

@@ -389,6 +389,25 @@ fn same_value(a: &Value, b: &Value) -> bool {
     }
 }
 
+/// Checks a `config.json` field the import does not read: `required` is the
+/// one value it may hold and why (the maths hybridgen computes), or `None`
+/// where hybridgen has no such setting. Shared by every model type's import.
+pub(super) fn check_fixed_field(
+    name: &str,
+    value: &Value,
+    required: Option<(Value, &'static str)>,
+    origin: &str,
+) -> Result<()> {
+    let why = match required {
+        Some((want, _)) if same_value(value, &want) => return Ok(()),
+        Some((want, why)) => format!("is {value}, but {why}: only {want} imports"),
+        None => "is not a field hybridgen models; remove it if it does not change the maths, \
+                 or the model cannot be imported"
+            .into(),
+    };
+    Err(refuse(format!("{origin}: `{name}` {why}")))
+}
+
 /// A model from a `config.json` (`origin` names it in errors).
 pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
     let field_error = |name: &str, why: String| refuse(format!("{origin}: `{name}` {why}"));
@@ -432,23 +451,7 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
             }
             continue;
         }
-        match required(name) {
-            Some((want, _)) if same_value(value, &want) => {}
-            Some((want, why)) => {
-                return Err(field_error(
-                    name,
-                    format!("is {value}, but {why}: only {want} imports"),
-                ));
-            }
-            None => {
-                return Err(field_error(
-                    name,
-                    "is not a field hybridgen models; remove it if it does not change the maths, \
-                     or the model cannot be imported"
-                        .into(),
-                ));
-            }
-        }
+        check_fixed_field(name, value, required(name), origin)?;
     }
     let usize_field = |names: &[&str]| -> Result<Option<usize>> {
         for name in names {

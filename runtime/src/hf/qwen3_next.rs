@@ -23,7 +23,7 @@
 //!   of two, exact); an import takes them only when the gates are all zero,
 //!   and halves the projection back.
 
-use super::config::{HfDtype, NORM_EPS, decimal, refuse};
+use super::config::{HfDtype, NORM_EPS, check_fixed_field, decimal, refuse};
 use super::mapping::{HfTensor, Piece, Source, ValueMap, kind_name};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::config::{
@@ -357,13 +357,6 @@ fn required(name: &str) -> Option<(Value, &'static str)> {
     })
 }
 
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => x == y,
-        _ => a == b,
-    }
-}
-
 /// A model from a qwen3_next `config.json` (`origin` names it in errors).
 pub fn from_config(c: &Map<String, Value>, origin: &str) -> Result<ModelConfig> {
     let field_error = |name: &str, why: String| refuse(format!("{origin}: `{name}` {why}"));
@@ -371,23 +364,7 @@ pub fn from_config(c: &Map<String, Value>, origin: &str) -> Result<ModelConfig> 
         if READ.contains(&name.as_str()) || IGNORED.contains(&name.as_str()) {
             continue;
         }
-        match required(name) {
-            Some((want, _)) if same_value(value, &want) => {}
-            Some((want, why)) => {
-                return Err(field_error(
-                    name,
-                    format!("is {value}, but {why}: only {want} imports"),
-                ));
-            }
-            None => {
-                return Err(field_error(
-                    name,
-                    "is not a field hybridgen models; remove it if it does not change the maths, \
-                     or the model cannot be imported"
-                        .into(),
-                ));
-            }
-        }
+        check_fixed_field(name, value, required(name), origin)?;
     }
     let usize_field = |name: &str| -> Result<Option<usize>> {
         match c.get(name) {
