@@ -19,6 +19,9 @@ use counting_alloc::peak_of;
 fn config(pattern: &str, pp: usize, schedule: ScheduleKind, precision: Precision) -> TrainConfig {
     let mut model = ModelConfig::preset("tiny").unwrap();
     model.pattern = pattern.to_string();
+    if let Some(dsa) = model.dsa.as_mut() {
+        dsa.indexer_loss_coeff = 0.01;
+    }
     let mut config = TrainConfig::new(model);
     config.ranks = pp;
     config.pp = pp;
@@ -42,6 +45,9 @@ fn the_estimate_covers_what_a_pipelined_run_allocates() {
         ("M*E-M*E-", 4),
         ("M*E-M*E-/*E", 2),
         ("M*|E-|ME|*-", 2),
+        // The newest kinds across stages: G's chunk states, D's indexer
+        // (its loss on, so its scores' gradient is kept too).
+        ("G-E-|D-ED", 2),
     ];
     for (pattern, pp) in runs {
         for precision in [Precision::F32, Precision::Bf16] {
