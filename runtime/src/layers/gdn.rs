@@ -2,12 +2,12 @@
 //! with the recurrence evaluated sequentially per value head and the state
 //! kept only at chunk starts.
 
-use super::conv_silu;
 use super::norm::{NormPartials, RmsNorm};
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_rows, positive, section,
-    uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
+    Tokens, check_grads, check_len, check_rows, check_weights, grad, positive, section, uninit,
+    uninit_f32, weight, zeros, zeros_f32,
 };
+use super::{conv_silu, split_projection};
 use crate::backend::{
     Backend, ConvDims, DeltaDims, DeltaGrads, DeltaInputs, MatmulDims, Slice, SliceMut,
 };
@@ -190,21 +190,19 @@ impl GdnLayer {
         let mut z = uninit(b, rows * vd)?;
         let mut beta = uninit(b, rows * hv)?;
         let mut alpha = uninit(b, rows * hv)?;
-        for (block, out) in [
-            (bqkv, &mut qkv_in),
-            (bz, &mut z),
-            (bbeta, &mut beta),
-            (balpha, &mut alpha),
-        ] {
-            let width = block.len();
-            let wb = weight_rows(b, w(IN_PROJ)?, h, block)?;
-            b.matmul(
-                b.view(&u)?,
-                wb,
-                b.view_mut(out)?,
-                MatmulDims::linear(rows, h, width),
-            )?;
-        }
+        split_projection::forward(
+            b,
+            w(IN_PROJ)?,
+            h,
+            rows,
+            &u,
+            [
+                (bqkv, &mut qkv_in),
+                (bz, &mut z),
+                (bbeta, &mut beta),
+                (balpha, &mut alpha),
+            ],
+        )?;
         // Megatron's conv has no bias; the kernel takes one, so a zero one.
         let no_bias = zeros(b, c)?;
         let (qkv_conv, qkv) = conv_silu::forward(
@@ -328,29 +326,19 @@ impl GdnLayer {
             w(CONV_W)?,
             self.conv_dims(tokens),
         )?;
-        // The four blocks' input gradients sum in f32 (a GEMM's sum into
-        // bf16 would round twice, or go through scratch), and the norm reads
-        // the sum as it is.
-        let d_u = uninit_f32(b, rows * h)?;
         let [bqkv, bz, bbeta, balpha] = self.proj_blocks();
-        for (i, (block, grad_out)) in [
-            (bqkv, &d_qkv_in),
-            (bz, &d_z),
-            (bbeta, &d_beta),
-            (balpha, &d_alpha),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let width = block.len();
-            let wb = weight_rows(b, w(IN_PROJ)?, h, block)?;
-            b.matmul(
-                b.view(grad_out)?,
-                wb,
-                b.view_mut(&d_u)?,
-                MatmulDims::linear_input_grad(rows, h, width, i > 0),
-            )?;
-        }
+        let d_u = split_projection::input_grad(
+            b,
+            w(IN_PROJ)?,
+            h,
+            rows,
+            [
+                (bqkv, &d_qkv_in),
+                (bz, &d_z),
+                (bbeta, &d_beta),
+                (balpha, &d_alpha),
+            ],
+        )?;
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
         let (d_out, in_norm) = self.in_norm().backward_input_keeping_dx(
@@ -408,21 +396,20 @@ impl GdnLayer {
         self.in_norm()
             .backward_weight(b, &g.in_norm, grad(b, grads, IN_NORM)?)?;
         let [bqkv, bz, bbeta, balpha] = self.proj_blocks();
-        for (block, grad_out) in [
-            (bqkv, &g.d_qkv_in),
-            (bz, &g.d_z),
-            (bbeta, &g.d_beta),
-            (balpha, &g.d_alpha),
-        ] {
-            let width = block.len();
-            let dw = grad_rows(b, grads, IN_PROJ, h, block)?;
-            b.matmul(
-                b.view(grad_out)?,
-                b.view(&g.u)?,
-                dw,
-                MatmulDims::linear_weight_grad(rows, h, width),
-            )?;
-        }
+        split_projection::weight_grad(
+            b,
+            grads,
+            IN_PROJ,
+            h,
+            rows,
+            &g.u,
+            [
+                (bqkv, &g.d_qkv_in),
+                (bz, &g.d_z),
+                (bbeta, &g.d_beta),
+                (balpha, &g.d_alpha),
+            ],
+        )?;
         self.out_norm()
             .backward_weight(b, &g.out_norm, grad(b, grads, OUT_NORM)?)?;
         b.matmul(

@@ -1,12 +1,12 @@
 //! `M`: the Mamba-2 mixer (layers.md `M`), with the scan evaluated
 //! sequentially per head and the state kept only at chunk starts.
 
-use super::conv_silu;
 use super::norm::{NormPartials, RmsNorm};
 use super::{
-    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, grad_rows,
-    positive, section, uninit, uninit_f32, weight, weight_rows, zeros, zeros_f32,
+    Tokens, check_grads, check_len, check_rows, check_weights, grad, grad_pair, positive, section,
+    uninit, uninit_f32, weight, zeros, zeros_f32,
 };
+use super::{conv_silu, split_projection};
 use crate::backend::{
     Backend, ConvDims, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, SliceMut,
 };
@@ -163,19 +163,14 @@ impl MambaLayer {
         let mut z = uninit(b, rows * d)?;
         let mut xbc_in = uninit(b, rows * c)?;
         let mut dt = uninit(b, rows * heads)?;
-        for (block, out, width) in [
-            (bz, &mut z, d),
-            (bxbc, &mut xbc_in, c),
-            (bdt, &mut dt, heads),
-        ] {
-            let wb = weight_rows(b, w(IN_PROJ)?, h, block)?;
-            b.matmul(
-                b.view(&u)?,
-                wb,
-                b.view_mut(out)?,
-                MatmulDims::linear(rows, h, width),
-            )?;
-        }
+        split_projection::forward(
+            b,
+            w(IN_PROJ)?,
+            h,
+            rows,
+            &u,
+            [(bz, &mut z), (bxbc, &mut xbc_in), (bdt, &mut dt)],
+        )?;
         let (xbc_conv, xbc) = conv_silu::forward(
             b,
             b.view(&xbc_in)?,
@@ -291,24 +286,14 @@ impl MambaLayer {
             w(CONV_W)?,
             self.conv_dims(tokens),
         )?;
-        // The three blocks' input gradients sum in f32 (a GEMM's sum into
-        // bf16 would round twice, or go through scratch), and the norm reads
-        // the sum as it is.
-        let d_u = uninit_f32(b, rows * h)?;
         let [bz, bxbc, bdt] = self.proj_blocks();
-        for (i, (block, grad_out, width)) in
-            [(bz, &d_z, d), (bxbc, &d_xbc_in, c), (bdt, &d_dt, heads)]
-                .into_iter()
-                .enumerate()
-        {
-            let wb = weight_rows(b, w(IN_PROJ)?, h, block)?;
-            b.matmul(
-                b.view(grad_out)?,
-                wb,
-                b.view_mut(&d_u)?,
-                MatmulDims::linear_input_grad(rows, h, width, i > 0),
-            )?;
-        }
+        let d_u = split_projection::input_grad(
+            b,
+            w(IN_PROJ)?,
+            h,
+            rows,
+            [(bz, &d_z), (bxbc, &d_xbc_in), (bdt, &d_dt)],
+        )?;
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
         let (d_out, in_norm) = self.in_norm().backward_input_keeping_dx(
@@ -362,16 +347,15 @@ impl MambaLayer {
         self.in_norm()
             .backward_weight(b, &g.in_norm, grad(b, grads, IN_NORM)?)?;
         let [bz, bxbc, bdt] = self.proj_blocks();
-        for (block, grad_out) in [(bz, &g.d_z), (bxbc, &g.d_xbc_in), (bdt, &g.d_dt)] {
-            let width = block.len();
-            let dw = grad_rows(b, grads, IN_PROJ, h, block)?;
-            b.matmul(
-                b.view(grad_out)?,
-                b.view(&g.u)?,
-                dw,
-                MatmulDims::linear_weight_grad(rows, h, width),
-            )?;
-        }
+        split_projection::weight_grad(
+            b,
+            grads,
+            IN_PROJ,
+            h,
+            rows,
+            &g.u,
+            [(bz, &g.d_z), (bxbc, &g.d_xbc_in), (bdt, &g.d_dt)],
+        )?;
         self.gated_norm()
             .backward_weight(b, &g.gated_norm, grad(b, grads, OUT_NORM)?)?;
         b.matmul(

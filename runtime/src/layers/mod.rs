@@ -32,6 +32,7 @@ pub mod mlp;
 pub mod moe;
 pub mod mtp;
 pub mod norm;
+mod split_projection;
 
 pub use crate::backend::Tokens;
 pub use attention::{AttentionLayer, AttentionSaved, AttentionWgrad};
