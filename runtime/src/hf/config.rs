@@ -389,6 +389,29 @@ fn same_value(a: &Value, b: &Value) -> bool {
     }
 }
 
+/// `tie_word_embeddings` of a `config.json` (transformers' default, false,
+/// where it is missing). Shared by every model type's import.
+pub(super) fn tie_embeddings(c: &Map<String, Value>, origin: &str) -> Result<bool> {
+    match c.get("tie_word_embeddings") {
+        None => Ok(false),
+        Some(v) => v.as_bool().ok_or_else(|| {
+            refuse(format!(
+                "{origin}: `tie_word_embeddings` is {v}, not true or false"
+            ))
+        }),
+    }
+}
+
+/// `initializer_range` of a `config.json`, the standard deviation new
+/// weights are drawn with; 0.02 where it is missing or not a positive
+/// number (it does not change the model's maths).
+pub(super) fn init_std(c: &Map<String, Value>) -> f32 {
+    c.get("initializer_range")
+        .and_then(Value::as_f64)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .map_or(0.02, |v| v as f32)
+}
+
 /// Checks a `config.json` field the import does not read: `required` is the
 /// one value it may hold and why (the maths hybridgen computes), or `None`
 /// where hybridgen has no such setting. Shared by every model type's import.
@@ -541,20 +564,8 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         pattern,
         hidden_size: need(&["hidden_size"], "the model's width is unknown")?,
         vocab_size: vocab,
-        tie_embeddings: c
-            .get("tie_word_embeddings")
-            .map(|v| {
-                v.as_bool().ok_or_else(|| {
-                    field_error("tie_word_embeddings", format!("is {v}, not true or false"))
-                })
-            })
-            .transpose()?
-            .unwrap_or(false),
-        init_std: c
-            .get("initializer_range")
-            .and_then(Value::as_f64)
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .map_or(0.02, |v| v as f32),
+        tie_embeddings: tie_embeddings(c, origin)?,
+        init_std: init_std(c),
         // hybridgen's training length, not a limit of the model: the
         // default, or the model's own limit when shorter.
         seq_length: max_positions.map_or(4096, |m| m.min(4096)),

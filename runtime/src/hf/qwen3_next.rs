@@ -23,7 +23,9 @@
 //!   of two, exact); an import takes them only when the gates are all zero,
 //!   and halves the projection back.
 
-use super::config::{HfDtype, NORM_EPS, check_fixed_field, decimal, refuse};
+use super::config::{
+    HfDtype, NORM_EPS, check_fixed_field, decimal, init_std, refuse, tie_embeddings,
+};
 use super::mapping::{HfTensor, Piece, Source, ValueMap, kind_name};
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::config::{
@@ -462,20 +464,8 @@ pub fn from_config(c: &Map<String, Value>, origin: &str) -> Result<ModelConfig> 
         pattern,
         hidden_size: need("hidden_size", "the model's width is unknown")?,
         vocab_size: vocab,
-        tie_embeddings: c
-            .get("tie_word_embeddings")
-            .map(|v| {
-                v.as_bool().ok_or_else(|| {
-                    field_error("tie_word_embeddings", format!("is {v}, not true or false"))
-                })
-            })
-            .transpose()?
-            .unwrap_or(false),
-        init_std: c
-            .get("initializer_range")
-            .and_then(Value::as_f64)
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .map_or(0.02, |v| v as f32),
+        tie_embeddings: tie_embeddings(c, origin)?,
+        init_std: init_std(c),
         seq_length: usize_field("max_position_embeddings")?
             .filter(|&n| n > 0)
             .map_or(4096, |m| m.min(4096)),
