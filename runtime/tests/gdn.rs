@@ -7,11 +7,8 @@
 
 use hybridgen_dsl::{LayerKind, ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use hybridgen_runtime::Precision;
-use hybridgen_runtime::cuda::{GpuDevice, GpuInfo};
 use hybridgen_runtime::fsdp::Sharding;
-use hybridgen_runtime::platform::ChosenDevice;
 use hybridgen_runtime::recompute::Recompute;
-use hybridgen_runtime::rendezvous::Launch;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{TrainConfig, prepare, prepare_on, train};
 use serde_json::Value;
@@ -161,27 +158,9 @@ fn the_loss_falls() {
     }
 }
 
-/// A GPU that `probe` could have found, for `prepare_on` (which touches no
-/// device itself).
-fn a_gpu() -> ChosenDevice {
-    ChosenDevice::Cuda {
-        info: GpuInfo {
-            driver_version: 13000,
-            nvrtc_version: (13, 0),
-            nccl: true,
-            devices: (0..2)
-                .map(|ordinal| GpuDevice {
-                    ordinal,
-                    name: "NVIDIA H100".into(),
-                    compute_capability: (9, 0),
-                    total_memory: 80 << 30,
-                    free_memory: 79 << 30,
-                })
-                .collect(),
-        },
-        launch: Launch::SingleProcess,
-    }
-}
+#[path = "support/fake_gpu.rs"]
+mod fake_gpu;
+use fake_gpu::a_gpu;
 
 #[test]
 fn a_gpu_takes_gdn_as_the_cpu_does() {

@@ -13,11 +13,8 @@
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions, UnitFilter};
 use hybridgen_runtime::RuntimeError;
 use hybridgen_runtime::checkpoint::ResumeFrom;
-use hybridgen_runtime::cuda::{GpuDevice, GpuInfo};
 use hybridgen_runtime::fsdp::{ShardLayout, Sharding};
-use hybridgen_runtime::platform::ChosenDevice;
 use hybridgen_runtime::recompute::Recompute;
-use hybridgen_runtime::rendezvous::Launch;
 use hybridgen_runtime::schedule::ScheduleKind;
 use hybridgen_runtime::train::{StepReport, TrainConfig, TrainSummary, prepare, prepare_on, train};
 use serde_json::Value;
@@ -805,27 +802,9 @@ fn a_checkpoint_loads_onto_another_layout() {
     assert_ne!(zero3.1, saved.1);
 }
 
-/// A GPU that `probe` could have found, for `prepare_on` (which touches no
-/// device itself).
-fn a_gpu() -> ChosenDevice {
-    ChosenDevice::Cuda {
-        info: GpuInfo {
-            driver_version: 13000,
-            nvrtc_version: (13, 0),
-            nccl: true,
-            devices: (0..2)
-                .map(|ordinal| GpuDevice {
-                    ordinal,
-                    name: "NVIDIA H100".into(),
-                    compute_capability: (9, 0),
-                    total_memory: 80 << 30,
-                    free_memory: 79 << 30,
-                })
-                .collect(),
-        },
-        launch: Launch::SingleProcess,
-    }
-}
+#[path = "support/fake_gpu.rs"]
+mod fake_gpu;
+use fake_gpu::a_gpu;
 
 /// `D` trains on the CPU (`tests/dsa.rs`) and on a GPU
 /// (`tests/cuda_sparse_attention.rs`): a GPU's run is prepared like the
