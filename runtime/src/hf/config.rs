@@ -119,7 +119,7 @@ pub fn to_hf_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<S
 fn nemotron_h_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<String>)> {
     let pattern = Pattern::parse(&model.pattern).map_err(|d| {
         refuse(format!(
-            "the model's pattern `{}` is not valid: {d:?}",
+            "the model's pattern `{}` is not valid: {d}",
             model.pattern
         ))
     })?;

@@ -55,7 +55,7 @@ fn is_mlp(kind: LayerKind) -> bool {
 fn pairs(model: &ModelConfig) -> Result<Vec<(LayerKind, LayerKind)>> {
     let pattern = Pattern::parse(&model.pattern).map_err(|d| {
         refuse(format!(
-            "the model's pattern `{}` is not valid: {d:?}",
+            "the model's pattern `{}` is not valid: {d}",
             model.pattern
         ))
     })?;
@@ -191,7 +191,7 @@ pub fn check(model: &ModelConfig) -> Result<Vec<(LayerKind, LayerKind)>> {
 pub fn to_config(model: &ModelConfig, dtype: HfDtype) -> Result<(Value, Vec<String>)> {
     let pairs = check(model)?;
     let mut notes = Vec::new();
-    let pattern = Pattern::parse(&model.pattern).map_err(|d| refuse(format!("{d:?}")))?;
+    let pattern = Pattern::parse(&model.pattern).map_err(|d| refuse(d.to_string()))?;
     if pattern.has_groups() || pattern.has_pipeline_segments() {
         notes.push(format!(
             "groups and pipeline stages have no counterpart in transformers and do not change the \
