@@ -170,3 +170,21 @@ fn a_gpu_takes_gdn_as_the_cpu_does() {
         prepare(&c).unwrap_or_else(|e| panic!("{pattern} on the CPU: {e}"));
     }
 }
+
+/// Key heads wider than the GPU kernels take are refused before any work on
+/// a GPU, naming the setting and the limit; the CPU trains them.
+#[test]
+fn a_gpu_refuses_key_heads_its_kernels_cannot_take() {
+    let mut c = config("M[GE]");
+    c.model.gdn.as_mut().unwrap().key_head_dim = 256;
+    let err = prepare_on(&c, a_gpu()).err().expect("refused on a GPU");
+    let text = err.to_string();
+    assert!(
+        text.contains("gdn.key_head_dim = 256") && text.contains("at most 128"),
+        "{text}"
+    );
+    prepare(&c).unwrap_or_else(|e| panic!("on the CPU: {e}"));
+    // A model file with wide heads but no `G` layer is not refused.
+    c.model.pattern = "M[*E]".into();
+    prepare_on(&c, a_gpu()).unwrap_or_else(|e| panic!("without G on a GPU: {e}"));
+}

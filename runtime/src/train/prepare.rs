@@ -75,6 +75,19 @@ pub fn prepare_on(config: &TrainConfig, device: ChosenDevice) -> Result<Prepared
     let config = &config.with_run_settings(settled.settings.clone());
     let refuse = |m: String| Err(RuntimeError::Unsupported(m));
     let spelling = config.spelling;
+    // The GPU kernels of `G` and `D` take heads up to a width: refused here,
+    // not at the first launch.
+    if matches!(device, ChosenDevice::Cuda { .. })
+        && let Ok(pattern) = hybridgen_dsl::Pattern::parse(&config.model.pattern)
+    {
+        let kinds = pattern.kinds();
+        if kinds.contains(&hybridgen_dsl::LayerKind::GatedDeltaNet) {
+            crate::cuda::ops::delta::check_model(&config.model)?;
+        }
+        if kinds.contains(&hybridgen_dsl::LayerKind::Dsa) {
+            crate::cuda::ops::sparse_attention::check_model(&config.model)?;
+        }
+    }
     if config.ranks == 0 {
         return refuse(format!(
             "{} must be at least 1",

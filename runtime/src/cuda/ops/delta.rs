@@ -31,6 +31,21 @@ pub const DELTA_CHUNK: usize = 64;
 /// The widest key head (`DELTA_MAX_DK`): the state kernels keep a key
 /// head's rows of 16 state columns in shared memory.
 pub const DELTA_MAX_DK: usize = 128;
+/// Refuses, before any work, `G` layers the GPU kernels cannot run (`train`
+/// calls it for a GPU run whose pattern has `G`); the same limit the
+/// launchers check, said in the model file's terms.
+pub fn check_model(model: &hybridgen_dsl::ModelConfig) -> Result<()> {
+    match &model.gdn {
+        Some(g) if g.key_head_dim > DELTA_MAX_DK => Err(RuntimeError::Unsupported(format!(
+            "`gdn.key_head_dim = {}` is wider than the GPU's gated delta rule kernels take \
+             ({DELTA_MAX_DK}): give key heads of at most {DELTA_MAX_DK} channels, or train \
+             this model on the CPU",
+            g.key_head_dim
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// State columns a state block takes (`DELTA_TILE`).
 const DELTA_TILE: usize = 16;
 /// Threads of every block (`DELTA_THREADS`).
@@ -108,7 +123,8 @@ impl DeltaPlan {
         }
         if dims.key_dim > DELTA_MAX_DK {
             return unsupported(format!(
-                "key heads of {} exceed the GPU kernels' {DELTA_MAX_DK}",
+                "key heads of {} channels exceed the GPU kernels' {DELTA_MAX_DK}: give \
+                 `gdn.key_head_dim` at most {DELTA_MAX_DK}, or train on the CPU",
                 dims.key_dim
             ));
         }

@@ -41,6 +41,44 @@ pub const INDEXER_MAX_DIM: usize = 128;
 /// The widest q/k and v head of the sparse attention kernels and of the
 /// indexer loss (`SA_MAX_DIM`).
 pub const SPARSE_MAX_DIM: usize = 512;
+/// Refuses, before any work, `D` layers the GPU kernels cannot run (`train`
+/// calls it for a GPU run whose pattern has `D`); the same limits the
+/// launchers check, said in the model file's terms.
+pub fn check_model(model: &hybridgen_dsl::ModelConfig) -> Result<()> {
+    let refuse = |what: String, limit: usize| {
+        Err(RuntimeError::Unsupported(format!(
+            "{what} is wider than the GPU's sparse attention kernels take ({limit}): make it \
+             at most {limit}, or train this model on the CPU"
+        )))
+    };
+    if let Some(d) = &model.dsa
+        && d.index_head_dim > INDEXER_MAX_DIM
+    {
+        return refuse(
+            format!("`dsa.index_head_dim = {}`", d.index_head_dim),
+            INDEXER_MAX_DIM,
+        );
+    }
+    if let Some(m) = &model.mla {
+        let qk = m.qk_head_dim + m.qk_rope_head_dim;
+        if qk > SPARSE_MAX_DIM {
+            return refuse(
+                format!(
+                    "a query/key head of `mla.qk_head_dim + mla.qk_rope_head_dim = {qk}` channels"
+                ),
+                SPARSE_MAX_DIM,
+            );
+        }
+        if m.v_head_dim > SPARSE_MAX_DIM {
+            return refuse(
+                format!("`mla.v_head_dim = {}`", m.v_head_dim),
+                SPARSE_MAX_DIM,
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Query and key rows of an indexer tile (`IX_TILE`).
 const IX_TILE: usize = 32;
 /// Threads of a sparse attention block (`SA_THREADS`).
