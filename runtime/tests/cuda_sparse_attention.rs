@@ -50,24 +50,14 @@ fn gpu(precision: Precision) -> CudaBackend {
     gpu.backend("host").expect("a host queue")
 }
 
-/// splitmix64: a seed always gives the same inputs.
-struct Rng(u64);
+/// The conformance suite's generator, drawing `f32`s in `[-scale, scale)`.
+struct Rng(conformance::Rng);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `[-scale, scale)`.
-    fn sym(&mut self, scale: f32) -> f32 {
-        let unit = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((unit * 2.0 - 1.0) * f64::from(scale)) as f32
-    }
     fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.sym(scale)).collect()
+        let s = f64::from(scale);
+        let drawn = self.0.values(n, -s, s);
+        drawn.into_iter().map(|x| x as f32).collect()
     }
 }
 
@@ -185,7 +175,7 @@ struct Inputs {
 }
 
 fn inputs(s: Shape, seed: u64) -> Inputs {
-    let mut rng = Rng(seed);
+    let mut rng = Rng(conformance::Rng::new(seed));
     let rows = s.batch * s.seq;
     let mut ik = rng.vec(rows * s.di, 1.0);
     if s.ties > 0 {

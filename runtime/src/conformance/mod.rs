@@ -210,11 +210,12 @@ impl<'d, B: Backend> Suite<'d, B> {
 }
 
 /// splitmix64: a tiny, well-mixed generator, so the inputs depend on the
-/// seed alone (no dependency, no platform differences).
-struct Rng(u64);
+/// seed alone (no dependency, no platform differences). Public for the GPU
+/// tests, which draw their inputs the same way.
+pub struct Rng(u64);
 
 impl Rng {
-    fn new(seed: u64) -> Self {
+    pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
 
@@ -227,12 +228,12 @@ impl Rng {
     }
 
     /// Uniform in `[lo, hi)`.
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
         let unit = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         lo + (hi - lo) * unit
     }
 
-    fn values(&mut self, len: usize, lo: f64, hi: f64) -> Vec<f64> {
+    pub fn values(&mut self, len: usize, lo: f64, hi: f64) -> Vec<f64> {
         (0..len).map(|_| self.uniform(lo, hi)).collect()
     }
 
