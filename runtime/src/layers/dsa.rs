@@ -1,6 +1,6 @@
 //! `D`: DeepSeek sparse attention (layers.md `D`), Megatron-LM's DSA: the
-//! MLA of `+` (its projections shared through [`MlaLayer::project`] and
-//! [`MlaLayer::backward_projection`]) attending only to the keys a
+//! MLA of `+` (its projections shared through `MlaLayer::project` and
+//! `MlaLayer::backward_projection`) attending only to the keys a
 //! lightning indexer selects per query, and the indexer trained by a KL loss
 //! towards the main attention's distribution. The indexer reads the layer's
 //! normalised input and compressed query detached: its loss trains only the

@@ -13,7 +13,7 @@
 //!
 //! The kernels need scratch in proportion to the chunks
 //! ([`delta_scratch_len`]), taken from the arena through
-//! [`CudaBackend::scratch_uninit`] (a repeated step allocates nothing) and
+//! `CudaBackend::scratch_uninit` (a repeated step allocates nothing) and
 //! counted by the memory plan ([`delta_scratch_bytes`]). The chunk must be
 //! [`DELTA_CHUNK`] (the `G` layer's `STATE_CHUNK`) and the key head at most
 //! [`DELTA_MAX_DK`] wide; other shapes are refused as `Unsupported`.
