@@ -403,6 +403,75 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_chunk_prep(Del
     }
 }
 
+// ---- products with a block of state columns ---------------------------------------
+// The state kernels' products, each against DELTA_TILE columns held in
+// shared memory (`b`, rows of DELTA_TILE), a thread holding the outputs of
+// column `threadIdx.x % DELTA_TILE` and rows `threadIdx.x / DELTA_TILE +
+// 16 e`. The other operand comes from global memory, staged in `stage`
+// (DELTA_STAGE floats) a slice at a time with loads along its rows, then
+// read from shared memory by every column: each slice's terms are added in
+// order, so the sums' order is fixed.
+#define DELTA_STAGE (DELTA_CHUNK * 33 > 16 * (DELTA_MAX_DK + 1) ? DELTA_CHUNK * 33 : 16 * (DELTA_MAX_DK + 1))
+#define DELTA_ROW_STEP (DELTA_THREADS / DELTA_TILE)
+
+// acc[e] += sum_{x < width} a[t * lda + x] b[x][col] for the 64 rows t.
+__device__ __forceinline__ void rows_times_tile(float (&acc)[DELTA_CHUNK / DELTA_ROW_STEP], const float* a, int lda,
+                                                int width, const float* b, float* stage) {
+    const int col = threadIdx.x % DELTA_TILE;
+    const int r0 = threadIdx.x / DELTA_TILE;
+    for (int x0 = 0; x0 < width; x0 += 32) {
+        for (int idx = threadIdx.x; idx < DELTA_CHUNK * 32; idx += DELTA_THREADS) {
+            const int r = idx / 32;
+            const int x = idx % 32;
+            stage[r * 33 + x] = x0 + x < width ? a[r * lda + x0 + x] : 0.0f;
+        }
+        __syncthreads();
+        // Past `width` the slice holds zeros, and `b` has rows to 32 past
+        // any slice's start (DELTA_MAX_DK rows for the key width, which is
+        // at most that; DELTA_CHUNK for the scores' 64): whole slices,
+        // unrolled.
+#pragma unroll 8
+        for (int x = 0; x < 32; ++x) {
+            const float bx = b[(x0 + x) * DELTA_TILE + col];
+#pragma unroll
+            for (int e = 0; e < DELTA_CHUNK / DELTA_ROW_STEP; ++e) {
+                acc[e] = __fmaf_rn(stage[(r0 + DELTA_ROW_STEP * e) * 33 + x], bx, acc[e]);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// acc[e] += sum_{s < 64} a[s * lda + x] b[s][col] for the rows x < rows
+// (at most DELTA_MAX_DK): a product with `a` transposed.
+template <int N>
+__device__ __forceinline__ void cols_times_tile(float (&acc)[N], const float* a, int lda, int rows, const float* b,
+                                                float* stage) {
+    const int col = threadIdx.x % DELTA_TILE;
+    const int r0 = threadIdx.x / DELTA_TILE;
+    constexpr int pitch = DELTA_MAX_DK + 1;
+    for (int s0 = 0; s0 < DELTA_CHUNK; s0 += 16) {
+        for (int idx = threadIdx.x; idx < 16 * rows; idx += DELTA_THREADS) {
+            const int s = idx / rows;
+            const int x = idx % rows;
+            stage[s * pitch + x] = a[(s0 + s) * lda + x];
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int s = 0; s < 16; ++s) {
+            const float bs = b[(s0 + s) * DELTA_TILE + col];
+#pragma unroll
+            for (int e = 0; e < N; ++e) {
+                const int x = r0 + DELTA_ROW_STEP * e;
+                if (x < rows) {
+                    acc[e] = __fmaf_rn(stage[s * pitch + x], bs, acc[e]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // ---- the forward's walk over the chunks ---------------------------------------
 // One block a (sequence, value head, DELTA_TILE state columns): the state's
 // columns H [dk, tile] stay in shared memory from chunk to chunk. Per chunk:
@@ -412,6 +481,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_forward_states
     grid_dependency_sync();
     __shared__ float s_h[DELTA_MAX_DK * DELTA_TILE];
     __shared__ float s_vn[DELTA_CHUNK * DELTA_TILE];
+    __shared__ float s_stage[DELTA_STAGE];
+    constexpr int ROWS = DELTA_CHUNK / DELTA_ROW_STEP;
+    constexpr int KEYS = DELTA_MAX_DK / DELTA_ROW_STEP;
     const int dk = p.dk;
     const int dv = p.dv;
     const int tiles = (dv + DELTA_TILE - 1) / DELTA_TILE;
@@ -421,7 +493,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_forward_states
     const int p0 = tile * DELTA_TILE;
     const int cols = min(DELTA_TILE, dv - p0);
     const int out_width = p.value_heads * dv;
-    constexpr int PER_THREAD = DELTA_MAX_DK * DELTA_TILE / DELTA_THREADS;
+    const int col = threadIdx.x % DELTA_TILE;
+    const int r0 = threadIdx.x / DELTA_TILE;
     for (int idx = threadIdx.x; idx < DELTA_MAX_DK * DELTA_TILE; idx += DELTA_THREADS) {
         s_h[idx] = 0.0f;
     }
@@ -432,62 +505,54 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_forward_states
         const Prep pr = prep_at(p, item);
         float* state = reinterpret_cast<float*>(p.states) + item * dv * dk;
         for (int idx = threadIdx.x; idx < cols * dk; idx += DELTA_THREADS) {
-            const int col = idx / dk;
+            const int cc = idx / dk;
             const int x = idx % dk;
-            state[static_cast<u64>(p0 + col) * dk + x] = s_h[x * DELTA_TILE + col];
+            state[static_cast<u64>(p0 + cc) * dk + x] = s_h[x * DELTA_TILE + cc];
         }
-        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
-            const int t = idx / DELTA_TILE;
-            const int col = idx % DELTA_TILE;
-            float v = 0.0f;
-            if (col < cols) {
-                for (int x = 0; x < dk; ++x) {
-                    v = __fmaf_rn(pr.w[t * dk + x], s_h[x * DELTA_TILE + col], v);
-                }
-                v = pr.u[t * dv + p0 + col] - v;
-            }
-            s_vn[idx] = v;
+        float wh[ROWS];
+#pragma unroll
+        for (int e = 0; e < ROWS; ++e) {
+            wh[e] = 0.0f;
+        }
+        rows_times_tile(wh, pr.w, dk, dk, s_h, s_stage);
+#pragma unroll
+        for (int e = 0; e < ROWS; ++e) {
+            const int t = r0 + DELTA_ROW_STEP * e;
+            s_vn[t * DELTA_TILE + col] = col < cols ? pr.u[t * dv + p0 + col] - wh[e] : 0.0f;
         }
         __syncthreads();
-        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
-            const int t = idx / DELTA_TILE;
-            const int col = idx % DELTA_TILE;
-            if (t >= it.len || col >= cols) {
-                continue;
+        float o[ROWS];
+#pragma unroll
+        for (int e = 0; e < ROWS; ++e) {
+            o[e] = 0.0f;
+        }
+        rows_times_tile(o, pr.qg, dk, dk, s_h, s_stage);
+        rows_times_tile(o, pr.m, DELTA_CHUNK, DELTA_CHUNK, s_vn, s_stage);
+#pragma unroll
+        for (int e = 0; e < ROWS; ++e) {
+            const int t = r0 + DELTA_ROW_STEP * e;
+            if (t < it.len && col < cols) {
+                const u64 r = row_of(p, it, t);
+                store(reinterpret_cast<void*>(p.out), p.t_out, r * out_width + static_cast<u64>(j) * dv + p0 + col, o[e]);
             }
-            float o = 0.0f;
-            for (int x = 0; x < dk; ++x) {
-                o = __fmaf_rn(pr.qg[t * dk + x], s_h[x * DELTA_TILE + col], o);
-            }
-            for (int s = 0; s <= t; ++s) {
-                o = __fmaf_rn(pr.m[t * DELTA_CHUNK + s], s_vn[s * DELTA_TILE + col], o);
-            }
-            const u64 r = row_of(p, it, t);
-            store(reinterpret_cast<void*>(p.out), p.t_out, r * out_width + static_cast<u64>(j) * dv + p0 + col, o);
         }
         if (c + 1 == p.chunks) {
             break;
         }
         const float decay = expf(pr.g[DELTA_CHUNK - 1]);
-        float next[PER_THREAD];
+        float next[KEYS];
 #pragma unroll
-        for (int e = 0; e < PER_THREAD; ++e) {
-            const int idx = threadIdx.x + e * DELTA_THREADS;
-            const int x = idx / DELTA_TILE;
-            const int col = idx % DELTA_TILE;
-            float h = 0.0f;
-            if (x < dk) {
-                for (int s = 0; s < DELTA_CHUNK; ++s) {
-                    h = __fmaf_rn(pr.kd[s * dk + x], s_vn[s * DELTA_TILE + col], h);
-                }
-                h = __fmaf_rn(decay, s_h[idx], h);
-            }
-            next[e] = h;
+        for (int e = 0; e < KEYS; ++e) {
+            next[e] = 0.0f;
         }
-        __syncthreads();
+        cols_times_tile(next, pr.kd, dk, dk, s_vn, s_stage);
+        // Each (row, column) of H is this thread's alone.
 #pragma unroll
-        for (int e = 0; e < PER_THREAD; ++e) {
-            s_h[threadIdx.x + e * DELTA_THREADS] = next[e];
+        for (int e = 0; e < KEYS; ++e) {
+            const int x = r0 + DELTA_ROW_STEP * e;
+            if (x < dk) {
+                s_h[x * DELTA_TILE + col] = __fmaf_rn(decay, s_h[x * DELTA_TILE + col], next[e]);
+            }
         }
         __syncthreads();
     }
@@ -505,6 +570,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_state
     __shared__ float s_dh[DELTA_MAX_DK * DELTA_TILE];
     __shared__ float s_do[DELTA_CHUNK * DELTA_TILE];
     __shared__ float s_dvn[DELTA_CHUNK * DELTA_TILE];
+    __shared__ float s_stage[DELTA_STAGE];
+    constexpr int ROWS = DELTA_CHUNK / DELTA_ROW_STEP;
+    constexpr int KEYS = DELTA_MAX_DK / DELTA_ROW_STEP;
     const int dk = p.dk;
     const int dv = p.dv;
     const int tiles = (dv + DELTA_TILE - 1) / DELTA_TILE;
@@ -514,7 +582,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_state
     const int p0 = tile * DELTA_TILE;
     const int cols = min(DELTA_TILE, dv - p0);
     const int out_width = p.value_heads * dv;
-    constexpr int PER_THREAD = DELTA_MAX_DK * DELTA_TILE / DELTA_THREADS;
+    const int col = threadIdx.x % DELTA_TILE;
+    const int r0 = threadIdx.x / DELTA_TILE;
     for (int idx = threadIdx.x; idx < DELTA_MAX_DK * DELTA_TILE; idx += DELTA_THREADS) {
         s_dh[idx] = 0.0f;
         s_h[idx] = 0.0f;
@@ -527,73 +596,68 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_state
         const Back bk = back_at(p, item);
         const float* state = reinterpret_cast<const float*>(p.states) + item * dv * dk;
         for (int idx = threadIdx.x; idx < cols * dk; idx += DELTA_THREADS) {
-            const int col = idx / dk;
+            const int cc = idx / dk;
             const int x = idx % dk;
-            s_h[x * DELTA_TILE + col] = state[static_cast<u64>(p0 + col) * dk + x];
+            s_h[x * DELTA_TILE + cc] = state[static_cast<u64>(p0 + cc) * dk + x];
         }
         for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
             const int t = idx / DELTA_TILE;
-            const int col = idx % DELTA_TILE;
+            const int cc = idx % DELTA_TILE;
             float d = 0.0f;
-            if (t < it.len && col < cols) {
+            if (t < it.len && cc < cols) {
                 const u64 r = row_of(p, it, t);
-                d = load(reinterpret_cast<const void*>(p.out), p.t_out, r * out_width + static_cast<u64>(j) * dv + p0 + col);
+                d = load(reinterpret_cast<const void*>(p.out), p.t_out, r * out_width + static_cast<u64>(j) * dv + p0 + cc);
             }
             s_do[idx] = d;
         }
         // The state gradient at this chunk's end, for the chunk's own
         // gradients.
         for (int idx = threadIdx.x; idx < cols * dk; idx += DELTA_THREADS) {
-            const int col = idx / dk;
+            const int cc = idx / dk;
             const int x = idx % dk;
-            bk.dh[static_cast<u64>(p0 + col) * dk + x] = s_dh[x * DELTA_TILE + col];
+            bk.dh[static_cast<u64>(p0 + cc) * dk + x] = s_dh[x * DELTA_TILE + cc];
         }
         __syncthreads();
-        for (int idx = threadIdx.x; idx < DELTA_CHUNK * DELTA_TILE; idx += DELTA_THREADS) {
-            const int t = idx / DELTA_TILE;
-            const int col = idx % DELTA_TILE;
-            float dvn = 0.0f;
+        float wh[ROWS];
+        float dvn[ROWS];
+#pragma unroll
+        for (int e = 0; e < ROWS; ++e) {
+            wh[e] = 0.0f;
+            dvn[e] = 0.0f;
+        }
+        rows_times_tile(wh, pr.w, dk, dk, s_h, s_stage);
+        cols_times_tile(dvn, pr.m, DELTA_CHUNK, DELTA_CHUNK, s_do, s_stage);
+        rows_times_tile(dvn, pr.kd, dk, dk, s_dh, s_stage);
+#pragma unroll
+        for (int e = 0; e < ROWS; ++e) {
+            const int t = r0 + DELTA_ROW_STEP * e;
             if (col < cols) {
-                float v = 0.0f;
-                for (int x = 0; x < dk; ++x) {
-                    v = __fmaf_rn(pr.w[t * dk + x], s_h[x * DELTA_TILE + col], v);
-                }
-                bk.vn[t * dv + p0 + col] = pr.u[t * dv + p0 + col] - v;
-                for (int s = t; s < DELTA_CHUNK; ++s) {
-                    dvn = __fmaf_rn(pr.m[s * DELTA_CHUNK + t], s_do[s * DELTA_TILE + col], dvn);
-                }
-                for (int x = 0; x < dk; ++x) {
-                    dvn = __fmaf_rn(pr.kd[t * dk + x], s_dh[x * DELTA_TILE + col], dvn);
-                }
-                bk.dvn[t * dv + p0 + col] = dvn;
+                bk.vn[t * dv + p0 + col] = pr.u[t * dv + p0 + col] - wh[e];
+                bk.dvn[t * dv + p0 + col] = dvn[e];
             }
-            s_dvn[idx] = dvn;
+            s_dvn[t * DELTA_TILE + col] = col < cols ? dvn[e] : 0.0f;
         }
         __syncthreads();
         if (c == 0) {
             break;
         }
         const float decay = expf(pr.g[DELTA_CHUNK - 1]);
-        float next[PER_THREAD];
+        float from_out[KEYS];
+        float from_w[KEYS];
 #pragma unroll
-        for (int e = 0; e < PER_THREAD; ++e) {
-            const int idx = threadIdx.x + e * DELTA_THREADS;
-            const int x = idx / DELTA_TILE;
-            const int col = idx % DELTA_TILE;
-            float d = 0.0f;
-            if (x < dk) {
-                for (int t = 0; t < DELTA_CHUNK; ++t) {
-                    d = __fmaf_rn(pr.qg[t * dk + x], s_do[t * DELTA_TILE + col], d);
-                    d = __fmaf_rn(-pr.w[t * dk + x], s_dvn[t * DELTA_TILE + col], d);
-                }
-                d = __fmaf_rn(decay, s_dh[idx], d);
-            }
-            next[e] = d;
+        for (int e = 0; e < KEYS; ++e) {
+            from_out[e] = 0.0f;
+            from_w[e] = 0.0f;
         }
-        __syncthreads();
+        cols_times_tile(from_out, pr.qg, dk, dk, s_do, s_stage);
+        cols_times_tile(from_w, pr.w, dk, dk, s_dvn, s_stage);
 #pragma unroll
-        for (int e = 0; e < PER_THREAD; ++e) {
-            s_dh[threadIdx.x + e * DELTA_THREADS] = next[e];
+        for (int e = 0; e < KEYS; ++e) {
+            const int x = r0 + DELTA_ROW_STEP * e;
+            if (x < dk) {
+                const float d = from_out[e] - from_w[e];
+                s_dh[x * DELTA_TILE + col] = __fmaf_rn(decay, s_dh[x * DELTA_TILE + col], d);
+            }
         }
         __syncthreads();
     }
