@@ -12,10 +12,12 @@
 //!   attention, ...), so each is compared alone. Its outputs are poisoned
 //!   (NaN, or a bad index) before each call, it runs twice and must give
 //!   the same bits, and it must match the CPU: the indices exactly, f32
-//!   outputs within 1e-5 of their norm, bf16 outputs within 2^-8.
+//!   outputs within 1e-5 of their norm, bf16 outputs within 2^-8, the
+//!   indexer loss within 1e-5 of the scale of its terms (`loss_error`).
 //! - The conformance suite's sparse attention family (f64 references).
 //! - Training: `[DE]-` and `M[DE]` on one GPU in f32 follow the CPU's run
-//!   (every step's loss and indexer loss within 1e-5 relative), and the
+//!   (every step's loss within 1e-5 relative, its indexer loss within
+//!   1e-5 of the coefficient times ln(keys)), and the
 //!   overlap schedule gives the plain schedule's bits (f32 and bf16).
 //!
 //! The tests are `#[ignore = "needs a GPU"]`: built anywhere, run on a GPU
@@ -340,7 +342,7 @@ fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&
                 heads: s.heads,
                 qk_dim: s.qk,
                 scale,
-                coeff: 0.37,
+                coeff: LOSS_COEFF,
                 sparse,
             },
         )
@@ -500,6 +502,29 @@ fn error(gpu: &[f32], cpu: &[f32]) -> f64 {
     diff.sqrt() / norm.sqrt().max(1e-30)
 }
 
+/// The indexer loss's coefficient in the kernel tests.
+const LOSS_COEFF: f32 = 0.37;
+
+/// The indexer loss's error: a row's KL is the difference of two sums of
+/// terms up to `ln(keys)` in size, and for a selection close to the main
+/// attention's it is far smaller than either: f32 (on the CPU or the GPU,
+/// in any order) gets it right only to the rounding of those terms. So
+/// the error is measured against that scale, `coeff / rows * ln(seq)` a
+/// row, not against the loss itself (which would ask an f32 KL near zero
+/// for digits no f32 sum has).
+fn loss_error(gpu: &[f32], cpu: &[f32], seq: usize) -> f64 {
+    let rows = cpu.len();
+    let term = f64::from(LOSS_COEFF) / rows as f64 * (seq as f64).ln().max(1.0);
+    let mut diff = 0.0f64;
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        if !g.is_finite() || !c.is_finite() {
+            return f64::INFINITY;
+        }
+        diff += (f64::from(g) - f64::from(c)).powi(2);
+    }
+    (diff / rows.max(1) as f64).sqrt() / term
+}
+
 fn tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::Bf16 => 1.0 / 256.0,
@@ -534,7 +559,12 @@ fn family_matches_the_cpu(a: DType, precision: Precision) {
                 }
                 (Out::F(gv, dt), Out::F(wv, _)) => {
                     let same = gv.iter().zip(wv).all(|(x, y)| x.to_bits() == y.to_bits());
-                    (error(gv, wv), tolerance(*dt), same)
+                    let err = if name.starts_with("loss") {
+                        loss_error(gv, wv, s.seq)
+                    } else {
+                        error(gv, wv)
+                    };
+                    (err, tolerance(*dt), same)
                 }
                 _ => panic!("{name}: kinds differ"),
             };
@@ -704,12 +734,15 @@ fn bad_selections_are_device_faults() {
 /// A small run of `pattern` on the tiny preset (its `[dsa]`: 2 indexer
 /// heads of 16) on one rank: 40-token sequences of which each query keeps
 /// 8 keys, the indexer loss on.
+const INDEXER_COEFF: f32 = 0.01;
+const SEQ: usize = 40;
+
 fn config(pattern: &str, device: DeviceChoice, precision: Precision) -> TrainConfig {
     let mut model = ModelConfig::preset("tiny").unwrap();
     model.pattern = pattern.to_string();
     let dsa = model.dsa.as_mut().expect("tiny has [dsa]");
     dsa.index_topk = 8;
-    dsa.indexer_loss_coeff = 0.01;
+    dsa.indexer_loss_coeff = INDEXER_COEFF;
     let mut config = TrainConfig::new(model);
     config.device = device;
     config.precision = precision;
@@ -718,7 +751,7 @@ fn config(pattern: &str, device: DeviceChoice, precision: Precision) -> TrainCon
     config.steps = 4;
     config.micro_batches = 2;
     config.micro_batch_size = 2;
-    config.seq_length = 40;
+    config.seq_length = SEQ;
     config.recompute = Recompute::None;
     config
 }
@@ -769,7 +802,10 @@ fn dsa_training_on_a_gpu_matches_the_cpu_and_overlap_equals_plain() {
                 c.indexer_loss.unwrap_or(f64::NAN),
                 g.indexer_loss.unwrap_or(f64::NAN),
             );
-            let (rl, ri) = (relative(g.loss, c.loss), relative(gi, ci));
+            // The indexer loss against the scale of its terms (see
+            // `loss_error`): the coefficient times ln(keys).
+            let ri = (gi - ci).abs() / (f64::from(INDEXER_COEFF) * (SEQ as f64).ln());
+            let rl = relative(g.loss, c.loss);
             println!(
                 "{pattern:8} step {}: loss cpu {:.9} gpu {:.9} (rel {rl:.1e}); indexer cpu {ci:.9e} \
                  gpu {gi:.9e} (rel {ri:.1e}); grad norm rel {:.1e}",
@@ -780,7 +816,7 @@ fn dsa_training_on_a_gpu_matches_the_cpu_and_overlap_equals_plain() {
             );
             if !(rl <= 1e-5 && ri <= 1e-5) {
                 failures.push(format!(
-                    "{pattern} step {}: loss rel {rl:.2e}, indexer loss rel {ri:.2e}",
+                    "{pattern} step {}: loss rel {rl:.2e}, indexer loss err {ri:.2e}",
                     c.step
                 ));
             }
