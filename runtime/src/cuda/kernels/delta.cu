@@ -1017,3 +1017,650 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_a_log
     void* d = reinterpret_cast<void*>(p.d_a_log);
     store(d, p.t_d_a_log, j, load(d, p.t_d_a_log, j) + static_cast<float>(sum));
 }
+
+// ==== the tensor-core forward (bf16 storage) ====================================
+// Where q, k, v and the output are bf16 and both head dims are multiples of
+// 16 up to 128, the forward runs on tensor cores (`mma.sync` m16n8k16, bf16
+// operands, f32 accumulators), as flash-linear-attention's
+// `chunk_gated_delta_rule` does:
+//   `delta_tc_prep` (a block a (sequence, chunk, value head), every chunk at
+//     once): the normalised q and k, G, A = beta K K^T with its decays (one
+//     product), T = (I + A)^-1 in f32 (16 x 16 diagonal blocks by
+//     substitution, then the blocks below them), W = T diag(beta gamma) K and
+//     U = T diag(beta) V (two products), saved in bf16 with G (f32);
+//   `delta_tc_walk` (a block a (sequence, value head, 16 state columns)):
+//     the chunks in order with H [dk, 16] in f32 accumulators, per chunk
+//     the saved state (f32: the `states` the backward reads, which the
+//     contract makes f32), V' = U - W H and H = gamma_L H + K^T (decayed V'),
+//     the products on H rounded to bf16; W and K of the next chunk load
+//     (cp.async) while the current one is multiplied;
+//   `delta_tc_output` (a block a (sequence, chunk, value head)):
+//     o = gamma Q H_0 + (the masked, decayed Q K^T) V'.
+// Every product's operands are bf16 (inputs, H, T, V' rounded once), its
+// sums f32 in the order the mma hardware fixes; nothing is added with
+// atomics, so equal inputs give equal bits. The f32 kernels above stay the
+// path for f32 storage and other head dims (and the backward).
+#include "wgmma.cuh"
+
+#define DELTA_TC_THREADS 128
+// Pitch (bf16 elements) of the 64 x 64 tiles of T.
+#define DELTA_T_PITCH 72
+// Pitch (f32) of the 64 x 64 f32 tiles of A and T.
+#define DELTA_F_PITCH 65
+// State columns a walk block takes, and the pitch of its 16-column tiles.
+#define DELTA_TC_COLS 16
+#define DELTA_COL_PITCH 24
+
+// One item's part of the scratch (bytes): G f32 [64] | normalised k bf16
+// [64, dk] | normalised, scaled q [64, dk] | W [64, dk] | U [64, dv] |
+// V' [64, dv]. Smaller than the f32 path's `prep_len`, so
+// `delta_scratch_len` covers it (`tc_item_len` in `cuda/ops/delta.rs`).
+struct TcItem {
+    float* g;
+    bf16* kn;
+    bf16* qn;
+    bf16* w;
+    bf16* u;
+    bf16* vn;
+};
+
+__device__ __forceinline__ u64 tc_item_bytes(const DeltaParams& p) {
+    return 256ull + 128ull * (3ull * p.dk + 2ull * p.dv);
+}
+
+__device__ __forceinline__ TcItem tc_item_at(const DeltaParams& p, u64 item) {
+    char* base = reinterpret_cast<char*>(p.scratch) + item * tc_item_bytes(p);
+    const u64 keys = 64ull * p.dk;
+    TcItem r;
+    r.g = reinterpret_cast<float*>(base);
+    r.kn = reinterpret_cast<bf16*>(base + 256);
+    r.qn = r.kn + keys;
+    r.w = r.qn + keys;
+    r.u = r.w + keys;
+    r.vn = r.u + 64ull * p.dv;
+    return r;
+}
+
+// ---- fragments ---------------------------------------------------------------
+// Tiles are row-major bf16 with a pitch of `pitch` elements, an odd multiple
+// of 16 bytes (a width that is a multiple of 16, plus 8), so that the eight
+// rows an `ldmatrix` reads fall in distinct banks.
+
+// A(m, k) = tile[m0 + m][k0 + k], m, k < 16.
+__device__ __forceinline__ void tc_load_a(u32 (&a)[4], const bf16* tile, int pitch, int m0, int k0) {
+    const int lane = threadIdx.x & 31;
+    ldmatrix_x4(a, shared_address(tile + (m0 + (lane & 15)) * pitch + k0 + (lane >> 4) * 8));
+}
+
+// A(m, k) = tile[k0 + k][m0 + m]: the tile read as its transpose. Lanes
+// 8i..8i+7 address matrix i (a0: m 0-7 k 0-7, a1: m 8-15, a2: k 8-15, a3
+// both), transposed by the load.
+__device__ __forceinline__ void tc_load_a_trans(u32 (&a)[4], const bf16* tile, int pitch, int m0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int matrix = lane >> 3;
+    const int row = k0 + (lane & 7) + (matrix >> 1) * 8;
+    const int col = m0 + (matrix & 1) * 8;
+    ldmatrix_x4_trans(a, shared_address(tile + row * pitch + col));
+}
+
+// B(k, n) = tile[n0 + n][k0 + k] for n < 16: b[0], b[1] the columns n0..n0+7,
+// b[2], b[3] the columns n0+8..n0+15.
+__device__ __forceinline__ void tc_load_b_rows(u32 (&b)[4], const bf16* tile, int pitch, int n0, int k0) {
+    const int lane = threadIdx.x & 31;
+    const int row = n0 + (lane & 7) + (lane >> 4) * 8;
+    const int col = k0 + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4(b, shared_address(tile + row * pitch + col));
+}
+
+// B(k, n) = tile[k0 + k][n0 + n]; the same fragment order.
+__device__ __forceinline__ void tc_load_b_cols(u32 (&b)[4], const bf16* tile, int pitch, int k0, int n0) {
+    const int lane = threadIdx.x & 31;
+    const int row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int col = n0 + (lane >> 4) * 8;
+    ldmatrix_x4_trans(b, shared_address(tile + row * pitch + col));
+}
+
+// Copies `rows` rows of `width` bf16 (a multiple of 8) from `src` (rows
+// `width` apart) into `tile` (rows `pitch` apart), asynchronously.
+__device__ __forceinline__ void tc_stage(bf16* tile, int pitch, const bf16* src, int rows, int width) {
+    const int words = width / 8;
+    for (int idx = threadIdx.x; idx < rows * words; idx += DELTA_TC_THREADS) {
+        const int r = idx / words;
+        const int c = (idx % words) * 8;
+        copy16_async(shared_address(tile + r * pitch + c), src + static_cast<u64>(r) * width + c, true);
+    }
+}
+
+// dst [64, n] (bf16, rows n apart) = L B for a lower-triangular 64 x 64 L
+// (bf16, pitch DELTA_T_PITCH) and B [64, n] (bf16, pitch `pb`), n a multiple
+// of 16 up to 128. Warp w writes rows 16w..16w+15; L's blocks above the
+// diagonal are zeros and skipped.
+__device__ __forceinline__ void tc_lower_times(const bf16* l, const bf16* b, int pb, int n, bf16* dst) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int q = lane & 3;
+    const int m0 = 16 * warp;
+    for (int n0 = 0; n0 < n; n0 += 64) {
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[nt][e] = 0.0f;
+            }
+        }
+        for (int kk = 0; kk <= warp; ++kk) {
+            u32 af[4];
+            tc_load_a(af, l, DELTA_T_PITCH, m0, 16 * kk);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                if (n0 + 16 * np < n) {
+                    u32 bf[4];
+                    tc_load_b_cols(bf, b, pb, 16 * kk, n0 + 16 * np);
+                    mma_bf16(acc[2 * np], af, bf[0], bf[1]);
+                    mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = n0 + 8 * nt + 2 * q;
+            if (col < n) {
+                store_pair(dst + (m0 + g) * n + col, acc[nt][0], acc[nt][1]);
+                store_pair(dst + (m0 + g + 8) * n + col, acc[nt][2], acc[nt][3]);
+            }
+        }
+    }
+}
+
+// ---- the chunk's preparation ------------------------------------------------------
+// Dynamic shared memory (`tc_prep_shared` in `cuda/ops/delta.rs`): K and V
+// (bf16), T diag(beta gamma) and T diag(beta) (bf16), A and T (f32), the
+// blocks' partial products, G and beta.
+extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_prep(DeltaParams p) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char delta_shared[];
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int pk = dk + 8;
+    const int pv = dv + 8;
+    bf16* s_k = reinterpret_cast<bf16*>(delta_shared);
+    bf16* s_v = s_k + 64 * pk;
+    bf16* s_tk = s_v + 64 * pv;
+    bf16* s_tv = s_tk + 64 * DELTA_T_PITCH;
+    float* s_a = reinterpret_cast<float*>(s_tv + 64 * DELTA_T_PITCH);
+    float* s_t = s_a + 64 * DELTA_F_PITCH;
+    float* s_x = s_t + 64 * DELTA_F_PITCH;
+    float* s_g = s_x + 3 * 256;
+    float* s_beta = s_g + 64;
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const u64 item = blockIdx.x;
+    const Item it = item_of(p, item);
+    const TcItem ti = tc_item_at(p, item);
+    const bf16* qkv = reinterpret_cast<const bf16*>(p.qkv);
+    const u64 width = qkv_width(p);
+    const float a = expf(load(reinterpret_cast<const void*>(p.a_log), p.t_a_log, it.j));
+    const float dt_bias = load(reinterpret_cast<const void*>(p.dt_bias), p.t_dt_bias, it.j);
+    // A warp a step: its q and k normalised (a lane holds channel pairs
+    // 2 lane + 64 e), v copied, g and beta. Steps past the sequence's end
+    // are zeros with g = 0 and beta = 0: steps that change nothing.
+    for (int t = warp; t < DELTA_CHUNK; t += DELTA_TC_THREADS / 32) {
+        const bool live = t < it.len;
+        const u64 r = live ? row_of(p, it, t) : 0;
+        const bf16* q_row = qkv + r * width + static_cast<u64>(it.i) * dk;
+        const bf16* k_row = qkv + r * width + static_cast<u64>(p.key_heads + it.i) * dk;
+        const bf16* v_row = qkv + r * width + 2ull * p.key_heads * dk + static_cast<u64>(it.j) * dv;
+        float2 qv[2];
+        float2 kv[2];
+        float qq = 0.0f;
+        float kk = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int x = 2 * lane + 64 * e;
+            const bool in = live && x < dk;
+            qv[e] = in ? load_pair(q_row + x) : make_float2(0.0f, 0.0f);
+            kv[e] = in ? load_pair(k_row + x) : make_float2(0.0f, 0.0f);
+            qq += qv[e].x * qv[e].x + qv[e].y * qv[e].y;
+            kk += kv[e].x * kv[e].x + kv[e].y * kv[e].y;
+        }
+        qq = warp_sum(qq);
+        kk = warp_sum(kk);
+        const float rq = p.scale / sqrtf(qq + DELTA_L2_EPS);
+        const float rk = 1.0f / sqrtf(kk + DELTA_L2_EPS);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int x = 2 * lane + 64 * e;
+            if (x < dk) {
+                store_pair(s_k + t * pk + x, kv[e].x * rk, kv[e].y * rk);
+                store_pair(ti.kn + t * dk + x, kv[e].x * rk, kv[e].y * rk);
+                store_pair(ti.qn + t * dk + x, qv[e].x * rq, qv[e].y * rq);
+            }
+            if (x < dv) {
+                const float2 vv = live ? load_pair(v_row + x) : make_float2(0.0f, 0.0f);
+                store_pair(s_v + t * pv + x, vv.x, vv.y);
+            }
+        }
+        if (lane == 0) {
+            float g = 0.0f;
+            float beta = 0.0f;
+            if (live) {
+                const u64 at = r * p.value_heads + it.j;
+                const float raw = load(reinterpret_cast<const void*>(p.alpha), p.t_alpha, at) + dt_bias;
+                g = -a * delta_softplus(raw);
+                beta = delta_sigmoid(load(reinterpret_cast<const void*>(p.beta), p.t_beta, at));
+            }
+            s_g[t] = g;
+            s_beta[t] = beta;
+        }
+    }
+    for (int idx = tid; idx < 64 * DELTA_F_PITCH; idx += DELTA_TC_THREADS) {
+        s_t[idx] = 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float sum = 0.0f;
+        for (int t = 0; t < DELTA_CHUNK; ++t) {
+            sum += s_g[t];
+            s_g[t] = sum;
+        }
+    }
+    __syncthreads();
+    if (tid < DELTA_CHUNK) {
+        ti.g[tid] = s_g[tid];
+    }
+    // A = beta_t (k_t . k_s) e_ts for s < t: warp w the rows 16w..16w+15,
+    // the blocks on and below the diagonal.
+    {
+        const int g = lane >> 2;
+        const int q = lane & 3;
+        const int m0 = 16 * warp;
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[nt][e] = 0.0f;
+            }
+        }
+        for (int k0 = 0; k0 < dk; k0 += 16) {
+            u32 af[4];
+            tc_load_a(af, s_k, pk, m0, k0);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                if (np <= warp) {
+                    u32 bf[4];
+                    tc_load_b_rows(bf, s_k, pk, 16 * np, k0);
+                    mma_bf16(acc[2 * np], af, bf[0], bf[1]);
+                    mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = m0 + g + (e >> 1) * 8;
+                const int s = 8 * nt + 2 * q + (e & 1);
+                s_a[t * DELTA_F_PITCH + s] = s < t ? s_beta[t] * acc[nt][e] * expf(s_g[t] - s_g[s]) : 0.0f;
+            }
+        }
+    }
+    __syncthreads();
+    // T = (I + A)^-1, unit lower triangular. Its diagonal 16 x 16 blocks
+    // invert those of I + A: a thread a column, by substitution down it.
+    if (tid < DELTA_CHUNK) {
+        const int r0 = (tid / 16) * 16;
+        const int col = tid % 16;
+        float column[16];
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            float v = t == col ? 1.0f : 0.0f;
+#pragma unroll
+            for (int s = 0; s < t; ++s) {
+                if (s >= col) {
+                    v = __fmaf_rn(-s_a[(r0 + t) * DELTA_F_PITCH + r0 + s], column[s], v);
+                }
+            }
+            column[t] = t < col ? 0.0f : v;
+            s_t[(r0 + t) * DELTA_F_PITCH + r0 + col] = column[t];
+        }
+    }
+    __syncthreads();
+    // Below the diagonal, a block row at a time: (I + A) T = I gives
+    // T_IJ = -T_II sum_{J <= K < I} A_IK T_KJ, from the rows above.
+    for (int bi = 1; bi < 4; ++bi) {
+        for (int e = tid; e < bi * 256; e += DELTA_TC_THREADS) {
+            const int bj = e / 256;
+            const int r = (e / 16) % 16;
+            const int cc = e % 16;
+            float x = 0.0f;
+            for (int bk = bj; bk < bi; ++bk) {
+                for (int m = 0; m < 16; ++m) {
+                    x = __fmaf_rn(s_a[(16 * bi + r) * DELTA_F_PITCH + 16 * bk + m],
+                                  s_t[(16 * bk + m) * DELTA_F_PITCH + 16 * bj + cc], x);
+                }
+            }
+            s_x[e] = x;
+        }
+        __syncthreads();
+        for (int e = tid; e < bi * 256; e += DELTA_TC_THREADS) {
+            const int bj = e / 256;
+            const int r = (e / 16) % 16;
+            const int cc = e % 16;
+            float v = 0.0f;
+            for (int m = 0; m <= r; ++m) {
+                v = __fmaf_rn(-s_t[(16 * bi + r) * DELTA_F_PITCH + 16 * bi + m], s_x[bj * 256 + m * 16 + cc], v);
+            }
+            s_t[(16 * bi + r) * DELTA_F_PITCH + 16 * bj + cc] = v;
+        }
+        __syncthreads();
+    }
+    // T with its columns scaled (beta_s gamma_s for W, beta_s for U), in
+    // bf16: W = (T diag(beta gamma)) K, U = (T diag(beta)) V.
+    for (int idx = tid; idx < DELTA_CHUNK * DELTA_CHUNK / 2; idx += DELTA_TC_THREADS) {
+        const int t = idx / 32;
+        const int s = (idx % 32) * 2;
+        const float t0 = s_t[t * DELTA_F_PITCH + s] * s_beta[s];
+        const float t1 = s_t[t * DELTA_F_PITCH + s + 1] * s_beta[s + 1];
+        store_pair(s_tv + t * DELTA_T_PITCH + s, t0, t1);
+        store_pair(s_tk + t * DELTA_T_PITCH + s, t0 * expf(s_g[s]), t1 * expf(s_g[s + 1]));
+    }
+    __syncthreads();
+    tc_lower_times(s_tk, s_k, pk, dk, ti.w);
+    tc_lower_times(s_tv, s_v, pv, dv, ti.u);
+}
+
+// ---- the forward's walk over the chunks -------------------------------------------
+// One block a (sequence, value head, DELTA_TC_COLS state columns); warp w
+// keeps H's rows 32w..32w+31 (keys) of the block's columns in f32
+// accumulators. Dynamic shared memory (`tc_walk_shared`): W and K of the
+// chunk (bf16, pitch dk + 8), H in bf16 [dk, 16], the decayed V' [64, 16].
+extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(DeltaParams p) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char delta_shared[];
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int pk = dk + 8;
+    bf16* s_w = reinterpret_cast<bf16*>(delta_shared);
+    bf16* s_k = s_w + 64 * pk;
+    bf16* s_h = s_k + 64 * pk;
+    bf16* s_vn = s_h + dk * DELTA_COL_PITCH;
+    const int tiles = dv / DELTA_TC_COLS;
+    const int tile = blockIdx.x % tiles;
+    const int j = (blockIdx.x / tiles) % p.value_heads;
+    const int b = blockIdx.x / (tiles * p.value_heads);
+    const int p0 = tile * DELTA_TC_COLS;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int q = lane & 3;
+    float h[2][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                h[mt][nt][e] = 0.0f;
+            }
+        }
+    }
+    const u64 first = static_cast<u64>(b) * p.chunks * p.value_heads + j;
+    {
+        const TcItem ti = tc_item_at(p, first);
+        tc_stage(s_w, pk, ti.w, DELTA_CHUNK, dk);
+        commit_async();
+        tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
+        commit_async();
+    }
+    for (int c = 0; c < p.chunks; ++c) {
+        const u64 item = first + static_cast<u64>(c) * p.value_heads;
+        const TcItem ti = tc_item_at(p, item);
+        // The chunk's starting state: f32 to `states` (S = H^T), bf16 for
+        // the products.
+        float* state = reinterpret_cast<float*>(p.states) + item * dv * dk;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int x0 = 32 * warp + 16 * mt;
+            if (x0 < dk) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const int col = 8 * nt + 2 * q;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int x = x0 + g + (e >> 1) * 8;
+                        state[static_cast<u64>(p0 + col + (e & 1)) * dk + x] = h[mt][nt][e];
+                    }
+                    store_pair(s_h + (x0 + g) * DELTA_COL_PITCH + col, h[mt][nt][0], h[mt][nt][1]);
+                    store_pair(s_h + (x0 + g + 8) * DELTA_COL_PITCH + col, h[mt][nt][2], h[mt][nt][3]);
+                }
+            }
+        }
+        // W's group is in (K's may still be on its way).
+        wait_async<1>();
+        __syncthreads();
+        // V' = U - W H: warp w the steps 16w..16w+15.
+        const int t0 = 16 * warp + g;
+        const int t1 = t0 + 8;
+        const float g_last = ti.g[DELTA_CHUNK - 1];
+        {
+            float acc[2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[nt][e] = 0.0f;
+                }
+            }
+            for (int k0 = 0; k0 < dk; k0 += 16) {
+                u32 af[4];
+                u32 bf[4];
+                tc_load_a(af, s_w, pk, 16 * warp, k0);
+                tc_load_b_cols(bf, s_h, DELTA_COL_PITCH, k0, 0);
+                mma_bf16(acc[0], af, bf[0], bf[1]);
+                mma_bf16(acc[1], af, bf[2], bf[3]);
+            }
+            const float decay0 = expf(g_last - ti.g[t0]);
+            const float decay1 = expf(g_last - ti.g[t1]);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int col = 8 * nt + 2 * q;
+                const float2 u0 = load_pair(ti.u + t0 * dv + p0 + col);
+                const float2 u1 = load_pair(ti.u + t1 * dv + p0 + col);
+                const float v00 = u0.x - acc[nt][0];
+                const float v01 = u0.y - acc[nt][1];
+                const float v10 = u1.x - acc[nt][2];
+                const float v11 = u1.y - acc[nt][3];
+                store_pair(ti.vn + t0 * dv + p0 + col, v00, v01);
+                store_pair(ti.vn + t1 * dv + p0 + col, v10, v11);
+                store_pair(s_vn + t0 * DELTA_COL_PITCH + col, v00 * decay0, v01 * decay0);
+                store_pair(s_vn + t1 * DELTA_COL_PITCH + col, v10 * decay1, v11 * decay1);
+            }
+        }
+        __syncthreads();
+        if (c + 1 == p.chunks) {
+            break;
+        }
+        const TcItem next = tc_item_at(p, item + p.value_heads);
+        tc_stage(s_w, pk, next.w, DELTA_CHUNK, dk);
+        commit_async();
+        // K's group is in (the next W's may still be on its way).
+        wait_async<1>();
+        __syncthreads();
+        // H = gamma_L H + K^T (exp(G_L - G_s) V'_s).
+        const float decay = expf(g_last);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int x0 = 32 * warp + 16 * mt;
+            if (x0 < dk) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        h[mt][nt][e] *= decay;
+                    }
+                }
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+                    u32 af[4];
+                    u32 bf[4];
+                    tc_load_a_trans(af, s_k, pk, x0, 16 * kk);
+                    tc_load_b_cols(bf, s_vn, DELTA_COL_PITCH, 16 * kk, 0);
+                    mma_bf16(h[mt][0], af, bf[0], bf[1]);
+                    mma_bf16(h[mt][1], af, bf[2], bf[3]);
+                }
+            }
+        }
+        __syncthreads();
+        tc_stage(s_k, pk, next.kn, DELTA_CHUNK, dk);
+        commit_async();
+    }
+    wait_async<0>();
+}
+
+// ---- the forward's outputs ----------------------------------------------------------
+// One block a (sequence, chunk, value head), warp w the steps
+// 16w..16w+15: o = gamma Q H_0 + P V' with P = (Q K^T) e_ts masked to
+// s <= t, P kept in registers as the second product's A fragments.
+// Dynamic shared memory (`tc_output_shared`): Q, K (bf16, pitch dk + 8),
+// S_0 = H_0^T in bf16 [dv, dk + 8], V' [64, dv + 8].
+extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_output(DeltaParams p) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char delta_shared[];
+    const int dk = p.dk;
+    const int dv = p.dv;
+    const int pk = dk + 8;
+    const int pv = dv + 8;
+    bf16* s_q = reinterpret_cast<bf16*>(delta_shared);
+    bf16* s_k = s_q + 64 * pk;
+    bf16* s_s = s_k + 64 * pk;
+    bf16* s_vn = s_s + dv * pk;
+    const u64 item = blockIdx.x;
+    const Item it = item_of(p, item);
+    const TcItem ti = tc_item_at(p, item);
+    tc_stage(s_q, pk, ti.qn, DELTA_CHUNK, dk);
+    tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
+    tc_stage(s_vn, pv, ti.vn, DELTA_CHUNK, dv);
+    commit_async();
+    const float4* state = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.states) + item * dv * dk);
+    for (int idx = threadIdx.x; idx < dv * dk / 4; idx += DELTA_TC_THREADS) {
+        const float4 s = state[idx];
+        const int col = (4 * idx) / dk;
+        const int x = (4 * idx) % dk;
+        store_pair(s_s + col * pk + x, s.x, s.y);
+        store_pair(s_s + col * pk + x + 2, s.z, s.w);
+    }
+    wait_async<0>();
+    __syncthreads();
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int q = lane & 3;
+    const int m0 = 16 * warp;
+    const int t0 = m0 + g;
+    const int t1 = t0 + 8;
+    const float g0 = ti.g[t0];
+    const float g1 = ti.g[t1];
+    float o[16][4];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            o[nt][e] = 0.0f;
+        }
+    }
+    // Q H_0 (B(x, col) = S_0[col][x]), then gamma_t on each row.
+    for (int k0 = 0; k0 < dk; k0 += 16) {
+        u32 af[4];
+        tc_load_a(af, s_q, pk, m0, k0);
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+            if (16 * np < dv) {
+                u32 bf[4];
+                tc_load_b_rows(bf, s_s, pk, 16 * np, k0);
+                mma_bf16(o[2 * np], af, bf[0], bf[1]);
+                mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
+            }
+        }
+    }
+    const float gamma0 = expf(g0);
+    const float gamma1 = expf(g1);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+        o[nt][0] *= gamma0;
+        o[nt][1] *= gamma0;
+        o[nt][2] *= gamma1;
+        o[nt][3] *= gamma1;
+    }
+    // The scores of the blocks on and below the diagonal.
+    float sc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            sc[nt][e] = 0.0f;
+        }
+    }
+    for (int k0 = 0; k0 < dk; k0 += 16) {
+        u32 af[4];
+        tc_load_a(af, s_q, pk, m0, k0);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            if (np <= warp) {
+                u32 bf[4];
+                tc_load_b_rows(bf, s_k, pk, 16 * np, k0);
+                mma_bf16(sc[2 * np], af, bf[0], bf[1]);
+                mma_bf16(sc[2 * np + 1], af, bf[2], bf[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = e < 2 ? t0 : t1;
+            const int s = 8 * nt + 2 * q + (e & 1);
+            const float gt = e < 2 ? g0 : g1;
+            sc[nt][e] = s <= t ? sc[nt][e] * expf(gt - ti.g[s]) : 0.0f;
+        }
+    }
+    // P V': the scores' accumulators are the A fragments of steps
+    // 16kk..16kk+15 (two 8-column blocks side by side).
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        if (kk <= warp) {
+            u32 af[4];
+            af[0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+            af[1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+            af[2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            af[3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < 8; ++np) {
+                if (16 * np < dv) {
+                    u32 bf[4];
+                    tc_load_b_cols(bf, s_vn, pv, 16 * kk, 16 * np);
+                    mma_bf16(o[2 * np], af, bf[0], bf[1]);
+                    mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+        }
+    }
+    bf16* out = reinterpret_cast<bf16*>(p.out);
+    const u64 out_width = static_cast<u64>(p.value_heads) * dv;
+    const u64 col0 = static_cast<u64>(it.j) * dv;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+        const int col = 8 * nt + 2 * q;
+        if (col < dv) {
+            if (t0 < it.len) {
+                store_pair(out + row_of(p, it, t0) * out_width + col0 + col, o[nt][0], o[nt][1]);
+            }
+            if (t1 < it.len) {
+                store_pair(out + row_of(p, it, t1) * out_width + col0 + col, o[nt][2], o[nt][3]);
+            }
+        }
+    }
+}

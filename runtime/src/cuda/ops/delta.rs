@@ -11,6 +11,14 @@
 //! state's gradient, then computes every chunk's gradients at once. All of
 //! it is f32; only the inputs and outputs keep their dtype.
 //!
+//! Where the storage is bf16 (`qkv` and the output) and both head dims are
+//! multiples of 16 up to 128 ([`tensor_core_forward`]), the forward runs on
+//! tensor cores instead (`delta_tc_prep`, `delta_tc_walk`,
+//! `delta_tc_output`: bf16 operands, f32 sums, the state kept in f32), as
+//! flash-linear-attention's `chunk_gated_delta_rule` does; its results are
+//! those of bf16 products, not the f32 path's. The backward is the f32
+//! path's for every storage.
+//!
 //! The kernels need scratch in proportion to the chunks
 //! ([`delta_scratch_len`]), taken from the arena through
 //! `CudaBackend::scratch_uninit` (a repeated step allocates nothing) and
@@ -24,6 +32,7 @@ use crate::cuda::launch::{GpuView, KernelSet, dtype_tag, per_item};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
 
 /// The steps of a chunk (`DELTA_CHUNK` in `delta.cu`).
@@ -54,6 +63,50 @@ const THREADS: u32 = 256;
 /// backward runs: two an SM of an H100 or H200, and a fixed number, so
 /// that the scratch does not depend on the device.
 const WORKSPACES: usize = 264;
+
+/// Threads of the tensor-core kernels' blocks (`DELTA_TC_THREADS`).
+const TC_THREADS: u32 = 128;
+/// State columns a tensor-core walk block takes (`DELTA_TC_COLS`).
+const TC_COLS: usize = 16;
+/// The widest head either dim may have on the tensor-core path: a warp's
+/// accumulators hold 128 output columns, the walk's warps 128 key rows.
+const TC_MAX_DIM: usize = 128;
+/// Pitches (`DELTA_T_PITCH`, `DELTA_F_PITCH`, `DELTA_COL_PITCH`).
+const TC_T_PITCH: usize = 72;
+const TC_F_PITCH: usize = 65;
+const TC_COL_PITCH: usize = 24;
+
+/// Whether the forward runs on tensor cores: bf16 `qkv` and output, both
+/// head dims multiples of 16 up to [`TC_MAX_DIM`] (the mma tiles' 16 and
+/// the accumulators a warp holds), and the alignments the kernels' pair and
+/// 16-byte accesses need.
+pub fn tensor_core_forward(qkv: DType, out: DType, dims: DeltaDims) -> bool {
+    let dim_fits = |d: usize| d > 0 && d.is_multiple_of(16) && d <= TC_MAX_DIM;
+    qkv == DType::Bf16 && out == DType::Bf16 && dim_fits(dims.key_dim) && dim_fits(dims.value_dim)
+}
+
+/// f32 elements of one (sequence, chunk, value head) item's part of the
+/// tensor-core forward's scratch (`tc_item_bytes` in `delta.cu`): G in f32,
+/// then the normalised k and q, W, U and V' in bf16.
+fn tc_item_len(dims: DeltaDims) -> usize {
+    64 + 32 * (3 * dims.key_dim + 2 * dims.value_dim)
+}
+
+/// Dynamic shared memory (bytes) of `delta_tc_prep`, `delta_tc_walk` and
+/// `delta_tc_output`, as the kernels carve it.
+fn tc_shared_bytes(dims: DeltaDims) -> [usize; 3] {
+    let (pk, pv) = (dims.key_dim + 8, dims.value_dim + 8);
+    let bf16 = DType::Bf16.bytes();
+    let f32 = DType::F32.bytes();
+    let prep = bf16 * (DELTA_CHUNK * (pk + pv) + 2 * DELTA_CHUNK * TC_T_PITCH)
+        + f32 * (2 * DELTA_CHUNK * TC_F_PITCH + 3 * 256 + 2 * DELTA_CHUNK);
+    let walk = bf16 * (2 * DELTA_CHUNK * pk + (dims.key_dim + DELTA_CHUNK) * TC_COL_PITCH);
+    let output = bf16 * (2 * DELTA_CHUNK * pk + dims.value_dim * pk + DELTA_CHUNK * pv);
+    [prep, walk, output]
+}
+
+/// The tensor-core forward's kernels, in launch order.
+const TC_KERNELS: [&str; 3] = ["delta_tc_prep", "delta_tc_walk", "delta_tc_output"];
 
 /// The launch's views and dimensions, laid out as `DeltaParams` in
 /// `delta.cu`.
@@ -358,6 +411,19 @@ impl KernelSet {
         p.out = out.ptr;
         p.t_out = dtype_tag(out.dtype);
         p.states = states.ptr;
+        // The tensor-core kernels read qkv and write out in bf16 pairs, and
+        // states and scratch in 16-byte words.
+        let aligned = inputs.qkv.ptr % 4 == 0
+            && out.ptr % 4 == 0
+            && states.ptr % 16 == 0
+            && scratch.ptr % 16 == 0
+            && scratch.len >= plan.items * tc_item_len(dims);
+        if aligned
+            && tensor_core_forward(inputs.qkv.dtype, out.dtype, dims)
+            && self.delta_reserve_shared(dims)?
+        {
+            return self.gated_delta_forward_tc(stream, &p, dims, &plan);
+        }
         self.delta_launch(
             stream,
             "delta_chunk_prep",
@@ -370,6 +436,50 @@ impl KernelSet {
             &p,
             per_item(plan.state_blocks, THREADS)?,
         )
+    }
+
+    /// Lets the tensor-core kernels take the dynamic shared memory `dims`
+    /// need (past the 48 KiB a launch gets without asking); false where the
+    /// device cannot give it, and the f32 kernels run instead.
+    fn delta_reserve_shared(&self, dims: DeltaDims) -> Result<bool> {
+        for (kernel, bytes) in TC_KERNELS.into_iter().zip(tc_shared_bytes(dims)) {
+            let Ok(bytes) = i32::try_from(bytes) else {
+                return Ok(false);
+            };
+            let reserved = self.function(kernel)?.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes,
+            );
+            if reserved.is_err() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// The tensor-core forward: every chunk's preparation, the walks (a
+    /// block a sequence, value head and 16 state columns), every chunk's
+    /// output.
+    fn gated_delta_forward_tc(
+        &self,
+        stream: &CudaStream,
+        p: &DeltaParams,
+        dims: DeltaDims,
+        plan: &DeltaPlan,
+    ) -> Result<()> {
+        let walks = dims.tokens.batch * dims.value_heads * (dims.value_dim / TC_COLS);
+        let blocks = [plan.items, walks, plan.items];
+        for ((kernel, bytes), blocks) in TC_KERNELS
+            .into_iter()
+            .zip(tc_shared_bytes(dims))
+            .zip(blocks)
+        {
+            let mut config = per_item(blocks, TC_THREADS)?;
+            // delta_reserve_shared checked that it fits an i32.
+            config.shared_mem_bytes = bytes as u32;
+            self.delta_launch(stream, kernel, p, config)?;
+        }
+        Ok(())
     }
 
     /// `Backend::gated_delta_backward`, with `scratch` f32 of at least
@@ -484,6 +594,52 @@ mod tests {
             ..d
         };
         assert_eq!(delta_scratch_len(huge, true), None);
+    }
+
+    #[test]
+    fn the_tensor_core_path_fits_the_scratch_and_shared_memory() {
+        source_with_defines(
+            "delta.cu",
+            &[
+                ("DELTA_TC_THREADS", TC_THREADS as usize),
+                ("DELTA_TC_COLS", TC_COLS),
+                ("DELTA_T_PITCH", TC_T_PITCH),
+                ("DELTA_F_PITCH", TC_F_PITCH),
+                ("DELTA_COL_PITCH", TC_COL_PITCH),
+            ],
+        );
+        for (dk, dv) in [(16, 16), (32, 128), (128, 64), (128, 128)] {
+            let d = dims(100, dk, dv);
+            assert!(tensor_core_forward(DType::Bf16, DType::Bf16, d));
+            // Its items' scratch is inside the f32 path's, which
+            // delta_scratch_len counts.
+            let prep = 128 + 64 * (5 * dk + dv) + 3 * 4096;
+            assert!(tc_item_len(d) <= prep);
+            // An H100's 227 KiB a block, two prep or output blocks an SM.
+            assert!(tc_shared_bytes(d).iter().all(|&b| 2 * b <= 227 * 1024));
+        }
+        let [prep, walk, output] = tc_shared_bytes(dims(100, 128, 128));
+        assert_eq!((prep, walk, output), (90_112, 44_032, 87_040));
+        assert!(!tensor_core_forward(
+            DType::F32,
+            DType::F32,
+            dims(100, 64, 64)
+        ));
+        assert!(!tensor_core_forward(
+            DType::Bf16,
+            DType::F32,
+            dims(100, 64, 64)
+        ));
+        assert!(!tensor_core_forward(
+            DType::Bf16,
+            DType::Bf16,
+            dims(100, 48, 40)
+        ));
+        assert!(!tensor_core_forward(
+            DType::Bf16,
+            DType::Bf16,
+            dims(100, 256, 64)
+        ));
     }
 
     #[test]
