@@ -190,7 +190,10 @@ pub const SOURCES: &[KernelSource] = &[
             "delta_backward_states",
             "delta_backward_chunk",
             "delta_backward_norm",
-            "delta_backward_a_log"
+            "delta_backward_a_log",
+            "delta_tc_prep",
+            "delta_tc_walk",
+            "delta_tc_output"
         ]
     ),
     source!(
