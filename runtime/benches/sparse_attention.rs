@@ -10,20 +10,24 @@
 //! of 128 channels selecting 2,048 keys a query, bf16 storage. The flash
 //! kernels take one head width for q/k and v (64 or 128), so the dense
 //! rows are attention of 16 heads of 128 (less work than the MLA's 192/128:
-//! the comparison flatters dense attention a little).
+//! the comparison flatters dense attention a little). `--heads N` sets the
+//! attention heads of both sides (DeepSeek-V3.2 has 128; the indexer keeps
+//! its 64 x 128), and `--calls N` the timed calls a row (after one
+//! warm-up; 5 from 16,384 tokens on, else 11, by default).
 //!
 //! Rows of the table, each forward + backward where there is one:
 //!
 //! - `scores`: the indexer's scores (`indexer_scores`);
 //! - `top-k`: the selection (`indexer_topk`);
 //! - `loss`: the indexer's KL loss over every causal key (`indexer_loss`);
+//! - `sp loss`: the same loss over the selected keys (`sparse: true`);
 //! - `ix bwd`: the indexer's backward (`indexer_backward`);
 //! - `sparse fwd`, `sparse bwd`: attention over the selected keys;
 //! - `D total`: all of the above, one after the other;
 //! - `dense`: flash attention forward + backward over every causal key.
 //!
 //! Run where there is a GPU: `cargo bench -p hybridgen-runtime --bench
-//! sparse_attention [-- MAX_TOKENS]` (or `gpu-bundle/bench/sparse_attention`,
+//! sparse_attention [-- [--heads N] [--calls N] MAX_TOKENS]` (or `gpu-bundle/bench/sparse_attention`,
 //! which `scripts/cuda_bundle.sh` collects). Without one it says why and
 //! exits.
 
@@ -43,6 +47,7 @@ use std::sync::Arc;
 
 type BenchResult<T> = std::result::Result<T, String>;
 
+/// Attention heads unless `--heads` says otherwise.
 const HEADS: usize = 16;
 const QK: usize = 192;
 const V: usize = 128;
@@ -122,7 +127,17 @@ fn median_ms(
     Ok(times[times.len() / 2])
 }
 
-fn bench(max_tokens: usize) -> BenchResult<()> {
+/// What the command line chose.
+struct Settings {
+    max_tokens: usize,
+    heads: usize,
+    /// Timed calls a row; `None`: 5 from 16,384 tokens on, else 11.
+    calls: Option<usize>,
+}
+
+fn bench(settings: &Settings) -> BenchResult<()> {
+    let max_tokens = settings.max_tokens;
+    let heads = settings.heads;
     let info = probe().map_err(err)?;
     let device = &info.devices[0];
     let include = kernels::include_dir().map_err(err)?;
@@ -138,20 +153,20 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
     let iq = random(&stream, n * INDEX_HEADS * INDEX_DIM, 1.0, 1)?;
     let ik = random(&stream, n * INDEX_DIM, 1.0, 2)?;
     let iw = random(&stream, n * INDEX_HEADS, 1.0, 3)?;
-    let q = random(&stream, n * HEADS * QK, 1.0, 4)?;
-    let k = random(&stream, n * HEADS * QK, 1.0, 5)?;
-    let v = random(&stream, n * HEADS * V, 1.0, 6)?;
-    let dout = random(&stream, n * HEADS * V, 1.0, 7)?;
+    let q = random(&stream, n * heads * QK, 1.0, 4)?;
+    let k = random(&stream, n * heads * QK, 1.0, 5)?;
+    let v = random(&stream, n * heads * V, 1.0, 6)?;
+    let dout = random(&stream, n * heads * V, 1.0, 7)?;
     let scores = zeros(&stream, n * n, DType::F32)?;
     let d_scores = zeros(&stream, n * n, DType::F32)?;
     let indices = zeros(&stream, n * TOPK, DType::U32)?;
     let loss = zeros(&stream, n, DType::F32)?;
-    let out = zeros(&stream, n * HEADS * V, DType::Bf16)?;
-    let lse = zeros(&stream, n * HEADS, DType::F32)?;
+    let out = zeros(&stream, n * heads * V, DType::Bf16)?;
+    let lse = zeros(&stream, n * heads, DType::F32)?;
     let (dq, dk, dv) = (
-        zeros(&stream, n * HEADS * QK, DType::Bf16)?,
-        zeros(&stream, n * HEADS * QK, DType::Bf16)?,
-        zeros(&stream, n * HEADS * V, DType::Bf16)?,
+        zeros(&stream, n * heads * QK, DType::Bf16)?,
+        zeros(&stream, n * heads * QK, DType::Bf16)?,
+        zeros(&stream, n * heads * V, DType::Bf16)?,
     );
     let (d_iq, d_ik, d_iw) = (
         zeros(&stream, n * INDEX_HEADS * INDEX_DIM, DType::Bf16)?,
@@ -160,7 +175,7 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
     );
     let sparse_dims = |seq: usize| SparseAttentionDims {
         tokens: Tokens::new(1, seq),
-        heads: HEADS,
+        heads,
         qk_dim: QK,
         v_dim: V,
         topk: TOPK,
@@ -168,8 +183,8 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
     };
     let dense_dims = |seq: usize| AttentionDims {
         tokens: Tokens::new(1, seq),
-        heads: HEADS,
-        kv_heads: HEADS,
+        heads,
+        kv_heads: heads,
         qk_dim: DENSE_DIM,
         v_dim: DENSE_DIM,
         scale: 1.0 / (DENSE_DIM as f32).sqrt(),
@@ -179,16 +194,17 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
         .max(flash_attention_scratch_len(dense_dims(n)));
     let scratch = zeros(&stream, scratch_len, DType::F32)?;
     println!(
-        "hybridgen sparse_attention on {device}: one sequence, bf16; D: {HEADS} heads q/k {QK} v {V}, \
-         indexer {INDEX_HEADS} x {INDEX_DIM}, top-{TOPK}; dense: flash attention {HEADS} heads of \
+        "hybridgen sparse_attention on {device}: one sequence, bf16; D: {heads} heads q/k {QK} v {V}, \
+         indexer {INDEX_HEADS} x {INDEX_DIM}, top-{TOPK}; dense: flash attention {heads} heads of \
          {DENSE_DIM}, causal over every key. Median ms (CUDA events)."
     );
     println!(
-        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9} {:>8}",
+        "{:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9} {:>8}",
         "tokens",
         "scores",
         "top-k",
         "loss",
+        "sp loss",
         "ix bwd",
         "sparse fwd",
         "sparse bwd",
@@ -221,18 +237,18 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
         let ds_view = d_scores.view(&stream, seq * seq);
         let ix_view = indices.view(&stream, seq * TOPK);
         let qkv = AttentionInputs {
-            q: q.view(&stream, seq * HEADS * QK),
-            k: k.view(&stream, seq * HEADS * QK),
-            v: v.view(&stream, seq * HEADS * V),
+            q: q.view(&stream, seq * heads * QK),
+            k: k.view(&stream, seq * heads * QK),
+            v: v.view(&stream, seq * heads * V),
         };
         let sgrads = AttentionInputs {
-            q: dq.view(&stream, seq * HEADS * QK),
-            k: dk.view(&stream, seq * HEADS * QK),
-            v: dv.view(&stream, seq * HEADS * V),
+            q: dq.view(&stream, seq * heads * QK),
+            k: dk.view(&stream, seq * heads * QK),
+            v: dv.view(&stream, seq * heads * V),
         };
-        let o_view = out.view(&stream, seq * HEADS * V);
-        let lse_view = lse.view(&stream, seq * HEADS);
-        let g_view = dout.view(&stream, seq * HEADS * V);
+        let o_view = out.view(&stream, seq * heads * V);
+        let lse_view = lse.view(&stream, seq * heads);
+        let g_view = dout.view(&stream, seq * heads * V);
         let sa_scratch = scratch.view(
             &stream,
             sparse_attention_scratch_len(sd).ok_or("the scratch overflows")?,
@@ -240,11 +256,15 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
         let loss_dims = IndexerLossDims {
             tokens,
             topk: TOPK,
-            heads: HEADS,
+            heads,
             qk_dim: QK,
             scale: sd.scale,
             coeff: 0.01,
             sparse: false,
+        };
+        let sparse_loss_dims = IndexerLossDims {
+            sparse: true,
+            ..loss_dims
         };
         let score = || {
             set.indexer_scores(&stream, inputs, s_view, idims)
@@ -263,6 +283,18 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
                 loss.view(&stream, seq),
                 ds_view,
                 loss_dims,
+            )
+            .map_err(err)
+        };
+        let ix_sparse_loss = || {
+            set.indexer_loss(
+                &stream,
+                s_view,
+                (qkv.q, qkv.k),
+                ix_view,
+                loss.view(&stream, seq),
+                ds_view,
+                sparse_loss_dims,
             )
             .map_err(err)
         };
@@ -296,14 +328,14 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
         };
         // Dense: the same buffers' prefixes as 16 heads of 128.
         let dense_in = AttentionInputs {
-            q: q.view(&stream, seq * HEADS * DENSE_DIM),
-            k: k.view(&stream, seq * HEADS * DENSE_DIM),
-            v: v.view(&stream, seq * HEADS * DENSE_DIM),
+            q: q.view(&stream, seq * heads * DENSE_DIM),
+            k: k.view(&stream, seq * heads * DENSE_DIM),
+            v: v.view(&stream, seq * heads * DENSE_DIM),
         };
         let dense_grads = AttentionInputs {
-            q: dq.view(&stream, seq * HEADS * DENSE_DIM),
-            k: dk.view(&stream, seq * HEADS * DENSE_DIM),
-            v: dv.view(&stream, seq * HEADS * DENSE_DIM),
+            q: dq.view(&stream, seq * heads * DENSE_DIM),
+            k: dk.view(&stream, seq * heads * DENSE_DIM),
+            v: dv.view(&stream, seq * heads * DENSE_DIM),
         };
         let flash_scratch = scratch.view(&stream, flash_attention_scratch_len(dd));
         let dense = || {
@@ -319,7 +351,7 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
             )
             .map_err(err)
         };
-        let calls = if seq >= 16_384 { 5 } else { 11 };
+        let calls = settings.calls.unwrap_or(if seq >= 16_384 { 5 } else { 11 });
         // The selection the attention reads is the indexer's: run the
         // chain once before timing its parts.
         total()?;
@@ -329,6 +361,7 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
             time(&score)?,
             time(&topk)?,
             time(&ix_loss)?,
+            time(&ix_sparse_loss)?,
             time(&ix_bwd)?,
             time(&fwd)?,
             time(&bwd)?,
@@ -343,7 +376,7 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
             return Err(format!("a kernel reported a fault: {fault}"));
         }
         println!(
-            "{seq:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>8.2}",
+            "{seq:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>8.2}",
             t[0],
             t[1],
             t[2],
@@ -351,8 +384,9 @@ fn bench(max_tokens: usize) -> BenchResult<()> {
             t[4],
             t[5],
             t[6],
+            t[7],
             dense_ms,
-            t[6] / dense_ms
+            t[7] / dense_ms
         );
     }
     println!(
@@ -367,18 +401,48 @@ fn main() {
         println!("sparse_attention: skipped: {why}");
         return;
     }
-    // `cargo bench` passes `--bench`; the largest length is the first
-    // other argument.
-    let max_tokens = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with("--"))
-        .map_or(Ok(32_768), |a| a.parse::<usize>())
-        .unwrap_or_else(|e| {
-            eprintln!("sparse_attention: the argument is a token count: {e}");
-            std::process::exit(2);
-        });
-    if let Err(why) = bench(max_tokens) {
+    let settings = settings(std::env::args().skip(1)).unwrap_or_else(|why| {
+        eprintln!("sparse_attention: {why}");
+        std::process::exit(2);
+    });
+    if let Err(why) = bench(&settings) {
         eprintln!("sparse_attention: {why}");
         std::process::exit(1);
     }
+}
+
+/// The command line: `--heads N` and `--calls N` take the next argument;
+/// other flags (`cargo bench` passes `--bench`) are ignored, and the
+/// largest length is the first other argument.
+fn settings(mut args: impl Iterator<Item = String>) -> BenchResult<Settings> {
+    let mut settings = Settings {
+        max_tokens: 32_768,
+        heads: HEADS,
+        calls: None,
+    };
+    let mut tokens_given = false;
+    let count = |flag: &str, value: Option<String>| -> BenchResult<usize> {
+        value
+            .as_deref()
+            .unwrap_or("")
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("{flag} takes a positive count, found {value:?}"))
+    };
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--heads" => settings.heads = count("--heads", args.next())?,
+            "--calls" => settings.calls = Some(count("--calls", args.next())?),
+            flag if flag.starts_with("--") => {}
+            tokens if !tokens_given => {
+                settings.max_tokens = tokens
+                    .parse::<usize>()
+                    .map_err(|e| format!("the argument is a token count: {e}"))?;
+                tokens_given = true;
+            }
+            _ => {}
+        }
+    }
+    Ok(settings)
 }

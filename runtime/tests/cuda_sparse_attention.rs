@@ -846,3 +846,318 @@ fn dsa_training_on_a_gpu_matches_the_cpu_and_overlap_equals_plain() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+// ---- the indexer on tensor cores ---------------------------------------------------
+
+/// A shape of the tensor-core indexer (bf16 q and k, heads a multiple of
+/// 16 channels): sequences past and short of its 128-, 64- and 32-row
+/// tiles, batches of 2, one head (the dk kernel's second head group idle),
+/// an odd head count, DeepSeek-V3.2's 64 heads of 128, tied keys.
+#[derive(Clone, Copy, Debug)]
+struct IndexerShape {
+    batch: usize,
+    seq: usize,
+    ni: usize,
+    di: usize,
+    topk: usize,
+    /// Key rows repeat every `ties` positions (0: never).
+    ties: usize,
+}
+
+const TC_SHAPES: &[IndexerShape] = &[
+    IndexerShape {
+        batch: 2,
+        seq: 200,
+        ni: 64,
+        di: 128,
+        topk: 64,
+        ties: 0,
+    },
+    IndexerShape {
+        batch: 1,
+        seq: 301,
+        ni: 3,
+        di: 32,
+        topk: 40,
+        ties: 5,
+    },
+    IndexerShape {
+        batch: 2,
+        seq: 77,
+        ni: 1,
+        di: 16,
+        topk: 77,
+        ties: 0,
+    },
+    IndexerShape {
+        batch: 1,
+        seq: 130,
+        ni: 4,
+        di: 64,
+        topk: 16,
+        ties: 0,
+    },
+    IndexerShape {
+        batch: 1,
+        seq: 1100,
+        ni: 8,
+        di: 128,
+        topk: 300,
+        ties: 7,
+    },
+];
+
+/// The tensor-core indexer's outputs on `b`: scores, the top-k of those
+/// scores, and the backward (f32 gradients, so that only the kernels'
+/// arithmetic is compared) from `d_scores`.
+fn run_indexer<B: Backend>(
+    b: &B,
+    s: IndexerShape,
+    (iq, ik, iw): (&[f32], &[f32], &[f32]),
+    d_scores: &[f32],
+) -> Outs {
+    let tokens = Tokens::new(s.batch, s.seq);
+    let rows = s.batch * s.seq;
+    let dims = IndexerDims {
+        tokens,
+        heads: s.ni,
+        head_dim: s.di,
+        topk: s.topk,
+        weight_scale: 1.0 / ((s.ni * s.di) as f32).sqrt(),
+    };
+    let (q, k, w) = (
+        up(b, iq, DType::Bf16),
+        up(b, ik, DType::Bf16),
+        up(b, iw, DType::Bf16),
+    );
+    let inputs = || IndexerInputs {
+        q: b.view(&q).unwrap(),
+        k: b.view(&k).unwrap(),
+        weights: b.view(&w).unwrap(),
+    };
+    let mut outs = Outs::new();
+    let scores = poisoned(b, rows * s.seq, DType::F32);
+    b.indexer_scores(inputs(), b.view_mut(&scores).unwrap(), dims)
+        .expect("indexer_scores");
+    let indices = poisoned(b, rows * s.topk, DType::U32);
+    b.indexer_topk(
+        b.view(&scores).unwrap(),
+        b.view_mut(&indices).unwrap(),
+        dims,
+    )
+    .expect("indexer_topk");
+    outs.insert("scores", down(b, &scores, DType::F32));
+    outs.insert("indices", down(b, &indices, DType::U32));
+    let ds = up(b, d_scores, DType::F32);
+    let (dq, dk, dw) = (
+        poisoned(b, rows * s.ni * s.di, DType::F32),
+        poisoned(b, rows * s.di, DType::F32),
+        poisoned(b, rows * s.ni, DType::F32),
+    );
+    b.indexer_backward(
+        inputs(),
+        b.view(&ds).unwrap(),
+        IndexerInputs {
+            q: b.view_mut(&dq).unwrap(),
+            k: b.view_mut(&dk).unwrap(),
+            weights: b.view_mut(&dw).unwrap(),
+        },
+        dims,
+        1.5,
+    )
+    .expect("indexer_backward");
+    outs.insert("indexer_dq", down(b, &dq, DType::F32));
+    outs.insert("indexer_dk", down(b, &dk, DType::F32));
+    outs.insert("indexer_dw", down(b, &dw, DType::F32));
+    outs
+}
+
+/// Each query row's score scale: `sum_h |weight_scale w[t, h]| |q[t, h]|
+/// max_u |k[u]|` (Euclidean norms), which bounds `sum_h |weight_scale w|
+/// sum_c |q_c k_c|` (Cauchy-Schwarz), the sum of the magnitudes of every
+/// product a score adds.
+fn score_scales(s: IndexerShape, (iq, ik, iw): (&[f32], &[f32], &[f32])) -> Vec<f64> {
+    let ws = 1.0 / ((s.ni * s.di) as f64).sqrt();
+    let norm = |x: &[f32]| x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+    let mut scales = Vec::with_capacity(s.batch * s.seq);
+    for b in 0..s.batch {
+        let rows = b * s.seq..(b + 1) * s.seq;
+        let kmax = rows
+            .clone()
+            .map(|r| norm(&ik[r * s.di..][..s.di]))
+            .fold(0.0, f64::max);
+        for r in rows {
+            let sum: f64 = (0..s.ni)
+                .map(|h| {
+                    (ws * f64::from(iw[r * s.ni + h])).abs()
+                        * norm(&iq[(r * s.ni + h) * s.di..][..s.di])
+                })
+                .sum();
+            scales.push(sum * kmax);
+        }
+    }
+    scales
+}
+
+/// Relative tolerance of a tensor-core score against the CPU's, as a
+/// fraction of its row's scale ([`score_scales`]). Both sum the same
+/// exact products (bf16 x bf16 is exact in f32) in different orders:
+/// f32 rounding of a sum of n terms moves it by at most about n 2^-24 of
+/// the sum of their magnitudes, n = di + ni <= 192 here (1.1e-5 at worst,
+/// about sqrt(n) 2^-24 ~ 1e-6 as the roundings fall), and the rows'
+/// logits cancel little. A kernel that drops a head, a channel block or a
+/// key tile is off by a whole term, orders of magnitude above this.
+const SCORE_TOLERANCE: f64 = 4e-6;
+
+/// Whether `selected` (a row of the GPU's top-k) is a valid top-k of the
+/// CPU's scores `cpu` (the row's causal keys 0..=t): the right count of
+/// distinct causal keys in ascending order padded with `NO_KEY`, and no
+/// unselected key scoring above a selected one by more than `tol` (ties
+/// and near-ties, within the scores' error, may go either way).
+fn valid_selection(selected: &[u32], cpu: &[f32], t: usize, tol: f64) -> Result<(), String> {
+    let want = (t + 1).min(selected.len());
+    let keys: Vec<usize> = selected
+        .iter()
+        .take_while(|&&u| u != u32::MAX)
+        .map(|&u| u as usize)
+        .collect();
+    if keys.len() != want || selected[want..].iter().any(|&u| u != u32::MAX) {
+        return Err(format!("{} keys and padding {:?}", keys.len(), selected));
+    }
+    if keys.windows(2).any(|p| p[0] >= p[1]) || keys.last().is_some_and(|&u| u > t) {
+        return Err(format!("keys not ascending and causal: {keys:?}"));
+    }
+    let mut chosen = vec![false; t + 1];
+    for &u in &keys {
+        chosen[u] = true;
+    }
+    let worst_in = keys
+        .iter()
+        .map(|&u| f64::from(cpu[u]))
+        .fold(f64::INFINITY, f64::min);
+    let best_out = (0..=t)
+        .filter(|&u| !chosen[u])
+        .map(|u| f64::from(cpu[u]))
+        .fold(f64::NEG_INFINITY, f64::max);
+    if best_out > worst_in + tol {
+        return Err(format!(
+            "an unselected key scores {best_out} above a selected {worst_in} (tolerance {tol:.2e})"
+        ));
+    }
+    Ok(())
+}
+
+/// The tensor-core indexer (bf16 q and k) against the CPU in bf16
+/// storage: the scores within [`SCORE_TOLERANCE`] of their row's scale
+/// (and exactly the CPU's -inf after each query), the top-k of the GPU's
+/// own scores a valid top-k of the CPU's, the backward (f32 gradients)
+/// within 2^-8 of each output's norm (the GPU rounds the gradient weights
+/// P to bf16 for the second product: about 2^-9 / sqrt(3) relative in a
+/// sum of terms of random sign, one part in 900; the CPU sums in f32);
+/// every output the same bits on a rerun, and written whole (the outputs
+/// are poisoned with NaN, the non-causal entries of d_scores are NaN and
+/// must not be read).
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_core_indexer_matches_the_cpu() {
+    let cuda = gpu(Precision::Bf16);
+    let cpu = CpuBackend::new(Precision::Bf16);
+    let mut failures = Vec::new();
+    for (i, &s) in TC_SHAPES.iter().enumerate() {
+        let mut rng = Rng(conformance::Rng::new(0x7c + i as u64));
+        let rows = s.batch * s.seq;
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect()
+        };
+        let mut ik = round(rng.vec(rows * s.di, 1.0));
+        if s.ties > 0 {
+            for r in 0..rows {
+                let from = r - r % s.ties;
+                let row: Vec<f32> = ik[from * s.di..][..s.di].to_vec();
+                ik[r * s.di..][..s.di].copy_from_slice(&row);
+            }
+        }
+        let iq = round(rng.vec(rows * s.ni * s.di, 1.0));
+        let iw = if s.ties > 0 {
+            vec![0.75; rows * s.ni]
+        } else {
+            round(rng.vec(rows * s.ni, 1.0))
+        };
+        let mut d_scores = rng.vec(rows * s.seq, 1.0);
+        for r in 0..rows {
+            for u in r % s.seq + 1..s.seq {
+                d_scores[r * s.seq + u] = f32::NAN;
+            }
+        }
+        let x = (&iq[..], &ik[..], &iw[..]);
+        let want = run_indexer(&cpu, s, x, &d_scores);
+        let got = run_indexer(&cuda, s, x, &d_scores);
+        let again = run_indexer(&cuda, s, x, &d_scores);
+        let label = format!(
+            "b{} s{} ni{} di{} k{} ties{}",
+            s.batch, s.seq, s.ni, s.di, s.topk, s.ties
+        );
+        for name in got.keys() {
+            if got[name].bits() != again[name].bits() {
+                failures.push(format!("{label} {name}: differs between runs"));
+            }
+        }
+        // Scores: elementwise against the row's scale.
+        let scales = score_scales(s, x);
+        let (gs, cs) = (f32s(&got["scores"]), f32s(&want["scores"]));
+        let mut worst = 0.0f64;
+        for r in 0..rows {
+            for u in 0..s.seq {
+                let (g, c) = (gs[r * s.seq + u], cs[r * s.seq + u]);
+                let err = if c.is_finite() && g.is_finite() {
+                    (f64::from(g) - f64::from(c)).abs() / scales[r].max(1e-30)
+                } else if g.to_bits() == c.to_bits() {
+                    0.0
+                } else {
+                    f64::INFINITY
+                };
+                worst = worst.max(err);
+            }
+        }
+        let norm_err = error(&gs, &cs);
+        println!(
+            "{label:32} scores: worst {worst:9.2e} of the row scale (tol {SCORE_TOLERANCE:.0e}), \
+             {norm_err:9.2e} of the norm"
+        );
+        if worst.is_nan() || worst > SCORE_TOLERANCE {
+            failures.push(format!("{label} scores: {worst:.3e} of the row scale"));
+        }
+        // Top-k of the GPU's own scores: valid against the CPU's scores.
+        let ix = u32s(&got["indices"]);
+        let mut invalid = 0;
+        for r in 0..rows {
+            let t = r % s.seq;
+            let tol = 2.0 * SCORE_TOLERANCE * scales[r];
+            if let Err(why) =
+                valid_selection(&ix[r * s.topk..][..s.topk], &cs[r * s.seq..][..=t], t, tol)
+            {
+                if invalid == 0 {
+                    failures.push(format!("{label} top-k row {r}: {why}"));
+                }
+                invalid += 1;
+            }
+        }
+        let same = ix == u32s(&want["indices"]);
+        println!(
+            "{label:32} top-k of the GPU's scores: {invalid} rows invalid{}",
+            if same { ", every slot the CPU's" } else { "" }
+        );
+        if invalid > 0 {
+            failures.push(format!("{label} top-k: {invalid} rows invalid"));
+        }
+        for name in ["indexer_dq", "indexer_dk", "indexer_dw"] {
+            let err = error(&f32s(&got[name]), &f32s(&want[name]));
+            let tol = 1.0 / 256.0;
+            println!("{label:32} {name:12} err {err:9.2e} (tol {tol:.1e})");
+            if err.is_nan() || err > tol {
+                failures.push(format!("{label} {name}: err {err:.3e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -17,6 +17,7 @@
 // the CPU's order. The indexer's key gradient runs key tiles over query
 // tiles in a fixed order.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 // The padding of a row of selected keys (`backend::sparse_attention::NO_KEY`).
 #define NO_KEY 0xffffffffu
@@ -564,6 +565,527 @@ extern "C" __global__ void __launch_bounds__(256) dsa_indexer_backward_k(
                 store(dk, dkt, (base + u) * dim + c, acc[m]);
             }
         }
+    }
+}
+
+// ---- the indexer on tensor cores (bf16 q and k) ----------------------------------
+//
+// When q and k are stored in bf16 and an indexer head is a multiple of 16
+// channels (at most IX_MAX_DIM), the indexer's products run as
+// `mma.sync.m16n8k16` (bf16 in, f32 accumulate) on tiles staged with
+// `cp.async` (rows IXT_PITCH elements apart, so the eight 16-byte rows an
+// `ldmatrix` reads fall in different banks; channels past the head are
+// never read). A bf16 product is exact in f32, so a logit differs from the
+// CPU's only by its summation order (the tensor core's within each 16
+// channels, then the 16-channel blocks in order): the scores are no longer
+// the CPU's bits, but every sum still has one order fixed by the
+// dimensions, so a rerun gives the same bits. In the backward the ReLU's
+// mask comes from these logits and the gradient weights P = g w (or its
+// transpose) are rounded to bf16 to feed the second product, as
+// FlashAttention rounds its probabilities.
+
+// Elements between two staged rows of a tensor-core indexer tile.
+#define IXT_PITCH 136
+// The scores kernel: 8 warps, a 128-query x 128-key tile, each warp 32
+// queries x 64 keys.
+#define IXT_SCORE_THREADS 256
+#define IXT_SCORE_QUERIES 128
+#define IXT_SCORE_KEYS 128
+// dq and d_weights: 4 warps, a 128-query tile of one head (32 a warp)
+// walking 32-key tiles.
+#define IXT_DQ_THREADS 128
+#define IXT_DQ_QUERIES 128
+#define IXT_DQ_KEYS 32
+// dk: 8 warps in two groups of 4 that split the heads, a 64-key tile (16
+// a warp) walking 64-query tiles.
+#define IXT_DK_THREADS 256
+#define IXT_DK_KEYS 64
+#define IXT_DK_QUERIES 64
+// Row pitch (f32) of dk's staged gradient tile [queries][keys].
+#define IXT_G_PITCH (IXT_DK_KEYS + 4)
+
+// Stages `rows` rows of `dim` bf16 channels (`stride` elements apart from
+// `first`) into `tile`; rows from `valid` on are zeros.
+__device__ __forceinline__ void ixt_stage(bf16* tile, const bf16* first, u64 stride, u32 rows, u32 valid, u32 dim,
+                                          u32 thread, u32 threads) {
+    const u32 chunks = dim / 8;
+    for (u32 c = thread; c < rows * chunks; c += threads) {
+        const u32 r = c / chunks;
+        const u32 col = (c % chunks) * 8;
+        const bool ok = r < valid;
+        copy16_async(shared_address(tile + r * IXT_PITCH + col), ok ? first + r * stride + col : first, ok);
+    }
+}
+
+// The A fragment of the 16 x 16 block of a staged tile at (row0, col0).
+__device__ __forceinline__ void ixt_load_a(u32 (&a)[4], const bf16* tile, u32 row0, u32 col0) {
+    const u32 lane = threadIdx.x & 31;
+    ldmatrix_x4(a, shared_address(tile + (row0 + (lane & 15)) * IXT_PITCH + col0 + (lane >> 4) * 8));
+}
+
+// B fragments of two 8-column blocks read as the tile's transpose:
+// B(k, n) = tile[n0 + n][k0 + k]; b[0], b[1] columns n0..n0+7, b[2], b[3]
+// columns n0+8..n0+15.
+__device__ __forceinline__ void ixt_load_b_rows(u32 (&b)[4], const bf16* tile, u32 n0, u32 k0) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 row = n0 + (lane & 7) + (lane >> 4) * 8;
+    const u32 col = k0 + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4(b, shared_address(tile + row * IXT_PITCH + col));
+}
+
+// B fragments read as the tile is: B(k, n) = tile[k0 + k][n0 + n].
+__device__ __forceinline__ void ixt_load_b_cols(u32 (&b)[4], const bf16* tile, u32 k0, u32 n0) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const u32 col = n0 + (lane >> 4) * 8;
+    ldmatrix_x4_trans(b, shared_address(tile + row * IXT_PITCH + col));
+}
+
+// s[m][n] = A B^T over `dim` channels for the warp's M * 16 rows of `a`
+// (from a0) and N * 8 rows of `b` (from b0); the 16-channel blocks in
+// order.
+template <int M, int N>
+__device__ __forceinline__ void ixt_product(float (&s)[M][N][4], const bf16* a, u32 a0, const bf16* b, u32 b0,
+                                            u32 dim) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.0f;
+        }
+    }
+    for (u32 kk = 0; kk < dim; kk += 16) {
+        u32 fa[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            ixt_load_a(fa[m], a, a0 + m * 16, kk);
+        }
+#pragma unroll
+        for (int np = 0; np < N / 2; ++np) {
+            u32 fb[4];
+            ixt_load_b_rows(fb, b, b0 + np * 16, kk);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                mma_bf16(s[m][2 * np], fa[m], fb[0], fb[1]);
+                mma_bf16(s[m][2 * np + 1], fa[m], fb[2], fb[3]);
+            }
+        }
+    }
+}
+
+// acc[m] (`dim` channels in 8-column blocks) += P B, P the warp's
+// (M * 16) x (N * 8) register tile `p` rounded to bf16 and B the first
+// N * 8 rows of the staged tile `b`, read as it is.
+template <int M, int N>
+__device__ __forceinline__ void ixt_accumulate(float (&acc)[M][IX_MAX_DIM / 8][4], const float (&p)[M][N][4],
+                                               const bf16* b, u32 dim) {
+#pragma unroll
+    for (int kk = 0; kk < N / 2; ++kk) {
+        u32 fa[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            fa[m][0] = pack_bf16(p[m][2 * kk][0], p[m][2 * kk][1]);
+            fa[m][1] = pack_bf16(p[m][2 * kk][2], p[m][2 * kk][3]);
+            fa[m][2] = pack_bf16(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);
+            fa[m][3] = pack_bf16(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < IX_MAX_DIM / 16; ++np) {
+            if (static_cast<u32>(np) * 16 < dim) {
+                u32 fb[4];
+                ixt_load_b_cols(fb, b, kk * 16, np * 16);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    mma_bf16(acc[m][2 * np], fa[m], fb[0], fb[1]);
+                    mma_bf16(acc[m][2 * np + 1], fa[m], fb[2], fb[3]);
+                }
+            }
+        }
+    }
+}
+
+// The sum over the 4 threads of a fragment row (lanes differing in bits
+// 0-1), a fixed butterfly: every thread ends with the same bits.
+__device__ __forceinline__ float ixt_quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Writes the warp's (M * 16) x dim f32 tile `acc` in `dtype` to rows
+// `stride` elements apart from element `first` of `out`: this thread's rows
+// are r0 + 16 m + lane / 4 (+ 8), skipped from `limit` on.
+template <int M>
+__device__ __forceinline__ void ixt_store_rows(void* out, int dtype, u64 first, u64 stride,
+                                               const float (&acc)[M][IX_MAX_DIM / 8][4], u32 r0, u32 limit,
+                                               u32 dim) {
+    const u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 r = r0 + m * 16 + (lane >> 2) + half * 8;
+            if (r >= limit) {
+                continue;
+            }
+#pragma unroll
+            for (int n = 0; n < IX_MAX_DIM / 8; ++n) {
+                const u32 c = n * 8 + 2 * (lane & 3);
+                if (c < dim) {
+                    const u64 at = first + r * stride + c;
+                    store(out, dtype, at, acc[m][n][2 * half]);
+                    store(out, dtype, at + 1, acc[m][n][2 * half + 1]);
+                }
+            }
+        }
+    }
+}
+
+// `Backend::indexer_scores` on tensor cores. Grid (key tiles, query tiles,
+// batch) of IXT_SCORE_QUERIES x IXT_SCORE_KEYS tiles, IXT_SCORE_THREADS
+// threads; dynamic shared memory: the key tile and two query tiles. A tile
+// wholly after its queries writes -inf and does no products; otherwise the
+// key tile stays while each head's query tile passes (the next head's
+// staged during this one's products), and each thread sums its scores
+// over the heads in order: s += (weight_scale w[t, h]) relu(q . k), the
+// existing kernel's rounding of each term.
+extern "C" __global__ void __launch_bounds__(IXT_SCORE_THREADS) dsa_indexer_scores_mma(
+    const bf16* q, const bf16* k, const void* w, int wt, float* scores, u32 seq, u32 heads, u32 dim,
+    float weight_scale) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char ixt_shared[];
+    bf16* ks = reinterpret_cast<bf16*>(ixt_shared);
+    bf16* qs = ks + IXT_SCORE_KEYS * IXT_PITCH;
+    const u32 k0 = blockIdx.x * IXT_SCORE_KEYS;
+    const u32 q0 = blockIdx.y * IXT_SCORE_QUERIES;
+    const u64 base = static_cast<u64>(blockIdx.z) * seq;
+    const u32 qrows = min(IXT_SCORE_QUERIES, seq - q0);
+    const u32 krows = min(IXT_SCORE_KEYS, seq - k0);
+    if (k0 > q0 + qrows - 1) {
+        for (u32 e = threadIdx.x; e < qrows * IXT_SCORE_KEYS; e += IXT_SCORE_THREADS) {
+            const u32 i = e / IXT_SCORE_KEYS;
+            const u32 j = e % IXT_SCORE_KEYS;
+            if (j < krows) {
+                scores[(base + q0 + i) * seq + k0 + j] = neg_inf();
+            }
+        }
+        return;
+    }
+    const u32 warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 wq = (warp & 3) * 32;
+    const u32 wk = (warp >> 2) * 64;
+    const u64 q_stride = static_cast<u64>(heads) * dim;
+    const bf16* q_tile = q + (base + q0) * q_stride;
+    ixt_stage(ks, k + (base + k0) * dim, dim, IXT_SCORE_KEYS, krows, dim, threadIdx.x, IXT_SCORE_THREADS);
+    ixt_stage(qs, q_tile, q_stride, IXT_SCORE_QUERIES, qrows, dim, threadIdx.x, IXT_SCORE_THREADS);
+    commit_async();
+    float acc[2][8][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+        }
+    }
+    for (u32 h = 0; h < heads; ++h) {
+        // This thread's rows' weights: rows wq + 16 m + lane / 4 (+ 8).
+        float wh[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
+                wh[m][half] = i < qrows ? weight_scale * load(w, wt, (base + q0 + i) * heads + h) : 0.0f;
+            }
+        }
+        wait_async<0>();
+        __syncthreads();
+        if (h + 1 < heads) {
+            ixt_stage(qs + ((h + 1) & 1) * (IXT_SCORE_QUERIES * IXT_PITCH), q_tile + (h + 1) * dim, q_stride,
+                      IXT_SCORE_QUERIES, qrows, dim, threadIdx.x, IXT_SCORE_THREADS);
+        }
+        commit_async();
+        float s[2][8][4];
+        ixt_product<2, 8>(s, qs + (h & 1) * (IXT_SCORE_QUERIES * IXT_PITCH), wq, ks, wk, dim);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[m][n][e] += wh[m][e >> 1] * fmaxf(s[m][n][e], 0.0f);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
+            if (i >= qrows) {
+                continue;
+            }
+            const u32 t = q0 + i;
+            float* row = scores + (base + t) * seq;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const u32 u = k0 + wk + n * 8 + 2 * (lane & 3);
+                const float a = u <= t ? acc[m][n][2 * half] : neg_inf();
+                const float b = u + 1 <= t ? acc[m][n][2 * half + 1] : neg_inf();
+                if (u + 1 < seq && (reinterpret_cast<u64>(row + u) & 7u) == 0) {
+                    *reinterpret_cast<float2*>(row + u) = make_float2(a, b);
+                } else {
+                    if (u < seq) {
+                        row[u] = a;
+                    }
+                    if (u + 1 < seq) {
+                        row[u + 1] = b;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The query side of `Backend::indexer_backward` on tensor cores: for head
+// h and a 128-query tile, over its causal 32-key tiles in ascending order
+// (each staged during the previous one's products): S = Q K^T, g = scale
+// d_scores, P = g weight_scale w[t, h] where S > 0 (0 elsewhere),
+// dq += P K (P rounded to bf16), dw += g weight_scale S where S > 0 (f32, a
+// thread's keys in order, then its row's 4 threads as a fixed butterfly).
+// Grid (heads, query tiles from the last, batch), IXT_DQ_THREADS threads;
+// dynamic shared memory: the query tile and two key tiles.
+extern "C" __global__ void __launch_bounds__(IXT_DQ_THREADS) dsa_indexer_backward_q_mma(
+    const bf16* q, const bf16* k, const void* w, int wt, const float* d_scores, void* dq, int dqt, void* dw,
+    int dwt, u32 seq, u32 heads, u32 dim, float weight_scale, float scale) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char ixt_shared[];
+    bf16* qs = reinterpret_cast<bf16*>(ixt_shared);
+    bf16* ks = qs + IXT_DQ_QUERIES * IXT_PITCH;
+    const u32 h = blockIdx.x;
+    const u32 q0 = (gridDim.y - 1 - blockIdx.y) * IXT_DQ_QUERIES;
+    const u64 base = static_cast<u64>(blockIdx.z) * seq;
+    const u32 qrows = min(IXT_DQ_QUERIES, seq - q0);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 wq = warp * 32;
+    const u64 q_stride = static_cast<u64>(heads) * dim;
+    ixt_stage(qs, q + (base + q0) * q_stride + static_cast<u64>(h) * dim, q_stride, IXT_DQ_QUERIES, qrows, dim,
+              threadIdx.x, IXT_DQ_THREADS);
+    ixt_stage(ks, k + base * dim, dim, IXT_DQ_KEYS, min(IXT_DQ_KEYS, seq), dim, threadIdx.x, IXT_DQ_THREADS);
+    commit_async();
+    float wh[2][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
+            wh[m][half] = i < qrows ? weight_scale * load(w, wt, (base + q0 + i) * heads + h) : 0.0f;
+        }
+    }
+    float acc[2][IX_MAX_DIM / 8][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int n = 0; n < IX_MAX_DIM / 8; ++n) {
+            acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+        }
+    }
+    float dw_acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    const u32 key_tiles = (q0 + qrows - 1) / IXT_DQ_KEYS + 1;
+    for (u32 j = 0; j < key_tiles; ++j) {
+        wait_async<0>();
+        __syncthreads();
+        if (j + 1 < key_tiles) {
+            const u32 u1 = (j + 1) * IXT_DQ_KEYS;
+            ixt_stage(ks + ((j + 1) & 1) * (IXT_DQ_KEYS * IXT_PITCH), k + (base + u1) * dim, dim, IXT_DQ_KEYS,
+                      min(IXT_DQ_KEYS, seq - u1), dim, threadIdx.x, IXT_DQ_THREADS);
+        }
+        commit_async();
+        const bf16* kt = ks + (j & 1) * (IXT_DQ_KEYS * IXT_PITCH);
+        float s[2][4][4];
+        ixt_product<2, 4>(s, qs, wq, kt, 0, dim);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 t = q0 + wq + m * 16 + (lane >> 2) + (e >> 1) * 8;
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const u32 u = j * IXT_DQ_KEYS + n * 8 + 2 * (lane & 3) + (e & 1);
+                    // Only causal entries are read (u <= t < seq).
+                    const float g = t < seq && u <= t ? scale * d_scores[(base + t) * seq + u] : 0.0f;
+                    const bool on = g != 0.0f && s[m][n][e] > 0.0f;
+                    dw_acc[m][e >> 1] += on ? g * weight_scale * s[m][n][e] : 0.0f;
+                    s[m][n][e] = on ? g * wh[m][e >> 1] : 0.0f;
+                }
+            }
+        }
+        ixt_accumulate<2, 4>(acc, s, kt, dim);
+    }
+    ixt_store_rows<2>(dq, dqt, (base + q0) * q_stride + static_cast<u64>(h) * dim, q_stride, acc, wq, qrows, dim);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float total = ixt_quad_sum(dw_acc[m][half]);
+            const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
+            if ((lane & 3) == 0 && i < qrows) {
+                store(dw, dwt, (base + q0 + i) * heads + h, total);
+            }
+        }
+    }
+}
+
+// The key side of `Backend::indexer_backward` on tensor cores: dk[u] =
+// sum_t sum_h P[t, u] q[t, h] for a 64-key tile. Its K fragments stay in
+// registers; it walks its causal 64-query tiles in ascending order (each
+// tile's g = scale d_scores staged once, zero off the causal entries), and
+// within each the heads: warps 0-3 take heads 0 .. ceil(heads / 2) - 1 in
+// order, warps 4-7 the rest, one head each a step (the next step's query
+// tiles staged during this one's products): S^T = K Q^T, P^T = g w where
+// S > 0 (rounded to bf16), dk += P^T Q. At the end the second group's sums
+// are added to the first's (first + second), so every dk has one order.
+// Grid (key tiles, 1, batch), IXT_DK_THREADS threads; dynamic shared
+// memory: the key tile, two steps' query tiles for each group, the g tile
+// and two steps' weights.
+extern "C" __global__ void __launch_bounds__(IXT_DK_THREADS) dsa_indexer_backward_k_mma(
+    const bf16* q, const bf16* k, const void* w, int wt, const float* d_scores, void* dk, int dkt, u32 seq,
+    u32 heads, u32 dim, float weight_scale, float scale) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char ixt_shared[];
+    constexpr u32 TILE = IXT_DK_QUERIES * IXT_PITCH;
+    bf16* ks = reinterpret_cast<bf16*>(ixt_shared);
+    bf16* qs = ks + IXT_DK_KEYS * IXT_PITCH;                         // [step buffer][group][TILE]
+    float* gs = reinterpret_cast<float*>(qs + 4 * TILE);             // [query][IXT_G_PITCH]
+    float* whs = gs + IXT_DK_QUERIES * IXT_G_PITCH;                  // [step buffer][group][query]
+    const u32 k0 = blockIdx.x * IXT_DK_KEYS;
+    const u64 base = static_cast<u64>(blockIdx.z) * seq;
+    const u32 krows = min(IXT_DK_KEYS, seq - k0);
+    const u32 warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 group = warp >> 2;
+    const u32 wk = (warp & 3) * 16;
+    const u64 q_stride = static_cast<u64>(heads) * dim;
+    const u32 per_group = (heads + 1) / 2;
+    const u32 query_tiles = (seq - k0 + IXT_DK_QUERIES - 1) / IXT_DK_QUERIES;
+    const u32 steps = query_tiles * per_group;
+    // Stages step `s`'s query tiles (and weights) into buffer s & 1.
+    auto stage_step = [&](u32 s) {
+        const u32 t0 = k0 + (s / per_group) * IXT_DK_QUERIES;
+        const u32 rows = min(IXT_DK_QUERIES, seq - t0);
+        for (u32 g = 0; g < 2; ++g) {
+            const u32 head = g * per_group + s % per_group;
+            if (head >= heads) {
+                continue;
+            }
+            ixt_stage(qs + ((s & 1) * 2 + g) * TILE, q + (base + t0) * q_stride + static_cast<u64>(head) * dim,
+                      q_stride, IXT_DK_QUERIES, rows, dim, threadIdx.x, IXT_DK_THREADS);
+            for (u32 i = threadIdx.x; i < IXT_DK_QUERIES; i += IXT_DK_THREADS) {
+                whs[((s & 1) * 2 + g) * IXT_DK_QUERIES + i] =
+                    i < rows ? weight_scale * load(w, wt, (base + t0 + i) * heads + head) : 0.0f;
+            }
+        }
+    };
+    ixt_stage(ks, k + (base + k0) * dim, dim, IXT_DK_KEYS, krows, dim, threadIdx.x, IXT_DK_THREADS);
+    commit_async();
+    stage_step(0);
+    commit_async();
+    wait_async<1>();
+    __syncthreads();
+    u32 fk[IX_MAX_DIM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < IX_MAX_DIM / 16; ++kk) {
+        if (static_cast<u32>(kk) * 16 < dim) {
+            ixt_load_a(fk[kk], ks, wk, kk * 16);
+        }
+    }
+    float acc[1][IX_MAX_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < IX_MAX_DIM / 8; ++n) {
+        acc[0][n][0] = acc[0][n][1] = acc[0][n][2] = acc[0][n][3] = 0.0f;
+    }
+    for (u32 s = 0; s < steps; ++s) {
+        const u32 t0 = k0 + (s / per_group) * IXT_DK_QUERIES;
+        wait_async<0>();
+        __syncthreads();
+        if (s % per_group == 0) {
+            for (u32 e = threadIdx.x; e < IXT_DK_QUERIES * IXT_DK_KEYS; e += IXT_DK_THREADS) {
+                const u32 i = e / IXT_DK_KEYS;
+                const u32 j = e % IXT_DK_KEYS;
+                const u32 t = t0 + i;
+                const u32 u = k0 + j;
+                // Only causal entries are read (u <= t < seq).
+                gs[i * IXT_G_PITCH + j] = t < seq && u <= t ? scale * d_scores[(base + t) * seq + u] : 0.0f;
+            }
+            __syncthreads();
+        }
+        if (s + 1 < steps) {
+            stage_step(s + 1);
+        }
+        commit_async();
+        const u32 head = group * per_group + s % per_group;
+        if (head >= heads) {
+            continue;
+        }
+        const bf16* qt = qs + ((s & 1) * 2 + group) * TILE;
+        const float* wrow = whs + ((s & 1) * 2 + group) * IXT_DK_QUERIES;
+        float st[1][8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            st[0][n][0] = st[0][n][1] = st[0][n][2] = st[0][n][3] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < IX_MAX_DIM / 16; ++kk) {
+            if (static_cast<u32>(kk) * 16 < dim) {
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    u32 fb[4];
+                    ixt_load_b_rows(fb, qt, np * 16, kk * 16);
+                    mma_bf16(st[0][2 * np], fk[kk], fb[0], fb[1]);
+                    mma_bf16(st[0][2 * np + 1], fk[kk], fb[2], fb[3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 j = wk + (lane >> 2) + (e >> 1) * 8;
+                const u32 i = n * 8 + 2 * (lane & 3) + (e & 1);
+                const float g = gs[i * IXT_G_PITCH + j];
+                const bool on = g != 0.0f && st[0][n][e] > 0.0f;
+                st[0][n][e] = on ? g * wrow[i] : 0.0f;
+            }
+        }
+        ixt_accumulate<1, 8>(acc, st, qt, dim);
+    }
+    // The second group's sums through shared memory (the query tiles'
+    // space, idle now), added to the first's.
+    wait_async<0>();
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(qs);
+    const u32 slot = (warp & 3) * 32 + lane;
+    if (group == 1) {
+#pragma unroll
+        for (int n = 0; n < IX_MAX_DIM / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                red[(n * 4 + e) * 128 + slot] = acc[0][n][e];
+            }
+        }
+    }
+    __syncthreads();
+    if (group == 0) {
+#pragma unroll
+        for (int n = 0; n < IX_MAX_DIM / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[0][n][e] = acc[0][n][e] + red[(n * 4 + e) * 128 + slot];
+            }
+        }
+        ixt_store_rows<1>(dk, dkt, (base + k0) * dim, dim, acc, wk, krows, dim);
     }
 }
 

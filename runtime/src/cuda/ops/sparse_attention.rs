@@ -6,7 +6,12 @@
 //! - The indexer's scores: a block a (32-key tile, 32-query tile,
 //!   sequence), the key tile in shared memory while each head's query tile
 //!   passes; every dot product in the CPU's order, so the scores are the
-//!   CPU's bits.
+//!   CPU's bits. With q and k in bf16 and heads of a multiple of 16
+//!   channels ([`indexer_on_tensor_cores`]) the scores and the backward
+//!   run on tensor cores instead (`mma.sync`, 128 x 128 tiles, tiles
+//!   after every query of theirs skipped): the same maths in another
+//!   summation order (a bf16 product is exact in f32), still one order a
+//!   sum, so a rerun gives the same bits.
 //! - Top-k: a block a query row, a radix select on the scores' bits (in
 //!   `total_cmp`'s order) then one pass in position order writing the keys
 //!   above the k-th and the lowest-positioned ties.
@@ -34,6 +39,7 @@ use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaStream, LaunchConfig};
 
 /// The widest indexer head the tiled indexer kernels take (`IX_MAX_DIM`).
@@ -81,6 +87,49 @@ pub fn check_model(model: &hybridgen_dsl::ModelConfig) -> Result<()> {
 
 /// Query and key rows of an indexer tile (`IX_TILE`).
 const IX_TILE: usize = 32;
+/// Elements between two staged rows of a tensor-core indexer tile
+/// (`IXT_PITCH`: the widest head and 8, so that `ldmatrix` reads no bank
+/// twice).
+const IXT_PITCH: usize = INDEXER_MAX_DIM + 8;
+/// The tensor-core scores kernel's block and tile (`IXT_SCORE_*`).
+const IXT_SCORE_THREADS: u32 = 256;
+const IXT_SCORE_QUERIES: usize = 128;
+const IXT_SCORE_KEYS: usize = 128;
+/// The tensor-core dq / d_weights kernel's (`IXT_DQ_*`).
+const IXT_DQ_THREADS: u32 = 128;
+const IXT_DQ_QUERIES: usize = 128;
+const IXT_DQ_KEYS: usize = 32;
+/// The tensor-core dk kernel's (`IXT_DK_*`).
+const IXT_DK_THREADS: u32 = 256;
+const IXT_DK_KEYS: usize = 64;
+const IXT_DK_QUERIES: usize = 64;
+/// Row pitch (f32) of the dk kernel's gradient tile (`IXT_G_PITCH`).
+const IXT_G_PITCH: usize = IXT_DK_KEYS + 4;
+
+/// Dynamic shared memory (bytes) of the tensor-core scores kernel: the
+/// key tile and two query tiles, bf16.
+const IXT_SCORE_SHARED: usize = (IXT_SCORE_KEYS + 2 * IXT_SCORE_QUERIES) * IXT_PITCH * 2;
+/// Of the dq kernel: the query tile and two key tiles.
+const IXT_DQ_SHARED: usize = (IXT_DQ_QUERIES + 2 * IXT_DQ_KEYS) * IXT_PITCH * 2;
+/// Of the dk kernel: the key tile, two steps' query tiles for each of its
+/// two head groups, the f32 gradient tile and two steps' weights.
+const IXT_DK_SHARED: usize = (IXT_DK_KEYS + 4 * IXT_DK_QUERIES) * IXT_PITCH * 2
+    + IXT_DK_QUERIES * IXT_G_PITCH * 4
+    + 4 * IXT_DK_QUERIES * 4;
+
+/// Whether the indexer runs on tensor cores: q and k stored in bf16 at
+/// 16-byte aligned addresses (staged 16 bytes at a time), heads a multiple
+/// of 16 channels (one `mma` k-step) and at most [`INDEXER_MAX_DIM`].
+/// Otherwise the CUDA-core kernels run (the CPU's bits).
+pub fn indexer_on_tensor_cores(q: &GpuView, k: &GpuView, head_dim: usize) -> bool {
+    q.dtype == DType::Bf16
+        && k.dtype == DType::Bf16
+        && head_dim > 0
+        && head_dim.is_multiple_of(16)
+        && head_dim <= INDEXER_MAX_DIM
+        && q.ptr.is_multiple_of(16)
+        && k.ptr.is_multiple_of(16)
+}
 /// Threads of a sparse attention block (`SA_THREADS`).
 const SA_THREADS: u32 = 128;
 /// Threads of a top-k block (`TOPK_THREADS`).
@@ -136,6 +185,23 @@ fn tile_grid(kernel: &str, seq: usize, y: usize, batch: usize) -> Result<LaunchC
         grid_dim: (tiles as u32, y as u32, batch as u32),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
+    })
+}
+
+/// A grid of `blocks` (x, y, z) of `threads` threads and `shared` bytes of
+/// dynamic shared memory; y and z within a CUDA grid's 65,535.
+fn grid_of(kernel: &str, blocks: [usize; 3], threads: u32, shared: usize) -> Result<LaunchConfig> {
+    let [x, y, z] = blocks;
+    if y > MAX_GRID_Y || z > MAX_GRID_Y {
+        return Err(unsupported(
+            kernel,
+            format!("a grid of {x} x {y} x {z} blocks exceeds a CUDA grid"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (u32_of(kernel, "blocks", x)?, y as u32, z as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared as u32,
     })
 }
 
@@ -385,6 +451,11 @@ impl KernelSet {
         if dims.tokens.rows()? == 0 {
             return Ok(());
         }
+        if indexer_on_tensor_cores(&inputs.q, &inputs.k, dims.head_dim)
+            && self.reserve_shared("dsa_indexer_scores_mma", IXT_SCORE_SHARED)?
+        {
+            return self.indexer_scores_mma(stream, inputs, scores, dims);
+        }
         let config = tile_grid(
             kn,
             dims.tokens.seq,
@@ -403,6 +474,102 @@ impl KernelSet {
         b.arg(&scores.ptr).arg(&seq).arg(&heads).arg(&dim);
         b.arg(&dims.weight_scale);
         self.go(kn, &mut b, config)
+    }
+
+    /// Lets `kernel` take `bytes` of dynamic shared memory (past the 48 KiB
+    /// a launch gets without asking); false where the device cannot give
+    /// it (the CUDA-core kernels run then).
+    fn reserve_shared(&self, kernel: &'static str, bytes: usize) -> Result<bool> {
+        let f = self.function(kernel)?;
+        Ok(f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .is_ok())
+    }
+
+    /// [`KernelSet::indexer_scores`] on tensor cores (bf16 q and k; see
+    /// [`indexer_on_tensor_cores`]): a block a (128-key tile, 128-query
+    /// tile, sequence).
+    fn indexer_scores_mma(
+        &self,
+        stream: &CudaStream,
+        inputs: IndexerInputs<GpuView>,
+        scores: GpuView,
+        dims: IndexerDims,
+    ) -> Result<()> {
+        let kn = "dsa_indexer_scores_mma";
+        let (seq, heads, dim) = indexer_shape(kn, dims)?;
+        let key_tiles = dims.tokens.seq.div_ceil(IXT_SCORE_KEYS);
+        let query_tiles = dims.tokens.seq.div_ceil(IXT_SCORE_QUERIES);
+        let config = grid_of(
+            kn,
+            [key_tiles, query_tiles, dims.tokens.batch],
+            IXT_SCORE_THREADS,
+            IXT_SCORE_SHARED,
+        )?;
+        let IndexerInputs { q, k, weights: w } = inputs;
+        let wt = dtype_tag(w.dtype);
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&q.ptr).arg(&k.ptr).arg(&w.ptr).arg(&wt);
+        b.arg(&scores.ptr).arg(&seq).arg(&heads).arg(&dim);
+        b.arg(&dims.weight_scale);
+        self.go(kn, &mut b, config)
+    }
+
+    /// [`KernelSet::indexer_backward`] on tensor cores: the query side (a
+    /// block a (head, 128-query tile, sequence): dq and d_weights), then
+    /// the key side (a block a 64-key tile: dk).
+    fn indexer_backward_mma(
+        &self,
+        stream: &CudaStream,
+        inputs: IndexerInputs<GpuView>,
+        d_scores: GpuView,
+        grads: IndexerInputs<GpuView>,
+        dims: IndexerDims,
+        scale: f32,
+    ) -> Result<()> {
+        let kq = "dsa_indexer_backward_q_mma";
+        let (seq, heads, dim) = indexer_shape(kq, dims)?;
+        let IndexerInputs { q, k, weights: w } = inputs;
+        let wt = dtype_tag(w.dtype);
+        let [dqt, dkt, dwt] = [grads.q, grads.k, grads.weights].map(|v| dtype_tag(v.dtype));
+        let config = grid_of(
+            kq,
+            [
+                dims.heads,
+                dims.tokens.seq.div_ceil(IXT_DQ_QUERIES),
+                dims.tokens.batch,
+            ],
+            IXT_DQ_THREADS,
+            IXT_DQ_SHARED,
+        )?;
+        let mut b = KernelArgs::new(stream, self.function(kq)?);
+        b.arg(&q.ptr).arg(&k.ptr).arg(&w.ptr).arg(&wt);
+        b.arg(&d_scores.ptr).arg(&grads.q.ptr).arg(&dqt);
+        b.arg(&grads.weights.ptr).arg(&dwt);
+        b.arg(&seq)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&dims.weight_scale)
+            .arg(&scale);
+        self.go(kq, &mut b, config)?;
+        let kk = "dsa_indexer_backward_k_mma";
+        let config = grid_of(
+            kk,
+            [dims.tokens.seq.div_ceil(IXT_DK_KEYS), 1, dims.tokens.batch],
+            IXT_DK_THREADS,
+            IXT_DK_SHARED,
+        )?;
+        let mut b = KernelArgs::new(stream, self.function(kk)?);
+        b.arg(&q.ptr).arg(&k.ptr).arg(&w.ptr).arg(&wt);
+        b.arg(&d_scores.ptr).arg(&grads.k.ptr).arg(&dkt);
+        b.arg(&seq)
+            .arg(&heads)
+            .arg(&dim)
+            .arg(&dims.weight_scale)
+            .arg(&scale);
+        self.go(kk, &mut b, config)
     }
 
     /// `Backend::indexer_topk` (`indices` u32 `[rows, topk]`).
@@ -479,6 +646,12 @@ impl KernelSet {
         let (seq, heads, dim) = indexer_shape(kq, dims)?;
         if dims.tokens.rows()? == 0 {
             return Ok(());
+        }
+        if indexer_on_tensor_cores(&inputs.q, &inputs.k, dims.head_dim)
+            && self.reserve_shared("dsa_indexer_backward_q_mma", IXT_DQ_SHARED)?
+            && self.reserve_shared("dsa_indexer_backward_k_mma", IXT_DK_SHARED)?
+        {
+            return self.indexer_backward_mma(stream, inputs, d_scores, grads, dims, scale);
         }
         let IndexerInputs { q, k, weights: w } = inputs;
         let [qt, kt, wt] = [q, k, w].map(|v| dtype_tag(v.dtype));
@@ -774,6 +947,16 @@ mod tests {
                 ("SA_MAX_DIM", SPARSE_MAX_DIM),
                 ("TOPK_THREADS", TOPK_THREADS as usize),
                 ("LOSS_THREADS", LOSS_THREADS as usize),
+                ("IXT_PITCH", IXT_PITCH),
+                ("IXT_SCORE_THREADS", IXT_SCORE_THREADS as usize),
+                ("IXT_SCORE_QUERIES", IXT_SCORE_QUERIES),
+                ("IXT_SCORE_KEYS", IXT_SCORE_KEYS),
+                ("IXT_DQ_THREADS", IXT_DQ_THREADS as usize),
+                ("IXT_DQ_QUERIES", IXT_DQ_QUERIES),
+                ("IXT_DQ_KEYS", IXT_DQ_KEYS),
+                ("IXT_DK_THREADS", IXT_DK_THREADS as usize),
+                ("IXT_DK_KEYS", IXT_DK_KEYS),
+                ("IXT_DK_QUERIES", IXT_DK_QUERIES),
             ],
         );
     }
