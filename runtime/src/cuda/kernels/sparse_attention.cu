@@ -43,6 +43,9 @@
 
 // Threads of an indexer loss block (one query row).
 #define LOSS_THREADS 256u
+// Items of a row whose logits the loss keeps in shared memory between its
+// two passes over a head (a longer row computes them twice).
+#define LOSS_CACHED 4096u
 
 
 // ---- the CPU's dot product ---------------------------------------------------
@@ -320,7 +323,11 @@ __device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq
 // The indexer's KL loss a row (block) against the main attention's
 // probabilities summed over heads (`Backend::indexer_loss`). The row of
 // `d_scores` holds the target's sums while they are built (each key is one
-// thread's throughout), then the gradient.
+// thread's throughout), then the gradient. A row of at most LOSS_CACHED
+// items keeps each head's logits in shared memory from the first pass (max
+// and sum) to the second (the probabilities) instead of computing them
+// again: the same bits, half the gathered key reads (the sparse loss reads
+// topk keys of every head).
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     const float* scores, const void* q, int qt, const void* k, int kt, const u32* indices,
     float* loss, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim, float scale, float factor,
@@ -328,10 +335,12 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     grid_dependency_sync();
     __shared__ float qs[SA_MAX_DIM];
     __shared__ float red[32];
+    __shared__ float logits[LOSS_CACHED];
     const u64 r = blockIdx.x;
     const u32 t = static_cast<u32>(r % seq);
     const u64 base = r - t;
     const u32 items = sparse ? topk : t + 1;
+    const bool cached = items <= LOSS_CACHED;
     const u32* row_ix = indices + r * topk;
     const float* row = scores + r * seq;
     float* d_row = d_scores + r * seq;
@@ -353,6 +362,9 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
                 continue;
             }
             const float x = scale * dot_shared_stored(qs, k, kt, ((base + u) * heads + h) * dim, dim);
+            if (cached) {
+                logits[i] = x;
+            }
             const float m2 = fmaxf(m, x);
             l = l * expf(m - m2) + expf(x - m2);
             m = m2;
@@ -365,7 +377,9 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
             if (u == NO_KEY) {
                 continue;
             }
-            const float x = scale * dot_shared_stored(qs, k, kt, ((base + u) * heads + h) * dim, dim);
+            // This thread's own item of the first pass when cached.
+            const float x = cached ? logits[i]
+                                   : scale * dot_shared_stored(qs, k, kt, ((base + u) * heads + h) * dim, dim);
             d_row[u] += expf(x - big) / sum;
         }
         __syncthreads();

@@ -15,7 +15,9 @@
 //! - Top-k: a block a query row, a radix select on the scores' bits (in
 //!   `total_cmp`'s order) then one pass in position order writing the keys
 //!   above the k-th and the lowest-positioned ties.
-//! - The indexer's loss: a block a query row; its backward: a query-tile
+//! - The indexer's loss: a block a query row (a head's logits kept in
+//!   shared memory between its two passes up to 4,096 keys a row); its
+//!   backward: a query-tile
 //!   kernel (dq, d_weights) and a key-tile kernel (dk), each summing in a
 //!   fixed order.
 //! - Sparse attention: a block a (query row, head) over its selected keys
