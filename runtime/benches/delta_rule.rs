@@ -27,7 +27,9 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use hybridgen_runtime::backend::{DeltaDims, DeltaGrads, DeltaInputs, Tokens};
 use hybridgen_runtime::cuda::kernels;
-use hybridgen_runtime::cuda::ops::delta::{DELTA_CHUNK, delta_scratch_len, tensor_core_forward};
+use hybridgen_runtime::cuda::ops::delta::{
+    DELTA_CHUNK, delta_scratch_len, tensor_core_backward, tensor_core_forward,
+};
 use hybridgen_runtime::cuda::{GpuView, KernelSet, probe};
 use hybridgen_runtime::view::DType;
 use std::path::{Path, PathBuf};
@@ -300,14 +302,20 @@ fn bench(dir: Option<PathBuf>) -> BenchResult<()> {
         "hybridgen delta_rule on {device}: batch {} x {} tokens, Hk {} Hv {} dk {} dv {} {}",
         d.tokens.batch, d.tokens.seq, d.key_heads, d.value_heads, d.key_dim, d.value_dim, a
     );
-    // The launcher's choice, where the device gives the tensor-core
+    // The launchers' choices, where the device gives the tensor-core
     // kernels their shared memory.
-    let path = if tensor_core_forward(a, a, d) {
-        "tensor cores (bf16 products)"
-    } else {
-        "f32 kernels"
+    let path = |tensor_cores: bool| {
+        if tensor_cores {
+            "tensor cores (bf16 products)"
+        } else {
+            "f32 kernels"
+        }
     };
-    println!("forward path: {path}; backward: f32 kernels");
+    println!(
+        "forward: {}; backward: {}",
+        path(tensor_core_forward(a, a, d)),
+        path(tensor_core_backward(a, a, d))
+    );
     println!(
         "forward {forward_ms:.3} ms, backward {backward_ms:.3} ms, forward+backward {both_ms:.3} ms \
          (median of {CALLS}, CUDA events)"

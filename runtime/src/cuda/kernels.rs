@@ -193,7 +193,10 @@ pub const SOURCES: &[KernelSource] = &[
             "delta_backward_a_log",
             "delta_tc_prep",
             "delta_tc_walk",
-            "delta_tc_output"
+            "delta_tc_output",
+            "delta_tc_dvl",
+            "delta_tc_back_walk",
+            "delta_tc_back_chunk"
         ]
     ),
     source!(

@@ -16,8 +16,11 @@
 //! tensor cores instead (`delta_tc_prep`, `delta_tc_walk`,
 //! `delta_tc_output`: bf16 operands, f32 sums, the state kept in f32), as
 //! flash-linear-attention's `chunk_gated_delta_rule` does; its results are
-//! those of bf16 products, not the f32 path's. The backward is the f32
-//! path's for every storage.
+//! those of bf16 products, not the f32 path's. The backward's tensor-core
+//! kernels (`delta_tc_dvl`, `delta_tc_back_walk`, `delta_tc_back_chunk`,
+//! then the f32 path's norm and A_log kernels) are written and compile, but
+//! wait behind [`tensor_core_backward`] for a run on a GPU; until then the
+//! backward is the f32 path's for every storage.
 //!
 //! The kernels need scratch in proportion to the chunks
 //! ([`delta_scratch_len`]), taken from the arena through
@@ -85,12 +88,60 @@ pub fn tensor_core_forward(qkv: DType, out: DType, dims: DeltaDims) -> bool {
     qkv == DType::Bf16 && out == DType::Bf16 && dim_fits(dims.key_dim) && dim_fits(dims.value_dim)
 }
 
-/// f32 elements of one (sequence, chunk, value head) item's part of the
-/// tensor-core forward's scratch (`tc_item_bytes` in `delta.cu`): G in f32,
-/// then the normalised k and q, W, U and V' in bf16.
-fn tc_item_len(dims: DeltaDims) -> usize {
-    64 + 32 * (3 * dims.key_dim + 2 * dims.value_dim)
+/// Whether the backward may take the tensor-core kernels: off until
+/// `cuda_kernels_run`'s delta family has passed with them on a GPU. They
+/// compile without spills, but the session that wrote them had no device
+/// time left to run them; turn this on for that run.
+const TC_BACKWARD: bool = false;
+
+/// Whether the backward runs on tensor cores: where [`TC_BACKWARD`] allows
+/// it, for the storage and dims [`tensor_core_forward`] takes (`d_out` in
+/// place of the output).
+pub fn tensor_core_backward(qkv: DType, d_out: DType, dims: DeltaDims) -> bool {
+    TC_BACKWARD && tensor_core_forward(qkv, d_out, dims)
 }
+
+/// f32 elements of one (sequence, chunk, value head) item's part of the
+/// tensor-core kernels' scratch (`tc_item_bytes` in `delta.cu`): G and
+/// beta in f32, then the normalised k and q, W, U, V' and T in bf16.
+fn tc_item_len(dims: DeltaDims) -> usize {
+    128 + 32 * (3 * dims.key_dim + 2 * dims.value_dim) + 2048
+}
+
+/// f32 elements of one item's part of what the tensor-core backward's walk
+/// leaves (`tc_back_at`): M^T dO and dV' `[64, dv]`, dH_L `[dv, dk]`, bf16.
+/// Checked (by the tests) to fit the f32 path's part, which
+/// [`delta_scratch_len`] counts.
+#[cfg(test)]
+fn tc_back_len(dims: DeltaDims) -> usize {
+    64 * dims.value_dim + dims.value_dim * dims.key_dim / 2
+}
+
+/// Dynamic shared memory (bytes) of `delta_tc_dvl`, `delta_tc_back_walk`
+/// and `delta_tc_back_chunk`, as the kernels carve it.
+fn tc_backward_shared_bytes(dims: DeltaDims) -> [usize; 3] {
+    let (dk, dv) = (dims.key_dim, dims.value_dim);
+    let (pk, pv) = (dk + 8, dv + 8);
+    let bf16 = DType::Bf16.bytes();
+    let f32 = DType::F32.bytes();
+    let dvl = bf16 * DELTA_CHUNK * (2 * pk + pv);
+    // W, K, Q; H_0, dH, gamma dO and -dV' (pitch TC_COL_PITCH); dO's, U's
+    // and M^T dO's columns as loaded, H_0's f32 columns, G.
+    let walk = bf16
+        * (3 * DELTA_CHUNK * pk
+            + 2 * (dk + DELTA_CHUNK) * TC_COL_PITCH
+            + 3 * DELTA_CHUNK * TC_COLS)
+        + f32 * (TC_COLS * dk + DELTA_CHUNK);
+    let chunk = bf16
+        * (3 * DELTA_CHUNK * pk + 4 * DELTA_CHUNK * pv + dv * pk + 4 * DELTA_CHUNK * TC_T_PITCH)
+        + f32 * (2 * DELTA_CHUNK * TC_F_PITCH + 10 * DELTA_CHUNK + 32);
+    [dvl, walk, chunk]
+}
+
+/// The tensor-core backward's own kernels, in launch order (after
+/// `delta_tc_prep`).
+const TC_BACKWARD_KERNELS: [&str; 3] =
+    ["delta_tc_dvl", "delta_tc_back_walk", "delta_tc_back_chunk"];
 
 /// Dynamic shared memory (bytes) of `delta_tc_prep`, `delta_tc_walk` and
 /// `delta_tc_output`, as the kernels carve it.
@@ -413,14 +464,16 @@ impl KernelSet {
         p.states = states.ptr;
         // The tensor-core kernels read qkv and write out in bf16 pairs, and
         // states and scratch in 16-byte words.
-        let aligned = inputs.qkv.ptr % 4 == 0
-            && out.ptr % 4 == 0
-            && states.ptr % 16 == 0
-            && scratch.ptr % 16 == 0
+        let aligned = [inputs.qkv.ptr, out.ptr]
+            .iter()
+            .all(|p| p.is_multiple_of(4))
+            && [states.ptr, scratch.ptr]
+                .iter()
+                .all(|p| p.is_multiple_of(16))
             && scratch.len >= plan.items * tc_item_len(dims);
         if aligned
             && tensor_core_forward(inputs.qkv.dtype, out.dtype, dims)
-            && self.delta_reserve_shared(dims)?
+            && self.delta_reserve_shared(&TC_KERNELS, tc_shared_bytes(dims))?
         {
             return self.gated_delta_forward_tc(stream, &p, dims, &plan);
         }
@@ -438,11 +491,11 @@ impl KernelSet {
         )
     }
 
-    /// Lets the tensor-core kernels take the dynamic shared memory `dims`
-    /// need (past the 48 KiB a launch gets without asking); false where the
+    /// Lets each of `kernels` take its dynamic shared memory in `bytes`
+    /// (past the 48 KiB a launch gets without asking); false where the
     /// device cannot give it, and the f32 kernels run instead.
-    fn delta_reserve_shared(&self, dims: DeltaDims) -> Result<bool> {
-        for (kernel, bytes) in TC_KERNELS.into_iter().zip(tc_shared_bytes(dims)) {
+    fn delta_reserve_shared(&self, kernels: &[&'static str], bytes: [usize; 3]) -> Result<bool> {
+        for (&kernel, bytes) in kernels.iter().zip(bytes) {
             let Ok(bytes) = i32::try_from(bytes) else {
                 return Ok(false);
             };
@@ -513,6 +566,46 @@ impl KernelSet {
         p.t_d_alpha = dtype_tag(grads.alpha.dtype);
         p.d_a_log = grads.a_log.ptr;
         p.t_d_a_log = dtype_tag(grads.a_log.dtype);
+        // The tensor-core kernels also read qkv's and d_out's rows in
+        // 16-byte words; they keep their items and walks' results inside
+        // the f32 path's parts of the scratch, and the per-value-head
+        // gradients where it keeps them.
+        let aligned = [inputs.qkv.ptr, d_out.ptr, states.ptr, scratch.ptr]
+            .iter()
+            .all(|p| p.is_multiple_of(16));
+        if aligned
+            && tensor_core_backward(inputs.qkv.dtype, d_out.dtype, dims)
+            && self.delta_reserve_shared(&TC_KERNELS, tc_shared_bytes(dims))?
+            && self.delta_reserve_shared(&TC_BACKWARD_KERNELS, tc_backward_shared_bytes(dims))?
+        {
+            let walks = dims.tokens.batch * dims.value_heads * (dims.value_dim / TC_COLS);
+            let [prep, ..] = tc_shared_bytes(dims);
+            let launches = [
+                ("delta_tc_prep", prep, plan.items),
+                (
+                    "delta_tc_dvl",
+                    tc_backward_shared_bytes(dims)[0],
+                    plan.items,
+                ),
+                (
+                    "delta_tc_back_walk",
+                    tc_backward_shared_bytes(dims)[1],
+                    walks,
+                ),
+                (
+                    "delta_tc_back_chunk",
+                    tc_backward_shared_bytes(dims)[2],
+                    plan.items,
+                ),
+            ];
+            for (kernel, bytes, blocks) in launches {
+                let mut config = per_item(blocks, TC_THREADS)?;
+                // delta_reserve_shared checked that it fits an i32.
+                config.shared_mem_bytes = bytes as u32;
+                self.delta_launch(stream, kernel, &p, config)?;
+            }
+            return self.delta_backward_finish(stream, &p, dims, &plan);
+        }
         self.delta_launch(
             stream,
             "delta_chunk_prep",
@@ -531,17 +624,29 @@ impl KernelSet {
             &p,
             per_item(plan.workspaces, THREADS)?,
         )?;
+        self.delta_backward_finish(stream, &p, dims, &plan)
+    }
+
+    /// The backward's last kernels, on either path: the query and key
+    /// gradients through the L2 norms, and A_log's.
+    fn delta_backward_finish(
+        &self,
+        stream: &CudaStream,
+        p: &DeltaParams,
+        dims: DeltaDims,
+        plan: &DeltaPlan,
+    ) -> Result<()> {
         let pairs = plan.rows * dims.key_heads;
         self.delta_launch(
             stream,
             "delta_backward_norm",
-            &p,
+            p,
             per_item(pairs.div_ceil(THREADS as usize / 32), THREADS)?,
         )?;
         self.delta_launch(
             stream,
             "delta_backward_a_log",
-            &p,
+            p,
             per_item(dims.value_heads.div_ceil(THREADS as usize), THREADS)?,
         )
     }
@@ -611,15 +716,20 @@ mod tests {
         for (dk, dv) in [(16, 16), (32, 128), (128, 64), (128, 128)] {
             let d = dims(100, dk, dv);
             assert!(tensor_core_forward(DType::Bf16, DType::Bf16, d));
-            // Its items' scratch is inside the f32 path's, which
-            // delta_scratch_len counts.
+            // Its items' scratch and the backward walk's are inside the
+            // f32 path's, which delta_scratch_len counts.
             let prep = 128 + 64 * (5 * dk + dv) + 3 * 4096;
             assert!(tc_item_len(d) <= prep);
-            // An H100's 227 KiB a block, two prep or output blocks an SM.
+            assert!(tc_back_len(d) <= 128 * dv + dk * dv);
+            // An H100's 227 KiB a block, two prep or output blocks an SM,
+            // one backward chunk block.
             assert!(tc_shared_bytes(d).iter().all(|&b| 2 * b <= 227 * 1024));
+            assert!(tc_backward_shared_bytes(d).iter().all(|&b| b <= 227 * 1024));
         }
         let [prep, walk, output] = tc_shared_bytes(dims(100, 128, 128));
         assert_eq!((prep, walk, output), (90_112, 44_032, 87_040));
+        let [dvl, walk, chunk] = tc_backward_shared_bytes(dims(100, 128, 128));
+        assert_eq!((dvl, walk, chunk), (52_224, 85_248, 229_504));
         assert!(!tensor_core_forward(
             DType::F32,
             DType::F32,
