@@ -1928,12 +1928,12 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
         }
         {
             const int t = threadIdx.x / 2;
-            const int c = (threadIdx.x % 2) * 8;
+            const int half = (threadIdx.x % 2) * 8;
             const bool live = t < it.len;
-            const bf16* src = live ? d_out + row_of(p, it, t) * out_width + static_cast<u64>(j) * dv + p0 + c : d_out;
-            copy16_async(shared_address(s_dor + t * DELTA_TC_COLS + c), src, live);
-            copy16_async(shared_address(s_u + t * DELTA_TC_COLS + c), ti.u + t * dv + p0 + c, true);
-            copy16_async(shared_address(s_dvl + t * DELTA_TC_COLS + c), bk.dvl + t * dv + p0 + c, true);
+            const bf16* src = live ? d_out + row_of(p, it, t) * out_width + static_cast<u64>(j) * dv + p0 + half : d_out;
+            copy16_async(shared_address(s_dor + t * DELTA_TC_COLS + half), src, live);
+            copy16_async(shared_address(s_u + t * DELTA_TC_COLS + half), ti.u + t * dv + p0 + half, true);
+            copy16_async(shared_address(s_dvl + t * DELTA_TC_COLS + half), bk.dvl + t * dv + p0 + half, true);
         }
         if (threadIdx.x < DELTA_CHUNK / 4) {
             copy16_async(shared_address(s_gc + 4 * threadIdx.x), ti.g + 4 * threadIdx.x, true);
