@@ -1039,7 +1039,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_a_log
 // Every product's operands are bf16 (inputs, H, T, V' rounded once), its
 // sums f32 in the order the mma hardware fixes; nothing is added with
 // atomics, so equal inputs give equal bits. The f32 kernels above stay the
-// path for f32 storage and other head dims (and the backward).
+// path for f32 storage and other head dims.
 #include "wgmma.cuh"
 
 #define DELTA_TC_THREADS 128

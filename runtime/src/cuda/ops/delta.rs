@@ -88,17 +88,10 @@ pub fn tensor_core_forward(qkv: DType, out: DType, dims: DeltaDims) -> bool {
     qkv == DType::Bf16 && out == DType::Bf16 && dim_fits(dims.key_dim) && dim_fits(dims.value_dim)
 }
 
-/// Whether the backward may take the tensor-core kernels: off until
-/// `cuda_kernels_run`'s delta family has passed with them on a GPU. They
-/// compile without spills, but the session that wrote them had no device
-/// time left to run them; turn this on for that run.
-const TC_BACKWARD: bool = false;
-
-/// Whether the backward runs on tensor cores: where [`TC_BACKWARD`] allows
-/// it, for the storage and dims [`tensor_core_forward`] takes (`d_out` in
-/// place of the output).
+/// Whether the backward runs on tensor cores: for the storage and dims
+/// [`tensor_core_forward`] takes (`d_out` in place of the output).
 pub fn tensor_core_backward(qkv: DType, d_out: DType, dims: DeltaDims) -> bool {
-    TC_BACKWARD && tensor_core_forward(qkv, d_out, dims)
+    tensor_core_forward(qkv, d_out, dims)
 }
 
 /// f32 elements of one (sequence, chunk, value head) item's part of the
