@@ -28,11 +28,13 @@ pub struct KernelSource {
 }
 
 /// The headers sources include (`common.cuh` every one, `wgmma.cuh` those
-/// that stage tiles in shared memory), handed to NVRTC from memory so that
+/// that stage tiles in shared memory, `delta.cuh` the two of the gated delta
+/// rule), handed to NVRTC from memory so that
 /// a diagnostic inside one names it and its own line.
 pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("wgmma.cuh", include_str!("kernels/wgmma.cuh")),
+    ("delta.cuh", include_str!("kernels/delta.cuh")),
 ];
 
 macro_rules! source {
@@ -190,7 +192,12 @@ pub const SOURCES: &[KernelSource] = &[
             "delta_backward_states",
             "delta_backward_chunk",
             "delta_backward_norm",
-            "delta_backward_a_log",
+            "delta_backward_a_log"
+        ]
+    ),
+    source!(
+        "delta_tensor_core.cu",
+        [
             "delta_tc_prep",
             "delta_tc_walk",
             "delta_tc_output",

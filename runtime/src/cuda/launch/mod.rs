@@ -399,15 +399,29 @@ pub(crate) fn source_with_defines(
         .iter()
         .find(|s| s.file == file)
         .unwrap_or_else(|| panic!("{file} is listed"));
+    assert_defines(file, source.text, defines);
+    source
+}
+
+/// [`source_with_defines`] for a header the sources include.
+#[cfg(test)]
+pub(crate) fn header_with_defines(file: &str, defines: &[(&str, usize)]) {
+    let (_, text) = crate::cuda::kernels::HEADERS
+        .iter()
+        .find(|(name, _)| *name == file)
+        .unwrap_or_else(|| panic!("{file} is listed"));
+    assert_defines(file, text, defines);
+}
+
+#[cfg(test)]
+fn assert_defines(file: &str, text: &str, defines: &[(&str, usize)]) {
     for (define, value) in defines {
         let line = format!("#define {define} {value}");
-        let found = source
-            .text
+        let found = text
             .lines()
             .any(|l| l.trim_end().trim_end_matches('u') == line);
         assert!(found, "{file} should say `{line}`");
     }
-    source
 }
 
 #[cfg(test)]

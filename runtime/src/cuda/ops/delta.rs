@@ -1,5 +1,6 @@
 //! The gated delta rule on a GPU: [`DeltaKernels`] for [`CudaBackend`],
-//! and the launchers of `kernels/delta.cu` (which has the maths) on
+//! and the launchers of `kernels/delta.cu` (which has the maths; f32) and
+//! `kernels/delta_tensor_core.cu` (bf16 on tensor cores) on
 //! [`KernelSet`], taking views `backend::delta`'s checks accepted.
 //!
 //! The recurrence runs in chunked form, chunks of [`DELTA_CHUNK`] steps:
@@ -38,7 +39,7 @@ use crate::view::{DType, View, ViewMut};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
 
-/// The steps of a chunk (`DELTA_CHUNK` in `delta.cu`).
+/// The steps of a chunk (`DELTA_CHUNK` in `delta.cuh`).
 pub const DELTA_CHUNK: usize = 64;
 /// The widest key head (`DELTA_MAX_DK`): the state kernels keep a key
 /// head's rows of 16 state columns in shared memory.
@@ -95,7 +96,8 @@ pub fn tensor_core_backward(qkv: DType, d_out: DType, dims: DeltaDims) -> bool {
 }
 
 /// f32 elements of one (sequence, chunk, value head) item's part of the
-/// tensor-core kernels' scratch (`tc_item_bytes` in `delta.cu`): G and
+/// tensor-core kernels' scratch (`tc_item_bytes` in
+/// `delta_tensor_core.cu`): G and
 /// beta in f32, then the normalised k and q, W, U, V' and T in bf16.
 fn tc_item_len(dims: DeltaDims) -> usize {
     128 + 32 * (3 * dims.key_dim + 2 * dims.value_dim) + 2048
@@ -153,7 +155,7 @@ fn tc_shared_bytes(dims: DeltaDims) -> [usize; 3] {
 const TC_KERNELS: [&str; 3] = ["delta_tc_prep", "delta_tc_walk", "delta_tc_output"];
 
 /// The launch's views and dimensions, laid out as `DeltaParams` in
-/// `delta.cu`.
+/// `delta.cuh`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct DeltaParams {
@@ -191,7 +193,7 @@ struct DeltaParams {
     pad: i32,
 }
 
-// SAFETY: plain data, laid out (`repr(C)`) as `DeltaParams` in delta.cu:
+// SAFETY: plain data, laid out (`repr(C)`) as `DeltaParams` in delta.cuh:
 // twelve u64, then twenty 4-byte fields (176 bytes, no padding).
 unsafe impl DeviceRepr for DeltaParams {}
 const _: () = assert!(std::mem::size_of::<DeltaParams>() == 176);
@@ -255,7 +257,7 @@ impl DeltaPlan {
 }
 
 /// Elements (f32) of the scratch the forward (`backward` false) or the
-/// backward takes for `dims` (the layout at the top of `delta.cu`): per
+/// backward takes for `dims` (the layout in `delta.cuh`): per
 /// (sequence, chunk, value head) the chunk's preparation, and for the
 /// backward also its `V'`, `dV'` and end-state gradient, the per-value-head
 /// query and key gradients of every row, A_log's partials and the
@@ -649,7 +651,7 @@ impl KernelSet {
 mod tests {
     use super::*;
     use crate::backend::Tokens;
-    use crate::cuda::launch::source_with_defines;
+    use crate::cuda::launch::{header_with_defines, source_with_defines};
 
     fn dims(seq: usize, dk: usize, dv: usize) -> DeltaDims {
         DeltaDims {
@@ -664,8 +666,8 @@ mod tests {
 
     #[test]
     fn the_sizes_are_the_kernels() {
-        source_with_defines(
-            "delta.cu",
+        header_with_defines(
+            "delta.cuh",
             &[
                 ("DELTA_CHUNK", DELTA_CHUNK),
                 ("DELTA_MAX_DK", DELTA_MAX_DK),
@@ -697,7 +699,7 @@ mod tests {
     #[test]
     fn the_tensor_core_path_fits_the_scratch_and_shared_memory() {
         source_with_defines(
-            "delta.cu",
+            "delta_tensor_core.cu",
             &[
                 ("DELTA_TC_THREADS", TC_THREADS as usize),
                 ("DELTA_TC_COLS", TC_COLS),
