@@ -419,11 +419,20 @@ fn train_refuses_bad_layouts_before_starting() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
 
-    /// Any text is either a valid pattern or invalid input: never a crash.
+    /// Any text is either a valid pattern or invalid input: never a crash,
+    /// whether it follows `--` or not. (A bare `--` is the command line's
+    /// end of options, so the pattern `--` needs one in front.)
     #[test]
     fn check_never_panics(text in "[\\[\\]()|/{}0-9M*+DGE\\-x é]{0,24}") {
-        let out = hybridgen(&["check", &text]);
-        prop_assert!(matches!(out.status.code(), Some(0) | Some(1)), "{:?}: {}", text, stderr(&out));
+        let after_marker = hybridgen(&["check", "--", &text]);
+        prop_assert!(
+            matches!(after_marker.status.code(), Some(0) | Some(1)),
+            "-- {:?}: {}", text, stderr(&after_marker)
+        );
+        if text != "--" {
+            let out = hybridgen(&["check", &text]);
+            prop_assert!(matches!(out.status.code(), Some(0) | Some(1)), "{:?}: {}", text, stderr(&out));
+        }
     }
 }
 
@@ -454,4 +463,15 @@ fn train_device_cuda_without_a_gpu_is_refused_and_auto_takes_the_cpu() {
         "{}",
         stdout(&out)
     );
+}
+
+/// The pattern `--` (two MLP layers) reads as the end of the options on a
+/// command line, so it is written after one, as the help says.
+#[test]
+fn the_pattern_of_two_mlps_follows_an_end_of_options_marker() {
+    let out = hybridgen(&["check", "--", "--"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("2 physical layers"), "{}", stdout(&out));
+    let help = hybridgen(&["check", "--help"]);
+    assert!(stdout(&help).contains("check -- --"), "{}", stdout(&help));
 }

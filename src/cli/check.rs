@@ -6,7 +6,8 @@ use hybridgen_dsl::Pattern;
 #[derive(clap::Args, Debug)]
 pub(crate) struct CheckArgs {
     /// The layer pattern, e.g. 'M[*E]M[*E]' (quote it: * and | mean something to the shell).
-    /// Patterns may start with `-` (a dense MLP layer).
+    /// Patterns may start with `-` (a dense MLP layer); the pattern `--` (two MLP
+    /// layers) reads as the end of the options, so write it after one: `check -- --`.
     #[arg(allow_hyphen_values = true)]
     pattern: String,
 }
