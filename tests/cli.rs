@@ -471,7 +471,11 @@ fn train_device_cuda_without_a_gpu_is_refused_and_auto_takes_the_cpu() {
 fn the_pattern_of_two_mlps_follows_an_end_of_options_marker() {
     let out = hybridgen(&["check", "--", "--"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    assert!(stdout(&out).contains("2 physical layers"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("2 physical layers"),
+        "{}",
+        stdout(&out)
+    );
     let help = hybridgen(&["check", "--help"]);
     assert!(stdout(&help).contains("check -- --"), "{}", stdout(&help));
 }
