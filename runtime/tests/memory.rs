@@ -39,7 +39,9 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
     // bf16 halves parameters and activations, not gradients, master
     // weights or optimizer state, and the CPU's kernels hold f32 copies of
     // their bf16 operands while they run.
-    let patterns = ["M", "*", "+", "D", "-", "E", "G", "M*-E", "[*E]-/*"];
+    let patterns = [
+        "M", "MMMMMM", "*", "+", "D", "-", "E", "G", "M*-E", "[*E]-/*",
+    ];
     let runs = [Precision::F32, Precision::Bf16]
         .into_iter()
         .flat_map(|precision| patterns.map(|pattern| (pattern, precision)));

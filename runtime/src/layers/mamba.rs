@@ -47,15 +47,15 @@ pub struct MambaSaved<B: Backend> {
     rstd_in: B::Buf,
     u: B::Buf,
     z: B::Buf,
+    /// The convolution's input. Its output before and after the SiLU, the
+    /// gated `y` and its norm are recomputed in the backward from this,
+    /// `z` and `y` (a convolution and two elementwise passes, the same
+    /// kernels on the same inputs, so the same bits): keeping them would
+    /// cost `2 conv_dim + 2 d_inner` values a token.
     xbc_in: B::Buf,
-    xbc_conv: B::Buf,
-    xbc: B::Buf,
     dt: B::Buf,
     states: B::Buf,
     y: B::Buf,
-    gated: B::Buf,
-    rstd_gated: B::Buf,
-    normed: B::Buf,
 }
 
 /// What [`MambaLayer::backward_input`] keeps.
@@ -171,7 +171,8 @@ impl MambaLayer {
             &u,
             [(bz, &mut z), (bxbc, &mut xbc_in), (bdt, &mut dt)],
         )?;
-        let (xbc_conv, xbc) = conv_silu::forward(
+        // Only the SiLU's output goes on; the backward recomputes both.
+        let (_, xbc) = conv_silu::forward(
             b,
             b.view(&xbc_in)?,
             w(CONV_W)?,
@@ -191,9 +192,9 @@ impl MambaLayer {
         b.ssd_scan_forward(inputs, b.view_mut(&y)?, b.view_mut(&states)?, scan)?;
         let gated = uninit(b, rows * d)?;
         b.silu_mul_forward(b.view(&z)?, b.view(&y)?, b.view_mut(&gated)?)?;
-        let (normed, rstd_gated) =
-            self.gated_norm()
-                .forward(b, w(OUT_NORM)?, b.view(&gated)?, rows)?;
+        let (normed, _) = self
+            .gated_norm()
+            .forward(b, w(OUT_NORM)?, b.view(&gated)?, rows)?;
         let mut out = MatmulDims::linear(rows, d, h);
         out.accumulate = true;
         b.matmul(b.view(&normed)?, w(OUT_PROJ)?, b.reborrow_mut(&mut x), out)?;
@@ -204,14 +205,9 @@ impl MambaLayer {
             u,
             z,
             xbc_in,
-            xbc_conv,
-            xbc,
             dt,
             states,
             y,
-            gated,
-            rstd_gated,
-            normed,
         })
     }
 
@@ -229,6 +225,12 @@ impl MambaLayer {
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
         let (h, d, c, heads) = (self.hidden, self.d_inner(), self.conv_dim(), self.heads);
         let w = |i| weight::<B>(weights, i);
+        // The gated output and its norm, as the forward computed them.
+        let gated = uninit(b, rows * d)?;
+        b.silu_mul_forward(b.view(&s.z)?, b.view(&s.y)?, b.view_mut(&gated)?)?;
+        let (normed, rstd_gated) =
+            self.gated_norm()
+                .forward(b, w(OUT_NORM)?, b.view(&gated)?, rows)?;
         let d_normed = uninit(b, rows * d)?;
         b.matmul(
             b.as_slice(&dx),
@@ -240,12 +242,13 @@ impl MambaLayer {
         let gated_norm = self.gated_norm().backward_input(
             b,
             w(OUT_NORM)?,
-            &s.gated,
-            &s.rstd_gated,
+            &gated,
+            &rstd_gated,
             b.view(&d_normed)?,
             b.view_mut(&d_gated)?,
             rows,
         )?;
+        drop((gated, rstd_gated, d_normed));
         let d_z = uninit(b, rows * d)?;
         let d_y = uninit(b, rows * d)?;
         b.silu_mul_backward(
@@ -255,12 +258,22 @@ impl MambaLayer {
             b.view_mut(&d_z)?,
             b.view_mut(&d_y)?,
         )?;
+        drop(d_gated);
+        // The convolution's output before and after the SiLU, as the
+        // forward computed them.
+        let (xbc_conv, xbc) = conv_silu::forward(
+            b,
+            b.view(&s.xbc_in)?,
+            w(CONV_W)?,
+            w(CONV_B)?,
+            self.conv_dims(tokens),
+        )?;
         let d_xbc = uninit(b, rows * c)?;
         let d_dt = uninit(b, rows * heads)?;
         let d_a_log = zeros_f32(b, heads)?;
         let d_skip = zeros_f32(b, heads)?;
         let inputs = ScanInputs {
-            xbc: b.view(&s.xbc)?,
+            xbc: b.view(&xbc)?,
             dt: b.view(&s.dt)?,
             dt_bias: w(DT_BIAS)?,
             a_log: w(A_LOG)?,
@@ -279,9 +292,10 @@ impl MambaLayer {
             grads,
             self.scan_dims(tokens),
         )?;
+        drop((xbc, d_y));
         let (d_xbc_conv, d_xbc_in) = conv_silu::backward_input(
             b,
-            b.view(&s.xbc_conv)?,
+            b.view(&xbc_conv)?,
             b.view(&d_xbc)?,
             w(CONV_W)?,
             self.conv_dims(tokens),
@@ -317,7 +331,7 @@ impl MambaLayer {
             d_a_log,
             d_skip,
             gated_norm,
-            normed: s.normed,
+            normed,
             d_out,
         })
     }

@@ -33,15 +33,15 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                 m.num_groups as u64,
             );
             let c = d + 2 * groups * m.state_size as u64;
-            // x_in, u, z, xBC before and after conv and SiLU, dt, y, gated,
-            // normed; rstd of both norms. Backward: d_out, d_normed,
-            // d_gated, d_z, d_y, d_xBC (three), d_dt; d_u in f32.
-            let (mut saved, mut extra) = per_token(
-                2 * h + 4 * d + 3 * c + heads,
-                1 + groups,
-                h + 4 * d + 3 * c + heads,
-            );
-            extra.f32 = n.saturating_mul(h);
+            // x_in, u, z, xBC before the conv, dt, y; the input norm's rstd.
+            // The backward recomputes the rest in two phases: first gated
+            // and normed with d_normed and d_gated (4 d), then, with normed,
+            // d_z and the conv's output, d_xBC, its gradient before the
+            // SiLU and d_xBC_in, d_dt and d_out (h + 2 d + 4 c); d_u in
+            // f32, the gated norm's rstd.
+            let (mut saved, mut extra) =
+                per_token(2 * h + 2 * d + c + heads, 1, h + 4 * d + 4 * c + heads);
+            extra.f32 = n.saturating_mul(h + groups);
             // The scan's chunk states: per sequence, chunk, head, P x N.
             let chunks = (tokens.seq.div_ceil(m.chunk_size.max(1))) as u64;
             saved.f32 = saved.f32.saturating_add(
