@@ -81,7 +81,7 @@ const TC_F_PITCH: usize = 65;
 const TC_COL_PITCH: usize = 24;
 
 /// Whether the forward runs on tensor cores: bf16 `qkv` and output, both
-/// head dims multiples of 16 up to [`TC_MAX_DIM`] (the mma tiles' 16 and
+/// head dims multiples of 16 up to `TC_MAX_DIM` (the mma tiles' 16 and
 /// the accumulators a warp holds), and the alignments the kernels' pair and
 /// 16-byte accesses need.
 pub fn tensor_core_forward(qkv: DType, out: DType, dims: DeltaDims) -> bool {
