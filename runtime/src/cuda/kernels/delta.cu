@@ -745,31 +745,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
         }
         __syncthreads();
         if (threadIdx.x == 0) {
-            // G_L's own terms: through gamma_L H_0 and the decayed keys.
-            float last = expf(s_g[it.len - 1]) * hd;
-            for (int s = 0; s < it.len; ++s) {
-                last += s_kd[s];
-            }
-            s_dg[it.len - 1] += last;
-            const float a = expf(load(reinterpret_cast<const void*>(p.a_log), p.t_a_log, it.j));
-            const float dt_bias = load(reinterpret_cast<const void*>(p.dt_bias), p.t_dt_bias, it.j);
-            // g's gradient is the reverse running sum of G's, and A_log's a
-            // sum over steps with cancellation: both are kept in f64.
-            double dg_sum = 0.0;
-            double a_log = 0.0;
-            for (int t = it.len - 1; t >= 0; --t) {
-                dg_sum += s_dg[t];
-                const float dg = static_cast<float>(dg_sum);
-                const u64 at = row_of(p, it, t) * p.value_heads + it.j;
-                const float raw = load(reinterpret_cast<const void*>(p.alpha), p.t_alpha, at) + dt_bias;
-                const float g = -a * delta_softplus(raw);
-                const float beta = s_beta[t];
-                store(reinterpret_cast<void*>(p.d_beta), p.t_d_beta, at, s_dbeta[t] * beta * (1.0f - beta));
-                store(reinterpret_cast<void*>(p.d_alpha), p.t_d_alpha, at, dg * -a * delta_softplus_derivative(raw));
-                a_log += dg_sum * g;
-            }
-            a_log_parts(p)[(static_cast<u64>(it.b) * p.value_heads + it.j) * p.chunks + it.c] =
-                static_cast<float>(a_log);
+            delta_gate_grads(p, it, hd, s_g, s_kd, s_beta, s_dbeta, s_dg);
         }
         __syncthreads();
     }

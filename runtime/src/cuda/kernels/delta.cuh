@@ -187,3 +187,36 @@ __device__ __forceinline__ u64 qkv_width(const DeltaParams& p) {
 __device__ __forceinline__ u64 row_of(const DeltaParams& p, const Item& it, int t) {
     return static_cast<u64>(it.b) * p.seq + it.t0 + t;
 }
+
+// The gates' gradients of one item, by one thread, once `s_dg` holds G's
+// gradient per step (without G_L's own terms) and `s_dbeta` beta's: G_L's
+// own terms (through gamma_L H_0, `hd` = the sum of H_0 dH_L, and the
+// decayed keys `s_kd`), then g's gradient (the reverse running sum of G's)
+// into d_alpha, beta's through its sigmoid into d_beta, and the item's
+// partial of A_log's gradient. The running sum and A_log's (a sum over steps
+// with cancellation) are kept in f64.
+__device__ __forceinline__ void delta_gate_grads(const DeltaParams& p, const Item& it, float hd, const float* s_g,
+                                                 const float* s_kd, const float* s_beta, const float* s_dbeta,
+                                                 float* s_dg) {
+    float last = expf(s_g[it.len - 1]) * hd;
+    for (int s = 0; s < it.len; ++s) {
+        last += s_kd[s];
+    }
+    s_dg[it.len - 1] += last;
+    const float a = expf(load(reinterpret_cast<const void*>(p.a_log), p.t_a_log, it.j));
+    const float dt_bias = load(reinterpret_cast<const void*>(p.dt_bias), p.t_dt_bias, it.j);
+    double dg_sum = 0.0;
+    double a_log = 0.0;
+    for (int t = it.len - 1; t >= 0; --t) {
+        dg_sum += s_dg[t];
+        const float dg = static_cast<float>(dg_sum);
+        const u64 at = row_of(p, it, t) * p.value_heads + it.j;
+        const float raw = load(reinterpret_cast<const void*>(p.alpha), p.t_alpha, at) + dt_bias;
+        const float g = -a * delta_softplus(raw);
+        const float beta = s_beta[t];
+        store(reinterpret_cast<void*>(p.d_beta), p.t_d_beta, at, s_dbeta[t] * beta * (1.0f - beta));
+        store(reinterpret_cast<void*>(p.d_alpha), p.t_d_alpha, at, dg * -a * delta_softplus_derivative(raw));
+        a_log += dg_sum * g;
+    }
+    a_log_parts(p)[(static_cast<u64>(it.b) * p.value_heads + it.j) * p.chunks + it.c] = static_cast<float>(a_log);
+}
