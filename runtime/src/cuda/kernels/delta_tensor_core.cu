@@ -131,6 +131,33 @@ __device__ __forceinline__ void tc_load_b_cols(u32 (&b)[4], const bf16* tile, in
 
 // Copies `rows` rows of `width` bf16 (a multiple of 8) from `src` (rows
 // `width` apart) into `tile` (rows `pitch` apart), asynchronously.
+// acc = A B^T on and below the diagonal of a 64 x 64 tile, for warp
+// `warp`'s 16 rows (the 16 x 16 blocks np <= warp; the others stay zero):
+// A and B are [64, dk] bf16 tiles of pitch `pitch`, read as rows.
+__device__ __forceinline__ void tc_lower_product(float (&acc)[8][4], const bf16* a, const bf16* b, int pitch,
+                                                 int warp, int dk) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            acc[nt][e] = 0.0f;
+        }
+    }
+    for (int k0 = 0; k0 < dk; k0 += 16) {
+        u32 af[4];
+        tc_load_a(af, a, pitch, 16 * warp, k0);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            if (np <= warp) {
+                u32 bf[4];
+                tc_load_b_rows(bf, b, pitch, 16 * np, k0);
+                mma_bf16(acc[2 * np], af, bf[0], bf[1]);
+                mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ void tc_stage(bf16* tile, int pitch, const bf16* src, int rows, int width) {
     const int words = width / 8;
     for (int idx = threadIdx.x; idx < rows * words; idx += DELTA_TC_THREADS) {
@@ -288,26 +315,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_prep(Del
         const int q = lane & 3;
         const int m0 = 16 * warp;
         float acc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[nt][e] = 0.0f;
-            }
-        }
-        for (int k0 = 0; k0 < dk; k0 += 16) {
-            u32 af[4];
-            tc_load_a(af, s_k, pk, m0, k0);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                if (np <= warp) {
-                    u32 bf[4];
-                    tc_load_b_rows(bf, s_k, pk, 16 * np, k0);
-                    mma_bf16(acc[2 * np], af, bf[0], bf[1]);
-                    mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
-                }
-            }
-        }
+        tc_lower_product(acc, s_k, s_k, pk, warp, dk);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -609,26 +617,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_output(D
     }
     // The scores of the blocks on and below the diagonal.
     float sc[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            sc[nt][e] = 0.0f;
-        }
-    }
-    for (int k0 = 0; k0 < dk; k0 += 16) {
-        u32 af[4];
-        tc_load_a(af, s_q, pk, m0, k0);
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-            if (np <= warp) {
-                u32 bf[4];
-                tc_load_b_rows(bf, s_k, pk, 16 * np, k0);
-                mma_bf16(sc[2 * np], af, bf[0], bf[1]);
-                mma_bf16(sc[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
-    }
+    tc_lower_product(sc, s_q, s_k, pk, warp, dk);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
