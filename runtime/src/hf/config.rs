@@ -322,11 +322,10 @@ const READ: &[&str] = &[
     "mtp_layers_block_type",
 ];
 
-/// Fields that do not change what the model computes: tokens, caches,
-/// kernels, dtypes, initialisation, positions of an attention without
-/// rotary embeddings, and Mamba's `expand` (transformers sizes the mixer
-/// from its heads).
-const IGNORED: &[&str] = &[
+/// Fields every transformers config carries that do not change what the
+/// model computes: its class and origin, tokens, the cache, dtypes. Every
+/// importer skips them.
+pub(super) const BOOKKEEPING: &[&str] = &[
     "architectures",
     "auto_map",
     "_name_or_path",
@@ -338,6 +337,13 @@ const IGNORED: &[&str] = &[
     "eos_token_id",
     "pad_token_id",
     "use_cache",
+];
+
+/// Nemotron-H's own fields that do not change what the model computes:
+/// logits kept, kernels, initialisation, positions of an attention without
+/// rotary embeddings, and Mamba's `expand` (transformers sizes the mixer
+/// from its heads).
+const IGNORED: &[&str] = &[
     "num_logits_to_keep",
     "use_mamba_kernels",
     "mamba_ssm_cache_dtype",
@@ -452,7 +458,10 @@ pub fn from_hf_config(config: &Value, origin: &str) -> Result<ModelConfig> {
         }
     }
     for (name, value) in c {
-        if READ.contains(&name.as_str()) || IGNORED.contains(&name.as_str()) {
+        if [READ, BOOKKEEPING, IGNORED]
+            .iter()
+            .any(|names| names.contains(&name.as_str()))
+        {
             continue;
         }
         if name == "time_step_limit" || name == "mamba_dt_limit" {

@@ -24,7 +24,7 @@
 //!   and halves the projection back.
 
 use super::config::{
-    HfDtype, NORM_EPS, check_fixed_field, decimal, init_std, refuse, tie_embeddings,
+    BOOKKEEPING, HfDtype, NORM_EPS, check_fixed_field, decimal, init_std, refuse, tie_embeddings,
 };
 use super::mapping::{HfTensor, Piece, Source, ValueMap, kind_name};
 use crate::error::{Result, RuntimeError};
@@ -325,19 +325,11 @@ const READ: &[&str] = &[
     "router_aux_loss_coef",
 ];
 
-/// Fields that do not change what the model computes.
+/// Qwen3-Next's own fields that do not change what the model computes
+/// (besides transformers' `BOOKKEEPING`): the router's logits returned,
+/// and the sliding-window settings, which transformers' Qwen3-Next does
+/// not read.
 const IGNORED: &[&str] = &[
-    "architectures",
-    "auto_map",
-    "_name_or_path",
-    "model_type",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "use_cache",
     "output_router_logits",
     "max_window_layers",
     "use_sliding_window",
@@ -363,7 +355,10 @@ fn required(name: &str) -> Option<(Value, &'static str)> {
 pub fn from_config(c: &Map<String, Value>, origin: &str) -> Result<ModelConfig> {
     let field_error = |name: &str, why: String| refuse(format!("{origin}: `{name}` {why}"));
     for (name, value) in c {
-        if READ.contains(&name.as_str()) || IGNORED.contains(&name.as_str()) {
+        if [READ, BOOKKEEPING, IGNORED]
+            .iter()
+            .any(|names| names.contains(&name.as_str()))
+        {
             continue;
         }
         check_fixed_field(name, value, required(name), origin)?;
