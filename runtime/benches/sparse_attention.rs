@@ -274,7 +274,7 @@ fn bench(settings: &Settings) -> BenchResult<()> {
             set.indexer_topk(&stream, s_view, ix_view, idims)
                 .map_err(err)
         };
-        let ix_loss = || {
+        let loss_over = |dims: IndexerLossDims| {
             set.indexer_loss(
                 &stream,
                 s_view,
@@ -282,22 +282,12 @@ fn bench(settings: &Settings) -> BenchResult<()> {
                 ix_view,
                 loss.view(&stream, seq),
                 ds_view,
-                loss_dims,
+                dims,
             )
             .map_err(err)
         };
-        let ix_sparse_loss = || {
-            set.indexer_loss(
-                &stream,
-                s_view,
-                (qkv.q, qkv.k),
-                ix_view,
-                loss.view(&stream, seq),
-                ds_view,
-                sparse_loss_dims,
-            )
-            .map_err(err)
-        };
+        let ix_loss = || loss_over(loss_dims);
+        let ix_sparse_loss = || loss_over(sparse_loss_dims);
         let ix_bwd = || {
             set.indexer_backward(&stream, inputs, ds_view, grads, idims, 1.0)
                 .map_err(err)
