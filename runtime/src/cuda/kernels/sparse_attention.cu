@@ -620,6 +620,21 @@ extern "C" __global__ void __launch_bounds__(256) dsa_indexer_backward_k(
 
 // Stages `rows` rows of `dim` bf16 channels (`stride` elements apart from
 // `first`) into `tile`; rows from `valid` on are zeros.
+// Head h's scaled weight of each query row a thread's accumulators hold:
+// rows wq + 16 m + lane / 4 (+ 8 for the second half) of the tile whose
+// first row is `first`; 0 past the tile's `valid` rows.
+__device__ __forceinline__ void ixt_row_weights(float (&wh)[2][2], const void* w, int wt, u64 first, u32 wq, u32 lane,
+                                                u32 valid, u32 heads, u32 h, float weight_scale) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
+            wh[m][half] = i < valid ? weight_scale * load(w, wt, (first + i) * heads + h) : 0.0f;
+        }
+    }
+}
+
 __device__ __forceinline__ void ixt_stage(bf16* tile, const bf16* first, u64 stride, u32 rows, u32 valid, u32 dim,
                                           u32 thread, u32 threads) {
     const u32 chunks = dim / 8;
@@ -804,14 +819,7 @@ extern "C" __global__ void __launch_bounds__(IXT_SCORE_THREADS) dsa_indexer_scor
     for (u32 h = 0; h < heads; ++h) {
         // This thread's rows' weights: rows wq + 16 m + lane / 4 (+ 8).
         float wh[2][2];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
-                wh[m][half] = i < qrows ? weight_scale * load(w, wt, (base + q0 + i) * heads + h) : 0.0f;
-            }
-        }
+        ixt_row_weights(wh, w, wt, base + q0, wq, lane, qrows, heads, h, weight_scale);
         wait_async<0>();
         __syncthreads();
         if (h + 1 < heads) {
@@ -890,14 +898,7 @@ extern "C" __global__ void __launch_bounds__(IXT_DQ_THREADS) dsa_indexer_backwar
     ixt_stage(ks, k + base * dim, dim, IXT_DQ_KEYS, min(IXT_DQ_KEYS, seq), dim, threadIdx.x, IXT_DQ_THREADS);
     commit_async();
     float wh[2][2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
-            wh[m][half] = i < qrows ? weight_scale * load(w, wt, (base + q0 + i) * heads + h) : 0.0f;
-        }
-    }
+    ixt_row_weights(wh, w, wt, base + q0, wq, lane, qrows, heads, h, weight_scale);
     float acc[2][IX_MAX_DIM / 8][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
