@@ -725,26 +725,19 @@ mod tests {
         assert_eq!((prep, walk, output), (90_112, 44_032, 87_040));
         let [dvl, walk, chunk] = tc_backward_shared_bytes(dims(100, 128, 128));
         assert_eq!((dvl, walk, chunk), (52_224, 85_248, 229_504));
-        assert!(!tensor_core_forward(
-            DType::F32,
-            DType::F32,
-            dims(100, 64, 64)
-        ));
-        assert!(!tensor_core_forward(
-            DType::Bf16,
-            DType::F32,
-            dims(100, 64, 64)
-        ));
-        assert!(!tensor_core_forward(
-            DType::Bf16,
-            DType::Bf16,
-            dims(100, 48, 40)
-        ));
-        assert!(!tensor_core_forward(
-            DType::Bf16,
-            DType::Bf16,
-            dims(100, 256, 64)
-        ));
+        // f32 storage, an f32 output, a head dim no multiple of 16, one
+        // past the widest: the f32 kernels.
+        for (qkv, out, dk, dv) in [
+            (DType::F32, DType::F32, 64, 64),
+            (DType::Bf16, DType::F32, 64, 64),
+            (DType::Bf16, DType::Bf16, 48, 40),
+            (DType::Bf16, DType::Bf16, 256, 64),
+        ] {
+            assert!(
+                !tensor_core_forward(qkv, out, dims(100, dk, dv)),
+                "{qkv:?} {out:?} dk {dk} dv {dv}"
+            );
+        }
     }
 
     #[test]
