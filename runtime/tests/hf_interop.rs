@@ -9,12 +9,15 @@ use hybridgen_dsl::ModelConfig;
 use hybridgen_dsl::config::{Position, ScoreFunction};
 use hybridgen_runtime::checkpoint::CheckpointReader;
 use hybridgen_runtime::hf::{self, HfDtype};
-use hybridgen_runtime::train::{TrainConfig, train};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+
+#[path = "support/checkpoints.rs"]
+mod checkpoints;
+use checkpoints::{params, trained};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("hybridgen-hf-{}-{name}", std::process::id()));
@@ -38,31 +41,6 @@ fn tiny_hf(pattern: &str) -> ModelConfig {
     moe.expert_bias = true;
     moe.expert_bias_update_rate = 0.05;
     model
-}
-
-/// A checkpoint of `model` after three steps on two ranks (experts split
-/// over them, ZeRO-3): the values are trained, not the initialisation. An
-/// odd count: the sign-based expert-bias steps can undo each other in two.
-fn trained(dir: &Path, model: ModelConfig) -> PathBuf {
-    let mut config = TrainConfig::new(model);
-    config.steps = 3;
-    config.micro_batches = 2;
-    config.micro_batch_size = 2;
-    config.save = Some(dir.join("ckpt"));
-    train(&config, &mut |_| {}).unwrap();
-    dir.join("ckpt")
-}
-
-/// Every parameter of checkpoint `dir`, by key.
-fn params(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let reader = CheckpointReader::open(dir, "checkpoint").unwrap();
-    let keys: Vec<String> = reader.index.tensors.keys().cloned().collect();
-    keys.into_iter()
-        .map(|k| {
-            let v = reader.param(&k).unwrap();
-            (k, v)
-        })
-        .collect()
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -18,6 +18,10 @@ use safetensors::tensor::TensorView;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+#[path = "support/checkpoints.rs"]
+mod checkpoints;
+use checkpoints::{param_bits, trained};
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("hybridgen-q3n-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -36,31 +40,6 @@ fn tiny_gdn(pattern: &str) -> ModelConfig {
         activation: Activation::Swiglu,
     });
     model
-}
-
-/// A checkpoint of `model` after three steps on two ranks (experts split
-/// over them): trained values, norms away from 1.
-fn trained(dir: &Path, model: ModelConfig) -> PathBuf {
-    let mut config = TrainConfig::new(model);
-    config.steps = 3;
-    config.micro_batches = 2;
-    config.micro_batch_size = 2;
-    config.ranks = 2;
-    config.ep = 2;
-    config.save = Some(dir.join("ckpt"));
-    train(&config, &mut |_| {}).unwrap();
-    dir.join("ckpt")
-}
-
-fn params(dir: &Path) -> Vec<(String, Vec<u32>)> {
-    let reader = CheckpointReader::open(dir, "checkpoint").unwrap();
-    let keys: Vec<String> = reader.index.tensors.keys().cloned().collect();
-    keys.into_iter()
-        .map(|k| {
-            let v = reader.param(&k).unwrap();
-            (k, v.iter().map(|x| x.to_bits()).collect())
-        })
-        .collect()
 }
 
 fn read_f32(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
@@ -97,7 +76,7 @@ fn checkpoint_to_qwen3_next_to_checkpoint_is_bit_identical_in_f32() {
         let (back, imported) =
             hf::import_checkpoint(&out, &dir.join("back"), Some(pattern)).unwrap();
         assert_eq!(imported.pattern, pattern);
-        assert_eq!(params(&ckpt), params(&back), "{pattern}");
+        assert_eq!(param_bits(&ckpt), param_bits(&back), "{pattern}");
         // Flat (the default), the same values under the flat keys.
         let (flat, _) = hf::import_checkpoint(&out, &dir.join("flat"), None).unwrap();
         let values = |p: Vec<(String, Vec<u32>)>| {
@@ -105,7 +84,11 @@ fn checkpoint_to_qwen3_next_to_checkpoint_is_bit_identical_in_f32() {
             v.sort();
             v
         };
-        assert_eq!(values(params(&ckpt)), values(params(&flat)), "{pattern}");
+        assert_eq!(
+            values(param_bits(&ckpt)),
+            values(param_bits(&flat)),
+            "{pattern}"
+        );
         // The model reads back as itself (the sections its pattern uses).
         let mut want = model;
         want.pattern = imported.pattern.clone();
