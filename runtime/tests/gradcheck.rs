@@ -12,7 +12,7 @@
 use hybridgen_dsl::params::ParamDef;
 use hybridgen_dsl::{LayerKind, ModelConfig};
 use hybridgen_runtime::RuntimeError;
-use hybridgen_runtime::backend::{Backend, IGNORE_TARGET, Tokens};
+use hybridgen_runtime::backend::{Backend, IGNORE_TARGET, SparseMqaDims, Tokens};
 use hybridgen_runtime::cpu::collective::CpuWorld;
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::layers::{
@@ -673,6 +673,74 @@ fn dsa_gradients_through_the_sparse_attention_and_the_indexer_loss() {
     );
     sparse.probe.fill(0.0);
     sparse.check_some(false, &INDEXER_PARAMS);
+}
+
+/// Sparse MQA (`Backend::sparse_mqa_forward`, the kernel `D` attends
+/// with) on two sequences of 6, 3 heads sharing key rows of 7 channels
+/// whose first 5 are the value, each query's top 3 of random picks (short
+/// rows padded): `L = probe . out`, so `dout = probe`, and the backward's
+/// `dq` and `dkv` (key and value gradients of the shared row summed)
+/// against finite differences. Inputs of order one.
+#[test]
+fn sparse_mqa_gradients_of_the_queries_and_the_shared_rows() {
+    let dims = SparseMqaDims {
+        tokens: Tokens { batch: 2, seq: 6 },
+        heads: 3,
+        qk_dim: 7,
+        v_dim: 5,
+        topk: 3,
+        scale: 0.6,
+    };
+    let rows = 12;
+    let mut rng = Rng(71);
+    let q = rng.normals(rows * dims.heads * dims.qk_dim, 1.0, 0.0);
+    let kv = rng.normals(rows * dims.qk_dim, 1.0, 0.0);
+    let probe = rng.normals(rows * dims.heads * dims.v_dim, 1.0, 0.0);
+    // Each query's top 3 causal keys by a random score, ascending, padded.
+    let mut indices = vec![u32::MAX; rows * dims.topk];
+    for r in 0..rows {
+        let t = r % 6;
+        let mut keys: Vec<(f64, u32)> = (0..=t as u32).map(|u| (rng.uniform(), u)).collect();
+        keys.sort_by(|a, b| a.0.total_cmp(&b.0));
+        keys.truncate(dims.topk);
+        let mut keys: Vec<u32> = keys.into_iter().map(|k| k.1).collect();
+        keys.sort_unstable();
+        indices[r * dims.topk..][..keys.len()].copy_from_slice(&keys);
+    }
+    let ix = ids(&indices);
+    let forward = |q: &[f32], kv: &[f32]| -> (Vec<f32>, CpuBuf) {
+        let (qb, kvb) = (up(q), up(kv));
+        let out = up(&vec![0.0; rows * dims.heads * dims.v_dim]);
+        let lse = up(&vec![0.0; rows * dims.heads]);
+        dev()
+            .sparse_mqa_forward(v(&qb), v(&kvb), v(&ix), vm(&out), vm(&lse), dims)
+            .expect("sparse_mqa_forward");
+        (down(&out), lse)
+    };
+    let loss = |q: &[f32], kv: &[f32]| dot(&forward(q, kv).0, &probe);
+    let (out, lse) = forward(&q, &kv);
+    let (dq, dkv) = (up(&vec![0.0; q.len()]), up(&vec![0.0; kv.len()]));
+    dev()
+        .sparse_mqa_backward(
+            v(&up(&q)),
+            v(&up(&kv)),
+            v(&ix),
+            v(&up(&out)),
+            v(&lse),
+            v(&up(&probe)),
+            vm(&dq),
+            vm(&dkv),
+            dims,
+        )
+        .expect("sparse_mqa_backward");
+    check_gradient("sparse MQA dq", &down(&dq), &q, &|p| loss(p, &kv), &mut rng);
+    check_gradient(
+        "sparse MQA dkv",
+        &down(&dkv),
+        &kv,
+        &|p| loss(&q, p),
+        &mut rng,
+    );
 }
 
 /// `D`'s weights as a `+` layer's list (layers.md's parameter tables).

@@ -70,7 +70,7 @@ pub use optim::{AdamMoments, AdamStep, OptimKernels, SgdStep};
 pub use scan::{ScanDims, ScanGrads, ScanInputs, ScanKernels};
 pub use sparse_attention::{
     IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionDims,
-    SparseAttentionKernels,
+    SparseAttentionKernels, SparseMqaDims,
 };
 
 /// A read-only view of one of `B`'s buffers.

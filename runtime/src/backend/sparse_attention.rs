@@ -69,6 +69,24 @@ pub struct SparseAttentionDims {
     pub scale: f32,
 }
 
+/// Dimensions of the sparse attention kernels over one shared key/value
+/// row a token (multi-query attention, the form MLA attends in once its key
+/// up-projection is absorbed into the queries).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SparseMqaDims {
+    pub tokens: Tokens,
+    /// Query heads, all reading the same key/value row of a token.
+    pub heads: usize,
+    /// Channels of a query head and of the shared key row.
+    pub qk_dim: usize,
+    /// Channels of the value: the key row's first `v_dim` (at most
+    /// `qk_dim`).
+    pub v_dim: usize,
+    /// Keys each query selects (the row width of the indices).
+    pub topk: usize,
+    pub scale: f32,
+}
+
 /// Dimensions of the LayerNorm kernels.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerNormDims {
@@ -146,6 +164,30 @@ pub trait SparseAttentionKernels<Buf: DeviceBuffer> {
         dout: View<'_, Buf>,
         grads: AttentionInputs<ViewMut<'_, Buf>>,
         dims: SparseAttentionDims,
+    ) -> Result<()>;
+
+    fn sparse_mqa_forward_unchecked(
+        &self,
+        q: View<'_, Buf>,
+        kv: View<'_, Buf>,
+        indices: View<'_, Buf>,
+        out: ViewMut<'_, Buf>,
+        lse: ViewMut<'_, Buf>,
+        dims: SparseMqaDims,
+    ) -> Result<()>;
+
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_mqa_backward_unchecked(
+        &self,
+        q: View<'_, Buf>,
+        kv: View<'_, Buf>,
+        indices: View<'_, Buf>,
+        out: View<'_, Buf>,
+        lse: View<'_, Buf>,
+        dout: View<'_, Buf>,
+        dq: ViewMut<'_, Buf>,
+        dkv: ViewMut<'_, Buf>,
+        dims: SparseMqaDims,
     ) -> Result<()>;
 
     fn layer_norm_forward_unchecked(
@@ -387,6 +429,77 @@ pub fn check_sparse_attention_backward(
     grads.q.has_len(k, "dq", inputs.q.len)?;
     grads.k.has_len(k, "dk", inputs.k.len)?;
     grads.v.has_len(k, "dv", inputs.v.len)
+}
+
+/// `q`, `kv`, the indices, `out` and `lse` against `d`.
+fn check_sparse_mqa(
+    kernel: &str,
+    d: SparseMqaDims,
+    q: Operand,
+    kv: Operand,
+    indices: Operand,
+    out: Operand,
+    lse: Operand,
+) -> Result<()> {
+    for (name, view) in [("q", q), ("kv", kv), ("out", out)] {
+        view.float(kernel, name)?;
+    }
+    indices.exactly(DType::U32, kernel, "indices")?;
+    lse.exactly(DType::F32, kernel, "lse")?;
+    check_topk(kernel, d.topk)?;
+    ensure(d.heads > 0 && d.qk_dim > 0 && d.v_dim > 0, || {
+        format!(
+            "{kernel}: {} heads of {} (q/k) and {} (v) channels; each must be at least 1",
+            d.heads, d.qk_dim, d.v_dim
+        )
+    })?;
+    ensure(d.v_dim <= d.qk_dim, || {
+        format!(
+            "{kernel}: the value is the key row's first {} channels, but the row has {}",
+            d.v_dim, d.qk_dim
+        )
+    })?;
+    let rows = d.tokens.rows()?;
+    q.has_len(kernel, "q", product(kernel, &[rows, d.heads, d.qk_dim])?)?;
+    kv.has_len(kernel, "kv", product(kernel, &[rows, d.qk_dim])?)?;
+    indices.has_len(kernel, "indices", product(kernel, &[rows, d.topk])?)?;
+    out.has_len(kernel, "out", product(kernel, &[rows, d.heads, d.v_dim])?)?;
+    lse.has_len(kernel, "lse", product(kernel, &[rows, d.heads])?)
+}
+
+/// [`Backend::sparse_mqa_forward`]'s arguments.
+pub fn check_sparse_mqa_forward(
+    q: Operand,
+    kv: Operand,
+    indices: Operand,
+    out: Operand,
+    lse: Operand,
+    dims: SparseMqaDims,
+) -> Result<()> {
+    check_sparse_mqa("sparse_mqa_forward", dims, q, kv, indices, out, lse)
+}
+
+/// [`Backend::sparse_mqa_backward`]'s arguments.
+#[allow(clippy::too_many_arguments)]
+pub fn check_sparse_mqa_backward(
+    q: Operand,
+    kv: Operand,
+    indices: Operand,
+    out: Operand,
+    lse: Operand,
+    dout: Operand,
+    dq: Operand,
+    dkv: Operand,
+    dims: SparseMqaDims,
+) -> Result<()> {
+    let k = "sparse_mqa_backward";
+    for (name, view) in [("dout", dout), ("dq", dq), ("dkv", dkv)] {
+        view.float(k, name)?;
+    }
+    check_sparse_mqa(k, dims, q, kv, indices, out, lse)?;
+    dout.has_len(k, "dout", out.len)?;
+    dq.has_len(k, "dq", q.len)?;
+    dkv.has_len(k, "dkv", kv.len)
 }
 
 /// A LayerNorm's `[rows, width]` view, its `[width]` parameters and its
@@ -651,6 +764,69 @@ macro_rules! sparse_attention_methods {
                 dims,
             )?;
             self.sparse_attention_backward_unchecked(inputs, indices, out, lse, dout, grads, dims)
+        }
+
+        /// Softmax attention of each query over its selected keys, every
+        /// head reading one key/value row a token (multi-query): `o[r, h] =
+        /// sum_{u in S_r} softmax_u(scale * q[r, h] . kv[u]) kv[u, ..v_dim]`
+        /// (f32 softmax), `S_r` the row's indices that are not `NO_KEY` and
+        /// not after the query (the causal mask), in ascending key order.
+        /// `q` `[rows, heads, qk_dim]`, `kv` `[rows, qk_dim]` (the value is
+        /// its first `v_dim` channels), `indices` u32 `[rows, topk]` (key
+        /// positions within the sequence), `out` `[rows, heads, v_dim]`,
+        /// `lse` f32 `[rows, heads]` (the log-sum-exp of the selected scaled
+        /// scores; `-inf` and a zero output for a row that selects nothing).
+        fn sparse_mqa_forward(
+            &self,
+            q: Slice<'_, Self>,
+            kv: Slice<'_, Self>,
+            indices: Slice<'_, Self>,
+            out: SliceMut<'_, Self>,
+            lse: SliceMut<'_, Self>,
+            dims: SparseMqaDims,
+        ) -> Result<()> {
+            $crate::backend::sparse_attention::check_sparse_mqa_forward(
+                q.operand(),
+                kv.operand(),
+                indices.operand(),
+                out.operand(),
+                lse.operand(),
+                dims,
+            )?;
+            self.sparse_mqa_forward_unchecked(q, kv, indices, out, lse, dims)
+        }
+
+        /// Backward of [`Backend::sparse_mqa_forward`] given `dout`,
+        /// recomputing the probabilities from `lse` (`p = exp(scale q . kv
+        /// - lse)`, `ds = p (dout . v - dout . out) scale`): overwrites `dq`
+        /// `[rows, heads, qk_dim]` and `dkv` `[rows, qk_dim]`, the key's and
+        /// the value's gradients of the shared row summed (`dkv[u] = sum ds
+        /// q + [sum p dout | 0]`).
+        #[allow(clippy::too_many_arguments)]
+        fn sparse_mqa_backward(
+            &self,
+            q: Slice<'_, Self>,
+            kv: Slice<'_, Self>,
+            indices: Slice<'_, Self>,
+            out: Slice<'_, Self>,
+            lse: Slice<'_, Self>,
+            dout: Slice<'_, Self>,
+            dq: SliceMut<'_, Self>,
+            dkv: SliceMut<'_, Self>,
+            dims: SparseMqaDims,
+        ) -> Result<()> {
+            $crate::backend::sparse_attention::check_sparse_mqa_backward(
+                q.operand(),
+                kv.operand(),
+                indices.operand(),
+                out.operand(),
+                lse.operand(),
+                dout.operand(),
+                dq.operand(),
+                dkv.operand(),
+                dims,
+            )?;
+            self.sparse_mqa_backward_unchecked(q, kv, indices, out, lse, dout, dq, dkv, dims)
         }
 
         /// LayerNorm with bias, in f32: per row `mean = sum x / width`,

@@ -11,12 +11,13 @@ use super::reference as r;
 use crate::backend::sparse_attention::NO_KEY;
 use crate::backend::{
     AttentionInputs, Backend, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, Slice,
-    SparseAttentionDims, Tokens,
+    SparseAttentionDims, SparseMqaDims, Tokens,
 };
 
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     indexer(s);
     sparse_attention(s);
+    sparse_mqa(s);
     layer_norm(s);
 }
 
@@ -515,6 +516,174 @@ fn sparse_attention<B: Backend>(s: &mut Suite<'_, B>) {
                         k: b.view_mut("dk")?,
                         v: b.view_mut("dv")?,
                     },
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+    }
+}
+
+/// A query row's keys: its selected positions that are not `NO_KEY` and
+/// not after the query.
+fn row_keys(ix: &[f64], r: usize, seq: usize, topk: usize) -> Vec<usize> {
+    ix[r * topk..(r + 1) * topk]
+        .iter()
+        .map(|&u| u as u32)
+        .filter(|&u| u != NO_KEY && (u as usize) < seq && (u as usize) <= r % seq)
+        .map(|u| u as usize)
+        .collect()
+}
+
+/// Sparse MQA's `(out, lse)` in f64: every head against the shared rows.
+fn mqa_forward(q: &[f64], kv: &[f64], ix: &[f64], d: SparseMqaDims) -> (Vec<f64>, Vec<f64>) {
+    let (seq, heads, dk, dv, tk) = (d.tokens.seq, d.heads, d.qk_dim, d.v_dim, d.topk);
+    let rows = d.tokens.batch * seq;
+    let mut out = vec![0.0; rows * heads * dv];
+    let mut lse = vec![f64::NEG_INFINITY; rows * heads];
+    for r in 0..rows {
+        let base = r - r % seq;
+        let keys = row_keys(ix, r, seq, tk);
+        for j in 0..heads {
+            let qh = &q[(r * heads + j) * dk..][..dk];
+            let logits: Vec<f64> = keys
+                .iter()
+                .map(|&u| d.scale as f64 * dot(qh, &kv[(base + u) * dk..][..dk]))
+                .collect();
+            if keys.is_empty() {
+                continue;
+            }
+            let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+            lse[r * heads + j] = max + sum.ln();
+            for (l, &u) in logits.iter().zip(&keys) {
+                let p = (l - max).exp() / sum;
+                for c in 0..dv {
+                    out[(r * heads + j) * dv + c] += p * kv[(base + u) * dk + c];
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// Sparse MQA's `(dq, dkv)` in f64 from the saved `out` and `lse` as
+/// stored (the method's definition).
+fn mqa_backward(x: &Values, d: SparseMqaDims) -> (Vec<f64>, Vec<f64>) {
+    let (seq, heads, dk, dv, tk) = (d.tokens.seq, d.heads, d.qk_dim, d.v_dim, d.topk);
+    let (q, kv, ix) = (&x["q"], &x["kv"], &x["indices"]);
+    let (out, lse, dout) = (&x["out"], &x["lse"], &x["dout"]);
+    let (mut dq, mut dkv) = (vec![0.0; q.len()], vec![0.0; kv.len()]);
+    let scale = d.scale as f64;
+    for r in 0..d.tokens.batch * seq {
+        let base = r - r % seq;
+        for j in 0..heads {
+            let at_q = (r * heads + j) * dk;
+            let at_o = (r * heads + j) * dv;
+            let g = &dout[at_o..at_o + dv];
+            let delta = dot(g, &out[at_o..at_o + dv]);
+            for u in row_keys(ix, r, seq, tk) {
+                let at = (base + u) * dk;
+                let p =
+                    (scale * dot(&q[at_q..at_q + dk], &kv[at..at + dk]) - lse[r * heads + j]).exp();
+                let ds = p * (dot(g, &kv[at..at + dv]) - delta) * scale;
+                for c in 0..dk {
+                    dq[at_q + c] += ds * kv[at + c];
+                    dkv[at + c] += ds * q[at_q + c];
+                }
+                for c in 0..dv {
+                    dkv[at + c] += p * g[c];
+                }
+            }
+        }
+    }
+    (dq, dkv)
+}
+
+fn sparse_mqa<B: Backend>(s: &mut Suite<'_, B>) {
+    // batch, seq, heads, qk dim, v dim, topk: a v as wide as the row, one
+    // narrower, rows padded with NO_KEY (top-k past the causal keys), and
+    // enough channels for the kernels' groups of eight plus a tail.
+    let shapes = [
+        (2, 5, 2, 3, 2, 2),
+        (1, 6, 3, 4, 4, 4),
+        (1, 3, 3, 2, 1, 5),
+        (2, 9, 4, 19, 16, 3),
+    ];
+    for (i, (batch, seq, heads, dk, dv, tk)) in shapes.into_iter().enumerate() {
+        let dims = SparseMqaDims {
+            tokens: Tokens::new(batch, seq),
+            heads,
+            qk_dim: dk,
+            v_dim: dv,
+            topk: tk,
+            scale: 0.5,
+        };
+        let rows = batch * seq;
+        let name = format!("{batch} x {seq} tokens, {heads} heads, dk={dk} dv={dv}, top {tk}");
+        let q = s.rng.values(rows * heads * dk, -1.5, 1.5);
+        let kv = s.rng.values(rows * dk, -1.5, 1.5);
+        let picks = s.rng.values(rows * seq, -1.0, 1.0);
+        let indices = topk(&picks, batch, seq, tk);
+        let refusals = i == 0;
+        let fwd = KernelCase::new("sparse_mqa_forward", name.clone())
+            .input("q", q.clone())
+            .input("kv", kv.clone())
+            .input_u32("indices", &indices)
+            .output("out", rows * heads * dv)
+            .output_f32("lse", rows * heads)
+            .tolerance(64.0 * U * (tk * dk) as f64, 64.0 * U);
+        let fwd = if refusals { fwd.with_refusals() } else { fwd };
+        s.check_kernel(
+            fwd,
+            |x| {
+                let (out, lse) = mqa_forward(&x["q"], &x["kv"], &x["indices"], dims);
+                vec![Expected::new("out", out), Expected::new("lse", lse)]
+            },
+            |dev, b| {
+                dev.sparse_mqa_forward(
+                    b.view("q")?,
+                    b.view("kv")?,
+                    b.view("indices")?,
+                    b.view_mut("out")?,
+                    b.view_mut("lse")?,
+                    dims,
+                )?;
+                Ok(vec![])
+            },
+        );
+
+        let bwd = KernelCase::new("sparse_mqa_backward", name)
+            .input("q", q)
+            .input("kv", kv)
+            .input_u32("indices", &indices)
+            .input_from("out", move |x| {
+                mqa_forward(&x["q"], &x["kv"], &x["indices"], dims).0
+            })
+            .input_f32_from("lse", move |x| {
+                mqa_forward(&x["q"], &x["kv"], &x["indices"], dims).1
+            })
+            .input("dout", s.rng.values(rows * heads * dv, -1.0, 1.0))
+            .output("dq", rows * heads * dk)
+            .output("dkv", rows * dk)
+            .tolerance(256.0 * U * (heads * tk * (dk + dv)) as f64, 64.0 * U);
+        let bwd = if refusals { bwd.with_refusals() } else { bwd };
+        s.check_kernel(
+            bwd,
+            |x| {
+                let (dq, dkv) = mqa_backward(x, dims);
+                vec![Expected::new("dq", dq), Expected::new("dkv", dkv)]
+            },
+            |dev, b| {
+                dev.sparse_mqa_backward(
+                    b.view("q")?,
+                    b.view("kv")?,
+                    b.view("indices")?,
+                    b.view("out")?,
+                    b.view("lse")?,
+                    b.view("dout")?,
+                    b.view_mut("dq")?,
+                    b.view_mut("dkv")?,
                     dims,
                 )?;
                 Ok(vec![])

@@ -220,6 +220,9 @@ pub const SOURCES: &[KernelSource] = &[
             "dsa_sparse_forward",
             "dsa_sparse_backward_dq",
             "dsa_sparse_backward_dkdv",
+            "dsa_mqa_forward",
+            "dsa_mqa_backward_dq",
+            "dsa_mqa_backward_dkv",
             "dsa_layer_norm_forward",
             "dsa_layer_norm_backward",
             "dsa_layer_norm_weight_grad"

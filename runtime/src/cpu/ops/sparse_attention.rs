@@ -12,7 +12,7 @@ use super::dense::{axpy_row, dot};
 use crate::backend::sparse_attention::{INDEXER_LOSS_EPS, NO_KEY};
 use crate::backend::{
     AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    SparseAttentionDims, SparseAttentionKernels,
+    SparseAttentionDims, SparseAttentionKernels, SparseMqaDims,
 };
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
@@ -183,6 +183,54 @@ impl SparseAttentionKernels<CpuBuf> for CpuBackend {
                 k: &mut k.f32_out("dk", grads.k)?,
                 v: &mut k.f32_out("dv", grads.v)?,
             },
+            dims,
+        );
+        Ok(())
+    }
+
+    fn sparse_mqa_forward_unchecked(
+        &self,
+        q: View<'_, CpuBuf>,
+        kv: View<'_, CpuBuf>,
+        indices: View<'_, CpuBuf>,
+        out: ViewMut<'_, CpuBuf>,
+        lse: ViewMut<'_, CpuBuf>,
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        let k = self.access("sparse_mqa_forward");
+        let (q, kv) = (k.f32_in("q", q)?, k.f32_in("kv", kv)?);
+        let indices = k.typed_in::<u32>("indices", indices)?;
+        check_indices("sparse_mqa_forward", indices, dims.tokens.seq)?;
+        let lse = k.typed_out::<f32>("lse", lse)?;
+        sparse_mqa_forward(&q, &kv, indices, &mut k.f32_out("out", out)?, lse, dims);
+        Ok(())
+    }
+
+    fn sparse_mqa_backward_unchecked(
+        &self,
+        q: View<'_, CpuBuf>,
+        kv: View<'_, CpuBuf>,
+        indices: View<'_, CpuBuf>,
+        out: View<'_, CpuBuf>,
+        lse: View<'_, CpuBuf>,
+        dout: View<'_, CpuBuf>,
+        dq: ViewMut<'_, CpuBuf>,
+        dkv: ViewMut<'_, CpuBuf>,
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        let k = self.access("sparse_mqa_backward");
+        let (q, kv) = (k.f32_in("q", q)?, k.f32_in("kv", kv)?);
+        let indices = k.typed_in::<u32>("indices", indices)?;
+        check_indices("sparse_mqa_backward", indices, dims.tokens.seq)?;
+        let (out, dout) = (k.f32_in("out", out)?, k.f32_in("dout", dout)?);
+        let lse = k.typed_in::<f32>("lse", lse)?;
+        sparse_mqa_backward(
+            &q,
+            &kv,
+            indices,
+            (&out, lse, &dout),
+            &mut k.f32_out("dq", dq)?,
+            &mut k.f32_out("dkv", dkv)?,
             dims,
         );
         Ok(())
@@ -539,6 +587,111 @@ pub fn sparse_attention_backward(
                     axpy_row(ds, k, dq_t);
                     axpy_row(ds, q, &mut dk[at_k..][..wq]);
                     axpy_row(p, g, &mut dv[at_v..][..wv]);
+                }
+            }
+        }
+    }
+}
+
+/// [`SparseMqaDims`]' forward: per query row its selected keys, then
+/// per head the scores, their max and the weighted sum of the values (the
+/// key row's first `v_dim` channels), as [`sparse_attention_forward`]
+/// does with one key head.
+pub fn sparse_mqa_forward(
+    q: &[f32],
+    kv: &[f32],
+    indices: &[u32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    dims: SparseMqaDims,
+) {
+    let (seq, heads, dk, dv, topk) = (
+        dims.tokens.seq,
+        dims.heads,
+        dims.qk_dim,
+        dims.v_dim,
+        dims.topk,
+    );
+    let mut scores = vec![0.0f32; topk];
+    let mut keys = Vec::with_capacity(topk);
+    for b in 0..dims.tokens.batch {
+        let base = b * seq;
+        for t in 0..seq {
+            let r = base + t;
+            keys.clear();
+            keys.extend(selected(&indices[r * topk..(r + 1) * topk], t));
+            for j in 0..heads {
+                let qh = &q[(r * heads + j) * dk..][..dk];
+                let mut max = f32::NEG_INFINITY;
+                for (sc, &u) in scores.iter_mut().zip(&keys) {
+                    *sc = dims.scale * dot(qh, &kv[(base + u) * dk..][..dk]);
+                    max = max.max(*sc);
+                }
+                let o = &mut out[(r * heads + j) * dv..][..dv];
+                o.fill(0.0);
+                if keys.is_empty() {
+                    lse[r * heads + j] = f32::NEG_INFINITY;
+                    continue;
+                }
+                let mut sum = 0.0f32;
+                for (sc, &u) in scores.iter().zip(&keys) {
+                    let p = (sc - max).exp();
+                    sum += p;
+                    axpy_row(p, &kv[(base + u) * dk..][..dv], o);
+                }
+                let inv = 1.0 / sum;
+                for v in o.iter_mut() {
+                    *v *= inv;
+                }
+                lse[r * heads + j] = max + sum.ln();
+            }
+        }
+    }
+}
+
+/// [`SparseMqaDims`]' backward: `dq` a (row, head) over its keys in
+/// ascending order; each key's `dkv` row sums, in query-row order and each
+/// row's heads in order, `ds q` then `p dout` (the order the GPU's key pass
+/// keeps).
+pub fn sparse_mqa_backward(
+    q: &[f32],
+    kv: &[f32],
+    indices: &[u32],
+    (out, lse, dout): (&[f32], &[f32], &[f32]),
+    dq: &mut [f32],
+    dkv: &mut [f32],
+    dims: SparseMqaDims,
+) {
+    dq.fill(0.0);
+    dkv.fill(0.0);
+    let (seq, heads, dk, dv, topk) = (
+        dims.tokens.seq,
+        dims.heads,
+        dims.qk_dim,
+        dims.v_dim,
+        dims.topk,
+    );
+    let mut keys = Vec::with_capacity(topk);
+    for b in 0..dims.tokens.batch {
+        let base = b * seq;
+        for t in 0..seq {
+            let r = base + t;
+            keys.clear();
+            keys.extend(selected(&indices[r * topk..(r + 1) * topk], t));
+            for j in 0..heads {
+                let qh = &q[(r * heads + j) * dk..][..dk];
+                let g = &dout[(r * heads + j) * dv..][..dv];
+                let delta = dot(g, &out[(r * heads + j) * dv..][..dv]);
+                let l = lse[r * heads + j];
+                let dq_t = &mut dq[(r * heads + j) * dk..][..dk];
+                for &u in &keys {
+                    let row = &kv[(base + u) * dk..][..dk];
+                    let p = (dims.scale * dot(qh, row) - l).exp();
+                    let ds = p * (dot(g, &row[..dv]) - delta) * dims.scale;
+                    axpy_row(ds, row, dq_t);
+                    let d_row = &mut dkv[(base + u) * dk..][..dk];
+                    axpy_row(ds, qh, d_row);
+                    axpy_row(p, g, &mut d_row[..dv]);
                 }
             }
         }

@@ -35,6 +35,10 @@
 // Widest q/k and v head of the sparse attention kernels.
 #define SA_MAX_DIM 512u
 #define SA_PER_THREAD 4
+// Widest shared key row (and query head) of the CUDA-core MQA kernels, and
+// the channels a thread of their blocks owns.
+#define MQA_MAX_DIM 1024u
+#define MQA_PER_THREAD 8
 // Query positions one key pass gathers at a time (32 bitmap words).
 #define SA_GATHER 1024u
 
@@ -1393,6 +1397,296 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_sparse_backward_dkd
         }
         if (c < v_dim) {
             store(dv, dvt, kv * v_dim + c, acc_v[m]);
+        }
+    }
+}
+
+// ---- sparse attention over one shared key/value row (MQA), CUDA cores ------------
+//
+// `Backend::sparse_mqa_forward` and `_backward` with every head reading the
+// same key row kv[u] `[qk_dim]` of a token, the value being its first
+// v_dim channels. These kernels are the checking mode (f32 storage, or any
+// storage when the tensor-core kernels do not apply): every dot product in
+// the CPU's order and the key pass summing each key's row in the CPU's
+// order (query rows ascending, each row's heads ascending, `ds q` then
+// `p dout`), so they match the CPU to the last few ulps (`expf` and the
+// online softmax's rescaling are the only differences). Deterministic: the
+// only atomics are the bitmap's integer atomicOr, whose result is the same
+// in any order.
+
+// `Backend::sparse_mqa_forward` on CUDA cores: a block a (query row, head),
+// the selected keys SA_THREADS at a time (a thread a key's score), in slot
+// order, online softmax in f32; a thread owns every SA_THREADS-th output
+// channel. q `[rows, heads, qk_dim]`, kv `[rows, qk_dim]` in any float
+// dtype; out in its dtype; lse f32 `[rows, heads]`.
+extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_forward(
+    const void* q, int qt, const void* kv, int kvt, const u32* indices, void* out, int ot, float* lse,
+    u32 seq, u32 heads, u32 qk_dim, u32 v_dim, u32 topk, float scale, u64* status) {
+    grid_dependency_sync();
+    __shared__ float qs[MQA_MAX_DIM];
+    __shared__ float ps[SA_THREADS];
+    __shared__ u32 keys[SA_THREADS];
+    __shared__ float red[32];
+    const u64 r = blockIdx.x;
+    const u32 h = blockIdx.y;
+    const u32 t = static_cast<u32>(r % seq);
+    const u64 base = r - t;
+    for (u32 c = threadIdx.x; c < qk_dim; c += blockDim.x) {
+        qs[c] = load(q, qt, (r * heads + h) * qk_dim + c);
+    }
+    float acc[MQA_PER_THREAD];
+#pragma unroll
+    for (int m = 0; m < MQA_PER_THREAD; ++m) {
+        acc[m] = 0.0f;
+    }
+    float run_max = neg_inf();
+    float run_sum = 0.0f;
+    __syncthreads();
+    for (u32 s0 = 0; s0 < topk; s0 += SA_THREADS) {
+        const u32 slot = s0 + threadIdx.x;
+        const u32 u = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
+        float x = neg_inf();
+        if (u != NO_KEY) {
+            x = scale * dot_shared_stored(qs, kv, kvt, (base + u) * qk_dim, qk_dim);
+        }
+        const float chunk_max = block_max(x, red);
+        const float next = fmaxf(run_max, chunk_max);
+        if (next == neg_inf()) {
+            continue;
+        }
+        const float p = u != NO_KEY ? expf(x - next) : 0.0f;
+        ps[threadIdx.x] = p;
+        keys[threadIdx.x] = u;
+        const float rescale = run_max == neg_inf() ? 0.0f : expf(run_max - next);
+        run_sum = run_sum * rescale + block_sum(p, red);
+        run_max = next;
+        const u32 n = min(SA_THREADS, topk - s0);
+#pragma unroll
+        for (int m = 0; m < MQA_PER_THREAD; ++m) {
+            acc[m] *= rescale;
+        }
+        for (u32 j = 0; j < n; ++j) {
+            const u32 key = keys[j];
+            if (key == NO_KEY) {
+                continue;
+            }
+            const float pj = ps[j];
+            const u64 at = (base + key) * qk_dim;
+#pragma unroll
+            for (int m = 0; m < MQA_PER_THREAD; ++m) {
+                const u32 c = threadIdx.x + SA_THREADS * m;
+                if (c < v_dim) {
+                    acc[m] += pj * load(kv, kvt, at + c);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+    const u64 at = (r * heads + h) * v_dim;
+#pragma unroll
+    for (int m = 0; m < MQA_PER_THREAD; ++m) {
+        const u32 c = threadIdx.x + SA_THREADS * m;
+        if (c < v_dim) {
+            store(out, ot, at + c, acc[m] * inv);
+        }
+    }
+    if (threadIdx.x == 0) {
+        lse[r * heads + h] = run_sum > 0.0f ? run_max + logf(run_sum) : neg_inf();
+    }
+}
+
+// The query side of `Backend::sparse_mqa_backward` on CUDA cores, a block a
+// (query row, head): delta = dout . out (f32 `[rows, heads]`, kept for the
+// key pass), and over the selected keys in slot order p = exp(scale q . kv -
+// lse), ds = p (dout . v - delta) scale, dq = sum ds kv (f32 sums, stored in
+// dq's dtype). The head-0 blocks mark each selected (key, query) pair in
+// the bitmap `[rows, words]` (an integer atomicOr; a repeated key is a
+// fault).
+extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_backward_dq(
+    const void* q, int qt, const void* kv, int kvt, const u32* indices, const void* out, int ot,
+    const float* lse, const void* dout, int gt, void* dq, int dqt, float* delta, u32* bitmap, u32 words,
+    u32 seq, u32 heads, u32 qk_dim, u32 v_dim, u32 topk, float scale, u64* status) {
+    grid_dependency_sync();
+    __shared__ float qs[MQA_MAX_DIM];
+    __shared__ float gs[MQA_MAX_DIM];
+    __shared__ float ds[SA_THREADS];
+    __shared__ u32 keys[SA_THREADS];
+    __shared__ float shared_delta;
+    const u64 r = blockIdx.x;
+    const u32 h = blockIdx.y;
+    const u32 t = static_cast<u32>(r % seq);
+    const u64 base = r - t;
+    const u64 row_head = r * heads + h;
+    for (u32 c = threadIdx.x; c < qk_dim; c += blockDim.x) {
+        qs[c] = load(q, qt, row_head * qk_dim + c);
+    }
+    for (u32 c = threadIdx.x; c < v_dim; c += blockDim.x) {
+        gs[c] = load(dout, gt, row_head * v_dim + c);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const float d = dot_shared_stored(gs, out, ot, row_head * v_dim, v_dim);
+        shared_delta = d;
+        delta[row_head] = d;
+    }
+    __syncthreads();
+    const float dlt = shared_delta;
+    const float l = lse[row_head];
+    float acc[MQA_PER_THREAD];
+#pragma unroll
+    for (int m = 0; m < MQA_PER_THREAD; ++m) {
+        acc[m] = 0.0f;
+    }
+    for (u32 s0 = 0; s0 < topk; s0 += SA_THREADS) {
+        const u32 slot = s0 + threadIdx.x;
+        const u32 u = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
+        float d = 0.0f;
+        if (u != NO_KEY) {
+            const u64 at = (base + u) * qk_dim;
+            const float p = expf(scale * dot_shared_stored(qs, kv, kvt, at, qk_dim) - l);
+            d = p * (dot_shared_stored(gs, kv, kvt, at, v_dim) - dlt) * scale;
+            if (h == 0) {
+                const u32 bit = 1u << (t & 31u);
+                const u32 old = atomicOr(&bitmap[(base + u) * words + t / 32], bit);
+                if (old & bit) {
+                    report_fault(status, FAULT_SELECTED_KEY, r);
+                }
+            }
+        }
+        ds[threadIdx.x] = d;
+        keys[threadIdx.x] = u;
+        __syncthreads();
+        const u32 n = min(SA_THREADS, topk - s0);
+        for (u32 j = 0; j < n; ++j) {
+            const u32 key = keys[j];
+            if (key == NO_KEY) {
+                continue;
+            }
+            const float f = ds[j];
+            const u64 at = (base + key) * qk_dim;
+#pragma unroll
+            for (int m = 0; m < MQA_PER_THREAD; ++m) {
+                const u32 c = threadIdx.x + SA_THREADS * m;
+                if (c < qk_dim) {
+                    acc[m] += f * load(kv, kvt, at + c);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int m = 0; m < MQA_PER_THREAD; ++m) {
+        const u32 c = threadIdx.x + SA_THREADS * m;
+        if (c < qk_dim) {
+            store(dq, dqt, row_head * qk_dim + c, acc[m]);
+        }
+    }
+}
+
+// Compacts the set bits of bitmap words [w0, w0 + 32) of one key's row into
+// `queries` (query positions, ascending) and returns how many; run by the
+// whole block (warp 0 works, everyone waits).
+__device__ __forceinline__ u32 gather_selecting_queries(const u32* bits, u32 w0, u32 words, u32* queries, u32* gathered) {
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const u32 lane = threadIdx.x;
+        const u32 word = w0 + lane < words ? bits[w0 + lane] : 0u;
+        const u32 count = __popc(word);
+        // The warp's exclusive prefix of the counts, lane order.
+        u32 before = count;
+        for (int d = 1; d < 32; d <<= 1) {
+            const u32 other = __shfl_up_sync(0xffffffffu, before, d);
+            if (lane >= static_cast<u32>(d)) {
+                before += other;
+            }
+        }
+        const u32 total = __shfl_sync(0xffffffffu, before, 31);
+        before -= count;
+        u32 rest = word;
+        while (rest != 0u) {
+            const u32 b = __ffs(rest) - 1;
+            queries[before++] = (w0 + lane) * 32 + b;
+            rest &= rest - 1u;
+        }
+        if (lane == 0) {
+            *gathered = total;
+        }
+    }
+    __syncthreads();
+    return *gathered;
+}
+
+// The key side of `Backend::sparse_mqa_backward` on CUDA cores, a block a
+// key row: the queries that selected the key, from its bitmap row in
+// ascending order (SA_GATHER positions at a time), their (query, head)
+// pairs SA_THREADS at a time in (query, head) order: p = exp(scale q . kv -
+// lse), ds = p (dout . v - delta) scale, then dkv += ds q and dkv[..v_dim]
+// += p dout, pair by pair (the CPU's order). A thread owns every
+// SA_THREADS-th channel of the row; the sums are f32, stored once in dkv's
+// dtype.
+extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_backward_dkv(
+    const void* q, int qt, const void* kv, int kvt, const float* lse, const void* dout, int gt,
+    const float* delta, const u32* bitmap, u32 words, void* dkv, int dkvt, u32 seq, u32 heads,
+    u32 qk_dim, u32 v_dim, float scale) {
+    grid_dependency_sync();
+    __shared__ float ks[MQA_MAX_DIM];
+    __shared__ u32 queries[SA_GATHER];
+    __shared__ float ps[SA_THREADS];
+    __shared__ float ds[SA_THREADS];
+    __shared__ u32 gathered;
+    const u64 ru = blockIdx.x;
+    const u32 u = static_cast<u32>(ru % seq);
+    const u64 base = ru - u;
+    for (u32 c = threadIdx.x; c < qk_dim; c += blockDim.x) {
+        ks[c] = load(kv, kvt, ru * qk_dim + c);
+    }
+    float acc[MQA_PER_THREAD];
+#pragma unroll
+    for (int m = 0; m < MQA_PER_THREAD; ++m) {
+        acc[m] = 0.0f;
+    }
+    const u32* bits = bitmap + ru * words;
+    for (u32 w0 = u / 32; w0 < words; w0 += 32) {
+        const u32 n = gather_selecting_queries(bits, w0, words, queries, &gathered);
+        const u64 pairs = static_cast<u64>(n) * heads;
+        for (u64 j0 = 0; j0 < pairs; j0 += SA_THREADS) {
+            const u64 j = j0 + threadIdx.x;
+            float p = 0.0f;
+            float d = 0.0f;
+            if (j < pairs) {
+                const u64 row_head = (base + queries[j / heads]) * heads + j % heads;
+                p = expf(scale * dot_shared_stored(ks, q, qt, row_head * qk_dim, qk_dim) - lse[row_head]);
+                d = p * (dot_shared_stored(ks, dout, gt, row_head * v_dim, v_dim) - delta[row_head]) * scale;
+            }
+            ps[threadIdx.x] = p;
+            ds[threadIdx.x] = d;
+            __syncthreads();
+            const u32 i_end = static_cast<u32>(min(static_cast<u64>(SA_THREADS), pairs - j0));
+            for (u32 i = 0; i < i_end; ++i) {
+                const u64 jj = j0 + i;
+                const u64 row_head = (base + queries[jj / heads]) * heads + jj % heads;
+                const float pi = ps[i];
+                const float di = ds[i];
+#pragma unroll
+                for (int m = 0; m < MQA_PER_THREAD; ++m) {
+                    const u32 c = threadIdx.x + SA_THREADS * m;
+                    if (c < qk_dim) {
+                        acc[m] += di * load(q, qt, row_head * qk_dim + c);
+                        if (c < v_dim) {
+                            acc[m] += pi * load(dout, gt, row_head * v_dim + c);
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MQA_PER_THREAD; ++m) {
+        const u32 c = threadIdx.x + SA_THREADS * m;
+        if (c < qk_dim) {
+            store(dkv, dkvt, ru * qk_dim + c, acc[m]);
         }
     }
 }

@@ -34,7 +34,7 @@
 
 use crate::backend::{
     AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    SparseAttentionDims, SparseAttentionKernels,
+    SparseAttentionDims, SparseAttentionKernels, SparseMqaDims,
 };
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure};
@@ -132,6 +132,8 @@ pub fn indexer_on_tensor_cores(q: &GpuView, k: &GpuView, head_dim: usize) -> boo
         && q.ptr.is_multiple_of(16)
         && k.ptr.is_multiple_of(16)
 }
+/// The widest shared key row of the CUDA-core MQA kernels (`MQA_MAX_DIM`).
+pub const MQA_MAX_DIM: usize = 1024;
 /// Threads of a sparse attention block (`SA_THREADS`).
 const SA_THREADS: u32 = 128;
 /// Threads of a top-k block (`TOPK_THREADS`).
@@ -158,6 +160,23 @@ pub fn sparse_attention_scratch_len(dims: SparseAttentionDims) -> Option<usize> 
 /// backward's ([`sparse_attention_scratch_len`]).
 pub fn sparse_attention_scratch_bytes(dims: SparseAttentionDims) -> u64 {
     sparse_attention_scratch_len(dims)
+        .map_or(u64::MAX / 4, |len| len as u64)
+        .saturating_mul(DType::F32.bytes() as u64)
+}
+
+/// Elements (4 bytes each) of the scratch [`KernelSet::sparse_mqa_backward`]
+/// takes: `dout . out` a (row, head), then the `[rows, ceil(seq / 32)]`
+/// bitmap of selected (key, query) pairs. `None` past `usize`.
+pub fn sparse_mqa_scratch_len(dims: SparseMqaDims) -> Option<usize> {
+    let rows = dims.tokens.rows().ok()?;
+    rows.checked_mul(dims.heads)?
+        .checked_add(rows.checked_mul(bitmap_words(dims.tokens.seq))?)
+}
+
+/// The most scratch (bytes) one sparse MQA call takes: the backward's
+/// ([`sparse_mqa_scratch_len`]).
+pub fn sparse_mqa_scratch_bytes(dims: SparseMqaDims) -> u64 {
+    sparse_mqa_scratch_len(dims)
         .map_or(u64::MAX / 4, |len| len as u64)
         .saturating_mul(DType::F32.bytes() as u64)
 }
@@ -370,6 +389,52 @@ impl SparseAttentionKernels<CudaBuf> for CudaBackend {
             self.v(indices),
             (self.v(out), self.v(lse), self.v(dout)),
             grads,
+            scratch,
+            dims,
+        )
+    }
+
+    fn sparse_mqa_forward_unchecked(
+        &self,
+        q: View<'_, CudaBuf>,
+        kv: View<'_, CudaBuf>,
+        indices: View<'_, CudaBuf>,
+        out: ViewMut<'_, CudaBuf>,
+        lse: ViewMut<'_, CudaBuf>,
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        self.k().sparse_mqa_forward(
+            self.s(),
+            (self.v(q), self.v(kv)),
+            self.v(indices),
+            self.m(&out),
+            self.m(&lse),
+            dims,
+        )
+    }
+
+    fn sparse_mqa_backward_unchecked(
+        &self,
+        q: View<'_, CudaBuf>,
+        kv: View<'_, CudaBuf>,
+        indices: View<'_, CudaBuf>,
+        out: View<'_, CudaBuf>,
+        lse: View<'_, CudaBuf>,
+        dout: View<'_, CudaBuf>,
+        dq: ViewMut<'_, CudaBuf>,
+        dkv: ViewMut<'_, CudaBuf>,
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        let len = sparse_mqa_scratch_len(dims).ok_or_else(|| {
+            unsupported("sparse_mqa_backward", "the scratch overflows".to_string())
+        })?;
+        let (scratch, _scratch_buf) = self.scratch_uninit(len.max(1), DType::F32)?;
+        self.k().sparse_mqa_backward(
+            self.s(),
+            (self.v(q), self.v(kv)),
+            self.v(indices),
+            (self.v(out), self.v(lse), self.v(dout)),
+            (self.m(&dq), self.m(&dkv)),
             scratch,
             dims,
         )
@@ -811,6 +876,102 @@ impl KernelSet {
         self.go(kk, &mut b, config)
     }
 
+    /// `Backend::sparse_mqa_forward`: `out` in its dtype and `lse` f32
+    /// `[rows, heads]`.
+    pub fn sparse_mqa_forward(
+        &self,
+        stream: &CudaStream,
+        (q, kv): (GpuView, GpuView),
+        indices: GpuView,
+        out: GpuView,
+        lse: GpuView,
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        let kn = "dsa_mqa_forward";
+        let rows = dims.tokens.rows()?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let shape = MqaShape::new(kn, dims)?;
+        let config = row_head_grid(kn, rows, dims.heads, SA_THREADS)?;
+        let [qt, kvt, ot] = [q, kv, out].map(|x| dtype_tag(x.dtype));
+        let mut b = KernelArgs::new(stream, self.function(kn)?);
+        b.arg(&q.ptr).arg(&qt).arg(&kv.ptr).arg(&kvt);
+        b.arg(&indices.ptr).arg(&out.ptr).arg(&ot).arg(&lse.ptr);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
+        self.go(kn, &mut b, config)
+    }
+
+    /// `Backend::sparse_mqa_backward`, with `scratch` (4-byte elements) of
+    /// at least [`sparse_mqa_scratch_len`]: the query side (dq, `dout .
+    /// out`, and the bitmap of selected pairs, zeroed here first), then the
+    /// key side (dkv).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sparse_mqa_backward(
+        &self,
+        stream: &CudaStream,
+        (q, kv): (GpuView, GpuView),
+        indices: GpuView,
+        (out, lse, dout): (GpuView, GpuView, GpuView),
+        (dq, dkv): (GpuView, GpuView),
+        scratch: GpuView,
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        let kq = "dsa_mqa_backward_dq";
+        let rows = dims.tokens.rows()?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let shape = MqaShape::new(kq, dims)?;
+        let need = sparse_mqa_scratch_len(dims)
+            .ok_or_else(|| unsupported(kq, "the scratch overflows".to_string()))?;
+        ensure(scratch.len >= need && scratch.dtype.bytes() == 4, || {
+            format!(
+                "{kq}: `scratch` has {} elements of {}, these dimensions need {need} of 4 bytes \
+                 (sparse_mqa_scratch_len)",
+                scratch.len, scratch.dtype
+            )
+        })?;
+        let delta = scratch.ptr;
+        let bitmap = scratch.ptr + (rows * dims.heads * 4) as u64;
+        let words = bitmap_words(dims.tokens.seq);
+        self.zero_bytes(stream, bitmap, rows * words * 4)?;
+        let words = u32_of(kq, "bitmap words", words)?;
+        let [qt, kvt, ot, gt, dqt, dkvt] = [q, kv, out, dout, dq, dkv].map(|x| dtype_tag(x.dtype));
+        let config = row_head_grid(kq, rows, dims.heads, SA_THREADS)?;
+        let mut b = KernelArgs::new(stream, self.function(kq)?);
+        b.arg(&q.ptr).arg(&qt).arg(&kv.ptr).arg(&kvt);
+        b.arg(&indices.ptr).arg(&out.ptr).arg(&ot).arg(&lse.ptr);
+        b.arg(&dout.ptr).arg(&gt).arg(&dq.ptr).arg(&dqt);
+        b.arg(&delta).arg(&bitmap).arg(&words);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
+        self.go(kq, &mut b, config)?;
+        let kk = "dsa_mqa_backward_dkv";
+        let config = row_head_grid(kk, rows, 1, SA_THREADS)?;
+        let mut b = KernelArgs::new(stream, self.function(kk)?);
+        b.arg(&q.ptr).arg(&qt).arg(&kv.ptr).arg(&kvt);
+        b.arg(&lse.ptr)
+            .arg(&dout.ptr)
+            .arg(&gt)
+            .arg(&delta)
+            .arg(&bitmap);
+        b.arg(&words).arg(&dkv.ptr).arg(&dkvt);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&dims.scale);
+        self.go(kk, &mut b, config)
+    }
+
     /// `Backend::layer_norm_forward` (`stats` f32 `[rows, 2]`).
     pub fn layer_norm_forward(
         &self,
@@ -932,6 +1093,37 @@ impl SparseShape {
     }
 }
 
+/// The MQA kernels' dimensions as they take them; rows wider than
+/// [`MQA_MAX_DIM`] are `Unsupported`.
+struct MqaShape {
+    seq: u32,
+    heads: u32,
+    qk: u32,
+    v: u32,
+    topk: u32,
+}
+
+impl MqaShape {
+    fn new(kernel: &str, d: SparseMqaDims) -> Result<MqaShape> {
+        if d.qk_dim > MQA_MAX_DIM {
+            return Err(unsupported(
+                kernel,
+                format!(
+                    "a shared key row of {} channels; the GPU kernels take at most {MQA_MAX_DIM}",
+                    d.qk_dim
+                ),
+            ));
+        }
+        Ok(MqaShape {
+            seq: u32_of(kernel, "sequence length", d.tokens.seq)?,
+            heads: u32_of(kernel, "heads", d.heads)?,
+            qk: d.qk_dim as u32,
+            v: d.v_dim as u32,
+            topk: u32_of(kernel, "top-k", d.topk)?,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -947,6 +1139,7 @@ mod tests {
                 ("IX_TILE", IX_TILE),
                 ("SA_THREADS", SA_THREADS as usize),
                 ("SA_MAX_DIM", SPARSE_MAX_DIM),
+                ("MQA_MAX_DIM", MQA_MAX_DIM),
                 ("TOPK_THREADS", TOPK_THREADS as usize),
                 ("LOSS_THREADS", LOSS_THREADS as usize),
                 ("IXT_PITCH", IXT_PITCH),
