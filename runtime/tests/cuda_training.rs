@@ -22,7 +22,7 @@
 //! refusal of `--device cuda` without a GPU is checked where there is none.
 
 use hybridgen_dsl::{ModelConfig, UnitFilter};
-use hybridgen_runtime::backend::AttentionBackend;
+use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
 use hybridgen_runtime::checkpoint::ResumeFrom;
 use hybridgen_runtime::cuda::probe;
 use hybridgen_runtime::fsdp::Sharding;
@@ -302,6 +302,30 @@ fn on_one_gpu_overlap_equals_plain_bit_for_bit_and_repeats() {
     let overlap = with(ScheduleKind::Overlap);
     assert_eq!(overlap, with(ScheduleKind::Plain), "overlap vs plain");
     assert_eq!(overlap, with(ScheduleKind::Overlap), "the same run twice");
+}
+
+/// One GPU, bf16, expert parallelism 1: the experts' GEMMs read each
+/// expert's rows on the device (the grouped kernel's segmented launches),
+/// so a step reads the host once, its totals, whatever the number of MoE
+/// layers and micro-batches. With the cuBLAS expert GEMMs, which need the
+/// sizes on the host, every GEMM call reads them again: the count sees it.
+#[test]
+#[ignore = "needs a GPU"]
+fn on_one_gpu_a_step_reads_the_host_once() {
+    gpus(1);
+    let mut c = config("[M*E][M*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
+    c.steps = 3;
+    c.micro_batches = 3;
+    let reads = |c: &TrainConfig| -> Vec<u64> {
+        run(c).0.iter().map(|r| r.device.host_reads).collect()
+    };
+    assert_eq!(reads(&c), vec![1; 3], "the grouped kernel");
+    c.expert_gemm = ExpertGemm::Cublas;
+    let cublas = reads(&c);
+    assert!(
+        cublas.iter().all(|&n| n > 1 + 3 * 3),
+        "cuBLAS's host sizes: {cublas:?}"
+    );
 }
 
 /// Programmatic dependent launch (each kernel launched while the one

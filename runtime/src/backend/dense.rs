@@ -11,7 +11,7 @@
 #[cfg(doc)]
 use super::Backend;
 use super::{Slice, SliceMut};
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::view::{DType, DTypeRule, DeviceBuffer, Operand, View, ViewMut, product, same_dtype};
 
 /// Dimensions of [`Backend::matmul`].
@@ -99,6 +99,46 @@ pub struct MatmulProblem<S, M> {
 /// A [`MatmulProblem`] on `B`'s views.
 pub type GroupedMatmul<'a, B> = MatmulProblem<Slice<'a, B>, SliceMut<'a, B>>;
 
+/// One problem of [`Backend::segmented_matmul`]: a matmul over rows cut
+/// into consecutive segments (one an expert) whose sizes sit in a device
+/// buffer, so that no host needs them. `dims` is the whole problem's, its
+/// row count (M for [`SegmentedMatmul::Rows`], K for
+/// [`SegmentedMatmul::Depth`]) the sum over the segments; the per-segment
+/// operand has one view a segment, empty segments included.
+#[derive(Debug)]
+pub enum SegmentedMatmul<S, M> {
+    /// Variable M: `c[rows_e] (+)= a[rows_e] op(b[e])` for each segment
+    /// `e`, with `a` `[m, k]` and `c` `[m, n]` (not transposed) and `b[e]`
+    /// `[k, n]`, or `[n, k]` with `b_trans`. Rows of other segments are
+    /// neither read into a segment's sums nor written by it.
+    Rows { a: S, b: Vec<S>, c: M, dims: MatmulDims },
+    /// Variable K (a weight gradient): `c[e] += a[rows_e]^T b[rows_e]` for
+    /// each segment `e`, with `a` `[k, m]`, `b` `[k, n]` and `c[e]` `[m,
+    /// n]` (`a_trans`, not `b_trans`, accumulating). A segment without rows
+    /// leaves its `c[e]` as it is.
+    Depth { a: S, b: S, c: Vec<M>, dims: MatmulDims },
+}
+
+/// A [`SegmentedMatmul`] on `B`'s views.
+pub type SegmentedGroup<'a, B> = SegmentedMatmul<Slice<'a, B>, SliceMut<'a, B>>;
+
+impl<S, M> SegmentedMatmul<S, M> {
+    /// The whole problem's dimensions.
+    pub fn dims(&self) -> MatmulDims {
+        match self {
+            SegmentedMatmul::Rows { dims, .. } | SegmentedMatmul::Depth { dims, .. } => *dims,
+        }
+    }
+
+    /// The rows the segments share: M, or K for a depth problem.
+    pub fn total_rows(&self) -> usize {
+        match self {
+            SegmentedMatmul::Rows { dims, .. } => dims.m,
+            SegmentedMatmul::Depth { dims, .. } => dims.k,
+        }
+    }
+}
+
 /// The dense kernels as a backend implements them: each runs once
 /// [`Backend`]'s method of the same name (without `_unchecked`) has checked
 /// its arguments here, so their dtypes and lengths are right.
@@ -114,6 +154,12 @@ pub trait DenseKernels<Buf: DeviceBuffer> {
     fn grouped_matmul_unchecked(
         &self,
         problems: Vec<MatmulProblem<View<'_, Buf>, ViewMut<'_, Buf>>>,
+    ) -> Result<()>;
+
+    fn segmented_matmul_unchecked(
+        &self,
+        rows: View<'_, Buf>,
+        problems: Vec<SegmentedMatmul<View<'_, Buf>, ViewMut<'_, Buf>>>,
     ) -> Result<()>;
 
     fn axpy_unchecked(&self, alpha: f32, x: View<'_, Buf>, y: ViewMut<'_, Buf>) -> Result<()>;
@@ -194,6 +240,145 @@ pub fn check_grouped_matmul(
     Ok(())
 }
 
+/// [`Backend::segmented_matmul`]'s arguments: `rows` a u32 count a
+/// segment (at least one); each problem's shared operands sized by its
+/// dims and its per-segment operand one view a segment, each sized as one
+/// segment's matmul; a row problem not transposing A, a depth problem
+/// transposing A alone and accumulating; one float dtype for every `A` and
+/// `B` and one for every `C`, as in [`check_grouped_matmul`].
+pub fn check_segmented_matmul(
+    rows: Operand,
+    problems: impl IntoIterator<Item = SegmentedMatmul<Operand, Operand>>,
+) -> Result<()> {
+    let k = "segmented_matmul";
+    rows.exactly(DType::U32, k, "rows")?;
+    let segments = rows.len;
+    if segments == 0 {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "kernel `{k}`: `rows` is empty; there must be one count a segment"
+        )));
+    }
+    let mut group = None;
+    for (i, p) in problems.into_iter().enumerate() {
+        let dims = p.dims();
+        let name = |operand: &str| format!("problems[{i}].{operand}");
+        // `b`: the per-segment views; `c`: the other shared operand.
+        let (a, b, c, depth) = match &p {
+            SegmentedMatmul::Rows { a, b, c, .. } => (*a, b, c, false),
+            SegmentedMatmul::Depth { a, b, c, .. } => (*a, c, b, true),
+        };
+        let per_segment = if depth { "C" } else { "B" };
+        let layout_ok = if depth {
+            dims.a_trans && !dims.b_trans && dims.accumulate
+        } else {
+            !dims.a_trans
+        };
+        if !layout_ok {
+            let want = if depth {
+                "a depth problem is a weight gradient: `a_trans`, not `b_trans`, accumulating"
+            } else {
+                "a row problem cuts A's stored rows: not `a_trans`"
+            };
+            return Err(RuntimeError::InvalidArgument(format!(
+                "kernel `{k}`: `problems[{i}]` has a_trans {}, b_trans {}, accumulate {}; {want}",
+                dims.a_trans, dims.b_trans, dims.accumulate
+            )));
+        }
+        if b.len() != segments {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "kernel `{k}`: `problems[{i}].{per_segment}` has {} views for {segments} \
+                 segments; give one a segment, empty segments included",
+                b.len()
+            )));
+        }
+        let (m, n, kk) = (dims.m, dims.n, dims.k);
+        let shared_len = |rows_first: usize, width: usize| product(k, &[rows_first, width]);
+        let (ab, out) = *group.get_or_insert((a.dtype, if depth { b[0].dtype } else { c.dtype }));
+        a.float(k, &name("A"))?;
+        same_dtype(k, ("problems[0].A", ab), (&name("A"), a.dtype))?;
+        a.has_len(k, &name("A"), product(k, &[m, kk])?)?;
+        // The other shared operand: C of a row problem, B of a depth one.
+        let (other, other_name) = (*c, if depth { "B" } else { "C" });
+        other.float(k, &name(other_name))?;
+        if depth {
+            same_dtype(k, ("problems[0].A", ab), (&name("B"), other.dtype))?;
+            other.has_len(k, &name("B"), shared_len(kk, n)?)?;
+        } else {
+            same_dtype(k, ("problems[0].C", out), (&name("C"), other.dtype))?;
+            other.has_len(k, &name("C"), shared_len(m, n)?)?;
+        }
+        let segment_len = if depth { product(k, &[m, n])? } else { product(k, &[kk, n])? };
+        for (e, v) in b.iter().enumerate() {
+            let arg = format!("problems[{i}].{per_segment}[{e}]");
+            v.float(k, &arg)?;
+            let (first, want) = if depth {
+                ("problems[0].C", out)
+            } else {
+                ("problems[0].A", ab)
+            };
+            same_dtype(k, (first, want), (&arg, v.dtype))?;
+            v.has_len(k, &arg, segment_len)?;
+        }
+    }
+    Ok(())
+}
+
+/// A [`SegmentedMatmul`] group as the grouped problems its segments make,
+/// given the rows of each segment on the host (what a backend without a
+/// kernel for device counts runs after reading them): every segment with
+/// rows, in order; an error when the rows do not sum to a problem's.
+pub fn segments_as_problems<'a, Buf: DeviceBuffer>(
+    rows: &[u32],
+    problems: Vec<SegmentedMatmul<View<'a, Buf>, ViewMut<'a, Buf>>>,
+) -> Result<Vec<MatmulProblem<View<'a, Buf>, ViewMut<'a, Buf>>>> {
+    let total: usize = rows.iter().map(|&n| n as usize).sum();
+    let mut out = Vec::with_capacity(problems.len() * rows.len());
+    for (i, p) in problems.into_iter().enumerate() {
+        if p.total_rows() != total {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "kernel `segmented_matmul`: the segments' rows sum to {total} but \
+                 `problems[{i}]` has {} rows",
+                p.total_rows()
+            )));
+        }
+        match p {
+            SegmentedMatmul::Rows { a, b, mut c, dims } => {
+                let mut start = 0;
+                for (&n, b) in rows.iter().zip(b) {
+                    let n = n as usize;
+                    let (here, rest) = c.split_at(n * dims.n)?;
+                    c = rest;
+                    if n > 0 {
+                        out.push(MatmulProblem {
+                            a: a.slice(start * dims.k..(start + n) * dims.k)?,
+                            b,
+                            c: here,
+                            dims: MatmulDims { m: n, ..dims },
+                        });
+                    }
+                    start += n;
+                }
+            }
+            SegmentedMatmul::Depth { a, b, c, dims } => {
+                let mut start = 0;
+                for (&n, c) in rows.iter().zip(c) {
+                    let n = n as usize;
+                    if n > 0 {
+                        out.push(MatmulProblem {
+                            a: a.slice(start * dims.m..(start + n) * dims.m)?,
+                            b: b.slice(start * dims.n..(start + n) * dims.n)?,
+                            c,
+                            dims: MatmulDims { k: n, ..dims },
+                        });
+                    }
+                    start += n;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// [`Backend::axpy`]'s arguments.
 pub fn check_axpy(x: Operand, y: Operand) -> Result<()> {
     let k = "axpy";
@@ -263,6 +448,40 @@ macro_rules! dense_methods {
                 dims: p.dims,
             }))?;
             self.grouped_matmul_unchecked(problems)
+        }
+
+        /// Matmuls whose rows are cut into segments by device counts
+        /// (`rows`: u32, one a segment, summing to each problem's M, or K for
+        /// a depth problem): the MoE experts' GEMMs without the host knowing
+        /// how many rows each expert got. Each segment's product is the
+        /// [`Backend::grouped_matmul`] problem its row range makes, with the
+        /// same bits. The CPU backend reads the counts (its own memory) and
+        /// refuses counts that do not sum to the rows; a GPU reads them in
+        /// its kernel and clips a segment at the shared operands' rows, so
+        /// nothing waits for the host.
+        fn segmented_matmul(
+            &self,
+            rows: Slice<'_, Self>,
+            problems: Vec<SegmentedGroup<'_, Self>>,
+        ) -> Result<()> {
+            $crate::backend::dense::check_segmented_matmul(
+                rows.operand(),
+                problems.iter().map(|p| match p {
+                    SegmentedMatmul::Rows { a, b, c, dims } => SegmentedMatmul::Rows {
+                        a: a.operand(),
+                        b: b.iter().map(|v| v.operand()).collect(),
+                        c: c.operand(),
+                        dims: *dims,
+                    },
+                    SegmentedMatmul::Depth { a, b, c, dims } => SegmentedMatmul::Depth {
+                        a: a.operand(),
+                        b: b.operand(),
+                        c: c.iter().map(|v| v.operand()).collect(),
+                        dims: *dims,
+                    },
+                }),
+            )?;
+            self.segmented_matmul_unchecked(rows, problems)
         }
 
         /// `y += alpha x`.

@@ -58,7 +58,10 @@ pub use attention::{
 };
 pub use conv::{ConvDims, ConvKernels};
 pub use delta::{DeltaDims, DeltaGrads, DeltaInputs, DeltaKernels};
-pub use dense::{DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem};
+pub use dense::{
+    DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem, SegmentedGroup,
+    SegmentedMatmul,
+};
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};
 pub use moe::{

@@ -6,7 +6,7 @@
 use super::Suite;
 use super::case::{Bufs, Expected, KernelCase, download_values, upload_values};
 use super::reference::{self as r, round_to};
-use crate::backend::{Backend, CopyCols, GroupedMatmul, MatmulDims};
+use crate::backend::{Backend, CopyCols, GroupedMatmul, MatmulDims, SegmentedGroup, SegmentedMatmul};
 use crate::error::Result;
 use crate::view::{DType, View, ViewMut};
 
@@ -16,6 +16,7 @@ pub(super) const U: f64 = 1.0 / (1u64 << 24) as f64;
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     matmul(s);
     grouped_matmul(s);
+    segmented_matmul(s);
     axpy(s);
     scale(s);
     copy_cols(s);
@@ -261,6 +262,231 @@ fn grouped_matmul<B: Backend>(s: &mut Suite<'_, B>) {
             .push(format!("an empty group returned an error: {e}"));
     }
     s.record(check);
+}
+
+/// The names of a segmented matmul's per-segment operands.
+const SEGMENT_B: [&str; 5] = [
+    "problems[0].B[0]",
+    "problems[0].B[1]",
+    "problems[0].B[2]",
+    "problems[0].B[3]",
+    "problems[0].B[4]",
+];
+const SEGMENT_C: [&str; 5] = [
+    "problems[0].C[0]",
+    "problems[0].C[1]",
+    "problems[0].C[2]",
+    "problems[0].C[3]",
+    "problems[0].C[4]",
+];
+/// Its shared operands, named as its errors name them.
+const SEG_A: &str = "problems[0].A";
+const SEG_B: &str = "problems[0].B";
+const SEG_C: &str = "problems[0].C";
+
+/// The experts' GEMMs with the rows of each expert in a device buffer:
+/// rows problems (forward, input gradient, added to) and depth problems
+/// (the weight gradient) over segments with no rows, one row, and rows
+/// past a 128-row tile and not a multiple of it, against f64 references of
+/// each segment's matmul. The 136/200 shapes are the ones a GPU's grouped
+/// kernel takes (its segmented launches); the 33/7 ones take the general
+/// path.
+fn segmented_matmul<B: Backend>(s: &mut Suite<'_, B>) {
+    let cases: [(&str, Vec<u32>, bool, MatmulDims); 7] = [
+        (
+            "experts' forward, 5/0/17/1 rows",
+            vec![5, 0, 17, 1],
+            false,
+            MatmulDims::linear(0, 33, 7),
+        ),
+        (
+            "experts' forward, 136 -> 200, 5/0/130/1/200 rows",
+            vec![5, 0, 130, 1, 200],
+            false,
+            MatmulDims::linear(0, 136, 200),
+        ),
+        (
+            "experts' input gradient, 200 -> 136, 130/1/0/17 rows, added",
+            vec![130, 1, 0, 17],
+            false,
+            MatmulDims::linear_input_grad(0, 136, 200, true),
+        ),
+        (
+            "experts' input gradient, 200 -> 136, 0/0/131 rows",
+            vec![0, 0, 131],
+            false,
+            MatmulDims::linear_input_grad(0, 136, 200, false),
+        ),
+        (
+            "experts' weight gradient, 5/0/17/1 rows",
+            vec![5, 0, 17, 1],
+            true,
+            MatmulDims::linear_weight_grad(0, 33, 7),
+        ),
+        (
+            "experts' weight gradient, 136 x 200, 5/130/0/1/70 rows",
+            vec![5, 130, 0, 1, 70],
+            true,
+            MatmulDims::linear_weight_grad(0, 136, 200),
+        ),
+        (
+            "one expert's weight gradient, 136 x 200, 64 rows",
+            vec![64],
+            true,
+            MatmulDims::linear_weight_grad(0, 136, 200),
+        ),
+    ];
+    for (i, (name, rows, depth, shape)) in cases.into_iter().enumerate() {
+        let total: usize = rows.iter().map(|&n| n as usize).sum();
+        let segments = rows.len();
+        let dims = if depth {
+            MatmulDims { k: total, ..shape }
+        } else {
+            MatmulDims { m: total, ..shape }
+        };
+        // Each segment's own matmul: (rows, its dims).
+        let mut start = 0;
+        let parts: Vec<(std::ops::Range<usize>, MatmulDims)> = rows
+            .iter()
+            .map(|&n| {
+                let r = start..start + n as usize;
+                start = r.end;
+                let d = if depth {
+                    MatmulDims { k: r.len(), ..dims }
+                } else {
+                    MatmulDims { m: r.len(), ..dims }
+                };
+                (r, d)
+            })
+            .collect();
+        for aligned in [false, true] {
+            let case_name = if aligned {
+                format!("{name}, 16-byte aligned")
+            } else {
+                name.to_string()
+            };
+            let k_max = if depth { total } else { dims.k };
+            let mut case = KernelCase::new("segmented_matmul", case_name)
+                .tolerance(64.0 * U * (k_max as f64 + 1.0), 16.0 * U)
+                .input_u32("rows", &rows)
+                .input(SEG_A, s.rng.values(dims.m * dims.k, -2.0, 2.0));
+            if depth {
+                case = case
+                    .input(SEG_B, s.rng.values(dims.k * dims.n, -2.0, 2.0))
+                    .same_dtype(SEG_B, SEG_A);
+                for name in &SEGMENT_C[..segments] {
+                    let values = s.rng.values(dims.m * dims.n, -2.0, 2.0);
+                    case = case.inout(name, values).same_dtype(name, SEGMENT_C[0]);
+                }
+            } else {
+                for name in &SEGMENT_B[..segments] {
+                    let values = s.rng.values(dims.k * dims.n, -2.0, 2.0);
+                    case = case.input(name, values).same_dtype(name, SEG_A);
+                }
+                case = if dims.accumulate {
+                    case.inout(SEG_C, s.rng.values(dims.m * dims.n, -2.0, 2.0))
+                } else {
+                    case.output(SEG_C, dims.m * dims.n)
+                };
+            }
+            let case = if i == 0 { case.with_refusals() } else { case };
+            let case = if aligned { case.aligned() } else { case };
+            let reference_parts = parts.clone();
+            s.check_kernel(
+                case,
+                move |x| {
+                    if depth {
+                        let per_row = |name: &str, width: usize, r: &std::ops::Range<usize>| {
+                            x[name][r.start * width..r.end * width].to_vec()
+                        };
+                        return reference_parts
+                            .iter()
+                            .enumerate()
+                            .map(|(e, (r, d))| {
+                                let c = &x[SEGMENT_C[e]];
+                                let want = if r.is_empty() {
+                                    c.to_vec()
+                                } else {
+                                    let a = per_row(SEG_A, d.m, r);
+                                    r::matmul(&a, &per_row(SEG_B, d.n, r), c, *d)
+                                };
+                                Expected::new(SEGMENT_C[e], want)
+                            })
+                            .collect();
+                    }
+                    let mut c = x[SEG_C].to_vec();
+                    for (e, (r, d)) in reference_parts.iter().enumerate() {
+                        if r.is_empty() {
+                            continue;
+                        }
+                        let a = &x[SEG_A][r.start * d.k..r.end * d.k];
+                        let c0 = &x[SEG_C][r.start * d.n..r.end * d.n];
+                        let part = r::matmul(a, &x[SEGMENT_B[e]], c0, *d);
+                        c[r.start * d.n..r.end * d.n].copy_from_slice(&part);
+                    }
+                    vec![Expected::new(SEG_C, c)]
+                },
+                move |dev: &B, b: &Bufs<B>| {
+                    let problem: SegmentedGroup<'_, B> = if depth {
+                        SegmentedMatmul::Depth {
+                            a: b.view(SEG_A)?,
+                            b: b.view(SEG_B)?,
+                            c: SEGMENT_C[..segments]
+                                .iter()
+                                .map(|name| b.view_mut(name))
+                                .collect::<Result<_>>()?,
+                            dims,
+                        }
+                    } else {
+                        SegmentedMatmul::Rows {
+                            a: b.view(SEG_A)?,
+                            b: SEGMENT_B[..segments]
+                                .iter()
+                                .map(|name| b.view(name))
+                                .collect::<Result<_>>()?,
+                            c: b.view_mut(SEG_C)?,
+                            dims,
+                        }
+                    };
+                    dev.segmented_matmul(b.view("rows")?, vec![problem])?;
+                    Ok(vec![])
+                },
+            );
+        }
+    }
+    // Counts that do not add up to the rows are refused (the CPU backend
+    // reads them; a GPU clips at the rows instead, so only the reference
+    // backend is held to it).
+    if s.device.name() == "cpu" {
+        let mut check = s.direct_check("segmented_matmul", "rows summing past M".to_string());
+        let outcome = (|| -> Result<()> {
+            let dev = s.device;
+            let rows = dev.alloc(2, DType::U32)?;
+            dev.upload(&[3u32, 2], ViewMut::whole(&rows))?;
+            let (a, w, c) = (
+                dev.alloc(4 * 2, DType::F32)?,
+                dev.alloc(2 * 2, DType::F32)?,
+                dev.alloc(4 * 2, DType::F32)?,
+            );
+            dev.segmented_matmul(
+                View::whole(&rows),
+                vec![SegmentedMatmul::Rows {
+                    a: View::whole(&a),
+                    b: vec![View::whole(&w), View::whole(&w)],
+                    c: ViewMut::whole(&c),
+                    dims: MatmulDims::linear(4, 2, 2),
+                }],
+            )
+        })();
+        match outcome {
+            Ok(()) => check
+                .problems
+                .push("counts of 3 + 2 rows over 4 rows were accepted".into()),
+            Err(e) if e.to_string().contains("sum to 5") => {}
+            Err(e) => check.problems.push(format!("the wrong error: {e}")),
+        }
+        s.record(check);
+    }
 }
 
 /// The grouped matmul's promise that grouping never changes a bit: each

@@ -170,7 +170,10 @@ pub const SOURCES: &[KernelSource] = &[
             "grouped_gemm_wgmma_nn",
             "grouped_gemm_wgmma_nt",
             "grouped_gemm_wgmma_tn",
-            "grouped_gemm_wgmma_tt"
+            "grouped_gemm_wgmma_tt",
+            "grouped_gemm_rows_nn",
+            "grouped_gemm_rows_nt",
+            "grouped_gemm_depth_tn"
         ]
     ),
     source!(
@@ -217,9 +220,6 @@ pub const SOURCES: &[KernelSource] = &[
             "dsa_indexer_scores_mma",
             "dsa_indexer_backward_q_mma",
             "dsa_indexer_backward_k_mma",
-            "dsa_sparse_forward",
-            "dsa_sparse_backward_dq",
-            "dsa_sparse_backward_dkdv",
             "dsa_mqa_forward",
             "dsa_mqa_backward_dq",
             "dsa_mqa_backward_dkv",

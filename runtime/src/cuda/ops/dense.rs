@@ -4,8 +4,9 @@
 //! reduction kernels on [`KernelSet`] (`elementwise.cu`, `reduce.cu`),
 //! which take views `backend::dense`'s checks accepted.
 
-use super::grouped_gemm::grouped_gemm_takes;
-use crate::backend::{Backend, DenseKernels, MatmulDims, MatmulProblem};
+use super::grouped_gemm::{SegmentedOperands, grouped_gemm_takes};
+use crate::backend::dense::segments_as_problems;
+use crate::backend::{Backend, DenseKernels, MatmulDims, MatmulProblem, SegmentedMatmul};
 use crate::cuda::backend::SideStream;
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
@@ -37,23 +38,7 @@ impl DenseKernels<CudaBuf> for CudaBackend {
             .iter()
             .map(|p| (self.v(p.a), self.v(p.b), self.m(&p.c), p.dims))
             .collect();
-        // The C views must not overlap: sorted by address, each must end
-        // before the next starts.
-        let mut outs: Vec<(u64, u64, usize)> = operands
-            .iter()
-            .enumerate()
-            .map(|(i, (_, _, c, _))| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
-            .filter(|(start, end, _)| end > start)
-            .collect();
-        outs.sort_unstable();
-        for pair in outs.windows(2) {
-            if pair[1].0 < pair[0].1 {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "{k}: `problems[{}].C` and `problems[{}].C` overlap",
-                    pair[0].2, pair[1].2
-                )));
-            }
-        }
+        disjoint_outputs(k, operands.iter().map(|(_, _, c, _)| *c))?;
         // With the grouped kernel on (Hopper), the bf16 problems it takes
         // run as one launch a layout; the rest go to cuBLAS.
         let kernels = self.k();
@@ -65,6 +50,47 @@ impl DenseKernels<CudaBuf> for CudaBackend {
             kernels.grouped_gemm(self.s(), &grouped)?;
         }
         self.spread_gemms(rest)
+    }
+
+    fn segmented_matmul_unchecked(
+        &self,
+        rows: View<'_, CudaBuf>,
+        problems: Vec<SegmentedMatmul<View<'_, CudaBuf>, ViewMut<'_, CudaBuf>>>,
+    ) -> Result<()> {
+        let operands: Vec<SegmentedOperands> = problems
+            .iter()
+            .map(|p| match p {
+                SegmentedMatmul::Rows { a, b, c, dims } => SegmentedOperands::Rows {
+                    a: self.v(*a),
+                    b: b.iter().map(|v| self.v(*v)).collect(),
+                    c: self.m(c),
+                    dims: *dims,
+                },
+                SegmentedMatmul::Depth { a, b, c, dims } => SegmentedOperands::Depth {
+                    a: self.v(*a),
+                    b: self.v(*b),
+                    c: c.iter().map(|v| self.m(v)).collect(),
+                    dims: *dims,
+                },
+            })
+            .collect();
+        let outs = operands.iter().flat_map(|p| match p {
+            SegmentedOperands::Rows { c, .. } => vec![*c],
+            SegmentedOperands::Depth { c, .. } => c.clone(),
+        });
+        disjoint_outputs("segmented_matmul", outs)?;
+        let kernels = self.k();
+        let on = self.grouped_gemm && kernels.has_grouped_gemm();
+        if on && operands.iter().all(|p| p.taken(kernels.target())) {
+            return kernels.segmented_gemm(self.s(), &self.v(rows), &operands);
+        }
+        // Without the grouped kernel (off Hopper, `--expert-gemm cublas`,
+        // or problems it does not take), cuBLAS needs every segment's size
+        // on the host: one read, then the grouped call of the segments.
+        let mut counts = vec![0u32; rows.len()];
+        self.download(rows, &mut counts)?;
+        let problems = segments_as_problems(&counts, problems)?;
+        self.grouped_matmul_unchecked(problems)
     }
 
     fn axpy_unchecked(
@@ -98,6 +124,26 @@ impl DenseKernels<CudaBuf> for CudaBackend {
     ) -> Result<()> {
         self.k().accumulate_sum(self.s(), self.v(x), self.m(&out))
     }
+}
+
+/// The C views of a grouped call must not overlap: sorted by address, each
+/// must end before the next starts (the i-th view is `problems[i].C`).
+fn disjoint_outputs(kernel: &str, outs: impl Iterator<Item = GpuView>) -> Result<()> {
+    let mut outs: Vec<(u64, u64, usize)> = outs
+        .enumerate()
+        .map(|(i, c)| (c.ptr, c.ptr + (c.len * c.dtype.bytes()) as u64, i))
+        .filter(|(start, end, _)| end > start)
+        .collect();
+    outs.sort_unstable();
+    for pair in outs.windows(2) {
+        if pair[1].0 < pair[0].1 {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "{kernel}: `problems[{}].C` and `problems[{}].C` overlap",
+                pair[0].2, pair[1].2
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl CudaBackend {

@@ -60,6 +60,9 @@ const KERNELS: [&str; 4] = [
     "grouped_gemm_wgmma_tn",
     "grouped_gemm_wgmma_tt",
 ];
+/// The segmented entry points: rows (indexed by `b_trans`), then depth.
+const ROWS_KERNELS: [&str; 2] = ["grouped_gemm_rows_nn", "grouped_gemm_rows_nt"];
+const DEPTH_KERNEL: &str = "grouped_gemm_depth_tn";
 
 fn kernel_of(dims: &MatmulDims) -> usize {
     2 * usize::from(dims.a_trans) + usize::from(dims.b_trans)
@@ -88,11 +91,78 @@ struct ProblemsArg {
     first_tile: [u32; MAX_PROBLEMS + 1],
     count: u32,
     split_from: u32,
+    /// A segmented launch's: each problem's segment, the device's u32 rows
+    /// a segment and how many, and the persistent grid.
+    segment: [u32; MAX_PROBLEMS],
+    rows: u64,
+    segments: u32,
+    blocks: u32,
+}
+
+impl ProblemsArg {
+    fn empty(count: usize) -> Self {
+        ProblemsArg {
+            map: [CUtensorMap { opaque: [0; 16] }; 3 * MAX_PROBLEMS],
+            problem: [ProblemArg::default(); MAX_PROBLEMS],
+            first_tile: [0; MAX_PROBLEMS + 1],
+            count: count as u32,
+            split_from: 0,
+            segment: [0; MAX_PROBLEMS],
+            rows: 0,
+            segments: 0,
+            blocks: 0,
+        }
+    }
+}
+
+/// A [`Backend::segmented_matmul`](crate::Backend::segmented_matmul)
+/// problem on the GPU: the shared operands and the per-segment ones.
+#[derive(Clone, Debug)]
+pub enum SegmentedOperands {
+    Rows {
+        a: GpuView,
+        b: Vec<GpuView>,
+        c: GpuView,
+        dims: MatmulDims,
+    },
+    Depth {
+        a: GpuView,
+        b: GpuView,
+        c: Vec<GpuView>,
+        dims: MatmulDims,
+    },
+}
+
+impl SegmentedOperands {
+    /// Segment `e`'s operands and dims as the kernel's checks see them: the
+    /// shared operands whole, with the whole problem's dims (what its maps
+    /// span).
+    fn segment(&self, e: usize) -> (GpuView, GpuView, GpuView, MatmulDims) {
+        match self {
+            SegmentedOperands::Rows { a, b, c, dims } => (*a, b[e], *c, *dims),
+            SegmentedOperands::Depth { a, b, c, dims } => (*a, *b, c[e], *dims),
+        }
+    }
+
+    fn segments(&self) -> usize {
+        match self {
+            SegmentedOperands::Rows { b, .. } => b.len(),
+            SegmentedOperands::Depth { c, .. } => c.len(),
+        }
+    }
+
+    /// Whether the segmented kernels take every segment.
+    pub fn taken(&self, target: Target) -> bool {
+        (0..self.segments()).all(|e| {
+            let (a, b, c, d) = self.segment(e);
+            grouped_gemm_takes(target, &a, &b, &c, &d)
+        })
+    }
 }
 
 // SAFETY: plain data, laid out (`repr(C)`) as `GroupedProblems` in
 // grouped_gemm.cu: 128-byte aligned maps of 16 u64, then one u64 and four
-// u32 a problem, then u32s.
+// u32 a problem, then u32s, a u64 and two u32s.
 unsafe impl DeviceRepr for ProblemsArg {}
 
 /// Tiles of C a problem has.
@@ -217,7 +287,7 @@ pub(super) fn reserve_shared_memory(
     target: Target,
 ) -> Option<u32> {
     let reserved = target == Target::HOPPER
-        && KERNELS.iter().all(|name| {
+        && KERNELS.iter().chain(&ROWS_KERNELS).chain([&DEPTH_KERNEL]).all(|name| {
             functions.get(name).is_some_and(|f| {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -263,13 +333,7 @@ impl KernelSet {
                 .collect();
             let counts: Vec<usize> = mine.iter().map(|(_, _, _, d)| tiles(d)).collect();
             for range in launches(&counts) {
-                let mut arg = ProblemsArg {
-                    map: [CUtensorMap { opaque: [0; 16] }; 3 * MAX_PROBLEMS],
-                    problem: [ProblemArg::default(); MAX_PROBLEMS],
-                    first_tile: [0; MAX_PROBLEMS + 1],
-                    count: range.len() as u32,
-                    split_from: 0,
-                };
+                let mut arg = ProblemsArg::empty(range.len());
                 let mut grid = 0usize;
                 for (slot, &&(a, b, c, d)) in mine[range.clone()].iter().enumerate() {
                     if !grouped_gemm_takes(self.target, &a, &b, &c, &d) {
@@ -289,26 +353,7 @@ impl KernelSet {
                     arg.first_tile[slot] = grid as u32;
                     grid += counts[range.start + slot];
                     [arg.map[3 * slot], arg.map[3 * slot + 1]] = operand_maps(&a, &b, &d)?;
-                    // C through TMA: stored, or an f32 C added to in L2 (TMA
-                    // reduce-add), so the SMs never read C. A bf16 C added
-                    // to is read and written by the consumers: L2 would add
-                    // the product rounded to bf16, not round the sum once.
-                    let through_map = !d.accumulate || c.dtype == DType::F32;
-                    if through_map {
-                        let columns = 128 / c.dtype.bytes() as u32;
-                        arg.map[3 * slot + 2] =
-                            tensor_map(c.ptr, c.dtype, d.n, d.m, columns, C_BOX_ROWS)?;
-                    }
-                    arg.problem[slot] = ProblemArg {
-                        c: c.ptr,
-                        // In range: `grouped_gemm_takes` checked them.
-                        m: d.m as u32,
-                        n: d.n as u32,
-                        k: d.k as u32,
-                        flags: if d.accumulate { ACCUMULATE } else { 0 }
-                            | if c.dtype == DType::F32 { C_F32 } else { 0 }
-                            | if through_map { C_MAP } else { 0 },
-                    };
+                    (arg.map[3 * slot + 2], arg.problem[slot]) = c_of(&c, &d)?;
                 }
                 arg.first_tile[range.len()] = grid as u32;
                 // One block an SM walks the units (fewer where there are
@@ -327,6 +372,160 @@ impl KernelSet {
                 // its dims address (checked by the caller), the kernel
                 // reads A and B and writes C inside them, and C's are
                 // disjoint.
+                unsafe { builder.launch(config, self.dependent_launch()) }
+                    .map_err(|e| self.device_error(&format!("launching {name}"), e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A problem's C: its tensor map where C goes through TMA, and its row of
+/// the problem table.
+fn c_of(c: &GpuView, d: &MatmulDims) -> Result<(CUtensorMap, ProblemArg)> {
+    // C through TMA: stored, or an f32 C added to in L2 (TMA reduce-add), so
+    // the SMs never read C. A bf16 C added to is read and written by the
+    // consumers: L2 would add the product rounded to bf16, not round the
+    // sum once.
+    let through_map = !d.accumulate || c.dtype == DType::F32;
+    let map = if through_map {
+        let columns = 128 / c.dtype.bytes() as u32;
+        tensor_map(c.ptr, c.dtype, d.n, d.m, columns, C_BOX_ROWS)?
+    } else {
+        CUtensorMap { opaque: [0; 16] }
+    };
+    let problem = ProblemArg {
+        c: c.ptr,
+        // In range: `grouped_gemm_takes` checked them.
+        m: d.m as u32,
+        n: d.n as u32,
+        k: d.k as u32,
+        flags: if d.accumulate { ACCUMULATE } else { 0 }
+            | if c.dtype == DType::F32 { C_F32 } else { 0 }
+            | if through_map { C_MAP } else { 0 },
+    };
+    Ok((map, problem))
+}
+
+/// Tiles a rows launch may have at most: its problems' segments split
+/// their rows `total` between them, so their tiles along M number at most
+/// `ceil(total / TILE_M)` plus one partial tile a segment.
+fn worst_rows_tiles(segments: &[(usize, MatmulDims)]) -> usize {
+    // Segments of one shared problem share its rows: group by problem.
+    let mut tiles = 0;
+    let mut i = 0;
+    while i < segments.len() {
+        let (problem, d) = segments[i];
+        let run = segments[i..]
+            .iter()
+            .take_while(|(p, _)| *p == problem)
+            .count();
+        tiles += (d.m.div_ceil(TILE_M) + run) * d.n.div_ceil(TILE_N);
+        i += run;
+    }
+    tiles
+}
+
+impl KernelSet {
+    /// Enqueues a [`Backend::segmented_matmul`](crate::Backend::segmented_matmul)
+    /// (every problem's segments taken by [`SegmentedOperands::taken`],
+    /// checked by the caller) on `stream`: `rows` is the device's u32
+    /// count a segment. Each launch takes up to [`MAX_PROBLEMS`] segments
+    /// of one entry point; the kernels read the counts themselves, so
+    /// nothing here waits for them.
+    pub fn segmented_gemm(
+        &self,
+        stream: &CudaStream,
+        rows: &GpuView,
+        problems: &[SegmentedOperands],
+    ) -> Result<()> {
+        let Some(persistent_grid) = self.grouped_gemm_grid else {
+            return Err(setup_error(
+                "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
+                 and 225 KiB of shared memory a block)",
+            ));
+        };
+        let segments = rows.len;
+        // (problem, segment) pairs by entry point, problems in order.
+        let mut by_kernel: [Vec<(usize, usize)>; 3] = Default::default();
+        for (p, problem) in problems.iter().enumerate() {
+            let kernel = match problem {
+                SegmentedOperands::Rows { dims, .. } => usize::from(dims.b_trans),
+                SegmentedOperands::Depth { .. } => 2,
+            };
+            // Nothing to compute: no rows (a rows problem writes nothing, a
+            // depth one adds nothing) or an empty C.
+            let d = problem.segment(0).3;
+            if d.m == 0 || d.n == 0 || d.k == 0 {
+                continue;
+            }
+            by_kernel[kernel].extend((0..segments).map(|e| (p, e)));
+        }
+        for (kernel, pairs) in by_kernel.iter().enumerate() {
+            let name = if kernel < 2 {
+                ROWS_KERNELS[kernel]
+            } else {
+                DEPTH_KERNEL
+            };
+            for chunk in pairs.chunks(MAX_PROBLEMS) {
+                let mut arg = ProblemsArg::empty(chunk.len());
+                arg.rows = rows.ptr;
+                arg.segments = segments as u32;
+                arg.blocks = persistent_grid;
+                let mut grid = 0usize;
+                let mut shapes = Vec::with_capacity(chunk.len());
+                for (slot, &(p, e)) in chunk.iter().enumerate() {
+                    let (a, b, c, d) = problems[p].segment(e);
+                    if !grouped_gemm_takes(self.target, &a, &b, &c, &d) {
+                        return Err(RuntimeError::InvalidArgument(format!(
+                            "{name}: problem {p} ({m}x{n}x{k}) is not one the grouped kernel \
+                             takes; run it as host segments instead",
+                            m = d.m,
+                            n = d.n,
+                            k = d.k
+                        )));
+                    }
+                    arg.segment[slot] = e as u32;
+                    arg.first_tile[slot] = grid as u32;
+                    grid += tiles(&d);
+                    shapes.push((p, d));
+                    [arg.map[3 * slot], arg.map[3 * slot + 1]] = operand_maps(&a, &b, &d)?;
+                    (arg.map[3 * slot + 2], arg.problem[slot]) = c_of(&c, &d)?;
+                }
+                arg.first_tile[chunk.len()] = grid as u32;
+                // A depth launch's tiles are the table's (C is whole a
+                // segment); a rows launch counts its own on the device, at
+                // most `worst` of them.
+                let worst = if kernel < 2 {
+                    worst_rows_tiles(&shapes)
+                } else {
+                    arg.split_from = split_from(grid, persistent_grid as usize) as u32;
+                    grid
+                };
+                if u32::try_from(2 * worst).is_err() || 2 * worst > MAX_GRID_X {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "{name}: {worst} tiles overflow the kernel's indices"
+                    )));
+                }
+                let units = if kernel < 2 {
+                    2 * worst
+                } else {
+                    2 * grid - arg.split_from as usize
+                };
+                if units == 0 {
+                    continue;
+                }
+                let config = LaunchConfig {
+                    grid_dim: ((units as u32).min(persistent_grid), 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: SHARED_BYTES as u32,
+                };
+                let mut builder = KernelArgs::new(stream, self.function(name)?);
+                builder.arg(&arg);
+                // SAFETY: every segment's views hold the elements its dims
+                // address (checked by the caller); the kernel clips each
+                // segment's rows at the shared operands' and writes C inside
+                // them; C's are disjoint (checked by the caller).
                 unsafe { builder.launch(config, self.dependent_launch()) }
                     .map_err(|e| self.device_error(&format!("launching {name}"), e))?;
             }

@@ -12,11 +12,10 @@
 //! its up projection (Megatron's `[gate | up]`).
 
 use super::MoeLayer;
-use super::permutation::ExpertGroups;
-use crate::backend::{Backend, GroupedMatmul, MatmulDims, MatmulProblem, Slice, SliceMut};
+use super::permutation::{ExpertGroups, ExpertRows};
+use crate::backend::{Backend, MatmulDims, SegmentedGroup, SegmentedMatmul, Slice, SliceMut};
 use crate::error::{Result, RuntimeError};
 use crate::layers::{check_grads, check_len, check_weights, weight, weight_rows};
-use std::ops::Range;
 
 /// What [`MoeLayer::experts`] keeps.
 pub struct MoeExpertsSaved<B: Backend> {
@@ -30,7 +29,8 @@ pub struct MoeExpertsSaved<B: Backend> {
 /// What [`MoeLayer::experts_backward_input`] keeps.
 pub struct MoeExpertsWgrad<B: Backend> {
     /// Rows per local expert.
-    rows: Vec<usize>,
+    rows: ExpertRows<B>,
+    total: usize,
     input: B::Buf,
     act: B::Buf,
     d_pre: B::Buf,
@@ -38,25 +38,22 @@ pub struct MoeExpertsWgrad<B: Backend> {
     d_out: B::Buf,
 }
 
-/// The row ranges of the experts with rows, in grouped order: `(local
-/// expert, rows)`. Empty experts have no problem in a grouped call.
-fn expert_ranges(rows: &[usize]) -> Vec<(usize, Range<usize>)> {
-    let mut start = 0;
-    let mut ranges = Vec::with_capacity(rows.len());
-    for (j, &n) in rows.iter().enumerate() {
-        if n > 0 {
-            ranges.push((j, start..start + n));
-        }
-        start += n;
-    }
-    ranges
+/// Where the rows the experts take come from.
+pub(super) enum ExpertInput<'a> {
+    /// Expert parallelism above 1: `recv_counts[i][j]` rows from source
+    /// rank i for local expert j, in that order.
+    Received(&'a [Vec<usize>]),
+    /// Expert parallelism 1: the layer's `total` routed rows in send order
+    /// (grouped by expert), sized per expert by the router's counts on the
+    /// device.
+    Local { total: usize },
 }
 
 /// `rows` rows of `width` elements of a row-major buffer.
 fn rows_of<'a, B: Backend>(
     b: &B,
     buf: &'a B::Buf,
-    rows: &Range<usize>,
+    rows: std::ops::Range<usize>,
     width: usize,
 ) -> Result<Slice<'a, B>> {
     b.slice(buf, rows.start * width..rows.end * width)
@@ -65,72 +62,83 @@ fn rows_of<'a, B: Backend>(
 fn rows_of_mut<'a, B: Backend>(
     b: &B,
     buf: &'a B::Buf,
-    rows: &Range<usize>,
+    rows: std::ops::Range<usize>,
     width: usize,
 ) -> Result<SliceMut<'a, B>> {
     b.slice_mut(buf, rows.start * width..rows.end * width)
 }
 
+/// One view an expert, of `l` experts.
+fn per_expert<'w, B: Backend>(
+    l: usize,
+    pick: impl Fn(usize) -> Result<Slice<'w, B>>,
+) -> Result<Vec<Slice<'w, B>>> {
+    (0..l).map(pick).collect()
+}
+
 impl MoeLayer {
-    /// The mlp slot: runs the local experts on the received rows
-    /// (`recv_counts[i][j]` rows from source rank i for local expert j, in
-    /// that order) and returns their outputs in received order. Takes the
-    /// received rows: with one source rank they already are in grouped
-    /// order and become the saved input as they are.
-    pub fn experts<B: Backend>(
+    /// The mlp slot: runs the local experts on the received rows and
+    /// returns their outputs in received order. Takes the received rows:
+    /// with one source rank they already are in grouped order and become
+    /// the saved input as they are. `counts` is the router's (u32 `[E]`),
+    /// which sizes the experts under [`ExpertInput::Local`].
+    pub(super) fn experts<B: Backend>(
         &self,
         b: &B,
         weights: &[Slice<'_, B>],
         recv: B::Buf,
-        recv_counts: &[Vec<usize>],
+        input: ExpertInput<'_>,
+        counts: Slice<'_, B>,
     ) -> Result<(B::Buf, MoeExpertsSaved<B>)> {
         let name = "`E` layer experts";
         check_weights(b, name, &self.params, weights)?;
-        let groups = ExpertGroups::new(b, recv_counts, self.local_experts)?;
+        let groups = match input {
+            ExpertInput::Received(recv_counts) => {
+                ExpertGroups::new(b, recv_counts, self.local_experts)?
+            }
+            ExpertInput::Local { total } => {
+                check_len(name, "counts", b.slice_len(counts), self.local_experts)?;
+                ExpertGroups::local(b, counts, total)?
+            }
+        };
         let (h, ffn, total) = (self.hidden, self.expert, groups.total());
         check_len(name, "recv", b.buf_len(&recv), total * h)?;
         let input = groups.group(b, recv, h)?;
         // Every buffer below is written whole: each GEMM overwrites its
-        // experts' rows (the experts' ranges cover every row), and the
+        // experts' rows (the experts' segments cover every row), and the
         // activation covers all rows.
         let dtype = b.compute_dtype();
         let pre = b.alloc_uninit(ffn.pre_len(total), dtype)?;
         let act = b.alloc_uninit(ffn.act_len(total), dtype)?;
         let grouped = b.alloc_uninit(total * h, dtype)?;
-        let ranges = expert_ranges(groups.rows());
-        let (f, w) = (ffn.width, |i| weight::<B>(weights, i));
+        let (f, l, w) = (ffn.width, self.local_experts, |i| weight::<B>(weights, i));
 
         // fc1: one grouped GEMM over every expert (two problems per expert
         // for SwiGLU: its gate and up planes).
-        let mut fc1: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(2 * ranges.len());
-        for (j, r) in &ranges {
-            let x = rows_of(b, &input, r, h)?;
-            let dims = MatmulDims::linear(r.len(), h, f);
-            match ffn.unary() {
-                Some(_) => fc1.push(MatmulProblem {
-                    a: x,
-                    b: w(self.fc1(*j))?,
-                    c: rows_of_mut(b, &pre, r, f)?,
+        let dims = MatmulDims::linear(total, h, f);
+        let fc1: Vec<SegmentedGroup<'_, B>> = match ffn.unary() {
+            Some(_) => vec![SegmentedMatmul::Rows {
+                a: b.view(&input)?,
+                b: per_expert::<B>(l, |j| w(self.fc1(j)))?,
+                c: b.view_mut(&pre)?,
+                dims,
+            }],
+            None => vec![
+                SegmentedMatmul::Rows {
+                    a: b.view(&input)?,
+                    b: per_expert::<B>(l, |j| weight_rows(b, w(self.fc1(j))?, h, 0..f))?,
+                    c: rows_of_mut(b, &pre, 0..total, f)?,
                     dims,
-                }),
-                None => {
-                    let w1 = w(self.fc1(*j))?;
-                    fc1.push(MatmulProblem {
-                        a: x,
-                        b: weight_rows(b, w1, h, 0..f)?,
-                        c: rows_of_mut(b, &pre, r, f)?,
-                        dims,
-                    });
-                    fc1.push(MatmulProblem {
-                        a: x,
-                        b: weight_rows(b, w1, h, f..2 * f)?,
-                        c: rows_of_mut(b, &pre, &(total + r.start..total + r.end), f)?,
-                        dims,
-                    });
-                }
-            }
-        }
-        b.grouped_matmul(fc1)?;
+                },
+                SegmentedMatmul::Rows {
+                    a: b.view(&input)?,
+                    b: per_expert::<B>(l, |j| weight_rows(b, w(self.fc1(j))?, h, f..2 * f))?,
+                    c: rows_of_mut(b, &pre, total..2 * total, f)?,
+                    dims,
+                },
+            ],
+        };
+        groups.rows().matmul(b, fc1)?;
         // The activation: one launch over all rows.
         match ffn.unary() {
             Some(op) => b.unary_forward(op, b.view(&pre)?, b.view_mut(&act)?)?,
@@ -141,16 +149,13 @@ impl MoeLayer {
             )?,
         }
         // fc2: one grouped GEMM.
-        let mut fc2: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
-        for (j, r) in &ranges {
-            fc2.push(MatmulProblem {
-                a: rows_of(b, &act, r, f)?,
-                b: w(self.fc2(*j))?,
-                c: rows_of_mut(b, &grouped, r, h)?,
-                dims: MatmulDims::linear(r.len(), f, h),
-            });
-        }
-        b.grouped_matmul(fc2)?;
+        let fc2 = SegmentedMatmul::Rows {
+            a: b.view(&act)?,
+            b: per_expert::<B>(l, |j| w(self.fc2(j)))?,
+            c: b.view_mut(&grouped)?,
+            dims: MatmulDims::linear(total, f, h),
+        };
+        groups.rows().matmul(b, vec![fc2])?;
         let out = groups.ungroup(b, grouped, h)?;
         Ok((
             out,
@@ -184,23 +189,19 @@ impl MoeLayer {
         let (h, ffn, total) = (self.hidden, self.expert, groups.total());
         check_len(name, "d_out", b.buf_len(&d_out), total * h)?;
         let d_grouped = groups.group(b, d_out, h)?;
-        let ranges = expert_ranges(groups.rows());
-        let (f, w) = (ffn.width, |i| weight::<B>(weights, i));
+        let (f, l, w) = (ffn.width, self.local_experts, |i| weight::<B>(weights, i));
         let dtype = b.compute_dtype();
 
         // d_act = d_out W2, per expert, one grouped GEMM (written whole, as
         // is every buffer below: see `experts`).
         let d_act = b.alloc_uninit(ffn.act_len(total), dtype)?;
-        let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
-        for (j, r) in &ranges {
-            problems.push(MatmulProblem {
-                a: rows_of(b, &d_grouped, r, h)?,
-                b: w(self.fc2(*j))?,
-                c: rows_of_mut(b, &d_act, r, f)?,
-                dims: MatmulDims::linear_input_grad(r.len(), f, h, false),
-            });
-        }
-        b.grouped_matmul(problems)?;
+        let fc2 = SegmentedMatmul::Rows {
+            a: b.view(&d_grouped)?,
+            b: per_expert::<B>(l, |j| w(self.fc2(j)))?,
+            c: b.view_mut(&d_act)?,
+            dims: MatmulDims::linear_input_grad(total, f, h, false),
+        };
+        groups.rows().matmul(b, vec![fc2])?;
         // The activation's backward over all rows, then d_in = d_pre W1.
         let d_pre = b.alloc_uninit(ffn.pre_len(total), dtype)?;
         // The SwiGLU path's first grouped call overwrites it, the second
@@ -209,16 +210,13 @@ impl MoeLayer {
         match ffn.unary() {
             Some(op) => {
                 b.unary_backward(op, b.view(&pre)?, b.view(&d_act)?, b.view_mut(&d_pre)?)?;
-                let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
-                for (j, r) in &ranges {
-                    problems.push(MatmulProblem {
-                        a: rows_of(b, &d_pre, r, f)?,
-                        b: w(self.fc1(*j))?,
-                        c: rows_of_mut(b, &d_in_grouped, r, h)?,
-                        dims: MatmulDims::linear_input_grad(r.len(), h, f, false),
-                    });
-                }
-                b.grouped_matmul(problems)?;
+                let fc1 = SegmentedMatmul::Rows {
+                    a: b.view(&d_pre)?,
+                    b: per_expert::<B>(l, |j| w(self.fc1(j)))?,
+                    c: b.view_mut(&d_in_grouped)?,
+                    dims: MatmulDims::linear_input_grad(total, h, f, false),
+                };
+                groups.rows().matmul(b, vec![fc1])?;
             }
             None => {
                 b.silu_mul_backward(
@@ -232,17 +230,14 @@ impl MoeLayer {
                 // grouped calls, since both write every expert's rows and
                 // the up term must add onto the gate term.
                 for (half, accumulate) in [(0, false), (1, true)] {
-                    let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(ranges.len());
-                    for (j, r) in &ranges {
-                        let plane = half * total + r.start..half * total + r.end;
-                        problems.push(MatmulProblem {
-                            a: rows_of(b, &d_pre, &plane, f)?,
-                            b: weight_rows(b, w(self.fc1(*j))?, h, half * f..(half + 1) * f)?,
-                            c: rows_of_mut(b, &d_in_grouped, r, h)?,
-                            dims: MatmulDims::linear_input_grad(r.len(), h, f, accumulate),
-                        });
-                    }
-                    b.grouped_matmul(problems)?;
+                    let planes = half * f..(half + 1) * f;
+                    let fc1 = SegmentedMatmul::Rows {
+                        a: rows_of(b, &d_pre, half * total..(half + 1) * total, f)?,
+                        b: per_expert::<B>(l, |j| weight_rows(b, w(self.fc1(j))?, h, planes.clone()))?,
+                        c: b.view_mut(&d_in_grouped)?,
+                        dims: MatmulDims::linear_input_grad(total, h, f, accumulate),
+                    };
+                    groups.rows().matmul(b, vec![fc1])?;
                 }
             }
         }
@@ -250,7 +245,8 @@ impl MoeLayer {
         Ok((
             d_in,
             MoeExpertsWgrad {
-                rows: groups.rows().to_vec(),
+                rows: groups.into_rows(),
+                total,
                 input,
                 act,
                 d_pre,
@@ -268,53 +264,50 @@ impl MoeLayer {
         grads: &mut [SliceMut<'_, B>],
     ) -> Result<()> {
         check_grads(b, "`E` layer experts", &self.params, grads)?;
-        let (h, f, l) = (self.hidden, self.expert.width, self.local_experts);
-        let total: usize = g.rows.iter().sum();
+        let (h, f, l, total) = (self.hidden, self.expert.width, self.local_experts, g.total);
         let missing =
             || RuntimeError::InvalidArgument("`E` layer experts: gradients are missing".into());
         // The list is `[norm, router, fc1 x L, fc2 x L, ...]`.
         let (_, experts) = grads.split_at_mut_checked(2).ok_or_else(missing)?;
         let (fc1s, rest) = experts.split_at_mut_checked(l).ok_or_else(missing)?;
         let fc2s = rest.get_mut(..l).ok_or_else(missing)?;
-        let mut problems: Vec<GroupedMatmul<'_, B>> = Vec::with_capacity(3 * l);
-        let mut start = 0;
-        for ((dw1, dw2), &n) in fc1s.iter_mut().zip(fc2s.iter_mut()).zip(&g.rows) {
-            let r = start..start + n;
-            start += n;
-            if n == 0 {
-                continue;
-            }
-            problems.push(MatmulProblem {
-                a: rows_of(b, &g.d_out, &r, h)?,
-                b: rows_of(b, &g.act, &r, f)?,
-                c: b.reborrow_mut(dw2),
-                dims: MatmulDims::linear_weight_grad(n, f, h),
-            });
-            let x = rows_of(b, &g.input, &r, h)?;
-            match self.expert.unary() {
-                Some(_) => problems.push(MatmulProblem {
-                    a: rows_of(b, &g.d_pre, &r, f)?,
-                    b: x,
-                    c: b.reborrow_mut(dw1),
-                    dims: MatmulDims::linear_weight_grad(n, h, f),
-                }),
-                None => {
-                    let (dw_gate, dw_up) = b.split_mut(b.reborrow_mut(dw1), f * h)?;
-                    problems.push(MatmulProblem {
-                        a: rows_of(b, &g.d_pre, &r, f)?,
-                        b: x,
-                        c: dw_gate,
-                        dims: MatmulDims::linear_weight_grad(n, h, f),
-                    });
-                    problems.push(MatmulProblem {
-                        a: rows_of(b, &g.d_pre, &(total + r.start..total + r.end), f)?,
-                        b: x,
-                        c: dw_up,
-                        dims: MatmulDims::linear_weight_grad(n, h, f),
-                    });
+        let mut problems: Vec<SegmentedGroup<'_, B>> = Vec::with_capacity(3);
+        problems.push(SegmentedMatmul::Depth {
+            a: b.view(&g.d_out)?,
+            b: b.view(&g.act)?,
+            c: fc2s.iter_mut().map(|dw2| b.reborrow_mut(dw2)).collect(),
+            dims: MatmulDims::linear_weight_grad(total, f, h),
+        });
+        let x = b.view(&g.input)?;
+        let dims = MatmulDims::linear_weight_grad(total, h, f);
+        match self.expert.unary() {
+            Some(_) => problems.push(SegmentedMatmul::Depth {
+                a: b.view(&g.d_pre)?,
+                b: x,
+                c: fc1s.iter_mut().map(|dw1| b.reborrow_mut(dw1)).collect(),
+                dims,
+            }),
+            None => {
+                let (mut gates, mut ups) = (Vec::with_capacity(l), Vec::with_capacity(l));
+                for dw1 in fc1s.iter_mut() {
+                    let (gate, up) = b.split_mut(b.reborrow_mut(dw1), f * h)?;
+                    gates.push(gate);
+                    ups.push(up);
                 }
+                problems.push(SegmentedMatmul::Depth {
+                    a: rows_of(b, &g.d_pre, 0..total, f)?,
+                    b: x,
+                    c: gates,
+                    dims,
+                });
+                problems.push(SegmentedMatmul::Depth {
+                    a: rows_of(b, &g.d_pre, total..2 * total, f)?,
+                    b: x,
+                    c: ups,
+                    dims,
+                });
             }
         }
-        b.grouped_matmul(problems)
+        g.rows.matmul(b, problems)
     }
 }

@@ -46,6 +46,7 @@ pub use balance::{
     ExpertBalance, ExpertLoad, expert_bias_key, expert_bias_keys, update_expert_bias,
 };
 pub use exchange::{CollectiveExchange, ExpertExchange, LocalExchange};
+use experts::ExpertInput;
 pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
 
 use super::mlp::Ffn;
@@ -155,10 +156,13 @@ pub struct MoePrepared<B: Backend> {
     pub send: B::Buf,
     /// State for `combine` and the backward.
     pub routing: MoeRouting<B>,
-    /// The per-expert counts on their way to the host: the dispatch's one
-    /// host read, started before the permutation and the shared expert so
-    /// that their GPU work hides the round trip.
-    pub counts: B::HostRead<u32>,
+    /// The per-expert counts on their way to the host where it needs them
+    /// (the all-to-all's sizes under expert parallelism, the balancing's
+    /// load): the dispatch's one host read, started before the permutation
+    /// and the shared expert so that their GPU work hides the round trip.
+    /// `None` under expert parallelism 1 without balancing: the experts'
+    /// GEMMs read the counts on the device.
+    pub counts: Option<B::HostRead<u32>>,
 }
 
 /// What [`MoeLayer::combine`] keeps.
@@ -301,12 +305,14 @@ enum MoeFlow<B: Backend> {
     Prepared {
         routing: MoeRouting<B>,
         send: B::Buf,
-        counts: B::HostRead<u32>,
+        counts: Option<B::HostRead<u32>>,
     },
     Dispatched {
         routing: MoeRouting<B>,
         recv: B::Buf,
-        recv_counts: Vec<Vec<usize>>,
+        /// `None` under expert parallelism 1: the rows stayed here and the
+        /// router's device counts size the experts.
+        recv_counts: Option<Vec<Vec<usize>>>,
         rows: ExchangeRows,
     },
     Computed {
@@ -554,8 +560,13 @@ impl MoeLayer {
         let (u, rstd, x_in) = self
             .norm()
             .forward_keeping_input(b, w(PRE_NORM)?, x, rows)?;
+        // The host needs the counts only to size an all-to-all or to add
+        // the training's balancing load (its bias comes with it).
+        let host_counts = self.ep() > 1 || expert_bias.is_some();
         let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, expert_bias)?;
-        let counts = b.start_download(b.view(&router.counts)?)?;
+        let counts = host_counts
+            .then(|| b.start_download(b.view(&router.counts)?))
+            .transpose()?;
         let (send, positions) = self.permute(
             b,
             b.view(&router.selected)?,
@@ -839,15 +850,39 @@ impl MoeLayer {
                     counts,
                 },
             ) => {
-                let counts = routing.finish_counts(b, counts)?;
+                let counts = counts.map(|read| routing.finish_counts(b, read)).transpose()?;
                 if let Some(balance) = &router.balance {
-                    balance.load.add(&counts)?;
+                    let counts = counts.as_deref().ok_or_else(|| {
+                        out_of_order(step.name(), "a prepare routed without the balancing bias")
+                    })?;
+                    balance.load.add(counts)?;
                 }
-                let send_counts = self.counts_per_rank(&counts)?;
-                let recv_counts = exchange.exchange_counts(&send_counts)?;
-                let rows = ExchangeRows {
-                    send: send_counts.iter().map(|c| c.iter().sum()).collect(),
-                    recv: recv_counts.iter().map(|c| c.iter().sum()).collect(),
+                let (recv_counts, rows) = match counts {
+                    // Expert parallelism 1: every routed row stays here,
+                    // `T * k` of them, whatever the split among experts.
+                    _ if self.ep() == 1 => {
+                        let total = routing.rows * self.top_k;
+                        let rows = ExchangeRows {
+                            send: vec![total],
+                            recv: vec![total],
+                        };
+                        (None, rows)
+                    }
+                    Some(counts) => {
+                        let send_counts = self.counts_per_rank(&counts)?;
+                        let recv_counts = exchange.exchange_counts(&send_counts)?;
+                        let rows = ExchangeRows {
+                            send: send_counts.iter().map(|c| c.iter().sum()).collect(),
+                            recv: recv_counts.iter().map(|c| c.iter().sum()).collect(),
+                        };
+                        (Some(recv_counts), rows)
+                    }
+                    None => {
+                        return Err(out_of_order(
+                            step.name(),
+                            "a prepare that read no counts under expert parallelism",
+                        ));
+                    }
                 };
                 let recv = exchange.exchange_rows(b, send, &rows.send, &rows.recv, h)?;
                 with(MoeFlow::Dispatched {
@@ -866,7 +901,14 @@ impl MoeLayer {
                     rows,
                 },
             ) => {
-                let (out, experts) = self.experts(b, weights, recv, &recv_counts)?;
+                let input = match &recv_counts {
+                    Some(counts) => ExpertInput::Received(counts),
+                    None => ExpertInput::Local {
+                        total: routing.rows * self.top_k,
+                    },
+                };
+                let counts = b.view(&routing.router.counts)?;
+                let (out, experts) = self.experts(b, weights, recv, input, counts)?;
                 with(MoeFlow::Computed {
                     routing,
                     out,

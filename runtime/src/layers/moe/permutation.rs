@@ -8,8 +8,10 @@
 //! Every index here is a u32 device buffer made by a kernel.
 
 use super::MoeLayer;
+use crate::backend::dense::segments_as_problems;
 use crate::backend::{
-    Backend, DType, ExpertOrder, ReceivedDims, Slice, SliceMut, UnpermuteDims, UnpermuteGrads,
+    Backend, DType, ExpertOrder, ReceivedDims, SegmentedGroup, Slice, SliceMut, UnpermuteDims,
+    UnpermuteGrads,
 };
 use crate::error::{Result, RuntimeError};
 use crate::layers::{check_len, uninit};
@@ -117,10 +119,37 @@ impl MoeLayer {
     }
 }
 
+/// How many rows each local expert has: what the experts' GEMMs cut their
+/// rows by.
+pub(super) enum ExpertRows<B: Backend> {
+    /// Known on the host, from the counts exchange (expert parallelism
+    /// above 1): the GEMMs take them as host dimensions.
+    Host(Vec<u32>),
+    /// u32 `[L]` on the device, a copy of the router's counts (expert
+    /// parallelism 1: every routed row stays here, so only the total is
+    /// needed on the host): the GEMMs read them on the device
+    /// ([`Backend::segmented_matmul`]), and nothing waits for the host.
+    Device(B::Buf),
+}
+
+impl<B: Backend> ExpertRows<B> {
+    /// Runs `problems`, each cut into one segment a local expert: as one
+    /// grouped call of the host's segments, or with the counts read on the
+    /// device.
+    pub fn matmul(&self, b: &B, problems: Vec<SegmentedGroup<'_, B>>) -> Result<()> {
+        match self {
+            ExpertRows::Host(rows) => b.grouped_matmul(segments_as_problems(rows, problems)?),
+            ExpertRows::Device(rows) => b.segmented_matmul(b.view(rows)?, problems),
+        }
+    }
+}
+
 /// The rows a rank received for its local experts, grouped expert-major.
 pub(super) struct ExpertGroups<B: Backend> {
     /// Rows per local expert: the row ranges of the grouped order, in order.
-    rows: Vec<usize>,
+    rows: ExpertRows<B>,
+    /// All received rows.
+    total: usize,
     /// u32 `[total]`: grouped row -> received row; `None` when the received
     /// order already is the grouped one (rows from one source rank arrive
     /// expert by expert), so grouping moves nothing.
@@ -128,13 +157,26 @@ pub(super) struct ExpertGroups<B: Backend> {
 }
 
 impl<B: Backend> ExpertGroups<B> {
+    /// Expert parallelism 1: the `total` routed rows stay on this rank, in
+    /// send order, which is grouped order; `counts` (u32 `[E]`, the
+    /// router's) is copied on the device, so no host reads it.
+    pub fn local(b: &B, counts: Slice<'_, B>, total: usize) -> Result<Self> {
+        let rows = b.alloc_uninit(b.slice_len(counts), DType::U32)?;
+        b.copy(counts, b.view_mut(&rows)?)?;
+        Ok(ExpertGroups {
+            rows: ExpertRows::Device(rows),
+            total,
+            order: None,
+        })
+    }
+
     /// From the received counts (`recv_counts[i][j]`: rows from source rank
     /// `i` for local expert `j`), which the host has from the counts
     /// exchange: it uploads the small `[ranks, L]` table (no host read) and
     /// the regroup itself runs on the device.
     pub fn new(b: &B, recv_counts: &[Vec<usize>], local_experts: usize) -> Result<Self> {
         let mut table = Vec::with_capacity(recv_counts.len() * local_experts);
-        let mut rows = vec![0usize; local_experts];
+        let mut rows = vec![0u32; local_experts];
         for (src, counts) in recv_counts.iter().enumerate() {
             check_len(
                 "`E` layer experts",
@@ -143,19 +185,25 @@ impl<B: Backend> ExpertGroups<B> {
                 local_experts,
             )?;
             for (j, &c) in counts.iter().enumerate() {
-                table.push(u32::try_from(c).map_err(|_| {
+                let overflow = || {
                     RuntimeError::InvalidArgument(format!(
                         "`E` layer experts: {c} rows from rank {src} for local expert {j} \
                          overflow the u32 row indices"
                     ))
-                })?);
-                rows[j] += c;
+                };
+                let c = u32::try_from(c).map_err(|_| overflow())?;
+                table.push(c);
+                rows[j] = rows[j].checked_add(c).ok_or_else(overflow)?;
             }
         }
+        let total = rows.iter().map(|&n| n as usize).sum();
         if recv_counts.len() == 1 {
-            return Ok(ExpertGroups { rows, order: None });
+            return Ok(ExpertGroups {
+                rows: ExpertRows::Host(rows),
+                total,
+                order: None,
+            });
         }
-        let total = rows.iter().sum();
         let counts = b.alloc_uninit(table.len(), DType::U32)?;
         b.upload(&table, b.view_mut(&counts)?)?;
         let order = b.alloc_uninit(total, DType::U32)?;
@@ -168,19 +216,25 @@ impl<B: Backend> ExpertGroups<B> {
             },
         )?;
         Ok(ExpertGroups {
-            rows,
+            rows: ExpertRows::Host(rows),
+            total,
             order: Some(order),
         })
     }
 
     /// Rows per local expert.
-    pub fn rows(&self) -> &[usize] {
+    pub fn rows(&self) -> &ExpertRows<B> {
         &self.rows
+    }
+
+    /// Rows per local expert, kept past the grouping.
+    pub fn into_rows(self) -> ExpertRows<B> {
+        self.rows
     }
 
     /// All received rows.
     pub fn total(&self) -> usize {
-        self.rows.iter().sum()
+        self.total
     }
 
     /// The received rows (of `width`) in grouped order: `grouped[g] =
