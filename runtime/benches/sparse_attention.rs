@@ -4,13 +4,14 @@
 //! kernels, timed with CUDA events (the median of several calls after a
 //! warm-up), at 4,096, 8,192, 16,384 and 32,768 tokens (one sequence).
 //!
-//! The widths are a DeepSeek-V3.2-like layer's: 16 attention heads of
-//! q/k 192 (128 + 64 rotary) and v 128 (the MLA's heads after the up
-//! projections, as the layer's kernels take them), an indexer of 64 heads
-//! of 128 channels selecting 2,048 keys a query, bf16 storage. The flash
-//! kernels take one head width for q/k and v (64 or 128), so the dense
-//! rows are attention of 16 heads of 128 (less work than the MLA's 192/128:
-//! the comparison flatters dense attention a little). `--heads N` sets the
+//! The widths are a DeepSeek-V3.2-like layer's: 16 attention heads over
+//! MLA's shared latent rows (the absorbed form the layer runs,
+//! `sparse_mqa_*`): absorbed queries of 576 channels (kv_rank 512 + rope
+//! 64), one key row of 576 a token shared by the heads, values its first
+//! 512; an indexer of 64 heads of 128 channels selecting 2,048 keys a
+//! query, bf16 storage. The flash kernels take one head width for q/k and
+//! v (64 or 128), so the dense rows are attention of the same heads of 128
+//! (MLA's own heads are 192/128 before absorption). `--heads N` sets the
 //! attention heads of both sides (DeepSeek-V3.2 has 128; the indexer keeps
 //! its 64 x 128), and `--calls N` the timed calls a row (after one
 //! warm-up; 5 from 16,384 tokens on, else 11, by default).
@@ -22,7 +23,7 @@
 //! - `loss`: the indexer's KL loss over every causal key (`indexer_loss`);
 //! - `sp loss`: the same loss over the selected keys (`sparse: true`);
 //! - `ix bwd`: the indexer's backward (`indexer_backward`);
-//! - `sparse fwd`, `sparse bwd`: attention over the selected keys;
+//! - `sparse fwd`, `sparse bwd`: attention over the selected latent rows;
 //! - `D total`: all of the above, one after the other;
 //! - `dense`: flash attention forward + backward over every causal key.
 //!
@@ -35,12 +36,12 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use hybridgen_runtime::backend::{
-    AttentionDims, AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims,
-    SparseAttentionDims, Tokens,
+    AttentionDims, AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, SparseMqaDims,
+    Tokens,
 };
 use hybridgen_runtime::cuda::kernels;
 use hybridgen_runtime::cuda::ops::attention_flash::flash_attention_scratch_len;
-use hybridgen_runtime::cuda::ops::sparse_attention::sparse_attention_scratch_len;
+use hybridgen_runtime::cuda::ops::sparse_attention::sparse_mqa_scratch_len;
 use hybridgen_runtime::cuda::{GpuView, KernelSet, probe};
 use hybridgen_runtime::view::DType;
 use std::sync::Arc;
@@ -49,8 +50,11 @@ type BenchResult<T> = std::result::Result<T, String>;
 
 /// Attention heads unless `--heads` says otherwise.
 const HEADS: usize = 16;
-const QK: usize = 192;
-const V: usize = 128;
+/// The shared latent row (kv_rank + rope) and its value part (kv_rank).
+const QK: usize = 576;
+const V: usize = 512;
+/// MLA's query/key head before absorption (its softmax scale's width).
+const MLA_QK: usize = 192;
 const INDEX_HEADS: usize = 64;
 const INDEX_DIM: usize = 128;
 const TOPK: usize = 2048;
@@ -154,8 +158,10 @@ fn bench(settings: &Settings) -> BenchResult<()> {
     let ik = random(&stream, n * INDEX_DIM, 1.0, 2)?;
     let iw = random(&stream, n * INDEX_HEADS, 1.0, 3)?;
     let q = random(&stream, n * heads * QK, 1.0, 4)?;
-    let k = random(&stream, n * heads * QK, 1.0, 5)?;
-    let v = random(&stream, n * heads * V, 1.0, 6)?;
+    let kv = random(&stream, n * QK, 1.0, 5)?;
+    // Dense attention's keys and values (its queries are q's prefix).
+    let k = random(&stream, n * heads * DENSE_DIM, 1.0, 6)?;
+    let v = random(&stream, n * heads * DENSE_DIM, 1.0, 8)?;
     let dout = random(&stream, n * heads * V, 1.0, 7)?;
     let scores = zeros(&stream, n * n, DType::F32)?;
     let d_scores = zeros(&stream, n * n, DType::F32)?;
@@ -163,23 +169,26 @@ fn bench(settings: &Settings) -> BenchResult<()> {
     let loss = zeros(&stream, n, DType::F32)?;
     let out = zeros(&stream, n * heads * V, DType::Bf16)?;
     let lse = zeros(&stream, n * heads, DType::F32)?;
-    let (dq, dk, dv) = (
+    let (dq, dkv) = (
         zeros(&stream, n * heads * QK, DType::Bf16)?,
-        zeros(&stream, n * heads * QK, DType::Bf16)?,
-        zeros(&stream, n * heads * V, DType::Bf16)?,
+        zeros(&stream, n * QK, DType::Bf16)?,
+    );
+    let (dk, dv) = (
+        zeros(&stream, n * heads * DENSE_DIM, DType::Bf16)?,
+        zeros(&stream, n * heads * DENSE_DIM, DType::Bf16)?,
     );
     let (d_iq, d_ik, d_iw) = (
         zeros(&stream, n * INDEX_HEADS * INDEX_DIM, DType::Bf16)?,
         zeros(&stream, n * INDEX_DIM, DType::Bf16)?,
         zeros(&stream, n * INDEX_HEADS, DType::Bf16)?,
     );
-    let sparse_dims = |seq: usize| SparseAttentionDims {
+    let sparse_dims = |seq: usize| SparseMqaDims {
         tokens: Tokens::new(1, seq),
         heads,
         qk_dim: QK,
         v_dim: V,
         topk: TOPK,
-        scale: 1.0 / (QK as f32).sqrt(),
+        scale: 1.0 / (MLA_QK as f32).sqrt(),
     };
     let dense_dims = |seq: usize| AttentionDims {
         tokens: Tokens::new(1, seq),
@@ -189,12 +198,13 @@ fn bench(settings: &Settings) -> BenchResult<()> {
         v_dim: DENSE_DIM,
         scale: 1.0 / (DENSE_DIM as f32).sqrt(),
     };
-    let scratch_len = sparse_attention_scratch_len(sparse_dims(n))
+    let scratch_len = sparse_mqa_scratch_len(sparse_dims(n))
         .ok_or("the scratch overflows")?
         .max(flash_attention_scratch_len(dense_dims(n)));
     let scratch = zeros(&stream, scratch_len, DType::F32)?;
     println!(
-        "hybridgen sparse_attention on {device}: one sequence, bf16; D: {heads} heads q/k {QK} v {V}, \
+        "hybridgen sparse_attention on {device}: one sequence, bf16; D: {heads} heads over shared \
+         latent rows of {QK} (values {V}), \
          indexer {INDEX_HEADS} x {INDEX_DIM}, top-{TOPK}; dense: flash attention {heads} heads of \
          {DENSE_DIM}, causal over every key. Median ms (CUDA events)."
     );
@@ -236,22 +246,20 @@ fn bench(settings: &Settings) -> BenchResult<()> {
         let s_view = scores.view(&stream, seq * seq);
         let ds_view = d_scores.view(&stream, seq * seq);
         let ix_view = indices.view(&stream, seq * TOPK);
-        let qkv = AttentionInputs {
-            q: q.view(&stream, seq * heads * QK),
-            k: k.view(&stream, seq * heads * QK),
-            v: v.view(&stream, seq * heads * V),
-        };
-        let sgrads = AttentionInputs {
-            q: dq.view(&stream, seq * heads * QK),
-            k: dk.view(&stream, seq * heads * QK),
-            v: dv.view(&stream, seq * heads * V),
-        };
+        let (q_view, kv_view) = (
+            q.view(&stream, seq * heads * QK),
+            kv.view(&stream, seq * QK),
+        );
+        let (dq_view, dkv_view) = (
+            dq.view(&stream, seq * heads * QK),
+            dkv.view(&stream, seq * QK),
+        );
         let o_view = out.view(&stream, seq * heads * V);
         let lse_view = lse.view(&stream, seq * heads);
         let g_view = dout.view(&stream, seq * heads * V);
         let sa_scratch = scratch.view(
             &stream,
-            sparse_attention_scratch_len(sd).ok_or("the scratch overflows")?,
+            sparse_mqa_scratch_len(sd).ok_or("the scratch overflows")?,
         );
         let loss_dims = IndexerLossDims {
             tokens,
@@ -278,7 +286,7 @@ fn bench(settings: &Settings) -> BenchResult<()> {
             set.indexer_loss(
                 &stream,
                 s_view,
-                (qkv.q, qkv.k),
+                (q_view, kv_view),
                 ix_view,
                 loss.view(&stream, seq),
                 ds_view,
@@ -293,16 +301,16 @@ fn bench(settings: &Settings) -> BenchResult<()> {
                 .map_err(err)
         };
         let fwd = || {
-            set.sparse_attention_forward(&stream, qkv, ix_view, o_view, lse_view, sd)
+            set.sparse_mqa_forward(&stream, (q_view, kv_view), ix_view, o_view, lse_view, sd)
                 .map_err(err)
         };
         let bwd = || {
-            set.sparse_attention_backward(
+            set.sparse_mqa_backward(
                 &stream,
-                qkv,
+                (q_view, kv_view),
                 ix_view,
                 (o_view, lse_view, g_view),
-                sgrads,
+                (dq_view, dkv_view),
                 sa_scratch,
                 sd,
             )
@@ -316,7 +324,8 @@ fn bench(settings: &Settings) -> BenchResult<()> {
             bwd()?;
             ix_bwd()
         };
-        // Dense: the same buffers' prefixes as 16 heads of 128.
+        // Dense: the queries' prefix and the dense keys and values, heads
+        // of 128.
         let dense_in = AttentionInputs {
             q: q.view(&stream, seq * heads * DENSE_DIM),
             k: k.view(&stream, seq * heads * DENSE_DIM),

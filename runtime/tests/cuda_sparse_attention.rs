@@ -2,7 +2,7 @@
 //!
 //! - Every kernel of the family (`indexer_scores`, `indexer_topk`,
 //!   `indexer_loss` dense and sparse, `indexer_backward`,
-//!   `sparse_attention_forward` and `_backward`, `layer_norm_forward`,
+//!   `sparse_mqa_forward` and `_backward`, `layer_norm_forward`,
 //!   `_backward`, `_weight_grad`) on random order-one inputs over several
 //!   shapes (sequences that are no multiple of a tile, top-k below and at
 //!   or past the sequence, a row past a top-k block's threads, rows of
@@ -27,8 +27,7 @@
 use half::bf16;
 use hybridgen_dsl::ModelConfig;
 use hybridgen_runtime::backend::{
-    AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    SparseAttentionDims, Tokens,
+    IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseMqaDims, Tokens,
 };
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
@@ -72,7 +71,8 @@ struct Shape {
     ni: usize,
     di: usize,
     topk: usize,
-    /// Attention heads, q/k and v widths.
+    /// Attention heads, the width of a query head and of the shared key
+    /// row, and of the value (the row's first `v` channels).
     heads: usize,
     qk: usize,
     v: usize,
@@ -128,7 +128,8 @@ const SHAPES: &[Shape] = &[
         ties: 3,
     },
     // Rows longer than a top-k block (512 threads), selections longer than
-    // an attention block's chunk (128), 128-channel indexer heads.
+    // an attention block's chunk (128), 128-channel indexer heads, the
+    // latent rows of DeepSeek-V3.2 (512 + 64, values the first 512).
     Shape {
         batch: 1,
         seq: 700,
@@ -136,8 +137,8 @@ const SHAPES: &[Shape] = &[
         di: 128,
         topk: 200,
         heads: 2,
-        qk: 192,
-        v: 128,
+        qk: 576,
+        v: 512,
         ties: 7,
     },
 ];
@@ -166,8 +167,8 @@ struct Inputs {
     ik: Vec<f32>,
     iw: Vec<f32>,
     q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// The shared key/value rows `[rows, qk]`.
+    kv: Vec<f32>,
     dout: Vec<f32>,
     ln_w: Vec<f32>,
     ln_b: Vec<f32>,
@@ -197,8 +198,7 @@ fn inputs(s: Shape, seed: u64) -> Inputs {
             rng.vec(rows * s.ni, 1.0)
         },
         q: rng.vec(rows * s.heads * s.qk, 1.0),
-        k: rng.vec(rows * s.heads * s.qk, 1.0),
-        v: rng.vec(rows * s.heads * s.v, 1.0),
+        kv: rng.vec(rows * s.qk, 1.0),
         dout: rng.vec(rows * s.heads * s.v, 1.0),
         ln_w: rng.vec(s.di, 1.0),
         ln_b: rng.vec(s.di, 1.0),
@@ -321,7 +321,7 @@ fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&
         None => indices,
     };
     // The loss, dense and sparse.
-    let (q, k, v) = (up(b, &x.q, a), up(b, &x.k, a), up(b, &x.v, a));
+    let (q, kv) = (up(b, &x.q, a), up(b, &x.kv, a));
     let scale = 1.0 / (s.qk as f32).sqrt();
     for (sparse, loss_name, grad_name) in [
         (false, "loss", "d_scores"),
@@ -332,7 +332,7 @@ fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&
         b.indexer_loss(
             b.view(&scores_in).unwrap(),
             b.view(&q).unwrap(),
-            b.view(&k).unwrap(),
+            b.view(&kv).unwrap(),
             b.view(&indices_in).unwrap(),
             b.view_mut(&loss).unwrap(),
             b.view_mut(&d_scores).unwrap(),
@@ -376,8 +376,8 @@ fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&
     outs.insert("indexer_dq", down(b, &dq, a));
     outs.insert("indexer_dk", down(b, &dk, a));
     outs.insert("indexer_dw", down(b, &dw, a));
-    // Sparse attention.
-    let adims = SparseAttentionDims {
+    // Sparse attention over the shared rows.
+    let adims = SparseMqaDims {
         tokens,
         heads: s.heads,
         qk_dim: s.qk,
@@ -385,21 +385,17 @@ fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&
         topk: s.topk,
         scale,
     };
-    let qkv = || AttentionInputs {
-        q: b.view(&q).unwrap(),
-        k: b.view(&k).unwrap(),
-        v: b.view(&v).unwrap(),
-    };
     let out = poisoned(b, rows * s.heads * s.v, a);
     let lse = poisoned(b, rows * s.heads, DType::F32);
-    b.sparse_attention_forward(
-        qkv(),
+    b.sparse_mqa_forward(
+        b.view(&q).unwrap(),
+        b.view(&kv).unwrap(),
         b.view(&indices_in).unwrap(),
         b.view_mut(&out).unwrap(),
         b.view_mut(&lse).unwrap(),
         adims,
     )
-    .expect("sparse_attention_forward");
+    .expect("sparse_mqa_forward");
     outs.insert("out", down(b, &out, a));
     outs.insert("lse", down(b, &lse, DType::F32));
     let (out_in, lse_in) = match chain {
@@ -410,28 +406,24 @@ fn run_family<B: Backend>(b: &B, s: Shape, x: &Inputs, a: DType, chain: Option<&
         None => (out, lse),
     };
     let dout = up(b, &x.dout, a);
-    let (gq, gk, gv) = (
+    let (gq, gkv) = (
         poisoned(b, rows * s.heads * s.qk, a),
-        poisoned(b, rows * s.heads * s.qk, a),
-        poisoned(b, rows * s.heads * s.v, a),
+        poisoned(b, rows * s.qk, a),
     );
-    b.sparse_attention_backward(
-        qkv(),
+    b.sparse_mqa_backward(
+        b.view(&q).unwrap(),
+        b.view(&kv).unwrap(),
         b.view(&indices_in).unwrap(),
         b.view(&out_in).unwrap(),
         b.view(&lse_in).unwrap(),
         b.view(&dout).unwrap(),
-        AttentionInputs {
-            q: b.view_mut(&gq).unwrap(),
-            k: b.view_mut(&gk).unwrap(),
-            v: b.view_mut(&gv).unwrap(),
-        },
+        b.view_mut(&gq).unwrap(),
+        b.view_mut(&gkv).unwrap(),
         adims,
     )
-    .expect("sparse_attention_backward");
+    .expect("sparse_mqa_backward");
     outs.insert("dq", down(b, &gq, a));
-    outs.insert("dk", down(b, &gk, a));
-    outs.insert("dv", down(b, &gv, a));
+    outs.insert("dkv", down(b, &gkv, a));
     // LayerNorm over the indexer keys' rows.
     let ldims = LayerNormDims {
         rows,
@@ -643,7 +635,7 @@ fn bad_selections_are_device_faults() {
     let x = inputs(s, 7);
     let rows = s.batch * s.seq;
     let tokens = Tokens::new(s.batch, s.seq);
-    let adims = SparseAttentionDims {
+    let adims = SparseMqaDims {
         tokens,
         heads: s.heads,
         qk_dim: s.qk,
@@ -658,16 +650,7 @@ fn bad_selections_are_device_faults() {
             if slot <= t { slot as u32 } else { u32::MAX }
         })
         .collect();
-    let (q, k, v) = (
-        up(&b, &x.q, DType::F32),
-        up(&b, &x.k, DType::F32),
-        up(&b, &x.v, DType::F32),
-    );
-    let qkv = || AttentionInputs {
-        q: b.view(&q).unwrap(),
-        k: b.view(&k).unwrap(),
-        v: b.view(&v).unwrap(),
-    };
+    let (q, kv) = (up(&b, &x.q, DType::F32), up(&b, &x.kv, DType::F32));
     let out = poisoned(&b, rows * s.heads * s.v, DType::F32);
     let lse = poisoned(&b, rows * s.heads, DType::F32);
     let read = |buf| {
@@ -678,8 +661,9 @@ fn bad_selections_are_device_faults() {
     let mut past = good.clone();
     past[9 * s.topk + 2] = s.seq as u32;
     let ix = up_u32(&b, &past);
-    b.sparse_attention_forward(
-        qkv(),
+    b.sparse_mqa_forward(
+        b.view(&q).unwrap(),
+        b.view(&kv).unwrap(),
         b.view(&ix).unwrap(),
         b.view_mut(&out).unwrap(),
         b.view_mut(&lse).unwrap(),
@@ -691,8 +675,9 @@ fn bad_selections_are_device_faults() {
     assert!(err.to_string().contains("query row 9 "), "{err}");
     // The faults are cleared once read: a good selection runs clean.
     let ix = up_u32(&b, &good);
-    b.sparse_attention_forward(
-        qkv(),
+    b.sparse_mqa_forward(
+        b.view(&q).unwrap(),
+        b.view(&kv).unwrap(),
         b.view(&ix).unwrap(),
         b.view_mut(&out).unwrap(),
         b.view_mut(&lse).unwrap(),
@@ -707,20 +692,17 @@ fn bad_selections_are_device_faults() {
     let dout = up(&b, &x.dout, DType::F32);
     let grads = [
         poisoned(&b, rows * s.heads * s.qk, DType::F32),
-        poisoned(&b, rows * s.heads * s.qk, DType::F32),
-        poisoned(&b, rows * s.heads * s.v, DType::F32),
+        poisoned(&b, rows * s.qk, DType::F32),
     ];
-    b.sparse_attention_backward(
-        qkv(),
+    b.sparse_mqa_backward(
+        b.view(&q).unwrap(),
+        b.view(&kv).unwrap(),
         b.view(&ix).unwrap(),
         b.view(&out).unwrap(),
         b.view(&lse).unwrap(),
         b.view(&dout).unwrap(),
-        AttentionInputs {
-            q: b.view_mut(&grads[0]).unwrap(),
-            k: b.view_mut(&grads[1]).unwrap(),
-            v: b.view_mut(&grads[2]).unwrap(),
-        },
+        b.view_mut(&grads[0]).unwrap(),
+        b.view_mut(&grads[1]).unwrap(),
         adims,
     )
     .expect("launches");

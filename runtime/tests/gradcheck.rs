@@ -751,9 +751,29 @@ fn mla_weights_of_dsa(w: &[Vec<f32>]) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Whether `a` and `b` agree to f32 rounding: each element within `1e-4`
+/// of the larger norm of the two (the absorbed attention sums in another
+/// order than the up-projected one).
+fn agree(a: &[f32], b: &[f32]) -> Result<(), String> {
+    let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let scale = norm(a).max(norm(b)).max(1e-30);
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .fold(0.0, f64::max);
+    if a.len() == b.len() && worst <= 1e-4 * scale {
+        Ok(())
+    } else {
+        Err(format!("differ by {worst:.3e} at norm {scale:.3e}"))
+    }
+}
+
 #[test]
-fn dsa_with_every_causal_key_selected_is_mla_bit_for_bit() {
-    // top 5 of sequences of 5: every query selects every causal key.
+fn dsa_with_every_causal_key_selected_is_mla() {
+    // top 5 of sequences of 5: every query selects every causal key. `D`
+    // attends over the latent (the absorbed form), `+` over up-projected
+    // keys and values: the same function, rounded differently.
     let d = LayerCase::new(
         "D",
         LayerKind::Dsa,
@@ -769,17 +789,16 @@ fn dsa_with_every_causal_key_selected_is_mla_bit_for_bit() {
         layer_backward_input(&m, &mla_w, m_saved, &d.probe, 0.7).expect("+ backward");
     let mut m_grads = zeros_like(&mla_w);
     layer_backward_weight(&m, m_wgrad, &mut m_grads).expect("+ weights");
-    assert_eq!(bits(&d_out), bits(&m_out), "outputs");
+    agree(&d_out, &m_out).expect("outputs");
     let m_jt: Vec<f32> = m_dx.iter().zip(&d.probe).map(|(a, r)| a - r).collect();
-    assert_eq!(bits(&d_dx), bits(&m_jt), "input gradients");
-    assert_eq!(
-        mla_weights_of_dsa(&d_grads)
-            .iter()
-            .map(|g| bits(g))
-            .collect::<Vec<_>>(),
-        m_grads.iter().map(|g| bits(g)).collect::<Vec<_>>(),
-        "MLA weight gradients"
-    );
+    agree(&d_dx, &m_jt).expect("input gradients");
+    for (i, (dg, mg)) in mla_weights_of_dsa(&d_grads)
+        .iter()
+        .zip(&m_grads)
+        .enumerate()
+    {
+        agree(dg, mg).unwrap_or_else(|e| panic!("MLA weight gradient {i}: {e}"));
+    }
     // And the indexer trained: its loss gradient reaches its parameters.
     assert!(
         INDEXER_PARAMS

@@ -72,8 +72,8 @@ pub use norm::{NormDims, NormKernels, Unary};
 pub use optim::{AdamMoments, AdamStep, OptimKernels, SgdStep};
 pub use scan::{ScanDims, ScanGrads, ScanInputs, ScanKernels};
 pub use sparse_attention::{
-    IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionDims,
-    SparseAttentionKernels, SparseMqaDims,
+    IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionKernels,
+    SparseMqaDims,
 };
 
 /// A read-only view of one of `B`'s buffers.

@@ -1,7 +1,9 @@
 //! DeepSeek sparse attention (`D` layers, layers.md `D`): the lightning
 //! indexer's scores, its causal top-k, the indexer's KL loss against the
 //! main attention and its backward, softmax attention over the selected keys
-//! and its backward, and the LayerNorm (with bias) of the indexer's keys.
+//! (every head reading one shared key/value row a token, the form MLA's
+//! absorbed attention takes) and its backward, and the LayerNorm (with
+//! bias) of the indexer's keys.
 //!
 //! A kernel of this family is written in three places: its [`Backend`]
 //! method and its check here (the method in `sparse_attention_methods`,
@@ -11,7 +13,7 @@
 
 #[cfg(doc)]
 use super::Backend;
-use super::{AttentionInputs, Tokens};
+use super::Tokens;
 use crate::error::Result;
 use crate::view::{DType, DeviceBuffer, Operand, View, ViewMut, ensure, product};
 
@@ -43,9 +45,11 @@ pub struct IndexerLossDims {
     pub tokens: Tokens,
     /// Keys each query selects (the row width of the indices).
     pub topk: usize,
-    /// The main attention's heads (one key head per query head).
+    /// The main attention's query heads (all reading one shared key row a
+    /// token).
     pub heads: usize,
-    /// The main attention's query/key width per head.
+    /// The main attention's query/key width per head (and of the key
+    /// row).
     pub qk_dim: usize,
     /// The main attention's softmax scale.
     pub scale: f32,
@@ -54,19 +58,6 @@ pub struct IndexerLossDims {
     /// Both distributions over the selected keys only (else over every
     /// causal key).
     pub sparse: bool,
-}
-
-/// Dimensions of the sparse attention kernels.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SparseAttentionDims {
-    pub tokens: Tokens,
-    /// Query heads, each with its own key and value head.
-    pub heads: usize,
-    pub qk_dim: usize,
-    pub v_dim: usize,
-    /// Keys each query selects (the row width of the indices).
-    pub topk: usize,
-    pub scale: f32,
 }
 
 /// Dimensions of the sparse attention kernels over one shared key/value
@@ -143,27 +134,6 @@ pub trait SparseAttentionKernels<Buf: DeviceBuffer> {
         grads: IndexerInputs<ViewMut<'_, Buf>>,
         dims: IndexerDims,
         scale: f32,
-    ) -> Result<()>;
-
-    fn sparse_attention_forward_unchecked(
-        &self,
-        inputs: AttentionInputs<View<'_, Buf>>,
-        indices: View<'_, Buf>,
-        out: ViewMut<'_, Buf>,
-        lse: ViewMut<'_, Buf>,
-        dims: SparseAttentionDims,
-    ) -> Result<()>;
-
-    #[allow(clippy::too_many_arguments)]
-    fn sparse_attention_backward_unchecked(
-        &self,
-        inputs: AttentionInputs<View<'_, Buf>>,
-        indices: View<'_, Buf>,
-        out: View<'_, Buf>,
-        lse: View<'_, Buf>,
-        dout: View<'_, Buf>,
-        grads: AttentionInputs<ViewMut<'_, Buf>>,
-        dims: SparseAttentionDims,
     ) -> Result<()>;
 
     fn sparse_mqa_forward_unchecked(
@@ -338,9 +308,8 @@ pub fn check_indexer_loss(
     let rows = dims.tokens.rows()?;
     let scores_len = score_len(k, dims.tokens)?;
     scores.has_len(k, "scores", scores_len)?;
-    let qk = product(k, &[rows, dims.heads, dims.qk_dim])?;
-    q.has_len(k, "q", qk)?;
-    key.has_len(k, "k", qk)?;
+    q.has_len(k, "q", product(k, &[rows, dims.heads, dims.qk_dim])?)?;
+    key.has_len(k, "k", product(k, &[rows, dims.qk_dim])?)?;
     indices.has_len(k, "indices", product(k, &[rows, dims.topk])?)?;
     loss.has_len(k, "loss", rows)?;
     d_scores.has_len(k, "d_scores", scores_len)
@@ -367,68 +336,6 @@ pub fn check_indexer_backward(
     grads.q.has_len(k, "dq", inputs.q.len)?;
     grads.k.has_len(k, "dk", inputs.k.len)?;
     grads.weights.has_len(k, "d_weights", inputs.weights.len)
-}
-
-/// `q`, `k`, `v`, the indices, `out` and `lse` against `d`; gives the rows.
-fn check_sparse_attention(
-    kernel: &str,
-    d: SparseAttentionDims,
-    inputs: AttentionInputs<Operand>,
-    indices: Operand,
-    out: Operand,
-    lse: Operand,
-) -> Result<usize> {
-    for (name, view) in [("q", inputs.q), ("k", inputs.k), ("v", inputs.v)] {
-        view.float(kernel, name)?;
-    }
-    indices.exactly(DType::U32, kernel, "indices")?;
-    lse.exactly(DType::F32, kernel, "lse")?;
-    out.float(kernel, "out")?;
-    check_topk(kernel, d.topk)?;
-    let rows = d.tokens.rows()?;
-    let qk = product(kernel, &[rows, d.heads, d.qk_dim])?;
-    inputs.q.has_len(kernel, "q", qk)?;
-    inputs.k.has_len(kernel, "k", qk)?;
-    inputs
-        .v
-        .has_len(kernel, "v", product(kernel, &[rows, d.heads, d.v_dim])?)?;
-    indices.has_len(kernel, "indices", product(kernel, &[rows, d.topk])?)?;
-    out.has_len(kernel, "out", product(kernel, &[rows, d.heads, d.v_dim])?)?;
-    lse.has_len(kernel, "lse", product(kernel, &[rows, d.heads])?)?;
-    Ok(rows)
-}
-
-/// [`Backend::sparse_attention_forward`]'s arguments.
-pub fn check_sparse_attention_forward(
-    inputs: AttentionInputs<Operand>,
-    indices: Operand,
-    out: Operand,
-    lse: Operand,
-    dims: SparseAttentionDims,
-) -> Result<()> {
-    check_sparse_attention("sparse_attention_forward", dims, inputs, indices, out, lse).map(|_| ())
-}
-
-/// [`Backend::sparse_attention_backward`]'s arguments.
-pub fn check_sparse_attention_backward(
-    inputs: AttentionInputs<Operand>,
-    indices: Operand,
-    out: Operand,
-    lse: Operand,
-    dout: Operand,
-    grads: AttentionInputs<Operand>,
-    dims: SparseAttentionDims,
-) -> Result<()> {
-    let k = "sparse_attention_backward";
-    dout.float(k, "dout")?;
-    for (name, view) in [("dq", grads.q), ("dk", grads.k), ("dv", grads.v)] {
-        view.float(k, name)?;
-    }
-    check_sparse_attention(k, dims, inputs, indices, out, lse)?;
-    dout.has_len(k, "dout", out.len)?;
-    grads.q.has_len(k, "dq", inputs.q.len)?;
-    grads.k.has_len(k, "dk", inputs.k.len)?;
-    grads.v.has_len(k, "dv", inputs.v.len)
 }
 
 /// `q`, `kv`, the indices, `out` and `lse` against `d`.
@@ -660,14 +567,15 @@ macro_rules! sparse_attention_methods {
         /// The indexer's KL loss for each query row, in f32, over the row's
         /// valid keys `V` (every causal key, or with `dims.sparse` the
         /// selected ones): the target `p_t[u] = sum_h softmax_V(scale *
-        /// q[r, h] . k[u, h])` normalised to sum 1 (its sum floored at
+        /// q[r, h] . k[u])` normalised to sum 1 (its sum floored at
         /// `INDEXER_LOSS_EPS`), the indexer's `log p_i = log_softmax_V(
         /// scores[r])`, `loss[r] = coeff / rows * sum_V p_t (log max(p_t,
         /// INDEXER_LOSS_EPS) - log p_i)`, and `d_scores[r, u] = coeff /
         /// rows * (p_i[u] - p_t[u])` on `V`, 0 elsewhere: the gradient of
         /// the loss with respect to the scores, the target held fixed.
-        /// `q`, `k` `[rows, heads, qk_dim]` (the main attention's, after
-        /// rotary), `indices` u32 `[rows, topk]`, `loss` f32 `[rows]`,
+        /// `q` `[rows, heads, qk_dim]` and the key rows `k` `[rows,
+        /// qk_dim]` shared by the heads (the main attention's, `D`'s
+        /// absorbed queries and latent rows), `indices` u32 `[rows, topk]`, `loss` f32 `[rows]`,
         /// `scores` and `d_scores` f32 `[rows, seq]`.
         #[allow(clippy::too_many_arguments)]
         fn indexer_loss(
@@ -711,59 +619,6 @@ macro_rules! sparse_attention_methods {
                 dims,
             )?;
             self.indexer_backward_unchecked(inputs, d_scores, grads, dims, scale)
-        }
-
-        /// Softmax attention of each query over its selected keys:
-        /// `o[r, h] = sum_{u in S_r} softmax_u(scale * q[r, h] . k[u, h])
-        /// v[u, h]` (f32 softmax), `S_r` the row's indices that are not
-        /// `NO_KEY` and not after the query (the causal mask), taken in
-        /// ascending key order. `q`, `k` `[rows, heads, qk_dim]`, `v`, `out`
-        /// `[rows, heads, v_dim]`, `indices` u32 `[rows, topk]` (key
-        /// positions within the sequence), `lse` f32 `[rows, heads]` (the
-        /// log-sum-exp of the selected scaled scores; `-inf` and a zero
-        /// output for a row that selects nothing).
-        fn sparse_attention_forward(
-            &self,
-            inputs: AttentionInputs<Slice<'_, Self>>,
-            indices: Slice<'_, Self>,
-            out: SliceMut<'_, Self>,
-            lse: SliceMut<'_, Self>,
-            dims: SparseAttentionDims,
-        ) -> Result<()> {
-            $crate::backend::sparse_attention::check_sparse_attention_forward(
-                inputs.operands(),
-                indices.operand(),
-                out.operand(),
-                lse.operand(),
-                dims,
-            )?;
-            self.sparse_attention_forward_unchecked(inputs, indices, out, lse, dims)
-        }
-
-        /// Backward of [`Backend::sparse_attention_forward`] given `dout`:
-        /// overwrites `grads.q`, `grads.k` and `grads.v`, recomputing the
-        /// probabilities from `lse`.
-        #[allow(clippy::too_many_arguments)]
-        fn sparse_attention_backward(
-            &self,
-            inputs: AttentionInputs<Slice<'_, Self>>,
-            indices: Slice<'_, Self>,
-            out: Slice<'_, Self>,
-            lse: Slice<'_, Self>,
-            dout: Slice<'_, Self>,
-            grads: AttentionInputs<SliceMut<'_, Self>>,
-            dims: SparseAttentionDims,
-        ) -> Result<()> {
-            $crate::backend::sparse_attention::check_sparse_attention_backward(
-                inputs.operands(),
-                indices.operand(),
-                out.operand(),
-                lse.operand(),
-                dout.operand(),
-                grads.operands(),
-                dims,
-            )?;
-            self.sparse_attention_backward_unchecked(inputs, indices, out, lse, dout, grads, dims)
         }
 
         /// Softmax attention of each query over its selected keys, every

@@ -5,20 +5,29 @@
 //! towards the main attention's distribution. The indexer reads the layer's
 //! normalised input and compressed query detached: its loss trains only the
 //! indexer, and the attention's gradient never reaches it.
+//!
+//! The attention runs in MLA's absorbed form (DeepSeek-V3.2's): each
+//! head's key up-projection is folded into its query (`q_lat[h] =
+//! [q_nope[h] W_UK[h] | q_rope[h]]`), every head attends over one row a
+//! token (`kv[t] = [c[t] | k_rope[t]]`, the values its first `kv_rank`
+//! channels) with `Backend::sparse_mqa_forward`, and each head's value
+//! up-projection is applied to its output (`o[h] = o_lat[h] W_UV[h]^T`).
+//! The same function as up-projecting keys and values, in another rounding.
 
-use super::mla::{MlaLayer, MlaWgrad, Projected};
+use super::mla::{LatentGrads, MlaLayer, MlaWgrad, Projected, Queries};
 use super::{
-    Tokens, check_grads, check_len, check_weights, grad, positive, section, uninit, uninit_f32,
-    weight,
+    Tokens, check_grads, check_len, check_weights, grad, grad_rows, positive, section, uninit,
+    uninit_f32, weight, weight_rows,
 };
 use crate::backend::{
-    AttentionInputs, Backend, DType, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    MatmulDims, RotaryDims, RotaryPairing, Slice, SliceMut, SparseAttentionDims,
+    Backend, CopyCols, DType, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
+    MatmulDims, RotaryDims, RotaryPairing, Slice, SliceMut, SparseMqaDims,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
 use hybridgen_dsl::ModelConfig;
 use hybridgen_dsl::params::ParamDef;
+use std::ops::Range;
 
 /// Parameter indices of the indexer (params.md order: after the input norm
 /// at 0; the MLA's follow).
@@ -64,8 +73,18 @@ struct IndexerSaved<B: Backend> {
 /// What [`DsaLayer::forward`] keeps.
 pub struct DsaSaved<B: Backend> {
     p: Projected<B>,
+    /// MLA's queries `[rows, a, dn + dr]` after rotary (their nope part
+    /// for `W_UK`'s gradient).
+    q: B::Buf,
+    /// The absorbed queries `[rows, a, kv_rank + dr]`.
+    q_lat: B::Buf,
+    /// The shared rows `[rows, kv_rank + dr]`: `[c | rope(k_rope)]`.
+    kv: B::Buf,
     /// u32 `[rows, topk]`.
     indices: B::Buf,
+    /// The attention's output over the latent, `[rows, a, kv_rank]`.
+    o_lat: B::Buf,
+    /// The heads' outputs `[rows, a, dv]` (the output projection's input).
     o: B::Buf,
     lse: B::Buf,
     indexer: Option<IndexerSaved<B>>,
@@ -85,7 +104,129 @@ struct IndexerGrads<B: Backend> {
 pub struct DsaWgrad<B: Backend> {
     tokens: Tokens,
     mla: MlaWgrad<B>,
+    /// For `W_UK`'s gradient: the queries and the absorbed queries'
+    /// gradient. For `W_UV`'s: the heads' output gradient and the latent
+    /// output.
+    q: B::Buf,
+    dq_lat: B::Buf,
+    d_o: B::Buf,
+    o_lat: B::Buf,
     indexer: Option<IndexerGrads<B>>,
+}
+
+/// The per-head shapes of MLA's absorbed attention.
+#[derive(Clone, Copy, Debug)]
+struct Absorbed {
+    heads: usize,
+    /// dn: a query head's part without rotary.
+    nope: usize,
+    rope: usize,
+    /// dv: a head's value width.
+    v: usize,
+    /// The latent's width (`kv_lora_rank`).
+    rank: usize,
+}
+
+impl Absorbed {
+    /// A query head's width `dn + dr`.
+    fn qk(&self) -> usize {
+        self.nope + self.rope
+    }
+
+    /// The shared row's width (and an absorbed query head's): `kv_rank + dr`.
+    fn width(&self) -> usize {
+        self.rank + self.rope
+    }
+
+    /// Head `h`'s key block `W_UK[h]` `[dn, kv_rank]`: rows of
+    /// `linear_kv_up_proj`.
+    fn key_rows(&self, h: usize) -> Range<usize> {
+        let at = h * (self.nope + self.v);
+        at..at + self.nope
+    }
+
+    /// Head `h`'s value block `W_UV[h]` `[dv, kv_rank]`.
+    fn value_rows(&self, h: usize) -> Range<usize> {
+        let at = h * (self.nope + self.v) + self.nope;
+        at..at + self.v
+    }
+}
+
+/// Copies head `h`'s columns `[offset, offset + cols)` of `src` `[rows,
+/// heads, head_width]` into the dense `dst` `[rows, cols]`.
+fn take_head<B: Backend>(
+    b: &B,
+    src: &B::Buf,
+    dst: &B::Buf,
+    rows: usize,
+    (heads, head_width): (usize, usize),
+    (h, offset, cols): (usize, usize, usize),
+) -> Result<()> {
+    b.copy_cols(
+        b.view(src)?,
+        b.view_mut(dst)?,
+        CopyCols {
+            rows,
+            cols,
+            src_stride: heads * head_width,
+            src_offset: h * head_width + offset,
+            dst_stride: cols,
+            dst_offset: 0,
+            accumulate: false,
+        },
+    )
+}
+
+/// The inverse of [`take_head`]: the dense `src` `[rows, cols]` into head
+/// `h`'s columns `[offset, offset + cols)` of `dst` `[rows, heads,
+/// head_width]`.
+fn put_head<B: Backend>(
+    b: &B,
+    src: &B::Buf,
+    dst: &B::Buf,
+    rows: usize,
+    (heads, head_width): (usize, usize),
+    (h, offset, cols): (usize, usize, usize),
+) -> Result<()> {
+    b.copy_cols(
+        b.view(src)?,
+        b.view_mut(dst)?,
+        CopyCols {
+            rows,
+            cols,
+            src_stride: cols,
+            src_offset: 0,
+            dst_stride: heads * head_width,
+            dst_offset: h * head_width + offset,
+            accumulate: false,
+        },
+    )
+}
+
+/// Columns `[src_offset, src_offset + cols)` of each `src_stride`-wide row
+/// into columns `[dst_offset, ..)` of each `dst_stride`-wide row.
+fn copy_block<B: Backend>(
+    b: &B,
+    src: &B::Buf,
+    dst: &B::Buf,
+    rows: usize,
+    (src_stride, src_offset): (usize, usize),
+    (dst_stride, dst_offset): (usize, usize),
+    cols: usize,
+) -> Result<()> {
+    b.copy_cols(
+        b.view(src)?,
+        b.view_mut(dst)?,
+        CopyCols {
+            rows,
+            cols,
+            src_stride,
+            src_offset,
+            dst_stride,
+            dst_offset,
+            accumulate: false,
+        },
+    )
 }
 
 impl<B: Backend> DsaSaved<B> {
@@ -190,16 +331,56 @@ impl DsaLayer {
         }
     }
 
-    fn attention_dims(&self, tokens: Tokens) -> SparseAttentionDims {
-        let dense = self.mla.attention_dims(tokens);
-        SparseAttentionDims {
-            tokens,
-            heads: dense.heads,
-            qk_dim: dense.qk_dim,
-            v_dim: dense.v_dim,
-            topk: self.topk,
-            scale: dense.scale,
+    fn absorbed(&self) -> Absorbed {
+        Absorbed {
+            heads: self.mla.heads(),
+            nope: self.mla.nope_dim(),
+            rope: self.mla.rope_dim(),
+            v: self.mla.v_dim(),
+            rank: self.mla.kv_rank(),
         }
+    }
+
+    /// The attention over the shared latent rows: MLA's heads and softmax
+    /// scale (`(dn + dr)^-1/2`), rows of `kv_rank + dr`, values their first
+    /// `kv_rank` channels.
+    fn attention_dims(&self, tokens: Tokens) -> SparseMqaDims {
+        let ab = self.absorbed();
+        SparseMqaDims {
+            tokens,
+            heads: ab.heads,
+            qk_dim: ab.width(),
+            v_dim: ab.rank,
+            topk: self.topk,
+            scale: self.mla.attention_dims(tokens).scale,
+        }
+    }
+
+    /// The absorbed queries `[rows, a, kv_rank + dr]`: per head `[q_nope[h]
+    /// W_UK[h] | q_rope[h]]` (one matmul a head on its columns).
+    fn absorb_queries<B: Backend>(
+        &self,
+        b: &B,
+        kv_up: Slice<'_, B>,
+        q: &B::Buf,
+        rows: usize,
+    ) -> Result<B::Buf> {
+        let ab = self.absorbed();
+        let (a, dn, kr, dl) = (ab.heads, ab.nope, ab.rank, ab.width());
+        let q_lat = uninit(b, rows * a * dl)?;
+        copy_block(b, q, &q_lat, rows * a, (ab.qk(), dn), (dl, kr), ab.rope)?;
+        let (qn, ql) = (uninit(b, rows * dn)?, uninit(b, rows * kr)?);
+        for h in 0..a {
+            take_head(b, q, &qn, rows, (a, ab.qk()), (h, 0, dn))?;
+            b.matmul(
+                b.view(&qn)?,
+                weight_rows(b, kv_up, kr, ab.key_rows(h))?,
+                b.view_mut(&ql)?,
+                MatmulDims::linear_input_grad(rows, kr, dn, false),
+            )?;
+            put_head(b, &ql, &q_lat, rows, (a, dl), (h, 0, kr))?;
+        }
+        Ok(q_lat)
     }
 
     pub fn forward<B: Backend>(
@@ -209,9 +390,9 @@ impl DsaLayer {
         mut x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<DsaSaved<B>> {
-        let p = self
-            .mla
-            .project(b, weights, b.as_slice(&x), tokens, "`D` layer")?;
+        let (p, Queries { q, k_rope }) =
+            self.mla
+                .project(b, weights, b.as_slice(&x), tokens, "`D` layer")?;
         let rows = tokens.rows()?;
         let (h, ni, di, qr) = (
             self.mla.hidden(),
@@ -270,14 +451,23 @@ impl DsaLayer {
         b.indexer_scores(inputs, b.view_mut(&scores)?, dims)?;
         let indices = b.alloc_uninit(rows * self.topk, DType::U32)?;
         b.indexer_topk(b.view(&scores)?, b.view_mut(&indices)?, dims)?;
+        // The absorbed queries and the shared rows `[c | k_rope]`.
+        let ab = self.absorbed();
+        let (a, kr, dl) = (ab.heads, ab.rank, ab.width());
+        let kv_up = w(self.mla.kv_up_index())?;
+        let q_lat = self.absorb_queries(b, kv_up, &q, rows)?;
+        let kv = uninit(b, rows * dl)?;
+        copy_block(b, p.kv_latent(), &kv, rows, (kr, 0), (dl, 0), kr)?;
+        copy_block(b, &k_rope, &kv, rows, (ab.rope, 0), (dl, kr), ab.rope)?;
+        drop(k_rope);
         let attention = self.attention_dims(tokens);
         let indexer = if self.loss_coeff > 0.0 {
             let loss = uninit_f32(b, rows)?;
             let d_scores = uninit_f32(b, rows * tokens.seq)?;
             b.indexer_loss(
                 b.view(&scores)?,
-                b.view(&p.q)?,
-                b.view(&p.k)?,
+                b.view(&q_lat)?,
+                b.view(&kv)?,
                 b.view(&indices)?,
                 b.view_mut(&loss)?,
                 b.view_mut(&d_scores)?,
@@ -304,21 +494,32 @@ impl DsaLayer {
             None
         };
         drop(scores);
-        // The attention over the selected keys, then the output projection.
-        let (a, dv) = (attention.heads, attention.v_dim);
-        let o = uninit(b, rows * a * dv)?;
+        // The attention over the selected rows, each head's value
+        // up-projection, then the output projection.
+        let o_lat = uninit(b, rows * a * kr)?;
         let lse = uninit_f32(b, rows * a)?;
-        b.sparse_attention_forward(
-            AttentionInputs {
-                q: b.view(&p.q)?,
-                k: b.view(&p.k)?,
-                v: b.view(&p.v)?,
-            },
+        b.sparse_mqa_forward(
+            b.view(&q_lat)?,
+            b.view(&kv)?,
             b.view(&indices)?,
-            b.view_mut(&o)?,
+            b.view_mut(&o_lat)?,
             b.view_mut(&lse)?,
             attention,
         )?;
+        let dv = ab.v;
+        let o = uninit(b, rows * a * dv)?;
+        let (ol, oh) = (uninit(b, rows * kr)?, uninit(b, rows * dv)?);
+        for j in 0..a {
+            take_head(b, &o_lat, &ol, rows, (a, kr), (j, 0, kr))?;
+            b.matmul(
+                b.view(&ol)?,
+                weight_rows(b, kv_up, kr, ab.value_rows(j))?,
+                b.view_mut(&oh)?,
+                MatmulDims::linear(rows, kr, dv),
+            )?;
+            put_head(b, &oh, &o, rows, (a, dv), (j, 0, dv))?;
+        }
+        drop((ol, oh));
         let mut out = MatmulDims::linear(rows, a * dv, h);
         out.accumulate = true;
         b.matmul(
@@ -329,7 +530,11 @@ impl DsaLayer {
         )?;
         Ok(DsaSaved {
             p,
+            q,
+            q_lat,
+            kv,
             indices,
+            o_lat,
             o,
             lse,
             indexer,
@@ -354,8 +559,9 @@ impl DsaLayer {
         let h = self.mla.hidden();
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * h)?;
         let w = |i| weight::<B>(weights, i);
-        let attention = self.attention_dims(tokens);
-        let (a, dqk, dv) = (attention.heads, attention.qk_dim, attention.v_dim);
+        let ab = self.absorbed();
+        let (a, dn, dv, kr, dl) = (ab.heads, ab.nope, ab.v, ab.rank, ab.width());
+        let kv_up = w(self.mla.kv_up_index())?;
         let d_o = uninit(b, rows * a * dv)?;
         b.matmul(
             b.as_slice(&dx),
@@ -363,37 +569,77 @@ impl DsaLayer {
             b.view_mut(&d_o)?,
             MatmulDims::linear_input_grad(rows, a * dv, h, false),
         )?;
-        let dq = uninit(b, rows * a * dqk)?;
-        let dk = uninit(b, rows * a * dqk)?;
-        let d_v = uninit(b, rows * a * dv)?;
-        b.sparse_attention_backward(
-            AttentionInputs {
-                q: b.view(&s.p.q)?,
-                k: b.view(&s.p.k)?,
-                v: b.view(&s.p.v)?,
-            },
+        // Back through each head's value up-projection: d_o_lat[h] =
+        // d_o[h] W_UV[h].
+        let d_o_lat = uninit(b, rows * a * kr)?;
+        let (go, gl) = (uninit(b, rows * dv)?, uninit(b, rows * kr)?);
+        for j in 0..a {
+            take_head(b, &d_o, &go, rows, (a, dv), (j, 0, dv))?;
+            b.matmul(
+                b.view(&go)?,
+                weight_rows(b, kv_up, kr, ab.value_rows(j))?,
+                b.view_mut(&gl)?,
+                MatmulDims::linear_input_grad(rows, kr, dv, false),
+            )?;
+            put_head(b, &gl, &d_o_lat, rows, (a, kr), (j, 0, kr))?;
+        }
+        drop(go);
+        let dq_lat = uninit(b, rows * a * dl)?;
+        let dkv = uninit(b, rows * dl)?;
+        b.sparse_mqa_backward(
+            b.view(&s.q_lat)?,
+            b.view(&s.kv)?,
             b.view(&s.indices)?,
-            b.view(&s.o)?,
+            b.view(&s.o_lat)?,
             b.view(&s.lse)?,
-            b.view(&d_o)?,
-            AttentionInputs {
-                q: b.view_mut(&dq)?,
-                k: b.view_mut(&dk)?,
-                v: b.view_mut(&d_v)?,
-            },
-            attention,
+            b.view(&d_o_lat)?,
+            b.view_mut(&dq_lat)?,
+            b.view_mut(&dkv)?,
+            self.attention_dims(tokens),
         )?;
-        drop(d_o);
+        drop((d_o_lat, s.q_lat, s.kv));
+        // Back through the absorption: dq_nope[h] = dq_lat[h][..kv_rank]
+        // W_UK[h]^T, the rotary part as it is.
+        let dq = uninit(b, rows * a * ab.qk())?;
+        copy_block(b, &dq_lat, &dq, rows * a, (dl, kr), (ab.qk(), dn), ab.rope)?;
+        let gn = uninit(b, rows * dn)?;
+        for j in 0..a {
+            take_head(b, &dq_lat, &gl, rows, (a, dl), (j, 0, kr))?;
+            b.matmul(
+                b.view(&gl)?,
+                weight_rows(b, kv_up, kr, ab.key_rows(j))?,
+                b.view_mut(&gn)?,
+                MatmulDims::linear(rows, kr, dn),
+            )?;
+            put_head(b, &gn, &dq, rows, (a, ab.qk()), (j, 0, dn))?;
+        }
+        drop((gl, gn));
+        // The shared row's gradient: the latent's and the rotary key's.
+        let d_c = uninit(b, rows * kr)?;
+        let d_k_rope = uninit(b, rows * ab.rope)?;
+        copy_block(b, &dkv, &d_c, rows, (dl, 0), (kr, 0), kr)?;
+        copy_block(b, &dkv, &d_k_rope, rows, (dl, kr), (ab.rope, 0), ab.rope)?;
+        drop(dkv);
         let indexer = match s.indexer {
             Some(ix) => Some(self.indexer_backward(b, weights, ix, tokens, loss_scale)?),
             None => None,
         };
+        let grads = LatentGrads {
+            dq,
+            d_c,
+            d_k_rope,
+            d_kv: None,
+        };
         let mla = self
             .mla
-            .backward_projection(b, weights, s.p, s.o, [dq, dk, d_v], dx)?;
+            .backward_projection(b, weights, s.p, s.o, grads, dx)?;
         Ok(DsaWgrad {
             tokens,
             mla,
+            q: s.q,
+            dq_lat,
+            d_o,
+            o_lat: s.o_lat,
             indexer,
         })
     }
@@ -497,6 +743,31 @@ impl DsaLayer {
                 b.view(u)?,
                 grad(b, grads, WEIGHTS_PROJ)?,
                 MatmulDims::linear_weight_grad(rows, h, ni),
+            )?;
+        }
+        // linear_kv_up_proj, a head's blocks at a time: dW_UK[h] +=
+        // q_nope[h]^T dq_lat[h][..kv_rank], dW_UV[h] += d_o[h]^T o_lat[h].
+        let ab = self.absorbed();
+        let (a, dn, dv, kr, dl) = (ab.heads, ab.nope, ab.v, ab.rank, ab.width());
+        let kv_up = self.mla.kv_up_index();
+        let (qn, gl) = (uninit(b, rows * dn)?, uninit(b, rows * kr)?);
+        let go = uninit(b, rows * dv)?;
+        for j in 0..a {
+            take_head(b, &g.q, &qn, rows, (a, ab.qk()), (j, 0, dn))?;
+            take_head(b, &g.dq_lat, &gl, rows, (a, dl), (j, 0, kr))?;
+            b.matmul(
+                b.view(&qn)?,
+                b.view(&gl)?,
+                grad_rows(b, grads, kv_up, kr, ab.key_rows(j))?,
+                MatmulDims::linear_weight_grad(rows, kr, dn),
+            )?;
+            take_head(b, &g.d_o, &go, rows, (a, dv), (j, 0, dv))?;
+            take_head(b, &g.o_lat, &gl, rows, (a, kr), (j, 0, kr))?;
+            b.matmul(
+                b.view(&go)?,
+                b.view(&gl)?,
+                grad_rows(b, grads, kv_up, kr, ab.value_rows(j))?,
+                MatmulDims::linear_weight_grad(rows, kr, dv),
             )?;
         }
         self.mla.backward_weight(b, g.mla, grads)

@@ -179,8 +179,9 @@ impl<B: Backend> Latent<B> {
     }
 }
 
-/// The queries, keys and values an MLA projection made, and what its
-/// backward needs (shared by `+` and `D`).
+/// What an MLA projection keeps for its backward (shared by `+` and `D`):
+/// the input norm, the latents; [`MlaLayer::project`] hands the queries and
+/// the rotated shared key beside it.
 pub(crate) struct Projected<B: Backend> {
     tokens: Tokens,
     x_in: B::Buf,
@@ -188,12 +189,14 @@ pub(crate) struct Projected<B: Backend> {
     u: B::Buf,
     cq: Option<Latent<B>>,
     ckv: Latent<B>,
-    /// `[rows, a, dn + dr]`, after rotary.
+}
+
+/// The attention's inputs an MLA projection makes: `q` `[rows, a, dn +
+/// dr]` after rotary, and the shared rotary key `k_rope` `[rows, dr]`
+/// after rotary (the latent `c` is [`Projected::kv_latent`]).
+pub(crate) struct Queries<B: Backend> {
     pub(crate) q: B::Buf,
-    /// `[rows, a, dn + dr]`: `[k_nope | rope(k_rope)]` per head.
-    pub(crate) k: B::Buf,
-    /// `[rows, a, dv]`.
-    pub(crate) v: B::Buf,
+    pub(crate) k_rope: B::Buf,
 }
 
 impl<B: Backend> Projected<B> {
@@ -210,11 +213,35 @@ impl<B: Backend> Projected<B> {
     pub(crate) fn query_latent(&self) -> Option<&B::Buf> {
         self.cq.as_ref().map(|l| &l.out)
     }
+
+    /// The key/value latent after its norm (`c`), `[rows, kv_rank]`.
+    pub(crate) fn kv_latent(&self) -> &B::Buf {
+        &self.ckv.out
+    }
+}
+
+/// The gradients [`MlaLayer::backward_projection`] starts from: of the
+/// queries `dq` `[rows, a, dn + dr]` and of the rotated shared key
+/// `d_k_rope` `[rows, dr]` (both before rotary's backward), of the latent
+/// `d_c` `[rows, kv_rank]` (after its norm), and of the up-projected keys
+/// and values when the attention formed them (for the up projection's
+/// weight gradient).
+pub(crate) struct LatentGrads<B: Backend> {
+    pub(crate) dq: B::Buf,
+    pub(crate) d_c: B::Buf,
+    pub(crate) d_k_rope: B::Buf,
+    pub(crate) d_kv: Option<B::Buf>,
 }
 
 /// What [`MlaLayer::forward`] keeps.
 pub struct MlaSaved<B: Backend> {
     p: Projected<B>,
+    /// `[rows, a, dn + dr]`, after rotary.
+    q: B::Buf,
+    /// `[rows, a, dn + dr]`: `[k_nope | rope(k_rope)]` per head.
+    k: B::Buf,
+    /// `[rows, a, dv]`.
+    v: B::Buf,
     o: B::Buf,
     lse: B::Buf,
 }
@@ -231,7 +258,10 @@ pub struct MlaWgrad<B: Backend> {
     ckv: Latent<B>,
     d_ckv: LatentGrad<B>,
     d_k_rope: B::Buf,
-    d_kv: B::Buf,
+    /// The gradient of the up-projected keys and values, when they were
+    /// formed (`+`; `D` attends over the latent and adds the up
+    /// projection's weight gradient itself).
+    d_kv: Option<B::Buf>,
 }
 
 impl<B: Backend> MlaWgrad<B> {
@@ -311,6 +341,28 @@ impl MlaLayer {
         self.at.proj
     }
 
+    /// Where `linear_kv_up_proj` (`[a (dn + dv), kv_rank]`: per head its
+    /// key block then its value block) sits in the weight list.
+    pub(crate) fn kv_up_index(&self) -> usize {
+        self.at.kv_up
+    }
+
+    pub(crate) fn heads(&self) -> usize {
+        self.heads
+    }
+
+    pub(crate) fn kv_rank(&self) -> usize {
+        self.kv_rank
+    }
+
+    pub(crate) fn nope_dim(&self) -> usize {
+        self.nope_dim
+    }
+
+    pub(crate) fn v_dim(&self) -> usize {
+        self.v_dim
+    }
+
     pub fn params(&self) -> &[ParamDef] {
         &self.params
     }
@@ -369,25 +421,60 @@ impl MlaLayer {
         mut x: SliceMut<'_, B>,
         tokens: Tokens,
     ) -> Result<MlaSaved<B>> {
-        let p = self.project(b, weights, b.as_slice(&x), tokens, "`+` layer")?;
+        let (p, Queries { q, k_rope }) =
+            self.project(b, weights, b.as_slice(&x), tokens, "`+` layer")?;
+        let (k, v) = self.decompress(b, weights, &p, k_rope)?;
         let (o, lse) = core_attention::forward(
             b,
             AttentionInputs {
-                q: &p.q,
-                k: &p.k,
-                v: &p.v,
+                q: &q,
+                k: &k,
+                v: &v,
             },
             weight::<B>(weights, self.at.proj)?,
             b.reborrow_mut(&mut x),
             self.attention_dims(tokens),
             self.hidden,
         )?;
-        Ok(MlaSaved { p, o, lse })
+        Ok(MlaSaved { p, q, k, v, o, lse })
     }
 
-    /// The input norm, the query and key/value projections with their
-    /// latent norms, rotary and the per-head split: q, k, v for the
-    /// attention, and what the backward of all that needs.
+    /// The per-head keys and values from the latent (`+`): `kv = c
+    /// W_kv_up^T`, split into `k` `[rows, a, dn + dr]` (`[k_nope |
+    /// k_rope]`) and `v` `[rows, a, dv]`.
+    fn decompress<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        p: &Projected<B>,
+        k_rope: B::Buf,
+    ) -> Result<(B::Buf, B::Buf)> {
+        let rows = p.tokens.rows()?;
+        let (a, kr, dv) = (self.heads, self.kv_rank, self.v_dim);
+        let kv_width = a * (self.nope_dim + dv);
+        let kv = uninit(b, rows * kv_width)?;
+        b.matmul(
+            b.view(&p.ckv.out)?,
+            weight::<B>(weights, self.at.kv_up)?,
+            b.view_mut(&kv)?,
+            MatmulDims::linear(rows, kr, kv_width),
+        )?;
+        let k = uninit(b, rows * a * self.qk_dim())?;
+        let v = uninit(b, rows * a * dv)?;
+        b.mla_kv_split(
+            b.view(&kv)?,
+            b.view(&k_rope)?,
+            b.view_mut(&k)?,
+            b.view_mut(&v)?,
+            self.kv_dims(rows),
+        )?;
+        Ok((k, v))
+    }
+
+    /// The input norm, the query and key/value down projections with their
+    /// latent norms and rotary: the queries and the rotated shared key for
+    /// the attention, and what the backward of all that needs (the latent
+    /// `c` among it).
     pub(crate) fn project<B: Backend>(
         &self,
         b: &B,
@@ -395,16 +482,10 @@ impl MlaLayer {
         x: Slice<'_, B>,
         tokens: Tokens,
         name: &str,
-    ) -> Result<Projected<B>> {
+    ) -> Result<(Projected<B>, Queries<B>)> {
         check_weights(b, name, &self.params, weights)?;
         let rows = check_rows(name, "x", b.slice_len(x), tokens, self.hidden)?;
-        let (h, a, kr, dr, dv) = (
-            self.hidden,
-            self.heads,
-            self.kv_rank,
-            self.rope_dim,
-            self.v_dim,
-        );
+        let (h, a, kr, dr) = (self.hidden, self.heads, self.kv_rank, self.rope_dim);
         let dqk = self.qk_dim();
         let w = |i| weight::<B>(weights, i);
         let opt = |i: Option<usize>| i.map(w).transpose();
@@ -456,37 +537,19 @@ impl MlaLayer {
             MatmulDims::linear(rows, h, dr),
         )?;
         let ckv = Latent::new(b, c_raw, opt(self.at.kv_norm)?, kr, rows)?;
-        let kv_width = a * (self.nope_dim + dv);
-        let kv = uninit(b, rows * kv_width)?;
-        b.matmul(
-            b.view(&ckv.out)?,
-            w(self.at.kv_up)?,
-            b.view_mut(&kv)?,
-            MatmulDims::linear(rows, kr, kv_width),
-        )?;
         b.rotary_forward(b.view_mut(&q)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
         b.rotary_forward(b.view_mut(&k_rope)?, self.rotary(tokens, 1, dr, 0))?;
-        let k = uninit(b, rows * a * dqk)?;
-        let v = uninit(b, rows * a * dv)?;
-        b.mla_kv_split(
-            b.view(&kv)?,
-            b.view(&k_rope)?,
-            b.view_mut(&k)?,
-            b.view_mut(&v)?,
-            self.kv_dims(rows),
-        )?;
-        drop((kv, k_rope));
-        Ok(Projected {
-            tokens,
-            x_in,
-            rstd_in,
-            u,
-            cq,
-            ckv,
-            q,
-            k,
-            v,
-        })
+        Ok((
+            Projected {
+                tokens,
+                x_in,
+                rstd_in,
+                u,
+                cq,
+                ckv,
+            },
+            Queries { q, k_rope },
+        ))
     }
 
     pub fn backward_input<B: Backend>(
@@ -501,9 +564,9 @@ impl MlaLayer {
         let rows = s.p.tokens.rows()?;
         check_len(name, "dx", b.slice_len(b.as_slice(&dx)), rows * self.hidden)?;
         let saved = core_attention::Saved {
-            q: &s.p.q,
-            k: &s.p.k,
-            v: &s.p.v,
+            q: &s.q,
+            k: &s.k,
+            v: &s.v,
             o: &s.o,
             lse: &s.lse,
         };
@@ -515,38 +578,13 @@ impl MlaLayer {
             self.attention_dims(s.p.tokens),
             self.hidden,
         )?;
-        self.backward_projection(b, weights, s.p, s.o, [dq, dk, d_v], dx)
-    }
-
-    /// Back through [`MlaLayer::project`] from the gradients of q, k and v
-    /// (`dx` still holds the layer output's gradient, which becomes the
-    /// input's); `o` is the attention output, for the projection's weight
-    /// gradient.
-    pub(crate) fn backward_projection<B: Backend>(
-        &self,
-        b: &B,
-        weights: &[Slice<'_, B>],
-        s: Projected<B>,
-        o: B::Buf,
-        [dq, dk, d_v]: [B::Buf; 3],
-        dx: SliceMut<'_, B>,
-    ) -> Result<MlaWgrad<B>> {
-        let tokens = s.tokens;
-        let rows = tokens.rows()?;
-        let (h, a, kr, dr, dv) = (
-            self.hidden,
-            self.heads,
-            self.kv_rank,
-            self.rope_dim,
-            self.v_dim,
-        );
-        let dqk = self.qk_dim();
-        let w = |i| weight::<B>(weights, i);
-        let opt = |i: Option<usize>| i.map(w).transpose();
-        // Back through the split: k_rope is shared, so its gradient sums the heads in order.
-        let kv_width = a * (self.nope_dim + dv);
+        drop((s.q, s.k, s.v));
+        let rows = s.p.tokens.rows()?;
+        // Back through the split: k_rope is shared, so its gradient sums
+        // the heads in order; then through the up projection.
+        let kv_width = self.heads * (self.nope_dim + self.v_dim);
         let d_kv = uninit(b, rows * kv_width)?;
-        let d_k_rope = uninit(b, rows * dr)?;
+        let d_k_rope = uninit(b, rows * self.rope_dim)?;
         b.mla_kv_join(
             b.view(&dk)?,
             b.view(&d_v)?,
@@ -555,16 +593,50 @@ impl MlaLayer {
             self.kv_dims(rows),
         )?;
         drop((dk, d_v));
+        let d_c = uninit(b, rows * self.kv_rank)?;
+        b.matmul(
+            b.view(&d_kv)?,
+            weight::<B>(weights, self.at.kv_up)?,
+            b.view_mut(&d_c)?,
+            MatmulDims::linear_input_grad(rows, self.kv_rank, kv_width, false),
+        )?;
+        let grads = LatentGrads {
+            dq,
+            d_c,
+            d_k_rope,
+            d_kv: Some(d_kv),
+        };
+        self.backward_projection(b, weights, s.p, s.o, grads, dx)
+    }
+
+    /// Back through [`MlaLayer::project`] from the gradients of the
+    /// queries, the latent `c` and the rotated shared key (`dx` still holds
+    /// the layer output's gradient, which becomes the input's); `o` is the
+    /// attention output, for the projection's weight gradient.
+    pub(crate) fn backward_projection<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        s: Projected<B>,
+        o: B::Buf,
+        grads: LatentGrads<B>,
+        dx: SliceMut<'_, B>,
+    ) -> Result<MlaWgrad<B>> {
+        let LatentGrads {
+            dq,
+            d_c,
+            d_k_rope,
+            d_kv,
+        } = grads;
+        let tokens = s.tokens;
+        let rows = tokens.rows()?;
+        let (h, a, kr, dr) = (self.hidden, self.heads, self.kv_rank, self.rope_dim);
+        let dqk = self.qk_dim();
+        let w = |i| weight::<B>(weights, i);
+        let opt = |i: Option<usize>| i.map(w).transpose();
         b.rotary_backward(b.view_mut(&dq)?, self.rotary(tokens, a, dqk, self.nope_dim))?;
         b.rotary_backward(b.view_mut(&d_k_rope)?, self.rotary(tokens, 1, dr, 0))?;
         // Key/value path into d_u.
-        let d_c = uninit(b, rows * kr)?;
-        b.matmul(
-            b.view(&d_kv)?,
-            w(self.at.kv_up)?,
-            b.view_mut(&d_c)?,
-            MatmulDims::linear_input_grad(rows, kr, kv_width, false),
-        )?;
         let d_ckv = s
             .ckv
             .backward_input(b, opt(self.at.kv_norm)?, d_c, kr, rows)?;
@@ -709,12 +781,17 @@ impl MlaLayer {
         if let Some(i) = self.at.kv_norm {
             g.ckv.backward_weight(b, &g.d_ckv, grad(b, grads, i)?, kr)?;
         }
-        let kv_width = a * (self.nope_dim + dv);
-        b.matmul(
-            b.view(&g.d_kv)?,
-            b.view(&g.ckv.out)?,
-            grad(b, grads, self.at.kv_up)?,
-            MatmulDims::linear_weight_grad(rows, kr, kv_width),
-        )
+        match &g.d_kv {
+            Some(d_kv) => {
+                let kv_width = a * (self.nope_dim + dv);
+                b.matmul(
+                    b.view(d_kv)?,
+                    b.view(&g.ckv.out)?,
+                    grad(b, grads, self.at.kv_up)?,
+                    MatmulDims::linear_weight_grad(rows, kr, kv_width),
+                )
+            }
+            None => Ok(()),
+        }
     }
 }

@@ -99,16 +99,17 @@ pub fn gpu_kernel_scratch(
 fn dsa_scratch(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> u64 {
     match &model.mla {
         Some(m) if kinds.contains(&LayerKind::Dsa) => {
-            let dims = crate::backend::SparseAttentionDims {
+            // `D` attends over the shared latent row (kv_rank + rope).
+            let dims = crate::backend::SparseMqaDims {
                 tokens,
                 heads: m.num_heads,
-                qk_dim: m.qk_head_dim + m.qk_rope_head_dim,
-                v_dim: m.v_head_dim,
+                qk_dim: m.kv_lora_rank + m.qk_rope_head_dim,
+                v_dim: m.kv_lora_rank,
                 // The scratch does not depend on the selection's width.
                 topk: 1,
                 scale: 1.0,
             };
-            crate::cuda::ops::sparse_attention::sparse_attention_scratch_bytes(dims)
+            crate::cuda::ops::sparse_attention::sparse_mqa_scratch_bytes(dims)
         }
         _ => 0,
     }

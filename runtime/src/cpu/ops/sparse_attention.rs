@@ -2,17 +2,15 @@
 //! and backward, softmax attention over the selected keys, and the
 //! indexer key's LayerNorm. Every loop runs in a fixed order (rows, then
 //! keys in ascending position, then heads), in f32, so equal inputs give
-//! equal bits. Sparse attention walks a query's selected keys in ascending
-//! position with the dense kernel's operations (`cpu::ops::attention`), so
-//! when every causal key is selected it computes exactly what the dense
-//! kernel computes.
+//! equal bits. Sparse attention (every head reading one shared key/value
+//! row a token) walks a query's selected keys in ascending position.
 
 use super::checked_index;
 use super::dense::{axpy_row, dot};
 use crate::backend::sparse_attention::{INDEXER_LOSS_EPS, NO_KEY};
 use crate::backend::{
-    AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    SparseAttentionDims, SparseAttentionKernels, SparseMqaDims,
+    IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionKernels,
+    SparseMqaDims,
 };
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::Result;
@@ -113,77 +111,6 @@ impl SparseAttentionKernels<CpuBuf> for CpuBackend {
             },
             dims,
             scale,
-        );
-        Ok(())
-    }
-
-    fn sparse_attention_forward_unchecked(
-        &self,
-        inputs: AttentionInputs<View<'_, CpuBuf>>,
-        indices: View<'_, CpuBuf>,
-        out: ViewMut<'_, CpuBuf>,
-        lse: ViewMut<'_, CpuBuf>,
-        dims: SparseAttentionDims,
-    ) -> Result<()> {
-        let k = self.access("sparse_attention_forward");
-        let (q, kk, v) = (
-            k.f32_in("q", inputs.q)?,
-            k.f32_in("k", inputs.k)?,
-            k.f32_in("v", inputs.v)?,
-        );
-        let indices = k.typed_in::<u32>("indices", indices)?;
-        check_indices("sparse_attention_forward", indices, dims.tokens.seq)?;
-        let lse = k.typed_out::<f32>("lse", lse)?;
-        sparse_attention_forward(
-            AttentionInputs {
-                q: &q,
-                k: &kk,
-                v: &v,
-            },
-            indices,
-            &mut k.f32_out("out", out)?,
-            lse,
-            dims,
-        );
-        Ok(())
-    }
-
-    fn sparse_attention_backward_unchecked(
-        &self,
-        inputs: AttentionInputs<View<'_, CpuBuf>>,
-        indices: View<'_, CpuBuf>,
-        out: View<'_, CpuBuf>,
-        lse: View<'_, CpuBuf>,
-        dout: View<'_, CpuBuf>,
-        grads: AttentionInputs<ViewMut<'_, CpuBuf>>,
-        dims: SparseAttentionDims,
-    ) -> Result<()> {
-        let k = self.access("sparse_attention_backward");
-        let (q, kk, v) = (
-            k.f32_in("q", inputs.q)?,
-            k.f32_in("k", inputs.k)?,
-            k.f32_in("v", inputs.v)?,
-        );
-        let indices = k.typed_in::<u32>("indices", indices)?;
-        check_indices("sparse_attention_backward", indices, dims.tokens.seq)?;
-        let (out, dout) = (k.f32_in("out", out)?, k.f32_in("dout", dout)?);
-        let lse = k.typed_in::<f32>("lse", lse)?;
-        sparse_attention_backward(
-            AttentionInputs {
-                q: &q,
-                k: &kk,
-                v: &v,
-            },
-            indices,
-            &out,
-            lse,
-            &dout,
-            AttentionInputs {
-                q: &mut k.f32_out("dq", grads.q)?,
-                k: &mut k.f32_out("dk", grads.k)?,
-                v: &mut k.f32_out("dv", grads.v)?,
-            },
-            dims,
         );
         Ok(())
     }
@@ -411,7 +338,7 @@ pub fn indexer_loss(
                 let qh = &q[(r * heads + h) * dq..][..dq];
                 let mut max = f32::NEG_INFINITY;
                 for (i, &u) in keys.iter().enumerate() {
-                    logits[i] = dims.scale * dot(qh, &k[((base + u) * heads + h) * dq..][..dq]);
+                    logits[i] = dims.scale * dot(qh, &k[(base + u) * dq..][..dq]);
                     max = max.max(logits[i]);
                 }
                 let mut sum = 0.0f32;
@@ -488,115 +415,9 @@ pub fn indexer_backward(
     }
 }
 
-pub fn sparse_attention_forward(
-    inputs: AttentionInputs<&[f32]>,
-    indices: &[u32],
-    out: &mut [f32],
-    lse: &mut [f32],
-    dims: SparseAttentionDims,
-) {
-    let (seq, heads, dq, dv, topk) = (
-        dims.tokens.seq,
-        dims.heads,
-        dims.qk_dim,
-        dims.v_dim,
-        dims.topk,
-    );
-    let mut scores = vec![0.0f32; topk];
-    let mut keys = Vec::with_capacity(topk);
-    for b in 0..dims.tokens.batch {
-        let base = b * seq;
-        for t in 0..seq {
-            let r = base + t;
-            keys.clear();
-            keys.extend(selected(&indices[r * topk..(r + 1) * topk], t));
-            for j in 0..heads {
-                let q = &inputs.q[(r * heads + j) * dq..][..dq];
-                let mut max = f32::NEG_INFINITY;
-                for (sc, &u) in scores.iter_mut().zip(&keys) {
-                    *sc = dims.scale * dot(q, &inputs.k[((base + u) * heads + j) * dq..][..dq]);
-                    max = max.max(*sc);
-                }
-                let o = &mut out[(r * heads + j) * dv..][..dv];
-                o.fill(0.0);
-                if keys.is_empty() {
-                    lse[r * heads + j] = f32::NEG_INFINITY;
-                    continue;
-                }
-                let mut sum = 0.0f32;
-                for (sc, &u) in scores.iter().zip(&keys) {
-                    let p = (sc - max).exp();
-                    sum += p;
-                    axpy_row(p, &inputs.v[((base + u) * heads + j) * dv..][..dv], o);
-                }
-                let inv = 1.0 / sum;
-                for v in o.iter_mut() {
-                    *v *= inv;
-                }
-                lse[r * heads + j] = max + sum.ln();
-            }
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_attention_backward(
-    inputs: AttentionInputs<&[f32]>,
-    indices: &[u32],
-    out: &[f32],
-    lse: &[f32],
-    dout: &[f32],
-    grads: AttentionInputs<&mut [f32]>,
-    dims: SparseAttentionDims,
-) {
-    let AttentionInputs {
-        q: dq,
-        k: dk,
-        v: dv,
-    } = grads;
-    dq.fill(0.0);
-    dk.fill(0.0);
-    dv.fill(0.0);
-    let (seq, heads, wq, wv, topk) = (
-        dims.tokens.seq,
-        dims.heads,
-        dims.qk_dim,
-        dims.v_dim,
-        dims.topk,
-    );
-    let mut keys = Vec::with_capacity(topk);
-    for b in 0..dims.tokens.batch {
-        let base = b * seq;
-        for t in 0..seq {
-            let r = base + t;
-            keys.clear();
-            keys.extend(selected(&indices[r * topk..(r + 1) * topk], t));
-            for j in 0..heads {
-                let q = &inputs.q[(r * heads + j) * wq..][..wq];
-                let g = &dout[(r * heads + j) * wv..][..wv];
-                let delta = dot(g, &out[(r * heads + j) * wv..][..wv]);
-                let l = lse[r * heads + j];
-                let dq_t = &mut dq[(r * heads + j) * wq..][..wq];
-                for &u in &keys {
-                    let at_k = ((base + u) * heads + j) * wq;
-                    let at_v = ((base + u) * heads + j) * wv;
-                    let k = &inputs.k[at_k..][..wq];
-                    let v = &inputs.v[at_v..][..wv];
-                    let p = (dims.scale * dot(q, k) - l).exp();
-                    let ds = p * (dot(g, v) - delta) * dims.scale;
-                    axpy_row(ds, k, dq_t);
-                    axpy_row(ds, q, &mut dk[at_k..][..wq]);
-                    axpy_row(p, g, &mut dv[at_v..][..wv]);
-                }
-            }
-        }
-    }
-}
-
 /// [`SparseMqaDims`]' forward: per query row its selected keys, then
 /// per head the scores, their max and the weighted sum of the values (the
-/// key row's first `v_dim` channels), as [`sparse_attention_forward`]
-/// does with one key head.
+/// key row's first `v_dim` channels).
 pub fn sparse_mqa_forward(
     q: &[f32],
     kv: &[f32],

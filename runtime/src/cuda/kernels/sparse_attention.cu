@@ -1,7 +1,8 @@
 // DeepSeek sparse attention (`D` layers, `backend::sparse_attention`): the
 // lightning indexer's scores, its causal top-k, its KL loss against the main
 // attention and its backward, softmax attention over the selected keys and
-// its backward, and the LayerNorm (with bias) of the indexer's keys.
+// its backward (every head reading one shared key/value row a token), and
+// the LayerNorm (with bias) of the indexer's keys.
 //
 // Every dot product is summed in the CPU backend's order (`dot`: eight
 // interleaved partial sums over the whole groups of eight channels, combined
@@ -9,7 +10,7 @@
 // the CPU's does: the indexer's scores are the CPU's bits, so is the ReLU's
 // mask in its backward, and top-k selects what the CPU selects.
 //
-// Determinism: no float atomics. The sparse attention's key and value
+// Determinism: no float atomics. The sparse attention's shared rows'
 // gradients are summed key-major: the query-major pass marks, for every
 // (key, query) pair a query selected, one bit of a `[rows, ceil(seq/32)]`
 // bitmap (an integer atomicOr, the same bits in any order), and the key pass
@@ -29,12 +30,9 @@
 // Padded row of an indexer tile in shared memory (bank-conflict free).
 #define IX_LD (IX_MAX_DIM + 1)
 
-// Threads of a sparse attention block (one (query row, head)), and the keys
-// (or queries) it takes at a time.
+// Threads of a sparse attention block (one (query row, head), or one key
+// row), and the keys (or queries) it takes at a time.
 #define SA_THREADS 128u
-// Widest q/k and v head of the sparse attention kernels.
-#define SA_MAX_DIM 512u
-#define SA_PER_THREAD 4
 // Widest shared key row (and query head) of the CUDA-core MQA kernels, and
 // the channels a thread of their blocks owns.
 #define MQA_MAX_DIM 1024u
@@ -325,7 +323,9 @@ __device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq
 }
 
 // The indexer's KL loss a row (block) against the main attention's
-// probabilities summed over heads (`Backend::indexer_loss`). The row of
+// probabilities summed over heads (`Backend::indexer_loss`), every head
+// reading the same key row k[u] `[dim]` (the attention's shared latent
+// row). The row of
 // `d_scores` holds the target's sums while they are built (each key is one
 // thread's throughout), then the gradient. A row of at most LOSS_CACHED
 // items keeps each head's logits in shared memory from the first pass (max
@@ -337,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     float* loss, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim, float scale, float factor,
     int sparse, u64* status) {
     grid_dependency_sync();
-    __shared__ float qs[SA_MAX_DIM];
+    __shared__ float qs[MQA_MAX_DIM];
     __shared__ float red[32];
     __shared__ float logits[LOSS_CACHED];
     const u64 r = blockIdx.x;
@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
             if (u == NO_KEY) {
                 continue;
             }
-            const float x = scale * dot_shared_stored(qs, k, kt, ((base + u) * heads + h) * dim, dim);
+            const float x = scale * dot_shared_stored(qs, k, kt, (base + u) * dim, dim);
             if (cached) {
                 logits[i] = x;
             }
@@ -383,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
             }
             // This thread's own item of the first pass when cached.
             const float x = cached ? logits[i]
-                                   : scale * dot_shared_stored(qs, k, kt, ((base + u) * heads + h) * dim, dim);
+                                   : scale * dot_shared_stored(qs, k, kt, (base + u) * dim, dim);
             d_row[u] += expf(x - big) / sum;
         }
         __syncthreads();
@@ -1122,283 +1122,6 @@ __device__ __forceinline__ u32 selected_key(const u32* indices, u64 r, u32 topk,
         return NO_KEY;
     }
     return u <= t ? u : NO_KEY;
-}
-
-// `Backend::sparse_attention_forward`: a block a (query row, head), the grid
-// (rows, heads) so that the blocks running together read one head's keys.
-// The selected keys pass SA_THREADS at a time (a thread a key's score), in
-// slot order, with the online softmax's running max and sum in f32; a
-// thread owns every SA_THREADS-th output channel.
-extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_sparse_forward(
-    const void* q, int qt, const void* k, int kt, const void* v, int vt, const u32* indices,
-    void* out, int ot, float* lse, u32 seq, u32 heads, u32 qk_dim, u32 v_dim, u32 topk, float scale,
-    u64* status) {
-    grid_dependency_sync();
-    __shared__ float qs[SA_MAX_DIM];
-    __shared__ float ps[SA_THREADS];
-    __shared__ u32 keys[SA_THREADS];
-    __shared__ float red[32];
-    const u64 r = blockIdx.x;
-    const u32 h = blockIdx.y;
-    const u32 t = static_cast<u32>(r % seq);
-    const u64 base = r - t;
-    for (u32 c = threadIdx.x; c < qk_dim; c += blockDim.x) {
-        qs[c] = load(q, qt, (r * heads + h) * qk_dim + c);
-    }
-    float acc[SA_PER_THREAD];
-#pragma unroll
-    for (int m = 0; m < SA_PER_THREAD; ++m) {
-        acc[m] = 0.0f;
-    }
-    float run_max = neg_inf();
-    float run_sum = 0.0f;
-    __syncthreads();
-    for (u32 s0 = 0; s0 < topk; s0 += SA_THREADS) {
-        const u32 slot = s0 + threadIdx.x;
-        const u32 u = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
-        float x = neg_inf();
-        if (u != NO_KEY) {
-            x = scale * dot_shared_stored(qs, k, kt, ((base + u) * heads + h) * qk_dim, qk_dim);
-        }
-        const float chunk_max = block_max(x, red);
-        const float next = fmaxf(run_max, chunk_max);
-        if (next == neg_inf()) {
-            continue;
-        }
-        const float p = u != NO_KEY ? expf(x - next) : 0.0f;
-        ps[threadIdx.x] = p;
-        keys[threadIdx.x] = u;
-        const float rescale = run_max == neg_inf() ? 0.0f : expf(run_max - next);
-        run_sum = run_sum * rescale + block_sum(p, red);
-        run_max = next;
-        const u32 n = min(SA_THREADS, topk - s0);
-#pragma unroll
-        for (int m = 0; m < SA_PER_THREAD; ++m) {
-            acc[m] *= rescale;
-        }
-        for (u32 j = 0; j < n; ++j) {
-            const u32 key = keys[j];
-            if (key == NO_KEY) {
-                continue;
-            }
-            const float pj = ps[j];
-            const u64 at = ((base + key) * heads + h) * v_dim;
-#pragma unroll
-            for (int m = 0; m < SA_PER_THREAD; ++m) {
-                const u32 c = threadIdx.x + SA_THREADS * m;
-                if (c < v_dim) {
-                    acc[m] += pj * load(v, vt, at + c);
-                }
-            }
-        }
-        __syncthreads();
-    }
-    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
-    const u64 at = (r * heads + h) * v_dim;
-#pragma unroll
-    for (int m = 0; m < SA_PER_THREAD; ++m) {
-        const u32 c = threadIdx.x + SA_THREADS * m;
-        if (c < v_dim) {
-            store(out, ot, at + c, acc[m] * inv);
-        }
-    }
-    if (threadIdx.x == 0) {
-        lse[r * heads + h] = run_sum > 0.0f ? run_max + logf(run_sum) : neg_inf();
-    }
-}
-
-// The query side of `Backend::sparse_attention_backward`, a block a (query
-// row, head): delta = dout . out (kept for the key pass), and over the
-// selected keys in slot order p = exp(scale q . k - lse), ds = p (dout . v -
-// delta) scale, dq = sum ds k. The head-0 blocks also mark each selected
-// (key, query) pair in the bitmap `[rows, words]` (a repeated key is a
-// fault).
-extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_sparse_backward_dq(
-    const void* q, int qt, const void* k, int kt, const void* v, int vt, const u32* indices,
-    const void* out, int ot, const float* lse, const void* dout, int gt, void* dq, int dqt,
-    float* delta, u32* bitmap, u32 words, u32 seq, u32 heads, u32 qk_dim, u32 v_dim, u32 topk,
-    float scale, u64* status) {
-    grid_dependency_sync();
-    __shared__ float qs[SA_MAX_DIM];
-    __shared__ float gs[SA_MAX_DIM];
-    __shared__ float ds[SA_THREADS];
-    __shared__ u32 keys[SA_THREADS];
-    __shared__ float shared_delta;
-    const u64 r = blockIdx.x;
-    const u32 h = blockIdx.y;
-    const u32 t = static_cast<u32>(r % seq);
-    const u64 base = r - t;
-    const u64 row_head = r * heads + h;
-    for (u32 c = threadIdx.x; c < qk_dim; c += blockDim.x) {
-        qs[c] = load(q, qt, row_head * qk_dim + c);
-    }
-    for (u32 c = threadIdx.x; c < v_dim; c += blockDim.x) {
-        gs[c] = load(dout, gt, row_head * v_dim + c);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const float d = dot_shared_stored(gs, out, ot, row_head * v_dim, v_dim);
-        shared_delta = d;
-        delta[row_head] = d;
-    }
-    __syncthreads();
-    const float dlt = shared_delta;
-    const float l = lse[row_head];
-    float acc[SA_PER_THREAD];
-#pragma unroll
-    for (int m = 0; m < SA_PER_THREAD; ++m) {
-        acc[m] = 0.0f;
-    }
-    for (u32 s0 = 0; s0 < topk; s0 += SA_THREADS) {
-        const u32 slot = s0 + threadIdx.x;
-        const u32 u = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
-        float d = 0.0f;
-        if (u != NO_KEY) {
-            const u64 kv = (base + u) * heads + h;
-            const float p = expf(scale * dot_shared_stored(qs, k, kt, kv * qk_dim, qk_dim) - l);
-            d = p * (dot_shared_stored(gs, v, vt, kv * v_dim, v_dim) - dlt) * scale;
-            if (h == 0) {
-                const u32 bit = 1u << (t & 31u);
-                const u32 old = atomicOr(&bitmap[(base + u) * words + t / 32], bit);
-                if (old & bit) {
-                    report_fault(status, FAULT_SELECTED_KEY, r);
-                }
-            }
-        }
-        ds[threadIdx.x] = d;
-        keys[threadIdx.x] = u;
-        __syncthreads();
-        const u32 n = min(SA_THREADS, topk - s0);
-        for (u32 j = 0; j < n; ++j) {
-            const u32 key = keys[j];
-            if (key == NO_KEY) {
-                continue;
-            }
-            const float f = ds[j];
-            const u64 at = ((base + key) * heads + h) * qk_dim;
-#pragma unroll
-            for (int m = 0; m < SA_PER_THREAD; ++m) {
-                const u32 c = threadIdx.x + SA_THREADS * m;
-                if (c < qk_dim) {
-                    acc[m] += f * load(k, kt, at + c);
-                }
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int m = 0; m < SA_PER_THREAD; ++m) {
-        const u32 c = threadIdx.x + SA_THREADS * m;
-        if (c < qk_dim) {
-            store(dq, dqt, row_head * qk_dim + c, acc[m]);
-        }
-    }
-}
-
-// The key side of `Backend::sparse_attention_backward`, a block a (key row,
-// head): the queries that selected the key, from its bitmap row in
-// ascending order (SA_GATHER positions at a time, compacted by warp 0),
-// SA_THREADS at a time: p = exp(scale q . k - lse), ds = p (dout . v -
-// delta) scale, then dk = sum ds q and dv = sum p dout in query order.
-extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_sparse_backward_dkdv(
-    const void* q, int qt, const void* k, int kt, const void* v, int vt, const float* lse,
-    const void* dout, int gt, const float* delta, const u32* bitmap, u32 words, void* dk, int dkt,
-    void* dv, int dvt, u32 seq, u32 heads, u32 qk_dim, u32 v_dim, float scale) {
-    grid_dependency_sync();
-    __shared__ float ks[SA_MAX_DIM];
-    __shared__ float vs[SA_MAX_DIM];
-    __shared__ u32 queries[SA_GATHER];
-    __shared__ float ps[SA_THREADS];
-    __shared__ float ds[SA_THREADS];
-    __shared__ u32 gathered;
-    const u64 ru = blockIdx.x;
-    const u32 h = blockIdx.y;
-    const u32 u = static_cast<u32>(ru % seq);
-    const u64 base = ru - u;
-    const u64 kv = ru * heads + h;
-    for (u32 c = threadIdx.x; c < qk_dim; c += blockDim.x) {
-        ks[c] = load(k, kt, kv * qk_dim + c);
-    }
-    for (u32 c = threadIdx.x; c < v_dim; c += blockDim.x) {
-        vs[c] = load(v, vt, kv * v_dim + c);
-    }
-    float acc_k[SA_PER_THREAD];
-    float acc_v[SA_PER_THREAD];
-#pragma unroll
-    for (int m = 0; m < SA_PER_THREAD; ++m) {
-        acc_k[m] = 0.0f;
-        acc_v[m] = 0.0f;
-    }
-    const u32* bits = bitmap + ru * words;
-    const u32 lane = threadIdx.x & 31;
-    for (u32 w0 = u / 32; w0 < words; w0 += 32) {
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            const u32 word = w0 + lane < words ? bits[w0 + lane] : 0u;
-            const u32 count = __popc(word);
-            // The warp's exclusive prefix of the counts, lane order.
-            u32 before = count;
-            for (int d = 1; d < 32; d <<= 1) {
-                const u32 other = __shfl_up_sync(0xffffffffu, before, d);
-                if (lane >= static_cast<u32>(d)) {
-                    before += other;
-                }
-            }
-            const u32 total = __shfl_sync(0xffffffffu, before, 31);
-            before -= count;
-            u32 rest = word;
-            while (rest != 0u) {
-                const u32 b = __ffs(rest) - 1;
-                queries[before++] = (w0 + lane) * 32 + b;
-                rest &= rest - 1u;
-            }
-            if (lane == 0) {
-                gathered = total;
-            }
-        }
-        __syncthreads();
-        const u32 n = gathered;
-        for (u32 j0 = 0; j0 < n; j0 += SA_THREADS) {
-            const u32 j = j0 + threadIdx.x;
-            float p = 0.0f;
-            float d = 0.0f;
-            if (j < n) {
-                const u64 row_head = (base + queries[j]) * heads + h;
-                p = expf(scale * dot_shared_stored(ks, q, qt, row_head * qk_dim, qk_dim) - lse[row_head]);
-                d = p * (dot_shared_stored(vs, dout, gt, row_head * v_dim, v_dim) - delta[row_head]) * scale;
-            }
-            ps[threadIdx.x] = p;
-            ds[threadIdx.x] = d;
-            __syncthreads();
-            const u32 m_end = min(SA_THREADS, n - j0);
-            for (u32 i = 0; i < m_end; ++i) {
-                const u64 row_head = (base + queries[j0 + i]) * heads + h;
-                const float pi = ps[i];
-                const float di = ds[i];
-#pragma unroll
-                for (int m = 0; m < SA_PER_THREAD; ++m) {
-                    const u32 c = threadIdx.x + SA_THREADS * m;
-                    if (c < qk_dim) {
-                        acc_k[m] += di * load(q, qt, row_head * qk_dim + c);
-                    }
-                    if (c < v_dim) {
-                        acc_v[m] += pi * load(dout, gt, row_head * v_dim + c);
-                    }
-                }
-            }
-            __syncthreads();
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < SA_PER_THREAD; ++m) {
-        const u32 c = threadIdx.x + SA_THREADS * m;
-        if (c < qk_dim) {
-            store(dk, dkt, kv * qk_dim + c, acc_k[m]);
-        }
-        if (c < v_dim) {
-            store(dv, dvt, kv * v_dim + c, acc_v[m]);
-        }
-    }
 }
 
 // ---- sparse attention over one shared key/value row (MQA), CUDA cores ------------

@@ -20,21 +20,23 @@
 //!   backward: a query-tile
 //!   kernel (dq, d_weights) and a key-tile kernel (dk), each summing in a
 //!   fixed order.
-//! - Sparse attention: a block a (query row, head) over its selected keys
-//!   (online softmax in f32); the backward's dq the same way, and its dk
-//!   and dv key-major over a bitmap of the (key, query) pairs selected,
-//!   each key's queries in ascending order: no float atomics anywhere.
+//! - Sparse attention, every head reading one shared key/value row a token
+//!   (`sparse_mqa_*`, `D`'s absorbed MLA): a block a (query row, head) over
+//!   its selected keys (online softmax in f32); the backward's dq the same
+//!   way, and the shared rows' gradient key-major over a bitmap of the
+//!   (key, query) pairs selected, each key's (query, head) pairs in
+//!   ascending order: no float atomics anywhere.
 //! - LayerNorm: a warp a row; its parameter gradients as column sums.
 //!
 //! The backward's bitmap and per-(row, head) `dout . out` are scratch
-//! ([`sparse_attention_scratch_len`]) from the arena; the memory plan
-//! counts them ([`sparse_attention_scratch_bytes`]). The indexer's heads
-//! must be at most [`INDEXER_MAX_DIM`] channels and the attention's at most
-//! [`SPARSE_MAX_DIM`]; other shapes are refused as `Unsupported`.
+//! ([`sparse_mqa_scratch_len`]) from the arena; the memory plan counts them
+//! ([`sparse_mqa_scratch_bytes`]). The indexer's heads must be at most
+//! [`INDEXER_MAX_DIM`] channels and the shared rows at most
+//! [`MQA_MAX_DIM`]; other shapes are refused as `Unsupported`.
 
 use crate::backend::{
-    AttentionInputs, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    SparseAttentionDims, SparseAttentionKernels, SparseMqaDims,
+    IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionKernels,
+    SparseMqaDims,
 };
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure};
@@ -46,9 +48,6 @@ use cudarc::driver::{CudaStream, LaunchConfig};
 
 /// The widest indexer head the tiled indexer kernels take (`IX_MAX_DIM`).
 pub const INDEXER_MAX_DIM: usize = 128;
-/// The widest q/k and v head of the sparse attention kernels and of the
-/// indexer loss (`SA_MAX_DIM`).
-pub const SPARSE_MAX_DIM: usize = 512;
 /// Refuses, before any work, `D` layers the GPU kernels cannot run (`train`
 /// calls it for a GPU run whose pattern has `D`); the same limits the
 /// launchers check, said in the model file's terms.
@@ -67,20 +66,16 @@ pub fn check_model(model: &hybridgen_dsl::ModelConfig) -> Result<()> {
             INDEXER_MAX_DIM,
         );
     }
-    if let Some(m) = &model.mla {
-        let qk = m.qk_head_dim + m.qk_rope_head_dim;
-        if qk > SPARSE_MAX_DIM {
+    if let (Some(_), Some(m)) = (&model.dsa, &model.mla) {
+        // `D` attends over MLA's latent rows: kv_lora_rank + rope channels.
+        let width = m.kv_lora_rank + m.qk_rope_head_dim;
+        if width > MQA_MAX_DIM {
             return refuse(
                 format!(
-                    "a query/key head of `mla.qk_head_dim + mla.qk_rope_head_dim = {qk}` channels"
+                    "the latent row of `mla.kv_lora_rank + mla.qk_rope_head_dim = {width}` \
+                     channels"
                 ),
-                SPARSE_MAX_DIM,
-            );
-        }
-        if m.v_head_dim > SPARSE_MAX_DIM {
-            return refuse(
-                format!("`mla.v_head_dim = {}`", m.v_head_dim),
-                SPARSE_MAX_DIM,
+                MQA_MAX_DIM,
             );
         }
     }
@@ -132,7 +127,8 @@ pub fn indexer_on_tensor_cores(q: &GpuView, k: &GpuView, head_dim: usize) -> boo
         && q.ptr.is_multiple_of(16)
         && k.ptr.is_multiple_of(16)
 }
-/// The widest shared key row of the CUDA-core MQA kernels (`MQA_MAX_DIM`).
+/// The widest shared key row of the sparse attention kernels and of the
+/// indexer loss (`MQA_MAX_DIM`).
 pub const MQA_MAX_DIM: usize = 1024;
 /// Threads of a sparse attention block (`SA_THREADS`).
 const SA_THREADS: u32 = 128;
@@ -144,24 +140,6 @@ const LOSS_THREADS: u32 = 256;
 /// u32 words of one key's bitmap row: a bit a query position.
 fn bitmap_words(seq: usize) -> usize {
     seq.div_ceil(32)
-}
-
-/// Elements (4 bytes each, taken as f32) of the scratch
-/// [`KernelSet::sparse_attention_backward`] takes: `dout . out` a (row,
-/// head), then the `[rows, ceil(seq / 32)]` u32 bitmap of selected (key,
-/// query) pairs. `None` past `usize`.
-pub fn sparse_attention_scratch_len(dims: SparseAttentionDims) -> Option<usize> {
-    let rows = dims.tokens.rows().ok()?;
-    rows.checked_mul(dims.heads)?
-        .checked_add(rows.checked_mul(bitmap_words(dims.tokens.seq))?)
-}
-
-/// The most scratch (bytes) one sparse attention call takes: the
-/// backward's ([`sparse_attention_scratch_len`]).
-pub fn sparse_attention_scratch_bytes(dims: SparseAttentionDims) -> u64 {
-    sparse_attention_scratch_len(dims)
-        .map_or(u64::MAX / 4, |len| len as u64)
-        .saturating_mul(DType::F32.bytes() as u64)
 }
 
 /// Elements (4 bytes each) of the scratch [`KernelSet::sparse_mqa_backward`]
@@ -259,19 +237,6 @@ fn indexer_shape(kernel: &str, d: IndexerDims) -> Result<(u32, u32, u32)> {
     ))
 }
 
-fn attention_widths(kernel: &str, qk: usize, v: usize) -> Result<()> {
-    if qk > SPARSE_MAX_DIM || v > SPARSE_MAX_DIM {
-        return Err(unsupported(
-            kernel,
-            format!(
-                "heads of {qk} (q/k) and {v} (v) channels; the GPU kernels take at most \
-                 {SPARSE_MAX_DIM}"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 impl SparseAttentionKernels<CudaBuf> for CudaBackend {
     fn indexer_scores_unchecked(
         &self,
@@ -331,67 +296,6 @@ impl SparseAttentionKernels<CudaBuf> for CudaBackend {
         };
         self.k()
             .indexer_backward(self.s(), inputs, self.v(d_scores), grads, dims, scale)
-    }
-
-    fn sparse_attention_forward_unchecked(
-        &self,
-        inputs: AttentionInputs<View<'_, CudaBuf>>,
-        indices: View<'_, CudaBuf>,
-        out: ViewMut<'_, CudaBuf>,
-        lse: ViewMut<'_, CudaBuf>,
-        dims: SparseAttentionDims,
-    ) -> Result<()> {
-        let inputs = AttentionInputs {
-            q: self.v(inputs.q),
-            k: self.v(inputs.k),
-            v: self.v(inputs.v),
-        };
-        self.k().sparse_attention_forward(
-            self.s(),
-            inputs,
-            self.v(indices),
-            self.m(&out),
-            self.m(&lse),
-            dims,
-        )
-    }
-
-    fn sparse_attention_backward_unchecked(
-        &self,
-        inputs: AttentionInputs<View<'_, CudaBuf>>,
-        indices: View<'_, CudaBuf>,
-        out: View<'_, CudaBuf>,
-        lse: View<'_, CudaBuf>,
-        dout: View<'_, CudaBuf>,
-        grads: AttentionInputs<ViewMut<'_, CudaBuf>>,
-        dims: SparseAttentionDims,
-    ) -> Result<()> {
-        let inputs = AttentionInputs {
-            q: self.v(inputs.q),
-            k: self.v(inputs.k),
-            v: self.v(inputs.v),
-        };
-        let grads = AttentionInputs {
-            q: self.m(&grads.q),
-            k: self.m(&grads.k),
-            v: self.m(&grads.v),
-        };
-        let len = sparse_attention_scratch_len(dims).ok_or_else(|| {
-            unsupported(
-                "sparse_attention_backward",
-                "the scratch overflows".to_string(),
-            )
-        })?;
-        let (scratch, _scratch_buf) = self.scratch_uninit(len.max(1), DType::F32)?;
-        self.k().sparse_attention_backward(
-            self.s(),
-            inputs,
-            self.v(indices),
-            (self.v(out), self.v(lse), self.v(dout)),
-            grads,
-            scratch,
-            dims,
-        )
     }
 
     fn sparse_mqa_forward_unchecked(
@@ -674,7 +578,15 @@ impl KernelSet {
         dims: IndexerLossDims,
     ) -> Result<()> {
         let kn = "dsa_indexer_loss";
-        attention_widths(kn, dims.qk_dim, 0)?;
+        if dims.qk_dim > MQA_MAX_DIM {
+            return Err(unsupported(
+                kn,
+                format!(
+                    "a shared key row of {} channels; the GPU kernel takes at most {MQA_MAX_DIM}",
+                    dims.qk_dim
+                ),
+            ));
+        }
         let rows = dims.tokens.rows()?;
         if rows == 0 {
             return Ok(());
@@ -754,125 +666,6 @@ impl KernelSet {
             .arg(&dim)
             .arg(&dims.weight_scale)
             .arg(&scale);
-        self.go(kk, &mut b, config)
-    }
-
-    /// `Backend::sparse_attention_forward`: `out` in its dtype and `lse`
-    /// f32 `[rows, heads]`.
-    pub fn sparse_attention_forward(
-        &self,
-        stream: &CudaStream,
-        inputs: AttentionInputs<GpuView>,
-        indices: GpuView,
-        out: GpuView,
-        lse: GpuView,
-        dims: SparseAttentionDims,
-    ) -> Result<()> {
-        let kn = "dsa_sparse_forward";
-        attention_widths(kn, dims.qk_dim, dims.v_dim)?;
-        let rows = dims.tokens.rows()?;
-        if rows == 0 || dims.heads == 0 {
-            return Ok(());
-        }
-        let shape = SparseShape::new(kn, dims)?;
-        let config = row_head_grid(kn, rows, dims.heads, SA_THREADS)?;
-        let AttentionInputs { q, k, v } = inputs;
-        let [qt, kt, vt, ot] = [q, k, v, out].map(|x| dtype_tag(x.dtype));
-        let mut b = KernelArgs::new(stream, self.function(kn)?);
-        b.arg(&q.ptr)
-            .arg(&qt)
-            .arg(&k.ptr)
-            .arg(&kt)
-            .arg(&v.ptr)
-            .arg(&vt);
-        b.arg(&indices.ptr).arg(&out.ptr).arg(&ot).arg(&lse.ptr);
-        b.arg(&shape.seq)
-            .arg(&shape.heads)
-            .arg(&shape.qk)
-            .arg(&shape.v);
-        b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
-        self.go(kn, &mut b, config)
-    }
-
-    /// `Backend::sparse_attention_backward`, with `scratch` (4-byte
-    /// elements) of at least [`sparse_attention_scratch_len`]: the query
-    /// side (dq, and the bitmap of selected pairs, zeroed here first), then
-    /// the key side (dk, dv).
-    #[allow(clippy::too_many_arguments)]
-    pub fn sparse_attention_backward(
-        &self,
-        stream: &CudaStream,
-        inputs: AttentionInputs<GpuView>,
-        indices: GpuView,
-        (out, lse, dout): (GpuView, GpuView, GpuView),
-        grads: AttentionInputs<GpuView>,
-        scratch: GpuView,
-        dims: SparseAttentionDims,
-    ) -> Result<()> {
-        let kq = "dsa_sparse_backward_dq";
-        attention_widths(kq, dims.qk_dim, dims.v_dim)?;
-        let rows = dims.tokens.rows()?;
-        if rows == 0 || dims.heads == 0 {
-            return Ok(());
-        }
-        let need = sparse_attention_scratch_len(dims)
-            .ok_or_else(|| unsupported(kq, "the scratch overflows".to_string()))?;
-        ensure(scratch.len >= need && scratch.dtype.bytes() == 4, || {
-            format!(
-                "{kq}: `scratch` has {} elements of {}, these dimensions need {need} of 4 bytes \
-                 (sparse_attention_scratch_len)",
-                scratch.len, scratch.dtype
-            )
-        })?;
-        let shape = SparseShape::new(kq, dims)?;
-        let delta = scratch.ptr;
-        let bitmap = scratch.ptr + (rows * dims.heads * 4) as u64;
-        let words = bitmap_words(dims.tokens.seq);
-        self.zero_bytes(stream, bitmap, rows * words * 4)?;
-        let words = u32_of(kq, "bitmap words", words)?;
-        let config = row_head_grid(kq, rows, dims.heads, SA_THREADS)?;
-        let AttentionInputs { q, k, v } = inputs;
-        let [qt, kt, vt, ot, gt] = [q, k, v, out, dout].map(|x| dtype_tag(x.dtype));
-        let [dqt, dkt, dvt] = [grads.q, grads.k, grads.v].map(|x| dtype_tag(x.dtype));
-        let mut b = KernelArgs::new(stream, self.function(kq)?);
-        b.arg(&q.ptr)
-            .arg(&qt)
-            .arg(&k.ptr)
-            .arg(&kt)
-            .arg(&v.ptr)
-            .arg(&vt);
-        b.arg(&indices.ptr).arg(&out.ptr).arg(&ot).arg(&lse.ptr);
-        b.arg(&dout.ptr).arg(&gt).arg(&grads.q.ptr).arg(&dqt);
-        b.arg(&delta).arg(&bitmap).arg(&words);
-        b.arg(&shape.seq)
-            .arg(&shape.heads)
-            .arg(&shape.qk)
-            .arg(&shape.v);
-        b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
-        self.go(kq, &mut b, config)?;
-        let kk = "dsa_sparse_backward_dkdv";
-        let mut b = KernelArgs::new(stream, self.function(kk)?);
-        b.arg(&q.ptr)
-            .arg(&qt)
-            .arg(&k.ptr)
-            .arg(&kt)
-            .arg(&v.ptr)
-            .arg(&vt);
-        b.arg(&lse.ptr)
-            .arg(&dout.ptr)
-            .arg(&gt)
-            .arg(&delta)
-            .arg(&bitmap);
-        b.arg(&words)
-            .arg(&grads.k.ptr)
-            .arg(&dkt)
-            .arg(&grads.v.ptr)
-            .arg(&dvt);
-        b.arg(&shape.seq)
-            .arg(&shape.heads)
-            .arg(&shape.qk)
-            .arg(&shape.v);
-        b.arg(&dims.scale);
         self.go(kk, &mut b, config)
     }
 
@@ -1072,27 +865,6 @@ fn warp_rows(kernel: &str, rows: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// The sparse attention kernels' dimensions as they take them.
-struct SparseShape {
-    seq: u32,
-    heads: u32,
-    qk: u32,
-    v: u32,
-    topk: u32,
-}
-
-impl SparseShape {
-    fn new(kernel: &str, d: SparseAttentionDims) -> Result<SparseShape> {
-        Ok(SparseShape {
-            seq: u32_of(kernel, "sequence length", d.tokens.seq)?,
-            heads: u32_of(kernel, "heads", d.heads)?,
-            qk: d.qk_dim as u32,
-            v: d.v_dim as u32,
-            topk: u32_of(kernel, "top-k", d.topk)?,
-        })
-    }
-}
-
 /// The MQA kernels' dimensions as they take them; rows wider than
 /// [`MQA_MAX_DIM`] are `Unsupported`.
 struct MqaShape {
@@ -1138,7 +910,6 @@ mod tests {
                 ("IX_MAX_DIM", INDEXER_MAX_DIM),
                 ("IX_TILE", IX_TILE),
                 ("SA_THREADS", SA_THREADS as usize),
-                ("SA_MAX_DIM", SPARSE_MAX_DIM),
                 ("MQA_MAX_DIM", MQA_MAX_DIM),
                 ("TOPK_THREADS", TOPK_THREADS as usize),
                 ("LOSS_THREADS", LOSS_THREADS as usize),
@@ -1158,15 +929,15 @@ mod tests {
 
     #[test]
     fn the_scratch_holds_a_value_a_row_and_head_and_a_bit_a_pair() {
-        let dims = SparseAttentionDims {
+        let dims = SparseMqaDims {
             tokens: crate::backend::Tokens::new(2, 33),
             heads: 3,
             qk_dim: 8,
-            v_dim: 8,
+            v_dim: 6,
             topk: 4,
             scale: 1.0,
         };
-        assert_eq!(sparse_attention_scratch_len(dims), Some(66 * 3 + 66 * 2));
-        assert_eq!(sparse_attention_scratch_bytes(dims), 4 * (66 * 5));
+        assert_eq!(sparse_mqa_scratch_len(dims), Some(66 * 3 + 66 * 2));
+        assert_eq!(sparse_mqa_scratch_bytes(dims), 4 * (66 * 5));
     }
 }
