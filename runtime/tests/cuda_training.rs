@@ -316,9 +316,8 @@ fn on_one_gpu_a_step_reads_the_host_once() {
     let mut c = config("[M*E][M*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
     c.steps = 3;
     c.micro_batches = 3;
-    let reads = |c: &TrainConfig| -> Vec<u64> {
-        run(c).0.iter().map(|r| r.device.host_reads).collect()
-    };
+    let reads =
+        |c: &TrainConfig| -> Vec<u64> { run(c).0.iter().map(|r| r.device.host_reads).collect() };
     assert_eq!(reads(&c), vec![1; 3], "the grouped kernel");
     c.expert_gemm = ExpertGemm::Cublas;
     let cublas = reads(&c);

@@ -456,8 +456,7 @@ fn the_host_reads_the_moe_counts_and_the_step_end_only() {
                     .filter(|n| n.has_expert_exchange())
                     .count();
                 let per_moe_layer = u64::from(ep > 1);
-                let budget =
-                    per_moe_layer * (moe_layers * c.micro_batches) as u64 + STEP_END_READS;
+                let budget = per_moe_layer * (moe_layers * c.micro_batches) as u64 + STEP_END_READS;
                 let reads: Vec<u64> = run(&c)
                     .reports
                     .iter()

@@ -111,12 +111,22 @@ pub enum SegmentedMatmul<S, M> {
     /// `e`, with `a` `[m, k]` and `c` `[m, n]` (not transposed) and `b[e]`
     /// `[k, n]`, or `[n, k]` with `b_trans`. Rows of other segments are
     /// neither read into a segment's sums nor written by it.
-    Rows { a: S, b: Vec<S>, c: M, dims: MatmulDims },
+    Rows {
+        a: S,
+        b: Vec<S>,
+        c: M,
+        dims: MatmulDims,
+    },
     /// Variable K (a weight gradient): `c[e] += a[rows_e]^T b[rows_e]` for
     /// each segment `e`, with `a` `[k, m]`, `b` `[k, n]` and `c[e]` `[m,
     /// n]` (`a_trans`, not `b_trans`, accumulating). A segment without rows
     /// leaves its `c[e]` as it is.
-    Depth { a: S, b: S, c: Vec<M>, dims: MatmulDims },
+    Depth {
+        a: S,
+        b: S,
+        c: Vec<M>,
+        dims: MatmulDims,
+    },
 }
 
 /// A [`SegmentedMatmul`] on `B`'s views.
@@ -307,7 +317,11 @@ pub fn check_segmented_matmul(
             same_dtype(k, ("problems[0].C", out), (&name("C"), other.dtype))?;
             other.has_len(k, &name("C"), shared_len(m, n)?)?;
         }
-        let segment_len = if depth { product(k, &[m, n])? } else { product(k, &[kk, n])? };
+        let segment_len = if depth {
+            product(k, &[m, n])?
+        } else {
+            product(k, &[kk, n])?
+        };
         for (e, v) in b.iter().enumerate() {
             let arg = format!("problems[{i}].{per_segment}[{e}]");
             v.float(k, &arg)?;

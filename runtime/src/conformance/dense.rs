@@ -6,7 +6,9 @@
 use super::Suite;
 use super::case::{Bufs, Expected, KernelCase, download_values, upload_values};
 use super::reference::{self as r, round_to};
-use crate::backend::{Backend, CopyCols, GroupedMatmul, MatmulDims, SegmentedGroup, SegmentedMatmul};
+use crate::backend::{
+    Backend, CopyCols, GroupedMatmul, MatmulDims, SegmentedGroup, SegmentedMatmul,
+};
 use crate::error::Result;
 use crate::view::{DType, View, ViewMut};
 

@@ -287,15 +287,19 @@ pub(super) fn reserve_shared_memory(
     target: Target,
 ) -> Option<u32> {
     let reserved = target == Target::HOPPER
-        && KERNELS.iter().chain(&ROWS_KERNELS).chain([&DEPTH_KERNEL]).all(|name| {
-            functions.get(name).is_some_and(|f| {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    SHARED_BYTES as i32,
-                )
-                .is_ok()
-            })
-        });
+        && KERNELS
+            .iter()
+            .chain(&ROWS_KERNELS)
+            .chain([&DEPTH_KERNEL])
+            .all(|name| {
+                functions.get(name).is_some_and(|f| {
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        SHARED_BYTES as i32,
+                    )
+                    .is_ok()
+                })
+            });
     let sms = context
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .ok()

@@ -1,10 +1,13 @@
 //! The local experts as one grouped operation. The received rows, grouped
 //! expert-major ([`ExpertGroups`]), are one buffer in which each expert owns
 //! a contiguous row range; every GEMM of the expert MLPs is then one
-//! [`Backend::grouped_matmul`] over those ranges (fc1, fc2, and both
-//! backward passes), and the activation and its backward one launch over all
-//! rows. Each problem of a grouped call is the matmul the per-expert loop
-//! ran, so the bits are the same.
+//! [`SegmentedMatmul`] over those ranges (fc1, fc2, and both backward
+//! passes), run as a [`Backend::grouped_matmul`] of the ranges where the
+//! host knows them (expert parallelism above 1) or as a
+//! [`Backend::segmented_matmul`] that reads them on the device (expert
+//! parallelism 1), and the activation and its backward one launch over all
+//! rows. Each expert's product is the matmul the per-expert loop ran, so the
+//! bits are the same either way.
 //!
 //! For SwiGLU the fc1 output of all rows is two planes,
 //! `[gate: total x F | up: total x F]`, so one `silu_mul` covers every
@@ -233,7 +236,9 @@ impl MoeLayer {
                     let planes = half * f..(half + 1) * f;
                     let fc1 = SegmentedMatmul::Rows {
                         a: rows_of(b, &d_pre, half * total..(half + 1) * total, f)?,
-                        b: per_expert::<B>(l, |j| weight_rows(b, w(self.fc1(j))?, h, planes.clone()))?,
+                        b: per_expert::<B>(l, |j| {
+                            weight_rows(b, w(self.fc1(j))?, h, planes.clone())
+                        })?,
                         c: b.view_mut(&d_in_grouped)?,
                         dims: MatmulDims::linear_input_grad(total, h, f, accumulate),
                     };

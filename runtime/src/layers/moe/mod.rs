@@ -13,11 +13,16 @@
 //!   rows sorted by (global expert, token, k-slot). Global expert `e` lives
 //!   on EP rank `e / L` as local expert `e % L` (`L = E / ep`), so the buffer
 //!   is already cut into per-rank segments ([`MoeLayer::counts_per_rank`]).
-//! - `dispatch` (comm lane): the host reads the `E` per-expert counts (the
-//!   layer's one host read per micro-batch: the all-to-all needs its sizes),
-//!   exchanges them ([`crate::Collective::all_to_all_counts`]) and the rows
+//! - `dispatch` (comm lane): under expert parallelism the host reads the `E`
+//!   per-expert counts (the layer's one host read per micro-batch: the
+//!   all-to-all needs its sizes), exchanges them
+//!   ([`crate::Collective::all_to_all_counts`]) and the rows
 //!   ([`crate::Collective::all_to_all`]); received rows are ordered by
-//!   (source rank, local expert, ...).
+//!   (source rank, local expert, ...). Under expert parallelism 1 the rows
+//!   stay where they are and nothing is read: the experts' GEMMs take each
+//!   expert's rows from the router's device counts
+//!   ([`Backend::segmented_matmul`]). Aux-loss-free balancing reads the
+//!   counts either way (its load is summed on the host).
 //! - `experts` (mlp slot): regroups the received rows expert-major (then by
 //!   source rank) on the device, runs every local expert as grouped matmuls
 //!   (`experts.rs`), and writes the outputs back in received order, ready to
@@ -801,9 +806,9 @@ impl MoeLayer {
     /// the device) receives the load-balancing loss: `Prepare` adds this
     /// layer's and micro-batch's, the other steps leave it alone, so a caller
     /// can sum every layer (and micro-batch) in one buffer and read it once.
-    /// `Dispatch` reads the `E` per-expert counts back to the host (the
-    /// all-to-all's sizes): the layer's only host read; with balancing it
-    /// adds them to `router.balance`'s load.
+    /// `Dispatch` reads the `E` per-expert counts back to the host where it
+    /// needs them (the all-to-all's sizes under expert parallelism; the
+    /// balancing load, to which it adds them): the layer's only host read.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_step<B: Backend, X: ExpertExchange<B>>(
         &self,
@@ -850,7 +855,9 @@ impl MoeLayer {
                     counts,
                 },
             ) => {
-                let counts = counts.map(|read| routing.finish_counts(b, read)).transpose()?;
+                let counts = counts
+                    .map(|read| routing.finish_counts(b, read))
+                    .transpose()?;
                 if let Some(balance) = &router.balance {
                     let counts = counts.as_deref().ok_or_else(|| {
                         out_of_order(step.name(), "a prepare routed without the balancing bias")
