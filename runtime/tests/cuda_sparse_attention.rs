@@ -624,6 +624,105 @@ fn sparse_attention_conforms() {
     }
 }
 
+/// The tensor-core forward of the shared-row attention (bf16 q and kv,
+/// rows of 576, values 512: `dsa_mqa_forward_mma`) against the CPU, with
+/// the heads over two blocks (64 + 16, the second a single group of 16)
+/// and with 20 heads (a group padded from 4 heads to 16), selections over
+/// several key blocks and rows with fewer keys than top-k: within bf16's
+/// tolerance, the same bits on a rerun.
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_core_mqa_forward_matches_the_cpu() {
+    let cuda = gpu(Precision::Bf16);
+    let cpu = CpuBackend::new(Precision::Bf16);
+    let mut failures = Vec::new();
+    for (heads, seq, topk) in [(80usize, 70usize, 40usize), (20, 130, 72)] {
+        let (qk, v, batch) = (576, 512, 2);
+        let rows = batch * seq;
+        let mut rng = Rng(conformance::Rng::new(0xa11 + heads as u64));
+        let q = rng.vec(rows * heads * qk, 1.0);
+        let kv = rng.vec(rows * qk, 1.0);
+        // Each query's keys: every third causal position from the newest,
+        // at most top-k of them, ascending, padded.
+        let mut indices = vec![u32::MAX; rows * topk];
+        for r in 0..rows {
+            let t = r % seq;
+            let mut keys: Vec<u32> = (0..=t as u32).rev().step_by(3).take(topk).collect();
+            keys.sort_unstable();
+            indices[r * topk..][..keys.len()].copy_from_slice(&keys);
+        }
+        let dims = SparseMqaDims {
+            tokens: Tokens::new(batch, seq),
+            heads,
+            qk_dim: qk,
+            v_dim: v,
+            topk,
+            scale: 1.0 / 192f32.sqrt(),
+        };
+        let forward = |b: &CudaBackend| {
+            let (qb, kvb, ix) = (
+                up(b, &q, DType::Bf16),
+                up(b, &kv, DType::Bf16),
+                up_u32(b, &indices),
+            );
+            let out = poisoned(b, rows * heads * v, DType::Bf16);
+            let lse = poisoned(b, rows * heads, DType::F32);
+            b.sparse_mqa_forward(
+                b.view(&qb).unwrap(),
+                b.view(&kvb).unwrap(),
+                b.view(&ix).unwrap(),
+                b.view_mut(&out).unwrap(),
+                b.view_mut(&lse).unwrap(),
+                dims,
+            )
+            .expect("sparse_mqa_forward");
+            (down(b, &out, DType::Bf16), down(b, &lse, DType::F32))
+        };
+        let (qb, kvb, ix) = (
+            up(&cpu, &q, DType::Bf16),
+            up(&cpu, &kv, DType::Bf16),
+            up_u32(&cpu, &indices),
+        );
+        let out = poisoned(&cpu, rows * heads * v, DType::Bf16);
+        let lse = poisoned(&cpu, rows * heads, DType::F32);
+        cpu.sparse_mqa_forward(
+            cpu.view(&qb).unwrap(),
+            cpu.view(&kvb).unwrap(),
+            cpu.view(&ix).unwrap(),
+            cpu.view_mut(&out).unwrap(),
+            cpu.view_mut(&lse).unwrap(),
+            dims,
+        )
+        .expect("cpu sparse_mqa_forward");
+        let want = (down(&cpu, &out, DType::Bf16), down(&cpu, &lse, DType::F32));
+        let got = forward(&cuda);
+        let again = forward(&cuda);
+        for (name, g, a, w) in [
+            ("out", &got.0, &again.0, &want.0),
+            ("lse", &got.1, &again.1, &want.1),
+        ] {
+            let err = error(&f32s(g), &f32s(w));
+            let repeat = g.bits() == a.bits();
+            println!(
+                "tensor-core MQA forward, {heads} heads, {seq} tokens x {batch}, top {topk}: \
+                 {name} err {err:.2e} (tol {:.1e}) {}",
+                tolerance(DType::Bf16),
+                if repeat {
+                    "repeats"
+                } else {
+                    "DIFFERS between runs"
+                }
+            );
+            if err > tolerance(DType::Bf16) || !repeat {
+                failures.push(format!(
+                    "{heads} heads {name}: err {err:.3e} repeat {repeat}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// A selected key past the sequence (forward) or selected twice by one
 /// query (backward) is reported through the device fault word, naming the
 /// query row, at the next host read.

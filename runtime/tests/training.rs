@@ -820,18 +820,25 @@ fn dsa_is_prepared_for_a_gpu_as_for_the_cpu() {
         prepare(&c).unwrap_or_else(|e| panic!("{pattern} on the CPU: {e}"));
         prepare_on(&c, a_gpu()).unwrap_or_else(|e| panic!("{pattern} on a GPU: {e}"));
     }
-    // Heads wider than the GPU kernels take: refused before any work on a
+    // Indexer heads or latent rows (kv_lora_rank + rope, what `D` attends
+    // over) wider than the GPU kernels take: refused before any work on a
     // GPU, naming the setting and the limit; the CPU trains them.
-    for setting in ["dsa.index_head_dim = 256", "mla.v_head_dim = 640"] {
+    for (setting, named) in [
+        ("dsa.index_head_dim = 256", "dsa.index_head_dim = 256"),
+        (
+            "mla.kv_lora_rank = 1024",
+            "mla.kv_lora_rank + mla.qk_rope_head_dim",
+        ),
+    ] {
         let mut c = config("M[DE]");
         c.ep = 1;
         if setting.starts_with("dsa") {
             c.model.dsa.as_mut().unwrap().index_head_dim = 256;
         } else {
-            c.model.mla.as_mut().unwrap().v_head_dim = 640;
+            c.model.mla.as_mut().unwrap().kv_lora_rank = 1024;
         }
         let err = prepare_on(&c, a_gpu()).err().expect("refused on a GPU");
-        assert!(err.to_string().contains(setting), "{err}");
+        assert!(err.to_string().contains(named), "{err}");
         prepare(&c).unwrap_or_else(|e| panic!("{setting} on the CPU: {e}"));
     }
 }

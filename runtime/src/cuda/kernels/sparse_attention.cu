@@ -1414,6 +1414,227 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_backward_dkv(
     }
 }
 
+// ---- sparse attention over one shared key/value row (MQA), tensor cores ------------
+//
+// `Backend::sparse_mqa_forward` with bf16 q and kv on tensor cores
+// (`mma.sync.m16n8k16`, bf16 operands, f32 sums), the heads as the M
+// dimension: a block takes one query row and up to MQT_HEADS of its heads
+// (a group of 4 warps for each 16 heads; heads past the last are zero
+// rows). The row's selected keys pass MQT_KEYS at a time: their kv rows are
+// gathered into shared memory with `cp.async` (the next block's while this
+// one is multiplied) and serve as both K and V. Per block, warp q of a
+// group computes the scores of its 16 heads against keys [8q, 8q + 8)
+// (S = Q K^T over the row's channels in 16-channel steps), the group's
+// four partial row maxima meet in shared memory (in warp order), every
+// warp rescales by the same running max, writes its probabilities (bf16)
+// to shared memory, and then owns a quarter of the value channels: O +=
+// P V over the block's keys (FlashAttention's online softmax, the
+// probabilities rounded to bf16 for the second product as it does; the
+// row sums are kept in f32 from the unrounded ones, a warp's keys then the
+// four warps in order). Every sum has one order fixed by the shapes, so a
+// rerun gives the same bits. Takes qk_dim a multiple of 16 up to
+// MQT_MAX_QK and v_dim a multiple of 64 up to MQT_MAX_V, 16-byte aligned
+// rows; the launcher falls back to the CUDA-core kernel otherwise. out in
+// its dtype, lse f32 `[rows, heads]` (-inf and zeros for a row with no key).
+
+// Keys a block gathers at a time, widest row, widest value, heads a block.
+#define MQT_KEYS 32
+#define MQT_MAX_QK 576
+#define MQT_MAX_V 512
+#define MQT_HEADS 64
+// Elements between two staged rows (q and kv tiles), and of the
+// probabilities' tile: 16 bytes past a multiple of 128, so the eight rows an
+// `ldmatrix` reads fall in different banks.
+#define MQT_PITCH (MQT_MAX_QK + 8)
+#define MQT_P_PITCH (MQT_KEYS + 8)
+
+// Two 8 x 8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(address));
+}
+
+// Gathers the kv rows of slots [s0, s0 + MQT_KEYS) of query row r into
+// `tile` (rows of a missing key as zeros) after writing their positions to
+// `keys`; the whole block calls it. Issues (does not wait for) the copies.
+__device__ __forceinline__ void mqt_gather(bf16* tile, u32* keys, const bf16* kv, const u32* indices, u64 r, u32 topk,
+                                           u32 s0, u32 t, u32 seq, u64 base, u32 qk_dim, u64* status) {
+    if (threadIdx.x < MQT_KEYS) {
+        const u32 slot = s0 + threadIdx.x;
+        keys[threadIdx.x] = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
+    }
+    __syncthreads();
+    const u32 chunks = qk_dim / 8;
+    for (u32 c = threadIdx.x; c < MQT_KEYS * chunks; c += blockDim.x) {
+        const u32 i = c / chunks;
+        const u32 col = (c % chunks) * 8;
+        const u32 u = keys[i];
+        const bool ok = u != NO_KEY;
+        copy16_async(shared_address(tile + i * MQT_PITCH + col), ok ? kv + (base + u) * qk_dim + col : kv, ok);
+    }
+    commit_async();
+}
+
+extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
+    const bf16* q, const bf16* kv, const u32* indices, void* out, int ot, float* lse, u32 seq, u32 heads,
+    u32 qk_dim, u32 v_dim, u32 topk, float scale, u64* status) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char mqt_shared[];
+    const u32 groups = blockDim.x / 128;
+    const u32 rows_q = groups * 16;
+    bf16* qs = reinterpret_cast<bf16*>(mqt_shared);
+    bf16* ks = qs + rows_q * MQT_PITCH;
+    bf16* ps = ks + 2 * MQT_KEYS * MQT_PITCH;
+    float* red = reinterpret_cast<float*>(ps + rows_q * MQT_P_PITCH);
+    u32* keys = reinterpret_cast<u32*>(red + rows_q * 4);
+    const u64 r = blockIdx.x;
+    const u32 h0 = blockIdx.y * MQT_HEADS;
+    const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
+    const u32 t = static_cast<u32>(r % seq);
+    const u64 base = r - t;
+    const u32 warp = threadIdx.x / 32;
+    const u32 lane = threadIdx.x & 31;
+    const u32 g = warp / 4;
+    const u32 quarter = warp % 4;
+    // The block's query heads (rows past nh as zeros).
+    {
+        const u32 chunks = qk_dim / 8;
+        for (u32 c = threadIdx.x; c < rows_q * chunks; c += blockDim.x) {
+            const u32 i = c / chunks;
+            const u32 col = (c % chunks) * 8;
+            const bool ok = i < nh;
+            copy16_async(shared_address(qs + i * MQT_PITCH + col), ok ? q + (r * heads + h0 + i) * qk_dim + col : q, ok);
+        }
+    }
+    const u32 blocks = (topk + MQT_KEYS - 1) / MQT_KEYS;
+    mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
+    const u32 vq = v_dim / 4;
+    float acc[MQT_MAX_V / 32][4];
+#pragma unroll
+    for (int n = 0; n < MQT_MAX_V / 32; ++n) {
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    }
+    float run_max[2] = {neg_inf(), neg_inf()};
+    float run_sum[2] = {0.0f, 0.0f};
+    const u32 row_a = g * 16 + (lane >> 2);
+    for (u32 blk = 0; blk < blocks; ++blk) {
+        const u32 cur = blk & 1;
+        const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
+        const u32* kk = keys + cur * MQT_KEYS;
+        if (blk + 1 < blocks) {
+            mqt_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, kv, indices, r, topk,
+                       (blk + 1) * MQT_KEYS, t, seq, base, qk_dim, status);
+            wait_async<1>();
+        } else {
+            wait_async<0>();
+        }
+        __syncthreads();
+        // S for the group's 16 heads x keys [8 quarter, 8 quarter + 8).
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 c0 = 0; c0 < qk_dim; c0 += 16) {
+            u32 fa[4];
+            ldmatrix_x4(fa, shared_address(qs + (g * 16 + (lane & 15)) * MQT_PITCH + c0 + (lane >> 4) * 8));
+            u32 fb[2];
+            ldmatrix_x2(fb, shared_address(kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + c0 + ((lane >> 3) & 1) * 8));
+            mma_bf16(s, fa, fb[0], fb[1]);
+        }
+        const u32 col = quarter * 8 + 2 * (lane & 3);
+        const bool valid0 = kk[col] != NO_KEY;
+        const bool valid1 = kk[col + 1] != NO_KEY;
+        // s[0], s[1]: row lane / 4, keys col, col + 1; s[2], s[3]: row + 8.
+        s[0] = valid0 ? scale * s[0] : neg_inf();
+        s[1] = valid1 ? scale * s[1] : neg_inf();
+        s[2] = valid0 ? scale * s[2] : neg_inf();
+        s[3] = valid1 ? scale * s[3] : neg_inf();
+        float part[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 1));
+            part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 2));
+        }
+        if ((lane & 3) == 0) {
+            red[row_a * 4 + quarter] = part[0];
+            red[(row_a + 8) * 4 + quarter] = part[1];
+        }
+        __syncthreads();
+        float alpha[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float* m4 = red + (row_a + half * 8) * 4;
+            const float block_max = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+            const float next = fmaxf(run_max[half], block_max);
+            float p0 = 0.0f;
+            float p1 = 0.0f;
+            if (next != neg_inf()) {
+                p0 = s[2 * half] == neg_inf() ? 0.0f : expf(s[2 * half] - next);
+                p1 = s[2 * half + 1] == neg_inf() ? 0.0f : expf(s[2 * half + 1] - next);
+            }
+            alpha[half] = run_max[half] == neg_inf() ? (next == neg_inf() ? 1.0f : 0.0f) : expf(run_max[half] - next);
+            float ps_sum = p0 + p1;
+            ps_sum += __shfl_xor_sync(0xffffffffu, ps_sum, 1);
+            ps_sum += __shfl_xor_sync(0xffffffffu, ps_sum, 2);
+            run_sum[half] = run_sum[half] * alpha[half] + ps_sum;
+            run_max[half] = next;
+            *reinterpret_cast<u32*>(ps + (row_a + half * 8) * MQT_P_PITCH + col) = pack_bf16(p0, p1);
+        }
+#pragma unroll
+        for (int n = 0; n < MQT_MAX_V / 32; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+        __syncthreads();
+        // O[16 heads x this warp's quarter of the values] += P V.
+#pragma unroll
+        for (int k16 = 0; k16 < MQT_KEYS / 16; ++k16) {
+            u32 fa[4];
+            ldmatrix_x4(fa, shared_address(ps + (g * 16 + (lane & 15)) * MQT_P_PITCH + k16 * 16 + (lane >> 4) * 8));
+#pragma unroll
+            for (int np = 0; np < MQT_MAX_V / 64; ++np) {
+                if (static_cast<u32>(np) * 16 < vq) {
+                    u32 fb[4];
+                    const u32 row = k16 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    const u32 c = quarter * vq + np * 16 + (lane >> 4) * 8;
+                    ldmatrix_x4_trans(fb, shared_address(kt + row * MQT_PITCH + c));
+                    mma_bf16(acc[2 * np], fa, fb[0], fb[1]);
+                    mma_bf16(acc[2 * np + 1], fa, fb[2], fb[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // The row sums: the four warps' partial sums in warp order.
+    if ((lane & 3) == 0) {
+        red[row_a * 4 + quarter] = run_sum[0];
+        red[(row_a + 8) * 4 + quarter] = run_sum[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const u32 i = row_a + half * 8;
+        const float* l4 = red + i * 4;
+        const float sum = ((l4[0] + l4[1]) + l4[2]) + l4[3];
+        if (i >= nh) {
+            continue;
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const u64 at = (r * heads + h0 + i) * v_dim + quarter * vq;
+#pragma unroll
+        for (int n = 0; n < MQT_MAX_V / 32; ++n) {
+            const u32 c = n * 8 + 2 * (lane & 3);
+            if (c < vq) {
+                store(out, ot, at + c, acc[n][2 * half] * inv);
+                store(out, ot, at + c + 1, acc[n][2 * half + 1] * inv);
+            }
+        }
+        if (quarter == 0 && (lane & 3) == 0) {
+            lse[r * heads + h0 + i] = sum > 0.0f ? run_max[half] + logf(sum) : neg_inf();
+        }
+    }
+}
+
 // ---- LayerNorm with bias ---------------------------------------------------------
 
 // A warp a row: mean, rstd = 1 / sqrt(var + eps), y = (x - mean) rstd w + b;

@@ -130,6 +130,40 @@ pub fn indexer_on_tensor_cores(q: &GpuView, k: &GpuView, head_dim: usize) -> boo
 /// The widest shared key row of the sparse attention kernels and of the
 /// indexer loss (`MQA_MAX_DIM`).
 pub const MQA_MAX_DIM: usize = 1024;
+/// The tensor-core MQA forward's key block, widest row and value, and
+/// heads a block (`MQT_*`), and its staged rows' pitches (elements).
+const MQT_KEYS: usize = 32;
+pub const MQT_MAX_QK: usize = 576;
+pub const MQT_MAX_V: usize = 512;
+const MQT_HEADS: usize = 64;
+const MQT_PITCH: usize = MQT_MAX_QK + 8;
+const MQT_P_PITCH: usize = MQT_KEYS + 8;
+
+/// Dynamic shared memory (bytes) of the tensor-core MQA forward with
+/// `groups` groups of 16 heads: the query heads, two key blocks and the
+/// probabilities (bf16), the row maxima (f32) and two blocks' positions.
+fn mqt_shared(groups: usize) -> usize {
+    let rows = groups * 16;
+    (rows * MQT_PITCH + 2 * MQT_KEYS * MQT_PITCH + rows * MQT_P_PITCH) * 2
+        + rows * 4 * 4
+        + 2 * MQT_KEYS * 4
+}
+
+/// Whether the MQA forward runs on tensor cores: q and kv stored in bf16
+/// at 16-byte aligned addresses, rows a multiple of 16 channels up to
+/// [`MQT_MAX_QK`], values a multiple of 64 up to [`MQT_MAX_V`]. Otherwise
+/// the CUDA-core kernel runs.
+pub fn mqa_on_tensor_cores(q: &GpuView, kv: &GpuView, dims: SparseMqaDims) -> bool {
+    q.dtype == DType::Bf16
+        && kv.dtype == DType::Bf16
+        && dims.qk_dim.is_multiple_of(16)
+        && dims.qk_dim <= MQT_MAX_QK
+        && dims.v_dim.is_multiple_of(64)
+        && dims.v_dim <= MQT_MAX_V
+        && q.ptr.is_multiple_of(16)
+        && kv.ptr.is_multiple_of(16)
+}
+
 /// Threads of a sparse attention block (`SA_THREADS`).
 const SA_THREADS: u32 = 128;
 /// Threads of a top-k block (`TOPK_THREADS`).
@@ -686,6 +720,28 @@ impl KernelSet {
             return Ok(());
         }
         let shape = MqaShape::new(kn, dims)?;
+        if mqa_on_tensor_cores(&q, &kv, dims)
+            && self.reserve_shared("dsa_mqa_forward_mma", mqt_shared(MQT_HEADS / 16))?
+        {
+            let km = "dsa_mqa_forward_mma";
+            let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
+            let config = grid_of(
+                km,
+                [rows, dims.heads.div_ceil(MQT_HEADS), 1],
+                (groups * 128) as u32,
+                mqt_shared(groups),
+            )?;
+            let ot = dtype_tag(out.dtype);
+            let mut b = KernelArgs::new(stream, self.function(km)?);
+            b.arg(&q.ptr).arg(&kv.ptr).arg(&indices.ptr);
+            b.arg(&out.ptr).arg(&ot).arg(&lse.ptr);
+            b.arg(&shape.seq)
+                .arg(&shape.heads)
+                .arg(&shape.qk)
+                .arg(&shape.v);
+            b.arg(&shape.topk).arg(&dims.scale).arg(&self.fault_ptr);
+            return self.go(km, &mut b, config);
+        }
         let config = row_head_grid(kn, rows, dims.heads, SA_THREADS)?;
         let [qt, kvt, ot] = [q, kv, out].map(|x| dtype_tag(x.dtype));
         let mut b = KernelArgs::new(stream, self.function(kn)?);
@@ -911,6 +967,10 @@ mod tests {
                 ("IX_TILE", IX_TILE),
                 ("SA_THREADS", SA_THREADS as usize),
                 ("MQA_MAX_DIM", MQA_MAX_DIM),
+                ("MQT_KEYS", MQT_KEYS),
+                ("MQT_MAX_QK", MQT_MAX_QK),
+                ("MQT_MAX_V", MQT_MAX_V),
+                ("MQT_HEADS", MQT_HEADS),
                 ("TOPK_THREADS", TOPK_THREADS as usize),
                 ("LOSS_THREADS", LOSS_THREADS as usize),
                 ("IXT_PITCH", IXT_PITCH),
