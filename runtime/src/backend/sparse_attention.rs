@@ -652,11 +652,11 @@ macro_rules! sparse_attention_methods {
         }
 
         /// Backward of [`Backend::sparse_mqa_forward`] given `dout`,
-        /// recomputing the probabilities from `lse` (`p = exp(scale q . kv
-        /// - lse)`, `ds = p (dout . v - dout . out) scale`): overwrites `dq`
-        /// `[rows, heads, qk_dim]` and `dkv` `[rows, qk_dim]`, the key's and
-        /// the value's gradients of the shared row summed (`dkv[u] = sum ds
-        /// q + [sum p dout | 0]`).
+        /// recomputing the probabilities from `lse` (`p = exp(scale q .
+        /// kv - lse)`, `ds = p (dout . v - dout . out) scale`): overwrites
+        /// `dq` `[rows, heads, qk_dim]` and `dkv` `[rows, qk_dim]`, the
+        /// key's and the value's gradients of the shared row summed
+        /// (`dkv[u] = sum ds q + [sum p dout | 0]`).
         #[allow(clippy::too_many_arguments)]
         fn sparse_mqa_backward(
             &self,
