@@ -32,7 +32,7 @@ impl DeviceFault {
             5 => "moe_unpermute / moe_unpermute_backward / moe_combine",
             6 => "adam_update / sgd_update",
             7 => "embedding_forward / embedding_backward",
-            8 => "dsa_sparse_forward / dsa_sparse_backward_dq / dsa_indexer_loss",
+            8 => "dsa_mqa_forward / dsa_mqa_forward_mma / dsa_mqa_backward_dq / dsa_indexer_loss",
             _ => "an unknown kernel",
         }
     }
