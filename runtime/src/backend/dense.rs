@@ -68,6 +68,101 @@ impl MatmulDims {
     }
 }
 
+/// Where the matrices of one [`Backend::batched_matmul`] operand lie in
+/// its view: element `(r, c)` of matrix `i` (as stored, row-major) at
+/// `i * stride + r * pitch + c`. `pitch` (the leading dimension) is at least
+/// the stored row's width; `stride` may be anything for `A` and `B` (0
+/// shares one matrix across the batch), while `C`'s matrices must not
+/// overlap. Head `h` of a `[rows, heads, dim]` tensor is `{ pitch: heads *
+/// dim, stride: dim }` from the view's start; consecutive `[m, n]` blocks
+/// are `{ pitch: n, stride: m * n }`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BatchLayout {
+    pub pitch: usize,
+    pub stride: usize,
+}
+
+impl BatchLayout {
+    /// Matrices of `rows` stored rows of `width` elements, one after
+    /// another with no gap.
+    pub const fn packed(rows: usize, width: usize) -> Self {
+        BatchLayout {
+            pitch: width,
+            stride: rows * width,
+        }
+    }
+
+    /// Head after head of a `[rows, heads, head_width]` tensor: each
+    /// matrix is one head's `head_width`-wide row slices.
+    pub const fn heads(heads: usize, head_width: usize) -> Self {
+        BatchLayout {
+            pitch: heads * head_width,
+            stride: head_width,
+        }
+    }
+
+    /// Elements from matrix 0's first to matrix `batch - 1`'s last, for
+    /// matrices of `rows` stored rows of `width` (0 when there are none);
+    /// `None` past `usize`.
+    fn span(&self, batch: usize, rows: usize, width: usize) -> Option<usize> {
+        if batch == 0 || rows == 0 || width == 0 {
+            return Some(0);
+        }
+        let last_item = (batch - 1).checked_mul(self.stride)?;
+        let last_row = (rows - 1).checked_mul(self.pitch)?;
+        last_item.checked_add(last_row)?.checked_add(width)
+    }
+
+    /// Whether no element belongs to two matrices: the matrices one after
+    /// another (each starts past the previous one's last element), or
+    /// interleaved a row at a time (each row of every matrix inside one
+    /// pitch, side by side).
+    fn disjoint(&self, batch: usize, rows: usize, width: usize) -> bool {
+        if batch <= 1 || rows == 0 || width == 0 {
+            return true;
+        }
+        let one = (rows - 1).saturating_mul(self.pitch).saturating_add(width);
+        let row_of_all = (batch - 1)
+            .saturating_mul(self.stride)
+            .saturating_add(width);
+        self.stride >= one || (self.stride >= width && self.pitch >= row_of_all)
+    }
+}
+
+/// Dimensions of [`Backend::batched_matmul`]: `batch` products of `dims`
+/// (each as [`Backend::matmul`] with those dims), each operand's matrices
+/// where its layout says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BatchedMatmulDims {
+    pub batch: usize,
+    pub dims: MatmulDims,
+    pub a: BatchLayout,
+    pub b: BatchLayout,
+    pub c: BatchLayout,
+}
+
+impl BatchedMatmulDims {
+    /// Stored rows and width of `A`, `B` and `C`'s matrices.
+    pub fn stored(&self) -> [(usize, usize); 3] {
+        let MatmulDims { m, n, k, .. } = self.dims;
+        let a = if self.dims.a_trans { (k, m) } else { (m, k) };
+        let b = if self.dims.b_trans { (n, k) } else { (k, n) };
+        [a, b, (m, n)]
+    }
+
+    /// The layouts of `A`, `B` and `C`.
+    pub fn layouts(&self) -> [BatchLayout; 3] {
+        [self.a, self.b, self.c]
+    }
+
+    /// The offset of element `(r, c)` of operand `which`'s (0: A, 1: B, 2:
+    /// C) matrix `i` in its view.
+    pub fn at(&self, which: usize, i: usize, r: usize, c: usize) -> usize {
+        let l = self.layouts()[which];
+        i * l.stride + r * l.pitch + c
+    }
+}
+
 /// How a GPU backend runs the MoE experts' GEMMs
 /// ([`Backend::grouped_matmul`]'s bf16 problems). The CPU backend has one
 /// path.
@@ -166,6 +261,14 @@ pub trait DenseKernels<Buf: DeviceBuffer> {
         problems: Vec<MatmulProblem<View<'_, Buf>, ViewMut<'_, Buf>>>,
     ) -> Result<()>;
 
+    fn batched_matmul_unchecked(
+        &self,
+        a: View<'_, Buf>,
+        b: View<'_, Buf>,
+        c: ViewMut<'_, Buf>,
+        dims: BatchedMatmulDims,
+    ) -> Result<()>;
+
     fn segmented_matmul_unchecked(
         &self,
         rows: View<'_, Buf>,
@@ -232,6 +335,68 @@ fn check_operands(
 /// [`Backend::matmul`]'s arguments.
 pub fn check_matmul(a: Operand, b: Operand, c: Operand, dims: MatmulDims) -> Result<()> {
     check_operands("matmul", str::to_string, [a, b, c], dims, None)
+}
+
+/// [`Backend::batched_matmul`]'s arguments: float `A` and `B` of one
+/// dtype and a float `C`; each layout's pitch at least its stored row's
+/// width; each view long enough for its last matrix (longer is fine: a
+/// view of a whole weight may end past the last block it is read at);
+/// `C`'s matrices disjoint.
+pub fn check_batched_matmul(
+    a: Operand,
+    b: Operand,
+    c: Operand,
+    dims: BatchedMatmulDims,
+) -> Result<()> {
+    let k = "batched_matmul";
+    let names = ["A", "B", "C"];
+    for (name, operand) in names.iter().zip([a, b, c]) {
+        operand.float(k, name)?;
+    }
+    same_dtype(k, ("A", a.dtype), ("B", b.dtype))?;
+    let shapes = dims.stored();
+    for (i, (name, operand)) in names.iter().zip([a, b, c]).enumerate() {
+        let ((rows, width), layout) = (shapes[i], dims.layouts()[i]);
+        if dims.batch == 0 || rows == 0 || width == 0 {
+            continue;
+        }
+        if layout.pitch < width {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "kernel `{k}`: `{name}`'s pitch {} is below its rows' width {width} (stored \
+                 [{rows}, {width}]); give a pitch of at least {width}",
+                layout.pitch
+            )));
+        }
+        let span = layout.span(dims.batch, rows, width).ok_or_else(|| {
+            RuntimeError::InvalidArgument(format!(
+                "kernel `{k}`: `{name}`'s {} matrices of [{rows}, {width}] with pitch {} and \
+                 stride {} address past usize",
+                dims.batch, layout.pitch, layout.stride
+            ))
+        })?;
+        if operand.len < span {
+            return Err(RuntimeError::InvalidArgument(format!(
+                "kernel `{k}`: `{name}` has {} elements, but its {} matrices of [{rows}, \
+                 {width}] with pitch {} and stride {} reach element {span}; give a longer \
+                 view or a smaller pitch or stride",
+                operand.len, dims.batch, layout.pitch, layout.stride
+            )));
+        }
+    }
+    let (m, n) = (dims.dims.m, dims.dims.n);
+    if !dims.c.disjoint(dims.batch, m, n) {
+        return Err(RuntimeError::InvalidArgument(format!(
+            "kernel `{k}`: `C`'s {} matrices of [{m}, {n}] with pitch {} and stride {} \
+             overlap; give a stride of at least {} (one after another) or of at least {n} \
+             with a pitch of at least {} (interleaved)",
+            dims.batch,
+            dims.c.pitch,
+            dims.c.stride,
+            (m.max(1) - 1) * dims.c.pitch + n,
+            (dims.batch - 1) * dims.c.stride + n
+        )));
+    }
+    Ok(())
 }
 
 /// [`Backend::grouped_matmul`]'s problems, each a matmul whose `A`s and
@@ -442,6 +607,33 @@ macro_rules! dense_methods {
         ) -> Result<()> {
             $crate::backend::dense::check_matmul(a.operand(), b.operand(), c.operand(), dims)?;
             self.matmul_unchecked(a, b, c, dims)
+        }
+
+        /// `dims.batch` independent [`Backend::matmul`]s of `dims.dims`, as
+        /// one operation (on a GPU, one strided-batched cuBLAS GEMM): matrix
+        /// `i` of each operand lies in its view as its [`BatchLayout`] says,
+        /// so a head of a `[rows, heads, dim]` tensor or a block of a
+        /// stacked weight is read and written in place, with no copy. Each
+        /// product is the one [`Backend::matmul`] computes on those matrices
+        /// with the same precision (the CPU: the same bits; a GPU: the same
+        /// compute type, its own summation order), `C (+)= op(A_i) op(B_i)`
+        /// with `accumulate`. `A` and `B` share a float dtype; `C` is bf16 or
+        /// f32; views may be longer than their last matrix; `C`'s matrices
+        /// must be disjoint and overlap no `A` or `B`.
+        fn batched_matmul(
+            &self,
+            a: Slice<'_, Self>,
+            b: Slice<'_, Self>,
+            c: SliceMut<'_, Self>,
+            dims: BatchedMatmulDims,
+        ) -> Result<()> {
+            $crate::backend::dense::check_batched_matmul(
+                a.operand(),
+                b.operand(),
+                c.operand(),
+                dims,
+            )?;
+            self.batched_matmul_unchecked(a, b, c, dims)
         }
 
         /// Many independent [`Backend::matmul`]s as one operation (with

@@ -59,8 +59,8 @@ pub use attention::{
 pub use conv::{ConvDims, ConvKernels};
 pub use delta::{DeltaDims, DeltaGrads, DeltaInputs, DeltaKernels};
 pub use dense::{
-    DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims, MatmulProblem, SegmentedGroup,
-    SegmentedMatmul,
+    BatchLayout, BatchedMatmulDims, DenseKernels, ExpertGemm, GroupedMatmul, MatmulDims,
+    MatmulProblem, SegmentedGroup, SegmentedMatmul,
 };
 pub use layout::{CopyCols, LayoutKernels, MlaKvDims, QkvDims};
 pub use lookup::{IGNORE_TARGET, LookupDims, LookupKernels, LossDims};

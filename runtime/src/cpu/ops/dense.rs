@@ -2,8 +2,8 @@
 //! as one grouped call), axpy, scale, column sums, and the f64 sum of a
 //! view that loss accumulators are built from.
 
-use crate::backend::dense::check_matmul;
-use crate::backend::{DenseKernels, MatmulDims, MatmulProblem, SegmentedMatmul};
+use crate::backend::dense::{check_batched_matmul, check_matmul};
+use crate::backend::{BatchedMatmulDims, DenseKernels, MatmulDims, MatmulProblem, SegmentedMatmul};
 use crate::cpu::{CpuBackend, CpuBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Operand, View, ViewMut};
@@ -46,6 +46,18 @@ impl DenseKernels<CpuBuf> for CpuBackend {
             })
             .collect();
         grouped_matmul(&mut problems)
+    }
+
+    fn batched_matmul_unchecked(
+        &self,
+        a: View<'_, CpuBuf>,
+        b: View<'_, CpuBuf>,
+        c: ViewMut<'_, CpuBuf>,
+        dims: BatchedMatmulDims,
+    ) -> Result<()> {
+        let k = self.access("batched_matmul");
+        let (a, b) = (k.f32_in("A", a)?, k.f32_in("B", b)?);
+        batched_matmul(&a, &b, &mut k.f32_out("C", c)?, dims)
     }
 
     fn segmented_matmul_unchecked(
@@ -237,6 +249,84 @@ pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: MatmulDims) -> Result<(
             n as isize,
             1,
         );
+    }
+    Ok(())
+}
+
+/// `dims.batch` products of [`matmul`], each on matrices read and written
+/// in place at their [`crate::backend::BatchLayout`]: the same sgemm call
+/// with the same `(m, n, k)` and transposes, only other addresses and row
+/// strides, so each product has exactly the bits [`matmul`] gives on a
+/// packed copy of its matrices (sgemm packs its panels before it sums, and
+/// its order depends on the shape alone). `C`'s elements outside its
+/// matrices are neither read nor written.
+pub fn batched_matmul(a: &[f32], b: &[f32], c: &mut [f32], dims: BatchedMatmulDims) -> Result<()> {
+    // The layouts, checked here too: the unsafe block below relies on them,
+    // and this function is public.
+    let f32s = |len| Operand::new(len, DType::F32);
+    check_batched_matmul(f32s(a.len()), f32s(b.len()), f32s(c.len()), dims)?;
+    let BatchedMatmulDims { batch, dims: d, .. } = dims;
+    let MatmulDims { m, n, k, .. } = d;
+    if batch == 0 || m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        if !d.accumulate {
+            for i in 0..batch {
+                for r in 0..m {
+                    let at = dims.at(2, i, r, 0);
+                    c[at..at + n].fill(0.0);
+                }
+            }
+        }
+        return Ok(());
+    }
+    // As in `matmul`: element strides (row, column) of op(A) and op(B) as
+    // stored, now with each operand's pitch as its row stride.
+    // A pitch past its slice's length only happens for a matrix of one
+    // stored row, whose pitch no element offset uses: clamping it leaves
+    // every address as it is and makes the conversions below exact.
+    let (pa, pb, pc) = (
+        dims.a.pitch.min(a.len()),
+        dims.b.pitch.min(b.len()),
+        dims.c.pitch.min(c.len()),
+    );
+    let (rsa, csa) = if d.a_trans { (1, pa) } else { (pa, 1) };
+    let (rsb, csb) = if d.b_trans { (1, pb) } else { (pb, 1) };
+    let beta = if d.accumulate { 1.0 } else { 0.0 };
+    for i in 0..batch {
+        let (a0, b0, c0) = (
+            dims.at(0, i, 0, 0),
+            dims.at(1, i, 0, 0),
+            dims.at(2, i, 0, 0),
+        );
+        // SAFETY: the check bounds every matrix's last element by its
+        // slice's length (each matrix's elements are `at(i, r, col)` for
+        // stored `r` and `col` within its shape, the largest `span - 1`),
+        // so every element sgemm reads from `a` and `b` and writes in `c`
+        // lies inside them; `pc >= n` keeps one matrix's elements of `C`
+        // apart, and the check refused layouts whose matrices overlap. `c`
+        // is a unique borrow, so it overlaps neither input. With `beta = 0`
+        // sgemm overwrites `C` without reading it. Strides at most a
+        // slice's length (clamped above) convert to `isize` exactly.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                1.0,
+                a.as_ptr().add(a0),
+                rsa as isize,
+                csa as isize,
+                b.as_ptr().add(b0),
+                rsb as isize,
+                csb as isize,
+                beta,
+                c.as_mut_ptr().add(c0),
+                pc as isize,
+                1,
+            );
+        }
     }
     Ok(())
 }
@@ -666,6 +756,69 @@ mod tests {
                     (*got as f64 - want).abs() < 1e-5,
                     "problem {i}: {got} vs {want}"
                 );
+            }
+        }
+    }
+
+    /// Matrix `i` of `which` (0: A, 1: B, 2: C), packed out of its layout.
+    fn packed(v: &[f32], d: &BatchedMatmulDims, which: usize, i: usize) -> Vec<f32> {
+        let (rows, width) = d.stored()[which];
+        (0..rows)
+            .flat_map(|r| (0..width).map(move |c| (r, c)))
+            .map(|(r, c)| v[d.at(which, i, r, c)])
+            .collect()
+    }
+
+    /// Every head of interleaved `[rows, heads, width]` operands (and a
+    /// stacked weight with gaps between its blocks) against `matmul` on
+    /// packed copies: the same bits, every transpose and accumulate; `C`'s
+    /// elements between its matrices untouched.
+    #[test]
+    fn batched_matmul_is_matmul_on_each_matrix_bit_for_bit() {
+        use crate::backend::BatchLayout;
+        let (batch, m, n, k) = (5, 7, 9, 13);
+        for (case, d) in all_dims(m, n, k).enumerate() {
+            let [(ar, aw), (br, bw), _] = BatchedMatmulDims {
+                batch,
+                dims: d,
+                a: BatchLayout::packed(0, 0),
+                b: BatchLayout::packed(0, 0),
+                c: BatchLayout::packed(0, 0),
+            }
+            .stored();
+            let dims = BatchedMatmulDims {
+                batch,
+                dims: d,
+                // Heads of `[ar, batch, aw + 3]` from column 2 of a head.
+                a: BatchLayout::heads(batch, aw + 3),
+                // Blocks of `br + 2` rows of a `bw + 1`-wide weight.
+                b: BatchLayout {
+                    pitch: bw + 1,
+                    stride: (br + 2) * (bw + 1),
+                },
+                c: BatchLayout::heads(batch, n + 1),
+            };
+            let a = random(ar * batch * (aw + 3), 3 * case as u64);
+            let b = random(batch * (br + 2) * (bw + 1), 3 * case as u64 + 1);
+            let c0 = random(m * batch * (n + 1), 3 * case as u64 + 2);
+            let mut c = c0.clone();
+            batched_matmul(&a[2..], &b, &mut c, dims).unwrap();
+            for i in 0..batch {
+                let mut want = packed(&c0, &dims, 2, i);
+                let (pa, pb) = (packed(&a[2..], &dims, 0, i), packed(&b, &dims, 1, i));
+                matmul(&pa, &pb, &mut want, d).unwrap();
+                assert_eq!(
+                    bits(&packed(&c, &dims, 2, i)),
+                    bits(&want),
+                    "{d:?}, matrix {i}"
+                );
+            }
+            // The column past each head's n is no matrix's.
+            for r in 0..m {
+                for i in 0..batch {
+                    let at = r * batch * (n + 1) + i * (n + 1) + n;
+                    assert_eq!(c[at].to_bits(), c0[at].to_bits(), "{d:?}: {r}, {i}");
+                }
             }
         }
     }

@@ -6,8 +6,11 @@
 
 use super::grouped_gemm::{SegmentedOperands, grouped_gemm_takes};
 use crate::backend::dense::segments_as_problems;
-use crate::backend::{Backend, DenseKernels, MatmulDims, MatmulProblem, SegmentedMatmul};
+use crate::backend::{
+    Backend, BatchedMatmulDims, CopyCols, DenseKernels, MatmulDims, MatmulProblem, SegmentedMatmul,
+};
 use crate::cuda::backend::SideStream;
+use crate::cuda::blas::{StridedGemm, StridedMatrix};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
     GpuView, KernelSet, column_blocks, dtype_tag, grid_for, per_item, reduce_threads,
@@ -50,6 +53,17 @@ impl DenseKernels<CudaBuf> for CudaBackend {
             kernels.grouped_gemm(self.s(), &grouped)?;
         }
         self.spread_gemms(rest)
+    }
+
+    fn batched_matmul_unchecked(
+        &self,
+        a: View<'_, CudaBuf>,
+        b: View<'_, CudaBuf>,
+        c: ViewMut<'_, CudaBuf>,
+        dims: BatchedMatmulDims,
+    ) -> Result<()> {
+        let (a, b, c) = (self.v(a), self.v(b), self.m(&c));
+        self.gemm_batched(a, b, c, dims)
     }
 
     fn segmented_matmul_unchecked(
@@ -261,6 +275,123 @@ impl CudaBackend {
             return self.k().axpy(self.s(), 1.0, wide, c);
         }
         self.queue.blas.gemm(&self.gpu().queues, a, b, c, dims)
+    }
+}
+
+impl CudaBackend {
+    /// A strided batch of GEMMs of checked operands, on this queue, with
+    /// `gemm`'s precision for every dtype pair: one
+    /// `cublasGemmStridedBatchedEx` (strict f32 compute for f32 operands,
+    /// f32 accumulation for bf16 ones) writing `C` in place, except where
+    /// `gemm` takes a detour through f32 (f32 operands into bf16, sums into
+    /// bf16): there the batch's products go to packed f32 scratch in one
+    /// call and each matrix is rounded (or added) into `C` once, as `gemm`
+    /// does, then copied to its place.
+    pub(crate) fn gemm_batched(
+        &self,
+        a: GpuView,
+        b: GpuView,
+        c: GpuView,
+        dims: BatchedMatmulDims,
+    ) -> Result<()> {
+        let BatchedMatmulDims { batch, dims: d, .. } = dims;
+        let (m, n) = (d.m, d.n);
+        if batch == 0 || m == 0 || n == 0 {
+            return Ok(());
+        }
+        let kernels = self.k();
+        let per_matrix = m * n;
+        // `C`'s matrix `i` as a 2-D copy's destination.
+        let place = |i: usize, accumulate: bool| CopyCols {
+            rows: m,
+            cols: n,
+            src_stride: n,
+            src_offset: i * per_matrix,
+            dst_stride: dims.c.pitch,
+            dst_offset: dims.at(2, i, 0, 0),
+            accumulate,
+        };
+        if d.k == 0 {
+            // An empty sum: each matrix of C zeroed, or left as it is.
+            if d.accumulate {
+                return Ok(());
+            }
+            let zeros = self.alloc_uninit(per_matrix * batch, c.dtype)?;
+            let zeros = GpuView::new(zeros.device_ptr(), per_matrix * batch, c.dtype);
+            kernels.zero(self.s(), zeros)?;
+            for i in 0..batch {
+                kernels.copy_cols(self.s(), zeros, c, place(i, false))?;
+            }
+            return Ok(());
+        }
+        let matrix = |v: GpuView, which: usize| StridedMatrix {
+            ptr: v.ptr,
+            dtype: v.dtype,
+            // cuBLAS asks for a leading dimension of at least 1 even
+            // where no element is addressed with it.
+            ld: dims.layouts()[which].pitch.max(1),
+            stride: dims.layouts()[which].stride,
+        };
+        let detour = c.dtype == DType::Bf16 && (a.dtype == DType::F32 || d.accumulate);
+        let gemm = |out: StridedMatrix, beta: f32| StridedGemm {
+            m,
+            n,
+            k: d.k,
+            a: matrix(a, 0),
+            a_trans: d.a_trans,
+            b: matrix(b, 1),
+            b_trans: d.b_trans,
+            c: out,
+            alpha: 1.0,
+            beta,
+            batch,
+        };
+        let queues = &self.gpu().queues;
+        if !detour {
+            let beta = if d.accumulate { 1.0 } else { 0.0 };
+            // SAFETY: the check bounded every matrix of A, B and C by its
+            // view's length; the views are live on this queue's stream.
+            return unsafe {
+                self.queue
+                    .blas
+                    .gemm_strided(queues, gemm(matrix(c, 2), beta))
+            };
+        }
+        // The products, packed, in f32 (the scratch from the arena: a
+        // repeated step allocates nothing).
+        let scratch = self.alloc_uninit(per_matrix * batch, DType::F32)?;
+        let wide = GpuView::new(scratch.device_ptr(), per_matrix * batch, DType::F32);
+        let packed = StridedMatrix {
+            ptr: wide.ptr,
+            dtype: DType::F32,
+            ld: n,
+            stride: per_matrix,
+        };
+        // SAFETY: as above; the scratch holds `batch` packed `[m, n]`s.
+        unsafe { self.queue.blas.gemm_strided(queues, gemm(packed, 0.0))? };
+        // Each matrix rounded to bf16 once: `C_i + P_i` in f32 (axpy onto a
+        // copy of `C_i`) or `P_i` alone (cast), then moved to its place.
+        let narrow = self.alloc_uninit(per_matrix * batch, DType::Bf16)?;
+        let narrow = GpuView::new(narrow.device_ptr(), per_matrix * batch, DType::Bf16);
+        if d.accumulate {
+            for i in 0..batch {
+                let to_packed = CopyCols {
+                    src_stride: dims.c.pitch,
+                    src_offset: dims.at(2, i, 0, 0),
+                    dst_stride: n,
+                    dst_offset: i * per_matrix,
+                    ..place(i, false)
+                };
+                kernels.copy_cols(self.s(), c, narrow, to_packed)?;
+            }
+            kernels.axpy(self.s(), 1.0, wide, narrow)?;
+        } else {
+            kernels.cast(self.s(), wide, narrow)?;
+        }
+        for i in 0..batch {
+            kernels.copy_cols(self.s(), narrow, c, place(i, false))?;
+        }
+        Ok(())
     }
 }
 
