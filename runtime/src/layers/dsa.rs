@@ -20,8 +20,9 @@ use super::{
     uninit_f32, weight, weight_rows,
 };
 use crate::backend::{
-    Backend, CopyCols, DType, IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims,
-    MatmulDims, RotaryDims, RotaryPairing, Slice, SliceMut, SparseMqaDims,
+    Backend, BatchLayout, BatchedMatmulDims, CopyCols, DType, IndexerDims, IndexerInputs,
+    IndexerLossDims, LayerNormDims, MatmulDims, RotaryDims, RotaryPairing, Slice, SliceMut,
+    SparseMqaDims,
 };
 use crate::error::{Result, RuntimeError};
 use hybridgen_dsl::LayerKind;
@@ -138,69 +139,44 @@ impl Absorbed {
         self.rank + self.rope
     }
 
-    /// Head `h`'s key block `W_UK[h]` `[dn, kv_rank]`: rows of
-    /// `linear_kv_up_proj`.
-    fn key_rows(&self, h: usize) -> Range<usize> {
-        let at = h * (self.nope + self.v);
-        at..at + self.nope
+    /// `linear_kv_up_proj`'s rows from head 0's key block `W_UK[0]` `[dn,
+    /// kv_rank]` on (each head's `dn` key rows then its `dv` value rows):
+    /// with [`Absorbed::blocks`], every head's key block.
+    fn key_rows(&self) -> Range<usize> {
+        0..self.heads * (self.nope + self.v)
     }
 
-    /// Head `h`'s value block `W_UV[h]` `[dv, kv_rank]`.
-    fn value_rows(&self, h: usize) -> Range<usize> {
-        let at = h * (self.nope + self.v) + self.nope;
-        at..at + self.v
+    /// The rows from head 0's value block `W_UV[0]` `[dv, kv_rank]` on.
+    fn value_rows(&self) -> Range<usize> {
+        self.nope..self.heads * (self.nope + self.v)
     }
-}
 
-/// Copies head `h`'s columns `[offset, offset + cols)` of `src` `[rows,
-/// heads, head_width]` into the dense `dst` `[rows, cols]`.
-fn take_head<B: Backend>(
-    b: &B,
-    src: &B::Buf,
-    dst: &B::Buf,
-    rows: usize,
-    (heads, head_width): (usize, usize),
-    (h, offset, cols): (usize, usize, usize),
-) -> Result<()> {
-    b.copy_cols(
-        b.view(src)?,
-        b.view_mut(dst)?,
-        CopyCols {
-            rows,
-            cols,
-            src_stride: heads * head_width,
-            src_offset: h * head_width + offset,
-            dst_stride: cols,
-            dst_offset: 0,
-            accumulate: false,
-        },
-    )
-}
+    /// One block a head of `linear_kv_up_proj` (rows of `kv_rank`, a head's
+    /// `dn + dv` rows apart), from the first row of [`Absorbed::key_rows`]
+    /// or [`Absorbed::value_rows`].
+    fn blocks(&self) -> BatchLayout {
+        BatchLayout {
+            pitch: self.rank,
+            stride: (self.nope + self.v) * self.rank,
+        }
+    }
 
-/// The inverse of [`take_head`]: the dense `src` `[rows, cols]` into head
-/// `h`'s columns `[offset, offset + cols)` of `dst` `[rows, heads,
-/// head_width]`.
-fn put_head<B: Backend>(
-    b: &B,
-    src: &B::Buf,
-    dst: &B::Buf,
-    rows: usize,
-    (heads, head_width): (usize, usize),
-    (h, offset, cols): (usize, usize, usize),
-) -> Result<()> {
-    b.copy_cols(
-        b.view(src)?,
-        b.view_mut(dst)?,
-        CopyCols {
-            rows,
-            cols,
-            src_stride: cols,
-            src_offset: 0,
-            dst_stride: heads * head_width,
-            dst_offset: h * head_width + offset,
-            accumulate: false,
-        },
-    )
+    /// The per-head products `C[h] (+)= op(A[h]) op(B[h])` over all heads:
+    /// `a` and `b` each an interleaved `[rows, heads, width]` tensor (the
+    /// width given) or the weight's blocks (`None`), `c` likewise.
+    fn per_head(&self, dims: MatmulDims, [a, b, c]: [Option<usize>; 3]) -> BatchedMatmulDims {
+        let layout = |width: Option<usize>| match width {
+            Some(w) => BatchLayout::heads(self.heads, w),
+            None => self.blocks(),
+        };
+        BatchedMatmulDims {
+            batch: self.heads,
+            dims,
+            a: layout(a),
+            b: layout(b),
+            c: layout(c),
+        }
+    }
 }
 
 /// Columns `[src_offset, src_offset + cols)` of each `src_stride`-wide row
@@ -357,7 +333,8 @@ impl DsaLayer {
     }
 
     /// The absorbed queries `[rows, a, kv_rank + dr]`: per head `[q_nope[h]
-    /// W_UK[h] | q_rope[h]]` (one matmul a head on its columns).
+    /// W_UK[h] | q_rope[h]]` (every head's product in one batched matmul,
+    /// read and written in place).
     fn absorb_queries<B: Backend>(
         &self,
         b: &B,
@@ -369,17 +346,15 @@ impl DsaLayer {
         let (a, dn, kr, dl) = (ab.heads, ab.nope, ab.rank, ab.width());
         let q_lat = uninit(b, rows * a * dl)?;
         copy_block(b, q, &q_lat, rows * a, (ab.qk(), dn), (dl, kr), ab.rope)?;
-        let (qn, ql) = (uninit(b, rows * dn)?, uninit(b, rows * kr)?);
-        for h in 0..a {
-            take_head(b, q, &qn, rows, (a, ab.qk()), (h, 0, dn))?;
-            b.matmul(
-                b.view(&qn)?,
-                weight_rows(b, kv_up, kr, ab.key_rows(h))?,
-                b.view_mut(&ql)?,
+        b.batched_matmul(
+            b.view(q)?,
+            weight_rows(b, kv_up, kr, ab.key_rows())?,
+            b.view_mut(&q_lat)?,
+            ab.per_head(
                 MatmulDims::linear_input_grad(rows, kr, dn, false),
-            )?;
-            put_head(b, &ql, &q_lat, rows, (a, dl), (h, 0, kr))?;
-        }
+                [Some(ab.qk()), None, Some(dl)],
+            ),
+        )?;
         Ok(q_lat)
     }
 
@@ -508,18 +483,12 @@ impl DsaLayer {
         )?;
         let dv = ab.v;
         let o = uninit(b, rows * a * dv)?;
-        let (ol, oh) = (uninit(b, rows * kr)?, uninit(b, rows * dv)?);
-        for j in 0..a {
-            take_head(b, &o_lat, &ol, rows, (a, kr), (j, 0, kr))?;
-            b.matmul(
-                b.view(&ol)?,
-                weight_rows(b, kv_up, kr, ab.value_rows(j))?,
-                b.view_mut(&oh)?,
-                MatmulDims::linear(rows, kr, dv),
-            )?;
-            put_head(b, &oh, &o, rows, (a, dv), (j, 0, dv))?;
-        }
-        drop((ol, oh));
+        b.batched_matmul(
+            b.view(&o_lat)?,
+            weight_rows(b, kv_up, kr, ab.value_rows())?,
+            b.view_mut(&o)?,
+            ab.per_head(MatmulDims::linear(rows, kr, dv), [Some(kr), None, Some(dv)]),
+        )?;
         let mut out = MatmulDims::linear(rows, a * dv, h);
         out.accumulate = true;
         b.matmul(
@@ -572,18 +541,15 @@ impl DsaLayer {
         // Back through each head's value up-projection: d_o_lat[h] =
         // d_o[h] W_UV[h].
         let d_o_lat = uninit(b, rows * a * kr)?;
-        let (go, gl) = (uninit(b, rows * dv)?, uninit(b, rows * kr)?);
-        for j in 0..a {
-            take_head(b, &d_o, &go, rows, (a, dv), (j, 0, dv))?;
-            b.matmul(
-                b.view(&go)?,
-                weight_rows(b, kv_up, kr, ab.value_rows(j))?,
-                b.view_mut(&gl)?,
+        b.batched_matmul(
+            b.view(&d_o)?,
+            weight_rows(b, kv_up, kr, ab.value_rows())?,
+            b.view_mut(&d_o_lat)?,
+            ab.per_head(
                 MatmulDims::linear_input_grad(rows, kr, dv, false),
-            )?;
-            put_head(b, &gl, &d_o_lat, rows, (a, kr), (j, 0, kr))?;
-        }
-        drop(go);
+                [Some(dv), None, Some(kr)],
+            ),
+        )?;
         let dq_lat = uninit(b, rows * a * dl)?;
         let dkv = uninit(b, rows * dl)?;
         b.sparse_mqa_backward(
@@ -602,18 +568,15 @@ impl DsaLayer {
         // W_UK[h]^T, the rotary part as it is.
         let dq = uninit(b, rows * a * ab.qk())?;
         copy_block(b, &dq_lat, &dq, rows * a, (dl, kr), (ab.qk(), dn), ab.rope)?;
-        let gn = uninit(b, rows * dn)?;
-        for j in 0..a {
-            take_head(b, &dq_lat, &gl, rows, (a, dl), (j, 0, kr))?;
-            b.matmul(
-                b.view(&gl)?,
-                weight_rows(b, kv_up, kr, ab.key_rows(j))?,
-                b.view_mut(&gn)?,
+        b.batched_matmul(
+            b.view(&dq_lat)?,
+            weight_rows(b, kv_up, kr, ab.key_rows())?,
+            b.view_mut(&dq)?,
+            ab.per_head(
                 MatmulDims::linear(rows, kr, dn),
-            )?;
-            put_head(b, &gn, &dq, rows, (a, ab.qk()), (j, 0, dn))?;
-        }
-        drop((gl, gn));
+                [Some(dl), None, Some(ab.qk())],
+            ),
+        )?;
         // The shared row's gradient: the latent's and the rotary key's.
         let d_c = uninit(b, rows * kr)?;
         let d_k_rope = uninit(b, rows * ab.rope)?;
@@ -745,31 +708,29 @@ impl DsaLayer {
                 MatmulDims::linear_weight_grad(rows, h, ni),
             )?;
         }
-        // linear_kv_up_proj, a head's blocks at a time: dW_UK[h] +=
+        // linear_kv_up_proj, every head's blocks in place: dW_UK[h] +=
         // q_nope[h]^T dq_lat[h][..kv_rank], dW_UV[h] += d_o[h]^T o_lat[h].
         let ab = self.absorbed();
-        let (a, dn, dv, kr, dl) = (ab.heads, ab.nope, ab.v, ab.rank, ab.width());
+        let (dn, dv, kr, dl) = (ab.nope, ab.v, ab.rank, ab.width());
         let kv_up = self.mla.kv_up_index();
-        let (qn, gl) = (uninit(b, rows * dn)?, uninit(b, rows * kr)?);
-        let go = uninit(b, rows * dv)?;
-        for j in 0..a {
-            take_head(b, &g.q, &qn, rows, (a, ab.qk()), (j, 0, dn))?;
-            take_head(b, &g.dq_lat, &gl, rows, (a, dl), (j, 0, kr))?;
-            b.matmul(
-                b.view(&qn)?,
-                b.view(&gl)?,
-                grad_rows(b, grads, kv_up, kr, ab.key_rows(j))?,
+        b.batched_matmul(
+            b.view(&g.q)?,
+            b.view(&g.dq_lat)?,
+            grad_rows(b, grads, kv_up, kr, ab.key_rows())?,
+            ab.per_head(
                 MatmulDims::linear_weight_grad(rows, kr, dn),
-            )?;
-            take_head(b, &g.d_o, &go, rows, (a, dv), (j, 0, dv))?;
-            take_head(b, &g.o_lat, &gl, rows, (a, kr), (j, 0, kr))?;
-            b.matmul(
-                b.view(&go)?,
-                b.view(&gl)?,
-                grad_rows(b, grads, kv_up, kr, ab.value_rows(j))?,
+                [Some(ab.qk()), Some(dl), None],
+            ),
+        )?;
+        b.batched_matmul(
+            b.view(&g.d_o)?,
+            b.view(&g.o_lat)?,
+            grad_rows(b, grads, kv_up, kr, ab.value_rows())?,
+            ab.per_head(
                 MatmulDims::linear_weight_grad(rows, kr, dv),
-            )?;
-        }
+                [Some(dv), Some(kr), None],
+            ),
+        )?;
         self.mla.backward_weight(b, g.mla, grads)
     }
 }
