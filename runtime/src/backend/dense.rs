@@ -104,7 +104,7 @@ impl BatchLayout {
     /// Elements from matrix 0's first to matrix `batch - 1`'s last, for
     /// matrices of `rows` stored rows of `width` (0 when there are none);
     /// `None` past `usize`.
-    fn span(&self, batch: usize, rows: usize, width: usize) -> Option<usize> {
+    pub fn span(&self, batch: usize, rows: usize, width: usize) -> Option<usize> {
         if batch == 0 || rows == 0 || width == 0 {
             return Some(0);
         }

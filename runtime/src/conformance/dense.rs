@@ -1,13 +1,17 @@
 //! Dense algebra: matmul (every transpose and accumulate combination, odd
 //! sizes), the grouped matmul (expert-like row ranges, an empty one, mixed
-//! flags; same bits as one matmul per problem), axpy, scale, copy_cols,
+//! flags; same bits as one matmul per problem), the strided batched matmul
+//! (heads of interleaved tensors and blocks of a stacked weight in place,
+//! pitches past the width, every transpose, accumulate, a shared operand,
+//! batch 1 and 0, k = 0, and its layout refusals), axpy, scale, copy_cols,
 //! column_sum, and the loss accumulators' `accumulate_sum`.
 
 use super::Suite;
-use super::case::{Bufs, Expected, KernelCase, download_values, upload_values};
+use super::case::{BadInput, Bufs, Expected, KernelCase, download_values, upload_values};
 use super::reference::{self as r, round_to};
 use crate::backend::{
-    Backend, CopyCols, GroupedMatmul, MatmulDims, SegmentedGroup, SegmentedMatmul,
+    Backend, BatchLayout, BatchedMatmulDims, CopyCols, GroupedMatmul, MatmulDims, SegmentedGroup,
+    SegmentedMatmul,
 };
 use crate::error::Result;
 use crate::view::{DType, View, ViewMut};
@@ -18,6 +22,7 @@ pub(super) const U: f64 = 1.0 / (1u64 << 24) as f64;
 pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     matmul(s);
     grouped_matmul(s);
+    batched_matmul(s);
     segmented_matmul(s);
     axpy(s);
     scale(s);
@@ -89,6 +94,254 @@ fn matmul<B: Backend>(s: &mut Suite<'_, B>) {
                 },
             );
         }
+    }
+}
+
+/// Elements an operand of a batched matmul needs: up to its last matrix's
+/// last element.
+fn batched_len(d: &BatchedMatmulDims, which: usize) -> usize {
+    let (rows, width) = d.stored()[which];
+    d.layouts()[which]
+        .span(d.batch, rows, width)
+        .expect("the suite's layouts are small")
+}
+
+/// The batched matmul by its definition: each matrix packed out of its
+/// layout, the f64 matmul, written back where `C`'s matrix lies; every
+/// other element of `C` as it was.
+fn batched_reference(a: &[f64], b: &[f64], c0: &[f64], d: &BatchedMatmulDims) -> Vec<f64> {
+    let mut c = c0.to_vec();
+    let (m, n) = (d.dims.m, d.dims.n);
+    for i in 0..d.batch {
+        let pack = |v: &[f64], which: usize| -> Vec<f64> {
+            let (rows, width) = d.stored()[which];
+            (0..rows)
+                .flat_map(|r| (0..width).map(move |col| (r, col)))
+                .map(|(r, col)| v[d.at(which, i, r, col)])
+                .collect()
+        };
+        let out = r::matmul(&pack(a, 0), &pack(b, 1), &pack(c0, 2), d.dims);
+        for r in 0..m {
+            for j in 0..n {
+                c[d.at(2, i, r, j)] = out[r * n + j];
+            }
+        }
+    }
+    c
+}
+
+fn batched_matmul<B: Backend>(s: &mut Suite<'_, B>) {
+    let flags = |m, n, k, a_trans, b_trans, accumulate| MatmulDims {
+        m,
+        n,
+        k,
+        a_trans,
+        b_trans,
+        accumulate,
+    };
+    let heads = BatchLayout::heads;
+    let packed = BatchLayout::packed;
+    let layout = |pitch, stride| BatchLayout { pitch, stride };
+    let batched = |batch, dims, [a, b, c]: [BatchLayout; 3]| BatchedMatmulDims {
+        batch,
+        dims,
+        a,
+        b,
+        c,
+    };
+    // The `D` layer's products (3 heads, 5 rows; a stacked weight of 4 key
+    // and 2 value rows a head, 7 wide), then the other layouts.
+    let cases: [(&str, BatchedMatmulDims); 10] = [
+        (
+            "absorbed queries: heads of A (pitch past k) times weight blocks into heads of C",
+            batched(
+                3,
+                MatmulDims::linear_input_grad(5, 7, 4, false),
+                [heads(3, 6), layout(7, 6 * 7), heads(3, 9)],
+            ),
+        ),
+        (
+            "value up-projection: B^T of weight blocks",
+            batched(
+                3,
+                MatmulDims::linear(5, 7, 2),
+                [heads(3, 7), layout(7, 6 * 7), heads(3, 2)],
+            ),
+        ),
+        (
+            "weight gradient: A^T of heads, C += into weight blocks",
+            batched(
+                3,
+                MatmulDims::linear_weight_grad(5, 7, 4),
+                [heads(3, 6), heads(3, 9), layout(7, 6 * 7)],
+            ),
+        ),
+        (
+            "both transposed, packed",
+            batched(
+                4,
+                flags(6, 5, 3, true, true, false),
+                [packed(3, 6), packed(5, 3), packed(6, 5)],
+            ),
+        ),
+        (
+            "both transposed, C += with gaps between matrices",
+            batched(
+                2,
+                flags(3, 4, 33, true, true, true),
+                [
+                    layout(5, 33 * 5 + 2),
+                    layout(35, 4 * 35),
+                    layout(6, 3 * 6 + 1),
+                ],
+            ),
+        ),
+        (
+            "batch 1, every pitch past its width",
+            batched(
+                1,
+                flags(17, 9, 13, false, false, true),
+                [layout(15, 0), layout(10, 0), layout(11, 0)],
+            ),
+        ),
+        (
+            "B shared by every matrix (stride 0)",
+            batched(
+                4,
+                flags(5, 3, 65, false, true, false),
+                [packed(5, 65), layout(65, 0), packed(5, 3)],
+            ),
+        ),
+        (
+            "k = 0: C zeroed where its matrices lie",
+            batched(
+                3,
+                flags(2, 3, 0, false, false, false),
+                [packed(2, 0), packed(0, 3), heads(3, 4)],
+            ),
+        ),
+        (
+            "k = 0, C +=: C as it was",
+            batched(
+                3,
+                flags(2, 3, 0, false, false, true),
+                [packed(2, 0), packed(0, 3), heads(3, 4)],
+            ),
+        ),
+        (
+            "batch 0: nothing",
+            batched(
+                0,
+                flags(2, 3, 4, false, false, false),
+                [packed(2, 4), packed(4, 3), packed(2, 3)],
+            ),
+        ),
+    ];
+    for (i, (name, dims)) in cases.into_iter().enumerate() {
+        let lens = [0, 1, 2].map(|w| batched_len(&dims, w));
+        let case = KernelCase::new("batched_matmul", name)
+            .input("A", s.rng.values(lens[0], -2.0, 2.0))
+            .input("B", s.rng.values(lens[1], -2.0, 2.0))
+            // In and out whatever `accumulate` says: the elements between
+            // `C`'s matrices must come back as they were.
+            .inout("C", s.rng.values(lens[2], -2.0, 2.0))
+            .same_dtype("A", "B")
+            .free_len("A")
+            .free_len("B")
+            .free_len("C")
+            .tolerance(64.0 * U * (dims.dims.k as f64 + 1.0), 16.0 * U);
+        let case = if i == 0 { case.with_refusals() } else { case };
+        s.check_kernel(
+            case,
+            move |x| {
+                vec![Expected::new(
+                    "C",
+                    batched_reference(&x["A"], &x["B"], &x["C"], &dims),
+                )]
+            },
+            move |dev: &B, b: &Bufs<B>| {
+                dev.batched_matmul(b.view("A")?, b.view("B")?, b.view_mut("C")?, dims)?;
+                Ok(vec![])
+            },
+        );
+    }
+    batched_refusals(s);
+}
+
+/// A batched matmul's layout refusals, on the absorbed queries' case: each
+/// names the operand, and nothing is written.
+fn batched_refusals<B: Backend>(s: &mut Suite<'_, B>) {
+    let dims = BatchedMatmulDims {
+        batch: 3,
+        dims: MatmulDims::linear_input_grad(5, 7, 4, false),
+        a: BatchLayout::heads(3, 6),
+        b: BatchLayout {
+            pitch: 7,
+            stride: 6 * 7,
+        },
+        c: BatchLayout::heads(3, 9),
+    };
+    let lens = [0, 1, 2].map(|w| batched_len(&dims, w));
+    let case = KernelCase::new("batched_matmul", "refusals")
+        .input("A", s.rng.values(lens[0], -2.0, 2.0))
+        .input("B", s.rng.values(lens[1], -2.0, 2.0))
+        .inout("C", s.rng.values(lens[2], -2.0, 2.0))
+        .same_dtype("A", "B");
+    let bad: [(&str, &str, BatchedMatmulDims); 4] = [
+        (
+            "A's pitch below its rows' width",
+            "A",
+            BatchedMatmulDims {
+                a: BatchLayout {
+                    pitch: 3,
+                    stride: 3,
+                },
+                ..dims
+            },
+        ),
+        (
+            "C's matrices overlapping (stride below the width)",
+            "C",
+            BatchedMatmulDims {
+                c: BatchLayout {
+                    pitch: 27,
+                    stride: 6,
+                },
+                ..dims
+            },
+        ),
+        (
+            "C's matrices overlapping (one after another, too close)",
+            "C",
+            BatchedMatmulDims {
+                c: BatchLayout {
+                    pitch: 7,
+                    stride: 4 * 7,
+                },
+                ..dims
+            },
+        ),
+        (
+            "B's last block past its view",
+            "B",
+            BatchedMatmulDims {
+                b: BatchLayout {
+                    pitch: 7,
+                    stride: 7 * 7,
+                },
+                ..dims
+            },
+        ),
+    ];
+    for (what, operand, bad) in bad {
+        s.check_bad_input(
+            &case,
+            BadInput::new(what).naming(&[operand]).nothing_written(),
+            move |dev, b| {
+                dev.batched_matmul(b.view("A")?, b.view("B")?, b.view_mut("C")?, bad)?;
+                Ok(vec![])
+            },
+        );
     }
 }
 
