@@ -9,7 +9,8 @@
 //! with `--include-ignored`; run without a GPU, a test fails saying why.
 
 use hybridgen_runtime::backend::{
-    Backend, GroupedMatmul, MatmulDims, ScanDims, ScanGrads, ScanInputs, Slice, Tokens,
+    Backend, BatchLayout, BatchedMatmulDims, GroupedMatmul, MatmulDims, ScanDims, ScanGrads,
+    ScanInputs, Slice, Tokens,
 };
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
@@ -360,6 +361,152 @@ fn the_norm_backward_in_one_pass_matches_the_two_pass_way() {
                 differ(&one.1, &two.1) > 0,
                 "{what}: the one-pass kernel did not run"
             );
+        }
+    }
+}
+
+/// `Backend::batched_matmul` against a loop of `Backend::matmul` on
+/// packed copies of each matrix, at the `D` layer's shapes (16 heads of
+/// DeepSeek's widths: dn = dv = 128, kv_rank 512, 300 rows): the absorbed
+/// queries (A of interleaved heads, B weight blocks), the value
+/// up-projection (B^T) and dW_UK (A^T, C += into f32 weight blocks), in f32
+/// and bf16 storage. The two call different cuBLAS routines (a strided
+/// batch; `cublasGemmEx` or cuBLASLt), which may sum in other orders, so
+/// the bound is two summations' worth: `2 k u sum |a b|` in f32 (u =
+/// 2^-24), plus one bf16 ulp of the result (at most 2^-7 |c|: the two
+/// round nearby f32 values) for a bf16 `C`.
+/// How many elements agree bit for bit is printed.
+#[test]
+#[ignore = "needs a GPU"]
+fn batched_matmul_matches_a_loop_of_matmuls() {
+    let (heads, rows, dn, kr) = (16, 300, 128, 512);
+    let blocks = BatchLayout {
+        pitch: kr,
+        stride: 2 * dn * kr,
+    };
+    let cases = [
+        (
+            "absorbed queries",
+            MatmulDims::linear_input_grad(rows, kr, dn, false),
+            [
+                BatchLayout::heads(heads, dn + 64),
+                blocks,
+                BatchLayout::heads(heads, kr + 64),
+            ],
+        ),
+        (
+            "value up-projection",
+            MatmulDims::linear(rows, kr, dn),
+            [
+                BatchLayout::heads(heads, kr),
+                blocks,
+                BatchLayout::heads(heads, dn),
+            ],
+        ),
+        (
+            "dW_UK",
+            MatmulDims::linear_weight_grad(rows, kr, dn),
+            [
+                BatchLayout::heads(heads, dn + 64),
+                BatchLayout::heads(heads, kr + 64),
+                blocks,
+            ],
+        ),
+    ];
+    for precision in [Precision::F32, Precision::Bf16] {
+        let dev = gpu(precision);
+        let ab = precision.compute_dtype();
+        let mut seed = 11u64;
+        for (name, d, [la, lb, lc]) in cases {
+            let dims = BatchedMatmulDims {
+                batch: heads,
+                dims: d,
+                a: la,
+                b: lb,
+                c: lc,
+            };
+            // Weight gradients accumulate in f32; the rest is stored as
+            // the activations are.
+            let c_dtype = if d.accumulate { DType::F32 } else { ab };
+            let span = |which: usize| {
+                let (r, w) = dims.stored()[which];
+                dims.layouts()[which].span(heads, r, w).unwrap()
+            };
+            let host: [Vec<f32>; 3] = [0, 1, 2].map(|w| uniform(&mut seed, span(w), -2.0, 2.0));
+            let [a, b, c] = [(0, ab), (1, ab), (2, c_dtype)].map(|(w, t)| put(&dev, &host[w], t));
+            // The values as stored (bf16-rounded where stored in bf16).
+            let stored = [(0, &a), (1, &b), (2, &c)].map(|(w, buf)| get(&dev, buf, host[w].len()));
+            dev.batched_matmul(
+                dev.view(&a).unwrap(),
+                dev.view(&b).unwrap(),
+                dev.view_mut(&c).unwrap(),
+                dims,
+            )
+            .unwrap();
+            let batched = get(&dev, &c, host[2].len());
+            let pack = |v: &[f32], which: usize, i: usize| -> Vec<f32> {
+                let (r, w) = dims.stored()[which];
+                (0..r)
+                    .flat_map(|row| (0..w).map(move |col| (row, col)))
+                    .map(|(row, col)| v[dims.at(which, i, row, col)])
+                    .collect()
+            };
+            let (mut same, mut total) = (0usize, 0usize);
+            for i in 0..heads {
+                let [pa, pb, pc] = [0, 1, 2].map(|w| pack(&stored[w], w, i));
+                let (ba, bb, bc) = (
+                    put(&dev, &pa, ab),
+                    put(&dev, &pb, ab),
+                    put(&dev, &pc, c_dtype),
+                );
+                dev.matmul(
+                    dev.view(&ba).unwrap(),
+                    dev.view(&bb).unwrap(),
+                    dev.view_mut(&bc).unwrap(),
+                    d,
+                )
+                .unwrap();
+                let looped = get(&dev, &bc, pc.len());
+                let abs = |v: &[f32]| v.iter().map(|x| x.abs() as f64).collect::<Vec<_>>();
+                let (aa, ba_) = (abs(&pa), abs(&pb));
+                for r in 0..d.m {
+                    for j in 0..d.n {
+                        let mut mag = if d.accumulate {
+                            pc[r * d.n + j].abs() as f64
+                        } else {
+                            0.0
+                        };
+                        for p in 0..d.k {
+                            let x = if d.a_trans {
+                                aa[p * d.m + r]
+                            } else {
+                                aa[r * d.k + p]
+                            };
+                            let y = if d.b_trans {
+                                ba_[j * d.k + p]
+                            } else {
+                                ba_[p * d.n + j]
+                            };
+                            mag += x * y;
+                        }
+                        let want = looped[r * d.n + j];
+                        let got = batched[dims.at(2, i, r, j)];
+                        let mut bound = 2.0 * d.k as f64 * mag / (1u64 << 24) as f64;
+                        if c_dtype == DType::Bf16 {
+                            bound += want.abs() as f64 / 128.0;
+                        }
+                        let err = (got as f64 - want as f64).abs();
+                        assert!(
+                            err <= bound,
+                            "{name} ({precision}): head {i} ({r}, {j}): batched {got} vs \
+                             looped {want} (error {err:e}, bound {bound:e})"
+                        );
+                        same += usize::from(got.to_bits() == want.to_bits());
+                        total += 1;
+                    }
+                }
+            }
+            println!("{name} ({precision}): {same} of {total} elements the same bits");
         }
     }
 }
