@@ -492,7 +492,6 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
     const u32 staging = tiles + GG_STAGES * GG_STAGE_BYTES;
     const u32 full = staging + 4 * GG_BOX_BYTES;
     const u32 empty = full + GG_STAGES * 8;
-    const u32 units = unit_count<MODE>(problems, layout);
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -503,7 +502,10 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
         }
         mbarrier_init_fence();
     }
+    // Also publishes warp 0's layout: every thread must count the same
+    // units (a warpgroup whose warps disagree would part at its wgmma).
     __syncthreads();
+    const u32 units = unit_count<MODE>(problems, layout);
 
     if (threadIdx.x >= GG_CONSUMERS) {
         // The producer: the `u`-th use of a buffer waits for the consumers'
