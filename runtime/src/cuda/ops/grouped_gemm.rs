@@ -579,6 +579,22 @@ mod tests {
             std::mem::offset_of!(ProblemsArg, split_from),
             128 * 96 + 24 * 32 + 4 * 34
         );
+        // The segmented launch's fields after them, `rows` padded to its
+        // 8-byte alignment as C pads it.
+        let segment = 128 * 96 + 24 * 32 + 4 * 35;
+        assert_eq!(std::mem::offset_of!(ProblemsArg, segment), segment);
+        assert_eq!(
+            std::mem::offset_of!(ProblemsArg, rows),
+            segment + 4 * 32 + 4
+        );
+        assert_eq!(
+            std::mem::offset_of!(ProblemsArg, segments),
+            segment + 4 * 32 + 12
+        );
+        assert_eq!(
+            std::mem::offset_of!(ProblemsArg, blocks),
+            segment + 4 * 32 + 16
+        );
         assert!(std::mem::size_of::<ProblemsArg>() <= 32764);
         let source = crate::cuda::launch::source_with_defines(
             "grouped_gemm.cu",
@@ -594,7 +610,13 @@ mod tests {
                 ("GG_C_MAP", C_MAP as usize),
             ],
         );
-        assert_eq!(KERNELS.to_vec(), source.entry_points.to_vec());
+        // The table launches, then the segmented ones, in the source's order.
+        let launched: Vec<&str> = KERNELS
+            .into_iter()
+            .chain(ROWS_KERNELS)
+            .chain([DEPTH_KERNEL])
+            .collect();
+        assert_eq!(launched, source.entry_points.to_vec());
     }
 
     #[test]
