@@ -314,6 +314,38 @@ impl KernelSet {
         self.grouped_gemm_grid.is_some()
     }
 
+    /// Launches entry point `name` on `arg`'s problems: `units` units of
+    /// work walked by at most `persistent_grid` blocks (one an SM).
+    ///
+    /// # Safety
+    /// Every problem in `arg` addresses only memory its views hold, and
+    /// its C's are disjoint.
+    unsafe fn launch_units(
+        &self,
+        stream: &CudaStream,
+        name: &'static str,
+        arg: &ProblemsArg,
+        units: usize,
+        persistent_grid: u32,
+    ) -> Result<()> {
+        let config = LaunchConfig {
+            grid_dim: (
+                u32::try_from(units)
+                    .unwrap_or(u32::MAX)
+                    .min(persistent_grid),
+                1,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SHARED_BYTES as u32,
+        };
+        let mut builder = KernelArgs::new(stream, self.function(name)?);
+        builder.arg(arg);
+        // SAFETY: the caller's contract.
+        unsafe { builder.launch(config, self.dependent_launch()) }
+            .map_err(|e| self.device_error(&format!("launching {name}"), e))
+    }
+
     /// Enqueues `problems` (`A`, `B`, `C`, dims each; every one taken by
     /// [`grouped_gemm_takes`], their `C`s disjoint, checked by the caller
     /// as `grouped_matmul` checks them) on `stream`: one launch for each
@@ -365,19 +397,11 @@ impl KernelSet {
                 let split = split_from(grid, persistent_grid as usize);
                 arg.split_from = split as u32;
                 let units = grid + (grid - split);
-                let config = LaunchConfig {
-                    grid_dim: ((units as u32).min(persistent_grid), 1, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: SHARED_BYTES as u32,
-                };
-                let mut builder = KernelArgs::new(stream, self.function(name)?);
-                builder.arg(&arg);
                 // SAFETY: every problem's views hold exactly the elements
                 // its dims address (checked by the caller), the kernel
                 // reads A and B and writes C inside them, and C's are
                 // disjoint.
-                unsafe { builder.launch(config, self.dependent_launch()) }
-                    .map_err(|e| self.device_error(&format!("launching {name}"), e))?;
+                unsafe { self.launch_units(stream, name, &arg, units, persistent_grid) }?;
             }
         }
         Ok(())
@@ -519,19 +543,11 @@ impl KernelSet {
                 if units == 0 {
                     continue;
                 }
-                let config = LaunchConfig {
-                    grid_dim: ((units as u32).min(persistent_grid), 1, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: SHARED_BYTES as u32,
-                };
-                let mut builder = KernelArgs::new(stream, self.function(name)?);
-                builder.arg(&arg);
                 // SAFETY: every segment's views hold the elements its dims
                 // address (checked by the caller); the kernel clips each
                 // segment's rows at the shared operands' and writes C inside
                 // them; C's are disjoint (checked by the caller).
-                unsafe { builder.launch(config, self.dependent_launch()) }
-                    .map_err(|e| self.device_error(&format!("launching {name}"), e))?;
+                unsafe { self.launch_units(stream, name, &arg, units, persistent_grid) }?;
             }
         }
         Ok(())
