@@ -458,7 +458,7 @@ impl KernelSet {
     /// Enqueues a [`Backend::segmented_matmul`](crate::Backend::segmented_matmul)
     /// (every problem's segments taken by [`SegmentedOperands::taken`],
     /// checked by the caller) on `stream`: `rows` is the device's u32
-    /// count a segment. Each launch takes up to [`MAX_PROBLEMS`] segments
+    /// count a segment. Each launch takes up to `MAX_PROBLEMS` segments
     /// of one entry point; the kernels read the counts themselves, so
     /// nothing here waits for them.
     pub fn segmented_gemm(

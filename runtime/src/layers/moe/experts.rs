@@ -20,7 +20,7 @@ use crate::backend::{Backend, MatmulDims, SegmentedGroup, SegmentedMatmul, Slice
 use crate::error::{Result, RuntimeError};
 use crate::layers::{check_grads, check_len, check_weights, weight, weight_rows};
 
-/// What [`MoeLayer::experts`] keeps.
+/// What the experts' forward (`MoeLayer::experts`) keeps for their backward.
 pub struct MoeExpertsSaved<B: Backend> {
     groups: ExpertGroups<B>,
     /// The grouped input rows `[total, h]`.
