@@ -10,7 +10,7 @@
 
 use hybridgen_runtime::backend::{
     Backend, BatchLayout, BatchedMatmulDims, GroupedMatmul, MatmulDims, ScanDims, ScanGrads,
-    ScanInputs, Slice, Tokens,
+    ScanInputs, SegmentedMatmul, Slice, Tokens,
 };
 use hybridgen_runtime::conformance::{self, Options};
 use hybridgen_runtime::cpu::CpuBackend;
@@ -248,6 +248,155 @@ fn the_grouped_gemm_kernel_gives_cublas_bits_at_expert_sizes() {
             rows[i / 3],
             a.len()
         );
+    }
+}
+
+/// The experts' GEMMs with each expert's rows read on the device
+/// (`segmented_matmul`, the MoE layer's path at expert parallelism 1) give
+/// the bits of the same GEMMs with the rows known on the host
+/// (`grouped_matmul` over each expert's slices): the forward, the input
+/// gradient and the weight gradient added to f32 gradients, with experts
+/// of no rows, of one row, and of rows that are not a multiple of the
+/// kernels' 128-row tile. Each output row is one dot product over K in the
+/// same order either way, and rows past an expert's end are neither
+/// stored nor summed, so a difference in any bit is a segment read wrong.
+/// Off Hopper both take cuBLAS and the test compares cuBLAS with itself.
+#[test]
+#[ignore = "needs a GPU"]
+fn segmented_expert_gemms_give_the_bits_of_host_sized_ones() {
+    let dev = gpu(Precision::Bf16).with_grouped_gemm(true);
+    let (hidden, width) = (512, 256);
+    let counts: [u32; 8] = [0, 1, 130, 131, 200, 0, 700, 64];
+    let total: usize = counts.iter().map(|&c| c as usize).sum();
+    let starts: Vec<usize> = counts
+        .iter()
+        .scan(0, |at, &c| {
+            let start = *at;
+            *at += c as usize;
+            Some(start)
+        })
+        .collect();
+    let mut seed = 11u64;
+    let x = put(
+        &dev,
+        &uniform(&mut seed, total * hidden, -2.0, 2.0),
+        DType::Bf16,
+    );
+    let dy = put(
+        &dev,
+        &uniform(&mut seed, total * width, -2.0, 2.0),
+        DType::Bf16,
+    );
+    let w: Vec<CudaBuf> = counts
+        .iter()
+        .map(|_| {
+            put(
+                &dev,
+                &uniform(&mut seed, width * hidden, -2.0, 2.0),
+                DType::Bf16,
+            )
+        })
+        .collect();
+    let grads: Vec<Vec<f32>> = counts
+        .iter()
+        .map(|_| uniform(&mut seed, width * hidden, -2.0, 2.0))
+        .collect();
+    let rows = dev.alloc(counts.len(), DType::U32).unwrap();
+    dev.upload(&counts, dev.view_mut(&rows).unwrap()).unwrap();
+    // The forward, the input gradient and every expert's weight gradient.
+    let run = |segmented: bool| -> Vec<Vec<f32>> {
+        let y = dev.alloc(total * width, DType::Bf16).unwrap();
+        let dx = dev.alloc(total * hidden, DType::Bf16).unwrap();
+        let dw: Vec<CudaBuf> = grads.iter().map(|g| put(&dev, g, DType::F32)).collect();
+        let weights = || w.iter().map(|b| dev.view(b).unwrap()).collect::<Vec<_>>();
+        let forward = MatmulDims::linear(total, hidden, width);
+        let input_grad = MatmulDims::linear_input_grad(total, hidden, width, false);
+        let weight_grad = MatmulDims::linear_weight_grad(total, hidden, width);
+        if segmented {
+            dev.segmented_matmul(
+                dev.view(&rows).unwrap(),
+                vec![
+                    SegmentedMatmul::Rows {
+                        a: dev.view(&x).unwrap(),
+                        b: weights(),
+                        c: dev.view_mut(&y).unwrap(),
+                        dims: forward,
+                    },
+                    SegmentedMatmul::Rows {
+                        a: dev.view(&dy).unwrap(),
+                        b: weights(),
+                        c: dev.view_mut(&dx).unwrap(),
+                        dims: input_grad,
+                    },
+                ],
+            )
+            .unwrap();
+            dev.segmented_matmul(
+                dev.view(&rows).unwrap(),
+                vec![SegmentedMatmul::Depth {
+                    a: dev.view(&dy).unwrap(),
+                    b: dev.view(&x).unwrap(),
+                    c: dw.iter().map(|g| dev.view_mut(g).unwrap()).collect(),
+                    dims: weight_grad,
+                }],
+            )
+            .unwrap();
+        } else {
+            let (mut products, mut weight_grads) = (Vec::new(), Vec::new());
+            for (e, (&count, &start)) in counts.iter().zip(&starts).enumerate() {
+                let (n, end) = (count as usize, start + count as usize);
+                if n == 0 {
+                    continue;
+                }
+                let x_rows = dev.slice(&x, start * hidden..end * hidden).unwrap();
+                let dy_rows = dev.slice(&dy, start * width..end * width).unwrap();
+                products.push(GroupedMatmul::<CudaBackend> {
+                    a: x_rows,
+                    b: dev.view(&w[e]).unwrap(),
+                    c: dev.slice_mut(&y, start * width..end * width).unwrap(),
+                    dims: MatmulDims::linear(n, hidden, width),
+                });
+                products.push(GroupedMatmul::<CudaBackend> {
+                    a: dy_rows,
+                    b: dev.view(&w[e]).unwrap(),
+                    c: dev.slice_mut(&dx, start * hidden..end * hidden).unwrap(),
+                    dims: MatmulDims::linear_input_grad(n, hidden, width, false),
+                });
+                weight_grads.push(GroupedMatmul::<CudaBackend> {
+                    a: dy_rows,
+                    b: x_rows,
+                    c: dev.view_mut(&dw[e]).unwrap(),
+                    dims: MatmulDims::linear_weight_grad(n, hidden, width),
+                });
+            }
+            dev.grouped_matmul(products).unwrap();
+            dev.grouped_matmul(weight_grads).unwrap();
+        }
+        let mut outs = vec![get(&dev, &y, total * width), get(&dev, &dx, total * hidden)];
+        for g in &dw {
+            let mut wide = vec![0.0f32; width * hidden];
+            dev.download(dev.view(g).unwrap(), &mut wide).unwrap();
+            outs.push(wide);
+        }
+        outs
+    };
+    let (host_sized, segmented) = (run(false), run(true));
+    for (i, (a, b)) in host_sized.iter().zip(&segmented).enumerate() {
+        let what = match i {
+            0 => "the forward".to_string(),
+            1 => "the input gradient".to_string(),
+            e => format!(
+                "expert {} ({} rows)'s weight gradient",
+                e - 2,
+                counts[e - 2]
+            ),
+        };
+        let differ = a
+            .iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{what}: {differ} of {} values differ", a.len());
     }
 }
 
