@@ -124,6 +124,22 @@ fn record(data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The largest `<seconds>` among `dir`'s files named
+/// `events.out.tfevents.<seconds>...` (others are not ours to order).
+fn latest_file_seconds(dir: &Path) -> std::io::Result<Option<u64>> {
+    let mut latest = None;
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let seconds = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("events.out.tfevents."))
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|s| s.parse::<u64>().ok());
+        latest = latest.max(seconds);
+    }
+    Ok(latest)
+}
+
 fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -148,6 +164,12 @@ impl EventWriter {
     /// it, named as TensorFlow names them (`events.out.tfevents.<seconds>.
     /// <host>.<pid>`), with its file-version event written and flushed:
     /// an unwritable directory fails here, before a run starts.
+    ///
+    /// TensorBoard reads a directory's files in the order of their names,
+    /// so `<seconds>` is past every event file already there: a run resumed
+    /// within the second its predecessor started (or on a machine whose
+    /// clock is behind) still sorts after it, and its steps continue the
+    /// curves instead of coming before them.
     pub fn create(dir: &Path) -> std::io::Result<EventWriter> {
         std::fs::create_dir_all(dir)?;
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -155,7 +177,10 @@ impl EventWriter {
             .ok()
             .filter(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
             .unwrap_or_else(|| "localhost".to_string());
-        let seconds = now() as u64;
+        let seconds = match latest_file_seconds(dir)? {
+            Some(latest) => (now() as u64).max(latest + 1),
+            None => now() as u64,
+        };
         let name = format!(
             "events.out.tfevents.{seconds}.{host}.{}",
             std::process::id()
@@ -297,6 +322,34 @@ mod tests {
             at += 16 + n;
         }
         out
+    }
+
+    #[test]
+    fn a_new_file_sorts_after_the_event_files_already_there() {
+        let dir = std::env::temp_dir().join(format!("hybridgen-tb-order-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // A predecessor whose name is a minute ahead of this clock, and a
+        // file that is not an event file.
+        let ahead = now() as u64 + 60;
+        let earlier = format!("events.out.tfevents.{ahead}.other-host.99999999");
+        std::fs::write(dir.join(&earlier), b"").unwrap();
+        std::fs::write(dir.join("events.out.tfevents.notanumber"), b"").unwrap();
+        let writer = EventWriter::create(&dir).unwrap();
+        let name = writer
+            .path()
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string();
+        writer.close().unwrap();
+        assert!(name > earlier, "{name} sorts before {earlier}");
+        assert!(
+            name.starts_with(&format!("events.out.tfevents.{}.", ahead + 1)),
+            "{name}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
