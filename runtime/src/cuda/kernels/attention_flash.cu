@@ -165,10 +165,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[M][D / 8][4], const floa
         u32 fa[M][4];
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            fa[m][0] = pack_bf16(w[m][2 * kk][0], w[m][2 * kk][1]);
-            fa[m][1] = pack_bf16(w[m][2 * kk][2], w[m][2 * kk][3]);
-            fa[m][2] = pack_bf16(w[m][2 * kk + 1][0], w[m][2 * kk + 1][1]);
-            fa[m][3] = pack_bf16(w[m][2 * kk + 1][2], w[m][2 * kk + 1][3]);
+            acc_as_a(fa[m], w[m][2 * kk], w[m][2 * kk + 1]);
         }
 #pragma unroll
         for (int np = 0; np < D / 16; ++np) {

@@ -634,10 +634,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_output(D
     for (int kk = 0; kk < 4; ++kk) {
         if (kk <= warp) {
             u32 af[4];
-            af[0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
-            af[1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
-            af[2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            af[3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            acc_as_a(af, sc[2 * kk], sc[2 * kk + 1]);
 #pragma unroll
             for (int np = 0; np < 8; ++np) {
                 if (16 * np < dv) {
@@ -817,10 +814,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_dvl(Delt
     for (int kk = 0; kk < 4; ++kk) {
         if (kk >= warp) {
             u32 af[4];
-            af[0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
-            af[1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
-            af[2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            af[3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            acc_as_a(af, sc[2 * kk], sc[2 * kk + 1]);
 #pragma unroll
             for (int np = 0; np < 8; ++np) {
                 if (16 * np < dv) {

@@ -717,10 +717,7 @@ __device__ __forceinline__ void ixt_accumulate(float (&acc)[M][IX_MAX_DIM / 8][4
         u32 fa[M][4];
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            fa[m][0] = pack_bf16(p[m][2 * kk][0], p[m][2 * kk][1]);
-            fa[m][1] = pack_bf16(p[m][2 * kk][2], p[m][2 * kk][3]);
-            fa[m][2] = pack_bf16(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);
-            fa[m][3] = pack_bf16(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);
+            acc_as_a(fa[m], p[m][2 * kk], p[m][2 * kk + 1]);
         }
 #pragma unroll
         for (int np = 0; np < IX_MAX_DIM / 16; ++np) {

@@ -33,6 +33,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The A fragment of an m16n8k16 product whose 16 k-columns are two m16n8
+// accumulators side by side (columns 0-7 in `lo`, 8-15 in `hi`), rounded
+// to bf16: one product's output fed to the next, as flash attention feeds
+// it its probabilities.
+__device__ __forceinline__ void acc_as_a(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = pack_bf16(lo[0], lo[1]);
+    a[1] = pack_bf16(lo[2], lo[3]);
+    a[2] = pack_bf16(hi[0], hi[1]);
+    a[3] = pack_bf16(hi[2], hi[3]);
+}
+
 // 16 bytes from global to shared memory, asynchronously; zeros when !valid
 // (nothing is read then).
 __device__ __forceinline__ void copy16_async(u32 dst, const void* src, bool valid) {
