@@ -2,10 +2,10 @@
 //! as one grouped call), axpy, scale, column sums, and the f64 sum of a
 //! view that loss accumulators are built from.
 
-use crate::backend::dense::{check_batched_matmul, check_matmul};
+use crate::backend::dense::{check_batched_matmul, check_matmul, segments_as_problems};
 use crate::backend::{BatchedMatmulDims, DenseKernels, MatmulDims, MatmulProblem, SegmentedMatmul};
 use crate::cpu::{CpuBackend, CpuBuf};
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use crate::view::{DType, Operand, View, ViewMut};
 
 impl DenseKernels<CpuBuf> for CpuBackend {
@@ -65,60 +65,14 @@ impl DenseKernels<CpuBuf> for CpuBackend {
         rows: View<'_, CpuBuf>,
         problems: Vec<SegmentedMatmul<View<'_, CpuBuf>, ViewMut<'_, CpuBuf>>>,
     ) -> Result<()> {
-        let k = self.access("segmented_matmul");
-        let ranges = segment_ranges(k.typed_in::<u32>("rows", rows)?);
-        let total = ranges.last().map_or(0, |r| r.end);
-        for (i, p) in problems.into_iter().enumerate() {
-            let name = |operand: &str| format!("problems[{i}].{operand}");
-            if p.total_rows() != total {
-                return Err(RuntimeError::InvalidArgument(format!(
-                    "kernel `segmented_matmul`: the segments' rows sum to {total} but \
-                     `problems[{i}]` has {} rows",
-                    p.total_rows()
-                )));
-            }
-            // Segments without rows have no matmul: a grouped call leaves
-            // them out (nothing to write, nothing to add).
-            match p {
-                SegmentedMatmul::Rows { a, b, c, dims } => {
-                    let a = k.f32_in(&name("A"), a)?;
-                    let b = b
-                        .into_iter()
-                        .enumerate()
-                        .map(|(e, v)| k.f32_in(&name(&format!("B[{e}]")), v))
-                        .collect::<Result<Vec<_>>>()?;
-                    let mut c = k.f32_out(&name("C"), c)?;
-                    for (r, b) in ranges.iter().zip(&b).filter(|(r, _)| !r.is_empty()) {
-                        let d = MatmulDims { m: r.len(), ..dims };
-                        matmul(
-                            &a[r.start * d.k..r.end * d.k],
-                            b,
-                            &mut c[r.start * d.n..r.end * d.n],
-                            d,
-                        )?;
-                    }
-                }
-                SegmentedMatmul::Depth { a, b, c, dims } => {
-                    let a = k.f32_in(&name("A"), a)?;
-                    let b = k.f32_in(&name("B"), b)?;
-                    let mut c = c
-                        .into_iter()
-                        .enumerate()
-                        .map(|(e, v)| k.f32_out(&name(&format!("C[{e}]")), v))
-                        .collect::<Result<Vec<_>>>()?;
-                    for (r, c) in ranges.iter().zip(&mut c).filter(|(r, _)| !r.is_empty()) {
-                        let d = MatmulDims { k: r.len(), ..dims };
-                        matmul(
-                            &a[r.start * d.m..r.end * d.m],
-                            &b[r.start * d.n..r.end * d.n],
-                            c,
-                            d,
-                        )?;
-                    }
-                }
-            }
-        }
-        Ok(())
+        // The reference reads the rows where they are and runs the grouped
+        // call of the segments with rows, as a GPU without the segmented
+        // kernels does after reading them.
+        let counts = self
+            .access("segmented_matmul")
+            .typed_in::<u32>("rows", rows)?
+            .to_vec();
+        self.grouped_matmul_unchecked(segments_as_problems(&counts, problems)?)
     }
 
     fn axpy_unchecked(
@@ -365,18 +319,6 @@ pub fn grouped_matmul(problems: &mut [MatmulProblem<&[f32], &mut [f32]>]) -> Res
         matmul(p.a, p.b, p.c, p.dims)?;
     }
     Ok(())
-}
-
-/// The consecutive row ranges of segments of `rows` rows each.
-pub fn segment_ranges(rows: &[u32]) -> Vec<std::ops::Range<usize>> {
-    let mut start = 0;
-    rows.iter()
-        .map(|&n| {
-            let range = start..start + n as usize;
-            start = range.end;
-            range
-        })
-        .collect()
 }
 
 #[cfg(test)]
