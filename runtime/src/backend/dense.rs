@@ -516,7 +516,8 @@ pub fn segments_as_problems<'a, Buf: DeviceBuffer>(
         if p.total_rows() != total {
             return Err(RuntimeError::InvalidArgument(format!(
                 "kernel `segmented_matmul`: the segments' rows sum to {total} but \
-                 `problems[{i}]` has {} rows",
+                 `problems[{i}]` has {} rows; give counts that add up to the rows the \
+                 problems share (a count a segment, in the rows' order)",
                 p.total_rows()
             )));
         }

@@ -152,7 +152,8 @@ fn disjoint_outputs(kernel: &str, outs: impl Iterator<Item = GpuView>) -> Result
     for pair in outs.windows(2) {
         if pair[1].0 < pair[0].1 {
             return Err(RuntimeError::InvalidArgument(format!(
-                "{kernel}: `problems[{}].C` and `problems[{}].C` overlap",
+                "{kernel}: `problems[{}].C` and `problems[{}].C` overlap; give each \
+                 problem an output of its own",
                 pair[0].2, pair[1].2
             )));
         }

@@ -470,7 +470,8 @@ impl KernelSet {
         let Some(persistent_grid) = self.grouped_gemm_grid else {
             return Err(setup_error(
                 "the grouped GEMM kernels did not load on this device (they need a Hopper GPU \
-                 and 225 KiB of shared memory a block)",
+                 and 225 KiB of shared memory a block); `--expert-gemm cublas` runs the \
+                 experts without them",
             ));
         };
         let segments = rows.len;
