@@ -29,9 +29,14 @@
 # `flops_per_token`, gives that figure for it), against the H200's 989
 # TFLOP/s of dense bf16; the 9B rows (`nemotron-nano-9b-v2` at 4,096
 # tokens) take their own count from their summaries (model FLOPs: a
-# recomputed forward is not counted). Peak memory
-# is the most `nvidia-smi` saw in use on any GPU during the row, sampled
-# every 0.2 s: what the process holds, its arena and libraries included.
+# recomputed forward is not counted). Memory, three ways, so that rows
+# compare like with like: `alloc` is the most the run's buffers held at
+# once (hybridgen: its arenas' peak in use, rank 0; PyTorch:
+# `torch.cuda.max_memory_allocated`); `held` what the allocator held from
+# the device (hybridgen: its arenas at the end; PyTorch:
+# `max_memory_reserved`); `smi` the most `nvidia-smi` saw in use on any
+# GPU during the row, sampled every 0.2 s (the process: context, libraries
+# and allocator together).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/bench-logs}
@@ -50,6 +55,19 @@ gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 row_model=()
 row_gpus=
 row_base=hybridgen-1gpu
+# nvidia-smi's memory in use, every 0.2 s, into file $1 until stop_sampler.
+start_sampler() {
+  : > "$1"
+  (while true; do
+     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$1" 2>/dev/null
+     sleep 0.2
+   done) &
+  sampler=$!
+}
+stop_sampler() {
+  kill "$sampler" 2>/dev/null
+  wait "$sampler" 2>/dev/null
+}
 row() {
   local name=$1 ranks=$2
   shift 2
@@ -59,12 +77,7 @@ row() {
     return
   fi
   local peak_file="$out/$name.memory"
-  : > "$peak_file"
-  (while true; do
-     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$peak_file" 2>/dev/null
-     sleep 0.2
-   done) &
-  local sampler=$!
+  start_sampler "$peak_file"
   local model=("${row_model[@]}")
   if [ ${#model[@]} -eq 0 ]; then
     model=(--preset bench-hybrid-moe --ep "$ranks")
@@ -73,8 +86,7 @@ row() {
     --micro-batches 4 --micro-batch-size 1 --steps 13 --lr 1e-4 --weight-decay 0.1 --clip-grad 0 \
     --format json "$@" > "$out/$name.jsonl" 2> "$out/$name.err"
   local rc=$?
-  kill "$sampler" 2>/dev/null
-  wait "$sampler" 2>/dev/null
+  stop_sampler
   python3 - "$here" "$name" "$ranks" "$rc" "$out/$name.jsonl" "$peak_file" "$used" "$row_base" \
     >> "$out/rows.jsonl" <<'PY'
 import json, statistics, sys
@@ -101,7 +113,10 @@ if rc != 0 or len(steps) < 13:
     row["failed"] = f"exit {rc}, {len(steps)} steps; see {log}"
 else:
     row["step_ms"] = statistics.median(steps[3:13])
-    row["peak_gib"] = max(used) / 1024 if used else None
+    row["smi_gib"] = max(used) / 1024 if used else None
+    if summary.get("peak_allocated_bytes"):
+        row["alloc_gib"] = summary["peak_allocated_bytes"] / 2**30
+        row["held_gib"] = summary["reserved_bytes"] / 2**30
 print(json.dumps(row))
 PY
 }
@@ -182,10 +197,12 @@ else
     # row (`--fast`, the same command the stage runs), for a same-run
     # ratio of the 1-GPU row.
     mkdir -p "$out/torch"
+    start_sampler "$out/torch/smi.memory"
     (export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4 TRITON_CACHE_AUTOTUNING=1
      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 "$torch_ref/bench.py" --mode single --fast \
        --out "$out/torch/results.jsonl") > "$out/torch.log" 2>&1
+    stop_sampler
   fi
 fi
 
@@ -202,13 +219,19 @@ if os.path.exists(sys.argv[2]):
         if r.get("fast") and not r.get("tiny") and "step_ms_median" in r:
             key = "1gpu" if r.get("world", 1) == 1 else "2gpu"
             torch.setdefault(key, r)  # the first of a kind: the stage's main row
+smi_file = os.path.join(os.path.dirname(sys.argv[2]), "smi.memory")
+torch_smi = [float(v) for v in open(smi_file).read().split()] if os.path.exists(smi_file) else []
 for key, r in sorted(torch.items()):
-    peak = max(r.get("peak_mem_alloc_gib_per_rank") or [0.0])
     rows.append({"row": f"pytorch-fast-{key}", "ranks": 1 if key == "1gpu" else 2,
-                 "step_ms": r["step_ms_median"], "peak_gib": peak})
+                 "step_ms": r["step_ms_median"],
+                 "alloc_gib": max(r.get("peak_mem_alloc_gib_per_rank") or [0.0]),
+                 "held_gib": r.get("peak_mem_reserved_gib_max"),
+                 # Sampled around the 1-GPU row only (the 2-GPU stage runs
+                 # several rows in one command).
+                 "smi_gib": max(torch_smi) / 1024 if torch_smi and key == "1gpu" else None})
 step_of = {r["row"]: r.get("step_ms") for r in rows}
-print(f"{'row':26} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
-      f"{'exposed':>8} {'vs torch':>8} {'recomp':>6}")
+print(f"{'row':26} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'alloc GiB':>9} "
+      f"{'held GiB':>8} {'smi GiB':>7} {'exposed':>8} {'vs torch':>8} {'recomp':>6}")
 for r in rows:
     if "wall_s" in r:
         if r["rc"] != 0:
@@ -249,7 +272,8 @@ for r in rows:
     exposed = f"{ms - alone:8.1f}" if r["ranks"] > 1 and alone else f"{'':8}"
     ref = torch.get("1gpu" if r["ranks"] == 1 else "2gpu") if r.get("gpus", r["ranks"]) == r["ranks"] else None
     ratio = f"{ms / ref['step_ms_median']:8.2f}" if ref and r["row"].startswith("hybridgen") else f"{'':8}"
-    peak = f"{r['peak_gib']:9.1f}" if r.get("peak_gib") else f"{'':9}"
+    gib = lambda key, width: f"{r[key]:{width}.1f}" if r.get(key) else " " * width
+    peak = f"{gib('alloc_gib', 9)} {gib('held_gib', 8)} {gib('smi_gib', 7)}"
     recomputed = f"{r['recomputed']:6d}" if r.get("recomputed") is not None else f"{'':6}"
     print(f"{r['row']:26} {ms:9.1f} {tps:10.0f} {tflops:8.1f} {100 * tflops * 1e12 / PEAK:5.1f}% "
           f"{peak} {exposed} {ratio} {recomputed}")

@@ -562,12 +562,17 @@ fn recomputation_changes_no_bits_and_keeps_less() {
         }
     }
     // What it is for: a dense model's layers keep only their inputs.
+    // The summary reports the same peak, within what the arenas hold.
     let peak = |run: &Run| {
-        run.reports
+        let peak = run
+            .reports
             .iter()
             .map(|r| r.device.peak_in_use_bytes)
             .max()
-            .unwrap()
+            .unwrap();
+        assert_eq!(run.summary.peak_allocated_bytes, peak);
+        assert!(0 < peak && peak <= run.summary.reserved_bytes);
+        peak
     };
     let dense = |c: &mut TrainConfig| {
         c.ep = 1;

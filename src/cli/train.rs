@@ -1166,6 +1166,14 @@ fn summary_text(s: &TrainSummary, clock: &CommandClock, precision: Precision) ->
             format!(", resume {:.1} s", t.resume.as_secs_f64())
         }
     );
+    if s.reserved_bytes > 0 {
+        out += &format!(
+            "  device memory   {} at most in use, {} held (the first rank's arenas; the \
+             device's context and libraries come on top)\n",
+            human::bytes(s.peak_allocated_bytes),
+            human::bytes(s.reserved_bytes)
+        );
+    }
     out += &format!(
         "  comm lane       {:.2} s busy over all ranks, {:.2} s hidden under compute ({})\n",
         s.comm_busy.as_secs_f64(),
@@ -1251,6 +1259,8 @@ fn summary_json(
             "checkpoint": s.saved_to.as_ref().map(|p| p.display().to_string()),
             "trace": s.trace.as_ref().map(|p| p.display().to_string()),
             "flops_per_token": s.flops_per_token,
+            "peak_allocated_bytes": s.peak_allocated_bytes,
+            "reserved_bytes": s.reserved_bytes,
             "hash_s": s.hash_time.as_secs_f64(),
             "save_s": s.save_time.as_secs_f64(),
             "saves_behind": s.saves_behind,

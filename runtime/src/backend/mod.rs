@@ -130,12 +130,15 @@ pub struct DeviceStats {
     /// summed over the device's arenas).
     pub in_use_bytes: u64,
     pub peak_in_use_bytes: u64,
+    /// Bytes the device's arenas hold, in use or free: what the device
+    /// gave the run (an arena grows during the first step, then holds).
+    pub reserved_bytes: u64,
 }
 
 impl std::ops::Sub for DeviceStats {
     type Output = DeviceStats;
-    /// The counts between two snapshots; the memory in use is the later
-    /// snapshot's (a peak has no difference).
+    /// The counts between two snapshots; the memory figures are the later
+    /// snapshot's (a peak or a holding has no difference).
     fn sub(self, earlier: DeviceStats) -> DeviceStats {
         DeviceStats {
             allocations: self.allocations - earlier.allocations,

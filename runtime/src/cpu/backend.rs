@@ -97,19 +97,20 @@ impl Backend for CpuBackend {
     }
 
     fn stats(&self) -> DeviceStats {
-        let (in_use, peak) = self
+        let (in_use, peak, reserved) = self
             .arenas
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .map(|a| a.use_words())
-            .fold((0, 0), |(u, p), (a, b)| (u + a, p + b));
+            .map(|a| (a.use_words(), a.total_words()))
+            .fold((0, 0, 0), |(u, p, r), ((a, b), t)| (u + a, p + b, r + t));
         DeviceStats {
             allocations: self.counters.allocations.load(Ordering::Relaxed),
             allocated_bytes: self.counters.allocated_bytes.load(Ordering::Relaxed),
             host_reads: self.counters.host_reads.load(Ordering::Relaxed),
             in_use_bytes: 8 * in_use as u64,
             peak_in_use_bytes: 8 * peak as u64,
+            reserved_bytes: 8 * reserved as u64,
         }
     }
 

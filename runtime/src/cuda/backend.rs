@@ -426,14 +426,14 @@ impl Backend for CudaBackend {
     }
 
     fn stats(&self) -> DeviceStats {
-        let (in_use, peak) = self
+        let (in_use, peak, reserved) = self
             .gpu
             .arenas
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .map(|a| a.use_bytes())
-            .fold((0, 0), |(u, p), (a, b)| (u + a, p + b));
+            .map(|a| (a.use_bytes(), a.total_bytes()))
+            .fold((0, 0, 0), |(u, p, r), ((a, b), t)| (u + a, p + b, r + t));
         let c = &self.gpu.counters;
         DeviceStats {
             allocations: c.allocations.load(Ordering::Relaxed),
@@ -441,6 +441,7 @@ impl Backend for CudaBackend {
             host_reads: c.host_reads.load(Ordering::Relaxed),
             in_use_bytes: in_use as u64,
             peak_in_use_bytes: peak as u64,
+            reserved_bytes: reserved as u64,
         }
     }
 

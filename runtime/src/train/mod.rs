@@ -376,6 +376,7 @@ pub fn train_on<P: Platform>(
     };
     let (reports, received) = mpsc::channel::<StepReport>();
     let (mut first_loss, mut final_loss, mut final_eval_loss) = (None, None, None);
+    let (mut peak_allocated_bytes, mut reserved_bytes) = (0, 0);
     let started = Instant::now();
     // Reports come from the first rank this process runs (rank 0 unless
     // a launcher started one process per rank): every rank sees the same
@@ -407,6 +408,8 @@ pub fn train_on<P: Platform>(
             first_loss.get_or_insert(report.loss);
             final_loss = Some(report.loss);
             final_eval_loss = report.eval_loss.or(final_eval_loss);
+            peak_allocated_bytes = peak_allocated_bytes.max(report.device.peak_in_use_bytes);
+            reserved_bytes = reserved_bytes.max(report.device.reserved_bytes);
             on_step(&report);
         }
         handles
@@ -511,6 +514,8 @@ pub fn train_on<P: Platform>(
         save_time,
         saves_behind,
         flops_per_token: hybridgen_dsl::flops::flops_per_token(&config.model, config.seq_length),
+        peak_allocated_bytes,
+        reserved_bytes,
     })
 }
 

@@ -91,6 +91,12 @@ pub struct TrainSummary {
     /// sequence length (`hybridgen_dsl::flops`): what MFU divides by;
     /// `None` for layer kinds the formula does not cover.
     pub flops_per_token: Option<u64>,
+    /// The first local rank's device memory over the run: the most its
+    /// buffers held at once, and what its arenas held at the end (in use
+    /// or free). Both leave out what the device's libraries and context
+    /// hold beside the arenas.
+    pub peak_allocated_bytes: u64,
+    pub reserved_bytes: u64,
 }
 
 /// Where a rank's start-up goes, phase by phase, before its first step
