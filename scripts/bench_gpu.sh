@@ -4,7 +4,7 @@
 # (EP 2, ZeRO-3), each with the overlap and the plain schedule, then PyTorch's rows
 # of the same model (the PyTorch baseline's folder named by TORCH_REF, its
 # `fast` stage) in the same run, and one table: step ms (median of 10 after
-# 3 warm-up steps), tokens/s per GPU, TFLOP/s per GPU, MFU, peak GPU memory, exposed
+# 3 warm-up steps), tokens/s per GPU, TFLOP/s per GPU, MFU, GPU memory, exposed
 # communication (a 2-GPU step minus the 1-GPU step) and each row's ratio to
 # PyTorch's matching row measured here; last, the wall time of a whole
 # one-step run with a warm kernel cache (start-up).
@@ -15,6 +15,8 @@
 # There (2 x H200; the bundle carries this script):
 #   TORCH_REF=$PWD/gpu-bundle/torch_ref bash gpu-bundle/bench_gpu.sh LOGDIR  # everything, about 10 minutes
 #   bash gpu-bundle/bench_gpu.sh LOGDIR                  # hybridgen's rows only
+#   ROWS="hybridgen-1gpu hybridgen-1gpu-plain" TORCH_REF=... bash gpu-bundle/bench_gpu.sh LOGDIR
+#                                                        # only the rows named (and PyTorch's)
 # With TORCH_REF unset (or `none`) PyTorch's rows are skipped, with a
 # message, and the `vs torch` column stays empty.
 # On a machine with one GPU the 2-GPU rows say they were skipped, and of
@@ -71,6 +73,10 @@ stop_sampler() {
 row() {
   local name=$1 ranks=$2
   shift 2
+  # ROWS="name ..." runs only the rows it names.
+  if [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]]; then
+    return
+  fi
   local used=${row_gpus:-$ranks}
   if [ "$gpus" -lt "$used" ]; then
     echo "{\"row\": \"$name\", \"skipped\": \"needs $used GPUs, $gpus here\"}" >> "$out/rows.jsonl"
@@ -177,6 +183,7 @@ row_model=() row_gpus= row_base=hybridgen-1gpu
 # the first step: the run's own clock from the command's start to the
 # first step's report. The wall time from the process's start to its exit
 # adds the final parameter hash and freeing the device.
+if [ -z "${ROWS:-}" ] || [[ " $ROWS " == *" startup-warm-cache "* ]]; then
 start=$(date +%s%N)
 "$here/hybridgen" train --device cuda --preset bench-hybrid-moe --ranks 1 --ep 1 \
   --micro-batches 4 --micro-batch-size 1 --steps 1 --format json > "$out/startup.jsonl" 2>&1
@@ -184,6 +191,7 @@ startup_rc=$?
 end=$(date +%s%N)
 echo "{\"row\": \"startup-warm-cache\", \"ranks\": 1, \"wall_s\": $(( (end - start) / 1000000 ))e-3, \"rc\": $startup_rc}" \
   >> "$out/rows.jsonl"
+fi
 
 if [ "$torch_ref" = none ]; then
   echo "TORCH_REF is not set: skipping PyTorch's rows (set TORCH_REF=/path/to/torch_ref to run them)" >&2
