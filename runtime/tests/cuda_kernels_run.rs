@@ -1338,11 +1338,26 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
         cases.push(Case {
             kernel: "moe_aux_loss_backward".into(),
             mode: "f32",
-            shape,
-            buffers: vec![Host::U32(counts), nan(experts, DType::F32)],
+            shape: shape.clone(),
+            buffers: vec![Host::U32(counts.clone()), nan(experts, DType::F32)],
             outputs: vec![1],
             cpu: Box::new(move |b, x| b.moe_aux_loss_backward(v(&x[0]), m(&x[1]), d, 0.25)),
             gpu: Box::new(move |s, st, x| s.moe_aux_loss_backward(st, x[0], x[1], d, 0.25)),
+            reference: None,
+        });
+        // A running total past u32's range, so a sum in anything narrower
+        // than f64 shows.
+        let load: Vec<f64> = (0..experts)
+            .map(|e| (e as u64 * (1 << 33)) as f64)
+            .collect();
+        cases.push(Case {
+            kernel: "moe_load_accumulate".into(),
+            mode: "u32",
+            shape,
+            buffers: vec![Host::U32(counts), Host::F64(load)],
+            outputs: vec![1],
+            cpu: Box::new(move |b, x| b.moe_load_accumulate(v(&x[0]), m(&x[1]))),
+            gpu: Box::new(move |s, st, x| s.moe_load_accumulate(st, x[0], x[1])),
             reference: None,
         });
     }

@@ -12,6 +12,8 @@
 //! - unit filters that leave layers in no unit between units: the same
 //!   checks over the copy transport, in bf16 and f32;
 //! - bf16 converges like f32 on the default model;
+//! - aux-loss-free balancing on one GPU reads the host once a step and
+//!   follows the CPU in f32;
 //! - a run saved on the GPU resumes on the CPU, and the other way round;
 //!   saves behind the steps write the streamed saves' bytes;
 //! - refusals: a run that does not fit the GPU, a rank that fails.
@@ -21,6 +23,7 @@
 //! `--include-ignored` and fail, saying why, where the GPUs are missing. The
 //! refusal of `--device cuda` without a GPU is checked where there is none.
 
+use hybridgen_dsl::config::ScoreFunction;
 use hybridgen_dsl::{ModelConfig, UnitFilter};
 use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
 use hybridgen_runtime::checkpoint::ResumeFrom;
@@ -325,6 +328,49 @@ fn on_one_gpu_a_step_reads_the_host_once() {
         cublas.iter().all(|&n| n > 1 + 3 * 3),
         "cuBLAS's host sizes: {cublas:?}"
     );
+}
+
+/// The tiny model routing with aux-loss-free balancing (sigmoid scores, a
+/// top-k scaling factor, an expert bias moved by `rate` a step).
+fn balanced(c: &mut TrainConfig, rate: f32) {
+    let moe = c.model.moe.as_mut().unwrap();
+    moe.score_function = ScoreFunction::Sigmoid;
+    moe.topk_scaling_factor = 2.5;
+    moe.expert_bias = true;
+    moe.expert_bias_update_rate = rate;
+}
+
+/// Aux-loss-free balancing on one GPU, expert parallelism 1: each routing
+/// adds its counts to the step's loads on the device, which come back with
+/// the step's totals, so a step still reads the host once. The bias moves
+/// (a rate of 0 trains otherwise after the first step, which routes with a
+/// zero bias either way), and in f32 the run follows the CPU's.
+#[test]
+#[ignore = "needs a GPU"]
+fn on_one_gpu_balancing_reads_the_host_once() {
+    gpus(1);
+    let mut c = config("[M*E][M*E]/*E", DeviceChoice::Cuda, Precision::Bf16);
+    c.steps = 3;
+    c.micro_batches = 3;
+    balanced(&mut c, 0.05);
+    let (reports, summary) = run(&c);
+    let reads: Vec<u64> = reports.iter().map(|r| r.device.host_reads).collect();
+    assert_eq!(reads, vec![1; 3], "with an expert bias");
+    let moving = bits(&reports, &summary);
+    balanced(&mut c, 0.0);
+    let (reports, summary) = run(&c);
+    let frozen = bits(&reports, &summary);
+    assert_eq!(
+        moving.0[0], frozen.0[0],
+        "the first step routes with a zero bias"
+    );
+    assert_ne!(moving.0[1..], frozen.0[1..], "the bias never moved");
+    let pattern = "[M*E]-[*E]";
+    let mut cpu = config(pattern, DeviceChoice::Cpu, Precision::F32);
+    balanced(&mut cpu, 0.05);
+    let mut gpu = cpu.clone();
+    gpu.device = DeviceChoice::Cuda;
+    follows_the_cpu(pattern, &run(&cpu).0, &run(&gpu).0);
 }
 
 /// Programmatic dependent launch (each kernel launched while the one

@@ -16,8 +16,8 @@ use hybridgen_runtime::backend::{Backend, IGNORE_TARGET, SparseMqaDims, Tokens};
 use hybridgen_runtime::cpu::collective::CpuWorld;
 use hybridgen_runtime::cpu::{CpuBackend, CpuBuf};
 use hybridgen_runtime::layers::{
-    CollectiveExchange, Embedding, FinalNorm, HEAD_CHUNK_ELEMENTS, Head, LayerImpl, LayerSaved,
-    LayerWgrad, LocalExchange, MoeLayer, MtpEntry, RouterContext, counted_targets,
+    Balance, CollectiveExchange, Embedding, FinalNorm, HEAD_CHUNK_ELEMENTS, Head, LayerImpl,
+    LayerSaved, LayerWgrad, LocalExchange, MoeLayer, MtpEntry, RouterContext, counted_targets,
 };
 use hybridgen_runtime::view::{DType, DeviceBuffer, View, ViewMut};
 use std::sync::LazyLock;
@@ -1913,8 +1913,9 @@ fn host_reads(device: &CpuBackend) -> u64 {
 /// Under expert parallelism 1 an MoE layer reads nothing back to the host:
 /// the routing, the permutation, the experts' GEMMs (sized by the counts on
 /// the device) and the load-balancing loss stay on the device (the loss
-/// adds onto one accumulator for every layer and micro-batch, read once).
-/// Under expert parallelism 2 each rank reads once per layer and
+/// adds onto one accumulator for every layer and micro-batch, read once),
+/// and so does the load of aux-loss-free balancing (the counts of every
+/// micro-batch added onto the layer's f64 load). Under expert parallelism 2 each rank reads once per layer and
 /// micro-batch, in the dispatch step: the per-expert counts the all-to-all
 /// needs. The backward reads nothing.
 #[test]
@@ -1924,10 +1925,17 @@ fn moe_reads_the_host_only_for_the_all_to_all() {
         moe("softmax", 2, true, false, "swiglu"),
         moe("sigmoid", 1, false, true, "gelu"),
     ];
-    let layers: Vec<MoeLayer> = configs
+    let mut layers: Vec<MoeLayer> = configs
         .iter()
         .map(|c| MoeLayer::new(c, 4).expect("layer"))
         .collect();
+    // The second layer balances: the steps route with the device bias and
+    // add to the load; standalone calls route with the same bias, their own.
+    let bias = [0.3f32, -0.2, 0.0, 0.1];
+    layers[1]
+        .set_expert_bias(&bias)
+        .expect("a layer with a bias");
+    let bias = up(&bias);
     let mut rng = Rng(17);
     let weights: Vec<Vec<CpuBuf>> = layers
         .iter()
@@ -1938,6 +1946,7 @@ fn moe_reads_the_host_only_for_the_all_to_all() {
     let micro_batches: Vec<CpuBuf> = inputs.iter().map(|x| up(x)).collect();
     let device = CpuBackend::default();
     let aux = device.alloc(1, DType::F64).expect("alloc");
+    let load = device.alloc(4, DType::F64).expect("alloc");
     let start = host_reads(&device);
     let mut stages = Vec::new();
     for x in &micro_batches {
@@ -1954,7 +1963,10 @@ fn moe_reads_the_host_only_for_the_all_to_all() {
                         vm(x),
                         RouterContext {
                             aux_loss: vm(&aux),
-                            balance: None,
+                            balance: layer.expert_bias_rate().map(|_| Balance {
+                                bias: v(&bias),
+                                load: vm(&load),
+                            }),
                         },
                         TWO_SEQUENCES,
                         &LocalExchange,
@@ -2003,7 +2015,8 @@ fn moe_reads_the_host_only_for_the_all_to_all() {
     assert_eq!(host_reads(&device), before, "the backward read the host");
     // One accumulator summed every layer's and micro-batch's loss in
     // schedule order: the same bits as reading each and adding on the host.
-    let mut acc = 0.0f64;
+    // The load is every micro-batch's counts.
+    let (mut acc, mut counts) = (0.0f64, [0.0f64; 4]);
     for x in &inputs {
         let x = up(x);
         for (layer, w) in layers.iter().zip(&weights) {
@@ -2011,12 +2024,23 @@ fn moe_reads_the_host_only_for_the_all_to_all() {
                 .forward_with(dev(), &views(w), vm(&x), TWO_SEQUENCES, &LocalExchange)
                 .expect("forward");
             acc += saved.aux_loss(dev()).expect("aux loss");
+            if layer.expert_bias_rate().is_some() {
+                let routing = saved.routing().expect("a finished forward");
+                for (sum, c) in counts.iter_mut().zip(routing.expert_counts(dev()).unwrap()) {
+                    *sum += c as f64;
+                }
+            }
         }
     }
     let mut summed = [0.0f64];
     device.download(v(&aux), &mut summed).expect("download");
     assert!(acc > 0.0);
     assert_eq!(summed[0].to_bits(), acc.to_bits(), "{} vs {acc}", summed[0]);
+    let mut loaded = [0.0f64; 4];
+    device.download(v(&load), &mut loaded).expect("download");
+    // Top-1 of two sequences of 5 tokens, twice.
+    assert_eq!(counts.iter().sum::<f64>(), 20.0);
+    assert_eq!(loaded, counts);
 
     // Expert parallelism 2: one read per rank, in its dispatch.
     let c = moe("softmax", 2, false, false, "gelu");

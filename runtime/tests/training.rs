@@ -435,7 +435,8 @@ fn the_host_reads_the_moe_counts_and_the_step_end_only() {
     // included) and micro-batch, the all-to-all's counts, then the step's
     // end; without it the step's end alone (the experts' GEMMs take their
     // rows on the device). On either schedule, either sharding, with
-    // clipping.
+    // clipping; aux-loss-free balancing reads nothing more (its loads come
+    // with the step's end).
     for (pattern, ep) in [
         ("[M*E][M*E]", 2),
         ("M*-", 1),
@@ -457,16 +458,17 @@ fn the_host_reads_the_moe_counts_and_the_step_end_only() {
                     .count();
                 let per_moe_layer = u64::from(ep > 1);
                 let budget = per_moe_layer * (moe_layers * c.micro_batches) as u64 + STEP_END_READS;
-                let reads: Vec<u64> = run(&c)
-                    .reports
-                    .iter()
-                    .map(|r| r.device.host_reads)
-                    .collect();
-                assert_eq!(
-                    reads,
-                    vec![budget; c.steps as usize],
-                    "{pattern} ({moe_layers} MoE layers), {schedule:?}, {sharding:?}"
-                );
+                let reads = |c: &TrainConfig| -> Vec<u64> {
+                    run(c).reports.iter().map(|r| r.device.host_reads).collect()
+                };
+                let case =
+                    format!("{pattern} ({moe_layers} MoE layers), {schedule:?}, {sharding:?}");
+                let unbalanced = reads(&c);
+                assert_eq!(unbalanced, vec![budget; c.steps as usize], "{case}");
+                if moe_layers > 0 {
+                    balanced(&mut c, 0.05);
+                    assert_eq!(reads(&c), unbalanced, "{case}, with an expert bias");
+                }
             }
         }
     }
@@ -767,6 +769,42 @@ fn expert_bias_is_trained_saved_and_resumed() {
         c.sharding = Sharding::NoShard;
     });
     assert_eq!(straight, plain, "overlap + ZeRO-3 against plain + no_shard");
+}
+
+/// Evaluation routes forward only: its tokens count in no expert's load,
+/// so a run that evaluates after every step moves the expert biases, and
+/// trains, bit for bit as one that does not (with and without expert
+/// parallelism, whose loads come through different steps). Trained
+/// without a trace: [`ran`] reads training steps only.
+#[test]
+fn evaluation_moves_no_expert_bias() {
+    let curve = |ep: usize, eval_every: Option<u64>| {
+        let mut c = config("[M*E]-[*E]");
+        balanced(&mut c, 0.05);
+        (c.ep, c.steps) = (ep, 5);
+        (c.eval_every, c.eval_steps) = (eval_every, 1);
+        let mut reports = Vec::new();
+        let summary = train(&c, &mut |r| reports.push(r.clone())).unwrap();
+        let steps: Vec<[u64; 3]> = reports
+            .iter()
+            .map(|r| {
+                [
+                    r.loss.to_bits(),
+                    r.aux_loss.to_bits(),
+                    r.grad_norm.to_bits(),
+                ]
+            })
+            .collect();
+        let evaluated = reports.iter().all(|r| r.eval_loss.is_some());
+        (steps, summary.param_hash, evaluated)
+    };
+    for ep in [1, 2] {
+        let (straight, hash, _) = curve(ep, None);
+        let (evaluating, evaluating_hash, evaluated) = curve(ep, Some(1));
+        assert!(evaluated, "ep {ep}: a step did not evaluate");
+        assert_eq!(straight, evaluating, "ep {ep}");
+        assert_eq!(hash, evaluating_hash, "ep {ep}");
+    }
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Mixture of experts: routing, the dispatch permutation, the
-//! load-balancing loss, and the row moves between tokens and experts.
+//! load-balancing loss, the per-expert load of aux-loss-free balancing, and
+//! the row moves between tokens and experts.
 //!
 //! A kernel of this family is written in three places: its [`Backend`]
 //! method and its check here (the method in `moe_methods`, which the
@@ -168,6 +169,12 @@ pub trait MoeKernels<Buf: DeviceBuffer> {
         aux_grad: ViewMut<'_, Buf>,
         dims: AuxLossDims,
         scale: f32,
+    ) -> Result<()>;
+
+    fn moe_load_accumulate_unchecked(
+        &self,
+        counts: View<'_, Buf>,
+        load: ViewMut<'_, Buf>,
     ) -> Result<()>;
 
     fn gather_rows_unchecked(
@@ -391,6 +398,15 @@ pub fn check_moe_aux_loss_backward(
     check_aux(k, counts, d)?;
     aux_grad.exactly(DType::F32, k, "aux_grad")?;
     aux_grad.has_len(k, "aux_grad", d.slots.experts)
+}
+
+/// [`Backend::moe_load_accumulate`]'s arguments.
+pub fn check_moe_load_accumulate(counts: Operand, load: Operand) -> Result<()> {
+    let k = "moe_load_accumulate";
+    counts.exactly(DType::U32, k, "counts")?;
+    load.exactly(DType::F64, k, "load")?;
+    as_u32(k, "experts", counts.len)?;
+    load.has_len(k, "load", counts.len)
 }
 
 /// A gather's or scatter's rows: `moved` (`index.len` rows of `width`,
@@ -693,6 +709,21 @@ macro_rules! moe_methods {
             self.moe_aux_loss_backward_unchecked(counts, aux_grad, dims, scale)
         }
 
+        /// `load[e] += counts[e]` for every expert `e`: a routing's per-expert
+        /// counts (from [`Backend::moe_expert_counts`]) added to a running
+        /// f64 total on the device, exactly (integers below 2^53), so a step
+        /// can sum its micro-batches' loads and read them with its other
+        /// totals. Dtypes: `counts` u32, `load` f64 (accumulated), one an
+        /// expert.
+        fn moe_load_accumulate(
+            &self,
+            counts: Slice<'_, Self>,
+            load: SliceMut<'_, Self>,
+        ) -> Result<()> {
+            $crate::backend::moe::check_moe_load_accumulate(counts.operand(), load.operand())?;
+            self.moe_load_accumulate_unchecked(counts, load)
+        }
+
         /// `dst[i] = src[index[i]]` for rows of `width` elements. Dtypes: `src`
         /// and `dst` alike (bf16 or f32), `index` u32.
         fn gather_rows(
@@ -863,5 +894,11 @@ mod tests {
             check_moe_aux_loss_forward(u32s(4), f32s(4), Operand::new(1, DType::F64), aux).is_err()
         );
         assert!(backward.unwrap_err().to_string().contains("grads.weights"));
+        let f64s = |len| Operand::new(len, DType::F64);
+        assert!(check_moe_load_accumulate(u32s(4), f64s(4)).is_ok());
+        let short = check_moe_load_accumulate(u32s(4), f64s(3)).unwrap_err();
+        assert!(short.to_string().contains("load"), "{short}");
+        assert!(check_moe_load_accumulate(u32s(4), f32s(4)).is_err());
+        assert!(check_moe_load_accumulate(f64s(4), f64s(4)).is_err());
     }
 }

@@ -3,7 +3,8 @@
 //! with and without a top-k scaling factor) forward and backward; the
 //! per-expert histogram, the dispatch sort and the regroup after the
 //! all-to-all (experts nobody chose, ranks that send nothing); the
-//! load-balancing loss and its gradient; row gathers and scatters; the
+//! load-balancing loss and its gradient; the balancing load's running sum
+//! (exact past f32's and u32's integers); row gathers and scatters; the
 //! weighted unpermute and its backward. Every index is a u32 device view.
 
 use super::Suite;
@@ -22,6 +23,7 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
     counts_and_sort(s);
     expert_major_order(s);
     aux_loss(s);
+    load_accumulate(s);
     gather_scatter(s);
     unpermute(s);
 }
@@ -510,6 +512,39 @@ fn aux_loss<B: Backend>(s: &mut Suite<'_, B>) {
             },
             |dev, b| {
                 dev.moe_aux_loss_backward(b.view("counts")?, b.view_mut("aux_grad")?, dims, scale)?;
+                Ok(vec![])
+            },
+        );
+    }
+}
+
+fn load_accumulate<B: Backend>(s: &mut Suite<'_, B>) {
+    for (i, experts) in [6usize, 1, 9, 0].into_iter().enumerate() {
+        let mut counts: Vec<u32> = (0..experts).map(|_| s.rng.below(40) as u32).collect();
+        // Totals past u32's range, and counts past f32's exact integers:
+        // the sum must still be the integer sum.
+        let mut load: Vec<f64> = (0..experts)
+            .map(|_| (s.rng.below(1 << 20) as u64 * (1 << 20)) as f64)
+            .collect();
+        if let (Some(c), Some(l)) = (counts.first_mut(), load.first_mut()) {
+            *c = u32::MAX;
+            *l = (1u64 << 52) as f64;
+        }
+        if let Some(c) = counts.get_mut(1) {
+            *c = (1 << 24) + 1;
+        }
+        let case = KernelCase::new("moe_load_accumulate", format!("{experts} experts"))
+            .input_u32("counts", &counts)
+            .inout_f64("load", load);
+        let case = if i == 0 { case.with_refusals() } else { case };
+        s.check_kernel(
+            case,
+            |x| {
+                let sum = x["load"].iter().zip(&x["counts"]).map(|(l, c)| l + c);
+                vec![Expected::new("load", sum.collect()).exact()]
+            },
+            |dev, b| {
+                dev.moe_load_accumulate(b.view("counts")?, b.view_mut("load")?)?;
                 Ok(vec![])
             },
         );

@@ -115,7 +115,8 @@ pub const SOURCES: &[KernelSource] = &[
         [
             "moe_expert_counts",
             "moe_sort_by_expert",
-            "moe_expert_major_order"
+            "moe_expert_major_order",
+            "moe_load_accumulate"
         ]
     ),
     source!(

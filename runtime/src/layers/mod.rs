@@ -46,9 +46,9 @@ pub use mamba::{MambaLayer, MambaSaved, MambaWgrad};
 pub use mla::{MlaLayer, MlaSaved, MlaWgrad};
 pub use mlp::{MlpLayer, MlpSaved, MlpWgrad};
 pub use moe::{
-    Balance, CollectiveExchange, ExpertBalance, ExpertExchange, ExpertLoad, LocalExchange,
-    MoeBackward, MoeCombineBackward, MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad,
-    MoeForward, MoeLayer, MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
+    Balance, CollectiveExchange, ExpertBalance, ExpertExchange, LocalExchange, MoeBackward,
+    MoeCombineBackward, MoeCombineGrad, MoeCombined, MoeExpertsSaved, MoeExpertsWgrad, MoeForward,
+    MoeLayer, MoePrepareWgrad, MoePrepared, MoeRouting, MoeSaved, MoeStage, MoeWgrad,
     RouterContext, expert_bias_key, expert_bias_keys, update_expert_bias,
 };
 

@@ -53,11 +53,13 @@ pub struct StepContext<D: Device> {
     /// The weight of one micro-batch's mean loss in the step's loss:
     /// `1 / (micro-batches x data-parallel size)`.
     pub mb_weight: f32,
-    /// The step's loss sums and gradient-norm partials on the device (the
-    /// sums zeroed by [`run_step`]), read once at the step's end.
+    /// The step's loss sums, expert loads and gradient-norm partials on the
+    /// device (the sums and loads zeroed by [`run_step`]), read once at the
+    /// step's end.
     pub totals: StepTotals<D::Backend>,
-    /// The expert biases of aux-loss-free balancing and the step's loads
-    /// (copied to the device by [`run_step`] before the first routing).
+    /// The expert biases of aux-loss-free balancing (copied to the device by
+    /// [`run_step`] before the first routing); the step's loads lie in
+    /// `totals`.
     pub balance: ExpertBalance<D::Backend>,
     /// For each layer (decoder, then MTP, as [`ModelRuntime::layer_index`]
     /// numbers them) whether it keeps only its input and recomputes its
@@ -80,8 +82,13 @@ impl<D: Device> StepContext<D> {
         backend: &D::Backend,
     ) -> Result<Self> {
         let plan = &model.plan;
-        let totals = StepTotals::new(backend, plan.mtp_depths(), plan.buckets.len())?;
         let balance = ExpertBalance::new(&model, backend)?;
+        let totals = StepTotals::new(
+            backend,
+            plan.mtp_depths(),
+            balance.load_slots(),
+            plan.buckets.len(),
+        )?;
         let kinds: Vec<_> = crate::memory::layer_kinds(plan).collect();
         let recomputed = crate::memory::recomputed(&plan.model, &kinds, tokens, recompute).into();
         Ok(StepContext {
@@ -156,8 +163,8 @@ pub fn run_step<D: Device>(
     let mut started = 0usize;
     // Per head, the unmasked targets of the step's micro-batches.
     let mut counts = vec![0usize; depths + 1];
-    // Before any head or MoE layer adds to them (the compute lane runs its
-    // work in issue order).
+    // Before any head or MoE layer adds to them, loads included (the
+    // compute lane runs its work in issue order).
     let sums = cx.clone();
     rank.compute.submit(
         Label::new("zero loss sums", "forward"),
@@ -686,9 +693,9 @@ fn forward_op<D: Device>(
             let exchange = CollectiveExchange {
                 collective: &*cx.ep_group,
             };
-            // `Prepare` adds the layer's load-balancing loss into the step's
-            // sum, on the compute lane, in forward issue order (see
-            // `LossAccumulator`).
+            // `Prepare` adds the layer's load-balancing loss and (balancing)
+            // its expert load into the step's totals, on the compute lane,
+            // in forward issue order (see `StepTotals`).
             let stage = moe_layer(model, layer)?.forward_step(
                 step,
                 b,
@@ -697,7 +704,7 @@ fn forward_op<D: Device>(
                 b.view_mut(x)?,
                 RouterContext {
                     aux_loss: cx.totals.aux()?,
-                    balance: cx.balance.context(b, i)?,
+                    balance: cx.balance.context(b, i, cx.totals.loads()?)?,
                 },
                 cx.tokens,
                 &exchange,

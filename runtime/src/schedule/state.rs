@@ -106,26 +106,30 @@ pub struct StepLosses {
 
 /// What a step reads back at its end, in one device buffer of f64 slots: the
 /// loss sums (the main loss, the MoE aux loss, the `D` layers' indexer
-/// loss, then each MTP depth's loss),
-/// zeroed when a step starts, then this rank's gradient-norm partials, one
-/// per bucket (written by [`Optimizer::norm_partials`]). The host reads the
-/// buffer once per step ([`StepTotals::read`]); token counts are not here:
-/// the host knows them from the tokens.
+/// loss, then each MTP depth's loss) and the expert loads of aux-loss-free
+/// balancing (the tokens routed to each expert of every balancing `E`
+/// layer, in [`crate::layers::ExpertBalance`]'s order), zeroed when a step
+/// starts, then this rank's gradient-norm partials, one per bucket (written
+/// by [`Optimizer::norm_partials`]). The host reads the buffer once per step
+/// ([`StepTotals::read`]); token counts are not here: the host knows them
+/// from the tokens.
 ///
 /// Each loss slot is a running f64 sum, so the order of the additions is part
 /// of the result. Every addition runs on the compute lane inside a forward
-/// slot (heads in the post-process slot, MoE aux losses in pre-dispatch,
-/// indexer losses in their layer's forward),
+/// slot (heads in the post-process slot, MoE aux losses and loads in
+/// pre-dispatch, indexer losses in their layer's forward),
 /// and both schedules issue every micro-batch's forward slots in micro-batch
 /// order, all of micro-batch k's before any of k + 1's; the lane runs its
 /// work in issue order. So the additions happen in one order, the same for
 /// the plain and the overlap schedule; `tests/training.rs` compares the
-/// reported losses bit for bit to hold this.
+/// reported losses bit for bit to hold this. The loads are sums of integers,
+/// exact in f64 in any order.
 ///
 /// [`Optimizer::norm_partials`]: crate::optimizer::Optimizer::norm_partials
 pub struct StepTotals<B: Backend> {
     buf: Arc<B::Buf>,
     depths: usize,
+    loads: usize,
     buckets: usize,
 }
 
@@ -133,6 +137,9 @@ pub struct StepTotals<B: Backend> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepReadout {
     pub losses: StepLosses,
+    /// The tokens this rank routed to each expert of every balancing `E`
+    /// layer ([`StepTotals::loads`]).
+    pub loads: Vec<f64>,
     /// This rank's gradient-norm partials, one per bucket in id order.
     pub norm_partials: Vec<f64>,
 }
@@ -144,23 +151,33 @@ impl<B: Backend> StepTotals<B> {
     const AUX: usize = 1;
     /// The `D` layers' indexer loss's sum.
     const INDEXER: usize = 2;
-    /// MTP depth 0's loss sum; depth `d`'s is at `MTP + d`, and the
-    /// gradient-norm partials follow the last depth's.
+    /// MTP depth 0's loss sum; depth `d`'s is at `MTP + d`, and the load
+    /// slots follow the last depth's, then the gradient-norm partials.
     const MTP: usize = 3;
 
     /// Slots for the main loss, the aux loss, the indexer loss, `depths`
-    /// MTP depths and `buckets` gradient-norm partials.
-    pub fn new(b: &B, depths: usize, buckets: usize) -> Result<Self> {
+    /// MTP depths, `loads` expert loads
+    /// ([`crate::layers::ExpertBalance::load_slots`]) and `buckets`
+    /// gradient-norm partials.
+    pub fn new(b: &B, depths: usize, loads: usize, buckets: usize) -> Result<Self> {
         Ok(StepTotals {
-            buf: Arc::new(b.alloc(Self::MTP + depths + buckets, DType::F64)?),
+            buf: Arc::new(b.alloc(Self::MTP + depths + loads + buckets, DType::F64)?),
             depths,
+            loads,
             buckets,
         })
     }
 
-    /// The loss slots (to zero them).
+    /// The loss and load slots: everything a step adds to, zeroed when it
+    /// starts.
     pub fn losses(&self) -> Result<SliceMut<'_, B>> {
         SliceMut::<B>::of(&self.buf, 0..self.partials_at())
+    }
+
+    /// The expert load slots (for [`crate::layers::ExpertBalance::context`]).
+    pub fn loads(&self) -> Result<SliceMut<'_, B>> {
+        let at = self.loads_at();
+        SliceMut::<B>::of(&self.buf, at..at + self.loads)
     }
 
     fn slot(&self, i: usize) -> Result<SliceMut<'_, B>> {
@@ -200,18 +217,25 @@ impl<B: Backend> StepTotals<B> {
         Self::MTP + d
     }
 
-    /// Where the gradient-norm partials start: bucket `b`'s is at
-    /// `partials_at() + b`.
-    pub fn partials_at(&self) -> usize {
+    /// Where the expert loads start.
+    fn loads_at(&self) -> usize {
         Self::mtp_at(self.depths)
     }
 
-    /// The step's one read: every slot, after the losses and the partials
-    /// are complete; `counts` are the unmasked targets of each head.
+    /// Where the gradient-norm partials start: bucket `b`'s is at
+    /// `partials_at() + b`.
+    pub fn partials_at(&self) -> usize {
+        self.loads_at() + self.loads
+    }
+
+    /// The step's one read: every slot, after the losses, the loads and the
+    /// partials are complete; `counts` are the unmasked targets of each
+    /// head.
     pub fn read(&self, b: &B, counts: &[usize]) -> Result<StepReadout> {
         let mut values = vec![0.0f64; self.partials_at() + self.buckets];
         b.download(b.view(&*self.buf)?, &mut values)?;
         let norm_partials = values.split_off(self.partials_at());
+        let loads = values.split_off(self.loads_at());
         let at = |i: usize| values[i];
         let count = |i: usize| counts.get(i).copied().unwrap_or(0);
         Ok(StepReadout {
@@ -223,6 +247,7 @@ impl<B: Backend> StepTotals<B> {
                 aux: at(Self::AUX),
                 indexer: at(Self::INDEXER),
             },
+            loads,
             norm_partials,
         })
     }

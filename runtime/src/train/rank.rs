@@ -280,9 +280,10 @@ impl<'a, D: Device> RankRun<'a, D> {
         let counted = self.rank.backend.stats();
         let StepReadout {
             losses,
+            loads,
             norm_partials,
         } = self.forward_backward(loader)?;
-        let sums = self.reduce(StepSums::mine(&losses, self.cx.balance.take_loads()))?;
+        let sums = self.reduce(StepSums::mine(&losses, loads))?;
         let losses = self.losses(&sums);
         let grad_norm = self.update(&losses, &sums, &norm_partials)?;
         let device = self.rank.backend.stats() - counted;
@@ -305,7 +306,8 @@ impl<'a, D: Device> RankRun<'a, D> {
     /// The batch, the forward and the backward: the step's program over
     /// the loader's micro-batches, the gradients reduced into the shards
     /// and the optimizer's norm partials queued behind them; then the
-    /// step's one read: its loss sums and its gradient-norm partials.
+    /// step's one read: its loss sums, its expert loads and its
+    /// gradient-norm partials.
     fn forward_backward(&mut self, loader: &MicroBatchLoader) -> Result<StepReadout> {
         let (seed, step, dp_rank) = (self.config.seed, self.step, self.rank.rank);
         let mut micro_batch = |micro_batch: usize| -> Result<MicroBatchTokens> {

@@ -1,7 +1,8 @@
 //! Mixture-of-experts kernels: router scoring with top-k selection and its
 //! backward, the per-expert histogram, the dispatch sort and the regroup
-//! after the all-to-all, the load-balancing loss and its gradient, row
-//! gathers/scatters, and the weighted unpermute (combine) with its backward.
+//! after the all-to-all, the load-balancing loss and its gradient, the
+//! balancing load's running sum, row gathers/scatters, and the weighted
+//! unpermute (combine) with its backward.
 //! Index arguments are `u32` (device views of `DType::U32` in the backend).
 
 use super::checked_index;
@@ -131,6 +132,19 @@ impl MoeKernels<CpuBuf> for CpuBackend {
             k.typed_in::<f32>("prob_sum", prob_sum)?,
             k.typed_out::<f64>("loss", loss)?,
             dims,
+        );
+        Ok(())
+    }
+
+    fn moe_load_accumulate_unchecked(
+        &self,
+        counts: View<'_, CpuBuf>,
+        load: ViewMut<'_, CpuBuf>,
+    ) -> Result<()> {
+        let k = self.access("moe_load_accumulate");
+        moe_load_accumulate(
+            k.typed_in::<u32>("counts", counts)?,
+            k.typed_out::<f64>("load", load)?,
         );
         Ok(())
     }
@@ -516,6 +530,13 @@ pub fn moe_aux_loss_forward(counts: &[u32], prob_sum: &[f32], loss: &mut [f64], 
         .map(|(&c, &p)| (c as f64 / slots) * (p as f64 / tokens as f64))
         .sum();
     loss[0] += dims.coeff as f64 * experts as f64 * sum;
+}
+
+/// `load[e] += counts[e]`: exact while a total stays below 2^53.
+pub fn moe_load_accumulate(counts: &[u32], load: &mut [f64]) {
+    for (total, &c) in load.iter_mut().zip(counts) {
+        *total += f64::from(c);
+    }
 }
 
 pub fn moe_aux_loss_backward(counts: &[u32], aux_grad: &mut [f32], dims: AuxLossDims, scale: f32) {

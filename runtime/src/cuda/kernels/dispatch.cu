@@ -1,7 +1,8 @@
 // MoE dispatch bookkeeping on u32 indices: the per-expert histogram, the
-// stable sort of (token, k-slot) pairs by expert, and the expert-major
-// regroup after the all-to-all (`Backend::moe_expert_counts`,
-// `moe_sort_by_expert`, `moe_expert_major_order`). Integer work only, so
+// stable sort of (token, k-slot) pairs by expert, the expert-major regroup
+// after the all-to-all, and the balancing load's running sum
+// (`Backend::moe_expert_counts`, `moe_sort_by_expert`,
+// `moe_expert_major_order`, `moe_load_accumulate`). Integer work only, so
 // atomics here cannot change a result.
 #include "common.cuh"
 
@@ -30,6 +31,16 @@ extern "C" __global__ void moe_expert_counts(const u32* selected, u64 slots, u32
         if (local[e] != 0) {
             atomicAdd(&counts[e], local[e]);
         }
+    }
+}
+
+// load[e] += counts[e], one thread an expert: a sum of integers below 2^53,
+// exact in f64.
+extern "C" __global__ void moe_load_accumulate(const u32* counts, double* load, u32 experts) {
+    grid_dependency_sync();
+    const u32 e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < experts) {
+        load[e] += static_cast<double>(counts[e]);
     }
 }
 

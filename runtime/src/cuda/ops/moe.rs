@@ -2,12 +2,12 @@
 //! launchers of `kernels/routing.cu`, `dispatch.cu` and `permute.cu` on
 //! [`KernelSet`] (routing and its backward, the expert histogram and the
 //! dispatch sort, the regroup after the all-to-all, the load-balancing
-//! loss, row gathers and scatters, and the unpermute and combine with their
-//! backward). The launchers take views `backend::moe`'s checks accepted and
-//! check what the kernels limit (experts a row holds in registers, the
-//! histogram a block's shared memory holds, u32 arguments); selected
-//! experts, counts and positions are checked on the device, each bad one
-//! reported through the fault word.
+//! loss, the balancing load's running sum, row gathers and scatters, and
+//! the unpermute and combine with their backward). The launchers take
+//! views `backend::moe`'s checks accepted and check what the kernels limit
+//! (experts a row holds in registers, the histogram a block's shared memory
+//! holds, u32 arguments); selected experts, counts and positions are
+//! checked on the device, each bad one reported through the fault word.
 
 use crate::backend::{
     AuxLossDims, ExpertBias, ExpertOrder, MoeKernels, ReceivedDims, RouteDims, RouteOutputs,
@@ -125,6 +125,15 @@ impl MoeKernels<CudaBuf> for CudaBackend {
             self.m(&loss),
             dims,
         )
+    }
+
+    fn moe_load_accumulate_unchecked(
+        &self,
+        counts: View<'_, CudaBuf>,
+        load: ViewMut<'_, CudaBuf>,
+    ) -> Result<()> {
+        self.k()
+            .moe_load_accumulate(self.s(), self.v(counts), self.m(&load))
     }
 
     fn moe_aux_loss_backward_unchecked(
@@ -459,6 +468,23 @@ impl KernelSet {
             .arg(&experts);
         b.arg(&d.coeff).arg(&scale);
         self.go(k, &mut b, grid_for(d.slots.experts))
+    }
+
+    /// `Backend::moe_load_accumulate` (accumulates into `load`).
+    pub fn moe_load_accumulate(
+        &self,
+        stream: &CudaStream,
+        counts: GpuView,
+        load: GpuView,
+    ) -> Result<()> {
+        let k = "moe_load_accumulate";
+        if counts.len == 0 {
+            return Ok(());
+        }
+        let experts = as_u32(k, "experts", counts.len)?;
+        let mut b = KernelArgs::new(stream, self.function(k)?);
+        b.arg(&counts.ptr).arg(&load.ptr).arg(&experts);
+        self.go(k, &mut b, grid_for(counts.len))
     }
 
     fn row_move(

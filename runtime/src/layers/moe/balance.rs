@@ -3,13 +3,15 @@
 //! moved after every optimizer step towards an even load,
 //! `bias_i += rate * sign(mean(c) - c_i)`, with `c_i` the tokens routed to
 //! expert `i` in that step, summed over micro-batches and data-parallel
-//! ranks. The counts are the dispatch's (the host reads them anyway to size
-//! the all-to-all), so balancing adds no device read: [`ExpertLoad`] sums
-//! them per step, the training loop adds every rank's, and
-//! [`update_expert_bias`] moves the bias the same way on every rank.
+//! ranks. The load stays on the device: each routing adds its per-expert
+//! counts to the layer's f64 slots of the step's totals
+//! ([`crate::schedule::StepTotals`], zeroed with the losses when a step
+//! starts), which the host reads with the losses in the step's one read, so
+//! balancing adds no host read. The training loop adds every rank's loads
+//! and [`update_expert_bias`] moves the bias the same way on every rank.
 
 use super::Balance;
-use crate::backend::Backend;
+use crate::backend::{Backend, SliceMut};
 use crate::error::{Result, RuntimeError};
 use crate::layers::zeros_f32;
 use crate::model::ModelRuntime;
@@ -45,7 +47,8 @@ pub fn expert_bias_key(router_key: &str) -> String {
 
 /// One rank's balancing state: for every `E` layer with an expert bias, the
 /// bias (on the host, where the update runs, and on the device, where the
-/// routing reads it) and the step's load. Every rank holds the same bias.
+/// routing reads it) and where its load lies among the step's load slots.
+/// Every rank holds the same bias.
 pub struct ExpertBalance<B: Backend> {
     /// By layer index ([`ModelRuntime::layer_index`]).
     layers: Vec<Option<BalancedLayer<B>>>,
@@ -57,7 +60,9 @@ struct BalancedLayer<B: Backend> {
     rate: f32,
     host: Mutex<Vec<f32>>,
     device: B::Buf,
-    load: ExpertLoad,
+    experts: usize,
+    /// Its first slot among the load slots ([`ExpertBalance::load_slots`]).
+    load_at: usize,
 }
 
 impl<B: Backend> ExpertBalance<B> {
@@ -80,8 +85,15 @@ impl<B: Backend> ExpertBalance<B> {
                 rate,
                 host: Mutex::new(vec![0.0; experts]),
                 device: zeros_f32(b, experts)?,
-                load: ExpertLoad::new(experts),
+                experts,
+                load_at: 0,
             });
+        }
+        // The loads lie in layer order, the order `update` reads them in.
+        let mut load_at = 0;
+        for layer in layers.iter_mut().flatten() {
+            layer.load_at = load_at;
+            load_at += layer.experts;
         }
         Ok(ExpertBalance { layers })
     }
@@ -91,14 +103,42 @@ impl<B: Backend> ExpertBalance<B> {
         self.layers.iter().all(Option::is_none)
     }
 
+    /// The f64 load slots every balancing layer's experts need, one after
+    /// another in layer order (the order [`ExpertBalance::update`] takes
+    /// the loads in).
+    pub fn load_slots(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|layer| layer.experts)
+            .sum()
+    }
+
     /// Layer `index`'s bias and load for its forward steps (`None` when it
-    /// has no bias).
-    pub fn context(&self, b: &B, index: usize) -> Result<Option<Balance<'_, B>>> {
+    /// has no bias): `loads` is every layer's load slots
+    /// ([`ExpertBalance::load_slots`] of them), of which the layer gets its
+    /// own.
+    pub fn context<'a>(
+        &'a self,
+        b: &B,
+        index: usize,
+        loads: SliceMut<'a, B>,
+    ) -> Result<Option<Balance<'a, B>>> {
         match self.layers.get(index) {
-            Some(Some(layer)) => Ok(Some(Balance {
-                bias: b.view(&layer.device)?,
-                load: &layer.load,
-            })),
+            Some(Some(layer)) => {
+                if loads.len() != self.load_slots() {
+                    return Err(RuntimeError::InvalidArgument(format!(
+                        "expert balance: {} load slots for {} balanced experts",
+                        loads.len(),
+                        self.load_slots()
+                    )));
+                }
+                let load = loads.into_slice(layer.load_at..layer.load_at + layer.experts)?;
+                Ok(Some(Balance {
+                    bias: b.view(&layer.device)?,
+                    load,
+                }))
+            }
             _ => Ok(None),
         }
     }
@@ -113,19 +153,8 @@ impl<B: Backend> ExpertBalance<B> {
         Ok(())
     }
 
-    /// The step's per-expert counts of every balancing layer, in layer
-    /// order, one after another (for the sum over ranks), leaving zeros.
-    pub fn take_loads(&self) -> Vec<f64> {
-        self.layers
-            .iter()
-            .flatten()
-            .flat_map(|layer| layer.load.take())
-            .map(|c| c as f64)
-            .collect()
-    }
-
-    /// Moves every bias by its layer's rate from `counts`, the step's counts
-    /// of [`ExpertBalance::take_loads`] summed over every rank.
+    /// Moves every bias by its layer's rate from `counts`, the step's loads
+    /// (its load slots, in their order) summed over every rank.
     pub fn update(&self, counts: &[f64]) -> Result<()> {
         let mut at = 0;
         for layer in self.layers.iter().flatten() {
@@ -179,45 +208,6 @@ impl<B: Backend> ExpertBalance<B> {
     }
 }
 
-/// The tokens routed to each expert of one layer so far in a step, summed
-/// over its micro-batches (integers: the order of the additions does not
-/// matter).
-#[derive(Debug)]
-pub struct ExpertLoad {
-    counts: Mutex<Vec<u64>>,
-}
-
-impl ExpertLoad {
-    pub fn new(experts: usize) -> Self {
-        ExpertLoad {
-            counts: Mutex::new(vec![0; experts]),
-        }
-    }
-
-    /// Adds one micro-batch's per-expert counts.
-    pub fn add(&self, counts: &[usize]) -> Result<()> {
-        let mut own = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        if own.len() != counts.len() {
-            return Err(RuntimeError::InvalidArgument(format!(
-                "expert load: {} counts for {} experts",
-                counts.len(),
-                own.len()
-            )));
-        }
-        for (sum, &c) in own.iter_mut().zip(counts) {
-            *sum += c as u64;
-        }
-        Ok(())
-    }
-
-    /// The step's counts, leaving zeros for the next step.
-    pub fn take(&self) -> Vec<u64> {
-        let mut own = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        let experts = own.len();
-        std::mem::replace(&mut *own, vec![0; experts])
-    }
-}
-
 /// Megatron's `get_updated_expert_bias`: `bias_i += rate * sign(mean(c) - c_i)`
 /// (0 for an expert exactly at the mean), from `counts` summed over the
 /// step's micro-batches and every data-parallel rank. Counts are integers,
@@ -253,15 +243,5 @@ mod tests {
         update_expert_bias(&mut bias, &[17.0, 3.0, 10.0], 1e-3).unwrap();
         assert_eq!(bias, [0.25 - 1e-3, -0.5 + 1e-3, 1.0]);
         assert!(update_expert_bias(&mut bias, &[1.0, 2.0], 1e-3).is_err());
-    }
-
-    #[test]
-    fn load_sums_micro_batches_and_take_resets() {
-        let load = ExpertLoad::new(3);
-        load.add(&[1, 2, 3]).unwrap();
-        load.add(&[4, 0, 1]).unwrap();
-        assert!(load.add(&[1]).is_err());
-        assert_eq!(load.take(), [5, 2, 4]);
-        assert_eq!(load.take(), [0, 0, 0]);
     }
 }

@@ -21,8 +21,9 @@
 //!   (source rank, local expert, ...). Under expert parallelism 1 the rows
 //!   stay where they are and nothing is read: the experts' GEMMs take each
 //!   expert's rows from the router's device counts
-//!   ([`Backend::segmented_matmul`]). Aux-loss-free balancing reads the
-//!   counts either way (its load is summed on the host).
+//!   ([`Backend::segmented_matmul`]). Aux-loss-free balancing reads nothing
+//!   either: `prepare` adds the counts to the step's load on the device
+//!   ([`Backend::moe_load_accumulate`]).
 //! - `experts` (mlp slot): regroups the received rows expert-major (then by
 //!   source rank) on the device, runs every local expert as grouped matmuls
 //!   (`experts.rs`), and writes the outputs back in received order, ready to
@@ -47,9 +48,7 @@ mod experts;
 mod permutation;
 mod routing;
 
-pub use balance::{
-    ExpertBalance, ExpertLoad, expert_bias_key, expert_bias_keys, update_expert_bias,
-};
+pub use balance::{ExpertBalance, expert_bias_key, expert_bias_keys, update_expert_bias};
 pub use exchange::{CollectiveExchange, ExpertExchange, LocalExchange};
 use experts::ExpertInput;
 pub use experts::{MoeExpertsSaved, MoeExpertsWgrad};
@@ -105,8 +104,9 @@ pub struct RouterContext<'a, B: Backend> {
 pub struct Balance<'a, B: Backend> {
     /// `[E]` f32 on the device: `Prepare` selects with it.
     pub bias: Slice<'a, B>,
-    /// `Dispatch` adds the micro-batch's per-expert counts to it.
-    pub load: &'a ExpertLoad,
+    /// `[E]` f64 on the device: `Prepare` adds the micro-batch's per-expert
+    /// counts to it.
+    pub load: SliceMut<'a, B>,
 }
 
 /// The shared expert's activations.
@@ -161,12 +161,11 @@ pub struct MoePrepared<B: Backend> {
     pub send: B::Buf,
     /// State for `combine` and the backward.
     pub routing: MoeRouting<B>,
-    /// The per-expert counts on their way to the host where it needs them
-    /// (the all-to-all's sizes under expert parallelism, the balancing's
-    /// load): the dispatch's one host read, started before the permutation
-    /// and the shared expert so that their GPU work hides the round trip.
-    /// `None` under expert parallelism 1 without balancing: the experts'
-    /// GEMMs read the counts on the device.
+    /// The per-expert counts on their way to the host, which needs them
+    /// under expert parallelism (the all-to-all's sizes): the dispatch's one
+    /// host read, started before the permutation and the shared expert so
+    /// that their GPU work hides the round trip. `None` under expert
+    /// parallelism 1: the experts' GEMMs read the counts on the device.
     pub counts: Option<B::HostRead<u32>>,
 }
 
@@ -546,8 +545,10 @@ impl MoeLayer {
 
     /// Pre-dispatch: norm, routing, shared expert, permutation. Reads the
     /// residual `x` (the residual add happens in `combine`) and adds the
-    /// load-balancing loss to `aux_acc` (one f64, on the device).
-    /// `expert_bias`: the training's (see `MoeLayer::route`).
+    /// load-balancing loss to `aux_acc` (one f64, on the device). With
+    /// `balance` (the training's), routes with its bias (see
+    /// `MoeLayer::route`) and adds the per-expert counts to its load, on
+    /// the device.
     pub fn prepare<B: Backend>(
         &self,
         b: &B,
@@ -555,7 +556,7 @@ impl MoeLayer {
         x: Slice<'_, B>,
         tokens: Tokens,
         aux_acc: SliceMut<'_, B>,
-        expert_bias: Option<Slice<'_, B>>,
+        balance: Option<Balance<'_, B>>,
     ) -> Result<MoePrepared<B>> {
         let name = "`E` layer prepare";
         check_weights(b, name, &self.params, weights)?;
@@ -565,13 +566,18 @@ impl MoeLayer {
         let (u, rstd, x_in) = self
             .norm()
             .forward_keeping_input(b, w(PRE_NORM)?, x, rows)?;
-        // The host needs the counts only to size an all-to-all or to add
-        // the training's balancing load (its bias comes with it).
-        let host_counts = self.ep() > 1 || expert_bias.is_some();
-        let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, expert_bias)?;
-        let counts = host_counts
+        let (bias, load) = match balance {
+            Some(Balance { bias, load }) => (Some(bias), Some(load)),
+            None => (None, None),
+        };
+        let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, bias)?;
+        // The host needs the counts only to size an all-to-all.
+        let counts = (self.ep() > 1)
             .then(|| b.start_download(b.view(&router.counts)?))
             .transpose()?;
+        if let Some(load) = load {
+            b.moe_load_accumulate(b.view(&router.counts)?, load)?;
+        }
         let (send, positions) = self.permute(
             b,
             b.view(&router.selected)?,
@@ -806,9 +812,9 @@ impl MoeLayer {
     /// the device) receives the load-balancing loss: `Prepare` adds this
     /// layer's and micro-batch's, the other steps leave it alone, so a caller
     /// can sum every layer (and micro-batch) in one buffer and read it once.
-    /// `Dispatch` reads the `E` per-expert counts back to the host where it
-    /// needs them (the all-to-all's sizes under expert parallelism; the
-    /// balancing load, to which it adds them): the layer's only host read.
+    /// `Prepare` also adds the per-expert counts to `router.balance`'s load
+    /// on the device. Under expert parallelism `Dispatch` reads them back to
+    /// the host for the all-to-all's sizes: the layer's only host read.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_step<B: Backend, X: ExpertExchange<B>>(
         &self,
@@ -838,9 +844,14 @@ impl MoeLayer {
         }
         Ok(match (step, flow) {
             (MoeForward::Prepare, MoeFlow::Idle) => {
-                let bias = router.balance.as_ref().map(|balance| balance.bias);
-                let prepared =
-                    self.prepare(b, weights, b.as_slice(&x), tokens, router.aux_loss, bias)?;
+                let prepared = self.prepare(
+                    b,
+                    weights,
+                    b.as_slice(&x),
+                    tokens,
+                    router.aux_loss,
+                    router.balance,
+                )?;
                 with(MoeFlow::Prepared {
                     routing: prepared.routing,
                     send: prepared.send,
@@ -858,12 +869,6 @@ impl MoeLayer {
                 let counts = counts
                     .map(|read| routing.finish_counts(b, read))
                     .transpose()?;
-                if let Some(balance) = &router.balance {
-                    let counts = counts.as_deref().ok_or_else(|| {
-                        out_of_order(step.name(), "a prepare routed without the balancing bias")
-                    })?;
-                    balance.load.add(counts)?;
-                }
                 let (recv_counts, rows) = match counts {
                     // Expert parallelism 1: every routed row stays here,
                     // `T * k` of them, whatever the split among experts.

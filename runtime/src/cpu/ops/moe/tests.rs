@@ -380,6 +380,22 @@ fn expert_major_order_groups_received_rows_by_expert_then_rank() {
 }
 
 #[test]
+fn load_sums_micro_batches_exactly() {
+    // Two micro-batches of one layer, then counts past f32's exact
+    // integers onto a total past u32's: every sum is the integer sum.
+    let mut load = vec![0.0f64; 3];
+    moe_load_accumulate(&[1, 2, 3], &mut load);
+    moe_load_accumulate(&[4, 0, 1], &mut load);
+    assert_eq!(load, [5.0, 2.0, 4.0]);
+    let mut load = [(1u64 << 40) as f64, 0.0];
+    moe_load_accumulate(&[u32::MAX, (1 << 24) + 1], &mut load);
+    assert_eq!(
+        load,
+        [((1u64 << 40) + u64::from(u32::MAX)) as f64, 16_777_217.0]
+    );
+}
+
+#[test]
 fn aux_loss_and_its_gradient_match_the_switch_formula() {
     let slots = SLOTS[0];
     let (t, k, e) = (
