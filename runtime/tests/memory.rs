@@ -78,7 +78,8 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
         // An upper bound, but not a loose one: a refusal must not turn away
         // runs that fit by a wide margin. The overlap schedule is counted as
         // two whole micro-batches in flight; its interleave frees one's
-        // layers while the other's fill up, so it needs less than that.
+        // layers while the other's fill up, in one arena, so it needs
+        // about one and a layer.
         assert!(
             estimate >= measured,
             "{pattern} {precision} {schedule:?} under-estimated:\n{report}"

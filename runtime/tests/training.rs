@@ -1005,6 +1005,39 @@ fn a_failing_rank_stops_the_others_with_the_root_cause() {
     assert!(started.elapsed() < std::time::Duration::from_secs(300));
 }
 
+/// The overlap schedule keeps two micro-batches in flight, but the backward
+/// of one frees its layers as the forward of the next fills its own, from
+/// one arena: together they hold about one micro-batch's activations and a
+/// layer's, not two micro-batches' (per-micro-batch arenas held two).
+#[test]
+fn the_overlap_schedule_holds_about_one_micro_batch() {
+    for pattern in ["M*-M*-M*-", "[ME][*E][ME][*E]"] {
+        let one = |schedule| {
+            run_with(pattern, |c| {
+                c.ranks = 1;
+                c.ep = 1;
+                c.seq_length = 64;
+                c.steps = 2;
+                c.schedule = schedule;
+            })
+            .reports
+        };
+        let (plain, overlap) = (one(ScheduleKind::Plain), one(ScheduleKind::Overlap));
+        let peak = |r: &[StepReport]| r.iter().map(|r| r.device.peak_in_use_bytes).max().unwrap();
+        // What a step leaves in use is the state; the plain schedule's
+        // peak above it, one micro-batch's activations and working set.
+        let state = plain.last().unwrap().device.in_use_bytes;
+        let micro_batch = peak(&plain) - state;
+        let second = peak(&overlap) - peak(&plain);
+        assert!(
+            4 * second < micro_batch,
+            "{pattern}: the overlap schedule's second micro-batch adds {second} bytes to the \
+             plain schedule's peak, whose micro-batch takes {micro_batch} above the state \
+             ({state})"
+        );
+    }
+}
+
 /// After the first step the device's pool holds every buffer a step needs:
 /// later steps allocate nothing, on either schedule and either sharding,
 /// with MTP, and with MoE under expert parallelism (whose routing, and so

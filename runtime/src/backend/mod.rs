@@ -239,11 +239,12 @@ pub trait Backend:
     /// shows in its results instead of passing as a zero.
     fn alloc_uninit(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
     /// This backend, allocating from arena `arena` instead. The executor
-    /// gives every micro-batch in flight an arena of its own: a micro-batch's
-    /// pieces of work run one after another, so the buffers an arena hands
-    /// out and takes back follow the same order in every step, and once a
-    /// step has run, the next ones allocate nothing. Arena 0 is where
-    /// everything else allocates (parameters, optimizer state).
+    /// gives the micro-batches' buffers an arena of their own (arena 1),
+    /// shared by every micro-batch in flight, so that one micro-batch's
+    /// forward reuses what another's backward freed; each step issues the
+    /// same work, so once a step has run, the next ones allocate nothing.
+    /// Arena 0 is where everything else allocates (parameters, optimizer
+    /// state).
     fn in_arena(&self, arena: usize) -> Self;
     /// Host to device; `T` must be the view's dtype.
     fn upload<T: Scalar>(&self, src: &[T], dst: SliceMut<'_, Self>) -> Result<()>;

@@ -2,12 +2,13 @@
 //!
 //! An arena is a few large segments carved into regions, best fit, with
 //! neighbouring free regions merged when a buffer is dropped. The executor
-//! gives every micro-batch in flight an arena of its own, and a micro-batch's
-//! pieces of work run one after another, so an arena sees the same sequence
-//! of allocations in every step; its segments grow during the first step
+//! gives the micro-batches one arena, shared by those in flight, and every
+//! step issues the same work, so the arena sees about the same sequence of
+//! allocations in every step; its segments grow during the first step
 //! (each growth adds a quarter of what it holds, so buffers whose size
 //! varies a little from step to step, such as the rows an expert receives,
-//! still fit) and the steps after it allocate nothing. The tests count it.
+//! or whose order varies with how two lanes interleave, still fit) and the
+//! steps after it allocate nothing. The tests count it.
 //!
 //! On the CPU a kernel has finished with a buffer when its call returns, so a
 //! region is reusable as soon as its buffer is dropped. A GPU arena must also

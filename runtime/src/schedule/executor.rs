@@ -117,6 +117,10 @@ fn missing(what: &str) -> RuntimeError {
 /// memory does not grow with the number of micro-batches.
 const RETIRED_IN_FLIGHT: usize = 1;
 
+/// The arena ([`Backend::in_arena`]) every micro-batch's buffers come from;
+/// arena 0 keeps the parameters and optimizer state.
+const ACTIVATION_ARENA: usize = 1;
+
 /// Work queued behind a step's ([`run_step`]): given the engine and the
 /// event of the step's reduces.
 pub type AfterStep<'a, D> = dyn FnMut(&FsdpEngine<D>, &[EventOf<D>]) + 'a;
@@ -133,15 +137,20 @@ pub type AfterStep<'a, D> = dyn FnMut(&FsdpEngine<D>, &[EventOf<D>]) + 'a;
 /// the caller reads once, after the optimizer's norm partials joined them
 /// ([`StepTotals::read`]).
 ///
-/// Memory: the micro-batches in flight at once ([`Program::in_flight`])
-/// each allocate from an arena of their own, and a micro-batch's retirement
-/// drops everything it still holds, on a lane, after its last work. Micro-
-/// batch `mb` only starts once `mb - in_flight`, the previous user of its
-/// arena, has been retired, so every arena sees the same sequence of
-/// allocations in every step: after the first step, nothing is allocated.
-/// The host waits for old retirements before starting more than
-/// `RETIRED_IN_FLIGHT` beyond them, so what it holds does not grow with
-/// the number of micro-batches either.
+/// Memory: every micro-batch allocates from one arena
+/// ([`ACTIVATION_ARENA`]), and a micro-batch's retirement drops everything
+/// it still holds, on a lane, after its last work. Sharing the arena is
+/// what lets the overlap schedule hold about one micro-batch's activations
+/// rather than two: its backward of micro-batch `k - 1` frees layer after
+/// layer while the forward of `k` keeps layer after layer, and the forward
+/// reuses what the backward freed. Each step issues the same work, so the
+/// arena sized by the first step serves the next ones: after the first
+/// step, nothing is allocated (`tests/training.rs` holds this over many
+/// steps; how two lanes' threads interleave their allocations may vary,
+/// which the arena's growth headroom absorbs). The host waits for old
+/// retirements before starting more than `RETIRED_IN_FLIGHT` beyond the
+/// micro-batches in flight, so what it holds does not grow with the
+/// number of micro-batches either.
 pub fn run_step<D: Device>(
     program: &Program,
     cx: &Arc<StepContext<D>>,
@@ -155,7 +164,7 @@ pub fn run_step<D: Device>(
     let layers = cx.model.layer_count();
     let trains = program.trains();
     engine.begin_step(rank)?;
-    let arenas = program.in_flight().max(1);
+    let in_flight = program.in_flight().max(1);
     // Live micro-batches, and the event of each one's latest work.
     let mut live: HashMap<usize, (SharedBatch<D>, Option<EventOf<D>>)> = HashMap::new();
     // Retirements, oldest first: (micro-batch, its last event).
@@ -181,7 +190,6 @@ pub fn run_step<D: Device>(
         );
     }
     for instr in program.instrs() {
-        let mut arena_free = Vec::new();
         for mb in instr.micro_batches() {
             if live.contains_key(&mb) {
                 continue;
@@ -192,17 +200,11 @@ pub fn run_step<D: Device>(
                      new one is {started})"
                 )));
             }
-            while retired.len() > RETIRED_IN_FLIGHT + arenas - 1 {
+            while retired.len() > RETIRED_IN_FLIGHT + in_flight - 1 {
                 if let Some((_, event)) = retired.pop_front() {
                     event.wait()?;
                 }
             }
-            // The arena's previous micro-batch must be retired.
-            arena_free.extend(
-                mb.checked_sub(arenas)
-                    .and_then(|previous| retired.iter().find(|(m, _)| *m == previous))
-                    .map(|(_, event)| event.clone()),
-            );
             let state = MicroBatch::new(micro_batch(mb)?, layers, depths, trains);
             // Only the rank running the heads counts their targets: every
             // stage's counts are added into the step's.
@@ -216,7 +218,7 @@ pub fn run_step<D: Device>(
         }
         match instr {
             Instr::Exchange { .. } => {
-                let mut after = arena_free;
+                let mut after = Vec::new();
                 let mut transfers = Vec::with_capacity(4);
                 for (send, t) in instr.transfers() {
                     let (state, last) = live
@@ -226,7 +228,7 @@ pub fn run_step<D: Device>(
                     transfers.push((send, t, state.clone()));
                 }
                 let label = Label::new(exchange_name(&transfers), crate::trace::P2P);
-                let work = exchange_work(cx.clone(), arenas, transfers);
+                let work = exchange_work(cx.clone(), transfers);
                 let event = rank.comm.submit(label, &after, work);
                 for (_, t) in instr.transfers() {
                     if let Some((_, last)) = live.get_mut(&t.mb) {
@@ -247,8 +249,7 @@ pub fn run_step<D: Device>(
                     .ok_or_else(|| missing("a live micro-batch"))?;
                 let node = &plan.schedule.nodes[node];
                 let lane_kind = slot.lane();
-                let (mut after, params) = param_access(engine, node, last)?;
-                after.extend(arena_free);
+                let (after, params) = param_access(engine, node, last)?;
                 let label = Label::new(
                     format!("fwd {} {} mb{mb}", slot.name(), node.name),
                     "forward",
@@ -257,7 +258,6 @@ pub fn run_step<D: Device>(
                 let item = Item {
                     cx: cx.clone(),
                     node: node.index,
-                    arena: 1 + mb % arenas,
                     state: state.clone(),
                     params,
                 };
@@ -290,7 +290,6 @@ pub fn run_step<D: Device>(
                 let item = Item {
                     cx: cx.clone(),
                     node: node.index,
-                    arena: 1 + mb % arenas,
                     state: state.clone(),
                     params,
                 };
@@ -304,7 +303,8 @@ pub fn run_step<D: Device>(
                     .remove(&mb)
                     .ok_or_else(|| missing("a live micro-batch"))?;
                 // Dropped inside lane work, after the micro-batch's last
-                // work, so its arena takes everything back in program order.
+                // work was issued, so the arena fences what it takes back
+                // behind every use.
                 let event = rank.compute.submit(
                     Label::new(format!("retire mb{mb}"), "forward").micro_batch(mb),
                     &Vec::from_iter(last),
@@ -354,11 +354,10 @@ fn exchange_name<S>(transfers: &[(bool, Transfer, S)]) -> String {
 /// The comm-lane work of one exchange: the sends' tensors taken from their
 /// micro-batches (the residual stream after a chunk's forward, or its
 /// gradient after a chunk's backward: the sender has no further use for
-/// either), the receives' buffers made in their micro-batches' arenas and
-/// left where the next chunk's work looks for them.
+/// either), the receives' buffers made in the activation arena and left
+/// where the next chunk's work looks for them.
 fn exchange_work<D: Device>(
     cx: Arc<StepContext<D>>,
-    arenas: usize,
     transfers: Vec<(bool, Transfer, SharedBatch<D>)>,
 ) -> crate::lane::Work<D::Backend> {
     Box::new(move |lane: &D::Backend| {
@@ -379,7 +378,7 @@ fn exchange_work<D: Device>(
                 })?;
                 sends.push((buf, t.peer));
             } else {
-                let b = lane.in_arena(1 + t.mb % arenas);
+                let b = lane.in_arena(ACTIVATION_ARENA);
                 // Written whole by the receive.
                 let buf = b.alloc_uninit(rows * h, b.compute_dtype())?;
                 recvs.push((buf, t.peer, *t, state.clone()));
@@ -412,8 +411,6 @@ fn exchange_work<D: Device>(
 struct Item<D: Device> {
     cx: Arc<StepContext<D>>,
     node: usize,
-    /// The micro-batch's arena.
-    arena: usize,
     state: SharedBatch<D>,
     params: HolderBuffers<D>,
 }
@@ -568,7 +565,7 @@ fn stream_of<B: Backend>(mb: &mut MicroBatch<B>, layer: LayerRef) -> Result<&mut
 
 fn forward_work<D: Device>(item: Item<D>, slot: Slot) -> crate::lane::Work<D::Backend> {
     Box::new(move |lane: &D::Backend| {
-        let b = &lane.in_arena(item.arena);
+        let b = &lane.in_arena(ACTIVATION_ARENA);
         let cx = &*item.cx;
         let weights = Params::new(cx, &item.params);
         item.state.with("a forward slot", |mb| {
@@ -587,7 +584,7 @@ fn backward_work<D: Device>(
     grads: HolderBuffers<D>,
 ) -> crate::lane::Work<D::Backend> {
     Box::new(move |lane: &D::Backend| {
-        let b = &lane.in_arena(item.arena);
+        let b = &lane.in_arena(ACTIVATION_ARENA);
         let cx = &*item.cx;
         let weights = Params::new(cx, &item.params);
         // Comm-lane pieces write no weight gradients.
