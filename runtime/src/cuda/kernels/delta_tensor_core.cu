@@ -397,7 +397,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_prep(Del
 // One block a (sequence, value head, DELTA_TC_COLS state columns); warp w
 // keeps H's rows 32w..32w+31 (keys) of the block's columns in f32
 // accumulators. Dynamic shared memory (`tc_walk_shared`): W and K of the
-// chunk (bf16, pitch dk + 8), H in bf16 [dk, 16], the decayed V' [64, 16].
+// chunk (bf16, pitch dk + 8), H in bf16 [dk, 16], the decayed V' [64, 16],
+// U's 16 columns [64, 16] and G (f32 [64]). U and G come with W's group of
+// copies, so no load from global memory waits inside a chunk.
 extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(DeltaParams p) {
     grid_dependency_sync();
     extern __shared__ __align__(16) unsigned char delta_shared[];
@@ -408,6 +410,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(Del
     bf16* s_k = s_w + 64 * pk;
     bf16* s_h = s_k + 64 * pk;
     bf16* s_vn = s_h + dk * DELTA_COL_PITCH;
+    bf16* s_u = s_vn + DELTA_CHUNK * DELTA_COL_PITCH;
+    float* s_g = reinterpret_cast<float*>(s_u + DELTA_CHUNK * DELTA_TC_COLS);
     const int tiles = dv / DELTA_TC_COLS;
     const int tile = blockIdx.x % tiles;
     const int j = (blockIdx.x / tiles) % p.value_heads;
@@ -417,6 +421,16 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(Del
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int q = lane & 3;
+    // A chunk's U columns p0.. and G, into s_u and s_g (in the caller's
+    // group of copies): a row of 16 bf16 is two 16-byte words.
+    const auto stage_u_g = [&](const TcItem& ti) {
+        const int t = threadIdx.x / 2;
+        const int half = (threadIdx.x % 2) * 8;
+        copy16_async(shared_address(s_u + t * DELTA_TC_COLS + half), ti.u + t * dv + p0 + half, true);
+        if (threadIdx.x < DELTA_CHUNK / 4) {
+            copy16_async(shared_address(s_g + 4 * threadIdx.x), ti.g + 4 * threadIdx.x, true);
+        }
+    };
     float h[2][2][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -432,6 +446,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(Del
     {
         const TcItem ti = tc_item_at(p, first);
         tc_stage(s_w, pk, ti.w, DELTA_CHUNK, dk);
+        stage_u_g(ti);
         commit_async();
         tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
         commit_async();
@@ -459,13 +474,13 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(Del
                 }
             }
         }
-        // W's group is in (K's may still be on its way).
+        // W's group (with U and G) is in (K's may still be on its way).
         wait_async<1>();
         __syncthreads();
         // V' = U - W H: warp w the steps 16w..16w+15.
         const int t0 = 16 * warp + g;
         const int t1 = t0 + 8;
-        const float g_last = ti.g[DELTA_CHUNK - 1];
+        const float g_last = s_g[DELTA_CHUNK - 1];
         {
             float acc[2][4];
 #pragma unroll
@@ -483,13 +498,13 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(Del
                 mma_bf16(acc[0], af, bf[0], bf[1]);
                 mma_bf16(acc[1], af, bf[2], bf[3]);
             }
-            const float decay0 = expf(g_last - ti.g[t0]);
-            const float decay1 = expf(g_last - ti.g[t1]);
+            const float decay0 = expf(g_last - s_g[t0]);
+            const float decay1 = expf(g_last - s_g[t1]);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 const int col = 8 * nt + 2 * q;
-                const float2 u0 = load_pair(ti.u + t0 * dv + p0 + col);
-                const float2 u1 = load_pair(ti.u + t1 * dv + p0 + col);
+                const float2 u0 = load_pair(s_u + t0 * DELTA_TC_COLS + col);
+                const float2 u1 = load_pair(s_u + t1 * DELTA_TC_COLS + col);
                 const float v00 = u0.x - acc[nt][0];
                 const float v01 = u0.y - acc[nt][1];
                 const float v10 = u1.x - acc[nt][2];
@@ -506,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_walk(Del
         }
         const TcItem next = tc_item_at(p, item + p.value_heads);
         tc_stage(s_w, pk, next.w, DELTA_CHUNK, dk);
+        stage_u_g(next);
         commit_async();
         // K's group is in (the next W's may still be on its way).
         wait_async<1>();
@@ -838,10 +854,17 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_dvl(Delt
 
 // ---- the backward's reverse walk -----------------------------------------------------
 // One block a (sequence, value head, DELTA_TC_COLS columns); warp w keeps
-// dH's rows 32w..32w+31 in f32 accumulators. Every input of a chunk comes
-// in one group of asynchronous copies (no load waits inside the chunk's
-// products). Dynamic shared memory (`tc_back_walk_shared`): W, K, Q of the
-// chunk (pitch dk + 8), H_0 and dH in bf16 [dk, 16], gamma dO and -dV'
+// dH's rows 32w..32w+31 in f32 accumulators. A chunk's inputs arrive in
+// three groups of asynchronous copies issued during the chunk after it (in
+// walk order), each as soon as its buffer is free, so the walk never waits
+// on global memory that it could have asked for earlier:
+//   W, into the other of two buffers, at the chunk's start;
+//   the small inputs and K, once the chunk's V' and dV' are done;
+//   Q, once its dH update is done.
+// Every chunk commits all three groups (empty after the first chunk), so
+// the counts `wait_async` takes are the same for every chunk.
+// Dynamic shared memory (`tc_back_walk_shared`): two W buffers, K, Q of
+// the chunk (pitch dk + 8), H_0 and dH in bf16 [dk, 16], gamma dO and -dV'
 // [64, 16], then as loaded: H_0's f32 columns [16, dk], dO's, U's and
 // M^T dO's columns [64, 16], G.
 extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_walk(DeltaParams p) {
@@ -850,8 +873,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
     const int dk = p.dk;
     const int dv = p.dv;
     const int pk = dk + 8;
-    bf16* s_w = reinterpret_cast<bf16*>(delta_shared);
-    bf16* s_k = s_w + 64 * pk;
+    bf16* s_wb = reinterpret_cast<bf16*>(delta_shared);
+    bf16* s_k = s_wb + 2 * 64 * pk;
     bf16* s_q = s_k + 64 * pk;
     bf16* s_h = s_q + 64 * pk;
     bf16* s_dh = s_h + dk * DELTA_COL_PITCH;
@@ -873,27 +896,28 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
     const int q = lane & 3;
     const u64 out_width = static_cast<u64>(p.value_heads) * dv;
     const bf16* d_out = reinterpret_cast<const bf16*>(p.out);
-    float dh[2][2][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-        tc_zero(dh[mt]);
-    }
     const u64 first = static_cast<u64>(b) * p.chunks * p.value_heads + j;
-    for (int c = p.chunks - 1; c >= 0; --c) {
-        const u64 item = first + static_cast<u64>(c) * p.value_heads;
-        const Item it = item_of(p, item);
-        const TcItem ti = tc_item_at(p, item);
-        const TcBack bk = tc_back_at(p, item);
-        tc_stage(s_w, pk, ti.w, DELTA_CHUNK, dk);
-        tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
-        tc_stage(s_q, pk, ti.qn, DELTA_CHUNK, dk);
-        // H_0's columns p0.. (f32 rows of the saved state), and 16 columns
-        // of dO (zeros past the sequence's end), U and M^T dO, and G.
-        const float* state = reinterpret_cast<const float*>(p.states) + item * dv * dk + static_cast<u64>(p0) * dk;
-        for (int idx = threadIdx.x; idx < DELTA_TC_COLS * dk / 4; idx += DELTA_TC_THREADS) {
-            copy16_async(shared_address(s_hf + 4 * idx), state + 4 * idx, true);
+    // Chunk c's W goes to buffer c % 2.
+    const auto w_buffer = [&](int c) { return s_wb + (c & 1) * 64 * pk; };
+    const auto stage_w = [&](int c) {
+        if (c >= 0) {
+            tc_stage(w_buffer(c), pk, tc_item_at(p, first + static_cast<u64>(c) * p.value_heads).w, DELTA_CHUNK, dk);
         }
-        {
+        commit_async();
+    };
+    // H_0's columns p0.. (f32 rows of the saved state), 16 columns of dO
+    // (zeros past the sequence's end), U and M^T dO, G, and K.
+    const auto stage_small_and_k = [&](int c) {
+        if (c >= 0) {
+            const u64 item = first + static_cast<u64>(c) * p.value_heads;
+            const Item it = item_of(p, item);
+            const TcItem ti = tc_item_at(p, item);
+            const TcBack bk = tc_back_at(p, item);
+            const float* state =
+                reinterpret_cast<const float*>(p.states) + item * dv * dk + static_cast<u64>(p0) * dk;
+            for (int idx = threadIdx.x; idx < DELTA_TC_COLS * dk / 4; idx += DELTA_TC_THREADS) {
+                copy16_async(shared_address(s_hf + 4 * idx), state + 4 * idx, true);
+            }
             const int t = threadIdx.x / 2;
             const int half = (threadIdx.x % 2) * 8;
             const bool live = t < it.len;
@@ -901,11 +925,37 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
             copy16_async(shared_address(s_dor + t * DELTA_TC_COLS + half), src, live);
             copy16_async(shared_address(s_u + t * DELTA_TC_COLS + half), ti.u + t * dv + p0 + half, true);
             copy16_async(shared_address(s_dvl + t * DELTA_TC_COLS + half), bk.dvl + t * dv + p0 + half, true);
-        }
-        if (threadIdx.x < DELTA_CHUNK / 4) {
-            copy16_async(shared_address(s_gc + 4 * threadIdx.x), ti.g + 4 * threadIdx.x, true);
+            if (threadIdx.x < DELTA_CHUNK / 4) {
+                copy16_async(shared_address(s_gc + 4 * threadIdx.x), ti.g + 4 * threadIdx.x, true);
+            }
+            tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
         }
         commit_async();
+    };
+    const auto stage_q = [&](int c) {
+        if (c >= 0) {
+            tc_stage(s_q, pk, tc_item_at(p, first + static_cast<u64>(c) * p.value_heads).qn, DELTA_CHUNK, dk);
+        }
+        commit_async();
+    };
+    float dh[2][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        tc_zero(dh[mt]);
+    }
+    // Outstanding at every chunk c's start: W(c), then the small inputs and
+    // K of c, then Q(c).
+    stage_w(p.chunks - 1);
+    stage_small_and_k(p.chunks - 1);
+    stage_q(p.chunks - 1);
+    for (int c = p.chunks - 1; c >= 0; --c) {
+        const u64 item = first + static_cast<u64>(c) * p.value_heads;
+        const TcItem ti = tc_item_at(p, item);
+        const TcBack bk = tc_back_at(p, item);
+        const bf16* s_w = w_buffer(c);
+        // The other W buffer was chunk c + 1's, whose last reader passed
+        // the barrier that ended it.
+        stage_w(c - 1);
         // dH at this chunk's end: for the chunk's gradients and the products.
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -924,7 +974,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
                 }
             }
         }
-        wait_async<0>();
+        // W(c) and the small inputs and K of c are in (Q(c) and W(c - 1)
+        // may still be on their way).
+        wait_async<2>();
         __syncthreads();
         // H_0 in bf16 [dk, 16]; gamma_t dO.
         for (int idx = threadIdx.x; idx < DELTA_TC_COLS * dk; idx += DELTA_TC_THREADS) {
@@ -980,6 +1032,11 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
                 store_pair(s_ndv + t1 * DELTA_COL_PITCH + c8, -v10, -v11);
             }
         }
+        // Every reader of the small inputs and K is past this barrier.
+        __syncthreads();
+        stage_small_and_k(c - 1);
+        // Q(c) is in.
+        wait_async<2>();
         __syncthreads();
         if (c > 0) {
             // dH_0 = gamma_L dH_L + Q^T (gamma dO) + W^T (-dV').
@@ -1002,8 +1059,11 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
                 }
             }
         }
+        // Every reader of Q and of W(c) is past this barrier.
         __syncthreads();
+        stage_q(c - 1);
     }
+    wait_async<0>();
 }
 
 // ---- a chunk's gradients on tensor cores ------------------------------------------------

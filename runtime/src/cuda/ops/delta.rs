@@ -120,10 +120,11 @@ fn tc_backward_shared_bytes(dims: DeltaDims) -> [usize; 3] {
     let bf16 = DType::Bf16.bytes();
     let f32 = DType::F32.bytes();
     let dvl = bf16 * DELTA_CHUNK * (2 * pk + pv);
-    // W, K, Q; H_0, dH, gamma dO and -dV' (pitch TC_COL_PITCH); dO's, U's
-    // and M^T dO's columns as loaded, H_0's f32 columns, G.
+    // Two W buffers, K, Q; H_0, dH, gamma dO and -dV' (pitch
+    // TC_COL_PITCH); dO's, U's and M^T dO's columns as loaded, H_0's f32
+    // columns, G.
     let walk = bf16
-        * (3 * DELTA_CHUNK * pk
+        * (4 * DELTA_CHUNK * pk
             + 2 * (dk + DELTA_CHUNK) * TC_COL_PITCH
             + 3 * DELTA_CHUNK * TC_COLS)
         + f32 * (TC_COLS * dk + DELTA_CHUNK);
@@ -146,7 +147,9 @@ fn tc_shared_bytes(dims: DeltaDims) -> [usize; 3] {
     let f32 = DType::F32.bytes();
     let prep = bf16 * (DELTA_CHUNK * (pk + pv) + 2 * DELTA_CHUNK * TC_T_PITCH)
         + f32 * (2 * DELTA_CHUNK * TC_F_PITCH + 3 * 256 + 2 * DELTA_CHUNK);
-    let walk = bf16 * (2 * DELTA_CHUNK * pk + (dims.key_dim + DELTA_CHUNK) * TC_COL_PITCH);
+    let walk = bf16 * (2 * DELTA_CHUNK * pk + (dims.key_dim + DELTA_CHUNK) * TC_COL_PITCH)
+        + bf16 * DELTA_CHUNK * TC_COLS
+        + f32 * DELTA_CHUNK;
     let output = bf16 * (2 * DELTA_CHUNK * pk + dims.value_dim * pk + DELTA_CHUNK * pv);
     [prep, walk, output]
 }
