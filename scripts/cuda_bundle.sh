@@ -63,7 +63,7 @@ cp "${CARGO_TARGET_DIR:-target}/release/hybridgen" "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
 cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh scripts/checkpoint_gpu.sh \
-  scripts/run_log.py scripts/timeline_gaps.py scripts/bench_delta_fla.py "$bundle/"
+  scripts/run_log.py scripts/timeline_gaps.py scripts/timeline_kernels.py scripts/bench_delta_fla.py "$bundle/"
 # flash-linear-attention's wheels for bench_delta_fla.py (the GPU machine
 # has no internet); skipped, saying so, where they cannot be fetched.
 scripts/fla_wheels.sh >/dev/null \
