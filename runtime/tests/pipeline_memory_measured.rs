@@ -84,13 +84,15 @@ fn the_estimate_covers_what_a_pipelined_run_allocates() {
             "{pattern} pp {pp} {precision} {schedule:?} under-estimated:\n{report}"
         );
         // An upper bound, but not a loose one. Each micro-batch in flight
-        // is counted whole with its arena's headroom (a quarter of it plus
-        // 1 MiB), and 1F1B keeps up to 5 here on a rank whose share of
-        // these small models is a few MiB: 1.86 for pp 4 in bf16 under the
-        // overlap schedule, the most.
+        // is counted whole but for its working set, which the shared arena
+        // holds once, with the arena's headroom (a quarter plus 1 MiB);
+        // 1F1B keeps up to 5 here on a rank whose share of these small
+        // models is a few MiB, and the backward of one frees what the
+        // forward of the next reuses: 2.08 for `M*|E-|ME|*-` pp 2 under the
+        // plain schedule, the most.
         assert!(
-            estimate as f64 <= measured as f64 * 2.0,
-            "{pattern} pp {pp} {precision} {schedule:?} over-estimated more than 2x:\n{report}"
+            estimate as f64 <= measured as f64 * 2.2,
+            "{pattern} pp {pp} {precision} {schedule:?} over-estimated more than 2.2x:\n{report}"
         );
     }
 }

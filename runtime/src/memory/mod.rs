@@ -1083,7 +1083,9 @@ impl StageNeed {
 }
 
 /// The activations of `in_flight` micro-batches, with the kernel scratch,
-/// the arenas' headroom and the receive buffers.
+/// the arena's headroom and the receive buffers. The micro-batches share
+/// one arena and one layer runs at a time on the compute lane, so the
+/// largest working set counts once, whatever the micro-batches in flight.
 fn live(
     activations: &ActivationEstimate,
     in_flight: usize,
@@ -1091,20 +1093,26 @@ fn live(
     arena_headroom: u64,
     transfers: u64,
 ) -> u64 {
-    activations
-        .total
-        .saturating_mul(in_flight as u64)
+    kept(activations, in_flight)
+        .saturating_add(activations.working_set)
         .saturating_add(kernel_scratch)
         .saturating_add(arena_headroom)
         .saturating_add(transfers)
 }
 
-/// What the arenas of `in_flight` micro-batches may hold beyond their
-/// activations ([`MemoryNeed::arena_headroom`]).
-fn arena_headroom(activations: &ActivationEstimate, in_flight: usize) -> u64 {
-    (activations.total / 4)
-        .saturating_add(1 << 20)
+/// What `in_flight` micro-batches keep, their working set aside.
+fn kept(activations: &ActivationEstimate, in_flight: usize) -> u64 {
+    activations
+        .total
+        .saturating_sub(activations.working_set)
         .saturating_mul(in_flight as u64)
+}
+
+/// What the micro-batches' arena may hold beyond their activations
+/// ([`MemoryNeed::arena_headroom`]): it grows by a quarter of what it holds.
+fn arena_headroom(activations: &ActivationEstimate, in_flight: usize) -> u64 {
+    (kept(activations, in_flight).saturating_add(activations.working_set) / 4)
+        .saturating_add(1 << 20)
 }
 
 /// The settings a refusal suggests changing.
