@@ -558,47 +558,24 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // block's nine warps leave three on one of an SM's four register files
 // (16 K each), so a thread may hold 168 registers (ptxas spills 8 bytes
 // a thread there; 177 registers failed to launch).
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nn(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_TABLE, 0, 1>(problems);
+#define GG_ENTRY_BODY(MODE, TRANS_A, TRANS_B) grouped_gemm<MODE, TRANS_A, TRANS_B>(problems);
+#else
+#define GG_ENTRY_BODY(MODE, TRANS_A, TRANS_B)
 #endif
-}
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_nt(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_TABLE, 0, 0>(problems);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tn(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_TABLE, 1, 1>(problems);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_wgmma_tt(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_TABLE, 1, 0>(problems);
-#endif
-}
+#define GG_ENTRY(NAME, MODE, TRANS_A, TRANS_B)                                                  \
+    extern "C" __global__ void __launch_bounds__(GG_THREADS, 1)                                 \
+        NAME(const __grid_constant__ GroupedProblems problems) {                                \
+        grid_dependency_sync();                                                                 \
+        GG_ENTRY_BODY(MODE, TRANS_A, TRANS_B)                                                   \
+    }
+
+GG_ENTRY(grouped_gemm_wgmma_nn, GG_TABLE, 0, 1)
+GG_ENTRY(grouped_gemm_wgmma_nt, GG_TABLE, 0, 0)
+GG_ENTRY(grouped_gemm_wgmma_tn, GG_TABLE, 1, 1)
+GG_ENTRY(grouped_gemm_wgmma_tt, GG_TABLE, 1, 0)
 // Segmented launches: rows (variable M, A not transposed; `nn` and `nt`
 // as above) and depth (variable K, the weight gradient's `tn`).
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_rows_nn(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_ROWS, 0, 1>(problems);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_rows_nt(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_ROWS, 0, 0>(problems);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) grouped_gemm_depth_tn(const __grid_constant__ GroupedProblems problems) {
-grid_dependency_sync();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    grouped_gemm<GG_DEPTH, 1, 1>(problems);
-#endif
-}
+GG_ENTRY(grouped_gemm_rows_nn, GG_ROWS, 0, 1)
+GG_ENTRY(grouped_gemm_rows_nt, GG_ROWS, 0, 0)
+GG_ENTRY(grouped_gemm_depth_tn, GG_DEPTH, 1, 1)
