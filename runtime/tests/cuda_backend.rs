@@ -562,6 +562,7 @@ fn batched_matmul_matches_a_loop_of_matmuls() {
             ],
         ),
     ];
+    let cpu = CpuBackend::new(Precision::F32);
     for precision in [Precision::F32, Precision::Bf16] {
         let dev = gpu(precision);
         let ab = precision.compute_dtype();
@@ -616,28 +617,23 @@ fn batched_matmul_matches_a_loop_of_matmuls() {
                 )
                 .unwrap();
                 let looped = get(&dev, &bc, pc.len());
-                let abs = |v: &[f32]| v.iter().map(|x| x.abs() as f64).collect::<Vec<_>>();
-                let (aa, ba_) = (abs(&pa), abs(&pb));
+                // `sum_p |a b|` (+ `|c|` when accumulating): the same matmul
+                // of the absolute values, on the CPU.
+                let magnitude = {
+                    let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<_>>();
+                    let [ma, mb, mc] = [&pa, &pb, &pc].map(|v| put(&cpu, &abs(v), DType::F32));
+                    cpu.matmul(
+                        cpu.view(&ma).unwrap(),
+                        cpu.view(&mb).unwrap(),
+                        cpu.view_mut(&mc).unwrap(),
+                        d,
+                    )
+                    .unwrap();
+                    get(&cpu, &mc, pc.len())
+                };
                 for r in 0..d.m {
                     for j in 0..d.n {
-                        let mut mag = if d.accumulate {
-                            pc[r * d.n + j].abs() as f64
-                        } else {
-                            0.0
-                        };
-                        for p in 0..d.k {
-                            let x = if d.a_trans {
-                                aa[p * d.m + r]
-                            } else {
-                                aa[r * d.k + p]
-                            };
-                            let y = if d.b_trans {
-                                ba_[j * d.k + p]
-                            } else {
-                                ba_[p * d.n + j]
-                            };
-                            mag += x * y;
-                        }
+                        let mag = magnitude[r * d.n + j] as f64;
                         let want = looped[r * d.n + j];
                         let got = batched[dims.at(2, i, r, j)];
                         let mut bound = 2.0 * d.k as f64 * mag / (1u64 << 24) as f64;
