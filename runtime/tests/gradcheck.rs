@@ -1915,9 +1915,9 @@ fn host_reads(device: &CpuBackend) -> u64 {
 /// the device) and the load-balancing loss stay on the device (the loss
 /// adds onto one accumulator for every layer and micro-batch, read once),
 /// and so does the load of aux-loss-free balancing (the counts of every
-/// micro-batch added onto the layer's f64 load). Under expert parallelism 2 each rank reads once per layer and
-/// micro-batch, in the dispatch step: the per-expert counts the all-to-all
-/// needs. The backward reads nothing.
+/// micro-batch added onto the layer's f64 load). Under expert parallelism
+/// 2 each rank reads once per layer and micro-batch, in the dispatch step:
+/// the per-expert counts the all-to-all needs. The backward reads nothing.
 #[test]
 fn moe_reads_the_host_only_for_the_all_to_all() {
     use hybridgen_runtime::layers::{MoeBackward, MoeForward, MoeStage};

@@ -1028,7 +1028,7 @@ fn the_overlap_schedule_holds_about_one_micro_batch() {
         // peak above it, one micro-batch's activations and working set.
         let state = plain.last().unwrap().device.in_use_bytes;
         let micro_batch = peak(&plain) - state;
-        let second = peak(&overlap) - peak(&plain);
+        let second = peak(&overlap).saturating_sub(peak(&plain));
         assert!(
             4 * second < micro_batch,
             "{pattern}: the overlap schedule's second micro-batch adds {second} bytes to the \
