@@ -490,10 +490,10 @@ pub struct MemoryNeed {
     /// Where kernels widen bf16 operands ([`ElementSizes::widened`]), the
     /// f32 copies of the largest product's operands are added.
     pub kernel_scratch: u64,
-    /// Per rank: what the arenas of the micro-batches in flight may hold
-    /// beyond their activations. An arena grows by a quarter of its size
-    /// (at least 1 MiB) when no free region fits, so it can end a quarter
-    /// plus 1 MiB above its peak. Zero in a lower bound.
+    /// Per rank: what the micro-batches' arena may hold beyond their
+    /// activations. The arena grows by a quarter of its size (at least
+    /// 1 MiB) when no free region fits, so it can end a quarter plus 1 MiB
+    /// above its peak. Zero in a lower bound.
     pub arena_headroom: u64,
     /// Per rank: threads, lanes, the model's layer descriptions, the
     /// schedule and the engine's tables (about 1 MiB plus 2 KiB a layer,

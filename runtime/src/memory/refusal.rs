@@ -69,14 +69,14 @@ pub(super) fn rank_figures(
     };
     let mut out = format!(
         "{} = {} parameters, gradients and optimizer state + {} activations \
-         ({} micro-batch{} in flight x {}: layers {}, heads {}, streams {}, working set {}; \
-         kernel scratch {}; arena headroom {}{receives})",
+         ({} micro-batch{} in flight x {} kept: layers {}, heads {}, streams {}; one working \
+         set {}; kernel scratch {}; arena headroom {}{receives})",
         bytes(per_rank),
         bytes(state.total),
         bytes(live),
         live_micro_batches,
         if live_micro_batches == 1 { "" } else { "es" },
-        bytes(activations.total),
+        bytes(activations.total.saturating_sub(activations.working_set)),
         bytes(activations.layers),
         bytes(activations.heads),
         bytes(activations.streams),
