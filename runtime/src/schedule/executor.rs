@@ -138,7 +138,7 @@ pub type AfterStep<'a, D> = dyn FnMut(&FsdpEngine<D>, &[EventOf<D>]) + 'a;
 /// ([`StepTotals::read`]).
 ///
 /// Memory: every micro-batch allocates from one arena
-/// ([`ACTIVATION_ARENA`]), and a micro-batch's retirement drops everything
+/// (`ACTIVATION_ARENA`), and a micro-batch's retirement drops everything
 /// it still holds, on a lane, after its last work. Sharing the arena is
 /// what lets the overlap schedule hold about one micro-batch's activations
 /// rather than two: its backward of micro-batch `k - 1` frees layer after
