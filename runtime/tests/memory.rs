@@ -10,7 +10,7 @@ use hybridgen_runtime::train::{TrainConfig, memory_need};
 
 #[path = "support/counting_alloc.rs"]
 mod counting_alloc;
-use counting_alloc::peak_of;
+use counting_alloc::{measure, peak_of};
 
 /// One rank, one step of long sequences through a small model: activations
 /// dominate what the run allocates.
@@ -106,61 +106,30 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
     }
 
     // Micro-batch states are dropped as their work completes: a step of 40
-    // micro-batches peaks where a step of 2 does.
+    // micro-batches holds what a step of 2 does. Held means the arena's
+    // peak in use, plus the heap beside the arena's segments (the host's
+    // micro-batch tokens, the step's program). The heap itself is not the
+    // measure: the arena grows in segments, and whether the lanes' threads
+    // interleave so that one more segment is needed varies from run to run.
     let mut few = config("M*-E", ScheduleKind::Overlap, Precision::F32);
     few.seq_length = 64;
     few.micro_batches = 2;
     let mut many = few.clone();
     many.micro_batches = 40;
-    let (few_peak, many_peak) = (peak_of(&few), peak_of(&many));
+    let held = |config: &TrainConfig| {
+        let (heap, summary) = measure(config);
+        let beside = heap as u64 - summary.reserved_bytes.min(heap as u64);
+        (summary.peak_allocated_bytes, beside)
+    };
+    let ((few_arena, few_beside), (many_arena, many_beside)) = (held(&few), held(&many));
     assert!(
-        many_peak <= few_peak + few_peak / 10,
-        "40 micro-batches peaked at {many_peak} bytes, 2 at {few_peak}"
+        many_arena <= few_arena + few_arena / 10,
+        "40 micro-batches peaked at {many_arena} arena bytes, 2 at {few_arena}"
     );
-}
-
-/// On GPUs each rank has a device of its own: the need checked is one
-/// rank's plus what the device itself takes, against the GPU's free memory,
-/// and the refusal says so (and does not suggest fewer thread ranks).
-#[test]
-fn a_gpu_run_is_checked_per_gpu_with_the_devices_overhead() {
-    use hybridgen_runtime::fsdp::Sharding;
-    use hybridgen_runtime::memory::{AvailableMemory, FitHints};
-    use hybridgen_runtime::optimizer::OptimizerKind;
-    use hybridgen_runtime::train::GPU_OVERHEAD;
-    let config = TrainConfig::new(ModelConfig::preset("tiny").unwrap());
-    let plan = Plan::new(
-        &config.model,
-        &PlanOptions {
-            layout: ParallelLayout::new(config.ranks, config.ep),
-            ..PlanOptions::default()
-        },
-    )
-    .unwrap();
-    let need = memory_need(&config, &plan).unwrap();
-    assert_eq!(
-        need.total,
-        need.per_rank * 2,
-        "two thread ranks share the host"
+    // The program of 40 micro-batches is longer than that of 2: a few bytes
+    // a micro-batch, not their activations.
+    assert!(
+        many_beside <= few_beside + few_arena / 10,
+        "40 micro-batches held {many_beside} heap bytes beside the arena, 2 held {few_beside}"
     );
-    // A GPU kernel scratch below the CPU's changes nothing.
-    let per_gpu = need.clone().on_one_gpu(GPU_OVERHEAD, 0);
-    assert_eq!(per_gpu.total, need.per_rank + GPU_OVERHEAD);
-    let hints = FitHints {
-        micro_batch_size: config.micro_batch_size,
-        seq_length: config.seq_length,
-        sharding: Sharding::Zero3,
-        optimizer: OptimizerKind::Adam,
-        recompute: config.recompute,
-    };
-    let free = |bytes| AvailableMemory {
-        bytes,
-        source: "free on cuda:0 (NVIDIA H200) of 139.8 GiB".into(),
-    };
-    assert_eq!(per_gpu.check(&free(per_gpu.total), &hints), None);
-    let refusal = per_gpu.check(&free(GPU_OVERHEAD), &hints).unwrap();
-    assert!(refusal.contains("each GPU rank, plus 1.2 GiB"), "{refusal}");
-    assert!(refusal.contains("free on cuda:0"), "{refusal}");
-    assert!(refusal.contains("more GPUs"), "{refusal}");
-    assert!(!refusal.contains("fewer ranks"), "{refusal}");
 }

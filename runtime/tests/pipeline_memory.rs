@@ -1,7 +1,9 @@
-//! The memory check under pipeline parallelism: each pipeline rank holds
-//! its stages' buckets and the activations of its stages' layers only, so
-//! a stage needs less than a rank holding the whole model; the refusal
-//! names the stage; `recompute: auto` settles so that every stage fits.
+//! The memory check on GPUs and under pipeline parallelism. On GPUs each
+//! rank's need is checked against its own device. Under pipelines each
+//! pipeline rank holds its stages' buckets and the activations of its
+//! stages' layers only, so a stage needs less than a rank holding the whole
+//! model; the refusal names the stage; `recompute: auto` settles so that
+//! every stage fits.
 
 use hybridgen_dsl::{ModelConfig, ParallelLayout, Plan, PlanOptions};
 use hybridgen_runtime::fsdp::Sharding;
@@ -415,4 +417,46 @@ fn the_bound_before_planning_stays_below_a_pipelines_need() {
             );
         }
     }
+}
+
+/// On GPUs each rank has a device of its own: the need checked is one
+/// rank's plus what the device itself takes, against the GPU's free memory,
+/// and the refusal says so (and does not suggest fewer thread ranks).
+#[test]
+fn a_gpu_run_is_checked_per_gpu_with_the_devices_overhead() {
+    let config = TrainConfig::new(ModelConfig::preset("tiny").unwrap());
+    let plan = Plan::new(
+        &config.model,
+        &PlanOptions {
+            layout: ParallelLayout::new(config.ranks, config.ep),
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    let need = memory_need(&config, &plan).unwrap();
+    assert_eq!(
+        need.total,
+        need.per_rank * 2,
+        "two thread ranks share the host"
+    );
+    // A GPU kernel scratch below the CPU's changes nothing.
+    let per_gpu = need.clone().on_one_gpu(GPU_OVERHEAD, 0);
+    assert_eq!(per_gpu.total, need.per_rank + GPU_OVERHEAD);
+    let hints = FitHints {
+        micro_batch_size: config.micro_batch_size,
+        seq_length: config.seq_length,
+        sharding: Sharding::Zero3,
+        optimizer: OptimizerKind::Adam,
+        recompute: config.recompute,
+    };
+    let free = |bytes| AvailableMemory {
+        bytes,
+        source: "free on cuda:0 (NVIDIA H200) of 139.8 GiB".into(),
+    };
+    assert_eq!(per_gpu.check(&free(per_gpu.total), &hints), None);
+    let refusal = per_gpu.check(&free(GPU_OVERHEAD), &hints).unwrap();
+    assert!(refusal.contains("each GPU rank, plus 1.2 GiB"), "{refusal}");
+    assert!(refusal.contains("free on cuda:0"), "{refusal}");
+    assert!(refusal.contains("more GPUs"), "{refusal}");
+    assert!(!refusal.contains("fewer ranks"), "{refusal}");
 }

@@ -3,7 +3,7 @@
 //! `Vec`s, every thread rank's in one process). A test file that uses it
 //! holds a single test, so nothing else allocates in the process meanwhile.
 
-use hybridgen_runtime::train::{TrainConfig, train};
+use hybridgen_runtime::train::{TrainConfig, TrainSummary, train};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -53,9 +53,16 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOCATOR: Counting = Counting;
 
 /// The most heap a run of `config` held above what was live before it.
+#[allow(dead_code)] // not every test file that includes this module uses both
 pub fn peak_of(config: &TrainConfig) -> usize {
+    measure(config).0
+}
+
+/// [`peak_of`], and the run's summary (its arenas' figures).
+#[allow(dead_code)]
+pub fn measure(config: &TrainConfig) -> (usize, TrainSummary) {
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
-    train(config, &mut |_| {}).unwrap_or_else(|e| panic!("{e}"));
-    PEAK.load(Ordering::Relaxed) - before
+    let summary = train(config, &mut |_| {}).unwrap_or_else(|e| panic!("{e}"));
+    (PEAK.load(Ordering::Relaxed) - before, summary)
 }
