@@ -86,17 +86,16 @@ fn the_estimate_covers_what_a_run_allocates_and_micro_batches_do_not_add_up() {
         );
         // (One rank holds its units in its shards, with no pool or
         // gradient buffers: little state beside the activations, whose
-        // estimate's margin then shows the most: 1.52 for `E` in f32, 1.51
-        // for `M` in bf16. The estimate bounds a layer's backward by its
-        // working set while its input gradient runs; since the norms'
-        // weight gradients keep partial sums instead of their inputs and
-        // output gradients, a lone `M` layer's peak is that working set,
-        // under the bound. In bf16 the head's logits are bf16 now, which
-        // the CPU widens to an f32 copy while its loss kernel runs: that
-        // raised the measured peaks, and `M` in bf16 went from 1.62 to
-        // 1.51.)
+        // estimate's margin then shows the most: 1.77 for `E` in f32, 1.57
+        // for `E` in bf16. The estimate bounds a layer's backward by its
+        // working set while its input gradient runs. Since the feed-forward
+        // blocks recompute their activation in the backward instead of
+        // keeping it, the measured peak of `E` in f32 fell by 1.64 MB, about
+        // twice the activations it kept, and its estimate by those once,
+        // 0.79 MB: the working set still counts the activation's gradient,
+        // which the recomputed activation replaces.)
         let slack = match schedule {
-            ScheduleKind::Plain => 1.6,
+            ScheduleKind::Plain => 1.8,
             ScheduleKind::Overlap => 2.5,
         };
         assert!(

@@ -46,7 +46,34 @@ impl Ffn {
         }
     }
 
-    /// `out (+)= act(u W1^T) W2^T`, keeping `pre` and `act`.
+    /// `act = act(pre)` on `n` rows: in the forward, and again in the
+    /// backward for the fc2 weight gradient. The backward recomputes it
+    /// rather than the forward keeping it: one element-wise pass over `pre`
+    /// (the same kernel on the same values, so the same bits) spares
+    /// keeping `act` from a layer's forward to its backward (what
+    /// Megatron's selective `--recompute-modules moe_act` does for its
+    /// experts; here always, for every feed-forward block).
+    pub fn activate<B: Backend>(
+        &self,
+        b: &B,
+        pre: Slice<'_, B>,
+        act: SliceMut<'_, B>,
+        n: usize,
+    ) -> Result<()> {
+        match self.unary() {
+            Some(op) => b.unary_forward(op, pre, act),
+            None => {
+                let f = self.width;
+                b.silu_mul_forward(
+                    b.subslice(pre, 0..n * f)?,
+                    b.subslice(pre, n * f..2 * n * f)?,
+                    act,
+                )
+            }
+        }
+    }
+
+    /// `out (+)= act(u W1^T) W2^T`, keeping `pre`; `act` is scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn forward<B: Backend>(
         &self,
@@ -61,12 +88,9 @@ impl Ffn {
     ) -> Result<()> {
         let (h, f) = (self.hidden, self.width);
         match self.unary() {
-            Some(op) => {
-                b.matmul(u, w1, b.reborrow_mut(&mut pre), MatmulDims::linear(n, h, f))?;
-                b.unary_forward(op, b.as_slice(&pre), b.reborrow_mut(&mut act))?;
-            }
+            Some(_) => b.matmul(u, w1, b.reborrow_mut(&mut pre), MatmulDims::linear(n, h, f))?,
             None => {
-                let (mut gate, mut up) = b.split_mut(pre, n * f)?;
+                let (mut gate, mut up) = b.split_mut(b.reborrow_mut(&mut pre), n * f)?;
                 let w_gate = weight_rows(b, w1, h, 0..f)?;
                 let w_up = weight_rows(b, w1, h, f..2 * f)?;
                 b.matmul(
@@ -81,9 +105,9 @@ impl Ffn {
                     b.reborrow_mut(&mut up),
                     MatmulDims::linear(n, h, f),
                 )?;
-                b.silu_mul_forward(b.as_slice(&gate), b.as_slice(&up), b.reborrow_mut(&mut act))?;
             }
         }
+        self.activate(b, b.as_slice(&pre), b.reborrow_mut(&mut act), n)?;
         let mut dims = MatmulDims::linear(n, f, h);
         dims.accumulate = accumulate;
         b.matmul(b.as_slice(&act), w2, out, dims)
@@ -205,7 +229,6 @@ pub struct MlpSaved<B: Backend> {
     rstd: B::Buf,
     u: B::Buf,
     pre: B::Buf,
-    act: B::Buf,
 }
 
 /// What [`MlpLayer::backward_input`] keeps.
@@ -279,7 +302,6 @@ impl MlpLayer {
             rstd,
             u,
             pre,
-            act,
         })
     }
 
@@ -311,6 +333,12 @@ impl MlpLayer {
             rows,
             false,
         )?;
+        // The fc2 weight gradient's operand, from `pre` before it goes
+        // (`Ffn::activate`).
+        let act = uninit(b, self.ffn.act_len(rows))?;
+        self.ffn
+            .activate(b, b.view(&saved.pre)?, b.view_mut(&act)?, rows)?;
+        drop(saved.pre);
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.
         let (d_out, norm) = self.norm().backward_input_keeping_dx(
@@ -326,7 +354,7 @@ impl MlpLayer {
             rows,
             norm,
             u: saved.u,
-            act: saved.act,
+            act,
             d_out,
             d_pre,
         })

@@ -82,12 +82,28 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                 m.v_head_dim as u64,
             );
             let (kr, qr) = (m.kv_lora_rank as u64, m.q_lora_rank.unwrap_or(0) as u64);
-            // x_in, u, the latents (raw and normed), q, k, v, o; rstds, lse.
-            // Backward: d_out, d_o, dq, dk, dv, d_kv, d_k_rope, the latents'
-            // gradients, d_u.
+            let dr = m.qk_rope_head_dim as u64;
+            let attention = match kind {
+                // `D` attends over the latent: q, the absorbed queries, the
+                // shared rows [c | rope(k_rope)], the output over the
+                // latent and the heads' outputs.
+                LayerKind::Dsa => a * dqk + a * (kr + dr) + (kr + dr) + a * kr + a * dv,
+                // q, k, v, o, per head.
+                _ => 2 * a * dqk + 2 * a * dv,
+            };
+            // The latents, raw and (with their norms) normed, and the
+            // norms' rstd.
+            let (latents, latent_rstds) = if m.qk_norm {
+                (2 * (qr + kr), 1 + u64::from(qr > 0))
+            } else {
+                (qr + kr, 0)
+            };
+            // x_in, u, the latents, the attention's; the input's rstd, the
+            // latents', lse. Backward: d_out, d_o, dq, dk, dv, d_kv,
+            // d_k_rope, the latents' gradients, d_u.
             let (mut saved, mut extra) = per_token(
-                2 * h + 2 * qr + 2 * kr + 2 * a * dqk + 2 * a * dv,
-                3 + a,
+                2 * h + latents + attention,
+                1 + latent_rstds + a,
                 2 * h
                     + 2 * a * dqk
                     + 2 * a * dv
@@ -108,9 +124,10 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                 return Default::default();
             };
             let (pre, act) = ffn(m.ffn_hidden_size, m.activation);
-            // x_in, u, fc1 output, activation; rstd. Backward: d_out, d_pre,
-            // d_act, d_u.
-            per_token(2 * h + pre + act, 1, 2 * h + pre + act)
+            // x_in, u, fc1 output; rstd (the activation is recomputed in
+            // the backward). Backward: d_out, d_pre, d_act (then the
+            // recomputed activation in its place), d_u.
+            per_token(2 * h + pre, 1, 2 * h + pre + act)
         }
         LayerKind::Moe => {
             let Some(m) = &model.moe else {
@@ -121,21 +138,23 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
             let (shared_pre, shared_act) = m
                 .shared_expert_ffn_hidden_size
                 .map_or((0, 0), |w| ffn(w, m.activation));
-            let shared = if m.shared_expert_ffn_hidden_size.is_some() {
-                shared_pre + shared_act + h
+            let (shared_saved, shared) = if m.shared_expert_ffn_hidden_size.is_some() {
+                (shared_pre + h, shared_pre + shared_act + h)
             } else {
-                0
+                (0, 0)
             };
-            // x_in, u, the shared expert; per routed row (k per token): the
-            // experts' input, fc1 output and activation, and the returned
-            // row. In f32: rstd, the router's logits, scores and weights,
-            // and the u32 indices (selected, positions, regroup). Forward
-            // also holds the send, received and output rows for a while;
-            // backward their gradients, the logits' gradient (f32, and
-            // cast to the compute dtype for the router's GEMMs), the
-            // weights' gradient and the norm's output gradient (f32).
+            // x_in, u, the shared expert's fc1 output and output; per
+            // routed row (k per token): the experts' input, fc1 output and
+            // the returned row (the activations are recomputed in the
+            // backward). In f32: rstd, the router's logits, scores and
+            // weights, and the u32 indices (selected, positions, regroup).
+            // Forward also holds the send, received and output rows and
+            // the activations for a while; backward their gradients, the
+            // recomputed activations, the logits' gradient (f32, and cast
+            // to the compute dtype for the router's GEMMs), the weights'
+            // gradient and the norm's output gradient (f32).
             let (saved, mut extra) = per_token(
-                2 * h + shared + k * (2 * h + pre + act),
+                2 * h + shared_saved + k * (2 * h + pre),
                 1 + 2 * e + k + 3 * k,
                 h + e + shared + k * (4 * h + pre + act),
             );

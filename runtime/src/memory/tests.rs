@@ -153,3 +153,113 @@ fn byte_figures_read_well() {
     assert_eq!(bytes(3 << 30), "3.0 GiB");
     assert_eq!(bytes(u64::MAX), "16.0 EiB");
 }
+
+/// What a layer of each kind keeps from its forward to its backward, as the
+/// CPU backend's arena counts it, is what the memory model counts
+/// (`layer_sizes::layer`), in f32 and in bf16, for the `tiny` preset and
+/// its variants (the options that change what a layer keeps): never more (a
+/// run the check lets through must fit) and not much less (a refusal must
+/// not turn away a run that fits). The slack is the arena's 64-byte granule
+/// a buffer and the few fixed-size buffers a layer keeps beside its
+/// per-token ones (an `E` layer's expert counts and loss slots, a `D`
+/// layer's loss slot).
+#[test]
+fn every_layer_keeps_what_the_memory_model_counts() {
+    use crate::backend::{Backend, Precision};
+    use crate::cpu::CpuBackend;
+    use crate::layers::LayerImpl;
+    use crate::view::ViewMut;
+    use hybridgen_dsl::config::{Activation, Position};
+
+    let kinds = [
+        LayerKind::Mamba,
+        LayerKind::Attention,
+        LayerKind::Mla,
+        LayerKind::Dsa,
+        LayerKind::GatedDeltaNet,
+        LayerKind::Mlp,
+        LayerKind::Moe,
+    ];
+    let tiny = ModelConfig::preset("tiny").unwrap();
+    let mut variants = vec![("tiny", tiny.clone(), &kinds[..])];
+    let mut other = tiny.clone();
+    let attention = other.attention.as_mut().unwrap();
+    attention.qk_norm = !attention.qk_norm;
+    attention.position = match attention.position {
+        Position::None => Position::Rope,
+        Position::Rope => Position::None,
+    };
+    let mla = other.mla.as_mut().unwrap();
+    mla.qk_norm = !mla.qk_norm;
+    other.dsa.as_mut().unwrap().indexer_loss_coeff = 0.01;
+    other.mlp.as_mut().unwrap().activation = Activation::Swiglu;
+    let moe = other.moe.as_mut().unwrap();
+    moe.activation = Activation::Swiglu;
+    moe.shared_expert_ffn_hidden_size = match moe.shared_expert_ffn_hidden_size {
+        Some(_) => None,
+        None => Some(48),
+    };
+    variants.push(("variant", other.clone(), &kinds[..]));
+    other.dsa.as_mut().unwrap().indexer_sparse_loss = true;
+    other.mlp.as_mut().unwrap().activation = Activation::Gelu;
+    variants.push(("sparse loss", other.clone(), &kinds[..]));
+    // Queries projected from the hidden state (`+` only: `D`'s indexer
+    // reads the compressed query).
+    other.mla.as_mut().unwrap().q_lora_rank = None;
+    variants.push(("no q latent", other, &[LayerKind::Mla][..]));
+
+    let tokens = Tokens::new(2, 96);
+    // Values of order one, the same in every run.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    };
+    let mut report = String::new();
+    let mut failures = Vec::new();
+    for (name, model, kinds) in &variants {
+        for precision in [Precision::F32, Precision::Bf16] {
+            let b = CpuBackend::new(precision);
+            let sizes = ElementSizes::cpu(precision);
+            let dtype = b.compute_dtype();
+            let filled = |host: Vec<f32>| {
+                let staged = b.alloc(host.len(), DType::F32).unwrap();
+                b.upload(&host, ViewMut::whole(&staged)).unwrap();
+                let buf = b.alloc(host.len(), dtype).unwrap();
+                b.cast(b.view(&staged).unwrap(), b.view_mut(&buf).unwrap())
+                    .unwrap();
+                buf
+            };
+            for &kind in *kinds {
+                let experts = model.moe.as_ref().unwrap().num_experts;
+                let layer = LayerImpl::new(kind, model, experts).unwrap();
+                let weights: Vec<_> = layer
+                    .params()
+                    .iter()
+                    .map(|p| filled(values(p.numel())))
+                    .collect();
+                let x = filled(values(tokens.batch * tokens.seq * model.hidden_size));
+                let views: Vec<_> = weights.iter().map(|w| b.view(w).unwrap()).collect();
+                let before = b.stats().in_use_bytes;
+                let saved = layer
+                    .forward(&b, &views, b.view_mut(&x).unwrap(), tokens)
+                    .unwrap();
+                let kept = b.stats().in_use_bytes - before;
+                drop(saved);
+                let counted = layer_sizes::layer(model, kind, tokens).0.bytes(sizes);
+                report += &format!("{name} {kind:?} {precision}: kept {kept}, counted {counted}\n");
+                let slack = 4096;
+                if kept > counted + slack || counted > kept + slack {
+                    failures.push(format!("{name} {kind:?} {precision}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:?} differ:\n{report}");
+}

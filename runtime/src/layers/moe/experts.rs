@@ -20,13 +20,13 @@ use crate::backend::{Backend, MatmulDims, SegmentedGroup, SegmentedMatmul, Slice
 use crate::error::{Result, RuntimeError};
 use crate::layers::{check_grads, check_len, check_weights, weight, weight_rows};
 
-/// What the experts' forward (`MoeLayer::experts`) keeps for their backward.
+/// What the experts' forward (`MoeLayer::experts`) keeps for their backward
+/// (the activation is recomputed from `pre`: `Ffn::activate`).
 pub struct MoeExpertsSaved<B: Backend> {
     groups: ExpertGroups<B>,
     /// The grouped input rows `[total, h]`.
     input: B::Buf,
     pre: B::Buf,
-    act: B::Buf,
 }
 
 /// What [`MoeLayer::experts_backward_input`] keeps.
@@ -143,14 +143,7 @@ impl MoeLayer {
         };
         groups.rows().matmul(b, fc1)?;
         // The activation: one launch over all rows.
-        match ffn.unary() {
-            Some(op) => b.unary_forward(op, b.view(&pre)?, b.view_mut(&act)?)?,
-            None => b.silu_mul_forward(
-                b.slice(&pre, 0..total * f)?,
-                b.slice(&pre, total * f..2 * total * f)?,
-                b.view_mut(&act)?,
-            )?,
-        }
+        ffn.activate(b, b.view(&pre)?, b.view_mut(&act)?, total)?;
         // fc2: one grouped GEMM.
         let fc2 = SegmentedMatmul::Rows {
             a: b.view(&act)?,
@@ -160,15 +153,7 @@ impl MoeLayer {
         };
         groups.rows().matmul(b, vec![fc2])?;
         let out = groups.ungroup(b, grouped, h)?;
-        Ok((
-            out,
-            MoeExpertsSaved {
-                groups,
-                input,
-                pre,
-                act,
-            },
-        ))
+        Ok((out, MoeExpertsSaved { groups, input, pre }))
     }
 
     /// Experts backward: `d_out` is the gradient of the experts' outputs in
@@ -183,12 +168,7 @@ impl MoeLayer {
     ) -> Result<(B::Buf, MoeExpertsWgrad<B>)> {
         let name = "`E` layer experts backward";
         check_weights(b, name, &self.params, weights)?;
-        let MoeExpertsSaved {
-            groups,
-            input,
-            pre,
-            act,
-        } = saved;
+        let MoeExpertsSaved { groups, input, pre } = saved;
         let (h, ffn, total) = (self.hidden, self.expert, groups.total());
         check_len(name, "d_out", b.buf_len(&d_out), total * h)?;
         let d_grouped = groups.group(b, d_out, h)?;
@@ -246,6 +226,12 @@ impl MoeLayer {
                 }
             }
         }
+        // The fc2 weight gradient's operand, recomputed in place of the
+        // activation's gradient, which is spent.
+        drop(d_act);
+        let act = b.alloc_uninit(ffn.act_len(total), dtype)?;
+        ffn.activate(b, b.view(&pre)?, b.view_mut(&act)?, total)?;
+        drop(pre);
         let d_in = groups.ungroup(b, d_in_grouped, h)?;
         Ok((
             d_in,

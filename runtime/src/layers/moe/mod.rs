@@ -109,10 +109,10 @@ pub struct Balance<'a, B: Backend> {
     pub load: SliceMut<'a, B>,
 }
 
-/// The shared expert's activations.
+/// The shared expert's activations (its `act` is recomputed from `pre` in
+/// the backward: `Ffn::activate`).
 struct SharedSaved<B: Backend> {
     pre: B::Buf,
-    act: B::Buf,
     out: B::Buf,
 }
 
@@ -601,7 +601,7 @@ impl MoeLayer {
                     rows,
                     false,
                 )?;
-                Some(SharedSaved { pre, act, out })
+                Some(SharedSaved { pre, out })
             }
             None => None,
         };
@@ -739,7 +739,9 @@ impl MoeLayer {
                     rows,
                     true,
                 )?;
-                Some((saved.act, d_pre))
+                let act = uninit(b, ffn.act_len(rows))?;
+                ffn.activate(b, b.view(&saved.pre)?, b.view_mut(&act)?, rows)?;
+                Some((act, d_pre))
             }
             (None, None) => None,
             _ => {
