@@ -159,10 +159,11 @@ fn byte_figures_read_well() {
 /// (`layer_sizes::layer`), in f32 and in bf16, for the `tiny` preset and
 /// its variants (the options that change what a layer keeps): never more (a
 /// run the check lets through must fit) and not much less (a refusal must
-/// not turn away a run that fits). The slack is the arena's 64-byte granule
-/// a buffer and the few fixed-size buffers a layer keeps beside its
-/// per-token ones (an `E` layer's expert counts and loss slots, a `D`
-/// layer's loss slot).
+/// not turn away a run that fits); and the layer's peak through its forward
+/// and backward stays under that plus its working set. The slack is the
+/// arena's 64-byte granule a buffer and the few fixed-size buffers a layer
+/// keeps beside its per-token ones (an `E` layer's expert counts and loss
+/// slots, a `D` layer's loss slot).
 #[test]
 fn every_layer_keeps_what_the_memory_model_counts() {
     use crate::backend::{Backend, Precision};
@@ -225,18 +226,24 @@ fn every_layer_keeps_what_the_memory_model_counts() {
     let mut failures = Vec::new();
     for (name, model, kinds) in &variants {
         for precision in [Precision::F32, Precision::Bf16] {
-            let b = CpuBackend::new(precision);
             let sizes = ElementSizes::cpu(precision);
-            let dtype = b.compute_dtype();
-            let filled = |host: Vec<f32>| {
-                let staged = b.alloc(host.len(), DType::F32).unwrap();
-                b.upload(&host, ViewMut::whole(&staged)).unwrap();
-                let buf = b.alloc(host.len(), dtype).unwrap();
-                b.cast(b.view(&staged).unwrap(), b.view_mut(&buf).unwrap())
-                    .unwrap();
-                buf
-            };
             for &kind in *kinds {
+                // A backend of its own, so its arena's peak is this layer's.
+                let b = CpuBackend::new(precision);
+                // Uploaded in the compute dtype: no staging copy raises
+                // the peak before the layer runs.
+                let filled = |host: Vec<f32>| {
+                    let buf = b.alloc(host.len(), b.compute_dtype()).unwrap();
+                    match precision {
+                        Precision::F32 => b.upload(&host, ViewMut::whole(&buf)),
+                        Precision::Bf16 => {
+                            let host: Vec<_> = host.into_iter().map(half::bf16::from_f32).collect();
+                            b.upload(&host, ViewMut::whole(&buf))
+                        }
+                    }
+                    .unwrap();
+                    buf
+                };
                 let experts = model.moe.as_ref().unwrap().num_experts;
                 let layer = LayerImpl::new(kind, model, experts).unwrap();
                 let weights: Vec<_> = layer
@@ -244,19 +251,43 @@ fn every_layer_keeps_what_the_memory_model_counts() {
                     .iter()
                     .map(|p| filled(values(p.numel())))
                     .collect();
-                let x = filled(values(tokens.batch * tokens.seq * model.hidden_size));
+                let rows = tokens.batch * tokens.seq;
+                let x = filled(values(rows * model.hidden_size));
+                let dx = filled(values(rows * model.hidden_size));
+                let grads: Vec<_> = layer
+                    .params()
+                    .iter()
+                    .map(|p| b.alloc(p.numel(), DType::F32).unwrap())
+                    .collect();
                 let views: Vec<_> = weights.iter().map(|w| b.view(w).unwrap()).collect();
                 let before = b.stats().in_use_bytes;
+                assert_eq!(b.stats().peak_in_use_bytes, before);
                 let saved = layer
                     .forward(&b, &views, b.view_mut(&x).unwrap(), tokens)
                     .unwrap();
                 let kept = b.stats().in_use_bytes - before;
-                drop(saved);
-                let counted = layer_sizes::layer(model, kind, tokens).0.bytes(sizes);
-                report += &format!("{name} {kind:?} {precision}: kept {kept}, counted {counted}\n");
+                let wgrad = layer
+                    .backward_input(&b, &views, saved, b.view_mut(&dx).unwrap(), 1.0)
+                    .unwrap();
+                let mut grad_views: Vec<_> = grads.iter().map(|g| b.view_mut(g).unwrap()).collect();
+                layer.backward_weight(&b, wgrad, &mut grad_views).unwrap();
+                let peak = b.stats().peak_in_use_bytes - before;
+                let (saved, extra) = layer_sizes::layer(model, kind, tokens);
+                let (counted, bound) = (saved.bytes(sizes), saved.plus(extra).bytes(sizes));
+                report += &format!(
+                    "{name} {kind:?} {precision}: kept {kept}, counted {counted}; peak {peak}, bound {bound}\n"
+                );
                 let slack = 4096;
                 if kept > counted + slack || counted > kept + slack {
-                    failures.push(format!("{name} {kind:?} {precision}"));
+                    failures.push(format!("{name} {kind:?} {precision} keeps"));
+                }
+                // The peak through forward and backward stays under what
+                // is kept plus the working set. Not counted: the norms'
+                // weight-gradient partial sums, at most 256 slices of the
+                // norm's width in f32 whatever the tokens (`NormDims`),
+                // 3 KiB of `G`'s 1.2 MB here.
+                if peak > bound + slack + bound / 100 {
+                    failures.push(format!("{name} {kind:?} {precision} peaks"));
                 }
             }
         }
