@@ -172,15 +172,7 @@ fn every_layer_keeps_what_the_memory_model_counts() {
     use crate::view::ViewMut;
     use hybridgen_dsl::config::{Activation, Position};
 
-    let kinds = [
-        LayerKind::Mamba,
-        LayerKind::Attention,
-        LayerKind::Mla,
-        LayerKind::Dsa,
-        LayerKind::GatedDeltaNet,
-        LayerKind::Mlp,
-        LayerKind::Moe,
-    ];
+    let kinds = LayerKind::ALL;
     let tiny = ModelConfig::preset("tiny").unwrap();
     let mut variants = vec![("tiny", tiny.clone(), &kinds[..])];
     let mut other = tiny.clone();
