@@ -83,13 +83,32 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
             );
             let (kr, qr) = (m.kv_lora_rank as u64, m.q_lora_rank.unwrap_or(0) as u64);
             let dr = m.qk_rope_head_dim as u64;
-            let attention = match kind {
-                // `D` attends over the latent: q, the absorbed queries, the
+            // Backward through the projections, either form: d_out, d_u,
+            // d_k_rope and the latents' gradients (raw and normed).
+            let projection_grads = 2 * h + dr + 2 * kr + 2 * qr;
+            let (attention, attention_grads) = match kind {
+                // `D` attends over the latent, one shared row of width
+                // `dl` a token: it keeps q, the absorbed queries, the
                 // shared rows [c | rope(k_rope)], the output over the
-                // latent and the heads' outputs.
-                LayerKind::Dsa => a * dqk + a * (kr + dr) + (kr + dr) + a * kr + a * dv,
-                // q, k, v, o, per head.
-                _ => 2 * a * dqk + 2 * a * dv,
+                // latent and the heads' outputs. Its backward holds d_o,
+                // the output over the latent's gradient, the absorbed
+                // queries' and the shared rows' through the sparse
+                // attention's backward, then d_o, the absorbed queries'
+                // gradient and dq beside the projections' backward.
+                LayerKind::Dsa => {
+                    let dl = kr + dr;
+                    (
+                        a * dqk + a * dl + dl + a * kr + a * dv,
+                        (a * dv + a * kr + a * dl + dl)
+                            .max(projection_grads + a * dv + a * dl + a * dqk),
+                    )
+                }
+                // q, k, v, o, per head; backward d_o, dq, dk, dv and the
+                // up-projected keys' and values' gradient.
+                _ => (
+                    2 * a * dqk + 2 * a * dv,
+                    projection_grads + 2 * a * dqk + 2 * a * dv + a * (m.qk_head_dim as u64 + dv),
+                ),
             };
             // The latents, raw and (with their norms) normed, and the
             // norms' rstd.
@@ -99,18 +118,11 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                 (qr + kr, 0)
             };
             // x_in, u, the latents, the attention's; the input's rstd, the
-            // latents', lse. Backward: d_out, d_o, dq, dk, dv, d_kv,
-            // d_k_rope, the latents' gradients, d_u.
+            // latents', lse.
             let (mut saved, mut extra) = per_token(
                 2 * h + latents + attention,
                 1 + latent_rstds + a,
-                2 * h
-                    + 2 * a * dqk
-                    + 2 * a * dv
-                    + a * (m.qk_head_dim as u64 + dv)
-                    + m.qk_rope_head_dim as u64
-                    + 2 * kr
-                    + 2 * qr,
+                attention_grads,
             );
             if let (LayerKind::Dsa, Some(d)) = (kind, &model.dsa) {
                 let (kept, forward, backward) = dsa_indexer(d, tokens);
