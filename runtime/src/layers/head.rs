@@ -111,6 +111,30 @@ impl Head {
         self.chunk_rows
     }
 
+    /// Whether a training forward of `rows` rows keeps its logit gradients
+    /// for the backward (else the backward recomputes them).
+    fn keeps_gradients(&self, rows: usize) -> bool {
+        rows.saturating_mul(self.vocab) <= self.kept_limit
+    }
+
+    /// Elements (compute dtype) a training forward of `rows` rows keeps for
+    /// its backward: its input, and the logit gradients where it keeps them.
+    pub fn kept_elements(&self, rows: usize) -> usize {
+        let grads = if self.keeps_gradients(rows) {
+            rows.saturating_mul(self.vocab)
+        } else {
+            0
+        };
+        rows.saturating_mul(self.hidden).saturating_add(grads)
+    }
+
+    /// Elements (compute dtype) of the one chunk of logits the forward, or a
+    /// recomputing backward, works in for `rows` rows; the forward also
+    /// holds the rows' losses, `rows` f32.
+    pub fn chunk_elements(&self, rows: usize) -> usize {
+        self.chunk_rows.min(rows).saturating_mul(self.vocab)
+    }
+
     /// The row ranges of the chunks of `rows` rows.
     fn chunks(&self, rows: usize) -> impl Iterator<Item = Range<usize>> + use<> {
         let step = self.chunk_rows;
@@ -144,7 +168,7 @@ impl Head {
     /// A buffer for one chunk's logits of a micro-batch of `rows` rows, in
     /// the compute dtype.
     fn chunk_buffer<B: Backend>(&self, b: &B, rows: usize) -> Result<B::Buf> {
-        b.alloc_uninit(self.chunk_rows.min(rows) * self.vocab, b.compute_dtype())
+        b.alloc_uninit(self.chunk_elements(rows), b.compute_dtype())
     }
 
     /// `logits[..n * V] = h[rows] W^T` for chunk `rows`, `n` its length.
@@ -186,7 +210,7 @@ impl Head {
         let logits = self.chunk_buffer(b, rows)?;
         let losses = uninit_f32(b, rows)?;
         let kept = match grad_scale {
-            Some(scale) if rows.saturating_mul(v) <= self.kept_limit => {
+            Some(scale) if self.keeps_gradients(rows) => {
                 Some((scale, b.alloc_uninit(rows * v, b.compute_dtype())?))
             }
             _ => None,

@@ -8,8 +8,8 @@
 //! a moment, scratch (the largest bucket, initialised or hashed). Activations are
 //! counted from what each layer kind's forward keeps for its backward
 //! (`layers/*.rs`, the `...Saved` structs), the largest working set of one
-//! layer's backward, and the output heads, whose `[tokens, vocab]` f32
-//! probabilities are often the largest single buffer. Thread ranks share one
+//! layer's backward, and the output heads, whose `[tokens, vocab]` logit
+//! gradients are often the largest single buffer. Thread ranks share one
 //! process, so the process needs every rank's share.
 //!
 //! Modules: `layer_sizes` (what each layer kind keeps and works in),
@@ -114,13 +114,13 @@ pub struct ActivationEstimate {
     /// Residual streams and their gradients, final norms, MTP entries and
     /// the micro-batch's tokens.
     pub streams: u64,
-    /// The output heads (the main one and one per MTP depth): their input
-    /// and `[tokens, vocab]` counted in f32, a bound on what a head holds
-    /// (the logit gradients its forward keeps, in the compute dtype, or a
-    /// chunk of logits in the compute dtype when it recomputes them).
+    /// The output heads (the main one and one per MTP depth): what each
+    /// keeps (its input, and the logit gradients its forward computed, in
+    /// the compute dtype, where a micro-batch's fit the kept limit).
     pub heads: u64,
-    /// The largest extra working set of one layer while it runs (gradients
-    /// of its intermediates in backward, or buffers its forward drops).
+    /// The largest extra working set of one layer or head while it runs
+    /// (gradients of its intermediates in backward, or buffers its forward
+    /// drops; a head's chunk of logits).
     pub working_set: u64,
     pub total: u64,
 }
@@ -206,13 +206,17 @@ fn activations_of(
         0
     };
     let streams = Elements::new(n.saturating_mul(h).saturating_mul(stream_width), token_rows);
-    // Each head keeps its input and at most `[tokens, vocab]` f32.
-    let vocab = model.padded_vocab_size() as u64;
+    // Each head keeps its buffers until its backward; its working set, like
+    // a layer's, is alive only while it runs.
     let heads = if ends.last {
+        let head = head_activations(model, n);
+        working = Elements::new(
+            working.compute.max(head.working.compute),
+            working.f32.max(head.working.f32),
+        );
         Elements::new(
-            n.saturating_mul(h).saturating_mul(depths + 1),
-            n.saturating_mul(vocab.saturating_add(2))
-                .saturating_mul(depths + 1),
+            head.kept.compute.saturating_mul(depths + 1),
+            head.kept.f32.saturating_mul(depths + 1),
         )
     } else {
         Elements::default()
@@ -229,6 +233,33 @@ fn activations_of(
             .saturating_add(heads)
             .saturating_add(working_set),
     }
+}
+
+/// What the output heads of a micro-batch of `n` tokens hold, as
+/// [`crate::layers::Head`] runs them ([`Head::kept_elements`]): each head
+/// keeps its input and, where `[n, vocab]` fits its limit, the logit
+/// gradients its forward computed, in the compute dtype, until its
+/// backward; one at a time, a head works on one chunk of logits (compute
+/// dtype) and the rows' losses (f32). A model without a vocabulary has no
+/// head to count.
+///
+/// [`Head::kept_elements`]: crate::layers::Head::kept_elements
+pub(super) fn head_activations(model: &ModelConfig, n: u64) -> HeadActivations {
+    let rows = usize::try_from(n).unwrap_or(usize::MAX);
+    let Ok(head) = crate::layers::Head::new(model) else {
+        return HeadActivations::default();
+    };
+    HeadActivations {
+        kept: Elements::new(head.kept_elements(rows) as u64, 0),
+        working: Elements::new(head.chunk_elements(rows) as u64, n),
+    }
+}
+
+/// [`head_activations`]: what each head keeps, and what one head works in.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct HeadActivations {
+    kept: Elements,
+    working: Elements,
 }
 
 /// What pipeline rank `pp_rank` of `plan` runs: the indices (into

@@ -380,3 +380,84 @@ proptest::proptest! {
         }
     }
 }
+
+/// What the output head keeps from its forward to its backward, as the CPU
+/// backend's arena counts it, is what `Head::kept_elements` (and with it the
+/// memory model) counts, whether it keeps its logit gradients or its
+/// backward recomputes them, in whole chunks or in several; its peak through
+/// forward and backward stays under that plus one chunk of logits and the
+/// rows' losses.
+#[test]
+fn the_head_keeps_what_the_memory_model_counts() {
+    use crate::backend::{Backend, Precision};
+    use crate::cpu::CpuBackend;
+    use crate::layers::Head;
+    use crate::view::ViewMut;
+
+    let model = ModelConfig::preset("tiny").unwrap();
+    let rows = 2 * 96;
+    let (h, vocab) = (model.hidden_size, model.padded_vocab_size());
+    let head = Head::new(&model).unwrap();
+    let heads = [
+        ("keeping", head),
+        ("recomputing", head.with_kept_limit(0)),
+        (
+            "recomputing in chunks",
+            head.with_kept_limit(0).with_chunk_rows(7).unwrap(),
+        ),
+        ("keeping, in chunks", head.with_chunk_rows(7).unwrap()),
+    ];
+    let mut failures = Vec::new();
+    for (name, head) in heads {
+        for precision in [Precision::F32, Precision::Bf16] {
+            let b = CpuBackend::new(precision);
+            let sizes = ElementSizes::cpu(precision);
+            let weight = b.alloc(vocab * h, b.compute_dtype()).unwrap();
+            let hidden = b.alloc(rows * h, b.compute_dtype()).unwrap();
+            let targets = b.alloc(rows, DType::U32).unwrap();
+            let ids: Vec<u32> = (0..rows as u32).map(|t| t % vocab as u32).collect();
+            b.upload(&ids, ViewMut::whole(&targets)).unwrap();
+            let loss = b.alloc(1, DType::F64).unwrap();
+            let dh = b.alloc(rows * h, b.compute_dtype()).unwrap();
+            let dw = b.alloc(vocab * h, DType::F32).unwrap();
+            let before = b.stats().in_use_bytes;
+            let saved = head
+                .forward(
+                    &b,
+                    b.view(&weight).unwrap(),
+                    b.view(&hidden).unwrap(),
+                    b.view(&targets).unwrap(),
+                    b.view_mut(&loss).unwrap(),
+                    Some(0.5),
+                )
+                .unwrap();
+            let kept = b.stats().in_use_bytes - before;
+            head.backward(
+                &b,
+                b.view(&weight).unwrap(),
+                saved,
+                b.view(&targets).unwrap(),
+                0.5,
+                b.view_mut(&dh).unwrap(),
+                b.view_mut(&dw).unwrap(),
+            )
+            .unwrap();
+            let peak = b.stats().peak_in_use_bytes - before;
+            let counted = head.kept_elements(rows) as u64 * sizes.compute;
+            let bound =
+                counted + head.chunk_elements(rows) as u64 * sizes.compute + 4 * rows as u64;
+            // Each buffer rounds up to the arena's 64-byte granule.
+            if kept.abs_diff(counted) > 256 || peak > bound + 256 {
+                failures.push(format!(
+                    "{name} {precision}: kept {kept}, counted {counted}; peak {peak}, bound {bound}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    // The memory model counts the production head.
+    let n = rows as u64;
+    let model_head = head_activations(&model, n);
+    assert_eq!(model_head.kept.compute, head.kept_elements(rows) as u64);
+    assert_eq!(model_head.working.compute, head.chunk_elements(rows) as u64);
+}
