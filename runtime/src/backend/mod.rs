@@ -40,6 +40,7 @@ use crate::error::{Result, RuntimeError};
 pub use crate::view::{DType, DTypeRule, DeviceBuffer, Scalar, View, ViewMut};
 use std::ops::Range;
 
+pub mod arena;
 pub mod attention;
 pub mod conv;
 pub mod delta;
@@ -53,6 +54,7 @@ pub mod optim;
 pub mod scan;
 pub mod sparse_attention;
 
+pub use arena::ArenaGrowth;
 pub use attention::{
     AttentionBackend, AttentionDims, AttentionInputs, AttentionKernels, RotaryDims, RotaryPairing,
 };

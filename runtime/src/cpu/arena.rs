@@ -8,13 +8,16 @@
 //! (each growth adds a quarter of what it holds, so buffers whose size
 //! varies a little from step to step, such as the rows an expert receives,
 //! or whose order varies with how two lanes interleave, still fit) and the
-//! steps after it allocate nothing. The tests count it.
+//! steps after it allocate nothing. The tests count it. Arena 0, the
+//! parameters' and optimizer state's, grows by each request alone
+//! ([`ArenaGrowth`]).
 //!
 //! On the CPU a kernel has finished with a buffer when its call returns, so a
 //! region is reusable as soon as its buffer is dropped. A GPU arena must also
 //! wait for the events of the region's last users (CUDA's stream-ordered
 //! pools do).
 
+use crate::backend::ArenaGrowth;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use std::cell::UnsafeCell;
@@ -103,9 +106,9 @@ impl Free {
 }
 
 /// One arena.
-#[derive(Default)]
 pub struct CpuArena {
     free: Mutex<Free>,
+    growth: ArenaGrowth,
 }
 
 impl std::fmt::Debug for CpuArena {
@@ -122,6 +125,14 @@ unsafe impl Sync for CpuArena {}
 unsafe impl Send for CpuArena {}
 
 impl CpuArena {
+    /// An empty arena that grows as `growth` says.
+    pub(crate) fn new(growth: ArenaGrowth) -> Self {
+        CpuArena {
+            free: Mutex::default(),
+            growth,
+        }
+    }
+
     /// A zeroed region of at least `words` words, and whether the arena had
     /// to grow (a device allocation) to find it.
     pub(crate) fn take(
@@ -136,8 +147,7 @@ impl CpuArena {
         let fit = match free.by_size.range((want, 0, 0)..).next().copied() {
             Some(fit) => fit,
             None => {
-                // Grow by a quarter of what the arena holds, at least enough.
-                let size = want.max(free.total / 4).max(MIN_SEGMENT);
+                let size = self.growth.segment(want, free.total, MIN_SEGMENT);
                 let segment = free.segments.len();
                 free.segments.push(new_storage(size, what)?);
                 free.total += size;
@@ -230,7 +240,7 @@ mod tests {
 
     #[test]
     fn regions_are_best_fit_merged_and_zeroed() {
-        let arena = CpuArena::default();
+        let arena = CpuArena::new(ArenaGrowth::Quarter);
         let (a, grew) = arena.take(100, Fill::Zero, what).unwrap();
         assert!(grew);
         let (b, grew) = arena.take(200, Fill::Zero, what).unwrap();
@@ -251,8 +261,25 @@ mod tests {
     }
 
     #[test]
+    fn the_state_arena_grows_by_the_request_the_others_by_a_quarter() {
+        let grown = |growth| {
+            let arena = CpuArena::new(growth);
+            let kept: Vec<_> = [3 * MIN_SEGMENT, 5 * MIN_SEGMENT, 8]
+                .into_iter()
+                .map(|words| arena.take(words, Fill::Zero, what).unwrap().0)
+                .collect();
+            (arena.total_words(), kept.len())
+        };
+        // 3 + 5 segments' words, then the minimum segment for the 8 words.
+        assert_eq!(grown(ArenaGrowth::Exact).0, 9 * MIN_SEGMENT);
+        // The 5-segment request fits no quarter of 3; the 8 words take a
+        // quarter of 8 segments.
+        assert_eq!(grown(ArenaGrowth::Quarter).0, 10 * MIN_SEGMENT);
+    }
+
+    #[test]
     fn a_request_larger_than_any_gap_grows_the_arena() {
-        let arena = CpuArena::default();
+        let arena = CpuArena::new(ArenaGrowth::Quarter);
         let (a, _) = arena.take(MIN_SEGMENT, Fill::Zero, what).unwrap();
         let (b, grew) = arena.take(10, Fill::Zero, what).unwrap();
         assert!(grew);

@@ -8,7 +8,8 @@
 use super::arena::{CpuArena, Fill};
 use super::buffer::{CpuBuf, KernelAccess};
 use crate::backend::{
-    Backend, DeviceStats, Precision, ScratchCall, ScratchSettings, Slice, SliceMut, memory,
+    ArenaGrowth, Backend, DeviceStats, Precision, ScratchCall, ScratchSettings, Slice, SliceMut,
+    memory,
 };
 use crate::error::Result;
 use crate::view::{DType, Scalar, same_len};
@@ -58,7 +59,7 @@ impl CpuBackend {
 
     /// A device storing parameters and activations as `precision` says.
     pub fn new(precision: Precision) -> Self {
-        let arena = Arc::new(CpuArena::default());
+        let arena = Arc::new(CpuArena::new(ArenaGrowth::of_arena(0)));
         CpuBackend {
             compute: precision.compute_dtype(),
             lane: Arc::from("host"),
@@ -129,7 +130,8 @@ impl Backend for CpuBackend {
     fn in_arena(&self, arena: usize) -> Self {
         let mut arenas = self.arenas.lock().unwrap_or_else(PoisonError::into_inner);
         while arenas.len() <= arena {
-            arenas.push(Arc::new(CpuArena::default()));
+            let growth = ArenaGrowth::of_arena(arenas.len());
+            arenas.push(Arc::new(CpuArena::new(growth)));
         }
         CpuBackend {
             arena: arenas[arena].clone(),

@@ -457,7 +457,7 @@ mod tests {
 
     #[test]
     fn arena_buffers_come_back_zeroed_and_give_their_region_back() {
-        let arena = Arc::new(CpuArena::default());
+        let arena = Arc::new(CpuArena::new(crate::backend::ArenaGrowth::Quarter));
         let (a, grew) = CpuBuf::in_arena(&arena, 1000, DType::F32, Fill::Zero).unwrap();
         assert!(grew);
         {

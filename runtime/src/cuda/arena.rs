@@ -2,8 +2,9 @@
 //!
 //! The same scheme as the CPU's (`crate::cpu::arena`): a few large device
 //! allocations carved into regions, best fit, neighbours merged when a
-//! buffer is dropped, growth by a quarter during the first step, nothing
-//! allocated once a step has run. What a GPU adds is *when* a region may be
+//! buffer is dropped, growth as [`ArenaGrowth`] says (the micro-batches'
+//! arena by a quarter during the first step), nothing allocated once a step
+//! has run. What a GPU adds is *when* a region may be
 //! reused: a buffer is dropped on the host as soon as the host code that
 //! enqueued its last kernel returns, while that kernel may not have run yet.
 //! So a freed region carries, per stream that used the buffer, an event
@@ -13,6 +14,7 @@
 //! most one per stream, and merging keeps the later of two.
 
 use super::queue::{MAX_QUEUES, QueueSet, RawEvent};
+use crate::backend::ArenaGrowth;
 use crate::error::{Result, RuntimeError};
 use cudarc::driver::{CudaStream, result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -105,6 +107,7 @@ impl State {
 pub struct GpuArena {
     queues: Arc<QueueSet>,
     state: Mutex<State>,
+    growth: ArenaGrowth,
 }
 
 impl std::fmt::Debug for GpuArena {
@@ -114,10 +117,11 @@ impl std::fmt::Debug for GpuArena {
 }
 
 impl GpuArena {
-    pub(crate) fn new(queues: Arc<QueueSet>) -> Self {
+    pub(crate) fn new(queues: Arc<QueueSet>, growth: ArenaGrowth) -> Self {
         GpuArena {
             queues,
             state: Mutex::new(State::default()),
+            growth,
         }
     }
 
@@ -138,7 +142,7 @@ impl GpuArena {
         let fit = match state.by_size.range((want, 0, 0)..).next().copied() {
             Some(fit) => fit,
             None => {
-                let size = want.max(state.total / 4).max(MIN_SEGMENT);
+                let size = self.growth.segment(want, state.total, MIN_SEGMENT);
                 self.queues.bind()?;
                 // SAFETY: a plain device allocation, freed in `drop`.
                 let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| {

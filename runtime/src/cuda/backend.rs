@@ -20,8 +20,8 @@ use super::ops::attention_flash::flash_attention_takes;
 use super::ops::scan::scan_scratch_bytes;
 use super::queue::QueueSet;
 use crate::backend::{
-    AttentionDims, Backend, DeviceStats, Precision, ScratchCall, ScratchSettings, Slice, SliceMut,
-    memory,
+    ArenaGrowth, AttentionDims, Backend, DeviceStats, Precision, ScratchCall, ScratchSettings,
+    Slice, SliceMut, memory,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, Scalar, same_len};
@@ -87,7 +87,10 @@ impl Gpu {
             fault_word: kernels.fault_word(),
         };
         Ok(Arc::new(Gpu {
-            arenas: Mutex::new(vec![Arc::new(GpuArena::new(queues.clone()))]),
+            arenas: Mutex::new(vec![Arc::new(GpuArena::new(
+                queues.clone(),
+                ArenaGrowth::of_arena(0),
+            ))]),
             reads,
             queues,
             kernels,
@@ -467,7 +470,8 @@ impl Backend for CudaBackend {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         while arenas.len() <= arena {
-            arenas.push(Arc::new(GpuArena::new(self.gpu.queues.clone())));
+            let growth = ArenaGrowth::of_arena(arenas.len());
+            arenas.push(Arc::new(GpuArena::new(self.gpu.queues.clone(), growth)));
         }
         CudaBackend {
             arena: arenas[arena].clone(),
