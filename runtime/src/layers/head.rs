@@ -46,7 +46,8 @@ pub const HEAD_CHUNK_ELEMENTS: usize = 1 << 26;
 /// for its backward (in the compute dtype: 512 MiB in bf16); past it the
 /// backward recomputes them. The benchmark model's 4,096 x 32,768 keep;
 /// a 131,072-token vocabulary at 4,096 tokens recomputes. The memory plan
-/// counts `[tokens, vocab]` f32 a head ([`crate::memory::activations`]).
+/// counts what [`Head::kept_elements`] and [`Head::chunk_elements`] say
+/// ([`crate::memory::activations`]).
 pub const HEAD_KEPT_GRADIENT_ELEMENTS: usize = 1 << 28;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
