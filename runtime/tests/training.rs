@@ -1008,7 +1008,9 @@ fn a_failing_rank_stops_the_others_with_the_root_cause() {
 /// The overlap schedule keeps two micro-batches in flight, but the backward
 /// of one frees its layers as the forward of the next fills its own, from
 /// one arena: together they hold about one micro-batch's activations and a
-/// layer's, not two micro-batches' (per-micro-batch arenas held two).
+/// layer's or two, not two micro-batches' (per-micro-batch arenas held two:
+/// the second added all of one; with one arena it adds 0.24 of one in both
+/// patterns here).
 #[test]
 fn the_overlap_schedule_holds_about_one_micro_batch() {
     for pattern in ["M*-M*-M*-", "[ME][*E][ME][*E]"] {
@@ -1030,7 +1032,7 @@ fn the_overlap_schedule_holds_about_one_micro_batch() {
         let micro_batch = peak(&plain) - state;
         let second = peak(&overlap).saturating_sub(peak(&plain));
         assert!(
-            4 * second < micro_batch,
+            2 * second < micro_batch,
             "{pattern}: the overlap schedule's second micro-batch adds {second} bytes to the \
              plain schedule's peak, whose micro-batch takes {micro_batch} above the state \
              ({state})"

@@ -151,14 +151,14 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                 .shared_expert_ffn_hidden_size
                 .map_or((0, 0), |w| ffn(w, m.activation));
             let (shared_saved, shared) = if m.shared_expert_ffn_hidden_size.is_some() {
-                (shared_pre + h, shared_pre + shared_act + h)
+                (shared_pre, shared_pre + shared_act + h)
             } else {
                 (0, 0)
             };
-            // x_in, u, the shared expert's fc1 output and output; per
-            // routed row (k per token): the experts' input, fc1 output and
-            // the returned row (the activations are recomputed in the
-            // backward). In f32: rstd, the router's logits, scores and
+            // x_in, u, the shared expert's fc1 output (its output is
+            // dropped once combined); per routed row (k per token): the
+            // experts' input, fc1 output and the returned row (the
+            // activations are recomputed in the backward). In f32: rstd, the router's logits, scores and
             // weights, and the u32 indices (selected, positions, regroup).
             // Forward also holds the send, received and output rows and
             // the activations for a while; backward their gradients, the

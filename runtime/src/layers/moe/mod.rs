@@ -109,11 +109,12 @@ pub struct Balance<'a, B: Backend> {
     pub load: SliceMut<'a, B>,
 }
 
-/// The shared expert's activations (its `act` is recomputed from `pre` in
-/// the backward: `Ffn::activate`).
+/// The shared expert's activations: its fc1 output, for the backward (its
+/// `act` is recomputed from it: `Ffn::activate`), and its output until the
+/// combine adds it into the residual stream, which then drops it.
 struct SharedSaved<B: Backend> {
     pre: B::Buf,
-    out: B::Buf,
+    out: Option<B::Buf>,
 }
 
 /// Routing state of one micro-batch, from `prepare` to `prepare_backward_input`.
@@ -601,7 +602,10 @@ impl MoeLayer {
                     rows,
                     false,
                 )?;
-                Some(SharedSaved { pre, out })
+                Some(SharedSaved {
+                    pre,
+                    out: Some(out),
+                })
             }
             None => None,
         };
@@ -625,7 +629,7 @@ impl MoeLayer {
     pub fn combine<B: Backend>(
         &self,
         b: &B,
-        routing: MoeRouting<B>,
+        mut routing: MoeRouting<B>,
         returned: B::Buf,
         mut x: SliceMut<'_, B>,
     ) -> Result<MoeCombined<B>> {
@@ -638,17 +642,21 @@ impl MoeLayer {
             rows * self.top_k * h,
         )?;
         check_len(name, "x", b.slice_len(b.as_slice(&x)), rows * h)?;
-        let shared = routing
-            .shared
-            .as_ref()
-            .map(|s| b.view(&s.out))
-            .transpose()?;
+        // The shared expert's output is added here and needed no more.
+        let shared_out = match routing.shared.as_mut() {
+            Some(shared) => Some(shared.out.take().ok_or_else(|| {
+                RuntimeError::InvalidArgument(format!(
+                    "{name}: the shared expert's output was already combined"
+                ))
+            })?),
+            None => None,
+        };
         self.combine_into(
             b,
             b.view(&returned)?,
             b.view(&routing.router.weights)?,
             b.view(&routing.positions)?,
-            shared,
+            shared_out.as_ref().map(|out| b.view(out)).transpose()?,
             b.reborrow_mut(&mut x),
             rows,
         )?;
