@@ -48,6 +48,14 @@ pub struct GdnLayer {
 }
 
 /// What [`GdnLayer::forward`] keeps.
+///
+/// The backward recomputes the rest from these, the same kernels on the same
+/// values (so the bits of keeping them): the convolution's output before
+/// and after the SiLU from `qkv_in`, the output norm from `out`, the gated
+/// output from `z` and the norm. Beside the input, its norm and the gates,
+/// that keeps `c + 2 vd` values a token instead of `3 c + 4 vd` (and no
+/// f32 `rstd` a value head), for a convolution, a norm and two element-wise
+/// passes more in the backward.
 pub struct GdnSaved<B: Backend> {
     tokens: Tokens,
     x_in: B::Buf,
@@ -57,13 +65,8 @@ pub struct GdnSaved<B: Backend> {
     beta: B::Buf,
     alpha: B::Buf,
     qkv_in: B::Buf,
-    qkv_conv: B::Buf,
-    qkv: B::Buf,
     states: B::Buf,
     out: B::Buf,
-    rstd_out: B::Buf,
-    normed: B::Buf,
-    gated: B::Buf,
 }
 
 /// What [`GdnLayer::backward_input`] keeps.
@@ -203,15 +206,7 @@ impl GdnLayer {
                 (balpha, &mut alpha),
             ],
         )?;
-        // Megatron's conv has no bias; the kernel takes one, so a zero one.
-        let no_bias = zeros(b, c)?;
-        let (qkv_conv, qkv) = conv_silu::forward(
-            b,
-            b.view(&qkv_in)?,
-            w(CONV_W)?,
-            b.view(&no_bias)?,
-            self.conv_dims(tokens),
-        )?;
+        let (qkv_conv, qkv) = self.conv_outputs(b, weights, &qkv_in, tokens)?;
         let dims = self.delta_dims(tokens);
         let out = uninit(b, rows * vd)?;
         let states = uninit_f32(b, dims.states_len())?;
@@ -223,11 +218,8 @@ impl GdnLayer {
             a_log: w(A_LOG)?,
         };
         b.gated_delta_forward(inputs, b.view_mut(&out)?, b.view_mut(&states)?, dims)?;
-        let (normed, rstd_out) =
-            self.out_norm()
-                .forward(b, w(OUT_NORM)?, b.view(&out)?, rows * hv)?;
-        let gated = uninit(b, rows * vd)?;
-        b.silu_mul_forward(b.view(&z)?, b.view(&normed)?, b.view_mut(&gated)?)?;
+        drop((qkv_conv, qkv));
+        let (gated, _) = self.gated_output(b, weights, &out, &z, rows)?;
         let mut proj = MatmulDims::linear(rows, vd, h);
         proj.accumulate = true;
         b.matmul(b.view(&gated)?, w(OUT_PROJ)?, b.reborrow_mut(&mut x), proj)?;
@@ -240,14 +232,50 @@ impl GdnLayer {
             beta,
             alpha,
             qkv_in,
-            qkv_conv,
-            qkv,
             states,
             out,
-            rstd_out,
-            normed,
-            gated,
         })
+    }
+
+    /// `silu(z) * RMSNorm(out)` per value head, and the norm's output and
+    /// `rstd`: in the forward, and again in the backward from what the
+    /// forward kept.
+    fn gated_output<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        out: &B::Buf,
+        z: &B::Buf,
+        rows: usize,
+    ) -> Result<(B::Buf, (B::Buf, B::Buf))> {
+        let (normed, rstd_out) = self.out_norm().forward(
+            b,
+            weight::<B>(weights, OUT_NORM)?,
+            b.view(out)?,
+            rows * self.value_heads,
+        )?;
+        let gated = uninit(b, rows * self.value_width())?;
+        b.silu_mul_forward(b.view(z)?, b.view(&normed)?, b.view_mut(&gated)?)?;
+        Ok((gated, (normed, rstd_out)))
+    }
+
+    /// The convolution's output before and after the SiLU, from its input.
+    fn conv_outputs<B: Backend>(
+        &self,
+        b: &B,
+        weights: &[Slice<'_, B>],
+        qkv_in: &B::Buf,
+        tokens: Tokens,
+    ) -> Result<(B::Buf, B::Buf)> {
+        // Megatron's conv has no bias; the kernel takes one, so a zero one.
+        let no_bias = zeros(b, self.conv_dim())?;
+        conv_silu::forward(
+            b,
+            b.view(qkv_in)?,
+            weight::<B>(weights, CONV_W)?,
+            b.view(&no_bias)?,
+            self.conv_dims(tokens),
+        )
     }
 
     pub fn backward_input<B: Backend>(
@@ -269,6 +297,9 @@ impl GdnLayer {
             self.value_heads,
         );
         let w = |i| weight::<B>(weights, i);
+        // The gated output (the output projection's weight-gradient
+        // operand) and the output norm, as the forward computed them.
+        let (gated, (normed, rstd_out)) = self.gated_output(b, weights, &s.out, &s.z, rows)?;
         let d_gated = uninit(b, rows * vd)?;
         b.matmul(
             b.as_slice(&dx),
@@ -280,27 +311,32 @@ impl GdnLayer {
         let d_normed = uninit(b, rows * vd)?;
         b.silu_mul_backward(
             b.view(&s.z)?,
-            b.view(&s.normed)?,
+            b.view(&normed)?,
             b.view(&d_gated)?,
             b.view_mut(&d_z)?,
             b.view_mut(&d_normed)?,
         )?;
+        drop((normed, d_gated));
         let d_out_heads = zeros(b, rows * vd)?;
         let out_norm = self.out_norm().backward_input(
             b,
             w(OUT_NORM)?,
             &s.out,
-            &s.rstd_out,
+            &rstd_out,
             b.view(&d_normed)?,
             b.view_mut(&d_out_heads)?,
             rows * hv,
         )?;
+        drop((rstd_out, d_normed));
+        // The recurrence's and the SiLU's inputs, as the forward computed
+        // them.
+        let (qkv_conv, qkv) = self.conv_outputs(b, weights, &s.qkv_in, tokens)?;
         let d_qkv = uninit(b, rows * c)?;
         let d_beta = uninit(b, rows * hv)?;
         let d_alpha = uninit(b, rows * hv)?;
         let d_a_log = zeros_f32(b, hv)?;
         let inputs = DeltaInputs {
-            qkv: b.view(&s.qkv)?,
+            qkv: b.view(&qkv)?,
             beta: b.view(&s.beta)?,
             alpha: b.view(&s.alpha)?,
             dt_bias: w(DT_BIAS)?,
@@ -319,13 +355,15 @@ impl GdnLayer {
             grads,
             self.delta_dims(tokens),
         )?;
+        drop(qkv);
         let (d_qkv_conv, d_qkv_in) = conv_silu::backward_input(
             b,
-            b.view(&s.qkv_conv)?,
+            b.view(&qkv_conv)?,
             b.view(&d_qkv)?,
             w(CONV_W)?,
             self.conv_dims(tokens),
         )?;
+        drop((qkv_conv, d_qkv));
         let [bqkv, bz, bbeta, balpha] = self.proj_blocks();
         let d_u = split_projection::input_grad(
             b,
@@ -362,7 +400,7 @@ impl GdnLayer {
             d_qkv_conv,
             d_a_log,
             out_norm,
-            gated: s.gated,
+            gated,
             d_out,
         })
     }

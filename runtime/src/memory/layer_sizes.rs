@@ -183,16 +183,16 @@ pub(super) fn layer(model: &ModelConfig, kind: LayerKind, tokens: Tokens) -> (El
                 (g.value_heads * g.value_head_dim) as u64,
             );
             let c = 2 * kd + vd;
-            // x_in, u, q|k|v before and after conv and SiLU, o, its norm,
-            // z, the gated output, beta and alpha; the norms' rstd and the
-            // heads' g in f32. Backward: d_out and the same widths' gradients;
-            // d_u and the gates' in f32 (`layers/gdn.rs`).
-            let (mut saved, mut extra) = per_token(
-                2 * h + 3 * c + 4 * vd + 2 * hv,
-                1 + hv,
-                h + 3 * c + 4 * vd + 2 * hv,
-            );
-            extra.f32 = n.saturating_mul(h + hv);
+            // x_in, u, q|k|v before the conv, o, z, beta and alpha; the
+            // input norm's rstd. The backward recomputes q|k|v after the
+            // conv (before and after the SiLU), o's norm (and its rstd) and
+            // the gated output, a phase at a time beside d_out and the same
+            // widths' gradients (at most the conv's input and output, its
+            // gradients at both ends, and three of vd); d_u, the gates' and
+            // the norm's rstd in f32 (`layers/gdn.rs`).
+            let (mut saved, mut extra) =
+                per_token(2 * h + c + 2 * vd + 2 * hv, 1, h + 4 * c + 5 * vd + 2 * hv);
+            extra.f32 = n.saturating_mul(h + 2 * hv);
             // The recurrence's states at every chunk start: per sequence,
             // chunk and value head, dv' x dk in f32.
             let chunks = tokens.seq.div_ceil(crate::layers::gdn::STATE_CHUNK) as u64;
