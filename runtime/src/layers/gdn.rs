@@ -69,6 +69,14 @@ pub struct GdnSaved<B: Backend> {
     out: B::Buf,
 }
 
+/// The gated output `silu(z) * RMSNorm(o)`, with the norm's output and
+/// `rstd` (`GdnLayer::gated_output`).
+struct GatedOutput<B: Backend> {
+    gated: B::Buf,
+    normed: B::Buf,
+    rstd: B::Buf,
+}
+
 /// What [`GdnLayer::backward_input`] keeps.
 pub struct GdnWgrad<B: Backend> {
     tokens: Tokens,
@@ -219,7 +227,7 @@ impl GdnLayer {
         };
         b.gated_delta_forward(inputs, b.view_mut(&out)?, b.view_mut(&states)?, dims)?;
         drop((qkv_conv, qkv));
-        let (gated, _) = self.gated_output(b, weights, &out, &z, rows)?;
+        let GatedOutput { gated, .. } = self.gated_output(b, weights, &out, &z, rows)?;
         let mut proj = MatmulDims::linear(rows, vd, h);
         proj.accumulate = true;
         b.matmul(b.view(&gated)?, w(OUT_PROJ)?, b.reborrow_mut(&mut x), proj)?;
@@ -237,7 +245,7 @@ impl GdnLayer {
         })
     }
 
-    /// `silu(z) * RMSNorm(out)` per value head, and the norm's output and
+    /// `silu(z) * RMSNorm(out)` per value head, with the norm's output and
     /// `rstd`: in the forward, and again in the backward from what the
     /// forward kept.
     fn gated_output<B: Backend>(
@@ -247,8 +255,8 @@ impl GdnLayer {
         out: &B::Buf,
         z: &B::Buf,
         rows: usize,
-    ) -> Result<(B::Buf, (B::Buf, B::Buf))> {
-        let (normed, rstd_out) = self.out_norm().forward(
+    ) -> Result<GatedOutput<B>> {
+        let (normed, rstd) = self.out_norm().forward(
             b,
             weight::<B>(weights, OUT_NORM)?,
             b.view(out)?,
@@ -256,7 +264,11 @@ impl GdnLayer {
         )?;
         let gated = uninit(b, rows * self.value_width())?;
         b.silu_mul_forward(b.view(z)?, b.view(&normed)?, b.view_mut(&gated)?)?;
-        Ok((gated, (normed, rstd_out)))
+        Ok(GatedOutput {
+            gated,
+            normed,
+            rstd,
+        })
     }
 
     /// The convolution's output before and after the SiLU, from its input.
@@ -299,7 +311,11 @@ impl GdnLayer {
         let w = |i| weight::<B>(weights, i);
         // The gated output (the output projection's weight-gradient
         // operand) and the output norm, as the forward computed them.
-        let (gated, (normed, rstd_out)) = self.gated_output(b, weights, &s.out, &s.z, rows)?;
+        let GatedOutput {
+            gated,
+            normed,
+            rstd: rstd_out,
+        } = self.gated_output(b, weights, &s.out, &s.z, rows)?;
         let d_gated = uninit(b, rows * vd)?;
         b.matmul(
             b.as_slice(&dx),
