@@ -23,7 +23,6 @@
 //! `--include-ignored` and fail, saying why, where the GPUs are missing. The
 //! refusal of `--device cuda` without a GPU is checked where there is none.
 
-use hybridgen_dsl::config::ScoreFunction;
 use hybridgen_dsl::{ModelConfig, UnitFilter};
 use hybridgen_runtime::backend::{AttentionBackend, ExpertGemm};
 use hybridgen_runtime::checkpoint::ResumeFrom;
@@ -243,6 +242,10 @@ fn bf16_training_with_flash_attention_follows_the_cpu() {
     );
 }
 
+#[path = "support/balancing.rs"]
+mod balancing;
+use balancing::balanced;
+
 /// Nemotron 3 Nano's routing on the tiny model (sigmoid scores, a top-k
 /// scaling factor, aux-loss-free balancing with a bias updated after every
 /// step and copied to the GPU before the next step's routing): f32 on a GPU
@@ -251,16 +254,12 @@ fn bf16_training_with_flash_attention_follows_the_cpu() {
 #[ignore = "needs a GPU"]
 fn balanced_routing_on_a_gpu_matches_the_cpu() {
     gpus(1);
-    let balanced = |device| {
+    let run_on = |device| {
         let mut c = config("[M*E]-[*E]", device, Precision::F32);
-        let moe = c.model.moe.as_mut().unwrap();
-        moe.score_function = hybridgen_dsl::config::ScoreFunction::Sigmoid;
-        moe.topk_scaling_factor = 2.5;
-        moe.expert_bias = true;
-        moe.expert_bias_update_rate = 0.01;
+        balanced(&mut c, 0.01);
         run(&c).0
     };
-    let (cpu, gpu) = (balanced(DeviceChoice::Cpu), balanced(DeviceChoice::Cuda));
+    let (cpu, gpu) = (run_on(DeviceChoice::Cpu), run_on(DeviceChoice::Cuda));
     assert_eq!(cpu.len(), gpu.len());
     for (c, g) in cpu.iter().zip(&gpu) {
         println!(
@@ -330,21 +329,12 @@ fn on_one_gpu_a_step_reads_the_host_once() {
     );
 }
 
-/// The tiny model routing with aux-loss-free balancing (sigmoid scores, a
-/// top-k scaling factor, an expert bias moved by `rate` a step).
-fn balanced(c: &mut TrainConfig, rate: f32) {
-    let moe = c.model.moe.as_mut().unwrap();
-    moe.score_function = ScoreFunction::Sigmoid;
-    moe.topk_scaling_factor = 2.5;
-    moe.expert_bias = true;
-    moe.expert_bias_update_rate = rate;
-}
-
 /// Aux-loss-free balancing on one GPU, expert parallelism 1: each routing
 /// adds its counts to the step's loads on the device, which come back with
 /// the step's totals, so a step still reads the host once. The bias moves
 /// (a rate of 0 trains otherwise after the first step, which routes with a
-/// zero bias either way), and in f32 the run follows the CPU's.
+/// zero bias either way). That the run follows the CPU's is
+/// `balanced_routing_on_a_gpu_matches_the_cpu`.
 #[test]
 #[ignore = "needs a GPU"]
 fn on_one_gpu_balancing_reads_the_host_once() {
@@ -365,12 +355,6 @@ fn on_one_gpu_balancing_reads_the_host_once() {
         "the first step routes with a zero bias"
     );
     assert_ne!(moving.0[1..], frozen.0[1..], "the bias never moved");
-    let pattern = "[M*E]-[*E]";
-    let mut cpu = config(pattern, DeviceChoice::Cpu, Precision::F32);
-    balanced(&mut cpu, 0.05);
-    let mut gpu = cpu.clone();
-    gpu.device = DeviceChoice::Cuda;
-    follows_the_cpu(pattern, &run(&cpu).0, &run(&gpu).0);
 }
 
 /// Programmatic dependent launch (each kernel launched while the one

@@ -660,16 +660,9 @@ fn resume_continues_the_same_curve() {
     }
 }
 
-/// The tiny model routing as Nemotron 3 Nano does: sigmoid scores, a top-k
-/// scaling factor and aux-loss-free balancing, with a bias rate large enough
-/// to move the routing of a tiny model within a step.
-fn balanced(c: &mut TrainConfig, rate: f32) {
-    let moe = c.model.moe.as_mut().unwrap();
-    moe.score_function = hybridgen_dsl::config::ScoreFunction::Sigmoid;
-    moe.topk_scaling_factor = 2.5;
-    moe.expert_bias = true;
-    moe.expert_bias_update_rate = rate;
-}
+#[path = "support/balancing.rs"]
+mod balancing;
+use balancing::balanced;
 
 /// The expert biases a checkpoint step holds (rank 0's file keeps them).
 fn saved_biases(step_dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
@@ -1009,8 +1002,9 @@ fn a_failing_rank_stops_the_others_with_the_root_cause() {
 /// of one frees its layers as the forward of the next fills its own, from
 /// one arena: together they hold about one micro-batch's activations and a
 /// layer's or two, not two micro-batches' (per-micro-batch arenas held two:
-/// the second added all of one; with one arena it adds 0.24 of one in both
-/// patterns here).
+/// the second added all of one; with one arena it adds 0.24 of one for
+/// `M*-M*-M*-` and 0.25 for `[ME][*E][ME][*E]`, whose nodes are a quarter
+/// of it each).
 #[test]
 fn the_overlap_schedule_holds_about_one_micro_batch() {
     for pattern in ["M*-M*-M*-", "[ME][*E][ME][*E]"] {
@@ -1032,7 +1026,7 @@ fn the_overlap_schedule_holds_about_one_micro_batch() {
         let micro_batch = peak(&plain) - state;
         let second = peak(&overlap).saturating_sub(peak(&plain));
         assert!(
-            2 * second < micro_batch,
+            3 * second < micro_batch,
             "{pattern}: the overlap schedule's second micro-batch adds {second} bytes to the \
              plain schedule's peak, whose micro-batch takes {micro_batch} above the state \
              ({state})"

@@ -52,6 +52,8 @@ pub fn expert_bias_key(router_key: &str) -> String {
 pub struct ExpertBalance<B: Backend> {
     /// By layer index ([`ModelRuntime::layer_index`]).
     layers: Vec<Option<BalancedLayer<B>>>,
+    /// Every balancing layer's experts: the load slots they take.
+    load_slots: usize,
 }
 
 struct BalancedLayer<B: Backend> {
@@ -95,7 +97,10 @@ impl<B: Backend> ExpertBalance<B> {
             layer.load_at = load_at;
             load_at += layer.experts;
         }
-        Ok(ExpertBalance { layers })
+        Ok(ExpertBalance {
+            layers,
+            load_slots: load_at,
+        })
     }
 
     /// Whether any layer balances.
@@ -107,11 +112,7 @@ impl<B: Backend> ExpertBalance<B> {
     /// another in layer order (the order [`ExpertBalance::update`] takes
     /// the loads in).
     pub fn load_slots(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|layer| layer.experts)
-            .sum()
+        self.load_slots
     }
 
     /// Layer `index`'s bias and load for its forward steps (`None` when it

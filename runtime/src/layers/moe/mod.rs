@@ -567,10 +567,7 @@ impl MoeLayer {
         let (u, rstd, x_in) = self
             .norm()
             .forward_keeping_input(b, w(PRE_NORM)?, x, rows)?;
-        let (bias, load) = match balance {
-            Some(Balance { bias, load }) => (Some(bias), Some(load)),
-            None => (None, None),
-        };
+        let (bias, load) = balance.map(|b| (b.bias, b.load)).unzip();
         let router = self.route(b, w(ROUTER)?, b.view(&u)?, rows, aux_acc, bias)?;
         // The host needs the counts only to size an all-to-all.
         let counts = (self.ep() > 1)
