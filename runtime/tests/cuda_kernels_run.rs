@@ -705,7 +705,26 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 ],
                 outputs: vec![2],
                 cpu: Box::new(move |b, x| b.unary_backward(op, v(&x[0]), v(&x[1]), m(&x[2]))),
-                gpu: Box::new(move |s, st, x| s.unary_backward(st, op, x[0], x[1], x[2])),
+                gpu: Box::new(move |s, st, x| s.unary_backward(st, op, x[0], x[1], x[2], None)),
+                reference: None,
+            });
+            // The gradient's buffer ends holding f(x).
+            cases.push(Case {
+                kernel: format!("unary_backward_recompute {op:?}"),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![
+                    Host::floats(rng.vec(n, 4.0), a),
+                    rng.floats(n, a),
+                    nan(n, a),
+                ],
+                outputs: vec![1, 2],
+                cpu: Box::new(move |b, x| {
+                    b.unary_backward_recompute(op, v(&x[0]), m(&x[1]), m(&x[2]))
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.unary_backward(st, op, x[0], x[1], x[2], Some(x[1]))
+                }),
                 reference: None,
             });
         }
@@ -736,7 +755,29 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 cpu: Box::new(|b, x| {
                     b.silu_mul_backward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), m(&x[4]))
                 }),
-                gpu: Box::new(|s, st, x| s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4])),
+                gpu: Box::new(|s, st, x| {
+                    s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4], None)
+                }),
+                reference: None,
+            });
+            cases.push(Case {
+                kernel: "silu_mul_backward_recompute".into(),
+                mode,
+                shape: format!("{n}"),
+                buffers: vec![
+                    rng.floats(n, a),
+                    rng.floats(n, a),
+                    rng.floats(n, a),
+                    nan(n, a),
+                    nan(n, a),
+                ],
+                outputs: vec![2, 3, 4],
+                cpu: Box::new(|b, x| {
+                    b.silu_mul_backward_recompute(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), m(&x[4]))
+                }),
+                gpu: Box::new(|s, st, x| {
+                    s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4], Some(x[2]))
+                }),
                 reference: None,
             });
         }

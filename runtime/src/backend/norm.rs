@@ -111,6 +111,14 @@ pub trait NormKernels<Buf: DeviceBuffer> {
         dx: ViewMut<'_, Buf>,
     ) -> Result<()>;
 
+    fn unary_backward_recompute_unchecked(
+        &self,
+        op: Unary,
+        x: View<'_, Buf>,
+        dy_then_y: ViewMut<'_, Buf>,
+        dx: ViewMut<'_, Buf>,
+    ) -> Result<()>;
+
     fn silu_mul_forward_unchecked(
         &self,
         gate: View<'_, Buf>,
@@ -123,6 +131,15 @@ pub trait NormKernels<Buf: DeviceBuffer> {
         gate: View<'_, Buf>,
         up: View<'_, Buf>,
         dy: View<'_, Buf>,
+        dgate: ViewMut<'_, Buf>,
+        dup: ViewMut<'_, Buf>,
+    ) -> Result<()>;
+
+    fn silu_mul_backward_recompute_unchecked(
+        &self,
+        gate: View<'_, Buf>,
+        up: View<'_, Buf>,
+        dy_then_y: ViewMut<'_, Buf>,
         dgate: ViewMut<'_, Buf>,
         dup: ViewMut<'_, Buf>,
     ) -> Result<()>;
@@ -224,6 +241,12 @@ pub fn check_unary_backward(x: Operand, dy: Operand, dx: Operand) -> Result<()> 
     elementwise("unary_backward", &[("x", x), ("dy", dy), ("dx", dx)])
 }
 
+/// [`Backend::unary_backward_recompute`]'s arguments.
+pub fn check_unary_backward_recompute(x: Operand, dy_then_y: Operand, dx: Operand) -> Result<()> {
+    let operands = [("x", x), ("dy_then_y", dy_then_y), ("dx", dx)];
+    elementwise("unary_backward_recompute", &operands)
+}
+
 /// [`Backend::silu_mul_forward`]'s arguments.
 pub fn check_silu_mul_forward(gate: Operand, up: Operand, y: Operand) -> Result<()> {
     elementwise("silu_mul_forward", &[("gate", gate), ("up", up), ("y", y)])
@@ -245,6 +268,24 @@ pub fn check_silu_mul_backward(
         ("dup", dup),
     ];
     elementwise("silu_mul_backward", &operands)
+}
+
+/// [`Backend::silu_mul_backward_recompute`]'s arguments.
+pub fn check_silu_mul_backward_recompute(
+    gate: Operand,
+    up: Operand,
+    dy_then_y: Operand,
+    dgate: Operand,
+    dup: Operand,
+) -> Result<()> {
+    let operands = [
+        ("gate", gate),
+        ("up", up),
+        ("dy_then_y", dy_then_y),
+        ("dgate", dgate),
+        ("dup", dup),
+    ];
+    elementwise("silu_mul_backward_recompute", &operands)
 }
 
 /// [`Backend`]'s norm and activation methods: each checks its arguments,
@@ -362,6 +403,27 @@ macro_rules! norm_methods {
             self.unary_backward_unchecked(op, x, dy, dx)
         }
 
+        /// [`Backend::unary_backward`], then `f(x)` into `dy`'s buffer, each
+        /// element in the same pass: the backward of a block that dropped its
+        /// activation's output in the forward and needs it again for a weight
+        /// gradient. `f(x)` has the bits [`Backend::unary_forward`] gives it,
+        /// and `dx` those of [`Backend::unary_backward`]; one read of `x`
+        /// and no second buffer.
+        fn unary_backward_recompute(
+            &self,
+            op: Unary,
+            x: Slice<'_, Self>,
+            dy_then_y: SliceMut<'_, Self>,
+            dx: SliceMut<'_, Self>,
+        ) -> Result<()> {
+            $crate::backend::norm::check_unary_backward_recompute(
+                x.operand(),
+                dy_then_y.operand(),
+                dx.operand(),
+            )?;
+            self.unary_backward_recompute_unchecked(op, x, dy_then_y, dx)
+        }
+
         /// `y = silu(gate) * up` element-wise: SwiGLU, and Mamba's `y * silu(z)`.
         fn silu_mul_forward(
             &self,
@@ -396,6 +458,28 @@ macro_rules! norm_methods {
             )?;
             self.silu_mul_backward_unchecked(gate, up, dy, dgate, dup)
         }
+
+        /// [`Backend::silu_mul_backward`], then `silu(gate) * up` into `dy`'s
+        /// buffer in the same pass, as [`Backend::unary_backward_recompute`]
+        /// does for one input: each value the bits the forward and the
+        /// backward give it.
+        fn silu_mul_backward_recompute(
+            &self,
+            gate: Slice<'_, Self>,
+            up: Slice<'_, Self>,
+            dy_then_y: SliceMut<'_, Self>,
+            dgate: SliceMut<'_, Self>,
+            dup: SliceMut<'_, Self>,
+        ) -> Result<()> {
+            $crate::backend::norm::check_silu_mul_backward_recompute(
+                gate.operand(),
+                up.operand(),
+                dy_then_y.operand(),
+                dgate.operand(),
+                dup.operand(),
+            )?;
+            self.silu_mul_backward_recompute_unchecked(gate, up, dy_then_y, dgate, dup)
+        }
     };
 }
 pub(super) use norm_methods;
@@ -427,5 +511,9 @@ mod tests {
         let err = check_rmsnorm_forward(f32s(6), f32s(6), f32s(6), f32s(1), copy, dims);
         assert!(err.unwrap_err().to_string().contains("`x_copy`"));
         assert!(check_silu_mul_backward(f32s(9), f32s(8), f32s(9), f32s(9), f32s(9)).is_err());
+        let short = check_unary_backward_recompute(f32s(9), f32s(8), f32s(9));
+        assert!(short.unwrap_err().to_string().contains("`dy_then_y`"));
+        let short = check_silu_mul_backward_recompute(f32s(9), f32s(9), f32s(9), f32s(9), f32s(7));
+        assert!(short.unwrap_err().to_string().contains("`dup`"));
     }
 }

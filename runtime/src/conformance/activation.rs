@@ -56,6 +56,34 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                 Ok(vec![])
             },
         );
+        let recompute = KernelCase::new("unary_backward_recompute", format!("{op:?}, {n} elements"))
+            .input("x", inputs(s, n - 8))
+            .inout("dy_then_y", s.rng.values(n, -2.0, 2.0))
+            .output("dx", n)
+            .tolerance(16.0 * U, 16.0 * U);
+        let recompute = if i == 0 {
+            recompute.with_refusals()
+        } else {
+            recompute
+        };
+        s.check_kernel(
+            recompute,
+            |x| {
+                let dx = x["x"].iter().zip(&x["dy_then_y"]);
+                let dx = dx.map(|(&v, g)| g * r::unary_derivative(op, v)).collect();
+                let y = x["x"].iter().map(|&v| r::unary(op, v)).collect();
+                vec![Expected::new("dx", dx), Expected::new("dy_then_y", y)]
+            },
+            |dev, b| {
+                dev.unary_backward_recompute(
+                    op,
+                    b.view("x")?,
+                    b.view_mut("dy_then_y")?,
+                    b.view_mut("dx")?,
+                )?;
+                Ok(vec![])
+            },
+        );
     }
 
     // A length of whole 8-element words (a GPU's 8-a-thread path in bf16)
@@ -83,8 +111,8 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
             },
         );
         let bwd = KernelCase::new("silu_mul_backward", format!("{n} elements"))
-            .input("gate", gate)
-            .input("up", up)
+            .input("gate", gate.clone())
+            .input("up", up.clone())
             .input("dy", s.rng.values(n, -2.0, 2.0))
             .output("dgate", n)
             .output("dup", n)
@@ -107,6 +135,41 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                     b.view("gate")?,
                     b.view("up")?,
                     b.view("dy")?,
+                    b.view_mut("dgate")?,
+                    b.view_mut("dup")?,
+                )?;
+                Ok(vec![])
+            },
+        );
+        let recompute = KernelCase::new("silu_mul_backward_recompute", format!("{n} elements"))
+            .input("gate", gate)
+            .input("up", up)
+            .inout("dy_then_y", s.rng.values(n, -2.0, 2.0))
+            .output("dgate", n)
+            .output("dup", n)
+            .tolerance(16.0 * U, 16.0 * U)
+            .with_refusals();
+        s.check_kernel(
+            recompute,
+            |x| {
+                let (g, u, dy) = (&x["gate"], &x["up"], &x["dy_then_y"]);
+                let silu = |i: usize| r::unary(Unary::Silu, g[i]);
+                let dgate = (0..g.len())
+                    .map(|i| dy[i] * u[i] * r::unary_derivative(Unary::Silu, g[i]))
+                    .collect();
+                let dup = (0..g.len()).map(|i| dy[i] * silu(i)).collect();
+                let y = (0..g.len()).map(|i| silu(i) * u[i]).collect();
+                vec![
+                    Expected::new("dgate", dgate),
+                    Expected::new("dup", dup),
+                    Expected::new("dy_then_y", y),
+                ]
+            },
+            |dev, b| {
+                dev.silu_mul_backward_recompute(
+                    b.view("gate")?,
+                    b.view("up")?,
+                    b.view_mut("dy_then_y")?,
                     b.view_mut("dgate")?,
                     b.view_mut("dup")?,
                 )?;

@@ -46,13 +46,14 @@ impl Ffn {
         }
     }
 
-    /// `act = act(pre)` on `n` rows: in the forward, and again in the
-    /// backward for the fc2 weight gradient. The backward recomputes it
-    /// rather than the forward keeping it: one element-wise pass over `pre`
-    /// (the same kernel on the same values, so the same bits) spares
-    /// keeping `act` from a layer's forward to its backward (what
-    /// Megatron's selective `--recompute-modules moe_act` does for its
-    /// experts; here always, for every feed-forward block).
+    /// `act = act(pre)` on `n` rows, in the forward. The backward needs
+    /// `act` again for the fc2 weight gradient and recomputes it rather than
+    /// the forward keeping it: [`Ffn::backward_input`]'s activation backward
+    /// writes it over the spent activation gradient in the same pass (the
+    /// same expression on the same values, so the same bits), which spares
+    /// keeping `act` from a layer's forward to its backward (what Megatron's
+    /// selective `--recompute-modules moe_act` does for its experts; here
+    /// always, for every feed-forward block).
     pub fn activate<B: Backend>(
         &self,
         b: &B,
@@ -113,7 +114,10 @@ impl Ffn {
         b.matmul(b.as_slice(&act), w2, out, dims)
     }
 
-    /// `d_u (+)= J^T d_out`, writing `d_pre` (kept for the weight gradient).
+    /// `d_u (+)= J^T d_out`, writing `d_pre` (kept for the weight
+    /// gradient). Returns `act(pre)` (`act_len(n)` values), recomputed for
+    /// the fc2 weight gradient in the buffer the activation's gradient
+    /// held.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_input<B: Backend>(
         &self,
@@ -125,7 +129,7 @@ impl Ffn {
         mut d_u: SliceMut<'_, B>,
         n: usize,
         accumulate: bool,
-    ) -> Result<()> {
+    ) -> Result<B::Buf> {
         let (h, f) = (self.hidden, self.width);
         let d_act = uninit(b, self.act_len(n))?;
         b.matmul(
@@ -137,22 +141,27 @@ impl Ffn {
         match self.unary() {
             Some(op) => {
                 let mut d_pre = d_pre;
-                b.unary_backward(op, pre, b.view(&d_act)?, b.reborrow_mut(&mut d_pre))?;
+                b.unary_backward_recompute(
+                    op,
+                    pre,
+                    b.view_mut(&d_act)?,
+                    b.reborrow_mut(&mut d_pre),
+                )?;
                 b.matmul(
                     b.as_slice(&d_pre),
                     w1,
                     d_u,
                     MatmulDims::linear_input_grad(n, h, f, accumulate),
-                )
+                )?;
             }
             None => {
                 let gate = b.subslice(pre, 0..n * f)?;
                 let up = b.subslice(pre, n * f..2 * n * f)?;
                 let (mut d_gate, mut d_up) = b.split_mut(d_pre, n * f)?;
-                b.silu_mul_backward(
+                b.silu_mul_backward_recompute(
                     gate,
                     up,
-                    b.view(&d_act)?,
+                    b.view_mut(&d_act)?,
                     b.reborrow_mut(&mut d_gate),
                     b.reborrow_mut(&mut d_up),
                 )?;
@@ -169,9 +178,10 @@ impl Ffn {
                     w_up,
                     d_u,
                     MatmulDims::linear_input_grad(n, h, f, true),
-                )
+                )?;
             }
         }
+        Ok(d_act)
     }
 
     /// `dW1 += d_pre^T u`, `dW2 += d_out^T act`.
@@ -323,7 +333,9 @@ impl MlpLayer {
         let d_pre = uninit(b, self.ffn.pre_len(rows))?;
         let d_u = uninit(b, rows * self.ffn.hidden)?;
         let w = (weight::<B>(weights, FC1)?, weight::<B>(weights, FC2)?);
-        self.ffn.backward_input(
+        // `act`: the fc2 weight gradient's operand, recomputed from `pre`
+        // before it goes.
+        let act = self.ffn.backward_input(
             b,
             w,
             b.view(&saved.pre)?,
@@ -333,11 +345,6 @@ impl MlpLayer {
             rows,
             false,
         )?;
-        // The fc2 weight gradient's operand, from `pre` before it goes
-        // (`Ffn::activate`).
-        let act = uninit(b, self.ffn.act_len(rows))?;
-        self.ffn
-            .activate(b, b.view(&saved.pre)?, b.view_mut(&act)?, rows)?;
         drop(saved.pre);
         // dx keeps the output's gradient until here; the weight gradients
         // keep it, copied in the norm's pass.

@@ -98,6 +98,21 @@ impl NormKernels<CpuBuf> for CpuBackend {
         Ok(())
     }
 
+    fn unary_backward_recompute_unchecked(
+        &self,
+        op: Unary,
+        x: View<'_, CpuBuf>,
+        dy_then_y: ViewMut<'_, CpuBuf>,
+        dx: ViewMut<'_, CpuBuf>,
+    ) -> Result<()> {
+        let k = self.access("unary_backward_recompute");
+        let x = k.f32_in("x", x)?;
+        let mut dy_then_y = k.f32_out("dy_then_y", dy_then_y)?;
+        unary_backward(op, &x, &dy_then_y, &mut k.f32_out("dx", dx)?);
+        unary_forward(op, &x, &mut dy_then_y);
+        Ok(())
+    }
+
     fn silu_mul_forward_unchecked(
         &self,
         gate: View<'_, CpuBuf>,
@@ -131,6 +146,28 @@ impl NormKernels<CpuBuf> for CpuBackend {
             &mut k.f32_out("dgate", dgate)?,
             &mut k.f32_out("dup", dup)?,
         );
+        Ok(())
+    }
+
+    fn silu_mul_backward_recompute_unchecked(
+        &self,
+        gate: View<'_, CpuBuf>,
+        up: View<'_, CpuBuf>,
+        dy_then_y: ViewMut<'_, CpuBuf>,
+        dgate: ViewMut<'_, CpuBuf>,
+        dup: ViewMut<'_, CpuBuf>,
+    ) -> Result<()> {
+        let k = self.access("silu_mul_backward_recompute");
+        let (gate, up) = (k.f32_in("gate", gate)?, k.f32_in("up", up)?);
+        let mut dy_then_y = k.f32_out("dy_then_y", dy_then_y)?;
+        silu_mul_backward(
+            &gate,
+            &up,
+            &dy_then_y,
+            &mut k.f32_out("dgate", dgate)?,
+            &mut k.f32_out("dup", dup)?,
+        );
+        silu_mul_forward(&gate, &up, &mut dy_then_y);
         Ok(())
     }
 }

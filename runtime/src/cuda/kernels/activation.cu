@@ -63,9 +63,13 @@ extern "C" __global__ void unary_forward(
     }
 }
 
+// dx = dy * f'(x). Where `y` is not null (it is then `dy` itself: the
+// recomputing form, `Backend::unary_backward_recompute`) f(x) goes over dy,
+// each element by the thread that read it, after the read; f(x) is
+// `unary_forward`'s expression, so its bits.
 extern "C" __global__ void unary_backward(
-    int op, const void* x, int x_dtype, const void* dy, int dy_dtype, void* dx, int dx_dtype, u64 n,
-    int vec8) {
+    int op, const void* x, int x_dtype, const void* dy, int dy_dtype, void* dx, int dx_dtype, void* y,
+    u64 n, int vec8) {
     grid_dependency_sync();
     if (vec8) {
         for (u64 w = grid_start(); w < n / 8; w += grid_stride()) {
@@ -77,12 +81,23 @@ extern "C" __global__ void unary_backward(
                 g[e] = g[e] * unary_derivative(op, xs[e]);
             }
             static_cast<uint4*>(dx)[w] = pack8(g);
+            if (y != nullptr) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    xs[e] = unary_value(op, xs[e]);
+                }
+                static_cast<uint4*>(y)[w] = pack8(xs);
+            }
         }
         return;
     }
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
-        const float d = load(dy, dy_dtype, i) * unary_derivative(op, load(x, x_dtype, i));
+        const float v = load(x, x_dtype, i);
+        const float d = load(dy, dy_dtype, i) * unary_derivative(op, v);
         store(dx, dx_dtype, i, d);
+        if (y != nullptr) {
+            store(y, dy_dtype, i, unary_value(op, v));
+        }
     }
 }
 
@@ -111,9 +126,12 @@ extern "C" __global__ void silu_mul_forward(
 }
 
 // dgate = dy * up * silu'(gate), dup = dy * silu(gate); `vec8` as above.
+// Where `y` is not null (then `dy` itself,
+// `Backend::silu_mul_backward_recompute`) silu(gate) * up goes over dy as
+// `unary_backward`'s f(x) does, `silu_mul_forward`'s expression.
 extern "C" __global__ void silu_mul_backward(
     const void* gate, int gate_dtype, const void* up, int up_dtype, const void* dy, int dy_dtype,
-    void* dgate, int dgate_dtype, void* dup, int dup_dtype, u64 n, int vec8) {
+    void* dgate, int dgate_dtype, void* dup, int dup_dtype, void* y, u64 n, int vec8) {
     grid_dependency_sync();
     if (vec8) {
         for (u64 w = grid_start(); w < n / 8; w += grid_stride()) {
@@ -129,6 +147,13 @@ extern "C" __global__ void silu_mul_backward(
             }
             static_cast<uint4*>(dgate)[w] = pack8(dg);
             static_cast<uint4*>(dup)[w] = pack8(du);
+            if (y != nullptr) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    g[e] = g[e] * sigmoid(g[e]) * u[e];
+                }
+                static_cast<uint4*>(y)[w] = pack8(g);
+            }
         }
         return;
     }
@@ -139,5 +164,8 @@ extern "C" __global__ void silu_mul_backward(
         const float s = sigmoid(g);
         store(dgate, dgate_dtype, i, d * u * s * (1.0f + g * (1.0f - s)));
         store(dup, dup_dtype, i, d * g * s);
+        if (y != nullptr) {
+            store(y, dy_dtype, i, g * sigmoid(g) * u);
+        }
     }
 }

@@ -86,7 +86,19 @@ impl NormKernels<CudaBuf> for CudaBackend {
         dx: ViewMut<'_, CudaBuf>,
     ) -> Result<()> {
         self.k()
-            .unary_backward(self.s(), op, self.v(x), self.v(dy), self.m(&dx))
+            .unary_backward(self.s(), op, self.v(x), self.v(dy), self.m(&dx), None)
+    }
+
+    fn unary_backward_recompute_unchecked(
+        &self,
+        op: Unary,
+        x: View<'_, CudaBuf>,
+        dy_then_y: ViewMut<'_, CudaBuf>,
+        dx: ViewMut<'_, CudaBuf>,
+    ) -> Result<()> {
+        let dy = self.m(&dy_then_y);
+        self.k()
+            .unary_backward(self.s(), op, self.v(x), dy, self.m(&dx), Some(dy))
     }
 
     fn silu_mul_forward_unchecked(
@@ -114,6 +126,27 @@ impl NormKernels<CudaBuf> for CudaBackend {
             self.v(dy),
             self.m(&dgate),
             self.m(&dup),
+            None,
+        )
+    }
+
+    fn silu_mul_backward_recompute_unchecked(
+        &self,
+        gate: View<'_, CudaBuf>,
+        up: View<'_, CudaBuf>,
+        dy_then_y: ViewMut<'_, CudaBuf>,
+        dgate: ViewMut<'_, CudaBuf>,
+        dup: ViewMut<'_, CudaBuf>,
+    ) -> Result<()> {
+        let dy = self.m(&dy_then_y);
+        self.k().silu_mul_backward(
+            self.s(),
+            self.v(gate),
+            self.v(up),
+            dy,
+            self.m(&dgate),
+            self.m(&dup),
+            Some(dy),
         )
     }
 }
@@ -344,7 +377,9 @@ impl KernelSet {
         self.go(k, &mut b, grid_for(if vec8 { x.len / 8 } else { x.len }))
     }
 
-    /// `Backend::unary_backward`.
+    /// `Backend::unary_backward`; with `y` (`dy` itself, or null), also
+    /// `Backend::unary_backward_recompute`'s `f(x)`, written over `dy`
+    /// element by element after the thread read it.
     pub fn unary_backward(
         &self,
         stream: &CudaStream,
@@ -352,6 +387,7 @@ impl KernelSet {
         x: GpuView,
         dy: GpuView,
         dx: GpuView,
+        y: Option<GpuView>,
     ) -> Result<()> {
         let k = "unary_backward";
         let (xt, dyt, dxt) = (dtype_tag(x.dtype), dtype_tag(dy.dtype), dtype_tag(dx.dtype));
@@ -360,6 +396,8 @@ impl KernelSet {
         }
         let (code, n) = (unary_code(op), x.len as u64);
         let vec8 = bf16_words(&[x, dy, dx], x.len);
+        // A null pointer: no recompute.
+        let y_ptr = y.map_or(0u64, |y| y.ptr);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&code)
             .arg(&x.ptr)
@@ -368,6 +406,7 @@ impl KernelSet {
             .arg(&dyt)
             .arg(&dx.ptr)
             .arg(&dxt)
+            .arg(&y_ptr)
             .arg(&n);
         let flag = i32::from(vec8);
         b.arg(&flag);
@@ -410,7 +449,10 @@ impl KernelSet {
         )
     }
 
-    /// `Backend::silu_mul_backward`.
+    /// `Backend::silu_mul_backward`; with `y` (`dy` itself, or null),
+    /// also `Backend::silu_mul_backward_recompute`'s `silu(gate) * up`,
+    /// as `unary_backward`'s.
+    #[allow(clippy::too_many_arguments)]
     pub fn silu_mul_backward(
         &self,
         stream: &CudaStream,
@@ -419,6 +461,7 @@ impl KernelSet {
         dy: GpuView,
         dgate: GpuView,
         dup: GpuView,
+        y: Option<GpuView>,
     ) -> Result<()> {
         let k = "silu_mul_backward";
         let (gt, ut, dyt) = (
@@ -433,6 +476,8 @@ impl KernelSet {
         let n = gate.len as u64;
         let vec8 = bf16_words(&[gate, up, dy, dgate, dup], gate.len);
         let flag = i32::from(vec8);
+        // A null pointer: no recompute.
+        let y_ptr = y.map_or(0u64, |y| y.ptr);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&gate.ptr)
             .arg(&gt)
@@ -444,6 +489,7 @@ impl KernelSet {
             .arg(&dgt)
             .arg(&dup.ptr)
             .arg(&dut)
+            .arg(&y_ptr)
             .arg(&n)
             .arg(&flag);
         self.go(

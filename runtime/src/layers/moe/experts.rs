@@ -186,13 +186,20 @@ impl MoeLayer {
         };
         groups.rows().matmul(b, vec![fc2])?;
         // The activation's backward over all rows, then d_in = d_pre W1.
+        // The same pass writes the fc2 weight gradient's operand, act(pre),
+        // over the spent d_act (`Ffn::activate`).
         let d_pre = b.alloc_uninit(ffn.pre_len(total), dtype)?;
         // The SwiGLU path's first grouped call overwrites it, the second
         // adds to it.
         let d_in_grouped = b.alloc_uninit(total * h, dtype)?;
         match ffn.unary() {
             Some(op) => {
-                b.unary_backward(op, b.view(&pre)?, b.view(&d_act)?, b.view_mut(&d_pre)?)?;
+                b.unary_backward_recompute(
+                    op,
+                    b.view(&pre)?,
+                    b.view_mut(&d_act)?,
+                    b.view_mut(&d_pre)?,
+                )?;
                 let fc1 = SegmentedMatmul::Rows {
                     a: b.view(&d_pre)?,
                     b: per_expert::<B>(l, |j| w(self.fc1(j)))?,
@@ -202,10 +209,10 @@ impl MoeLayer {
                 groups.rows().matmul(b, vec![fc1])?;
             }
             None => {
-                b.silu_mul_backward(
+                b.silu_mul_backward_recompute(
                     b.slice(&pre, 0..total * f)?,
                     b.slice(&pre, total * f..2 * total * f)?,
-                    b.view(&d_act)?,
+                    b.view_mut(&d_act)?,
                     b.slice_mut(&d_pre, 0..total * f)?,
                     b.slice_mut(&d_pre, total * f..2 * total * f)?,
                 )?;
@@ -226,11 +233,7 @@ impl MoeLayer {
                 }
             }
         }
-        // The fc2 weight gradient's operand, recomputed in place of the
-        // activation's gradient, which is spent.
-        drop(d_act);
-        let act = b.alloc_uninit(ffn.act_len(total), dtype)?;
-        ffn.activate(b, b.view(&pre)?, b.view_mut(&act)?, total)?;
+        let act = d_act;
         drop(pre);
         let d_in = groups.ungroup(b, d_in_grouped, h)?;
         Ok((

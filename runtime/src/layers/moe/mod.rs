@@ -734,7 +734,7 @@ impl MoeLayer {
             (Some(ffn), Some(saved)) => {
                 let d_pre = uninit(b, ffn.pre_len(rows))?;
                 let i = self.shared_fc1();
-                ffn.backward_input(
+                let act = ffn.backward_input(
                     b,
                     (w(i)?, w(i + 1)?),
                     b.view(&saved.pre)?,
@@ -744,8 +744,6 @@ impl MoeLayer {
                     rows,
                     true,
                 )?;
-                let act = uninit(b, ffn.act_len(rows))?;
-                ffn.activate(b, b.view(&saved.pre)?, b.view_mut(&act)?, rows)?;
                 Some((act, d_pre))
             }
             (None, None) => None,
