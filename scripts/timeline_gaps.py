@@ -148,7 +148,7 @@ def main():
             top = ", ".join(f"{k} {v / 1e6:.1f} ({n[k]})" for k, v in per.most_common(6))
             print(f"  thread {thread}: {top}")
 
-    print("\nGPU time a step by kind (ms, calls):")
+    print("\nGPU time a step by family (ms, calls):")
     kinds, calls = collections.Counter(), collections.Counter()
     for name, t in kernel_time.items():
         kinds[activity_kind(name)] += t
@@ -165,12 +165,29 @@ def main():
 
 
 def activity_kind(name):
-    """The family a GPU activity belongs to: cuBLAS GEMMs, copies and
-    fills, or the kernel's own name."""
-    if name.startswith(("nvjet", "sm90_", "sm80_", "cutlass", "gemm", "gemv")) or "gemm" in name:
+    """The family a GPU activity belongs to (the per-family table that
+    docs/benchmarks.md puts against each family's roofline): hybridgen's
+    grouped expert GEMMs, cuBLAS's GEMMs, then hybridgen's kernel families
+    by their names' prefixes, copies and fills, and the rest."""
+    if name.startswith("grouped_gemm"):
+        return "grouped expert GEMMs"
+    if name.startswith(("nvjet", "sm90_", "sm80_", "cutlass", "gemm", "gemv")) or "gemm" in name.lower():
         return "GEMM (cuBLAS)"
-    if name.startswith(("memcpy", "memset")):
-        return "copies and fills"
+    families = [
+        (("flash_",), "attention (flash)"),
+        (("ssd_",), "Mamba scan"),
+        (("delta_",), "gated delta rule"),
+        (("dsa_",), "sparse attention"),
+        (("adam_", "sgd_", "sum_squares"), "optimizer and gradient norm"),
+        (("rmsnorm", "column_sum"), "norms"),
+        (("unary_", "silu_mul"), "activations"),
+        (("moe_", "gather_rows"), "MoE routing and permutes"),
+        (("conv1d",), "conv1d"),
+        (("memcpy", "memset"), "copies and fills"),
+    ]
+    for prefixes, family in families:
+        if name.startswith(prefixes):
+            return family
     return "other kernels"
 
 
