@@ -56,11 +56,12 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                 Ok(vec![])
             },
         );
-        let recompute = KernelCase::new("unary_backward_recompute", format!("{op:?}, {n} elements"))
-            .input("x", inputs(s, n - 8))
-            .inout("dy_then_y", s.rng.values(n, -2.0, 2.0))
-            .output("dx", n)
-            .tolerance(16.0 * U, 16.0 * U);
+        let recompute =
+            KernelCase::new("unary_backward_recompute", format!("{op:?}, {n} elements"))
+                .input("x", inputs(s, n - 8))
+                .inout("dy_then_y", s.rng.values(n, -2.0, 2.0))
+                .output("dx", n)
+                .tolerance(16.0 * U, 16.0 * U);
         let recompute = if i == 0 {
             recompute.with_refusals()
         } else {
