@@ -694,39 +694,36 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(move |s, st, x| s.unary_forward(st, op, x[0], x[1])),
                 reference: None,
             });
-            cases.push(Case {
-                kernel: format!("unary_backward {op:?}"),
-                mode,
-                shape: format!("{n}"),
-                buffers: vec![
-                    Host::floats(rng.vec(n, 4.0), a),
-                    rng.floats(n, a),
-                    nan(n, a),
-                ],
-                outputs: vec![2],
-                cpu: Box::new(move |b, x| b.unary_backward(op, v(&x[0]), v(&x[1]), m(&x[2]))),
-                gpu: Box::new(move |s, st, x| s.unary_backward(st, op, x[0], x[1], x[2], None)),
-                reference: None,
-            });
-            // The gradient's buffer ends holding f(x).
-            cases.push(Case {
-                kernel: format!("unary_backward_recompute {op:?}"),
-                mode,
-                shape: format!("{n}"),
-                buffers: vec![
-                    Host::floats(rng.vec(n, 4.0), a),
-                    rng.floats(n, a),
-                    nan(n, a),
-                ],
-                outputs: vec![1, 2],
-                cpu: Box::new(move |b, x| {
-                    b.unary_backward_recompute(op, v(&x[0]), m(&x[1]), m(&x[2]))
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.unary_backward(st, op, x[0], x[1], x[2], Some(x[1]))
-                }),
-                reference: None,
-            });
+            // The recomputing form ends with f(x) in the gradient's buffer.
+            for recompute in [false, true] {
+                let name = if recompute {
+                    "unary_backward_recompute"
+                } else {
+                    "unary_backward"
+                };
+                cases.push(Case {
+                    kernel: format!("{name} {op:?}"),
+                    mode,
+                    shape: format!("{n}"),
+                    buffers: vec![
+                        Host::floats(rng.vec(n, 4.0), a),
+                        rng.floats(n, a),
+                        nan(n, a),
+                    ],
+                    outputs: if recompute { vec![1, 2] } else { vec![2] },
+                    cpu: Box::new(move |b, x| {
+                        if recompute {
+                            b.unary_backward_recompute(op, v(&x[0]), m(&x[1]), m(&x[2]))
+                        } else {
+                            b.unary_backward(op, v(&x[0]), v(&x[1]), m(&x[2]))
+                        }
+                    }),
+                    gpu: Box::new(move |s, st, x| {
+                        s.unary_backward(st, op, x[0], x[1], x[2], recompute.then_some(x[1]))
+                    }),
+                    reference: None,
+                });
+            }
         }
         // Odd, and whole 8-element words (bf16 takes the 8-element kernels).
         for n in [65_537usize, 65_536] {
@@ -740,46 +737,39 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 gpu: Box::new(|s, st, x| s.silu_mul_forward(st, x[0], x[1], x[2])),
                 reference: None,
             });
-            cases.push(Case {
-                kernel: "silu_mul_backward".into(),
-                mode,
-                shape: format!("{n}"),
-                buffers: vec![
-                    rng.floats(n, a),
-                    rng.floats(n, a),
-                    rng.floats(n, a),
-                    nan(n, a),
-                    nan(n, a),
-                ],
-                outputs: vec![3, 4],
-                cpu: Box::new(|b, x| {
-                    b.silu_mul_backward(v(&x[0]), v(&x[1]), v(&x[2]), m(&x[3]), m(&x[4]))
-                }),
-                gpu: Box::new(|s, st, x| {
-                    s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4], None)
-                }),
-                reference: None,
-            });
-            cases.push(Case {
-                kernel: "silu_mul_backward_recompute".into(),
-                mode,
-                shape: format!("{n}"),
-                buffers: vec![
-                    rng.floats(n, a),
-                    rng.floats(n, a),
-                    rng.floats(n, a),
-                    nan(n, a),
-                    nan(n, a),
-                ],
-                outputs: vec![2, 3, 4],
-                cpu: Box::new(|b, x| {
-                    b.silu_mul_backward_recompute(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), m(&x[4]))
-                }),
-                gpu: Box::new(|s, st, x| {
-                    s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4], Some(x[2]))
-                }),
-                reference: None,
-            });
+            for recompute in [false, true] {
+                let name = if recompute {
+                    "silu_mul_backward_recompute"
+                } else {
+                    "silu_mul_backward"
+                };
+                cases.push(Case {
+                    kernel: name.into(),
+                    mode,
+                    shape: format!("{n}"),
+                    buffers: vec![
+                        rng.floats(n, a),
+                        rng.floats(n, a),
+                        rng.floats(n, a),
+                        nan(n, a),
+                        nan(n, a),
+                    ],
+                    outputs: if recompute { vec![2, 3, 4] } else { vec![3, 4] },
+                    cpu: Box::new(move |b, x| {
+                        let (gate, up, dgate, dup) = (v(&x[0]), v(&x[1]), m(&x[3]), m(&x[4]));
+                        if recompute {
+                            b.silu_mul_backward_recompute(gate, up, m(&x[2]), dgate, dup)
+                        } else {
+                            b.silu_mul_backward(gate, up, v(&x[2]), dgate, dup)
+                        }
+                    }),
+                    gpu: Box::new(move |s, st, x| {
+                        let y = recompute.then_some(x[2]);
+                        s.silu_mul_backward(st, x[0], x[1], x[2], x[3], x[4], y)
+                    }),
+                    reference: None,
+                });
+            }
         }
 
         // Rotary.

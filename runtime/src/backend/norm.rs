@@ -260,14 +260,7 @@ pub fn check_silu_mul_backward(
     dgate: Operand,
     dup: Operand,
 ) -> Result<()> {
-    let operands = [
-        ("gate", gate),
-        ("up", up),
-        ("dy", dy),
-        ("dgate", dgate),
-        ("dup", dup),
-    ];
-    elementwise("silu_mul_backward", &operands)
+    silu_mul_gradients("silu_mul_backward", "dy", [gate, up, dy, dgate, dup])
 }
 
 /// [`Backend::silu_mul_backward_recompute`]'s arguments.
@@ -278,14 +271,25 @@ pub fn check_silu_mul_backward_recompute(
     dgate: Operand,
     dup: Operand,
 ) -> Result<()> {
+    let operands = [gate, up, dy_then_y, dgate, dup];
+    silu_mul_gradients("silu_mul_backward_recompute", "dy_then_y", operands)
+}
+
+/// The SiLU gate's backward operands (`gate`, `up`, the output gradient
+/// named `dy`, `dgate`, `dup`), element-wise.
+fn silu_mul_gradients(
+    kernel: &str,
+    dy: &str,
+    [gate, up, d, dgate, dup]: [Operand; 5],
+) -> Result<()> {
     let operands = [
         ("gate", gate),
         ("up", up),
-        ("dy_then_y", dy_then_y),
+        (dy, d),
         ("dgate", dgate),
         ("dup", dup),
     ];
-    elementwise("silu_mul_backward_recompute", &operands)
+    elementwise(kernel, &operands)
 }
 
 /// [`Backend`]'s norm and activation methods: each checks its arguments,

@@ -38,53 +38,46 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                 Ok(vec![])
             },
         );
-        let bwd = KernelCase::new("unary_backward", format!("{op:?}, {n} elements"))
-            .input("x", x)
-            .input("dy", s.rng.values(n, -2.0, 2.0))
-            .output("dx", n)
-            .tolerance(16.0 * U, 16.0 * U);
-        let bwd = if i == 0 { bwd.with_refusals() } else { bwd };
-        s.check_kernel(
-            bwd,
-            |x| {
-                let dx = x["x"].iter().zip(&x["dy"]);
-                let dx = dx.map(|(&v, g)| g * r::unary_derivative(op, v)).collect();
-                vec![Expected::new("dx", dx)]
-            },
-            |dev, b| {
-                dev.unary_backward(op, b.view("x")?, b.view("dy")?, b.view_mut("dx")?)?;
-                Ok(vec![])
-            },
-        );
-        let recompute =
-            KernelCase::new("unary_backward_recompute", format!("{op:?}, {n} elements"))
-                .input("x", inputs(s, n - 8))
-                .inout("dy_then_y", s.rng.values(n, -2.0, 2.0))
-                .output("dx", n)
-                .tolerance(16.0 * U, 16.0 * U);
-        let recompute = if i == 0 {
-            recompute.with_refusals()
-        } else {
-            recompute
-        };
-        s.check_kernel(
-            recompute,
-            |x| {
-                let dx = x["x"].iter().zip(&x["dy_then_y"]);
-                let dx = dx.map(|(&v, g)| g * r::unary_derivative(op, v)).collect();
-                let y = x["x"].iter().map(|&v| r::unary(op, v)).collect();
-                vec![Expected::new("dx", dx), Expected::new("dy_then_y", y)]
-            },
-            |dev, b| {
-                dev.unary_backward_recompute(
-                    op,
-                    b.view("x")?,
-                    b.view_mut("dy_then_y")?,
-                    b.view_mut("dx")?,
-                )?;
-                Ok(vec![])
-            },
-        );
+        // The recomputing form also ends with f(x) in the gradient's buffer.
+        for recompute in [false, true] {
+            let (kernel, dy) = if recompute {
+                ("unary_backward_recompute", "dy_then_y")
+            } else {
+                ("unary_backward", "dy")
+            };
+            let case =
+                KernelCase::new(kernel, format!("{op:?}, {n} elements")).input("x", x.clone());
+            let g = s.rng.values(n, -2.0, 2.0);
+            let case = if recompute {
+                case.inout(dy, g)
+            } else {
+                case.input(dy, g)
+            };
+            let case = case.output("dx", n).tolerance(16.0 * U, 16.0 * U);
+            let case = if i == 0 { case.with_refusals() } else { case };
+            s.check_kernel(
+                case,
+                |x| {
+                    let dx = x["x"].iter().zip(&x[dy]);
+                    let dx = dx.map(|(&v, g)| g * r::unary_derivative(op, v)).collect();
+                    let mut expected = vec![Expected::new("dx", dx)];
+                    if recompute {
+                        let y = x["x"].iter().map(|&v| r::unary(op, v)).collect();
+                        expected.push(Expected::new(dy, y));
+                    }
+                    expected
+                },
+                |dev, b| {
+                    let (x, dx) = (b.view("x")?, b.view_mut("dx")?);
+                    if recompute {
+                        dev.unary_backward_recompute(op, x, b.view_mut(dy)?, dx)?;
+                    } else {
+                        dev.unary_backward(op, x, b.view(dy)?, dx)?;
+                    }
+                    Ok(vec![])
+                },
+            );
+        }
     }
 
     // A length of whole 8-element words (a GPU's 8-a-thread path in bf16)
@@ -111,71 +104,56 @@ pub(super) fn check<B: Backend>(s: &mut Suite<'_, B>) {
                 Ok(vec![])
             },
         );
-        let bwd = KernelCase::new("silu_mul_backward", format!("{n} elements"))
-            .input("gate", gate.clone())
-            .input("up", up.clone())
-            .input("dy", s.rng.values(n, -2.0, 2.0))
-            .output("dgate", n)
-            .output("dup", n)
-            .tolerance(16.0 * U, 16.0 * U)
-            .with_refusals();
-        s.check_kernel(
-            bwd,
-            |x| {
-                let (g, u, dy) = (&x["gate"], &x["up"], &x["dy"]);
-                let dgate = (0..g.len())
-                    .map(|i| dy[i] * u[i] * r::unary_derivative(Unary::Silu, g[i]))
-                    .collect();
-                let dup = (0..g.len())
-                    .map(|i| dy[i] * r::unary(Unary::Silu, g[i]))
-                    .collect();
-                vec![Expected::new("dgate", dgate), Expected::new("dup", dup)]
-            },
-            |dev, b| {
-                dev.silu_mul_backward(
-                    b.view("gate")?,
-                    b.view("up")?,
-                    b.view("dy")?,
-                    b.view_mut("dgate")?,
-                    b.view_mut("dup")?,
-                )?;
-                Ok(vec![])
-            },
-        );
-        let recompute = KernelCase::new("silu_mul_backward_recompute", format!("{n} elements"))
-            .input("gate", gate)
-            .input("up", up)
-            .inout("dy_then_y", s.rng.values(n, -2.0, 2.0))
-            .output("dgate", n)
-            .output("dup", n)
-            .tolerance(16.0 * U, 16.0 * U)
-            .with_refusals();
-        s.check_kernel(
-            recompute,
-            |x| {
-                let (g, u, dy) = (&x["gate"], &x["up"], &x["dy_then_y"]);
-                let silu = |i: usize| r::unary(Unary::Silu, g[i]);
-                let dgate = (0..g.len())
-                    .map(|i| dy[i] * u[i] * r::unary_derivative(Unary::Silu, g[i]))
-                    .collect();
-                let dup = (0..g.len()).map(|i| dy[i] * silu(i)).collect();
-                let y = (0..g.len()).map(|i| silu(i) * u[i]).collect();
-                vec![
-                    Expected::new("dgate", dgate),
-                    Expected::new("dup", dup),
-                    Expected::new("dy_then_y", y),
-                ]
-            },
-            |dev, b| {
-                dev.silu_mul_backward_recompute(
-                    b.view("gate")?,
-                    b.view("up")?,
-                    b.view_mut("dy_then_y")?,
-                    b.view_mut("dgate")?,
-                    b.view_mut("dup")?,
-                )?;
-                Ok(vec![])
-            },
-        );
+        // The recomputing form also ends with silu(gate) * up in the
+        // gradient's buffer.
+        for recompute in [false, true] {
+            let (kernel, dy) = if recompute {
+                ("silu_mul_backward_recompute", "dy_then_y")
+            } else {
+                ("silu_mul_backward", "dy")
+            };
+            let case = KernelCase::new(kernel, format!("{n} elements"))
+                .input("gate", gate.clone())
+                .input("up", up.clone());
+            let g = s.rng.values(n, -2.0, 2.0);
+            let case = if recompute {
+                case.inout(dy, g)
+            } else {
+                case.input(dy, g)
+            };
+            let case = case
+                .output("dgate", n)
+                .output("dup", n)
+                .tolerance(16.0 * U, 16.0 * U)
+                .with_refusals();
+            s.check_kernel(
+                case,
+                |x| {
+                    let (g, u, d) = (&x["gate"], &x["up"], &x[dy]);
+                    let silu = |i: usize| r::unary(Unary::Silu, g[i]);
+                    let dgate = (0..g.len())
+                        .map(|i| d[i] * u[i] * r::unary_derivative(Unary::Silu, g[i]))
+                        .collect();
+                    let dup = (0..g.len()).map(|i| d[i] * silu(i)).collect();
+                    let mut expected =
+                        vec![Expected::new("dgate", dgate), Expected::new("dup", dup)];
+                    if recompute {
+                        let y = (0..g.len()).map(|i| silu(i) * u[i]).collect();
+                        expected.push(Expected::new(dy, y));
+                    }
+                    expected
+                },
+                |dev, b| {
+                    let (gate, up) = (b.view("gate")?, b.view("up")?);
+                    let (dgate, dup) = (b.view_mut("dgate")?, b.view_mut("dup")?);
+                    if recompute {
+                        dev.silu_mul_backward_recompute(gate, up, b.view_mut(dy)?, dgate, dup)?;
+                    } else {
+                        dev.silu_mul_backward(gate, up, b.view(dy)?, dgate, dup)?;
+                    }
+                    Ok(vec![])
+                },
+            );
+        }
     }
 }
