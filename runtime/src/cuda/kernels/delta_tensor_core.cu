@@ -160,7 +160,7 @@ __device__ __forceinline__ void tc_lower_product(float (&acc)[8][4], const bf16*
 
 __device__ __forceinline__ void tc_stage(bf16* tile, int pitch, const bf16* src, int rows, int width) {
     const int words = width / 8;
-    for (int idx = threadIdx.x; idx < rows * words; idx += DELTA_TC_THREADS) {
+    for (int idx = threadIdx.x; idx < rows * words; idx += blockDim.x) {
         const int r = idx / words;
         const int c = (idx % words) * 8;
         copy16_async(shared_address(tile + r * pitch + c), src + static_cast<u64>(r) * width + c, true);
@@ -744,31 +744,12 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v;
 }
 
-// This lane's part of (row g + 8 half of the warp's block of acc) . (row
-// `row` of `tile`), over the columns below n_end.
-template <int NT>
-__device__ __forceinline__ float tc_row_dot(const float (&acc)[NT][4], int half, const bf16* tile, int pitch, int row,
-                                            int n_end) {
-    const int q = threadIdx.x & 3;
-    float sum = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int col = 8 * nt + 2 * q;
-        if (col < n_end) {
-            const float2 v = load_pair(tile + row * pitch + col);
-            sum = __fmaf_rn(acc[nt][2 * half], v.x, sum);
-            sum = __fmaf_rn(acc[nt][2 * half + 1], v.y, sum);
-        }
-    }
-    return sum;
-}
-
 // Copies rows of `width` bf16 (a multiple of 8) from `src` (rows `stride`
 // apart) into `tile`, asynchronously; rows from `valid` on are zeros.
 __device__ __forceinline__ void tc_stage_rows(bf16* tile, int pitch, const bf16* src, u64 stride, int valid,
                                               int width) {
     const int words = width / 8;
-    for (int idx = threadIdx.x; idx < DELTA_CHUNK * words; idx += DELTA_TC_THREADS) {
+    for (int idx = threadIdx.x; idx < DELTA_CHUNK * words; idx += blockDim.x) {
         const int r = idx / words;
         const int c = (idx % words) * 8;
         const bool ok = r < valid;
@@ -1067,8 +1048,11 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
 }
 
 // ---- a chunk's gradients on tensor cores ------------------------------------------------
-// One block an item, warp w the steps t = 16w..16w+15; the f32 path's
-// formulas (`delta_backward_chunk`), each product an mma over bf16 tiles:
+// One block an item, 8 warps: warp w the steps t = 16 (w mod 4) .. +15 and
+// every other 16-column block of each product's output, from 16 (w / 4)
+// (`TcCols`), so two warps share a row block and every product is split
+// in two alike; the f32 path's formulas (`delta_backward_chunk`), each
+// product an mma over bf16 tiles:
 //   dM = dO V'^T, m = (Q K^T) e and kke = (K K^T) e (masked),
 //   dQi = dO S_0, dq = gamma dQi + (dM e) K,
 //   dW = -dV' S_0, d(beta gamma K) = T^T dW, d(beta V) = T^T dV',
@@ -1076,14 +1060,83 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
 //   dA = -X T^T (s < t), dKd = V' dH_L^T,
 //   dk = e^(G_L - G_t) dKd + beta gamma d(beta gamma K) + Z K + Z^T K
 //        + (dM e)^T Q with Z = beta_t dA e,
-// the per-step sums for beta's and G's gradients in f32 (row sums across a
-// quad of lanes, column sums a thread a column, each in a fixed order).
+// the per-step sums for beta's and G's gradients in f32 (a row's sum: each
+// column half's across a quad of lanes, then the two halves in order;
+// column sums a thread a column, each in a fixed order). An element of
+// every product and every global dq, dk row is one warp's throughout, so
+// the read-modify-writes of dk need no barrier between them.
 // Dynamic shared memory (`tc_back_chunk_shared`), bf16 tiles: Q, K, W's
 // gradient (pitch dk + 8), V, dO, V', dV' (pitch dv + 8), S_0 then dH_L
 // [dv, dk + 8], T, dM e, dT then Z, X (pitch 72); f32: dM m and kke then
-// beta dA kke (pitch 65), and the per-step values.
-// One block an SM (its shared memory), so the registers may go to 255.
-extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_chunk(DeltaParams p) {
+// beta dA kke (pitch 65), and the per-step values (the row sums' two
+// halves each).
+// Why 8 warps: the block holds 226 KiB of shared memory, so one fits an
+// SM, and with 4 warps the SM sat waiting on each warp's chain of loads and
+// mmas; 8 warps at up to 255 registers fill its register file.
+#define DELTA_TC_CHUNK_THREADS 256
+
+// The 16-column blocks of a product's output a warp of
+// `delta_tc_back_chunk` computes: first, first + 16 stride, ...; its
+// accumulator tiles 2i and 2i + 1 are block i's two 8-column halves.
+struct TcCols {
+    int first;
+    int stride;
+};
+
+// The first of the two columns this lane holds in accumulator tile nt.
+__device__ __forceinline__ int tc_col(TcCols cols, int nt) {
+    return cols.first + 16 * cols.stride * (nt >> 1) + 8 * (nt & 1) + 2 * (threadIdx.x & 3);
+}
+
+// acc += A B over k in [k_begin, k_end) for the warp's 16 rows from m0 and
+// the column blocks of `cols` below n_end; A and B read as `tc_product`
+// reads them.
+template <bool A_TRANS, bool B_ROWS, int NT>
+__device__ __forceinline__ void tc_product_cols(float (&acc)[NT][4], const bf16* a, int pa, int m0, const bf16* b,
+                                                int pb, TcCols cols, int n_end, int k_begin, int k_end) {
+    for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+        u32 af[4];
+        if (A_TRANS) {
+            tc_load_a_trans(af, a, pa, m0, k0);
+        } else {
+            tc_load_a(af, a, pa, m0, k0);
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            const int n = cols.first + 16 * cols.stride * np;
+            if (n < n_end) {
+                u32 bf[4];
+                if (B_ROWS) {
+                    tc_load_b_rows(bf, b, pb, n, k0);
+                } else {
+                    tc_load_b_cols(bf, b, pb, k0, n);
+                }
+                mma_bf16(acc[2 * np], af, bf[0], bf[1]);
+                mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// This lane's part of (row g + 8 half of the warp's block of acc) . (row
+// `row` of `tile`), over the warp's columns below n_end.
+template <int NT>
+__device__ __forceinline__ float tc_row_dot(const float (&acc)[NT][4], int half, const bf16* tile, int pitch, int row,
+                                            TcCols cols, int n_end) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int col = tc_col(cols, nt);
+        if (col < n_end) {
+            const float2 v = load_pair(tile + row * pitch + col);
+            sum = __fmaf_rn(acc[nt][2 * half], v.x, sum);
+            sum = __fmaf_rn(acc[nt][2 * half + 1], v.y, sum);
+        }
+    }
+    return sum;
+}
+
+extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc_back_chunk(DeltaParams p) {
     grid_dependency_sync();
     extern __shared__ __align__(16) unsigned char delta_shared[];
     const int dk = p.dk;
@@ -1106,15 +1159,17 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     float* f_akk = f_dmm + 64 * DELTA_F_PITCH;
     float* s_g = f_akk + 64 * DELTA_F_PITCH;
     float* s_beta = s_g + 64;
-    float* s_qi = s_beta + 64;
-    float* s_mrow = s_qi + 64;
-    float* s_kdd = s_mrow + 64;
-    float* s_kb = s_kdd + 64;
-    float* s_vb = s_kb + 64;
-    float* s_arow = s_vb + 64;
-    float* s_dg = s_arow + 64;
+    float* s_kdd = s_beta + 64;
+    float* s_dg = s_kdd + 64;
     float* s_dbeta = s_dg + 64;
-    float* s_sum = s_dbeta + 64;
+    // The row sums, each column half's: [half][64].
+    float* s_qi = s_dbeta + 64;
+    float* s_mrow = s_qi + 128;
+    float* s_kdd_half = s_mrow + 128;
+    float* s_kb = s_kdd_half + 128;
+    float* s_vb = s_kb + 128;
+    float* s_arow = s_vb + 128;
+    float* s_sum = s_arow + 128;
     const int tid = threadIdx.x;
     const u64 item = blockIdx.x;
     const Item it = item_of(p, item);
@@ -1136,7 +1191,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     // S_0 in bf16, and <S_0, dH_L> (G_L's gradient through gamma_L H_0).
     const float4* state = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(p.states) + item * dv * dk);
     float hd = 0.0f;
-    for (int idx = tid; idx < dv * dk / 4; idx += DELTA_TC_THREADS) {
+    for (int idx = tid; idx < dv * dk / 4; idx += DELTA_TC_CHUNK_THREADS) {
         const float4 s = state[idx];
         const int col = (4 * idx) / dk;
         const int x = (4 * idx) % dk;
@@ -1160,10 +1215,13 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     const int lane = tid & 31;
     const int g = lane >> 2;
     const int q = lane & 3;
-    const int m0 = 16 * warp;
+    const int rows = warp & 3;
+    const int half = warp >> 2;
+    const TcCols cols{16 * half, 2};
+    const int m0 = 16 * rows;
     const int t0 = m0 + g;
     const int t1 = t0 + 8;
-    const int diag = 16 * (warp + 1);
+    const int diag = 16 * (rows + 1);
     const float g0 = s_g[t0];
     const float g1 = s_g[t1];
     const float gamma0 = expf(g0);
@@ -1171,6 +1229,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     const float g_last = s_g[DELTA_CHUNK - 1];
     const bool live0 = t0 < it.len;
     const bool live1 = t1 < it.len;
+    // This warp's slots of the row sums.
+    const int h0 = half * 64 + t0;
+    const int h1 = half * 64 + t1;
     float* dq_all = dq_rows(p);
     float* dk_all = dk_rows(p);
     const u64 at0 = live0 ? (row_of(p, it, t0) * p.value_heads + it.j) * dk : 0;
@@ -1178,20 +1239,21 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     {
         // The scores m = (Q K^T) e and dM = dO V'^T, s <= t: dM m (for
         // G's gradient) and dM e (for the products).
-        float sc[8][4];
-        float dm[8][4];
+        float sc[4][4];
+        float dm[4][4];
         tc_zero(sc);
         tc_zero(dm);
-        tc_product<false, true, 8>(sc, s_q, pk, m0, s_k, pk, 0, diag, 0, dk);
-        tc_product<false, true, 8>(dm, s_do, pv, m0, s_vn, pv, 0, diag, 0, dv);
+        tc_product_cols<false, true, 4>(sc, s_q, pk, m0, s_k, pk, cols, diag, 0, dk);
+        tc_product_cols<false, true, 4>(dm, s_do, pv, m0, s_vn, pv, cols, diag, 0, dv);
         float mrow0 = 0.0f;
         float mrow1 = 0.0f;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
+            const int col = tc_col(cols, nt);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = e < 2 ? t0 : t1;
-                const int s = 8 * nt + 2 * q + (e & 1);
+                const int s = col + (e & 1);
                 const bool on = s <= t;
                 const float decay = on ? expf((e < 2 ? g0 : g1) - s_g[s]) : 0.0f;
                 const float d = on ? dm[nt][e] : 0.0f;
@@ -1204,28 +1266,27 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
                 }
                 dm[nt][e] = d * decay;
             }
-            const int col = 8 * nt + 2 * q;
             store_pair(s_dme + t0 * DELTA_T_PITCH + col, dm[nt][0], dm[nt][1]);
             store_pair(s_dme + t1 * DELTA_T_PITCH + col, dm[nt][2], dm[nt][3]);
         }
         mrow0 = quad_sum(mrow0);
         mrow1 = quad_sum(mrow1);
         if (q == 0) {
-            s_mrow[t0] = mrow0;
-            s_mrow[t1] = mrow1;
+            s_mrow[h0] = mrow0;
+            s_mrow[h1] = mrow1;
         }
     }
     {
         // kke = (K K^T) e, s < t.
-        float kk[8][4];
+        float kk[4][4];
         tc_zero(kk);
-        tc_product<false, true, 8>(kk, s_k, pk, m0, s_k, pk, 0, diag, 0, dk);
+        tc_product_cols<false, true, 4>(kk, s_k, pk, m0, s_k, pk, cols, diag, 0, dk);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = e < 2 ? t0 : t1;
-                const int s = 8 * nt + 2 * q + (e & 1);
+                const int s = tc_col(cols, nt) + (e & 1);
                 f_akk[t * DELTA_F_PITCH + s] = s < t ? kk[nt][e] * expf((e < 2 ? g0 : g1) - s_g[s]) : 0.0f;
             }
         }
@@ -1233,26 +1294,26 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     __syncthreads();
     {
         // dQi = dO S_0; dq = gamma dQi + (dM e) K.
-        float acc[16][4];
+        float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 16>(acc, s_do, pv, m0, s_s, pk, 0, dk, 0, dv);
-        const float qi0 = quad_sum(tc_row_dot(acc, 0, s_q, pk, t0, dk));
-        const float qi1 = quad_sum(tc_row_dot(acc, 1, s_q, pk, t1, dk));
+        tc_product_cols<false, false, 8>(acc, s_do, pv, m0, s_s, pk, cols, dk, 0, dv);
+        const float qi0 = quad_sum(tc_row_dot(acc, 0, s_q, pk, t0, cols, dk));
+        const float qi1 = quad_sum(tc_row_dot(acc, 1, s_q, pk, t1, cols, dk));
         if (q == 0) {
-            s_qi[t0] = qi0;
-            s_qi[t1] = qi1;
+            s_qi[h0] = qi0;
+            s_qi[h1] = qi1;
         }
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
+        for (int nt = 0; nt < 8; ++nt) {
             acc[nt][0] *= gamma0;
             acc[nt][1] *= gamma0;
             acc[nt][2] *= gamma1;
             acc[nt][3] *= gamma1;
         }
-        tc_product<false, false, 16>(acc, s_dme, DELTA_T_PITCH, m0, s_k, pk, 0, dk, 0, diag);
+        tc_product_cols<false, false, 8>(acc, s_dme, DELTA_T_PITCH, m0, s_k, pk, cols, dk, 0, diag);
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = tc_col(cols, nt);
             if (col < dk) {
                 if (live0) {
                     store_pair(dq_all + at0 + col, acc[nt][0], acc[nt][1]);
@@ -1265,12 +1326,12 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     }
     {
         // dW = -dV' S_0.
-        float acc[16][4];
+        float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 16>(acc, s_dvn, pv, m0, s_s, pk, 0, dk, 0, dv);
+        tc_product_cols<false, false, 8>(acc, s_dvn, pv, m0, s_s, pk, cols, dk, 0, dv);
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = tc_col(cols, nt);
             if (col < dk) {
                 store_pair(s_dw + t0 * pk + col, -acc[nt][0], -acc[nt][1]);
                 store_pair(s_dw + t1 * pk + col, -acc[nt][2], -acc[nt][3]);
@@ -1284,20 +1345,20 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     {
         // d(beta gamma K) = T^T dW (T^T is upper triangular): kb, and dk's
         // first term.
-        float acc[16][4];
+        float acc[8][4];
         tc_zero(acc);
-        tc_product<true, false, 16>(acc, s_t, DELTA_T_PITCH, m0, s_dw, pk, 0, dk, m0, DELTA_CHUNK);
-        const float kb0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, dk));
-        const float kb1 = quad_sum(tc_row_dot(acc, 1, s_k, pk, t1, dk));
+        tc_product_cols<true, false, 8>(acc, s_t, DELTA_T_PITCH, m0, s_dw, pk, cols, dk, m0, DELTA_CHUNK);
+        const float kb0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, cols, dk));
+        const float kb1 = quad_sum(tc_row_dot(acc, 1, s_k, pk, t1, cols, dk));
         if (q == 0) {
-            s_kb[t0] = kb0;
-            s_kb[t1] = kb1;
+            s_kb[h0] = kb0;
+            s_kb[h1] = kb1;
         }
         const float c0 = s_beta[t0] * gamma0;
         const float c1 = s_beta[t1] * gamma1;
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = tc_col(cols, nt);
             if (col < dk) {
                 if (live0) {
                     store_pair(dk_all + at0 + col, c0 * acc[nt][0], c0 * acc[nt][1]);
@@ -1310,19 +1371,19 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     }
     {
         // d(beta V) = T^T dV': vb, and v's gradient beta d(beta V).
-        float acc[16][4];
+        float acc[8][4];
         tc_zero(acc);
-        tc_product<true, false, 16>(acc, s_t, DELTA_T_PITCH, m0, s_dvn, pv, 0, dv, m0, DELTA_CHUNK);
-        const float vb0 = quad_sum(tc_row_dot(acc, 0, s_v, pv, t0, dv));
-        const float vb1 = quad_sum(tc_row_dot(acc, 1, s_v, pv, t1, dv));
+        tc_product_cols<true, false, 8>(acc, s_t, DELTA_T_PITCH, m0, s_dvn, pv, cols, dv, m0, DELTA_CHUNK);
+        const float vb0 = quad_sum(tc_row_dot(acc, 0, s_v, pv, t0, cols, dv));
+        const float vb1 = quad_sum(tc_row_dot(acc, 1, s_v, pv, t1, cols, dv));
         if (q == 0) {
-            s_vb[t0] = vb0;
-            s_vb[t1] = vb1;
+            s_vb[h0] = vb0;
+            s_vb[h1] = vb1;
         }
         void* d_qkv = reinterpret_cast<void*>(p.d_qkv);
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = tc_col(cols, nt);
             if (col < dv) {
                 if (live0) {
                     const u64 at = row_of(p, it, t0) * width + v_col + col;
@@ -1339,27 +1400,27 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     }
     {
         // dT = beta_s (dV' V^T + gamma_s dW K^T), s < t.
-        float dt[8][4];
+        float dt[4][4];
         tc_zero(dt);
-        tc_product<false, true, 8>(dt, s_dw, pk, m0, s_k, pk, 0, diag, 0, dk);
+        tc_product_cols<false, true, 4>(dt, s_dw, pk, m0, s_k, pk, cols, diag, 0, dk);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                dt[nt][e] *= expf(s_g[8 * nt + 2 * q + (e & 1)]);
+                dt[nt][e] *= expf(s_g[tc_col(cols, nt) + (e & 1)]);
             }
         }
-        tc_product<false, true, 8>(dt, s_dvn, pv, m0, s_v, pv, 0, diag, 0, dv);
+        tc_product_cols<false, true, 4>(dt, s_dvn, pv, m0, s_v, pv, cols, diag, 0, dv);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
+            const int col = tc_col(cols, nt);
             float v[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = e < 2 ? t0 : t1;
-                const int s = 8 * nt + 2 * q + (e & 1);
+                const int s = col + (e & 1);
                 v[e] = s < t ? s_beta[s] * dt[nt][e] : 0.0f;
             }
-            const int col = 8 * nt + 2 * q;
             store_pair(s_dt + t0 * DELTA_T_PITCH + col, v[0], v[1]);
             store_pair(s_dt + t1 * DELTA_T_PITCH + col, v[2], v[3]);
         }
@@ -1368,32 +1429,33 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     __syncthreads();
     {
         // X = T^T dT.
-        float x[8][4];
+        float x[4][4];
         tc_zero(x);
-        tc_product<true, false, 8>(x, s_t, DELTA_T_PITCH, m0, s_dt, DELTA_T_PITCH, 0, DELTA_CHUNK, m0, DELTA_CHUNK);
+        tc_product_cols<true, false, 4>(x, s_t, DELTA_T_PITCH, m0, s_dt, DELTA_T_PITCH, cols, DELTA_CHUNK, m0,
+                                        DELTA_CHUNK);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 4; ++nt) {
+            const int col = tc_col(cols, nt);
             store_pair(s_x + t0 * DELTA_T_PITCH + col, x[nt][0], x[nt][1]);
             store_pair(s_x + t1 * DELTA_T_PITCH + col, x[nt][2], x[nt][3]);
         }
     }
     {
         // dKd = V' dH_L^T: kdd and dk's decayed-key term.
-        float acc[16][4];
+        float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 16>(acc, s_vn, pv, m0, s_s, pk, 0, dk, 0, dv);
+        tc_product_cols<false, false, 8>(acc, s_vn, pv, m0, s_s, pk, cols, dk, 0, dv);
         const float e0 = expf(g_last - g0);
         const float e1 = expf(g_last - g1);
-        const float kdd0 = e0 * quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, dk));
-        const float kdd1 = e1 * quad_sum(tc_row_dot(acc, 1, s_k, pk, t1, dk));
+        const float kdd0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, cols, dk));
+        const float kdd1 = quad_sum(tc_row_dot(acc, 1, s_k, pk, t1, cols, dk));
         if (q == 0) {
-            s_kdd[t0] = kdd0;
-            s_kdd[t1] = kdd1;
+            s_kdd_half[h0] = kdd0;
+            s_kdd_half[h1] = kdd1;
         }
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = tc_col(cols, nt);
             if (col < dk) {
                 if (live0) {
                     const float2 was = load_pair(dk_all + at0 + col);
@@ -1410,18 +1472,19 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
     {
         // dA = -X T^T, s < t: a_row; Z = beta_t dA e (over dT's tile);
         // beta_t dA kke (over kke's) for the column sums.
-        float da[8][4];
+        float da[4][4];
         tc_zero(da);
-        tc_product<false, true, 8>(da, s_x, DELTA_T_PITCH, m0, s_t, DELTA_T_PITCH, 0, diag, 0, diag);
+        tc_product_cols<false, true, 4>(da, s_x, DELTA_T_PITCH, m0, s_t, DELTA_T_PITCH, cols, diag, 0, diag);
         float arow0 = 0.0f;
         float arow1 = 0.0f;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
+            const int col = tc_col(cols, nt);
             float z[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = e < 2 ? t0 : t1;
-                const int s = 8 * nt + 2 * q + (e & 1);
+                const int s = col + (e & 1);
                 const bool on = s < t;
                 const float d = on ? -da[nt][e] : 0.0f;
                 const float kke = f_akk[t * DELTA_F_PITCH + s];
@@ -1433,28 +1496,27 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
                 f_akk[t * DELTA_F_PITCH + s] = d * s_beta[t] * kke;
                 z[e] = on ? s_beta[t] * d * expf((e < 2 ? g0 : g1) - s_g[s]) : 0.0f;
             }
-            const int col = 8 * nt + 2 * q;
             store_pair(s_dt + t0 * DELTA_T_PITCH + col, z[0], z[1]);
             store_pair(s_dt + t1 * DELTA_T_PITCH + col, z[2], z[3]);
         }
         arow0 = quad_sum(arow0);
         arow1 = quad_sum(arow1);
         if (q == 0) {
-            s_arow[t0] = arow0;
-            s_arow[t1] = arow1;
+            s_arow[h0] = arow0;
+            s_arow[h1] = arow1;
         }
     }
     __syncthreads();
     {
         // dk += Z K + Z^T K + (dM e)^T Q.
-        float acc[16][4];
+        float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 16>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, 0, dk, 0, diag);
-        tc_product<true, false, 16>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, 0, dk, m0, DELTA_CHUNK);
-        tc_product<true, false, 16>(acc, s_dme, DELTA_T_PITCH, m0, s_q, pk, 0, dk, m0, DELTA_CHUNK);
+        tc_product_cols<false, false, 8>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, dk, 0, diag);
+        tc_product_cols<true, false, 8>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, dk, m0, DELTA_CHUNK);
+        tc_product_cols<true, false, 8>(acc, s_dme, DELTA_T_PITCH, m0, s_q, pk, cols, dk, m0, DELTA_CHUNK);
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-            const int col = 8 * nt + 2 * q;
+        for (int nt = 0; nt < 8; ++nt) {
+            const int col = tc_col(cols, nt);
             if (col < dk) {
                 if (live0) {
                     const float2 was = load_pair(dk_all + at0 + col);
@@ -1467,10 +1529,18 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
             }
         }
     }
-    // Per step: the column sums (a thread a step, rows in order), then
-    // beta's and G's gradients as `delta_backward_chunk` has them.
+    // Per step: the row sums' halves added, the column sums (a thread a
+    // step, rows in order), then beta's and G's gradients as
+    // `delta_backward_chunk` has them.
     if (tid < DELTA_CHUNK) {
         const int t = tid;
+        const float qi = s_qi[t] + s_qi[64 + t];
+        const float mrow = s_mrow[t] + s_mrow[64 + t];
+        const float kb = s_kb[t] + s_kb[64 + t];
+        const float vb = s_vb[t] + s_vb[64 + t];
+        const float arow = s_arow[t] + s_arow[64 + t];
+        const float kdd = expf(g_last - s_g[t]) * (s_kdd_half[t] + s_kdd_half[64 + t]);
+        s_kdd[t] = kdd;
         float m_col = 0.0f;
         float a_col = 0.0f;
         for (int s = t; s < DELTA_CHUNK; ++s) {
@@ -1484,8 +1554,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS, 1) delta_tc_back_
         if (t < it.len) {
             const float gamma = expf(s_g[t]);
             const float beta = s_beta[t];
-            dbeta = s_vb[t] + gamma * s_kb[t] + s_arow[t];
-            dg = gamma * s_qi[t] + s_mrow[t] - m_col + beta * gamma * s_kb[t] + beta * s_arow[t] - a_col - s_kdd[t];
+            dbeta = vb + gamma * kb + arow;
+            dg = gamma * qi + mrow - m_col + beta * gamma * kb + beta * arow - a_col - kdd;
         }
         s_dbeta[t] = dbeta;
         s_dg[t] = dg;

@@ -70,6 +70,9 @@ const WORKSPACES: usize = 264;
 
 /// Threads of the tensor-core kernels' blocks (`DELTA_TC_THREADS`).
 const TC_THREADS: u32 = 128;
+/// Threads of `delta_tc_back_chunk`'s blocks (`DELTA_TC_CHUNK_THREADS`):
+/// eight warps, since its shared memory allows one block an SM.
+const TC_CHUNK_THREADS: u32 = 256;
 /// State columns a tensor-core walk block takes (`DELTA_TC_COLS`).
 const TC_COLS: usize = 16;
 /// The widest head either dim may have on the tensor-core path: a warp's
@@ -130,7 +133,7 @@ fn tc_backward_shared_bytes(dims: DeltaDims) -> [usize; 3] {
         + f32 * (TC_COLS * dk + DELTA_CHUNK);
     let chunk = bf16
         * (3 * DELTA_CHUNK * pk + 4 * DELTA_CHUNK * pv + dv * pk + 4 * DELTA_CHUNK * TC_T_PITCH)
-        + f32 * (2 * DELTA_CHUNK * TC_F_PITCH + 10 * DELTA_CHUNK + 32);
+        + f32 * (2 * DELTA_CHUNK * TC_F_PITCH + 17 * DELTA_CHUNK + 32);
     [dvl, walk, chunk]
 }
 
@@ -578,26 +581,15 @@ impl KernelSet {
         {
             let walks = dims.tokens.batch * dims.value_heads * (dims.value_dim / TC_COLS);
             let [prep, ..] = tc_shared_bytes(dims);
+            let [dvl, walk, chunk] = tc_backward_shared_bytes(dims);
             let launches = [
-                ("delta_tc_prep", prep, plan.items),
-                (
-                    "delta_tc_dvl",
-                    tc_backward_shared_bytes(dims)[0],
-                    plan.items,
-                ),
-                (
-                    "delta_tc_back_walk",
-                    tc_backward_shared_bytes(dims)[1],
-                    walks,
-                ),
-                (
-                    "delta_tc_back_chunk",
-                    tc_backward_shared_bytes(dims)[2],
-                    plan.items,
-                ),
+                ("delta_tc_prep", prep, plan.items, TC_THREADS),
+                ("delta_tc_dvl", dvl, plan.items, TC_THREADS),
+                ("delta_tc_back_walk", walk, walks, TC_THREADS),
+                ("delta_tc_back_chunk", chunk, plan.items, TC_CHUNK_THREADS),
             ];
-            for (kernel, bytes, blocks) in launches {
-                let mut config = per_item(blocks, TC_THREADS)?;
+            for (kernel, bytes, blocks, threads) in launches {
+                let mut config = per_item(blocks, threads)?;
                 // delta_reserve_shared checked that it fits an i32.
                 config.shared_mem_bytes = bytes as u32;
                 self.delta_launch(stream, kernel, &p, config)?;
@@ -705,6 +697,7 @@ mod tests {
             "delta_tensor_core.cu",
             &[
                 ("DELTA_TC_THREADS", TC_THREADS as usize),
+                ("DELTA_TC_CHUNK_THREADS", TC_CHUNK_THREADS as usize),
                 ("DELTA_TC_COLS", TC_COLS),
                 ("DELTA_T_PITCH", TC_T_PITCH),
                 ("DELTA_F_PITCH", TC_F_PITCH),
@@ -727,7 +720,7 @@ mod tests {
         let [prep, walk, output] = tc_shared_bytes(dims(100, 128, 128));
         assert_eq!((prep, walk, output), (90_112, 46_336, 87_040));
         let [dvl, walk, chunk] = tc_backward_shared_bytes(dims(100, 128, 128));
-        assert_eq!((dvl, walk, chunk), (52_224, 102_656, 229_504));
+        assert_eq!((dvl, walk, chunk), (52_224, 102_656, 231_296));
         // The backward walk double-buffers W and still fits two blocks an SM.
         assert!(2 * walk <= 227 * 1024);
         // f32 storage, an f32 output, a head dim no multiple of 16, one
