@@ -754,7 +754,12 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_chunk
 // ---- through the L2 norms ---------------------------------------------------------
 // A warp a (row, key head): the normalised q's and k's gradients summed over
 // the key head's value heads in order, then y = x r (times the scale for q):
-// dx = r (s dy - y (y . s dy)) with y = x r, as the CPU reference.
+// dx = r (s dy - y (y . s dy)) with y = x r, as the CPU reference. A lane
+// keeps its channels (x = lane + 32 m, m < DELTA_NORM_SLOTS) of x and of the
+// summed gradient in registers, and both tensors' loads are issued before
+// the first sum waits on them: one pass over memory, not three dependent
+// ones, so the warps wait once a row.
+#define DELTA_NORM_SLOTS (DELTA_MAX_DK / 32)
 extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_norm(DeltaParams p) {
     grid_dependency_sync();
     const int lane = threadIdx.x & 31;
@@ -769,32 +774,53 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS) delta_backward_norm(
     const int per_key = p.value_heads / p.key_heads;
     const u64 width = qkv_width(p);
     const void* qkv = reinterpret_cast<const void*>(p.qkv);
+    float xs[2][DELTA_NORM_SLOTS];
+    float dys[2][DELTA_NORM_SLOTS];
+#pragma unroll
     for (int which = 0; which < 2; ++which) {
         const float* grads = which == 0 ? dq_rows(p) : dk_rows(p);
+        const u64 at = r * width + static_cast<u64>(which * p.key_heads + i) * dk;
+#pragma unroll
+        for (int m = 0; m < DELTA_NORM_SLOTS; ++m) {
+            const int x = lane + 32 * m;
+            float dy = 0.0f;
+            float v = 0.0f;
+            if (x < dk) {
+                v = load(qkv, p.t_qkv, at + x);
+                for (int j = i * per_key; j < (i + 1) * per_key; ++j) {
+                    dy += grads[(r * p.value_heads + j) * dk + x];
+                }
+            }
+            xs[which][m] = v;
+            dys[which][m] = dy;
+        }
+    }
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
         const float s = which == 0 ? p.scale : 1.0f;
         const u64 at = r * width + static_cast<u64>(which * p.key_heads + i) * dk;
         float ss = 0.0f;
-        for (int x = lane; x < dk; x += 32) {
-            const float v = load(qkv, p.t_qkv, at + x);
-            ss += v * v;
+#pragma unroll
+        for (int m = 0; m < DELTA_NORM_SLOTS; ++m) {
+            ss += xs[which][m] * xs[which][m];
         }
         const float rstd = 1.0f / sqrtf(warp_sum(ss) + DELTA_L2_EPS);
         float y_dy = 0.0f;
-        for (int x = lane; x < dk; x += 32) {
-            float dy = 0.0f;
-            for (int j = i * per_key; j < (i + 1) * per_key; ++j) {
-                dy += grads[(r * p.value_heads + j) * dk + x];
+#pragma unroll
+        for (int m = 0; m < DELTA_NORM_SLOTS; ++m) {
+            if (lane + 32 * m < dk) {
+                y_dy += xs[which][m] * rstd * (dys[which][m] * s);
             }
-            y_dy += load(qkv, p.t_qkv, at + x) * rstd * (dy * s);
         }
         y_dy = warp_sum(y_dy);
-        for (int x = lane; x < dk; x += 32) {
-            float dy = 0.0f;
-            for (int j = i * per_key; j < (i + 1) * per_key; ++j) {
-                dy += grads[(r * p.value_heads + j) * dk + x];
+#pragma unroll
+        for (int m = 0; m < DELTA_NORM_SLOTS; ++m) {
+            const int x = lane + 32 * m;
+            if (x < dk) {
+                const float xv = xs[which][m];
+                store(reinterpret_cast<void*>(p.d_qkv), p.t_d_qkv, at + x,
+                      rstd * (dys[which][m] * s - xv * rstd * y_dy));
             }
-            const float xv = load(qkv, p.t_qkv, at + x);
-            store(reinterpret_cast<void*>(p.d_qkv), p.t_d_qkv, at + x, rstd * (dy * s - xv * rstd * y_dy));
         }
     }
 }
