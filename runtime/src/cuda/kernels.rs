@@ -74,6 +74,7 @@ pub const SOURCES: &[KernelSource] = &[
         "rmsnorm.cu",
         [
             "rmsnorm_forward",
+            "rmsnorm_forward_warps",
             "rmsnorm_backward_input",
             "rmsnorm_backward",
             "rmsnorm_weight_partials",

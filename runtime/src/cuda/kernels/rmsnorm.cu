@@ -83,6 +83,82 @@ extern "C" __global__ void rmsnorm_forward(
     }
 }
 
+// `rmsnorm_forward`'s `vec8` path a warp a (row, group), for groups of at
+// most RMSNORM_WARP_WORDS words: the same sums in the same order, so the
+// same bits, without the block's barriers or its second read of x. The
+// block kernel's thread t (of `threads`, a power of two from 32 to 256 at
+// least the group's words) holds word t; here lane l holds the words
+// l + 32 w of the block's warps w, all loaded before the first sum, sums
+// each word's squares as thread t does, reduces each w with the block's
+// warp tree, and then the warps' sums with its second tree. Launched 8
+// warps a block; `threads` is the block kernel's.
+#define RMSNORM_WARP_WORDS 256
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_warps(
+    const uint4* x, const uint4* w, uint4* y, float* rstd, uint4* x_copy, u64 items, u64 groups, u64 group_size,
+    u32 threads, float eps) {
+    grid_dependency_sync();
+    const u64 item = static_cast<u64>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+    if (item >= items) {
+        return;
+    }
+    const u32 lane = threadIdx.x & 31;
+    const u64 words = group_size / 8;
+    const u32 warps = threads / 32;
+    const uint4* xr = x + item * words;
+    const uint4* wr = w + (item % groups) * words;
+    uint4 held[RMSNORM_WARP_WORDS / 32];
+#pragma unroll
+    for (u32 v = 0; v < RMSNORM_WARP_WORDS / 32; ++v) {
+        const u64 c = lane + 32 * v;
+        if (v < warps && c < words) {
+            held[v] = xr[c];
+        }
+    }
+    float total = 0.0f;
+#pragma unroll
+    for (u32 v = 0; v < RMSNORM_WARP_WORDS / 32; ++v) {
+        if (v < warps) {
+            float sum = 0.0f;
+            if (lane + 32 * v < words) {
+                float f[8];
+                unpack8(held[v], f);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    sum += f[e] * f[e];
+                }
+            }
+            sum = warp_sum(sum);
+            // Every lane holds warp v's sum; lane v takes it, as lane v of
+            // the block's second tree reads warp v's.
+            if (lane == v) {
+                total = sum;
+            }
+        }
+    }
+    total = warp_sum(total);
+    const float rs = 1.0f / sqrtf(total / static_cast<float>(group_size) + eps);
+    if (lane == 0) {
+        rstd[item] = rs;
+    }
+#pragma unroll
+    for (u32 v = 0; v < RMSNORM_WARP_WORDS / 32; ++v) {
+        const u64 c = lane + 32 * v;
+        if (v < warps && c < words) {
+            if (x_copy != nullptr) {
+                x_copy[item * words + c] = held[v];
+            }
+            float f[8], g[8];
+            unpack8(held[v], f);
+            unpack8(wr[c], g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                f[e] = f[e] * rs * g[e];
+            }
+            y[item * words + c] = pack8(f);
+        }
+    }
+}
+
 // The backward's `vec8` path takes bf16 or f32 operands alike (the layers
 // sum the norm's output gradient in f32): DY for dy, T for x, w and dx
 // (`Bf16Words8`, `F32Words8`, or `AnyWords8` for other mixes).

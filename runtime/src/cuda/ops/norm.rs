@@ -7,7 +7,7 @@ use crate::backend::{NormDims, NormKernels, Unary};
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
     GpuView, KernelSet, bf16_words, column_blocks, dtype_tag, grid_for, per_item, reduce_threads,
-    words8,
+    warp_per_item, words8,
 };
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::Result;
@@ -165,8 +165,14 @@ fn unary_code(op: Unary) -> i32 {
 /// quarters would idle. Its sums do not change: the block's reduction adds
 /// the idle threads' zeros.
 fn norm_threads(group_size: usize, vec8: bool) -> u32 {
+    // (`rmsnorm_forward_warps` replays this block's sums for groups of up
+    // to NORM_WARP_WORDS words.)
     reduce_threads(if vec8 { group_size / 8 } else { group_size }, 256)
 }
+
+/// The widest group (8-channel words) `rmsnorm_forward_warps` takes
+/// (`RMSNORM_WARP_WORDS`): a lane holds up to 8 of its words.
+const NORM_WARP_WORDS: usize = 256;
 
 /// `rmsnorm_backward`'s blocks for a norm of `dim` channels in groups of
 /// `group_size` (one pass for both gradients): `(threads, blocks a row)`,
@@ -243,6 +249,17 @@ impl KernelSet {
         // A null pointer: no copy.
         let copy = x_copy.map_or(0u64, |c| c.ptr);
         let threads = norm_threads(gs, vec8);
+        let items = d.rows * d.groups;
+        if vec8 && gs / 8 <= NORM_WARP_WORDS {
+            // A warp an item (`rmsnorm_forward_warps`): the block kernel's
+            // bits without its barriers.
+            let k = "rmsnorm_forward_warps";
+            let n = items as u64;
+            let mut b = KernelArgs::new(stream, self.function(k)?);
+            b.arg(&x.ptr).arg(&weight.ptr).arg(&y.ptr).arg(&rstd.ptr);
+            b.arg(&copy).arg(&n).arg(&g).arg(&s).arg(&threads).arg(&d.eps);
+            return self.go(k, &mut b, warp_per_item(items));
+        }
         let vec8 = i32::from(vec8);
         let mut b = KernelArgs::new(stream, self.function(k)?);
         b.arg(&x.ptr)
@@ -257,7 +274,7 @@ impl KernelSet {
             .arg(&s)
             .arg(&d.eps)
             .arg(&vec8);
-        self.go(k, &mut b, per_item(d.rows * d.groups, threads)?)
+        self.go(k, &mut b, per_item(items, threads)?)
     }
 
     /// `Backend::rmsnorm_backward_input` (accumulates into `dx`; with
@@ -503,6 +520,20 @@ impl KernelSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::launch::source_with_defines;
+
+    /// `rmsnorm_forward_warps` replays the block kernel's reduction: for
+    /// every group it takes, the block has a thread a word (its words one
+    /// each) and at most 8 warps (a lane's registers).
+    #[test]
+    fn the_warp_norm_forward_takes_groups_of_a_word_a_block_thread() {
+        source_with_defines("rmsnorm.cu", &[("RMSNORM_WARP_WORDS", NORM_WARP_WORDS)]);
+        for words in 1..=NORM_WARP_WORDS {
+            let threads = norm_threads(8 * words, true) as usize;
+            assert!(threads >= words && threads <= 8 * 32, "{words} words: {threads}");
+        }
+        assert!(norm_threads(8 * (NORM_WARP_WORDS + 1), true) as usize <= NORM_WARP_WORDS);
+    }
 
     /// The one-pass norm backward's blocks: a row of whole warps, a group
     /// of whole warps where a row holds several, a row whose groups are
