@@ -1066,6 +1066,68 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 reference: None,
             });
         }
+        // Six slots a token (the combine loads four at a time) at the
+        // benchmark's width of 2,048 (the weights' backward holds a lane's
+        // 8 words) and one word past it (its loop).
+        for width in [2048usize, 2056] {
+            let d = UnpermuteDims {
+                tokens: 37,
+                top_k: 6,
+                rows: 222,
+                width,
+            };
+            let positions = rng.permutation(222);
+            let weights = Host::F32(rng.vec(222, 1.0));
+            let shape = format!("37x6 {width}");
+            cases.push(Case {
+                kernel: "moe_unpermute".into(),
+                mode,
+                shape: format!("{shape} weighted"),
+                buffers: vec![
+                    rng.floats(222 * width, a),
+                    weights.clone(),
+                    Host::U32(positions.clone()),
+                    nan(37 * width, a),
+                ],
+                outputs: vec![3],
+                cpu: Box::new(move |b, x| {
+                    b.moe_unpermute(v(&x[0]), Some(v(&x[1])), v(&x[2]), m(&x[3]), d)
+                }),
+                gpu: Box::new(move |s, st, x| s.moe_unpermute(st, x[0], Some(x[1]), x[2], x[3], d)),
+                reference: None,
+            });
+            cases.push(Case {
+                kernel: "moe_unpermute_backward".into(),
+                mode,
+                shape,
+                buffers: vec![
+                    rng.floats(37 * width, a),
+                    rng.floats(222 * width, a),
+                    weights,
+                    Host::U32(positions),
+                    nan(222 * width, a),
+                    nan(222, DType::F32),
+                ],
+                outputs: vec![4, 5],
+                cpu: Box::new(move |b, x| {
+                    b.moe_unpermute_backward(
+                        v(&x[0]),
+                        v(&x[1]),
+                        v(&x[2]),
+                        v(&x[3]),
+                        UnpermuteGrads {
+                            rows: m(&x[4]),
+                            weights: m(&x[5]),
+                        },
+                        d,
+                    )
+                }),
+                gpu: Box::new(move |s, st, x| {
+                    s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
+                }),
+                reference: None,
+            });
+        }
     }
 
     // f32-only kernels: loss, routing, dispatch, optimizer, norm partials.
