@@ -257,7 +257,12 @@ impl KernelSet {
             let n = items as u64;
             let mut b = KernelArgs::new(stream, self.function(k)?);
             b.arg(&x.ptr).arg(&weight.ptr).arg(&y.ptr).arg(&rstd.ptr);
-            b.arg(&copy).arg(&n).arg(&g).arg(&s).arg(&threads).arg(&d.eps);
+            b.arg(&copy)
+                .arg(&n)
+                .arg(&g)
+                .arg(&s)
+                .arg(&threads)
+                .arg(&d.eps);
             return self.go(k, &mut b, warp_per_item(items));
         }
         let vec8 = i32::from(vec8);
@@ -530,7 +535,10 @@ mod tests {
         source_with_defines("rmsnorm.cu", &[("RMSNORM_WARP_WORDS", NORM_WARP_WORDS)]);
         for words in 1..=NORM_WARP_WORDS {
             let threads = norm_threads(8 * words, true) as usize;
-            assert!(threads >= words && threads <= 8 * 32, "{words} words: {threads}");
+            assert!(
+                threads >= words && threads <= 8 * 32,
+                "{words} words: {threads}"
+            );
         }
         assert!(norm_threads(8 * (NORM_WARP_WORDS + 1), true) as usize <= NORM_WARP_WORDS);
     }
