@@ -83,7 +83,6 @@ __device__ __forceinline__ bool combine_slot(
 // addend as bf16 or f32, `Bf16Words8` and kin): the same sums in the same
 // order as the element loop below, which spent its time on 2-byte loads
 // and their index arithmetic.
-#define COMBINE_SLOTS 4
 template <typename R, typename O, typename A>
 __device__ __forceinline__ void unpermute_x8(
     const void* rows, int rows_dtype, const float* weights, const u32* positions, const void* addend,
@@ -92,33 +91,17 @@ __device__ __forceinline__ void unpermute_x8(
     for (u64 token = blockIdx.x; token < tokens; token += gridDim.x) {
         for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            // COMBINE_SLOTS slots at a time: their positions, then their
-            // rows, all loads in flight before the first sum, which adds
-            // them in slot order as before.
-            for (u64 j0 = 0; j0 < top_k; j0 += COMBINE_SLOTS) {
-                u32 p[COMBINE_SLOTS];
-                float w[COMBINE_SLOTS];
-                bool ok[COMBINE_SLOTS];
-#pragma unroll
-                for (int b = 0; b < COMBINE_SLOTS; ++b) {
-                    ok[b] = j0 + b < top_k &&
-                            combine_slot(weights, positions, token * top_k + j0 + b, n_rows, p[b], w[b], status);
+            for (u64 j = 0; j < top_k; ++j) {
+                u32 p;
+                float w;
+                if (!combine_slot(weights, positions, token * top_k + j, n_rows, p, w, status)) {
+                    continue;
                 }
-                float f[COMBINE_SLOTS][8];
+                float f[8];
+                R::load(rows, rows_dtype, static_cast<u64>(p) * words + c, f);
 #pragma unroll
-                for (int b = 0; b < COMBINE_SLOTS; ++b) {
-                    if (ok[b]) {
-                        R::load(rows, rows_dtype, static_cast<u64>(p[b]) * words + c, f[b]);
-                    }
-                }
-#pragma unroll
-                for (int b = 0; b < COMBINE_SLOTS; ++b) {
-                    if (ok[b]) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            acc[e] += w[b] * f[b][e];
-                        }
-                    }
+                for (int e = 0; e < 8; ++e) {
+                    acc[e] += w * f[e];
                 }
             }
             const u64 at = token * words + c;
@@ -237,9 +220,7 @@ extern "C" __global__ void moe_unpermute_backward_rows(
 
 // d_weights[t, j] = dout[t] . rows[positions[t*k + j]]: one warp per slot,
 // lane-strided partial sums then the warp butterfly; with `vec8` (as the
-// rows kernel's) a lane's partial sum runs over 8 columns a load, the
-// words of rows up to WEIGHTS_HELD x 32 words loaded into registers first.
-#define WEIGHTS_HELD 8
+// rows kernel's) a lane's partial sum runs over 8 columns a load.
 extern "C" __global__ void moe_unpermute_backward_weights(
     const void* dout, int dout_dtype, const void* rows, int rows_dtype, const u32* positions,
     float* d_weights, u64 tokens, u64 top_k, u64 n_rows, u64 width, int vec8) {
@@ -255,35 +236,7 @@ extern "C" __global__ void moe_unpermute_backward_weights(
     }
     const u64 token = slot / top_k;
     float sum = 0.0f;
-    if (vec8 && width / 8 <= 32 * WEIGHTS_HELD) {
-        // A lane's words of both rows loaded at once, then summed in the
-        // loop's order below.
-        const u64 words = width / 8;
-        const uint4* g8 = static_cast<const uint4*>(dout) + token * words;
-        const uint4* r8 = static_cast<const uint4*>(rows) + static_cast<u64>(p) * words;
-        uint4 gh[WEIGHTS_HELD];
-        uint4 rh[WEIGHTS_HELD];
-#pragma unroll
-        for (int v = 0; v < WEIGHTS_HELD; ++v) {
-            const u64 c = lane + 32 * v;
-            if (c < words) {
-                gh[v] = g8[c];
-                rh[v] = r8[c];
-            }
-        }
-#pragma unroll
-        for (int v = 0; v < WEIGHTS_HELD; ++v) {
-            if (lane + 32 * v < words) {
-                float g[8], r[8];
-                unpack8(gh[v], g);
-                unpack8(rh[v], r);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    sum += g[e] * r[e];
-                }
-            }
-        }
-    } else if (vec8) {
+    if (vec8) {
         const u64 words = width / 8;
         const uint4* g8 = static_cast<const uint4*>(dout) + token * words;
         const uint4* r8 = static_cast<const uint4*>(rows) + static_cast<u64>(p) * words;
