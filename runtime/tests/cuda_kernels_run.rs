@@ -1066,9 +1066,8 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 reference: None,
             });
         }
-        // Six slots a token (the combine loads four at a time) at the
-        // benchmark's width of 2,048 (the weights' backward holds a lane's
-        // 8 words) and one word past it (its loop).
+        // Six slots a token, at the benchmark's width of 2,048 channels and
+        // at 2,056 (a lane's words of a row not a whole multiple of 32).
         for width in [2048usize, 2056] {
             let d = UnpermuteDims {
                 tokens: 37,
