@@ -367,11 +367,10 @@ extern "C" __global__ void __launch_bounds__(PARTIALS_COLUMN_THREADS * 32) rmsno
 // words' weights and partial sums in registers and walks the slice's rows,
 // fetching rows r + 1 and r + 2 while it reduces row r. A group's sum: a
 // shuffle tree inside a warp where a group is a power of two words up to
-// 32, else each
-// warp's sum, then the group's warp sums as a shuffle tree again, the
-// shape of `block_sum` over a block of one group, so dx has the bits of
-// `rmsnorm_backward_input`'s block per (row, group) for groups of up to
-// 2,048 channels. `scratch` alternates by row: a warp writing row r + 1's
+// 32, else each warp's sum, then the group's warp sums as a shuffle tree
+// again, the shape of `block_sum` over a block of one group, so dx has the
+// bits of `rmsnorm_backward_input`'s block per (row, group) for groups of
+// up to 2,048 channels. `scratch` alternates by row: a warp writing row r + 1's
 // sums cannot overwrite row r's before every warp read them, since every
 // warp passes row r + 1's barrier only after its reads of row r.
 template <typename DY, typename T>
