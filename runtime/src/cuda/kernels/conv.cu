@@ -64,8 +64,12 @@ extern "C" __global__ void conv1d_backward_input(
 // is read once a thread instead of once a tap, and no element pays for
 // 64-bit index divisions. Every output sums the same products in the same
 // order as the element kernels above, so the bits are the same.
+// A thread keeps CONV_AHEAD rows' loads in flight: with one, the few
+// threads an SM has (a word of 32 rows each) left most of the memory's
+// latency uncovered.
 #define WORD_TAPS 4
 #define CONV_WORD_ROWS 32
+#define CONV_AHEAD 3
 
 // The weights of the 8 channels from c0: wk[j][e] is channel c0 + e's tap j.
 template <int TAPS>
@@ -101,8 +105,23 @@ __device__ __forceinline__ void conv1d_forward_rows(
             unpack8(x[(r0 - back) * words + word], win[j]);
         }
     }
+    // The next CONV_AHEAD rows' words, loaded before they are summed.
+    uint4 next[CONV_AHEAD];
+#pragma unroll
+    for (int a = 0; a < CONV_AHEAD; ++a) {
+        if (r0 + a < r1) {
+            next[a] = x[(r0 + a) * words + word];
+        }
+    }
     for (u64 r = r0; r < r1; ++r) {
-        unpack8(x[r * words + word], win[TAPS - 1]);
+        unpack8(next[0], win[TAPS - 1]);
+#pragma unroll
+        for (int a = 0; a + 1 < CONV_AHEAD; ++a) {
+            next[a] = next[a + 1];
+        }
+        if (r + CONV_AHEAD < r1) {
+            next[CONV_AHEAD - 1] = x[(r + CONV_AHEAD) * words + word];
+        }
         float out[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -144,8 +163,24 @@ __device__ __forceinline__ void conv1d_backward_input_rows(
             unpack8(dy[(r1 - 1 + a) * words + word], ahead[a]);
         }
     }
+    // The next CONV_AHEAD rows' words (walking down), loaded before they
+    // are summed.
+    uint4 next[CONV_AHEAD];
+#pragma unroll
+    for (int a = 0; a < CONV_AHEAD; ++a) {
+        if (r1 - r0 > static_cast<u64>(a)) {
+            next[a] = dy[(r1 - 1 - a) * words + word];
+        }
+    }
     for (u64 r = r1; r-- > r0;) {
-        unpack8(dy[r * words + word], ahead[0]);
+        unpack8(next[0], ahead[0]);
+#pragma unroll
+        for (int a = 0; a + 1 < CONV_AHEAD; ++a) {
+            next[a] = next[a + 1];
+        }
+        if (r >= r0 + CONV_AHEAD) {
+            next[CONV_AHEAD - 1] = dy[(r - CONV_AHEAD) * words + word];
+        }
         float out[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
