@@ -365,12 +365,12 @@ extern "C" __global__ void __launch_bounds__(PARTIALS_COLUMN_THREADS * 32) rmsno
 // one group (blockIdx.y) of the slice's rows instead: blocks of a row's
 // width were too few to keep the SMs reading. A thread keeps its
 // words' weights and partial sums in registers and walks the slice's rows,
-// fetching rows r + 1 and r + 2 while it reduces row r. A group's sum: a
-// shuffle tree inside a warp where a group is a power of two words up to
-// 32, else each warp's sum, then the group's warp sums as a shuffle tree
-// again, the shape of `block_sum` over a block of one group, so dx has the
-// bits of `rmsnorm_backward_input`'s block per (row, group) for groups of
-// up to 2,048 channels. `scratch` alternates by row: a warp writing row r + 1's
+// fetching row r + 1 while it reduces row r. A group's sum: a shuffle tree
+// inside a warp where a group is a power of two words up to 32, else each
+// warp's sum, then the group's warp sums as a shuffle tree again, the
+// shape of `block_sum` over a block of one group, so dx has the bits of
+// `rmsnorm_backward_input`'s block per (row, group) for groups of up to
+// 2,048 channels. `scratch` alternates by row: a warp writing row r + 1's
 // sums cannot overwrite row r's before every warp read them, since every
 // warp passes row r + 1's barrier only after its reads of row r.
 template <typename DY, typename T>
@@ -396,22 +396,18 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
     if (live) {
         T::load(w, w_dtype, c, fw);
     }
-    // Rows r + 1 and r + 2's operands, fetched ahead (two rows in flight:
-    // with one, a block's loads did not cover the memory's latency).
+    // Row r + 1's operands, fetched ahead.
     float nd[8], nx[8], no[8];
     float nrs = 0.0f;
-    float md[8], mx[8], mo[8];
-    float mrs = 0.0f;
-    auto fetch = [&](u64 r, float (&fd)[8], float (&fx)[8], float (&fo)[8], float& frs) {
+    auto fetch = [&](u64 r) {
         if (live && r < r1) {
-            DY::load(dy, dy_dtype, r * words + c, fd);
-            T::load(x, x_dtype, r * words + c, fx);
-            T::load(dx, dx_dtype, r * words + c, fo);
-            frs = rstd[r * groups + g];
+            DY::load(dy, dy_dtype, r * words + c, nd);
+            T::load(x, x_dtype, r * words + c, nx);
+            T::load(dx, dx_dtype, r * words + c, no);
+            nrs = rstd[r * groups + g];
         }
     };
-    fetch(r0, nd, nx, no, nrs);
-    fetch(r0 + 1, md, mx, mo, mrs);
+    fetch(r0);
     for (u64 r = r0; r < r1; ++r) {
         float fd[8], fx[8], out[8];
 #pragma unroll
@@ -419,13 +415,9 @@ __device__ __forceinline__ void rmsnorm_backward_rows(
             fd[e] = nd[e];
             fx[e] = nx[e];
             out[e] = no[e];
-            nd[e] = md[e];
-            nx[e] = mx[e];
-            no[e] = mo[e];
         }
         const float rs = nrs;
-        nrs = mrs;
-        fetch(r + 2, md, mx, mo, mrs);
+        fetch(r + 1);
         float gx = 0.0f;
         if (live) {
 #pragma unroll
