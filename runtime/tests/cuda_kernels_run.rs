@@ -469,6 +469,76 @@ fn run_case(gpu: &Gpu, set: &KernelSet, case: &Case<'_>) -> Row {
 /// The activation dtypes of a mode.
 const MODES: [(&str, DType); 2] = [("f32", DType::F32), ("bf16", DType::Bf16)];
 
+/// `moe_unpermute` over `rows` (`[d.rows, d.width]`), with the slots'
+/// weights (used where `weighted`) and positions.
+fn unpermute_case(
+    mode: &'static str,
+    d: UnpermuteDims,
+    weighted: bool,
+    rows: Host,
+    (weights, positions): (Host, Host),
+) -> Case<'static> {
+    let a = rows.dtype();
+    Case {
+        kernel: "moe_unpermute".into(),
+        mode,
+        shape: format!(
+            "{}x{} {}{}",
+            d.tokens,
+            d.top_k,
+            d.width,
+            if weighted { " weighted" } else { "" }
+        ),
+        buffers: vec![rows, weights, positions, nan(d.tokens * d.width, a)],
+        outputs: vec![3],
+        cpu: Box::new(move |b, x| {
+            let w = weighted.then(|| v(&x[1]));
+            b.moe_unpermute(v(&x[0]), w, v(&x[2]), m(&x[3]), d)
+        }),
+        gpu: Box::new(move |s, st, x| {
+            s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d)
+        }),
+        reference: None,
+    }
+}
+
+/// `moe_unpermute_backward` of `dout` (`[d.tokens, d.width]`) against
+/// `rows` (`[d.rows, d.width]`), with the slots' weights and positions.
+fn unpermute_backward_case(
+    mode: &'static str,
+    d: UnpermuteDims,
+    dout: Host,
+    rows: Host,
+    (weights, positions): (Host, Host),
+) -> Case<'static> {
+    let a = rows.dtype();
+    Case {
+        kernel: "moe_unpermute_backward".into(),
+        mode,
+        shape: format!("{}x{} {}", d.tokens, d.top_k, d.width),
+        buffers: vec![
+            dout,
+            rows,
+            weights,
+            positions,
+            nan(d.rows * d.width, a),
+            nan(d.rows, DType::F32),
+        ],
+        outputs: vec![4, 5],
+        cpu: Box::new(move |b, x| {
+            let grads = UnpermuteGrads {
+                rows: m(&x[4]),
+                weights: m(&x[5]),
+            };
+            b.moe_unpermute_backward(v(&x[0]), v(&x[1]), v(&x[2]), v(&x[3]), grads, d)
+        }),
+        gpu: Box::new(move |s, st, x| {
+            s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
+        }),
+        reference: None,
+    }
+}
+
 fn all_cases(seed: u64) -> Vec<Case<'static>> {
     let mut rng = Rng(seed);
     let mut cases: Vec<Case<'static>> = Vec::new();
@@ -979,27 +1049,9 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
         for d in [d, UnpermuteDims { width: 136, ..d }] {
             let width = d.width;
             for weighted in [true, false] {
-                let (positions, w) = (Host::U32(positions.clone()), weights.clone());
-                cases.push(Case {
-                    kernel: "moe_unpermute".into(),
-                    mode,
-                    shape: format!("203x3 {width}{}", if weighted { " weighted" } else { "" }),
-                    buffers: vec![
-                        rng.floats(609 * width, a),
-                        w,
-                        positions,
-                        nan(203 * width, a),
-                    ],
-                    outputs: vec![3],
-                    cpu: Box::new(move |b, x| {
-                        let w = weighted.then(|| v(&x[1]));
-                        b.moe_unpermute(v(&x[0]), w, v(&x[2]), m(&x[3]), d)
-                    }),
-                    gpu: Box::new(move |s, st, x| {
-                        s.moe_unpermute(st, x[0], weighted.then_some(x[1]), x[2], x[3], d)
-                    }),
-                    reference: None,
-                });
+                let rows = rng.floats(609 * width, a);
+                let slots = (weights.clone(), Host::U32(positions.clone()));
+                cases.push(unpermute_case(mode, d, weighted, rows, slots));
             }
         }
         // The combine into x, with and without a shared expert's rows; 136
@@ -1034,37 +1086,10 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
         // Rows of 136 channels: in bf16, 8 channels a load.
         for width in [129usize, 136] {
             let d = UnpermuteDims { width, ..d };
-            cases.push(Case {
-                kernel: "moe_unpermute_backward".into(),
-                mode,
-                shape: format!("203x3 {width}"),
-                buffers: vec![
-                    rng.floats(203 * width, a),
-                    rng.floats(609 * width, a),
-                    weights.clone(),
-                    Host::U32(positions.clone()),
-                    nan(609 * width, a),
-                    nan(609, DType::F32),
-                ],
-                outputs: vec![4, 5],
-                cpu: Box::new(move |b, x| {
-                    b.moe_unpermute_backward(
-                        v(&x[0]),
-                        v(&x[1]),
-                        v(&x[2]),
-                        v(&x[3]),
-                        UnpermuteGrads {
-                            rows: m(&x[4]),
-                            weights: m(&x[5]),
-                        },
-                        d,
-                    )
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
-                }),
-                reference: None,
-            });
+            let dout = rng.floats(203 * width, a);
+            let rows = rng.floats(609 * width, a);
+            let slots = (weights.clone(), Host::U32(positions.clone()));
+            cases.push(unpermute_backward_case(mode, d, dout, rows, slots));
         }
         // Six slots a token, at the benchmark's width of 2,048 channels and
         // at 2,056 (a lane's words of a row not a whole multiple of 32).
@@ -1075,57 +1100,20 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
                 rows: 222,
                 width,
             };
-            let positions = rng.permutation(222);
+            let positions = Host::U32(rng.permutation(222));
             let weights = Host::F32(rng.vec(222, 1.0));
-            let shape = format!("37x6 {width}");
-            cases.push(Case {
-                kernel: "moe_unpermute".into(),
+            let rows = rng.floats(222 * width, a);
+            let slots = (weights.clone(), positions.clone());
+            cases.push(unpermute_case(mode, d, true, rows, slots));
+            let dout = rng.floats(37 * width, a);
+            let rows = rng.floats(222 * width, a);
+            cases.push(unpermute_backward_case(
                 mode,
-                shape: format!("{shape} weighted"),
-                buffers: vec![
-                    rng.floats(222 * width, a),
-                    weights.clone(),
-                    Host::U32(positions.clone()),
-                    nan(37 * width, a),
-                ],
-                outputs: vec![3],
-                cpu: Box::new(move |b, x| {
-                    b.moe_unpermute(v(&x[0]), Some(v(&x[1])), v(&x[2]), m(&x[3]), d)
-                }),
-                gpu: Box::new(move |s, st, x| s.moe_unpermute(st, x[0], Some(x[1]), x[2], x[3], d)),
-                reference: None,
-            });
-            cases.push(Case {
-                kernel: "moe_unpermute_backward".into(),
-                mode,
-                shape,
-                buffers: vec![
-                    rng.floats(37 * width, a),
-                    rng.floats(222 * width, a),
-                    weights,
-                    Host::U32(positions),
-                    nan(222 * width, a),
-                    nan(222, DType::F32),
-                ],
-                outputs: vec![4, 5],
-                cpu: Box::new(move |b, x| {
-                    b.moe_unpermute_backward(
-                        v(&x[0]),
-                        v(&x[1]),
-                        v(&x[2]),
-                        v(&x[3]),
-                        UnpermuteGrads {
-                            rows: m(&x[4]),
-                            weights: m(&x[5]),
-                        },
-                        d,
-                    )
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.moe_unpermute_backward(st, x[0], x[1], x[2], x[3], x[4], x[5], d)
-                }),
-                reference: None,
-            });
+                d,
+                dout,
+                rows,
+                (weights, positions),
+            ));
         }
     }
 
