@@ -693,14 +693,28 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_output(D
 // path (the per-value-head dq, dk and A_log's partials sit where they
 // read them).
 
-// acc's 8-column blocks nb (columns 8 nb..8 nb+7) with n_begin <= 8 nb <
-// n_end (blocks of 16 at a time: both multiples of 16) += A B over k in
-// [k_begin, k_end), for the warp's 16 rows from m0. A(m, k) = a[k][m]
-// where A_TRANS, else a[m][k]; B(k, n) = b[n][k] where B_ROWS, else
-// b[k][n].
-template <bool A_TRANS, bool B_ROWS, int NT>
+// The 16-column blocks of a product's output a warp computes: first,
+// first + 16 stride, ...; its accumulator tiles 2i and 2i + 1 are block i's
+// two 8-column halves. TC_ALL_COLS: every block, in order.
+struct TcCols {
+    int first;
+    int stride;
+};
+#define TC_ALL_COLS (TcCols{0, 1})
+
+// The first of the two columns this lane holds in accumulator tile nt.
+__device__ __forceinline__ int tc_col(TcCols cols, int nt) {
+    return cols.first + 16 * cols.stride * (nt >> 1) + 8 * (nt & 1) + 2 * (threadIdx.x & 3);
+}
+
+// acc += A B over k in [k_begin, k_end), for the warp's 16 rows from m0
+// and the column blocks of `cols` below n_end and, where FROM, from
+// n_begin (multiples of 16; `delta_tc_back_chunk`'s products start at
+// column 0 and leave FROM off). A(m, k) = a[k][m] where A_TRANS, else
+// a[m][k]; B(k, n) = b[n][k] where B_ROWS, else b[k][n].
+template <bool A_TRANS, bool B_ROWS, int NT, bool FROM = true>
 __device__ __forceinline__ void tc_product(float (&acc)[NT][4], const bf16* a, int pa, int m0, const bf16* b, int pb,
-                                           int n_begin, int n_end, int k_begin, int k_end) {
+                                           TcCols cols, int n_begin, int n_end, int k_begin, int k_end) {
     for (int k0 = k_begin; k0 < k_end; k0 += 16) {
         u32 af[4];
         if (A_TRANS) {
@@ -710,8 +724,8 @@ __device__ __forceinline__ void tc_product(float (&acc)[NT][4], const bf16* a, i
         }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
-            const int n = 16 * np;
-            if (n >= n_begin && n < n_end) {
+            const int n = cols.first + 16 * cols.stride * np;
+            if ((!FROM || n >= n_begin) && n < n_end) {
                 u32 bf[4];
                 if (B_ROWS) {
                     tc_load_b_rows(bf, b, pb, n, k0);
@@ -792,7 +806,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_dvl(Delt
     const int s1 = s0 + 8;
     float sc[8][4];
     tc_zero(sc);
-    tc_product<false, true, 8>(sc, s_k, pk, m0, s_q, pk, m0, DELTA_CHUNK, 0, dk);
+    tc_product<false, true, 8>(sc, s_k, pk, m0, s_q, pk, TC_ALL_COLS, m0, DELTA_CHUNK, 0, dk);
     const float g0 = ti.g[s0];
     const float g1 = ti.g[s1];
 #pragma unroll
@@ -979,7 +993,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
             // V' = U - W H_0.
             float acc[2][4];
             tc_zero(acc);
-            tc_product<false, false, 2>(acc, s_w, pk, 16 * warp, s_h, DELTA_COL_PITCH, 0, DELTA_TC_COLS, 0, dk);
+            tc_product<false, false, 2>(acc, s_w, pk, 16 * warp, s_h, DELTA_COL_PITCH, TC_ALL_COLS, 0, DELTA_TC_COLS,
+                                        0, dk);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 const int c8 = 8 * nt + 2 * q;
@@ -994,7 +1009,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
             // dV' = M^T dO + exp(G_L - G_s) K dH_L.
             float acc[2][4];
             tc_zero(acc);
-            tc_product<false, false, 2>(acc, s_k, pk, 16 * warp, s_dh, DELTA_COL_PITCH, 0, DELTA_TC_COLS, 0, dk);
+            tc_product<false, false, 2>(acc, s_k, pk, 16 * warp, s_dh, DELTA_COL_PITCH, TC_ALL_COLS, 0, DELTA_TC_COLS,
+                                        0, dk);
             const float d0 = expf(g_last - s_gc[t0]);
             const float d1 = expf(g_last - s_gc[t1]);
 #pragma unroll
@@ -1033,10 +1049,10 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
                             dh[mt][nt][e] *= decay;
                         }
                     }
-                    tc_product<true, false, 2>(dh[mt], s_q, pk, x0, s_dog, DELTA_COL_PITCH, 0, DELTA_TC_COLS, 0,
-                                               DELTA_CHUNK);
-                    tc_product<true, false, 2>(dh[mt], s_w, pk, x0, s_ndv, DELTA_COL_PITCH, 0, DELTA_TC_COLS, 0,
-                                               DELTA_CHUNK);
+                    tc_product<true, false, 2>(dh[mt], s_q, pk, x0, s_dog, DELTA_COL_PITCH, TC_ALL_COLS, 0,
+                                               DELTA_TC_COLS, 0, DELTA_CHUNK);
+                    tc_product<true, false, 2>(dh[mt], s_w, pk, x0, s_ndv, DELTA_COL_PITCH, TC_ALL_COLS, 0,
+                                               DELTA_TC_COLS, 0, DELTA_CHUNK);
                 }
             }
         }
@@ -1074,49 +1090,6 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_back_wal
 // SM, and with 4 warps the SM sat waiting on each warp's chain of loads and
 // mmas; 8 warps at up to 255 registers fill its register file.
 #define DELTA_TC_CHUNK_THREADS 256
-
-// The 16-column blocks of a product's output a warp of
-// `delta_tc_back_chunk` computes: first, first + 16 stride, ...; its
-// accumulator tiles 2i and 2i + 1 are block i's two 8-column halves.
-struct TcCols {
-    int first;
-    int stride;
-};
-
-// The first of the two columns this lane holds in accumulator tile nt.
-__device__ __forceinline__ int tc_col(TcCols cols, int nt) {
-    return cols.first + 16 * cols.stride * (nt >> 1) + 8 * (nt & 1) + 2 * (threadIdx.x & 3);
-}
-
-// acc += A B over k in [k_begin, k_end) for the warp's 16 rows from m0 and
-// the column blocks of `cols` below n_end; A and B read as `tc_product`
-// reads them.
-template <bool A_TRANS, bool B_ROWS, int NT>
-__device__ __forceinline__ void tc_product_cols(float (&acc)[NT][4], const bf16* a, int pa, int m0, const bf16* b,
-                                                int pb, TcCols cols, int n_end, int k_begin, int k_end) {
-    for (int k0 = k_begin; k0 < k_end; k0 += 16) {
-        u32 af[4];
-        if (A_TRANS) {
-            tc_load_a_trans(af, a, pa, m0, k0);
-        } else {
-            tc_load_a(af, a, pa, m0, k0);
-        }
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-            const int n = cols.first + 16 * cols.stride * np;
-            if (n < n_end) {
-                u32 bf[4];
-                if (B_ROWS) {
-                    tc_load_b_rows(bf, b, pb, n, k0);
-                } else {
-                    tc_load_b_cols(bf, b, pb, k0, n);
-                }
-                mma_bf16(acc[2 * np], af, bf[0], bf[1]);
-                mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
-    }
-}
 
 // This lane's part of (row g + 8 half of the warp's block of acc) . (row
 // `row` of `tile`), over the warp's columns below n_end.
@@ -1243,8 +1216,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         float dm[4][4];
         tc_zero(sc);
         tc_zero(dm);
-        tc_product_cols<false, true, 4>(sc, s_q, pk, m0, s_k, pk, cols, diag, 0, dk);
-        tc_product_cols<false, true, 4>(dm, s_do, pv, m0, s_vn, pv, cols, diag, 0, dv);
+        tc_product<false, true, 4, false>(sc, s_q, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
+        tc_product<false, true, 4, false>(dm, s_do, pv, m0, s_vn, pv, cols, 0, diag, 0, dv);
         float mrow0 = 0.0f;
         float mrow1 = 0.0f;
 #pragma unroll
@@ -1280,7 +1253,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // kke = (K K^T) e, s < t.
         float kk[4][4];
         tc_zero(kk);
-        tc_product_cols<false, true, 4>(kk, s_k, pk, m0, s_k, pk, cols, diag, 0, dk);
+        tc_product<false, true, 4, false>(kk, s_k, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -1296,7 +1269,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dQi = dO S_0; dq = gamma dQi + (dM e) K.
         float acc[8][4];
         tc_zero(acc);
-        tc_product_cols<false, false, 8>(acc, s_do, pv, m0, s_s, pk, cols, dk, 0, dv);
+        tc_product<false, false, 8, false>(acc, s_do, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
         const float qi0 = quad_sum(tc_row_dot(acc, 0, s_q, pk, t0, cols, dk));
         const float qi1 = quad_sum(tc_row_dot(acc, 1, s_q, pk, t1, cols, dk));
         if (q == 0) {
@@ -1310,7 +1283,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
             acc[nt][2] *= gamma1;
             acc[nt][3] *= gamma1;
         }
-        tc_product_cols<false, false, 8>(acc, s_dme, DELTA_T_PITCH, m0, s_k, pk, cols, dk, 0, diag);
+        tc_product<false, false, 8, false>(acc, s_dme, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, 0, diag);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1328,7 +1301,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dW = -dV' S_0.
         float acc[8][4];
         tc_zero(acc);
-        tc_product_cols<false, false, 8>(acc, s_dvn, pv, m0, s_s, pk, cols, dk, 0, dv);
+        tc_product<false, false, 8, false>(acc, s_dvn, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1347,7 +1320,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // first term.
         float acc[8][4];
         tc_zero(acc);
-        tc_product_cols<true, false, 8>(acc, s_t, DELTA_T_PITCH, m0, s_dw, pk, cols, dk, m0, DELTA_CHUNK);
+        tc_product<true, false, 8, false>(acc, s_t, DELTA_T_PITCH, m0, s_dw, pk, cols, 0, dk, m0, DELTA_CHUNK);
         const float kb0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, cols, dk));
         const float kb1 = quad_sum(tc_row_dot(acc, 1, s_k, pk, t1, cols, dk));
         if (q == 0) {
@@ -1373,7 +1346,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // d(beta V) = T^T dV': vb, and v's gradient beta d(beta V).
         float acc[8][4];
         tc_zero(acc);
-        tc_product_cols<true, false, 8>(acc, s_t, DELTA_T_PITCH, m0, s_dvn, pv, cols, dv, m0, DELTA_CHUNK);
+        tc_product<true, false, 8, false>(acc, s_t, DELTA_T_PITCH, m0, s_dvn, pv, cols, 0, dv, m0, DELTA_CHUNK);
         const float vb0 = quad_sum(tc_row_dot(acc, 0, s_v, pv, t0, cols, dv));
         const float vb1 = quad_sum(tc_row_dot(acc, 1, s_v, pv, t1, cols, dv));
         if (q == 0) {
@@ -1402,7 +1375,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dT = beta_s (dV' V^T + gamma_s dW K^T), s < t.
         float dt[4][4];
         tc_zero(dt);
-        tc_product_cols<false, true, 4>(dt, s_dw, pk, m0, s_k, pk, cols, diag, 0, dk);
+        tc_product<false, true, 4, false>(dt, s_dw, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -1410,7 +1383,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
                 dt[nt][e] *= expf(s_g[tc_col(cols, nt) + (e & 1)]);
             }
         }
-        tc_product_cols<false, true, 4>(dt, s_dvn, pv, m0, s_v, pv, cols, diag, 0, dv);
+        tc_product<false, true, 4, false>(dt, s_dvn, pv, m0, s_v, pv, cols, 0, diag, 0, dv);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1431,8 +1404,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // X = T^T dT.
         float x[4][4];
         tc_zero(x);
-        tc_product_cols<true, false, 4>(x, s_t, DELTA_T_PITCH, m0, s_dt, DELTA_T_PITCH, cols, DELTA_CHUNK, m0,
-                                        DELTA_CHUNK);
+        tc_product<true, false, 4, false>(x, s_t, DELTA_T_PITCH, m0, s_dt, DELTA_T_PITCH, cols, 0, DELTA_CHUNK, m0,
+                                          DELTA_CHUNK);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1444,7 +1417,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dKd = V' dH_L^T: kdd and dk's decayed-key term.
         float acc[8][4];
         tc_zero(acc);
-        tc_product_cols<false, false, 8>(acc, s_vn, pv, m0, s_s, pk, cols, dk, 0, dv);
+        tc_product<false, false, 8, false>(acc, s_vn, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
         const float e0 = expf(g_last - g0);
         const float e1 = expf(g_last - g1);
         const float kdd0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, cols, dk));
@@ -1474,7 +1447,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // beta_t dA kke (over kke's) for the column sums.
         float da[4][4];
         tc_zero(da);
-        tc_product_cols<false, true, 4>(da, s_x, DELTA_T_PITCH, m0, s_t, DELTA_T_PITCH, cols, diag, 0, diag);
+        tc_product<false, true, 4, false>(da, s_x, DELTA_T_PITCH, m0, s_t, DELTA_T_PITCH, cols, 0, diag, 0, diag);
         float arow0 = 0.0f;
         float arow1 = 0.0f;
 #pragma unroll
@@ -1511,9 +1484,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dk += Z K + Z^T K + (dM e)^T Q.
         float acc[8][4];
         tc_zero(acc);
-        tc_product_cols<false, false, 8>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, dk, 0, diag);
-        tc_product_cols<true, false, 8>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, dk, m0, DELTA_CHUNK);
-        tc_product_cols<true, false, 8>(acc, s_dme, DELTA_T_PITCH, m0, s_q, pk, cols, dk, m0, DELTA_CHUNK);
+        tc_product<false, false, 8, false>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, 0, diag);
+        tc_product<true, false, 8, false>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, m0, DELTA_CHUNK);
+        tc_product<true, false, 8, false>(acc, s_dme, DELTA_T_PITCH, m0, s_q, pk, cols, 0, dk, m0, DELTA_CHUNK);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col = tc_col(cols, nt);
