@@ -5,6 +5,18 @@
 // row; `rstd` is f32 `[rows, groups]`.
 #include "common.cuh"
 
+// One 8-channel word of the output, x rs w, from x's and w's words.
+__device__ __forceinline__ uint4 normalized_word(uint4 x, uint4 w, float rs) {
+    float f[8], g[8];
+    unpack8(x, f);
+    unpack8(w, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        f[e] = f[e] * rs * g[e];
+    }
+    return pack8(f);
+}
+
 // `vec8` kernels below: every tensor bf16, 16-byte aligned, and the group
 // size a multiple of 8 (the launcher checks), so a thread moves 8 channels
 // with one 16-byte load or store (`unpack8`, `pack8`); the element
@@ -36,14 +48,7 @@ __device__ __forceinline__ void rmsnorm_forward_vec8(
         rstd[block] = rs;
     }
     for (u64 c = threadIdx.x; c < words; c += blockDim.x) {
-        float f[8], g[8];
-        unpack8(xr[c], f);
-        unpack8(wr[c], g);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            f[e] = f[e] * rs * g[e];
-        }
-        yr[c] = pack8(f);
+        yr[c] = normalized_word(xr[c], wr[c], rs);
     }
 }
 
@@ -147,14 +152,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_forward_warps(
             if (x_copy != nullptr) {
                 x_copy[item * words + c] = held[v];
             }
-            float f[8], g[8];
-            unpack8(held[v], f);
-            unpack8(wr[c], g);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                f[e] = f[e] * rs * g[e];
-            }
-            y[item * words + c] = pack8(f);
+            y[item * words + c] = normalized_word(held[v], wr[c], rs);
         }
     }
 }
