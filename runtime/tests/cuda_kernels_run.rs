@@ -317,9 +317,14 @@ const BF16_PRODUCTS_TOLERANCE: f64 = 1e-2;
 /// the gradients here (beta's, alpha's and A_log's are those sums).
 const BF16_PRODUCTS_GRAD_TOLERANCE: f64 = 2e-2;
 
+/// The name ending of cases held to their reference's bits (tolerance 0).
+const EXACT: &str = " (exact)";
+
 /// The tolerance of output `i` of `case`.
 fn case_tolerance(case: &Case<'_>, i: usize) -> f64 {
-    if !case.kernel.ends_with(BF16_PRODUCTS) {
+    if case.kernel.ends_with(EXACT) {
+        0.0
+    } else if !case.kernel.ends_with(BF16_PRODUCTS) {
         tolerance(case.buffers[i].dtype())
     } else if case.kernel.contains("backward") {
         BF16_PRODUCTS_GRAD_TOLERANCE
@@ -1575,6 +1580,109 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
     cases.extend(lookup_cases(seed));
     cases.extend(mamba_cases(seed ^ 0x006d_616d_6261));
     cases.extend(delta_cases(seed ^ 0x0064_656c_7461));
+    cases.extend(norm_tree_cases(seed ^ 0x006e_6f72_6d00));
+    cases
+}
+
+/// The sum of 32 lanes' values as the kernels' `warp_sum` adds them: five
+/// butterfly rounds (lane l adds lane l ^ m's value to its own), after
+/// which every lane holds the same bits.
+fn warp_butterfly(mut lanes: [f32; 32]) -> f32 {
+    for m in [16, 8, 4, 2, 1] {
+        let before = lanes;
+        for (l, v) in lanes.iter_mut().enumerate() {
+            *v = before[l] + before[l ^ m];
+        }
+    }
+    lanes[0]
+}
+
+/// The bf16 RMSNorm forward (8-channel words) as its block kernel sums it:
+/// a block of `threads` (a power of two from 32 to 256, at least the
+/// group's words where they fit) per (row, group), thread t summing the
+/// squares of words t, t + threads, ... in order, each warp's sums by the
+/// butterfly, then the warps' sums by the butterfly again; y = (x rs) w,
+/// rounded to bf16 once. Buffers: x, w, y, rstd.
+fn rmsnorm_block_tree(buffers: &[Host]) -> Vec<Host> {
+    let (x, w) = (buffers[0].values(), buffers[1].values());
+    let dim = w.len();
+    let rows = x.len() / dim;
+    let groups = buffers[3].len() / rows;
+    let group_size = dim / groups;
+    let words = group_size / 8;
+    let threads = words.max(32).next_power_of_two().min(256);
+    let (mut y, mut rstd) = (
+        Vec::with_capacity(x.len()),
+        Vec::with_capacity(rows * groups),
+    );
+    for item in 0..rows * groups {
+        let at = |c: usize, e: usize| item * group_size + 8 * c + e;
+        let thread_sum = |t: usize| {
+            let mut sum = 0.0f32;
+            for c in (t..words).step_by(threads) {
+                for e in 0..8 {
+                    let v = x[at(c, e)] as f32;
+                    sum += v * v;
+                }
+            }
+            sum
+        };
+        let mut warp_sums = [0.0f32; 32];
+        for (warp, total) in warp_sums.iter_mut().take(threads / 32).enumerate() {
+            *total = warp_butterfly(std::array::from_fn(|l| thread_sum(32 * warp + l)));
+        }
+        let total = warp_butterfly(warp_sums);
+        let rs = 1.0f32 / (total / group_size as f32 + 1e-5f32).sqrt();
+        rstd.push(rs);
+        let w0 = (item % groups) * group_size;
+        for i in 0..group_size {
+            let v = x[item * group_size + i] as f32 * rs * w[w0 + i] as f32;
+            y.push(bf16::from_f32(v));
+        }
+    }
+    vec![Host::Bf16(y), Host::F32(rstd)]
+}
+
+/// The bf16 RMSNorm forward held to its block kernel's reduction tree bit
+/// for bit (`rmsnorm_block_tree`): groups of up to 256 words run a warp a
+/// row (`rmsnorm_forward_warps`, which replays that tree), wider ones the
+/// block kernel itself (the 9B's hidden size of 4,480: 560 words, three a
+/// thread).
+fn norm_tree_cases(seed: u64) -> Vec<Case<'static>> {
+    let mut rng = Rng(seed);
+    let mut cases = Vec::new();
+    for (rows, dim, groups) in [
+        (300usize, 2048usize, 1usize),
+        (40, 4096, 8),
+        (65, 1024, 1),
+        (33, 4480, 35),
+        (9, 4480, 1),
+    ] {
+        let d = NormDims {
+            rows,
+            dim,
+            groups,
+            eps: 1e-5,
+        };
+        let a = DType::Bf16;
+        cases.push(Case {
+            kernel: format!("rmsnorm_forward{EXACT}"),
+            mode: "bf16",
+            shape: format!("{rows}x{dim}/{groups}"),
+            buffers: vec![
+                rng.floats(rows * dim, a),
+                rng.floats(dim, a),
+                nan(rows * dim, a),
+                nan(rows * groups, DType::F32),
+            ],
+            outputs: vec![2, 3],
+            cpu: Box::new(move |b, x| {
+                b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), None, d)
+            }),
+            gpu: Box::new(move |s, st, x| s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], None, d)),
+            reference: Some(rmsnorm_block_tree),
+        });
+    }
     cases
 }
 
@@ -2772,6 +2880,30 @@ fn lookup_kernels_match_the_cpu_and_repeat() {
 #[ignore = "needs a GPU"]
 fn optimizer_kernels_match_the_cpu_and_repeat() {
     family_matches_the_cpu(Family::Optimizer);
+}
+
+/// The exact cases' reference (`rmsnorm_block_tree`) is the norm the CPU
+/// computes, up to the rounding of its summation order: checked without a
+/// GPU, so a wrong index in the tree shows here rather than as a GPU
+/// failure.
+#[test]
+fn the_norm_trees_agree_with_the_cpu_to_its_rounding() {
+    let cpu = CpuBackend::new(Precision::F32);
+    for case in norm_tree_cases(0x5eed_cafe) {
+        let bufs: Vec<CpuBuf> = case.buffers.iter().map(|h| cpu_upload(&cpu, h)).collect();
+        (case.cpu)(&cpu, &bufs).expect("the CPU's norm");
+        let tree = (case.reference.expect("a reference"))(&case.buffers);
+        for (k, &i) in case.outputs.iter().enumerate() {
+            let got = cpu_download(&cpu, &bufs[i], &case.buffers[i]);
+            let (error, _) = compare(&got, &tree[k]);
+            let tolerance = tolerance(case.buffers[i].dtype());
+            assert!(
+                error <= tolerance,
+                "{} output {i}: {error:e} > {tolerance:e}",
+                case.shape
+            );
+        }
+    }
 }
 
 /// Every kernel name the cases use falls in a family whose test runs it
