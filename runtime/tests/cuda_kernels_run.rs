@@ -684,25 +684,7 @@ fn all_cases(seed: u64) -> Vec<Case<'static>> {
             let shape = format!("{rows}x{dim}/{groups}");
             let w = rng.floats(dim, a);
             let x = rng.floats(rows * dim, a);
-            cases.push(Case {
-                kernel: "rmsnorm_forward".into(),
-                mode,
-                shape: shape.clone(),
-                buffers: vec![
-                    x.clone(),
-                    w.clone(),
-                    nan(rows * dim, a),
-                    nan(rows * groups, DType::F32),
-                ],
-                outputs: vec![2, 3],
-                cpu: Box::new(move |b, x| {
-                    b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), None, d)
-                }),
-                gpu: Box::new(move |s, st, x| {
-                    s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], None, d)
-                }),
-                reference: None,
-            });
+            cases.push(rmsnorm_forward_case(mode, d, x.clone(), w.clone(), None));
             let rstd = Host::F32(
                 (0..rows * groups)
                     .map(|_| 0.5 + rng.unit() as f32)
@@ -1597,6 +1579,10 @@ fn warp_butterfly(mut lanes: [f32; 32]) -> f32 {
     lanes[0]
 }
 
+/// The epsilon of the exact norm cases, which their reference (a function
+/// of the buffers alone) cannot read from the case.
+const NORM_TREE_EPS: f32 = 1e-5;
+
 /// The bf16 RMSNorm forward (8-channel words) as its block kernel sums it:
 /// a block of `threads` (a power of two from 32 to 256, at least the
 /// group's words where they fit) per (row, group), thread t summing the
@@ -1632,7 +1618,7 @@ fn rmsnorm_block_tree(buffers: &[Host]) -> Vec<Host> {
             *total = warp_butterfly(std::array::from_fn(|l| thread_sum(32 * warp + l)));
         }
         let total = warp_butterfly(warp_sums);
-        let rs = 1.0f32 / (total / group_size as f32 + 1e-5f32).sqrt();
+        let rs = 1.0f32 / (total / group_size as f32 + NORM_TREE_EPS).sqrt();
         rstd.push(rs);
         let w0 = (item % groups) * group_size;
         for i in 0..group_size {
@@ -1662,28 +1648,49 @@ fn norm_tree_cases(seed: u64) -> Vec<Case<'static>> {
             rows,
             dim,
             groups,
-            eps: 1e-5,
+            eps: NORM_TREE_EPS,
         };
-        let a = DType::Bf16;
-        cases.push(Case {
-            kernel: format!("rmsnorm_forward{EXACT}"),
-            mode: "bf16",
-            shape: format!("{rows}x{dim}/{groups}"),
-            buffers: vec![
-                rng.floats(rows * dim, a),
-                rng.floats(dim, a),
-                nan(rows * dim, a),
-                nan(rows * groups, DType::F32),
-            ],
-            outputs: vec![2, 3],
-            cpu: Box::new(move |b, x| {
-                b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), None, d)
-            }),
-            gpu: Box::new(move |s, st, x| s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], None, d)),
-            reference: Some(rmsnorm_block_tree),
-        });
+        let x = rng.floats(rows * dim, DType::Bf16);
+        let w = rng.floats(dim, DType::Bf16);
+        cases.push(rmsnorm_forward_case(
+            "bf16",
+            d,
+            x,
+            w,
+            Some(rmsnorm_block_tree),
+        ));
     }
     cases
+}
+
+/// `rmsnorm_forward` of `x` (`[d.rows, d.dim]`) with the weight `w`, into
+/// NaN-filled outputs; with a `reference`, held to its bits (`EXACT`).
+fn rmsnorm_forward_case(
+    mode: &'static str,
+    d: NormDims,
+    x: Host,
+    w: Host,
+    reference: Option<Reference>,
+) -> Case<'static> {
+    let a = x.dtype();
+    let exact = if reference.is_some() { EXACT } else { "" };
+    Case {
+        kernel: format!("rmsnorm_forward{exact}"),
+        mode,
+        shape: format!("{}x{}/{}", d.rows, d.dim, d.groups),
+        buffers: vec![
+            x,
+            w,
+            nan(d.rows * d.dim, a),
+            nan(d.rows * d.groups, DType::F32),
+        ],
+        outputs: vec![2, 3],
+        cpu: Box::new(move |b, x| {
+            b.rmsnorm_forward(v(&x[0]), v(&x[1]), m(&x[2]), m(&x[3]), None, d)
+        }),
+        gpu: Box::new(move |s, st, x| s.rmsnorm_forward(st, x[0], x[1], x[2], x[3], None, d)),
+        reference,
+    }
 }
 
 // ---- Mamba: conv1d and the SSD scan ----------------------------------------------
