@@ -198,9 +198,12 @@ fn bench(settings: &Settings) -> BenchResult<()> {
         v_dim: DENSE_DIM,
         scale: 1.0 / (DENSE_DIM as f32).sqrt(),
     };
-    let scratch_len = sparse_mqa_scratch_len(sparse_dims(n))
-        .ok_or("the scratch overflows")?
-        .max(flash_attention_scratch_len(dense_dims(n)));
+    // The sparse backward's scratch on tensor cores or not, whichever is larger.
+    let sparse_scratch = |dims: SparseMqaDims| {
+        let len = |tc| sparse_mqa_scratch_len(dims, tc).ok_or("the scratch overflows");
+        Ok::<usize, &str>(len(true)?.max(len(false)?))
+    };
+    let scratch_len = sparse_scratch(sparse_dims(n))?.max(flash_attention_scratch_len(dense_dims(n)));
     let scratch = zeros(&stream, scratch_len, DType::F32)?;
     println!(
         "hybridgen sparse_attention on {device}: one sequence, bf16; D: {heads} heads over shared \
@@ -257,10 +260,7 @@ fn bench(settings: &Settings) -> BenchResult<()> {
         let o_view = out.view(&stream, seq * heads * V);
         let lse_view = lse.view(&stream, seq * heads);
         let g_view = dout.view(&stream, seq * heads * V);
-        let sa_scratch = scratch.view(
-            &stream,
-            sparse_mqa_scratch_len(sd).ok_or("the scratch overflows")?,
-        );
+        let sa_scratch = scratch.view(&stream, sparse_scratch(sd)?);
         let loss_dims = IndexerLossDims {
             tokens,
             topk: TOPK,

@@ -723,6 +723,156 @@ fn tensor_core_mqa_forward_matches_the_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Every third causal key of each query row from the newest, at most
+/// `topk`, ascending, padded with `NO_KEY`.
+fn every_third_key(rows: usize, seq: usize, topk: usize) -> Vec<u32> {
+    let mut indices = vec![u32::MAX; rows * topk];
+    for r in 0..rows {
+        let t = r % seq;
+        let mut keys: Vec<u32> = (0..=t as u32).rev().step_by(3).take(topk).collect();
+        keys.sort_unstable();
+        indices[r * topk..][..keys.len()].copy_from_slice(&keys);
+    }
+    indices
+}
+
+/// The tensor-core backward of the shared-row attention (bf16 q, kv and
+/// dout, rows of 576, values 512: `dsa_mqa_backward_mma`, its partial key
+/// rows summed by `dsa_mqa_partials_sum`) against the CPU from the same
+/// forward outputs: 80 heads (a pass of 64 and one of 16), 20 (a group
+/// padded from 4 heads to 16) and 128 (two full passes); blocks taking
+/// one query and several (batch 1 of 300 tokens: 128 blocks, 2 or 3 each);
+/// rows with fewer keys than top-k. dq and dkv within bf16's tolerance, the
+/// same bits on a rerun; and a key selected twice is a device fault naming
+/// the row.
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_core_mqa_backward_matches_the_cpu() {
+    let cuda = gpu(Precision::Bf16);
+    let cpu = CpuBackend::new(Precision::Bf16);
+    let mut failures = Vec::new();
+    for (heads, seq, batch, topk) in [
+        (80usize, 70usize, 2usize, 40usize),
+        (20, 130, 2, 72),
+        (128, 40, 2, 24),
+        (16, 300, 1, 64),
+    ] {
+        let (qk, v) = (576, 512);
+        let rows = batch * seq;
+        let mut rng = Rng(conformance::Rng::new(0xb11 + heads as u64));
+        let q = rng.vec(rows * heads * qk, 1.0);
+        let kv = rng.vec(rows * qk, 1.0);
+        let dout = rng.vec(rows * heads * v, 1.0);
+        let indices = every_third_key(rows, seq, topk);
+        let dims = SparseMqaDims {
+            tokens: Tokens::new(batch, seq),
+            heads,
+            qk_dim: qk,
+            v_dim: v,
+            topk,
+            scale: 1.0 / 192f32.sqrt(),
+        };
+        // The forward once, on the CPU: both backwards read its outputs.
+        let (out, lse) = {
+            let (qb, kvb, ix) = (
+                up(&cpu, &q, DType::Bf16),
+                up(&cpu, &kv, DType::Bf16),
+                up_u32(&cpu, &indices),
+            );
+            let out = poisoned(&cpu, rows * heads * v, DType::Bf16);
+            let lse = poisoned(&cpu, rows * heads, DType::F32);
+            cpu.sparse_mqa_forward(
+                cpu.view(&qb).unwrap(),
+                cpu.view(&kvb).unwrap(),
+                cpu.view(&ix).unwrap(),
+                cpu.view_mut(&out).unwrap(),
+                cpu.view_mut(&lse).unwrap(),
+                dims,
+            )
+            .expect("cpu sparse_mqa_forward");
+            (
+                f32s(&down(&cpu, &out, DType::Bf16)),
+                f32s(&down(&cpu, &lse, DType::F32)),
+            )
+        };
+        /// dq and dkv, launched (not read back).
+        fn backward<B: Backend>(
+            b: &B,
+            (q, kv, dout): (&[f32], &[f32], &[f32]),
+            (out, lse): (&[f32], &[f32]),
+            indices: &[u32],
+            dims: SparseMqaDims,
+        ) -> [B::Buf; 2] {
+            let rows = dims.tokens.rows().unwrap();
+            let (qb, kvb, gb, ob, lb, ix) = (
+                up(b, q, DType::Bf16),
+                up(b, kv, DType::Bf16),
+                up(b, dout, DType::Bf16),
+                up(b, out, DType::Bf16),
+                up(b, lse, DType::F32),
+                up_u32(b, indices),
+            );
+            let dq = poisoned(b, rows * dims.heads * dims.qk_dim, DType::Bf16);
+            let dkv = poisoned(b, rows * dims.qk_dim, DType::Bf16);
+            b.sparse_mqa_backward(
+                b.view(&qb).unwrap(),
+                b.view(&kvb).unwrap(),
+                b.view(&ix).unwrap(),
+                b.view(&ob).unwrap(),
+                b.view(&lb).unwrap(),
+                b.view(&gb).unwrap(),
+                b.view_mut(&dq).unwrap(),
+                b.view_mut(&dkv).unwrap(),
+                dims,
+            )
+            .expect("sparse_mqa_backward");
+            [dq, dkv]
+        }
+        fn read<B: Backend>(b: &B, [dq, dkv]: [B::Buf; 2]) -> (Out, Out) {
+            (down(b, &dq, DType::Bf16), down(b, &dkv, DType::Bf16))
+        }
+        let inputs = (&q[..], &kv[..], &dout[..]);
+        let want = read(&cpu, backward(&cpu, inputs, (&out, &lse), &indices, dims));
+        let got = read(&cuda, backward(&cuda, inputs, (&out, &lse), &indices, dims));
+        let again = read(&cuda, backward(&cuda, inputs, (&out, &lse), &indices, dims));
+        for (name, g, a, w) in [
+            ("dq", &got.0, &again.0, &want.0),
+            ("dkv", &got.1, &again.1, &want.1),
+        ] {
+            let err = error(&f32s(g), &f32s(w));
+            let repeat = g.bits() == a.bits();
+            println!(
+                "tensor-core MQA backward, {heads} heads, {seq} tokens x {batch}, top {topk}: \
+                 {name} err {err:.2e} (tol {:.1e}) {}",
+                tolerance(DType::Bf16),
+                if repeat {
+                    "repeats"
+                } else {
+                    "DIFFERS between runs"
+                }
+            );
+            if err > tolerance(DType::Bf16) || !repeat {
+                failures.push(format!(
+                    "{heads} heads {name}: err {err:.3e} repeat {repeat}"
+                ));
+            }
+        }
+        // Row 21 (token 21 of the first sequence) selects one key twice.
+        let mut twice = indices.clone();
+        twice[21 * topk + 1] = twice[21 * topk];
+        let [_, dkv] = backward(&cuda, inputs, (&out, &lse), &twice, dims);
+        let mut host = vec![bf16::ZERO; cuda.buf_len(&dkv)];
+        let fault = cuda.download(cuda.view(&dkv).unwrap(), &mut host);
+        match fault {
+            Err(e) if e.to_string().contains("query row 21 ") => {}
+            other => failures.push(format!(
+                "{heads} heads: a key selected twice by row 21 gave {other:?}"
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// A selected key past the sequence (forward) or selected twice by one
 /// query (backward) is reported through the device fault word, naming the
 /// query row, at the next host read.

@@ -89,14 +89,14 @@ pub fn gpu_kernel_scratch(
     };
     kernel_scratch::<CudaBackend>(model, kinds, tokens, settings)
         .max(gdn_scratch(model, kinds, tokens, settings))
-        .max(dsa_scratch(model, kinds, tokens))
+        .max(dsa_scratch(model, kinds, tokens, dtype))
 }
 
 /// The GPU's sparse attention scratch for `model`'s `D` layers (its
 /// backward's: `dout . out` a row and head, and a bit a (key, query) pair),
 /// 0 without them. Counted here rather than as a [`ScratchCall`]: only the
 /// CUDA backend takes scratch for it.
-fn dsa_scratch(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> u64 {
+fn dsa_scratch(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens, dtype: DType) -> u64 {
     match &model.mla {
         Some(m) if kinds.contains(&LayerKind::Dsa) => {
             // `D` attends over the shared latent row (kv_rank + rope).
@@ -109,7 +109,7 @@ fn dsa_scratch(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens) -> u64 
                 topk: 1,
                 scale: 1.0,
             };
-            crate::cuda::ops::sparse_attention::sparse_mqa_scratch_bytes(dims)
+            crate::cuda::ops::sparse_attention::sparse_mqa_scratch_bytes(dims, dtype)
         }
         _ => 0,
     }

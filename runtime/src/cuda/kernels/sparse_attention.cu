@@ -1632,6 +1632,303 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     }
 }
 
+// ---- the backward over one shared key/value row (MQA), tensor cores ---------------
+//
+// `Backend::sparse_mqa_backward` with bf16 q, kv and dout on tensor cores,
+// summed query by query: a block takes query positions blockIdx.x,
+// blockIdx.x + splits, ... of sequence blockIdx.y (interleaved, so every
+// block meets as many short causal rows as long ones), each position's
+// heads MQT_HEADS at a time (a group of 4 warps for each 16 heads, as the
+// forward), and the selected keys MQT_KEYS at a time (gathered with
+// `cp.async`, the next block's during this one's products). Per key block,
+// warp q of a group computes for its 16 heads and keys [8q, 8q + 8):
+// S = Q K^T, dP = dO V^T, P = exp(scale S - lse), dS = P (dP - delta)
+// scale, delta = dout . out (a warp's fixed butterfly) and writes P and dS
+// (bf16, as FlashAttention feeds its second products) to shared memory.
+// Then dq += dS K (a warp's 16 heads, every fourth 8-channel block of the
+// row, summed in registers over the whole selection) and the block's
+// contribution to its keys' rows, dS^T Q + P^T dO over the heads (the
+// value part only over the first v_dim channels), which each warp adds to
+// the block's own f32 partial rows `[splits, rows, qk_dim]` (a read and a
+// write: no two threads of a block touch one element in one step, and the
+// barriers between steps order the steps). A key's partials are summed in
+// a fixed order afterwards (`dsa_mqa_partials_sum`): no float atomics, every
+// sum has one order fixed by the shapes and `splits`, so a rerun gives the
+// same bits. The first head pass marks each selected (key, query) pair in
+// the bitmap (a repeated key is a fault: it would add one element twice in
+// one step). Takes what the forward takes (and dout as q); dq in its dtype.
+
+// The pitch (elements) of staged dout rows: MQT_MAX_V + 8, 16 bytes past a
+// multiple of 128 as MQT_PITCH.
+#define MQB_G_PITCH 520
+// 8-channel blocks of a key row's contribution a warp holds at a time.
+#define MQB_KV_BLOCKS 3
+
+// Two 8 x 8 b16 matrices, each transposed; lanes 8i..8i+7 give the row
+// addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(address));
+}
+
+extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma(
+    const bf16* q, const bf16* kv, const u32* indices, const void* out, int ot, const float* lse,
+    const bf16* dout, void* dq, int dqt, float* partial, u32* bitmap, u32 words, u32 seq, u32 heads,
+    u32 qk_dim, u32 v_dim, u32 topk, float scale, u32 splits, u64* status) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char mqb_shared[];
+    const u32 groups = blockDim.x / 128;
+    const u32 rows_q = groups * 16;
+    bf16* qs = reinterpret_cast<bf16*>(mqb_shared);
+    bf16* gs = qs + rows_q * MQT_PITCH;
+    bf16* ks = gs + rows_q * MQB_G_PITCH;
+    bf16* ps = ks + 2 * MQT_KEYS * MQT_PITCH;
+    bf16* dss = ps + rows_q * MQT_P_PITCH;
+    float* dl = reinterpret_cast<float*>(dss + rows_q * MQT_P_PITCH);
+    float* ls = dl + rows_q;
+    u32* keys = reinterpret_cast<u32*>(ls + rows_q);
+    const u32 warp = threadIdx.x / 32;
+    const u32 warps = blockDim.x / 32;
+    const u32 lane = threadIdx.x & 31;
+    const u32 g = warp / 4;
+    const u32 quarter = warp % 4;
+    const u32 row_a = g * 16 + (lane >> 2);
+    const u64 base = static_cast<u64>(blockIdx.y) * seq;
+    const u64 rows = static_cast<u64>(gridDim.y) * seq;
+    float* mine = partial + (blockIdx.x * rows) * qk_dim;
+    const u32 blocks = (topk + MQT_KEYS - 1) / MQT_KEYS;
+    const u32 qk_blocks = qk_dim / 8;
+    const u32 v_blocks = v_dim / 8;
+    const u32 kv_items = 2 * ((qk_blocks + MQB_KV_BLOCKS - 1) / MQB_KV_BLOCKS);
+    for (u32 t = blockIdx.x; t < seq; t += splits) {
+        const u64 r = base + t;
+        for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
+            const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
+            // The pass's query and dout heads (rows past nh as zeros).
+            {
+                const u32 chunks = qk_dim / 8;
+                for (u32 c = threadIdx.x; c < rows_q * chunks; c += blockDim.x) {
+                    const u32 i = c / chunks;
+                    const u32 col = (c % chunks) * 8;
+                    const bool ok = i < nh;
+                    copy16_async(shared_address(qs + i * MQT_PITCH + col),
+                                 ok ? q + (r * heads + h0 + i) * qk_dim + col : q, ok);
+                }
+                const u32 vchunks = v_dim / 8;
+                for (u32 c = threadIdx.x; c < rows_q * vchunks; c += blockDim.x) {
+                    const u32 i = c / vchunks;
+                    const u32 col = (c % vchunks) * 8;
+                    const bool ok = i < nh;
+                    copy16_async(shared_address(gs + i * MQB_G_PITCH + col),
+                                 ok ? dout + (r * heads + h0 + i) * v_dim + col : dout, ok);
+                }
+            }
+            mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
+            // delta = dout . out a head (a warp's lanes over the channels,
+            // then its butterfly); lse, +inf past nh so P is 0 there.
+            for (u32 i = warp; i < rows_q; i += warps) {
+                float d = 0.0f;
+                if (i < nh) {
+                    const u64 at = (r * heads + h0 + i) * v_dim;
+                    for (u32 c = lane * 8; c < v_dim; c += 256) {
+                        float o[8];
+                        float gv[8];
+                        load8(out, ot, (at + c) / 8, o);
+                        load8(dout, DTYPE_BF16, (at + c) / 8, gv);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            d += gv[e] * o[e];
+                        }
+                    }
+                }
+                d = warp_sum(d);
+                if (lane == 0) {
+                    dl[i] = d;
+                    ls[i] = i < nh ? lse[r * heads + h0 + i] : -neg_inf();
+                }
+            }
+            float acc[MQT_MAX_QK / 32][4];
+#pragma unroll
+            for (int n = 0; n < MQT_MAX_QK / 32; ++n) {
+                acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+            }
+            for (u32 blk = 0; blk < blocks; ++blk) {
+                const u32 cur = blk & 1;
+                const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
+                const u32* kk = keys + cur * MQT_KEYS;
+                if (h0 == 0 && threadIdx.x < MQT_KEYS && kk[threadIdx.x] != NO_KEY) {
+                    const u32 bit = 1u << (t & 31u);
+                    const u32 old = atomicOr(&bitmap[(base + kk[threadIdx.x]) * words + t / 32], bit);
+                    if (old & bit) {
+                        report_fault(status, FAULT_SELECTED_KEY, r);
+                    }
+                }
+                if (blk + 1 < blocks) {
+                    mqt_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, kv, indices, r,
+                               topk, (blk + 1) * MQT_KEYS, t, seq, base, qk_dim, status);
+                    wait_async<1>();
+                } else {
+                    wait_async<0>();
+                }
+                __syncthreads();
+                // S and dP for the group's 16 heads x keys [8 quarter, 8 quarter + 8).
+                float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                float dp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                const bf16* krow = kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8;
+                for (u32 c0 = 0; c0 < qk_dim; c0 += 16) {
+                    u32 fa[4];
+                    ldmatrix_x4(fa, shared_address(qs + (g * 16 + (lane & 15)) * MQT_PITCH + c0 + (lane >> 4) * 8));
+                    u32 fb[2];
+                    ldmatrix_x2(fb, shared_address(krow + c0));
+                    mma_bf16(s, fa, fb[0], fb[1]);
+                }
+                for (u32 c0 = 0; c0 < v_dim; c0 += 16) {
+                    u32 fa[4];
+                    ldmatrix_x4(fa,
+                                shared_address(gs + (g * 16 + (lane & 15)) * MQB_G_PITCH + c0 + (lane >> 4) * 8));
+                    u32 fb[2];
+                    ldmatrix_x2(fb, shared_address(krow + c0));
+                    mma_bf16(dp, fa, fb[0], fb[1]);
+                }
+                const u32 col = quarter * 8 + 2 * (lane & 3);
+                const bool valid[2] = {kk[col] != NO_KEY, kk[col + 1] != NO_KEY};
+                // s[0], s[1]: row lane / 4, keys col, col + 1; s[2], s[3]: row + 8.
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const u32 i = row_a + half * 8;
+                    const float l = ls[i];
+                    const float d = dl[i];
+                    float p[2];
+                    float ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        p[e] = valid[e] ? expf(scale * s[2 * half + e] - l) : 0.0f;
+                        ds[e] = p[e] * (dp[2 * half + e] - d) * scale;
+                    }
+                    *reinterpret_cast<u32*>(ps + i * MQT_P_PITCH + col) = pack_bf16(p[0], p[1]);
+                    *reinterpret_cast<u32*>(dss + i * MQT_P_PITCH + col) = pack_bf16(ds[0], ds[1]);
+                }
+                __syncthreads();
+                // dq[16 heads x every fourth 8-channel block] += dS K.
+#pragma unroll
+                for (int k16 = 0; k16 < MQT_KEYS / 16; ++k16) {
+                    u32 fa[4];
+                    ldmatrix_x4(fa,
+                                shared_address(dss + (g * 16 + (lane & 15)) * MQT_P_PITCH + k16 * 16 + (lane >> 4) * 8));
+                    const bf16* brow = kt + (k16 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * MQT_PITCH;
+#pragma unroll
+                    for (int n = 0; n < MQT_MAX_QK / 32; ++n) {
+                        const u32 j = quarter + 4 * n;
+                        if (j < qk_blocks) {
+                            u32 fb[2];
+                            ldmatrix_x2_trans(fb, shared_address(brow + j * 8));
+                            mma_bf16(acc[n], fa, fb[0], fb[1]);
+                        }
+                    }
+                }
+                // The keys' contribution: items of (16 keys, MQB_KV_BLOCKS
+                // 8-channel blocks), dS^T Q + P^T dO over the pass's heads,
+                // added to this block's partial rows.
+                for (u32 item = warp; item < kv_items; item += warps) {
+                    const u32 mb = item & 1;
+                    const u32 j0 = (item >> 1) * MQB_KV_BLOCKS;
+                    float c[MQB_KV_BLOCKS][4];
+#pragma unroll
+                    for (int n = 0; n < MQB_KV_BLOCKS; ++n) {
+                        c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+                    }
+                    for (u32 k16 = 0; k16 < groups; ++k16) {
+                        // A = dS^T and P^T (keys x heads) read transposed.
+                        const u32 at = (k16 * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * MQT_P_PITCH + mb * 16 +
+                                       ((lane >> 3) & 1) * 8;
+                        u32 fds[4];
+                        u32 fp[4];
+                        ldmatrix_x4_trans(fds, shared_address(dss + at));
+                        ldmatrix_x4_trans(fp, shared_address(ps + at));
+                        const u32 head = k16 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+                        for (int n = 0; n < MQB_KV_BLOCKS; ++n) {
+                            const u32 j = j0 + n;
+                            if (j < qk_blocks) {
+                                u32 fb[2];
+                                ldmatrix_x2_trans(fb, shared_address(qs + head * MQT_PITCH + j * 8));
+                                mma_bf16(c[n], fds, fb[0], fb[1]);
+                                if (j < v_blocks) {
+                                    ldmatrix_x2_trans(fb, shared_address(gs + head * MQB_G_PITCH + j * 8));
+                                    mma_bf16(c[n], fp, fb[0], fb[1]);
+                                }
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const u32 u = kk[mb * 16 + (lane >> 2) + half * 8];
+                        if (u == NO_KEY) {
+                            continue;
+                        }
+                        float* row = mine + (base + u) * qk_dim + 2 * (lane & 3);
+#pragma unroll
+                        for (int n = 0; n < MQB_KV_BLOCKS; ++n) {
+                            const u32 j = j0 + n;
+                            if (j < qk_blocks) {
+                                float2* p = reinterpret_cast<float2*>(row + j * 8);
+                                float2 v = *p;
+                                v.x += c[n][2 * half];
+                                v.y += c[n][2 * half + 1];
+                                *p = v;
+                            }
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+            if (blocks == 0) {
+                wait_async<0>();
+                __syncthreads();
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = row_a + half * 8;
+                if (i >= nh) {
+                    continue;
+                }
+                const u64 at = (r * heads + h0 + i) * qk_dim + 2 * (lane & 3);
+#pragma unroll
+                for (int n = 0; n < MQT_MAX_QK / 32; ++n) {
+                    const u32 j = quarter + 4 * n;
+                    if (j < qk_blocks) {
+                        store(dq, dqt, at + j * 8, acc[n][2 * half]);
+                        store(dq, dqt, at + j * 8 + 1, acc[n][2 * half + 1]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// dkv = the sum of the `splits` partial rows `[splits, count]` of
+// `dsa_mqa_backward_mma`, in split order, stored in dkv's dtype; a thread
+// 4 consecutive elements (count a multiple of 4).
+extern "C" __global__ void __launch_bounds__(256) dsa_mqa_partials_sum(const float* partial, u32 splits, u64 count,
+                                                                       void* dkv, int dkvt) {
+    grid_dependency_sync();
+    for (u64 i = grid_start() * 4; i < count; i += grid_stride() * 4) {
+        float4 sum = *reinterpret_cast<const float4*>(partial + i);
+        for (u32 s = 1; s < splits; ++s) {
+            const float4 v = *reinterpret_cast<const float4*>(partial + s * count + i);
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        store(dkv, dkvt, i, sum.x);
+        store(dkv, dkvt, i + 1, sum.y);
+        store(dkv, dkvt, i + 2, sum.z);
+        store(dkv, dkvt, i + 3, sum.w);
+    }
+}
+
 // ---- LayerNorm with bias ---------------------------------------------------------
 
 // A warp a row: mean, rstd = 1 / sqrt(var + eps), y = (x - mean) rstd w + b;

@@ -149,19 +149,72 @@ fn mqt_shared(groups: usize) -> usize {
         + 2 * MQT_KEYS * 4
 }
 
+/// Whether shared-row attention of these dimensions fits the tensor-core
+/// kernels: rows a multiple of 16 channels up to [`MQT_MAX_QK`], values a
+/// multiple of 64 up to [`MQT_MAX_V`].
+pub fn mqa_shape_on_tensor_cores(dims: SparseMqaDims) -> bool {
+    dims.qk_dim > 0
+        && dims.qk_dim.is_multiple_of(16)
+        && dims.qk_dim <= MQT_MAX_QK
+        && dims.v_dim > 0
+        && dims.v_dim.is_multiple_of(64)
+        && dims.v_dim <= MQT_MAX_V
+}
+
 /// Whether the MQA forward runs on tensor cores: q and kv stored in bf16
-/// at 16-byte aligned addresses, rows a multiple of 16 channels up to
-/// [`MQT_MAX_QK`], values a multiple of 64 up to [`MQT_MAX_V`]. Otherwise
-/// the CUDA-core kernel runs.
+/// at 16-byte aligned addresses and a shape [`mqa_shape_on_tensor_cores`]
+/// takes. Otherwise the CUDA-core kernel runs.
 pub fn mqa_on_tensor_cores(q: &GpuView, kv: &GpuView, dims: SparseMqaDims) -> bool {
     q.dtype == DType::Bf16
         && kv.dtype == DType::Bf16
-        && dims.qk_dim.is_multiple_of(16)
-        && dims.qk_dim <= MQT_MAX_QK
-        && dims.v_dim.is_multiple_of(64)
-        && dims.v_dim <= MQT_MAX_V
+        && mqa_shape_on_tensor_cores(dims)
         && q.ptr.is_multiple_of(16)
         && kv.ptr.is_multiple_of(16)
+}
+
+/// Whether the MQA backward can run on tensor cores: what the forward
+/// needs ([`mqa_on_tensor_cores`]), dout in bf16 too, and dout and out
+/// (bf16 or f32) 16-byte aligned. The launcher also needs the kernel's
+/// shared memory ([`KernelSet::mqa_backward_on_tensor_cores`]).
+pub fn mqa_backward_fits_tensor_cores(
+    (q, kv): (&GpuView, &GpuView),
+    (out, dout): (&GpuView, &GpuView),
+    dims: SparseMqaDims,
+) -> bool {
+    mqa_on_tensor_cores(q, kv, dims)
+        && dout.dtype == DType::Bf16
+        && matches!(out.dtype, DType::Bf16 | DType::F32)
+        && dout.ptr.is_multiple_of(16)
+        && out.ptr.is_multiple_of(16)
+}
+
+/// Blocks the tensor-core MQA backward aims to run at once: about one a
+/// streaming multiprocessor of an H100 or H200 (its shared memory allows
+/// one). Each of a sequence's blocks keeps its own partial key rows.
+const MQB_BLOCKS: usize = 128;
+
+/// The tensor-core MQA backward's blocks a sequence (`splits`): each takes
+/// every `splits`-th query position and sums into its own partial copy of
+/// the sequence's key rows, so the partials' memory grows with `splits`.
+fn mqa_backward_splits(dims: SparseMqaDims) -> usize {
+    (MQB_BLOCKS / dims.tokens.batch.max(1))
+        .max(1)
+        .min(dims.tokens.seq.max(1))
+}
+
+/// Elements of bf16 between two staged dout rows of the tensor-core
+/// backward (`MQB_G_PITCH`).
+const MQB_G_PITCH: usize = MQT_MAX_V + 8;
+
+/// Dynamic shared memory (bytes) of the tensor-core MQA backward with
+/// `groups` groups of 16 heads: the query and dout heads, two key blocks,
+/// P and dS (bf16), each head's delta and lse (f32) and two blocks'
+/// positions.
+fn mqb_shared(groups: usize) -> usize {
+    let rows = groups * 16;
+    (rows * MQT_PITCH + rows * MQB_G_PITCH + 2 * MQT_KEYS * MQT_PITCH + 2 * rows * MQT_P_PITCH) * 2
+        + 2 * rows * 4
+        + 2 * MQT_KEYS * 4
 }
 
 /// Threads of a sparse attention block (`SA_THREADS`).
@@ -177,20 +230,35 @@ fn bitmap_words(seq: usize) -> usize {
 }
 
 /// Elements (4 bytes each) of the scratch [`KernelSet::sparse_mqa_backward`]
-/// takes: `dout . out` a (row, head), then the `[rows, ceil(seq / 32)]`
-/// bitmap of selected (key, query) pairs. `None` past `usize`.
-pub fn sparse_mqa_scratch_len(dims: SparseMqaDims) -> Option<usize> {
+/// takes, on tensor cores or not: first the tensor-core kernel's partial
+/// key rows (f32 `[splits, rows, qk_dim]`) or the CUDA-core kernels'
+/// `dout . out` a (row, head), then the `[rows, ceil(seq / 32)]` bitmap of
+/// selected (key, query) pairs. `None` past `usize`.
+pub fn sparse_mqa_scratch_len(dims: SparseMqaDims, tensor_cores: bool) -> Option<usize> {
     let rows = dims.tokens.rows().ok()?;
-    rows.checked_mul(dims.heads)?
-        .checked_add(rows.checked_mul(bitmap_words(dims.tokens.seq))?)
+    let first = if tensor_cores {
+        mqa_backward_splits(dims)
+            .checked_mul(rows)?
+            .checked_mul(dims.qk_dim)?
+    } else {
+        rows.checked_mul(dims.heads)?
+    };
+    first.checked_add(rows.checked_mul(bitmap_words(dims.tokens.seq))?)
 }
 
-/// The most scratch (bytes) one sparse MQA call takes: the backward's
-/// ([`sparse_mqa_scratch_len`]).
-pub fn sparse_mqa_scratch_bytes(dims: SparseMqaDims) -> u64 {
-    sparse_mqa_scratch_len(dims)
-        .map_or(u64::MAX / 4, |len| len as u64)
-        .saturating_mul(DType::F32.bytes() as u64)
+/// The most scratch (bytes) one sparse MQA call takes with activations in
+/// `dtype`: the backward's ([`sparse_mqa_scratch_len`]), on tensor cores
+/// where bf16 and the shape allow it (the CUDA-core kernels' otherwise, or
+/// where a GPU cannot give the tensor-core kernel its shared memory).
+pub fn sparse_mqa_scratch_bytes(dims: SparseMqaDims, dtype: DType) -> u64 {
+    let tensor_cores = dtype == DType::Bf16 && mqa_shape_on_tensor_cores(dims);
+    let len = |tc: bool| sparse_mqa_scratch_len(dims, tc).map_or(u64::MAX / 4, |len| len as u64);
+    let most = if tensor_cores {
+        len(true).max(len(false))
+    } else {
+        len(false)
+    };
+    most.saturating_mul(DType::F32.bytes() as u64)
 }
 
 fn unsupported(kernel: &str, why: String) -> RuntimeError {
@@ -363,15 +431,19 @@ impl SparseAttentionKernels<CudaBuf> for CudaBackend {
         dkv: ViewMut<'_, CudaBuf>,
         dims: SparseMqaDims,
     ) -> Result<()> {
-        let len = sparse_mqa_scratch_len(dims).ok_or_else(|| {
+        let (q, kv, out, dout) = (self.v(q), self.v(kv), self.v(out), self.v(dout));
+        let tensor_cores = self
+            .k()
+            .mqa_backward_on_tensor_cores((&q, &kv), (&out, &dout), dims)?;
+        let len = sparse_mqa_scratch_len(dims, tensor_cores).ok_or_else(|| {
             unsupported("sparse_mqa_backward", "the scratch overflows".to_string())
         })?;
         let (scratch, _scratch_buf) = self.scratch_uninit(len.max(1), DType::F32)?;
         self.k().sparse_mqa_backward(
             self.s(),
-            (self.v(q), self.v(kv)),
+            (q, kv),
             self.v(indices),
-            (self.v(out), self.v(lse), self.v(dout)),
+            (out, self.v(lse), dout),
             (self.m(&dq), self.m(&dkv)),
             scratch,
             dims,
@@ -755,10 +827,25 @@ impl KernelSet {
         self.go(kn, &mut b, config)
     }
 
+    /// Whether [`KernelSet::sparse_mqa_backward`] runs on tensor cores for
+    /// these operands: [`mqa_backward_fits_tensor_cores`] and the kernel's
+    /// shared memory granted.
+    pub fn mqa_backward_on_tensor_cores(
+        &self,
+        (q, kv): (&GpuView, &GpuView),
+        (out, dout): (&GpuView, &GpuView),
+        dims: SparseMqaDims,
+    ) -> Result<bool> {
+        Ok(mqa_backward_fits_tensor_cores((q, kv), (out, dout), dims)
+            && self.reserve_shared("dsa_mqa_backward_mma", mqb_shared(MQT_HEADS / 16))?)
+    }
+
     /// `Backend::sparse_mqa_backward`, with `scratch` (4-byte elements) of
-    /// at least [`sparse_mqa_scratch_len`]: the query side (dq, `dout .
-    /// out`, and the bitmap of selected pairs, zeroed here first), then the
-    /// key side (dkv).
+    /// at least [`sparse_mqa_scratch_len`] (zeroed here). On tensor cores
+    /// ([`KernelSet::mqa_backward_on_tensor_cores`]): query by query, dq
+    /// and each block's partial key rows, then the partials summed into dkv.
+    /// On CUDA cores: the query side (dq, `dout . out`, and the bitmap of
+    /// selected pairs), then the key side (dkv).
     #[allow(clippy::too_many_arguments)]
     pub fn sparse_mqa_backward(
         &self,
@@ -776,20 +863,36 @@ impl KernelSet {
             return Ok(());
         }
         let shape = MqaShape::new(kq, dims)?;
-        let need = sparse_mqa_scratch_len(dims)
+        let tensor_cores = self.mqa_backward_on_tensor_cores((&q, &kv), (&out, &dout), dims)?;
+        let need = sparse_mqa_scratch_len(dims, tensor_cores)
             .ok_or_else(|| unsupported(kq, "the scratch overflows".to_string()))?;
-        ensure(scratch.len >= need && scratch.dtype.bytes() == 4, || {
-            format!(
-                "{kq}: `scratch` has {} elements of {}, these dimensions need {need} of 4 bytes \
-                 (sparse_mqa_scratch_len)",
-                scratch.len, scratch.dtype
-            )
-        })?;
-        let delta = scratch.ptr;
-        let bitmap = scratch.ptr + (rows * dims.heads * 4) as u64;
+        ensure(
+            scratch.len >= need && scratch.dtype.bytes() == 4 && scratch.ptr.is_multiple_of(16),
+            || {
+                format!(
+                    "{kq}: `scratch` has {} elements of {} at {:#x}, these dimensions need {need} \
+                     of 4 bytes, 16-byte aligned (sparse_mqa_scratch_len)",
+                    scratch.len, scratch.dtype, scratch.ptr
+                )
+            },
+        )?;
         let words = bitmap_words(dims.tokens.seq);
-        self.zero_bytes(stream, bitmap, rows * words * 4)?;
+        let bitmap = scratch.ptr + ((need - rows * words) * 4) as u64;
         let words = u32_of(kq, "bitmap words", words)?;
+        if tensor_cores {
+            // The partials and the bitmap, one zeroing.
+            self.zero_bytes(stream, scratch.ptr, need * 4)?;
+            return self.sparse_mqa_backward_mma(
+                stream,
+                (q, kv, indices),
+                (out, lse, dout),
+                (dq, dkv),
+                (scratch.ptr, bitmap, words),
+                dims,
+            );
+        }
+        let delta = scratch.ptr;
+        self.zero_bytes(stream, bitmap, rows * bitmap_words(dims.tokens.seq) * 4)?;
         let [qt, kvt, ot, gt, dqt, dkvt] = [q, kv, out, dout, dq, dkv].map(|x| dtype_tag(x.dtype));
         let config = row_head_grid(kq, rows, dims.heads, SA_THREADS)?;
         let mut b = KernelArgs::new(stream, self.function(kq)?);
@@ -819,6 +922,56 @@ impl KernelSet {
             .arg(&shape.v);
         b.arg(&dims.scale);
         self.go(kk, &mut b, config)
+    }
+
+    /// [`KernelSet::sparse_mqa_backward`] on tensor cores: a block a
+    /// (split, sequence) writing dq and its partial key rows at `partial`
+    /// (zeroed), then the partials summed in split order into dkv.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_mqa_backward_mma(
+        &self,
+        stream: &CudaStream,
+        (q, kv, indices): (GpuView, GpuView, GpuView),
+        (out, lse, dout): (GpuView, GpuView, GpuView),
+        (dq, dkv): (GpuView, GpuView),
+        (partial, bitmap, words): (u64, u64, u32),
+        dims: SparseMqaDims,
+    ) -> Result<()> {
+        let km = "dsa_mqa_backward_mma";
+        let shape = MqaShape::new(km, dims)?;
+        let splits = mqa_backward_splits(dims);
+        let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
+        let config = grid_of(
+            km,
+            [splits, dims.tokens.batch, 1],
+            (groups * 128) as u32,
+            mqb_shared(groups),
+        )?;
+        let splits = u32_of(km, "splits", splits)?;
+        let [ot, dqt, dkvt] = [out, dq, dkv].map(|x| dtype_tag(x.dtype));
+        let mut b = KernelArgs::new(stream, self.function(km)?);
+        b.arg(&q.ptr).arg(&kv.ptr).arg(&indices.ptr);
+        b.arg(&out.ptr).arg(&ot).arg(&lse.ptr).arg(&dout.ptr);
+        b.arg(&dq.ptr).arg(&dqt).arg(&partial).arg(&bitmap).arg(&words);
+        b.arg(&shape.seq)
+            .arg(&shape.heads)
+            .arg(&shape.qk)
+            .arg(&shape.v);
+        b.arg(&shape.topk)
+            .arg(&dims.scale)
+            .arg(&splits)
+            .arg(&self.fault_ptr);
+        self.go(km, &mut b, config)?;
+        let ks = "dsa_mqa_partials_sum";
+        let count = (dims.tokens.rows()? * dims.qk_dim) as u64;
+        let config = grid_of(ks, [(count as usize / 4).div_ceil(256).clamp(1, 4096), 1, 1], 256, 0)?;
+        let mut b = KernelArgs::new(stream, self.function(ks)?);
+        b.arg(&partial)
+            .arg(&splits)
+            .arg(&count)
+            .arg(&dkv.ptr)
+            .arg(&dkvt);
+        self.go(ks, &mut b, config)
     }
 
     /// `Backend::layer_norm_forward` (`stats` f32 `[rows, 2]`).
@@ -971,6 +1124,7 @@ mod tests {
                 ("MQT_MAX_QK", MQT_MAX_QK),
                 ("MQT_MAX_V", MQT_MAX_V),
                 ("MQT_HEADS", MQT_HEADS),
+                ("MQB_G_PITCH", MQB_G_PITCH),
                 ("TOPK_THREADS", TOPK_THREADS as usize),
                 ("LOSS_THREADS", LOSS_THREADS as usize),
                 ("IXT_PITCH", IXT_PITCH),
@@ -997,7 +1151,57 @@ mod tests {
             topk: 4,
             scale: 1.0,
         };
-        assert_eq!(sparse_mqa_scratch_len(dims), Some(66 * 3 + 66 * 2));
-        assert_eq!(sparse_mqa_scratch_bytes(dims), 4 * (66 * 5));
+        assert_eq!(sparse_mqa_scratch_len(dims, false), Some(66 * 3 + 66 * 2));
+        assert_eq!(sparse_mqa_scratch_bytes(dims, DType::F32), 4 * (66 * 5));
+    }
+
+    /// On tensor cores the scratch holds a partial copy of every key row for
+    /// each of a sequence's blocks (64 a sequence with 2 sequences, at most
+    /// one a query position), then the bitmap; bf16 activations count it,
+    /// f32 ones (which never take that kernel) do not.
+    #[test]
+    fn the_tensor_core_scratch_holds_a_partial_key_row_a_block() {
+        let dims = |batch, seq| SparseMqaDims {
+            tokens: crate::backend::Tokens::new(batch, seq),
+            heads: 128,
+            qk_dim: 576,
+            v_dim: 512,
+            topk: 2048,
+            scale: 1.0,
+        };
+        let bitmap = 2 * 4096 * 128;
+        assert_eq!(
+            sparse_mqa_scratch_len(dims(2, 4096), true),
+            Some(64 * 2 * 4096 * 576 + bitmap)
+        );
+        assert_eq!(
+            sparse_mqa_scratch_len(dims(1, 40), true),
+            Some(40 * 40 * 576 + 40 * 2)
+        );
+        assert_eq!(
+            sparse_mqa_scratch_bytes(dims(2, 4096), DType::Bf16),
+            4 * (64 * 2 * 4096 * 576 + bitmap) as u64
+        );
+        assert_eq!(
+            sparse_mqa_scratch_bytes(dims(2, 4096), DType::F32),
+            4 * (2 * 4096 * 128 + bitmap) as u64
+        );
+        // 576-channel rows wider than the tensor-core kernels take.
+        let wide = SparseMqaDims {
+            qk_dim: 592,
+            ..dims(2, 4096)
+        };
+        assert_eq!(
+            sparse_mqa_scratch_bytes(wide, DType::Bf16),
+            sparse_mqa_scratch_bytes(wide, DType::F32)
+        );
+    }
+
+    /// The tensor-core backward's shared memory at 64 heads fits what an
+    /// H100 or H200 grants a block (227 KiB).
+    #[test]
+    fn the_tensor_core_backward_fits_a_hopper_block() {
+        assert!(mqb_shared(MQT_HEADS / 16) <= 227 * 1024);
+        assert!(mqt_shared(MQT_HEADS / 16) <= 227 * 1024);
     }
 }
