@@ -203,7 +203,8 @@ fn bench(settings: &Settings) -> BenchResult<()> {
         let len = |tc| sparse_mqa_scratch_len(dims, tc).ok_or("the scratch overflows");
         Ok::<usize, &str>(len(true)?.max(len(false)?))
     };
-    let scratch_len = sparse_scratch(sparse_dims(n))?.max(flash_attention_scratch_len(dense_dims(n)));
+    let scratch_len =
+        sparse_scratch(sparse_dims(n))?.max(flash_attention_scratch_len(dense_dims(n)));
     let scratch = zeros(&stream, scratch_len, DType::F32)?;
     println!(
         "hybridgen sparse_attention on {device}: one sequence, bf16; D: {heads} heads over shared \

@@ -873,6 +873,103 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The indexer loss with its target on tensor cores (bf16 q and shared
+/// rows of 576: `dsa_indexer_loss_target_mma`, then the CUDA-core kernel
+/// for the KL) against the CPU, dense and sparse: 80 heads (a pass of 64
+/// and one of 16), 20 (a group padded from 4 heads to 16) and 128 (two full
+/// passes), rows of more items than a key block and fewer. The loss within
+/// 1e-5 of the scale of its terms (`loss_error`), the gradient within 1e-5
+/// of its norm, the same bits on a rerun.
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_core_indexer_loss_matches_the_cpu() {
+    let cuda = gpu(Precision::Bf16);
+    let cpu = CpuBackend::new(Precision::Bf16);
+    let mut failures = Vec::new();
+    for (heads, seq, batch, topk) in [
+        (80usize, 70usize, 2usize, 40usize),
+        (20, 130, 1, 72),
+        (128, 45, 1, 24),
+    ] {
+        let qk = 576;
+        let rows = batch * seq;
+        let mut rng = Rng(conformance::Rng::new(0xc11 + heads as u64));
+        let q = rng.vec(rows * heads * qk, 1.0);
+        let kv = rng.vec(rows * qk, 1.0);
+        let scores = rng.vec(rows * seq, 2.0);
+        let indices = every_third_key(rows, seq, topk);
+        for sparse in [false, true] {
+            let dims = IndexerLossDims {
+                tokens: Tokens::new(batch, seq),
+                topk,
+                heads,
+                qk_dim: qk,
+                scale: 1.0 / 192f32.sqrt(),
+                coeff: LOSS_COEFF,
+                sparse,
+            };
+            fn loss<B: Backend>(
+                b: &B,
+                (scores, q, kv): (&[f32], &[f32], &[f32]),
+                indices: &[u32],
+                dims: IndexerLossDims,
+            ) -> (Out, Out) {
+                let rows = dims.tokens.rows().unwrap();
+                let (sb, qb, kvb, ix) = (
+                    up(b, scores, DType::F32),
+                    up(b, q, DType::Bf16),
+                    up(b, kv, DType::Bf16),
+                    up_u32(b, indices),
+                );
+                let loss = poisoned(b, rows, DType::F32);
+                let d_scores = poisoned(b, rows * dims.tokens.seq, DType::F32);
+                b.indexer_loss(
+                    b.view(&sb).unwrap(),
+                    b.view(&qb).unwrap(),
+                    b.view(&kvb).unwrap(),
+                    b.view(&ix).unwrap(),
+                    b.view_mut(&loss).unwrap(),
+                    b.view_mut(&d_scores).unwrap(),
+                    dims,
+                )
+                .expect("indexer_loss");
+                (down(b, &loss, DType::F32), down(b, &d_scores, DType::F32))
+            }
+            let inputs = (&scores[..], &q[..], &kv[..]);
+            let want = loss(&cpu, inputs, &indices, dims);
+            let got = loss(&cuda, inputs, &indices, dims);
+            let again = loss(&cuda, inputs, &indices, dims);
+            for (name, g, a, w) in [
+                ("loss", &got.0, &again.0, &want.0),
+                ("d_scores", &got.1, &again.1, &want.1),
+            ] {
+                let err = if name == "loss" {
+                    loss_error(&f32s(g), &f32s(w), seq)
+                } else {
+                    error(&f32s(g), &f32s(w))
+                };
+                let tol = 1e-5;
+                let repeat = g.bits() == a.bits();
+                println!(
+                    "tensor-core indexer loss, {heads} heads, {seq} tokens x {batch}, top {topk}, \
+                     sparse {sparse}: {name} err {err:.2e} (tol {tol:.0e}) {}",
+                    if repeat {
+                        "repeats"
+                    } else {
+                        "DIFFERS between runs"
+                    }
+                );
+                if err.is_nan() || err > tol || !repeat {
+                    failures.push(format!(
+                        "{heads} heads sparse {sparse} {name}: err {err:.3e} repeat {repeat}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// A selected key past the sequence (forward) or selected twice by one
 /// query (backward) is reported through the device fault word, naming the
 /// query row, at the next host read.

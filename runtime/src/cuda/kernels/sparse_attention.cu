@@ -10,13 +10,15 @@
 // the CPU's does: the indexer's scores are the CPU's bits, so is the ReLU's
 // mask in its backward, and top-k selects what the CPU selects.
 //
-// Determinism: no float atomics. The sparse attention's shared rows'
-// gradients are summed key-major: the query-major pass marks, for every
-// (key, query) pair a query selected, one bit of a `[rows, ceil(seq/32)]`
-// bitmap (an integer atomicOr, the same bits in any order), and the key pass
-// walks each key's bits in ascending query order, so every key's sum runs in
-// the CPU's order. The indexer's key gradient runs key tiles over query
-// tiles in a fixed order.
+// Determinism: no float atomics whose order could vary. On CUDA cores the
+// sparse attention's shared rows' gradients are summed key-major: the
+// query-major pass marks, for every (key, query) pair a query selected, one
+// bit of a `[rows, ceil(seq/32)]` bitmap (an integer atomicOr, the same bits
+// in any order), and the key pass walks each key's bits in ascending query
+// order, so every key's sum runs in the CPU's order. On tensor cores they
+// are summed query-major into each block's own partial rows, one add an
+// element between two barriers, and the partials summed in block order. The
+// indexer's key gradient runs key tiles over query tiles in a fixed order.
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -327,7 +329,8 @@ __device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq
 // reading the same key row k[u] `[dim]` (the attention's shared latent
 // row). The row of
 // `d_scores` holds the target's sums while they are built (each key is one
-// thread's throughout), then the gradient. A row of at most LOSS_CACHED
+// thread's throughout), then the gradient; with `target_ready` the row
+// holds them already (`dsa_indexer_loss_target_mma`). A row of at most LOSS_CACHED
 // items keeps each head's logits in shared memory from the first pass (max
 // and sum) to the second (the probabilities) instead of computing them
 // again: the same bits, half the gathered key reads (the sparse loss reads
@@ -335,7 +338,7 @@ __device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq
 extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     const float* scores, const void* q, int qt, const void* k, int kt, const u32* indices,
     float* loss, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim, float scale, float factor,
-    int sparse, u64* status) {
+    int sparse, int target_ready, u64* status) {
     grid_dependency_sync();
     __shared__ float qs[MQA_MAX_DIM];
     __shared__ float red[32];
@@ -348,11 +351,11 @@ extern "C" __global__ void __launch_bounds__(LOSS_THREADS) dsa_indexer_loss(
     const u32* row_ix = indices + r * topk;
     const float* row = scores + r * seq;
     float* d_row = d_scores + r * seq;
-    for (u32 u = threadIdx.x; u < seq; u += blockDim.x) {
+    for (u32 u = threadIdx.x; u < seq && !target_ready; u += blockDim.x) {
         d_row[u] = 0.0f;
     }
     __syncthreads();
-    for (u32 h = 0; h < heads; ++h) {
+    for (u32 h = 0; h < heads && !target_ready; ++h) {
         for (u32 c = threadIdx.x; c < dim; c += blockDim.x) {
             qs[c] = load(q, qt, (r * heads + h) * dim + c);
         }
@@ -1649,12 +1652,12 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
 // row, summed in registers over the whole selection) and the block's
 // contribution to its keys' rows, dS^T Q + P^T dO over the heads (the
 // value part only over the first v_dim channels), which each warp adds to
-// the block's own f32 partial rows `[splits, rows, qk_dim]` (a read and a
-// write: no two threads of a block touch one element in one step, and the
-// barriers between steps order the steps). A key's partials are summed in
-// a fixed order afterwards (`dsa_mqa_partials_sum`): no float atomics, every
-// sum has one order fixed by the shapes and `splits`, so a rerun gives the
-// same bits. The first head pass marks each selected (key, query) pair in
+// the block's own f32 partial rows `[splits, rows, qk_dim]`
+// (`add_pair_ordered`: no two threads of a block add into one element in
+// one step, and the barriers between steps order the steps). A key's
+// partials are summed in a fixed order afterwards (`dsa_mqa_partials_sum`):
+// no adds race, every sum has one order fixed by the shapes and `splits`,
+// so a rerun gives the same bits. The first head pass marks each selected (key, query) pair in
 // the bitmap (a repeated key is a fault: it would add one element twice in
 // one step). Takes what the forward takes (and dout as q); dq in its dtype.
 
@@ -1670,6 +1673,22 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(address));
+}
+
+// p[0] += a, p[1] += b in global memory without waiting for the sum: a
+// reduction (`red`) the memory system applies. For the block-private
+// partial rows only, where no two threads add into one element between two
+// barriers: a barrier orders the adds before it ahead of those after it
+// (the PTX memory model's coherence order follows happens-before), so each
+// element's adds apply in step order and the bits repeat, while the thread
+// never waits on a read of the row as a load-add-store would.
+__device__ __forceinline__ void add_pair_ordered(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma(
@@ -1772,24 +1791,46 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
                     wait_async<0>();
                 }
                 __syncthreads();
-                // S and dP for the group's 16 heads x keys [8 quarter, 8 quarter + 8).
-                float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                float dp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                // S and dP for the group's 16 heads x keys [8 quarter, 8
+                // quarter + 8), each as two chains of products (even and
+                // odd 16-channel steps, added at the end) so that a warp
+                // has two independent mmas in flight.
+                float s_even[4] = {};
+                float s_odd[4] = {};
+                float dp_even[4] = {};
+                float dp_odd[4] = {};
                 const bf16* krow = kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8;
-                for (u32 c0 = 0; c0 < qk_dim; c0 += 16) {
+                const bf16* qrow = qs + (g * 16 + (lane & 15)) * MQT_PITCH + (lane >> 4) * 8;
+                const bf16* grow = gs + (g * 16 + (lane & 15)) * MQB_G_PITCH + (lane >> 4) * 8;
+                for (u32 c0 = 0; c0 < qk_dim; c0 += 32) {
                     u32 fa[4];
-                    ldmatrix_x4(fa, shared_address(qs + (g * 16 + (lane & 15)) * MQT_PITCH + c0 + (lane >> 4) * 8));
                     u32 fb[2];
+                    ldmatrix_x4(fa, shared_address(qrow + c0));
                     ldmatrix_x2(fb, shared_address(krow + c0));
-                    mma_bf16(s, fa, fb[0], fb[1]);
+                    mma_bf16(s_even, fa, fb[0], fb[1]);
+                    if (c0 + 16 < qk_dim) {
+                        ldmatrix_x4(fa, shared_address(qrow + c0 + 16));
+                        ldmatrix_x2(fb, shared_address(krow + c0 + 16));
+                        mma_bf16(s_odd, fa, fb[0], fb[1]);
+                    }
                 }
-                for (u32 c0 = 0; c0 < v_dim; c0 += 16) {
+                // v_dim is a multiple of 64: whole pairs of steps.
+                for (u32 c0 = 0; c0 < v_dim; c0 += 32) {
                     u32 fa[4];
-                    ldmatrix_x4(fa,
-                                shared_address(gs + (g * 16 + (lane & 15)) * MQB_G_PITCH + c0 + (lane >> 4) * 8));
                     u32 fb[2];
+                    ldmatrix_x4(fa, shared_address(grow + c0));
                     ldmatrix_x2(fb, shared_address(krow + c0));
-                    mma_bf16(dp, fa, fb[0], fb[1]);
+                    mma_bf16(dp_even, fa, fb[0], fb[1]);
+                    ldmatrix_x4(fa, shared_address(grow + c0 + 16));
+                    ldmatrix_x2(fb, shared_address(krow + c0 + 16));
+                    mma_bf16(dp_odd, fa, fb[0], fb[1]);
+                }
+                float s[4];
+                float dp[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[e] = s_even[e] + s_odd[e];
+                    dp[e] = dp_even[e] + dp_odd[e];
                 }
                 const u32 col = quarter * 8 + 2 * (lane & 3);
                 const bool valid[2] = {kk[col] != NO_KEY, kk[col + 1] != NO_KEY};
@@ -1872,11 +1913,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
                         for (int n = 0; n < MQB_KV_BLOCKS; ++n) {
                             const u32 j = j0 + n;
                             if (j < qk_blocks) {
-                                float2* p = reinterpret_cast<float2*>(row + j * 8);
-                                float2 v = *p;
-                                v.x += c[n][2 * half];
-                                v.y += c[n][2 * half + 1];
-                                *p = v;
+                                add_pair_ordered(row + j * 8, c[n][2 * half], c[n][2 * half + 1]);
                             }
                         }
                     }
@@ -1926,6 +1963,224 @@ extern "C" __global__ void __launch_bounds__(256) dsa_mqa_partials_sum(const flo
         store(dkv, dkvt, i + 1, sum.y);
         store(dkv, dkvt, i + 2, sum.z);
         store(dkv, dkvt, i + 3, sum.w);
+    }
+}
+
+// ---- the indexer's loss target on tensor cores -------------------------------------
+//
+// With bf16 q and k, the loss's target (each head's softmax over the row's
+// items, summed over the heads) is computed on tensor cores as the MQA
+// forward computes its scores: a block a query row, its heads MQT_HEADS at
+// a time (a group of 4 warps a 16 heads), the items' key rows gathered
+// MQT_KEYS at a time (the next block's during this one's products). A
+// first pass over the items finds each head's max and sum (the group's
+// four warps' maxima meet in shared memory each block, the sums in warp
+// order at the end); a second computes the probabilities again, sums each
+// item's over the group's 16 heads (a fixed butterfly) and the groups in
+// order, and adds them to the row of `d_scores` (zeroed first, every
+// position; each item one thread's). `dsa_indexer_loss` then takes the
+// row as given (`target_ready`) for the KL and its gradient. Every sum has
+// one order fixed by the shapes, so a rerun gives the same bits; they are
+// not the CUDA-core kernel's (a bf16 product is exact in f32, the
+// difference is the order of the sums).
+
+// Gathers the key rows of items [s0, s0 + MQT_KEYS) of the loss's row (see
+// `loss_key`) into `tile` (rows of a missing key as zeros) after writing
+// their positions to `keys`; the whole block calls it. Issues (does not
+// wait for) the copies.
+__device__ __forceinline__ void loss_gather(bf16* tile, u32* keys, const bf16* k, const u32* row_ix, u32 s0, u32 items,
+                                            u32 t, u32 seq, int sparse, u64 base, u32 dim, u64* status, u64 r) {
+    if (threadIdx.x < MQT_KEYS) {
+        const u32 i = s0 + threadIdx.x;
+        keys[threadIdx.x] = i < items ? loss_key(row_ix, i, t, seq, sparse, status, r) : NO_KEY;
+    }
+    __syncthreads();
+    const u32 chunks = dim / 8;
+    for (u32 c = threadIdx.x; c < MQT_KEYS * chunks; c += blockDim.x) {
+        const u32 i = c / chunks;
+        const u32 col = (c % chunks) * 8;
+        const u32 u = keys[i];
+        const bool ok = u != NO_KEY;
+        copy16_async(shared_address(tile + i * MQT_PITCH + col), ok ? k + (base + u) * dim + col : k, ok);
+    }
+    commit_async();
+}
+
+// S (scaled) for a group's 16 heads x keys [8 quarter, 8 quarter + 8) of a
+// staged key block, -inf for a missing key: s[0], s[1] row lane / 4, keys
+// col, col + 1; s[2], s[3] row + 8. Two chains of products (even and odd
+// 16-channel steps) added at the end.
+__device__ __forceinline__ void group_scores(float (&s)[4], const bf16* qs, const bf16* kt, const u32* kk, u32 g,
+                                             u32 quarter, u32 lane, u32 dim, float scale) {
+    float even[4] = {};
+    float odd[4] = {};
+    const bf16* krow = kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8;
+    const bf16* qrow = qs + (g * 16 + (lane & 15)) * MQT_PITCH + (lane >> 4) * 8;
+    for (u32 c0 = 0; c0 < dim; c0 += 32) {
+        u32 fa[4];
+        u32 fb[2];
+        ldmatrix_x4(fa, shared_address(qrow + c0));
+        ldmatrix_x2(fb, shared_address(krow + c0));
+        mma_bf16(even, fa, fb[0], fb[1]);
+        if (c0 + 16 < dim) {
+            ldmatrix_x4(fa, shared_address(qrow + c0 + 16));
+            ldmatrix_x2(fb, shared_address(krow + c0 + 16));
+            mma_bf16(odd, fa, fb[0], fb[1]);
+        }
+    }
+    const u32 col = quarter * 8 + 2 * (lane & 3);
+    const bool valid0 = kk[col] != NO_KEY;
+    const bool valid1 = kk[col + 1] != NO_KEY;
+    s[0] = valid0 ? scale * (even[0] + odd[0]) : neg_inf();
+    s[1] = valid1 ? scale * (even[1] + odd[1]) : neg_inf();
+    s[2] = valid0 ? scale * (even[2] + odd[2]) : neg_inf();
+    s[3] = valid1 ? scale * (even[3] + odd[3]) : neg_inf();
+}
+
+extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_target_mma(
+    const bf16* q, const bf16* k, const u32* indices, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim,
+    float scale, int sparse, u64* status) {
+    grid_dependency_sync();
+    extern __shared__ __align__(16) unsigned char ltm_shared[];
+    const u32 groups = blockDim.x / 128;
+    const u32 rows_q = groups * 16;
+    bf16* qs = reinterpret_cast<bf16*>(ltm_shared);
+    bf16* ks = qs + rows_q * MQT_PITCH;
+    float* red = reinterpret_cast<float*>(ks + 2 * MQT_KEYS * MQT_PITCH);
+    float* colsum = red + rows_q * 4;
+    u32* keys = reinterpret_cast<u32*>(colsum + 4 * MQT_KEYS);
+    const u64 r = blockIdx.x;
+    const u32 t = static_cast<u32>(r % seq);
+    const u64 base = r - t;
+    const u32 warp = threadIdx.x / 32;
+    const u32 lane = threadIdx.x & 31;
+    const u32 g = warp / 4;
+    const u32 quarter = warp % 4;
+    const u32 row_a = g * 16 + (lane >> 2);
+    const u32 items = sparse ? topk : t + 1;
+    const u32 blocks = (items + MQT_KEYS - 1) / MQT_KEYS;
+    const u32* row_ix = indices + r * topk;
+    float* d_row = d_scores + r * seq;
+    for (u32 u = threadIdx.x; u < seq; u += blockDim.x) {
+        d_row[u] = 0.0f;
+    }
+    for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
+        const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
+        {
+            const u32 chunks = dim / 8;
+            for (u32 c = threadIdx.x; c < rows_q * chunks; c += blockDim.x) {
+                const u32 i = c / chunks;
+                const u32 col = (c % chunks) * 8;
+                const bool ok = i < nh;
+                copy16_async(shared_address(qs + i * MQT_PITCH + col), ok ? q + (r * heads + h0 + i) * dim + col : q,
+                             ok);
+            }
+        }
+        float run_max[2] = {neg_inf(), neg_inf()};
+        float run_sum[2] = {0.0f, 0.0f};
+        // Pass 0: each head's max and sum; pass 1: the probabilities.
+        for (int pass = 0; pass < 2; ++pass) {
+            float inv[2] = {0.0f, 0.0f};
+            if (pass == 1) {
+                // The row sums: the four warps' partial sums in warp order.
+                if ((lane & 3) == 0) {
+                    red[row_a * 4 + quarter] = run_sum[0];
+                    red[(row_a + 8) * 4 + quarter] = run_sum[1];
+                }
+                __syncthreads();
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float* l4 = red + (row_a + half * 8) * 4;
+                    const float sum = ((l4[0] + l4[1]) + l4[2]) + l4[3];
+                    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+                }
+                __syncthreads();
+            }
+            loss_gather(ks, keys, k, row_ix, 0, items, t, seq, sparse, base, dim, status, r);
+            for (u32 blk = 0; blk < blocks; ++blk) {
+                const u32 cur = blk & 1;
+                const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
+                const u32* kk = keys + cur * MQT_KEYS;
+                if (blk + 1 < blocks) {
+                    loss_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, k, row_ix,
+                                (blk + 1) * MQT_KEYS, items, t, seq, sparse, base, dim, status, r);
+                    wait_async<1>();
+                } else {
+                    wait_async<0>();
+                }
+                __syncthreads();
+                float s[4];
+                group_scores(s, qs, kt, kk, g, quarter, lane, dim, scale);
+                if (pass == 0) {
+                    float part[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 1));
+                        part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 2));
+                    }
+                    if ((lane & 3) == 0) {
+                        red[row_a * 4 + quarter] = part[0];
+                        red[(row_a + 8) * 4 + quarter] = part[1];
+                    }
+                    __syncthreads();
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const float* m4 = red + (row_a + half * 8) * 4;
+                        const float block_max = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+                        const float next = fmaxf(run_max[half], block_max);
+                        float p0 = 0.0f;
+                        float p1 = 0.0f;
+                        if (next != neg_inf()) {
+                            p0 = s[2 * half] == neg_inf() ? 0.0f : expf(s[2 * half] - next);
+                            p1 = s[2 * half + 1] == neg_inf() ? 0.0f : expf(s[2 * half + 1] - next);
+                        }
+                        const float alpha = run_max[half] == neg_inf() ? 0.0f : expf(run_max[half] - next);
+                        float ps_sum = p0 + p1;
+                        ps_sum += __shfl_xor_sync(0xffffffffu, ps_sum, 1);
+                        ps_sum += __shfl_xor_sync(0xffffffffu, ps_sum, 2);
+                        run_sum[half] = run_sum[half] * alpha + ps_sum;
+                        run_max[half] = next;
+                    }
+                } else {
+                    // Each item's probabilities summed over the group's 16
+                    // heads: a lane's two rows, then the lanes of its
+                    // column (a fixed butterfly over lane bits 2-4).
+                    float c0 = 0.0f;
+                    float c1 = 0.0f;
+                    if (row_a < nh && run_max[0] != neg_inf()) {
+                        c0 += s[0] == neg_inf() ? 0.0f : expf(s[0] - run_max[0]) * inv[0];
+                        c1 += s[1] == neg_inf() ? 0.0f : expf(s[1] - run_max[0]) * inv[0];
+                    }
+                    if (row_a + 8 < nh && run_max[1] != neg_inf()) {
+                        c0 += s[2] == neg_inf() ? 0.0f : expf(s[2] - run_max[1]) * inv[1];
+                        c1 += s[3] == neg_inf() ? 0.0f : expf(s[3] - run_max[1]) * inv[1];
+                    }
+#pragma unroll
+                    for (int m = 4; m < 32; m <<= 1) {
+                        c0 += __shfl_xor_sync(0xffffffffu, c0, m);
+                        c1 += __shfl_xor_sync(0xffffffffu, c1, m);
+                    }
+                    if (lane < 4) {
+                        const u32 col = quarter * 8 + 2 * lane;
+                        colsum[g * MQT_KEYS + col] = c0;
+                        colsum[g * MQT_KEYS + col + 1] = c1;
+                    }
+                    __syncthreads();
+                    if (threadIdx.x < MQT_KEYS && kk[threadIdx.x] != NO_KEY) {
+                        float sum = 0.0f;
+                        for (u32 gg = 0; gg < groups; ++gg) {
+                            sum += colsum[gg * MQT_KEYS + threadIdx.x];
+                        }
+                        d_row[kk[threadIdx.x]] += sum;
+                    }
+                }
+                __syncthreads();
+            }
+            if (blocks == 0) {
+                wait_async<0>();
+                __syncthreads();
+            }
+        }
     }
 }
 

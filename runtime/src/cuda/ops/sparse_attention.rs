@@ -217,6 +217,33 @@ fn mqb_shared(groups: usize) -> usize {
         + 2 * MQT_KEYS * 4
 }
 
+/// Whether the indexer loss's target (each head's softmax over the row's
+/// items, summed over the heads) runs on tensor cores: q and the shared
+/// rows k stored in bf16 at 16-byte aligned addresses, rows a multiple of
+/// 16 channels up to [`MQT_MAX_QK`]. Otherwise the CUDA-core loss kernel
+/// computes it (the CPU's dot products).
+pub fn loss_target_on_tensor_cores(q: &GpuView, k: &GpuView, dim: usize) -> bool {
+    q.dtype == DType::Bf16
+        && k.dtype == DType::Bf16
+        && dim > 0
+        && dim.is_multiple_of(16)
+        && dim <= MQT_MAX_QK
+        && q.ptr.is_multiple_of(16)
+        && k.ptr.is_multiple_of(16)
+}
+
+/// Dynamic shared memory (bytes) of the tensor-core loss target with
+/// `groups` groups of 16 heads: the query heads and two key blocks (bf16),
+/// the row maxima or sums and the groups' item sums (f32), two blocks'
+/// positions.
+fn ltm_shared(groups: usize) -> usize {
+    let rows = groups * 16;
+    (rows * MQT_PITCH + 2 * MQT_KEYS * MQT_PITCH) * 2
+        + rows * 4 * 4
+        + 4 * MQT_KEYS * 4
+        + 2 * MQT_KEYS * 4
+}
+
 /// Threads of a sparse attention block (`SA_THREADS`).
 const SA_THREADS: u32 = 128;
 /// Threads of a top-k block (`TOPK_THREADS`).
@@ -703,6 +730,22 @@ impl KernelSet {
         let dim = dims.qk_dim as u32;
         let factor = dims.coeff / rows as f32;
         let sparse = i32::from(dims.sparse);
+        let target_ready = loss_target_on_tensor_cores(&q, &k, dims.qk_dim)
+            && self.reserve_shared("dsa_indexer_loss_target_mma", ltm_shared(MQT_HEADS / 16))?;
+        if target_ready {
+            let km = "dsa_indexer_loss_target_mma";
+            let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
+            let config = grid_of(km, [rows, 1, 1], (groups * 128) as u32, ltm_shared(groups))?;
+            let mut b = KernelArgs::new(stream, self.function(km)?);
+            b.arg(&q.ptr)
+                .arg(&k.ptr)
+                .arg(&indices.ptr)
+                .arg(&d_scores.ptr);
+            b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
+            b.arg(&dims.scale).arg(&sparse).arg(&self.fault_ptr);
+            self.go(km, &mut b, config)?;
+        }
+        let target_ready = i32::from(target_ready);
         let config = row_head_grid(kn, rows, 1, LOSS_THREADS)?;
         let [qt, kt] = [q, k].map(|v| dtype_tag(v.dtype));
         let mut b = KernelArgs::new(stream, self.function(kn)?);
@@ -712,6 +755,7 @@ impl KernelSet {
         b.arg(&dims.scale)
             .arg(&factor)
             .arg(&sparse)
+            .arg(&target_ready)
             .arg(&self.fault_ptr);
         self.go(kn, &mut b, config)
     }
@@ -952,7 +996,11 @@ impl KernelSet {
         let mut b = KernelArgs::new(stream, self.function(km)?);
         b.arg(&q.ptr).arg(&kv.ptr).arg(&indices.ptr);
         b.arg(&out.ptr).arg(&ot).arg(&lse.ptr).arg(&dout.ptr);
-        b.arg(&dq.ptr).arg(&dqt).arg(&partial).arg(&bitmap).arg(&words);
+        b.arg(&dq.ptr)
+            .arg(&dqt)
+            .arg(&partial)
+            .arg(&bitmap)
+            .arg(&words);
         b.arg(&shape.seq)
             .arg(&shape.heads)
             .arg(&shape.qk)
@@ -964,7 +1012,12 @@ impl KernelSet {
         self.go(km, &mut b, config)?;
         let ks = "dsa_mqa_partials_sum";
         let count = (dims.tokens.rows()? * dims.qk_dim) as u64;
-        let config = grid_of(ks, [(count as usize / 4).div_ceil(256).clamp(1, 4096), 1, 1], 256, 0)?;
+        let config = grid_of(
+            ks,
+            [(count as usize / 4).div_ceil(256).clamp(1, 4096), 1, 1],
+            256,
+            0,
+        )?;
         let mut b = KernelArgs::new(stream, self.function(ks)?);
         b.arg(&partial)
             .arg(&splits)
@@ -1197,11 +1250,12 @@ mod tests {
         );
     }
 
-    /// The tensor-core backward's shared memory at 64 heads fits what an
+    /// The tensor-core MQA kernels' shared memory at 64 heads fits what an
     /// H100 or H200 grants a block (227 KiB).
     #[test]
-    fn the_tensor_core_backward_fits_a_hopper_block() {
+    fn the_tensor_core_kernels_fit_a_hopper_block() {
         assert!(mqb_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(mqt_shared(MQT_HEADS / 16) <= 227 * 1024);
+        assert!(ltm_shared(MQT_HEADS / 16) <= 227 * 1024);
     }
 }
