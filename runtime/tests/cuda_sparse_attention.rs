@@ -18,7 +18,11 @@
 //! - Training: `[DE]-` and `M[DE]` on one GPU in f32 follow the CPU's run
 //!   (every step's loss within 1e-5 relative, its indexer loss within
 //!   1e-5 of the coefficient times ln(keys)), and the
-//!   overlap schedule gives the plain schedule's bits (f32 and bf16).
+//!   overlap schedule gives the plain schedule's bits (f32, and bf16 with
+//!   a latent the tensor-core kernels take).
+//! - The tensor-core kernels (bf16, rows of 576) at many heads: the MQA
+//!   forward and backward and the indexer loss's target against the CPU,
+//!   and the indexer.
 //!
 //! The tests are `#[ignore = "needs a GPU"]`: built anywhere, run on a GPU
 //! machine with `--include-ignored` (the GPU bundle's `run.sh` does);
@@ -1084,6 +1088,18 @@ fn config(pattern: &str, device: DeviceChoice, precision: Precision) -> TrainCon
     config
 }
 
+/// Widens the tiny preset's latent to rows the tensor-core MQA kernels
+/// take (kv_rank 64 + rope 16 = 80 channels, values 64): in bf16 its `D`
+/// layers then train through `dsa_mqa_forward_mma`, `dsa_mqa_backward_mma`
+/// and `dsa_indexer_loss_target_mma`.
+fn tensor_core_latent(model: &mut ModelConfig) {
+    let mla = model.mla.as_mut().expect("tiny has [mla]");
+    mla.kv_lora_rank = 64;
+    mla.qk_rope_head_dim = 16;
+    let dsa = model.dsa.as_mut().expect("tiny has [dsa]");
+    dsa.index_head_dim = dsa.index_head_dim.max(16);
+}
+
 fn run(config: &TrainConfig) -> (Vec<StepReport>, TrainSummary) {
     let mut reports = Vec::new();
     let summary = train(config, &mut |r| reports.push(r.clone()))
@@ -1152,6 +1168,9 @@ fn dsa_training_on_a_gpu_matches_the_cpu_and_overlap_equals_plain() {
         for precision in [Precision::F32, Precision::Bf16] {
             let with = |schedule| {
                 let mut c = config(pattern, DeviceChoice::Cuda, precision);
+                if precision == Precision::Bf16 {
+                    tensor_core_latent(&mut c.model);
+                }
                 c.micro_batches = 3;
                 c.schedule = schedule;
                 let (r, s) = run(&c);

@@ -93,8 +93,9 @@ pub fn gpu_kernel_scratch(
 }
 
 /// The GPU's sparse attention scratch for `model`'s `D` layers (its
-/// backward's: `dout . out` a row and head, and a bit a (key, query) pair),
-/// 0 without them. Counted here rather than as a [`ScratchCall`]: only the
+/// backward's: in bf16 on tensor cores a partial copy of the key rows for
+/// each of a sequence's blocks, otherwise `dout . out` a row and head; and
+/// a bit a (key, query) pair), 0 without them. Counted here rather than as a [`ScratchCall`]: only the
 /// CUDA backend takes scratch for it.
 fn dsa_scratch(model: &ModelConfig, kinds: &[LayerKind], tokens: Tokens, dtype: DType) -> u64 {
     match &model.mla {

@@ -15,20 +15,29 @@
 //! - Top-k: a block a query row, a radix select on the scores' bits (in
 //!   `total_cmp`'s order) then one pass in position order writing the keys
 //!   above the k-th and the lowest-positioned ties.
-//! - The indexer's loss: a block a query row (a head's logits kept in
-//!   shared memory between its two passes up to 4,096 keys a row); its
-//!   backward: a query-tile
+//! - The indexer's loss: a block a query row; its target (each head's
+//!   softmax summed over the heads) on tensor cores with bf16 q and k
+//!   ([`loss_target_on_tensor_cores`]), otherwise a head's logits computed
+//!   on CUDA cores (kept in shared memory between its two passes up to
+//!   4,096 keys a row). Its backward: a query-tile
 //!   kernel (dq, d_weights) and a key-tile kernel (dk), each summing in a
 //!   fixed order.
 //! - Sparse attention, every head reading one shared key/value row a token
-//!   (`sparse_mqa_*`, `D`'s absorbed MLA): a block a (query row, head) over
-//!   its selected keys (online softmax in f32); the backward's dq the same
-//!   way, and the shared rows' gradient key-major over a bitmap of the
-//!   (key, query) pairs selected, each key's (query, head) pairs in
-//!   ascending order: no float atomics anywhere.
+//!   (`sparse_mqa_*`, `D`'s absorbed MLA). With bf16 operands and rows of
+//!   up to 576 channels ([`mqa_on_tensor_cores`]) on tensor cores: the
+//!   forward a block a query row and up to 64 of its heads; the backward
+//!   query by query, `dq` in registers and each block's own partial copy
+//!   of the key rows (one add an element between two barriers), the copies
+//!   then summed in block order ([`mqa_backward_fits_tensor_cores`]).
+//!   Otherwise (the checking mode) on CUDA cores: a block a (query row,
+//!   head) over its selected keys (online softmax in f32); the backward's
+//!   dq the same way, and the shared rows' gradient key-major over a bitmap
+//!   of the (key, query) pairs selected, each key's (query, head) pairs in
+//!   ascending order. No sum's order depends on timing.
 //! - LayerNorm: a warp a row; its parameter gradients as column sums.
 //!
-//! The backward's bitmap and per-(row, head) `dout . out` are scratch
+//! The backward's bitmap and partial key rows (tensor cores) or per-(row,
+//! head) `dout . out` (CUDA cores) are scratch
 //! ([`sparse_mqa_scratch_len`]) from the arena; the memory plan counts them
 //! ([`sparse_mqa_scratch_bytes`]). The indexer's heads must be at most
 //! [`INDEXER_MAX_DIM`] channels and the shared rows at most
