@@ -628,6 +628,70 @@ fn sparse_attention_conforms() {
     }
 }
 
+/// A bf16 output of a tensor-core kernel against the CPU's: within bf16's
+/// tolerance of its norm and the same bits on a rerun (`got`, `again`,
+/// `want`); see [`check_output`].
+fn check_bf16_output(
+    label: &str,
+    name: &str,
+    (got, again, want): (&Out, &Out, &Out),
+    failures: &mut Vec<String>,
+) {
+    let err = error(&f32s(got), &f32s(want));
+    let repeat = got.bits() == again.bits();
+    check_output(label, name, (err, tolerance(DType::Bf16)), repeat, failures);
+}
+
+/// Prints one output's comparison and adds a failure to `failures` unless
+/// its error is at most `tol` and a rerun gave the same bits.
+fn check_output(
+    label: &str,
+    name: &str,
+    (err, tol): (f64, f64),
+    repeat: bool,
+    failures: &mut Vec<String>,
+) {
+    println!(
+        "{label}: {name} err {err:.2e} (tol {tol:.1e}) {}",
+        if repeat {
+            "repeats"
+        } else {
+            "DIFFERS between runs"
+        }
+    );
+    if err.is_nan() || err > tol || !repeat {
+        failures.push(format!("{label} {name}: err {err:.3e} repeat {repeat}"));
+    }
+}
+
+/// The shared-row attention's forward on `b` (bf16 q and kv): out (bf16)
+/// and lse.
+fn mqa_forward<B: Backend>(
+    b: &B,
+    (q, kv): (&[f32], &[f32]),
+    indices: &[u32],
+    dims: SparseMqaDims,
+) -> (Out, Out) {
+    let rows = dims.tokens.rows().unwrap();
+    let (qb, kvb, ix) = (
+        up(b, q, DType::Bf16),
+        up(b, kv, DType::Bf16),
+        up_u32(b, indices),
+    );
+    let out = poisoned(b, rows * dims.heads * dims.v_dim, DType::Bf16);
+    let lse = poisoned(b, rows * dims.heads, DType::F32);
+    b.sparse_mqa_forward(
+        b.view(&qb).unwrap(),
+        b.view(&kvb).unwrap(),
+        b.view(&ix).unwrap(),
+        b.view_mut(&out).unwrap(),
+        b.view_mut(&lse).unwrap(),
+        dims,
+    )
+    .expect("sparse_mqa_forward");
+    (down(b, &out, DType::Bf16), down(b, &lse, DType::F32))
+}
+
 /// The tensor-core forward of the shared-row attention (bf16 q and kv,
 /// rows of 576, values 512: `dsa_mqa_forward_mma`) against the CPU, with
 /// the heads over two blocks (64 + 16, the second a single group of 16)
@@ -646,15 +710,7 @@ fn tensor_core_mqa_forward_matches_the_cpu() {
         let mut rng = Rng(conformance::Rng::new(0xa11 + heads as u64));
         let q = rng.vec(rows * heads * qk, 1.0);
         let kv = rng.vec(rows * qk, 1.0);
-        // Each query's keys: every third causal position from the newest,
-        // at most top-k of them, ascending, padded.
-        let mut indices = vec![u32::MAX; rows * topk];
-        for r in 0..rows {
-            let t = r % seq;
-            let mut keys: Vec<u32> = (0..=t as u32).rev().step_by(3).take(topk).collect();
-            keys.sort_unstable();
-            indices[r * topk..][..keys.len()].copy_from_slice(&keys);
-        }
+        let indices = every_third_key(rows, seq, topk);
         let dims = SparseMqaDims {
             tokens: Tokens::new(batch, seq),
             heads,
@@ -663,65 +719,16 @@ fn tensor_core_mqa_forward_matches_the_cpu() {
             topk,
             scale: 1.0 / 192f32.sqrt(),
         };
-        let forward = |b: &CudaBackend| {
-            let (qb, kvb, ix) = (
-                up(b, &q, DType::Bf16),
-                up(b, &kv, DType::Bf16),
-                up_u32(b, &indices),
-            );
-            let out = poisoned(b, rows * heads * v, DType::Bf16);
-            let lse = poisoned(b, rows * heads, DType::F32);
-            b.sparse_mqa_forward(
-                b.view(&qb).unwrap(),
-                b.view(&kvb).unwrap(),
-                b.view(&ix).unwrap(),
-                b.view_mut(&out).unwrap(),
-                b.view_mut(&lse).unwrap(),
-                dims,
-            )
-            .expect("sparse_mqa_forward");
-            (down(b, &out, DType::Bf16), down(b, &lse, DType::F32))
-        };
-        let (qb, kvb, ix) = (
-            up(&cpu, &q, DType::Bf16),
-            up(&cpu, &kv, DType::Bf16),
-            up_u32(&cpu, &indices),
-        );
-        let out = poisoned(&cpu, rows * heads * v, DType::Bf16);
-        let lse = poisoned(&cpu, rows * heads, DType::F32);
-        cpu.sparse_mqa_forward(
-            cpu.view(&qb).unwrap(),
-            cpu.view(&kvb).unwrap(),
-            cpu.view(&ix).unwrap(),
-            cpu.view_mut(&out).unwrap(),
-            cpu.view_mut(&lse).unwrap(),
-            dims,
-        )
-        .expect("cpu sparse_mqa_forward");
-        let want = (down(&cpu, &out, DType::Bf16), down(&cpu, &lse, DType::F32));
-        let got = forward(&cuda);
-        let again = forward(&cuda);
+        let want = mqa_forward(&cpu, (&q, &kv), &indices, dims);
+        let got = mqa_forward(&cuda, (&q, &kv), &indices, dims);
+        let again = mqa_forward(&cuda, (&q, &kv), &indices, dims);
+        let label =
+            format!("tensor-core MQA forward, {heads} heads, {seq} tokens x {batch}, top {topk}");
         for (name, g, a, w) in [
             ("out", &got.0, &again.0, &want.0),
             ("lse", &got.1, &again.1, &want.1),
         ] {
-            let err = error(&f32s(g), &f32s(w));
-            let repeat = g.bits() == a.bits();
-            println!(
-                "tensor-core MQA forward, {heads} heads, {seq} tokens x {batch}, top {topk}: \
-                 {name} err {err:.2e} (tol {:.1e}) {}",
-                tolerance(DType::Bf16),
-                if repeat {
-                    "repeats"
-                } else {
-                    "DIFFERS between runs"
-                }
-            );
-            if err > tolerance(DType::Bf16) || !repeat {
-                failures.push(format!(
-                    "{heads} heads {name}: err {err:.3e} repeat {repeat}"
-                ));
-            }
+            check_bf16_output(&label, name, (g, a, w), &mut failures);
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -777,28 +784,8 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
             scale: 1.0 / 192f32.sqrt(),
         };
         // The forward once, on the CPU: both backwards read its outputs.
-        let (out, lse) = {
-            let (qb, kvb, ix) = (
-                up(&cpu, &q, DType::Bf16),
-                up(&cpu, &kv, DType::Bf16),
-                up_u32(&cpu, &indices),
-            );
-            let out = poisoned(&cpu, rows * heads * v, DType::Bf16);
-            let lse = poisoned(&cpu, rows * heads, DType::F32);
-            cpu.sparse_mqa_forward(
-                cpu.view(&qb).unwrap(),
-                cpu.view(&kvb).unwrap(),
-                cpu.view(&ix).unwrap(),
-                cpu.view_mut(&out).unwrap(),
-                cpu.view_mut(&lse).unwrap(),
-                dims,
-            )
-            .expect("cpu sparse_mqa_forward");
-            (
-                f32s(&down(&cpu, &out, DType::Bf16)),
-                f32s(&down(&cpu, &lse, DType::F32)),
-            )
-        };
+        let (out, lse) = mqa_forward(&cpu, (&q, &kv), &indices, dims);
+        let (out, lse) = (f32s(&out), f32s(&lse));
         /// dq and dkv, launched (not read back).
         fn backward<B: Backend>(
             b: &B,
@@ -839,27 +826,13 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
         let want = read(&cpu, backward(&cpu, inputs, (&out, &lse), &indices, dims));
         let got = read(&cuda, backward(&cuda, inputs, (&out, &lse), &indices, dims));
         let again = read(&cuda, backward(&cuda, inputs, (&out, &lse), &indices, dims));
+        let label =
+            format!("tensor-core MQA backward, {heads} heads, {seq} tokens x {batch}, top {topk}");
         for (name, g, a, w) in [
             ("dq", &got.0, &again.0, &want.0),
             ("dkv", &got.1, &again.1, &want.1),
         ] {
-            let err = error(&f32s(g), &f32s(w));
-            let repeat = g.bits() == a.bits();
-            println!(
-                "tensor-core MQA backward, {heads} heads, {seq} tokens x {batch}, top {topk}: \
-                 {name} err {err:.2e} (tol {:.1e}) {}",
-                tolerance(DType::Bf16),
-                if repeat {
-                    "repeats"
-                } else {
-                    "DIFFERS between runs"
-                }
-            );
-            if err > tolerance(DType::Bf16) || !repeat {
-                failures.push(format!(
-                    "{heads} heads {name}: err {err:.3e} repeat {repeat}"
-                ));
-            }
+            check_bf16_output(&label, name, (g, a, w), &mut failures);
         }
         // Row 21 (token 21 of the first sequence) selects one key twice.
         let mut twice = indices.clone();
@@ -952,22 +925,17 @@ fn tensor_core_indexer_loss_matches_the_cpu() {
                 } else {
                     error(&f32s(g), &f32s(w))
                 };
-                let tol = 1e-5;
-                let repeat = g.bits() == a.bits();
-                println!(
+                let label = format!(
                     "tensor-core indexer loss, {heads} heads, {seq} tokens x {batch}, top {topk}, \
-                     sparse {sparse}: {name} err {err:.2e} (tol {tol:.0e}) {}",
-                    if repeat {
-                        "repeats"
-                    } else {
-                        "DIFFERS between runs"
-                    }
+                     sparse {sparse}"
                 );
-                if err.is_nan() || err > tol || !repeat {
-                    failures.push(format!(
-                        "{heads} heads sparse {sparse} {name}: err {err:.3e} repeat {repeat}"
-                    ));
-                }
+                check_output(
+                    &label,
+                    name,
+                    (err, 1e-5),
+                    g.bits() == a.bits(),
+                    &mut failures,
+                );
             }
         }
     }

@@ -1455,25 +1455,96 @@ __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 address) {
                  : "r"(address));
 }
 
+// After `keys` (MQT_KEYS positions, NO_KEY for none) is written: copies
+// their rows of `kv` (`dim` channels, in sequence `base`) into `tile`,
+// rows of a missing key as zeros. The whole block calls it; issues (does
+// not wait for) the copies.
+__device__ __forceinline__ void stage_key_rows(bf16* tile, const u32* keys, const bf16* kv, u64 base, u32 dim) {
+    __syncthreads();
+    const u32 chunks = dim / 8;
+    for (u32 c = threadIdx.x; c < MQT_KEYS * chunks; c += blockDim.x) {
+        const u32 i = c / chunks;
+        const u32 col = (c % chunks) * 8;
+        const u32 u = keys[i];
+        const bool ok = u != NO_KEY;
+        copy16_async(shared_address(tile + i * MQT_PITCH + col), ok ? kv + (base + u) * dim + col : kv, ok);
+    }
+    commit_async();
+}
+
 // Gathers the kv rows of slots [s0, s0 + MQT_KEYS) of query row r into
-// `tile` (rows of a missing key as zeros) after writing their positions to
-// `keys`; the whole block calls it. Issues (does not wait for) the copies.
+// `tile` (see `stage_key_rows`) after writing their positions to `keys`.
 __device__ __forceinline__ void mqt_gather(bf16* tile, u32* keys, const bf16* kv, const u32* indices, u64 r, u32 topk,
                                            u32 s0, u32 t, u32 seq, u64 base, u32 qk_dim, u64* status) {
     if (threadIdx.x < MQT_KEYS) {
         const u32 slot = s0 + threadIdx.x;
         keys[threadIdx.x] = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
     }
-    __syncthreads();
-    const u32 chunks = qk_dim / 8;
-    for (u32 c = threadIdx.x; c < MQT_KEYS * chunks; c += blockDim.x) {
-        const u32 i = c / chunks;
-        const u32 col = (c % chunks) * 8;
-        const u32 u = keys[i];
-        const bool ok = u != NO_KEY;
-        copy16_async(shared_address(tile + i * MQT_PITCH + col), ok ? kv + (base + u) * qk_dim + col : kv, ok);
+    stage_key_rows(tile, keys, kv, base, qk_dim);
+}
+
+// even += A B^T over the even 16-channel steps of `dim` channels, odd over
+// the odd ones (two independent chains of mmas): `arow` is this lane's
+// ldmatrix address of a staged 16-row A tile, `brow` of an 8-row B tile
+// (rows of channels, read transposed as the forward reads keys).
+__device__ __forceinline__ void group_products(float (&even)[4], float (&odd)[4], const bf16* arow, const bf16* brow,
+                                               u32 dim) {
+    for (u32 c0 = 0; c0 < dim; c0 += 32) {
+        u32 fa[4];
+        u32 fb[2];
+        ldmatrix_x4(fa, shared_address(arow + c0));
+        ldmatrix_x2(fb, shared_address(brow + c0));
+        mma_bf16(even, fa, fb[0], fb[1]);
+        if (c0 + 16 < dim) {
+            ldmatrix_x4(fa, shared_address(arow + c0 + 16));
+            ldmatrix_x2(fb, shared_address(brow + c0 + 16));
+            mma_bf16(odd, fa, fb[0], fb[1]);
+        }
     }
-    commit_async();
+}
+
+// S (scaled) for a group's 16 heads x keys [8 quarter, 8 quarter + 8) of a
+// staged key block, -inf for a missing key: s[0], s[1] row lane / 4, keys
+// col, col + 1; s[2], s[3] row + 8. Two chains of products (even and odd
+// 16-channel steps) added at the end.
+__device__ __forceinline__ void group_scores(float (&s)[4], const bf16* qs, const bf16* kt, const u32* kk, u32 g,
+                                             u32 quarter, u32 lane, u32 dim, float scale) {
+    float even[4] = {};
+    float odd[4] = {};
+    group_products(even, odd, qs + (g * 16 + (lane & 15)) * MQT_PITCH + (lane >> 4) * 8,
+                   kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8, dim);
+    const u32 col = quarter * 8 + 2 * (lane & 3);
+    const bool valid0 = kk[col] != NO_KEY;
+    const bool valid1 = kk[col + 1] != NO_KEY;
+    s[0] = valid0 ? scale * (even[0] + odd[0]) : neg_inf();
+    s[1] = valid1 ? scale * (even[1] + odd[1]) : neg_inf();
+    s[2] = valid0 ? scale * (even[2] + odd[2]) : neg_inf();
+    s[3] = valid1 ? scale * (even[3] + odd[3]) : neg_inf();
+}
+
+// The maxima of this thread's two rows of S (row_a, row_a + 8) over the
+// block's keys: each warp's over its 8 keys (its lanes of a row), then the
+// group's four warps' through `red` (`[rows, 4]` f32), read after a
+// barrier the whole block reaches. Every thread of a row ends with the same
+// value.
+__device__ __forceinline__ void group_row_max(float (&block_max)[2], const float (&s)[4], float* red, u32 row_a,
+                                              u32 quarter, u32 lane) {
+    float part[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 1));
+        part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 2));
+    }
+    if ((lane & 3) == 0) {
+        red[row_a * 4 + quarter] = part[0];
+        red[(row_a + 8) * 4 + quarter] = part[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float* m4 = red + (row_a + half * 8) * 4;
+        block_max[half] = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
@@ -1531,39 +1602,15 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
         }
         __syncthreads();
         // S for the group's 16 heads x keys [8 quarter, 8 quarter + 8).
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 c0 = 0; c0 < qk_dim; c0 += 16) {
-            u32 fa[4];
-            ldmatrix_x4(fa, shared_address(qs + (g * 16 + (lane & 15)) * MQT_PITCH + c0 + (lane >> 4) * 8));
-            u32 fb[2];
-            ldmatrix_x2(fb, shared_address(kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + c0 + ((lane >> 3) & 1) * 8));
-            mma_bf16(s, fa, fb[0], fb[1]);
-        }
+        float s[4];
+        group_scores(s, qs, kt, kk, g, quarter, lane, qk_dim, scale);
         const u32 col = quarter * 8 + 2 * (lane & 3);
-        const bool valid0 = kk[col] != NO_KEY;
-        const bool valid1 = kk[col + 1] != NO_KEY;
-        // s[0], s[1]: row lane / 4, keys col, col + 1; s[2], s[3]: row + 8.
-        s[0] = valid0 ? scale * s[0] : neg_inf();
-        s[1] = valid1 ? scale * s[1] : neg_inf();
-        s[2] = valid0 ? scale * s[2] : neg_inf();
-        s[3] = valid1 ? scale * s[3] : neg_inf();
-        float part[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 1));
-            part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 2));
-        }
-        if ((lane & 3) == 0) {
-            red[row_a * 4 + quarter] = part[0];
-            red[(row_a + 8) * 4 + quarter] = part[1];
-        }
-        __syncthreads();
+        float block_max[2];
+        group_row_max(block_max, s, red, row_a, quarter, lane);
         float alpha[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const float* m4 = red + (row_a + half * 8) * 4;
-            const float block_max = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-            const float next = fmaxf(run_max[half], block_max);
+            const float next = fmaxf(run_max[half], block_max[half]);
             float p0 = 0.0f;
             float p1 = 0.0f;
             if (next != neg_inf()) {
@@ -1791,49 +1838,16 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
                     wait_async<0>();
                 }
                 __syncthreads();
-                // S and dP for the group's 16 heads x keys [8 quarter, 8
-                // quarter + 8), each as two chains of products (even and
-                // odd 16-channel steps, added at the end) so that a warp
-                // has two independent mmas in flight.
-                float s_even[4] = {};
-                float s_odd[4] = {};
+                // S (scaled, -inf for a missing key) and dP for the group's
+                // 16 heads x keys [8 quarter, 8 quarter + 8), dP as two
+                // chains of products (even and odd 16-channel steps) as S.
+                float s[4];
+                group_scores(s, qs, kt, kk, g, quarter, lane, qk_dim, scale);
                 float dp_even[4] = {};
                 float dp_odd[4] = {};
-                const bf16* krow = kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8;
-                const bf16* qrow = qs + (g * 16 + (lane & 15)) * MQT_PITCH + (lane >> 4) * 8;
-                const bf16* grow = gs + (g * 16 + (lane & 15)) * MQB_G_PITCH + (lane >> 4) * 8;
-                for (u32 c0 = 0; c0 < qk_dim; c0 += 32) {
-                    u32 fa[4];
-                    u32 fb[2];
-                    ldmatrix_x4(fa, shared_address(qrow + c0));
-                    ldmatrix_x2(fb, shared_address(krow + c0));
-                    mma_bf16(s_even, fa, fb[0], fb[1]);
-                    if (c0 + 16 < qk_dim) {
-                        ldmatrix_x4(fa, shared_address(qrow + c0 + 16));
-                        ldmatrix_x2(fb, shared_address(krow + c0 + 16));
-                        mma_bf16(s_odd, fa, fb[0], fb[1]);
-                    }
-                }
-                // v_dim is a multiple of 64: whole pairs of steps.
-                for (u32 c0 = 0; c0 < v_dim; c0 += 32) {
-                    u32 fa[4];
-                    u32 fb[2];
-                    ldmatrix_x4(fa, shared_address(grow + c0));
-                    ldmatrix_x2(fb, shared_address(krow + c0));
-                    mma_bf16(dp_even, fa, fb[0], fb[1]);
-                    ldmatrix_x4(fa, shared_address(grow + c0 + 16));
-                    ldmatrix_x2(fb, shared_address(krow + c0 + 16));
-                    mma_bf16(dp_odd, fa, fb[0], fb[1]);
-                }
-                float s[4];
-                float dp[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[e] = s_even[e] + s_odd[e];
-                    dp[e] = dp_even[e] + dp_odd[e];
-                }
+                group_products(dp_even, dp_odd, gs + (g * 16 + (lane & 15)) * MQB_G_PITCH + (lane >> 4) * 8,
+                               kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8, v_dim);
                 const u32 col = quarter * 8 + 2 * (lane & 3);
-                const bool valid[2] = {kk[col] != NO_KEY, kk[col + 1] != NO_KEY};
                 // s[0], s[1]: row lane / 4, keys col, col + 1; s[2], s[3]: row + 8.
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
@@ -1844,8 +1858,9 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
                     float ds[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        p[e] = valid[e] ? expf(scale * s[2 * half + e] - l) : 0.0f;
-                        ds[e] = p[e] * (dp[2 * half + e] - d) * scale;
+                        const float x = s[2 * half + e];
+                        p[e] = x == neg_inf() ? 0.0f : expf(x - l);
+                        ds[e] = p[e] * ((dp_even[2 * half + e] + dp_odd[2 * half + e]) - d) * scale;
                     }
                     *reinterpret_cast<u32*>(ps + i * MQT_P_PITCH + col) = pack_bf16(p[0], p[1]);
                     *reinterpret_cast<u32*>(dss + i * MQT_P_PITCH + col) = pack_bf16(ds[0], ds[1]);
@@ -1985,56 +2000,15 @@ extern "C" __global__ void __launch_bounds__(256) dsa_mqa_partials_sum(const flo
 // difference is the order of the sums).
 
 // Gathers the key rows of items [s0, s0 + MQT_KEYS) of the loss's row (see
-// `loss_key`) into `tile` (rows of a missing key as zeros) after writing
-// their positions to `keys`; the whole block calls it. Issues (does not
-// wait for) the copies.
+// `loss_key`) into `tile` (see `stage_key_rows`) after writing their
+// positions to `keys`.
 __device__ __forceinline__ void loss_gather(bf16* tile, u32* keys, const bf16* k, const u32* row_ix, u32 s0, u32 items,
                                             u32 t, u32 seq, int sparse, u64 base, u32 dim, u64* status, u64 r) {
     if (threadIdx.x < MQT_KEYS) {
         const u32 i = s0 + threadIdx.x;
         keys[threadIdx.x] = i < items ? loss_key(row_ix, i, t, seq, sparse, status, r) : NO_KEY;
     }
-    __syncthreads();
-    const u32 chunks = dim / 8;
-    for (u32 c = threadIdx.x; c < MQT_KEYS * chunks; c += blockDim.x) {
-        const u32 i = c / chunks;
-        const u32 col = (c % chunks) * 8;
-        const u32 u = keys[i];
-        const bool ok = u != NO_KEY;
-        copy16_async(shared_address(tile + i * MQT_PITCH + col), ok ? k + (base + u) * dim + col : k, ok);
-    }
-    commit_async();
-}
-
-// S (scaled) for a group's 16 heads x keys [8 quarter, 8 quarter + 8) of a
-// staged key block, -inf for a missing key: s[0], s[1] row lane / 4, keys
-// col, col + 1; s[2], s[3] row + 8. Two chains of products (even and odd
-// 16-channel steps) added at the end.
-__device__ __forceinline__ void group_scores(float (&s)[4], const bf16* qs, const bf16* kt, const u32* kk, u32 g,
-                                             u32 quarter, u32 lane, u32 dim, float scale) {
-    float even[4] = {};
-    float odd[4] = {};
-    const bf16* krow = kt + (quarter * 8 + (lane & 7)) * MQT_PITCH + ((lane >> 3) & 1) * 8;
-    const bf16* qrow = qs + (g * 16 + (lane & 15)) * MQT_PITCH + (lane >> 4) * 8;
-    for (u32 c0 = 0; c0 < dim; c0 += 32) {
-        u32 fa[4];
-        u32 fb[2];
-        ldmatrix_x4(fa, shared_address(qrow + c0));
-        ldmatrix_x2(fb, shared_address(krow + c0));
-        mma_bf16(even, fa, fb[0], fb[1]);
-        if (c0 + 16 < dim) {
-            ldmatrix_x4(fa, shared_address(qrow + c0 + 16));
-            ldmatrix_x2(fb, shared_address(krow + c0 + 16));
-            mma_bf16(odd, fa, fb[0], fb[1]);
-        }
-    }
-    const u32 col = quarter * 8 + 2 * (lane & 3);
-    const bool valid0 = kk[col] != NO_KEY;
-    const bool valid1 = kk[col + 1] != NO_KEY;
-    s[0] = valid0 ? scale * (even[0] + odd[0]) : neg_inf();
-    s[1] = valid1 ? scale * (even[1] + odd[1]) : neg_inf();
-    s[2] = valid0 ? scale * (even[2] + odd[2]) : neg_inf();
-    s[3] = valid1 ? scale * (even[3] + odd[3]) : neg_inf();
+    stage_key_rows(tile, keys, k, base, dim);
 }
 
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_target_mma(
@@ -2112,22 +2086,11 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                 float s[4];
                 group_scores(s, qs, kt, kk, g, quarter, lane, dim, scale);
                 if (pass == 0) {
-                    float part[2] = {fmaxf(s[0], s[1]), fmaxf(s[2], s[3])};
+                    float block_max[2];
+                    group_row_max(block_max, s, red, row_a, quarter, lane);
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 1));
-                        part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 2));
-                    }
-                    if ((lane & 3) == 0) {
-                        red[row_a * 4 + quarter] = part[0];
-                        red[(row_a + 8) * 4 + quarter] = part[1];
-                    }
-                    __syncthreads();
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const float* m4 = red + (row_a + half * 8) * 4;
-                        const float block_max = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-                        const float next = fmaxf(run_max[half], block_max);
+                        const float next = fmaxf(run_max[half], block_max[half]);
                         float p0 = 0.0f;
                         float p1 = 0.0f;
                         if (next != neg_inf()) {
