@@ -29,10 +29,13 @@ impl DeviceFault {
             2 => "moe_expert_counts / moe_sort_by_expert / moe_route_backward",
             3 => "moe_sort_by_expert / moe_expert_major_order",
             4 => "gather_rows / scatter_rows",
-            5 => "moe_unpermute / moe_unpermute_backward / moe_combine",
+            5 => "moe_unpermute / moe_unpermute_backward_rows",
             6 => "adam_update / sgd_update",
-            7 => "embedding_forward / embedding_backward",
-            8 => "dsa_mqa_forward / dsa_mqa_forward_mma / dsa_mqa_backward_dq / dsa_indexer_loss",
+            7 => "embedding_forward / embedding_backward_order",
+            8 => {
+                "dsa_mqa_forward / dsa_mqa_forward_mma / dsa_mqa_backward_dq / \
+                 dsa_mqa_backward_mma / dsa_indexer_loss / dsa_indexer_loss_target_mma"
+            }
             _ => "an unknown kernel",
         }
     }
@@ -72,5 +75,33 @@ impl fmt::Display for DeviceFault {
             ),
             code => write!(f, "unknown device fault {code} at {i}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel a fault names is an entry point of the kernel sources
+    /// (a renamed or removed kernel would leave an error naming nothing).
+    #[test]
+    fn every_kernel_a_fault_names_exists() {
+        let entry_points: Vec<&str> = crate::cuda::kernels::SOURCES
+            .iter()
+            .flat_map(|s| s.entry_points.iter().copied())
+            .collect();
+        for code in 1..=8 {
+            let fault = DeviceFault { code, index: 0 };
+            for name in fault.kernels().split(" / ") {
+                assert!(
+                    entry_points.contains(&name),
+                    "fault {code} names `{name}`, which no kernel source defines"
+                );
+            }
+        }
+        assert_eq!(
+            DeviceFault { code: 9, index: 0 }.kernels(),
+            "an unknown kernel"
+        );
     }
 }
