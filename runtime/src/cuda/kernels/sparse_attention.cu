@@ -1692,7 +1692,8 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
 // forward), and the selected keys MQT_KEYS at a time (gathered with
 // `cp.async`, the next block's during this one's products). Per key block,
 // warp q of a group computes for its 16 heads and keys [8q, 8q + 8):
-// S = Q K^T, dP = dO V^T, P = exp(scale S - lse), dS = P (dP - delta)
+// S = Q K^T and dP = dO V^T (each as two chains of products,
+// `group_products`), P = exp(scale S - lse), dS = P (dP - delta)
 // scale, delta = dout . out (a warp's fixed butterfly) and writes P and dS
 // (bf16, as FlashAttention feeds its second products) to shared memory.
 // Then dq += dS K (a warp's 16 heads, every fourth 8-channel block of the
@@ -1704,9 +1705,10 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
 // one step, and the barriers between steps order the steps). A key's
 // partials are summed in a fixed order afterwards (`dsa_mqa_partials_sum`):
 // no adds race, every sum has one order fixed by the shapes and `splits`,
-// so a rerun gives the same bits. The first head pass marks each selected (key, query) pair in
-// the bitmap (a repeated key is a fault: it would add one element twice in
-// one step). Takes what the forward takes (and dout as q); dq in its dtype.
+// so a rerun gives the same bits. The first head pass marks each selected
+// (key, query) pair in the bitmap (a repeated key is a fault: it would add
+// one element twice in one step). Takes what the forward takes (and dout
+// as q); dq in its dtype.
 
 // The pitch (elements) of staged dout rows: MQT_MAX_V + 8, 16 bytes past a
 // multiple of 128 as MQT_PITCH.
