@@ -1259,6 +1259,86 @@ mod tests {
         );
     }
 
+    /// Which operands take the tensor-core MQA backward and the loss's
+    /// tensor-core target: bf16 q, kv and dout at 16-byte aligned
+    /// addresses (out bf16 or f32, aligned), rows a multiple of 16 up to
+    /// 576 and values a multiple of 64 up to 512; anything else runs on
+    /// CUDA cores.
+    #[test]
+    fn the_tensor_core_paths_take_bf16_aligned_operands_of_their_shapes() {
+        let view = |ptr: u64, dtype| GpuView::new(ptr, 1 << 20, dtype);
+        let bf = |ptr| view(ptr, DType::Bf16);
+        let dims = SparseMqaDims {
+            tokens: crate::backend::Tokens::new(1, 64),
+            heads: 20,
+            qk_dim: 576,
+            v_dim: 512,
+            topk: 8,
+            scale: 1.0,
+        };
+        let fits =
+            |q, kv, out, dout, dims| mqa_backward_fits_tensor_cores((&q, &kv), (&out, &dout), dims);
+        assert!(fits(bf(256), bf(512), bf(768), bf(1024), dims));
+        assert!(fits(
+            bf(256),
+            bf(512),
+            view(768, DType::F32),
+            bf(1024),
+            dims
+        ));
+        // A dtype, an alignment or a shape off: CUDA cores.
+        assert!(!fits(
+            bf(256),
+            bf(512),
+            bf(768),
+            view(1024, DType::F32),
+            dims
+        ));
+        assert!(!fits(
+            view(256, DType::F32),
+            bf(512),
+            bf(768),
+            bf(1024),
+            dims
+        ));
+        assert!(!fits(bf(256), bf(520), bf(768), bf(1024), dims));
+        assert!(!fits(bf(256), bf(512), bf(776), bf(1024), dims));
+        assert!(!fits(bf(256), bf(512), bf(768), bf(1032), dims));
+        for (qk_dim, v_dim) in [(584, 512), (568, 512), (576, 480), (576, 576), (40, 32)] {
+            let odd = SparseMqaDims {
+                qk_dim,
+                v_dim,
+                ..dims
+            };
+            assert!(
+                !fits(bf(256), bf(512), bf(768), bf(1024), odd),
+                "{qk_dim} / {v_dim}"
+            );
+        }
+        assert!(fits(
+            bf(256),
+            bf(512),
+            bf(768),
+            bf(1024),
+            SparseMqaDims {
+                qk_dim: 80,
+                v_dim: 64,
+                ..dims
+            }
+        ));
+        // The loss's target: bf16 q and k, rows a multiple of 16 up to 576.
+        assert!(loss_target_on_tensor_cores(&bf(256), &bf(512), 576));
+        assert!(loss_target_on_tensor_cores(&bf(256), &bf(512), 16));
+        assert!(!loss_target_on_tensor_cores(&bf(256), &bf(512), 592));
+        assert!(!loss_target_on_tensor_cores(&bf(256), &bf(512), 40));
+        assert!(!loss_target_on_tensor_cores(&bf(256), &bf(520), 576));
+        assert!(!loss_target_on_tensor_cores(
+            &view(256, DType::F32),
+            &bf(512),
+            576
+        ));
+    }
+
     /// The tensor-core MQA kernels' shared memory at 64 heads fits what an
     /// H100 or H200 grants a block (227 KiB).
     #[test]
