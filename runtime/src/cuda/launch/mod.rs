@@ -19,6 +19,7 @@ pub(crate) mod args;
 pub(crate) mod tensor_map;
 
 use super::kernels::{self, CompiledSource, Output, Target};
+use super::ops::sparse_attention::SparseAttentionShared;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
 use args::KernelArgs;
@@ -216,6 +217,8 @@ pub(crate) struct Reserved {
     /// The grouped GEMM kernels' persistent grid (a block an SM), where
     /// they got theirs (Hopper).
     pub(crate) grouped_gemm_grid: Option<u32>,
+    /// Which of the sparse attention's tensor-core kernels got theirs.
+    pub(crate) sparse_attention: SparseAttentionShared,
 }
 
 /// The kernels of [`kernels::SOURCES`] loaded on one device, and the
@@ -234,6 +237,9 @@ pub struct KernelSet {
     /// The grouped GEMM kernels' persistent grid (a block an SM), where
     /// they got their shared memory (Hopper).
     pub(crate) grouped_gemm_grid: Option<u32>,
+    /// Which of the sparse attention's tensor-core kernels got their
+    /// shared memory (`ops::sparse_attention::reserve_shared_memory`).
+    pub(crate) sparse_attention_shared: SparseAttentionShared,
     /// Whether launches carry programmatic stream serialisation
     /// ([`args`]): on by default where the device has it (sm_90).
     dependent_launch: AtomicBool,
@@ -278,6 +284,7 @@ impl KernelSet {
             flash_attention: reserved.flash_attention,
             scan_mma_sums: reserved.scan_mma_sums,
             grouped_gemm_grid: reserved.grouped_gemm_grid,
+            sparse_attention_shared: reserved.sparse_attention,
             dependent_launch: AtomicBool::new(target.dependent_launch()),
             fault,
             fault_ptr,

@@ -53,7 +53,8 @@ use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaStream, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+use std::collections::HashMap;
 
 /// The widest indexer head the tiled indexer kernels take (`IX_MAX_DIM`).
 pub const INDEXER_MAX_DIM: usize = 128;
@@ -251,6 +252,45 @@ fn ltm_shared(groups: usize) -> usize {
         + rows * 4 * 4
         + 4 * MQT_KEYS * 4
         + 2 * MQT_KEYS * 4
+}
+
+/// Which tensor-core kernels of the family got their dynamic shared memory
+/// (past the 48 KiB a launch gets without asking) when the kernels were
+/// loaded; where one did not (a device with less shared memory a block),
+/// its CUDA-core counterpart runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SparseAttentionShared {
+    pub(crate) indexer_scores: bool,
+    /// Both kernels of the indexer's backward.
+    pub(crate) indexer_backward: bool,
+    pub(crate) loss_target: bool,
+    pub(crate) mqa_forward: bool,
+    pub(crate) mqa_backward: bool,
+}
+
+/// Gives the family's tensor-core kernels their largest dynamic shared
+/// memory, once, as the kernels are loaded.
+pub(crate) fn reserve_shared_memory(
+    functions: &HashMap<&'static str, CudaFunction>,
+) -> SparseAttentionShared {
+    let reserve = |kernel: &str, bytes: usize| {
+        functions.get(kernel).is_some_and(|f| {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .is_ok()
+        })
+    };
+    let full = MQT_HEADS / 16;
+    SparseAttentionShared {
+        indexer_scores: reserve("dsa_indexer_scores_mma", IXT_SCORE_SHARED),
+        indexer_backward: reserve("dsa_indexer_backward_q_mma", IXT_DQ_SHARED)
+            && reserve("dsa_indexer_backward_k_mma", IXT_DK_SHARED),
+        loss_target: reserve("dsa_indexer_loss_target_mma", ltm_shared(full)),
+        mqa_forward: reserve("dsa_mqa_forward_mma", mqt_shared(full)),
+        mqa_backward: reserve("dsa_mqa_backward_mma", mqb_shared(full)),
+    }
 }
 
 /// Threads of a sparse attention block (`SA_THREADS`).
@@ -470,7 +510,7 @@ impl SparseAttentionKernels<CudaBuf> for CudaBackend {
         let (q, kv, out, dout) = (self.v(q), self.v(kv), self.v(out), self.v(dout));
         let tensor_cores = self
             .k()
-            .mqa_backward_on_tensor_cores((&q, &kv), (&out, &dout), dims)?;
+            .mqa_backward_on_tensor_cores((&q, &kv), (&out, &dout), dims);
         let len = sparse_mqa_scratch_len(dims, tensor_cores).ok_or_else(|| {
             unsupported("sparse_mqa_backward", "the scratch overflows".to_string())
         })?;
@@ -565,7 +605,7 @@ impl KernelSet {
             return Ok(());
         }
         if indexer_on_tensor_cores(&inputs.q, &inputs.k, dims.head_dim)
-            && self.reserve_shared("dsa_indexer_scores_mma", IXT_SCORE_SHARED)?
+            && self.sparse_attention_shared.indexer_scores
         {
             return self.indexer_scores_mma(stream, inputs, scores, dims);
         }
@@ -587,18 +627,6 @@ impl KernelSet {
         b.arg(&scores.ptr).arg(&seq).arg(&heads).arg(&dim);
         b.arg(&dims.weight_scale);
         self.go(kn, &mut b, config)
-    }
-
-    /// Lets `kernel` take `bytes` of dynamic shared memory (past the 48 KiB
-    /// a launch gets without asking); false where the device cannot give
-    /// it (the CUDA-core kernels run then).
-    fn reserve_shared(&self, kernel: &'static str, bytes: usize) -> Result<bool> {
-        let f = self.function(kernel)?;
-        Ok(f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .is_ok())
     }
 
     /// [`KernelSet::indexer_scores`] on tensor cores (bf16 q and k; see
@@ -740,7 +768,7 @@ impl KernelSet {
         let factor = dims.coeff / rows as f32;
         let sparse = i32::from(dims.sparse);
         let target_ready = loss_target_on_tensor_cores(&q, &k, dims.qk_dim)
-            && self.reserve_shared("dsa_indexer_loss_target_mma", ltm_shared(MQT_HEADS / 16))?;
+            && self.sparse_attention_shared.loss_target;
         if target_ready {
             let km = "dsa_indexer_loss_target_mma";
             let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
@@ -786,8 +814,7 @@ impl KernelSet {
             return Ok(());
         }
         if indexer_on_tensor_cores(&inputs.q, &inputs.k, dims.head_dim)
-            && self.reserve_shared("dsa_indexer_backward_q_mma", IXT_DQ_SHARED)?
-            && self.reserve_shared("dsa_indexer_backward_k_mma", IXT_DK_SHARED)?
+            && self.sparse_attention_shared.indexer_backward
         {
             return self.indexer_backward_mma(stream, inputs, d_scores, grads, dims, scale);
         }
@@ -845,9 +872,7 @@ impl KernelSet {
             return Ok(());
         }
         let shape = MqaShape::new(kn, dims)?;
-        if mqa_on_tensor_cores(&q, &kv, dims)
-            && self.reserve_shared("dsa_mqa_forward_mma", mqt_shared(MQT_HEADS / 16))?
-        {
+        if mqa_on_tensor_cores(&q, &kv, dims) && self.sparse_attention_shared.mqa_forward {
             let km = "dsa_mqa_forward_mma";
             let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
             let config = grid_of(
@@ -882,15 +907,15 @@ impl KernelSet {
 
     /// Whether [`KernelSet::sparse_mqa_backward`] runs on tensor cores for
     /// these operands: [`mqa_backward_fits_tensor_cores`] and the kernel's
-    /// shared memory granted.
+    /// shared memory granted at load.
     pub fn mqa_backward_on_tensor_cores(
         &self,
         (q, kv): (&GpuView, &GpuView),
         (out, dout): (&GpuView, &GpuView),
         dims: SparseMqaDims,
-    ) -> Result<bool> {
-        Ok(mqa_backward_fits_tensor_cores((q, kv), (out, dout), dims)
-            && self.reserve_shared("dsa_mqa_backward_mma", mqb_shared(MQT_HEADS / 16))?)
+    ) -> bool {
+        mqa_backward_fits_tensor_cores((q, kv), (out, dout), dims)
+            && self.sparse_attention_shared.mqa_backward
     }
 
     /// `Backend::sparse_mqa_backward`, with `scratch` (4-byte elements) of
@@ -916,7 +941,7 @@ impl KernelSet {
             return Ok(());
         }
         let shape = MqaShape::new(kq, dims)?;
-        let tensor_cores = self.mqa_backward_on_tensor_cores((&q, &kv), (&out, &dout), dims)?;
+        let tensor_cores = self.mqa_backward_on_tensor_cores((&q, &kv), (&out, &dout), dims);
         let need = sparse_mqa_scratch_len(dims, tensor_cores)
             .ok_or_else(|| unsupported(kq, "the scratch overflows".to_string()))?;
         ensure(
