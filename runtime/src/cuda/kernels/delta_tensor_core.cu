@@ -708,11 +708,11 @@ __device__ __forceinline__ int tc_col(TcCols cols, int nt) {
 }
 
 // acc += A B over k in [k_begin, k_end), for the warp's 16 rows from m0
-// and the column blocks of `cols` below n_end and, where FROM, from
-// n_begin (multiples of 16; `delta_tc_back_chunk`'s products start at
-// column 0 and leave FROM off). A(m, k) = a[k][m] where A_TRANS, else
-// a[m][k]; B(k, n) = b[n][k] where B_ROWS, else b[k][n].
-template <bool A_TRANS, bool B_ROWS, int NT, bool FROM = true>
+// and the column blocks of `cols` in [n_begin, n_end) (multiples of 16;
+// columns are never negative, so the lower bound is compared unsigned and
+// a start of 0 compiles to no test at all). A(m, k) = a[k][m] where
+// A_TRANS, else a[m][k]; B(k, n) = b[n][k] where B_ROWS, else b[k][n].
+template <bool A_TRANS, bool B_ROWS, int NT>
 __device__ __forceinline__ void tc_product(float (&acc)[NT][4], const bf16* a, int pa, int m0, const bf16* b, int pb,
                                            TcCols cols, int n_begin, int n_end, int k_begin, int k_end) {
     for (int k0 = k_begin; k0 < k_end; k0 += 16) {
@@ -725,7 +725,7 @@ __device__ __forceinline__ void tc_product(float (&acc)[NT][4], const bf16* a, i
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             const int n = cols.first + 16 * cols.stride * np;
-            if ((!FROM || n >= n_begin) && n < n_end) {
+            if (static_cast<unsigned>(n) >= static_cast<unsigned>(n_begin) && n < n_end) {
                 u32 bf[4];
                 if (B_ROWS) {
                     tc_load_b_rows(bf, b, pb, n, k0);
@@ -1217,8 +1217,8 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         float dm[4][4];
         tc_zero(sc);
         tc_zero(dm);
-        tc_product<false, true, 4, false>(sc, s_q, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
-        tc_product<false, true, 4, false>(dm, s_do, pv, m0, s_vn, pv, cols, 0, diag, 0, dv);
+        tc_product<false, true, 4>(sc, s_q, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
+        tc_product<false, true, 4>(dm, s_do, pv, m0, s_vn, pv, cols, 0, diag, 0, dv);
         float mrow0 = 0.0f;
         float mrow1 = 0.0f;
 #pragma unroll
@@ -1254,7 +1254,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // kke = (K K^T) e, s < t.
         float kk[4][4];
         tc_zero(kk);
-        tc_product<false, true, 4, false>(kk, s_k, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
+        tc_product<false, true, 4>(kk, s_k, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -1270,7 +1270,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dQi = dO S_0; dq = gamma dQi + (dM e) K.
         float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 8, false>(acc, s_do, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
+        tc_product<false, false, 8>(acc, s_do, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
         const float qi0 = quad_sum(tc_row_dot(acc, 0, s_q, pk, t0, cols, dk));
         const float qi1 = quad_sum(tc_row_dot(acc, 1, s_q, pk, t1, cols, dk));
         if (q == 0) {
@@ -1284,7 +1284,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
             acc[nt][2] *= gamma1;
             acc[nt][3] *= gamma1;
         }
-        tc_product<false, false, 8, false>(acc, s_dme, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, 0, diag);
+        tc_product<false, false, 8>(acc, s_dme, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, 0, diag);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1302,7 +1302,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dW = -dV' S_0.
         float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 8, false>(acc, s_dvn, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
+        tc_product<false, false, 8>(acc, s_dvn, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1321,7 +1321,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // first term.
         float acc[8][4];
         tc_zero(acc);
-        tc_product<true, false, 8, false>(acc, s_t, DELTA_T_PITCH, m0, s_dw, pk, cols, 0, dk, m0, DELTA_CHUNK);
+        tc_product<true, false, 8>(acc, s_t, DELTA_T_PITCH, m0, s_dw, pk, cols, 0, dk, m0, DELTA_CHUNK);
         const float kb0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, cols, dk));
         const float kb1 = quad_sum(tc_row_dot(acc, 1, s_k, pk, t1, cols, dk));
         if (q == 0) {
@@ -1347,7 +1347,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // d(beta V) = T^T dV': vb, and v's gradient beta d(beta V).
         float acc[8][4];
         tc_zero(acc);
-        tc_product<true, false, 8, false>(acc, s_t, DELTA_T_PITCH, m0, s_dvn, pv, cols, 0, dv, m0, DELTA_CHUNK);
+        tc_product<true, false, 8>(acc, s_t, DELTA_T_PITCH, m0, s_dvn, pv, cols, 0, dv, m0, DELTA_CHUNK);
         const float vb0 = quad_sum(tc_row_dot(acc, 0, s_v, pv, t0, cols, dv));
         const float vb1 = quad_sum(tc_row_dot(acc, 1, s_v, pv, t1, cols, dv));
         if (q == 0) {
@@ -1376,7 +1376,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dT = beta_s (dV' V^T + gamma_s dW K^T), s < t.
         float dt[4][4];
         tc_zero(dt);
-        tc_product<false, true, 4, false>(dt, s_dw, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
+        tc_product<false, true, 4>(dt, s_dw, pk, m0, s_k, pk, cols, 0, diag, 0, dk);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -1384,7 +1384,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
                 dt[nt][e] *= expf(s_g[tc_col(cols, nt) + (e & 1)]);
             }
         }
-        tc_product<false, true, 4, false>(dt, s_dvn, pv, m0, s_v, pv, cols, 0, diag, 0, dv);
+        tc_product<false, true, 4>(dt, s_dvn, pv, m0, s_v, pv, cols, 0, diag, 0, dv);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             const int col = tc_col(cols, nt);
@@ -1405,7 +1405,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // X = T^T dT.
         float x[4][4];
         tc_zero(x);
-        tc_product<true, false, 4, false>(x, s_t, DELTA_T_PITCH, m0, s_dt, DELTA_T_PITCH, cols, 0, DELTA_CHUNK, m0,
+        tc_product<true, false, 4>(x, s_t, DELTA_T_PITCH, m0, s_dt, DELTA_T_PITCH, cols, 0, DELTA_CHUNK, m0,
                                           DELTA_CHUNK);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
@@ -1418,7 +1418,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dKd = V' dH_L^T: kdd and dk's decayed-key term.
         float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 8, false>(acc, s_vn, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
+        tc_product<false, false, 8>(acc, s_vn, pv, m0, s_s, pk, cols, 0, dk, 0, dv);
         const float e0 = expf(g_last - g0);
         const float e1 = expf(g_last - g1);
         const float kdd0 = quad_sum(tc_row_dot(acc, 0, s_k, pk, t0, cols, dk));
@@ -1448,7 +1448,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // beta_t dA kke (over kke's) for the column sums.
         float da[4][4];
         tc_zero(da);
-        tc_product<false, true, 4, false>(da, s_x, DELTA_T_PITCH, m0, s_t, DELTA_T_PITCH, cols, 0, diag, 0, diag);
+        tc_product<false, true, 4>(da, s_x, DELTA_T_PITCH, m0, s_t, DELTA_T_PITCH, cols, 0, diag, 0, diag);
         float arow0 = 0.0f;
         float arow1 = 0.0f;
 #pragma unroll
@@ -1485,9 +1485,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
         // dk += Z K + Z^T K + (dM e)^T Q.
         float acc[8][4];
         tc_zero(acc);
-        tc_product<false, false, 8, false>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, 0, diag);
-        tc_product<true, false, 8, false>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, m0, DELTA_CHUNK);
-        tc_product<true, false, 8, false>(acc, s_dme, DELTA_T_PITCH, m0, s_q, pk, cols, 0, dk, m0, DELTA_CHUNK);
+        tc_product<false, false, 8>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, 0, diag);
+        tc_product<true, false, 8>(acc, s_dt, DELTA_T_PITCH, m0, s_k, pk, cols, 0, dk, m0, DELTA_CHUNK);
+        tc_product<true, false, 8>(acc, s_dme, DELTA_T_PITCH, m0, s_q, pk, cols, 0, dk, m0, DELTA_CHUNK);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             const int col = tc_col(cols, nt);
