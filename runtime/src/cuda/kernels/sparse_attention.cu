@@ -1455,6 +1455,19 @@ __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 address) {
                  : "r"(address));
 }
 
+// Copies rows [0, n) of `first` (rows `dim` elements apart) into `tile`
+// (rows `pitch` elements apart) and rows [n, rows) as zeros; the whole
+// block calls it. Issues (does not commit or wait for) the copies.
+__device__ __forceinline__ void stage_rows(bf16* tile, u32 pitch, const bf16* first, u32 n, u32 rows, u32 dim) {
+    const u32 chunks = dim / 8;
+    for (u32 c = threadIdx.x; c < rows * chunks; c += blockDim.x) {
+        const u32 i = c / chunks;
+        const u32 col = (c % chunks) * 8;
+        const bool ok = i < n;
+        copy16_async(shared_address(tile + i * pitch + col), ok ? first + i * dim + col : first, ok);
+    }
+}
+
 // After `keys` (MQT_KEYS positions, NO_KEY for none) is written: copies
 // their rows of `kv` (`dim` channels, in sequence `base`) into `tile`,
 // rows of a missing key as zeros. The whole block calls it; issues (does
@@ -1481,6 +1494,23 @@ __device__ __forceinline__ void mqt_gather(bf16* tile, u32* keys, const bf16* kv
         keys[threadIdx.x] = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
     }
     stage_key_rows(tile, keys, kv, base, qk_dim);
+}
+
+// The double buffer's step before key block blk's products: issues block
+// blk + 1's gather (if any) into the other buffer, then waits for block
+// blk's copies and meets the block's barrier.
+__device__ __forceinline__ void mqt_advance(bf16* ks, u32* keys, u32 blk, u32 blocks, const bf16* kv,
+                                            const u32* indices, u64 r, u32 topk, u32 t, u32 seq, u64 base, u32 qk_dim,
+                                            u64* status) {
+    if (blk + 1 < blocks) {
+        const u32 next = (blk + 1) & 1;
+        mqt_gather(ks + next * MQT_KEYS * MQT_PITCH, keys + next * MQT_KEYS, kv, indices, r, topk,
+                   (blk + 1) * MQT_KEYS, t, seq, base, qk_dim, status);
+        wait_async<1>();
+    } else {
+        wait_async<0>();
+    }
+    __syncthreads();
 }
 
 // even += A B^T over the even 16-channel steps of `dim` channels, odd over
@@ -1569,15 +1599,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     const u32 g = warp / 4;
     const u32 quarter = warp % 4;
     // The block's query heads (rows past nh as zeros).
-    {
-        const u32 chunks = qk_dim / 8;
-        for (u32 c = threadIdx.x; c < rows_q * chunks; c += blockDim.x) {
-            const u32 i = c / chunks;
-            const u32 col = (c % chunks) * 8;
-            const bool ok = i < nh;
-            copy16_async(shared_address(qs + i * MQT_PITCH + col), ok ? q + (r * heads + h0 + i) * qk_dim + col : q, ok);
-        }
-    }
+    stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, nh, rows_q, qk_dim);
     const u32 blocks = (topk + MQT_KEYS - 1) / MQT_KEYS;
     mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
     const u32 vq = v_dim / 4;
@@ -1593,14 +1615,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
         const u32 cur = blk & 1;
         const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
         const u32* kk = keys + cur * MQT_KEYS;
-        if (blk + 1 < blocks) {
-            mqt_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, kv, indices, r, topk,
-                       (blk + 1) * MQT_KEYS, t, seq, base, qk_dim, status);
-            wait_async<1>();
-        } else {
-            wait_async<0>();
-        }
-        __syncthreads();
+        mqt_advance(ks, keys, blk, blocks, kv, indices, r, topk, t, seq, base, qk_dim, status);
         // S for the group's 16 heads x keys [8 quarter, 8 quarter + 8).
         float s[4];
         group_scores(s, qs, kt, kk, g, quarter, lane, qk_dim, scale);
@@ -1774,24 +1789,8 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
         for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
             const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
             // The pass's query and dout heads (rows past nh as zeros).
-            {
-                const u32 chunks = qk_dim / 8;
-                for (u32 c = threadIdx.x; c < rows_q * chunks; c += blockDim.x) {
-                    const u32 i = c / chunks;
-                    const u32 col = (c % chunks) * 8;
-                    const bool ok = i < nh;
-                    copy16_async(shared_address(qs + i * MQT_PITCH + col),
-                                 ok ? q + (r * heads + h0 + i) * qk_dim + col : q, ok);
-                }
-                const u32 vchunks = v_dim / 8;
-                for (u32 c = threadIdx.x; c < rows_q * vchunks; c += blockDim.x) {
-                    const u32 i = c / vchunks;
-                    const u32 col = (c % vchunks) * 8;
-                    const bool ok = i < nh;
-                    copy16_async(shared_address(gs + i * MQB_G_PITCH + col),
-                                 ok ? dout + (r * heads + h0 + i) * v_dim + col : dout, ok);
-                }
-            }
+            stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, nh, rows_q, qk_dim);
+            stage_rows(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, nh, rows_q, v_dim);
             mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
             // delta = dout . out a head (a warp's lanes over the channels,
             // then its butterfly); lse, +inf past nh so P is 0 there.
@@ -1832,14 +1831,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
                         report_fault(status, FAULT_SELECTED_KEY, r);
                     }
                 }
-                if (blk + 1 < blocks) {
-                    mqt_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, kv, indices, r,
-                               topk, (blk + 1) * MQT_KEYS, t, seq, base, qk_dim, status);
-                    wait_async<1>();
-                } else {
-                    wait_async<0>();
-                }
-                __syncthreads();
+                mqt_advance(ks, keys, blk, blocks, kv, indices, r, topk, t, seq, base, qk_dim, status);
                 // S (scaled, -inf for a missing key) and dP for the group's
                 // 16 heads x keys [8 quarter, 8 quarter + 8), dP as two
                 // chains of products (even and odd 16-channel steps) as S.
@@ -2042,16 +2034,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
     }
     for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
         const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
-        {
-            const u32 chunks = dim / 8;
-            for (u32 c = threadIdx.x; c < rows_q * chunks; c += blockDim.x) {
-                const u32 i = c / chunks;
-                const u32 col = (c % chunks) * 8;
-                const bool ok = i < nh;
-                copy16_async(shared_address(qs + i * MQT_PITCH + col), ok ? q + (r * heads + h0 + i) * dim + col : q,
-                             ok);
-            }
-        }
+        stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * dim, nh, rows_q, dim);
         float run_max[2] = {neg_inf(), neg_inf()};
         float run_sum[2] = {0.0f, 0.0f};
         // Pass 0: each head's max and sum; pass 1: the probabilities.
