@@ -758,19 +758,6 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v;
 }
 
-// Copies rows of `width` bf16 (a multiple of 8) from `src` (rows `stride`
-// apart) into `tile`, asynchronously; rows from `valid` on are zeros.
-__device__ __forceinline__ void tc_stage_rows(bf16* tile, int pitch, const bf16* src, u64 stride, int valid,
-                                              int width) {
-    const int words = width / 8;
-    for (int idx = threadIdx.x; idx < DELTA_CHUNK * words; idx += blockDim.x) {
-        const int r = idx / words;
-        const int c = (idx % words) * 8;
-        const bool ok = r < valid;
-        copy16_async(shared_address(tile + r * pitch + c), ok ? src + r * stride + c : src, ok);
-    }
-}
-
 // ---- M^T dO ---------------------------------------------------------------------------
 // One block an item, warp w the steps s = 16w..16w+15: (K Q^T)_st e_ts for
 // t >= s, then times dO. Dynamic shared memory (`tc_dvl_shared`): Q, K
@@ -793,7 +780,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_THREADS) delta_tc_dvl(Delt
     const bf16* d_out = reinterpret_cast<const bf16*>(p.out) + row_of(p, it, 0) * out_width + static_cast<u64>(it.j) * dv;
     tc_stage(s_q, pk, ti.qn, DELTA_CHUNK, dk);
     tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
-    tc_stage_rows(s_do, pv, d_out, out_width, it.len, dv);
+    stage_rows(s_do, pv, d_out, out_width, it.len, DELTA_CHUNK, dv);
     commit_async();
     wait_async<0>();
     __syncthreads();
@@ -1155,9 +1142,9 @@ extern "C" __global__ void __launch_bounds__(DELTA_TC_CHUNK_THREADS, 1) delta_tc
     const u64 r0 = row_of(p, it, 0);
     tc_stage(s_q, pk, ti.qn, DELTA_CHUNK, dk);
     tc_stage(s_k, pk, ti.kn, DELTA_CHUNK, dk);
-    tc_stage_rows(s_v, pv, reinterpret_cast<const bf16*>(p.qkv) + r0 * width + v_col, width, it.len, dv);
-    tc_stage_rows(s_do, pv, reinterpret_cast<const bf16*>(p.out) + r0 * out_width + static_cast<u64>(it.j) * dv,
-                  out_width, it.len, dv);
+    stage_rows(s_v, pv, reinterpret_cast<const bf16*>(p.qkv) + r0 * width + v_col, width, it.len, DELTA_CHUNK, dv);
+    stage_rows(s_do, pv, reinterpret_cast<const bf16*>(p.out) + r0 * out_width + static_cast<u64>(it.j) * dv,
+               out_width, it.len, DELTA_CHUNK, dv);
     tc_stage(s_vn, pv, ti.vn, DELTA_CHUNK, dv);
     tc_stage(s_dvn, pv, bk.dvn, DELTA_CHUNK, dv);
     tc_stage(s_t, DELTA_T_PITCH, ti.t, DELTA_CHUNK, DELTA_CHUNK);

@@ -1455,19 +1455,6 @@ __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 address) {
                  : "r"(address));
 }
 
-// Copies rows [0, n) of `first` (rows `dim` elements apart) into `tile`
-// (rows `pitch` elements apart) and rows [n, rows) as zeros; the whole
-// block calls it. Issues (does not commit or wait for) the copies.
-__device__ __forceinline__ void stage_rows(bf16* tile, u32 pitch, const bf16* first, u32 n, u32 rows, u32 dim) {
-    const u32 chunks = dim / 8;
-    for (u32 c = threadIdx.x; c < rows * chunks; c += blockDim.x) {
-        const u32 i = c / chunks;
-        const u32 col = (c % chunks) * 8;
-        const bool ok = i < n;
-        copy16_async(shared_address(tile + i * pitch + col), ok ? first + i * dim + col : first, ok);
-    }
-}
-
 // After `keys` (MQT_KEYS positions, NO_KEY for none) is written: copies
 // their rows of `kv` (`dim` channels, in sequence `base`) into `tile`,
 // rows of a missing key as zeros. The whole block calls it; issues (does
@@ -1599,7 +1586,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     const u32 g = warp / 4;
     const u32 quarter = warp % 4;
     // The block's query heads (rows past nh as zeros).
-    stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, nh, rows_q, qk_dim);
+    stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
     const u32 blocks = (topk + MQT_KEYS - 1) / MQT_KEYS;
     mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
     const u32 vq = v_dim / 4;
@@ -1789,8 +1776,8 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
         for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
             const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
             // The pass's query and dout heads (rows past nh as zeros).
-            stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, nh, rows_q, qk_dim);
-            stage_rows(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, nh, rows_q, v_dim);
+            stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
+            stage_rows(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, v_dim, nh, rows_q, v_dim);
             mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
             // delta = dout . out a head (a warp's lanes over the channels,
             // then its butterfly); lse, +inf past nh so P is 0 there.
@@ -2034,7 +2021,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
     }
     for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
         const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
-        stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * dim, nh, rows_q, dim);
+        stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * dim, dim, nh, rows_q, dim);
         float run_max[2] = {neg_inf(), neg_inf()};
         float run_sum[2] = {0.0f, 0.0f};
         // Pass 0: each head's max and sum; pass 1: the probabilities.

@@ -61,6 +61,22 @@ __device__ __forceinline__ void wait_async() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Copies rows [0, rows) of `width` bf16 channels (a multiple of 8) from
+// `src` (rows `stride` elements apart) into `tile` (rows `pitch` elements
+// apart) with `cp.async`; rows from `valid` on are zeros (nothing is read
+// for them). The whole block calls it; it issues the copies (does not
+// commit or wait for them).
+__device__ __forceinline__ void stage_rows(bf16* tile, int pitch, const bf16* src, u64 stride, int valid, int rows,
+                                           int width) {
+    const int words = width / 8;
+    for (int idx = threadIdx.x; idx < rows * words; idx += blockDim.x) {
+        const int r = idx / words;
+        const int c = (idx % words) * 8;
+        const bool ok = r < valid;
+        copy16_async(shared_address(tile + r * pitch + c), ok ? src + r * stride + c : src, ok);
+    }
+}
+
 // Two adjacent outputs: a bf16 pair, or two f32s.
 __device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
     *reinterpret_cast<u32*>(p) = pack_bf16(a, b);
