@@ -1564,6 +1564,24 @@ __device__ __forceinline__ void group_row_max(float (&block_max)[2], const float
     }
 }
 
+// The sums of this thread's two rows (row_a, row_a + 8) over the group's
+// four warps' parts `part` (each warp's over its keys), in warp order,
+// through `red` (`[rows, 4]` f32), read after a barrier the whole block
+// reaches.
+__device__ __forceinline__ void group_row_sum(float (&sum)[2], const float (&part)[2], float* red, u32 row_a,
+                                              u32 quarter, u32 lane) {
+    if ((lane & 3) == 0) {
+        red[row_a * 4 + quarter] = part[0];
+        red[(row_a + 8) * 4 + quarter] = part[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float* l4 = red + (row_a + half * 8) * 4;
+        sum[half] = ((l4[0] + l4[1]) + l4[2]) + l4[3];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     const bf16* q, const bf16* kv, const u32* indices, void* out, int ot, float* lse, u32 seq, u32 heads,
     u32 qk_dim, u32 v_dim, u32 topk, float scale, u64* status) {
@@ -1655,16 +1673,12 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
         __syncthreads();
     }
     // The row sums: the four warps' partial sums in warp order.
-    if ((lane & 3) == 0) {
-        red[row_a * 4 + quarter] = run_sum[0];
-        red[(row_a + 8) * 4 + quarter] = run_sum[1];
-    }
-    __syncthreads();
+    float sums[2];
+    group_row_sum(sums, run_sum, red, row_a, quarter, lane);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const u32 i = row_a + half * 8;
-        const float* l4 = red + i * 4;
-        const float sum = ((l4[0] + l4[1]) + l4[2]) + l4[3];
+        const float sum = sums[half];
         if (i >= nh) {
             continue;
         }
@@ -2029,16 +2043,11 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
             float inv[2] = {0.0f, 0.0f};
             if (pass == 1) {
                 // The row sums: the four warps' partial sums in warp order.
-                if ((lane & 3) == 0) {
-                    red[row_a * 4 + quarter] = run_sum[0];
-                    red[(row_a + 8) * 4 + quarter] = run_sum[1];
-                }
-                __syncthreads();
+                float sums[2];
+                group_row_sum(sums, run_sum, red, row_a, quarter, lane);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const float* l4 = red + (row_a + half * 8) * 4;
-                    const float sum = ((l4[0] + l4[1]) + l4[2]) + l4[3];
-                    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+                    inv[half] = sums[half] > 0.0f ? 1.0f / sums[half] : 0.0f;
                 }
                 __syncthreads();
             }
