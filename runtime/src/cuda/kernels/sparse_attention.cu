@@ -1604,7 +1604,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     const u32 g = warp / 4;
     const u32 quarter = warp % 4;
     // The block's query heads (rows past nh as zeros).
-    stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
+    stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
     const u32 blocks = (topk + MQT_KEYS - 1) / MQT_KEYS;
     mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
     const u32 vq = v_dim / 4;
@@ -1790,8 +1790,8 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
         for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
             const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
             // The pass's query and dout heads (rows past nh as zeros).
-            stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
-            stage_rows(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, v_dim, nh, rows_q, v_dim);
+            stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
+            stage_rows<u32>(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, v_dim, nh, rows_q, v_dim);
             mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
             // delta = dout . out a head (a warp's lanes over the channels,
             // then its butterfly); lse, +inf past nh so P is 0 there.
@@ -2035,7 +2035,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
     }
     for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
         const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
-        stage_rows(qs, MQT_PITCH, q + (r * heads + h0) * dim, dim, nh, rows_q, dim);
+        stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * dim, dim, nh, rows_q, dim);
         float run_max[2] = {neg_inf(), neg_inf()};
         float run_sum[2] = {0.0f, 0.0f};
         // Pass 0: each head's max and sum; pass 1: the probabilities.

@@ -65,13 +65,16 @@ __device__ __forceinline__ void wait_async() {
 // `src` (rows `stride` elements apart) into `tile` (rows `pitch` elements
 // apart) with `cp.async`; rows from `valid` on are zeros (nothing is read
 // for them). The whole block calls it; it issues the copies (does not
-// commit or wait for them).
-__device__ __forceinline__ void stage_rows(bf16* tile, int pitch, const bf16* src, u64 stride, int valid, int rows,
-                                           int width) {
-    const int words = width / 8;
-    for (int idx = threadIdx.x; idx < rows * words; idx += blockDim.x) {
-        const int r = idx / words;
-        const int c = (idx % words) * 8;
+// commit or wait for them). `I` is the type of the counts and indices and
+// `Stride` of the row offsets, as the caller keeps them: the kernels short
+// of registers pass u32 (unsigned divisions, 32-bit products), where int
+// and a u64 stride would cost one a spill.
+template <typename I, typename Stride>
+__device__ __forceinline__ void stage_rows(bf16* tile, I pitch, const bf16* src, Stride stride, I valid, I rows, I width) {
+    const I words = width / 8;
+    for (I idx = threadIdx.x; idx < rows * words; idx += blockDim.x) {
+        const I r = idx / words;
+        const I c = (idx % words) * 8;
         const bool ok = r < valid;
         copy16_async(shared_address(tile + r * pitch + c), ok ? src + r * stride + c : src, ok);
     }
