@@ -180,17 +180,6 @@ __device__ __forceinline__ void accumulate(float (&acc)[M][D / 8][4], const floa
     }
 }
 
-// The sum and max over the 4 threads of a fragment row (lanes differing in
-// bits 0-1); every thread ends with the same bits.
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
 // Writes the warp's (M * 16) x D f32 tile `acc` times `factor` (as bf16 or
 // f32, T) in rows `stride` elements apart from `first`: this thread's rows
 // are r0 + 16m and r0 + 16m + 8, skipped past `seq`.
@@ -739,16 +728,6 @@ __device__ __forceinline__ void issue_weighted_rows(float (&d)[WG_D / 2], const 
     for (int kk = 0; kk < B_ROWS / 16; ++kk) {
         wgmma_rs(d, a[kk], mn_major<B_ROWS>(b, kk));
     }
-}
-
-// The register A operand of K-step `kk` from a 64 x N accumulator `w`:
-// columns 16 kk .. 16 kk + 15, rounded to bf16 (the mma.sync pairing).
-template <int R>
-__device__ __forceinline__ void a_operand(u32 (&a)[4], const float (&w)[R], int kk) {
-    a[0] = pack_bf16(w[8 * kk + 0], w[8 * kk + 1]);
-    a[1] = pack_bf16(w[8 * kk + 2], w[8 * kk + 3]);
-    a[2] = pack_bf16(w[8 * kk + 4], w[8 * kk + 5]);
-    a[3] = pack_bf16(w[8 * kk + 6], w[8 * kk + 7]);
 }
 
 // Writes a 64 x D accumulator times `factor` (bf16 or f32, T) in rows

@@ -750,14 +750,6 @@ __device__ __forceinline__ void tc_zero(float (&acc)[NT][4]) {
     }
 }
 
-// The sum over the four lanes that hold a row's accumulators: every lane
-// ends with the same bits (a + b == b + a).
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    v += __shfl_xor_sync(0xffffffffu, v, 2);
-    return v;
-}
-
 // ---- M^T dO ---------------------------------------------------------------------------
 // One block an item, warp w the steps s = 16w..16w+15: (K Q^T)_st e_ts for
 // t >= s, then times dO. Dynamic shared memory (`tc_dvl_shared`): Q, K

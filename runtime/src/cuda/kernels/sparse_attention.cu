@@ -737,13 +737,6 @@ __device__ __forceinline__ void ixt_accumulate(float (&acc)[M][IX_MAX_DIM / 8][4
     }
 }
 
-// The sum over the 4 threads of a fragment row (lanes differing in bits
-// 0-1), a fixed butterfly: every thread ends with the same bits.
-__device__ __forceinline__ float ixt_quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
 // Writes the warp's (M * 16) x dim f32 tile `acc` in `dtype` to rows
 // `stride` elements apart from element `first` of `out`: this thread's rows
 // are r0 + 16 m + lane / 4 (+ 8), skipped from `limit` on.
@@ -948,7 +941,7 @@ extern "C" __global__ void __launch_bounds__(IXT_DQ_THREADS) dsa_indexer_backwar
     for (int m = 0; m < 2; ++m) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const float total = ixt_quad_sum(dw_acc[m][half]);
+            const float total = quad_sum(dw_acc[m][half]);
             const u32 i = wq + m * 16 + (lane >> 2) + half * 8;
             if ((lane & 3) == 0 && i < qrows) {
                 store(dw, dwt, (base + q0 + i) * heads + h, total);

@@ -44,6 +44,27 @@ __device__ __forceinline__ void acc_as_a(u32 (&a)[4], const float (&lo)[4], cons
     a[3] = pack_bf16(hi[2], hi[3]);
 }
 
+// The sum and max over the 4 threads of a fragment row (lanes differing in
+// bits 0-1); every thread ends with the same bits.
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// The register A operand of K-step `kk` from a 64 x N (or 16 x N) accumulator `w`:
+// columns 16 kk .. 16 kk + 15, rounded to bf16 (the mma.sync pairing).
+template <int R>
+__device__ __forceinline__ void a_operand(u32 (&a)[4], const float (&w)[R], int kk) {
+    a[0] = pack_bf16(w[8 * kk + 0], w[8 * kk + 1]);
+    a[1] = pack_bf16(w[8 * kk + 2], w[8 * kk + 3]);
+    a[2] = pack_bf16(w[8 * kk + 4], w[8 * kk + 5]);
+    a[3] = pack_bf16(w[8 * kk + 6], w[8 * kk + 7]);
+}
+
 // 16 bytes from global to shared memory, asynchronously; zeros when !valid
 // (nothing is read then).
 __device__ __forceinline__ void copy16_async(u32 dst, const void* src, bool valid) {
