@@ -853,8 +853,10 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
 /// The indexer loss with its target on tensor cores (bf16 q and shared
 /// rows of 576: `dsa_indexer_loss_target_mma`, then the CUDA-core kernel
 /// for the KL) against the CPU, dense and sparse: 80 heads (a pass of 64
-/// and one of 16), 20 (a group padded from 4 heads to 16) and 128 (two full
-/// passes), rows of more items than a key block and fewer. The loss within
+/// and one of 16), 20 (a group padded from 4 heads to 16; dense, 2 rows a
+/// block), 128 (two full passes), 16 and 3 (dense, 4 rows a block, the
+/// sequences' last blocks short of rows), rows of more items than a key
+/// block and fewer. The loss within
 /// 1e-5 of the scale of its terms (`loss_error`), the gradient within 1e-5
 /// of its norm, the same bits on a rerun.
 #[test]
@@ -867,6 +869,8 @@ fn tensor_core_indexer_loss_matches_the_cpu() {
         (80usize, 70usize, 2usize, 40usize),
         (20, 130, 1, 72),
         (128, 45, 1, 24),
+        (16, 67, 2, 16),
+        (3, 41, 2, 8),
     ] {
         let qk = 576;
         let rows = batch * seq;

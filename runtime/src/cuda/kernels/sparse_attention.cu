@@ -1974,7 +1974,10 @@ extern "C" __global__ void __launch_bounds__(256) dsa_mqa_partials_sum(const flo
 // With bf16 q and k, the loss's target (each head's softmax over the row's
 // items, summed over the heads) is computed on tensor cores as the MQA
 // forward computes its scores: a block a query row, its heads MQT_HEADS at
-// a time (a group of 4 warps a 16 heads), the items' key rows gathered
+// a time (a group of 4 warps a 16 heads); for the dense loss with at most
+// 32 heads, 4 / (groups a row) consecutive rows a block, which share the
+// last row's items (every causal key) and so each gathered key row (a
+// row's groups mask the keys after it). The items' key rows are gathered
 // MQT_KEYS at a time (the next block's during this one's products). A
 // first pass over the items finds each head's max and sum (the group's
 // four warps' maxima meet in shared memory each block, the sums in warp
@@ -2001,34 +2004,49 @@ __device__ __forceinline__ void loss_gather(bf16* tile, u32* keys, const bf16* k
 
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_target_mma(
     const bf16* q, const bf16* k, const u32* indices, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim,
-    float scale, int sparse, u64* status) {
+    float scale, int sparse, u32 rows_per_block, u64* status) {
     grid_dependency_sync();
     extern __shared__ __align__(16) unsigned char ltm_shared[];
     const u32 groups = blockDim.x / 128;
     const u32 rows_q = groups * 16;
+    // Groups a query row (its heads 16 at a time), and this warp's row.
+    const u32 row_groups = groups / rows_per_block;
     bf16* qs = reinterpret_cast<bf16*>(ltm_shared);
     bf16* ks = qs + rows_q * MQT_PITCH;
     float* red = reinterpret_cast<float*>(ks + 2 * MQT_KEYS * MQT_PITCH);
     float* colsum = red + rows_q * 4;
     u32* keys = reinterpret_cast<u32*>(colsum + 4 * MQT_KEYS);
-    const u64 r = blockIdx.x;
-    const u32 t = static_cast<u32>(r % seq);
-    const u64 base = r - t;
+    const u64 base = static_cast<u64>(blockIdx.y) * seq;
+    const u32 t0 = blockIdx.x * rows_per_block;
+    // The block's last row: its items (dense) cover every other row's.
+    const u32 t_last = min(t0 + rows_per_block, seq) - 1;
     const u32 warp = threadIdx.x / 32;
     const u32 lane = threadIdx.x & 31;
     const u32 g = warp / 4;
     const u32 quarter = warp % 4;
     const u32 row_a = g * 16 + (lane >> 2);
-    const u32 items = sparse ? topk : t + 1;
+    const u32 t = t0 + g / row_groups;
+    const u32 items = sparse ? topk : t_last + 1;
     const u32 blocks = (items + MQT_KEYS - 1) / MQT_KEYS;
-    const u32* row_ix = indices + r * topk;
-    float* d_row = d_scores + r * seq;
-    for (u32 u = threadIdx.x; u < seq; u += blockDim.x) {
-        d_row[u] = 0.0f;
+    // Sparse rows are one a block (rows_per_block 1): their items.
+    const u32* row_ix = indices + (base + t0) * topk;
+    for (u32 j = 0; j < rows_per_block && t0 + j < seq; ++j) {
+        float* d_row = d_scores + (base + t0 + j) * seq;
+        for (u32 u = threadIdx.x; u < seq; u += blockDim.x) {
+            d_row[u] = 0.0f;
+        }
     }
     for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
-        const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
-        stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * dim, dim, nh, rows_q, dim);
+        // Each row's heads h0 .. in its groups' tile rows (zeros past the
+        // heads or the sequence).
+        const u32 row_heads = row_groups * 16;
+        for (u32 j = 0; j < rows_per_block; ++j) {
+            const u32 n = t0 + j < seq ? min(row_heads, heads - h0) : 0;
+            stage_rows<u32>(qs + j * row_heads * MQT_PITCH, MQT_PITCH, q + ((base + t0 + j) * heads + h0) * dim, dim,
+                            n, row_heads, dim);
+        }
+        const u32 head_a = h0 + (g % row_groups) * 16 + (lane >> 2);
+        const bool live[2] = {head_a < heads && t < seq, head_a + 8 < heads && t < seq};
         float run_max[2] = {neg_inf(), neg_inf()};
         float run_sum[2] = {0.0f, 0.0f};
         // Pass 0: each head's max and sum; pass 1: the probabilities.
@@ -2044,14 +2062,14 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                 }
                 __syncthreads();
             }
-            loss_gather(ks, keys, k, row_ix, 0, items, t, seq, sparse, base, dim, status, r);
+            loss_gather(ks, keys, k, row_ix, 0, items, t_last, seq, sparse, base, dim, status, base + t0);
             for (u32 blk = 0; blk < blocks; ++blk) {
                 const u32 cur = blk & 1;
                 const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
                 const u32* kk = keys + cur * MQT_KEYS;
                 if (blk + 1 < blocks) {
                     loss_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, k, row_ix,
-                                (blk + 1) * MQT_KEYS, items, t, seq, sparse, base, dim, status, r);
+                                (blk + 1) * MQT_KEYS, items, t_last, seq, sparse, base, dim, status, base + t0);
                     wait_async<1>();
                 } else {
                     wait_async<0>();
@@ -2059,6 +2077,15 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                 __syncthreads();
                 float s[4];
                 group_scores(s, qs, kt, kk, g, quarter, lane, dim, scale);
+                // Keys after this warp's row (dense rows share the block's
+                // items) are not its items.
+                const u32 col = quarter * 8 + 2 * (lane & 3);
+                if (kk[col] == NO_KEY || kk[col] > t) {
+                    s[0] = s[2] = neg_inf();
+                }
+                if (kk[col + 1] == NO_KEY || kk[col + 1] > t) {
+                    s[1] = s[3] = neg_inf();
+                }
                 if (pass == 0) {
                     float block_max[2];
                     group_row_max(block_max, s, red, row_a, quarter, lane);
@@ -2084,13 +2111,13 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                     // column (a fixed butterfly over lane bits 2-4).
                     float c0 = 0.0f;
                     float c1 = 0.0f;
-                    if (row_a < nh && run_max[0] != neg_inf()) {
-                        c0 += s[0] == neg_inf() ? 0.0f : expf(s[0] - run_max[0]) * inv[0];
-                        c1 += s[1] == neg_inf() ? 0.0f : expf(s[1] - run_max[0]) * inv[0];
-                    }
-                    if (row_a + 8 < nh && run_max[1] != neg_inf()) {
-                        c0 += s[2] == neg_inf() ? 0.0f : expf(s[2] - run_max[1]) * inv[1];
-                        c1 += s[3] == neg_inf() ? 0.0f : expf(s[3] - run_max[1]) * inv[1];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        if (live[half] && run_max[half] != neg_inf()) {
+                            c0 += s[2 * half] == neg_inf() ? 0.0f : expf(s[2 * half] - run_max[half]) * inv[half];
+                            c1 += s[2 * half + 1] == neg_inf() ? 0.0f
+                                                                : expf(s[2 * half + 1] - run_max[half]) * inv[half];
+                        }
                     }
 #pragma unroll
                     for (int m = 4; m < 32; m <<= 1) {
@@ -2103,12 +2130,18 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                         colsum[g * MQT_KEYS + col + 1] = c1;
                     }
                     __syncthreads();
-                    if (threadIdx.x < MQT_KEYS && kk[threadIdx.x] != NO_KEY) {
-                        float sum = 0.0f;
-                        for (u32 gg = 0; gg < groups; ++gg) {
-                            sum += colsum[gg * MQT_KEYS + threadIdx.x];
+                    // A thread a (row, item): the row's groups in order.
+                    if (threadIdx.x < rows_per_block * MQT_KEYS) {
+                        const u32 j = threadIdx.x / MQT_KEYS;
+                        const u32 i = threadIdx.x % MQT_KEYS;
+                        const u32 u = kk[i];
+                        if (u != NO_KEY && u <= t0 + j && t0 + j < seq) {
+                            float sum = 0.0f;
+                            for (u32 gg = j * row_groups; gg < (j + 1) * row_groups; ++gg) {
+                                sum += colsum[gg * MQT_KEYS + i];
+                            }
+                            d_scores[(base + t0 + j) * seq + u] += sum;
                         }
-                        d_row[kk[threadIdx.x]] += sum;
                     }
                 }
                 __syncthreads();

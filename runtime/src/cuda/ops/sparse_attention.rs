@@ -242,6 +242,19 @@ pub fn loss_target_on_tensor_cores(q: &GpuView, k: &GpuView, dim: usize) -> bool
         && k.ptr.is_multiple_of(16)
 }
 
+/// Query rows a block of the tensor-core loss target takes: for the dense
+/// loss, as many as fill its four groups of 16 heads (4 rows of up to 16
+/// heads, 2 of up to 32), which share the gathered key rows (every causal
+/// key of the last row); one otherwise (sparse rows select their own keys).
+fn loss_target_rows_per_block(dims: IndexerLossDims) -> usize {
+    let row_groups = dims.heads.min(MQT_HEADS).div_ceil(16).max(1);
+    if dims.sparse || row_groups > 2 {
+        1
+    } else {
+        4 / row_groups
+    }
+}
+
 /// Dynamic shared memory (bytes) of the tensor-core loss target with
 /// `groups` groups of 16 heads: the query heads and two key blocks (bf16),
 /// the row maxima or sums and the groups' item sums (f32), two blocks'
@@ -771,15 +784,29 @@ impl KernelSet {
             && self.sparse_attention_shared.loss_target;
         if target_ready {
             let km = "dsa_indexer_loss_target_mma";
-            let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
-            let config = grid_of(km, [rows, 1, 1], (groups * 128) as u32, ltm_shared(groups))?;
+            let rows_per_block = loss_target_rows_per_block(dims);
+            let groups = rows_per_block * dims.heads.min(MQT_HEADS).div_ceil(16);
+            let config = grid_of(
+                km,
+                [
+                    dims.tokens.seq.div_ceil(rows_per_block),
+                    dims.tokens.batch,
+                    1,
+                ],
+                (groups * 128) as u32,
+                ltm_shared(groups),
+            )?;
+            let rows_per_block = rows_per_block as u32;
             let mut b = KernelArgs::new(stream, self.function(km)?);
             b.arg(&q.ptr)
                 .arg(&k.ptr)
                 .arg(&indices.ptr)
                 .arg(&d_scores.ptr);
             b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
-            b.arg(&dims.scale).arg(&sparse).arg(&self.fault_ptr);
+            b.arg(&dims.scale)
+                .arg(&sparse)
+                .arg(&rows_per_block)
+                .arg(&self.fault_ptr);
             self.go(km, &mut b, config)?;
         }
         let target_ready = i32::from(target_ready);
@@ -1362,6 +1389,27 @@ mod tests {
             &bf(512),
             576
         ));
+    }
+
+    /// The dense loss target packs rows of few heads into a block's four
+    /// groups; sparse rows and rows of more heads take a block each.
+    #[test]
+    fn the_dense_loss_target_packs_rows_of_few_heads() {
+        let dims = |heads, sparse| IndexerLossDims {
+            tokens: crate::backend::Tokens::new(1, 100),
+            topk: 8,
+            heads,
+            qk_dim: 576,
+            scale: 1.0,
+            coeff: 1.0,
+            sparse,
+        };
+        let packed: Vec<usize> = [1, 16, 17, 32, 33, 64, 128]
+            .into_iter()
+            .map(|h| loss_target_rows_per_block(dims(h, false)))
+            .collect();
+        assert_eq!(packed, [4, 4, 2, 2, 1, 1, 1]);
+        assert_eq!(loss_target_rows_per_block(dims(16, true)), 1);
     }
 
     /// The tensor-core MQA kernels' shared memory at 64 heads fits what an
