@@ -226,6 +226,7 @@ pub const SOURCES: &[KernelSource] = &[
             "dsa_mqa_backward_dq",
             "dsa_mqa_backward_dkv",
             "dsa_mqa_forward_mma",
+            "dsa_mqa_forward_wgmma",
             "dsa_mqa_backward_mma",
             "dsa_mqa_partials_sum",
             "dsa_indexer_loss_target_mma",

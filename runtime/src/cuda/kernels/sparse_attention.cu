@@ -1691,6 +1691,230 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     }
 }
 
+// ---- the forward over one shared key/value row (MQA), Hopper warpgroup MMAs ----
+//
+// `dsa_mqa_forward_mma`'s attention on sm_90a for rows of a multiple of 64
+// channels from 512 up to 576 and values of 512 (DeepSeek's 576 and 512).
+// `wgmma` reads both operands of S = Q K^T and the values of P V straight
+// from shared memory, so no warp stages fragments through `ldmatrix`, which
+// bounds the `mma.sync` kernel (each of its warps reloads its heads' query
+// fragments for every 8 keys). A block is a query row and up to 64 of its
+// heads (the M of every product; fewer heads are zero rows), two
+// warpgroups. The selected rows are gathered 64 at a time with `cp.async`
+// (the next block's during this one's products) into the 128-byte
+// swizzled layout `wgmma` reads (atom a: channels 64 a .. 64 a + 63 of the
+// 64 rows, 128 bytes a row, 16-byte chunk c of row i at chunk c ^ (i % 8)),
+// and serve as keys (read K-major, every channel) and values (read
+// MN-major, the first 512). A warpgroup's registers hold 256 of the
+// output's 512 columns (128 a thread), so warpgroup g owns columns 256 g ..
+// 256 g + 255, and both compute the 64 x 64 scores: each then has every
+// probability its P V needs without an exchange through shared memory,
+// which the query heads and two key blocks (216 KiB at 576 channels) leave
+// no room for. Both run the same products on the same tiles, so they keep
+// the same maxima and sums. Every sum has one order fixed by the shapes.
+#define MQW_THREADS 256
+#define MQW_HEADS 64
+#define MQW_KEYS 64
+#define MQW_V 512
+#define MQW_ATOM (64 * 128)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Issues (does not commit) the copies of 64 rows of `dim` bf16 channels (a
+// multiple of 64) into the swizzled atoms at `tile`: row i from `row(i)`,
+// a null row as zeros (`any` is read for none of them). The whole block
+// calls it.
+template <typename Row>
+__device__ __forceinline__ void mqw_stage(u32 tile, u32 dim, const bf16* any, Row row) {
+    const u32 chunks = dim / 8;
+    for (u32 c = threadIdx.x; c < 64 * chunks; c += MQW_THREADS) {
+        const u32 i = c / chunks;
+        const u32 ch = c - i * chunks;
+        const bf16* src = row(i);
+        const u32 dst = tile + (ch / 8) * MQW_ATOM + i * 128 + (((ch % 8) ^ (i % 8)) << 4);
+        copy16_async(dst, src != nullptr ? src + ch * 8 : any, src != nullptr);
+    }
+}
+
+// K-step kk (channels 16 kk .. 16 kk + 15) of a staged tile read K-major:
+// 32 kk bytes into atom kk / 4, the next 8 rows 1024 bytes on.
+__device__ __forceinline__ u64 mqw_k_major(u32 tile, u32 kk) {
+    return swizzled_desc(tile + (kk / 4) * MQW_ATOM + (kk % 4) * 32, 16, 1024);
+}
+
+// K-step kk (rows 16 kk .. 16 kk + 15) of a staged tile read MN-major from
+// channel 64 `atom` on: the next 8 rows 1024 bytes on, the next 64
+// channels an atom on.
+__device__ __forceinline__ u64 mqw_mn_major(u32 tile, u32 atom, u32 kk) {
+    return swizzled_desc(tile + atom * MQW_ATOM + kk * 2048, MQW_ATOM, 1024);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_mqa_forward_wgmma(
+    const bf16* q, const bf16* kv, const u32* indices, void* out, int ot, float* lse, u32 seq, u32 heads,
+    u32 qk_dim, u32 v_dim, u32 topk, float scale, u64* status) {
+    grid_dependency_sync();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char mqw_shared[];
+    unsigned char* first = aligned_shared(mqw_shared);
+    // The query heads, then two key blocks, then three blocks' positions
+    // (a block's are written while the block before it is still read).
+    const u32 tile_bytes = qk_dim * 128;
+    const u32 qs = shared_address(first);
+    const u32 ks = qs + tile_bytes;
+    u32* keys = reinterpret_cast<u32*>(first + 3 * tile_bytes);
+    const u64 r = blockIdx.x;
+    const u32 h0 = blockIdx.y * MQW_HEADS;
+    const u32 nh = min(static_cast<u32>(MQW_HEADS), heads - h0);
+    const u32 t = static_cast<u32>(r % seq);
+    const u64 base = r - t;
+    const auto [group, lane, row] = group_lane();
+    const u32 quad = lane & 3;
+    // One block at least: with no selection its keys are all missing, and
+    // the row's output is zeros and its lse -inf, as the other kernels'.
+    const u32 blocks = max(1u, (topk + MQW_KEYS - 1) / MQW_KEYS);
+    auto select = [&](u32 blk) {
+        if (threadIdx.x < MQW_KEYS) {
+            const u32 slot = blk * MQW_KEYS + threadIdx.x;
+            keys[(blk % 3) * MQW_KEYS + threadIdx.x] =
+                slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
+        }
+    };
+    auto gather = [&](u32 blk) {
+        const u32* kb = keys + (blk % 3) * MQW_KEYS;
+        mqw_stage(ks + (blk & 1) * tile_bytes, qk_dim, kv, [&](u32 i) -> const bf16* {
+            return kb[i] == NO_KEY ? nullptr : kv + (base + kb[i]) * qk_dim;
+        });
+        commit_async();
+    };
+    select(0);
+    mqw_stage(qs, qk_dim, q,
+              [&](u32 i) -> const bf16* { return i < nh ? q + (r * heads + h0 + i) * qk_dim : nullptr; });
+    __syncthreads();
+    gather(0);  // one group with the query heads' copies
+
+    float o[2][64];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            o[w][i] = 0.0f;
+        }
+    }
+    float mx[2] = {neg_inf(), neg_inf()};
+    float sum[2] = {0.0f, 0.0f};
+    for (u32 blk = 0; blk < blocks; ++blk) {
+        if (blk + 1 < blocks) {
+            select(blk + 1);
+            // Block blk + 1's positions are visible, and every warpgroup is
+            // done with the buffer its rows refill (block blk - 1's).
+            __syncthreads();
+            gather(blk + 1);
+            wait_async<1>();
+        } else {
+            wait_async<0>();
+        }
+        // Block blk's rows (and the query heads) are in shared memory, seen
+        // by the tensor cores, for every thread's copies.
+        fence_async_shared();
+        __syncthreads();
+        const u32 kt = ks + (blk & 1) * tile_bytes;
+        const u32* kb = keys + (blk % 3) * MQW_KEYS;
+        // S: the 64 heads x the block's 64 keys.
+        float s[32];
+        wgmma_fence();
+        for (u32 kk = 0; kk < qk_dim / 16; ++kk) {
+            wgmma_ss(s, mqw_k_major(qs, kk), mqw_k_major(kt, kk), kk);
+        }
+        wgmma_finish();
+        fence_operands(s);
+        // The online softmax of this thread's rows `row` and `row` + 8:
+        // scaled scores (-inf for a missing key), the rows' running max,
+        // the rescale of what came before, the probabilities.
+        float x[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float& sv = s[4 * n + e];
+                sv = kb[n * 8 + 2 * quad + (e & 1)] != NO_KEY ? sv * scale : neg_inf();
+                x[e >> 1] = fmaxf(x[e >> 1], sv);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float next = fmaxf(mx[i], quad_max(x[i]));
+            // Nothing seen yet (the max still -inf): nothing to rescale.
+            alpha[i] = next == neg_inf() ? 1.0f : expf(mx[i] - next);
+            mx[i] = next;
+            sum[i] *= alpha[i];
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float m = mx[e >> 1];
+                float& sv = s[4 * n + e];
+                sv = sv == neg_inf() ? 0.0f : expf(sv - m);
+                sum[e >> 1] += sv;
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                o[w][4 * n + 0] *= alpha[0];
+                o[w][4 * n + 1] *= alpha[0];
+                o[w][4 * n + 2] *= alpha[1];
+                o[w][4 * n + 3] *= alpha[1];
+            }
+        }
+        // O += P V: P rounded to bf16 as the register A operand (as flash
+        // attention feeds its probabilities), V this warpgroup's 256
+        // channels of the rows as two products of 128.
+        u32 p[MQW_KEYS / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < MQW_KEYS / 16; ++kk) {
+            a_operand(p[kk], s, kk);
+        }
+        fence_operands(o[0]);
+        fence_operands(o[1]);
+        fence_operands(p);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < MQW_KEYS / 16; ++kk) {
+            wgmma_rs(o[0], p[kk], mqw_mn_major(kt, 4 * group, kk));
+            wgmma_rs(o[1], p[kk], mqw_mn_major(kt, 4 * group + 2, kk));
+        }
+        wgmma_finish();
+        fence_operands(o[0]);
+        fence_operands(o[1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float l = quad_sum(sum[i]);
+        const u32 h = row + 8 * i;
+        if (h >= nh) {
+            continue;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const u64 at = (r * heads + h0 + h) * v_dim + group * (MQW_V / 2);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                const u32 c = w * 128 + n * 8 + 2 * quad;
+                store(out, ot, at + c, o[w][4 * n + 2 * i] * inv);
+                store(out, ot, at + c + 1, o[w][4 * n + 2 * i + 1] * inv);
+            }
+        }
+        if (group == 0 && quad == 0) {
+            lse[r * heads + h0 + h] = l > 0.0f ? mx[i] + logf(l) : neg_inf();
+        }
+    }
+#endif
+}
+
 // ---- the backward over one shared key/value row (MQA), tensor cores ---------------
 //
 // `Backend::sparse_mqa_backward` with bf16 q, kv and dout on tensor cores,

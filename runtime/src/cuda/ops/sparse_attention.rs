@@ -25,7 +25,9 @@
 //! - Sparse attention, every head reading one shared key/value row a token
 //!   (`sparse_mqa_*`, `D`'s absorbed MLA). With bf16 operands and rows of
 //!   up to 576 channels ([`mqa_on_tensor_cores`]) on tensor cores: the
-//!   forward a block a query row and up to 64 of its heads; the backward
+//!   forward a block a query row and up to 64 of its heads (on Hopper,
+//!   DeepSeek's rows of 512 to 576 channels and values of 512 on warpgroup
+//!   MMAs, [`mqa_forward_on_warpgroups`]); the backward
 //!   query by query, `dq` in registers and each block's own partial copy
 //!   of the key rows (one add an element between two barriers), the copies
 //!   then summed in block order ([`mqa_backward_fits_tensor_cores`]).
@@ -47,6 +49,7 @@ use crate::backend::{
     IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionKernels,
     SparseMqaDims,
 };
+use crate::cuda::kernels::Target;
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure};
 use crate::cuda::{CudaBackend, CudaBuf};
@@ -182,6 +185,30 @@ pub fn mqa_on_tensor_cores(q: &GpuView, kv: &GpuView, dims: SparseMqaDims) -> bo
         && kv.ptr.is_multiple_of(16)
 }
 
+/// Query heads a block of the warpgroup MQA forward takes (`MQW_HEADS`),
+/// keys a gathered block (`MQW_KEYS`) and its value width (`MQW_V`).
+const MQW_HEADS: usize = 64;
+const MQW_KEYS: usize = 64;
+const MQW_V: usize = 512;
+
+/// Dynamic shared memory (bytes) of the warpgroup MQA forward: the query
+/// heads and two key blocks (64 rows of `qk_dim` bf16 channels each),
+/// three blocks' positions, and 1,024 bytes to align the tiles.
+fn mqw_shared(qk_dim: usize) -> usize {
+    3 * MQW_KEYS * qk_dim * 2 + 3 * MQW_KEYS * 4 + 1024
+}
+
+/// Whether the MQA forward's tensor-core work runs on Hopper's warpgroup
+/// MMAs (`dsa_mqa_forward_wgmma`): rows of a multiple of 64 channels from
+/// the values' 512 up to [`MQT_MAX_QK`] and values of 512 (DeepSeek's
+/// absorbed MLA: 576 and 512). Other shapes the tensor cores take run on
+/// `mma.sync`.
+pub fn mqa_forward_on_warpgroups(dims: SparseMqaDims) -> bool {
+    dims.v_dim == MQW_V
+        && dims.qk_dim.is_multiple_of(64)
+        && (MQW_V..=MQT_MAX_QK).contains(&dims.qk_dim)
+}
+
 /// Whether the MQA backward can run on tensor cores: what the forward
 /// needs ([`mqa_on_tensor_cores`]), dout in bf16 too, and dout and out
 /// (bf16 or f32) 16-byte aligned. The launcher also needs the kernel's
@@ -278,6 +305,8 @@ pub(crate) struct SparseAttentionShared {
     pub(crate) indexer_backward: bool,
     pub(crate) loss_target: bool,
     pub(crate) mqa_forward: bool,
+    /// The warpgroup forward: only on Hopper (elsewhere its body is empty).
+    pub(crate) mqa_forward_wgmma: bool,
     pub(crate) mqa_backward: bool,
 }
 
@@ -285,6 +314,7 @@ pub(crate) struct SparseAttentionShared {
 /// memory, once, as the kernels are loaded.
 pub(crate) fn reserve_shared_memory(
     functions: &HashMap<&'static str, CudaFunction>,
+    target: Target,
 ) -> SparseAttentionShared {
     let reserve = |kernel: &str, bytes: usize| {
         functions.get(kernel).is_some_and(|f| {
@@ -302,6 +332,8 @@ pub(crate) fn reserve_shared_memory(
             && reserve("dsa_indexer_backward_k_mma", IXT_DK_SHARED),
         loss_target: reserve("dsa_indexer_loss_target_mma", ltm_shared(full)),
         mqa_forward: reserve("dsa_mqa_forward_mma", mqt_shared(full)),
+        mqa_forward_wgmma: target == Target::HOPPER
+            && reserve("dsa_mqa_forward_wgmma", mqw_shared(MQT_MAX_QK)),
         mqa_backward: reserve("dsa_mqa_backward_mma", mqb_shared(full)),
     }
 }
@@ -899,15 +931,24 @@ impl KernelSet {
             return Ok(());
         }
         let shape = MqaShape::new(kn, dims)?;
-        if mqa_on_tensor_cores(&q, &kv, dims) && self.sparse_attention_shared.mqa_forward {
-            let km = "dsa_mqa_forward_mma";
-            let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
-            let config = grid_of(
-                km,
-                [rows, dims.heads.div_ceil(MQT_HEADS), 1],
-                (groups * 128) as u32,
-                mqt_shared(groups),
-            )?;
+        let tensor_cores = mqa_on_tensor_cores(&q, &kv, dims);
+        let warpgroups = tensor_cores
+            && mqa_forward_on_warpgroups(dims)
+            && self.sparse_attention_shared.mqa_forward_wgmma;
+        if warpgroups || (tensor_cores && self.sparse_attention_shared.mqa_forward) {
+            let (km, config) = if warpgroups {
+                let km = "dsa_mqa_forward_wgmma";
+                let blocks = [rows, dims.heads.div_ceil(MQW_HEADS), 1];
+                (km, grid_of(km, blocks, 256, mqw_shared(dims.qk_dim))?)
+            } else {
+                let km = "dsa_mqa_forward_mma";
+                let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
+                let blocks = [rows, dims.heads.div_ceil(MQT_HEADS), 1];
+                (
+                    km,
+                    grid_of(km, blocks, (groups * 128) as u32, mqt_shared(groups))?,
+                )
+            };
             let ot = dtype_tag(out.dtype);
             let mut b = KernelArgs::new(stream, self.function(km)?);
             b.arg(&q.ptr).arg(&kv.ptr).arg(&indices.ptr);
@@ -1419,5 +1460,33 @@ mod tests {
         assert!(mqb_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(mqt_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(ltm_shared(MQT_HEADS / 16) <= 227 * 1024);
+        assert!(mqw_shared(MQT_MAX_QK) <= 227 * 1024);
+    }
+
+    /// DeepSeek's shape takes the warpgroup forward; a row not whole
+    /// 64-channel atoms, narrower than the values or past 576 channels, or
+    /// values other than 512, the `mma.sync` one.
+    #[test]
+    fn deepseeks_shape_takes_the_warpgroup_forward() {
+        let dims = |qk_dim, v_dim| SparseMqaDims {
+            tokens: crate::backend::Tokens::new(1, 100),
+            heads: 128,
+            qk_dim,
+            v_dim,
+            topk: 8,
+            scale: 1.0,
+        };
+        assert!(mqa_forward_on_warpgroups(dims(576, 512)));
+        assert!(mqa_forward_on_warpgroups(dims(512, 512)));
+        for (qk, v) in [
+            (80, 64),
+            (560, 512),
+            (640, 512),
+            (448, 512),
+            (576, 256),
+            (576, 448),
+        ] {
+            assert!(!mqa_forward_on_warpgroups(dims(qk, v)), "{qk} / {v}");
+        }
     }
 }
