@@ -230,6 +230,7 @@ pub const SOURCES: &[KernelSource] = &[
             "dsa_mqa_backward_mma",
             "dsa_mqa_partials_sum",
             "dsa_indexer_loss_target_mma",
+            "dsa_indexer_loss_target_wgmma",
             "dsa_layer_norm_forward",
             "dsa_layer_norm_backward",
             "dsa_layer_norm_weight_grad"

@@ -1719,26 +1719,28 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
 #define MQW_ATOM (64 * 128)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Issues (does not commit) the copies of 64 rows of `dim` bf16 channels (a
-// multiple of 64) into the swizzled atoms at `tile`: row i from `row(i)`,
-// a null row as zeros (`any` is read for none of them). The whole block
+// Issues (does not commit) the copies of ROWS rows of `dim` bf16 channels
+// (a multiple of 64) into the swizzled atoms at `tile` (atom a: channels
+// 64 a .. 64 a + 63 of the rows, ROWS * 128 bytes): row i from `row(i)`, a
+// null row as zeros (`any` is read for none of them). The whole block
 // calls it.
-template <typename Row>
+template <u32 ROWS, typename Row>
 __device__ __forceinline__ void mqw_stage(u32 tile, u32 dim, const bf16* any, Row row) {
     const u32 chunks = dim / 8;
-    for (u32 c = threadIdx.x; c < 64 * chunks; c += MQW_THREADS) {
+    for (u32 c = threadIdx.x; c < ROWS * chunks; c += MQW_THREADS) {
         const u32 i = c / chunks;
         const u32 ch = c - i * chunks;
         const bf16* src = row(i);
-        const u32 dst = tile + (ch / 8) * MQW_ATOM + i * 128 + (((ch % 8) ^ (i % 8)) << 4);
+        const u32 dst = tile + (ch / 8) * (ROWS * 128) + i * 128 + (((ch % 8) ^ (i % 8)) << 4);
         copy16_async(dst, src != nullptr ? src + ch * 8 : any, src != nullptr);
     }
 }
 
-// K-step kk (channels 16 kk .. 16 kk + 15) of a staged tile read K-major:
-// 32 kk bytes into atom kk / 4, the next 8 rows 1024 bytes on.
+// K-step kk (channels 16 kk .. 16 kk + 15) of a staged tile of ROWS rows
+// read K-major: 32 kk bytes into atom kk / 4, the next 8 rows 1024 bytes on.
+template <u32 ROWS>
 __device__ __forceinline__ u64 mqw_k_major(u32 tile, u32 kk) {
-    return swizzled_desc(tile + (kk / 4) * MQW_ATOM + (kk % 4) * 32, 16, 1024);
+    return swizzled_desc(tile + (kk / 4) * (ROWS * 128) + (kk % 4) * 32, 16, 1024);
 }
 
 // K-step kk (rows 16 kk .. 16 kk + 15) of a staged tile read MN-major from
@@ -1781,13 +1783,13 @@ extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_mqa_forward_wgm
     };
     auto gather = [&](u32 blk) {
         const u32* kb = keys + (blk % 3) * MQW_KEYS;
-        mqw_stage(ks + (blk & 1) * tile_bytes, qk_dim, kv, [&](u32 i) -> const bf16* {
+        mqw_stage<MQW_KEYS>(ks + (blk & 1) * tile_bytes, qk_dim, kv, [&](u32 i) -> const bf16* {
             return kb[i] == NO_KEY ? nullptr : kv + (base + kb[i]) * qk_dim;
         });
         commit_async();
     };
     select(0);
-    mqw_stage(qs, qk_dim, q,
+    mqw_stage<MQW_HEADS>(qs, qk_dim, q,
               [&](u32 i) -> const bf16* { return i < nh ? q + (r * heads + h0 + i) * qk_dim : nullptr; });
     __syncthreads();
     gather(0);  // one group with the query heads' copies
@@ -1823,7 +1825,7 @@ extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_mqa_forward_wgm
         float s[32];
         wgmma_fence();
         for (u32 kk = 0; kk < qk_dim / 16; ++kk) {
-            wgmma_ss(s, mqw_k_major(qs, kk), mqw_k_major(kt, kk), kk);
+            wgmma_ss(s, mqw_k_major<MQW_HEADS>(qs, kk), mqw_k_major<MQW_KEYS>(kt, kk), kk);
         }
         wgmma_finish();
         fence_operands(s);
@@ -2376,6 +2378,189 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
             }
         }
     }
+}
+
+// ---- the indexer's loss target on Hopper's warpgroup MMAs -------------------------
+//
+// `dsa_indexer_loss_target_mma`'s target on sm_90a for more than 64 heads
+// and rows of a multiple of 64 channels up to 576 (DeepSeek's 128 heads of
+// 576): a block a query row and its heads 128 at a time, warpgroup g the
+// heads h0 + 64 g .. h0 + 64 g + 63 (its own query tile, zero rows past
+// the heads), both reading the same key rows, gathered 32 at a time into
+// the 128-byte swizzled layout `wgmma` reads (the next block's during this
+// one's products). Each warpgroup's S = Q K^T (64 heads by 32 items, both
+// operands from shared memory) gives each thread two heads' scores of the
+// block, so a head's max and sum are its quad's (a fixed butterfly), in
+// the first pass over the items; the second pass computes the
+// probabilities again, sums each item's over the warp's 16 heads (a
+// butterfly over the lanes of its column), then the block's eight warps in
+// order, and adds that to the item's position in the row of `d_scores`
+// (zeroed first; each item one thread's). Every sum has one order fixed by
+// the shapes, so a rerun gives the same bits.
+#define LTW_KEYS 32
+
+extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_indexer_loss_target_wgmma(
+    const bf16* q, const bf16* k, const u32* indices, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim,
+    float scale, int sparse, u64* status) {
+    grid_dependency_sync();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char ltw_shared[];
+    unsigned char* first = aligned_shared(ltw_shared);
+    // The two warpgroups' query tiles, then two key blocks, then three
+    // blocks' positions and the warps' item sums.
+    const u32 q_bytes = dim * 128;
+    const u32 k_bytes = dim * 64;
+    const u32 qs = shared_address(first);
+    const u32 ks = qs + 2 * q_bytes;
+    u32* keys = reinterpret_cast<u32*>(first + 2 * q_bytes + 2 * k_bytes);
+    float* colsum = reinterpret_cast<float*>(keys + 3 * LTW_KEYS);
+    const u32 t = blockIdx.x;
+    const u64 base = static_cast<u64>(blockIdx.y) * seq;
+    const u64 r = base + t;
+    const auto [group, lane, row] = group_lane();
+    const u32 warp = threadIdx.x / 32;
+    const u32 quad = lane & 3;
+    const u32* row_ix = indices + r * topk;
+    const u32 items = sparse ? topk : t + 1;
+    const u32 blocks = max(1u, (items + LTW_KEYS - 1) / LTW_KEYS);
+    float* d_row = d_scores + r * seq;
+    for (u32 u = threadIdx.x; u < seq; u += MQW_THREADS) {
+        d_row[u] = 0.0f;
+    }
+    auto select = [&](u32 blk) {
+        if (threadIdx.x < LTW_KEYS) {
+            const u32 i = blk * LTW_KEYS + threadIdx.x;
+            keys[(blk % 3) * LTW_KEYS + threadIdx.x] = i < items ? loss_key(row_ix, i, t, seq, sparse, status, r) : NO_KEY;
+        }
+    };
+    auto gather = [&](u32 blk) {
+        const u32* kb = keys + (blk % 3) * LTW_KEYS;
+        mqw_stage<LTW_KEYS>(ks + (blk & 1) * k_bytes, dim, k, [&](u32 i) -> const bf16* {
+            return kb[i] == NO_KEY ? nullptr : k + (base + kb[i]) * dim;
+        });
+        commit_async();
+    };
+    for (u32 h0 = 0; h0 < heads; h0 += 2 * MQW_HEADS) {
+        // This thread's two heads, and whether each is one.
+        const bool live[2] = {h0 + group * MQW_HEADS + row < heads, h0 + group * MQW_HEADS + row + 8 < heads};
+        float mx[2] = {neg_inf(), neg_inf()};
+        float sum[2] = {0.0f, 0.0f};
+        float inv[2] = {0.0f, 0.0f};
+        for (int pass = 0; pass < 2; ++pass) {
+            // The block's previous use of the tiles and positions (the last
+            // pass's last block) is done everywhere.
+            __syncthreads();
+            select(0);
+            if (pass == 0) {
+                // Each warpgroup's 64 heads (its tile's own atoms).
+                for (u32 g = 0; g < 2; ++g) {
+                    mqw_stage<MQW_HEADS>(qs + g * q_bytes, dim, q, [&](u32 i) -> const bf16* {
+                        const u32 h = h0 + g * MQW_HEADS + i;
+                        return h < heads ? q + (r * heads + h) * dim : nullptr;
+                    });
+                }
+            }
+            __syncthreads();
+            gather(0);
+            for (u32 blk = 0; blk < blocks; ++blk) {
+                if (blk + 1 < blocks) {
+                    select(blk + 1);
+                    __syncthreads();
+                    gather(blk + 1);
+                    wait_async<1>();
+                } else {
+                    wait_async<0>();
+                }
+                fence_async_shared();
+                __syncthreads();
+                const u32 kt = ks + (blk & 1) * k_bytes;
+                const u32* kb = keys + (blk % 3) * LTW_KEYS;
+                float s[16];
+                wgmma_fence();
+                for (u32 kk = 0; kk < dim / 16; ++kk) {
+                    wgmma_ss(s, mqw_k_major<MQW_HEADS>(qs + group * q_bytes, kk), mqw_k_major<LTW_KEYS>(kt, kk), kk);
+                }
+                wgmma_finish();
+                fence_operands(s);
+#pragma unroll
+                for (int n = 0; n < LTW_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float& sv = s[4 * n + e];
+                        sv = kb[n * 8 + 2 * quad + (e & 1)] != NO_KEY ? sv * scale : neg_inf();
+                    }
+                }
+                if (pass == 0) {
+                    float x[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+                    for (int i = 0; i < LTW_KEYS / 2; ++i) {
+                        x[(i >> 1) & 1] = fmaxf(x[(i >> 1) & 1], s[i]);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float next = fmaxf(mx[i], quad_max(x[i]));
+                        sum[i] *= next == neg_inf() ? 1.0f : expf(mx[i] - next);
+                        mx[i] = next;
+                    }
+#pragma unroll
+                    for (int i = 0; i < LTW_KEYS / 2; ++i) {
+                        const int h = (i >> 1) & 1;
+                        sum[h] += s[i] == neg_inf() ? 0.0f : expf(s[i] - mx[h]);
+                    }
+                } else {
+                    // Each item's probabilities over this thread's two
+                    // heads, then over the warp's 16 (lanes 4 apart).
+                    float c[LTW_KEYS / 4];
+#pragma unroll
+                    for (int n = 0; n < LTW_KEYS / 8; ++n) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float v = 0.0f;
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const float sv = s[4 * n + 2 * h + e];
+                                if (live[h] && sv != neg_inf()) {
+                                    v += expf(sv - mx[h]) * inv[h];
+                                }
+                            }
+#pragma unroll
+                            for (int m = 4; m < 32; m <<= 1) {
+                                v += __shfl_xor_sync(0xffffffffu, v, m);
+                            }
+                            c[2 * n + e] = v;
+                        }
+                    }
+                    if (lane < 4) {
+#pragma unroll
+                        for (int n = 0; n < LTW_KEYS / 8; ++n) {
+                            colsum[warp * LTW_KEYS + n * 8 + 2 * lane] = c[2 * n];
+                            colsum[warp * LTW_KEYS + n * 8 + 2 * lane + 1] = c[2 * n + 1];
+                        }
+                    }
+                    __syncthreads();
+                    // A thread an item: the eight warps in order.
+                    if (threadIdx.x < LTW_KEYS) {
+                        const u32 u = kb[threadIdx.x];
+                        if (u != NO_KEY) {
+                            float total = 0.0f;
+                            for (u32 w = 0; w < MQW_THREADS / 32; ++w) {
+                                total += colsum[w * LTW_KEYS + threadIdx.x];
+                            }
+                            d_row[u] += total;
+                        }
+                    }
+                }
+            }
+            if (pass == 0) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float l = quad_sum(sum[i]);
+                    inv[i] = l > 0.0f ? 1.0f / l : 0.0f;
+                }
+            }
+        }
+    }
+#endif
 }
 
 // ---- LayerNorm with bias ---------------------------------------------------------

@@ -294,6 +294,26 @@ fn ltm_shared(groups: usize) -> usize {
         + 2 * MQT_KEYS * 4
 }
 
+/// Keys a block of the warpgroup loss target gathers (`LTW_KEYS`).
+const LTW_KEYS: usize = 32;
+
+/// Dynamic shared memory (bytes) of the warpgroup loss target: two
+/// warpgroups' query tiles (64 heads each) and two key blocks of `dim`
+/// bf16 channels, three blocks' positions, the eight warps' item sums, and
+/// 1,024 bytes to align the tiles.
+fn ltw_shared(dim: usize) -> usize {
+    (2 * MQW_HEADS + 2 * LTW_KEYS) * dim * 2 + 3 * LTW_KEYS * 4 + 8 * LTW_KEYS * 4 + 1024
+}
+
+/// Whether the loss target runs on Hopper's warpgroup MMAs
+/// (`dsa_indexer_loss_target_wgmma`): more than 64 heads (a block takes
+/// 128, two warpgroups of 64) and rows of a multiple of 64 channels up to
+/// [`MQT_MAX_QK`] (DeepSeek's 128 heads of 576). Fewer heads take the
+/// `mma.sync` kernel, which packs rows of few heads into a block.
+pub fn loss_target_on_warpgroups(dims: IndexerLossDims) -> bool {
+    dims.heads > MQW_HEADS && dims.qk_dim.is_multiple_of(64) && dims.qk_dim <= MQT_MAX_QK
+}
+
 /// Which tensor-core kernels of the family got their dynamic shared memory
 /// (past the 48 KiB a launch gets without asking) when the kernels were
 /// loaded; where one did not (a device with less shared memory a block),
@@ -304,6 +324,8 @@ pub(crate) struct SparseAttentionShared {
     /// Both kernels of the indexer's backward.
     pub(crate) indexer_backward: bool,
     pub(crate) loss_target: bool,
+    /// The warpgroup loss target: only on Hopper.
+    pub(crate) loss_target_wgmma: bool,
     pub(crate) mqa_forward: bool,
     /// The warpgroup forward: only on Hopper (elsewhere its body is empty).
     pub(crate) mqa_forward_wgmma: bool,
@@ -331,6 +353,8 @@ pub(crate) fn reserve_shared_memory(
         indexer_backward: reserve("dsa_indexer_backward_q_mma", IXT_DQ_SHARED)
             && reserve("dsa_indexer_backward_k_mma", IXT_DK_SHARED),
         loss_target: reserve("dsa_indexer_loss_target_mma", ltm_shared(full)),
+        loss_target_wgmma: target == Target::HOPPER
+            && reserve("dsa_indexer_loss_target_wgmma", ltw_shared(MQT_MAX_QK)),
         mqa_forward: reserve("dsa_mqa_forward_mma", mqt_shared(full)),
         mqa_forward_wgmma: target == Target::HOPPER
             && reserve("dsa_mqa_forward_wgmma", mqw_shared(MQT_MAX_QK)),
@@ -812,9 +836,28 @@ impl KernelSet {
         let dim = dims.qk_dim as u32;
         let factor = dims.coeff / rows as f32;
         let sparse = i32::from(dims.sparse);
-        let target_ready = loss_target_on_tensor_cores(&q, &k, dims.qk_dim)
-            && self.sparse_attention_shared.loss_target;
-        if target_ready {
+        let tensor_cores = loss_target_on_tensor_cores(&q, &k, dims.qk_dim);
+        let warpgroups = tensor_cores
+            && loss_target_on_warpgroups(dims)
+            && self.sparse_attention_shared.loss_target_wgmma;
+        let target_ready = warpgroups || (tensor_cores && self.sparse_attention_shared.loss_target);
+        if warpgroups {
+            let km = "dsa_indexer_loss_target_wgmma";
+            let config = grid_of(
+                km,
+                [dims.tokens.seq, dims.tokens.batch, 1],
+                256,
+                ltw_shared(dims.qk_dim),
+            )?;
+            let mut b = KernelArgs::new(stream, self.function(km)?);
+            b.arg(&q.ptr)
+                .arg(&k.ptr)
+                .arg(&indices.ptr)
+                .arg(&d_scores.ptr);
+            b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
+            b.arg(&dims.scale).arg(&sparse).arg(&self.fault_ptr);
+            self.go(km, &mut b, config)?;
+        } else if target_ready {
             let km = "dsa_indexer_loss_target_mma";
             let rows_per_block = loss_target_rows_per_block(dims);
             let groups = rows_per_block * dims.heads.min(MQT_HEADS).div_ceil(16);
@@ -1461,6 +1504,30 @@ mod tests {
         assert!(mqt_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(ltm_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(mqw_shared(MQT_MAX_QK) <= 227 * 1024);
+        assert!(ltw_shared(MQT_MAX_QK) <= 227 * 1024);
+    }
+
+    /// More than 64 heads of whole 64-channel steps up to 576 take the
+    /// warpgroup loss target; fewer heads or other rows, the `mma.sync` one.
+    #[test]
+    fn many_heads_take_the_warpgroup_loss_target() {
+        let dims = |heads, qk_dim| IndexerLossDims {
+            tokens: crate::backend::Tokens::new(1, 100),
+            topk: 8,
+            heads,
+            qk_dim,
+            scale: 1.0,
+            coeff: 1.0,
+            sparse: false,
+        };
+        assert!(loss_target_on_warpgroups(dims(128, 576)));
+        assert!(loss_target_on_warpgroups(dims(65, 64)));
+        for (heads, qk) in [(64, 576), (16, 576), (128, 80), (128, 640)] {
+            assert!(
+                !loss_target_on_warpgroups(dims(heads, qk)),
+                "{heads} / {qk}"
+            );
+        }
     }
 
     /// DeepSeek's shape takes the warpgroup forward; a row not whole
