@@ -1743,6 +1743,39 @@ __device__ __forceinline__ u64 mqw_k_major(u32 tile, u32 kk) {
     return swizzled_desc(tile + (kk / 4) * (ROWS * 128) + (kk % 4) * 32, 16, 1024);
 }
 
+// S = Q K^T over `dim` channels into a warpgroup's accumulator: Q the 64
+// rows of a staged tile at `q_tile`, K the ROWS rows of one at `k_tile`
+// (both read K-major). Issues the products and waits for them.
+template <u32 ROWS>
+__device__ __forceinline__ void mqw_scores(float (&s)[ROWS / 2], u32 q_tile, u32 k_tile, u32 dim) {
+    wgmma_fence();
+    for (u32 kk = 0; kk < dim / 16; ++kk) {
+        wgmma_ss(s, mqw_k_major<64>(q_tile, kk), mqw_k_major<ROWS>(k_tile, kk), kk);
+    }
+    wgmma_finish();
+    fence_operands(s);
+}
+
+// The double buffer's step before block blk's products: block blk + 1's
+// positions (`select`, three buffers: a block's are written while the one
+// before it is still read) and, after a barrier that also makes sure every
+// warpgroup is done with the rows buffer they refill, its rows' copies
+// (`gather`, issued and committed); then the wait for block blk's copies,
+// made visible to the tensor cores for every thread's.
+template <typename Select, typename Gather>
+__device__ __forceinline__ void mqw_advance(u32 blk, u32 blocks, Select select, Gather gather) {
+    if (blk + 1 < blocks) {
+        select(blk + 1);
+        __syncthreads();
+        gather(blk + 1);
+        wait_async<1>();
+    } else {
+        wait_async<0>();
+    }
+    fence_async_shared();
+    __syncthreads();
+}
+
 // K-step kk (rows 16 kk .. 16 kk + 15) of a staged tile read MN-major from
 // channel 64 `atom` on: the next 8 rows 1024 bytes on, the next 64
 // channels an atom on.
@@ -1805,30 +1838,12 @@ extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_mqa_forward_wgm
     float mx[2] = {neg_inf(), neg_inf()};
     float sum[2] = {0.0f, 0.0f};
     for (u32 blk = 0; blk < blocks; ++blk) {
-        if (blk + 1 < blocks) {
-            select(blk + 1);
-            // Block blk + 1's positions are visible, and every warpgroup is
-            // done with the buffer its rows refill (block blk - 1's).
-            __syncthreads();
-            gather(blk + 1);
-            wait_async<1>();
-        } else {
-            wait_async<0>();
-        }
-        // Block blk's rows (and the query heads) are in shared memory, seen
-        // by the tensor cores, for every thread's copies.
-        fence_async_shared();
-        __syncthreads();
+        mqw_advance(blk, blocks, select, gather);
         const u32 kt = ks + (blk & 1) * tile_bytes;
         const u32* kb = keys + (blk % 3) * MQW_KEYS;
         // S: the 64 heads x the block's 64 keys.
         float s[32];
-        wgmma_fence();
-        for (u32 kk = 0; kk < qk_dim / 16; ++kk) {
-            wgmma_ss(s, mqw_k_major<MQW_HEADS>(qs, kk), mqw_k_major<MQW_KEYS>(kt, kk), kk);
-        }
-        wgmma_finish();
-        fence_operands(s);
+        mqw_scores<MQW_KEYS>(s, qs, kt, qk_dim);
         // The online softmax of this thread's rows `row` and `row` + 8:
         // scaled scores (-inf for a missing key), the rows' running max,
         // the rescale of what came before, the probabilities.
@@ -2463,25 +2478,11 @@ extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_indexer_loss_ta
             __syncthreads();
             gather(0);
             for (u32 blk = 0; blk < blocks; ++blk) {
-                if (blk + 1 < blocks) {
-                    select(blk + 1);
-                    __syncthreads();
-                    gather(blk + 1);
-                    wait_async<1>();
-                } else {
-                    wait_async<0>();
-                }
-                fence_async_shared();
-                __syncthreads();
+                mqw_advance(blk, blocks, select, gather);
                 const u32 kt = ks + (blk & 1) * k_bytes;
                 const u32* kb = keys + (blk % 3) * LTW_KEYS;
                 float s[16];
-                wgmma_fence();
-                for (u32 kk = 0; kk < dim / 16; ++kk) {
-                    wgmma_ss(s, mqw_k_major<MQW_HEADS>(qs + group * q_bytes, kk), mqw_k_major<LTW_KEYS>(kt, kk), kk);
-                }
-                wgmma_finish();
-                fence_operands(s);
+                mqw_scores<LTW_KEYS>(s, qs + group * q_bytes, kt, dim);
 #pragma unroll
                 for (int n = 0; n < LTW_KEYS / 8; ++n) {
 #pragma unroll
