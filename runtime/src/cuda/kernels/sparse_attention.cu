@@ -306,14 +306,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) dsa_indexer_topk(
 
 // ---- the indexer's loss --------------------------------------------------------
 
-// The loss's keys of query t: item i of the row is key i (every causal key)
-// or the row's slot i (sparse: valid if selected and causal). Gives the key
-// position, or NO_KEY for an item that is not a valid key.
-__device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq, int sparse, u64* status, u64 row) {
-    if (!sparse) {
-        return i;
-    }
-    const u32 u = row_ix[i];
+// A position `u` the indexer selected for query row `row` (token t): u, or
+// NO_KEY when it is padding, after the query, or out of range (reported
+// with the row).
+__device__ __forceinline__ u32 valid_key(u32 u, u32 t, u32 seq, u64* status, u64 row) {
     if (u == NO_KEY) {
         return NO_KEY;
     }
@@ -322,6 +318,13 @@ __device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq
         return NO_KEY;
     }
     return u <= t ? u : NO_KEY;
+}
+
+// The loss's keys of query t: item i of the row is key i (every causal key)
+// or the row's slot i (sparse: valid if selected and causal). Gives the key
+// position, or NO_KEY for an item that is not a valid key.
+__device__ __forceinline__ u32 loss_key(const u32* row_ix, u32 i, u32 t, u32 seq, int sparse, u64* status, u64 row) {
+    return sparse ? valid_key(row_ix[i], t, seq, status, row) : i;
 }
 
 // The indexer's KL loss a row (block) against the main attention's
@@ -1103,18 +1106,10 @@ extern "C" __global__ void __launch_bounds__(IXT_DK_THREADS) dsa_indexer_backwar
 
 // ---- sparse attention ------------------------------------------------------------
 
-// Key slot `slot` of query row r (token t): its position, or NO_KEY when it
-// is padding, after the query, or out of range (reported with the row).
+// Key slot `slot` of query row r (token t): its position, or NO_KEY (see
+// `valid_key`).
 __device__ __forceinline__ u32 selected_key(const u32* indices, u64 r, u32 topk, u32 slot, u32 t, u32 seq, u64* status) {
-    const u32 u = indices[r * topk + slot];
-    if (u == NO_KEY) {
-        return NO_KEY;
-    }
-    if (u >= seq) {
-        report_fault(status, FAULT_SELECTED_KEY, r);
-        return NO_KEY;
-    }
-    return u <= t ? u : NO_KEY;
+    return valid_key(indices[r * topk + slot], t, seq, status, r);
 }
 
 // ---- sparse attention over one shared key/value row (MQA), CUDA cores ------------
