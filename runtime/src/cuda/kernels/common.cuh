@@ -139,6 +139,22 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Sums the columns of a (32, 32) block's values `v` (thread (x, y) gives
+// row y of column x) as a fixed tree over the rows in `partial` (`[32][33]`,
+// padded against bank conflicts), leaving column x's sum in
+// `partial[0][x]`. Every thread of the block calls it; it ends with a
+// barrier.
+__device__ __forceinline__ void column_tree_sum(float (*partial)[33], float v) {
+    partial[threadIdx.y][threadIdx.x] = v;
+    __syncthreads();
+    for (int s = 16; s > 0; s >>= 1) {
+        if (threadIdx.y < s) {
+            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
+        }
+        __syncthreads();
+    }
+}
+
 // The sum of `v` over a block whose size is a multiple of 32 (at most 1024),
 // returned to every thread. `scratch` holds 32 values; the call ends with a
 // barrier, so the same scratch can be used again right after.

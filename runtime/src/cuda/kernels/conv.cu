@@ -242,14 +242,7 @@ extern "C" __global__ void conv1d_backward_input_words(
 __device__ __forceinline__ void add_slice_sums(
     float (*partial)[33], float v, u64 c, u64 j, u64 taps, u64 channels, void* dw, int dw_dtype,
     void* dbias, int dbias_dtype) {
-    partial[threadIdx.y][threadIdx.x] = v;
-    __syncthreads();
-    for (int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.y < s) {
-            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
-        }
-        __syncthreads();
-    }
+    column_tree_sum(partial, v);
     if (threadIdx.y == 0 && c < channels) {
         if (j == taps) {
             store(dbias, dbias_dtype, c, load(dbias, dbias_dtype, c) + partial[0][threadIdx.x]);

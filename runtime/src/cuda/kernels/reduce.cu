@@ -40,14 +40,7 @@ extern "C" __global__ void column_sum(
             sum += load(x, x_dtype, r * cols + j);
         }
     }
-    partial[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    for (int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.y < s) {
-            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
-        }
-        __syncthreads();
-    }
+    column_tree_sum(partial, sum);
     if (threadIdx.y == 0 && j < cols) {
         store(out, out_dtype, j, load(out, out_dtype, j) + partial[0][threadIdx.x]);
     }

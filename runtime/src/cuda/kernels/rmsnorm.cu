@@ -268,14 +268,7 @@ extern "C" __global__ void rmsnorm_weight_partials(
             sum += load(dy, dy_dtype, i) * load(x, x_dtype, i) * rstd[r * groups + g];
         }
     }
-    partial[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    for (int s = 16; s > 0; s >>= 1) {
-        if (threadIdx.y < s) {
-            partial[threadIdx.y][threadIdx.x] += partial[threadIdx.y + s][threadIdx.x];
-        }
-        __syncthreads();
-    }
+    column_tree_sum(partial, sum);
     if (threadIdx.y == 0 && j < dim) {
         partials[blockIdx.y * dim + j] = partial[0][threadIdx.x];
     }

@@ -1125,6 +1125,29 @@ __device__ __forceinline__ u32 selected_key(const u32* indices, u64 r, u32 topk,
 // only atomics are the bitmap's integer atomicOr, whose result is the same
 // in any order.
 
+// acc += weight[j] kv[base + keys[j]] over the block's first `n` keys in
+// slot order (missing keys skipped), each of a row's first `width`
+// channels: a thread owns every SA_THREADS-th channel, MQA_PER_THREAD of
+// them. Rows are `dim` channels apart.
+__device__ __forceinline__ void add_weighted_rows(float (&acc)[MQA_PER_THREAD], const u32* keys, const float* weight,
+                                                  u32 n, const void* kv, int kvt, u64 base, u32 dim, u32 width) {
+    for (u32 j = 0; j < n; ++j) {
+        const u32 key = keys[j];
+        if (key == NO_KEY) {
+            continue;
+        }
+        const float f = weight[j];
+        const u64 at = (base + key) * dim;
+#pragma unroll
+        for (int m = 0; m < MQA_PER_THREAD; ++m) {
+            const u32 c = threadIdx.x + SA_THREADS * m;
+            if (c < width) {
+                acc[m] += f * load(kv, kvt, at + c);
+            }
+        }
+    }
+}
+
 // `Backend::sparse_mqa_forward` on CUDA cores: a block a (query row, head),
 // the selected keys SA_THREADS at a time (a thread a key's score), in slot
 // order, online softmax in f32; a thread owns every SA_THREADS-th output
@@ -1176,21 +1199,7 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_forward(
         for (int m = 0; m < MQA_PER_THREAD; ++m) {
             acc[m] *= rescale;
         }
-        for (u32 j = 0; j < n; ++j) {
-            const u32 key = keys[j];
-            if (key == NO_KEY) {
-                continue;
-            }
-            const float pj = ps[j];
-            const u64 at = (base + key) * qk_dim;
-#pragma unroll
-            for (int m = 0; m < MQA_PER_THREAD; ++m) {
-                const u32 c = threadIdx.x + SA_THREADS * m;
-                if (c < v_dim) {
-                    acc[m] += pj * load(kv, kvt, at + c);
-                }
-            }
-        }
+        add_weighted_rows(acc, keys, ps, n, kv, kvt, base, qk_dim, v_dim);
         __syncthreads();
     }
     const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
@@ -1269,21 +1278,7 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_backward_dq(
         keys[threadIdx.x] = u;
         __syncthreads();
         const u32 n = min(SA_THREADS, topk - s0);
-        for (u32 j = 0; j < n; ++j) {
-            const u32 key = keys[j];
-            if (key == NO_KEY) {
-                continue;
-            }
-            const float f = ds[j];
-            const u64 at = (base + key) * qk_dim;
-#pragma unroll
-            for (int m = 0; m < MQA_PER_THREAD; ++m) {
-                const u32 c = threadIdx.x + SA_THREADS * m;
-                if (c < qk_dim) {
-                    acc[m] += f * load(kv, kvt, at + c);
-                }
-            }
-        }
+        add_weighted_rows(acc, keys, ds, n, kv, kvt, base, qk_dim, qk_dim);
         __syncthreads();
     }
 #pragma unroll
