@@ -1522,6 +1522,19 @@ __device__ __forceinline__ void group_scores(float (&s)[4], const bf16* qs, cons
     s[3] = valid1 ? scale * (even[3] + odd[3]) : neg_inf();
 }
 
+// Puts this warp's parts of its two rows (row_a, row_a + 8; lane 4i's
+// `part`) in `red` (`[rows, 4]` f32, one column a warp of the group), then
+// meets the block's barrier, after which `red + row * 4` holds the group's
+// four warps' parts of row `row`.
+__device__ __forceinline__ void share_group_parts(float* red, const float (&part)[2], u32 row_a, u32 quarter,
+                                                  u32 lane) {
+    if ((lane & 3) == 0) {
+        red[row_a * 4 + quarter] = part[0];
+        red[(row_a + 8) * 4 + quarter] = part[1];
+    }
+    __syncthreads();
+}
+
 // The maxima of this thread's two rows of S (row_a, row_a + 8) over the
 // block's keys: each warp's over its 8 keys (its lanes of a row), then the
 // group's four warps' through `red` (`[rows, 4]` f32), read after a
@@ -1535,11 +1548,7 @@ __device__ __forceinline__ void group_row_max(float (&block_max)[2], const float
         part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 1));
         part[half] = fmaxf(part[half], __shfl_xor_sync(0xffffffffu, part[half], 2));
     }
-    if ((lane & 3) == 0) {
-        red[row_a * 4 + quarter] = part[0];
-        red[(row_a + 8) * 4 + quarter] = part[1];
-    }
-    __syncthreads();
+    share_group_parts(red, part, row_a, quarter, lane);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const float* m4 = red + (row_a + half * 8) * 4;
@@ -1553,11 +1562,7 @@ __device__ __forceinline__ void group_row_max(float (&block_max)[2], const float
 // reaches.
 __device__ __forceinline__ void group_row_sum(float (&sum)[2], const float (&part)[2], float* red, u32 row_a,
                                               u32 quarter, u32 lane) {
-    if ((lane & 3) == 0) {
-        red[row_a * 4 + quarter] = part[0];
-        red[(row_a + 8) * 4 + quarter] = part[1];
-    }
-    __syncthreads();
+    share_group_parts(red, part, row_a, quarter, lane);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const float* l4 = red + (row_a + half * 8) * 4;

@@ -207,6 +207,20 @@ pub(crate) fn load_modules(
     })
 }
 
+/// Lets `f` take `bytes` of dynamic shared memory (past the 48 KiB a launch
+/// gets without asking): false where the device cannot give it (or the
+/// amount is past what an attribute holds), and the family's other path
+/// runs.
+pub(crate) fn reserve_dynamic_shared(f: &CudaFunction, bytes: usize) -> bool {
+    i32::try_from(bytes).is_ok_and(|bytes| {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes,
+        )
+        .is_ok()
+    })
+}
+
 /// What the kernel families set up on the loaded functions: the dynamic
 /// shared memory their largest kernels ask for, where the device gave it.
 pub(crate) struct Reserved {

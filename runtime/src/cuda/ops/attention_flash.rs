@@ -19,11 +19,12 @@ use super::attention::KernelDims;
 use crate::backend::{AttentionDims, AttentionInputs};
 use crate::cuda::kernels::Target;
 use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::reserve_dynamic_shared;
 use crate::cuda::launch::tensor_map::tiled_map;
 use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, ensure};
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
-use cudarc::driver::sys::{CUfunction_attribute, CUtensorMap};
+use cudarc::driver::sys::CUtensorMap;
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
 use std::collections::HashMap;
 
@@ -186,12 +187,7 @@ pub(super) fn reserve_shared_memory(
             let Some(f) = functions.get(kernel.name(d, path)) else {
                 return false;
             };
-            let bytes = kernel.shared_bytes(d, path) as i32;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes,
-            )
-            .is_ok()
+            reserve_dynamic_shared(f, kernel.shared_bytes(d, path))
         })
     })
 }

@@ -32,11 +32,10 @@
 
 use crate::backend::{DeltaDims, DeltaGrads, DeltaInputs, DeltaKernels, ScratchSettings};
 use crate::cuda::launch::args::KernelArgs;
-use crate::cuda::launch::{GpuView, KernelSet, dtype_tag, per_item};
+use crate::cuda::launch::{GpuView, KernelSet, dtype_tag, per_item, reserve_dynamic_shared};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
 
 /// The steps of a chunk (`DELTA_CHUNK` in `delta.cuh`).
@@ -497,14 +496,7 @@ impl KernelSet {
     /// device cannot give it, and the f32 kernels run instead.
     fn delta_reserve_shared(&self, kernels: &[&'static str], bytes: [usize; 3]) -> Result<bool> {
         for (&kernel, bytes) in kernels.iter().zip(bytes) {
-            let Ok(bytes) = i32::try_from(bytes) else {
-                return Ok(false);
-            };
-            let reserved = self.function(kernel)?.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes,
-            );
-            if reserved.is_err() {
+            if !reserve_dynamic_shared(self.function(kernel)?, bytes) {
                 return Ok(false);
             }
         }

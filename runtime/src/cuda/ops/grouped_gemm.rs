@@ -12,13 +12,14 @@
 use crate::backend::MatmulDims;
 use crate::cuda::kernels::Target;
 use crate::cuda::launch::args::KernelArgs;
+use crate::cuda::launch::reserve_dynamic_shared;
 use crate::cuda::launch::tensor_map::tiled_map;
 use crate::cuda::launch::{
     GpuView, HOPPER_SHARED_BYTES, KernelSet, MAX_GRID_X, WGMMA_SHARED_ALIGN, setup_error,
 };
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
-use cudarc::driver::sys::{self, CUfunction_attribute, CUtensorMap};
+use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -292,13 +293,9 @@ pub(super) fn reserve_shared_memory(
             .chain(&ROWS_KERNELS)
             .chain([&DEPTH_KERNEL])
             .all(|name| {
-                functions.get(name).is_some_and(|f| {
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        SHARED_BYTES as i32,
-                    )
-                    .is_ok()
-                })
+                functions
+                    .get(name)
+                    .is_some_and(|f| reserve_dynamic_shared(f, SHARED_BYTES))
             });
     let sms = context
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

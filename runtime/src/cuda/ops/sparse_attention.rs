@@ -51,11 +51,12 @@ use crate::backend::{
 };
 use crate::cuda::kernels::Target;
 use crate::cuda::launch::args::KernelArgs;
-use crate::cuda::launch::{GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure};
+use crate::cuda::launch::{
+    GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure, reserve_dynamic_shared,
+};
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
 
@@ -339,13 +340,9 @@ pub(crate) fn reserve_shared_memory(
     target: Target,
 ) -> SparseAttentionShared {
     let reserve = |kernel: &str, bytes: usize| {
-        functions.get(kernel).is_some_and(|f| {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .is_ok()
-        })
+        functions
+            .get(kernel)
+            .is_some_and(|f| reserve_dynamic_shared(f, bytes))
     };
     let full = MQT_HEADS / 16;
     SparseAttentionShared {

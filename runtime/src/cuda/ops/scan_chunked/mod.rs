@@ -23,11 +23,12 @@ use super::scan::{Tagged, backward_tags, forward_tags};
 use crate::backend::{ScanDims, ScanGrads, ScanInputs};
 use crate::cuda::blas::{Blas, StridedGemm, StridedMatrix};
 use crate::cuda::launch::args::KernelArgs;
-use crate::cuda::launch::{GpuView, KernelSet, block_per_row, ensure, grid_for, per_item, product};
+use crate::cuda::launch::{
+    GpuView, KernelSet, block_per_row, ensure, grid_for, per_item, product, reserve_dynamic_shared,
+};
 use crate::cuda::queue::QueueSet;
 use crate::error::Result;
 use crate::view::DType;
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr};
 use std::collections::HashMap;
 
@@ -732,13 +733,7 @@ pub(super) fn reserve_shared_memory(functions: &HashMap<&'static str, CudaFuncti
         MmaScores::Sums
             .kernel(p)
             .and_then(|name| functions.get(name))
-            .is_some_and(|f| {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    MMA_SUMS_MAX_SHARED as i32,
-                )
-                .is_ok()
-            })
+            .is_some_and(|f| reserve_dynamic_shared(f, MMA_SUMS_MAX_SHARED))
     })
 }
 
