@@ -39,8 +39,8 @@
 // consumers neither wait for global stores nor read C. An f32 C added to
 // (the weight gradients) is added in L2 by the consumers' own reductions
 // straight from their registers (`add_in_l2`): they issue them and go on
-// to the next unit's products, where staging boxes for TMA's reduce-add
-// would have them wait for the box two before to leave shared memory.
+// to the next unit's products, where staging a box for TMA's reduce-add
+// made them wait for the box two before it to leave shared memory.
 //
 // Determinism: an element of C is one thread's sum of its K-steps in order,
 // then (when adding) C's old value, added once (in L2, by that thread's
