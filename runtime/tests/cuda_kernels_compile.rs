@@ -162,15 +162,21 @@ fn missing_headers_are_named_with_the_variable_to_set() {
 
 /// Kernels the assembler gives spills to, and the bytes stored as reviewed
 /// (CUDA 13.0.88's NVRTC): the sequential scan's backward, which the
-/// chunked scan replaced on the benchmark's path. Another 13.0 release may
-/// shift these a little, so they are held to a quarter more; every other
-/// kernel to none (the grouped GEMM, at its 168-register cap, among them).
-const SPILLS_ALLOWED: [(&str, u32); 5] = [
+/// chunked scan replaced on the benchmark's path, and a few bytes of the
+/// grouped GEMM's tile bookkeeping (a little more in its depth launch,
+/// which also carries each unit's segment of K). Another 13.0 release may shift these a
+/// little, so they are held to a quarter more; every other kernel to none.
+const SPILLS_ALLOWED: [(&str, u32); 10] = [
     ("ssd_scan_backward_group", 240),
     ("ssd_scan_backward_head_n256", 644),
     ("ssd_scan_backward_head_n128", 256),
     ("ssd_scan_backward_head_n64", 208),
     ("ssd_scan_backward_head_n32", 480),
+    ("grouped_gemm_wgmma_nn", 8),
+    ("grouped_gemm_wgmma_nt", 8),
+    ("grouped_gemm_wgmma_tn", 8),
+    ("grouped_gemm_wgmma_tt", 8),
+    ("grouped_gemm_depth_tn", 24),
 ];
 
 /// No kernel spills registers beyond what was reviewed: a launch bound or

@@ -35,18 +35,14 @@
 // elements past m, n or k load as zeros (an expert's rows end where its
 // map ends, not where the next expert's begin) and are never stored.
 // C goes out the same way: a warpgroup stages its rows 128 bytes of
-// columns at a time in shared memory, and TMA stores them, so the
-// consumers neither wait for global stores nor read C. An f32 C added to
-// (the weight gradients) is added in L2 by the consumers' own reductions
-// straight from their registers (`add_in_l2`): they issue them and go on
-// to the next unit's products, where staging a box for TMA's reduce-add
-// made them wait for the box two before it to leave shared memory.
+// columns at a time in shared memory, and TMA stores them (or, for an f32
+// C added to, adds them in L2), so the consumers neither wait for global
+// stores nor read C.
 //
 // Determinism: an element of C is one thread's sum of its K-steps in order,
-// then (when adding) C's old value, added once (in L2, by that thread's
-// one reduction, for an f32 C): its bits depend on its problem alone,
-// never on the other problems in the launch or on the grid. No two
-// reductions meet in one element.
+// then (when adding) C's old value, added once (in L2, by the tile's
+// reduce-add, for an f32 C): its bits depend on its problem alone,
+// never on the other problems in the launch or on the grid. No atomics.
 //
 // Segmented launches (`grouped_gemm_rows_*`, `grouped_gemm_depth_tn`,
 // `Backend::segmented_matmul`: the MoE experts under expert parallelism 1)
@@ -362,54 +358,15 @@ __device__ __forceinline__ void store_rows(T* c, u32 n, const float (&acc)[N / 2
     }
 }
 
-// This thread's share of a warpgroup's 64 x N accumulator added to an f32
-// C [.., n] from row `r0`, column `c0`, in rows before `m_end`, by
-// reductions in L2 (`red.global.add.v4.f32`, which the thread does not
-// wait for). Lanes 4i + t hold columns 2t and 2t + 1 of rows `row` and
-// `row` + 8; each even lane trades its second row's pair for its odd
-// neighbour's first-row pair, so the even lane adds 4 columns of the first
-// row and the odd lane the same 4 of the second: one 16-byte reduction
-// each per 8 columns. Each element gets exactly one reduction, so C ends
-// as its old value plus the thread's sum, rounded once. (A reduction on
-// global memory flushes a subnormal f32 to zero, as cuBLAS would not; a
-// gradient element that small is far below anything the optimizer sees.)
-template <int N>
-__device__ __forceinline__ void add_in_l2(float* c, u32 n, const float (&acc)[N / 2], u32 r0, u32 c0, u32 row,
-                                          u32 m_end) {
-    const u32 t = threadIdx.x & 3;
-    const bool odd = t & 1;
-    const u32 r = r0 + row + (odd ? 8 : 0);
-    const u32 first = c0 + 2 * (t & 2u);
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-        const float give0 = odd ? acc[4 * j] : acc[4 * j + 2];
-        const float give1 = odd ? acc[4 * j + 1] : acc[4 * j + 3];
-        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-        const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-        const float v0 = odd ? got0 : acc[4 * j];
-        const float v1 = odd ? got1 : acc[4 * j + 1];
-        const float v2 = odd ? acc[4 * j + 2] : got0;
-        const float v3 = odd ? acc[4 * j + 3] : got1;
-        const u32 col = first + j * 8;
-        // n is a multiple of 8 (the launcher's rule), so the 4 columns are
-        // inside C when the first is.
-        if (r < m_end && col < n) {
-            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(c + static_cast<u64>(r) * n + col),
-                         "f"(v0), "f"(v1), "f"(v2), "f"(v3)
-                         : "memory");
-        }
-    }
-}
-
-// A warpgroup's 64 x N accumulator stored into C through its map: box by
-// box of 128 bytes of columns (64 bf16 or 32 f32), staged 128-byte
-// swizzled as the map reads them, alternating between the warpgroup's two
-// buffers. One thread issues the stores and, before a buffer is written
-// again, waits until the store that read it last (two boxes ago, perhaps
-// in the previous unit) has.
+// A warpgroup's 64 x N accumulator to C through its map: box by box of 128
+// bytes of columns (64 bf16 or 32 f32), staged 128-byte swizzled as the
+// map reads them, alternating between the warpgroup's two buffers; TMA
+// stores each box, or adds it in L2 (`add`, f32 only). One thread issues
+// them and, before a buffer is written again, waits until the store that
+// read it last (two boxes ago, perhaps in the previous unit) has.
 template <typename T, u32 BARRIER, int N>
-__device__ __forceinline__ void store_boxes(const TensorMap* map, const float (&acc)[N / 2], u32 staged, u32 r0,
-                                            u32 c0, u32 row) {
+__device__ __forceinline__ void store_boxes(const TensorMap* map, const float (&acc)[N / 2], bool add, u32 staged,
+                                            u32 r0, u32 c0, u32 row) {
     constexpr int COLUMNS = 128 / sizeof(T);
     const bool leader = (threadIdx.x & 127) == 0;
     const u32 t = threadIdx.x & 3;
@@ -442,7 +399,11 @@ __device__ __forceinline__ void store_boxes(const TensorMap* map, const float (&
         fence_async_shared();
         named_barrier<BARRIER, 128>();
         if (leader) {
-            tma_store_2d(map, c0 + box * COLUMNS, r0, buffer);
+            if (add) {
+                tma_reduce_add_2d(map, c0 + box * COLUMNS, r0, buffer);
+            } else {
+                tma_store_2d(map, c0 + box * COLUMNS, r0, buffer);
+            }
             bulk_commit();
         }
     }
@@ -497,9 +458,7 @@ __device__ __forceinline__ void consume_unit(const GroupedProblems& problems, co
     const u32 r0 = unit.m0 + lane.group * 64;
     const TensorMap* map_c = &problems.map[3 * unit.p + 2];
     const bool add = problem.flags & GG_ACCUMULATE;
-    if (add && (problem.flags & GG_C_F32)) {
-        add_in_l2<N>(reinterpret_cast<float*>(problem.c), problem.n, acc, r0, unit.n0, lane.row, unit.m_end);
-    } else if (MODE == GG_ROWS && (!(problem.flags & GG_C_MAP) || r0 + 64 > unit.m_end)) {
+    if (MODE == GG_ROWS && (!(problem.flags & GG_C_MAP) || r0 + 64 > unit.m_end)) {
         if (problem.flags & GG_C_F32) {
             store_rows<float, N>(reinterpret_cast<float*>(problem.c), problem.n, acc, add, r0, unit.n0, lane.row,
                                  unit.m_end);
@@ -511,14 +470,14 @@ __device__ __forceinline__ void consume_unit(const GroupedProblems& problems, co
         add_to_tile<N>(reinterpret_cast<bf16*>(problem.c), problem, acc, r0, unit.n0, lane.row);
     } else if (problem.flags & GG_C_F32) {
         if (lane.group == 0) {
-            store_boxes<float, 1, N>(map_c, acc, staged, r0, unit.n0, lane.row);
+            store_boxes<float, 1, N>(map_c, acc, add, staged, r0, unit.n0, lane.row);
         } else {
-            store_boxes<float, 2, N>(map_c, acc, staged, r0, unit.n0, lane.row);
+            store_boxes<float, 2, N>(map_c, acc, add, staged, r0, unit.n0, lane.row);
         }
     } else if (lane.group == 0) {
-        store_boxes<bf16, 1, N>(map_c, acc, staged, r0, unit.n0, lane.row);
+        store_boxes<bf16, 1, N>(map_c, acc, false, staged, r0, unit.n0, lane.row);
     } else {
-        store_boxes<bf16, 2, N>(map_c, acc, staged, r0, unit.n0, lane.row);
+        store_boxes<bf16, 2, N>(map_c, acc, false, staged, r0, unit.n0, lane.row);
     }
 }
 
@@ -597,8 +556,8 @@ __device__ __forceinline__ void grouped_gemm(const GroupedProblems& problems) {
 // [n, k]). A transposed A is MN-major; B is MN-major unless transposed.
 // Empty bodies off sm_90a, where the launcher never names them. The
 // block's nine warps leave three on one of an SM's four register files
-// (16 K each), so a thread may hold 168 registers (177 failed to
-// launch); every entry fits them without a spill.
+// (16 K each), so a thread may hold 168 registers (ptxas spills 8 bytes
+// a thread there; 177 registers failed to launch).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GG_ENTRY_BODY(MODE, TRANS_A, TRANS_B) grouped_gemm<MODE, TRANS_A, TRANS_B>(problems);
 #else

@@ -352,6 +352,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, u32 c
         : "memory");
 }
 
+// Adds the box at `src` in shared memory into `map`'s array at element
+// (c0, c1), element by element in L2 (one rounding each, as a load, add and
+// store would), as one bulk group of this thread; parts past the map's
+// sizes are dropped.
+__device__ __forceinline__ void tma_reduce_add_2d(const TensorMap* map, u32 c0, u32 c1, u32 src) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+            reinterpret_cast<u64>(map)),
+        "r"(c0), "r"(c1), "r"(src)
+        : "memory");
+}
 // Stores the box at `src` in shared memory into `map`'s array at element
 // (c0, c1), as one bulk group of this thread; parts past the map's sizes
 // are dropped.

@@ -408,11 +408,11 @@ impl KernelSet {
 /// A problem's C: its tensor map where C goes through TMA, and its row of
 /// the problem table.
 fn c_of(c: &GpuView, d: &MatmulDims) -> Result<(CUtensorMap, ProblemArg)> {
-    // C stored goes through TMA. C added to never does: an f32 C is added
-    // to in L2 by the consumers' own reductions (no staging to wait for),
-    // and a bf16 C is read and written by the consumers, since L2 would add
-    // the product rounded to bf16, not round the sum once.
-    let through_map = !d.accumulate;
+    // C through TMA: stored, or an f32 C added to in L2 (TMA reduce-add), so
+    // the SMs never read C. A bf16 C added to is read and written by the
+    // consumers: L2 would add the product rounded to bf16, not round the
+    // sum once.
+    let through_map = !d.accumulate || c.dtype == DType::F32;
     let map = if through_map {
         let columns = 128 / c.dtype.bytes() as u32;
         tensor_map(c.ptr, c.dtype, d.n, d.m, columns, C_BOX_ROWS)?
