@@ -26,8 +26,8 @@
 //!   (`sparse_mqa_*`, `D`'s absorbed MLA). With bf16 operands and rows of
 //!   up to 576 channels ([`mqa_on_tensor_cores`]) on tensor cores: the
 //!   forward a block a query row and up to 64 of its heads (on Hopper,
-//!   DeepSeek's rows of 512 to 576 channels and values of 512 on warpgroup
-//!   MMAs, [`mqa_forward_on_warpgroups`]); the backward
+//!   DeepSeek's rows of 512 to 576 channels and values of 512, more than
+//!   32 heads, on warpgroup MMAs, [`mqa_forward_on_warpgroups`]); the backward
 //!   query by query, `dq` in registers and each block's own partial copy
 //!   of the key rows (one add an element between two barriers), the copies
 //!   then summed in block order ([`mqa_backward_fits_tensor_cores`]).
@@ -202,10 +202,15 @@ fn mqw_shared(qk_dim: usize) -> usize {
 /// Whether the MQA forward's tensor-core work runs on Hopper's warpgroup
 /// MMAs (`dsa_mqa_forward_wgmma`): rows of a multiple of 64 channels from
 /// the values' 512 up to [`MQT_MAX_QK`] and values of 512 (DeepSeek's
-/// absorbed MLA: 576 and 512). Other shapes the tensor cores take run on
-/// `mma.sync`.
+/// absorbed MLA: 576 and 512), for more than 32 heads. Other shapes the
+/// tensor cores take run on `mma.sync`: a block of the warpgroup kernel
+/// computes 64 heads whatever the row has, and below half of them the
+/// padding costs more than the warpgroup MMAs gain (at 16 heads of 576 / 512
+/// and 16,384 tokens on an H100, 27.7 ms a forward against 19.9 on
+/// `mma.sync`; at 128 heads and 4,096 tokens, 14.0 against 20.7).
 pub fn mqa_forward_on_warpgroups(dims: SparseMqaDims) -> bool {
-    dims.v_dim == MQW_V
+    dims.heads > MQW_HEADS / 2
+        && dims.v_dim == MQW_V
         && dims.qk_dim.is_multiple_of(64)
         && (MQW_V..=MQT_MAX_QK).contains(&dims.qk_dim)
 }
@@ -1527,30 +1532,37 @@ mod tests {
         }
     }
 
-    /// DeepSeek's shape takes the warpgroup forward; a row not whole
-    /// 64-channel atoms, narrower than the values or past 576 channels, or
-    /// values other than 512, the `mma.sync` one.
+    /// DeepSeek's shape takes the warpgroup forward from 33 heads; fewer
+    /// heads, a row not whole 64-channel atoms, narrower than the values or
+    /// past 576 channels, or values other than 512, the `mma.sync` one.
     #[test]
     fn deepseeks_shape_takes_the_warpgroup_forward() {
-        let dims = |qk_dim, v_dim| SparseMqaDims {
+        let dims = |heads, qk_dim, v_dim| SparseMqaDims {
             tokens: crate::backend::Tokens::new(1, 100),
-            heads: 128,
+            heads,
             qk_dim,
             v_dim,
             topk: 8,
             scale: 1.0,
         };
-        assert!(mqa_forward_on_warpgroups(dims(576, 512)));
-        assert!(mqa_forward_on_warpgroups(dims(512, 512)));
-        for (qk, v) in [
-            (80, 64),
-            (560, 512),
-            (640, 512),
-            (448, 512),
-            (576, 256),
-            (576, 448),
+        for heads in [33, 64, 80, 128] {
+            assert!(mqa_forward_on_warpgroups(dims(heads, 576, 512)), "{heads}");
+        }
+        assert!(mqa_forward_on_warpgroups(dims(128, 512, 512)));
+        for (heads, qk, v) in [
+            (16, 576, 512),
+            (32, 576, 512),
+            (128, 80, 64),
+            (128, 560, 512),
+            (128, 640, 512),
+            (128, 448, 512),
+            (128, 576, 256),
+            (128, 576, 448),
         ] {
-            assert!(!mqa_forward_on_warpgroups(dims(qk, v)), "{qk} / {v}");
+            assert!(
+                !mqa_forward_on_warpgroups(dims(heads, qk, v)),
+                "{heads} x {qk} / {v}"
+            );
         }
     }
 }
