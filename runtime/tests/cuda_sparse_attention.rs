@@ -692,11 +692,13 @@ fn mqa_forward<B: Backend>(
     (down(b, &out, DType::Bf16), down(b, &lse, DType::F32))
 }
 
-/// The tensor-core forward of the shared-row attention (bf16 q and kv,
-/// rows of 576, values 512: `dsa_mqa_forward_mma`) against the CPU, with
-/// the heads over two blocks (64 + 16, the second a single group of 16)
-/// and with 20 heads (a group padded from 4 heads to 16), selections over
-/// several key blocks and rows with fewer keys than top-k: within bf16's
+/// The tensor-core forward of the shared-row attention (bf16 q and kv)
+/// against the CPU: DeepSeek's rows of 576 and values of 512
+/// (`dsa_mqa_forward_wgmma` on Hopper, `dsa_mqa_forward_mma` elsewhere)
+/// with the heads over two blocks (64 + 16, the second mostly padding) and
+/// with 20 heads, selections over several key blocks and rows with fewer
+/// keys than top-k; and rows of 80, values of 64 (`dsa_mqa_forward_mma`
+/// everywhere: a group padded from 4 heads to 16). Within bf16's
 /// tolerance, the same bits on a rerun.
 #[test]
 #[ignore = "needs a GPU"]
@@ -704,8 +706,12 @@ fn tensor_core_mqa_forward_matches_the_cpu() {
     let cuda = gpu(Precision::Bf16);
     let cpu = CpuBackend::new(Precision::Bf16);
     let mut failures = Vec::new();
-    for (heads, seq, topk) in [(80usize, 70usize, 40usize), (20, 130, 72)] {
-        let (qk, v, batch) = (576, 512, 2);
+    for (heads, seq, topk, qk, v) in [
+        (80usize, 70usize, 40usize, 576usize, 512usize),
+        (20, 130, 72, 576, 512),
+        (20, 130, 72, 80, 64),
+    ] {
+        let batch = 2;
         let rows = batch * seq;
         let mut rng = Rng(conformance::Rng::new(0xa11 + heads as u64));
         let q = rng.vec(rows * heads * qk, 1.0);
@@ -722,8 +728,9 @@ fn tensor_core_mqa_forward_matches_the_cpu() {
         let want = mqa_forward(&cpu, (&q, &kv), &indices, dims);
         let got = mqa_forward(&cuda, (&q, &kv), &indices, dims);
         let again = mqa_forward(&cuda, (&q, &kv), &indices, dims);
-        let label =
-            format!("tensor-core MQA forward, {heads} heads, {seq} tokens x {batch}, top {topk}");
+        let label = format!(
+            "tensor-core MQA forward, {heads} heads of {qk} / {v}, {seq} tokens x {batch}, top {topk}"
+        );
         for (name, g, a, w) in [
             ("out", &got.0, &again.0, &want.0),
             ("lse", &got.1, &again.1, &want.1),
@@ -853,8 +860,10 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
 /// The indexer loss with its target on tensor cores (bf16 q and shared
 /// rows of 576: `dsa_indexer_loss_target_mma`, then the CUDA-core kernel
 /// for the KL) against the CPU, dense and sparse: 80 heads (a pass of 64
-/// and one of 16), 20 (a group padded from 4 heads to 16) and 128 (two full
-/// passes), rows of more items than a key block and fewer. The loss within
+/// and one of 16), 20 (a group padded from 4 heads to 16; dense, 2 rows a
+/// block), 128 (two full passes), 16 and 3 (dense, 4 rows a block, the
+/// sequences' last blocks short of rows), rows of more items than a key
+/// block and fewer. The loss within
 /// 1e-5 of the scale of its terms (`loss_error`), the gradient within 1e-5
 /// of its norm, the same bits on a rerun.
 #[test]
@@ -867,6 +876,8 @@ fn tensor_core_indexer_loss_matches_the_cpu() {
         (80usize, 70usize, 2usize, 40usize),
         (20, 130, 1, 72),
         (128, 45, 1, 24),
+        (16, 67, 2, 16),
+        (3, 41, 2, 8),
     ] {
         let qk = 576;
         let rows = batch * seq;

@@ -226,9 +226,11 @@ pub const SOURCES: &[KernelSource] = &[
             "dsa_mqa_backward_dq",
             "dsa_mqa_backward_dkv",
             "dsa_mqa_forward_mma",
+            "dsa_mqa_forward_wgmma",
             "dsa_mqa_backward_mma",
             "dsa_mqa_partials_sum",
             "dsa_indexer_loss_target_mma",
+            "dsa_indexer_loss_target_wgmma",
             "dsa_layer_norm_forward",
             "dsa_layer_norm_backward",
             "dsa_layer_norm_weight_grad"

@@ -1686,6 +1686,247 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
     }
 }
 
+// ---- the forward over one shared key/value row (MQA), Hopper warpgroup MMAs ----
+//
+// `dsa_mqa_forward_mma`'s attention on sm_90a for rows of a multiple of 64
+// channels from 512 up to 576 and values of 512 (DeepSeek's 576 and 512).
+// `wgmma` reads both operands of S = Q K^T and the values of P V straight
+// from shared memory, so no warp stages fragments through `ldmatrix`, which
+// bounds the `mma.sync` kernel (each of its warps reloads its heads' query
+// fragments for every 8 keys). A block is a query row and up to 64 of its
+// heads (the M of every product; fewer heads are zero rows), two
+// warpgroups. The selected rows are gathered 64 at a time with `cp.async`
+// (the next block's during this one's products) into the 128-byte
+// swizzled layout `wgmma` reads (atom a: channels 64 a .. 64 a + 63 of the
+// 64 rows, 128 bytes a row, 16-byte chunk c of row i at chunk c ^ (i % 8)),
+// and serve as keys (read K-major, every channel) and values (read
+// MN-major, the first 512). A warpgroup's registers hold 256 of the
+// output's 512 columns (128 a thread), so warpgroup g owns columns 256 g ..
+// 256 g + 255, and both compute the 64 x 64 scores: each then has every
+// probability its P V needs without an exchange through shared memory,
+// which the query heads and two key blocks (216 KiB at 576 channels) leave
+// no room for. Both run the same products on the same tiles, so they keep
+// the same maxima and sums. Every sum has one order fixed by the shapes.
+#define MQW_THREADS 256
+#define MQW_HEADS 64
+#define MQW_KEYS 64
+#define MQW_V 512
+#define MQW_ATOM (64 * 128)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Issues (does not commit) the copies of ROWS rows of `dim` bf16 channels
+// (a multiple of 64) into the swizzled atoms at `tile` (atom a: channels
+// 64 a .. 64 a + 63 of the rows, ROWS * 128 bytes): row i from `row(i)`, a
+// null row as zeros (`any` is read for none of them). The whole block
+// calls it.
+template <u32 ROWS, typename Row>
+__device__ __forceinline__ void mqw_stage(u32 tile, u32 dim, const bf16* any, Row row) {
+    const u32 chunks = dim / 8;
+    for (u32 c = threadIdx.x; c < ROWS * chunks; c += MQW_THREADS) {
+        const u32 i = c / chunks;
+        const u32 ch = c - i * chunks;
+        const bf16* src = row(i);
+        const u32 dst = tile + (ch / 8) * (ROWS * 128) + i * 128 + (((ch % 8) ^ (i % 8)) << 4);
+        copy16_async(dst, src != nullptr ? src + ch * 8 : any, src != nullptr);
+    }
+}
+
+// K-step kk (channels 16 kk .. 16 kk + 15) of a staged tile of ROWS rows
+// read K-major: 32 kk bytes into atom kk / 4, the next 8 rows 1024 bytes on.
+template <u32 ROWS>
+__device__ __forceinline__ u64 mqw_k_major(u32 tile, u32 kk) {
+    return swizzled_desc(tile + (kk / 4) * (ROWS * 128) + (kk % 4) * 32, 16, 1024);
+}
+
+// S = Q K^T over `dim` channels into a warpgroup's accumulator: Q the 64
+// rows of a staged tile at `q_tile`, K the ROWS rows of one at `k_tile`
+// (both read K-major). Issues the products and waits for them.
+template <u32 ROWS>
+__device__ __forceinline__ void mqw_scores(float (&s)[ROWS / 2], u32 q_tile, u32 k_tile, u32 dim) {
+    wgmma_fence();
+    for (u32 kk = 0; kk < dim / 16; ++kk) {
+        wgmma_ss(s, mqw_k_major<64>(q_tile, kk), mqw_k_major<ROWS>(k_tile, kk), kk);
+    }
+    wgmma_finish();
+    fence_operands(s);
+}
+
+// The double buffer's step before block blk's products: block blk + 1's
+// positions (`select`, three buffers: a block's are written while the one
+// before it is still read) and, after a barrier that also makes sure every
+// warpgroup is done with the rows buffer they refill, its rows' copies
+// (`gather`, issued and committed); then the wait for block blk's copies,
+// made visible to the tensor cores for every thread's.
+template <typename Select, typename Gather>
+__device__ __forceinline__ void mqw_advance(u32 blk, u32 blocks, Select select, Gather gather) {
+    if (blk + 1 < blocks) {
+        select(blk + 1);
+        __syncthreads();
+        gather(blk + 1);
+        wait_async<1>();
+    } else {
+        wait_async<0>();
+    }
+    fence_async_shared();
+    __syncthreads();
+}
+
+// K-step kk (rows 16 kk .. 16 kk + 15) of a staged tile read MN-major from
+// channel 64 `atom` on: the next 8 rows 1024 bytes on, the next 64
+// channels an atom on.
+__device__ __forceinline__ u64 mqw_mn_major(u32 tile, u32 atom, u32 kk) {
+    return swizzled_desc(tile + atom * MQW_ATOM + kk * 2048, MQW_ATOM, 1024);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_mqa_forward_wgmma(
+    const bf16* q, const bf16* kv, const u32* indices, void* out, int ot, float* lse, u32 seq, u32 heads,
+    u32 qk_dim, u32 v_dim, u32 topk, float scale, u64* status) {
+    grid_dependency_sync();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char mqw_shared[];
+    unsigned char* first = aligned_shared(mqw_shared);
+    // The query heads, then two key blocks, then three blocks' positions
+    // (a block's are written while the block before it is still read).
+    const u32 tile_bytes = qk_dim * 128;
+    const u32 qs = shared_address(first);
+    const u32 ks = qs + tile_bytes;
+    u32* keys = reinterpret_cast<u32*>(first + 3 * tile_bytes);
+    const u64 r = blockIdx.x;
+    const u32 h0 = blockIdx.y * MQW_HEADS;
+    const u32 nh = min(static_cast<u32>(MQW_HEADS), heads - h0);
+    const u32 t = static_cast<u32>(r % seq);
+    const u64 base = r - t;
+    const auto [group, lane, row] = group_lane();
+    const u32 quad = lane & 3;
+    // One block at least: with no selection its keys are all missing, and
+    // the row's output is zeros and its lse -inf, as the other kernels'.
+    const u32 blocks = max(1u, (topk + MQW_KEYS - 1) / MQW_KEYS);
+    auto select = [&](u32 blk) {
+        if (threadIdx.x < MQW_KEYS) {
+            const u32 slot = blk * MQW_KEYS + threadIdx.x;
+            keys[(blk % 3) * MQW_KEYS + threadIdx.x] =
+                slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
+        }
+    };
+    auto gather = [&](u32 blk) {
+        const u32* kb = keys + (blk % 3) * MQW_KEYS;
+        mqw_stage<MQW_KEYS>(ks + (blk & 1) * tile_bytes, qk_dim, kv, [&](u32 i) -> const bf16* {
+            return kb[i] == NO_KEY ? nullptr : kv + (base + kb[i]) * qk_dim;
+        });
+        commit_async();
+    };
+    select(0);
+    mqw_stage<MQW_HEADS>(qs, qk_dim, q,
+              [&](u32 i) -> const bf16* { return i < nh ? q + (r * heads + h0 + i) * qk_dim : nullptr; });
+    __syncthreads();
+    gather(0);  // one group with the query heads' copies
+
+    float o[2][64];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            o[w][i] = 0.0f;
+        }
+    }
+    float mx[2] = {neg_inf(), neg_inf()};
+    float sum[2] = {0.0f, 0.0f};
+    for (u32 blk = 0; blk < blocks; ++blk) {
+        mqw_advance(blk, blocks, select, gather);
+        const u32 kt = ks + (blk & 1) * tile_bytes;
+        const u32* kb = keys + (blk % 3) * MQW_KEYS;
+        // S: the 64 heads x the block's 64 keys.
+        float s[32];
+        mqw_scores<MQW_KEYS>(s, qs, kt, qk_dim);
+        // The online softmax of this thread's rows `row` and `row` + 8:
+        // scaled scores (-inf for a missing key), the rows' running max,
+        // the rescale of what came before, the probabilities.
+        float x[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float& sv = s[4 * n + e];
+                sv = kb[n * 8 + 2 * quad + (e & 1)] != NO_KEY ? sv * scale : neg_inf();
+                x[e >> 1] = fmaxf(x[e >> 1], sv);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float next = fmaxf(mx[i], quad_max(x[i]));
+            // Nothing seen yet (the max still -inf): nothing to rescale.
+            alpha[i] = next == neg_inf() ? 1.0f : expf(mx[i] - next);
+            mx[i] = next;
+            sum[i] *= alpha[i];
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float m = mx[e >> 1];
+                float& sv = s[4 * n + e];
+                sv = sv == neg_inf() ? 0.0f : expf(sv - m);
+                sum[e >> 1] += sv;
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                o[w][4 * n + 0] *= alpha[0];
+                o[w][4 * n + 1] *= alpha[0];
+                o[w][4 * n + 2] *= alpha[1];
+                o[w][4 * n + 3] *= alpha[1];
+            }
+        }
+        // O += P V: P rounded to bf16 as the register A operand (as flash
+        // attention feeds its probabilities), V this warpgroup's 256
+        // channels of the rows as two products of 128.
+        u32 p[MQW_KEYS / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < MQW_KEYS / 16; ++kk) {
+            a_operand(p[kk], s, kk);
+        }
+        fence_operands(o[0]);
+        fence_operands(o[1]);
+        fence_operands(p);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < MQW_KEYS / 16; ++kk) {
+            wgmma_rs(o[0], p[kk], mqw_mn_major(kt, 4 * group, kk));
+            wgmma_rs(o[1], p[kk], mqw_mn_major(kt, 4 * group + 2, kk));
+        }
+        wgmma_finish();
+        fence_operands(o[0]);
+        fence_operands(o[1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float l = quad_sum(sum[i]);
+        const u32 h = row + 8 * i;
+        if (h >= nh) {
+            continue;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const u64 at = (r * heads + h0 + h) * v_dim + group * (MQW_V / 2);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                const u32 c = w * 128 + n * 8 + 2 * quad;
+                store(out, ot, at + c, o[w][4 * n + 2 * i] * inv);
+                store(out, ot, at + c + 1, o[w][4 * n + 2 * i + 1] * inv);
+            }
+        }
+        if (group == 0 && quad == 0) {
+            lse[r * heads + h0 + h] = l > 0.0f ? mx[i] + logf(l) : neg_inf();
+        }
+    }
+#endif
+}
+
 // ---- the backward over one shared key/value row (MQA), tensor cores ---------------
 //
 // `Backend::sparse_mqa_backward` with bf16 q, kv and dout on tensor cores,
@@ -1969,7 +2210,10 @@ extern "C" __global__ void __launch_bounds__(256) dsa_mqa_partials_sum(const flo
 // With bf16 q and k, the loss's target (each head's softmax over the row's
 // items, summed over the heads) is computed on tensor cores as the MQA
 // forward computes its scores: a block a query row, its heads MQT_HEADS at
-// a time (a group of 4 warps a 16 heads), the items' key rows gathered
+// a time (a group of 4 warps a 16 heads); for the dense loss with at most
+// 32 heads, 4 / (groups a row) consecutive rows a block, which share the
+// last row's items (every causal key) and so each gathered key row (a
+// row's groups mask the keys after it). The items' key rows are gathered
 // MQT_KEYS at a time (the next block's during this one's products). A
 // first pass over the items finds each head's max and sum (the group's
 // four warps' maxima meet in shared memory each block, the sums in warp
@@ -1996,34 +2240,49 @@ __device__ __forceinline__ void loss_gather(bf16* tile, u32* keys, const bf16* k
 
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_target_mma(
     const bf16* q, const bf16* k, const u32* indices, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim,
-    float scale, int sparse, u64* status) {
+    float scale, int sparse, u32 rows_per_block, u64* status) {
     grid_dependency_sync();
     extern __shared__ __align__(16) unsigned char ltm_shared[];
     const u32 groups = blockDim.x / 128;
     const u32 rows_q = groups * 16;
+    // Groups a query row (its heads 16 at a time), and this warp's row.
+    const u32 row_groups = groups / rows_per_block;
     bf16* qs = reinterpret_cast<bf16*>(ltm_shared);
     bf16* ks = qs + rows_q * MQT_PITCH;
     float* red = reinterpret_cast<float*>(ks + 2 * MQT_KEYS * MQT_PITCH);
     float* colsum = red + rows_q * 4;
     u32* keys = reinterpret_cast<u32*>(colsum + 4 * MQT_KEYS);
-    const u64 r = blockIdx.x;
-    const u32 t = static_cast<u32>(r % seq);
-    const u64 base = r - t;
+    const u64 base = static_cast<u64>(blockIdx.y) * seq;
+    const u32 t0 = blockIdx.x * rows_per_block;
+    // The block's last row: its items (dense) cover every other row's.
+    const u32 t_last = min(t0 + rows_per_block, seq) - 1;
     const u32 warp = threadIdx.x / 32;
     const u32 lane = threadIdx.x & 31;
     const u32 g = warp / 4;
     const u32 quarter = warp % 4;
     const u32 row_a = g * 16 + (lane >> 2);
-    const u32 items = sparse ? topk : t + 1;
+    const u32 t = t0 + g / row_groups;
+    const u32 items = sparse ? topk : t_last + 1;
     const u32 blocks = (items + MQT_KEYS - 1) / MQT_KEYS;
-    const u32* row_ix = indices + r * topk;
-    float* d_row = d_scores + r * seq;
-    for (u32 u = threadIdx.x; u < seq; u += blockDim.x) {
-        d_row[u] = 0.0f;
+    // Sparse rows are one a block (rows_per_block 1): their items.
+    const u32* row_ix = indices + (base + t0) * topk;
+    for (u32 j = 0; j < rows_per_block && t0 + j < seq; ++j) {
+        float* d_row = d_scores + (base + t0 + j) * seq;
+        for (u32 u = threadIdx.x; u < seq; u += blockDim.x) {
+            d_row[u] = 0.0f;
+        }
     }
     for (u32 h0 = 0; h0 < heads; h0 += MQT_HEADS) {
-        const u32 nh = min(static_cast<u32>(MQT_HEADS), heads - h0);
-        stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * dim, dim, nh, rows_q, dim);
+        // Each row's heads h0 .. in its groups' tile rows (zeros past the
+        // heads or the sequence).
+        const u32 row_heads = row_groups * 16;
+        for (u32 j = 0; j < rows_per_block; ++j) {
+            const u32 n = t0 + j < seq ? min(row_heads, heads - h0) : 0;
+            stage_rows<u32>(qs + j * row_heads * MQT_PITCH, MQT_PITCH, q + ((base + t0 + j) * heads + h0) * dim, dim,
+                            n, row_heads, dim);
+        }
+        const u32 head_a = h0 + (g % row_groups) * 16 + (lane >> 2);
+        const bool live[2] = {head_a < heads && t < seq, head_a + 8 < heads && t < seq};
         float run_max[2] = {neg_inf(), neg_inf()};
         float run_sum[2] = {0.0f, 0.0f};
         // Pass 0: each head's max and sum; pass 1: the probabilities.
@@ -2039,14 +2298,14 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                 }
                 __syncthreads();
             }
-            loss_gather(ks, keys, k, row_ix, 0, items, t, seq, sparse, base, dim, status, r);
+            loss_gather(ks, keys, k, row_ix, 0, items, t_last, seq, sparse, base, dim, status, base + t0);
             for (u32 blk = 0; blk < blocks; ++blk) {
                 const u32 cur = blk & 1;
                 const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
                 const u32* kk = keys + cur * MQT_KEYS;
                 if (blk + 1 < blocks) {
                     loss_gather(ks + (cur ^ 1) * MQT_KEYS * MQT_PITCH, keys + (cur ^ 1) * MQT_KEYS, k, row_ix,
-                                (blk + 1) * MQT_KEYS, items, t, seq, sparse, base, dim, status, r);
+                                (blk + 1) * MQT_KEYS, items, t_last, seq, sparse, base, dim, status, base + t0);
                     wait_async<1>();
                 } else {
                     wait_async<0>();
@@ -2054,6 +2313,15 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                 __syncthreads();
                 float s[4];
                 group_scores(s, qs, kt, kk, g, quarter, lane, dim, scale);
+                // Keys after this warp's row (dense rows share the block's
+                // items) are not its items.
+                const u32 col = quarter * 8 + 2 * (lane & 3);
+                if (kk[col] == NO_KEY || kk[col] > t) {
+                    s[0] = s[2] = neg_inf();
+                }
+                if (kk[col + 1] == NO_KEY || kk[col + 1] > t) {
+                    s[1] = s[3] = neg_inf();
+                }
                 if (pass == 0) {
                     float block_max[2];
                     group_row_max(block_max, s, red, row_a, quarter, lane);
@@ -2079,13 +2347,13 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                     // column (a fixed butterfly over lane bits 2-4).
                     float c0 = 0.0f;
                     float c1 = 0.0f;
-                    if (row_a < nh && run_max[0] != neg_inf()) {
-                        c0 += s[0] == neg_inf() ? 0.0f : expf(s[0] - run_max[0]) * inv[0];
-                        c1 += s[1] == neg_inf() ? 0.0f : expf(s[1] - run_max[0]) * inv[0];
-                    }
-                    if (row_a + 8 < nh && run_max[1] != neg_inf()) {
-                        c0 += s[2] == neg_inf() ? 0.0f : expf(s[2] - run_max[1]) * inv[1];
-                        c1 += s[3] == neg_inf() ? 0.0f : expf(s[3] - run_max[1]) * inv[1];
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        if (live[half] && run_max[half] != neg_inf()) {
+                            c0 += s[2 * half] == neg_inf() ? 0.0f : expf(s[2 * half] - run_max[half]) * inv[half];
+                            c1 += s[2 * half + 1] == neg_inf() ? 0.0f
+                                                                : expf(s[2 * half + 1] - run_max[half]) * inv[half];
+                        }
                     }
 #pragma unroll
                     for (int m = 4; m < 32; m <<= 1) {
@@ -2098,12 +2366,18 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
                         colsum[g * MQT_KEYS + col + 1] = c1;
                     }
                     __syncthreads();
-                    if (threadIdx.x < MQT_KEYS && kk[threadIdx.x] != NO_KEY) {
-                        float sum = 0.0f;
-                        for (u32 gg = 0; gg < groups; ++gg) {
-                            sum += colsum[gg * MQT_KEYS + threadIdx.x];
+                    // A thread a (row, item): the row's groups in order.
+                    if (threadIdx.x < rows_per_block * MQT_KEYS) {
+                        const u32 j = threadIdx.x / MQT_KEYS;
+                        const u32 i = threadIdx.x % MQT_KEYS;
+                        const u32 u = kk[i];
+                        if (u != NO_KEY && u <= t0 + j && t0 + j < seq) {
+                            float sum = 0.0f;
+                            for (u32 gg = j * row_groups; gg < (j + 1) * row_groups; ++gg) {
+                                sum += colsum[gg * MQT_KEYS + i];
+                            }
+                            d_scores[(base + t0 + j) * seq + u] += sum;
                         }
-                        d_row[kk[threadIdx.x]] += sum;
                     }
                 }
                 __syncthreads();
@@ -2114,6 +2388,175 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_indexer_loss_tar
             }
         }
     }
+}
+
+// ---- the indexer's loss target on Hopper's warpgroup MMAs -------------------------
+//
+// `dsa_indexer_loss_target_mma`'s target on sm_90a for more than 64 heads
+// and rows of a multiple of 64 channels up to 576 (DeepSeek's 128 heads of
+// 576): a block a query row and its heads 128 at a time, warpgroup g the
+// heads h0 + 64 g .. h0 + 64 g + 63 (its own query tile, zero rows past
+// the heads), both reading the same key rows, gathered 32 at a time into
+// the 128-byte swizzled layout `wgmma` reads (the next block's during this
+// one's products). Each warpgroup's S = Q K^T (64 heads by 32 items, both
+// operands from shared memory) gives each thread two heads' scores of the
+// block, so a head's max and sum are its quad's (a fixed butterfly), in
+// the first pass over the items; the second pass computes the
+// probabilities again, sums each item's over the warp's 16 heads (a
+// butterfly over the lanes of its column), then the block's eight warps in
+// order, and adds that to the item's position in the row of `d_scores`
+// (zeroed first; each item one thread's). Every sum has one order fixed by
+// the shapes, so a rerun gives the same bits.
+#define LTW_KEYS 32
+
+extern "C" __global__ void __launch_bounds__(MQW_THREADS, 1) dsa_indexer_loss_target_wgmma(
+    const bf16* q, const bf16* k, const u32* indices, float* d_scores, u32 seq, u32 topk, u32 heads, u32 dim,
+    float scale, int sparse, u64* status) {
+    grid_dependency_sync();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char ltw_shared[];
+    unsigned char* first = aligned_shared(ltw_shared);
+    // The two warpgroups' query tiles, then two key blocks, then three
+    // blocks' positions and the warps' item sums.
+    const u32 q_bytes = dim * 128;
+    const u32 k_bytes = dim * 64;
+    const u32 qs = shared_address(first);
+    const u32 ks = qs + 2 * q_bytes;
+    u32* keys = reinterpret_cast<u32*>(first + 2 * q_bytes + 2 * k_bytes);
+    float* colsum = reinterpret_cast<float*>(keys + 3 * LTW_KEYS);
+    const u32 t = blockIdx.x;
+    const u64 base = static_cast<u64>(blockIdx.y) * seq;
+    const u64 r = base + t;
+    const auto [group, lane, row] = group_lane();
+    const u32 warp = threadIdx.x / 32;
+    const u32 quad = lane & 3;
+    const u32* row_ix = indices + r * topk;
+    const u32 items = sparse ? topk : t + 1;
+    const u32 blocks = max(1u, (items + LTW_KEYS - 1) / LTW_KEYS);
+    float* d_row = d_scores + r * seq;
+    for (u32 u = threadIdx.x; u < seq; u += MQW_THREADS) {
+        d_row[u] = 0.0f;
+    }
+    auto select = [&](u32 blk) {
+        if (threadIdx.x < LTW_KEYS) {
+            const u32 i = blk * LTW_KEYS + threadIdx.x;
+            keys[(blk % 3) * LTW_KEYS + threadIdx.x] = i < items ? loss_key(row_ix, i, t, seq, sparse, status, r) : NO_KEY;
+        }
+    };
+    auto gather = [&](u32 blk) {
+        const u32* kb = keys + (blk % 3) * LTW_KEYS;
+        mqw_stage<LTW_KEYS>(ks + (blk & 1) * k_bytes, dim, k, [&](u32 i) -> const bf16* {
+            return kb[i] == NO_KEY ? nullptr : k + (base + kb[i]) * dim;
+        });
+        commit_async();
+    };
+    for (u32 h0 = 0; h0 < heads; h0 += 2 * MQW_HEADS) {
+        // This thread's two heads, and whether each is one.
+        const bool live[2] = {h0 + group * MQW_HEADS + row < heads, h0 + group * MQW_HEADS + row + 8 < heads};
+        float mx[2] = {neg_inf(), neg_inf()};
+        float sum[2] = {0.0f, 0.0f};
+        float inv[2] = {0.0f, 0.0f};
+        for (int pass = 0; pass < 2; ++pass) {
+            // The block's previous use of the tiles and positions (the last
+            // pass's last block) is done everywhere.
+            __syncthreads();
+            select(0);
+            if (pass == 0) {
+                // Each warpgroup's 64 heads (its tile's own atoms).
+                for (u32 g = 0; g < 2; ++g) {
+                    mqw_stage<MQW_HEADS>(qs + g * q_bytes, dim, q, [&](u32 i) -> const bf16* {
+                        const u32 h = h0 + g * MQW_HEADS + i;
+                        return h < heads ? q + (r * heads + h) * dim : nullptr;
+                    });
+                }
+            }
+            __syncthreads();
+            gather(0);
+            for (u32 blk = 0; blk < blocks; ++blk) {
+                mqw_advance(blk, blocks, select, gather);
+                const u32 kt = ks + (blk & 1) * k_bytes;
+                const u32* kb = keys + (blk % 3) * LTW_KEYS;
+                float s[16];
+                mqw_scores<LTW_KEYS>(s, qs + group * q_bytes, kt, dim);
+#pragma unroll
+                for (int n = 0; n < LTW_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float& sv = s[4 * n + e];
+                        sv = kb[n * 8 + 2 * quad + (e & 1)] != NO_KEY ? sv * scale : neg_inf();
+                    }
+                }
+                if (pass == 0) {
+                    float x[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+                    for (int i = 0; i < LTW_KEYS / 2; ++i) {
+                        x[(i >> 1) & 1] = fmaxf(x[(i >> 1) & 1], s[i]);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float next = fmaxf(mx[i], quad_max(x[i]));
+                        sum[i] *= next == neg_inf() ? 1.0f : expf(mx[i] - next);
+                        mx[i] = next;
+                    }
+#pragma unroll
+                    for (int i = 0; i < LTW_KEYS / 2; ++i) {
+                        const int h = (i >> 1) & 1;
+                        sum[h] += s[i] == neg_inf() ? 0.0f : expf(s[i] - mx[h]);
+                    }
+                } else {
+                    // Each item's probabilities over this thread's two
+                    // heads, then over the warp's 16 (lanes 4 apart).
+                    float c[LTW_KEYS / 4];
+#pragma unroll
+                    for (int n = 0; n < LTW_KEYS / 8; ++n) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float v = 0.0f;
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const float sv = s[4 * n + 2 * h + e];
+                                if (live[h] && sv != neg_inf()) {
+                                    v += expf(sv - mx[h]) * inv[h];
+                                }
+                            }
+#pragma unroll
+                            for (int m = 4; m < 32; m <<= 1) {
+                                v += __shfl_xor_sync(0xffffffffu, v, m);
+                            }
+                            c[2 * n + e] = v;
+                        }
+                    }
+                    if (lane < 4) {
+#pragma unroll
+                        for (int n = 0; n < LTW_KEYS / 8; ++n) {
+                            colsum[warp * LTW_KEYS + n * 8 + 2 * lane] = c[2 * n];
+                            colsum[warp * LTW_KEYS + n * 8 + 2 * lane + 1] = c[2 * n + 1];
+                        }
+                    }
+                    __syncthreads();
+                    // A thread an item: the eight warps in order.
+                    if (threadIdx.x < LTW_KEYS) {
+                        const u32 u = kb[threadIdx.x];
+                        if (u != NO_KEY) {
+                            float total = 0.0f;
+                            for (u32 w = 0; w < MQW_THREADS / 32; ++w) {
+                                total += colsum[w * LTW_KEYS + threadIdx.x];
+                            }
+                            d_row[u] += total;
+                        }
+                    }
+                }
+            }
+            if (pass == 0) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float l = quad_sum(sum[i]);
+                    inv[i] = l > 0.0f ? 1.0f / l : 0.0f;
+                }
+            }
+        }
+    }
+#endif
 }
 
 // ---- LayerNorm with bias ---------------------------------------------------------

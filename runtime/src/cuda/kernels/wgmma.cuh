@@ -186,8 +186,20 @@ __device__ __forceinline__ void fence_async_shared() {
 
 
 // The products d (+)= A B from two shared-memory descriptors, one instance
-// per width N the kernels use (64, 128 and 256; the operand lists are long,
+// per width N the kernels use (32, 64, 128 and 256; the operand lists are long,
 // not clever). TRANS_A and TRANS_B: the operand is MN-major (1) or K-major (0).
+template <int TRANS_A = 0, int TRANS_B = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[16], u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+}
+
 template <int TRANS_A = 0, int TRANS_B = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
     asm volatile(

@@ -51,7 +51,7 @@ impl KernelSet {
             flash_attention: attention_flash::reserve_shared_memory(functions, target),
             scan_mma_sums: scan_chunked::reserve_shared_memory(functions),
             grouped_gemm_grid: grouped_gemm::reserve_shared_memory(context, functions, target),
-            sparse_attention: sparse_attention::reserve_shared_memory(functions),
+            sparse_attention: sparse_attention::reserve_shared_memory(functions, target),
         };
         KernelSet::assemble(context, loaded, reserved)
     }

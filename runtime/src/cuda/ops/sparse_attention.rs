@@ -25,7 +25,9 @@
 //! - Sparse attention, every head reading one shared key/value row a token
 //!   (`sparse_mqa_*`, `D`'s absorbed MLA). With bf16 operands and rows of
 //!   up to 576 channels ([`mqa_on_tensor_cores`]) on tensor cores: the
-//!   forward a block a query row and up to 64 of its heads; the backward
+//!   forward a block a query row and up to 64 of its heads (on Hopper,
+//!   DeepSeek's rows of 512 to 576 channels and values of 512, more than
+//!   32 heads, on warpgroup MMAs, [`mqa_forward_on_warpgroups`]); the backward
 //!   query by query, `dq` in registers and each block's own partial copy
 //!   of the key rows (one add an element between two barriers), the copies
 //!   then summed in block order ([`mqa_backward_fits_tensor_cores`]).
@@ -47,6 +49,7 @@ use crate::backend::{
     IndexerDims, IndexerInputs, IndexerLossDims, LayerNormDims, SparseAttentionKernels,
     SparseMqaDims,
 };
+use crate::cuda::kernels::Target;
 use crate::cuda::launch::args::KernelArgs;
 use crate::cuda::launch::{
     GpuView, KernelSet, MAX_GRID_Y, dtype_tag, ensure, reserve_dynamic_shared,
@@ -183,6 +186,35 @@ pub fn mqa_on_tensor_cores(q: &GpuView, kv: &GpuView, dims: SparseMqaDims) -> bo
         && kv.ptr.is_multiple_of(16)
 }
 
+/// Query heads a block of the warpgroup MQA forward takes (`MQW_HEADS`),
+/// keys a gathered block (`MQW_KEYS`) and its value width (`MQW_V`).
+const MQW_HEADS: usize = 64;
+const MQW_KEYS: usize = 64;
+const MQW_V: usize = 512;
+
+/// Dynamic shared memory (bytes) of the warpgroup MQA forward: the query
+/// heads and two key blocks (64 rows of `qk_dim` bf16 channels each),
+/// three blocks' positions, and 1,024 bytes to align the tiles.
+fn mqw_shared(qk_dim: usize) -> usize {
+    3 * MQW_KEYS * qk_dim * 2 + 3 * MQW_KEYS * 4 + 1024
+}
+
+/// Whether the MQA forward's tensor-core work runs on Hopper's warpgroup
+/// MMAs (`dsa_mqa_forward_wgmma`): rows of a multiple of 64 channels from
+/// the values' 512 up to [`MQT_MAX_QK`] and values of 512 (DeepSeek's
+/// absorbed MLA: 576 and 512), for more than 32 heads. Other shapes the
+/// tensor cores take run on `mma.sync`: a block of the warpgroup kernel
+/// computes 64 heads whatever the row has, and below half of them the
+/// padding costs more than the warpgroup MMAs gain (at 16 heads of 576 / 512
+/// and 16,384 tokens on an H100, 27.7 ms a forward against 19.9 on
+/// `mma.sync`; at 128 heads and 4,096 tokens, 14.0 against 20.7).
+pub fn mqa_forward_on_warpgroups(dims: SparseMqaDims) -> bool {
+    dims.heads > MQW_HEADS / 2
+        && dims.v_dim == MQW_V
+        && dims.qk_dim.is_multiple_of(64)
+        && (MQW_V..=MQT_MAX_QK).contains(&dims.qk_dim)
+}
+
 /// Whether the MQA backward can run on tensor cores: what the forward
 /// needs ([`mqa_on_tensor_cores`]), dout in bf16 too, and dout and out
 /// (bf16 or f32) 16-byte aligned. The launcher also needs the kernel's
@@ -243,6 +275,19 @@ pub fn loss_target_on_tensor_cores(q: &GpuView, k: &GpuView, dim: usize) -> bool
         && k.ptr.is_multiple_of(16)
 }
 
+/// Query rows a block of the tensor-core loss target takes: for the dense
+/// loss, as many as fill its four groups of 16 heads (4 rows of up to 16
+/// heads, 2 of up to 32), which share the gathered key rows (every causal
+/// key of the last row); one otherwise (sparse rows select their own keys).
+fn loss_target_rows_per_block(dims: IndexerLossDims) -> usize {
+    let row_groups = dims.heads.min(MQT_HEADS).div_ceil(16).max(1);
+    if dims.sparse || row_groups > 2 {
+        1
+    } else {
+        4 / row_groups
+    }
+}
+
 /// Dynamic shared memory (bytes) of the tensor-core loss target with
 /// `groups` groups of 16 heads: the query heads and two key blocks (bf16),
 /// the row maxima or sums and the groups' item sums (f32), two blocks'
@@ -255,6 +300,26 @@ fn ltm_shared(groups: usize) -> usize {
         + 2 * MQT_KEYS * 4
 }
 
+/// Keys a block of the warpgroup loss target gathers (`LTW_KEYS`).
+const LTW_KEYS: usize = 32;
+
+/// Dynamic shared memory (bytes) of the warpgroup loss target: two
+/// warpgroups' query tiles (64 heads each) and two key blocks of `dim`
+/// bf16 channels, three blocks' positions, the eight warps' item sums, and
+/// 1,024 bytes to align the tiles.
+fn ltw_shared(dim: usize) -> usize {
+    (2 * MQW_HEADS + 2 * LTW_KEYS) * dim * 2 + 3 * LTW_KEYS * 4 + 8 * LTW_KEYS * 4 + 1024
+}
+
+/// Whether the loss target runs on Hopper's warpgroup MMAs
+/// (`dsa_indexer_loss_target_wgmma`): more than 64 heads (a block takes
+/// 128, two warpgroups of 64) and rows of a multiple of 64 channels up to
+/// [`MQT_MAX_QK`] (DeepSeek's 128 heads of 576). Fewer heads take the
+/// `mma.sync` kernel, which packs rows of few heads into a block.
+pub fn loss_target_on_warpgroups(dims: IndexerLossDims) -> bool {
+    dims.heads > MQW_HEADS && dims.qk_dim.is_multiple_of(64) && dims.qk_dim <= MQT_MAX_QK
+}
+
 /// Which tensor-core kernels of the family got their dynamic shared memory
 /// (past the 48 KiB a launch gets without asking) when the kernels were
 /// loaded; where one did not (a device with less shared memory a block),
@@ -265,7 +330,11 @@ pub(crate) struct SparseAttentionShared {
     /// Both kernels of the indexer's backward.
     pub(crate) indexer_backward: bool,
     pub(crate) loss_target: bool,
+    /// The warpgroup loss target: only on Hopper.
+    pub(crate) loss_target_wgmma: bool,
     pub(crate) mqa_forward: bool,
+    /// The warpgroup forward: only on Hopper (elsewhere its body is empty).
+    pub(crate) mqa_forward_wgmma: bool,
     pub(crate) mqa_backward: bool,
 }
 
@@ -273,6 +342,7 @@ pub(crate) struct SparseAttentionShared {
 /// memory, once, as the kernels are loaded.
 pub(crate) fn reserve_shared_memory(
     functions: &HashMap<&'static str, CudaFunction>,
+    target: Target,
 ) -> SparseAttentionShared {
     let reserve = |kernel: &str, bytes: usize| {
         functions
@@ -285,7 +355,11 @@ pub(crate) fn reserve_shared_memory(
         indexer_backward: reserve("dsa_indexer_backward_q_mma", IXT_DQ_SHARED)
             && reserve("dsa_indexer_backward_k_mma", IXT_DK_SHARED),
         loss_target: reserve("dsa_indexer_loss_target_mma", ltm_shared(full)),
+        loss_target_wgmma: target == Target::HOPPER
+            && reserve("dsa_indexer_loss_target_wgmma", ltw_shared(MQT_MAX_QK)),
         mqa_forward: reserve("dsa_mqa_forward_mma", mqt_shared(full)),
+        mqa_forward_wgmma: target == Target::HOPPER
+            && reserve("dsa_mqa_forward_wgmma", mqw_shared(MQT_MAX_QK)),
         mqa_backward: reserve("dsa_mqa_backward_mma", mqb_shared(full)),
     }
 }
@@ -764,12 +838,19 @@ impl KernelSet {
         let dim = dims.qk_dim as u32;
         let factor = dims.coeff / rows as f32;
         let sparse = i32::from(dims.sparse);
-        let target_ready = loss_target_on_tensor_cores(&q, &k, dims.qk_dim)
-            && self.sparse_attention_shared.loss_target;
-        if target_ready {
-            let km = "dsa_indexer_loss_target_mma";
-            let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
-            let config = grid_of(km, [rows, 1, 1], (groups * 128) as u32, ltm_shared(groups))?;
+        let tensor_cores = loss_target_on_tensor_cores(&q, &k, dims.qk_dim);
+        let warpgroups = tensor_cores
+            && loss_target_on_warpgroups(dims)
+            && self.sparse_attention_shared.loss_target_wgmma;
+        let target_ready = warpgroups || (tensor_cores && self.sparse_attention_shared.loss_target);
+        if warpgroups {
+            let km = "dsa_indexer_loss_target_wgmma";
+            let config = grid_of(
+                km,
+                [dims.tokens.seq, dims.tokens.batch, 1],
+                256,
+                ltw_shared(dims.qk_dim),
+            )?;
             let mut b = KernelArgs::new(stream, self.function(km)?);
             b.arg(&q.ptr)
                 .arg(&k.ptr)
@@ -777,6 +858,32 @@ impl KernelSet {
                 .arg(&d_scores.ptr);
             b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
             b.arg(&dims.scale).arg(&sparse).arg(&self.fault_ptr);
+            self.go(km, &mut b, config)?;
+        } else if target_ready {
+            let km = "dsa_indexer_loss_target_mma";
+            let rows_per_block = loss_target_rows_per_block(dims);
+            let groups = rows_per_block * dims.heads.min(MQT_HEADS).div_ceil(16);
+            let config = grid_of(
+                km,
+                [
+                    dims.tokens.seq.div_ceil(rows_per_block),
+                    dims.tokens.batch,
+                    1,
+                ],
+                (groups * 128) as u32,
+                ltm_shared(groups),
+            )?;
+            let rows_per_block = rows_per_block as u32;
+            let mut b = KernelArgs::new(stream, self.function(km)?);
+            b.arg(&q.ptr)
+                .arg(&k.ptr)
+                .arg(&indices.ptr)
+                .arg(&d_scores.ptr);
+            b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
+            b.arg(&dims.scale)
+                .arg(&sparse)
+                .arg(&rows_per_block)
+                .arg(&self.fault_ptr);
             self.go(km, &mut b, config)?;
         }
         let target_ready = i32::from(target_ready);
@@ -869,15 +976,24 @@ impl KernelSet {
             return Ok(());
         }
         let shape = MqaShape::new(kn, dims)?;
-        if mqa_on_tensor_cores(&q, &kv, dims) && self.sparse_attention_shared.mqa_forward {
-            let km = "dsa_mqa_forward_mma";
-            let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
-            let config = grid_of(
-                km,
-                [rows, dims.heads.div_ceil(MQT_HEADS), 1],
-                (groups * 128) as u32,
-                mqt_shared(groups),
-            )?;
+        let tensor_cores = mqa_on_tensor_cores(&q, &kv, dims);
+        let warpgroups = tensor_cores
+            && mqa_forward_on_warpgroups(dims)
+            && self.sparse_attention_shared.mqa_forward_wgmma;
+        if warpgroups || (tensor_cores && self.sparse_attention_shared.mqa_forward) {
+            let (km, config) = if warpgroups {
+                let km = "dsa_mqa_forward_wgmma";
+                let blocks = [rows, dims.heads.div_ceil(MQW_HEADS), 1];
+                (km, grid_of(km, blocks, 256, mqw_shared(dims.qk_dim))?)
+            } else {
+                let km = "dsa_mqa_forward_mma";
+                let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
+                let blocks = [rows, dims.heads.div_ceil(MQT_HEADS), 1];
+                (
+                    km,
+                    grid_of(km, blocks, (groups * 128) as u32, mqt_shared(groups))?,
+                )
+            };
             let ot = dtype_tag(out.dtype);
             let mut b = KernelArgs::new(stream, self.function(km)?);
             b.arg(&q.ptr).arg(&kv.ptr).arg(&indices.ptr);
@@ -1361,6 +1477,27 @@ mod tests {
         ));
     }
 
+    /// The dense loss target packs rows of few heads into a block's four
+    /// groups; sparse rows and rows of more heads take a block each.
+    #[test]
+    fn the_dense_loss_target_packs_rows_of_few_heads() {
+        let dims = |heads, sparse| IndexerLossDims {
+            tokens: crate::backend::Tokens::new(1, 100),
+            topk: 8,
+            heads,
+            qk_dim: 576,
+            scale: 1.0,
+            coeff: 1.0,
+            sparse,
+        };
+        let packed: Vec<usize> = [1, 16, 17, 32, 33, 64, 128]
+            .into_iter()
+            .map(|h| loss_target_rows_per_block(dims(h, false)))
+            .collect();
+        assert_eq!(packed, [4, 4, 2, 2, 1, 1, 1]);
+        assert_eq!(loss_target_rows_per_block(dims(16, true)), 1);
+    }
+
     /// The tensor-core MQA kernels' shared memory at 64 heads fits what an
     /// H100 or H200 grants a block (227 KiB).
     #[test]
@@ -1368,5 +1505,64 @@ mod tests {
         assert!(mqb_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(mqt_shared(MQT_HEADS / 16) <= 227 * 1024);
         assert!(ltm_shared(MQT_HEADS / 16) <= 227 * 1024);
+        assert!(mqw_shared(MQT_MAX_QK) <= 227 * 1024);
+        assert!(ltw_shared(MQT_MAX_QK) <= 227 * 1024);
+    }
+
+    /// More than 64 heads of whole 64-channel steps up to 576 take the
+    /// warpgroup loss target; fewer heads or other rows, the `mma.sync` one.
+    #[test]
+    fn many_heads_take_the_warpgroup_loss_target() {
+        let dims = |heads, qk_dim| IndexerLossDims {
+            tokens: crate::backend::Tokens::new(1, 100),
+            topk: 8,
+            heads,
+            qk_dim,
+            scale: 1.0,
+            coeff: 1.0,
+            sparse: false,
+        };
+        assert!(loss_target_on_warpgroups(dims(128, 576)));
+        assert!(loss_target_on_warpgroups(dims(65, 64)));
+        for (heads, qk) in [(64, 576), (16, 576), (128, 80), (128, 640)] {
+            assert!(
+                !loss_target_on_warpgroups(dims(heads, qk)),
+                "{heads} / {qk}"
+            );
+        }
+    }
+
+    /// DeepSeek's shape takes the warpgroup forward from 33 heads; fewer
+    /// heads, a row not whole 64-channel atoms, narrower than the values or
+    /// past 576 channels, or values other than 512, the `mma.sync` one.
+    #[test]
+    fn deepseeks_shape_takes_the_warpgroup_forward() {
+        let dims = |heads, qk_dim, v_dim| SparseMqaDims {
+            tokens: crate::backend::Tokens::new(1, 100),
+            heads,
+            qk_dim,
+            v_dim,
+            topk: 8,
+            scale: 1.0,
+        };
+        for heads in [33, 64, 80, 128] {
+            assert!(mqa_forward_on_warpgroups(dims(heads, 576, 512)), "{heads}");
+        }
+        assert!(mqa_forward_on_warpgroups(dims(128, 512, 512)));
+        for (heads, qk, v) in [
+            (16, 576, 512),
+            (32, 576, 512),
+            (128, 80, 64),
+            (128, 560, 512),
+            (128, 640, 512),
+            (128, 448, 512),
+            (128, 576, 256),
+            (128, 576, 448),
+        ] {
+            assert!(
+                !mqa_forward_on_warpgroups(dims(heads, qk, v)),
+                "{heads} x {qk} / {v}"
+            );
+        }
     }
 }
