@@ -863,47 +863,36 @@ impl KernelSet {
             && loss_target_on_warpgroups(dims)
             && self.sparse_attention_shared.loss_target_wgmma;
         let target_ready = warpgroups || (tensor_cores && self.sparse_attention_shared.loss_target);
-        if warpgroups {
-            let km = "dsa_indexer_loss_target_wgmma";
-            let config = grid_of(
-                km,
-                [dims.tokens.seq, dims.tokens.batch, 1],
-                256,
-                ltw_shared(dims.qk_dim),
-            )?;
-            let mut b = KernelArgs::new(stream, self.function(km)?);
-            b.arg(&q.ptr)
-                .arg(&k.ptr)
-                .arg(&indices.ptr)
-                .arg(&d_scores.ptr);
-            b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
-            b.arg(&dims.scale).arg(&sparse).arg(&self.fault_ptr);
-            self.go(km, &mut b, config)?;
-        } else if target_ready {
-            let km = "dsa_indexer_loss_target_mma";
-            let rows_per_block = loss_target_rows_per_block(dims);
-            let groups = rows_per_block * dims.heads.min(MQT_HEADS).div_ceil(16);
-            let config = grid_of(
-                km,
-                [
+        if target_ready {
+            // The warpgroup kernel takes a row a block; the `mma.sync` one
+            // packs `rows_per_block` rows of few heads.
+            let (km, config, rows_per_block) = if warpgroups {
+                let km = "dsa_indexer_loss_target_wgmma";
+                let blocks = [dims.tokens.seq, dims.tokens.batch, 1];
+                (km, grid_of(km, blocks, 256, ltw_shared(dims.qk_dim))?, 1)
+            } else {
+                let km = "dsa_indexer_loss_target_mma";
+                let rows_per_block = loss_target_rows_per_block(dims);
+                let groups = rows_per_block * dims.heads.min(MQT_HEADS).div_ceil(16);
+                let blocks = [
                     dims.tokens.seq.div_ceil(rows_per_block),
                     dims.tokens.batch,
                     1,
-                ],
-                (groups * 128) as u32,
-                ltm_shared(groups),
-            )?;
-            let rows_per_block = rows_per_block as u32;
+                ];
+                let config = grid_of(km, blocks, (groups * 128) as u32, ltm_shared(groups))?;
+                (km, config, rows_per_block as u32)
+            };
             let mut b = KernelArgs::new(stream, self.function(km)?);
             b.arg(&q.ptr)
                 .arg(&k.ptr)
                 .arg(&indices.ptr)
                 .arg(&d_scores.ptr);
             b.arg(&seq).arg(&topk).arg(&heads).arg(&dim);
-            b.arg(&dims.scale)
-                .arg(&sparse)
-                .arg(&rows_per_block)
-                .arg(&self.fault_ptr);
+            b.arg(&dims.scale).arg(&sparse);
+            if !warpgroups {
+                b.arg(&rows_per_block);
+            }
+            b.arg(&self.fault_ptr);
             self.go(km, &mut b, config)?;
         }
         let target_ready = i32::from(target_ready);
