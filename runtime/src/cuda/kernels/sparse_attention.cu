@@ -1985,6 +1985,37 @@ __device__ __forceinline__ void add_pair_ordered(float* p, float a, float b) {
 #endif
 }
 
+// Each of `rows` heads' delta = dout . out (a warp a head at a time, its
+// lanes over the channels, then its butterfly) into `dl`, and its lse into
+// `ls`: heads `first`, `first` + 1, ... of the flat [rows x heads] rows,
+// the first `valid` of them real; the rest 0 and +inf (so P is 0 there).
+// The whole block calls it.
+__device__ __forceinline__ void head_deltas(float* dl, float* ls, const void* out, int ot, const bf16* dout,
+                                            const float* lse, u64 first, u32 valid, u32 rows, u32 v_dim) {
+    const u32 lane = threadIdx.x & 31;
+    for (u32 i = threadIdx.x / 32; i < rows; i += blockDim.x / 32) {
+        float d = 0.0f;
+        if (i < valid) {
+            const u64 at = (first + i) * v_dim;
+            for (u32 c = lane * 8; c < v_dim; c += 256) {
+                float o[8];
+                float gv[8];
+                load8(out, ot, (at + c) / 8, o);
+                load8(dout, DTYPE_BF16, (at + c) / 8, gv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    d += gv[e] * o[e];
+                }
+            }
+        }
+        d = warp_sum(d);
+        if (lane == 0) {
+            dl[i] = d;
+            ls[i] = i < valid ? lse[first + i] : -neg_inf();
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma(
     const bf16* q, const bf16* kv, const u32* indices, const void* out, int ot, const float* lse,
     const bf16* dout, void* dq, int dqt, float* partial, u32* bitmap, u32 words, u32 seq, u32 heads,
@@ -2022,29 +2053,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
             stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
             stage_rows<u32>(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, v_dim, nh, rows_q, v_dim);
             mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
-            // delta = dout . out a head (a warp's lanes over the channels,
-            // then its butterfly); lse, +inf past nh so P is 0 there.
-            for (u32 i = warp; i < rows_q; i += warps) {
-                float d = 0.0f;
-                if (i < nh) {
-                    const u64 at = (r * heads + h0 + i) * v_dim;
-                    for (u32 c = lane * 8; c < v_dim; c += 256) {
-                        float o[8];
-                        float gv[8];
-                        load8(out, ot, (at + c) / 8, o);
-                        load8(dout, DTYPE_BF16, (at + c) / 8, gv);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            d += gv[e] * o[e];
-                        }
-                    }
-                }
-                d = warp_sum(d);
-                if (lane == 0) {
-                    dl[i] = d;
-                    ls[i] = i < nh ? lse[r * heads + h0 + i] : -neg_inf();
-                }
-            }
+            head_deltas(dl, ls, out, ot, dout, lse, r * heads + h0, nh, rows_q, v_dim);
             float acc[MQT_MAX_QK / 32][4];
 #pragma unroll
             for (int n = 0; n < MQT_MAX_QK / 32; ++n) {
@@ -2246,7 +2255,6 @@ extern "C" __global__ void __launch_bounds__(MQBW_THREADS, 1) dsa_mqa_backward_w
     u32* present = reinterpret_cast<u32*>(ls + MQW_HEADS);
     const auto [group, lane, row] = group_lane();
     const u32 quad = lane & 3;
-    const u32 warp = threadIdx.x / 32;
     const u64 base = static_cast<u64>(blockIdx.y) * seq;
     const u64 rows = static_cast<u64>(gridDim.y) * seq;
     float* mine = partial + (blockIdx.x * rows) * qk_dim;
@@ -2285,29 +2293,7 @@ extern "C" __global__ void __launch_bounds__(MQBW_THREADS, 1) dsa_mqa_backward_w
             });
             __syncthreads();
             gather(0);  // one group with the heads' copies
-            // delta = dout . out a head (a warp's lanes over the channels,
-            // then its butterfly); lse, +inf past nh so P is 0 there.
-            for (u32 i = warp; i < MQW_HEADS; i += MQBW_THREADS / 32) {
-                float d = 0.0f;
-                if (i < nh) {
-                    const u64 at = (r * heads + h0 + i) * v_dim;
-                    for (u32 c = lane * 8; c < v_dim; c += 256) {
-                        float o[8];
-                        float gv[8];
-                        load8(out, ot, (at + c) / 8, o);
-                        load8(dout, DTYPE_BF16, (at + c) / 8, gv);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            d += gv[e] * o[e];
-                        }
-                    }
-                }
-                d = warp_sum(d);
-                if (lane == 0) {
-                    dl[i] = d;
-                    ls[i] = i < nh ? lse[r * heads + h0 + i] : -neg_inf();
-                }
-            }
+            head_deltas(dl, ls, out, ot, dout, lse, r * heads + h0, nh, MQW_HEADS, v_dim);
             float acc[3][32];
 #pragma unroll
             for (int j = 0; j < 3; ++j) {
