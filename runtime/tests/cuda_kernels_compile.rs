@@ -164,9 +164,13 @@ fn missing_headers_are_named_with_the_variable_to_set() {
 /// (CUDA 13.0.88's NVRTC): the sequential scan's backward, which the
 /// chunked scan replaced on the benchmark's path, and a few bytes of the
 /// grouped GEMM's tile bookkeeping (a little more in its depth launch,
-/// which also carries each unit's segment of K). Another 13.0 release may shift these a
-/// little, so they are held to a quarter more; every other kernel to none.
-const SPILLS_ALLOWED: [(&str, u32); 10] = [
+/// which also carries each unit's segment of K), and a few loop-invariant
+/// scalars of the sparse attention's warpgroup backward (its three
+/// warpgroups hold dq's 96 registers a thread beside a 64 x 64 product, of
+/// 168; they are reloaded a few times a key block). Another 13.0 release may
+/// shift these a little, so they are held to a quarter more; every other
+/// kernel to none.
+const SPILLS_ALLOWED: [(&str, u32); 11] = [
     ("ssd_scan_backward_group", 240),
     ("ssd_scan_backward_head_n256", 644),
     ("ssd_scan_backward_head_n128", 256),
@@ -177,6 +181,7 @@ const SPILLS_ALLOWED: [(&str, u32); 10] = [
     ("grouped_gemm_wgmma_tn", 8),
     ("grouped_gemm_wgmma_tt", 8),
     ("grouped_gemm_depth_tn", 24),
+    ("dsa_mqa_backward_wgmma", 40),
 ];
 
 /// No kernel spills registers beyond what was reviewed: a launch bound or

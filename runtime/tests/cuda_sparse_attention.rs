@@ -755,10 +755,12 @@ fn every_third_key(rows: usize, seq: usize, topk: usize) -> Vec<u32> {
 }
 
 /// The tensor-core backward of the shared-row attention (bf16 q, kv and
-/// dout, rows of 576, values 512: `dsa_mqa_backward_mma`, its partial key
-/// rows summed by `dsa_mqa_partials_sum`) against the CPU from the same
-/// forward outputs: 80 heads (a pass of 64 and one of 16), 20 (a group
-/// padded from 4 heads to 16) and 128 (two full passes); blocks taking
+/// dout, rows of 576 or 512, values 512: `dsa_mqa_backward_mma` or, on
+/// Hopper from 33 heads, `dsa_mqa_backward_wgmma`, their partial key rows
+/// summed by `dsa_mqa_partials_sum`) against the CPU from the same forward
+/// outputs: 80 heads (a pass of 64 and one of 16), 20 (a group padded from
+/// 4 heads to 16), 128 (two full passes) and 48 of 512 channels over two
+/// key blocks of 64; blocks taking
 /// one query and several (batch 1 of 300 tokens: 128 blocks, 2 or 3 each);
 /// rows with fewer keys than top-k. dq and dkv within bf16's tolerance, the
 /// same bits on a rerun; and a key selected twice is a device fault naming
@@ -769,13 +771,17 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
     let cuda = gpu(Precision::Bf16);
     let cpu = CpuBackend::new(Precision::Bf16);
     let mut failures = Vec::new();
-    for (heads, seq, batch, topk) in [
-        (80usize, 70usize, 2usize, 40usize),
-        (20, 130, 2, 72),
-        (128, 40, 2, 24),
-        (16, 300, 1, 64),
+    // More than 32 heads of 576 or 512 channels take the warpgroup kernel on
+    // Hopper (its third warpgroup holds two of 512's eight dq atoms, and 80
+    // heads make a pass of 16); the others the `mma.sync` one.
+    for (heads, seq, batch, topk, qk) in [
+        (80usize, 70usize, 2usize, 40usize, 576usize),
+        (20, 130, 2, 72, 576),
+        (128, 40, 2, 24, 576),
+        (48, 260, 1, 80, 512),
+        (16, 300, 1, 64, 576),
     ] {
-        let (qk, v) = (576, 512);
+        let v = 512;
         let rows = batch * seq;
         let mut rng = Rng(conformance::Rng::new(0xb11 + heads as u64));
         let q = rng.vec(rows * heads * qk, 1.0);
@@ -833,8 +839,9 @@ fn tensor_core_mqa_backward_matches_the_cpu() {
         let want = read(&cpu, backward(&cpu, inputs, (&out, &lse), &indices, dims));
         let got = read(&cuda, backward(&cuda, inputs, (&out, &lse), &indices, dims));
         let again = read(&cuda, backward(&cuda, inputs, (&out, &lse), &indices, dims));
-        let label =
-            format!("tensor-core MQA backward, {heads} heads, {seq} tokens x {batch}, top {topk}");
+        let label = format!(
+            "tensor-core MQA backward, {heads} heads of {qk}, {seq} tokens x {batch}, top {topk}"
+        );
         for (name, g, a, w) in [
             ("dq", &got.0, &again.0, &want.0),
             ("dkv", &got.1, &again.1, &want.1),

@@ -34,8 +34,8 @@ impl DeviceFault {
             7 => "embedding_forward / embedding_backward_order",
             8 => {
                 "dsa_mqa_forward / dsa_mqa_forward_mma / dsa_mqa_forward_wgmma / \
-                 dsa_mqa_backward_dq / dsa_mqa_backward_mma / dsa_indexer_loss / \
-                 dsa_indexer_loss_target_mma / dsa_indexer_loss_target_wgmma"
+                 dsa_mqa_backward_dq / dsa_mqa_backward_mma / dsa_mqa_backward_wgmma / \
+                 dsa_indexer_loss / dsa_indexer_loss_target_mma / dsa_indexer_loss_target_wgmma"
             }
             _ => "an unknown kernel",
         }

@@ -228,6 +228,7 @@ pub const SOURCES: &[KernelSource] = &[
             "dsa_mqa_forward_mma",
             "dsa_mqa_forward_wgmma",
             "dsa_mqa_backward_mma",
+            "dsa_mqa_backward_wgmma",
             "dsa_mqa_partials_sum",
             "dsa_indexer_loss_target_mma",
             "dsa_indexer_loss_target_wgmma",

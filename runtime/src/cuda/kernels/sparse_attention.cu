@@ -1718,11 +1718,11 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_forward_mma(
 // (a multiple of 64) into the swizzled atoms at `tile` (atom a: channels
 // 64 a .. 64 a + 63 of the rows, ROWS * 128 bytes): row i from `row(i)`, a
 // null row as zeros (`any` is read for none of them). The whole block
-// calls it.
-template <u32 ROWS, typename Row>
+// (THREADS threads) calls it.
+template <u32 ROWS, u32 THREADS = MQW_THREADS, typename Row>
 __device__ __forceinline__ void mqw_stage(u32 tile, u32 dim, const bf16* any, Row row) {
     const u32 chunks = dim / 8;
-    for (u32 c = threadIdx.x; c < ROWS * chunks; c += MQW_THREADS) {
+    for (u32 c = threadIdx.x; c < ROWS * chunks; c += THREADS) {
         const u32 i = c / chunks;
         const u32 ch = c - i * chunks;
         const bf16* src = row(i);
@@ -1985,6 +1985,37 @@ __device__ __forceinline__ void add_pair_ordered(float* p, float a, float b) {
 #endif
 }
 
+// Each of `rows` heads' delta = dout . out (a warp a head at a time, its
+// lanes over the channels, then its butterfly) into `dl`, and its lse into
+// `ls`: heads `first`, `first` + 1, ... of the flat [rows x heads] rows,
+// the first `valid` of them real; the rest 0 and +inf (so P is 0 there).
+// The whole block calls it.
+__device__ __forceinline__ void head_deltas(float* dl, float* ls, const void* out, int ot, const bf16* dout,
+                                            const float* lse, u64 first, u32 valid, u32 rows, u32 v_dim) {
+    const u32 lane = threadIdx.x & 31;
+    for (u32 i = threadIdx.x / 32; i < rows; i += blockDim.x / 32) {
+        float d = 0.0f;
+        if (i < valid) {
+            const u64 at = (first + i) * v_dim;
+            for (u32 c = lane * 8; c < v_dim; c += 256) {
+                float o[8];
+                float gv[8];
+                load8(out, ot, (at + c) / 8, o);
+                load8(dout, DTYPE_BF16, (at + c) / 8, gv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    d += gv[e] * o[e];
+                }
+            }
+        }
+        d = warp_sum(d);
+        if (lane == 0) {
+            dl[i] = d;
+            ls[i] = i < valid ? lse[first + i] : -neg_inf();
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma(
     const bf16* q, const bf16* kv, const u32* indices, const void* out, int ot, const float* lse,
     const bf16* dout, void* dq, int dqt, float* partial, u32* bitmap, u32 words, u32 seq, u32 heads,
@@ -2022,29 +2053,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
             stage_rows<u32>(qs, MQT_PITCH, q + (r * heads + h0) * qk_dim, qk_dim, nh, rows_q, qk_dim);
             stage_rows<u32>(gs, MQB_G_PITCH, dout + (r * heads + h0) * v_dim, v_dim, nh, rows_q, v_dim);
             mqt_gather(ks, keys, kv, indices, r, topk, 0, t, seq, base, qk_dim, status);
-            // delta = dout . out a head (a warp's lanes over the channels,
-            // then its butterfly); lse, +inf past nh so P is 0 there.
-            for (u32 i = warp; i < rows_q; i += warps) {
-                float d = 0.0f;
-                if (i < nh) {
-                    const u64 at = (r * heads + h0 + i) * v_dim;
-                    for (u32 c = lane * 8; c < v_dim; c += 256) {
-                        float o[8];
-                        float gv[8];
-                        load8(out, ot, (at + c) / 8, o);
-                        load8(dout, DTYPE_BF16, (at + c) / 8, gv);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            d += gv[e] * o[e];
-                        }
-                    }
-                }
-                d = warp_sum(d);
-                if (lane == 0) {
-                    dl[i] = d;
-                    ls[i] = i < nh ? lse[r * heads + h0 + i] : -neg_inf();
-                }
-            }
+            head_deltas(dl, ls, out, ot, dout, lse, r * heads + h0, nh, rows_q, v_dim);
             float acc[MQT_MAX_QK / 32][4];
 #pragma unroll
             for (int n = 0; n < MQT_MAX_QK / 32; ++n) {
@@ -2183,8 +2192,272 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
     }
 }
 
+// ---- the backward over one shared key/value row (MQA), warpgroup MMAs ------------
+//
+// `dsa_mqa_backward_mma`'s work on sm_90a for the warpgroup forward's
+// shapes (rows of a multiple of 64 channels from 512 up to 576, values of
+// 512), with the same blocks (a block takes query positions blockIdx.x,
+// blockIdx.x + splits, ... of sequence blockIdx.y, each position's heads 64
+// at a time), the same partial key rows and the same bitmap of selected
+// pairs. Three warpgroups; per 64 selected keys (gathered with `cp.async`
+// into the swizzled layout of the forward, the next block's while this
+// one's key gradients are computed):
+//   A. warpgroup 0 computes S = Q K^T and P = exp(scale S - lse) (0 for a
+//      missing key) and writes P (bf16) to shared memory; warpgroup 1
+//      computes dP = dO V^T, reads P back and writes dS = P (dP - delta)
+//      scale (bf16). Warpgroup 2 waits: S and dP alone keep the tensor
+//      cores and shared memory busy.
+//   B. dq += dS K: warpgroup g owns the 64-channel atoms g, g + 3, g + 6 of
+//      dq (registers, summed over the whole selection); dS is read from
+//      shared memory (K-major), the keys across their rows (MN-major).
+//   C. the keys' gradient rows dS^T Q + P^T dO (the value part only over
+//      the first 512 channels), 64 channels at a time (warpgroup g the
+//      atoms g, g + 3, g + 6): dS^T and P^T read MN-major from the tiles
+//      the products of A wrote, Q and dO across their rows; each chunk is
+//      added to the block's partial rows (`add_pair_ordered`: one thread an
+//      element between two barriers, as the `mma.sync` kernel).
+// Q (72 KiB at 576 channels), dO (64 KiB), one key block (72 KiB), P and dS
+// (8 KiB each) fill the 227 KiB a block gets, so the key block is single:
+// the next block's copies are issued once B is done with it and land
+// during C. Every sum has one order fixed by the shapes and `splits`.
+#define MQBW_THREADS 384
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The bf16 pair of (row i, columns 2 quad + 8 n, + 1) of a staged 64 x 64
+// tile (one atom: row i's 128 bytes at 128 i, chunk n at n ^ (i % 8)).
+__device__ __forceinline__ u32* mqbw_pair(unsigned char* tile, u32 i, u32 n, u32 quad) {
+    return reinterpret_cast<u32*>(tile + i * 128 + ((n ^ (i & 7)) << 4) + quad * 4);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(MQBW_THREADS, 1) dsa_mqa_backward_wgmma(
+    const bf16* q, const bf16* kv, const u32* indices, const void* out, int ot, const float* lse,
+    const bf16* dout, void* dq, int dqt, float* partial, u32* bitmap, u32 words, u32 seq, u32 heads,
+    u32 qk_dim, u32 v_dim, u32 topk, float scale, u32 splits, u64* status) {
+    grid_dependency_sync();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char mqbw_shared[];
+    unsigned char* first = aligned_shared(mqbw_shared);
+    // Q, dO, the key block, P, dS (every tile 64 rows, atoms of 8 KiB),
+    // then three blocks' positions, each head's delta and lse, and three
+    // blocks' masks of present keys (bit i: key i is not missing).
+    const u32 q_bytes = qk_dim * 128;
+    const u32 qs0 = shared_address(first);
+    const u32 gs0 = qs0 + q_bytes;
+    const u32 kt0 = gs0 + v_dim * 128;
+    unsigned char* p_tile = first + 2 * q_bytes + v_dim * 128;
+    unsigned char* ds_tile = p_tile + MQW_ATOM;
+    const u32 ps0 = shared_address(p_tile);
+    const u32 dss0 = shared_address(ds_tile);
+    u32* keys = reinterpret_cast<u32*>(ds_tile + MQW_ATOM);
+    float* dl = reinterpret_cast<float*>(keys + 3 * MQW_KEYS);
+    float* ls = dl + MQW_HEADS;
+    u32* present = reinterpret_cast<u32*>(ls + MQW_HEADS);
+    const auto [group, lane, row] = group_lane();
+    const u32 quad = lane & 3;
+    const u64 base = static_cast<u64>(blockIdx.y) * seq;
+    const u64 rows = static_cast<u64>(gridDim.y) * seq;
+    float* mine = partial + (blockIdx.x * rows) * qk_dim;
+    const u32 atoms = qk_dim / 64;
+    const u32 v_atoms = v_dim / 64;
+    const u32 blocks = max(1u, (topk + MQW_KEYS - 1) / MQW_KEYS);
+    for (u32 t = blockIdx.x; t < seq; t += splits) {
+        const u64 r = base + t;
+        auto select = [&](u32 blk) {
+            if (threadIdx.x < MQW_KEYS) {
+                const u32 slot = blk * MQW_KEYS + threadIdx.x;
+                const u32 key = slot < topk ? selected_key(indices, r, topk, slot, t, seq, status) : NO_KEY;
+                keys[(blk % 3) * MQW_KEYS + threadIdx.x] = key;
+                const u32 mask = __ballot_sync(0xffffffffu, key != NO_KEY);
+                if (threadIdx.x % 32 == 0) {
+                    present[(blk % 3) * 2 + threadIdx.x / 32] = mask;
+                }
+            }
+        };
+        auto gather = [&](u32 blk) {
+            const u32* kb = keys + (blk % 3) * MQW_KEYS;
+            mqw_stage<MQW_KEYS, MQBW_THREADS>(kt0, qk_dim, kv, [&](u32 i) -> const bf16* {
+                return kb[i] == NO_KEY ? nullptr : kv + (base + kb[i]) * qk_dim;
+            });
+            commit_async();
+        };
+        for (u32 h0 = 0; h0 < heads; h0 += MQW_HEADS) {
+            const u32 nh = min(static_cast<u32>(MQW_HEADS), heads - h0);
+            // Every warpgroup is done with the last pass's tiles and positions.
+            __syncthreads();
+            select(0);
+            mqw_stage<MQW_HEADS, MQBW_THREADS>(
+                qs0, qk_dim, q, [&](u32 i) -> const bf16* { return i < nh ? q + (r * heads + h0 + i) * qk_dim : nullptr; });
+            mqw_stage<MQW_HEADS, MQBW_THREADS>(gs0, v_dim, dout, [&](u32 i) -> const bf16* {
+                return i < nh ? dout + (r * heads + h0 + i) * v_dim : nullptr;
+            });
+            __syncthreads();
+            gather(0);  // one group with the heads' copies
+            head_deltas(dl, ls, out, ot, dout, lse, r * heads + h0, nh, MQW_HEADS, v_dim);
+            float acc[3][32];
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    acc[j][i] = 0.0f;
+                }
+            }
+            for (u32 blk = 0; blk < blocks; ++blk) {
+                const u32* kb = keys + (blk % 3) * MQW_KEYS;
+                // The tiles' addresses, opaque to the compiler each block:
+                // otherwise it keeps every product's descriptors (fixed
+                // addresses) live across the loop, and spills.
+                u32 qs = qs0, gs = gs0, kt = kt0, ps = ps0, dss = dss0;
+                asm volatile("" : "+r"(qs), "+r"(gs), "+r"(kt), "+r"(ps), "+r"(dss));
+                // The key block's rows (and, the first time, the heads')
+                // have landed; delta and lse are in place.
+                wait_async<0>();
+                fence_async_shared();
+                __syncthreads();
+                if (h0 == 0 && threadIdx.x < MQW_KEYS && kb[threadIdx.x] != NO_KEY) {
+                    const u32 bit = 1u << (t & 31u);
+                    const u32 old = atomicOr(&bitmap[(base + kb[threadIdx.x]) * words + t / 32], bit);
+                    if (old & bit) {
+                        report_fault(status, FAULT_SELECTED_KEY, r);
+                    }
+                }
+                if (blk + 1 < blocks) {
+                    select(blk + 1);  // a buffer block blk - 2 last read
+                }
+                // A: P (warpgroup 0) and dS (warpgroup 1), each thread its
+                // accumulator rows `row`, `row` + 8 and keys 8 n + 2 quad, + 1.
+                // S, dP and C's chunks share one accumulator `x` (the
+                // warpgroups' registers are allocated alike, and the
+                // compiler gives each named accumulator its own registers,
+                // which with dq's would not fit).
+                float x[32];
+                if (group < 2) {
+                    mqw_scores<MQW_KEYS>(x, group == 0 ? qs : gs, kt, group == 0 ? qk_dim : v_dim);
+                    if (group == 0) {
+                        // Bit 8 n + e: key 8 n + 2 quad + e is present.
+                        const u64 here = (present[(blk % 3) * 2] |
+                                          static_cast<u64>(present[(blk % 3) * 2 + 1]) << 32) >>
+                                         (2 * quad);
+#pragma unroll
+                        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const u32 i = row + 8 * h;
+                                const float l = ls[i];
+                                float p[2];
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const bool ok = (here >> (8 * n + e)) & 1;
+                                    p[e] = ok ? expf(x[4 * n + 2 * h + e] * scale - l) : 0.0f;
+                                }
+                                *mqbw_pair(p_tile, i, n, quad) = pack_bf16(p[0], p[1]);
+                            }
+                        }
+                        named_barrier<1, 256>();
+                    } else {
+                        named_barrier<1, 256>();
+#pragma unroll
+                        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const u32 i = row + 8 * h;
+                                const float d = dl[i];
+                                const float2 p = __bfloat1622float2(
+                                    *reinterpret_cast<const __nv_bfloat162*>(mqbw_pair(p_tile, i, n, quad)));
+                                const float ds0 = p.x * (x[4 * n + 2 * h] - d) * scale;
+                                const float ds1 = p.y * (x[4 * n + 2 * h + 1] - d) * scale;
+                                *mqbw_pair(ds_tile, i, n, quad) = pack_bf16(ds0, ds1);
+                            }
+                        }
+                    }
+                }
+                fence_async_shared();
+                __syncthreads();
+                // B: dq (this warpgroup's atoms) += dS K.
+#pragma unroll
+                for (int j = 0; j < 3; ++j) {
+                    fence_operands(acc[j]);
+                }
+                wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < 3; ++j) {
+                    const u32 a = group + 3 * j;
+                    if (a < atoms) {
+#pragma unroll
+                        for (int kk = 0; kk < MQW_KEYS / 16; ++kk) {
+                            wgmma_ss<0, 1>(acc[j], mqw_k_major<MQW_HEADS>(dss, kk), mqw_mn_major(kt, a, kk), 1);
+                        }
+                    }
+                }
+                wgmma_finish();
+#pragma unroll
+                for (int j = 0; j < 3; ++j) {
+                    fence_operands(acc[j]);
+                }
+                // Every warpgroup is done with the key block: refill it.
+                __syncthreads();
+                if (blk + 1 < blocks) {
+                    gather(blk + 1);
+                }
+                // C: the keys' rows, 64 channels at a time. dS^T and P^T
+                // are MN-major A operands (64 keys one 128-byte row of a
+                // head, the K-step 16 heads); Q and dO MN-major B ones.
+                for (u32 c = group; c < atoms; c += 3) {
+                    float (&g)[32] = x;
+                    fence_operands(g);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < MQW_HEADS / 16; ++kk) {
+                        wgmma_ss<1, 1>(g, mqw_mn_major(dss, 0, kk), mqw_mn_major(qs, c, kk), kk);
+                    }
+                    if (c < v_atoms) {
+#pragma unroll
+                        for (int kk = 0; kk < MQW_HEADS / 16; ++kk) {
+                            wgmma_ss<1, 1>(g, mqw_mn_major(ps, 0, kk), mqw_mn_major(gs, c, kk), 1);
+                        }
+                    }
+                    wgmma_finish();
+                    fence_operands(g);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 u = kb[row + 8 * h];
+                        if (u == NO_KEY) {
+                            continue;
+                        }
+                        float* dst = mine + (base + u) * qk_dim + c * 64 + 2 * quad;
+#pragma unroll
+                        for (int n = 0; n < 8; ++n) {
+                            add_pair_ordered(dst + n * 8, g[4 * n + 2 * h], g[4 * n + 2 * h + 1]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const u32 i = row + 8 * h;
+                if (i >= nh) {
+                    continue;
+                }
+                const u64 at = (r * heads + h0 + i) * qk_dim + 2 * quad;
+#pragma unroll
+                for (int j = 0; j < 3; ++j) {
+                    const u32 a = group + 3 * j;
+                    if (a < atoms) {
+#pragma unroll
+                        for (int n = 0; n < 8; ++n) {
+                            store(dq, dqt, at + a * 64 + n * 8, acc[j][4 * n + 2 * h]);
+                            store(dq, dqt, at + a * 64 + n * 8 + 1, acc[j][4 * n + 2 * h + 1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+#endif
+}
+
 // dkv = the sum of the `splits` partial rows `[splits, count]` of
-// `dsa_mqa_backward_mma`, in split order, stored in dkv's dtype; a thread
+// `dsa_mqa_backward_mma` (or `_wgmma`), in split order, stored in dkv's dtype; a thread
 // 4 consecutive elements (count a multiple of 4).
 extern "C" __global__ void __launch_bounds__(256) dsa_mqa_partials_sum(const float* partial, u32 splits, u64 count,
                                                                        void* dkv, int dkvt) {

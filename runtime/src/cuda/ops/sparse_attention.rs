@@ -27,8 +27,8 @@
 //!   up to 576 channels ([`mqa_on_tensor_cores`]) on tensor cores: the
 //!   forward a block a query row and up to 64 of its heads (on Hopper,
 //!   DeepSeek's rows of 512 to 576 channels and values of 512, more than
-//!   32 heads, on warpgroup MMAs, [`mqa_forward_on_warpgroups`]); the backward
-//!   query by query, `dq` in registers and each block's own partial copy
+//!   32 heads, on warpgroup MMAs, [`mqa_on_warpgroups`]); the backward (on
+//!   warpgroup MMAs where the forward is) query by query, `dq` in registers and each block's own partial copy
 //!   of the key rows (one add an element between two barriers), the copies
 //!   then summed in block order ([`mqa_backward_fits_tensor_cores`]).
 //!   Otherwise (the checking mode) on CUDA cores: a block a (query row,
@@ -199,8 +199,9 @@ fn mqw_shared(qk_dim: usize) -> usize {
     3 * MQW_KEYS * qk_dim * 2 + 3 * MQW_KEYS * 4 + 1024
 }
 
-/// Whether the MQA forward's tensor-core work runs on Hopper's warpgroup
-/// MMAs (`dsa_mqa_forward_wgmma`): rows of a multiple of 64 channels from
+/// Whether the MQA forward's and backward's tensor-core work runs on
+/// Hopper's warpgroup MMAs (`dsa_mqa_forward_wgmma`,
+/// `dsa_mqa_backward_wgmma`): rows of a multiple of 64 channels from
 /// the values' 512 up to [`MQT_MAX_QK`] and values of 512 (DeepSeek's
 /// absorbed MLA: 576 and 512), for more than 32 heads. Other shapes the
 /// tensor cores take run on `mma.sync`: a block of the warpgroup kernel
@@ -208,11 +209,26 @@ fn mqw_shared(qk_dim: usize) -> usize {
 /// padding costs more than the warpgroup MMAs gain (at 16 heads of 576 / 512
 /// and 16,384 tokens on an H100, 27.7 ms a forward against 19.9 on
 /// `mma.sync`; at 128 heads and 4,096 tokens, 14.0 against 20.7).
-pub fn mqa_forward_on_warpgroups(dims: SparseMqaDims) -> bool {
+pub fn mqa_on_warpgroups(dims: SparseMqaDims) -> bool {
     dims.heads > MQW_HEADS / 2
         && dims.v_dim == MQW_V
         && dims.qk_dim.is_multiple_of(64)
         && (MQW_V..=MQT_MAX_QK).contains(&dims.qk_dim)
+}
+
+/// Threads of a block of the warpgroup MQA backward (`MQBW_THREADS`): three
+/// warpgroups, each holding a third of the heads' `dq` in registers.
+const MQBW_THREADS: u32 = 384;
+
+/// Dynamic shared memory (bytes) of the warpgroup MQA backward: the query
+/// and dout heads, one key block (64 rows of `qk_dim` or 512 bf16 channels
+/// each), P and dS (64 x 64 bf16 each), three blocks' positions, each
+/// head's delta and lse, and 1,024 bytes to align the tiles.
+fn mqbw_shared(qk_dim: usize) -> usize {
+    (2 * MQW_KEYS * qk_dim + MQW_HEADS * MQW_V + 2 * MQW_HEADS * MQW_KEYS) * 2
+        + 3 * MQW_KEYS * 4
+        + 2 * MQW_HEADS * 4
+        + 1024
 }
 
 /// Whether the MQA backward can run on tensor cores: what the forward
@@ -336,6 +352,8 @@ pub(crate) struct SparseAttentionShared {
     /// The warpgroup forward: only on Hopper (elsewhere its body is empty).
     pub(crate) mqa_forward_wgmma: bool,
     pub(crate) mqa_backward: bool,
+    /// The warpgroup backward: only on Hopper.
+    pub(crate) mqa_backward_wgmma: bool,
 }
 
 /// Gives the family's tensor-core kernels their largest dynamic shared
@@ -361,6 +379,8 @@ pub(crate) fn reserve_shared_memory(
         mqa_forward_wgmma: target == Target::HOPPER
             && reserve("dsa_mqa_forward_wgmma", mqw_shared(MQT_MAX_QK)),
         mqa_backward: reserve("dsa_mqa_backward_mma", mqb_shared(full)),
+        mqa_backward_wgmma: target == Target::HOPPER
+            && reserve("dsa_mqa_backward_wgmma", mqbw_shared(MQT_MAX_QK)),
     }
 }
 
@@ -967,7 +987,7 @@ impl KernelSet {
         let shape = MqaShape::new(kn, dims)?;
         let tensor_cores = mqa_on_tensor_cores(&q, &kv, dims);
         let warpgroups = tensor_cores
-            && mqa_forward_on_warpgroups(dims)
+            && mqa_on_warpgroups(dims)
             && self.sparse_attention_shared.mqa_forward_wgmma;
         if warpgroups || (tensor_cores && self.sparse_attention_shared.mqa_forward) {
             let (km, config) = if warpgroups {
@@ -1104,9 +1124,10 @@ impl KernelSet {
         self.go(kk, &mut b, config)
     }
 
-    /// [`KernelSet::sparse_mqa_backward`] on tensor cores: a block a
-    /// (split, sequence) writing dq and its partial key rows at `partial`
-    /// (zeroed), then the partials summed in split order into dkv.
+    /// [`KernelSet::sparse_mqa_backward`] on tensor cores (Hopper's
+    /// warpgroup MMAs where [`mqa_on_warpgroups`]): a block a (split,
+    /// sequence) writing dq and its partial key rows at `partial` (zeroed),
+    /// then the partials summed in split order into dkv.
     #[allow(clippy::too_many_arguments)]
     fn sparse_mqa_backward_mma(
         &self,
@@ -1117,16 +1138,24 @@ impl KernelSet {
         (partial, bitmap, words): (u64, u64, u32),
         dims: SparseMqaDims,
     ) -> Result<()> {
-        let km = "dsa_mqa_backward_mma";
-        let shape = MqaShape::new(km, dims)?;
         let splits = mqa_backward_splits(dims);
-        let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
-        let config = grid_of(
-            km,
-            [splits, dims.tokens.batch, 1],
-            (groups * 128) as u32,
-            mqb_shared(groups),
-        )?;
+        let blocks = [splits, dims.tokens.batch, 1];
+        let (km, config) =
+            if mqa_on_warpgroups(dims) && self.sparse_attention_shared.mqa_backward_wgmma {
+                let km = "dsa_mqa_backward_wgmma";
+                (
+                    km,
+                    grid_of(km, blocks, MQBW_THREADS, mqbw_shared(dims.qk_dim))?,
+                )
+            } else {
+                let km = "dsa_mqa_backward_mma";
+                let groups = dims.heads.min(MQT_HEADS).div_ceil(16);
+                (
+                    km,
+                    grid_of(km, blocks, (groups * 128) as u32, mqb_shared(groups))?,
+                )
+            };
+        let shape = MqaShape::new(km, dims)?;
         let splits = u32_of(km, "splits", splits)?;
         let [ot, dqt, dkvt] = [out, dq, dkv].map(|x| dtype_tag(x.dtype));
         let mut b = KernelArgs::new(stream, self.function(km)?);
@@ -1535,9 +1564,9 @@ mod tests {
             scale: 1.0,
         };
         for heads in [33, 64, 80, 128] {
-            assert!(mqa_forward_on_warpgroups(dims(heads, 576, 512)), "{heads}");
+            assert!(mqa_on_warpgroups(dims(heads, 576, 512)), "{heads}");
         }
-        assert!(mqa_forward_on_warpgroups(dims(128, 512, 512)));
+        assert!(mqa_on_warpgroups(dims(128, 512, 512)));
         for (heads, qk, v) in [
             (16, 576, 512),
             (32, 576, 512),
@@ -1549,7 +1578,7 @@ mod tests {
             (128, 576, 448),
         ] {
             assert!(
-                !mqa_forward_on_warpgroups(dims(heads, qk, v)),
+                !mqa_on_warpgroups(dims(heads, qk, v)),
                 "{heads} x {qk} / {v}"
             );
         }
