@@ -194,8 +194,10 @@ const SPILLS_ALLOWED: [(&str, u32); 11] = [
 /// keep in registers (an index it cannot resolve at compile time). Rotary
 /// keeps a batch of 4 heads' pairs there (32 bytes). A partly unrolled
 /// loop over the grouped GEMM's accumulators once put all 512 bytes of
-/// them there, with no spill reported (found before it ran).
-const STACK_ALLOWED: [(&str, u32); 1] = [("rotary", 32)];
+/// them there, with no spill reported (found before it ran). The sparse
+/// attention's warpgroup backward's frame rounds its 44 bytes of spills up
+/// to 48.
+const STACK_ALLOWED: [(&str, u32); 2] = [("rotary", 32), ("dsa_mqa_backward_wgmma", 4)];
 
 #[test]
 fn no_kernel_spills_beyond_its_reviewed_allowance() {
