@@ -1216,6 +1216,16 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_forward(
     }
 }
 
+// Marks (key row `key_row`, query t) in the bitmap of selected pairs (a
+// bit a pair, integer atomics: the same bits in any order); a pair already
+// marked is a key the query selected twice, a fault naming its row r.
+__device__ __forceinline__ void mark_selected(u32* bitmap, u32 words, u64 key_row, u32 t, u64* status, u64 r) {
+    const u32 bit = 1u << (t & 31u);
+    if (atomicOr(&bitmap[key_row * words + t / 32], bit) & bit) {
+        report_fault(status, FAULT_SELECTED_KEY, r);
+    }
+}
+
 // The query side of `Backend::sparse_mqa_backward` on CUDA cores, a block a
 // (query row, head): delta = dout . out (f32 `[rows, heads]`, kept for the
 // key pass), and over the selected keys in slot order p = exp(scale q . kv -
@@ -1267,11 +1277,7 @@ extern "C" __global__ void __launch_bounds__(SA_THREADS) dsa_mqa_backward_dq(
             const float p = expf(scale * dot_shared_stored(qs, kv, kvt, at, qk_dim) - l);
             d = p * (dot_shared_stored(gs, kv, kvt, at, v_dim) - dlt) * scale;
             if (h == 0) {
-                const u32 bit = 1u << (t & 31u);
-                const u32 old = atomicOr(&bitmap[(base + u) * words + t / 32], bit);
-                if (old & bit) {
-                    report_fault(status, FAULT_SELECTED_KEY, r);
-                }
+                mark_selected(bitmap, words, base + u, t, status, r);
             }
         }
         ds[threadIdx.x] = d;
@@ -2064,11 +2070,7 @@ extern "C" __global__ void __launch_bounds__(MQT_HEADS * 8) dsa_mqa_backward_mma
                 const bf16* kt = ks + cur * MQT_KEYS * MQT_PITCH;
                 const u32* kk = keys + cur * MQT_KEYS;
                 if (h0 == 0 && threadIdx.x < MQT_KEYS && kk[threadIdx.x] != NO_KEY) {
-                    const u32 bit = 1u << (t & 31u);
-                    const u32 old = atomicOr(&bitmap[(base + kk[threadIdx.x]) * words + t / 32], bit);
-                    if (old & bit) {
-                        report_fault(status, FAULT_SELECTED_KEY, r);
-                    }
+                    mark_selected(bitmap, words, base + kk[threadIdx.x], t, status, r);
                 }
                 mqt_advance(ks, keys, blk, blocks, kv, indices, r, topk, t, seq, base, qk_dim, status);
                 // S (scaled, -inf for a missing key) and dP for the group's
@@ -2318,11 +2320,7 @@ extern "C" __global__ void __launch_bounds__(MQBW_THREADS, 1) dsa_mqa_backward_w
                 fence_async_shared();
                 __syncthreads();
                 if (h0 == 0 && threadIdx.x < MQW_KEYS && kb[threadIdx.x] != NO_KEY) {
-                    const u32 bit = 1u << (t & 31u);
-                    const u32 old = atomicOr(&bitmap[(base + kb[threadIdx.x]) * words + t / 32], bit);
-                    if (old & bit) {
-                        report_fault(status, FAULT_SELECTED_KEY, r);
-                    }
+                    mark_selected(bitmap, words, base + kb[threadIdx.x], t, status, r);
                 }
                 if (blk + 1 < blocks) {
                     select(blk + 1);  // a buffer block blk - 2 last read
@@ -2406,21 +2404,20 @@ extern "C" __global__ void __launch_bounds__(MQBW_THREADS, 1) dsa_mqa_backward_w
                 // are MN-major A operands (64 keys one 128-byte row of a
                 // head, the K-step 16 heads); Q and dO MN-major B ones.
                 for (u32 c = group; c < atoms; c += 3) {
-                    float (&g)[32] = x;
-                    fence_operands(g);
+                    fence_operands(x);
                     wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < MQW_HEADS / 16; ++kk) {
-                        wgmma_ss<1, 1>(g, mqw_mn_major(dss, 0, kk), mqw_mn_major(qs, c, kk), kk);
+                        wgmma_ss<1, 1>(x, mqw_mn_major(dss, 0, kk), mqw_mn_major(qs, c, kk), kk);
                     }
                     if (c < v_atoms) {
 #pragma unroll
                         for (int kk = 0; kk < MQW_HEADS / 16; ++kk) {
-                            wgmma_ss<1, 1>(g, mqw_mn_major(ps, 0, kk), mqw_mn_major(gs, c, kk), 1);
+                            wgmma_ss<1, 1>(x, mqw_mn_major(ps, 0, kk), mqw_mn_major(gs, c, kk), 1);
                         }
                     }
                     wgmma_finish();
-                    fence_operands(g);
+                    fence_operands(x);
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const u32 u = kb[row + 8 * h];
@@ -2430,7 +2427,7 @@ extern "C" __global__ void __launch_bounds__(MQBW_THREADS, 1) dsa_mqa_backward_w
                         float* dst = mine + (base + u) * qk_dim + c * 64 + 2 * quad;
 #pragma unroll
                         for (int n = 0; n < 8; ++n) {
-                            add_pair_ordered(dst + n * 8, g[4 * n + 2 * h], g[4 * n + 2 * h + 1]);
+                            add_pair_ordered(dst + n * 8, x[4 * n + 2 * h], x[4 * n + 2 * h + 1]);
                         }
                     }
                 }
