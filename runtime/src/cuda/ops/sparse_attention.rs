@@ -1082,7 +1082,7 @@ impl KernelSet {
         if tensor_cores {
             // The partials and the bitmap, one zeroing.
             self.zero_bytes(stream, scratch.ptr, need * 4)?;
-            return self.sparse_mqa_backward_mma(
+            return self.sparse_mqa_backward_tensor_cores(
                 stream,
                 (q, kv, indices),
                 (out, lse, dout),
@@ -1129,7 +1129,7 @@ impl KernelSet {
     /// sequence) writing dq and its partial key rows at `partial` (zeroed),
     /// then the partials summed in split order into dkv.
     #[allow(clippy::too_many_arguments)]
-    fn sparse_mqa_backward_mma(
+    fn sparse_mqa_backward_tensor_cores(
         &self,
         stream: &CudaStream,
         (q, kv, indices): (GpuView, GpuView, GpuView),
