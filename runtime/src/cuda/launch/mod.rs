@@ -19,6 +19,7 @@ pub(crate) mod args;
 pub(crate) mod tensor_map;
 
 use super::kernels::{self, CompiledSource, Output, Target};
+use super::ops::delta::DeltaShared;
 use super::ops::sparse_attention::SparseAttentionShared;
 use crate::error::{Result, RuntimeError};
 use crate::view::DType;
@@ -254,6 +255,9 @@ pub struct KernelSet {
     /// Which of the sparse attention's tensor-core kernels got their
     /// shared memory (`ops::sparse_attention::reserve_shared_memory`).
     pub(crate) sparse_attention_shared: SparseAttentionShared,
+    /// The shared memory the delta rule's tensor-core kernels were granted
+    /// so far (they ask at their first call of each size).
+    pub(crate) delta_shared: DeltaShared,
     /// Whether launches carry programmatic stream serialisation
     /// ([`args`]): on by default where the device has it (sm_90).
     dependent_launch: AtomicBool,
@@ -299,6 +303,7 @@ impl KernelSet {
             scan_mma_sums: reserved.scan_mma_sums,
             grouped_gemm_grid: reserved.grouped_gemm_grid,
             sparse_attention_shared: reserved.sparse_attention,
+            delta_shared: DeltaShared::default(),
             dependent_launch: AtomicBool::new(target.dependent_launch()),
             fault,
             fault_ptr,

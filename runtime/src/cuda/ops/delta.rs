@@ -37,6 +37,7 @@ use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The steps of a chunk (`DELTA_CHUNK` in `delta.cuh`).
 pub const DELTA_CHUNK: usize = 64;
@@ -158,6 +159,18 @@ fn tc_shared_bytes(dims: DeltaDims) -> [usize; 3] {
 
 /// The tensor-core forward's kernels, in launch order.
 const TC_KERNELS: [&str; 3] = ["delta_tc_prep", "delta_tc_walk", "delta_tc_output"];
+
+/// The dynamic shared memory (bytes) each tensor-core kernel has been
+/// granted so far, by its place in [`TC_KERNELS`] and [`TC_BACKWARD_KERNELS`]
+/// (0 before its first call). What a kernel needs follows the layer's head
+/// sizes, known only at a call, so a call asks the driver only for more
+/// than the kernel already has: once every size of a run has been seen, no
+/// call asks.
+#[derive(Debug, Default)]
+pub(crate) struct DeltaShared {
+    forward: [AtomicUsize; 3],
+    backward: [AtomicUsize; 3],
+}
 
 /// The launch's views and dimensions, laid out as `DeltaParams` in
 /// `delta.cuh`.
@@ -473,7 +486,11 @@ impl KernelSet {
             && scratch.len >= plan.items * tc_item_len(dims);
         if aligned
             && tensor_core_forward(inputs.qkv.dtype, out.dtype, dims)
-            && self.delta_reserve_shared(&TC_KERNELS, tc_shared_bytes(dims))?
+            && self.delta_reserve_shared(
+                &TC_KERNELS,
+                &self.delta_shared.forward,
+                tc_shared_bytes(dims),
+            )?
         {
             return self.gated_delta_forward_tc(stream, &p, dims, &plan);
         }
@@ -492,13 +509,23 @@ impl KernelSet {
     }
 
     /// Lets each of `kernels` take its dynamic shared memory in `bytes`
-    /// (past the 48 KiB a launch gets without asking); false where the
-    /// device cannot give it, and the f32 kernels run instead.
-    fn delta_reserve_shared(&self, kernels: &[&'static str], bytes: [usize; 3]) -> Result<bool> {
-        for (&kernel, bytes) in kernels.iter().zip(bytes) {
+    /// (past the 48 KiB a launch gets without asking), asking the driver
+    /// only past what `granted` records; false where the device cannot give
+    /// it, and the f32 kernels run instead.
+    fn delta_reserve_shared(
+        &self,
+        kernels: &[&'static str; 3],
+        granted: &[AtomicUsize; 3],
+        bytes: [usize; 3],
+    ) -> Result<bool> {
+        for ((&kernel, have), bytes) in kernels.iter().zip(granted).zip(bytes) {
+            if bytes <= have.load(Ordering::Relaxed) {
+                continue;
+            }
             if !reserve_dynamic_shared(self.function(kernel)?, bytes) {
                 return Ok(false);
             }
+            have.fetch_max(bytes, Ordering::Relaxed);
         }
         Ok(true)
     }
@@ -568,8 +595,16 @@ impl KernelSet {
             .all(|p| p.is_multiple_of(16));
         if aligned
             && tensor_core_backward(inputs.qkv.dtype, d_out.dtype, dims)
-            && self.delta_reserve_shared(&TC_KERNELS, tc_shared_bytes(dims))?
-            && self.delta_reserve_shared(&TC_BACKWARD_KERNELS, tc_backward_shared_bytes(dims))?
+            && self.delta_reserve_shared(
+                &TC_KERNELS,
+                &self.delta_shared.forward,
+                tc_shared_bytes(dims),
+            )?
+            && self.delta_reserve_shared(
+                &TC_BACKWARD_KERNELS,
+                &self.delta_shared.backward,
+                tc_backward_shared_bytes(dims),
+            )?
         {
             let walks = dims.tokens.batch * dims.value_heads * (dims.value_dim / TC_COLS);
             let [prep, ..] = tc_shared_bytes(dims);
