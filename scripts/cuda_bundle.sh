@@ -13,6 +13,7 @@
 #   bash gpu-bundle/run.sh LOGDIR bench    # only the benchmarks
 #   bash gpu-bundle/run.sh LOGDIR launch   # only the launch-mode checks
 #   bash gpu-bundle/run.sh LOGDIR profile  # where a step's time goes (1 GPU)
+#   bash gpu-bundle/run.sh LOGDIR roofline # each kernel against its floor (1 GPU, ncu)
 #   gpu-bundle/bench/expert_gemm           # the experts' GEMMs, cuBLAS vs grouped
 #   gpu-bundle/bench/delta_rule            # G's gated delta rule kernels, timed
 #   gpu-bundle/bench/sparse_attention      # D against dense flash attention, 4k-32k tokens
@@ -63,7 +64,8 @@ cp "${CARGO_TARGET_DIR:-target}/release/hybridgen" "$bundle/hybridgen"
 strip "$bundle/hybridgen"
 cp examples/models/*.toml "$bundle/models/"
 cp scripts/trace_breakdown.py scripts/kernel_table.py scripts/bench_gpu.sh scripts/ab_gpu.sh scripts/checkpoint_gpu.sh \
-  scripts/run_log.py scripts/timeline_gaps.py scripts/timeline_kernels.py scripts/bench_delta_fla.py "$bundle/"
+  scripts/run_log.py scripts/timeline_gaps.py scripts/timeline_kernels.py scripts/kernel_roofline.py \
+  scripts/bench_delta_fla.py "$bundle/"
 # flash-linear-attention's wheels for bench_delta_fla.py (the GPU machine
 # has no internet); skipped, saying so, where they cannot be fetched.
 scripts/fla_wheels.sh >/dev/null \
@@ -118,7 +120,8 @@ cat > "$bundle/run.sh" <<'RUN'
 # Runs this bundle's GPU tests and benchmarks; logs go to $1 (default
 # ./logs); $2 is `tests` (with the launch-mode checks), `launch` (only
 # those), `bench`, `profile` (where one GPU's step goes), `timeline` (where
-# its GPU waits) or `all` (default, without the profile and timeline). NVLink multicast
+# its GPU waits), `roofline` (each kernel against its floor) or `all`
+# (default, without the profile, timeline and roofline). NVLink multicast
 # stays off (shared GPUs).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -276,8 +279,36 @@ timeline() {
   printf 'timeline written: timeline-gaps.txt, timeline.csv.gz\n' >> "$out/summary.txt"
 }
 
+# Every kernel of one step against its floor (bytes at the memory's
+# bandwidth, tensor-core operations at their peak), by family then by
+# kernel: Nsight Compute replays each kernel of a step of
+# ROOFLINE_MICRO_BATCHES micro-batches (default 1) of the profile's run
+# and scripts/kernel_roofline.py tallies them (roofline.txt). A ncu without
+# the tensor-core counter gets the bytes alone.
+roofline() {
+  if ! command -v ncu >/dev/null 2>&1; then
+    echo "roofline: no ncu on this machine" | tee -a "$out/summary.txt"
+    return
+  fi
+  local args=("${profile_args[@]}" --micro-batches "${ROOFLINE_MICRO_BATCHES:-1}" --steps 1)
+  local bytes=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  for metrics in "$bytes,sm__ops_path_tensor_src_bf16_dst_fp32.sum" "$bytes"; do
+    timeout 900 ncu --clock-control none --csv --page raw --metrics "$metrics" \
+      "$here/hybridgen" "${args[@]}" > "$out/roofline.csv" 2> "$out/roofline-ncu.err"
+    grep -q '"Kernel Name"' "$out/roofline.csv" && break
+  done
+  python3 "$here/kernel_roofline.py" "$out/roofline.csv" --gpu "$gpu" > "$out/roofline.txt" 2>&1
+  gzip -f "$out/roofline.csv"
+  printf 'roofline written: roofline.txt, roofline.csv.gz\n' >> "$out/summary.txt"
+}
+
 if [ "$what" = profile ]; then
   profile
+fi
+if [ "$what" = roofline ]; then
+  roofline
 fi
 if [ "$what" = timeline ]; then
   timeline
