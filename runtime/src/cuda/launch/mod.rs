@@ -234,6 +234,8 @@ pub(crate) struct Reserved {
     pub(crate) grouped_gemm_grid: Option<u32>,
     /// Which of the sparse attention's tensor-core kernels got theirs.
     pub(crate) sparse_attention: SparseAttentionShared,
+    /// What the gated delta rule's tensor-core kernels were granted.
+    pub(crate) delta: DeltaShared,
 }
 
 /// The kernels of [`kernels::SOURCES`] loaded on one device, and the
@@ -256,7 +258,7 @@ pub struct KernelSet {
     /// shared memory (`ops::sparse_attention::reserve_shared_memory`).
     pub(crate) sparse_attention_shared: SparseAttentionShared,
     /// The shared memory the delta rule's tensor-core kernels were granted
-    /// so far (they ask at their first call of each size).
+    /// (`ops::delta::reserve_shared_memory`).
     pub(crate) delta_shared: DeltaShared,
     /// Whether launches carry programmatic stream serialisation
     /// ([`args`]): on by default where the device has it (sm_90).
@@ -303,7 +305,7 @@ impl KernelSet {
             scan_mma_sums: reserved.scan_mma_sums,
             grouped_gemm_grid: reserved.grouped_gemm_grid,
             sparse_attention_shared: reserved.sparse_attention,
-            delta_shared: DeltaShared::default(),
+            delta_shared: reserved.delta,
             dependent_launch: AtomicBool::new(target.dependent_launch()),
             fault,
             fault_ptr,

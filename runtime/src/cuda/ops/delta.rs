@@ -36,8 +36,9 @@ use crate::cuda::launch::{GpuView, KernelSet, dtype_tag, per_item, reserve_dynam
 use crate::cuda::{CudaBackend, CudaBuf};
 use crate::error::{Result, RuntimeError};
 use crate::view::{DType, View, ViewMut};
+use cudarc::driver::{CudaContext, CudaFunction, sys};
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::HashMap;
 
 /// The steps of a chunk (`DELTA_CHUNK` in `delta.cuh`).
 pub const DELTA_CHUNK: usize = 64;
@@ -117,8 +118,7 @@ fn tc_back_len(dims: DeltaDims) -> usize {
 
 /// Dynamic shared memory (bytes) of `delta_tc_dvl`, `delta_tc_back_walk`
 /// and `delta_tc_back_chunk`, as the kernels carve it.
-fn tc_backward_shared_bytes(dims: DeltaDims) -> [usize; 3] {
-    let (dk, dv) = (dims.key_dim, dims.value_dim);
+fn tc_backward_shared_bytes(dk: usize, dv: usize) -> [usize; 3] {
     let (pk, pv) = (dk + 8, dv + 8);
     let bf16 = DType::Bf16.bytes();
     let f32 = DType::F32.bytes();
@@ -144,32 +144,71 @@ const TC_BACKWARD_KERNELS: [&str; 3] =
 
 /// Dynamic shared memory (bytes) of `delta_tc_prep`, `delta_tc_walk` and
 /// `delta_tc_output`, as the kernels carve it.
-fn tc_shared_bytes(dims: DeltaDims) -> [usize; 3] {
-    let (pk, pv) = (dims.key_dim + 8, dims.value_dim + 8);
+fn tc_shared_bytes(dk: usize, dv: usize) -> [usize; 3] {
+    let (pk, pv) = (dk + 8, dv + 8);
     let bf16 = DType::Bf16.bytes();
     let f32 = DType::F32.bytes();
     let prep = bf16 * (DELTA_CHUNK * (pk + pv) + 2 * DELTA_CHUNK * TC_T_PITCH)
         + f32 * (2 * DELTA_CHUNK * TC_F_PITCH + 3 * 256 + 2 * DELTA_CHUNK);
-    let walk = bf16 * (2 * DELTA_CHUNK * pk + (dims.key_dim + DELTA_CHUNK) * TC_COL_PITCH)
+    let walk = bf16 * (2 * DELTA_CHUNK * pk + (dk + DELTA_CHUNK) * TC_COL_PITCH)
         + bf16 * DELTA_CHUNK * TC_COLS
         + f32 * DELTA_CHUNK;
-    let output = bf16 * (2 * DELTA_CHUNK * pk + dims.value_dim * pk + DELTA_CHUNK * pv);
+    let output = bf16 * (2 * DELTA_CHUNK * pk + dv * pk + DELTA_CHUNK * pv);
     [prep, walk, output]
 }
 
 /// The tensor-core forward's kernels, in launch order.
 const TC_KERNELS: [&str; 3] = ["delta_tc_prep", "delta_tc_walk", "delta_tc_output"];
 
-/// The dynamic shared memory (bytes) each tensor-core kernel has been
-/// granted so far, by its place in [`TC_KERNELS`] and [`TC_BACKWARD_KERNELS`]
-/// (0 before its first call). What a kernel needs follows the layer's head
-/// sizes, known only at a call, so a call asks the driver only for more
-/// than the kernel already has: once every size of a run has been seen, no
-/// call asks.
-#[derive(Debug, Default)]
+/// The dynamic shared memory (bytes) each tensor-core kernel may take, by
+/// its place in [`TC_KERNELS`] and [`TC_BACKWARD_KERNELS`], granted when
+/// the kernels load ([`reserve_shared_memory`]). What a kernel needs grows
+/// with the head sizes, so a call whose needs are within the grants runs
+/// on tensor cores without asking the driver anything.
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct DeltaShared {
-    forward: [AtomicUsize; 3],
-    backward: [AtomicUsize; 3],
+    forward: [usize; 3],
+    backward: [usize; 3],
+}
+
+/// Whether every kernel's need in `bytes` is within its grant.
+fn granted(grants: [usize; 3], bytes: [usize; 3]) -> bool {
+    bytes.iter().zip(grants).all(|(&need, grant)| need <= grant)
+}
+
+/// Grants each tensor-core kernel what it needs at the widest heads it
+/// takes ([`TC_MAX_DIM`]), or the most a block may opt into where that is
+/// less (a device with less shared memory still runs narrower heads on
+/// tensor cores); 0 where the device grants nothing.
+pub(super) fn reserve_shared_memory(
+    context: &CudaContext,
+    functions: &HashMap<&'static str, CudaFunction>,
+) -> DeltaShared {
+    let opt_in = context
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .ok()
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(0);
+    let grant = |kernels: [&str; 3], widest: [usize; 3]| {
+        let mut grants = [0; 3];
+        for ((kernel, bytes), grant) in kernels.into_iter().zip(widest).zip(&mut grants) {
+            let bytes = bytes.min(opt_in);
+            if functions
+                .get(kernel)
+                .is_some_and(|f| reserve_dynamic_shared(f, bytes))
+            {
+                *grant = bytes;
+            }
+        }
+        grants
+    };
+    DeltaShared {
+        forward: grant(TC_KERNELS, tc_shared_bytes(TC_MAX_DIM, TC_MAX_DIM)),
+        backward: grant(
+            TC_BACKWARD_KERNELS,
+            tc_backward_shared_bytes(TC_MAX_DIM, TC_MAX_DIM),
+        ),
+    }
 }
 
 /// The launch's views and dimensions, laid out as `DeltaParams` in
@@ -484,13 +523,10 @@ impl KernelSet {
                 .iter()
                 .all(|p| p.is_multiple_of(16))
             && scratch.len >= plan.items * tc_item_len(dims);
+        let (dk, dv) = (dims.key_dim, dims.value_dim);
         if aligned
             && tensor_core_forward(inputs.qkv.dtype, out.dtype, dims)
-            && self.delta_reserve_shared(
-                &TC_KERNELS,
-                &self.delta_shared.forward,
-                tc_shared_bytes(dims),
-            )?
+            && granted(self.delta_shared.forward, tc_shared_bytes(dk, dv))
         {
             return self.gated_delta_forward_tc(stream, &p, dims, &plan);
         }
@@ -508,28 +544,6 @@ impl KernelSet {
         )
     }
 
-    /// Lets each of `kernels` take its dynamic shared memory in `bytes`
-    /// (past the 48 KiB a launch gets without asking), asking the driver
-    /// only past what `granted` records; false where the device cannot give
-    /// it, and the f32 kernels run instead.
-    fn delta_reserve_shared(
-        &self,
-        kernels: &[&'static str; 3],
-        granted: &[AtomicUsize; 3],
-        bytes: [usize; 3],
-    ) -> Result<bool> {
-        for ((&kernel, have), bytes) in kernels.iter().zip(granted).zip(bytes) {
-            if bytes <= have.load(Ordering::Relaxed) {
-                continue;
-            }
-            if !reserve_dynamic_shared(self.function(kernel)?, bytes) {
-                return Ok(false);
-            }
-            have.fetch_max(bytes, Ordering::Relaxed);
-        }
-        Ok(true)
-    }
-
     /// The tensor-core forward: every chunk's preparation, the walks (a
     /// block a sequence, value head and 16 state columns), every chunk's
     /// output.
@@ -544,11 +558,11 @@ impl KernelSet {
         let blocks = [plan.items, walks, plan.items];
         for ((kernel, bytes), blocks) in TC_KERNELS
             .into_iter()
-            .zip(tc_shared_bytes(dims))
+            .zip(tc_shared_bytes(dims.key_dim, dims.value_dim))
             .zip(blocks)
         {
             let mut config = per_item(blocks, TC_THREADS)?;
-            // delta_reserve_shared checked that it fits an i32.
+            // Within its grant, which fits an i32.
             config.shared_mem_bytes = bytes as u32;
             self.delta_launch(stream, kernel, p, config)?;
         }
@@ -593,22 +607,15 @@ impl KernelSet {
         let aligned = [inputs.qkv.ptr, d_out.ptr, states.ptr, scratch.ptr]
             .iter()
             .all(|p| p.is_multiple_of(16));
+        let (dk, dv) = (dims.key_dim, dims.value_dim);
         if aligned
             && tensor_core_backward(inputs.qkv.dtype, d_out.dtype, dims)
-            && self.delta_reserve_shared(
-                &TC_KERNELS,
-                &self.delta_shared.forward,
-                tc_shared_bytes(dims),
-            )?
-            && self.delta_reserve_shared(
-                &TC_BACKWARD_KERNELS,
-                &self.delta_shared.backward,
-                tc_backward_shared_bytes(dims),
-            )?
+            && granted(self.delta_shared.forward, tc_shared_bytes(dk, dv))
+            && granted(self.delta_shared.backward, tc_backward_shared_bytes(dk, dv))
         {
             let walks = dims.tokens.batch * dims.value_heads * (dims.value_dim / TC_COLS);
-            let [prep, ..] = tc_shared_bytes(dims);
-            let [dvl, walk, chunk] = tc_backward_shared_bytes(dims);
+            let [prep, ..] = tc_shared_bytes(dk, dv);
+            let [dvl, walk, chunk] = tc_backward_shared_bytes(dk, dv);
             let launches = [
                 ("delta_tc_prep", prep, plan.items, TC_THREADS),
                 ("delta_tc_dvl", dvl, plan.items, TC_THREADS),
@@ -617,7 +624,7 @@ impl KernelSet {
             ];
             for (kernel, bytes, blocks, threads) in launches {
                 let mut config = per_item(blocks, threads)?;
-                // delta_reserve_shared checked that it fits an i32.
+                // Within its grant, which fits an i32.
                 config.shared_mem_bytes = bytes as u32;
                 self.delta_launch(stream, kernel, &p, config)?;
             }
@@ -686,6 +693,40 @@ mod tests {
         }
     }
 
+    /// The grants are made once, at the widest heads: every head size the
+    /// tensor-core kernels take needs at most that, kernel by kernel.
+    #[test]
+    fn the_widest_heads_need_the_most_shared_memory() {
+        let widest = (
+            tc_shared_bytes(TC_MAX_DIM, TC_MAX_DIM),
+            tc_backward_shared_bytes(TC_MAX_DIM, TC_MAX_DIM),
+        );
+        let grants = DeltaShared {
+            forward: widest.0,
+            backward: widest.1,
+        };
+        for dk in (16..=TC_MAX_DIM).step_by(16) {
+            for dv in (16..=TC_MAX_DIM).step_by(16) {
+                assert!(
+                    granted(grants.forward, tc_shared_bytes(dk, dv)),
+                    "{dk} x {dv}"
+                );
+                assert!(
+                    granted(grants.backward, tc_backward_shared_bytes(dk, dv)),
+                    "{dk} x {dv}"
+                );
+            }
+        }
+        // One past the widest needs more: the grants are not larger than
+        // what the kernels take.
+        let wider = TC_MAX_DIM + 16;
+        assert!(!granted(grants.forward, tc_shared_bytes(wider, wider)));
+        assert!(!granted(
+            grants.backward,
+            tc_backward_shared_bytes(wider, wider)
+        ));
+    }
+
     #[test]
     fn the_sizes_are_the_kernels() {
         header_with_defines(
@@ -741,12 +782,16 @@ mod tests {
             assert!(tc_back_len(d) <= 128 * dv + dk * dv);
             // An H100's 227 KiB a block, two prep or output blocks an SM,
             // one backward chunk block.
-            assert!(tc_shared_bytes(d).iter().all(|&b| 2 * b <= 227 * 1024));
-            assert!(tc_backward_shared_bytes(d).iter().all(|&b| b <= 227 * 1024));
+            assert!(tc_shared_bytes(dk, dv).iter().all(|&b| 2 * b <= 227 * 1024));
+            assert!(
+                tc_backward_shared_bytes(dk, dv)
+                    .iter()
+                    .all(|&b| b <= 227 * 1024)
+            );
         }
-        let [prep, walk, output] = tc_shared_bytes(dims(100, 128, 128));
+        let [prep, walk, output] = tc_shared_bytes(128, 128);
         assert_eq!((prep, walk, output), (90_112, 46_336, 87_040));
-        let [dvl, walk, chunk] = tc_backward_shared_bytes(dims(100, 128, 128));
+        let [dvl, walk, chunk] = tc_backward_shared_bytes(128, 128);
         assert_eq!((dvl, walk, chunk), (52_224, 102_656, 231_296));
         // The backward walk double-buffers W and still fits two blocks an SM.
         assert!(2 * walk <= 227 * 1024);

@@ -52,6 +52,7 @@ impl KernelSet {
             scan_mma_sums: scan_chunked::reserve_shared_memory(functions),
             grouped_gemm_grid: grouped_gemm::reserve_shared_memory(context, functions, target),
             sparse_attention: sparse_attention::reserve_shared_memory(functions, target),
+            delta: delta::reserve_shared_memory(context, functions),
         };
         KernelSet::assemble(context, loaded, reserved)
     }
